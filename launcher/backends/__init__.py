@@ -1,0 +1,1 @@
+"""One module per training engine; each builds its launch command and its model/trainer."""
