@@ -1,0 +1,332 @@
+"""A recipe: YAML checked into a frozen, typed `Recipe`; `key=value` overrides; every error at once.
+
+Precedence, lowest first: the defaults below < the recipe file < `key=value` on the command line.
+Relative paths (`data`, `output_dir`, a local `model` directory) resolve against the recipe's folder.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import RecipeError
+
+Method = Literal["qlora", "lora", "full", "full-8bit"]
+Engine = Literal["auto", "unsloth", "trl", "ddp", "fsdp", "deepspeed"]
+
+# Settings the recipe owns at top level: passing them again under `trainer:` would make two
+# surfaces for one setting, so they are refused there with a pointer to the top-level key.
+OWNED_TRAINER_KEYS = {
+    "output_dir": "output_dir",
+    "max_length": "max_length",
+    "per_device_train_batch_size": "micro_batch_size",
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "num_train_epochs": "epochs",
+    "max_steps": "max_steps",
+    "learning_rate": "learning_rate",
+    "gradient_checkpointing": "gradient_checkpointing",
+    "packing": "packing",
+    "assistant_only_loss": "assistant_only_loss",
+    "seed": "seed",
+    "data_seed": "seed",
+    "save_steps": "checkpoint_every_minutes",
+    "save_strategy": "checkpoint_every_minutes",
+    "save_total_limit": "keep_checkpoints",
+    "logging_steps": "logging_steps",
+    "use_cpu": "(detected, not configured)",
+    "bf16": "(chosen from the GPU, not configured)",
+    "fp16": "(chosen from the GPU, not configured)",
+    "resume_from_checkpoint": "resume",
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LoraSettings(_Strict):
+    r: int = Field(16, gt=0, description="LoRA rank; 16-64 gets most of the gain for style and format.")
+    alpha: int = Field(16, gt=0, description="LoRA alpha (scaling = alpha / r).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA path.")
+    target_modules: Union[Literal["all-linear"], list[str]] = Field(
+        "all-linear", description="'all-linear' or a list such as [q_proj, v_proj]."
+    )
+
+
+class SmokeSettings(_Strict):
+    enabled: bool = Field(True, description="Run the smoke test before the full run.")
+    fraction: float = Field(0.01, gt=0.0, le=1.0, description="Share of the examples the smoke test trains on.")
+    min_steps: int = Field(8, ge=2, description="At least this many optimizer steps, whatever the fraction.")
+    max_minutes: float = Field(15.0, gt=0, description="Stop the smoke test after this long and extrapolate.")
+
+
+class SyncSettings(_Strict):
+    to: Optional[str] = Field(None, description="Where checkpoints are copied: user@host:/path, s3://..., hf://user/repo.")
+
+
+class Recipe(_Strict):
+    """One fine-tuning job. Field descriptions are the documentation (`ftrun explain` prints them)."""
+
+    model: str = Field(description="Hugging Face model id or a local model directory.")
+    method: Method = Field(description="qlora (4-bit base + LoRA), lora (16-bit base + LoRA), full (AdamW), full-8bit.")
+    data: str = Field(description="Chat JSONL: one {\"messages\": [...]} per line.")
+    max_length: int = Field(2048, gt=0, description="Tokens per example; longer ones are truncated.")
+    micro_batch_size: int = Field(2, gt=0, description="Examples per GPU per forward pass.")
+    gradient_accumulation_steps: int = Field(4, gt=0, description="Micro-batches per optimizer step.")
+    epochs: float = Field(3.0, gt=0, description="Passes over the data (ignored when max_steps is set).")
+    max_steps: Optional[int] = Field(None, gt=0, description="Stop after this many optimizer steps.")
+    learning_rate: float = Field(2e-4, gt=0, description="Peak learning rate.")
+    lora: LoraSettings = Field(default_factory=LoraSettings, description="LoRA settings (qlora, lora).")
+    gradient_checkpointing: bool = Field(True, description="Recompute activations to save memory.")
+    packing: bool = Field(False, description="Pack several examples into one sequence of max_length.")
+    assistant_only_loss: bool = Field(
+        False, description="Train only on assistant turns (needs {% generation %} markers in the chat template)."
+    )
+    seed: int = Field(42, description="Seed for weights init of LoRA, data order and dropout.")
+    output_dir: Optional[str] = Field(None, description="Run directory; default runs/<recipe name> in the current folder.")
+    checkpoint_every_minutes: float = Field(
+        20.0, gt=0, description="Wall-clock checkpoint cadence (the article: every 15-30 minutes)."
+    )
+    keep_checkpoints: int = Field(2, ge=1, description="Local checkpoints kept; older ones are deleted.")
+    logging_steps: int = Field(10, gt=0, description="Log loss and throughput every N optimizer steps.")
+    max_restarts: int = Field(3, ge=0, description="Restart a crashed worker from its last checkpoint this often.")
+    resume: Union[Literal["auto"], bool] = Field(
+        "auto", description="auto: continue if a checkpoint exists; true: fail if none; false: refuse to reuse a run."
+    )
+    smoke: SmokeSettings = Field(default_factory=SmokeSettings, description="The 1%-of-data smoke test.")
+    engine: Engine = Field("auto", description="auto lets the plan choose; or force unsloth, trl, ddp, fsdp, deepspeed.")
+    price_per_hour_eur: Optional[float] = Field(
+        None, ge=0, description="Price of the whole box per hour; default from the GPU catalog."
+    )
+    sync: SyncSettings = Field(default_factory=SyncSettings, description="Copying checkpoints off the box.")
+    trainer: dict[str, Any] = Field(default_factory=dict, description="Extra TRL SFTConfig fields, passed through.")
+
+    @field_validator("trainer")
+    @classmethod
+    def _trainer_keys_not_owned(cls, value: dict[str, Any]) -> dict[str, Any]:
+        owned = [k for k in value if k in OWNED_TRAINER_KEYS]
+        if owned:
+            hints = ", ".join(f"trainer.{k} -> {OWNED_TRAINER_KEYS[k]}" for k in owned)
+            raise ValueError(f"set these through the recipe's own keys, not trainer: ({hints})")
+        return value
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> "Recipe":
+        if self.assistant_only_loss and self.packing:
+            raise ValueError("assistant_only_loss and packing together are not supported by TRL; turn one off")
+        return self
+
+    # -- derived values, one place each --------------------------------------------------
+    @property
+    def name(self) -> str:
+        return Path(self.output_dir or "run").name
+
+    def snapshot(self) -> dict[str, Any]:
+        """The resolved recipe as plain data (what is written to the run directory)."""
+        return self.model_dump(mode="json")
+
+    def trajectory(self) -> dict[str, Any]:
+        """The settings that decide the training trajectory; a resume must not change them."""
+        keep = (
+            "model method data max_length micro_batch_size gradient_accumulation_steps epochs max_steps "
+            "learning_rate lora gradient_checkpointing packing assistant_only_loss seed trainer"
+        ).split()
+        snap = self.snapshot()
+        return {k: snap[k] for k in keep}
+
+    def trajectory_hash(self) -> str:
+        blob = json.dumps(self.trajectory(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------
+# Loading
+
+def _all_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in model.model_fields.items():
+        keys.append(prefix + name)
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys.extend(_all_keys(ann, prefix + name + "."))
+    return keys
+
+
+def _suggest(loc: str) -> str:
+    options = _all_keys(Recipe)
+    close = difflib.get_close_matches(loc, options, n=1, cutoff=0.6)
+    if not close:  # a typo in the last part of a nested key: compare the leaf names
+        leaf = loc.rsplit(".", 1)[-1]
+        leaves = {o.rsplit(".", 1)[-1]: o for o in options if o.count(".") == loc.count(".")}
+        near = difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.6)
+        close = [leaves[near[0]]] if near else []
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _format_errors(err: ValidationError, source: str) -> RecipeError:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"- unknown key '{loc}'{_suggest(loc)}")
+        elif e["type"] == "missing":
+            doc = _field_doc(loc)
+            lines.append(f"- '{loc}' is required" + (f": {doc}" if doc else ""))
+        else:
+            value = e.get("input")
+            shown = repr(value) if not isinstance(value, dict) else "{...}"
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"- '{loc or '(top level)'}' = {shown}: {msg}")
+    n = len(lines)
+    return RecipeError(
+        f"{source} has {n} problem{'s' if n > 1 else ''}:\n" + "\n".join(lines),
+        fix="correct the keys above in the recipe (or the key=value arguments); `ftrun explain` lists every key.",
+    )
+
+
+def _field_doc(loc: str) -> str:
+    model: type[BaseModel] = Recipe
+    parts = loc.split(".")
+    for i, part in enumerate(parts):
+        field = model.model_fields.get(part)
+        if field is None:
+            return ""
+        if i == len(parts) - 1:
+            return field.description or ""
+        ann = field.annotation
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return ""
+        model = ann
+    return ""
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """`lora.r=8 max_steps=20` -> nested dict; values are parsed as YAML scalars."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise RecipeError(
+                f"cannot read the override '{pair}'",
+                fix="write overrides as key=value after the recipe, e.g. `max_steps=20 lora.r=8`.",
+            )
+        try:
+            value = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError:
+            value = raw
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise RecipeError(f"override '{pair}' conflicts with another override of '{part}'")
+        node[parts[-1]] = value
+    return out
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _looks_local(model: str) -> bool:
+    return model.startswith((".", "/", "~")) or model.count("/") != 1
+
+
+def _resolve_paths(raw: dict[str, Any], base_dir: Path, default_name: str) -> dict[str, Any]:
+    out = dict(raw)
+    if isinstance(out.get("data"), str):
+        out["data"] = str((base_dir / Path(out["data"]).expanduser()).resolve())
+    if isinstance(out.get("model"), str):
+        model = out["model"]
+        candidate = (base_dir / Path(model).expanduser())
+        # "org/name" is a Hub id unless such a folder exists next to the recipe.
+        if _looks_local(model) or candidate.is_dir():
+            out["model"] = str(candidate.resolve())
+    if out.get("output_dir") is None:
+        out["output_dir"] = str((Path.cwd() / "runs" / default_name).resolve())
+    elif isinstance(out.get("output_dir"), str):
+        out["output_dir"] = str((base_dir / Path(out["output_dir"]).expanduser()).resolve())
+    return out
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Read, merge overrides, resolve paths, validate: one `Recipe`, or one `RecipeError` listing every problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(
+            f"recipe file '{path}' does not exist",
+            fix="give the path of a recipe YAML, e.g. `ftrun recipes/tiny-cpu.yaml` (see recipes/).",
+        )
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise RecipeError(
+            f"{path} is not valid YAML{where}: {getattr(exc, 'problem', exc)}",
+            fix="check indentation and quoting on that line.",
+        ) from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{path} must be a mapping of keys to values, found a {type(raw).__name__}",
+                          fix="write the recipe as `key: value` lines (see recipes/tiny-cpu.yaml).")
+    merged = _merge(raw, parse_overrides(overrides or []))
+    return validate_recipe(merged, path.parent.resolve(), path.stem, source=str(path))
+
+
+def validate_recipe(raw: dict[str, Any], base_dir: Path, default_name: str, source: str = "the recipe") -> Recipe:
+    try:
+        return Recipe.model_validate(_resolve_paths(raw, base_dir, default_name))
+    except ValidationError as err:
+        raise _format_errors(err, source) from None
+
+
+def check_trainer_fields(recipe: Recipe) -> None:
+    """Check `trainer:` against the installed TRL's SFTConfig (imports trl: call only where we train)."""
+    if not recipe.trainer:
+        return
+    import dataclasses
+
+    from trl import SFTConfig
+
+    known = {f.name for f in dataclasses.fields(SFTConfig)}
+    bad = [k for k in recipe.trainer if k not in known]
+    if bad:
+        lines = []
+        for k in bad:
+            near = difflib.get_close_matches(k, sorted(known), n=1, cutoff=0.6)
+            lines.append(f"- trainer.{k} is not a field of TRL's SFTConfig" + (f" (did you mean '{near[0]}'?)" if near else ""))
+        raise RecipeError(
+            "the recipe's trainer: section has unknown fields:\n" + "\n".join(lines),
+            fix="use SFTConfig field names of the installed trl (python -c 'import trl; help(trl.SFTConfig)').",
+        )
+
+
+def explain() -> str:
+    """Every recipe key with its default and documentation."""
+    rows = []
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                walk(ann, prefix + name + ".")
+                continue
+            default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
+            rows.append(f"{prefix + name:32} {default:14} {field.description or ''}")
+
+    walk(Recipe, "")
+    return "\n".join(rows)
