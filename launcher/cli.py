@@ -1,0 +1,182 @@
+"""The `ftrun` command: parse, call one stage, print. No logic lives here.
+
+    ftrun RECIPE [key=value ...] [--foreground] [--fresh]   plan, smoke test, run detached (or resume)
+    ftrun plan RECIPE [key=value ...] [--gpus SPEC] [--tokens N] [--json]
+    ftrun smoke RECIPE [key=value ...]
+    ftrun status [RECIPE|RUN_DIR] [--json]
+    ftrun logs [RECIPE|RUN_DIR] [-f]
+    ftrun stop [RECIPE|RUN_DIR]
+    ftrun explain                                          every recipe key, its default and meaning
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Optional
+
+from .errors import EXIT_INTERNAL, FtrunError, UsageError
+
+COMMANDS = ("plan", "smoke", "status", "logs", "stop", "explain", "run")
+
+
+def _parse_tokens(text: Optional[str]) -> Optional[int]:
+    if text is None:
+        return None
+    units = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9}
+    t = text.strip().lower().replace("_", "").replace(",", "")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(float(t))
+    except ValueError:
+        raise UsageError(f"--tokens {text!r} is not a number", fix="write it like 15M, 250k or 1500000.") from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ftrun", description="From a fine-tuning recipe to a trained, exported model.",
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2])
+    p.add_argument("--debug", action="store_true", help="show tracebacks (accepted anywhere on the line)")
+    sub = p.add_subparsers(dest="command")
+
+    r = sub.add_parser("run", help="plan, smoke-test and start (or resume) the run; the default command")
+    r.add_argument("recipe")
+    r.add_argument("overrides", nargs="*", metavar="key=value")
+    r.add_argument("--foreground", action="store_true", help="stay attached (debugging, tests)")
+    r.add_argument("--fresh", action="store_true", help="start over; the old run directory is kept, renamed")
+
+    pl = sub.add_parser("plan", help="size the job: memory, engine, GPUs, time, cost")
+    pl.add_argument("recipe")
+    pl.add_argument("overrides", nargs="*", metavar="key=value")
+    pl.add_argument("--gpus", help="plan for another box, e.g. 4xH100-80GB or RTX4090")
+    pl.add_argument("--tokens", help="training tokens per epoch when the data is not here, e.g. 5M")
+    pl.add_argument("--json", action="store_true")
+
+    sm = sub.add_parser("smoke", help="run only the smoke test (1%% of the data) and print the forecast")
+    sm.add_argument("recipe")
+    sm.add_argument("overrides", nargs="*", metavar="key=value")
+
+    for name, helptext in (("status", "state, step, loss, ETA of a run"), ("logs", "the run's train.log"),
+                           ("stop", "checkpoint and stop a run")):
+        s = sub.add_parser(name, help=helptext)
+        s.add_argument("target", nargs="?", help="recipe file or run directory")
+        if name == "status":
+            s.add_argument("--json", action="store_true")
+            s.add_argument("--watch", action="store_true", help="refresh every 2 s until the run ends")
+        if name == "logs":
+            s.add_argument("-f", "--follow", action="store_true")
+    sub.add_parser("explain", help="every recipe key with its default and meaning")
+    return p
+
+
+def cmd_run(a) -> int:
+    from .pipeline import launch
+
+    return launch(a.recipe, a.overrides, foreground=a.foreground, fresh=a.fresh)
+
+
+def cmd_plan(a) -> int:
+    from .pipeline import plan_command
+
+    return plan_command(a.recipe, a.overrides, a.gpus, _parse_tokens(a.tokens), a.json)
+
+
+def cmd_smoke(a) -> int:
+    from .pipeline import smoke_only
+
+    return smoke_only(a.recipe, a.overrides)
+
+
+def cmd_status(a) -> int:
+    from .pipeline import format_status, resolve_run
+    from .state import ACTIVE, status_summary
+
+    run = resolve_run(a.target)
+    while True:
+        s = status_summary(run)
+        if a.json:
+            print(json.dumps(s, indent=2))
+        else:
+            if a.watch:
+                print("\033[2J\033[H", end="")
+            print(format_status(s), flush=True)
+        if not a.watch or s["state"] not in ACTIVE:
+            return 0
+        time.sleep(2)
+
+
+def cmd_logs(a) -> int:
+    from .pipeline import resolve_run
+    from .state import ACTIVE, effective_state
+
+    run = resolve_run(a.target)
+    if not run.log.is_file():
+        print(f"no log yet in {run.root}")
+        return 0
+    with run.log.open("r", errors="replace") as fh:
+        sys.stdout.write(fh.read())
+        sys.stdout.flush()
+        while a.follow:
+            line = fh.readline()
+            if line:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+                continue
+            if effective_state(run) not in ACTIVE + ("planned",):
+                return 0
+            time.sleep(0.5)
+    return 0
+
+
+def cmd_stop(a) -> int:
+    from .pipeline import resolve_run
+    from .supervisor import stop
+
+    run = resolve_run(a.target)
+    print(f"{run.root}: {stop(run)}")
+    return 0
+
+
+def cmd_explain(a) -> int:
+    from .recipe import explain
+
+    print(explain())
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv  # accepted anywhere on the line
+    argv = [x for x in argv if x != "--debug"]
+    # `ftrun RECIPE ...` is `ftrun run RECIPE ...`
+    first = next((x for x in argv if not x.startswith("-")), None)
+    if first is not None and first not in COMMANDS:
+        argv.insert(argv.index(first), "run")
+    args = _parser().parse_args(argv)
+    if args.command is None:
+        _parser().print_help()
+        return 2
+    handler = globals()[f"cmd_{args.command}"]
+    try:
+        return handler(args)
+    except FtrunError as exc:
+        if debug:
+            raise
+        print(exc.render(), file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("ftrun: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # an ftrun bug: one line, and how to see more
+        if debug or os.environ.get("FTRUN_DEBUG"):
+            raise
+        print(f"ftrun: internal error: {type(exc).__name__}: {exc}\n  Run again with --debug for the traceback, "
+              "and please report it.", file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+if __name__ == "__main__":
+    sys.exit(main())

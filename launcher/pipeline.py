@@ -1,0 +1,269 @@
+"""The `ftrun RECIPE` flow: recipe -> plan -> smoke test -> detached run; or the status / resume of a run that exists."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from .checkpoint import atomic_write_json, newest_step_unverified
+from .data import compute_stats, example_lengths, file_sha256, load_examples
+from .errors import RecipeError, UsageError
+from .recipe import Recipe, check_trainer_fields, load_recipe
+from .rundir import RunDir
+from .state import RunLock, effective_state, is_locked, read_state, set_state, status_summary
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def data_stats(recipe: Recipe):
+    examples = load_examples(recipe.data)
+    lengths, source = example_lengths(examples, recipe.model)
+    return examples, lengths, compute_stats(examples, lengths, source, recipe.max_length)
+
+
+def hardware_for(gpus: Optional[str]):
+    from . import hardware
+
+    return hardware.from_spec(gpus) if gpus else hardware.detect()
+
+
+def make_plan(recipe: Recipe, stats, gpus: Optional[str] = None, tokens: Optional[int] = None, smoke=None):
+    from .plan import make_plan as _make_plan
+
+    return _make_plan(recipe, hardware_for(gpus), data_stats=stats, tokens=tokens, smoke=smoke)
+
+
+def _diff_trajectory(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    return [f"- {k}: run has {old.get(k)!r}, recipe now says {new.get(k)!r}"
+            for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+
+
+def _archive(run: RunDir) -> Path:
+    dest = run.root.with_name(f"{run.root.name}.{time.strftime('%Y%m%d-%H%M%S')}")
+    run.root.rename(dest)
+    return dest
+
+
+def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, fresh: bool = False) -> int:
+    """`ftrun RECIPE`: start a new run, show a live one, or resume an interrupted one."""
+    recipe = load_recipe(recipe_path, overrides)
+    run = RunDir(Path(recipe.output_dir))
+    resuming = False
+    if run.exists() and not fresh:
+        if is_locked(run):
+            _say(f"a run is already active in {run.root}:")
+            _say(format_status(status_summary(run)))
+            return 0
+        state = effective_state(run)
+        if state == "succeeded":
+            _say(f"this run has finished: {run.root}")
+            _say(format_status(status_summary(run)))
+            _say("To train again from the start, add --fresh (the finished run is kept, renamed).")
+            return 0
+        _check_same_trajectory(run, recipe)
+        if recipe.resume is False:
+            raise RecipeError(f"{run.root} already holds a run and the recipe says resume: false",
+                              fix="add --fresh to start over (the old run is kept, renamed), or set resume: auto.")
+        resuming = True
+    elif run.root.exists() and not run.exists() and any(run.root.iterdir()):
+        raise UsageError(
+            f"output_dir {run.root} exists and holds files that are not an ftrun run",
+            fix="choose another output_dir (recipe or `output_dir=...`); ftrun never writes into a folder it did not create.",
+        )
+    if recipe.resume is True and not resuming:
+        raise RecipeError(f"resume: true but {run.root} holds no run to resume",
+                          fix="set resume: auto to start a new run when there is none.")
+
+    examples, lengths, stats, plan, plan_dict, lock, data_sha = _prepare(run, recipe, resuming=resuming, fresh=fresh)
+    ckpt_step = newest_step_unverified(run.checkpoints)
+    smoke_ok = run.smoke.is_file()
+    if resuming:
+        where = f"from checkpoint step-{ckpt_step:06d} (verified by the worker before use)" if ckpt_step is not None \
+            else "from the start: no checkpoint was written yet"
+        set_state(run, "planned", launcher_pid=_pid(), data_sha256=data_sha, reason=f"continuing {where}")
+        _say(f"continuing {run.root} {where}")
+    else:
+        set_state(run, "planned", launcher_pid=_pid(), data_sha256=data_sha, reason="new run")
+
+    if recipe.smoke.enabled and not (resuming and smoke_ok):
+        _smoke(run, recipe, plan_dict, examples, lengths, stats)
+
+    from .supervisor import start_detached, supervise
+
+    if foreground:
+        set_state(run, "running", supervisor_pid=_pid())
+        code = supervise(run.root, lock.fd)
+        _say(format_status(status_summary(run)))
+        return code
+    pid = start_detached(run, lock.fd)
+    set_state(run, "running", supervisor_pid=pid)
+    lock.release()  # the supervisor holds the same lock through the inherited descriptor
+    _say(f"training started in the background (pid {pid}); it keeps running after you log out.\n"
+         f"  watch:  ftrun status {run.root}   |   ftrun logs -f {run.root}\n"
+         f"  stop:   ftrun stop {run.root}      (saves a checkpoint first)\n"
+         f"  resume: ftrun {recipe_path}   (after a crash or on a new box)")
+    return 0
+
+
+def _prepare(run: RunDir, recipe: Recipe, *, resuming: bool, fresh: bool):
+    """Check everything (trainer fields, data, plan) before touching the run directory; then lock and write."""
+    check_trainer_fields(recipe)
+    examples, lengths, stats = data_stats(recipe)
+    data_sha = file_sha256(recipe.data)
+    if resuming:
+        old_sha = read_state(run).get("data_sha256")
+        if old_sha and old_sha != data_sha:
+            raise RecipeError(
+                f"the data file {recipe.data} changed since this run started (sha256 {old_sha[:12]}... -> {data_sha[:12]}...)",
+                fix="restore the original data, or add --fresh to start a new run on the new data (the old run is kept).",
+            )
+    plan = make_plan(recipe, stats)
+    if fresh and run.exists():
+        if is_locked(run):
+            raise UsageError(f"--fresh: the run in {run.root} is still active",
+                             fix=f"stop it first with `ftrun stop {run.root}`.")
+        _say(f"--fresh: the previous run was moved to {_archive(run)}")
+    lock = RunLock(run).acquire()
+    run.root.mkdir(parents=True, exist_ok=True)
+    run.recipe.write_text("# resolved by ftrun: defaults < recipe < command line\n"
+                          + yaml.safe_dump(recipe.snapshot(), sort_keys=False))
+    plan_dict = plan.to_dict()
+    atomic_write_json(run.plan, plan_dict)
+    from .plan import format_plan
+
+    _say(format_plan(plan))
+    return examples, lengths, stats, plan, plan_dict, lock, data_sha
+
+
+def _smoke(run: RunDir, recipe: Recipe, plan_dict, examples, lengths, stats) -> dict[str, Any]:
+    from .errors import SmokeError
+    from .smoke import format_smoke, run_smoke
+
+    set_state(run, "smoking")
+    try:
+        report = run_smoke(run, recipe, plan_dict, examples, lengths, stats)
+    except SmokeError as exc:
+        set_state(run, "failed-smoke", reason=exc.message.splitlines()[0])
+        raise
+    except KeyboardInterrupt:
+        set_state(run, "failed-smoke", reason="smoke test interrupted (Ctrl-C)")
+        raise
+    _say(format_smoke(report))
+    # Plan, then calibrate: the measured throughput and memory replace the estimates.
+    atomic_write_json(run.plan, make_plan(recipe, stats, smoke=report).to_dict())
+    return report
+
+
+def smoke_only(recipe_path: str, overrides: list[str]) -> int:
+    """`ftrun smoke RECIPE`: plan and smoke-test without starting the run (a later `ftrun RECIPE` reuses it)."""
+    recipe = load_recipe(recipe_path, overrides)
+    run = RunDir(Path(recipe.output_dir))
+    exists = run.exists()
+    if exists:
+        if is_locked(run):
+            raise UsageError(f"a run is active in {run.root}", fix=f"watch it with `ftrun status {run.root}`.")
+        _check_same_trajectory(run, recipe)
+    elif run.root.exists() and any(run.root.iterdir()):
+        raise UsageError(f"output_dir {run.root} exists and holds files that are not an ftrun run",
+                         fix="choose another output_dir; ftrun never writes into a folder it did not create.")
+    examples, lengths, stats, plan, plan_dict, lock, data_sha = _prepare(run, recipe, resuming=exists, fresh=False)
+    try:
+        set_state(run, "planned", launcher_pid=_pid(), data_sha256=data_sha, reason="smoke test only")
+        _smoke(run, recipe, plan_dict, examples, lengths, stats)
+        set_state(run, "planned", reason="smoke test passed; `ftrun RECIPE` starts the run")
+    finally:
+        lock.release()
+    return 0
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()
+
+
+def _check_same_trajectory(run: RunDir, recipe: Recipe) -> None:
+    old = load_recipe(run.recipe)
+    diffs = _diff_trajectory(old.trajectory(), recipe.trajectory())
+    if diffs:
+        raise RecipeError(
+            f"the recipe differs from the run in {run.root} in settings that change the training:\n" + "\n".join(diffs),
+            fix="restore those values to resume, add --fresh to start a new run (the old one is kept, renamed), "
+            "or set another output_dir.",
+        )
+
+
+def resolve_run(target: Optional[str], overrides: list[str] | None = None) -> RunDir:
+    """A run directory from a recipe path or a run directory (default: the only run under ./runs)."""
+    if target is None:
+        runs = sorted(p for p in (Path.cwd() / "runs").glob("*") if (p / "recipe.yaml").is_file()) if (Path.cwd() / "runs").is_dir() else []
+        if len(runs) == 1:
+            return RunDir(runs[0])
+        raise UsageError("no run given" + (f" and {len(runs)} runs are under ./runs" if runs else ""),
+                         fix="name the recipe or the run directory, e.g. `ftrun status recipes/tiny-cpu.yaml`.")
+    p = Path(target)
+    if p.is_dir():
+        if not (p / "recipe.yaml").is_file():
+            raise UsageError(f"{p} is not an ftrun run directory (no recipe.yaml)",
+                             fix="give the run's output_dir or its recipe file.")
+        return RunDir(p.resolve())
+    if p.is_file():
+        return RunDir(Path(load_recipe(p, overrides).output_dir))
+    raise UsageError(f"'{target}' is neither a recipe file nor a run directory",
+                     fix="give the recipe you started the run with, or its output_dir.")
+
+
+def format_status(s: dict[str, Any]) -> str:
+    def dur(x):
+        if x is None:
+            return "-"
+        return f"{x / 3600:.1f} h" if x >= 3600 else (f"{x / 60:.1f} min" if x >= 60 else f"{x:.0f} s")
+
+    total = s.get("total_steps")
+    step = s.get("step") or 0
+    bar = ""
+    if total:
+        done = int(30 * min(step / total, 1.0))
+        bar = f" [{'#' * done}{'.' * (30 - done)}] {step}/{total}"
+    lines = [f"{s['state']}{bar}  ({s['run_dir']})"]
+    if s.get("loss") is not None:
+        lines.append(f"  loss {s['loss']:.4f}   {s.get('tokens_per_second') or 0:,.0f} tokens/s   ETA {dur(s.get('eta_seconds'))}"
+                     + (f"   (smoke test forecast for the whole run: {dur(s['smoke_estimated_seconds'])})"
+                        if s.get("smoke_estimated_seconds") else ""))
+    lines.append(f"  supervisor pid {s.get('pid')} ({'alive' if s.get('pid_alive') else 'not running'})"
+                 f", restarts {s.get('restarts', 0)}")
+    if s.get("last_checkpoint"):
+        lines.append(f"  last checkpoint {s['last_checkpoint']} ({dur(s.get('last_checkpoint_age_seconds'))} ago)")
+    if s.get("reason") and s["state"] not in ("running",):
+        lines.append(f"  {s['reason']}")
+    if s["state"] == "interrupted":
+        lines.append("  the run's processes are gone (crash, kill, machine loss): run the same `ftrun RECIPE` to resume")
+    if s.get("final"):
+        lines.append(f"  result: {s['final']}")
+    return "\n".join(lines)
+
+
+def plan_command(recipe_path: str, overrides: list[str], gpus: Optional[str], tokens: Optional[int], as_json: bool) -> int:
+    """`ftrun plan`: size the job for this box (or --gpus), light and fast; exit 0 when it fits."""
+    from .plan import format_plan
+
+    recipe = load_recipe(recipe_path, overrides)
+    stats = None
+    if tokens is None:
+        if not Path(recipe.data).is_file():
+            raise UsageError(f"data file {recipe.data} is not on this box, so ftrun cannot count its tokens",
+                             fix="give the number of training tokens per epoch with --tokens, e.g. --tokens 5M.")
+        _, _, stats = data_stats(recipe)
+    smoke = None
+    run = RunDir(Path(recipe.output_dir))
+    if run.smoke.is_file() and gpus is None:
+        smoke = json.loads(run.smoke.read_text())
+    plan = make_plan(recipe, stats, gpus=gpus, tokens=tokens, smoke=smoke)
+    print(json.dumps(plan.to_dict(), indent=2) if as_json else format_plan(plan))
+    return 0

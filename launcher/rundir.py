@@ -1,0 +1,58 @@
+"""The run directory's layout: one place that names every file a run keeps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RunDir:
+    root: Path
+
+    @property
+    def recipe(self) -> Path:  # the resolved recipe snapshot
+        return self.root / "recipe.yaml"
+
+    @property
+    def plan(self) -> Path:
+        return self.root / "plan.json"
+
+    @property
+    def smoke(self) -> Path:
+        return self.root / "smoke.json"
+
+    @property
+    def smoke_work(self) -> Path:  # scratch folder of the smoke test, removed after it
+        return self.root / "smoke"
+
+    @property
+    def state(self) -> Path:
+        return self.root / "state.json"
+
+    @property
+    def lock(self) -> Path:
+        return self.root / ".lock"
+
+    @property
+    def log(self) -> Path:
+        return self.root / "train.log"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def worker(self) -> Path:  # what the worker reports about itself: pid, total steps, device
+        return self.root / "worker.json"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def final(self) -> Path:
+        return self.root / "final"
+
+    def exists(self) -> bool:
+        return self.recipe.is_file()

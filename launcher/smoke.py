@@ -1,0 +1,101 @@
+"""The smoke test: train on 1% of the data (longest examples included), measure, extrapolate the full run."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import time
+from typing import Any
+
+from . import train
+from .backends import launch_command
+from .checkpoint import atomic_write_json
+from .data import DataStats, smoke_sample, write_jsonl
+from .errors import SmokeError
+from .rundir import RunDir
+
+REASONS = {
+    train.EXIT_OOM: ("out of GPU memory", "lower micro_batch_size (raise gradient_accumulation_steps to keep the "
+                     "effective batch), lower max_length, or use method: qlora"),
+    train.EXIT_NAN: ("the loss became NaN or infinite", "lower learning_rate and check the data for empty or broken examples"),
+    train.EXIT_BAD_WORLD: ("the worker saw another device or process count than the plan", "see the log lines above"),
+    -9: ("the worker was killed (SIGKILL), most often by the kernel when memory runs out",
+         "lower micro_batch_size or max_length, or use a box with more memory; `dmesg | tail` shows OOM kills"),
+}
+
+
+def training_tokens(recipe, stats: DataStats, processes: int) -> int:
+    """Tokens the full run trains on: the data's tokens times epochs, or max_steps worth of batches."""
+    per_epoch = stats.total_tokens
+    if recipe.max_steps:
+        global_batch = recipe.micro_batch_size * recipe.gradient_accumulation_steps * processes
+        return int(min(recipe.max_steps * global_batch * stats.mean_tokens, math.inf))
+    return int(per_epoch * recipe.epochs)
+
+
+def run_smoke(run: RunDir, recipe, plan: dict[str, Any], examples, lengths: list[int], stats: DataStats) -> dict[str, Any]:
+    """Run the worker on the sample in the foreground; write and return smoke.json, or raise SmokeError."""
+    processes = int(plan.get("num_processes", 1))
+    global_batch = recipe.micro_batch_size * recipe.gradient_accumulation_steps * processes
+    idx = smoke_sample(lengths, recipe.smoke.fraction, recipe.smoke.min_steps * global_batch, recipe.seed)
+    shutil.rmtree(run.smoke_work, ignore_errors=True)
+    run.smoke_work.mkdir(parents=True)
+    write_jsonl(run.smoke_work / "data.jsonl", [examples[i] for i in idx])
+    steps = max(1, len(idx) // global_batch)
+    atomic_write_json(run.smoke_work / "request.json",
+                      {"max_steps": steps, "max_seconds": recipe.smoke.max_minutes * 60.0})
+    print(f"smoke test: {len(idx)} of {stats.examples} examples ({len(idx) / stats.examples:.1%}, the longest "
+          f"included), {steps} steps, at most {recipe.smoke.max_minutes:g} min ...", flush=True)
+    log_path = run.smoke_work / "smoke.log"
+    t0 = time.monotonic()
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(launch_command(plan, run.root, "smoke"), stdin=subprocess.DEVNULL,
+                                stdout=log, stderr=subprocess.STDOUT)
+        try:
+            rc = proc.wait()
+        except KeyboardInterrupt:
+            proc.terminate()
+            proc.wait()
+            raise
+    wall = time.monotonic() - t0
+    result_path = run.smoke_work / "result.json"
+    if rc != 0 or not result_path.is_file():
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
+        what, fix = REASONS.get(rc, (f"the worker exited with code {rc}", f"read {log_path} (last lines below)"))
+        raise SmokeError(f"{what}; the full run was not started.\n--- last lines of {log_path} ---\n{tail}", fix=fix)
+    measured = json.loads(result_path.read_text())
+    tps = measured.get("tokens_per_second")
+    if not tps:
+        raise SmokeError("the smoke test finished too few steps to measure throughput",
+                         fix="raise smoke.min_steps or smoke.max_minutes.")
+    total_tokens = training_tokens(recipe, stats, processes)
+    est_seconds = total_tokens / tps
+    price = float(plan.get("price_per_hour_eur") or 0.0)
+    report = {
+        **measured,
+        "examples": len(idx),
+        "wall_seconds": round(wall, 2),
+        "training_tokens": total_tokens,
+        "estimated_seconds": round(est_seconds, 1),
+        "estimated_hours": round(est_seconds / 3600, 3),
+        "price_per_hour_eur": price,
+        "estimated_cost": round(est_seconds / 3600 * price, 2),
+        "planned_memory_gb": (plan.get("memory") or {}).get("per_gpu_gb"),
+    }
+    atomic_write_json(run.smoke, report)
+    shutil.rmtree(run.smoke_work / "trainer", ignore_errors=True)
+    return report
+
+
+def format_smoke(report: dict[str, Any]) -> str:
+    eta = report["estimated_seconds"]
+    eta_text = f"{eta / 3600:.1f} h" if eta >= 3600 else (f"{eta / 60:.1f} min" if eta >= 60 else f"{eta:.0f} s")
+    return (
+        f"smoke test: {report['measured_steps']} measured steps, {report['tokens_per_second']:,.0f} tokens/s, "
+        f"peak memory {report['peak_memory_gb']:.2f} GB ({report['device']})\n"
+        f"full run: {report['training_tokens']:,} tokens -> about {eta_text}"
+        + (f", about {report['estimated_cost']:.2f} EUR at {report['price_per_hour_eur']:.2f} EUR/h"
+           if report["price_per_hour_eur"] else "")
+    )

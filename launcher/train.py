@@ -1,0 +1,426 @@
+"""The worker: the process that trains (smoke test or full run), the same code on CPU and GPU.
+
+Run as `python -m launcher.train --run-dir DIR --mode full|smoke` (or under accelerate/torchrun for
+several processes). It reads the run directory's recipe snapshot and plan, resumes from the newest
+verified checkpoint by itself, and reports through files: metrics.jsonl, worker.json, checkpoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+# Before any Hugging Face import: a local run makes no network calls (telemetry, download
+# counters), which on a closed network would hang until a timeout.
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from . import checkpoint as ckpt  # noqa: E402
+from .rundir import RunDir  # noqa: E402
+
+EXIT_STOPPED = 77  # stopped by SIGTERM/SIGINT after saving a checkpoint (preemption, `ftrun stop`)
+EXIT_OOM = 78
+EXIT_NAN = 79
+EXIT_BAD_WORLD = 80
+
+
+class _Stop:
+    """Set by SIGTERM/SIGINT; the trainer callback saves a checkpoint and stops at the next step."""
+
+    requested = False
+    signal_name = ""
+
+
+def _on_signal(signum, _frame):
+    _Stop.requested = True
+    _Stop.signal_name = signal.Signals(signum).name
+    print(f"[ftrun worker] {_Stop.signal_name} received: saving a checkpoint at the end of this step, then stopping",
+          flush=True)
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def peak_memory_gb(device: str) -> float:
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.max_memory_reserved() / 1e9
+    # Linux reports ru_maxrss in KiB: the worker's peak resident memory.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+def detect_device() -> tuple[str, Any]:
+    """('cuda', bf16 or fp16) when a GPU is usable, else ('cpu', fp32): detected, never configured."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda", (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16)
+    return "cpu", torch.float32
+
+
+def _truncate_metrics(path: Path, last_step: int) -> None:
+    """After a resume, drop the lines logged after the checkpoint: they will be logged again."""
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+
+
+def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta: dict[str, Any], max_seconds: Optional[float]):
+    """The trainer callbacks: wall-clock checkpoints, SIGTERM save, metrics, NaN guard, smoke timing."""
+    import torch
+    from transformers import TrainerCallback
+
+    def agree(flag: bool) -> bool:
+        # Wall clocks and signals differ between ranks; all ranks must decide to save together
+        # or the collective save deadlocks.
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            t = torch.tensor([1.0 if flag else 0.0], device="cuda" if device == "cuda" else "cpu")
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            return bool(t.item())
+        return flag
+
+    interval = recipe.checkpoint_every_minutes * 60.0 if mode == "full" else math.inf
+
+    class Cadence(TrainerCallback):
+        def __init__(self):
+            self.last_save = time.monotonic()
+            self.started = time.monotonic()
+            self.stopped_by_signal = False
+            self.timed_out = False
+
+        def on_step_end(self, args, state, control, **kw):
+            due = time.monotonic() - self.last_save >= interval
+            at_end = state.global_step >= state.max_steps
+            stop = agree(_Stop.requested)
+            over_time = max_seconds is not None and agree(time.monotonic() - self.started >= max_seconds)
+            if mode == "full" and (agree(due) or at_end or stop):
+                control.should_save = True
+            if stop:
+                self.stopped_by_signal = True
+                control.should_training_stop = True
+            if over_time and not at_end:
+                self.timed_out = True
+                control.should_training_stop = True
+            return control
+
+        def on_save(self, args, state, control, **kw):
+            self.last_save = time.monotonic()
+            if state.is_world_process_zero:
+                src = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+                dst = run.checkpoints / ckpt.step_dir_name(state.global_step)
+                if dst.exists():  # a save of the same step after a resume: the new one replaces it
+                    import shutil
+
+                    shutil.rmtree(dst)
+                os.replace(src, dst)
+                ckpt.write_manifest(dst, state.global_step, checkpoint_meta)
+                removed = ckpt.retain(run.checkpoints, recipe.keep_checkpoints)
+                print(f"[ftrun worker] checkpoint {dst.name} saved and verified"
+                      + (f"; removed {', '.join(removed)}" if removed else ""), flush=True)
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.barrier()
+            return control
+
+    class Metrics(TrainerCallback):
+        def __init__(self):
+            self.t_last = None
+            self.tokens_last = 0
+            self.step_times: list[tuple[int, float, int]] = []  # (step, monotonic, tokens seen)
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.t_last = time.monotonic()
+            self.tokens_last = state.num_input_tokens_seen
+            self.step_times.append((state.global_step, self.t_last, state.num_input_tokens_seen))
+            if state.is_world_process_zero:
+                info = json.loads(run.worker.read_text()) if run.worker.is_file() else {}
+                info.update(total_steps=state.max_steps, start_step=state.global_step)
+                ckpt.atomic_write_json(run.worker, info)
+
+        def on_step_end(self, args, state, control, **kw):
+            self.step_times.append((state.global_step, time.monotonic(), state.num_input_tokens_seen))
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            logs = logs or {}
+            if "loss" not in logs:
+                return
+            loss = float(logs["loss"])
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"loss is {loss} at step {state.global_step}")
+            now = time.monotonic()
+            dt = max(now - (self.t_last or now), 1e-9)
+            tokens = state.num_input_tokens_seen
+            row = {
+                "step": state.global_step,
+                "loss": loss,
+                "learning_rate": logs.get("learning_rate"),
+                "grad_norm": logs.get("grad_norm"),
+                "epoch": round(state.epoch or 0.0, 4),
+                "tokens_seen": int(tokens),
+                "tokens_per_second": round((tokens - self.tokens_last) / dt, 1),
+                "peak_memory_gb": round(peak_memory_gb(device), 3),
+                "time": time.time(),
+            }
+            self.t_last, self.tokens_last = now, tokens
+            if state.is_world_process_zero and mode == "full":
+                with run.metrics.open("a") as fh:
+                    fh.write(json.dumps(row) + "\n")
+            if state.is_world_process_zero:
+                print(f"[ftrun worker] step {row['step']}/{state.max_steps} loss {loss:.4f} "
+                      f"lr {row['learning_rate']:.2e} {row['tokens_per_second']:.0f} tok/s", flush=True)
+
+    return Cadence(), Metrics()
+
+
+def load_model_and_tokenizer(recipe, device: str, dtype):
+    """The base model by method (4-bit for qlora, 16-bit for lora, full weights for full), then LoRA."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(recipe.model)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    device_map = {"": torch.cuda.current_device()} if device == "cuda" else {"": "cpu"}
+    kwargs: dict[str, Any] = {"dtype": dtype, "device_map": device_map}
+    if recipe.method == "qlora":
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype,
+            bnb_4bit_quant_storage=dtype,  # matches the compute dtype so FSDP can shard the 4-bit weights
+        )
+    model = AutoModelForCausalLM.from_pretrained(recipe.model, **kwargs)
+    if recipe.method in ("qlora", "lora"):
+        from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+        if recipe.method == "qlora":
+            model = prepare_model_for_kbit_training(
+                model, use_gradient_checkpointing=recipe.gradient_checkpointing,
+                gradient_checkpointing_kwargs={"use_reentrant": False},
+            )
+        elif recipe.gradient_checkpointing:
+            model.enable_input_require_grads()  # checkpointed LoRA needs grads flowing into the frozen embeddings
+        lora = recipe.lora
+        model = get_peft_model(model, LoraConfig(
+            r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+            target_modules=lora.target_modules, task_type="CAUSAL_LM",
+        ))
+    return model, tokenizer
+
+
+def sft_config(recipe, run: RunDir, mode: str, device: str, dtype, max_steps: Optional[int], output_dir: Path):
+    import torch
+    from trl import SFTConfig
+
+    fields: dict[str, Any] = dict(
+        output_dir=str(output_dir),
+        max_length=recipe.max_length,
+        per_device_train_batch_size=recipe.micro_batch_size,
+        gradient_accumulation_steps=recipe.gradient_accumulation_steps,
+        num_train_epochs=recipe.epochs if mode == "full" else 1,
+        max_steps=max_steps if max_steps else -1,
+        learning_rate=recipe.learning_rate,
+        gradient_checkpointing=recipe.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        packing=recipe.packing,
+        assistant_only_loss=recipe.assistant_only_loss,
+        seed=recipe.seed,
+        data_seed=recipe.seed,
+        logging_steps=recipe.logging_steps if mode == "full" else 1,
+        save_strategy="no",  # ftrun saves by wall clock (callback), not every N steps
+        save_only_model=False,
+        report_to="none",
+        include_num_input_tokens_seen="non_padding",  # real tokens, not padding
+        use_cpu=device == "cpu",
+        bf16=device == "cuda" and dtype == torch.bfloat16,
+        fp16=device == "cuda" and dtype == torch.float16,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    if recipe.method == "full-8bit":
+        # 8-bit AdamW states (bitsandbytes): about 2 bytes/param of optimizer state instead of 8.
+        fields["optim"] = "adamw_bnb_8bit"
+    elif device == "cpu":
+        fields["optim"] = "adamw_torch"  # the fused default needs a GPU
+    fields.update(recipe.trainer)
+    return SFTConfig(**fields)
+
+
+def run_worker(run_dir: Path, mode: str) -> int:
+    run = RunDir(run_dir)
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # an SSH logout is not a reason to stop
+
+    from .recipe import load_recipe
+
+    recipe = load_recipe(run.recipe)
+    plan = json.loads(run.plan.read_text()) if run.plan.is_file() else {}
+    if Path(recipe.model).is_dir() and Path(recipe.data).is_file():
+        os.environ["HF_HUB_OFFLINE"] = "1"  # everything is local: no network calls at all
+
+    expected_world = int(plan.get("num_processes", 1))
+    if _world_size() != expected_world:
+        print(f"[ftrun worker] the plan asks for {expected_world} process(es) but {_world_size()} were started; "
+              "refusing to train with a different engine than planned", file=sys.stderr, flush=True)
+        return EXIT_BAD_WORLD
+
+    import torch
+    from datasets import Dataset
+    from transformers import set_seed
+    from trl import SFTTrainer
+
+    from .data import load_examples
+
+    device, dtype = detect_device()
+    planned_device = plan.get("device")
+    if planned_device and planned_device != device:
+        print(f"[ftrun worker] the plan was made for device '{planned_device}' but this process sees '{device}'",
+              file=sys.stderr, flush=True)
+        return EXIT_BAD_WORLD
+
+    if mode == "smoke":
+        data_path = run.smoke_work / "data.jsonl"
+        out_dir = run.smoke_work / "trainer"
+        smoke_cfg = json.loads((run.smoke_work / "request.json").read_text())
+        max_steps, max_seconds = smoke_cfg["max_steps"], smoke_cfg["max_seconds"]
+        resume_from = None
+    else:
+        data_path = Path(recipe.data)
+        out_dir = run.checkpoints
+        max_steps, max_seconds = recipe.max_steps, None
+        removed = ckpt.remove_incomplete(run.checkpoints) if _rank() == 0 else []
+        if removed:
+            print(f"[ftrun worker] removed incomplete checkpoint(s): {', '.join(removed)}", flush=True)
+        found, skipped = ckpt.newest_verified(run.checkpoints, {"recipe_hash": recipe.trajectory_hash()})
+        for line in skipped:
+            print(f"[ftrun worker] skipping checkpoint {line}", flush=True)
+        resume_from = found
+
+    if _rank() == 0:
+        info = {"pid": os.getpid(), "mode": mode, "device": device, "dtype": str(dtype).replace("torch.", ""),
+                "world_size": _world_size(), "started": time.time(),
+                "resumed_from": resume_from.path.name if resume_from else None}
+        ckpt.atomic_write_json(run.worker if mode == "full" else run.smoke_work / "worker.json", info)
+        if resume_from:
+            print(f"[ftrun worker] resuming from {resume_from.path.name} (step {resume_from.step}, verified)", flush=True)
+            _truncate_metrics(run.metrics, resume_from.step)
+        print(f"[ftrun worker] device {device} ({info['dtype']}), method {recipe.method}, "
+              f"{_world_size()} process(es)", flush=True)
+
+    set_seed(recipe.seed)
+    examples = load_examples(data_path)
+    dataset = Dataset.from_list([{"messages": ex} for ex in examples])
+    model, tokenizer = load_model_and_tokenizer(recipe, device, dtype)
+    args = sft_config(recipe, run, mode, device, dtype, max_steps, out_dir)
+    meta = {"recipe_hash": recipe.trajectory_hash(), "method": recipe.method, "world_size": _world_size(),
+            "engine": plan.get("engine", "trl")}
+    cadence, metrics = build_callbacks(run, recipe, mode, device, meta, max_seconds)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                         callbacks=[cadence, metrics])
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)  # our Metrics callback prints one compact line per log
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        trainer.train(resume_from_checkpoint=str(resume_from.path) if resume_from else None)
+    except FloatingPointError as exc:
+        print(f"[ftrun worker] stopping: {exc}", file=sys.stderr, flush=True)
+        return EXIT_NAN
+    except torch.cuda.OutOfMemoryError as exc:
+        print(f"[ftrun worker] out of GPU memory: {str(exc).splitlines()[0]}", file=sys.stderr, flush=True)
+        return EXIT_OOM
+
+    if mode == "smoke":
+        if _rank() == 0:
+            _write_smoke_result(run, metrics.step_times, device, cadence.timed_out)
+        return 0
+    if cadence.stopped_by_signal and trainer.state.global_step < trainer.state.max_steps:
+        print(f"[ftrun worker] stopped at step {trainer.state.global_step} after {_Stop.signal_name}; "
+              "checkpoint saved, resume with the same command", flush=True)
+        return EXIT_STOPPED
+    if _rank() == 0:
+        _save_final(run, trainer, tokenizer, recipe)
+    return 0
+
+
+def _write_smoke_result(run: RunDir, step_times, device: str, timed_out: bool) -> None:
+    # The first step pays for warm-up (allocator, kernels, lazy init): throughput is measured
+    # from the end of step 1 to the end of the last step.
+    steps = [t for t in step_times if t[0] > 0]
+    first, last = (steps[0], steps[-1]) if len(steps) >= 2 else (step_times[0], step_times[-1])
+    seconds = last[1] - first[1]
+    tokens = last[2] - first[2]
+    result = {
+        "steps": last[0],
+        "measured_steps": last[0] - first[0],
+        "seconds": round(step_times[-1][1] - step_times[0][1], 3),
+        "measured_seconds": round(seconds, 3),
+        "tokens": int(tokens),
+        "tokens_per_second": round(tokens / seconds, 1) if seconds > 0 else None,
+        "seconds_per_step": round(seconds / max(last[0] - first[0], 1), 4),
+        "warmup_seconds": round(first[1] - step_times[0][1], 3),
+        "peak_memory_gb": round(peak_memory_gb(device), 3),
+        "device": device,
+        "timed_out": timed_out,
+    }
+    ckpt.atomic_write_json(run.smoke_work / "result.json", result)
+
+
+def _save_final(run: RunDir, trainer, tokenizer, recipe) -> None:
+    """final/adapter (PEFT adapter + tokenizer) or final/model, written to a temporary folder then renamed."""
+    import shutil
+
+    name = "adapter" if recipe.method in ("qlora", "lora") else "model"
+    run.final.mkdir(parents=True, exist_ok=True)
+    tmp = run.final / f".{name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    trainer.save_model(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    dst = run.final / name
+    if dst.exists():
+        shutil.rmtree(dst)
+    os.replace(tmp, dst)
+    print(f"[ftrun worker] final {name} saved to {dst}", flush=True)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launcher.train", description=__doc__)
+    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--mode", choices=("full", "smoke"), default="full")
+    ns = parser.parse_args(argv)
+    try:
+        code = run_worker(ns.run_dir.resolve(), ns.mode)
+    finally:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()  # avoids rank-1 aborts at exit ("terminate called ...")
+        except ImportError:
+            pass
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
