@@ -1,0 +1,333 @@
+"""Pure sizing arithmetic: memory per device, training FLOPs, throughput, time and cost (no torch, no I/O).
+
+Units: GB are decimal gigabytes (1e9 bytes), the unit NVML totals are converted to as well, so
+an "80 GB" H100 has 85.5 GB here. docs/sizing.md derives every constant and compares the totals
+with published measurements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+GB = 1e9
+
+
+class Arch(Protocol):  # launcher.models.Architecture, duck-typed so this module imports nothing
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool
+    norms_per_layer: int
+    experts: int
+
+    @property
+    def params(self) -> int: ...
+    @property
+    def active_params(self) -> int: ...
+    @property
+    def linear_params(self) -> int: ...
+    @property
+    def embedding_params(self) -> int: ...
+    @property
+    def q_dim(self) -> int: ...
+    @property
+    def kv_dim(self) -> int: ...
+    def lora_params(self, r: int, target_modules: Any = "all-linear") -> int: ...
+
+
+# --- bytes per parameter --------------------------------------------------------------------
+# NF4 with double quantization: 4 bits + 0.127 bits of constants per weight (QLoRA paper, sec. 3).
+NF4_BYTES = (4 + 0.127) / 8
+# LoRA adapters are kept in fp32 (PEFT autocast_adapter_dtype): weight 4 + gradient 4 + AdamW m, v 8.
+ADAPTER_BYTES = 16
+# Full fine-tuning, mixed precision AdamW: bf16 weight 2 + bf16 gradient 2 + fp32 master 4 + m, v 8.
+FULL_ADAMW_BYTES = {"weights": 2, "gradients": 2, "optimizer": 12}
+# 8-bit AdamW (bitsandbytes) on bf16 weights, no master copy: m, v 1 byte each.
+FULL_8BIT_BYTES = {"weights": 2, "gradients": 2, "optimizer": 2}
+# Gradients of a full fine-tune are freed and re-allocated every step between activations
+# (zero_grad(set_to_none=True)); the caching allocator keeps about half a gradient's size reserved
+# but unusable. This is what lifts the article's 6 B/param (8-bit) to the 7-8 its table implies.
+GRADIENT_CHURN_BYTES = 1.0
+
+# --- activations and logits -------------------------------------------------------------------
+# Loss on the HF path (transformers ForCausalLMLoss): bf16 logits 2 + fp32 upcast 4 + fp32 log-softmax
+# gradient 4 + bf16 gradient 2 = 12 bytes per token per vocabulary entry at the peak of backward.
+LOGIT_BYTES_HF = 12
+# Unsloth's fused cross-entropy keeps bf16 logits and writes the gradient in place.
+LOGIT_BYTES_UNSLOTH = 2
+# One recomputed layer during backward holds its activations plus their gradients (about half of them
+# alive at once): 1.5 x the layer's activations.
+LAYER_BACKWARD_FACTOR = 1.5
+# Unsloth's fused RMSNorm / SwiGLU / RoPE kernels save about half the per-layer activations, and its
+# gradient checkpointing offloads the saved layer inputs to CPU RAM.
+UNSLOTH_LAYER_FACTOR = 0.5
+
+# --- runtime ---------------------------------------------------------------------------------
+CUDA_CONTEXT_GB = 0.6  # CUDA context, cuBLAS workspace, kernels (what nvidia-smi shows before any tensor)
+NCCL_GB = 0.5  # NCCL communicator buffers per process when several GPUs train together
+FRAGMENTATION = 0.05  # caching-allocator slack on the per-step tensors (activations, logits)
+CPU_RUNTIME_GB = 1.0  # Python, torch and the tokenizer in the worker process
+
+# Fraction of a card the plan may fill: the estimate's own error (docs/sizing.md: median ~10%) needs room.
+USABLE_FRACTION = 0.95
+USABLE_RAM_FRACTION = 0.8  # leave the OS and the page cache their share
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What decides memory and speed, independent of where the numbers came from."""
+
+    method: str  # qlora | lora | full | full-8bit
+    seq_len: int  # tokens per sequence in the largest micro-batch
+    micro_batch: int
+    gradient_checkpointing: bool = True
+    lora_r: int = 16
+    lora_targets: Any = "all-linear"
+    engine: str = "trl"  # unsloth | trl | ddp | fsdp | deepspeed
+    num_gpus: int = 1
+    device: str = "cuda"  # cuda | cpu
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.seq_len * self.micro_batch
+
+    @property
+    def sharded(self) -> bool:
+        return self.engine in ("fsdp", "deepspeed") and self.num_gpus > 1
+
+
+@dataclass
+class MemoryEstimate:
+    breakdown_gb: dict[str, float]  # per device
+    explanations: dict[str, str]
+    per_gpu_gb: float
+    total_gb: float  # the whole job on one imaginary device: what the article's memory table gives
+    trainable_params: int
+    offloaded_ram_gb: float = 0.0  # Unsloth parks checkpointed activations in CPU RAM
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "per_gpu_gb": round(self.per_gpu_gb, 1),
+            "total_gb": round(self.total_gb, 1),
+            "breakdown_gb": {k: round(v, 2) for k, v in self.breakdown_gb.items()},
+            "explanations": dict(self.explanations),
+            "trainable_params": self.trainable_params,
+            "offloaded_ram_gb": round(self.offloaded_ram_gb, 1),
+        }
+
+
+def trainable_params(arch: Arch, w: Workload) -> int:
+    if w.method in ("qlora", "lora"):
+        return arch.lora_params(w.lora_r, w.lora_targets)
+    return arch.params
+
+
+def layer_activation_bytes_per_token(arch: Arch, fp32: bool = False) -> float:
+    """Tensors one decoder layer saves for backward, per token (flash / SDPA attention: no s^2 term).
+
+    Attention: norm input and output, q, k, v after RoPE, attention output (o_proj input).
+    MLP: norm input and output, gate, up, act(gate), act(gate) * up (down_proj input).
+    RMSNorm upcasts to fp32 and keeps two fp32 copies of its input on the HF path.
+    """
+    h, i = arch.hidden, arch.intermediate
+    elems = 4 * h + 2 * arch.q_dim + 2 * arch.kv_dim + 4 * i
+    norm_fp32 = arch.norms_per_layer * 2 * 4 * h
+    return elems * (4 if fp32 else 2) + (0 if fp32 else norm_fp32)
+
+
+def memory(arch: Arch, w: Workload) -> MemoryEstimate:
+    """Peak memory per device for one training step, as a breakdown whose terms are explained."""
+    cpu = w.device == "cpu"
+    n = w.num_gpus if w.sharded else 1
+    t = w.tokens_per_micro_batch
+    P = arch.params
+    unsloth = w.engine == "unsloth"
+    b16 = 4 if cpu else 2  # the CPU worker trains in fp32: no bf16 matmul speed-up to be had there
+    terms: dict[str, float] = {}
+    why: dict[str, str] = {}
+    shard = f" / {n} GPUs (sharded)" if n > 1 else ""
+
+    # Weights
+    if w.method == "qlora":
+        other = P - arch.linear_params  # embeddings, lm_head, norms stay 16-bit
+        terms["weights"] = (arch.linear_params * NF4_BYTES + other * b16) / n / GB
+        why["weights"] = (f"{arch.linear_params / 1e9:.2f}B linear weights in NF4 ({NF4_BYTES:.3f} B/param with "
+                          f"quantization constants) + {other / 1e9:.2f}B embedding/head/norm params in "
+                          f"{'fp32' if cpu else 'bf16'}{shard}")
+    else:
+        terms["weights"] = P * b16 / n / GB
+        why["weights"] = f"{P / 1e9:.2f}B params x {b16} B ({'fp32' if cpu else 'bf16'}){shard}"
+
+    T = trainable_params(arch, w)
+    if w.method in ("qlora", "lora"):
+        terms["adapters"] = T * ADAPTER_BYTES / n / GB
+        why["adapters"] = (f"LoRA r={w.lora_r}: {T / 1e6:.1f}M trainable params x {ADAPTER_BYTES} B "
+                           f"(fp32 weight, gradient, AdamW m and v){shard}")
+    else:
+        table = FULL_8BIT_BYTES if w.method == "full-8bit" else FULL_ADAMW_BYTES
+        grad_b = 4 if cpu else table["gradients"]
+        opt_b = 8 if cpu and w.method == "full" else table["optimizer"]  # fp32 on CPU: no separate master copy
+        terms["gradients"] = P * grad_b / n / GB
+        why["gradients"] = f"one gradient per weight, {grad_b} B each{shard}"
+        terms["optimizer"] = P * opt_b / n / GB
+        why["optimizer"] = ("8-bit AdamW: m and v at 1 B each" if w.method == "full-8bit" else
+                            ("AdamW m and v in fp32" if cpu else "fp32 master weights 4 B + AdamW m and v 8 B")) + shard
+        if not cpu:
+            terms["gradient churn"] = P * GRADIENT_CHURN_BYTES / n / GB
+            why["gradient churn"] = ("gradients are freed and re-allocated every step between activations; the "
+                                     "allocator keeps ~half their size reserved but unusable (1 B/param)")
+
+    # Activations
+    layer = layer_activation_bytes_per_token(arch, fp32=cpu)
+    offload = 0.0
+    if w.gradient_checkpointing:
+        checkpoints = arch.layers * t * arch.hidden * b16
+        factor = UNSLOTH_LAYER_FACTOR if unsloth else 1.0
+        live = LAYER_BACKWARD_FACTOR * factor * layer * t
+        if unsloth:
+            offload = checkpoints / GB
+            checkpoints = 0.0
+        terms["activations"] = (checkpoints + live) / GB
+        why["activations"] = (f"gradient checkpointing: {'layer inputs offloaded to CPU RAM by Unsloth, ' if unsloth else f'{arch.layers} saved layer inputs + '}"
+                              f"one layer recomputed ({layer / 1e3:.0f} KB/token) for {t:,} tokens per micro-batch")
+    else:
+        factor = UNSLOTH_LAYER_FACTOR if unsloth else 1.0
+        terms["activations"] = (arch.layers * layer * factor * t) / GB
+        why["activations"] = (f"no gradient checkpointing: all {arch.layers} layers keep their activations "
+                              f"({layer / 1e3:.0f} KB/token/layer) for {t:,} tokens per micro-batch")
+    if cpu:
+        # The CPU attention path (math SDPA) materialises the score matrix: heads x s^2 fp32, twice for backward.
+        terms["activations"] += 2 * w.micro_batch * arch.heads * w.seq_len**2 * 4 * (1 if w.gradient_checkpointing else arch.layers) / GB
+
+    logit_b = LOGIT_BYTES_UNSLOTH if unsloth else (8 if cpu else LOGIT_BYTES_HF)
+    terms["logits and loss"] = t * arch.vocab * logit_b / GB
+    why["logits and loss"] = (f"{t:,} tokens x {arch.vocab:,} vocabulary x {logit_b} B "
+                              + ("(fused cross-entropy, bf16 logits, gradient in place)" if unsloth
+                                 else "(logits, fp32 copy for the loss, its gradient)"))
+
+    # Sharding: the unit being computed is gathered whole (plus the next one prefetched).
+    if n > 1:
+        # Units: one decoder layer (4-bit for QLoRA) or the embedding / lm_head (always 16-bit); the layer
+        # being computed and the one prefetched are whole on every card, next to the sharded rest.
+        per_layer = (P - arch.embedding_params * (1 if arch.tied_embeddings else 2)) / arch.layers
+        layer_b = NF4_BYTES if w.method == "qlora" else b16
+        layer_unit = per_layer * layer_b
+        embed_unit = arch.embedding_params * b16
+        gathered = max(2 * layer_unit, layer_unit + embed_unit)
+        if w.method in ("full", "full-8bit"):
+            gathered += max(per_layer, arch.embedding_params) * b16  # its full gradient before reduce-scatter
+        terms["gathered shards"] = gathered / GB
+        why["gathered shards"] = (f"FSDP/ZeRO-3 holds the unit being computed whole (a layer: {per_layer / 1e6:.0f}M "
+                                  f"params, or the embedding: {arch.embedding_params / 1e6:.0f}M) plus the prefetched next one"
+                                  + (", and a unit's full gradient before reduce-scatter"
+                                     if w.method in ("full", "full-8bit") else ""))
+
+    dynamic = terms["activations"] + terms["logits and loss"]
+    if cpu:
+        terms["runtime"] = CPU_RUNTIME_GB
+        why["runtime"] = "Python, torch and tokenizer in the worker process"
+    else:
+        runtime = CUDA_CONTEXT_GB + FRAGMENTATION * dynamic
+        parts = [f"CUDA context {CUDA_CONTEXT_GB} GB", f"allocator slack {FRAGMENTATION:.0%} of activations and logits"]
+        if w.num_gpus > 1:
+            runtime += NCCL_GB
+            parts.append(f"NCCL buffers {NCCL_GB} GB")
+            if w.engine == "ddp":
+                grad_bytes = T * (4 if w.method in ("qlora", "lora") else 2)
+                runtime += grad_bytes / GB
+                parts.append(f"DDP gradient buckets {grad_bytes / GB:.1f} GB (a second copy of the trainable gradients)")
+        terms["runtime"] = runtime
+        why["runtime"] = ", ".join(parts)
+
+    per_gpu = sum(terms.values())
+    # The article's table counts the job, not the card: unsharded static memory + one device's dynamic memory.
+    static_sharded = sum(v for k, v in terms.items() if k in ("weights", "adapters", "gradients", "optimizer", "gradient churn"))
+    total = static_sharded * n + (per_gpu - static_sharded) - terms.get("gathered shards", 0.0)
+    return MemoryEstimate(terms, why, per_gpu, total, T, offload)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compute, throughput, time
+
+# Model FLOPs utilisation per GPU (dense bf16 peak), calibrated on the article's time table
+# (docs/sizing.md, "Time"); QLoRA dequantises every weight on every forward and recompute.
+MFU = {"full": 0.36, "full-8bit": 0.36, "lora": 0.34, "qlora": 0.32}
+# Unsloth's kernels: LLaMA-Factory measured 1.6x tokens/s over HF for 4-bit LoRA; the article's
+# RTX 4090 row implies ~1.4x. We use the lower.
+UNSLOTH_SPEEDUP = 1.4
+# Speed-up over one card, by card count; data parallel over NVLink (the article: 1.8x for 2, 3.5x for 4).
+SCALING_NVLINK = {1: 1.0, 2: 1.8, 4: 3.5, 8: 6.8}
+# PCIe has a fraction of NVLink's bandwidth; community reports for 2-4 x RTX 4090 show ~1.5-1.6x for 2.
+SCALING_PCIE = {1: 1.0, 2: 1.6, 4: 2.8, 8: 4.8}
+# Sharding adds an all-gather per layer in forward and backward on top of DDP's gradient reduction.
+SHARDING_EFFICIENCY = {"nvlink": 0.95, "pcie": 0.8, "none": 1.0}
+# QLoRA + FSDP gathers 4-bit shards and dequantises them: the article's "bei maessigem Tempo".
+QLORA_SHARDED_EFFICIENCY = 0.7
+# CPU: effective fp32 FLOP/s per core for small matmuls, and a fixed cost per micro-batch (Python,
+# optimizer, data collation) that dominates for tiny models. Both replaced by the smoke test's measurement.
+CPU_FLOPS_PER_CORE = 10e9
+CPU_SECONDS_PER_MICRO_BATCH = 0.05
+# A card the catalog does not know: assume this dense bf16 TFLOP/s per GB of memory (an A100-class ratio).
+UNKNOWN_GPU_TFLOPS = 150.0
+
+
+def flops_per_token(arch: Arch, method: str, seq_len: int, gradient_checkpointing: bool) -> float:
+    """Training FLOPs per token: forward 2 x matmul params + causal attention; backward 2x forward for full
+    (input and weight gradients), 1x for LoRA (input gradients only); recomputation adds one forward."""
+    matmul = arch.active_params - arch.embedding_params + (arch.embedding_params if arch.tied_embeddings else 0)
+    attention = 2 * arch.layers * arch.q_dim * seq_len  # QK^T and AV, 2 FLOPs per MAC, causal halves the context
+    forward = 2 * matmul + attention
+    backward = 2 * forward if method in ("full", "full-8bit") else forward
+    return forward + backward + (forward if gradient_checkpointing else 0)
+
+
+def scaling(count: int, interconnect: str) -> float:
+    table = SCALING_NVLINK if interconnect == "nvlink" else SCALING_PCIE
+    if count in table:
+        return table[count]
+    lower = max(k for k in table if k <= count)  # between listed counts: linear in the efficiency
+    return table[lower] / lower * count
+
+
+def tokens_per_second(arch: Arch, w: Workload, tflops_bf16: float | None, interconnect: str = "none",
+                      cpu_count: int = 1, mean_seq_len: int | None = None) -> float:
+    """Training tokens per second for the whole box."""
+    seq = mean_seq_len or w.seq_len
+    flops = flops_per_token(arch, w.method, seq, w.gradient_checkpointing)
+    if w.device == "cpu":
+        tokens = w.micro_batch * seq
+        seconds = tokens * flops / (cpu_count * CPU_FLOPS_PER_CORE) + CPU_SECONDS_PER_MICRO_BATCH
+        return tokens / seconds
+    peak = (tflops_bf16 or UNKNOWN_GPU_TFLOPS) * 1e12
+    one = peak * MFU[w.method] / flops
+    if w.engine == "unsloth":
+        one *= UNSLOTH_SPEEDUP
+    if w.num_gpus <= 1:
+        return one
+    speed = one * scaling(w.num_gpus, interconnect)
+    if w.sharded:
+        speed *= SHARDING_EFFICIENCY.get(interconnect, 0.8)
+        if w.method == "qlora":
+            speed *= QLORA_SHARDED_EFFICIENCY
+    return speed
+
+
+def hours(training_tokens: float, tokens_per_sec: float) -> float:
+    return training_tokens / tokens_per_sec / 3600
+
+
+def cost_eur(hours_: float, price_per_hour: float) -> float:
+    return hours_ * price_per_hour
+
+
+@dataclass(frozen=True)
+class Estimate:
+    tokens_per_second: float
+    hours: float | None
+    cost_eur: float | None
+    details: dict[str, Any] = field(default_factory=dict)
