@@ -71,7 +71,7 @@ class Hardware:
         if self.is_cpu_only:
             return f"CPU only ({self.cpu_count} cores, {self.ram_gb:.0f} GB RAM)"
         g = self.gpu
-        link = f", {self.interconnect.upper() if self.interconnect == 'nvlink' else 'PCIe'}" if self.count > 1 else ""
+        link = f", {'NVLink' if self.interconnect == 'nvlink' else 'PCIe'}" if self.count > 1 else ""
         return f"{self.count} x {g.name} ({g.memory_gb:.0f} GB each{link})"
 
     def to_dict(self) -> dict[str, Any]:

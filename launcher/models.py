@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, replace
@@ -239,17 +238,15 @@ CATALOG: dict[str, dict[str, Any]] = {
 # Aliases for names that differ only in spelling from a catalog key.
 _ALIASES = {"mistral-7b": "mistral-7b-v0.3", "llama-3.1-8b-base": "llama-3.1-8b"}
 
-# Suffixes that name a variant with the same architecture (instruct tunes, 4-bit re-uploads).
-_VARIANT_SUFFIX = re.compile(
-    r"(-(instruct|it|chat|base|hf|pt|bnb-4bit|unsloth|4bit|unsloth-bnb-4bit|dynamic|awq|gptq|fp8|int4|2507))+$"
-)
+# Name parts that mark a variant with the same architecture (instruct tunes, 4-bit re-uploads, dates).
+_VARIANT_PARTS = {"instruct", "it", "chat", "base", "hf", "pt", "bnb", "4bit", "unsloth", "dynamic", "awq", "gptq",
+                  "fp8", "int4", "2507"}
 
 
 def catalog_key(model: str) -> str:
     """'unsloth/Meta-Llama-3.1-8B-Instruct-bnb-4bit' -> 'llama-3.1-8b'."""
-    name = model.rstrip("/").rsplit("/", 1)[-1].lower()
-    name = name.removeprefix("meta-")
-    name = _VARIANT_SUFFIX.sub("", name)
+    name = model.rstrip("/").rsplit("/", 1)[-1].lower().removeprefix("meta-")
+    name = "-".join(part for part in name.split("-") if part not in _VARIANT_PARTS)
     return _ALIASES.get(name, name)
 
 
@@ -329,7 +326,7 @@ def _unknown_model(model: str, why: str) -> ModelError:
         fix=(
             "one of: (1) set `model` to a local directory that holds its config.json (weights not needed); "
             f"(2) put it in the HF cache while online: `huggingface-cli download {model} config.json`; "
-            "(3) use a model from the built-in catalog (`ftrun plan` lists them with --help), "
+            f"(3) use a model from the built-in catalog ({', '.join(sorted(CATALOG))}), "
             "or run with network access so ftrun can fetch config.json from the Hub."
         ),
     )

@@ -74,7 +74,7 @@ FRAGMENTATION = 0.05  # caching-allocator slack on the per-step tensors (activat
 CPU_RUNTIME_GB = 1.0  # Python, torch and the tokenizer in the worker process
 
 # Fraction of a card the plan may fill: the estimate's own error (docs/sizing.md: median ~10%) needs room.
-USABLE_FRACTION = 0.95
+USABLE_FRACTION = 0.97  # the estimate already counts context, NCCL and allocator slack; keep 3% for its own error
 USABLE_RAM_FRACTION = 0.8  # leave the OS and the page cache their share
 
 

@@ -1,0 +1,241 @@
+"""Engine choice (the article's rules, one case each), refusals with advice, CPU plans, calibration, output."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from launcher.errors import PlanError
+from launcher.hardware import detect, from_spec
+from launcher.plan import format_plan, make_plan
+from launcher.recipe import validate_recipe
+
+REPO = Path(__file__).resolve().parent.parent
+# The article's planning dataset: 10,000 examples of ~500 tokens, three epochs = 15M training tokens.
+ARTICLE_DATA = SimpleNamespace(examples=10_000, total_tokens=5_000_000, mean_tokens=500.0, max_tokens=2048,
+                               over_max_length=0, tokens_source="tokenizer")
+
+
+def recipe(tmp_path, **fields):
+    base = {"model": "meta-llama/Llama-3.1-8B", "method": "qlora", "data": "d.jsonl", "max_length": 2048,
+            "micro_batch_size": 1, "gradient_accumulation_steps": 8}
+    base.update(fields)
+    return validate_recipe(base, tmp_path, "r")
+
+
+def plan(tmp_path, gpus, unsloth=False, data=ARTICLE_DATA, **fields):
+    hw = gpus if not isinstance(gpus, str) else from_spec(gpus)
+    return make_plan(recipe(tmp_path, **fields), hw, data, unsloth_available=unsloth)
+
+
+def cpu_box(ram_gb=24.0, cores=2):
+    return from_spec("cpu").__class__((), "none", cores, ram_gb, "detected")
+
+
+@pytest.fixture
+def tiny_dir(tmp_path):
+    d = tmp_path / "tiny"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 1000,
+        "tie_word_embeddings": True}))
+    return d
+
+
+# --- the article's rules, one case each ------------------------------------------------------
+
+def test_fits_one_card_unsloth_when_installed(tmp_path):
+    p = plan(tmp_path, "RTX4090", unsloth=True)
+    assert (p.engine, p.num_processes, p.device) == ("unsloth", 1, "cuda")
+    assert any("fits one card" in r for r in p.reasons)
+
+
+def test_fits_one_card_trl_without_unsloth(tmp_path):
+    p = plan(tmp_path, "RTX4090", unsloth=False)
+    assert p.engine == "trl" and p.num_processes == 1
+    assert any("Unsloth not installed" in r for r in p.reasons)
+
+
+def test_full_finetune_never_uses_unsloth(tmp_path):
+    p = plan(tmp_path, "H100", unsloth=True, method="full-8bit")
+    assert p.engine == "trl"
+
+
+def test_longer_than_a_workday_on_a_multi_card_box_uses_ddp(tmp_path):
+    p = plan(tmp_path, "2xA100-80GB", model="meta-llama/Llama-3.1-70B")  # ~16 h on one card
+    assert (p.engine, p.num_processes) == ("ddp", 2)
+    assert any("working day" in r and "1.8x" in r for r in p.reasons)
+
+
+def test_ddp_on_pcie_says_it_scales_worse(tmp_path):
+    p = plan(tmp_path, "2xL40S", model="Qwen/Qwen2.5-32B")  # ~7 h on one L40S: stays on one card
+    assert p.engine == "trl" and any("idle" in r for r in p.reasons)
+    p = plan(tmp_path, "2xL40S", model="Qwen/Qwen2.5-32B", epochs=6)
+    assert p.engine == "ddp" and any("PCIe" in r and "worse" in r for r in p.reasons)
+
+
+def test_fits_no_single_card_shards_with_fsdp(tmp_path):
+    p = plan(tmp_path, "4xH100-80GB", method="full")
+    assert (p.engine, p.num_processes) == ("fsdp", 4)
+    text = " ".join(p.reasons)
+    assert "largest card" in text and "fewest that fits" in text and "spare" in text
+    assert p.memory["per_gpu_gb"] < 85.52
+
+
+def test_deepspeed_when_chosen(tmp_path):
+    p = plan(tmp_path, "4xH100-80GB", method="full", engine="deepspeed")
+    assert p.engine == "deepspeed" and p.num_processes == 4
+
+
+def test_qlora_with_fsdp_for_70b_over_two_cards(tmp_path):
+    p = plan(tmp_path, "2xRTX5090", model="meta-llama/Llama-3.1-70B", max_length=1024)
+    assert p.engine == "fsdp" and p.method == "qlora"
+    assert any("moderate pace" in r for r in p.reasons)
+
+
+def test_nothing_fits_refuses_with_options(tmp_path):
+    with pytest.raises(PlanError) as err:
+        plan(tmp_path, "RTX4090", method="lora", model="meta-llama/Llama-3.1-70B")
+    e = err.value
+    assert e.exit_code == 3
+    assert "--gpus" in e.fix and "EUR" in e.fix
+    assert "method=qlora" not in e.fix or "fits" in e.fix  # advice is only given when it was checked
+
+
+def test_refusal_suggests_what_makes_it_fit_here(tmp_path):
+    with pytest.raises(PlanError) as err:
+        plan(tmp_path, "H100", method="lora", model="Qwen/Qwen2.5-32B", max_length=8192, micro_batch_size=2,
+             data=SimpleNamespace(**{**ARTICLE_DATA.__dict__, "max_tokens": 8192}))
+    assert "max_length=" in err.value.fix and "fits" in err.value.fix
+
+
+@pytest.mark.parametrize("engine,gpus,why", [
+    ("fsdp", "H100", "needs 2 or more GPUs"),
+    ("ddp", "H100", "needs 2 or more GPUs"),
+    ("unsloth", "H100", "not installed"),
+])
+def test_forced_engine_refused_with_reason(tmp_path, engine, gpus, why):
+    with pytest.raises(PlanError, match=why):
+        plan(tmp_path, gpus, engine=engine)
+
+
+def test_forced_engine_honoured_when_possible(tmp_path):
+    p = plan(tmp_path, "2xH100-80GB", engine="ddp")
+    assert p.engine == "ddp" and p.num_processes == 2 and any("forced" in r for r in p.reasons)
+
+
+def test_forced_unsloth_for_full_is_refused(tmp_path):
+    with pytest.raises(PlanError, match="LoRA/QLoRA only"):
+        plan(tmp_path, "H100", unsloth=True, method="full", engine="unsloth")
+
+
+# --- CPU boxes --------------------------------------------------------------------------------
+
+def test_cpu_box_plans_tiny_model(tmp_path, tiny_dir):
+    data = SimpleNamespace(examples=64, total_tokens=64 * 120, mean_tokens=120.0, max_tokens=256,
+                           over_max_length=0, tokens_source="tokenizer")
+    p = make_plan(recipe(tmp_path, model=str(tiny_dir), method="lora", max_length=256, micro_batch_size=8,
+                         gradient_accumulation_steps=1, max_steps=12), cpu_box(), data, unsloth_available=True)
+    assert (p.device, p.engine, p.num_processes, p.price_per_hour_eur) == ("cpu", "trl", 1, 0.0)
+    assert p.total_steps == 12 and p.estimate["cost_eur"] == 0.0
+    assert any("CPU run" in r and "tiny" in r for r in p.reasons)
+    assert p.memory["per_gpu_gb"] < 24
+    assert p.estimate["hours"] < 0.5
+
+
+def test_cpu_box_uses_recipe_price(tmp_path, tiny_dir):
+    p = make_plan(recipe(tmp_path, model=str(tiny_dir), method="lora", price_per_hour_eur=0.10), cpu_box(),
+                  ARTICLE_DATA)
+    assert p.price_per_hour_eur == 0.10
+
+
+def test_real_model_on_cpu_is_refused_with_the_cheapest_box(tmp_path):
+    with pytest.raises(PlanError) as err:
+        plan(tmp_path, cpu_box(ram_gb=512, cores=64), method="lora")  # fits RAM, but would take weeks
+    assert "--gpus" in err.value.fix and "EUR" in err.value.fix
+    with pytest.raises(PlanError, match="RAM"):
+        plan(tmp_path, cpu_box(), method="lora")
+
+
+@pytest.mark.parametrize("engine", ["fsdp", "ddp", "unsloth", "deepspeed"])
+def test_cpu_refuses_gpu_engines(tmp_path, tiny_dir, engine):
+    with pytest.raises(PlanError, match="impossible here"):
+        make_plan(recipe(tmp_path, model=str(tiny_dir), method="lora", engine=engine), cpu_box(), ARTICLE_DATA)
+
+
+# --- tokens, steps, calibration, output --------------------------------------------------------
+
+def test_steps_from_examples_batch_and_epochs(tmp_path):
+    p = plan(tmp_path, "RTX4090", micro_batch_size=2, gradient_accumulation_steps=4, epochs=3)
+    assert p.total_steps == 3 * 1250  # ceil(10,000 / 8) per epoch
+    assert p.tokens["training_tokens"] == 15_000_000
+
+
+def test_tokens_flag_without_data(tmp_path):
+    p = make_plan(recipe(tmp_path), from_spec("RTX4090"), None, tokens=15_000_000, unsloth_available=True)
+    assert p.tokens["training_tokens"] == 15_000_000 and p.estimate["hours"] > 1
+    assert any("assume" in n for n in p.notes)
+
+
+def test_character_based_token_counts_are_said(tmp_path):
+    data = SimpleNamespace(**{**ARTICLE_DATA.__dict__, "tokens_source": "characters"})
+    p = plan(tmp_path, "RTX4090", data=data)
+    assert "characters" in p.tokens["source"]
+
+
+def test_smoke_measurement_replaces_estimates(tmp_path):
+    r = recipe(tmp_path)
+    est = make_plan(r, from_spec("RTX4090"), ARTICLE_DATA, unsloth_available=False)
+    cal = make_plan(r, from_spec("RTX4090"), ARTICLE_DATA, unsloth_available=False,
+                    smoke={"tokens_per_second": 1000.0, "peak_memory_gb": 14.2, "device": "cuda"})
+    assert cal.measured["tokens_per_second"] == 1000.0 and cal.memory["per_gpu_gb"] == 14.2
+    assert cal.estimate["hours"] == pytest.approx(15e6 / 1000 / 3600, rel=1e-3)
+    assert est.measured == {} and cal.tokens["tokens_per_second_source"] == "measured"
+    assert "measured" in format_plan(cal)
+
+
+def test_to_dict_has_the_issue_keys(tmp_path):
+    d = plan(tmp_path, "2xA100-80GB", model="meta-llama/Llama-3.1-70B").to_dict()
+    for key in ("fits", "engine", "gpus", "memory", "tokens", "estimate", "reasons", "alternatives",
+                "num_processes", "device", "price_per_hour_eur", "total_steps", "measured"):
+        assert key in d
+    assert set(d["gpus"]) >= {"name", "count", "memory_gb"}
+    assert set(d["memory"]) >= {"per_gpu_gb", "total_gb", "breakdown_gb"}
+    assert set(d["tokens"]) >= {"training_tokens", "tokens_per_second"}
+    assert set(d["estimate"]) == {"hours", "cost_eur"}
+    assert d["alternatives"] and set(d["alternatives"][0]) >= {"gpus", "hours", "cost_eur"}
+    json.dumps(d)
+
+
+def test_format_plan_explains_every_term_and_lists_alternatives(tmp_path):
+    p = plan(tmp_path, "4xH100-80GB", method="full")
+    text = format_plan(p)
+    for term in p.memory["breakdown_gb"]:
+        assert term in text
+    assert "engine fsdp" in text and "Other boxes" in text and "EUR" in text
+
+
+def test_plan_is_fast(tmp_path):
+    start = time.perf_counter()
+    plan(tmp_path, "8xH100-80GB", method="full-8bit", model="meta-llama/Llama-3.1-70B")
+    assert time.perf_counter() - start < 2.0
+
+
+def test_importing_the_planner_stays_light():
+    code = ("import sys, launcher.plan, launcher.hardware, launcher.sizing, launcher.models; "
+            "heavy = [m for m in ('torch', 'transformers', 'trl', 'peft', 'pynvml', 'unsloth') if m in sys.modules]; "
+            "print(heavy)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_detected_box_plans_without_error_or_refuses_cleanly(tmp_path, tiny_dir):
+    p = make_plan(recipe(tmp_path, model=str(tiny_dir), method="lora", max_length=256), detect(), ARTICLE_DATA)
+    assert p.fits
