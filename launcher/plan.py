@@ -421,7 +421,7 @@ def make_plan(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: f
     est = choice.estimate
     steps, training = _steps_and_tokens(job, choice.processes)
     tps = choice.tokens_per_second
-    reasons = [f"model {arch.name}: {arch.params / 1e9:.2f}B params ({arch.source})"] + choice.reasons
+    reasons = [f"model {arch.name}: {_fmt_tokens(arch.params)} params ({arch.source})"] + choice.reasons
     measured: dict[str, Any] = {}
     per_gpu = est.per_gpu_gb
     if smoke:
@@ -518,7 +518,7 @@ def _apply_smoke(smoke: dict[str, Any], choice: Choice) -> dict[str, Any]:
 
 def _refusal_message(job: Job, hw: Hardware, c: Choice) -> str:
     where = hw.describe()
-    return f"{job.method} of {job.arch.name} ({job.arch.params / 1e9:.1f}B) does not fit {where}: {c.refusal}"
+    return f"{job.method} of {job.arch.name} ({_fmt_tokens(job.arch.params)} params) does not fit {where}: {c.refusal}"
 
 
 def _refusal_fix(job: Job, hw: Hardware, forced: str, unsloth_ok: bool, workday_hours: float,

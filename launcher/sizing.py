@@ -121,6 +121,13 @@ class MemoryEstimate:
         }
 
 
+def _count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{n:.0f}"
+
+
 def trainable_params(arch: Arch, w: Workload) -> int:
     if w.method in ("qlora", "lora"):
         return arch.lora_params(w.lora_r, w.lora_targets)
@@ -156,17 +163,17 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
     if w.method == "qlora":
         other = P - arch.linear_params  # embeddings, lm_head, norms stay 16-bit
         terms["weights"] = (arch.linear_params * NF4_BYTES + other * b16) / n / GB
-        why["weights"] = (f"{arch.linear_params / 1e9:.2f}B linear weights in NF4 ({NF4_BYTES:.3f} B/param with "
-                          f"quantization constants) + {other / 1e9:.2f}B embedding/head/norm params in "
+        why["weights"] = (f"{_count(arch.linear_params)} linear weights in NF4 ({NF4_BYTES:.3f} B/param with "
+                          f"quantization constants) + {_count(other)} embedding/head/norm params in "
                           f"{'fp32' if cpu else 'bf16'}{shard}")
     else:
         terms["weights"] = P * b16 / n / GB
-        why["weights"] = f"{P / 1e9:.2f}B params x {b16} B ({'fp32' if cpu else 'bf16'}){shard}"
+        why["weights"] = f"{_count(P)} params x {b16} B ({'fp32' if cpu else 'bf16'}){shard}"
 
     T = trainable_params(arch, w)
     if w.method in ("qlora", "lora"):
         terms["adapters"] = T * ADAPTER_BYTES / n / GB
-        why["adapters"] = (f"LoRA r={w.lora_r}: {T / 1e6:.1f}M trainable params x {ADAPTER_BYTES} B "
+        why["adapters"] = (f"LoRA r={w.lora_r}: {_count(T)} trainable params x {ADAPTER_BYTES} B "
                            f"(fp32 weight, gradient, AdamW m and v){shard}")
     else:
         table = FULL_8BIT_BYTES if w.method == "full-8bit" else FULL_ADAMW_BYTES
@@ -270,8 +277,11 @@ SHARDING_EFFICIENCY = {"nvlink": 0.95, "pcie": 0.8, "none": 1.0}
 QLORA_SHARDED_EFFICIENCY = 0.7
 # CPU: effective fp32 FLOP/s per core for small matmuls, and a fixed cost per micro-batch (Python,
 # optimizer, data collation) that dominates for tiny models. Both replaced by the smoke test's measurement.
-CPU_FLOPS_PER_CORE = 10e9
-CPU_SECONDS_PER_MICRO_BATCH = 0.05
+# Calibrated on the tiny demo model on 2 cores (measured ~600 tokens/s by the smoke test).
+CPU_FLOPS_PER_CORE = 5e9
+CPU_SECONDS_PER_MICRO_BATCH = 0.8
+# GPU: kernel launches, optimizer step and Python per micro-batch; matters only for small models.
+GPU_SECONDS_PER_MICRO_BATCH = 0.01
 # A card the catalog does not know: assume this dense bf16 TFLOP/s per GB of memory (an A100-class ratio).
 UNKNOWN_GPU_TFLOPS = 150.0
 
@@ -304,9 +314,9 @@ def tokens_per_second(arch: Arch, w: Workload, tflops_bf16: float | None, interc
         seconds = tokens * flops / (cpu_count * CPU_FLOPS_PER_CORE) + CPU_SECONDS_PER_MICRO_BATCH
         return tokens / seconds
     peak = (tflops_bf16 or UNKNOWN_GPU_TFLOPS) * 1e12
-    one = peak * MFU[w.method] / flops
-    if w.engine == "unsloth":
-        one *= UNSLOTH_SPEEDUP
+    rate = peak * MFU[w.method] * (UNSLOTH_SPEEDUP if w.engine == "unsloth" else 1.0)
+    tokens = w.micro_batch * seq
+    one = tokens / (tokens * flops / rate + GPU_SECONDS_PER_MICRO_BATCH)
     if w.num_gpus <= 1:
         return one
     speed = one * scaling(w.num_gpus, interconnect)
