@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The demo: install, build the tiny model, run `ftrun recipes/tiny-cpu.yaml` (CPU, about a minute), show the result.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
+.venv/bin/python scripts/make_tiny_model.py .cache/tiny-model
+RUN=runs/tiny-cpu
+# --fresh: a previous demo run is kept, renamed runs/tiny-cpu.<time>
+.venv/bin/ftrun recipes/tiny-cpu.yaml --fresh
+echo
+echo "== following the log until the run ends (Ctrl-C only stops the viewing) =="
+.venv/bin/ftrun logs -f "$RUN" | grep -E "step|checkpoint|final|supervisor" || true
+echo
+.venv/bin/ftrun status "$RUN"
+.venv/bin/python - "$RUN" <<'PY'
+import json, sys
+from pathlib import Path
+run = Path(sys.argv[1])
+rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if l.strip()]
+first, last = rows[0], rows[-1]
+print(f"loss: step {first['step']} {first['loss']:.3f} -> step {last['step']} {last['loss']:.3f}")
+adapter = run / "final" / "adapter"
+print(f"adapter: {adapter} ({sum(p.stat().st_size for p in adapter.iterdir()) / 1e6:.2f} MB)")
+sys.exit(0 if last["loss"] < first["loss"] else 1)
+PY

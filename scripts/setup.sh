@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Create .venv and install ftrun with its training and test dependencies (CPU torch here, never a CUDA build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.ftrun-installed
+want=$(sha256sum pyproject.toml | cut -c1-16)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  # torch first and pinned: 2.13.0 is the local CPU wheel on this kind of machine; an unpinned
+  # torch asked for by another package would pull a CUDA build of several GB.
+  if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+    .venv/bin/python -m pip install -q "torch==${FTRUN_TORCH:-2.13.0}"
+  fi
+  .venv/bin/python -m pip install -q -e ".[train,test]"
+  echo "$want" > "$stamp"
+fi

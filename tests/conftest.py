@@ -1,0 +1,64 @@
+"""Shared fixtures: the tiny model (built once per session, no downloads) and recipe writers."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_DATA = REPO / "recipes" / "data" / "tiny-chat.jsonl"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """A tiny Qwen3-shaped model + ChatML tokenizer, built locally (cached across test runs in .cache/)."""
+    out = REPO / ".cache" / "tiny-model-tests"
+    _load_script("make_tiny_model").build_tiny_model(out)
+    return out
+
+
+@pytest.fixture
+def write_recipe(tmp_path, tiny_model):
+    """Write a recipe for the tiny model into tmp_path; keyword arguments override the defaults."""
+
+    def write(name: str = "r.yaml", **fields) -> Path:
+        base = {
+            "model": str(tiny_model),
+            "method": "lora",
+            "data": str(TINY_DATA),
+            "max_length": 256,
+            "micro_batch_size": 8,
+            "gradient_accumulation_steps": 1,
+            "max_steps": 12,
+            "learning_rate": 5e-3,
+            "logging_steps": 1,
+            "checkpoint_every_minutes": 0.02,
+            "output_dir": str(tmp_path / "run"),
+            "smoke": {"min_steps": 3},
+        }
+        for key, value in fields.items():
+            if value is None:
+                base.pop(key, None)
+            else:
+                base[key] = value
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump(base))
+        return path
+
+    return write
