@@ -153,3 +153,29 @@ def test_flops_full_is_three_forwards_lora_two():
 @pytest.mark.parametrize("count,link,speedup", [(2, "nvlink", 1.8), (4, "nvlink", 3.5), (2, "pcie", 1.6)])
 def test_multi_gpu_scaling(count, link, speedup):
     assert sizing.scaling(count, link) == speedup
+
+
+# Published peak memory (GiB) by tokens per micro-batch; docs/sizing.md lists the sources.
+LLAMA2_7B = dict(name="Llama-2-7B", layers=32, hidden=4096, intermediate=11008, heads=32, kv_heads=32,
+                 head_dim=128, vocab=32000, tied_embeddings=False)
+MEASURED = [
+    # LLaMA-Factory wiki, Llama-2-7B QLoRA r=8 all modules, batch 1, HF + FlashAttention-2
+    ("llama2", 8, "trl", {1024: 6, 2048: 7, 4096: 9, 8192: 12, 16384: 19, 32768: 32}),
+    # Unsloth README context-length table, Llama-3.1-8B QLoRA r=32 all linear, batch 1, Unsloth
+    ("llama31", 32, "unsloth", {2972: 8, 21848: 12, 40724: 16, 78475: 24, 153977: 40, 191728: 48, 342733: 80}),
+]
+
+
+def test_measured_peaks():
+    from statistics import median
+
+    from launcher.models import Architecture
+
+    archs = {"llama2": Architecture(**LLAMA2_7B), "llama31": from_catalog(MODEL["8B"])}
+    errors = []
+    for key, r, engine, rows in MEASURED:
+        for tokens, gib in rows.items():
+            est = sizing.memory(archs[key], Workload("qlora", tokens, 1, True, r, "all-linear", engine))
+            errors.append(abs(est.per_gpu_gb / (gib * 2**30 / 1e9) - 1))
+    assert median(errors) <= 0.10
+    assert max(errors) <= 0.35
