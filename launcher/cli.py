@@ -6,6 +6,8 @@
     ftrun status [RECIPE|RUN_DIR] [--json]
     ftrun logs [RECIPE|RUN_DIR] [-f]
     ftrun stop [RECIPE|RUN_DIR]
+    ftrun pull RECIPE                                      fetch a run from sync.to (no resume)
+    ftrun push [RECIPE|RUN_DIR]                            copy checkpoint + result to sync.to now
     ftrun explain                                          every recipe key, its default and meaning
 """
 
@@ -20,7 +22,7 @@ from typing import Optional
 
 from .errors import EXIT_INTERNAL, FtrunError, UsageError
 
-COMMANDS = ("plan", "smoke", "status", "logs", "stop", "explain", "run")
+COMMANDS = ("plan", "smoke", "status", "logs", "stop", "pull", "push", "explain", "run")
 
 
 def _parse_tokens(text: Optional[str]) -> Optional[int]:
@@ -68,6 +70,11 @@ def _parser() -> argparse.ArgumentParser:
             s.add_argument("--watch", action="store_true", help="refresh every 2 s until the run ends")
         if name == "logs":
             s.add_argument("-f", "--follow", action="store_true")
+    pu = sub.add_parser("pull", help="fetch a run from the recipe's sync.to without resuming it")
+    pu.add_argument("recipe")
+    pu.add_argument("overrides", nargs="*", metavar="key=value")
+    ps = sub.add_parser("push", help="copy the newest checkpoint and the result to sync.to now")
+    ps.add_argument("target", nargs="?", help="recipe file or run directory")
     sub.add_parser("explain", help="every recipe key with its default and meaning")
     return p
 
@@ -140,6 +147,18 @@ def cmd_stop(a) -> int:
     return 0
 
 
+def cmd_pull(a) -> int:
+    from .pipeline import pull_command
+
+    return pull_command(a.recipe, a.overrides)
+
+
+def cmd_push(a) -> int:
+    from .pipeline import push_command
+
+    return push_command(a.target)
+
+
 def cmd_explain(a) -> int:
     from .recipe import explain
 
@@ -155,6 +174,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     first = next((x for x in argv if not x.startswith("-")), None)
     if first is not None and first not in COMMANDS:
         argv.insert(argv.index(first), "run")
+    # key=value overrides may sit anywhere on the line (argparse cannot interleave them with options)
+    overrides = [x for x in argv if "=" in x and not x.startswith("-")]
+    argv = [x for x in argv if x not in overrides]
+    target = next((i for i, x in enumerate(argv) if not x.startswith("-") and x not in COMMANDS), None)
+    if target is not None:  # right after the recipe, where argparse expects them
+        argv[target + 1:target + 1] = overrides
     args = _parser().parse_args(argv)
     if args.command is None:
         _parser().print_help()

@@ -55,10 +55,14 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
     recipe = load_recipe(recipe_path, overrides)
     run = RunDir(Path(recipe.output_dir))
     resuming = False
+    if not run.exists() and not fresh and recipe.sync.to and recipe.resume is not False:
+        _pull_if_remote_run(run, recipe)
     if run.exists() and not fresh:
         if is_locked(run):
-            _say(f"a run is already active in {run.root}:")
-            _say(format_status(status_summary(run)))
+            s = status_summary(run)
+            _say(f"a run is already active in {run.root} (supervisor pid {s.get('pid')}); not starting a second one:")
+            _say(format_status(s))
+            _say(f"  watch: ftrun status {run.root} | ftrun logs -f {run.root}    stop: ftrun stop {run.root}")
             return 0
         state = effective_state(run)
         if state == "succeeded":
@@ -91,7 +95,8 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
     else:
         set_state(run, "planned", launcher_pid=_pid(), data_sha256=data_sha, reason="new run")
 
-    if recipe.smoke.enabled and not (resuming and smoke_ok):
+    # a resume with a checkpoint, or after a passed smoke test, skips it: it was measured on this trajectory
+    if recipe.smoke.enabled and not (resuming and (smoke_ok or ckpt_step is not None)):
         _smoke(run, recipe, plan_dict, examples, lengths, stats)
 
     from .supervisor import start_detached, supervise
@@ -182,6 +187,62 @@ def smoke_only(recipe_path: str, overrides: list[str]) -> int:
     return 0
 
 
+def _pull_if_remote_run(run: RunDir, recipe: Recipe) -> bool:
+    """A fresh box with an empty output_dir: fetch the run from `sync.to` when it holds one."""
+    from .sync import pull, remote_has_run
+
+    if not remote_has_run(recipe.sync.to):
+        return False
+    if run.root.exists() and any(run.root.iterdir()):
+        raise UsageError(
+            f"{recipe.sync.to} holds this run, but output_dir {run.root} is not empty and is not an ftrun run",
+            fix="empty that folder or choose another output_dir, then run the same command to fetch and resume.")
+    _say(f"{run.root} is empty on this box, {recipe.sync.to} holds the run: fetching the newest verified checkpoint")
+    lock = RunLock(run).acquire()
+    try:
+        step = pull(recipe.sync.to, run, log=_say)
+        # The pids in the fetched state belong to the lost box.
+        data = read_state(run)
+        if data:
+            set_state(run, data.get("state", "planned"), supervisor_pid=None, worker_pid=None,
+                      reason=f"fetched from {recipe.sync.to}" + (f" at step {step}" if step is not None else ""))
+    finally:
+        lock.release()
+    return True
+
+
+def pull_command(recipe_path: str, overrides: list[str]) -> int:
+    """`ftrun pull RECIPE`: fetch the run from sync.to without resuming it."""
+    recipe = load_recipe(recipe_path, overrides)
+    if not recipe.sync.to:
+        raise RecipeError("the recipe has no sync.to, so there is nothing to pull from",
+                          fix="set sync: {to: user@host:/path} (or s3://..., hf://user/repo) in the recipe.")
+    run = RunDir(Path(recipe.output_dir))
+    if run.exists():
+        raise UsageError(f"{run.root} already holds a run; pulling would overwrite it",
+                         fix="choose an empty output_dir (output_dir=...) to fetch a copy.")
+    if not _pull_if_remote_run(run, recipe):
+        raise UsageError(f"{recipe.sync.to} holds no ftrun run (no recipe.yaml there)",
+                         fix="check sync.to; a run copies itself there once its first checkpoint exists.")
+    _say(format_status(status_summary(run)))
+    return 0
+
+
+def push_command(target: Optional[str]) -> int:
+    """`ftrun push RUN`: copy the newest checkpoint, the final result and the metadata off the box now."""
+    from .sync import Syncer
+
+    run = resolve_run(target)
+    recipe = load_recipe(run.recipe)
+    if not recipe.sync.to:
+        raise RecipeError("the run's recipe has no sync.to", fix="set sync: {to: ...} in the recipe.")
+    syncer = Syncer(run, recipe.sync.to, recipe.sync.keep, log=_say)
+    if not syncer.sync_once(final=run.final.is_dir()):
+        raise UsageError(f"the copy to {recipe.sync.to} failed (see above)", fix="check the destination and retry.")
+    _say(f"{run.root}: copied to {recipe.sync.to} and verified")
+    return 0
+
+
 def _pid() -> int:
     import os
 
@@ -240,6 +301,11 @@ def format_status(s: dict[str, Any]) -> str:
                  f", restarts {s.get('restarts', 0)}")
     if s.get("last_checkpoint"):
         lines.append(f"  last checkpoint {s['last_checkpoint']} ({dur(s.get('last_checkpoint_age_seconds'))} ago)")
+    if s.get("sync_to"):
+        off = s.get("offbox_checkpoint")
+        lines.append(f"  off the box: {off or 'nothing yet'}"
+                     + (f" ({dur(s.get('offbox_age_seconds'))} ago)" if off and s.get("offbox_age_seconds") is not None else "")
+                     + f" at {s['sync_to']}" + (f"   last error: {s['sync_error']}" if s.get("sync_error") else ""))
     if s.get("reason") and s["state"] not in ("running",):
         lines.append(f"  {s['reason']}")
     if s["state"] == "interrupted":

@@ -7,6 +7,7 @@ Relative paths (`data`, `output_dir`, a local `model` directory) resolve against
 from __future__ import annotations
 
 import difflib
+import re
 import hashlib
 import json
 from pathlib import Path
@@ -68,6 +69,16 @@ class SmokeSettings(_Strict):
 
 class SyncSettings(_Strict):
     to: Optional[str] = Field(None, description="Where checkpoints are copied: user@host:/path, s3://..., hf://user/repo.")
+    keep: int = Field(3, ge=1, description="Checkpoints kept off the box (plus the final result).")
+    every_seconds: float = Field(10.0, gt=0, description="How often the background copier looks for a new checkpoint.")
+
+    @field_validator("to")
+    @classmethod
+    def _no_secrets_in_url(cls, value: Optional[str]) -> Optional[str]:
+        if value and re.search(r"://[^/@]+:[^/@]+@", value):
+            raise ValueError("credentials do not belong in the recipe; use the environment (AWS_*, HF_TOKEN) "
+                             "or ~/.ssh/config instead")
+        return value
 
 
 class Recipe(_Strict):
@@ -105,6 +116,13 @@ class Recipe(_Strict):
         None, ge=0, description="Price of the whole box per hour; default from the GPU catalog."
     )
     sync: SyncSettings = Field(default_factory=SyncSettings, description="Copying checkpoints off the box.")
+    grace_seconds: float = Field(
+        60.0, gt=0, description="After SIGTERM (preemption, `ftrun stop`): time to checkpoint before the worker is killed."
+    )
+    on_finish: list[list[str]] = Field(
+        default_factory=list,
+        description="Commands (argument lists) run after the final result is verified off the box, e.g. stopping the server.",
+    )
     trainer: dict[str, Any] = Field(default_factory=dict, description="Extra TRL SFTConfig fields, passed through.")
 
     @field_validator("trainer")

@@ -83,6 +83,9 @@ def run_smoke(run: RunDir, recipe, plan: dict[str, Any], examples, lengths: list
         "price_per_hour_eur": price,
         "estimated_cost": round(est_seconds / 3600 * price, 2),
         "planned_memory_gb": (plan.get("memory") or {}).get("per_gpu_gb"),
+        # a later plan applies these measurements only to the same engine and process count
+        "engine": plan.get("engine"),
+        "num_processes": processes,
     }
     atomic_write_json(run.smoke, report)
     shutil.rmtree(run.smoke_work / "trainer", ignore_errors=True)

@@ -1,7 +1,8 @@
 """The run's state machine, written atomically to state.json, and the lock that makes one writer per run.
 
     planned -> smoking -> running -> succeeded
-                  |          |  \\-> stopped      (SIGTERM / `ftrun stop` / preemption: checkpoint saved)
+                  |          |  \\-> stopped      (`ftrun stop`: checkpoint saved and copied off the box)
+                  |          |  \\-> preempted    (SIGTERM from the provider: the same, within grace_seconds)
                   |          |  \\-> recovering -> running   (worker crashed, restarted from its checkpoint)
                   v          v
            failed-smoke   failed               (crash limit reached, NaN, OOM, bad world size)
@@ -23,7 +24,7 @@ from .checkpoint import atomic_write_json
 from .errors import BusyError
 from .rundir import RunDir
 
-STATES = ("planned", "smoking", "running", "recovering", "succeeded", "stopped", "failed", "failed-smoke")
+STATES = ("planned", "smoking", "running", "recovering", "succeeded", "stopped", "preempted", "failed", "failed-smoke")
 ACTIVE = ("smoking", "running", "recovering")
 
 
@@ -117,6 +118,7 @@ def is_locked(run: RunDir) -> bool:
 def status_summary(run: RunDir) -> dict[str, Any]:
     """What `ftrun status --json` prints, derived from the run's files (no torch)."""
     from .checkpoint import newest_step_unverified
+    from .sync import status_fields as sync_status_fields
 
     data = read_state(run)
     worker = json.loads(run.worker.read_text()) if run.worker.is_file() else {}
@@ -161,6 +163,7 @@ def status_summary(run: RunDir) -> dict[str, Any]:
         "reason": data.get("reason"),
         "final": final,
         "log": str(run.log),
+        **sync_status_fields(run),
     }
 
 

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -21,13 +22,14 @@ from typing import Optional
 from . import train
 from .backends import launch_command
 from .rundir import RunDir
-from .state import set_state
+from .state import read_state, set_state
 
 # Worker exits that a restart cannot fix: report them instead of looping.
 FATAL = {
     train.EXIT_NAN: "the loss became NaN/inf (lower learning_rate, check the data)",
     train.EXIT_OOM: "out of GPU memory (run `ftrun smoke` again: a smaller micro_batch_size or max_length)",
     train.EXIT_BAD_WORLD: "the worker saw a different device or process count than planned (see train.log)",
+    train.EXIT_DISK_FULL: "disk full while saving a checkpoint",
     2: "the worker rejected its input (see train.log)",
 }
 
@@ -59,9 +61,25 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
             _log(f"{stopping['signal']}: asking the worker to checkpoint and stop")
             proc.send_signal(signal.SIGTERM)
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
+    def forward_then_enforce_grace(signum, frame):
+        forward(signum, frame)
+        proc = child["proc"]
+        if proc is not None:
+            # A provider's notice gives limited time: a worker still busy after grace_seconds is
+            # killed; the newest periodic checkpoint is what remains.
+            timer = threading.Timer(recipe.grace_seconds, lambda: proc.poll() is None and proc.kill())
+            timer.daemon = True
+            timer.start()
+
+    signal.signal(signal.SIGTERM, forward_then_enforce_grace)
+    signal.signal(signal.SIGINT, forward_then_enforce_grace)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    syncer = None
+    if recipe.sync.to:
+        from .sync import Syncer
+
+        syncer = Syncer(run, recipe.sync.to, recipe.sync.keep, log=_log).start(recipe.sync.every_seconds)
 
     restarts = 0
     crash_steps: list[int] = []
@@ -78,26 +96,45 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
         if rc == 0:
             set_state(run, "succeeded", worker_pid=None, reason="training finished")
             _log("training finished")
+            if syncer and not syncer.finish(final=True):
+                set_state(run, "succeeded", reason="training finished, but the copy off the box failed: "
+                          "see sync.json; `ftrun push` retries")
+                return 0
+            _on_finish(recipe, run)
             return 0
-        if rc == train.EXIT_STOPPED or (stopping["signal"] and rc in (-signal.SIGTERM, 128 + signal.SIGTERM)):
-            why = f"stopped by {stopping['signal'] or 'SIGTERM'} after a checkpoint; run the same command to resume"
-            set_state(run, "stopped", worker_pid=None, reason=why)
+        if stopping["signal"] or rc == train.EXIT_STOPPED:
+            requested = read_state(run).get("stop_requested")
+            state = "stopped" if requested else "preempted"
+            why = (f"{'stopped by `ftrun stop`' if requested else 'preempted (' + (stopping['signal'] or 'SIGTERM') + ')'}"
+                   f" at step {_last_logged_step(run)}"
+                   + (" after a checkpoint" if rc == train.EXIT_STOPPED else f"; the worker did not finish its checkpoint within {recipe.grace_seconds:g}s")
+                   + "; run the same command to resume")
+            if syncer:
+                syncer.finish(final=False)
+            set_state(run, state, worker_pid=None, reason=why, stop_requested=False)
             _log(why)
             return train.EXIT_STOPPED
         if rc in FATAL:
-            set_state(run, "failed", worker_pid=None, reason=f"worker exit {rc}: {FATAL[rc]}")
-            _log(f"worker failed (exit {rc}): {FATAL[rc]}")
+            if syncer:
+                syncer.finish(final=False)
+            detail = _worker_error(run) or FATAL[rc]
+            set_state(run, "failed", worker_pid=None, reason=detail)
+            _log(f"worker failed (exit {rc}): {detail}")
             return 5
         how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
         step = _last_logged_step(run)
         if crash_steps and crash_steps[-1] == step:
             why = f"worker crashed twice at step {step} ({how}); not retrying a crash that repeats"
+            if syncer:
+                syncer.finish(final=False)
             set_state(run, "failed", worker_pid=None, reason=why)
             _log(why)
             return 5
         crash_steps.append(step)
         if restarts >= recipe.max_restarts:
             why = f"worker crashed ({how}) after {restarts} restart(s), the limit (max_restarts={recipe.max_restarts})"
+            if syncer:
+                syncer.finish(final=False)
             set_state(run, "failed", worker_pid=None, reason=why)
             _log(why)
             return 5
@@ -111,6 +148,24 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
                 set_state(run, "stopped", reason=f"stopped by {stopping['signal']} while recovering")
                 return train.EXIT_STOPPED
             time.sleep(0.1)
+
+
+def _worker_error(run: RunDir) -> Optional[str]:
+    if not run.worker.is_file():
+        return None
+    return json.loads(run.worker.read_text()).get("error")
+
+
+def _on_finish(recipe, run: RunDir) -> None:
+    """The recipe's on_finish commands (argument lists, no shell), after the result is safe off the box."""
+    for argv in recipe.on_finish:
+        _log("on_finish: " + " ".join(argv))
+        try:
+            res = subprocess.run(argv, stdin=subprocess.DEVNULL, timeout=600)
+            if res.returncode != 0:
+                _log(f"on_finish command exited with {res.returncode}")
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            _log(f"on_finish command failed: {exc}")
 
 
 def start_detached(run: RunDir, lock_fd: int) -> int:
@@ -128,12 +183,13 @@ def start_detached(run: RunDir, lock_fd: int) -> int:
 
 def stop(run: RunDir, timeout: float = 120.0) -> str:
     """SIGTERM the supervisor (which forwards to the worker) and wait until it exits."""
-    from .state import pid_alive, read_state
+    from .state import pid_alive
 
     data = read_state(run)
     pid = data.get("supervisor_pid")
     if not pid_alive(pid):
         return "not running"
+    set_state(run, data.get("state", "running"), stop_requested=True)  # `stopped`, not `preempted`
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
     while pid_alive(pid) and time.monotonic() < deadline:

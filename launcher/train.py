@@ -30,6 +30,7 @@ EXIT_STOPPED = 77  # stopped by SIGTERM/SIGINT after saving a checkpoint (preemp
 EXIT_OOM = 78
 EXIT_NAN = 79
 EXIT_BAD_WORLD = 80
+EXIT_DISK_FULL = 81
 
 
 class _Stop:
@@ -239,8 +240,6 @@ def sft_config(recipe, run: RunDir, mode: str, device: str, dtype, max_steps: Op
         num_train_epochs=recipe.epochs if mode == "full" else 1,
         max_steps=max_steps if max_steps else -1,
         learning_rate=recipe.learning_rate,
-        gradient_checkpointing=recipe.gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False},
         packing=recipe.packing,
         assistant_only_loss=recipe.assistant_only_loss,
         seed=recipe.seed,
@@ -256,6 +255,14 @@ def sft_config(recipe, run: RunDir, mode: str, device: str, dtype, max_steps: Op
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
+    # transformers 5.2x renamed gradient_checkpointing to activation_checkpointing (old name warns);
+    # older releases (the ones Unsloth pins) only know the old name.
+    import dataclasses
+
+    ac = "activation_checkpointing" if any(f.name == "activation_checkpointing" for f in dataclasses.fields(SFTConfig)) \
+        else "gradient_checkpointing"
+    fields[ac] = recipe.gradient_checkpointing
+    fields[f"{ac}_kwargs"] = {"use_reentrant": False}
     if recipe.method == "full-8bit":
         # 8-bit AdamW states (bitsandbytes): about 2 bytes/param of optimizer state instead of 8.
         fields["optim"] = "adamw_bnb_8bit"
@@ -350,6 +357,13 @@ def run_worker(run_dir: Path, mode: str) -> int:
     except torch.cuda.OutOfMemoryError as exc:
         print(f"[ftrun worker] out of GPU memory: {str(exc).splitlines()[0]}", file=sys.stderr, flush=True)
         return EXIT_OOM
+    except Exception as exc:
+        if not _is_disk_full(exc, run.root):
+            raise
+        message = _disk_full_message(run, trainer.state.global_step)
+        print(f"[ftrun worker] {message}", file=sys.stderr, flush=True)
+        _record_error(run, message)
+        return EXIT_DISK_FULL
 
     if mode == "smoke":
         if _rank() == 0:
@@ -362,6 +376,42 @@ def run_worker(run_dir: Path, mode: str) -> int:
     if _rank() == 0:
         _save_final(run, trainer, tokenizer, recipe)
     return 0
+
+
+def _is_disk_full(exc: BaseException, where: Path) -> bool:
+    import errno
+    import shutil
+
+    seen: Optional[BaseException] = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    # torch.save reports a full disk as a RuntimeError ("file write failed"); check the disk itself.
+    text = str(exc)
+    return ("write" in text or "No space" in text) and shutil.disk_usage(where).free < 64 * 1024 * 1024
+
+
+def _disk_full_message(run: RunDir, step: int) -> str:
+    """Remove the half-written save; name the sizes so the user knows how much to free."""
+    import shutil
+
+    partial = [p for p in run.checkpoints.glob("checkpoint-*") if p.is_dir()]
+    partial_bytes = sum(f.stat().st_size for p in partial for f in p.rglob("*") if f.is_file())
+    ckpt.remove_incomplete(run.checkpoints)
+    kept = [p for p in ckpt.candidates(run.checkpoints) if (p / ckpt.MANIFEST).is_file()]
+    last_size = sum(f.stat().st_size for f in kept[0].rglob("*") if f.is_file()) if kept else 0
+    free = shutil.disk_usage(run.root).free
+    return (f"disk full while saving the checkpoint of step {step}: {free / 1e6:.1f} MB free on {run.root}, "
+            f"a checkpoint takes about {max(last_size, partial_bytes) / 1e6:.1f} MB; the partial save was removed, "
+            f"{kept[0].name if kept else 'no earlier checkpoint'} is intact. Free space (or lower keep_checkpoints), "
+            "then run the same command to resume.")
+
+
+def _record_error(run: RunDir, message: str) -> None:
+    info = json.loads(run.worker.read_text()) if run.worker.is_file() else {}
+    info["error"] = message
+    ckpt.atomic_write_json(run.worker, info)
 
 
 def _write_smoke_result(run: RunDir, step_times, device: str, timed_out: bool) -> None:

@@ -1,0 +1,466 @@
+"""Copies checkpoints and the run's metadata off the box and back, each copy verified against its manifest.
+
+Destinations (recipe `sync.to`):
+  user@host:/path, alias:/path   rsync over SSH (options from ~/.ssh/config; RSYNC_RSH is honoured)
+  s3://bucket/prefix, gs://..., file:///path, /abs/path   fsspec
+  hf://user/repo                 a private Hugging Face model repo (huggingface_hub)
+Remote layout mirrors the run directory: checkpoints/step-NNNNNN/ (manifest.json uploaded last),
+final/, and the metadata files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from . import checkpoint as ckpt
+from .errors import SyncError
+from .rundir import RunDir
+
+METADATA = ("recipe.yaml", "plan.json", "smoke.json", "metrics.jsonl", "state.json", "worker.json")
+_SCP_LIKE = re.compile(r"^(?:[^@/:\s]+@)?[A-Za-z0-9._-]+:(?!//)")
+
+
+class Destination:
+    """One off-box location; paths below it are relative, '/'-separated."""
+
+    url: str
+
+    def put_file(self, local: Path, rel: str) -> None: ...
+    def get_file(self, rel: str, local: Path) -> bool: ...
+    def list_dirs(self, rel: str) -> list[str]: ...
+    def remove_dir(self, rel: str) -> None: ...
+    def read_bytes_sha256(self, rel: str) -> Optional[str]: ...
+
+    def put_dir(self, local: Path, rel: str, last: str = ckpt.MANIFEST) -> None:
+        """Every file of `local`, the `last` one at the end: its presence marks the copy complete."""
+        files = sorted(p for p in local.rglob("*") if p.is_file())
+        for p in files:
+            if p.name != last:
+                self.put_file(p, f"{rel}/{p.relative_to(local).as_posix()}")
+        if (local / last).is_file():
+            self.put_file(local / last, f"{rel}/{last}")
+
+    def get_dir(self, rel: str, local: Path, files: list[str]) -> None:
+        for name in files:
+            if not self.get_file(f"{rel}/{name}", local / name):
+                raise SyncError(f"{self.url}/{rel}/{name} disappeared while fetching it")
+
+    def verify_dir(self, rel: str, manifest: dict[str, Any]) -> tuple[bool, str]:
+        for name, info in manifest["files"].items():
+            digest = self.read_bytes_sha256(f"{rel}/{name}")
+            if digest is None:
+                return False, f"{rel}/{name} is missing off the box"
+            if digest != info["sha256"]:
+                return False, f"{rel}/{name} differs from the manifest off the box"
+        return True, ""
+
+
+# ---------------------------------------------------------------------------------------
+
+class RsyncDestination(Destination):
+    """rsync over SSH; every remote operation is an rsync call, so RSYNC_RSH or ~/.ssh/config decide how to connect."""
+
+    def __init__(self, url: str):
+        self.url = url.rstrip("/")
+        if shutil.which("rsync") is None:
+            raise SyncError("sync.to is an SSH destination but rsync is not installed on this box",
+                            fix="apt-get install -y rsync openssh-client (both ends need rsync).")
+
+    def _rsync(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+        cmd = ["rsync"]
+        if "RSYNC_RSH" not in os.environ:
+            # Detached runs cannot answer a prompt: fail fast instead of hanging.
+            cmd += ["-e", "ssh -o BatchMode=yes -o ConnectTimeout=20"]
+        return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout)
+
+    def _remote(self, rel: str) -> str:
+        return f"{self.url}/{rel}" if rel else self.url
+
+    def _mkdirs(self, rel: str) -> None:
+        # rsync creates only the last level; --mkpath (rsync >= 3.2.3) creates the rest.
+        pass
+
+    def put_file(self, local: Path, rel: str) -> None:
+        res = self._rsync("-a", "--mkpath", str(local), self._remote(rel))
+        if res.returncode != 0:
+            raise SyncError(f"rsync to {self._remote(rel)} failed: {res.stderr.strip()[-300:]}")
+
+    def put_dir(self, local: Path, rel: str, last: str = ckpt.MANIFEST) -> None:
+        # One rsync for the data (fast, resumable), then the manifest alone.
+        res = self._rsync("-a", "--mkpath", "--partial", f"--exclude={last}", f"{local}/", self._remote(rel) + "/")
+        if res.returncode != 0:
+            raise SyncError(f"rsync to {self._remote(rel)} failed: {res.stderr.strip()[-300:]}")
+        if (local / last).is_file():
+            self.put_file(local / last, f"{rel}/{last}")
+
+    def get_file(self, rel: str, local: Path) -> bool:
+        local.parent.mkdir(parents=True, exist_ok=True)
+        res = self._rsync("-a", self._remote(rel), str(local))
+        if res.returncode == 23 and ("No such file" in res.stderr or "link_stat" in res.stderr):
+            return False
+        if res.returncode != 0:
+            raise SyncError(f"rsync from {self._remote(rel)} failed: {res.stderr.strip()[-300:]}")
+        return True
+
+    def get_dir(self, rel: str, local: Path, files: list[str]) -> None:
+        local.mkdir(parents=True, exist_ok=True)
+        res = self._rsync("-a", self._remote(rel) + "/", f"{local}/")
+        if res.returncode != 0:
+            raise SyncError(f"rsync from {self._remote(rel)} failed: {res.stderr.strip()[-300:]}")
+
+    def list_dirs(self, rel: str) -> list[str]:
+        res = self._rsync("--list-only", self._remote(rel) + "/")
+        if res.returncode != 0:
+            if "No such file" in res.stderr or "change_dir" in res.stderr:
+                return []
+            raise SyncError(f"cannot list {self._remote(rel)}: {res.stderr.strip()[-300:]}")
+        names = []
+        for line in res.stdout.splitlines():
+            parts = line.split(None, 4)
+            if len(parts) == 5 and line.startswith("d") and parts[4] not in (".", ".."):
+                names.append(parts[4])
+        return names
+
+    def remove_dir(self, rel: str) -> None:
+        parent, _, name = rel.rpartition("/")
+        with tempfile.TemporaryDirectory() as empty:
+            # Delete exactly one folder: sync an empty folder with a filter that only sees `name`.
+            res = self._rsync("-r", "--delete", f"--include=/{name}/***", "--exclude=*", f"{empty}/",
+                              self._remote(parent) + "/")
+        if res.returncode != 0:
+            raise SyncError(f"cannot remove {self._remote(rel)}: {res.stderr.strip()[-300:]}")
+
+    def verify_dir(self, rel: str, manifest: dict[str, Any], local: Optional[Path] = None) -> tuple[bool, str]:
+        if local is None:
+            return super().verify_dir(rel, manifest)
+        # rsync compares checksums on both ends; any itemized change means the copy differs.
+        res = self._rsync("-a", "--checksum", "--dry-run", "--itemize-changes", f"{local}/", self._remote(rel) + "/")
+        if res.returncode != 0:
+            return False, res.stderr.strip()[-300:]
+        changed = [l for l in res.stdout.splitlines() if l and not l.startswith(".d")]
+        return (not changed), ("differs off the box: " + "; ".join(changed[:3]) if changed else "")
+
+    def read_bytes_sha256(self, rel: str) -> Optional[str]:
+        with tempfile.TemporaryDirectory() as tmp:
+            target = Path(tmp) / "f"
+            if not self.get_file(rel, target):
+                return None
+            return _sha256(target)
+
+
+class FsspecDestination(Destination):
+    def __init__(self, url: str):
+        import fsspec
+
+        self.url = url.rstrip("/")
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        except (ImportError, ValueError) as exc:
+            raise SyncError(f"cannot use sync.to={url}: {exc}",
+                            fix="install the fsspec backend for this URL (s3fs for s3://, gcsfs for gs://).") from None
+
+    def _p(self, rel: str) -> str:
+        return f"{self.root}/{rel}" if rel else self.root
+
+    def put_file(self, local: Path, rel: str) -> None:
+        target = self._p(rel)
+        self.fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+        self.fs.put_file(str(local), target)
+
+    def get_file(self, rel: str, local: Path) -> bool:
+        if not self.fs.exists(self._p(rel)):
+            return False
+        local.parent.mkdir(parents=True, exist_ok=True)
+        self.fs.get_file(self._p(rel), str(local))
+        return True
+
+    def list_dirs(self, rel: str) -> list[str]:
+        if not self.fs.exists(self._p(rel)):
+            return []
+        return [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(self._p(rel), detail=True)
+                if e.get("type") == "directory"]
+
+    def remove_dir(self, rel: str) -> None:
+        if self.fs.exists(self._p(rel)):
+            self.fs.rm(self._p(rel), recursive=True)
+
+    def read_bytes_sha256(self, rel: str) -> Optional[str]:
+        if not self.fs.exists(self._p(rel)):
+            return None
+        h = hashlib.sha256()
+        with self.fs.open(self._p(rel), "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+        return h.hexdigest()
+
+
+class HubDestination(Destination):
+    """A private Hugging Face repo; HF_TOKEN comes from the environment or `huggingface-cli login`."""
+
+    def __init__(self, url: str):
+        from huggingface_hub import HfApi
+
+        self.url = url.rstrip("/")
+        parts = self.url[len("hf://"):].split("/", 2)
+        if len(parts) < 2:
+            raise SyncError(f"sync.to={url} does not name a repo", fix="write hf://USER/REPO[/subfolder].")
+        self.repo = f"{parts[0]}/{parts[1]}"
+        self.prefix = parts[2] if len(parts) == 3 else ""
+        self.api = HfApi()
+        self.api.create_repo(self.repo, private=True, exist_ok=True)
+
+    def _p(self, rel: str) -> str:
+        return f"{self.prefix}/{rel}".strip("/") if self.prefix else rel
+
+    def put_file(self, local: Path, rel: str) -> None:
+        self.api.upload_file(path_or_fileobj=str(local), path_in_repo=self._p(rel), repo_id=self.repo)
+
+    def put_dir(self, local: Path, rel: str, last: str = ckpt.MANIFEST) -> None:
+        # One commit for the data, then the manifest in its own commit: complete or absent.
+        self.api.upload_folder(folder_path=str(local), path_in_repo=self._p(rel), repo_id=self.repo,
+                               ignore_patterns=[last])
+        if (local / last).is_file():
+            self.put_file(local / last, f"{rel}/{last}")
+
+    def get_file(self, rel: str, local: Path) -> bool:
+        from huggingface_hub.utils import EntryNotFoundError
+
+        try:
+            path = self.api.hf_hub_download(self.repo, self._p(rel))
+        except EntryNotFoundError:
+            return False
+        local.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, local)
+        return True
+
+    def list_dirs(self, rel: str) -> list[str]:
+        from huggingface_hub.utils import EntryNotFoundError
+
+        try:
+            entries = self.api.list_repo_tree(self.repo, path_in_repo=self._p(rel) or None)
+        except EntryNotFoundError:
+            return []
+        return [e.path.rsplit("/", 1)[-1] for e in entries if e.__class__.__name__ == "RepoFolder"]
+
+    def remove_dir(self, rel: str) -> None:
+        self.api.delete_folder(self._p(rel), repo_id=self.repo)
+
+    def read_bytes_sha256(self, rel: str) -> Optional[str]:
+        with tempfile.TemporaryDirectory() as tmp:
+            target = Path(tmp) / "f"
+            return _sha256(target) if self.get_file(rel, target) else None
+
+
+def destination(url: str) -> Destination:
+    if url.startswith("hf://"):
+        return HubDestination(url)
+    if "://" in url or url.startswith("/"):
+        return FsspecDestination(url)
+    if _SCP_LIKE.match(url):
+        return RsyncDestination(url)
+    raise SyncError(f"sync.to={url!r} is not a destination ftrun knows",
+                    fix="use user@host:/path or an SSH alias alias:/path (rsync), s3://bucket/prefix, gs://..., "
+                    "file:///path or an absolute path (fsspec), or hf://user/repo.")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------
+# Upload: the newest verified checkpoint, the metadata, the final result.
+
+def _sync_state(run: RunDir) -> dict[str, Any]:
+    p = run.root / "sync.json"
+    return json.loads(p.read_text()) if p.is_file() else {}
+
+
+def _write_sync_state(run: RunDir, **fields: Any) -> dict[str, Any]:
+    data = _sync_state(run)
+    data.update(fields)
+    ckpt.atomic_write_json(run.root / "sync.json", data)
+    return data
+
+
+def push_checkpoint(dest: Destination, run: RunDir, step_dir: Path, keep: int) -> int:
+    manifest = json.loads((step_dir / ckpt.MANIFEST).read_text())
+    rel = f"checkpoints/{step_dir.name}"
+    dest.put_dir(step_dir, rel)
+    if isinstance(dest, RsyncDestination):
+        ok, why = dest.verify_dir(rel, manifest, local=step_dir)
+    else:
+        ok, why = dest.verify_dir(rel, manifest)
+    if not ok:
+        raise SyncError(f"the copy of {step_dir.name} at {dest.url} does not verify: {why}")
+    # Remote retention: only after the new copy verified, drop the oldest beyond `keep`.
+    remote = sorted(n for n in dest.list_dirs("checkpoints") if n.startswith(ckpt.PREFIX))
+    for old in remote[:-keep] if keep > 0 else []:
+        if old != step_dir.name:
+            dest.remove_dir(f"checkpoints/{old}")
+    return int(manifest["step"])
+
+
+def push_metadata(dest: Destination, run: RunDir) -> None:
+    for name in METADATA:
+        p = run.root / name
+        if p.is_file():
+            dest.put_file(p, name)
+
+
+def push_final(dest: Destination, run: RunDir) -> None:
+    if not run.final.is_dir():
+        return
+    for sub in sorted(p for p in run.final.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        files = sorted(p for p in sub.rglob("*") if p.is_file())
+        manifest = {"files": {f.relative_to(sub).as_posix(): {"size": f.stat().st_size, "sha256": _sha256(f)}
+                              for f in files if f.name != ckpt.MANIFEST}}
+        ckpt.atomic_write_json(sub / ckpt.MANIFEST, {"step": -1, **manifest})
+        dest.put_dir(sub, f"final/{sub.name}")
+        ok, why = dest.verify_dir(f"final/{sub.name}", manifest)
+        if not ok:
+            raise SyncError(f"the copy of final/{sub.name} at {dest.url} does not verify: {why}")
+    for p in run.final.iterdir():
+        if p.is_file():
+            dest.put_file(p, f"final/{p.name}")
+
+
+class Syncer:
+    """Background copies from the supervisor: never blocks training, retries with backoff, never raises."""
+
+    def __init__(self, run: RunDir, url: str, keep: int, log=print):
+        self.run, self.url, self.keep, self.log = run, url, keep, log
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._dest: Optional[Destination] = None
+        self.failures = 0
+
+    def _destination(self) -> Destination:
+        if self._dest is None:
+            self._dest = destination(self.url)
+        return self._dest
+
+    def sync_once(self, final: bool = False) -> bool:
+        """Upload what is new; True when everything that exists locally is verified off the box."""
+        try:
+            dest = self._destination()
+            state = _sync_state(self.run)
+            newest = next((p for p in ckpt.candidates(self.run.checkpoints) if (p / ckpt.MANIFEST).is_file()), None)
+            if newest is not None and state.get("synced_step") != int(newest.name[len(ckpt.PREFIX):]):
+                t0 = time.monotonic()
+                step = push_checkpoint(dest, self.run, newest, self.keep)
+                _write_sync_state(self.run, synced_step=step, synced_at=time.time(), last_error=None, to=self.url)
+                self.log(f"copied {newest.name} to {self.url} and verified it ({time.monotonic() - t0:.1f} s)")
+            if final:
+                push_final(dest, self.run)
+                _write_sync_state(self.run, final_synced_at=time.time())
+            push_metadata(dest, self.run)
+            self.failures = 0
+            return True
+        except FileNotFoundError as exc:  # local retention removed a folder mid-copy: the next round takes the newer one
+            self.log(f"sync: {exc.filename} vanished during the copy; retrying with the newest checkpoint")
+            return False
+        except Exception as exc:  # never let a network problem end the training
+            self.failures += 1
+            _write_sync_state(self.run, last_error=f"{type(exc).__name__}: {exc}"[:500], last_error_at=time.time(),
+                              failures=self.failures, to=self.url)
+            self.log(f"sync to {self.url} failed ({self.failures} in a row): {exc}")
+            return False
+
+    def _loop(self, interval: float) -> None:
+        while not self._stop.is_set():
+            ok = self.sync_once()
+            delay = interval if ok else min(interval * 2 ** self.failures, 300)
+            self._stop.wait(delay)
+
+    def start(self, interval: float = 10.0) -> "Syncer":
+        self._thread = threading.Thread(target=self._loop, args=(interval,), daemon=True, name="ftrun-sync")
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=600)
+
+    def finish(self, final: bool, attempts: int = 4) -> bool:
+        """The last copy before the supervisor exits, retried a few times."""
+        self.stop()
+        for i in range(attempts):
+            if self.sync_once(final=final):
+                return True
+            time.sleep(min(2 ** i, 15))
+        return False
+
+
+# ---------------------------------------------------------------------------------------
+# Download: a fresh box gets the run back.
+
+def remote_has_run(url: str) -> bool:
+    with tempfile.TemporaryDirectory() as tmp:
+        return destination(url).get_file("recipe.yaml", Path(tmp) / "recipe.yaml")
+
+
+def pull(url: str, run: RunDir, log=print) -> Optional[int]:
+    """Fetch the metadata, the newest remote checkpoint that verifies, and any final result; return its step."""
+    dest = destination(url)
+    run.root.mkdir(parents=True, exist_ok=True)
+    for name in METADATA:
+        dest.get_file(name, run.root / name)
+    if not run.recipe.is_file():
+        raise SyncError(f"{url} holds no ftrun run (no recipe.yaml)")
+    steps = sorted((n for n in dest.list_dirs("checkpoints") if n.startswith(ckpt.PREFIX)), reverse=True)
+    got = None
+    for name in steps:
+        target = run.checkpoints / name
+        tmp = run.checkpoints / f".{name}.pull"
+        shutil.rmtree(tmp, ignore_errors=True)
+        manifest_path = tmp / ckpt.MANIFEST
+        if not dest.get_file(f"checkpoints/{name}/{ckpt.MANIFEST}", manifest_path):
+            log(f"pull: skipping {name}: no manifest off the box (an upload that did not finish)")
+            continue
+        manifest = json.loads(manifest_path.read_text())
+        dest.get_dir(f"checkpoints/{name}", tmp, list(manifest["files"]))
+        ok, why = ckpt.verify(tmp)
+        if not ok:
+            log(f"pull: skipping {name}: {why}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            continue
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)
+        got = int(manifest["step"])
+        log(f"pull: {name} fetched from {url} and verified")
+        break
+    for sub in dest.list_dirs("final"):
+        local = run.final / sub
+        if dest.get_file(f"final/{sub}/{ckpt.MANIFEST}", local / ckpt.MANIFEST):
+            manifest = json.loads((local / ckpt.MANIFEST).read_text())
+            dest.get_dir(f"final/{sub}", local, list(manifest["files"]))
+    _write_sync_state(run, synced_step=got, pulled_from=url, pulled_at=time.time())
+    return got
+
+
+def status_fields(run: RunDir) -> dict[str, Any]:
+    s = _sync_state(run)
+    if not s:
+        return {}
+    at = s.get("synced_at")
+    return {
+        "sync_to": s.get("to") or s.get("pulled_from"),
+        "offbox_checkpoint": f"{ckpt.PREFIX}{s['synced_step']:06d}" if s.get("synced_step") is not None else None,
+        "offbox_age_seconds": round(time.time() - at, 1) if at else None,
+        "sync_error": s.get("last_error"),
+    }
