@@ -1,0 +1,541 @@
+"""Export a finished run: adapter, merged 16-bit model, GGUF, serving commands; every output reloaded and checked.
+
+Run as `python -m launcher.export --run-dir DIR [--formats adapter,merged,gguf] [--gguf-type q8_0]` (the
+supervisor does, after a successful run) or through `ftrun export`. Writes into the run's `final/`:
+`merged/` (safetensors + tokenizer + chat template), `gguf/<name>-<TYPE>.gguf` + `Modelfile`,
+`SERVING.md`, and `export.json` with the parity numbers. An output outside its tolerance fails loudly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from .checkpoint import atomic_write_json
+from .errors import EXIT_RUN_FAILED, FtrunError, UsageError
+from .rundir import RunDir
+
+FORMATS = ("adapter", "merged", "gguf")
+# GGUF types the built-in writer produces (lower case, as llama.cpp's --outtype spells them).
+GGUF_TYPES = ("f16", "bf16", "q8_0", "f32")
+# Architectures the built-in GGUF writer knows (HF model_type -> llama.cpp architecture name).
+GGUF_ARCHS = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama", "mistral": "llama"}
+
+# Prompts taken from the training data for the parity checks, and tokens compared per prompt.
+PARITY_PROMPTS = 3
+PARITY_MAX_TOKENS = 128
+GREEDY_NEW_TOKENS = 16
+
+# Tolerances, by what is compared. top1 = share of positions (teacher-forced, over the training prompts)
+# where both models pick the same next token; rel = max |logit difference| / std of the reference logits.
+# Merging in 16 bit only rounds the merged weights once; Q8_0 rounds every weight to 8 bits (llama.cpp
+# reports about 1e-3 perplexity change for real models), F16/BF16 GGUF is the merged model bit for bit.
+TOLERANCE = {
+    "merged": {"min_top1": 0.98, "max_rel": 0.15},
+    "gguf:f32": {"min_top1": 0.999, "max_rel": 1e-4},
+    "gguf:f16": {"min_top1": 0.98, "max_rel": 0.05},
+    "gguf:bf16": {"min_top1": 0.999, "max_rel": 1e-3},
+    "gguf:q8_0": {"min_top1": 0.95, "max_rel": 0.2},
+    "full:merged": {"min_top1": 0.98, "max_rel": 0.15},
+}
+
+
+class ExportError(FtrunError):
+    """An output was written but failed its check (or could not be written): the run itself is fine."""
+
+    kind = "export failed"
+    exit_code = EXIT_RUN_FAILED
+
+
+def _say(msg: str) -> None:
+    print(f"[ftrun export] {msg}", flush=True)
+
+
+def _dir_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
+
+
+def human_size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+@dataclass(frozen=True)
+class Inputs:
+    run: RunDir
+    recipe: Any
+    source: Path  # final/adapter (LoRA methods) or final/model (full fine-tuning)
+    is_adapter: bool
+    formats: tuple[str, ...]
+    gguf_type: str
+
+
+def check_inputs(run_dir: Path, formats: Optional[list[str]] = None, gguf_type: Optional[str] = None) -> Inputs:
+    """Everything that can be wrong before loading a model: one `FtrunError` with the fix."""
+    from .recipe import load_recipe
+
+    run = RunDir(Path(run_dir))
+    if not run.exists():
+        raise UsageError(f"{run.root} is not an ftrun run directory (no recipe.yaml)",
+                         fix="give the run's output_dir or its recipe file, e.g. `ftrun export runs/tiny-cpu`.")
+    recipe = load_recipe(run.recipe)
+    formats = list(formats if formats is not None else getattr(recipe, "export", ["adapter"]))
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown:
+        raise UsageError(f"unknown export format(s) {', '.join(map(repr, unknown))}",
+                         fix=f"choose from {', '.join(FORMATS)}.")
+    gguf_type = (gguf_type or getattr(recipe, "gguf_type", "q8_0")).lower()
+    if gguf_type not in GGUF_TYPES:
+        raise UsageError(f"unknown GGUF type {gguf_type!r}",
+                         fix=f"choose one of {', '.join(GGUF_TYPES)} (--gguf TYPE or gguf_type: in the recipe); "
+                         "other quantizations (Q4_K_M ...) come from llama.cpp's llama-quantize on the f16 file.")
+    is_adapter = recipe.method in ("qlora", "lora")
+    source = run.final / ("adapter" if is_adapter else "model")
+    weights = ("adapter_model.safetensors",) if is_adapter else ("model.safetensors", "model.safetensors.index.json")
+    if not source.is_dir() or not any((source / w).is_file() for w in weights):
+        from .state import effective_state
+
+        state = effective_state(run)
+        raise UsageError(
+            f"{run.root} has no final {'adapter' if is_adapter else 'model'} yet (state: {state}); "
+            f"export needs {source}",
+            fix=("wait until the run has finished (`ftrun status " + str(run.root) + "`), then run `ftrun export "
+                 + str(run.root) + "`." if state not in ("failed", "stopped", "interrupted") else
+                 "resume the run with `ftrun RECIPE` until it finishes, then export."),
+        )
+    if "gguf" in formats:
+        _check_gguf_arch(recipe.model, source, is_adapter)
+    order = tuple(f for f in FORMATS if f in formats or (f == "merged" and "gguf" in formats))
+    return Inputs(run, recipe, source, is_adapter, order, gguf_type)
+
+
+def _model_config(recipe_model: str, source: Path, is_adapter: bool) -> dict[str, Any]:
+    cfg = (Path(recipe_model) / "config.json") if is_adapter else (source / "config.json")
+    if cfg.is_file():
+        return json.loads(cfg.read_text())
+    return {}  # a Hub id whose config is not cached: the GGUF step checks again on the merged model
+
+
+def _check_gguf_arch(recipe_model: str, source: Path, is_adapter: bool) -> None:
+    model_type = _model_config(recipe_model, source, is_adapter).get("model_type")
+    if model_type and model_type not in GGUF_ARCHS and not llama_cpp_converter():
+        raise UsageError(
+            f"the built-in GGUF writer knows {', '.join(sorted(GGUF_ARCHS))}, not {model_type!r}",
+            fix="install llama.cpp on the box and point FTRUN_LLAMA_CPP at its folder (ftrun then runs its "
+            "convert_hf_to_gguf.py), or export without gguf.",
+        )
+
+
+def llama_cpp_converter() -> Optional[Path]:
+    """llama.cpp's convert_hf_to_gguf.py when the box has it (FTRUN_LLAMA_CPP, PATH, ~/llama.cpp)."""
+    candidates = []
+    if os.environ.get("FTRUN_LLAMA_CPP"):
+        candidates.append(Path(os.environ["FTRUN_LLAMA_CPP"]).expanduser() / "convert_hf_to_gguf.py")
+    on_path = shutil.which("convert_hf_to_gguf.py")
+    if on_path:
+        candidates.append(Path(on_path))
+    candidates.append(Path.home() / "llama.cpp" / "convert_hf_to_gguf.py")
+    return next((c for c in candidates if c.is_file()), None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parity: the same prompts through two models, compared by next-token logits and greedy tokens
+
+def parity_prompts(recipe, tokenizer, n: int = PARITY_PROMPTS) -> list[dict[str, Any]]:
+    """The first n training conversations: full text (teacher-forced logits) and prompt (greedy decoding)."""
+    from .data import load_examples
+
+    out = []
+    for messages in load_examples(recipe.data)[:n]:
+        last_assistant = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages))
+        prompt_msgs = messages[:last_assistant] or messages[:1]
+        full = tokenizer.apply_chat_template(messages, tokenize=False)
+        prompt = tokenizer.apply_chat_template(prompt_msgs, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(full, add_special_tokens=False)["input_ids"][:PARITY_MAX_TOKENS]
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"][-PARITY_MAX_TOKENS:]
+        out.append({"text": full, "ids": ids, "prompt_ids": prompt_ids})
+    return out
+
+
+def model_outputs(model, prompts: list[dict[str, Any]], greedy: bool = True) -> list[dict[str, Any]]:
+    """Per prompt: next-token logits over the whole text (float32) and the greedy continuation."""
+    import torch
+
+    device = next(model.parameters()).device
+    results = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p["ids"]], device=device)
+            logits = model(input_ids=ids).logits[0].float().cpu()
+            tokens = None
+            if greedy:
+                pid = torch.tensor([p["prompt_ids"]], device=device)
+                gen = model.generate(input_ids=pid, attention_mask=torch.ones_like(pid), max_new_tokens=GREEDY_NEW_TOKENS,
+                                     do_sample=False, pad_token_id=model.config.eos_token_id
+                                     if isinstance(model.config.eos_token_id, int) else 0)
+                tokens = gen[0, pid.shape[1]:].tolist()
+            results.append({"logits": logits, "greedy": tokens})
+    return results
+
+
+def compare(ref: list[dict[str, Any]], out: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    """Numbers for export.json, and whether they are within TOLERANCE[kind]."""
+    import torch
+
+    agree = total = 0
+    max_abs = 0.0
+    max_rel = 0.0
+    kl_sum = 0.0
+    greedy_same = 0
+    first_diverge = []
+    for r, o in zip(ref, out):
+        a, b = r["logits"], o["logits"]
+        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        total += a.shape[0]
+        diff = float((a - b).abs().max())
+        max_abs = max(max_abs, diff)
+        max_rel = max(max_rel, diff / max(float(a.std()), 1e-6))
+        kl = torch.nn.functional.kl_div(b.log_softmax(-1), a.log_softmax(-1), log_target=True, reduction="batchmean")
+        kl_sum += float(kl)
+        if r["greedy"] is not None and o["greedy"] is not None:
+            if r["greedy"] == o["greedy"]:
+                greedy_same += 1
+            else:
+                first_diverge.append(next(i for i, (x, y) in enumerate(zip(r["greedy"] + [None], o["greedy"] + [None]))
+                                          if x != y))
+    tol = TOLERANCE[kind]
+    top1 = agree / max(total, 1)
+    ok = top1 >= tol["min_top1"] and max_rel <= tol["max_rel"]
+    return {
+        "prompts": len(ref),
+        "positions": total,
+        "top1_agreement": round(top1, 5),
+        "max_abs_logit_diff": round(max_abs, 6),
+        "max_rel_logit_diff": round(max_rel, 6),
+        "mean_kl": round(kl_sum / max(len(ref), 1), 8),
+        "greedy_identical": f"{greedy_same}/{len(ref)}",
+        "greedy_first_divergence": first_diverge,
+        "tolerance": tol,
+        "ok": ok,
+    }
+
+
+def _check(name: str, result: dict[str, Any]) -> None:
+    if not result["ok"]:
+        tol = result["tolerance"]
+        raise ExportError(
+            f"{name} does not match its reference: top-1 agreement {result['top1_agreement']:.4f} "
+            f"(needs >= {tol['min_top1']}), max relative logit difference {result['max_rel_logit_diff']:.4g} "
+            f"(needs <= {tol['max_rel']}); the numbers are in final/export.json",
+            fix="do not serve this output. Re-run `ftrun export RUN_DIR` (a truncated write or a full disk shows "
+            "like this); if it repeats, report it with export.json.",
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+
+def _device_map():
+    import torch
+
+    return "auto" if torch.cuda.is_available() else {"": "cpu"}
+
+
+def export_dtype(config: dict[str, Any]):
+    """The 16-bit dtype of the merged model: the base's own when it is 16-bit, else bfloat16."""
+    import torch
+
+    name = str(config.get("dtype") or config.get("torch_dtype") or "").replace("torch.", "")
+    return torch.float16 if name == "float16" else torch.bfloat16
+
+
+def compute_dtype(dtype):
+    """Parity logits on CPU in float32 (exact reference); on a GPU in the 16-bit dtype itself (memory)."""
+    import torch
+
+    return dtype if torch.cuda.is_available() else torch.float32
+
+
+def load_16bit(path: str, dtype, **kwargs):
+    """A model in 16 bit (never 4-bit: a merge into quantized weights loses the adapter's precision)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=_device_map(), **kwargs)
+    if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False) \
+            or getattr(model.config, "quantization_config", None):
+        raise ExportError(f"{path} loaded as a quantized model; merging needs the 16-bit base",
+                          fix="point the recipe's model at the original 16-bit checkpoint, not a 4-bit one "
+                          "(e.g. Qwen/Qwen3-8B instead of unsloth/Qwen3-8B-bnb-4bit).")
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# The steps
+
+def _write_dir_atomically(dst: Path, write: Callable[[Path], None]) -> None:
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    write(tmp)
+    if dst.exists():
+        shutil.rmtree(dst) if dst.is_dir() else dst.unlink()
+    os.replace(tmp, dst)
+
+
+def _safetensors_dtypes(folder: Path) -> set[str]:
+    import struct
+
+    seen = set()
+    for f in folder.glob("*.safetensors"):
+        with f.open("rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        seen |= {v["dtype"] for k, v in header.items() if k != "__metadata__"}
+    return seen
+
+
+def export_run(run_dir: Path, formats: Optional[list[str]] = None, gguf_type: Optional[str] = None) -> dict[str, Any]:
+    """Produce and check the requested outputs; writes final/export.json (also on failure) and SERVING.md."""
+    inp = check_inputs(run_dir, formats, gguf_type)
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    if Path(inp.recipe.model).is_dir():
+        os.environ["HF_HUB_OFFLINE"] = "1"
+    report: dict[str, Any] = {"run_dir": str(inp.run.root), "method": inp.recipe.method, "model": inp.recipe.model,
+                              "formats": list(inp.formats), "started": time.time(), "outputs": {}, "ok": False}
+    report_path = inp.run.final / "export.json"
+    try:
+        _export(inp, report)
+        report["ok"] = True
+    except FtrunError as exc:
+        report["error"] = exc.message
+        raise
+    except Exception as exc:  # a library failure mid-export: recorded, then shown as an export failure
+        report["error"] = f"{type(exc).__name__}: {exc}"
+        raise ExportError(f"{type(exc).__name__}: {exc}",
+                          fix="see the lines above; `ftrun export RUN_DIR --debug` shows the traceback.") from exc
+    finally:
+        report["seconds"] = round(time.time() - report.pop("started"), 1)
+        atomic_write_json(report_path, report)
+    return report
+
+
+def _export(inp: Inputs, report: dict[str, Any]) -> None:
+    import torch
+    from transformers import AutoTokenizer
+
+    final = inp.run.final
+    config = _model_config(inp.recipe.model, inp.source, inp.is_adapter)
+    dtype = export_dtype(config)
+    cdtype = compute_dtype(dtype)
+    tokenizer = AutoTokenizer.from_pretrained(str(inp.source))
+    if not tokenizer.chat_template:
+        raise ExportError(f"{inp.source} has no chat template", fix="the base model's tokenizer needs one; "
+                          "a model served without its template answers in the wrong format.")
+    prompts = parity_prompts(inp.recipe, tokenizer)
+    report["parity_prompts"] = [{"tokens": len(p["ids"]), "prompt_tokens": len(p["prompt_ids"])} for p in prompts]
+    report["dtype"] = str(dtype).replace("torch.", "")
+    outputs = report["outputs"]
+
+    merged_dir = final / "merged"
+    if inp.is_adapter:
+        from peft import PeftModel
+
+        _say(f"loading the base {inp.recipe.model} in {report['dtype']} and the adapter")
+        base = load_16bit(inp.recipe.model, dtype)
+        base_out = model_outputs(base.to(cdtype), prompts, greedy=False)
+        model = PeftModel.from_pretrained(base, str(inp.source)).to(cdtype).eval()
+        ref = model_outputs(model, prompts)
+        effect = compare(base_out, ref, "merged")
+        size = _dir_size(inp.source / "adapter_model.safetensors")
+        outputs["adapter"] = {
+            "path": str(inp.source), "bytes": size, "size": human_size(size),
+            "rank": model.peft_config["default"].r,
+            # An adapter that does not move the logits is untrained or was saved empty.
+            "changes_base_logits": {"mean_kl": effect["mean_kl"], "top1_agreement_with_base": effect["top1_agreement"]},
+            "chat_template": (inp.source / "chat_template.jinja").is_file() or bool(tokenizer.chat_template),
+        }
+        if effect["max_abs_logit_diff"] == 0.0:
+            raise ExportError(f"the adapter in {inp.source} does not change the base model's output",
+                              fix="the training saved an empty adapter; check train.log and metrics.jsonl.")
+        _say(f"adapter {human_size(size)} (rank {outputs['adapter']['rank']}), reloads and changes the base "
+             f"(top-1 agreement with base {effect['top1_agreement']:.3f})")
+        del base_out
+        if "merged" not in inp.formats:
+            return _serving(inp, report, tokenizer)
+        _say("merging the adapter into the 16-bit base")
+        merged = model.to(dtype).merge_and_unload()
+        kind = "merged"
+    else:
+        _say(f"loading the full fine-tune {inp.source}")
+        ref_model = load_16bit(str(inp.source), torch.float32)
+        ref = model_outputs(ref_model, prompts)
+        merged = ref_model.to(dtype)
+        kind = "full:merged"
+        outputs["model"] = {"path": str(inp.source), "bytes": _dir_size(inp.source), "size": human_size(_dir_size(inp.source))}
+
+    def write_merged(tmp: Path) -> None:
+        merged.save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
+
+    _write_dir_atomically(merged_dir, write_merged)
+    del merged
+    dtypes = _safetensors_dtypes(merged_dir)
+    saved_cfg = json.loads((merged_dir / "config.json").read_text())
+    if "quantization_config" in saved_cfg or not dtypes <= {"BF16", "F16"}:
+        raise ExportError(f"the merged model in {merged_dir} is not plain 16-bit (tensors: {sorted(dtypes)})",
+                          fix="report this with export.json; do not serve the merged folder.")
+    reloaded = load_16bit(str(merged_dir), dtype).to(cdtype)
+    merged_out = model_outputs(reloaded, prompts)
+    result = compare(ref, merged_out, kind)
+    size = _dir_size(merged_dir)
+    outputs["merged"] = {"path": str(merged_dir), "bytes": size, "size": human_size(size),
+                         "tensor_dtypes": sorted(dtypes), "parity_vs_" + ("base_plus_adapter" if inp.is_adapter else "full_model"): result}
+    _say(f"merged model {human_size(size)} in {merged_dir}: top-1 agreement {result['top1_agreement']:.4f}, "
+         f"max |dlogit| {result['max_abs_logit_diff']:.3g}, greedy identical {result['greedy_identical']}")
+    _check("the merged model", result)
+    del ref
+
+    if "gguf" in inp.formats:
+        from . import gguf_writer
+
+        gguf_dir = final / "gguf"
+        gguf_dir.mkdir(parents=True, exist_ok=True)
+        name = f"{inp.run.root.name}-{inp.gguf_type.upper()}.gguf"
+        path = gguf_dir / name
+        tmp = gguf_dir / f".{name}.tmp"
+        converter = llama_cpp_converter()
+        if converter:
+            _say(f"writing {name} with llama.cpp's {converter}")
+            _run_llama_cpp(converter, merged_dir, tmp, inp.gguf_type)
+            how = f"llama.cpp {converter}"
+        else:
+            _say(f"writing {name} with the gguf package's writer")
+            gguf_writer.write_gguf(merged_dir, tmp, inp.gguf_type, name=inp.run.root.name)
+            how = "gguf package writer (launcher/gguf_writer.py)"
+        os.replace(tmp, path)
+        # the merged model in float32 is the reference: the GGUF reader dequantizes to float32
+        merged32 = model_outputs(load_16bit(str(merged_dir), dtype).to(cdtype), prompts)
+        gguf_model, gguf_tok, meta, gguf_cfg = _load_gguf(gguf_dir, name, cdtype)
+        config_diff = _config_diff(json.loads((merged_dir / "config.json").read_text()), gguf_cfg)
+        tok_ok = [gguf_tok(p["text"], add_special_tokens=False)["input_ids"][:PARITY_MAX_TOKENS] == p["ids"]
+                  for p in prompts]
+        gres = compare(merged32, model_outputs(gguf_model, prompts), f"gguf:{inp.gguf_type}")
+        gsize = path.stat().st_size
+        outputs["gguf"] = {"path": str(path), "type": inp.gguf_type.upper(), "bytes": gsize, "size": human_size(gsize),
+                           "written_by": how, "architecture": meta.get("architecture"),
+                           "chat_template_included": meta.get("chat_template") == tokenizer.chat_template,
+                           "tokenizer_identical": f"{sum(tok_ok)}/{len(tok_ok)}", "tensor_types": meta.get("tensor_types"),
+                           "config_differences": config_diff, "parity_vs_merged": gres}
+        _say(f"GGUF {human_size(gsize)} {path.name}: top-1 agreement {gres['top1_agreement']:.4f}, "
+             f"max |dlogit| {gres['max_abs_logit_diff']:.3g}, greedy identical {gres['greedy_identical']}, "
+             f"tokenizer identical {outputs['gguf']['tokenizer_identical']}")
+        if config_diff:
+            raise ExportError(f"{path.name} describes a different model than the merged one: " + "; ".join(config_diff),
+                              fix="do not serve this GGUF; report it with export.json.")
+        if not all(tok_ok):
+            raise ExportError(f"the tokenizer stored in {path.name} splits the training prompts differently from "
+                              "the model's own tokenizer", fix="do not serve this GGUF; with llama.cpp's converter "
+                              "(FTRUN_LLAMA_CPP) the tokenizer's pre-tokenizer is detected by llama.cpp itself.")
+        if not outputs["gguf"]["chat_template_included"]:
+            raise ExportError(f"{path.name} does not carry the model's chat template",
+                              fix="report this with export.json; Ollama would fall back to a wrong template.")
+        _check(f"the GGUF {path.name}", gres)
+    _serving(inp, report, tokenizer)
+
+
+CONFIG_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+               "vocab_size", "head_dim", "rms_norm_eps", "tie_word_embeddings")
+
+
+def _config_diff(merged: dict[str, Any], gguf_config) -> list[str]:
+    """The architecture numbers the GGUF declares that differ from the merged model's config.json."""
+    diffs = []
+    for key in CONFIG_KEYS:
+        want = merged.get(key)
+        got = getattr(gguf_config, key, None)
+        if key == "head_dim" and want is None:
+            want = merged["hidden_size"] // merged["num_attention_heads"]
+        if want is None or got is None:
+            continue
+        if (abs(float(want) - float(got)) > 1e-9 * max(abs(float(want)), 1.0)) if isinstance(want, float) else want != got:
+            diffs.append(f"{key} {got} (merged: {want})")
+    return diffs
+
+
+def _run_llama_cpp(converter: Path, merged_dir: Path, out: Path, gguf_type: str) -> None:
+    import subprocess
+
+    cmd = [sys.executable, str(converter), str(merged_dir), "--outfile", str(out), "--outtype", gguf_type]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0 or not out.is_file():
+        tail = "\n".join((res.stdout + res.stderr).strip().splitlines()[-8:])
+        raise ExportError(f"llama.cpp's converter failed (exit {res.returncode}):\n{tail}",
+                          fix="unset FTRUN_LLAMA_CPP to use ftrun's own writer (Llama/Qwen), or update llama.cpp.")
+
+
+def _load_gguf(folder: Path, name: str, cdtype):
+    """The GGUF read back through transformers (dequantized), its tokenizer, and the metadata we check."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from .gguf_writer import read_metadata
+
+    meta = read_metadata(folder / name)
+    config = AutoConfig.from_pretrained(str(folder), gguf_file=name)
+    # transformers' GGUF config reader skips attention.key_length and keeps Qwen3's default head_dim of 128,
+    # right for the published Qwen3 sizes only: take it from the file, which is what llama.cpp does too.
+    if meta.get("key_length") and getattr(config, "head_dim", None) not in (None, meta["key_length"]):
+        config.head_dim = meta["key_length"]
+    model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=name, config=config, dtype=cdtype).eval()
+    tok = AutoTokenizer.from_pretrained(str(folder), gguf_file=name)
+    return model, tok, meta, config
+
+
+# ---------------------------------------------------------------------------------------------
+# Serving commands
+
+def _serving(inp: Inputs, report: dict[str, Any], tokenizer) -> None:
+    from . import serving
+
+    text, modelfile = serving.render(inp.run, inp.recipe, report, tokenizer)
+    (inp.run.final / "SERVING.md").write_text(text)
+    report["serving"] = str(inp.run.final / "SERVING.md")
+    if modelfile is not None:
+        path = inp.run.final / "gguf" / "Modelfile"
+        path.write_text(modelfile["text"])
+        report["outputs"]["gguf"]["modelfile"] = str(path)
+        report["outputs"]["gguf"]["modelfile_template_check"] = modelfile["check"]
+    _say(f"serving commands in {inp.run.final / 'SERVING.md'}")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launcher.export", description=__doc__.split("\n")[0])
+    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--formats", help="comma-separated: adapter,merged,gguf (default: the recipe's export:)")
+    parser.add_argument("--gguf-type", help=f"one of {', '.join(GGUF_TYPES)} (default: the recipe's gguf_type)")
+    parser.add_argument("--debug", action="store_true")
+    ns = parser.parse_args(argv)
+    try:
+        export_run(ns.run_dir.resolve(), ns.formats.split(",") if ns.formats else None, ns.gguf_type)
+    except FtrunError as exc:
+        if ns.debug:
+            raise
+        print(exc.render(), file=sys.stderr)
+        return exc.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
