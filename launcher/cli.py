@@ -8,6 +8,7 @@
     ftrun stop [RECIPE|RUN_DIR]
     ftrun pull RECIPE                                      fetch a run from sync.to (no resume)
     ftrun push [RECIPE|RUN_DIR]                            copy checkpoint + result to sync.to now
+    ftrun export [RECIPE|RUN_DIR] [--merged] [--gguf TYPE]  adapter, merged model, GGUF, serving commands; checked
     ftrun explain                                          every recipe key, its default and meaning
 """
 
@@ -22,7 +23,7 @@ from typing import Optional
 
 from .errors import EXIT_INTERNAL, FtrunError, UsageError
 
-COMMANDS = ("plan", "smoke", "status", "logs", "stop", "pull", "push", "explain", "run")
+COMMANDS = ("plan", "smoke", "status", "logs", "stop", "pull", "push", "export", "explain", "run")
 
 
 def _parse_tokens(text: Optional[str]) -> Optional[int]:
@@ -75,6 +76,10 @@ def _parser() -> argparse.ArgumentParser:
     pu.add_argument("overrides", nargs="*", metavar="key=value")
     ps = sub.add_parser("push", help="copy the newest checkpoint and the result to sync.to now")
     ps.add_argument("target", nargs="?", help="recipe file or run directory")
+    ex = sub.add_parser("export", help="adapter, merged 16-bit model, GGUF and serving commands, each checked")
+    ex.add_argument("target", nargs="?", help="recipe file or run directory")
+    ex.add_argument("--merged", action="store_true", help="also merge the adapter into the 16-bit base")
+    ex.add_argument("--gguf", metavar="TYPE", help="also write a GGUF: q8_0, f16, bf16 or f32 (implies --merged)")
     sub.add_parser("explain", help="every recipe key with its default and meaning")
     return p
 
@@ -157,6 +162,12 @@ def cmd_push(a) -> int:
     from .pipeline import push_command
 
     return push_command(a.target)
+
+
+def cmd_export(a) -> int:
+    from .export import export_command
+
+    return export_command(a.target, merged=a.merged, gguf=a.gguf)
 
 
 def cmd_explain(a) -> int:

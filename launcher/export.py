@@ -379,12 +379,15 @@ def _export(inp: Inputs, report: dict[str, Any]) -> None:
         merged = model.to(dtype).merge_and_unload()
         kind = "merged"
     else:
+        size = _dir_size(inp.source)
+        outputs["model"] = {"path": str(inp.source), "bytes": size, "size": human_size(size)}
+        if "merged" not in inp.formats:  # the full model is already servable as it is
+            return _serving(inp, report, tokenizer)
         _say(f"loading the full fine-tune {inp.source}")
         ref_model = load_16bit(str(inp.source), torch.float32)
         ref = model_outputs(ref_model, prompts)
         merged = ref_model.to(dtype)
         kind = "full:merged"
-        outputs["model"] = {"path": str(inp.source), "bytes": _dir_size(inp.source), "size": human_size(_dir_size(inp.source))}
 
     def write_merged(tmp: Path) -> None:
         merged.save_pretrained(str(tmp), safe_serialization=True)
@@ -518,6 +521,27 @@ def _serving(inp: Inputs, report: dict[str, Any], tokenizer) -> None:
         report["outputs"]["gguf"]["modelfile"] = str(path)
         report["outputs"]["gguf"]["modelfile_template_check"] = modelfile["check"]
     _say(f"serving commands in {inp.run.final / 'SERVING.md'}")
+
+
+def export_command(target: Optional[str], merged: bool = False, gguf: Optional[str] = None) -> int:
+    """`ftrun export`: the recipe's export list, or adapter plus what the flags ask for; prints where things went."""
+    from .pipeline import resolve_run
+    from .state import RunLock
+
+    run = resolve_run(target)
+    formats = None
+    if merged or gguf:
+        formats = ["adapter", "merged"] + (["gguf"] if gguf else [])
+    check_inputs(run.root, formats, gguf)  # bad input fails here, before the lock and the heavy imports
+    lock = RunLock(run).acquire()  # the supervisor holds it while training or exporting
+    try:
+        report = export_run(run.root, formats, gguf)
+    finally:
+        lock.release()
+    for key, out in report["outputs"].items():
+        print(f"{key:8} {out['size']:>9}  {out['path']}")
+    print(f"checks   {run.final / 'export.json'}\nserving  {report.get('serving')}")
+    return 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -20,6 +20,8 @@ from .errors import RecipeError
 
 Method = Literal["qlora", "lora", "full", "full-8bit"]
 Engine = Literal["auto", "unsloth", "trl", "ddp", "fsdp", "deepspeed"]
+ExportFormat = Literal["adapter", "merged", "gguf"]  # launcher/export.py
+GgufType = Literal["f16", "bf16", "q8_0", "f32"]  # what launcher/gguf_writer.py writes
 
 # Settings the recipe owns at top level: passing them again under `trainer:` would make two
 # surfaces for one setting, so they are refused there with a pointer to the top-level key.
@@ -123,6 +125,12 @@ class Recipe(_Strict):
         default_factory=list,
         description="Commands (argument lists) run after the final result is verified off the box, e.g. stopping the server.",
     )
+    export: list[ExportFormat] = Field(
+        default_factory=lambda: ["adapter"],
+        description="Outputs made after training, each reloaded and checked: adapter, merged (16-bit, for vLLM), "
+        "gguf (for Ollama/llama.cpp; implies merged).",
+    )
+    gguf_type: GgufType = Field("q8_0", description="GGUF tensor type: q8_0 (about half of f16), f16, bf16, f32.")
     trainer: dict[str, Any] = Field(default_factory=dict, description="Extra TRL SFTConfig fields, passed through.")
 
     @field_validator("trainer")

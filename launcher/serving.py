@@ -127,12 +127,12 @@ def render(run, recipe, report: dict[str, Any], tokenizer) -> tuple[str, Optiona
              "Every output below was reloaded and compared with its reference on training prompts; "
              "the numbers are in `export.json`.", ""]
     rows = []
-    for key in ("adapter", "merged", "gguf"):
+    for key in ("adapter", "model", "merged", "gguf"):
         if key in outputs:
             o = outputs[key]
             par = o.get("parity_vs_merged") or o.get("parity_vs_base_plus_adapter") or o.get("parity_vs_full_model")
-            check = (f"top-1 agreement {par['top1_agreement']:.4f}, greedy identical {par['greedy_identical']}"
-                     if par else "reloads; changes the base model's output")
+            check = (f"top-1 agreement {par['top1_agreement']:.4f}, greedy identical {par['greedy_identical']}" if par
+                     else "reloads; changes the base model's output" if key == "adapter" else "as the trainer saved it")
             rows.append(f"| {key} | `{o['path']}` | {o['size']} | {check} |")
     parts += ["| output | path | size | check |", "|---|---|---|---|", *rows, ""]
 
@@ -147,9 +147,9 @@ def render(run, recipe, report: dict[str, Any], tokenizer) -> tuple[str, Optiona
             parts += ["The adapter was trained against the 4-bit base; served on the 16-bit base it behaves like "
                       "the merged model below (the standard QLoRA deployment).", ""]
         parts += ["```", _curl(name, question), "```", ""]
-    if "merged" in outputs:
-        mpath = outputs["merged"]["path"]
-        parts += ["## vLLM: the merged 16-bit model", "",
+    if "merged" in outputs or "model" in outputs:
+        mpath = outputs["merged" if "merged" in outputs else "model"]["path"]
+        parts += ["## vLLM: the " + ("merged 16-bit" if "merged" in outputs else "fully fine-tuned") + " model", "",
                   "No adapter at run time; add `--tensor-parallel-size N` for a model larger than one GPU.", "", "```",
                   f"vllm serve {q(mpath)} \\\n  --served-model-name {q(name)} \\\n  --max-model-len {recipe.max_length}",
                   "```", "", "```", _curl(name, question), "```", ""]
