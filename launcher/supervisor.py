@@ -96,6 +96,7 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
         if rc == 0:
             set_state(run, "succeeded", worker_pid=None, reason="training finished")
             _log("training finished")
+            _export(recipe, run, child)
             if syncer and not syncer.finish(final=True):
                 set_state(run, "succeeded", reason="training finished, but the copy off the box failed: "
                           "see sync.json; `ftrun push` retries")
@@ -154,6 +155,42 @@ def _worker_error(run: RunDir) -> Optional[str]:
     if not run.worker.is_file():
         return None
     return json.loads(run.worker.read_text()).get("error")
+
+
+def _export(recipe, run: RunDir, child: dict) -> None:
+    """The recipe's exports in their own process (torch stays out of the supervisor).
+
+    A failed export never undoes the training: the state stays succeeded, with export.state failed
+    and the reason; `ftrun export RUN_DIR` retries.
+    """
+    if not recipe.export:
+        return
+    _log("exporting: " + ", ".join(recipe.export))
+    started = time.time()
+    set_state(run, "succeeded", export={"state": "running", "formats": list(recipe.export), "started": started})
+    cmd = [sys.executable, "-m", "launcher.export", "--run-dir", str(run.root)]
+    report_path = run.final / "export.json"
+    report_path.unlink(missing_ok=True)  # a stale report must not speak for this export
+    try:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                                cwd=str(Path(__file__).resolve().parent.parent))
+        child["proc"] = proc  # `ftrun stop` reaches the export too
+        rc = proc.wait()
+        child["proc"] = None
+    except OSError as exc:
+        rc, err = None, f"could not start the export: {exc}"
+    report = json.loads(report_path.read_text()) if report_path.is_file() else {}
+    if rc == 0 and report.get("ok"):
+        outs = ", ".join(f"{k} {v.get('size', '')}".strip() for k, v in report.get("outputs", {}).items())
+        info = {"state": "succeeded", "outputs": outs, "serving": report.get("serving")}
+        _log(f"export finished: {outs}; serving commands in {report.get('serving')}")
+    else:
+        if rc is not None:
+            err = report.get("error") or (f"killed by signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}")
+        info = {"state": "failed", "reason": f"{err.splitlines()[0]}; retry with `ftrun export {run.root}`"}
+        _log(f"export failed: {err}; the trained result is intact")
+    info.update(formats=list(recipe.export), seconds=round(time.time() - started, 1))
+    set_state(run, "succeeded", export=info)
 
 
 def _on_finish(recipe, run: RunDir) -> None:
