@@ -135,6 +135,9 @@ def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta
                 removed = ckpt.retain(run.checkpoints, recipe.keep_checkpoints)
                 print(f"[ftrun worker] checkpoint {dst.name} saved and verified"
                       + (f"; removed {', '.join(removed)}" if removed else ""), flush=True)
+                from .plots import refresh  # lazy: matplotlib only when a checkpoint is written
+
+                refresh(run.root)  # loss.png; never raises
             if torch.distributed.is_available() and torch.distributed.is_initialized():
                 torch.distributed.barrier()
             return control
