@@ -103,12 +103,13 @@ def cmd_smoke(a) -> int:
 
 
 def cmd_status(a) -> int:
-    from .pipeline import format_status, resolve_run
+    from .pipeline import format_status, resolve_run, status_extras
     from .state import ACTIVE, status_summary
 
     run = resolve_run(a.target)
     while True:
         s = status_summary(run)
+        s.update(status_extras(run, s))
         if a.json:
             print(json.dumps(s, indent=2))
         else:

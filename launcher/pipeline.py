@@ -280,6 +280,37 @@ def resolve_run(target: Optional[str], overrides: list[str] | None = None) -> Ru
                      fix="give the recipe you started the run with, or its output_dir.")
 
 
+def status_extras(run: RunDir, s: dict[str, Any]) -> dict[str, Any]:
+    """Money and time beside the forecasts, the export, loss.png: what `ftrun status` adds to status_summary."""
+    from .state import ACTIVE, read_state
+
+    data = read_state(run)
+    plan = json.loads(run.plan.read_text()) if run.plan.is_file() else {}
+    smoke = json.loads(run.smoke.read_text()) if run.smoke.is_file() else {}
+    # Box time this run has used: the intervals spent smoking, running or recovering (resumes included).
+    history = data.get("history", [])
+    used = 0.0
+    for i, h in enumerate(history):
+        if h.get("state") in ACTIVE:
+            end = history[i + 1]["at"] if i + 1 < len(history) else (time.time() if s["state"] in ACTIVE else h["at"])
+            used += max(end - h["at"], 0.0)
+    price = plan.get("price_per_hour_eur")
+    eta = s.get("eta_seconds")
+    out: dict[str, Any] = {
+        "elapsed_seconds": round(used, 1),
+        "price_per_hour_eur": price,
+        "cost_so_far_eur": round(used / 3600 * price, 2) if price is not None else None,
+        "cost_to_go_eur": round(eta / 3600 * price, 2) if price is not None and eta is not None else None,
+        "plan_estimated_seconds": round(plan["estimate"]["hours"] * 3600, 1)
+        if (plan.get("estimate") or {}).get("hours") is not None else None,
+        "plan_estimated_cost_eur": (plan.get("estimate") or {}).get("cost_eur"),
+        "smoke_estimated_cost_eur": smoke.get("estimated_cost"),
+        "export": data.get("export"),
+        "loss_plot": str(run.root / "loss.png") if (run.root / "loss.png").is_file() else None,
+    }
+    return out
+
+
 def format_status(s: dict[str, Any]) -> str:
     def dur(x):
         if x is None:
@@ -299,6 +330,19 @@ def format_status(s: dict[str, Any]) -> str:
                         if s.get("smoke_estimated_seconds") else ""))
     lines.append(f"  supervisor pid {s.get('pid')} ({'alive' if s.get('pid_alive') else 'not running'})"
                  f", restarts {s.get('restarts', 0)}")
+    if s.get("elapsed_seconds"):
+        # the actual beside the forecasts: time used + time to go, against what the smoke test and the plan said
+        eta = s.get("eta_seconds")
+        actual = f"{dur(s['elapsed_seconds'])} so far" + (f" + {dur(eta)} to go" if eta is not None else "")
+        fc = [f"{name} forecast {dur(sec)}" + (f" / {cost:.2f} EUR" if cost is not None else "")
+              for name, sec, cost in (("smoke test", s.get("smoke_estimated_seconds"), s.get("smoke_estimated_cost_eur")),
+                                      ("plan", s.get("plan_estimated_seconds"), s.get("plan_estimated_cost_eur")))
+              if sec is not None]
+        lines.append(f"  time {actual}" + (f"   ({'; '.join(fc)})" if fc else ""))
+        if s.get("price_per_hour_eur"):
+            lines.append(f"  cost {s['cost_so_far_eur']:.2f} EUR so far"
+                         + (f", {s['cost_to_go_eur']:.2f} EUR to go" if s.get("cost_to_go_eur") is not None else "")
+                         + f" at {s['price_per_hour_eur']:.2f} EUR/h")
     if s.get("last_checkpoint"):
         lines.append(f"  last checkpoint {s['last_checkpoint']} ({dur(s.get('last_checkpoint_age_seconds'))} ago)")
     if s.get("sync_to"):
@@ -312,6 +356,13 @@ def format_status(s: dict[str, Any]) -> str:
         lines.append("  the run's processes are gone (crash, kill, machine loss): run the same `ftrun RECIPE` to resume")
     if s.get("final"):
         lines.append(f"  result: {s['final']}")
+    ex = s.get("export")
+    if ex:
+        lines.append(f"  export ({', '.join(ex.get('formats', []))}): {ex.get('state')}"
+                     + (f" - {ex['outputs']}; serving commands in {ex['serving']}" if ex.get("state") == "succeeded" else "")
+                     + (f" - {ex['reason']}" if ex.get("state") == "failed" else ""))
+    if s.get("loss_plot"):
+        lines.append(f"  loss plot: {s['loss_plot']}")
     return "\n".join(lines)
 
 
