@@ -112,8 +112,10 @@ def check_inputs(run_dir: Path, formats: Optional[list[str]] = None, gguf_type: 
         raise UsageError(
             f"{run.root} has no final {'adapter' if is_adapter else 'model'} yet (state: {state}); "
             f"export needs {source}",
-            fix=("wait until the run has finished (`ftrun status " + str(run.root) + "`), then run `ftrun export "
-                 + str(run.root) + "`." if state not in ("failed", "stopped", "interrupted") else
+            fix=("the run finished but its result is not here (deleted, or a fresh box): `ftrun pull RECIPE` "
+                 "fetches it from sync.to; then export again." if state == "succeeded" else
+                 "wait until the run has finished (`ftrun status " + str(run.root) + "`), then run `ftrun export "
+                 + str(run.root) + "`." if state in ("planned", "smoking", "running", "recovering") else
                  "resume the run with `ftrun RECIPE` until it finishes, then export."),
         )
     if "gguf" in formats:
@@ -309,14 +311,15 @@ def _safetensors_dtypes(folder: Path) -> set[str]:
 
 def export_run(run_dir: Path, formats: Optional[list[str]] = None, gguf_type: Optional[str] = None) -> dict[str, Any]:
     """Produce and check the requested outputs; writes final/export.json (also on failure) and SERVING.md."""
-    inp = check_inputs(run_dir, formats, gguf_type)
-    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-    if Path(inp.recipe.model).is_dir():
-        os.environ["HF_HUB_OFFLINE"] = "1"
-    report: dict[str, Any] = {"run_dir": str(inp.run.root), "method": inp.recipe.method, "model": inp.recipe.model,
-                              "formats": list(inp.formats), "started": time.time(), "outputs": {}, "ok": False}
-    report_path = inp.run.final / "export.json"
+    run = RunDir(Path(run_dir))
+    report: dict[str, Any] = {"run_dir": str(run.root), "started": time.time(), "outputs": {}, "ok": False}
+    report_path = run.final / "export.json"
     try:
+        inp = check_inputs(run_dir, formats, gguf_type)
+        report.update(method=inp.recipe.method, model=inp.recipe.model, formats=list(inp.formats))
+        os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+        if Path(inp.recipe.model).is_dir():
+            os.environ["HF_HUB_OFFLINE"] = "1"
         _export(inp, report)
         report["ok"] = True
     except FtrunError as exc:
@@ -328,7 +331,9 @@ def export_run(run_dir: Path, formats: Optional[list[str]] = None, gguf_type: Op
                           fix="see the lines above; `ftrun export RUN_DIR --debug` shows the traceback.") from exc
     finally:
         report["seconds"] = round(time.time() - report.pop("started"), 1)
-        atomic_write_json(report_path, report)
+        if run.exists():  # never create files in a folder that is not a run
+            run.final.mkdir(exist_ok=True)
+            atomic_write_json(report_path, report)
     return report
 
 

@@ -1,0 +1,231 @@
+"""Export on CPU with the tiny model: one real run exports adapter, merged model and GGUF; every output reloaded."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_DATA = REPO / "recipes" / "data" / "tiny-chat.jsonl"
+
+pytest.importorskip("gguf", reason="the export extra (pip install -e '.[export]') is not installed")
+pytest.importorskip("matplotlib", reason="the export extra (pip install -e '.[export]') is not installed")
+
+
+def ftrun(*args, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, "-m", "launcher.cli", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def write_recipe(path: Path, model: Path, out: Path, **fields) -> Path:
+    base = {"model": str(model), "method": "lora", "data": str(TINY_DATA), "max_length": 256, "micro_batch_size": 8,
+            "gradient_accumulation_steps": 1, "max_steps": 8, "learning_rate": 5e-3, "logging_steps": 1,
+            "checkpoint_every_minutes": 0.02, "output_dir": str(out), "smoke": {"enabled": False}}
+    base.update(fields)
+    path.write_text(yaml.safe_dump(base))
+    return path
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_model, tmp_path_factory):
+    """One tiny LoRA run whose recipe asks for every export; the supervisor runs it after training."""
+    tmp = tmp_path_factory.mktemp("export")
+    recipe = write_recipe(tmp / "r.yaml", tiny_model, tmp / "run", export=["adapter", "merged", "gguf"],
+                          gguf_type="q8_0")
+    t0 = time.monotonic()
+    res = ftrun(recipe, "--foreground", cwd=tmp)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return {"run": tmp / "run", "cwd": tmp, "recipe": recipe, "stdout": res.stdout, "seconds": time.monotonic() - t0}
+
+
+def report(run: Path) -> dict:
+    return json.loads((run / "final" / "export.json").read_text())
+
+
+def test_run_exports_adapter_merged_and_gguf_within_tolerance(exported):
+    run = exported["run"]
+    rep = report(run)
+    assert rep["ok"] and rep["formats"] == ["adapter", "merged", "gguf"]
+    out = rep["outputs"]
+    # the adapter reloads and moves the base model's output (a trained, non-empty adapter)
+    assert out["adapter"]["rank"] == 16 and out["adapter"]["bytes"] > 10_000
+    assert out["adapter"]["changes_base_logits"]["mean_kl"] > 0
+    merged = out["merged"]["parity_vs_base_plus_adapter"]
+    assert merged["ok"] and merged["top1_agreement"] >= 0.98 and merged["greedy_identical"] == "3/3"
+    assert merged["positions"] > 100  # three training prompts, teacher-forced
+    g = out["gguf"]
+    assert g["type"] == "Q8_0" and g["architecture"] == "qwen3" and "Q8_0" in g["tensor_types"]
+    assert g["parity_vs_merged"]["ok"] and g["parity_vs_merged"]["top1_agreement"] >= 0.95
+    assert g["tokenizer_identical"] == "3/3" and g["chat_template_included"] and g["config_differences"] == []
+    assert g["modelfile_template_check"] == {"derived": True, "prompts": 3, "identical": 3}
+    state = json.loads((run / "state.json").read_text())
+    assert state["state"] == "succeeded" and state["export"]["state"] == "succeeded"
+
+
+def test_outputs_reload_on_their_own(exported):
+    """Checked here without export.py: the merged folder is plain 16-bit, the GGUF carries the chat template."""
+    import gguf
+
+    final = exported["run"] / "final"
+    cfg = json.loads((final / "merged" / "config.json").read_text())
+    assert "quantization_config" not in cfg
+    with (final / "merged" / "model.safetensors").open("rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(n))
+    assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {"BF16"}
+    for name in ("tokenizer.json", "chat_template.jinja", "generation_config.json"):
+        assert (final / "merged" / name).is_file(), name
+    reader = gguf.GGUFReader(str(final / "gguf" / "run-Q8_0.gguf"))
+    template = reader.fields["tokenizer.chat_template"].contents()
+    assert template == (final / "adapter" / "chat_template.jinja").read_text()
+    assert reader.fields["tokenizer.ggml.pre"].contents() == "gpt-2"  # the tiny tokenizer splits like GPT-2
+
+
+def test_serving_md_and_modelfile_hold_the_commands(exported):
+    final = exported["run"] / "final"
+    text = (final / "SERVING.md").read_text()
+    adapter = final / "adapter"
+    assert f"--lora-modules run={adapter}" in text and "--enable-lora" in text
+    assert "--max-lora-rank 16" in text and "--max-model-len 256" in text
+    assert f"vllm serve {final / 'merged'}" in text and "--served-model-name run" in text
+    assert "curl -s http://localhost:8000/v1/chat/completions" in text and '"model": "run"' in text
+    assert "ollama create run -f Modelfile" in text
+    modelfile = (final / "gguf" / "Modelfile").read_text()
+    assert "FROM ./run-Q8_0.gguf" in modelfile and 'PARAMETER stop "<|im_end|>"' in modelfile
+    assert "{{ .Content }}<|im_end|>" in modelfile and "PARAMETER num_ctx 256" in modelfile
+
+
+def test_loss_png_and_status_show_the_run(exported):
+    run = exported["run"]
+    png = (run / "loss.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    res = ftrun("status", run, cwd=exported["cwd"])
+    assert res.returncode == 0, res.stderr
+    assert "export (adapter, merged, gguf): succeeded" in res.stdout and "loss plot:" in res.stdout
+    s = json.loads(ftrun("status", run, "--json", cwd=exported["cwd"]).stdout)
+    assert s["export"]["state"] == "succeeded" and s["elapsed_seconds"] > 0
+
+
+def test_ftrun_export_cli_writes_another_gguf_type(exported):
+    run = exported["run"]
+    res = ftrun("export", run, "--gguf", "f16", cwd=exported["cwd"])
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "run-F16.gguf" in res.stdout and "SERVING.md" in res.stdout
+    g = report(run)["outputs"]["gguf"]
+    # F16 holds the BF16 merged weights exactly (a narrower exponent, but these values fit)
+    assert g["type"] == "F16" and g["parity_vs_merged"]["top1_agreement"] == 1.0
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--gguf", "q4_k_m"], "unknown GGUF type 'q4_k_m'"),
+])
+def test_bad_export_input_is_one_paragraph(exported, args, needle):
+    res = ftrun("export", exported["run"], *args, cwd=exported["cwd"])
+    assert res.returncode == 2 and needle in res.stderr
+    assert "Traceback" not in res.stderr and "Fix:" in res.stderr
+
+
+def test_export_before_the_run_finished_says_what_to_do(tiny_model, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    recipe = write_recipe(run / "recipe.yaml", tiny_model, run)
+    (run / "state.json").write_text(json.dumps({"state": "running", "supervisor_pid": None}))
+    res = ftrun("export", run, cwd=tmp_path)
+    assert res.returncode == 2, res.stderr
+    assert "has no final adapter yet" in res.stderr and "Fix:" in res.stderr and "Traceback" not in res.stderr
+    assert recipe.is_file()
+
+
+def test_failed_export_keeps_the_run_succeeded(tiny_model, tmp_path):
+    """The supervisor's export step on a run whose adapter is gone: succeeded stays, the reason is recorded."""
+    from launcher.rundir import RunDir
+    from launcher.state import read_state, set_state
+    from launcher.supervisor import _export
+    from launcher.recipe import load_recipe
+
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    write_recipe(run.recipe, tiny_model, run.root, export=["adapter", "merged"])
+    set_state(run, "succeeded", reason="training finished")
+    _export(load_recipe(run.recipe), run, {"proc": None})
+    st = read_state(run)
+    assert st["state"] == "succeeded" and st["export"]["state"] == "failed"
+    assert "no final adapter" in st["export"]["reason"] and "ftrun export" in st["export"]["reason"]
+
+
+def test_parity_outside_tolerance_fails_loudly():
+    import torch
+
+    from launcher.export import ExportError, _check, compare
+
+    torch.manual_seed(0)
+    a = [{"logits": torch.randn(20, 50), "greedy": [1, 2, 3]}]
+    same = compare(a, [{"logits": a[0]["logits"] + 1e-4, "greedy": [1, 2, 3]}], "merged")
+    assert same["ok"] and same["top1_agreement"] == 1.0 and same["greedy_identical"] == "1/1"
+    bad = compare(a, [{"logits": torch.randn(20, 50), "greedy": [1, 5, 3]}], "merged")
+    assert not bad["ok"] and bad["greedy_first_divergence"] == [1]
+    with pytest.raises(ExportError, match="does not match its reference"):
+        _check("the merged model", bad)
+
+
+def test_tokenizer_pre_and_vllm_rank():
+    from launcher.errors import UsageError
+    from launcher.gguf_writer import KNOWN_SPLITS, tokenizer_pre
+    from launcher.serving import vllm_lora_rank
+
+    assert tokenizer_pre({"pre_tokenizer": {"type": "ByteLevel", "use_regex": True}}) == "gpt-2"
+    for regex, name in KNOWN_SPLITS.items():
+        seq = {"type": "Sequence", "pretokenizers": [{"type": "Split", "pattern": {"Regex": regex}},
+                                                    {"type": "ByteLevel", "use_regex": False}]}
+        assert tokenizer_pre({"pre_tokenizer": seq}) == name
+    with pytest.raises(UsageError, match="pre-tokenizer"):
+        tokenizer_pre({"pre_tokenizer": {"type": "Metaspace"}})
+    assert [vllm_lora_rank(r) for r in (4, 8, 16, 24, 64, 600)] == [8, 8, 16, 32, 64, 512]
+
+
+def test_plot_skips_bad_lines_and_never_raises(tmp_path):
+    from launcher.plots import plot_loss, refresh
+
+    m = tmp_path / "metrics.jsonl"
+    m.write_text("".join(json.dumps({"step": i, "loss": 3 - i * 0.1, "learning_rate": 1e-3}) + "\n" for i in range(1, 6))
+                 + '{"step": 6, "lo')
+    out = plot_loss(m, tmp_path / "loss.png")
+    assert out and out.read_bytes()[:4] == b"\x89PNG"
+    assert refresh(tmp_path / "missing") is None
+
+
+def test_status_shows_euros_beside_the_forecasts(tmp_path):
+    from launcher.pipeline import format_status, status_extras
+    from launcher.rundir import RunDir
+
+    run = RunDir(tmp_path)
+    now = time.time()
+    (tmp_path / "plan.json").write_text(json.dumps({"price_per_hour_eur": 3.6, "estimate": {"hours": 2.0, "cost_eur": 7.2}}))
+    (tmp_path / "smoke.json").write_text(json.dumps({"estimated_seconds": 5400, "estimated_cost": 5.4}))
+    (tmp_path / "state.json").write_text(json.dumps({"state": "running", "history": [
+        {"state": "smoking", "at": now - 4000}, {"state": "running", "at": now - 3600}]}))
+    s = {"state": "running", "run_dir": str(tmp_path), "step": 50, "total_steps": 100, "eta_seconds": 1800.0,
+         "loss": 1.5, "tokens_per_second": 1000, "smoke_estimated_seconds": 5400}
+    s.update(status_extras(run, s))
+    assert s["cost_so_far_eur"] == pytest.approx(4.0, abs=0.01) and s["cost_to_go_eur"] == 1.8
+    text = format_status(s)
+    assert "cost 4.00 EUR so far, 1.80 EUR to go at 3.60 EUR/h" in text
+    assert "smoke test forecast 1.5 h / 5.40 EUR" in text and "plan forecast 2.0 h / 7.20 EUR" in text
+
+
+def test_export_modules_import_light():
+    code = ("import sys; import launcher.export, launcher.plots, launcher.serving, launcher.gguf_writer; "
+            "heavy = [m for m in ('torch', 'transformers', 'matplotlib', 'gguf', 'peft') if m in sys.modules]; "
+            "print(heavy); assert not heavy")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert res.returncode == 0, res.stdout + res.stderr
