@@ -15,6 +15,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     .venv/bin/python -m pip install -q "torch==${FTRUN_TORCH:-2.13.0}"
   fi
-  .venv/bin/python -m pip install -q -e ".[train,test]"
+  .venv/bin/python -m pip install -q -e ".[train,export,test]"
   echo "$want" > "$stamp"
 fi
