@@ -1,0 +1,90 @@
+"""Every shipped recipe parses and plans for the box its header names, and the plan agrees with the article's numbers in the header."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from launcher import plan as plan_mod
+from launcher.errors import PlanError
+from launcher.hardware import from_spec
+from launcher.recipe import load_recipe
+
+RECIPES = sorted((Path(__file__).resolve().parent.parent / "recipes").glob("*.yaml"))
+ARTICLE = [p for p in RECIPES if p.name != "tiny-cpu.yaml"]
+# The plan is an estimate (docs/sizing.md); the article gives ranges and rounded figures.
+TIME_COST_REL = 0.20
+MEMORY_SLACK = 0.25  # below the low end or above the high end of the article's range
+
+
+def header(path: Path) -> dict[str, str]:
+    lines = [l for l in path.read_text().splitlines() if l.startswith("#")]
+    expect = next((l for l in lines if l.startswith("# expect:")), None)
+    box = next((l for l in lines if l.startswith("# Box:")), None)
+    out = dict(kv.split("=", 1) for kv in expect.removeprefix("# expect:").split()) if expect else {}
+    out["box_line"] = box or ""
+    return out
+
+
+def tokens(text: str) -> float:
+    return float(text[:-1]) * {"k": 1e3, "M": 1e6, "B": 1e9}[text[-1]]
+
+
+def test_there_is_a_recipe_for_every_row_of_the_article():
+    names = {p.stem for p in ARTICLE}
+    for needed in ("qwen3-8b-qlora", "qwen3-8b-lora", "qwen3-8b-full-8bit", "qwen3-8b-full-4x", "qwen3-32b-qlora-l40s",
+                   "qwen3-32b-qlora-h100", "qwen3-32b-lora", "qwen3-32b-full-8bit", "qwen3-32b-full-8x",
+                   "llama-3.1-70b-qlora-a100", "llama-3.1-70b-qlora-h100", "llama-3.1-70b-qlora-fsdp-2xrtx4090",
+                   "llama-3.1-70b-lora", "llama-3.1-70b-full-8bit", "llama-3.1-70b-full-8x"):
+        assert any(n.startswith(needed) for n in names), needed
+    assert (RECIPES[0].parent / "tiny-cpu.yaml").is_file()
+
+
+@pytest.mark.parametrize("path", ARTICLE, ids=lambda p: p.stem)
+def test_recipe_plans_as_its_header_says(path, monkeypatch):
+    h = header(path)
+    assert {"gpus", "engine", "memory_gb", "fits"} <= h.keys(), f"{path.name}: '# expect:' line incomplete"
+    assert h["gpus"] in h["box_line"] or f"1x{h['gpus']}" in h["box_line"], h["box_line"]
+    recipe = load_recipe(path)
+    assert recipe.method.replace("-", "") in path.stem.replace("-", ""), "name is <model>-<method>[-<box>]"
+    # The plan picks Unsloth only where it is installed (the Docker image has it); the header says where the
+    # article's figure assumes it.
+    monkeypatch.setattr(plan_mod, "_unsloth_installed", lambda: h["engine"] == "unsloth")
+    hw = from_spec(h["gpus"])
+    n_tokens = tokens(h.get("tokens", "15M"))
+    if h["fits"] == "no":
+        with pytest.raises(PlanError) as err:
+            plan_mod.make_plan(recipe, hw, tokens=n_tokens)
+        assert "does not fit" in err.value.message and err.value.fix
+        return
+    p = plan_mod.make_plan(recipe, hw, tokens=n_tokens)
+    assert p.fits and p.engine == h["engine"], (p.engine, p.reasons)
+    assert p.num_processes == hw.count
+    lo, hi = map(float, h["memory_gb"].split("-"))
+    total = p.memory["total_gb"]
+    assert lo * (1 - MEMORY_SLACK) <= total <= hi * (1 + MEMORY_SLACK), f"plan {total} GB vs article {lo}-{hi} GB"
+    assert p.memory["per_gpu_gb"] <= hw.gpu.memory_gb
+    if "hours" in h:
+        assert p.tokens["training_tokens"] == n_tokens
+        assert p.estimate["hours"] == pytest.approx(float(h["hours"]), rel=TIME_COST_REL)
+        assert p.estimate["cost_eur"] == pytest.approx(float(h["cost_eur"]), rel=TIME_COST_REL)
+
+
+def test_tiny_cpu_recipe_plans_on_a_cpu(tiny_model):
+    from launcher.pipeline import data_stats
+
+    recipe = load_recipe(RECIPES[0].parent / "tiny-cpu.yaml", [f"model={tiny_model}"])
+    assert "CPU" in header(RECIPES[0].parent / "tiny-cpu.yaml")["box_line"]
+    _, _, stats = data_stats(recipe)
+    p = plan_mod.make_plan(recipe, from_spec("cpu"), data_stats=stats)
+    assert p.fits and p.device == "cpu" and p.engine == "trl" and p.total_steps > 0
+
+
+@pytest.mark.parametrize("path", ARTICLE, ids=lambda p: p.stem)
+def test_header_comment_states_the_article_figures(path):
+    text = path.read_text()
+    assert re.search(r"# Article, memory table: [\d,]+-[\d,]+ GB", text)
+    assert re.search(r"# Article, time table: ", text)
+    assert "ftrun plan recipes/" + path.name in text
