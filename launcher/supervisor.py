@@ -97,10 +97,14 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
             set_state(run, "succeeded", worker_pid=None, reason="training finished")
             _log("training finished")
             _export(recipe, run, child)
-            if syncer and not syncer.finish(final=True):
-                set_state(run, "succeeded", reason="training finished, but the copy off the box failed: "
-                          "see sync.json; `ftrun push` retries")
-                return 0
+            if syncer:
+                set_state(run, "succeeded", reason=f"training finished; copying the result to {recipe.sync.to}")
+                if not syncer.finish(final=True):
+                    set_state(run, "succeeded", reason="training finished, but the copy off the box failed: "
+                              "see sync.json; `ftrun push` retries")
+                    return 0
+                set_state(run, "succeeded", reason=f"training finished; result verified at {recipe.sync.to}")
+                syncer.sync_once()  # the state file itself, saying so
             _on_finish(recipe, run)
             return 0
         if stopping["signal"] or rc == train.EXIT_STOPPED:

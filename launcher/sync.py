@@ -296,20 +296,21 @@ def _write_sync_state(run: RunDir, **fields: Any) -> dict[str, Any]:
     return data
 
 
-def push_checkpoint(dest: Destination, run: RunDir, step_dir: Path, keep: int) -> int:
+def push_checkpoint(dest: Destination, run: RunDir, step_dir: Path, keep: int, name: Optional[str] = None) -> int:
+    name = name or step_dir.name
     manifest = json.loads((step_dir / ckpt.MANIFEST).read_text())
-    rel = f"checkpoints/{step_dir.name}"
+    rel = f"checkpoints/{name}"
     dest.put_dir(step_dir, rel)
     if isinstance(dest, RsyncDestination):
         ok, why = dest.verify_dir(rel, manifest, local=step_dir)
     else:
         ok, why = dest.verify_dir(rel, manifest)
     if not ok:
-        raise SyncError(f"the copy of {step_dir.name} at {dest.url} does not verify: {why}")
+        raise SyncError(f"the copy of {name} at {dest.url} does not verify: {why}")
     # Remote retention: only after the new copy verified, drop the oldest beyond `keep`.
     remote = sorted(n for n in dest.list_dirs("checkpoints") if n.startswith(ckpt.PREFIX))
     for old in remote[:-keep] if keep > 0 else []:
-        if old != step_dir.name:
+        if old != name:
             dest.remove_dir(f"checkpoints/{old}")
     return int(manifest["step"])
 
@@ -361,7 +362,7 @@ class Syncer:
             newest = next((p for p in ckpt.candidates(self.run.checkpoints) if (p / ckpt.MANIFEST).is_file()), None)
             if newest is not None and state.get("synced_step") != int(newest.name[len(ckpt.PREFIX):]):
                 t0 = time.monotonic()
-                step = push_checkpoint(dest, self.run, newest, self.keep)
+                step = self._push_snapshot(dest, newest)
                 _write_sync_state(self.run, synced_step=step, synced_at=time.time(), last_error=None, to=self.url)
                 self.log(f"copied {newest.name} to {self.url} and verified it ({time.monotonic() - t0:.1f} s)")
             if final:
@@ -370,8 +371,8 @@ class Syncer:
             push_metadata(dest, self.run)
             self.failures = 0
             return True
-        except FileNotFoundError as exc:  # local retention removed a folder mid-copy: the next round takes the newer one
-            self.log(f"sync: {exc.filename} vanished during the copy; retrying with the newest checkpoint")
+        except (FileNotFoundError, shutil.Error) as exc:  # retention removed it before the snapshot: take the newer one
+            self.log(f"sync: a checkpoint vanished before it could be copied ({exc}); taking the newest one")
             return False
         except Exception as exc:  # never let a network problem end the training
             self.failures += 1
@@ -379,6 +380,17 @@ class Syncer:
                               failures=self.failures, to=self.url)
             self.log(f"sync to {self.url} failed ({self.failures} in a row): {exc}")
             return False
+
+    def _push_snapshot(self, dest: Destination, step_dir: Path) -> int:
+        # Local retention may delete this checkpoint while it uploads (a new one arrived): copy
+        # from a hard-linked snapshot, which costs no space and outlives the deletion.
+        snap = self.run.checkpoints / f".sync-{step_dir.name}"
+        shutil.rmtree(snap, ignore_errors=True)
+        try:
+            shutil.copytree(step_dir, snap, copy_function=os.link)
+            return push_checkpoint(dest, self.run, snap, self.keep, name=step_dir.name)
+        finally:
+            shutil.rmtree(snap, ignore_errors=True)
 
     def _loop(self, interval: float) -> None:
         while not self._stop.is_set():

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import signal
 import sys
 import time
@@ -26,6 +27,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from . import checkpoint as ckpt  # noqa: E402
 from .rundir import RunDir  # noqa: E402
 
+METRICS_IN_CHECKPOINT = "ftrun_metrics.jsonl"
 EXIT_STOPPED = 77  # stopped by SIGTERM/SIGINT after saving a checkpoint (preemption, `ftrun stop`)
 EXIT_OOM = 78
 EXIT_NAN = 79
@@ -73,11 +75,14 @@ def detect_device() -> tuple[str, Any]:
     return "cpu", torch.float32
 
 
-def _truncate_metrics(path: Path, last_step: int) -> None:
-    """After a resume, drop the lines logged after the checkpoint: they will be logged again."""
-    if not path.is_file():
+def _restore_metrics(path: Path, checkpoint: Path, last_step: int) -> None:
+    """On resume, metrics.jsonl = the rows the checkpoint carries (steps up to its own); later rows will be logged again."""
+    source = checkpoint / METRICS_IN_CHECKPOINT
+    if not source.is_file():
+        source = path
+    if not source.is_file():
         return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    keep = [line for line in source.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= last_step]
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(line + "\n" for line in keep))
     os.replace(tmp, path)
@@ -127,10 +132,12 @@ def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta
                 src = Path(args.output_dir) / f"checkpoint-{state.global_step}"
                 dst = run.checkpoints / ckpt.step_dir_name(state.global_step)
                 if dst.exists():  # a save of the same step after a resume: the new one replaces it
-                    import shutil
-
                     shutil.rmtree(dst)
                 os.replace(src, dst)
+                if run.metrics.is_file():
+                    # The checkpoint carries the metrics up to its step: a resume on another box
+                    # restores them from here, whatever state the copied metrics.jsonl is in.
+                    shutil.copyfile(run.metrics, dst / METRICS_IN_CHECKPOINT)
                 ckpt.write_manifest(dst, state.global_step, checkpoint_meta)
                 removed = ckpt.retain(run.checkpoints, recipe.keep_checkpoints)
                 print(f"[ftrun worker] checkpoint {dst.name} saved and verified"
@@ -333,7 +340,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
         ckpt.atomic_write_json(run.worker if mode == "full" else run.smoke_work / "worker.json", info)
         if resume_from:
             print(f"[ftrun worker] resuming from {resume_from.path.name} (step {resume_from.step}, verified)", flush=True)
-            _truncate_metrics(run.metrics, resume_from.step)
+            _restore_metrics(run.metrics, resume_from.path, resume_from.step)
         print(f"[ftrun worker] device {device} ({info['dtype']}), method {recipe.method}, "
               f"{_world_size()} process(es)", flush=True)
 

@@ -33,32 +33,37 @@ def tiny_model(tmp_path_factory) -> Path:
     return out
 
 
+def recipe_file(path: Path, tiny_model: Path, output_dir: Path, **fields) -> Path:
+    """A recipe for the tiny model at `path`; keyword arguments override the defaults (None removes a key)."""
+    base = {
+        "model": str(tiny_model),
+        "method": "lora",
+        "data": str(TINY_DATA),
+        "max_length": 256,
+        "micro_batch_size": 8,
+        "gradient_accumulation_steps": 1,
+        "max_steps": 12,
+        "learning_rate": 5e-3,
+        "logging_steps": 1,
+        "checkpoint_every_minutes": 0.02,
+        "output_dir": str(output_dir),
+        "smoke": {"min_steps": 3},
+    }
+    for key, value in fields.items():
+        if value is None:
+            base.pop(key, None)
+        else:
+            base[key] = value
+    path.write_text(yaml.safe_dump(base))
+    return path
+
+
 @pytest.fixture
 def write_recipe(tmp_path, tiny_model):
-    """Write a recipe for the tiny model into tmp_path; keyword arguments override the defaults."""
+    """Write a recipe for the tiny model into tmp_path (output_dir tmp_path/run unless given)."""
 
     def write(name: str = "r.yaml", **fields) -> Path:
-        base = {
-            "model": str(tiny_model),
-            "method": "lora",
-            "data": str(TINY_DATA),
-            "max_length": 256,
-            "micro_batch_size": 8,
-            "gradient_accumulation_steps": 1,
-            "max_steps": 12,
-            "learning_rate": 5e-3,
-            "logging_steps": 1,
-            "checkpoint_every_minutes": 0.02,
-            "output_dir": str(tmp_path / "run"),
-            "smoke": {"min_steps": 3},
-        }
-        for key, value in fields.items():
-            if value is None:
-                base.pop(key, None)
-            else:
-                base[key] = value
-        path = tmp_path / name
-        path.write_text(yaml.safe_dump(base))
-        return path
+        fields.setdefault("output_dir", str(tmp_path / "run"))
+        return recipe_file(tmp_path / name, tiny_model, **fields)
 
     return write

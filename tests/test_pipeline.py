@@ -12,39 +12,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def ftrun(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
-    return subprocess.run([sys.executable, "-m", "launcher.cli", *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def status(run_dir: Path, cwd: Path) -> dict:
-    res = ftrun("status", run_dir, "--json", cwd=cwd)
-    assert res.returncode == 0, res.stderr
-    return json.loads(res.stdout)
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
-
-
-def adapter_tensors(run_dir: Path) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(str(run_dir / "final" / "adapter" / "adapter_model.safetensors"))
+from helpers import (assert_same_run, freeze_worker, ftrun, has_checkpoint, logged_steps, metrics, status,
+                     wait_for, wait_until_ended)
 
 
 def test_foreground_run_end_to_end(write_recipe, tmp_path):
@@ -84,18 +53,6 @@ def _reference(write_recipe, tmp_path, **fields):
     return tmp_path / "ref"
 
 
-def _assert_same_run(a: Path, b: Path) -> None:
-    import torch
-
-    ma, mb = metrics(a), metrics(b)
-    assert [r["step"] for r in ma] == [r["step"] for r in mb]
-    assert [r["loss"] for r in ma] == [r["loss"] for r in mb]  # exactly equal on CPU
-    ta, tb = adapter_tensors(a), adapter_tensors(b)
-    assert ta.keys() == tb.keys()
-    for k in ta:
-        assert torch.equal(ta[k], tb[k]), k
-
-
 def test_detached_kill9_after_checkpoint_then_same_command_resumes_exactly(write_recipe, tmp_path):
     fields = dict(max_steps=30, checkpoint_every_minutes=0.02)
     ref = _reference(write_recipe, tmp_path, **fields)
@@ -115,12 +72,7 @@ def test_detached_kill9_after_checkpoint_then_same_command_resumes_exactly(write
     assert again.returncode == 0 and "already active" in again.stdout
 
     # machine loss: the supervisor and the worker die without a word, after a checkpoint
-    def checkpoint_and_steps():
-        st = json.loads((run / "state.json").read_text())
-        ck = sorted((run / "checkpoints").glob("step-*/manifest.json"))
-        return st if ck and st.get("worker_pid") else None
-
-    st = wait_for(checkpoint_and_steps, 120, "a first checkpoint")
+    st = freeze_worker(run, has_checkpoint)
     os.kill(st["supervisor_pid"], signal.SIGKILL)
     os.kill(st["worker_pid"], signal.SIGKILL)
     wait_for(lambda: status(run, tmp_path)["state"] == "interrupted", 20, "state interrupted")
@@ -128,11 +80,9 @@ def test_detached_kill9_after_checkpoint_then_same_command_resumes_exactly(write
     res = ftrun(recipe, cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "continuing" in res.stdout and "smoke test" not in res.stdout
-    wait_for(lambda: status(run, tmp_path)["state"] in ("succeeded", "failed"), 180, "the resumed run to end", 0.5)
-    s = status(run, tmp_path)
-    assert s["state"] == "succeeded", (run / "train.log").read_text()[-3000:]
+    wait_until_ended(run, tmp_path)
     assert "resuming from step-" in (run / "train.log").read_text()
-    _assert_same_run(ref, run)
+    assert_same_run(ref, run)
 
 
 def test_worker_crash_is_restarted_by_the_supervisor(write_recipe, tmp_path):
@@ -141,20 +91,19 @@ def test_worker_crash_is_restarted_by_the_supervisor(write_recipe, tmp_path):
     recipe = write_recipe(**fields)
     assert ftrun(recipe, "smoke.enabled=false", cwd=tmp_path).returncode == 0
     run = tmp_path / "run"
-    st = wait_for(lambda: (lambda s: s if list((run / "checkpoints").glob("step-*/manifest.json")) and s.get("worker_pid")
-                           else None)(json.loads((run / "state.json").read_text())), 120, "a checkpoint")
+    st = freeze_worker(run, has_checkpoint)
     os.kill(st["worker_pid"], signal.SIGKILL)
-    wait_for(lambda: status(run, tmp_path)["state"] in ("succeeded", "failed"), 180, "the run to end", 0.5)
-    s = status(run, tmp_path)
-    assert s["state"] == "succeeded" and s["restarts"] == 1, (run / "train.log").read_text()[-3000:]
-    _assert_same_run(ref, run)
+    s = wait_until_ended(run, tmp_path)
+    assert s["restarts"] == 1
+    assert_same_run(ref, run)
 
 
 def test_stop_saves_a_checkpoint_and_resume_continues(write_recipe, tmp_path):
     recipe = write_recipe(max_steps=200, checkpoint_every_minutes=10)
     assert ftrun(recipe, "smoke.enabled=false", cwd=tmp_path).returncode == 0
     run = tmp_path / "run"
-    wait_for(lambda: (run / "metrics.jsonl").is_file() and len(metrics(run)) >= 3, 120, "three steps")
+    st = freeze_worker(run, logged_steps(3))
+    os.kill(st["worker_pid"], signal.SIGCONT)
     res = ftrun("stop", run, cwd=tmp_path)
     assert res.returncode == 0 and "stopped" in res.stdout
     s = status(run, tmp_path)

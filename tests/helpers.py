@@ -1,0 +1,104 @@
+"""Helpers for end-to-end tests: run the real `ftrun` in a subprocess and read what a run leaves behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def ftrun(*args, cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", **(env or {}))
+    return subprocess.run([sys.executable, "-m", "launcher.cli", *map(str, args)], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def status(run_dir: Path, cwd: Path) -> dict:
+    res = ftrun("status", run_dir, "--json", cwd=cwd)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def read_state(run_dir: Path) -> dict:
+    return json.loads((run_dir / "state.json").read_text())
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+
+
+def adapter_tensors(run_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "final" / "adapter" / "adapter_model.safetensors"))
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    """Every logged loss and every tensor of the final adapter identical (exact on CPU)."""
+    import torch
+
+    ma, mb = metrics(a), metrics(b)
+    assert [r["step"] for r in ma] == [r["step"] for r in mb]
+    assert [r["loss"] for r in ma] == [r["loss"] for r in mb]
+    ta, tb = adapter_tensors(a), adapter_tensors(b)
+    assert ta.keys() == tb.keys()
+    for k in ta:
+        assert torch.equal(ta[k], tb[k]), k
+
+
+def wait_until_ended(run_dir: Path, cwd: Path, timeout: float = 240) -> dict:
+    # ended: a final state, and the supervisor gone (it copies the result off the box after training)
+    wait_for(lambda: (lambda s: s["state"] not in ("running", "recovering", "smoking", "planned") and not s["pid_alive"])(
+        status(run_dir, cwd)), timeout, "the run to end", 0.5)
+    s = status(run_dir, cwd)
+    log = (run_dir / "train.log").read_text()[-4000:] if (run_dir / "train.log").is_file() else ""
+    assert s["state"] == "succeeded", log
+    return s
+
+
+def freeze_worker(run_dir: Path, until, timeout: float = 180) -> dict:
+    """SIGSTOP the worker at the first moment `until(run_dir)` holds, whatever the machine's speed.
+
+    Returns state.json with the frozen worker's pid; the caller kills it or sends SIGCONT. Without
+    this, a fast machine finishes a short run before the test can interrupt it.
+    """
+    import signal
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = read_state(run_dir) if (run_dir / "state.json").is_file() else {}
+        pid = st.get("worker_pid")
+        if pid:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                time.sleep(0.05)
+                continue
+            if until(run_dir):
+                return st
+            os.kill(pid, signal.SIGCONT)
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting to freeze the worker")
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    return bool(list((run_dir / "checkpoints").glob("step-*/manifest.json")))
+
+
+def logged_steps(n: int):
+    return lambda run_dir: (run_dir / "metrics.jsonl").is_file() and len(metrics(run_dir)) >= n
