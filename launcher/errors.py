@@ -67,6 +67,14 @@ class SmokeError(FtrunError):
     exit_code = EXIT_SMOKE_FAILED
 
 
+class SmokeOOM(SmokeError):
+    """The smoke test ran out of memory; the launcher may re-plan and retry."""
+
+    def __init__(self, message: str, fix: str | None = None, peak_memory_gb: float | None = None):
+        super().__init__(message, fix)
+        self.peak_memory_gb = peak_memory_gb
+
+
 class RunError(FtrunError):
     kind = "run error"
     exit_code = EXIT_RUN_FAILED

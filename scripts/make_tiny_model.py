@@ -94,6 +94,7 @@ def build_tiny_model(
     vocab: int = 1024,
     data=DEFAULT_DATA,
     seed: int = 0,
+    model_vocab: int = 0,
 ) -> Path:
     """Build (or reuse) a tiny Qwen3 model + tokenizer in out_dir; same arguments give byte-identical files."""
     out = Path(out_dir)
@@ -111,6 +112,7 @@ def build_tiny_model(
         # The content hash, not the path: the same data in another checkout reuses the build, edited data does not.
         "data_sha256": _file_sha256(data),
         "seed": seed,
+        "model_vocab": model_vocab,
     }
     marker = out / MARKER
     if marker.is_file() and (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file():
@@ -130,8 +132,10 @@ def build_tiny_model(
     im_end_id = tokenizer.convert_tokens_to_ids(IM_END)
 
     config = Qwen3Config(
-        # The trained vocabulary can come out smaller than asked if the data is tiny; the embedding matches it.
-        vocab_size=len(tokenizer),
+        # The trained vocabulary can come out smaller than asked if the data is tiny; the embedding matches it,
+        # unless model_vocab pads it (as real models pad theirs): a big vocabulary makes the logits of a long
+        # batch dominate memory, which the out-of-memory tests need.
+        vocab_size=max(len(tokenizer), model_vocab),
         hidden_size=hidden,
         intermediate_size=intermediate,
         num_hidden_layers=layers,
@@ -197,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--data", default=str(DEFAULT_DATA))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model-vocab", type=int, default=0, help="pad the embedding to this many rows")
     a = p.parse_args(argv)
     from transformers.utils import logging as hf_logging
 
@@ -204,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     out = build_tiny_model(
         a.out_dir, hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads,
-        intermediate=a.intermediate, vocab=a.vocab, data=a.data, seed=a.seed,
+        intermediate=a.intermediate, vocab=a.vocab, data=a.data, seed=a.seed, model_vocab=a.model_vocab,
     )
     print(f"tiny model ({count_params(out):,} parameters) in {out}")
     return 0
