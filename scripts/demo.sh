@@ -10,7 +10,7 @@ RUN=runs/tiny-cpu
 .venv/bin/ftrun recipes/tiny-cpu.yaml --fresh
 echo
 echo "== following the log until the run ends (Ctrl-C only stops the viewing) =="
-.venv/bin/ftrun logs -f "$RUN" | grep -E "step|checkpoint|final|supervisor" || true
+.venv/bin/ftrun logs -f "$RUN" | grep --line-buffered -E "step|checkpoint|final|supervisor|export" || true
 echo
 .venv/bin/ftrun status "$RUN"
 .venv/bin/python - "$RUN" <<'PY'
