@@ -343,6 +343,14 @@ def format_status(s: dict[str, Any]) -> str:
             lines.append(f"  cost {s['cost_so_far_eur']:.2f} EUR so far"
                          + (f", {s['cost_to_go_eur']:.2f} EUR to go" if s.get("cost_to_go_eur") is not None else "")
                          + f" at {s['price_per_hour_eur']:.2f} EUR/h")
+    if s.get("engine"):
+        v = s.get("verification")
+        checked = ("not yet verified" if not v else
+                   ("verified: " if v["ok"] else "NOT verified: ")
+                   + "; ".join(f"{c['check']} {c['seen']}" for c in v["checks"] if v["ok"] or not c["ok"]))
+        lines.append(f"  engine {s['engine']} x {s.get('num_processes') or 1} process(es), {checked}")
+        if s.get("launch_argv"):
+            lines.append("  launched: " + " ".join(s["launch_argv"]))
     if s.get("last_checkpoint"):
         lines.append(f"  last checkpoint {s['last_checkpoint']} ({dur(s.get('last_checkpoint_age_seconds'))} ago)")
     if s.get("sync_to"):

@@ -178,6 +178,10 @@ def _unsloth_installed() -> bool:
     return importlib.util.find_spec("unsloth") is not None
 
 
+def _deepspeed_installed() -> bool:
+    return importlib.util.find_spec("deepspeed") is not None
+
+
 def _fits(est: sizing.MemoryEstimate, capacity: float) -> bool:
     return est.per_gpu_gb <= capacity * sizing.USABLE_FRACTION
 
@@ -194,16 +198,22 @@ def _hours(job: Job, w: Workload, hw: Hardware, processes: int) -> tuple[float, 
     return tps, (sizing.hours(training, tps) if training else None)
 
 
-def _choose_cpu(job: Job, hw: Hardware, forced: str) -> Choice:
+def _choose_cpu(job: Job, hw: Hardware, forced: str, processes: int | None = None) -> Choice:
     capacity = hw.ram_gb
     reasons = [f"CPU run: this box has no GPU ({hw.cpu_count} cores, {hw.ram_gb:.0f} GB RAM); "
                "only sensible for tiny models and tests"]
-    if forced not in ("auto", "trl"):
+    if forced in ("unsloth", "fsdp"):
         why = {"unsloth": "Unsloth needs an NVIDIA GPU",
-               "ddp": "DDP spreads work over several GPUs and this box has none",
-               "fsdp": "FSDP shards the model over several GPUs and this box has none",
-               "deepspeed": "DeepSpeed ZeRO-3 shards the model over several GPUs and this box has none"}[forced]
+               # STACK-FACTS: accelerate/Trainer turn an FSDP2 config into plain DDP on CPU; running
+               # DDP under the FSDP name would be a silent fallback, so it is refused.
+               "fsdp": "FSDP through accelerate/the Trainer does not shard on CPU (it silently becomes DDP); "
+                       "use engine: ddp or deepspeed for several CPU processes"}[forced]
         return Choice(False, forced, "cpu", 1, None, capacity, reasons, refusal=f"engine: {forced} is impossible here: {why}")
+    if forced == "trl" and processes is not None and processes > 1:
+        return Choice(False, forced, "cpu", processes, None, capacity, reasons,
+                      refusal=f"engine: trl is one process, num_processes is {processes}; use engine: ddp")
+    if forced in ("ddp", "deepspeed") or (forced == "auto" and processes is not None and processes > 1):
+        return _choose_cpu_multi(job, hw, "ddp" if forced == "auto" else forced, processes, reasons)
     w = job.workload("trl", 1, "cpu")
     est = sizing.memory(job.arch, w)
     tps, hrs = _hours(job, w, hw, 1)
@@ -223,12 +233,46 @@ def _choose_cpu(job: Job, hw: Hardware, forced: str) -> Choice:
     return Choice(True, "trl", "cpu", 1, est, capacity, reasons, tps, hrs)
 
 
+def _choose_cpu_multi(job: Job, hw: Hardware, engine: str, processes: int | None, reasons: list[str]) -> Choice:
+    """Several gloo processes on one CPU box (DDP or DeepSpeed ZeRO-3): for tests and the trajectory checks."""
+    capacity = hw.ram_gb
+    n = processes if processes is not None else 2
+    if n < 2:
+        return Choice(False, engine, "cpu", n, None, capacity, reasons,
+                      refusal=f"engine: {engine} with num_processes=1 is single-process training; use engine: trl")
+    if n > hw.cpu_count:
+        return Choice(False, engine, "cpu", n, None, capacity, reasons,
+                      refusal=f"{n} gloo processes need at least {n} CPU cores, this box has {hw.cpu_count}")
+    if engine == "deepspeed" and not _deepspeed_installed():
+        return Choice(False, engine, "cpu", n, None, capacity, reasons,
+                      refusal="engine: deepspeed needs DeepSpeed: pip install 'ftrun[deepspeed]' "
+                              "(DS_BUILD_OPS=0 on a box without CUDA)")
+    w = job.workload("trl", 1, "cpu")
+    est = sizing.memory(job.arch, w)
+    # The processes share the box's cores, so the box's throughput is about one process's.
+    tps, hrs = _hours(job, w, hw, n)
+    src = "num_processes from the recipe" if processes is not None else "2 by default on CPU"
+    what = ("each holds a full copy and trains on its own micro-batches; gradients are averaged over gloo"
+            if engine == "ddp" else
+            "ZeRO-3 partitions parameters, gradients and optimizer states; about 4x slower per step than DDP here")
+    reasons.append(f"engine {engine}, {n} gloo processes on the CPU ({src}): {what}")
+    total = est.per_gpu_gb * n
+    if total > capacity * sizing.USABLE_RAM_FRACTION:
+        return Choice(False, engine, "cpu", n, est, capacity, reasons, tps, hrs,
+                      refusal=f"{n} processes need {total:.1f} GB of RAM, this box has {capacity:.0f} GB")
+    reasons.append(f"memory: {n} x {est.per_gpu_gb:.1f} GB of {capacity:.0f} GB RAM")
+    return Choice(True, engine, "cpu", n, est, capacity, reasons, tps, hrs)
+
+
 def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = False,
-           workday_hours: float = WORKDAY_HOURS) -> Choice:
+           workday_hours: float = WORKDAY_HOURS, processes: int | None = None) -> Choice:
     """The article's rules: one card if it fits; DDP when one card takes longer than a working day;
-    sharding when no card holds the job; otherwise refuse."""
+    sharding when no card holds the job; otherwise refuse. `processes` (recipe num_processes) is
+    honoured or refused with the reason."""
     if hw.is_cpu_only:
-        return _choose_cpu(job, hw, forced)
+        return _choose_cpu(job, hw, forced, processes)
+    if processes is not None:
+        return _choose_gpu_count(job, hw, forced, unsloth_ok, workday_hours, processes)
     g = hw.gpu
     cap = g.memory_gb
     n = hw.count
@@ -330,6 +374,26 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
     return Choice(True, shard_engine, "cuda", n, est_all, cap, reasons, tps, hrs, min_gpus=minimum)
 
 
+def _choose_gpu_count(job: Job, hw: Hardware, forced: str, unsloth_ok: bool, workday_hours: float,
+                      processes: int) -> Choice:
+    """The engine choice on `processes` of the box's cards; refused when the rules need another count."""
+    if processes > hw.count:
+        return Choice(False, forced, "cuda", processes, None, hw.gpu.memory_gb, [],
+                      refusal=f"num_processes={processes} needs {processes} GPUs, this box has {hw.count}")
+    used = replace(hw, gpus=hw.gpus[:processes])
+    c = choose(job, used, forced, unsloth_ok, workday_hours)
+    if c.fits and c.processes != processes and forced == "auto" and processes > 1:
+        c = choose(job, used, "ddp", unsloth_ok, workday_hours)  # a count > 1 asks for several processes
+    if c.fits and c.processes != processes:
+        return Choice(False, c.engine, "cuda", processes, c.estimate, c.capacity_gb, c.reasons,
+                      refusal=f"num_processes={processes}: engine {c.engine} runs {c.processes} process(es) here")
+    if c.fits:
+        idle = hw.count - processes
+        c.reasons.append(f"num_processes={processes} from the recipe"
+                         + (f"; {idle} of the box's {hw.count} cards stay idle" if idle else ""))
+    return c
+
+
 # ---------------------------------------------------------------------------------------------
 # Alternatives and advice
 
@@ -410,7 +474,8 @@ def make_plan(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: f
     unsloth_ok = _unsloth_installed() if unsloth_available is None else unsloth_available
     job, notes = _job(recipe, arch, data_stats, tokens)
     forced = recipe.engine
-    choice = choose(job, hardware, forced, unsloth_ok, workday_hours)
+    wanted = None if recipe.num_processes == "auto" else int(recipe.num_processes)
+    choice = choose(job, hardware, forced, unsloth_ok, workday_hours, processes=wanted)
     rows = _box_rows(job, forced if forced in ("auto", *SHARDING_ENGINES) else "auto", unsloth_ok, workday_hours)
     alternatives = _pick_alternatives(rows)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
 from .errors import RecipeError
 
@@ -114,6 +114,11 @@ class Recipe(_Strict):
     )
     smoke: SmokeSettings = Field(default_factory=SmokeSettings, description="The 1%-of-data smoke test.")
     engine: Engine = Field("auto", description="auto lets the plan choose; or force unsloth, trl, ddp, fsdp, deepspeed.")
+    # Not part of the trajectory: a LoRA/DDP run may resume on another process count (the worker says so).
+    num_processes: Union[Literal["auto"], PositiveInt] = Field(
+        "auto", description="Worker processes (one per GPU; gloo processes on CPU): auto lets the plan choose; "
+        "a number is honoured or refused with the reason."
+    )
     price_per_hour_eur: Optional[float] = Field(
         None, ge=0, description="Price of the whole box per hour; default from the GPU catalog."
     )

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import time
 from typing import Any
 
 from . import train
-from .backends import launch_command
+from .backends import failed_verification, launch_command, launch_env, worker_file
 from .checkpoint import atomic_write_json
 from .data import DataStats, smoke_sample, write_jsonl
 from .errors import SmokeError
@@ -52,7 +53,7 @@ def run_smoke(run: RunDir, recipe, plan: dict[str, Any], examples, lengths: list
     t0 = time.monotonic()
     with log_path.open("wb") as log:
         proc = subprocess.Popen(launch_command(plan, run.root, "smoke"), stdin=subprocess.DEVNULL,
-                                stdout=log, stderr=subprocess.STDOUT)
+                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **launch_env(plan)})
         try:
             rc = proc.wait()
         except KeyboardInterrupt:
@@ -60,6 +61,8 @@ def run_smoke(run: RunDir, recipe, plan: dict[str, Any], examples, lengths: list
             proc.wait()
             raise
     wall = time.monotonic() - t0
+    if rc != 0 and failed_verification(worker_file(run.root, "smoke")):
+        rc = train.EXIT_BAD_WORLD  # torchrun reports any failed worker as 1; the worker said why
     result_path = run.smoke_work / "result.json"
     if rc != 0 or not result_path.is_file():
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])

@@ -163,6 +163,12 @@ def status_summary(run: RunDir) -> dict[str, Any]:
         "reason": data.get("reason"),
         "final": final,
         "log": str(run.log),
+        # the engine as planned, how it was launched, and what the worker verified (launcher/backends)
+        "engine": plan.get("engine"),
+        "num_processes": plan.get("num_processes"),
+        "launch_argv": data.get("launch_argv"),
+        "world_size": (worker.get("verification") or {}).get("world_size", worker.get("world_size")),
+        "verification": worker.get("verification") or data.get("verification"),
         **sync_status_fields(run),
     }
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from . import train
-from .backends import launch_command
+from .backends import failed_verification, launch_command, launch_env
 from .rundir import RunDir
 from .state import read_state, set_state
 
@@ -83,16 +83,27 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
 
     restarts = 0
     crash_steps: list[int] = []
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **launch_env(plan))
     while True:
         cmd = launch_command(plan, run.root, "full")
         _log("starting worker: " + " ".join(cmd))
+        if plan.get("launch_argv") != cmd:
+            from .checkpoint import atomic_write_json
+
+            plan["launch_argv"] = cmd  # plan.json records how the plan was launched (an argument list)
+            atomic_write_json(run.plan, plan)
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env,
                                 pass_fds=(lock_fd,) if lock_fd is not None else ())
         child["proc"] = proc
-        set_state(run, "running", supervisor_pid=os.getpid(), worker_pid=proc.pid, restarts=restarts)
+        set_state(run, "running", supervisor_pid=os.getpid(), worker_pid=proc.pid, restarts=restarts,
+                  engine=plan.get("engine"), num_processes=plan.get("num_processes"), launch_argv=cmd)
         rc = proc.wait()
         child["proc"] = None
+        if rc != 0 and failed_verification(run.worker):
+            rc = train.EXIT_BAD_WORLD  # torchrun reports any failed worker as 1; the worker said why
+        if run.worker.is_file() and "verification" in json.loads(run.worker.read_text()):
+            set_state(run, read_state(run).get("state", "running"),
+                      verification=json.loads(run.worker.read_text())["verification"])
         if rc == 0:
             set_state(run, "succeeded", worker_pid=None, reason="training finished")
             _log("training finished")

@@ -128,6 +128,10 @@ def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta
 
         def on_save(self, args, state, control, **kw):
             self.last_save = time.monotonic()
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                # every rank has written its part (rng_state_<rank>.pth, ZeRO shards) before rank 0
+                # moves the folder and writes the manifest
+                torch.distributed.barrier()
             if state.is_world_process_zero:
                 src = Path(args.output_dir) / f"checkpoint-{state.global_step}"
                 dst = run.checkpoints / ckpt.step_dir_name(state.global_step)
@@ -199,7 +203,7 @@ def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta
     return Cadence(), Metrics()
 
 
-def load_model_and_tokenizer(recipe, device: str, dtype):
+def load_model_and_tokenizer(recipe, device: str, dtype, plan: Optional[dict] = None, run_dir: Optional[Path] = None):
     """The base model by method (4-bit for qlora, 16-bit for lora, full weights for full), then LoRA."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -219,7 +223,11 @@ def load_model_and_tokenizer(recipe, device: str, dtype):
             bnb_4bit_compute_dtype=dtype,
             bnb_4bit_quant_storage=dtype,  # matches the compute dtype so FSDP can shard the 4-bit weights
         )
-    model = AutoModelForCausalLM.from_pretrained(recipe.model, **kwargs)
+    from .backends import load_kwargs, loading_context
+
+    kwargs.update(load_kwargs(plan or {}))
+    with loading_context(plan or {}, run_dir):  # ZeRO-3: partitioned while loading
+        model = AutoModelForCausalLM.from_pretrained(recipe.model, **kwargs)
     if recipe.method in ("qlora", "lora"):
         from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
@@ -238,7 +246,8 @@ def load_model_and_tokenizer(recipe, device: str, dtype):
     return model, tokenizer
 
 
-def sft_config(recipe, run: RunDir, mode: str, device: str, dtype, max_steps: Optional[int], output_dir: Path):
+def sft_config(recipe, run: RunDir, mode: str, device: str, dtype, max_steps: Optional[int], output_dir: Path,
+               engine_fields: Optional[dict] = None):
     import torch
     from trl import SFTConfig
 
@@ -278,8 +287,45 @@ def sft_config(recipe, run: RunDir, mode: str, device: str, dtype, max_steps: Op
         fields["optim"] = "adamw_bnb_8bit"
     elif device == "cpu":
         fields["optim"] = "adamw_torch"  # the fused default needs a GPU
+    for key, value in (engine_fields or {}).items():  # launcher/backends: what the engine needs
+        fields[ac if key == "activation_checkpointing" else key] = value
     fields.update(recipe.trainer)
     return SFTConfig(**fields)
+
+
+def _write_verification(run: RunDir, mode: str, result: dict[str, Any], error: Optional[str] = None) -> None:
+    """worker.json gets the engine verification (and the error when it failed): status and the supervisor read it."""
+    from .backends import worker_file
+
+    path = worker_file(run.root, mode)
+    info = json.loads(path.read_text()) if path.is_file() else {}
+    info["verification"] = result
+    if error:
+        info["error"] = error
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ckpt.atomic_write_json(path, info)
+
+
+def _engine_check(run: RunDir, plan: dict[str, Any], mode: str, get_trainer):
+    """A callback: once the trainer has wrapped the model, before step 1, check that the planned engine runs."""
+    from transformers import TrainerCallback
+
+    from .backends import format_verification, verify
+
+    class EngineCheck(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            result = verify(plan, get_trainer())
+            line = format_verification(result)
+            if _rank() == 0:
+                _write_verification(run, mode, result, None if result["ok"] else line)
+            if not result["ok"]:
+                print(f"[ftrun worker] {line}", file=sys.stderr, flush=True)
+                # SystemExit passes the trainer's error handling; every rank sees the same result and exits.
+                raise SystemExit(EXIT_BAD_WORLD)
+            if _rank() == 0:
+                print(f"[ftrun worker] {line}", flush=True)
+
+    return EngineCheck()
 
 
 def run_worker(run_dir: Path, mode: str) -> int:
@@ -297,8 +343,13 @@ def run_worker(run_dir: Path, mode: str) -> int:
 
     expected_world = int(plan.get("num_processes", 1))
     if _world_size() != expected_world:
-        print(f"[ftrun worker] the plan asks for {expected_world} process(es) but {_world_size()} were started; "
-              "refusing to train with a different engine than planned", file=sys.stderr, flush=True)
+        message = (f"the plan asks for {expected_world} process(es) but {_world_size()} were started; "
+                   "refusing to train with a different engine than planned")
+        print(f"[ftrun worker] {message}", file=sys.stderr, flush=True)
+        _write_verification(run, mode, {"engine": plan.get("engine", "trl"), "world_size": _world_size(), "ok": False,
+                                        "checks": [{"check": "world size", "ok": False,
+                                                    "seen": f"{_world_size()} process(es), plan {expected_world}"}]},
+                            message)
         return EXIT_BAD_WORLD
 
     import torch
@@ -306,6 +357,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
     from transformers import set_seed
     from trl import SFTTrainer
 
+    from .backends import trainer_fields
     from .data import load_examples
 
     device, dtype = detect_device()
@@ -332,6 +384,17 @@ def run_worker(run_dir: Path, mode: str) -> int:
         for line in skipped:
             print(f"[ftrun worker] skipping checkpoint {line}", flush=True)
         resume_from = found
+        if found is not None:
+            from .backends import resume_compatibility
+
+            note, refused = resume_compatibility(found.manifest, plan)
+            if refused:
+                print(f"[ftrun worker] {note}", file=sys.stderr, flush=True)
+                if _rank() == 0:
+                    _record_error(run, note)
+                return EXIT_BAD_WORLD
+            if note and _rank() == 0:
+                print(f"[ftrun worker] {note}", flush=True)
 
     if _rank() == 0:
         info = {"pid": os.getpid(), "mode": mode, "device": device, "dtype": str(dtype).replace("torch.", ""),
@@ -347,13 +410,13 @@ def run_worker(run_dir: Path, mode: str) -> int:
     set_seed(recipe.seed)
     examples = load_examples(data_path)
     dataset = Dataset.from_list([{"messages": ex} for ex in examples])
-    model, tokenizer = load_model_and_tokenizer(recipe, device, dtype)
-    args = sft_config(recipe, run, mode, device, dtype, max_steps, out_dir)
+    model, tokenizer = load_model_and_tokenizer(recipe, device, dtype, plan, run.root)
+    args = sft_config(recipe, run, mode, device, dtype, max_steps, out_dir, trainer_fields(plan, run.root))
     meta = {"recipe_hash": recipe.trajectory_hash(), "method": recipe.method, "world_size": _world_size(),
             "engine": plan.get("engine", "trl")}
     cadence, metrics = build_callbacks(run, recipe, mode, device, meta, max_seconds)
     trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                         callbacks=[cadence, metrics])
+                         callbacks=[cadence, metrics, _engine_check(run, plan, mode, lambda: trainer)])
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # our Metrics callback prints one compact line per log

@@ -164,7 +164,7 @@ def test_real_model_on_cpu_is_refused_with_the_cheapest_box(tmp_path):
         plan(tmp_path, cpu_box(), method="lora")
 
 
-@pytest.mark.parametrize("engine", ["fsdp", "ddp", "unsloth", "deepspeed"])
+@pytest.mark.parametrize("engine", ["fsdp", "unsloth"])  # ddp, deepspeed: tests/test_engines.py
 def test_cpu_refuses_gpu_engines(tmp_path, tiny_dir, engine):
     with pytest.raises(PlanError, match="impossible here"):
         make_plan(recipe(tmp_path, model=str(tiny_dir), method="lora", engine=engine), cpu_box(), ARTICLE_DATA)

@@ -1,7 +1,8 @@
-"""One module per training engine; this file maps a plan's engine to the command that starts the worker."""
+"""One module per training engine; this file maps a plan's engine to its launch command, files and checks."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -9,20 +10,192 @@ from typing import Any
 from ..errors import PlanError
 
 SINGLE_PROCESS = ("trl", "unsloth")
+# Engines whose launcher starts several processes, one per GPU (gloo processes on CPU).
+MULTI_PROCESS = ("ddp", "fsdp", "deepspeed")
+DEEPSPEED_CONFIG = "deepspeed.json"  # written into the run directory from the plan (data, not code)
+FSDP_CONFIG = "accelerate_fsdp.yaml"
+
+
+def _worker(run_dir: Path, mode: str) -> list[str]:
+    return ["-m", "launcher.train", "--run-dir", str(run_dir), "--mode", mode]
+
+
+def _torchrun(n: int, nodes: dict[str, Any] | None) -> list[str]:
+    # torchrun starts exactly n processes per node (accelerate's `--cpu --num_processes n` silently
+    # starts one); each worker checks WORLD_SIZE and the process group against the plan.
+    if not nodes or int(nodes.get("nnodes", 1)) == 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={int(nodes['nnodes'])}",
+            f"--node_rank={int(nodes['node_rank'])}", f"--master_addr={nodes['master_addr']}",
+            f"--master_port={int(nodes['master_port'])}", f"--nproc_per_node={n}"]
 
 
 def launch_command(plan: dict[str, Any], run_dir: Path, mode: str) -> list[str]:
-    """The worker's argv for this plan: an argument list, never a shell string built from recipe values."""
+    """The worker's argv for this plan: an argument list, never a shell string built from recipe values.
+
+    Writes the engine's config file (DeepSpeed JSON, accelerate FSDP YAML) into the run directory
+    first, generated from the plan, so the command and its files always agree.
+    """
     engine = plan.get("engine", "trl")
     n = int(plan.get("num_processes", 1))
-    worker = ["-m", "launcher.train", "--run-dir", str(run_dir), "--mode", mode]
+    nodes = plan.get("nodes")
     if engine in SINGLE_PROCESS:
-        return [sys.executable, *worker]
+        return [sys.executable, *_worker(run_dir, mode)]
     if engine == "ddp":
-        # torchrun starts exactly n processes (accelerate's `--cpu --num_processes n` silently
-        # starts one); each worker checks WORLD_SIZE against the plan.
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", *worker]
+        return [*_torchrun(n, nodes), *_worker(run_dir, mode)]
+    if engine == "deepspeed":
+        # The Trainer drives DeepSpeed from the JSON config (SFTConfig.deepspeed); torchrun only
+        # starts the processes, the same way as for DDP.
+        from .deepspeed import write_config
+
+        write_config(plan, run_dir)
+        return [*_torchrun(n, nodes), *_worker(run_dir, mode)]
+    if engine == "fsdp":
+        from .fsdp import write_accelerate_config
+
+        cfg = write_accelerate_config(plan, run_dir)
+        return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg),
+                *_worker(run_dir, mode)]
     raise PlanError(
-        f"engine '{engine}' cannot be launched by this version of ftrun yet",
-        fix="set engine: auto (or trl / ddp) in the recipe.",
+        f"engine '{engine}' cannot be launched by this version of ftrun",
+        fix="set engine: auto (or trl / ddp / deepspeed / fsdp) in the recipe.",
     )
+
+
+def launch_env(plan: dict[str, Any]) -> dict[str, str]:
+    """Environment for the launched worker(s): CPU threads split between processes."""
+    n = int(plan.get("num_processes", 1))
+    env: dict[str, str] = {}
+    if plan.get("device") == "cpu" and n > 1 and "OMP_NUM_THREADS" not in os.environ:
+        # Several processes each using every core oversubscribe the CPU (about 10x slower).
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
+    return env
+
+
+def trainer_fields(plan: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """Extra SFTConfig fields the engine needs inside the worker."""
+    engine = plan.get("engine", "trl")
+    if engine == "deepspeed":
+        path = run_dir / DEEPSPEED_CONFIG
+        if not path.is_file():
+            from .deepspeed import write_config
+
+            write_config(plan, run_dir)
+        return {"deepspeed": str(path)}
+    if engine == "ddp":
+        # Every LoRA/full parameter takes part in each forward: the unused-parameter search the
+        # Trainer turns on by default costs an extra graph traversal per step.
+        return {"ddp_find_unused_parameters": False}
+    if engine == "fsdp":
+        # FSDP2 checkpoints activations itself (fsdp_activation_checkpointing in the accelerate
+        # config); the Trainer's own checkpointing on top of it breaks the sharded backward.
+        return {"activation_checkpointing": False}
+    return {}
+
+
+class EngineMismatch(RuntimeError):
+    """The engine running is not the engine planned (wrong world size, DDP instead of FSDP, ...)."""
+
+
+def verify(plan: dict[str, Any], trainer: Any) -> dict[str, Any]:
+    """After the trainer wrapped the model, before the first step: is this the planned engine?
+
+    Returns {"engine", "world_size", "ok", "checks": [{"check", "ok", "seen"}]}; the worker aborts
+    when ok is False.
+    """
+    import torch.distributed as dist
+
+    engine = plan.get("engine", "trl")
+    expected = int(plan.get("num_processes", 1)) * int((plan.get("nodes") or {}).get("nnodes", 1))
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    checks = [{"check": "world size", "ok": world == expected, "seen": f"{world} process(es), plan {expected}"}]
+    if engine in ("ddp",):
+        from .ddp import checks as engine_checks
+    elif engine == "deepspeed":
+        from .deepspeed import checks as engine_checks
+    elif engine == "fsdp":
+        from .fsdp import checks as engine_checks
+    else:
+        from .ddp import single_checks as engine_checks
+    checks += engine_checks(plan, trainer)
+    return {"engine": engine, "world_size": world, "ok": all(c["ok"] for c in checks), "checks": checks}
+
+
+def format_verification(v: dict[str, Any]) -> str:
+    bad = [c for c in v["checks"] if not c["ok"]]
+    if not bad:
+        return f"engine {v['engine']} verified: " + "; ".join(f"{c['check']}: {c['seen']}" for c in v["checks"])
+    return (f"engine {v['engine']} NOT verified: " + "; ".join(f"{c['check']}: {c['seen']}" for c in bad)
+            + " - refusing to train with another engine than planned")
+
+
+def load_kwargs(plan: dict[str, Any]) -> dict[str, Any]:
+    """from_pretrained arguments the engine decides: sharding engines place the weights themselves."""
+    if plan.get("engine") in ("fsdp", "deepspeed"):
+        # A device_map would load a full copy onto every GPU first (and transformers refuses one
+        # under ZeRO-3's partitioned loading).
+        return {"device_map": None}
+    return {}
+
+
+def loading_context(plan: dict[str, Any], run_dir: Path | None):
+    """Around from_pretrained: for ZeRO-3, partition the weights while they load (zero.Init)."""
+    import contextlib
+
+    if plan.get("engine") != "deepspeed" or run_dir is None:
+        return contextlib.nullcontext()
+    from .deepspeed import partitioned_loading
+
+    return partitioned_loading(plan, run_dir)
+
+
+# Engines whose checkpoints hold state split per process: they resume only on the same count.
+PER_RANK_CHECKPOINTS = ("deepspeed",)
+
+
+def resume_compatibility(manifest: dict[str, Any], plan: dict[str, Any]) -> tuple[str, bool]:
+    """(message, refused) for resuming a checkpoint written by another engine or process count."""
+    old_engine, old_world = manifest.get("engine", "trl"), int(manifest.get("world_size", 1))
+    new_engine = plan.get("engine", "trl")
+    new_world = int(plan.get("num_processes", 1)) * int((plan.get("nodes") or {}).get("nnodes", 1))
+    if (old_engine, old_world) == (new_engine, new_world):
+        return "", False
+    where = f"checkpoint step {manifest.get('step')} was written by engine {old_engine} on {old_world} process(es)"
+    if old_engine in PER_RANK_CHECKPOINTS or new_engine in PER_RANK_CHECKPOINTS:
+        if old_engine == new_engine:
+            why = (f"DeepSpeed ZeRO partitions the optimizer states (and ZeRO-3 the weights) into one file per "
+                   f"process, and DeepSpeed does not load them on {new_world} process(es)")
+        else:
+            why = (f"a {old_engine} checkpoint and a {new_engine} checkpoint hold the optimizer state in different "
+                   "layouts (DeepSpeed's global_step folders vs the Trainer's optimizer.pt)")
+        return (f"{where}; this plan runs {new_engine} on {new_world}: {why}. Resume with engine={old_engine} "
+                f"num_processes={old_world}, or start over with --fresh (the adapter/weights of the checkpoint can be "
+                "kept by hand: DeepSpeed's zero_to_fp32.py converts the weights, not the optimizer)"), True
+    global_note = ("; each optimizer step now takes "
+                   f"{new_world}/{old_world} of the examples it took before, so the run continues with another global "
+                   "batch (same data order, not step-for-step the same trajectory)") if old_world != new_world else ""
+    return (f"{where}, resuming with {new_engine} on {new_world}: the Trainer's checkpoint (adapter or full weights, "
+            f"optimizer.pt, scheduler) holds the whole state, so it loads on any count{global_note}"), False
+
+
+def worker_file(run_dir: Path, mode: str) -> Path:
+    return run_dir / "worker.json" if mode == "full" else run_dir / "smoke" / "worker.json"
+
+
+def failed_verification(worker_json: Path) -> str | None:
+    """The error of a worker that refused to train with another engine than planned, else None.
+
+    torchrun reports any failed worker as exit code 1, so the reason is read from worker.json.
+    """
+    import json
+
+    if not worker_json.is_file():
+        return None
+    try:
+        info = json.loads(worker_json.read_text())
+    except ValueError:
+        return None
+    v = info.get("verification")
+    if v and not v.get("ok"):
+        return info.get("error") or format_verification(v)
+    return None

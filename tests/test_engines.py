@@ -1,0 +1,262 @@
+"""Engines for real on CPU: DDP over 2 gloo processes end to end, the engine checks that stop a wrong launch,
+trajectory equivalence (DDP 2 x g == 1 x 2g), kill -9 + resume under DDP, a DDP-2 checkpoint resumed on 1 process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from helpers import REPO, ftrun, has_checkpoint, metrics, read_state, status, wait_for, wait_until_ended
+
+from launcher.errors import PlanError
+from launcher.hardware import from_spec
+from launcher.plan import make_plan
+from launcher.recipe import validate_recipe
+
+# A quick run: no smoke test, no export (tested elsewhere), so the time goes to the engine.
+QUICK = ("smoke.enabled=false", "export=[]")
+DATA = SimpleNamespace(examples=400, total_tokens=400 * 120, mean_tokens=120.0, max_tokens=256,
+                       over_max_length=0, tokens_source="tokenizer")
+
+
+def cpu_box(cores=2):
+    return from_spec("cpu").__class__((), "none", cores, 24.0, "detected")
+
+
+def _plan(tmp_path, tiny_model, hw, **fields):
+    base = {"model": str(tiny_model), "method": "lora", "data": "d.jsonl", "max_length": 256,
+            "micro_batch_size": 8, "gradient_accumulation_steps": 1, "max_steps": 12}
+    base.update(fields)
+    return make_plan(validate_recipe(base, tmp_path, "r"), hw, DATA, unsloth_available=False)
+
+
+# --- the plan honours a forced engine and process count, or refuses with the reason ----------------
+
+@pytest.mark.parametrize("fields, engine, n", [
+    ({"engine": "ddp"}, "ddp", 2),
+    ({"engine": "ddp", "num_processes": 2}, "ddp", 2),
+    ({"num_processes": 2}, "ddp", 2),  # auto with several processes means data parallel
+    ({}, "trl", 1),
+    ({"num_processes": 1}, "trl", 1),
+])
+def test_cpu_plan_honours_engine_and_process_count(tmp_path, tiny_model, fields, engine, n):
+    p = _plan(tmp_path, tiny_model, cpu_box(), **fields)
+    assert (p.engine, p.num_processes, p.device) == (engine, n, "cpu")
+    if n > 1:
+        assert any("gloo processes" in r for r in p.reasons)
+
+
+@pytest.mark.parametrize("fields, why", [
+    ({"engine": "ddp", "num_processes": 3}, "3 gloo processes need at least 3 CPU cores, this box has 2"),
+    ({"engine": "ddp", "num_processes": 1}, "single-process training; use engine: trl"),
+    ({"engine": "trl", "num_processes": 2}, "engine: trl is one process"),
+    ({"engine": "fsdp"}, "silently becomes DDP"),
+    ({"engine": "unsloth"}, "Unsloth needs an NVIDIA GPU"),
+])
+def test_cpu_plan_refuses_impossible_engines_with_the_reason(tmp_path, tiny_model, fields, why):
+    with pytest.raises(PlanError) as err:
+        _plan(tmp_path, tiny_model, cpu_box(), **fields)
+    assert why in err.value.message
+
+
+def test_cpu_plan_refuses_deepspeed_when_not_installed(tmp_path, tiny_model, monkeypatch):
+    import launcher.plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "_deepspeed_installed", lambda: False)
+    with pytest.raises(PlanError) as err:
+        _plan(tmp_path, tiny_model, cpu_box(), engine="deepspeed")
+    assert "pip install 'ftrun[deepspeed]'" in err.value.message
+
+
+def test_gpu_plan_honours_process_count_or_refuses(tmp_path):
+    llama = {"model": "meta-llama/Llama-3.1-8B", "method": "qlora", "max_length": 2048, "micro_batch_size": 1,
+             "gradient_accumulation_steps": 8, "max_steps": None}
+    p = _plan(tmp_path, "x", from_spec("4xH100-80GB"), **llama, engine="ddp", num_processes=2)
+    assert (p.engine, p.num_processes) == ("ddp", 2)
+    assert any("2 of the box's 4 cards stay idle" in r for r in p.reasons)
+    p = _plan(tmp_path, "x", from_spec("4xH100-80GB"), **llama, num_processes=4)
+    assert (p.engine, p.num_processes) == ("ddp", 4)
+    with pytest.raises(PlanError, match="num_processes=8 needs 8 GPUs, this box has 4"):
+        _plan(tmp_path, "x", from_spec("4xH100-80GB"), **llama, num_processes=8)
+    with pytest.raises(PlanError, match="engine: trl is one process|engine trl runs 1 process"):
+        _plan(tmp_path, "x", from_spec("4xH100-80GB"), **llama, engine="trl", num_processes=2)
+
+
+# --- DDP end to end, recorded and verified ---------------------------------------------------------
+
+def test_ddp_two_gloo_processes_end_to_end(write_recipe, tmp_path):
+    recipe = write_recipe(max_steps=6)
+    t0 = time.monotonic()
+    res = ftrun(recipe, "engine=ddp", "num_processes=2", "--foreground", *QUICK, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    run = tmp_path / "run"
+    plan = json.loads((run / "plan.json").read_text())
+    assert (plan["engine"], plan["num_processes"]) == ("ddp", 2)
+    assert plan["launch_argv"][1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    st = read_state(run)
+    assert st["engine"] == "ddp" and st["launch_argv"] == plan["launch_argv"]
+    v = st["verification"]
+    assert v["ok"] and v["world_size"] == 2
+    assert {c["check"]: c["ok"] for c in v["checks"]} == {
+        "world size": True, "process group backend": True, "model wrapped in DistributedDataParallel": True}
+    s = status(run, tmp_path)
+    assert s["state"] == "succeeded" and s["world_size"] == 2 and s["verification"]["ok"]
+    text = ftrun("status", run, cwd=tmp_path).stdout
+    assert "engine ddp x 2 process(es), verified: world size 2 process(es)" in text
+    assert "launched: " in text and "--nproc_per_node=2" in text
+    assert [r["step"] for r in metrics(run)] == list(range(1, 7))
+    # both ranks' RNG states are in the checkpoint: every rank wrote before rank 0 sealed it
+    files = json.loads((run / "checkpoints" / "step-000006" / "manifest.json").read_text())["files"]
+    assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(files)
+    print(f"DDP 2 procs, 6 steps, end to end: {time.monotonic() - t0:.1f}s")
+
+
+def _prepared_run(tmp_path: Path, recipe_path: Path, *overrides: str) -> Path:
+    """A run directory with recipe.yaml and plan.json, as `ftrun` writes them, without starting anything."""
+    from launcher.pipeline import data_stats, make_plan as pipeline_plan
+    from launcher.recipe import load_recipe
+
+    recipe = load_recipe(recipe_path, list(overrides))
+    run = Path(recipe.output_dir)
+    run.mkdir(parents=True)
+    (run / "recipe.yaml").write_text(yaml.safe_dump(recipe.snapshot(), sort_keys=False))
+    _, _, stats = data_stats(recipe)
+    (run / "plan.json").write_text(json.dumps(pipeline_plan(recipe, stats).to_dict()))
+    return run
+
+
+def _worker_env() -> dict:
+    return dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+
+
+def test_plan_for_two_processes_launched_as_one_is_stopped_before_training(write_recipe, tmp_path):
+    # accelerate's `--cpu --num_processes 2` silently starts ONE process (STACK-FACTS): the worker refuses.
+    run = _prepared_run(tmp_path, write_recipe(max_steps=6), "engine=ddp", "num_processes=2")
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
+                          "-m", "launcher.train", "--run-dir", str(run), "--mode", "full"],
+                         cwd=REPO, env=_worker_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0
+    assert "the plan asks for 2 process(es) but 1 were started" in res.stderr
+    assert not (run / "metrics.jsonl").exists()  # stopped before the first step
+    info = json.loads((run / "worker.json").read_text())
+    assert info["verification"]["ok"] is False and "1 were started" in info["error"]
+    print(f"accelerate --cpu --num_processes 2 refused after {time.monotonic() - t0:.1f}s")
+
+    # Through the supervisor: a plan saying 2 processes whose launch starts one fails, not restarts.
+    plan = json.loads((run / "plan.json").read_text())
+    plan["engine"] = "trl"  # launched as a single process, the plan still says 2
+    (run / "plan.json").write_text(json.dumps(plan))
+    (run / "worker.json").unlink()
+    res = subprocess.run([sys.executable, "-m", "launcher.supervisor", "--run-dir", str(run)],
+                         cwd=REPO, env=_worker_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 5, res.stdout + res.stderr
+    st = read_state(run)
+    assert st["state"] == "failed" and "the plan asks for 2 process(es) but 1 were started" in st["reason"]
+    assert st.get("restarts", 0) == 0
+    text = ftrun("status", run, cwd=tmp_path).stdout
+    assert "NOT verified: world size 1 process(es), plan 2" in text
+
+
+# --- same trajectory, kill -9, resume across world sizes (slow: several multi-process runs) ---------
+
+def _run(write_recipe, tmp_path, name, *overrides, **fields):
+    recipe = write_recipe(f"{name}.yaml", output_dir=str(tmp_path / name), **fields)
+    t0 = time.monotonic()
+    res = ftrun(recipe, "--foreground", *QUICK, *overrides, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return tmp_path / name, time.monotonic() - t0
+
+
+def _adapter(run: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(run / "final" / "adapter" / "adapter_model.safetensors"))
+
+
+def _step_seconds(run: Path) -> float:
+    """Median wall time per optimizer step, from the metrics' timestamps (warm-up step excluded)."""
+    t = [r["time"] for r in metrics(run)]
+    d = sorted(b - a for a, b in zip(t[1:], t[2:]))
+    return d[len(d) // 2]
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_follow_the_single_process_trajectory(write_recipe, tmp_path):
+    """DDP 2 x (micro-batch 8, accumulation 1) == 1 process x (micro-batch 8, accumulation 2)."""
+    import torch
+
+    fields = dict(max_steps=8, micro_batch_size=4)
+    one, t_one = _run(write_recipe, tmp_path, "one", "gradient_accumulation_steps=2", **fields)
+    ddp, t_ddp = _run(write_recipe, tmp_path, "ddp", "engine=ddp", "num_processes=2", **fields)
+    a, b = metrics(one), metrics(ddp)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, 9))
+    diffs = [abs(x["loss"] - y["loss"]) for x, y in zip(a, b)]
+    assert max(diffs) < 1e-4, diffs
+    assert a[-1]["loss"] < a[0]["loss"]  # it trained: the comparison is not between two flat lines
+    ta, tb = _adapter(one), _adapter(ddp)
+    worst = max((ta[k] - tb[k]).abs().max().item() for k in ta)
+    assert worst < 1e-4, worst
+    assert any(not torch.equal(ta[k], torch.zeros_like(ta[k])) for k in ta)
+    print(f"loss max |diff| {max(diffs):.2e}, adapter max |diff| {worst:.2e}; "
+          f"step time 1 proc {_step_seconds(one):.3f}s, DDP-2 {_step_seconds(ddp):.3f}s; "
+          f"wall {t_one:.0f}s vs {t_ddp:.0f}s")
+
+
+def _kill_run_after_checkpoint(run: Path) -> None:
+    """Machine loss: SIGKILL the supervisor's whole process group (torchrun and both ranks) after a checkpoint."""
+    wait_for(lambda: has_checkpoint(run) and read_state(run).get("supervisor_pid"), 240, "a checkpoint", 0.05)
+    pgid = os.getpgid(read_state(run)["supervisor_pid"])
+    os.killpg(pgid, signal.SIGSTOP)
+    assert not (run / "final").exists(), "the run finished before it could be interrupted"
+    os.killpg(pgid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_ddp_kill9_then_resume_is_exact(write_recipe, tmp_path):
+    fields = dict(max_steps=24, checkpoint_every_minutes=0.02)
+    ref, _ = _run(write_recipe, tmp_path, "ref", "engine=ddp", "num_processes=2", **fields)
+    recipe = write_recipe(max_restarts=0, **fields)
+    assert ftrun(recipe, "engine=ddp", "num_processes=2", *QUICK, cwd=tmp_path).returncode == 0
+    run = tmp_path / "run"
+    _kill_run_after_checkpoint(run)
+    wait_for(lambda: status(run, tmp_path)["state"] == "interrupted", 30, "state interrupted")
+    res = ftrun(recipe, "engine=ddp", "num_processes=2", *QUICK, cwd=tmp_path)
+    assert res.returncode == 0 and "continuing" in res.stdout, res.stdout + res.stderr
+    wait_until_ended(run, tmp_path)
+    assert "resuming from step-" in (run / "train.log").read_text()
+    a, b = metrics(ref), metrics(run)
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    ta, tb = _adapter(ref), _adapter(run)
+    import torch
+
+    assert all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+@pytest.mark.slow
+def test_lora_checkpoint_from_ddp2_resumes_on_one_process(write_recipe, tmp_path):
+    fields = dict(max_steps=24, checkpoint_every_minutes=0.02)
+    recipe = write_recipe(max_restarts=0, **fields)
+    assert ftrun(recipe, "engine=ddp", "num_processes=2", *QUICK, cwd=tmp_path).returncode == 0
+    run = tmp_path / "run"
+    _kill_run_after_checkpoint(run)
+    wait_for(lambda: status(run, tmp_path)["state"] == "interrupted", 30, "state interrupted")
+    resumed_at = max(int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("step-*")
+                     if (p / "manifest.json").is_file())
+    res = ftrun(recipe, "--foreground", *QUICK, cwd=tmp_path)  # engine auto: one process on this box
+    assert res.returncode == 0, res.stdout + res.stderr
+    log = (run / "train.log").read_text()
+    assert "was written by engine ddp on 2 process(es), resuming with trl on 1" in log
+    assert read_state(run)["verification"]["world_size"] == 1
+    steps = [r["step"] for r in metrics(run)]
+    assert steps == list(range(1, 25)) and resumed_at < 24
