@@ -20,7 +20,7 @@ def step_dir_name(step: int) -> str:
     return f"{PREFIX}{step:06d}"
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
@@ -45,7 +45,7 @@ def write_manifest(ckpt: Path, step: int, meta: dict[str, Any]) -> dict[str, Any
     for p in sorted(ckpt.rglob("*")):
         if p.is_file() and p.name != MANIFEST and not p.name.startswith(f".{MANIFEST}"):
             rel = p.relative_to(ckpt).as_posix()
-            files[rel] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+            files[rel] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
     manifest = {"step": step, "files": files, "ftrun_version": __version__, **meta}
     # fsync the data files before the manifest claims them
     for rel in files:
@@ -85,7 +85,7 @@ def verify(ckpt: Path, expect: Optional[dict[str, Any]] = None) -> tuple[Optiona
             return None, f"{rel} is missing"
         if p.stat().st_size != info["size"]:
             return None, f"{rel} has {p.stat().st_size} bytes, manifest says {info['size']}"
-        if _sha256(p) != info["sha256"]:
+        if sha256_file(p) != info["sha256"]:
             return None, f"{rel} does not match its sha256"
     return Verified(ckpt, step, manifest), ""
 

@@ -50,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("overrides", nargs="*", metavar="key=value")
     r.add_argument("--foreground", action="store_true", help="stay attached (debugging, tests)")
     r.add_argument("--fresh", action="store_true", help="start over; the old run directory is kept, renamed")
+    r.add_argument("--memory-limit", help="cap each worker's memory, e.g. 20GB (plan for a smaller card)")
 
     pl = sub.add_parser("plan", help="size the job: memory, engine, GPUs, time, cost")
     pl.add_argument("recipe")
@@ -61,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     sm = sub.add_parser("smoke", help="run only the smoke test (1%% of the data) and print the forecast")
     sm.add_argument("recipe")
     sm.add_argument("overrides", nargs="*", metavar="key=value")
+    sm.add_argument("--memory-limit", help="cap the worker's memory, e.g. 20GB")
 
     for name, helptext in (("status", "state, step, loss, ETA of a run"), ("logs", "the run's train.log"),
                            ("stop", "checkpoint and stop a run")):
@@ -84,10 +86,29 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _parse_gb(text: Optional[str]) -> Optional[float]:
+    if text is None:
+        return None
+    t = text.strip().lower().replace(" ", "")
+    for unit, factor in (("gib", 1.073741824), ("gb", 1.0), ("g", 1.0), ("mib", 0.001048576), ("mb", 0.001), ("m", 0.001)):
+        if t.endswith(unit):
+            t, scale = t[: -len(unit)], factor
+            break
+    else:
+        scale = 1.0
+    try:
+        value = float(t) * scale
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise UsageError(f"--memory-limit {text!r} is not a memory size", fix="write it like 20GB, 1.5GB or 800MB.")
+    return value
+
+
 def cmd_run(a) -> int:
     from .pipeline import launch
 
-    return launch(a.recipe, a.overrides, foreground=a.foreground, fresh=a.fresh)
+    return launch(a.recipe, a.overrides, foreground=a.foreground, fresh=a.fresh, memory_limit=_parse_gb(a.memory_limit))
 
 
 def cmd_plan(a) -> int:
@@ -99,7 +120,7 @@ def cmd_plan(a) -> int:
 def cmd_smoke(a) -> int:
     from .pipeline import smoke_only
 
-    return smoke_only(a.recipe, a.overrides)
+    return smoke_only(a.recipe, a.overrides, memory_limit=_parse_gb(a.memory_limit))
 
 
 def cmd_status(a) -> int:
@@ -123,7 +144,7 @@ def cmd_status(a) -> int:
 
 def cmd_logs(a) -> int:
     from .pipeline import resolve_run
-    from .state import ACTIVE, effective_state
+    from .state import ACTIVE, effective_state, pid_alive, read_state
 
     run = resolve_run(a.target)
     if not run.log.is_file():
@@ -138,7 +159,8 @@ def cmd_logs(a) -> int:
                 sys.stdout.write(line)
                 sys.stdout.flush()
                 continue
-            if effective_state(run) not in ACTIVE + ("planned",):
+            # the supervisor outlives the training (export, the last copy off the box): follow it to the end
+            if effective_state(run) not in ACTIVE + ("planned",) and not pid_alive(read_state(run).get("supervisor_pid")):
                 return 0
             time.sleep(0.5)
     return 0

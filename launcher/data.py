@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import random
@@ -98,14 +97,6 @@ def load_examples(path: str | Path) -> list[list[dict[str, str]]]:
     if not examples:
         raise DataError(f"{path} holds no examples", fix="add chat examples, one JSON object per line.")
     return examples
-
-
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------

@@ -9,8 +9,8 @@ from typing import Any, Optional
 
 import yaml
 
-from .checkpoint import atomic_write_json, newest_step_unverified
-from .data import compute_stats, example_lengths, file_sha256, load_examples
+from .checkpoint import atomic_write_json, newest_step_unverified, sha256_file
+from .data import compute_stats, example_lengths, load_examples
 from .errors import RecipeError, UsageError
 from .recipe import Recipe, check_trainer_fields, load_recipe
 from .rundir import RunDir
@@ -50,7 +50,8 @@ def _archive(run: RunDir) -> Path:
     return dest
 
 
-def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, fresh: bool = False) -> int:
+def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, fresh: bool = False,
+           memory_limit: Optional[float] = None) -> int:
     """`ftrun RECIPE`: start a new run, show a live one, or resume an interrupted one."""
     recipe = load_recipe(recipe_path, overrides)
     run = RunDir(Path(recipe.output_dir))
@@ -70,6 +71,7 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
             _say(format_status(status_summary(run)))
             _say("To train again from the start, add --fresh (the finished run is kept, renamed).")
             return 0
+        recipe = with_adjustments(run, recipe)
         _check_same_trajectory(run, recipe)
         if recipe.resume is False:
             raise RecipeError(f"{run.root} already holds a run and the recipe says resume: false",
@@ -84,7 +86,8 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
         raise RecipeError(f"resume: true but {run.root} holds no run to resume",
                           fix="set resume: auto to start a new run when there is none.")
 
-    examples, lengths, stats, plan, plan_dict, lock, data_sha = _prepare(run, recipe, resuming=resuming, fresh=fresh)
+    examples, lengths, stats, plan, plan_dict, lock, data_sha = _prepare(run, recipe, resuming=resuming, fresh=fresh,
+                                                                         memory_limit=memory_limit)
     ckpt_step = newest_step_unverified(run.checkpoints)
     smoke_ok = run.smoke.is_file()
     if resuming:
@@ -97,7 +100,7 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
 
     # a resume with a checkpoint, or after a passed smoke test, skips it: it was measured on this trajectory
     if recipe.smoke.enabled and not (resuming and (smoke_ok or ckpt_step is not None)):
-        _smoke(run, recipe, plan_dict, examples, lengths, stats)
+        recipe, plan_dict = _smoke(run, recipe, plan_dict, examples, lengths, stats)
 
     from .supervisor import start_detached, supervise
 
@@ -116,11 +119,11 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
     return 0
 
 
-def _prepare(run: RunDir, recipe: Recipe, *, resuming: bool, fresh: bool):
+def _prepare(run: RunDir, recipe: Recipe, *, resuming: bool, fresh: bool, memory_limit: Optional[float] = None):
     """Check everything (trainer fields, data, plan) before touching the run directory; then lock and write."""
     check_trainer_fields(recipe)
     examples, lengths, stats = data_stats(recipe)
-    data_sha = file_sha256(recipe.data)
+    data_sha = sha256_file(Path(recipe.data))
     if resuming:
         old_sha = read_state(run).get("data_sha256")
         if old_sha and old_sha != data_sha:
@@ -129,6 +132,7 @@ def _prepare(run: RunDir, recipe: Recipe, *, resuming: bool, fresh: bool):
                 fix="restore the original data, or add --fresh to start a new run on the new data (the old run is kept).",
             )
     plan = make_plan(recipe, stats)
+    previous = json.loads(run.plan.read_text()) if resuming and run.plan.is_file() else {}
     if fresh and run.exists():
         if is_locked(run):
             raise UsageError(f"--fresh: the run in {run.root} is still active",
@@ -138,34 +142,108 @@ def _prepare(run: RunDir, recipe: Recipe, *, resuming: bool, fresh: bool):
     run.root.mkdir(parents=True, exist_ok=True)
     run.recipe.write_text("# resolved by ftrun: defaults < recipe < command line\n"
                           + yaml.safe_dump(recipe.snapshot(), sort_keys=False))
-    plan_dict = plan.to_dict()
+    plan_dict = _plan_record(plan, memory_limit, previous.get("adjustments"))
     atomic_write_json(run.plan, plan_dict)
     from .plan import format_plan
 
     _say(format_plan(plan))
+    if memory_limit:
+        _say(f"memory limited to {memory_limit:g} GB per worker (--memory-limit)")
     return examples, lengths, stats, plan, plan_dict, lock, data_sha
 
 
-def _smoke(run: RunDir, recipe: Recipe, plan_dict, examples, lengths, stats) -> dict[str, Any]:
-    from .errors import SmokeError
+def _plan_record(plan, memory_limit: Optional[float], adjustments: Optional[list]) -> dict[str, Any]:
+    """plan.json: the plan, plus what the launcher decided around it (a memory cap, OOM adjustments)."""
+    record = plan.to_dict()
+    if memory_limit:
+        record["memory_limit_gb"] = memory_limit
+    if adjustments:
+        record["adjustments"] = adjustments
+    return record
+
+
+def with_adjustments(run: RunDir, recipe: Recipe) -> Recipe:
+    """The recipe as the run trains it: the smoke test's recorded out-of-memory adjustments applied."""
+    if not run.plan.is_file():
+        return recipe
+    update: dict[str, Any] = {}
+    for adj in json.loads(run.plan.read_text()).get("adjustments", []):
+        update.update(adj["set"])
+    return recipe.model_copy(update=update) if update else recipe
+
+
+def next_adjustment(recipe: Recipe) -> Optional[tuple[dict[str, Any], str]]:
+    """The cheapest change the recipe allows after an out-of-memory, or None."""
+    allowed = recipe.auto_adjust
+    m, g = recipe.micro_batch_size, recipe.gradient_accumulation_steps
+    if "batch" in allowed and m > 1:
+        m2 = m // 2 if m % 2 == 0 else 1
+        g2 = g * m // m2  # the effective batch stays the same, so does the training
+        return ({"micro_batch_size": m2, "gradient_accumulation_steps": g2},
+                f"micro_batch_size {m} -> {m2}, gradient_accumulation_steps {g} -> {g2} (same effective batch)")
+    if "checkpointing" in allowed and not recipe.gradient_checkpointing:
+        return {"gradient_checkpointing": True}, "gradient_checkpointing off -> on (recomputes activations)"
+    if "optimizer" in allowed and recipe.method == "full":
+        return {"method": "full-8bit"}, "method full -> full-8bit (8-bit AdamW states)"
+    if "method" in allowed and recipe.method == "lora":
+        return {"method": "qlora"}, "method lora -> qlora (4-bit base model)"
+    return None
+
+
+def _smoke(run: RunDir, recipe: Recipe, plan_dict, examples, lengths, stats) -> tuple[Recipe, dict[str, Any]]:
+    """The smoke test; after an out-of-memory, re-plan with the cheapest allowed change and try again.
+
+    Returns the recipe as adjusted (the full run trains with it) and the calibrated plan record.
+    """
+    from .errors import SmokeError, SmokeOOM
     from .smoke import format_smoke, run_smoke
 
     set_state(run, "smoking")
-    try:
-        report = run_smoke(run, recipe, plan_dict, examples, lengths, stats)
-    except SmokeError as exc:
-        set_state(run, "failed-smoke", reason=exc.message.splitlines()[0])
-        raise
-    except KeyboardInterrupt:
-        set_state(run, "failed-smoke", reason="smoke test interrupted (Ctrl-C)")
-        raise
+    attempts: list[str] = []
+    adjustments = list(plan_dict.get("adjustments", []))
+    while True:
+        try:
+            report = run_smoke(run, recipe, plan_dict, examples, lengths, stats)
+            break
+        except SmokeOOM as exc:
+            peak = f"peak {exc.peak_memory_gb:.2f} GB" if exc.peak_memory_gb is not None else "peak unknown"
+            limit = plan_dict.get("memory_limit_gb") or (plan_dict.get("memory") or {}).get("capacity_gb")
+            where = f"{peak}" + (f" of {limit:g} GB" if limit else "")
+            attempts.append(f"micro_batch_size={recipe.micro_batch_size} gradient_accumulation_steps="
+                            f"{recipe.gradient_accumulation_steps} gradient_checkpointing={recipe.gradient_checkpointing} "
+                            f"method={recipe.method}: out of memory ({where})")
+            step = next_adjustment(recipe)
+            if step is None:
+                reason = "the smoke test ran out of memory and nothing the recipe allows (auto_adjust: " \
+                         f"{recipe.auto_adjust}) is left to try. Attempts:\n" + "\n".join(f"- {a}" for a in attempts)
+                set_state(run, "failed-smoke", reason=reason.splitlines()[0])
+                raise SmokeError(reason, fix=f"lower max_length (now {recipe.max_length}), allow more in auto_adjust "
+                                 "(batch, checkpointing, optimizer, method), or use a card with more memory "
+                                 "(`ftrun plan RECIPE --gpus ...` shows the options with time and cost).") from None
+            update, text = step
+            change = {"set": update, "reason": f"{text}: out of memory at {where} on the longest batch"}
+            adjustments.append(change)
+            _say(f"smoke test: out of memory ({where}); re-planning: {text}")
+            recipe = recipe.model_copy(update=update)
+            plan_dict = {**plan_dict, "adjustments": adjustments}
+            run.recipe.write_text("# resolved by ftrun: defaults < recipe < command line < OOM adjustments (plan.json)\n"
+                                  + yaml.safe_dump(recipe.snapshot(), sort_keys=False))
+            atomic_write_json(run.plan, plan_dict)
+        except SmokeError as exc:
+            set_state(run, "failed-smoke", reason=exc.message.splitlines()[0])
+            raise
+        except KeyboardInterrupt:
+            set_state(run, "failed-smoke", reason="smoke test interrupted (Ctrl-C)")
+            raise
     _say(format_smoke(report))
     # Plan, then calibrate: the measured throughput and memory replace the estimates.
-    atomic_write_json(run.plan, make_plan(recipe, stats, smoke=report).to_dict())
-    return report
+    calibrated = make_plan(recipe, stats, smoke=report)
+    record = _plan_record(calibrated, plan_dict.get("memory_limit_gb"), adjustments)
+    atomic_write_json(run.plan, record)
+    return recipe, record
 
 
-def smoke_only(recipe_path: str, overrides: list[str]) -> int:
+def smoke_only(recipe_path: str, overrides: list[str], memory_limit: Optional[float] = None) -> int:
     """`ftrun smoke RECIPE`: plan and smoke-test without starting the run (a later `ftrun RECIPE` reuses it)."""
     recipe = load_recipe(recipe_path, overrides)
     run = RunDir(Path(recipe.output_dir))
@@ -173,11 +251,13 @@ def smoke_only(recipe_path: str, overrides: list[str]) -> int:
     if exists:
         if is_locked(run):
             raise UsageError(f"a run is active in {run.root}", fix=f"watch it with `ftrun status {run.root}`.")
+        recipe = with_adjustments(run, recipe)
         _check_same_trajectory(run, recipe)
     elif run.root.exists() and any(run.root.iterdir()):
         raise UsageError(f"output_dir {run.root} exists and holds files that are not an ftrun run",
                          fix="choose another output_dir; ftrun never writes into a folder it did not create.")
-    examples, lengths, stats, plan, plan_dict, lock, data_sha = _prepare(run, recipe, resuming=exists, fresh=False)
+    examples, lengths, stats, plan, plan_dict, lock, data_sha = _prepare(run, recipe, resuming=exists, fresh=False,
+                                                                         memory_limit=memory_limit)
     try:
         set_state(run, "planned", launcher_pid=_pid(), data_sha256=data_sha, reason="smoke test only")
         _smoke(run, recipe, plan_dict, examples, lengths, stats)

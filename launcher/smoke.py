@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import shutil
 import subprocess
 import time
@@ -14,7 +15,7 @@ from . import train
 from .backends import failed_verification, launch_command, launch_env, worker_file
 from .checkpoint import atomic_write_json
 from .data import DataStats, smoke_sample, write_jsonl
-from .errors import SmokeError
+from .errors import SmokeError, SmokeOOM
 from .rundir import RunDir
 
 REASONS = {
@@ -43,7 +44,12 @@ def run_smoke(run: RunDir, recipe, plan: dict[str, Any], examples, lengths: list
     idx = smoke_sample(lengths, recipe.smoke.fraction, recipe.smoke.min_steps * global_batch, recipe.seed)
     shutil.rmtree(run.smoke_work, ignore_errors=True)
     run.smoke_work.mkdir(parents=True)
-    write_jsonl(run.smoke_work / "data.jsonl", [examples[i] for i in idx])
+    # The worker reads the sample in order: the longest batch first, so an out-of-memory shows in
+    # step 1 (seconds, not hours); the rest in a seeded random order for a fair throughput.
+    by_length = sorted(idx, key=lambda i: (-lengths[i], i))
+    first, rest = by_length[:global_batch], by_length[global_batch:]
+    random.Random(recipe.seed).shuffle(rest)
+    write_jsonl(run.smoke_work / "data.jsonl", [examples[i] for i in first + rest])
     steps = max(1, len(idx) // global_batch)
     atomic_write_json(run.smoke_work / "request.json",
                       {"max_steps": steps, "max_seconds": recipe.smoke.max_minutes * 60.0})
@@ -64,6 +70,11 @@ def run_smoke(run: RunDir, recipe, plan: dict[str, Any], examples, lengths: list
     if rc != 0 and failed_verification(worker_file(run.root, "smoke")):
         rc = train.EXIT_BAD_WORLD  # torchrun reports any failed worker as 1; the worker said why
     result_path = run.smoke_work / "result.json"
+    if rc == train.EXIT_OOM:
+        oom_path = run.smoke_work / "oom.json"
+        oom = json.loads(oom_path.read_text()) if oom_path.is_file() else {}
+        raise SmokeOOM(oom.get("error", "out of memory"), fix=REASONS[train.EXIT_OOM][1],
+                       peak_memory_gb=oom.get("peak_memory_gb"))
     if rc != 0 or not result_path.is_file():
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
         what, fix = REASONS.get(rc, (f"the worker exited with code {rc}", f"read {log_path} (last lines below)"))

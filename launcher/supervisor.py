@@ -81,6 +81,14 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
 
         syncer = Syncer(run, recipe.sync.to, recipe.sync.keep, log=_log).start(recipe.sync.every_seconds)
 
+    def end(state: str, why: str, code: int, **fields) -> int:
+        """A final state other than success: what exists goes off the box first, then the state says why."""
+        if syncer:
+            syncer.finish(final=False)
+        set_state(run, state, worker_pid=None, reason=why, **fields)
+        _log(why)
+        return code
+
     restarts = 0
     crash_steps: list[int] = []
     env = dict(os.environ, PYTHONUNBUFFERED="1", **launch_env(plan))
@@ -120,40 +128,21 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
             return 0
         if stopping["signal"] or rc == train.EXIT_STOPPED:
             requested = read_state(run).get("stop_requested")
-            state = "stopped" if requested else "preempted"
             why = (f"{'stopped by `ftrun stop`' if requested else 'preempted (' + (stopping['signal'] or 'SIGTERM') + ')'}"
                    f" at step {_last_logged_step(run)}"
                    + (" after a checkpoint" if rc == train.EXIT_STOPPED else f"; the worker did not finish its checkpoint within {recipe.grace_seconds:g}s")
                    + "; run the same command to resume")
-            if syncer:
-                syncer.finish(final=False)
-            set_state(run, state, worker_pid=None, reason=why, stop_requested=False)
-            _log(why)
-            return train.EXIT_STOPPED
+            return end("stopped" if requested else "preempted", why, train.EXIT_STOPPED, stop_requested=False)
         if rc in FATAL:
-            if syncer:
-                syncer.finish(final=False)
-            detail = _worker_error(run) or FATAL[rc]
-            set_state(run, "failed", worker_pid=None, reason=detail)
-            _log(f"worker failed (exit {rc}): {detail}")
-            return 5
+            return end("failed", _worker_error(run) or FATAL[rc], 5)
         how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
         step = _last_logged_step(run)
         if crash_steps and crash_steps[-1] == step:
-            why = f"worker crashed twice at step {step} ({how}); not retrying a crash that repeats"
-            if syncer:
-                syncer.finish(final=False)
-            set_state(run, "failed", worker_pid=None, reason=why)
-            _log(why)
-            return 5
+            return end("failed", f"worker crashed twice at step {step} ({how}); not retrying a crash that repeats", 5)
         crash_steps.append(step)
         if restarts >= recipe.max_restarts:
-            why = f"worker crashed ({how}) after {restarts} restart(s), the limit (max_restarts={recipe.max_restarts})"
-            if syncer:
-                syncer.finish(final=False)
-            set_state(run, "failed", worker_pid=None, reason=why)
-            _log(why)
-            return 5
+            return end("failed", f"worker crashed ({how}) after {restarts} restart(s), the limit "
+                       f"(max_restarts={recipe.max_restarts})", 5)
         restarts += 1
         delay = min(2 ** restarts, 60)
         set_state(run, "recovering", worker_pid=None, restarts=restarts,

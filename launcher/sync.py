@@ -155,7 +155,7 @@ class RsyncDestination(Destination):
             target = Path(tmp) / "f"
             if not self.get_file(rel, target):
                 return None
-            return _sha256(target)
+            return ckpt.sha256_file(target)
 
 
 class FsspecDestination(Destination):
@@ -258,7 +258,7 @@ class HubDestination(Destination):
     def read_bytes_sha256(self, rel: str) -> Optional[str]:
         with tempfile.TemporaryDirectory() as tmp:
             target = Path(tmp) / "f"
-            return _sha256(target) if self.get_file(rel, target) else None
+            return ckpt.sha256_file(target) if self.get_file(rel, target) else None
 
 
 def destination(url: str) -> Destination:
@@ -271,14 +271,6 @@ def destination(url: str) -> Destination:
     raise SyncError(f"sync.to={url!r} is not a destination ftrun knows",
                     fix="use user@host:/path or an SSH alias alias:/path (rsync), s3://bucket/prefix, gs://..., "
                     "file:///path or an absolute path (fsspec), or hf://user/repo.")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------
@@ -327,7 +319,7 @@ def push_final(dest: Destination, run: RunDir) -> None:
         return
     for sub in sorted(p for p in run.final.iterdir() if p.is_dir() and not p.name.startswith(".")):
         files = sorted(p for p in sub.rglob("*") if p.is_file())
-        manifest = {"files": {f.relative_to(sub).as_posix(): {"size": f.stat().st_size, "sha256": _sha256(f)}
+        manifest = {"files": {f.relative_to(sub).as_posix(): {"size": f.stat().st_size, "sha256": ckpt.sha256_file(f)}
                               for f in files if f.name != ckpt.MANIFEST}}
         ckpt.atomic_write_json(sub / ckpt.MANIFEST, {"step": -1, **manifest})
         dest.put_dir(sub, f"final/{sub.name}")

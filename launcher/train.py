@@ -282,6 +282,9 @@ def sft_config(recipe, run: RunDir, mode: str, device: str, dtype, max_steps: Op
         else "gradient_checkpointing"
     fields[ac] = recipe.gradient_checkpointing
     fields[f"{ac}_kwargs"] = {"use_reentrant": False}
+    if mode == "smoke" and any(f.name == "train_sampling_strategy" for f in dataclasses.fields(SFTConfig)):
+        # The smoke sample is written longest batch first: an out-of-memory shows in step 1.
+        fields["train_sampling_strategy"] = "sequential"
     if recipe.method == "full-8bit":
         # 8-bit AdamW states (bitsandbytes): about 2 bytes/param of optimizer state instead of 8.
         fields["optim"] = "adamw_bnb_8bit"
@@ -361,6 +364,8 @@ def run_worker(run_dir: Path, mode: str) -> int:
     from .data import load_examples
 
     device, dtype = detect_device()
+    if plan.get("memory_limit_gb"):
+        _cap_memory(device, float(plan["memory_limit_gb"]))
     planned_device = plan.get("device")
     if planned_device and planned_device != device:
         print(f"[ftrun worker] the plan was made for device '{planned_device}' but this process sees '{device}'",
@@ -410,30 +415,37 @@ def run_worker(run_dir: Path, mode: str) -> int:
     set_seed(recipe.seed)
     examples = load_examples(data_path)
     dataset = Dataset.from_list([{"messages": ex} for ex in examples])
-    model, tokenizer = load_model_and_tokenizer(recipe, device, dtype, plan, run.root)
-    args = sft_config(recipe, run, mode, device, dtype, max_steps, out_dir, trainer_fields(plan, run.root))
-    meta = {"recipe_hash": recipe.trajectory_hash(), "method": recipe.method, "world_size": _world_size(),
-            "engine": plan.get("engine", "trl")}
-    cadence, metrics = build_callbacks(run, recipe, mode, device, meta, max_seconds)
-    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                         callbacks=[cadence, metrics, _engine_check(run, plan, mode, lambda: trainer)])
-    from transformers.trainer_callback import PrinterCallback
+    trainer = None
 
-    trainer.remove_callback(PrinterCallback)  # our Metrics callback prints one compact line per log
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+    def step() -> int:
+        return trainer.state.global_step if trainer is not None else 0
+
     try:
+        # Loading the model can run out of memory as well as training: both are inside.
+        model, tokenizer = load_model_and_tokenizer(recipe, device, dtype, plan, run.root)
+        args = sft_config(recipe, run, mode, device, dtype, max_steps, out_dir, trainer_fields(plan, run.root))
+        meta = {"recipe_hash": recipe.trajectory_hash(), "method": recipe.method, "world_size": _world_size(),
+                "engine": plan.get("engine", "trl")}
+        cadence, metrics = build_callbacks(run, recipe, mode, device, meta, max_seconds)
+        trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                             callbacks=[cadence, metrics, _engine_check(run, plan, mode, lambda: trainer)])
+        from transformers.trainer_callback import PrinterCallback
+
+        trainer.remove_callback(PrinterCallback)  # our Metrics callback prints one compact line per log
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         trainer.train(resume_from_checkpoint=str(resume_from.path) if resume_from else None)
     except FloatingPointError as exc:
         print(f"[ftrun worker] stopping: {exc}", file=sys.stderr, flush=True)
         return EXIT_NAN
     except torch.cuda.OutOfMemoryError as exc:
-        print(f"[ftrun worker] out of GPU memory: {str(exc).splitlines()[0]}", file=sys.stderr, flush=True)
-        return EXIT_OOM
+        return _out_of_memory(run, mode, device, str(exc), step())
     except Exception as exc:
+        if _is_cpu_oom(exc):
+            return _out_of_memory(run, mode, device, str(exc), step())
         if not _is_disk_full(exc, run.root):
             raise
-        message = _disk_full_message(run, trainer.state.global_step)
+        message = _disk_full_message(run, step())
         print(f"[ftrun worker] {message}", file=sys.stderr, flush=True)
         _record_error(run, message)
         return EXIT_DISK_FULL
@@ -449,6 +461,47 @@ def run_worker(run_dir: Path, mode: str) -> int:
     if _rank() == 0:
         _save_final(run, trainer, tokenizer, recipe)
     return 0
+
+
+def _cap_memory(device: str, limit_gb: float) -> None:
+    """--memory-limit: plan for a smaller card than this one, or provoke a real OOM in tests."""
+    import torch
+
+    if device == "cuda":
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit_gb * 1e9 / total))
+    else:
+        import psutil
+
+        # Address space above what the imports already mapped: torch's CPU allocator then fails for
+        # real ("can't allocate memory") when the training needs more.
+        base = psutil.Process().memory_info().vms
+        resource.setrlimit(resource.RLIMIT_AS, (base + int(limit_gb * 1e9), resource.RLIM_INFINITY))
+    print(f"[ftrun worker] memory limited to {limit_gb:g} GB ({'GPU fraction' if device == 'cuda' else 'RLIMIT_AS above the imports'})",
+          flush=True)
+
+
+def _is_cpu_oom(exc: BaseException) -> bool:
+    seen: Optional[BaseException] = exc
+    while seen is not None:
+        if isinstance(seen, MemoryError) or (isinstance(seen, RuntimeError) and "can't allocate memory" in str(seen)):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _out_of_memory(run: RunDir, mode: str, device: str, text: str, step: int) -> int:
+    peak = peak_memory_gb(device)
+    first = text.strip().splitlines()[0] if text.strip() else "out of memory"
+    message = f"out of {'GPU ' if device == 'cuda' else ''}memory at step {step + 1} (peak {peak:.2f} GB): {first[:300]}"
+    print(f"[ftrun worker] {message}", file=sys.stderr, flush=True)
+    if _rank() == 0:
+        if mode == "smoke":
+            ckpt.atomic_write_json(run.smoke_work / "oom.json", {"peak_memory_gb": round(peak, 3), "step": step + 1,
+                                                                  "error": first[:500]})
+        else:
+            _record_error(run, message)
+    return EXIT_OOM
 
 
 def _is_disk_full(exc: BaseException, where: Path) -> bool:
