@@ -77,7 +77,8 @@ def verify(ckpt: Path, expect: Optional[dict[str, Any]] = None) -> tuple[Optiona
     except (ValueError, KeyError, TypeError) as exc:
         return None, f"unreadable manifest ({exc})"
     for key, value in (expect or {}).items():
-        if manifest.get(key) != value:
+        accepted = value if isinstance(value, (list, tuple, set, frozenset)) else (value,)
+        if manifest.get(key) not in accepted:
             return None, f"manifest {key}={manifest.get(key)!r}, this run has {value!r}"
     for rel, info in files.items():
         p = ckpt / rel

@@ -51,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--foreground", action="store_true", help="stay attached (debugging, tests)")
     r.add_argument("--fresh", action="store_true", help="start over; the old run directory is kept, renamed")
     r.add_argument("--memory-limit", help="cap each worker's memory, e.g. 20GB (plan for a smaller card)")
+    r.add_argument("--allow-changes", action="store_true",
+                   help="resume from the run's checkpoints even though the recipe's training settings changed")
 
     pl = sub.add_parser("plan", help="size the job: memory, engine, GPUs, time, cost")
     pl.add_argument("recipe")
@@ -108,7 +110,8 @@ def _parse_gb(text: Optional[str]) -> Optional[float]:
 def cmd_run(a) -> int:
     from .pipeline import launch
 
-    return launch(a.recipe, a.overrides, foreground=a.foreground, fresh=a.fresh, memory_limit=_parse_gb(a.memory_limit))
+    return launch(a.recipe, a.overrides, foreground=a.foreground, fresh=a.fresh, memory_limit=_parse_gb(a.memory_limit),
+                  allow_changes=a.allow_changes)
 
 
 def cmd_plan(a) -> int:

@@ -51,7 +51,7 @@ def _archive(run: RunDir) -> Path:
 
 
 def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, fresh: bool = False,
-           memory_limit: Optional[float] = None) -> int:
+           memory_limit: Optional[float] = None, allow_changes: bool = False) -> int:
     """`ftrun RECIPE`: start a new run, show a live one, or resume an interrupted one."""
     recipe = load_recipe(recipe_path, overrides)
     run = RunDir(Path(recipe.output_dir))
@@ -72,7 +72,7 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
             _say("To train again from the start, add --fresh (the finished run is kept, renamed).")
             return 0
         recipe = with_adjustments(run, recipe)
-        _check_same_trajectory(run, recipe)
+        _check_same_trajectory(run, recipe, allow_changes)
         if recipe.resume is False:
             raise RecipeError(f"{run.root} already holds a run and the recipe says resume: false",
                               fix="add --fresh to start over (the old run is kept, renamed), or set resume: auto.")
@@ -87,7 +87,8 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
                           fix="set resume: auto to start a new run when there is none.")
 
     examples, lengths, stats, plan, plan_dict, lock, data_sha = _prepare(run, recipe, resuming=resuming, fresh=fresh,
-                                                                         memory_limit=memory_limit)
+                                                                         memory_limit=memory_limit,
+                                                                         allow_changes=allow_changes)
     ckpt_step = newest_step_unverified(run.checkpoints)
     smoke_ok = run.smoke.is_file()
     if resuming:
@@ -119,17 +120,21 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
     return 0
 
 
-def _prepare(run: RunDir, recipe: Recipe, *, resuming: bool, fresh: bool, memory_limit: Optional[float] = None):
+def _prepare(run: RunDir, recipe: Recipe, *, resuming: bool, fresh: bool, memory_limit: Optional[float] = None,
+             allow_changes: bool = False):
     """Check everything (trainer fields, data, plan) before touching the run directory; then lock and write."""
     check_trainer_fields(recipe)
     examples, lengths, stats = data_stats(recipe)
     data_sha = sha256_file(Path(recipe.data))
     if resuming:
         old_sha = read_state(run).get("data_sha256")
-        if old_sha and old_sha != data_sha:
+        if old_sha and old_sha != data_sha and allow_changes:
+            _say(f"--allow-changes: the data file {recipe.data} changed since this run started; continuing anyway")
+        elif old_sha and old_sha != data_sha:
             raise RecipeError(
                 f"the data file {recipe.data} changed since this run started (sha256 {old_sha[:12]}... -> {data_sha[:12]}...)",
-                fix="restore the original data, or add --fresh to start a new run on the new data (the old run is kept).",
+                fix="restore the original data, add --allow-changes to continue on the new data, or add --fresh to start "
+                "a new run on it (the old run is kept).",
             )
     plan = make_plan(recipe, stats)
     previous = json.loads(run.plan.read_text()) if resuming and run.plan.is_file() else {}
@@ -329,15 +334,21 @@ def _pid() -> int:
     return os.getpid()
 
 
-def _check_same_trajectory(run: RunDir, recipe: Recipe) -> None:
+def _check_same_trajectory(run: RunDir, recipe: Recipe, allow_changes: bool = False) -> None:
     old = load_recipe(run.recipe)
     diffs = _diff_trajectory(old.trajectory(), recipe.trajectory())
-    if diffs:
+    if diffs and not allow_changes:
         raise RecipeError(
             f"the recipe differs from the run in {run.root} in settings that change the training:\n" + "\n".join(diffs),
-            fix="restore those values to resume, add --fresh to start a new run (the old one is kept, renamed), "
-            "or set another output_dir.",
+            fix="restore those values to resume, add --allow-changes to continue from the checkpoint anyway, add "
+            "--fresh to start a new run (the old one is kept, renamed), or set another output_dir.",
         )
+    if diffs:
+        _say("--allow-changes: continuing from the existing checkpoints with a changed recipe:\n" + "\n".join(diffs)
+             + "\n(the optimizer and scheduler state come from the checkpoint; the trajectory is no longer the original one)")
+        accepted = read_state(run).get("accepted_recipe_hashes", [])
+        set_state(run, read_state(run).get("state", "planned"),
+                  accepted_recipe_hashes=sorted(set(accepted) | {old.trajectory_hash()}))
 
 
 def resolve_run(target: Optional[str], overrides: list[str] | None = None) -> RunDir:

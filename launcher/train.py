@@ -385,7 +385,10 @@ def run_worker(run_dir: Path, mode: str) -> int:
         removed = ckpt.remove_incomplete(run.checkpoints) if _rank() == 0 else []
         if removed:
             print(f"[ftrun worker] removed incomplete checkpoint(s): {', '.join(removed)}", flush=True)
-        found, skipped = ckpt.newest_verified(run.checkpoints, {"recipe_hash": recipe.trajectory_hash()})
+        # Checkpoints of this trajectory, or of an earlier one the user accepted with --allow-changes.
+        accepted = [recipe.trajectory_hash(), *json.loads(run.state.read_text()).get("accepted_recipe_hashes", [])] \
+            if run.state.is_file() else [recipe.trajectory_hash()]
+        found, skipped = ckpt.newest_verified(run.checkpoints, {"recipe_hash": accepted})
         for line in skipped:
             print(f"[ftrun worker] skipping checkpoint {line}", flush=True)
         resume_from = found

@@ -110,6 +110,16 @@ def test_stop_saves_a_checkpoint_and_resume_continues(write_recipe, tmp_path):
     assert s["state"] == "stopped" and s["last_checkpoint"]  # saved on SIGTERM, not by the 10-minute cadence
     stopped_at = int(s["last_checkpoint"].split("-")[1])
     assert stopped_at >= 3
+    # a changed training setting is refused with the difference named, or accepted on request
+    changed = ftrun(recipe, "learning_rate=1e-2", "max_steps=" + str(stopped_at + 3), cwd=tmp_path)
+    assert changed.returncode == 2
+    assert "- learning_rate: run has 0.005, recipe now says 0.01" in changed.stderr and "--allow-changes" in changed.stderr
+    res = ftrun(recipe, "learning_rate=1e-2", f"max_steps={stopped_at + 3}", "--allow-changes", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "continuing from the existing checkpoints with a changed recipe" in res.stdout
+    wait_until_ended(run, tmp_path)
+    assert f"resuming from step-{stopped_at:06d}" in (run / "train.log").read_text()
+    assert metrics(run)[-1]["step"] == stopped_at + 3
 
 
 @pytest.mark.parametrize(
