@@ -58,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("recipe")
     pl.add_argument("overrides", nargs="*", metavar="key=value")
     pl.add_argument("--gpus", help="plan for another box, e.g. 4xH100-80GB or RTX4090")
-    pl.add_argument("--tokens", help="training tokens per epoch when the data is not here, e.g. 5M")
+    pl.add_argument("--tokens", help="total training tokens (all epochs) when the data is not here, e.g. 15M")
     pl.add_argument("--json", action="store_true")
 
     sm = sub.add_parser("smoke", help="run only the smoke test (1%% of the data) and print the forecast")

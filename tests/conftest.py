@@ -48,6 +48,7 @@ def recipe_file(path: Path, tiny_model: Path, output_dir: Path, **fields) -> Pat
         "checkpoint_every_minutes": 0.02,
         "output_dir": str(output_dir),
         "smoke": {"min_steps": 3},
+        "export": [],  # tests that check the export ask for it; the rest should not pay for it
     }
     for key, value in fields.items():
         if value is None:
