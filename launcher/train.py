@@ -461,8 +461,8 @@ def run_worker(run_dir: Path, mode: str) -> int:
         print(f"[ftrun worker] stopped at step {trainer.state.global_step} after {_Stop.signal_name}; "
               "checkpoint saved, resume with the same command", flush=True)
         return EXIT_STOPPED
-    if _rank() == 0:
-        _save_final(run, trainer, tokenizer, recipe)
+    # every rank: ZeRO-3 and FSDP gather the sharded weights for the final save (rank 0 writes)
+    _save_final(run, trainer, tokenizer, recipe)
     return 0
 
 
@@ -570,11 +570,18 @@ def _save_final(run: RunDir, trainer, tokenizer, recipe) -> None:
     """final/adapter (PEFT adapter + tokenizer) or final/model, written to a temporary folder then renamed."""
     import shutil
 
+    import torch.distributed as dist
+
     name = "adapter" if recipe.method in ("qlora", "lora") else "model"
-    run.final.mkdir(parents=True, exist_ok=True)
     tmp = run.final / f".{name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    trainer.save_model(str(tmp))
+    if _rank() == 0:
+        run.final.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    trainer.save_model(str(tmp))  # collective under ZeRO-3/FSDP; only the main process writes
+    if _rank() != 0:
+        return
     tokenizer.save_pretrained(str(tmp))
     dst = run.final / name
     if dst.exists():

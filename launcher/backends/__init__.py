@@ -20,14 +20,10 @@ def _worker(run_dir: Path, mode: str) -> list[str]:
     return ["-m", "launcher.train", "--run-dir", str(run_dir), "--mode", mode]
 
 
-def _torchrun(n: int, nodes: dict[str, Any] | None) -> list[str]:
-    # torchrun starts exactly n processes per node (accelerate's `--cpu --num_processes n` silently
-    # starts one); each worker checks WORLD_SIZE and the process group against the plan.
-    if not nodes or int(nodes.get("nnodes", 1)) == 1:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
-    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={int(nodes['nnodes'])}",
-            f"--node_rank={int(nodes['node_rank'])}", f"--master_addr={nodes['master_addr']}",
-            f"--master_port={int(nodes['master_port'])}", f"--nproc_per_node={n}"]
+def _torchrun(n: int) -> list[str]:
+    # torchrun starts exactly n processes (accelerate's `--cpu --num_processes n` silently starts
+    # one); each worker checks WORLD_SIZE and the process group against the plan.
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
 
 
 def launch_command(plan: dict[str, Any], run_dir: Path, mode: str) -> list[str]:
@@ -38,18 +34,17 @@ def launch_command(plan: dict[str, Any], run_dir: Path, mode: str) -> list[str]:
     """
     engine = plan.get("engine", "trl")
     n = int(plan.get("num_processes", 1))
-    nodes = plan.get("nodes")
     if engine in SINGLE_PROCESS:
         return [sys.executable, *_worker(run_dir, mode)]
     if engine == "ddp":
-        return [*_torchrun(n, nodes), *_worker(run_dir, mode)]
+        return [*_torchrun(n), *_worker(run_dir, mode)]
     if engine == "deepspeed":
         # The Trainer drives DeepSpeed from the JSON config (SFTConfig.deepspeed); torchrun only
         # starts the processes, the same way as for DDP.
         from .deepspeed import write_config
 
         write_config(plan, run_dir)
-        return [*_torchrun(n, nodes), *_worker(run_dir, mode)]
+        return [*_torchrun(n), *_worker(run_dir, mode)]
     if engine == "fsdp":
         from .fsdp import write_accelerate_config
 
@@ -106,7 +101,7 @@ def verify(plan: dict[str, Any], trainer: Any) -> dict[str, Any]:
     import torch.distributed as dist
 
     engine = plan.get("engine", "trl")
-    expected = int(plan.get("num_processes", 1)) * int((plan.get("nodes") or {}).get("nnodes", 1))
+    expected = int(plan.get("num_processes", 1))
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     checks = [{"check": "world size", "ok": world == expected, "seen": f"{world} process(es), plan {expected}"}]
     if engine in ("ddp",):
@@ -157,7 +152,7 @@ def resume_compatibility(manifest: dict[str, Any], plan: dict[str, Any]) -> tupl
     """(message, refused) for resuming a checkpoint written by another engine or process count."""
     old_engine, old_world = manifest.get("engine", "trl"), int(manifest.get("world_size", 1))
     new_engine = plan.get("engine", "trl")
-    new_world = int(plan.get("num_processes", 1)) * int((plan.get("nodes") or {}).get("nnodes", 1))
+    new_world = int(plan.get("num_processes", 1))
     if (old_engine, old_world) == (new_engine, new_world):
         return "", False
     where = f"checkpoint step {manifest.get('step')} was written by engine {old_engine} on {old_world} process(es)"

@@ -18,7 +18,7 @@ def config(plan: dict[str, Any]) -> dict[str, Any]:
     """
     mb = int(plan["micro_batch_size"])
     acc = int(plan["gradient_accumulation_steps"])
-    world = int(plan.get("num_processes", 1)) * int((plan.get("nodes") or {}).get("nnodes", 1))
+    world = int(plan.get("num_processes", 1))
     hidden = int((plan.get("model") or {}).get("hidden") or 4096)
     cpu = plan.get("device") == "cpu"
     return {
@@ -71,6 +71,11 @@ def partitioned_loading(plan: dict[str, Any], run_dir: Path):
     cfg["bf16"]["enabled"] = bf16
     cfg["fp16"]["enabled"] = torch.cuda.is_available() and not bf16
     cfg["gradient_clipping"] = 1.0  # not used while loading
+    import deepspeed
+
+    # zero.Init partitions over the process group, which the Trainer would only create later:
+    # without it every process counts a world of 1 and the batch arithmetic fails.
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     keep_alive = HfDeepSpeedConfig(cfg)  # transformers holds only a weak reference
     try:
         yield keep_alive
