@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from . import train
-from .backends import failed_verification, launch_command, launch_env
+from .backends import MULTI_PROCESS, die_with_parent, failed_verification, launch_command, launch_env
 from .rundir import RunDir
 from .state import read_state, set_state
 
@@ -101,7 +101,9 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
             plan["launch_argv"] = cmd  # plan.json records how the plan was launched (an argument list)
             atomic_write_json(run.plan, plan)
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env,
-                                pass_fds=(lock_fd,) if lock_fd is not None else ())
+                                pass_fds=(lock_fd,) if lock_fd is not None else (),
+                                # a launcher (torchrun) outliving the supervisor keeps its ranks training
+                                preexec_fn=die_with_parent if plan.get("engine") in MULTI_PROCESS else None)
         child["proc"] = proc
         set_state(run, "running", supervisor_pid=os.getpid(), worker_pid=proc.pid, restarts=restarts,
                   engine=plan.get("engine"), num_processes=plan.get("num_processes"), launch_argv=cmd)

@@ -595,6 +595,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--run-dir", required=True, type=Path)
     parser.add_argument("--mode", choices=("full", "smoke"), default="full")
     ns = parser.parse_args(argv)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun rank: die with the launcher, never train orphaned
+        from .backends import die_with_parent
+
+        die_with_parent()
     try:
         code = run_worker(ns.run_dir.resolve(), ns.mode)
     finally:

@@ -113,6 +113,13 @@ def verify(plan: dict[str, Any], trainer: Any) -> dict[str, Any]:
     else:
         from .ddp import single_checks as engine_checks
     checks += engine_checks(plan, trainer)
+    if engine == "unsloth":
+        # The worker has no Unsloth loading path yet: a plan saying unsloth would silently train with
+        # plain TRL, so the check looks for Unsloth's patched forwards and refuses without them.
+        patched = any("unsloth" in getattr(type(m).forward, "__module__", "") for m in trainer.model.modules())
+        checks.append({"check": "model loaded by Unsloth", "ok": patched,
+                       "seen": "Unsloth-patched modules" if patched else
+                       "plain transformers modules (this ftrun version loads models without Unsloth: use engine=trl)"})
     return {"engine": engine, "world_size": world, "ok": all(c["ok"] for c in checks), "checks": checks}
 
 
@@ -194,3 +201,20 @@ def failed_verification(worker_json: Path) -> str | None:
     if v and not v.get("ok"):
         return info.get("error") or format_verification(v)
     return None
+
+
+def die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when its parent dies.
+
+    torchrun's ranks are not in the supervisor's process group and outlive a killed launcher; an
+    orphaned rank would keep training into the run directory beside the resumed run.
+    """
+    import ctypes
+    import signal as _signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return
+    PR_SET_PDEATHSIG = 1
+    libc.prctl(PR_SET_PDEATHSIG, int(_signal.SIGKILL), 0, 0, 0)
