@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""Smoke-test ETA accuracy: the predicted full-run wall time (smoke.json estimated_seconds) against the actual run.
+
+For each case (LoRA and QLoRA, two max_length values): `ftrun smoke RECIPE` (plan + smoke test, timed), then
+`ftrun RECIPE --foreground` (the full run: it reuses the passed smoke test), timed from the command to the
+run's end (worker start, model load, training, checkpoints, final save and export). Error = predicted /
+actual - 1; the target is within +-10%. The actual time is split into its parts so a miss says where it
+comes from: the training steps alone (metrics.jsonl, first to last logged step), and the rest.
+
+    .venv/bin/python scripts/bench_eta.py            # 4 cases, 2000 examples (~15 min on 2 cores)
+    .venv/bin/python scripts/bench_eta.py --quick    # 2 cases, 600 examples (~3 min)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common as bc  # noqa: E402
+
+CASES = {
+    "lora-512": dict(method="lora", max_length=512),
+    "lora-256": dict(method="lora", max_length=256),
+    "qlora-512": dict(method="qlora", max_length=512),
+    "qlora-256": dict(method="qlora", max_length=256),
+}
+QUICK_CASES = ["lora-512", "qlora-256"]
+
+
+def run_case(name: str, model: Path, data: Path, work: Path, epochs: float, extra: list[str]) -> dict:
+    out = bc.fresh_dir(work / name)
+    recipe = bc.write_recipe(work / f"{name}.yaml", model=str(model), data=str(data), output_dir=str(out),
+                             micro_batch_size=8, gradient_accumulation_steps=2, epochs=epochs, learning_rate=2e-4,
+                             logging_steps=5, checkpoint_every_minutes=0.5, keep_checkpoints=2,
+                             **CASES[name])
+    rc, smoke_wall = bc.ftrun(["smoke", str(recipe), *extra], log=work / f"{name}.smoke.log")
+    if rc != 0:
+        raise SystemExit(f"{name}: the smoke test failed (exit {rc}); see {work / (name + '.smoke.log')}")
+    smoke = json.loads((out / "smoke.json").read_text())
+    rc, full_wall = bc.ftrun([str(recipe), "--foreground", *extra], log=work / f"{name}.full.log")
+    if rc != 0:
+        raise SystemExit(f"{name}: the full run failed (exit {rc}); see {work / (name + '.full.log')}")
+    rows = bc.read_rows(out / "metrics.jsonl")
+    # Training steps only: from the first logged step back to step 0 at the measured rate, to the last.
+    steps = rows[-1]["time"] - rows[0]["time"]
+    steps_total = steps * rows[-1]["step"] / max(rows[-1]["step"] - rows[0]["step"], 1)
+    est = smoke["estimated_seconds"]
+    return {"case": name, "predicted_seconds": est, "actual_seconds": round(full_wall, 1),
+            "error": est / full_wall - 1, "training_steps_seconds": round(steps_total, 1),
+            "error_vs_steps": est / steps_total - 1, "other_seconds": round(full_wall - steps_total, 1),
+            "smoke_wall_seconds": round(smoke_wall, 1), "smoke_tokens_per_second": smoke["tokens_per_second"],
+            "run_tokens_per_second": round(bc.tokens_per_second(rows) or 0, 1),
+            "steps": rows[-1]["step"], "smoke": {k: smoke.get(k) for k in
+                                                 ("measured_steps", "warmup_seconds", "training_tokens",
+                                                  "overhead_seconds", "steps_seconds")}}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="2 cases on 600 examples (a few minutes)")
+    p.add_argument("--cases", help=f"comma-separated subset of {','.join(CASES)}")
+    p.add_argument("--examples", type=int, help="examples in the data (default 2000, --quick 600)")
+    p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--size", default="m", choices=sorted(bc.MODEL_SIZES))
+    p.add_argument("--json", type=Path, help="also write the results here")
+    a = p.parse_args(argv)
+    cases = a.cases.split(",") if a.cases else (QUICK_CASES if a.quick else list(CASES))
+    examples = a.examples or (600 if a.quick else 2000)
+    model, data = bc.bench_model(a.size), bc.bench_data(examples)
+    work = bc.CACHE / "eta"
+    print(f"bench_eta: {bc.machine()}; model {model.name}, {examples} examples, {a.epochs:g} epoch(s)", flush=True)
+    results = []
+    for name in cases:
+        r = run_case(name, model, data, work, a.epochs, [])
+        results.append(r)
+        print(f"  {name:10s} predicted {r['predicted_seconds']:7.1f} s  actual {r['actual_seconds']:7.1f} s  "
+              f"error {r['error']:+6.1%}  (training steps {r['training_steps_seconds']:.1f} s, "
+              f"other {r['other_seconds']:.1f} s; tokens/s smoke {r['smoke_tokens_per_second']:.0f}, "
+              f"run {r['run_tokens_per_second']:.0f})", flush=True)
+    errors = [abs(r["error"]) for r in results]
+    print(f"ETA error: median |error| {bc.median(errors):.1%}, worst {max(errors):.1%}; "
+          f"{sum(e <= 0.10 for e in errors)}/{len(errors)} within +-10%")
+    if a.json:
+        a.json.write_text(json.dumps({"machine": bc.machine(), "examples": examples, "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
