@@ -35,6 +35,7 @@ OWNED_TRAINER_KEYS = {
     "learning_rate": "learning_rate",
     "gradient_checkpointing": "gradient_checkpointing",
     "packing": "packing",
+    "padding_free": "padding_free",
     "assistant_only_loss": "assistant_only_loss",
     "seed": "seed",
     "data_seed": "seed",
@@ -98,6 +99,10 @@ class Recipe(_Strict):
     lora: LoraSettings = Field(default_factory=LoraSettings, description="LoRA settings (qlora, lora).")
     gradient_checkpointing: bool = Field(True, description="Recompute activations to save memory.")
     packing: bool = Field(False, description="Pack several examples into one sequence of max_length.")
+    padding_free: bool = Field(
+        True, description="Concatenate each micro-batch into one row without padding (same examples, same loss; "
+        "no compute spent on pad tokens). Off: rows padded to the batch's longest example, as plain TRL does.",
+    )
     assistant_only_loss: bool = Field(
         False, description="Train only on assistant turns (needs {% generation %} markers in the chat template)."
     )

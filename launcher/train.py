@@ -160,6 +160,10 @@ def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta
             self.step_times: list[tuple[int, float, int]] = []  # (step, monotonic, tokens seen)
 
         def on_train_begin(self, args, state, control, **kw):
+            if state.is_world_process_zero and kw.get("optimizer") is not None:
+                opt = kw["optimizer"]
+                inner = getattr(opt, "optimizer", opt)  # accelerate wraps the real one
+                print(f"[ftrun worker] optimizer: {type(inner).__module__}.{type(inner).__name__}", flush=True)
             self.t_last = time.monotonic()
             self.tokens_last = state.num_input_tokens_seen
             self.step_times.append((state.global_step, self.t_last, state.num_input_tokens_seen))
@@ -243,7 +247,22 @@ def load_model_and_tokenizer(recipe, device: str, dtype, plan: Optional[dict] = 
             r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
             target_modules=lora.target_modules, task_type="CAUSAL_LM",
         ))
+    if _rank() == 0:
+        print("[ftrun worker] " + describe_model(model), flush=True)
     return model, tokenizer
+
+
+def describe_model(model) -> str:
+    """What was actually built: parameter counts and how the base weights are stored (says 4-bit only if it is)."""
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    kinds: dict[str, int] = {}
+    for module in model.modules():
+        name = type(module).__name__
+        if name in ("Linear4bit", "Linear8bitLt", "Linear"):
+            kinds[name] = kinds.get(name, 0) + 1
+    layers = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+    return f"model: {total:,} parameters, {trainable:,} trainable; linear layers: {layers}"
 
 
 def sft_config(recipe, run: RunDir, mode: str, device: str, dtype, max_steps: Optional[int], output_dir: Path,
@@ -294,6 +313,22 @@ def sft_config(recipe, run: RunDir, mode: str, device: str, dtype, max_steps: Op
         fields[ac if key == "activation_checkpointing" else key] = value
     fields.update(recipe.trainer)
     return SFTConfig(**fields)
+
+
+def padding_free_collator(recipe, tokenizer):
+    """The micro-batch as one row without padding (position_ids mark the examples), or None for TRL's default.
+
+    TRL's own `padding_free=True` refuses a max_length without packing, although its dataset preparation
+    truncates to max_length either way; passing its padding-free collator keeps the truncation. The loss is
+    the same as padded (each example attends only to itself, the first token of each is not a target), the
+    compute on pad tokens is gone: on data with a long tail, most of a padded batch is padding. With packing,
+    TRL's BFD packing is padding-free already.
+    """
+    if not recipe.padding_free or recipe.packing:
+        return None
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    return DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id, padding_free=True)
 
 
 def _write_verification(run: RunDir, mode: str, result: dict[str, Any], error: Optional[str] = None) -> None:
@@ -431,6 +466,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
                 "engine": plan.get("engine", "trl")}
         cadence, metrics = build_callbacks(run, recipe, mode, device, meta, max_seconds)
         trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                             data_collator=padding_free_collator(recipe, tokenizer),
                              callbacks=[cadence, metrics, _engine_check(run, plan, mode, lambda: trainer)])
         from transformers.trainer_callback import PrinterCallback
 

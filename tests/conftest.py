@@ -68,3 +68,18 @@ def write_recipe(tmp_path, tiny_model):
         return recipe_file(tmp_path / name, tiny_model, **fields)
 
     return write
+
+
+# One uninterrupted run that every interrupted run (kill -9, crash, preemption, machine loss) is compared with.
+RESUME_FIELDS = dict(max_steps=30, checkpoint_every_minutes=0.01, learning_rate=5e-3)
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory, tiny_model) -> Path:
+    from helpers import ftrun
+
+    d = tmp_path_factory.mktemp("reference")
+    recipe = recipe_file(d / "ref.yaml", tiny_model, output_dir=d / "run", **RESUME_FIELDS)
+    res = ftrun(recipe, "--foreground", "smoke.enabled=false", cwd=d)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return d / "run"

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import RESUME_FIELDS
 from helpers import (assert_same_run, freeze_worker, ftrun, has_checkpoint, logged_steps, metrics, status,
                      wait_for, wait_until_ended)
 
@@ -46,16 +47,8 @@ def test_foreground_run_end_to_end(write_recipe, tmp_path):
     assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before
 
 
-def _reference(write_recipe, tmp_path, **fields):
-    ref = write_recipe("ref.yaml", output_dir=str(tmp_path / "ref"), **fields)
-    res = ftrun(ref, "--foreground", "smoke.enabled=false", cwd=tmp_path)
-    assert res.returncode == 0, res.stdout + res.stderr
-    return tmp_path / "ref"
-
-
-def test_detached_kill9_after_checkpoint_then_same_command_resumes_exactly(write_recipe, tmp_path):
-    fields = dict(max_steps=30, checkpoint_every_minutes=0.02)
-    ref = _reference(write_recipe, tmp_path, **fields)
+def test_detached_kill9_after_checkpoint_then_same_command_resumes_exactly(write_recipe, tmp_path, reference_run):
+    fields, ref = RESUME_FIELDS, reference_run
 
     recipe = write_recipe(max_restarts=0, **fields)
     t0 = time.monotonic()
@@ -85,9 +78,8 @@ def test_detached_kill9_after_checkpoint_then_same_command_resumes_exactly(write
     assert_same_run(ref, run)
 
 
-def test_worker_crash_is_restarted_by_the_supervisor(write_recipe, tmp_path):
-    fields = dict(max_steps=30, checkpoint_every_minutes=0.02)
-    ref = _reference(write_recipe, tmp_path, **fields)
+def test_worker_crash_is_restarted_by_the_supervisor(write_recipe, tmp_path, reference_run):
+    fields, ref = RESUME_FIELDS, reference_run
     recipe = write_recipe(**fields)
     assert ftrun(recipe, "smoke.enabled=false", cwd=tmp_path).returncode == 0
     run = tmp_path / "run"
@@ -156,3 +148,21 @@ def test_output_dir_that_is_not_a_run_is_never_written(write_recipe, tmp_path):
     res = ftrun(write_recipe(), cwd=tmp_path)
     assert res.returncode == 2 and "not an ftrun run" in res.stderr
     assert [p.name for p in (tmp_path / "run").iterdir()] == ["precious.txt"]
+
+
+@pytest.mark.parametrize("method, built, optimizer", [
+    ("qlora", "Linear4bit", "torch.optim.adamw.AdamW"),
+    ("full", "Linear", "torch.optim.adamw.AdamW"),
+    ("full-8bit", "Linear", "bitsandbytes.optim.adamw.AdamW"),  # bitsandbytes, with 8-bit states
+])
+def test_each_method_trains_what_it_says(write_recipe, tmp_path, method, built, optimizer):
+    recipe = write_recipe(method=method, max_steps=3, learning_rate=1e-3)
+    res = ftrun(recipe, "--foreground", "smoke.enabled=false", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    log = (tmp_path / "run" / "train.log").read_text() if (tmp_path / "run" / "train.log").is_file() else res.stdout
+    assert f"optimizer: {optimizer}" in log
+    line = next(l for l in log.splitlines() if "linear layers:" in l)
+    assert built in line and (method != "qlora" or "Linear " not in line.split("linear layers:")[1].replace("Linear4bit", ""))
+    final = tmp_path / "run" / "final" / ("adapter" if method == "qlora" else "model")
+    assert final.is_dir() and any(final.glob("*.safetensors"))
+    assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2, 3]

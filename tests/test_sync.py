@@ -15,24 +15,19 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import recipe_file
+from conftest import RESUME_FIELDS, recipe_file
 from helpers import (assert_same_run, freeze_worker, ftrun, has_checkpoint, logged_steps, metrics, read_state,
                      status, wait_for, wait_until_ended)
 from launcher import checkpoint as ckpt
 from launcher.errors import RecipeError
 from launcher.recipe import load_recipe
 
-FIELDS = dict(max_steps=40, checkpoint_every_minutes=0.01, learning_rate=5e-3)
+FIELDS = RESUME_FIELDS
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, tiny_model) -> Path:
-    """One uninterrupted run of the recipe every test here interrupts."""
-    d = tmp_path_factory.mktemp("reference")
-    recipe = recipe_file(d / "ref.yaml", tiny_model, output_dir=d / "run", **FIELDS)
-    res = ftrun(recipe, "--foreground", "smoke.enabled=false", cwd=d)
-    assert res.returncode == 0, res.stdout + res.stderr
-    return d / "run"
+@pytest.fixture
+def reference(reference_run) -> Path:
+    return reference_run
 
 
 def _free_port() -> int:
