@@ -274,9 +274,18 @@ def smoke_only(recipe_path: str, overrides: list[str], memory_limit: Optional[fl
 
 def _pull_if_remote_run(run: RunDir, recipe: Recipe) -> bool:
     """A fresh box with an empty output_dir: fetch the run from `sync.to` when it holds one."""
+    from .errors import SyncError
     from .sync import pull, remote_has_run
 
-    if not remote_has_run(recipe.sync.to):
+    try:
+        found = remote_has_run(recipe.sync.to)
+    except SyncError as exc:
+        # A run that cannot reach its off-box copy must not start blind: it might overwrite nothing, or
+        # it might be the resume of a lost box whose checkpoints sit there.
+        raise SyncError(f"cannot look for an earlier copy of this run at sync.to={recipe.sync.to}: {exc.message}",
+                        fix="check that the destination is reachable from this box (for SSH: `ssh HOST true` with "
+                        "your ~/.ssh/config), or remove sync.to to train without an off-box copy.") from None
+    if not found:
         return False
     if run.root.exists() and any(run.root.iterdir()):
         raise UsageError(

@@ -262,3 +262,13 @@ def test_five_kill9_at_random_moments_still_ends_like_the_uninterrupted_run(tmp_
     wait_until_ended(run, tmp_path)
     assert kills >= 3, "the run finished before most of the kills"
     assert_same_run(reference, run)
+
+
+def test_unreachable_sync_destination_stops_before_anything_starts(tmp_path, tiny_model):
+    env = {"RSYNC_RSH": "ssh -o BatchMode=yes -o ConnectTimeout=3 -p 1"}  # nothing listens on port 1
+    recipe = recipe_file(tmp_path / "r.yaml", tiny_model, output_dir=tmp_path / "run",
+                         sync={"to": "127.0.0.1:/nowhere"})
+    res = ftrun(recipe, cwd=tmp_path, env=env)
+    assert res.returncode == 5, res.stdout + res.stderr
+    assert "cannot look for an earlier copy of this run at sync.to=127.0.0.1:/nowhere" in res.stderr
+    assert "Traceback" not in res.stderr and not (tmp_path / "run").exists()
