@@ -51,6 +51,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--foreground", action="store_true", help="stay attached (debugging, tests)")
     r.add_argument("--fresh", action="store_true", help="start over; the old run directory is kept, renamed")
     r.add_argument("--memory-limit", help="cap each worker's memory, e.g. 20GB (plan for a smaller card)")
+    r.add_argument("--nnodes", type=int, default=1, help="boxes in the job (run the same command on each)")
+    r.add_argument("--node-rank", type=int, default=0, help="this box's number, 0 .. nnodes-1 (0 holds the rendezvous)")
+    r.add_argument("--master-addr", help="address of node 0, reachable from every node")
+    r.add_argument("--master-port", type=int, default=29500, help="a free TCP port on node 0")
     r.add_argument("--allow-changes", action="store_true",
                    help="resume from the run's checkpoints even though the recipe's training settings changed")
 
@@ -107,11 +111,23 @@ def _parse_gb(text: Optional[str]) -> Optional[float]:
     return value
 
 
+def _nodes(a) -> Optional[dict]:
+    if a.nnodes == 1:
+        return None
+    if a.nnodes < 1 or not 0 <= a.node_rank < a.nnodes:
+        raise UsageError(f"--nnodes {a.nnodes} --node-rank {a.node_rank}: the rank must be 0 .. nnodes-1",
+                         fix="number the boxes 0, 1, ...; node 0 is the one whose address is --master-addr.")
+    if not a.master_addr:
+        raise UsageError(f"--nnodes {a.nnodes} needs --master-addr (the address of node 0)",
+                         fix="add --master-addr HOST --master-port PORT, the same on every node.")
+    return {"nnodes": a.nnodes, "node_rank": a.node_rank, "master_addr": a.master_addr, "master_port": a.master_port}
+
+
 def cmd_run(a) -> int:
     from .pipeline import launch
 
     return launch(a.recipe, a.overrides, foreground=a.foreground, fresh=a.fresh, memory_limit=_parse_gb(a.memory_limit),
-                  allow_changes=a.allow_changes)
+                  allow_changes=a.allow_changes, nodes=_nodes(a))
 
 
 def cmd_plan(a) -> int:

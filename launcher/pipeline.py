@@ -33,10 +33,11 @@ def hardware_for(gpus: Optional[str]):
     return hardware.from_spec(gpus) if gpus else hardware.detect()
 
 
-def make_plan(recipe: Recipe, stats, gpus: Optional[str] = None, tokens: Optional[int] = None, smoke=None):
+def make_plan(recipe: Recipe, stats, gpus: Optional[str] = None, tokens: Optional[int] = None, smoke=None,
+              nnodes: int = 1):
     from .plan import make_plan as _make_plan
 
-    return _make_plan(recipe, hardware_for(gpus), data_stats=stats, tokens=tokens, smoke=smoke)
+    return _make_plan(recipe, hardware_for(gpus), data_stats=stats, tokens=tokens, smoke=smoke, nnodes=nnodes)
 
 
 def _diff_trajectory(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
@@ -51,7 +52,8 @@ def _archive(run: RunDir) -> Path:
 
 
 def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, fresh: bool = False,
-           memory_limit: Optional[float] = None, allow_changes: bool = False) -> int:
+           memory_limit: Optional[float] = None, allow_changes: bool = False,
+           nodes: Optional[dict[str, Any]] = None) -> int:
     """`ftrun RECIPE`: start a new run, show a live one, or resume an interrupted one."""
     recipe = load_recipe(recipe_path, overrides)
     run = RunDir(Path(recipe.output_dir))
@@ -88,7 +90,7 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
 
     examples, lengths, stats, plan, plan_dict, lock, data_sha = _prepare(run, recipe, resuming=resuming, fresh=fresh,
                                                                          memory_limit=memory_limit,
-                                                                         allow_changes=allow_changes)
+                                                                         allow_changes=allow_changes, nodes=nodes)
     ckpt_step = newest_step_unverified(run.checkpoints)
     smoke_ok = run.smoke.is_file()
     if resuming:
@@ -121,7 +123,7 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
 
 
 def _prepare(run: RunDir, recipe: Recipe, *, resuming: bool, fresh: bool, memory_limit: Optional[float] = None,
-             allow_changes: bool = False):
+             allow_changes: bool = False, nodes: Optional[dict[str, Any]] = None):
     """Check everything (trainer fields, data, plan) before touching the run directory; then lock and write."""
     check_trainer_fields(recipe)
     examples, lengths, stats = data_stats(recipe)
@@ -136,7 +138,11 @@ def _prepare(run: RunDir, recipe: Recipe, *, resuming: bool, fresh: bool, memory
                 fix="restore the original data, add --allow-changes to continue on the new data, or add --fresh to start "
                 "a new run on it (the old run is kept).",
             )
-    plan = make_plan(recipe, stats)
+    plan = make_plan(recipe, stats, nnodes=(nodes or {}).get("nnodes", 1))
+    if nodes and plan.to_dict().get("engine") not in ("ddp", "deepspeed"):
+        raise UsageError(
+            f"--nnodes {nodes['nnodes']}: the plan chose engine '{plan.to_dict().get('engine')}', which runs on one box",
+            fix="add engine=ddp (or engine=deepspeed) and num_processes=<processes per node> to train over several boxes.")
     previous = json.loads(run.plan.read_text()) if resuming and run.plan.is_file() else {}
     if fresh and run.exists():
         if is_locked(run):
@@ -147,7 +153,7 @@ def _prepare(run: RunDir, recipe: Recipe, *, resuming: bool, fresh: bool, memory
     run.root.mkdir(parents=True, exist_ok=True)
     run.recipe.write_text("# resolved by ftrun: defaults < recipe < command line\n"
                           + yaml.safe_dump(recipe.snapshot(), sort_keys=False))
-    plan_dict = _plan_record(plan, memory_limit, previous.get("adjustments"))
+    plan_dict = _plan_record(plan, memory_limit, previous.get("adjustments"), nodes)
     atomic_write_json(run.plan, plan_dict)
     from .plan import format_plan
 
@@ -157,11 +163,17 @@ def _prepare(run: RunDir, recipe: Recipe, *, resuming: bool, fresh: bool, memory
     return examples, lengths, stats, plan, plan_dict, lock, data_sha
 
 
-def _plan_record(plan, memory_limit: Optional[float], adjustments: Optional[list]) -> dict[str, Any]:
-    """plan.json: the plan, plus what the launcher decided around it (a memory cap, OOM adjustments)."""
+def _plan_record(plan, memory_limit: Optional[float], adjustments: Optional[list],
+                 nodes: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """plan.json: the plan, plus what the launcher decided around it (a memory cap, OOM adjustments, nodes)."""
     record = plan.to_dict()
     if memory_limit:
         record["memory_limit_gb"] = memory_limit
+    if nodes:
+        record["nodes"] = nodes
+        record.setdefault("reasons", []).append(
+            f"{nodes['nnodes']} nodes x {record.get('num_processes', 1)} process(es); this is node "
+            f"{nodes['node_rank']}, rendezvous at {nodes['master_addr']}:{nodes['master_port']}")
     if adjustments:
         record["adjustments"] = adjustments
     return record
@@ -242,8 +254,8 @@ def _smoke(run: RunDir, recipe: Recipe, plan_dict, examples, lengths, stats) -> 
             raise
     _say(format_smoke(report))
     # Plan, then calibrate: the measured throughput and memory replace the estimates.
-    calibrated = make_plan(recipe, stats, smoke=report)
-    record = _plan_record(calibrated, plan_dict.get("memory_limit_gb"), adjustments)
+    calibrated = make_plan(recipe, stats, smoke=report, nnodes=(plan_dict.get("nodes") or {}).get("nnodes", 1))
+    record = _plan_record(calibrated, plan_dict.get("memory_limit_gb"), adjustments, plan_dict.get("nodes"))
     atomic_write_json(run.plan, record)
     return recipe, record
 

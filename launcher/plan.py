@@ -198,7 +198,7 @@ def _hours(job: Job, w: Workload, hw: Hardware, processes: int) -> tuple[float, 
     return tps, (sizing.hours(training, tps) if training else None)
 
 
-def _choose_cpu(job: Job, hw: Hardware, forced: str, processes: int | None = None) -> Choice:
+def _choose_cpu(job: Job, hw: Hardware, forced: str, processes: int | None = None, nnodes: int = 1) -> Choice:
     capacity = hw.ram_gb
     reasons = [f"CPU run: this box has no GPU ({hw.cpu_count} cores, {hw.ram_gb:.0f} GB RAM); "
                "only sensible for tiny models and tests"]
@@ -213,7 +213,7 @@ def _choose_cpu(job: Job, hw: Hardware, forced: str, processes: int | None = Non
         return Choice(False, forced, "cpu", processes, None, capacity, reasons,
                       refusal=f"engine: trl is one process, num_processes is {processes}; use engine: ddp")
     if forced in ("ddp", "deepspeed") or (forced == "auto" and processes is not None and processes > 1):
-        return _choose_cpu_multi(job, hw, "ddp" if forced == "auto" else forced, processes, reasons)
+        return _choose_cpu_multi(job, hw, "ddp" if forced == "auto" else forced, processes, reasons, nnodes)
     w = job.workload("trl", 1, "cpu")
     est = sizing.memory(job.arch, w)
     tps, hrs = _hours(job, w, hw, 1)
@@ -233,11 +233,12 @@ def _choose_cpu(job: Job, hw: Hardware, forced: str, processes: int | None = Non
     return Choice(True, "trl", "cpu", 1, est, capacity, reasons, tps, hrs)
 
 
-def _choose_cpu_multi(job: Job, hw: Hardware, engine: str, processes: int | None, reasons: list[str]) -> Choice:
+def _choose_cpu_multi(job: Job, hw: Hardware, engine: str, processes: int | None, reasons: list[str],
+                      nnodes: int = 1) -> Choice:
     """Several gloo processes on one CPU box (DDP or DeepSpeed ZeRO-3): for tests and the trajectory checks."""
     capacity = hw.ram_gb
     n = processes if processes is not None else 2
-    if n < 2:
+    if n * nnodes < 2:  # one process per node is fine when there are several nodes
         return Choice(False, engine, "cpu", n, None, capacity, reasons,
                       refusal=f"engine: {engine} with num_processes=1 is single-process training; use engine: trl")
     if n > hw.cpu_count:
@@ -264,13 +265,50 @@ def _choose_cpu_multi(job: Job, hw: Hardware, engine: str, processes: int | None
     return Choice(True, engine, "cpu", n, est, capacity, reasons, tps, hrs)
 
 
+def _choose_cpu_unsloth(job: Job, hw: Hardware, unsloth_ok: bool, processes: int | None) -> Choice:
+    """engine: unsloth forced on a CPU box: allowed only where Unsloth imports (its CPU path, for the test tier)."""
+    capacity = hw.ram_gb
+    reasons = [f"CPU run: this box has no GPU ({hw.cpu_count} cores, {hw.ram_gb:.0f} GB RAM); "
+               "only sensible for tiny models and tests"]
+    if job.method not in ("lora", "qlora"):
+        return Choice(False, "unsloth", "cpu", 1, None, capacity, reasons,
+                      refusal=f"engine: unsloth trains LoRA/QLoRA only; method is {job.method}")
+    if not unsloth_ok:
+        return Choice(False, "unsloth", "cpu", 1, None, capacity, reasons, refusal=UNSLOTH_MISSING + " (Unsloth needs "
+                      "an NVIDIA GPU for real runs; on a CPU it is allowed only where it is installed, to test the engine)")
+    if processes is not None and processes > 1:
+        return Choice(False, "unsloth", "cpu", processes, None, capacity, reasons,
+                      refusal=f"engine: unsloth is one process, num_processes is {processes}; use engine: ddp")
+    # Unsloth's fused kernels are GPU kernels; on a CPU it runs its plain PyTorch path: sized as trl.
+    w = job.workload("trl", 1, "cpu")
+    est = sizing.memory(job.arch, w)
+    tps, hrs = _hours(job, w, hw, 1)
+    reasons.append("engine unsloth (forced by the recipe) on the CPU: Unsloth's CPU path (\"no GPU found, training "
+                   "on CPU\"), for testing the engine; its speed and memory gains need an NVIDIA GPU, so time and "
+                   "memory are estimated as for trl")
+    if est.per_gpu_gb > capacity * sizing.USABLE_RAM_FRACTION:
+        return Choice(False, "unsloth", "cpu", 1, est, capacity, reasons, tps, hrs,
+                      refusal=f"needs {est.per_gpu_gb:.1f} GB of RAM, this box has {capacity:.0f} GB")
+    reasons.append(f"memory: needs {est.per_gpu_gb:.1f} GB of {capacity:.0f} GB RAM")
+    return Choice(True, "unsloth", "cpu", 1, est, capacity, reasons, tps, hrs)
+
+
+# Unsloth pins older transformers/trl/datasets than ftrun's default stack: its own environment (docs/engines.md).
+UNSLOTH_MISSING = ("engine: unsloth needs Unsloth, which is not installed in this environment. Unsloth pins "
+                   "transformers<=5.17, trl<=1.15 and datasets<5.0, so it lives in its own virtual environment: "
+                   "python3 -m venv .venv-unsloth && .venv-unsloth/bin/pip install 'ftrun[unsloth]' (scripts/test.sh "
+                   "--unsloth builds it here), then run ftrun from that environment; or set engine: trl")
+
+
 def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = False,
-           workday_hours: float = WORKDAY_HOURS, processes: int | None = None) -> Choice:
+           workday_hours: float = WORKDAY_HOURS, processes: int | None = None, nnodes: int = 1) -> Choice:
     """The article's rules: one card if it fits; DDP when one card takes longer than a working day;
     sharding when no card holds the job; otherwise refuse. `processes` (recipe num_processes) is
     honoured or refused with the reason."""
+    if hw.is_cpu_only and forced == "unsloth":
+        return _choose_cpu_unsloth(job, hw, unsloth_ok, processes)
     if hw.is_cpu_only:
-        return _choose_cpu(job, hw, forced, processes)
+        return _choose_cpu(job, hw, forced, processes, nnodes)
     if processes is not None:
         return _choose_gpu_count(job, hw, forced, unsloth_ok, workday_hours, processes)
     g = hw.gpu
@@ -285,9 +323,9 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
         return Choice(False, "unsloth", "cuda", 1, None, cap, [], refusal="engine: unsloth trains LoRA/QLoRA only; "
                       f"method is {job.method}")
     if forced == "unsloth" and not unsloth_ok:
-        return Choice(False, "unsloth", "cuda", 1, None, cap, [], refusal="engine: unsloth is not installed here "
-                      "(pip install unsloth) or this GPU is older than compute capability 7.0")
-    if forced in ("ddp", *SHARDING_ENGINES) and n < 2:
+        return Choice(False, "unsloth", "cuda", 1, None, cap, [], refusal=UNSLOTH_MISSING + " (Unsloth also needs "
+                      "a GPU of compute capability 7.0 or newer)")
+    if forced in ("ddp", *SHARDING_ENGINES) and n * nnodes < 2:
         what = "DDP copies the model to every card to train on more data at once"
         if forced in SHARDING_ENGINES:
             what = f"{forced} shards the model over several cards"
@@ -468,14 +506,14 @@ def _fixes_here(job: Job, hw: Hardware, forced: str, unsloth_ok: bool, workday_h
 
 def make_plan(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: float | None = None,
               unsloth_available: bool | None = None, smoke: dict[str, Any] | None = None,
-              workday_hours: float = WORKDAY_HOURS, arch: Architecture | None = None) -> Plan:
+              workday_hours: float = WORKDAY_HOURS, arch: Architecture | None = None, nnodes: int = 1) -> Plan:
     """Size the recipe's job for this box; PlanError (with concrete options in .fix) when nothing fits."""
     arch = arch or load_architecture(recipe.model)
     unsloth_ok = _unsloth_installed() if unsloth_available is None else unsloth_available
     job, notes = _job(recipe, arch, data_stats, tokens)
     forced = recipe.engine
     wanted = None if recipe.num_processes == "auto" else int(recipe.num_processes)
-    choice = choose(job, hardware, forced, unsloth_ok, workday_hours, processes=wanted)
+    choice = choose(job, hardware, forced, unsloth_ok, workday_hours, processes=wanted, nnodes=nnodes)
     rows = _box_rows(job, forced if forced in ("auto", *SHARDING_ENGINES) else "auto", unsloth_ok, workday_hours)
     alternatives = _pick_alternatives(rows)
 
@@ -487,6 +525,10 @@ def make_plan(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: f
     steps, training = _steps_and_tokens(job, choice.processes)
     tps = choice.tokens_per_second
     reasons = [f"model {arch.name}: {_fmt_tokens(arch.params)} params ({arch.source})"] + choice.reasons
+    if choice.engine == "unsloth":
+        from .backends.unsloth import plan_reason
+
+        reasons += [r for r in [plan_reason(recipe.model, recipe.method)] if r]
     measured: dict[str, Any] = {}
     per_gpu = est.per_gpu_gb
     if smoke:

@@ -39,7 +39,9 @@ def training_tokens(recipe, stats: DataStats, processes: int) -> int:
 
 def run_smoke(run: RunDir, recipe, plan: dict[str, Any], examples, lengths: list[int], stats: DataStats) -> dict[str, Any]:
     """Run the worker on the sample in the foreground; write and return smoke.json, or raise SmokeError."""
-    processes = int(plan.get("num_processes", 1))
+    from .backends import world_size
+
+    processes = world_size(plan)  # all nodes' processes share the global batch
     global_batch = recipe.micro_batch_size * recipe.gradient_accumulation_steps * processes
     idx = smoke_sample(lengths, recipe.smoke.fraction, recipe.smoke.min_steps * global_batch, recipe.seed)
     shutil.rmtree(run.smoke_work, ignore_errors=True)

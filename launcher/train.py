@@ -132,7 +132,8 @@ def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta
                 # every rank has written its part (rng_state_<rank>.pth, ZeRO shards) before rank 0
                 # moves the folder and writes the manifest
                 torch.distributed.barrier()
-            if state.is_world_process_zero:
+            # one writer per disk: the main process, or each node's first one when every node saves
+            if state.is_local_process_zero if args.save_on_each_node else state.is_world_process_zero:
                 src = Path(args.output_dir) / f"checkpoint-{state.global_step}"
                 dst = run.checkpoints / ckpt.step_dir_name(state.global_step)
                 if dst.exists():  # a save of the same step after a resume: the new one replaces it
@@ -209,6 +210,15 @@ def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta
 
 def load_model_and_tokenizer(recipe, device: str, dtype, plan: Optional[dict] = None, run_dir: Optional[Path] = None):
     """The base model by method (4-bit for qlora, 16-bit for lora, full weights for full), then LoRA."""
+    if (plan or {}).get("engine") == "unsloth":  # FastLanguageModel + its get_peft_model (launcher/backends/unsloth.py)
+        from .backends import unsloth as unsloth_engine
+
+        model, tokenizer, source = unsloth_engine.load_model_and_tokenizer(recipe, device, dtype)
+        print(f"[ftrun worker] engine unsloth {unsloth_engine.version()}: FastLanguageModel loaded {source}"
+              f"{' in 4 bit' if recipe.method == 'qlora' else ''}; patched forwards: "
+              f"{', '.join(unsloth_engine.patched_modules(model)) or 'none'}", flush=True)
+        print("[ftrun worker] " + describe_model(model), flush=True)
+        return model, tokenizer
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -379,7 +389,9 @@ def run_worker(run_dir: Path, mode: str) -> int:
     if Path(recipe.model).is_dir() and Path(recipe.data).is_file():
         os.environ["HF_HUB_OFFLINE"] = "1"  # everything is local: no network calls at all
 
-    expected_world = int(plan.get("num_processes", 1))
+    from .backends import world_size as planned_world_size
+
+    expected_world = planned_world_size(plan)
     if _world_size() != expected_world:
         message = (f"the plan asks for {expected_world} process(es) but {_world_size()} were started; "
                    "refusing to train with a different engine than planned")
@@ -389,6 +401,20 @@ def run_worker(run_dir: Path, mode: str) -> int:
                                                     "seen": f"{_world_size()} process(es), plan {expected_world}"}]},
                             message)
         return EXIT_BAD_WORLD
+
+    if plan.get("engine") == "unsloth":
+        # Unsloth patches transformers/trl/peft when imported: it comes before them, and a plan that says
+        # unsloth never trains without it (no silent fallback to plain TRL).
+        from .backends.unsloth import UnslothUnavailable, import_unsloth
+
+        try:
+            import_unsloth()
+        except UnslothUnavailable as exc:
+            print(f"[ftrun worker] {exc}", file=sys.stderr, flush=True)
+            _write_verification(run, mode, {"engine": "unsloth", "world_size": _world_size(), "ok": False,
+                                            "checks": [{"check": "import unsloth", "ok": False, "seen": str(exc)}]},
+                                str(exc))
+            return EXIT_BAD_WORLD
 
     import torch
     from datasets import Dataset

@@ -20,9 +20,21 @@ def _worker(run_dir: Path, mode: str) -> list[str]:
     return ["-m", "launcher.train", "--run-dir", str(run_dir), "--mode", mode]
 
 
-def _torchrun(n: int) -> list[str]:
+def world_size(plan: dict[str, Any]) -> int:
+    """Processes in the whole job: per node times nodes."""
+    return int(plan.get("num_processes", 1)) * int((plan.get("nodes") or {}).get("nnodes", 1))
+
+
+def _torchrun(n: int, plan: dict[str, Any] | None = None) -> list[str]:
     # torchrun starts exactly n processes (accelerate's `--cpu --num_processes n` silently starts
     # one); each worker checks WORLD_SIZE and the process group against the plan.
+    nodes = (plan or {}).get("nodes")
+    if nodes and int(nodes.get("nnodes", 1)) > 1:
+        # Several boxes: static rendezvous at node 0's address; every node runs the same command
+        # with its own --node-rank.
+        return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={int(nodes['nnodes'])}",
+                f"--node-rank={int(nodes['node_rank'])}", f"--master-addr={nodes['master_addr']}",
+                f"--master-port={int(nodes['master_port'])}", f"--nproc_per_node={n}"]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
 
 
@@ -37,14 +49,14 @@ def launch_command(plan: dict[str, Any], run_dir: Path, mode: str) -> list[str]:
     if engine in SINGLE_PROCESS:
         return [sys.executable, *_worker(run_dir, mode)]
     if engine == "ddp":
-        return [*_torchrun(n), *_worker(run_dir, mode)]
+        return [*_torchrun(n, plan), *_worker(run_dir, mode)]
     if engine == "deepspeed":
         # The Trainer drives DeepSpeed from the JSON config (SFTConfig.deepspeed); torchrun only
         # starts the processes, the same way as for DDP.
         from .deepspeed import write_config
 
         write_config(plan, run_dir)
-        return [*_torchrun(n), *_worker(run_dir, mode)]
+        return [*_torchrun(n, plan), *_worker(run_dir, mode)]
     if engine == "fsdp":
         from .fsdp import write_accelerate_config
 
@@ -80,7 +92,11 @@ def trainer_fields(plan: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     if engine == "ddp":
         # Every LoRA/full parameter takes part in each forward: the unused-parameter search the
         # Trainer turns on by default costs an extra graph traversal per step.
-        return {"ddp_find_unused_parameters": False}
+        fields: dict[str, Any] = {"ddp_find_unused_parameters": False}
+        if world_size(plan) > int(plan.get("num_processes", 1)):
+            # Each box has its own disk: every node keeps its own checkpoints, so any node can resume.
+            fields["save_on_each_node"] = True
+        return fields
     if engine == "fsdp":
         # FSDP2 checkpoints activations itself (fsdp_activation_checkpointing in the accelerate
         # config); the Trainer's own checkpointing on top of it breaks the sharded backward.
@@ -101,7 +117,7 @@ def verify(plan: dict[str, Any], trainer: Any) -> dict[str, Any]:
     import torch.distributed as dist
 
     engine = plan.get("engine", "trl")
-    expected = int(plan.get("num_processes", 1))
+    expected = world_size(plan)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     checks = [{"check": "world size", "ok": world == expected, "seen": f"{world} process(es), plan {expected}"}]
     if engine in ("ddp",):
@@ -114,12 +130,10 @@ def verify(plan: dict[str, Any], trainer: Any) -> dict[str, Any]:
         from .ddp import single_checks as engine_checks
     checks += engine_checks(plan, trainer)
     if engine == "unsloth":
-        # The worker has no Unsloth loading path yet: a plan saying unsloth would silently train with
-        # plain TRL, so the check looks for Unsloth's patched forwards and refuses without them.
-        patched = any("unsloth" in getattr(type(m).forward, "__module__", "") for m in trainer.model.modules())
-        checks.append({"check": "model loaded by Unsloth", "ok": patched,
-                       "seen": "Unsloth-patched modules" if patched else
-                       "plain transformers modules (this ftrun version loads models without Unsloth: use engine=trl)"})
+        # A plan saying unsloth must never train with plain TRL: Unsloth imported, its patched forwards in the model.
+        from .unsloth import checks as unsloth_checks
+
+        checks += unsloth_checks(plan, trainer)
     return {"engine": engine, "world_size": world, "ok": all(c["ok"] for c in checks), "checks": checks}
 
 
