@@ -1,11 +1,41 @@
 #!/usr/bin/env bash
-# Run the tests: default tier (CPU, under 10 minutes); --slow adds multi-process and long tests; --all both.
+# Run the tests: default tier (CPU, under 10 minutes); --slow adds multi-process and long tests; --all both;
+# --unsloth: the Unsloth engine tier, in its own environment .venv-unsloth (built on first use).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
+if [ "${1:-}" = "--unsloth" ]; then
+  # The Unsloth tier runs in its own environment, .venv-unsloth: Unsloth pins transformers<=5.17,
+  # trl<=1.15 and datasets<5.0, older than .venv's stack (docs/engines.md). Built once, then reused.
+  shift
+  V=.venv-unsloth
+  stamp=$V/.ftrun-installed
+  want=$(sha256sum pyproject.toml | cut -c1-16)
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    echo "building $V (Unsloth and its pinned stack, about 2-3 minutes; log in $V/pip.log) ..."
+    [ -x $V/bin/python ] || "${PYTHON:-python3}" -m venv $V
+    pipi() { $V/bin/python -m pip install -q "$@" >>$V/pip.log 2>&1 || { tail -30 $V/pip.log; exit 1; }; }
+    # torch first and held there by a constraint: unsloth (through torchvision/xformers) would
+    # otherwise "upgrade" it to a CUDA build of several GB (seen: torch 2.14.1 + 3.2 GB of nvidia libs).
+    TORCH=${FTRUN_TORCH:-2.13.0}
+    pipi "torch==$TORCH"
+    echo "torch==$TORCH" > $V/constraints.txt
+    pipi -c $V/constraints.txt unsloth
+    # The torchvision that unsloth pulls is a CUDA build that does not match the CPU torch: its
+    # missing operator ("torchvision::nms does not exist") breaks `import unsloth` and even
+    # `from transformers import Trainer`. Nothing here needs torchvision (text models only).
+    $V/bin/python -m pip uninstall -q -y torchvision >>$V/pip.log 2>&1 || true
+    # ftrun itself without its dependency pins, so transformers/trl/datasets stay at Unsloth's versions;
+    # its light dependencies and pytest come separately (bitsandbytes for the QLoRA test).
+    pipi -c $V/constraints.txt pyyaml pydantic psutil tokenizers jinja2 pytest bitsandbytes
+    pipi --no-deps -e .
+    echo "$want" > "$stamp"
+  fi
+  exec $V/bin/python -m pytest -m unsloth "$@"
+fi
+scripts/setup.sh
 case "${1:-}" in
-  --slow) shift; exec .venv/bin/python -m pytest -m "slow and not gpu" "$@" ;;
-  --all)  shift; exec .venv/bin/python -m pytest -m "not gpu" "$@" ;;
+  --slow) shift; exec .venv/bin/python -m pytest -m "slow and not gpu and not unsloth" "$@" ;;
+  --all)  shift; exec .venv/bin/python -m pytest -m "not gpu and not unsloth" "$@" ;;
   *)      exec .venv/bin/python -m pytest "$@" ;;
 esac

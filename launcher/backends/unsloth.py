@@ -1,0 +1,175 @@
+"""Engine unsloth: the worker loads the model with Unsloth's FastLanguageModel, then trains with the same
+TRL SFTTrainer, callbacks, checkpoints and resume as engine trl.
+
+Unsloth patches transformers/trl/peft when it is imported, so the worker imports it before any of them
+(`import_unsloth`, called by launcher.train before its own Hugging Face imports). Everything the plan
+needs (the pre-quantized repos, the module names) is importable without torch or Unsloth.
+
+Unsloth pins older releases than ftrun's default stack (transformers<=5.17, trl<=1.15, datasets<5.0 for
+Unsloth 2026.10), so it lives in its own environment: see docs/engines.md and `scripts/test.sh --unsloth`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..models import LINEAR_MODULES
+
+# Unsloth's pre-quantized 4-bit uploads (bitsandbytes NF4 weights): for QLoRA they download about a
+# quarter of the 16-bit weights and skip quantizing at load time. Only Hub ids of the built-in catalog's
+# models (launcher/models.py) are mapped; local folders are loaded as they are. The names are checked
+# against Unsloth's own mapper (unsloth.models.mapper) in tests/test_unsloth.py.
+PREQUANTIZED: dict[str, str] = {
+    # Qwen3
+    "qwen/qwen3-0.6b": "unsloth/Qwen3-0.6B-bnb-4bit",
+    "qwen/qwen3-1.7b": "unsloth/Qwen3-1.7B-bnb-4bit",
+    "qwen/qwen3-4b": "unsloth/Qwen3-4B-bnb-4bit",
+    "qwen/qwen3-8b": "unsloth/Qwen3-8B-bnb-4bit",
+    "qwen/qwen3-14b": "unsloth/Qwen3-14B-bnb-4bit",
+    "qwen/qwen3-32b": "unsloth/Qwen3-32B-bnb-4bit",
+    # Qwen2.5
+    "qwen/qwen2.5-0.5b-instruct": "unsloth/Qwen2.5-0.5B-Instruct-bnb-4bit",
+    "qwen/qwen2.5-1.5b-instruct": "unsloth/Qwen2.5-1.5B-Instruct-bnb-4bit",
+    "qwen/qwen2.5-3b-instruct": "unsloth/Qwen2.5-3B-Instruct-bnb-4bit",
+    "qwen/qwen2.5-7b-instruct": "unsloth/Qwen2.5-7B-Instruct-bnb-4bit",
+    "qwen/qwen2.5-14b-instruct": "unsloth/Qwen2.5-14B-Instruct-bnb-4bit",
+    "qwen/qwen2.5-32b-instruct": "unsloth/Qwen2.5-32B-Instruct-bnb-4bit",
+    "qwen/qwen2.5-72b-instruct": "unsloth/Qwen2.5-72B-Instruct-bnb-4bit",
+    "qwen/qwen2.5-7b": "unsloth/Qwen2.5-7B-bnb-4bit",
+    # Llama 3.x
+    "meta-llama/llama-3.2-1b": "unsloth/Llama-3.2-1B-bnb-4bit",
+    "meta-llama/llama-3.2-1b-instruct": "unsloth/Llama-3.2-1B-Instruct-bnb-4bit",
+    "meta-llama/llama-3.2-3b": "unsloth/Llama-3.2-3B-bnb-4bit",
+    "meta-llama/llama-3.2-3b-instruct": "unsloth/Llama-3.2-3B-Instruct-bnb-4bit",
+    "meta-llama/llama-3.1-8b": "unsloth/Meta-Llama-3.1-8B-bnb-4bit",
+    "meta-llama/llama-3.1-8b-instruct": "unsloth/Meta-Llama-3.1-8B-Instruct-bnb-4bit",
+    "meta-llama/meta-llama-3.1-8b": "unsloth/Meta-Llama-3.1-8B-bnb-4bit",
+    "meta-llama/meta-llama-3.1-8b-instruct": "unsloth/Meta-Llama-3.1-8B-Instruct-bnb-4bit",
+    "meta-llama/meta-llama-3-8b": "unsloth/llama-3-8b-bnb-4bit",
+    "meta-llama/meta-llama-3-8b-instruct": "unsloth/llama-3-8b-Instruct-bnb-4bit",
+    "meta-llama/llama-3.1-70b-instruct": "unsloth/Meta-Llama-3.1-70B-Instruct-bnb-4bit",
+    "meta-llama/llama-3.3-70b-instruct": "unsloth/Llama-3.3-70B-Instruct-bnb-4bit",
+    # Mistral
+    "mistralai/mistral-7b-v0.3": "unsloth/mistral-7b-v0.3-bnb-4bit",
+    "mistralai/mistral-7b-instruct-v0.3": "unsloth/mistral-7b-instruct-v0.3-bnb-4bit",
+    # Gemma 2 / 3
+    "google/gemma-2-2b": "unsloth/gemma-2-2b-bnb-4bit",
+    "google/gemma-2-9b": "unsloth/gemma-2-9b-bnb-4bit",
+    "google/gemma-2-9b-it": "unsloth/gemma-2-9b-it-bnb-4bit",
+    "google/gemma-2-27b": "unsloth/gemma-2-27b-bnb-4bit",
+    "google/gemma-3-1b-it": "unsloth/gemma-3-1b-it-bnb-4bit",
+    "google/gemma-3-4b-it": "unsloth/gemma-3-4b-it-bnb-4bit",
+    "google/gemma-3-12b-it": "unsloth/gemma-3-12b-it-bnb-4bit",
+    "google/gemma-3-27b-it": "unsloth/gemma-3-27b-it-bnb-4bit",
+}
+
+
+def prequantized_repo(model: str, method: str) -> str | None:
+    """Unsloth's 4-bit repo for a QLoRA run of a Hub id it has one for; None for local folders and LoRA."""
+    if method != "qlora" or Path(model).expanduser().exists():
+        return None
+    return PREQUANTIZED.get(model.strip().rstrip("/").lower())
+
+
+def plan_reason(model: str, method: str) -> str | None:
+    """The plan's line about where the weights come from (only when Unsloth's 4-bit repo replaces the id)."""
+    repo = prequantized_repo(model, method)
+    if repo is None:
+        return None
+    return (f"weights: Unsloth's pre-quantized 4-bit repo {repo} instead of {model} (same model, NF4 weights "
+            "already quantized: about a quarter of the download, no quantization at load)")
+
+
+def target_modules(targets: Any) -> list[str]:
+    """LoRA targets for get_peft_model: "all-linear" is PEFT's shorthand, Unsloth wants the names."""
+    if targets in (None, "all-linear", "all_linear"):
+        return list(LINEAR_MODULES)
+    if isinstance(targets, str):
+        return [targets]
+    return list(targets)
+
+
+class UnslothUnavailable(RuntimeError):
+    """`import unsloth` failed in the worker: the plan said unsloth, nothing else may train instead."""
+
+
+def import_unsloth():
+    """Import Unsloth before transformers/trl/peft (it patches them on import); raise with the reason if it fails."""
+    late = [m for m in ("transformers", "trl", "peft") if m in sys.modules]
+    try:
+        import unsloth  # noqa: F401  (patches transformers, trl and peft)
+    except Exception as exc:  # ImportError, or e.g. a CUDA torchvision's "operator torchvision::nms does not exist"
+        text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:400]
+        hint = ""
+        if "torchvision" in text:
+            hint = (" - a torchvision built for another torch (Unsloth pulls a CUDA build); on a CPU box "
+                    "`pip uninstall -y torchvision`, on a GPU box install the torchvision matching torch")
+        raise UnslothUnavailable(f"the plan says engine unsloth but `import unsloth` failed: {text}{hint}") from exc
+    if late:
+        print(f"[ftrun worker] warning: {', '.join(late)} imported before unsloth; Unsloth may not patch them fully",
+              file=sys.stderr, flush=True)
+    return sys.modules["unsloth"]
+
+
+def version() -> str:
+    try:
+        from importlib.metadata import version as _v
+
+        return _v("unsloth")
+    except Exception:
+        return "unknown"
+
+
+def load_model_and_tokenizer(recipe, device: str, dtype):
+    """FastLanguageModel.from_pretrained (4-bit for qlora) + get_peft_model; returns (model, tokenizer, source)."""
+    if "unsloth" not in sys.modules:
+        import_unsloth()
+    from unsloth import FastLanguageModel
+
+    source = prequantized_repo(recipe.model, recipe.method) or recipe.model
+    model, tokenizer = FastLanguageModel.from_pretrained(
+        model_name=source,
+        max_seq_length=recipe.max_length,
+        load_in_4bit=recipe.method == "qlora",
+        dtype=dtype,
+    )
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    lora = recipe.lora
+    model = FastLanguageModel.get_peft_model(
+        model,
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=target_modules(lora.target_modules),
+        bias="none",
+        use_gradient_checkpointing="unsloth" if recipe.gradient_checkpointing else False,
+        random_state=recipe.seed,
+    )
+    return model, tokenizer, source
+
+
+def patched_modules(model) -> list[str]:
+    """Names of module classes whose forward comes from Unsloth (its fast attention/MLP/norm kernels)."""
+    seen: set[str] = set()
+    for m in model.modules():
+        fwd = getattr(type(m), "forward", None)
+        if "unsloth" in (getattr(fwd, "__module__", "") or ""):
+            seen.add(type(m).__name__)
+    return sorted(seen)
+
+
+def checks(plan: dict[str, Any], trainer: Any) -> list[dict[str, Any]]:
+    """Before step 1: the model really was built by Unsloth (patched forwards), not by plain transformers."""
+    loaded = "unsloth" in sys.modules
+    patched = patched_modules(trainer.model) if loaded else []
+    ok = loaded and bool(patched)
+    if ok:
+        seen = f"Unsloth {version()}, patched forwards: {', '.join(patched[:6])}"
+    elif not loaded:
+        seen = "unsloth is not imported in this worker"
+    else:
+        seen = "plain transformers modules (no Unsloth-patched forward)"
+    return [{"check": "model loaded by Unsloth", "ok": ok, "seen": seen}]

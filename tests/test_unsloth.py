@@ -1,0 +1,210 @@
+"""Engine unsloth: the plan's rules and refusals (default tier, any environment) and real Unsloth training on the
+CPU (`unsloth` tier: `scripts/test.sh --unsloth`, in .venv-unsloth where Unsloth and its pinned stack live)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from helpers import (REPO, freeze_worker, has_checkpoint, metrics, read_state, status, wait_for, wait_until_ended,
+                     ftrun)
+from launcher.errors import PlanError
+from launcher.hardware import from_spec
+from launcher.plan import make_plan
+from launcher.recipe import validate_recipe
+
+HAVE_UNSLOTH = importlib.util.find_spec("unsloth") is not None
+needs_unsloth = pytest.mark.skipif(not HAVE_UNSLOTH, reason="Unsloth is not installed (scripts/test.sh --unsloth)")
+QUICK = ("smoke.enabled=false", "export=[]")
+DATA = SimpleNamespace(examples=400, total_tokens=400 * 120, mean_tokens=120.0, max_tokens=256,
+                       over_max_length=0, tokens_source="tokenizer")
+
+
+def cpu_box(cores=2):
+    return from_spec("cpu").__class__((), "none", cores, 24.0, "detected")
+
+
+def _plan(tmp_path, model, hw, unsloth, **fields):
+    base = {"model": str(model), "method": "lora", "data": "d.jsonl", "max_length": 256,
+            "micro_batch_size": 8, "gradient_accumulation_steps": 1, "max_steps": 12}
+    base.update(fields)
+    return make_plan(validate_recipe(base, tmp_path, "r"), hw, DATA, unsloth_available=unsloth)
+
+
+# --- default tier: the plan ---------------------------------------------------------------------------
+
+def test_prequantized_repos_only_for_qlora_hub_ids(tiny_model):
+    from launcher.backends.unsloth import plan_reason, prequantized_repo, target_modules
+
+    assert prequantized_repo("Qwen/Qwen3-8B", "qlora") == "unsloth/Qwen3-8B-bnb-4bit"
+    assert prequantized_repo("meta-llama/Llama-3.1-8B-Instruct", "qlora") == "unsloth/Meta-Llama-3.1-8B-Instruct-bnb-4bit"
+    assert prequantized_repo("Qwen/Qwen3-8B", "lora") is None  # LoRA trains on the 16-bit weights
+    assert prequantized_repo(str(tiny_model), "qlora") is None  # local folders load as they are
+    assert prequantized_repo("someone/unknown-model", "qlora") is None
+    assert "unsloth/Qwen3-8B-bnb-4bit instead of Qwen/Qwen3-8B" in plan_reason("Qwen/Qwen3-8B", "qlora")
+    assert target_modules("all-linear") == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert target_modules(["q_proj", "v_proj"]) == ["q_proj", "v_proj"]
+
+
+def test_gpu_plan_says_which_prequantized_repo_unsloth_loads(tmp_path):
+    p = _plan(tmp_path, "Qwen/Qwen3-8B", from_spec("1xL40S"), True, method="qlora", max_length=2048)
+    assert p.engine == "unsloth"  # auto picks Unsloth on one GPU for LoRA/QLoRA when it is installed
+    assert any("unsloth/Qwen3-8B-bnb-4bit" in r for r in p.reasons), p.reasons
+    p = _plan(tmp_path, "Qwen/Qwen3-8B", from_spec("1xL40S"), False, method="qlora", max_length=2048)
+    assert p.engine == "trl" and not any("bnb-4bit" in r for r in p.reasons)
+
+
+def test_cpu_plan_auto_never_picks_unsloth_but_allows_it_forced_where_installed(tmp_path, tiny_model):
+    assert _plan(tmp_path, tiny_model, cpu_box(), True).engine == "trl"
+    p = _plan(tmp_path, tiny_model, cpu_box(), True, engine="unsloth")
+    assert (p.engine, p.device, p.num_processes) == ("unsloth", "cpu", 1)
+    assert any("Unsloth's CPU path" in r for r in p.reasons)
+    with pytest.raises(PlanError) as err:
+        _plan(tmp_path, tiny_model, cpu_box(), True, engine="unsloth", method="full")
+    assert "LoRA/QLoRA only" in err.value.message
+
+
+@pytest.mark.skipif(HAVE_UNSLOTH, reason="checks the refusal where Unsloth is missing")
+def test_engine_unsloth_is_refused_by_the_plan_when_not_installed(write_recipe, tmp_path):
+    res = ftrun("plan", write_recipe(), "engine=unsloth", cwd=tmp_path)
+    assert res.returncode != 0
+    out = res.stdout + res.stderr
+    assert "engine: unsloth needs Unsloth, which is not installed in this environment" in out, out
+    assert "transformers<=5.17" in out and "pip install 'ftrun[unsloth]'" in out  # why, and the fix
+    assert not (tmp_path / "run" / "plan.json").exists()
+
+
+def _prepared_run(tmp_path: Path, recipe_path: Path, *overrides: str) -> Path:
+    from launcher.pipeline import data_stats, make_plan as pipeline_plan
+    from launcher.recipe import load_recipe
+
+    recipe = load_recipe(recipe_path, list(overrides))
+    run = Path(recipe.output_dir)
+    run.mkdir(parents=True)
+    (run / "recipe.yaml").write_text(yaml.safe_dump(recipe.snapshot(), sort_keys=False))
+    _, _, stats = data_stats(recipe)
+    (run / "plan.json").write_text(json.dumps(pipeline_plan(recipe, stats).to_dict()))
+    return run
+
+
+@pytest.mark.skipif(HAVE_UNSLOTH, reason="checks the worker where Unsloth is missing")
+def test_worker_never_falls_back_to_trl_when_the_plan_says_unsloth(write_recipe, tmp_path):
+    """A plan made where Unsloth was installed, run where it is not: the worker stops before loading anything."""
+    run = _prepared_run(tmp_path, write_recipe(max_steps=6))
+    plan = json.loads((run / "plan.json").read_text())
+    plan["engine"] = "unsloth"
+    (run / "plan.json").write_text(json.dumps(plan))
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
+    res = subprocess.run([sys.executable, "-m", "launcher.supervisor", "--run-dir", str(run)],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 5, res.stdout[-3000:] + res.stderr[-3000:]
+    st = read_state(run)
+    assert st["state"] == "failed" and st.get("restarts", 0) == 0
+    assert "`import unsloth` failed" in st["reason"]
+    assert not (run / "metrics.jsonl").exists()
+
+
+# --- unsloth tier: real training with Unsloth on the CPU ------------------------------------------------
+
+def _run(write_recipe, tmp_path, name, *overrides, **fields):
+    recipe = write_recipe(f"{name}.yaml", output_dir=str(tmp_path / name), **fields)
+    res = ftrun(recipe, "--foreground", "engine=unsloth", *QUICK, *overrides, cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    return tmp_path / name
+
+
+def _check_unsloth_run(run: Path, steps: int) -> str:
+    log = (run / "train.log").read_text()
+    assert "engine unsloth" in log and "FastLanguageModel loaded" in log, log[-3000:]
+    plan = json.loads((run / "plan.json").read_text())
+    assert plan["engine"] == "unsloth" and plan["device"] == "cpu"
+    st = read_state(run)
+    v = st["verification"]
+    checks = {c["check"]: c for c in v["checks"]}
+    assert v["ok"] and checks["model loaded by Unsloth"]["ok"], v
+    assert "patched forwards" in checks["model loaded by Unsloth"]["seen"]
+    assert "imported before unsloth" not in log  # Unsloth came first in the worker
+    m = metrics(run)
+    assert [r["step"] for r in m] == list(range(1, steps + 1))
+    losses = [r["loss"] for r in m]
+    k = max(2, steps // 4)
+    assert sum(losses[-k:]) / k < sum(losses[:k]) / k - 0.3, losses  # it learns
+    assert (run / "final" / "adapter" / "adapter_model.safetensors").is_file()
+    print(f"{run.name}: losses {losses[0]:.3f} -> {losses[-1]:.3f}; {checks['model loaded by Unsloth']['seen']}")
+    return log
+
+
+@pytest.mark.unsloth
+@needs_unsloth
+def test_unsloth_lora_trains_for_real(write_recipe, tmp_path):
+    run = _run(write_recipe, tmp_path, "lora", max_steps=12)
+    log = _check_unsloth_run(run, 12)
+    assert "linear layers:" in log
+
+
+@pytest.mark.unsloth
+@needs_unsloth
+def test_unsloth_qlora_4bit_trains_for_real(write_recipe, tmp_path):
+    run = _run(write_recipe, tmp_path, "qlora", method="qlora", max_steps=12)
+    log = _check_unsloth_run(run, 12)
+    assert "Linear4bit" in log and "in 4 bit" in log  # the base weights really are 4-bit
+
+
+@pytest.mark.unsloth
+@needs_unsloth
+def test_unsloth_kill9_then_resume(write_recipe, tmp_path):
+    """Checkpoint, machine loss (kill -9 of supervisor and worker), the same command resumes; compared with an
+    uninterrupted Unsloth run of the same recipe."""
+    import torch
+    from safetensors.torch import load_file
+
+    fields = dict(max_steps=16, checkpoint_every_minutes=0.01, max_restarts=0)
+    ref = _run(write_recipe, tmp_path, "ref", **fields)
+    recipe = write_recipe("r.yaml", **fields)
+    res = ftrun(recipe, "engine=unsloth", *QUICK, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    run = tmp_path / "run"
+    st = freeze_worker(run, has_checkpoint, timeout=400)
+    assert not (run / "final").exists()
+    os.kill(st["supervisor_pid"], signal.SIGKILL)
+    os.kill(st["worker_pid"], signal.SIGKILL)
+    wait_for(lambda: status(run, tmp_path)["state"] == "interrupted", 30, "state interrupted")
+    res = ftrun(recipe, "engine=unsloth", *QUICK, cwd=tmp_path)
+    assert res.returncode == 0 and "continuing" in res.stdout, res.stdout + res.stderr
+    wait_until_ended(run, tmp_path, timeout=400)
+    log = (run / "train.log").read_text()
+    assert "resuming from step-" in log and log.count("FastLanguageModel loaded") == 2
+    assert read_state(run)["verification"]["ok"]
+    a, b = metrics(ref), metrics(run)
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    dl = max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b))
+    ta = load_file(str(ref / "final" / "adapter" / "adapter_model.safetensors"))
+    tb = load_file(str(run / "final" / "adapter" / "adapter_model.safetensors"))
+    assert ta.keys() == tb.keys()
+    dt = max((ta[k] - tb[k]).abs().max().item() for k in ta)
+    print(f"unsloth kill -9 + resume vs uninterrupted: max loss difference {dl:.3g}, max adapter difference {dt:.3g}")
+    assert dl == 0.0 and dt == 0.0, (dl, dt)
+    assert all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+@pytest.mark.unsloth
+@needs_unsloth
+def test_prequantized_names_are_unsloths_own():
+    """Every repo of our small mapping is one Unsloth's own mapper knows (it maps them the same way)."""
+    from unsloth.models import mapper
+
+    from launcher.backends.unsloth import PREQUANTIZED
+
+    known = {name.lower() for table in (mapper.INT_TO_FLOAT_MAPPER, mapper.FLOAT_TO_INT_MAPPER) for name in
+             [*table.keys(), *[v for vs in table.values() for v in ([vs] if isinstance(vs, str) else vs)]]}
+    missing = [repo for repo in PREQUANTIZED.values() if repo.lower() not in known]
+    assert not missing, missing
