@@ -7,8 +7,8 @@ run's end (worker start, model load, training, checkpoints, final save and expor
 actual - 1; the target is within +-10%. The actual time is split into its parts so a miss says where it
 comes from: the training steps alone (metrics.jsonl, first to last logged step), and the rest.
 
-    .venv/bin/python scripts/bench_eta.py            # 4 cases, 2000 examples (~15 min on 2 cores)
-    .venv/bin/python scripts/bench_eta.py --quick    # 2 cases, 600 examples (~3 min)
+    .venv/bin/python scripts/bench_eta.py            # 4 cases, model m, 1000 examples (long on 2 busy cores)
+    .venv/bin/python scripts/bench_eta.py --quick    # 2 cases, model s, 300 examples (~5 min)
 """
 
 from __future__ import annotations
@@ -55,21 +55,22 @@ def run_case(name: str, model: Path, data: Path, work: Path, epochs: float, extr
             "run_tokens_per_second": round(bc.tokens_per_second(rows) or 0, 1),
             "steps": rows[-1]["step"], "smoke": {k: smoke.get(k) for k in
                                                  ("measured_steps", "warmup_seconds", "training_tokens",
-                                                  "overhead_seconds", "steps_seconds")}}
+                                                  "startup_seconds", "wall_seconds")}}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="2 cases on 600 examples (a few minutes)")
+    p.add_argument("--quick", action="store_true", help="2 cases, model s, 300 examples (a few minutes)")
     p.add_argument("--cases", help=f"comma-separated subset of {','.join(CASES)}")
-    p.add_argument("--examples", type=int, help="examples in the data (default 2000, --quick 600)")
+    p.add_argument("--examples", type=int, help="examples in the data (default 1000, --quick 300)")
     p.add_argument("--epochs", type=float, default=1.0)
-    p.add_argument("--size", default="m", choices=sorted(bc.MODEL_SIZES))
+    p.add_argument("--size", choices=sorted(bc.MODEL_SIZES), help="default m (~10M), --quick s (~1.8M)")
     p.add_argument("--json", type=Path, help="also write the results here")
     a = p.parse_args(argv)
     cases = a.cases.split(",") if a.cases else (QUICK_CASES if a.quick else list(CASES))
-    examples = a.examples or (600 if a.quick else 2000)
-    model, data = bc.bench_model(a.size), bc.bench_data(examples)
+    examples = a.examples or (300 if a.quick else 1000)
+    size = a.size or ("s" if a.quick else "m")
+    model, data = bc.bench_model(size), bc.bench_data(examples)
     work = bc.CACHE / "eta"
     print(f"bench_eta: {bc.machine()}; model {model.name}, {examples} examples, {a.epochs:g} epoch(s)", flush=True)
     results = []

@@ -10,7 +10,7 @@ Tokens/s is measured the same way on every side: the trainer's non-padding token
 clock at each logged step, from the first logged step (warm-up excluded) to the last.
 
     .venv/bin/python scripts/bench_throughput.py            # model m (~10M), 800 examples, 3 rounds (long on 2 busy cores)
-    .venv/bin/python scripts/bench_throughput.py --quick    # model s (~2.4M), 200 examples, 1 round (~3-5 min)
+    .venv/bin/python scripts/bench_throughput.py --quick    # model s (~1.8M), 200 examples, 1 round (~3-5 min)
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="model s, 200 examples, 1 round (a few minutes)")
     p.add_argument("--rounds", type=int, help="rounds of all variants (default 3, --quick 1)")
     p.add_argument("--examples", type=int, help="examples in the data (default 800, --quick 200)")
-    p.add_argument("--size", choices=sorted(bc.MODEL_SIZES), help="bench model size (default m, ~10M; --quick s, ~2.4M)")
+    p.add_argument("--size", choices=sorted(bc.MODEL_SIZES), help="bench model size (default m, ~10M; --quick s, ~1.8M)")
     p.add_argument("--variants", default="plain,ftrun,defaults", help="comma-separated subset")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--plain-run", help=argparse.SUPPRESS)
