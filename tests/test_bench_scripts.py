@@ -1,0 +1,43 @@
+"""The benchmark scripts: each answers --help quickly; the measuring helper reads metrics rows as both sides write them.
+
+The benchmarks themselves are scripts (docs/BENCHMARKS.md), not timed tests; their --quick runs take minutes.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = ["bench_throughput", "bench_eta", "bench_overhead", "gpu_bench"]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_help(name):
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / f"{name}.py"), "--help"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "--quick" in out.stdout or "--dry-run" in out.stdout
+
+
+def test_tokens_per_second_excludes_warmup():
+    sys.path.insert(0, str(REPO / "scripts"))
+    import bench_common as bc
+
+    rows = [{"step": 2, "time": 100.0, "tokens_seen": 1000}, {"step": 4, "time": 102.0, "tokens_seen": 3000},
+            {"step": 6, "time": 104.0, "tokens_seen": 5000}]
+    assert bc.tokens_per_second(rows) == 1000.0  # (5000 - 1000) / (104 - 100): steps 1-2 (warm-up) left out
+    assert bc.tokens_per_second(rows[:1]) is None
+
+
+@pytest.mark.slow
+def test_throughput_quick_output(tmp_path):
+    """--quick runs end to end and prints the ratios (several minutes on 2 cores)."""
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_throughput.py"), "--quick",
+                          "--json", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "ratio ftrun/plain" in out.stdout and "ratio defaults/plain" in out.stdout
+    assert (tmp_path / "r.json").is_file()
