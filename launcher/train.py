@@ -215,8 +215,8 @@ def load_model_and_tokenizer(recipe, device: str, dtype, plan: Optional[dict] = 
 
         model, tokenizer, source = unsloth_engine.load_model_and_tokenizer(recipe, device, dtype)
         print(f"[ftrun worker] engine unsloth {unsloth_engine.version()}: FastLanguageModel loaded {source}"
-              f"{' in 4 bit' if recipe.method == 'qlora' else ''}; patched forwards: "
-              f"{', '.join(unsloth_engine.patched_modules(model)) or 'none'}", flush=True)
+              f"{' in 4 bit' if recipe.method == 'qlora' else ''}; "
+              f"{'; '.join(unsloth_engine.markers(model)) or 'no Unsloth marks'}", flush=True)
         print("[ftrun worker] " + describe_model(model), flush=True)
         return model, tokenizer
     import torch

@@ -152,7 +152,7 @@ def load_model_and_tokenizer(recipe, device: str, dtype):
 
 
 def patched_modules(model) -> list[str]:
-    """Names of module classes whose forward comes from Unsloth (its fast attention/MLP/norm kernels)."""
+    """Names of module classes whose forward comes from Unsloth (its fast attention/MLP/norm kernels, GPU path)."""
     seen: set[str] = set()
     for m in model.modules():
         fwd = getattr(type(m), "forward", None)
@@ -161,15 +161,39 @@ def patched_modules(model) -> list[str]:
     return sorted(seen)
 
 
+def markers(model, trainer=None) -> list[str]:
+    """What shows that Unsloth built this model (and patched this trainer); empty for a plain transformers model.
+
+    On a GPU Unsloth replaces the decoder's forwards with its kernels. Without a GPU it loads through
+    unsloth_zoo's FastCPUModel (stock transformers + PEFT) and leaves its own marks instead: a chunked
+    cross-entropy forward on the model instance, FastCPUModel's methods attached, SFTTrainer.compute_loss
+    patched for that forward.
+    """
+    found = []
+    patched = patched_modules(model)
+    if patched:
+        found.append("patched forwards: " + ", ".join(patched[:6]))
+    if any(vars(m).get("_unsloth_cpu_chunked_ce", False) for m in model.modules()):
+        found.append("FastCPUModel chunked cross-entropy forward")
+    attached = getattr(getattr(model, "for_training", None), "__func__", None)
+    if "FastCPUModel" in getattr(attached, "__qualname__", ""):
+        found.append("FastCPUModel methods")
+    if trainer is not None and getattr(type(trainer).compute_loss, "_unsloth_cpu", False):
+        found.append("SFTTrainer.compute_loss patched by Unsloth (CPU)")
+    return found
+
+
 def checks(plan: dict[str, Any], trainer: Any) -> list[dict[str, Any]]:
-    """Before step 1: the model really was built by Unsloth (patched forwards), not by plain transformers."""
+    """Before step 1: the model really was built by Unsloth, not by plain transformers (no silent fallback)."""
     loaded = "unsloth" in sys.modules
-    patched = patched_modules(trainer.model) if loaded else []
-    ok = loaded and bool(patched)
+    model = trainer.model
+    found = markers(model, trainer) if loaded else []
+    # the model marks are required; the trainer patch alone would not make it an Unsloth model
+    ok = loaded and any(not f.startswith("SFTTrainer") for f in found)
     if ok:
-        seen = f"Unsloth {version()}, patched forwards: {', '.join(patched[:6])}"
+        seen = f"Unsloth {version()}: " + "; ".join(found)
     elif not loaded:
         seen = "unsloth is not imported in this worker"
     else:
-        seen = "plain transformers modules (no Unsloth-patched forward)"
+        seen = "plain transformers modules (no Unsloth-patched forward, no FastCPUModel marks)"
     return [{"check": "model loaded by Unsloth", "ok": ok, "seen": seen}]
