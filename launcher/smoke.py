@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import shutil
@@ -33,7 +32,7 @@ def training_tokens(recipe, stats: DataStats, processes: int) -> int:
     per_epoch = stats.total_tokens
     if recipe.max_steps:
         global_batch = recipe.micro_batch_size * recipe.gradient_accumulation_steps * processes
-        return int(min(recipe.max_steps * global_batch * stats.mean_tokens, math.inf))
+        return int(recipe.max_steps * global_batch * stats.mean_tokens)  # max_steps overrides epochs, as in the Trainer
     return int(per_epoch * recipe.epochs)
 
 

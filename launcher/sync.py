@@ -86,11 +86,8 @@ class RsyncDestination(Destination):
     def _remote(self, rel: str) -> str:
         return f"{self.url}/{rel}" if rel else self.url
 
-    def _mkdirs(self, rel: str) -> None:
-        # rsync creates only the last level; --mkpath (rsync >= 3.2.3) creates the rest.
-        pass
-
     def put_file(self, local: Path, rel: str) -> None:
+        # --mkpath (rsync >= 3.2.3) creates the missing folders on the remote side.
         res = self._rsync("-a", "--mkpath", str(local), self._remote(rel))
         if res.returncode != 0:
             raise SyncError(f"rsync to {self._remote(rel)} failed: {res.stderr.strip()[-300:]}")
