@@ -25,10 +25,11 @@ if [ "${1:-}" = "--unsloth" ]; then
     # missing operator ("torchvision::nms does not exist") breaks `import unsloth` and even
     # `from transformers import Trainer`. Nothing here needs torchvision (text models only).
     $V/bin/python -m pip uninstall -q -y torchvision >>$V/pip.log 2>&1 || true
-    # ftrun itself without its dependency pins, so transformers/trl/datasets stay at Unsloth's versions;
-    # its light dependencies and pytest come separately (bitsandbytes for the QLoRA test).
-    pipi -c $V/constraints.txt pyyaml pydantic psutil tokenizers jinja2 pytest bitsandbytes
-    pipi --no-deps -e .
+    # ftrun with its own extras, holding the stack at the versions Unsloth chose: ftrun's ranges
+    # (transformers>=5.0, trl>=1.10, datasets>=4.0) accept them, the constraints make sure nothing moves.
+    $V/bin/python -m pip freeze | grep -i -E '^(transformers|trl|datasets|peft|accelerate|unsloth|unsloth.zoo)==' \
+      >> $V/constraints.txt
+    pipi -c $V/constraints.txt -e ".[train,export,test]"
     echo "$want" > "$stamp"
   fi
   exec $V/bin/python -m pytest -m unsloth "$@"
