@@ -294,9 +294,9 @@ def _choose_cpu_unsloth(job: Job, hw: Hardware, unsloth_ok: bool, processes: int
 
 
 # Unsloth pins older transformers/trl/datasets than ftrun's default stack: its own environment (docs/engines.md).
-UNSLOTH_MISSING = ("engine: unsloth needs Unsloth, which is not installed in this environment. Unsloth pins "
+UNSLOTH_MISSING = ("engine: unsloth is impossible here: Unsloth is not installed in this environment. Unsloth pins "
                    "transformers<=5.17, trl<=1.15 and datasets<5.0, so it lives in its own virtual environment: "
-                   "python3 -m venv .venv-unsloth && .venv-unsloth/bin/pip install 'ftrun[unsloth]' (scripts/test.sh "
+                   "python3 -m venv .venv-unsloth && .venv-unsloth/bin/pip install 'ftrun[train,unsloth]' (scripts/test.sh "
                    "--unsloth builds it here), then run ftrun from that environment; or set engine: trl")
 
 

@@ -78,8 +78,8 @@ def test_engine_unsloth_is_refused_by_the_plan_when_not_installed(write_recipe, 
     res = ftrun("plan", write_recipe(), "engine=unsloth", cwd=tmp_path)
     assert res.returncode != 0
     out = res.stdout + res.stderr
-    assert "engine: unsloth needs Unsloth, which is not installed in this environment" in out, out
-    assert "transformers<=5.17" in out and "pip install 'ftrun[unsloth]'" in out  # why, and the fix
+    assert "engine: unsloth is impossible here: Unsloth is not installed in this environment" in out, out
+    assert "transformers<=5.17" in out and "pip install 'ftrun[train,unsloth]'" in out  # why, and the fix
     assert not (tmp_path / "run" / "plan.json").exists()
 
 
