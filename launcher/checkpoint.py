@@ -31,12 +31,16 @@ def sha256_file(path: Path) -> str:
 def atomic_write_json(path: Path, data: Any) -> None:
     """Write-then-rename, fsynced: a reader sees the old file or the new one, never half of one."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with tmp.open("w") as fh:
-        json.dump(data, fh, indent=2, sort_keys=True)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with tmp.open("w") as fh:
+            json.dump(data, fh, indent=2, sort_keys=True)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half-written temporary behind
+        raise
 
 
 def write_manifest(ckpt: Path, step: int, meta: dict[str, Any]) -> dict[str, Any]:

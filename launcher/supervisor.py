@@ -34,6 +34,14 @@ FATAL = {
 }
 
 
+def _record(run: RunDir, state: str, **fields) -> None:
+    """set_state, but a full disk must not kill the supervisor: it says so in the log and carries on."""
+    try:
+        set_state(run, state, **fields)
+    except OSError as exc:
+        _log(f"could not write state.json ({exc.strerror}); the run's state is {state}: {fields.get('reason', '')}")
+
+
 def _log(msg: str) -> None:
     print(f"[ftrun supervisor {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -85,7 +93,7 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
         """A final state other than success: what exists goes off the box first, then the state says why."""
         if syncer:
             syncer.finish(final=False)
-        set_state(run, state, worker_pid=None, reason=why, **fields)
+        _record(run, state, worker_pid=None, reason=why, **fields)
         _log(why)
         return code
 
@@ -105,26 +113,26 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
                                 # a launcher (torchrun) outliving the supervisor keeps its ranks training
                                 preexec_fn=die_with_parent if plan.get("engine") in MULTI_PROCESS else None)
         child["proc"] = proc
-        set_state(run, "running", supervisor_pid=os.getpid(), worker_pid=proc.pid, restarts=restarts,
+        _record(run, "running", supervisor_pid=os.getpid(), worker_pid=proc.pid, restarts=restarts,
                   engine=plan.get("engine"), num_processes=plan.get("num_processes"), launch_argv=cmd)
         rc = proc.wait()
         child["proc"] = None
         if rc != 0 and failed_verification(run.worker):
             rc = train.EXIT_BAD_WORLD  # torchrun reports any failed worker as 1; the worker said why
         if run.worker.is_file() and "verification" in json.loads(run.worker.read_text()):
-            set_state(run, read_state(run).get("state", "running"),
+            _record(run, read_state(run).get("state", "running"),
                       verification=json.loads(run.worker.read_text())["verification"])
         if rc == 0:
-            set_state(run, "succeeded", worker_pid=None, reason="training finished")
+            _record(run, "succeeded", worker_pid=None, reason="training finished")
             _log("training finished")
             _export(recipe, run, child)
             if syncer:
-                set_state(run, "succeeded", reason=f"training finished; copying the result to {recipe.sync.to}")
+                _record(run, "succeeded", reason=f"training finished; copying the result to {recipe.sync.to}")
                 if not syncer.finish(final=True):
-                    set_state(run, "succeeded", reason="training finished, but the copy off the box failed: "
+                    _record(run, "succeeded", reason="training finished, but the copy off the box failed: "
                               "see sync.json; `ftrun push` retries")
                     return 0
-                set_state(run, "succeeded", reason=f"training finished; result verified at {recipe.sync.to}")
+                _record(run, "succeeded", reason=f"training finished; result verified at {recipe.sync.to}")
                 syncer.sync_once()  # the state file itself, saying so
             _on_finish(recipe, run)
             return 0
@@ -147,12 +155,12 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
                        f"(max_restarts={recipe.max_restarts})", 5)
         restarts += 1
         delay = min(2 ** restarts, 60)
-        set_state(run, "recovering", worker_pid=None, restarts=restarts,
+        _record(run, "recovering", worker_pid=None, restarts=restarts,
                   reason=f"worker crashed ({how}) near step {step}; restart {restarts}/{recipe.max_restarts} in {delay}s")
         _log(f"worker crashed ({how}) near step {step}; restarting from the newest verified checkpoint in {delay}s")
         for _ in range(delay * 10):
             if stopping["signal"]:
-                set_state(run, "stopped", reason=f"stopped by {stopping['signal']} while recovering")
+                _record(run, "stopped", reason=f"stopped by {stopping['signal']} while recovering")
                 return train.EXIT_STOPPED
             time.sleep(0.1)
 

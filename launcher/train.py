@@ -578,9 +578,11 @@ def _is_disk_full(exc: BaseException, where: Path) -> bool:
         if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
         seen = seen.__cause__ or seen.__context__
-    # torch.save reports a full disk as a RuntimeError ("file write failed"); check the disk itself.
-    text = str(exc)
-    return ("write" in text or "No space" in text) and shutil.disk_usage(where).free < 64 * 1024 * 1024
+    # torch.save reports a full disk as one of several RuntimeErrors ("file write failed", "iostream
+    # error", "unexpected pos"): ask the disk itself whether a checkpoint still fits.
+    kept = [p for p in ckpt.candidates(where / "checkpoints") if (p / ckpt.MANIFEST).is_file()]
+    last = sum(f.stat().st_size for f in kept[0].rglob("*") if f.is_file()) if kept else 0
+    return shutil.disk_usage(where).free < max(64 * 1024 * 1024, 2 * last)
 
 
 def _disk_full_message(run: RunDir, step: int) -> str:
@@ -602,7 +604,10 @@ def _disk_full_message(run: RunDir, step: int) -> str:
 def _record_error(run: RunDir, message: str) -> None:
     info = json.loads(run.worker.read_text()) if run.worker.is_file() else {}
     info["error"] = message
-    ckpt.atomic_write_json(run.worker, info)
+    try:
+        ckpt.atomic_write_json(run.worker, info)
+    except OSError:  # the disk may be too full even for this; the log line above already says it
+        pass
 
 
 def _write_smoke_result(run: RunDir, step_times, device: str, timed_out: bool) -> None:
