@@ -102,3 +102,19 @@ def has_checkpoint(run_dir: Path) -> bool:
 
 def logged_steps(n: int):
     return lambda run_dir: (run_dir / "metrics.jsonl").is_file() and len(metrics(run_dir)) >= n
+
+
+def prepared_run(recipe_path: Path, *overrides: str) -> Path:
+    """A run directory with recipe.yaml and plan.json, as `ftrun` writes them, without starting anything."""
+    import yaml
+
+    from launcher.pipeline import data_stats, make_plan as pipeline_plan
+    from launcher.recipe import load_recipe
+
+    recipe = load_recipe(recipe_path, list(overrides))
+    run = Path(recipe.output_dir)
+    run.mkdir(parents=True)
+    (run / "recipe.yaml").write_text(yaml.safe_dump(recipe.snapshot(), sort_keys=False))
+    _, _, stats = data_stats(recipe)
+    (run / "plan.json").write_text(json.dumps(pipeline_plan(recipe, stats).to_dict()))
+    return run

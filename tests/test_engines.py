@@ -13,9 +13,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import yaml
 
-from helpers import REPO, ftrun, has_checkpoint, metrics, read_state, status, wait_for, wait_until_ended
+from helpers import REPO, ftrun, has_checkpoint, metrics, prepared_run, read_state, status, wait_for, wait_until_ended
 
 from launcher.errors import PlanError
 from launcher.hardware import from_spec
@@ -120,27 +119,13 @@ def test_ddp_two_gloo_processes_end_to_end(write_recipe, tmp_path):
     print(f"DDP 2 procs, 6 steps, end to end: {time.monotonic() - t0:.1f}s")
 
 
-def _prepared_run(tmp_path: Path, recipe_path: Path, *overrides: str) -> Path:
-    """A run directory with recipe.yaml and plan.json, as `ftrun` writes them, without starting anything."""
-    from launcher.pipeline import data_stats, make_plan as pipeline_plan
-    from launcher.recipe import load_recipe
-
-    recipe = load_recipe(recipe_path, list(overrides))
-    run = Path(recipe.output_dir)
-    run.mkdir(parents=True)
-    (run / "recipe.yaml").write_text(yaml.safe_dump(recipe.snapshot(), sort_keys=False))
-    _, _, stats = data_stats(recipe)
-    (run / "plan.json").write_text(json.dumps(pipeline_plan(recipe, stats).to_dict()))
-    return run
-
-
 def _worker_env() -> dict:
     return dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
 
 
 def test_plan_for_two_processes_launched_as_one_is_stopped_before_training(write_recipe, tmp_path):
     # accelerate's `--cpu --num_processes 2` silently starts ONE process (STACK-FACTS): the worker refuses.
-    run = _prepared_run(tmp_path, write_recipe(max_steps=6), "engine=ddp", "num_processes=2")
+    run = prepared_run(write_recipe(max_steps=6), "engine=ddp", "num_processes=2")
     t0 = time.monotonic()
     res = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
                           "-m", "launcher.train", "--run-dir", str(run), "--mode", "full"],
@@ -270,7 +255,7 @@ def test_lora_checkpoint_from_ddp2_resumes_on_one_process(write_recipe, tmp_path
 def test_deepspeed_config_is_generated_from_the_plan(write_recipe, tmp_path):
     from launcher.backends import launch_command, trainer_fields
 
-    run = _prepared_run(tmp_path, write_recipe(max_steps=6, gradient_accumulation_steps=3), "engine=ddp",
+    run = prepared_run(write_recipe(max_steps=6, gradient_accumulation_steps=3), "engine=ddp",
                         "num_processes=2")
     plan = json.loads((run / "plan.json").read_text())
     plan["engine"] = "deepspeed"  # planned on a box without DeepSpeed too: only the file is checked here
@@ -332,7 +317,7 @@ def test_fsdp_accelerate_config_is_generated_from_the_plan(write_recipe, tmp_pat
 
     from launcher.backends import launch_command, trainer_fields
 
-    run = _prepared_run(tmp_path, write_recipe(max_steps=6), "engine=ddp", "num_processes=2")
+    run = prepared_run(write_recipe(max_steps=6), "engine=ddp", "num_processes=2")
     plan = json.loads((run / "plan.json").read_text())
     plan.update(engine="fsdp", device="cuda")
     argv = launch_command(plan, run, "full")
@@ -347,7 +332,7 @@ def test_fsdp_accelerate_config_is_generated_from_the_plan(write_recipe, tmp_pat
 
 
 def test_fully_shard_on_gloo_shards_the_worker_model_and_trains_like_unsharded(write_recipe, tmp_path):
-    run = _prepared_run(tmp_path, write_recipe(max_steps=6), "engine=ddp", "num_processes=2")
+    run = prepared_run(write_recipe(max_steps=6), "engine=ddp", "num_processes=2")
     out = tmp_path / "fsdp.json"
     t0 = time.monotonic()
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -366,7 +351,7 @@ def test_fully_shard_on_gloo_shards_the_worker_model_and_trains_like_unsharded(w
 @pytest.mark.slow
 def test_fsdp_through_accelerate_on_cpu_is_caught_as_not_sharded(write_recipe, tmp_path):
     """On CPU accelerate turns the FSDP2 config into DDP: the worker's check refuses to train."""
-    run = _prepared_run(tmp_path, write_recipe(max_steps=6), "engine=ddp", "num_processes=2")
+    run = prepared_run(write_recipe(max_steps=6), "engine=ddp", "num_processes=2")
     plan = json.loads((run / "plan.json").read_text())
     plan["engine"] = "fsdp"  # the CPU plan refuses fsdp; this is what a plan made for GPUs would launch
     (run / "plan.json").write_text(json.dumps(plan))

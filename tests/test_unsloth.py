@@ -13,10 +13,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import yaml
 
-from helpers import (REPO, freeze_worker, has_checkpoint, metrics, read_state, status, wait_for, wait_until_ended,
-                     ftrun)
+from helpers import (REPO, freeze_worker, ftrun, has_checkpoint, metrics, prepared_run, read_state, status, wait_for,
+                     wait_until_ended)
 from launcher.errors import PlanError
 from launcher.hardware import from_spec
 from launcher.plan import make_plan
@@ -83,23 +82,10 @@ def test_engine_unsloth_is_refused_by_the_plan_when_not_installed(write_recipe, 
     assert not (tmp_path / "run" / "plan.json").exists()
 
 
-def _prepared_run(tmp_path: Path, recipe_path: Path, *overrides: str) -> Path:
-    from launcher.pipeline import data_stats, make_plan as pipeline_plan
-    from launcher.recipe import load_recipe
-
-    recipe = load_recipe(recipe_path, list(overrides))
-    run = Path(recipe.output_dir)
-    run.mkdir(parents=True)
-    (run / "recipe.yaml").write_text(yaml.safe_dump(recipe.snapshot(), sort_keys=False))
-    _, _, stats = data_stats(recipe)
-    (run / "plan.json").write_text(json.dumps(pipeline_plan(recipe, stats).to_dict()))
-    return run
-
-
 @pytest.mark.skipif(HAVE_UNSLOTH, reason="checks the worker where Unsloth is missing")
 def test_worker_never_falls_back_to_trl_when_the_plan_says_unsloth(write_recipe, tmp_path):
     """A plan made where Unsloth was installed, run where it is not: the worker stops before loading anything."""
-    run = _prepared_run(tmp_path, write_recipe(max_steps=6))
+    run = prepared_run(write_recipe(max_steps=6))
     plan = json.loads((run / "plan.json").read_text())
     plan["engine"] = "unsloth"
     (run / "plan.json").write_text(json.dumps(plan))
