@@ -152,7 +152,10 @@ def token_counter(model: str) -> tuple[Optional[Callable[[list[dict[str, str]]],
     """
     model_dir = Path(model)
     if not model_dir.is_dir():
-        model_dir = _hub_cache_dir(model)
+        from .models import cached_file
+
+        cached = cached_file(model, "tokenizer.json")
+        model_dir = cached.parent if cached else None
         if model_dir is None:
             return None, f"no local tokenizer for {model} (not a folder, not in the Hugging Face cache)"
     tok_path, template, cfg = _find_tokenizer_files(model_dir)
@@ -171,17 +174,6 @@ def token_counter(model: str) -> tuple[Optional[Callable[[list[dict[str, str]]],
         return len(tokenizer.encode(text, add_special_tokens=False).ids)
 
     return count, f"tokenizer and chat template of {model_dir}"
-
-
-def _hub_cache_dir(model_id: str) -> Optional[Path]:
-    import os
-
-    root = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub")
-    snaps = root / f"models--{model_id.replace('/', '--')}" / "snapshots"
-    if not snaps.is_dir():
-        return None
-    candidates = sorted((p for p in snaps.iterdir() if (p / "tokenizer.json").exists()), key=lambda p: p.stat().st_mtime)
-    return candidates[-1] if candidates else None
 
 
 def example_lengths(examples: list[list[dict[str, str]]], model: str) -> tuple[list[int], str]:

@@ -276,21 +276,23 @@ def hf_cache_dir() -> Path:
     return home / "hub"
 
 
-def _from_cache(model: str) -> Architecture | None:
+def cached_file(model: str, filename: str) -> Path | None:
+    """A file of a Hub model in the local cache: the snapshot `refs/main` points at, else the newest holding it."""
     repo = hf_cache_dir() / ("models--" + model.replace("/", "--"))
     snapshots = repo / "snapshots"
     if not snapshots.is_dir():
         return None
-    # Prefer the snapshot `refs/main` points at; otherwise the newest one holding a config.json.
     ref = repo / "refs" / "main"
     candidates = []
     if ref.is_file():
-        candidates.append(snapshots / ref.read_text().strip() / "config.json")
-    candidates += sorted(snapshots.glob("*/config.json"), key=lambda p: p.stat().st_mtime, reverse=True)
-    for cfg in candidates:
-        if cfg.is_file():
-            return from_config(_read_config(cfg), model, f"Hugging Face cache ({cfg})")
-    return None
+        candidates.append(snapshots / ref.read_text().strip() / filename)
+    candidates += sorted(snapshots.glob(f"*/{filename}"), key=lambda p: p.stat().st_mtime, reverse=True)
+    return next((c for c in candidates if c.is_file()), None)
+
+
+def _from_cache(model: str) -> Architecture | None:
+    cfg = cached_file(model, "config.json")
+    return from_config(_read_config(cfg), model, f"Hugging Face cache ({cfg})") if cfg else None
 
 
 def _offline() -> bool:
