@@ -295,7 +295,7 @@ def sft_config(recipe, run: RunDir, mode: str, device: str, dtype, max_steps: Op
         logging_steps=recipe.logging_steps if mode == "full" else 1,
         save_strategy="no",  # ftrun saves by wall clock (callback), not every N steps
         save_only_model=False,
-        report_to="none",
+        report_to=_report_to(run, mode),
         include_num_input_tokens_seen="non_padding",  # real tokens, not padding
         use_cpu=device == "cpu",
         bf16=device == "cuda" and dtype == torch.bfloat16,
@@ -374,6 +374,20 @@ def _engine_check(run: RunDir, plan: dict[str, Any], mode: str, get_trainer):
                 print(f"[ftrun worker] {line}", flush=True)
 
     return EngineCheck()
+
+
+def _report_to(run: RunDir, mode: str) -> str:
+    """TensorBoard event files in run_dir/tensorboard for the full run (what people already watch)."""
+    import importlib.util
+
+    if mode != "full" or _rank() != 0:
+        return "none"
+    if importlib.util.find_spec("tensorboard") is None and importlib.util.find_spec("tensorboardX") is None:
+        print("[ftrun worker] tensorboard is not installed: no event files (metrics.jsonl and loss.png still are)",
+              flush=True)
+        return "none"
+    os.environ["TENSORBOARD_LOGGING_DIR"] = str(run.root / "tensorboard")
+    return "tensorboard"
 
 
 def run_worker(run_dir: Path, mode: str) -> int:

@@ -31,6 +31,7 @@ def test_foreground_run_end_to_end(write_recipe, tmp_path):
     assert all(r["loss"] > 0 for r in rows)
     assert (run / "final" / "adapter" / "adapter_model.safetensors").is_file()
     assert (run / "final" / "adapter" / "tokenizer.json").is_file()
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))  # what people already watch
     s = status(run, tmp_path)
     assert s["state"] == "succeeded" and s["step"] == 12 and s["total_steps"] == 12
     assert s["last_checkpoint"] == "step-000012"
