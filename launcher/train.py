@@ -317,8 +317,8 @@ def sft_config(recipe, run: RunDir, mode: str, device: str, dtype, max_steps: Op
     if recipe.method == "full-8bit":
         # 8-bit AdamW states (bitsandbytes): about 2 bytes/param of optimizer state instead of 8.
         fields["optim"] = "adamw_bnb_8bit"
-    elif device == "cpu":
-        fields["optim"] = "adamw_torch"  # the fused default needs a GPU
+    # Otherwise TRL's default (fused AdamW), which torch also runs on the CPU: the same optimizer a
+    # plain TRL script gets.
     for key, value in (engine_fields or {}).items():  # launcher/backends: what the engine needs
         fields[ac if key == "activation_checkpointing" else key] = value
     fields.update(recipe.trainer)

@@ -152,7 +152,7 @@ def test_output_dir_that_is_not_a_run_is_never_written(write_recipe, tmp_path):
 
 
 @pytest.mark.parametrize("method, built, optimizer", [
-    ("qlora", "Linear4bit", "torch.optim.adamw.AdamW"),
+    ("qlora", "Linear4bit", "torch.optim.adamw.AdamW"),  # fused, as TRL's default
     ("full", "Linear", "torch.optim.adamw.AdamW"),
     ("full-8bit", "Linear", "bitsandbytes.optim.adamw.AdamW"),  # bitsandbytes, with 8-bit states
 ])
