@@ -182,6 +182,7 @@ class FsspecDestination(Destination):
         return True
 
     def list_dirs(self, rel: str) -> list[str]:
+        self.fs.invalidate_cache()  # object stores cache listings; retention needs the current one
         if not self.fs.exists(self._p(rel)):
             return []
         return [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(self._p(rel), detail=True)

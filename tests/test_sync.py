@@ -123,6 +123,37 @@ def test_fsspec_path_machine_loss_resume_and_no_secrets(tmp_path, tiny_model, re
                 assert secret.encode() not in p.read_bytes(), p
 
 
+@pytest.fixture
+def s3_endpoint(monkeypatch):
+    """A local S3-compatible server (moto) with one bucket; the ftrun processes reach it via AWS_* variables."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": f"http://{host}:{port}"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    boto3.client("s3").create_bucket(Bucket="ftrun-test")
+    yield env
+    server.stop()
+
+
+def test_s3_machine_loss_resume_on_fresh_box(tmp_path, tiny_model, reference, s3_endpoint):
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs("s3://ftrun-test/runs/r1")
+
+    def remote_ls(rel: str) -> bool:
+        fs.invalidate_cache()
+        return fs.exists(f"{root}/{rel}")
+
+    _machine_loss_then_resume_elsewhere(tmp_path, tiny_model, reference, "s3://ftrun-test/runs/r1", remote_ls,
+                                        s3_endpoint)
+
+
 def test_credentials_in_sync_url_are_refused(tmp_path):
     p = tmp_path / "r.yaml"
     p.write_text(yaml.safe_dump({"model": "a/b", "method": "lora", "data": "d.jsonl",
