@@ -1,0 +1,39 @@
+"""The smoke test's extrapolation, by epochs and by max_steps, on measured step costs."""
+
+import pytest
+
+from launcher.data import DataStats
+from launcher.recipe import validate_recipe
+from launcher.smoke import step_seconds, training_tokens
+
+STATS = DataStats(examples=1000, total_tokens=100_000, mean_tokens=100.0, max_tokens=400, over_max_length=0,
+                  tokens_source="tokenizer", max_length=512)
+# (tokens, seconds) per measured step: 0.5 s per step plus 1 ms per token, exactly
+COSTS = [(t, 0.5 + 0.001 * t) for t in (800, 1200, 1600, 2000)]
+
+
+def _recipe(tmp_path, **fields):
+    return validate_recipe({"model": "a/b", "method": "lora", "data": "d.jsonl", "micro_batch_size": 4,
+                            "gradient_accumulation_steps": 2, **fields}, tmp_path, "r")
+
+
+def test_epochs_recipe_uses_the_fitted_per_step_and_per_token_costs(tmp_path):
+    recipe = _recipe(tmp_path, epochs=2)
+    tokens = training_tokens(recipe, STATS, processes=1)
+    assert tokens == 200_000
+    steps = 2 * 125  # ceil(1000 / 8) per epoch
+    assert step_seconds({"tokens_per_second": 1000.0, "step_costs": COSTS}, tokens, recipe, STATS, 1) == \
+        pytest.approx(0.5 * steps + 0.001 * tokens)
+
+
+def test_max_steps_recipe_counts_its_steps(tmp_path):
+    recipe = _recipe(tmp_path, max_steps=50)
+    tokens = training_tokens(recipe, STATS, processes=2)
+    assert tokens == 50 * 16 * 100
+    assert step_seconds({"tokens_per_second": 1000.0, "step_costs": COSTS}, tokens, recipe, STATS, 2) == \
+        pytest.approx(0.5 * 50 + 0.001 * tokens)
+
+
+def test_too_few_steps_fall_back_to_the_plain_rate(tmp_path):
+    recipe = _recipe(tmp_path)
+    assert step_seconds({"tokens_per_second": 2000.0, "step_costs": COSTS[:2]}, 10_000, recipe, STATS, 1) == 5.0
