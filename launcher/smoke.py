@@ -63,6 +63,13 @@ def step_seconds(measured: dict[str, Any], total_tokens: int, recipe, stats: Dat
     return a * steps + b * total_tokens
 
 
+def saves_seconds(one_save: float, train_seconds: float, recipe) -> float:
+    """The full run's checkpoint time: one every interval, one at the end, and the final model save
+    (about one more), each as long as the save the smoke test timed."""
+    every = recipe.checkpoint_every_minutes * 60.0
+    return one_save * (math.floor(train_seconds / every) + 2)
+
+
 def run_smoke(run: RunDir, recipe, plan: dict[str, Any], examples, lengths: list[int], stats: DataStats) -> dict[str, Any]:
     """Run the worker on the sample in the foreground; write and return smoke.json, or raise SmokeError."""
     from .backends import world_size
@@ -116,8 +123,10 @@ def run_smoke(run: RunDir, recipe, plan: dict[str, Any], examples, lengths: list
     # The full run pays the same fixed start as the smoke worker (process start, imports, model load, data
     # preparation, the warm-up of step 1): the smoke's wall time minus its measured steps. Without it the
     # ETA of a short run is far too low (measured: -35% for a 5-minute run on CPU, docs/BENCHMARKS.md).
-    startup_seconds = max(0.0, wall - float(measured.get("measured_seconds") or 0.0))
-    est_seconds = step_seconds(measured, total_tokens, recipe, stats, processes) + startup_seconds
+    save_seconds = float(measured.get("checkpoint_seconds") or 0.0)
+    startup_seconds = max(0.0, wall - float(measured.get("measured_seconds") or 0.0) - save_seconds)
+    train_seconds = step_seconds(measured, total_tokens, recipe, stats, processes)
+    est_seconds = train_seconds + startup_seconds + saves_seconds(save_seconds, train_seconds, recipe)
     price = float(plan.get("price_per_hour_eur") or 0.0)
     report = {
         **measured,
@@ -125,6 +134,7 @@ def run_smoke(run: RunDir, recipe, plan: dict[str, Any], examples, lengths: list
         "wall_seconds": round(wall, 2),
         "training_tokens": total_tokens,
         "startup_seconds": round(startup_seconds, 1),
+        "saves_seconds": round(saves_seconds(save_seconds, train_seconds, recipe), 1),
         "estimated_seconds": round(est_seconds, 1),
         "estimated_hours": round(est_seconds / 3600, 3),
         "price_per_hour_eur": price,

@@ -110,6 +110,8 @@ def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta
             self.started = time.monotonic()
             self.stopped_by_signal = False
             self.timed_out = False
+            self.save_started: Optional[float] = None
+            self.save_seconds: Optional[float] = None  # smoke: one timed checkpoint, for the ETA
 
         def on_step_end(self, args, state, control, **kw):
             due = time.monotonic() - self.last_save >= interval
@@ -124,10 +126,18 @@ def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta
             if over_time and not at_end:
                 self.timed_out = True
                 control.should_training_stop = True
+            if mode == "smoke" and (at_end or over_time):
+                # The full run pays a checkpoint every interval and at the end: time one here.
+                control.should_save = True
+                self.save_started = time.monotonic()
             return control
 
         def on_save(self, args, state, control, **kw):
             self.last_save = time.monotonic()
+            if mode == "smoke":
+                if self.save_started is not None:
+                    self.save_seconds = time.monotonic() - self.save_started
+                return control
             if torch.distributed.is_available() and torch.distributed.is_initialized():
                 # every rank has written its part (rng_state_<rank>.pth, ZeRO shards) before rank 0
                 # moves the folder and writes the manifest
@@ -531,7 +541,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
 
     if mode == "smoke":
         if _rank() == 0:
-            _write_smoke_result(run, metrics.step_times, device, cadence.timed_out)
+            _write_smoke_result(run, metrics.step_times, device, cadence.timed_out, cadence.save_seconds)
         return 0
     if cadence.stopped_by_signal and trainer.state.global_step < trainer.state.max_steps:
         print(f"[ftrun worker] stopped at step {trainer.state.global_step} after {_Stop.signal_name}; "
@@ -624,7 +634,8 @@ def _record_error(run: RunDir, message: str) -> None:
         pass
 
 
-def _write_smoke_result(run: RunDir, step_times, device: str, timed_out: bool) -> None:
+def _write_smoke_result(run: RunDir, step_times, device: str, timed_out: bool,
+                        checkpoint_seconds: Optional[float] = None) -> None:
     # The first step pays for warm-up (allocator, kernels, lazy init): throughput is measured
     # from the end of step 1 to the end of the last step.
     steps = [t for t in step_times if t[0] > 0]
@@ -646,6 +657,7 @@ def _write_smoke_result(run: RunDir, step_times, device: str, timed_out: bool) -
         "peak_memory_gb": round(peak_memory_gb(device), 3),
         "device": device,
         "timed_out": timed_out,
+        "checkpoint_seconds": round(checkpoint_seconds, 3) if checkpoint_seconds is not None else None,
     }
     ckpt.atomic_write_json(run.smoke_work / "result.json", result)
 

@@ -37,3 +37,11 @@ def test_max_steps_recipe_counts_its_steps(tmp_path):
 def test_too_few_steps_fall_back_to_the_plain_rate(tmp_path):
     recipe = _recipe(tmp_path)
     assert step_seconds({"tokens_per_second": 2000.0, "step_costs": COSTS[:2]}, 10_000, recipe, STATS, 1) == 5.0
+
+
+def test_checkpoint_time_counts_one_save_per_interval_plus_the_end(tmp_path):
+    from launcher.smoke import saves_seconds
+
+    recipe = _recipe(tmp_path, checkpoint_every_minutes=20)
+    assert saves_seconds(2.0, 3 * 3600, recipe) == 2.0 * (9 + 2)  # 9 interval saves in 3 h, the last, the final model
+    assert saves_seconds(2.0, 60, recipe) == 4.0
