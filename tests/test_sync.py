@@ -245,8 +245,11 @@ def test_sigterm_is_a_preemption_checkpoint_then_exact_resume(tmp_path, tiny_mod
 def test_disk_full_during_a_save_keeps_the_older_checkpoint(tmp_path, tiny_model):
     disk = tmp_path / "small-disk"
     disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root); the disk-full path is then untested on this machine")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode:
+        # As root (this machine, CI) a failed mount is a failure, not a silent skip of the disk-full path.
+        assert os.geteuid() != 0, f"mount -t tmpfs failed as root: {mounted.stderr.decode().strip()}"
+        pytest.skip(reason="a small tmpfs needs root to mount; the disk-full path is untested for this user")
     try:
         recipe = recipe_file(tmp_path / "r.yaml", tiny_model, output_dir=disk / "run", **{**FIELDS, "max_steps": 400})
         run = disk / "run"
