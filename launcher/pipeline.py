@@ -73,8 +73,10 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
             _say(format_status(status_summary(run)))
             _say("To train again from the start, add --fresh (the finished run is kept, renamed).")
             return 0
-        recipe = with_adjustments(run, recipe)
-        _check_same_trajectory(run, recipe, allow_changes)
+        # a smoke test that found nothing that fits trained nothing: it starts again from the recipe as it is now
+        if not (state == "failed-smoke" and newest_step_unverified(run.checkpoints) is None):
+            recipe = with_adjustments(run, recipe)
+            _check_same_trajectory(run, recipe, allow_changes)
         if recipe.resume is False:
             raise RecipeError(f"{run.root} already holds a run and the recipe says resume: false",
                               fix="add --fresh to start over (the old run is kept, renamed), or set resume: auto.")
@@ -144,6 +146,8 @@ def _prepare(run: RunDir, recipe: Recipe, *, resuming: bool, fresh: bool, memory
             f"--nnodes {nodes['nnodes']}: the plan chose engine '{plan.to_dict().get('engine')}', which runs on one box",
             fix="add engine=ddp (or engine=deepspeed) and num_processes=<processes per node> to train over several boxes.")
     previous = json.loads(run.plan.read_text()) if resuming and run.plan.is_file() else {}
+    if resuming and read_state(run).get("state") == "failed-smoke" and newest_step_unverified(run.checkpoints) is None:
+        previous = {}  # its adjustments did not help: the smoke test starts again from the recipe
     if fresh and run.exists():
         if is_locked(run):
             raise UsageError(f"--fresh: the run in {run.root} is still active",
@@ -189,7 +193,7 @@ def with_adjustments(run: RunDir, recipe: Recipe) -> Recipe:
     return recipe.model_copy(update=update) if update else recipe
 
 
-def next_adjustment(recipe: Recipe) -> Optional[tuple[dict[str, Any], str]]:
+def next_adjustment(recipe: Recipe, plan: dict[str, Any]) -> Optional[tuple[dict[str, Any], str]]:
     """The cheapest change the recipe allows after an out-of-memory, or None."""
     allowed = recipe.auto_adjust
     m, g = recipe.micro_batch_size, recipe.gradient_accumulation_steps
@@ -204,6 +208,44 @@ def next_adjustment(recipe: Recipe) -> Optional[tuple[dict[str, Any], str]]:
         return {"method": "full-8bit"}, "method full -> full-8bit (8-bit AdamW states)"
     if "method" in allowed and recipe.method == "lora":
         return {"method": "qlora"}, "method lora -> qlora (4-bit base model)"
+    if "shard" in allowed:
+        return shard_adjustment(recipe, plan)
+    return None
+
+
+def shard_adjustment(recipe: Recipe, plan: dict[str, Any]) -> Optional[tuple[dict[str, Any], str]]:
+    """Step 4 after an out-of-memory: shard the job over more processes, the effective batch kept.
+
+    On a GPU box: FSDP (DeepSpeed ZeRO-3 when the recipe forced it) over all its cards, as the plan
+    shards a job no card holds. On CPU only under --memory-limit, where the cap stands in for a card
+    per worker: 2 gloo processes with DeepSpeed ZeRO-3 (FSDP does not shard on CPU, STACK-FACTS).
+    An engine or process count the recipe chose, and several nodes, are left alone.
+    """
+    from .plan import _deepspeed_installed
+
+    if recipe.engine != "auto" or recipe.num_processes != "auto" or plan.get("nodes"):
+        return None
+    procs = int(plan.get("num_processes") or 1)
+    m, g = recipe.micro_batch_size, recipe.gradient_accumulation_steps
+    effective = m * g * procs
+    if plan.get("device") == "cuda":
+        engine, cards = "fsdp", int((plan.get("hardware") or {}).get("count") or 1)
+        fewest = procs + 1 if plan.get("engine") in ("fsdp", "deepspeed") else procs  # DDP -> FSDP on the same cards
+        counts = range(cards, fewest - 1, -1)  # all cards first: more shards, more room, faster
+        where = f"the box's {cards} GPUs"
+    elif plan.get("memory_limit_gb") and _deepspeed_installed():
+        engine, cores = "deepspeed", int((plan.get("hardware") or {}).get("cpu_count") or 1)
+        counts = range(2, cores + 1)  # the processes share the cores: the fewest that shard
+        where = f"CPU processes, each capped at {plan['memory_limit_gb']:g} GB like a card"
+    else:
+        return None
+    for k in counts:
+        if k >= 2 and effective % (m * k) == 0:
+            g2 = effective // (m * k)
+            return ({"engine": engine, "num_processes": k, "gradient_accumulation_steps": g2},
+                    f"engine {plan.get('engine')} x {procs} -> {engine} x {k} over {where}, each holding 1/{k} of the "
+                    f"weights, gradients and optimizer states; gradient_accumulation_steps {g} -> {g2} "
+                    f"(same effective batch {effective})")
     return None
 
 
@@ -212,7 +254,7 @@ def _smoke(run: RunDir, recipe: Recipe, plan_dict, examples, lengths, stats) -> 
 
     Returns the recipe as adjusted (the full run trains with it) and the calibrated plan record.
     """
-    from .errors import SmokeError, SmokeOOM
+    from .errors import PlanError, SmokeError, SmokeOOM
     from .smoke import format_smoke, run_smoke
 
     set_state(run, "smoking")
@@ -226,16 +268,19 @@ def _smoke(run: RunDir, recipe: Recipe, plan_dict, examples, lengths, stats) -> 
             peak = f"peak {exc.peak_memory_gb:.2f} GB" if exc.peak_memory_gb is not None else "peak unknown"
             limit = plan_dict.get("memory_limit_gb") or (plan_dict.get("memory") or {}).get("capacity_gb")
             where = f"{peak}" + (f" of {limit:g} GB" if limit else "")
-            attempts.append(f"micro_batch_size={recipe.micro_batch_size} gradient_accumulation_steps="
+            if plan_dict.get("device") == "cpu" and plan_dict.get("memory_limit_gb"):
+                where += " above the imports"  # what --memory-limit caps on CPU
+            attempts.append(f"engine {plan_dict.get('engine')} x {plan_dict.get('num_processes', 1)}: "
+                            f"micro_batch_size={recipe.micro_batch_size} gradient_accumulation_steps="
                             f"{recipe.gradient_accumulation_steps} gradient_checkpointing={recipe.gradient_checkpointing} "
                             f"method={recipe.method}: out of memory ({where})")
-            step = next_adjustment(recipe)
+            step = next_adjustment(recipe, plan_dict)
             if step is None:
                 reason = "the smoke test ran out of memory and nothing the recipe allows (auto_adjust: " \
                          f"{recipe.auto_adjust}) is left to try. Attempts:\n" + "\n".join(f"- {a}" for a in attempts)
                 set_state(run, "failed-smoke", reason=reason.splitlines()[0])
                 raise SmokeError(reason, fix=f"lower max_length (now {recipe.max_length}), allow more in auto_adjust "
-                                 "(batch, checkpointing, optimizer, method), or use a card with more memory "
+                                 "(batch, checkpointing, optimizer, method, shard), or use a card with more memory "
                                  "(`ftrun plan RECIPE --gpus ...` shows the options with time and cost).") from None
             update, text = step
             change = {"set": update, "reason": f"{text}: out of memory at {where} on the longest batch"}
@@ -243,6 +288,15 @@ def _smoke(run: RunDir, recipe: Recipe, plan_dict, examples, lengths, stats) -> 
             _say(f"smoke test: out of memory ({where}); re-planning: {text}")
             recipe = recipe.model_copy(update=update)
             plan_dict = {**plan_dict, "adjustments": adjustments}
+            if "engine" in update:  # another engine and process count: the plan is made again for them
+                try:
+                    replanned = make_plan(recipe, stats)
+                except PlanError as exc:
+                    set_state(run, "failed-smoke", reason=f"re-planning after out of memory failed: {exc.message}")
+                    raise SmokeError(f"the smoke test ran out of memory; re-planning for {text} failed: {exc.message}."
+                                     " Attempts:\n" + "\n".join(f"- {a}" for a in attempts), fix=exc.fix) from None
+                plan_dict = _plan_record(replanned, plan_dict.get("memory_limit_gb"), adjustments, plan_dict.get("nodes"))
+                _say(f"re-planned: engine {replanned.engine}, {replanned.num_processes} processes")
             run.recipe.write_text("# resolved by ftrun: defaults < recipe < command line < OOM adjustments (plan.json)\n"
                                   + yaml.safe_dump(recipe.snapshot(), sort_keys=False))
             atomic_write_json(run.plan, plan_dict)
@@ -499,8 +553,9 @@ def plan_command(recipe_path: str, overrides: list[str], gpus: Optional[str], to
         _, _, stats = data_stats(recipe)
     smoke = None
     run = RunDir(Path(recipe.output_dir))
-    if run.smoke.is_file() and gpus is None:
+    if run.smoke.is_file() and gpus is None:  # this run's measurements, on the recipe as the smoke test adjusted it
         smoke = json.loads(run.smoke.read_text())
+        recipe = with_adjustments(run, recipe)
     plan = make_plan(recipe, stats, gpus=gpus, tokens=tokens, smoke=smoke)
     print(json.dumps(plan.to_dict(), indent=2) if as_json else format_plan(plan))
     return 0

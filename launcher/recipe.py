@@ -128,11 +128,12 @@ class Recipe(_Strict):
         None, ge=0, description="Price of the whole box per hour; default from the GPU catalog."
     )
     sync: SyncSettings = Field(default_factory=SyncSettings, description="Copying checkpoints off the box.")
-    auto_adjust: list[Literal["batch", "checkpointing", "optimizer", "method"]] = Field(
-        default_factory=lambda: ["batch", "checkpointing"],
+    auto_adjust: list[Literal["batch", "checkpointing", "optimizer", "method", "shard"]] = Field(
+        default_factory=lambda: ["batch", "checkpointing", "shard"],
         description="What the smoke test may change after running out of memory, cheapest first: batch "
         "(halve micro_batch_size, double accumulation), checkpointing, optimizer (full -> full-8bit), "
-        "method (lora -> qlora); [] to stop with advice instead.",
+        "method (lora -> qlora), shard (FSDP over the box's idle GPUs, accumulation lowered to keep the "
+        "effective batch; the box is billed whole); [] to stop with advice instead.",
     )
     grace_seconds: float = Field(
         60.0, gt=0, description="After SIGTERM (preemption, `ftrun stop`): time to checkpoint before the worker is killed."

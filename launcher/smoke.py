@@ -105,8 +105,8 @@ def run_smoke(run: RunDir, recipe, plan: dict[str, Any], examples, lengths: list
     if rc != 0 and failed_verification(worker_file(run.root, "smoke")):
         rc = train.EXIT_BAD_WORLD  # torchrun reports any failed worker as 1; the worker said why
     result_path = run.smoke_work / "result.json"
-    if rc == train.EXIT_OOM:
-        oom_path = run.smoke_work / "oom.json"
+    oom_path = run.smoke_work / "oom.json"
+    if rc == train.EXIT_OOM or (rc != 0 and oom_path.is_file()):  # torchrun reports a worker's 78 as 1
         oom = json.loads(oom_path.read_text()) if oom_path.is_file() else {}
         raise SmokeOOM(oom.get("error", "out of memory"), fix=REASONS[train.EXIT_OOM][1],
                        peak_memory_gb=oom.get("peak_memory_gb"))

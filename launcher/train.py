@@ -450,6 +450,12 @@ def run_worker(run_dir: Path, mode: str) -> int:
 
     device, dtype = detect_device()
     if plan.get("memory_limit_gb"):
+        if plan.get("engine") == "deepspeed" and device == "cpu":
+            # the cap counts training memory, not the engine's code and its process group's threads
+            # (on a GPU, the CUDA context is outside the per-process fraction too)
+            import deepspeed
+
+            deepspeed.init_distributed(dist_backend="gloo")
         _cap_memory(device, float(plan["memory_limit_gb"]))
     planned_device = plan.get("device")
     if planned_device and planned_device != device:
@@ -564,10 +570,14 @@ def _cap_memory(device: str, limit_gb: float) -> None:
 
         # Address space above what the imports already mapped: torch's CPU allocator then fails for
         # real ("can't allocate memory") when the training needs more.
-        base = psutil.Process().memory_info().vms
-        resource.setrlimit(resource.RLIMIT_AS, (base + int(limit_gb * 1e9), resource.RLIM_INFINITY))
+        info = psutil.Process().memory_info()
+        resource.setrlimit(resource.RLIMIT_AS, (info.vms + int(limit_gb * 1e9), resource.RLIM_INFINITY))
+        _CAPPED_BASE_RSS[0] = info.rss
     print(f"[ftrun worker] memory limited to {limit_gb:g} GB ({'GPU fraction' if device == 'cuda' else 'RLIMIT_AS above the imports'})",
           flush=True)
+
+
+_CAPPED_BASE_RSS = [0]  # resident bytes when the CPU cap was set: an out-of-memory reports its peak above them
 
 
 def _is_cpu_oom(exc: BaseException) -> bool:
@@ -581,15 +591,16 @@ def _is_cpu_oom(exc: BaseException) -> bool:
 
 def _out_of_memory(run: RunDir, mode: str, device: str, text: str, step: int) -> int:
     peak = peak_memory_gb(device)
+    if device == "cpu" and _CAPPED_BASE_RSS[0]:  # compare like with like: the cap counts from the imports on
+        peak = max(0.0, peak - _CAPPED_BASE_RSS[0] / 1e9)
     first = text.strip().splitlines()[0] if text.strip() else "out of memory"
     message = f"out of {'GPU ' if device == 'cuda' else ''}memory at step {step + 1} (peak {peak:.2f} GB): {first[:300]}"
     print(f"[ftrun worker] {message}", file=sys.stderr, flush=True)
-    if _rank() == 0:
-        if mode == "smoke":
-            ckpt.atomic_write_json(run.smoke_work / "oom.json", {"peak_memory_gb": round(peak, 3), "step": step + 1,
-                                                                  "error": first[:500]})
-        else:
-            _record_error(run, message)
+    if mode == "smoke":  # any rank: under ZeRO-3 or FSDP one rank may run out before the others
+        ckpt.atomic_write_json(run.smoke_work / "oom.json", {"peak_memory_gb": round(peak, 3), "step": step + 1,
+                                                              "rank": _rank(), "error": first[:500]})
+    elif _rank() == 0:
+        _record_error(run, message)
     return EXIT_OOM
 
 

@@ -30,11 +30,37 @@ def test_nothing_fits_stops_with_the_attempts_and_starts_nothing(tmp_path, big_v
     assert res.returncode == 4, res.stdout + res.stderr
     err = res.stderr
     assert "nothing the recipe allows (auto_adjust: ['batch']) is left to try" in err
-    assert "- micro_batch_size=2 gradient_accumulation_steps=1" in err and "- micro_batch_size=1 gradient_accumulation_steps=2" in err
-    assert "out of memory (peak" in err and "Fix: lower max_length (now 512)" in err
+    assert "- engine trl x 1: micro_batch_size=2 gradient_accumulation_steps=1" in err
+    assert "- engine trl x 1: micro_batch_size=1 gradient_accumulation_steps=2" in err
+    assert "out of memory (peak" in err and "GB of 0.15 GB above the imports)" in err
+    assert "Fix: lower max_length (now 512)" in err
     assert "Traceback" not in err
     state = json.loads((tmp_path / "run" / "state.json").read_text())
     assert state["state"] == "failed-smoke" and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_shard_step_on_cpu_runs_a_real_sharded_attempt_and_lists_it(tmp_path, big_vocab_model):
+    """Under --memory-limit the cap stands in for a card: after batch and checkpointing, the job is re-planned
+    onto 2 DeepSpeed ZeRO-3 processes (the effective batch kept) and smoke-tested for real. On CPU, ZeRO-3 in
+    fp32 holds more per process than one unsharded process at this size, so that attempt runs out too: the
+    stop lists it, with the out-of-memory detected through torchrun (which reports the worker's exit as 1)."""
+    pytest.importorskip("deepspeed")
+    recipe = recipe_file(tmp_path / "r.yaml", big_vocab_model, output_dir=tmp_path / "run",
+                         **{**FIELDS, "micro_batch_size": 2, "gradient_accumulation_steps": 2})
+    res = ftrun(recipe, "--memory-limit", "150MB", cwd=tmp_path, timeout=600)
+    assert res.returncode == 4, res.stdout + res.stderr
+    assert "re-planning: engine trl x 1 -> deepspeed x 2 over CPU processes, each capped at 0.15 GB like a card" \
+        in res.stdout
+    assert "gradient_accumulation_steps 4 -> 2 (same effective batch 4)" in res.stdout
+    assert "re-planned: engine deepspeed, 2 processes" in res.stdout
+    assert "- engine deepspeed x 2: micro_batch_size=1 gradient_accumulation_steps=2" in res.stderr
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert (plan["engine"], plan["num_processes"]) == ("deepspeed", 2)
+    assert plan["adjustments"][-1]["set"] == {"engine": "deepspeed", "num_processes": 2, "gradient_accumulation_steps": 2}
+    oom = json.loads((tmp_path / "run" / "smoke" / "oom.json").read_text())
+    assert "can't allocate memory" in oom["error"]
+    assert "Traceback" not in res.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_auto_adjust_empty_is_respected(tmp_path, big_vocab_model):
@@ -66,3 +92,92 @@ def test_oom_replans_to_smaller_micro_batch_and_trains_like_that_from_the_start(
     # the same command again resumes/finishes with the adjusted recipe, not a trajectory mismatch
     again = ftrun(recipe, cwd=tmp_path)
     assert again.returncode == 0 and "finished" in again.stdout
+
+
+# --- the order of the re-plan steps, without running anything -------------------------------------
+
+def _walk(recipe, plan):
+    """Every step next_adjustment takes until none is left, applied one after the other."""
+    from launcher.pipeline import next_adjustment
+
+    steps = []
+    while (step := next_adjustment(recipe, plan)) is not None:
+        update, text = step
+        steps.append((update, text))
+        recipe = recipe.model_copy(update=update)
+        if "engine" in update:
+            plan = {**plan, "engine": update["engine"], "num_processes": update["num_processes"]}
+    return recipe, steps
+
+
+def _gpu_plan(tmp_path, gpus, **fields):
+    from test_plan import plan as make
+
+    r = make_recipe(tmp_path, **fields)
+    return r, make(tmp_path, gpus, **{k: v for k, v in fields.items()}).to_dict()
+
+
+def make_recipe(tmp_path, **fields):
+    from test_plan import recipe
+
+    return recipe(tmp_path, **fields)
+
+
+def test_steps_in_order_and_shard_over_the_idle_cards_keeping_the_effective_batch(tmp_path):
+    # LoRA on one of two H100s (fits one card, finishes within a day): the second card is idle
+    r, plan = _gpu_plan(tmp_path, "2xH100", method="lora", micro_batch_size=4, gradient_accumulation_steps=4, max_length=512,
+                        gradient_checkpointing=False)
+    assert (plan["engine"], plan["num_processes"]) == ("trl", 1)
+    final, steps = _walk(r, plan)
+    texts = [t for _, t in steps]
+    assert texts[0].startswith("micro_batch_size 4 -> 2") and texts[1].startswith("micro_batch_size 2 -> 1")
+    assert texts[2].startswith("gradient_checkpointing off -> on")
+    assert steps[3][0] == {"engine": "fsdp", "num_processes": 2, "gradient_accumulation_steps": 8}
+    assert "trl x 1 -> fsdp x 2" in texts[3] and "same effective batch 16" in texts[3]
+    assert len(steps) == 4  # method/optimizer are not in the default auto_adjust
+    assert final.micro_batch_size * final.gradient_accumulation_steps * 2 == 16
+
+    # the adjusted recipe plans as what the step asked for
+    from launcher.hardware import from_spec
+    from launcher.plan import make_plan
+    from test_plan import ARTICLE_DATA
+
+    replanned = make_plan(final, from_spec("2xH100"), ARTICLE_DATA, unsloth_available=False)
+    assert (replanned.engine, replanned.num_processes, replanned.gradient_accumulation_steps) == ("fsdp", 2, 8)
+
+
+def test_shard_comes_after_the_quality_steps_the_recipe_allows(tmp_path):
+    r, plan = _gpu_plan(tmp_path, "2xH100", method="lora", micro_batch_size=1, gradient_accumulation_steps=8,
+                        auto_adjust=["batch", "checkpointing", "method", "shard"])
+    texts = [t for _, t in _walk(r, plan)[1]]
+    assert [t.split(" ")[0] for t in texts] == ["method", "engine"]  # checkpointing is on by default
+
+
+def test_ddp_becomes_fsdp_on_the_same_cards_and_a_sharded_plan_has_nothing_left(tmp_path):
+    r, plan = _gpu_plan(tmp_path, "4xH100", method="lora", engine="auto", micro_batch_size=1,
+                        gradient_accumulation_steps=8)
+    ddp = {**plan, "engine": "ddp", "num_processes": 4}
+    update, _ = _walk(r.model_copy(update={"gradient_accumulation_steps": 2}), ddp)[1][0]
+    assert update == {"engine": "fsdp", "num_processes": 4, "gradient_accumulation_steps": 2}
+    assert _walk(r, {**plan, "engine": "fsdp", "num_processes": 4})[1] == []
+
+
+def test_shard_respects_the_recipe_and_the_effective_batch(tmp_path):
+    r, plan = _gpu_plan(tmp_path, "4xH100", method="lora", micro_batch_size=1, gradient_accumulation_steps=6)
+    one = {**plan, "engine": "trl", "num_processes": 1}
+    # an effective batch of 6 does not split over 4 cards: 3 of them, 2 micro-batches each
+    assert _walk(r, one)[1][0][0] == {"engine": "fsdp", "num_processes": 3, "gradient_accumulation_steps": 2}
+    odd = r.model_copy(update={"gradient_accumulation_steps": 1})
+    assert _walk(odd, one)[1] == []  # an effective batch of 1 cannot be split: the training would change
+    for field in ({"engine": "trl"}, {"num_processes": 1}, {"auto_adjust": ["batch", "checkpointing"]}):
+        assert _walk(r.model_copy(update=field), one)[1] == [], field
+    assert _walk(r, {**one, "nodes": {"nnodes": 2}})[1] == []
+
+
+def test_cpu_shards_only_under_a_memory_limit(tmp_path):
+    r = make_recipe(tmp_path, method="full", micro_batch_size=1, gradient_accumulation_steps=4)
+    cpu = {"engine": "trl", "num_processes": 1, "device": "cpu", "hardware": {"count": 0, "cpu_count": 2}}
+    assert _walk(r, cpu)[1] == []  # the processes would share the same RAM: no help
+    steps = _walk(r, {**cpu, "memory_limit_gb": 1.0})[1]
+    assert [s[0] for s in steps] == [{"engine": "deepspeed", "num_processes": 2, "gradient_accumulation_steps": 2}]
+    assert "capped at 1 GB like a card" in steps[0][1]
