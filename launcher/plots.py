@@ -61,3 +61,9 @@ def refresh(run_root: Path) -> Optional[Path]:
     except Exception as exc:  # matplotlib missing or broken: say so once per call, keep training
         print(f"[ftrun] loss.png not updated: {type(exc).__name__}: {exc}", flush=True)
         return None
+
+
+if __name__ == "__main__":  # the worker draws in a child process: python -m launcher.plots RUN_DIR
+    import sys
+
+    refresh(Path(sys.argv[1]))

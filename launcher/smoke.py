@@ -70,6 +70,30 @@ def saves_seconds(one_save: float, train_seconds: float, recipe) -> float:
     return one_save * (math.floor(train_seconds / every) + 2)
 
 
+GGUF_BYTES_PER_PARAM = {"q8_0": 34 / 32, "f16": 2.0, "bf16": 2.0, "f32": 4.0}  # q8_0: 32 weights + a 16-bit scale
+
+
+def export_seconds(measured: dict[str, Any], recipe, params: int) -> float:
+    """The exports after training (launcher/export.py, in their own process), from what the smoke measured:
+    the process start and imports once, one model load per load the export and its checks make, and the
+    bytes written (merged 16-bit, GGUF) at the disk rate of the smoke's timed checkpoint save."""
+    formats = set(recipe.export)
+    if not formats:
+        return 0.0
+    merged = bool(formats & {"merged", "gguf"})
+    lora = recipe.method in ("lora", "qlora")
+    # adapter: the base (+ adapter); merged: the 16-bit reference for a full fine-tune, then the written
+    # folder reloaded; gguf: the merged model once more and the GGUF file
+    loads = (1 if lora else 0) + ((1 if lora else 2) if merged else 0) + (2 if "gguf" in formats else 0)
+    written = (2.0 * params if merged else 0.0) + \
+        (GGUF_BYTES_PER_PARAM.get(recipe.gguf_type, 2.0) * params if "gguf" in formats else 0.0)
+    seconds = float(measured.get("import_seconds") or 0.0) + loads * float(measured.get("load_seconds") or 0.0)
+    save_bytes, save_seconds = measured.get("checkpoint_bytes"), measured.get("checkpoint_seconds")
+    if written and save_bytes and save_seconds:
+        seconds += written / (float(save_bytes) / float(save_seconds))
+    return seconds
+
+
 def run_smoke(run: RunDir, recipe, plan: dict[str, Any], examples, lengths: list[int], stats: DataStats) -> dict[str, Any]:
     """Run the worker on the sample in the foreground; write and return smoke.json, or raise SmokeError."""
     from .backends import world_size
@@ -126,7 +150,8 @@ def run_smoke(run: RunDir, recipe, plan: dict[str, Any], examples, lengths: list
     save_seconds = float(measured.get("checkpoint_seconds") or 0.0)
     startup_seconds = max(0.0, wall - float(measured.get("measured_seconds") or 0.0) - save_seconds)
     train_seconds = step_seconds(measured, total_tokens, recipe, stats, processes)
-    est_seconds = train_seconds + startup_seconds + saves_seconds(save_seconds, train_seconds, recipe)
+    export = export_seconds(measured, recipe, int((plan.get("model") or {}).get("params") or 0))
+    est_seconds = train_seconds + startup_seconds + saves_seconds(save_seconds, train_seconds, recipe) + export
     price = float(plan.get("price_per_hour_eur") or 0.0)
     report = {
         **measured,
@@ -135,6 +160,7 @@ def run_smoke(run: RunDir, recipe, plan: dict[str, Any], examples, lengths: list
         "training_tokens": total_tokens,
         "startup_seconds": round(startup_seconds, 1),
         "saves_seconds": round(saves_seconds(save_seconds, train_seconds, recipe), 1),
+        "export_seconds": round(export, 1),
         "estimated_seconds": round(est_seconds, 1),
         "estimated_hours": round(est_seconds / 3600, 3),
         "price_per_hour_eur": price,

@@ -14,6 +14,7 @@ import os
 import resource
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -157,9 +158,7 @@ def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta
                 removed = ckpt.retain(run.checkpoints, recipe.keep_checkpoints)
                 print(f"[ftrun worker] checkpoint {dst.name} saved and verified"
                       + (f"; removed {', '.join(removed)}" if removed else ""), flush=True)
-                from .plots import refresh  # lazy: matplotlib only when a checkpoint is written
-
-                refresh(run.root)  # loss.png; never raises
+                _redraw_loss_plot(run.root)
             if torch.distributed.is_available() and torch.distributed.is_initialized():
                 torch.distributed.barrier()
             return control
@@ -440,6 +439,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
                                 str(exc))
             return EXIT_BAD_WORLD
 
+    import psutil
     import torch
     from datasets import Dataset
     from transformers import set_seed
@@ -448,6 +448,8 @@ def run_worker(run_dir: Path, mode: str) -> int:
     from .backends import trainer_fields
     from .data import load_examples
 
+    # process start and imports: the export after training pays them again (smoke.py's ETA)
+    import_seconds = time.time() - psutil.Process().create_time()
     device, dtype = detect_device()
     if plan.get("memory_limit_gb"):
         if plan.get("engine") == "deepspeed" and device == "cpu":
@@ -516,7 +518,9 @@ def run_worker(run_dir: Path, mode: str) -> int:
 
     try:
         # Loading the model can run out of memory as well as training: both are inside.
+        loading = time.monotonic()
         model, tokenizer = load_model_and_tokenizer(recipe, device, dtype, plan, run.root)
+        load_seconds = time.monotonic() - loading
         args = sft_config(recipe, run, mode, device, dtype, max_steps, out_dir, trainer_fields(plan, run.root))
         meta = {"recipe_hash": recipe.trajectory_hash(), "method": recipe.method, "world_size": _world_size(),
                 "engine": plan.get("engine", "trl")}
@@ -547,7 +551,9 @@ def run_worker(run_dir: Path, mode: str) -> int:
 
     if mode == "smoke":
         if _rank() == 0:
-            _write_smoke_result(run, metrics.step_times, device, cadence.timed_out, cadence.save_seconds)
+            _write_smoke_result(run, metrics.step_times, device, cadence.timed_out, cadence.save_seconds,
+                                {"import_seconds": round(import_seconds, 3), "load_seconds": round(load_seconds, 3),
+                                 "checkpoint_bytes": _tree_bytes(out_dir)})
         return 0
     if cadence.stopped_by_signal and trainer.state.global_step < trainer.state.max_steps:
         print(f"[ftrun worker] stopped at step {trainer.state.global_step} after {_Stop.signal_name}; "
@@ -555,6 +561,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
         return EXIT_STOPPED
     # every rank: ZeRO-3 and FSDP gather the sharded weights for the final save (rank 0 writes)
     _save_final(run, trainer, tokenizer, recipe)
+    _redraw_loss_plot(run.root, wait=True)  # the last loss.png is complete when the worker ends
     return 0
 
 
@@ -645,8 +652,26 @@ def _record_error(run: RunDir, message: str) -> None:
         pass
 
 
+_PLOT: list[Optional[subprocess.Popen]] = [None]
+
+
+def _redraw_loss_plot(run_root: Path, wait: bool = False) -> None:
+    """loss.png in a child process: matplotlib's import and drawing never hold up a training step."""
+    previous = _PLOT[0]
+    if previous is not None:
+        previous.wait()  # the last drawing had a whole checkpoint interval to finish
+        _PLOT[0] = None
+    if not wait:
+        _PLOT[0] = subprocess.Popen([sys.executable, "-m", "launcher.plots", str(run_root)], stdin=subprocess.DEVNULL,
+                                    cwd=str(Path(__file__).resolve().parent.parent))
+
+
+def _tree_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
+
+
 def _write_smoke_result(run: RunDir, step_times, device: str, timed_out: bool,
-                        checkpoint_seconds: Optional[float] = None) -> None:
+                        checkpoint_seconds: Optional[float] = None, costs: Optional[dict[str, Any]] = None) -> None:
     # The first step pays for warm-up (allocator, kernels, lazy init): throughput is measured
     # from the end of step 1 to the end of the last step.
     steps = [t for t in step_times if t[0] > 0]
@@ -669,6 +694,7 @@ def _write_smoke_result(run: RunDir, step_times, device: str, timed_out: bool,
         "device": device,
         "timed_out": timed_out,
         "checkpoint_seconds": round(checkpoint_seconds, 3) if checkpoint_seconds is not None else None,
+        **(costs or {}),
     }
     ckpt.atomic_write_json(run.smoke_work / "result.json", result)
 

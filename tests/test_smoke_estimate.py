@@ -4,7 +4,7 @@ import pytest
 
 from launcher.data import DataStats
 from launcher.recipe import validate_recipe
-from launcher.smoke import step_seconds, training_tokens
+from launcher.smoke import export_seconds, step_seconds, training_tokens
 
 STATS = DataStats(examples=1000, total_tokens=100_000, mean_tokens=100.0, max_tokens=400, over_max_length=0,
                   tokens_source="tokenizer", max_length=512)
@@ -45,3 +45,26 @@ def test_checkpoint_time_counts_one_save_per_interval_plus_the_end(tmp_path):
     recipe = _recipe(tmp_path, checkpoint_every_minutes=20)
     assert saves_seconds(2.0, 3 * 3600, recipe) == 2.0 * (9 + 2)  # 9 interval saves in 3 h, the last, the final model
     assert saves_seconds(2.0, 60, recipe) == 4.0
+
+
+# measured by a smoke test: 6 s to start and import, 2 s per model load, a 1 MB checkpoint saved in 0.01 s
+MEASURED = {"import_seconds": 6.0, "load_seconds": 2.0, "checkpoint_bytes": 1_000_000, "checkpoint_seconds": 0.01}
+
+
+def test_export_time_counts_the_process_the_model_loads_and_the_bytes_written(tmp_path):
+    params = 10_000_000
+    rate = 1e8  # bytes/s, from the timed checkpoint save
+    assert export_seconds(MEASURED, _recipe(tmp_path, export=[]), params) == 0.0
+    # the adapter: one process, the base loaded once (with the adapter) for the checks
+    assert export_seconds(MEASURED, _recipe(tmp_path, export=["adapter"]), params) == pytest.approx(6 + 2)
+    # merged: the folder written in 16 bit and loaded back
+    assert export_seconds(MEASURED, _recipe(tmp_path, export=["adapter", "merged"]), params) == \
+        pytest.approx(6 + 2 * 2 + 2 * params / rate)
+    # gguf (implies merged): the merged model and the q8_0 file loaded once more each
+    assert export_seconds(MEASURED, _recipe(tmp_path, export=["gguf"]), params) == \
+        pytest.approx(6 + 4 * 2 + (2 + 34 / 32) * params / rate)
+    # a full fine-tune has no adapter; merged loads the trained model, then the written copy
+    full = _recipe(tmp_path, method="full", export=["merged"])
+    assert export_seconds(MEASURED, full, params) == pytest.approx(6 + 2 * 2 + 2 * params / rate)
+    # without a timed save the bytes are not guessed
+    assert export_seconds({**MEASURED, "checkpoint_seconds": None}, full, params) == pytest.approx(6 + 2 * 2)
