@@ -499,7 +499,9 @@ def format_status(s: dict[str, Any]) -> str:
     if s.get("elapsed_seconds"):
         # the actual beside the forecasts: time used + time to go, against what the smoke test and the plan said
         eta = s.get("eta_seconds")
-        actual = f"{dur(s['elapsed_seconds'])} so far" + (f" + {dur(eta)} to go" if eta is not None else "")
+        ended = s.get("state") in ("succeeded", "failed", "stopped", "failed-smoke")
+        actual = f"{dur(s['elapsed_seconds'])} {'in all' if ended else 'so far'}" \
+            + (f" + {dur(eta)} to go" if eta is not None else "")
         fc = [f"{name} forecast {dur(sec)}" + (f" / {cost:.2f} EUR" if cost is not None else "")
               for name, sec, cost in (("smoke test", s.get("smoke_estimated_seconds"), s.get("smoke_estimated_cost_eur")),
                                       ("plan", s.get("plan_estimated_seconds"), s.get("plan_estimated_cost_eur")))

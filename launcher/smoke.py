@@ -37,6 +37,23 @@ def training_tokens(recipe, stats: DataStats, processes: int) -> int:
     return int(per_epoch * recipe.epochs)
 
 
+def step_fit(measured: dict[str, Any]) -> tuple[float, float] | None:
+    """(a, b) of seconds = a + b * tokens per step, least squares over the smoke's measured steps; None when
+    there are too few steps or the noise is larger than the effect."""
+    costs = measured.get("step_costs") or []
+    if len(costs) < 3:
+        return None
+    n = len(costs)
+    mx = sum(c[0] for c in costs) / n
+    my = sum(c[1] for c in costs) / n
+    var = sum((c[0] - mx) ** 2 for c in costs)
+    if var <= 0:
+        return None
+    b = sum((c[0] - mx) * (c[1] - my) for c in costs) / var
+    a = my - b * mx
+    return (a, b) if a >= 0 and b > 0 else None
+
+
 def step_seconds(measured: dict[str, Any], total_tokens: int, recipe, stats: DataStats, processes: int) -> float:
     """Seconds of the full run's steps: a per-step cost plus a per-token cost, fitted on the smoke's steps.
 
@@ -45,19 +62,10 @@ def step_seconds(measured: dict[str, Any], total_tokens: int, recipe, stats: Dat
     overhead (measured: ETA -30% on CPU). Falls back to tokens / (tokens/s) when the fit is not usable.
     """
     fallback = total_tokens / measured["tokens_per_second"]
-    costs = measured.get("step_costs") or []
-    if len(costs) < 3:
+    fit = step_fit(measured)
+    if fit is None:
         return fallback
-    n = len(costs)
-    mx = sum(c[0] for c in costs) / n
-    my = sum(c[1] for c in costs) / n
-    var = sum((c[0] - mx) ** 2 for c in costs)
-    if var <= 0:
-        return fallback
-    b = sum((c[0] - mx) * (c[1] - my) for c in costs) / var
-    a = my - b * mx
-    if a < 0 or b <= 0:  # noise larger than the effect: keep the plain rate
-        return fallback
+    a, b = fit
     global_batch = recipe.micro_batch_size * recipe.gradient_accumulation_steps * processes
     steps = recipe.max_steps or math.ceil(stats.examples / global_batch) * recipe.epochs
     return a * steps + b * total_tokens
@@ -92,6 +100,28 @@ def export_seconds(measured: dict[str, Any], recipe, params: int) -> float:
     if written and save_bytes and save_seconds:
         seconds += written / (float(save_bytes) / float(save_seconds))
     return seconds
+
+
+def estimate(measured: dict[str, Any], wall: float, recipe, stats: DataStats, processes: int,
+             params: int) -> dict[str, float]:
+    """The full run's wall time in parts, from the smoke worker's measurements and its wall time `wall`."""
+    # The full run pays the same fixed start as the smoke worker (process start, imports, model load, data
+    # preparation, the warm-up of step 1): the smoke's wall time minus its measured steps. Without it the
+    # ETA of a short run is far too low (measured: -35% for a 5-minute run on CPU, docs/BENCHMARKS.md).
+    save = float(measured.get("checkpoint_seconds") or 0.0)
+    startup = max(0.0, wall - float(measured.get("measured_seconds") or 0.0) - save)
+    if measured.get("warmup_tokens"):
+        # step 1 is in the wall time too, but the full run's steps are all counted by the step estimate:
+        # only what step 1 took beyond a step of its tokens (lazy initialisation, first allocations) is start-up
+        fit, first = step_fit(measured), float(measured["warmup_tokens"])
+        step1 = fit[0] + fit[1] * first if fit else first / float(measured["tokens_per_second"])
+        startup = max(0.0, startup - step1)
+    total_tokens = training_tokens(recipe, stats, processes)
+    train = step_seconds(measured, total_tokens, recipe, stats, processes)
+    saves = saves_seconds(save, train, recipe)
+    export = export_seconds(measured, recipe, params)
+    return {"startup_seconds": startup, "train_seconds": train, "saves_seconds": saves, "export_seconds": export,
+            "estimated_seconds": startup + train + saves + export}
 
 
 def run_smoke(run: RunDir, recipe, plan: dict[str, Any], examples, lengths: list[int], stats: DataStats) -> dict[str, Any]:
@@ -144,24 +174,15 @@ def run_smoke(run: RunDir, recipe, plan: dict[str, Any], examples, lengths: list
         raise SmokeError("the smoke test finished too few steps to measure throughput",
                          fix="raise smoke.min_steps or smoke.max_minutes.")
     total_tokens = training_tokens(recipe, stats, processes)
-    # The full run pays the same fixed start as the smoke worker (process start, imports, model load, data
-    # preparation, the warm-up of step 1): the smoke's wall time minus its measured steps. Without it the
-    # ETA of a short run is far too low (measured: -35% for a 5-minute run on CPU, docs/BENCHMARKS.md).
-    save_seconds = float(measured.get("checkpoint_seconds") or 0.0)
-    startup_seconds = max(0.0, wall - float(measured.get("measured_seconds") or 0.0) - save_seconds)
-    train_seconds = step_seconds(measured, total_tokens, recipe, stats, processes)
-    export = export_seconds(measured, recipe, int((plan.get("model") or {}).get("params") or 0))
-    est_seconds = train_seconds + startup_seconds + saves_seconds(save_seconds, train_seconds, recipe) + export
+    parts = estimate(measured, wall, recipe, stats, processes, int((plan.get("model") or {}).get("params") or 0))
+    est_seconds = parts["estimated_seconds"]
     price = float(plan.get("price_per_hour_eur") or 0.0)
     report = {
         **measured,
         "examples": len(idx),
         "wall_seconds": round(wall, 2),
         "training_tokens": total_tokens,
-        "startup_seconds": round(startup_seconds, 1),
-        "saves_seconds": round(saves_seconds(save_seconds, train_seconds, recipe), 1),
-        "export_seconds": round(export, 1),
-        "estimated_seconds": round(est_seconds, 1),
+        **{k: round(v, 1) for k, v in parts.items()},
         "estimated_hours": round(est_seconds / 3600, 3),
         "price_per_hour_eur": price,
         "estimated_cost": round(est_seconds / 3600 * price, 2),
@@ -175,13 +196,19 @@ def run_smoke(run: RunDir, recipe, plan: dict[str, Any], examples, lengths: list
     return report
 
 
+def _duration(sec: float) -> str:
+    return f"{sec / 3600:.1f} h" if sec >= 3600 else (f"{sec / 60:.1f} min" if sec >= 60 else f"{sec:.0f} s")
+
+
 def format_smoke(report: dict[str, Any]) -> str:
-    eta = report["estimated_seconds"]
-    eta_text = f"{eta / 3600:.1f} h" if eta >= 3600 else (f"{eta / 60:.1f} min" if eta >= 60 else f"{eta:.0f} s")
+    parts = [(name, report.get(key)) for name, key in (("start", "startup_seconds"), ("training", "train_seconds"),
+                                                      ("checkpoints", "saves_seconds"), ("export", "export_seconds"))]
+    split = ", ".join(f"{name} {_duration(sec)}" for name, sec in parts if sec)
     return (
         f"smoke test: {report['measured_steps']} measured steps, {report['tokens_per_second']:,.0f} tokens/s, "
         f"peak memory {report['peak_memory_gb']:.2f} GB ({report['device']})\n"
-        f"full run: {report['training_tokens']:,} tokens -> about {eta_text}"
+        f"full run: {report['training_tokens']:,} tokens -> about {_duration(report['estimated_seconds'])}"
+        + (f" ({split})" if split else "")
         + (f", about {report['estimated_cost']:.2f} EUR at {report['price_per_hour_eur']:.2f} EUR/h"
            if report["price_per_hour_eur"] else "")
     )

@@ -125,9 +125,10 @@ def status_summary(run: RunDir) -> dict[str, Any]:
     plan = json.loads(run.plan.read_text()) if run.plan.is_file() else {}
     smoke = json.loads(run.smoke.read_text()) if run.smoke.is_file() else {}
     last = _last_metrics(run.metrics)
-    step = last.get("step", worker.get("start_step", 0))
-    total = worker.get("total_steps") or plan.get("total_steps")
     ckpt_step = newest_step_unverified(run.checkpoints)
+    # a checkpoint is progress too (a run shorter than logging_steps logs no step)
+    step = max(last.get("step", worker.get("start_step", 0)), ckpt_step or 0)
+    total = worker.get("total_steps") or plan.get("total_steps")
     ckpt_age = None
     if ckpt_step is not None:
         from .checkpoint import step_dir_name

@@ -439,17 +439,19 @@ def run_worker(run_dir: Path, mode: str) -> int:
                                 str(exc))
             return EXIT_BAD_WORLD
 
+    import peft  # noqa: F401
     import psutil
     import torch
-    from datasets import Dataset
     from transformers import set_seed
+
+    # process start and the imports the export after training pays again (smoke.py's ETA): not trl, datasets
+    import_seconds = time.time() - psutil.Process().create_time()
+    from datasets import Dataset
     from trl import SFTTrainer
 
     from .backends import trainer_fields
     from .data import load_examples
 
-    # process start and imports: the export after training pays them again (smoke.py's ETA)
-    import_seconds = time.time() - psutil.Process().create_time()
     device, dtype = detect_device()
     if plan.get("memory_limit_gb"):
         if plan.get("engine") == "deepspeed" and device == "cpu":
@@ -687,6 +689,7 @@ def _write_smoke_result(run: RunDir, step_times, device: str, timed_out: bool,
         "tokens_per_second": round(tokens / seconds, 1) if seconds > 0 else None,
         "seconds_per_step": round(seconds / max(last[0] - first[0], 1), 4),
         "warmup_seconds": round(first[1] - step_times[0][1], 3),
+        "warmup_tokens": int(first[2] - step_times[0][2]),  # step 1: the longest batch (smoke.py)
         # (tokens, seconds) of each measured step: smoke.py fits seconds = a + b * tokens, since the smoke
         # sample (longest examples included) has more tokens per step than the full run.
         "step_costs": [[int(b[2] - a[2]), round(b[1] - a[1], 4)] for a, b in zip(steps, steps[1:])],

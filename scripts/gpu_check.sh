@@ -31,4 +31,15 @@ step "FSDP2: the generated accelerate config, the worker's model prepared by acc
 OMP_NUM_THREADS=1 "$PY" -m accelerate.commands.launch --config_file "$RESULTS/accelerate_fsdp.yaml" \
   -m launcher.backends.gpu_check fsdp-prepare --model "$RESULTS/tiny-model" --device "$DEVICE" \
   --out "$RESULTS/fsdp.json"
+
+step "sizing against the box: predicted vs measured peak memory and tokens/s (scripts/gpu_bench.py: plan + smoke)"
+if "$PY" -c "import trl, datasets" 2>/dev/null; then
+  if [ "$DEVICE" = cpu ]; then
+    "$PY" scripts/gpu_bench.py --dry-run --methods lora --json "$RESULTS/gpu_bench.json"
+  else  # rows that fail (bitsandbytes missing for qlora/full-8bit, say) are reported with their reason
+    timeout 300 "$PY" scripts/gpu_bench.py --json "$RESULTS/gpu_bench.json" || echo "gpu_bench ended with exit $?"
+  fi
+else
+  echo "not run: trl and datasets are not installed here (the smoke test needs them; carry their wheels)"
+fi
 echo "all engine checks passed on $DEVICE; results in $RESULTS"

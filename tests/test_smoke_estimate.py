@@ -4,7 +4,7 @@ import pytest
 
 from launcher.data import DataStats
 from launcher.recipe import validate_recipe
-from launcher.smoke import export_seconds, step_seconds, training_tokens
+from launcher.smoke import estimate, export_seconds, step_seconds, training_tokens
 
 STATS = DataStats(examples=1000, total_tokens=100_000, mean_tokens=100.0, max_tokens=400, over_max_length=0,
                   tokens_source="tokenizer", max_length=512)
@@ -68,3 +68,16 @@ def test_export_time_counts_the_process_the_model_loads_and_the_bytes_written(tm
     assert export_seconds(MEASURED, full, params) == pytest.approx(6 + 2 * 2 + 2 * params / rate)
     # without a timed save the bytes are not guessed
     assert export_seconds({**MEASURED, "checkpoint_seconds": None}, full, params) == pytest.approx(6 + 2 * 2)
+
+
+def test_the_estimate_adds_start_steps_saves_and_export_without_counting_step_one_twice(tmp_path):
+    recipe = _recipe(tmp_path, epochs=1, export=["adapter"], checkpoint_every_minutes=15)
+    measured = {**MEASURED, "tokens_per_second": 1000.0, "step_costs": COSTS, "measured_seconds": 5.0,
+                "warmup_tokens": 3000}
+    parts = estimate(measured, wall=20.0, recipe=recipe, stats=STATS, processes=1, params=10_000_000)
+    # the smoke's wall time less its measured steps, its timed save and step 1 as a step of 3000 tokens
+    assert parts["startup_seconds"] == pytest.approx(20.0 - 5.0 - 0.01 - (0.5 + 0.001 * 3000))
+    assert parts["train_seconds"] == pytest.approx(0.5 * 125 + 0.001 * 100_000)
+    assert parts["saves_seconds"] == pytest.approx(0.01 * 2)  # no 15-minute interval passes: the end and the final
+    assert parts["export_seconds"] == pytest.approx(6 + 2)
+    assert parts["estimated_seconds"] == pytest.approx(sum(v for k, v in parts.items() if k != "estimated_seconds"))
