@@ -563,7 +563,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
         return EXIT_STOPPED
     # every rank: ZeRO-3 and FSDP gather the sharded weights for the final save (rank 0 writes)
     _save_final(run, trainer, tokenizer, recipe)
-    _redraw_loss_plot(run.root, wait=True)  # the last loss.png is complete when the worker ends
+    _redraw_loss_plot(run.root, final=True)  # the last loss.png is complete when the worker ends
     return 0
 
 
@@ -654,18 +654,28 @@ def _record_error(run: RunDir, message: str) -> None:
         pass
 
 
-_PLOT: list[Optional[subprocess.Popen]] = [None]
+_PLOT: dict[str, Any] = {"child": None, "pending": False}
 
 
-def _redraw_loss_plot(run_root: Path, wait: bool = False) -> None:
-    """loss.png in a child process: matplotlib's import and drawing never hold up a training step."""
-    previous = _PLOT[0]
-    if previous is not None:
-        previous.wait()  # the last drawing had a whole checkpoint interval to finish
-        _PLOT[0] = None
-    if not wait:
-        _PLOT[0] = subprocess.Popen([sys.executable, "-m", "launcher.plots", str(run_root)], stdin=subprocess.DEVNULL,
-                                    cwd=str(Path(__file__).resolve().parent.parent))
+def _redraw_loss_plot(run_root: Path, final: bool = False) -> None:
+    """loss.png in a child process: matplotlib's import and drawing never hold up a training step. While one
+    drawing runs, the next checkpoint's is skipped; at the end the last one is waited for (and made, if a
+    checkpoint came since it started), so the finished run's plot is complete."""
+    child = _PLOT["child"]
+    if child is not None and child.poll() is None and not final:
+        _PLOT["pending"] = True
+        return
+    if child is not None:
+        child.wait()
+        _PLOT["child"] = None
+        if final and not _PLOT["pending"]:
+            return
+    _PLOT["pending"] = False
+    _PLOT["child"] = subprocess.Popen([sys.executable, "-m", "launcher.plots", str(run_root)],
+                                      stdin=subprocess.DEVNULL, cwd=str(Path(__file__).resolve().parent.parent))
+    if final:
+        _PLOT["child"].wait()
+        _PLOT["child"] = None
 
 
 def _tree_bytes(folder: Path) -> int:
