@@ -216,8 +216,8 @@ def next_adjustment(recipe: Recipe, plan: dict[str, Any]) -> Optional[tuple[dict
 def shard_adjustment(recipe: Recipe, plan: dict[str, Any]) -> Optional[tuple[dict[str, Any], str]]:
     """Step 4 after an out-of-memory: shard the job over more processes, the effective batch kept.
 
-    On a GPU box: FSDP (DeepSpeed ZeRO-3 when the recipe forced it) over all its cards, as the plan
-    shards a job no card holds. On CPU only under --memory-limit, where the cap stands in for a card
+    On a GPU box: FSDP over all its cards (or the most that divide the effective batch), as the plan
+    shards a job no card holds; DDP becomes FSDP on the same cards. On CPU only under --memory-limit, where the cap stands in for a card
     per worker: 2 gloo processes with DeepSpeed ZeRO-3 (FSDP does not shard on CPU, STACK-FACTS).
     An engine or process count the recipe chose, and several nodes, are left alone.
     """
@@ -473,6 +473,12 @@ def status_extras(run: RunDir, s: dict[str, Any]) -> dict[str, Any]:
         "smoke_estimated_cost_eur": smoke.get("estimated_cost"),
         "export": data.get("export"),
         "loss_plot": str(run.root / "loss.png") if (run.root / "loss.png").is_file() else None,
+        # the plan's memory, calibrated by the smoke test's measured peak once it passed
+        "device": plan.get("device"),
+        "memory_gb": (plan.get("memory") or {}).get("per_gpu_gb"),
+        "memory_source": (plan.get("memory") or {}).get("source"),
+        "estimated_memory_gb": (plan.get("memory") or {}).get("estimated_per_gpu_gb"),
+        "adjustments": [a.get("reason") for a in plan.get("adjustments", [])],
     }
     return out
 
@@ -519,6 +525,13 @@ def format_status(s: dict[str, Any]) -> str:
         lines.append(f"  engine {s['engine']} x {s.get('num_processes') or 1} process(es), {checked}")
         if s.get("launch_argv"):
             lines.append("  launched: " + " ".join(s["launch_argv"]))
+    if s.get("memory_gb") is not None:
+        where = "per GPU" if s.get("device") == "cuda" else "per process"
+        lines.append(f"  memory {s['memory_gb']:g} GB {where}, " + (
+            f"measured by the smoke test (the sizer estimated {s['estimated_memory_gb']:g} GB)"
+            if s.get("memory_source") == "measured" else "estimated by the sizer (no smoke test yet)"))
+    for reason in s.get("adjustments") or []:
+        lines.append(f"  adjusted after out of memory: {reason}")
     if s.get("last_checkpoint"):
         lines.append(f"  last checkpoint {s['last_checkpoint']} ({dur(s.get('last_checkpoint_age_seconds'))} ago)")
     if s.get("sync_to"):

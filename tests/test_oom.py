@@ -92,6 +92,13 @@ def test_oom_replans_to_smaller_micro_batch_and_trains_like_that_from_the_start(
     # the same command again resumes/finishes with the adjusted recipe, not a trajectory mismatch
     again = ftrun(recipe, cwd=tmp_path)
     assert again.returncode == 0 and "finished" in again.stdout
+    # status and plan show the run as adjusted, with the memory the smoke test measured
+    status = ftrun("status", str(tmp_path / "run"), cwd=tmp_path).stdout
+    assert "adjusted after out of memory: micro_batch_size 8 -> 4" in status
+    assert "measured by the smoke test (the sizer estimated" in status
+    planned = json.loads(ftrun("plan", recipe, "--json", cwd=tmp_path).stdout)
+    assert (planned["micro_batch_size"], planned["gradient_accumulation_steps"]) == (m, g)
+    assert planned["memory"]["source"] == "measured"
 
 
 # --- the order of the re-plan steps, without running anything -------------------------------------
