@@ -130,7 +130,8 @@ def run_smoke(run: RunDir, recipe, plan: dict[str, Any], examples, lengths: list
 
     processes = world_size(plan)  # all nodes' processes share the global batch
     global_batch = recipe.micro_batch_size * recipe.gradient_accumulation_steps * processes
-    idx = smoke_sample(lengths, recipe.smoke.fraction, recipe.smoke.min_steps * global_batch, recipe.seed)
+    idx = smoke_sample(lengths, recipe.smoke.fraction, recipe.smoke.min_steps * global_batch, recipe.seed,
+                       longest=global_batch)
     shutil.rmtree(run.smoke_work, ignore_errors=True)
     run.smoke_work.mkdir(parents=True)
     # The worker reads the sample in order: the longest batch first, so an out-of-memory shows in

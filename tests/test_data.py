@@ -75,3 +75,11 @@ def test_smoke_sample_includes_the_longest():
     assert len(idx) == 20 and 999 in idx
     assert smoke_sample(lengths, 0.01, 20, seed=1) == idx  # seeded
     assert len(smoke_sample(lengths, 0.5, 2, seed=1)) == 500
+
+
+def test_smoke_sample_holds_one_batch_of_the_longest_and_a_random_rest():
+    lengths = list(range(1000))
+    idx = smoke_sample(lengths, 0.2, 20, seed=3, longest=8)
+    assert len(idx) == 200 and set(range(992, 1000)) <= set(idx)
+    rest = [lengths[i] for i in idx if i < 992]
+    assert 400 < sum(rest) / len(rest) < 600  # the data's usual lengths (mean 499.5), not the long tail
