@@ -57,9 +57,9 @@ def step_fit(measured: dict[str, Any]) -> tuple[float, float] | None:
 def step_seconds(measured: dict[str, Any], total_tokens: int, recipe, stats: DataStats, processes: int) -> float:
     """Seconds of the full run's steps: a per-step cost plus a per-token cost, fitted on the smoke's steps.
 
-    The smoke sample holds the longest examples, so its steps carry more tokens than the full run's; a
-    tokens/s measured on it credits the full run's shorter steps with the long steps' lower per-token
-    overhead (measured: ETA -30% on CPU). Falls back to tokens / (tokens/s) when the fit is not usable.
+    A plain tokens/s credits steps with fewer tokens than the smoke's with the per-token overhead of
+    fuller ones (measured: ETA -30% on CPU when the sample held many long examples). Falls back to
+    tokens / (tokens/s) when the fit is not usable.
     """
     fallback = total_tokens / measured["tokens_per_second"]
     fit = step_fit(measured)

@@ -700,8 +700,8 @@ def _write_smoke_result(run: RunDir, step_times, device: str, timed_out: bool,
         "seconds_per_step": round(seconds / max(last[0] - first[0], 1), 4),
         "warmup_seconds": round(first[1] - step_times[0][1], 3),
         "warmup_tokens": int(first[2] - step_times[0][2]),  # step 1: the longest batch (smoke.py)
-        # (tokens, seconds) of each measured step: smoke.py fits seconds = a + b * tokens, since the smoke
-        # sample (longest examples included) has more tokens per step than the full run.
+        # (tokens, seconds) of each measured step: smoke.py fits seconds = a + b * tokens, so steps with
+        # other token counts than the smoke's (another micro-batch mix, a short run) are priced right.
         "step_costs": [[int(b[2] - a[2]), round(b[1] - a[1], 4)] for a, b in zip(steps, steps[1:])],
         "peak_memory_gb": round(peak_memory_gb(device), 3),
         "device": device,
