@@ -73,8 +73,7 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
             _say(format_status(status_summary(run)))
             _say("To train again from the start, add --fresh (the finished run is kept, renamed).")
             return 0
-        # a smoke test that found nothing that fits trained nothing: it starts again from the recipe as it is now
-        if not (state == "failed-smoke" and newest_step_unverified(run.checkpoints) is None):
+        if not restarts_after_failed_smoke(run):
             recipe = with_adjustments(run, recipe)
             _check_same_trajectory(run, recipe, allow_changes)
         if recipe.resume is False:
@@ -124,13 +123,22 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
     return 0
 
 
+def restarts_after_failed_smoke(run: RunDir) -> bool:
+    """A run whose smoke test found nothing that fits trained nothing: it starts again from the recipe as it is
+    now (no adjustments re-applied, no trajectory or data check, the smoke test run again)."""
+    return read_state(run).get("state") == "failed-smoke" and newest_step_unverified(run.checkpoints) is None
+
+
 def _prepare(run: RunDir, recipe: Recipe, *, resuming: bool, fresh: bool, memory_limit: Optional[float] = None,
              allow_changes: bool = False, nodes: Optional[dict[str, Any]] = None):
     """Check everything (trainer fields, data, plan) before touching the run directory; then lock and write."""
     check_trainer_fields(recipe)
     examples, lengths, stats = data_stats(recipe)
     data_sha = sha256_file(Path(recipe.data))
-    if resuming:
+    restart = resuming and restarts_after_failed_smoke(run)
+    if restart:
+        _say(f"the last smoke test in {run.root} found nothing that fits: starting again from the recipe")
+    if resuming and not restart:
         old_sha = read_state(run).get("data_sha256")
         if old_sha and old_sha != data_sha and allow_changes:
             _say(f"--allow-changes: the data file {recipe.data} changed since this run started; continuing anyway")
@@ -145,15 +153,16 @@ def _prepare(run: RunDir, recipe: Recipe, *, resuming: bool, fresh: bool, memory
         raise UsageError(
             f"--nnodes {nodes['nnodes']}: the plan chose engine '{plan.to_dict().get('engine')}', which runs on one box",
             fix="add engine=ddp (or engine=deepspeed) and num_processes=<processes per node> to train over several boxes.")
-    previous = json.loads(run.plan.read_text()) if resuming and run.plan.is_file() else {}
-    if resuming and read_state(run).get("state") == "failed-smoke" and newest_step_unverified(run.checkpoints) is None:
-        previous = {}  # its adjustments did not help: the smoke test starts again from the recipe
+    # a restart after a failed smoke test keeps none of its adjustments, nor its stale measurements
+    previous = json.loads(run.plan.read_text()) if resuming and not restart and run.plan.is_file() else {}
     if fresh and run.exists():
         if is_locked(run):
             raise UsageError(f"--fresh: the run in {run.root} is still active",
                              fix=f"stop it first with `ftrun stop {run.root}`.")
         _say(f"--fresh: the previous run was moved to {_archive(run)}")
     lock = RunLock(run).acquire()
+    if restart:
+        run.smoke.unlink(missing_ok=True)  # an older passed smoke test measured a configuration that ran out
     run.root.mkdir(parents=True, exist_ok=True)
     run.recipe.write_text("# resolved by ftrun: defaults < recipe < command line\n"
                           + yaml.safe_dump(recipe.snapshot(), sort_keys=False))
@@ -214,39 +223,63 @@ def next_adjustment(recipe: Recipe, plan: dict[str, Any]) -> Optional[tuple[dict
 
 
 def shard_adjustment(recipe: Recipe, plan: dict[str, Any]) -> Optional[tuple[dict[str, Any], str]]:
-    """Step 4 after an out-of-memory: shard the job over more processes, the effective batch kept.
+    """The `shard` step after an out-of-memory (the issue's step 4): more processes, each holding a shard.
 
     On a GPU box: FSDP over all its cards (or the most that divide the effective batch), as the plan
-    shards a job no card holds; DDP becomes FSDP on the same cards. On CPU only under --memory-limit, where the cap stands in for a card
-    per worker: 2 gloo processes with DeepSpeed ZeRO-3 (FSDP does not shard on CPU, STACK-FACTS).
-    An engine or process count the recipe chose, and several nodes, are left alone.
+    shards a job no card holds; DDP becomes FSDP on the same cards. On CPU only under --memory-limit,
+    where the cap stands in for a card per worker: 2 gloo processes with DeepSpeed ZeRO-3 (FSDP does not
+    shard on CPU, STACK-FACTS). An engine or process count the recipe chose, and several nodes, are left
+    alone. None when there is nothing to shard over; shard_blocker() says why.
     """
+    return _shard(recipe, plan)[0]
+
+
+def shard_blocker(recipe: Recipe, plan: dict[str, Any]) -> str:
+    """Why the shard step was not taken (for the stop message), '' when it would be."""
+    return _shard(recipe, plan)[1]
+
+
+def _shard(recipe: Recipe, plan: dict[str, Any]) -> tuple[Optional[tuple[dict[str, Any], str]], str]:
     from .plan import _deepspeed_installed
 
-    if recipe.engine != "auto" or recipe.num_processes != "auto" or plan.get("nodes"):
-        return None
     procs = int(plan.get("num_processes") or 1)
     m, g = recipe.micro_batch_size, recipe.gradient_accumulation_steps
     effective = m * g * procs
+    sharded = plan.get("engine") in ("fsdp", "deepspeed")
+    cards = int((plan.get("hardware") or {}).get("count") or 1)
+    if sharded and (plan.get("device") != "cuda" or procs >= cards):
+        return None, f"already {plan.get('engine')} x {procs}" + (
+            f" over all {cards} GPU(s) of this box" if plan.get("device") == "cuda" else "")
+    if recipe.engine != "auto":
+        return None, f"the recipe sets engine: {recipe.engine}"
+    if recipe.num_processes != "auto":
+        return None, f"the recipe sets num_processes: {recipe.num_processes}"
+    if plan.get("nodes"):
+        return None, "the run spans several nodes"
     if plan.get("device") == "cuda":
-        engine, cards = "fsdp", int((plan.get("hardware") or {}).get("count") or 1)
-        fewest = procs + 1 if plan.get("engine") in ("fsdp", "deepspeed") else procs  # DDP -> FSDP on the same cards
+        engine = "fsdp"
+        fewest = procs + 1 if sharded else procs  # DDP -> FSDP on the same cards
         counts = range(cards, fewest - 1, -1)  # all cards first: more shards, more room, faster
         where = f"the box's {cards} GPUs"
-    elif plan.get("memory_limit_gb") and _deepspeed_installed():
+        if cards < 2:
+            return None, "this box has 1 GPU, none more to shard over"
+    elif not plan.get("memory_limit_gb"):
+        return None, "on CPU the processes share the same RAM; sharding is tried only under --memory-limit"
+    elif not _deepspeed_installed():
+        return None, "DeepSpeed, which shards on CPU, is not installed"
+    else:
         engine, cores = "deepspeed", int((plan.get("hardware") or {}).get("cpu_count") or 1)
         counts = range(2, cores + 1)  # the processes share the cores: the fewest that shard
         where = f"CPU processes, each capped at {plan['memory_limit_gb']:g} GB like a card"
-    else:
-        return None
     for k in counts:
         if k >= 2 and effective % (m * k) == 0:
             g2 = effective // (m * k)
             return ({"engine": engine, "num_processes": k, "gradient_accumulation_steps": g2},
                     f"engine {plan.get('engine')} x {procs} -> {engine} x {k} over {where}, each holding 1/{k} of the "
                     f"weights, gradients and optimizer states; gradient_accumulation_steps {g} -> {g2} "
-                    f"(same effective batch {effective})")
-    return None
+                    f"(same effective batch {effective})"), ""
+    return None, (f"the effective batch {effective} (micro-batch {m}) does not split evenly over "
+                  f"{where}: sharding would change the training")
 
 
 def _smoke(run: RunDir, recipe: Recipe, plan_dict, examples, lengths, stats) -> tuple[Recipe, dict[str, Any]]:
@@ -276,8 +309,10 @@ def _smoke(run: RunDir, recipe: Recipe, plan_dict, examples, lengths, stats) -> 
                             f"method={recipe.method}: out of memory ({where})")
             step = next_adjustment(recipe, plan_dict)
             if step is None:
+                blocked = shard_blocker(recipe, plan_dict) if "shard" in recipe.auto_adjust else ""
                 reason = "the smoke test ran out of memory and nothing the recipe allows (auto_adjust: " \
-                         f"{recipe.auto_adjust}) is left to try. Attempts:\n" + "\n".join(f"- {a}" for a in attempts)
+                         f"{recipe.auto_adjust}) is left to try" + (f" (shard: {blocked})" if blocked else "") \
+                    + ". Attempts:\n" + "\n".join(f"- {a}" for a in attempts)
                 set_state(run, "failed-smoke", reason=reason.splitlines()[0])
                 raise SmokeError(reason, fix=f"lower max_length (now {recipe.max_length}), allow more in auto_adjust "
                                  "(batch, checkpointing, optimizer, method, shard), or use a card with more memory "
@@ -322,8 +357,9 @@ def smoke_only(recipe_path: str, overrides: list[str], memory_limit: Optional[fl
     if exists:
         if is_locked(run):
             raise UsageError(f"a run is active in {run.root}", fix=f"watch it with `ftrun status {run.root}`.")
-        recipe = with_adjustments(run, recipe)
-        _check_same_trajectory(run, recipe)
+        if not restarts_after_failed_smoke(run):
+            recipe = with_adjustments(run, recipe)
+            _check_same_trajectory(run, recipe)
     elif run.root.exists() and any(run.root.iterdir()):
         raise UsageError(f"output_dir {run.root} exists and holds files that are not an ftrun run",
                          fix="choose another output_dir; ftrun never writes into a folder it did not create.")
@@ -529,7 +565,7 @@ def format_status(s: dict[str, Any]) -> str:
         where = "per GPU" if s.get("device") == "cuda" else "per process"
         lines.append(f"  memory {s['memory_gb']:g} GB {where}, " + (
             f"measured by the smoke test (the sizer estimated {s['estimated_memory_gb']:g} GB)"
-            if s.get("memory_source") == "measured" else "estimated by the sizer (no smoke test yet)"))
+            if s.get("memory_source") == "measured" else "estimated by the sizer (no passed smoke test)"))
     for reason in s.get("adjustments") or []:
         lines.append(f"  adjusted after out of memory: {reason}")
     if s.get("last_checkpoint"):

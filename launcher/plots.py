@@ -47,7 +47,7 @@ def plot_loss(metrics: Path, out: Path, title: Optional[str] = None) -> Optional
     last = rows[-1]
     ax.set_title(title or f"{metrics.parent.name}: step {last['step']}, loss {last['loss']:.4f}")
     fig.tight_layout()
-    tmp = out.with_name(f".{out.name}.tmp.png")
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}.png")  # two drawers never share a temporary
     fig.savefig(tmp)
     plt.close(fig)
     os.replace(tmp, out)

@@ -132,8 +132,9 @@ class Recipe(_Strict):
         default_factory=lambda: ["batch", "checkpointing", "shard"],
         description="What the smoke test may change after running out of memory, cheapest first: batch "
         "(halve micro_batch_size, double accumulation), checkpointing, optimizer (full -> full-8bit), "
-        "method (lora -> qlora), shard (FSDP over the box's idle GPUs, accumulation lowered to keep the "
-        "effective batch; the box is billed whole); [] to stop with advice instead.",
+        "method (lora -> qlora), shard (FSDP over the box's GPUs, from one card or from DDP, accumulation "
+        "lowered to keep the effective batch; the box is billed whole; on CPU only under --memory-limit, "
+        "DeepSpeed ZeRO-3 x 2); [] to stop with advice instead.",
     )
     grace_seconds: float = Field(
         60.0, gt=0, description="After SIGTERM (preemption, `ftrun stop`): time to checkpoint before the worker is killed."

@@ -78,6 +78,7 @@ def saves_seconds(one_save: float, train_seconds: float, recipe) -> float:
     return one_save * (math.floor(train_seconds / every) + 2)
 
 
+MIN_RATE_BYTES = 64e6
 GGUF_BYTES_PER_PARAM = {"q8_0": 34 / 32, "f16": 2.0, "bf16": 2.0, "f32": 4.0}  # q8_0: 32 weights + a 16-bit scale
 
 
@@ -97,7 +98,9 @@ def export_seconds(measured: dict[str, Any], recipe, params: int) -> float:
         (GGUF_BYTES_PER_PARAM.get(recipe.gguf_type, 2.0) * params if "gguf" in formats else 0.0)
     seconds = float(measured.get("import_seconds") or 0.0) + loads * float(measured.get("load_seconds") or 0.0)
     save_bytes, save_seconds = measured.get("checkpoint_bytes"), measured.get("checkpoint_seconds")
-    if written and save_bytes and save_seconds:
+    # a save of less than MIN_RATE_BYTES (a LoRA checkpoint) is mostly fixed cost: its rate would
+    # overstate the writing of a merged model many times its size, so the bytes are then left out
+    if written and save_bytes and save_seconds and float(save_bytes) >= MIN_RATE_BYTES:
         seconds += written / (float(save_bytes) / float(save_seconds))
     return seconds
 

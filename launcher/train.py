@@ -563,7 +563,8 @@ def run_worker(run_dir: Path, mode: str) -> int:
         return EXIT_STOPPED
     # every rank: ZeRO-3 and FSDP gather the sharded weights for the final save (rank 0 writes)
     _save_final(run, trainer, tokenizer, recipe)
-    _redraw_loss_plot(run.root, final=True)  # the last loss.png is complete when the worker ends
+    if _rank() == 0:  # one drawer, as at the checkpoints
+        _redraw_loss_plot(run.root, final=True)  # the last loss.png is complete when the worker ends
     return 0
 
 
@@ -608,7 +609,7 @@ def _out_of_memory(run: RunDir, mode: str, device: str, text: str, step: int) ->
     if mode == "smoke":  # any rank: under ZeRO-3 or FSDP one rank may run out before the others
         ckpt.atomic_write_json(run.smoke_work / "oom.json", {"peak_memory_gb": round(peak, 3), "step": step + 1,
                                                               "rank": _rank(), "error": first[:500]})
-    elif _rank() == 0:
+    else:  # any rank, for the same reason; worker.json is written atomically
         _record_error(run, message)
     return EXIT_OOM
 
@@ -666,7 +667,7 @@ def _redraw_loss_plot(run_root: Path, final: bool = False) -> None:
         _PLOT["pending"] = True
         return
     if child is not None:
-        child.wait()
+        _reap(child)
         _PLOT["child"] = None
         if final and not _PLOT["pending"]:
             return
@@ -674,8 +675,18 @@ def _redraw_loss_plot(run_root: Path, final: bool = False) -> None:
     _PLOT["child"] = subprocess.Popen([sys.executable, "-m", "launcher.plots", str(run_root)],
                                       stdin=subprocess.DEVNULL, cwd=str(Path(__file__).resolve().parent.parent))
     if final:
-        _PLOT["child"].wait()
+        _reap(_PLOT["child"])
         _PLOT["child"] = None
+
+
+def _reap(child: subprocess.Popen, timeout: float = 60.0) -> None:
+    """Wait for a drawing; one that hangs is killed (a plot is not worth a run that never ends)."""
+    try:
+        child.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+        print(f"[ftrun worker] loss.png not updated: the drawing took more than {timeout:.0f} s", flush=True)
 
 
 def _tree_bytes(folder: Path) -> int:

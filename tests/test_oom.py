@@ -38,6 +38,13 @@ def test_nothing_fits_stops_with_the_attempts_and_starts_nothing(tmp_path, big_v
     state = json.loads((tmp_path / "run" / "state.json").read_text())
     assert state["state"] == "failed-smoke" and not (tmp_path / "run" / "metrics.jsonl").exists()
 
+    # the same recipe again (here without the cap) starts from the recipe, not from the failed adjustments
+    again = ftrun("smoke", recipe, cwd=tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "found nothing that fits: starting again from the recipe" in again.stdout
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert "adjustments" not in plan and plan["micro_batch_size"] == 2
+
 
 @pytest.mark.slow
 def test_shard_step_on_cpu_runs_a_real_sharded_attempt_and_lists_it(tmp_path, big_vocab_model):
@@ -55,6 +62,7 @@ def test_shard_step_on_cpu_runs_a_real_sharded_attempt_and_lists_it(tmp_path, bi
     assert "gradient_accumulation_steps 4 -> 2 (same effective batch 4)" in res.stdout
     assert "re-planned: engine deepspeed, 2 processes" in res.stdout
     assert "- engine deepspeed x 2: micro_batch_size=1 gradient_accumulation_steps=2" in res.stderr
+    assert "(shard: already deepspeed x 2)" in res.stderr
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
     assert (plan["engine"], plan["num_processes"]) == ("deepspeed", 2)
     assert plan["adjustments"][-1]["set"] == {"engine": "deepspeed", "num_processes": 2, "gradient_accumulation_steps": 2}
@@ -179,6 +187,21 @@ def test_shard_respects_the_recipe_and_the_effective_batch(tmp_path):
     for field in ({"engine": "trl"}, {"num_processes": 1}, {"auto_adjust": ["batch", "checkpointing"]}):
         assert _walk(r.model_copy(update=field), one)[1] == [], field
     assert _walk(r, {**one, "nodes": {"nnodes": 2}})[1] == []
+
+
+def test_the_stop_says_why_shard_was_not_tried(tmp_path):
+    from launcher.pipeline import shard_blocker
+
+    r, plan = _gpu_plan(tmp_path, "4xH100", method="lora", micro_batch_size=1, gradient_accumulation_steps=1)
+    one = {**plan, "engine": "trl", "num_processes": 1}
+    assert "effective batch 1 (micro-batch 1) does not split evenly" in shard_blocker(r, one)
+    assert shard_blocker(r.model_copy(update={"engine": "trl"}), one) == "the recipe sets engine: trl"
+    assert shard_blocker(r, {**plan, "engine": "fsdp", "num_processes": 4}) == "already fsdp x 4 over all 4 GPU(s) of this box"
+    assert "none more to shard over" in shard_blocker(r, {**one, "hardware": {"count": 1}})
+    cpu = {"engine": "trl", "num_processes": 1, "device": "cpu", "hardware": {"count": 0, "cpu_count": 2}}
+    assert "only under --memory-limit" in shard_blocker(r, cpu)
+    big = r.model_copy(update={"gradient_accumulation_steps": 4})
+    assert shard_blocker(big, one) == ""  # it would be taken
 
 
 def test_cpu_shards_only_under_a_memory_limit(tmp_path):
