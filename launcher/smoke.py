@@ -207,7 +207,7 @@ def _duration(sec: float) -> str:
 def format_smoke(report: dict[str, Any]) -> str:
     parts = [(name, report.get(key)) for name, key in (("start", "startup_seconds"), ("training", "train_seconds"),
                                                       ("checkpoints", "saves_seconds"), ("export", "export_seconds"))]
-    split = ", ".join(f"{name} {_duration(sec)}" for name, sec in parts if sec)
+    split = ", ".join(f"{name} {_duration(sec)}" for name, sec in parts if sec and sec >= 0.5)
     return (
         f"smoke test: {report['measured_steps']} measured steps, {report['tokens_per_second']:,.0f} tokens/s, "
         f"peak memory {report['peak_memory_gb']:.2f} GB ({report['device']})\n"
