@@ -14,7 +14,7 @@ from .data import compute_stats, example_lengths, load_examples
 from .errors import RecipeError, UsageError
 from .recipe import Recipe, check_trainer_fields, load_recipe
 from .rundir import RunDir
-from .state import RunLock, effective_state, is_locked, read_state, set_state, status_summary
+from .state import RunLock, effective_state, format_duration, is_locked, read_state, set_state, status_summary
 
 
 def _say(msg: str) -> None:
@@ -520,11 +520,6 @@ def status_extras(run: RunDir, s: dict[str, Any]) -> dict[str, Any]:
 
 
 def format_status(s: dict[str, Any]) -> str:
-    def dur(x):
-        if x is None:
-            return "-"
-        return f"{x / 3600:.1f} h" if x >= 3600 else (f"{x / 60:.1f} min" if x >= 60 else f"{x:.0f} s")
-
     total = s.get("total_steps")
     step = s.get("step") or 0
     bar = ""
@@ -533,8 +528,8 @@ def format_status(s: dict[str, Any]) -> str:
         bar = f" [{'#' * done}{'.' * (30 - done)}] {step}/{total}"
     lines = [f"{s['state']}{bar}  ({s['run_dir']})"]
     if s.get("loss") is not None:
-        lines.append(f"  loss {s['loss']:.4f}   {s.get('tokens_per_second') or 0:,.0f} tokens/s   ETA {dur(s.get('eta_seconds'))}"
-                     + (f"   (smoke test forecast for the whole run: {dur(s['smoke_estimated_seconds'])})"
+        lines.append(f"  loss {s['loss']:.4f}   {s.get('tokens_per_second') or 0:,.0f} tokens/s   ETA {format_duration(s.get('eta_seconds'))}"
+                     + (f"   (smoke test forecast for the whole run: {format_duration(s['smoke_estimated_seconds'])})"
                         if s.get("smoke_estimated_seconds") else ""))
     lines.append(f"  supervisor pid {s.get('pid')} ({'alive' if s.get('pid_alive') else 'not running'})"
                  f", restarts {s.get('restarts', 0)}")
@@ -542,9 +537,9 @@ def format_status(s: dict[str, Any]) -> str:
         # the actual beside the forecasts: time used + time to go, against what the smoke test and the plan said
         eta = s.get("eta_seconds")
         ended = s.get("state") in ("succeeded", "failed", "stopped", "failed-smoke")
-        actual = f"{dur(s['elapsed_seconds'])} {'in all' if ended else 'so far'}" \
-            + (f" + {dur(eta)} to go" if eta is not None else "")
-        fc = [f"{name} forecast {dur(sec)}" + (f" / {cost:.2f} EUR" if cost is not None else "")
+        actual = f"{format_duration(s['elapsed_seconds'])} {'in all' if ended else 'so far'}" \
+            + (f" + {format_duration(eta)} to go" if eta is not None else "")
+        fc = [f"{name} forecast {format_duration(sec)}" + (f" / {cost:.2f} EUR" if cost is not None else "")
               for name, sec, cost in (("smoke test", s.get("smoke_estimated_seconds"), s.get("smoke_estimated_cost_eur")),
                                       ("plan", s.get("plan_estimated_seconds"), s.get("plan_estimated_cost_eur")))
               if sec is not None]
@@ -569,11 +564,11 @@ def format_status(s: dict[str, Any]) -> str:
     for reason in s.get("adjustments") or []:
         lines.append(f"  adjusted after out of memory: {reason}")
     if s.get("last_checkpoint"):
-        lines.append(f"  last checkpoint {s['last_checkpoint']} ({dur(s.get('last_checkpoint_age_seconds'))} ago)")
+        lines.append(f"  last checkpoint {s['last_checkpoint']} ({format_duration(s.get('last_checkpoint_age_seconds'))} ago)")
     if s.get("sync_to"):
         off = s.get("offbox_checkpoint")
         lines.append(f"  off the box: {off or 'nothing yet'}"
-                     + (f" ({dur(s.get('offbox_age_seconds'))} ago)" if off and s.get("offbox_age_seconds") is not None else "")
+                     + (f" ({format_duration(s.get('offbox_age_seconds'))} ago)" if off and s.get("offbox_age_seconds") is not None else "")
                      + f" at {s['sync_to']}" + (f"   last error: {s['sync_error']}" if s.get("sync_error") else ""))
     if s.get("reason") and s["state"] not in ("running",):
         lines.append(f"  {s['reason']}")

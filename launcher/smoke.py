@@ -17,6 +17,7 @@ from .checkpoint import atomic_write_json
 from .data import DataStats, smoke_sample, write_jsonl
 from .errors import SmokeError, SmokeOOM
 from .rundir import RunDir
+from .state import format_duration
 
 REASONS = {
     train.EXIT_OOM: ("out of GPU memory", "lower micro_batch_size (raise gradient_accumulation_steps to keep the "
@@ -200,18 +201,14 @@ def run_smoke(run: RunDir, recipe, plan: dict[str, Any], examples, lengths: list
     return report
 
 
-def _duration(sec: float) -> str:
-    return f"{sec / 3600:.1f} h" if sec >= 3600 else (f"{sec / 60:.1f} min" if sec >= 60 else f"{sec:.0f} s")
-
-
 def format_smoke(report: dict[str, Any]) -> str:
     parts = [(name, report.get(key)) for name, key in (("start", "startup_seconds"), ("training", "train_seconds"),
                                                       ("checkpoints", "saves_seconds"), ("export", "export_seconds"))]
-    split = ", ".join(f"{name} {_duration(sec)}" for name, sec in parts if sec and sec >= 0.5)
+    split = ", ".join(f"{name} {format_duration(sec)}" for name, sec in parts if sec and sec >= 0.5)
     return (
         f"smoke test: {report['measured_steps']} measured steps, {report['tokens_per_second']:,.0f} tokens/s, "
         f"peak memory {report['peak_memory_gb']:.2f} GB ({report['device']})\n"
-        f"full run: {report['training_tokens']:,} tokens -> about {_duration(report['estimated_seconds'])}"
+        f"full run: {report['training_tokens']:,} tokens -> about {format_duration(report['estimated_seconds'])}"
         + (f" ({split})" if split else "")
         + (f", about {report['estimated_cost']:.2f} EUR at {report['price_per_hour_eur']:.2f} EUR/h"
            if report["price_per_hour_eur"] else "")

@@ -28,6 +28,15 @@ STATES = ("planned", "smoking", "running", "recovering", "succeeded", "stopped",
 ACTIVE = ("smoking", "running", "recovering")
 
 
+def format_duration(seconds: Optional[float]) -> str:
+    """12 s, 4.5 min, 2.1 h; '-' when unknown (status lines, the smoke test's forecast)."""
+    if seconds is None:
+        return "-"
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
+
+
 def read_state(run: RunDir) -> dict[str, Any]:
     if not run.state.is_file():
         return {}

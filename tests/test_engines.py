@@ -283,6 +283,9 @@ def test_resume_across_world_sizes_is_allowed_for_trainer_checkpoints_and_refuse
     note, refused = resume_compatibility({"step": 20, "engine": "ddp", "world_size": 2},
                                          {"engine": "deepspeed", "num_processes": 2})
     assert refused and "different layouts" in note
+    # two nodes of one process each: the checkpoint's world of 2 is the same world
+    assert resume_compatibility({"step": 20, "engine": "deepspeed", "world_size": 2},
+                                {"engine": "deepspeed", "num_processes": 1, "nodes": {"nnodes": 2}}) == ("", False)
 
 
 @pytest.mark.slow

@@ -173,7 +173,7 @@ def resume_compatibility(manifest: dict[str, Any], plan: dict[str, Any]) -> tupl
     """(message, refused) for resuming a checkpoint written by another engine or process count."""
     old_engine, old_world = manifest.get("engine", "trl"), int(manifest.get("world_size", 1))
     new_engine = plan.get("engine", "trl")
-    new_world = int(plan.get("num_processes", 1))
+    new_world = world_size(plan)  # the manifest counts every node's processes too
     if (old_engine, old_world) == (new_engine, new_world):
         return "", False
     where = f"checkpoint step {manifest.get('step')} was written by engine {old_engine} on {old_world} process(es)"
