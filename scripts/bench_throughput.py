@@ -2,10 +2,14 @@
 """Training tokens/s: a plain TRL script against `ftrun RECIPE --foreground` on the same model, data and settings.
 
 Variants, run in alternating order (round r starts at variant r mod n), each a fresh process:
-  plain      the article's script: SFTTrainer + PEFT LoRA, written out below as a user would write it
+  plain      the article's script: SFTTrainer + PEFT LoRA, written out below as a user would write it. It sets
+             bf16=True, as the article does: on a CPU that makes TRL train under bf16 autocast.
+  plain-fp32 the same script with bf16=False: fp32, the precision ftrun trains in on a CPU (ftrun picks the
+             precision from the device; on a GPU both sides train in bf16)
   ftrun      ftrun on a recipe with the same settings (its own defaults that change the batches turned off)
   defaults   ftrun with its defaults (whatever launcher/recipe.py and train.py turn on by default)
-Reported: real (non-padding) training tokens/s of each, medians over rounds, and the ratios to plain.
+Reported: real (non-padding) training tokens/s of each, medians over rounds, and the ratios to plain and to
+plain-fp32 (the like-for-like one for `ftrun` on a CPU).
 Tokens/s is measured the same way on every side: the trainer's non-padding token count and the wall
 clock at each logged step, from the first logged step (warm-up excluded) to the last.
 
@@ -53,6 +57,7 @@ def plain_trl(model_dir: str, data: str, out_dir: str, metrics_path: str, s: dic
         logging_steps=s["logging_steps"],
         save_strategy="no",
         seed=s["seed"],
+        bf16=s.get("bf16", True),  # the article's script sets bf16=True
         use_cpu=True,
         report_to="none",
         include_num_input_tokens_seen="non_padding",  # measurement: count real tokens, as ftrun does
@@ -71,6 +76,10 @@ def plain_trl(model_dir: str, data: str, out_dir: str, metrics_path: str, s: dic
     trainer.save_model(out_dir)
 
 
+# The plain script's variants: what each changes in SETTINGS.
+PLAIN = {"plain": {}, "plain-fp32": {"bf16": False}}
+
+
 def recipe_fields(model: Path, data: Path, output_dir: Path, same_settings: bool) -> dict:
     s = SETTINGS
     fields = dict(model=str(model), method="lora", data=str(data), output_dir=str(output_dir),
@@ -86,12 +95,13 @@ def recipe_fields(model: Path, data: Path, output_dir: Path, same_settings: bool
 
 def run_variant(name: str, model: Path, data: Path, work: Path, i: int) -> dict:
     out = bc.fresh_dir(work / f"{name}-{i}")
-    if name == "plain":
+    if name in PLAIN:
         out.mkdir(parents=True)
         metrics = out / "metrics.jsonl"
         t0 = time.monotonic()
         rc = bc.subprocess.run([bc.PYTHON, __file__, "--plain-run", json.dumps(
-            [str(model), str(data), str(out / "trainer"), str(metrics), SETTINGS])], cwd=bc.REPO, env=bc.ENV,
+            [str(model), str(data), str(out / "trainer"), str(metrics), {**SETTINGS, **PLAIN[name]}])],
+            cwd=bc.REPO, env=bc.ENV,
             stdout=(out / "log.txt").open("w"), stderr=bc.subprocess.STDOUT).returncode
         wall = time.monotonic() - t0
     else:
@@ -111,7 +121,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, help="rounds of all variants (default 3, --quick 1)")
     p.add_argument("--examples", type=int, help="examples in the data (default 800, --quick 200)")
     p.add_argument("--size", choices=sorted(bc.MODEL_SIZES), help="bench model size (default m, ~10M; --quick s, ~1.8M)")
-    p.add_argument("--variants", default="plain,ftrun,defaults", help="comma-separated subset")
+    p.add_argument("--variants", default="plain,plain-fp32,ftrun,defaults", help="comma-separated subset")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--plain-run", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -136,14 +146,14 @@ def main(argv=None) -> int:
     med = {v: bc.median([r["tokens_per_second"] for r in results if r["variant"] == v]) for v in variants}
     print("median training tokens/s (real tokens): " + ", ".join(f"{v} {med[v]:.0f}" for v in variants))
     ratios = {}
-    if "plain" in med:
+    for base in (b for b in PLAIN if b in med):
         for v in variants:
-            if v == "plain":
+            if v in PLAIN:
                 continue
             per_round = [r["tokens_per_second"] / p_["tokens_per_second"] for r in results for p_ in results
-                         if r["variant"] == v and p_["variant"] == "plain" and p_["round"] == r["round"]]
-            ratios[v] = {"ratio_of_medians": med[v] / med["plain"], "median_round_ratio": bc.median(per_round)}
-            print(f"ratio {v}/plain: {med[v] / med['plain']:.2f}x (median of per-round ratios "
+                         if r["variant"] == v and p_["variant"] == base and p_["round"] == r["round"]]
+            ratios[f"{v}/{base}"] = {"ratio_of_medians": med[v] / med[base], "median_round_ratio": bc.median(per_round)}
+            print(f"ratio {v}/{base}: {med[v] / med[base]:.2f}x (median of per-round ratios "
                   f"{bc.median(per_round):.2f}x)")
     if a.json:
         a.json.write_text(json.dumps({"machine": bc.machine(), "examples": examples, "rounds": rounds,

@@ -39,5 +39,6 @@ def test_throughput_quick_output(tmp_path):
     out = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_throughput.py"), "--quick",
                           "--json", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=1200)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    assert "ratio ftrun/plain" in out.stdout and "ratio defaults/plain" in out.stdout
+    for ratio in ("ftrun/plain", "defaults/plain", "ftrun/plain-fp32", "defaults/plain-fp32"):
+        assert f"ratio {ratio}:" in out.stdout, ratio
     assert (tmp_path / "r.json").is_file()
