@@ -66,4 +66,8 @@ def refresh(run_root: Path) -> Optional[Path]:
 if __name__ == "__main__":  # the worker draws in a child process: python -m launcher.plots RUN_DIR
     import sys
 
+    # The lowest CPU priority: on a box with few cores the drawing (matplotlib's import, about 2 s of CPU)
+    # otherwise takes cores from the training's threads (measured on 2 cores: two logged intervals at
+    # half the tokens/s after each checkpoint).
+    os.nice(19)
     refresh(Path(sys.argv[1]))
