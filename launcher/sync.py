@@ -55,7 +55,9 @@ class Destination:
             if not self.get_file(f"{rel}/{name}", local / name):
                 raise SyncError(f"{self.url}/{rel}/{name} disappeared while fetching it")
 
-    def verify_dir(self, rel: str, manifest: dict[str, Any]) -> tuple[bool, str]:
+    def verify_dir(self, rel: str, manifest: dict[str, Any], local: Optional[Path] = None) -> tuple[bool, str]:
+        """Whether the copy at `rel` holds the manifest's files (`local`: the folder that was sent, where a
+        destination can compare without reading the copy back)."""
         for name, info in manifest["files"].items():
             digest = self.read_bytes_sha256(f"{rel}/{name}")
             if digest is None:
@@ -233,19 +235,25 @@ class HubDestination(Destination):
     def get_file(self, rel: str, local: Path) -> bool:
         from huggingface_hub.utils import EntryNotFoundError
 
-        try:
-            path = self.api.hf_hub_download(self.repo, self._p(rel))
-        except EntryNotFoundError:
-            return False
+        # Straight into a folder beside the target, not through the Hub cache (~/.cache/huggingface):
+        # a checkpoint fetched through the cache would sit on the box's disk twice.
         local.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(path, local)
-        return True
+        tmp = Path(tempfile.mkdtemp(prefix=".hf-get-", dir=local.parent))
+        try:
+            try:
+                path = self.api.hf_hub_download(self.repo, self._p(rel), local_dir=str(tmp))
+            except EntryNotFoundError:
+                return False
+            os.replace(path, local)
+            return True
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def list_dirs(self, rel: str) -> list[str]:
         from huggingface_hub.utils import EntryNotFoundError
 
-        try:
-            entries = self.api.list_repo_tree(self.repo, path_in_repo=self._p(rel) or None)
+        try:  # a generator: a missing folder raises while iterating, not at the call
+            entries = list(self.api.list_repo_tree(self.repo, path_in_repo=self._p(rel) or None))
         except EntryNotFoundError:
             return []
         return [e.path.rsplit("/", 1)[-1] for e in entries if e.__class__.__name__ == "RepoFolder"]
@@ -253,10 +261,40 @@ class HubDestination(Destination):
     def remove_dir(self, rel: str) -> None:
         self.api.delete_folder(self._p(rel), repo_id=self.repo)
 
+    def verify_dir(self, rel: str, manifest: dict[str, Any], local: Optional[Path] = None) -> tuple[bool, str]:
+        """From the hashes the Hub computed of what it received, without downloading the copy: an LFS/Xet
+        file's sha256 against the manifest, a small file's git blob id against the one of the sent file."""
+        names = list(manifest["files"])
+        infos = {i.path: i for i in self.api.get_paths_info(self.repo, [self._p(f"{rel}/{n}") for n in names])}
+        for name in names:
+            want, info = manifest["files"][name], infos.get(self._p(f"{rel}/{name}"))
+            if info is None or not hasattr(info, "blob_id"):
+                return False, f"{rel}/{name} is missing off the box"
+            if info.size != want["size"]:
+                return False, f"{rel}/{name} has {info.size} bytes off the box, manifest says {want['size']}"
+            if info.lfs is not None:
+                same = info.lfs.sha256 == want["sha256"]
+            elif local is not None:
+                same = info.blob_id == git_blob_id(local / name)
+            else:
+                same = self.read_bytes_sha256(f"{rel}/{name}") == want["sha256"]
+            if not same:
+                return False, f"{rel}/{name} differs from the manifest off the box"
+        return True, ""
+
     def read_bytes_sha256(self, rel: str) -> Optional[str]:
         with tempfile.TemporaryDirectory() as tmp:
             target = Path(tmp) / "f"
             return ckpt.sha256_file(target) if self.get_file(rel, target) else None
+
+
+def git_blob_id(path: Path) -> str:
+    """The git object id of a file's content (what the Hub reports as a small file's blob id)."""
+    h = hashlib.sha1(f"blob {path.stat().st_size}\0".encode())
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def destination(url: str) -> Destination:
@@ -291,10 +329,7 @@ def push_checkpoint(dest: Destination, run: RunDir, step_dir: Path, keep: int, n
     manifest = json.loads((step_dir / ckpt.MANIFEST).read_text())
     rel = f"checkpoints/{name}"
     dest.put_dir(step_dir, rel)
-    if isinstance(dest, RsyncDestination):
-        ok, why = dest.verify_dir(rel, manifest, local=step_dir)
-    else:
-        ok, why = dest.verify_dir(rel, manifest)
+    ok, why = dest.verify_dir(rel, manifest, local=step_dir)
     if not ok:
         raise SyncError(f"the copy of {name} at {dest.url} does not verify: {why}")
     # Remote retention: only after the new copy verified, drop the oldest beyond `keep`.
@@ -321,7 +356,7 @@ def push_final(dest: Destination, run: RunDir) -> None:
                               for f in files if f.name != ckpt.MANIFEST}}
         ckpt.atomic_write_json(sub / ckpt.MANIFEST, {"step": -1, **manifest})
         dest.put_dir(sub, f"final/{sub.name}")
-        ok, why = dest.verify_dir(f"final/{sub.name}", manifest)
+        ok, why = dest.verify_dir(f"final/{sub.name}", manifest, local=sub)
         if not ok:
             raise SyncError(f"the copy of final/{sub.name} at {dest.url} does not verify: {why}")
     for p in run.final.iterdir():
