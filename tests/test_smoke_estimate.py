@@ -4,7 +4,7 @@ import pytest
 
 from launcher.data import DataStats
 from launcher.recipe import validate_recipe
-from launcher.smoke import estimate, export_seconds, step_seconds, training_tokens
+from launcher.smoke import estimate, export_seconds, format_smoke, memory_note, step_seconds, training_tokens
 
 STATS = DataStats(examples=1000, total_tokens=100_000, mean_tokens=100.0, max_tokens=400, over_max_length=0,
                   tokens_source="tokenizer", max_length=512)
@@ -83,3 +83,14 @@ def test_the_estimate_adds_start_steps_saves_and_export_without_counting_step_on
     assert parts["saves_seconds"] == pytest.approx(1.0 * 2)  # no 15-minute interval passes: the end and the final
     assert parts["export_seconds"] == pytest.approx(6 + 2)
     assert parts["estimated_seconds"] == pytest.approx(sum(v for k, v in parts.items() if k != "estimated_seconds"))
+
+
+def test_the_smoke_output_warns_where_its_peak_understates_the_run():
+    """QLoRA on CPU grows during the run (measured, docs/BENCHMARKS.md): said with the smoke result, only there."""
+    assert "2x the smoke test's peak" in memory_note("cpu", "qlora")
+    assert memory_note("cuda", "qlora") is None and memory_note("cpu", "lora") is None
+    report = {"measured_steps": 7, "tokens_per_second": 1000.0, "peak_memory_gb": 0.9, "device": "cpu",
+              "training_tokens": 80000, "estimated_seconds": 90.0, "price_per_hour_eur": 0.0}
+    assert "note:" not in format_smoke(report)
+    text = format_smoke({**report, "memory_note": memory_note("cpu", "qlora")})
+    assert text.splitlines()[-1] == "note: " + memory_note("cpu", "qlora")
