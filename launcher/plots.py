@@ -69,5 +69,8 @@ if __name__ == "__main__":  # the worker draws in a child process: python -m lau
     # The lowest CPU priority: on a box with few cores the drawing (matplotlib's import, about 2 s of CPU)
     # otherwise takes cores from the training's threads (measured on 2 cores: two logged intervals at
     # half the tokens/s after each checkpoint).
-    os.nice(19)
+    try:
+        os.nice(19)
+    except (AttributeError, OSError):  # not on this platform: draw at normal priority
+        pass
     refresh(Path(sys.argv[1]))

@@ -26,6 +26,7 @@ from . import checkpoint as ckpt
 from .errors import SyncError
 from .rundir import RunDir
 
+HUB_TMP_PREFIX = ".hf-get-"  # HubDestination.get_file's download folder beside its target
 METADATA = ("recipe.yaml", "plan.json", "smoke.json", "metrics.jsonl", "state.json", "worker.json")
 _SCP_LIKE = re.compile(r"^(?:[^@/:\s]+@)?[A-Za-z0-9._-]+:(?!//)")
 
@@ -228,33 +229,36 @@ class HubDestination(Destination):
     def put_dir(self, local: Path, rel: str, last: str = ckpt.MANIFEST) -> None:
         # One commit for the data, then the manifest in its own commit: complete or absent.
         self.api.upload_folder(folder_path=str(local), path_in_repo=self._p(rel), repo_id=self.repo,
-                               ignore_patterns=[last])
+                               ignore_patterns=[last, f"{HUB_TMP_PREFIX}*", f"**/{HUB_TMP_PREFIX}*"])
         if (local / last).is_file():
             self.put_file(local / last, f"{rel}/{last}")
 
     def get_file(self, rel: str, local: Path) -> bool:
-        from huggingface_hub.utils import EntryNotFoundError
+        from huggingface_hub.errors import LocalEntryNotFoundError, RemoteEntryNotFoundError
 
         # Straight into a folder beside the target, not through the Hub cache (~/.cache/huggingface):
         # a checkpoint fetched through the cache would sit on the box's disk twice.
         local.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".hf-get-", dir=local.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=HUB_TMP_PREFIX, dir=local.parent))
         try:
             try:
                 path = self.api.hf_hub_download(self.repo, self._p(rel), local_dir=str(tmp))
-            except EntryNotFoundError:
+            except RemoteEntryNotFoundError:  # the Hub answered: not there
                 return False
+            except LocalEntryNotFoundError as exc:  # the Hub did not answer: "missing" would start the run afresh
+                raise SyncError(f"cannot reach the Hub for {self.url}/{rel}: {exc}",
+                                fix="check the network and HF_TOKEN, then run the same command again.") from None
             os.replace(path, local)
             return True
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
     def list_dirs(self, rel: str) -> list[str]:
-        from huggingface_hub.utils import EntryNotFoundError
+        from huggingface_hub.errors import RemoteEntryNotFoundError
 
         try:  # a generator: a missing folder raises while iterating, not at the call
             entries = list(self.api.list_repo_tree(self.repo, path_in_repo=self._p(rel) or None))
-        except EntryNotFoundError:
+        except RemoteEntryNotFoundError:
             return []
         return [e.path.rsplit("/", 1)[-1] for e in entries if e.__class__.__name__ == "RepoFolder"]
 
@@ -262,10 +266,16 @@ class HubDestination(Destination):
         self.api.delete_folder(self._p(rel), repo_id=self.repo)
 
     def verify_dir(self, rel: str, manifest: dict[str, Any], local: Optional[Path] = None) -> tuple[bool, str]:
-        """From the hashes the Hub computed of what it received, without downloading the copy: an LFS/Xet
-        file's sha256 against the manifest, a small file's git blob id against the one of the sent file."""
+        """From what the Hub lists, without downloading the copy: every file there with the manifest's size;
+        a large (LFS/Xet) file stored under the manifest's sha256 (the id the client computed while uploading,
+        under which the Hub keeps the object); a small file with the git blob id the Hub computed of what it
+        received, against the id of the sent file, which must itself match the manifest."""
+        from huggingface_hub.utils import chunk_iterable
+
         names = list(manifest["files"])
-        infos = {i.path: i for i in self.api.get_paths_info(self.repo, [self._p(f"{rel}/{n}") for n in names])}
+        infos = {}
+        for chunk in chunk_iterable([self._p(f"{rel}/{n}") for n in names], 500):  # the Hub takes 1,000 at most
+            infos.update({i.path: i for i in self.api.get_paths_info(self.repo, list(chunk))})
         for name in names:
             want, info = manifest["files"][name], infos.get(self._p(f"{rel}/{name}"))
             if info is None or not hasattr(info, "blob_id"):
@@ -275,7 +285,7 @@ class HubDestination(Destination):
             if info.lfs is not None:
                 same = info.lfs.sha256 == want["sha256"]
             elif local is not None:
-                same = info.blob_id == git_blob_id(local / name)
+                same = info.blob_id == git_blob_id(local / name) and ckpt.sha256_file(local / name) == want["sha256"]
             else:
                 same = self.read_bytes_sha256(f"{rel}/{name}") == want["sha256"]
             if not same:
@@ -351,7 +361,8 @@ def push_final(dest: Destination, run: RunDir) -> None:
     if not run.final.is_dir():
         return
     for sub in sorted(p for p in run.final.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        files = sorted(p for p in sub.rglob("*") if p.is_file())
+        files = sorted(p for p in sub.rglob("*") if p.is_file()
+                       and not any(part.startswith(HUB_TMP_PREFIX) for part in p.relative_to(sub).parts))
         manifest = {"files": {f.relative_to(sub).as_posix(): {"size": f.stat().st_size, "sha256": ckpt.sha256_file(f)}
                               for f in files if f.name != ckpt.MANIFEST}}
         ckpt.atomic_write_json(sub / ckpt.MANIFEST, {"step": -1, **manifest})

@@ -14,7 +14,7 @@ Tokens/s is measured the same way on every side: the trainer's non-padding token
 clock at each logged step, from the first logged step (warm-up excluded) to the last.
 
     .venv/bin/python scripts/bench_throughput.py            # model m (~10M), 800 examples, 3 rounds (long on 2 busy cores)
-    .venv/bin/python scripts/bench_throughput.py --quick    # model s (~1.8M), 200 examples, 1 round (~3-5 min)
+    .venv/bin/python scripts/bench_throughput.py --quick    # model s (~1.8M), 200 examples, 1 round (~2-3 min quiet)
 """
 
 from __future__ import annotations
@@ -132,6 +132,9 @@ def main(argv=None) -> int:
     examples = a.examples or (200 if a.quick else 800)
     size = a.size or ("s" if a.quick else "m")
     variants = a.variants.split(",")
+    unknown = [v for v in variants if v not in (*PLAIN, "ftrun", "defaults")]
+    if unknown:
+        p.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join((*PLAIN, 'ftrun', 'defaults'))}")
     model, data = bc.bench_model(size), bc.bench_data(examples)
     work = bc.CACHE / "throughput"
     print(f"bench_throughput: {bc.machine()}; model {model.name}, {examples} examples, {rounds} round(s)", flush=True)
@@ -141,7 +144,7 @@ def main(argv=None) -> int:
         for name in order:
             r = run_variant(name, model, data, work, i)
             results.append(r)
-            print(f"  round {i} {name:9s} {r['tokens_per_second']:8.0f} tokens/s  wall {r['wall_seconds']:6.1f} s  "
+            print(f"  round {i} {name:10s} {r['tokens_per_second']:8.0f} tokens/s  wall {r['wall_seconds']:6.1f} s  "
                   f"final loss {r['final_loss']:.3f}", flush=True)
     med = {v: bc.median([r["tokens_per_second"] for r in results if r["variant"] == v]) for v in variants}
     print("median training tokens/s (real tokens): " + ", ".join(f"{v} {med[v]:.0f}" for v in variants))

@@ -12,6 +12,7 @@ import hashlib
 import inspect
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,11 +26,19 @@ REAL_API = hf.HfApi
 LFS_ABOVE = 1024  # the stand-in stores files above this as LFS (the Hub: 10 MB or a binary type)
 
 
+def not_found(what: str):
+    """The error the Hub's 404 becomes (built from the response class huggingface_hub itself uses)."""
+    response_cls = hf.errors.Response
+    request_cls = sys.modules[response_cls.__module__.split(".")[0]].Request
+    return hf.errors.RemoteEntryNotFoundError(f"404: {what}", response=response_cls(
+        404, request=request_cls("GET", "https://huggingface.co/api/x")))
+
+
 class FakeHub:
     """HfApi's calls that launcher/sync.py makes, on a folder; `mangle` changes what an upload stores."""
 
     def __init__(self, root: Path):
-        self.root, self.calls, self.mangle = root, [], None
+        self.root, self.calls, self.mangle, self.offline = root, [], None, False
 
     def _check(self, name, *args, **kwargs):
         inspect.signature(getattr(REAL_API, name)).bind(None, *args, **kwargs)  # TypeError on a wrong argument
@@ -60,9 +69,11 @@ class FakeHub:
     def hf_hub_download(self, *args, **kwargs):
         self._check("hf_hub_download", *args, **kwargs)
         repo_id, filename = args
+        if self.offline:  # what hf_hub_download raises when the Hub does not answer
+            raise hf.errors.LocalEntryNotFoundError("An error happened while trying to locate the file on the Hub")
         src = self.root / filename
         if not src.is_file():
-            raise hf.errors.EntryNotFoundError(f"{filename} not in {repo_id}")
+            raise not_found(f"{filename} not in {repo_id}")
         assert kwargs.get("local_dir"), "downloads must not go through the global Hub cache"
         dst = Path(kwargs["local_dir"]) / filename
         dst.parent.mkdir(parents=True, exist_ok=True)
@@ -73,7 +84,7 @@ class FakeHub:
         self._check("list_repo_tree", *args, **kwargs)
         base = self.root / (kwargs.get("path_in_repo") or "")
         if not base.is_dir():
-            raise hf.errors.EntryNotFoundError(str(base))
+            raise not_found(str(base))
         for p in sorted(base.iterdir()):
             rel = p.relative_to(self.root).as_posix()
             yield hf.hf_api.RepoFolder(path=rel, oid="0" * 40) if p.is_dir() else self._info(p)
@@ -84,6 +95,7 @@ class FakeHub:
 
     def get_paths_info(self, *args, **kwargs):
         self._check("get_paths_info", *args, **kwargs)
+        assert 0 < len(args[1]) <= 1000, "the Hub takes 1 to 1,000 paths per call"
         return [self._info(self.root / p) for p in args[1] if (self.root / p).is_file()]
 
     def _info(self, p: Path):
@@ -133,7 +145,8 @@ def test_hub_round_trip_verifies_without_downloading_and_keeps_the_newest(tmp_pa
 
 @pytest.mark.parametrize("victim", ["adapter_model.safetensors", "trainer_state.json"])
 def test_hub_copy_that_differs_is_not_counted_as_off_the_box(tmp_path, hub, victim):
-    """A byte changed on the way, in an LFS file or in a small one: the copy does not verify."""
+    """The Hub lists a file under other hashes than the sent one (an LFS sha256, a small file's git blob id):
+    the copy does not count as off the box. (For LFS the sha256 is the id the upload was made under.)"""
     from launcher.sync import destination, push_checkpoint
 
     run = RunDir(tmp_path / "run")
@@ -156,3 +169,42 @@ def test_hub_url_without_a_repo_is_a_clear_error(hub):
 
     with pytest.raises(SyncError, match="does not name a repo"):
         destination("hf://justme")
+
+
+def test_hub_small_file_that_no_longer_matches_its_manifest_does_not_verify(tmp_path, hub):
+    """The blob id proves the Hub holds the sent file; the sent file must also be the one the manifest names."""
+    from launcher.sync import destination, push_checkpoint
+
+    run = RunDir(tmp_path / "run")
+    d = _run_with_checkpoint(run.root, 10)
+    (d / "trainer_state.json").write_text('{"global_step": 99}')  # changed after the manifest was written
+    with pytest.raises(SyncError, match="trainer_state.json differs from the manifest"):
+        push_checkpoint(destination("hf://me/runs"), run, d, keep=2)
+
+
+def test_hub_that_does_not_answer_is_an_error_not_a_missing_run(tmp_path, hub):
+    """'Not reachable' must not read as 'no run there': the same command would start afresh over the copy."""
+    from launcher.sync import destination, pull, push_metadata, remote_has_run
+
+    run = RunDir(tmp_path / "run")
+    _run_with_checkpoint(run.root, 10)
+    push_metadata(destination("hf://me/runs"), run)
+    assert remote_has_run("hf://me/runs") and not remote_has_run("hf://me/runs/other")
+    hub.offline = True
+    with pytest.raises(SyncError, match="cannot reach the Hub"):
+        remote_has_run("hf://me/runs")
+    with pytest.raises(SyncError, match="cannot reach the Hub"):
+        pull("hf://me/runs", RunDir(tmp_path / "fresh"))
+
+
+def test_hub_checkpoint_with_many_files_is_checked_in_batches(tmp_path, hub):
+    from launcher.sync import destination, push_checkpoint
+
+    run = RunDir(tmp_path / "run")
+    d = run.checkpoints / f"{ckpt.PREFIX}{10:06d}"
+    (d / "shards").mkdir(parents=True)
+    for i in range(1200):  # per-rank shards of a large multi-node run
+        (d / "shards" / f"rank{i:04d}.pt").write_bytes(b"%d" % i)
+    ckpt.write_manifest(d, 10, {"recipe_hash": "abc"})
+    assert push_checkpoint(destination("hf://me/runs"), run, d, keep=2) == 10
+    assert hub.calls.count("get_paths_info") == 3
