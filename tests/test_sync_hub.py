@@ -208,3 +208,32 @@ def test_hub_checkpoint_with_many_files_is_checked_in_batches(tmp_path, hub):
     ckpt.write_manifest(d, 10, {"recipe_hash": "abc"})
     assert push_checkpoint(destination("hf://me/runs"), run, d, keep=2) == 10
     assert hub.calls.count("get_paths_info") == 3
+
+
+def test_a_fresh_box_fetches_a_run_lost_mid_run_from_the_hub(tmp_path, hub):
+    """The flow of `ftrun RECIPE` on a new box: the run is found, the newest verified checkpoint and the
+    metadata come back (no final/ yet: the machine was lost mid-run), the lost box's pids are dropped."""
+    from launcher.pipeline import _pull_if_remote_run
+    from launcher.recipe import validate_recipe
+    from launcher.state import read_state, set_state
+    from launcher.sync import destination, push_checkpoint, push_metadata
+
+    old = RunDir(tmp_path / "old-box")
+    dest = destination("hf://me/runs/job")
+    for step in (10, 20):
+        push_checkpoint(dest, old, _run_with_checkpoint(old.root, step), keep=2)
+    set_state(old, "running", supervisor_pid=4242, worker_pid=4243)
+    push_metadata(dest, old)
+
+    recipe = validate_recipe({"model": "a/b", "method": "lora", "data": "d.jsonl", "output_dir": str(tmp_path / "new-box"),
+                              "sync": {"to": "hf://me/runs/job"}}, tmp_path, "r")
+    new = RunDir(tmp_path / "new-box")
+    assert _pull_if_remote_run(new, recipe) is True
+    assert sorted(p.name for p in new.checkpoints.iterdir()) == ["step-000020"]
+    assert ckpt.verify(new.checkpoints / "step-000020")[0]
+    state = read_state(new)
+    assert state["supervisor_pid"] is None and state["worker_pid"] is None and "at step 20" in state["reason"]
+
+    hub.offline = True  # a box that cannot reach the Hub refuses to start blind
+    with pytest.raises(SyncError, match="cannot look for an earlier copy of this run"):
+        _pull_if_remote_run(RunDir(tmp_path / "third-box"), recipe)
