@@ -21,11 +21,21 @@ def step_dir_name(step: int) -> str:
 
 
 def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
+    return hash_file(path, hashlib.sha256())
+
+
+def hash_file(path: Path, h: Any) -> str:
+    """The hex digest of `h` (a hashlib object, possibly primed) updated with the file's bytes."""
     with path.open("rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of a file, or of every file below a folder."""
+    path = Path(path)
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
 
 
 def atomic_write_json(path: Path, data: Any) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from .checkpoint import atomic_write_json
+from .checkpoint import atomic_write_json, tree_bytes
 from .errors import EXIT_RUN_FAILED, FtrunError, UsageError
 from .rundir import RunDir
 
@@ -56,10 +56,6 @@ class ExportError(FtrunError):
 
 def _say(msg: str) -> None:
     print(f"[ftrun export] {msg}", flush=True)
-
-
-def _dir_size(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
 
 
 def human_size(n: float) -> str:
@@ -364,7 +360,7 @@ def _export(inp: Inputs, report: dict[str, Any]) -> None:
         model = PeftModel.from_pretrained(base, str(inp.source)).to(cdtype).eval()
         ref = model_outputs(model, prompts)
         effect = compare(base_out, ref, "merged")
-        size = _dir_size(inp.source / "adapter_model.safetensors")
+        size = tree_bytes(inp.source / "adapter_model.safetensors")
         outputs["adapter"] = {
             "path": str(inp.source), "bytes": size, "size": human_size(size),
             "rank": model.peft_config["default"].r,
@@ -384,7 +380,7 @@ def _export(inp: Inputs, report: dict[str, Any]) -> None:
         merged = model.to(dtype).merge_and_unload()
         kind = "merged"
     else:
-        size = _dir_size(inp.source)
+        size = tree_bytes(inp.source)
         outputs["model"] = {"path": str(inp.source), "bytes": size, "size": human_size(size)}
         if "merged" not in inp.formats:  # the full model is already servable as it is
             return _serving(inp, report, tokenizer)
@@ -408,7 +404,7 @@ def _export(inp: Inputs, report: dict[str, Any]) -> None:
     reloaded = load_16bit(str(merged_dir), dtype).to(cdtype)
     merged_out = model_outputs(reloaded, prompts)
     result = compare(ref, merged_out, kind)
-    size = _dir_size(merged_dir)
+    size = tree_bytes(merged_dir)
     outputs["merged"] = {"path": str(merged_dir), "bytes": size, "size": human_size(size),
                          "tensor_dtypes": sorted(dtypes), "parity_vs_" + ("base_plus_adapter" if inp.is_adapter else "full_model"): result}
     _say(f"merged model {human_size(size)} in {merged_dir}: top-1 agreement {result['top1_agreement']:.4f}, "

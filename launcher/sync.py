@@ -300,11 +300,7 @@ class HubDestination(Destination):
 
 def git_blob_id(path: Path) -> str:
     """The git object id of a file's content (what the Hub reports as a small file's blob id)."""
-    h = hashlib.sha1(f"blob {path.stat().st_size}\0".encode())
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    return ckpt.hash_file(path, hashlib.sha1(f"blob {path.stat().st_size}\0".encode()))
 
 
 def destination(url: str) -> Destination:

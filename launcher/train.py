@@ -555,7 +555,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
         if _rank() == 0:
             _write_smoke_result(run, metrics.step_times, device, cadence.timed_out, cadence.save_seconds,
                                 {"import_seconds": round(import_seconds, 3), "load_seconds": round(load_seconds, 3),
-                                 "checkpoint_bytes": _tree_bytes(out_dir)})
+                                 "checkpoint_bytes": ckpt.tree_bytes(out_dir)})
         return 0
     if cadence.stopped_by_signal and trainer.state.global_step < trainer.state.max_steps:
         print(f"[ftrun worker] stopped at step {trainer.state.global_step} after {_Stop.signal_name}; "
@@ -626,7 +626,7 @@ def _is_disk_full(exc: BaseException, where: Path) -> bool:
     # torch.save reports a full disk as one of several RuntimeErrors ("file write failed", "iostream
     # error", "unexpected pos"): ask the disk itself whether a checkpoint still fits.
     kept = [p for p in ckpt.candidates(where / "checkpoints") if (p / ckpt.MANIFEST).is_file()]
-    last = sum(f.stat().st_size for f in kept[0].rglob("*") if f.is_file()) if kept else 0
+    last = ckpt.tree_bytes(kept[0]) if kept else 0
     return shutil.disk_usage(where).free < max(64 * 1024 * 1024, 2 * last)
 
 
@@ -635,10 +635,10 @@ def _disk_full_message(run: RunDir, step: int) -> str:
     import shutil
 
     partial = [p for p in run.checkpoints.glob("checkpoint-*") if p.is_dir()]
-    partial_bytes = sum(f.stat().st_size for p in partial for f in p.rglob("*") if f.is_file())
+    partial_bytes = sum(ckpt.tree_bytes(p) for p in partial)
     ckpt.remove_incomplete(run.checkpoints)
     kept = [p for p in ckpt.candidates(run.checkpoints) if (p / ckpt.MANIFEST).is_file()]
-    last_size = sum(f.stat().st_size for f in kept[0].rglob("*") if f.is_file()) if kept else 0
+    last_size = ckpt.tree_bytes(kept[0]) if kept else 0
     free = shutil.disk_usage(run.root).free
     return (f"disk full while saving the checkpoint of step {step}: {free / 1e6:.1f} MB free on {run.root}, "
             f"a checkpoint takes about {max(last_size, partial_bytes) / 1e6:.1f} MB; the partial save was removed, "
@@ -687,10 +687,6 @@ def _reap(child: subprocess.Popen, timeout: float = 60.0) -> None:
         child.kill()
         child.wait()
         print(f"[ftrun worker] loss.png not updated: the drawing took more than {timeout:.0f} s", flush=True)
-
-
-def _tree_bytes(folder: Path) -> int:
-    return sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
 
 
 def _write_smoke_result(run: RunDir, step_times, device: str, timed_out: bool,
