@@ -67,15 +67,6 @@ def peak_memory_gb(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
-def detect_device() -> tuple[str, Any]:
-    """('cuda', bf16 or fp16) when a GPU is usable, else ('cpu', fp32): detected, never configured."""
-    import torch
-
-    if torch.cuda.is_available():
-        return "cuda", (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16)
-    return "cpu", torch.float32
-
-
 def _restore_metrics(path: Path, checkpoint: Path, last_step: int) -> None:
     """On resume, metrics.jsonl = the rows the checkpoint carries (steps up to its own); later rows will be logged again."""
     source = checkpoint / METRICS_IN_CHECKPOINT
@@ -218,7 +209,10 @@ def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta
 
 
 def load_model_and_tokenizer(recipe, device: str, dtype, plan: Optional[dict] = None, run_dir: Optional[Path] = None):
-    """The base model by method (4-bit for qlora, 16-bit for lora, full weights for full), then LoRA."""
+    """The engine's loader: Unsloth's FastLanguageModel for engine unsloth, else launcher/loading.py
+    (inside DeepSpeed's partitioned loading for ZeRO-3)."""
+    from . import loading
+
     if (plan or {}).get("engine") == "unsloth":  # FastLanguageModel + its get_peft_model (launcher/backends/unsloth.py)
         from .backends import unsloth as unsloth_engine
 
@@ -226,62 +220,11 @@ def load_model_and_tokenizer(recipe, device: str, dtype, plan: Optional[dict] = 
         print(f"[ftrun worker] engine unsloth {unsloth_engine.version()}: FastLanguageModel loaded {source}"
               f"{' in 4 bit' if recipe.method == 'qlora' else ''}; "
               f"{'; '.join(unsloth_engine.markers(model)) or 'no Unsloth marks'}", flush=True)
-        print("[ftrun worker] " + describe_model(model), flush=True)
+        print("[ftrun worker] " + loading.describe_model(model), flush=True)
         return model, tokenizer
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from .backends import loading_context
 
-    tokenizer = AutoTokenizer.from_pretrained(recipe.model)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    device_map = {"": torch.cuda.current_device()} if device == "cuda" else {"": "cpu"}
-    kwargs: dict[str, Any] = {"dtype": dtype, "device_map": device_map}
-    if recipe.method == "qlora":
-        from transformers import BitsAndBytesConfig
-
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=dtype,
-            bnb_4bit_quant_storage=dtype,  # matches the compute dtype so FSDP can shard the 4-bit weights
-        )
-    from .backends import load_kwargs, loading_context
-
-    kwargs.update(load_kwargs(plan or {}))
-    with loading_context(plan or {}, run_dir):  # ZeRO-3: partitioned while loading
-        model = AutoModelForCausalLM.from_pretrained(recipe.model, **kwargs)
-    if recipe.method in ("qlora", "lora"):
-        from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-
-        if recipe.method == "qlora":
-            model = prepare_model_for_kbit_training(
-                model, use_gradient_checkpointing=recipe.gradient_checkpointing,
-                gradient_checkpointing_kwargs={"use_reentrant": False},
-            )
-        elif recipe.gradient_checkpointing:
-            model.enable_input_require_grads()  # checkpointed LoRA needs grads flowing into the frozen embeddings
-        lora = recipe.lora
-        model = get_peft_model(model, LoraConfig(
-            r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-            target_modules=lora.target_modules, task_type="CAUSAL_LM",
-        ))
-    if _rank() == 0:
-        print("[ftrun worker] " + describe_model(model), flush=True)
-    return model, tokenizer
-
-
-def describe_model(model) -> str:
-    """What was actually built: parameter counts and how the base weights are stored (says 4-bit only if it is)."""
-    total = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    kinds: dict[str, int] = {}
-    for module in model.modules():
-        name = type(module).__name__
-        if name in ("Linear4bit", "Linear8bitLt", "Linear"):
-            kinds[name] = kinds.get(name, 0) + 1
-    layers = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
-    return f"model: {total:,} parameters, {trainable:,} trainable; linear layers: {layers}"
+    return loading.load_model_and_tokenizer(recipe, device, dtype, plan, context=loading_context(plan or {}, run_dir))
 
 
 def sft_config(recipe, run: RunDir, mode: str, device: str, dtype, max_steps: Optional[int], output_dir: Path,
@@ -452,7 +395,9 @@ def run_worker(run_dir: Path, mode: str) -> int:
     from .backends import trainer_fields
     from .data import load_examples
 
-    device, dtype = detect_device()
+    from .loading import select_device
+
+    device, dtype = select_device()  # this rank's own GPU (LOCAL_RANK), before anything touches CUDA
     if plan.get("memory_limit_gb"):
         if plan.get("engine") == "deepspeed" and device == "cpu":
             # the cap counts training memory, not the engine's code and its process group's threads

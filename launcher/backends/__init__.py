@@ -145,15 +145,6 @@ def format_verification(v: dict[str, Any]) -> str:
             + " - refusing to train with another engine than planned")
 
 
-def load_kwargs(plan: dict[str, Any]) -> dict[str, Any]:
-    """from_pretrained arguments the engine decides: sharding engines place the weights themselves."""
-    if plan.get("engine") in ("fsdp", "deepspeed"):
-        # A device_map would load a full copy onto every GPU first (and transformers refuses one
-        # under ZeRO-3's partitioned loading).
-        return {"device_map": None}
-    return {}
-
-
 def loading_context(plan: dict[str, Any], run_dir: Path | None):
     """Around from_pretrained: for ZeRO-3, partition the weights while they load (zero.Init)."""
     import contextlib

@@ -67,7 +67,10 @@ def partitioned_loading(plan: dict[str, Any], run_dir: Path):
     from transformers.integrations import HfDeepSpeedConfig
 
     cfg = json.loads((Path(run_dir) / CONFIG_NAME).read_text())
-    bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    from ..loading import compute_dtype
+
+    # the worker's choice (launcher/loading.py): bf16 from compute capability 8.0, not is_bf16_supported()
+    bf16 = torch.cuda.is_available() and compute_dtype(torch.cuda.get_device_capability()) == torch.bfloat16
     cfg["bf16"]["enabled"] = bf16
     cfg["fp16"]["enabled"] = torch.cuda.is_available() and not bf16
     cfg["gradient_clipping"] = 1.0  # not used while loading

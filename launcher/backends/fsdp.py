@@ -115,7 +115,7 @@ def exercise(run_dir: Path, steps: int, out: Optional[Path]) -> int:
     import torch.distributed as dist
 
     from ..recipe import load_recipe
-    from ..train import load_model_and_tokenizer
+    from ..loading import load_model_and_tokenizer
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -24,8 +24,10 @@ def _recipe(model: Path) -> SimpleNamespace:
 def _device(name: str):
     import torch
 
+    from ..loading import select_device
+
     if name == "cuda":
-        return "cuda", (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16)
+        return select_device()  # the worker's own choice: this rank's GPU, dtype by compute capability
     return "cpu", torch.float32
 
 
@@ -33,7 +35,7 @@ def worker_step(model: Path, device_name: str) -> dict[str, Any]:
     """The worker's load_model_and_tokenizer on this device, then one LoRA forward/backward."""
     import torch
 
-    from ..train import load_model_and_tokenizer
+    from ..loading import load_model_and_tokenizer
 
     device, dtype = _device(device_name)
     m, _ = load_model_and_tokenizer(_recipe(model), device, dtype)
@@ -56,8 +58,8 @@ def fsdp_prepare(model: Path, device_name: str) -> dict[str, Any]:
     from accelerate import Accelerator
     from torch.distributed.fsdp import FSDPModule
 
-    from ..train import load_model_and_tokenizer
-    from . import load_kwargs
+    from ..loading import load_model_and_tokenizer
+    from ..loading import load_kwargs
     from .fsdp import sharding_report
 
     device, dtype = _device(device_name)
@@ -76,7 +78,7 @@ def fsdp_prepare(model: Path, device_name: str) -> dict[str, Any]:
     acc.backward(loss)
     result = {"device": device, "distributed_type": str(acc.distributed_type), "wrapper": type(wrapped).__name__,
               "fsdp2_module": is_fsdp, "dtensor_parameters": dtensors, "parameters": len(params),
-              "world_size": acc.num_processes, "loss": loss.item(), "load_kwargs": load_kwargs({"engine": "fsdp"}),
+              "world_size": acc.num_processes, "loss": loss.item(), "load_kwargs": {k: str(v) for k, v in load_kwargs(recipe, device, dtype, "fsdp").items()},
               **{f"report_{k}": v for k, v in report.items()}}
     # one GPU: FSDP2 wraps and turns every parameter into a DTensor, over a mesh of 1 (nothing to shard over)
     result["ok"] = (is_fsdp and dtensors == len(params)) if device == "cuda" else not is_fsdp

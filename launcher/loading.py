@@ -1,0 +1,209 @@
+"""Model loading in the worker: which device this rank uses, in which dtype, and how the base model is built.
+
+One place decides, per engine and method, the device of this process (from LOCAL_RANK), the compute dtype
+(from the card's compute capability), the weights' dtype, the quantization config and the attention kernel,
+then loads the model and adds LoRA. The worker (`launcher/train.py`), the FSDP exercise and the GPU check call
+it, so what the GPU check proves is what the worker does. Engine-specific contexts (DeepSpeed's partitioned
+loading) and Unsloth's own loader are chosen by the worker and passed in; this module imports no backend.
+
+Sources relied on (installed versions: torch 2.13, transformers 5.24, peft 0.21, bitsandbytes 0.50,
+accelerate 1.15):
+- torch.cuda.is_bf16_supported(including_emulation=True) is True on any CUDA device whose bf16 tensors can be
+  created (emulated on T4/V100, compute capability 7.x): `torch/cuda/__init__.py`. The choice below reads the
+  compute capability instead: bf16 needs 8.0 (Ampere) for tensor-core speed.
+- transformers' `from_pretrained(device_map=None)` with a bitsandbytes config places the model on
+  `torch.cuda.current_device()` (`transformers/quantizers/quantizer_bnb_4bit.py`, update_device_map), which is
+  device 0 until `torch.cuda.set_device` is called: so the device is set from LOCAL_RANK before any load.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any, Optional
+
+# Engines that shard or partition the weights themselves: they load without a device map (transformers
+# refuses a device_map under ZeRO-3's partitioned loading; FSDP places the shards on each rank's device).
+SHARDING_ENGINES = ("fsdp", "deepspeed")
+
+
+def local_rank() -> int:
+    """This process's index on its box: torchrun and accelerate launch set LOCAL_RANK (0 for one process)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def is_main_process() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def compute_dtype(capability: Optional[tuple[int, int]]):
+    """bf16 on compute capability 8.0+ (A100, L4/L40S, RTX 30/40/50, H100, ...), fp16 on 7.x (T4, V100) and
+    below, fp32 on the CPU (capability None).
+
+    Not torch.cuda.is_bf16_supported(): it counts emulation, which makes a T4 or V100 train bf16 at a
+    fraction of its fp16 tensor-core speed. fp16 trains with the Trainer's loss scaling (fp16=True).
+    """
+    import torch
+
+    if capability is None:
+        return torch.float32
+    return torch.bfloat16 if tuple(capability) >= (8, 0) else torch.float16
+
+
+def select_device() -> tuple[str, Any]:
+    """('cuda', dtype) on this rank's own GPU, made the current device, or ('cpu', fp32): detected, never configured.
+
+    Called once at worker start, before the model, a process group or a memory cap touch CUDA: without
+    set_device every rank would allocate on GPU 0 (and NCCL would bind every rank to it).
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu", torch.float32
+    index = local_rank()
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise RuntimeError(f"LOCAL_RANK={index} but this process sees {count} GPU(s) "
+                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+    torch.cuda.set_device(index)
+    return "cuda", compute_dtype(torch.cuda.get_device_capability(index))
+
+
+def weights_dtype(method: str, engine: str, device: str, dtype):
+    """The dtype the base weights are loaded in.
+
+    Full fine-tuning with the Trainer's own loop (trl, ddp) keeps fp32 weights and trains under bf16/fp16
+    autocast (SFTConfig bf16/fp16): AdamW updates near 1e-5 of a weight vanish when added to a bf16 weight
+    (8 bits of mantissa), and training stalls quietly. Memory is what the sizer counts for full fine-tuning
+    (16 bytes per parameter: fp32 weight 4, fp32 gradient 4, m and v 8). FSDP2 upcasts trainable parameters
+    to fp32 itself under mixed precision (accelerate/utils/fsdp_utils.py, fsdp2_prepare_model) and DeepSpeed's
+    bf16 optimizer keeps fp32 master partitions, so both load in the compute dtype. full-8bit keeps 16-bit
+    weights: the 8-bit optimizer is chosen to save memory, and the sizer counts it that way.
+    """
+    import torch
+
+    if device == "cuda" and method == "full" and engine not in SHARDING_ENGINES:
+        return torch.float32
+    return dtype
+
+
+def device_map(device: str, engine: str) -> Optional[dict[str, Any]]:
+    """from_pretrained's device_map: this rank's own GPU, the CPU, or None for the sharding engines."""
+    if engine in SHARDING_ENGINES:
+        return None
+    if device == "cuda":
+        return {"": local_rank()}
+    return {"": "cpu"}
+
+
+def attention_implementation(device: str, dtype) -> Optional[str]:
+    """flash_attention_2 where the flash-attn package is installed and the dtype is 16-bit, else transformers' default (SDPA).
+
+    Padding-free batches (ftrun's default) carry position_ids that mark the examples; SDPA turns them into a
+    dense block-diagonal mask over the whole micro-batch, flash-attention into variable-length kernels
+    without a mask. flash-attn needs a GPU and a 16-bit dtype.
+    """
+    import torch
+
+    if device != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if importlib.util.find_spec("flash_attn") is None:
+        return None
+    return "flash_attention_2"
+
+
+def quantization_config(method: str, dtype):
+    """QLoRA's 4-bit NF4 config; quant storage in the compute dtype so FSDP can shard the 4-bit weights
+    (accelerate excludes non-floating Params4bit from sharding: fsdp2_prepare_model)."""
+    if method != "qlora":
+        return None
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=dtype,
+        bnb_4bit_quant_storage=dtype,
+    )
+
+
+def load_kwargs(recipe, device: str, dtype, engine: str) -> dict[str, Any]:
+    """Every from_pretrained argument this module decides, in one dict (the GPU check reports it)."""
+    kwargs: dict[str, Any] = {"dtype": weights_dtype(recipe.method, engine, device, dtype),
+                              "device_map": device_map(device, engine)}
+    quant = quantization_config(recipe.method, dtype)
+    if quant is not None:
+        kwargs["quantization_config"] = quant
+    attn = attention_implementation(device, dtype)
+    if attn is not None:
+        kwargs["attn_implementation"] = attn
+    return kwargs
+
+
+def load_tokenizer(recipe):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(recipe.model)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def add_lora(model, recipe, engine: str):
+    """LoRA on the base model (after kbit preparation for QLoRA)."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    if recipe.method == "qlora":
+        # Under FSDP, activation checkpointing is FSDP's own (fsdp_activation_checkpointing in the accelerate
+        # config, backends/fsdp.py): checkpointing here as well wraps every layer twice and breaks the sharded
+        # backward. The other engines checkpoint through the model (the Trainer enables it again; harmless).
+        checkpoint_here = recipe.gradient_checkpointing and engine != "fsdp"
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=checkpoint_here,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
+    elif recipe.gradient_checkpointing:
+        model.enable_input_require_grads()  # checkpointed LoRA needs grads flowing into the frozen embeddings
+    lora = recipe.lora
+    return get_peft_model(model, LoraConfig(
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+        target_modules=lora.target_modules, task_type="CAUSAL_LM",
+    ))
+
+
+def load_model_and_tokenizer(recipe, device: str, dtype, plan: Optional[dict] = None, context=None):
+    """The base model by method (4-bit for qlora, 16-bit for lora, fp32 master weights for full on trl/ddp), then LoRA.
+
+    `context`: a context manager the engine wraps the load in (DeepSpeed ZeRO-3 partitions while loading).
+    """
+    import contextlib
+
+    from transformers import AutoModelForCausalLM
+
+    engine = (plan or {}).get("engine", "trl")
+    tokenizer = load_tokenizer(recipe)
+    kwargs = load_kwargs(recipe, device, dtype, engine)
+    with context if context is not None else contextlib.nullcontext():
+        model = AutoModelForCausalLM.from_pretrained(recipe.model, **kwargs)
+    if recipe.method in ("qlora", "lora"):
+        model = add_lora(model, recipe, engine)
+    if is_main_process():
+        print("[ftrun worker] " + describe_model(model), flush=True)
+    return model, tokenizer
+
+
+def describe_model(model) -> str:
+    """What was actually built: parameter counts, where and how the base weights are stored (says 4-bit only if it is)."""
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    kinds: dict[str, int] = {}
+    for module in model.modules():
+        name = type(module).__name__
+        if name in ("Linear4bit", "Linear8bitLt", "Linear"):
+            kinds[name] = kinds.get(name, 0) + 1
+    layers = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+    devices = sorted({str(p.device) for p in model.parameters()})
+    dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})
+    return (f"model: {total:,} parameters, {trainable:,} trainable; linear layers: {layers}; "
+            f"on {', '.join(devices)} in {', '.join(dtypes)}")
