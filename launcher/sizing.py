@@ -159,6 +159,10 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
     terms: dict[str, float] = {}
     why: dict[str, str] = {}
     shard = f" / {n} GPUs (sharded)" if n > 1 else ""
+    # Full fine-tuning in the Trainer's own loop (trl, ddp) keeps the weights themselves in fp32 and trains under
+    # autocast (launcher/loading.py weights_dtype): the same 16 B/param as bf16 weights + an fp32 master copy,
+    # split as weight 4 + gradient 4 + AdamW m, v 8. FSDP and DeepSpeed keep the bf16 + master layout.
+    fp32_master = not cpu and w.method == "full" and w.engine not in ("fsdp", "deepspeed")
 
     # Weights
     if w.method == "qlora":
@@ -167,6 +171,9 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
         why["weights"] = (f"{_count(arch.linear_params)} linear weights in NF4 ({NF4_BYTES:.3f} B/param with "
                           f"quantization constants) + {_count(other)} embedding/head/norm params in "
                           f"{'fp32' if cpu else 'bf16'}{shard}")
+    elif fp32_master:
+        terms["weights"] = P * 4 / GB
+        why["weights"] = f"{_count(P)} params x 4 B (fp32 master weights, trained under bf16 autocast)"
     else:
         terms["weights"] = P * b16 / n / GB
         why["weights"] = f"{_count(P)} params x {b16} B ({'fp32' if cpu else 'bf16'}){shard}"
@@ -178,13 +185,15 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
                            f"(fp32 weight, gradient, AdamW m and v){shard}")
     else:
         table = FULL_8BIT_BYTES if w.method == "full-8bit" else FULL_ADAMW_BYTES
-        grad_b = 4 if cpu else table["gradients"]
-        opt_b = 8 if cpu and w.method == "full" else table["optimizer"]  # fp32 on CPU: no separate master copy
+        grad_b = 4 if cpu or fp32_master else table["gradients"]
+        # fp32 weights (CPU, or fp32 master weights on a GPU): no separate master copy
+        opt_b = 8 if (cpu and w.method == "full") or fp32_master else table["optimizer"]
         terms["gradients"] = P * grad_b / n / GB
         why["gradients"] = f"one gradient per weight, {grad_b} B each{shard}"
         terms["optimizer"] = P * opt_b / n / GB
         why["optimizer"] = ("8-bit AdamW: m and v at 1 B each" if w.method == "full-8bit" else
-                            ("AdamW m and v in fp32" if cpu else "fp32 master weights 4 B + AdamW m and v 8 B")) + shard
+                            ("AdamW m and v in fp32" if cpu or fp32_master
+                             else "fp32 master weights 4 B + AdamW m and v 8 B")) + shard
         if not cpu:
             terms["gradient churn"] = P * GRADIENT_CHURN_BYTES / n / GB
             why["gradient churn"] = ("gradients are freed and re-allocated every step between activations; the "
@@ -246,7 +255,7 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
             runtime += NCCL_GB
             parts.append(f"NCCL buffers {NCCL_GB} GB")
             if w.engine == "ddp":
-                grad_bytes = T * (4 if w.method in ("qlora", "lora") else 2)
+                grad_bytes = T * (4 if w.method in ("qlora", "lora") or fp32_master else 2)
                 runtime += grad_bytes / GB
                 parts.append(f"DDP gradient buckets {grad_bytes / GB:.1f} GB (a second copy of the trainable gradients)")
         terms["runtime"] = runtime
