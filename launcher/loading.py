@@ -78,11 +78,15 @@ def weights_dtype(method: str, engine: str, device: str, dtype):
     (16 bytes per parameter: fp32 weight 4, fp32 gradient 4, m and v 8). FSDP2 upcasts trainable parameters
     to fp32 itself under mixed precision (accelerate/utils/fsdp_utils.py, fsdp2_prepare_model) and DeepSpeed's
     bf16 optimizer keeps fp32 master partitions, so both load in the compute dtype. full-8bit keeps 16-bit
-    weights: the 8-bit optimizer is chosen to save memory, and the sizer counts it that way.
+    weights: the 8-bit optimizer is chosen to save memory, and the sizer counts it that way, except on fp16 cards
+    (compute capability below 8.0): the Trainer's fp16 loss scaling refuses to unscale fp16 gradients
+    (torch/amp/grad_scaler.py, "Attempting to unscale FP16 gradients"), so trained weights are fp32 there.
     """
     import torch
 
-    if device == "cuda" and method == "full" and engine not in SHARDING_ENGINES:
+    if device != "cuda" or engine in SHARDING_ENGINES:
+        return dtype
+    if method == "full" or (method == "full-8bit" and dtype == torch.float16):
         return torch.float32
     return dtype
 

@@ -95,6 +95,12 @@ def test_weights_dtype(method, engine, expected):
     assert loading.weights_dtype(method, engine, "cpu", torch.float32) == torch.float32
 
 
+def test_fp16_cards_train_full_weights_in_fp32():
+    # GradScaler (the Trainer's fp16=True) refuses fp16 gradients: trained weights are fp32 on a T4 / V100
+    assert loading.weights_dtype("full-8bit", "trl", "cuda", torch.float16) == torch.float32
+    assert loading.weights_dtype("lora", "trl", "cuda", torch.float16) == torch.float16  # frozen base stays 16-bit
+
+
 def test_fp32_master_weights_keep_small_updates_that_bf16_loses():
     # why item 9 matters: an AdamW step of 1e-5 relative to the weight disappears in bf16, not in fp32
     w = torch.ones(4)
