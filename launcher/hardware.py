@@ -1,4 +1,4 @@
-"""What the box has (GPUs, interconnect, CPU, RAM), read from NVML and the OS, or described by a `--gpus` spec."""
+"""What the box has (GPUs, interconnect, CPU, RAM), read from NVML (else torch.cuda) and the OS, or from a `--gpus` spec."""
 
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ class Hardware:
     ram_gb: float  # total, decimal GB
     source: str  # "detected" | "--gpus SPEC"
     notes: tuple[str, ...] = field(default=())  # announced fallbacks (e.g. NVML missing)
+    driver_version: str | None = None  # NVIDIA driver ("550.54.14"); None when planned from a spec or unreadable
 
     @property
     def count(self) -> int:
@@ -83,6 +84,7 @@ class Hardware:
             "ram_gb": round(self.ram_gb, 1),
             "source": self.source,
             "notes": list(self.notes),
+            "driver_version": self.driver_version,
         }
 
 
@@ -214,38 +216,102 @@ def _ram_gb() -> float:
     return psutil.virtual_memory().total / 1e9
 
 
-def _nvml_gpus(pynvml: Any) -> tuple[tuple[Gpu, ...], str, list[str]]:
-    """GPUs and interconnect from NVML; raises pynvml.NVMLError when there is no driver."""
+# Files the NVIDIA kernel driver creates: the torch fallback is tried only where one exists, so a
+# CPU box never pays for importing torch during `ftrun plan`.
+NVIDIA_DRIVER_FILES = ("/proc/driver/nvidia/version", "/dev/nvidiactl")
+# The kernel module's version is the driver version; read when NVML cannot say it.
+DRIVER_VERSION_FILES = ("/sys/module/nvidia/version", "/proc/driver/nvidia/version")
+# A100, H100, H200, B200: a MIG profile "3g.40gb" gets 3 of the card's 7 compute slices.
+MIG_COMPUTE_SLICES = 7
+TORCH_PROBE_TIMEOUT_S = 120
+
+
+@dataclass(frozen=True)
+class _Device:
+    """One device a CUDA process can be given: a whole GPU, or one MIG instance of a GPU."""
+
+    uuid: str  # GPU-... or MIG-...; "" when NVML does not say
+    name: str  # NVML's name; a MIG instance's reads like "NVIDIA A100-SXM4-80GB MIG 3g.40gb"
+    memory_bytes: int  # this device's own memory: a MIG instance's slice, never its parent's total
+    compute_capability: tuple[int, int] | None
+    nvlink: bool = False
+    parent_name: str | None = None  # set for a MIG instance: the physical card
+    parent_uuid: str | None = None
+    mig_ids: tuple[int, int] | None = None  # (GPU instance, compute instance) for MIG-GPU-<uuid>/<gi>/<ci>
+
+    @property
+    def is_mig(self) -> bool:
+        return self.parent_name is not None
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _nvml_devices(pynvml: Any) -> tuple[list[_Device], str | None, list[str]]:
+    """Every device CUDA could enumerate, in NVML order, the driver version, and notes.
+
+    A GPU in MIG mode contributes its MIG instances instead of itself: CUDA cannot run on the parent
+    of a MIG-enabled GPU, only on an instance, which has a slice of the memory. Raises
+    pynvml.NVMLError when there is no driver. Function names as in nvidia-ml-py 13 (pynvml.py):
+    nvmlDeviceGetMigMode -> [current, pending], nvmlDeviceGetMaxMigDeviceCount,
+    nvmlDeviceGetMigDeviceHandleByIndex (NVML_ERROR_NOT_FOUND for an empty slot).
+    """
     pynvml.nvmlInit()
     notes: list[str] = []
     try:
-        gpus = []
-        nvlink = False
+        try:
+            driver = _text(pynvml.nvmlSystemGetDriverVersion()).strip() or None
+        except pynvml.NVMLError:
+            driver = _driver_version_from_os()
+        devices: list[_Device] = []
         for i in range(pynvml.nvmlDeviceGetCount()):
             handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            name = pynvml.nvmlDeviceGetName(handle)
-            name = name.decode() if isinstance(name, bytes) else name
-            memory = pynvml.nvmlDeviceGetMemoryInfo(handle).total / 1e9
+            name = _text(pynvml.nvmlDeviceGetName(handle))
+            uuid = _nvml_uuid(pynvml, handle)
             try:
                 cc = tuple(pynvml.nvmlDeviceGetCudaComputeCapability(handle))
             except pynvml.NVMLError:
                 cc = None
-            entry = lookup(name)
-            if entry is None:
-                notes.append(f"GPU '{name}' is not in the catalog: no price or TFLOP/s known, time is estimated "
-                             f"from its memory class; add it to {USER_CATALOG_ENV}")
-            gpus.append(Gpu(
-                name=entry.name if entry else name,
-                memory_gb=round(memory, 2),
-                compute_capability=cc,
-                tflops_bf16=entry.tflops_bf16 if entry else None,
-                price_per_hour_eur=entry.price_per_hour_eur if entry else None,
-            ))
-            nvlink = nvlink or _has_active_nvlink(pynvml, handle)
-        interconnect = "none" if len(gpus) <= 1 else ("nvlink" if nvlink else "pcie")
-        return tuple(gpus), interconnect, notes
+            if not _mig_enabled(pynvml, handle):
+                devices.append(_Device(uuid, name, int(pynvml.nvmlDeviceGetMemoryInfo(handle).total), cc,
+                                       nvlink=_has_active_nvlink(pynvml, handle)))
+                continue
+            instances = []
+            for slot in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
+                try:
+                    mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
+                except pynvml.NVMLError:
+                    continue  # an empty slot: no instance created there
+                try:
+                    ids = (int(pynvml.nvmlDeviceGetGpuInstanceId(mig)), int(pynvml.nvmlDeviceGetComputeInstanceId(mig)))
+                except pynvml.NVMLError:
+                    ids = None
+                instances.append(_Device(_nvml_uuid(pynvml, mig), _text(pynvml.nvmlDeviceGetName(mig)),
+                                         int(pynvml.nvmlDeviceGetMemoryInfo(mig).total), cc,
+                                         parent_name=name, parent_uuid=uuid, mig_ids=ids))
+            if not instances:
+                notes.append(f"GPU {i} ({name}) has MIG enabled but no MIG instance: CUDA cannot use it "
+                             "(create one with nvidia-smi mig, or disable MIG)")
+            devices += instances
+        return devices, driver, notes
     finally:
         pynvml.nvmlShutdown()
+
+
+def _nvml_uuid(pynvml: Any, handle: Any) -> str:
+    try:
+        return _text(pynvml.nvmlDeviceGetUUID(handle))
+    except pynvml.NVMLError:
+        return ""
+
+
+def _mig_enabled(pynvml: Any, handle: Any) -> bool:
+    try:
+        current = pynvml.nvmlDeviceGetMigMode(handle)[0]
+    except pynvml.NVMLError:
+        return False  # NOT_SUPPORTED: a card without MIG (consumer cards, V100, L40S, ...)
+    return current == pynvml.NVML_DEVICE_MIG_ENABLE
 
 
 def _has_active_nvlink(pynvml: Any, handle: Any) -> bool:
@@ -259,8 +325,175 @@ def _has_active_nvlink(pynvml: Any, handle: Any) -> bool:
     return False
 
 
+def _match_visible(entry: str, devices: list[_Device]) -> _Device | None:
+    """The device one CUDA_VISIBLE_DEVICES entry names: an index, a (prefix of a) GPU-/MIG- UUID, or the
+    older MIG-GPU-<uuid>/<gpu instance>/<compute instance> form. None when it names no single device."""
+    if re.fullmatch(r"-?\d+", entry):
+        # Indices count CUDA's enumeration; on the homogeneous boxes ftrun sizes it is NVML's order.
+        idx = int(entry)
+        return devices[idx] if 0 <= idx < len(devices) else None
+    low = entry.lower()
+    legacy = re.fullmatch(r"mig-(gpu-[0-9a-f-]+)/(\d+)/(\d+)", low)
+    if legacy:
+        found = [d for d in devices if d.is_mig and (d.parent_uuid or "").lower() == legacy.group(1)
+                 and d.mig_ids == (int(legacy.group(2)), int(legacy.group(3)))]
+    else:
+        # CUDA accepts a unique prefix of a UUID ("GPU-8932f937"). A MIG-enabled card named by its GPU
+        # UUID stands for its instances.
+        found = [d for d in devices if d.uuid and d.uuid.lower().startswith(low)]
+        if not found and low.startswith("gpu-"):
+            found = [d for d in devices if d.is_mig and (d.parent_uuid or "").lower().startswith(low)][:1]
+    return found[0] if len(found) == 1 else None
+
+
+def _cuda_view(devices: list[_Device], visible: str | None) -> tuple[list[_Device], list[str]]:
+    """What a CUDA process on this box enumerates: NVML lists every card, CUDA honours
+    CUDA_VISIBLE_DEVICES (indices or UUIDs) and gives a process only one MIG instance."""
+    notes: list[str] = []
+    chosen = list(devices)
+    if visible is not None:
+        chosen = []
+        for raw in visible.split(","):
+            entry = raw.strip()
+            device = _match_visible(entry, devices)
+            if device is None:
+                # CUDA's rule: an invalid entry hides itself and every entry after it.
+                if entry != "-1":
+                    notes.append(f"CUDA_VISIBLE_DEVICES entry '{entry}' names no device on this box: CUDA ignores it "
+                                 "and every entry after it")
+                break
+            if device not in chosen:
+                chosen.append(device)
+    migs = [d for d in chosen if d.is_mig]
+    if len(migs) > 1:
+        # MIG user guide, "CUDA Device Enumeration": with CUDA 11/R450 and CUDA 12/R525 a CUDA process
+        # enumerates a single MIG instance however many are visible (pytorch/pytorch#130181), so
+        # torchrun's ranks cannot each take one: the job plans for the first.
+        notes.append(f"{len(migs)} MIG instances are visible, but a CUDA process can use only one: planning for "
+                     f"{migs[0].uuid or migs[0].name}; run one job per MIG instance, each with its own "
+                     "CUDA_VISIBLE_DEVICES=MIG-<uuid>")
+        chosen = [d for d in chosen if not d.is_mig or d is migs[0]]
+    return chosen, notes
+
+
+def _mig_profile(name: str) -> tuple[str | None, int | None]:
+    """'NVIDIA A100-SXM4-80GB MIG 3g.40gb' -> ('3g.40gb', 3)."""
+    m = re.search(r"(?:\d+c\.)?(\d+)g\.\d+gb", name.lower())
+    return (m.group(0), int(m.group(1))) if m else (None, None)
+
+
+def _gpu(name: str, memory_bytes: int, cc: tuple[int, int] | None, notes: list[str],
+         parent_name: str | None = None) -> Gpu:
+    """A detected device as sizing sees it, priced and rated from the catalog."""
+    if parent_name is None and " MIG " in f" {name} ":
+        # torch names a MIG instance after its card: "NVIDIA H100 80GB HBM3 MIG 3g.40gb"
+        parent_name = name.split(" MIG ")[0]
+    entry = lookup(parent_name or name)
+    memory = round(memory_bytes / 1e9, 2)
+    if parent_name is None:
+        if entry is None:
+            notes.append(f"GPU '{name}' is not in the catalog: no price or TFLOP/s known, time is estimated "
+                         f"from its memory class; add it to {USER_CATALOG_ENV}")
+        return Gpu(entry.name if entry else name, memory, cc, entry.tflops_bf16 if entry else None,
+                   entry.price_per_hour_eur if entry else None)
+    profile, slices = _mig_profile(name)
+    card = entry.name if entry else parent_name
+    tflops = entry.tflops_bf16 * slices / MIG_COMPUTE_SLICES if entry and slices else None
+    notes.append(f"{card} is split by MIG: planning for one MIG instance ({profile or 'profile unknown'}, "
+                 f"{memory:.1f} GB"
+                 + (f", {slices} of {MIG_COMPUTE_SLICES} compute slices" if tflops else ", its compute share unknown")
+                 + "), not the whole card; a MIG instance's price depends on the provider: set price_per_hour_eur")
+    return Gpu(f"{card} MIG {profile}" if profile else f"{card} MIG", memory, cc,
+               round(tflops, 1) if tflops else None, None)
+
+
+def _driver_version_from_os() -> str | None:
+    for path in DRIVER_VERSION_FILES:
+        try:
+            text = Path(path).read_text()
+        except OSError:
+            continue
+        # /sys/module/nvidia/version: "550.54.14"; /proc/driver/nvidia/version: "NVRM version: NVIDIA UNIX
+        # x86_64 Kernel Module  550.54.14  Thu Feb 22 ..."
+        m = re.search(r"\b(\d{3,}\.\d+(?:\.\d+)?)\b", text)
+        if m:
+            return m.group(1)
+    return None
+
+
+def _nvidia_driver_present() -> bool:
+    return any(Path(p).exists() for p in NVIDIA_DRIVER_FILES)
+
+
+# Runs in a child process: torch initialises CUDA there, not in ftrun's own process (which stays
+# light and holds no CUDA context on a card the training will need). torch sees what the worker
+# will see: CUDA_VISIBLE_DEVICES and MIG are applied by CUDA itself.
+_TORCH_PROBE = """
+import json, torch
+out = []
+if torch.cuda.is_available():
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        out.append({"name": p.name, "total_memory": int(p.total_memory), "major": p.major, "minor": p.minor})
+print(json.dumps(out))
+"""
+
+
+def _torch_devices() -> list[dict[str, Any]]:
+    """torch.cuda's devices (name, total_memory, major, minor); HardwareError with the reason when the probe fails."""
+    import json
+    import subprocess
+
+    try:
+        done = subprocess.run([sys.executable, "-c", _TORCH_PROBE], capture_output=True, text=True,
+                              timeout=TORCH_PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise HardwareError(f"torch.cuda did not answer within {TORCH_PROBE_TIMEOUT_S} s") from None
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise HardwareError(f"torch.cuda failed: {tail}")
+    try:
+        return list(json.loads(done.stdout.strip().splitlines()[-1]))
+    except (ValueError, IndexError):
+        raise HardwareError(f"torch.cuda probe printed no device list: {done.stdout.strip()[-200:]!r}") from None
+
+
+def _detect_with_torch(cpu: int, ram: float, why: str) -> Hardware:
+    """NVML is missing or failed: ask torch.cuda, and say so."""
+    import importlib.util
+
+    if not _nvidia_driver_present():
+        return Hardware((), "none", cpu, ram, "detected", (f"{why}, and no NVIDIA driver is loaded on this box: "
+                                                          "CPU only; plan for a GPU box with --gpus",))
+    if importlib.util.find_spec("torch") is None:
+        return Hardware((), "none", cpu, ram, "detected", (f"{why}, and torch is not installed to ask instead: "
+                                                          "CPU only; install ftrun[gpu] (nvidia-ml-py)",))
+    try:
+        found = _torch_devices()
+    except HardwareError as exc:
+        return Hardware((), "none", cpu, ram, "detected", (f"{why}, and {exc.args[0] if exc.args else exc}: CPU only",))
+    if not found:
+        return Hardware((), "none", cpu, ram, "detected",
+                        (f"{why}, and torch.cuda sees no device (CUDA_VISIBLE_DEVICES, or a driver that does not "
+                         "match torch's CUDA): CPU only",))
+    notes: list[str] = []
+    gpus = tuple(_gpu(d["name"], int(d["total_memory"]), (int(d["major"]), int(d["minor"])), notes) for d in found)
+    if len(gpus) == 1:
+        interconnect = "none"
+    else:
+        # torch does not tell NVLink from PCIe; the catalog knows how a card's multi-GPU boxes are built.
+        entry = lookup(gpus[0].name)
+        interconnect = entry.interconnect if entry else "pcie"
+    notes.insert(0, f"{why}: GPUs read through torch.cuda instead (name, memory, compute capability); the "
+                    f"interconnect is not visible that way and is taken as {interconnect} "
+                    f"({'from the catalog' if len(gpus) > 1 and lookup(gpus[0].name) else 'assumed'}); "
+                    "install ftrun[gpu] (nvidia-ml-py) for NVML's view")
+    return Hardware(gpus, interconnect, cpu, ram, "detected", tuple(notes), _driver_version_from_os())
+
+
 def detect() -> Hardware:
-    """This box: GPUs via NVML (never torch), CPU and RAM via the OS. No GPU or no driver -> a CPU-only Hardware."""
+    """This box: GPUs as a CUDA process here will see them (NVML, else torch.cuda in a child process),
+    CPU and RAM via the OS. No GPU or no driver -> a CPU-only Hardware, with the reason in notes."""
     cpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     ram = _ram_gb()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -269,25 +502,48 @@ def detect() -> Hardware:
     try:
         import pynvml  # nvidia-ml-py; imported here so `import launcher.hardware` stays light
     except ImportError:
-        return Hardware((), "none", cpu, ram, "detected",
-                        ("nvidia-ml-py is not installed, so no GPU could be detected: CPU only; "
-                         "install ftrun[gpu] on a GPU box, or plan for one with --gpus",))
+        return _detect_with_torch(cpu, ram, "nvidia-ml-py is not installed")
     try:
-        gpus, interconnect, notes = _nvml_gpus(pynvml)
-    except pynvml.NVMLError as exc:  # no driver / no device: the box is CPU-only, and we say why
-        return Hardware((), "none", cpu, ram, "detected", (f"no NVIDIA driver answered ({exc}): CPU only",))
-    if visible:
-        # NVML ignores CUDA_VISIBLE_DEVICES; honour it so the plan matches what the worker will see.
-        keep = [int(x) for x in visible.split(",") if x.strip().isdigit() and int(x) < len(gpus)]
-        if keep:
-            gpus = tuple(gpus[i] for i in keep)
-            interconnect = "none" if len(gpus) == 1 else interconnect
-    return Hardware(gpus, interconnect if gpus else "none", cpu, ram, "detected", tuple(notes))
+        devices, driver, notes = _nvml_devices(pynvml)
+    except pynvml.NVMLError as exc:  # no driver, or no libnvidia-ml: torch may still see the cards
+        return _detect_with_torch(cpu, ram, f"NVML did not answer ({exc})")
+    chosen, view_notes = _cuda_view(devices, visible)
+    notes += view_notes
+    gpus = tuple(_gpu(d.name, d.memory_bytes, d.compute_capability, notes, d.parent_name) for d in chosen)
+    if len(gpus) <= 1 or any(d.is_mig for d in chosen):
+        interconnect = "none" if len(gpus) <= 1 else "pcie"  # MIG instances have no NVLink or P2P
+    else:
+        interconnect = "nvlink" if any(d.nvlink for d in chosen) else "pcie"
+    return Hardware(gpus, interconnect, cpu, ram, "detected", tuple(notes), driver)
+
+
+# accelerate 1.15, utils/environment.py check_cuda_p2p_ib_support(): GeForce RTX 40-series cards ("RTX 40"
+# in nvidia-smi's name) on a driver older than this cannot do the P2P/IB transfers NCCL would try.
+P2P_IB_FIXED_DRIVER = (550, 40, 7)
+
+
+def _version(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    try:
+        return tuple(int(part) for part in str(text).strip().split("."))
+    except ValueError:
+        return None
+
+
+def nccl_p2p_ib_unsupported(gpu_names: list[str] | tuple[str, ...], driver_version: str | None) -> bool:
+    """True when NCCL must be told not to use P2P and InfiniBand: an RTX 40-series card with a driver older
+    than 550.40.07 (accelerate's own test), or with a driver version nobody could read. GeForce Ada cards
+    have no P2P to lose, so a wrong guess in the unknown case costs little; a missing setting stops the run."""
+    if not any("rtx40" in _norm(name) for name in gpu_names):
+        return False
+    version = _version(driver_version)
+    return version is None or version < P2P_IB_FIXED_DRIVER
 
 
 def main() -> None:  # pragma: no cover - `python -m launcher.hardware` prints what the box has
     hw = detect()
-    print(hw.describe())
+    print(hw.describe() + (f", driver {hw.driver_version}" if hw.driver_version else ""))
     for note in hw.notes:
         print("note:", note, file=sys.stderr)
 

@@ -554,6 +554,16 @@ def make_plan(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: f
         notes.append("GPU price unknown: cost shown as 0; set price_per_hour_eur in the recipe")
     cost = hrs * price if hrs is not None else None
     kind = "measured by the smoke test" if "tokens_per_second" in measured else "estimated"
+    g = hardware.gpu
+    precision = sizing.training_precision(choice.device, g.compute_capability if g else None)
+    if precision == "fp16":
+        cc = ".".join(map(str, g.compute_capability))
+        rate = (f"speed and time count {g.tflops_bf16:g} TFLOP/s, its fp16 tensor rate (catalog)" if g.tflops_bf16
+                else f"it is not in the catalog, so the estimate assumes {sizing.UNKNOWN_GPU_TFLOPS:g} TFLOP/s, more "
+                     "than cards before Ampere reach; the smoke test measures it")
+        reasons.append(f"precision fp16 with loss scaling: {g.name} (compute capability {cc}) has no bf16 tensor "
+                       f"cores (they start at 8.0); {rate}")
+        kind += ", fp16"
     if hrs is not None:
         reasons.append(f"time: {training / 1e6:.2f}M training tokens / {tps:,.0f} tokens/s ({kind}) = {_fmt_hours(hrs)}; "
                        f"cost at {price:.2f} EUR/h ({price_src}) = {cost:.2f} EUR")
@@ -562,7 +572,6 @@ def make_plan(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: f
     if steps:
         every = min(every, steps)
 
-    g = hardware.gpu
     return Plan(
         fits=True,
         engine=choice.engine,
@@ -588,7 +597,7 @@ def make_plan(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: f
                 "tokens_per_second": round(tps, 1),
                 "estimated_tokens_per_second": round(choice.tokens_per_second, 1),
                 "seq_len": job.seq_len, "mean_tokens": round(job.mean_tokens, 1),
-                "source": job.tokens_source,
+                "source": job.tokens_source, "precision": precision,
                 "tokens_per_second_source": "measured" if "tokens_per_second" in measured else "estimated"},
         estimate={"hours": round(hrs, 3) if hrs is not None else None,
                   "cost_eur": round(cost, 2) if cost is not None else None},
@@ -706,7 +715,9 @@ def format_plan(plan: Plan) -> str:
     tps_src = t["tokens_per_second_source"]
     lines.append(f"Tokens: {_fmt_tokens(t['training_tokens'])} training tokens ({t['source']})")
     lines.append(f"Speed:  {t['tokens_per_second']:,.0f} tokens/s ({tps_src})"
-                 + (f", estimate was {t['estimated_tokens_per_second']:,.0f}" if tps_src == "measured" else ""))
+                 + (f", estimate was {t['estimated_tokens_per_second']:,.0f}" if tps_src == "measured" else "")
+                 + ("; trains in fp16 with loss scaling (no bf16 below compute capability 8.0)"
+                    if t.get("precision") == "fp16" else ""))
     e = p.estimate
     cost = f"{e['cost_eur']:.2f} EUR at {p.price_per_hour_eur:.2f} EUR/h" if e["cost_eur"] is not None else "unknown"
     lines.append(f"Time:   {_fmt_hours(e['hours'])}; cost {cost}")

@@ -294,6 +294,22 @@ CPU_SECONDS_PER_MICRO_BATCH = 0.8
 GPU_SECONDS_PER_MICRO_BATCH = 0.01
 # A card the catalog does not know: assume this dense bf16 TFLOP/s per GB of memory (an A100-class ratio).
 UNKNOWN_GPU_TFLOPS = 150.0
+# bf16 tensor cores start with compute capability 8.0 (Ampere). Below it (T4 7.5, V100 7.0) bf16 is only
+# emulated, slower than fp16, so the worker trains in fp16 with loss scaling, and the catalog's throughput
+# figure for those cards is their fp16 tensor rate (gpus.yaml).
+BF16_MIN_COMPUTE_CAPABILITY = (8, 0)
+
+
+def training_precision(device: str, compute_capability: tuple[int, int] | list[int] | None) -> str:
+    """The 16-bit format a run trains in: "bf16", "fp16" (with loss scaling) or "fp32" on a CPU.
+
+    An unknown compute capability counts as bf16-capable: every card ftrun plans for by name is
+    Ampere or newer unless the catalog says otherwise."""
+    if device == "cpu":
+        return "fp32"
+    if compute_capability is not None and tuple(compute_capability) < BF16_MIN_COMPUTE_CAPABILITY:
+        return "fp16"
+    return "bf16"
 
 
 def flops_per_token(arch: Arch, method: str, seq_len: int, gradient_checkpointing: bool) -> float:

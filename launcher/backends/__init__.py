@@ -70,12 +70,28 @@ def launch_command(plan: dict[str, Any], run_dir: Path, mode: str) -> list[str]:
 
 
 def launch_env(plan: dict[str, Any]) -> dict[str, str]:
-    """Environment for the launched worker(s): CPU threads split between processes."""
+    """Environment for the launched worker(s): CPU threads split between processes; NCCL's P2P and
+    InfiniBand off on RTX 40-series cards with an old driver. A variable the user set is kept."""
     n = int(plan.get("num_processes", 1))
     env: dict[str, str] = {}
     if plan.get("device") == "cpu" and n > 1 and "OMP_NUM_THREADS" not in os.environ:
         # Several processes each using every core oversubscribe the CPU (about 10x slower).
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
+    if plan.get("device") == "cuda":
+        from ..hardware import nccl_p2p_ib_unsupported
+
+        hw = plan.get("hardware") or {}
+        names = [g.get("name", "") for g in hw.get("gpus") or []] or [str((plan.get("gpus") or {}).get("name", ""))]
+        if nccl_p2p_ib_unsupported(names, hw.get("driver_version")):
+            # accelerate 1.15 state.py PartialState.__init__ raises NotImplementedError in the worker
+            # itself (transformers training_args.py _setup_devices builds one under torchrun too) unless
+            # both variables exist; only `accelerate launch` sets them (commands/launch.py
+            # multi_gpu_launcher). Its test counts every card nvidia-smi lists, not the visible ones, so
+            # one process on one card of a 2-card box is stopped as well: set them for every CUDA engine
+            # (only NCCL acts on them, so a single process loses nothing).
+            for var in ("NCCL_P2P_DISABLE", "NCCL_IB_DISABLE"):
+                if var not in os.environ:
+                    env[var] = "1"
     return env
 
 

@@ -1,0 +1,68 @@
+"""The workers' environment from plan.json: NCCL without P2P/IB on RTX 40-series cards with an old driver
+(accelerate 1.15 raises in the worker otherwise), the user's own settings kept, CPU threads split."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+
+from launcher.backends import launch_env
+from launcher.hardware import from_spec
+from launcher.plan import make_plan
+from launcher.recipe import validate_recipe
+
+DATA = SimpleNamespace(examples=10_000, total_tokens=5_000_000, mean_tokens=500.0, max_tokens=2048,
+                       over_max_length=0, tokens_source="tokenizer")
+NCCL = ("NCCL_P2P_DISABLE", "NCCL_IB_DISABLE")
+
+
+@pytest.fixture(autouse=True)
+def _no_user_nccl(monkeypatch):
+    for var in (*NCCL, "OMP_NUM_THREADS"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def plan_json(tmp_path, spec: str, driver: str | None, engine: str = "ddp") -> dict:
+    """plan.json as make_plan writes it, for a detected box of `spec` cards on `driver`."""
+    hw = replace(from_spec(spec), source="detected", driver_version=driver)
+    recipe = validate_recipe({"model": "meta-llama/Llama-3.1-8B", "method": "qlora", "data": "d.jsonl",
+                              "max_length": 2048, "engine": engine}, tmp_path, "r")
+    plan = make_plan(recipe, hw, DATA, unsloth_available=False).to_dict()
+    assert plan["hardware"]["driver_version"] == driver  # what launch_env reads travels in plan.json
+    return plan
+
+
+def test_rtx4090_old_driver_ddp_turns_p2p_and_ib_off(tmp_path):
+    plan = plan_json(tmp_path, "2xRTX4090", "535.129.03")
+    assert (plan["engine"], plan["num_processes"]) == ("ddp", 2)
+    env = launch_env(plan)
+    assert {k: env.get(k) for k in NCCL} == {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
+
+
+def test_rtx4090_old_driver_single_process_too(tmp_path):
+    """accelerate counts every card nvidia-smi lists, so one process on a 2-card box is stopped as well."""
+    plan = plan_json(tmp_path, "2xRTX4090", "535.129.03", engine="trl")
+    assert plan["num_processes"] == 1
+    assert all(launch_env(plan).get(k) == "1" for k in NCCL)
+
+
+@pytest.mark.parametrize("spec,driver", [("2xRTX4090", "550.40.07"), ("2xRTX4090", "565.57.01"),
+                                         ("2xH100-80GB", "535.129.03")])
+def test_new_driver_or_other_card_leaves_nccl_alone(tmp_path, spec, driver):
+    env = launch_env(plan_json(tmp_path, spec, driver))
+    assert not set(NCCL) & set(env)
+
+
+def test_users_own_setting_is_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "0")
+    env = launch_env(plan_json(tmp_path, "2xRTX4090", "535.129.03"))
+    assert "NCCL_P2P_DISABLE" not in env and env["NCCL_IB_DISABLE"] == "1"
+
+
+def test_cpu_plan_sets_no_nccl():
+    plan = {"device": "cpu", "num_processes": 2, "engine": "ddp",
+            "hardware": {"gpus": [], "driver_version": None}}
+    env = launch_env(plan)
+    assert not set(NCCL) & set(env) and env["OMP_NUM_THREADS"]
