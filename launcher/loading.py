@@ -45,9 +45,11 @@ def compute_dtype(capability: Optional[tuple[int, int]]):
     """
     import torch
 
+    from .sizing import training_precision  # the plan's rule: the plan and the worker cannot disagree
+
     if capability is None:
         return torch.float32
-    return torch.bfloat16 if tuple(capability) >= (8, 0) else torch.float16
+    return torch.bfloat16 if training_precision("cuda", tuple(capability)) == "bf16" else torch.float16
 
 
 def select_device() -> tuple[str, Any]:
