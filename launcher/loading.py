@@ -134,6 +134,32 @@ def quantization_config(method: str, dtype):
     )
 
 
+def fsdp_qlora_kwargs(method: str, engine: str) -> dict[str, Any]:
+    """QLoRA under FSDP loads and quantizes on this rank's CPU: {"device_map": {"": "cpu"}}, else {}.
+
+    Why (transformers 5.24, accelerate 1.15, bitsandbytes 0.50, torch 2.13):
+    - without a device map bitsandbytes puts the whole 4-bit model on the current GPU
+      (quantizer_bnb_4bit.update_device_map), and each rank keeps all of it until accelerate shards it: a 70B
+      model is 39.5 GB on every card, more than a 24 GB card holds;
+    - accelerate's low-memory path (model to meta, rank 0's state dict broadcast) is skipped for 4-bit weights
+      (utils/fsdp_utils.py, fsdp2_prepare_model: "will still cause the VRAM spike"), and transformers' FSDP-aware
+      loading (is_fsdp_enabled) neither applies to quantized models nor exists before the process group does;
+    - on the CPU, transformers quantizes each weight where it is loaded (integrations/bitsandbytes.py,
+      Bnb4bitQuantize: Params4bit(...).to(value.device)) with bitsandbytes' CPU kernels; with the quant storage
+      in the compute dtype (quantization_config) FSDP2 can shard the packed weights, and fully_shard moves one
+      unit at a time to the rank's GPU (torch fsdp _fsdp_init._move_states_to_device), so a card holds its shards
+      plus one unit while sharding (none with parameter offload), never the whole model;
+    - bitsandbytes' Linear4bit recovers the quant state FSDP's unsharded parameter loses from the module
+      (nn/modules.py, fix_4bit_weight_quant_state_from_module); accelerate's Params4bit check in prepare_model
+      is not on the FSDP2 path (_prepare_fsdp2 calls fsdp2_prepare_model only).
+    The cost, counted by the plan (sizing._loading, load_seconds): every rank holds the whole 4-bit model in RAM
+    until it is sharded, and quantizing on the CPU is slower than on a GPU.
+    """
+    if method == "qlora" and engine == "fsdp":
+        return {"device_map": {"": "cpu"}}
+    return {}
+
+
 def load_kwargs(recipe, device: str, dtype, engine: str) -> dict[str, Any]:
     """Every from_pretrained argument this module decides, in one dict (the GPU check reports it)."""
     kwargs: dict[str, Any] = {"dtype": weights_dtype(recipe.method, engine, device, dtype),
@@ -144,6 +170,7 @@ def load_kwargs(recipe, device: str, dtype, engine: str) -> dict[str, Any]:
     attn = attention_implementation(device, dtype)
     if attn is not None:
         kwargs["attn_implementation"] = attn
+    kwargs.update(fsdp_qlora_kwargs(recipe.method, engine))
     return kwargs
 
 

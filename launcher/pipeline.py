@@ -256,6 +256,10 @@ def _shard(recipe: Recipe, plan: dict[str, Any]) -> tuple[Optional[tuple[dict[st
         return None, f"the recipe sets num_processes: {recipe.num_processes}"
     if plan.get("nodes"):
         return None, "the run spans several nodes"
+    if plan.get("device") == "cuda" and recipe.method == "full-8bit":
+        from .plan import FULL_8BIT_FSDP
+
+        return None, f"{FULL_8BIT_FSDP}; allow it with method: full (drop 'optimizer' from auto_adjust)"
     if plan.get("device") == "cuda":
         engine = "fsdp"
         fewest = procs + 1 if sharded else procs  # DDP -> FSDP on the same cards

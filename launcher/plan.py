@@ -47,6 +47,7 @@ class Plan:
     measured: dict[str, Any] = field(default_factory=dict)
     hardware: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    offload_params: bool = False  # FSDP keeps the parameter shards in CPU RAM (backends/fsdp.py: fsdp_offload_params)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -70,6 +71,7 @@ class Plan:
             "measured": dict(self.measured),
             "hardware": dict(self.hardware),
             "notes": list(self.notes),
+            "offload_params": self.offload_params,
         }
 
 
@@ -96,9 +98,9 @@ class Job:
     lora_targets: Any
     packing: bool
 
-    def workload(self, engine: str, num_gpus: int, device: str) -> Workload:
+    def workload(self, engine: str, num_gpus: int, device: str, offload: bool = False) -> Workload:
         return Workload(self.method, self.seq_len, self.micro_batch, self.gradient_checkpointing,
-                        self.lora_r, self.lora_targets, engine, num_gpus, device)
+                        self.lora_r, self.lora_targets, engine, num_gpus, device, offload)
 
 
 def _job(recipe: Any, arch: Architecture, data_stats: Any, tokens: float | None) -> tuple[Job, list[str]]:
@@ -172,6 +174,8 @@ class Choice:
     hours: float | None = None
     min_gpus: int = 1  # fewest cards that hold the job (sharding)
     refusal: str = ""  # why it does not fit, when fits is False
+    offload_params: bool = False  # FSDP parameter offload to CPU RAM
+    load_hours: float = 0.0  # loading before the first step, included in hours
 
 
 def _unsloth_installed() -> bool:
@@ -183,19 +187,28 @@ def _deepspeed_installed() -> bool:
 
 
 def _fits(est: sizing.MemoryEstimate, capacity: float) -> bool:
-    return est.per_gpu_gb <= capacity * sizing.USABLE_FRACTION
+    """The card holds both the training step and the load (docs/sizing.md, "Loading")."""
+    return est.peak_gb <= capacity * sizing.USABLE_FRACTION
 
 
 def _tps(job: Job, w: Workload, hw: Hardware) -> float:
     g = hw.gpu
     return sizing.tokens_per_second(job.arch, w, g.tflops_bf16 if g else None, hw.interconnect, hw.cpu_count,
-                                    mean_seq_len=int(job.mean_tokens))
+                                    mean_seq_len=int(job.mean_tokens),
+                                    compute_capability=g.compute_capability if g else None)
 
 
 def _hours(job: Job, w: Workload, hw: Hardware, processes: int) -> tuple[float, float | None]:
     tps = _tps(job, w, hw)
     _, training = _steps_and_tokens(job, processes)
-    return tps, (sizing.hours(training, tps) if training else None)
+    load = sizing.load_seconds(job.arch, w, hw.cpu_count) / 3600
+    return tps, (sizing.hours(training, tps) + load if training else None)
+
+
+# bitsandbytes' 8-bit AdamW indexes its states by the parameter's local storage and has no DTensor support; an open
+# bitsandbytes issue reports illegal memory accesses with it under FSDP2, whose parameters are DTensors.
+FULL_8BIT_FSDP = ("method full-8bit cannot run on FSDP: its 8-bit AdamW (bitsandbytes) has no support for the "
+                  "DTensor parameters FSDP2 shards into (illegal memory access reported under FSDP2)")
 
 
 def _choose_cpu(job: Job, hw: Hardware, forced: str, processes: int | None = None, nnodes: int = 1) -> Choice:
@@ -388,17 +401,42 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
         return Choice(False, single_engine, "cuda", 1, one, cap, reasons,
                       refusal=f"needs {one.per_gpu_gb:.1f} GB on one card, the card has {cap:.1f} GB "
                               f"({sizing.USABLE_FRACTION:.0%} usable), and the box has no second card to shard over")
-    minimum = None
-    for k in range(2, n + 1):
-        if _fits(sizing.memory(job.arch, job.workload(shard_engine, k, "cuda")), cap):
-            minimum = k
-            break
+    if job.method == "full-8bit" and shard_engine == "fsdp":
+        return Choice(False, "fsdp", "cuda", n, None, cap, reasons,
+                      refusal=f"{FULL_8BIT_FSDP}. Set method: full (AdamW, fp32 master weights) or lora/qlora and let "
+                              "the plan size it, or engine: deepspeed (ZeRO-3 hands the optimizer plain tensors; it "
+                              "keeps fp32 master weights, 4 B/param more)")
+
+    def fewest(offload: bool):
+        for k in range(2, n + 1):
+            if _fits(sizing.memory(job.arch, job.workload(shard_engine, k, "cuda", offload)), cap):
+                return k
+        return None
+
+    offload = False
+    minimum = fewest(False)
     est_all = sizing.memory(job.arch, job.workload(shard_engine, n, "cuda"))
+    if minimum is None and job.method == "qlora" and shard_engine == "fsdp":
+        # The published 70B-on-2x24 GB QLoRA runs: FSDP with the 4-bit shards offloaded to CPU RAM.
+        minimum = fewest(True)
+        if minimum is not None:
+            offload, est_all = True, sizing.memory(job.arch, job.workload(shard_engine, n, "cuda", True))
     if minimum is None:
         return Choice(False, shard_engine, "cuda", n, est_all, cap, reasons,
                       refusal=f"needs {one.total_gb:.0f} GB in all; sharded over all {n} cards it still needs "
-                              f"{est_all.per_gpu_gb:.1f} GB per card, the cards have {cap:.1f} GB")
-    wn = job.workload(shard_engine, n, "cuda")
+                              f"{est_all.peak_gb:.1f} GB per card"
+                              + (f" ({est_all.load_explanation})" if est_all.load_peak_gb > est_all.per_gpu_gb else "")
+                              + f", the cards have {cap:.1f} GB")
+    ram_usable = hw.ram_gb * sizing.USABLE_RAM_FRACTION
+    if est_all.load_ram_gb > ram_usable:
+        need = est_all.load_ram_gb / sizing.USABLE_RAM_FRACTION
+        return Choice(False, shard_engine, "cuda", n, est_all, cap, reasons, offload_params=offload,
+                      refusal=f"the cards hold it{' with parameter offload to CPU RAM' if offload else ''} "
+                              f"({est_all.peak_gb:.1f} GB per card), but loading does not fit the box's RAM: "
+                              f"{est_all.load_explanation}; this box has {hw.ram_gb:.0f} GB "
+                              f"({sizing.USABLE_RAM_FRACTION:.0%} usable). A box with {need:.0f} GB of RAM or more "
+                              f"holds it (`ftrun plan` on that box reads its RAM)")
+    wn = job.workload(shard_engine, n, "cuda", offload)
     tps, hrs = _hours(job, wn, hw, n)
     link = "NVLink" if hw.interconnect == "nvlink" else "PCIe (sharding exchanges every layer: expect it slower)"
     label = "FSDP" if shard_engine == "fsdp" else "DeepSpeed ZeRO-3"
@@ -409,7 +447,20 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
                    + (" (forced by the recipe)" if forced in SHARDING_ENGINES else ""))
     if job.method == "qlora":
         reasons.append("QLoRA + FSDP: 4-bit shards are gathered and dequantised per layer, so it runs at a moderate pace")
-    return Choice(True, shard_engine, "cuda", n, est_all, cap, reasons, tps, hrs, min_gpus=minimum)
+    if offload:
+        link = sizing.pcie_gb_s(hw.gpu.compute_capability)
+        move = sizing.offload_seconds_per_micro_batch(est_all, wn, link)
+        reasons.append(f"parameter offload (fsdp_offload_params): without it each card needs "
+                       f"{sizing.memory(job.arch, job.workload(shard_engine, n, 'cuda')).peak_gb:.1f} GB; the shards "
+                       f"({est_all.offloaded_params_gb:.1f} GB) live in CPU RAM and cross PCIe ({link:g} GB/s per card) "
+                       f"in every forward and backward: +{move:.1f} s per micro-batch")
+    load_h = sizing.load_seconds(job.arch, wn, hw.cpu_count) / 3600
+    if est_all.load_explanation:
+        reasons.append("loading: " + est_all.load_explanation
+                       + (f"; quantizing on {hw.cpu_count} CPU cores takes about {_fmt_hours(load_h)} (in the time)"
+                          if load_h else ""))
+    return Choice(True, shard_engine, "cuda", n, est_all, cap, reasons, tps, hrs, min_gpus=minimum,
+                  offload_params=offload, load_hours=load_h)
 
 
 def _choose_gpu_count(job: Job, hw: Hardware, forced: str, unsloth_ok: bool, workday_hours: float,
@@ -541,7 +592,7 @@ def make_plan(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: f
         hrs = None
         reasons.append("time and cost unknown: no data statistics and no --tokens")
     else:
-        hrs = sizing.hours(training, tps)
+        hrs = sizing.hours(training, tps) + choice.load_hours  # loading that the smoke test does not measure
     if hardware.is_cpu_only:
         price = recipe.price_per_hour_eur if recipe.price_per_hour_eur is not None else 0.0
         price_src = "recipe price_per_hour_eur" if recipe.price_per_hour_eur is not None else "a CPU box, no GPU price"
@@ -591,6 +642,10 @@ def make_plan(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: f
             "breakdown_gb": {k: round(v, 2) for k, v in est.breakdown_gb.items()},
             "explanations": dict(est.explanations),
             "offloaded_ram_gb": round(est.offloaded_ram_gb, 1),
+            "offloaded_params_gb": round(est.offloaded_params_gb, 1),
+            "load_peak_gb": round(est.load_peak_gb, 1),
+            "load_ram_gb": round(est.load_ram_gb, 1),
+            "load_explanation": est.load_explanation,
             "source": "measured" if "peak_memory_gb" in measured else "estimated",
         },
         tokens={"training_tokens": int(training) if training is not None else None,
@@ -611,6 +666,7 @@ def make_plan(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: f
         measured=measured,
         hardware=hardware.to_dict(),
         notes=notes + list(hardware.notes),
+        offload_params=choice.offload_params,
     )
 
 
@@ -706,6 +762,11 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"  (estimate before measuring: {mem['estimated_per_gpu_gb']} GB)")
     if mem.get("offloaded_ram_gb"):
         lines.append(f"  + {mem['offloaded_ram_gb']} GB of activations offloaded to CPU RAM")
+    if mem.get("offloaded_params_gb"):
+        lines.append(f"  + {mem['offloaded_params_gb']} GB of parameter shards, gradients and optimizer states "
+                     "offloaded to CPU RAM (FSDP parameter offload)")
+    if mem.get("load_explanation"):
+        lines.append(f"  loading: {mem['load_explanation']}")
     lines.append("")
     lines.append("Why:")
     for r in p.reasons:

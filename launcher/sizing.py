@@ -92,6 +92,9 @@ class Workload:
     engine: str = "trl"  # unsloth | trl | ddp | fsdp | deepspeed
     num_gpus: int = 1
     device: str = "cuda"  # cuda | cpu
+    # FSDP parameter offload (fsdp_offload_params): the shards of weights, gradients and optimizer states live in
+    # CPU RAM and cross PCIe to the card unit by unit in every forward and backward.
+    offload_params: bool = False
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -110,6 +113,18 @@ class MemoryEstimate:
     total_gb: float  # the whole job on one imaginary device: what the article's memory table gives
     trainable_params: int
     offloaded_ram_gb: float = 0.0  # Unsloth parks checkpointed activations in CPU RAM
+    # Loading, before the first step (docs/sizing.md, "Loading"): the largest transient per card, the CPU RAM of the
+    # whole box at that moment, and the parameter shards FSDP's offload keeps in RAM during training. 0 where the
+    # load stays below the training peak and needs no more RAM than the weights' own files in the page cache.
+    load_peak_gb: float = 0.0
+    load_ram_gb: float = 0.0
+    load_explanation: str = ""
+    offloaded_params_gb: float = 0.0
+
+    @property
+    def peak_gb(self) -> float:
+        """What a card must hold: the training step's peak or the load's, whichever is larger."""
+        return max(self.per_gpu_gb, self.load_peak_gb)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -119,6 +134,10 @@ class MemoryEstimate:
             "explanations": dict(self.explanations),
             "trainable_params": self.trainable_params,
             "offloaded_ram_gb": round(self.offloaded_ram_gb, 1),
+            "load_peak_gb": round(self.load_peak_gb, 1),
+            "load_ram_gb": round(self.load_ram_gb, 1),
+            "load_explanation": self.load_explanation,
+            "offloaded_params_gb": round(self.offloaded_params_gb, 1),
         }
 
 
@@ -188,10 +207,14 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
         grad_b = 4 if cpu or fp32_master else table["gradients"]
         # fp32 weights (CPU, or fp32 master weights on a GPU): no separate master copy
         opt_b = 8 if (cpu and w.method == "full") or fp32_master else table["optimizer"]
+        # DeepSpeed's ZeRO optimizer keeps fp32 master partitions whatever the client optimizer: 4 B/param more.
+        ds_master = not cpu and w.method == "full-8bit" and w.engine == "deepspeed"
+        opt_b += 4 if ds_master else 0
         terms["gradients"] = P * grad_b / n / GB
         why["gradients"] = f"one gradient per weight, {grad_b} B each{shard}"
         terms["optimizer"] = P * opt_b / n / GB
-        why["optimizer"] = ("8-bit AdamW: m and v at 1 B each" if w.method == "full-8bit" else
+        why["optimizer"] = ("fp32 master partitions (DeepSpeed) 4 B + 8-bit AdamW m and v 2 B" if ds_master else
+                            "8-bit AdamW: m and v at 1 B each" if w.method == "full-8bit" else
                             ("AdamW m and v in fp32" if cpu or fp32_master
                              else "fp32 master weights 4 B + AdamW m and v 8 B")) + shard
         if not cpu:
@@ -263,9 +286,76 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
 
     per_gpu = sum(terms.values())
     # The article's table counts the job, not the card: unsharded static memory + one device's dynamic memory.
-    static_sharded = sum(v for k, v in terms.items() if k in ("weights", "adapters", "gradients", "optimizer", "gradient churn"))
+    static_sharded = sum(v for k, v in terms.items() if k in STATIC_TERMS)
     total = static_sharded * n + (per_gpu - static_sharded) - terms.get("gathered shards", 0.0)
-    return MemoryEstimate(terms, why, per_gpu, total, T, offload)
+    offloaded = 0.0
+    if w.offload_params and n > 1 and not cpu:
+        # FSDP2's CPUOffloadPolicy keeps every shard (weights, adapters, gradients, optimizer states) in pinned
+        # CPU RAM and runs the optimizer step there; the card holds the gathered units and the step's tensors.
+        for k in [k for k in STATIC_TERMS if k in terms]:
+            offloaded += terms.pop(k) * n
+            why.pop(k, None)
+        per_gpu = sum(terms.values())
+    est = MemoryEstimate(terms, why, per_gpu, total, T, offload, offloaded_params_gb=offloaded)
+    _loading(arch, w, est, static_sharded, layer_unit_bytes(arch, w), embedding_unit_bytes(arch, w))
+    return est
+
+
+# Terms that stay resident between steps (sharded under FSDP/ZeRO-3, offloadable to CPU RAM by FSDP).
+STATIC_TERMS = ("weights", "adapters", "gradients", "optimizer", "gradient churn")
+
+
+def nf4_model_bytes(arch: Arch) -> float:
+    """The whole model as QLoRA holds it: linear weights in NF4, embeddings, head and norms in 16 bits."""
+    return arch.linear_params * NF4_BYTES + (arch.params - arch.linear_params) * 2
+
+
+def layer_unit_bytes(arch: Arch, w: Workload) -> float:
+    """One decoder layer as FSDP gathers it (4-bit weights for QLoRA, 16-bit otherwise)."""
+    per_layer = (arch.params - arch.embedding_params * (1 if arch.tied_embeddings else 2)) / arch.layers
+    return per_layer * (NF4_BYTES if w.method == "qlora" else (4 if w.device == "cpu" else 2))
+
+
+def embedding_unit_bytes(arch: Arch, w: Workload) -> float:
+    """The embedding (or the untied lm_head), always 16-bit on a GPU: accelerate shards it as a unit of its own."""
+    return arch.embedding_params * (4 if w.device == "cpu" else 2)
+
+
+def _loading(arch: Arch, w: Workload, est: MemoryEstimate, static_sharded_gb: float, layer_b: float,
+             embed_b: float) -> None:
+    """The load-time peak per card and the box's CPU RAM while loading, for the paths where loading, not the
+    training step, decides (docs/sizing.md, "Loading"). Other paths load below their training peak."""
+    n = w.num_gpus if w.sharded else 1
+    if w.method != "qlora" or n < 2 or w.device == "cpu":
+        return
+    model_gb = nf4_model_bytes(arch) / GB
+    lora_gb = est.trainable_params * 4 / GB  # fp32 LoRA weights, added before the engine shards
+    if w.engine == "fsdp":
+        # launcher/loading.py loads and quantizes on each rank's CPU (accelerate's rank-0 broadcast skips 4-bit
+        # weights); fully_shard then moves one unit at a time to the card and keeps its shard (on the card, or
+        # back in RAM under offload). accelerate keeps the CPU state dict until every unit is sharded.
+        resident = 0.0 if w.offload_params else static_sharded_gb - _optimizer_free(est, n)
+        est.load_peak_gb = CUDA_CONTEXT_GB + resident + max(layer_b, embed_b) / GB
+        est.load_ram_gb = n * (model_gb + lora_gb + CPU_RUNTIME_GB) + (model_gb + lora_gb if w.offload_params else 0.0)
+        est.load_explanation = (
+            f"each of the {n} processes loads and quantizes the whole model on its CPU ({model_gb:.1f} GB in 4-bit, "
+            f"accelerate does not broadcast 4-bit weights from rank 0)"
+            + (", plus the offloaded shards" if w.offload_params else "")
+            + f": {est.load_ram_gb:.0f} GB of RAM; each card holds "
+            + ("" if w.offload_params else "its shards and ")
+            + f"one unit whole while sharding ({max(layer_b, embed_b) / GB:.1f} GB): {est.load_peak_gb:.1f} GB")
+    elif w.engine == "deepspeed":
+        # transformers skips zero.Init for quantized models and bitsandbytes places the whole model on the
+        # current device (quantizer_bnb_4bit.update_device_map): every card holds all of it until ZeRO-3 partitions.
+        est.load_peak_gb = CUDA_CONTEXT_GB + model_gb + lora_gb
+        est.load_explanation = (f"DeepSpeed + QLoRA loads the whole 4-bit model onto every card before ZeRO-3 "
+                                f"partitions it: {est.load_peak_gb:.1f} GB per card")
+
+
+def _optimizer_free(est: MemoryEstimate, n: int) -> float:
+    """Optimizer states and gradients do not exist yet while the model is being sharded."""
+    b = est.breakdown_gb
+    return b.get("adapters", 0.0) * 12 / 16 + b.get("gradients", 0.0) + b.get("optimizer", 0.0) + b.get("gradient churn", 0.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,6 +384,56 @@ CPU_SECONDS_PER_MICRO_BATCH = 0.8
 GPU_SECONDS_PER_MICRO_BATCH = 0.01
 # A card the catalog does not know: assume this dense bf16 TFLOP/s per GB of memory (an A100-class ratio).
 UNKNOWN_GPU_TFLOPS = 150.0
+# Host link of a card, by compute capability: PCIe 3.0 x16 for Volta/Turing (7.x), 4.0 for Ampere/Ada (8.x),
+# 5.0 for Hopper, Blackwell and RTX 50 (9.0+; SXM boards reach the host over PCIe 5.0 too). Per direction, GB/s:
+# the specification's 8/16/32 GT/s per lane x 16 lanes x 128b/130b encoding. A board that gives each card
+# only x8 halves it; the smoke test measures the real rate.
+PCIE_GB_S = {3: 15.75, 4: 31.5, 5: 63.0}
+# FSDP's offload moves each unit's shard to the card before its all-gather, in forward and again in backward
+# (reshard_after_forward: the recomputation under checkpointing reuses the backward's gather).
+OFFLOAD_PASSES = 2
+# Loading QLoRA on the CPU: bitsandbytes 0.50 quantizes NF4 on the CPU with its pure-torch fallback
+# (backends/default/ops.py, quantize_4bit; the CPU backend has no native 4-bit quantizer). Measured ~5-6M
+# parameters/s per process on a 2-core VM (1-2 threads; docs/sizing.md, "Loading"), counted per core.
+CPU_NF4_PARAMS_PER_CORE_S = 5e6
+
+
+def pcie_gb_s(compute_capability: tuple[int, int] | None) -> float:
+    """One card's host-link bandwidth per direction (PCIE_GB_S); PCIe 4.0 for a card of unknown generation."""
+    if compute_capability is None:
+        return PCIE_GB_S[4]
+    major = tuple(compute_capability)[0]
+    return PCIE_GB_S[3 if major < 8 else 4 if major < 9 else 5]
+
+
+def offload_seconds_per_micro_batch(est: MemoryEstimate, w: Workload, link_gb_s: float) -> float:
+    """Seconds one card spends moving offloaded shards over its host link per micro-batch: its shard of the
+    parameters up in every forward and backward, the trainable parameters' gradient shard down once."""
+    if not (w.offload_params and w.sharded) or w.device == "cpu":
+        return 0.0
+    n = w.num_gpus
+    params_gb = est.offloaded_params_gb / n - _resident_states_gb(est, w)  # this card's shard of the weights
+    grads_gb = est.trainable_params * 4 / n / GB
+    return (OFFLOAD_PASSES * params_gb + grads_gb) / link_gb_s
+
+
+def _resident_states_gb(est: MemoryEstimate, w: Workload) -> float:
+    """Offloaded bytes per card that never cross the link: optimizer states and gradient buffers (the step runs on the CPU)."""
+    n = w.num_gpus
+    t = est.trainable_params
+    if w.method in ("qlora", "lora"):
+        return t * (ADAPTER_BYTES - 4) / n / GB  # of the 16 B per adapter parameter, only the fp32 weight moves up
+    table = FULL_8BIT_BYTES if w.method == "full-8bit" else FULL_ADAMW_BYTES
+    return t * (table["gradients"] + table["optimizer"] + GRADIENT_CHURN_BYTES) / n / GB
+
+
+def load_seconds(arch: Arch, w: Workload, cpu_count: int) -> float:
+    """Time to load QLoRA under FSDP: every process quantizes the whole model on the CPU, the processes share the cores."""
+    if w.method != "qlora" or w.engine != "fsdp" or not w.sharded or w.device == "cpu":
+        return 0.0
+    return w.num_gpus * arch.linear_params / (CPU_NF4_PARAMS_PER_CORE_S * max(1, cpu_count))
+
+
 # bf16 tensor cores start with compute capability 8.0 (Ampere). Below it (T4 7.5, V100 7.0) bf16 is only
 # emulated, slower than fp16, so the worker trains in fp16 with loss scaling, and the catalog's throughput
 # figure for those cards is their fp16 tensor rate (gpus.yaml).
@@ -331,8 +471,10 @@ def scaling(count: int, interconnect: str) -> float:
 
 
 def tokens_per_second(arch: Arch, w: Workload, tflops_bf16: float | None, interconnect: str = "none",
-                      cpu_count: int = 1, mean_seq_len: int | None = None) -> float:
-    """Training tokens per second for the whole box."""
+                      cpu_count: int = 1, mean_seq_len: int | None = None,
+                      compute_capability: tuple[int, int] | None = None) -> float:
+    """Training tokens per second for the whole box (parameter offload adds its host-link transfers to each
+    micro-batch, not overlapped with compute: docs/sizing.md, "Parameter offload")."""
     seq = mean_seq_len or w.seq_len
     flops = flops_per_token(arch, w.method, seq, w.gradient_checkpointing)
     if w.device == "cpu":
@@ -342,7 +484,10 @@ def tokens_per_second(arch: Arch, w: Workload, tflops_bf16: float | None, interc
     peak = (tflops_bf16 or UNKNOWN_GPU_TFLOPS) * 1e12
     rate = peak * MFU[w.method] * (UNSLOTH_SPEEDUP if w.engine == "unsloth" else 1.0)
     tokens = w.micro_batch * seq
-    one = tokens / (tokens * flops / rate + GPU_SECONDS_PER_MICRO_BATCH)
+    transfer = 0.0
+    if w.offload_params and w.sharded:
+        transfer = offload_seconds_per_micro_batch(memory(arch, w), w, pcie_gb_s(compute_capability))
+    one = tokens / (tokens * flops / rate + GPU_SECONDS_PER_MICRO_BATCH + transfer)
     if w.num_gpus <= 1:
         return one
     speed = one * scaling(w.num_gpus, interconnect)

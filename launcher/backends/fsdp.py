@@ -33,9 +33,14 @@ def accelerate_config(plan: dict[str, Any], activation_checkpointing: bool) -> d
             "fsdp_version": 2,
             # wraps each decoder layer: the model's _no_split_modules name the layer class
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            # rank 0 reads the weights, the others receive their shards: one copy in CPU RAM, not N
+            # 16-bit weights: every rank's model goes to the meta device, rank 0's state dict is broadcast shard by
+            # shard. accelerate skips this for 4-bit weights (fsdp2_prepare_model: Params4bit lose their class on
+            # meta), so QLoRA loads on each rank's CPU instead (loading.fsdp_qlora_kwargs) and fully_shard moves
+            # one unit at a time to the card; the plan counts that load (sizing.py, _loading).
             "fsdp_cpu_ram_efficient_loading": True,
-            "fsdp_offload_params": False,
+            # the plan's choice when the shards do not fit the cards (QLoRA 70B on 2 x 24 GB): shards, gradients and
+            # optimizer states in pinned CPU RAM (FSDP2 CPUOffloadPolicy), the optimizer step on the CPU
+            "fsdp_offload_params": bool(plan.get("offload_params", False)),
             "fsdp_reshard_after_forward": True,
             # each rank saves its own shard (torch.distributed.checkpoint): fast, and DCP reshards on load
             "fsdp_state_dict_type": "SHARDED_STATE_DICT",
