@@ -187,13 +187,17 @@ def add_lora(model, recipe, engine: str):
     """LoRA on the base model (after kbit preparation for QLoRA)."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
-    if recipe.method == "qlora":
-        # Under FSDP, activation checkpointing is FSDP's own (fsdp_activation_checkpointing in the accelerate
-        # config, backends/fsdp.py): checkpointing here as well wraps every layer twice and breaks the sharded
-        # backward. The other engines checkpoint through the model (the Trainer enables it again; harmless).
-        checkpoint_here = recipe.gradient_checkpointing and engine != "fsdp"
+    if recipe.method == "qlora" and engine == "fsdp":
+        # Not prepare_model_for_kbit_training under FSDP: it would turn on the model's own activation
+        # checkpointing beside FSDP's (fsdp_activation_checkpointing in the accelerate config, backends/fsdp.py),
+        # which wraps every layer twice and breaks the sharded backward; and its fp32 upcast of the embeddings,
+        # head and norms (about 4 GB more for a 70B model, per rank while loading) buys nothing there, since
+        # FSDP2's mixed-precision policy casts every parameter to bf16 for compute. transformers' own FSDP+QLoRA
+        # example loads the 4-bit model and hands it to the trainer the same way.
+        pass
+    elif recipe.method == "qlora":
         model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=checkpoint_here,
+            model, use_gradient_checkpointing=recipe.gradient_checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False},
         )
     elif recipe.gradient_checkpointing:
