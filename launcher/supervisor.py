@@ -17,10 +17,11 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from . import train
 from .backends import MULTI_PROCESS, die_with_parent, failed_verification, launch_command, launch_env
+from .checkpoint import newest_step_unverified
 from .rundir import RunDir
 from .state import read_state, set_state
 
@@ -59,15 +60,29 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
 
     recipe = load_recipe(run.recipe)
     plan = json.loads(run.plan.read_text())
-    child: dict[str, Optional[subprocess.Popen]] = {"proc": None}
-    stopping = {"signal": None}
+    # proc: the process running now (worker, launcher or export); launcher: proc when it starts ranks.
+    child: dict[str, Optional[subprocess.Popen]] = {"proc": None, "launcher": None}
+    # killed: grace_seconds ran out; checkpoint_before: the newest sealed step when the signal came.
+    stopping: dict[str, Any] = {"signal": None, "killed": False, "checkpoint_before": None}
 
     def forward(signum, _frame):
+        first = stopping["signal"] is None
         stopping["signal"] = signal.Signals(signum).name
         proc = child["proc"]
         if proc and proc.poll() is None:
             _log(f"{stopping['signal']}: asking the worker to checkpoint and stop")
-            proc.send_signal(signal.SIGTERM)
+            if first:
+                stopping["checkpoint_before"] = newest_step_unverified(run.checkpoints)
+            # Under a launcher the ranks are signalled themselves, not the launcher: torchrun and
+            # accelerate launch SIGKILL their ranks a fixed time after they forward a signal, 30 s
+            # unless told otherwise, and before torch 2.12 they cannot be told (pytorch PR #172596
+            # made it configurable; launch_env sets it where it exists). The ranks save together and
+            # exit together after the save's last barrier, the launcher then ends on its own.
+            for pid in (_ranks(proc) if proc is child["launcher"] else []) or [proc.pid]:
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
 
     def forward_then_enforce_grace(signum, frame):
         forward(signum, frame)
@@ -75,7 +90,17 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
         if proc is not None:
             # A provider's notice gives limited time: a worker still busy after grace_seconds is
             # killed; the newest periodic checkpoint is what remains.
-            timer = threading.Timer(recipe.grace_seconds, lambda: proc.poll() is None and proc.kill())
+            def enforce():
+                if proc.poll() is None:
+                    stopping["killed"] = True
+                    # the ranks die with their launcher (PR_SET_PDEATHSIG), but not only through it
+                    for pid in (_ranks(proc) if proc is child["launcher"] else []) + [proc.pid]:
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+
+            timer = threading.Timer(recipe.grace_seconds, enforce)
             timer.daemon = True
             timer.start()
 
@@ -99,7 +124,7 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
 
     restarts = 0
     crash_steps: list[int] = []
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **launch_env(plan))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **launch_env(plan, recipe.grace_seconds))
     while True:
         cmd = launch_command(plan, run.root, "full")
         _log("starting worker: " + " ".join(cmd))
@@ -113,10 +138,11 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
                                 # a launcher (torchrun) outliving the supervisor keeps its ranks training
                                 preexec_fn=die_with_parent if plan.get("engine") in MULTI_PROCESS else None)
         child["proc"] = proc
+        child["launcher"] = proc if plan.get("engine") in MULTI_PROCESS else None
         _record(run, "running", supervisor_pid=os.getpid(), worker_pid=proc.pid, restarts=restarts,
                   engine=plan.get("engine"), num_processes=plan.get("num_processes"), launch_argv=cmd)
         rc = proc.wait()
-        child["proc"] = None
+        child["proc"] = child["launcher"] = None
         if rc != 0 and failed_verification(run.worker):
             rc = train.EXIT_BAD_WORLD  # torchrun reports any failed worker as 1; the worker said why
         if run.worker.is_file() and "verification" in json.loads(run.worker.read_text()):
@@ -138,9 +164,15 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
             return 0
         if stopping["signal"] or rc == train.EXIT_STOPPED:
             requested = read_state(run).get("stop_requested")
+            # A launcher exits 1 when its ranks exit EXIT_STOPPED: a checkpoint sealed after the
+            # signal says the same.
+            newest = newest_step_unverified(run.checkpoints)
+            saved = rc == train.EXIT_STOPPED or (
+                not stopping["killed"] and newest is not None
+                and (stopping["checkpoint_before"] is None or newest > stopping["checkpoint_before"]))
             why = (f"{'stopped by `ftrun stop`' if requested else 'preempted (' + (stopping['signal'] or 'SIGTERM') + ')'}"
                    f" at step {_last_logged_step(run)}"
-                   + (" after a checkpoint" if rc == train.EXIT_STOPPED else f"; the worker did not finish its checkpoint within {recipe.grace_seconds:g}s")
+                   + (" after a checkpoint" if saved else f"; the worker did not finish its checkpoint within {recipe.grace_seconds:g}s")
                    + "; run the same command to resume")
             return end("stopped" if requested else "preempted", why, train.EXIT_STOPPED, stop_requested=False)
         if rc in FATAL:
@@ -163,6 +195,22 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
                 _record(run, "stopped", reason=f"stopped by {stopping['signal']} while recovering")
                 return train.EXIT_STOPPED
             time.sleep(0.1)
+
+
+def _ranks(launcher: subprocess.Popen) -> list[int]:
+    """The pids of a launcher's ranks: its direct children.
+
+    torch 2.13 elastic/multiprocessing/subprocess_handler/subprocess_handler.py SubprocessHandler._popen
+    starts each rank as a child of the agent, which is torchrun itself or, for accelerate launch, the
+    launch process (commands/launch.py multi_gpu_launcher runs torch.distributed.run in-process); a
+    numactl wrapper (NUMA binding on GPU boxes) execs into the rank and keeps its pid.
+    """
+    import psutil
+
+    try:
+        return [p.pid for p in psutil.Process(launcher.pid).children()]
+    except psutil.Error:
+        return []
 
 
 def _worker_error(run: RunDir) -> Optional[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
@@ -14,6 +15,9 @@ SINGLE_PROCESS = ("trl", "unsloth")
 MULTI_PROCESS = ("ddp", "fsdp", "deepspeed")
 DEEPSPEED_CONFIG = "deepspeed.json"  # written into the run directory from the plan (data, not code)
 FSDP_CONFIG = "accelerate_fsdp.yaml"
+# torchrun's (and accelerate launch's) wait for the ranks after it forwards a SIGTERM; launch_env.
+LAUNCHER_SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+LAUNCHER_SHUTDOWN_MARGIN_S = 15
 
 
 def _worker(run_dir: Path, mode: str) -> list[str]:
@@ -69,7 +73,7 @@ def launch_command(plan: dict[str, Any], run_dir: Path, mode: str) -> list[str]:
     )
 
 
-def launch_env(plan: dict[str, Any]) -> dict[str, str]:
+def launch_env(plan: dict[str, Any], grace_seconds: float | None = None) -> dict[str, str]:
     """Environment for the launched worker(s): CPU threads split between processes; NCCL's P2P and
     InfiniBand off on RTX 40-series cards with an old driver. A variable the user set is kept."""
     n = int(plan.get("num_processes", 1))
@@ -92,6 +96,16 @@ def launch_env(plan: dict[str, Any]) -> dict[str, str]:
             for var in ("NCCL_P2P_DISABLE", "NCCL_IB_DISABLE"):
                 if var not in os.environ:
                     env[var] = "1"
+    if grace_seconds is not None and plan.get("engine") in MULTI_PROCESS:
+        # The launcher's own wait between forwarding a SIGTERM and SIGKILLing the ranks (torch 2.13:
+        # torch/distributed/launcher/api.py LaunchConfig.__post_init__ reads it when --shutdown-timeout
+        # is not given; SimpleElasticAgent.run passes it to PContext.close). Default 30 s: a checkpoint
+        # taking longer was cut off although grace_seconds allowed more. accelerate launch (fsdp) builds
+        # the same LaunchConfig (commands/launch.py multi_gpu_launcher -> torch.distributed.run.run), so
+        # the variable reaches it too. An environment variable, not the flag: torch before 2.12 rejects
+        # an unknown flag and ignores the variable (the supervisor signals the ranks directly there).
+        # A margin above grace_seconds: the supervisor's own deadline is the one that binds.
+        env[LAUNCHER_SHUTDOWN_TIMEOUT_ENV] = str(math.ceil(grace_seconds) + LAUNCHER_SHUTDOWN_MARGIN_S)
     return env
 
 
