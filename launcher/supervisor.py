@@ -149,8 +149,16 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
             _record(run, read_state(run).get("state", "running"),
                       verification=json.loads(run.worker.read_text())["verification"])
         if rc == 0:
-            _record(run, "succeeded", worker_pid=None, reason="training finished")
-            _log("training finished")
+            checked = _verify_final(recipe, run, plan)
+            if checked is not None and not checked.ok:
+                # exit 0 without a usable result (a save that wrote nothing) is a failure, and nothing is exported
+                return end("failed", f"training finished but the final result is not usable: {checked.reason}; "
+                           "the checkpoints are intact: run the same command to resume from the newest one, which "
+                           "saves the final result again", 5, final_check={"ok": False, "reason": checked.reason})
+            _record(run, "succeeded", worker_pid=None, reason="training finished",
+                    final_check={"ok": True, "reason": checked.reason, **checked.details} if checked else
+                    {"ok": None, "reason": "written and verified by node 0"})
+            _log("training finished" + (f"; {checked.reason}" if checked else ""))
             _export(recipe, run, child)
             if syncer:
                 _record(run, "succeeded", reason=f"training finished; copying the result to {recipe.sync.to}")
@@ -211,6 +219,16 @@ def _ranks(launcher: subprocess.Popen) -> list[int]:
         return [p.pid for p in psutil.Process(launcher.pid).children()]
     except psutil.Error:
         return []
+
+
+def _verify_final(recipe, run: RunDir, plan: dict[str, Any]):
+    """The final adapter or model checked from its files (launcher/final.py), or None on a node other than the
+    first of a multi-node run: its rank 0 is the one that writes final/."""
+    from . import final
+
+    if int((plan.get("nodes") or {}).get("node_rank", 0)) != 0:
+        return None
+    return final.verify(run.final, recipe.method, recipe.lora.target_modules, recipe.model)
 
 
 def _worker_error(run: RunDir) -> Optional[str]:

@@ -665,19 +665,29 @@ def _write_smoke_result(run: RunDir, step_times, device: str, timed_out: bool,
 
 
 def _save_final(run: RunDir, trainer, tokenizer, recipe) -> None:
-    """final/adapter (PEFT adapter + tokenizer) or final/model, written to a temporary folder then renamed."""
+    """final/adapter (PEFT adapter + tokenizer) or final/model, written to a temporary folder then renamed.
+    Every rank calls it (the sharding engines gather collectively); the supervisor verifies the result
+    (launcher/final.py) before the run counts as succeeded."""
     import shutil
 
     import torch.distributed as dist
 
-    name = "adapter" if recipe.method in ("qlora", "lora") else "model"
+    from . import final
+    from .backends.fsdp import is_sharded, save_full
+
+    name = final.kind(recipe.method)
     tmp = run.final / f".{name}.tmp"
     if _rank() == 0:
         run.final.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-    trainer.save_model(str(tmp))  # collective under ZeRO-3/FSDP; only the main process writes
+    if is_sharded(trainer.model):
+        # FSDP2: Trainer.save_model writes nothing unless the checkpoints' state dict type is FULL_STATE_DICT
+        # (see save_full); the final result is gathered in full here, the checkpoints stay sharded.
+        save_full(trainer.model, tmp, write=_rank() == 0)
+    else:
+        trainer.save_model(str(tmp))  # collective under ZeRO-3; only the main process writes
     if _rank() != 0:
         return
     tokenizer.save_pretrained(str(tmp))

@@ -334,12 +334,16 @@ def test_fsdp_accelerate_config_is_generated_from_the_plan(write_recipe, tmp_pat
     assert trainer_fields(plan, run) == {"activation_checkpointing": False}
 
 
-def test_fully_shard_on_gloo_shards_the_worker_model_and_trains_like_unsharded(write_recipe, tmp_path):
-    run = prepared_run(write_recipe(max_steps=6), "engine=ddp", "num_processes=2")
-    out = tmp_path / "fsdp.json"
+@pytest.mark.parametrize("method", ["lora", pytest.param("full", marks=pytest.mark.slow)])
+def test_fully_shard_on_gloo_shards_the_worker_model_and_trains_like_unsharded(write_recipe, tmp_path, method):
+    """...and the worker's FSDP final save (launcher.backends.fsdp.save_full, a full state dict gathered on every
+    rank, written by rank 0) writes what the unsharded model's own save_pretrained writes."""
+    run = prepared_run(write_recipe(max_steps=6, method=method), "engine=ddp", "num_processes=2")
+    out, final_dir = tmp_path / "fsdp.json", tmp_path / "final"
     t0 = time.monotonic()
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          "-m", "launcher.backends.fsdp", "--run-dir", str(run), "--steps", "4", "--out", str(out)],
+                          "-m", "launcher.backends.fsdp", "--run-dir", str(run), "--steps", "4", "--out", str(out),
+                          "--final-dir", str(final_dir)],
                          cwd=REPO, env=_worker_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     r = json.loads(out.read_text())
@@ -347,8 +351,21 @@ def test_fully_shard_on_gloo_shards_the_worker_model_and_trains_like_unsharded(w
     assert r["sharded"] == r["parameters"] > 0 and r["trainable"] > 0  # LoRA included
     assert r["local_values"] < r["global_values"]
     assert r["max_loss_diff"] < 1e-4 and r["losses_sharded"][-1] < r["losses_sharded"][0]
-    print(f"fully_shard 2 ranks: {r['sharded']}/{r['parameters']} sharded, {r['local_values']:,} of "
-          f"{r['global_values']:,} values per rank, loss diff {r['max_loss_diff']:.1e}, {time.monotonic() - t0:.0f}s")
+    f = r["final_save"]
+    assert f["ok"] and f["same_keys"] and f["same_shapes"] and f["trained_values"] and f["verified_ok"], f
+    assert f["dispatch"]  # is_sharded: true for the sharded model, false for the unsharded one
+    # vs the unsharded training: float rounding only; what reloads is exactly what the sharded model holds
+    assert f["max_abs_diff"] <= 1e-4 and f["reload_max_abs_diff"] == 0.0
+    if method == "lora":  # the adapter, not the frozen base (torch also gathers the tied head under its own name)
+        assert f["trainable_tensors"] == f["tensors"] > 0
+        assert f["gathered_frozen"] == ["base_model.model.lm_head.weight"]
+        assert {p.name for p in (final_dir / "sharded").iterdir()} >= {"adapter_config.json",
+                                                                        "adapter_model.safetensors"}
+    else:
+        assert f["architectures"] == ["Qwen3ForCausalLM"] and f["tensors"] > 0
+    print(f"fully_shard 2 ranks ({method}): {r['sharded']}/{r['parameters']} sharded, {r['local_values']:,} of "
+          f"{r['global_values']:,} values per rank, loss diff {r['max_loss_diff']:.1e}; final save: {f['tensors']} "
+          f"tensors, max |diff| {f['max_abs_diff']:.1e}, {f['verified']}; {time.monotonic() - t0:.0f}s")
 
 
 @pytest.mark.slow

@@ -109,10 +109,74 @@ def _base(model):
     return get() if get else model
 
 
-def exercise(run_dir: Path, steps: int, out: Optional[Path]) -> int:
+def is_sharded(model) -> bool:
+    """Whether fully_shard (FSDP2) wrapped this model or one of its modules."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def save_full(model, out_dir: Path, write: bool) -> list[str]:
+    """The final save of an FSDP2-sharded model: collective, so EVERY rank calls it; the rank with `write` writes
+    `out_dir` with save_pretrained (a PEFT adapter, or the whole model). Returns the names of the tensors
+    gathered on this rank (none on the others).
+
+    Why not Trainer.save_model: under FSDP it saves only when the accelerate plugin's state_dict_type is
+    FULL_STATE_DICT (transformers 5.24 `trainer.py`, Trainer.save_model, the `elif self.is_fsdp_enabled:` branch;
+    otherwise nothing is written), and the checkpoints keep SHARDED_STATE_DICT (one DCP shard per rank, resumable
+    on another rank count). Gathering here leaves the plugin and the checkpoints alone.
+
+    The gather is what accelerate 1.15 does for FSDP2 in `Accelerator.get_state_dict` (`accelerator.py`, the
+    `elif self.is_fsdp2:` branch): torch's `get_model_state_dict` with `full_state_dict=True, cpu_offload=True`,
+    which all-gathers every DTensor and keeps the full tensors on rank 0's CPU only, the other ranks getting an
+    empty dict (torch 2.13 `torch/distributed/checkpoint/state_dict.py`, StateDictOptions and
+    `_maybe_full_or_cpu_state_dict`, ranks_only=(0,)). For a PEFT model, `ignore_frozen_params=True` gathers the
+    trainable tensors only (the adapter), not the frozen base: a 70B base is never assembled in one process's
+    RAM to save a few hundred MB of LoRA (one frozen tensor still comes, seen with torch 2.13: a head tied to
+    the embedding, under its second name; PEFT's save drops it). The keys are the unwrapped model's own (DCP
+    drops FSDP's and activation checkpointing's wrapper prefixes: `_get_fqns`), which
+    `PeftModel.save_pretrained(state_dict=...)` filters and renames as for an unsharded model (peft 0.21
+    `get_peft_model_state_dict`), and which transformers' save_pretrained turns into the checkpoint's layout
+    (tied weights removed, key conversions reverted, "FSDP" taken off the class name in `architectures`; without
+    a transformers `distributed_config` it gathers nothing itself: `transformers/distributed/mixin.py`,
+    gather_sharded_state_dict_for_save).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    peft = hasattr(model, "peft_config")
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=peft)
+    state = get_model_state_dict(model, options=options)
+    names = sorted(state)
+    if write:
+        _alias_tied(model, state)
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(str(out_dir), state_dict=state, is_main_process=True)
+    return names
+
+
+def _alias_tied(model, state: dict) -> None:
+    """Tied parameters (a head tied to the embedding) come back from the gather as separate copies; transformers
+    finds ties by shared storage (`remove_tied_weights_from_state_dict`) and would write both. Aliasing them again
+    writes the file an unsharded model's save_pretrained writes."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+
+    first: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        key = name.replace(_CHECKPOINT_PREFIX, "")  # the names DCP gives (`_get_fqns`)
+        if key not in state:
+            continue
+        if id(param) in first:
+            state[key] = state[first[id(param)]]
+        else:
+            first[id(param)] = key
+
+
+def exercise(run_dir: Path, steps: int, out: Optional[Path], final_dir: Optional[Path] = None) -> int:
     """Under torchrun: shard the worker's own model (recipe in run_dir) with fully_shard over gloo, train `steps`
     steps on fixed batches split between the ranks, and compare with an unsharded copy trained on the whole
-    batch in the same process. Writes the result as JSON (rank 0); exit 0 only when sharded and equal."""
+    batch in the same process. With `final_dir`, also run the worker's final save (`save_full`) on the sharded
+    model and compare what it wrote with the unsharded copy's own save_pretrained (see `_final_save_check`).
+    Writes the result as JSON (rank 0); exit 0 only when sharded and equal."""
     import copy
     import os
 
@@ -168,6 +232,15 @@ def exercise(run_dir: Path, steps: int, out: Optional[Path]) -> int:
               "losses_sharded": sharded_losses, "losses_unsharded": ref_losses, "max_loss_diff": diff,
               "trainable": sum(1 for p in model.parameters() if p.requires_grad),
               "omp_threads": os.environ.get("OMP_NUM_THREADS")}
+    if final_dir is not None:
+        saved = _final_save_check(model, reference, recipe, Path(final_dir), rank)
+        # the worker's _save_final takes the gathering save exactly when this says the model is sharded
+        saved["dispatch"] = dispatch = is_sharded(model) and not is_sharded(reference)
+        result["final_save"] = saved
+        result["ok"] = ok = ok and dispatch and (saved["ok"] if rank == 0 else saved["gathered"] == 0)
+        flag = torch.tensor([1.0 if ok else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # rank 0 writes the result: it must know the others' verdict
+        result["ok"] = ok = bool(flag.item())
     if rank == 0:
         text = json.dumps(result, indent=2)
         print(text, flush=True)
@@ -178,6 +251,70 @@ def exercise(run_dir: Path, steps: int, out: Optional[Path]) -> int:
     return 0 if ok else 1
 
 
+def _final_save_check(model, reference, recipe, final_dir: Path, rank: int) -> dict[str, Any]:
+    """The worker's FSDP final save on the sharded model (every rank; rank 0 writes final_dir/sharded), the
+    unsharded copy saved by its own save_pretrained (final_dir/reference), then on rank 0: same tensor names and
+    shapes, values within 1e-4 (the two trainings differ by float rounding), the folder reloads (PEFT onto a fresh
+    base, or transformers) with exactly the sharded model's values, and passes the supervisor's verification
+    (launcher/final.py)."""
+    import torch
+
+    from .. import final
+
+    kind = final.kind(recipe.method)
+    sharded_dir, reference_dir = final_dir / "sharded", final_dir / "reference"
+    gathered = save_full(model, sharded_dir, write=rank == 0)
+    trainable = {k for k, p in model.named_parameters() if p.requires_grad}
+    # the same values by another road: each sharded parameter's own all-gather (DTensor.full_tensor, collective)
+    from torch.distributed.tensor import DTensor
+
+    own = {k: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+           for k, p in model.named_parameters() if kind == final.MODEL or p.requires_grad}
+    if rank != 0:
+        return {"gathered": len(gathered)}
+    reference.save_pretrained(str(reference_dir))
+    from safetensors.torch import load_file
+
+    name = final.ADAPTER_WEIGHTS if kind == final.ADAPTER else final.MODEL_WEIGHTS
+    a, b = load_file(str(sharded_dir / name)), load_file(str(reference_dir / name))
+    same_keys = sorted(a) == sorted(b) and len(a) > 0
+    same_shapes = same_keys and all(a[k].shape == b[k].shape for k in a)
+    # the sharded and the unsharded trainings differ by float rounding (their losses by about 1e-6)
+    worst = max(((a[k] - b[k]).abs().max().item() for k in a), default=float("inf")) if same_shapes else float("inf")
+
+    from transformers import AutoModelForCausalLM
+
+    if kind == final.ADAPTER:
+        from peft import PeftModel
+
+        base = AutoModelForCausalLM.from_pretrained(recipe.model, dtype=torch.float32)
+        loaded = PeftModel.from_pretrained(base, str(sharded_dir))
+        mine = {k: v for k, v in loaded.named_parameters() if "lora_" in k}
+    else:
+        loaded = AutoModelForCausalLM.from_pretrained(str(sharded_dir), dtype=torch.float32)
+        mine = dict(loaded.named_parameters())
+    # what was written and reloads is exactly what the sharded model holds (the save adds no error)
+    reload_diff = max(((mine[k] - own[k]).abs().max().item() for k in own if k in mine), default=float("inf")) \
+        if set(mine) == set(own) else float("inf")
+    # trained values, not the initial ones: LoRA B starts at zero, full weights at the base's
+    moved = any(not torch.equal(v, torch.zeros_like(v)) for k, v in mine.items() if "lora_B" in k) \
+        if kind == final.ADAPTER else True
+    verdict = final.verify_adapter(sharded_dir, recipe.lora.target_modules, final.base_weights(recipe.model)) \
+        if kind == final.ADAPTER else final.verify_model(sharded_dir, final.base_weights(recipe.model))
+    architectures = json.loads((sharded_dir / "config.json").read_text()).get("architectures") \
+        if kind == final.MODEL else None
+    # a PEFT model gathers its trainable tensors (the adapter), not the frozen base
+    extra = sorted(set(gathered) - trainable)
+    gathered_ok = trainable <= set(gathered) if kind == final.ADAPTER else len(gathered) >= len(a)
+    ok = same_shapes and worst <= 1e-4 and reload_diff == 0.0 and moved and verdict.ok and gathered_ok \
+        and (architectures is None or not architectures[0].startswith("FSDP"))
+    return {"ok": ok, "kind": kind, "gathered": len(gathered), "trainable_tensors": len(trainable),
+            "gathered_frozen": extra if kind == final.ADAPTER else None, "tensors": len(a),
+            "same_keys": same_keys, "same_shapes": same_shapes, "max_abs_diff": worst,
+            "reload_max_abs_diff": reload_diff, "trained_values": moved, "verified": verdict.reason,
+            "verified_ok": verdict.ok, "architectures": architectures}
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launcher.backends.fsdp",
                                      description="Shard the worker's model with fully_shard and check it trains "
@@ -185,8 +322,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--run-dir", required=True, type=Path, help="a run directory (its recipe.yaml is used)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--final-dir", type=Path, help="also check the final save of the sharded model here")
     ns = parser.parse_args(argv)
-    return exercise(ns.run_dir, ns.steps, ns.out)
+    return exercise(ns.run_dir, ns.steps, ns.out, ns.final_dir)
 
 
 if __name__ == "__main__":
