@@ -130,7 +130,9 @@ def save_full(model, out_dir: Path, write: bool) -> list[str]:
     `elif self.is_fsdp2:` branch): torch's `get_model_state_dict` with `full_state_dict=True, cpu_offload=True`,
     which all-gathers every DTensor and keeps the full tensors on rank 0's CPU only, the other ranks getting an
     empty dict (torch 2.13 `torch/distributed/checkpoint/state_dict.py`, StateDictOptions and
-    `_maybe_full_or_cpu_state_dict`, ranks_only=(0,)). For a PEFT model, `ignore_frozen_params=True` gathers the
+    `_maybe_full_or_cpu_state_dict`, ranks_only=(0,)); shards offloaded to CPU (fsdp_offload_params) go to the
+    mesh's device one tensor at a time for the gather (`torch/distributed/_state_dict_utils.py`,
+    `_gather_state_dict`, dtensor_func). For a PEFT model, `ignore_frozen_params=True` gathers the
     trainable tensors only (the adapter), not the frozen base: a 70B base is never assembled in one process's
     RAM to save a few hundred MB of LoRA (one frozen tensor still comes, seen with torch 2.13: a head tied to
     the embedding, under its second name; PEFT's save drops it). The keys are the unwrapped model's own (DCP
