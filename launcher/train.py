@@ -11,7 +11,6 @@ import argparse
 import json
 import math
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -26,6 +25,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from . import checkpoint as ckpt  # noqa: E402
+from . import memory  # noqa: E402
 from .rundir import RunDir  # noqa: E402
 
 METRICS_IN_CHECKPOINT = "ftrun_metrics.jsonl"
@@ -56,15 +56,6 @@ def _rank() -> int:
 
 def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def peak_memory_gb(device: str) -> float:
-    if device == "cuda":
-        import torch
-
-        return torch.cuda.max_memory_reserved() / 1e9
-    # Linux reports ru_maxrss in KiB: the worker's peak resident memory.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
 def _restore_metrics(path: Path, checkpoint: Path, last_step: int) -> None:
@@ -194,7 +185,8 @@ def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta
                 "epoch": round(state.epoch or 0.0, 4),
                 "tokens_seen": int(tokens),
                 "tokens_per_second": round((tokens - self.tokens_last) / dt, 1),
-                "peak_memory_gb": round(peak_memory_gb(device), 3),
+                # every rank logs (the loss above was gathered from all): a collective, the largest card's peak
+                "peak_memory_gb": round(memory.peak_memory_over_ranks_gb(device), 3),
                 "time": time.time(),
             }
             self.t_last, self.tokens_last = now, tokens
@@ -405,7 +397,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
             import deepspeed
 
             deepspeed.init_distributed(dist_backend="gloo")
-        _cap_memory(device, float(plan["memory_limit_gb"]))
+        memory.cap_memory(device, float(plan["memory_limit_gb"]))  # this rank's own device
     planned_device = plan.get("device")
     if planned_device and planned_device != device:
         print(f"[ftrun worker] the plan was made for device '{planned_device}' but this process sees '{device}'",
@@ -478,17 +470,16 @@ def run_worker(run_dir: Path, mode: str) -> int:
         from transformers.trainer_callback import PrinterCallback
 
         trainer.remove_callback(PrinterCallback)  # our Metrics callback prints one compact line per log
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
+        memory.reset_peak(device)
         trainer.train(resume_from_checkpoint=str(resume_from.path) if resume_from else None)
     except FloatingPointError as exc:
         print(f"[ftrun worker] stopping: {exc}", file=sys.stderr, flush=True)
         return EXIT_NAN
-    except torch.cuda.OutOfMemoryError as exc:
-        return _out_of_memory(run, mode, device, str(exc), step())
     except Exception as exc:
-        if _is_cpu_oom(exc):
-            return _out_of_memory(run, mode, device, str(exc), step())
+        # not only torch.OutOfMemoryError: cuBLAS, NCCL and CUDA runtime calls report running out as other
+        # RuntimeErrors (launcher/memory.py), which would otherwise count as a crash and be restarted
+        if memory.is_out_of_memory(exc):
+            return _out_of_memory(run, mode, device, memory.out_of_memory_text(exc), step())
         if not _is_disk_full(exc, run.root):
             raise
         message = _disk_full_message(run, step())
@@ -497,10 +488,11 @@ def run_worker(run_dir: Path, mode: str) -> int:
         return EXIT_DISK_FULL
 
     if mode == "smoke":
+        peak_gb = memory.peak_memory_over_ranks_gb(device)  # a collective: every rank, before rank 0 writes
         if _rank() == 0:
             _write_smoke_result(run, metrics.step_times, device, cadence.timed_out, cadence.save_seconds,
                                 {"import_seconds": round(import_seconds, 3), "load_seconds": round(load_seconds, 3),
-                                 "checkpoint_bytes": ckpt.tree_bytes(out_dir)})
+                                 "checkpoint_bytes": ckpt.tree_bytes(out_dir)}, peak_gb=peak_gb)
         return 0
     if cadence.stopped_by_signal and trainer.state.global_step < trainer.state.max_steps:
         print(f"[ftrun worker] stopped at step {trainer.state.global_step} after {_Stop.signal_name}; "
@@ -513,47 +505,15 @@ def run_worker(run_dir: Path, mode: str) -> int:
     return 0
 
 
-def _cap_memory(device: str, limit_gb: float) -> None:
-    """--memory-limit: plan for a smaller card than this one, or provoke a real OOM in tests."""
-    import torch
-
-    if device == "cuda":
-        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, limit_gb * 1e9 / total))
-    else:
-        import psutil
-
-        # Address space above what the imports already mapped: torch's CPU allocator then fails for
-        # real ("can't allocate memory") when the training needs more.
-        info = psutil.Process().memory_info()
-        resource.setrlimit(resource.RLIMIT_AS, (info.vms + int(limit_gb * 1e9), resource.RLIM_INFINITY))
-        _CAPPED_BASE_RSS[0] = info.rss
-    print(f"[ftrun worker] memory limited to {limit_gb:g} GB ({'GPU fraction' if device == 'cuda' else 'RLIMIT_AS above the imports'})",
-          flush=True)
-
-
-_CAPPED_BASE_RSS = [0]  # resident bytes when the CPU cap was set: an out-of-memory reports its peak above them
-
-
-def _is_cpu_oom(exc: BaseException) -> bool:
-    seen: Optional[BaseException] = exc
-    while seen is not None:
-        if isinstance(seen, MemoryError) or (isinstance(seen, RuntimeError) and "can't allocate memory" in str(seen)):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
-
-
 def _out_of_memory(run: RunDir, mode: str, device: str, text: str, step: int) -> int:
-    peak = peak_memory_gb(device)
-    if device == "cpu" and _CAPPED_BASE_RSS[0]:  # compare like with like: the cap counts from the imports on
-        peak = max(0.0, peak - _CAPPED_BASE_RSS[0] / 1e9)
+    peak = memory.out_of_memory_peak_gb(device)  # this rank's: the others may be gone or stuck in a collective
     first = text.strip().splitlines()[0] if text.strip() else "out of memory"
-    message = f"out of {'GPU ' if device == 'cuda' else ''}memory at step {step + 1} (peak {peak:.2f} GB): {first[:300]}"
+    measured = f"peak {peak:.2f} GB" if peak is not None else "peak unknown"
+    message = f"out of {'GPU ' if device == 'cuda' else ''}memory at step {step + 1} ({measured}): {first[:300]}"
     print(f"[ftrun worker] {message}", file=sys.stderr, flush=True)
     if mode == "smoke":  # any rank: under ZeRO-3 or FSDP one rank may run out before the others
-        ckpt.atomic_write_json(run.smoke_work / "oom.json", {"peak_memory_gb": round(peak, 3), "step": step + 1,
-                                                              "rank": _rank(), "error": first[:500]})
+        ckpt.atomic_write_json(run.smoke_work / "oom.json", {"peak_memory_gb": None if peak is None else round(peak, 3),
+                                                              "step": step + 1, "rank": _rank(), "error": first[:500]})
     else:  # any rank, for the same reason; worker.json is written atomically
         _record_error(run, message)
     return EXIT_OOM
@@ -635,7 +595,8 @@ def _reap(child: subprocess.Popen, timeout: float = 60.0) -> None:
 
 
 def _write_smoke_result(run: RunDir, step_times, device: str, timed_out: bool,
-                        checkpoint_seconds: Optional[float] = None, costs: Optional[dict[str, Any]] = None) -> None:
+                        checkpoint_seconds: Optional[float] = None, costs: Optional[dict[str, Any]] = None, *,
+                        peak_gb: float) -> None:
     # The first step pays for warm-up (allocator, kernels, lazy init): throughput is measured
     # from the end of step 1 to the end of the last step.
     steps = [t for t in step_times if t[0] > 0]
@@ -655,7 +616,7 @@ def _write_smoke_result(run: RunDir, step_times, device: str, timed_out: bool,
         # (tokens, seconds) of each measured step: smoke.py fits seconds = a + b * tokens, so steps with
         # other token counts than the smoke's (another micro-batch mix, a short run) are priced right.
         "step_costs": [[int(b[2] - a[2]), round(b[1] - a[1], 4)] for a, b in zip(steps, steps[1:])],
-        "peak_memory_gb": round(peak_memory_gb(device), 3),
+        "peak_memory_gb": round(peak_gb, 3),  # the largest over ranks (memory.peak_memory_over_ranks_gb)
         "device": device,
         "timed_out": timed_out,
         "checkpoint_seconds": round(checkpoint_seconds, 3) if checkpoint_seconds is not None else None,
