@@ -1,45 +1,79 @@
 #!/usr/bin/env bash
-# GPU checks for the engines (launcher/backends/gpu_check.py): one prepared script for a short GPU loan.
-# The box needs torch, transformers, peft and accelerate; no trl, datasets, bitsandbytes or network.
-#   scripts/gpu_check.sh            on the GPU box (fails without CUDA)
-#   scripts/gpu_check.sh --dry-run  the same steps on CPU with CPU expectations (run it before spending GPU time)
-# Results (JSON) go to $OUT (or a temporary folder); exit 0 only when every check gave the expected outcome.
-set -euo pipefail
+# GPU checks for one short GPU loan (launcher/backends/gpu_check.py): device and dtype, per-rank placement, the
+# memory cap, peak memory, out-of-memory classification, predicted vs measured memory and tokens/s for LoRA and
+# full fine-tuning at an 8B shape (random weights, no download), padded vs padding-free, FSDP2 with the final save.
+#   OUT=/some/dir scripts/gpu_check.sh            on the GPU box (torch + transformers; peft, accelerate if there)
+#   scripts/gpu_check.sh --dry-run                the same steps on CPU with CPU expectations and a tiny shape (CI)
+# Every step is its own process with its own timeout; a step that fails, crashes or hangs is recorded with the
+# reason and the next one runs. Each step writes $OUT/<step>.json as soon as it has results, and
+# $OUT/summary.json is rewritten after every step. The whole run stays within GPU_CHECK_BUDGET_S (default 450 s
+# on a GPU, 600 s dry); one line per step goes to stdout, each step's full output to $OUT/<step>.log.
+# Settings: GPU_CHECK_SHAPE (a launcher/models.py catalog name, default qwen3-8b), GPU_CHECK_STEPS (a comma list
+# to run a subset), GPU_CHECK_TIMEOUTS (per-step timeouts, "bench-full=200,fsdp=60"), GPU_CHECK_WORK (where the
+# tiny model and the FSDP save are built, default a temporary folder: not in $OUT, which comes back from the box).
+# Exit 0 only when every step passed or was skipped for a missing package; a step left out for lack of time fails it.
+set -uo pipefail  # no -e: a failed step is a result, not the end of the run
 cd "$(dirname "$0")/.."
-DEVICE=cuda
-[ "${1:-}" = "--dry-run" ] && DEVICE=cpu
+MODE=gpu
+DRY=()
+[ "${1:-}" = "--dry-run" ] && { MODE=dry-run; DRY=(--dry-run); }
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] && PY=.venv/bin/python
-RESULTS=${OUT:-$(mktemp -d)}
-mkdir -p "$RESULTS"
-export PYTHONPATH="$PWD" HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false
-if [ "$DEVICE" = cuda ]; then
-  "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA GPU here: use --dry-run')"
-fi
-"$PY" -c "import torch, transformers, peft, accelerate; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, 'accelerate', accelerate.__version__)"
-
-step() { echo "== $1"; }
-step "tiny model (built locally, no download)"
-"$PY" scripts/make_tiny_model.py "$RESULTS/tiny-model" >/dev/null
-
-step "worker: load_model_and_tokenizer + one LoRA step on $DEVICE"
-"$PY" -m launcher.backends.gpu_check worker --model "$RESULTS/tiny-model" --device "$DEVICE" --out "$RESULTS/worker.json"
-
-step "FSDP2: the generated accelerate config, the worker's model prepared by accelerate on $DEVICE"
-"$PY" -m launcher.backends.gpu_check fsdp-config --model "$RESULTS/tiny-model" --device "$DEVICE" \
-  --out "$RESULTS/accelerate_fsdp.yaml"
-OMP_NUM_THREADS=1 "$PY" -m accelerate.commands.launch --config_file "$RESULTS/accelerate_fsdp.yaml" \
-  -m launcher.backends.gpu_check fsdp-prepare --model "$RESULTS/tiny-model" --device "$DEVICE" \
-  --out "$RESULTS/fsdp.json"
-
-step "sizing against the box: predicted vs measured peak memory and tokens/s (scripts/gpu_bench.py: plan + smoke)"
-if "$PY" -c "import trl, datasets" 2>/dev/null; then
-  if [ "$DEVICE" = cpu ]; then
-    "$PY" scripts/gpu_bench.py --dry-run --methods lora --json "$RESULTS/gpu_bench.json"
-  else  # rows that fail (bitsandbytes missing for qlora/full-8bit, say) are reported with their reason
-    timeout 300 "$PY" scripts/gpu_bench.py --json "$RESULTS/gpu_bench.json" || echo "gpu_bench ended with exit $?"
-  fi
+OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
+export GPU_CHECK_WORK=${GPU_CHECK_WORK:-$(mktemp -d)}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 \
+  TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+export GPU_CHECK_MODE=$MODE GPU_CHECK_STARTED=$(date +%s)
+if [ "$MODE" = dry-run ]; then
+  export CUDA_VISIBLE_DEVICES=""  # CPU expectations even where a GPU is present
+  export GPU_CHECK_BUDGET_S=${GPU_CHECK_BUDGET_S:-600}
 else
-  echo "not run: trl and datasets are not installed here (the smoke test needs them; carry their wheels)"
+  export GPU_CHECK_BUDGET_S=${GPU_CHECK_BUDGET_S:-450}
+  if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "gpu_check: no CUDA GPU visible to $PY (torch.cuda.is_available() is False); on a CPU box use --dry-run" >&2
+    exit 2
+  fi
 fi
-echo "all engine checks passed on $DEVICE; results in $RESULTS"
+DEADLINE=$((GPU_CHECK_STARTED + GPU_CHECK_BUDGET_S))
+"$PY" -m launcher.backends.gpu_check start --out "$OUT" || exit 2
+echo "gpu_check $MODE: results in $OUT, budget ${GPU_CHECK_BUDGET_S} s"
+
+# step NAME TIMEOUT_GPU TIMEOUT_DRY: run it under timeout(1) (which kills its whole process group, children
+# included) for at most what is left of the budget, then record and print its result.
+FAILED=0
+step() {
+  local name=$1 limit=$2
+  [ "$MODE" = dry-run ] && limit=$3
+  if [ -n "${GPU_CHECK_STEPS:-}" ] && [[ ",$GPU_CHECK_STEPS," != *",$name,"* ]]; then return; fi
+  local pair spec=${GPU_CHECK_TIMEOUTS:-}
+  for pair in ${spec//,/ }; do [ "${pair%%=*}" = "$name" ] && limit=${pair#*=}; done
+  local left=$((DEADLINE - $(date +%s)))
+  if [ "$left" -lt 15 ]; then
+    "$PY" -m launcher.backends.gpu_check finish "$name" --out "$OUT" --not-run "out of time (budget ${GPU_CHECK_BUDGET_S} s)"
+    FAILED=$((FAILED + 1))  # not run is not passed
+    return 0
+  fi
+  [ "$left" -lt "$limit" ] && limit=$left
+  local rc=0
+  GPU_CHECK_STEP_BUDGET=$limit timeout -k 10 "$limit" "$PY" -m launcher.backends.gpu_check step "$name" \
+    --out "$OUT" ${DRY[@]+"${DRY[@]}"} >"$OUT/$name.log" 2>&1 || rc=$?
+  "$PY" -m launcher.backends.gpu_check finish "$name" --out "$OUT" --rc "$rc" --limit "$limit" || rc=1
+  [ "$rc" -ne 0 ] && FAILED=$((FAILED + 1))
+  return 0
+}
+
+#    name          GPU  dry-run timeouts (s)
+step tiny-model     60   90
+step device         45   60
+step placement      90  120
+step memory-cap     45   60
+step peak-memory    45   60
+step oom            60   60
+step bench-lora    120  120
+step bench-full    150  120
+step bench-padding 120  120
+step fsdp          120  150
+step smoke-bench   300  300
+echo "gpu_check $MODE: $FAILED step(s) failed in $(( $(date +%s) - GPU_CHECK_STARTED )) s; summary: $OUT/summary.json"
+[ "$FAILED" -eq 0 ]

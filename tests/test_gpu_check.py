@@ -1,0 +1,103 @@
+"""scripts/gpu_check.sh and launcher/backends/gpu_check.py: a step that fails, crashes, hangs or is left out for
+lack of time is recorded with its reason and the next step runs; the summary is rewritten after every step; the
+padded and padding-free micro-batches have the worker's layout.
+
+The whole `--dry-run` (every step on CPU) runs in CI (.ci/run); these tests cover the run's bookkeeping.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from launcher.backends import gpu_check as gc
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "scripts" / "gpu_check.sh"
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_CHECK_")}
+    return {**env, "OUT": str(tmp_path / "out"), "GPU_CHECK_WORK": str(tmp_path / "work"), **extra}
+
+
+def test_finish_records_what_a_step_process_could_not(tmp_path, monkeypatch):
+    monkeypatch.delenv("GPU_CHECK_STEPS", raising=False)
+    out = tmp_path
+    # killed by timeout(1) while running, after reporting a partial measurement
+    (out / "bench-full.json").write_text(json.dumps({"step": "bench-full", "status": "running",
+                                                     "started": time.time() - 3, "partial": {"predicted": 1}}))
+    line = gc.finish(out, "bench-full", 124, 150)
+    data = json.loads((out / "bench-full.json").read_text())
+    assert data["status"] == "timed out" and data["ok"] is False and data["partial"] == {"predicted": 1}
+    assert "timed out after 150 s" in line and "TIMEOUT" in line
+    # died before writing anything: the log's last line is the reason
+    (out / "oom.log").write_text("loading\nSegmentation fault (core dumped)\n")
+    line = gc.finish(out, "oom", 139, 60)
+    data = json.loads((out / "oom.json").read_text())
+    assert data["status"] == "crashed" and "Segmentation fault" in data["error"] and "CRASH" in line
+    # a step that passed stays passed; one that ran out of the budget is a failure, not a skip
+    (out / "device.json").write_text(json.dumps({"step": "device", "status": "passed", "ok": True, "line": "fine"}))
+    assert "ok device: fine" in gc.finish(out, "device", 0, 45)
+    gc.finish(out, "fsdp", 0, None, not_run="out of time (budget 450 s)")
+    summary = json.loads((out / "summary.json").read_text())
+    by_name = {s["step"]: s["status"] for s in summary["steps"]}
+    assert [s["step"] for s in summary["steps"]] == list(gc.STEPS)
+    assert by_name == {**{n: "pending" for n in gc.STEPS}, "bench-full": "timed out", "oom": "crashed",
+                       "device": "passed", "fsdp": "not run"}
+    assert summary["all_passed"] is False
+
+
+def test_budget_spent_steps_are_not_run_and_fail_the_script(tmp_path):
+    """No time left: every step is recorded as not run (no torch is imported for that), the exit code says so."""
+    env = _env(tmp_path, GPU_CHECK_BUDGET_S="5", GPU_CHECK_STEPS="device,oom")
+    proc = subprocess.run(["bash", str(SCRIPT), "--dry-run"], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "NOT RUN device: not run: out of time (budget 5 s)" in proc.stdout
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    statuses = {s["step"]: s["status"] for s in summary["steps"]}
+    assert statuses["device"] == statuses["oom"] == "not run"
+    assert statuses["placement"] == "not selected"
+
+
+def test_batch_layouts():
+    torch = pytest.importorskip("torch")
+    examples = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    padded = gc.padded_batch(examples, "cpu")
+    assert padded["input_ids"].shape == (3, 4)
+    assert padded["attention_mask"].sum().item() == 9
+    assert padded["labels"][1].tolist() == [8, 9, -100, -100]
+    free = gc.padding_free_batch(examples, "cpu")
+    assert free["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10, 11, 12, 13]]
+    assert free["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
+    # each example's first token is not predicted from the previous example (trl's padding-free collator)
+    assert free["labels"].tolist() == [[-100, 6, 7, -100, 9, -100, 11, 12, 13]]
+    assert "attention_mask" not in free
+    assert torch.equal(free["labels"][free["labels"] != -100],
+                       padded["labels"][:, 1:][padded["labels"][:, 1:] != -100])
+
+
+@pytest.mark.slow
+def test_failed_and_hung_steps_are_recorded_and_the_next_step_runs(tmp_path):
+    """Real steps: one killed by its timeout while building, then one passing, then one failing with its reason."""
+    env = _env(tmp_path, GPU_CHECK_STEPS="tiny-model,bench-lora,peak-memory",
+               GPU_CHECK_TIMEOUTS="tiny-model=1", GPU_CHECK_SHAPE="no-such-model")
+    proc = subprocess.run(["bash", str(SCRIPT), "--dry-run"], env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout
+    assert proc.returncode == 1, out + proc.stderr
+    lines = [x for x in out.splitlines() if x.strip().split(" ")[0] in ("ok", "FAIL", "TIMEOUT", "CRASH")]
+    assert [x.split()[1].rstrip(":") for x in lines] == ["tiny-model", "peak-memory", "bench-lora"], out
+    assert lines[0].split()[0] == "TIMEOUT" and "timed out after 1 s" in lines[0]
+    assert lines[1].split()[0] == "ok"
+    assert lines[2].split()[0] == "FAIL" and "GPU_CHECK_SHAPE='no-such-model'" in lines[2]
+    results = tmp_path / "out"
+    summary = json.loads((results / "summary.json").read_text())
+    statuses = {s["step"]: s["status"] for s in summary["steps"]}
+    assert (statuses["tiny-model"], statuses["bench-lora"], statuses["peak-memory"]) == ("timed out", "failed", "passed")
+    assert json.loads((results / "bench-lora.json").read_text())["traceback"]
+    assert "2 step(s) failed" in out
