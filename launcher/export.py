@@ -45,6 +45,15 @@ TOLERANCE = {
     "gguf:q8_0": {"min_top1": 0.95, "max_rel": 0.2},
     "full:merged": {"min_top1": 0.98, "max_rel": 0.15},
 }
+# When a model's float32 copy fits neither one GPU nor RAM, both sides of a comparison run in its 16-bit dtype
+# (same device, same split): every activation is then rounded to 8 bits of mantissa on both sides, and a
+# teacher-forced position whose two best logits are nearly tied can flip. Only the merge's check needs more
+# room for that (tiny model, bf16 on the CPU: top-1 agreement 0.975 where float32 gives 0.985); a GGUF in
+# F32/F16/BF16 holds the merged weights exactly and stays identical in any dtype.
+TOLERANCE_16BIT = {
+    "merged": {"min_top1": 0.95, "max_rel": 0.15},
+    "full:merged": {"min_top1": 0.95, "max_rel": 0.15},
+}
 
 
 class ExportError(FtrunError):
@@ -172,7 +181,7 @@ def model_outputs(model, prompts: list[dict[str, Any]], greedy: bool = True) -> 
     """Per prompt: next-token logits over the whole text (float32) and the greedy continuation."""
     import torch
 
-    device = next(model.parameters()).device
+    device = input_device(model)
     results = []
     with torch.no_grad():
         for p in prompts:
@@ -189,8 +198,22 @@ def model_outputs(model, prompts: list[dict[str, Any]], greedy: bool = True) -> 
     return results
 
 
-def compare(ref: list[dict[str, Any]], out: list[dict[str, Any]], kind: str) -> dict[str, Any]:
-    """Numbers for export.json, and whether they are within TOLERANCE[kind]."""
+def input_device(model):
+    """Where the token ids go: the compute device of a dispatched model (its offloaded weights sit on the meta
+    device, so the first parameter says nothing), else the device of its weights."""
+    import torch
+
+    devices = [d for d in (getattr(model, "hf_device_map", None) or {}).values() if str(d) not in ("cpu", "disk")]
+    if devices:
+        d = devices[0]
+        return torch.device(f"cuda:{d}" if isinstance(d, int) else d)
+    if getattr(model, "hf_device_map", None):
+        return torch.device("cpu")
+    return next(model.parameters()).device
+
+
+def compare(ref: list[dict[str, Any]], out: list[dict[str, Any]], kind: str, compute: str = "float32") -> dict[str, Any]:
+    """Numbers for export.json, and whether they are within the tolerance of kind for the compute dtype."""
     import torch
 
     agree = total = 0
@@ -214,7 +237,7 @@ def compare(ref: list[dict[str, Any]], out: list[dict[str, Any]], kind: str) -> 
             else:
                 first_diverge.append(next(i for i, (x, y) in enumerate(zip(r["greedy"] + [None], o["greedy"] + [None]))
                                           if x != y))
-    tol = TOLERANCE[kind]
+    tol = TOLERANCE[kind] if compute == "float32" else TOLERANCE_16BIT.get(kind, TOLERANCE[kind])
     top1 = agree / max(total, 1)
     ok = top1 >= tol["min_top1"] and max_rel <= tol["max_rel"]
     return {
@@ -226,6 +249,7 @@ def compare(ref: list[dict[str, Any]], out: list[dict[str, Any]], kind: str) -> 
         "mean_kl": round(kl_sum / max(len(ref), 1), 8),
         "greedy_identical": f"{greedy_same}/{len(ref)}",
         "greedy_first_divergence": first_diverge,
+        "compute_dtype": compute,
         "tolerance": tol,
         "ok": ok,
     }
@@ -244,12 +268,159 @@ def _check(name: str, result: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Models
+# Models: where each one is loaded, decided from its size and the memory the box has free
+#
+# Sources relied on (installed versions: accelerate 1.15, transformers 5.24, peft 0.21, torch 2.13):
+# - A model loaded with a device_map that sends any module to "cpu" (beside a GPU) or "disk" is dispatched
+#   with hooks; its `.to()` / `.cuda()` are wrapped and raise "You can't move a model that has some modules
+#   offloaded to cpu or disk." as soon as a parameter is on the meta device (`accelerate/big_modeling.py`,
+#   dispatch_model, add_warning). So every model here is loaded in the dtype it is used in, and never moved.
+# - PeftModel.from_pretrained on such a base removes the hooks and dispatches again with the device_map and
+#   max_memory it is given, "auto" by the box's real free memory otherwise (`peft/peft_model.py`,
+#   from_pretrained and load_adapter): the base's own split is passed on. For disk-offloaded modules it
+#   rebuilds the offload index and re-saves safetensors files next to the originals (_update_offload, which
+#   names the copy by a "--" path component, as in the Hub cache); with a tied lm_head wholly on disk the
+#   forward then fails ("File does not contain tensor base_model.model.lm_head.weight", seen with the tiny
+#   model). So the parity checks split a model over GPUs and RAM only, never the disk.
+# - peft's merge of a disk-offloaded layer keeps the merged weights in RAM (`peft/tuners/tuners_utils.py`,
+#   onload_layer re-makes the hook's weights_map as CPU tensors): a merge needs the whole 16-bit model in
+#   memory wherever it runs, so it runs on one GPU or on the CPU, or is refused when neither holds it.
+# - transformers' GGUF reader dequantizes every tensor and casts it to the requested dtype before loading
+#   (`transformers/modeling_gguf_pytorch_utils.py`, load_gguf_checkpoint): the read-back holds the whole model
+#   in that dtype in RAM once, like the merge.
 
-def _device_map():
+# Margins over the weights themselves (policy, not measurements): transient copies while loading and
+# allocator fragmentation scale with the model; the CUDA context and one prompt's activations, or the Python
+# process with torch, transformers and peft imported plus the kept logits, are a fixed reserve.
+HEADROOM = 1.15
+GPU_RESERVE = 1.5e9
+RAM_RESERVE = 2e9
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a model is loaded and computed, as from_pretrained's device_map / max_memory and a dtype."""
+
+    device_map: Any  # {"": "cpu"}, {"": "cuda:N"}, "auto" (split over GPUs and RAM by accelerate), None: nowhere
+    dtype: str  # torch dtype name: "float32", "bfloat16", "float16"
+    reason: str
+    max_memory: Optional[dict[Any, int]] = None  # with "auto": bytes per GPU index and for "cpu"; the rest to disk
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    def load_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"dtype": self.torch_dtype, "device_map": self.device_map}
+        if self.max_memory is not None:
+            kwargs["max_memory"] = self.max_memory
+        return kwargs
+
+    def to_dict(self) -> dict[str, Any]:
+        where = self.device_map if not isinstance(self.device_map, dict) else self.device_map[""]
+        out = {"device": where, "dtype": self.dtype, "reason": self.reason}
+        if self.max_memory is not None:
+            out["max_memory"] = {str(k): v for k, v in self.max_memory.items()}
+        return out
+
+
+def free_gpu_memory() -> list[int]:
+    """Free bytes on each visible GPU (cudaMemGetInfo: what other processes hold counts as used); [] without CUDA."""
     import torch
 
-    return "auto" if torch.cuda.is_available() else {"": "cpu"}
+    if not torch.cuda.is_available():
+        return []
+    return [int(torch.cuda.mem_get_info(i)[0]) for i in range(torch.cuda.device_count())]
+
+
+def available_ram() -> int:
+    """Bytes of RAM the box can give without swapping (MemAvailable), not its total."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def _gpu_that_holds(nbytes: float, gpus_free: list[int]) -> Optional[int]:
+    best = max(range(len(gpus_free)), key=lambda i: gpus_free[i], default=None)
+    if best is not None and nbytes * HEADROOM + GPU_RESERVE <= gpus_free[best]:
+        return best
+    return None
+
+
+def _ram_holds(nbytes: float, ram: int) -> bool:
+    return nbytes * HEADROOM + RAM_RESERVE <= ram
+
+
+def parity_placement(n_params: int, dtype, gpus_free: list[int], ram: int) -> Placement:
+    """One placement for every model of the parity checks, so each comparison is on one device and one dtype.
+
+    float32 first, on one GPU or else on the CPU: the TOLERANCE table is set for float32 logits, and float32 on
+    both sides leaves only the difference being checked (the merge's rounding, the GGUF type). Only a model
+    whose float32 copy fits neither is compared in its 16-bit dtype, spread by accelerate over the GPUs, RAM and
+    disk; both sides of a comparison then run in that dtype with that split.
+    """
+    f32 = 4 * n_params
+    gpu = _gpu_that_holds(f32, gpus_free)
+    if gpu is not None:
+        return Placement({"": f"cuda:{gpu}"}, "float32",
+                         f"float32 ({human_size(f32)}) fits GPU {gpu} ({human_size(gpus_free[gpu])} free)")
+    if _ram_holds(f32, ram):
+        return Placement({"": "cpu"}, "float32", f"float32 ({human_size(f32)}) fits RAM ({human_size(ram)} "
+                         "available)" + (", not one GPU" if gpus_free else ""))
+    name = str(dtype).replace("torch.", "")
+    size16 = n_params * _itemsize(dtype)
+    head = f"float32 ({human_size(f32)}) fits neither one GPU nor RAM ({human_size(ram)} available): "
+    if _ram_holds(size16, ram) and not gpus_free:
+        return Placement({"": "cpu"}, name, head + f"{name} ({human_size(size16)}) on the CPU")
+    budget = {i: int(max(free - GPU_RESERVE, 0) / HEADROOM) for i, free in enumerate(gpus_free)}
+    budget["cpu"] = int(max(ram - RAM_RESERVE, 0) / HEADROOM)
+    if size16 > sum(budget.values()):
+        return Placement(None, name, head + f"nor does {name} ({human_size(size16)}) fit the GPUs and RAM together")
+    return Placement("auto", name, head + f"{name} ({human_size(size16)}) split over the GPUs and RAM",
+                     max_memory=budget)
+
+
+def merge_placement(n_params: int, dtype, gpus_free: list[int], ram: int, stored_float32: bool = False) -> Placement:
+    """Where the merge runs, on one device (never split, so the merged model can be cast): one GPU when it holds the
+    model, else the CPU; refused when RAM is short too.
+
+    A base stored in float32 is merged in float32 where that fits and rounded to 16 bit once, after the merge:
+    loading it in 16 bit first rounds every weight twice (measured on the tiny model: max relative logit
+    difference 0.075 against 0.038). A 16-bit base loses nothing by being merged in its own dtype.
+    """
+    name = str(dtype).replace("torch.", "")
+    for dt, size in ([("float32", 4 * n_params)] if stored_float32 else []) + [(name, n_params * _itemsize(dtype))]:
+        gpu = _gpu_that_holds(size, gpus_free)
+        if gpu is not None:
+            return Placement({"": f"cuda:{gpu}"}, dt, f"{dt} ({human_size(size)}) fits GPU {gpu} "
+                             f"({human_size(gpus_free[gpu])} free)")
+        if _ram_holds(size, ram):
+            return Placement({"": "cpu"}, dt, f"{dt} ({human_size(size)}) fits RAM ({human_size(ram)} available)"
+                             + (", not one GPU: merged on the CPU" if gpus_free else ""))
+    size16 = n_params * _itemsize(dtype)
+    need = size16 * HEADROOM + RAM_RESERVE
+    raise ExportError(
+        f"merging needs the whole {name} model ({human_size(size16)}) in one place: about {human_size(need)} of "
+        f"RAM, and this box has {human_size(ram)} available"
+        + (f" and at most {human_size(max(gpus_free))} free on one GPU" if gpus_free else ""),
+        fix="export the adapter alone (`export: [adapter]`; vLLM serves it with --enable-lora, see SERVING.md), or "
+        f"run `ftrun export RUN_DIR --merged` on a box with at least {human_size(need)} of free RAM.")
+
+
+def _itemsize(dtype) -> int:
+    return 4 if "float32" in str(dtype) else 2
+
+
+def parameter_count(path: str) -> int:
+    """Parameters of the model at path (local folder or cached Hub id), counted on the meta device (no weights)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    return sum(p.numel() for p in model.parameters())
 
 
 def export_dtype(config: dict[str, Any]):
@@ -260,24 +431,95 @@ def export_dtype(config: dict[str, Any]):
     return torch.float16 if name == "float16" else torch.bfloat16
 
 
-def compute_dtype(dtype):
-    """Parity logits on CPU in float32 (exact reference); on a GPU in the 16-bit dtype itself (memory)."""
-    import torch
+class Loads:
+    """Where each model of the export went, for export.json."""
 
-    return dtype if torch.cuda.is_available() else torch.float32
+    def __init__(self):
+        self.log: list[dict[str, Any]] = []
+
+    def record(self, what: str, placement: Placement, model) -> None:
+        self.log.append({"model": what, "device": placement.to_dict()["device"], "dtype": placement.dtype,
+                         "offloaded_to": offloaded(model)})
 
 
-def load_16bit(path: str, dtype, **kwargs):
-    """A model in 16 bit (never 4-bit: a merge into quantized weights loses the adapter's precision)."""
+def load_model(path: str, placement: Placement, loads: Loads, **kwargs):
+    """A model loaded in place and in its compute dtype, never quantized (a merge into 4-bit weights loses the
+    adapter's precision), never moved afterwards (see the sources above)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=_device_map(), **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path, **{**placement.load_kwargs(), **kwargs})
+    loads.record(path, placement, model)
     if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False) \
             or getattr(model.config, "quantization_config", None):
         raise ExportError(f"{path} loaded as a quantized model; merging needs the 16-bit base",
                           fix="point the recipe's model at the original 16-bit checkpoint, not a 4-bit one "
                           "(e.g. Qwen/Qwen3-8B instead of unsloth/Qwen3-8B-bnb-4bit).")
     return model.eval()
+
+
+def load_adapter(base, source: Path, placement: Placement, loads: Loads):
+    """The adapter on top of a loaded base, under the base's own placement (peft re-dispatches an offloaded base)."""
+    from peft import PeftModel
+
+    kwargs = {}
+    if placement.max_memory is not None:
+        # The base's own split, not a new one: peft would otherwise place the modules again, and a module it
+        # moves onto the disk finds no entry in the base's offload index (a tied lm_head has none).
+        split = {("base_model.model." + k).rstrip("."): v for k, v in base.hf_device_map.items()}
+        kwargs = {"device_map": split, "max_memory": placement.max_memory}
+    model = PeftModel.from_pretrained(base, str(source), **kwargs).eval()
+    loads.record(f"{source} on that base", placement, model)
+    return model
+
+
+def offloaded(model) -> list[str]:
+    """The devices a dispatched model keeps weights on outside its compute device ("cpu" beside a GPU, "disk")."""
+    devices = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
+    gpu = any(d not in ("cpu", "disk") for d in devices)
+    return sorted(d for d in devices if d == "disk" or (d == "cpu" and gpu))
+
+
+def _adapter_file_check(source: Path, tokenizer, why: str) -> dict[str, Any]:
+    """What can be checked of an adapter without its base: it parses, and it is not empty (some lora_B non-zero;
+    peft initialises B to zero, so an untrained or emptied adapter has none)."""
+    from peft import PeftConfig
+    from safetensors import safe_open
+
+    config = PeftConfig.from_pretrained(str(source))
+    path = source / "adapter_model.safetensors"
+    pairs = nonzero = 0
+    with safe_open(str(path), framework="pt") as f:
+        for key in f.keys():
+            if "lora_B" in key:
+                pairs += 1
+                nonzero += int(bool(f.get_tensor(key).abs().max() > 0))
+    if not pairs or not nonzero:
+        raise ExportError(f"the adapter in {source} is empty ({nonzero} of {pairs} lora_B tensors non-zero): it "
+                          "does not change the base model", fix="the training saved an empty adapter; check "
+                          "train.log and metrics.jsonl.")
+    size = tree_bytes(path)
+    return {"path": str(source), "bytes": size, "size": human_size(size), "rank": config.r,
+            "changes_base_logits": None, "file_check": {"lora_B_nonzero": f"{nonzero}/{pairs}", "why": why},
+            "chat_template": (source / "chat_template.jinja").is_file() or bool(tokenizer.chat_template)}
+
+
+def _to_export_dtype(model, dtype):
+    """The merged model rounded to its 16-bit dtype: a cast in place, allowed because a merge placement is one
+    device (a dispatched model refuses `.to`, see the sources above)."""
+    if offloaded(model) or len(set(map(str, (getattr(model, "hf_device_map", None) or {"": 0}).values()))) > 1:
+        raise ExportError("the merge was placed over several devices", fix="report this with export.json.")
+    return model if model.dtype == dtype else model.to(dtype)
+
+
+def release() -> None:
+    """Give a deleted model's memory back before the next load (the caller drops its references first)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,13 +576,10 @@ def export_run(run_dir: Path, formats: Optional[list[str]] = None, gguf_type: Op
 
 
 def _export(inp: Inputs, report: dict[str, Any]) -> None:
-    import torch
     from transformers import AutoTokenizer
 
-    final = inp.run.final
     config = _model_config(inp.recipe.model, inp.source, inp.is_adapter)
     dtype = export_dtype(config)
-    cdtype = compute_dtype(dtype)
     tokenizer = AutoTokenizer.from_pretrained(str(inp.source))
     if not tokenizer.chat_template:
         raise ExportError(f"{inp.source} has no chat template", fix="the base model's tokenizer needs one; "
@@ -348,22 +587,53 @@ def _export(inp: Inputs, report: dict[str, Any]) -> None:
     prompts = parity_prompts(inp.recipe, tokenizer)
     report["parity_prompts"] = [{"tokens": len(p["ids"]), "prompt_tokens": len(p["prompt_ids"])} for p in prompts]
     report["dtype"] = str(dtype).replace("torch.", "")
+
+    # Where each model goes, decided before anything is loaded: a merge the box cannot hold fails here.
+    n_params = parameter_count(inp.recipe.model if inp.is_adapter else str(inp.source))
+    gpus_free, ram = free_gpu_memory(), available_ram()
+    parity = parity_placement(n_params, dtype, gpus_free, ram)
+    report["placement"] = {"parameters": n_params, "parity": parity.to_dict()}
+    _say(f"parity checks: {parity.reason}")
+    merge = None
+    if "merged" in inp.formats:
+        # a full fine-tune is only rounded to 16 bit, once whatever it is loaded in: float32 would only cost memory
+        stored = str(config.get("dtype") or config.get("torch_dtype") or "") if inp.is_adapter else ""
+        merge = merge_placement(n_params, dtype, gpus_free, ram, stored_float32=stored.endswith("float32"))
+        report["placement"]["merge"] = merge.to_dict()
+        _say(f"merge: {merge.reason}")
+    loads = Loads()
+    try:
+        _export_models(inp, report, tokenizer, prompts, dtype, parity, merge, loads)
+    finally:
+        report["placement"]["loads"] = loads.log
+
+
+def _export_models(inp: Inputs, report: dict[str, Any], tokenizer, prompts, dtype, parity: Placement,
+                   merge: Optional[Placement], loads: Loads) -> None:
+    """Every model is loaded where its placement says, used, and released before the next one is loaded, so
+    the box holds one model at a time (the parity logits, a few MB, are what is kept between them)."""
+    final = inp.run.final
     outputs = report["outputs"]
-
     merged_dir = final / "merged"
+    if inp.is_adapter and parity.device_map is None:
+        # Nothing here holds the 16-bit base, so its logits cannot be compared: the adapter is checked as a file.
+        outputs["adapter"] = _adapter_file_check(inp.source, tokenizer, parity.reason)
+        _say(f"adapter {outputs['adapter']['size']} (rank {outputs['adapter']['rank']}): checked as a file, not "
+             f"by logits ({parity.reason})")
+        return _serving(inp, report, tokenizer)
     if inp.is_adapter:
-        from peft import PeftModel
-
-        _say(f"loading the base {inp.recipe.model} in {report['dtype']} and the adapter")
-        base = load_16bit(inp.recipe.model, dtype)
-        base_out = model_outputs(base.to(cdtype), prompts, greedy=False)
-        model = PeftModel.from_pretrained(base, str(inp.source)).to(cdtype).eval()
+        _say(f"loading the base {inp.recipe.model} in {parity.dtype} and the adapter")
+        base = load_model(inp.recipe.model, parity, loads)
+        base_out = model_outputs(base, prompts, greedy=False)
+        model = load_adapter(base, inp.source, parity, loads)
         ref = model_outputs(model, prompts)
         effect = compare(base_out, ref, "merged")
+        rank = model.peft_config["default"].r
+        del base, model, base_out
+        release()
         size = tree_bytes(inp.source / "adapter_model.safetensors")
         outputs["adapter"] = {
-            "path": str(inp.source), "bytes": size, "size": human_size(size),
-            "rank": model.peft_config["default"].r,
+            "path": str(inp.source), "bytes": size, "size": human_size(size), "rank": rank,
             # An adapter that does not move the logits is untrained or was saved empty.
             "changes_base_logits": {"mean_kl": effect["mean_kl"], "top1_agreement_with_base": effect["top1_agreement"]},
             "chat_template": (inp.source / "chat_template.jinja").is_file() or bool(tokenizer.chat_template),
@@ -371,23 +641,27 @@ def _export(inp: Inputs, report: dict[str, Any]) -> None:
         if effect["max_abs_logit_diff"] == 0.0:
             raise ExportError(f"the adapter in {inp.source} does not change the base model's output",
                               fix="the training saved an empty adapter; check train.log and metrics.jsonl.")
-        _say(f"adapter {human_size(size)} (rank {outputs['adapter']['rank']}), reloads and changes the base "
+        _say(f"adapter {human_size(size)} (rank {rank}), reloads and changes the base "
              f"(top-1 agreement with base {effect['top1_agreement']:.3f})")
-        del base_out
-        if "merged" not in inp.formats:
+        if merge is None:
             return _serving(inp, report, tokenizer)
-        _say("merging the adapter into the 16-bit base")
-        merged = model.to(dtype).merge_and_unload()
+        _say(f"merging the adapter into the {merge.dtype} base")
+        # A fresh base in the export dtype, where the merge placement says: the merged weights are rounded once,
+        # from the adapter's own precision (peft keeps float32 adapter weights over a 16-bit base).
+        merged = load_adapter(load_model(inp.recipe.model, merge, loads), inp.source, merge, loads)
+        merged = _to_export_dtype(merged.merge_and_unload(), dtype)
         kind = "merged"
     else:
         size = tree_bytes(inp.source)
         outputs["model"] = {"path": str(inp.source), "bytes": size, "size": human_size(size)}
-        if "merged" not in inp.formats:  # the full model is already servable as it is
+        if merge is None:  # the full model is already servable as it is
             return _serving(inp, report, tokenizer)
         _say(f"loading the full fine-tune {inp.source}")
-        ref_model = load_16bit(str(inp.source), torch.float32)
+        ref_model = load_model(str(inp.source), parity, loads)
         ref = model_outputs(ref_model, prompts)
-        merged = ref_model.to(dtype)
+        del ref_model
+        release()
+        merged = _to_export_dtype(load_model(str(inp.source), merge, loads), dtype)
         kind = "full:merged"
 
     def write_merged(tmp: Path) -> None:
@@ -396,14 +670,17 @@ def _export(inp: Inputs, report: dict[str, Any]) -> None:
 
     _write_dir_atomically(merged_dir, write_merged)
     del merged
+    release()
     dtypes = _safetensors_dtypes(merged_dir)
     saved_cfg = json.loads((merged_dir / "config.json").read_text())
     if "quantization_config" in saved_cfg or not dtypes <= {"BF16", "F16"}:
         raise ExportError(f"the merged model in {merged_dir} is not plain 16-bit (tensors: {sorted(dtypes)})",
                           fix="report this with export.json; do not serve the merged folder.")
-    reloaded = load_16bit(str(merged_dir), dtype).to(cdtype)
+    reloaded = load_model(str(merged_dir), parity, loads)
     merged_out = model_outputs(reloaded, prompts)
-    result = compare(ref, merged_out, kind)
+    del reloaded
+    release()
+    result = compare(ref, merged_out, kind, parity.dtype)
     size = tree_bytes(merged_dir)
     outputs["merged"] = {"path": str(merged_dir), "bytes": size, "size": human_size(size),
                          "tensor_dtypes": sorted(dtypes), "parity_vs_" + ("base_plus_adapter" if inp.is_adapter else "full_model"): result}
@@ -430,13 +707,16 @@ def _export(inp: Inputs, report: dict[str, Any]) -> None:
             gguf_writer.write_gguf(merged_dir, tmp, inp.gguf_type, name=inp.run.root.name)
             how = "gguf package writer (launcher/gguf_writer.py)"
         os.replace(tmp, path)
-        # the merged model in float32 is the reference: the GGUF reader dequantizes to float32
-        merged32 = model_outputs(load_16bit(str(merged_dir), dtype).to(cdtype), prompts)
-        gguf_model, gguf_tok, meta, gguf_cfg = _load_gguf(gguf_dir, name, cdtype)
+        # The reference is the merged model's output above: same placement, same dtype as the read-back below
+        # (the GGUF reader dequantizes, then casts to that dtype).
+        gguf_model, gguf_tok, meta, gguf_cfg = _load_gguf(gguf_dir, name, parity, loads)
+        gguf_out = model_outputs(gguf_model, prompts)
+        del gguf_model
+        release()
         config_diff = _config_diff(json.loads((merged_dir / "config.json").read_text()), gguf_cfg)
         tok_ok = [gguf_tok(p["text"], add_special_tokens=False)["input_ids"][:PARITY_MAX_TOKENS] == p["ids"]
                   for p in prompts]
-        gres = compare(merged32, model_outputs(gguf_model, prompts), f"gguf:{inp.gguf_type}")
+        gres = compare(merged_out, gguf_out, f"gguf:{inp.gguf_type}", parity.dtype)
         gsize = path.stat().st_size
         outputs["gguf"] = {"path": str(path), "type": inp.gguf_type.upper(), "bytes": gsize, "size": human_size(gsize),
                            "written_by": how, "architecture": meta.get("architecture"),
@@ -490,7 +770,7 @@ def _run_llama_cpp(converter: Path, merged_dir: Path, out: Path, gguf_type: str)
                           fix="unset FTRUN_LLAMA_CPP to use ftrun's own writer (Llama/Qwen), or update llama.cpp.")
 
 
-def _load_gguf(folder: Path, name: str, cdtype):
+def _load_gguf(folder: Path, name: str, placement: Placement, loads: Loads):
     """The GGUF read back through transformers (dequantized), its tokenizer, and the metadata we check."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -502,7 +782,10 @@ def _load_gguf(folder: Path, name: str, cdtype):
     # right for the published Qwen3 sizes only: take it from the file, which is what llama.cpp does too.
     if meta.get("key_length") and getattr(config, "head_dim", None) not in (None, meta["key_length"]):
         config.head_dim = meta["key_length"]
-    model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=name, config=config, dtype=cdtype).eval()
+    # loaded exactly like the merged model it is compared with (device, dtype, split): like with like
+    model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=name, config=config,
+                                                 **placement.load_kwargs()).eval()
+    loads.record(str(folder / name), placement, model)
     tok = AutoTokenizer.from_pretrained(str(folder), gguf_file=name)
     return model, tok, meta, config
 
