@@ -145,6 +145,8 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
         child["proc"] = child["launcher"] = None
         if rc != 0 and failed_verification(run.worker):
             rc = train.EXIT_BAD_WORLD  # torchrun reports any failed worker as 1; the worker said why
+        if rc not in (0, *FATAL) and _worker_exit_code(run) in FATAL:
+            rc = _worker_exit_code(run)  # a rank's out of memory arrives from torchrun as 1: not a crash to restart
         if run.worker.is_file() and "verification" in json.loads(run.worker.read_text()):
             _record(run, read_state(run).get("state", "running"),
                       verification=json.loads(run.worker.read_text())["verification"])
@@ -229,6 +231,13 @@ def _verify_final(recipe, run: RunDir, plan: dict[str, Any]):
     if int((plan.get("nodes") or {}).get("node_rank", 0)) != 0:
         return None
     return final.verify(run.final, recipe.method, recipe.lora.target_modules, recipe.model)
+
+
+def _worker_exit_code(run: RunDir) -> Optional[int]:
+    """The exit code a rank recorded in worker.json with its error (train._record_error), if any."""
+    if not run.worker.is_file():
+        return None
+    return json.loads(run.worker.read_text()).get("exit_code")
 
 
 def _worker_error(run: RunDir) -> Optional[str]:

@@ -515,7 +515,7 @@ def _out_of_memory(run: RunDir, mode: str, device: str, text: str, step: int) ->
         ckpt.atomic_write_json(run.smoke_work / "oom.json", {"peak_memory_gb": None if peak is None else round(peak, 3),
                                                               "step": step + 1, "rank": _rank(), "error": first[:500]})
     else:  # any rank, for the same reason; worker.json is written atomically
-        _record_error(run, message)
+        _record_error(run, message, EXIT_OOM)
     return EXIT_OOM
 
 
@@ -551,9 +551,11 @@ def _disk_full_message(run: RunDir, step: int) -> str:
             "then run the same command to resume.")
 
 
-def _record_error(run: RunDir, message: str) -> None:
+def _record_error(run: RunDir, message: str, exit_code: Optional[int] = None) -> None:
     info = json.loads(run.worker.read_text()) if run.worker.is_file() else {}
     info["error"] = message
+    if exit_code is not None:  # torchrun reports any rank's exit as 1: the supervisor reads the real one here
+        info["exit_code"] = exit_code
     try:
         ckpt.atomic_write_json(run.worker, info)
     except OSError:  # the disk may be too full even for this; the log line above already says it

@@ -247,11 +247,14 @@ def test_peak_is_the_largest_over_ranks_with_two_gloo_processes(tmp_path):
 
 # Prepended to PYTHONPATH for these runs only: once transformers.trainer is imported, the Trainer's second
 # training step raises what NCCL's allocation failure raises on a GPU box (a DistBackendError, not an
-# OutOfMemoryError), in every worker process.
+# OutOfMemoryError), in every worker process or only in the rank FTRUN_TEST_OOM_RANK names.
 NCCL_OOM_HOOK = '''
 import importlib.abc
 import importlib.machinery
+import os
 import sys
+
+_ONLY_RANK = os.environ.get("FTRUN_TEST_OOM_RANK")
 
 
 def _patch(module):
@@ -260,7 +263,7 @@ def _patch(module):
 
     def training_step(self, *args, **kwargs):
         calls.append(1)
-        if len(calls) == 2:
+        if len(calls) == 2 and _ONLY_RANK in (None, os.environ.get("RANK", "0")):
             import torch.distributed as dist
 
             raise dist.DistBackendError(%r)
@@ -301,9 +304,9 @@ def test_nccl_out_of_memory_stops_the_smoke_test_and_the_run_as_out_of_memory_no
     (hook / "sitecustomize.py").write_text(NCCL_OOM_HOOK)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(hook), str(REPO)]), HF_HUB_OFFLINE="1")
 
-    def ftrun(*args):
-        return subprocess.run([sys.executable, "-m", "launcher.cli", *map(str, args)], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=600)
+    def ftrun(*args, **extra_env):
+        return subprocess.run([sys.executable, "-m", "launcher.cli", *map(str, args)], cwd=tmp_path,
+                              env={**env, **extra_env}, capture_output=True, text=True, timeout=600)
 
     # the smoke test: exit 78 and oom.json, so the pipeline treats it as out of memory (here with nothing to
     # adjust, it stops and lists the attempt) rather than as a worker crash
@@ -323,4 +326,15 @@ def test_nccl_out_of_memory_stops_the_smoke_test_and_the_run_as_out_of_memory_no
     assert state["state"] == "failed" and state.get("restarts", 0) == 0, state
     assert state["reason"].startswith("out of memory at step 2 (peak ") and "Cuda failure 2 'out of memory'" in \
         state["reason"]
+    assert "recovering" not in {h.get("state") for h in state["history"]}
+
+    # two DDP processes, rank 1 runs out: torchrun exits 1 for any failed rank; the rank's recorded exit code
+    # tells the supervisor it was out of memory, not a crash to restart
+    recipe = write_recipe("ddp.yaml", output_dir=str(tmp_path / "ddp"), max_steps=6, max_restarts=2)
+    res = ftrun(recipe, "--foreground", "smoke.enabled=false", "engine=ddp", "num_processes=2",
+                FTRUN_TEST_OOM_RANK="1")
+    assert res.returncode != 0, res.stdout + res.stderr
+    state = json.loads((tmp_path / "ddp" / "state.json").read_text())
+    assert state["state"] == "failed" and state.get("restarts", 0) == 0, state
+    assert state["reason"].startswith("out of memory at step 2 (peak "), state
     assert "recovering" not in {h.get("state") for h in state["history"]}
