@@ -133,6 +133,7 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
 
             plan["launch_argv"] = cmd  # plan.json records how the plan was launched (an argument list)
             atomic_write_json(run.plan, plan)
+        _forget_worker_outcome(run)
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env,
                                 pass_fds=(lock_fd,) if lock_fd is not None else (),
                                 # a launcher (torchrun) outliving the supervisor keeps its ranks training
@@ -231,6 +232,20 @@ def _verify_final(recipe, run: RunDir, plan: dict[str, Any]):
     if int((plan.get("nodes") or {}).get("node_rank", 0)) != 0:
         return None
     return final.verify(run.final, recipe.method, recipe.lora.target_modules, recipe.model)
+
+
+def _forget_worker_outcome(run: RunDir) -> None:
+    """Before each attempt: the last attempt's error and exit code must not speak for a worker that dies before
+    it writes its own worker.json (a crash would otherwise be read as the previous out of memory, not restarted)."""
+    if not run.worker.is_file():
+        return
+    from .checkpoint import atomic_write_json
+
+    info = json.loads(run.worker.read_text())
+    if "exit_code" in info or "error" in info:
+        info.pop("exit_code", None)
+        info.pop("error", None)
+        atomic_write_json(run.worker, info)
 
 
 def _worker_exit_code(run: RunDir) -> Optional[int]:

@@ -484,7 +484,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
             raise
         message = _disk_full_message(run, step())
         print(f"[ftrun worker] {message}", file=sys.stderr, flush=True)
-        _record_error(run, message)
+        _record_error(run, message, EXIT_DISK_FULL)  # under torchrun the supervisor sees 1: it reads this one
         return EXIT_DISK_FULL
 
     if mode == "smoke":

@@ -338,3 +338,20 @@ def test_nccl_out_of_memory_stops_the_smoke_test_and_the_run_as_out_of_memory_no
     assert state["state"] == "failed" and state.get("restarts", 0) == 0, state
     assert state["reason"].startswith("out of memory at step 2 (peak "), state
     assert "recovering" not in {h.get("state") for h in state["history"]}
+
+
+def test_a_new_attempt_does_not_inherit_the_last_attempts_exit_code(tmp_path):
+    """The supervisor reads a rank's real exit code from worker.json (torchrun reports 1): before each attempt the
+    previous one's is dropped, so a worker that dies before writing its own is restarted, not read as out of memory."""
+    import json
+
+    from launcher import supervisor
+    from launcher.rundir import RunDir
+
+    run = RunDir(tmp_path)
+    run.worker.write_text(json.dumps({"pid": 1, "error": "out of GPU memory at step 3", "exit_code": 78,
+                                      "verification": {"ok": True}}))
+    assert supervisor._worker_exit_code(run) == 78
+    supervisor._forget_worker_outcome(run)
+    assert supervisor._worker_exit_code(run) is None
+    assert json.loads(run.worker.read_text()) == {"pid": 1, "verification": {"ok": True}}
