@@ -163,7 +163,7 @@ def cmd_status(a) -> int:
 
 def cmd_logs(a) -> int:
     from .pipeline import resolve_run
-    from .state import ACTIVE, effective_state, pid_alive, read_state
+    from .state import run_holder
 
     run = resolve_run(a.target)
     if not run.log.is_file():
@@ -178,8 +178,12 @@ def cmd_logs(a) -> int:
                 sys.stdout.write(line)
                 sys.stdout.flush()
                 continue
-            # the supervisor outlives the training (export, the last copy off the box): follow it to the end
-            if effective_state(run) not in ACTIVE + ("planned",) and not pid_alive(read_state(run).get("supervisor_pid")):
+            # followed while a verified process holds the run: the launcher (plan, smoke test), then the
+            # supervisor, which outlives the training (export, the last copy off the box); a stale pid in
+            # state.json (a restarted box) ends it at once
+            if run_holder(run) is None:
+                sys.stdout.write(fh.read())  # what was written just before the end
+                sys.stdout.flush()
                 return 0
             time.sleep(0.5)
     return 0

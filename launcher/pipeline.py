@@ -14,7 +14,8 @@ from .data import compute_stats, example_lengths, load_examples
 from .errors import RecipeError, UsageError
 from .recipe import Recipe, check_trainer_fields, load_recipe
 from .rundir import RunDir
-from .state import RunLock, effective_state, format_duration, is_locked, read_state, set_state, status_summary
+from .state import (RunLock, busy_error, effective_state, format_duration, is_locked, process_identity, read_state,
+                    run_holder, set_state, status_summary)
 
 
 def _say(msg: str) -> None:
@@ -60,13 +61,19 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
     resuming = False
     if not run.exists() and not fresh and recipe.sync.to and recipe.resume is not False:
         _pull_if_remote_run(run, recipe)
+    if run.exists():
+        _end_orphans(run, recipe)
     if run.exists() and not fresh:
-        if is_locked(run):
+        holder = run_holder(run)
+        if holder:
             s = status_summary(run)
-            _say(f"a run is already active in {run.root} (supervisor pid {s.get('pid')}); not starting a second one:")
+            _say(f"a run is already active in {run.root} ({holder['role']} pid {holder['pid']}); "
+                 "not starting a second one:")
             _say(format_status(s))
             _say(f"  watch: ftrun status {run.root} | ftrun logs -f {run.root}    stop: ftrun stop {run.root}")
             return 0
+        if is_locked(run):
+            raise busy_error(run)  # held, but by no process ftrun can vouch for: never a second training
         state = effective_state(run)
         if state == "succeeded":
             _say(f"this run has finished: {run.root}")
@@ -97,10 +104,10 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
     if resuming:
         where = f"from checkpoint step-{ckpt_step:06d} (verified by the worker before use)" if ckpt_step is not None \
             else "from the start: no checkpoint was written yet"
-        set_state(run, "planned", launcher_pid=_pid(), data_sha256=data_sha, reason=f"continuing {where}")
+        set_state(run, "planned", **_launcher(), data_sha256=data_sha, reason=f"continuing {where}")
         _say(f"continuing {run.root} {where}")
     else:
-        set_state(run, "planned", launcher_pid=_pid(), data_sha256=data_sha, reason="new run")
+        set_state(run, "planned", **_launcher(), data_sha256=data_sha, reason="new run")
 
     # a resume with a checkpoint, or after a passed smoke test, skips it: it was measured on this trajectory
     if recipe.smoke.enabled and not (resuming and (smoke_ok or ckpt_step is not None)):
@@ -109,12 +116,14 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
     from .supervisor import start_detached, supervise
 
     if foreground:
-        set_state(run, "running", supervisor_pid=_pid())
+        set_state(run, "running", supervisor_pid=_pid(), supervisor_proc=process_identity(_pid()))
         code = supervise(run.root, lock.fd)
         _say(format_status(status_summary(run)))
         return code
     pid = start_detached(run, lock.fd)
-    set_state(run, "running", supervisor_pid=pid)
+    # who holds the lock from now on, recorded before the launcher lets go of it (the supervisor records
+    # itself too): pid and start time, so that no later process with the same pid passes for it
+    set_state(run, "running", supervisor_pid=pid, supervisor_proc=process_identity(pid))
     lock.release()  # the supervisor holds the same lock through the inherited descriptor
     _say(f"training started in the background (pid {pid}); it keeps running after you log out.\n"
          f"  watch:  ftrun status {run.root}   |   ftrun logs -f {run.root}\n"
@@ -370,7 +379,7 @@ def smoke_only(recipe_path: str, overrides: list[str], memory_limit: Optional[fl
     examples, lengths, stats, plan, plan_dict, lock, data_sha = _prepare(run, recipe, resuming=exists, fresh=False,
                                                                          memory_limit=memory_limit)
     try:
-        set_state(run, "planned", launcher_pid=_pid(), data_sha256=data_sha, reason="smoke test only")
+        set_state(run, "planned", **_launcher(), data_sha256=data_sha, reason="smoke test only")
         _smoke(run, recipe, plan_dict, examples, lengths, stats)
         set_state(run, "planned", reason="smoke test passed; `ftrun RECIPE` starts the run")
     finally:
@@ -404,7 +413,8 @@ def _pull_if_remote_run(run: RunDir, recipe: Recipe) -> bool:
         # The pids in the fetched state belong to the lost box.
         data = read_state(run)
         if data:
-            set_state(run, data.get("state", "planned"), supervisor_pid=None, worker_pid=None,
+            set_state(run, data.get("state", "planned"), supervisor_pid=None, worker_pid=None, supervisor_proc=None,
+                      worker_proc=None, launcher_proc=None,
                       reason=f"fetched from {recipe.sync.to}" + (f" at step {step}" if step is not None else ""))
     finally:
         lock.release()
@@ -447,6 +457,22 @@ def _pid() -> int:
     import os
 
     return os.getpid()
+
+
+def _launcher() -> dict[str, Any]:
+    """state.json fields naming this launcher while it holds the run's lock (plan, smoke test)."""
+    return {"launcher_pid": _pid(), "launcher_proc": process_identity(_pid())}
+
+
+def _end_orphans(run: RunDir, recipe: Recipe) -> None:
+    """Workers left training into the run by a supervisor or launcher killed hard are ended (after a checkpoint)
+    before anything else starts: never two trainings in one directory. A live, verified run is left alone."""
+    if run_holder(run) is not None:
+        return
+    from .supervisor import end_orphans
+
+    if end_orphans(run, recipe.grace_seconds + 15, log=_say):
+        _say(f"{run.root}: the orphaned worker(s) have exited")
 
 
 def _check_same_trajectory(run: RunDir, recipe: Recipe, allow_changes: bool = False) -> None:
@@ -536,7 +562,8 @@ def format_status(s: dict[str, Any]) -> str:
                      + (f"   (smoke test forecast for the whole run: {format_duration(s['smoke_estimated_seconds'])})"
                         if s.get("smoke_estimated_seconds") else ""))
     lines.append(f"  supervisor pid {s.get('pid')} ({'alive' if s.get('pid_alive') else 'not running'})"
-                 f", restarts {s.get('restarts', 0)}")
+                 f", restarts {s.get('restarts', 0)}"
+                 + (f"; launcher pid {s['launcher_pid']} is planning / smoke-testing" if s.get("launcher_pid") else ""))
     if s.get("elapsed_seconds"):
         # the actual beside the forecasts: time used + time to go, against what the smoke test and the plan said
         eta = s.get("eta_seconds")
@@ -576,8 +603,12 @@ def format_status(s: dict[str, Any]) -> str:
                      + f" at {s['sync_to']}" + (f"   last error: {s['sync_error']}" if s.get("sync_error") else ""))
     if s.get("reason") and s["state"] not in ("running",):
         lines.append(f"  {s['reason']}")
-    if s["state"] == "interrupted":
-        lines.append("  the run's processes are gone (crash, kill, machine loss): run the same `ftrun RECIPE` to resume")
+    if s.get("orphan_worker_pids"):
+        lines.append(f"  worker process(es) {', '.join(map(str, s['orphan_worker_pids']))} still train without a supervisor "
+                     "(it was killed): `ftrun stop` ends them after a checkpoint; `ftrun RECIPE` ends them and resumes")
+    elif s["state"] == "interrupted":
+        lines.append("  the run's processes are gone (crash, kill, machine loss, a restarted box): run the same "
+                     "`ftrun RECIPE` to resume")
     if s.get("final"):
         lines.append(f"  result: {s['final']}")
     ex = s.get("export")

@@ -9,6 +9,12 @@
 
 A run whose state says smoking/running/recovering but whose supervisor is gone reads as
 `interrupted` (machine crash, kill -9): `ftrun RECIPE` resumes it.
+
+Liveness never rests on a pid alone: after a reboot (a stopped and restarted rental keeps its volume)
+or in a container the pid in state.json belongs to someone else. A run is live when its lock is held
+(the flock dies with its last holder) and the process recorded as holding it is the same process: same
+pid, same start time (clock ticks since boot, /proc/<pid>/stat field 22), same boot. Nothing is
+signalled before that check.
 """
 
 from __future__ import annotations
@@ -73,10 +79,113 @@ def pid_alive(pid: Optional[int]) -> bool:
         return True
 
 
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def process_identity(pid: Optional[int]) -> Optional[dict[str, Any]]:
+    """What tells this process apart from a later one given the same pid: its start time and the boot, plus its
+    process group and session; None when no such process runs (a zombie counts as gone: it holds no lock)."""
+    if not pid:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            stat = fh.read()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return _identity_psutil(pid)
+    # field 2 (comm) may hold spaces and parentheses: the fields after it start at the last ')'
+    fields = stat.rsplit(")", 1)[1].split()  # fields[0] is field 3 (state)
+    if fields[0] in ("Z", "X", "x"):
+        return None
+    return {"pid": int(pid), "start": int(fields[19]), "boot": _boot_id(), "pgid": int(fields[2]),
+            "sid": int(fields[3]), "ppid": int(fields[1])}
+
+
+def _identity_psutil(pid: int) -> Optional[dict[str, Any]]:
+    """Without /proc (macOS): psutil's creation time stands for the start time."""
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        if p.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return {"pid": int(pid), "start": round(p.create_time() * 100), "boot": "", "pgid": os.getpgid(pid),
+                "sid": os.getsid(pid), "ppid": p.ppid()}
+    except (psutil.Error, OSError):
+        return None
+
+
+def same_process(record: Optional[dict[str, Any]]) -> bool:
+    """True when the recorded process (process_identity) still runs: same pid, start time and boot."""
+    if not record or not record.get("pid") or record.get("start") is None:
+        return False  # a bare pid proves nothing
+    now = process_identity(record["pid"])
+    return bool(now) and now["start"] == record["start"] and now["boot"] == record.get("boot", "")
+
+
+def run_holder(run: RunDir, data: Optional[dict[str, Any]] = None) -> Optional[dict[str, Any]]:
+    """The live process that drives the run: its supervisor (or the launcher while it plans and smoke-tests),
+    with "role"; None when no verified process holds the run's lock.
+
+    The lock says someone holds the run; the recorded identity says who. A supervisor found by its command
+    line (`launcher.supervisor --run-dir <this run>`) counts too: state.json may not name it yet.
+    """
+    if not is_locked(run):
+        return None
+    data = read_state(run) if data is None else data
+    for role in ("supervisor", "launcher"):
+        rec = data.get(f"{role}_proc")
+        if same_process(rec):
+            return {"role": role, **rec}
+    for proc in run_processes(run, ("supervisor",)):
+        return {"role": "supervisor", **proc}
+    return None
+
+
+def run_processes(run: RunDir, roles: tuple[str, ...] = ("train",)) -> list[dict[str, Any]]:
+    """Processes on this box whose command line runs `launcher.<role> --run-dir <this run>` (a worker, a
+    launcher of ranks, a supervisor), each with its identity and argv. Processes in another pid namespace
+    (another container on the same volume) are not visible: the lock still covers them."""
+    root = os.path.realpath(run.root)
+    modules = {f"launcher.{r}" for r in roles}
+    found = []
+    try:
+        pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:
+        return []
+    for pid in pids:
+        if pid == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                argv = [a.decode(errors="replace") for a in fh.read().split(b"\0") if a]
+        except OSError:
+            continue
+        if not modules.intersection(argv) or "--run-dir" not in argv[:-1]:
+            continue
+        where = argv[argv.index("--run-dir") + 1]
+        if not os.path.isabs(where):
+            try:
+                where = os.path.join(os.readlink(f"/proc/{pid}/cwd"), where)
+            except OSError:
+                continue
+        if os.path.realpath(where) != root:
+            continue
+        ident = process_identity(pid)
+        if ident:
+            found.append({**ident, "argv": argv})
+    return found
+
+
 def effective_state(run: RunDir) -> str:
     data = read_state(run)
     state = data.get("state", "none")
-    if state in ACTIVE and not pid_alive(data.get("supervisor_pid")):
+    if state in ACTIVE and run_holder(run, data) is None:
         return "interrupted"
     return state
 
@@ -95,13 +204,7 @@ class RunLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            data = read_state(self.run)
-            pid = data.get("supervisor_pid") or data.get("launcher_pid")
-            raise BusyError(
-                f"another ftrun (pid {pid or 'unknown'}) is working on {self.run.root} (state: {data.get('state', 'starting')})",
-                fix=f"watch it with `ftrun status {self.run.root}` or `ftrun logs -f {self.run.root}`; "
-                f"stop it with `ftrun stop {self.run.root}`.",
-            ) from None
+            raise busy_error(self.run) from None
         self.fd = fd
         return self
 
@@ -111,12 +214,36 @@ class RunLock:
             self.fd = None
 
 
+def busy_error(run: RunDir) -> BusyError:
+    """The run's lock is held: by its verified supervisor or launcher, or by a process ftrun cannot vouch for."""
+    data = read_state(run)
+    holder = run_holder(run, data)
+    if holder:
+        return BusyError(
+            f"another ftrun ({holder['role']}, pid {holder['pid']}) is working on {run.root} "
+            f"(state: {data.get('state', 'starting')})",
+            fix=f"watch it with `ftrun status {run.root}` or `ftrun logs -f {run.root}`; "
+            f"stop it with `ftrun stop {run.root}`.")
+    workers = [p["pid"] for p in run_processes(run)]
+    return BusyError(
+        f"the lock of {run.root} is held, but not by a live ftrun supervisor"
+        + (f": worker process(es) {', '.join(map(str, workers))} still train into it" if workers else
+           ": by a process this box cannot see (another container or machine using the same directory?) "
+           "or by an ftrun that is just starting"),
+        fix=(f"`ftrun stop {run.root}` ends them (after a checkpoint); then run the same command to resume."
+             if workers else "end the other ftrun first (in its container or on its machine), or wait a few "
+             "seconds and retry; ftrun never trains twice into the same directory."))
+
+
 def is_locked(run: RunDir) -> bool:
-    if not run.lock.exists():
-        return False
-    fd = os.open(run.lock, os.O_RDWR)
+    """Someone holds the run's lock. Probed with a shared, non-blocking flock on a read-only descriptor: it
+    fails only against the holders' exclusive lock, two probes never collide, and it is released at once."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fd = os.open(run.lock, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
     finally:
@@ -130,6 +257,9 @@ def status_summary(run: RunDir) -> dict[str, Any]:
     from .sync import status_fields as sync_status_fields
 
     data = read_state(run)
+    holder = run_holder(run, data)
+    # workers still training into the run with no supervisor over them (it was killed hard)
+    orphans = [] if holder else [p["pid"] for p in run_processes(run)]
     worker = json.loads(run.worker.read_text()) if run.worker.is_file() else {}
     plan = json.loads(run.plan.read_text()) if run.plan.is_file() else {}
     smoke = json.loads(run.smoke.read_text()) if run.smoke.is_file() else {}
@@ -145,7 +275,10 @@ def status_summary(run: RunDir) -> dict[str, Any]:
         ckpt_age = round(time.time() - (run.checkpoints / step_dir_name(ckpt_step) / "manifest.json").stat().st_mtime, 1)
     eta = None
     tps = last.get("tokens_per_second")
-    if total and step and effective_state(run) == "running":
+    state = data.get("state", "none")
+    if state in ACTIVE and holder is None:
+        state = "interrupted"  # effective_state, from the same reading
+    if total and step and state == "running":
         started = worker.get("started")
         done_since = step - worker.get("start_step", 0)
         if started and done_since > 0:
@@ -156,16 +289,20 @@ def status_summary(run: RunDir) -> dict[str, Any]:
             final = str(run.final / name)
     return {
         "run_dir": str(run.root),
-        "state": effective_state(run),
+        "state": state,
         "step": step,
         "total_steps": total,
         "loss": last.get("loss"),
         "tokens_per_second": tps,
         "eta_seconds": eta,
         "pid": data.get("supervisor_pid"),
-        "pid_alive": pid_alive(data.get("supervisor_pid")),
+        # alive: the run's lock is held and this pid is the process recorded with it (start time, boot)
+        "pid_alive": bool(holder) and holder["role"] == "supervisor",
+        "launcher_pid": holder["pid"] if holder and holder["role"] == "launcher" else None,
         "worker_pid": data.get("worker_pid"),
-        "worker_alive": pid_alive(data.get("worker_pid")),
+        # the worker holds the run's lock too (inherited): the same test as the supervisor's
+        "worker_alive": same_process(data.get("worker_proc")) and is_locked(run),
+        "orphan_worker_pids": orphans,
         "restarts": data.get("restarts", 0),
         "last_checkpoint": f"step-{ckpt_step:06d}" if ckpt_step is not None else None,
         "last_checkpoint_age_seconds": ckpt_age,

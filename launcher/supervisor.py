@@ -23,7 +23,7 @@ from . import train
 from .backends import MULTI_PROCESS, die_with_parent, failed_verification, launch_command, launch_env
 from .checkpoint import newest_step_unverified
 from .rundir import RunDir
-from .state import read_state, set_state
+from .state import process_identity, read_state, run_holder, run_processes, same_process, set_state
 
 # Worker exits that a restart cannot fix: report them instead of looping.
 FATAL = {
@@ -135,13 +135,17 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
             atomic_write_json(run.plan, plan)
         _forget_worker_outcome(run)
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env,
+                                # the worker keeps the run locked while it lives, even without its supervisor
                                 pass_fds=(lock_fd,) if lock_fd is not None else (),
-                                # a launcher (torchrun) outliving the supervisor keeps its ranks training
-                                preexec_fn=die_with_parent if plan.get("engine") in MULTI_PROCESS else None)
+                                # a launcher (torchrun) outliving the supervisor keeps its ranks training: it is
+                                # killed with it; a single worker outliving it would train on unsupervised: it
+                                # gets SIGTERM, saves a checkpoint and exits (the next launch resumes from it)
+                                preexec_fn=die_with_parent if plan.get("engine") in MULTI_PROCESS else _stop_with_parent)
         child["proc"] = proc
         child["launcher"] = proc if plan.get("engine") in MULTI_PROCESS else None
-        _record(run, "running", supervisor_pid=os.getpid(), worker_pid=proc.pid, restarts=restarts,
-                  engine=plan.get("engine"), num_processes=plan.get("num_processes"), launch_argv=cmd)
+        _record(run, "running", supervisor_pid=os.getpid(), supervisor_proc=process_identity(os.getpid()),
+                worker_pid=proc.pid, worker_proc=process_identity(proc.pid), restarts=restarts,
+                engine=plan.get("engine"), num_processes=plan.get("num_processes"), launch_argv=cmd)
         rc = proc.wait()
         child["proc"] = child["launcher"] = None
         if rc != 0 and failed_verification(run.worker):
@@ -206,6 +210,13 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
                 _record(run, "stopped", reason=f"stopped by {stopping['signal']} while recovering")
                 return train.EXIT_STOPPED
             time.sleep(0.1)
+
+
+def _stop_with_parent() -> None:
+    """In the single worker, before exec: SIGTERM when the supervisor dies (kill -9, the OOM killer). The
+    signal is tied to the thread that started the worker: the supervisor's main thread, which lives as long
+    as the supervisor."""
+    die_with_parent(signal.SIGTERM)
 
 
 def _ranks(launcher: subprocess.Popen) -> list[int]:
@@ -323,19 +334,97 @@ def start_detached(run: RunDir, lock_fd: int) -> int:
 
 
 def stop(run: RunDir, timeout: float = 120.0) -> str:
-    """SIGTERM the supervisor (which forwards to the worker) and wait until it exits."""
-    from .state import pid_alive
+    """SIGTERM the run's verified supervisor (which forwards to the worker) and wait until it exits.
 
+    Only a supervisor that holds the run's lock and is the recorded process (pid, start time, boot) is
+    signalled; a pid in state.json alone is never enough (after a reboot it names someone else). The
+    signal goes to the supervisor itself, not to its process group: it forwards SIGTERM to a single
+    worker or straight to the ranks, because torchrun and accelerate launch SIGKILL their ranks a fixed
+    time after they forward a signal (see forward in supervise). Workers left without a supervisor are
+    ended (end_orphans); otherwise nothing is touched.
+    """
     data = read_state(run)
-    pid = data.get("supervisor_pid")
-    if not pid_alive(pid):
-        return "not running"
+    holder = run_holder(run, data)
+    if holder is None:
+        ended = end_orphans(run, _grace_seconds(run) + 15, log=print)
+        if ended:
+            return f"the supervisor was gone; ended its orphaned worker process(es) {', '.join(map(str, ended))}"
+        return "not running (no live supervisor holds the run; no process was signalled)"
+    if holder["role"] != "supervisor":
+        return (f"not stopped: pid {holder['pid']} is still planning or smoke-testing this run (state "
+                f"{data.get('state', 'planned')}); interrupt it with Ctrl-C where it runs, or wait and stop the run")
     set_state(run, data.get("state", "running"), stop_requested=True)  # `stopped`, not `preempted`
-    os.kill(pid, signal.SIGTERM)
+    _signal_verified(holder, signal.SIGTERM)
     deadline = time.monotonic() + timeout
-    while pid_alive(pid) and time.monotonic() < deadline:
+    while same_process(holder) and time.monotonic() < deadline:
         time.sleep(0.2)
-    return "stopped" if not pid_alive(pid) else "still stopping"
+    return "stopped" if not same_process(holder) else "still stopping"
+
+
+def _grace_seconds(run: RunDir) -> float:
+    try:
+        from .recipe import load_recipe
+
+        return float(load_recipe(run.recipe).grace_seconds)
+    except Exception:  # a recipe that no longer loads must not keep a stop from ending workers
+        return 60.0
+
+
+def _signal_verified(proc: dict[str, Any], sig: int) -> bool:
+    """Send `sig` to the recorded process only if it is still that process (pid, start time, boot)."""
+    if not same_process(proc):
+        return False
+    try:
+        os.kill(proc["pid"], sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def end_orphans(run: RunDir, wait_seconds: float, log=print) -> list[int]:
+    """Workers still training into the run without a supervisor (it was killed hard): SIGTERM, so they save a
+    checkpoint and exit, then SIGKILL whatever is left after wait_seconds (callers: grace_seconds + 15 s).
+    Returns their pids.
+
+    Found by their command line (`launcher.train --run-dir <this run>`, a torchrun included), so every
+    process signalled is a worker of this run; each is checked again (start time) right before each signal.
+    SIGTERM goes to the workers that are not the parent of another (the ranks, not their launcher, as the
+    supervisor does). SIGKILL goes to the process group of the run's supervisor when a worker still sits in
+    it: that group was the supervisor's own session (start_new_session), and a group id is not reused while
+    a member lives, so the group holds this run's processes only; any other worker is killed by its pid.
+    Call only when no verified supervisor or launcher holds the run (run_holder is None).
+    """
+    procs = run_processes(run)
+    if not procs:
+        return []
+    pids = [p["pid"] for p in procs]
+    parents = {p["ppid"] for p in procs}
+    log(f"{run.root}: worker process(es) {', '.join(map(str, pids))} still train into this run without a supervisor; "
+        f"asking them to save a checkpoint and exit (up to {wait_seconds:g} s)")
+    for p in procs:
+        if p["pid"] not in parents:
+            _signal_verified(p, signal.SIGTERM)
+    deadline = time.monotonic() + wait_seconds
+    while any(same_process(p) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p for p in procs if same_process(p)]
+    if left:
+        log(f"{run.root}: killing worker process(es) {', '.join(str(p['pid']) for p in left)} (no exit after "
+            f"{wait_seconds:g} s)")
+        sup = read_state(run).get("supervisor_proc") or {}
+        same_boot = sup.get("boot") == (process_identity(os.getpid()) or {}).get("boot")
+        group = sup.get("pgid") if same_boot and sup.get("pgid") == sup.get("pid") else None
+        for p in left:
+            if group and p["pgid"] == group and p["sid"] == group and same_process(p) and group != os.getpgrp():
+                try:
+                    os.killpg(group, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            _signal_verified(p, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while any(same_process(p) for p in left) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    return pids
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -238,11 +238,12 @@ def failed_verification(worker_json: Path) -> str | None:
     return None
 
 
-def die_with_parent() -> None:
-    """Linux: this process gets SIGKILL when its parent dies.
+def die_with_parent(sig: "int | None" = None) -> None:
+    """Linux: this process gets `sig` (SIGKILL by default) when its parent dies.
 
     torchrun's ranks are not in the supervisor's process group and outlive a killed launcher; an
-    orphaned rank would keep training into the run directory beside the resumed run.
+    orphaned rank would keep training into the run directory beside the resumed run. The single-process
+    worker asks for SIGTERM instead: it saves a checkpoint and exits (launcher/supervisor.py).
     """
     import ctypes
     import signal as _signal
@@ -252,4 +253,4 @@ def die_with_parent() -> None:
     except OSError:
         return
     PR_SET_PDEATHSIG = 1
-    libc.prctl(PR_SET_PDEATHSIG, int(_signal.SIGKILL), 0, 0, 0)
+    libc.prctl(PR_SET_PDEATHSIG, int(sig or _signal.SIGKILL), 0, 0, 0)
