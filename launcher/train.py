@@ -71,6 +71,48 @@ def _restore_metrics(path: Path, checkpoint: Path, last_step: int) -> None:
     os.replace(tmp, path)
 
 
+def _launch_identity() -> dict[str, str]:
+    """What the processes of one launch share (torchrun/accelerate set it): the rendezvous, its address, the
+    restart. The run id repeats across launches under a static rendezvous: _launcher_started tells those apart."""
+    return {k: os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+                                              "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")}
+
+
+def _resume_steps_differ(resume_from, device: str) -> Optional[str]:
+    """Each node verifies its own disk when every node saves: all ranks must still resume from the same step, or
+    their step counts, optimizer states and data positions part ways. The message when they do not."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    step = resume_from.step if resume_from is not None else -1
+    t = torch.tensor([float(step), float(-step)], device="cuda" if device == "cuda" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    newest, oldest = int(t[0].item()), int(-t[1].item())
+    if newest == oldest:
+        return None
+
+    def name(s: int) -> str:
+        return ckpt.step_dir_name(s) if s >= 0 else "none"
+
+    keep = f"keep {name(oldest)} and older" if oldest >= 0 else "keep none"
+    return (f"the nodes would resume from different checkpoints (oldest {name(oldest)}, newest {name(newest)}, this "
+            f"node {name(step)}): a node was stopped before its copy of the newest checkpoint was complete. On every "
+            f"node remove the newer step-* folders under checkpoints/ ({keep}), then run the same command.")
+
+
+def _launcher_started() -> float:
+    """When this process's launcher started: a resume choice written earlier belongs to an earlier launch (under
+    a static rendezvous every node's launcher starts before any worker of the launch)."""
+    import psutil
+
+    try:
+        return psutil.Process(os.getppid()).create_time()
+    except psutil.Error:
+        return psutil.Process().create_time() - 1.0  # the verifier writes after its imports, seconds later
+
+
 def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta: dict[str, Any], max_seconds: Optional[float]):
     """The trainer callbacks: wall-clock checkpoints, SIGTERM save, metrics, NaN guard, smoke timing."""
     import torch
@@ -117,17 +159,25 @@ def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta
 
         def on_save(self, args, state, control, **kw):
             self.last_save = time.monotonic()
-            if mode == "smoke":
-                if self.save_started is not None:
-                    self.save_seconds = time.monotonic() - self.save_started
-                return control
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
+            together = torch.distributed.is_available() and torch.distributed.is_initialized()
+            if together:
                 # every rank has written its part (rng_state_<rank>.pth, ZeRO shards) before rank 0
-                # moves the folder and writes the manifest
+                # moves the folder and hashes it
                 torch.distributed.barrier()
             # one writer per disk: the main process, or each node's first one when every node saves
-            if state.is_local_process_zero if args.save_on_each_node else state.is_world_process_zero:
-                src = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            writer = state.is_local_process_zero if args.save_on_each_node else state.is_world_process_zero
+            src = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            if mode == "smoke":
+                if self.save_started is not None:
+                    # The full run's checkpoints are hashed too (in the background, and each save waits
+                    # for the previous one's): the timed save includes the hashing, so the ETA counts it.
+                    if writer:
+                        ckpt.write_manifest(src, state.global_step, checkpoint_meta)
+                    self.save_seconds = time.monotonic() - self.save_started
+                return control
+            if writer:
+                # The previous checkpoint's manifest and retention finish before this folder appears.
+                _MANIFEST.wait()
                 dst = run.checkpoints / ckpt.step_dir_name(state.global_step)
                 if dst.exists():  # a save of the same step after a resume: the new one replaces it
                     shutil.rmtree(dst)
@@ -136,12 +186,18 @@ def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta
                     # The checkpoint carries the metrics up to its step: a resume on another box
                     # restores them from here, whatever state the copied metrics.jsonl is in.
                     shutil.copyfile(run.metrics, dst / METRICS_IN_CHECKPOINT)
-                ckpt.write_manifest(dst, state.global_step, checkpoint_meta)
-                removed = ckpt.retain(run.checkpoints, recipe.keep_checkpoints)
-                print(f"[ftrun worker] checkpoint {dst.name} saved and verified"
-                      + (f"; removed {', '.join(removed)}" if removed else ""), flush=True)
+
+                def complete(dst: Path = dst) -> None:
+                    # retention after the manifest: the newest complete checkpoint outlives the hashing
+                    removed = ckpt.retain(run.checkpoints, recipe.keep_checkpoints)
+                    print(f"[ftrun worker] checkpoint {dst.name} saved and verified "
+                          f"({ckpt.tree_bytes(dst) / 1e9:.2f} GB hashed in {_MANIFEST.seconds:.1f} s)"
+                          + (f"; removed {', '.join(removed)}" if removed else ""), flush=True)
+
+                # Hashing after the barrier, beside the training: no rank waits for it.
+                _MANIFEST.start(dst, state.global_step, checkpoint_meta, then=complete)
                 _redraw_loss_plot(run.root)
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
+            if together:
                 torch.distributed.barrier()
             return control
 
@@ -387,7 +443,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
     from .backends import trainer_fields
     from .data import load_examples
 
-    from .loading import select_device
+    from .loading import local_rank, select_device
 
     device, dtype = select_device()  # this rank's own GPU (LOCAL_RANK), before anything touches CUDA
     if plan.get("memory_limit_gb"):
@@ -414,15 +470,25 @@ def run_worker(run_dir: Path, mode: str) -> int:
         data_path = Path(recipe.data)
         out_dir = run.checkpoints
         max_steps, max_seconds = recipe.max_steps, None
-        removed = ckpt.remove_incomplete(run.checkpoints) if _rank() == 0 else []
-        if removed:
-            print(f"[ftrun worker] removed incomplete checkpoint(s): {', '.join(removed)}", flush=True)
-        # Checkpoints of this trajectory, or of an earlier one the user accepted with --allow-changes.
-        accepted = [recipe.trajectory_hash(), *json.loads(run.state.read_text()).get("accepted_recipe_hashes", [])] \
-            if run.state.is_file() else [recipe.trajectory_hash()]
-        found, skipped = ckpt.newest_verified(run.checkpoints, {"recipe_hash": accepted})
-        for line in skipped:
-            print(f"[ftrun worker] skipping checkpoint {line}", flush=True)
+        # Verified once per disk, by the process that writes its checkpoints (rank 0, or each node's local
+        # rank 0 when every node saves); the others of this launch take its choice from a file, since the
+        # process group does not exist yet (the Trainer makes it).
+        verifier = (local_rank() if trainer_fields(plan, run.root).get("save_on_each_node") else _rank()) == 0
+        if verifier:
+            removed = ckpt.remove_incomplete(run.checkpoints)
+            if removed:
+                print(f"[ftrun worker] removed incomplete checkpoint(s): {', '.join(removed)}", flush=True)
+            # Checkpoints of this trajectory, or of an earlier one the user accepted with --allow-changes.
+            accepted = [recipe.trajectory_hash(), *json.loads(run.state.read_text()).get("accepted_recipe_hashes", [])] \
+                if run.state.is_file() else [recipe.trajectory_hash()]
+            found, skipped = ckpt.newest_verified(run.checkpoints, {"recipe_hash": accepted})
+            for line in skipped:
+                print(f"[ftrun worker] skipping checkpoint {line}", flush=True)
+            if _world_size() > 1:
+                ckpt.publish_choice(run.root / ckpt.CHOICE, _launch_identity(), found, skipped)
+        else:
+            found = ckpt.await_choice(run.root / ckpt.CHOICE, run.checkpoints, _launch_identity(), _launcher_started(),
+                                      ckpt.choice_timeout(run.checkpoints), cancelled=lambda: _Stop.requested)
         resume_from = found
         if found is not None:
             from .backends import resume_compatibility
@@ -461,6 +527,12 @@ def run_worker(run_dir: Path, mode: str) -> int:
         model, tokenizer = load_model_and_tokenizer(recipe, device, dtype, plan, run.root)
         load_seconds = time.monotonic() - loading
         args = sft_config(recipe, run, mode, device, dtype, max_steps, out_dir, trainer_fields(plan, run.root))
+        differ = _resume_steps_differ(resume_from, device)  # the process group exists from sft_config on
+        if differ:
+            print(f"[ftrun worker] {differ}", file=sys.stderr, flush=True)
+            if local_rank() == 0:
+                _record_error(run, differ, EXIT_BAD_WORLD)
+            return EXIT_BAD_WORLD
         meta = {"recipe_hash": recipe.trajectory_hash(), "method": recipe.method, "world_size": _world_size(),
                 "engine": plan.get("engine", "trl")}
         cadence, metrics = build_callbacks(run, recipe, mode, device, meta, max_seconds)
@@ -482,6 +554,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
             return _out_of_memory(run, mode, device, memory.out_of_memory_text(exc), step())
         if not _is_disk_full(exc, run.root):
             raise
+        _MANIFEST.wait()  # a manifest being written is finished (or fails) before incomplete saves are removed
         message = _disk_full_message(run, step())
         print(f"[ftrun worker] {message}", file=sys.stderr, flush=True)
         _record_error(run, message, EXIT_DISK_FULL)  # under torchrun the supervisor sees 1: it reads this one
@@ -497,11 +570,13 @@ def run_worker(run_dir: Path, mode: str) -> int:
     if cadence.stopped_by_signal and trainer.state.global_step < trainer.state.max_steps:
         print(f"[ftrun worker] stopped at step {trainer.state.global_step} after {_Stop.signal_name}; "
               "checkpoint saved, resume with the same command", flush=True)
+        _await_manifest(device)
         return EXIT_STOPPED
     # every rank: ZeRO-3 and FSDP gather the sharded weights for the final save (rank 0 writes)
     _save_final(run, trainer, tokenizer, recipe)
     if _rank() == 0:  # one drawer, as at the checkpoints
         _redraw_loss_plot(run.root, final=True)  # the last loss.png is complete when the worker ends
+    _await_manifest(device)  # the last checkpoint is complete when the worker ends
     return 0
 
 
@@ -563,6 +638,25 @@ def _record_error(run: RunDir, message: str, exit_code: Optional[int] = None) ->
 
 
 _PLOT: dict[str, Any] = {"child": None, "pending": False}
+# The newest checkpoint's manifest, hashed and written in the background by the disk's writer.
+_MANIFEST = ckpt.BackgroundManifest(log=lambda line: print(f"[ftrun worker] {line}", flush=True))
+
+
+def _await_manifest(device: str) -> None:
+    """Every rank waits until the writer's background manifest is on disk. A rank that exited first would make
+    torchrun stop the others (a stopped run exits 77), cutting the hashing and losing the checkpoint. The wait
+    is short collectives in a loop, not one barrier, so a long hash never meets the process group's timeout."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        _MANIFEST.wait()
+        return
+    while True:
+        busy = torch.tensor([0.0 if _MANIFEST.wait(timeout=5.0) else 1.0], device="cuda" if device == "cuda" else "cpu")
+        dist.all_reduce(busy, op=dist.ReduceOp.MAX)
+        if not busy.item():
+            return
 
 
 def _redraw_loss_plot(run_root: Path, final: bool = False) -> None:
@@ -673,6 +767,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         code = run_worker(ns.run_dir.resolve(), ns.mode)
     finally:
+        _MANIFEST.wait()  # any exit, a crash included: a checkpoint already moved gets its manifest
         try:
             import torch.distributed as dist
 
