@@ -18,7 +18,6 @@ accelerate 1.15):
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from typing import Any, Optional
 
@@ -102,20 +101,28 @@ def device_map(device: str, engine: str) -> Optional[dict[str, Any]]:
     return {"": "cpu"}
 
 
+def _flash_attn_2_installed() -> bool:
+    # transformers' own test: the "flash-attn" distribution (flash-attn-4 installs the same module name) at 2.3.3 or
+    # newer, with CUDA (transformers/utils/import_utils.py, is_flash_attn_2_available)
+    from transformers.utils import is_flash_attn_2_available
+
+    return bool(is_flash_attn_2_available())
+
+
 def attention_implementation(device: str, dtype) -> Optional[str]:
-    """flash_attention_2 where the flash-attn package is installed and the dtype is 16-bit, else transformers' default (SDPA).
+    """flash_attention_2 where flash-attn 2 is installed on a bf16 card, else transformers' default (SDPA).
 
     Padding-free batches (ftrun's default) carry position_ids that mark the examples; SDPA turns them into a
     dense block-diagonal mask over the whole micro-batch, flash-attention into variable-length kernels
-    without a mask. flash-attn needs a GPU and a 16-bit dtype.
+    without a mask. FlashAttention-2 runs on compute capability 8.0 and newer only ("FlashAttention only supports
+    Ampere GPUs or newer", at the first forward; transformers checks a minimum capability for FA3/FA4 only):
+    the bf16 cards by the plan's rule (compute_dtype), never the fp16 ones (T4, V100).
     """
     import torch
 
-    if device != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+    if device != "cuda" or dtype != torch.bfloat16:
         return None
-    if importlib.util.find_spec("flash_attn") is None:
-        return None
-    return "flash_attention_2"
+    return "flash_attention_2" if _flash_attn_2_installed() else None
 
 
 def quantization_config(method: str, dtype):

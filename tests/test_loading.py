@@ -7,7 +7,6 @@ real on the CPU with the tiny model.
 
 from __future__ import annotations
 
-import importlib.util
 from types import SimpleNamespace
 
 import pytest
@@ -109,14 +108,20 @@ def test_fp32_master_weights_keep_small_updates_that_bf16_loses():
     assert not torch.equal(w + step, w)
 
 
-def test_flash_attention_only_where_installed_on_a_gpu_in_16_bit(monkeypatch):
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else real(name, *a))
+def test_flash_attention_only_where_flash_attn_2_is_installed_on_a_bf16_card(monkeypatch):
+    monkeypatch.setattr(loading, "_flash_attn_2_installed", lambda: True)
     assert loading.attention_implementation("cuda", torch.bfloat16) == "flash_attention_2"
+    # FlashAttention-2 needs compute capability 8.0: the fp16 cards (T4, V100) keep SDPA
+    assert loading.attention_implementation("cuda", torch.float16) is None
     assert loading.attention_implementation("cuda", torch.float32) is None
     assert loading.attention_implementation("cpu", torch.float32) is None
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real(name, *a))
+    monkeypatch.setattr(loading, "_flash_attn_2_installed", lambda: False)
     assert loading.attention_implementation("cuda", torch.bfloat16) is None
+
+
+def test_flash_attn_2_test_is_transformers_own():
+    # on this CPU box transformers says no (no CUDA, no flash-attn): the worker keeps SDPA
+    assert loading._flash_attn_2_installed() is False
 
 
 def _recipe(model, method="lora", checkpointing=True):
