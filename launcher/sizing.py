@@ -326,7 +326,10 @@ def _loading(arch: Arch, w: Workload, est: MemoryEstimate, static_sharded_gb: fl
     """The load-time peak per card and the box's CPU RAM while loading, for the paths where loading, not the
     training step, decides (docs/sizing.md, "Loading"). Other paths load below their training peak."""
     n = w.num_gpus if w.sharded else 1
-    if w.method != "qlora" or n < 2 or w.device == "cpu":
+    if n < 2 or w.device == "cpu":
+        return
+    if w.method != "qlora":
+        _loading_16bit(arch, w, est, n)
         return
     model_gb = nf4_model_bytes(arch) / GB
     lora_gb = est.trainable_params * 4 / GB  # fp32 LoRA weights, added before the engine shards
@@ -350,6 +353,61 @@ def _loading(arch: Arch, w: Workload, est: MemoryEstimate, static_sharded_gb: fl
         est.load_peak_gb = CUDA_CONTEXT_GB + model_gb + lora_gb
         est.load_explanation = (f"DeepSpeed + QLoRA loads the whole 4-bit model onto every card before ZeRO-3 "
                                 f"partitions it: {est.load_peak_gb:.1f} GB per card")
+
+
+def fused_expert_params(arch: Arch) -> int:
+    """MoE expert weights transformers 5 fuses while loading (conversion_mapping: one tensor per layer made from
+    the checkpoint's per-expert tensors): new memory in each process, not the file's mapped pages."""
+    return 3 * arch.hidden * arch.intermediate * arch.experts * arch.layers if arch.experts > 1 else 0
+
+
+def _loading_16bit(arch: Arch, w: Workload, est: MemoryEstimate, n: int) -> None:
+    """The box's RAM while FSDP or DeepSpeed load 16-bit weights (LoRA, full): what each process holds privately.
+
+    transformers 5.24 loads a checkpoint whose dtype is the requested one without copying it: the parameters
+    are views of the memory-mapped safetensors files (measured on CPU: a bf16 model loaded in bf16 adds its size
+    to the process's file-backed RSS and almost nothing to its anonymous RSS; tests/test_sizing.py), so the N
+    processes of a box share one copy in the page cache, which the kernel can drop and re-read. What each
+    process adds on its own is counted:
+    - FSDP: with device_map=None and no process group yet, every rank loads the whole model onto its CPU
+      (transformers' is_fsdp_enabled needs an initialised process group, and even then changes only how missing
+      keys are handled: modeling_utils.py, _move_missing_keys_from_meta_to_device and _initialize_missing_keys);
+      accelerate moves the copies to the meta device only inside fsdp2_prepare_model, after it has upcast every
+      trainable parameter to fp32 on the CPU under mixed precision (accelerate 1.15 utils/fsdp_utils.py,
+      "Upcast to fp32 master weights") and taken the state dict it broadcasts from rank 0 (held until every
+      unit is loaded). So each process holds its trainable parameters in fp32: the whole model for full
+      fine-tuning (4 B/param), the LoRA weights for LoRA; and MoE experts fused while loading.
+    - DeepSpeed ZeRO-3: zero.Init creates each weight partitioned on the card (backends/deepspeed.py,
+      partitioned_loading), and rank 0 alone reads the checkpoint (memory-mapped: modeling_utils.py, the
+      is_deepspeed_zero3_enabled branch of the loading, map_location "meta" on the other ranks): no whole copy
+      per process; rank 0's box holds the fused MoE experts once.
+    """
+    lora_gb = est.trainable_params * 4 / GB if w.method == "lora" else 0.0
+    fused_gb = fused_expert_params(arch) * 2 / GB
+    model_gb = arch.params * 2 / GB
+    if w.engine == "fsdp":
+        if w.method == "lora":
+            own = lora_gb + fused_gb
+            what = (f"its fp32 LoRA weights ({lora_gb:.1f} GB)"
+                    + (f" and the MoE experts fused while loading ({fused_gb:.1f} GB)" if fused_gb else ""))
+        else:
+            own = est.trainable_params * 4 / GB
+            what = (f"the whole model upcast to fp32 ({own:.0f} GB: accelerate upcasts the trainable weights to "
+                    f"fp32 master weights on the CPU before it shards them)")
+        est.load_ram_gb = n * (own + CPU_RUNTIME_GB)
+        est.load_explanation = (
+            f"each of the {n} processes loads the whole model onto its CPU before FSDP shards it (the "
+            f"{model_gb:.0f} GB of 16-bit weights stay in the page cache, shared) and holds {what} + "
+            f"{CPU_RUNTIME_GB:.0f} GB of runtime: {est.load_ram_gb:.0f} GB of RAM"
+            + ("; engine: deepspeed loads partitioned (zero.Init) and holds no such copies" if w.method != "lora"
+               else ""))
+    elif w.engine == "deepspeed":
+        est.load_ram_gb = n * (lora_gb + CPU_RUNTIME_GB) + fused_gb
+        est.load_explanation = (
+            f"ZeRO-3 creates each weight partitioned on the cards (zero.Init) and rank 0 alone reads the "
+            f"checkpoint (the {model_gb:.0f} GB of 16-bit weights in the page cache)"
+            + (f", fusing the MoE experts ({fused_gb:.1f} GB)" if fused_gb else "")
+            + f": {est.load_ram_gb:.0f} GB of RAM for the {n} processes")
 
 
 def _optimizer_free(est: MemoryEstimate, n: int) -> float:
