@@ -733,11 +733,13 @@ def _save_final(run: RunDir, trainer, tokenizer, recipe) -> None:
 
     import torch.distributed as dist
 
-    from . import final
+    from . import final, saving
     from .backends.fsdp import is_sharded, save_full
 
     name = final.kind(recipe.method)
     tmp = run.final / f".{name}.tmp"
+    # a whole model is written in the base model's dtype, whatever dtype training kept (launcher/saving.py)
+    dtype, source = saving.final_dtype(recipe)
     if _rank() == 0:
         run.final.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -745,10 +747,16 @@ def _save_final(run: RunDir, trainer, tokenizer, recipe) -> None:
         dist.barrier()
     if is_sharded(trainer.model):
         # FSDP2: Trainer.save_model writes nothing unless the checkpoints' state dict type is FULL_STATE_DICT
-        # (see save_full); the final result is gathered in full here, the checkpoints stay sharded.
-        save_full(trainer.model, tmp, write=_rank() == 0)
+        # (see save_full); the final result is gathered here one tensor at a time, the checkpoints stay sharded.
+        save_full(trainer.model, tmp, write=_rank() == 0, dtype=dtype)
+    elif dtype is not None and not trainer.is_deepspeed_enabled:
+        # trl/ddp train fp32 master weights: rank 0 casts them tensor by tensor while saving (no collective)
+        if _rank() == 0:
+            saving.save_model(trainer.accelerator.unwrap_model(trainer.model), tmp, dtype)
     else:
-        trainer.save_model(str(tmp))  # collective under ZeRO-3; only the main process writes
+        trainer.save_model(str(tmp))  # collective under ZeRO-3 (its 16-bit gather); only the main process writes
+        if dtype is not None and _rank() == 0:
+            saving.recast_folder(tmp, dtype)  # ZeRO-3 wrote its training dtype (fp16 cards, the CPU's fp32)
     if _rank() != 0:
         return
     tokenizer.save_pretrained(str(tmp))
@@ -756,7 +764,8 @@ def _save_final(run: RunDir, trainer, tokenizer, recipe) -> None:
     if dst.exists():
         shutil.rmtree(dst)
     os.replace(tmp, dst)
-    print(f"[ftrun worker] final {name} saved to {dst}", flush=True)
+    print(f"[ftrun worker] final {name} saved to {dst}"
+          + (f" in {str(dtype).replace('torch.', '')} (from {source})" if dtype is not None else ""), flush=True)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

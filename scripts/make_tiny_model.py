@@ -95,8 +95,12 @@ def build_tiny_model(
     data=DEFAULT_DATA,
     seed: int = 0,
     model_vocab: int = 0,
+    dtype: str = "float32",
 ) -> Path:
-    """Build (or reuse) a tiny Qwen3 model + tokenizer in out_dir; same arguments give byte-identical files."""
+    """Build (or reuse) a tiny Qwen3 model + tokenizer in out_dir; same arguments give byte-identical files.
+
+    `dtype`: the dtype the weights are saved in (and config.json says), e.g. "bfloat16" like a published model;
+    the same random values rounded to it."""
     out = Path(out_dir)
     data = Path(data)
     if hidden % heads or heads % kv_heads:
@@ -114,6 +118,8 @@ def build_tiny_model(
         "seed": seed,
         "model_vocab": model_vocab,
     }
+    if dtype != "float32":  # only when asked: float32 builds made before the option existed stay valid
+        spec["dtype"] = dtype
     marker = out / MARKER
     if marker.is_file() and (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file():
         try:
@@ -158,7 +164,7 @@ def build_tiny_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(config)
-    model.to(torch.float32)
+    model.to(getattr(torch, dtype))
     # Like Qwen's chat models: generation stops at the end of the assistant turn.
     model.generation_config = GenerationConfig(
         eos_token_id=[im_end_id, pad_id], pad_token_id=pad_id, bos_token_id=None
@@ -202,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", default=str(DEFAULT_DATA))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-vocab", type=int, default=0, help="pad the embedding to this many rows")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="the dtype the weights are saved in")
     a = p.parse_args(argv)
     from transformers.utils import logging as hf_logging
 
@@ -210,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     out = build_tiny_model(
         a.out_dir, hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads,
         intermediate=a.intermediate, vocab=a.vocab, data=a.data, seed=a.seed, model_vocab=a.model_vocab,
+        dtype=a.dtype,
     )
     print(f"tiny model ({count_params(out):,} parameters) in {out}")
     return 0

@@ -33,6 +33,15 @@ def tiny_model(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def tiny_model_bf16() -> Path:
+    """The tiny model saved in bfloat16 (config.json says so), like a published model: what a full fine-tune's
+    final/model must come back in."""
+    out = REPO / ".cache" / "tiny-model-tests-bf16"
+    _load_script("make_tiny_model").build_tiny_model(out, dtype="bfloat16")
+    return out
+
+
 def recipe_file(path: Path, tiny_model: Path, output_dir: Path, **fields) -> Path:
     """A recipe for the tiny model at `path`; keyword arguments override the defaults (None removes a key)."""
     base = {

@@ -34,9 +34,11 @@ def accelerate_config(plan: dict[str, Any], activation_checkpointing: bool) -> d
             # wraps each decoder layer: the model's _no_split_modules name the layer class
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
             # 16-bit weights: every rank's model goes to the meta device, rank 0's state dict is broadcast shard by
-            # shard. accelerate skips this for 4-bit weights (fsdp2_prepare_model: Params4bit lose their class on
-            # meta), so QLoRA loads on each rank's CPU instead (loading.fsdp_qlora_kwargs) and fully_shard moves
-            # one unit at a time to the card; the plan counts that load (sizing.py, _loading).
+            # shard (after every rank loaded the model on its CPU and upcast its trainable weights to fp32: the
+            # plan counts that RAM, sizing._loading_16bit). accelerate skips this for 4-bit weights
+            # (fsdp2_prepare_model: Params4bit lose their class on meta), so QLoRA loads on each rank's CPU instead
+            # (loading.fsdp_qlora_kwargs) and fully_shard moves one unit at a time to the card; the plan counts that
+            # load (sizing.py, _loading).
             "fsdp_cpu_ram_efficient_loading": True,
             # the plan's choice when the shards do not fit the cards (QLoRA 70B on 2 x 24 GB): shards, gradients and
             # optimizer states in pinned CPU RAM (FSDP2 CPUOffloadPolicy), the optimizer step on the CPU
@@ -116,61 +118,102 @@ def is_sharded(model) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
-def save_full(model, out_dir: Path, write: bool) -> list[str]:
+def save_full(model, out_dir: Path, write: bool, dtype=None) -> list[str]:
     """The final save of an FSDP2-sharded model: collective, so EVERY rank calls it; the rank with `write` writes
-    `out_dir` with save_pretrained (a PEFT adapter, or the whole model). Returns the names of the tensors
-    gathered on this rank (none on the others).
+    `out_dir` with save_pretrained (a PEFT adapter, or the whole model), floating tensors cast to `dtype` (the
+    base model's dtype for a whole model, launcher/saving.py; None keeps the trained dtype). Returns the names of
+    the tensors gathered on this rank (none on the others).
 
     Why not Trainer.save_model: under FSDP it saves only when the accelerate plugin's state_dict_type is
     FULL_STATE_DICT (transformers 5.24 `trainer.py`, Trainer.save_model, the `elif self.is_fsdp_enabled:` branch;
     otherwise nothing is written), and the checkpoints keep SHARDED_STATE_DICT (one DCP shard per rank, resumable
     on another rank count). Gathering here leaves the plugin and the checkpoints alone.
 
-    The gather is what accelerate 1.15 does for FSDP2 in `Accelerator.get_state_dict` (`accelerator.py`, the
-    `elif self.is_fsdp2:` branch): torch's `get_model_state_dict` with `full_state_dict=True, cpu_offload=True`,
-    which all-gathers every DTensor and keeps the full tensors on rank 0's CPU only, the other ranks getting an
-    empty dict (torch 2.13 `torch/distributed/checkpoint/state_dict.py`, StateDictOptions and
-    `_maybe_full_or_cpu_state_dict`, ranks_only=(0,)); shards offloaded to CPU (fsdp_offload_params) go to the
-    mesh's device one tensor at a time for the gather (`torch/distributed/_state_dict_utils.py`,
-    `_gather_state_dict`, dtensor_func). For a PEFT model, `ignore_frozen_params=True` gathers the
-    trainable tensors only (the adapter), not the frozen base: a 70B base is never assembled in one process's
-    RAM to save a few hundred MB of LoRA (one frozen tensor still comes, seen with torch 2.13: a head tied to
-    the embedding, under its second name; PEFT's save drops it). The keys are the unwrapped model's own (DCP
-    drops FSDP's and activation checkpointing's wrapper prefixes: `_get_fqns`), which
-    `PeftModel.save_pretrained(state_dict=...)` filters and renames as for an unsharded model (peft 0.21
-    `get_peft_model_state_dict`), and which transformers' save_pretrained turns into the checkpoint's layout
-    (tied weights removed, key conversions reverted, "FSDP" taken off the class name in `architectures`; without
-    a transformers `distributed_config` it gathers nothing itself: `transformers/distributed/mixin.py`,
-    gather_sharded_state_dict_for_save).
+    One tensor at a time, never a whole full state dict: accelerate upcasts trainable parameters to fp32
+    (accelerate 1.15 `utils/fsdp_utils.py`, fsdp2_prepare_model), and torch's full-state-dict gather
+    (`get_model_state_dict(full_state_dict=True, cpu_offload=True)`, what accelerate's `get_state_dict` does for
+    FSDP2) would hold 4 bytes per parameter in rank 0's RAM before anything could be cast: 280 GB for a 70B
+    model. Here `get_model_state_dict` with the default options returns the sharded state dict as it is
+    (DTensors, no gather, no copy: torch 2.13 `torch/distributed/checkpoint/state_dict.py`,
+    `_maybe_full_or_cpu_state_dict` returns it untouched) under the unwrapped model's own names (DCP drops
+    FSDP's and activation checkpointing's wrapper prefixes: `_get_fqns`); then every rank gathers each DTensor
+    in the same order (`DTensor.full_tensor`, a collective, on the mesh's device: shards offloaded to the CPU by
+    fsdp_offload_params are moved there first, as torch's own `_gather_state_dict` does in dtensor_func), and
+    the writing rank keeps a CPU copy in `dtype`; the full fp32 tensor is dropped before the next. Rank 0's RAM
+    peak is the model in `dtype` plus one tensor.
+
+    For a PEFT model, `ignore_frozen_params=True` and the frozen-name filter below gather the trainable tensors
+    only (the adapter), not the frozen base: a 70B base is never assembled to save a few hundred MB of LoRA
+    (DCP's own filter misses a frozen head tied to the embedding under its second name). Tied parameters are
+    gathered once and aliased: transformers finds ties by shared storage (`remove_tied_weights_from_state_dict`)
+    and writes them once, as for an unsharded model. `PeftModel.save_pretrained(state_dict=...)` filters and
+    renames the keys as for an unsharded model (peft 0.21 `get_peft_model_state_dict`), and transformers'
+    save_pretrained turns them into the checkpoint's layout (key conversions reverted, "FSDP" taken off the class
+    name in `architectures`; without a transformers `distributed_config` it gathers nothing itself:
+    `transformers/distributed/mixin.py`, gather_sharded_state_dict_for_save). save_pretrained writes config.json's
+    dtype from the parameters (fp32 DTensors), so it is set to `dtype` after (saving.set_config_dtype).
     """
+    import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    from ..saving import set_config_dtype
+
     peft = hasattr(model, "peft_config")
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=peft)
-    state = get_model_state_dict(model, options=options)
-    names = sorted(state)
-    if write:
-        _alias_tied(model, state)
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(str(out_dir), state_dict=state, is_main_process=True)
-    return names
-
-
-def _alias_tied(model, state: dict) -> None:
-    """Tied parameters (a head tied to the embedding) come back from the gather as separate copies; transformers
-    finds ties by shared storage (`remove_tied_weights_from_state_dict`) and would write both. Aliasing them again
-    writes the file an unsharded model's save_pretrained writes."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
-
-    first: dict[int, str] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        key = name.replace(_CHECKPOINT_PREFIX, "")  # the names DCP gives (`_get_fqns`)
-        if key not in state:
+    sharded = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=peft))
+    first, frozen = _parameter_names(model)
+    state: dict[str, torch.Tensor] = {}
+    names: list[str] = []
+    done: set[str] = set()  # the same on every rank: each gather below is a collective
+    for key, value in sharded.items():
+        if peft and key in frozen:
             continue
-        if id(param) in first:
-            state[key] = state[first[id(param)]]
-        else:
-            first[id(param)] = key
+        source = first.get(key, key)
+        if source != key and source in done:
+            names.append(key)
+            if write:
+                state[key] = state[source]
+            continue
+        full = _full_tensor(value)
+        if write:
+            cast = dtype is not None and isinstance(full, torch.Tensor) and full.is_floating_point()
+            state[key] = full.detach().to(device="cpu", dtype=dtype if cast else full.dtype)
+        del full
+        names.append(key)
+        done.add(key)
+    if not write:
+        return []
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out_dir), state_dict=state, is_main_process=True)
+    if dtype is not None and not peft:
+        set_config_dtype(Path(out_dir), dtype)
+    return sorted(names)
+
+
+def _full_tensor(value):
+    """A DTensor gathered whole on its mesh's device (collective); anything else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(value, DTensor):
+        return value
+    if value.device.type != value.device_mesh.device_type:  # CPU-offloaded shards (fsdp_offload_params)
+        value = value.to(value.device_mesh.device_type)
+    return value.full_tensor()
+
+
+def _parameter_names(model) -> tuple[dict[str, str], set[str]]:
+    """({state-dict name: the first name of the same parameter}, names of frozen parameters), in DCP's names
+    (`_get_fqns`: wrapper prefixes dropped), every name of a tied parameter included."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    by_id: dict[int, str] = {}
+    first: dict[str, str] = {}
+    frozen: set[str] = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        for fqn in _get_fqns(model, name):
+            first[fqn] = by_id.setdefault(id(param), fqn)
+            if not param.requires_grad:
+                frozen.add(fqn)
+    return first, frozen
 
 
 def exercise(run_dir: Path, steps: int, out: Optional[Path], final_dir: Optional[Path] = None) -> int:
@@ -256,16 +299,19 @@ def exercise(run_dir: Path, steps: int, out: Optional[Path], final_dir: Optional
 def _final_save_check(model, reference, recipe, final_dir: Path, rank: int) -> dict[str, Any]:
     """The worker's FSDP final save on the sharded model (every rank; rank 0 writes final_dir/sharded), the
     unsharded copy saved by its own save_pretrained (final_dir/reference), then on rank 0: same tensor names and
-    shapes, values within 1e-4 (the two trainings differ by float rounding), the folder reloads (PEFT onto a fresh
-    base, or transformers) with exactly the sharded model's values, and passes the supervisor's verification
-    (launcher/final.py)."""
+    shapes, values within 1e-4 (the two trainings differ by float rounding) of the unsharded model's cast to the
+    saved dtype (plus one rounding step of that dtype, where the two trainings' values straddle it), a whole
+    model written in the base model's dtype with config.json saying so (saving.final_dtype, as the worker's
+    _save_final), the folder reloads (PEFT onto a fresh base, or transformers) with exactly the sharded model's
+    values cast to that dtype, and passes the supervisor's verification (launcher/final.py)."""
     import torch
 
-    from .. import final
+    from .. import final, saving
 
     kind = final.kind(recipe.method)
     sharded_dir, reference_dir = final_dir / "sharded", final_dir / "reference"
-    gathered = save_full(model, sharded_dir, write=rank == 0)
+    dtype = saving.final_dtype(recipe)[0]
+    gathered = save_full(model, sharded_dir, write=rank == 0, dtype=dtype)
     trainable = {k for k, p in model.named_parameters() if p.requires_grad}
     # the same values by another road: each sharded parameter's own all-gather (DTensor.full_tensor, collective)
     from torch.distributed.tensor import DTensor
@@ -281,8 +327,17 @@ def _final_save_check(model, reference, recipe, final_dir: Path, rank: int) -> d
     a, b = load_file(str(sharded_dir / name)), load_file(str(reference_dir / name))
     same_keys = sorted(a) == sorted(b) and len(a) > 0
     same_shapes = same_keys and all(a[k].shape == b[k].shape for k in a)
-    # the sharded and the unsharded trainings differ by float rounding (their losses by about 1e-6)
-    worst = max(((a[k] - b[k]).abs().max().item() for k in a), default=float("inf")) if same_shapes else float("inf")
+    # the sharded and the unsharded trainings differ by float rounding (their losses by about 1e-6); cast to the
+    # saved dtype, a value the two trainings put on either side of a rounding boundary differs by one step of it
+    saved = next(iter(a.values())).dtype if a else torch.float32
+    step = torch.finfo(saved).eps if saved != torch.float32 else 0.0
+    worst, within, unequal, count = float("inf"), False, 0, 0
+    if same_shapes:
+        diffs = {k: (a[k].float() - b[k].to(saved).float()).abs() for k in a}
+        worst = max(d.max().item() for d in diffs.values())
+        within = all(bool((d <= 1e-4 + step * b[k].float().abs()).all()) for k, d in diffs.items())
+        unequal = sum(int((d > 0).sum()) for d in diffs.values())
+        count = sum(d.numel() for d in diffs.values())
 
     from transformers import AutoModelForCausalLM
 
@@ -295,26 +350,33 @@ def _final_save_check(model, reference, recipe, final_dir: Path, rank: int) -> d
     else:
         loaded = AutoModelForCausalLM.from_pretrained(str(sharded_dir), dtype=torch.float32)
         mine = dict(loaded.named_parameters())
-    # what was written and reloads is exactly what the sharded model holds (the save adds no error)
-    reload_diff = max(((mine[k] - own[k]).abs().max().item() for k in own if k in mine), default=float("inf")) \
-        if set(mine) == set(own) else float("inf")
+    # what was written and reloads is exactly what the sharded model holds, cast to the saved dtype (the save adds
+    # no other error)
+    reload_diff = max(((mine[k] - own[k].to(saved).float()).abs().max().item() for k in own if k in mine),
+                      default=float("inf")) if set(mine) == set(own) else float("inf")
     # trained values, not the initial ones: LoRA B starts at zero, full weights at the base's
     moved = any(not torch.equal(v, torch.zeros_like(v)) for k, v in mine.items() if "lora_B" in k) \
         if kind == final.ADAPTER else True
     verdict = final.verify_adapter(sharded_dir, recipe.lora.target_modules, final.base_weights(recipe.model)) \
         if kind == final.ADAPTER else final.verify_model(sharded_dir, final.base_weights(recipe.model))
-    architectures = json.loads((sharded_dir / "config.json").read_text()).get("architectures") \
-        if kind == final.MODEL else None
+    config = json.loads((sharded_dir / "config.json").read_text()) if kind == final.MODEL else {}
+    architectures = config.get("architectures") if kind == final.MODEL else None
+    # a whole model in the base's dtype, and config.json saying so (the export reads it)
+    expected = str(dtype).replace("torch.", "") if dtype is not None else None
+    tensor_dtypes = sorted(str(t.dtype).replace("torch.", "") for t in {id(v): v for v in a.values()}.values())
+    dtype_ok = kind == final.ADAPTER or (set(tensor_dtypes) == {expected} and config.get("dtype") == expected)
     # a PEFT model gathers its trainable tensors (the adapter), not the frozen base
     extra = sorted(set(gathered) - trainable)
     gathered_ok = trainable <= set(gathered) if kind == final.ADAPTER else len(gathered) >= len(a)
-    ok = same_shapes and worst <= 1e-4 and reload_diff == 0.0 and moved and verdict.ok and gathered_ok \
+    ok = same_shapes and within and reload_diff == 0.0 and moved and verdict.ok and gathered_ok and dtype_ok \
         and (architectures is None or not architectures[0].startswith("FSDP"))
     return {"ok": ok, "kind": kind, "gathered": len(gathered), "trainable_tensors": len(trainable),
             "gathered_frozen": extra if kind == final.ADAPTER else None, "tensors": len(a),
             "same_keys": same_keys, "same_shapes": same_shapes, "max_abs_diff": worst,
+            "within_rounding": within, "values_unequal": unequal, "values": count,
             "reload_max_abs_diff": reload_diff, "trained_values": moved, "verified": verdict.reason,
-            "verified_ok": verdict.ok, "architectures": architectures}
+            "verified_ok": verdict.ok, "architectures": architectures, "expected_dtype": expected,
+            "tensor_dtypes": sorted(set(tensor_dtypes)), "config_dtype": config.get("dtype"), "dtype_ok": dtype_ok}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
