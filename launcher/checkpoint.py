@@ -125,6 +125,15 @@ def write_manifest(ckpt: Path, step: int, meta: dict[str, Any], workers: Optiona
     return manifest
 
 
+class ManifestFailed(RuntimeError):
+    """A checkpoint's manifest was not written, so that checkpoint does not exist; the cause is the writer's error
+    (an OSError with ENOSPC/EDQUOT when the disk is full)."""
+
+
+class ChoiceCancelled(RuntimeError):
+    """A stop (SIGTERM/SIGINT) came while waiting for the resume choice: nothing was trained, nothing to save."""
+
+
 class BackgroundManifest:
     """The manifest of the newest checkpoint, hashed and written by a background thread.
 
@@ -140,6 +149,7 @@ class BackgroundManifest:
         self.log = log
         self._thread: Optional[threading.Thread] = None
         self.error: Optional[str] = None  # why the last manifest was not written
+        self.exception: Optional[BaseException] = None  # the same, as raised (check() raises from it)
         self.seconds: Optional[float] = None  # how long the last one took
 
     @property
@@ -151,14 +161,14 @@ class BackgroundManifest:
         """Hash `ckpt` and write its manifest in the background; `then` runs after the manifest (retention)."""
         if self.pending:
             raise RuntimeError("a checkpoint's manifest is still being written: wait() for it first")
-        self.error = None
+        self.error = self.exception = None
 
         def work() -> None:
             t0 = time.monotonic()
             try:
                 write_manifest(ckpt, step, meta, workers)
-            except BaseException as exc:  # noqa: BLE001 - reported, and the folder stays incomplete
-                self.error = f"{type(exc).__name__}: {exc}"
+            except BaseException as exc:  # noqa: BLE001 - check() raises it in the owner, the folder stays incomplete
+                self.error, self.exception = f"{type(exc).__name__}: {exc}", exc
                 self.log(f"checkpoint {ckpt.name} not completed, its manifest could not be written ({self.error}); "
                          "the folder is removed as incomplete at the next start")
                 return
@@ -181,6 +191,15 @@ class BackgroundManifest:
                 return False
             self._thread = None
         return True
+
+    def check(self) -> None:
+        """After wait(): raise ManifestFailed (from the writer's error) when the last manifest was not written.
+
+        Logging it is not enough: retention runs only after a manifest, so saves would pile up until the disk
+        is full, and a stop would report a checkpoint that does not exist.
+        """
+        if self.exception is not None and not self.pending:
+            raise ManifestFailed(f"the checkpoint's manifest could not be written ({self.error})") from self.exception
 
 
 @dataclass(frozen=True)
@@ -272,11 +291,11 @@ def await_choice(path: Path, ckpt_root: Path, launch: dict[str, Any], not_before
         if choice and choice.get("launch") == launch and float(choice.get("written", 0)) >= not_before:
             break
         if cancelled():
-            raise RuntimeError("stopped while waiting for the resume checkpoint to be verified")
+            raise ChoiceCancelled("stopped while waiting for the resume checkpoint to be verified")
         if time.monotonic() > deadline:
             raise TimeoutError(f"no resume choice in {path} after {timeout:.0f} s: the process that verifies the "
-                               "checkpoints on this disk (local rank 0 when every node saves, else rank 0) did not "
-                               "finish; its log says why")
+                               "checkpoints on this disk (each node's local rank 0 when the run spans several nodes, "
+                               "else rank 0) did not finish; its log says why")
         time.sleep(poll)
     if choice["checkpoint"] is None:
         return None

@@ -79,8 +79,8 @@ def _launch_identity() -> dict[str, str]:
 
 
 def _resume_steps_differ(resume_from, device: str) -> Optional[str]:
-    """Each node verifies its own disk when every node saves: all ranks must still resume from the same step, or
-    their step counts, optimizer states and data positions part ways. The message when they do not."""
+    """Each node verifies its own disk when the run spans several nodes: all ranks must still resume from the same
+    step, or their step counts, optimizer states and data positions part ways. The message when they do not."""
     import torch
     import torch.distributed as dist
 
@@ -155,6 +155,12 @@ def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta
                 # The full run pays a checkpoint every interval and at the end: time one here.
                 control.should_save = True
                 self.save_started = time.monotonic()
+            if mode == "full" and control.should_save:
+                # Every rank (the decision above is the same on all), before the save: the previous checkpoint's
+                # manifest, in short collectives. on_save's writer then finds it done instead of hashing on
+                # while the others sit in its barrier, where a large checkpoint on slow storage outlasts the
+                # process group's timeout (ddp_timeout, 1800 s by default) and the watchdog aborts every rank.
+                _await_manifest(device)
             return control
 
         def on_save(self, args, state, control, **kw):
@@ -176,8 +182,10 @@ def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta
                     self.save_seconds = time.monotonic() - self.save_started
                 return control
             if writer:
-                # The previous checkpoint's manifest and retention finish before this folder appears.
+                # The previous checkpoint's manifest and retention finish before this folder appears (at once
+                # after on_step_end's wait); one that failed stops the run here, never silently.
                 _MANIFEST.wait()
+                _MANIFEST.check()
                 dst = run.checkpoints / ckpt.step_dir_name(state.global_step)
                 if dst.exists():  # a save of the same step after a resume: the new one replaces it
                     shutil.rmtree(dst)
@@ -470,11 +478,9 @@ def run_worker(run_dir: Path, mode: str) -> int:
         data_path = Path(recipe.data)
         out_dir = run.checkpoints
         max_steps, max_seconds = recipe.max_steps, None
-        # Verified once per disk, by the process that writes its checkpoints (rank 0, or each node's local
-        # rank 0 when every node saves); the others of this launch take its choice from a file, since the
-        # process group does not exist yet (the Trainer makes it).
-        verifier = (local_rank() if trainer_fields(plan, run.root).get("save_on_each_node") else _rank()) == 0
-        if verifier:
+        # Verified once per disk (_verifies_resume); the others of this launch take its choice from a file,
+        # since the process group does not exist yet (the Trainer makes it).
+        if _verifies_resume(plan, _rank(), local_rank()):
             removed = ckpt.remove_incomplete(run.checkpoints)
             if removed:
                 print(f"[ftrun worker] removed incomplete checkpoint(s): {', '.join(removed)}", flush=True)
@@ -486,9 +492,19 @@ def run_worker(run_dir: Path, mode: str) -> int:
                 print(f"[ftrun worker] skipping checkpoint {line}", flush=True)
             if _world_size() > 1:
                 ckpt.publish_choice(run.root / ckpt.CHOICE, _launch_identity(), found, skipped)
+            if _Stop.requested:  # as the waiters do: nothing trained yet, nothing to save
+                print(f"[ftrun worker] stopped by {_Stop.signal_name} before training; "
+                      f"{found.path.name if found else 'no checkpoint'} is where the same command resumes", flush=True)
+                return EXIT_STOPPED
         else:
-            found = ckpt.await_choice(run.root / ckpt.CHOICE, run.checkpoints, _launch_identity(), _launcher_started(),
-                                      ckpt.choice_timeout(run.checkpoints), cancelled=lambda: _Stop.requested)
+            try:
+                found = ckpt.await_choice(run.root / ckpt.CHOICE, run.checkpoints, _launch_identity(),
+                                          _launcher_started(), ckpt.choice_timeout(run.checkpoints),
+                                          cancelled=lambda: _Stop.requested)
+            except ckpt.ChoiceCancelled:  # a clean stop (77), not a crash: nothing was trained
+                print(f"[ftrun worker] stopped by {_Stop.signal_name} while waiting for the resume checkpoint to be "
+                      "verified; nothing was trained", flush=True)
+                return EXIT_STOPPED
         resume_from = found
         if found is not None:
             from .backends import resume_compatibility
@@ -558,11 +574,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
             return _out_of_memory(run, mode, device, memory.out_of_memory_text(exc), step())
         if not _is_disk_full(exc, run.root):
             raise
-        _MANIFEST.wait()  # a manifest being written is finished (or fails) before incomplete saves are removed
-        message = _disk_full_message(run, step())
-        print(f"[ftrun worker] {message}", file=sys.stderr, flush=True)
-        _record_error(run, message, EXIT_DISK_FULL)  # under torchrun the supervisor sees 1: it reads this one
-        return EXIT_DISK_FULL
+        return _disk_full(run, step(), _writes_this_disk(plan, recipe, run))
 
     if mode == "smoke":
         peak_gb = memory.peak_memory_over_ranks_gb(device)  # a collective: every rank, before rank 0 writes
@@ -572,16 +584,16 @@ def run_worker(run_dir: Path, mode: str) -> int:
                                  "checkpoint_bytes": ckpt.tree_bytes(out_dir)}, peak_gb=peak_gb)
         return 0
     if cadence.stopped_by_signal and trainer.state.global_step < trainer.state.max_steps:
-        print(f"[ftrun worker] stopped at step {trainer.state.global_step} after {_Stop.signal_name}; "
-              "checkpoint saved, resume with the same command", flush=True)
-        _await_manifest(device)
-        return EXIT_STOPPED
+        code = _finish(run, device, step(), _writes_this_disk(plan, recipe, run))  # the checkpoint sealed, or why not
+        if code == 0:
+            print(f"[ftrun worker] stopped at step {trainer.state.global_step} after {_Stop.signal_name}; "
+                  "checkpoint saved, resume with the same command", flush=True)
+        return EXIT_STOPPED if code == 0 else code
     # every rank: ZeRO-3 and FSDP gather the sharded weights for the final save (rank 0 writes)
     _save_final(run, trainer, tokenizer, recipe)
     if _rank() == 0:  # one drawer, as at the checkpoints
         _redraw_loss_plot(run.root, final=True)  # the last loss.png is complete when the worker ends
-    _await_manifest(device)  # the last checkpoint is complete when the worker ends
-    return 0
+    return _finish(run, device, step(), _writes_this_disk(plan, recipe, run))  # the last checkpoint complete at the end
 
 
 def _out_of_memory(run: RunDir, mode: str, device: str, text: str, step: int) -> int:
@@ -598,15 +610,23 @@ def _out_of_memory(run: RunDir, mode: str, device: str, text: str, step: int) ->
     return EXIT_OOM
 
 
-def _is_disk_full(exc: BaseException, where: Path) -> bool:
+def _says_disk_full(exc: BaseException) -> bool:
+    """ENOSPC or EDQUOT anywhere in the exception's causes and contexts."""
     import errno
-    import shutil
 
     seen: Optional[BaseException] = exc
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
         seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _is_disk_full(exc: BaseException, where: Path) -> bool:
+    import shutil
+
+    if _says_disk_full(exc):
+        return True
     # torch.save reports a full disk as one of several RuntimeErrors ("file write failed", "iostream
     # error", "unexpected pos"): ask the disk itself whether a checkpoint still fits.
     kept = [p for p in ckpt.candidates(where / "checkpoints") if (p / ckpt.MANIFEST).is_file()]
@@ -614,20 +634,76 @@ def _is_disk_full(exc: BaseException, where: Path) -> bool:
     return shutil.disk_usage(where).free < max(64 * 1024 * 1024, 2 * last)
 
 
-def _disk_full_message(run: RunDir, step: int) -> str:
-    """Remove the half-written save; name the sizes so the user knows how much to free."""
+def _disk_full_message(run: RunDir, step: int, writer: bool = True) -> str:
+    """Remove the half-written save (the disk's writer only); name the sizes so the user knows how much to free."""
     import shutil
 
     partial = [p for p in run.checkpoints.glob("checkpoint-*") if p.is_dir()]
     partial_bytes = sum(ckpt.tree_bytes(p) for p in partial)
-    ckpt.remove_incomplete(run.checkpoints)
+    if writer:
+        # Only the process that moves and hashes this disk's checkpoints, after its own manifest is done: a
+        # step folder without manifest is one it may still be hashing, which another rank would delete.
+        _MANIFEST.wait()
+        ckpt.remove_incomplete(run.checkpoints)
     kept = [p for p in ckpt.candidates(run.checkpoints) if (p / ckpt.MANIFEST).is_file()]
     last_size = ckpt.tree_bytes(kept[0]) if kept else 0
     free = shutil.disk_usage(run.root).free
+    removed = "the partial save was removed" if writer else \
+        "the partial save is removed by the process that writes this disk's checkpoints (or at the next start)"
     return (f"disk full while saving the checkpoint of step {step}: {free / 1e6:.1f} MB free on {run.root}, "
-            f"a checkpoint takes about {max(last_size, partial_bytes) / 1e6:.1f} MB; the partial save was removed, "
+            f"a checkpoint takes about {max(last_size, partial_bytes) / 1e6:.1f} MB; {removed}, "
             f"{kept[0].name if kept else 'no earlier checkpoint'} is intact. Free space (or lower keep_checkpoints), "
             "then run the same command to resume.")
+
+
+def _disk_full(run: RunDir, step: int, writer: bool) -> int:
+    """The disk-full exit: the reason in the log and in worker.json, the partial save removed by the disk's writer."""
+    message = _disk_full_message(run, step, writer)
+    print(f"[ftrun worker] {message}", file=sys.stderr, flush=True)
+    _record_error(run, message, EXIT_DISK_FULL)  # under torchrun the supervisor sees 1: it reads this one
+    return EXIT_DISK_FULL
+
+
+def _finish(run: RunDir, device: str, step: int, writer: bool) -> int:
+    """0 once the last checkpoint's manifest is on disk (every rank waits); a manifest that failed is never a
+    clean exit: a full disk takes the disk-full exit, anything else is raised (a crash, restarted from the
+    newest verified checkpoint)."""
+    try:
+        _await_manifest(device)
+    except ckpt.ManifestFailed as exc:
+        if not _is_disk_full(exc, run.root):
+            raise
+        return _disk_full(run, step, writer)
+    return 0
+
+
+def _verifies_resume(plan: dict[str, Any], rank: int, local_rank: int) -> bool:
+    """Whether this process verifies the checkpoints at resume, one per disk, and hands its choice to the others.
+
+    A plan over several nodes counts on a disk per node whatever the engine: DeepSpeed never sets
+    save_on_each_node, so a rule that follows it left the ranks of nodes >= 1 waiting for a choice that nobody
+    writes on their disk. Each node's local rank 0 verifies its own disk (on a shared one, the same choice);
+    _resume_steps_differ stops the run when nodes chose different steps. One node: rank 0.
+    """
+    from .backends import world_size
+
+    several_nodes = world_size(plan) > int(plan.get("num_processes", 1))
+    return (local_rank if several_nodes else rank) == 0
+
+
+def _writes_checkpoints(save_on_each_node: bool, rank: int, local_rank: int) -> bool:
+    """Whether this process moves, hashes and removes checkpoint folders on its disk: the rule of Cadence.on_save
+    (the Trainer's own, TrainingArguments.should_save): each node's first process when every node saves, else the
+    main process. A step folder without manifest may be its hash in progress: no other process deletes one."""
+    return (local_rank if save_on_each_node else rank) == 0
+
+
+def _writes_this_disk(plan: dict[str, Any], recipe, run: RunDir) -> bool:
+    from .backends import trainer_fields
+    from .loading import local_rank
+
+    fields = {**trainer_fields(plan, run.root), **dict(getattr(recipe, "trainer", None) or {})}
+    return _writes_checkpoints(bool(fields.get("save_on_each_node")), _rank(), local_rank())
 
 
 def _record_error(run: RunDir, message: str, exit_code: Optional[int] = None) -> None:
@@ -646,21 +722,39 @@ _PLOT: dict[str, Any] = {"child": None, "pending": False}
 _MANIFEST = ckpt.BackgroundManifest(log=lambda line: print(f"[ftrun worker] {line}", flush=True))
 
 
+_MANIFEST_POLL_S = 5.0  # one round of _await_manifest: far below any process group timeout
+
+
 def _await_manifest(device: str) -> None:
     """Every rank waits until the writer's background manifest is on disk. A rank that exited first would make
     torchrun stop the others (a stopped run exits 77), cutting the hashing and losing the checkpoint. The wait
-    is short collectives in a loop, not one barrier, so a long hash never meets the process group's timeout."""
+    is short collectives in a loop, not one barrier, so a long hash never meets the process group's timeout.
+
+    Then every rank raises ManifestFailed when a writer's manifest was not written, so all ranks leave the same
+    way: with ENOSPC/EDQUOT among its causes when the disk was full (the disk-full exit), else a crash."""
+    import errno
+
     import torch
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         _MANIFEST.wait()
+        _MANIFEST.check()
         return
     while True:
-        busy = torch.tensor([0.0 if _MANIFEST.wait(timeout=5.0) else 1.0], device="cuda" if device == "cuda" else "cpu")
-        dist.all_reduce(busy, op=dist.ReduceOp.MAX)
-        if not busy.item():
-            return
+        done = _MANIFEST.wait(timeout=_MANIFEST_POLL_S)
+        failed = _MANIFEST.exception if done else None
+        state = torch.tensor([0.0 if done else 1.0, 0.0 if failed is None else 2.0 if _says_disk_full(failed) else 1.0],
+                             device="cuda" if device == "cuda" else "cpu")
+        dist.all_reduce(state, op=dist.ReduceOp.MAX)
+        if not state[0].item():
+            break
+    _MANIFEST.check()  # the writer whose manifest failed: its own error
+    if state[1].item():
+        full = state[1].item() == 2.0
+        raise ckpt.ManifestFailed("the checkpoint's manifest could not be written by the process that writes "
+                                  "checkpoints on a disk of this run (its log says why)") from (
+            OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) if full else None)
 
 
 def _redraw_loss_plot(run_root: Path, final: bool = False) -> None:

@@ -315,9 +315,9 @@ def test_a_waiter_gives_up_with_the_reason_and_never_takes_a_changed_checkpoint(
     root = tmp_path / "checkpoints"
     d = _complete(root, 10)
     launch = {"TORCHELASTIC_RUN_ID": "x"}
-    with pytest.raises(TimeoutError, match="local rank 0 when every node saves"):
+    with pytest.raises(TimeoutError, match="local rank 0 when the run spans several nodes"):
         ckpt.await_choice(tmp_path / ckpt.CHOICE, root, launch, time.time(), timeout=0.3, poll=0.05)
-    with pytest.raises(RuntimeError, match="stopped while waiting"):
+    with pytest.raises(ckpt.ChoiceCancelled, match="stopped while waiting"):  # run_worker: a clean 77
         ckpt.await_choice(tmp_path / ckpt.CHOICE, root, launch, time.time(), timeout=30, cancelled=lambda: True)
     found, _ = ckpt.newest_verified(root)
     t = time.time()
@@ -378,3 +378,303 @@ def test_no_rank_returns_before_rank_0s_background_manifest_and_resume_steps_mus
     assert "oldest none, newest step-000040, this node none" in rows[0]["differ"]
     assert "this node step-000040" in rows[1]["differ"] and "(keep none)" in rows[1]["differ"]
     assert ckpt.verify(d)[0]
+
+
+# --- the review's defects: who verifies and who deletes on each disk, failed manifests, the wait before a save ---
+
+@pytest.mark.parametrize("engine, nnodes, nproc, rank, local_rank, verifies", [
+    ("trl", 1, 1, 0, 0, True),
+    ("ddp", 1, 2, 0, 0, True),
+    ("ddp", 1, 2, 1, 1, False),
+    ("deepspeed", 1, 2, 1, 1, False),
+    ("ddp", 2, 2, 2, 0, True),  # DDP saves on each node: node 1's first process verifies its own disk
+    ("ddp", 2, 2, 3, 1, False),
+    # DeepSpeed never sets save_on_each_node: node 1 waited for a choice only node 0 wrote (on its own disk)
+    ("deepspeed", 2, 2, 2, 0, True),
+    ("deepspeed", 2, 2, 3, 1, False),
+    ("deepspeed", 2, 2, 0, 0, True),
+    ("fsdp", 3, 1, 2, 0, True),  # one process per node: every process verifies its disk
+])
+def test_each_nodes_first_process_verifies_its_disk_whatever_the_engine(engine, nnodes, nproc, rank, local_rank,
+                                                                       verifies):
+    from launcher import train
+
+    plan = {"engine": engine, "num_processes": nproc, **({"nodes": {"nnodes": nnodes}} if nnodes > 1 else {})}
+    assert train._verifies_resume(plan, rank, local_rank) is verifies
+
+
+def test_only_the_disks_writer_removes_a_folder_and_only_after_its_manifest(tmp_path, gated_hash, monkeypatch):
+    """A full disk on another rank must not delete the checkpoint the writer is still hashing."""
+    from launcher import train
+    from launcher.rundir import RunDir
+
+    # the writer rule is the Trainer's (save_on_each_node: each node's first process, else the main one)
+    assert [train._writes_checkpoints(False, r, lr) for r, lr in ((0, 0), (1, 1), (2, 0))] == [True, False, False]
+    assert [train._writes_checkpoints(True, r, lr) for r, lr in ((0, 0), (1, 1), (2, 0))] == [True, False, True]
+
+    run = RunDir(tmp_path / "run")
+    _complete(run.checkpoints, 10)
+    hashing = run.checkpoints / ckpt.step_dir_name(20)
+    _files(hashing, {"adapter_model.safetensors": 4000})
+    partial = run.checkpoints / "checkpoint-30"  # the Trainer's save that hit the full disk
+    _files(partial, {"optimizer.pt": 7000})
+    gated_hash.arm()
+    monkeypatch.setattr(train, "_MANIFEST", ckpt.BackgroundManifest(log=lambda line: None))
+    train._MANIFEST.start(hashing, 20, {"recipe_hash": "abc"}, workers=1)
+    assert gated_hash.started.wait(10)
+
+    other = train._disk_full_message(run, 30, writer=False)  # another rank: reports, deletes nothing, no wait
+    assert hashing.is_dir() and partial.is_dir() and train._MANIFEST.pending
+    assert "removed by the process that writes this disk's checkpoints" in other and "7.0 MB" not in other
+
+    result = []
+    writer = threading.Thread(target=lambda: result.append(train._disk_full_message(run, 30, writer=True)))
+    writer.start()
+    time.sleep(0.3)
+    assert writer.is_alive() and partial.is_dir()  # waits for its own manifest before removing anything
+    gated_hash.gate.set()
+    writer.join(30)
+    assert ckpt.verify(hashing)[0] and not partial.exists()  # the hashed one is complete and kept
+    assert "the partial save was removed, step-000020 is intact" in result[0]
+
+
+def _failing_manifest(monkeypatch, errno_code: int):
+    """manifest.json cannot be written (errno_code); every other JSON write works."""
+    real = ckpt.atomic_write_json
+
+    def write(path, data):
+        if Path(path).name == ckpt.MANIFEST:
+            raise OSError(errno_code, os.strerror(errno_code))
+        return real(path, data)
+
+    monkeypatch.setattr(ckpt, "atomic_write_json", write)
+
+
+@pytest.mark.parametrize("errno_name", ["ENOSPC", "EIO"])
+def test_a_failed_background_manifest_stops_the_next_save_and_the_exit(tmp_path, monkeypatch, errno_name):
+    """Never only logged: the next save (every rank, before it saves) and the worker's exit raise it; a full disk
+    ends as disk full (81, with its message in worker.json), anything else as a crash, never a clean 0 or 77."""
+    import errno
+
+    from transformers import TrainerControl
+
+    train, run, cadence = _cadence(tmp_path, monkeypatch, "full")
+    monkeypatch.setattr(train, "_MANIFEST", ckpt.BackgroundManifest(log=lambda line: None))
+    _failing_manifest(monkeypatch, getattr(errno, errno_name))
+    args = SimpleNamespace(output_dir=str(run.checkpoints), save_on_each_node=False)
+    _files(run.checkpoints / "checkpoint-10", {"adapter_model.safetensors": 2000})
+    cadence.on_save(args, _state(10), TrainerControl())
+    assert train._MANIFEST.wait(30) and train._MANIFEST.error
+
+    # the next save: the wait before it raises, on every rank, before any folder moves
+    with pytest.raises(ckpt.ManifestFailed) as raised:
+        cadence.on_step_end(args, _state(100, max_steps=100), TrainerControl())
+    assert train._is_disk_full(raised.value, run.root) is (errno_name == "ENOSPC")
+    assert not (run.checkpoints / ckpt.step_dir_name(10) / ckpt.MANIFEST).exists()
+
+    # the exit (after a stop's save, or the final one)
+    if errno_name == "ENOSPC":
+        assert train._finish(run, "cpu", 10, writer=True) == train.EXIT_DISK_FULL
+        info = json.loads(run.worker.read_text())
+        assert info["exit_code"] == train.EXIT_DISK_FULL and "disk full while saving the checkpoint of step 10" \
+            in info["error"]
+        assert not (run.checkpoints / ckpt.step_dir_name(10)).exists()  # the unsealed folder, removed by its writer
+    else:
+        with pytest.raises(ckpt.ManifestFailed, match="Input/output error"):
+            train._finish(run, "cpu", 10, writer=True)
+        assert not run.worker.exists()
+
+
+def test_the_wait_for_the_previous_manifest_comes_before_the_save_on_every_rank(tmp_path, monkeypatch, gated_hash):
+    """on_step_end, where all ranks have agreed to save, waits for the previous hash; on_save then finds it done."""
+    from transformers import TrainerControl
+
+    train, run, cadence = _cadence(tmp_path, monkeypatch, "full")
+    args = SimpleNamespace(output_dir=str(run.checkpoints), save_on_each_node=False)
+    gated_hash.arm()
+    _files(run.checkpoints / "checkpoint-10", {"adapter_model.safetensors": 2000})
+    cadence.on_save(args, _state(10), TrainerControl())
+    assert gated_hash.started.wait(10)
+    # no save due: no wait (training goes on beside the hashing)
+    assert not cadence.on_step_end(args, _state(11), TrainerControl()).should_save and train._MANIFEST.pending
+    decided = []
+    last = threading.Thread(target=lambda: decided.append(
+        cadence.on_step_end(args, _state(100, 100), TrainerControl())))
+    last.start()
+    time.sleep(0.5)
+    assert last.is_alive() and not decided  # the save is decided, the previous manifest is awaited first
+    gated_hash.gate.set()
+    last.join(30)
+    assert decided[0].should_save and (run.checkpoints / "step-000010" / ckpt.MANIFEST).is_file()
+    assert not train._MANIFEST.pending
+
+
+_PRESAVE = """
+import datetime, json, os, sys, time
+from pathlib import Path
+from types import SimpleNamespace
+import torch.distributed as dist
+from transformers import TrainerControl, TrainerState
+from launcher import checkpoint as ckpt
+from launcher import train
+from launcher.rundir import RunDir
+
+run_root, group_timeout, hash_s = Path(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=group_timeout))
+rank = dist.get_rank()
+train._MANIFEST_POLL_S = group_timeout / 4  # the rounds stay far below the group's timeout, as 5 s below 1800 s
+train._redraw_loss_plot = lambda *a, **k: None
+real = ckpt.sha256_file
+def slow(path):
+    if path.name == "slow.bin":
+        time.sleep(hash_s)  # a large checkpoint on slow storage: longer than the process group's timeout
+    return real(path)
+ckpt.sha256_file = slow
+rounds = []
+real_all_reduce = dist.all_reduce
+def counted(t, *a, **k):
+    rounds.append(t.numel())
+    return real_all_reduce(t, *a, **k)
+dist.all_reduce = counted
+
+run = RunDir(run_root)
+cadence, _ = train.build_callbacks(run, SimpleNamespace(checkpoint_every_minutes=10.0, keep_checkpoints=2), "full",
+                                   "cpu", {"recipe_hash": "abc"}, None)
+args = SimpleNamespace(output_dir=str(run.checkpoints), save_on_each_node=False)
+def state(step):
+    return TrainerState(global_step=step, max_steps=20, is_world_process_zero=rank == 0,
+                        is_local_process_zero=rank == 0)
+if rank == 0:  # checkpoint 10, moved and hashing in the background (the save before)
+    folder = run.checkpoints / ckpt.step_dir_name(10)
+    folder.mkdir(parents=True)
+    (folder / "slow.bin").write_bytes(os.urandom(1000))
+    train._MANIFEST.start(folder, 10, {"recipe_hash": "abc"}, workers=1)
+t0 = time.monotonic()
+control = cadence.on_step_end(args, state(20), TrainerControl())  # the last step: every rank saves
+pre_s, polled = time.monotonic() - t0, rounds.count(2)
+sealed = (run.checkpoints / ckpt.step_dir_name(10) / ckpt.MANIFEST).is_file()
+if rank == 0:  # the Trainer's save of step 20
+    (run.checkpoints / "checkpoint-20").mkdir()
+    (run.checkpoints / "checkpoint-20" / "adapter_model.safetensors").write_bytes(os.urandom(1000))
+t0 = time.monotonic()
+cadence.on_save(args, state(20), control)
+save_s = time.monotonic() - t0
+train._await_manifest("cpu")
+(run_root / f"rank{rank}.json").write_text(json.dumps({"should_save": control.should_save, "pre_s": pre_s,
+    "polled_rounds": polled, "sealed_before_save": sealed, "save_s": save_s}))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_a_hash_longer_than_the_process_group_timeout_is_awaited_in_short_collectives_before_the_save(tmp_path):
+    """Two gloo ranks under torchrun, a process group timeout of 2 s and a previous checkpoint whose hash takes 6 s:
+    without the wait in on_step_end, rank 1 sat in on_save's barrier while rank 0 waited for the hash, past the
+    timeout (the NCCL watchdog's abort on a GPU). With it, both ranks poll in short collectives, then save."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(_script(tmp_path, "presave.py", _PRESAVE)), str(run), "2", "6"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    rows = [json.loads((run / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for r in rows:
+        assert r["should_save"] and r["sealed_before_save"], rows
+        assert r["pre_s"] >= 4.0 and r["polled_rounds"] >= 4, rows  # waited in several rounds of 0.5 s
+        assert r["save_s"] < 2.0, rows  # the writer's wait inside on_save found the hash done
+    assert ckpt.verify(run / "checkpoints" / "step-000010")[0] and ckpt.verify(run / "checkpoints" / "step-000020")[0]
+
+
+# A worker whose manifests cannot be written: the real `launcher.train` entry point, one process.
+_FAILING_WORKER = """
+import errno, os, signal, sys
+from pathlib import Path
+from launcher import checkpoint as ckpt
+from launcher import train
+run_dir, code, stop = sys.argv[1], getattr(errno, sys.argv[2]), sys.argv[3] == "stop"
+real_write = ckpt.atomic_write_json
+def write(path, data):
+    if Path(path).name == ckpt.MANIFEST:
+        raise OSError(code, os.strerror(code))
+    return real_write(path, data)
+ckpt.atomic_write_json = write
+real_load = train.load_model_and_tokenizer
+def load_then_stop(*a, **k):
+    loaded = real_load(*a, **k)
+    if stop:  # after the resume choice, before step 1: the stop's save is the first checkpoint
+        os.kill(os.getpid(), signal.SIGTERM)
+    return loaded
+train.load_model_and_tokenizer = load_then_stop
+sys.exit(train.main(["--run-dir", run_dir, "--mode", "full"]))
+"""
+
+
+@pytest.mark.slow
+def test_a_worker_whose_checkpoint_manifest_fails_never_exits_as_stopped_or_finished(write_recipe, tmp_path):
+    """The real worker: a stop whose checkpoint cannot be sealed (ENOSPC) exits disk full, not 77 ("stopped after
+    a checkpoint"); a finished run whose last manifest fails (EIO) exits as a crash, not 0."""
+    from helpers import prepared_run
+
+    script = _script(tmp_path, "worker.py", _FAILING_WORKER)
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    cases = {"stop": ("ENOSPC", "stop"), "end": ("EIO", "end")}
+    runs = {name: prepared_run(write_recipe(f"{name}.yaml", output_dir=str(tmp_path / name), max_steps=3,
+                                            checkpoint_every_minutes=10), "smoke.enabled=false")
+            for name in cases}
+    procs = {name: subprocess.Popen([sys.executable, str(script), str(runs[name]), *cases[name]], cwd=REPO, env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for name in cases}
+    out = {name: (p.wait(300), *p.communicate()) for name, p in procs.items()}
+
+    rc, stdout, stderr = out["stop"]
+    assert rc == 81, stdout[-2000:] + stderr[-3000:]
+    assert "SIGTERM received" in stdout and "checkpoint saved, resume" not in stdout
+    info = json.loads((runs["stop"] / "worker.json").read_text())
+    assert info["exit_code"] == 81 and "disk full while saving the checkpoint of step 1" in info["error"]
+    assert not list((runs["stop"] / "checkpoints").glob("step-*"))  # the unsealed folder removed by its writer
+
+    rc, stdout, stderr = out["end"]
+    assert rc == 1, stdout[-2000:] + stderr[-3000:]
+    assert "ManifestFailed" in stderr and "Input/output error" in stderr
+    assert [p.name for p in (runs["end"] / "checkpoints").glob("step-*")] == ["step-000003"]
+    assert not (runs["end"] / "checkpoints" / "step-000003" / ckpt.MANIFEST).exists()  # not a checkpoint
+
+
+_WAITING_RANK = """
+import sys
+from launcher import checkpoint as ckpt
+from launcher import train
+real = ckpt.await_choice
+def announced(*a, **k):
+    print("waiting for the resume choice", flush=True)
+    return real(*a, **k)
+ckpt.await_choice = announced
+sys.exit(train.main(["--run-dir", sys.argv[1], "--mode", "full"]))
+"""
+
+
+@pytest.mark.slow
+def test_a_stop_while_waiting_for_the_resume_choice_is_a_clean_stop(write_recipe, tmp_path):
+    """Rank 1 of a 2-process DDP launch whose verifier never writes: SIGTERM during the wait ends it with 77."""
+    from helpers import prepared_run
+
+    run = prepared_run(write_recipe(max_steps=3), "engine=ddp", "num_processes=2", "smoke.enabled=false")
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", RANK="1", LOCAL_RANK="1",
+               WORLD_SIZE="2", TORCHELASTIC_RUN_ID="t", MASTER_ADDR="127.0.0.1", MASTER_PORT="29561")
+    proc = subprocess.Popen([sys.executable, str(_script(tmp_path, "rank1.py", _WAITING_RANK)), str(run)], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if line.strip() == "waiting for the resume choice":
+                break
+        else:
+            pytest.fail(f"the rank ended before waiting: {proc.wait()} {proc.stderr.read()[-3000:]}")
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(60)
+    finally:
+        proc.kill()
+    rest, err = proc.communicate()
+    assert rc == 77, err[-3000:]
+    assert "while waiting for the resume checkpoint to be verified; nothing was trained" in rest
+    assert "Traceback" not in err and not (run / "metrics.jsonl").exists()
