@@ -267,6 +267,16 @@ def test_deepspeed_config_is_generated_from_the_plan(write_recipe, tmp_path):
         == (8, 3, 8 * 3 * 2)
     assert cfg["bf16"]["enabled"] == "auto"  # the worker's device decides, the Trainer fills it in
     assert trainer_fields(plan, run) == {"deepspeed": str(run / "deepspeed.json")}
+    assert cfg["checkpoint"] == {"use_node_local_storage": False}
+
+    # two boxes of 2 processes, each with its own disk: the batch counts every node's processes (DeepSpeed checks
+    # train_batch_size = micro x accumulation x world), and each node keeps a complete checkpoint of its own
+    plan["nodes"] = {"nnodes": 2, "node_rank": 1, "master_addr": "10.0.0.1", "master_port": 29500}
+    launch_command(plan, run, "full")
+    cfg = json.loads((run / "deepspeed.json").read_text())
+    assert cfg["train_batch_size"] == 8 * 3 * 4
+    assert cfg["checkpoint"] == {"use_node_local_storage": True}
+    assert trainer_fields(plan, run) == {"deepspeed": str(run / "deepspeed.json"), "save_on_each_node": True}
 
 
 def test_resume_across_world_sizes_is_allowed_for_trainer_checkpoints_and_refused_for_zero():

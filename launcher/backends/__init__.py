@@ -118,6 +118,9 @@ def trainer_fields(plan: dict[str, Any], run_dir: Path) -> dict[str, Any]:
             from .deepspeed import write_config
 
             write_config(plan, run_dir)
+        if world_size(plan) > int(plan.get("num_processes", 1)):
+            # each box keeps its own complete checkpoints (with DeepSpeed's node-local storage), as for DDP
+            return {"deepspeed": str(path), "save_on_each_node": True}
         return {"deepspeed": str(path)}
     if engine == "ddp":
         # Every LoRA/full parameter takes part in each forward: the unused-parameter search the

@@ -18,7 +18,8 @@ def config(plan: dict[str, Any]) -> dict[str, Any]:
     """
     mb = int(plan["micro_batch_size"])
     acc = int(plan["gradient_accumulation_steps"])
-    world = int(plan.get("num_processes", 1))
+    nnodes = int((plan.get("nodes") or {}).get("nnodes", 1))
+    world = int(plan.get("num_processes", 1)) * nnodes  # every node's processes: DeepSpeed checks the product
     hidden = int((plan.get("model") or {}).get("hidden") or 4096)
     cpu = plan.get("device") == "cpu"
     return {
@@ -43,6 +44,10 @@ def config(plan: dict[str, Any]) -> dict[str, Any]:
             "offload_param": {"device": "none"},
         },
         "steps_per_print": 10**9,  # ftrun logs the loss itself
+        # Several boxes, each with its own disk: every node writes its ranks' ZeRO shards and its own copy of the
+        # model states (deepspeed/runtime/engine.py: the file is named by local rank with node-local storage), so
+        # each node's checkpoint is complete by itself, as the Trainer's save_on_each_node makes the rest of it.
+        "checkpoint": {"use_node_local_storage": nnodes > 1},
         "wall_clock_breakdown": False,
     }
 
