@@ -472,6 +472,11 @@ def _end_orphans(run: RunDir, recipe: Recipe) -> None:
     from .supervisor import end_orphans
 
     if end_orphans(run, recipe.grace_seconds + 15, log=_say):
+        # A worker counts as gone once its main thread is (a zombie); the kernel releases its descriptors, the
+        # run's lock among them, only when its last thread has exited: give that a moment before the lock is read.
+        deadline = time.monotonic() + 15
+        while is_locked(run) and time.monotonic() < deadline:
+            time.sleep(0.2)
         _say(f"{run.root}: the orphaned worker(s) have exited")
 
 
