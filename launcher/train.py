@@ -36,6 +36,10 @@ EXIT_BAD_WORLD = 80
 EXIT_DISK_FULL = 81
 
 
+class TrainingComplete(Exception):
+    """Raised at the start of training when the checkpoint resumed from is the schedule's last step."""
+
+
 class _Stop:
     """Set by SIGTERM/SIGINT; the trainer callback saves a checkpoint and stops at the next step."""
 
@@ -137,6 +141,14 @@ def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta
             self.timed_out = False
             self.save_started: Optional[float] = None
             self.save_seconds: Optional[float] = None  # smoke: one timed checkpoint, for the ETA
+
+        def on_train_begin(self, args, state, control, **kw):
+            if state.global_step >= state.max_steps > 0:
+                # Resumed from the last step's checkpoint (a worker that died after it, before it ended): the
+                # Trainer's loop checks should_training_stop only after a step (transformers 5.24 trainer.py,
+                # _run_epoch), so it would train one step past the schedule. The weights are the checkpoint's by
+                # now (loaded before on_train_begin): leave the loop, and the worker writes the final result.
+                raise TrainingComplete(state.global_step)
 
         def on_step_end(self, args, state, control, **kw):
             due = time.monotonic() - self.last_save >= interval
@@ -563,7 +575,12 @@ def run_worker(run_dir: Path, mode: str) -> int:
 
         trainer.remove_callback(PrinterCallback)  # our Metrics callback prints one compact line per log
         memory.reset_peak(device)
-        trainer.train(resume_from_checkpoint=str(resume_from.path) if resume_from else None)
+        try:
+            trainer.train(resume_from_checkpoint=str(resume_from.path) if resume_from else None)
+        except TrainingComplete as done:
+            if _rank() == 0:
+                print(f"[ftrun worker] {resume_from.path.name if resume_from else 'the checkpoint'} is the last step "
+                      f"({done}) of the schedule: nothing left to train, writing the final result", flush=True)
     except FloatingPointError as exc:
         print(f"[ftrun worker] stopping: {exc}", file=sys.stderr, flush=True)
         return EXIT_NAN
@@ -886,4 +903,16 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # A torchrun rank whose work is done and whose process group is destroyed: leave without the interpreter's
+        # teardown. C++ destructors of the distributed stack abort a rank now and then at that point ("terminate
+        # called without an active exception", SIGABRT; seen about once in four 2-process runs here), which
+        # torchrun reports as a failed worker and the supervisor would restart a finished run.
+        import logging
+
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)
+    sys.exit(exit_code)
