@@ -398,11 +398,20 @@ def end_orphans(run: RunDir, wait_seconds: float, log=print) -> list[int]:
     if not procs:
         return []
     pids = [p["pid"] for p in procs]
-    parents = {p["ppid"] for p in procs}
+    # The launchers (torchrun, accelerate launch) carry the worker's arguments too; the ranks are signalled, not
+    # them. Told apart by their command, not by being a parent: a worker forking a helper (the loss plot) is
+    # for a moment the parent of a process with its own command line.
+    launchers = {p["pid"] for p in procs if any(a in ("torch.distributed.run", "accelerate.commands.launch")
+                                                for a in p["argv"])}
     log(f"{run.root}: worker process(es) {', '.join(map(str, pids))} still train into this run without a supervisor; "
         f"asking them to save a checkpoint and exit (up to {wait_seconds:g} s)")
+    def asked(p: dict) -> bool:
+        if p["pid"] in launchers:  # a launcher only while it has no ranks yet
+            return not any(q["ppid"] == p["pid"] for q in procs)
+        return p["ppid"] in launchers or p["ppid"] not in pids  # a rank, or a worker of its own (not a fork of one)
+
     for p in procs:
-        if p["pid"] not in parents:
+        if asked(p):
             _signal_verified(p, signal.SIGTERM)
     deadline = time.monotonic() + wait_seconds
     while any(same_process(p) for p in procs) and time.monotonic() < deadline:

@@ -219,6 +219,8 @@ def _single_trainer_monitor(run: Path):
     def watch():
         while not done.is_set():
             found = [p for p in run_processes(RunDir(run)) if "--mode" in p["argv"] and "full" in p["argv"]]
+            # a worker starting a helper (the loss plot) forks first: for a moment the child has its command line
+            found = [p for p in found if p["ppid"] not in {q["pid"] for q in found}]
             seen["max"] = max(seen["max"], len(found))
             seen["pids"].update(p["pid"] for p in found)
             time.sleep(0.05)
