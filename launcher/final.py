@@ -149,24 +149,29 @@ def _all_zero(file: Path, header: dict[str, dict[str, Any]], names: list[str]) -
 
 # --- the base model's own weight names, where a copy is on this machine --------------------------------
 
+def local_file(model: str, name: str) -> Optional[Path]:
+    """A file of the base model on this machine: its folder, or the Hugging Face cache (no download)."""
+    folder = Path(model).expanduser()
+    if folder.is_dir():
+        p = folder / name
+        return p if p.is_file() else None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        found = try_to_load_from_cache(model, name)
+    except ValueError:  # not a repository id either (a local path that is gone): nothing to compare with
+        return None
+    return Path(found) if isinstance(found, str) else None
+
+
 def base_weights(model: str) -> Optional[dict[str, list[int]]]:
     """{name: shape} of the base model's safetensors (a local folder or the Hugging Face cache), else None."""
-    folder = Path(model).expanduser()
     files: list[Path] = []
 
     def local(name: str) -> Optional[Path]:
-        if folder.is_dir():
-            p = folder / name
-            return p if p.is_file() else None
-        try:
-            from huggingface_hub import try_to_load_from_cache
-        except ImportError:
-            return None
-        try:
-            found = try_to_load_from_cache(model, name)
-        except ValueError:  # not a repository id either (a local path that is gone): nothing to compare with
-            return None
-        return Path(found) if isinstance(found, str) else None
+        return local_file(model, name)
 
     index = local(MODEL_INDEX)
     if index is not None:

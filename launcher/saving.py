@@ -69,20 +69,9 @@ def _read_config(model: str) -> Optional[dict[str, Any]]:
 
 
 def _local_file(model: str, name: str) -> Optional[Path]:
-    """A file of the base model on this machine: its folder, or the Hugging Face cache (no download)."""
-    folder = Path(model).expanduser()
-    if folder.is_dir():
-        p = folder / name
-        return p if p.is_file() else None
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        return None
-    try:
-        found = try_to_load_from_cache(model, name)
-    except ValueError:  # neither a folder nor a repository id
-        return None
-    return Path(found) if isinstance(found, str) else None
+    from .final import local_file
+
+    return local_file(model, name)
 
 
 def _weights_dtype(model: str) -> Optional[str]:
