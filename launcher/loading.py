@@ -234,6 +234,13 @@ def load_model_and_tokenizer(recipe, device: str, dtype, plan: Optional[dict] = 
         model = add_lora(model, recipe, engine)
     if is_main_process():
         print("[ftrun worker] " + describe_model(model), flush=True)
+        if device == "cuda" and "attn_implementation" not in kwargs:  # the fallback is said, once
+            import torch
+
+            why = ("FlashAttention-2 needs compute capability 8.0" if dtype != torch.bfloat16
+                   else "flash-attn 2 is not installed")
+            print(f"[ftrun worker] attention: transformers' default (SDPA), not flash_attention_2: {why}; "
+                  "padding-free batches then carry a dense mask", flush=True)
     return model, tokenizer
 
 
