@@ -27,7 +27,7 @@ from .errors import SyncError
 from .rundir import RunDir
 
 HUB_TMP_PREFIX = ".hf-get-"  # HubDestination.get_file's download folder beside its target
-METADATA = ("recipe.yaml", "plan.json", "smoke.json", "metrics.jsonl", "state.json", "worker.json")
+METADATA = ("recipe.yaml", "plan.json", "smoke.json", "metrics.jsonl", "state.json", "worker.json", "train.log")
 _SCP_LIKE = re.compile(r"^(?:[^@/:\s]+@)?[A-Za-z0-9._-]+:(?!//)")
 
 
@@ -50,6 +50,15 @@ class Destination:
                 self.put_file(p, f"{rel}/{p.relative_to(local).as_posix()}")
         if (local / last).is_file():
             self.put_file(local / last, f"{rel}/{last}")
+
+    def put_files(self, files: list[tuple[Path, str]], message: str = "") -> None:
+        """Several files ((local, rel) pairs) in order; a destination with commits makes them one."""
+        for local, rel in files:
+            self.put_file(local, rel)
+
+    def remove_dirs(self, rels: list[str]) -> None:
+        for rel in rels:
+            self.remove_dir(rel)
 
     def get_dir(self, rel: str, local: Path, files: list[str]) -> None:
         for name in files:
@@ -206,76 +215,208 @@ class FsspecDestination(Destination):
 
 
 class HubDestination(Destination):
-    """A private Hugging Face repo; HF_TOKEN comes from the environment or `huggingface-cli login`."""
+    """A private Hugging Face repo, changed only through commits (HfApi.create_commit), each all or nothing.
 
-    def __init__(self, url: str):
-        from huggingface_hub import HfApi
+    A checkpoint is one commit holding all its files, the manifest with them; retention deletes old
+    checkpoints in one commit and then squashes the branch's history (HfApi.super_squash_history), since
+    the large files of a deleted folder stay in the history, and count against the storage, until no
+    commit references them. The token is huggingface_hub's own (`HF_TOKEN`, else the one `hf auth login`
+    stored): HfApi reads it through huggingface_hub.get_token at each request.
+
+    The Hub limits requests and commits per hour: a 429 (and a 408 or 5xx) is retried here after the time
+    the Hub asks for (Retry-After, or the RateLimit header's reset), else with an exponential backoff;
+    `on_wait` hears about each wait (the Syncer records it for `ftrun status`)."""
+
+    RETRY_STATUSES = (408, 429, 500, 502, 503, 504)
+    ATTEMPTS = 6  # then the error goes to the Syncer, which tries again on its own, slower cadence
+    MAX_WAIT = 600.0  # seconds; the Hub's rate limit windows are minutes long
+    metadata_every = 300.0  # seconds between metadata commits while training (commits are rate limited)
+    sleep = staticmethod(time.sleep)
+
+    def __init__(self, url: str, on_wait=None):
+        from huggingface_hub import HfApi, get_token
 
         self.url = url.rstrip("/")
         parts = self.url[len("hf://"):].split("/", 2)
-        if len(parts) < 2:
+        if len(parts) < 2 or not all(parts[:2]):
             raise SyncError(f"sync.to={url} does not name a repo", fix="write hf://USER/REPO[/subfolder].")
         self.repo = f"{parts[0]}/{parts[1]}"
         self.prefix = parts[2] if len(parts) == 3 else ""
+        if not get_token():
+            raise SyncError(f"sync.to={url} is a Hugging Face repo, but no Hugging Face token is set on this box",
+                            fix="run `hf auth login` (it stores the token where huggingface_hub finds it), or set "
+                            "HF_TOKEN to a token with write access; never put it in the recipe.")
+        self.on_wait = on_wait
         self.api = HfApi()
-        self.api.create_repo(self.repo, private=True, exist_ok=True)
+        self._retrying(f"create {self.repo}", lambda: self.api.create_repo(self.repo, private=True, exist_ok=True))
 
     def _p(self, rel: str) -> str:
         return f"{self.prefix}/{rel}".strip("/") if self.prefix else rel
 
+    # -- every request through one retry policy -------------------------------------------
+
+    def _retrying(self, what: str, call, landed=None):
+        """`call()`, again after a 429/408/5xx; `landed()` (for commits) says whether a commit whose answer was
+        lost to a 5xx is on the Hub after all, so that a retry never makes it twice."""
+        from huggingface_hub.errors import HfHubHTTPError
+
+        for attempt in range(1, self.ATTEMPTS + 1):
+            try:
+                result = call()
+            except HfHubHTTPError as exc:
+                status = getattr(exc.response, "status_code", None)
+                if status not in self.RETRY_STATUSES or attempt == self.ATTEMPTS:
+                    if attempt > 1:
+                        self._tell(None)  # no longer waiting: the error goes up, to the Syncer
+                    raise
+                delay, source = hub_retry_delay(exc.response.headers, attempt, self.MAX_WAIT)
+                self._tell({"status": status, "what": what, "attempt": attempt + 1, "of": self.ATTEMPTS,
+                            "wait_seconds": delay, "source": source, "until": time.time() + delay,
+                            "message": str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""})
+                self.sleep(delay)
+                if status >= 500 and landed is not None and landed():
+                    self._tell(None)
+                    return None
+                continue
+            if attempt > 1:
+                self._tell(None)
+            return result
+        raise AssertionError("unreachable")
+
+    def _tell(self, wait: Optional[dict[str, Any]]) -> None:
+        if self.on_wait is not None:
+            self.on_wait(wait)
+
+    def _commit(self, operations: list, message: str, landed=None) -> None:
+        # The same operation objects across retries: huggingface_hub skips what it already uploaded
+        # (`_is_uploaded`, hf_api.preupload_lfs_files) and refuses only objects already committed.
+        self._retrying(message, lambda: self.api.create_commit(self.repo, operations, commit_message=message),
+                       landed=landed)
+
+    # -- Destination ------------------------------------------------------------------------
+
+    def put_files(self, files: list[tuple[Path, str]], message: str = "") -> None:
+        """All `files` ((local, rel) pairs) in one commit."""
+        from huggingface_hub import CommitOperationAdd
+
+        if not files:
+            return
+        ops = [CommitOperationAdd(path_in_repo=self._p(rel), path_or_fileobj=str(local)) for local, rel in files]
+        self._commit(ops, message or f"ftrun: {', '.join(rel for _, rel in files[:3])}"
+                     + (f" and {len(files) - 3} more" if len(files) > 3 else ""),
+                     landed=lambda: self._holds(ops, [local for local, _ in files]))
+
     def put_file(self, local: Path, rel: str) -> None:
-        self.api.upload_file(path_or_fileobj=str(local), path_in_repo=self._p(rel), repo_id=self.repo)
+        self.put_files([(local, rel)])
 
     def put_dir(self, local: Path, rel: str, last: str = ckpt.MANIFEST) -> None:
-        # One commit for the data, then the manifest in its own commit: complete or absent.
-        self.api.upload_folder(folder_path=str(local), path_in_repo=self._p(rel), repo_id=self.repo,
-                               ignore_patterns=[last, f"{HUB_TMP_PREFIX}*", f"**/{HUB_TMP_PREFIX}*"])
-        if (local / last).is_file():
-            self.put_file(local / last, f"{rel}/{last}")
+        # One commit with every file, the manifest among them: on the Hub the folder is complete or absent.
+        files = sorted(p for p in local.rglob("*") if p.is_file()
+                       and not any(part.startswith(HUB_TMP_PREFIX) for part in p.relative_to(local).parts))
+        self.put_files([(p, f"{rel}/{p.relative_to(local).as_posix()}") for p in files], f"ftrun: {rel}")
+
+    def _holds(self, ops: list, sent: list[Path]) -> bool:
+        """Whether the branch holds these additions as sent: an LFS file under the sha256 huggingface_hub
+        computed of it (read only now, after a lost answer), a small one under the git blob id of the file."""
+        infos = self._paths_info([op.path_in_repo for op in ops])
+        for op, local in zip(ops, sent):
+            info = infos.get(op.path_in_repo)
+            if info is None or not hasattr(info, "blob_id") or info.size != op.upload_info.size:
+                return False
+            if info.lfs is not None and info.lfs.sha256 != op.upload_info.sha256.hex():
+                return False
+            if info.lfs is None and info.blob_id != git_blob_id(local):
+                return False
+        return True
+
+    def _paths_info(self, paths: list[str]) -> dict[str, Any]:
+        from huggingface_hub.utils import chunk_iterable
+
+        infos: dict[str, Any] = {}
+        for chunk in chunk_iterable(paths, 500):  # the Hub takes 1,000 paths per call at most
+            batch = list(chunk)
+            infos.update({i.path: i for i in self._retrying(
+                "read the file list", lambda: self.api.get_paths_info(self.repo, batch))})
+        return infos
 
     def get_file(self, rel: str, local: Path) -> bool:
-        from huggingface_hub.errors import LocalEntryNotFoundError, RemoteEntryNotFoundError
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RemoteEntryNotFoundError
 
-        # Straight into a folder beside the target, not through the Hub cache (~/.cache/huggingface):
-        # a checkpoint fetched through the cache would sit on the box's disk twice.
+        # Straight into a folder beside the target, not through the Hub cache (HF_HUB_CACHE): a
+        # checkpoint fetched through the cache would sit on the box's disk twice.
         local.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=HUB_TMP_PREFIX, dir=local.parent))
         try:
             try:
-                path = self.api.hf_hub_download(self.repo, self._p(rel), local_dir=str(tmp))
+                path = self._retrying(f"download {rel}", lambda: self._download(rel, tmp))
             except RemoteEntryNotFoundError:  # the Hub answered: not there
                 return False
             except LocalEntryNotFoundError as exc:  # the Hub did not answer: "missing" would start the run afresh
                 raise SyncError(f"cannot reach the Hub for {self.url}/{rel}: {exc}",
-                                fix="check the network and HF_TOKEN, then run the same command again.") from None
+                                fix="check the network and the token (`hf auth whoami`), then run the same "
+                                "command again.") from None
+            except HfHubHTTPError as exc:  # still refused after the retries: not "missing" either
+                raise SyncError(f"the Hub refused {self.url}/{rel}: {str(exc).strip().splitlines()[0][:300]}",
+                                fix="check the token's access to the repo (`hf auth whoami`); after a 429, wait "
+                                "and run the same command again.") from None
             os.replace(path, local)
             return True
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
+    def _download(self, rel: str, folder: Path) -> str:
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+        try:
+            return self.api.hf_hub_download(self.repo, self._p(rel), local_dir=str(folder))
+        except LocalEntryNotFoundError as exc:
+            # hf_hub_download reports a Hub that answered 429 or 5xx as "not found locally" (file_download.py,
+            # _raise_on_head_call_error): the answer itself decides whether to wait and retry
+            if isinstance(exc.__cause__, HfHubHTTPError):
+                raise exc.__cause__ from None
+            raise
+
     def list_dirs(self, rel: str) -> list[str]:
         from huggingface_hub.errors import RemoteEntryNotFoundError
 
         try:  # a generator: a missing folder raises while iterating, not at the call
-            entries = list(self.api.list_repo_tree(self.repo, path_in_repo=self._p(rel) or None))
+            entries = self._retrying(f"list {rel or '/'}", lambda: list(
+                self.api.list_repo_tree(self.repo, path_in_repo=self._p(rel) or None)))
         except RemoteEntryNotFoundError:
             return []
         return [e.path.rsplit("/", 1)[-1] for e in entries if e.__class__.__name__ == "RepoFolder"]
 
     def remove_dir(self, rel: str) -> None:
-        self.api.delete_folder(self._p(rel), repo_id=self.repo)
+        self.remove_dirs([rel])
+
+    def remove_dirs(self, rels: list[str]) -> None:
+        """One commit deleting the folders, then the history squashed so their large files are freed.
+
+        Deleting a folder only removes its pointers from the newest commit; the LFS/Xet objects stay
+        referenced by the history and keep counting against the repo's storage. Squashing the branch into one
+        commit leaves them unreferenced, and the Hub frees unreferenced objects. The price: the branch's
+        earlier commits are gone (every folder's, not only these). The alternative,
+        HfApi.permanently_delete_lfs_files, keeps the history but deletes objects by hash, and a newer
+        checkpoint with an identical file (a frozen part, a tokenizer) shares that object."""
+        from huggingface_hub import CommitOperationDelete
+
+        if not rels:
+            return
+        ops = [CommitOperationDelete(path_in_repo=self._p(rel).rstrip("/") + "/", is_folder=True) for rel in rels]
+        names = ", ".join(r.rsplit("/", 1)[-1] for r in rels)
+        self._commit(ops, f"ftrun: retention removes {names}",
+                     landed=lambda: not set(self._p(r) for r in rels) & set(self._paths_info([self._p(r) for r in rels])))
+        self._retrying("squash the history", lambda: self.api.super_squash_history(
+            self.repo, commit_message=f"ftrun: history squashed after removing {names}"))
 
     def verify_dir(self, rel: str, manifest: dict[str, Any], local: Optional[Path] = None) -> tuple[bool, str]:
         """From what the Hub lists, without downloading the copy: every file there with the manifest's size;
-        a large (LFS/Xet) file stored under the manifest's sha256 (the id the client computed while uploading,
-        under which the Hub keeps the object); a small file with the git blob id the Hub computed of what it
-        received, against the id of the sent file, which must itself match the manifest."""
-        from huggingface_hub.utils import chunk_iterable
-
+        a large (LFS/Xet) file listed under the manifest's sha256 (the LFS oid, which huggingface_hub computes
+        from the file it sends and under which the Hub stores the object); a small file with the git blob id
+        the Hub computed of what it received, against the id of the sent file, which must itself match the
+        manifest."""
         names = list(manifest["files"])
-        infos = {}
-        for chunk in chunk_iterable([self._p(f"{rel}/{n}") for n in names], 500):  # the Hub takes 1,000 at most
-            infos.update({i.path: i for i in self.api.get_paths_info(self.repo, list(chunk))})
+        infos = self._paths_info([self._p(f"{rel}/{n}") for n in names])
         for name in names:
             want, info = manifest["files"][name], infos.get(self._p(f"{rel}/{name}"))
             if info is None or not hasattr(info, "blob_id"):
@@ -296,6 +437,30 @@ class HubDestination(Destination):
         with tempfile.TemporaryDirectory() as tmp:
             target = Path(tmp) / "f"
             return ckpt.sha256_file(target) if self.get_file(rel, target) else None
+
+
+def hub_retry_delay(headers, attempt: int, cap: float) -> tuple[float, str]:
+    """Seconds to wait before the next try, and why: the Hub's Retry-After (seconds or an HTTP date), else its
+    RateLimit header's reset when the window is spent (huggingface_hub.utils.parse_ratelimit_headers), else
+    2, 4, 8 ... seconds."""
+    from email.utils import parsedate_to_datetime
+
+    from huggingface_hub.utils import parse_ratelimit_headers
+
+    value = next((v for k, v in (headers or {}).items() if k.lower() == "retry-after"), None)
+    if value is not None:
+        value = value.strip()
+        try:
+            return min(max(float(value), 0.0), cap), "Retry-After"
+        except ValueError:
+            try:
+                return min(max(parsedate_to_datetime(value).timestamp() - time.time(), 0.0), cap), "Retry-After"
+            except (TypeError, ValueError):
+                pass
+    info = parse_ratelimit_headers(headers or {})
+    if info is not None and info.remaining == 0:
+        return min(float(info.reset_in_seconds), cap), "RateLimit"
+    return min(2.0 ** attempt, cap), "backoff"
 
 
 def git_blob_id(path: Path) -> str:
@@ -340,17 +505,22 @@ def push_checkpoint(dest: Destination, run: RunDir, step_dir: Path, keep: int, n
         raise SyncError(f"the copy of {name} at {dest.url} does not verify: {why}")
     # Remote retention: only after the new copy verified, drop the oldest beyond `keep`.
     remote = sorted(n for n in dest.list_dirs("checkpoints") if n.startswith(ckpt.PREFIX))
-    for old in remote[:-keep] if keep > 0 else []:
-        if old != name:
-            dest.remove_dir(f"checkpoints/{old}")
+    dest.remove_dirs([f"checkpoints/{old}" for old in (remote[:-keep] if keep > 0 else []) if old != name])
     return int(manifest["step"])
 
 
-def push_metadata(dest: Destination, run: RunDir) -> None:
-    for name in METADATA:
-        p = run.root / name
-        if p.is_file():
-            dest.put_file(p, name)
+def metadata_digests(run: RunDir) -> dict[str, str]:
+    """{name: sha256} of the run's metadata files present now."""
+    return {name: ckpt.sha256_file(run.root / name) for name in METADATA if (run.root / name).is_file()}
+
+
+def push_metadata(dest: Destination, run: RunDir, sent: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """The metadata files that differ from `sent` (all when None), together (one commit on the Hub);
+    returns the digests now off the box."""
+    now = metadata_digests(run)
+    changed = [n for n in now if (sent or {}).get(n) != now[n]]
+    dest.put_files([(run.root / n, n) for n in changed], "ftrun: run metadata (" + ", ".join(changed) + ")")
+    return {**(sent or {}), **{n: now[n] for n in changed}}
 
 
 def push_final(dest: Destination, run: RunDir) -> None:
@@ -366,9 +536,7 @@ def push_final(dest: Destination, run: RunDir) -> None:
         ok, why = dest.verify_dir(f"final/{sub.name}", manifest, local=sub)
         if not ok:
             raise SyncError(f"the copy of final/{sub.name} at {dest.url} does not verify: {why}")
-    for p in run.final.iterdir():
-        if p.is_file():
-            dest.put_file(p, f"final/{p.name}")
+    dest.put_files([(p, f"final/{p.name}") for p in sorted(run.final.iterdir()) if p.is_file()], "ftrun: final/ files")
 
 
 class Syncer:
@@ -384,7 +552,19 @@ class Syncer:
     def _destination(self) -> Destination:
         if self._dest is None:
             self._dest = destination(self.url)
+            if isinstance(self._dest, HubDestination):
+                self._dest.on_wait = self._waiting
         return self._dest
+
+    def _waiting(self, wait: Optional[dict[str, Any]]) -> None:
+        """A destination waits before retrying (a 429 or 5xx), or is done waiting: `ftrun status` shows it."""
+        if wait is None:
+            _write_sync_state(self.run, backoff=None)
+            return
+        retries = _sync_state(self.run).get("retries", 0) + 1
+        _write_sync_state(self.run, backoff=wait, retries=retries, to=self.url)
+        self.log(f"sync: {self.url} answered {wait['status']} to \"{wait['what']}\"; waiting {wait['wait_seconds']:.0f} s "
+                 f"({wait['source']}), then try {wait['attempt']} of {wait['of']}")
 
     def sync_once(self, final: bool = False) -> bool:
         """Upload what is new; True when everything that exists locally is verified off the box."""
@@ -392,15 +572,18 @@ class Syncer:
             dest = self._destination()
             state = _sync_state(self.run)
             newest = next((p for p in ckpt.candidates(self.run.checkpoints) if (p / ckpt.MANIFEST).is_file()), None)
+            pushed = False
             if newest is not None and state.get("synced_step") != int(newest.name[len(ckpt.PREFIX):]):
                 t0 = time.monotonic()
                 step = self._push_snapshot(dest, newest)
                 _write_sync_state(self.run, synced_step=step, synced_at=time.time(), last_error=None, to=self.url)
                 self.log(f"copied {newest.name} to {self.url} and verified it ({time.monotonic() - t0:.1f} s)")
+                pushed = True
             if final:
                 push_final(dest, self.run)
                 _write_sync_state(self.run, final_synced_at=time.time())
-            push_metadata(dest, self.run)
+            self._push_metadata(dest, throttle=not pushed and not final and self._thread is not None
+                                and not self._stop.is_set())
             self.failures = 0
             return True
         except (FileNotFoundError, shutil.Error) as exc:  # retention removed it before the snapshot: take the newer one
@@ -412,6 +595,20 @@ class Syncer:
                               failures=self.failures, to=self.url)
             self.log(f"sync to {self.url} failed ({self.failures} in a row): {exc}")
             return False
+
+    def _push_metadata(self, dest: Destination, throttle: bool) -> None:
+        """The metadata files that changed since they last went off the box, together. While training, a
+        destination whose writes are rate limited (the Hub's commits) gets them at most every
+        `metadata_every` seconds, and always with a new checkpoint and at the end."""
+        state = _sync_state(self.run)
+        sent = state.get("metadata_sent") or {}
+        sent = (sent.get("sha256") or {}) if sent.get("to") == self.url else {}
+        every = getattr(dest, "metadata_every", 0.0)
+        if throttle and every and time.time() - (state.get("metadata_at") or 0) < every:
+            return
+        now = push_metadata(dest, self.run, sent)
+        if now != sent:
+            _write_sync_state(self.run, metadata_sent={"to": self.url, "sha256": now}, metadata_at=time.time())
 
     def _push_snapshot(self, dest: Destination, step_dir: Path) -> int:
         # Local retention may delete this checkpoint while it uploads (a new one arrived): copy
@@ -507,4 +704,19 @@ def status_fields(run: RunDir) -> dict[str, Any]:
         "offbox_checkpoint": f"{ckpt.PREFIX}{s['synced_step']:06d}" if s.get("synced_step") is not None else None,
         "offbox_age_seconds": round(time.time() - at, 1) if at else None,
         "sync_error": s.get("last_error"),
+        **backoff_fields(s),
+    }
+
+
+def backoff_fields(s: dict[str, Any]) -> dict[str, Any]:
+    """The destination's wait before a retry (a 429 or 5xx from the Hub), while it lasts."""
+    wait = s.get("backoff")
+    left = round(wait["until"] - time.time(), 1) if wait else None
+    waiting = wait is not None and left is not None and left > 0
+    return {
+        # e.g. "429 to \"ftrun: checkpoints/step-000020\": try 2 of 6 in 28 s (Retry-After)"; None when not waiting
+        "sync_backoff": (f"{wait['status']} to \"{wait['what']}\": try {wait['attempt']} of {wait['of']} in "
+                         f"{left:.0f} s ({wait['source']})") if waiting else None,
+        "sync_backoff_seconds": left if waiting else None,
+        "sync_retries": s.get("retries", 0),  # waits before a retry since the run began
     }

@@ -1,19 +1,23 @@
 """hf://USER/REPO sync against a local stand-in for the Hub (no hub is reachable here).
 
-The stand-in keeps the repo in a folder and answers like the Hub does: small files with their git blob id,
-large ones as LFS with their sha256, both computed from the bytes it received. Every call is checked
-against the installed huggingface_hub's own signatures, so a renamed argument fails here, not on a GPU box.
+The stand-in keeps the repo as commits (a tree of path -> object per commit) and answers like the Hub does: small files with their git blob id, large ones as LFS with their
+sha256, both computed from the bytes it received. It changes the repo only through create_commit (the
+commit model: all of a commit's files or none), refuses a checkpoint commit that does not carry every file
+its manifest names, can answer any call with a 429 (Retry-After) or a 5xx, and counts the LFS objects the
+history still references (what a squash frees). Every call is checked against the installed
+huggingface_hub's own signatures, so a renamed argument fails here, not on a GPU box.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import inspect
+import json
 import os
 import shutil
 import sys
-from pathlib import Path
+import time
+from pathlib import Path, PurePosixPath
 
 import pytest
 
@@ -26,6 +30,19 @@ REAL_API = hf.HfApi
 LFS_ABOVE = 1024  # the stand-in stores files above this as LFS (the Hub: 10 MB or a binary type)
 
 
+def hub_error(status: int, url: str = "https://huggingface.co/api/models/me/runs/commit/main",
+              headers: dict | None = None):
+    """The exception huggingface_hub raises for this answer, made by its own hf_raise_for_status."""
+    response_cls = hf.errors.Response
+    request_cls = sys.modules[response_cls.__module__.split(".")[0]].Request
+    response = response_cls(status, headers=headers or {}, request=request_cls("POST", url))
+    try:
+        hf.utils.hf_raise_for_status(response)
+    except hf.errors.HfHubHTTPError as exc:
+        return exc
+    raise AssertionError(f"{status} raised nothing")
+
+
 def not_found(what: str):
     """The error the Hub's 404 becomes (built from the response class huggingface_hub itself uses)."""
     response_cls = hf.errors.Response
@@ -35,81 +52,166 @@ def not_found(what: str):
 
 
 class FakeHub:
-    """HfApi's calls that launcher/sync.py makes, on a folder; `mangle` changes what an upload stores."""
+    """HfApi's calls that launcher/sync.py makes, on commits; `mangle` changes what an upload stores."""
 
-    def __init__(self, root: Path):
-        self.root, self.calls, self.mangle, self.offline = root, [], None, False
+    def __init__(self):
+        self.calls, self.mangle, self.offline = [], None, False
+        self.commits: list[dict] = []  # {"message", "tree": {path: (oid, lfs)}, "added": [...], "deleted": [...]}
+        self.made: list[dict] = []  # every commit ever made, squashed or not (what the tests count)
+        self.objects: dict[str, bytes] = {}
+        self.answers: list[dict] = []  # errors to answer with, in order: {"call", "status", "headers", "landed"}
+        self.before_squash: list[set[str]] = []  # the LFS objects referenced when each squash began
+
+    # -- the stand-in's own bookkeeping --------------------------------------------------
+
+    def refuse(self, call: str, status: int, times: int = 1, headers: dict | None = None, landed: bool = False):
+        """The next `times` calls of `call` answer `status` (`landed`: a commit applied, its answer lost)."""
+        self.answers += [{"call": call, "status": status, "headers": headers or {}, "landed": landed}] * times
+
+    def _answer(self, name: str):
+        if self.answers and self.answers[0]["call"] == name:
+            return self.answers.pop(0)
+        return None
 
     def _check(self, name, *args, **kwargs):
         inspect.signature(getattr(REAL_API, name)).bind(None, *args, **kwargs)  # TypeError on a wrong argument
         self.calls.append(name)
+        answer = self._answer(name)
+        if answer and not answer["landed"]:
+            raise hub_error(answer["status"], headers=answer["headers"])
+        return answer
 
-    def _store(self, src: Path, path_in_repo: str) -> None:
-        dst = self.root / path_in_repo
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        data = src.read_bytes()
-        dst.write_bytes(self.mangle(path_in_repo, data) if self.mangle else data)
+    @property
+    def head(self) -> dict:
+        return self.commits[-1]["tree"] if self.commits else {}
+
+    def lfs_referenced(self) -> set[str]:
+        """The LFS objects some commit of the history references: what the repo's storage counts."""
+        return {oid for c in self.commits for oid, lfs in c["tree"].values() if lfs}
+
+    def ls(self, folder: str) -> list[str]:
+        """The names directly in a folder of the branch's head."""
+        return sorted(path.rsplit("/", 1)[-1] for path in self._children(folder))
+
+    def read(self, path: str) -> bytes:
+        return self.objects[self.head[path][0]]
+
+    def commits_adding(self, path_prefix: str) -> list[dict]:
+        return [c for c in self.made if any(p.startswith(path_prefix) for p in c["added"])]
+
+    def __getattr__(self, name):  # upload_file, upload_folder, delete_folder ...: not the commit model
+        raise AssertionError(f"HfApi.{name} called: every change to the repo must be one create_commit")
+
+    # -- HfApi ---------------------------------------------------------------------------
 
     def create_repo(self, *args, **kwargs):
         self._check("create_repo", *args, **kwargs)
-        self.root.mkdir(parents=True, exist_ok=True)
 
-    def upload_file(self, *args, **kwargs):
-        self._check("upload_file", *args, **kwargs)
-        self._store(Path(kwargs["path_or_fileobj"]), kwargs["path_in_repo"])
+    def create_commit(self, *args, **kwargs):
+        answer = self._check("create_commit", *args, **kwargs)
+        operations = list(args[1] if len(args) > 1 else kwargs["operations"])
+        tree = dict(self.head)
+        added, deleted = [], []
+        for op in operations:
+            if isinstance(op, hf.CommitOperationDelete):
+                path = op.path_in_repo.rstrip("/")
+                gone = [p for p in tree if p == path or p.startswith(path + "/")]
+                if not gone:
+                    raise not_found(f"{path}: A file with this name doesn't exist")
+                for p in gone:
+                    del tree[p]
+                deleted.append(path)
+            else:
+                assert isinstance(op, hf.CommitOperationAdd), op
+                if op._is_committed:
+                    raise ValueError(f"CommitOperationAdd {op} has already being committed")
+                data = Path(op.path_or_fileobj).read_bytes()
+                data = self.mangle(op.path_in_repo, data) if self.mangle else data
+                lfs = len(data) > LFS_ABOVE
+                oid = hashlib.sha256(data).hexdigest() if lfs else \
+                    hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+                self.objects[oid] = data
+                tree[op.path_in_repo] = (oid, lfs)
+                added.append(op.path_in_repo)
+        for path in added:  # a manifest arrives with all the files it names, in the same commit
+            if PurePosixPath(path).name == ckpt.MANIFEST:
+                folder = path.rsplit("/", 1)[0]
+                named = json.loads(self.objects[tree[path][0]])["files"]
+                missing = [n for n in named if f"{folder}/{n}" not in added]
+                assert not missing, f"commit adds {path} without {missing}"
+        if tree != self.head:  # huggingface_hub skips a commit that changes nothing
+            self.commits.append({"message": kwargs["commit_message"], "tree": tree, "added": added,
+                                 "deleted": deleted})
+            self.made.append(self.commits[-1])
+        for op in operations:
+            if isinstance(op, hf.CommitOperationAdd):
+                op._is_committed = True
+        if answer:  # applied, but the answer is lost on the way back
+            raise hub_error(answer["status"], headers=answer["headers"])
 
-    def upload_folder(self, *args, **kwargs):
-        self._check("upload_folder", *args, **kwargs)
-        folder = Path(kwargs["folder_path"])
-        for p in sorted(folder.rglob("*")):
-            rel = p.relative_to(folder).as_posix()
-            if p.is_file() and not any(fnmatch.fnmatch(rel, pat) for pat in kwargs.get("ignore_patterns") or []):
-                self._store(p, f"{kwargs['path_in_repo']}/{rel}")
+    def super_squash_history(self, *args, **kwargs):
+        self._check("super_squash_history", *args, **kwargs)
+        self.before_squash.append(self.lfs_referenced())
+        self.commits = [{"message": kwargs.get("commit_message") or "squash", "tree": dict(self.head),
+                         "added": [], "deleted": []}]
 
     def hf_hub_download(self, *args, **kwargs):
         self._check("hf_hub_download", *args, **kwargs)
         repo_id, filename = args
         if self.offline:  # what hf_hub_download raises when the Hub does not answer
             raise hf.errors.LocalEntryNotFoundError("An error happened while trying to locate the file on the Hub")
-        src = self.root / filename
-        if not src.is_file():
+        if filename not in self.head:
             raise not_found(f"{filename} not in {repo_id}")
         assert kwargs.get("local_dir"), "downloads must not go through the global Hub cache"
         dst = Path(kwargs["local_dir"]) / filename
         dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(src, dst)
+        dst.write_bytes(self.objects[self.head[filename][0]])
         return str(dst)
+
+    def _children(self, folder: str) -> dict[str, bool]:
+        """{path: is_folder} of the head's entries directly in `folder` ("" is the root)."""
+        out = {}
+        for path in self.head:
+            rest = path[len(folder) + 1:] if folder else path
+            if folder and not path.startswith(folder + "/"):
+                continue
+            first, _, more = rest.partition("/")
+            out[f"{folder}/{first}" if folder else first] = bool(more)
+        return out
 
     def list_repo_tree(self, *args, **kwargs):
         self._check("list_repo_tree", *args, **kwargs)
-        base = self.root / (kwargs.get("path_in_repo") or "")
-        if not base.is_dir():
-            raise not_found(str(base))
-        for p in sorted(base.iterdir()):
-            rel = p.relative_to(self.root).as_posix()
-            yield hf.hf_api.RepoFolder(path=rel, oid="0" * 40) if p.is_dir() else self._info(p)
-
-    def delete_folder(self, *args, **kwargs):
-        self._check("delete_folder", *args, **kwargs)
-        shutil.rmtree(self.root / args[0])
+        folder = kwargs.get("path_in_repo") or ""
+        children = self._children(folder)
+        if folder and not children:
+            raise not_found(folder)
+        for path, is_folder in sorted(children.items()):
+            yield hf.hf_api.RepoFolder(path=path, oid="0" * 40) if is_folder else self._info(path)
 
     def get_paths_info(self, *args, **kwargs):
         self._check("get_paths_info", *args, **kwargs)
         assert 0 < len(args[1]) <= 1000, "the Hub takes 1 to 1,000 paths per call"
-        return [self._info(self.root / p) for p in args[1] if (self.root / p).is_file()]
+        out = []
+        for p in args[1]:
+            if p in self.head:
+                out.append(self._info(p))
+            elif any(q.startswith(p + "/") for q in self.head):
+                out.append(hf.hf_api.RepoFolder(path=p, oid="0" * 40))
+        return out
 
-    def _info(self, p: Path):
-        data = p.read_bytes()
+    def _info(self, path: str):
+        oid, lfs = self.head[path]
+        data = self.objects[oid]
         blob = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-        lfs = {"size": len(data), "oid": hashlib.sha256(data).hexdigest(), "pointerSize": 134} \
-            if len(data) > LFS_ABOVE else None
-        return hf.hf_api.RepoFile(path=p.relative_to(self.root).as_posix(), size=len(data), oid=blob, lfs=lfs)
+        return hf.hf_api.RepoFile(path=path, size=len(data), oid=blob,
+                                  lfs={"size": len(data), "oid": oid, "pointerSize": 134} if lfs else None)
 
 
 @pytest.fixture
 def hub(tmp_path, monkeypatch):
-    fake = FakeHub(tmp_path / "hub" / "me" / "runs")
+    fake = FakeHub()
     monkeypatch.setattr(hf, "HfApi", lambda *a, **k: fake)
+    monkeypatch.setenv("HF_TOKEN", "hf_test_token_for_the_stand_in")
     return fake
 
 
@@ -133,7 +235,7 @@ def test_hub_round_trip_verifies_without_downloading_and_keeps_the_newest(tmp_pa
         push_checkpoint(dest, run, _run_with_checkpoint(run.root, step), keep=1)
     push_metadata(dest, run)
     assert "hf_hub_download" not in hub.calls  # verified from the hashes the Hub reports
-    assert sorted(p.name for p in (hub.root / "job1" / "checkpoints").iterdir()) == ["step-000020"]  # keep: 1
+    assert hub.ls("job1/checkpoints") == ["step-000020"]  # keep: 1
 
     fresh = RunDir(tmp_path / "fresh-box")
     lines = []
@@ -237,3 +339,188 @@ def test_a_fresh_box_fetches_a_run_lost_mid_run_from_the_hub(tmp_path, hub):
     hub.offline = True  # a box that cannot reach the Hub refuses to start blind
     with pytest.raises(SyncError, match="cannot look for an earlier copy of this run"):
         _pull_if_remote_run(RunDir(tmp_path / "third-box"), recipe)
+
+
+# --- the commit model, retention, rate limits -------------------------------------------------
+
+def _syncer(run: RunDir, url: str = "hf://me/runs/job", keep: int = 1, log=None):
+    from launcher.sync import Syncer
+
+    return Syncer(run, url, keep=keep, log=log if log is not None else (lambda line: None))
+
+
+def _lfs_of(step_dir: Path) -> set[str]:
+    return {ckpt.sha256_file(p) for p in step_dir.rglob("*") if p.is_file() and p.stat().st_size > LFS_ABOVE}
+
+
+def test_hub_each_checkpoint_is_one_commit_and_retention_frees_its_storage(tmp_path, hub):
+    """A checkpoint arrives in one commit with its manifest (the stand-in refuses a manifest without its files);
+    retention deletes the old ones in one commit and squashes the history, after which no commit references
+    their LFS objects any more (deleting the folder alone left them referenced)."""
+    run = RunDir(tmp_path / "run")
+    syncer = _syncer(run, keep=1)
+    steps = {}
+    for step in (10, 20, 30):
+        steps[step] = _run_with_checkpoint(run.root, step)
+        assert syncer.sync_once()
+        assert len(hub.commits_adding(f"job/checkpoints/step-{step:06d}/")) == 1
+    assert [c["message"] for c in hub.commits_adding("job/checkpoints/step-000030/")] == \
+        ["ftrun: checkpoints/step-000030"]
+    assert set(hub.commits_adding("job/checkpoints/step-000030/")[0]["added"]) >= \
+        {f"job/checkpoints/step-000030/{n}" for n in ("adapter_model.safetensors", "trainer_state.json", "manifest.json")}
+    assert hub.ls("job/checkpoints") == ["step-000030"]
+
+    # the deletion commit alone freed nothing: the history still referenced the deleted checkpoint's objects
+    assert len(hub.before_squash) == 2  # one squash per retention (at steps 20 and 30)
+    assert _lfs_of(steps[10]) <= hub.before_squash[0] and _lfs_of(steps[20]) <= hub.before_squash[1]
+    old = _lfs_of(steps[10]) | _lfs_of(steps[20])
+    assert len(hub.commits) == 1 and not old & hub.lfs_referenced()  # squashed: the old objects are unreferenced
+    assert _lfs_of(steps[30]) <= hub.lfs_referenced()
+
+
+def test_hub_metadata_goes_only_when_changed_and_together(tmp_path, hub):
+    run = RunDir(tmp_path / "run")
+    _run_with_checkpoint(run.root, 10)
+    run.metrics.write_text('{"step": 1, "loss": 2.0}\n')
+    (run.root / "state.json").write_text('{"state": "running"}')
+    syncer = _syncer(run)
+    assert syncer.sync_once()
+    meta_commits = lambda: [c for c in hub.commits if c["message"].startswith("ftrun: run metadata")]
+    assert len(meta_commits()) == 1 and set(meta_commits()[0]["added"]) >= {"job/recipe.yaml", "job/metrics.jsonl",
+                                                                            "job/state.json"}
+    n = len(hub.calls)
+    assert syncer.sync_once()
+    assert len(hub.calls) == n  # nothing changed: not a single request
+
+    with run.metrics.open("a") as fh:
+        fh.write('{"step": 2, "loss": 1.9}\n')
+    (run.root / "state.json").write_text('{"state": "succeeded"}')
+    assert syncer.sync_once()
+    assert len(meta_commits()) == 2 and sorted(meta_commits()[-1]["added"]) == ["job/metrics.jsonl", "job/state.json"]
+
+
+def test_hub_metadata_commits_are_spaced_while_training_and_sent_at_the_end(tmp_path, hub):
+    """While the copier runs, changed metadata goes at most every `metadata_every` seconds (commits are rate
+    limited); the last copy sends what changed since, whatever the spacing."""
+    from launcher.sync import HubDestination
+
+    run = RunDir(tmp_path / "run")
+    _run_with_checkpoint(run.root, 10)
+    syncer = _syncer(run).start(interval=0.02)
+    try:
+        deadline = time.monotonic() + 1.5
+        i = 0
+        while time.monotonic() < deadline:  # a training that logs all the time
+            with run.metrics.open("a") as fh:
+                fh.write('{"step": %d, "loss": 1.0}\n' % i)
+            i += 1
+            time.sleep(0.01)
+    finally:
+        syncer.stop()
+    assert HubDestination.metadata_every >= 60
+    assert len(hub.commits_adding("job/metrics.jsonl")) == 1  # the first copy only
+    assert syncer.finish(final=False)
+    assert len(hub.commits_adding("job/metrics.jsonl")) == 2
+    assert hub.read("job/metrics.jsonl") == run.metrics.read_bytes()
+
+
+def test_hub_429_burst_waits_as_asked_shows_it_in_status_and_loses_nothing(tmp_path, hub, monkeypatch):
+    """The Hub answers a checkpoint's commit with three 429s (Retry-After: 30) and a 503: the copier waits what
+    the Hub asks, `ftrun status` shows the wait while it lasts, and the checkpoint arrives once, in one
+    commit; a fresh box gets it back verified."""
+    from launcher.sync import HubDestination, pull, status_fields
+
+    run = RunDir(tmp_path / "run")
+    _run_with_checkpoint(run.root, 10)
+    syncer = _syncer(run)
+    assert syncer.sync_once()  # step 10 and the metadata are off the box
+    d = run.checkpoints / "step-000020"
+    shutil.copytree(run.checkpoints / "step-000010", d)
+    (d / "adapter_model.safetensors").write_bytes(os.urandom(8192))
+    ckpt.write_manifest(d, 20, {"recipe_hash": "abc"})
+
+    hub.refuse("create_commit", 429, times=3, headers={"Retry-After": "30"})
+    hub.refuse("create_commit", 503)
+    waits, seen = [], []
+
+    def sleep(seconds):  # the copier's wait: what status says at that moment
+        waits.append(seconds)
+        seen.append(status_fields(run))  # what `ftrun status` shows of the copy
+
+    monkeypatch.setattr(HubDestination, "sleep", staticmethod(sleep))
+    lines = []
+    syncer.log = lines.append
+    assert syncer.sync_once()
+
+    assert waits[:3] == [30, 30, 30] and len(waits) == 4 and 0 < waits[3] <= 60
+    assert all(s["sync_backoff"] for s in seen)
+    assert "429" in seen[0]["sync_backoff"] and "Retry-After" in seen[0]["sync_backoff"]
+    assert "try 2 of" in seen[0]["sync_backoff"] and 25 < seen[0]["sync_backoff_seconds"] <= 30
+    assert "503" in seen[3]["sync_backoff"] and "backoff" in seen[3]["sync_backoff"]
+    after = status_fields(run)
+    assert after["sync_backoff"] is None and after["sync_retries"] == 4
+    assert after["offbox_checkpoint"] == "step-000020" and after["sync_error"] is None
+    assert sum("answered 429" in line for line in lines) == 3
+
+    assert len(hub.commits_adding("job/checkpoints/step-000020/")) == 1
+    fresh = RunDir(tmp_path / "fresh")
+    assert pull("hf://me/runs/job", fresh, log=lambda line: None) == 20
+    assert ckpt.verify(fresh.checkpoints / "step-000020")[0]
+
+
+def test_hub_commit_whose_answer_is_lost_is_not_made_twice(tmp_path, hub, monkeypatch):
+    """A 502 after the Hub applied the commit: before retrying, the copier finds the files there (sizes and
+    hashes) and does not commit again."""
+    from launcher.sync import HubDestination, destination, push_checkpoint
+
+    monkeypatch.setattr(HubDestination, "sleep", staticmethod(lambda s: None))
+    run = RunDir(tmp_path / "run")
+    hub.refuse("create_commit", 502, landed=True)
+    assert push_checkpoint(destination("hf://me/runs"), run, _run_with_checkpoint(run.root, 10), keep=2) == 10
+    assert len(hub.commits_adding("checkpoints/step-000010/")) == 1 and hub.calls.count("create_commit") == 1
+
+
+def test_hub_that_keeps_refusing_is_an_error_the_copier_reports(tmp_path, hub, monkeypatch):
+    from launcher.sync import HubDestination, status_fields
+
+    monkeypatch.setattr(HubDestination, "sleep", staticmethod(lambda s: None))
+    run = RunDir(tmp_path / "run")
+    _run_with_checkpoint(run.root, 10)
+    syncer = _syncer(run)
+    hub.create_repo("me/runs")
+    hub.refuse("create_commit", 429, times=HubDestination.ATTEMPTS, headers={"Retry-After": "5"})
+    assert not syncer.sync_once()
+    fields = status_fields(run)
+    assert "429" in fields["sync_error"] and fields["offbox_checkpoint"] is None
+    assert fields["sync_retries"] == HubDestination.ATTEMPTS - 1 and fields["sync_backoff"] is None
+    assert syncer.sync_once()  # the next round, the Hub answers again
+    assert status_fields(run)["offbox_checkpoint"] == "step-000010"
+    assert len(hub.commits_adding("job/checkpoints/step-000010/")) == 1
+
+
+def test_hub_retry_delay_follows_the_hub():
+    from email.utils import formatdate
+
+    from launcher.sync import hub_retry_delay
+
+    assert hub_retry_delay({"Retry-After": "17"}, 1, 600) == (17.0, "Retry-After")
+    wait, source = hub_retry_delay({"retry-after": formatdate(time.time() + 90, usegmt=True)}, 1, 600)
+    assert source == "Retry-After" and 85 <= wait <= 91
+    assert hub_retry_delay({"RateLimit": '"api";r=0;t=55', "RateLimit-Policy": '"fixed window";"api";q=500;w=300'},
+                           1, 600) == (55.0, "RateLimit")
+    assert hub_retry_delay({}, 3, 600) == (8.0, "backoff")
+    assert hub_retry_delay({"Retry-After": "3600"}, 1, 600) == (600.0, "Retry-After")
+
+
+def test_hub_token_comes_from_huggingface_hub(tmp_path, hub, monkeypatch):
+    """HF_TOKEN, else the token `hf auth login` stored (huggingface_hub.get_token); none: a clear error."""
+    from launcher.sync import destination
+
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    monkeypatch.setattr(hf.constants, "HF_TOKEN_PATH", str(tmp_path / "token"))
+    with pytest.raises(SyncError, match="no Hugging Face token") as err:
+        destination("hf://me/runs")
+    assert "hf auth login" in err.value.render()
+    (tmp_path / "token").write_text("hf_stored_by_login\n")
+    assert destination("hf://me/runs").repo == "me/runs"
