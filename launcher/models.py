@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -268,26 +266,17 @@ def _read_config(path: Path) -> dict[str, Any]:
         raise ModelError(f"cannot read {path}: {exc}", fix="check that the file is a valid config.json.") from None
 
 
-def hf_cache_dir() -> Path:
-    """The hub cache folder, honouring HF_HUB_CACHE and HF_HOME like huggingface_hub does."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    home = Path(os.environ.get("HF_HOME", "~/.cache/huggingface")).expanduser()
-    return home / "hub"
-
-
 def cached_file(model: str, filename: str) -> Path | None:
-    """A file of a Hub model in the local cache: the snapshot `refs/main` points at, else the newest holding it."""
-    repo = hf_cache_dir() / ("models--" + model.replace("/", "--"))
-    snapshots = repo / "snapshots"
-    if not snapshots.is_dir():
+    """A file of a Hub model in the local Hugging Face cache (no download), where huggingface_hub itself looks:
+    HF_HUB_CACHE, else HF_HOME/hub, else XDG_CACHE_HOME/huggingface/hub (huggingface_hub.constants), the
+    snapshot refs/main points at (try_to_load_from_cache)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(model, filename)
+    except ValueError:  # not a repository id
         return None
-    ref = repo / "refs" / "main"
-    candidates = []
-    if ref.is_file():
-        candidates.append(snapshots / ref.read_text().strip() / filename)
-    candidates += sorted(snapshots.glob(f"*/{filename}"), key=lambda p: p.stat().st_mtime, reverse=True)
-    return next((c for c in candidates if c.is_file()), None)
+    return Path(found) if isinstance(found, str) else None  # a str, None, or the "known missing" marker
 
 
 def _from_cache(model: str) -> Architecture | None:
@@ -301,24 +290,31 @@ def _offline() -> bool:
 
 
 def _from_hub(model: str, timeout: float = 5.0) -> Architecture:
-    """Fetch config.json only (a few KB) from the Hub; raises ModelError when offline or not found."""
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
-    url = f"{endpoint}/{model}/resolve/main/config.json"
-    request = urllib.request.Request(url, headers={"User-Agent": "ftrun-plan"})
-    token = os.environ.get("HF_TOKEN")
-    if token:  # gated models (Llama, Gemma) need the user's token even for config.json
-        request.add_header("Authorization", f"Bearer {token}")
+    """Fetch config.json only (a few KB) from the Hub into the Hugging Face cache (hf_hub_download: the user's
+    token, HF_ENDPOINT and the cache location as huggingface_hub has them); raises ModelError when not found."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RemoteEntryNotFoundError, RepositoryNotFoundError)
+
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            cfg = json.loads(response.read().decode())
-    except urllib.error.HTTPError as exc:
-        hint = " (gated model: set HF_TOKEN after accepting its licence)" if exc.code in (401, 403) else ""
-        raise _unknown_model(model, f"the Hub answered {exc.code} for its config.json{hint}") from None
-    except (urllib.error.URLError, TimeoutError, OSError) as exc:
-        raise _unknown_model(model, f"the Hub could not be reached ({getattr(exc, 'reason', exc)})") from None
+        path = hf_hub_download(model, "config.json", etag_timeout=timeout)
+    except GatedRepoError:
+        raise _unknown_model(model, "the Hub answered that it is gated (accept its licence on the Hub, then "
+                             "`hf auth login` or set HF_TOKEN)") from None
+    except RepositoryNotFoundError:
+        raise _unknown_model(model, "the Hub has no such repository (or it is private and no token with access "
+                             "to it is set: `hf auth login` or HF_TOKEN)") from None
+    except RemoteEntryNotFoundError:
+        raise _unknown_model(model, "its repository on the Hub has no config.json") from None
+    except HfHubHTTPError as exc:
+        raise _unknown_model(model, f"the Hub answered {exc.response.status_code} for its config.json") from None
+    except (LocalEntryNotFoundError, OSError) as exc:
+        raise _unknown_model(model, f"the Hub could not be reached ({type(exc).__name__})") from None
+    try:
+        cfg = json.loads(Path(path).read_text())
     except json.JSONDecodeError:
         raise _unknown_model(model, "the Hub's config.json is not valid JSON") from None
-    return from_config(cfg, model, f"Hugging Face Hub ({url})")
+    return from_config(cfg, model, f"Hugging Face Hub ({model}/config.json)")
 
 
 def _unknown_model(model: str, why: str) -> ModelError:
@@ -327,7 +323,7 @@ def _unknown_model(model: str, why: str) -> ModelError:
         f"not in ftrun's built-in catalog, and {why}",
         fix=(
             "one of: (1) set `model` to a local directory that holds its config.json (weights not needed); "
-            f"(2) put it in the HF cache while online: `huggingface-cli download {model} config.json`; "
+            f"(2) put it in the HF cache while online: `hf download {model} config.json`; "
             f"(3) use a model from the built-in catalog ({', '.join(sorted(CATALOG))}), "
             "or run with network access so ftrun can fetch config.json from the Hub."
         ),

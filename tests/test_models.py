@@ -89,11 +89,16 @@ def test_multimodal_text_config_is_used():
 
 
 def test_hf_cache_is_read_before_catalog(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
     snap = tmp_path / "models--org--mymodel" / "snapshots" / "abc"
     snap.mkdir(parents=True)
     (snap / "config.json").write_text(json.dumps({"hidden_size": 128, "num_hidden_layers": 3,
                                                   "num_attention_heads": 4, "vocab_size": 500}))
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    (tmp_path / "models--org--mymodel" / "refs").mkdir()
+    (tmp_path / "models--org--mymodel" / "refs" / "main").write_text("abc")
+    # huggingface_hub reads HF_HUB_CACHE when it is imported (tests/test_hf_cache.py sets it in a subprocess)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     arch = load_architecture("org/mymodel")
     assert arch.layers == 3 and "cache" in arch.source
 

@@ -514,6 +514,8 @@ def test_hub_retry_delay_follows_the_hub():
 
 def test_hub_token_comes_from_huggingface_hub(tmp_path, hub, monkeypatch):
     """HF_TOKEN, else the token `hf auth login` stored (huggingface_hub.get_token); none: a clear error."""
+    import huggingface_hub.constants  # noqa: F401 - a lazy submodule
+
     from launcher.sync import destination
 
     monkeypatch.delenv("HF_TOKEN")
