@@ -229,7 +229,10 @@ class HubDestination(Destination):
 
     RETRY_STATUSES = (408, 429, 500, 502, 503, 504)
     ATTEMPTS = 6  # then the error goes to the Syncer, which tries again on its own, slower cadence
-    MAX_WAIT = 600.0  # seconds; the Hub's rate limit windows are minutes long
+    # The longest wait spent here, in seconds (the API's rate limit windows are 5 minutes: a reset within a
+    # minute is common). A longer one (the commit limit, per hour) goes to the Syncer with the time the Hub
+    # named: it sends nothing before then, and the supervisor is never held for it (Syncer.stop joins).
+    MAX_WAIT = 60.0
     metadata_every = 300.0  # seconds between metadata commits while training (commits are rate limited)
     sleep = staticmethod(time.sleep)
 
@@ -248,7 +251,18 @@ class HubDestination(Destination):
                             "HF_TOKEN to a token with write access; never put it in the recipe.")
         self.on_wait = on_wait
         self.api = HfApi()
-        self._retrying(f"create {self.repo}", lambda: self.api.create_repo(self.repo, private=True, exist_ok=True))
+        from huggingface_hub.errors import HfHubHTTPError
+
+        try:
+            self._retrying(f"create {self.repo}", lambda: self.api.create_repo(self.repo, private=True, exist_ok=True))
+        except HfHubHTTPError as exc:
+            raise SyncError(f"the Hub refused to open or create the private repo {self.repo} "
+                            f"({exc.response.status_code}): {str(exc).strip().splitlines()[0][:300]}",
+                            fix="check that the token can write to that namespace (`hf auth whoami`; a "
+                            "fine-grained token needs write access to it).") from None
+        except Exception as exc:  # noqa: BLE001 - the network below huggingface_hub (httpx) has its own errors
+            raise SyncError(f"cannot reach the Hub for {self.url}: {type(exc).__name__}: {exc}",
+                            fix="check the network (and HF_ENDPOINT if set), then run the same command again.") from None
 
     def _p(self, rel: str) -> str:
         return f"{self.prefix}/{rel}".strip("/") if self.prefix else rel
@@ -265,14 +279,18 @@ class HubDestination(Destination):
                 result = call()
             except HfHubHTTPError as exc:
                 status = getattr(exc.response, "status_code", None)
-                if status not in self.RETRY_STATUSES or attempt == self.ATTEMPTS:
+                if status not in self.RETRY_STATUSES:
                     if attempt > 1:
                         self._tell(None)  # no longer waiting: the error goes up, to the Syncer
                     raise
-                delay, source = hub_retry_delay(exc.response.headers, attempt, self.MAX_WAIT)
+                delay, source = hub_retry_delay(exc.response.headers, attempt)
+                gave_up = attempt == self.ATTEMPTS or delay > self.MAX_WAIT
                 self._tell({"status": status, "what": what, "attempt": attempt + 1, "of": self.ATTEMPTS,
                             "wait_seconds": delay, "source": source, "until": time.time() + delay,
+                            "gave_up": gave_up,  # the Syncer sends nothing before `until`
                             "message": str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""})
+                if gave_up:
+                    raise
                 self.sleep(delay)
                 if status >= 500 and landed is not None and landed():
                     self._tell(None)
@@ -439,10 +457,10 @@ class HubDestination(Destination):
             return ckpt.sha256_file(target) if self.get_file(rel, target) else None
 
 
-def hub_retry_delay(headers, attempt: int, cap: float) -> tuple[float, str]:
+def hub_retry_delay(headers, attempt: int) -> tuple[float, str]:
     """Seconds to wait before the next try, and why: the Hub's Retry-After (seconds or an HTTP date), else its
     RateLimit header's reset when the window is spent (huggingface_hub.utils.parse_ratelimit_headers), else
-    2, 4, 8 ... seconds."""
+    2, 4, 8 ... seconds (at most 5 minutes)."""
     from email.utils import parsedate_to_datetime
 
     from huggingface_hub.utils import parse_ratelimit_headers
@@ -451,16 +469,16 @@ def hub_retry_delay(headers, attempt: int, cap: float) -> tuple[float, str]:
     if value is not None:
         value = value.strip()
         try:
-            return min(max(float(value), 0.0), cap), "Retry-After"
+            return max(float(value), 0.0), "Retry-After"
         except ValueError:
             try:
-                return min(max(parsedate_to_datetime(value).timestamp() - time.time(), 0.0), cap), "Retry-After"
+                return max(parsedate_to_datetime(value).timestamp() - time.time(), 0.0), "Retry-After"
             except (TypeError, ValueError):
                 pass
     info = parse_ratelimit_headers(headers or {})
     if info is not None and info.remaining == 0:
-        return min(float(info.reset_in_seconds), cap), "RateLimit"
-    return min(2.0 ** attempt, cap), "backoff"
+        return float(info.reset_in_seconds), "RateLimit"
+    return min(2.0 ** attempt, 300.0), "backoff"
 
 
 def git_blob_id(path: Path) -> str:
@@ -562,15 +580,19 @@ class Syncer:
             _write_sync_state(self.run, backoff=None)
             return
         retries = _sync_state(self.run).get("retries", 0) + 1
-        _write_sync_state(self.run, backoff=wait, retries=retries, to=self.url)
+        _write_sync_state(self.run, backoff={**wait, "to": self.url}, retries=retries, to=self.url)
+        then = "then tries again" if wait.get("gave_up") else f"then try {wait['attempt']} of {wait['of']}"
         self.log(f"sync: {self.url} answered {wait['status']} to \"{wait['what']}\"; waiting {wait['wait_seconds']:.0f} s "
-                 f"({wait['source']}), then try {wait['attempt']} of {wait['of']}")
+                 f"({wait['source']}), {then}")
 
     def sync_once(self, final: bool = False) -> bool:
         """Upload what is new; True when everything that exists locally is verified off the box."""
         try:
-            dest = self._destination()
             state = _sync_state(self.run)
+            wait = state.get("backoff")
+            if wait and wait.get("gave_up") and wait["until"] > time.time() and wait.get("to", self.url) == self.url:
+                return False  # the destination named a time before which it takes nothing (status shows it)
+            dest = self._destination()
             newest = next((p for p in ckpt.candidates(self.run.checkpoints) if (p / ckpt.MANIFEST).is_file()), None)
             pushed = False
             if newest is not None and state.get("synced_step") != int(newest.name[len(ckpt.PREFIX):]):
@@ -715,8 +737,9 @@ def backoff_fields(s: dict[str, Any]) -> dict[str, Any]:
     waiting = wait is not None and left is not None and left > 0
     return {
         # e.g. "429 to \"ftrun: checkpoints/step-000020\": try 2 of 6 in 28 s (Retry-After)"; None when not waiting
-        "sync_backoff": (f"{wait['status']} to \"{wait['what']}\": try {wait['attempt']} of {wait['of']} in "
-                         f"{left:.0f} s ({wait['source']})") if waiting else None,
+        "sync_backoff": (f"{wait['status']} to \"{wait['what']}\": "
+                         + ("next try" if wait.get("gave_up") else f"try {wait['attempt']} of {wait['of']}")
+                         + f" in {left:.0f} s ({wait['source']})") if waiting else None,
         "sync_backoff_seconds": left if waiting else None,
         "sync_retries": s.get("retries", 0),  # waits before a retry since the run began
     }

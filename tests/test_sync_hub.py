@@ -480,6 +480,13 @@ def test_hub_commit_whose_answer_is_lost_is_not_made_twice(tmp_path, hub, monkey
     assert len(hub.commits_adding("checkpoints/step-000010/")) == 1 and hub.calls.count("create_commit") == 1
 
 
+def _let_time_pass(run: RunDir) -> None:
+    """The moment the Hub named has come (sync.json's wait ends now)."""
+    state = json.loads((run.root / "sync.json").read_text())
+    state["backoff"]["until"] = time.time() - 1
+    (run.root / "sync.json").write_text(json.dumps(state))
+
+
 def test_hub_that_keeps_refusing_is_an_error_the_copier_reports(tmp_path, hub, monkeypatch):
     from launcher.sync import HubDestination, status_fields
 
@@ -487,15 +494,38 @@ def test_hub_that_keeps_refusing_is_an_error_the_copier_reports(tmp_path, hub, m
     run = RunDir(tmp_path / "run")
     _run_with_checkpoint(run.root, 10)
     syncer = _syncer(run)
-    hub.create_repo("me/runs")
-    hub.refuse("create_commit", 429, times=HubDestination.ATTEMPTS, headers={"Retry-After": "5"})
+    hub.refuse("create_commit", 503, times=HubDestination.ATTEMPTS)
     assert not syncer.sync_once()
     fields = status_fields(run)
-    assert "429" in fields["sync_error"] and fields["offbox_checkpoint"] is None
-    assert fields["sync_retries"] == HubDestination.ATTEMPTS - 1 and fields["sync_backoff"] is None
+    assert "503" in fields["sync_error"] and fields["offbox_checkpoint"] is None
+    assert fields["sync_retries"] == HubDestination.ATTEMPTS and "next try in" in fields["sync_backoff"]
+    n = len(hub.calls)
+    assert not syncer.sync_once() and len(hub.calls) == n  # nothing sent before the time it named
+    _let_time_pass(run)
     assert syncer.sync_once()  # the next round, the Hub answers again
-    assert status_fields(run)["offbox_checkpoint"] == "step-000010"
+    assert status_fields(run)["offbox_checkpoint"] == "step-000010" and status_fields(run)["sync_backoff"] is None
     assert len(hub.commits_adding("job/checkpoints/step-000010/")) == 1
+
+
+def test_hub_commit_limit_spent_for_the_hour_is_not_waited_for_here(tmp_path, hub, monkeypatch):
+    """"Retry in 43 minutes" (the commits-per-hour limit): no wait in the copier (a stop or the end of the run
+    would be held for it); status shows when the next try is, and nothing goes to the Hub before then."""
+    from launcher.sync import HubDestination, status_fields
+
+    waits = []
+    monkeypatch.setattr(HubDestination, "sleep", staticmethod(waits.append))
+    run = RunDir(tmp_path / "run")
+    _run_with_checkpoint(run.root, 10)
+    syncer = _syncer(run)
+    hub.refuse("create_commit", 429, headers={"Retry-After": str(43 * 60)})
+    assert not syncer.sync_once()
+    fields = status_fields(run)
+    assert waits == [] and "429" in fields["sync_backoff"] and "next try in 2580 s" in fields["sync_backoff"]
+    assert 2500 < fields["sync_backoff_seconds"] <= 2580
+    assert not syncer.finish(final=False, attempts=1)  # the end of a run does not wait 43 minutes either
+    assert hub.calls.count("create_commit") == 1
+    _let_time_pass(run)
+    assert syncer.sync_once() and len(hub.commits_adding("job/checkpoints/step-000010/")) == 1
 
 
 def test_hub_retry_delay_follows_the_hub():
@@ -503,13 +533,13 @@ def test_hub_retry_delay_follows_the_hub():
 
     from launcher.sync import hub_retry_delay
 
-    assert hub_retry_delay({"Retry-After": "17"}, 1, 600) == (17.0, "Retry-After")
-    wait, source = hub_retry_delay({"retry-after": formatdate(time.time() + 90, usegmt=True)}, 1, 600)
+    assert hub_retry_delay({"Retry-After": "17"}, 1) == (17.0, "Retry-After")
+    wait, source = hub_retry_delay({"retry-after": formatdate(time.time() + 90, usegmt=True)}, 1)
     assert source == "Retry-After" and 85 <= wait <= 91
     assert hub_retry_delay({"RateLimit": '"api";r=0;t=55', "RateLimit-Policy": '"fixed window";"api";q=500;w=300'},
-                           1, 600) == (55.0, "RateLimit")
-    assert hub_retry_delay({}, 3, 600) == (8.0, "backoff")
-    assert hub_retry_delay({"Retry-After": "3600"}, 1, 600) == (600.0, "Retry-After")
+                           1) == (55.0, "RateLimit")
+    assert hub_retry_delay({"RateLimit": '"api";r=3;t=55'}, 2) == (4.0, "backoff")  # not spent: not the reason
+    assert hub_retry_delay({}, 3) == (8.0, "backoff") and hub_retry_delay({}, 12) == (300.0, "backoff")
 
 
 def test_hub_token_comes_from_huggingface_hub(tmp_path, hub, monkeypatch):
@@ -526,3 +556,15 @@ def test_hub_token_comes_from_huggingface_hub(tmp_path, hub, monkeypatch):
     assert "hf auth login" in err.value.render()
     (tmp_path / "token").write_text("hf_stored_by_login\n")
     assert destination("hf://me/runs").repo == "me/runs"
+
+
+def test_hub_that_refuses_the_token_is_a_clear_error_before_anything_starts(tmp_path, hub, monkeypatch):
+    from launcher.sync import destination
+
+    def refuse(*args, **kwargs):
+        raise hub_error(403, url="https://huggingface.co/api/repos/create")
+
+    monkeypatch.setattr(hub, "create_repo", refuse)
+    with pytest.raises(SyncError, match="refused to open or create the private repo me/runs") as err:
+        destination("hf://me/runs")
+    assert "hf auth whoami" in err.value.render()
