@@ -123,22 +123,62 @@ def test_fsspec_path_machine_loss_resume_and_no_secrets(tmp_path, tiny_model, re
                 assert secret.encode() not in p.read_bytes(), p
 
 
+class _RequestLog:
+    """WSGI middleware recording each request the S3 server answers: method, path, query, response bytes."""
+
+    def __init__(self, app):
+        self.app, self.entries = app, []
+
+    def __call__(self, environ, start_response):
+        entry = {"method": environ["REQUEST_METHOD"], "path": environ.get("PATH_INFO", ""),
+                 "query": environ.get("QUERY_STRING", ""), "bytes": 0}
+        self.entries.append(entry)
+        result = self.app(environ, start_response)
+        try:
+            for chunk in result:
+                entry["bytes"] += len(chunk)
+                yield chunk
+        finally:
+            if hasattr(result, "close"):
+                result.close()
+
+    def object_reads(self) -> list[dict]:
+        """GETs of an object (path-style /bucket/key), not listings of the bucket."""
+        return [e for e in self.entries if e["method"] == "GET" and e["path"].strip("/").count("/") >= 1]
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+
 @pytest.fixture
-def s3_endpoint(monkeypatch):
-    """A local S3-compatible server (moto) with one bucket; the ftrun processes reach it via AWS_* variables."""
+def s3_server(monkeypatch):
+    """A local S3-compatible server (moto) with one bucket; the ftrun processes reach it via AWS_* variables.
+    Yields .env (those variables) and .requests (every request it answered)."""
+    from types import SimpleNamespace
+
     import boto3
     from moto.server import ThreadedMotoServer
+    from s3fs import S3FileSystem
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
+    requests = _RequestLog(server._server.app)
+    server._server.app = requests  # werkzeug's handler calls the server's .app for each request
     host, port = server.get_host_and_port()
     env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
            "AWS_ENDPOINT_URL": f"http://{host}:{port}"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     boto3.client("s3").create_bucket(Bucket="ftrun-test")
-    yield env
+    S3FileSystem.clear_instance_cache()  # fsspec reuses a file system made for an earlier test's endpoint
+    yield SimpleNamespace(env=env, requests=requests)
     server.stop()
+    S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture
+def s3_endpoint(s3_server) -> dict:
+    return s3_server.env
 
 
 def test_s3_machine_loss_resume_on_fresh_box(tmp_path, tiny_model, reference, s3_endpoint):
@@ -152,6 +192,86 @@ def test_s3_machine_loss_resume_on_fresh_box(tmp_path, tiny_model, reference, s3
 
     _machine_loss_then_resume_elsewhere(tmp_path, tiny_model, reference, "s3://ftrun-test/runs/r1", remote_ls,
                                         s3_endpoint)
+
+
+def _checkpoint_with_a_multipart_file(root: Path, step: int, big: int) -> Path:
+    d = root / ckpt.step_dir_name(step)
+    d.mkdir(parents=True)
+    (d / "adapter_model.safetensors").write_bytes(os.urandom(4096))
+    (d / "optimizer.pt").write_bytes(os.urandom(big))  # several parts at the test's part size
+    (d / "trainer_state.json").write_text('{"global_step": %d}' % step)
+    ckpt.write_manifest(d, step, {"recipe_hash": "abc"})
+    return d
+
+
+def test_s3_copy_is_verified_by_the_stores_checksums_without_reading_it_back(tmp_path, s3_server, monkeypatch):
+    """Each object goes up with its SHA-256 (a multipart one with a SHA-256 per part); the verification reads
+    S3's checksums with one HEAD per file and no GET, where reading the copy back would GET every byte."""
+    from launcher.rundir import RunDir
+    from launcher.sync import FsspecDestination, push_checkpoint
+
+    monkeypatch.setattr(FsspecDestination, "part_bytes", 5 << 20)  # S3's smallest part: a 11 MiB file is 3 parts
+    step_dir = _checkpoint_with_a_multipart_file(tmp_path / "run" / "checkpoints", 10, 11 << 20)
+    dest = FsspecDestination("s3://ftrun-test/runs/r1")
+    s3_server.requests.clear()
+    assert push_checkpoint(dest, RunDir(tmp_path / "run"), step_dir, keep=2) == 10
+    sent = sum(p.stat().st_size for p in step_dir.iterdir())
+    assert s3_server.requests.object_reads() == [] and dest.read_back == {"files": 0, "bytes": 0}
+    heads = [e for e in s3_server.requests.entries if e["method"] == "HEAD" and "/step-000010/" in e["path"]]
+    assert len(heads) == 3  # one per file the manifest lists (retention's listing aside)
+    print(f"checkpoint of {sent} bytes: {len(s3_server.requests.entries)} requests, {len(heads)} HEAD, 0 GET, "
+          f"0 bytes read back (reading it back: {sent - (step_dir / 'manifest.json').stat().st_size} bytes)")
+
+    import boto3
+
+    s3 = boto3.client("s3")
+    key = "runs/r1/checkpoints/step-000010/optimizer.pt"
+    import base64
+    import hashlib
+
+    # what S3 computed of what it received: a multipart object's SHA-256 of its parts' SHA-256s, a small one's own
+    head = s3.head_object(Bucket="ftrun-test", Key=key, ChecksumMode="ENABLED")
+    data = (step_dir / "optimizer.pt").read_bytes()
+    parts = b"".join(hashlib.sha256(data[i:i + (5 << 20)]).digest() for i in range(0, len(data), 5 << 20))
+    assert head["ChecksumSHA256"].split("-")[0] == base64.b64encode(hashlib.sha256(parts).digest()).decode()
+    assert head["ETag"].strip('"').endswith("-3")
+    small = s3.head_object(Bucket="ftrun-test", Key=key.replace("optimizer.pt", "adapter_model.safetensors"),
+                           ChecksumMode="ENABLED")
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    assert base64.b64decode(small["ChecksumSHA256"]).hex() == manifest["files"]["adapter_model.safetensors"]["sha256"]
+
+
+@pytest.mark.parametrize("how", ["rewritten with a SHA-256 checksum", "rewritten without one", "deleted"])
+def test_s3_copy_changed_on_the_server_after_the_upload_does_not_verify(tmp_path, s3_server, how):
+    """The copy changes on the server between the upload and its verification (another writer, a broken
+    replication): the store's checksum tells at once, or, where the new object carries none, the read back."""
+    import boto3
+
+    from launcher.sync import FsspecDestination
+
+    step_dir = _fake_checkpoint(tmp_path / "checkpoints", 20)
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    dest = FsspecDestination("s3://ftrun-test/runs/r2")
+    dest.put_dir(step_dir, "checkpoints/step-000020")
+    s3, key = boto3.client("s3"), "runs/r2/checkpoints/step-000020/optimizer.pt"
+    data = bytearray((step_dir / "optimizer.pt").read_bytes())
+    data[100] ^= 0x01  # same size, one bit
+    if how == "deleted":
+        s3.delete_object(Bucket="ftrun-test", Key=key)
+    elif how == "rewritten with a SHA-256 checksum":
+        s3.put_object(Bucket="ftrun-test", Key=key, Body=bytes(data), ChecksumAlgorithm="SHA256")
+    else:
+        s3.put_object(Bucket="ftrun-test", Key=key, Body=bytes(data))  # botocore's default CRC32 only
+    s3_server.requests.clear()
+    ok, why = dest.verify_dir("checkpoints/step-000020", manifest, local=step_dir)
+    assert not ok
+    reads = s3_server.requests.object_reads()
+    if how == "deleted":
+        assert why == "checkpoints/step-000020/optimizer.pt is missing off the box" and reads == []
+    else:
+        assert why == "checkpoints/step-000020/optimizer.pt differs from the manifest off the box"
+        # S3's own SHA-256 of the new object decides without a read; an object without one is read back
+        assert len(reads) == (0 if "with a SHA-256" in how else 1), reads
 
 
 def test_credentials_in_sync_url_are_refused(tmp_path):
