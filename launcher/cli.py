@@ -26,19 +26,6 @@ from .errors import EXIT_INTERNAL, FtrunError, UsageError
 COMMANDS = ("plan", "smoke", "status", "logs", "stop", "pull", "push", "export", "explain", "run")
 
 
-def _parse_tokens(text: Optional[str]) -> Optional[int]:
-    if text is None:
-        return None
-    units = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9}
-    t = text.strip().lower().replace("_", "").replace(",", "")
-    try:
-        if t and t[-1] in units:
-            return int(float(t[:-1]) * units[t[-1]])
-        return int(float(t))
-    except ValueError:
-        raise UsageError(f"--tokens {text!r} is not a number", fix="write it like 15M, 250k or 1500000.") from None
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ftrun", description="From a fine-tuning recipe to a trained, exported model.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2])
@@ -61,9 +48,13 @@ def _parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="size the job: memory, engine, GPUs, time, cost")
     pl.add_argument("recipe")
     pl.add_argument("overrides", nargs="*", metavar="key=value")
-    pl.add_argument("--gpus", help="plan for another box, e.g. 4xH100-80GB or RTX4090")
-    pl.add_argument("--tokens", help="total training tokens (all epochs) when the data is not here, e.g. 15M")
-    pl.add_argument("--json", action="store_true")
+    pl.add_argument("--gpus", help="plan for this box instead of the recipe's box: or this machine's GPUs, e.g. "
+                    "4xH100-80GB or RTX4090")
+    pl.add_argument("--tokens", help="training tokens in all, every epoch together (3 epochs over 5M tokens = 15M), "
+                    "e.g. 15M; instead of counting the data file or the recipe's tokens:")
+    pl.add_argument("--price", type=float, metavar="EUR/h", help="the whole box's price per hour (overrides the "
+                    "catalog and the recipe's price_per_hour_eur)")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON, also when it does not fit")
 
     sm = sub.add_parser("smoke", help="run only the smoke test (1%% of the data) and print the forecast")
     sm.add_argument("recipe")
@@ -133,7 +124,7 @@ def cmd_run(a) -> int:
 def cmd_plan(a) -> int:
     from .pipeline import plan_command
 
-    return plan_command(a.recipe, a.overrides, a.gpus, _parse_tokens(a.tokens), a.json)
+    return plan_command(a.recipe, a.overrides, a.gpus, a.tokens, a.json, a.price)
 
 
 def cmd_smoke(a) -> int:

@@ -57,6 +57,13 @@ class PlanError(FtrunError):
     exit_code = EXIT_DOES_NOT_FIT
 
 
+class MissingSoftware(PlanError):
+    """The job needs a package this machine lacks (Unsloth, DeepSpeed): an install away, never "does not fit"."""
+
+    kind = "missing software"
+    exit_code = EXIT_BAD_INPUT
+
+
 class HardwareError(FtrunError):
     kind = "hardware error"
     exit_code = EXIT_BAD_INPUT

@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from .errors import HardwareError, UsageError
+from .sizing import GB
 
 CATALOG_FILE = Path(__file__).with_name("gpus.yaml")
 USER_CATALOG_ENV = "FTRUN_GPUS"
@@ -21,7 +22,7 @@ USER_CATALOG_DEFAULT = Path("~/.config/ftrun/gpus.yaml")
 @dataclass(frozen=True)
 class Gpu:
     name: str  # catalog name when known (H100-80GB), else the NVML name
-    memory_gb: float  # total, decimal GB (1e9 bytes), as sizing counts
+    memory_gb: float  # total as CUDA sees it, in GB = 2**30 bytes (sizing.GB): 24.0 for an RTX 4090
     compute_capability: tuple[int, int] | None = None
     tflops_bf16: float | None = None  # dense bf16; None for a card the catalog does not know
     price_per_hour_eur: float | None = None
@@ -41,14 +42,19 @@ class Hardware:
     gpus: tuple[Gpu, ...]
     interconnect: str  # "nvlink" | "pcie" | "none"
     cpu_count: int
-    ram_gb: float  # total, decimal GB
-    source: str  # "detected" | "--gpus SPEC"
+    ram_gb: float  # total, GB = 2**30 bytes
+    source: str  # "detected" | "--gpus SPEC" | "recipe box: SPEC" | "catalog ..."
     notes: tuple[str, ...] = field(default=())  # announced fallbacks (e.g. NVML missing)
     driver_version: str | None = None  # NVIDIA driver ("550.54.14"); None when planned from a spec or unreadable
 
     @property
     def count(self) -> int:
         return len(self.gpus)
+
+    @property
+    def is_this_machine(self) -> bool:
+        """Detected here (its installed software counts), not a box named for planning (docker/'s image)."""
+        return self.source == "detected"
 
     @property
     def is_cpu_only(self) -> bool:
@@ -73,7 +79,7 @@ class Hardware:
             return f"CPU only ({self.cpu_count} cores, {self.ram_gb:.0f} GB RAM)"
         g = self.gpu
         link = f", {'NVLink' if self.interconnect == 'nvlink' else 'PCIe'}" if self.count > 1 else ""
-        return f"{self.count} x {g.name} ({g.memory_gb:.0f} GB each{link})"
+        return f"{self.count} x {g.name} ({g.memory_gb:.0f} GB{' each' if self.count > 1 else ''}{link})"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -97,7 +103,7 @@ class CatalogGpu:
     memory_gb: float
     tflops_bf16: float
     interconnect: str
-    price_per_hour_eur: float
+    price_per_hour_eur: float | None  # None: no known price (the plan asks for --price)
     compute_capability: tuple[int, int] | None
     nvml_names: tuple[str, ...]
 
@@ -118,13 +124,13 @@ def _parse_catalog(raw: Any, source: str) -> dict[str, CatalogGpu]:
                 memory_gb=float(v["memory_gb"]),
                 tflops_bf16=float(v["tflops_bf16"]),
                 interconnect=str(v.get("interconnect", "pcie")),
-                price_per_hour_eur=float(v["price_per_hour_eur"]),
+                price_per_hour_eur=None if v.get("price_per_hour_eur") is None else float(v["price_per_hour_eur"]),
                 compute_capability=tuple(cc) if cc else None,
                 nvml_names=tuple(v.get("nvml_names", [])),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise HardwareError(f"GPU catalog {source}: entry {name} is incomplete ({exc})",
-                                fix="each entry needs memory_gb, tflops_bf16, price_per_hour_eur.") from None
+                                fix="each entry needs memory_gb and tflops_bf16 (price_per_hour_eur may be null).") from None
     return out
 
 
@@ -152,20 +158,33 @@ def _norm(name: str) -> str:
     return re.sub(r"[^a-z0-9]", "", name.lower())
 
 
+def _words(name: str) -> str:
+    """'NVIDIA A100-SXM4-80GB' -> ' nvidia a100 sxm4 80gb ' (whole words, for matching names word by word)."""
+    return " " + " ".join(re.findall(r"[a-z0-9]+", name.lower())) + " "
+
+
 def lookup(name: str) -> CatalogGpu | None:
-    """A catalog entry by its name, loosely spelled ('h100', 'H100-80GB', 'rtx 4090'), or by NVML name."""
+    """A catalog entry by its name, loosely spelled ('h100', 'H100-80GB', 'rtx 4090'), or by NVML name.
+
+    An NVML name is matched to the most specific entry: of the catalog's names that occur in it as whole
+    words, the longest ('NVIDIA L40S' is L40S, not L4; 'NVIDIA A10G' is A10G, not A10)."""
     cat = catalog()
     want = _norm(name)
+    if not want:
+        return None
     for entry in cat.values():
         if _norm(entry.name) == want:
             return entry
-    for entry in cat.values():  # NVML names: 'NVIDIA H100 80GB HBM3' -> H100-80GB
-        if any(_norm(n) in want for n in entry.nvml_names):
-            return entry
+    words = _words(name)
+    matches = [(len(_norm(n)), entry) for entry in cat.values() for n in entry.nvml_names if _words(n) in words]
+    if matches:
+        return max(matches, key=lambda m: m[0])[1]
     prefix = [e for e in cat.values() if _norm(e.name).startswith(want)]
-    if prefix and want:
-        # 'A100' -> the largest A100: users who write the bare name mean the common rental card.
-        return max(prefix, key=lambda e: e.memory_gb)
+    if prefix:
+        # 'A100' -> A100-80GB, 'H100' -> H100-80GB: users who write the bare name mean the common rental card, the
+        # largest of the entries that differ from it only by a memory size (not H100-NVL or H100-PCIe).
+        sized = [e for e in prefix if re.fullmatch(r"\d+gb", _norm(e.name)[len(want):])]
+        return max(sized or prefix, key=lambda e: e.memory_gb)
     return None
 
 
@@ -197,6 +216,27 @@ def from_spec(spec: str) -> Hardware:
                     source=f"--gpus {spec}")
 
 
+def for_plan(gpus: str | None, box: str | None) -> tuple[Hardware, str]:
+    """The box `ftrun plan` sizes for, and why: --gpus, else a GPU detected here, else the recipe's `box:`,
+    else this machine (CPU only)."""
+    if gpus:
+        return from_spec(gpus), f"--gpus {gpus}"
+    here = detect()
+    if not here.is_cpu_only:
+        why = f"the GPUs of this machine (detected: {here.describe()})"
+        if box:
+            why += f"; the recipe's box: {box} is not used here (plan for it with --gpus {box})"
+        return here, why
+    if box:
+        try:
+            named = from_spec(box)
+        except UsageError as exc:
+            raise UsageError(f"the recipe's box: {box!r} is not a box ftrun knows ({exc.message})", fix=exc.fix) from None
+        return (replace(named, source=f"recipe box: {box}"),
+                f"the recipe's box: {box} (this machine has no GPU; --gpus plans for another box)")
+    return here, "this machine (no GPU detected, and the recipe names no box:; --gpus plans for a GPU box)"
+
+
 def catalog_box(name: str, count: int) -> Hardware:
     entry = catalog()[name]
     return Hardware(tuple(entry.gpu() for _ in range(count)), "none" if count == 1 else entry.interconnect,
@@ -212,8 +252,8 @@ def _ram_gb() -> float:
         import psutil
     except ImportError:  # psutil is a dependency; without it, read the POSIX counters
         pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        return pages / 1e9
-    return psutil.virtual_memory().total / 1e9
+        return pages / GB
+    return psutil.virtual_memory().total / GB
 
 
 # Files the NVIDIA kernel driver creates: the torch fallback is tried only where one exists, so a
@@ -389,7 +429,7 @@ def _gpu(name: str, memory_bytes: int, cc: tuple[int, int] | None, notes: list[s
         # torch names a MIG instance after its card: "NVIDIA H100 80GB HBM3 MIG 3g.40gb"
         parent_name = name.split(" MIG ")[0]
     entry = lookup(parent_name or name)
-    memory = round(memory_bytes / 1e9, 2)
+    memory = round(memory_bytes / GB, 2)
     if parent_name is None:
         if entry is None:
             notes.append(f"GPU '{name}' is not in the catalog: no price or TFLOP/s known, time is estimated "

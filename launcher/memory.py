@@ -42,6 +42,8 @@ import resource
 import sys
 from typing import Optional
 
+from .sizing import GB
+
 # Texts of out-of-memory failures that arrive as a RuntimeError (AcceleratorError, DistBackendError or plain)
 # rather than as torch.OutOfMemoryError; where each comes from is in the module docstring.
 _OOM_TEXTS = re.compile(
@@ -124,7 +126,7 @@ def _first_line(exc: BaseException) -> str:
 # --- peak measurement ---------------------------------------------------------------------------------
 
 def peak_memory_gb(device: str) -> float:
-    """This process's peak memory in GB (1e9 bytes).
+    """This process's peak memory in GB (2**30 bytes, sizing.GB).
 
     CUDA: the caching allocator's peak on this rank's GPU plus what the device holds outside the allocator
     now (CUDA context, library handles, NCCL buffers: total - free - reserved); a card runs out when the two
@@ -137,8 +139,8 @@ def peak_memory_gb(device: str) -> float:
         index = _device_index()
         free, total = torch.cuda.mem_get_info(index)
         outside = max(0, total - free - torch.cuda.memory_reserved(index))
-        return (torch.cuda.max_memory_reserved(index) + outside) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+        return (torch.cuda.max_memory_reserved(index) + outside) / GB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB
 
 
 def peak_memory_over_ranks_gb(device: str) -> float:
@@ -187,13 +189,13 @@ def cap_memory(device: str, limit_gb: float) -> None:
 
         index = _device_index()
         total = torch.cuda.get_device_properties(index).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, limit_gb * 1e9 / total), device=index)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit_gb * GB / total), device=index)
         where = f"GPU fraction of cuda:{index}"
     else:
         import psutil
 
         info = psutil.Process().memory_info()
-        resource.setrlimit(resource.RLIMIT_AS, (info.vms + int(limit_gb * 1e9), resource.RLIM_INFINITY))
+        resource.setrlimit(resource.RLIMIT_AS, (info.vms + int(limit_gb * GB), resource.RLIM_INFINITY))
         _CAPPED_BASE_RSS[0] = info.rss
         where = "RLIMIT_AS above the imports"
     print(f"[ftrun worker] memory limited to {limit_gb:g} GB ({where})", flush=True)
@@ -208,5 +210,5 @@ def out_of_memory_peak_gb(device: str) -> Optional[float]:
         print(f"[ftrun worker] peak memory not measurable after the failure: {_first_line(exc)}", flush=True)
         return None
     if device == "cpu" and _CAPPED_BASE_RSS[0]:
-        peak = max(0.0, peak - _CAPPED_BASE_RSS[0] / 1e9)
+        peak = max(0.0, peak - _CAPPED_BASE_RSS[0] / GB)
     return peak

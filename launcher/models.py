@@ -361,3 +361,81 @@ def catalog_names() -> list[str]:
 
 def with_name(arch: Architecture, name: str) -> Architecture:
     return replace(arch, name=name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Download size: what a run fetches before its first step
+
+# The bandwidth the plan assumes for the download from the Hub to a rented box (100 MB/s = 800 Mbit/s: what
+# datacenter boxes typically get from the Hub's CDN; a home line is often a tenth of it).
+DOWNLOAD_MB_S = 100.0
+# Bytes per weight of a bitsandbytes 4-bit checkpoint: 4 bits packed two per byte, plus a blocksize-64 absmax
+# (an 8-bit code with double quantization) and the quant_state entries: about 0.53 B per quantized weight.
+BNB_4BIT_BYTES = 0.53
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+@dataclass(frozen=True)
+class Download:
+    """The weights a run fetches: from which repository, how many bytes, and where the figure came from."""
+
+    repo: str
+    bytes: int | None
+    source: str  # "Hub metadata", "estimated from the architecture (offline: ...)", "local folder", "cached"
+    cached: bool = False
+
+    def seconds(self, mb_s: float = DOWNLOAD_MB_S) -> float:
+        return 0.0 if self.cached or not self.bytes else self.bytes / (mb_s * 1e6)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"repo": self.repo, "bytes": self.bytes, "gb": round(self.bytes / 2**30, 1) if self.bytes else None,
+                "source": self.source, "cached": self.cached, "bandwidth_mb_s": DOWNLOAD_MB_S,
+                "seconds": round(self.seconds())}
+
+
+def _weights_bytes(sizes: dict[str, int]) -> int:
+    """The weight files of a repository listing: safetensors when there are any, else the other formats
+    (a repo with both ships the same weights twice; from_pretrained loads only the safetensors)."""
+    safetensors = [n for n in sizes if n.endswith(".safetensors")]
+    names = safetensors or [n for n in sizes if n.endswith(WEIGHT_SUFFIXES) and "/" not in n]
+    return sum(sizes[n] for n in names)
+
+
+def _hub_weights_bytes(repo: str, timeout: float = 5.0) -> int:
+    """The sizes the Hub lists for the repository's files (huggingface_hub 2.3, HfApi.model_info with
+    files_metadata=True: each sibling carries .size). Raises when offline or unreachable."""
+    from huggingface_hub import HfApi
+
+    info = HfApi().model_info(repo, files_metadata=True, timeout=timeout)  # the token: huggingface_hub.get_token
+    return _weights_bytes({s.rfilename: int(s.size or 0) for s in (info.siblings or [])})
+
+
+def estimated_weights_bytes(arch: Architecture, four_bit: bool) -> int:
+    """The checkpoint's size from the architecture: bf16 weights (2 B each), or a bitsandbytes 4-bit one
+    (linear weights at BNB_4BIT_BYTES, embeddings, head and norms in bf16)."""
+    if not four_bit:
+        return int(arch.params * 2)
+    return int(arch.linear_params * BNB_4BIT_BYTES + (arch.params - arch.linear_params) * 2)
+
+
+def download_size(model: str, arch: Architecture, repo: str | None = None, allow_network: bool = True) -> Download:
+    """What a run downloads for `model` (or `repo`, a pre-quantized 4-bit copy the engine loads instead):
+    nothing for a local folder or a cached snapshot; the Hub's listing when online; else an estimate from
+    the architecture, saying so."""
+    source_repo = repo or model
+    path = Path(model).expanduser()
+    if repo is None and path.is_dir():
+        sizes = {p.name: p.stat().st_size for p in path.iterdir() if p.is_file()}
+        return Download(str(path), _weights_bytes(sizes), "local folder", cached=True)
+    if cached_file(source_repo, "config.json") is not None and any(
+            cached_file(source_repo, n) for n in ("model.safetensors", "model.safetensors.index.json")):
+        return Download(source_repo, 0, "in the Hugging Face cache already", cached=True)
+    four_bit = repo is not None and "4bit" in repo.lower()
+    why = "offline (HF_HUB_OFFLINE / FTRUN_OFFLINE)"
+    if allow_network and not _offline():
+        try:
+            return Download(source_repo, _hub_weights_bytes(source_repo), "Hub metadata (file sizes)")
+        except Exception as exc:  # noqa: BLE001 - any Hub failure falls back to the estimate, announced in source
+            why = f"the Hub did not answer: {type(exc).__name__}"
+    return Download(source_repo, estimated_weights_bytes(arch, four_bit),
+                    f"estimated from the architecture ({'4-bit' if four_bit else 'bf16'} weights; {why})")

@@ -626,22 +626,62 @@ def format_status(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plan_command(recipe_path: str, overrides: list[str], gpus: Optional[str], tokens: Optional[int], as_json: bool) -> int:
-    """`ftrun plan`: size the job for this box (or --gpus), light and fast; exit 0 when it fits."""
-    from .plan import format_plan
+def plan_command(recipe_path: str, overrides: list[str], gpus: Optional[str], tokens: Optional[str], as_json: bool,
+                 price: Optional[float] = None) -> int:
+    """`ftrun plan`: size the job for --gpus, else this machine's GPUs, else the recipe's box:, else this CPU
+    machine; exit 0 when it fits. With --json, stdout is JSON whatever happens: the plan, the plan that does
+    not fit (fits: false, with its reasons and options), or {"fits": null, "error": ...}."""
+    from .errors import FtrunError, PlanError
+
+    try:
+        return _plan_command(recipe_path, overrides, gpus, tokens, as_json, price)
+    except PlanError as exc:
+        if not as_json or getattr(exc, "plan", None) is None:
+            raise
+        print(json.dumps(exc.plan.to_dict(), indent=2))
+        return exc.exit_code
+    except FtrunError as exc:
+        if not as_json:
+            raise
+        print(json.dumps({"fits": None, "error": exc.kind, "message": exc.message, "fix": exc.fix}, indent=2))
+        return exc.exit_code
+
+
+def _plan_command(recipe_path: str, overrides: list[str], gpus: Optional[str], tokens: Optional[str], as_json: bool,
+                  price: Optional[float]) -> int:
+    import importlib.util
+
+    from . import hardware as hw
+    from .plan import format_plan, make_plan as plan_job
+    from .recipe import parse_token_count
 
     recipe = load_recipe(recipe_path, overrides)
+    notes = []
+    if importlib.util.find_spec("trl") is not None:
+        check_trainer_fields(recipe)  # an unknown trainer: field fails here, not after the smoke test started
+    elif recipe.trainer:
+        notes.append("trainer: fields not checked: trl is not installed here (pip install 'ftrun[train]')")
+    count = parse_token_count(tokens, "--tokens") if tokens is not None else None
     stats = None
-    if tokens is None:
-        if not Path(recipe.data).is_file():
-            raise UsageError(f"data file {recipe.data} is not on this box, so ftrun cannot count its tokens",
-                             fix="give the number of training tokens per epoch with --tokens, e.g. --tokens 5M.")
-        _, _, stats = data_stats(recipe)
+    if count is None:
+        missing = [] if Path(recipe.data).is_file() else [recipe.data]
+        if not missing:
+            _, _, stats = data_stats(recipe)
+        elif recipe.tokens is not None:
+            count = recipe.tokens
+            notes.append(f"data {', '.join(missing)} is not on this machine: time and cost use the recipe's "
+                         f"tokens: {recipe.tokens:,}")
+        else:
+            notes.append(f"data {', '.join(missing)} is not on this machine and no token count was given: memory "
+                         "is planned, time and cost are not; add `tokens: 15M` to the recipe or pass --tokens 15M")
     smoke = None
     run = RunDir(Path(recipe.output_dir))
     if run.smoke.is_file() and gpus is None:  # this run's measurements, on the recipe as the smoke test adjusted it
         smoke = json.loads(run.smoke.read_text())
         recipe = with_adjustments(run, recipe)
-    plan = make_plan(recipe, stats, gpus=gpus, tokens=tokens, smoke=smoke)
+    box, why = hw.for_plan(gpus, recipe.box)
+    plan = plan_job(recipe, box, data_stats=stats, tokens=count, smoke=smoke, price=price, box_reason=why,
+                    tokens_from="--tokens" if tokens is not None else "the recipe's tokens:")
+    plan.notes[:0] = notes
     print(json.dumps(plan.to_dict(), indent=2) if as_json else format_plan(plan))
     return 0

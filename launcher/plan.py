@@ -7,11 +7,15 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from . import sizing
-from .errors import PlanError
+from . import llamacpp, sizing
+from .errors import MissingSoftware, PlanError
 from .hardware import Hardware, catalog, catalog_box
 from .models import Architecture, load_architecture
+from .recipe import TOKENS_MEANING
 from .sizing import Workload
+
+# The one memory unit of every figure the plan shows, said once (JSON "units", the text's last line).
+UNIT = "GB = 2**30 bytes (GiB), as nvidia-smi and card names count: an RTX 4090 is 24 GB, an H100 80 GB"
 
 # The article: "more cards when a run on one card would take longer than a working day".
 WORKDAY_HOURS = 8.0
@@ -37,7 +41,7 @@ class Plan:
     memory: dict[str, Any]
     tokens: dict[str, Any]
     estimate: dict[str, Any]  # {hours, cost_eur}
-    price_per_hour_eur: float
+    price_per_hour_eur: float | None  # the whole box; None when no price is known
     total_steps: int
     micro_batch_size: int
     gradient_accumulation_steps: int
@@ -48,10 +52,13 @@ class Plan:
     hardware: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     offload_params: bool = False  # FSDP keeps the parameter shards in CPU RAM (backends/fsdp.py: fsdp_offload_params)
+    refusal: dict[str, Any] = field(default_factory=dict)  # when fits is False: message, why, missing, options
+    cheapest_rental: dict[str, Any] | None = None  # the catalog box that runs the job for the least money
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "fits": self.fits,
+            "units": UNIT,
             "engine": self.engine,
             "device": self.device,
             "num_processes": self.num_processes,
@@ -72,6 +79,8 @@ class Plan:
             "hardware": dict(self.hardware),
             "notes": list(self.notes),
             "offload_params": self.offload_params,
+            "refusal": dict(self.refusal) if self.refusal else None,
+            "cheapest_rental": dict(self.cheapest_rental) if self.cheapest_rental else None,
         }
 
 
@@ -103,7 +112,8 @@ class Job:
                         self.lora_r, self.lora_targets, engine, num_gpus, device, offload)
 
 
-def _job(recipe: Any, arch: Architecture, data_stats: Any, tokens: float | None) -> tuple[Job, list[str]]:
+def _job(recipe: Any, arch: Architecture, data_stats: Any, tokens: float | None,
+         tokens_from: str = "--tokens") -> tuple[Job, list[str]]:
     notes = []
     max_length = recipe.max_length
     examples = None
@@ -119,7 +129,7 @@ def _job(recipe: Any, arch: Architecture, data_stats: Any, tokens: float | None)
         longest = max_length
         mean = min(ASSUMED_MEAN_TOKENS, max_length)
         per_epoch = None
-        source = "--tokens" if tokens else "unknown"
+        source = tokens_from if tokens else "unknown"
     seq_len = max_length if recipe.packing else longest
     if recipe.packing:
         mean_seq = max_length  # packed sequences are full
@@ -176,6 +186,7 @@ class Choice:
     refusal: str = ""  # why it does not fit, when fits is False
     offload_params: bool = False  # FSDP parameter offload to CPU RAM
     load_hours: float = 0.0  # loading before the first step, included in hours
+    missing: str = ""  # a package this machine lacks (never "does not fit": the fix is an install)
 
 
 def _unsloth_installed() -> bool:
@@ -258,9 +269,9 @@ def _choose_cpu_multi(job: Job, hw: Hardware, engine: str, processes: int | None
         return Choice(False, engine, "cpu", n, None, capacity, reasons,
                       refusal=f"{n} gloo processes need at least {n} CPU cores, this box has {hw.cpu_count}")
     if engine == "deepspeed" and not _deepspeed_installed():
-        return Choice(False, engine, "cpu", n, None, capacity, reasons,
-                      refusal="engine: deepspeed needs DeepSpeed: pip install 'ftrun[deepspeed]' "
-                              "(DS_BUILD_OPS=0 on a box without CUDA)")
+        return Choice(False, engine, "cpu", n, None, capacity, reasons, missing="deepspeed",
+                      refusal="engine: deepspeed needs DeepSpeed, which is not installed here: pip install "
+                              "'ftrun[deepspeed]' (DS_BUILD_OPS=0 on a box without CUDA)")
     w = job.workload("trl", 1, "cpu")
     est = sizing.memory(job.arch, w)
     # The processes share the box's cores, so the box's throughput is about one process's.
@@ -287,8 +298,9 @@ def _choose_cpu_unsloth(job: Job, hw: Hardware, unsloth_ok: bool, processes: int
         return Choice(False, "unsloth", "cpu", 1, None, capacity, reasons,
                       refusal=f"engine: unsloth trains LoRA/QLoRA only; method is {job.method}")
     if not unsloth_ok:
-        return Choice(False, "unsloth", "cpu", 1, None, capacity, reasons, refusal=UNSLOTH_MISSING + " (Unsloth needs "
-                      "an NVIDIA GPU for real runs; on a CPU it is allowed only where it is installed, to test the engine)")
+        return Choice(False, "unsloth", "cpu", 1, None, capacity, reasons, missing="unsloth",
+                      refusal=UNSLOTH_MISSING + " (Unsloth needs an NVIDIA GPU for real runs; on a CPU it is allowed "
+                      "only where it is installed, to test the engine)")
     if processes is not None and processes > 1:
         return Choice(False, "unsloth", "cpu", processes, None, capacity, reasons,
                       refusal=f"engine: unsloth is one process, num_processes is {processes}; use engine: ddp")
@@ -307,23 +319,31 @@ def _choose_cpu_unsloth(job: Job, hw: Hardware, unsloth_ok: bool, processes: int
 
 
 # Unsloth pins older transformers/trl/datasets than ftrun's default stack: its own environment (docs/engines.md).
-UNSLOTH_MISSING = ("engine: unsloth is impossible here: Unsloth is not installed in this environment. Unsloth pins "
-                   "transformers<=5.17, trl<=1.15 and datasets<5.0, so it lives in its own virtual environment: "
-                   "python3 -m venv .venv-unsloth && .venv-unsloth/bin/pip install 'ftrun[train,unsloth]' (scripts/test.sh "
-                   "--unsloth builds it here), then run ftrun from that environment; or set engine: trl")
+UNSLOTH_FIX = ("Unsloth pins transformers<=5.17, trl<=1.15 and datasets<5.0, so it lives in its own virtual environment: "
+               "python3 -m venv .venv-unsloth && .venv-unsloth/bin/pip install 'ftrun[train,unsloth]' (scripts/test.sh "
+               "--unsloth builds it here), then run ftrun from that environment; ftrun's Docker image (docker/) has it")
+UNSLOTH_MISSING = ("engine: unsloth needs Unsloth, which is not installed in this environment. " + UNSLOTH_FIX +
+                   "; or set engine: trl")
+# What a box named for planning (--gpus, the recipe's box:) runs: ftrun's Docker image, docker/requirements.txt.
+IMAGE_SOFTWARE = "ftrun's Docker image (docker/requirements.txt: Unsloth, DeepSpeed, bitsandbytes)"
+# Minutes a rented box needs before the download: start, image pull or pip install (the article: 5-10 min for
+# install and model download together).
+SETUP_MINUTES = 5.0
 
 
 def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = False,
-           workday_hours: float = WORKDAY_HOURS, processes: int | None = None, nnodes: int = 1) -> Choice:
-    """The article's rules: one card if it fits; DDP when one card takes longer than a working day;
-    sharding when no card holds the job; otherwise refuse. `processes` (recipe num_processes) is
-    honoured or refused with the reason."""
+           workday_hours: float = WORKDAY_HOURS, processes: int | None = None, nnodes: int = 1,
+           in_hand: bool = True) -> Choice:
+    """The engine and card count for this box. `in_hand`: the box is the one being planned, billed whole, so
+    its cards are used (DDP) whenever that is faster than one card; otherwise (choosing a box to rent) the
+    article's rules: one card if it fits, DDP when one card takes longer than a working day. Sharding when
+    no card holds the job; otherwise refuse. `processes` (recipe num_processes) is honoured or refused."""
     if hw.is_cpu_only and forced == "unsloth":
         return _choose_cpu_unsloth(job, hw, unsloth_ok, processes)
     if hw.is_cpu_only:
         return _choose_cpu(job, hw, forced, processes, nnodes)
     if processes is not None:
-        return _choose_gpu_count(job, hw, forced, unsloth_ok, workday_hours, processes)
+        return _choose_gpu_count(job, hw, forced, unsloth_ok, workday_hours, processes, in_hand)
     g = hw.gpu
     cap = g.memory_gb
     n = hw.count
@@ -336,14 +356,17 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
         return Choice(False, "unsloth", "cuda", 1, None, cap, [], refusal="engine: unsloth trains LoRA/QLoRA only; "
                       f"method is {job.method}")
     if forced == "unsloth" and not unsloth_ok:
-        return Choice(False, "unsloth", "cuda", 1, None, cap, [], refusal=UNSLOTH_MISSING + " (Unsloth also needs "
-                      "a GPU of compute capability 7.0 or newer)")
+        return Choice(False, "unsloth", "cuda", 1, None, cap, [], missing="unsloth", refusal=UNSLOTH_MISSING +
+                      " (Unsloth also needs a GPU of compute capability 7.0 or newer)")
     if forced in ("ddp", *SHARDING_ENGINES) and n * nnodes < 2:
         what = "DDP copies the model to every card to train on more data at once"
         if forced in SHARDING_ENGINES:
             what = f"{forced} shards the model over several cards"
+        two = sizing.memory(job.arch, job.workload(forced, 2, "cuda"))
+        bigger = (f", or plan for a box of two with --gpus 2x{g.name} ({two.peak_gb:.1f} GB per card)"
+                  if _fits(two, cap) else "")
         return Choice(False, forced, "cuda", 1, None, cap, [], refusal=f"engine: {forced} needs 2 or more GPUs and "
-                      f"this box has one ({what}); use engine: auto or trl, or plan for a bigger box with --gpus 2x{g.name}")
+                      f"this box has one ({what}); use engine: auto or trl{bigger}")
 
     single_engine = "trl"
     if forced in ("unsloth", "trl"):
@@ -354,40 +377,57 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
     one = sizing.memory(job.arch, job.workload(single_engine, 1, "cuda"))
     fits_one = _fits(one, cap)
     if forced == "auto" and lora and not unsloth_ok:
-        reasons.append("Unsloth not installed: TRL on one GPU (Unsloth would need less memory and run ~1.4x faster)")
+        reasons.append("Unsloth not installed on this machine: TRL on one GPU (Unsloth would need less memory and run "
+                       "~1.4x faster; " + UNSLOTH_FIX + ")")
 
     if fits_one and forced in ("auto", "unsloth", "trl", "ddp"):
         w1 = job.workload(single_engine, 1, "cuda")
         tps1, hrs1 = _hours(job, w1, hw, 1)
         spare = cap - one.per_gpu_gb
         fit_reason = f"fits one card: needs {one.per_gpu_gb:.1f} GB of {cap:.1f} GB ({spare:.1f} GB spare)"
-        want_ddp = forced == "ddp" or (forced == "auto" and n > 1 and hrs1 is not None and hrs1 > workday_hours)
+        long_day = hrs1 is not None and hrs1 > workday_hours
+        want_ddp = forced == "ddp" or (forced == "auto" and n > 1 and (in_hand or long_day))
         if want_ddp and n > 1:
             wd = job.workload("ddp", n, "cuda")
             est = sizing.memory(job.arch, wd)
-            if _fits(est, cap):
-                tps, hrs = _hours(job, wd, hw, n)
+            tps, hrs = _hours(job, wd, hw, n)
+            faster = tps > tps1
+            if _fits(est, cap) and (faster or forced == "ddp"):
                 speed = sizing.scaling(n, hw.interconnect)
-                why = ("forced by the recipe" if forced == "ddp" else
-                       f"one card would take {_fmt_hours(hrs1)}, longer than a working day ({workday_hours:g} h)")
+                if forced == "ddp":
+                    why = "forced by the recipe"
+                elif in_hand:
+                    why = (f"the box is billed whole, so its {n} cards cost no more per hour than one: "
+                           f"{_fmt_hours(hrs) if hrs is not None else 'time unknown'} instead of "
+                           f"{_fmt_hours(hrs1) if hrs1 is not None else 'time unknown'} on one card with {n - 1} idle "
+                           f"({single_engine}), so less time and less money")
+                else:
+                    why = f"one card would take {_fmt_hours(hrs1)}, longer than a working day ({workday_hours:g} h)"
                 link = ("NVLink" if hw.interconnect == "nvlink" else
                         "PCIe: cards talk over PCIe, which scales worse than NVLink")
                 reasons += [fit_reason, f"engine ddp over {n} GPUs: {why}; ~{speed:.1f}x one card ({link})",
                             f"DDP keeps a full copy per card: {est.per_gpu_gb:.1f} GB per card"]
                 return Choice(True, "ddp", "cuda", n, est, cap, reasons, tps, hrs)
-            reasons.append(f"DDP would need {est.per_gpu_gb:.1f} GB per card (gradient buckets): staying on one card")
+            if not _fits(est, cap):
+                reasons.append(f"DDP would need {est.per_gpu_gb:.1f} GB per card (gradient buckets): staying on one card")
+            else:
+                reasons.append(f"DDP over {n} cards ({tps:,.0f} tokens/s) would be slower than {single_engine} on one "
+                               f"card ({tps1:,.0f} tokens/s): staying on one card")
             if forced == "ddp":
                 return Choice(False, "ddp", "cuda", n, est, cap, reasons, refusal=f"engine: ddp needs "
                               f"{est.per_gpu_gb:.1f} GB per card, the cards have {cap:.1f} GB")
-        engine_reason = {"unsloth": "engine unsloth: LoRA/QLoRA on one card, Unsloth installed (fastest, least memory)",
+        engine_reason = {"unsloth": "engine unsloth: LoRA/QLoRA on one card with Unsloth (fastest, least memory)",
                          "trl": "engine trl on one GPU"}[single_engine]
         if forced in ("unsloth", "trl"):
             engine_reason += " (forced by the recipe)"
         reasons += [fit_reason, engine_reason]
-        if n > 1:
+        if n > 1 and not in_hand:
             reasons.append(f"the box has {n} cards; {n - 1} stay idle because one card finishes within a working day "
                            f"({_fmt_hours(hrs1) if hrs1 else 'time unknown'}); a 1-card box costs 1/{n} per hour, "
                            "or force engine: ddp")
+        elif n > 1:
+            reasons.append(f"the box has {n} cards; {n - 1} stay idle (billed all the same): rent a 1-card box "
+                           f"for this job instead, it costs 1/{n} per hour")
         return Choice(True, single_engine, "cuda", 1, one, cap, reasons, tps1, hrs1)
 
     if forced in ("unsloth", "trl", "ddp"):
@@ -464,15 +504,15 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
 
 
 def _choose_gpu_count(job: Job, hw: Hardware, forced: str, unsloth_ok: bool, workday_hours: float,
-                      processes: int) -> Choice:
+                      processes: int, in_hand: bool = True) -> Choice:
     """The engine choice on `processes` of the box's cards; refused when the rules need another count."""
     if processes > hw.count:
         return Choice(False, forced, "cuda", processes, None, hw.gpu.memory_gb, [],
                       refusal=f"num_processes={processes} needs {processes} GPUs, this box has {hw.count}")
     used = replace(hw, gpus=hw.gpus[:processes])
-    c = choose(job, used, forced, unsloth_ok, workday_hours)
+    c = choose(job, used, forced, unsloth_ok, workday_hours, in_hand=in_hand)
     if c.fits and c.processes != processes and forced == "auto" and processes > 1:
-        c = choose(job, used, "ddp", unsloth_ok, workday_hours)  # a count > 1 asks for several processes
+        c = choose(job, used, "ddp", unsloth_ok, workday_hours, in_hand=in_hand)  # a count > 1 asks for several
     if c.fits and c.processes != processes:
         return Choice(False, c.engine, "cuda", processes, c.estimate, c.capacity_gb, c.reasons,
                       refusal=f"num_processes={processes}: engine {c.engine} runs {c.processes} process(es) here")
@@ -493,37 +533,49 @@ def _box_rows(job: Job, forced: str, unsloth_ok: bool, workday_hours: float) -> 
         for count in BOX_SIZES:
             hw = catalog_box(name, count)
             c = choose(job, hw, forced="auto" if forced == "auto" else forced, unsloth_ok=unsloth_ok,
-                       workday_hours=workday_hours)
+                       workday_hours=workday_hours, in_hand=False)
             if not c.fits:
                 continue
             # A box whose extra cards stay idle is never a sensible alternative.
             if count > 1 and c.processes == 1:
                 continue
-            price = entry.price_per_hour_eur * count
+            price = entry.price_per_hour_eur * count if entry.price_per_hour_eur is not None else None
             rows.append({
                 "gpus": f"{count}x{name}",
                 "engine": c.engine,
-                "per_gpu_gb": round(c.estimate.per_gpu_gb, 1),
+                "per_gpu_gb": round(c.estimate.peak_gb, 1),
+                "card_gb": round(entry.memory_gb, 1),
                 "tokens_per_second": round(c.tokens_per_second),
                 "hours": round(c.hours, 2) if c.hours is not None else None,
-                "cost_eur": round(c.hours * price, 2) if c.hours is not None else None,
-                "price_per_hour_eur": round(price, 2),
+                "cost_eur": round(c.hours * price, 2) if c.hours is not None and price is not None else None,
+                "price_per_hour_eur": round(price, 2) if price is not None else None,
             })
     return rows
 
 
+def _by_cost(r: dict[str, Any]) -> tuple[float, float]:
+    """Cheapest first (by the run's cost, else by the hour); boxes without a known price last."""
+    money = r["cost_eur"] if r["cost_eur"] is not None else r["price_per_hour_eur"]
+    return (money if money is not None else math.inf, r["hours"] if r["hours"] is not None else math.inf)
+
+
 def _pick_alternatives(rows: list[dict[str, Any]], limit: int = 6) -> list[dict[str, Any]]:
+    """Boxes that hold the job (rows only holds those): the cheapest, and the two fastest."""
     if not rows:
         return []
-    if rows[0]["hours"] is None:  # no token count: order by price
-        return sorted(rows, key=lambda r: r["price_per_hour_eur"])[:limit]
-    by_cost = sorted(rows, key=lambda r: (r["cost_eur"], r["hours"]))
-    by_time = sorted(rows, key=lambda r: (r["hours"], r["cost_eur"]))
+    by_cost = sorted(rows, key=_by_cost)
+    by_time = sorted(rows, key=lambda r: (r["hours"] if r["hours"] is not None else math.inf, _by_cost(r)))
     picked: list[dict[str, Any]] = []
-    for r in by_cost[: limit - 2] + by_time[:2]:
+    for r in by_cost[: limit - 2] + (by_time[:2] if rows[0]["hours"] is not None else by_cost[limit - 2: limit]):
         if r not in picked:
             picked.append(r)
-    return sorted(picked, key=lambda r: (r["cost_eur"], r["hours"]))[:limit]
+    return sorted(picked, key=_by_cost)[:limit]
+
+
+def cheapest_rental(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The catalog box with a known price that runs the job for the least money (by the hour without a token count)."""
+    priced = [r for r in rows if r["price_per_hour_eur"] is not None]
+    return min(priced, key=_by_cost) if priced else None
 
 
 def _fixes_here(job: Job, hw: Hardware, forced: str, unsloth_ok: bool, workday_hours: float) -> list[str]:
@@ -557,55 +609,126 @@ def _fixes_here(job: Job, hw: Hardware, forced: str, unsloth_ok: bool, workday_h
 
 def make_plan(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: float | None = None,
               unsloth_available: bool | None = None, smoke: dict[str, Any] | None = None,
-              workday_hours: float = WORKDAY_HOURS, arch: Architecture | None = None, nnodes: int = 1) -> Plan:
-    """Size the recipe's job for this box; PlanError (with concrete options in .fix) when nothing fits."""
+              workday_hours: float = WORKDAY_HOURS, arch: Architecture | None = None, nnodes: int = 1,
+              price: float | None = None, box_reason: str | None = None, allow_network: bool = True,
+              tokens_from: str = "--tokens") -> Plan:
+    """Size the recipe's job for this box. When nothing fits: PlanError (concrete options in .fix, the whole
+    no-fit plan in .plan); when it needs software this machine lacks: MissingSoftware (the install in .fix)."""
+    plan = plan_for(recipe, hardware, data_stats, tokens, unsloth_available, smoke, workday_hours, arch, nnodes,
+                    price, box_reason, allow_network, tokens_from)
+    if not plan.fits:
+        missing = plan.refusal.get("missing")
+        err_type = MissingSoftware if missing else PlanError
+        err = err_type(plan.refusal["message"], fix="\n  - " + "\n  - ".join(plan.refusal["options"]))
+        err.plan = plan
+        raise err
+    return plan
+
+
+def _software(hardware: Hardware, unsloth_available: bool | None) -> tuple[bool, str]:
+    """Whether Unsloth can be used, and the plan's line about the software it assumes."""
+    if unsloth_available is not None:
+        return unsloth_available, f"software: Unsloth {'available' if unsloth_available else 'not available'} (given)"
+    if not hardware.is_cpu_only and not hardware.is_this_machine:
+        return True, (f"software: planned with {IMAGE_SOFTWARE}, what a rented box runs; not this machine's "
+                      "installation")
+    here = _unsloth_installed()
+    return here, ("software: as installed on this machine (Unsloth " + ("installed" if here else "not installed")
+                  + ")")
+
+
+def _price(recipe: Any, hardware: Hardware, price: float | None) -> tuple[float | None, str]:
+    if price is not None:
+        return price, "--price"
+    if recipe.price_per_hour_eur is not None:
+        return recipe.price_per_hour_eur, "recipe price_per_hour_eur"
+    if hardware.is_cpu_only:
+        return 0.0, "a CPU box, no GPU price"
+    if hardware.price_per_hour_eur is not None:
+        return hardware.price_per_hour_eur, f"catalog: {hardware.count} x {hardware.gpu.name}"
+    return None, "unknown"
+
+
+def _download(recipe: Any, arch: Architecture, engine: str, allow_network: bool) -> tuple[Any, list[str]]:
+    """What the run downloads, and the plan's lines about it (which 4-bit repository, and why)."""
+    from .backends.unsloth import prequantized_repo
+    from .models import download_size
+
+    repo = prequantized_repo(recipe.model, recipe.method)
+    lines = []
+    if repo and engine == "unsloth":
+        got = download_size(recipe.model, arch, repo, allow_network)
+        lines.append(f"weights: the pre-quantized 4-bit repository {repo} instead of {recipe.model} (same model, "
+                     "NF4 already: about a quarter of the download, no quantization at load)")
+        return got, lines
+    got = download_size(recipe.model, arch, None, allow_network)
+    if repo:
+        lines.append(f"weights: {recipe.model} in 16-bit, quantized to 4 bits while loading ({engine} loads the "
+                     f"recipe's model); the pre-quantized {repo} is about a quarter of the download: "
+                     f"model={repo} to use it")
+    return got, lines
+
+
+def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: float | None = None,
+             unsloth_available: bool | None = None, smoke: dict[str, Any] | None = None,
+             workday_hours: float = WORKDAY_HOURS, arch: Architecture | None = None, nnodes: int = 1,
+             price: float | None = None, box_reason: str | None = None, allow_network: bool = True,
+             tokens_from: str = "--tokens") -> Plan:
+    """The plan, fitting or not (Plan.fits False: the memory needed, the reasons, the options in .refusal)."""
     arch = arch or load_architecture(recipe.model)
-    unsloth_ok = _unsloth_installed() if unsloth_available is None else unsloth_available
-    job, notes = _job(recipe, arch, data_stats, tokens)
+    unsloth_ok, software = _software(hardware, unsloth_available)
+    job, notes = _job(recipe, arch, data_stats, tokens, tokens_from)
+    notes += llamacpp.plan_check(recipe, this_box=hardware.source == "detected")  # each requested output can be made
     forced = recipe.engine
     wanted = None if recipe.num_processes == "auto" else int(recipe.num_processes)
     choice = choose(job, hardware, forced, unsloth_ok, workday_hours, processes=wanted, nnodes=nnodes)
-    rows = _box_rows(job, forced if forced in ("auto", *SHARDING_ENGINES) else "auto", unsloth_ok, workday_hours)
+    rows = _box_rows(job, forced if forced in ("auto", *SHARDING_ENGINES) else "auto", True, workday_hours)
     alternatives = _pick_alternatives(rows)
-
-    if not choice.fits:
-        raise PlanError(_refusal_message(job, hardware, choice), fix=_refusal_fix(job, hardware, forced, unsloth_ok,
-                                                                               workday_hours, rows))
+    g = hardware.gpu
+    box = [f"box: {box_reason}"] if box_reason else []
+    head = [f"model {arch.name}: {_fmt_tokens(arch.params)} params ({arch.source})"] + box + [software]
 
     est = choice.estimate
+    if not choice.fits:
+        options = ([] if choice.missing else _refusal_options(job, hardware, forced, unsloth_ok, workday_hours, rows))
+        if choice.missing:
+            options = [f"install {choice.missing} on this machine (the fix is above), or plan for a rented box with "
+                       f"--gpus, which assumes {IMAGE_SOFTWARE}"]
+        message = (_missing_message(job, choice) if choice.missing else _refusal_message(job, hardware, choice))
+        return Plan(
+            fits=False, engine=choice.engine, device=choice.device, num_processes=choice.processes,
+            gpus=_gpus_dict(hardware, choice), model=_model_dict(arch, est), method=job.method,
+            memory=_memory_dict(est, choice, {}) if est else {"capacity_gb": round(choice.capacity_gb, 1)},
+            tokens={"training_tokens": job.training_tokens, "source": job.tokens_source, "seq_len": job.seq_len},
+            estimate={"hours": choice.hours, "cost_eur": None}, price_per_hour_eur=None, total_steps=0,
+            micro_batch_size=job.micro_batch, gradient_accumulation_steps=job.accumulation, checkpoint_every_steps=0,
+            reasons=head + choice.reasons, alternatives=alternatives, hardware=hardware.to_dict(),
+            notes=notes + list(hardware.notes), offload_params=choice.offload_params,
+            refusal={"message": message, "why": choice.refusal, "missing": choice.missing or None, "options": options},
+            cheapest_rental=cheapest_rental(rows))
+
     steps, training = _steps_and_tokens(job, choice.processes)
     tps = choice.tokens_per_second
-    reasons = [f"model {arch.name}: {_fmt_tokens(arch.params)} params ({arch.source})"] + choice.reasons
-    if choice.engine == "unsloth":
-        from .backends.unsloth import plan_reason
-
-        reasons += [r for r in [plan_reason(recipe.model, recipe.method)] if r]
+    reasons = head + choice.reasons
+    download, download_lines = _download(recipe, arch, choice.engine, allow_network and choice.device == "cuda")
+    reasons += download_lines
     measured: dict[str, Any] = {}
-    per_gpu = est.per_gpu_gb
     if smoke:
         applied = _apply_smoke(smoke, choice)
         measured = applied["measured"]
         notes += applied["notes"]
         tps = measured.get("tokens_per_second", tps)
-        per_gpu = measured.get("peak_memory_gb", per_gpu)
     if training is None:
         hrs = None
-        reasons.append("time and cost unknown: no data statistics and no --tokens")
+        reasons.append("time and cost unknown: " + _no_tokens_hint(recipe))
     else:
         hrs = sizing.hours(training, tps) + choice.load_hours  # loading that the smoke test does not measure
-    if hardware.is_cpu_only:
-        price = recipe.price_per_hour_eur if recipe.price_per_hour_eur is not None else 0.0
-        price_src = "recipe price_per_hour_eur" if recipe.price_per_hour_eur is not None else "a CPU box, no GPU price"
-    elif recipe.price_per_hour_eur is not None:
-        price, price_src = recipe.price_per_hour_eur, "recipe price_per_hour_eur"
-    elif hardware.price_per_hour_eur is not None:
-        price, price_src = hardware.price_per_hour_eur, f"catalog: {hardware.count} x {hardware.gpu.name}"
-    else:
-        price, price_src = 0.0, "unknown GPU: set price_per_hour_eur in the recipe"
-        notes.append("GPU price unknown: cost shown as 0; set price_per_hour_eur in the recipe")
-    cost = hrs * price if hrs is not None else None
+    box_price, price_src = _price(recipe, hardware, price)
+    if box_price is None:
+        notes.append(f"no price known for {hardware.gpu.name}: cost not shown; give the box's price with "
+                     "--price EUR/h (or price_per_hour_eur in the recipe)")
+    cost = hrs * box_price if hrs is not None and box_price is not None else None
     kind = "measured by the smoke test" if "tokens_per_second" in measured else "estimated"
-    g = hardware.gpu
     precision = sizing.training_precision(choice.device, g.compute_capability if g else None)
     if precision == "fp16":
         cc = ".".join(map(str, g.compute_capability))
@@ -616,47 +739,46 @@ def make_plan(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: f
                        f"cores (they start at 8.0); {rate}")
         kind += ", fp16"
     if hrs is not None:
-        reasons.append(f"time: {training / 1e6:.2f}M training tokens / {tps:,.0f} tokens/s ({kind}) = {_fmt_hours(hrs)}; "
-                       f"cost at {price:.2f} EUR/h ({price_src}) = {cost:.2f} EUR")
+        money = (f"cost at {box_price:.2f} EUR/h ({price_src}) = {cost:.2f} EUR" if cost is not None
+                 else "cost unknown (no price: --price EUR/h)")
+        reasons.append(f"time: {training / 1e6:.2f}M training tokens / {tps:,.0f} tokens/s ({kind}) = "
+                       f"{_fmt_hours(hrs)}; {money}")
+    setup_hours = None
+    if choice.device == "cuda":
+        setup_hours = SETUP_MINUTES / 60 + download.seconds() / 3600
     step_seconds = (job.micro_batch * job.accumulation * choice.processes * job.mean_tokens) / tps if tps else 0
     every = max(1, round(recipe.checkpoint_every_minutes * 60 / step_seconds)) if step_seconds else 1
     if steps:
         every = min(every, steps)
+    total_hours = hrs + setup_hours if hrs is not None and setup_hours is not None else hrs
+    rental = cheapest_rental(rows)
 
     return Plan(
         fits=True,
         engine=choice.engine,
         device=choice.device,
         num_processes=choice.processes,
-        gpus={"name": g.name if g else "cpu", "count": choice.processes if g else 0,
-              "memory_gb": round(g.memory_gb, 1) if g else round(hardware.ram_gb, 1),
-              "box_count": hardware.count, "interconnect": hardware.interconnect},
-        model={"name": arch.name, "params": arch.params, "trainable_params": est.trainable_params,
-               "source": arch.source, "layers": arch.layers, "hidden": arch.hidden, "vocab": arch.vocab},
+        gpus=_gpus_dict(hardware, choice),
+        model=_model_dict(arch, est),
         method=job.method,
-        memory={
-            "per_gpu_gb": round(per_gpu, 1),
-            "estimated_per_gpu_gb": round(est.per_gpu_gb, 1),
-            "total_gb": round(est.total_gb, 1),
-            "capacity_gb": round(choice.capacity_gb, 1),
-            "breakdown_gb": {k: round(v, 2) for k, v in est.breakdown_gb.items()},
-            "explanations": dict(est.explanations),
-            "offloaded_ram_gb": round(est.offloaded_ram_gb, 1),
-            "offloaded_params_gb": round(est.offloaded_params_gb, 1),
-            "load_peak_gb": round(est.load_peak_gb, 1),
-            "load_ram_gb": round(est.load_ram_gb, 1),
-            "load_explanation": est.load_explanation,
-            "source": "measured" if "peak_memory_gb" in measured else "estimated",
-        },
+        memory=_memory_dict(est, choice, measured),
         tokens={"training_tokens": int(training) if training is not None else None,
+                "meaning": TOKENS_MEANING,
                 "tokens_per_second": round(tps, 1),
                 "estimated_tokens_per_second": round(choice.tokens_per_second, 1),
                 "seq_len": job.seq_len, "mean_tokens": round(job.mean_tokens, 1),
                 "source": job.tokens_source, "precision": precision,
                 "tokens_per_second_source": "measured" if "tokens_per_second" in measured else "estimated"},
         estimate={"hours": round(hrs, 3) if hrs is not None else None,
-                  "cost_eur": round(cost, 2) if cost is not None else None},
-        price_per_hour_eur=round(price, 2),
+                  "cost_eur": round(cost, 2) if cost is not None else None,
+                  "setup_hours": round(setup_hours, 3) if setup_hours is not None else None,
+                  "setup": ({"minutes": SETUP_MINUTES, "what": "box start and image pull or pip install"}
+                            if setup_hours is not None else None),
+                  "download": download.to_dict() if choice.device == "cuda" else None,
+                  "total_hours": round(total_hours, 3) if total_hours is not None else None,
+                  "total_cost_eur": (round(total_hours * box_price, 2)
+                                     if total_hours is not None and box_price is not None else None)},
+        price_per_hour_eur=round(box_price, 2) if box_price is not None else None,
         total_steps=steps,
         micro_batch_size=job.micro_batch,
         gradient_accumulation_steps=job.accumulation,
@@ -667,7 +789,46 @@ def make_plan(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: f
         hardware=hardware.to_dict(),
         notes=notes + list(hardware.notes),
         offload_params=choice.offload_params,
+        cheapest_rental=rental,
     )
+
+
+def _no_tokens_hint(recipe: Any) -> str:
+    return (f"the data file {recipe.data} is not on this machine and no token count was given: add `tokens: 15M` to "
+            f"the recipe or pass --tokens 15M ({TOKENS_MEANING})")
+
+
+def _gpus_dict(hardware: Hardware, choice: Choice) -> dict[str, Any]:
+    g = hardware.gpu
+    return {"name": g.name if g else "cpu", "count": choice.processes if g else 0,
+            "memory_gb": round(g.memory_gb, 1) if g else round(hardware.ram_gb, 1),
+            "box_count": hardware.count, "interconnect": hardware.interconnect, "source": hardware.source}
+
+
+def _model_dict(arch: Architecture, est: Any) -> dict[str, Any]:
+    return {"name": arch.name, "params": arch.params, "trainable_params": est.trainable_params if est else None,
+            "source": arch.source, "layers": arch.layers, "hidden": arch.hidden, "vocab": arch.vocab}
+
+
+def _memory_dict(est: Any, choice: Choice, measured: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "unit": UNIT,
+        "per_gpu_gb": round(measured.get("peak_memory_gb", est.per_gpu_gb), 1),
+        "estimated_per_gpu_gb": round(est.per_gpu_gb, 1),
+        "peak_gb": round(est.peak_gb, 1),
+        "total_gb": round(est.total_gb, 1),
+        "capacity_gb": round(choice.capacity_gb, 1),
+        "usable_gb": round(choice.capacity_gb * (sizing.USABLE_FRACTION if choice.device == "cuda"
+                                                 else sizing.USABLE_RAM_FRACTION), 1),
+        "breakdown_gb": {k: round(v, 2) for k, v in est.breakdown_gb.items()},
+        "explanations": dict(est.explanations),
+        "offloaded_ram_gb": round(est.offloaded_ram_gb, 1),
+        "offloaded_params_gb": round(est.offloaded_params_gb, 1),
+        "load_peak_gb": round(est.load_peak_gb, 1),
+        "load_ram_gb": round(est.load_ram_gb, 1),
+        "load_explanation": est.load_explanation,
+        "source": "measured" if "peak_memory_gb" in measured else "estimated",
+    }
 
 
 def _apply_smoke(smoke: dict[str, Any], choice: Choice) -> dict[str, Any]:
@@ -693,14 +854,20 @@ def _refusal_message(job: Job, hw: Hardware, c: Choice) -> str:
     return f"{job.method} of {job.arch.name} ({_fmt_tokens(job.arch.params)} params) does not fit {where}: {c.refusal}"
 
 
-def _refusal_fix(job: Job, hw: Hardware, forced: str, unsloth_ok: bool, workday_hours: float,
-                 rows: list[dict[str, Any]]) -> str:
+def _missing_message(job: Job, c: Choice) -> str:
+    return f"{job.method} of {job.arch.name} needs software this machine lacks: {c.refusal}"
+
+
+def _refusal_options(job: Job, hw: Hardware, forced: str, unsloth_ok: bool, workday_hours: float,
+                     rows: list[dict[str, Any]]) -> list[str]:
+    """What to do instead, each checked: a box that holds the job (from rows, which hold only such boxes),
+    and recipe changes that make it fit this box."""
     options = []
     if rows:
-        best = min(rows, key=lambda r: (r["cost_eur"] if r["cost_eur"] is not None else r["price_per_hour_eur"],
-                                         r["hours"] or 0))
-        money = (f"{_fmt_hours(best['hours'])}, {best['cost_eur']:.2f} EUR" if best["hours"] is not None
-                 else f"{best['price_per_hour_eur']:.2f} EUR/h")
+        best = min(rows, key=_by_cost)
+        money = (f"{_fmt_hours(best['hours'])}, {best['cost_eur']:.2f} EUR" if best["cost_eur"] is not None
+                 else f"{best['price_per_hour_eur']:.2f} EUR/h" if best["price_per_hour_eur"] is not None
+                 else "price unknown")
         options.append(f"rent {best['gpus']} ({best['engine']}, {best['per_gpu_gb']} GB per card, {money}); "
                        f"plan for it with --gpus {best['gpus']}")
     else:
@@ -711,7 +878,7 @@ def _refusal_fix(job: Job, hw: Hardware, forced: str, unsloth_ok: bool, workday_
     if len(options) == 1 + (forced != "auto"):
         options.append("no single recipe change (shorter max_length, QLoRA, 8-bit optimizer, micro_batch_size=1, "
                        "gradient checkpointing) makes it fit this box")
-    return "\n  - " + "\n  - ".join(options)
+    return options
 
 
 # ---------------------------------------------------------------------------------------------
@@ -745,8 +912,14 @@ def format_plan(plan: Plan) -> str:
     p = plan
     lines = []
     gpus = p.gpus
-    where = (f"{p.num_processes} x {gpus['name']} ({gpus['memory_gb']} GB)" if p.device == "cuda"
-             else f"CPU ({gpus['memory_gb']} GB RAM)")
+    box_count = gpus.get("box_count", p.num_processes)
+    card = f"{gpus['name']} ({gpus['memory_gb']:.0f} GB{' each' if box_count > 1 else ''})"
+    if p.device != "cuda":
+        where = f"CPU ({gpus['memory_gb']:.0f} GB RAM)"
+    elif p.num_processes == box_count:
+        where = f"{box_count} x {card}"
+    else:
+        where = f"{p.num_processes} of the box's {box_count} x {card}"
     lines.append(f"Plan: {p.method} of {p.model['name']} on {where} -> engine {p.engine}, "
                  f"{p.num_processes} process{'es' if p.num_processes > 1 else ''}")
     lines.append("")
@@ -780,21 +953,40 @@ def format_plan(plan: Plan) -> str:
                  + ("; trains in fp16 with loss scaling (no bf16 below compute capability 8.0)"
                     if t.get("precision") == "fp16" else ""))
     e = p.estimate
-    cost = f"{e['cost_eur']:.2f} EUR at {p.price_per_hour_eur:.2f} EUR/h" if e["cost_eur"] is not None else "unknown"
-    lines.append(f"Time:   {_fmt_hours(e['hours'])}; cost {cost}")
+    price = f"{p.price_per_hour_eur:.2f} EUR/h" if p.price_per_hour_eur is not None else "no price known: --price EUR/h"
+    cost = f"{e['cost_eur']:.2f} EUR at {price}" if e["cost_eur"] is not None else f"unknown ({price})"
+    lines.append(f"Time:   {_fmt_hours(e['hours'])} training; cost {cost}")
+    if e.get("setup_hours") is not None:
+        d = e["download"]
+        fetch = ("download: none (" + d["source"] + ")" if d["cached"] else
+                 f"download {d['gb']} GB of {d['repo']} ({d['source']}) at {d['bandwidth_mb_s']:g} MB/s: "
+                 f"{_fmt_hours(d['seconds'] / 3600)}")
+        total_cost = f", {e['total_cost_eur']:.2f} EUR" if e.get("total_cost_eur") is not None else ""
+        lines.append(f"Setup:  {_fmt_hours(e['setup_hours'])} ({e['setup']['minutes']:g} min {e['setup']['what']}; "
+                     f"{fetch})")
+        if e.get("total_hours") is not None:
+            lines.append(f"Total:  {_fmt_hours(e['total_hours'])}{total_cost} on this box")
     lines.append(f"Steps:  {p.total_steps:,} optimizer steps (micro-batch {p.micro_batch_size} x accumulation "
                  f"{p.gradient_accumulation_steps} x {p.num_processes} process{'es' if p.num_processes > 1 else ''}); "
                  f"checkpoint every {p.checkpoint_every_steps} steps")
+    r = p.cheapest_rental
+    if r is not None and p.device == "cuda":
+        money = (f"{_fmt_hours(r['hours'])}, {r['cost_eur']:.2f} EUR" if r["cost_eur"] is not None
+                 else f"{r['price_per_hour_eur']:.2f} EUR/h")
+        here = (f"{_fmt_hours(e['hours'])}, {e['cost_eur']:.2f} EUR" if e["cost_eur"] is not None
+                else _fmt_hours(e["hours"]))
+        lines.append(f"Rent:   this box as planned {here}; the cheapest box to rent instead is {r['gpus']} "
+                     f"({r['engine']}, {money}, training only)")
     if p.alternatives:
         lines.append("")
-        lines.append("Other boxes (estimated):")
+        lines.append("Other boxes that hold the job (estimated; with ftrun's Docker image):")
         lines.append(f"  {'gpus':<16} {'engine':<9} {'GB/card':>8} {'tokens/s':>9} {'time':>14} {'cost EUR':>9}")
         for a in p.alternatives:
             cost_a = f"{a['cost_eur']:.2f}" if a["cost_eur"] is not None else "-"
             lines.append(f"  {a['gpus']:<16} {a['engine']:<9} {a['per_gpu_gb']:>8} {a['tokens_per_second']:>9,} "
                          f"{_fmt_hours(a['hours']):>14} {cost_a:>9}")
-    if p.notes:
-        lines.append("")
-        for n in p.notes:
-            lines.append(f"note: {n}")
+    lines.append("")
+    for n in p.notes:
+        lines.append(f"note: {n}")
+    lines.append(f"note: {UNIT}; tokens are {TOKENS_MEANING}")
     return "\n".join(lines)

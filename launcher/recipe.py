@@ -50,6 +50,28 @@ OWNED_TRAINER_KEYS = {
 }
 
 
+# One definition of a token count for planning, used by the recipe's `tokens:`, `ftrun plan --tokens` and the plan.
+TOKENS_MEANING = "training tokens in all: every epoch together (3 epochs over 5M tokens of data = 15M)"
+
+
+def parse_token_count(value: Any, where: str = "--tokens") -> int:
+    """15M, 250k, 1.5B, 1500000 -> a count; RecipeError naming `where` otherwise."""
+    if isinstance(value, bool):
+        value = None
+    if isinstance(value, (int, float)) and value > 0:
+        return int(value)
+    text = str(value).strip().lower().replace("_", "").replace(",", "")
+    units = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9}
+    try:
+        count = int(float(text[:-1]) * units[text[-1]]) if text and text[-1] in units else int(float(text))
+    except (ValueError, KeyError):
+        count = 0
+    if count <= 0:
+        raise RecipeError(f"{where} {value!r} is not a token count",
+                          fix=f"write it like 15M, 250k or 1500000 ({TOKENS_MEANING}).")
+    return count
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -127,6 +149,15 @@ class Recipe(_Strict):
     price_per_hour_eur: Optional[float] = Field(
         None, ge=0, description="Price of the whole box per hour; default from the GPU catalog."
     )
+    # box and tokens are for planning only: not part of the trajectory.
+    box: Optional[str] = Field(
+        None, description="The box this recipe is meant for, e.g. 1xRTX4090 or 8xH100-80GB: `ftrun plan` plans for it "
+        "unless --gpus names another or this machine has GPUs."
+    )
+    tokens: Optional[int] = Field(
+        None, gt=0, description=TOKENS_MEANING.capitalize() + ", e.g. 15M: what `ftrun plan` sizes time and cost with when the data "
+        "file is not on this machine (the data's own count wins when it is; --tokens wins over both)."
+    )
     sync: SyncSettings = Field(default_factory=SyncSettings, description="Copying checkpoints off the box.")
     auto_adjust: list[Literal["batch", "checkpointing", "optimizer", "method", "shard"]] = Field(
         default_factory=lambda: ["batch", "checkpointing", "shard"],
@@ -150,6 +181,16 @@ class Recipe(_Strict):
     )
     gguf_type: GgufType = Field("q8_0", description="GGUF tensor type: q8_0 (about half of f16), f16, bf16, f32.")
     trainer: dict[str, Any] = Field(default_factory=dict, description="Extra TRL SFTConfig fields, passed through.")
+
+    @field_validator("tokens", mode="before")
+    @classmethod
+    def _token_count(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        try:
+            return parse_token_count(value, "tokens:")
+        except RecipeError as exc:
+            raise ValueError(f"not a token count: write it like 15M, 250k or 1500000 ({TOKENS_MEANING})") from exc
 
     @field_validator("trainer")
     @classmethod
@@ -202,15 +243,32 @@ def _all_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
     return keys
 
 
+# Names people bring from other tools, for keys whose spelling is not close to ftrun's.
+KEY_ALIASES = {"lr": "learning_rate", "batch_size": "micro_batch_size", "num_epochs": "epochs",
+               "num_train_epochs": "epochs", "per_device_train_batch_size": "micro_batch_size",
+               "max_seq_length": "max_length", "base_model": "model", "dataset": "data"}
+# "Did you mean" only for close spellings: difflib's ratio 2*matches/(len a + len b); 'lr' vs 'lora' is 0.67,
+# 'learnig_rate' vs 'learning_rate' 0.96, 'max_len' vs 'max_length' 0.82.
+SUGGEST_CUTOFF = 0.75
+
+
+def close_name(name: str, options: list[str]) -> Optional[str]:
+    """The option a misspelt name most likely meant, or None when none is close."""
+    near = difflib.get_close_matches(name, options, n=1, cutoff=SUGGEST_CUTOFF)
+    return near[0] if near else None
+
+
 def _suggest(loc: str) -> str:
     options = _all_keys(Recipe)
-    close = difflib.get_close_matches(loc, options, n=1, cutoff=0.6)
+    if KEY_ALIASES.get(loc) in options:
+        return f" (did you mean '{KEY_ALIASES[loc]}'?)"
+    close = close_name(loc, options)
     if not close:  # a typo in the last part of a nested key: compare the leaf names
         leaf = loc.rsplit(".", 1)[-1]
         leaves = {o.rsplit(".", 1)[-1]: o for o in options if o.count(".") == loc.count(".")}
-        near = difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.6)
-        close = [leaves[near[0]]] if near else []
-    return f" (did you mean '{close[0]}'?)" if close else ""
+        near = close_name(leaf, list(leaves))
+        close = leaves[near] if near else None
+    return f" (did you mean '{close}'?)" if close else ""
 
 
 def _format_errors(err: ValidationError, source: str) -> RecipeError:
@@ -351,8 +409,8 @@ def check_trainer_fields(recipe: Recipe) -> None:
     if bad:
         lines = []
         for k in bad:
-            near = difflib.get_close_matches(k, sorted(known), n=1, cutoff=0.6)
-            lines.append(f"- trainer.{k} is not a field of TRL's SFTConfig" + (f" (did you mean '{near[0]}'?)" if near else ""))
+            near = close_name(k, sorted(known))
+            lines.append(f"- trainer.{k} is not a field of TRL's SFTConfig" + (f" (did you mean '{near}'?)" if near else ""))
         raise RecipeError(
             "the recipe's trainer: section has unknown fields:\n" + "\n".join(lines),
             fix="use SFTConfig field names of the installed trl (python -c 'import trl; help(trl.SFTConfig)').",

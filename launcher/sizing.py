@@ -1,8 +1,8 @@
 """Pure sizing arithmetic: memory per device, training FLOPs, throughput, time and cost (no torch, no I/O).
 
-Units: GB are decimal gigabytes (1e9 bytes), the unit NVML totals are converted to as well, so
-an "80 GB" H100 has 85.5 GB here. docs/sizing.md derives every constant and compares the totals
-with published measurements.
+Units: one GB is 2**30 bytes (a GiB) everywhere in ftrun, the unit cards are sold and nvidia-smi counts in:
+an RTX 4090 is a 24 GB card (24,564 MiB), an H100 an 80 GB card (81,559 MiB = 79.6 GB). docs/sizing.md
+derives every constant and compares the totals with published measurements.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-GB = 1e9
+GB = 2**30  # bytes in one GB as ftrun counts (GiB, as nvidia-smi and torch's memory counters)
 
 
 class Arch(Protocol):  # launcher.models.Architecture, duck-typed so this module imports nothing

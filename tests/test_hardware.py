@@ -50,7 +50,7 @@ def test_catalog_has_the_issue_cards():
 
 def test_user_catalog_overrides_price(tmp_path, monkeypatch):
     f = tmp_path / "gpus.yaml"
-    f.write_text("gpus:\n  H100-80GB:\n    memory_gb: 85.52\n    tflops_bf16: 989\n    price_per_hour_eur: 2.0\n")
+    f.write_text("gpus:\n  H100-80GB:\n    memory_gb: 79.65\n    tflops_bf16: 989\n    price_per_hour_eur: 2.0\n")
     monkeypatch.setenv("FTRUN_GPUS", str(f))
     hardware.reset_catalog_cache()
     try:
@@ -181,18 +181,18 @@ def nvml_box(monkeypatch, cards, visible=None, driver="550.54.14"):
 def test_detect_reads_nvml(monkeypatch):
     hw = nvml_box(monkeypatch, [h100(0), h100(1)])
     assert hw.count == 2 and hw.interconnect == "nvlink"
-    assert hw.gpu.name == "H100-80GB" and hw.gpu.memory_gb == pytest.approx(85.52, abs=0.01)
+    assert hw.gpu.name == "H100-80GB" and hw.gpu.memory_gb == pytest.approx(79.65, abs=0.01)
     assert hw.gpu.compute_capability == (9, 0) and hw.price_per_hour_eur == pytest.approx(7.8)
     assert hw.driver_version == "550.54.14" and hw.to_dict()["driver_version"] == "550.54.14"
     assert hw.notes == ()
 
 
 def test_mig_plans_one_instance_with_its_own_memory(monkeypatch):
-    """NVML lists the parent (85 GB); CUDA gets a MIG instance, and only one per process."""
+    """NVML lists the parent (80 GB); CUDA gets a MIG instance, and only one per process."""
     hw = nvml_box(monkeypatch, [MIG_CARD])
     assert hw.count == 1 and hw.interconnect == "none"
     g = hw.gpu
-    assert g.name == "H100-80GB MIG 3g.40gb" and g.memory_gb == pytest.approx(40448 * MIB / 1e9, abs=0.01)
+    assert g.name == "H100-80GB MIG 3g.40gb" and g.memory_gb == pytest.approx(40448 * MIB / 2**30, abs=0.01)
     assert g.tflops_bf16 == pytest.approx(989 * 3 / 7, abs=0.1) and g.compute_capability == (9, 0)
     assert g.price_per_hour_eur is None and hw.price_per_hour_eur is None
     assert any("a CUDA process can use only one" in n for n in hw.notes)
@@ -208,12 +208,12 @@ def test_mig_plans_one_instance_with_its_own_memory(monkeypatch):
 def test_mig_uuid_selects_the_instance(monkeypatch, visible, profile, mib):
     hw = nvml_box(monkeypatch, [MIG_CARD, h100(1)], visible=visible)
     assert hw.count == 1 and hw.gpu.name == f"H100-80GB MIG {profile}"
-    assert hw.gpu.memory_gb == pytest.approx(mib * MIB / 1e9, abs=0.01)
+    assert hw.gpu.memory_gb == pytest.approx(mib * MIB / 2**30, abs=0.01)
 
 
 def test_mig_enabled_without_instances_is_said(monkeypatch):
     hw = nvml_box(monkeypatch, [h100(0, mig=[]), h100(1)])
-    assert hw.count == 1 and hw.gpu.name == "H100-80GB" and hw.gpu.memory_gb == pytest.approx(85.52, abs=0.01)
+    assert hw.count == 1 and hw.gpu.name == "H100-80GB" and hw.gpu.memory_gb == pytest.approx(79.65, abs=0.01)
     assert any("MIG enabled but no MIG instance" in n for n in hw.notes)
 
 
@@ -279,7 +279,7 @@ def test_without_nvml_torch_is_asked_and_that_is_said(no_nvml_box):
     no_nvml_box([("NVIDIA GeForce RTX 4090", 24564, 8, 9), ("NVIDIA GeForce RTX 4090", 24564, 8, 9)])
     hw = detect()
     assert hw.count == 2 and hw.gpu.name == "RTX4090" and hw.gpu.compute_capability == (8, 9)
-    assert hw.gpu.memory_gb == pytest.approx(25.76, abs=0.01) and hw.interconnect == "pcie"
+    assert hw.gpu.memory_gb == pytest.approx(23.99, abs=0.01) and hw.interconnect == "pcie"
     assert hw.driver_version == "535.129.03"
     [fallback] = [n for n in hw.notes if "torch.cuda" in n]
     assert "nvidia-ml-py is not installed" in fallback and "pcie (from the catalog)" in fallback

@@ -139,10 +139,12 @@ def make_recipe(tmp_path, **fields):
 
 
 def test_steps_in_order_and_shard_over_the_idle_cards_keeping_the_effective_batch(tmp_path):
-    # LoRA on one of two H100s (fits one card, finishes within a day): the second card is idle
+    # LoRA on one of two H100s, the second card idle (the plan itself uses both: DDP, the box being billed whole;
+    # a one-card plan is what a run planned on one card and resumed on this box carries)
     r, plan = _gpu_plan(tmp_path, "2xH100", method="lora", micro_batch_size=4, gradient_accumulation_steps=4, max_length=512,
                         gradient_checkpointing=False)
-    assert (plan["engine"], plan["num_processes"]) == ("trl", 1)
+    assert (plan["engine"], plan["num_processes"]) == ("ddp", 2)
+    plan = {**plan, "engine": "trl", "num_processes": 1}
     final, steps = _walk(r, plan)
     texts = [t for _, t in steps]
     assert texts[0].startswith("micro_batch_size 4 -> 2") and texts[1].startswith("micro_batch_size 2 -> 1")

@@ -1,4 +1,5 @@
-"""Every shipped recipe parses and plans for the box its header names, and the plan agrees with the article's numbers in the header."""
+"""Every shipped recipe parses and plans for the box its `box:` names (on a machine without GPUs, as `ftrun plan RECIPE`
+does), with its `tokens:`, and the plan agrees with the article's numbers in the header."""
 
 from __future__ import annotations
 
@@ -7,16 +8,19 @@ from pathlib import Path
 
 import pytest
 
+from launcher import hardware
 from launcher import plan as plan_mod
 from launcher.errors import PlanError
 from launcher.hardware import from_spec
 from launcher.recipe import load_recipe
+from launcher.sizing import GB
 
 RECIPES = sorted((Path(__file__).resolve().parent.parent / "recipes").glob("*.yaml"))
 ARTICLE = [p for p in RECIPES if p.name != "tiny-cpu.yaml"]
 # The plan is an estimate (docs/sizing.md); the article gives ranges and rounded figures.
 TIME_COST_REL = 0.20
 MEMORY_SLACK = 0.25  # below the low end or above the high end of the article's range
+ARTICLE_GB = 1e9 / GB  # the article's GB are decimal (bytes per parameter x billions); ftrun's are 2**30 bytes
 
 
 def header(path: Path) -> dict[str, str]:
@@ -26,6 +30,12 @@ def header(path: Path) -> dict[str, str]:
     out = dict(kv.split("=", 1) for kv in expect.removeprefix("# expect:").split()) if expect else {}
     out["box_line"] = box or ""
     return out
+
+
+@pytest.fixture
+def no_gpu_here(monkeypatch):
+    """This machine as the README's first command meets it: no GPU, so the recipe's box: is planned."""
+    monkeypatch.setattr(hardware, "detect", lambda: from_spec("cpu").__class__((), "none", 2, 24.0, "detected"))
 
 
 def tokens(text: str) -> float:
@@ -43,31 +53,31 @@ def test_there_is_a_recipe_for_every_row_of_the_article():
 
 
 @pytest.mark.parametrize("path", ARTICLE, ids=lambda p: p.stem)
-def test_recipe_plans_as_its_header_says(path, monkeypatch):
+def test_recipe_plans_as_its_header_says(path, no_gpu_here):
     h = header(path)
     assert {"gpus", "engine", "memory_gb", "fits"} <= h.keys(), f"{path.name}: '# expect:' line incomplete"
-    assert h["gpus"] in h["box_line"] or f"1x{h['gpus']}" in h["box_line"], h["box_line"]
     recipe = load_recipe(path)
+    assert recipe.box in (h["gpus"], f"1x{h['gpus']}"), recipe.box
     assert recipe.method.replace("-", "") in path.stem.replace("-", ""), "name is <model>-<method>[-<box>]"
-    # The plan picks Unsloth only where it is installed (the Docker image has it); the header says where the
-    # article's figure assumes it.
-    monkeypatch.setattr(plan_mod, "_unsloth_installed", lambda: h["engine"] == "unsloth")
-    hw = from_spec(h["gpus"])
-    n_tokens = tokens(h.get("tokens", "15M"))
+    assert recipe.tokens == tokens(h.get("tokens", "15M"))
+    # The recipe's box is planned with ftrun's Docker image (Unsloth in it), not this machine's software.
+    hw, why = hardware.for_plan(None, recipe.box)
+    assert hw.source == f"recipe box: {recipe.box}" and "recipe's box" in why
     if h["fits"] == "no":
         with pytest.raises(PlanError) as err:
-            plan_mod.make_plan(recipe, hw, tokens=n_tokens)
+            plan_mod.make_plan(recipe, hw, tokens=recipe.tokens)
         assert "does not fit" in err.value.message and err.value.fix
         return
-    p = plan_mod.make_plan(recipe, hw, tokens=n_tokens)
+    p = plan_mod.make_plan(recipe, hw, tokens=recipe.tokens, box_reason=why)
     assert p.fits and p.engine == h["engine"], (p.engine, p.reasons)
     assert p.num_processes == hw.count
-    lo, hi = map(float, h["memory_gb"].split("-"))
+    assert any("Docker image" in r for r in p.reasons)
+    lo, hi = (float(x) * ARTICLE_GB for x in h["memory_gb"].split("-"))
     total = p.memory["total_gb"]
     assert lo * (1 - MEMORY_SLACK) <= total <= hi * (1 + MEMORY_SLACK), f"plan {total} GB vs article {lo}-{hi} GB"
     assert p.memory["per_gpu_gb"] <= hw.gpu.memory_gb
     if "hours" in h:
-        assert p.tokens["training_tokens"] == n_tokens
+        assert p.tokens["training_tokens"] == recipe.tokens
         assert p.estimate["hours"] == pytest.approx(float(h["hours"]), rel=TIME_COST_REL)
         assert p.estimate["cost_eur"] == pytest.approx(float(h["cost_eur"]), rel=TIME_COST_REL)
 
@@ -76,7 +86,7 @@ def test_tiny_cpu_recipe_plans_on_a_cpu(tiny_model):
     from launcher.pipeline import data_stats
 
     recipe = load_recipe(RECIPES[0].parent / "tiny-cpu.yaml", [f"model={tiny_model}"])
-    assert "CPU" in header(RECIPES[0].parent / "tiny-cpu.yaml")["box_line"]
+    assert "CPU" in header(RECIPES[0].parent / "tiny-cpu.yaml")["box_line"] and recipe.box is None
     _, _, stats = data_stats(recipe)
     p = plan_mod.make_plan(recipe, from_spec("cpu"), data_stats=stats)
     assert p.fits and p.device == "cpu" and p.engine == "trl" and p.total_steps > 0
@@ -87,4 +97,4 @@ def test_header_comment_states_the_article_figures(path):
     text = path.read_text()
     assert re.search(r"# Article, memory table: [\d,]+-[\d,]+ GB", text)
     assert re.search(r"# Article, time table: ", text)
-    assert "ftrun plan recipes/" + path.name in text
+    assert f"# Plan it: ftrun plan recipes/{path.name}" in text  # box: and tokens: make it work as printed

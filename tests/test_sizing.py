@@ -12,6 +12,9 @@ from launcher.sizing import Workload
 MODEL = {"8B": "meta-llama/Llama-3.1-8B", "32B": "Qwen/Qwen2.5-32B", "70B": "meta-llama/Llama-3.1-70B"}
 
 # The article's memory table: (method, size) -> (low GB, high GB, boxes it recommends, the next-smaller box that must not fit).
+# The article's figures are bytes per parameter times billions of parameters ("70B x 2 B = 140 GB"): decimal GB,
+# converted here to ftrun's unit (GB = 2**30 bytes).
+ARTICLE_GB = 1e9 / sizing.GB
 MEMORY_TABLE = [
     ("qlora", "8B", 10, 16, ["1xRTX4090"], None),
     ("qlora", "32B", 24, 32, ["1xL40S", "1xRTX5090"], "1xRTX4090"),
@@ -43,7 +46,8 @@ def test_article_memory_table(method, size, low, high, boxes, too_small):
     """Reference: 2,048-token sequences, micro-batch 1, gradient checkpointing, plain HF/TRL code."""
     arch = from_catalog(MODEL[size])
     est = sizing.memory(arch, Workload(method, 2048, 1, True, 16, "all-linear", "trl", 1))
-    assert low <= est.total_gb <= high, f"{est.total_gb:.1f} GB not in {low}-{high}"
+    lo, hi = low * ARTICLE_GB, high * ARTICLE_GB
+    assert lo <= est.total_gb <= hi, f"{est.total_gb:.1f} GB not in {lo:.1f}-{hi:.1f} (the article's {low}-{high} GB)"
     for box in boxes:
         assert _fits_box(arch, method, box), f"{box} should hold {method} {size}"
     if too_small:
@@ -57,7 +61,7 @@ def test_article_memory_table_at_4096_tokens(method, size, low, high):
     logits at 4k tokens exceed the article's range; measured HF peaks agree (docs/sizing.md)."""
     arch = from_catalog(MODEL[size])
     est = sizing.memory(arch, Workload(method, 4096, 1, True, 16, "all-linear", "trl", 1))
-    assert low <= est.total_gb <= high
+    assert low * ARTICLE_GB <= est.total_gb <= high * ARTICLE_GB
 
 
 def test_qlora_70b_fits_48gb_with_unsloth_and_short_sequences():
@@ -70,17 +74,18 @@ def test_bytes_per_param_for_full_finetuning():
     arch = from_catalog(MODEL["8B"])
     full = sizing.memory(arch, Workload("full", 1, 1, True))
     b = full.breakdown_gb
-    per_param = (b["weights"] + b["gradients"] + b["optimizer"]) * 1e9 / arch.params
+    per_param = (b["weights"] + b["gradients"] + b["optimizer"]) * sizing.GB / arch.params
     assert per_param == pytest.approx(16)  # the article: ~16 bytes/param before activations
     eight = sizing.memory(arch, Workload("full-8bit", 1, 1, True)).breakdown_gb
-    per_param8 = (eight["weights"] + eight["gradients"] + eight["optimizer"] + eight["gradient churn"]) * 1e9 / arch.params
+    per_param8 = ((eight["weights"] + eight["gradients"] + eight["optimizer"] + eight["gradient churn"]) * sizing.GB
+                  / arch.params)
     assert 6 <= per_param8 <= 8  # the article: 6-8 bytes with an 8-bit optimizer
 
 
 def test_qlora_weights_are_about_half_a_byte_per_linear_param():
     arch = from_catalog(MODEL["70B"])
     w = sizing.memory(arch, Workload("qlora", 1, 1, True)).breakdown_gb["weights"]
-    assert 0.5 <= w * 1e9 / arch.params <= 0.6  # the article: about 0.6 B/param; QLoRA paper: 4.127 bits
+    assert 0.5 <= w * sizing.GB / arch.params <= 0.6  # the article: about 0.6 B/param; QLoRA paper: 4.127 bits
 
 
 def test_gradient_checkpointing_and_packing_shape_activations():
@@ -95,7 +100,7 @@ def test_gradient_checkpointing_and_packing_shape_activations():
 def test_logits_term_is_vocab_times_tokens():
     arch = from_catalog("Qwen/Qwen3-8B")
     est = sizing.memory(arch, Workload("qlora", 4096, 1, True))
-    assert est.breakdown_gb["logits and loss"] == pytest.approx(4096 * 151936 * 12 / 1e9)
+    assert est.breakdown_gb["logits and loss"] == pytest.approx(4096 * 151936 * 12 / sizing.GB)
     fused = sizing.memory(arch, Workload("qlora", 4096, 1, True, engine="unsloth"))
     assert fused.breakdown_gb["logits and loss"] < est.breakdown_gb["logits and loss"] / 4
 
@@ -108,7 +113,7 @@ def test_sharding_divides_static_memory():
     # trl keeps fp32 weights (4+4+8 B/param), FSDP bf16 weights + an fp32 master (2+2+12): the same 16 B/param
     assert sum(four.breakdown_gb[k] for k in static) == pytest.approx(sum(one.breakdown_gb[k] for k in static) / 4,
                                                                       rel=0.01)
-    assert one.breakdown_gb["weights"] == pytest.approx(arch.params * 4 / 1e9)
+    assert one.breakdown_gb["weights"] == pytest.approx(arch.params * 4 / sizing.GB)
     assert "gathered shards" in four.breakdown_gb
     assert four.total_gb == pytest.approx(one.total_gb, rel=0.02)
 
@@ -180,6 +185,6 @@ def test_measured_peaks():
     for key, r, engine, rows in MEASURED:
         for tokens, gib in rows.items():
             est = sizing.memory(archs[key], Workload("qlora", tokens, 1, True, r, "all-linear", engine))
-            errors.append(abs(est.per_gpu_gb / (gib * 2**30 / 1e9) - 1))
+            errors.append(abs(est.per_gpu_gb / gib - 1))  # both in GB = 2**30 bytes
     assert median(errors) <= 0.10
     assert max(errors) <= 0.35

@@ -24,6 +24,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
+from ..sizing import GB  # ftrun's one memory unit, 2**30 bytes: what launcher/memory.py reports in
+
 # Execution order. The torch-only checks come first (seconds each), the 8B measurements next (the figures the
 # loan is for), FSDP (a distributed launch: the likeliest to hang) and the trl-based bench last.
 STEPS = ("tiny-model", "device", "placement", "memory-cap", "peak-memory", "oom",
@@ -75,7 +77,7 @@ class Context(SimpleNamespace):
 
 
 def _gb(n: float) -> float:
-    return round(n / 1e9, 3)
+    return round(n / GB, 3)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,17 +307,17 @@ def step_memory_cap(ctx: Context) -> dict[str, Any]:
         index = count - 1
         result["capped_index"] = index
         result["fraction"] = torch.cuda.get_per_process_memory_fraction(index)
-        keep.append(torch.empty(int(within * 1e9), dtype=torch.uint8, device=f"cuda:{index}"))
+        keep.append(torch.empty(int(within * GB), dtype=torch.uint8, device=f"cuda:{index}"))
         result["within_ok"] = True
         if count >= 2:  # the cap must not touch another rank's GPU
-            other = torch.empty(int(beyond * 1e9), dtype=torch.uint8, device="cuda:0")
+            other = torch.empty(int(beyond * GB), dtype=torch.uint8, device="cuda:0")
             result["gpu0_uncapped"] = other.numel() > 0
             del other
     else:
-        keep.append(torch.ones(int(within * 1e9), dtype=torch.uint8))
+        keep.append(torch.ones(int(within * GB), dtype=torch.uint8))
         result["within_ok"] = True
     try:
-        keep.append(torch.ones(int(beyond * 1e9), dtype=torch.uint8, device=keep[0].device))
+        keep.append(torch.ones(int(beyond * GB), dtype=torch.uint8, device=keep[0].device))
         result["beyond"] = "allocated: the cap did not hold"
         caught = None
     except BaseException as exc:  # noqa: BLE001 - the point is to see which type an out-of-memory has
@@ -343,7 +345,7 @@ def step_peak_memory(ctx: Context) -> dict[str, Any]:
     from ..loading import select_device
 
     device, _ = select_device()
-    size = int(1e9) if device == "cuda" else int(4e8)
+    size = int(GB) if device == "cuda" else int(4e8)
     if device == "cuda":
         idx = torch.cuda.current_device()
         free0, total = torch.cuda.mem_get_info(idx)
@@ -366,21 +368,21 @@ def step_peak_memory(ctx: Context) -> dict[str, Any]:
         from .. import sizing
 
         r["sizing_cuda_context_gb"] = sizing.CUDA_CONTEXT_GB
-        ok = (max_reserved >= size and outside > 0 and abs(peak * 1e9 - (max_reserved + outside)) < 64e6
-              and peak * 1e9 >= total - free and r["over_ranks_gb"] == round(peak, 3))
-        line = (f"worker peak {peak:.2f} GB = allocator peak {max_reserved / 1e9:.2f} + outside the allocator "
-                f"{outside / 1e9:.2f} (sizing counts {sizing.CUDA_CONTEXT_GB}); mem_get_info used {(total - free) / 1e9:.2f}")
+        ok = (max_reserved >= size and outside > 0 and abs(peak * GB - (max_reserved + outside)) < 64e6
+              and peak * GB >= total - free and r["over_ranks_gb"] == round(peak, 3))
+        line = (f"worker peak {peak:.2f} GB = allocator peak {max_reserved / GB:.2f} + outside the allocator "
+                f"{outside / GB:.2f} (sizing counts {sizing.CUDA_CONTEXT_GB}); mem_get_info used {(total - free) / GB:.2f}")
     else:
         before = memory.peak_memory_gb(device)
         x = torch.ones(size, dtype=torch.uint8)
         peak = memory.peak_memory_gb(device)
         del x
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB
         r = {"device": device, "worker_peak_gb": round(peak, 3), "before_gb": round(before, 3),
              "allocation_gb": _gb(size), "ru_maxrss_gb": round(rss, 3),
              "over_ranks_gb": round(memory.peak_memory_over_ranks_gb(device), 3)}
-        ok = peak - before >= 0.9 * size / 1e9 and abs(peak - rss) < 0.05
-        line = f"worker peak {before:.2f} -> {peak:.2f} GB after touching {size / 1e9:.1f} GB (ru_maxrss)"
+        ok = peak - before >= 0.9 * size / GB and abs(peak - rss) < 0.05
+        line = f"worker peak {before:.2f} -> {peak:.2f} GB after touching {size / GB:.1f} GB (ru_maxrss)"
     return {"ok": ok, **r, "line": line}
 
 
@@ -429,7 +431,7 @@ def step_oom(ctx: Context) -> dict[str, Any]:
 
         soft, hard = resource.getrlimit(resource.RLIMIT_AS)
         resource.setrlimit(resource.RLIMIT_AS, (psutil.Process().memory_info().vms + int(3e8), hard))
-        attempt("allocator_under_rlimit", lambda: torch.ones(int(1e9), dtype=torch.uint8))
+        attempt("allocator_under_rlimit", lambda: torch.ones(int(GB), dtype=torch.uint8))
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
         cases["cublas_at_full_device"] = {"raised": None, "skipped": "no cuBLAS on the CPU"}
     raised = {k: v for k, v in cases.items() if v.get("raised")}

@@ -1,0 +1,299 @@
+"""`ftrun plan` answers for the box you name: the recipe's box:, the software of ftrun's image, the box billed
+whole, JSON that is always JSON, card sizes in one unit, the rental catalog, setup and download, suggestions."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from launcher import cli, hardware, pipeline, sizing
+from launcher import plan as plan_mod
+from launcher.errors import MissingSoftware, PlanError, RecipeError
+from launcher.hardware import Hardware, catalog, from_spec, lookup
+from launcher.models import _weights_bytes, download_size, from_catalog
+from launcher.plan import format_plan, make_plan
+from launcher.recipe import TOKENS_MEANING, _suggest, parse_token_count, validate_recipe
+
+REPO = Path(__file__).resolve().parent.parent
+README_RECIPE = REPO / "recipes" / "qwen3-8b-qlora-rtx4090.yaml"
+
+
+def cpu_only() -> Hardware:
+    return Hardware((), "none", 2, 24.0, "detected")
+
+
+def detected(spec: str) -> Hardware:
+    """A GPU box as detect() reports the machine it runs on (its own software counts)."""
+    box = from_spec(spec)
+    return Hardware(box.gpus, box.interconnect, box.cpu_count, box.ram_gb, "detected")
+
+
+@pytest.fixture
+def no_gpu_here(monkeypatch):
+    monkeypatch.setattr(hardware, "detect", cpu_only)
+
+
+def recipe(tmp_path, **fields):
+    base = {"model": "meta-llama/Llama-3.1-8B", "method": "qlora", "data": "absent.jsonl", "max_length": 2048,
+            "micro_batch_size": 1, "gradient_accumulation_steps": 8}
+    base.update(fields)
+    return validate_recipe(base, tmp_path, "r")
+
+
+def write_recipe(tmp_path, **fields) -> str:
+    import yaml
+
+    base = {"model": "Qwen/Qwen3-8B", "method": "qlora", "data": "absent.jsonl", "output_dir": str(tmp_path / "run")}
+    base.update(fields)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(base))
+    return str(path)
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    rc = cli.main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+# --- the README's first command, the recipe's box: and tokens: -------------------------------------
+
+def test_readme_first_command_works_as_printed(no_gpu_here, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    rc, out, err = run_cli(capsys, "plan", "recipes/qwen3-8b-qlora-rtx4090.yaml")
+    assert rc == 0, err
+    assert out.startswith("Plan: qlora of Qwen/Qwen3-8B on 1 x RTX4090 (24 GB) -> engine unsloth")
+    assert "box: the recipe's box: 1xRTX4090 (this machine has no GPU" in out
+    assert "Docker image" in out and "recipe's tokens:" in out
+    hours = make_plan(pipeline.load_recipe(str(README_RECIPE)), from_spec("RTX4090"), tokens=15e6).estimate["hours"]
+    assert hours == pytest.approx(2 + 50 / 60, rel=0.15)  # the article's Unsloth row: 2 h 50, 1.65 EUR
+
+
+def test_gpus_and_a_detected_gpu_win_over_the_recipe_box(monkeypatch):
+    hw, why = hardware.for_plan("8xH100-80GB", "1xRTX4090")
+    assert (hw.count, hw.gpu.name, why) == (8, "H100-80GB", "--gpus 8xH100-80GB")
+    monkeypatch.setattr(hardware, "detect", lambda: detected("A100-80GB"))
+    hw, why = hardware.for_plan(None, "1xRTX4090")
+    assert hw.gpu.name == "A100-80GB" and hw.is_this_machine
+    assert "detected" in why and "box: 1xRTX4090 is not used here" in why and "--gpus 1xRTX4090" in why
+    monkeypatch.setattr(hardware, "detect", cpu_only)
+    hw, why = hardware.for_plan(None, "1xRTX4090")
+    assert hw.gpu.name == "RTX4090" and not hw.is_this_machine and "recipe's box" in why
+    hw, why = hardware.for_plan(None, None)
+    assert hw.is_cpu_only and "no GPU" in why
+
+
+def test_a_bad_box_names_the_field(no_gpu_here):
+    with pytest.raises(Exception) as err:
+        hardware.for_plan(None, "1xGTX480")
+    assert "box: '1xGTX480'" in err.value.message and "RTX4090" in err.value.fix
+
+
+def test_tokens_mean_one_thing_everywhere(tmp_path, no_gpu_here, capsys):
+    """Training tokens in all, every epoch together: the help, the recipe key, the errors and the plan agree."""
+    assert "every epoch together" in TOKENS_MEANING
+    plan_parser = cli._parser()._subparsers._group_actions[0].choices["plan"]
+    help_text = next(a.help for a in plan_parser._actions if "--tokens" in a.option_strings)
+    assert "every epoch together" in help_text
+    assert "every epoch together" in validate_recipe.__globals__["Recipe"].model_fields["tokens"].description.lower()
+    with pytest.raises(RecipeError) as err:
+        parse_token_count("lots")
+    assert TOKENS_MEANING in err.value.fix
+    assert parse_token_count("15M") == 15_000_000 and parse_token_count(250_000) == 250_000
+    with pytest.raises(RecipeError) as err:
+        recipe(tmp_path, tokens="many")
+    assert "'tokens'" in err.value.message and "every epoch together" in err.value.message
+    rc, out, _ = run_cli(capsys, "plan", write_recipe(tmp_path, tokens="15M", epochs=3), "--gpus", "RTX4090")
+    assert rc == 0 and "15.00M training tokens (the recipe's tokens:)" in out and TOKENS_MEANING in out
+    rc, out, _ = run_cli(capsys, "plan", write_recipe(tmp_path, tokens="15M"), "--gpus", "RTX4090", "--tokens", "30M")
+    assert "30.00M training tokens (--tokens)" in out
+
+
+def test_without_data_or_tokens_it_plans_memory_and_says_how_to_give_them(tmp_path, no_gpu_here, capsys):
+    rc, out, _ = run_cli(capsys, "plan", write_recipe(tmp_path), "--gpus", "RTX4090")
+    assert rc == 0 and "Memory per GPU" in out
+    assert "add `tokens: 15M` to the recipe or pass --tokens 15M" in out and "Time:   unknown" in out
+
+
+# --- software: the image for a named box, what is installed for this one -----------------------------
+
+def test_a_named_box_has_the_images_software(tmp_path, monkeypatch):
+    monkeypatch.setattr(plan_mod, "_unsloth_installed", lambda: False)
+    p = make_plan(recipe(tmp_path, engine="unsloth"), from_spec("RTX4090"), tokens=15e6)
+    assert p.fits and p.engine == "unsloth" and any("Docker image" in r for r in p.reasons)
+    auto = make_plan(recipe(tmp_path), from_spec("RTX4090"), tokens=15e6)
+    assert auto.engine == "unsloth"  # not trl because this laptop lacks Unsloth
+
+
+def test_this_machine_uses_what_is_installed_and_names_the_fix(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(plan_mod, "_unsloth_installed", lambda: False)
+    p = make_plan(recipe(tmp_path), detected("RTX4090"), tokens=15e6)
+    assert p.engine == "trl" and any("Unsloth not installed on this machine" in r and ".venv-unsloth" in r
+                                     for r in p.reasons)
+    with pytest.raises(MissingSoftware) as err:
+        make_plan(recipe(tmp_path, engine="unsloth"), detected("RTX4090"), tokens=15e6)
+    assert err.value.exit_code == 2 and "does not fit" not in err.value.render()
+    assert "missing software" in err.value.render() and "pip install" in err.value.message
+    monkeypatch.setattr(hardware, "detect", lambda: detected("RTX4090"))
+    rc, out, _ = run_cli(capsys, "plan", write_recipe(tmp_path, engine="unsloth"), "--json")
+    d = json.loads(out)
+    assert rc == 2 and d["fits"] is False and d["refusal"]["missing"] == "unsloth"
+
+
+# --- the box in hand is billed whole --------------------------------------------------------------
+
+def test_8xh100_uses_its_cards_and_shows_the_cheapest_box_to_rent(tmp_path):
+    r = recipe(tmp_path, model="meta-llama/Llama-3.1-70B", micro_batch_size=2, gradient_accumulation_steps=4)
+    p = make_plan(r, from_spec("8xH100-80GB"), tokens=15e6, unsloth_available=True)
+    one = make_plan(r, from_spec("1xH100-80GB"), tokens=15e6, unsloth_available=False)  # what it planned before
+    assert (p.engine, p.num_processes, p.gpus["box_count"]) == ("ddp", 8, 8)
+    assert p.estimate["hours"] < one.estimate["hours"] / 5 and p.estimate["cost_eur"] < one.estimate["cost_eur"] * 8 / 5
+    assert any("billed whole" in r for r in p.reasons)
+    text = format_plan(p)
+    assert text.startswith("Plan: qlora of meta-llama/Llama-3.1-70B on 8 x H100-80GB (80 GB each) -> engine ddp, 8 processes")
+    rent = p.cheapest_rental
+    assert rent and rent["gpus"].startswith("1x") and rent["cost_eur"] < p.estimate["cost_eur"]
+    assert f"the cheapest box to rent instead is {rent['gpus']}" in text and f"{p.estimate['cost_eur']:.2f} EUR" in text
+
+
+def test_header_says_when_cards_stay_idle(tmp_path):
+    p = make_plan(recipe(tmp_path, engine="unsloth"), from_spec("2xRTX4090"), tokens=15e6)
+    assert (p.engine, p.num_processes) == ("unsloth", 1)
+    assert "on 1 of the box's 2 x RTX4090 (24 GB each)" in format_plan(p)
+    assert any("1 stay idle (billed all the same)" in r for r in p.reasons)
+
+
+# --- --json is always JSON ------------------------------------------------------------------------
+
+def test_json_when_nothing_fits(tmp_path, no_gpu_here, capsys):
+    rc, out, err = run_cli(capsys, "plan", write_recipe(tmp_path, model="Qwen/Qwen2.5-32B", method="full", tokens="15M"),
+                           "--gpus", "RTX4090", "--json")
+    d = json.loads(out)
+    assert rc == 3 and err == "" and d["fits"] is False
+    assert d["memory"]["total_gb"] > 500 and d["memory"]["breakdown_gb"]["optimizer"] > 200
+    assert "does not fit" in d["refusal"]["message"] and d["refusal"]["options"] and d["reasons"]
+    assert d["alternatives"] and d["units"].startswith("GB = 2**30")
+    for a in d["alternatives"]:  # only boxes that hold it: never 2xRTX4090 for 564 GB
+        assert a["per_gpu_gb"] <= a["card_gb"] * sizing.USABLE_FRACTION
+    assert not any("RTX4090" in o for o in d["refusal"]["options"])
+
+
+def test_json_for_a_bad_recipe(tmp_path, capsys):
+    rc, out, _ = run_cli(capsys, "plan", write_recipe(tmp_path, lr=0.1), "--json")
+    d = json.loads(out)
+    assert rc == 2 and d["fits"] is None and d["error"] == "recipe error" and "learning_rate" in d["message"]
+
+
+# --- units ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,size", [("RTX4090", 24), ("H100-80GB", 80), ("A100-80GB", 80), ("RTX3090", 24),
+                                       ("T4", 15), ("H200", 140)])
+def test_card_sizes_as_people_know_them(name, size):
+    assert round(catalog()[name].memory_gb) == size
+    assert f"({size} GB)" in from_spec(name).describe()
+
+
+def test_one_unit_said_once(tmp_path):
+    assert sizing.GB == 2**30
+    p = make_plan(recipe(tmp_path), from_spec("RTX4090"), tokens=15e6)
+    text = format_plan(p)
+    assert text.count("2**30") == 1 and p.to_dict()["units"] == plan_mod.UNIT
+    assert "of 24.0 GB" in text
+
+
+# --- the rental catalog -----------------------------------------------------------------------------
+
+def test_catalog_has_the_cards_people_rent():
+    for name in ("T4", "L4", "A10G", "A10", "RTX3090", "RTXA6000", "A40", "L40", "L40S", "H200", "RTX6000Ada"):
+        assert name in catalog()
+
+
+@pytest.mark.parametrize("nvml,name", [
+    ("NVIDIA L4", "L4"), ("NVIDIA L40S", "L40S"), ("NVIDIA L40", "L40"), ("NVIDIA A10G", "A10G"), ("NVIDIA A10", "A10"),
+    ("NVIDIA RTX A6000", "RTXA6000"), ("NVIDIA RTX 6000 Ada Generation", "RTX6000Ada"), ("Tesla T4", "T4"),
+    ("NVIDIA GeForce RTX 3090", "RTX3090"), ("NVIDIA H100 NVL", "H100-NVL"), ("NVIDIA H100 PCIe", "H100-PCIe"),
+    ("NVIDIA H200", "H200"), ("NVIDIA A40", "A40"), ("NVIDIA A100-SXM4-80GB", "A100-80GB"),
+])
+def test_a_detected_name_matches_the_most_specific_entry(nvml, name):
+    assert lookup(nvml).name == name
+
+
+def test_a_card_without_a_price_plans_and_price_sets_one(tmp_path, no_gpu_here, capsys):
+    assert catalog()["H100-NVL"].price_per_hour_eur is None
+    p = make_plan(recipe(tmp_path), from_spec("H100-NVL"), tokens=15e6)
+    assert p.fits and p.estimate["cost_eur"] is None and p.price_per_hour_eur is None
+    assert any("--price EUR/h" in n for n in p.notes) and "no price known" in format_plan(p)
+    rc, out, _ = run_cli(capsys, "plan", write_recipe(tmp_path, tokens="15M"), "--gpus", "H100-NVL", "--price", "2.5",
+                         "--json")
+    d = json.loads(out)
+    assert rc == 0 and d["price_per_hour_eur"] == 2.5
+    assert d["estimate"]["cost_eur"] == pytest.approx(d["estimate"]["hours"] * 2.5, abs=0.01)
+
+
+# --- setup and download ------------------------------------------------------------------------------
+
+def test_setup_and_download_are_in_the_estimate(tmp_path):
+    p = make_plan(recipe(tmp_path, model="Qwen/Qwen3-8B"), from_spec("RTX4090"), tokens=15e6)
+    e = p.estimate
+    d = e["download"]
+    assert p.engine == "unsloth" and d["repo"] == "unsloth/Qwen3-8B-bnb-4bit" and 4 < d["gb"] < 8
+    assert "estimated from the architecture" in d["source"]  # the Hub is not reachable here
+    assert e["setup_hours"] == pytest.approx((plan_mod.SETUP_MINUTES * 60 + d["bytes"] / 100e6) / 3600, rel=0.01)
+    assert e["total_hours"] == pytest.approx(e["hours"] + e["setup_hours"], abs=0.002)
+    assert any("pre-quantized 4-bit repository unsloth/Qwen3-8B-bnb-4bit" in r for r in p.reasons)
+    assert "Setup:" in format_plan(p) and "100 MB/s" in format_plan(p)
+
+
+def test_qlora_70b_downloads_a_quarter_with_the_4bit_repo(tmp_path):
+    arch = from_catalog("meta-llama/Llama-3.1-70B-Instruct")
+    full = download_size("meta-llama/Llama-3.1-70B-Instruct", arch)
+    four = download_size("meta-llama/Llama-3.1-70B-Instruct", arch, "unsloth/Meta-Llama-3.1-70B-Instruct-bnb-4bit")
+    assert 125 < full.bytes / 2**30 < 135 and 35 < four.bytes / 2**30 < 42  # the article: 141 GB and ~40 GB (decimal)
+    p = make_plan(recipe(tmp_path, model="meta-llama/Llama-3.1-70B-Instruct"), from_spec("H100-80GB"), tokens=15e6,
+                  unsloth_available=False)
+    assert p.engine == "trl" and p.estimate["download"]["repo"] == "meta-llama/Llama-3.1-70B-Instruct"
+    assert any("model=unsloth/Meta-Llama-3.1-70B-Instruct-bnb-4bit to use it" in r for r in p.reasons)
+
+
+def test_weight_files_from_a_hub_listing():
+    listing = {"model-00001-of-00002.safetensors": 5, "model-00002-of-00002.safetensors": 3, "pytorch_model.bin": 8,
+               "config.json": 1, "original/consolidated.00.pth": 8}
+    assert _weights_bytes(listing) == 8  # safetensors only: from_pretrained loads those, not the .bin copy
+    assert _weights_bytes({"pytorch_model.bin": 8, "original/consolidated.00.pth": 8, "tokenizer.json": 2}) == 8
+
+
+# --- suggestions -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("typo,meant", [("lr", "learning_rate"), ("learnig_rate", "learning_rate"),
+                                        ("max_len", "max_length"), ("lora.rr", "lora.r"), ("epoch", "epochs")])
+def test_did_you_mean_only_when_close(typo, meant):
+    assert _suggest(typo) == f" (did you mean '{meant}'?)"
+
+
+@pytest.mark.parametrize("far", ["zz", "optimizer_kind", "xyz.abc"])
+def test_no_suggestion_for_a_far_name(far):
+    assert _suggest(far) == ""
+
+
+def test_alternatives_only_hold_the_job(tmp_path):
+    with pytest.raises(PlanError) as err:
+        make_plan(recipe(tmp_path, model="Qwen/Qwen2.5-32B", method="full"), from_spec("RTX4090"), tokens=15e6)
+    p = err.value.plan
+    assert p.alternatives and all(a["per_gpu_gb"] <= a["card_gb"] * sizing.USABLE_FRACTION for a in p.alternatives)
+    assert all(not math.isnan(a["per_gpu_gb"]) for a in p.alternatives)
+    assert "2xRTX4090" not in err.value.fix
+
+
+def test_plan_checks_the_trainer_fields(tmp_path, no_gpu_here, capsys, monkeypatch):
+    seen = []
+
+    def check(r):  # launcher.recipe.check_trainer_fields, called by plan (its own checks: tests/test_recipe.py)
+        seen.append(dict(r.trainer))
+        raise RecipeError("the recipe's trainer: section has unknown fields:\n- trainer.warmup_ratoi ...")
+
+    monkeypatch.setattr(pipeline, "check_trainer_fields", check)
+    rc, _, err = run_cli(capsys, "plan", write_recipe(tmp_path, trainer={"warmup_ratoi": 0.1}), "--gpus", "RTX4090")
+    assert rc == 2 and seen == [{"warmup_ratoi": 0.1}] and "warmup_ratoi" in err
