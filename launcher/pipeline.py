@@ -14,6 +14,7 @@ from .data import compute_stats, example_lengths, load_examples
 from .errors import RecipeError, UsageError
 from .recipe import Recipe, check_trainer_fields, load_recipe
 from .rundir import RunDir
+from .trackers import check_installed as check_trackers_installed
 from .state import (RunLock, busy_error, effective_state, format_duration, is_locked, process_identity, read_state,
                     run_holder, set_state, status_summary)
 
@@ -142,6 +143,7 @@ def _prepare(run: RunDir, recipe: Recipe, *, resuming: bool, fresh: bool, memory
              allow_changes: bool = False, nodes: Optional[dict[str, Any]] = None):
     """Check everything (trainer fields, data, plan) before touching the run directory; then lock and write."""
     check_trainer_fields(recipe)
+    check_trackers_installed(recipe)  # report_to: refused with the install line before any GPU time
     examples, lengths, stats = data_stats(recipe)
     data_sha = sha256_file(Path(recipe.data))
     restart = resuming and restarts_after_failed_smoke(run)
@@ -656,6 +658,7 @@ def _plan_command(recipe_path: str, overrides: list[str], gpus: Optional[str], t
     from .recipe import parse_token_count
 
     recipe = load_recipe(recipe_path, overrides)
+    check_trackers_installed(recipe)
     notes = []
     if importlib.util.find_spec("trl") is not None:
         check_trainer_fields(recipe)  # an unknown trainer: field fails here, not after the smoke test started

@@ -47,6 +47,7 @@ OWNED_TRAINER_KEYS = {
     "bf16": "(chosen from the GPU, not configured)",
     "fp16": "(chosen from the GPU, not configured)",
     "resume_from_checkpoint": "resume",
+    "report_to": "report_to",
 }
 
 
@@ -104,6 +105,9 @@ class SyncSettings(_Strict):
             raise ValueError("credentials do not belong in the recipe; use the environment (AWS_*, HF_TOKEN) "
                              "or ~/.ssh/config instead")
         return value
+
+
+Tracker = Literal["tensorboard", "wandb", "mlflow", "trackio"]  # launcher/trackers.py
 
 
 class Recipe(_Strict):
@@ -180,6 +184,11 @@ class Recipe(_Strict):
         "gguf (for Ollama/llama.cpp; implies merged).",
     )
     gguf_type: GgufType = Field("q8_0", description="GGUF tensor type: q8_0 (about half of f16), f16, bf16, f32.")
+    report_to: list[Tracker] = Field(
+        default_factory=lambda: ["tensorboard"],
+        description="Experiment trackers the trainer reports to (rank 0 only), named after the run, with the recipe as "
+        "config: tensorboard (event files in the run), wandb, mlflow, trackio; [] for none. docs/tracking.md.",
+    )
     trainer: dict[str, Any] = Field(default_factory=dict, description="Extra TRL SFTConfig fields, passed through.")
 
     @field_validator("tokens", mode="before")

@@ -206,6 +206,9 @@ def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta
                     # The checkpoint carries the metrics up to its step: a resume on another box
                     # restores them from here, whatever state the copied metrics.jsonl is in.
                     shutil.copyfile(run.metrics, dst / METRICS_IN_CHECKPOINT)
+                from . import trackers
+
+                trackers.into_checkpoint(run.root, dst)  # a resume on another box continues the same tracked runs
 
                 def complete(dst: Path = dst) -> None:
                     # retention after the manifest: the newest complete checkpoint outlives the hashing
@@ -315,7 +318,7 @@ def sft_config(recipe, run: RunDir, mode: str, device: str, dtype, max_steps: Op
         logging_steps=recipe.logging_steps if mode == "full" else 1,
         save_strategy="no",  # ftrun saves by wall clock (callback), not every N steps
         save_only_model=False,
-        report_to=_report_to(run, mode),
+        **_trackers(run, recipe, mode),  # report_to, and the run's name for the trackers (launcher/trackers.py)
         include_num_input_tokens_seen="non_padding",  # real tokens, not padding
         use_cpu=device == "cpu",
         bf16=device == "cuda" and dtype == torch.bfloat16,
@@ -396,18 +399,20 @@ def _engine_check(run: RunDir, plan: dict[str, Any], mode: str, get_trainer):
     return EngineCheck()
 
 
-def _report_to(run: RunDir, mode: str) -> str:
-    """TensorBoard event files in run_dir/tensorboard for the full run (what people already watch)."""
-    import importlib.util
+def _trackers(run: RunDir, recipe, mode: str) -> dict[str, Any]:
+    """SFTConfig's report_to (the recipe's, on the full run's main process; TensorBoard event files in
+    run_dir/tensorboard) and run_name/project, the environment each tracker reads set (launcher/trackers.py)."""
+    from . import trackers
 
-    if mode != "full" or _rank() != 0:
-        return "none"
-    if importlib.util.find_spec("tensorboard") is None and importlib.util.find_spec("tensorboardX") is None:
-        print("[ftrun worker] tensorboard is not installed: no event files (metrics.jsonl and loss.png still are)",
-              flush=True)
-        return "none"
-    os.environ["TENSORBOARD_LOGGING_DIR"] = str(run.root / "tensorboard")
-    return "tensorboard"
+    report_to, fields = trackers.prepare(run.root, recipe, mode, _rank())
+    return {"report_to": report_to, **fields}
+
+
+def _tracked_recipe(run: RunDir, recipe):
+    """After the trackers' own callbacks: the recipe into each tracked run's config, where each run is in the log."""
+    from . import trackers
+
+    return trackers.recipe_callback(run.root, recipe)
 
 
 def run_worker(run_dir: Path, mode: str) -> int:
@@ -538,6 +543,9 @@ def run_worker(run_dir: Path, mode: str) -> int:
         if resume_from:
             print(f"[ftrun worker] resuming from {resume_from.path.name} (step {resume_from.step}, verified)", flush=True)
             _restore_metrics(run.metrics, resume_from.path, resume_from.step)
+            from . import trackers
+
+            trackers.restore_from_checkpoint(run.root, resume_from.path)
         print(f"[ftrun worker] device {device} ({info['dtype']}), method {recipe.method}, "
               f"{_world_size()} process(es)", flush=True)
 
@@ -574,6 +582,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
         from transformers.trainer_callback import PrinterCallback
 
         trainer.remove_callback(PrinterCallback)  # our Metrics callback prints one compact line per log
+        trainer.add_callback(_tracked_recipe(run, recipe))  # last: after the trackers' own callbacks have started
         memory.reset_peak(device)
         try:
             trainer.train(resume_from_checkpoint=str(resume_from.path) if resume_from else None)

@@ -1,0 +1,200 @@
+"""report_to: wandb (offline), mlflow (a local file store) and trackio (local) with the tiny model; an absent package
+refused at the plan and the launch with the install line; the tracked run continued, not duplicated, after a kill -9
+of the worker; only rank 0 reporting under DDP."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from launcher import trackers
+from launcher.errors import RecipeError
+from launcher.recipe import validate_recipe
+
+TRACKER_ENV = ("WANDB_RUN_ID", "WANDB_RESUME", "WANDB_PROJECT", "WANDB_DIR", "WANDB_MODE", "MLFLOW_TRACKING_URI",
+               "MLFLOW_EXPERIMENT_NAME", "MLFLOW_RUN_ID", "MLFLOW_ALLOW_FILE_STORE", "TENSORBOARD_LOGGING_DIR")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in TRACKER_ENV:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def _recipe(tmp_path, **fields):
+    raw = {"model": "a/b", "method": "lora", "data": "d.jsonl", "output_dir": str(tmp_path / "run"), **fields}
+    return validate_recipe(raw, tmp_path, "r")
+
+
+def test_report_to_defaults_to_tensorboard_and_refuses_unknown_trackers(tmp_path):
+    assert _recipe(tmp_path).report_to == ["tensorboard"]
+    assert _recipe(tmp_path, report_to=[]).report_to == []
+    with pytest.raises(RecipeError, match="report_to"):
+        _recipe(tmp_path, report_to=["wandb", "comet"])
+    with pytest.raises(RecipeError, match="trainer.report_to -> report_to"):  # one surface for one setting
+        _recipe(tmp_path, trainer={"report_to": ["wandb"]})
+
+
+def test_absent_tracker_is_refused_at_plan_and_launch_with_the_install_line(tmp_path, write_recipe, monkeypatch,
+                                                                           capsys):
+    from launcher.cli import main
+
+    monkeypatch.setattr(trackers, "_installed", lambda tracker: tracker == "tensorboard")
+    recipe = write_recipe(report_to=["tensorboard", "wandb", "mlflow"])
+    for argv in (["plan", str(recipe)], [str(recipe)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "report_to names wandb, mlflow, but they are not installed" in err, err
+        assert "pip install wandb mlflow-skinny" in err and "ftrun[trackers]" in err
+    assert not (tmp_path / "run").exists()  # refused before the run directory, the smoke test, any GPU time
+    monkeypatch.setattr(trackers, "_installed", lambda tracker: tracker != "tensorboard")
+    trackers.check_installed(validate_recipe({"model": "a/b", "method": "lora", "data": "d"}, tmp_path, "r"))
+
+
+def test_the_tracked_run_keeps_its_ids_across_worker_starts(tmp_path, clean_env):
+    run = tmp_path / "run"
+    run.mkdir()
+    recipe = _recipe(tmp_path, report_to=["tensorboard", "wandb", "mlflow", "trackio"])
+    assert trackers.prepare(run, recipe, "smoke", 0) == (["none"], {})  # the smoke test reports nothing
+    assert trackers.prepare(run, recipe, "full", 1) == (["none"], {})  # only the main process reports
+    report_to, fields = trackers.prepare(run, recipe, "full", 0)
+    assert report_to == ["tensorboard", "wandb", "mlflow", "trackio"]
+    assert fields["run_name"].startswith("run-") and fields["project"] == "ftrun"
+    first = {k: os.environ.get(k) for k in TRACKER_ENV}
+    assert first["WANDB_RESUME"] == "allow" and first["WANDB_DIR"] == str(run) and len(first["WANDB_RUN_ID"]) == 8
+    assert first["MLFLOW_TRACKING_URI"] == (run / "mlruns").resolve().as_uri() and first["MLFLOW_RUN_ID"] is None
+    assert first["MLFLOW_ALLOW_FILE_STORE"] == "true"
+    # what MLflow's start_run made, recorded by the callback after it
+    ids = trackers.load_ids(run)
+    ids["mlflow"] = {"run_id": "0123abcd", "tracking_uri": first["MLFLOW_TRACKING_URI"]}
+    (run / trackers.TRACKERS_FILE).write_text(json.dumps(ids))
+
+    for name in TRACKER_ENV:  # a new worker process (a restart, a resume on another day)
+        clean_env.delenv(name, raising=False)
+    time.sleep(1.1)  # a name made again now would differ
+    _, again = trackers.prepare(run, recipe, "full", 0)
+    assert again["run_name"] == fields["run_name"]
+    assert os.environ["WANDB_RUN_ID"] == first["WANDB_RUN_ID"] and os.environ["MLFLOW_RUN_ID"] == "0123abcd"
+
+    # a run fetched onto a new box: its checkpoints carry the file
+    ckpt = run / "checkpoints" / "step-000010"
+    ckpt.mkdir(parents=True)
+    trackers.into_checkpoint(run, ckpt)
+    other = tmp_path / "other"
+    other.mkdir()
+    trackers.restore_from_checkpoint(other, ckpt)
+    assert trackers.load_ids(other) == trackers.load_ids(run)
+
+
+def test_names_set_by_the_user_are_kept(tmp_path, clean_env):
+    run = tmp_path / "run"
+    run.mkdir()
+    clean_env.setenv("WANDB_RUN_ID", "mine1234")
+    clean_env.setenv("WANDB_PROJECT", "support-bot")
+    recipe = _recipe(tmp_path, report_to=["wandb", "trackio"], trainer={"run_name": "exp-7", "project": "bots"})
+    report_to, fields = trackers.prepare(run, recipe, "full", 0)
+    assert fields == {}  # trainer: run_name and project pass through as the user wrote them
+    ids = trackers.load_ids(run)
+    assert ids["wandb"]["id"] == "mine1234" and ids["wandb"]["project"] == "support-bot"
+    assert ids["trackio"] == {"project": "bots", "name": "exp-7"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Real runs of the tiny model (slow tier)
+
+def _tracker_env(tmp_path: Path) -> dict[str, str]:
+    return {"WANDB_MODE": "offline", "MLFLOW_TRACKING_URI": f"file:{tmp_path / 'mlruns'}",
+            "TRACKIO_DIR": str(tmp_path / "trackio"), "WANDB_SILENT": "true"}
+
+
+def _mlflow_runs(tmp_path: Path) -> list[dict]:
+    """Every run in the file store: its id and the steps it has a train loss for."""
+    out = []
+    for meta in (tmp_path / "mlruns").glob("*/*/meta.yaml"):
+        loss = meta.parent / "metrics" / "loss"
+        steps = sorted(int(line.split()[2]) for line in loss.read_text().splitlines()) if loss.is_file() else []
+        out.append({"id": meta.parent.name, "steps": steps, "params": sorted(p.name for p in (meta.parent / "params").iterdir())})
+    return out
+
+
+def _wandb_runs(run: Path) -> dict[str, list[str]]:
+    """{run id: offline run folders}: wandb writes a folder per process start, named ...-<run id>."""
+    out: dict[str, list[str]] = {}
+    for folder in sorted((run / "wandb").glob("offline-run-*")):
+        out.setdefault(folder.name.rsplit("-", 1)[1], []).append(folder.name)
+    return out
+
+
+def _trackio_runs(tmp_path: Path) -> dict[str, list[int]]:
+    """{run id: steps logged} in the local Trackio project."""
+    db = sqlite3.connect(tmp_path / "trackio" / "ftrun.db")
+    out: dict[str, list[int]] = {}
+    for run_id, metrics in db.execute("SELECT run_id, metrics FROM metrics"):
+        step = json.loads(metrics).get("train/global_step")
+        if step is not None:
+            out.setdefault(run_id, []).append(step)
+    return out
+
+
+@pytest.mark.slow
+def test_trackers_continue_the_same_run_after_a_kill_9_of_the_worker(tmp_path, tiny_model):
+    from conftest import recipe_file
+    from helpers import freeze_worker, ftrun, has_checkpoint, metrics, wait_until_ended
+
+    t0 = time.monotonic()
+    run = tmp_path / "run"
+    recipe = recipe_file(tmp_path / "r.yaml", tiny_model, output_dir=run, max_steps=10, keep_checkpoints=1,
+                         report_to=["tensorboard", "wandb", "mlflow", "trackio"], smoke={"enabled": False})
+    res = ftrun(recipe, cwd=tmp_path, env=_tracker_env(tmp_path))
+    assert res.returncode == 0, res.stdout + res.stderr
+    st = freeze_worker(run, has_checkpoint)
+    killed_at = metrics(run)[-1]["step"]
+    os.kill(st["worker_pid"], signal.SIGKILL)  # the supervisor restarts it from the checkpoint
+    wait_until_ended(run, tmp_path)
+    log = (run / "train.log").read_text()
+    assert "restarting from the newest verified checkpoint" in log and killed_at < 10
+    ids = json.loads((run / "trackers.json").read_text())
+
+    wandb = _wandb_runs(run)  # two process starts, one run: `wandb sync` sends both to run <id>
+    assert list(wandb) == [ids["wandb"]["id"]] and len(wandb[ids["wandb"]["id"]]) == 2, wandb
+    assert "wandb: run " in log and "offline in" in log
+
+    mlflow = _mlflow_runs(tmp_path)
+    assert [r["id"] for r in mlflow] == [ids["mlflow"]["run_id"]], mlflow
+    assert mlflow[0]["steps"][-1] == 10 and mlflow[0]["steps"][0] == 1
+    assert "ftrun.lora.r" in mlflow[0]["params"] and "learning_rate" in mlflow[0]["params"]  # recipe + trainer args
+    assert "mlflow: continuing run " + ids["mlflow"]["run_id"] in log
+
+    trackio = _trackio_runs(tmp_path)
+    assert len(trackio) == 1 and max(next(iter(trackio.values()))) == 10, trackio
+    db = sqlite3.connect(tmp_path / "trackio" / "ftrun.db")
+    config = json.loads(db.execute("SELECT config FROM configs").fetchone()[0])
+    assert config["ftrun_recipe"]["report_to"] == ["tensorboard", "wandb", "mlflow", "trackio"]
+    assert list((run / "tensorboard").rglob("events.out.tfevents.*"))
+    print(f"trackers: run with a kill -9 in {time.monotonic() - t0:.0f} s")
+
+
+@pytest.mark.slow
+def test_only_rank_0_reports_under_ddp(tmp_path, tiny_model):
+    from conftest import recipe_file
+    from helpers import ftrun, wait_until_ended
+
+    t0 = time.monotonic()
+    run = tmp_path / "run"
+    recipe = recipe_file(tmp_path / "r.yaml", tiny_model, output_dir=run, max_steps=4, micro_batch_size=4,
+                         engine="ddp", num_processes=2, report_to=["wandb", "mlflow", "trackio"],
+                         smoke={"enabled": False})
+    res = ftrun(recipe, cwd=tmp_path, env=_tracker_env(tmp_path))
+    assert res.returncode == 0, res.stdout + res.stderr
+    wait_until_ended(run, tmp_path)
+    assert len(_wandb_runs(run)) == 1 and sum(map(len, _wandb_runs(run).values())) == 1
+    assert len(_mlflow_runs(tmp_path)) == 1 and len(_trackio_runs(tmp_path)) == 1
+    assert (run / "train.log").read_text().count("mlflow: started run") == 1
+    print(f"trackers: 2-process DDP run in {time.monotonic() - t0:.0f} s")
