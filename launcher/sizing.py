@@ -472,7 +472,7 @@ def offload_seconds_per_micro_batch(est: MemoryEstimate, w: Workload, link_gb_s:
     n = w.num_gpus
     params_gb = est.offloaded_params_gb / n - _resident_states_gb(est, w)  # this card's shard of the weights
     grads_gb = est.trainable_params * 4 / n / GB
-    return (OFFLOAD_PASSES * params_gb + grads_gb) / link_gb_s
+    return (OFFLOAD_PASSES * params_gb + grads_gb) * GB / (link_gb_s * 1e9)  # links are rated in 1e9 bytes/s
 
 
 def _resident_states_gb(est: MemoryEstimate, w: Workload) -> float:

@@ -181,10 +181,12 @@ def test_measured_peaks():
     from launcher.models import Architecture
 
     archs = {"llama2": Architecture(**LLAMA2_7B), "llama31": from_catalog(MODEL["8B"])}
-    errors = []
+    errors, hf_peft = [], []  # docs/sizing.md, "Against measured peaks": how the median is measured
     for key, r, engine, rows in MEASURED:
         for tokens, gib in rows.items():
             est = sizing.memory(archs[key], Workload("qlora", tokens, 1, True, r, "all-linear", engine))
             errors.append(abs(est.per_gpu_gb / gib - 1))  # both in GB = 2**30 bytes
-    assert median(errors) <= 0.10
+            if engine == "trl":  # HF Trainer + PEFT, as ftrun runs it
+                hf_peft.append(errors[-1])
+    assert median(errors) <= 0.10 and median(hf_peft) <= 0.10
     assert max(errors) <= 0.35
