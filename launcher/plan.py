@@ -682,6 +682,10 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
     forced = recipe.engine
     wanted = None if recipe.num_processes == "auto" else int(recipe.num_processes)
     choice = choose(job, hardware, forced, unsloth_ok, workday_hours, processes=wanted, nnodes=nnodes)
+    if choice.fits and choice.engine == "deepspeed" and hardware.is_this_machine and not _deepspeed_installed():
+        choice = replace(choice, fits=False, missing="deepspeed", refusal="engine: deepspeed needs DeepSpeed, which "
+                         "is not installed in this environment: pip install 'ftrun[deepspeed]' (ftrun's Docker image "
+                         "has it)")
     rows = _box_rows(job, forced if forced in ("auto", *SHARDING_ENGINES) else "auto", True, workday_hours)
     alternatives = _pick_alternatives(rows)
     g = hardware.gpu

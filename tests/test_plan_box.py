@@ -143,6 +143,14 @@ def test_this_machine_uses_what_is_installed_and_names_the_fix(tmp_path, monkeyp
     assert rc == 2 and d["fits"] is False and d["refusal"]["missing"] == "unsloth"
 
 
+def test_deepspeed_missing_here_is_missing_software(tmp_path, monkeypatch):
+    monkeypatch.setattr(plan_mod, "_deepspeed_installed", lambda: False)
+    r = recipe(tmp_path, method="full", engine="deepspeed")
+    assert make_plan(r, from_spec("4xH100-80GB"), tokens=15e6).engine == "deepspeed"  # the image has it
+    with pytest.raises(MissingSoftware, match="pip install 'ftrun\\[deepspeed\\]'"):
+        make_plan(r, detected("4xH100-80GB"), tokens=15e6)
+
+
 # --- the box in hand is billed whole --------------------------------------------------------------
 
 def test_8xh100_uses_its_cards_and_shows_the_cheapest_box_to_rent(tmp_path):
