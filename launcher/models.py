@@ -406,7 +406,8 @@ def _hub_weights_bytes(repo: str, timeout: float = 5.0) -> int:
     files_metadata=True: each sibling carries .size). Raises when offline or unreachable."""
     from huggingface_hub import HfApi
 
-    info = HfApi().model_info(repo, files_metadata=True, timeout=timeout)  # the token: huggingface_hub.get_token
+    api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)  # read now; None: huggingface_hub's default
+    info = api.model_info(repo, files_metadata=True, timeout=timeout)  # the token: huggingface_hub.get_token
     return _weights_bytes({s.rfilename: int(s.size or 0) for s in (info.siblings or [])})
 
 

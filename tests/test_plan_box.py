@@ -266,6 +266,47 @@ def test_qlora_70b_downloads_a_quarter_with_the_4bit_repo(tmp_path):
     assert any("model=unsloth/Meta-Llama-3.1-70B-Instruct-bnb-4bit to use it" in r for r in p.reasons)
 
 
+def test_download_size_from_the_hubs_listing(monkeypatch):
+    """Online, the size is what the Hub lists (huggingface_hub's model_info with files_metadata), asked of a local
+    server that answers GET /api/models/ORG/NAME like the Hub (siblings with rfilename and size)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import huggingface_hub.constants
+
+    listing = [{"rfilename": "model-00001-of-00002.safetensors", "size": 4_000_000_000},
+               {"rfilename": "model-00002-of-00002.safetensors", "size": 2_000_000_000},
+               {"rfilename": "config.json", "size": 900}]
+    seen = []
+
+    class Hub(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            seen.append(self.path)
+            body = json.dumps({"id": "org/model", "sha": "0" * 40, "siblings": listing}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.delenv("FTRUN_OFFLINE", raising=False)
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+        got = download_size("org/model", from_catalog("Qwen/Qwen3-8B"))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert got.bytes == 6_000_000_000 and got.source == "Hub metadata (file sizes)" and not got.cached
+    assert seen and seen[0].startswith("/api/models/org/model")
+
+
 def test_weight_files_from_a_hub_listing():
     listing = {"model-00001-of-00002.safetensors": 5, "model-00002-of-00002.safetensors": 3, "pytorch_model.bin": 8,
                "config.json": 1, "original/consolidated.00.pth": 8}
