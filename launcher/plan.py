@@ -962,9 +962,9 @@ def format_plan(plan: Plan) -> str:
     lines.append(f"Time:   {_fmt_hours(e['hours'])} training; cost {cost}")
     if e.get("setup_hours") is not None:
         d = e["download"]
-        fetch = ("download: none (" + d["source"] + ")" if d["cached"] else
-                 f"download {d['gb']} GB of {d['repo']} ({d['source']}) at {d['bandwidth_mb_s']:g} MB/s: "
-                 f"{_fmt_hours(d['seconds'] / 3600)}")
+        fetch = ("download: none, " + d["source"] if d["cached"] else
+                 f"download {d['gb']} GB of {d['repo']} at {d['bandwidth_mb_s']:g} MB/s: "
+                 f"{_fmt_hours(d['seconds'] / 3600)}; size: {d['source']}")
         total_cost = f", {e['total_cost_eur']:.2f} EUR" if e.get("total_cost_eur") is not None else ""
         lines.append(f"Setup:  {_fmt_hours(e['setup_hours'])} ({e['setup']['minutes']:g} min {e['setup']['what']}; "
                      f"{fetch})")
