@@ -9,6 +9,7 @@
     ftrun pull RECIPE                                      fetch a run from sync.to (no resume)
     ftrun push [RECIPE|RUN_DIR]                            copy checkpoint + result to sync.to now
     ftrun export [RECIPE|RUN_DIR] [--merged] [--gguf TYPE]  adapter, merged model, GGUF, serving commands; checked
+    ftrun publish [RECIPE|RUN_DIR] [--to hf://USER/REPO]   push the checked export + model card to the Hub
     ftrun explain                                          every recipe key, its default and meaning
 """
 
@@ -23,7 +24,7 @@ from typing import Optional
 
 from .errors import EXIT_INTERNAL, FtrunError, UsageError
 
-COMMANDS = ("plan", "smoke", "status", "logs", "stop", "pull", "push", "export", "explain", "run")
+COMMANDS = ("plan", "smoke", "status", "logs", "stop", "pull", "push", "export", "publish", "explain", "run")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -79,6 +80,9 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("target", nargs="?", help="recipe file or run directory")
     ex.add_argument("--merged", action="store_true", help="also merge the adapter into the 16-bit base")
     ex.add_argument("--gguf", metavar="TYPE", help="also write a GGUF: q8_0, f16, bf16 or f32 (implies --merged)")
+    pb = sub.add_parser("publish", help="push the checked export and a model card to the recipe's publish.to")
+    pb.add_argument("target", nargs="?", help="recipe file or run directory")
+    pb.add_argument("--to", metavar="hf://USER/REPO", help="another repo than the recipe's publish.to")
     sub.add_parser("explain", help="every recipe key with its default and meaning")
     return p
 
@@ -206,6 +210,12 @@ def cmd_export(a) -> int:
     from .export import export_command
 
     return export_command(a.target, merged=a.merged, gguf=a.gguf)
+
+
+def cmd_publish(a) -> int:
+    from .publish import publish_command
+
+    return publish_command(a.target, to=a.to)
 
 
 def cmd_explain(a) -> int:

@@ -110,6 +110,27 @@ class SyncSettings(_Strict):
 Tracker = Literal["tensorboard", "wandb", "mlflow", "trackio"]  # launcher/trackers.py
 
 
+class PublishSettings(_Strict):
+    to: Optional[str] = Field(None, description="Hugging Face repo the verified result is pushed to: hf://user/repo.")
+    private: bool = Field(True, description="Create the repo private (an existing repo keeps its visibility).")
+    what: list[ExportFormat] = Field(
+        default_factory=lambda: ["adapter"],
+        description="What is pushed, each after the export checked it: adapter, merged, gguf (each also in export:).",
+    )
+
+    @field_validator("to")
+    @classmethod
+    def _hub_repo(cls, value: Optional[str]) -> Optional[str]:
+        if value is None:
+            return value
+        if re.search(r"://[^/@]+:[^/@]+@", value):
+            raise ValueError("credentials do not belong in the recipe; set HF_TOKEN or run `hf auth login`")
+        parts = value[len("hf://"):].strip("/").split("/") if value.startswith("hf://") else []
+        if len(parts) != 2 or not all(parts):
+            raise ValueError("publish.to is a Hugging Face model repo: write hf://USER/REPO")
+        return value
+
+
 class Recipe(_Strict):
     """One fine-tuning job. Field descriptions are the documentation (`ftrun explain` prints them)."""
 
@@ -189,6 +210,8 @@ class Recipe(_Strict):
         description="Experiment trackers the trainer reports to (rank 0 only), named after the run, with the recipe as "
         "config: tensorboard (event files in the run), wandb, mlflow, trackio; [] for none. docs/tracking.md.",
     )
+    publish: PublishSettings = Field(default_factory=PublishSettings,
+                                     description="Pushing the verified result to the Hugging Face Hub, with a model card.")
     trainer: dict[str, Any] = Field(default_factory=dict, description="Extra TRL SFTConfig fields, passed through.")
 
     @field_validator("tokens", mode="before")
@@ -214,6 +237,16 @@ class Recipe(_Strict):
     def _cross_field(self) -> "Recipe":
         if self.assistant_only_loss and self.packing:
             raise ValueError("assistant_only_loss and packing together are not supported by TRL; turn one off")
+        if self.publish.to:
+            full = self.method in ("full", "full-8bit")
+            if full and "adapter" in self.publish.what:
+                raise ValueError("publish.what has 'adapter', but a full fine-tune has none: publish merged "
+                                 "(the 16-bit model, with merged in export:) or gguf")
+            exported = set(self.export) | ({"merged"} if "gguf" in self.export else set())
+            missing = [w for w in self.publish.what if w not in exported]
+            if missing:
+                raise ValueError(f"publish.what has {missing}, which export: does not make (and check) first; "
+                                 f"add {missing} to export:")
         return self
 
     # -- derived values, one place each --------------------------------------------------

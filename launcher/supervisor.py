@@ -167,6 +167,10 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
                     {"ok": None, "reason": "written and verified by node 0"})
             _log("training finished" + (f"; {checked.reason}" if checked else ""))
             _export(recipe, run, child)
+            # after the export's checks, before on_finish (which may stop the box); a failed export publishes nothing
+            from .publish import after_export
+
+            after_export(recipe, run, _log)
             if syncer:
                 _record(run, "succeeded", reason=f"training finished; copying the result to {recipe.sync.to}")
                 if not syncer.finish(final=True):
