@@ -143,7 +143,7 @@ def _prepare(run: RunDir, recipe: Recipe, *, resuming: bool, fresh: bool, memory
              allow_changes: bool = False, nodes: Optional[dict[str, Any]] = None):
     """Check everything (trainer fields, data, plan) before touching the run directory; then lock and write."""
     check_trainer_fields(recipe)
-    check_trackers_installed(recipe)  # report_to: refused with the install line before any GPU time
+    check_trackers_installed(recipe, launching=True)  # report_to: refused with the fix before any GPU time
     examples, lengths, stats = data_stats(recipe)
     data_sha = sha256_file(Path(recipe.data))
     restart = resuming and restarts_after_failed_smoke(run)

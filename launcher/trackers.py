@@ -52,10 +52,33 @@ def missing(report_to: list[str]) -> list[str]:
     return [t for t in report_to if t != "tensorboard" and not _installed(t)]
 
 
-def check_installed(recipe) -> None:
+def _wandb_has_credentials() -> bool:
+    """Any sign of a W&B login where wandb looks (sdk/lib/wbauth: WANDB_API_KEY, the netrc file, its settings file).
+    Lenient on purpose: a key that is there but wrong is wandb's own error."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    netrcs = [os.environ["NETRC"]] if os.environ.get("NETRC") else ["~/.netrc", "~/_netrc"]
+    settings = Path(os.environ.get("WANDB_CONFIG_DIR") or "~/.config/wandb").expanduser() / "settings"
+    for path, sign in [*((Path(n).expanduser(), "wandb") for n in netrcs), (settings, "api_key")]:
+        try:
+            if sign in path.read_text(errors="replace"):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def check_installed(recipe, launching: bool = False) -> None:
     """A RecipeError with the install line when a tracker the recipe names is not installed: at `ftrun plan` and
-    at the launch, before the smoke test (the trainer itself would fail only when the full run starts)."""
+    at the launch, before the smoke test (the trainer itself would fail only when the full run starts). At the
+    launch also wandb without a login: wandb.init would fail in the detached worker, at every restart."""
     absent = missing(list(recipe.report_to))
+    if launching and "wandb" in recipe.report_to and "wandb" not in absent \
+            and os.environ.get("WANDB_MODE", "online") not in ("offline", "disabled", "dryrun") \
+            and not _wandb_has_credentials():
+        raise RecipeError("report_to names wandb, but this box has no W&B login (no WANDB_API_KEY, no `wandb login`)",
+                          fix="run `wandb login` or set WANDB_API_KEY; or set WANDB_MODE=offline to keep the run in "
+                          "RUN/wandb and send it later with `wandb sync`.")
     if not absent:
         return
     packages = " ".join(PACKAGES[t][1] for t in absent)
