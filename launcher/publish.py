@@ -301,6 +301,8 @@ def after_export(recipe, run: RunDir, log: Callable[[str], None]) -> None:
 
     if not recipe.publish.to:
         return
+    if (read_state(run).get("final_check") or {}).get("ok") is None:
+        return  # a node other than the first of a multi-node run: node 0 writes, exports and publishes the result
     try:
         record = publish_run(run.root, say=log)
     except FtrunError as exc:

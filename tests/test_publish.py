@@ -135,6 +135,15 @@ def test_a_failed_export_publishes_nothing_and_says_so(tmp_path, hub):
     assert hub.calls == []  # the Hub was not even asked
 
 
+def test_only_the_first_node_publishes(tmp_path, hub):
+    run = finished_run(tmp_path / "run")
+    run.state.write_text(json.dumps({"state": "succeeded", "final_check": {"ok": None,
+                                                                          "reason": "written and verified by node 0"}}))
+    recipe = validate_recipe(yaml.safe_load(run.recipe.read_text()), run.root, "run")
+    after_export(recipe, run, print)
+    assert hub.calls == [] and "publish" not in json.loads(run.state.read_text())
+
+
 def test_an_output_changed_after_its_check_is_not_published(tmp_path, hub):
     run = finished_run(tmp_path / "run")
     (run.final / "adapter" / "adapter_model.safetensors").write_bytes(os.urandom(100))
