@@ -20,6 +20,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Optional
 
 from .errors import EXIT_INTERNAL, FtrunError, UsageError
@@ -139,20 +140,28 @@ def cmd_smoke(a) -> int:
 
 
 def cmd_status(a) -> int:
-    from .pipeline import format_status, resolve_run, status_extras
-    from .state import ACTIVE, status_summary
+    from . import views
+    from .pipeline import resolve_run
 
+    if a.target is None:
+        runs = views.find_runs(Path.cwd() / "runs")
+        if len(runs) > 1:  # several runs: one line each
+            rows = [views.run_row(r) for r in runs]
+            print(json.dumps(rows, indent=2) if a.json else views.format_runs(rows))
+            return 0
     run = resolve_run(a.target)
+    if a.watch and not a.json:
+        views.watch(run)
+        return 0
     while True:
-        s = status_summary(run)
-        s.update(status_extras(run, s))
+        s = views.run_status(run)
         if a.json:
-            print(json.dumps(s, indent=2))
+            print(json.dumps(s, indent=2), flush=True)
         else:
-            if a.watch:
-                print("\033[2J\033[H", end="")
-            print(format_status(s), flush=True)
-        if not a.watch or s["state"] not in ACTIVE:
+            print(views.format_status(s), flush=True)
+            if s["state"] in views.ENDED:
+                print(views.format_end_summary(views.end_summary(run)), flush=True)
+        if not a.watch or s["state"] not in views.ACTIVE:
             return 0
         time.sleep(2)
 
@@ -186,11 +195,15 @@ def cmd_logs(a) -> int:
 
 
 def cmd_stop(a) -> int:
+    from . import views
     from .pipeline import resolve_run
     from .supervisor import stop
 
     run = resolve_run(a.target)
-    print(f"{run.root}: {stop(run)}")
+    outcome = stop(run)
+    print(f"{run.root}: {outcome}")
+    if outcome == "stopped":
+        print(views.format_end_summary(views.end_summary(run)))
     return 0
 
 
@@ -225,21 +238,31 @@ def cmd_explain(a) -> int:
     return 0
 
 
+WITH_OVERRIDES = ("run", "plan", "smoke", "pull")
+
+
+def split_command_line(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(arguments for argparse, key=value overrides): `ftrun RECIPE ...` is `ftrun run RECIPE ...`, and options
+    and overrides may stand before or after the recipe (`ftrun plan --gpus 4xH100-80GB r.yaml lora.r=8`,
+    `ftrun --memory-limit 20GB r.yaml`). argparse cannot interleave a list of positionals with options, so the
+    overrides (words with '=' that are not options) are taken out first and handed over after parsing."""
+    argv = list(argv)
+    if argv and argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
+        argv.insert(0, "run")
+    if not argv or argv[0] not in WITH_OVERRIDES:
+        return argv, []
+    overrides = [x for x in argv[1:] if "=" in x and not x.startswith("-")]
+    return [x for x in argv if x not in overrides], overrides
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv  # accepted anywhere on the line
     argv = [x for x in argv if x != "--debug"]
-    # `ftrun RECIPE ...` is `ftrun run RECIPE ...`
-    first = next((x for x in argv if not x.startswith("-")), None)
-    if first is not None and first not in COMMANDS:
-        argv.insert(argv.index(first), "run")
-    # key=value overrides may sit anywhere on the line (argparse cannot interleave them with options)
-    overrides = [x for x in argv if "=" in x and not x.startswith("-")]
-    argv = [x for x in argv if x not in overrides]
-    target = next((i for i, x in enumerate(argv) if not x.startswith("-") and x not in COMMANDS), None)
-    if target is not None:  # right after the recipe, where argparse expects them
-        argv[target + 1:target + 1] = overrides
+    argv, overrides = split_command_line(argv)
     args = _parser().parse_args(argv)
+    if hasattr(args, "overrides"):
+        args.overrides = overrides
     if args.command is None:
         _parser().print_help()
         return 2
@@ -254,6 +277,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except KeyboardInterrupt:
         print("ftrun: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `ftrun status | head`: the reader has gone, nothing is wrong
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes at exit
+        return 0
     except Exception as exc:  # an ftrun bug: one line, and how to see more
         if debug or os.environ.get("FTRUN_DEBUG"):
             raise

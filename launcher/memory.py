@@ -198,7 +198,7 @@ def cap_memory(device: str, limit_gb: float) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (info.vms + int(limit_gb * GB), resource.RLIM_INFINITY))
         _CAPPED_BASE_RSS[0] = info.rss
         where = "RLIMIT_AS above the imports"
-    print(f"[ftrun worker] memory limited to {limit_gb:g} GB ({where})", flush=True)
+    print(f"[ftrun worker] memory limited to {round(limit_gb, 2):g} GB ({where})", flush=True)
 
 
 def out_of_memory_peak_gb(device: str) -> Optional[float]:

@@ -9,14 +9,18 @@ from typing import Any, Optional
 
 import yaml
 
-from .checkpoint import atomic_write_json, newest_step_unverified, sha256_file
-from .data import compute_stats, example_lengths, load_examples
+from .checkpoint import atomic_write_json, newest_step_unverified
+from .data import compute_stats, example_lengths, load_data
+from . import evaluation
 from .errors import RecipeError, UsageError
 from .recipe import Recipe, check_trainer_fields, load_recipe
+from . import weights
 from .rundir import RunDir
 from .trackers import check_installed as check_trackers_installed
-from .state import (RunLock, busy_error, effective_state, format_duration, is_locked, process_identity, read_state,
-                    run_holder, set_state, status_summary)
+from .state import (RunLock, busy_error, effective_state, is_locked, process_identity, read_state, run_holder,
+                    set_state)
+from . import views
+from .views import format_status, run_status
 
 
 def _say(msg: str) -> None:
@@ -24,9 +28,15 @@ def _say(msg: str) -> None:
 
 
 def data_stats(recipe: Recipe):
-    examples = load_examples(recipe.data)
-    lengths, source = example_lengths(examples, recipe.model)
-    return examples, lengths, compute_stats(examples, lengths, source, recipe.max_length)
+    data = load_data(recipe.data, recipe.seed)
+    examples = data.examples
+    lengths, source = example_lengths(examples, recipe.model, data.where)
+    # the statistics (plan, ETA) count what trains: the eval split's held-out examples do not (launcher/evaluation.py)
+    train = evaluation.for_recipe(len(examples), recipe).train
+    if recipe.eval.data:
+        evaluation.load_eval_data(recipe)  # a missing or broken eval file stops here, before the smoke test
+    return examples, lengths, compute_stats([examples[i] for i in train], [lengths[i] for i in train], source,
+                                            recipe.max_length, data)
 
 
 def hardware_for(gpus: Optional[str]):
@@ -58,7 +68,7 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
            nodes: Optional[dict[str, Any]] = None) -> int:
     """`ftrun RECIPE`: start a new run, show a live one, or resume an interrupted one."""
     recipe = load_recipe(recipe_path, overrides)
-    run = RunDir(Path(recipe.output_dir))
+    run = run_dir_of(recipe)
     resuming = False
     if not run.exists() and not fresh and recipe.sync.to and recipe.resume is not False:
         _pull_if_remote_run(run, recipe)
@@ -67,7 +77,7 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
     if run.exists() and not fresh:
         holder = run_holder(run)
         if holder:
-            s = status_summary(run)
+            s = run_status(run)
             _say(f"a run is already active in {run.root} ({holder['role']} pid {holder['pid']}); "
                  "not starting a second one:")
             _say(format_status(s))
@@ -76,9 +86,11 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
         if is_locked(run):
             raise busy_error(run)  # held, but by no process ftrun can vouch for: never a second training
         state = effective_state(run)
-        if state == "succeeded":
+        if state in ("succeeded", "trained-not-exported"):
             _say(f"this run has finished: {run.root}")
-            _say(format_status(status_summary(run)))
+            _say(format_status(run_status(run)))
+            if state == "trained-not-exported":
+                _say(f"Its export failed its check: `ftrun export {run.root}` retries it (see final/export.json).")
             _say("To train again from the start, add --fresh (the finished run is kept, renamed).")
             return 0
         if not restarts_after_failed_smoke(run):
@@ -96,10 +108,12 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
     if recipe.resume is True and not resuming:
         raise RecipeError(f"resume: true but {run.root} holds no run to resume",
                           fix="set resume: auto to start a new run when there is none.")
+    found = weights.check(recipe.model)  # before the run directory is touched: a failure leaves nothing behind
 
     examples, lengths, stats, plan, plan_dict, lock, data_sha = _prepare(run, recipe, resuming=resuming, fresh=fresh,
                                                                          memory_limit=memory_limit,
                                                                          allow_changes=allow_changes, nodes=nodes)
+    download = _download(run, recipe, found)
     ckpt_step = newest_step_unverified(run.checkpoints)
     smoke_ok = run.smoke.is_file()
     if resuming:
@@ -112,14 +126,16 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
 
     # a resume with a checkpoint, or after a passed smoke test, skips it: it was measured on this trajectory
     if recipe.smoke.enabled and not (resuming and (smoke_ok or ckpt_step is not None)):
-        recipe, plan_dict = _smoke(run, recipe, plan_dict, examples, lengths, stats)
+        recipe, plan_dict = _smoke(run, recipe, plan_dict, examples, lengths, stats, download)
 
     from .supervisor import start_detached, supervise
 
     if foreground:
         set_state(run, "running", supervisor_pid=_pid(), supervisor_proc=process_identity(_pid()))
-        code = supervise(run.root, lock.fd)
-        _say(format_status(status_summary(run)))
+        with views.attached(run):  # a live progress bar on a terminal
+            code = supervise(run.root, lock.fd)
+        _say(format_status(run_status(run)))
+        _say(views.format_end_summary(views.end_summary(run)))
         return code
     pid = start_detached(run, lock.fd)
     # who holds the lock from now on, recorded before the launcher lets go of it (the supervisor records
@@ -131,6 +147,15 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
          f"  stop:   ftrun stop {run.root}      (saves a checkpoint first)\n"
          f"  resume: ftrun {recipe_path}   (after a crash or on a new box)")
     return 0
+
+
+def run_dir_of(recipe: Recipe) -> RunDir:
+    """The recipe's run directory; an output_dir that names a file is a usage error, before anything runs."""
+    root = Path(recipe.output_dir)
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"output_dir {root} is a file, not a folder",
+                         fix="set output_dir to a folder (recipe or `output_dir=...`), e.g. runs/<name>; ftrun creates it.")
+    return RunDir(root)
 
 
 def restarts_after_failed_smoke(run: RunDir) -> bool:
@@ -145,21 +170,25 @@ def _prepare(run: RunDir, recipe: Recipe, *, resuming: bool, fresh: bool, memory
     check_trainer_fields(recipe)
     check_trackers_installed(recipe, launching=True)  # report_to: refused with the fix before any GPU time
     examples, lengths, stats = data_stats(recipe)
-    data_sha = sha256_file(Path(recipe.data))
+    data_sha = stats.sha256
     restart = resuming and restarts_after_failed_smoke(run)
     if restart:
-        _say(f"the last smoke test in {run.root} found nothing that fits: starting again from the recipe")
+        why = read_state(run).get("reason") or "it did not pass"
+        _say(f"the last smoke test in {run.root} failed ({why}): starting again from the recipe")
     if resuming and not restart:
         old_sha = read_state(run).get("data_sha256")
         if old_sha and old_sha != data_sha and allow_changes:
-            _say(f"--allow-changes: the data file {recipe.data} changed since this run started; continuing anyway")
+            _say(f"--allow-changes: the data ({_data_label(stats)}) changed since this run started; continuing anyway")
         elif old_sha and old_sha != data_sha:
             raise RecipeError(
-                f"the data file {recipe.data} changed since this run started (sha256 {old_sha[:12]}... -> {data_sha[:12]}...)",
+                f"the data ({_data_label(stats)}) changed since this run started (sha256 {old_sha[:12]}... -> "
+                f"{data_sha[:12]}...)",
                 fix="restore the original data, add --allow-changes to continue on the new data, or add --fresh to start "
                 "a new run on it (the old run is kept).",
             )
-    plan = make_plan(recipe, stats, nnodes=(nodes or {}).get("nnodes", 1))
+    # a resume skips the smoke test: its passed measurements calibrate the plan again (memory, throughput)
+    smoke = json.loads(run.smoke.read_text()) if resuming and not restart and run.smoke.is_file() else None
+    plan = make_plan(recipe, stats, smoke=smoke, nnodes=(nodes or {}).get("nnodes", 1))
     if nodes and plan.to_dict().get("engine") not in ("ddp", "deepspeed"):
         raise UsageError(
             f"--nnodes {nodes['nnodes']}: the plan chose engine '{plan.to_dict().get('engine')}', which runs on one box",
@@ -179,11 +208,13 @@ def _prepare(run: RunDir, recipe: Recipe, *, resuming: bool, fresh: bool, memory
                           + yaml.safe_dump(recipe.snapshot(), sort_keys=False))
     plan_dict = _plan_record(plan, memory_limit, previous.get("adjustments"), nodes)
     atomic_write_json(run.plan, plan_dict)
+    atomic_write_json(run.root / "data.json", _data_record(stats))  # what this run trains on
     from .plan import format_plan
 
+    _say(f"data: {_data_line(stats)}")
     _say(format_plan(plan))
     if memory_limit:
-        _say(f"memory limited to {memory_limit:g} GB per worker (--memory-limit)")
+        _say(f"memory limited to {round(memory_limit, 2):g} GB per worker (--memory-limit)")
     return examples, lengths, stats, plan, plan_dict, lock, data_sha
 
 
@@ -297,13 +328,25 @@ def _shard(recipe: Recipe, plan: dict[str, Any]) -> tuple[Optional[tuple[dict[st
                   f"{where}: sharding would change the training")
 
 
-def _smoke(run: RunDir, recipe: Recipe, plan_dict, examples, lengths, stats) -> tuple[Recipe, dict[str, Any]]:
+def _download(run: RunDir, recipe: Recipe, found: dict[str, Any]) -> dict[str, Any]:
+    """The model's weights into the cache before the smoke test, the progress on the console and in train.log."""
+    def say(line: str) -> None:
+        _say(line)
+        with run.log.open("a") as fh:
+            fh.write(f"[ftrun {time.strftime('%H:%M:%S')}] {line}\n")
+
+    return weights.fetch(recipe.model, found, say)
+
+
+def _smoke(run: RunDir, recipe: Recipe, plan_dict, examples, lengths, stats,
+           download: Optional[dict[str, Any]] = None) -> tuple[Recipe, dict[str, Any]]:
     """The smoke test; after an out-of-memory, re-plan with the cheapest allowed change and try again.
 
     Returns the recipe as adjusted (the full run trains with it) and the calibrated plan record.
     """
     from .errors import PlanError, SmokeError, SmokeOOM
-    from .smoke import format_smoke, run_smoke
+    from .smoke import run_smoke
+    from .views import format_smoke
 
     set_state(run, "smoking")
     attempts: list[str] = []
@@ -315,7 +358,7 @@ def _smoke(run: RunDir, recipe: Recipe, plan_dict, examples, lengths, stats) -> 
         except SmokeOOM as exc:
             peak = f"peak {exc.peak_memory_gb:.2f} GB" if exc.peak_memory_gb is not None else "peak unknown"
             limit = plan_dict.get("memory_limit_gb") or (plan_dict.get("memory") or {}).get("capacity_gb")
-            where = f"{peak}" + (f" of {limit:g} GB" if limit else "")
+            where = f"{peak}" + (f" of {round(limit, 2):g} GB" if limit else "")
             if plan_dict.get("device") == "cpu" and plan_dict.get("memory_limit_gb"):
                 where += " above the imports"  # what --memory-limit caps on CPU
             attempts.append(f"engine {plan_dict.get('engine')} x {plan_dict.get('num_processes', 1)}: "
@@ -356,6 +399,9 @@ def _smoke(run: RunDir, recipe: Recipe, plan_dict, examples, lengths, stats) -> 
         except KeyboardInterrupt:
             set_state(run, "failed-smoke", reason="smoke test interrupted (Ctrl-C)")
             raise
+    if download:  # the download's time beside the forecast's parts (already spent: the full run reads the cache)
+        report = {**report, **download}
+        atomic_write_json(run.smoke, report)
     _say(format_smoke(report))
     # Plan, then calibrate: the measured throughput and memory replace the estimates.
     calibrated = make_plan(recipe, stats, smoke=report, nnodes=(plan_dict.get("nodes") or {}).get("nnodes", 1))
@@ -367,7 +413,7 @@ def _smoke(run: RunDir, recipe: Recipe, plan_dict, examples, lengths, stats) -> 
 def smoke_only(recipe_path: str, overrides: list[str], memory_limit: Optional[float] = None) -> int:
     """`ftrun smoke RECIPE`: plan and smoke-test without starting the run (a later `ftrun RECIPE` reuses it)."""
     recipe = load_recipe(recipe_path, overrides)
-    run = RunDir(Path(recipe.output_dir))
+    run = run_dir_of(recipe)
     exists = run.exists()
     if exists:
         if is_locked(run):
@@ -378,11 +424,12 @@ def smoke_only(recipe_path: str, overrides: list[str], memory_limit: Optional[fl
     elif run.root.exists() and any(run.root.iterdir()):
         raise UsageError(f"output_dir {run.root} exists and holds files that are not an ftrun run",
                          fix="choose another output_dir; ftrun never writes into a folder it did not create.")
+    found = weights.check(recipe.model)  # before the run directory is touched: a failure leaves nothing behind
     examples, lengths, stats, plan, plan_dict, lock, data_sha = _prepare(run, recipe, resuming=exists, fresh=False,
                                                                          memory_limit=memory_limit)
     try:
         set_state(run, "planned", **_launcher(), data_sha256=data_sha, reason="smoke test only")
-        _smoke(run, recipe, plan_dict, examples, lengths, stats)
+        _smoke(run, recipe, plan_dict, examples, lengths, stats, _download(run, recipe, found))
         set_state(run, "planned", reason="smoke test passed; `ftrun RECIPE` starts the run")
     finally:
         lock.release()
@@ -429,14 +476,14 @@ def pull_command(recipe_path: str, overrides: list[str]) -> int:
     if not recipe.sync.to:
         raise RecipeError("the recipe has no sync.to, so there is nothing to pull from",
                           fix="set sync: {to: user@host:/path} (or s3://..., hf://user/repo) in the recipe.")
-    run = RunDir(Path(recipe.output_dir))
+    run = run_dir_of(recipe)
     if run.exists():
         raise UsageError(f"{run.root} already holds a run; pulling would overwrite it",
                          fix="choose an empty output_dir (output_dir=...) to fetch a copy.")
     if not _pull_if_remote_run(run, recipe):
         raise UsageError(f"{recipe.sync.to} holds no ftrun run (no recipe.yaml there)",
                          fix="check sync.to; a run copies itself there once its first checkpoint exists.")
-    _say(format_status(status_summary(run)))
+    _say(format_status(run_status(run)))
     return 0
 
 
@@ -514,118 +561,9 @@ def resolve_run(target: Optional[str], overrides: list[str] | None = None) -> Ru
                              fix="give the run's output_dir or its recipe file.")
         return RunDir(p.resolve())
     if p.is_file():
-        return RunDir(Path(load_recipe(p, overrides).output_dir))
+        return run_dir_of(load_recipe(p, overrides))
     raise UsageError(f"'{target}' is neither a recipe file nor a run directory",
                      fix="give the recipe you started the run with, or its output_dir.")
-
-
-def status_extras(run: RunDir, s: dict[str, Any]) -> dict[str, Any]:
-    """Money and time beside the forecasts, the export, loss.png: what `ftrun status` adds to status_summary."""
-    from .state import ACTIVE, read_state
-
-    data = read_state(run)
-    plan = json.loads(run.plan.read_text()) if run.plan.is_file() else {}
-    smoke = json.loads(run.smoke.read_text()) if run.smoke.is_file() else {}
-    # Box time this run has used: the intervals spent smoking, running or recovering (resumes included).
-    history = data.get("history", [])
-    used = 0.0
-    for i, h in enumerate(history):
-        if h.get("state") in ACTIVE:
-            end = history[i + 1]["at"] if i + 1 < len(history) else (time.time() if s["state"] in ACTIVE else h["at"])
-            used += max(end - h["at"], 0.0)
-    price = plan.get("price_per_hour_eur")
-    eta = s.get("eta_seconds")
-    out: dict[str, Any] = {
-        "elapsed_seconds": round(used, 1),
-        "price_per_hour_eur": price,
-        "cost_so_far_eur": round(used / 3600 * price, 2) if price is not None else None,
-        "cost_to_go_eur": round(eta / 3600 * price, 2) if price is not None and eta is not None else None,
-        "plan_estimated_seconds": round(plan["estimate"]["hours"] * 3600, 1)
-        if (plan.get("estimate") or {}).get("hours") is not None else None,
-        "plan_estimated_cost_eur": (plan.get("estimate") or {}).get("cost_eur"),
-        "smoke_estimated_cost_eur": smoke.get("estimated_cost"),
-        "export": data.get("export"),
-        "loss_plot": str(run.root / "loss.png") if (run.root / "loss.png").is_file() else None,
-        # the plan's memory, calibrated by the smoke test's measured peak once it passed
-        "device": plan.get("device"),
-        "memory_gb": (plan.get("memory") or {}).get("per_gpu_gb"),
-        "memory_source": (plan.get("memory") or {}).get("source"),
-        "estimated_memory_gb": (plan.get("memory") or {}).get("estimated_per_gpu_gb"),
-        "adjustments": [a.get("reason") for a in plan.get("adjustments", [])],
-    }
-    return out
-
-
-def format_status(s: dict[str, Any]) -> str:
-    total = s.get("total_steps")
-    step = s.get("step") or 0
-    bar = ""
-    if total:
-        done = int(30 * min(step / total, 1.0))
-        bar = f" [{'#' * done}{'.' * (30 - done)}] {step}/{total}"
-    lines = [f"{s['state']}{bar}  ({s['run_dir']})"]
-    if s.get("loss") is not None:
-        lines.append(f"  loss {s['loss']:.4f}   {s.get('tokens_per_second') or 0:,.0f} tokens/s   ETA {format_duration(s.get('eta_seconds'))}"
-                     + (f"   (smoke test forecast for the whole run: {format_duration(s['smoke_estimated_seconds'])})"
-                        if s.get("smoke_estimated_seconds") else ""))
-    lines.append(f"  supervisor pid {s.get('pid')} ({'alive' if s.get('pid_alive') else 'not running'})"
-                 f", restarts {s.get('restarts', 0)}"
-                 + (f"; launcher pid {s['launcher_pid']} is planning / smoke-testing" if s.get("launcher_pid") else ""))
-    if s.get("elapsed_seconds"):
-        # the actual beside the forecasts: time used + time to go, against what the smoke test and the plan said
-        eta = s.get("eta_seconds")
-        ended = s.get("state") in ("succeeded", "failed", "stopped", "failed-smoke")
-        actual = f"{format_duration(s['elapsed_seconds'])} {'in all' if ended else 'so far'}" \
-            + (f" + {format_duration(eta)} to go" if eta is not None else "")
-        fc = [f"{name} forecast {format_duration(sec)}" + (f" / {cost:.2f} EUR" if cost is not None else "")
-              for name, sec, cost in (("smoke test", s.get("smoke_estimated_seconds"), s.get("smoke_estimated_cost_eur")),
-                                      ("plan", s.get("plan_estimated_seconds"), s.get("plan_estimated_cost_eur")))
-              if sec is not None]
-        lines.append(f"  time {actual}" + (f"   ({'; '.join(fc)})" if fc else ""))
-        if s.get("price_per_hour_eur"):
-            lines.append(f"  cost {s['cost_so_far_eur']:.2f} EUR so far"
-                         + (f", {s['cost_to_go_eur']:.2f} EUR to go" if s.get("cost_to_go_eur") is not None else "")
-                         + f" at {s['price_per_hour_eur']:.2f} EUR/h")
-    if s.get("engine"):
-        v = s.get("verification")
-        checked = ("not yet verified" if not v else
-                   ("verified: " if v["ok"] else "NOT verified: ")
-                   + "; ".join(f"{c['check']} {c['seen']}" for c in v["checks"] if v["ok"] or not c["ok"]))
-        lines.append(f"  engine {s['engine']} x {s.get('num_processes') or 1} process(es), {checked}")
-        if s.get("launch_argv"):
-            lines.append("  launched: " + " ".join(s["launch_argv"]))
-    if s.get("memory_gb") is not None:
-        where = "per GPU" if s.get("device") == "cuda" else "per process"
-        lines.append(f"  memory {s['memory_gb']:g} GB {where}, " + (
-            f"measured by the smoke test (the sizer estimated {s['estimated_memory_gb']:g} GB)"
-            if s.get("memory_source") == "measured" else "estimated by the sizer (no passed smoke test)"))
-    for reason in s.get("adjustments") or []:
-        lines.append(f"  adjusted after out of memory: {reason}")
-    if s.get("last_checkpoint"):
-        lines.append(f"  last checkpoint {s['last_checkpoint']} ({format_duration(s.get('last_checkpoint_age_seconds'))} ago)")
-    if s.get("sync_to"):
-        off = s.get("offbox_checkpoint")
-        lines.append(f"  off the box: {off or 'nothing yet'}"
-                     + (f" ({format_duration(s.get('offbox_age_seconds'))} ago)" if off and s.get("offbox_age_seconds") is not None else "")
-                     + f" at {s['sync_to']}" + (f"   last error: {s['sync_error']}" if s.get("sync_error") else ""))
-    if s.get("reason") and s["state"] not in ("running",):
-        lines.append(f"  {s['reason']}")
-    if s.get("orphan_worker_pids"):
-        lines.append(f"  worker process(es) {', '.join(map(str, s['orphan_worker_pids']))} still train without a supervisor "
-                     "(it was killed): `ftrun stop` ends them after a checkpoint; `ftrun RECIPE` ends them and resumes")
-    elif s["state"] == "interrupted":
-        lines.append("  the run's processes are gone (crash, kill, machine loss, a restarted box): run the same "
-                     "`ftrun RECIPE` to resume")
-    if s.get("final"):
-        lines.append(f"  result: {s['final']}")
-    ex = s.get("export")
-    if ex:
-        lines.append(f"  export ({', '.join(ex.get('formats', []))}): {ex.get('state')}"
-                     + (f" - {ex['outputs']}; serving commands in {ex['serving']}" if ex.get("state") == "succeeded" else "")
-                     + (f" - {ex['reason']}" if ex.get("state") == "failed" else ""))
-    if s.get("loss_plot"):
-        lines.append(f"  loss plot: {s['loss_plot']}")
-    return "\n".join(lines)
 
 
 def plan_command(recipe_path: str, overrides: list[str], gpus: Optional[str], tokens: Optional[str], as_json: bool,
@@ -667,7 +605,9 @@ def _plan_command(recipe_path: str, overrides: list[str], gpus: Optional[str], t
     count = parse_token_count(tokens, "--tokens") if tokens is not None else None
     stats = None
     if count is None:
-        missing = [] if Path(recipe.data).is_file() else [recipe.data]
+        from .data_sources import sources_of
+
+        missing = [s.path for s in sources_of(recipe.data) if s.local and not Path(s.path).exists()]
         if not missing:
             _, _, stats = data_stats(recipe)
         elif recipe.tokens is not None:
@@ -686,5 +626,25 @@ def _plan_command(recipe_path: str, overrides: list[str], gpus: Optional[str], t
     plan = plan_job(recipe, box, data_stats=stats, tokens=count, smoke=smoke, price=price, box_reason=why,
                     tokens_from="--tokens" if tokens is not None else "the recipe's tokens:")
     plan.notes[:0] = notes
+    if stats is not None and not as_json:
+        print(f"data: {_data_line(stats)}")
     print(json.dumps(plan.to_dict(), indent=2) if as_json else format_plan(plan))
     return 0
+
+
+def _data_label(stats) -> str:
+    return ", ".join(str(s.get("source")) for s in stats.sources) or "data"
+
+
+def _data_line(stats) -> str:
+    """'Alpaca (instruction/input/output) format, 10,000 examples, converted to chat; 1,234,567 tokens (tokenizer)'"""
+    return (f"{stats.description}; {stats.total_tokens:,} tokens per epoch ({stats.tokens_source}"
+            + (f", {stats.over_max_length} over max_length {stats.max_length}: truncated" if stats.over_max_length else "")
+            + ")")
+
+
+def _data_record(stats) -> dict[str, Any]:
+    """data.json in the run: the resolved data (sources with their sha256 or revision, format, count, tokens)."""
+    return {"description": stats.description, "sha256": stats.sha256, "sources": list(stats.sources),
+            "examples": stats.examples, "total_tokens": stats.total_tokens, "mean_tokens": stats.mean_tokens,
+            "max_tokens": stats.max_tokens, "tokens_source": stats.tokens_source}

@@ -1,4 +1,4 @@
-"""loss.png: training loss and learning rate over steps, drawn from a run's metrics.jsonl."""
+"""loss.png: training loss, eval loss and learning rate over steps, drawn from a run's metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
+def read_metrics(path: Path, key: str = "loss") -> list[dict[str, Any]]:
+    """The rows that carry `key` (training rows: loss; eval passes: eval_loss)."""
     rows = []
     if not path.is_file():
         return rows
@@ -17,7 +18,7 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
             row = json.loads(line)
         except ValueError:
             continue  # a line cut short by a crash mid-write
-        if isinstance(row, dict) and row.get("loss") is not None and row.get("step") is not None:
+        if isinstance(row, dict) and row.get(key) is not None and row.get("step") is not None:
             rows.append(row)
     return rows
 
@@ -35,6 +36,11 @@ def plot_loss(metrics: Path, out: Path, title: Optional[str] = None) -> Optional
     steps = [r["step"] for r in rows]
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
     ax.plot(steps, [r["loss"] for r in rows], color="tab:blue", label="training loss")
+    evals = read_metrics(metrics, "eval_loss")
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], color="tab:green", marker="o",
+                label="eval loss (held out)")
+        ax.legend(loc="upper right")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss", color="tab:blue")
     ax.grid(alpha=0.3)
@@ -45,7 +51,8 @@ def plot_loss(metrics: Path, out: Path, title: Optional[str] = None) -> Optional
         ax2.set_ylabel("learning rate", color="tab:orange")
         ax2.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
     last = rows[-1]
-    ax.set_title(title or f"{metrics.parent.name}: step {last['step']}, loss {last['loss']:.4f}")
+    ax.set_title(title or f"{metrics.parent.name}: step {last['step']}, loss {last['loss']:.4f}"
+                 + (f", eval loss {evals[-1]['eval_loss']:.4f}" if evals else ""))
     fig.tight_layout()
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}.png")  # two drawers never share a temporary
     fig.savefig(tmp)

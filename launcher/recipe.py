@@ -21,7 +21,7 @@ from .errors import RecipeError
 Method = Literal["qlora", "lora", "full", "full-8bit"]
 Engine = Literal["auto", "unsloth", "trl", "ddp", "fsdp", "deepspeed"]
 ExportFormat = Literal["adapter", "merged", "gguf"]  # launcher/export.py
-GgufType = Literal["f16", "bf16", "q8_0", "f32"]  # what launcher/gguf_writer.py writes
+GgufType = Literal["q4_k_m", "q5_k_m", "q6_k", "q8_0", "f16", "bf16", "f32"]  # launcher/llamacpp.py TYPES
 
 # Settings the recipe owns at top level: passing them again under `trainer:` would make two
 # surfaces for one setting, so they are refused there with a pointer to the top-level key.
@@ -48,6 +48,12 @@ OWNED_TRAINER_KEYS = {
     "fp16": "(chosen from the GPU, not configured)",
     "resume_from_checkpoint": "resume",
     "report_to": "report_to",
+    # the evaluation runs on the recipe's eval: split, by wall clock (launcher/evaluation.py)
+    "do_eval": "eval.fraction or eval.data",
+    "eval_strategy": "eval.every_minutes",
+    "eval_steps": "eval.every_minutes",
+    "eval_on_start": "eval (it evaluates at the start)",
+    "eval_delay": "eval.every_minutes",
 }
 
 
@@ -93,6 +99,24 @@ class SmokeSettings(_Strict):
     max_minutes: float = Field(15.0, gt=0, description="Stop the smoke test after this long and extrapolate.")
 
 
+DataFormat = Literal["messages", "sharegpt", "alpaca", "prompt_completion", "text"]  # launcher/data_formats.py
+
+
+class DataSource(_Strict):
+    """One data source (launcher/data_sources.py); docs/data.md has the formats."""
+
+    path: str = Field(description="A .jsonl/.json/.parquet/.csv file, a folder of them, a dataset saved with "
+                      "datasets (save_to_disk), or a Hub dataset id (org/name, read through the HF cache).")
+    split: str = Field("train", description="The split to read (Hub and saved datasets).")
+    subset: Optional[str] = Field(None, description="The Hub dataset's subset (configuration) name.")
+    revision: Optional[str] = Field(None, description="The Hub dataset's revision (branch, tag or commit).")
+    columns: dict[str, str] = Field(default_factory=dict, description="The format's field -> this source's column, "
+                                    "e.g. {messages: conversation}.")
+    format: Optional[DataFormat] = Field(None, description="messages, sharegpt, alpaca, prompt_completion or text; "
+                                         "default: detected from the first records.")
+    weight: float = Field(1.0, gt=0, description="Times each example is used in the mix (0.5: a seeded half).")
+
+
 class SyncSettings(_Strict):
     to: Optional[str] = Field(None, description="Where checkpoints are copied: user@host:/path, s3://..., hf://user/repo.")
     keep: int = Field(3, ge=1, description="Checkpoints kept off the box (plus the final result).")
@@ -105,6 +129,24 @@ class SyncSettings(_Strict):
             raise ValueError("credentials do not belong in the recipe; use the environment (AWS_*, HF_TOKEN) "
                              "or ~/.ssh/config instead")
         return value
+
+
+class EvalSettings(_Strict):
+    fraction: Optional[float] = Field(
+        None, gt=0.0, lt=0.5, description="Share of the data held out for evaluation (a seeded draw, the same at "
+        "every resume; these examples never train).")
+    data: Optional[str] = Field(None, description="A separate evaluation file (same format as data) instead of a share.")
+    every_minutes: float = Field(20.0, gt=0, description="Wall-clock cadence of the eval loss, plus at the start and the end.")
+    samples: int = Field(4, ge=0, description="Held-out prompts answered greedily by the base model before training "
+                         "and by the fine-tuned one after (final/samples.md); from the training data without a split.")
+    max_new_tokens: int = Field(128, gt=0, description="Longest answer generated for each sample.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "EvalSettings":
+        if self.fraction is not None and self.data is not None:
+            raise ValueError("give either eval.fraction (a share of data held out) or eval.data (a separate file), "
+                             "not both")
+        return self
 
 
 Tracker = Literal["tensorboard", "wandb", "mlflow", "trackio"]  # launcher/trackers.py
@@ -136,7 +178,10 @@ class Recipe(_Strict):
 
     model: str = Field(description="Hugging Face model id or a local model directory.")
     method: Method = Field(description="qlora (4-bit base + LoRA), lora (16-bit base + LoRA), full (AdamW), full-8bit.")
-    data: str = Field(description="Chat JSONL: one {\"messages\": [...]} per line.")
+    data: Union[str, DataSource, list[Union[str, DataSource]]] = Field(
+        description="The training data: a file (.jsonl, .json, .parquet, .csv), a folder of them, a Hub dataset "
+        "(org/name), a {path, split, subset, columns, format, weight} mapping, or a list of those mixed by weight. "
+        "Formats (detected): chat messages, ShareGPT, Alpaca, prompt/completion, plain text (docs/data.md).")
     max_length: int = Field(2048, gt=0, description="Tokens per example; longer ones are truncated.")
     micro_batch_size: int = Field(2, gt=0, description="Examples per GPU per forward pass.")
     gradient_accumulation_steps: int = Field(4, gt=0, description="Micro-batches per optimizer step.")
@@ -204,7 +249,9 @@ class Recipe(_Strict):
         description="Outputs made after training, each reloaded and checked: adapter, merged (16-bit, for vLLM), "
         "gguf (for Ollama/llama.cpp; implies merged).",
     )
-    gguf_type: GgufType = Field("q8_0", description="GGUF tensor type: q8_0 (about half of f16), f16, bf16, f32.")
+    gguf_type: GgufType = Field("q4_k_m", description="GGUF type, made by llama.cpp: q4_k_m (Ollama's default, about "
+                                "0.3 of f16), q5_k_m, q6_k, q8_0 (about half of f16), f16, bf16, f32.")
+    eval: EvalSettings = Field(default_factory=EvalSettings, description="Validation split and before/after samples.")
     report_to: list[Tracker] = Field(
         default_factory=lambda: ["tensorboard"],
         description="Experiment trackers the trainer reports to (rank 0 only), named after the run, with the recipe as "
@@ -265,7 +312,10 @@ class Recipe(_Strict):
             "learning_rate lora gradient_checkpointing packing assistant_only_loss seed trainer"
         ).split()
         snap = self.snapshot()
-        return {k: snap[k] for k in keep}
+        out = {k: snap[k] for k in keep}
+        if self.eval.fraction is not None:  # the held-out share decides which examples train (absent: as before)
+            out["eval.fraction"] = self.eval.fraction
+        return out
 
     def trajectory_hash(self) -> str:
         blob = json.dumps(self.trajectory(), sort_keys=True).encode()
@@ -388,10 +438,25 @@ def _looks_local(model: str) -> bool:
     return model.startswith((".", "/", "~")) or model.count("/") != 1
 
 
+def _resolve_data(value: Any, base_dir: Path) -> Any:
+    """Local data paths against the recipe's folder; a Hub id (org/name, no such file or folder here) as it is."""
+    if isinstance(value, list):
+        return [_resolve_data(v, base_dir) for v in value]
+    if isinstance(value, dict) and isinstance(value.get("path"), str):
+        return {**value, "path": _resolve_data(value["path"], base_dir)}
+    if isinstance(value, str):
+        candidate = base_dir / Path(value).expanduser()
+        if _looks_local(value) or candidate.exists() or Path(value).suffix.lower() in (".jsonl", ".json", ".parquet", ".csv"):
+            return str(candidate.resolve())
+    return value
+
+
 def _resolve_paths(raw: dict[str, Any], base_dir: Path, default_name: str) -> dict[str, Any]:
     out = dict(raw)
-    if isinstance(out.get("data"), str):
-        out["data"] = str((base_dir / Path(out["data"]).expanduser()).resolve())
+    if out.get("data") is not None:
+        out["data"] = _resolve_data(out["data"], base_dir)
+    if isinstance(out.get("eval"), dict) and isinstance(out["eval"].get("data"), str):
+        out["eval"] = {**out["eval"], "data": str((base_dir / Path(out["eval"]["data"]).expanduser()).resolve())}
     if isinstance(out.get("model"), str):
         model = out["model"]
         candidate = (base_dir / Path(model).expanduser())

@@ -77,11 +77,38 @@ def go_template(pieces: dict[str, str]) -> str:
             + "{{ else if " + branch("assistant") + "{{ end }}{{ end }}" + pieces["generation"])
 
 
-def modelfile(gguf_name: str, tokenizer, conversations: list[list[dict[str, str]]], num_ctx: int) -> dict[str, Any]:
-    """The Modelfile text, and whether its template reproduces the Jinja template on the training prompts."""
-    pieces = derive_pieces(tokenizer)
+def template_features(template: str) -> dict[str, bool]:
+    """Whether a Jinja chat template takes tools and has a thinking mode (as Qwen3 and Llama 3.1's do)."""
+    return {"tools": bool(re.search(r"\btools\b", template)),
+            "thinking": any(k in template for k in ("enable_thinking", "<think>", "reasoning_content"))}
+
+
+def stop_tokens(tokenizer, eos_ids: set[int], pieces: Optional[dict[str, str]]) -> list[str]:
+    """What ends a reply: the text after an assistant message in the template, and the model's end tokens."""
+    stops = []
+    if pieces is not None and pieces["assistant_post"].strip():
+        stops.append(pieces["assistant_post"].strip())
+    for i in sorted(eos_ids):
+        tok = tokenizer.convert_ids_to_tokens(i)
+        if tok and tok not in stops:
+            stops.append(tok)
+    return stops
+
+
+def modelfile(gguf_name: str, tokenizer, conversations: list[list[dict[str, str]]], num_ctx: int,
+              eos_ids: Optional[set[int]] = None) -> dict[str, Any]:
+    """The Modelfile text, and whether its template reproduces the Jinja template on the parity prompts.
+
+    A template that is uniform per role becomes an Ollama TEMPLATE, checked to render the prompts exactly as the
+    Jinja one. A template with tools or a thinking mode is not rewritten: a per-role TEMPLATE would drop them.
+    Ollama then takes the Jinja template inside the GGUF (tokenizer.chat_template) and uses its own template of
+    the family it matches, with tool calls and thinking (ollama server/model.go, detectChatTemplate)."""
+    template = tokenizer.chat_template or ""
+    features = template_features(template)
+    pieces = None if (features["tools"] or features["thinking"]) else derive_pieces(tokenizer)
+    stops = stop_tokens(tokenizer, eos_ids or set(), pieces)
     lines = ["# Written by ftrun export. From this folder: ollama create NAME -f Modelfile", f"FROM ./{gguf_name}"]
-    check: dict[str, Any] = {"derived": pieces is not None}
+    check: dict[str, Any] = {"derived": pieces is not None, **features, "stop": stops}
     if pieces is not None:
         same = 0
         for conv in conversations:
@@ -92,13 +119,16 @@ def modelfile(gguf_name: str, tokenizer, conversations: list[list[dict[str, str]
         check.update(prompts=len(conversations), identical=same)
         if same == len(conversations) and '"""' not in go_template(pieces):
             lines.append(f'TEMPLATE """{go_template(pieces)}"""')
-            stop = pieces["assistant_post"].strip()
-            if stop:
-                lines.append(f"PARAMETER stop {json.dumps(stop)}")
         else:
             check["note"] = "the derived template differs from the Jinja one; Ollama uses the template in the GGUF"
+    elif features["tools"] or features["thinking"]:
+        has = " and ".join(k for k in ("tools", "thinking") if features[k])
+        lines.insert(1, f"# The chat template has {has}: no TEMPLATE here, so Ollama uses the template in the GGUF "
+                     "(tokenizer.chat_template) matched to its own for this family, which keeps them.")
+        check["note"] = f"the template has {has}; Ollama uses the template in the GGUF"
     else:
         check["note"] = "the Jinja template is not uniform per role; Ollama uses the template in the GGUF"
+    lines += [f"PARAMETER stop {json.dumps(s)}" for s in stops]
     lines.append(f"PARAMETER num_ctx {num_ctx}")
     return {"text": "\n".join(lines) + "\n", "check": check}
 
@@ -113,8 +143,9 @@ def _curl(name: str, content: str, port: int = 8000) -> str:
             f"  -d {shlex.quote(body)}")
 
 
-def render(run, recipe, report: dict[str, Any], tokenizer) -> tuple[str, Optional[dict[str, Any]]]:
-    """(SERVING.md text, Modelfile or None) for what export produced."""
+def render(run, recipe, report: dict[str, Any], tokenizer,
+           eos_ids: Optional[set[int]] = None) -> tuple[str, Optional[dict[str, Any]]]:
+    """(SERVING.md text, Modelfile or None) for what export produced; eos_ids: the model's end tokens."""
     from .data import load_examples
 
     outputs = report["outputs"]
@@ -157,14 +188,36 @@ def render(run, recipe, report: dict[str, Any], tokenizer) -> tuple[str, Optiona
     if "gguf" in outputs:
         g = outputs["gguf"]
         gname = Path(g["path"]).name
-        mf = modelfile(gname, tokenizer, convs, recipe.max_length)
+        mf = modelfile(gname, tokenizer, convs, recipe.max_length, eos_ids=eos_ids)
         gdir = Path(g["path"]).parent
+        feats = mf["check"]
+        par = g.get("parity_vs_merged") or {}
         parts += ["## Ollama: the GGUF", "",
-                  f"`{gdir / 'Modelfile'}` points at `{gname}` ({g['type']}, {g['size']}) and carries the chat template"
-                  + (" as an Ollama template, checked to render the training prompts exactly as the model's own template"
-                     if "TEMPLATE" in mf["text"] else " inside the GGUF (tokenizer.chat_template)") + ".", "", "```",
+                  f"`{gdir / 'Modelfile'}` points at `{gname}` ({g['type']}, {g['size']}, made by llama.cpp's converter "
+                  "and quantizer and read back in llama.cpp: " + (f"top-1 agreement {par['top1_agreement']:.4f} and "
+                  f"perplexity {par['perplexity_rel_diff']:+.2%} against the merged model" if par.get("perplexity_rel_diff")
+                  is not None else "see export.json") + ") and "
+                  + ("carries the chat template as an Ollama template, checked to render the parity prompts exactly as "
+                     "the model's own template" if "TEMPLATE" in mf["text"] else
+                     "leaves the chat template to the one inside the GGUF (tokenizer.chat_template)")
+                  + (f", with the stop tokens {', '.join(f'`{x}`' for x in feats['stop'])}" if feats["stop"] else "")
+                  + ".", "", "```",
                   f"cd {q(str(gdir))}", f"ollama create {q(name)} -f Modelfile",
-                  f"ollama run {q(name)} {q(question)}", "```", "", "Ollama's OpenAI-compatible API:", "", "```",
+                  f"ollama run {q(name)} {q(question)}", "```", ""]
+        if feats.get("tools") or feats.get("thinking"):
+            parts += ["The template has " + " and ".join(k for k in ("tools", "thinking") if feats.get(k))
+                      + ": `ollama show " + name + " --template` shows the template Ollama chose"
+                      + ("; `ollama run " + name + " --think=false` answers without the thinking part"
+                         if feats.get("thinking") else "") + ".", ""]
+        parts += ["Ollama's OpenAI-compatible API:", "", "```",
                   _curl(name, question, port=11434), "```", "", "```", mf["text"].rstrip(), "```", "",
                   "llama.cpp directly: `llama-server -m " + q(str(g["path"])) + f" -c {recipe.max_length} --jinja`", ""]
+    if "merged" in outputs:
+        mdir = outputs["merged"]["path"]
+        parts += ["## Ollama: from the merged folder", "",
+                  "Ollama can also convert and quantize the merged safetensors itself (its own converter, which "
+                  "ftrun's checks do not cover; it knows fewer architectures than llama.cpp's):", "", "```",
+                  f"printf 'FROM {mdir}\\n' > Modelfile.merged",
+                  f"ollama create {q(name + '-ollama')} -q q4_K_M -f Modelfile.merged",
+                  f"ollama run {q(name + '-ollama')} {q(question)}", "```", ""]
     return "\n".join(parts), mf

@@ -11,13 +11,12 @@ import subprocess
 import time
 from typing import Any, Optional
 
-from . import train
+from . import evaluation, train
 from .backends import failed_verification, launch_command, launch_env, worker_file
 from .checkpoint import atomic_write_json
 from .data import DataStats, smoke_sample, write_jsonl
 from .errors import SmokeError, SmokeOOM
 from .rundir import RunDir
-from .state import format_duration
 
 REASONS = {
     train.EXIT_OOM: ("out of GPU memory", "lower micro_batch_size (raise gradient_accumulation_steps to keep the "
@@ -80,7 +79,13 @@ def saves_seconds(one_save: float, train_seconds: float, recipe) -> float:
 
 
 MIN_RATE_BYTES = 64e6
-GGUF_BYTES_PER_PARAM = {"q8_0": 34 / 32, "f16": 2.0, "bf16": 2.0, "f32": 4.0}  # q8_0: 32 weights + a 16-bit scale
+
+
+def gguf_bytes_per_param(gguf_type: str) -> float:
+    """Bytes written per parameter for a GGUF: the file, plus the 16-bit file a quantized type is made from."""
+    from .llamacpp import TYPES, bytes_per_param
+
+    return bytes_per_param(gguf_type) + (0.0 if gguf_type in TYPES and TYPES[gguf_type].converter else 2.0)
 
 
 def export_seconds(measured: dict[str, Any], recipe, params: int) -> float:
@@ -94,10 +99,13 @@ def export_seconds(measured: dict[str, Any], recipe, params: int) -> float:
     lora = recipe.method in ("lora", "qlora")
     # adapter: the base (+ adapter); merged: the 16-bit reference for a full fine-tune, then the written
     # folder reloaded; gguf: the merged model once more and the GGUF file
-    loads = (1 if lora else 0) + ((1 if lora else 2) if merged else 0) + (2 if "gguf" in formats else 0)
-    written = (2.0 * params if merged else 0.0) + \
-        (GGUF_BYTES_PER_PARAM.get(recipe.gguf_type, 2.0) * params if "gguf" in formats else 0.0)
-    seconds = float(measured.get("import_seconds") or 0.0) + loads * float(measured.get("load_seconds") or 0.0)
+    # gguf: llama.cpp's converter is a process of its own (the same imports), the file is read back once in
+    # llama.cpp, and a quantized type is written twice: the 16-bit conversion, then the quantized file
+    gguf = "gguf" in formats
+    loads = (1 if lora else 0) + ((1 if lora else 2) if merged else 0) + (1 if gguf else 0)
+    written = (2.0 * params if merged else 0.0) + (gguf_bytes_per_param(recipe.gguf_type) * params if gguf else 0.0)
+    seconds = float(measured.get("import_seconds") or 0.0) * (2 if gguf else 1) \
+        + loads * float(measured.get("load_seconds") or 0.0)
     save_bytes, save_seconds = measured.get("checkpoint_bytes"), measured.get("checkpoint_seconds")
     # a save of less than MIN_RATE_BYTES (a LoRA checkpoint) is mostly fixed cost: its rate would
     # overstate the writing of a merged model many times its size, so the bytes are then left out
@@ -120,12 +128,18 @@ def estimate(measured: dict[str, Any], wall: float, recipe, stats: DataStats, pr
         fit, first = step_fit(measured), float(measured["warmup_tokens"])
         step1 = fit[0] + fit[1] * first if fit else first / float(measured["tokens_per_second"])
         startup = max(0.0, startup - step1)
+    # the smoke's eval pass and the base model's answers are in its wall time: priced apart (the full run has
+    # its own number of eval passes, and answers the same prompts once, after training)
+    samples = float(measured.get("samples_seconds") or 0.0)
+    startup = max(0.0, startup - float(measured.get("eval_seconds") or 0.0) - samples)
     total_tokens = training_tokens(recipe, stats, processes)
     train = step_seconds(measured, total_tokens, recipe, stats, processes)
     saves = saves_seconds(save, train, recipe)
     export = export_seconds(measured, recipe, params)
+    evals = evaluation.eval_seconds(measured, train, recipe)
     return {"startup_seconds": startup, "train_seconds": train, "saves_seconds": saves, "export_seconds": export,
-            "estimated_seconds": startup + train + saves + export}
+            "eval_seconds": evals, "samples_seconds": samples,
+            "estimated_seconds": startup + train + saves + export + evals + samples}
 
 
 def run_smoke(run: RunDir, recipe, plan: dict[str, Any], examples, lengths: list[int], stats: DataStats) -> dict[str, Any]:
@@ -134,10 +148,13 @@ def run_smoke(run: RunDir, recipe, plan: dict[str, Any], examples, lengths: list
 
     processes = world_size(plan)  # all nodes' processes share the global batch
     global_batch = recipe.micro_batch_size * recipe.gradient_accumulation_steps * processes
-    idx = smoke_sample(lengths, recipe.smoke.fraction, recipe.smoke.min_steps * global_batch, recipe.seed,
-                       longest=global_batch)
+    parts = evaluation.for_recipe(len(examples), recipe)  # held-out examples never train, here neither
+    drawn = smoke_sample([lengths[i] for i in parts.train], recipe.smoke.fraction,
+                         recipe.smoke.min_steps * global_batch, recipe.seed, longest=global_batch)
+    idx = [parts.train[j] for j in drawn]
     shutil.rmtree(run.smoke_work, ignore_errors=True)
     run.smoke_work.mkdir(parents=True)
+    eval_cost = _write_eval_request(run, recipe, examples, lengths, parts, processes)
     # The worker reads the sample in order: the longest batch first, so an out-of-memory shows in
     # step 1 (seconds, not hours); the rest in a seeded random order for a fair throughput.
     by_length = sorted(idx, key=lambda i: (-lengths[i], i))
@@ -173,7 +190,7 @@ def run_smoke(run: RunDir, recipe, plan: dict[str, Any], examples, lengths: list
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
         what, fix = REASONS.get(rc, (f"the worker exited with code {rc}", f"read {log_path} (last lines below)"))
         raise SmokeError(f"{what}; the full run was not started.\n--- last lines of {log_path} ---\n{tail}", fix=fix)
-    measured = json.loads(result_path.read_text())
+    measured = {**json.loads(result_path.read_text()), **eval_cost}
     tps = measured.get("tokens_per_second")
     if not tps:
         raise SmokeError("the smoke test finished too few steps to measure throughput",
@@ -204,6 +221,38 @@ def run_smoke(run: RunDir, recipe, plan: dict[str, Any], examples, lengths: list
     return report
 
 
+def _write_eval_request(run: RunDir, recipe, examples, lengths: list[int], parts, processes: int) -> dict[str, Any]:
+    """The smoke worker's eval pass and prompts: a share of the held-out examples (smoke/eval.jsonl) and the full
+    run's sample prompts (smoke/prompts.json, unless the base model answered them already). Returns the token
+    counts that scale the measured pass to the full run's (launcher/evaluation.py)."""
+    from . import samples
+    from .data import example_lengths
+
+    if recipe.eval.data:
+        held_examples = evaluation.load_eval_data(recipe)
+        held_lengths, _ = example_lengths(held_examples, recipe.model)
+        held, pool = list(range(len(held_examples))), held_examples
+    else:
+        held, pool, held_lengths = parts.held_out, examples, lengths
+    cost: dict[str, Any] = {}
+    if held:
+        subset = evaluation.smoke_subset(held, recipe, processes)
+        write_jsonl(run.smoke_work / "eval.jsonl", [pool[i] for i in subset])
+        clip = recipe.max_length
+        cost = {"eval_examples": len(held), "eval_tokens": sum(min(held_lengths[i], clip) for i in subset),
+                "eval_full_tokens": sum(min(held_lengths[i], clip) for i in held)}
+        print(f"evaluation: {len(held)} held-out examples"
+              + (f" ({len(held) / len(examples):.1%} of the data, a seeded draw that never trains)"
+                 if not recipe.eval.data else f" from {recipe.eval.data}")
+              + f", every {recipe.eval.every_minutes:g} min, at the start and at the end; the smoke test "
+              f"evaluates {len(subset)} of them", flush=True)
+    if recipe.eval.samples and not (run.root / samples.BEFORE_FILE).is_file():
+        prompts = samples.pick(pool, held, parts.train if not recipe.eval.data else [], recipe.eval.samples,
+                               recipe.seed, evaluation.source_name(recipe.eval.data or recipe.data))
+        atomic_write_json(run.smoke_work / "prompts.json", prompts)
+    return cost
+
+
 def memory_note(device: Optional[str], method: str) -> Optional[str]:
     """Where the smoke test's peak is known to understate the full run's (measured, docs/BENCHMARKS.md)."""
     if device == "cpu" and method == "qlora":
@@ -213,18 +262,3 @@ def memory_note(device: Optional[str], method: str) -> Optional[str]:
         return ("on CPU, QLoRA's process memory grows during the run (bitsandbytes' CPU path; measured: "
                 "about 2x the peak of the first steps, where this smoke test measured): allow for it in --memory-limit")
     return None
-
-
-def format_smoke(report: dict[str, Any]) -> str:
-    parts = [(name, report.get(key)) for name, key in (("start", "startup_seconds"), ("training", "train_seconds"),
-                                                      ("checkpoints", "saves_seconds"), ("export", "export_seconds"))]
-    split = ", ".join(f"{name} {format_duration(sec)}" for name, sec in parts if sec and sec >= 0.5)
-    return (
-        f"smoke test: {report['measured_steps']} measured steps, {report['tokens_per_second']:,.0f} tokens/s, "
-        f"peak memory {report['peak_memory_gb']:.2f} GB ({report['device']})\n"
-        f"full run: {report['training_tokens']:,} tokens -> about {format_duration(report['estimated_seconds'])}"
-        + (f" ({split})" if split else "")
-        + (f", about {report['estimated_cost']:.2f} EUR at {report['price_per_hour_eur']:.2f} EUR/h"
-           if report["price_per_hour_eur"] else "")
-        + (f"\nnote: {report['memory_note']}" if report.get("memory_note") else "")
-    )

@@ -1,6 +1,8 @@
 """The run's state machine, written atomically to state.json, and the lock that makes one writer per run.
 
     planned -> smoking -> running -> succeeded
+                                       \\-> trained-not-exported (the training result is good, an export failed its
+                                           check: `ftrun export RUN_DIR` retries, and success makes it succeeded)
                   |          |  \\-> stopped      (`ftrun stop`: checkpoint saved and copied off the box)
                   |          |  \\-> preempted    (SIGTERM from the provider: the same, within grace_seconds)
                   |          |  \\-> recovering -> running   (worker crashed, restarted from its checkpoint)
@@ -30,17 +32,10 @@ from .checkpoint import atomic_write_json
 from .errors import BusyError
 from .rundir import RunDir
 
-STATES = ("planned", "smoking", "running", "recovering", "succeeded", "stopped", "preempted", "failed", "failed-smoke")
+STATES = ("planned", "smoking", "running", "recovering", "succeeded", "stopped", "preempted", "failed", "failed-smoke",
+          "trained-not-exported")
+TRAINED = ("succeeded", "trained-not-exported")  # the training finished with a verified result
 ACTIVE = ("smoking", "running", "recovering")
-
-
-def format_duration(seconds: Optional[float]) -> str:
-    """12 s, 4.5 min, 2.1 h; '-' when unknown (status lines, the smoke test's forecast)."""
-    if seconds is None:
-        return "-"
-    if seconds >= 3600:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
 
 
 def read_state(run: RunDir) -> dict[str, Any]:
@@ -187,6 +182,9 @@ def effective_state(run: RunDir) -> str:
     state = data.get("state", "none")
     if state in ACTIVE and run_holder(run, data) is None:
         return "interrupted"
+    if state == "succeeded" and (data.get("export") or {}).get("state") == "running" and run_holder(run, data) is None:
+        # trained, then killed while exporting: the same command resumes, trains nothing more, and exports
+        return "interrupted"
     return state
 
 
@@ -251,86 +249,27 @@ def is_locked(run: RunDir) -> bool:
     return False
 
 
-def status_summary(run: RunDir) -> dict[str, Any]:
-    """What `ftrun status --json` prints, derived from the run's files (no torch)."""
-    from .checkpoint import newest_step_unverified
-    from .sync import status_fields as sync_status_fields
-
-    data = read_state(run)
-    holder = run_holder(run, data)
-    # workers still training into the run with no supervisor over them (it was killed hard)
-    orphans = [] if holder else [p["pid"] for p in run_processes(run)]
-    worker = json.loads(run.worker.read_text()) if run.worker.is_file() else {}
-    plan = json.loads(run.plan.read_text()) if run.plan.is_file() else {}
-    smoke = json.loads(run.smoke.read_text()) if run.smoke.is_file() else {}
-    last = _last_metrics(run.metrics)
-    ckpt_step = newest_step_unverified(run.checkpoints)
-    # a checkpoint is progress too (a run shorter than logging_steps logs no step)
-    step = max(last.get("step", worker.get("start_step", 0)), ckpt_step or 0)
-    total = worker.get("total_steps") or plan.get("total_steps")
-    ckpt_age = None
-    if ckpt_step is not None:
-        from .checkpoint import step_dir_name
-
-        ckpt_age = round(time.time() - (run.checkpoints / step_dir_name(ckpt_step) / "manifest.json").stat().st_mtime, 1)
-    eta = None
-    tps = last.get("tokens_per_second")
-    state = data.get("state", "none")
-    if state in ACTIVE and holder is None:
-        state = "interrupted"  # effective_state, from the same reading
-    if total and step and state == "running":
-        started = worker.get("started")
-        done_since = step - worker.get("start_step", 0)
-        if started and done_since > 0:
-            eta = round((time.time() - started) / done_since * (total - step), 1)
-    final = None
-    for name in ("adapter", "model"):
-        if (run.final / name).is_dir():
-            final = str(run.final / name)
-    return {
-        "run_dir": str(run.root),
-        "state": state,
-        "step": step,
-        "total_steps": total,
-        "loss": last.get("loss"),
-        "tokens_per_second": tps,
-        "eta_seconds": eta,
-        "pid": data.get("supervisor_pid"),
-        # alive: the run's lock is held and this pid is the process recorded with it (start time, boot)
-        "pid_alive": bool(holder) and holder["role"] == "supervisor",
-        "launcher_pid": holder["pid"] if holder and holder["role"] == "launcher" else None,
-        "worker_pid": data.get("worker_pid"),
-        # the worker holds the run's lock too (inherited): the same test as the supervisor's
-        "worker_alive": same_process(data.get("worker_proc")) and is_locked(run),
-        "orphan_worker_pids": orphans,
-        "restarts": data.get("restarts", 0),
-        "last_checkpoint": f"step-{ckpt_step:06d}" if ckpt_step is not None else None,
-        "last_checkpoint_age_seconds": ckpt_age,
-        "smoke_estimated_seconds": smoke.get("estimated_seconds"),
-        "reason": data.get("reason"),
-        "final": final,
-        "log": str(run.log),
-        # the engine as planned, how it was launched, and what the worker verified (launcher/backends)
-        "engine": plan.get("engine"),
-        "num_processes": plan.get("num_processes"),
-        "launch_argv": data.get("launch_argv"),
-        "world_size": (worker.get("verification") or {}).get("world_size", worker.get("world_size")),
-        "verification": worker.get("verification") or data.get("verification"),
-        **sync_status_fields(run),
-    }
-
-
-def _last_metrics(path: Path) -> dict[str, Any]:
+def last_metrics(path: Path, key: Optional[str] = None) -> dict[str, Any]:
+    """The newest row of metrics.jsonl (with `key`, the newest row that has it: eval rows and training rows
+    alternate), read from the file's end in growing blocks (a long run's file is not read whole)."""
     if not path.is_file():
         return {}
     with path.open("rb") as fh:
         fh.seek(0, os.SEEK_END)
         size = fh.tell()
-        fh.seek(max(0, size - 4096))
-        lines = fh.read().decode(errors="replace").splitlines()
-    for line in reversed(lines):
-        try:
-            return json.loads(line)
-        except ValueError:
-            continue
-    return {}
+        block = 4096
+        while True:
+            fh.seek(max(0, size - block))
+            lines = fh.read().decode(errors="replace").splitlines()
+            if size > block:
+                lines = lines[1:]  # the first line of a block may be cut
+            for line in reversed(lines):
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(row, dict) and (key is None or row.get(key) is not None):
+                    return row
+            if block >= size:
+                return {}
+            block *= 8

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 from . import train
 from .backends import MULTI_PROCESS, die_with_parent, failed_verification, launch_command, launch_env
-from .checkpoint import newest_step_unverified
+from .checkpoint import newest_step_unverified, step_dir_name
 from .rundir import RunDir
 from .state import process_identity, read_state, run_holder, run_processes, same_process, set_state
 
@@ -48,9 +48,9 @@ def _log(msg: str) -> None:
 
 
 def _last_logged_step(run: RunDir) -> int:
-    from .state import _last_metrics
+    from .state import last_metrics
 
-    return int(_last_metrics(run.metrics).get("step", 0))
+    return int(last_metrics(run.metrics).get("step", 0))
 
 
 def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
@@ -166,18 +166,18 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
                     final_check={"ok": True, "reason": checked.reason, **checked.details} if checked else
                     {"ok": None, "reason": "written and verified by node 0"})
             _log("training finished" + (f"; {checked.reason}" if checked else ""))
-            _export(recipe, run, child)
+            done = _export(recipe, run, child)  # succeeded, or trained-not-exported when an export failed
             # after the export's checks, before on_finish (which may stop the box); a failed export publishes nothing
             from .publish import after_export
 
             after_export(recipe, run, _log)
             if syncer:
-                _record(run, "succeeded", reason=f"training finished; copying the result to {recipe.sync.to}")
+                _record(run, done, reason=f"training finished; copying the result to {recipe.sync.to}")
                 if not syncer.finish(final=True):
-                    _record(run, "succeeded", reason="training finished, but the copy off the box failed: "
+                    _record(run, done, reason="training finished, but the copy off the box failed: "
                               "see sync.json; `ftrun push` retries")
                     return 0
-                _record(run, "succeeded", reason=f"training finished; result verified at {recipe.sync.to}")
+                _record(run, done, reason=f"training finished; result verified at {recipe.sync.to}")
                 syncer.sync_once()  # the state file itself, saying so
             _on_finish(recipe, run)
             return 0
@@ -190,8 +190,10 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
                 not stopping["killed"] and newest is not None
                 and (stopping["checkpoint_before"] is None or newest > stopping["checkpoint_before"]))
             why = (f"{'stopped by `ftrun stop`' if requested else 'preempted (' + (stopping['signal'] or 'SIGTERM') + ')'}"
-                   f" at step {_last_logged_step(run)}"
-                   + (" after a checkpoint" if saved else f"; the worker did not finish its checkpoint within {recipe.grace_seconds:g}s")
+                   # the step of the checkpoint it wrote (the last logged step may be a few steps older)
+                   + (f" at step {newest} after a checkpoint ({step_dir_name(newest)})" if saved and newest is not None
+                      else f" at step {_last_logged_step(run)}" + (" after a checkpoint" if saved else ""))
+                   + ("" if saved else f"; the worker did not finish its checkpoint within {recipe.grace_seconds:g}s")
                    + "; run the same command to resume")
             return end("stopped" if requested else "preempted", why, train.EXIT_STOPPED, stop_requested=False)
         if rc in FATAL:
@@ -276,14 +278,14 @@ def _worker_error(run: RunDir) -> Optional[str]:
     return json.loads(run.worker.read_text()).get("error")
 
 
-def _export(recipe, run: RunDir, child: dict) -> None:
-    """The recipe's exports in their own process (torch stays out of the supervisor).
+def _export(recipe, run: RunDir, child: dict) -> str:
+    """The recipe's exports in their own process (torch stays out of the supervisor); returns the run's state.
 
-    A failed export never undoes the training: the state stays succeeded, with export.state failed
-    and the reason; `ftrun export RUN_DIR` retries.
+    A failed export never undoes the training: the state says trained-not-exported (not succeeded), with
+    export.state failed and the reason; `ftrun export RUN_DIR` retries.
     """
     if not recipe.export:
-        return
+        return "succeeded"
     _log("exporting: " + ", ".join(recipe.export))
     started = time.time()
     set_state(run, "succeeded", export={"state": "running", "formats": list(recipe.export), "started": started})
@@ -309,7 +311,10 @@ def _export(recipe, run: RunDir, child: dict) -> None:
         info = {"state": "failed", "reason": f"{err.splitlines()[0]}; retry with `ftrun export {run.root}`"}
         _log(f"export failed: {err}; the trained result is intact")
     info.update(formats=list(recipe.export), seconds=round(time.time() - started, 1))
-    set_state(run, "succeeded", export=info)
+    state = "succeeded" if info["state"] == "succeeded" else "trained-not-exported"
+    set_state(run, state, export=info, **({} if state == "succeeded" else
+                                          {"reason": f"trained, not exported: {info['reason']}"}))
+    return state
 
 
 def _on_finish(recipe, run: RunDir) -> None:

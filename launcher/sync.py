@@ -178,7 +178,7 @@ class FsspecDestination(Destination):
     (an S3-compatible one without checksums, a local or mounted path) is read back and hashed.
     """
 
-    part_bytes: Optional[int] = None  # multipart upload part size; None: s3fs's (50 MiB, more past 10,000 parts)
+    part_bytes: Optional[int] = None  # multipart upload part size; None: s3_part_bytes
 
     def __init__(self, url: str):
         import fsspec
@@ -220,11 +220,9 @@ class FsspecDestination(Destination):
         (a "composite" checksum, the SHA-256 of the parts' digests, with -N for N parts)."""
         import asyncio
 
-        from s3fs.core import calculate_chunksize
-
         bucket, key, _ = self.fs.split_path(target)
         size = local.stat().st_size
-        part = self.part_bytes or calculate_chunksize(size)
+        part = self.part_bytes or s3_part_bytes(size)
         sent = SentDigests(size)
         with local.open("rb") as fh:
             if size < 2 * part:
@@ -333,6 +331,12 @@ class FsspecDestination(Destination):
         return h.hexdigest()
 
 
+def s3_part_bytes(size: int) -> int:
+    """The part size of a multipart upload: s3fs's rule (s3fs.core.calculate_chunksize): 50 MiB, larger where a
+    file would need more than S3's 10,000 parts."""
+    return max(50 << 20, -(-size // 10_000))
+
+
 class SentDigests:
     """The digests of a file as uploaded: its sha256 (for the manifest), and what the store will report of it
     if it holds those bytes: S3's SHA-256 checksum (whole file, or composite of the parts: base64 of the
@@ -368,11 +372,7 @@ class SentDigests:
         """The same digests computed from the local file (a file sent by an earlier process), read in the parts
         an S3 upload of it uses."""
         size = path.stat().st_size
-        part = 0
-        if s3:
-            from s3fs.core import calculate_chunksize
-
-            part = part_bytes or calculate_chunksize(size)
+        part = (part_bytes or s3_part_bytes(size)) if s3 else 0
         multipart = s3 and size >= 2 * part
         sent = cls(size)
         with path.open("rb") as fh:
@@ -824,7 +824,10 @@ class Syncer:
         # Local retention may delete this checkpoint while it uploads (a new one arrived): copy
         # from a hard-linked snapshot, which costs no space and outlives the deletion.
         snap = self.run.checkpoints / f".sync-{step_dir.name}"
-        shutil.rmtree(snap, ignore_errors=True)
+        # A snapshot left by a copier killed mid-upload would pin its checkpoint's disk space (hard links) once
+        # retention deletes the checkpoint: one copier at a time, so any snapshot here is such a leftover.
+        for stale in self.run.checkpoints.glob(".sync-*"):
+            shutil.rmtree(stale, ignore_errors=True)
         try:
             shutil.copytree(step_dir, snap, copy_function=os.link)
             return push_checkpoint(dest, self.run, snap, self.keep, name=step_dir.name)

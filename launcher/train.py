@@ -23,9 +23,43 @@ from typing import Any, Optional
 # counters), which on a closed network would hang until a timeout.
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The log carries ftrun's lines and the libraries' real warnings, not noise: tqdm bars (weights loading, dataset
+# preparation) redraw with carriage returns into train.log, and ftrun prints the progress itself (step, loss,
+# tokens/s). Read at import by huggingface_hub (and transformers through it) and datasets.
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+
+
+def _quiet_known_notices() -> None:
+    """Deprecation notices (FutureWarning) are for the code, not the user; two notices say nothing about the run:
+    bitsandbytes' CPU path asking for the optional `kernels` package on every LoRA/QLoRA import, and DeepSpeed's
+    "Setting accelerator to CPU" on any run that imports it (accelerate and TRL do, whatever the engine).
+    Everything else these loggers say still shows."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+    class _Drop(logging.Filter):
+        def __init__(self, *phrases: str):
+            super().__init__()
+            self.phrases = phrases
+
+        def filter(self, record: logging.LogRecord) -> bool:
+            return not any(p in record.getMessage() for p in self.phrases)
+
+    # Logger-level filters: bitsandbytes logs through its module's logger (backends/cpu/ops.py), DeepSpeed through
+    # the "DeepSpeed" logger (accelerator/real_accelerator.py uses deepspeed.utils.logger)
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_Drop("from kernels-community"))
+    logging.getLogger("DeepSpeed").addFilter(_Drop("Setting accelerator to CPU"))
+
+
+_quiet_known_notices()
 
 from . import checkpoint as ckpt  # noqa: E402
+from . import evaluation  # noqa: E402
 from . import memory  # noqa: E402
+from . import samples  # noqa: E402
 from .rundir import RunDir  # noqa: E402
 
 METRICS_IN_CHECKPOINT = "ftrun_metrics.jsonl"
@@ -117,8 +151,9 @@ def _launcher_started() -> float:
         return psutil.Process().create_time() - 1.0  # the verifier writes after its imports, seconds later
 
 
-def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta: dict[str, Any], max_seconds: Optional[float]):
-    """The trainer callbacks: wall-clock checkpoints, SIGTERM save, metrics, NaN guard, smoke timing."""
+def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta: dict[str, Any], max_seconds: Optional[float],
+                    evaluates: bool = False):
+    """The trainer callbacks: wall-clock checkpoints and evaluation, SIGTERM save, metrics, NaN guard, smoke timing."""
     import torch
     from transformers import TrainerCallback
 
@@ -132,6 +167,7 @@ def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta
         return flag
 
     interval = recipe.checkpoint_every_minutes * 60.0 if mode == "full" else math.inf
+    eval_interval = recipe.eval.every_minutes * 60.0 if mode == "full" and evaluates else math.inf
 
     class Cadence(TrainerCallback):
         def __init__(self):
@@ -141,6 +177,7 @@ def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta
             self.timed_out = False
             self.save_started: Optional[float] = None
             self.save_seconds: Optional[float] = None  # smoke: one timed checkpoint, for the ETA
+            self.last_eval = time.monotonic()
 
         def on_train_begin(self, args, state, control, **kw):
             if state.global_step >= state.max_steps > 0:
@@ -157,6 +194,11 @@ def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta
             over_time = max_seconds is not None and agree(time.monotonic() - self.started >= max_seconds)
             if mode == "full" and (agree(due) or at_end or stop):
                 control.should_save = True
+            # eval by wall clock and at the end (the Trainer evaluates before it saves: the row is in the checkpoint);
+            # the smoke test evaluates once, at its end, for the ETA
+            if evaluates and not stop and (at_end or (over_time if mode == "smoke" else
+                                                      agree(time.monotonic() - self.last_eval >= eval_interval))):
+                control.should_evaluate = True
             if stop:
                 self.stopped_by_signal = True
                 control.should_training_stop = True
@@ -174,6 +216,9 @@ def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta
                 # process group's timeout (ddp_timeout, 1800 s by default) and the watchdog aborts every rank.
                 _await_manifest(device)
             return control
+
+        def on_evaluate(self, args, state, control, **kw):
+            self.last_eval = time.monotonic()
 
         def on_save(self, args, state, control, **kw):
             self.last_save = time.monotonic()
@@ -209,6 +254,8 @@ def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta
                 from . import trackers
 
                 trackers.into_checkpoint(run.root, dst)  # a resume on another box continues the same tracked runs
+                if (run.root / samples.BEFORE_FILE).is_file():  # the base model's answers, for a resume elsewhere
+                    shutil.copyfile(run.root / samples.BEFORE_FILE, dst / samples.BEFORE_FILE)
 
                 def complete(dst: Path = dst) -> None:
                     # retention after the manifest: the newest complete checkpoint outlives the hashing
@@ -229,6 +276,7 @@ def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta
             self.t_last = None
             self.tokens_last = 0
             self.step_times: list[tuple[int, float, int]] = []  # (step, monotonic, tokens seen)
+            self.eval_seconds: Optional[float] = None  # the last eval pass (the smoke's is priced for the ETA)
 
         def on_train_begin(self, args, state, control, **kw):
             if state.is_world_process_zero and kw.get("optimizer") is not None:
@@ -239,15 +287,21 @@ def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta
             self.tokens_last = state.num_input_tokens_seen
             self.step_times.append((state.global_step, self.t_last, state.num_input_tokens_seen))
             if state.is_world_process_zero:
-                info = json.loads(run.worker.read_text()) if run.worker.is_file() else {}
+                # the mode's own file: a smoke test's step count is not the full run's (status read "0/6")
+                path = run.worker if mode == "full" else run.smoke_work / "worker.json"
+                info = json.loads(path.read_text()) if path.is_file() else {}
                 info.update(total_steps=state.max_steps, start_step=state.global_step)
-                ckpt.atomic_write_json(run.worker, info)
+                ckpt.atomic_write_json(path, info)
 
         def on_step_end(self, args, state, control, **kw):
             self.step_times.append((state.global_step, time.monotonic(), state.num_input_tokens_seen))
 
         def on_log(self, args, state, control, logs=None, **kw):
             logs = logs or {}
+            if "eval_loss" in logs:
+                self.eval_seconds = logs.get("eval_runtime")
+                _log_eval(run, mode, state, logs)
+                return
             if "loss" not in logs:
                 return
             loss = float(logs["loss"])
@@ -279,6 +333,21 @@ def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta
     return Cadence(), Metrics()
 
 
+def _log_eval(run: RunDir, mode: str, state, logs: dict[str, Any]) -> None:
+    """An eval pass: a row of its own in metrics.jsonl (step, eval_loss, TRL's eval metrics) and a log line."""
+    row = {"step": state.global_step, "eval_loss": float(logs["eval_loss"])}
+    for key in ("eval_mean_token_accuracy", "eval_entropy"):
+        if logs.get(key) is not None:
+            row[key] = float(logs[key])
+    row.update(epoch=round(state.epoch or 0.0, 4), eval_seconds=logs.get("eval_runtime"), time=time.time())
+    if state.is_world_process_zero and mode == "full":
+        with run.metrics.open("a") as fh:
+            fh.write(json.dumps(row) + "\n")
+    if state.is_world_process_zero:
+        print(f"[ftrun worker] step {row['step']}/{state.max_steps} eval loss {row['eval_loss']:.4f} "
+              f"({row['eval_seconds'] or 0:.1f} s)", flush=True)
+
+
 def load_model_and_tokenizer(recipe, device: str, dtype, plan: Optional[dict] = None, run_dir: Optional[Path] = None):
     """The engine's loader: Unsloth's FastLanguageModel for engine unsloth, else launcher/loading.py
     (inside DeepSpeed's partitioned loading for ZeRO-3)."""
@@ -299,7 +368,7 @@ def load_model_and_tokenizer(recipe, device: str, dtype, plan: Optional[dict] = 
 
 
 def sft_config(recipe, run: RunDir, mode: str, device: str, dtype, max_steps: Optional[int], output_dir: Path,
-               engine_fields: Optional[dict] = None):
+               engine_fields: Optional[dict] = None, eval_fields: Optional[dict] = None):
     import torch
     from trl import SFTConfig
 
@@ -344,6 +413,7 @@ def sft_config(recipe, run: RunDir, mode: str, device: str, dtype, max_steps: Op
     # plain TRL script gets.
     for key, value in (engine_fields or {}).items():  # launcher/backends: what the engine needs
         fields[ac if key == "activation_checkpointing" else key] = value
+    fields.update(eval_fields or {})  # launcher/evaluation.py; trainer: may still set the eval batch and the like
     fields.update(recipe.trainer)
     return SFTConfig(**fields)
 
@@ -362,6 +432,36 @@ def padding_free_collator(recipe, tokenizer):
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     return DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id, padding_free=True)
+
+
+def _trained_tokens(examples: list, prepared, sample: int = 2000) -> str:
+    """What TRL made of the data: its form and the share of tokens the loss is computed on (plain text: all of
+    them, no chat template; prompt/completion: the completion), read from the prepared dataset's labels."""
+    from .data_formats import example_form
+
+    form = {"chat": "chat (the model's chat template)", "text": "plain text (no chat template)",
+            "prompt_completion": "prompt/completion"}[example_form(examples[0])]
+    rows = prepared.select(range(min(sample, len(prepared))))
+    ids = rows["input_ids"]
+    labels = rows["labels"] if "labels" in rows.column_names else ids
+    total = sum(len(x) for x in ids)
+    trained = sum(1 for row in labels for t in row if t != -100)
+    return (f"data as TRL prepared it: {form}, {len(prepared):,} examples; loss on {trained:,} of {total:,} tokens "
+            f"({trained / max(total, 1):.1%}{f', first {len(rows):,} examples' if len(rows) < len(prepared) else ''})")
+
+
+def _data_spec(run: RunDir, recipe):
+    """The recipe's data, Hub datasets pinned at the revisions the launcher read (data.json)."""
+    from .data_sources import pinned
+
+    record = run.root / "data.json"
+    return pinned(recipe.data, json.loads(record.read_text()).get("sources", [])) if record.is_file() else recipe.data
+
+
+def _local_data(spec) -> bool:
+    from .data_sources import sources_of
+
+    return all(s.local and Path(s.path).exists() for s in sources_of(spec))
 
 
 def _write_verification(run: RunDir, mode: str, result: dict[str, Any], error: Optional[str] = None) -> None:
@@ -425,7 +525,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
 
     recipe = load_recipe(run.recipe)
     plan = json.loads(run.plan.read_text()) if run.plan.is_file() else {}
-    if Path(recipe.model).is_dir() and Path(recipe.data).is_file():
+    if Path(recipe.model).is_dir() and _local_data(recipe.data):
         os.environ["HF_HUB_OFFLINE"] = "1"  # everything is local: no network calls at all
 
     from .backends import world_size as planned_world_size
@@ -466,7 +566,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
     from trl import SFTTrainer
 
     from .backends import trainer_fields
-    from .data import load_examples
+    from .data import load_data, to_dataset
 
     from .loading import local_rank, select_device
 
@@ -492,7 +592,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
         max_steps, max_seconds = smoke_cfg["max_steps"], smoke_cfg["max_seconds"]
         resume_from = None
     else:
-        data_path = Path(recipe.data)
+        data_path = _data_spec(run, recipe)
         out_dir = run.checkpoints
         max_steps, max_seconds = recipe.max_steps, None
         # Verified once per disk (_verifies_resume); the others of this launch take its choice from a file,
@@ -546,12 +646,23 @@ def run_worker(run_dir: Path, mode: str) -> int:
             from . import trackers
 
             trackers.restore_from_checkpoint(run.root, resume_from.path)
+            carried = resume_from.path / samples.BEFORE_FILE
+            if carried.is_file() and not (run.root / samples.BEFORE_FILE).is_file():  # a resume on another box
+                shutil.copyfile(carried, run.root / samples.BEFORE_FILE)
         print(f"[ftrun worker] device {device} ({info['dtype']}), method {recipe.method}, "
               f"{_world_size()} process(es)", flush=True)
 
     set_seed(recipe.seed)
-    examples = load_examples(data_path)
-    dataset = Dataset.from_list([{"messages": ex} for ex in examples])
+    # the smoke sample as the launcher wrote it (canonical lines), or the recipe's data read again: the launcher
+    # checked it and recorded its sha256 (data.json), and refuses a resume on changed data
+    examples = load_data(data_path, recipe.seed).examples
+    held_out, prompts = _eval_and_prompts(run, recipe, mode, examples)
+    if mode == "full":
+        examples = [examples[i] for i in evaluation.for_recipe(len(examples), recipe).train]  # eval never trains
+    if held_out and _rank() == 0:
+        _say(f"training on {len(examples)} examples, evaluating on {len(held_out)} held-out examples")
+    dataset = to_dataset(examples)
+    eval_dataset = to_dataset(held_out) if held_out else None
     trainer = None
 
     def step() -> int:
@@ -562,7 +673,9 @@ def run_worker(run_dir: Path, mode: str) -> int:
         loading = time.monotonic()
         model, tokenizer = load_model_and_tokenizer(recipe, device, dtype, plan, run.root)
         load_seconds = time.monotonic() - loading
-        args = sft_config(recipe, run, mode, device, dtype, max_steps, out_dir, trainer_fields(plan, run.root))
+        first_start = mode == "full" and resume_from is None and not run.metrics.is_file()
+        args = sft_config(recipe, run, mode, device, dtype, max_steps, out_dir, trainer_fields(plan, run.root),
+                          evaluation.trainer_fields(recipe, eval_dataset is not None, first_start))
         differ = _resume_steps_differ(resume_from, device)  # the process group exists from sft_config on
         if differ:
             print(f"[ftrun worker] {differ}", file=sys.stderr, flush=True)
@@ -571,18 +684,23 @@ def run_worker(run_dir: Path, mode: str) -> int:
             return EXIT_BAD_WORLD
         meta = {"recipe_hash": recipe.trajectory_hash(), "method": recipe.method, "world_size": _world_size(),
                 "engine": plan.get("engine", "trl")}
-        cadence, metrics = build_callbacks(run, recipe, mode, device, meta, max_seconds)
+        cadence, metrics = build_callbacks(run, recipe, mode, device, meta, max_seconds, evaluates=eval_dataset is not None)
+        sharded = plan.get("engine") in ("fsdp", "deepspeed") and _world_size() > 1
+        before = samples.before_callback(run.root / samples.BEFORE_FILE, prompts, recipe.eval.max_new_tokens, tokenizer,
+                                         writes=_rank() == 0, synced=sharded, say=_say)
         from .window import carrying
 
         # checkpoints carry the logging window's sums: the logs after a resume equal an uninterrupted run's
         trainer_cls = carrying(SFTTrainer, say=lambda line: print(f"[ftrun worker] {line}", flush=True))
-        trainer = trainer_cls(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                              data_collator=padding_free_collator(recipe, tokenizer),
-                              callbacks=[cadence, metrics, _engine_check(run, plan, mode, lambda: trainer)])
+        trainer = trainer_cls(model=model, args=args, train_dataset=dataset, eval_dataset=eval_dataset,
+                              processing_class=tokenizer, data_collator=padding_free_collator(recipe, tokenizer),
+                              callbacks=[cadence, metrics, _engine_check(run, plan, mode, lambda: trainer), before])
         from transformers.trainer_callback import PrinterCallback
 
         trainer.remove_callback(PrinterCallback)  # our Metrics callback prints one compact line per log
         trainer.add_callback(_tracked_recipe(run, recipe))  # last: after the trackers' own callbacks have started
+        if _rank() == 0:
+            print(f"[ftrun worker] {_trained_tokens(examples, trainer.train_dataset)}", flush=True)
         memory.reset_peak(device)
         try:
             trainer.train(resume_from_checkpoint=str(resume_from.path) if resume_from else None)
@@ -607,7 +725,10 @@ def run_worker(run_dir: Path, mode: str) -> int:
         if _rank() == 0:
             _write_smoke_result(run, metrics.step_times, device, cadence.timed_out, cadence.save_seconds,
                                 {"import_seconds": round(import_seconds, 3), "load_seconds": round(load_seconds, 3),
-                                 "checkpoint_bytes": ckpt.tree_bytes(out_dir)}, peak_gb=peak_gb)
+                                 "checkpoint_bytes": ckpt.tree_bytes(out_dir),
+                                 # the eval pass and the base model's answers: priced apart from the start-up
+                                 "eval_seconds": metrics.eval_seconds, "samples_seconds": before.seconds},
+                                peak_gb=peak_gb)
         return 0
     if cadence.stopped_by_signal and trainer.state.global_step < trainer.state.max_steps:
         code = _finish(run, device, step(), _writes_this_disk(plan, recipe, run))  # the checkpoint sealed, or why not
@@ -617,9 +738,64 @@ def run_worker(run_dir: Path, mode: str) -> int:
         return EXIT_STOPPED if code == 0 else code
     # every rank: ZeRO-3 and FSDP gather the sharded weights for the final save (rank 0 writes)
     _save_final(run, trainer, tokenizer, recipe)
+    _answer_after(run, recipe, trainer, tokenizer, prompts, sharded)  # final/samples.md
     if _rank() == 0:  # one drawer, as at the checkpoints
         _redraw_loss_plot(run.root, final=True)  # the last loss.png is complete when the worker ends
     return _finish(run, device, step(), _writes_this_disk(plan, recipe, run))  # the last checkpoint complete at the end
+
+
+def _say(line: str) -> None:
+    print(f"[ftrun worker] {line}", flush=True)
+
+
+def _eval_and_prompts(run: RunDir, recipe, mode: str, examples: list) -> tuple[list, list[dict[str, Any]]]:
+    """The eval examples and the sample prompts. The full run splits the data itself (launcher/evaluation.py);
+    the smoke test reads what its launcher wrote: a share of the held-out examples and the full run's prompts."""
+    from .data import load_data
+
+    if mode == "smoke":
+        held = run.smoke_work / "eval.jsonl"
+        asked = run.smoke_work / "prompts.json"
+        return (load_data(held, recipe.seed).examples if held.is_file() else [],
+                json.loads(asked.read_text()) if asked.is_file() else [])
+    parts = evaluation.for_recipe(len(examples), recipe)
+    if recipe.eval.data:
+        held_examples = evaluation.load_eval_data(recipe)
+        prompts = samples.pick(held_examples, list(range(len(held_examples))), [], recipe.eval.samples, recipe.seed,
+                               evaluation.source_name(recipe.eval.data))
+        return held_examples, prompts
+    prompts = samples.pick(examples, parts.held_out, parts.train, recipe.eval.samples, recipe.seed,
+                           evaluation.source_name(recipe.data))
+    return [examples[i] for i in parts.held_out], prompts
+
+
+def _answer_after(run: RunDir, recipe, trainer, tokenizer, prompts: list[dict[str, Any]], sharded: bool) -> None:
+    """The trained model answers the prompts the base model answered (samples-before.json), into final/samples.md.
+    Without a before record (none was generated), a LoRA run's base answers come from the adapter switched off."""
+    if not prompts or not (sharded or _rank() == 0):
+        return
+    before = samples.read_before(run.root / samples.BEFORE_FILE)
+    asked = [{k: v for k, v in s.items() if k != "before"} for s in before["samples"]] if before else prompts
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    t0 = time.monotonic()
+    try:
+        answers = samples.generate(model, tokenizer, asked, recipe.eval.max_new_tokens, sharded)
+        if before is None and hasattr(model, "disable_adapter"):
+            with model.disable_adapter():
+                base = samples.generate(model, tokenizer, asked, recipe.eval.max_new_tokens, sharded)
+            before = {"samples": [{**p, "before": a} for p, a in zip(asked, base)]}
+    except Exception as exc:  # evidence, not training: the result is saved already
+        _say(f"samples: the answers after training could not be generated ({type(exc).__name__}: {exc})")
+        return
+    if _rank() != 0:
+        return
+    path = samples.write_after(run.final, before, asked, answers, run_name=run.root.name,
+                               step=trainer.state.global_step, max_new_tokens=recipe.eval.max_new_tokens)
+    _say(f"samples: before and after training in {path} ({len(answers)} prompt(s), "
+         f"{time.monotonic() - t0:.1f} s)")
+    rows = json.loads((run.final / samples.DATA).read_text())["samples"]
+    for line in samples.summary(rows):
+        _say(line)
 
 
 def _out_of_memory(run: RunDir, mode: str, device: str, text: str, step: int) -> int:

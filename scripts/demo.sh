@@ -10,7 +10,7 @@ RUN=runs/tiny-cpu
 .venv/bin/ftrun recipes/tiny-cpu.yaml --fresh
 echo
 echo "== following the log until the run ends (Ctrl-C only stops the viewing) =="
-.venv/bin/ftrun logs -f "$RUN" | grep --line-buffered -E "step|checkpoint|final|supervisor|export" || true
+.venv/bin/ftrun logs -f "$RUN" | grep --line-buffered -E "step|checkpoint|final|supervisor|export|samples|reference:|before:|after:" || true
 echo
 .venv/bin/ftrun status "$RUN"
 .venv/bin/python - "$RUN" <<'PY'
@@ -18,9 +18,15 @@ import json, sys
 from pathlib import Path
 run = Path(sys.argv[1])
 rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if l.strip()]
-first, last = rows[0], rows[-1]
+train = [r for r in rows if "loss" in r]
+evals = [r for r in rows if "eval_loss" in r]  # eval passes have rows of their own
+first, last = train[0], train[-1]
 print(f"loss: step {first['step']} {first['loss']:.3f} -> step {last['step']} {last['loss']:.3f}")
+print(f"eval loss (held out): step {evals[0]['step']} {evals[0]['eval_loss']:.3f} -> "
+      f"step {evals[-1]['step']} {evals[-1]['eval_loss']:.3f}")
+print(f"before/after samples: {run / 'final' / 'samples.md'}")
 adapter = run / "final" / "adapter"
 print(f"adapter: {adapter} ({sum(p.stat().st_size for p in adapter.iterdir()) / 1e6:.2f} MB)")
-sys.exit(0 if last["loss"] < first["loss"] else 1)
+sys.exit(0 if last["loss"] < first["loss"] and evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+         and (run / "final" / "samples.md").is_file() else 1)
 PY

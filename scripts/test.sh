@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run the tests: default tier (CPU, under 10 minutes); --slow adds multi-process and long tests; --all both;
-# --unsloth: the Unsloth engine tier, in its own environment .venv-unsloth (built on first use).
+# --unsloth: the Unsloth engine tier, in its own environment .venv-unsloth (built on first use);
+# --gguf: the GGUF export through llama.cpp (builds llama-cpp-python once, about 7 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
@@ -35,8 +36,22 @@ if [ "${1:-}" = "--unsloth" ]; then
   exec $V/bin/python -m pytest -m unsloth "$@"
 fi
 scripts/setup.sh
+if [ "${1:-}" = "--gguf" ]; then
+  # The GGUF tier: llama-cpp-python built from its source distribution (about 7 minutes on 2 cores, once; pip
+  # keeps the wheel) without -march=native (a native build traps with "Illegal instruction" on VMs that report
+  # AMX), and llama.cpp's converter copied from the same version (launcher/llamacpp.py).
+  shift
+  if ! .venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('llama-cpp-python') != '0.3.36')" 2>/dev/null; then
+    echo "building llama-cpp-python 0.3.36 (about 7 minutes on 2 cores; log in .venv/pip.log) ..."
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \
+      .venv/bin/python -m pip install -q -e ".[gguf]" >>.venv/pip.log 2>&1 || { tail -30 .venv/pip.log; exit 1; }
+  fi
+  .venv/bin/python -c "from launcher import llamacpp as l; c = l.converter(); raise SystemExit(c is None or c.version != l.PINNED)" \
+    || .venv/bin/python -m launcher.llamacpp install
+  exec .venv/bin/python -m pytest -m gguf "$@"
+fi
 case "${1:-}" in
   --slow) shift; exec .venv/bin/python -m pytest -m "slow and not gpu and not unsloth" "$@" ;;
-  --all)  shift; exec .venv/bin/python -m pytest -m "not gpu and not unsloth" "$@" ;;
+  --all)  shift; exec .venv/bin/python -m pytest -m "not gpu and not unsloth and not gguf" "$@" ;;
   *)      exec .venv/bin/python -m pytest "$@" ;;
 esac

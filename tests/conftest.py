@@ -58,6 +58,7 @@ def recipe_file(path: Path, tiny_model: Path, output_dir: Path, **fields) -> Pat
         "output_dir": str(output_dir),
         "smoke": {"min_steps": 3},
         "export": [],  # tests that check the export ask for it; the rest should not pay for it
+        "eval": {"samples": 0},  # the same for the before/after answers (tests/test_eval*.py ask for them)
     }
     for key, value in fields.items():
         if value is None:

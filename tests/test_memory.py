@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from launcher import memory
+from launcher.sizing import GB
 
 NCCL_HEAD = ("NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3356, unhandled cuda error "
              "(run with NCCL_DEBUG=INFO for details), NCCL version 2.26.2\n")
@@ -162,19 +163,19 @@ class _FakeCuda:
 
 def test_cuda_peak_adds_what_lives_outside_the_allocator_on_this_ranks_gpu(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "3")
-    # an 80 GB card: 50 GB free, the allocator holds 28 GB now and held 29.5 GB at its peak; the other
-    # 2 GB in use are the CUDA context and NCCL's buffers
-    fake = _FakeCuda(total=80e9, free=50e9, reserved=28e9, max_reserved=29.5e9)
+    # an 80 GB card (GB = 2**30 bytes, sizing.GB): 50 GB free, the allocator holds 28 GB now and held 29.5 GB
+    # at its peak; the other 2 GB in use are the CUDA context and NCCL's buffers
+    fake = _FakeCuda(total=80 * GB, free=50 * GB, reserved=28 * GB, max_reserved=29.5 * GB)
     fake.install(monkeypatch)
     assert memory.peak_memory_gb("cuda") == pytest.approx(31.5)
     assert {name for name, _ in fake.devices} == {"mem_get_info", "memory_reserved", "max_memory_reserved"}
     assert {device for _, device in fake.devices} == {3}  # never the default device
 
     # the allocator released memory between the queries (free grew): nothing outside, never negative
-    _FakeCuda(total=80e9, free=55e9, reserved=28e9, max_reserved=29.5e9).install(monkeypatch)
+    _FakeCuda(total=80 * GB, free=55 * GB, reserved=28 * GB, max_reserved=29.5 * GB).install(monkeypatch)
     assert memory.peak_memory_gb("cuda") == pytest.approx(29.5)
 
-    fake = _FakeCuda(total=80e9, free=50e9, reserved=28e9, max_reserved=29.5e9)
+    fake = _FakeCuda(total=80 * GB, free=50 * GB, reserved=28 * GB, max_reserved=29.5 * GB)
     fake.install(monkeypatch)
     memory.reset_peak("cuda")
     assert fake.devices == [("reset_peak_memory_stats", 3)]
@@ -182,7 +183,7 @@ def test_cuda_peak_adds_what_lives_outside_the_allocator_on_this_ranks_gpu(monke
 
 def test_cuda_cap_applies_to_this_ranks_own_gpu(monkeypatch, capsys):
     monkeypatch.setenv("LOCAL_RANK", "1")
-    fake = _FakeCuda(total=80e9, free=79e9, reserved=0, max_reserved=0)
+    fake = _FakeCuda(total=80 * GB, free=79 * GB, reserved=0, max_reserved=0)
     fractions = fake.install(monkeypatch)
     memory.cap_memory("cuda", 20.0)
     assert fractions == [(0.25, 1)] and isinstance(fractions[0][0], float)  # torch refuses a non-float

@@ -103,6 +103,9 @@ def test_stop_saves_a_checkpoint_and_resume_continues(write_recipe, tmp_path):
     assert s["state"] == "stopped" and s["last_checkpoint"]  # saved on SIGTERM, not by the 10-minute cadence
     stopped_at = int(s["last_checkpoint"].split("-")[1])
     assert stopped_at >= 3
+    # stop reports the step of the checkpoint it wrote, in its own output and in the state's reason
+    assert f"at step {stopped_at} after a checkpoint (step-{stopped_at:06d})" in s["reason"]
+    assert f"== run stopped at step {stopped_at}/" in res.stdout
     # a changed training setting is refused with the difference named, or accepted on request
     changed = ftrun(recipe, "learning_rate=1e-2", "max_steps=" + str(stopped_at + 3), cwd=tmp_path)
     assert changed.returncode == 2
@@ -121,7 +124,7 @@ def test_stop_saves_a_checkpoint_and_resume_continues(write_recipe, tmp_path):
         ({"lerning_rate": 1e-3}, [], "unknown key 'lerning_rate' (did you mean 'learning_rate'?)"),
         ({"micro_batch_size": "two"}, [], "'micro_batch_size' = 'two'"),
         ({"method": "dora"}, [], "'method' = 'dora'"),
-        ({"data": "/nonexistent/train.jsonl"}, [], "data file '/nonexistent/train.jsonl' (recipe key 'data') does not exist"),
+        ({"data": "/nonexistent/train.jsonl"}, [], "data '/nonexistent/train.jsonl' (recipe key 'data') does not exist"),
         ({}, ["max_steps=-1"], "'max_steps' = -1"),
         ({"trainer": {"warmup_ratioo": 0.1}}, [], "trainer.warmup_ratioo is not a field of TRL's SFTConfig"),
     ],

@@ -50,7 +50,7 @@ def test_all_errors_at_once_with_did_you_mean(tmp_path):
 
 
 def test_missing_required_key_names_it(tmp_path):
-    with pytest.raises(RecipeError, match=r"'data' is required: Chat JSONL"):
+    with pytest.raises(RecipeError, match=r"'data' is required: The training data"):
         load_recipe(_write(tmp_path, {"model": "m/x", "method": "lora"}))
 
 

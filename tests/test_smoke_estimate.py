@@ -4,7 +4,8 @@ import pytest
 
 from launcher.data import DataStats
 from launcher.recipe import validate_recipe
-from launcher.smoke import estimate, export_seconds, format_smoke, memory_note, step_seconds, training_tokens
+from launcher.smoke import estimate, export_seconds, memory_note, step_seconds, training_tokens
+from launcher.views import format_smoke
 
 STATS = DataStats(examples=1000, total_tokens=100_000, mean_tokens=100.0, max_tokens=400, over_max_length=0,
                   tokens_source="tokenizer", max_length=512)
@@ -60,9 +61,15 @@ def test_export_time_counts_the_process_the_model_loads_and_the_bytes_written(tm
     # merged: the folder written in 16 bit and loaded back
     assert export_seconds(MEASURED, _recipe(tmp_path, export=["adapter", "merged"]), params) == \
         pytest.approx(6 + 2 * 2 + 2 * params / rate)
-    # gguf (implies merged): the merged model and the q8_0 file loaded once more each
+    # gguf (implies merged): llama.cpp's converter in a process of its own, the file read back once in llama.cpp;
+    # a quantized type (q4_k_m, the default) is written twice: the 16-bit conversion, then the quantized file
     assert export_seconds(MEASURED, _recipe(tmp_path, export=["gguf"]), params) == \
-        pytest.approx(6 + 4 * 2 + (2 + 34 / 32) * params / rate)
+        pytest.approx(6 * 2 + 3 * 2 + (2 + 2 + 4.89 / 8) * params / rate)
+    assert export_seconds(MEASURED, _recipe(tmp_path, export=["gguf"], gguf_type="q8_0"), params) == \
+        pytest.approx(6 * 2 + 3 * 2 + (2 + 2 + 8.5 / 8) * params / rate)
+    # a 16-bit GGUF comes from the converter directly
+    assert export_seconds(MEASURED, _recipe(tmp_path, export=["gguf"], gguf_type="bf16"), params) == \
+        pytest.approx(6 * 2 + 3 * 2 + (2 + 2) * params / rate)
     # a full fine-tune has no adapter; merged loads the trained model, then the written copy
     full = _recipe(tmp_path, method="full", export=["merged"])
     assert export_seconds(MEASURED, full, params) == pytest.approx(6 + 2 * 2 + 2 * params / rate)

@@ -239,6 +239,11 @@ def test_s3_copy_is_verified_by_the_stores_checksums_without_reading_it_back(tmp
                            ChecksumMode="ENABLED")
     manifest = json.loads((step_dir / "manifest.json").read_text())
     assert base64.b64decode(small["ChecksumSHA256"]).hex() == manifest["files"]["adapter_model.safetensors"]["sha256"]
+    # another process (`ftrun push` after a restart) computes the same digests from the local files
+    s3_server.requests.clear()
+    fresh = FsspecDestination("s3://ftrun-test/runs/r1")
+    assert fresh.verify_dir("checkpoints/step-000010", manifest, local=step_dir) == (True, "")
+    assert s3_server.requests.object_reads() == []
 
 
 @pytest.mark.parametrize("how", ["rewritten with a SHA-256 checksum", "rewritten without one", "deleted"])

@@ -1,23 +1,13 @@
-"""hf://USER/REPO sync against a local stand-in for the Hub (no hub is reachable here).
-
-The stand-in keeps the repo as commits (a tree of path -> object per commit) and answers like the Hub does: small files with their git blob id, large ones as LFS with their
-sha256, both computed from the bytes it received. It changes the repo only through create_commit (the
-commit model: all of a commit's files or none), refuses a checkpoint commit that does not carry every file
-its manifest names, can answer any call with a 429 (Retry-After) or a 5xx, and counts the LFS objects the
-history still references (what a squash frees). Every call is checked against the installed
-huggingface_hub's own signatures, so a renamed argument fails here, not on a GPU box.
-"""
+"""hf://USER/REPO sync against the stand-in for the Hub in fake_hub.py (no hub is reachable here): the commit
+model, retention that frees storage, 429 bursts and 5xx, verification from the Hub's listing, the token."""
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 import json
 import os
 import shutil
-import sys
 import time
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 import pytest
 
@@ -26,186 +16,8 @@ from launcher.errors import SyncError
 from launcher.rundir import RunDir
 
 hf = pytest.importorskip("huggingface_hub")
-REAL_API = hf.HfApi
-LFS_ABOVE = 1024  # the stand-in stores files above this as LFS (the Hub: 10 MB or a binary type)
 
-
-def hub_error(status: int, url: str = "https://huggingface.co/api/models/me/runs/commit/main",
-              headers: dict | None = None):
-    """The exception huggingface_hub raises for this answer, made by its own hf_raise_for_status."""
-    response_cls = hf.errors.Response
-    request_cls = sys.modules[response_cls.__module__.split(".")[0]].Request
-    response = response_cls(status, headers=headers or {}, request=request_cls("POST", url))
-    try:
-        hf.utils.hf_raise_for_status(response)
-    except hf.errors.HfHubHTTPError as exc:
-        return exc
-    raise AssertionError(f"{status} raised nothing")
-
-
-def not_found(what: str):
-    """The error the Hub's 404 becomes (built from the response class huggingface_hub itself uses)."""
-    response_cls = hf.errors.Response
-    request_cls = sys.modules[response_cls.__module__.split(".")[0]].Request
-    return hf.errors.RemoteEntryNotFoundError(f"404: {what}", response=response_cls(
-        404, request=request_cls("GET", "https://huggingface.co/api/x")))
-
-
-class FakeHub:
-    """HfApi's calls that launcher/sync.py makes, on commits; `mangle` changes what an upload stores."""
-
-    def __init__(self):
-        self.calls, self.mangle, self.offline = [], None, False
-        self.commits: list[dict] = []  # {"message", "tree": {path: (oid, lfs)}, "added": [...], "deleted": [...]}
-        self.made: list[dict] = []  # every commit ever made, squashed or not (what the tests count)
-        self.objects: dict[str, bytes] = {}
-        self.answers: list[dict] = []  # errors to answer with, in order: {"call", "status", "headers", "landed"}
-        self.before_squash: list[set[str]] = []  # the LFS objects referenced when each squash began
-
-    # -- the stand-in's own bookkeeping --------------------------------------------------
-
-    def refuse(self, call: str, status: int, times: int = 1, headers: dict | None = None, landed: bool = False):
-        """The next `times` calls of `call` answer `status` (`landed`: a commit applied, its answer lost)."""
-        self.answers += [{"call": call, "status": status, "headers": headers or {}, "landed": landed}] * times
-
-    def _answer(self, name: str):
-        if self.answers and self.answers[0]["call"] == name:
-            return self.answers.pop(0)
-        return None
-
-    def _check(self, name, *args, **kwargs):
-        inspect.signature(getattr(REAL_API, name)).bind(None, *args, **kwargs)  # TypeError on a wrong argument
-        self.calls.append(name)
-        answer = self._answer(name)
-        if answer and not answer["landed"]:
-            raise hub_error(answer["status"], headers=answer["headers"])
-        return answer
-
-    @property
-    def head(self) -> dict:
-        return self.commits[-1]["tree"] if self.commits else {}
-
-    def lfs_referenced(self) -> set[str]:
-        """The LFS objects some commit of the history references: what the repo's storage counts."""
-        return {oid for c in self.commits for oid, lfs in c["tree"].values() if lfs}
-
-    def ls(self, folder: str) -> list[str]:
-        """The names directly in a folder of the branch's head."""
-        return sorted(path.rsplit("/", 1)[-1] for path in self._children(folder))
-
-    def read(self, path: str) -> bytes:
-        return self.objects[self.head[path][0]]
-
-    def commits_adding(self, path_prefix: str) -> list[dict]:
-        return [c for c in self.made if any(p.startswith(path_prefix) for p in c["added"])]
-
-    def __getattr__(self, name):  # upload_file, upload_folder, delete_folder ...: not the commit model
-        raise AssertionError(f"HfApi.{name} called: every change to the repo must be one create_commit")
-
-    # -- HfApi ---------------------------------------------------------------------------
-
-    def create_repo(self, *args, **kwargs):
-        self._check("create_repo", *args, **kwargs)
-
-    def create_commit(self, *args, **kwargs):
-        answer = self._check("create_commit", *args, **kwargs)
-        operations = list(args[1] if len(args) > 1 else kwargs["operations"])
-        tree = dict(self.head)
-        added, deleted = [], []
-        for op in operations:
-            if isinstance(op, hf.CommitOperationDelete):
-                path = op.path_in_repo.rstrip("/")
-                gone = [p for p in tree if p == path or p.startswith(path + "/")]
-                if not gone:
-                    raise not_found(f"{path}: A file with this name doesn't exist")
-                for p in gone:
-                    del tree[p]
-                deleted.append(path)
-            else:
-                assert isinstance(op, hf.CommitOperationAdd), op
-                if op._is_committed:
-                    raise ValueError(f"CommitOperationAdd {op} has already being committed")
-                data = Path(op.path_or_fileobj).read_bytes()
-                data = self.mangle(op.path_in_repo, data) if self.mangle else data
-                lfs = len(data) > LFS_ABOVE
-                oid = hashlib.sha256(data).hexdigest() if lfs else \
-                    hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-                self.objects[oid] = data
-                tree[op.path_in_repo] = (oid, lfs)
-                added.append(op.path_in_repo)
-        for path in added:  # a manifest arrives with all the files it names, in the same commit
-            if PurePosixPath(path).name == ckpt.MANIFEST:
-                folder = path.rsplit("/", 1)[0]
-                named = json.loads(self.objects[tree[path][0]])["files"]
-                missing = [n for n in named if f"{folder}/{n}" not in added]
-                assert not missing, f"commit adds {path} without {missing}"
-        if tree != self.head:  # huggingface_hub skips a commit that changes nothing
-            self.commits.append({"message": kwargs["commit_message"], "tree": tree, "added": added,
-                                 "deleted": deleted})
-            self.made.append(self.commits[-1])
-        for op in operations:
-            if isinstance(op, hf.CommitOperationAdd):
-                op._is_committed = True
-        if answer:  # applied, but the answer is lost on the way back
-            raise hub_error(answer["status"], headers=answer["headers"])
-
-    def super_squash_history(self, *args, **kwargs):
-        self._check("super_squash_history", *args, **kwargs)
-        self.before_squash.append(self.lfs_referenced())
-        self.commits = [{"message": kwargs.get("commit_message") or "squash", "tree": dict(self.head),
-                         "added": [], "deleted": []}]
-
-    def hf_hub_download(self, *args, **kwargs):
-        self._check("hf_hub_download", *args, **kwargs)
-        repo_id, filename = args
-        if self.offline:  # what hf_hub_download raises when the Hub does not answer
-            raise hf.errors.LocalEntryNotFoundError("An error happened while trying to locate the file on the Hub")
-        if filename not in self.head:
-            raise not_found(f"{filename} not in {repo_id}")
-        assert kwargs.get("local_dir"), "downloads must not go through the global Hub cache"
-        dst = Path(kwargs["local_dir"]) / filename
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        dst.write_bytes(self.objects[self.head[filename][0]])
-        return str(dst)
-
-    def _children(self, folder: str) -> dict[str, bool]:
-        """{path: is_folder} of the head's entries directly in `folder` ("" is the root)."""
-        out = {}
-        for path in self.head:
-            rest = path[len(folder) + 1:] if folder else path
-            if folder and not path.startswith(folder + "/"):
-                continue
-            first, _, more = rest.partition("/")
-            out[f"{folder}/{first}" if folder else first] = bool(more)
-        return out
-
-    def list_repo_tree(self, *args, **kwargs):
-        self._check("list_repo_tree", *args, **kwargs)
-        folder = kwargs.get("path_in_repo") or ""
-        children = self._children(folder)
-        if folder and not children:
-            raise not_found(folder)
-        for path, is_folder in sorted(children.items()):
-            yield hf.hf_api.RepoFolder(path=path, oid="0" * 40) if is_folder else self._info(path)
-
-    def get_paths_info(self, *args, **kwargs):
-        self._check("get_paths_info", *args, **kwargs)
-        assert 0 < len(args[1]) <= 1000, "the Hub takes 1 to 1,000 paths per call"
-        out = []
-        for p in args[1]:
-            if p in self.head:
-                out.append(self._info(p))
-            elif any(q.startswith(p + "/") for q in self.head):
-                out.append(hf.hf_api.RepoFolder(path=p, oid="0" * 40))
-        return out
-
-    def _info(self, path: str):
-        oid, lfs = self.head[path]
-        data = self.objects[oid]
-        blob = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-        return hf.hf_api.RepoFile(path=path, size=len(data), oid=blob,
-                                  lfs={"size": len(data), "oid": oid, "pointerSize": 134} if lfs else None)
-
+from fake_hub import LFS_ABOVE, FakeHub, hub_error  # noqa: E402 - after the importorskip
 
 @pytest.fixture
 def hub(tmp_path, monkeypatch):
@@ -568,3 +380,76 @@ def test_hub_that_refuses_the_token_is_a_clear_error_before_anything_starts(tmp_
     with pytest.raises(SyncError, match="refused to open or create the private repo me/runs") as err:
         destination("hf://me/runs")
     assert "hf auth whoami" in err.value.render()
+
+
+# --- a real run -------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_hub_machine_loss_during_a_429_burst_resumes_on_a_fresh_box_and_loses_nothing(tmp_path, tiny_model,
+                                                                                      reference_run):
+    """`ftrun` with sync.to=hf://, the stand-in shared with the run's processes: the first checkpoint's commit
+    meets three 429s (Retry-After: 4), `ftrun status` shows the wait; the machine is lost (supervisor and worker
+    killed, the run folder deleted) once the checkpoint is off the box; the same command on a "new box" fetches
+    it from the Hub and ends with the uninterrupted run's losses and adapter. Every checkpoint arrived in exactly
+    one commit, retention squashed the history, and the result and the metadata are on the Hub."""
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import RESUME_FIELDS, recipe_file
+    from fake_hub import install
+    from helpers import REPO, assert_same_run, freeze_worker, has_checkpoint, metrics, status, wait_for, \
+        wait_until_ended
+
+    hub = FakeHub(tmp_path / "hub")
+    hub.refuse("create_commit", 429, times=3, headers={"Retry-After": "4"}, message="checkpoints/")
+    env = dict(os.environ, PYTHONPATH=f"{install(tmp_path / 'inject')}{os.pathsep}{REPO}", HF_HUB_OFFLINE="1",
+               FTRUN_TEST_FAKE_HUB=str(tmp_path / "hub"), HF_TOKEN="hf_stand_in_token")
+    run = tmp_path / "run"
+    recipe = recipe_file(tmp_path / "r.yaml", tiny_model, output_dir=run,
+                         sync={"to": "hf://me/runs/job", "every_seconds": 0.5, "keep": 2}, **RESUME_FIELDS)
+
+    def launch():
+        res = subprocess.run([sys.executable, "-m", "launcher.cli", str(recipe), "smoke.enabled=false"], cwd=tmp_path,
+                             env=env, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr
+        return res
+
+    t0 = time.monotonic()
+    launch()
+    st = freeze_worker(run, has_checkpoint)  # the supervisor's copier goes on
+    seen = wait_for(lambda: status(run, tmp_path)["sync_backoff"], 30, "status to show the wait for the Hub")
+    assert seen.startswith("429 to \"ftrun: checkpoints/step-") and "(Retry-After)" in seen, seen
+
+    def synced():
+        p = run / "sync.json"
+        return json.loads(p.read_text()).get("synced_step") if p.is_file() else None
+
+    synced_step = wait_for(synced, 60, "the checkpoint copied off the box")
+    assert json.loads((run / "sync.json").read_text())["retries"] == 3
+    for pid in (st["supervisor_pid"], st["worker_pid"]):  # the machine is gone, with its disk
+        os.kill(pid, signal.SIGKILL)
+    assert metrics(run)[-1]["step"] < RESUME_FIELDS["max_steps"], "the run ended before the machine was lost"
+    shutil.rmtree(run)
+
+    res = launch()  # the same command on a new box
+    assert "fetching the newest verified checkpoint" in res.stdout, res.stdout
+    wait_until_ended(run, tmp_path)
+    assert "resuming from step-" in (run / "train.log").read_text()
+    assert_same_run(reference_run, run)
+
+    hub.reload()
+    arrivals: dict[str, int] = {}
+    for commit in hub.made:
+        for step in {p.split("/")[2] for p in commit["added"] if p.startswith("job/checkpoints/")}:
+            arrivals[step] = arrivals.get(step, 0) + 1
+    assert arrivals.get(f"step-{synced_step:06d}") == 1 and set(arrivals.values()) == {1}, arrivals
+    assert hub.ls("job/checkpoints") == [f"step-{RESUME_FIELDS['max_steps'] - 1:06d}",
+                                         f"step-{RESUME_FIELDS['max_steps']:06d}"][-len(hub.ls("job/checkpoints")):]
+    assert len(hub.commits) < len(hub.made) and hub.lfs_referenced() <= {oid for oid, lfs in hub.head.values() if lfs}
+    assert "job/final/adapter/adapter_model.safetensors" in hub.head
+    assert hub.read("job/metrics.jsonl") == (run / "metrics.jsonl").read_bytes()
+    s = status(run, tmp_path)
+    assert s["offbox_checkpoint"] == f"step-{RESUME_FIELDS['max_steps']:06d}" and s["sync_backoff"] is None
+    print(f"hub machine loss with a 429 burst: {len(hub.made)} commits, {len(arrivals)} checkpoints off the box, "
+          f"{time.monotonic() - t0:.0f} s")

@@ -76,6 +76,7 @@ def test_wandb_without_a_login_is_refused_at_the_launch(tmp_path, clean_env):
 
 
 def test_the_tracked_run_keeps_its_ids_across_worker_starts(tmp_path, clean_env):
+    clean_env.setattr(trackers, "_installed", lambda tracker: True)  # ids and environment only: no tracker starts
     run = tmp_path / "run"
     run.mkdir()
     recipe = _recipe(tmp_path, report_to=["tensorboard", "wandb", "mlflow", "trackio"])
@@ -111,6 +112,7 @@ def test_the_tracked_run_keeps_its_ids_across_worker_starts(tmp_path, clean_env)
 
 
 def test_names_set_by_the_user_are_kept(tmp_path, clean_env):
+    clean_env.setattr(trackers, "_installed", lambda tracker: True)  # ids and environment only: no tracker starts
     run = tmp_path / "run"
     run.mkdir()
     clean_env.setenv("WANDB_RUN_ID", "mine1234")

@@ -1,0 +1,185 @@
+"""The run's views (launcher/views.py): status, the list of runs, live progress, the end-of-run summary; and the
+command line's argument order. Built on a real finished run (the shared reference run) where numbers matter."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from launcher import views
+from launcher.cli import _parser, main, split_command_line
+from launcher.rundir import RunDir
+from launcher.state import RunLock, process_identity, set_state
+
+
+def parse(line: str):
+    argv, overrides = split_command_line(line.split())
+    args = _parser().parse_args(argv)
+    if hasattr(args, "overrides"):
+        args.overrides = overrides
+    return args
+
+
+def test_options_stand_before_or_after_the_recipe():
+    a = parse("plan --gpus 4xH100-80GB r.yaml lora.r=8")
+    assert (a.command, a.recipe, a.gpus, a.overrides) == ("plan", "r.yaml", "4xH100-80GB", ["lora.r=8"])
+    a = parse("--memory-limit 20GB r.yaml")
+    assert (a.command, a.recipe, a.memory_limit, a.overrides) == ("run", "r.yaml", "20GB", [])
+    a = parse("lora.r=8 r.yaml --fresh max_steps=3")
+    assert (a.command, a.recipe, a.fresh, a.overrides) == ("run", "r.yaml", True, ["lora.r=8", "max_steps=3"])
+    a = parse("plan r.yaml --tokens 15M lora.r=4 --json")
+    assert (a.recipe, a.tokens, a.json, a.overrides) == ("r.yaml", "15M", True, ["lora.r=4"])
+    a = parse("status runs/x --watch")
+    assert (a.command, a.target, a.watch) == ("status", "runs/x", True)
+
+
+def test_output_dir_naming_a_file_is_a_usage_error(write_recipe, tmp_path, capsys):
+    (tmp_path / "taken").write_text("not a folder")
+    recipe = write_recipe(output_dir=str(tmp_path / "taken"))
+    assert main([str(recipe), "--foreground"]) == 2
+    err = capsys.readouterr().err
+    assert "output_dir" in err and "is a file, not a folder" in err and "internal error" not in err
+
+
+def _copy(reference_run: Path, dest: Path) -> RunDir:
+    shutil.copytree(reference_run, dest, ignore=shutil.ignore_patterns("*.lock", "lock"))
+    return RunDir(dest)
+
+
+def test_status_lists_every_run_under_runs(reference_run, tmp_path, monkeypatch, capsys):
+    done = _copy(reference_run, tmp_path / "runs" / "done")
+    other = RunDir(tmp_path / "runs" / "early")
+    other.root.mkdir(parents=True)
+    shutil.copy(done.recipe, other.recipe)
+    set_state(other, "stopped", reason="stopped by `ftrun stop`")
+    monkeypatch.chdir(tmp_path)
+
+    assert main(["status"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line.split() for line in out[1:-1]}
+    last = views.metrics_rows(done.metrics)[-1]
+    assert rows["done"][1:4] == ["succeeded", f"{last['step']}/{last['step']}", f"{last['loss']:.4f}"]
+    assert rows["early"][1] == "stopped" and rows["early"][-1] == "ago"
+    assert main(["status", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in listed] == ["done", "early"] and listed[0]["age_seconds"] >= 0
+
+
+def test_end_summary_of_a_finished_run(reference_run, tmp_path):
+    run = _copy(reference_run, tmp_path / "run")
+    rows = views.metrics_rows(run.metrics)
+    e = views.end_summary(run)
+    assert (e["loss_first"], e["loss_last"]) == (rows[0]["loss"], rows[-1]["loss"])
+    assert e["tokens"] == rows[-1]["tokens_seen"] > 0
+    assert e["result"] == str(run.final / "adapter") and e["eval_loss_first"] is None
+    (run.final / "samples.md").unlink(missing_ok=True)
+    assert views.end_summary(run)["samples"] is None
+    assert e["wall_seconds"] > 0
+    text = views.format_end_summary(e)
+    assert f"loss      {rows[0]['loss']:.4f} (step {rows[0]['step']}) -> {rows[-1]['loss']:.4f}" in text
+    assert f"tokens    {rows[-1]['tokens_seen']:,}" in text
+    assert f"serve it  vllm serve {e['serve'].split()[2]} --enable-lora --lora-modules run={run.final / 'adapter'}" in text
+
+    # with an eval split (eval_loss rows) and the before/after samples
+    with run.metrics.open("a") as fh:
+        fh.write(json.dumps({"step": 10, "eval_loss": 5.5}) + "\n" + json.dumps({"step": 30, "eval_loss": 4.25}) + "\n")
+    (run.final / "samples.md").write_text("# samples\n")
+    text = views.format_end_summary(views.end_summary(run))
+    assert "eval loss 5.5000 -> 4.2500" in text and f"samples   {run.final / 'samples.md'}" in text
+
+
+def test_step_count_after_launch_is_the_full_runs(tmp_path):
+    """Right after the launch, worker.json still holds an older worker's (or the smoke test's) count: the
+    plan's total stands until the full run's worker has started."""
+    run = RunDir(tmp_path)
+    (tmp_path / "recipe.yaml").write_text("{}")
+    (tmp_path / "plan.json").write_text(json.dumps({"total_steps": 250}))
+    (tmp_path / "worker.json").write_text(json.dumps({"start_step": 0, "total_steps": 6}))  # the smoke test's
+    set_state(run, "smoking")
+    set_state(run, "running")
+    assert (views.run_status(run)["step"], views.run_status(run)["total_steps"]) == (0, 250)
+    (tmp_path / "worker.json").write_text(json.dumps({"mode": "full", "start_step": 0, "total_steps": 6,
+                                                      "started": time.time() - 3600}))  # a launch before this one
+    assert views.run_status(run)["total_steps"] == 250
+    (tmp_path / "worker.json").write_text(json.dumps({"mode": "full", "start_step": 0, "total_steps": 240,
+                                                      "started": time.time() + 1}))
+    assert views.run_status(run)["total_steps"] == 240
+
+
+def test_time_and_money_beside_the_forecasts(tmp_path):
+    now = time.time()
+    history = [{"state": "smoking", "at": now - 4000}, {"state": "running", "at": now - 3600}]
+    s = {"state": "running", "run_dir": str(tmp_path), "step": 50, "total_steps": 100, "eta_seconds": 1800.0,
+         "loss": 1.5, "tokens_per_second": 1000, "smoke_estimated_seconds": 5400}
+    s.update(views.time_and_money(s, history, {"price_per_hour_eur": 3.6, "estimate": {"hours": 2.0, "cost_eur": 7.2}},
+                                  {"estimated_seconds": 5400, "estimated_cost": 5.4}))
+    assert s["cost_so_far_eur"] == pytest.approx(4.0, abs=0.01) and s["cost_to_go_eur"] == 1.8
+    text = views.format_status(s)
+    assert "cost 4.00 EUR so far, 1.80 EUR to go at 3.60 EUR/h" in text
+    assert "smoke test forecast 1.5 h / 5.40 EUR" in text and "plan forecast 2.0 h / 7.20 EUR" in text
+
+
+@pytest.mark.parametrize("live", [False, True])
+def test_watch_follows_a_live_run_to_its_summary(reference_run, tmp_path, live):
+    """A run held by this process (its lock and identity, as a supervisor holds them): `status --watch` shows
+    step, loss, tokens/s and ETA as metrics arrive, then the end summary once the state is final."""
+    run = _copy(reference_run, tmp_path / "run")
+    shutil.rmtree(run.checkpoints)  # a run in its first steps: no checkpoint yet (one would count as progress)
+    rows = views.metrics_rows(run.metrics)
+    run.metrics.write_text(json.dumps(rows[0]) + "\n")
+    lock = RunLock(run).acquire()
+    (run.root / "worker.json").write_text(json.dumps({"mode": "full", "start_step": 0, "total_steps": 30,
+                                                      "started": time.time() + 1}))
+    set_state(run, "running", supervisor_pid=os.getpid(), supervisor_proc=process_identity(os.getpid()))
+    (run.root / "worker.json").write_text(json.dumps({"mode": "full", "start_step": 0, "total_steps": 30,
+                                                      "started": time.time()}))
+    ticks = iter(range(len(rows) + 5))  # a row appears per tick, then the state turns final
+
+    def sleep(_seconds):
+        i = next(ticks)
+        if i < len(rows) - 1:
+            with run.metrics.open("a") as fh:
+                fh.write(json.dumps(rows[i + 1]) + "\n")
+        else:
+            set_state(run, "succeeded", reason="training finished")
+
+    out = io.StringIO()
+    try:
+        s = views.watch(run, out=out, live=live, sleep=sleep)
+    finally:
+        lock.release()
+    text = out.getvalue()
+    assert s["state"] == "succeeded"
+    assert "== run finished" in text and f"{rows[-1]['loss']:.4f}" in text
+    if live:  # rich's bar: drawn with terminal codes, the numbers inside
+        assert "\x1b[" in text and "30/30" in text and "tok/s" in text
+    else:  # one plain line per change, no terminal codes
+        plain = [line for line in text.splitlines() if line.startswith("[")]
+        assert "\x1b[" not in text
+        assert len(plain) == len(rows) + 1  # a line per logged step, and one for the final state
+        assert f"running  step {rows[0]['step']}/30  loss {rows[0]['loss']:.4f}" in plain[0] and "tokens/s  ETA" in plain[0]
+
+
+def test_after_a_resume_the_memory_line_keeps_the_passed_smoke_tests_measurement(reference_run, tmp_path):
+    """A resume skips the smoke test; the plan made for it is calibrated by the smoke test that passed, so
+    `status` does not say 'no passed smoke test'."""
+    from launcher.pipeline import _prepare
+    from launcher.recipe import load_recipe
+
+    run = _copy(reference_run, tmp_path / "run")
+    plan = json.loads(run.plan.read_text())
+    (run.root / "smoke.json").write_text(json.dumps({"engine": plan["engine"], "num_processes": 1,
+                                                     "tokens_per_second": 900.0, "peak_memory_gb": 0.61}))
+    set_state(run, "stopped", reason="stopped by `ftrun stop`")
+    recipe = load_recipe(run.recipe)
+    *_, lock, _sha = _prepare(run, recipe, resuming=True, fresh=False)
+    lock.release()
+    s = views.run_status(run)
+    assert s["memory_source"] == "measured"
+    assert "measured by the smoke test" in views.format_status(s) and "no passed smoke test" not in views.format_status(s)
