@@ -226,9 +226,10 @@ def cmd_export(a) -> int:
 
 
 def cmd_publish(a) -> int:
+    from .pipeline import resolve_run
     from .publish import publish_command
 
-    return publish_command(a.target, to=a.to)
+    return publish_command(resolve_run(a.target), to=a.to)
 
 
 def cmd_explain(a) -> int:

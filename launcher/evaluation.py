@@ -8,6 +8,7 @@ the smoke test runs one pass on a share of the held-out examples so the ETA coun
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from dataclasses import dataclass
@@ -30,8 +31,20 @@ def split(n: int, fraction: Optional[float], seed: int) -> Split:
     return Split([i for i in range(n) if i not in held], sorted(held))
 
 
-def for_recipe(n: int, recipe) -> Split:
-    return split(n, recipe.eval.fraction, recipe.seed)
+def for_recipe(examples: list, recipe) -> Split:
+    """The recipe's split of its examples. Identical examples are held out or trained together: a source mixed
+    with weight 2 (launcher/data.py repeats its examples) or a line that occurs twice would otherwise train the
+    very example it is evaluated on. The draw is over the distinct examples in order of first appearance (with
+    no duplicates, exactly `split(len(examples), ...)`); the eval pass uses one copy of each held-out example."""
+    if not recipe.eval.fraction:
+        return Split(list(range(len(examples))), [])
+    first: dict[str, int] = {}  # example -> its number among the distinct examples
+    group = [first.setdefault(json.dumps(e, sort_keys=True, ensure_ascii=False), len(first)) for e in examples]
+    parts = split(len(first), recipe.eval.fraction, recipe.seed)
+    held = set(parts.held_out)
+    seen: set[int] = set()
+    held_out = [i for i, g in enumerate(group) if g in held and not (g in seen or seen.add(g))]
+    return Split([i for i, g in enumerate(group) if g not in held], held_out)
 
 
 def source_name(data: Any) -> str:

@@ -134,7 +134,9 @@ def install(sdist: Optional[Path] = None, dest: Path = CONVERTER_HOME) -> Conver
             sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
         version = re.search(r"llama_cpp_python-([\d.]+)\.tar\.gz$", Path(sdist).name)
         staging = Path(tempfile.mkdtemp(dir=dest.parent if dest.parent.is_dir() else None, prefix=".llamacpp-"))
-        wanted = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/", "gguf-py/pyproject.toml", "LICENSE")
+        # models/templates/: chat templates some converters read (conversion/base.py RWKV, deepseek.py, minimax.py)
+        wanted = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/", "gguf-py/pyproject.toml", "models/templates/",
+                  "LICENSE")
         with tarfile.open(sdist) as tar:
             for member in tar.getmembers():
                 parts = member.name.split("/", 3)
@@ -253,7 +255,8 @@ def readiness(model: str, gguf_type: str, this_box: bool = True) -> Readiness:
     r.facts.update(runtime=have, converter=str(conv.folder) if conv else None,
                    converter_version=conv.version if conv else None, gguf_py=conv.gguf_py if conv else None,
                    gguf_package=installed_gguf_version())
-    where = "this box" if this_box else "the box that exports"
+    # a box planned by name runs ftrun's Docker image, which has llama-cpp-python and the converter (docker/)
+    where = "this box" if this_box else "the box that exports (ftrun's Docker image has it)"
     if have is None:
         (r.missing if this_box else r.notes).append(
             f"{DIST} (llama.cpp's runtime and quantizer) is not installed on {where}: {INSTALL_HINT}")

@@ -32,7 +32,7 @@ def data_stats(recipe: Recipe):
     examples = data.examples
     lengths, source = example_lengths(examples, recipe.model, data.where)
     # the statistics (plan, ETA) count what trains: the eval split's held-out examples do not (launcher/evaluation.py)
-    train = evaluation.for_recipe(len(examples), recipe).train
+    train = evaluation.for_recipe(examples, recipe).train
     if recipe.eval.data:
         evaluation.load_eval_data(recipe)  # a missing or broken eval file stops here, before the smoke test
     return examples, lengths, compute_stats([examples[i] for i in train], [lengths[i] for i in train], source,

@@ -325,7 +325,7 @@ UNSLOTH_FIX = ("Unsloth pins transformers<=5.17, trl<=1.15 and datasets<5.0, so 
 UNSLOTH_MISSING = ("engine: unsloth needs Unsloth, which is not installed in this environment. " + UNSLOTH_FIX +
                    "; or set engine: trl")
 # What a box named for planning (--gpus, the recipe's box:) runs: ftrun's Docker image, docker/requirements.txt.
-IMAGE_SOFTWARE = "ftrun's Docker image (docker/requirements.txt: Unsloth, DeepSpeed, bitsandbytes)"
+IMAGE_SOFTWARE = "ftrun's Docker image (docker/requirements.txt: Unsloth, DeepSpeed, bitsandbytes, llama.cpp)"
 # Minutes a rented box needs before the download: start, image pull or pip install (the article: 5-10 min for
 # install and model download together).
 SETUP_MINUTES = 5.0

@@ -311,14 +311,11 @@ def after_export(recipe, run: RunDir, log: Callable[[str], None]) -> None:
     set_state(run, read_state(run).get("state", "succeeded"), publish=record)
 
 
-def publish_command(target: Optional[str], to: Optional[str] = None) -> int:
-    """`ftrun publish [RUN]`: the same step by hand (after a failed one, or with another repo)."""
-    from .pipeline import resolve_run
-    from .state import read_state, set_state
+def publish_command(run: RunDir, to: Optional[str] = None) -> int:
+    """`ftrun publish [RUN]`: the same step by hand (after a failed one, or with another repo). The command line
+    resolves the run (launcher/cli.py): the supervisor imports this module, so it imports nothing above it."""
+    from .state import RunLock, read_state, set_state
 
-    from .state import RunLock
-
-    run = resolve_run(target)
     lock = RunLock(run).acquire()  # not while the supervisor trains, exports or publishes
     try:
         try:

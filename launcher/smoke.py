@@ -148,7 +148,7 @@ def run_smoke(run: RunDir, recipe, plan: dict[str, Any], examples, lengths: list
 
     processes = world_size(plan)  # all nodes' processes share the global batch
     global_batch = recipe.micro_batch_size * recipe.gradient_accumulation_steps * processes
-    parts = evaluation.for_recipe(len(examples), recipe)  # held-out examples never train, here neither
+    parts = evaluation.for_recipe(examples, recipe)  # held-out examples never train, here neither
     drawn = smoke_sample([lengths[i] for i in parts.train], recipe.smoke.fraction,
                          recipe.smoke.min_steps * global_batch, recipe.seed, longest=global_batch)
     idx = [parts.train[j] for j in drawn]

@@ -658,7 +658,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
     examples = load_data(data_path, recipe.seed).examples
     held_out, prompts = _eval_and_prompts(run, recipe, mode, examples)
     if mode == "full":
-        examples = [examples[i] for i in evaluation.for_recipe(len(examples), recipe).train]  # eval never trains
+        examples = [examples[i] for i in evaluation.for_recipe(examples, recipe).train]  # eval never trains
     if held_out and _rank() == 0:
         _say(f"training on {len(examples)} examples, evaluating on {len(held_out)} held-out examples")
     dataset = to_dataset(examples)
@@ -758,7 +758,7 @@ def _eval_and_prompts(run: RunDir, recipe, mode: str, examples: list) -> tuple[l
         asked = run.smoke_work / "prompts.json"
         return (load_data(held, recipe.seed).examples if held.is_file() else [],
                 json.loads(asked.read_text()) if asked.is_file() else [])
-    parts = evaluation.for_recipe(len(examples), recipe)
+    parts = evaluation.for_recipe(examples, recipe)
     if recipe.eval.data:
         held_examples = evaluation.load_eval_data(recipe)
         prompts = samples.pick(held_examples, list(range(len(held_examples))), [], recipe.eval.samples, recipe.seed,

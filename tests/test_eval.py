@@ -24,6 +24,29 @@ def test_the_split_is_seeded_disjoint_and_the_same_every_time():
     assert split(2, 0.4, 42).train  # at least one trains
 
 
+def test_copies_of_an_example_are_held_out_or_trained_together(tmp_path):
+    """A source mixed with weight 2 repeats its examples (launcher/data.py): a held-out example must not train
+    through its copy. Without duplicates the split is split()'s own."""
+    from launcher.data import load_data
+    from launcher.evaluation import for_recipe, split
+
+    recipe = _recipe(tmp_path, eval={"fraction": 0.1})
+    distinct = [{"text": f"example {i}"} for i in range(50)]
+    assert for_recipe(distinct, recipe) == split(50, 0.1, 42)
+    key = lambda e: json.dumps(e, sort_keys=True)  # noqa: E731
+    plain = load_data(str(TINY_DATA), 42).examples
+    n = len({key(e) for e in plain})
+    assert n < len(plain)  # the demo data has lines that occur twice: the same rule holds for them
+    mixed = load_data([{"path": str(TINY_DATA), "weight": 2}], 42).examples
+    assert len(mixed) == 2 * len(plain)
+    for examples in (plain, mixed):
+        parts = for_recipe(examples, recipe)
+        held = {key(examples[i]) for i in parts.held_out}
+        assert len(held) == len(parts.held_out) == round(0.1 * n)  # one copy of each held-out example is evaluated
+        assert not held & {key(examples[i]) for i in parts.train}  # and no copy of it trains
+    assert for_recipe(mixed, recipe).held_out != [] and for_recipe(mixed, recipe) == for_recipe(mixed, recipe)
+
+
 def _recipe(tmp_path, **fields):
     from launcher.recipe import validate_recipe
 
@@ -121,15 +144,17 @@ def test_the_newest_training_row_and_the_newest_eval_row_are_found_apart(tmp_pat
 def test_a_run_with_an_eval_split_reports_eval_loss_and_before_after_samples(write_recipe, tmp_path):
     """Smoke test (one eval pass, the base model's answers) then the full run (eval at the start and the end,
     the answers after training): metrics.jsonl, status, TensorBoard, loss.png, final/samples.md."""
-    from launcher.evaluation import split
-
     recipe = write_recipe(max_steps=4, checkpoint_every_minutes=30, logging_steps=2,
                           eval={"fraction": 0.05, "every_minutes": 30, "samples": 2, "max_new_tokens": 6},
                           trainer={"per_device_eval_batch_size": 4})
     res = ftrun(recipe, "--foreground", cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     run = tmp_path / "run"
-    held = split(400, 0.05, 42).held_out
+    from launcher.data import load_data
+    from launcher.evaluation import for_recipe
+
+    parts = for_recipe(load_data(str(TINY_DATA), 42).examples, _recipe(tmp_path, eval={"fraction": 0.05}))
+    held = parts.held_out
 
     # the smoke test: one eval pass on held-out examples only, priced in the ETA; the base model answered there
     smoke = json.loads((run / "smoke.json").read_text())
@@ -144,12 +169,12 @@ def test_a_run_with_an_eval_split_reports_eval_loss_and_before_after_samples(wri
     assert smoke_eval and smoke_eval <= held_lines and not smoke_train & held_lines
     # (the printed forecast names only parts of half a second or more: the tiny model evaluates in 0.1 s;
     # test_the_eta_counts_every_eval_pass_and_the_samples checks the printed parts)
-    assert "evaluation: 20 held-out examples" in res.stdout
+    assert f"evaluation: {len(held)} held-out examples" in res.stdout
 
     # the full run: trained on the rest, evaluated at the start and at the end, after the last log
     log = res.stdout.split("starting worker")[1]  # --foreground: the full run's worker writes here
     assert "the base model answered 2 prompt(s)" in (run / "smoke" / "smoke.log").read_text()
-    assert "training on 380 examples, evaluating on 20 held-out examples" in log
+    assert f"training on {len(parts.train)} examples, evaluating on {len(held)} held-out examples" in log
     assert "the base model answered" not in log  # the smoke test's answers are reused
     rows = metrics(run)
     evals = [r for r in rows if "eval_loss" in r]

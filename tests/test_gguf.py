@@ -168,13 +168,13 @@ def test_a_gguf_that_fails_its_check_leaves_the_run_trained_not_exported(qwen_ru
     from launcher import export
 
     run = qwen_run["run"]
-    monkeypatch.setitem(export.TOLERANCE, "gguf:q8_0", {"min_top1": 1.01, "max_ppl": 0.0, "min_greedy": 1.0})
+    monkeypatch.setitem(export.TOLERANCE, "gguf:q8_0", {"max_kl": 0.0, "min_top1": 1.01, "max_ppl": 0.0, "min_greedy": 1.0})
     monkeypatch.chdir(qwen_run["cwd"])
     with pytest.raises(export.ExportError, match=r"does not match its reference.*top-1 agreement"):
         export.export_command(str(run), gguf="q8_0")
     rep = _report(run)
     assert rep["ok"] is False and rep["outputs"]["gguf"]["parity_vs_merged"]["ok"] is False
-    assert "--gguf bf16" in rep["outputs"]["gguf"]["error"] or "does not match" in rep["outputs"]["gguf"]["error"]
+    assert "does not match its reference" in rep["outputs"]["gguf"]["error"] and "mean KL divergence" in rep["outputs"]["gguf"]["error"]
     state = json.loads((run / "state.json").read_text())
     assert state["state"] == "trained-not-exported" and state["export"]["state"] == "failed"
     res = ftrun("status", run, cwd=qwen_run["cwd"], timeout=120)
