@@ -48,8 +48,11 @@ def for_recipe(examples: list, recipe) -> Split:
 
 
 def source_name(data: Any) -> str:
-    """How samples.md names the file its examples are numbered in."""
-    return Path(data).name if isinstance(data, str) else str(data)
+    """How samples.md names the file (or dataset) its examples are numbered in."""
+    if isinstance(data, list):
+        return " + ".join(source_name(d) for d in data)
+    path = data if isinstance(data, str) else getattr(data, "path", None) or str(data)
+    return Path(path).name if Path(path).exists() else path
 
 
 def load_eval_data(recipe) -> list:

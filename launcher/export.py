@@ -45,7 +45,7 @@ TOLERANCE = {
 # A GGUF is read back in llama.cpp (the runtime Ollama uses) and compared with the merged model in transformers.
 # llama.cpp computes in its own way even for a 16-bit file (activations rounded to the weights' type in its CPU
 # matrix products, other kernels), and each quantization type rounds more: the tolerances widen with fewer bits.
-# How they were chosen (docs/BENCHMARKS.md section 6 has both sets of numbers): each type's bounds sit above two
+# How they were chosen (docs/BENCHMARKS.md section 5 has both sets of numbers): each type's bounds sit above two
 # measurements, with room: (a) llama.cpp's own scoreboard for LLaMA 3 8B in the pinned version
 # (vendor/llama.cpp/tools/perplexity/README.md of llama-cpp-python 0.3.36: mean KL divergence against FP16 q8_0
 # 0.0014, q6_K 0.0055, q5_K_M 0.011, q4_K_M 0.031; same top token 97.7% / 96.0% / - / 91.9%; perplexity +0.04% /

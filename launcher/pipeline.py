@@ -109,11 +109,12 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
         raise RecipeError(f"resume: true but {run.root} holds no run to resume",
                           fix="set resume: auto to start a new run when there is none.")
     found = weights.check(recipe.model)  # before the run directory is touched: a failure leaves nothing behind
+    weights.fetch_tokenizer(recipe.model, found)  # the data check renders with the model's own chat template
 
     examples, lengths, stats, plan, plan_dict, lock, data_sha = _prepare(run, recipe, resuming=resuming, fresh=fresh,
                                                                          memory_limit=memory_limit,
                                                                          allow_changes=allow_changes, nodes=nodes)
-    download = _download(run, recipe, found)
+    download = _download(run, recipe, found, plan_dict)
     ckpt_step = newest_step_unverified(run.checkpoints)
     smoke_ok = run.smoke.is_file()
     if resuming:
@@ -189,6 +190,10 @@ def _prepare(run: RunDir, recipe: Recipe, *, resuming: bool, fresh: bool, memory
     # a resume skips the smoke test: its passed measurements calibrate the plan again (memory, throughput)
     smoke = json.loads(run.smoke.read_text()) if resuming and not restart and run.smoke.is_file() else None
     plan = make_plan(recipe, stats, smoke=smoke, nnodes=(nodes or {}).get("nnodes", 1))
+    # the repository the planned engine loads, when it is not the recipe's model (Unsloth's pre-quantized QLoRA):
+    # checked here, before the run directory is touched, and downloaded before the smoke test in its place
+    loads = worker_model(recipe, plan.to_dict())
+    worker_weights = {"model": loads, **weights.check(loads)} if loads != recipe.model else None
     if nodes and plan.to_dict().get("engine") not in ("ddp", "deepspeed"):
         raise UsageError(
             f"--nnodes {nodes['nnodes']}: the plan chose engine '{plan.to_dict().get('engine')}', which runs on one box",
@@ -207,6 +212,8 @@ def _prepare(run: RunDir, recipe: Recipe, *, resuming: bool, fresh: bool, memory
     run.recipe.write_text("# resolved by ftrun: defaults < recipe < command line\n"
                           + yaml.safe_dump(recipe.snapshot(), sort_keys=False))
     plan_dict = _plan_record(plan, memory_limit, previous.get("adjustments"), nodes)
+    if worker_weights:
+        plan_dict["weights"] = worker_weights
     atomic_write_json(run.plan, plan_dict)
     atomic_write_json(run.root / "data.json", _data_record(stats))  # what this run trains on
     from .plan import format_plan
@@ -328,13 +335,27 @@ def _shard(recipe: Recipe, plan: dict[str, Any]) -> tuple[Optional[tuple[dict[st
                   f"{where}: sharding would change the training")
 
 
-def _download(run: RunDir, recipe: Recipe, found: dict[str, Any]) -> dict[str, Any]:
-    """The model's weights into the cache before the smoke test, the progress on the console and in train.log."""
+def worker_model(recipe: Recipe, plan: dict[str, Any]) -> str:
+    """The model the worker loads: the recipe's, except where Unsloth trains QLoRA on its pre-quantized 4-bit
+    copy (launcher/backends/unsloth.py load_model_and_tokenizer), about a quarter of the download."""
+    if plan.get("engine") == "unsloth":
+        from .backends.unsloth import prequantized_repo
+
+        return prequantized_repo(recipe.model, recipe.method) or recipe.model
+    return recipe.model
+
+
+def _download(run: RunDir, recipe: Recipe, found: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
+    """The weights the worker loads into the cache before the smoke test, the progress on the console and in
+    train.log. The recipe's own model, when another repository trains (plan["weights"]), is fetched by the export
+    that merges onto it, if one does."""
     def say(line: str) -> None:
         _say(line)
         with run.log.open("a") as fh:
             fh.write(f"[ftrun {time.strftime('%H:%M:%S')}] {line}\n")
 
+    if plan.get("weights"):
+        return weights.fetch(plan["weights"]["model"], plan["weights"], say)
     return weights.fetch(recipe.model, found, say)
 
 
@@ -425,11 +446,12 @@ def smoke_only(recipe_path: str, overrides: list[str], memory_limit: Optional[fl
         raise UsageError(f"output_dir {run.root} exists and holds files that are not an ftrun run",
                          fix="choose another output_dir; ftrun never writes into a folder it did not create.")
     found = weights.check(recipe.model)  # before the run directory is touched: a failure leaves nothing behind
+    weights.fetch_tokenizer(recipe.model, found)  # the data check renders with the model's own chat template
     examples, lengths, stats, plan, plan_dict, lock, data_sha = _prepare(run, recipe, resuming=exists, fresh=False,
                                                                          memory_limit=memory_limit)
     try:
         set_state(run, "planned", **_launcher(), data_sha256=data_sha, reason="smoke test only")
-        _smoke(run, recipe, plan_dict, examples, lengths, stats, _download(run, recipe, found))
+        _smoke(run, recipe, plan_dict, examples, lengths, stats, _download(run, recipe, found, plan_dict))
         set_state(run, "planned", reason="smoke test passed; `ftrun RECIPE` starts the run")
     finally:
         lock.release()

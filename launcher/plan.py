@@ -682,6 +682,16 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
     forced = recipe.engine
     wanted = None if recipe.num_processes == "auto" else int(recipe.num_processes)
     choice = choose(job, hardware, forced, unsloth_ok, workday_hours, processes=wanted, nnodes=nnodes)
+    if not choice.fits and not choice.missing and not unsloth_ok and forced == "auto" and hardware.gpus:
+        # On the box in hand, a job that only Unsloth's lower memory fits is missing software, not too big:
+        # the fix is the install, never a bigger box
+        with_unsloth = choose(job, hardware, forced, True, workday_hours, processes=wanted, nnodes=nnodes)
+        if with_unsloth.fits and with_unsloth.engine == "unsloth":
+            need = with_unsloth.estimate.per_gpu_gb if with_unsloth.estimate else None
+            choice = replace(choice, missing="unsloth", refusal=(
+                "it fits this box only with Unsloth" + (f" ({need:.1f} GB of {with_unsloth.capacity_gb:.1f} GB per "
+                                                       "card)" if need else "") + ", and Unsloth is not installed "
+                "in this environment. " + UNSLOTH_FIX))
     if choice.fits and choice.engine == "deepspeed" and hardware.is_this_machine and not _deepspeed_installed():
         choice = replace(choice, fits=False, missing="deepspeed", refusal="engine: deepspeed needs DeepSpeed, which "
                          "is not installed in this environment: pip install 'ftrun[deepspeed]' (ftrun's Docker image "
@@ -693,6 +703,11 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
     head = [f"model {arch.name}: {_fmt_tokens(arch.params)} params ({arch.source})"] + box + [software]
 
     est = choice.estimate
+    if not choice.fits and est is None and choice.device == "cuda" and choice.engine in ("trl", "unsloth", "ddp",
+                                                                                          *SHARDING_ENGINES):
+        # a forced engine refused before sizing (unsloth for a full fine-tune, ddp on one card, more processes
+        # than cards): the JSON still says what the job needs, as the engine asked for would run it
+        est = sizing.memory(job.arch, job.workload(choice.engine, max(1, choice.processes), "cuda"))
     if not choice.fits:
         options = ([] if choice.missing else _refusal_options(job, hardware, forced, unsloth_ok, workday_hours, rows))
         if choice.missing:

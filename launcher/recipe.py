@@ -135,7 +135,9 @@ class EvalSettings(_Strict):
     fraction: Optional[float] = Field(
         None, gt=0.0, lt=0.5, description="Share of the data held out for evaluation (a seeded draw, the same at "
         "every resume; these examples never train).")
-    data: Optional[str] = Field(None, description="A separate evaluation file (same format as data) instead of a share.")
+    data: Optional[Union[str, DataSource, list[Union[str, DataSource]]]] = Field(
+        None, description="Separate evaluation data instead of a share, given like data: a file or folder, a Hub "
+        "dataset (org/name, or {path, split, subset, columns}), or a list of them.")
     every_minutes: float = Field(20.0, gt=0, description="Wall-clock cadence of the eval loss, plus at the start and the end.")
     samples: int = Field(4, ge=0, description="Held-out prompts answered greedily by the base model before training "
                          "and by the fine-tuned one after (final/samples.md); from the training data without a split.")
@@ -455,8 +457,8 @@ def _resolve_paths(raw: dict[str, Any], base_dir: Path, default_name: str) -> di
     out = dict(raw)
     if out.get("data") is not None:
         out["data"] = _resolve_data(out["data"], base_dir)
-    if isinstance(out.get("eval"), dict) and isinstance(out["eval"].get("data"), str):
-        out["eval"] = {**out["eval"], "data": str((base_dir / Path(out["eval"]["data"]).expanduser()).resolve())}
+    if isinstance(out.get("eval"), dict) and out["eval"].get("data") is not None:
+        out["eval"] = {**out["eval"], "data": _resolve_data(out["eval"]["data"], base_dir)}  # the same forms as data
     if isinstance(out.get("model"), str):
         model = out["model"]
         candidate = (base_dir / Path(model).expanduser())

@@ -243,7 +243,7 @@ def _write_eval_request(run: RunDir, recipe, examples, lengths: list[int], parts
                 "eval_full_tokens": sum(min(held_lengths[i], clip) for i in held)}
         print(f"evaluation: {len(held)} held-out examples"
               + (f" ({len(held) / len(examples):.1%} of the data, a seeded draw that never trains)"
-                 if not recipe.eval.data else f" from {recipe.eval.data}")
+                 if not recipe.eval.data else f" from {evaluation.source_name(recipe.eval.data)}")
               + f", every {recipe.eval.every_minutes:g} min, at the start and at the end; the smoke test "
               f"evaluates {len(subset)} of them", flush=True)
     if recipe.eval.samples and not (run.root / samples.BEFORE_FILE).is_file():

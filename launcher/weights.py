@@ -54,10 +54,26 @@ def cached(model: str) -> Optional[str]:
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        return snapshot_download(model, allow_patterns=ALLOW + [PYTORCH_BIN], ignore_patterns=IGNORE,
+        path = snapshot_download(model, allow_patterns=ALLOW + [PYTORCH_BIN], ignore_patterns=IGNORE,
                                  local_files_only=True)
     except LocalEntryNotFoundError:  # not cached, or cached in part (IncompleteSnapshotError is a subclass)
         return None
+    # snapshot_download knows a snapshot is partial only from a cached file listing; files fetched one by one
+    # (the tokenizer before the data check, fetch_tokenizer) leave none, so the weights are looked for too
+    return path if _has_weights(Path(path)) else None
+
+
+def _has_weights(snapshot: Path) -> bool:
+    """config.json and the weights: every shard an index names, else a safetensors or PyTorch file."""
+    import json
+
+    if not (snapshot / "config.json").is_file():
+        return False
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if (snapshot / index).is_file():
+            shards = set(json.loads((snapshot / index).read_text()).get("weight_map", {}).values())
+            return bool(shards) and all((snapshot / shard).is_file() for shard in shards)
+    return any(snapshot.glob("*.safetensors")) or any(snapshot.glob("pytorch_model*.bin"))
 
 
 def _unavailable(model: str, why: str, fix: str) -> ModelError:
@@ -111,7 +127,25 @@ def check(model: str) -> dict[str, Any]:
                            "to a local folder that holds it.") from None
     files = _wanted([(s.rfilename, s.size or 0) for s in info.siblings or []])
     return {"source": "hub", "sha": info.sha, "files": len(files), "bytes": sum(size for _, size in files),
-            "allow": _allow([name for name, _ in files])}
+            "allow": _allow([name for name, _ in files]),
+            "tokenizer_files": [name for name, _ in files if name in TOKENIZER_FILES]}
+
+
+# What the data check reads (launcher/data.py _renderer): the tokenizer and the chat template, a few MB at most
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+def fetch_tokenizer(model: str, found: dict[str, Any]) -> None:
+    """A Hub model's tokenizer files into the cache before the data check, so that the token counts and the check
+    that the chat template renders tool calls and reasoning use the real template on a model's first run too
+    (the weights come later, in `fetch`). hf_hub_download of the main branch, as `fetch` downloads it: a download
+    by commit hash would write no refs/main, and try_to_load_from_cache (launcher/models.py) would not find it."""
+    if found.get("source") != "hub" or not found.get("tokenizer_files"):
+        return
+    from huggingface_hub import hf_hub_download
+
+    for name in found["tokenizer_files"]:
+        hf_hub_download(model, name, endpoint=_endpoint())
 
 
 def _allow(names: list[str]) -> list[str]:

@@ -8,7 +8,7 @@ the 256 values of a K-quant block, so K-quant types fall back tensor by tensor t
 Llama with Llama 3.1's rope scaling (rope_type llama3) and hidden size 256 / intermediate 512, whose matrices get
 real Q4_K, Q5_K and Q6_K blocks. Each is converted once to a 16-bit GGUF by llama.cpp's converter and quantized
 to every type by llama.cpp's quantizer (launcher/export.gguf_output), read back in llama.cpp and compared with the
-model in transformers (float32) on the parity prompts. docs/BENCHMARKS.md section 6 holds a run of it, and the
+model in transformers (float32) on the parity prompts. docs/BENCHMARKS.md section 5 holds a run of it, and the
 tolerances in launcher/export.py GGUF_TOLERANCE were set from it.
 """
 

@@ -76,6 +76,34 @@ def test_recipe_eval_key_and_the_trainer_settings_it_owns(tmp_path):
     assert _recipe(tmp_path, trainer={"per_device_eval_batch_size": 2}).trainer == {"per_device_eval_batch_size": 2}
 
 
+def test_eval_data_is_given_like_data(tmp_path, write_recipe):
+    """eval.data takes what data takes: a Hub id stays an id, a mapping keeps split and columns, a list mixes;
+    a local source converts like data's, in any format. Then one run evaluates on it (metrics.jsonl)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from launcher.evaluation import load_eval_data, source_name
+
+    assert _recipe(tmp_path, eval={"data": "acme/support-eval"}).eval.data == "acme/support-eval"
+    hub = _recipe(tmp_path, eval={"data": {"path": "acme/support-eval", "split": "validation",
+                                           "columns": {"messages": "conversation"}}}).eval.data
+    assert (hub.path, hub.split, hub.columns) == ("acme/support-eval", "validation", {"messages": "conversation"})
+    rows = [{"question": f"What is {i} plus {i}?", "input": "", "output": f"{2 * i}."} for i in range(12)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "held.parquet")  # Alpaca, its instruction column renamed
+    spec = {"path": "held.parquet", "columns": {"instruction": "question"}}
+    r = _recipe(tmp_path, eval={"data": spec})
+    held = load_eval_data(r)
+    assert len(held) == 12 and held[0]["messages"][-1] == {"role": "assistant", "content": "0."}
+    assert source_name(r.eval.data) == "held.parquet"
+
+    recipe = write_recipe(max_steps=2, logging_steps=1, **{"smoke": {"enabled": False}},
+                          eval={"data": spec, "samples": 0})
+    res = ftrun(recipe, "--foreground", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    evals = [m for m in metrics(tmp_path / "run") if "eval_loss" in m]
+    assert len(evals) >= 2  # at the start and at the end, on the 12 held-out examples
+
+
 def test_the_eta_counts_every_eval_pass_and_the_samples(tmp_path):
     from launcher.data import DataStats
     from launcher.smoke import estimate

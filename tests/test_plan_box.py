@@ -144,6 +144,20 @@ def test_this_machine_uses_what_is_installed_and_names_the_fix(tmp_path, monkeyp
     assert rc == 2 and d["fits"] is False and d["refusal"]["missing"] == "unsloth"
 
 
+def test_a_job_only_unsloth_fits_here_is_missing_software_not_too_big(tmp_path, monkeypatch):
+    """Qwen3-32B QLoRA on the RTX 4090 in hand: trl needs more than the card, Unsloth less. Without Unsloth here
+    the fix is its install (exit 2), not a bigger box (exit 3)."""
+    monkeypatch.setattr(plan_mod, "_unsloth_installed", lambda: False)
+    big = recipe(tmp_path, model="Qwen/Qwen3-32B", max_length=1024)
+    assert make_plan(big, from_spec("1xRTX4090"), tokens=15e6).engine == "unsloth"  # a rented box has the image
+    with pytest.raises(MissingSoftware) as err:
+        make_plan(big, detected("RTX4090"), tokens=15e6)
+    text = err.value.render()
+    assert "fits this box only with Unsloth" in text and ".venv-unsloth" in text and "does not fit" not in text
+    monkeypatch.setattr(plan_mod, "_unsloth_installed", lambda: True)
+    assert make_plan(big, detected("RTX4090"), tokens=15e6).engine == "unsloth"
+
+
 def test_deepspeed_missing_here_is_missing_software(tmp_path, monkeypatch):
     monkeypatch.setattr(plan_mod, "_deepspeed_installed", lambda: False)
     r = recipe(tmp_path, method="full", engine="deepspeed")
@@ -188,6 +202,15 @@ def test_json_when_nothing_fits(tmp_path, no_gpu_here, capsys):
     for a in d["alternatives"]:  # only boxes that hold it: never 2xRTX4090 for 564 GB
         assert a["per_gpu_gb"] <= a["card_gb"] * sizing.USABLE_FRACTION
     assert not any("RTX4090" in o for o in d["refusal"]["options"])
+
+
+def test_json_of_a_forced_engine_refusal_says_what_the_job_needs(tmp_path, no_gpu_here, capsys):
+    """A forced engine refused before sizing (fsdp on one card) still prints the memory with its breakdown."""
+    rc, out, _ = run_cli(capsys, "plan", write_recipe(tmp_path, model="Qwen/Qwen2.5-32B", method="full", tokens="15M",
+                                                      engine="fsdp"), "--gpus", "RTX4090", "--json")
+    d = json.loads(out)
+    assert rc == 3 and d["fits"] is False and "needs 2 or more GPUs" in d["refusal"]["why"]
+    assert d["memory"]["per_gpu_gb"] > 24 and d["memory"]["breakdown_gb"]["optimizer"] > 100
 
 
 def test_json_for_a_bad_recipe(tmp_path, capsys):

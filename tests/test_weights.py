@@ -102,3 +102,41 @@ def test_a_run_from_the_hub_downloads_before_the_smoke_test_and_records_the_time
     assert "downloading org/tiny:" in log and "downloaded org/tiny:" in log
     again = ftrun_online("smoke", recipe)  # from the cache now
     assert again.returncode == 0 and "downloading" not in again.stdout
+
+
+def test_unsloth_qlora_checks_and_downloads_the_prequantized_repo_it_trains(hub, tiny_model, tmp_path):
+    """Unsloth trains QLoRA on its pre-quantized 4-bit copy (backends/unsloth.py): that repository is the one
+    checked and downloaded before the smoke test, not the 16-bit one of the recipe (about four times the size)."""
+    from launcher import pipeline
+    from launcher.recipe import validate_recipe
+    from launcher.rundir import RunDir
+
+    hub.repos["unsloth/Qwen3-8B-bnb-4bit"] = tiny_model  # the stand-in serves it; Qwen/Qwen3-8B it does not
+    recipe = validate_recipe({"model": "Qwen/Qwen3-8B", "method": "qlora", "data": "d.jsonl"}, tmp_path, "r")
+    assert pipeline.worker_model(recipe, {"engine": "unsloth"}) == "unsloth/Qwen3-8B-bnb-4bit"
+    assert pipeline.worker_model(recipe, {"engine": "trl"}) == "Qwen/Qwen3-8B"  # trl quantizes the recipe's model
+    lora = validate_recipe({"model": "Qwen/Qwen3-8B", "method": "lora", "data": "d.jsonl"}, tmp_path, "r")
+    assert pipeline.worker_model(lora, {"engine": "unsloth"}) == "Qwen/Qwen3-8B"  # LoRA trains the 16-bit weights
+
+    plan = {"engine": "unsloth", "weights": {"model": "unsloth/Qwen3-8B-bnb-4bit",
+                                             **weights.check("unsloth/Qwen3-8B-bnb-4bit")}}
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    got = pipeline._download(run, recipe, {"source": "hub", "files": 99, "bytes": 10**10, "allow": ["*"]}, plan)
+    assert got["model_source"] == "hub" and got["download_bytes"] == plan["weights"]["bytes"]
+    assert "downloading unsloth/Qwen3-8B-bnb-4bit" in run.log.read_text() and "Qwen/Qwen3-8B:" not in run.log.read_text()
+    assert weights.check("unsloth/Qwen3-8B-bnb-4bit")["source"] == "cache"  # the worker reads it offline
+
+
+def test_the_tokenizer_comes_before_the_data_check_on_a_models_first_run(hub, tiny_model):
+    """A Hub model not yet cached: its tokenizer and chat template are fetched first (small files), so the data
+    check counts tokens and checks tool calls/reasoning with the real template instead of a character estimate."""
+    from launcher.data import token_counter
+
+    found = weights.check("org/tiny")
+    assert token_counter("org/tiny")[0] is None  # nothing cached yet: the data check could only estimate
+    assert "tokenizer.json" in found["tokenizer_files"]
+    weights.fetch_tokenizer("org/tiny", found)
+    count, source = token_counter("org/tiny")
+    assert count is not None and "tokenizer and chat template" in source
+    assert weights.check("org/tiny")["source"] == "hub"  # the weights are still to come (before the smoke test)
