@@ -100,6 +100,14 @@ def load_data(spec: Any, seed: int = 42) -> LoadedData:
                       single_file_sha or hashlib.sha256(blob).hexdigest())
 
 
+def identity(data_sha256: str, eval_sha256: Optional[str] = None) -> str:
+    """What a run trains and evaluates on, as one sha256 (state.json data_sha256, data.json): the training data's
+    own (LoadedData.sha256), combined with eval.data's where the recipe has one."""
+    if not eval_sha256:
+        return data_sha256
+    return hashlib.sha256(f"{data_sha256}+eval.data:{eval_sha256}".encode()).hexdigest()
+
+
 def _form_key(example: dict[str, Any]) -> str:
     f = formats.example_form(example)
     return f + ("/conversational" if f == "prompt_completion" and formats.conversational(example) else "")

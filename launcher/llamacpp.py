@@ -266,6 +266,10 @@ def readiness(model: str, gguf_type: str, this_box: bool = True) -> Readiness:
         (r.missing if this_box else r.notes).append(
             f"llama.cpp's converter is not installed on {where}: `python -m launcher.llamacpp install` copies "
             f"convert_hf_to_gguf.py from the {DIST} {PINNED} source distribution")
+        # the architecture is still checked, against the converter's table as ftrun ships it (the tokenizer
+        # check needs the converter's own code, on the box that exports)
+        _check_architecture(model, shipped_architectures(), f"{DIST} {PINNED}'s converter (its table as ftrun "
+                            f"ships it, {ARCHITECTURES_FILE.name})", r)
         return r
     import importlib.util
 
@@ -277,21 +281,37 @@ def readiness(model: str, gguf_type: str, this_box: bool = True) -> Readiness:
     if conv.version and have and conv.version != have:
         r.problems.append(f"the converter comes from {DIST} {conv.version}, the runtime is {have}: one version for "
                           "both (`python -m launcher.llamacpp install` again)")
+    if _check_architecture(model, supported_architectures(conv.folder), f"llama.cpp's converter ({conv.source})", r):
+        _check_tokenizer(model, conv, r)
+    return r
+
+
+# The converter's table (conversion/__init__.py TEXT_MODEL_MAP) of the pinned version, shipped with ftrun so that
+# `ftrun plan` on a machine without llama.cpp (planning a box to rent) still refuses an architecture it cannot
+# convert. Written by `python -m launcher.llamacpp architectures`; tests/test_gguf.py checks it against the install.
+ARCHITECTURES_FILE = Path(__file__).with_name("llamacpp_architectures.json")
+
+
+def shipped_architectures() -> dict[str, str]:
+    return json.loads(ARCHITECTURES_FILE.read_text())["architectures"]
+
+
+def _check_architecture(model: str, archs: dict[str, str], source: str, r: Readiness) -> bool:
+    """Whether the model's architecture (its config.json, where that is on this box) is in the table; a problem
+    when it is not. False also when the config is not here (noted: checked where it is)."""
     config = _model_file(model, "config.json")
     if config is None:
         r.notes.append(f"{model}'s config.json is not on this box: its architecture is checked when it is")
-        return r
+        return False
     cfg = json.loads(config.read_text())
-    archs = supported_architectures(conv.folder)
     arch = (cfg.get("architectures") or [None])[0]
     r.facts["architecture"] = arch
     if arch not in archs:
-        r.problems.append(f"llama.cpp's converter ({conv.source}) has no conversion for architecture {arch!r} "
+        r.problems.append(f"{source} has no conversion for architecture {arch!r} "
                           f"(it knows {len(archs)}, e.g. {', '.join(sorted(a for a in archs if 'CausalLM' in a)[:6])})")
-        return r
+        return False
     r.notes.append(f"architecture {arch}: converted by llama.cpp's conversion/{archs[arch]}.py")
-    _check_tokenizer(model, conv, r)
-    return r
+    return True
 
 
 def plan_check(recipe: Any, this_box: bool) -> list[str]:
@@ -557,6 +577,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = sub.add_parser("install", help=f"copy llama.cpp's converter from the {DIST} {PINNED} source distribution")
     p.add_argument("--sdist", type=Path, help="a downloaded llama_cpp_python-X.tar.gz (default: pip download)")
     p.add_argument("--dest", type=Path, default=CONVERTER_HOME)
+    sub.add_parser("architectures", help=f"write {ARCHITECTURES_FILE.name} from the installed converter")
     p = sub.add_parser("check", help="can a GGUF of this model be made here?")
     p.add_argument("model")
     p.add_argument("--type", default=DEFAULT_TYPE)
@@ -573,6 +594,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         have = runtime_version()
         if have != conv.version:
             print(f"note: the installed {DIST} is {have}; build the same version: {INSTALL_HINT}")
+        return 0
+    if ns.cmd == "architectures":
+        conv = converter()
+        if conv is None or conv.version != PINNED:
+            print(f"install the converter of {DIST} {PINNED} first: python -m launcher.llamacpp install")
+            return 2
+        ARCHITECTURES_FILE.write_text(json.dumps({"llama_cpp_python": conv.version, "gguf_py": conv.gguf_py,
+                                                  "architectures": supported_architectures(conv.folder)},
+                                                 indent=1, sort_keys=True) + "\n")
+        print(f"{ARCHITECTURES_FILE}: {len(supported_architectures(conv.folder))} architectures")
         return 0
     if ns.cmd == "check":
         r = readiness(ns.model, ns.type)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -11,6 +12,7 @@ import yaml
 
 from .checkpoint import atomic_write_json, newest_step_unverified
 from .data import compute_stats, example_lengths, load_data
+from .data import identity as data_identity
 from . import evaluation
 from .errors import RecipeError, UsageError
 from .recipe import Recipe, check_trainer_fields, load_recipe
@@ -33,10 +35,12 @@ def data_stats(recipe: Recipe):
     lengths, source = example_lengths(examples, recipe.model, data.where)
     # the statistics (plan, ETA) count what trains: the eval split's held-out examples do not (launcher/evaluation.py)
     train = evaluation.for_recipe(examples, recipe).train
+    stats = compute_stats([examples[i] for i in train], [lengths[i] for i in train], source, recipe.max_length, data)
     if recipe.eval.data:
         evaluation.load_eval_data(recipe)  # a missing or broken eval file stops here, before the smoke test
-    return examples, lengths, compute_stats([examples[i] for i in train], [lengths[i] for i in train], source,
-                                            recipe.max_length, data)
+        # a resume on changed eval data is refused like one on changed training data
+        stats = replace(stats, sha256=data_identity(stats.sha256, load_data(recipe.eval.data, recipe.seed).sha256))
+    return examples, lengths, stats
 
 
 def hardware_for(gpus: Optional[str]):

@@ -682,7 +682,8 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
     forced = recipe.engine
     wanted = None if recipe.num_processes == "auto" else int(recipe.num_processes)
     choice = choose(job, hardware, forced, unsloth_ok, workday_hours, processes=wanted, nnodes=nnodes)
-    if not choice.fits and not choice.missing and not unsloth_ok and forced == "auto" and hardware.gpus:
+    if not choice.fits and not choice.missing and not unsloth_ok and forced == "auto" and hardware.gpus \
+            and hardware.is_this_machine:
         # On the box in hand, a job that only Unsloth's lower memory fits is missing software, not too big:
         # the fix is the install, never a bigger box
         with_unsloth = choose(job, hardware, forced, True, workday_hours, processes=wanted, nnodes=nnodes)
@@ -713,6 +714,8 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
         if choice.missing:
             options = [f"install {choice.missing} on this machine (the fix is above), or plan for a rented box with "
                        f"--gpus, which assumes {IMAGE_SOFTWARE}"]
+            if choice.missing == "unsloth" and forced == "auto":  # or change the recipe so that TRL fits here
+                options += _fixes_here(job, hardware, forced, unsloth_ok, workday_hours)
         message = (_missing_message(job, choice) if choice.missing else _refusal_message(job, hardware, choice))
         return Plan(
             fits=False, engine=choice.engine, device=choice.device, num_processes=choice.processes,

@@ -458,6 +458,25 @@ def _data_spec(run: RunDir, recipe):
     return pinned(recipe.data, json.loads(record.read_text()).get("sources", [])) if record.is_file() else recipe.data
 
 
+def _data_changed(run: RunDir, recipe, data_sha256: str) -> Optional[str]:
+    """Why the data read now is not what the launcher checked and recorded (data.json), or None. The launcher
+    refuses a resume on changed data; this catches a change between two starts of the worker under one
+    supervisor (a crash and its restart), which would otherwise train on other examples unnoticed."""
+    from .data import identity, load_data
+
+    record = run.root / "data.json"
+    recorded = json.loads(record.read_text()).get("sha256") if record.is_file() else None
+    if not recorded:
+        return None
+    eval_sha = load_data(recipe.eval.data, recipe.seed).sha256 if recipe.eval.data else None
+    now = identity(data_sha256, eval_sha)
+    if now == recorded:
+        return None
+    return (f"the data changed since the launch checked it (sha256 {recorded[:12]}... -> {now[:12]}...): not "
+            "training on other examples than the run started with; restore the data and run the same command "
+            "again (it resumes), or add --allow-changes / --fresh")
+
+
 def _local_data(spec) -> bool:
     from .data_sources import sources_of
 
@@ -655,7 +674,15 @@ def run_worker(run_dir: Path, mode: str) -> int:
     set_seed(recipe.seed)
     # the smoke sample as the launcher wrote it (canonical lines), or the recipe's data read again: the launcher
     # checked it and recorded its sha256 (data.json), and refuses a resume on changed data
-    examples = load_data(data_path, recipe.seed).examples
+    loaded = load_data(data_path, recipe.seed)
+    examples = loaded.examples
+    if mode == "full":
+        changed = _data_changed(run, recipe, loaded.sha256)  # a restart after a crash reads the data again
+        if changed:
+            print(f"[ftrun worker] {changed}", file=sys.stderr, flush=True)
+            if _rank() == 0:
+                _record_error(run, changed, 2)
+            return 2
     held_out, prompts = _eval_and_prompts(run, recipe, mode, examples)
     if mode == "full":
         examples = [examples[i] for i in evaluation.for_recipe(examples, recipe).train]  # eval never trains

@@ -356,3 +356,30 @@ def test_recipe_data_is_a_path_a_hub_id_a_source_or_a_weighted_list(tmp_path, wr
     with pytest.raises(RecipeError) as err:
         load_recipe(write_recipe(data={"path": "d.jsonl", "format": "chatml"}))
     assert "data" in err.value.message and "chatml" in err.value.message
+
+
+def test_changed_data_or_eval_data_is_caught_at_the_launch_and_at_a_worker_restart(tmp_path, tiny_model):
+    """The run's data identity covers eval.data too; the worker compares what it reads with the launch's record
+    (data.json), so a restart after a crash never trains on data edited in between."""
+    from launcher.pipeline import data_stats
+    from launcher.recipe import validate_recipe
+    from launcher.rundir import RunDir
+    from launcher.train import _data_changed
+
+    train = _write(tmp_path, [{"text": f"line {i}"} for i in range(20)], "train.jsonl")
+    held = _write(tmp_path, [{"text": f"held {i}"} for i in range(4)], "held.jsonl")
+    raw = {"model": str(tiny_model), "method": "lora", "data": str(train), "eval": {"data": str(held)}}
+    recipe = validate_recipe(raw, tmp_path, "r")
+    *_, stats = data_stats(recipe)
+    without = data_stats(validate_recipe({**raw, "eval": {}}, tmp_path, "r"))[2]
+    assert without.sha256 == load_data(str(train)).sha256  # a run without eval.data: as before
+    assert stats.sha256 != without.sha256
+
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    (run.root / "data.json").write_text(json.dumps({"sha256": stats.sha256}))
+    assert _data_changed(run, recipe, load_data(str(train), recipe.seed).sha256) is None
+    held.write_text(held.read_text() + json.dumps({"text": "one more"}) + "\n")  # eval data edited during the run
+    assert data_stats(recipe)[2].sha256 != stats.sha256  # the launch refuses the resume (pipeline._prepare)
+    why = _data_changed(run, recipe, load_data(str(train), recipe.seed).sha256)
+    assert why and "the data changed since the launch checked it" in why and "--allow-changes" in why

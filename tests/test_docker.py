@@ -52,7 +52,10 @@ def test_requirements_are_pinned_and_cover_the_extras():
             assert sep and re.fullmatch(r"[\d.]+", version), f"not pinned: {line}"
             pins[name.lower()] = version
     assert {"unsloth", "deepspeed", "transformers", "trl", "peft", "accelerate", "datasets", "bitsandbytes",
-            "gguf", "matplotlib", "nvidia-ml-py"} <= pins.keys()
+            "gguf", "matplotlib", "nvidia-ml-py", "llama-cpp-python", "sentencepiece"} <= pins.keys()
+    assert pins["llama-cpp-python"] == "0.3.36"  # launcher/llamacpp.py PINNED: the converter comes from the same version
+    text = DOCKERFILE.read_text()
+    assert "GGML_NATIVE=OFF" in text and "launcher.llamacpp install" in text
     assert "torch" not in pins  # torch comes from the CUDA index, pinned by TORCH_VERSION
 
 

@@ -77,6 +77,35 @@ def test_plan_refuses_gguf_when_this_box_lacks_llama_cpp(tiny_model, tmp_path):
     assert "export gguf q4_k_m:" in res.stdout and "the box that exports" in res.stdout
 
 
+def test_an_architecture_the_converter_lacks_is_refused_even_where_llama_cpp_is_not(tiny_model, tmp_path):
+    """Planning a box to rent on a machine without llama.cpp: the converter's table as ftrun ships it
+    (launcher/llamacpp_architectures.json) still refuses the model before any GPU time."""
+    model = tmp_path / "opt-like"
+    shutil.copytree(tiny_model, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["architectures"] = ["OPTForCausalLM"]
+    (model / "config.json").write_text(json.dumps(cfg))
+    empty = tmp_path / "no-llama.cpp"
+    empty.mkdir()
+    env = {"FTRUN_LLAMA_CPP": str(empty)}
+    recipe = write_recipe(tmp_path / "r.yaml", model, tmp_path / "run", export=["adapter", "gguf"])
+    res = ftrun("plan", recipe, "--gpus", "1xH100-80GB", cwd=tmp_path, env=env, timeout=120)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "has no conversion for architecture 'OPTForCausalLM'" in res.stderr and "llamacpp_architectures.json" in res.stderr
+    ok = write_recipe(tmp_path / "ok.yaml", tiny_model, tmp_path / "run2", export=["adapter", "gguf"])
+    res = ftrun("plan", ok, "--gpus", "1xH100-80GB", cwd=tmp_path, env=env, timeout=120)
+    assert res.returncode == 0 and "architecture Qwen3ForCausalLM: converted by llama.cpp's conversion/qwen.py" in res.stdout
+
+
+@gguf_tier
+def test_the_shipped_architecture_table_is_the_pinned_converters(llama_cpp_ready):
+    from launcher import llamacpp
+
+    conv = llamacpp.converter()
+    assert conv.version == llamacpp.PINNED == json.loads(llamacpp.ARCHITECTURES_FILE.read_text())["llama_cpp_python"]
+    assert llamacpp.shipped_architectures() == llamacpp.supported_architectures(conv.folder)
+
+
 @gguf_tier
 def test_plan_refuses_a_model_the_converter_cannot_handle(llama_cpp_ready, tiny_model, tmp_path):
     """Read from the converter's own table: an architecture class it does not list is refused before training."""

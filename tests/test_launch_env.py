@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +15,8 @@ from launcher.backends import launch_env
 from launcher.hardware import from_spec
 from launcher.plan import make_plan
 from launcher.recipe import validate_recipe
+
+REPO = Path(__file__).resolve().parent.parent
 
 DATA = SimpleNamespace(examples=10_000, total_tokens=5_000_000, mean_tokens=500.0, max_tokens=2048,
                        over_max_length=0, tokens_source="tokenizer")
@@ -66,3 +71,25 @@ def test_cpu_plan_sets_no_nccl():
             "hardware": {"gpus": [], "driver_version": None}}
     env = launch_env(plan)
     assert not set(NCCL) & set(env) and env["OMP_NUM_THREADS"]
+
+
+def test_the_worker_keeps_known_notices_and_deprecations_out_of_the_log():
+    """The worker's imports: bitsandbytes' CPU notice about the optional `kernels` package (every LoRA/QLoRA run)
+    and FutureWarnings go nowhere; the same loggers' other messages still show. Real imports, in a child."""
+    import subprocess
+
+    probe = ("import logging, warnings\n"
+             "{first}"
+             "import bitsandbytes\n"
+             "warnings.warn('gradient_checkpointing_enable is deprecated', FutureWarning)\n"
+             "logging.getLogger('bitsandbytes.backends.cpu.ops').warning('a real bitsandbytes warning')\n"
+             "logging.getLogger('DeepSpeed').warning('Setting accelerator to CPU')\n")
+    env = {**os.environ, "PYTHONWARNINGS": "default"}
+    bare = subprocess.run([sys.executable, "-c", probe.format(first="")], capture_output=True, text=True, env=env,
+                          cwd=REPO, timeout=120)
+    assert "kernels-community" in bare.stderr and "FutureWarning" in bare.stderr  # what the filter is for
+    worker = subprocess.run([sys.executable, "-c", probe.format(first="import launcher.train\n")],
+                            capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert worker.returncode == 0, worker.stderr
+    assert "kernels-community" not in worker.stderr and "FutureWarning" not in worker.stderr
+    assert "Setting accelerator to CPU" not in worker.stderr and "a real bitsandbytes warning" in worker.stderr
