@@ -57,7 +57,8 @@ class LoadedData:
         converted = "" if all(formats.form(f) == f.replace("messages", "chat") for f in fmts) else \
             f", converted to {self.form.replace('_', '/')}"
         many = f" from {len(self.sources)} sources" if len(self.sources) > 1 else ""
-        return f"{what} format, {len(self.examples):,} examples{many}{converted}"
+        n = len(self.examples)
+        return f"{what} format, {n:,} example{'' if n == 1 else 's'}{many}{converted}"
 
 
 def load_data(spec: Any, seed: int = 42) -> LoadedData:

@@ -327,7 +327,7 @@ def _shard(recipe: Recipe, plan: dict[str, Any]) -> tuple[Optional[tuple[dict[st
     else:
         engine, cores = "deepspeed", int((plan.get("hardware") or {}).get("cpu_count") or 1)
         counts = range(2, cores + 1)  # the processes share the cores: the fewest that shard
-        where = f"CPU processes, each capped at {plan['memory_limit_gb']:g} GB like a card"
+        where = f"CPU processes, each capped at {round(plan['memory_limit_gb'], 2):g} GB like a card"
     for k in counts:
         if k >= 2 and effective % (m * k) == 0:
             g2 = effective // (m * k)

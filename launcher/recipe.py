@@ -54,6 +54,10 @@ OWNED_TRAINER_KEYS = {
     "eval_steps": "eval.every_minutes",
     "eval_on_start": "eval (it evaluates at the start)",
     "eval_delay": "eval.every_minutes",
+    # ftrun saves by wall clock and keeps the newest checkpoints: a "best" one by eval loss is not kept apart, so
+    # these would do nothing (the eval loss of every pass is in metrics.jsonl, beside each checkpoint's step)
+    "load_best_model_at_end": "(not supported: the final model is the last step's; eval loss per pass in metrics.jsonl)",
+    "metric_for_best_model": "(not supported: the final model is the last step's; eval loss per pass in metrics.jsonl)",
 }
 
 

@@ -101,8 +101,12 @@ def modelfile(gguf_name: str, tokenizer, conversations: list[list[dict[str, str]
 
     A template that is uniform per role becomes an Ollama TEMPLATE, checked to render the prompts exactly as the
     Jinja one. A template with tools or a thinking mode is not rewritten: a per-role TEMPLATE would drop them.
-    Ollama then takes the Jinja template inside the GGUF (tokenizer.chat_template) and uses its own template of
-    the family it matches, with tool calls and thinking (ollama server/model.go, detectChatTemplate)."""
+    Ollama 0.30.0 and newer then render the GGUF's own Jinja template (tokenizer.chat_template) through
+    llama-server with --jinja, tools and thinking included, and prefer it to a Go template with fewer
+    capabilities (ollama llm/llama_server.go, server/images.go shouldPreferChatTemplate). Older versions only
+    match it against their own templates (server/model.go detectChatTemplate: Levenshtein distance under 100 to
+    template/index.json); a Qwen3 template matches none there and falls back to a bare prompt, so SERVING.md and
+    the Modelfile say that Ollama 0.30 or newer is needed for these."""
     template = tokenizer.chat_template or ""
     features = template_features(template)
     pieces = None if (features["tools"] or features["thinking"]) else derive_pieces(tokenizer)
@@ -123,9 +127,10 @@ def modelfile(gguf_name: str, tokenizer, conversations: list[list[dict[str, str]
             check["note"] = "the derived template differs from the Jinja one; Ollama uses the template in the GGUF"
     elif features["tools"] or features["thinking"]:
         has = " and ".join(k for k in ("tools", "thinking") if features[k])
-        lines.insert(1, f"# The chat template has {has}: no TEMPLATE here, so Ollama uses the template in the GGUF "
-                     "(tokenizer.chat_template) matched to its own for this family, which keeps them.")
-        check["note"] = f"the template has {has}; Ollama uses the template in the GGUF"
+        lines.insert(1, f"# The chat template has {has}: no TEMPLATE here. Ollama 0.30 or newer renders the GGUF's "
+                     f"own chat template (tokenizer.chat_template) with its {has}; older versions do not: use 0.30+.")
+        check["note"] = f"the template has {has}; Ollama 0.30+ renders the template in the GGUF"
+        check["ollama"] = ">=0.30.0"
     else:
         check["note"] = "the Jinja template is not uniform per role; Ollama uses the template in the GGUF"
     lines += [f"PARAMETER stop {json.dumps(s)}" for s in stops]
@@ -206,7 +211,9 @@ def render(run, recipe, report: dict[str, Any], tokenizer,
                   f"ollama run {q(name)} {q(question)}", "```", ""]
         if feats.get("tools") or feats.get("thinking"):
             parts += ["The template has " + " and ".join(k for k in ("tools", "thinking") if feats.get(k))
-                      + ": `ollama show " + name + " --template` shows the template Ollama chose"
+                      + ": Ollama 0.30.0 or newer renders the GGUF's own template with them (older versions match "
+                      "it against their built-in templates, which have neither, or fall back to a bare prompt); "
+                      "`ollama show " + name + " --template` shows the template Ollama chose"
                       + ("; `ollama run " + name + " --think=false` answers without the thinking part"
                          if feats.get("thinking") else "") + ".", ""]
         parts += ["Ollama's OpenAI-compatible API:", "", "```",
@@ -217,7 +224,7 @@ def render(run, recipe, report: dict[str, Any], tokenizer,
         parts += ["## Ollama: from the merged folder", "",
                   "Ollama can also convert and quantize the merged safetensors itself (its own converter, which "
                   "ftrun's checks do not cover; it knows fewer architectures than llama.cpp's):", "", "```",
-                  f"printf 'FROM {mdir}\\n' > Modelfile.merged",
+                  f"printf 'FROM %s\\n' {q(str(mdir))} > Modelfile.merged",
                   f"ollama create {q(name + '-ollama')} -q q4_K_M -f Modelfile.merged",
                   f"ollama run {q(name + '-ollama')} {q(question)}", "```", ""]
     return "\n".join(parts), mf

@@ -54,7 +54,7 @@ def test_each_format_is_detected_and_converted(tmp_path):
         "alpaca": ({"instruction": "Add", "input": "1+1", "output": "2", "system": "be brief"},
                    {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Add\n\n1+1"},
                                  {"role": "assistant", "content": "2"}]}, "Alpaca (instruction/input/output) format, "
-                   "1 examples, converted to chat"),
+                   "1 example, converted to chat"),
         "sharegpt": ({"conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "q"},
                                         {"from": "gpt", "value": "a"}]},
                      {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},

@@ -72,6 +72,8 @@ def test_recipe_eval_key_and_the_trainer_settings_it_owns(tmp_path):
         _recipe(tmp_path, trainer={"eval_strategy": "steps", "eval_steps": 10})
     assert "trainer.eval_strategy -> eval.every_minutes" in exc.value.message
     assert "trainer.eval_steps -> eval.every_minutes" in exc.value.message
+    with pytest.raises(RecipeError, match="load_best_model_at_end -> .not supported"):  # would silently do nothing
+        _recipe(tmp_path, trainer={"load_best_model_at_end": True, "metric_for_best_model": "eval_loss"})
     # eval settings ftrun does not decide pass through to TRL
     assert _recipe(tmp_path, trainer={"per_device_eval_batch_size": 2}).trainer == {"per_device_eval_batch_size": 2}
 

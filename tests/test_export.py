@@ -89,7 +89,7 @@ def test_serving_md_and_modelfile_hold_the_commands(exported):
     assert f"vllm serve {final / 'merged'}" in text and "--served-model-name run" in text
     assert "curl -s http://localhost:8000/v1/chat/completions" in text and '"model": "run"' in text
     # Ollama's own conversion of the merged folder, the alternative it documents
-    assert f"printf 'FROM {final / 'merged'}\\n' > Modelfile.merged" in text
+    assert f"printf 'FROM %s\\n' {final / 'merged'} > Modelfile.merged" in text  # the path quoted for the shell
     assert "ollama create run-ollama -q q4_K_M -f Modelfile.merged" in text
 
 

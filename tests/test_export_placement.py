@@ -173,22 +173,20 @@ def test_adapter_export_when_the_base_fits_nowhere_checks_the_file_and_refuses_t
 @pytest.mark.slow
 def test_export_in_16_bit_when_float32_fits_nowhere_compares_like_with_like(finished_run, tmp_path, monkeypatch):
     """RAM for the 16-bit model but not for float32: merge and every parity load in bf16 on the CPU, one model at
-    a time; the F16 GGUF holds the merged weights exactly, so its read-back, loaded like the merged model, is
-    identical to it."""
+    a time, the merged model compared with base + adapter in the same dtype. (The GGUF is read back in llama.cpp,
+    which places nothing through this: tests/test_gguf.py, the gguf tier.)"""
     import launcher.export as ex
 
     run = _copy_run(finished_run, tmp_path)
     n = ex.parameter_count(yaml.safe_load((run / "recipe.yaml").read_text())["model"])
     monkeypatch.setattr(ex, "free_gpu_memory", lambda: [])
     monkeypatch.setattr(ex, "available_ram", lambda: int(ex.RAM_RESERVE + ex.HEADROOM * 3 * n))
-    rep = ex.export_run(run, ["adapter", "merged", "gguf"], "f16")
+    rep = ex.export_run(run, ["adapter", "merged"])
     assert rep["ok"], rep.get("error")
     place = rep["placement"]
     assert place["parity"]["dtype"] == "bfloat16" and place["merge"]["dtype"] == "bfloat16"
     loads = place["loads"]
-    assert [e["dtype"] for e in loads] == ["bfloat16"] * 6 and {e["device"] for e in loads} == {"cpu"}
-    assert loads[-1]["model"].endswith("run-F16.gguf") and loads[-2]["model"].endswith("merged")
+    assert loads and {e["dtype"] for e in loads} == {"bfloat16"} and {e["device"] for e in loads} == {"cpu"}
+    assert loads[-1]["model"].endswith("merged")  # the written folder, reloaded last for its check
     merged = rep["outputs"]["merged"]["parity_vs_base_plus_adapter"]
     assert merged["ok"] and merged["compute_dtype"] == "bfloat16"
-    gguf = rep["outputs"]["gguf"]["parity_vs_merged"]
-    assert gguf["max_abs_logit_diff"] == 0.0 and gguf["greedy_identical"] == "3/3"

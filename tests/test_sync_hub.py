@@ -444,9 +444,17 @@ def test_hub_machine_loss_during_a_429_burst_resumes_on_a_fresh_box_and_loses_no
         for step in {p.split("/")[2] for p in commit["added"] if p.startswith("job/checkpoints/")}:
             arrivals[step] = arrivals.get(step, 0) + 1
     assert arrivals.get(f"step-{synced_step:06d}") == 1 and set(arrivals.values()) == {1}, arrivals
-    assert hub.ls("job/checkpoints") == [f"step-{RESUME_FIELDS['max_steps'] - 1:06d}",
-                                         f"step-{RESUME_FIELDS['max_steps']:06d}"][-len(hub.ls("job/checkpoints")):]
-    assert len(hub.commits) < len(hub.made) and hub.lfs_referenced() <= {oid for oid, lfs in hub.head.values() if lfs}
+    # keep: 2 of what arrived: the final step and the newest before it that the copier sent (it sends the newest
+    # checkpoint of each pass, so which one that is depends on the box's speed: 29 on a quiet box, 21 seen busy)
+    kept = hub.ls("job/checkpoints")
+    assert len(kept) <= 2 and kept[-1] == f"step-{RESUME_FIELDS['max_steps']:06d}", kept
+    assert kept == sorted(arrivals)[-len(kept):]
+    # the squash freed every checkpoint no longer kept: no commit of the history references one (metadata files
+    # committed after the last squash keep their older versions in the history: kilobytes, not checkpoints)
+    ckpt_lfs = {oid for c in hub.commits for path, (oid, lfs) in c["tree"].items()
+                if lfs and path.startswith("job/checkpoints/")}
+    assert len(hub.commits) < len(hub.made)
+    assert ckpt_lfs <= {oid for path, (oid, lfs) in hub.head.items() if lfs and path.startswith("job/checkpoints/")}
     assert "job/final/adapter/adapter_model.safetensors" in hub.head
     assert hub.read("job/metrics.jsonl") == (run / "metrics.jsonl").read_bytes()
     s = status(run, tmp_path)
