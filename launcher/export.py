@@ -19,10 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from .checkpoint import atomic_write_json, tree_bytes
-from . import llamacpp
-from .errors import EXIT_RUN_FAILED, FtrunError, UsageError
-from .rundir import RunDir
+from .notices import quiet_known_notices
+
+quiet_known_notices()  # this process imports transformers and peft: their deprecation notices are not the user's
+
+from .checkpoint import atomic_write_json, tree_bytes  # noqa: E402
+from . import llamacpp  # noqa: E402
+from .errors import EXIT_RUN_FAILED, FtrunError, UsageError  # noqa: E402
+from .rundir import RunDir  # noqa: E402
 
 FORMATS = ("adapter", "merged", "gguf")
 # GGUF types: llama.cpp's converter writes f32/f16/bf16, its quantizer the rest from the 16-bit file (llamacpp.py).

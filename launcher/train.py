@@ -30,31 +30,9 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 
-def _quiet_known_notices() -> None:
-    """Deprecation notices (FutureWarning) are for the code, not the user; two notices say nothing about the run:
-    bitsandbytes' CPU path asking for the optional `kernels` package on every LoRA/QLoRA import, and DeepSpeed's
-    "Setting accelerator to CPU" on any run that imports it (accelerate and TRL do, whatever the engine).
-    Everything else these loggers say still shows."""
-    import logging
-    import warnings
+from .notices import quiet_known_notices  # noqa: E402
 
-    warnings.filterwarnings("ignore", category=FutureWarning)
-
-    class _Drop(logging.Filter):
-        def __init__(self, *phrases: str):
-            super().__init__()
-            self.phrases = phrases
-
-        def filter(self, record: logging.LogRecord) -> bool:
-            return not any(p in record.getMessage() for p in self.phrases)
-
-    # Logger-level filters: bitsandbytes logs through its module's logger (backends/cpu/ops.py), DeepSpeed through
-    # the "DeepSpeed" logger (accelerator/real_accelerator.py uses deepspeed.utils.logger)
-    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_Drop("from kernels-community"))
-    logging.getLogger("DeepSpeed").addFilter(_Drop("Setting accelerator to CPU"))
-
-
-_quiet_known_notices()
+quiet_known_notices()  # before the libraries below are imported
 
 from . import checkpoint as ckpt  # noqa: E402
 from . import evaluation  # noqa: E402

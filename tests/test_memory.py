@@ -205,10 +205,10 @@ def test_oom_peak_is_unknown_when_the_device_no_longer_answers(monkeypatch, caps
 def test_cpu_peak_is_the_resident_peak_and_the_oom_peak_counts_from_the_cap(monkeypatch):
     import resource
 
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB  # GB = 2**30 bytes, as memory.py counts
     assert memory.peak_memory_gb("cpu") == pytest.approx(rss, abs=0.05)
     assert memory.peak_memory_over_ranks_gb("cpu") == pytest.approx(rss, abs=0.05)  # no process group: this one
-    monkeypatch.setattr(memory, "_CAPPED_BASE_RSS", [int(rss * 1e9) - 100_000_000])
+    monkeypatch.setattr(memory, "_CAPPED_BASE_RSS", [int(rss * GB) - int(0.1 * GB)])
     assert memory.out_of_memory_peak_gb("cpu") == pytest.approx(0.1, abs=0.05)
 
 

@@ -398,33 +398,6 @@ def test_disk_full_during_a_save_keeps_the_older_checkpoint(tmp_path, tiny_model
         subprocess.run(["umount", "-l", str(disk)])
 
 
-@pytest.mark.slow
-def test_five_kill9_at_random_moments_still_ends_like_the_uninterrupted_run(tmp_path, tiny_model, reference):
-    import random
-
-    recipe = recipe_file(tmp_path / "r.yaml", tiny_model, output_dir=tmp_path / "run", max_restarts=0, **FIELDS)
-    run = tmp_path / "run"
-    rng = random.Random(7)
-    assert ftrun(recipe, "smoke.enabled=false", cwd=tmp_path).returncode == 0
-    kills = 0
-    while kills < 5:
-        # a random moment after the first checkpoint: a random number of further steps, mid-save or not
-        target = rng.randint(1, 6)
-        start = len(metrics(run)) if (run / "metrics.jsonl").is_file() else 0
-        st = freeze_worker(run, lambda r: has_checkpoint(r) and logged_steps(start + target)(r))
-        os.kill(st["supervisor_pid"], signal.SIGKILL)
-        os.kill(st["worker_pid"], signal.SIGKILL)
-        kills += 1
-        wait_for(lambda: status(run, tmp_path)["state"] == "interrupted", 30, "state interrupted")
-        res = ftrun(recipe, cwd=tmp_path)
-        assert res.returncode == 0, res.stdout + res.stderr
-        if status(run, tmp_path)["state"] == "succeeded":
-            break
-    wait_until_ended(run, tmp_path)
-    assert kills >= 3, "the run finished before most of the kills"
-    assert_same_run(reference, run)
-
-
 def test_unreachable_sync_destination_stops_before_anything_starts(tmp_path, tiny_model):
     env = {"RSYNC_RSH": "ssh -o BatchMode=yes -o ConnectTimeout=3 -p 1"}  # nothing listens on port 1
     recipe = recipe_file(tmp_path / "r.yaml", tiny_model, output_dir=tmp_path / "run",

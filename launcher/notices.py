@@ -1,0 +1,31 @@
+"""Notices the libraries print that say nothing about the run: kept out of the console and train.log.
+
+Called at the top of the processes that import the training libraries (launcher/train.py, launcher/export.py),
+before those imports, so that a notice printed at import time is caught too.
+"""
+
+from __future__ import annotations
+
+
+def quiet_known_notices() -> None:
+    """Deprecation notices (FutureWarning) are for the code, not the user; two notices say nothing about the run:
+    bitsandbytes' CPU path asking for the optional `kernels` package on every LoRA/QLoRA import, and DeepSpeed's
+    "Setting accelerator to CPU" on any run that imports it (accelerate and TRL do, whatever the engine).
+    Everything else these loggers say still shows."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+    class _Drop(logging.Filter):
+        def __init__(self, *phrases: str):
+            super().__init__()
+            self.phrases = phrases
+
+        def filter(self, record: logging.LogRecord) -> bool:
+            return not any(p in record.getMessage() for p in self.phrases)
+
+    # Logger-level filters: bitsandbytes logs through its module's logger (backends/cpu/ops.py), DeepSpeed through
+    # the "DeepSpeed" logger (accelerator/real_accelerator.py uses deepspeed.utils.logger)
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_Drop("from kernels-community"))
+    logging.getLogger("DeepSpeed").addFilter(_Drop("Setting accelerator to CPU"))
