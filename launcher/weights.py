@@ -145,7 +145,10 @@ def fetch_tokenizer(model: str, found: dict[str, Any]) -> None:
     from huggingface_hub import hf_hub_download
 
     for name in found["tokenizer_files"]:
-        hf_hub_download(model, name, endpoint=_endpoint())
+        try:
+            hf_hub_download(model, name, endpoint=_endpoint())
+        except Exception:  # noqa: BLE001 - the Hub answered check() a moment ago; without the files the data
+            return  # check estimates from characters and says so (launcher/data.py), and the download retries
 
 
 def _allow(names: list[str]) -> list[str]:
