@@ -42,9 +42,8 @@ def for_recipe(examples: list, recipe) -> Split:
     group = [first.setdefault(json.dumps(e, sort_keys=True, ensure_ascii=False), len(first)) for e in examples]
     parts = split(len(first), recipe.eval.fraction, recipe.seed)
     held = set(parts.held_out)
-    seen: set[int] = set()
-    held_out = [i for i, g in enumerate(group) if g in held and not (g in seen or seen.add(g))]
-    return Split([i for i, g in enumerate(group) if g not in held], held_out)
+    first_copy = {g: i for i, g in reversed(list(enumerate(group)))}  # each distinct example's first index
+    return Split([i for i, g in enumerate(group) if g not in held], sorted(first_copy[g] for g in held))
 
 
 def source_name(data: Any) -> str:

@@ -113,7 +113,9 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
         raise RecipeError(f"resume: true but {run.root} holds no run to resume",
                           fix="set resume: auto to start a new run when there is none.")
     found = weights.check(recipe.model)  # before the run directory is touched: a failure leaves nothing behind
-    weights.fetch_tokenizer(recipe.model, found)  # the data check renders with the model's own chat template
+    missed = weights.fetch_tokenizer(recipe.model, found)  # the data check renders with the model's chat template
+    if missed:
+        _say(f"note: {missed}")
 
     examples, lengths, stats, plan, plan_dict, lock, data_sha = _prepare(run, recipe, resuming=resuming, fresh=fresh,
                                                                          memory_limit=memory_limit,
@@ -450,7 +452,9 @@ def smoke_only(recipe_path: str, overrides: list[str], memory_limit: Optional[fl
         raise UsageError(f"output_dir {run.root} exists and holds files that are not an ftrun run",
                          fix="choose another output_dir; ftrun never writes into a folder it did not create.")
     found = weights.check(recipe.model)  # before the run directory is touched: a failure leaves nothing behind
-    weights.fetch_tokenizer(recipe.model, found)  # the data check renders with the model's own chat template
+    missed = weights.fetch_tokenizer(recipe.model, found)  # the data check renders with the model's chat template
+    if missed:
+        _say(f"note: {missed}")
     examples, lengths, stats, plan, plan_dict, lock, data_sha = _prepare(run, recipe, resuming=exists, fresh=False,
                                                                          memory_limit=memory_limit)
     try:

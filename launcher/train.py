@@ -301,12 +301,8 @@ def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta
                 "time": time.time(),
             }
             self.t_last, self.tokens_last = now, tokens
-            if state.is_world_process_zero and mode == "full":
-                with run.metrics.open("a") as fh:
-                    fh.write(json.dumps(row) + "\n")
-            if state.is_world_process_zero:
-                print(f"[ftrun worker] step {row['step']}/{state.max_steps} loss {loss:.4f} "
-                      f"lr {row['learning_rate']:.2e} {row['tokens_per_second']:.0f} tok/s", flush=True)
+            _emit(run, mode, state, row, f"loss {loss:.4f} lr {row['learning_rate']:.2e} "
+                                         f"{row['tokens_per_second']:.0f} tok/s")
 
     return Cadence(), Metrics()
 
@@ -318,12 +314,17 @@ def _log_eval(run: RunDir, mode: str, state, logs: dict[str, Any]) -> None:
         if logs.get(key) is not None:
             row[key] = float(logs[key])
     row.update(epoch=round(state.epoch or 0.0, 4), eval_seconds=logs.get("eval_runtime"), time=time.time())
-    if state.is_world_process_zero and mode == "full":
+    _emit(run, mode, state, row, f"eval loss {row['eval_loss']:.4f} ({row['eval_seconds'] or 0:.1f} s)")
+
+
+def _emit(run: RunDir, mode: str, state, row: dict[str, Any], text: str) -> None:
+    """A logged row from the main process: into metrics.jsonl (the full run's only) and one log line."""
+    if not state.is_world_process_zero:
+        return
+    if mode == "full":
         with run.metrics.open("a") as fh:
             fh.write(json.dumps(row) + "\n")
-    if state.is_world_process_zero:
-        print(f"[ftrun worker] step {row['step']}/{state.max_steps} eval loss {row['eval_loss']:.4f} "
-              f"({row['eval_seconds'] or 0:.1f} s)", flush=True)
+    print(f"[ftrun worker] step {row['step']}/{state.max_steps} {text}", flush=True)
 
 
 def load_model_and_tokenizer(recipe, device: str, dtype, plan: Optional[dict] = None, run_dir: Optional[Path] = None):

@@ -135,20 +135,24 @@ def check(model: str) -> dict[str, Any]:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 
-def fetch_tokenizer(model: str, found: dict[str, Any]) -> None:
+def fetch_tokenizer(model: str, found: dict[str, Any]) -> Optional[str]:
     """A Hub model's tokenizer files into the cache before the data check, so that the token counts and the check
     that the chat template renders tool calls and reasoning use the real template on a model's first run too
     (the weights come later, in `fetch`). hf_hub_download of the main branch, as `fetch` downloads it: a download
-    by commit hash would write no refs/main, and try_to_load_from_cache (launcher/models.py) would not find it."""
+    by commit hash would write no refs/main, and try_to_load_from_cache (launcher/models.py) would not find it.
+    Returns what to tell the user when the files could not be had, else None."""
     if found.get("source") != "hub" or not found.get("tokenizer_files"):
-        return
+        return None
     from huggingface_hub import hf_hub_download
 
     for name in found["tokenizer_files"]:
         try:
             hf_hub_download(model, name, endpoint=_endpoint())
-        except Exception:  # noqa: BLE001 - the Hub answered check() a moment ago; without the files the data
-            return  # check estimates from characters and says so (launcher/data.py), and the download retries
+        except Exception as exc:  # noqa: BLE001 - the Hub answered check() a moment ago: not a reason to stop
+            return (f"{model}'s {name} could not be fetched before the data check ({type(exc).__name__}: {exc}); "
+                    "the data check estimates tokens from characters and cannot check how the chat template "
+                    "renders tool calls and reasoning")
+    return None
 
 
 def _allow(names: list[str]) -> list[str]:

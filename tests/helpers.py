@@ -118,3 +118,18 @@ def prepared_run(recipe_path: Path, *overrides: str) -> Path:
     _, _, stats = data_stats(recipe)
     (run / "plan.json").write_text(json.dumps(pipeline_plan(recipe, stats).to_dict()))
     return run
+
+
+def export_recipe(path: Path, model: Path, out: Path, **fields) -> Path:
+    """A short LoRA run of the tiny model without a smoke test, for the export tests (tests/test_export.py and
+    the GGUF tier, tests/test_gguf.py); `fields` override."""
+    import yaml
+
+    base = {"model": str(model), "method": "lora", "data": str(REPO / "recipes" / "data" / "tiny-chat.jsonl"),
+            "max_length": 256, "micro_batch_size": 8, "gradient_accumulation_steps": 1, "max_steps": 8,
+            "learning_rate": 5e-3, "logging_steps": 1, "checkpoint_every_minutes": 0.02, "output_dir": str(out),
+            "smoke": {"enabled": False}}
+    base.update(fields)
+    path.write_text(yaml.safe_dump(base))
+    return path
+

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_DATA = REPO / "recipes" / "data" / "tiny-chat.jsonl"
@@ -20,19 +19,10 @@ TINY_DATA = REPO / "recipes" / "data" / "tiny-chat.jsonl"
 pytest.importorskip("matplotlib", reason="the export extra (pip install -e '.[export]') is not installed")
 
 
-def ftrun(*args, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
-    return subprocess.run([sys.executable, "-m", "launcher.cli", *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+from helpers import export_recipe as write_recipe  # noqa: E402
+from helpers import ftrun  # noqa: E402
 
 
-def write_recipe(path: Path, model: Path, out: Path, **fields) -> Path:
-    base = {"model": str(model), "method": "lora", "data": str(TINY_DATA), "max_length": 256, "micro_batch_size": 8,
-            "gradient_accumulation_steps": 1, "max_steps": 8, "learning_rate": 5e-3, "logging_steps": 1,
-            "checkpoint_every_minutes": 0.02, "output_dir": str(out), "smoke": {"enabled": False}}
-    base.update(fields)
-    path.write_text(yaml.safe_dump(base))
-    return path
 
 
 @pytest.fixture(scope="module")

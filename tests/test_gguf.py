@@ -11,33 +11,19 @@ the default tier (no llama.cpp needed).
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 REPO = Path(__file__).resolve().parent.parent
-TINY_DATA = REPO / "recipes" / "data" / "tiny-chat.jsonl"
 gguf_tier = pytest.mark.gguf
 
 
-def ftrun(*args, cwd: Path, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    full = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", **(env or {}))
-    return subprocess.run([sys.executable, "-m", "launcher.cli", *map(str, args)], cwd=cwd, env=full,
-                          capture_output=True, text=True, timeout=timeout)
+from helpers import export_recipe as write_recipe  # noqa: E402
+from helpers import ftrun  # noqa: E402
 
 
-def write_recipe(path: Path, model: Path, out: Path, **fields) -> Path:
-    base = {"model": str(model), "method": "lora", "data": str(TINY_DATA), "max_length": 256, "micro_batch_size": 8,
-            "gradient_accumulation_steps": 1, "max_steps": 8, "learning_rate": 5e-3, "logging_steps": 1,
-            "checkpoint_every_minutes": 0.02, "output_dir": str(out), "smoke": {"enabled": False}}
-    base.update(fields)
-    path.write_text(yaml.safe_dump(base))
-    return path
 
 
 def _bench():
@@ -135,7 +121,7 @@ def test_plan_refuses_a_model_the_converter_cannot_handle(llama_cpp_ready, tiny_
 def qwen_run(llama_cpp_ready, tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gguf")
     recipe = write_recipe(tmp / "r.yaml", tiny_model, tmp / "run", export=["adapter", "merged", "gguf"])
-    res = ftrun(recipe, "--foreground", cwd=tmp)
+    res = ftrun(recipe, "--foreground", cwd=tmp, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return {"run": tmp / "run", "cwd": tmp}
 
@@ -182,7 +168,7 @@ def test_modelfile_and_serving_md_for_ollama(qwen_run):
 @gguf_tier
 def test_ftrun_export_q8_0_from_the_same_run(qwen_run):
     run = qwen_run["run"]
-    res = ftrun("export", run, "--gguf", "q8_0", cwd=qwen_run["cwd"])
+    res = ftrun("export", run, "--gguf", "q8_0", cwd=qwen_run["cwd"], timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "run-Q8_0.gguf" in res.stdout
     g = _report(run)["outputs"]["gguf"]
