@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .errors import EXIT_INTERNAL, FtrunError, UsageError
+from launcher.errors import EXIT_INTERNAL, FtrunError, UsageError
 
 COMMANDS = ("plan", "smoke", "status", "logs", "stop", "pull", "push", "export", "publish", "explain", "run")
 
@@ -121,27 +121,27 @@ def _nodes(a) -> Optional[dict]:
 
 
 def cmd_run(a) -> int:
-    from .pipeline import launch
+    from launcher.run.pipeline import launch
 
     return launch(a.recipe, a.overrides, foreground=a.foreground, fresh=a.fresh, memory_limit=_parse_gb(a.memory_limit),
                   allow_changes=a.allow_changes, nodes=_nodes(a))
 
 
 def cmd_plan(a) -> int:
-    from .pipeline import plan_command
+    from launcher.run.pipeline import plan_command
 
     return plan_command(a.recipe, a.overrides, a.gpus, a.tokens, a.json, a.price)
 
 
 def cmd_smoke(a) -> int:
-    from .pipeline import smoke_only
+    from launcher.run.pipeline import smoke_only
 
     return smoke_only(a.recipe, a.overrides, memory_limit=_parse_gb(a.memory_limit))
 
 
 def cmd_status(a) -> int:
-    from . import views
-    from .pipeline import resolve_run
+    from launcher.run import views
+    from launcher.run.pipeline import resolve_run
 
     if a.target is None:
         runs = views.find_runs(Path.cwd() / "runs")
@@ -167,8 +167,8 @@ def cmd_status(a) -> int:
 
 
 def cmd_logs(a) -> int:
-    from .pipeline import resolve_run
-    from .state import run_holder
+    from launcher.run.pipeline import resolve_run
+    from launcher.store.state import run_holder
 
     run = resolve_run(a.target)
     if not run.log.is_file():
@@ -195,9 +195,9 @@ def cmd_logs(a) -> int:
 
 
 def cmd_stop(a) -> int:
-    from . import views
-    from .pipeline import resolve_run
-    from .supervisor import stop
+    from launcher.run import views
+    from launcher.run.pipeline import resolve_run
+    from launcher.run.supervisor import stop
 
     run = resolve_run(a.target)
     outcome = stop(run)
@@ -208,32 +208,33 @@ def cmd_stop(a) -> int:
 
 
 def cmd_pull(a) -> int:
-    from .pipeline import pull_command
+    from launcher.run.pipeline import pull_command
 
     return pull_command(a.recipe, a.overrides)
 
 
 def cmd_push(a) -> int:
-    from .pipeline import push_command
+    from launcher.run.pipeline import push_command
 
     return push_command(a.target)
 
 
 def cmd_export(a) -> int:
-    from .export import export_command
+    from launcher.deliver.export import export_command
+    from launcher.run.pipeline import resolve_run
 
-    return export_command(a.target, merged=a.merged, gguf=a.gguf)
+    return export_command(resolve_run(a.target), merged=a.merged, gguf=a.gguf)
 
 
 def cmd_publish(a) -> int:
-    from .pipeline import resolve_run
-    from .publish import publish_command
+    from launcher.run.pipeline import resolve_run
+    from launcher.deliver.publish import publish_command
 
     return publish_command(resolve_run(a.target), to=a.to)
 
 
 def cmd_explain(a) -> int:
-    from .recipe import explain
+    from launcher.recipe import explain
 
     print(explain())
     return 0

@@ -16,12 +16,12 @@ from typing import Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
-from .errors import RecipeError
+from launcher.errors import RecipeError
 
 Method = Literal["qlora", "lora", "full", "full-8bit"]
 Engine = Literal["auto", "unsloth", "trl", "ddp", "fsdp", "deepspeed"]
-ExportFormat = Literal["adapter", "merged", "gguf"]  # launcher/export.py
-GgufType = Literal["q4_k_m", "q5_k_m", "q6_k", "q8_0", "f16", "bf16", "f32"]  # launcher/llamacpp.py TYPES
+ExportFormat = Literal["adapter", "merged", "gguf"]  # launcher/deliver/export.py
+GgufType = Literal["q4_k_m", "q5_k_m", "q6_k", "q8_0", "f16", "bf16", "f32"]  # launcher/deliver/llamacpp.py TYPES
 
 # Settings the recipe owns at top level: passing them again under `trainer:` would make two
 # surfaces for one setting, so they are refused there with a pointer to the top-level key.
@@ -48,7 +48,7 @@ OWNED_TRAINER_KEYS = {
     "fp16": "(chosen from the GPU, not configured)",
     "resume_from_checkpoint": "resume",
     "report_to": "report_to",
-    # the evaluation runs on the recipe's eval: split, by wall clock (launcher/evaluation.py)
+    # the evaluation runs on the recipe's eval: split, by wall clock (launcher/data/split.py)
     "do_eval": "eval.fraction or eval.data",
     "eval_strategy": "eval.every_minutes",
     "eval_steps": "eval.every_minutes",
@@ -103,11 +103,11 @@ class SmokeSettings(_Strict):
     max_minutes: float = Field(15.0, gt=0, description="Stop the smoke test after this long and extrapolate.")
 
 
-DataFormat = Literal["messages", "sharegpt", "alpaca", "prompt_completion", "text"]  # launcher/data_formats.py
+DataFormat = Literal["messages", "sharegpt", "alpaca", "prompt_completion", "text"]  # launcher/data/formats.py
 
 
 class DataSource(_Strict):
-    """One data source (launcher/data_sources.py); docs/data.md has the formats."""
+    """One data source (launcher/data/sources.py); docs/data.md has the formats."""
 
     path: str = Field(description="A .jsonl/.json/.parquet/.csv file, a folder of them, a dataset saved with "
                       "datasets (save_to_disk), or a Hub dataset id (org/name, read through the HF cache).")
@@ -155,7 +155,7 @@ class EvalSettings(_Strict):
         return self
 
 
-Tracker = Literal["tensorboard", "wandb", "mlflow", "trackio"]  # launcher/trackers.py
+Tracker = Literal["tensorboard", "wandb", "mlflow", "trackio"]  # launcher/worker/trackers.py
 
 
 class PublishSettings(_Strict):

@@ -9,7 +9,7 @@ Llama with Llama 3.1's rope scaling (rope_type llama3) and hidden size 256 / int
 real Q4_K, Q5_K and Q6_K blocks. Each is converted once to a 16-bit GGUF by llama.cpp's converter and quantized
 to every type by llama.cpp's quantizer (launcher/export.gguf_output), read back in llama.cpp and compared with the
 model in transformers (float32) on the parity prompts. docs/BENCHMARKS.md section 5 holds a run of it, and the
-tolerances in launcher/export.py GGUF_TOLERANCE were set from it.
+tolerances in launcher/deliver/export.py GGUF_TOLERANCE were set from it.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def reference(model_dir: Path, prompts_n: int = 3):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from launcher.export import model_outputs, parity_prompts
+    from launcher.deliver.export import model_outputs, parity_prompts
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     prompts = parity_prompts(SimpleNamespace(data=str(TINY_DATA), eval=None), tok, prompts_n)
@@ -97,7 +97,8 @@ def reference(model_dir: Path, prompts_n: int = 3):
 
 def measure(model_dir: Path, name: str, types: list[str], out_dir: Path) -> list[dict]:
     """Every type from one 16-bit conversion; a failed check is measured and reported, not raised."""
-    from launcher import export, llamacpp
+    from launcher.deliver import export
+    from launcher.deliver import llamacpp
 
     tok, prompts, ref = reference(model_dir)
     rows = []
@@ -131,7 +132,7 @@ def measure(model_dir: Path, name: str, types: list[str], out_dir: Path) -> list
 
 
 def main() -> int:
-    from launcher import llamacpp
+    from launcher.deliver import llamacpp
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--types", default=",".join(llamacpp.TYPES))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks for one short GPU loan (launcher/backends/gpu_check.py): device and dtype, per-rank placement, the
+# GPU checks for one short GPU loan (launcher/worker/gpu_check.py): device and dtype, per-rank placement, the
 # memory cap, peak memory, out-of-memory classification, predicted vs measured memory and tokens/s for LoRA and
 # full fine-tuning at an 8B shape (random weights, no download), padded vs padding-free, FSDP2 with the final save.
 #   OUT=/some/dir scripts/gpu_check.sh            on the GPU box (torch + transformers; peft, accelerate if there)
@@ -8,7 +8,7 @@
 # reason and the next one runs. Each step writes $OUT/<step>.json as soon as it has results, and
 # $OUT/summary.json is rewritten after every step. The whole run stays within GPU_CHECK_BUDGET_S (default 450 s
 # on a GPU, 600 s dry); one line per step goes to stdout, each step's full output to $OUT/<step>.log.
-# Settings: GPU_CHECK_SHAPE (a launcher/models.py catalog name, default qwen3-8b), GPU_CHECK_STEPS (a comma list
+# Settings: GPU_CHECK_SHAPE (a launcher/plan/models.py catalog name, default qwen3-8b), GPU_CHECK_STEPS (a comma list
 # to run a subset), GPU_CHECK_TIMEOUTS (per-step timeouts, "bench-full=200,fsdp=60"), GPU_CHECK_WORK (where the
 # tiny model and the FSDP save are built, default a temporary folder: not in $OUT, which comes back from the box).
 # Exit 0 only when every step passed or was skipped for a missing package; a step left out for lack of time fails it.
@@ -36,7 +36,7 @@ else
   fi
 fi
 DEADLINE=$((GPU_CHECK_STARTED + GPU_CHECK_BUDGET_S))
-"$PY" -m launcher.backends.gpu_check start --out "$OUT" || exit 2
+"$PY" -m launcher.worker.gpu_check start --out "$OUT" || exit 2
 echo "gpu_check $MODE: results in $OUT, budget ${GPU_CHECK_BUDGET_S} s"
 
 # step NAME TIMEOUT_GPU TIMEOUT_DRY: run it under timeout(1) (which kills its whole process group, children
@@ -50,15 +50,15 @@ step() {
   for pair in ${spec//,/ }; do [ "${pair%%=*}" = "$name" ] && limit=${pair#*=}; done
   local left=$((DEADLINE - $(date +%s)))
   if [ "$left" -lt 15 ]; then
-    "$PY" -m launcher.backends.gpu_check finish "$name" --out "$OUT" --not-run "out of time (budget ${GPU_CHECK_BUDGET_S} s)"
+    "$PY" -m launcher.worker.gpu_check finish "$name" --out "$OUT" --not-run "out of time (budget ${GPU_CHECK_BUDGET_S} s)"
     FAILED=$((FAILED + 1))  # not run is not passed
     return 0
   fi
   [ "$left" -lt "$limit" ] && limit=$left
   local rc=0
-  GPU_CHECK_STEP_BUDGET=$limit timeout -k 10 "$limit" "$PY" -m launcher.backends.gpu_check step "$name" \
+  GPU_CHECK_STEP_BUDGET=$limit timeout -k 10 "$limit" "$PY" -m launcher.worker.gpu_check step "$name" \
     --out "$OUT" ${DRY[@]+"${DRY[@]}"} >"$OUT/$name.log" 2>&1 || rc=$?
-  "$PY" -m launcher.backends.gpu_check finish "$name" --out "$OUT" --rc "$rc" --limit "$limit" || rc=1
+  "$PY" -m launcher.worker.gpu_check finish "$name" --out "$OUT" --rc "$rc" --limit "$limit" || rc=1
   [ "$rc" -ne 0 ] && FAILED=$((FAILED + 1))
   return 0
 }

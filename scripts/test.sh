@@ -39,7 +39,7 @@ scripts/setup.sh
 if [ "${1:-}" = "--gguf" ]; then
   # The GGUF tier: llama-cpp-python built from its source distribution (about 7 minutes on 2 cores, once; pip
   # keeps the wheel) without -march=native (a native build traps with "Illegal instruction" on VMs that report
-  # AMX), and llama.cpp's converter copied from the same version (launcher/llamacpp.py).
+  # AMX), and llama.cpp's converter copied from the same version (launcher/deliver/llamacpp.py).
   shift
   if ! .venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('llama-cpp-python') != '0.3.36')" 2>/dev/null; then
     echo "building llama-cpp-python 0.3.36 (about 7 minutes on 2 cores; log in .venv/pip.log) ..."
@@ -47,7 +47,7 @@ if [ "${1:-}" = "--gguf" ]; then
       .venv/bin/python -m pip install -q -e ".[gguf]" >>.venv/pip.log 2>&1 || { tail -30 .venv/pip.log; exit 1; }
   fi
   .venv/bin/python -c "from launcher import llamacpp as l; c = l.converter(); raise SystemExit(c is None or c.version != l.PINNED)" \
-    || .venv/bin/python -m launcher.llamacpp install
+    || .venv/bin/python -m launcher.deliver.llamacpp install
   exec .venv/bin/python -m pytest -m gguf "$@"
 fi
 case "${1:-}" in

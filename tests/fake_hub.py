@@ -23,7 +23,7 @@ from pathlib import Path, PurePosixPath
 
 import huggingface_hub as hf
 
-from launcher import checkpoint as ckpt
+from launcher.store import checkpoint as ckpt
 
 REAL_API = hf.HfApi
 LFS_ABOVE = 1024  # the stand-in stores files above this as LFS (the Hub: 10 MB or a binary type)
@@ -69,7 +69,7 @@ def _shared(method):
 
 
 class FakeHub:
-    """HfApi's calls that launcher/sync.py makes, on commits; `mangle` changes what an upload stores."""
+    """HfApi's calls that launcher/store/sync.py makes, on commits; `mangle` changes what an upload stores."""
 
     def __init__(self, state: Path | None = None):
         self.calls, self.mangle, self.offline = [], None, False

@@ -1,6 +1,6 @@
 """Run under torchrun (gloo): the worker's QLoRA+FSDP loading path on CPU, sharded with fully_shard, against an unsharded copy.
 
-The model comes from launcher.loading exactly as the FSDP worker gets it (engine fsdp: loaded and quantized on
+The model comes from launcher.worker.loading exactly as the FSDP worker gets it (engine fsdp: loaded and quantized on
 this rank's CPU, quant storage in the compute dtype), then each decoder layer and the root are sharded the way
 accelerate's TRANSFORMER_BASED_WRAP does. Rank 0 writes a JSON report: whether the 4-bit weights became sharded
 DTensors, what each rank holds, and the loss and LoRA gradients of the sharded model next to the unsharded copy.
@@ -19,8 +19,8 @@ def main(run_dir: str, dtype_name: str, out: str) -> int:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from launcher.backends.fsdp import shard_worker_model
-    from launcher.loading import load_kwargs, load_model_and_tokenizer
+    from launcher.worker.engines.fsdp import shard_worker_model
+    from launcher.worker.loading import load_kwargs, load_model_and_tokenizer
     from launcher.recipe import load_recipe
 
     dist.init_process_group("gloo")

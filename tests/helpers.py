@@ -108,7 +108,7 @@ def prepared_run(recipe_path: Path, *overrides: str) -> Path:
     """A run directory with recipe.yaml and plan.json, as `ftrun` writes them, without starting anything."""
     import yaml
 
-    from launcher.pipeline import data_stats, make_plan as pipeline_plan
+    from launcher.run.pipeline import data_stats, make_plan as pipeline_plan
     from launcher.recipe import load_recipe
 
     recipe = load_recipe(recipe_path, list(overrides))

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import REPO
-from launcher import checkpoint as ckpt
+from launcher.store import checkpoint as ckpt
 
 
 def _files(folder: Path, sizes: dict[str, int]) -> dict[str, bytes]:
@@ -76,8 +76,8 @@ def test_parallel_hashing_gives_the_sequential_digests_and_verification_still_ca
 
 
 def test_background_manifest_is_written_last_and_retention_and_sync_wait_for_it(tmp_path, gated_hash):
-    from launcher.rundir import RunDir
-    from launcher.sync import Syncer
+    from launcher.store.rundir import RunDir
+    from launcher.store.sync import Syncer
 
     run = RunDir(tmp_path / "run")
     root = run.checkpoints
@@ -185,8 +185,8 @@ def test_a_process_that_returns_while_hashing_still_writes_the_manifest_before_i
 
 
 def _cadence(tmp_path, monkeypatch, mode: str):
-    from launcher import train
-    from launcher.rundir import RunDir
+    from launcher.worker import train
+    from launcher.store.rundir import RunDir
 
     monkeypatch.setattr(train, "_redraw_loss_plot", lambda *a, **k: None)  # loss.png is not what is tested
     run = RunDir(tmp_path / "run")
@@ -397,7 +397,7 @@ def test_no_rank_returns_before_rank_0s_background_manifest_and_resume_steps_mus
 ])
 def test_each_nodes_first_process_verifies_its_disk_whatever_the_engine(engine, nnodes, nproc, rank, local_rank,
                                                                        verifies):
-    from launcher import train
+    from launcher.worker import train
 
     plan = {"engine": engine, "num_processes": nproc, **({"nodes": {"nnodes": nnodes}} if nnodes > 1 else {})}
     assert train._verifies_resume(plan, rank, local_rank) is verifies
@@ -405,8 +405,8 @@ def test_each_nodes_first_process_verifies_its_disk_whatever_the_engine(engine, 
 
 def test_only_the_disks_writer_removes_a_folder_and_only_after_its_manifest(tmp_path, gated_hash, monkeypatch):
     """A full disk on another rank must not delete the checkpoint the writer is still hashing."""
-    from launcher import train
-    from launcher.rundir import RunDir
+    from launcher.worker import train
+    from launcher.store.rundir import RunDir
 
     # the writer rule is the Trainer's (save_on_each_node: each node's first process, else the main one)
     assert [train._writes_checkpoints(False, r, lr) for r, lr in ((0, 0), (1, 1), (2, 0))] == [True, False, False]
@@ -517,7 +517,7 @@ import torch.distributed as dist
 from transformers import TrainerControl, TrainerState
 from launcher import checkpoint as ckpt
 from launcher import train
-from launcher.rundir import RunDir
+from launcher.store.rundir import RunDir
 
 run_root, group_timeout, hash_s = Path(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=group_timeout))
@@ -586,7 +586,7 @@ def test_a_hash_longer_than_the_process_group_timeout_is_awaited_in_short_collec
     assert ckpt.verify(run / "checkpoints" / "step-000010")[0] and ckpt.verify(run / "checkpoints" / "step-000020")[0]
 
 
-# A worker whose manifests cannot be written: the real `launcher.train` entry point, one process.
+# A worker whose manifests cannot be written: the real `launcher.worker.train` entry point, one process.
 _FAILING_WORKER = """
 import errno, os, signal, sys
 from pathlib import Path

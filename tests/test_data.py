@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from launcher.data import compute_stats, example_lengths, load_data, load_examples, smoke_sample, to_dataset
+from launcher.data.dataset import compute_stats, example_lengths, load_data, load_examples, smoke_sample, to_dataset
 from launcher.errors import DataError
 
 GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
@@ -203,7 +203,7 @@ def test_saved_dataset_and_hub_cache(tmp_path, monkeypatch):
     assert data.where[0] == "acme/chats row 1" and data.examples[0]["messages"][0]["content"] == "q0"
     assert data.sources[0]["revision"] == HUB_REVISION and len(data.sources[0]["content_sha256"]) == 64
     # the worker reads the revision the launcher recorded
-    from launcher.data_sources import pinned
+    from launcher.data.sources import pinned
 
     spec = [{"path": "acme/chats", "columns": {"conversations": "conversation"}}]
     (source,) = pinned(spec, data.sources)
@@ -244,7 +244,7 @@ def test_weighted_mix_and_recorded_identity(tmp_path):
     assert load_data([{"path": str(a), "weight": 2}, {"path": str(b), "weight": 0.5}], seed=1).examples == data.examples
     assert [s["weight"] for s in data.sources] == [2, 0.5] and all(len(s["sha256"]) == 64 for s in data.sources)
     # one plain file: its own sha256, as runs recorded before sources existed
-    from launcher.checkpoint import sha256_file
+    from launcher.store.checkpoint import sha256_file
 
     assert load_data(str(a)).sha256 == sha256_file(a)
     before = data.sha256
@@ -361,10 +361,10 @@ def test_recipe_data_is_a_path_a_hub_id_a_source_or_a_weighted_list(tmp_path, wr
 def test_changed_data_or_eval_data_is_caught_at_the_launch_and_at_a_worker_restart(tmp_path, tiny_model):
     """The run's data identity covers eval.data too; the worker compares what it reads with the launch's record
     (data.json), so a restart after a crash never trains on data edited in between."""
-    from launcher.pipeline import data_stats
+    from launcher.run.pipeline import data_stats
     from launcher.recipe import validate_recipe
-    from launcher.rundir import RunDir
-    from launcher.train import _data_changed
+    from launcher.store.rundir import RunDir
+    from launcher.worker.train import _data_changed
 
     train = _write(tmp_path, [{"text": f"line {i}"} for i in range(20)], "train.jsonl")
     held = _write(tmp_path, [{"text": f"held {i}"} for i in range(4)], "held.jsonl")

@@ -18,7 +18,7 @@ from test_data import make_hub_cache
 
 pytestmark = pytest.mark.slow
 
-# the before/after answers (launcher/samples.py) are not what this test checks
+# the before/after answers (launcher/worker/samples.py) are not what this test checks
 NO_SAMPLES = {"eval": {"samples": 0}} if "eval" in Recipe.model_fields else {}
 QUICK = ["max_steps=2", "micro_batch_size=4", "max_length=64", "logging_steps=1"]
 

@@ -17,8 +17,8 @@ import pytest
 from helpers import REPO, ftrun, has_checkpoint, metrics, prepared_run, read_state, status, wait_for, wait_until_ended
 
 from launcher.errors import PlanError
-from launcher.hardware import from_spec
-from launcher.plan import make_plan
+from launcher.plan.hardware import from_spec
+from launcher.plan.plan import make_plan
 from launcher.recipe import validate_recipe
 
 # A quick run: no smoke test, no export (tested elsewhere), so the time goes to the engine.
@@ -68,7 +68,7 @@ def test_cpu_plan_refuses_impossible_engines_with_the_reason(tmp_path, tiny_mode
 
 
 def test_cpu_plan_refuses_deepspeed_when_not_installed(tmp_path, tiny_model, monkeypatch):
-    import launcher.plan as plan_mod
+    import launcher.plan.plan as plan_mod
 
     monkeypatch.setattr(plan_mod, "_deepspeed_installed", lambda: False)
     with pytest.raises(PlanError) as err:
@@ -128,7 +128,7 @@ def test_plan_for_two_processes_launched_as_one_is_stopped_before_training(write
     run = prepared_run(write_recipe(max_steps=6), "engine=ddp", "num_processes=2")
     t0 = time.monotonic()
     res = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
-                          "-m", "launcher.train", "--run-dir", str(run), "--mode", "full"],
+                          "-m", "launcher.worker.train", "--run-dir", str(run), "--mode", "full"],
                          cwd=REPO, env=_worker_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode != 0
     assert "the plan asks for 2 process(es) but 1 were started" in res.stderr
@@ -142,7 +142,7 @@ def test_plan_for_two_processes_launched_as_one_is_stopped_before_training(write
     plan["engine"] = "trl"  # launched as a single process, the plan still says 2
     (run / "plan.json").write_text(json.dumps(plan))
     (run / "worker.json").unlink()
-    res = subprocess.run([sys.executable, "-m", "launcher.supervisor", "--run-dir", str(run)],
+    res = subprocess.run([sys.executable, "-m", "launcher.run.supervisor", "--run-dir", str(run)],
                          cwd=REPO, env=_worker_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 5, res.stdout + res.stderr
     st = read_state(run)
@@ -253,7 +253,7 @@ def test_lora_checkpoint_from_ddp2_resumes_on_one_process(write_recipe, tmp_path
 # --- DeepSpeed ZeRO-3 ---------------------------------------------------------------------------------
 
 def test_deepspeed_config_is_generated_from_the_plan(write_recipe, tmp_path):
-    from launcher.backends import launch_command, trainer_fields
+    from launcher.worker.engines import launch_command, trainer_fields
 
     run = prepared_run(write_recipe(max_steps=6, gradient_accumulation_steps=3), "engine=ddp",
                         "num_processes=2")
@@ -280,7 +280,7 @@ def test_deepspeed_config_is_generated_from_the_plan(write_recipe, tmp_path):
 
 
 def test_resume_across_world_sizes_is_allowed_for_trainer_checkpoints_and_refused_for_zero():
-    from launcher.backends import resume_compatibility
+    from launcher.worker.engines import resume_compatibility
 
     note, refused = resume_compatibility({"step": 20, "engine": "ddp", "world_size": 2},
                                          {"engine": "trl", "num_processes": 1})
@@ -328,7 +328,7 @@ def test_deepspeed_zero3_two_processes_follows_ddp(write_recipe, tmp_path):
 def test_fsdp_accelerate_config_is_generated_from_the_plan(write_recipe, tmp_path):
     from accelerate.commands.config.config_args import load_config_from_file
 
-    from launcher.backends import launch_command, trainer_fields
+    from launcher.worker.engines import launch_command, trainer_fields
 
     run = prepared_run(write_recipe(max_steps=6), "engine=ddp", "num_processes=2")
     plan = json.loads((run / "plan.json").read_text())
@@ -347,7 +347,7 @@ def test_fsdp_accelerate_config_is_generated_from_the_plan(write_recipe, tmp_pat
 @pytest.mark.parametrize("method", ["lora", pytest.param("full", marks=pytest.mark.slow)])
 def test_fully_shard_on_gloo_shards_the_worker_model_and_trains_like_unsharded(write_recipe, tmp_path, method,
                                                                                 request):
-    """...and the worker's FSDP final save (launcher.backends.fsdp.save_full, each tensor gathered on every rank,
+    """...and the worker's FSDP final save (launcher.worker.engines.fsdp.save_full, each tensor gathered on every rank,
     written by rank 0) writes what the unsharded model's own save_pretrained writes; a whole model in the base's
     dtype (the full case fine-tunes a bf16 base in fp32, as FSDP2's upcast does on a GPU)."""
     base = {"model": str(request.getfixturevalue("tiny_model_bf16"))} if method == "full" else {}
@@ -355,7 +355,7 @@ def test_fully_shard_on_gloo_shards_the_worker_model_and_trains_like_unsharded(w
     out, final_dir = tmp_path / "fsdp.json", tmp_path / "final"
     t0 = time.monotonic()
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          "-m", "launcher.backends.fsdp", "--run-dir", str(run), "--steps", "4", "--out", str(out),
+                          "-m", "launcher.worker.engines.fsdp", "--run-dir", str(run), "--steps", "4", "--out", str(out),
                           "--final-dir", str(final_dir)],
                          cwd=REPO, env=_worker_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -395,7 +395,7 @@ def test_fsdp_through_accelerate_on_cpu_is_caught_as_not_sharded(write_recipe, t
     plan = json.loads((run / "plan.json").read_text())
     plan["engine"] = "fsdp"  # the CPU plan refuses fsdp; this is what a plan made for GPUs would launch
     (run / "plan.json").write_text(json.dumps(plan))
-    res = subprocess.run([sys.executable, "-m", "launcher.supervisor", "--run-dir", str(run)],
+    res = subprocess.run([sys.executable, "-m", "launcher.run.supervisor", "--run-dir", str(run)],
                          cwd=REPO, env=_worker_env(), capture_output=True, text=True, timeout=400)
     assert res.returncode == 5, res.stdout[-3000:] + res.stderr[-3000:]
     st = read_state(run)

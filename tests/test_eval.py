@@ -14,7 +14,7 @@ TINY_DATA = Path(__file__).resolve().parent.parent / "recipes" / "data" / "tiny-
 
 
 def test_the_split_is_seeded_disjoint_and_the_same_every_time():
-    from launcher.evaluation import split
+    from launcher.data.split import split
 
     a, b = split(400, 0.05, 42), split(400, 0.05, 42)
     assert a == b and len(a.held_out) == 20 and len(a.train) == 380
@@ -25,10 +25,10 @@ def test_the_split_is_seeded_disjoint_and_the_same_every_time():
 
 
 def test_copies_of_an_example_are_held_out_or_trained_together(tmp_path):
-    """A source mixed with weight 2 repeats its examples (launcher/data.py): a held-out example must not train
+    """A source mixed with weight 2 repeats its examples (launcher/data/dataset.py): a held-out example must not train
     through its copy. Without duplicates the split is split()'s own."""
-    from launcher.data import load_data
-    from launcher.evaluation import for_recipe, split
+    from launcher.data.dataset import load_data
+    from launcher.data.split import for_recipe, split
 
     recipe = _recipe(tmp_path, eval={"fraction": 0.1})
     distinct = [{"text": f"example {i}"} for i in range(50)]
@@ -84,7 +84,7 @@ def test_eval_data_is_given_like_data(tmp_path, write_recipe):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from launcher.evaluation import load_eval_data, source_name
+    from launcher.data.split import load_eval_data, source_name
 
     assert _recipe(tmp_path, eval={"data": "acme/support-eval"}).eval.data == "acme/support-eval"
     hub = _recipe(tmp_path, eval={"data": {"path": "acme/support-eval", "split": "validation",
@@ -107,8 +107,8 @@ def test_eval_data_is_given_like_data(tmp_path, write_recipe):
 
 
 def test_the_eta_counts_every_eval_pass_and_the_samples(tmp_path):
-    from launcher.data import DataStats
-    from launcher.smoke import estimate
+    from launcher.data.dataset import DataStats
+    from launcher.run.smoke import estimate
 
     recipe = _recipe(tmp_path, max_steps=100, micro_batch_size=1, gradient_accumulation_steps=1,
                      eval={"fraction": 0.05, "every_minutes": 1})
@@ -126,7 +126,7 @@ def test_the_eta_counts_every_eval_pass_and_the_samples(tmp_path):
     assert parts["samples_seconds"] == 5.0
     assert parts["startup_seconds"] == pytest.approx(base["startup_seconds"] - 7.0)  # no longer counted there
     assert parts["estimated_seconds"] == pytest.approx(base["estimated_seconds"] + 30.0 + 5.0 - 7.0)
-    from launcher.views import format_smoke  # the forecast as printed names both parts
+    from launcher.run.views import format_smoke  # the forecast as printed names both parts
 
     line = format_smoke({**parts, "measured_steps": 2, "tokens_per_second": 100.0, "peak_memory_gb": 1.0,
                          "device": "cpu", "training_tokens": 10_000, "price_per_hour_eur": 0.0})
@@ -134,7 +134,7 @@ def test_the_eta_counts_every_eval_pass_and_the_samples(tmp_path):
 
 
 def test_samples_md_holds_prompt_reference_before_and_after(tmp_path):
-    from launcher import samples
+    from launcher.worker import samples
 
     examples = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
                 for i in range(10)] + [{"prompt": "plain prompt", "completion": "plain answer"}, {"text": "no prompt"}]
@@ -159,7 +159,7 @@ def test_samples_md_holds_prompt_reference_before_and_after(tmp_path):
 
 
 def test_the_newest_training_row_and_the_newest_eval_row_are_found_apart(tmp_path):
-    from launcher.state import last_metrics
+    from launcher.store.state import last_metrics
 
     path = tmp_path / "metrics.jsonl"
     rows = [{"step": 0, "eval_loss": 3.0}] + [{"step": s, "loss": 10.0 / s, "pad": "x" * 100} for s in range(1, 200)]
@@ -180,8 +180,8 @@ def test_a_run_with_an_eval_split_reports_eval_loss_and_before_after_samples(wri
     res = ftrun(recipe, "--foreground", cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     run = tmp_path / "run"
-    from launcher.data import load_data
-    from launcher.evaluation import for_recipe
+    from launcher.data.dataset import load_data
+    from launcher.data.split import for_recipe
 
     parts = for_recipe(load_data(str(TINY_DATA), 42).examples, _recipe(tmp_path, eval={"fraction": 0.05}))
     held = parts.held_out

@@ -117,9 +117,9 @@ def test_export_before_the_run_finished_says_what_to_do(tiny_model, tmp_path):
 def test_failed_export_leaves_the_run_trained_not_exported(tiny_model, tmp_path):
     """The supervisor's export step on a run whose adapter is gone: the training stays done, the state says it is
     not exported (not a plain succeeded), the reason is recorded."""
-    from launcher.rundir import RunDir
-    from launcher.state import read_state, set_state
-    from launcher.supervisor import _export
+    from launcher.store.rundir import RunDir
+    from launcher.store.state import read_state, set_state
+    from launcher.run.supervisor import _export
     from launcher.recipe import load_recipe
 
     run = RunDir(tmp_path / "run")
@@ -136,7 +136,7 @@ def test_failed_export_leaves_the_run_trained_not_exported(tiny_model, tmp_path)
 def test_parity_outside_tolerance_fails_loudly():
     import torch
 
-    from launcher.export import ExportError, _check, compare
+    from launcher.deliver.export import ExportError, _check, compare
 
     torch.manual_seed(0)
     a = [{"logits": torch.randn(20, 50), "greedy": [1, 2, 3]}]
@@ -149,8 +149,8 @@ def test_parity_outside_tolerance_fails_loudly():
 
 
 def test_split_rule_and_vllm_rank():
-    from launcher.llamacpp import KNOWN_SPLITS, split_rule
-    from launcher.serving import vllm_lora_rank
+    from launcher.deliver.llamacpp import KNOWN_SPLITS, split_rule
+    from launcher.deliver.serving import vllm_lora_rank
 
     assert split_rule({"pre_tokenizer": {"type": "ByteLevel", "use_regex": True}}) == "gpt-2"
     for regex, name in KNOWN_SPLITS.items():
@@ -166,8 +166,8 @@ def test_modelfile_template_stops_and_tools(tiny_model):
     thinking is left to the one in the GGUF (a per-role TEMPLATE would drop them)."""
     from transformers import AutoTokenizer
 
-    from launcher.data import load_examples
-    from launcher.serving import modelfile
+    from launcher.data.dataset import load_examples
+    from launcher.deliver.serving import modelfile
 
     tok = AutoTokenizer.from_pretrained(str(tiny_model))
     convs = load_examples(str(TINY_DATA))[:3]
@@ -189,7 +189,7 @@ def test_modelfile_template_stops_and_tools(tiny_model):
 
 
 def test_plot_skips_bad_lines_and_never_raises(tmp_path):
-    from launcher.plots import plot_loss, refresh
+    from launcher.deliver.plots import plot_loss, refresh
 
     m = tmp_path / "metrics.jsonl"
     m.write_text("".join(json.dumps({"step": i, "loss": 3 - i * 0.1, "learning_rate": 1e-3}) + "\n" for i in range(1, 6))
@@ -200,7 +200,7 @@ def test_plot_skips_bad_lines_and_never_raises(tmp_path):
 
 
 def test_export_modules_import_light():
-    code = ("import sys; import launcher.export, launcher.plots, launcher.serving, launcher.llamacpp; "
+    code = ("import sys; import launcher.deliver.export, launcher.deliver.plots, launcher.deliver.serving, launcher.deliver.llamacpp; "
             "heavy = [m for m in ('torch', 'transformers', 'matplotlib', 'gguf', 'peft') if m in sys.modules]; "
             "print(heavy); assert not heavy")
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,

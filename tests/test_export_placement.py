@@ -30,7 +30,7 @@ def _stub_cuda(monkeypatch, free: list[float]):
 def test_gpu_box_compares_in_float32_on_one_gpu_and_merges_there(monkeypatch):
     import torch
 
-    from launcher.export import free_gpu_memory, merge_placement, parity_placement
+    from launcher.deliver.export import free_gpu_memory, merge_placement, parity_placement
 
     _stub_cuda(monkeypatch, [20 * GB, 80 * GB])
     gpus = free_gpu_memory()
@@ -47,7 +47,7 @@ def test_small_gpu_compares_on_the_cpu_in_float32_not_across_devices(monkeypatch
     """Item 16: a CUDA bf16 forward against a CPU read-back is never the comparison; float32 on the CPU is."""
     import torch
 
-    from launcher.export import free_gpu_memory, merge_placement, parity_placement
+    from launcher.deliver.export import free_gpu_memory, merge_placement, parity_placement
 
     _stub_cuda(monkeypatch, [24 * GB])
     p = parity_placement(8_000_000_000, torch.bfloat16, free_gpu_memory(), ram=64 * GB)
@@ -60,7 +60,7 @@ def test_70b_on_two_24gb_cards_splits_over_gpus_and_ram_and_refuses_a_merge_it_c
     import torch
 
     from launcher.errors import FtrunError
-    from launcher.export import GPU_RESERVE, HEADROOM, RAM_RESERVE, free_gpu_memory, merge_placement, parity_placement
+    from launcher.deliver.export import GPU_RESERVE, HEADROOM, RAM_RESERVE, free_gpu_memory, merge_placement, parity_placement
 
     _stub_cuda(monkeypatch, [24 * GB, 24 * GB])
     n = 70_000_000_000
@@ -81,7 +81,7 @@ def test_70b_on_two_24gb_cards_splits_over_gpus_and_ram_and_refuses_a_merge_it_c
 def test_cpu_box_without_room_for_float32_compares_in_16_bit_on_the_cpu_and_merges_float32_bases_in_float32():
     import torch
 
-    from launcher.export import merge_placement, parity_placement
+    from launcher.deliver.export import merge_placement, parity_placement
 
     p = parity_placement(8_000_000_000, torch.bfloat16, [], ram=24 * GB)
     assert p.device_map == {"": "cpu"} and p.dtype == "bfloat16" and p.max_memory is None
@@ -123,8 +123,8 @@ def test_a_model_split_onto_disk_is_used_where_it_was_loaded(tiny_model, tmp_pat
     feeding the inputs to the compute device gives the unsplit model's logits exactly."""
     import torch
 
-    import launcher.export as ex
-    from launcher.export import Loads, Placement, load_model, model_outputs
+    import launcher.deliver.export as ex
+    from launcher.deliver.export import Loads, Placement, load_model, model_outputs
 
     monkeypatch.setattr(ex, "GREEDY_NEW_TOKENS", 4)  # each step reads the disk part again
     prompts = [{"ids": list(range(5, 60)), "prompt_ids": list(range(5, 20))}]
@@ -153,7 +153,7 @@ def _copy_run(run: Path, tmp: Path) -> Path:
 def test_adapter_export_when_the_base_fits_nowhere_checks_the_file_and_refuses_the_merge(finished_run, tmp_path,
                                                                                          monkeypatch):
     """The 70B recipes' `export: [adapter]` loaded the 16-bit base for its parity check, wherever it landed."""
-    import launcher.export as ex
+    import launcher.deliver.export as ex
 
     run = _copy_run(finished_run, tmp_path)
     monkeypatch.setattr(ex, "free_gpu_memory", lambda: [])
@@ -175,7 +175,7 @@ def test_export_in_16_bit_when_float32_fits_nowhere_compares_like_with_like(fini
     """RAM for the 16-bit model but not for float32: merge and every parity load in bf16 on the CPU, one model at
     a time, the merged model compared with base + adapter in the same dtype. (The GGUF is read back in llama.cpp,
     which places nothing through this: tests/test_gguf.py, the gguf tier.)"""
-    import launcher.export as ex
+    import launcher.deliver.export as ex
 
     run = _copy_run(finished_run, tmp_path)
     n = ex.parameter_count(yaml.safe_load((run / "recipe.yaml").read_text())["model"])

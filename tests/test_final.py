@@ -1,4 +1,4 @@
-"""The final result's verification (launcher/final.py): good, missing, empty, truncated and wrong artifacts, and,
+"""The final result's verification (launcher/store/final.py): good, missing, empty, truncated and wrong artifacts, and,
 end to end, a run whose final save writes nothing ends `failed` with the reason, never `succeeded`."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 
 from helpers import REPO, read_state
 
-from launcher import final
+from launcher.store import final
 
 LAYERS = 2
 TARGETS = ["q_proj", "v_proj"]

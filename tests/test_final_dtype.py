@@ -1,4 +1,4 @@
-"""A full fine-tune's final/model is written in the base model's dtype (launcher/saving.py), whatever dtype
+"""A full fine-tune's final/model is written in the base model's dtype (launcher/worker/saving.py), whatever dtype
 training kept: the real save paths on CPU (trl/ddp's cast-while-saving, DeepSpeed's file-by-file recast), and a
 whole run end to end (slow). The FSDP gather is checked by test_engines.py's fully_shard exercise ([full])."""
 
@@ -13,7 +13,8 @@ import pytest
 
 from helpers import REPO, read_state
 
-from launcher import final, saving
+from launcher.store import final
+from launcher.worker import saving
 
 
 def _header_dtypes(folder) -> set[str]:

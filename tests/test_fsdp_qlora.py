@@ -22,13 +22,13 @@ from pathlib import Path
 
 import pytest
 
-from launcher import sizing
+from launcher.plan import sizing
 from launcher.errors import PlanError
-from launcher.hardware import from_spec
-from launcher.models import from_catalog
-from launcher.plan import format_plan, make_plan
+from launcher.plan.hardware import from_spec
+from launcher.plan.models import from_catalog
+from launcher.plan.plan import format_plan, make_plan
 from launcher.recipe import load_recipe, validate_recipe
-from launcher.sizing import GB, Workload
+from launcher.plan.sizing import GB, Workload
 
 REPO = Path(__file__).resolve().parent.parent
 LLAMA70 = "meta-llama/Llama-3.1-70B-Instruct"
@@ -120,7 +120,7 @@ def test_70b_qlora_on_2x4090_is_refused_for_ram_and_plans_with_offload_where_ram
 
 
 def test_offload_reaches_the_accelerate_config():
-    from launcher.backends.fsdp import accelerate_config
+    from launcher.worker.engines.fsdp import accelerate_config
 
     on = accelerate_config({"num_processes": 2, "device": "cuda", "offload_params": True}, True)["fsdp_config"]
     off = accelerate_config({"num_processes": 2, "device": "cuda"}, True)["fsdp_config"]
@@ -131,7 +131,7 @@ def test_offload_reaches_the_accelerate_config():
 def test_fsdp_qlora_loads_on_the_cpu_and_other_paths_are_unchanged(tmp_path):
     import torch
 
-    from launcher import loading
+    from launcher.worker import loading
 
     r = validate_recipe({"model": "m", "method": "qlora", "data": "d.jsonl"}, tmp_path, "r")
     assert loading.load_kwargs(r, "cuda", torch.bfloat16, "fsdp")["device_map"] == {"": "cpu"}
@@ -201,7 +201,7 @@ def test_deepspeed_counts_its_fp32_master_copy_for_full_8bit():
 
 
 def test_the_oom_shard_step_never_moves_full_8bit_onto_fsdp(tmp_path):
-    from launcher.pipeline import next_adjustment, shard_blocker
+    from launcher.run.pipeline import next_adjustment, shard_blocker
 
     r = validate_recipe({"model": "meta-llama/Llama-3.1-8B", "method": "full", "data": "d.jsonl",
                          "micro_batch_size": 1, "gradient_accumulation_steps": 8,

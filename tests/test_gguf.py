@@ -38,11 +38,11 @@ def _bench():
 @pytest.fixture(scope="module")
 def llama_cpp_ready():
     """The tier's premise, failing loudly (not skipping) when the build or the converter is missing."""
-    from launcher import llamacpp
+    from launcher.deliver import llamacpp
 
     assert llamacpp.runtime_version() == llamacpp.PINNED, f"{llamacpp.DIST} {llamacpp.PINNED} is not installed"
     conv = llamacpp.converter()
-    assert conv is not None and conv.version == llamacpp.PINNED, "python -m launcher.llamacpp install"
+    assert conv is not None and conv.version == llamacpp.PINNED, "python -m launcher.deliver.llamacpp install"
     return conv
 
 
@@ -65,7 +65,7 @@ def test_plan_refuses_gguf_when_this_box_lacks_llama_cpp(tiny_model, tmp_path):
 
 def test_an_architecture_the_converter_lacks_is_refused_even_where_llama_cpp_is_not(tiny_model, tmp_path):
     """Planning a box to rent on a machine without llama.cpp: the converter's table as ftrun ships it
-    (launcher/llamacpp_architectures.json) still refuses the model before any GPU time."""
+    (launcher/deliver/llamacpp_architectures.json) still refuses the model before any GPU time."""
     model = tmp_path / "opt-like"
     shutil.copytree(tiny_model, model)
     cfg = json.loads((model / "config.json").read_text())
@@ -85,7 +85,7 @@ def test_an_architecture_the_converter_lacks_is_refused_even_where_llama_cpp_is_
 
 @gguf_tier
 def test_the_shipped_architecture_table_is_the_pinned_converters(llama_cpp_ready):
-    from launcher import llamacpp
+    from launcher.deliver import llamacpp
 
     conv = llamacpp.converter()
     assert conv.version == llamacpp.PINNED == json.loads(llamacpp.ARCHITECTURES_FILE.read_text())["llama_cpp_python"]
@@ -180,13 +180,14 @@ def test_ftrun_export_q8_0_from_the_same_run(qwen_run):
 @gguf_tier
 def test_a_gguf_that_fails_its_check_leaves_the_run_trained_not_exported(qwen_run, monkeypatch):
     """A check that fails (here: a bound no file can meet) is in export.json, status and state."""
-    from launcher import export
+    from launcher.deliver import export
+    from launcher.store.rundir import RunDir
 
     run = qwen_run["run"]
     monkeypatch.setitem(export.TOLERANCE, "gguf:q8_0", {"max_kl": 0.0, "min_top1": 1.01, "max_ppl": 0.0, "min_greedy": 1.0})
     monkeypatch.chdir(qwen_run["cwd"])
     with pytest.raises(export.ExportError, match=r"does not match its reference.*top-1 agreement"):
-        export.export_command(str(run), gguf="q8_0")
+        export.export_command(RunDir(Path(run).resolve()), gguf="q8_0")
     rep = _report(run)
     assert rep["ok"] is False and rep["outputs"]["gguf"]["parity_vs_merged"]["ok"] is False
     assert "does not match its reference" in rep["outputs"]["gguf"]["error"] and "mean KL divergence" in rep["outputs"]["gguf"]["error"]
@@ -201,8 +202,9 @@ def test_a_gguf_that_fails_its_check_leaves_the_run_trained_not_exported(qwen_ru
 
 @gguf_tier
 def test_tiny_llama31_converts_quantizes_and_matches_in_llama_cpp(llama_cpp_ready, tmp_path_factory):
-    from launcher import export, llamacpp
-    from launcher.serving import modelfile
+    from launcher.deliver import export
+    from launcher.deliver import llamacpp
+    from launcher.deliver.serving import modelfile
 
     bench = _bench()
     out = tmp_path_factory.mktemp("llama31")

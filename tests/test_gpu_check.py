@@ -1,4 +1,4 @@
-"""scripts/gpu_check.sh and launcher/backends/gpu_check.py: a step that fails, crashes, hangs or is left out for
+"""scripts/gpu_check.sh and launcher/worker/gpu_check.py: a step that fails, crashes, hangs or is left out for
 lack of time is recorded with its reason and the next step runs; the summary is rewritten after every step; the
 padded and padding-free micro-batches have the worker's layout.
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.backends import gpu_check as gc
+from launcher.worker import gpu_check as gc
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "gpu_check.sh"

@@ -43,11 +43,11 @@ if _DELAY:
     import time
 
     def _stop_requested():
-        for name in ("__main__", "launcher.train"):
+        for name in ("__main__", "launcher.worker.train"):
             stop = getattr(sys.modules.get(name), "_Stop", None)
             if stop is not None:
                 return stop.requested
-        raise RuntimeError("slow-save hook: launcher.train._Stop not found; the test cannot slow the save")
+        raise RuntimeError("slow-save hook: launcher.worker.train._Stop not found; the test cannot slow the save")
 
     def _patch(module):
         original = module.Trainer._save_checkpoint
@@ -150,7 +150,7 @@ def test_ddp_preemption_gets_grace_seconds_not_torchruns_30s(write_recipe, tmp_p
     stopped_at = {}
     for name, (t_signal, sup_pid) in signalled.items():
         run = tmp_path / name
-        from launcher.state import pid_alive
+        from launcher.store.state import pid_alive
 
         wait_for(lambda: not pid_alive(sup_pid), GRACE_S + 60, f"{name}: the supervisor to end")
         took = time.monotonic() - t_signal
@@ -163,7 +163,7 @@ def test_ddp_preemption_gets_grace_seconds_not_torchruns_30s(write_recipe, tmp_p
         assert ("Received 15 death signal, shutting down workers" in log) == (name == "box"), log[-6000:]
         st = read_state(run)
         assert st["state"] == "preempted" and "after a checkpoint" in st["reason"], (st, log[-6000:])
-        from launcher.checkpoint import candidates, verify
+        from launcher.store.checkpoint import candidates, verify
 
         newest = candidates(run / "checkpoints")[0]
         ok, why = verify(newest)
@@ -188,7 +188,7 @@ def test_ddp_preemption_gets_grace_seconds_not_torchruns_30s(write_recipe, tmp_p
 @pytest.mark.parametrize("engine", ["ddp", "deepspeed", "fsdp", "trl"])
 def test_launcher_waits_grace_seconds_plus_a_margin(engine, monkeypatch):
     """The variable reaches torch's launch config through torchrun's arguments and accelerate launch's."""
-    from launcher.backends import LAUNCHER_SHUTDOWN_MARGIN_S, launch_env
+    from launcher.worker.engines import LAUNCHER_SHUTDOWN_MARGIN_S, launch_env
 
     env = launch_env({"engine": engine, "num_processes": 2, "device": "cpu"}, grace_seconds=44.5)
     if engine == "trl":  # one process, no launcher: the supervisor signals it and waits grace_seconds itself
@@ -205,10 +205,10 @@ def test_launcher_waits_grace_seconds_plus_a_margin(engine, monkeypatch):
         from accelerate.commands.launch import launch_command_parser
         from accelerate.utils.launch import _filter_args
 
-        args = launch_command_parser().parse_args(["--multi_gpu", "--num_processes", "2", "-m", "launcher.train"])
+        args = launch_command_parser().parse_args(["--multi_gpu", "--num_processes", "2", "-m", "launcher.worker.train"])
         args = _filter_args(args, distrib_run.get_args_parser(),
                             ["--training_script", args.training_script, "--training_script_args", args.training_script_args])
     else:
-        args = distrib_run.get_args_parser().parse_args(["--standalone", "--nproc_per_node=2", "-m", "launcher.train"])
+        args = distrib_run.get_args_parser().parse_args(["--standalone", "--nproc_per_node=2", "-m", "launcher.worker.train"])
     config, _, _ = distrib_run.config_from_args(args)
     assert config.shutdown_timeout == 45 + LAUNCHER_SHUTDOWN_MARGIN_S

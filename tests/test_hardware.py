@@ -7,9 +7,9 @@ import types
 
 import pytest
 
-from launcher import hardware
+from launcher.plan import hardware
 from launcher.errors import UsageError
-from launcher.hardware import detect, from_spec
+from launcher.plan.hardware import detect, from_spec
 
 
 @pytest.mark.parametrize("spec,name,count,interconnect", [

@@ -26,7 +26,7 @@ def _cache_with_model(hub_cache: Path, repo: str = "org/mymodel", sha: str = "01
 
 
 def _found(env: dict[str, str], tmp_path: Path) -> dict:
-    code = ("import json; from launcher.models import cached_file, load_architecture; "
+    code = ("import json; from launcher.model_files import cached_file; from launcher.plan.models import load_architecture; "
             "a = load_architecture('org/mymodel', allow_network=False); "
             "print(json.dumps({'file': str(cached_file('org/mymodel', 'config.json')), 'layers': a.layers, "
             "'source': a.source}))")
@@ -54,7 +54,7 @@ def test_a_config_from_the_hub_comes_through_hf_hub_download(tmp_path, monkeypat
     import huggingface_hub.constants  # noqa: F401 - a lazy submodule
 
     from launcher.errors import ModelError
-    from launcher.models import load_architecture
+    from launcher.plan.models import load_architecture
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("FTRUN_OFFLINE", raising=False)

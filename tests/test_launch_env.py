@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from launcher.backends import launch_env
-from launcher.hardware import from_spec
-from launcher.plan import make_plan
+from launcher.worker.engines import launch_env
+from launcher.plan.hardware import from_spec
+from launcher.plan.plan import make_plan
 from launcher.recipe import validate_recipe
 
 REPO = Path(__file__).resolve().parent.parent
@@ -94,7 +94,7 @@ def test_the_worker_keeps_known_notices_and_deprecations_out_of_the_log():
     assert bare.returncode == 0, bare.stderr
     assert "kernels-community" in bare.stderr and "FutureWarning" in bare.stderr  # what the filter is for
     assert "Setting accelerator to CPU" in bare.stderr
-    worker = subprocess.run([sys.executable, "-c", probe.format(first="import launcher.train\n")],
+    worker = subprocess.run([sys.executable, "-c", probe.format(first="import launcher.worker.train\n")],
                             capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
     assert worker.returncode == 0, worker.stderr
     assert "kernels-community" not in worker.stderr and "FutureWarning" not in worker.stderr

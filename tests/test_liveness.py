@@ -17,8 +17,8 @@ import pytest
 from conftest import RESUME_FIELDS, recipe_file
 from helpers import (REPO, assert_same_run, freeze_worker, ftrun, has_checkpoint, read_state, status, wait_for,
                      wait_until_ended)
-from launcher.rundir import RunDir
-from launcher.state import is_locked, process_identity, run_holder, run_processes, same_process, set_state
+from launcher.store.rundir import RunDir
+from launcher.store.state import is_locked, process_identity, run_holder, run_processes, same_process, set_state
 
 
 def _alive(proc: subprocess.Popen) -> bool:
@@ -144,7 +144,7 @@ time.sleep(60)
 
 FAKE_SUPERVISOR = """
 import subprocess, sys
-w = subprocess.Popen([sys.executable, "-c", sys.argv[1], "launcher.train", "--run-dir", sys.argv[2]],
+w = subprocess.Popen([sys.executable, "-c", sys.argv[1], "launcher.worker.train", "--run-dir", sys.argv[2]],
                      stdout=subprocess.PIPE, text=True)
 w.stdout.readline()
 print(w.pid, flush=True)
@@ -154,9 +154,9 @@ import time; time.sleep(60)
 
 def test_orphans_are_found_by_run_dir_and_killed_with_their_group(run_dir, tmp_path, procs):
     """A supervisor (own session, as start_detached makes it) killed -9 leaves a worker that ignores SIGTERM:
-    end_orphans finds it by `launcher.train --run-dir <run>` (a relative path included), waits, then kills its
+    end_orphans finds it by `launcher.worker.train --run-dir <run>` (a relative path included), waits, then kills its
     supervisor's group (the worker's child with it); a worker of another run and an unrelated process live on."""
-    from launcher.supervisor import end_orphans
+    from launcher.run.supervisor import end_orphans
 
     other = tmp_path / "other-run"
     other.mkdir()
@@ -164,7 +164,7 @@ def test_orphans_are_found_by_run_dir_and_killed_with_their_group(run_dir, tmp_p
                            stdout=subprocess.PIPE, text=True, start_new_session=True)
     procs.append(sup)
     worker_pid = int(sup.stdout.readline())
-    bystander = _spawn(sys.executable, "-c", "import time; time.sleep(60)", "launcher.train", "--run-dir", str(other),
+    bystander = _spawn(sys.executable, "-c", "import time; time.sleep(60)", "launcher.worker.train", "--run-dir", str(other),
                        start_new_session=True)
     unrelated = _spawn("sleep", "60", start_new_session=True)
     procs += [bystander, unrelated]
@@ -274,7 +274,7 @@ def test_an_orphaned_worker_is_ended_before_the_run_resumes(write_recipe, tmp_pa
 
     fd = _hold_lock(run)
     with (run / "train.log").open("ab") as log:
-        orphan = subprocess.Popen([sys.executable, "-m", "launcher.train", "--run-dir", str(run), "--mode", "full"],
+        orphan = subprocess.Popen([sys.executable, "-m", "launcher.worker.train", "--run-dir", str(run), "--mode", "full"],
                                   cwd=REPO, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                   pass_fds=(fd,), start_new_session=True,
                                   env=dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1"))

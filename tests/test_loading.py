@@ -1,4 +1,4 @@
-"""launcher/loading.py: the device per rank, the dtype by compute capability, the weights' dtype per method and
+"""launcher/worker/loading.py: the device per rank, the dtype by compute capability, the weights' dtype per method and
 engine, the attention kernel, and the real loading path on CPU (issue 12, items 2, 6, 9, 10, 13).
 
 The choices that depend on CUDA alone are tested with torch.cuda's queries stubbed; the loading itself runs for
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from launcher import loading
+from launcher.worker import loading
 
 
 class FakeCuda:
@@ -139,7 +139,7 @@ def test_real_load_on_cpu_places_and_describes(tiny_model):
 
 def test_qlora_under_fsdp_checkpoints_once(tiny_model):
     """Item 10: prepare_model_for_kbit_training must not turn on the model's own checkpointing under FSDP, whose
-    accelerate config checkpoints every layer itself (backends/fsdp.py); the other engines keep it."""
+    accelerate config checkpoints every layer itself (engines/fsdp.py); the other engines keep it."""
     pytest.importorskip("bitsandbytes")
     recipe = _recipe(tiny_model, method="qlora")
     fsdp, _ = loading.load_model_and_tokenizer(recipe, "cpu", torch.float32, {"engine": "fsdp"})

@@ -1,9 +1,9 @@
-"""The worker's memory (launcher/memory.py): out-of-memory classification, peak measurement per rank and over
+"""The worker's memory (launcher/worker/memory.py): out-of-memory classification, peak measurement per rank and over
 ranks, the --memory-limit cap on each rank's own device.
 
 CUDA-only choices are tested with torch.cuda's queries replaced (this box has no GPU); the maximum over ranks
 runs for real in two gloo processes; the classification uses real exception objects of the classes torch raises,
-with the texts torch, NCCL and the CPU allocator produce (launcher/memory.py's docstring says where each is from).
+with the texts torch, NCCL and the CPU allocator produce (launcher/worker/memory.py's docstring says where each is from).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launcher import memory
-from launcher.sizing import GB
+from launcher.worker import memory
+from launcher.plan.sizing import GB
 
 NCCL_HEAD = ("NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3356, unhandled cuda error "
              "(run with NCCL_DEBUG=INFO for details), NCCL version 2.26.2\n")
@@ -346,8 +346,8 @@ def test_a_new_attempt_does_not_inherit_the_last_attempts_exit_code(tmp_path):
     previous one's is dropped, so a worker that dies before writing its own is restarted, not read as out of memory."""
     import json
 
-    from launcher import supervisor
-    from launcher.rundir import RunDir
+    from launcher.run import supervisor
+    from launcher.store.rundir import RunDir
 
     run = RunDir(tmp_path)
     run.worker.write_text(json.dumps({"pid": 1, "error": "out of GPU memory at step 3", "exit_code": 78,

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from launcher import models
+from launcher.plan import models
 from launcher.errors import ModelError
-from launcher.models import catalog_key, from_catalog, load_architecture
+from launcher.plan.models import catalog_key, from_catalog, load_architecture
 
 # Published parameter counts (model cards / safetensors metadata), in billions.
 PUBLISHED = [

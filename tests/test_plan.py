@@ -11,11 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from launcher import plan as plan_mod
+from launcher.plan import plan as plan_mod
 from launcher.errors import MissingSoftware, PlanError
-from launcher.hardware import detect, from_spec
-from launcher.models import from_catalog
-from launcher.plan import format_plan, make_plan
+from launcher.plan.hardware import detect, from_spec
+from launcher.plan.models import from_catalog
+from launcher.plan.plan import format_plan, make_plan
 from launcher.recipe import validate_recipe
 
 REPO = Path(__file__).resolve().parent.parent
@@ -248,7 +248,7 @@ def test_plan_is_fast(tmp_path):
 
 
 def test_importing_the_planner_stays_light():
-    code = ("import sys, launcher.plan, launcher.hardware, launcher.sizing, launcher.models; "
+    code = ("import sys, launcher.plan.plan, launcher.plan.hardware, launcher.plan.sizing, launcher.plan.models; "
             "heavy = [m for m in ('torch', 'transformers', 'trl', 'peft', 'pynvml', 'unsloth') if m in sys.modules]; "
             "print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)

@@ -9,12 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from launcher import cli, hardware, pipeline, sizing
-from launcher import plan as plan_mod
+from launcher import cli
+from launcher.plan import hardware
+from launcher.run import pipeline
+from launcher.plan import sizing
+from launcher.plan import plan as plan_mod
 from launcher.errors import MissingSoftware, PlanError, RecipeError
-from launcher.hardware import Hardware, catalog, from_spec, lookup
-from launcher.models import _weights_bytes, download_size, from_catalog
-from launcher.plan import format_plan, make_plan
+from launcher.plan.hardware import Hardware, catalog, from_spec, lookup
+from launcher.plan.models import _weights_bytes, download_size, from_catalog
+from launcher.plan.plan import format_plan, make_plan
 from launcher.recipe import TOKENS_MEANING, Recipe, _suggest, parse_token_count, validate_recipe
 
 REPO = Path(__file__).resolve().parent.parent

@@ -14,9 +14,9 @@ import pytest
 import yaml
 
 from launcher.errors import RecipeError
-from launcher.publish import PublishError, after_export, publish_run
+from launcher.deliver.publish import PublishError, after_export, publish_run
 from launcher.recipe import validate_recipe
-from launcher.rundir import RunDir
+from launcher.store.rundir import RunDir
 
 hf = pytest.importorskip("huggingface_hub")
 from fake_hub import FakeHub  # noqa: E402  (tests/fake_hub.py, the stand-in the sync tests use)

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from launcher import hardware
-from launcher import plan as plan_mod
+from launcher.plan import hardware
+from launcher.plan import plan as plan_mod
 from launcher.errors import PlanError
-from launcher.hardware import from_spec
+from launcher.plan.hardware import from_spec
 from launcher.recipe import load_recipe
-from launcher.sizing import GB
+from launcher.plan.sizing import GB
 
 RECIPES = sorted((Path(__file__).resolve().parent.parent / "recipes").glob("*.yaml"))
 ARTICLE = [p for p in RECIPES if p.name != "tiny-cpu.yaml"]
@@ -83,7 +83,7 @@ def test_recipe_plans_as_its_header_says(path, no_gpu_here):
 
 
 def test_tiny_cpu_recipe_plans_on_a_cpu(tiny_model):
-    from launcher.pipeline import data_stats
+    from launcher.run.pipeline import data_stats
 
     recipe = load_recipe(RECIPES[0].parent / "tiny-cpu.yaml", [f"model={tiny_model}"])
     assert "CPU" in header(RECIPES[0].parent / "tiny-cpu.yaml")["box_line"] and recipe.box is None

@@ -132,7 +132,7 @@ def test_ddp_kill9_inside_a_logging_window_then_every_logged_value_matches(write
 @pytest.mark.slow
 def test_checkpoint_without_window_state_still_resumes_with_a_note(write_recipe, tmp_path):
     """A checkpoint written before the window's sums were saved: the same weights, the old metrics, a note."""
-    from launcher import checkpoint as ckpt
+    from launcher.store import checkpoint as ckpt
 
     ref = _reference(write_recipe, tmp_path, "ref")
     run, resume_at, recipe = _interrupted(write_recipe, tmp_path)
@@ -163,7 +163,7 @@ def _trainer_after_zeroing(step: int, world_size: int, rank: int):
 
 
 def test_restore_puts_each_ranks_sum_back_or_says_why_not(tmp_path):
-    from launcher import window
+    from launcher.worker import window
 
     saved = {"step": 7, "last_logged_step": 5, "loss_sums": [12.5, 11.25], "loss_dtype": "float32",
              "trl_metrics": {"entropy": [1.5, 1.25], "num_tokens": [900]}, "trl_total_train_tokens": 900}

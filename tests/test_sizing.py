@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from launcher import sizing
-from launcher.hardware import catalog, catalog_box
-from launcher.models import from_catalog
-from launcher.sizing import Workload
+from launcher.plan import sizing
+from launcher.plan.hardware import catalog, catalog_box
+from launcher.plan.models import from_catalog
+from launcher.plan.sizing import Workload
 
 MODEL = {"8B": "meta-llama/Llama-3.1-8B", "32B": "Qwen/Qwen2.5-32B", "70B": "meta-llama/Llama-3.1-70B"}
 
@@ -178,7 +178,7 @@ MEASURED = [
 def test_measured_peaks():
     from statistics import median
 
-    from launcher.models import Architecture
+    from launcher.plan.models import Architecture
 
     archs = {"llama2": Architecture(**LLAMA2_7B), "llama31": from_catalog(MODEL["8B"])}
     errors, hf_peft = [], []  # docs/sizing.md, "Against measured peaks": how the median is measured

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from launcher import sizing
+from launcher.plan import sizing
 from launcher.errors import PlanError
-from launcher.hardware import from_spec
-from launcher.models import from_catalog, from_config
-from launcher.plan import make_plan
+from launcher.plan.hardware import from_spec
+from launcher.plan.models import from_catalog, from_config
+from launcher.plan.plan import make_plan
 from launcher.recipe import load_recipe
-from launcher.sizing import GB, Workload
+from launcher.plan.sizing import GB, Workload
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 LLAMA70 = "meta-llama/Llama-3.1-70B-Instruct"

@@ -2,10 +2,10 @@
 
 import pytest
 
-from launcher.data import DataStats
+from launcher.data.dataset import DataStats
 from launcher.recipe import validate_recipe
-from launcher.smoke import estimate, export_seconds, memory_note, step_seconds, training_tokens
-from launcher.views import format_smoke
+from launcher.run.smoke import estimate, export_seconds, memory_note, step_seconds, training_tokens
+from launcher.run.views import format_smoke
 
 STATS = DataStats(examples=1000, total_tokens=100_000, mean_tokens=100.0, max_tokens=400, over_max_length=0,
                   tokens_source="tokenizer", max_length=512)
@@ -41,7 +41,7 @@ def test_too_few_steps_fall_back_to_the_plain_rate(tmp_path):
 
 
 def test_checkpoint_time_counts_one_save_per_interval_plus_the_end(tmp_path):
-    from launcher.smoke import saves_seconds
+    from launcher.run.smoke import saves_seconds
 
     recipe = _recipe(tmp_path, checkpoint_every_minutes=20)
     assert saves_seconds(2.0, 3 * 3600, recipe) == 2.0 * (9 + 2)  # 9 interval saves in 3 h, the last, the final model

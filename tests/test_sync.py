@@ -18,7 +18,7 @@ import yaml
 from conftest import RESUME_FIELDS, recipe_file
 from helpers import (assert_same_run, freeze_worker, ftrun, has_checkpoint, logged_steps, metrics, read_state,
                      status, wait_for, wait_until_ended)
-from launcher import checkpoint as ckpt
+from launcher.store import checkpoint as ckpt
 from launcher.errors import RecipeError
 from launcher.recipe import load_recipe
 
@@ -207,8 +207,8 @@ def _checkpoint_with_a_multipart_file(root: Path, step: int, big: int) -> Path:
 def test_s3_copy_is_verified_by_the_stores_checksums_without_reading_it_back(tmp_path, s3_server, monkeypatch):
     """Each object goes up with its SHA-256 (a multipart one with a SHA-256 per part); the verification reads
     S3's checksums with one HEAD per file and no GET, where reading the copy back would GET every byte."""
-    from launcher.rundir import RunDir
-    from launcher.sync import FsspecDestination, push_checkpoint
+    from launcher.store.rundir import RunDir
+    from launcher.store.sync import FsspecDestination, push_checkpoint
 
     monkeypatch.setattr(FsspecDestination, "part_bytes", 5 << 20)  # S3's smallest part: a 11 MiB file is 3 parts
     step_dir = _checkpoint_with_a_multipart_file(tmp_path / "run" / "checkpoints", 10, 11 << 20)
@@ -252,7 +252,7 @@ def test_s3_copy_changed_on_the_server_after_the_upload_does_not_verify(tmp_path
     replication): the store's checksum tells at once, or, where the new object carries none, the read back."""
     import boto3
 
-    from launcher.sync import FsspecDestination
+    from launcher.store.sync import FsspecDestination
 
     step_dir = _fake_checkpoint(tmp_path / "checkpoints", 20)
     manifest = json.loads((step_dir / "manifest.json").read_text())
@@ -289,7 +289,7 @@ def test_credentials_in_sync_url_are_refused(tmp_path):
 
 def test_unknown_destination_is_a_clear_error():
     from launcher.errors import SyncError
-    from launcher.sync import destination
+    from launcher.store.sync import destination
 
     with pytest.raises(SyncError, match="not a destination ftrun knows"):
         destination("just-a-word")
@@ -331,8 +331,8 @@ def test_torn_checkpoints_are_never_resumed_from(tmp_path):
 
 
 def test_pull_skips_a_remote_checkpoint_whose_upload_did_not_finish(tmp_path):
-    from launcher.rundir import RunDir
-    from launcher.sync import pull
+    from launcher.store.rundir import RunDir
+    from launcher.store.sync import pull
 
     remote = tmp_path / "remote"
     (remote).mkdir()

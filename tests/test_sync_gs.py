@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from launcher import checkpoint as ckpt
+from launcher.store import checkpoint as ckpt
 
 gcsfs = pytest.importorskip("gcsfs", reason="gs:// needs gcsfs (pip install 'ftrun[gs]')")
 emulator = pytest.importorskip("gcp_storage_emulator.server", reason="the tests need gcp-storage-emulator")
@@ -60,8 +60,8 @@ def _media_reads(lines: list[str]) -> list[str]:
 
 
 def test_gs_copy_is_verified_by_the_stores_md5_without_reading_it_back(tmp_path, gcs_server):
-    from launcher.rundir import RunDir
-    from launcher.sync import FsspecDestination, push_checkpoint
+    from launcher.store.rundir import RunDir
+    from launcher.store.sync import FsspecDestination, push_checkpoint
 
     step_dir = _checkpoint(tmp_path / "run" / "checkpoints", 10)
     dest = FsspecDestination("gs://ftrun-test/runs/r1")

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher import checkpoint as ckpt
+from launcher.store import checkpoint as ckpt
 from launcher.errors import SyncError
-from launcher.rundir import RunDir
+from launcher.store.rundir import RunDir
 
 hf = pytest.importorskip("huggingface_hub")
 
@@ -39,7 +39,7 @@ def _run_with_checkpoint(root: Path, step: int) -> Path:
 
 
 def test_hub_round_trip_verifies_without_downloading_and_keeps_the_newest(tmp_path, hub):
-    from launcher.sync import destination, pull, push_checkpoint, push_metadata
+    from launcher.store.sync import destination, pull, push_checkpoint, push_metadata
 
     run = RunDir(tmp_path / "run")
     dest = destination("hf://me/runs/job1")
@@ -61,7 +61,7 @@ def test_hub_round_trip_verifies_without_downloading_and_keeps_the_newest(tmp_pa
 def test_hub_copy_that_differs_is_not_counted_as_off_the_box(tmp_path, hub, victim):
     """The Hub lists a file under other hashes than the sent one (an LFS sha256, a small file's git blob id):
     the copy does not count as off the box. (For LFS the sha256 is the id the upload was made under.)"""
-    from launcher.sync import destination, push_checkpoint
+    from launcher.store.sync import destination, push_checkpoint
 
     run = RunDir(tmp_path / "run")
     hub.mangle = lambda path, data: bytes([data[0] ^ 0xFF]) + data[1:] if path.endswith(victim) else data
@@ -70,7 +70,7 @@ def test_hub_copy_that_differs_is_not_counted_as_off_the_box(tmp_path, hub, vict
 
 
 def test_hub_upload_cut_short_is_not_counted_as_off_the_box(tmp_path, hub):
-    from launcher.sync import destination, push_checkpoint
+    from launcher.store.sync import destination, push_checkpoint
 
     run = RunDir(tmp_path / "run")
     hub.mangle = lambda path, data: data[:100] if path.endswith(".safetensors") else data
@@ -79,7 +79,7 @@ def test_hub_upload_cut_short_is_not_counted_as_off_the_box(tmp_path, hub):
 
 
 def test_hub_url_without_a_repo_is_a_clear_error(hub):
-    from launcher.sync import destination
+    from launcher.store.sync import destination
 
     with pytest.raises(SyncError, match="does not name a repo"):
         destination("hf://justme")
@@ -87,7 +87,7 @@ def test_hub_url_without_a_repo_is_a_clear_error(hub):
 
 def test_hub_small_file_that_no_longer_matches_its_manifest_does_not_verify(tmp_path, hub):
     """The blob id proves the Hub holds the sent file; the sent file must also be the one the manifest names."""
-    from launcher.sync import destination, push_checkpoint
+    from launcher.store.sync import destination, push_checkpoint
 
     run = RunDir(tmp_path / "run")
     d = _run_with_checkpoint(run.root, 10)
@@ -98,7 +98,7 @@ def test_hub_small_file_that_no_longer_matches_its_manifest_does_not_verify(tmp_
 
 def test_hub_that_does_not_answer_is_an_error_not_a_missing_run(tmp_path, hub):
     """'Not reachable' must not read as 'no run there': the same command would start afresh over the copy."""
-    from launcher.sync import destination, pull, push_metadata, remote_has_run
+    from launcher.store.sync import destination, pull, push_metadata, remote_has_run
 
     run = RunDir(tmp_path / "run")
     _run_with_checkpoint(run.root, 10)
@@ -112,7 +112,7 @@ def test_hub_that_does_not_answer_is_an_error_not_a_missing_run(tmp_path, hub):
 
 
 def test_hub_checkpoint_with_many_files_is_checked_in_batches(tmp_path, hub):
-    from launcher.sync import destination, push_checkpoint
+    from launcher.store.sync import destination, push_checkpoint
 
     run = RunDir(tmp_path / "run")
     d = run.checkpoints / f"{ckpt.PREFIX}{10:06d}"
@@ -127,10 +127,10 @@ def test_hub_checkpoint_with_many_files_is_checked_in_batches(tmp_path, hub):
 def test_a_fresh_box_fetches_a_run_lost_mid_run_from_the_hub(tmp_path, hub):
     """The flow of `ftrun RECIPE` on a new box: the run is found, the newest verified checkpoint and the
     metadata come back (no final/ yet: the machine was lost mid-run), the lost box's pids are dropped."""
-    from launcher.pipeline import _pull_if_remote_run
+    from launcher.run.pipeline import _pull_if_remote_run
     from launcher.recipe import validate_recipe
-    from launcher.state import read_state, set_state
-    from launcher.sync import destination, push_checkpoint, push_metadata
+    from launcher.store.state import read_state, set_state
+    from launcher.store.sync import destination, push_checkpoint, push_metadata
 
     old = RunDir(tmp_path / "old-box")
     dest = destination("hf://me/runs/job")
@@ -156,7 +156,7 @@ def test_a_fresh_box_fetches_a_run_lost_mid_run_from_the_hub(tmp_path, hub):
 # --- the commit model, retention, rate limits -------------------------------------------------
 
 def _syncer(run: RunDir, url: str = "hf://me/runs/job", keep: int = 1, log=None):
-    from launcher.sync import Syncer
+    from launcher.store.sync import Syncer
 
     return Syncer(run, url, keep=keep, log=log if log is not None else (lambda line: None))
 
@@ -214,7 +214,7 @@ def test_hub_metadata_goes_only_when_changed_and_together(tmp_path, hub):
 def test_hub_metadata_commits_are_spaced_while_training_and_sent_at_the_end(tmp_path, hub):
     """While the copier runs, changed metadata goes at most every `metadata_every` seconds (commits are rate
     limited); the last copy sends what changed since, whatever the spacing."""
-    from launcher.sync import HubDestination
+    from launcher.store.sync import HubDestination
 
     run = RunDir(tmp_path / "run")
     _run_with_checkpoint(run.root, 10)
@@ -240,7 +240,7 @@ def test_hub_429_burst_waits_as_asked_shows_it_in_status_and_loses_nothing(tmp_p
     """The Hub answers a checkpoint's commit with three 429s (Retry-After: 30) and a 503: the copier waits what
     the Hub asks, `ftrun status` shows the wait while it lasts, and the checkpoint arrives once, in one
     commit; a fresh box gets it back verified."""
-    from launcher.sync import HubDestination, pull, status_fields
+    from launcher.store.sync import HubDestination, pull, status_fields
 
     run = RunDir(tmp_path / "run")
     _run_with_checkpoint(run.root, 10)
@@ -283,7 +283,7 @@ def test_hub_429_burst_waits_as_asked_shows_it_in_status_and_loses_nothing(tmp_p
 def test_hub_commit_whose_answer_is_lost_is_not_made_twice(tmp_path, hub, monkeypatch):
     """A 502 after the Hub applied the commit: before retrying, the copier finds the files there (sizes and
     hashes) and does not commit again."""
-    from launcher.sync import HubDestination, destination, push_checkpoint
+    from launcher.store.sync import HubDestination, destination, push_checkpoint
 
     monkeypatch.setattr(HubDestination, "sleep", staticmethod(lambda s: None))
     run = RunDir(tmp_path / "run")
@@ -300,7 +300,7 @@ def _let_time_pass(run: RunDir) -> None:
 
 
 def test_hub_that_keeps_refusing_is_an_error_the_copier_reports(tmp_path, hub, monkeypatch):
-    from launcher.sync import HubDestination, status_fields
+    from launcher.store.sync import HubDestination, status_fields
 
     monkeypatch.setattr(HubDestination, "sleep", staticmethod(lambda s: None))
     run = RunDir(tmp_path / "run")
@@ -322,7 +322,7 @@ def test_hub_that_keeps_refusing_is_an_error_the_copier_reports(tmp_path, hub, m
 def test_hub_commit_limit_spent_for_the_hour_is_not_waited_for_here(tmp_path, hub, monkeypatch):
     """"Retry in 43 minutes" (the commits-per-hour limit): no wait in the copier (a stop or the end of the run
     would be held for it); status shows when the next try is, and nothing goes to the Hub before then."""
-    from launcher.sync import HubDestination, status_fields
+    from launcher.store.sync import HubDestination, status_fields
 
     waits = []
     monkeypatch.setattr(HubDestination, "sleep", staticmethod(waits.append))
@@ -343,7 +343,7 @@ def test_hub_commit_limit_spent_for_the_hour_is_not_waited_for_here(tmp_path, hu
 def test_hub_retry_delay_follows_the_hub():
     from email.utils import formatdate
 
-    from launcher.sync import hub_retry_delay
+    from launcher.store.sync import hub_retry_delay
 
     assert hub_retry_delay({"Retry-After": "17"}, 1) == (17.0, "Retry-After")
     wait, source = hub_retry_delay({"retry-after": formatdate(time.time() + 90, usegmt=True)}, 1)
@@ -358,7 +358,7 @@ def test_hub_token_comes_from_huggingface_hub(tmp_path, hub, monkeypatch):
     """HF_TOKEN, else the token `hf auth login` stored (huggingface_hub.get_token); none: a clear error."""
     import huggingface_hub.constants  # noqa: F401 - a lazy submodule
 
-    from launcher.sync import destination
+    from launcher.store.sync import destination
 
     monkeypatch.delenv("HF_TOKEN")
     monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
@@ -371,7 +371,7 @@ def test_hub_token_comes_from_huggingface_hub(tmp_path, hub, monkeypatch):
 
 
 def test_hub_that_refuses_the_token_is_a_clear_error_before_anything_starts(tmp_path, hub, monkeypatch):
-    from launcher.sync import destination
+    from launcher.store.sync import destination
 
     def refuse(*args, **kwargs):
         raise hub_error(403, url="https://huggingface.co/api/repos/create")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher import trackers
+from launcher.worker import trackers
 from launcher.errors import RecipeError
 from launcher.recipe import validate_recipe
 
@@ -173,7 +173,7 @@ def _kill_rank_0_after_a_checkpoint(run: Path, max_steps: int, timeout: float = 
     while time.monotonic() < deadline:
         launcher = read_state(run).get("worker_pid") if (run / "state.json").is_file() else None
         try:
-            ranks = [p for p in psutil.Process(launcher).children() if "launcher.train" in " ".join(p.cmdline())] \
+            ranks = [p for p in psutil.Process(launcher).children() if "launcher.worker.train" in " ".join(p.cmdline())] \
                 if launcher else []
             if len(ranks) == 2:
                 for p in ranks:

@@ -17,8 +17,8 @@ import pytest
 from helpers import (REPO, freeze_worker, ftrun, has_checkpoint, metrics, prepared_run, read_state, status, wait_for,
                      wait_until_ended)
 from launcher.errors import PlanError
-from launcher.hardware import from_spec
-from launcher.plan import make_plan
+from launcher.plan.hardware import from_spec
+from launcher.plan.plan import make_plan
 from launcher.recipe import validate_recipe
 
 HAVE_UNSLOTH = importlib.util.find_spec("unsloth") is not None
@@ -42,7 +42,7 @@ def _plan(tmp_path, model, hw, unsloth, **fields):
 # --- default tier: the plan ---------------------------------------------------------------------------
 
 def test_prequantized_repos_only_for_qlora_hub_ids(tiny_model):
-    from launcher.backends.unsloth import plan_reason, prequantized_repo, target_modules
+    from launcher.worker.engines.unsloth import plan_reason, prequantized_repo, target_modules
 
     assert prequantized_repo("Qwen/Qwen3-8B", "qlora") == "unsloth/Qwen3-8B-bnb-4bit"
     assert prequantized_repo("meta-llama/Llama-3.1-8B-Instruct", "qlora") == "unsloth/Meta-Llama-3.1-8B-Instruct-bnb-4bit"
@@ -91,7 +91,7 @@ def test_worker_never_falls_back_to_trl_when_the_plan_says_unsloth(write_recipe,
     plan["engine"] = "unsloth"
     (run / "plan.json").write_text(json.dumps(plan))
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
-    res = subprocess.run([sys.executable, "-m", "launcher.supervisor", "--run-dir", str(run)],
+    res = subprocess.run([sys.executable, "-m", "launcher.run.supervisor", "--run-dir", str(run)],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 5, res.stdout[-3000:] + res.stderr[-3000:]
     st = read_state(run)
@@ -191,7 +191,7 @@ def test_prequantized_names_are_unsloths_own():
     """Every repo of our small mapping is one Unsloth's own mapper knows (it maps them the same way)."""
     from unsloth.models import mapper
 
-    from launcher.backends.unsloth import PREQUANTIZED
+    from launcher.worker.engines.unsloth import PREQUANTIZED
 
     known = {name.lower() for table in (mapper.INT_TO_FLOAT_MAPPER, mapper.FLOAT_TO_INT_MAPPER) for name in
              [*table.keys(), *[v for vs in table.values() for v in ([vs] if isinstance(vs, str) else vs)]]}

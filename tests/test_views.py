@@ -1,4 +1,4 @@
-"""The run's views (launcher/views.py): status, the list of runs, live progress, the end-of-run summary; and the
+"""The run's views (launcher/run/views.py): status, the list of runs, live progress, the end-of-run summary; and the
 command line's argument order. Built on a real finished run (the shared reference run) where numbers matter."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from launcher import views
+from launcher.run import views
 from launcher.cli import _parser, main, split_command_line
-from launcher.rundir import RunDir
-from launcher.state import RunLock, process_identity, set_state
+from launcher.store.rundir import RunDir
+from launcher.store.state import RunLock, process_identity, set_state
 
 
 def parse(line: str):
@@ -169,7 +169,7 @@ def test_watch_follows_a_live_run_to_its_summary(reference_run, tmp_path, live):
 def test_after_a_resume_the_memory_line_keeps_the_passed_smoke_tests_measurement(reference_run, tmp_path):
     """A resume skips the smoke test; the plan made for it is calibrated by the smoke test that passed, so
     `status` does not say 'no passed smoke test'."""
-    from launcher.pipeline import _prepare
+    from launcher.run.pipeline import _prepare
     from launcher.recipe import load_recipe
 
     run = _copy(reference_run, tmp_path / "run")

@@ -1,4 +1,4 @@
-"""The model is on this box before any GPU time (launcher/weights.py): found in the cache, downloaded with its
+"""The model is on this box before any GPU time (launcher/run/weights.py): found in the cache, downloaded with its
 size, progress and speed, or refused with the reason before the run directory is touched. The Hub is a local
 stand-in (tests/hub_standin.py) answered through huggingface_hub's own client; no network here."""
 
@@ -15,7 +15,7 @@ import pytest
 
 from helpers import REPO, ftrun
 from hub_standin import HubStandIn
-from launcher import weights
+from launcher.run import weights
 from launcher.errors import ModelError
 
 
@@ -105,11 +105,11 @@ def test_a_run_from_the_hub_downloads_before_the_smoke_test_and_records_the_time
 
 
 def test_unsloth_qlora_checks_and_downloads_the_prequantized_repo_it_trains(hub, tiny_model, tmp_path):
-    """Unsloth trains QLoRA on its pre-quantized 4-bit copy (backends/unsloth.py): that repository is the one
+    """Unsloth trains QLoRA on its pre-quantized 4-bit copy (engines/unsloth.py): that repository is the one
     checked and downloaded before the smoke test, not the 16-bit one of the recipe (about four times the size)."""
-    from launcher import pipeline
+    from launcher.run import pipeline
     from launcher.recipe import validate_recipe
-    from launcher.rundir import RunDir
+    from launcher.store.rundir import RunDir
 
     hub.repos["unsloth/Qwen3-8B-bnb-4bit"] = tiny_model  # the stand-in serves it; Qwen/Qwen3-8B it does not
     recipe = validate_recipe({"model": "Qwen/Qwen3-8B", "method": "qlora", "data": "d.jsonl"}, tmp_path, "r")
@@ -131,7 +131,7 @@ def test_unsloth_qlora_checks_and_downloads_the_prequantized_repo_it_trains(hub,
 def test_the_tokenizer_comes_before_the_data_check_on_a_models_first_run(hub, tiny_model):
     """A Hub model not yet cached: its tokenizer and chat template are fetched first (small files), so the data
     check counts tokens and checks tool calls/reasoning with the real template instead of a character estimate."""
-    from launcher.data import token_counter
+    from launcher.data.dataset import token_counter
 
     found = weights.check("org/tiny")
     assert token_counter("org/tiny")[0] is None  # nothing cached yet: the data check could only estimate

@@ -1,0 +1,300 @@
+"""Dataset formats: detect a source's format from its first records and convert each record to the form TRL trains.
+
+The canonical forms (what `SFTTrainer` takes, trl 1.16.0 `sft_trainer.py` `_prepare_dataset`):
+- chat: {"messages": [...], "tools": [...]?}, a conversation rendered with the model's chat template;
+- prompt_completion: {"prompt": ..., "completion": ...}, both strings (plain) or both message lists
+  (conversational); TRL trains on the completion only (`completion_only_loss` defaults to it for this form);
+- text: {"text": "..."}, continued pre-training: no chat template, EOS appended, loss on every token.
+
+Alpaca and ShareGPT records become chat. A problem with a record is a `RecordProblem` naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterable, Optional
+
+# format name -> (what the plan says, the canonical form it trains as)
+FORMATS: dict[str, tuple[str, str]] = {
+    "messages": ("chat messages (role/content)", "chat"),
+    "sharegpt": ("ShareGPT conversations (from/value)", "chat"),
+    "alpaca": ("Alpaca (instruction/input/output)", "chat"),
+    "prompt_completion": ("prompt/completion", "prompt_completion"),
+    "text": ("plain text (continued pre-training)", "text"),
+}
+ROLES = ("system", "user", "assistant", "tool")
+# Message fields kept besides role and content: tool calls, tool results, reasoning. The chat template decides
+# whether it renders them; launcher/data/dataset.py checks that it does for every record that has them.
+KEPT_FIELDS = ("tool_calls", "tool_call_id", "name", "reasoning_content", "thinking", "reasoning")
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# ShareGPT's role names as Axolotl, LLaMA-Factory and FastChat write them.
+SHAREGPT_ROLES = {
+    "human": "user", "user": "user",
+    "gpt": "assistant", "assistant": "assistant", "model": "assistant", "chatgpt": "assistant", "bard": "assistant",
+    "bing": "assistant",
+    "system": "system",
+    "tool": "tool", "observation": "tool", "function_response": "tool", "ipython": "tool",
+    "function_call": "assistant",  # its value is the call as JSON: becomes the assistant's tool_calls
+}
+DETECT_LINES = 20  # records read to detect a source's format
+
+
+class RecordProblem(ValueError):
+    """One record does not fit its format; the message names the field."""
+
+
+def describe(fmt: str) -> str:
+    return FORMATS[fmt][0]
+
+
+def form(fmt: str) -> str:
+    return FORMATS[fmt][1]
+
+
+def detect_one(record: Any) -> Optional[str]:
+    """The format one record looks like, or None."""
+    if not isinstance(record, dict):
+        return None
+    if "messages" in record:
+        return "messages"
+    if "conversations" in record:
+        return "sharegpt"
+    if "prompt" in record and "completion" in record:
+        return "prompt_completion"
+    if "instruction" in record and "output" in record:
+        return "alpaca"
+    if "text" in record:
+        return "text"
+    return None
+
+
+def detect(first: Iterable[tuple[str, Any]]) -> tuple[Optional[str], Optional[str]]:
+    """(format, None) from the first records ((where, record) pairs), or (None, why not)."""
+    seen: dict[str, str] = {}  # format -> first place
+    unknown: Optional[tuple[str, Any]] = None
+    for where, record in first:
+        fmt = detect_one(record)
+        if fmt is None:
+            unknown = unknown or (where, record)
+            continue
+        seen.setdefault(fmt, where)
+    if len(seen) > 1:
+        return None, ("mixed formats: " + ", ".join(f"{describe(f)} from {w}" for f, w in seen.items())
+                      + "; one format per source (list several sources under data: to mix them)")
+    if seen:
+        return next(iter(seen)), None
+    if unknown is None:
+        return None, "no records"
+    where, record = unknown
+    keys = ", ".join(sorted(record)) if isinstance(record, dict) else f"a JSON {type(record).__name__}, not an object"
+    return None, (f"{where} is in no known format (keys: {keys or 'none'}); expected one of: messages, conversations, "
+                  "prompt + completion, instruction + output, text")
+
+
+def convert(record: Any, fmt: str) -> dict[str, Any]:
+    """The canonical example for one record of format `fmt`; `RecordProblem` naming the field otherwise."""
+    if not isinstance(record, dict):
+        raise RecordProblem(f"expected a JSON object, found {type(record).__name__}")
+    other = detect_one(record)
+    return _CONVERTERS[fmt](record, other)
+
+
+def _missing(record: dict, key: str, fmt: str, other: Optional[str]) -> RecordProblem:
+    keys = ", ".join(sorted(record)) or "none"
+    looks = f"; this record looks like {describe(other)}: one format per source" if other and other != fmt else ""
+    return RecordProblem(f"no '{key}' key (keys present: {keys}){looks}")
+
+
+def _text(record: dict, key: str, required: bool = True) -> str:
+    value = record.get(key)
+    if value is None and not required:
+        return ""
+    if not isinstance(value, str):
+        raise RecordProblem(f"'{key}' must be a string, found {type(value).__name__}")
+    if required and not value.strip():
+        raise RecordProblem(f"'{key}' is empty")
+    return value
+
+
+def _maybe_json(value: Any, field: str) -> Any:
+    """CSV and parquet columns hold nested values as JSON text."""
+    if isinstance(value, str) and value.lstrip().startswith(("[", "{")):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise RecordProblem(f"'{field}' is not valid JSON ({exc.msg} at column {exc.colno})") from None
+    return value
+
+
+def _tools(record: dict) -> Optional[list]:
+    tools = _maybe_json(record.get("tools"), "tools")
+    if tools in (None, "", []):
+        return None
+    if not isinstance(tools, list):
+        raise RecordProblem(f"'tools' must be a list of tool schemas, found {type(tools).__name__}")
+    return tools
+
+
+def check_messages(msgs: Any, field: str, need_assistant: bool = True) -> list[dict[str, Any]]:
+    """Messages as the chat template gets them (role, content and the kept fields); names the bad field."""
+    msgs = _maybe_json(msgs, field)
+    if not isinstance(msgs, list) or not msgs:
+        raise RecordProblem(f"'{field}' must be a non-empty list of {{role, content}} objects")
+    out = []
+    for i, m in enumerate(msgs):
+        where = f"{field}[{i}]"
+        if not isinstance(m, dict):
+            raise RecordProblem(f"{where} is not an object")
+        role = m.get("role")
+        if role not in ROLES:
+            raise RecordProblem(f"{where}.role is {role!r}; allowed: {', '.join(ROLES)}")
+        content = m.get("content")
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if role != "assistant" or not isinstance(calls, list) or not calls:
+                raise RecordProblem(f"{where}.tool_calls must be a non-empty list on an assistant message")
+            for j, call in enumerate(calls):
+                fn = call.get("function", call) if isinstance(call, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise RecordProblem(f"{where}.tool_calls[{j}] has no function name "
+                                        "(expected {\"type\": \"function\", \"function\": {\"name\": ..., \"arguments\": {...}}})")
+        if content is None and calls:
+            pass  # a tool call without text
+        elif not isinstance(content, str):
+            raise RecordProblem(f"{where}.content must be a string, found {type(content).__name__}")
+        elif not content.strip() and not calls:
+            raise RecordProblem(f"{where} ({role}) has empty content")
+        kept = {"role": role, "content": content}
+        kept.update({k: m[k] for k in KEPT_FIELDS if m.get(k) not in (None, "")})
+        out.append(kept)
+    if need_assistant and not any(m["role"] == "assistant" for m in out):
+        raise RecordProblem(f"no assistant turn in '{field}': there is nothing to learn from this example")
+    return out
+
+
+def _chat(record: dict, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    example: dict[str, Any] = {"messages": messages}
+    tools = _tools(record)
+    if tools:
+        example["tools"] = tools
+    return example
+
+
+def _messages(record: dict, other: Optional[str]) -> dict[str, Any]:
+    if "messages" not in record:
+        raise _missing(record, "messages", "messages", other)
+    return _chat(record, check_messages(record["messages"], "messages"))
+
+
+def _sharegpt(record: dict, other: Optional[str]) -> dict[str, Any]:
+    if "conversations" not in record:
+        raise _missing(record, "conversations", "sharegpt", other)
+    turns = _maybe_json(record["conversations"], "conversations")
+    if not isinstance(turns, list) or not turns:
+        raise RecordProblem("'conversations' must be a non-empty list of {from, value} objects")
+    msgs: list[dict[str, Any]] = []
+    system = record.get("system")
+    if isinstance(system, str) and system.strip():
+        msgs.append({"role": "system", "content": system})
+    for i, t in enumerate(turns):
+        where = f"conversations[{i}]"
+        if not isinstance(t, dict):
+            raise RecordProblem(f"{where} is not an object")
+        if "role" in t and "from" not in t:  # role/content under the ShareGPT key
+            msgs.append(t)
+            continue
+        who, value = t.get("from"), t.get("value")
+        role = SHAREGPT_ROLES.get(str(who).lower()) if who is not None else None
+        if role is None:
+            raise RecordProblem(f"{where}.from is {who!r}; known: {', '.join(sorted(SHAREGPT_ROLES))}")
+        if not isinstance(value, str):
+            raise RecordProblem(f"{where}.value must be a string, found {type(value).__name__}")
+        if str(who).lower() == "function_call":
+            try:
+                call = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise RecordProblem(f"{where}.value (a function_call) is not JSON ({exc.msg})") from None
+            calls = call if isinstance(call, list) else [call]
+            msgs.append({"role": "assistant", "content": None, "tool_calls": [
+                {"type": "function", "function": {"name": c.get("name"), "arguments": c.get("arguments", {})}}
+                if isinstance(c, dict) else c for c in calls]})
+            continue
+        msgs.append({"role": role, "content": value})
+    return _chat(record, check_messages(msgs, "conversations"))
+
+
+def _alpaca(record: dict, other: Optional[str]) -> dict[str, Any]:
+    for key in ("instruction", "output"):
+        if key not in record:
+            raise _missing(record, key, "alpaca", other)
+    instruction = _text(record, "instruction")
+    extra = _text(record, "input", required=False)
+    output = _text(record, "output")
+    msgs: list[dict[str, Any]] = []
+    system = _text(record, "system", required=False)
+    if system.strip():
+        msgs.append({"role": "system", "content": system})
+    history = _maybe_json(record.get("history"), "history") or []  # LLaMA-Factory: [[question, answer], ...]
+    if not isinstance(history, list) or not all(isinstance(h, list) and len(h) == 2 and all(isinstance(x, str) for x in h)
+                                                for h in history):
+        raise RecordProblem("'history' must be a list of [question, answer] string pairs")
+    for q, a in history:
+        msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    msgs += [{"role": "user", "content": f"{instruction}\n\n{extra}" if extra.strip() else instruction},
+             {"role": "assistant", "content": output}]
+    return {"messages": msgs}
+
+
+def _prompt_completion(record: dict, other: Optional[str]) -> dict[str, Any]:
+    for key in ("prompt", "completion"):
+        if key not in record:
+            raise _missing(record, key, "prompt_completion", other)
+    prompt, completion = record["prompt"], record["completion"]
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return {"prompt": _text(record, "prompt"), "completion": _text(record, "completion")}
+    if isinstance(prompt, list) and isinstance(completion, list):
+        example = {"prompt": check_messages(prompt, "prompt", need_assistant=False),
+                   "completion": check_messages(completion, "completion")}
+        tools = _tools(record)
+        if tools:
+            example["tools"] = tools
+        return example
+    raise RecordProblem(f"'prompt' and 'completion' must both be strings (plain) or both lists of messages "
+                        f"(conversational), found {type(prompt).__name__} and {type(completion).__name__}")
+
+
+def _plain_text(record: dict, other: Optional[str]) -> dict[str, Any]:
+    if "text" not in record:
+        raise _missing(record, "text", "text", other)
+    return {"text": _text(record, "text")}
+
+
+_CONVERTERS = {"messages": _messages, "sharegpt": _sharegpt, "alpaca": _alpaca,
+               "prompt_completion": _prompt_completion, "text": _plain_text}
+
+
+def example_form(example: dict[str, Any]) -> str:
+    """The canonical form of a converted example: chat, prompt_completion or text."""
+    if "messages" in example:
+        return "chat"
+    if "prompt" in example:
+        return "prompt_completion"
+    return "text"
+
+
+def conversational(example: dict[str, Any]) -> bool:
+    return "messages" in example or isinstance(example.get("prompt"), list)
+
+
+def conversation(example: Any) -> list[dict[str, Any]]:
+    """An example as a list of messages, for callers that want prompts (export parity, serving examples, samples):
+    a prompt/completion pair is the prompt then the completion, plain text one user message."""
+    if isinstance(example, list):
+        return example
+    if "messages" in example:
+        return example["messages"]
+    if isinstance(example.get("prompt"), list):
+        return example["prompt"] + example["completion"]
+    if "prompt" in example:
+        return [{"role": "user", "content": example["prompt"]}, {"role": "assistant", "content": example["completion"]}]
+    return [{"role": "user", "content": example["text"]}]

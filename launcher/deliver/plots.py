@@ -1,0 +1,83 @@
+"""loss.png: training loss, eval loss and learning rate over steps, drawn from a run's metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+
+def read_metrics(path: Path, key: str = "loss") -> list[dict[str, Any]]:
+    """The rows that carry `key` (training rows: loss; eval passes: eval_loss)."""
+    rows = []
+    if not path.is_file():
+        return rows
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a crash mid-write
+        if isinstance(row, dict) and row.get(key) is not None and row.get("step") is not None:
+            rows.append(row)
+    return rows
+
+
+def plot_loss(metrics: Path, out: Path, title: Optional[str] = None) -> Optional[Path]:
+    """Write out (PNG) from metrics; None when there is nothing to plot yet. Written to a temp file, then renamed."""
+    rows = read_metrics(metrics)
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on a GPU box; must precede pyplot
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    ax.plot(steps, [r["loss"] for r in rows], color="tab:blue", label="training loss")
+    evals = read_metrics(metrics, "eval_loss")
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], color="tab:green", marker="o",
+                label="eval loss (held out)")
+        ax.legend(loc="upper right")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss", color="tab:blue")
+    ax.grid(alpha=0.3)
+    lr = [(r["step"], r["learning_rate"]) for r in rows if r.get("learning_rate") is not None]
+    if lr:
+        ax2 = ax.twinx()
+        ax2.plot([s for s, _ in lr], [v for _, v in lr], color="tab:orange", alpha=0.8, label="learning rate")
+        ax2.set_ylabel("learning rate", color="tab:orange")
+        ax2.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
+    last = rows[-1]
+    ax.set_title(title or f"{metrics.parent.name}: step {last['step']}, loss {last['loss']:.4f}"
+                 + (f", eval loss {evals[-1]['eval_loss']:.4f}" if evals else ""))
+    fig.tight_layout()
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}.png")  # two drawers never share a temporary
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, out)
+    return out
+
+
+def refresh(run_root: Path) -> Optional[Path]:
+    """Redraw run_root/loss.png; never raises (a plot is not worth a training run), returns None on failure."""
+    try:
+        return plot_loss(Path(run_root) / "metrics.jsonl", Path(run_root) / "loss.png")
+    except Exception as exc:  # matplotlib missing or broken: say so once per call, keep training
+        print(f"[ftrun] loss.png not updated: {type(exc).__name__}: {exc}", flush=True)
+        return None
+
+
+if __name__ == "__main__":  # the worker draws in a child process: python -m launcher.deliver.plots RUN_DIR
+    import sys
+
+    # The lowest CPU priority: on a box with few cores the drawing (matplotlib's import, about 2 s of CPU)
+    # otherwise takes cores from the training's threads (measured on 2 cores: two logged intervals at
+    # half the tokens/s after each checkpoint).
+    try:
+        os.nice(19)
+    except (AttributeError, OSError):  # not on this platform: draw at normal priority
+        pass
+    refresh(Path(sys.argv[1]))

@@ -1,0 +1,331 @@
+"""Publishing a finished run to the Hugging Face Hub (the recipe's `publish:`): the outputs the export checked, with
+a model card, in one commit; never an output the export did not check.
+
+Called by the supervisor after the export (and before on_finish, which may stop the box), and by `ftrun publish`.
+The repository is changed through huggingface_hub only: HfApi.create_repo, then one HfApi.create_commit holding
+every file (all or nothing; large files go through the Hub's LFS upload inside it). The token is huggingface_hub's
+own: HF_TOKEN, else the one `hf auth login` stored (huggingface_hub.get_token), never the recipe's.
+
+Layout of the repo: the merged model at its root (transformers, vLLM and TGI load `user/repo` as it is), else the
+adapter at the root (PEFT loads it, adapter_config.json names the base); with both, the adapter in adapter/. A GGUF
+file at the root (Ollama's and llama.cpp's `hf.co/user/repo:Q8_0`). README.md is the card; samples.md the before
+and after answers when the run made them; ftrun/ the recipe, data and export records.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import yaml
+
+from launcher.errors import EXIT_RUN_FAILED, FtrunError, UsageError
+from launcher.store.rundir import RunDir
+
+
+class PublishError(FtrunError):
+    """Nothing was published: the result is not verified, or the Hub refused."""
+
+    kind = "publish failed"
+    exit_code = EXIT_RUN_FAILED
+
+
+def repo_of(url: str) -> str:
+    """hf://user/repo -> user/repo (the recipe checked the form)."""
+    parts = url[len("hf://"):].strip("/").split("/") if url.startswith("hf://") else []
+    if len(parts) != 2 or not all(parts):
+        raise UsageError(f"publish.to={url} does not name a Hugging Face repo", fix="write hf://USER/REPO.")
+    return "/".join(parts)
+
+
+def _load(run: RunDir) -> tuple[Any, dict[str, Any]]:
+    from launcher.recipe import Recipe
+
+    recipe = Recipe.model_validate(yaml.safe_load(run.recipe.read_text()))
+    report_path = run.final / "export.json"
+    report = json.loads(report_path.read_text()) if report_path.is_file() else {}
+    return recipe, report
+
+
+def verified_outputs(run: RunDir, recipe, report: dict[str, Any], what: list[str]) -> dict[str, Path]:
+    """{output: folder or file} of each output to publish, each one the export wrote and checked and unchanged
+    since (its size as export.json recorded it); a PublishError naming what is missing otherwise."""
+    from launcher.store.checkpoint import tree_bytes
+    from launcher.store.state import read_state
+
+    if not report.get("ok"):
+        why = report.get("error") or ("final/export.json is missing" if not report else "failed")
+        raise PublishError(f"the export did not pass its checks ({str(why).splitlines()[0]}): nothing was published",
+                           fix=f"run `ftrun export {run.root}` (it checks again), then `ftrun publish {run.root}`.")
+    state = read_state(run)
+    if not (state.get("final_check") or {}).get("ok"):
+        raise PublishError(f"{run.root} has no verified final result (state {state.get('state', 'unknown')}): "
+                           "nothing was published", fix="publish a run whose training finished and was verified.")
+    outputs = report.get("outputs", {})
+    found: dict[str, Path] = {}
+    for item in what:
+        out = outputs.get(item)
+        if out is None:
+            raise PublishError(f"publish.what has {item}, which the export did not make and check: nothing was published",
+                               fix=f"add {item} to export: and run `ftrun export {run.root}`, or remove it from publish.what.")
+        path = Path(out["path"])
+        size = tree_bytes(path / "adapter_model.safetensors") if item == "adapter" else \
+            path.stat().st_size if path.is_file() else tree_bytes(path) if path.is_dir() else None
+        if size is None or (out.get("bytes") is not None and size != out["bytes"]):
+            raise PublishError(f"{path} changed since the export checked it ({out.get('bytes')} bytes then, "
+                               f"{size} now): nothing was published",
+                               fix=f"run `ftrun export {run.root}` to check it again, then `ftrun publish {run.root}`.")
+        found[item] = path
+    return found
+
+
+def layout(outputs: dict[str, Path]) -> list[tuple[Path, str]]:
+    """(local file, path in the repo) for every file to publish (module docstring: where each output goes)."""
+    files: list[tuple[Path, str]] = []
+
+    def tree(folder: Path, prefix: str) -> None:
+        for f in sorted(p for p in folder.rglob("*") if p.is_file()):
+            files.append((f, f"{prefix}{f.relative_to(folder).as_posix()}"))
+
+    if "merged" in outputs:
+        tree(outputs["merged"], "")
+    if "adapter" in outputs:
+        tree(outputs["adapter"], "adapter/" if "merged" in outputs else "")
+    if "gguf" in outputs:
+        files.append((outputs["gguf"], outputs["gguf"].name))  # the Modelfile names a local path: not published
+    return files
+
+
+# ---------------------------------------------------------------------------------------------
+# The model card
+
+def _hub_id(model: str) -> Optional[str]:
+    """The base model's Hub id, or None for a local folder (the card then names the folder's config)."""
+    return model if re.fullmatch(r"[\w.-]+/[\w.-]+", model) and not Path(model).exists() else None
+
+
+def _eval_losses(run: RunDir) -> tuple[Optional[dict], Optional[dict], Optional[dict]]:
+    """(first train row, last train row, last eval row) of metrics.jsonl."""
+    rows = [json.loads(line) for line in run.metrics.read_text().splitlines() if line.strip()] \
+        if run.metrics.is_file() else []
+    train = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "eval_loss" in r]
+    return (train[0] if train else None), (train[-1] if train else None), (evals[-1] if evals else None)
+
+
+def _serve_lines(repo: str, recipe, outputs: dict[str, Path], report: dict[str, Any]) -> list[str]:
+    from launcher.deliver.serving import served_name, vllm_lora_rank
+
+    name = served_name(Path(repo.split("/")[1]))
+    base = _hub_id(recipe.model) or "BASE_MODEL"
+    lines: list[str] = []
+    if "merged" in outputs:
+        lines += ["```", f"vllm serve {repo}", "```", "",
+                  "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
+                  f'model = AutoModelForCausalLM.from_pretrained("{repo}")',
+                  f'tokenizer = AutoTokenizer.from_pretrained("{repo}")', "```", ""]
+    if "adapter" in outputs:
+        rank = (report.get("outputs", {}).get("adapter") or {}).get("rank") or recipe.lora.r
+        if "merged" in outputs:
+            lines += ["The LoRA adapter alone is in `adapter/`:", "", "```",
+                      f"hf download {repo} --include 'adapter/*' --local-dir {name}",
+                      f"vllm serve {base} --enable-lora --lora-modules {name}=./{name}/adapter "
+                      f"--max-lora-rank {vllm_lora_rank(rank)}", "```", ""]
+        else:
+            lines += ["```", f"vllm serve {base} --enable-lora --lora-modules {name}={repo} "
+                      f"--max-lora-rank {vllm_lora_rank(rank)}", "```", "",
+                      "```python", "from peft import AutoPeftModelForCausalLM",
+                      f'model = AutoPeftModelForCausalLM.from_pretrained("{repo}")', "```", ""]
+    if "gguf" in outputs:
+        quant = str((report.get("outputs", {}).get("gguf") or {}).get("type") or recipe.gguf_type).upper()
+        lines += ["```", f"ollama run hf.co/{repo}:{quant}", f"llama-server -hf {repo}:{quant}", "```", ""]
+    return lines
+
+
+def model_card(run: RunDir, recipe, report: dict[str, Any], repo: str, outputs: dict[str, Path]) -> str:
+    """README.md for the repo: the card's metadata (huggingface_hub.ModelCardData) and what the run knows."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    base = _hub_id(recipe.model)
+    adapter_at_root = "adapter" in outputs and "merged" not in outputs
+    data = ModelCardData(
+        base_model=base, library_name="peft" if adapter_at_root else "transformers", pipeline_tag="text-generation",
+        tags=["ftrun", recipe.method, *(["lora"] if recipe.method in ("lora", "qlora") else []),
+              *(["gguf"] if "gguf" in outputs else [])],
+    )
+    method = {"qlora": "QLoRA (4-bit base, LoRA adapters)", "lora": "LoRA", "full": "full fine-tuning",
+              "full-8bit": "full fine-tuning with 8-bit AdamW"}[recipe.method]
+    lora = f" (r={recipe.lora.r}, alpha={recipe.lora.alpha}, targets {recipe.lora.target_modules})" \
+        if recipe.method in ("lora", "qlora") else ""
+    body = [f"# {repo.split('/')[1]}", "",
+            f"A fine-tune of {'[' + base + '](https://huggingface.co/' + base + ')' if base else '`' + recipe.model + '`'} "
+            f"with {method}{lora}, trained and checked with ftrun. Published: "
+            + ", ".join(f"{k}{' (in adapter/)' if k == 'adapter' and 'merged' in outputs else ''}" for k in outputs)
+            + ".", ""]
+
+    body += ["## Data", ""]
+    data_record = run.root / "data.json"
+    if data_record.is_file():
+        d = json.loads(data_record.read_text())
+        body.append(f"- {d.get('description', '')}".rstrip())
+        body.append(f"- {d.get('examples', '?')} examples, {d.get('total_tokens', '?')} tokens "
+                    f"(mean {d.get('mean_tokens', '?')}, longest {d.get('max_tokens', '?')})")
+        for s in d.get("sources", []):
+            ident = s.get("revision") or (s.get("sha256") or "")[:12]
+            body.append(f"- source `{Path(str(s.get('source'))).name}`, format {s.get('format')}, "
+                        f"{s.get('examples')} examples, weight {s.get('weight')}" + (f", {ident}" if ident else ""))
+    else:
+        body.append(f"- `{Path(recipe.data).name}`" if isinstance(recipe.data, str) else "- see ftrun/recipe.yaml")
+    body.append("")
+
+    first, last, ev = _eval_losses(run)
+    body += ["## Training", ""]
+    if first and last:
+        body.append(f"- training loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} "
+                    f"(step {last['step']})")
+    if ev:
+        body.append(f"- eval loss {ev['eval_loss']:.4f} at step {ev['step']} (held-out examples)")
+    body += [f"- {recipe.micro_batch_size} x {recipe.gradient_accumulation_steps} examples per step per process, "
+             f"learning rate {recipe.learning_rate:g}, max length {recipe.max_length}, "
+             + (f"{recipe.max_steps} steps" if recipe.max_steps else f"{recipe.epochs:g} epochs"), ""]
+
+    checks = []
+    out = report.get("outputs", {})
+    if "adapter" in out and out["adapter"].get("changes_base_logits"):
+        checks.append(f"- adapter: reloaded over the base, top-1 agreement with the base "
+                      f"{out['adapter']['changes_base_logits']['top1_agreement_with_base']:.3f} (it changes the model)")
+    if "merged" in out and out["merged"].get("parity"):
+        p = out["merged"]["parity"]
+        checks.append(f"- merged: top-1 agreement with base + adapter {p.get('top1_agreement')}, "
+                      f"max relative logit difference {p.get('max_rel')}")
+    if "gguf" in out and out["gguf"].get("parity"):
+        p = out["gguf"]["parity"]
+        checks.append(f"- gguf {out['gguf'].get('type')}: top-1 agreement {p.get('top1_agreement')}")
+    if checks:
+        body += ["## Checks before publishing", "", *checks, "", "The numbers are in `ftrun/export.json`.", ""]
+
+    samples = run.final / "samples.md"
+    if samples.is_file():
+        text = samples.read_text()
+        text = re.sub(r"^# .*\n", "", text, count=1)  # the card has its own title
+        text = re.sub(r"^(#+) ", r"#\1 ", text, flags=re.M)  # its sections under this one
+        body += ["## Before and after", "", text.strip(), "", "(also in `samples.md`)", ""]
+
+    body += ["## Use", "", *_serve_lines(repo, recipe, outputs, report)]
+    body += ["## Recipe", "", "```yaml", yaml.safe_dump(_public_recipe(recipe), sort_keys=False).strip(), "```", ""]
+    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body)))
+
+
+def _public_recipe(recipe) -> dict[str, Any]:
+    """The recipe as published: local paths shortened to their last part (a box's folders say nothing to a reader),
+    without sync: and on_finish:."""
+    snap = recipe.snapshot()
+    for key in ("sync", "on_finish"):  # where this box copies to and how it is stopped: not the model's business
+        snap.pop(key, None)
+    for key in ("model", "output_dir"):
+        if isinstance(snap.get(key), str) and snap[key].startswith("/"):
+            snap[key] = Path(snap[key]).name
+    if isinstance(snap.get("data"), str) and snap["data"].startswith("/"):
+        snap["data"] = Path(snap["data"]).name
+    return snap
+
+
+# ---------------------------------------------------------------------------------------------
+
+def publish_run(run_root: Path, to: Optional[str] = None, say: Callable[[str], None] = print) -> dict[str, Any]:
+    """Push the run's verified outputs and the card to `to` (default: the recipe's publish.to); the record of it."""
+    from huggingface_hub import get_token
+
+    run = RunDir(Path(run_root))
+    recipe, report = _load(run)
+    url = to or recipe.publish.to
+    if not url:
+        raise UsageError(f"the recipe of {run.root} has no publish.to", fix="add publish: {to: hf://USER/REPO} to the "
+                         "recipe, or give the repo: `ftrun publish RUN --to hf://USER/REPO`.")
+    repo = repo_of(url)
+    outputs = verified_outputs(run, recipe, report, list(recipe.publish.what))
+    if not get_token():
+        raise PublishError(f"publish.to={url} is a Hugging Face repo, but no Hugging Face token is set on this box: "
+                           "nothing was published",
+                           fix="run `hf auth login`, or set HF_TOKEN to a token with write access, then "
+                           f"`ftrun publish {run.root}`; never put it in the recipe.")
+    files = layout(outputs)
+    card = model_card(run, recipe, report, repo, outputs)
+    with tempfile.TemporaryDirectory(prefix="ftrun-publish-") as tmp:  # never a stray file in final/
+        return _push(run, recipe, repo, outputs, files, card, Path(tmp), say)
+
+
+def _push(run: RunDir, recipe, repo: str, outputs: dict[str, Path], files: list[tuple[Path, str]], card: str,
+          staging: Path, say: Callable[[str], None]) -> dict[str, Any]:
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    (staging / "README.md").write_text(card)
+    extra = [(staging / "README.md", "README.md")]
+    if (run.final / "samples.md").is_file():
+        extra.append((run.final / "samples.md", "samples.md"))
+    (staging / "recipe.yaml").write_text(yaml.safe_dump(_public_recipe(recipe), sort_keys=False))
+    extra.append((staging / "recipe.yaml", "ftrun/recipe.yaml"))
+    for name in ("data.json",):
+        if (run.root / name).is_file():
+            extra.append((run.root / name, f"ftrun/{name}"))
+    extra.append((run.final / "export.json", "ftrun/export.json"))
+    operations = [CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(local)) for local, rel in files + extra]
+    size = sum(local.stat().st_size for local, _ in files)
+    say(f"publishing {', '.join(outputs)} ({size / 1e6:.1f} MB, {len(operations)} files) to {repo}")
+    api = HfApi()
+    try:
+        api.create_repo(repo, private=recipe.publish.private, exist_ok=True)
+        info = api.create_commit(repo, operations, commit_message=f"ftrun: {', '.join(outputs)} of {run.root.name}")
+    except Exception as exc:  # HfHubHTTPError, a lost connection: the run stays succeeded, the record says why
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise PublishError(f"the Hub refused or did not answer ({type(exc).__name__}: {first}); nothing was published "
+                           "(a commit is all or nothing)",
+                           fix=f"check the token's write access (`hf auth whoami`) and the network, then "
+                           f"`ftrun publish {run.root}`.") from exc
+    commit = getattr(info, "commit_url", None) if info is not None else None
+    record = {"state": "published", "repo": repo, "url": f"https://huggingface.co/{repo}", "what": list(outputs),
+              "files": len(operations), "bytes": size, "commit": commit, "private": recipe.publish.private,
+              "at": time.time()}
+    say(f"published to https://huggingface.co/{repo}")
+    return record
+
+
+def after_export(recipe, run: RunDir, log: Callable[[str], None]) -> None:
+    """The supervisor's step after the export: publish when the recipe asks, the outcome in state.json's
+    `publish`; a failure never changes the run's own state (the trained result is intact)."""
+    from launcher.store.state import read_state, set_state
+
+    if not recipe.publish.to:
+        return
+    if (read_state(run).get("final_check") or {}).get("ok") is None:
+        return  # a node other than the first of a multi-node run: node 0 writes, exports and publishes the result
+    try:
+        record = publish_run(run.root, say=log)
+    except FtrunError as exc:
+        record = {"state": "failed", "reason": exc.message, "retry": f"ftrun publish {run.root}"}
+        log(f"publish: {exc.message}")
+    set_state(run, read_state(run).get("state", "succeeded"), publish=record)
+
+
+def publish_command(run: RunDir, to: Optional[str] = None) -> int:
+    """`ftrun publish [RUN]`: the same step by hand (after a failed one, or with another repo). The command line
+    resolves the run (launcher/cli.py): the supervisor imports this module, so it imports nothing above it."""
+    from launcher.store.state import RunLock, read_state, set_state
+
+    lock = RunLock(run).acquire()  # not while the supervisor trains, exports or publishes
+    try:
+        try:
+            record = publish_run(run.root, to=to, say=print)
+        except FtrunError as exc:
+            if read_state(run).get("state"):
+                set_state(run, read_state(run)["state"],
+                          publish={"state": "failed", "reason": exc.message, "retry": f"ftrun publish {run.root}"})
+            raise
+        set_state(run, read_state(run).get("state", "succeeded"), publish=record)
+    finally:
+        lock.release()
+    return 0

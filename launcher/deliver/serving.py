@@ -1,0 +1,230 @@
+"""The serving commands for an exported run: SERVING.md (vLLM with the adapter or the merged model, curl, Ollama) and the Ollama Modelfile."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+from typing import Any, Optional
+
+# vLLM accepts only these values for --max-lora-rank (vllm/config/lora.py MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+_SENTINELS = {"system": "QQSYSTEMQQ", "user": "QQUSERQQ", "assistant": "QQASSISTANTQQ", "user2": "QQSECONDQQ"}
+
+
+def vllm_lora_rank(r: int) -> int:
+    return next((v for v in VLLM_LORA_RANKS if v >= r), VLLM_LORA_RANKS[-1])
+
+
+def served_name(run_root: Path) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", run_root.name).strip("-").lower() or "model"
+
+
+# ---------------------------------------------------------------------------------------------
+# The chat template as an Ollama (Go) template: derived from the Jinja one, then checked against it
+
+def _render(tokenizer, messages: list[dict[str, str]], gen: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+
+
+def derive_pieces(tokenizer) -> Optional[dict[str, str]]:
+    """Per-role text before/after a message's content, and the generation prompt; None if not uniform."""
+    s, u, a, u2 = (_SENTINELS[k] for k in ("system", "user", "assistant", "user2"))
+    try:
+        only_user = _render(tokenizer, [{"role": "user", "content": u}], True)
+        sys_user = _render(tokenizer, [{"role": "system", "content": s}, {"role": "user", "content": u}], True)
+        two_users = _render(tokenizer, [{"role": "user", "content": u}, {"role": "user", "content": u2}], False)
+        with_asst = _render(tokenizer, [{"role": "user", "content": u}, {"role": "assistant", "content": a}], False)
+    except Exception:  # a template that refuses these shapes (e.g. strict role alternation): no derived template
+        return None
+    try:
+        u_pre, after_u = only_user.split(u)
+        s_pre, rest = sys_user.split(s)
+        s_post = rest.split(u)[0]
+        if not s_post.endswith(u_pre):
+            return None
+        s_post = s_post[: len(s_post) - len(u_pre)] if u_pre else s_post
+        between = two_users.split(u)[1].split(u2)[0]
+        if not between.endswith(u_pre):
+            return None
+        u_post = between[: len(between) - len(u_pre)] if u_pre else between
+        if not after_u.startswith(u_post):
+            return None
+        gen = after_u[len(u_post):]
+        a_pre, a_post = with_asst.split(u)[1].split(a)
+        if not a_pre.startswith(u_post):
+            return None
+        a_pre = a_pre[len(u_post):]
+    except ValueError:  # a sentinel missing or repeated: the template rewrites content
+        return None
+    return {"system_pre": s_pre, "system_post": s_post, "user_pre": u_pre, "user_post": u_post,
+            "assistant_pre": a_pre, "assistant_post": a_post, "generation": gen}
+
+
+def render_pieces(pieces: dict[str, str], messages: list[dict[str, str]]) -> str:
+    """What the Go template below renders for these messages (the same pieces, in Python)."""
+    out = [pieces[f"{m['role']}_pre"] + m["content"] + pieces[f"{m['role']}_post"] for m in messages]
+    return "".join(out) + pieces["generation"]
+
+
+def go_template(pieces: dict[str, str]) -> str:
+    # One line, no {{- trim markers: a trim marker would eat the newlines that belong to the pieces.
+    def branch(role: str) -> str:
+        return f'eq .Role "{role}" }}}}{pieces[role + "_pre"]}{{{{ .Content }}}}{pieces[role + "_post"]}'
+
+    return ("{{ range .Messages }}{{ if " + branch("system") + "{{ else if " + branch("user")
+            + "{{ else if " + branch("assistant") + "{{ end }}{{ end }}" + pieces["generation"])
+
+
+def template_features(template: str) -> dict[str, bool]:
+    """Whether a Jinja chat template takes tools and has a thinking mode (as Qwen3 and Llama 3.1's do)."""
+    return {"tools": bool(re.search(r"\btools\b", template)),
+            "thinking": any(k in template for k in ("enable_thinking", "<think>", "reasoning_content"))}
+
+
+def stop_tokens(tokenizer, eos_ids: set[int], pieces: Optional[dict[str, str]]) -> list[str]:
+    """What ends a reply: the text after an assistant message in the template, and the model's end tokens."""
+    stops = []
+    if pieces is not None and pieces["assistant_post"].strip():
+        stops.append(pieces["assistant_post"].strip())
+    for i in sorted(eos_ids):
+        tok = tokenizer.convert_ids_to_tokens(i)
+        if tok and tok not in stops:
+            stops.append(tok)
+    return stops
+
+
+def modelfile(gguf_name: str, tokenizer, conversations: list[list[dict[str, str]]], num_ctx: int,
+              eos_ids: Optional[set[int]] = None) -> dict[str, Any]:
+    """The Modelfile text, and whether its template reproduces the Jinja template on the parity prompts.
+
+    A template that is uniform per role becomes an Ollama TEMPLATE, checked to render the prompts exactly as the
+    Jinja one. A template with tools or a thinking mode is not rewritten: a per-role TEMPLATE would drop them.
+    Ollama 0.30.0 and newer then render the GGUF's own Jinja template (tokenizer.chat_template) through
+    llama-server with --jinja, tools and thinking included, and prefer it to a Go template with fewer
+    capabilities (ollama llm/llama_server.go, server/images.go shouldPreferChatTemplate). Older versions only
+    match it against their own templates (server/model.go detectChatTemplate: Levenshtein distance under 100 to
+    template/index.json); a Qwen3 template matches none there and falls back to a bare prompt, so SERVING.md and
+    the Modelfile say that Ollama 0.30 or newer is needed for these."""
+    template = tokenizer.chat_template or ""
+    features = template_features(template)
+    pieces = None if (features["tools"] or features["thinking"]) else derive_pieces(tokenizer)
+    stops = stop_tokens(tokenizer, eos_ids or set(), pieces)
+    lines = ["# Written by ftrun export. From this folder: ollama create NAME -f Modelfile", f"FROM ./{gguf_name}"]
+    check: dict[str, Any] = {"derived": pieces is not None, **features, "stop": stops}
+    if pieces is not None:
+        same = 0
+        for conv in conversations:
+            last = max((i for i, m in enumerate(conv) if m["role"] == "assistant"), default=len(conv))
+            prompt = conv[:last] or conv[:1]
+            if render_pieces(pieces, prompt) == _render(tokenizer, prompt, True):
+                same += 1
+        check.update(prompts=len(conversations), identical=same)
+        if same == len(conversations) and '"""' not in go_template(pieces):
+            lines.append(f'TEMPLATE """{go_template(pieces)}"""')
+        else:
+            check["note"] = "the derived template differs from the Jinja one; Ollama uses the template in the GGUF"
+    elif features["tools"] or features["thinking"]:
+        has = " and ".join(k for k in ("tools", "thinking") if features[k])
+        lines.insert(1, f"# The chat template has {has}: no TEMPLATE here. Ollama 0.30 or newer renders the GGUF's "
+                     f"own chat template (tokenizer.chat_template) with its {has}; older versions do not: use 0.30+.")
+        check["note"] = f"the template has {has}; Ollama 0.30+ renders the template in the GGUF"
+        check["ollama"] = ">=0.30.0"
+    else:
+        check["note"] = "the Jinja template is not uniform per role; Ollama uses the template in the GGUF"
+    lines += [f"PARAMETER stop {json.dumps(s)}" for s in stops]
+    lines.append(f"PARAMETER num_ctx {num_ctx}")
+    return {"text": "\n".join(lines) + "\n", "check": check}
+
+
+# ---------------------------------------------------------------------------------------------
+# SERVING.md
+
+def _curl(name: str, content: str, port: int = 8000) -> str:
+    body = json.dumps({"model": name, "messages": [{"role": "user", "content": content}],
+                       "max_tokens": 256, "temperature": 0}, ensure_ascii=False)
+    return (f"curl -s http://localhost:{port}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+            f"  -d {shlex.quote(body)}")
+
+
+def render(run, recipe, report: dict[str, Any], tokenizer,
+           eos_ids: Optional[set[int]] = None) -> tuple[str, Optional[dict[str, Any]]]:
+    """(SERVING.md text, Modelfile or None) for what export produced; eos_ids: the model's end tokens."""
+    from launcher.data.dataset import load_examples
+
+    outputs = report["outputs"]
+    name = served_name(run.root)
+    convs = load_examples(recipe.data)[:3]
+    question = next((m["content"] for m in convs[0] if m["role"] == "user"), "Hello") if convs else "Hello"
+    q = shlex.quote
+    parts = [f"# Serving {name}", "",
+             f"Written by `ftrun export` for the run in `{run.root}` ({recipe.method} of `{recipe.model}`).",
+             "Every output below was reloaded and compared with its reference on training prompts; "
+             "the numbers are in `export.json`.", ""]
+    rows = []
+    for key in ("adapter", "model", "merged", "gguf"):
+        if key in outputs:
+            o = outputs[key]
+            par = o.get("parity_vs_merged") or o.get("parity_vs_base_plus_adapter") or o.get("parity_vs_full_model")
+            check = (f"top-1 agreement {par['top1_agreement']:.4f}, greedy identical {par['greedy_identical']}" if par
+                     else "reloads; changes the base model's output" if key == "adapter" else "as the trainer saved it")
+            rows.append(f"| {key} | `{o['path']}` | {o['size']} | {check} |")
+    parts += ["| output | path | size | check |", "|---|---|---|---|", *rows, ""]
+
+    if "adapter" in outputs:
+        rank = outputs["adapter"]["rank"]
+        parts += ["## vLLM: the base model with the adapter", "",
+                  "The adapter is small; vLLM loads the base model once and applies the adapter per request "
+                  "(the model name `" + name + "` selects it, the base id the plain model).", "", "```",
+                  f"vllm serve {q(recipe.model)} \\\n  --enable-lora \\\n  --lora-modules {q(name + '=' + outputs['adapter']['path'])} \\\n"
+                  f"  --max-lora-rank {vllm_lora_rank(rank)} \\\n  --max-model-len {recipe.max_length}", "```", ""]
+        if recipe.method == "qlora":
+            parts += ["The adapter was trained against the 4-bit base; served on the 16-bit base it behaves like "
+                      "the merged model below (the standard QLoRA deployment).", ""]
+        parts += ["```", _curl(name, question), "```", ""]
+    if "merged" in outputs or "model" in outputs:
+        mpath = outputs["merged" if "merged" in outputs else "model"]["path"]
+        parts += ["## vLLM: the " + ("merged 16-bit" if "merged" in outputs else "fully fine-tuned") + " model", "",
+                  "No adapter at run time; add `--tensor-parallel-size N` for a model larger than one GPU.", "", "```",
+                  f"vllm serve {q(mpath)} \\\n  --served-model-name {q(name)} \\\n  --max-model-len {recipe.max_length}",
+                  "```", "", "```", _curl(name, question), "```", ""]
+    mf = None
+    if "gguf" in outputs:
+        g = outputs["gguf"]
+        gname = Path(g["path"]).name
+        mf = modelfile(gname, tokenizer, convs, recipe.max_length, eos_ids=eos_ids)
+        gdir = Path(g["path"]).parent
+        feats = mf["check"]
+        par = g.get("parity_vs_merged") or {}
+        parts += ["## Ollama: the GGUF", "",
+                  f"`{gdir / 'Modelfile'}` points at `{gname}` ({g['type']}, {g['size']}, made by llama.cpp's converter "
+                  "and quantizer and read back in llama.cpp: " + (f"top-1 agreement {par['top1_agreement']:.4f} and "
+                  f"perplexity {par['perplexity_rel_diff']:+.2%} against the merged model" if par.get("perplexity_rel_diff")
+                  is not None else "see export.json") + ") and "
+                  + ("carries the chat template as an Ollama template, checked to render the parity prompts exactly as "
+                     "the model's own template" if "TEMPLATE" in mf["text"] else
+                     "leaves the chat template to the one inside the GGUF (tokenizer.chat_template)")
+                  + (f", with the stop tokens {', '.join(f'`{x}`' for x in feats['stop'])}" if feats["stop"] else "")
+                  + ".", "", "```",
+                  f"cd {q(str(gdir))}", f"ollama create {q(name)} -f Modelfile",
+                  f"ollama run {q(name)} {q(question)}", "```", ""]
+        if feats.get("tools") or feats.get("thinking"):
+            parts += ["The template has " + " and ".join(k for k in ("tools", "thinking") if feats.get(k))
+                      + ": Ollama 0.30.0 or newer renders the GGUF's own template with them (older versions match "
+                      "it against their built-in templates, which have neither, or fall back to a bare prompt); "
+                      "`ollama show " + name + " --template` shows the template Ollama chose"
+                      + ("; `ollama run " + name + " --think=false` answers without the thinking part"
+                         if feats.get("thinking") else "") + ".", ""]
+        parts += ["Ollama's OpenAI-compatible API:", "", "```",
+                  _curl(name, question, port=11434), "```", "", "```", mf["text"].rstrip(), "```", "",
+                  "llama.cpp directly: `llama-server -m " + q(str(g["path"])) + f" -c {recipe.max_length} --jinja`", ""]
+    if "merged" in outputs:
+        mdir = outputs["merged"]["path"]
+        parts += ["## Ollama: from the merged folder", "",
+                  "Ollama can also convert and quantize the merged safetensors itself (its own converter, which "
+                  "ftrun's checks do not cover; it knows fewer architectures than llama.cpp's):", "", "```",
+                  f"printf 'FROM %s\\n' {q(str(mdir))} > Modelfile.merged",
+                  f"ollama create {q(name + '-ollama')} -q q4_K_M -f Modelfile.merged",
+                  f"ollama run {q(name + '-ollama')} {q(question)}", "```", ""]
+    return "\n".join(parts), mf

@@ -1,0 +1,572 @@
+"""Pure sizing arithmetic: memory per device, training FLOPs, throughput, time and cost (no torch, no I/O).
+
+Units: one GB is 2**30 bytes (a GiB) everywhere in ftrun, the unit cards are sold and nvidia-smi counts in:
+an RTX 4090 is a 24 GB card (24,564 MiB), an H100 an 80 GB card (81,559 MiB = 79.6 GB). docs/sizing.md
+derives every constant and compares the totals with published measurements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+GB = 2**30  # bytes in one GB as ftrun counts (GiB, as nvidia-smi and torch's memory counters)
+
+
+class Arch(Protocol):  # launcher.plan.models.Architecture, duck-typed so this module imports nothing
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool
+    norms_per_layer: int
+    experts: int
+
+    @property
+    def params(self) -> int: ...
+    @property
+    def active_params(self) -> int: ...
+    @property
+    def linear_params(self) -> int: ...
+    @property
+    def embedding_params(self) -> int: ...
+    @property
+    def q_dim(self) -> int: ...
+    @property
+    def kv_dim(self) -> int: ...
+    def lora_params(self, r: int, target_modules: Any = "all-linear") -> int: ...
+
+
+# --- bytes per parameter --------------------------------------------------------------------
+# NF4 with double quantization: 4 bits + 0.127 bits of constants per weight (QLoRA paper, sec. 3).
+NF4_BYTES = (4 + 0.127) / 8
+# LoRA adapters are kept in fp32 (PEFT autocast_adapter_dtype): weight 4 + gradient 4 + AdamW m, v 8.
+ADAPTER_BYTES = 16
+# Full fine-tuning, mixed precision AdamW: bf16 weight 2 + bf16 gradient 2 + fp32 master 4 + m, v 8.
+FULL_ADAMW_BYTES = {"weights": 2, "gradients": 2, "optimizer": 12}
+# 8-bit AdamW (bitsandbytes) on bf16 weights, no master copy: m, v 1 byte each.
+FULL_8BIT_BYTES = {"weights": 2, "gradients": 2, "optimizer": 2}
+# Gradients of a full fine-tune are freed and re-allocated every step between activations
+# (zero_grad(set_to_none=True)); the caching allocator keeps about half a gradient's size reserved
+# but unusable. This is what lifts the article's 6 B/param (8-bit) to the 7-8 its table implies.
+GRADIENT_CHURN_BYTES = 1.0
+
+# --- activations and logits -------------------------------------------------------------------
+# Loss on the HF path (transformers ForCausalLMLoss): bf16 logits 2 + fp32 upcast 4 + fp32 log-softmax
+# gradient 4 + bf16 gradient 2 = 12 bytes per token per vocabulary entry at the peak of backward.
+LOGIT_BYTES_HF = 12
+# Unsloth's fused cross-entropy works on chunks of the logits and writes the gradient in place: about an
+# eighth of the bf16 logits is alive at once (fitted on Unsloth's context-length table, docs/sizing.md).
+LOGIT_BYTES_UNSLOTH = 0.25
+# One recomputed layer during backward holds its activations plus their gradients (about half of them
+# alive at once): 1.5 x the layer's activations.
+LAYER_BACKWARD_FACTOR = 1.5
+# Unsloth's fused RMSNorm / SwiGLU / RoPE kernels save ~40% of the per-layer activations, and its
+# gradient checkpointing offloads the saved layer inputs to CPU RAM.
+UNSLOTH_LAYER_FACTOR = 0.6
+
+# --- runtime ---------------------------------------------------------------------------------
+CUDA_CONTEXT_GB = 0.6  # CUDA context, cuBLAS workspace, kernels (what nvidia-smi shows before any tensor)
+NCCL_GB = 0.5  # NCCL communicator buffers per process when several GPUs train together
+FRAGMENTATION = 0.05  # caching-allocator slack on the per-step tensors (activations, logits)
+CPU_RUNTIME_GB = 1.0  # Python, torch and the tokenizer in the worker process
+
+# Fraction of a card the plan may fill: the estimate's own error (docs/sizing.md: median ~10%) needs room.
+USABLE_FRACTION = 0.97  # the estimate already counts context, NCCL and allocator slack; keep 3% for its own error
+USABLE_RAM_FRACTION = 0.8  # leave the OS and the page cache their share
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What decides memory and speed, independent of where the numbers came from."""
+
+    method: str  # qlora | lora | full | full-8bit
+    seq_len: int  # tokens per sequence in the largest micro-batch
+    micro_batch: int
+    gradient_checkpointing: bool = True
+    lora_r: int = 16
+    lora_targets: Any = "all-linear"
+    engine: str = "trl"  # unsloth | trl | ddp | fsdp | deepspeed
+    num_gpus: int = 1
+    device: str = "cuda"  # cuda | cpu
+    # FSDP parameter offload (fsdp_offload_params): the shards of weights, gradients and optimizer states live in
+    # CPU RAM and cross PCIe to the card unit by unit in every forward and backward.
+    offload_params: bool = False
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.seq_len * self.micro_batch
+
+    @property
+    def sharded(self) -> bool:
+        return self.engine in ("fsdp", "deepspeed") and self.num_gpus > 1
+
+
+@dataclass
+class MemoryEstimate:
+    breakdown_gb: dict[str, float]  # per device
+    explanations: dict[str, str]
+    per_gpu_gb: float
+    total_gb: float  # the whole job on one imaginary device: what the article's memory table gives
+    trainable_params: int
+    offloaded_ram_gb: float = 0.0  # Unsloth parks checkpointed activations in CPU RAM
+    # Loading, before the first step (docs/sizing.md, "Loading"): the largest transient per card, the CPU RAM of the
+    # whole box at that moment, and the parameter shards FSDP's offload keeps in RAM during training. 0 where the
+    # load stays below the training peak and needs no more RAM than the weights' own files in the page cache.
+    load_peak_gb: float = 0.0
+    load_ram_gb: float = 0.0
+    load_explanation: str = ""
+    offloaded_params_gb: float = 0.0
+
+    @property
+    def peak_gb(self) -> float:
+        """What a card must hold: the training step's peak or the load's, whichever is larger."""
+        return max(self.per_gpu_gb, self.load_peak_gb)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "per_gpu_gb": round(self.per_gpu_gb, 1),
+            "total_gb": round(self.total_gb, 1),
+            "breakdown_gb": {k: round(v, 2) for k, v in self.breakdown_gb.items()},
+            "explanations": dict(self.explanations),
+            "trainable_params": self.trainable_params,
+            "offloaded_ram_gb": round(self.offloaded_ram_gb, 1),
+            "load_peak_gb": round(self.load_peak_gb, 1),
+            "load_ram_gb": round(self.load_ram_gb, 1),
+            "load_explanation": self.load_explanation,
+            "offloaded_params_gb": round(self.offloaded_params_gb, 1),
+        }
+
+
+def _count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def trainable_params(arch: Arch, w: Workload) -> int:
+    if w.method in ("qlora", "lora"):
+        return arch.lora_params(w.lora_r, w.lora_targets)
+    return arch.params
+
+
+def layer_activation_bytes_per_token(arch: Arch, fp32: bool = False) -> float:
+    """Tensors one decoder layer saves for backward, per token (flash / SDPA attention: no s^2 term).
+
+    Attention: norm input and output, q, k, v after RoPE, attention output (o_proj input).
+    MLP: norm input and output, gate, up, act(gate), act(gate) * up (down_proj input).
+    RMSNorm upcasts to fp32 and keeps two fp32 copies of its input on the HF path.
+    """
+    h, i = arch.hidden, arch.intermediate
+    elems = 4 * h + 2 * arch.q_dim + 2 * arch.kv_dim + 4 * i
+    norm_fp32 = arch.norms_per_layer * 2 * 4 * h
+    return elems * (4 if fp32 else 2) + (0 if fp32 else norm_fp32)
+
+
+def memory(arch: Arch, w: Workload) -> MemoryEstimate:
+    """Peak memory per device for one training step, as a breakdown whose terms are explained."""
+    cpu = w.device == "cpu"
+    n = w.num_gpus if w.sharded else 1
+    t = w.tokens_per_micro_batch
+    P = arch.params
+    unsloth = w.engine == "unsloth"
+    b16 = 4 if cpu else 2  # the CPU worker trains in fp32: no bf16 matmul speed-up to be had there
+    terms: dict[str, float] = {}
+    why: dict[str, str] = {}
+    shard = f" / {n} GPUs (sharded)" if n > 1 else ""
+    # Full fine-tuning in the Trainer's own loop (trl, ddp) keeps the weights themselves in fp32 and trains under
+    # autocast (launcher/worker/loading.py weights_dtype): the same 16 B/param as bf16 weights + an fp32 master copy,
+    # split as weight 4 + gradient 4 + AdamW m, v 8. FSDP and DeepSpeed keep the bf16 + master layout.
+    fp32_master = not cpu and w.method == "full" and w.engine not in ("fsdp", "deepspeed")
+
+    # Weights
+    if w.method == "qlora":
+        other = P - arch.linear_params  # embeddings, lm_head, norms stay 16-bit
+        terms["weights"] = (arch.linear_params * NF4_BYTES + other * b16) / n / GB
+        why["weights"] = (f"{_count(arch.linear_params)} linear weights in NF4 ({NF4_BYTES:.3f} B/param with "
+                          f"quantization constants) + {_count(other)} embedding/head/norm params in "
+                          f"{'fp32' if cpu else 'bf16'}{shard}")
+    elif fp32_master:
+        terms["weights"] = P * 4 / GB
+        why["weights"] = f"{_count(P)} params x 4 B (fp32 master weights, trained under bf16 autocast)"
+    else:
+        terms["weights"] = P * b16 / n / GB
+        why["weights"] = f"{_count(P)} params x {b16} B ({'fp32' if cpu else 'bf16'}){shard}"
+
+    T = trainable_params(arch, w)
+    if w.method in ("qlora", "lora"):
+        terms["adapters"] = T * ADAPTER_BYTES / n / GB
+        why["adapters"] = (f"LoRA r={w.lora_r}: {_count(T)} trainable params x {ADAPTER_BYTES} B "
+                           f"(fp32 weight, gradient, AdamW m and v){shard}")
+    else:
+        table = FULL_8BIT_BYTES if w.method == "full-8bit" else FULL_ADAMW_BYTES
+        grad_b = 4 if cpu or fp32_master else table["gradients"]
+        # fp32 weights (CPU, or fp32 master weights on a GPU): no separate master copy
+        opt_b = 8 if (cpu and w.method == "full") or fp32_master else table["optimizer"]
+        # DeepSpeed's ZeRO optimizer keeps fp32 master partitions whatever the client optimizer: 4 B/param more.
+        ds_master = not cpu and w.method == "full-8bit" and w.engine == "deepspeed"
+        opt_b += 4 if ds_master else 0
+        terms["gradients"] = P * grad_b / n / GB
+        why["gradients"] = f"one gradient per weight, {grad_b} B each{shard}"
+        terms["optimizer"] = P * opt_b / n / GB
+        why["optimizer"] = ("fp32 master partitions (DeepSpeed) 4 B + 8-bit AdamW m and v 2 B" if ds_master else
+                            "8-bit AdamW: m and v at 1 B each" if w.method == "full-8bit" else
+                            ("AdamW m and v in fp32" if cpu or fp32_master
+                             else "fp32 master weights 4 B + AdamW m and v 8 B")) + shard
+        if not cpu:
+            terms["gradient churn"] = P * GRADIENT_CHURN_BYTES / n / GB
+            why["gradient churn"] = ("gradients are freed and re-allocated every step between activations; the "
+                                     "allocator keeps ~half their size reserved but unusable (1 B/param)")
+
+    # Activations
+    layer = layer_activation_bytes_per_token(arch, fp32=cpu)
+    offload = 0.0
+    if w.gradient_checkpointing:
+        checkpoints = arch.layers * t * arch.hidden * b16
+        factor = UNSLOTH_LAYER_FACTOR if unsloth else 1.0
+        live = LAYER_BACKWARD_FACTOR * factor * layer * t
+        if unsloth:
+            offload = checkpoints / GB
+            checkpoints = 0.0
+        terms["activations"] = (checkpoints + live) / GB
+        why["activations"] = (f"gradient checkpointing: {'layer inputs offloaded to CPU RAM by Unsloth, ' if unsloth else f'{arch.layers} saved layer inputs + '}"
+                              f"one layer recomputed ({layer / 1e3:.0f} KB/token) for {t:,} tokens per micro-batch")
+    else:
+        factor = UNSLOTH_LAYER_FACTOR if unsloth else 1.0
+        terms["activations"] = (arch.layers * layer * factor * t) / GB
+        why["activations"] = (f"no gradient checkpointing: all {arch.layers} layers keep their activations "
+                              f"({layer / 1e3:.0f} KB/token/layer) for {t:,} tokens per micro-batch")
+    if cpu:
+        # The CPU attention path (math SDPA) materialises the score matrix: heads x s^2 fp32, twice for backward.
+        terms["activations"] += 2 * w.micro_batch * arch.heads * w.seq_len**2 * 4 * (1 if w.gradient_checkpointing else arch.layers) / GB
+
+    logit_b = LOGIT_BYTES_UNSLOTH if unsloth else (8 if cpu else LOGIT_BYTES_HF)
+    terms["logits and loss"] = t * arch.vocab * logit_b / GB
+    why["logits and loss"] = (f"{t:,} tokens x {arch.vocab:,} vocabulary x {logit_b} B "
+                              + ("(chunked fused cross-entropy, gradient in place)" if unsloth
+                                 else "(logits, fp32 copy for the loss, its gradient)"))
+
+    # Sharding: the unit being computed is gathered whole (plus the next one prefetched).
+    if n > 1:
+        # Units: one decoder layer (4-bit for QLoRA) or the embedding / lm_head (always 16-bit); the layer
+        # being computed and the one prefetched are whole on every card, next to the sharded rest.
+        per_layer = (P - arch.embedding_params * (1 if arch.tied_embeddings else 2)) / arch.layers
+        layer_b = NF4_BYTES if w.method == "qlora" else b16
+        layer_unit = per_layer * layer_b
+        embed_unit = arch.embedding_params * b16
+        gathered = max(2 * layer_unit, layer_unit + embed_unit)
+        if w.method in ("full", "full-8bit"):
+            gathered += max(per_layer, arch.embedding_params) * b16  # its full gradient before reduce-scatter
+        terms["gathered shards"] = gathered / GB
+        why["gathered shards"] = (f"FSDP/ZeRO-3 holds the unit being computed whole (a layer: {per_layer / 1e6:.0f}M "
+                                  f"params, or the embedding: {arch.embedding_params / 1e6:.0f}M) plus the prefetched next one"
+                                  + (", and a unit's full gradient before reduce-scatter"
+                                     if w.method in ("full", "full-8bit") else ""))
+
+    dynamic = terms["activations"] + terms["logits and loss"]
+    if cpu:
+        terms["runtime"] = CPU_RUNTIME_GB
+        why["runtime"] = "Python, torch and tokenizer in the worker process"
+    else:
+        runtime = CUDA_CONTEXT_GB + FRAGMENTATION * dynamic
+        parts = [f"CUDA context {CUDA_CONTEXT_GB} GB", f"allocator slack {FRAGMENTATION:.0%} of activations and logits"]
+        if w.num_gpus > 1:
+            runtime += NCCL_GB
+            parts.append(f"NCCL buffers {NCCL_GB} GB")
+            if w.engine == "ddp":
+                grad_bytes = T * (4 if w.method in ("qlora", "lora") or fp32_master else 2)
+                runtime += grad_bytes / GB
+                parts.append(f"DDP gradient buckets {grad_bytes / GB:.1f} GB (a second copy of the trainable gradients)")
+        terms["runtime"] = runtime
+        why["runtime"] = ", ".join(parts)
+
+    per_gpu = sum(terms.values())
+    # The article's table counts the job, not the card: unsharded static memory + one device's dynamic memory.
+    static_sharded = sum(v for k, v in terms.items() if k in STATIC_TERMS)
+    total = static_sharded * n + (per_gpu - static_sharded) - terms.get("gathered shards", 0.0)
+    offloaded = 0.0
+    if w.offload_params and n > 1 and not cpu:
+        # FSDP2's CPUOffloadPolicy keeps every shard (weights, adapters, gradients, optimizer states) in pinned
+        # CPU RAM and runs the optimizer step there; the card holds the gathered units and the step's tensors.
+        for k in [k for k in STATIC_TERMS if k in terms]:
+            offloaded += terms.pop(k) * n
+            why.pop(k, None)
+        per_gpu = sum(terms.values())
+    est = MemoryEstimate(terms, why, per_gpu, total, T, offload, offloaded_params_gb=offloaded)
+    _loading(arch, w, est, static_sharded, layer_unit_bytes(arch, w), embedding_unit_bytes(arch, w))
+    return est
+
+
+# Terms that stay resident between steps (sharded under FSDP/ZeRO-3, offloadable to CPU RAM by FSDP).
+STATIC_TERMS = ("weights", "adapters", "gradients", "optimizer", "gradient churn")
+
+
+def nf4_model_bytes(arch: Arch) -> float:
+    """The whole model as QLoRA holds it: linear weights in NF4, embeddings, head and norms in 16 bits."""
+    return arch.linear_params * NF4_BYTES + (arch.params - arch.linear_params) * 2
+
+
+def layer_unit_bytes(arch: Arch, w: Workload) -> float:
+    """One decoder layer as FSDP gathers it (4-bit weights for QLoRA, 16-bit otherwise)."""
+    per_layer = (arch.params - arch.embedding_params * (1 if arch.tied_embeddings else 2)) / arch.layers
+    return per_layer * (NF4_BYTES if w.method == "qlora" else (4 if w.device == "cpu" else 2))
+
+
+def embedding_unit_bytes(arch: Arch, w: Workload) -> float:
+    """The embedding (or the untied lm_head), always 16-bit on a GPU: accelerate shards it as a unit of its own."""
+    return arch.embedding_params * (4 if w.device == "cpu" else 2)
+
+
+def _loading(arch: Arch, w: Workload, est: MemoryEstimate, static_sharded_gb: float, layer_b: float,
+             embed_b: float) -> None:
+    """The load-time peak per card and the box's CPU RAM while loading, for the paths where loading, not the
+    training step, decides (docs/sizing.md, "Loading"). Other paths load below their training peak."""
+    n = w.num_gpus if w.sharded else 1
+    if n < 2 or w.device == "cpu":
+        return
+    if w.method != "qlora":
+        _loading_16bit(arch, w, est, n)
+        return
+    model_gb = nf4_model_bytes(arch) / GB
+    lora_gb = est.trainable_params * 4 / GB  # fp32 LoRA weights, added before the engine shards
+    if w.engine == "fsdp":
+        # launcher/worker/loading.py loads and quantizes on each rank's CPU (accelerate's rank-0 broadcast skips 4-bit
+        # weights); fully_shard then moves one unit at a time to the card and keeps its shard (on the card, or
+        # back in RAM under offload). accelerate keeps the CPU state dict until every unit is sharded.
+        resident = 0.0 if w.offload_params else static_sharded_gb - _optimizer_free(est, n)
+        est.load_peak_gb = CUDA_CONTEXT_GB + resident + max(layer_b, embed_b) / GB
+        est.load_ram_gb = n * (model_gb + lora_gb + CPU_RUNTIME_GB) + (model_gb + lora_gb if w.offload_params else 0.0)
+        est.load_explanation = (
+            f"each of the {n} processes loads and quantizes the whole model on its CPU ({model_gb:.1f} GB in 4-bit, "
+            f"accelerate does not broadcast 4-bit weights from rank 0)"
+            + (", plus the offloaded shards" if w.offload_params else "")
+            + f": {est.load_ram_gb:.0f} GB of RAM; each card holds "
+            + ("" if w.offload_params else "its shards and ")
+            + f"one unit whole while sharding ({max(layer_b, embed_b) / GB:.1f} GB): {est.load_peak_gb:.1f} GB")
+    elif w.engine == "deepspeed":
+        # transformers skips zero.Init for quantized models and bitsandbytes places the whole model on the
+        # current device (quantizer_bnb_4bit.update_device_map): every card holds all of it until ZeRO-3 partitions.
+        est.load_peak_gb = CUDA_CONTEXT_GB + model_gb + lora_gb
+        est.load_explanation = (f"DeepSpeed + QLoRA loads the whole 4-bit model onto every card before ZeRO-3 "
+                                f"partitions it: {est.load_peak_gb:.1f} GB per card")
+
+
+def fused_expert_params(arch: Arch) -> int:
+    """MoE expert weights transformers 5 fuses while loading (conversion_mapping: one tensor per layer made from
+    the checkpoint's per-expert tensors): new memory in each process, not the file's mapped pages."""
+    return 3 * arch.hidden * arch.intermediate * arch.experts * arch.layers if arch.experts > 1 else 0
+
+
+def _loading_16bit(arch: Arch, w: Workload, est: MemoryEstimate, n: int) -> None:
+    """The box's RAM while FSDP or DeepSpeed load 16-bit weights (LoRA, full): what each process holds privately.
+
+    transformers 5.24 loads a checkpoint whose dtype is the requested one without copying it: the parameters
+    are views of the memory-mapped safetensors files (measured on CPU: a bf16 model loaded in bf16 adds its size
+    to the process's file-backed RSS and almost nothing to its anonymous RSS; tests/test_sizing.py), so the N
+    processes of a box share one copy in the page cache, which the kernel can drop and re-read. What each
+    process adds on its own is counted:
+    - FSDP: with device_map=None and no process group yet, every rank loads the whole model onto its CPU
+      (transformers' is_fsdp_enabled needs an initialised process group, and even then changes only how missing
+      keys are handled: modeling_utils.py, _move_missing_keys_from_meta_to_device and _initialize_missing_keys);
+      accelerate moves the copies to the meta device only inside fsdp2_prepare_model, after it has upcast every
+      trainable parameter to fp32 on the CPU under mixed precision (accelerate 1.15 utils/fsdp_utils.py,
+      "Upcast to fp32 master weights") and taken the state dict it broadcasts from rank 0 (held until every
+      unit is loaded). So each process holds its trainable parameters in fp32: the whole model for full
+      fine-tuning (4 B/param), the LoRA weights for LoRA; and MoE experts fused while loading.
+    - DeepSpeed ZeRO-3: zero.Init creates each weight partitioned on the card (engines/deepspeed.py,
+      partitioned_loading), and rank 0 alone reads the checkpoint (memory-mapped: modeling_utils.py, the
+      is_deepspeed_zero3_enabled branch of the loading, map_location "meta" on the other ranks): no whole copy
+      per process; rank 0's box holds the fused MoE experts once.
+    """
+    lora_gb = est.trainable_params * 4 / GB if w.method == "lora" else 0.0
+    fused_gb = fused_expert_params(arch) * 2 / GB
+    model_gb = arch.params * 2 / GB
+    if w.engine == "fsdp":
+        if w.method == "lora":
+            own = lora_gb + fused_gb
+            what = (f"its fp32 LoRA weights ({lora_gb:.1f} GB)"
+                    + (f" and the MoE experts fused while loading ({fused_gb:.1f} GB)" if fused_gb else ""))
+        else:
+            own = est.trainable_params * 4 / GB
+            what = (f"the whole model upcast to fp32 ({own:.0f} GB: accelerate upcasts the trainable weights to "
+                    f"fp32 master weights on the CPU before it shards them)")
+        est.load_ram_gb = n * (own + CPU_RUNTIME_GB)
+        est.load_explanation = (
+            f"each of the {n} processes loads the whole model onto its CPU before FSDP shards it (the "
+            f"{model_gb:.0f} GB of 16-bit weights stay in the page cache, shared) and holds {what} + "
+            f"{CPU_RUNTIME_GB:.0f} GB of runtime: {est.load_ram_gb:.0f} GB of RAM"
+            + ("; engine: deepspeed loads partitioned (zero.Init) and holds no such copies" if w.method != "lora"
+               else ""))
+    elif w.engine == "deepspeed":
+        est.load_ram_gb = n * (lora_gb + CPU_RUNTIME_GB) + fused_gb
+        est.load_explanation = (
+            f"ZeRO-3 creates each weight partitioned on the cards (zero.Init) and rank 0 alone reads the "
+            f"checkpoint (the {model_gb:.0f} GB of 16-bit weights in the page cache)"
+            + (f", fusing the MoE experts ({fused_gb:.1f} GB)" if fused_gb else "")
+            + f": {est.load_ram_gb:.0f} GB of RAM for the {n} processes")
+
+
+def _optimizer_free(est: MemoryEstimate, n: int) -> float:
+    """Optimizer states and gradients do not exist yet while the model is being sharded."""
+    b = est.breakdown_gb
+    return b.get("adapters", 0.0) * 12 / 16 + b.get("gradients", 0.0) + b.get("optimizer", 0.0) + b.get("gradient churn", 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compute, throughput, time
+
+# Model FLOPs utilisation per GPU (dense bf16 peak), calibrated on the article's time table
+# (docs/sizing.md, "Time"); QLoRA dequantises every weight on every forward and recompute.
+MFU = {"full": 0.36, "full-8bit": 0.36, "lora": 0.34, "qlora": 0.32}
+# Unsloth's kernels: LLaMA-Factory measured 1.6x tokens/s over HF for 4-bit LoRA; the article's
+# RTX 4090 row implies ~1.4x. We use the lower.
+UNSLOTH_SPEEDUP = 1.4
+# Speed-up over one card, by card count; data parallel over NVLink (the article: 1.8x for 2, 3.5x for 4).
+SCALING_NVLINK = {1: 1.0, 2: 1.8, 4: 3.5, 8: 6.8}
+# PCIe has a fraction of NVLink's bandwidth; community reports for 2-4 x RTX 4090 show ~1.5-1.6x for 2.
+SCALING_PCIE = {1: 1.0, 2: 1.6, 4: 2.8, 8: 4.8}
+# Sharding adds an all-gather per layer in forward and backward on top of DDP's gradient reduction.
+SHARDING_EFFICIENCY = {"nvlink": 0.95, "pcie": 0.8, "none": 1.0}
+# QLoRA + FSDP gathers 4-bit shards and dequantises them: the article's "bei maessigem Tempo".
+QLORA_SHARDED_EFFICIENCY = 0.7
+# CPU: effective fp32 FLOP/s per core for small matmuls, and a fixed cost per micro-batch (Python,
+# optimizer, data collation) that dominates for tiny models. Both replaced by the smoke test's measurement.
+# Calibrated on the tiny demo model on 2 cores (measured ~600 tokens/s by the smoke test).
+CPU_FLOPS_PER_CORE = 5e9
+CPU_SECONDS_PER_MICRO_BATCH = 0.8
+# GPU: kernel launches, optimizer step and Python per micro-batch; matters only for small models.
+GPU_SECONDS_PER_MICRO_BATCH = 0.01
+# A card the catalog does not know: assume this dense bf16 TFLOP/s per GB of memory (an A100-class ratio).
+UNKNOWN_GPU_TFLOPS = 150.0
+# Host link of a card, by compute capability: PCIe 3.0 x16 for Volta/Turing (7.x), 4.0 for Ampere/Ada (8.x),
+# 5.0 for Hopper, Blackwell and RTX 50 (9.0+; SXM boards reach the host over PCIe 5.0 too). Per direction, GB/s:
+# the specification's 8/16/32 GT/s per lane x 16 lanes x 128b/130b encoding. A board that gives each card
+# only x8 halves it; the smoke test measures the real rate.
+PCIE_GB_S = {3: 15.75, 4: 31.5, 5: 63.0}
+# FSDP's offload moves each unit's shard to the card before its all-gather, in forward and again in backward
+# (reshard_after_forward: the recomputation under checkpointing reuses the backward's gather).
+OFFLOAD_PASSES = 2
+# Loading QLoRA on the CPU: bitsandbytes 0.50 quantizes NF4 on the CPU with its pure-torch fallback
+# (backends/default/ops.py, quantize_4bit; the CPU backend has no native 4-bit quantizer). Measured ~5-6M
+# parameters/s per process on a 2-core VM (1-2 threads; docs/sizing.md, "Loading"), counted per core.
+CPU_NF4_PARAMS_PER_CORE_S = 5e6
+
+
+def pcie_gb_s(compute_capability: tuple[int, int] | None) -> float:
+    """One card's host-link bandwidth per direction (PCIE_GB_S); PCIe 4.0 for a card of unknown generation."""
+    if compute_capability is None:
+        return PCIE_GB_S[4]
+    major = tuple(compute_capability)[0]
+    return PCIE_GB_S[3 if major < 8 else 4 if major < 9 else 5]
+
+
+def offload_seconds_per_micro_batch(est: MemoryEstimate, w: Workload, link_gb_s: float) -> float:
+    """Seconds one card spends moving offloaded shards over its host link per micro-batch: its shard of the
+    parameters up in every forward and backward, the trainable parameters' gradient shard down once."""
+    if not (w.offload_params and w.sharded) or w.device == "cpu":
+        return 0.0
+    n = w.num_gpus
+    params_gb = est.offloaded_params_gb / n - _resident_states_gb(est, w)  # this card's shard of the weights
+    grads_gb = est.trainable_params * 4 / n / GB
+    return (OFFLOAD_PASSES * params_gb + grads_gb) * GB / (link_gb_s * 1e9)  # links are rated in 1e9 bytes/s
+
+
+def _resident_states_gb(est: MemoryEstimate, w: Workload) -> float:
+    """Offloaded bytes per card that never cross the link: optimizer states and gradient buffers (the step runs on the CPU)."""
+    n = w.num_gpus
+    t = est.trainable_params
+    if w.method in ("qlora", "lora"):
+        return t * (ADAPTER_BYTES - 4) / n / GB  # of the 16 B per adapter parameter, only the fp32 weight moves up
+    table = FULL_8BIT_BYTES if w.method == "full-8bit" else FULL_ADAMW_BYTES
+    return t * (table["gradients"] + table["optimizer"] + GRADIENT_CHURN_BYTES) / n / GB
+
+
+def load_seconds(arch: Arch, w: Workload, cpu_count: int) -> float:
+    """Time to load QLoRA under FSDP: every process quantizes the whole model on the CPU, the processes share the cores."""
+    if w.method != "qlora" or w.engine != "fsdp" or not w.sharded or w.device == "cpu":
+        return 0.0
+    return w.num_gpus * arch.linear_params / (CPU_NF4_PARAMS_PER_CORE_S * max(1, cpu_count))
+
+
+# bf16 tensor cores start with compute capability 8.0 (Ampere). Below it (T4 7.5, V100 7.0) bf16 is only
+# emulated, slower than fp16, so the worker trains in fp16 with loss scaling, and the catalog's throughput
+# figure for those cards is their fp16 tensor rate (gpus.yaml).
+BF16_MIN_COMPUTE_CAPABILITY = (8, 0)
+
+
+def training_precision(device: str, compute_capability: tuple[int, int] | list[int] | None) -> str:
+    """The 16-bit format a run trains in: "bf16", "fp16" (with loss scaling) or "fp32" on a CPU.
+
+    An unknown compute capability counts as bf16-capable: every card ftrun plans for by name is
+    Ampere or newer unless the catalog says otherwise."""
+    if device == "cpu":
+        return "fp32"
+    if compute_capability is not None and tuple(compute_capability) < BF16_MIN_COMPUTE_CAPABILITY:
+        return "fp16"
+    return "bf16"
+
+
+def flops_per_token(arch: Arch, method: str, seq_len: int, gradient_checkpointing: bool) -> float:
+    """Training FLOPs per token: forward 2 x matmul params + causal attention; backward 2x forward for full
+    (input and weight gradients), 1x for LoRA (input gradients only); recomputation adds one forward."""
+    matmul = arch.active_params - arch.embedding_params + (arch.embedding_params if arch.tied_embeddings else 0)
+    attention = 2 * arch.layers * arch.q_dim * seq_len  # QK^T and AV, 2 FLOPs per MAC, causal halves the context
+    forward = 2 * matmul + attention
+    backward = 2 * forward if method in ("full", "full-8bit") else forward
+    return forward + backward + (forward if gradient_checkpointing else 0)
+
+
+def scaling(count: int, interconnect: str) -> float:
+    table = SCALING_NVLINK if interconnect == "nvlink" else SCALING_PCIE
+    if count in table:
+        return table[count]
+    lower = max(k for k in table if k <= count)  # between listed counts: linear in the efficiency
+    return table[lower] / lower * count
+
+
+def tokens_per_second(arch: Arch, w: Workload, tflops_bf16: float | None, interconnect: str = "none",
+                      cpu_count: int = 1, mean_seq_len: int | None = None,
+                      compute_capability: tuple[int, int] | None = None) -> float:
+    """Training tokens per second for the whole box (parameter offload adds its host-link transfers to each
+    micro-batch, not overlapped with compute: docs/sizing.md, "Parameter offload")."""
+    seq = mean_seq_len or w.seq_len
+    flops = flops_per_token(arch, w.method, seq, w.gradient_checkpointing)
+    if w.device == "cpu":
+        tokens = w.micro_batch * seq
+        seconds = tokens * flops / (cpu_count * CPU_FLOPS_PER_CORE) + CPU_SECONDS_PER_MICRO_BATCH
+        return tokens / seconds
+    peak = (tflops_bf16 or UNKNOWN_GPU_TFLOPS) * 1e12
+    rate = peak * MFU[w.method] * (UNSLOTH_SPEEDUP if w.engine == "unsloth" else 1.0)
+    tokens = w.micro_batch * seq
+    transfer = 0.0
+    if w.offload_params and w.sharded:
+        transfer = offload_seconds_per_micro_batch(memory(arch, w), w, pcie_gb_s(compute_capability))
+    one = tokens / (tokens * flops / rate + GPU_SECONDS_PER_MICRO_BATCH + transfer)
+    if w.num_gpus <= 1:
+        return one
+    speed = one * scaling(w.num_gpus, interconnect)
+    if w.sharded:
+        speed *= SHARDING_EFFICIENCY.get(interconnect, 0.8)
+        if w.method == "qlora":
+            speed *= QLORA_SHARDED_EFFICIENCY
+    return speed
+
+
+def hours(training_tokens: float, tokens_per_sec: float) -> float:
+    return training_tokens / tokens_per_sec / 3600
+
+
+def cost_eur(hours_: float, price_per_hour: float) -> float:
+    return hours_ * price_per_hour
+
+
+@dataclass(frozen=True)
+class Estimate:
+    tokens_per_second: float
+    hours: float | None
+    cost_eur: float | None
+    details: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,679 @@
+"""The `ftrun RECIPE` flow: recipe -> plan -> smoke test -> detached run; or the status / resume of a run that exists."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from launcher.store.checkpoint import atomic_write_json, newest_step_unverified
+from launcher.data.dataset import compute_stats, example_lengths, load_data
+from launcher.data.dataset import identity as data_identity
+from launcher.data import split as evaluation
+from launcher.errors import RecipeError, UsageError
+from launcher.recipe import Recipe, check_trainer_fields, load_recipe
+from launcher.run import weights
+from launcher.store.rundir import RunDir
+from launcher.worker.trackers import check_installed as check_trackers_installed
+from launcher.store.state import RunLock, busy_error, effective_state, is_locked, process_identity, read_state, run_holder, set_state
+from launcher.run import views
+from launcher.run.views import format_status, run_status
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def data_stats(recipe: Recipe):
+    data = load_data(recipe.data, recipe.seed)
+    examples = data.examples
+    lengths, source = example_lengths(examples, recipe.model, data.where)
+    # the statistics (plan, ETA) count what trains: the eval split's held-out examples do not (launcher/data/split.py)
+    train = evaluation.for_recipe(examples, recipe).train
+    stats = compute_stats([examples[i] for i in train], [lengths[i] for i in train], source, recipe.max_length, data)
+    if recipe.eval.data:
+        evaluation.load_eval_data(recipe)  # a missing or broken eval file stops here, before the smoke test
+        # a resume on changed eval data is refused like one on changed training data
+        stats = replace(stats, sha256=data_identity(stats.sha256, load_data(recipe.eval.data, recipe.seed).sha256))
+    return examples, lengths, stats
+
+
+def hardware_for(gpus: Optional[str]):
+    from launcher.plan import hardware
+
+    return hardware.from_spec(gpus) if gpus else hardware.detect()
+
+
+def make_plan(recipe: Recipe, stats, gpus: Optional[str] = None, tokens: Optional[int] = None, smoke=None,
+              nnodes: int = 1):
+    from launcher.plan.plan import make_plan as _make_plan
+
+    return _make_plan(recipe, hardware_for(gpus), data_stats=stats, tokens=tokens, smoke=smoke, nnodes=nnodes)
+
+
+def _diff_trajectory(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    return [f"- {k}: run has {old.get(k)!r}, recipe now says {new.get(k)!r}"
+            for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+
+
+def _archive(run: RunDir) -> Path:
+    dest = run.root.with_name(f"{run.root.name}.{time.strftime('%Y%m%d-%H%M%S')}")
+    run.root.rename(dest)
+    return dest
+
+
+def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, fresh: bool = False,
+           memory_limit: Optional[float] = None, allow_changes: bool = False,
+           nodes: Optional[dict[str, Any]] = None) -> int:
+    """`ftrun RECIPE`: start a new run, show a live one, or resume an interrupted one."""
+    recipe = load_recipe(recipe_path, overrides)
+    run = run_dir_of(recipe)
+    resuming = False
+    if not run.exists() and not fresh and recipe.sync.to and recipe.resume is not False:
+        _pull_if_remote_run(run, recipe)
+    if run.exists():
+        _end_orphans(run, recipe)
+    if run.exists() and not fresh:
+        holder = run_holder(run)
+        if holder:
+            s = run_status(run)
+            _say(f"a run is already active in {run.root} ({holder['role']} pid {holder['pid']}); "
+                 "not starting a second one:")
+            _say(format_status(s))
+            _say(f"  watch: ftrun status {run.root} | ftrun logs -f {run.root}    stop: ftrun stop {run.root}")
+            return 0
+        if is_locked(run):
+            raise busy_error(run)  # held, but by no process ftrun can vouch for: never a second training
+        state = effective_state(run)
+        if state in ("succeeded", "trained-not-exported"):
+            _say(f"this run has finished: {run.root}")
+            _say(format_status(run_status(run)))
+            if state == "trained-not-exported":
+                _say(f"Its export failed its check: `ftrun export {run.root}` retries it (see final/export.json).")
+            _say("To train again from the start, add --fresh (the finished run is kept, renamed).")
+            return 0
+        if not restarts_after_failed_smoke(run):
+            recipe = with_adjustments(run, recipe)
+            _check_same_trajectory(run, recipe, allow_changes)
+        if recipe.resume is False:
+            raise RecipeError(f"{run.root} already holds a run and the recipe says resume: false",
+                              fix="add --fresh to start over (the old run is kept, renamed), or set resume: auto.")
+        resuming = True
+    elif run.root.exists() and not run.exists() and any(run.root.iterdir()):
+        raise UsageError(
+            f"output_dir {run.root} exists and holds files that are not an ftrun run",
+            fix="choose another output_dir (recipe or `output_dir=...`); ftrun never writes into a folder it did not create.",
+        )
+    if recipe.resume is True and not resuming:
+        raise RecipeError(f"resume: true but {run.root} holds no run to resume",
+                          fix="set resume: auto to start a new run when there is none.")
+    found = weights.check(recipe.model)  # before the run directory is touched: a failure leaves nothing behind
+    missed = weights.fetch_tokenizer(recipe.model, found)  # the data check renders with the model's chat template
+    if missed:
+        _say(f"note: {missed}")
+
+    examples, lengths, stats, plan, plan_dict, lock, data_sha = _prepare(run, recipe, resuming=resuming, fresh=fresh,
+                                                                         memory_limit=memory_limit,
+                                                                         allow_changes=allow_changes, nodes=nodes)
+    download = _download(run, recipe, found, plan_dict)
+    ckpt_step = newest_step_unverified(run.checkpoints)
+    smoke_ok = run.smoke.is_file()
+    if resuming:
+        where = f"from checkpoint step-{ckpt_step:06d} (verified by the worker before use)" if ckpt_step is not None \
+            else "from the start: no checkpoint was written yet"
+        set_state(run, "planned", **_launcher(), data_sha256=data_sha, reason=f"continuing {where}")
+        _say(f"continuing {run.root} {where}")
+    else:
+        set_state(run, "planned", **_launcher(), data_sha256=data_sha, reason="new run")
+
+    # a resume with a checkpoint, or after a passed smoke test, skips it: it was measured on this trajectory
+    if recipe.smoke.enabled and not (resuming and (smoke_ok or ckpt_step is not None)):
+        recipe, plan_dict = _smoke(run, recipe, plan_dict, examples, lengths, stats, download)
+
+    from launcher.run.supervisor import start_detached, supervise
+
+    if foreground:
+        set_state(run, "running", supervisor_pid=_pid(), supervisor_proc=process_identity(_pid()))
+        with views.attached(run):  # a live progress bar on a terminal
+            code = supervise(run.root, lock.fd)
+        _say(format_status(run_status(run)))
+        _say(views.format_end_summary(views.end_summary(run)))
+        return code
+    pid = start_detached(run, lock.fd)
+    # who holds the lock from now on, recorded before the launcher lets go of it (the supervisor records
+    # itself too): pid and start time, so that no later process with the same pid passes for it
+    set_state(run, "running", supervisor_pid=pid, supervisor_proc=process_identity(pid))
+    lock.release()  # the supervisor holds the same lock through the inherited descriptor
+    _say(f"training started in the background (pid {pid}); it keeps running after you log out.\n"
+         f"  watch:  ftrun status {run.root}   |   ftrun logs -f {run.root}\n"
+         f"  stop:   ftrun stop {run.root}      (saves a checkpoint first)\n"
+         f"  resume: ftrun {recipe_path}   (after a crash or on a new box)")
+    return 0
+
+
+def run_dir_of(recipe: Recipe) -> RunDir:
+    """The recipe's run directory; an output_dir that names a file is a usage error, before anything runs."""
+    root = Path(recipe.output_dir)
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"output_dir {root} is a file, not a folder",
+                         fix="set output_dir to a folder (recipe or `output_dir=...`), e.g. runs/<name>; ftrun creates it.")
+    return RunDir(root)
+
+
+def restarts_after_failed_smoke(run: RunDir) -> bool:
+    """A run whose smoke test found nothing that fits trained nothing: it starts again from the recipe as it is
+    now (no adjustments re-applied, no trajectory or data check, the smoke test run again)."""
+    return read_state(run).get("state") == "failed-smoke" and newest_step_unverified(run.checkpoints) is None
+
+
+def _prepare(run: RunDir, recipe: Recipe, *, resuming: bool, fresh: bool, memory_limit: Optional[float] = None,
+             allow_changes: bool = False, nodes: Optional[dict[str, Any]] = None):
+    """Check everything (trainer fields, data, plan) before touching the run directory; then lock and write."""
+    check_trainer_fields(recipe)
+    check_trackers_installed(recipe, launching=True)  # report_to: refused with the fix before any GPU time
+    examples, lengths, stats = data_stats(recipe)
+    data_sha = stats.sha256
+    restart = resuming and restarts_after_failed_smoke(run)
+    if restart:
+        why = read_state(run).get("reason") or "it did not pass"
+        _say(f"the last smoke test in {run.root} failed ({why}): starting again from the recipe")
+    if resuming and not restart:
+        old_sha = read_state(run).get("data_sha256")
+        if old_sha and old_sha != data_sha and allow_changes:
+            _say(f"--allow-changes: the data ({_data_label(stats)}) changed since this run started; continuing anyway")
+        elif old_sha and old_sha != data_sha:
+            raise RecipeError(
+                f"the data ({_data_label(stats)}) changed since this run started (sha256 {old_sha[:12]}... -> "
+                f"{data_sha[:12]}...)",
+                fix="restore the original data, add --allow-changes to continue on the new data, or add --fresh to start "
+                "a new run on it (the old run is kept).",
+            )
+    # a resume skips the smoke test: its passed measurements calibrate the plan again (memory, throughput)
+    smoke = json.loads(run.smoke.read_text()) if resuming and not restart and run.smoke.is_file() else None
+    plan = make_plan(recipe, stats, smoke=smoke, nnodes=(nodes or {}).get("nnodes", 1))
+    # the repository the planned engine loads, when it is not the recipe's model (Unsloth's pre-quantized QLoRA):
+    # checked here, before the run directory is touched, and downloaded before the smoke test in its place
+    loads = worker_model(recipe, plan.to_dict())
+    worker_weights = {"model": loads, **weights.check(loads)} if loads != recipe.model else None
+    if nodes and plan.to_dict().get("engine") not in ("ddp", "deepspeed"):
+        raise UsageError(
+            f"--nnodes {nodes['nnodes']}: the plan chose engine '{plan.to_dict().get('engine')}', which runs on one box",
+            fix="add engine=ddp (or engine=deepspeed) and num_processes=<processes per node> to train over several boxes.")
+    # a restart after a failed smoke test keeps none of its adjustments, nor its stale measurements
+    previous = json.loads(run.plan.read_text()) if resuming and not restart and run.plan.is_file() else {}
+    if fresh and run.exists():
+        if is_locked(run):
+            raise UsageError(f"--fresh: the run in {run.root} is still active",
+                             fix=f"stop it first with `ftrun stop {run.root}`.")
+        _say(f"--fresh: the previous run was moved to {_archive(run)}")
+    lock = RunLock(run).acquire()
+    if restart:
+        run.smoke.unlink(missing_ok=True)  # an older passed smoke test measured a configuration that ran out
+    run.root.mkdir(parents=True, exist_ok=True)
+    run.recipe.write_text("# resolved by ftrun: defaults < recipe < command line\n"
+                          + yaml.safe_dump(recipe.snapshot(), sort_keys=False))
+    plan_dict = _plan_record(plan, memory_limit, previous.get("adjustments"), nodes)
+    if worker_weights:
+        plan_dict["weights"] = worker_weights
+    atomic_write_json(run.plan, plan_dict)
+    atomic_write_json(run.root / "data.json", _data_record(stats))  # what this run trains on
+    from launcher.plan.plan import format_plan
+
+    _say(f"data: {_data_line(stats)}")
+    _say(format_plan(plan))
+    if memory_limit:
+        _say(f"memory limited to {round(memory_limit, 2):g} GB per worker (--memory-limit)")
+    return examples, lengths, stats, plan, plan_dict, lock, data_sha
+
+
+def _plan_record(plan, memory_limit: Optional[float], adjustments: Optional[list],
+                 nodes: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """plan.json: the plan, plus what the launcher decided around it (a memory cap, OOM adjustments, nodes)."""
+    record = plan.to_dict()
+    if memory_limit:
+        record["memory_limit_gb"] = memory_limit
+    if nodes:
+        record["nodes"] = nodes
+        record.setdefault("reasons", []).append(
+            f"{nodes['nnodes']} nodes x {record.get('num_processes', 1)} process(es); this is node "
+            f"{nodes['node_rank']}, rendezvous at {nodes['master_addr']}:{nodes['master_port']}")
+    if adjustments:
+        record["adjustments"] = adjustments
+    return record
+
+
+def with_adjustments(run: RunDir, recipe: Recipe) -> Recipe:
+    """The recipe as the run trains it: the smoke test's recorded out-of-memory adjustments applied."""
+    if not run.plan.is_file():
+        return recipe
+    update: dict[str, Any] = {}
+    for adj in json.loads(run.plan.read_text()).get("adjustments", []):
+        update.update(adj["set"])
+    return recipe.model_copy(update=update) if update else recipe
+
+
+def next_adjustment(recipe: Recipe, plan: dict[str, Any]) -> Optional[tuple[dict[str, Any], str]]:
+    """The cheapest change the recipe allows after an out-of-memory, or None."""
+    allowed = recipe.auto_adjust
+    m, g = recipe.micro_batch_size, recipe.gradient_accumulation_steps
+    if "batch" in allowed and m > 1:
+        m2 = m // 2 if m % 2 == 0 else 1
+        g2 = g * m // m2  # the effective batch stays the same, so does the training
+        return ({"micro_batch_size": m2, "gradient_accumulation_steps": g2},
+                f"micro_batch_size {m} -> {m2}, gradient_accumulation_steps {g} -> {g2} (same effective batch)")
+    if "checkpointing" in allowed and not recipe.gradient_checkpointing:
+        return {"gradient_checkpointing": True}, "gradient_checkpointing off -> on (recomputes activations)"
+    if "optimizer" in allowed and recipe.method == "full":
+        return {"method": "full-8bit"}, "method full -> full-8bit (8-bit AdamW states)"
+    if "method" in allowed and recipe.method == "lora":
+        return {"method": "qlora"}, "method lora -> qlora (4-bit base model)"
+    if "shard" in allowed:
+        return shard_adjustment(recipe, plan)
+    return None
+
+
+def shard_adjustment(recipe: Recipe, plan: dict[str, Any]) -> Optional[tuple[dict[str, Any], str]]:
+    """The `shard` step after an out-of-memory (the issue's step 4): more processes, each holding a shard.
+
+    On a GPU box: FSDP over all its cards (or the most that divide the effective batch), as the plan
+    shards a job no card holds; DDP becomes FSDP on the same cards. On CPU only under --memory-limit,
+    where the cap stands in for a card per worker: 2 gloo processes with DeepSpeed ZeRO-3 (FSDP does not
+    shard on CPU, STACK-FACTS). An engine or process count the recipe chose, and several nodes, are left
+    alone. None when there is nothing to shard over; shard_blocker() says why.
+    """
+    return _shard(recipe, plan)[0]
+
+
+def shard_blocker(recipe: Recipe, plan: dict[str, Any]) -> str:
+    """Why the shard step was not taken (for the stop message), '' when it would be."""
+    return _shard(recipe, plan)[1]
+
+
+def _shard(recipe: Recipe, plan: dict[str, Any]) -> tuple[Optional[tuple[dict[str, Any], str]], str]:
+    from launcher.plan.plan import _deepspeed_installed
+
+    procs = int(plan.get("num_processes") or 1)
+    m, g = recipe.micro_batch_size, recipe.gradient_accumulation_steps
+    effective = m * g * procs
+    sharded = plan.get("engine") in ("fsdp", "deepspeed")
+    cards = int((plan.get("hardware") or {}).get("count") or 1)
+    if sharded and (plan.get("device") != "cuda" or procs >= cards):
+        return None, f"already {plan.get('engine')} x {procs}" + (
+            f" over all {cards} GPU(s) of this box" if plan.get("device") == "cuda" else "")
+    if recipe.engine != "auto":
+        return None, f"the recipe sets engine: {recipe.engine}"
+    if recipe.num_processes != "auto":
+        return None, f"the recipe sets num_processes: {recipe.num_processes}"
+    if plan.get("nodes"):
+        return None, "the run spans several nodes"
+    if plan.get("device") == "cuda" and recipe.method == "full-8bit":
+        from launcher.plan.plan import FULL_8BIT_FSDP
+
+        return None, f"{FULL_8BIT_FSDP}; allow it with method: full (drop 'optimizer' from auto_adjust)"
+    if plan.get("device") == "cuda":
+        engine = "fsdp"
+        fewest = procs + 1 if sharded else procs  # DDP -> FSDP on the same cards
+        counts = range(cards, fewest - 1, -1)  # all cards first: more shards, more room, faster
+        where = f"the box's {cards} GPUs"
+        if cards < 2:
+            return None, "this box has 1 GPU, none more to shard over"
+    elif not plan.get("memory_limit_gb"):
+        return None, "on CPU the processes share the same RAM; sharding is tried only under --memory-limit"
+    elif not _deepspeed_installed():
+        return None, "DeepSpeed, which shards on CPU, is not installed"
+    else:
+        engine, cores = "deepspeed", int((plan.get("hardware") or {}).get("cpu_count") or 1)
+        counts = range(2, cores + 1)  # the processes share the cores: the fewest that shard
+        where = f"CPU processes, each capped at {round(plan['memory_limit_gb'], 2):g} GB like a card"
+    for k in counts:
+        if k >= 2 and effective % (m * k) == 0:
+            g2 = effective // (m * k)
+            return ({"engine": engine, "num_processes": k, "gradient_accumulation_steps": g2},
+                    f"engine {plan.get('engine')} x {procs} -> {engine} x {k} over {where}, each holding 1/{k} of the "
+                    f"weights, gradients and optimizer states; gradient_accumulation_steps {g} -> {g2} "
+                    f"(same effective batch {effective})"), ""
+    return None, (f"the effective batch {effective} (micro-batch {m}) does not split evenly over "
+                  f"{where}: sharding would change the training")
+
+
+def worker_model(recipe: Recipe, plan: dict[str, Any]) -> str:
+    """The model the worker loads: the recipe's, except where Unsloth trains QLoRA on its pre-quantized 4-bit
+    copy (launcher/worker/engines/unsloth.py load_model_and_tokenizer), about a quarter of the download."""
+    if plan.get("engine") == "unsloth":
+        from launcher.plan.models import prequantized_repo
+
+        return prequantized_repo(recipe.model, recipe.method) or recipe.model
+    return recipe.model
+
+
+def _download(run: RunDir, recipe: Recipe, found: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
+    """The weights the worker loads into the cache before the smoke test, the progress on the console and in
+    train.log. The recipe's own model, when another repository trains (plan["weights"]), is fetched by the export
+    that merges onto it, if one does."""
+    def say(line: str) -> None:
+        _say(line)
+        with run.log.open("a") as fh:
+            fh.write(f"[ftrun {time.strftime('%H:%M:%S')}] {line}\n")
+
+    if plan.get("weights"):
+        return weights.fetch(plan["weights"]["model"], plan["weights"], say)
+    return weights.fetch(recipe.model, found, say)
+
+
+def _smoke(run: RunDir, recipe: Recipe, plan_dict, examples, lengths, stats,
+           download: Optional[dict[str, Any]] = None) -> tuple[Recipe, dict[str, Any]]:
+    """The smoke test; after an out-of-memory, re-plan with the cheapest allowed change and try again.
+
+    Returns the recipe as adjusted (the full run trains with it) and the calibrated plan record.
+    """
+    from launcher.errors import PlanError, SmokeError, SmokeOOM
+    from launcher.run.smoke import run_smoke
+    from launcher.run.views import format_smoke
+
+    set_state(run, "smoking")
+    attempts: list[str] = []
+    adjustments = list(plan_dict.get("adjustments", []))
+    while True:
+        try:
+            report = run_smoke(run, recipe, plan_dict, examples, lengths, stats)
+            break
+        except SmokeOOM as exc:
+            peak = f"peak {exc.peak_memory_gb:.2f} GB" if exc.peak_memory_gb is not None else "peak unknown"
+            limit = plan_dict.get("memory_limit_gb") or (plan_dict.get("memory") or {}).get("capacity_gb")
+            where = f"{peak}" + (f" of {round(limit, 2):g} GB" if limit else "")
+            if plan_dict.get("device") == "cpu" and plan_dict.get("memory_limit_gb"):
+                where += " above the imports"  # what --memory-limit caps on CPU
+            attempts.append(f"engine {plan_dict.get('engine')} x {plan_dict.get('num_processes', 1)}: "
+                            f"micro_batch_size={recipe.micro_batch_size} gradient_accumulation_steps="
+                            f"{recipe.gradient_accumulation_steps} gradient_checkpointing={recipe.gradient_checkpointing} "
+                            f"method={recipe.method}: out of memory ({where})")
+            step = next_adjustment(recipe, plan_dict)
+            if step is None:
+                blocked = shard_blocker(recipe, plan_dict) if "shard" in recipe.auto_adjust else ""
+                reason = "the smoke test ran out of memory and nothing the recipe allows (auto_adjust: " \
+                         f"{recipe.auto_adjust}) is left to try" + (f" (shard: {blocked})" if blocked else "") \
+                    + ". Attempts:\n" + "\n".join(f"- {a}" for a in attempts)
+                set_state(run, "failed-smoke", reason=reason.splitlines()[0])
+                raise SmokeError(reason, fix=f"lower max_length (now {recipe.max_length}), allow more in auto_adjust "
+                                 "(batch, checkpointing, optimizer, method, shard), or use a card with more memory "
+                                 "(`ftrun plan RECIPE --gpus ...` shows the options with time and cost).") from None
+            update, text = step
+            change = {"set": update, "reason": f"{text}: out of memory at {where} on the longest batch"}
+            adjustments.append(change)
+            _say(f"smoke test: out of memory ({where}); re-planning: {text}")
+            recipe = recipe.model_copy(update=update)
+            plan_dict = {**plan_dict, "adjustments": adjustments}
+            if "engine" in update:  # another engine and process count: the plan is made again for them
+                try:
+                    replanned = make_plan(recipe, stats)
+                except PlanError as exc:
+                    set_state(run, "failed-smoke", reason=f"re-planning after out of memory failed: {exc.message}")
+                    raise SmokeError(f"the smoke test ran out of memory; re-planning for {text} failed: {exc.message}."
+                                     " Attempts:\n" + "\n".join(f"- {a}" for a in attempts), fix=exc.fix) from None
+                plan_dict = _plan_record(replanned, plan_dict.get("memory_limit_gb"), adjustments, plan_dict.get("nodes"))
+                _say(f"re-planned: engine {replanned.engine}, {replanned.num_processes} processes")
+            run.recipe.write_text("# resolved by ftrun: defaults < recipe < command line < OOM adjustments (plan.json)\n"
+                                  + yaml.safe_dump(recipe.snapshot(), sort_keys=False))
+            atomic_write_json(run.plan, plan_dict)
+        except SmokeError as exc:
+            set_state(run, "failed-smoke", reason=exc.message.splitlines()[0])
+            raise
+        except KeyboardInterrupt:
+            set_state(run, "failed-smoke", reason="smoke test interrupted (Ctrl-C)")
+            raise
+    if download:  # the download's time beside the forecast's parts (already spent: the full run reads the cache)
+        report = {**report, **download}
+        atomic_write_json(run.smoke, report)
+    _say(format_smoke(report))
+    # Plan, then calibrate: the measured throughput and memory replace the estimates.
+    calibrated = make_plan(recipe, stats, smoke=report, nnodes=(plan_dict.get("nodes") or {}).get("nnodes", 1))
+    record = _plan_record(calibrated, plan_dict.get("memory_limit_gb"), adjustments, plan_dict.get("nodes"))
+    atomic_write_json(run.plan, record)
+    return recipe, record
+
+
+def smoke_only(recipe_path: str, overrides: list[str], memory_limit: Optional[float] = None) -> int:
+    """`ftrun smoke RECIPE`: plan and smoke-test without starting the run (a later `ftrun RECIPE` reuses it)."""
+    recipe = load_recipe(recipe_path, overrides)
+    run = run_dir_of(recipe)
+    exists = run.exists()
+    if exists:
+        if is_locked(run):
+            raise UsageError(f"a run is active in {run.root}", fix=f"watch it with `ftrun status {run.root}`.")
+        if not restarts_after_failed_smoke(run):
+            recipe = with_adjustments(run, recipe)
+            _check_same_trajectory(run, recipe)
+    elif run.root.exists() and any(run.root.iterdir()):
+        raise UsageError(f"output_dir {run.root} exists and holds files that are not an ftrun run",
+                         fix="choose another output_dir; ftrun never writes into a folder it did not create.")
+    found = weights.check(recipe.model)  # before the run directory is touched: a failure leaves nothing behind
+    missed = weights.fetch_tokenizer(recipe.model, found)  # the data check renders with the model's chat template
+    if missed:
+        _say(f"note: {missed}")
+    examples, lengths, stats, plan, plan_dict, lock, data_sha = _prepare(run, recipe, resuming=exists, fresh=False,
+                                                                         memory_limit=memory_limit)
+    try:
+        set_state(run, "planned", **_launcher(), data_sha256=data_sha, reason="smoke test only")
+        _smoke(run, recipe, plan_dict, examples, lengths, stats, _download(run, recipe, found, plan_dict))
+        set_state(run, "planned", reason="smoke test passed; `ftrun RECIPE` starts the run")
+    finally:
+        lock.release()
+    return 0
+
+
+def _pull_if_remote_run(run: RunDir, recipe: Recipe) -> bool:
+    """A fresh box with an empty output_dir: fetch the run from `sync.to` when it holds one."""
+    from launcher.errors import SyncError
+    from launcher.store.sync import pull, remote_has_run
+
+    try:
+        found = remote_has_run(recipe.sync.to)
+    except SyncError as exc:
+        # A run that cannot reach its off-box copy must not start blind: it might overwrite nothing, or
+        # it might be the resume of a lost box whose checkpoints sit there.
+        raise SyncError(f"cannot look for an earlier copy of this run at sync.to={recipe.sync.to}: {exc.message}",
+                        fix="check that the destination is reachable from this box (for SSH: `ssh HOST true` with "
+                        "your ~/.ssh/config), or remove sync.to to train without an off-box copy.") from None
+    if not found:
+        return False
+    if run.root.exists() and any(run.root.iterdir()):
+        raise UsageError(
+            f"{recipe.sync.to} holds this run, but output_dir {run.root} is not empty and is not an ftrun run",
+            fix="empty that folder or choose another output_dir, then run the same command to fetch and resume.")
+    _say(f"{run.root} is empty on this box, {recipe.sync.to} holds the run: fetching the newest verified checkpoint")
+    lock = RunLock(run).acquire()
+    try:
+        step = pull(recipe.sync.to, run, log=_say)
+        # The pids in the fetched state belong to the lost box.
+        data = read_state(run)
+        if data:
+            set_state(run, data.get("state", "planned"), supervisor_pid=None, worker_pid=None, supervisor_proc=None,
+                      worker_proc=None, launcher_proc=None,
+                      reason=f"fetched from {recipe.sync.to}" + (f" at step {step}" if step is not None else ""))
+    finally:
+        lock.release()
+    return True
+
+
+def pull_command(recipe_path: str, overrides: list[str]) -> int:
+    """`ftrun pull RECIPE`: fetch the run from sync.to without resuming it."""
+    recipe = load_recipe(recipe_path, overrides)
+    if not recipe.sync.to:
+        raise RecipeError("the recipe has no sync.to, so there is nothing to pull from",
+                          fix="set sync: {to: user@host:/path} (or s3://..., hf://user/repo) in the recipe.")
+    run = run_dir_of(recipe)
+    if run.exists():
+        raise UsageError(f"{run.root} already holds a run; pulling would overwrite it",
+                         fix="choose an empty output_dir (output_dir=...) to fetch a copy.")
+    if not _pull_if_remote_run(run, recipe):
+        raise UsageError(f"{recipe.sync.to} holds no ftrun run (no recipe.yaml there)",
+                         fix="check sync.to; a run copies itself there once its first checkpoint exists.")
+    _say(format_status(run_status(run)))
+    return 0
+
+
+def push_command(target: Optional[str]) -> int:
+    """`ftrun push RUN`: copy the newest checkpoint, the final result and the metadata off the box now."""
+    from launcher.store.sync import Syncer
+
+    run = resolve_run(target)
+    recipe = load_recipe(run.recipe)
+    if not recipe.sync.to:
+        raise RecipeError("the run's recipe has no sync.to", fix="set sync: {to: ...} in the recipe.")
+    syncer = Syncer(run, recipe.sync.to, recipe.sync.keep, log=_say)
+    if not syncer.sync_once(final=run.final.is_dir()):
+        raise UsageError(f"the copy to {recipe.sync.to} failed (see above)", fix="check the destination and retry.")
+    _say(f"{run.root}: copied to {recipe.sync.to} and verified")
+    return 0
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()
+
+
+def _launcher() -> dict[str, Any]:
+    """state.json fields naming this launcher while it holds the run's lock (plan, smoke test)."""
+    return {"launcher_pid": _pid(), "launcher_proc": process_identity(_pid())}
+
+
+def _end_orphans(run: RunDir, recipe: Recipe) -> None:
+    """Workers left training into the run by a supervisor or launcher killed hard are ended (after a checkpoint)
+    before anything else starts: never two trainings in one directory. A live, verified run is left alone."""
+    if run_holder(run) is not None:
+        return
+    from launcher.run.supervisor import end_orphans
+
+    if end_orphans(run, recipe.grace_seconds + 15, log=_say):
+        # A worker counts as gone once its main thread is (a zombie); the kernel releases its descriptors, the
+        # run's lock among them, only when its last thread has exited: give that a moment before the lock is read.
+        deadline = time.monotonic() + 15
+        while is_locked(run) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        _say(f"{run.root}: the orphaned worker(s) have exited")
+
+
+def _check_same_trajectory(run: RunDir, recipe: Recipe, allow_changes: bool = False) -> None:
+    old = load_recipe(run.recipe)
+    diffs = _diff_trajectory(old.trajectory(), recipe.trajectory())
+    if diffs and not allow_changes:
+        raise RecipeError(
+            f"the recipe differs from the run in {run.root} in settings that change the training:\n" + "\n".join(diffs),
+            fix="restore those values to resume, add --allow-changes to continue from the checkpoint anyway, add "
+            "--fresh to start a new run (the old one is kept, renamed), or set another output_dir.",
+        )
+    if diffs:
+        _say("--allow-changes: continuing from the existing checkpoints with a changed recipe:\n" + "\n".join(diffs)
+             + "\n(the optimizer and scheduler state come from the checkpoint; the trajectory is no longer the original one)")
+        accepted = read_state(run).get("accepted_recipe_hashes", [])
+        set_state(run, read_state(run).get("state", "planned"),
+                  accepted_recipe_hashes=sorted(set(accepted) | {old.trajectory_hash()}))
+
+
+def resolve_run(target: Optional[str], overrides: list[str] | None = None) -> RunDir:
+    """A run directory from a recipe path or a run directory (default: the only run under ./runs)."""
+    if target is None:
+        runs = sorted(p for p in (Path.cwd() / "runs").glob("*") if (p / "recipe.yaml").is_file()) if (Path.cwd() / "runs").is_dir() else []
+        if len(runs) == 1:
+            return RunDir(runs[0])
+        raise UsageError("no run given" + (f" and {len(runs)} runs are under ./runs" if runs else ""),
+                         fix="name the recipe or the run directory, e.g. `ftrun status recipes/tiny-cpu.yaml`.")
+    p = Path(target)
+    if p.is_dir():
+        if not (p / "recipe.yaml").is_file():
+            raise UsageError(f"{p} is not an ftrun run directory (no recipe.yaml)",
+                             fix="give the run's output_dir or its recipe file.")
+        return RunDir(p.resolve())
+    if p.is_file():
+        return run_dir_of(load_recipe(p, overrides))
+    raise UsageError(f"'{target}' is neither a recipe file nor a run directory",
+                     fix="give the recipe you started the run with, or its output_dir.")
+
+
+def plan_command(recipe_path: str, overrides: list[str], gpus: Optional[str], tokens: Optional[str], as_json: bool,
+                 price: Optional[float] = None) -> int:
+    """`ftrun plan`: size the job for --gpus, else this machine's GPUs, else the recipe's box:, else this CPU
+    machine; exit 0 when it fits. With --json, stdout is JSON whatever happens: the plan, the plan that does
+    not fit (fits: false, with its reasons and options), or {"fits": null, "error": ...}."""
+    from launcher.errors import FtrunError, PlanError
+
+    try:
+        return _plan_command(recipe_path, overrides, gpus, tokens, as_json, price)
+    except PlanError as exc:
+        if not as_json or getattr(exc, "plan", None) is None:
+            raise
+        print(json.dumps(exc.plan.to_dict(), indent=2))
+        return exc.exit_code
+    except FtrunError as exc:
+        if not as_json:
+            raise
+        print(json.dumps({"fits": None, "error": exc.kind, "message": exc.message, "fix": exc.fix}, indent=2))
+        return exc.exit_code
+
+
+def _plan_command(recipe_path: str, overrides: list[str], gpus: Optional[str], tokens: Optional[str], as_json: bool,
+                  price: Optional[float]) -> int:
+    import importlib.util
+
+    from launcher.plan import hardware as hw
+    from launcher.plan.plan import format_plan, make_plan as plan_job
+    from launcher.recipe import parse_token_count
+
+    recipe = load_recipe(recipe_path, overrides)
+    check_trackers_installed(recipe)
+    notes = []
+    if importlib.util.find_spec("trl") is not None:
+        check_trainer_fields(recipe)  # an unknown trainer: field fails here, not after the smoke test started
+    elif recipe.trainer:
+        notes.append("trainer: fields not checked: trl is not installed here (pip install 'ftrun[train]')")
+    count = parse_token_count(tokens, "--tokens") if tokens is not None else None
+    stats = None
+    if count is None:
+        from launcher.data.sources import sources_of
+
+        missing = [s.path for s in sources_of(recipe.data) if s.local and not Path(s.path).exists()]
+        if not missing:
+            _, _, stats = data_stats(recipe)
+        elif recipe.tokens is not None:
+            count = recipe.tokens
+            notes.append(f"data {', '.join(missing)} is not on this machine: time and cost use the recipe's "
+                         f"tokens: {recipe.tokens:,}")
+        else:
+            notes.append(f"data {', '.join(missing)} is not on this machine and no token count was given: memory "
+                         "is planned, time and cost are not; add `tokens: 15M` to the recipe or pass --tokens 15M")
+    smoke = None
+    run = RunDir(Path(recipe.output_dir))
+    if run.smoke.is_file() and gpus is None:  # this run's measurements, on the recipe as the smoke test adjusted it
+        smoke = json.loads(run.smoke.read_text())
+        recipe = with_adjustments(run, recipe)
+    box, why = hw.for_plan(gpus, recipe.box)
+    plan = plan_job(recipe, box, data_stats=stats, tokens=count, smoke=smoke, price=price, box_reason=why,
+                    tokens_from="--tokens" if tokens is not None else "the recipe's tokens:")
+    plan.notes[:0] = notes
+    if stats is not None and not as_json:
+        print(f"data: {_data_line(stats)}")
+    print(json.dumps(plan.to_dict(), indent=2) if as_json else format_plan(plan))
+    return 0
+
+
+def _data_label(stats) -> str:
+    return ", ".join(str(s.get("source")) for s in stats.sources) or "data"
+
+
+def _data_line(stats) -> str:
+    """'Alpaca (instruction/input/output) format, 10,000 examples, converted to chat; 1,234,567 tokens (tokenizer)'"""
+    return (f"{stats.description}; {stats.total_tokens:,} tokens per epoch ({stats.tokens_source}"
+            + (f", {stats.over_max_length} over max_length {stats.max_length}: truncated" if stats.over_max_length else "")
+            + ")")
+
+
+def _data_record(stats) -> dict[str, Any]:
+    """data.json in the run: the resolved data (sources with their sha256 or revision, format, count, tokens)."""
+    return {"description": stats.description, "sha256": stats.sha256, "sources": list(stats.sources),
+            "examples": stats.examples, "total_tokens": stats.total_tokens, "mean_tokens": stats.mean_tokens,
+            "max_tokens": stats.max_tokens, "tokens_source": stats.tokens_source}

@@ -1,0 +1,265 @@
+"""The smoke test: train on 1% of the data (longest examples included), measure, extrapolate the full run."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import time
+from typing import Any, Optional
+
+from launcher.data import split as evaluation
+from launcher.worker import train
+from launcher.worker.engines import failed_verification, launch_command, launch_env, worker_file
+from launcher.store.checkpoint import atomic_write_json
+from launcher.data.dataset import DataStats, smoke_sample, write_jsonl
+from launcher.errors import SmokeError, SmokeOOM
+from launcher.store.rundir import RunDir
+
+REASONS = {
+    train.EXIT_OOM: ("out of GPU memory", "lower micro_batch_size (raise gradient_accumulation_steps to keep the "
+                     "effective batch), lower max_length, or use method: qlora"),
+    train.EXIT_NAN: ("the loss became NaN or infinite", "lower learning_rate and check the data for empty or broken examples"),
+    train.EXIT_BAD_WORLD: ("the worker saw another device or process count than the plan", "see the log lines above"),
+    -9: ("the worker was killed (SIGKILL), most often by the kernel when memory runs out",
+         "lower micro_batch_size or max_length, or use a box with more memory; `dmesg | tail` shows OOM kills"),
+}
+
+
+def training_tokens(recipe, stats: DataStats, processes: int) -> int:
+    """Tokens the full run trains on: the data's tokens times epochs, or max_steps worth of batches."""
+    per_epoch = stats.total_tokens
+    if recipe.max_steps:
+        global_batch = recipe.micro_batch_size * recipe.gradient_accumulation_steps * processes
+        return int(recipe.max_steps * global_batch * stats.mean_tokens)  # max_steps overrides epochs, as in the Trainer
+    return int(per_epoch * recipe.epochs)
+
+
+def step_fit(measured: dict[str, Any]) -> tuple[float, float] | None:
+    """(a, b) of seconds = a + b * tokens per step, least squares over the smoke's measured steps; None when
+    there are too few steps or the noise is larger than the effect."""
+    costs = measured.get("step_costs") or []
+    if len(costs) < 3:
+        return None
+    n = len(costs)
+    mx = sum(c[0] for c in costs) / n
+    my = sum(c[1] for c in costs) / n
+    var = sum((c[0] - mx) ** 2 for c in costs)
+    if var <= 0:
+        return None
+    b = sum((c[0] - mx) * (c[1] - my) for c in costs) / var
+    a = my - b * mx
+    return (a, b) if a >= 0 and b > 0 else None
+
+
+def step_seconds(measured: dict[str, Any], total_tokens: int, recipe, stats: DataStats, processes: int) -> float:
+    """Seconds of the full run's steps: a per-step cost plus a per-token cost, fitted on the smoke's steps.
+
+    A plain tokens/s credits steps with fewer tokens than the smoke's with the per-token overhead of
+    fuller ones (measured: ETA -30% on CPU when the sample held many long examples). Falls back to
+    tokens / (tokens/s) when the fit is not usable.
+    """
+    fallback = total_tokens / measured["tokens_per_second"]
+    fit = step_fit(measured)
+    if fit is None:
+        return fallback
+    a, b = fit
+    global_batch = recipe.micro_batch_size * recipe.gradient_accumulation_steps * processes
+    steps = recipe.max_steps or math.ceil(stats.examples / global_batch) * recipe.epochs
+    return a * steps + b * total_tokens
+
+
+def saves_seconds(one_save: float, train_seconds: float, recipe) -> float:
+    """The full run's checkpoint time: one every interval, one at the end, and the final model save
+    (about one more), each as long as the save the smoke test timed."""
+    every = recipe.checkpoint_every_minutes * 60.0
+    return one_save * (math.floor(train_seconds / every) + 2)
+
+
+MIN_RATE_BYTES = 64e6
+
+
+def gguf_bytes_per_param(gguf_type: str) -> float:
+    """Bytes written per parameter for a GGUF: the file, plus the 16-bit file a quantized type is made from."""
+    from launcher.deliver.llamacpp import TYPES, bytes_per_param
+
+    return bytes_per_param(gguf_type) + (0.0 if gguf_type in TYPES and TYPES[gguf_type].converter else 2.0)
+
+
+def export_seconds(measured: dict[str, Any], recipe, params: int) -> float:
+    """The exports after training (launcher/deliver/export.py, in their own process), from what the smoke measured:
+    the process start and imports once, one model load per load the export and its checks make, and the
+    bytes written (merged 16-bit, GGUF) at the disk rate of the smoke's timed checkpoint save."""
+    formats = set(recipe.export)
+    if not formats:
+        return 0.0
+    merged = bool(formats & {"merged", "gguf"})
+    lora = recipe.method in ("lora", "qlora")
+    # adapter: the base (+ adapter); merged: the 16-bit reference for a full fine-tune, then the written
+    # folder reloaded; gguf: the merged model once more and the GGUF file
+    # gguf: llama.cpp's converter is a process of its own (the same imports), the file is read back once in
+    # llama.cpp, and a quantized type is written twice: the 16-bit conversion, then the quantized file
+    gguf = "gguf" in formats
+    loads = (1 if lora else 0) + ((1 if lora else 2) if merged else 0) + (1 if gguf else 0)
+    written = (2.0 * params if merged else 0.0) + (gguf_bytes_per_param(recipe.gguf_type) * params if gguf else 0.0)
+    seconds = float(measured.get("import_seconds") or 0.0) * (2 if gguf else 1) \
+        + loads * float(measured.get("load_seconds") or 0.0)
+    save_bytes, save_seconds = measured.get("checkpoint_bytes"), measured.get("checkpoint_seconds")
+    # a save of less than MIN_RATE_BYTES (a LoRA checkpoint) is mostly fixed cost: its rate would
+    # overstate the writing of a merged model many times its size, so the bytes are then left out
+    if written and save_bytes and save_seconds and float(save_bytes) >= MIN_RATE_BYTES:
+        seconds += written / (float(save_bytes) / float(save_seconds))
+    return seconds
+
+
+def estimate(measured: dict[str, Any], wall: float, recipe, stats: DataStats, processes: int,
+             params: int) -> dict[str, float]:
+    """The full run's wall time in parts, from the smoke worker's measurements and its wall time `wall`."""
+    # The full run pays the same fixed start as the smoke worker (process start, imports, model load, data
+    # preparation, the warm-up of step 1): the smoke's wall time minus its measured steps. Without it the
+    # ETA of a short run is far too low (measured: -35% for a 5-minute run on CPU, docs/BENCHMARKS.md).
+    save = float(measured.get("checkpoint_seconds") or 0.0)
+    startup = max(0.0, wall - float(measured.get("measured_seconds") or 0.0) - save)
+    if measured.get("warmup_tokens"):
+        # step 1 is in the wall time too, but the full run's steps are all counted by the step estimate:
+        # only what step 1 took beyond a step of its tokens (lazy initialisation, first allocations) is start-up
+        fit, first = step_fit(measured), float(measured["warmup_tokens"])
+        step1 = fit[0] + fit[1] * first if fit else first / float(measured["tokens_per_second"])
+        startup = max(0.0, startup - step1)
+    # the smoke's eval pass and the base model's answers are in its wall time: priced apart (the full run has
+    # its own number of eval passes, and answers the same prompts once, after training)
+    samples = float(measured.get("samples_seconds") or 0.0)
+    startup = max(0.0, startup - float(measured.get("eval_seconds") or 0.0) - samples)
+    total_tokens = training_tokens(recipe, stats, processes)
+    train = step_seconds(measured, total_tokens, recipe, stats, processes)
+    saves = saves_seconds(save, train, recipe)
+    export = export_seconds(measured, recipe, params)
+    evals = evaluation.eval_seconds(measured, train, recipe)
+    return {"startup_seconds": startup, "train_seconds": train, "saves_seconds": saves, "export_seconds": export,
+            "eval_seconds": evals, "samples_seconds": samples,
+            "estimated_seconds": startup + train + saves + export + evals + samples}
+
+
+def run_smoke(run: RunDir, recipe, plan: dict[str, Any], examples, lengths: list[int], stats: DataStats) -> dict[str, Any]:
+    """Run the worker on the sample in the foreground; write and return smoke.json, or raise SmokeError."""
+    from launcher.worker.engines import world_size
+
+    processes = world_size(plan)  # all nodes' processes share the global batch
+    global_batch = recipe.micro_batch_size * recipe.gradient_accumulation_steps * processes
+    parts = evaluation.for_recipe(examples, recipe)  # held-out examples never train, here neither
+    drawn = smoke_sample([lengths[i] for i in parts.train], recipe.smoke.fraction,
+                         recipe.smoke.min_steps * global_batch, recipe.seed, longest=global_batch)
+    idx = [parts.train[j] for j in drawn]
+    shutil.rmtree(run.smoke_work, ignore_errors=True)
+    run.smoke_work.mkdir(parents=True)
+    eval_cost = _write_eval_request(run, recipe, examples, lengths, parts, processes)
+    # The worker reads the sample in order: the longest batch first, so an out-of-memory shows in
+    # step 1 (seconds, not hours); the rest in a seeded random order for a fair throughput.
+    by_length = sorted(idx, key=lambda i: (-lengths[i], i))
+    first, rest = by_length[:global_batch], by_length[global_batch:]
+    random.Random(recipe.seed).shuffle(rest)
+    write_jsonl(run.smoke_work / "data.jsonl", [examples[i] for i in first + rest])
+    steps = max(1, len(idx) // global_batch)
+    atomic_write_json(run.smoke_work / "request.json",
+                      {"max_steps": steps, "max_seconds": recipe.smoke.max_minutes * 60.0})
+    print(f"smoke test: {len(idx)} of {stats.examples} examples ({len(idx) / stats.examples:.1%}, the longest "
+          f"included), {steps} steps, at most {recipe.smoke.max_minutes:g} min ...", flush=True)
+    log_path = run.smoke_work / "smoke.log"
+    t0 = time.monotonic()
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(launch_command(plan, run.root, "smoke"), stdin=subprocess.DEVNULL,
+                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **launch_env(plan)})
+        try:
+            rc = proc.wait()
+        except KeyboardInterrupt:
+            proc.terminate()
+            proc.wait()
+            raise
+    wall = time.monotonic() - t0
+    if rc != 0 and failed_verification(worker_file(run.root, "smoke")):
+        rc = train.EXIT_BAD_WORLD  # torchrun reports any failed worker as 1; the worker said why
+    result_path = run.smoke_work / "result.json"
+    oom_path = run.smoke_work / "oom.json"
+    if rc == train.EXIT_OOM or (rc != 0 and oom_path.is_file()):  # torchrun reports a worker's 78 as 1
+        oom = json.loads(oom_path.read_text()) if oom_path.is_file() else {}
+        raise SmokeOOM(oom.get("error", "out of memory"), fix=REASONS[train.EXIT_OOM][1],
+                       peak_memory_gb=oom.get("peak_memory_gb"))
+    if rc != 0 or not result_path.is_file():
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
+        what, fix = REASONS.get(rc, (f"the worker exited with code {rc}", f"read {log_path} (last lines below)"))
+        raise SmokeError(f"{what}; the full run was not started.\n--- last lines of {log_path} ---\n{tail}", fix=fix)
+    measured = {**json.loads(result_path.read_text()), **eval_cost}
+    tps = measured.get("tokens_per_second")
+    if not tps:
+        raise SmokeError("the smoke test finished too few steps to measure throughput",
+                         fix="raise smoke.min_steps or smoke.max_minutes.")
+    total_tokens = training_tokens(recipe, stats, processes)
+    parts = estimate(measured, wall, recipe, stats, processes, int((plan.get("model") or {}).get("params") or 0))
+    est_seconds = parts["estimated_seconds"]
+    price = float(plan.get("price_per_hour_eur") or 0.0)
+    report = {
+        **measured,
+        "examples": len(idx),
+        "wall_seconds": round(wall, 2),
+        "training_tokens": total_tokens,
+        **{k: round(v, 1) for k, v in parts.items()},
+        "estimated_hours": round(est_seconds / 3600, 3),
+        "price_per_hour_eur": price,
+        "estimated_cost": round(est_seconds / 3600 * price, 2),
+        "planned_memory_gb": (plan.get("memory") or {}).get("per_gpu_gb"),
+        # a later plan applies these measurements only to the same engine and process count
+        "engine": plan.get("engine"),
+        "num_processes": processes,
+    }
+    note = memory_note(measured.get("device"), recipe.method)
+    if note:
+        report["memory_note"] = note
+    atomic_write_json(run.smoke, report)
+    shutil.rmtree(run.smoke_work / "trainer", ignore_errors=True)
+    return report
+
+
+def _write_eval_request(run: RunDir, recipe, examples, lengths: list[int], parts, processes: int) -> dict[str, Any]:
+    """The smoke worker's eval pass and prompts: a share of the held-out examples (smoke/eval.jsonl) and the full
+    run's sample prompts (smoke/prompts.json, unless the base model answered them already). Returns the token
+    counts that scale the measured pass to the full run's (launcher/data/split.py)."""
+    from launcher.worker import samples
+    from launcher.data.dataset import example_lengths
+
+    if recipe.eval.data:
+        held_examples = evaluation.load_eval_data(recipe)
+        held_lengths, _ = example_lengths(held_examples, recipe.model)
+        held, pool = list(range(len(held_examples))), held_examples
+    else:
+        held, pool, held_lengths = parts.held_out, examples, lengths
+    cost: dict[str, Any] = {}
+    if held:
+        subset = evaluation.smoke_subset(held, recipe, processes)
+        write_jsonl(run.smoke_work / "eval.jsonl", [pool[i] for i in subset])
+        clip = recipe.max_length
+        cost = {"eval_examples": len(held), "eval_tokens": sum(min(held_lengths[i], clip) for i in subset),
+                "eval_full_tokens": sum(min(held_lengths[i], clip) for i in held)}
+        print(f"evaluation: {len(held)} held-out examples"
+              + (f" ({len(held) / len(examples):.1%} of the data, a seeded draw that never trains)"
+                 if not recipe.eval.data else f" from {evaluation.source_name(recipe.eval.data)}")
+              + f", every {recipe.eval.every_minutes:g} min, at the start and at the end; the smoke test "
+              f"evaluates {len(subset)} of them", flush=True)
+    if recipe.eval.samples and not (run.root / samples.BEFORE_FILE).is_file():
+        prompts = samples.pick(pool, held, parts.train if not recipe.eval.data else [], recipe.eval.samples,
+                               recipe.seed, evaluation.source_name(recipe.eval.data or recipe.data))
+        atomic_write_json(run.smoke_work / "prompts.json", prompts)
+    return cost
+
+
+def memory_note(device: Optional[str], method: str) -> Optional[str]:
+    """Where the smoke test's peak is known to understate the full run's (measured, docs/BENCHMARKS.md)."""
+    if device == "cpu" and method == "qlora":
+        # bitsandbytes' CPU path holds more memory step after step while the live tensors stay the same:
+        # over a 60-step run, peak RSS from 0.94 GB in the first steps (where the smoke test measures) to
+        # 1.81 GB; LoRA on the same data stays flat.
+        return ("on CPU, QLoRA's process memory grows during the run (bitsandbytes' CPU path; measured: "
+                "about 2x the peak of the first steps, where this smoke test measured): allow for it in --memory-limit")
+    return None

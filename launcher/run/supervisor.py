@@ -1,0 +1,457 @@
+"""Runs the full training detached from the terminal, restarts a crashed worker within limits, stops it on request.
+
+The supervisor is light (no torch): it starts the worker (one process, or a launcher of several),
+waits, classifies the exit, and writes the state. Started by `ftrun RECIPE` in its own session
+(`start_new_session`), stdin from /dev/null and output to train.log, so an SSH logout (SIGHUP to
+the terminal's session) never reaches it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from launcher.worker import train
+from launcher.worker.engines import MULTI_PROCESS, die_with_parent, failed_verification, launch_command, launch_env
+from launcher.store.checkpoint import newest_step_unverified, step_dir_name
+from launcher.store.rundir import RunDir
+from launcher.store.state import process_identity, read_state, run_holder, run_processes, same_process, set_state
+
+# Worker exits that a restart cannot fix: report them instead of looping.
+FATAL = {
+    train.EXIT_NAN: "the loss became NaN/inf (lower learning_rate, check the data)",
+    train.EXIT_OOM: "out of GPU memory (run `ftrun smoke` again: a smaller micro_batch_size or max_length)",
+    train.EXIT_BAD_WORLD: "the worker saw a different device or process count than planned (see train.log)",
+    train.EXIT_DISK_FULL: "disk full while saving a checkpoint",
+    2: "the worker rejected its input (see train.log)",
+}
+
+
+def _record(run: RunDir, state: str, **fields) -> None:
+    """set_state, but a full disk must not kill the supervisor: it says so in the log and carries on."""
+    try:
+        set_state(run, state, **fields)
+    except OSError as exc:
+        _log(f"could not write state.json ({exc.strerror}); the run's state is {state}: {fields.get('reason', '')}")
+
+
+def _log(msg: str) -> None:
+    print(f"[ftrun supervisor {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _last_logged_step(run: RunDir) -> int:
+    from launcher.store.state import last_metrics
+
+    return int(last_metrics(run.metrics).get("step", 0))
+
+
+def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
+    """The restart loop; returns the exit code of the run (0 succeeded)."""
+    run = RunDir(run_dir)
+    from launcher.recipe import load_recipe
+
+    recipe = load_recipe(run.recipe)
+    plan = json.loads(run.plan.read_text())
+    # proc: the process running now (worker, launcher or export); launcher: proc when it starts ranks.
+    child: dict[str, Optional[subprocess.Popen]] = {"proc": None, "launcher": None}
+    # killed: grace_seconds ran out; checkpoint_before: the newest sealed step when the signal came.
+    stopping: dict[str, Any] = {"signal": None, "killed": False, "checkpoint_before": None}
+
+    def forward(signum, _frame):
+        first = stopping["signal"] is None
+        stopping["signal"] = signal.Signals(signum).name
+        proc = child["proc"]
+        if proc and proc.poll() is None:
+            _log(f"{stopping['signal']}: asking the worker to checkpoint and stop")
+            if first:
+                stopping["checkpoint_before"] = newest_step_unverified(run.checkpoints)
+            # Under a launcher the ranks are signalled themselves, not the launcher: torchrun and
+            # accelerate launch SIGKILL their ranks a fixed time after they forward a signal, 30 s
+            # unless told otherwise, and before torch 2.12 they cannot be told (pytorch PR #172596
+            # made it configurable; launch_env sets it where it exists). The ranks save together and
+            # exit together after the save's last barrier, the launcher then ends on its own.
+            for pid in (_ranks(proc) if proc is child["launcher"] else []) or [proc.pid]:
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+
+    def forward_then_enforce_grace(signum, frame):
+        forward(signum, frame)
+        proc = child["proc"]
+        if proc is not None:
+            # A provider's notice gives limited time: a worker still busy after grace_seconds is
+            # killed; the newest periodic checkpoint is what remains.
+            def enforce():
+                if proc.poll() is None:
+                    stopping["killed"] = True
+                    # the ranks die with their launcher (PR_SET_PDEATHSIG), but not only through it
+                    for pid in (_ranks(proc) if proc is child["launcher"] else []) + [proc.pid]:
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+
+            timer = threading.Timer(recipe.grace_seconds, enforce)
+            timer.daemon = True
+            timer.start()
+
+    signal.signal(signal.SIGTERM, forward_then_enforce_grace)
+    signal.signal(signal.SIGINT, forward_then_enforce_grace)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    syncer = None
+    if recipe.sync.to:
+        from launcher.store.sync import Syncer
+
+        syncer = Syncer(run, recipe.sync.to, recipe.sync.keep, log=_log).start(recipe.sync.every_seconds)
+
+    def end(state: str, why: str, code: int, **fields) -> int:
+        """A final state other than success: what exists goes off the box first, then the state says why."""
+        if syncer:
+            syncer.finish(final=False)
+        _record(run, state, worker_pid=None, reason=why, **fields)
+        _log(why)
+        return code
+
+    restarts = 0
+    crash_steps: list[int] = []
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **launch_env(plan, recipe.grace_seconds))
+    while True:
+        cmd = launch_command(plan, run.root, "full")
+        _log("starting worker: " + " ".join(cmd))
+        if plan.get("launch_argv") != cmd:
+            from launcher.store.checkpoint import atomic_write_json
+
+            plan["launch_argv"] = cmd  # plan.json records how the plan was launched (an argument list)
+            atomic_write_json(run.plan, plan)
+        _forget_worker_outcome(run)
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env,
+                                # the worker keeps the run locked while it lives, even without its supervisor
+                                pass_fds=(lock_fd,) if lock_fd is not None else (),
+                                # a launcher (torchrun) outliving the supervisor keeps its ranks training: it is
+                                # killed with it; a single worker outliving it would train on unsupervised: it
+                                # gets SIGTERM, saves a checkpoint and exits (the next launch resumes from it)
+                                preexec_fn=die_with_parent if plan.get("engine") in MULTI_PROCESS else _stop_with_parent)
+        child["proc"] = proc
+        child["launcher"] = proc if plan.get("engine") in MULTI_PROCESS else None
+        _record(run, "running", supervisor_pid=os.getpid(), supervisor_proc=process_identity(os.getpid()),
+                worker_pid=proc.pid, worker_proc=process_identity(proc.pid), restarts=restarts,
+                engine=plan.get("engine"), num_processes=plan.get("num_processes"), launch_argv=cmd)
+        rc = proc.wait()
+        child["proc"] = child["launcher"] = None
+        if rc != 0 and failed_verification(run.worker):
+            rc = train.EXIT_BAD_WORLD  # torchrun reports any failed worker as 1; the worker said why
+        if rc not in (0, *FATAL) and _worker_exit_code(run) in FATAL:
+            rc = _worker_exit_code(run)  # a rank's out of memory arrives from torchrun as 1: not a crash to restart
+        if run.worker.is_file() and "verification" in json.loads(run.worker.read_text()):
+            _record(run, read_state(run).get("state", "running"),
+                      verification=json.loads(run.worker.read_text())["verification"])
+        if rc == 0:
+            checked = _verify_final(recipe, run, plan)
+            if checked is not None and not checked.ok:
+                # exit 0 without a usable result (a save that wrote nothing) is a failure, and nothing is exported
+                return end("failed", f"training finished but the final result is not usable: {checked.reason}; "
+                           "the checkpoints are intact: run the same command to resume from the newest one, which "
+                           "saves the final result again", 5, final_check={"ok": False, "reason": checked.reason})
+            _record(run, "succeeded", worker_pid=None, reason="training finished",
+                    final_check={"ok": True, "reason": checked.reason, **checked.details} if checked else
+                    {"ok": None, "reason": "written and verified by node 0"})
+            _log("training finished" + (f"; {checked.reason}" if checked else ""))
+            done = _export(recipe, run, child)  # succeeded, or trained-not-exported when an export failed
+            # after the export's checks, before on_finish (which may stop the box); a failed export publishes nothing
+            from launcher.deliver.publish import after_export
+
+            after_export(recipe, run, _log)
+            if syncer:
+                _record(run, done, reason=f"training finished; copying the result to {recipe.sync.to}")
+                if not syncer.finish(final=True):
+                    _record(run, done, reason="training finished, but the copy off the box failed: "
+                              "see sync.json; `ftrun push` retries")
+                    return 0
+                _record(run, done, reason=f"training finished; result verified at {recipe.sync.to}")
+                syncer.sync_once()  # the state file itself, saying so
+            _on_finish(recipe, run)
+            return 0
+        if stopping["signal"] or rc == train.EXIT_STOPPED:
+            requested = read_state(run).get("stop_requested")
+            # A launcher exits 1 when its ranks exit EXIT_STOPPED: a checkpoint sealed after the
+            # signal says the same.
+            newest = newest_step_unverified(run.checkpoints)
+            saved = rc == train.EXIT_STOPPED or (
+                not stopping["killed"] and newest is not None
+                and (stopping["checkpoint_before"] is None or newest > stopping["checkpoint_before"]))
+            why = (f"{'stopped by `ftrun stop`' if requested else 'preempted (' + (stopping['signal'] or 'SIGTERM') + ')'}"
+                   # the step of the checkpoint it wrote (the last logged step may be a few steps older)
+                   + (f" at step {newest} after a checkpoint ({step_dir_name(newest)})" if saved and newest is not None
+                      else f" at step {_last_logged_step(run)}" + (" after a checkpoint" if saved else ""))
+                   + ("" if saved else f"; the worker did not finish its checkpoint within {recipe.grace_seconds:g}s")
+                   + "; run the same command to resume")
+            return end("stopped" if requested else "preempted", why, train.EXIT_STOPPED, stop_requested=False)
+        if rc in FATAL:
+            return end("failed", _worker_error(run) or FATAL[rc], 5)
+        how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
+        step = _last_logged_step(run)
+        if crash_steps and crash_steps[-1] == step:
+            return end("failed", f"worker crashed twice at step {step} ({how}); not retrying a crash that repeats", 5)
+        crash_steps.append(step)
+        if restarts >= recipe.max_restarts:
+            return end("failed", f"worker crashed ({how}) after {restarts} restart(s), the limit "
+                       f"(max_restarts={recipe.max_restarts})", 5)
+        restarts += 1
+        delay = min(2 ** restarts, 60)
+        _record(run, "recovering", worker_pid=None, restarts=restarts,
+                  reason=f"worker crashed ({how}) near step {step}; restart {restarts}/{recipe.max_restarts} in {delay}s")
+        _log(f"worker crashed ({how}) near step {step}; restarting from the newest verified checkpoint in {delay}s")
+        for _ in range(delay * 10):
+            if stopping["signal"]:
+                _record(run, "stopped", reason=f"stopped by {stopping['signal']} while recovering")
+                return train.EXIT_STOPPED
+            time.sleep(0.1)
+
+
+def _stop_with_parent() -> None:
+    """In the single worker, before exec: SIGTERM when the supervisor dies (kill -9, the OOM killer). The
+    signal is tied to the thread that started the worker: the supervisor's main thread, which lives as long
+    as the supervisor."""
+    die_with_parent(signal.SIGTERM)
+
+
+def _ranks(launcher: subprocess.Popen) -> list[int]:
+    """The pids of a launcher's ranks: its direct children.
+
+    torch 2.13 elastic/multiprocessing/subprocess_handler/subprocess_handler.py SubprocessHandler._popen
+    starts each rank as a child of the agent, which is torchrun itself or, for accelerate launch, the
+    launch process (commands/launch.py multi_gpu_launcher runs torch.distributed.run in-process); a
+    numactl wrapper (NUMA binding on GPU boxes) execs into the rank and keeps its pid.
+    """
+    import psutil
+
+    try:
+        return [p.pid for p in psutil.Process(launcher.pid).children()]
+    except psutil.Error:
+        return []
+
+
+def _verify_final(recipe, run: RunDir, plan: dict[str, Any]):
+    """The final adapter or model checked from its files (launcher/store/final.py), or None on a node other than the
+    first of a multi-node run: its rank 0 is the one that writes final/."""
+    from launcher.store import final
+
+    if int((plan.get("nodes") or {}).get("node_rank", 0)) != 0:
+        return None
+    return final.verify(run.final, recipe.method, recipe.lora.target_modules, recipe.model)
+
+
+def _forget_worker_outcome(run: RunDir) -> None:
+    """Before each attempt: the last attempt's error and exit code must not speak for a worker that dies before
+    it writes its own worker.json (a crash would otherwise be read as the previous out of memory, not restarted)."""
+    if not run.worker.is_file():
+        return
+    from launcher.store.checkpoint import atomic_write_json
+
+    info = json.loads(run.worker.read_text())
+    if "exit_code" in info or "error" in info:
+        info.pop("exit_code", None)
+        info.pop("error", None)
+        atomic_write_json(run.worker, info)
+
+
+def _worker_exit_code(run: RunDir) -> Optional[int]:
+    """The exit code a rank recorded in worker.json with its error (train._record_error), if any."""
+    if not run.worker.is_file():
+        return None
+    return json.loads(run.worker.read_text()).get("exit_code")
+
+
+def _worker_error(run: RunDir) -> Optional[str]:
+    if not run.worker.is_file():
+        return None
+    return json.loads(run.worker.read_text()).get("error")
+
+
+def _export(recipe, run: RunDir, child: dict) -> str:
+    """The recipe's exports in their own process (torch stays out of the supervisor); returns the run's state.
+
+    A failed export never undoes the training: the state says trained-not-exported (not succeeded), with
+    export.state failed and the reason; `ftrun export RUN_DIR` retries.
+    """
+    if not recipe.export:
+        return "succeeded"
+    _log("exporting: " + ", ".join(recipe.export))
+    started = time.time()
+    set_state(run, "succeeded", export={"state": "running", "formats": list(recipe.export), "started": started})
+    cmd = [sys.executable, "-m", "launcher.deliver.export", "--run-dir", str(run.root)]
+    report_path = run.final / "export.json"
+    report_path.unlink(missing_ok=True)  # a stale report must not speak for this export
+    try:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                                cwd=str(Path(__file__).resolve().parents[2]))
+        child["proc"] = proc  # `ftrun stop` reaches the export too
+        rc = proc.wait()
+        child["proc"] = None
+    except OSError as exc:
+        rc, err = None, f"could not start the export: {exc}"
+    report = json.loads(report_path.read_text()) if report_path.is_file() else {}
+    if rc == 0 and report.get("ok"):
+        outs = ", ".join(f"{k} {v.get('size', '')}".strip() for k, v in report.get("outputs", {}).items())
+        info = {"state": "succeeded", "outputs": outs, "serving": report.get("serving")}
+        _log(f"export finished: {outs}; serving commands in {report.get('serving')}")
+    else:
+        if rc is not None:
+            err = report.get("error") or (f"killed by signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}")
+        info = {"state": "failed", "reason": f"{err.splitlines()[0]}; retry with `ftrun export {run.root}`"}
+        _log(f"export failed: {err}; the trained result is intact")
+    info.update(formats=list(recipe.export), seconds=round(time.time() - started, 1))
+    state = "succeeded" if info["state"] == "succeeded" else "trained-not-exported"
+    set_state(run, state, export=info, **({} if state == "succeeded" else
+                                          {"reason": f"trained, not exported: {info['reason']}"}))
+    return state
+
+
+def _on_finish(recipe, run: RunDir) -> None:
+    """The recipe's on_finish commands (argument lists, no shell), after the result is safe off the box."""
+    for argv in recipe.on_finish:
+        _log("on_finish: " + " ".join(argv))
+        try:
+            res = subprocess.run(argv, stdin=subprocess.DEVNULL, timeout=600)
+            if res.returncode != 0:
+                _log(f"on_finish command exited with {res.returncode}")
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            _log(f"on_finish command failed: {exc}")
+
+
+def start_detached(run: RunDir, lock_fd: int) -> int:
+    """Start the supervisor in its own session with output to train.log; returns its pid."""
+    log = open(run.log, "ab")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launcher.run.supervisor", "--run-dir", str(run.root), "--lock-fd", str(lock_fd)],
+        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True,  # own session: no controlling terminal, no SIGHUP at logout
+        pass_fds=(lock_fd,), cwd=str(Path(__file__).resolve().parents[2]),
+    )
+    log.close()
+    return proc.pid
+
+
+def stop(run: RunDir, timeout: float = 120.0) -> str:
+    """SIGTERM the run's verified supervisor (which forwards to the worker) and wait until it exits.
+
+    Only a supervisor that holds the run's lock and is the recorded process (pid, start time, boot) is
+    signalled; a pid in state.json alone is never enough (after a reboot it names someone else). The
+    signal goes to the supervisor itself, not to its process group: it forwards SIGTERM to a single
+    worker or straight to the ranks, because torchrun and accelerate launch SIGKILL their ranks a fixed
+    time after they forward a signal (see forward in supervise). Workers left without a supervisor are
+    ended (end_orphans); otherwise nothing is touched.
+    """
+    data = read_state(run)
+    holder = run_holder(run, data)
+    if holder is None:
+        ended = end_orphans(run, _grace_seconds(run) + 15, log=print)
+        if ended:
+            return f"the supervisor was gone; ended its orphaned worker process(es) {', '.join(map(str, ended))}"
+        return "not running (no live supervisor holds the run; no process was signalled)"
+    if holder["role"] != "supervisor":
+        return (f"not stopped: pid {holder['pid']} is still planning or smoke-testing this run (state "
+                f"{data.get('state', 'planned')}); interrupt it with Ctrl-C where it runs, or wait and stop the run")
+    set_state(run, data.get("state", "running"), stop_requested=True)  # `stopped`, not `preempted`
+    _signal_verified(holder, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while same_process(holder) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return "stopped" if not same_process(holder) else "still stopping"
+
+
+def _grace_seconds(run: RunDir) -> float:
+    try:
+        from launcher.recipe import load_recipe
+
+        return float(load_recipe(run.recipe).grace_seconds)
+    except Exception:  # a recipe that no longer loads must not keep a stop from ending workers
+        return 60.0
+
+
+def _signal_verified(proc: dict[str, Any], sig: int) -> bool:
+    """Send `sig` to the recorded process only if it is still that process (pid, start time, boot)."""
+    if not same_process(proc):
+        return False
+    try:
+        os.kill(proc["pid"], sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def end_orphans(run: RunDir, wait_seconds: float, log=print) -> list[int]:
+    """Workers still training into the run without a supervisor (it was killed hard): SIGTERM, so they save a
+    checkpoint and exit, then SIGKILL whatever is left after wait_seconds (callers: grace_seconds + 15 s).
+    Returns their pids.
+
+    Found by their command line (`launcher.worker.train --run-dir <this run>`, a torchrun included), so every
+    process signalled is a worker of this run; each is checked again (start time) right before each signal.
+    SIGTERM goes to the workers that are not the parent of another (the ranks, not their launcher, as the
+    supervisor does). SIGKILL goes to the process group of the run's supervisor when a worker still sits in
+    it: that group was the supervisor's own session (start_new_session), and a group id is not reused while
+    a member lives, so the group holds this run's processes only; any other worker is killed by its pid.
+    Call only when no verified supervisor or launcher holds the run (run_holder is None).
+    """
+    procs = run_processes(run)
+    if not procs:
+        return []
+    pids = [p["pid"] for p in procs]
+    # The launchers (torchrun, accelerate launch) carry the worker's arguments too; the ranks are signalled, not
+    # them. Told apart by their command, not by being a parent: a worker forking a helper (the loss plot) is
+    # for a moment the parent of a process with its own command line.
+    launchers = {p["pid"] for p in procs if any(a in ("torch.distributed.run", "accelerate.commands.launch")
+                                                for a in p["argv"])}
+    log(f"{run.root}: worker process(es) {', '.join(map(str, pids))} still train into this run without a supervisor; "
+        f"asking them to save a checkpoint and exit (up to {wait_seconds:g} s)")
+    def asked(p: dict) -> bool:
+        if p["pid"] in launchers:  # a launcher only while it has no ranks yet
+            return not any(q["ppid"] == p["pid"] for q in procs)
+        return p["ppid"] in launchers or p["ppid"] not in pids  # a rank, or a worker of its own (not a fork of one)
+
+    for p in procs:
+        if asked(p):
+            _signal_verified(p, signal.SIGTERM)
+    deadline = time.monotonic() + wait_seconds
+    while any(same_process(p) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p for p in procs if same_process(p)]
+    if left:
+        log(f"{run.root}: killing worker process(es) {', '.join(str(p['pid']) for p in left)} (no exit after "
+            f"{wait_seconds:g} s)")
+        sup = read_state(run).get("supervisor_proc") or {}
+        same_boot = sup.get("boot") == (process_identity(os.getpid()) or {}).get("boot")
+        group = sup.get("pgid") if same_boot and sup.get("pgid") == sup.get("pid") else None
+        for p in left:
+            if group and p["pgid"] == group and p["sid"] == group and same_process(p) and group != os.getpgrp():
+                try:
+                    os.killpg(group, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            _signal_verified(p, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while any(same_process(p) for p in left) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    return pids
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launcher.run.supervisor")
+    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--lock-fd", type=int, default=None)
+    ns = parser.parse_args(argv)
+    return supervise(ns.run_dir.resolve(), ns.lock_fd)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

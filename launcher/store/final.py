@@ -1,0 +1,350 @@
+"""The final result of a run: its layout (final/adapter or final/model) and its verification.
+
+A run is `succeeded` only when its final result is there and usable: the supervisor calls `verify` after the
+worker exits 0 and before it records success, for every engine. The check reads files only (JSON and the
+safetensors layout: an 8-byte little-endian header length, a JSON header, then the tensor bytes), so it needs
+neither torch nor a GPU; numpy reads the tensor bytes to find inf/NaN.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from launcher.model_files import local_file
+
+ADAPTER, MODEL = "adapter", "model"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+MODEL_CONFIG = "config.json"
+MODEL_WEIGHTS = "model.safetensors"
+MODEL_INDEX = "model.safetensors.index.json"
+
+# Bytes per element of the safetensors dtypes; packed 4-bit types are left out of the size check.
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8,
+             "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
+# A float is inf or NaN exactly when its exponent bits are all ones: (unsigned view, mask). Read this way,
+# bf16 needs no float conversion (numpy has no bf16). F8_E4M3 ("fn") has no inf; its NaN is every bit but the
+# sign set.
+_NON_FINITE = {"F64": ("<u8", 0x7FF0000000000000), "F32": ("<u4", 0x7F800000), "F16": ("<u2", 0x7C00),
+               "BF16": ("<u2", 0x7F80), "F8_E5M2": ("u1", 0x7C), "F8_E4M3": ("u1", 0x7F)}
+_CHUNK = 64 * 1024 * 1024  # bytes scanned at a time: memory stays flat whatever the model's size
+
+
+class ArtifactError(Exception):
+    """A final artifact that is missing, empty, truncated or malformed; the message names the file."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    reason: str  # one line: what was verified, or what is wrong and with which file
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def kind(method: str) -> str:
+    """LoRA and QLoRA runs end with an adapter, full fine-tuning with the whole model."""
+    return ADAPTER if method in ("lora", "qlora") else MODEL
+
+
+def path(final_root: Path, method: str) -> Path:
+    return Path(final_root) / kind(method)
+
+
+def read_header(file: Path) -> dict[str, dict[str, Any]]:
+    """The tensors of a safetensors file, {name: {dtype, shape, data_offsets}}, after checking that the file is
+    complete: its size is exactly what the header promises, and every tensor's bytes match its shape."""
+    file = Path(file)
+    if not file.is_file():
+        raise ArtifactError(f"{file.name} is missing")
+    size = file.stat().st_size
+    if size == 0:
+        raise ArtifactError(f"{file.name} is empty (0 bytes)")
+    with file.open("rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise ArtifactError(f"{file.name} is truncated ({size} bytes, shorter than a safetensors header)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise ArtifactError(f"{file.name} is truncated: its header says {n:,} bytes of header, the file has "
+                                f"{size:,} bytes")
+        try:
+            header = json.loads(fh.read(n))
+        except ValueError:
+            raise ArtifactError(f"{file.name} is not a safetensors file (its header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise ArtifactError(f"{file.name} is not a safetensors file (its header is not a JSON object)")
+    header.pop("__metadata__", None)
+    end = 0
+    for name, t in header.items():
+        try:
+            begin, stop = (int(x) for x in t["data_offsets"])
+            shape = [int(d) for d in t["shape"]]
+        except (KeyError, TypeError, ValueError):
+            raise ArtifactError(f"{file.name}: tensor {name} has no valid dtype/shape/data_offsets") from None
+        numel = 1
+        for d in shape:
+            numel *= d
+        item = _ITEMSIZE.get(t.get("dtype"))
+        if item is not None and stop - begin != numel * item:
+            raise ArtifactError(f"{file.name}: tensor {name} {t.get('dtype')}{shape} should take {numel * item:,} "
+                                f"bytes, its offsets give {stop - begin:,}")
+        end = max(end, stop)
+    if size != 8 + n + end:
+        raise ArtifactError(f"{file.name} is truncated: {size:,} bytes, its header describes {8 + n + end:,}"
+                            if size < 8 + n + end else
+                            f"{file.name} has {size - 8 - n - end:,} bytes after its last tensor")
+    return header
+
+
+def non_finite(file: Path, header: dict[str, dict[str, Any]]) -> list[str]:
+    """Names of the float tensors holding inf or NaN, read in chunks through a memory map."""
+    import mmap
+
+    import numpy as np
+
+    bad = []
+    with Path(file).open("rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        base = 8 + n
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            for name, t in header.items():
+                how = _NON_FINITE.get(t["dtype"])
+                if how is None:
+                    continue
+                dtype, mask = np.dtype(how[0]), how[1]
+                begin, stop = (base + int(x) for x in t["data_offsets"])
+                step = _CHUNK - _CHUNK % dtype.itemsize
+                for at in range(begin, stop, step):
+                    count = min(step, stop - at) // dtype.itemsize
+                    bits = np.frombuffer(mm, dtype=dtype, count=count, offset=at)
+                    hit = bool(np.any((bits & dtype.type(mask)) == dtype.type(mask)))
+                    del bits  # a view pins the map: released before the next chunk and before the map closes
+                    if hit:
+                        bad.append(name)
+                        break
+    return bad
+
+
+def _all_zero(file: Path, header: dict[str, dict[str, Any]], names: list[str]) -> bool:
+    import mmap
+
+    import numpy as np
+
+    with Path(file).open("rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            for name in names:
+                begin, stop = (8 + n + int(x) for x in header[name]["data_offsets"])
+                # +0.0 and -0.0 are the only floats whose bits other than the sign are all zero
+                raw = np.frombuffer(mm, dtype=np.uint8, count=stop - begin, offset=begin)
+                nonzero = bool(np.any(raw))
+                del raw
+                if nonzero:
+                    return False
+    return True
+
+
+# --- the base model's own weight names, where a copy is on this machine --------------------------------
+
+def base_weights(model: str) -> Optional[dict[str, list[int]]]:
+    """{name: shape} of the base model's safetensors (a local folder or the Hugging Face cache), else None."""
+    files: list[Path] = []
+
+    def local(name: str) -> Optional[Path]:
+        return local_file(model, name)
+
+    index = local(MODEL_INDEX)
+    if index is not None:
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, OSError):
+            return None
+        for shard in shards:
+            p = local(shard)
+            if p is None:
+                return None
+            files.append(p)
+    else:
+        single = local(MODEL_WEIGHTS)
+        if single is None:
+            return None
+        files.append(single)
+    out: dict[str, list[int]] = {}
+    try:
+        for f in files:
+            out.update({k: list(v["shape"]) for k, v in read_header(f).items()})
+    except ArtifactError:
+        return None
+    return out
+
+
+# --- the adapter ---------------------------------------------------------------------------------------
+
+_LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
+_PEFT_PREFIX = "base_model.model."
+# MoE experts fused into one parameter (transformers 5) are not Linear modules: PEFT adapts none of them even
+# when the checkpoint names them with a target's name (mlp.experts.0.gate_proj.weight).
+_EXPERTS = re.compile(r"\.experts\.")
+
+
+def _matches(module: str, targets: list[str]) -> bool:
+    # PEFT's rule for a list of names: the module's name is a target or ends with "." + a target
+    return any(module == t or module.endswith("." + t) for t in targets)
+
+
+def verify_adapter(folder: Path, target_modules: Union[str, list[str]],
+                   base: Optional[dict[str, list[int]]] = None) -> Verdict:
+    """adapter_config.json and adapter_model.safetensors: LoRA A/B pairs for every target module, ranks that
+    agree, no empty or non-finite tensor, not the untrained initialisation; with the base model's weight names
+    (`base`), every adapted module exists in the base and every targeted base module is adapted."""
+    folder = Path(folder)
+    where = f"final/{folder.name}"
+    cfg_path = folder / ADAPTER_CONFIG
+    if not cfg_path.is_file():
+        present = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+        return Verdict(False, f"{where}/{ADAPTER_CONFIG} is missing"
+                       + (f" ({where} holds only {', '.join(present)})" if present else
+                          f" ({where} does not exist)" if not folder.is_dir() else f" ({where} is empty)"))
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except ValueError:
+        return Verdict(False, f"{where}/{ADAPTER_CONFIG} is not valid JSON")
+    try:
+        header = read_header(folder / ADAPTER_WEIGHTS)
+    except ArtifactError as exc:
+        return Verdict(False, f"{where}/{exc}")
+    if not header:
+        return Verdict(False, f"{where}/{ADAPTER_WEIGHTS} holds no tensors")
+    empty = [k for k, t in header.items() if 0 in t["shape"]]
+    if empty:
+        return Verdict(False, f"{where}/{ADAPTER_WEIGHTS}: {len(empty)} empty tensor(s), e.g. {empty[0]}")
+    pairs: dict[str, dict[str, list[int]]] = {}
+    for name, t in header.items():
+        m = _LORA.match(name)
+        if m:
+            pairs.setdefault(m["module"], {})[m["ab"]] = list(t["shape"])
+    if not pairs:
+        return Verdict(False, f"{where}/{ADAPTER_WEIGHTS} holds no LoRA tensors (lora_A/lora_B); its tensors: "
+                       + ", ".join(sorted(header)[:3]))
+    for module, ab in pairs.items():
+        if set(ab) != {"A", "B"}:
+            return Verdict(False, f"{where}/{ADAPTER_WEIGHTS}: {module} has lora_{''.join(ab)} without its pair")
+        if len(ab["A"]) != 2 or len(ab["B"]) != 2 or ab["A"][0] != ab["B"][1]:
+            return Verdict(False, f"{where}/{ADAPTER_WEIGHTS}: {module} lora_A {ab['A']} and lora_B {ab['B']} "
+                           "do not share a rank")
+    # "all-linear" is resolved by PEFT into the modules it adapted, recorded in the adapter's config
+    targets = list(target_modules) if isinstance(target_modules, (list, tuple)) else \
+        list(cfg.get("target_modules") or [])
+    missing = [t for t in targets if not any(_matches(m, [t]) for m in pairs)]
+    if missing:
+        return Verdict(False, f"{where}/{ADAPTER_WEIGHTS} has no LoRA tensors for target module(s) "
+                       f"{', '.join(missing)} (it adapts {len(pairs)} module(s))")
+    cross = "base model's weight names not found on this machine: not cross-checked"
+    if base is not None:
+        names = {m[len(_PEFT_PREFIX):] if m.startswith(_PEFT_PREFIX) else m for m in pairs}
+        unknown = sorted(n for n in names if f"{n}.weight" not in base)
+        targeted = {k[:-len(".weight")] for k in base if k.endswith(".weight") and not _EXPERTS.search(k)
+                    and _matches(k[:-len(".weight")], targets)}
+        uncovered = sorted(targeted - names)
+        if unknown:
+            return Verdict(False, f"{where}/{ADAPTER_WEIGHTS} adapts {len(unknown)} module(s) the base model does "
+                           f"not have, e.g. {unknown[0]}")
+        if uncovered:
+            return Verdict(False, f"{where}/{ADAPTER_WEIGHTS} adapts {len(targeted) - len(uncovered)} of the base "
+                           f"model's {len(targeted)} target modules; missing e.g. {uncovered[0]}")
+        cross = f"all {len(targeted)} targeted modules of the base model adapted"
+    bad = non_finite(folder / ADAPTER_WEIGHTS, header)
+    if bad:
+        return Verdict(False, f"{where}/{ADAPTER_WEIGHTS}: {len(bad)} tensor(s) hold inf/NaN, e.g. {bad[0]}")
+    b_names = [f"{m}.lora_B.weight" for m in pairs]
+    if _all_zero(folder / ADAPTER_WEIGHTS, header, b_names):
+        return Verdict(False, f"{where}/{ADAPTER_WEIGHTS}: every lora_B is zero, the untrained initialisation "
+                       "(the trained values were not saved)")
+    r = sorted({ab["A"][0] for ab in pairs.values()})
+    details = {"kind": ADAPTER, "path": str(folder), "lora_modules": len(pairs), "tensors": len(header),
+               "rank": r[0] if len(r) == 1 else r, "bytes": (folder / ADAPTER_WEIGHTS).stat().st_size,
+               "cross_check": cross}
+    return Verdict(True, f"{where}: {len(pairs)} LoRA modules (r={details['rank']}), finite; {cross}", details)
+
+
+# --- the whole model -----------------------------------------------------------------------------------
+
+def verify_model(folder: Path, base: Optional[dict[str, list[int]]] = None) -> Verdict:
+    """config.json and the safetensors weights (one file, or an index and its shards): complete files, finite
+    values, and, with the base model's weights (`base`), every base weight present with its shape."""
+    folder = Path(folder)
+    where = f"final/{folder.name}"
+    if not (folder / MODEL_CONFIG).is_file():
+        present = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+        return Verdict(False, f"{where}/{MODEL_CONFIG} is missing"
+                       + (f" ({where} holds only {', '.join(present)})" if present else
+                          f" ({where} does not exist)" if not folder.is_dir() else f" ({where} is empty)"))
+    try:
+        config = json.loads((folder / MODEL_CONFIG).read_text())
+    except ValueError:
+        return Verdict(False, f"{where}/{MODEL_CONFIG} is not valid JSON")
+    index_path = folder / MODEL_INDEX
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (ValueError, KeyError):
+            return Verdict(False, f"{where}/{MODEL_INDEX} is not a valid index (no weight_map)")
+        files = sorted(set(weight_map.values()))
+    elif (folder / MODEL_WEIGHTS).is_file():
+        weight_map, files = None, [MODEL_WEIGHTS]
+    else:
+        return Verdict(False, f"{where} has no weights: neither {MODEL_WEIGHTS} nor {MODEL_INDEX}")
+    saved: dict[str, list[int]] = {}
+    headers = {}
+    for name in files:
+        try:
+            headers[name] = read_header(folder / name)
+        except ArtifactError as exc:
+            return Verdict(False, f"{where}/{exc}")
+        for k, t in headers[name].items():
+            saved[k] = list(t["shape"])
+    if not saved:
+        return Verdict(False, f"{where}: the weights hold no tensors")
+    if weight_map is not None:
+        absent = sorted(k for k, f in weight_map.items() if k not in headers[f])
+        if absent:
+            return Verdict(False, f"{where}/{MODEL_INDEX} lists {len(absent)} tensor(s) its shards lack, "
+                           f"e.g. {absent[0]} in {weight_map[absent[0]]}")
+    empty = [k for k, s in saved.items() if 0 in s]
+    if empty:
+        return Verdict(False, f"{where}: {len(empty)} empty tensor(s), e.g. {empty[0]}")
+    cross = "base model's weights not found on this machine: names not cross-checked"
+    if base is not None:
+        expected = {k: s for k, s in base.items() if not k.endswith(".inv_freq")}  # buffers of old checkpoints
+        if config.get("tie_word_embeddings", False) or (config.get("text_config") or {}).get("tie_word_embeddings"):
+            expected.pop("lm_head.weight", None)  # a tied head is saved once, as the embedding
+        missing = sorted(k for k in expected if k not in saved)
+        if missing:
+            return Verdict(False, f"{where} lacks {len(missing)} of the base model's {len(expected)} weights, "
+                           f"e.g. {missing[0]}")
+        wrong = sorted(k for k in expected if saved[k] != expected[k])
+        if wrong:
+            return Verdict(False, f"{where}: {len(wrong)} weight(s) have another shape than in the base model, e.g. "
+                           f"{wrong[0]} {saved[wrong[0]]} instead of {expected[wrong[0]]}")
+        cross = f"all {len(expected)} weights of the base model present with their shapes"
+    for name in files:
+        bad = non_finite(folder / name, headers[name])
+        if bad:
+            return Verdict(False, f"{where}/{name}: {len(bad)} tensor(s) hold inf/NaN, e.g. {bad[0]}")
+    details = {"kind": MODEL, "path": str(folder), "tensors": len(saved), "files": len(files),
+               "bytes": sum((folder / f).stat().st_size for f in files), "cross_check": cross}
+    return Verdict(True, f"{where}: {len(saved)} tensors in {len(files)} file(s), finite; {cross}", details)
+
+
+def verify(final_root: Path, method: str, target_modules: Union[str, list[str]], base_model: str) -> Verdict:
+    """The run's final result as its recipe expects it (adapter or model), checked from its files."""
+    base = base_weights(base_model)
+    folder = path(final_root, method)
+    if kind(method) == ADAPTER:
+        return verify_adapter(folder, target_modules, base)
+    return verify_model(folder, base)

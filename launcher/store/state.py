@@ -1,0 +1,275 @@
+"""The run's state machine, written atomically to state.json, and the lock that makes one writer per run.
+
+    planned -> smoking -> running -> succeeded
+                                       \\-> trained-not-exported (the training result is good, an export failed its
+                                           check: `ftrun export RUN_DIR` retries, and success makes it succeeded)
+                  |          |  \\-> stopped      (`ftrun stop`: checkpoint saved and copied off the box)
+                  |          |  \\-> preempted    (SIGTERM from the provider: the same, within grace_seconds)
+                  |          |  \\-> recovering -> running   (worker crashed, restarted from its checkpoint)
+                  v          v
+           failed-smoke   failed               (crash limit reached, NaN, OOM, bad world size)
+
+A run whose state says smoking/running/recovering but whose supervisor is gone reads as
+`interrupted` (machine crash, kill -9): `ftrun RECIPE` resumes it.
+
+Liveness never rests on a pid alone: after a reboot (a stopped and restarted rental keeps its volume)
+or in a container the pid in state.json belongs to someone else. A run is live when its lock is held
+(the flock dies with its last holder) and the process recorded as holding it is the same process: same
+pid, same start time (clock ticks since boot, /proc/<pid>/stat field 22), same boot. Nothing is
+signalled before that check.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from launcher.store.checkpoint import atomic_write_json
+from launcher.errors import BusyError
+from launcher.store.rundir import RunDir
+
+STATES = ("planned", "smoking", "running", "recovering", "succeeded", "stopped", "preempted", "failed", "failed-smoke",
+          "trained-not-exported")
+TRAINED = ("succeeded", "trained-not-exported")  # the training finished with a verified result
+ACTIVE = ("smoking", "running", "recovering")
+
+
+def read_state(run: RunDir) -> dict[str, Any]:
+    if not run.state.is_file():
+        return {}
+    return json.loads(run.state.read_text())
+
+
+def set_state(run: RunDir, state: str, **fields: Any) -> dict[str, Any]:
+    assert state in STATES, state
+    data = read_state(run)
+    now = time.time()
+    history = data.get("history", [])
+    if data.get("state") != state:
+        history.append({"state": state, "at": now, **({"reason": fields["reason"]} if "reason" in fields else {})})
+    data.update(fields)
+    data.update(state=state, updated_at=now, history=history[-50:])
+    atomic_write_json(run.state, data)
+    return data
+
+
+def pid_alive(pid: Optional[int]) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie is dead for our purposes (an exited child not yet reaped).
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(") ", 1)[1][:1] != "Z"
+    except OSError:
+        return True
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def process_identity(pid: Optional[int]) -> Optional[dict[str, Any]]:
+    """What tells this process apart from a later one given the same pid: its start time and the boot, plus its
+    process group and session; None when no such process runs (a zombie counts as gone: it holds no lock)."""
+    if not pid:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            stat = fh.read()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return _identity_psutil(pid)
+    # field 2 (comm) may hold spaces and parentheses: the fields after it start at the last ')'
+    fields = stat.rsplit(")", 1)[1].split()  # fields[0] is field 3 (state)
+    if fields[0] in ("Z", "X", "x"):
+        return None
+    return {"pid": int(pid), "start": int(fields[19]), "boot": _boot_id(), "pgid": int(fields[2]),
+            "sid": int(fields[3]), "ppid": int(fields[1])}
+
+
+def _identity_psutil(pid: int) -> Optional[dict[str, Any]]:
+    """Without /proc (macOS): psutil's creation time stands for the start time."""
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        if p.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return {"pid": int(pid), "start": round(p.create_time() * 100), "boot": "", "pgid": os.getpgid(pid),
+                "sid": os.getsid(pid), "ppid": p.ppid()}
+    except (psutil.Error, OSError):
+        return None
+
+
+def same_process(record: Optional[dict[str, Any]]) -> bool:
+    """True when the recorded process (process_identity) still runs: same pid, start time and boot."""
+    if not record or not record.get("pid") or record.get("start") is None:
+        return False  # a bare pid proves nothing
+    now = process_identity(record["pid"])
+    return bool(now) and now["start"] == record["start"] and now["boot"] == record.get("boot", "")
+
+
+def run_holder(run: RunDir, data: Optional[dict[str, Any]] = None) -> Optional[dict[str, Any]]:
+    """The live process that drives the run: its supervisor (or the launcher while it plans and smoke-tests),
+    with "role"; None when no verified process holds the run's lock.
+
+    The lock says someone holds the run; the recorded identity says who. A supervisor found by its command
+    line (`launcher.run.supervisor --run-dir <this run>`) counts too: state.json may not name it yet.
+    """
+    if not is_locked(run):
+        return None
+    data = read_state(run) if data is None else data
+    for role in ("supervisor", "launcher"):
+        rec = data.get(f"{role}_proc")
+        if same_process(rec):
+            return {"role": role, **rec}
+    for proc in run_processes(run, ("supervisor",)):
+        return {"role": "supervisor", **proc}
+    return None
+
+
+def run_processes(run: RunDir, roles: tuple[str, ...] = ("train",)) -> list[dict[str, Any]]:
+    """Processes on this box whose command line runs `launcher.<role> --run-dir <this run>` (a worker, a
+    launcher of ranks, a supervisor), each with its identity and argv. Processes in another pid namespace
+    (another container on the same volume) are not visible: the lock still covers them."""
+    root = os.path.realpath(run.root)
+    modules = {f"launcher.{r}" for r in roles}
+    found = []
+    try:
+        pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:
+        return []
+    for pid in pids:
+        if pid == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                argv = [a.decode(errors="replace") for a in fh.read().split(b"\0") if a]
+        except OSError:
+            continue
+        if not modules.intersection(argv) or "--run-dir" not in argv[:-1]:
+            continue
+        where = argv[argv.index("--run-dir") + 1]
+        if not os.path.isabs(where):
+            try:
+                where = os.path.join(os.readlink(f"/proc/{pid}/cwd"), where)
+            except OSError:
+                continue
+        if os.path.realpath(where) != root:
+            continue
+        ident = process_identity(pid)
+        if ident:
+            found.append({**ident, "argv": argv})
+    return found
+
+
+def effective_state(run: RunDir) -> str:
+    data = read_state(run)
+    state = data.get("state", "none")
+    if state in ACTIVE and run_holder(run, data) is None:
+        return "interrupted"
+    if state == "succeeded" and (data.get("export") or {}).get("state") == "running" and run_holder(run, data) is None:
+        # trained, then killed while exporting: the same command resumes, trains nothing more, and exports
+        return "interrupted"
+    return state
+
+
+class RunLock:
+    """An exclusive flock on the run directory. Inherited by the detached supervisor (same open file)."""
+
+    def __init__(self, run: RunDir):
+        self.run = run
+        self.fd: Optional[int] = None
+
+    def acquire(self) -> "RunLock":
+        self.run.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.run.lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise busy_error(self.run) from None
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def busy_error(run: RunDir) -> BusyError:
+    """The run's lock is held: by its verified supervisor or launcher, or by a process ftrun cannot vouch for."""
+    data = read_state(run)
+    holder = run_holder(run, data)
+    if holder:
+        return BusyError(
+            f"another ftrun ({holder['role']}, pid {holder['pid']}) is working on {run.root} "
+            f"(state: {data.get('state', 'starting')})",
+            fix=f"watch it with `ftrun status {run.root}` or `ftrun logs -f {run.root}`; "
+            f"stop it with `ftrun stop {run.root}`.")
+    workers = [p["pid"] for p in run_processes(run)]
+    return BusyError(
+        f"the lock of {run.root} is held, but not by a live ftrun supervisor"
+        + (f": worker process(es) {', '.join(map(str, workers))} still train into it" if workers else
+           ": by a process this box cannot see (another container or machine using the same directory?) "
+           "or by an ftrun that is just starting"),
+        fix=(f"`ftrun stop {run.root}` ends them (after a checkpoint); then run the same command to resume."
+             if workers else "end the other ftrun first (in its container or on its machine), or wait a few "
+             "seconds and retry; ftrun never trains twice into the same directory."))
+
+
+def is_locked(run: RunDir) -> bool:
+    """Someone holds the run's lock. Probed with a shared, non-blocking flock on a read-only descriptor: it
+    fails only against the holders' exclusive lock, two probes never collide, and it is released at once."""
+    try:
+        fd = os.open(run.lock, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def last_metrics(path: Path, key: Optional[str] = None) -> dict[str, Any]:
+    """The newest row of metrics.jsonl (with `key`, the newest row that has it: eval rows and training rows
+    alternate), read from the file's end in growing blocks (a long run's file is not read whole)."""
+    if not path.is_file():
+        return {}
+    with path.open("rb") as fh:
+        fh.seek(0, os.SEEK_END)
+        size = fh.tell()
+        block = 4096
+        while True:
+            fh.seek(max(0, size - block))
+            lines = fh.read().decode(errors="replace").splitlines()
+            if size > block:
+                lines = lines[1:]  # the first line of a block may be cut
+            for line in reversed(lines):
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(row, dict) and (key is None or row.get(key) is not None):
+                    return row
+            if block >= size:
+                return {}
+            block *= 8

@@ -1,0 +1,259 @@
+"""One module per training engine; this file maps a plan's engine to its launch command, files and checks."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from launcher.errors import PlanError
+
+SINGLE_PROCESS = ("trl", "unsloth")
+# Engines whose launcher starts several processes, one per GPU (gloo processes on CPU).
+MULTI_PROCESS = ("ddp", "fsdp", "deepspeed")
+DEEPSPEED_CONFIG = "deepspeed.json"  # written into the run directory from the plan (data, not code)
+FSDP_CONFIG = "accelerate_fsdp.yaml"
+# torchrun's (and accelerate launch's) wait for the ranks after it forwards a SIGTERM; launch_env.
+LAUNCHER_SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+LAUNCHER_SHUTDOWN_MARGIN_S = 15
+
+
+def _worker(run_dir: Path, mode: str) -> list[str]:
+    return ["-m", "launcher.worker.train", "--run-dir", str(run_dir), "--mode", mode]
+
+
+def world_size(plan: dict[str, Any]) -> int:
+    """Processes in the whole job: per node times nodes."""
+    return int(plan.get("num_processes", 1)) * int((plan.get("nodes") or {}).get("nnodes", 1))
+
+
+def _torchrun(n: int, plan: dict[str, Any] | None = None) -> list[str]:
+    # torchrun starts exactly n processes (accelerate's `--cpu --num_processes n` silently starts
+    # one); each worker checks WORLD_SIZE and the process group against the plan.
+    nodes = (plan or {}).get("nodes")
+    if nodes and int(nodes.get("nnodes", 1)) > 1:
+        # Several boxes: static rendezvous at node 0's address; every node runs the same command
+        # with its own --node-rank.
+        return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={int(nodes['nnodes'])}",
+                f"--node-rank={int(nodes['node_rank'])}", f"--master-addr={nodes['master_addr']}",
+                f"--master-port={int(nodes['master_port'])}", f"--nproc_per_node={n}"]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
+
+
+def launch_command(plan: dict[str, Any], run_dir: Path, mode: str) -> list[str]:
+    """The worker's argv for this plan: an argument list, never a shell string built from recipe values.
+
+    Writes the engine's config file (DeepSpeed JSON, accelerate FSDP YAML) into the run directory
+    first, generated from the plan, so the command and its files always agree.
+    """
+    engine = plan.get("engine", "trl")
+    n = int(plan.get("num_processes", 1))
+    if engine in SINGLE_PROCESS:
+        return [sys.executable, *_worker(run_dir, mode)]
+    if engine == "ddp":
+        return [*_torchrun(n, plan), *_worker(run_dir, mode)]
+    if engine == "deepspeed":
+        # The Trainer drives DeepSpeed from the JSON config (SFTConfig.deepspeed); torchrun only
+        # starts the processes, the same way as for DDP.
+        from launcher.worker.engines.deepspeed import write_config
+
+        write_config(plan, run_dir)
+        return [*_torchrun(n, plan), *_worker(run_dir, mode)]
+    if engine == "fsdp":
+        from launcher.worker.engines.fsdp import write_accelerate_config
+
+        cfg = write_accelerate_config(plan, run_dir)
+        return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg),
+                *_worker(run_dir, mode)]
+    raise PlanError(
+        f"engine '{engine}' cannot be launched by this version of ftrun",
+        fix="set engine: auto (or trl / ddp / deepspeed / fsdp) in the recipe.",
+    )
+
+
+def launch_env(plan: dict[str, Any], grace_seconds: float | None = None) -> dict[str, str]:
+    """Environment for the launched worker(s): CPU threads split between processes; NCCL's P2P and
+    InfiniBand off on RTX 40-series cards with an old driver. A variable the user set is kept."""
+    n = int(plan.get("num_processes", 1))
+    env: dict[str, str] = {}
+    if plan.get("device") == "cpu" and n > 1 and "OMP_NUM_THREADS" not in os.environ:
+        # Several processes each using every core oversubscribe the CPU (about 10x slower).
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
+    if plan.get("device") == "cuda":
+        from launcher.plan.hardware import nccl_p2p_ib_unsupported
+
+        hw = plan.get("hardware") or {}
+        names = [g.get("name", "") for g in hw.get("gpus") or []] or [str((plan.get("gpus") or {}).get("name", ""))]
+        if nccl_p2p_ib_unsupported(names, hw.get("driver_version")):
+            # accelerate 1.15 state.py PartialState.__init__ raises NotImplementedError in the worker
+            # itself (transformers training_args.py _setup_devices builds one under torchrun too) unless
+            # both variables exist; only `accelerate launch` sets them (commands/launch.py
+            # multi_gpu_launcher). Its test counts every card nvidia-smi lists, not the visible ones, so
+            # one process on one card of a 2-card box is stopped as well: set them for every CUDA engine
+            # (only NCCL acts on them, so a single process loses nothing).
+            for var in ("NCCL_P2P_DISABLE", "NCCL_IB_DISABLE"):
+                if var not in os.environ:
+                    env[var] = "1"
+    if grace_seconds is not None and plan.get("engine") in MULTI_PROCESS:
+        # The launcher's own wait between forwarding a SIGTERM and SIGKILLing the ranks (torch 2.13:
+        # torch/distributed/launcher/api.py LaunchConfig.__post_init__ reads it when --shutdown-timeout
+        # is not given; SimpleElasticAgent.run passes it to PContext.close). Default 30 s: a checkpoint
+        # taking longer was cut off although grace_seconds allowed more. accelerate launch (fsdp) builds
+        # the same LaunchConfig (commands/launch.py multi_gpu_launcher -> torch.distributed.run.run), so
+        # the variable reaches it too. An environment variable, not the flag: torch before 2.12 rejects
+        # an unknown flag and ignores the variable (the supervisor signals the ranks directly there).
+        # A margin above grace_seconds: the supervisor's own deadline is the one that binds.
+        env[LAUNCHER_SHUTDOWN_TIMEOUT_ENV] = str(math.ceil(grace_seconds) + LAUNCHER_SHUTDOWN_MARGIN_S)
+    return env
+
+
+def trainer_fields(plan: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """Extra SFTConfig fields the engine needs inside the worker."""
+    engine = plan.get("engine", "trl")
+    if engine == "deepspeed":
+        path = run_dir / DEEPSPEED_CONFIG
+        if not path.is_file():
+            from launcher.worker.engines.deepspeed import write_config
+
+            write_config(plan, run_dir)
+        if world_size(plan) > int(plan.get("num_processes", 1)):
+            # each box keeps its own complete checkpoints (with DeepSpeed's node-local storage), as for DDP
+            return {"deepspeed": str(path), "save_on_each_node": True}
+        return {"deepspeed": str(path)}
+    if engine == "ddp":
+        # Every LoRA/full parameter takes part in each forward: the unused-parameter search the
+        # Trainer turns on by default costs an extra graph traversal per step.
+        fields: dict[str, Any] = {"ddp_find_unused_parameters": False}
+        if world_size(plan) > int(plan.get("num_processes", 1)):
+            # Each box has its own disk: every node keeps its own checkpoints, so any node can resume.
+            fields["save_on_each_node"] = True
+        return fields
+    if engine == "fsdp":
+        # FSDP2 checkpoints activations itself (fsdp_activation_checkpointing in the accelerate
+        # config); the Trainer's own checkpointing on top of it breaks the sharded backward.
+        return {"activation_checkpointing": False}
+    return {}
+
+
+class EngineMismatch(RuntimeError):
+    """The engine running is not the engine planned (wrong world size, DDP instead of FSDP, ...)."""
+
+
+def verify(plan: dict[str, Any], trainer: Any) -> dict[str, Any]:
+    """After the trainer wrapped the model, before the first step: is this the planned engine?
+
+    Returns {"engine", "world_size", "ok", "checks": [{"check", "ok", "seen"}]}; the worker aborts
+    when ok is False.
+    """
+    import torch.distributed as dist
+
+    engine = plan.get("engine", "trl")
+    expected = world_size(plan)
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    checks = [{"check": "world size", "ok": world == expected, "seen": f"{world} process(es), plan {expected}"}]
+    if engine in ("ddp",):
+        from launcher.worker.engines.ddp import checks as engine_checks
+    elif engine == "deepspeed":
+        from launcher.worker.engines.deepspeed import checks as engine_checks
+    elif engine == "fsdp":
+        from launcher.worker.engines.fsdp import checks as engine_checks
+    else:
+        from launcher.worker.engines.ddp import single_checks as engine_checks
+    checks += engine_checks(plan, trainer)
+    if engine == "unsloth":
+        # A plan saying unsloth must never train with plain TRL: Unsloth imported, its patched forwards in the model.
+        from launcher.worker.engines.unsloth import checks as unsloth_checks
+
+        checks += unsloth_checks(plan, trainer)
+    return {"engine": engine, "world_size": world, "ok": all(c["ok"] for c in checks), "checks": checks}
+
+
+def format_verification(v: dict[str, Any]) -> str:
+    bad = [c for c in v["checks"] if not c["ok"]]
+    if not bad:
+        return f"engine {v['engine']} verified: " + "; ".join(f"{c['check']}: {c['seen']}" for c in v["checks"])
+    return (f"engine {v['engine']} NOT verified: " + "; ".join(f"{c['check']}: {c['seen']}" for c in bad)
+            + " - refusing to train with another engine than planned")
+
+
+def loading_context(plan: dict[str, Any], run_dir: Path | None):
+    """Around from_pretrained: for ZeRO-3, partition the weights while they load (zero.Init)."""
+    import contextlib
+
+    if plan.get("engine") != "deepspeed" or run_dir is None:
+        return contextlib.nullcontext()
+    from launcher.worker.engines.deepspeed import partitioned_loading
+
+    return partitioned_loading(plan, run_dir)
+
+
+# Engines whose checkpoints hold state split per process: they resume only on the same count.
+PER_RANK_CHECKPOINTS = ("deepspeed",)
+
+
+def resume_compatibility(manifest: dict[str, Any], plan: dict[str, Any]) -> tuple[str, bool]:
+    """(message, refused) for resuming a checkpoint written by another engine or process count."""
+    old_engine, old_world = manifest.get("engine", "trl"), int(manifest.get("world_size", 1))
+    new_engine = plan.get("engine", "trl")
+    new_world = world_size(plan)  # the manifest counts every node's processes too
+    if (old_engine, old_world) == (new_engine, new_world):
+        return "", False
+    where = f"checkpoint step {manifest.get('step')} was written by engine {old_engine} on {old_world} process(es)"
+    if old_engine in PER_RANK_CHECKPOINTS or new_engine in PER_RANK_CHECKPOINTS:
+        if old_engine == new_engine:
+            why = (f"DeepSpeed ZeRO partitions the optimizer states (and ZeRO-3 the weights) into one file per "
+                   f"process, and DeepSpeed does not load them on {new_world} process(es)")
+        else:
+            why = (f"a {old_engine} checkpoint and a {new_engine} checkpoint hold the optimizer state in different "
+                   "layouts (DeepSpeed's global_step folders vs the Trainer's optimizer.pt)")
+        return (f"{where}; this plan runs {new_engine} on {new_world}: {why}. Resume with engine={old_engine} "
+                f"num_processes={old_world}, or start over with --fresh (the adapter/weights of the checkpoint can be "
+                "kept by hand: DeepSpeed's zero_to_fp32.py converts the weights, not the optimizer)"), True
+    global_note = ("; each optimizer step now takes "
+                   f"{new_world}/{old_world} of the examples it took before, so the run continues with another global "
+                   "batch (same data order, not step-for-step the same trajectory)") if old_world != new_world else ""
+    return (f"{where}, resuming with {new_engine} on {new_world}: the Trainer's checkpoint (adapter or full weights, "
+            f"optimizer.pt, scheduler) holds the whole state, so it loads on any count{global_note}"), False
+
+
+def worker_file(run_dir: Path, mode: str) -> Path:
+    return run_dir / "worker.json" if mode == "full" else run_dir / "smoke" / "worker.json"
+
+
+def failed_verification(worker_json: Path) -> str | None:
+    """The error of a worker that refused to train with another engine than planned, else None.
+
+    torchrun reports any failed worker as exit code 1, so the reason is read from worker.json.
+    """
+    import json
+
+    if not worker_json.is_file():
+        return None
+    try:
+        info = json.loads(worker_json.read_text())
+    except ValueError:
+        return None
+    v = info.get("verification")
+    if v and not v.get("ok"):
+        return info.get("error") or format_verification(v)
+    return None
+
+
+def die_with_parent(sig: "int | None" = None) -> None:
+    """Linux: this process gets `sig` (SIGKILL by default) when its parent dies.
+
+    torchrun's ranks are not in the supervisor's process group and outlive a killed launcher; an
+    orphaned rank would keep training into the run directory beside the resumed run. The single-process
+    worker asks for SIGTERM instead: it saves a checkpoint and exits (launcher/run/supervisor.py).
+    """
+    import ctypes
+    import signal as _signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return
+    PR_SET_PDEATHSIG = 1
+    libc.prctl(PR_SET_PDEATHSIG, int(sig or _signal.SIGKILL), 0, 0, 0)

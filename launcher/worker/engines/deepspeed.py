@@ -1,0 +1,111 @@
+"""DeepSpeed ZeRO-3: the JSON config generated from the plan, partitioned loading, and the checks that it really runs."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any
+
+CONFIG_NAME = "deepspeed.json"
+
+
+def config(plan: dict[str, Any]) -> dict[str, Any]:
+    """The ZeRO-3 config: batch shape from the plan; precision and clipping left to the Trainer ("auto").
+
+    The Trainer fills each "auto" from its own arguments and refuses a concrete value that
+    disagrees with them, so the plan and the trainer cannot drift apart silently.
+    """
+    mb = int(plan["micro_batch_size"])
+    acc = int(plan["gradient_accumulation_steps"])
+    nnodes = int((plan.get("nodes") or {}).get("nnodes", 1))
+    world = int(plan.get("num_processes", 1)) * nnodes  # every node's processes: DeepSpeed checks the product
+    hidden = int((plan.get("model") or {}).get("hidden") or 4096)
+    cpu = plan.get("device") == "cpu"
+    return {
+        "train_micro_batch_size_per_gpu": mb,
+        "gradient_accumulation_steps": acc,
+        "train_batch_size": mb * acc * world,
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+        "fp16": {"enabled": "auto"},
+        "zero_optimization": {
+            "stage": 3,
+            # gloo on CPU has no separate communication stream to overlap with
+            "overlap_comm": not cpu,
+            "contiguous_gradients": True,
+            # HF's defaults for these "auto" sizes, computed here so the file is complete by itself
+            "reduce_bucket_size": hidden * hidden,
+            "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+            "stage3_param_persistence_threshold": 10 * hidden,
+            # the final save gathers the full 16-bit weights (or adapter) on rank 0
+            "stage3_gather_16bit_weights_on_model_save": True,
+            "offload_optimizer": {"device": "none"},
+            "offload_param": {"device": "none"},
+        },
+        "steps_per_print": 10**9,  # ftrun logs the loss itself
+        # Several boxes, each with its own disk: every node writes its ranks' ZeRO shards and its own copy of the
+        # model states (deepspeed/runtime/engine.py: the file is named by local rank with node-local storage), so
+        # each node's checkpoint is complete by itself, as the Trainer's save_on_each_node makes the rest of it.
+        "checkpoint": {"use_node_local_storage": nnodes > 1},
+        "wall_clock_breakdown": False,
+    }
+
+
+def write_config(plan: dict[str, Any], run_dir: Path) -> Path:
+    """deepspeed.json in the run directory (atomically; the same plan always writes the same file)."""
+    from launcher.store.checkpoint import atomic_write_json
+
+    path = Path(run_dir) / CONFIG_NAME
+    atomic_write_json(path, config(plan))
+    return path
+
+
+@contextlib.contextmanager
+def partitioned_loading(plan: dict[str, Any], run_dir: Path):
+    """While active, from_pretrained creates each weight already partitioned (deepspeed.zero.Init).
+
+    transformers looks for a live HfDeepSpeedConfig; the Trainer makes its own later from the
+    same file. "auto" values are filled here with what the worker knows (device precision).
+    """
+    import torch
+    from transformers.integrations import HfDeepSpeedConfig
+
+    cfg = json.loads((Path(run_dir) / CONFIG_NAME).read_text())
+    from launcher.worker.loading import compute_dtype
+
+    # the worker's choice (launcher/worker/loading.py): bf16 from compute capability 8.0, not is_bf16_supported()
+    bf16 = torch.cuda.is_available() and compute_dtype(torch.cuda.get_device_capability()) == torch.bfloat16
+    cfg["bf16"]["enabled"] = bf16
+    cfg["fp16"]["enabled"] = torch.cuda.is_available() and not bf16
+    cfg["gradient_clipping"] = 1.0  # not used while loading
+    import deepspeed
+
+    # zero.Init partitions over the process group, which the Trainer would only create later:
+    # without it every process counts a world of 1 and the batch arithmetic fails.
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    keep_alive = HfDeepSpeedConfig(cfg)  # transformers holds only a weak reference
+    try:
+        yield keep_alive
+    finally:
+        del keep_alive
+
+
+def checks(plan: dict[str, Any], trainer: Any) -> list[dict[str, Any]]:
+    """The trainer runs a DeepSpeed engine at ZeRO stage 3 and the weights are partitioned."""
+    wrapped = trainer.model_wrapped
+    name = type(wrapped).__name__
+    is_engine = name == "DeepSpeedEngine"
+    stage = wrapped.zero_optimization_stage() if is_engine else None
+    params = list(trainer.model.parameters())
+    # ZeRO-3 replaces each parameter's data by an empty placeholder and records the full shape in ds_shape.
+    partitioned = [p for p in params if hasattr(p, "ds_id") and p.numel() < getattr(p, "ds_numel", 0)]
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in params)
+    local = sum(getattr(p, "ds_tensor", p).numel() for p in params)
+    return [
+        {"check": "model wrapped in a DeepSpeed engine", "ok": is_engine, "seen": name},
+        {"check": "ZeRO stage 3", "ok": stage == 3, "seen": f"stage {stage}"},
+        {"check": "parameters partitioned", "ok": len(partitioned) > 0 and local < total,
+         "seen": f"{len(partitioned)} of {len(params)} tensors partitioned; this process holds {local:,} of "
+                 f"{total:,} values"},
+    ]

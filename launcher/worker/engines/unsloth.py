@@ -1,0 +1,142 @@
+"""Engine unsloth: the worker loads the model with Unsloth's FastLanguageModel, then trains with the same
+TRL SFTTrainer, callbacks, checkpoints and resume as engine trl.
+
+Unsloth patches transformers/trl/peft when it is imported, so the worker imports it before any of them
+(`import_unsloth`, called by launcher.worker.train before its own Hugging Face imports). Everything the plan
+needs (the pre-quantized repos, the module names) is importable without torch or Unsloth.
+
+Unsloth pins older releases than ftrun's default stack (transformers<=5.17, trl<=1.15, datasets<5.0 for
+Unsloth 2026.10), so it lives in its own environment: see docs/engines.md and `scripts/test.sh --unsloth`.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from launcher.plan.models import LINEAR_MODULES, PREQUANTIZED, prequantized_repo  # noqa: F401 (the table is the plan's)
+
+def plan_reason(model: str, method: str) -> str | None:
+    """The plan's line about where the weights come from (only when Unsloth's 4-bit repo replaces the id)."""
+    repo = prequantized_repo(model, method)
+    if repo is None:
+        return None
+    return (f"weights: Unsloth's pre-quantized 4-bit repo {repo} instead of {model} (same model, NF4 weights "
+            "already quantized: about a quarter of the download, no quantization at load)")
+
+
+def target_modules(targets: Any) -> list[str]:
+    """LoRA targets for get_peft_model: "all-linear" is PEFT's shorthand, Unsloth wants the names."""
+    if targets in (None, "all-linear", "all_linear"):
+        return list(LINEAR_MODULES)
+    if isinstance(targets, str):
+        return [targets]
+    return list(targets)
+
+
+class UnslothUnavailable(RuntimeError):
+    """`import unsloth` failed in the worker: the plan said unsloth, nothing else may train instead."""
+
+
+def import_unsloth():
+    """Import Unsloth before transformers/trl/peft (it patches them on import); raise with the reason if it fails."""
+    late = [m for m in ("transformers", "trl", "peft") if m in sys.modules]
+    try:
+        import unsloth  # noqa: F401  (patches transformers, trl and peft)
+    except Exception as exc:  # ImportError, or e.g. a CUDA torchvision's "operator torchvision::nms does not exist"
+        text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:400]
+        hint = ""
+        if "torchvision" in text:
+            hint = (" - a torchvision built for another torch (Unsloth pulls a CUDA build); on a CPU box "
+                    "`pip uninstall -y torchvision`, on a GPU box install the torchvision matching torch")
+        raise UnslothUnavailable(f"the plan says engine unsloth but `import unsloth` failed: {text}{hint}") from exc
+    if late:
+        print(f"[ftrun worker] warning: {', '.join(late)} imported before unsloth; Unsloth may not patch them fully",
+              file=sys.stderr, flush=True)
+    return sys.modules["unsloth"]
+
+
+def version() -> str:
+    try:
+        from importlib.metadata import version as _v
+
+        return _v("unsloth")
+    except Exception:
+        return "unknown"
+
+
+def load_model_and_tokenizer(recipe, device: str, dtype):
+    """FastLanguageModel.from_pretrained (4-bit for qlora) + get_peft_model; returns (model, tokenizer, source)."""
+    if "unsloth" not in sys.modules:
+        import_unsloth()
+    from unsloth import FastLanguageModel
+
+    source = prequantized_repo(recipe.model, recipe.method) or recipe.model
+    model, tokenizer = FastLanguageModel.from_pretrained(
+        model_name=source,
+        max_seq_length=recipe.max_length,
+        load_in_4bit=recipe.method == "qlora",
+        dtype=dtype,
+    )
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    lora = recipe.lora
+    model = FastLanguageModel.get_peft_model(
+        model,
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=target_modules(lora.target_modules),
+        bias="none",
+        use_gradient_checkpointing="unsloth" if recipe.gradient_checkpointing else False,
+        random_state=recipe.seed,
+    )
+    return model, tokenizer, source
+
+
+def patched_modules(model) -> list[str]:
+    """Names of module classes whose forward comes from Unsloth (its fast attention/MLP/norm kernels, GPU path)."""
+    seen: set[str] = set()
+    for m in model.modules():
+        fwd = getattr(type(m), "forward", None)
+        if "unsloth" in (getattr(fwd, "__module__", "") or ""):
+            seen.add(type(m).__name__)
+    return sorted(seen)
+
+
+def markers(model, trainer=None) -> list[str]:
+    """What shows that Unsloth built this model (and patched this trainer); empty for a plain transformers model.
+
+    On a GPU Unsloth replaces the decoder's forwards with its kernels. Without a GPU it loads through
+    unsloth_zoo's FastCPUModel (stock transformers + PEFT) and leaves its own marks instead: a chunked
+    cross-entropy forward on the model instance, FastCPUModel's methods attached, SFTTrainer.compute_loss
+    patched for that forward.
+    """
+    found = []
+    patched = patched_modules(model)
+    if patched:
+        found.append("patched forwards: " + ", ".join(patched[:6]))
+    if any(vars(m).get("_unsloth_cpu_chunked_ce", False) for m in model.modules()):
+        found.append("FastCPUModel chunked cross-entropy forward")
+    attached = getattr(getattr(model, "for_training", None), "__func__", None)
+    if "FastCPUModel" in getattr(attached, "__qualname__", ""):
+        found.append("FastCPUModel methods")
+    if trainer is not None and getattr(type(trainer).compute_loss, "_unsloth_cpu", False):
+        found.append("SFTTrainer.compute_loss patched by Unsloth (CPU)")
+    return found
+
+
+def checks(plan: dict[str, Any], trainer: Any) -> list[dict[str, Any]]:
+    """Before step 1: the model really was built by Unsloth, not by plain transformers (no silent fallback)."""
+    loaded = "unsloth" in sys.modules
+    model = trainer.model
+    found = markers(model, trainer) if loaded else []
+    # the model marks are required; the trainer patch alone would not make it an Unsloth model
+    ok = loaded and any(not f.startswith("SFTTrainer") for f in found)
+    if ok:
+        seen = f"Unsloth {version()}: " + "; ".join(found)
+    elif not loaded:
+        seen = "unsloth is not imported in this worker"
+    else:
+        seen = "plain transformers modules (no Unsloth-patched forward, no FastCPUModel marks)"
+    return [{"check": "model loaded by Unsloth", "ok": ok, "seen": seen}]

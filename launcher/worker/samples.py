@@ -1,0 +1,180 @@
+"""Before and after: a few held-out prompts answered greedily by the base model and by the fine-tuned one.
+
+The prompts are a seeded draw from the eval split (or from the training data when there is none, and the file
+says so). The base model's answers are generated once, before the first training step (by the smoke test, or
+the full run's first start when there is none) and kept in samples-before.json, which every checkpoint carries;
+a resume never generates them again. After training the same prompts are answered by the trained model, and
+final/samples.md holds prompt, reference answer, before and after (final/samples.json the same as data).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+BEFORE_FILE = "samples-before.json"  # in the run directory, and copied into each checkpoint
+MARKDOWN = "samples.md"  # in final/
+DATA = "samples.json"  # in final/
+
+
+def pick(examples: list, held_out: list[int], train: list[int], n: int, seed: int,
+         file: Optional[str] = None) -> list[dict[str, Any]]:
+    """n prompts: the messages before an example's last assistant turn, with that turn as the reference.
+    From the held-out examples when there are any, else from the training data; a seeded draw. `file`: where
+    the examples' numbers count from (samples.md names it)."""
+    pool, source = (held_out, "eval split") if held_out else (train, "training data")
+    order = list(pool)
+    random.Random(f"ftrun-samples-{seed}").shuffle(order)
+    picked = []
+    for i in order:
+        if len(picked) >= n:
+            break
+        prompt = _prompt(examples[i])
+        if prompt is not None:
+            picked.append({"index": i, "source": source, "file": file, **prompt})
+    return picked
+
+
+def _prompt(example: Any) -> Optional[dict[str, Any]]:
+    """{"messages": ..., "reference": ...} for a chat example: the turns before its last assistant turn, and that
+    turn; a prompt/completion pair: the prompt ("text" when it is a plain string, answered without the chat
+    template, as it trained) and the completion. None for plain text and examples without an assistant turn."""
+    if isinstance(example, dict) and "prompt" in example and "completion" in example:
+        prompt, completion = example["prompt"], example["completion"]
+        if isinstance(prompt, str) and isinstance(completion, str):
+            return {"text": prompt, "messages": [{"role": "prompt", "content": prompt}], "reference": completion}
+        if isinstance(prompt, list) and isinstance(completion, list):
+            example = {"messages": prompt + completion}
+    messages = example.get("messages") if isinstance(example, dict) else example
+    if not isinstance(messages, list):
+        return None
+    last = max((k for k, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"),
+               default=None)
+    if not last or not isinstance(messages[last].get("content"), str):
+        return None  # no assistant turn, or nothing before it to prompt with
+    return {"messages": [dict(m) for m in messages[:last]], "reference": messages[last]["content"]}
+
+
+def generate(model, tokenizer, prompts: list[dict[str, Any]], max_new_tokens: int, synced: bool = False) -> list[str]:
+    """Greedy answers, one prompt at a time (no padding to get wrong). The random number generators are left as
+    they were (a resume's trajectory does not depend on whether this ran) and so is the train/eval mode.
+    `synced`: every process calls this with the same prompts (ZeRO-3, FSDP gather weights in each forward)."""
+    import torch
+
+    device = getattr(model, "device", None) or next(model.parameters()).device
+    was_training = model.training
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    answers = []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        model.eval()
+        try:
+            for p in prompts:
+                text = p["text"] if "text" in p else \
+                    tokenizer.apply_chat_template(p["messages"], tokenize=False, add_generation_prompt=True)
+                enc = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(device)
+                out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True,
+                                     pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                                     else tokenizer.eos_token_id, synced_gpus=synced)
+                answers.append(tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip())
+        finally:
+            model.train(was_training)
+    return answers
+
+
+def read_before(path: Path) -> Optional[dict[str, Any]]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_before(path: Path, prompts: list[dict[str, Any]], answers: list[str], max_new_tokens: int,
+                 seconds: float) -> None:
+    from launcher.store.checkpoint import atomic_write_json
+
+    atomic_write_json(path, {"max_new_tokens": max_new_tokens, "seconds": round(seconds, 3), "generated": time.time(),
+                             "samples": [{**p, "before": a} for p, a in zip(prompts, answers)]})
+
+
+def before_callback(path: Path, prompts: list[dict[str, Any]], max_new_tokens: int, tokenizer, writes: bool,
+                    synced: bool, say: Callable[[str], None]):
+    """A trainer callback: at the start of training from step 0 (the base model, LoRA's B still zero), answer the
+    prompts unless samples-before.json exists. Under a sharding engine every process generates (synced)."""
+    from transformers import TrainerCallback
+
+    class Before(TrainerCallback):
+        seconds: Optional[float] = None
+
+        def on_train_begin(self, args, state, control, model=None, **kw):
+            if state.global_step != 0 or not prompts or path.is_file() or model is None:
+                return
+            if not (writes or synced):
+                return
+            t0 = time.monotonic()
+            try:
+                answers = generate(model, tokenizer, prompts, max_new_tokens, synced)
+            except Exception as exc:  # evidence, not training: a failure is said once and training goes on
+                say(f"samples: the base model's answers could not be generated ({type(exc).__name__}: {exc}); "
+                    "final/samples.md will have only the answers after training")
+                return
+            self.seconds = time.monotonic() - t0
+            if writes:
+                write_before(path, prompts, answers, max_new_tokens, self.seconds)
+                say(f"samples: the base model answered {len(answers)} prompt(s) in {self.seconds:.1f} s "
+                    f"({path.name}; answered again after training)")
+
+    return Before()
+
+
+def write_after(final: Path, before: Optional[dict[str, Any]], prompts: list[dict[str, Any]], answers: list[str],
+                *, run_name: str, step: int, max_new_tokens: int) -> Path:
+    """final/samples.md and final/samples.json from the before record and the answers after training."""
+    from launcher.store.checkpoint import atomic_write_json
+
+    by_index = {s["index"]: s.get("before") for s in (before or {}).get("samples", [])}
+    rows = [{**p, "before": by_index.get(p["index"]), "after": a} for p, a in zip(prompts, answers)]
+    final.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(final / DATA, {"step": step, "max_new_tokens": max_new_tokens, "samples": rows})
+    source = rows[0]["source"] if rows else "eval split"
+    where = ("held out in the eval split: never trained on" if source == "eval split"
+             else "from the training data (the recipe has no eval split): the model trained on these")
+    lines = [f"# Before and after: {run_name}", "",
+             f"{len(rows)} prompt(s) {where}, answered greedily (at most {max_new_tokens} new tokens) by the base "
+             f"model before training and by the fine-tuned model after step {step}.", ""]
+    for k, r in enumerate(rows, start=1):
+        lines += [f"## {k}. example {r['index'] + 1} of {r.get('file') or 'the data'}", "", "**Prompt**", ""]
+        lines += _quote("\n\n".join(f"[{m['role']}] {m['content']}" for m in r["messages"]))
+        lines += ["", "**Reference**", ""] + _quote(r["reference"])
+        lines += ["", "**Before** (base model)", ""] + (
+            _quote(r["before"]) if r["before"] is not None else ["_(not recorded)_"])
+        lines += ["", f"**After** (step {step})", ""] + _quote(r["after"]) + [""]
+    path = final / MARKDOWN
+    tmp = path.with_suffix(".md.tmp")
+    tmp.write_text("\n".join(lines))
+    tmp.replace(path)
+    return path
+
+
+def _quote(text: str) -> list[str]:
+    """A blockquote: any text (code fences, headings) stays inside it."""
+    if not text.strip():
+        return ["> _(empty)_"]
+    return [f"> {line}" if line else ">" for line in text.splitlines()]
+
+
+def summary(rows: list[dict[str, Any]], width: int = 70) -> list[str]:
+    """One line per sample for the log's end: reference, before, after, each cut to `width` characters."""
+
+    def cut(text: Optional[str]) -> str:
+        one = " ".join((text or "-").split())
+        return one if len(one) <= width else one[: width - 3] + "..."
+
+    out = []
+    for k, r in enumerate(rows, start=1):
+        out.append(f"{k}. reference: {cut(r['reference'])}")
+        out.append(f"   before:    {cut(r.get('before'))}")
+        out.append(f"   after:     {cut(r.get('after'))}")
+    return out

@@ -1,0 +1,248 @@
+"""Experiment trackers (the recipe's `report_to:`): installed or refused with the install line, and one tracked run
+per ftrun run, which a restarted or resumed worker continues instead of starting another.
+
+The trainer's own integrations report (transformers 5.24 integrations/integration_utils.py: TensorBoardCallback,
+WandbCallback, MLflowCallback, TrackioCallback); this module only sets what they read before they start:
+
+- wandb reads WANDB_PROJECT, and wandb.init reads WANDB_RUN_ID, WANDB_RESUME, WANDB_DIR, WANDB_MODE. The run id is
+  drawn here, before wandb.init, and kept in the run directory: a worker killed at any moment comes back as the
+  same run (WANDB_RESUME=allow). WANDB_MODE=offline keeps the run in RUN/wandb (`wandb sync` sends it later).
+- MLflowCallback reads MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME and MLFLOW_RUN_ID ("reattach to an existing run
+  ... when resuming training from a checkpoint"). MLflow makes the id at start_run: it is recorded right after,
+  and a later worker passes it back. Without a tracking URI the runs go to RUN/mlruns (a local file store).
+- TrackioCallback calls trackio.init(project=args.project, name=args.run_name, resume="allow"): the same name
+  continues the same run, so the name is made unique once (recipe name + start time) and kept.
+
+Only the main process reports: ftrun gives the other ranks report_to "none" (the integrations also act only
+where state.is_world_process_zero). The smoke test reports nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from launcher.errors import RecipeError
+
+# tracker -> (module to import, what to pip install)
+PACKAGES = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb"),
+    "mlflow": ("mlflow", "mlflow-skinny"),  # the client and its local file store, without the server and UI
+    "trackio": ("trackio", "trackio"),
+}
+TRACKERS_FILE = "trackers.json"  # in the run directory, and carried by every checkpoint
+PROJECT = "ftrun"  # wandb project, MLflow experiment, Trackio project, unless the environment or recipe names one
+
+
+def _installed(tracker: str) -> bool:
+    if tracker == "tensorboard":  # TensorBoardCallback takes either writer
+        return importlib.util.find_spec("tensorboard") is not None or importlib.util.find_spec("tensorboardX") is not None
+    return importlib.util.find_spec(PACKAGES[tracker][0]) is not None
+
+
+def missing(report_to: list[str]) -> list[str]:
+    """The trackers of `report_to` whose package is not installed, tensorboard aside (the default: without it the
+    worker says so once and metrics.jsonl and loss.png carry on)."""
+    return [t for t in report_to if t != "tensorboard" and not _installed(t)]
+
+
+def _wandb_has_credentials() -> bool:
+    """Any sign of a W&B login where wandb looks (sdk/lib/wbauth: WANDB_API_KEY, the netrc file, its settings file).
+    Lenient on purpose: a key that is there but wrong is wandb's own error."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    netrcs = [os.environ["NETRC"]] if os.environ.get("NETRC") else ["~/.netrc", "~/_netrc"]
+    settings = Path(os.environ.get("WANDB_CONFIG_DIR") or "~/.config/wandb").expanduser() / "settings"
+    for path, sign in [*((Path(n).expanduser(), "wandb") for n in netrcs), (settings, "api_key")]:
+        try:
+            if sign in path.read_text(errors="replace"):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def check_installed(recipe, launching: bool = False) -> None:
+    """A RecipeError with the install line when a tracker the recipe names is not installed: at `ftrun plan` and
+    at the launch, before the smoke test (the trainer itself would fail only when the full run starts). At the
+    launch also wandb without a login: wandb.init would fail in the detached worker, at every restart."""
+    absent = missing(list(recipe.report_to))
+    if launching and "wandb" in recipe.report_to and "wandb" not in absent \
+            and os.environ.get("WANDB_MODE", "online") not in ("offline", "disabled", "dryrun") \
+            and not _wandb_has_credentials():
+        raise RecipeError("report_to names wandb, but this box has no W&B login (no WANDB_API_KEY, no `wandb login`)",
+                          fix="run `wandb login` or set WANDB_API_KEY; or set WANDB_MODE=offline to keep the run in "
+                          "RUN/wandb and send it later with `wandb sync`.")
+    if not absent:
+        return
+    packages = " ".join(PACKAGES[t][1] for t in absent)
+    names = ", ".join(absent)
+    raise RecipeError(
+        f"report_to names {names}, but {'it is' if len(absent) == 1 else 'they are'} not installed in this Python "
+        f"environment",
+        fix=f"pip install {packages}   (or pip install 'ftrun[trackers]' for all of them), or remove "
+        f"{names} from report_to.",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# In the worker (main process of the full run)
+
+def load_ids(run_root: Path) -> dict[str, Any]:
+    path = run_root / TRACKERS_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _save_ids(run_root: Path, ids: dict[str, Any]) -> None:
+    from launcher.store.checkpoint import atomic_write_json
+
+    atomic_write_json(run_root / TRACKERS_FILE, ids)
+
+
+def restore_from_checkpoint(run_root: Path, checkpoint: Path) -> None:
+    """A run fetched onto a new box has its checkpoints but not this file: the checkpoint's copy names the runs."""
+    if not (run_root / TRACKERS_FILE).is_file() and (checkpoint / TRACKERS_FILE).is_file():
+        _save_ids(run_root, json.loads((checkpoint / TRACKERS_FILE).read_text()))
+
+
+def into_checkpoint(run_root: Path, checkpoint: Path) -> None:
+    """Before the manifest: the checkpoint carries the tracked runs' ids, so a resume elsewhere continues them."""
+    if (run_root / TRACKERS_FILE).is_file():
+        (checkpoint / TRACKERS_FILE).write_bytes((run_root / TRACKERS_FILE).read_bytes())
+
+
+def prepare(run_root: Path, recipe, mode: str, rank: int) -> tuple[list[str], dict[str, Any]]:
+    """(report_to for SFTConfig, other SFTConfig fields): the environment each integration reads is set here.
+
+    Called before SFTConfig, in every process; only the full run's main process reports."""
+    report_to = list(recipe.report_to)
+    if mode != "full" or rank != 0 or not report_to:
+        return ["none"], {}
+    absent = missing(report_to)
+    if absent:  # refused at the launch already; a package removed since then
+        raise RecipeError(f"report_to names {', '.join(absent)}, not installed where the worker runs",
+                          fix=f"pip install {' '.join(PACKAGES[t][1] for t in absent)}")
+    if "tensorboard" in report_to and not _installed("tensorboard"):
+        print("[ftrun worker] tensorboard is not installed: no event files (metrics.jsonl and loss.png still are)",
+              flush=True)
+        report_to.remove("tensorboard")
+    ids = load_ids(run_root)
+    trainer = dict(recipe.trainer)
+    fields: dict[str, Any] = {}
+    if "run_name" not in trainer:
+        # unique per ftrun run: Trackio continues a run of the same name, and `--fresh` starts a new one
+        ids.setdefault("name", f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        fields["run_name"] = ids["name"]
+    if "tensorboard" in report_to:
+        os.environ["TENSORBOARD_LOGGING_DIR"] = str(run_root / "tensorboard")
+    if "wandb" in report_to:
+        wandb = ids.setdefault("wandb", {})
+        # an id the user set is kept as the run's; otherwise one is drawn once (wandb's own ids: 8 of [a-z0-9])
+        wandb.setdefault("id", os.environ.get("WANDB_RUN_ID") or secrets.token_hex(4))
+        os.environ["WANDB_RUN_ID"] = wandb["id"]
+        os.environ.setdefault("WANDB_RESUME", "allow")
+        os.environ.setdefault("WANDB_PROJECT", PROJECT)
+        os.environ.setdefault("WANDB_DIR", str(run_root))  # wandb writes WANDB_DIR/wandb/
+        wandb.update(project=os.environ["WANDB_PROJECT"], mode=os.environ.get("WANDB_MODE", "online"))
+    if "mlflow" in report_to:
+        mlflow = ids.setdefault("mlflow", {})
+        os.environ.setdefault("MLFLOW_TRACKING_URI", (run_root / "mlruns").resolve().as_uri())
+        os.environ.setdefault("MLFLOW_EXPERIMENT_NAME", PROJECT)
+        if os.environ["MLFLOW_TRACKING_URI"].startswith(("file:", "/", ".")):
+            # MLflow 3.17 refuses its file store unless told (file_store.py: "maintenance mode"); the database
+            # store needs SQLAlchemy, which mlflow-skinny leaves out. A file store asked for is allowed.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        if mlflow.get("run_id") and mlflow.get("tracking_uri") == os.environ["MLFLOW_TRACKING_URI"]:
+            os.environ["MLFLOW_RUN_ID"] = mlflow["run_id"]  # MLflowCallback: start_run reattaches to it
+    if "trackio" in report_to:
+        if "project" not in trainer:
+            fields["project"] = PROJECT
+        ids["trackio"] = {"project": trainer.get("project", PROJECT), "name": trainer.get("run_name", ids.get("name"))}
+    _save_ids(run_root, ids)  # before any tracker starts: a worker killed during its start comes back as this run
+    return report_to, fields
+
+
+def recipe_callback(run_root: Path, recipe):
+    """A callback after the integrations' own: the recipe goes into each tracked run's config (the trainer's
+    arguments and the model config are there already), MLflow's run id into trackers.json, one line each."""
+    from transformers import TrainerCallback
+
+    snapshot = recipe.snapshot()
+
+    class TrackedRecipe(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            if not state.is_world_process_zero:
+                return
+            report_to = args.report_to if isinstance(args.report_to, list) else [args.report_to]
+            for tracker in report_to:
+                where = _describe(tracker, run_root, snapshot)
+                if where:
+                    print(f"[ftrun worker] {tracker}: {where}", flush=True)
+
+    return TrackedRecipe()
+
+
+def _describe(tracker: str, run_root: Path, snapshot: dict[str, Any]) -> Optional[str]:
+    """Add the recipe to the tracker's run; where the run is, for the log."""
+    ids = load_ids(run_root)
+    if tracker == "wandb":
+        import wandb
+
+        if wandb.run is None:
+            return None
+        wandb.config.update({"ftrun_recipe": snapshot}, allow_val_change=True)
+        mode = ids.get("wandb", {}).get("mode")
+        where = f"run {wandb.run.id} ({ids.get('name', wandb.run.name)}) in project {wandb.run.project}"
+        if mode == "offline":
+            return f"{where}, offline in {wandb.run.dir.rsplit('/files', 1)[0]} (send it with `wandb sync`)"
+        return f"{where}: {wandb.run.url}"
+    if tracker == "mlflow":
+        import mlflow
+
+        run = mlflow.active_run()
+        if run is None:
+            return None
+        resumed = ids.get("mlflow", {}).get("run_id") == run.info.run_id
+        ids["mlflow"] = {"run_id": run.info.run_id, "tracking_uri": os.environ.get("MLFLOW_TRACKING_URI"),
+                         "experiment_id": run.info.experiment_id}
+        _save_ids(run_root, ids)
+        mlflow.log_dict(snapshot, "ftrun/recipe.json")  # the whole recipe, nested, replaced at each start
+        params = [(f"ftrun.{k}", v) for k, v in _flat(snapshot).items()]
+        try:  # params cannot change once logged: a resume with a changed recipe keeps the first values
+            for i in range(0, len(params), 100):  # MLflow takes at most 100 params per call
+                mlflow.log_params(dict(params[i:i + 100]))
+        except mlflow.exceptions.MlflowException:
+            print("[ftrun worker] mlflow: the recipe changed since this run started; its params keep the first "
+                  "values, ftrun/recipe.json holds the current recipe", flush=True)
+        return (f"{'continuing' if resumed else 'started'} run {run.info.run_id} ({run.info.run_name}) in "
+                f"{mlflow.get_tracking_uri()}")
+    if tracker == "trackio":
+        import trackio
+
+        if not isinstance(getattr(trackio, "config", None), dict):
+            return None
+        trackio.config["ftrun_recipe"] = snapshot  # sent with the run's first logged values
+        info = ids.get("trackio", {})
+        from trackio.utils import TRACKIO_DIR
+
+        return f"run {info.get('name')} in project {info.get('project')} ({TRACKIO_DIR}; `trackio show`)"
+    if tracker == "tensorboard":
+        return f"event files in {run_root / 'tensorboard'} (`tensorboard --logdir {run_root / 'tensorboard'}`)"
+    return None
+
+
+def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested settings as dotted keys, each value a short string (MLflow params hold up to 6,000 characters)."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = json.dumps(value) if isinstance(value, (list, dict)) else value
+    return out
