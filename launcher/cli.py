@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from launcher import gguf_types
 from launcher.errors import EXIT_INTERNAL, FtrunError, UsageError
 
 COMMANDS = ("plan", "smoke", "status", "logs", "stop", "pull", "push", "export", "publish", "explain", "run")
@@ -80,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("export", help="adapter, merged 16-bit model, GGUF and serving commands, each checked")
     ex.add_argument("target", nargs="?", help="recipe file or run directory")
     ex.add_argument("--merged", action="store_true", help="also merge the adapter into the 16-bit base")
-    ex.add_argument("--gguf", metavar="TYPE", help="also write a GGUF: q8_0, f16, bf16 or f32 (implies --merged)")
+    ex.add_argument("--gguf", metavar="TYPE", help=f"also write a GGUF: {gguf_types.listed()} (implies --merged)")
     pb = sub.add_parser("publish", help="push the checked export and a model card to the recipe's publish.to")
     pb.add_argument("target", nargs="?", help="recipe file or run directory")
     pb.add_argument("--to", metavar="hf://USER/REPO", help="another repo than the recipe's publish.to")

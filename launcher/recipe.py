@@ -16,12 +16,15 @@ from typing import Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
+from launcher import gguf_types
+from launcher.data import formats as data_formats
+from launcher.store.sync import kinds as sync_kinds
 from launcher.errors import RecipeError
 
 Method = Literal["qlora", "lora", "full", "full-8bit"]
 Engine = Literal["auto", "unsloth", "trl", "ddp", "fsdp", "deepspeed"]
 ExportFormat = Literal["adapter", "merged", "gguf"]  # launcher/deliver/export.py
-GgufType = Literal["q4_k_m", "q5_k_m", "q6_k", "q8_0", "f16", "bf16", "f32"]  # launcher/deliver/llamacpp.py TYPES
+GgufType = Literal[tuple(gguf_types.TYPES)]  # the GGUF table, launcher/gguf_types.py
 
 # Settings the recipe owns at top level: passing them again under `trainer:` would make two
 # surfaces for one setting, so they are refused there with a pointer to the top-level key.
@@ -103,7 +106,7 @@ class SmokeSettings(_Strict):
     max_minutes: float = Field(15.0, gt=0, description="Stop the smoke test after this long and extrapolate.")
 
 
-DataFormat = Literal["messages", "sharegpt", "alpaca", "prompt_completion", "text"]  # launcher/data/formats.py
+DataFormat = Literal[tuple(data_formats.FORMATS)]  # the format table, launcher/data/formats.py
 
 
 class DataSource(_Strict):
@@ -116,13 +119,13 @@ class DataSource(_Strict):
     revision: Optional[str] = Field(None, description="The Hub dataset's revision (branch, tag or commit).")
     columns: dict[str, str] = Field(default_factory=dict, description="The format's field -> this source's column, "
                                     "e.g. {messages: conversation}.")
-    format: Optional[DataFormat] = Field(None, description="messages, sharegpt, alpaca, prompt_completion or text; "
+    format: Optional[DataFormat] = Field(None, description=f"{data_formats.listed(' or ')}; "
                                          "default: detected from the first records.")
     weight: float = Field(1.0, gt=0, description="Times each example is used in the mix (0.5: a seeded half).")
 
 
 class SyncSettings(_Strict):
-    to: Optional[str] = Field(None, description="Where checkpoints are copied: user@host:/path, s3://..., hf://user/repo.")
+    to: Optional[str] = Field(None, description=f"Where checkpoints are copied: {sync_kinds.forms()}.")
     keep: int = Field(3, ge=1, description="Checkpoints kept off the box (plus the final result).")
     every_seconds: float = Field(10.0, gt=0, description="How often the background copier looks for a new checkpoint.")
 
@@ -255,8 +258,8 @@ class Recipe(_Strict):
         description="Outputs made after training, each reloaded and checked: adapter, merged (16-bit, for vLLM), "
         "gguf (for Ollama/llama.cpp; implies merged).",
     )
-    gguf_type: GgufType = Field("q4_k_m", description="GGUF type, made by llama.cpp: q4_k_m (Ollama's default, about "
-                                "0.3 of f16), q5_k_m, q6_k, q8_0 (about half of f16), f16, bf16, f32.")
+    gguf_type: GgufType = Field(gguf_types.DEFAULT_TYPE,
+                                description=f"GGUF type, made by llama.cpp: {gguf_types.described()}.")
     eval: EvalSettings = Field(default_factory=EvalSettings, description="Validation split and before/after samples.")
     report_to: list[Tracker] = Field(
         default_factory=lambda: ["tensorboard"],

@@ -9,7 +9,7 @@ Llama with Llama 3.1's rope scaling (rope_type llama3) and hidden size 256 / int
 real Q4_K, Q5_K and Q6_K blocks. Each is converted once to a 16-bit GGUF by llama.cpp's converter and quantized
 to every type by llama.cpp's quantizer (launcher/export.gguf_output), read back in llama.cpp and compared with the
 model in transformers (float32) on the parity prompts. docs/BENCHMARKS.md section 5 holds a run of it, and the
-tolerances in launcher/deliver/export.py GGUF_TOLERANCE were set from it.
+tolerances in launcher/gguf_types.py (each type's tolerance) were set from it.
 """
 
 from __future__ import annotations
@@ -132,10 +132,10 @@ def measure(model_dir: Path, name: str, types: list[str], out_dir: Path) -> list
 
 
 def main() -> int:
-    from launcher.deliver import llamacpp
+    from launcher import gguf_types
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--types", default=",".join(llamacpp.TYPES))
+    ap.add_argument("--types", default=",".join(gguf_types.TYPES))
     ap.add_argument("--out", type=Path, default=REPO / ".cache" / "bench-gguf")
     ap.add_argument("--json", type=Path)
     ns = ap.parse_args()

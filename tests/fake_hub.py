@@ -69,7 +69,7 @@ def _shared(method):
 
 
 class FakeHub:
-    """HfApi's calls that launcher/store/sync.py makes, on commits; `mangle` changes what an upload stores."""
+    """HfApi's calls that launcher/store/sync/hub.py makes, on commits; `mangle` changes what an upload stores."""
 
     def __init__(self, state: Path | None = None):
         self.calls, self.mangle, self.offline = [], None, False

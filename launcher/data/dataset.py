@@ -179,17 +179,8 @@ def _convert_source(source: Source, rows: list[tuple[str, Any]]) -> tuple[list[d
         raise DataError(
             f"{label} ({formats.describe(fmt)}{'' if source.format else ', detected from its first lines'}) has "
             f"{n_bad} bad record{'s' if n_bad > 1 else ''} of {len(rows)}:\n" + "\n".join(lines),
-            fix=f"each record must be like: {EXAMPLE_LINES[fmt]} ; fix or remove these records (docs/data.md).")
+            fix=f"each record must be like: {formats.example(fmt)} ; fix or remove these records (docs/data.md).")
     return examples, where, fmt
-
-
-EXAMPLE_LINES = {
-    "messages": '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}',
-    "sharegpt": '{"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}]}',
-    "alpaca": '{"instruction": "...", "input": "" (optional), "output": "...", "system": "..." (optional)}',
-    "prompt_completion": '{"prompt": "...", "completion": "..."} (or both lists of messages)',
-    "text": '{"text": "..."}',
-}
 
 
 def load_examples(spec: Any) -> list[list[dict[str, Any]]]:

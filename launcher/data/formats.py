@@ -7,20 +7,38 @@ The canonical forms (what `SFTTrainer` takes, trl 1.16.0 `sft_trainer.py` `_prep
 - text: {"text": "..."}, continued pre-training: no chat template, EOS appended, loss on every token.
 
 Alpaca and ShareGPT records become chat. A problem with a record is a `RecordProblem` naming the field.
+
+Owns the format table, FORMATS: each format's description, the form it trains as, the keys that identify it (in
+detection order) and the example line an error shows. The recipe's `format:` values, the detection, the "expected
+one of" text and the bad-record advice derive from it; tests/test_tables.py walks every entry.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
-# format name -> (what the plan says, the canonical form it trains as)
-FORMATS: dict[str, tuple[str, str]] = {
-    "messages": ("chat messages (role/content)", "chat"),
-    "sharegpt": ("ShareGPT conversations (from/value)", "chat"),
-    "alpaca": ("Alpaca (instruction/input/output)", "chat"),
-    "prompt_completion": ("prompt/completion", "prompt_completion"),
-    "text": ("plain text (continued pre-training)", "text"),
+
+@dataclass(frozen=True)
+class Format:
+    description: str  # what the plan and the errors say
+    form: str  # the canonical form it trains as: chat, prompt_completion or text
+    keys: tuple[str, ...]  # a record with all of these keys is in this format (the first match in table order wins)
+    example: str  # one record, as the bad-record advice shows it
+
+
+# In detection order: a record is in the first format whose keys it has all of.
+FORMATS: dict[str, Format] = {
+    "messages": Format("chat messages (role/content)", "chat", ("messages",),
+                       '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}'),
+    "sharegpt": Format("ShareGPT conversations (from/value)", "chat", ("conversations",),
+                       '{"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}]}'),
+    "prompt_completion": Format("prompt/completion", "prompt_completion", ("prompt", "completion"),
+                                '{"prompt": "...", "completion": "..."} (or both lists of messages)'),
+    "alpaca": Format("Alpaca (instruction/input/output)", "chat", ("instruction", "output"),
+                     '{"instruction": "...", "input": "" (optional), "output": "...", "system": "..." (optional)}'),
+    "text": Format("plain text (continued pre-training)", "text", ("text",), '{"text": "..."}'),
 }
 ROLES = ("system", "user", "assistant", "tool")
 # Message fields kept besides role and content: tool calls, tool results, reasoning. The chat template decides
@@ -44,28 +62,28 @@ class RecordProblem(ValueError):
 
 
 def describe(fmt: str) -> str:
-    return FORMATS[fmt][0]
+    return FORMATS[fmt].description
 
 
 def form(fmt: str) -> str:
-    return FORMATS[fmt][1]
+    return FORMATS[fmt].form
+
+
+def example(fmt: str) -> str:
+    return FORMATS[fmt].example
+
+
+def listed(last: str = ", ") -> str:
+    """The format names, for help texts and error messages ("a, b or c" with last=" or ")."""
+    names = list(FORMATS)
+    return ", ".join(names[:-1]) + last + names[-1]
 
 
 def detect_one(record: Any) -> Optional[str]:
     """The format one record looks like, or None."""
     if not isinstance(record, dict):
         return None
-    if "messages" in record:
-        return "messages"
-    if "conversations" in record:
-        return "sharegpt"
-    if "prompt" in record and "completion" in record:
-        return "prompt_completion"
-    if "instruction" in record and "output" in record:
-        return "alpaca"
-    if "text" in record:
-        return "text"
-    return None
+    return next((name for name, f in FORMATS.items() if all(k in record for k in f.keys)), None)
 
 
 def detect(first: Iterable[tuple[str, Any]]) -> tuple[Optional[str], Optional[str]]:
@@ -87,8 +105,8 @@ def detect(first: Iterable[tuple[str, Any]]) -> tuple[Optional[str], Optional[st
         return None, "no records"
     where, record = unknown
     keys = ", ".join(sorted(record)) if isinstance(record, dict) else f"a JSON {type(record).__name__}, not an object"
-    return None, (f"{where} is in no known format (keys: {keys or 'none'}); expected one of: messages, conversations, "
-                  "prompt + completion, instruction + output, text")
+    expected = ", ".join(" + ".join(f.keys) for f in FORMATS.values())
+    return None, f"{where} is in no known format (keys: {keys or 'none'}); expected one of: {expected}"
 
 
 def convert(record: Any, fmt: str) -> dict[str, Any]:

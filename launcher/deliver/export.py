@@ -25,12 +25,13 @@ quiet_known_notices()  # this process imports transformers and peft: their depre
 
 from launcher.store.checkpoint import atomic_write_json, tree_bytes  # noqa: E402
 from launcher.deliver import llamacpp  # noqa: E402
+from launcher import gguf_types  # noqa: E402
 from launcher.errors import EXIT_RUN_FAILED, FtrunError, UsageError  # noqa: E402
 from launcher.store.rundir import RunDir  # noqa: E402
 
 FORMATS = ("adapter", "merged", "gguf")
 # GGUF types: llama.cpp's converter writes f32/f16/bf16, its quantizer the rest from the 16-bit file (llamacpp.py).
-GGUF_TYPES = tuple(llamacpp.TYPES)
+GGUF_TYPES = tuple(gguf_types.TYPES)
 
 # Prompts taken from the data for the parity checks (held out where the recipe holds some out), and tokens
 # compared per prompt.
@@ -46,32 +47,8 @@ TOLERANCE = {
     "merged": {"min_top1": 0.98, "max_rel": 0.15},
     "full:merged": {"min_top1": 0.98, "max_rel": 0.15},
 }
-# A GGUF is read back in llama.cpp (the runtime Ollama uses) and compared with the merged model in transformers.
-# llama.cpp computes in its own way even for a 16-bit file (activations rounded to the weights' type in its CPU
-# matrix products, other kernels), and each quantization type rounds more: the tolerances widen with fewer bits.
-# How they were chosen (docs/BENCHMARKS.md section 5 has both sets of numbers): each type's bounds sit above two
-# measurements, with room: (a) llama.cpp's own scoreboard for LLaMA 3 8B in the pinned version
-# (vendor/llama.cpp/tools/perplexity/README.md of llama-cpp-python 0.3.36: mean KL divergence against FP16 q8_0
-# 0.0014, q6_K 0.0055, q5_K_M 0.011, q4_K_M 0.031; same top token 97.7% / 96.0% / - / 91.9%; perplexity +0.04% /
-# +0.35% / +0.9% / +2.8%), at about four times its KL; (b) scripts/bench_gguf.py on the two tiny models of
-# tests/test_gguf.py (a Qwen3 of hidden size 64 whose rows are too short for K-quants, and a Llama 3.1-style
-# model of hidden size 256 with real Q4_K/Q5_K/Q6_K tensors), at about 1.5 times the worst value there.
-# The mean KL divergence is the main bound: a broken conversion (a wrong rope, a tensor mapped wrong, another
-# tokenizer) is off by whole nats. Top-1 agreement is a loose floor: random-initialised tiny models have flat
-# next-token distributions with many near ties, so a 4-bit quant flips half their top tokens (measured 0.46 for
-# Q4_K_M) where a real model keeps about 92%; chance is 1/vocabulary. Greedy continuations of 16 tokens drift
-# apart at some token for any quantized type (first divergence is recorded), so only 16-bit and f32 files must
-# reproduce them.
-GGUF_TOLERANCE = {
-    "f32": {"max_kl": 0.0005, "min_top1": 0.98, "max_ppl": 0.005, "min_greedy": 1.0},
-    "bf16": {"max_kl": 0.001, "min_top1": 0.90, "max_ppl": 0.01, "min_greedy": 0.66},
-    "f16": {"max_kl": 0.001, "min_top1": 0.90, "max_ppl": 0.01, "min_greedy": 0.66},
-    "q8_0": {"max_kl": 0.006, "min_top1": 0.80, "max_ppl": 0.02, "min_greedy": 0.33},
-    "q6_k": {"max_kl": 0.025, "min_top1": 0.65, "max_ppl": 0.03, "min_greedy": 0.0},
-    "q5_k_m": {"max_kl": 0.06, "min_top1": 0.50, "max_ppl": 0.06, "min_greedy": 0.0},
-    "q4_k_m": {"max_kl": 0.2, "min_top1": 0.35, "max_ppl": 0.10, "min_greedy": 0.0},
-}
-TOLERANCE.update({f"gguf:{k}": v for k, v in GGUF_TOLERANCE.items()})
+# A GGUF's bounds are its type's tolerance in the GGUF table (launcher/gguf_types.py, where their origin is told).
+TOLERANCE.update({f"gguf:{k}": t.tolerance.as_dict() for k, t in gguf_types.TYPES.items()})
 # When a model's float32 copy fits neither one GPU nor RAM, both sides of a comparison run in its 16-bit dtype
 # (same device, same split): every activation is then rounded to 8 bits of mantissa on both sides, and a
 # teacher-forced position whose two best logits are nearly tied can flip. Only the merge's check needs more
@@ -129,7 +106,7 @@ def check_inputs(run_dir: Path, formats: Optional[list[str]] = None, gguf_type: 
     if unknown:
         raise UsageError(f"unknown export format(s) {', '.join(map(repr, unknown))}",
                          fix=f"choose from {', '.join(FORMATS)}.")
-    gguf_type = (gguf_type or getattr(recipe, "gguf_type", llamacpp.DEFAULT_TYPE)).lower()
+    gguf_type = (gguf_type or getattr(recipe, "gguf_type", gguf_types.DEFAULT_TYPE)).lower()
     if gguf_type not in GGUF_TYPES:
         raise UsageError(f"unknown GGUF type {gguf_type!r}",
                          fix=f"choose one of {', '.join(GGUF_TYPES)} (--gguf TYPE or gguf_type: in the recipe); "
@@ -812,7 +789,7 @@ def gguf_output(merged_dir: Path, gguf_dir: Path, name: str, gguf_type: str, pro
     GGUF a quantized type is made from is written beside the result and removed after (unless `intermediate`
     names one to reuse: tests quantize one conversion to several types)."""
     conv = llamacpp.converter()
-    kind = llamacpp.TYPES[gguf_type]
+    kind = gguf_types.TYPES[gguf_type]
     gguf_dir.mkdir(parents=True, exist_ok=True)
     fname = f"{name}-{kind.name}.gguf"
     path = gguf_dir / fname
@@ -871,10 +848,10 @@ def gguf_output(merged_dir: Path, gguf_dir: Path, name: str, gguf_type: str, pro
         if not out["chat_template_included"]:
             raise ExportError(f"{fname} does not carry the model's chat template",
                               fix="report this with export.json; Ollama would fall back to a wrong template.")
-        higher = [t for t in ("q6_k", "q8_0", "bf16") if llamacpp.TYPES[t].bits > kind.bits]
+        higher = gguf_types.advised_above(gguf_type)
         _check(f"the GGUF {fname} (in llama.cpp)", result,
                fix="do not serve this file; a type with more bits keeps closer to the model: "
-               + (f"`ftrun export RUN_DIR --gguf {higher[0]}`" if higher else "report it with export.json") + ".")
+               + (f"`ftrun export RUN_DIR --gguf {higher}`" if higher else "report it with export.json") + ".")
     except ExportError as exc:
         out["error"] = exc.message
         raise _GgufFailed(exc, out) from None

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from launcher.gguf_types import DEFAULT_TYPE, TYPES, bytes_per_param, listed  # noqa: F401 (the table: launcher/gguf_types.py)
+
 # The one llama.cpp version: llama-cpp-python 0.3.36 vendors llama.cpp (converter, gguf-py 0.19.0, quantizer).
 PINNED = "0.3.36"
 DIST = "llama-cpp-python"
@@ -41,33 +43,6 @@ STAMP = "ftrun-llamacpp.json"
 BUILD_FLAGS = "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
 INSTALL_HINT = (f'CMAKE_ARGS="{BUILD_FLAGS}" pip install --no-binary {DIST} "{DIST}=={PINNED}" && '
                 "python -m launcher.deliver.llamacpp install")
-
-
-@dataclass(frozen=True)
-class GgufType:
-    name: str  # as llama.cpp names the file type (Q4_K_M)
-    ftype: int  # enum llama_ftype (llama_cpp/llama_cpp.py)
-    bits: float  # bits per weight of a large model, as llama.cpp's quantize tool lists them (ETA, disk)
-    converter: Optional[str] = None  # written by convert_hf_to_gguf.py directly (--outtype), no quantizer pass
-
-
-# What ftrun writes. K-quants work in blocks of 256 values along a row (QK_K): a tensor whose rows are not a
-# multiple of 256 long falls back, tensor by tensor, to a 32-block type (Q4_K -> Q5_0, Q5_K -> Q5_1,
-# Q6_K -> Q8_0; llama-quant.cpp tensor_type_fallback); export.json lists the tensor types that came out.
-TYPES: dict[str, GgufType] = {
-    "q4_k_m": GgufType("Q4_K_M", 15, 4.89),
-    "q5_k_m": GgufType("Q5_K_M", 17, 5.70),
-    "q6_k": GgufType("Q6_K", 18, 6.56),
-    "q8_0": GgufType("Q8_0", 7, 8.50),
-    "f16": GgufType("F16", 1, 16.0, converter="f16"),
-    "bf16": GgufType("BF16", 32, 16.0, converter="bf16"),
-    "f32": GgufType("F32", 0, 32.0, converter="f32"),
-}
-DEFAULT_TYPE = "q4_k_m"  # what Ollama's library serves by default
-
-
-def bytes_per_param(gguf_type: str) -> float:
-    return TYPES[gguf_type].bits / 8 if gguf_type in TYPES else 2.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,7 +223,7 @@ def readiness(model: str, gguf_type: str, this_box: bool = True) -> Readiness:
     r = Readiness()
     kind = TYPES.get(gguf_type)
     if kind is None:
-        r.problems.append(f"unknown GGUF type {gguf_type!r} (choose from {', '.join(TYPES)})")
+        r.problems.append(f"unknown GGUF type {gguf_type!r} (choose from {listed()})")
         return r
     have = runtime_version()
     conv = converter()

@@ -19,7 +19,9 @@ from launcher.recipe import Recipe, check_trainer_fields, load_recipe
 from launcher.run import weights
 from launcher.store.rundir import RunDir
 from launcher.worker.trackers import check_installed as check_trackers_installed
-from launcher.store.state import RunLock, busy_error, effective_state, is_locked, process_identity, read_state, run_holder, set_state
+from launcher.store.sync import kinds as sync_kinds
+from launcher.store.state import (TRAINED, RunLock, busy_error, effective_state, is_locked, process_identity, read_state,
+                                   run_holder, set_state)
 from launcher.run import views
 from launcher.run.views import format_status, run_status
 
@@ -89,7 +91,7 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
         if is_locked(run):
             raise busy_error(run)  # held, but by no process ftrun can vouch for: never a second training
         state = effective_state(run)
-        if state in ("succeeded", "trained-not-exported"):
+        if state in TRAINED:
             _say(f"this run has finished: {run.root}")
             _say(format_status(run_status(run)))
             if state == "trained-not-exported":
@@ -504,7 +506,7 @@ def pull_command(recipe_path: str, overrides: list[str]) -> int:
     recipe = load_recipe(recipe_path, overrides)
     if not recipe.sync.to:
         raise RecipeError("the recipe has no sync.to, so there is nothing to pull from",
-                          fix="set sync: {to: user@host:/path} (or s3://..., hf://user/repo) in the recipe.")
+                          fix=f"set sync: {{to: ...}} in the recipe, one of: {sync_kinds.forms()}.")
     run = run_dir_of(recipe)
     if run.exists():
         raise UsageError(f"{run.root} already holds a run; pulling would overwrite it",

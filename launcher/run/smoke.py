@@ -84,7 +84,7 @@ MIN_RATE_BYTES = 64e6
 
 def gguf_bytes_per_param(gguf_type: str) -> float:
     """Bytes written per parameter for a GGUF: the file, plus the 16-bit file a quantized type is made from."""
-    from launcher.deliver.llamacpp import TYPES, bytes_per_param
+    from launcher.gguf_types import TYPES, bytes_per_param
 
     return bytes_per_param(gguf_type) + (0.0 if gguf_type in TYPES and TYPES[gguf_type].converter else 2.0)
 

@@ -20,9 +20,9 @@ from typing import Any, Callable, Iterator, Optional, TextIO
 
 from launcher.store.checkpoint import newest_step_unverified, step_dir_name
 from launcher.store.rundir import RunDir
-from launcher.store.state import ACTIVE, is_locked, last_metrics, read_state, run_holder, run_processes, same_process
+from launcher.store.state import (ACTIVE, ENDED, is_locked, last_metrics, read_state, run_holder, run_processes,
+                                   same_process)
 
-ENDED = ("succeeded", "trained-not-exported", "failed", "stopped", "preempted", "failed-smoke")
 
 
 def format_duration(seconds: Optional[float]) -> str:
@@ -235,7 +235,7 @@ def format_status(s: dict[str, Any]) -> str:
         lines.append(f"  off the box: {off or 'nothing yet'}"
                      + (f" ({format_duration(s.get('offbox_age_seconds'))} ago)" if off and s.get("offbox_age_seconds") is not None else "")
                      + f" at {s['sync_to']}" + (f"   last error: {s['sync_error']}" if s.get("sync_error") else ""))
-        if s.get("sync_backoff"):  # the destination asked to wait (a 429 or 5xx): launcher/store/sync.py backoff_fields
+        if s.get("sync_backoff"):  # the destination asked to wait (a 429 or 5xx): launcher/store/sync/transfer.py backoff_fields
             lines.append(f"  waiting for {s['sync_to']}: {s['sync_backoff']}")
     if s.get("reason") and s["state"] not in ("running",):
         lines.append(f"  {s['reason']}")
@@ -369,10 +369,14 @@ def serve_command(run: RunDir, final: Optional[str]) -> Optional[str]:
     return f"vllm serve {q(final)} --served-model-name {q(name)} --max-model-len {recipe.max_length}"
 
 
+# How the end of a run is headed, for every state that ends one (store/state.py ENDED; tests/test_tables.py).
+ENDING = {"succeeded": "finished", "trained-not-exported": "finished (its export failed)", "stopped": "stopped",
+          "preempted": "preempted", "failed": "FAILED", "failed-smoke": "smoke test FAILED"}
+
+
 def format_end_summary(e: dict[str, Any]) -> str:
     """The lines a run's end prints (the foreground run, `ftrun status --watch`, `ftrun status` of a finished run)."""
-    head = {"succeeded": "finished", "trained-not-exported": "finished (its export failed)", "stopped": "stopped",
-            "preempted": "preempted", "failed": "FAILED", "failed-smoke": "smoke test FAILED"}.get(e["state"], e["state"])
+    head = ENDING.get(e["state"], e["state"])
     step = f"step {e['step']}/{e['total_steps']}" if e.get("total_steps") else f"step {e.get('step') or 0}"
     lines = [f"== run {head} at {step}: {e['run_dir']}"]
     if e["state"] != "succeeded" and e.get("reason"):

@@ -25,6 +25,7 @@ import fcntl
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -32,10 +33,32 @@ from launcher.store.checkpoint import atomic_write_json
 from launcher.errors import BusyError
 from launcher.store.rundir import RunDir
 
-STATES = ("planned", "smoking", "running", "recovering", "succeeded", "stopped", "preempted", "failed", "failed-smoke",
-          "trained-not-exported")
-TRAINED = ("succeeded", "trained-not-exported")  # the training finished with a verified result
-ACTIVE = ("smoking", "running", "recovering")
+
+
+@dataclass(frozen=True)
+class State:
+    active: bool = False  # a process of the run is working (a run whose holder is gone reads as interrupted)
+    ended: bool = False  # nothing more happens until the user acts
+    trained: bool = False  # the training finished with a verified result
+
+
+# The run states (the diagram above): the one table; ACTIVE, ENDED and TRAINED derive from it, and what a user
+# reads about each is composed in launcher/run/views.py (tests/test_tables.py walks every state through it).
+STATES: dict[str, State] = {
+    "planned": State(),
+    "smoking": State(active=True),
+    "running": State(active=True),
+    "recovering": State(active=True),
+    "succeeded": State(ended=True, trained=True),
+    "stopped": State(ended=True),
+    "preempted": State(ended=True),
+    "failed": State(ended=True),
+    "failed-smoke": State(ended=True),
+    "trained-not-exported": State(ended=True, trained=True),
+}
+ACTIVE = tuple(k for k, s in STATES.items() if s.active)
+ENDED = tuple(k for k, s in STATES.items() if s.ended)
+TRAINED = tuple(k for k, s in STATES.items() if s.trained)
 
 
 def read_state(run: RunDir) -> dict[str, Any]:
