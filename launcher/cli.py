@@ -26,7 +26,7 @@ from typing import Optional
 from launcher import gguf_types
 from launcher.errors import EXIT_INTERNAL, FtrunError, UsageError
 
-COMMANDS = ("plan", "smoke", "status", "logs", "stop", "pull", "push", "export", "publish", "explain", "run")
+COMMANDS = ("plan", "smoke", "status", "logs", "stop", "pull", "push", "export", "publish", "explain", "llamacpp", "run")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -86,6 +86,9 @@ def _parser() -> argparse.ArgumentParser:
     pb.add_argument("target", nargs="?", help="recipe file or run directory")
     pb.add_argument("--to", metavar="hf://USER/REPO", help="another repo than the recipe's publish.to")
     sub.add_parser("explain", help="every recipe key with its default and meaning")
+    ll = sub.add_parser("llamacpp", help="llama.cpp for the GGUF export: install its converter (install), check a model "
+                        "(check MODEL), write the shipped architecture table (architectures)", add_help=False)
+    ll.add_argument("args", nargs=argparse.REMAINDER, help="install | check MODEL [--type T] | architectures")
     return p
 
 
@@ -129,7 +132,7 @@ def cmd_run(a) -> int:
 
 
 def cmd_plan(a) -> int:
-    from launcher.run.pipeline import plan_command
+    from launcher.run.plan_command import plan_command
 
     return plan_command(a.recipe, a.overrides, a.gpus, a.tokens, a.json, a.price)
 
@@ -159,7 +162,7 @@ def cmd_status(a) -> int:
         if a.json:
             print(json.dumps(s, indent=2), flush=True)
         else:
-            print(views.format_status(s), flush=True)
+            print(views.format_status(s, ending_follows=s["state"] in views.ENDED), flush=True)
             if s["state"] in views.ENDED:
                 print(views.format_end_summary(views.end_summary(run)), flush=True)
         if not a.watch or s["state"] not in views.ACTIVE:
@@ -234,6 +237,12 @@ def cmd_publish(a) -> int:
     return publish_command(resolve_run(a.target), to=a.to)
 
 
+def cmd_llamacpp(a) -> int:
+    from launcher.deliver import llamacpp
+
+    return llamacpp.main(a.args, prog="ftrun llamacpp")
+
+
 def cmd_explain(a) -> int:
     from launcher.recipe import explain
 
@@ -262,10 +271,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv  # accepted anywhere on the line
     argv = [x for x in argv if x != "--debug"]
-    argv, overrides = split_command_line(argv)
-    args = _parser().parse_args(argv)
-    if hasattr(args, "overrides"):
-        args.overrides = overrides
+    if argv[:1] == ["llamacpp"]:  # its own parser (launcher/deliver/llamacpp.py) reads the rest, --help included
+        args = argparse.Namespace(command="llamacpp", args=argv[1:])
+    else:
+        argv, overrides = split_command_line(argv)
+        args = _parser().parse_args(argv)
+        if hasattr(args, "overrides"):
+            args.overrides = overrides
     if args.command is None:
         _parser().print_help()
         return 2

@@ -1,7 +1,8 @@
 """The GGUF types ftrun writes: one table (TYPES) with each type's llama.cpp name and file type, its bits per weight
 and its parity tolerance. Everything else derives from it: the recipe's allowed `gguf_type` values and their
 description, `ftrun export --gguf`'s help, llama.cpp's converter and quantizer calls (launcher/deliver/llamacpp.py),
-the export's check (launcher/deliver/export.py), the smoke test's disk and time estimate (launcher/run/smoke.py).
+the export's check (launcher/deliver/parity.py and gguf_export.py), the smoke test's disk and time estimate
+(launcher/run/smoke.py).
 
 It sits at the root, beside the recipe, because the recipe (a root leaf every stage imports) validates against it;
 it imports nothing. A type added here without a tolerance fails to construct, and tests/test_tables.py walks every

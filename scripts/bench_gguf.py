@@ -7,7 +7,7 @@ Two models, no downloads: the tiny Qwen3 of scripts/make_tiny_model.py (hidden s
 the 256 values of a K-quant block, so K-quant types fall back tensor by tensor to 32-block types) and a tiny
 Llama with Llama 3.1's rope scaling (rope_type llama3) and hidden size 256 / intermediate 512, whose matrices get
 real Q4_K, Q5_K and Q6_K blocks. Each is converted once to a 16-bit GGUF by llama.cpp's converter and quantized
-to every type by llama.cpp's quantizer (launcher/export.gguf_output), read back in llama.cpp and compared with the
+to every type by llama.cpp's quantizer (launcher/deliver/gguf_export.gguf_output), read back in llama.cpp and compared with the
 model in transformers (float32) on the parity prompts. docs/BENCHMARKS.md section 5 holds a run of it, and the
 tolerances in launcher/gguf_types.py (each type's tolerance) were set from it.
 """
@@ -82,10 +82,13 @@ def build_tiny_llama(out: Path, hidden: int = 256, intermediate: int = 512, laye
 
 def reference(model_dir: Path, prompts_n: int = 3):
     """The parity prompts and the model's outputs in transformers (float32, CPU), as export computes them."""
+    from launcher.notices import quiet_known_notices
+
+    quiet_known_notices()  # as the export process does, before the libraries are imported
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from launcher.deliver.export import model_outputs, parity_prompts
+    from launcher.deliver.parity import model_outputs, parity_prompts
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     prompts = parity_prompts(SimpleNamespace(data=str(TINY_DATA), eval=None), tok, prompts_n)
@@ -97,19 +100,19 @@ def reference(model_dir: Path, prompts_n: int = 3):
 
 def measure(model_dir: Path, name: str, types: list[str], out_dir: Path) -> list[dict]:
     """Every type from one 16-bit conversion; a failed check is measured and reported, not raised."""
-    from launcher.deliver import export
+    from launcher.deliver import gguf_export
     from launcher.deliver import llamacpp
 
     tok, prompts, ref = reference(model_dir)
     rows = []
-    dtype = (export._safetensors_dtypes(model_dir) & {"BF16", "F16"} or {"BF16"}).pop().lower()
+    dtype = (gguf_export._safetensors_dtypes(model_dir) & {"BF16", "F16"} or {"BF16"}).pop().lower()
     sixteen = out_dir / f"{name}-{dtype.upper()}-intermediate.gguf"
     t0 = time.monotonic()
     conv = llamacpp.convert(llamacpp.converter(), model_dir, sixteen, dtype)
     for t in types:
         try:
-            res = export.gguf_output(model_dir, out_dir, name, t, prompts, ref, tok, intermediate=sixteen)
-        except export._GgufFailed as exc:
+            res = gguf_export.gguf_output(model_dir, out_dir, name, t, prompts, ref, tok, intermediate=sixteen)
+        except gguf_export._GgufFailed as exc:
             res = exc.output
         par = res["parity_vs_merged"]
         rows.append({"model": name, "type": t, "bytes": res["bytes"], "size": res["size"],

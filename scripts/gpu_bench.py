@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Predicted against measured peak memory and tokens/s, per method and model size: `ftrun plan` then `ftrun smoke`.
 
-On a GPU box the smoke worker measures torch.cuda.max_memory_reserved (launcher/worker/train.py peak_memory_gb) and
+On a GPU box the smoke worker measures torch.cuda.max_memory_reserved (launcher/worker/callbacks.py peak_memory_gb) and
 real tokens/s; the plan gives the sizer's prediction for the detected GPU. Models are Qwen3-shaped with random
 weights, built on the box (scripts/make_tiny_model.py; no download). One compact line per (size, method); a
 failed case is a row with its reason, never the end of the report. With --json the file is rewritten after every

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks for one short GPU loan (launcher/worker/gpu_check.py): device and dtype, per-rank placement, the
+# GPU checks for one short GPU loan (launcher/worker/gpu_check/): device and dtype, per-rank placement, the
 # memory cap, peak memory, out-of-memory classification, predicted vs measured memory and tokens/s for LoRA and
 # full fine-tuning at an 8B shape (random weights, no download), padded vs padding-free, FSDP2 with the final save.
 #   OUT=/some/dir scripts/gpu_check.sh            on the GPU box (torch + transformers; peft, accelerate if there)

@@ -39,15 +39,15 @@ scripts/setup.sh
 if [ "${1:-}" = "--gguf" ]; then
   # The GGUF tier: llama-cpp-python built from its source distribution (about 7 minutes on 2 cores, once; pip
   # keeps the wheel) without -march=native (a native build traps with "Illegal instruction" on VMs that report
-  # AMX), and llama.cpp's converter copied from the same version (launcher/deliver/llamacpp.py).
+  # AMX), and llama.cpp's converter copied from the same version (`ftrun llamacpp install`).
   shift
   if ! .venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('llama-cpp-python') != '0.3.36')" 2>/dev/null; then
     echo "building llama-cpp-python 0.3.36 (about 7 minutes on 2 cores; log in .venv/pip.log) ..."
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \
       .venv/bin/python -m pip install -q -e ".[gguf]" >>.venv/pip.log 2>&1 || { tail -30 .venv/pip.log; exit 1; }
   fi
-  .venv/bin/python -c "from launcher import llamacpp as l; c = l.converter(); raise SystemExit(c is None or c.version != l.PINNED)" \
-    || .venv/bin/python -m launcher.deliver.llamacpp install
+  .venv/bin/python -c "from launcher.plan import gguf_readiness as l; c = l.converter(); raise SystemExit(c is None or c.version != l.PINNED)" \
+    || .venv/bin/ftrun llamacpp install
   exec .venv/bin/python -m pytest -m gguf "$@"
 fi
 case "${1:-}" in

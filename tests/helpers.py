@@ -108,7 +108,8 @@ def prepared_run(recipe_path: Path, *overrides: str) -> Path:
     """A run directory with recipe.yaml and plan.json, as `ftrun` writes them, without starting anything."""
     import yaml
 
-    from launcher.run.pipeline import data_stats, make_plan as pipeline_plan
+    from launcher.data.stats import data_stats
+    from launcher.run.pipeline import make_plan as pipeline_plan
     from launcher.recipe import load_recipe
 
     recipe = load_recipe(recipe_path, list(overrides))

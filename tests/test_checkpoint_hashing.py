@@ -128,7 +128,7 @@ def test_a_manifest_that_cannot_be_written_leaves_the_folder_incomplete(tmp_path
 _HASH_THEN_EXIT = """
 import os, sys, time
 from pathlib import Path
-from launcher import checkpoint as ckpt
+from launcher.store import checkpoint as ckpt
 real = ckpt.sha256_file
 def slow(path):
     sys.stdout.write("hashing\\n")  # one write: never interleaved with the main thread's line
@@ -185,15 +185,15 @@ def test_a_process_that_returns_while_hashing_still_writes_the_manifest_before_i
 
 
 def _cadence(tmp_path, monkeypatch, mode: str):
-    from launcher.worker import train
+    from launcher.worker import callbacks, checkpointing
     from launcher.store.rundir import RunDir
 
-    monkeypatch.setattr(train, "_redraw_loss_plot", lambda *a, **k: None)  # loss.png is not what is tested
+    monkeypatch.setattr(callbacks, "_redraw_loss_plot", lambda *a, **k: None)  # loss.png is not what is tested
     run = RunDir(tmp_path / "run")
     run.checkpoints.mkdir(parents=True)
     recipe = SimpleNamespace(checkpoint_every_minutes=10.0, keep_checkpoints=1)
-    cadence, _ = train.build_callbacks(run, recipe, mode, "cpu", {"recipe_hash": "abc"}, None)
-    return train, run, cadence
+    cadence, _ = callbacks.build_callbacks(run, recipe, mode, "cpu", {"recipe_hash": "abc"}, None)
+    return checkpointing, run, cadence
 
 
 def _state(step: int, max_steps: int = 100):
@@ -206,14 +206,14 @@ def _state(step: int, max_steps: int = 100):
 def test_the_save_returns_while_hashing_and_the_next_save_and_the_exit_wait_for_it(tmp_path, monkeypatch, gated_hash):
     from transformers import TrainerControl
 
-    train, run, cadence = _cadence(tmp_path, monkeypatch, "full")
+    checkpointing, run, cadence = _cadence(tmp_path, monkeypatch, "full")
     args = SimpleNamespace(output_dir=str(run.checkpoints), save_on_each_node=False)
     gated_hash.arm()
     _files(run.checkpoints / "checkpoint-10", {"adapter_model.safetensors": 2000, "optimizer.pt": 3000})
     cadence.on_save(args, _state(10), TrainerControl())  # returns at once: the training goes on
     step10 = run.checkpoints / "step-000010"
     assert step10.is_dir() and not (run.checkpoints / "checkpoint-10").exists()
-    assert gated_hash.started.wait(10) and train._MANIFEST.pending and not (step10 / ckpt.MANIFEST).exists()
+    assert gated_hash.started.wait(10) and checkpointing._MANIFEST.pending and not (step10 / ckpt.MANIFEST).exists()
 
     # the next save waits for the previous manifest (and its retention) before its folder appears
     _files(run.checkpoints / "checkpoint-20", {"adapter_model.safetensors": 2000, "optimizer.pt": 3000})
@@ -224,8 +224,8 @@ def test_the_save_returns_while_hashing_and_the_next_save_and_the_exit_wait_for_
     gated_hash.gate.set()
     second.join(30)
     assert (step10 / ckpt.MANIFEST).is_file()
-    train._await_manifest("cpu")  # the worker's exit: no process group here, a plain wait
-    assert not train._MANIFEST.pending
+    checkpointing._await_manifest("cpu")  # the worker's exit: no process group here, a plain wait
+    assert not checkpointing._MANIFEST.pending
     ok, _ = ckpt.verify(run.checkpoints / "step-000020")
     assert ok and ok.step == 20
     assert not step10.exists()  # keep_checkpoints=1, removed only after step 20 was complete
@@ -241,14 +241,14 @@ def test_the_smoke_tests_timed_save_includes_hashing(tmp_path, monkeypatch):
         return real(path)
 
     monkeypatch.setattr(ckpt, "sha256_file", slow)
-    train, run, cadence = _cadence(tmp_path, monkeypatch, "smoke")
+    checkpointing, run, cadence = _cadence(tmp_path, monkeypatch, "smoke")
     out = tmp_path / "smoke-trainer"
     _files(out / "checkpoint-3", {"adapter_model.safetensors": 2000, "optimizer.pt": 3000})
     control = cadence.on_step_end(SimpleNamespace(), _state(3, max_steps=3), TrainerControl())
     assert control.should_save
     cadence.on_save(SimpleNamespace(output_dir=str(out), save_on_each_node=False), _state(3, 3), TrainerControl())
     assert ckpt.verify(out / "checkpoint-3")[0]  # hashed, in the foreground: nothing left pending
-    assert not train._MANIFEST.pending
+    assert not checkpointing._MANIFEST.pending
     assert cadence.save_seconds >= 0.3  # at least one file's (slowed) hash is inside the timed save
 
 
@@ -257,20 +257,20 @@ def test_the_smoke_tests_timed_save_includes_hashing(tmp_path, monkeypatch):
 _RANK = """
 import json, os, sys, time
 from pathlib import Path
-from launcher import checkpoint as ckpt
-from launcher import train
+from launcher.store import checkpoint as ckpt
+from launcher.worker import checkpointing
 run, role = Path(sys.argv[1]), sys.argv[2]
 if role == "verifier":
     time.sleep(float(sys.argv[3]))  # the waiter is already polling (and has seen the stale choice)
     found, skipped = ckpt.newest_verified(run / "checkpoints", {"recipe_hash": "abc"})
-    ckpt.publish_choice(run / ckpt.CHOICE, train._launch_identity(), found, skipped)
+    ckpt.publish_choice(run / ckpt.CHOICE, checkpointing._launch_identity(), found, skipped)
     print(json.dumps({"step": found.step, "skipped": skipped}), flush=True)
 else:
     def refuse(*a, **k):
         raise AssertionError("the waiter hashed checkpoint files")
     ckpt.sha256_files = refuse
-    found = ckpt.await_choice(run / ckpt.CHOICE, run / "checkpoints", train._launch_identity(),
-                              train._launcher_started(), timeout=float(sys.argv[3]))
+    found = ckpt.await_choice(run / ckpt.CHOICE, run / "checkpoints", checkpointing._launch_identity(),
+                              checkpointing._launcher_started(), timeout=float(sys.argv[3]))
     print(json.dumps({"step": found.step, "files": sorted(found.manifest["files"])}), flush=True)
 """
 
@@ -339,8 +339,8 @@ _TWO_RANKS = """
 import json, os, sys, time
 from pathlib import Path
 import torch.distributed as dist
-from launcher import checkpoint as ckpt
-from launcher import train
+from launcher.store import checkpoint as ckpt
+from launcher.worker import checkpointing
 dist.init_process_group("gloo")
 folder = Path(sys.argv[1])
 if dist.get_rank() == 0:
@@ -349,12 +349,12 @@ if dist.get_rank() == 0:
         time.sleep(8.0)  # longer than one round of the wait (5 s): several collectives
         return real(path)
     ckpt.sha256_file = slow
-    train._MANIFEST.start(folder, 40, {"recipe_hash": "abc"}, workers=1)
-train._await_manifest("cpu")
+    checkpointing._MANIFEST.start(folder, 40, {"recipe_hash": "abc"}, workers=1)
+checkpointing._await_manifest("cpu")
 at_return = (folder / ckpt.MANIFEST).is_file()
 # each node verified its own disk: the same step passes, different steps are refused on every rank
-same = train._resume_steps_differ(ckpt.Verified(folder, 40, {}), "cpu")
-differ = train._resume_steps_differ(ckpt.Verified(folder, 40, {}) if dist.get_rank() else None, "cpu")
+same = checkpointing._resume_steps_differ(ckpt.Verified(folder, 40, {}), "cpu")
+differ = checkpointing._resume_steps_differ(ckpt.Verified(folder, 40, {}) if dist.get_rank() else None, "cpu")
 (folder.parent / f"rank{dist.get_rank()}.json").write_text(json.dumps(
     {"rank": dist.get_rank(), "manifest_at_return": at_return, "same": same, "differ": differ}))
 dist.destroy_process_group()
@@ -397,20 +397,21 @@ def test_no_rank_returns_before_rank_0s_background_manifest_and_resume_steps_mus
 ])
 def test_each_nodes_first_process_verifies_its_disk_whatever_the_engine(engine, nnodes, nproc, rank, local_rank,
                                                                        verifies):
-    from launcher.worker import train
+    from launcher.worker import checkpointing
 
     plan = {"engine": engine, "num_processes": nproc, **({"nodes": {"nnodes": nnodes}} if nnodes > 1 else {})}
-    assert train._verifies_resume(plan, rank, local_rank) is verifies
+    assert checkpointing._verifies_resume(plan, rank, local_rank) is verifies
 
 
 def test_only_the_disks_writer_removes_a_folder_and_only_after_its_manifest(tmp_path, gated_hash, monkeypatch):
     """A full disk on another rank must not delete the checkpoint the writer is still hashing."""
-    from launcher.worker import train
+    from launcher.worker import checkpointing
     from launcher.store.rundir import RunDir
 
     # the writer rule is the Trainer's (save_on_each_node: each node's first process, else the main one)
-    assert [train._writes_checkpoints(False, r, lr) for r, lr in ((0, 0), (1, 1), (2, 0))] == [True, False, False]
-    assert [train._writes_checkpoints(True, r, lr) for r, lr in ((0, 0), (1, 1), (2, 0))] == [True, False, True]
+    ranks = ((0, 0), (1, 1), (2, 0))
+    assert [checkpointing._writes_checkpoints(False, r, lr) for r, lr in ranks] == [True, False, False]
+    assert [checkpointing._writes_checkpoints(True, r, lr) for r, lr in ranks] == [True, False, True]
 
     run = RunDir(tmp_path / "run")
     _complete(run.checkpoints, 10)
@@ -419,16 +420,16 @@ def test_only_the_disks_writer_removes_a_folder_and_only_after_its_manifest(tmp_
     partial = run.checkpoints / "checkpoint-30"  # the Trainer's save that hit the full disk
     _files(partial, {"optimizer.pt": 7000})
     gated_hash.arm()
-    monkeypatch.setattr(train, "_MANIFEST", ckpt.BackgroundManifest(log=lambda line: None))
-    train._MANIFEST.start(hashing, 20, {"recipe_hash": "abc"}, workers=1)
+    monkeypatch.setattr(checkpointing, "_MANIFEST", ckpt.BackgroundManifest(log=lambda line: None))
+    checkpointing._MANIFEST.start(hashing, 20, {"recipe_hash": "abc"}, workers=1)
     assert gated_hash.started.wait(10)
 
-    other = train._disk_full_message(run, 30, writer=False)  # another rank: reports, deletes nothing, no wait
-    assert hashing.is_dir() and partial.is_dir() and train._MANIFEST.pending
+    other = checkpointing._disk_full_message(run, 30, writer=False)  # another rank: reports, deletes nothing, no wait
+    assert hashing.is_dir() and partial.is_dir() and checkpointing._MANIFEST.pending
     assert "removed by the process that writes this disk's checkpoints" in other and "7.0 MB" not in other
 
     result = []
-    writer = threading.Thread(target=lambda: result.append(train._disk_full_message(run, 30, writer=True)))
+    writer = threading.Thread(target=lambda: result.append(checkpointing._disk_full_message(run, 30, writer=True)))
     writer.start()
     time.sleep(0.3)
     assert writer.is_alive() and partial.is_dir()  # waits for its own manifest before removing anything
@@ -458,30 +459,34 @@ def test_a_failed_background_manifest_stops_the_next_save_and_the_exit(tmp_path,
 
     from transformers import TrainerControl
 
-    train, run, cadence = _cadence(tmp_path, monkeypatch, "full")
-    monkeypatch.setattr(train, "_MANIFEST", ckpt.BackgroundManifest(log=lambda line: None))
+    from launcher.worker import callbacks, exits
+
+    checkpointing, run, cadence = _cadence(tmp_path, monkeypatch, "full")
+    fresh = ckpt.BackgroundManifest(log=lambda line: None)
+    for module in (callbacks, checkpointing):  # on_save and the wait before a save or the exit
+        monkeypatch.setattr(module, "_MANIFEST", fresh)
     _failing_manifest(monkeypatch, getattr(errno, errno_name))
     args = SimpleNamespace(output_dir=str(run.checkpoints), save_on_each_node=False)
     _files(run.checkpoints / "checkpoint-10", {"adapter_model.safetensors": 2000})
     cadence.on_save(args, _state(10), TrainerControl())
-    assert train._MANIFEST.wait(30) and train._MANIFEST.error
+    assert checkpointing._MANIFEST.wait(30) and checkpointing._MANIFEST.error
 
     # the next save: the wait before it raises, on every rank, before any folder moves
     with pytest.raises(ckpt.ManifestFailed) as raised:
         cadence.on_step_end(args, _state(100, max_steps=100), TrainerControl())
-    assert train._is_disk_full(raised.value, run.root) is (errno_name == "ENOSPC")
+    assert exits._is_disk_full(raised.value, run.root) is (errno_name == "ENOSPC")
     assert not (run.checkpoints / ckpt.step_dir_name(10) / ckpt.MANIFEST).exists()
 
     # the exit (after a stop's save, or the final one)
     if errno_name == "ENOSPC":
-        assert train._finish(run, "cpu", 10, writer=True) == train.EXIT_DISK_FULL
+        assert checkpointing._finish(run, "cpu", 10, writer=True) == exits.EXIT_DISK_FULL
         info = json.loads(run.worker.read_text())
-        assert info["exit_code"] == train.EXIT_DISK_FULL and "disk full while saving the checkpoint of step 10" \
+        assert info["exit_code"] == exits.EXIT_DISK_FULL and "disk full while saving the checkpoint of step 10" \
             in info["error"]
         assert not (run.checkpoints / ckpt.step_dir_name(10)).exists()  # the unsealed folder, removed by its writer
     else:
         with pytest.raises(ckpt.ManifestFailed, match="Input/output error"):
-            train._finish(run, "cpu", 10, writer=True)
+            checkpointing._finish(run, "cpu", 10, writer=True)
         assert not run.worker.exists()
 
 
@@ -489,14 +494,14 @@ def test_the_wait_for_the_previous_manifest_comes_before_the_save_on_every_rank(
     """on_step_end, where all ranks have agreed to save, waits for the previous hash; on_save then finds it done."""
     from transformers import TrainerControl
 
-    train, run, cadence = _cadence(tmp_path, monkeypatch, "full")
+    checkpointing, run, cadence = _cadence(tmp_path, monkeypatch, "full")
     args = SimpleNamespace(output_dir=str(run.checkpoints), save_on_each_node=False)
     gated_hash.arm()
     _files(run.checkpoints / "checkpoint-10", {"adapter_model.safetensors": 2000})
     cadence.on_save(args, _state(10), TrainerControl())
     assert gated_hash.started.wait(10)
     # no save due: no wait (training goes on beside the hashing)
-    assert not cadence.on_step_end(args, _state(11), TrainerControl()).should_save and train._MANIFEST.pending
+    assert not cadence.on_step_end(args, _state(11), TrainerControl()).should_save and checkpointing._MANIFEST.pending
     decided = []
     last = threading.Thread(target=lambda: decided.append(
         cadence.on_step_end(args, _state(100, 100), TrainerControl())))
@@ -506,7 +511,7 @@ def test_the_wait_for_the_previous_manifest_comes_before_the_save_on_every_rank(
     gated_hash.gate.set()
     last.join(30)
     assert decided[0].should_save and (run.checkpoints / "step-000010" / ckpt.MANIFEST).is_file()
-    assert not train._MANIFEST.pending
+    assert not checkpointing._MANIFEST.pending
 
 
 _PRESAVE = """
@@ -515,15 +520,15 @@ from pathlib import Path
 from types import SimpleNamespace
 import torch.distributed as dist
 from transformers import TrainerControl, TrainerState
-from launcher import checkpoint as ckpt
-from launcher import train
+from launcher.store import checkpoint as ckpt
+from launcher.worker import callbacks, checkpointing
 from launcher.store.rundir import RunDir
 
 run_root, group_timeout, hash_s = Path(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=group_timeout))
 rank = dist.get_rank()
-train._MANIFEST_POLL_S = group_timeout / 4  # the rounds stay far below the group's timeout, as 5 s below 1800 s
-train._redraw_loss_plot = lambda *a, **k: None
+checkpointing._MANIFEST_POLL_S = group_timeout / 4  # the rounds stay far below the group's timeout, as 5 s below 1800 s
+callbacks._redraw_loss_plot = lambda *a, **k: None
 real = ckpt.sha256_file
 def slow(path):
     if path.name == "slow.bin":
@@ -538,7 +543,7 @@ def counted(t, *a, **k):
 dist.all_reduce = counted
 
 run = RunDir(run_root)
-cadence, _ = train.build_callbacks(run, SimpleNamespace(checkpoint_every_minutes=10.0, keep_checkpoints=2), "full",
+cadence, _ = callbacks.build_callbacks(run, SimpleNamespace(checkpoint_every_minutes=10.0, keep_checkpoints=2), "full",
                                    "cpu", {"recipe_hash": "abc"}, None)
 args = SimpleNamespace(output_dir=str(run.checkpoints), save_on_each_node=False)
 def state(step):
@@ -548,7 +553,7 @@ if rank == 0:  # checkpoint 10, moved and hashing in the background (the save be
     folder = run.checkpoints / ckpt.step_dir_name(10)
     folder.mkdir(parents=True)
     (folder / "slow.bin").write_bytes(os.urandom(1000))
-    train._MANIFEST.start(folder, 10, {"recipe_hash": "abc"}, workers=1)
+    checkpointing._MANIFEST.start(folder, 10, {"recipe_hash": "abc"}, workers=1)
 t0 = time.monotonic()
 control = cadence.on_step_end(args, state(20), TrainerControl())  # the last step: every rank saves
 pre_s, polled = time.monotonic() - t0, rounds.count(2)
@@ -559,7 +564,7 @@ if rank == 0:  # the Trainer's save of step 20
 t0 = time.monotonic()
 cadence.on_save(args, state(20), control)
 save_s = time.monotonic() - t0
-train._await_manifest("cpu")
+checkpointing._await_manifest("cpu")
 (run_root / f"rank{rank}.json").write_text(json.dumps({"should_save": control.should_save, "pre_s": pre_s,
     "polled_rounds": polled, "sealed_before_save": sealed, "save_s": save_s}))
 dist.destroy_process_group()
@@ -590,8 +595,8 @@ def test_a_hash_longer_than_the_process_group_timeout_is_awaited_in_short_collec
 _FAILING_WORKER = """
 import errno, os, signal, sys
 from pathlib import Path
-from launcher import checkpoint as ckpt
-from launcher import train
+from launcher.store import checkpoint as ckpt
+from launcher.worker import train
 run_dir, code, stop = sys.argv[1], getattr(errno, sys.argv[2]), sys.argv[3] == "stop"
 real_write = ckpt.atomic_write_json
 def write(path, data):
@@ -642,8 +647,8 @@ def test_a_worker_whose_checkpoint_manifest_fails_never_exits_as_stopped_or_fini
 
 _WAITING_RANK = """
 import sys
-from launcher import checkpoint as ckpt
-from launcher import train
+from launcher.store import checkpoint as ckpt
+from launcher.worker import train
 real = ckpt.await_choice
 def announced(*a, **k):
     print("waiting for the resume choice", flush=True)

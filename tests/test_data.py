@@ -361,10 +361,10 @@ def test_recipe_data_is_a_path_a_hub_id_a_source_or_a_weighted_list(tmp_path, wr
 def test_changed_data_or_eval_data_is_caught_at_the_launch_and_at_a_worker_restart(tmp_path, tiny_model):
     """The run's data identity covers eval.data too; the worker compares what it reads with the launch's record
     (data.json), so a restart after a crash never trains on data edited in between."""
-    from launcher.run.pipeline import data_stats
+    from launcher.data.stats import data_stats
     from launcher.recipe import validate_recipe
     from launcher.store.rundir import RunDir
-    from launcher.worker.train import _data_changed
+    from launcher.worker.inputs import _data_changed
 
     train = _write(tmp_path, [{"text": f"line {i}"} for i in range(20)], "train.jsonl")
     held = _write(tmp_path, [{"text": f"held {i}"} for i in range(4)], "held.jsonl")

@@ -53,9 +53,9 @@ def test_requirements_are_pinned_and_cover_the_extras():
             pins[name.lower()] = version
     assert {"unsloth", "deepspeed", "transformers", "trl", "peft", "accelerate", "datasets", "bitsandbytes",
             "gguf", "matplotlib", "nvidia-ml-py", "llama-cpp-python", "sentencepiece"} <= pins.keys()
-    assert pins["llama-cpp-python"] == "0.3.36"  # launcher/deliver/llamacpp.py PINNED: the converter comes from the same version
+    assert pins["llama-cpp-python"] == "0.3.36"  # launcher/plan/gguf_readiness.py PINNED: the converter comes from the same version
     text = DOCKERFILE.read_text()
-    assert "GGML_NATIVE=OFF" in text and "launcher.deliver.llamacpp install" in text
+    assert "GGML_NATIVE=OFF" in text and "ftrun llamacpp install" in text
     assert "torch" not in pins  # torch comes from the CUDA index, pinned by TORCH_VERSION
 
 

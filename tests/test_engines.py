@@ -68,9 +68,9 @@ def test_cpu_plan_refuses_impossible_engines_with_the_reason(tmp_path, tiny_mode
 
 
 def test_cpu_plan_refuses_deepspeed_when_not_installed(tmp_path, tiny_model, monkeypatch):
-    import launcher.plan.plan as plan_mod
+    import launcher.plan.engine as engine_mod
 
-    monkeypatch.setattr(plan_mod, "_deepspeed_installed", lambda: False)
+    monkeypatch.setattr(engine_mod, "_deepspeed_installed", lambda: False)
     with pytest.raises(PlanError) as err:
         _plan(tmp_path, tiny_model, cpu_box(), engine="deepspeed")
     assert "pip install 'ftrun[deepspeed]'" in err.value.message

@@ -136,7 +136,8 @@ def test_failed_export_leaves_the_run_trained_not_exported(tiny_model, tmp_path)
 def test_parity_outside_tolerance_fails_loudly():
     import torch
 
-    from launcher.deliver.export import ExportError, _check, compare
+    from launcher.deliver.messages import ExportError
+    from launcher.deliver.parity import _check, compare
 
     torch.manual_seed(0)
     a = [{"logits": torch.randn(20, 50), "greedy": [1, 2, 3]}]
@@ -149,7 +150,7 @@ def test_parity_outside_tolerance_fails_loudly():
 
 
 def test_split_rule_and_vllm_rank():
-    from launcher.deliver.llamacpp import KNOWN_SPLITS, split_rule
+    from launcher.plan.gguf_readiness import KNOWN_SPLITS, split_rule
     from launcher.deliver.serving import vllm_lora_rank
 
     assert split_rule({"pre_tokenizer": {"type": "ByteLevel", "use_regex": True}}) == "gpt-2"

@@ -30,7 +30,7 @@ def _stub_cuda(monkeypatch, free: list[float]):
 def test_gpu_box_compares_in_float32_on_one_gpu_and_merges_there(monkeypatch):
     import torch
 
-    from launcher.deliver.export import free_gpu_memory, merge_placement, parity_placement
+    from launcher.deliver.placement import free_gpu_memory, merge_placement, parity_placement
 
     _stub_cuda(monkeypatch, [20 * GB, 80 * GB])
     gpus = free_gpu_memory()
@@ -47,7 +47,7 @@ def test_small_gpu_compares_on_the_cpu_in_float32_not_across_devices(monkeypatch
     """Item 16: a CUDA bf16 forward against a CPU read-back is never the comparison; float32 on the CPU is."""
     import torch
 
-    from launcher.deliver.export import free_gpu_memory, merge_placement, parity_placement
+    from launcher.deliver.placement import free_gpu_memory, merge_placement, parity_placement
 
     _stub_cuda(monkeypatch, [24 * GB])
     p = parity_placement(8_000_000_000, torch.bfloat16, free_gpu_memory(), ram=64 * GB)
@@ -60,7 +60,7 @@ def test_70b_on_two_24gb_cards_splits_over_gpus_and_ram_and_refuses_a_merge_it_c
     import torch
 
     from launcher.errors import FtrunError
-    from launcher.deliver.export import GPU_RESERVE, HEADROOM, RAM_RESERVE, free_gpu_memory, merge_placement, parity_placement
+    from launcher.deliver.placement import GPU_RESERVE, HEADROOM, RAM_RESERVE, free_gpu_memory, merge_placement, parity_placement
 
     _stub_cuda(monkeypatch, [24 * GB, 24 * GB])
     n = 70_000_000_000
@@ -68,7 +68,7 @@ def test_70b_on_two_24gb_cards_splits_over_gpus_and_ram_and_refuses_a_merge_it_c
     assert p.device_map == "auto" and p.dtype == "bfloat16"
     assert p.max_memory == {0: int((24 * GB - GPU_RESERVE) / HEADROOM), 1: int((24 * GB - GPU_RESERVE) / HEADROOM),
                             "cpu": int((128 * GB - RAM_RESERVE) / HEADROOM)}
-    assert "disk" not in p.max_memory  # parity never offloads to disk (see the sources in export.py)
+    assert "disk" not in p.max_memory  # parity never offloads to disk (see the sources in placement.py)
     with pytest.raises(FtrunError, match="about 163.0 GB of RAM, and this box has 128.0 GB") as err:
         merge_placement(n, torch.bfloat16, free_gpu_memory(), ram=128 * GB)
     assert "export: [adapter]" in err.value.fix
@@ -81,7 +81,7 @@ def test_70b_on_two_24gb_cards_splits_over_gpus_and_ram_and_refuses_a_merge_it_c
 def test_cpu_box_without_room_for_float32_compares_in_16_bit_on_the_cpu_and_merges_float32_bases_in_float32():
     import torch
 
-    from launcher.deliver.export import merge_placement, parity_placement
+    from launcher.deliver.placement import merge_placement, parity_placement
 
     p = parity_placement(8_000_000_000, torch.bfloat16, [], ram=24 * GB)
     assert p.device_map == {"": "cpu"} and p.dtype == "bfloat16" and p.max_memory is None
@@ -123,10 +123,11 @@ def test_a_model_split_onto_disk_is_used_where_it_was_loaded(tiny_model, tmp_pat
     feeding the inputs to the compute device gives the unsplit model's logits exactly."""
     import torch
 
-    import launcher.deliver.export as ex
-    from launcher.deliver.export import Loads, Placement, load_model, model_outputs
+    import launcher.deliver.parity as parity
+    from launcher.deliver.parity import model_outputs
+    from launcher.deliver.placement import Loads, Placement, load_model
 
-    monkeypatch.setattr(ex, "GREEDY_NEW_TOKENS", 4)  # each step reads the disk part again
+    monkeypatch.setattr(parity, "GREEDY_NEW_TOKENS", 4)  # each step reads the disk part again
     prompts = [{"ids": list(range(5, 60)), "prompt_ids": list(range(5, 20))}]
     loads = Loads()
     whole = load_model(str(tiny_model), Placement({"": "cpu"}, "bfloat16", "test"), loads)
@@ -154,10 +155,11 @@ def test_adapter_export_when_the_base_fits_nowhere_checks_the_file_and_refuses_t
                                                                                          monkeypatch):
     """The 70B recipes' `export: [adapter]` loaded the 16-bit base for its parity check, wherever it landed."""
     import launcher.deliver.export as ex
+    import launcher.deliver.placement as placement
 
     run = _copy_run(finished_run, tmp_path)
     monkeypatch.setattr(ex, "free_gpu_memory", lambda: [])
-    monkeypatch.setattr(ex, "available_ram", lambda: int(ex.RAM_RESERVE + 100_000))  # less than the bf16 model
+    monkeypatch.setattr(ex, "available_ram", lambda: int(placement.RAM_RESERVE + 100_000))  # less than the bf16 model
     rep = ex.export_run(run, ["adapter"])
     adapter = rep["outputs"]["adapter"]
     assert rep["ok"] and adapter["changes_base_logits"] is None and adapter["file_check"]["lora_B_nonzero"] == "14/14"
@@ -176,11 +178,12 @@ def test_export_in_16_bit_when_float32_fits_nowhere_compares_like_with_like(fini
     a time, the merged model compared with base + adapter in the same dtype. (The GGUF is read back in llama.cpp,
     which places nothing through this: tests/test_gguf.py, the gguf tier.)"""
     import launcher.deliver.export as ex
+    import launcher.deliver.placement as placement
 
     run = _copy_run(finished_run, tmp_path)
-    n = ex.parameter_count(yaml.safe_load((run / "recipe.yaml").read_text())["model"])
+    n = placement.parameter_count(yaml.safe_load((run / "recipe.yaml").read_text())["model"])
     monkeypatch.setattr(ex, "free_gpu_memory", lambda: [])
-    monkeypatch.setattr(ex, "available_ram", lambda: int(ex.RAM_RESERVE + ex.HEADROOM * 3 * n))
+    monkeypatch.setattr(ex, "available_ram", lambda: int(placement.RAM_RESERVE + placement.HEADROOM * 3 * n))
     rep = ex.export_run(run, ["adapter", "merged"])
     assert rep["ok"], rep.get("error")
     place = rep["placement"]

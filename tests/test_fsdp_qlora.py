@@ -26,7 +26,8 @@ from launcher.plan import sizing
 from launcher.errors import PlanError
 from launcher.plan.hardware import from_spec
 from launcher.plan.models import from_catalog
-from launcher.plan.plan import format_plan, make_plan
+from launcher.plan.plan import make_plan
+from launcher.plan.text import format_plan
 from launcher.recipe import load_recipe, validate_recipe
 from launcher.plan.sizing import GB, Workload
 
@@ -201,7 +202,7 @@ def test_deepspeed_counts_its_fp32_master_copy_for_full_8bit():
 
 
 def test_the_oom_shard_step_never_moves_full_8bit_onto_fsdp(tmp_path):
-    from launcher.run.pipeline import next_adjustment, shard_blocker
+    from launcher.run.adjustments import next_adjustment, shard_blocker
 
     r = validate_recipe({"model": "meta-llama/Llama-3.1-8B", "method": "full", "data": "d.jsonl",
                          "micro_batch_size": 1, "gradient_accumulation_steps": 8,

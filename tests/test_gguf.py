@@ -42,7 +42,7 @@ def llama_cpp_ready():
 
     assert llamacpp.runtime_version() == llamacpp.PINNED, f"{llamacpp.DIST} {llamacpp.PINNED} is not installed"
     conv = llamacpp.converter()
-    assert conv is not None and conv.version == llamacpp.PINNED, "python -m launcher.deliver.llamacpp install"
+    assert conv is not None and conv.version == llamacpp.PINNED, "ftrun llamacpp install"
     return conv
 
 
@@ -65,7 +65,7 @@ def test_plan_refuses_gguf_when_this_box_lacks_llama_cpp(tiny_model, tmp_path):
 
 def test_an_architecture_the_converter_lacks_is_refused_even_where_llama_cpp_is_not(tiny_model, tmp_path):
     """Planning a box to rent on a machine without llama.cpp: the converter's table as ftrun ships it
-    (launcher/deliver/llamacpp_architectures.json) still refuses the model before any GPU time."""
+    (launcher/plan/llamacpp_architectures.json) still refuses the model before any GPU time."""
     model = tmp_path / "opt-like"
     shutil.copytree(tiny_model, model)
     cfg = json.loads((model / "config.json").read_text())
@@ -85,11 +85,11 @@ def test_an_architecture_the_converter_lacks_is_refused_even_where_llama_cpp_is_
 
 @gguf_tier
 def test_the_shipped_architecture_table_is_the_pinned_converters(llama_cpp_ready):
-    from launcher.deliver import llamacpp
+    from launcher.plan import gguf_readiness
 
-    conv = llamacpp.converter()
-    assert conv.version == llamacpp.PINNED == json.loads(llamacpp.ARCHITECTURES_FILE.read_text())["llama_cpp_python"]
-    assert llamacpp.shipped_architectures() == llamacpp.supported_architectures(conv.folder)
+    conv = gguf_readiness.converter()
+    assert conv.version == gguf_readiness.PINNED == json.loads(gguf_readiness.ARCHITECTURES_FILE.read_text())["llama_cpp_python"]
+    assert gguf_readiness.shipped_architectures() == gguf_readiness.supported_architectures(conv.folder)
 
 
 @gguf_tier
@@ -180,11 +180,11 @@ def test_ftrun_export_q8_0_from_the_same_run(qwen_run):
 @gguf_tier
 def test_a_gguf_that_fails_its_check_leaves_the_run_trained_not_exported(qwen_run, monkeypatch):
     """A check that fails (here: a bound no file can meet) is in export.json, status and state."""
-    from launcher.deliver import export
+    from launcher.deliver import export, parity
     from launcher.store.rundir import RunDir
 
     run = qwen_run["run"]
-    monkeypatch.setitem(export.TOLERANCE, "gguf:q8_0", {"max_kl": 0.0, "min_top1": 1.01, "max_ppl": 0.0, "min_greedy": 1.0})
+    monkeypatch.setitem(parity.TOLERANCE, "gguf:q8_0", {"max_kl": 0.0, "min_top1": 1.01, "max_ppl": 0.0, "min_greedy": 1.0})
     monkeypatch.chdir(qwen_run["cwd"])
     with pytest.raises(export.ExportError, match=r"does not match its reference.*top-1 agreement"):
         export.export_command(RunDir(Path(run).resolve()), gguf="q8_0")
@@ -202,20 +202,21 @@ def test_a_gguf_that_fails_its_check_leaves_the_run_trained_not_exported(qwen_ru
 
 @gguf_tier
 def test_tiny_llama31_converts_quantizes_and_matches_in_llama_cpp(llama_cpp_ready, tmp_path_factory):
-    from launcher.deliver import export
+    from launcher.deliver import gguf_export
     from launcher.deliver import llamacpp
     from launcher.deliver.serving import modelfile
+    from launcher.plan import gguf_readiness
 
     bench = _bench()
     out = tmp_path_factory.mktemp("llama31")
     model = bench.build_tiny_llama(out / "model")
     assert json.loads((model / "config.json").read_text())["rope_parameters"]["rope_type"] == "llama3"
-    ready = llamacpp.readiness(str(model), "q4_k_m")
+    ready = gguf_readiness.readiness(str(model), "q4_k_m")
     assert ready.ok and ready.facts["tokenizer"]["pre"] == "llama-bpe", ready.problems
     tok, prompts, ref = bench.reference(model)
     sixteen = out / "tiny-BF16.gguf"
     llamacpp.convert(llama_cpp_ready, model, sixteen, "bf16")
-    results = {t: export.gguf_output(model, out / "gguf", "tiny", t, prompts, ref, tok, intermediate=sixteen)
+    results = {t: gguf_export.gguf_output(model, out / "gguf", "tiny", t, prompts, ref, tok, intermediate=sixteen)
                for t in ("q4_k_m", "q8_0")}
     q4, q8 = results["q4_k_m"], results["q8_0"]
     assert {"Q4_K", "Q6_K"} <= set(q4["tensor_types"]) and "Q8_0" in q8["tensor_types"]
@@ -228,7 +229,7 @@ def test_tiny_llama31_converts_quantizes_and_matches_in_llama_cpp(llama_cpp_read
     # a K-quant rounds more than Q8_0: its logits move further from the model's
     assert q4["parity_vs_merged"]["mean_kl"] > q8["parity_vs_merged"]["mean_kl"]
     # its template has tools and thinking: the Modelfile leaves the template to the one in the GGUF
-    mf = modelfile(Path(q4["path"]).name, tok, [], 256, eos_ids=export._stop_ids(model, tok))
+    mf = modelfile(Path(q4["path"]).name, tok, [], 256, eos_ids=gguf_export._stop_ids(model, tok))
     assert mf["check"]["tools"] and mf["check"]["thinking"]
     assert not any(line.startswith("TEMPLATE") for line in mf["text"].splitlines())
     assert 'PARAMETER stop "<|im_end|>"' in mf["text"]

@@ -1,4 +1,4 @@
-"""scripts/gpu_check.sh and launcher/worker/gpu_check.py: a step that fails, crashes, hangs or is left out for
+"""scripts/gpu_check.sh and launcher/worker/gpu_check/: a step that fails, crashes, hangs or is left out for
 lack of time is recorded with its reason and the next step runs; the summary is rewritten after every step; the
 padded and padding-free micro-batches have the worker's layout.
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.worker import gpu_check as gc
+from launcher.worker.gpu_check import common, padding, runner
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
@@ -32,25 +32,32 @@ def test_finish_records_what_a_step_process_could_not(tmp_path, monkeypatch):
     # killed by timeout(1) while running, after reporting a partial measurement
     (out / "bench-full.json").write_text(json.dumps({"step": "bench-full", "status": "running",
                                                      "started": time.time() - 3, "partial": {"predicted": 1}}))
-    line = gc.finish(out, "bench-full", 124, 150)
+    line = runner.finish(out, "bench-full", 124, 150)
     data = json.loads((out / "bench-full.json").read_text())
     assert data["status"] == "timed out" and data["ok"] is False and data["partial"] == {"predicted": 1}
     assert "timed out after 150 s" in line and "TIMEOUT" in line
     # died before writing anything: the log's last line is the reason
     (out / "oom.log").write_text("loading\nSegmentation fault (core dumped)\n")
-    line = gc.finish(out, "oom", 139, 60)
+    line = runner.finish(out, "oom", 139, 60)
     data = json.loads((out / "oom.json").read_text())
     assert data["status"] == "crashed" and "Segmentation fault" in data["error"] and "CRASH" in line
     # a step that passed stays passed; one that ran out of the budget is a failure, not a skip
     (out / "device.json").write_text(json.dumps({"step": "device", "status": "passed", "ok": True, "line": "fine"}))
-    assert "ok device: fine" in gc.finish(out, "device", 0, 45)
-    gc.finish(out, "fsdp", 0, None, not_run="out of time (budget 450 s)")
+    assert "ok device: fine" in runner.finish(out, "device", 0, 45)
+    runner.finish(out, "fsdp", 0, None, not_run="out of time (budget 450 s)")
     summary = json.loads((out / "summary.json").read_text())
     by_name = {s["step"]: s["status"] for s in summary["steps"]}
-    assert [s["step"] for s in summary["steps"]] == list(gc.STEPS)
-    assert by_name == {**{n: "pending" for n in gc.STEPS}, "bench-full": "timed out", "oom": "crashed",
+    assert [s["step"] for s in summary["steps"]] == list(runner.STEPS)
+    assert by_name == {**{n: "pending" for n in runner.STEPS}, "bench-full": "timed out", "oom": "crashed",
                        "device": "passed", "fsdp": "not run"}
     assert summary["all_passed"] is False
+
+
+def test_children_find_the_repository_and_the_module():
+    """The children (place-child, fsdp-child) run the package as a module, with the repository on PYTHONPATH."""
+    assert common.REPO == REPO and (common.REPO / "scripts" / "make_tiny_model.py").is_file()
+    assert common.module_cmd("place-child")[1:] == ["-m", "launcher.worker.gpu_check", "place-child"]
+    assert common.child_env()["PYTHONPATH"].split(os.pathsep)[0] == str(REPO)
 
 
 def test_budget_spent_steps_are_not_run_and_fail_the_script(tmp_path):
@@ -68,11 +75,11 @@ def test_budget_spent_steps_are_not_run_and_fail_the_script(tmp_path):
 def test_batch_layouts():
     torch = pytest.importorskip("torch")
     examples = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
-    padded = gc.padded_batch(examples, "cpu")
+    padded = padding.padded_batch(examples, "cpu")
     assert padded["input_ids"].shape == (3, 4)
     assert padded["attention_mask"].sum().item() == 9
     assert padded["labels"][1].tolist() == [8, 9, -100, -100]
-    free = gc.padding_free_batch(examples, "cpu")
+    free = padding.padding_free_batch(examples, "cpu")
     assert free["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10, 11, 12, 13]]
     assert free["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
     # each example's first token is not predicted from the previous example (trl's padding-free collator)

@@ -11,11 +11,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from launcher.plan import plan as plan_mod
 from launcher.errors import MissingSoftware, PlanError
 from launcher.plan.hardware import detect, from_spec
 from launcher.plan.models import from_catalog
-from launcher.plan.plan import format_plan, make_plan
+from launcher.plan.advice import _box_rows
+from launcher.plan.engine import WORKDAY_HOURS
+from launcher.plan.job import _job
+from launcher.plan.plan import make_plan
+from launcher.plan.text import format_plan
 from launcher.recipe import validate_recipe
 
 REPO = Path(__file__).resolve().parent.parent
@@ -80,9 +83,9 @@ def test_renting_follows_the_workday_rule(tmp_path):
     """Choosing a box to rent, one card if it finishes within a working day, else DDP: the alternatives."""
     short = {a["gpus"] for a in plan(tmp_path, "RTX4090", model="meta-llama/Llama-3.1-8B").alternatives}
     assert short and all(g.startswith("1x") for g in short)  # ~3 h on one card: no multi-card box to rent
-    rows = plan_mod._box_rows(plan_mod._job(recipe(tmp_path, model="meta-llama/Llama-3.1-70B"),
-                                            from_catalog("meta-llama/Llama-3.1-70B"), ARTICLE_DATA, None)[0],
-                              "auto", True, plan_mod.WORKDAY_HOURS)
+    rows = _box_rows(_job(recipe(tmp_path, model="meta-llama/Llama-3.1-70B"),
+                          from_catalog("meta-llama/Llama-3.1-70B"), ARTICLE_DATA, None)[0],
+                     "auto", True, WORKDAY_HOURS)
     two = next(r for r in rows if r["gpus"] == "2xA100-80GB")  # ~16 h on one A100: rent two
     assert two["engine"] == "ddp"
 
@@ -248,7 +251,8 @@ def test_plan_is_fast(tmp_path):
 
 
 def test_importing_the_planner_stays_light():
-    code = ("import sys, launcher.plan.plan, launcher.plan.hardware, launcher.plan.sizing, launcher.plan.models; "
+    code = ("import sys, launcher.plan.plan, launcher.plan.text, launcher.plan.hardware, launcher.plan.sizing, "
+            "launcher.plan.models; "
             "heavy = [m for m in ('torch', 'transformers', 'trl', 'peft', 'pynvml', 'unsloth') if m in sys.modules]; "
             "print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)

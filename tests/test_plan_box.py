@@ -11,13 +11,16 @@ import pytest
 
 from launcher import cli
 from launcher.plan import hardware
-from launcher.run import pipeline
+from launcher.run import pipeline, plan_command
 from launcher.plan import sizing
 from launcher.plan import plan as plan_mod
+from launcher.plan import engine as engine_mod
 from launcher.errors import MissingSoftware, PlanError, RecipeError
 from launcher.plan.hardware import Hardware, catalog, from_spec, lookup
 from launcher.plan.models import _weights_bytes, download_size, from_catalog
-from launcher.plan.plan import format_plan, make_plan
+from launcher.plan.figures import UNIT
+from launcher.plan.plan import make_plan
+from launcher.plan.text import format_plan
 from launcher.recipe import TOKENS_MEANING, Recipe, _suggest, parse_token_count, validate_recipe
 
 REPO = Path(__file__).resolve().parent.parent
@@ -162,7 +165,7 @@ def test_a_job_only_unsloth_fits_here_is_missing_software_not_too_big(tmp_path, 
 
 
 def test_deepspeed_missing_here_is_missing_software(tmp_path, monkeypatch):
-    monkeypatch.setattr(plan_mod, "_deepspeed_installed", lambda: False)
+    monkeypatch.setattr(engine_mod, "_deepspeed_installed", lambda: False)
     r = recipe(tmp_path, method="full", engine="deepspeed")
     assert make_plan(r, from_spec("4xH100-80GB"), tokens=15e6).engine == "deepspeed"  # the image has it
     with pytest.raises(MissingSoftware, match="pip install 'ftrun\\[deepspeed\\]'"):
@@ -235,7 +238,7 @@ def test_one_unit_said_once(tmp_path):
     assert sizing.GB == 2**30
     p = make_plan(recipe(tmp_path), from_spec("RTX4090"), tokens=15e6)
     text = format_plan(p)
-    assert text.count("2**30") == 1 and p.to_dict()["units"] == plan_mod.UNIT
+    assert text.count("2**30") == 1 and p.to_dict()["units"] == UNIT
     assert "of 24.0 GB" in text
 
 
@@ -370,6 +373,6 @@ def test_plan_checks_the_trainer_fields(tmp_path, no_gpu_here, capsys, monkeypat
         seen.append(dict(r.trainer))
         raise RecipeError("the recipe's trainer: section has unknown fields:\n- trainer.warmup_ratoi ...")
 
-    monkeypatch.setattr(pipeline, "check_trainer_fields", check)
+    monkeypatch.setattr(plan_command, "check_trainer_fields", check)
     rc, _, err = run_cli(capsys, "plan", write_recipe(tmp_path, trainer={"warmup_ratoi": 0.1}), "--gpus", "RTX4090")
     assert rc == 2 and seen == [{"warmup_ratoi": 0.1}] and "warmup_ratoi" in err

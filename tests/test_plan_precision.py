@@ -9,7 +9,8 @@ import pytest
 
 from launcher.plan import sizing
 from launcher.plan.hardware import Gpu, Hardware, catalog, from_spec
-from launcher.plan.plan import format_plan, make_plan
+from launcher.plan.plan import make_plan
+from launcher.plan.text import format_plan
 from launcher.recipe import validate_recipe
 
 DATA = SimpleNamespace(examples=10_000, total_tokens=5_000_000, mean_tokens=500.0, max_tokens=2048,

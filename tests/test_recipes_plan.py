@@ -83,7 +83,7 @@ def test_recipe_plans_as_its_header_says(path, no_gpu_here):
 
 
 def test_tiny_cpu_recipe_plans_on_a_cpu(tiny_model):
-    from launcher.run.pipeline import data_stats
+    from launcher.data.stats import data_stats
 
     recipe = load_recipe(RECIPES[0].parent / "tiny-cpu.yaml", [f"model={tiny_model}"])
     assert "CPU" in header(RECIPES[0].parent / "tiny-cpu.yaml")["box_line"] and recipe.box is None

@@ -89,8 +89,8 @@ def eval_seconds(measured: dict[str, Any], train_seconds: float, recipe) -> floa
 
 
 def trainer_fields(recipe, evaluates: bool, first_start: bool) -> dict[str, Any]:
-    """SFTConfig fields for the evaluation: ftrun asks for each pass itself (launcher/worker/train.py's cadence), so the
-    Trainer's own strategy stays off; the eval batch is the training micro-batch (it fits: no gradients are kept).
+    """SFTConfig fields for the evaluation: ftrun asks for each pass itself (launcher/worker/callbacks.py's cadence), so
+    the Trainer's own strategy stays off; the eval batch is the training micro-batch (it fits: no gradients are kept).
     The full run's first start evaluates the base model (eval_on_start; a resume does not again)."""
     if not evaluates:
         return {}

@@ -1,4 +1,9 @@
-"""What the box has (GPUs, interconnect, CPU, RAM), read from NVML (else torch.cuda) and the OS, or from a `--gpus` spec."""
+"""What the box has (GPUs, interconnect, CPU, RAM), read from NVML (else torch.cuda) and the OS, or from a `--gpus` spec.
+
+Owns the GPU catalog: launcher/plan/gpus.yaml (memory, bf16 TFLOP/s, interconnect, price, NVML names per card),
+updated entry by entry from the user's FTRUN_GPUS or ~/.config/ftrun/gpus.yaml. Adding a card to the catalog is an
+entry in that file; everything that names, sizes or prices a card reads it through `catalog()` (tests/test_tables.py).
+"""
 
 from __future__ import annotations
 

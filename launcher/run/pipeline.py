@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
 import yaml
 
 from launcher.store.checkpoint import atomic_write_json, newest_step_unverified
-from launcher.data.dataset import compute_stats, example_lengths, load_data
-from launcher.data.dataset import identity as data_identity
-from launcher.data import split as evaluation
 from launcher.errors import RecipeError, UsageError
 from launcher.recipe import Recipe, check_trainer_fields, load_recipe
 from launcher.run import weights
@@ -23,25 +19,13 @@ from launcher.store.sync import kinds as sync_kinds
 from launcher.store.state import (TRAINED, RunLock, busy_error, effective_state, is_locked, process_identity, read_state,
                                    run_holder, set_state)
 from launcher.run import views
-from launcher.run.views import format_status, run_status
+from launcher.run.views import data_label, data_line, format_status, run_status
+from launcher.run.adjustments import next_adjustment, shard_blocker, with_adjustments
+from launcher.data.stats import data_record, data_stats
 
 
 def _say(msg: str) -> None:
     print(msg, flush=True)
-
-
-def data_stats(recipe: Recipe):
-    data = load_data(recipe.data, recipe.seed)
-    examples = data.examples
-    lengths, source = example_lengths(examples, recipe.model, data.where)
-    # the statistics (plan, ETA) count what trains: the eval split's held-out examples do not (launcher/data/split.py)
-    train = evaluation.for_recipe(examples, recipe).train
-    stats = compute_stats([examples[i] for i in train], [lengths[i] for i in train], source, recipe.max_length, data)
-    if recipe.eval.data:
-        evaluation.load_eval_data(recipe)  # a missing or broken eval file stops here, before the smoke test
-        # a resume on changed eval data is refused like one on changed training data
-        stats = replace(stats, sha256=data_identity(stats.sha256, load_data(recipe.eval.data, recipe.seed).sha256))
-    return examples, lengths, stats
 
 
 def hardware_for(gpus: Optional[str]):
@@ -138,22 +122,20 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
 
     from launcher.run.supervisor import start_detached, supervise
 
+    resume = views.resume_command(recipe_path, overrides)  # stored: every view of this run can say it
     if foreground:
-        set_state(run, "running", supervisor_pid=_pid(), supervisor_proc=process_identity(_pid()))
+        set_state(run, "running", supervisor_pid=_pid(), supervisor_proc=process_identity(_pid()), resume_command=resume)
         with views.attached(run):  # a live progress bar on a terminal
             code = supervise(run.root, lock.fd)
-        _say(format_status(run_status(run)))
+        _say(format_status(run_status(run), ending_follows=True))
         _say(views.format_end_summary(views.end_summary(run)))
         return code
     pid = start_detached(run, lock.fd)
     # who holds the lock from now on, recorded before the launcher lets go of it (the supervisor records
     # itself too): pid and start time, so that no later process with the same pid passes for it
-    set_state(run, "running", supervisor_pid=pid, supervisor_proc=process_identity(pid))
+    set_state(run, "running", supervisor_pid=pid, supervisor_proc=process_identity(pid), resume_command=resume)
     lock.release()  # the supervisor holds the same lock through the inherited descriptor
-    _say(f"training started in the background (pid {pid}); it keeps running after you log out.\n"
-         f"  watch:  ftrun status {run.root}   |   ftrun logs -f {run.root}\n"
-         f"  stop:   ftrun stop {run.root}      (saves a checkpoint first)\n"
-         f"  resume: ftrun {recipe_path}   (after a crash or on a new box)")
+    _say(views.format_started(run.root, pid, resume))
     return 0
 
 
@@ -186,10 +168,10 @@ def _prepare(run: RunDir, recipe: Recipe, *, resuming: bool, fresh: bool, memory
     if resuming and not restart:
         old_sha = read_state(run).get("data_sha256")
         if old_sha and old_sha != data_sha and allow_changes:
-            _say(f"--allow-changes: the data ({_data_label(stats)}) changed since this run started; continuing anyway")
+            _say(f"--allow-changes: the data ({data_label(stats)}) changed since this run started; continuing anyway")
         elif old_sha and old_sha != data_sha:
             raise RecipeError(
-                f"the data ({_data_label(stats)}) changed since this run started (sha256 {old_sha[:12]}... -> "
+                f"the data ({data_label(stats)}) changed since this run started (sha256 {old_sha[:12]}... -> "
                 f"{data_sha[:12]}...)",
                 fix="restore the original data, add --allow-changes to continue on the new data, or add --fresh to start "
                 "a new run on it (the old run is kept).",
@@ -222,10 +204,10 @@ def _prepare(run: RunDir, recipe: Recipe, *, resuming: bool, fresh: bool, memory
     if worker_weights:
         plan_dict["weights"] = worker_weights
     atomic_write_json(run.plan, plan_dict)
-    atomic_write_json(run.root / "data.json", _data_record(stats))  # what this run trains on
-    from launcher.plan.plan import format_plan
+    atomic_write_json(run.root / "data.json", data_record(stats))  # what this run trains on
+    from launcher.plan.text import format_plan
 
-    _say(f"data: {_data_line(stats)}")
+    _say(f"data: {data_line(stats)}")
     _say(format_plan(plan))
     if memory_limit:
         _say(f"memory limited to {round(memory_limit, 2):g} GB per worker (--memory-limit)")
@@ -246,100 +228,6 @@ def _plan_record(plan, memory_limit: Optional[float], adjustments: Optional[list
     if adjustments:
         record["adjustments"] = adjustments
     return record
-
-
-def with_adjustments(run: RunDir, recipe: Recipe) -> Recipe:
-    """The recipe as the run trains it: the smoke test's recorded out-of-memory adjustments applied."""
-    if not run.plan.is_file():
-        return recipe
-    update: dict[str, Any] = {}
-    for adj in json.loads(run.plan.read_text()).get("adjustments", []):
-        update.update(adj["set"])
-    return recipe.model_copy(update=update) if update else recipe
-
-
-def next_adjustment(recipe: Recipe, plan: dict[str, Any]) -> Optional[tuple[dict[str, Any], str]]:
-    """The cheapest change the recipe allows after an out-of-memory, or None."""
-    allowed = recipe.auto_adjust
-    m, g = recipe.micro_batch_size, recipe.gradient_accumulation_steps
-    if "batch" in allowed and m > 1:
-        m2 = m // 2 if m % 2 == 0 else 1
-        g2 = g * m // m2  # the effective batch stays the same, so does the training
-        return ({"micro_batch_size": m2, "gradient_accumulation_steps": g2},
-                f"micro_batch_size {m} -> {m2}, gradient_accumulation_steps {g} -> {g2} (same effective batch)")
-    if "checkpointing" in allowed and not recipe.gradient_checkpointing:
-        return {"gradient_checkpointing": True}, "gradient_checkpointing off -> on (recomputes activations)"
-    if "optimizer" in allowed and recipe.method == "full":
-        return {"method": "full-8bit"}, "method full -> full-8bit (8-bit AdamW states)"
-    if "method" in allowed and recipe.method == "lora":
-        return {"method": "qlora"}, "method lora -> qlora (4-bit base model)"
-    if "shard" in allowed:
-        return shard_adjustment(recipe, plan)
-    return None
-
-
-def shard_adjustment(recipe: Recipe, plan: dict[str, Any]) -> Optional[tuple[dict[str, Any], str]]:
-    """The `shard` step after an out-of-memory (the issue's step 4): more processes, each holding a shard.
-
-    On a GPU box: FSDP over all its cards (or the most that divide the effective batch), as the plan
-    shards a job no card holds; DDP becomes FSDP on the same cards. On CPU only under --memory-limit,
-    where the cap stands in for a card per worker: 2 gloo processes with DeepSpeed ZeRO-3 (FSDP does not
-    shard on CPU, STACK-FACTS). An engine or process count the recipe chose, and several nodes, are left
-    alone. None when there is nothing to shard over; shard_blocker() says why.
-    """
-    return _shard(recipe, plan)[0]
-
-
-def shard_blocker(recipe: Recipe, plan: dict[str, Any]) -> str:
-    """Why the shard step was not taken (for the stop message), '' when it would be."""
-    return _shard(recipe, plan)[1]
-
-
-def _shard(recipe: Recipe, plan: dict[str, Any]) -> tuple[Optional[tuple[dict[str, Any], str]], str]:
-    from launcher.plan.plan import _deepspeed_installed
-
-    procs = int(plan.get("num_processes") or 1)
-    m, g = recipe.micro_batch_size, recipe.gradient_accumulation_steps
-    effective = m * g * procs
-    sharded = plan.get("engine") in ("fsdp", "deepspeed")
-    cards = int((plan.get("hardware") or {}).get("count") or 1)
-    if sharded and (plan.get("device") != "cuda" or procs >= cards):
-        return None, f"already {plan.get('engine')} x {procs}" + (
-            f" over all {cards} GPU(s) of this box" if plan.get("device") == "cuda" else "")
-    if recipe.engine != "auto":
-        return None, f"the recipe sets engine: {recipe.engine}"
-    if recipe.num_processes != "auto":
-        return None, f"the recipe sets num_processes: {recipe.num_processes}"
-    if plan.get("nodes"):
-        return None, "the run spans several nodes"
-    if plan.get("device") == "cuda" and recipe.method == "full-8bit":
-        from launcher.plan.plan import FULL_8BIT_FSDP
-
-        return None, f"{FULL_8BIT_FSDP}; allow it with method: full (drop 'optimizer' from auto_adjust)"
-    if plan.get("device") == "cuda":
-        engine = "fsdp"
-        fewest = procs + 1 if sharded else procs  # DDP -> FSDP on the same cards
-        counts = range(cards, fewest - 1, -1)  # all cards first: more shards, more room, faster
-        where = f"the box's {cards} GPUs"
-        if cards < 2:
-            return None, "this box has 1 GPU, none more to shard over"
-    elif not plan.get("memory_limit_gb"):
-        return None, "on CPU the processes share the same RAM; sharding is tried only under --memory-limit"
-    elif not _deepspeed_installed():
-        return None, "DeepSpeed, which shards on CPU, is not installed"
-    else:
-        engine, cores = "deepspeed", int((plan.get("hardware") or {}).get("cpu_count") or 1)
-        counts = range(2, cores + 1)  # the processes share the cores: the fewest that shard
-        where = f"CPU processes, each capped at {round(plan['memory_limit_gb'], 2):g} GB like a card"
-    for k in counts:
-        if k >= 2 and effective % (m * k) == 0:
-            g2 = effective // (m * k)
-            return ({"engine": engine, "num_processes": k, "gradient_accumulation_steps": g2},
-                    f"engine {plan.get('engine')} x {procs} -> {engine} x {k} over {where}, each holding 1/{k} of the "
-                    f"weights, gradients and optimizer states; gradient_accumulation_steps {g} -> {g2} "
-                    f"(same effective batch {effective})"), ""
-    return None, (f"the effective batch {effective} (micro-batch {m}) does not split evenly over "
-                  f"{where}: sharding would change the training")
 
 
 def worker_model(recipe: Recipe, plan: dict[str, Any]) -> str:
@@ -595,87 +483,3 @@ def resolve_run(target: Optional[str], overrides: list[str] | None = None) -> Ru
         return run_dir_of(load_recipe(p, overrides))
     raise UsageError(f"'{target}' is neither a recipe file nor a run directory",
                      fix="give the recipe you started the run with, or its output_dir.")
-
-
-def plan_command(recipe_path: str, overrides: list[str], gpus: Optional[str], tokens: Optional[str], as_json: bool,
-                 price: Optional[float] = None) -> int:
-    """`ftrun plan`: size the job for --gpus, else this machine's GPUs, else the recipe's box:, else this CPU
-    machine; exit 0 when it fits. With --json, stdout is JSON whatever happens: the plan, the plan that does
-    not fit (fits: false, with its reasons and options), or {"fits": null, "error": ...}."""
-    from launcher.errors import FtrunError, PlanError
-
-    try:
-        return _plan_command(recipe_path, overrides, gpus, tokens, as_json, price)
-    except PlanError as exc:
-        if not as_json or getattr(exc, "plan", None) is None:
-            raise
-        print(json.dumps(exc.plan.to_dict(), indent=2))
-        return exc.exit_code
-    except FtrunError as exc:
-        if not as_json:
-            raise
-        print(json.dumps({"fits": None, "error": exc.kind, "message": exc.message, "fix": exc.fix}, indent=2))
-        return exc.exit_code
-
-
-def _plan_command(recipe_path: str, overrides: list[str], gpus: Optional[str], tokens: Optional[str], as_json: bool,
-                  price: Optional[float]) -> int:
-    import importlib.util
-
-    from launcher.plan import hardware as hw
-    from launcher.plan.plan import format_plan, make_plan as plan_job
-    from launcher.recipe import parse_token_count
-
-    recipe = load_recipe(recipe_path, overrides)
-    check_trackers_installed(recipe)
-    notes = []
-    if importlib.util.find_spec("trl") is not None:
-        check_trainer_fields(recipe)  # an unknown trainer: field fails here, not after the smoke test started
-    elif recipe.trainer:
-        notes.append("trainer: fields not checked: trl is not installed here (pip install 'ftrun[train]')")
-    count = parse_token_count(tokens, "--tokens") if tokens is not None else None
-    stats = None
-    if count is None:
-        from launcher.data.sources import sources_of
-
-        missing = [s.path for s in sources_of(recipe.data) if s.local and not Path(s.path).exists()]
-        if not missing:
-            _, _, stats = data_stats(recipe)
-        elif recipe.tokens is not None:
-            count = recipe.tokens
-            notes.append(f"data {', '.join(missing)} is not on this machine: time and cost use the recipe's "
-                         f"tokens: {recipe.tokens:,}")
-        else:
-            notes.append(f"data {', '.join(missing)} is not on this machine and no token count was given: memory "
-                         "is planned, time and cost are not; add `tokens: 15M` to the recipe or pass --tokens 15M")
-    smoke = None
-    run = RunDir(Path(recipe.output_dir))
-    if run.smoke.is_file() and gpus is None:  # this run's measurements, on the recipe as the smoke test adjusted it
-        smoke = json.loads(run.smoke.read_text())
-        recipe = with_adjustments(run, recipe)
-    box, why = hw.for_plan(gpus, recipe.box)
-    plan = plan_job(recipe, box, data_stats=stats, tokens=count, smoke=smoke, price=price, box_reason=why,
-                    tokens_from="--tokens" if tokens is not None else "the recipe's tokens:")
-    plan.notes[:0] = notes
-    if stats is not None and not as_json:
-        print(f"data: {_data_line(stats)}")
-    print(json.dumps(plan.to_dict(), indent=2) if as_json else format_plan(plan))
-    return 0
-
-
-def _data_label(stats) -> str:
-    return ", ".join(str(s.get("source")) for s in stats.sources) or "data"
-
-
-def _data_line(stats) -> str:
-    """'Alpaca (instruction/input/output) format, 10,000 examples, converted to chat; 1,234,567 tokens (tokenizer)'"""
-    return (f"{stats.description}; {stats.total_tokens:,} tokens per epoch ({stats.tokens_source}"
-            + (f", {stats.over_max_length} over max_length {stats.max_length}: truncated" if stats.over_max_length else "")
-            + ")")
-
-
-def _data_record(stats) -> dict[str, Any]:
-    """data.json in the run: the resolved data (sources with their sha256 or revision, format, count, tokens)."""
-    return {"description": stats.description, "sha256": stats.sha256, "sources": list(stats.sources),
-            "examples": stats.examples, "total_tokens": stats.total_tokens, "mean_tokens": stats.mean_tokens,
-            "max_tokens": stats.max_tokens, "tokens_source": stats.tokens_source}

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from launcher.run import views
 from launcher.worker import train
 from launcher.worker.engines import MULTI_PROCESS, die_with_parent, failed_verification, launch_command, launch_env
 from launcher.store.checkpoint import newest_step_unverified, step_dir_name
@@ -189,13 +190,15 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
             saved = rc == train.EXIT_STOPPED or (
                 not stopping["killed"] and newest is not None
                 and (stopping["checkpoint_before"] is None or newest > stopping["checkpoint_before"]))
-            why = (f"{'stopped by `ftrun stop`' if requested else 'preempted (' + (stopping['signal'] or 'SIGTERM') + ')'}"
-                   # the step of the checkpoint it wrote (the last logged step may be a few steps older)
-                   + (f" at step {newest} after a checkpoint ({step_dir_name(newest)})" if saved and newest is not None
-                      else f" at step {_last_logged_step(run)}" + (" after a checkpoint" if saved else ""))
-                   + ("" if saved else f"; the worker did not finish its checkpoint within {recipe.grace_seconds:g}s")
-                   + "; run the same command to resume")
-            return end("stopped" if requested else "preempted", why, train.EXIT_STOPPED, stop_requested=False)
+            # the facts of the ending (the step of the checkpoint it wrote: the last logged step may be a few steps
+            # older); what a user reads of them is composed by views.ending_reason
+            ending = {"by": "stop" if requested else "signal", "signal": stopping["signal"] or "SIGTERM",
+                      "step": newest if saved and newest is not None else _last_logged_step(run),
+                      "checkpoint": step_dir_name(newest) if saved and newest is not None else None,
+                      "saved": bool(saved), "grace_seconds": recipe.grace_seconds,
+                      "resume_command": read_state(run).get("resume_command")}
+            return end("stopped" if requested else "preempted", views.ending_reason(ending), train.EXIT_STOPPED,
+                       stop_requested=False, ending=ending)
         if rc in FATAL:
             return end("failed", _worker_error(run) or FATAL[rc], 5)
         how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
@@ -266,7 +269,7 @@ def _forget_worker_outcome(run: RunDir) -> None:
 
 
 def _worker_exit_code(run: RunDir) -> Optional[int]:
-    """The exit code a rank recorded in worker.json with its error (train._record_error), if any."""
+    """The exit code a rank recorded in worker.json with its error (exits._record_error), if any."""
     if not run.worker.is_file():
         return None
     return json.loads(run.worker.read_text()).get("exit_code")

@@ -128,6 +128,7 @@ def run_status(run: RunDir) -> dict[str, Any]:
         "last_checkpoint_age_seconds": ckpt_age,
         "smoke_estimated_seconds": smoke.get("estimated_seconds"),
         "reason": data.get("reason"),
+        "resume_command": data.get("resume_command"),
         "final": final,
         "log": str(run.log),
         # the engine as planned, how it was launched, and what the worker verified (launcher/backends)
@@ -186,7 +187,7 @@ def _bar(step: int, total: Optional[int], width: int = 30) -> str:
     return f" [{'#' * done}{'.' * (width - done)}] {step}/{total}"
 
 
-def format_status(s: dict[str, Any]) -> str:
+def format_status(s: dict[str, Any], ending_follows: bool = False) -> str:
     """`ftrun status`: the run in a dozen lines."""
     step = s.get("step") or 0
     lines = [f"{s['state']}{_bar(step, s.get('total_steps'))}  ({s['run_dir']})"]
@@ -237,14 +238,16 @@ def format_status(s: dict[str, Any]) -> str:
                      + f" at {s['sync_to']}" + (f"   last error: {s['sync_error']}" if s.get("sync_error") else ""))
         if s.get("sync_backoff"):  # the destination asked to wait (a 429 or 5xx): launcher/store/sync/transfer.py backoff_fields
             lines.append(f"  waiting for {s['sync_to']}: {s['sync_backoff']}")
-    if s.get("reason") and s["state"] not in ("running",):
+    # the end summary printed after it (ending_follows) says why a run ended other than by succeeding: not twice
+    if s.get("reason") and s["state"] not in ("running",) and not (ending_follows and _summary_says_reason(s)):
         lines.append(f"  {s['reason']}")
     if s.get("orphan_worker_pids"):
         lines.append(f"  worker process(es) {', '.join(map(str, s['orphan_worker_pids']))} still train without a supervisor "
-                     "(it was killed): `ftrun stop` ends them after a checkpoint; `ftrun RECIPE` ends them and resumes")
+                     f"(it was killed): `ftrun stop` ends them after a checkpoint; `{s.get('resume_command') or 'ftrun RECIPE'}` "
+                     "ends them and resumes")
     elif s["state"] == "interrupted":
         lines.append("  the run's processes are gone (crash, kill, machine loss, a restarted box): run the same "
-                     "`ftrun RECIPE` to resume")
+                     f"`{s.get('resume_command') or 'ftrun RECIPE'}` to resume")
     if s.get("final"):
         lines.append(f"  result: {s['final']}")
     ex = s.get("export")
@@ -369,9 +372,36 @@ def serve_command(run: RunDir, final: Optional[str]) -> Optional[str]:
     return f"vllm serve {q(final)} --served-model-name {q(name)} --max-model-len {recipe.max_length}"
 
 
+def resume_command(recipe_path: str, overrides: list[str]) -> str:
+    """The exact command that resumes a run: the launch's recipe and overrides (stored in state.json at launch)."""
+    return " ".join(["ftrun", *(shlex.quote(x) for x in [recipe_path, *overrides])])
+
+
+def format_started(run_dir: Path, pid: int, resume: str) -> str:
+    """What the launch prints when the training goes to the background."""
+    return (f"training started in the background (pid {pid}); it keeps running after you log out.\n"
+            f"  watch:  ftrun status {run_dir}   |   ftrun logs -f {run_dir}\n"
+            f"  stop:   ftrun stop {run_dir}      (saves a checkpoint first)\n"
+            f"  resume: {resume}   (after a crash or on a new box)")
+
+
+def ending_reason(e: dict[str, Any]) -> str:
+    """Why a run stopped or was preempted, from the facts the supervisor stores (state.json "ending")."""
+    head = "stopped by `ftrun stop`" if e["by"] == "stop" else f"preempted ({e['signal']})"
+    where = (f" at step {e['step']} after a checkpoint ({e['checkpoint']})" if e.get("checkpoint")
+             else f" at step {e['step']}" + (" after a checkpoint" if e["saved"] else ""))
+    late = "" if e["saved"] else f"; the worker did not finish its checkpoint within {e['grace_seconds']:g}s"
+    resume = f"run `{e['resume_command']}` to resume" if e.get("resume_command") else "run the same command to resume"
+    return head + where + late + "; " + resume
+
+
 # How the end of a run is headed, for every state that ends one (store/state.py ENDED; tests/test_tables.py).
 ENDING = {"succeeded": "finished", "trained-not-exported": "finished (its export failed)", "stopped": "stopped",
           "preempted": "preempted", "failed": "FAILED", "failed-smoke": "smoke test FAILED"}
+
+
+def _summary_says_reason(s: dict[str, Any]) -> bool:
+    return s["state"] != "succeeded"
 
 
 def format_end_summary(e: dict[str, Any]) -> str:
@@ -379,7 +409,7 @@ def format_end_summary(e: dict[str, Any]) -> str:
     head = ENDING.get(e["state"], e["state"])
     step = f"step {e['step']}/{e['total_steps']}" if e.get("total_steps") else f"step {e.get('step') or 0}"
     lines = [f"== run {head} at {step}: {e['run_dir']}"]
-    if e["state"] != "succeeded" and e.get("reason"):
+    if _summary_says_reason(e) and e.get("reason"):
         lines.append(f"  {e['reason']}")
     if e.get("loss_first") is not None:
         lines.append(f"  loss      {e['loss_first']:.4f} (step {e['loss_first_step']}) -> {e['loss_last']:.4f} "
@@ -531,3 +561,14 @@ def attached(run: RunDir, out: TextIO = sys.stdout, interval: float = 2.0) -> It
     terminal.close()
     for fd in saved:
         os.close(fd)
+
+
+def data_label(stats) -> str:
+    return ", ".join(str(s.get("source")) for s in stats.sources) or "data"
+
+
+def data_line(stats) -> str:
+    """'Alpaca (instruction/input/output) format, 10,000 examples, converted to chat; 1,234,567 tokens (tokenizer)'"""
+    return (f"{stats.description}; {stats.total_tokens:,} tokens per epoch ({stats.tokens_source}"
+            + (f", {stats.over_max_length} over max_length {stats.max_length}: truncated" if stats.over_max_length else "")
+            + ")")

@@ -1,5 +1,7 @@
 """The run's state machine, written atomically to state.json, and the lock that makes one writer per run.
 
+Owns the table of run states (STATES, with which are active, ended, trained); launcher/run/views.py shows them.
+
     planned -> smoking -> running -> succeeded
                                        \\-> trained-not-exported (the training result is good, an export failed its
                                            check: `ftrun export RUN_DIR` retries, and success makes it succeeded)
@@ -165,12 +167,19 @@ def run_holder(run: RunDir, data: Optional[dict[str, Any]] = None) -> Optional[d
     return None
 
 
+# The module each role of a run runs as (`python -m MODULE --run-dir RUN`), found in a process's command line. The
+# flat layout's names come second: processes an ftrun from before the stage folders (2026-12-02) started on this
+# box are found too, so that an upgrade never leaves a worker training unseen beside a new one.
+ROLE_MODULES = {"train": ("launcher.worker.train", "launcher.train"),
+                "supervisor": ("launcher.run.supervisor", "launcher.supervisor")}
+
+
 def run_processes(run: RunDir, roles: tuple[str, ...] = ("train",)) -> list[dict[str, Any]]:
     """Processes on this box whose command line runs `launcher.<role> --run-dir <this run>` (a worker, a
     launcher of ranks, a supervisor), each with its identity and argv. Processes in another pid namespace
     (another container on the same volume) are not visible: the lock still covers them."""
     root = os.path.realpath(run.root)
-    modules = {f"launcher.{r}" for r in roles}
+    modules = {m for r in roles for m in ROLE_MODULES[r]}
     found = []
     try:
         pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]

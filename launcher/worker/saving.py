@@ -6,7 +6,7 @@ fsdp2_prepare_model), and the CPU trains in fp32. Written as they are, final/mod
 the base, its config.json would say float32 (save_pretrained writes the model's parameter dtype: transformers
 5.24 `modeling_utils.py`, save_pretrained, `model_to_save.config.dtype = ...`), and an FSDP gather would hold
 4 bytes per parameter in rank 0's RAM. Users expect the model in the dtype it was published in (the export,
-launcher/deliver/export.py export_dtype, reads config.json's), so every engine writes that dtype:
+launcher/deliver/placement.py export_dtype, reads config.json's), so every engine writes that dtype:
 - trl/ddp (`save_model`): rank 0 casts the state dict one tensor at a time onto the CPU, never an fp32 copy;
 - FSDP (engines/fsdp.py save_full): each parameter is gathered and cast on its own;
 - DeepSpeed ZeRO-3 writes the 16-bit training dtype itself (Trainer.save_model, the 16-bit gather);

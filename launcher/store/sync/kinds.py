@@ -21,6 +21,7 @@ _SCP_LIKE = re.compile(r"^(?:[^@/:\s]+@)?[A-Za-z0-9._-]+:(?!//)")
 class Kind:
     name: str
     forms: tuple[str, ...]  # how sync.to is written for this kind, as help texts and errors show it
+    example: str  # one concrete value of this kind (tests/test_tables.py walks it through `destination`)
     matches: Callable[[str], bool]
     verification: str  # how a copied file is proven to be the one sent (docs/sync.md)
     module: str  # the module that holds its Destination (launcher/store/sync/...)
@@ -28,14 +29,14 @@ class Kind:
 
 
 KINDS: tuple[Kind, ...] = (
-    Kind("hub", ("hf://user/repo",), lambda url: url.startswith("hf://"),
+    Kind("hub", ("hf://user/repo",), "hf://user/repo", lambda url: url.startswith("hf://"),
          "the Hub's own listing: LFS sha256 or git blob id and size per file, one commit per copy",
          "launcher.store.sync.hub", "HubDestination"),
-    Kind("fsspec", ("s3://bucket/prefix", "gs://...", "file:///path", "an absolute path"),
+    Kind("fsspec", ("s3://bucket/prefix", "gs://...", "file:///path", "an absolute path"), "s3://bucket/prefix",
          lambda url: bool(_SCHEME.match(url)) or url.startswith("/"),
          "S3's SHA-256 per object (per part), GCS's MD5; read back and hashed where a store has neither",
          "launcher.store.sync.object_store", "FsspecDestination"),
-    Kind("rsync", ("user@host:/path", "an SSH alias alias:/path"), lambda url: bool(_SCP_LIKE.match(url)),
+    Kind("rsync", ("user@host:/path", "an SSH alias alias:/path"), "user@host:/path", lambda url: bool(_SCP_LIKE.match(url)),
          "rsync --checksum against the folder sent: nothing may differ",
          "launcher.store.sync.rsync", "RsyncDestination"),
 )

@@ -1,0 +1,31 @@
+"""The statistics of the recipe's data that the plan and the run use: what trains, the eval split's examples left out."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from launcher.data import split as evaluation
+from launcher.data.dataset import compute_stats, example_lengths, load_data
+from launcher.data.dataset import identity as data_identity
+
+
+def data_stats(recipe: Any):
+    data = load_data(recipe.data, recipe.seed)
+    examples = data.examples
+    lengths, source = example_lengths(examples, recipe.model, data.where)
+    # the statistics (plan, ETA) count what trains: the eval split's held-out examples do not (launcher/data/split.py)
+    train = evaluation.for_recipe(examples, recipe).train
+    stats = compute_stats([examples[i] for i in train], [lengths[i] for i in train], source, recipe.max_length, data)
+    if recipe.eval.data:
+        evaluation.load_eval_data(recipe)  # a missing or broken eval file stops here, before the smoke test
+        # a resume on changed eval data is refused like one on changed training data
+        stats = replace(stats, sha256=data_identity(stats.sha256, load_data(recipe.eval.data, recipe.seed).sha256))
+    return examples, lengths, stats
+
+
+def data_record(stats) -> dict[str, Any]:
+    """data.json in the run: the resolved data (sources with their sha256 or revision, format, count, tokens)."""
+    return {"description": stats.description, "sha256": stats.sha256, "sources": list(stats.sources),
+            "examples": stats.examples, "total_tokens": stats.total_tokens, "mean_tokens": stats.mean_tokens,
+            "max_tokens": stats.max_tokens, "tokens_source": stats.tokens_source}

@@ -1,0 +1,150 @@
+"""The GGUF export: the merged folder converted by llama.cpp, read back in llama.cpp, checked against the merged model."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from launcher import gguf_types
+from launcher.deliver import llamacpp
+from launcher.deliver.messages import ExportError, _say, human_size
+from launcher.deliver.parity import GREEDY_NEW_TOKENS, _check, compare
+
+
+def _safetensors_dtypes(folder: Path) -> set[str]:
+    import struct
+
+    seen = set()
+    for f in folder.glob("*.safetensors"):
+        with f.open("rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        seen |= {v["dtype"] for k, v in header.items() if k != "__metadata__"}
+    return seen
+
+
+CONFIG_KEYS = {"hidden_size": "embedding_length", "num_hidden_layers": "block_count",
+               "num_attention_heads": "head_count", "num_key_value_heads": "head_count_kv",
+               "intermediate_size": "feed_forward_length", "head_dim": "key_length", "rms_norm_eps": "rms_eps"}
+
+
+def _config_diff(merged: dict[str, Any], meta: dict[str, Any]) -> list[str]:
+    """The architecture numbers the GGUF declares that differ from the merged model's config.json."""
+    diffs = []
+    for key, gkey in CONFIG_KEYS.items():
+        want, got = merged.get(key), meta.get(gkey)
+        if key == "head_dim" and want is None:
+            want = merged["hidden_size"] // merged["num_attention_heads"]
+        if want is None or got is None:
+            continue
+        if (abs(float(want) - float(got)) > 1e-6 * max(abs(float(want)), 1.0)) if isinstance(want, float) else want != got:
+            diffs.append(f"{key} {got} (merged: {want})")
+    if meta.get("vocab_size") is not None and meta["vocab_size"] != merged.get("vocab_size"):
+        diffs.append(f"vocab_size {meta['vocab_size']} (merged: {merged.get('vocab_size')})")
+    rope = merged.get("rope_parameters") or merged.get("rope_scaling") or {}
+    if rope.get("rope_type") == "llama3" and "rope_freqs.weight" not in meta.get("tensor_names", []):
+        diffs.append("llama3 rope scaling without its rope_freqs tensor")
+    return diffs
+
+
+def _stop_ids(merged_dir: Path, tokenizer) -> set[int]:
+    """The ids transformers' generate stops after: generation_config.json's eos_token_id (one or a list)."""
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        f = merged_dir / name
+        if f.is_file():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            ids |= set(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
+            if ids:
+                break
+    return ids or ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+
+
+def gguf_output(merged_dir: Path, gguf_dir: Path, name: str, gguf_type: str, prompts: list[dict[str, Any]],
+                merged_out: list[dict[str, Any]], tokenizer, compute: str = "float32",
+                intermediate: Optional[Path] = None) -> dict[str, Any]:
+    """Convert the merged folder with llama.cpp's converter, quantize with its quantizer, read the file back in
+    llama.cpp and compare it with the merged model's outputs (merged_out, computed by transformers).
+
+    The steps run one after the other, each streaming from disk in its own process (llamacpp.py); the 16-bit
+    GGUF a quantized type is made from is written beside the result and removed after (unless `intermediate`
+    names one to reuse: tests quantize one conversion to several types)."""
+    conv = llamacpp.converter()
+    kind = gguf_types.TYPES[gguf_type]
+    gguf_dir.mkdir(parents=True, exist_ok=True)
+    fname = f"{name}-{kind.name}.gguf"
+    path = gguf_dir / fname
+    tmp = gguf_dir / f".{fname}.tmp"
+    steps: dict[str, Any] = {}
+    try:
+        if kind.converter:
+            _say(f"writing {fname} with llama.cpp's converter ({conv.source})")
+            steps["convert"] = llamacpp.convert(conv, merged_dir, tmp, kind.converter).to_dict()
+        else:
+            sixteen = intermediate
+            if sixteen is None or not sixteen.is_file():
+                # the merged model's own 16-bit type, so the conversion itself rounds nothing
+                dtype = (_safetensors_dtypes(merged_dir) & {"BF16", "F16"} or {"BF16"}).pop().lower()
+                sixteen = gguf_dir / f".{name}-{dtype.upper()}.tmp.gguf"
+                _say(f"converting the merged model to a {dtype.upper()} GGUF with llama.cpp's converter ({conv.source})")
+                steps["convert"] = llamacpp.convert(conv, merged_dir, sixteen, dtype).to_dict()
+            _say(f"quantizing to {kind.name} with llama.cpp's quantizer")
+            steps["quantize"] = llamacpp.quantize(sixteen, tmp, gguf_type).to_dict()
+            if intermediate is None:
+                sixteen.unlink()
+    except llamacpp.StepFailed as exc:
+        tmp.unlink(missing_ok=True)
+        raise ExportError(str(exc), fix="the lines above are llama.cpp's; `python -m launcher.deliver.llamacpp check "
+                          f"{merged_dir}` says whether this model is supported.") from None
+    os.replace(tmp, path)
+    meta = llamacpp.metadata(path)
+    _say(f"reading {fname} back in llama.cpp")
+    t0 = time.monotonic()
+    gguf_out, same_tokens = llamacpp.run_prompts(path, prompts, GREEDY_NEW_TOKENS, _stop_ids(merged_dir, tokenizer))
+    steps["llama_cpp_prompts_seconds"] = round(time.monotonic() - t0, 2)
+    config_diff = _config_diff(json.loads((merged_dir / "config.json").read_text()), meta)
+    result = compare(merged_out, gguf_out, f"gguf:{gguf_type}", compute)
+    size = path.stat().st_size
+    out = {"path": str(path), "type": kind.name, "bytes": size, "size": human_size(size),
+           "written_by": f"llama.cpp {conv.source}" + ("" if kind.converter else f" + quantizer ({llamacpp.DIST} "
+                                                       f"{llamacpp.runtime_version()})"),
+           "converter_gguf_py": conv.gguf_py, "steps": steps, "architecture": meta["architecture"],
+           "tokenizer_pre": meta["tokenizer_pre"], "tensor_types": meta["tensor_types"],
+           "chat_template_included": meta.get("chat_template") == tokenizer.chat_template,
+           "tokenizer_identical": f"{sum(same_tokens)}/{len(same_tokens)}",
+           "config_differences": config_diff, "parity_vs_merged": result}
+    ppl = result["perplexity_rel_diff"]
+    _say(f"GGUF {human_size(size)} {fname} ({', '.join(f'{k} x{v}' for k, v in meta['tensor_types'].items())}): "
+         f"in llama.cpp top-1 agreement {result['top1_agreement']:.4f}, perplexity "
+         f"{'-' if ppl is None else f'{ppl:+.2%}'}, greedy identical {result['greedy_identical']}, "
+         f"tokenizer identical {out['tokenizer_identical']}")
+    try:
+        if config_diff:
+            raise ExportError(f"{fname} describes a different model than the merged one: " + "; ".join(config_diff),
+                              fix="do not serve this GGUF; report it with export.json.")
+        if not all(same_tokens):
+            raise ExportError(f"llama.cpp splits the parity prompts into other tokens with {fname} than the model's "
+                              "own tokenizer", fix="do not serve this GGUF: Ollama would see other tokens than "
+                              "training did; report it with export.json (tokenizer_pre says which split rule it has).")
+        if not out["chat_template_included"]:
+            raise ExportError(f"{fname} does not carry the model's chat template",
+                              fix="report this with export.json; Ollama would fall back to a wrong template.")
+        higher = gguf_types.advised_above(gguf_type)
+        _check(f"the GGUF {fname} (in llama.cpp)", result,
+               fix="do not serve this file; a type with more bits keeps closer to the model: "
+               + (f"`ftrun export RUN_DIR --gguf {higher}`" if higher else "report it with export.json") + ".")
+    except ExportError as exc:
+        out["error"] = exc.message
+        raise _GgufFailed(exc, out) from None
+    return out
+
+
+class _GgufFailed(ExportError):
+    """A GGUF that was written but failed a check: its numbers still go into export.json."""
+
+    def __init__(self, exc: ExportError, out: dict[str, Any]):
+        super().__init__(exc.message, fix=exc.fix)
+        self.output = out

@@ -1,0 +1,191 @@
+"""The parity check: the same prompts through two models, their next-token logits and greedy tokens held to a tolerance."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+from launcher import gguf_types
+from launcher.deliver.messages import ExportError
+
+# Prompts taken from the data for the parity checks (held out where the recipe holds some out), and tokens
+# compared per prompt.
+PARITY_PROMPTS = 3
+PARITY_MAX_TOKENS = 128
+GREEDY_NEW_TOKENS = 16
+
+# Tolerances, by what is compared. top1 = share of positions (teacher-forced, over the parity prompts) where both
+# models pick the same next token; rel = max |logit difference| / std of the reference logits; ppl = relative
+# perplexity difference of the two models on the parity texts; greedy = share of prompts whose greedy
+# continuations (GREEDY_NEW_TOKENS) are identical. Merging in 16 bit only rounds the merged weights once.
+TOLERANCE = {
+    "merged": {"min_top1": 0.98, "max_rel": 0.15},
+    "full:merged": {"min_top1": 0.98, "max_rel": 0.15},
+}
+# A GGUF's bounds are its type's tolerance in the GGUF table (launcher/gguf_types.py, where their origin is told).
+TOLERANCE.update({f"gguf:{k}": t.tolerance.as_dict() for k, t in gguf_types.TYPES.items()})
+# When a model's float32 copy fits neither one GPU nor RAM, both sides of a comparison run in its 16-bit dtype
+# (same device, same split): every activation is then rounded to 8 bits of mantissa on both sides, and a
+# teacher-forced position whose two best logits are nearly tied can flip. Only the merge's check needs more
+# room for that (tiny model, bf16 on the CPU: top-1 agreement 0.975 where float32 gives 0.985); a GGUF in
+# F32/F16/BF16 holds the merged weights exactly and stays identical in any dtype.
+TOLERANCE_16BIT = {
+    "merged": {"min_top1": 0.95, "max_rel": 0.15},
+    "full:merged": {"min_top1": 0.95, "max_rel": 0.15},
+}
+
+
+def parity_examples(recipe) -> tuple[list[list[dict[str, Any]]], str]:
+    """The conversations the parity checks use, and where they come from: held out when the recipe holds some
+    out (eval.data, or the seeded eval.fraction draw of launcher/data/split.py), else the training data."""
+    from launcher.data import formats as data_formats
+    from launcher.data.dataset import load_data, load_examples
+
+    ev = getattr(recipe, "eval", None)
+    if ev is not None and getattr(ev, "data", None):
+        return load_examples(ev.data), "held out (eval.data)"
+    raw = load_data(recipe.data, getattr(recipe, "seed", 42)).examples  # the mix as trained, split as the worker splits it
+    examples = [data_formats.conversation(e) for e in raw]
+    if ev is not None and getattr(ev, "fraction", None):
+        from launcher.data.split import for_recipe
+
+        held = for_recipe(raw, recipe).held_out
+        if held:
+            return [examples[i] for i in held], "held out (eval.fraction)"
+    return examples, "training data (the recipe holds nothing out)"
+
+
+def parity_prompts(recipe, tokenizer, n: int = PARITY_PROMPTS) -> list[dict[str, Any]]:
+    """The first n parity conversations: full text (teacher-forced logits) and prompt (greedy decoding)."""
+    examples, source = parity_examples(recipe)
+    out = []
+    for messages in examples[:n]:
+        last_assistant = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages))
+        prompt_msgs = messages[:last_assistant] or messages[:1]
+        full = tokenizer.apply_chat_template(messages, tokenize=False)
+        prompt = tokenizer.apply_chat_template(prompt_msgs, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(full, add_special_tokens=False)["input_ids"][:PARITY_MAX_TOKENS]
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"][-PARITY_MAX_TOKENS:]
+        out.append({"text": full, "ids": ids, "prompt_ids": prompt_ids, "source": source})
+    return out
+
+
+def model_outputs(model, prompts: list[dict[str, Any]], greedy: bool = True) -> list[dict[str, Any]]:
+    """Per prompt: next-token logits over the whole text (float32) and the greedy continuation."""
+    import torch
+
+    device = input_device(model)
+    results = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p["ids"]], device=device)
+            logits = model(input_ids=ids).logits[0].float().cpu()
+            tokens = None
+            if greedy:
+                pid = torch.tensor([p["prompt_ids"]], device=device)
+                # plain argmax, as the llama.cpp side decodes: generate() fills every unset option from the model's
+                # generation_config (transformers 5.24 generation/utils.py _prepare_generation_config), and instruct
+                # models ship a repetition_penalty (Qwen2.5: 1.05) or n-gram rules that change greedy tokens
+                gen = model.generate(input_ids=pid, attention_mask=torch.ones_like(pid), max_new_tokens=GREEDY_NEW_TOKENS,
+                                     do_sample=False, num_beams=1, repetition_penalty=1.0, no_repeat_ngram_size=0,
+                                     min_new_tokens=0, pad_token_id=model.config.eos_token_id
+                                     if isinstance(model.config.eos_token_id, int) else 0)
+                tokens = gen[0, pid.shape[1]:].tolist()
+            results.append({"logits": logits, "greedy": tokens, "ids": list(p["ids"])})
+    return results
+
+
+def input_device(model):
+    """Where the token ids go: the compute device of a dispatched model (its offloaded weights sit on the meta
+    device, so the first parameter says nothing), else the device of its weights."""
+    import torch
+
+    devices = [d for d in (getattr(model, "hf_device_map", None) or {}).values() if str(d) not in ("cpu", "disk")]
+    if devices:
+        d = devices[0]
+        return torch.device(f"cuda:{d}" if isinstance(d, int) else d)
+    if getattr(model, "hf_device_map", None):
+        return torch.device("cpu")
+    return next(model.parameters()).device
+
+
+def compare(ref: list[dict[str, Any]], out: list[dict[str, Any]], kind: str, compute: str = "float32") -> dict[str, Any]:
+    """Numbers for export.json, and whether they are within the tolerance of kind for the compute dtype."""
+    import torch
+
+    agree = total = 0
+    max_abs = 0.0
+    max_rel = 0.0
+    kl_sum = 0.0
+    greedy_same = greedy_n = 0
+    first_diverge = []
+    nll_ref = nll_out = 0.0
+    n_nll = 0
+    for r, o in zip(ref, out):
+        a, b = r["logits"], o["logits"]
+        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        total += a.shape[0]
+        diff = float((a - b).abs().max())
+        max_abs = max(max_abs, diff)
+        max_rel = max(max_rel, diff / max(float(a.std()), 1e-6))
+        kl = torch.nn.functional.kl_div(b.log_softmax(-1), a.log_softmax(-1), log_target=True, reduction="batchmean")
+        kl_sum += float(kl)
+        ids = r.get("ids")
+        if ids is not None and len(ids) > 1:
+            target = torch.tensor(ids[1:])
+            nll_ref += float(torch.nn.functional.cross_entropy(a[:-1], target, reduction="sum"))
+            nll_out += float(torch.nn.functional.cross_entropy(b[:-1], target, reduction="sum"))
+            n_nll += len(ids) - 1
+        if r["greedy"] is not None and o["greedy"] is not None:
+            greedy_n += 1
+            if r["greedy"] == o["greedy"]:
+                greedy_same += 1
+            else:
+                first_diverge.append(next(i for i, (x, y) in enumerate(zip(r["greedy"] + [None], o["greedy"] + [None]))
+                                          if x != y))
+    tol = TOLERANCE[kind] if compute == "float32" else TOLERANCE_16BIT.get(kind, TOLERANCE[kind])
+    top1 = agree / max(total, 1)
+    ppl_ref = math.exp(nll_ref / n_nll) if n_nll else None
+    ppl_out = math.exp(nll_out / n_nll) if n_nll else None
+    ppl_rel = (ppl_out / ppl_ref - 1.0) if n_nll else None
+    greedy_share = greedy_same / greedy_n if greedy_n else None
+    mean_kl = kl_sum / max(len(ref), 1)
+    ok = (top1 >= tol["min_top1"] and max_rel <= tol.get("max_rel", math.inf) and mean_kl <= tol.get("max_kl", math.inf)
+          and (ppl_rel is None or abs(ppl_rel) <= tol.get("max_ppl", math.inf))
+          and (greedy_share is None or greedy_share >= tol.get("min_greedy", 0.0)))
+    return {
+        "prompts": len(ref),
+        "positions": total,
+        "top1_agreement": round(top1, 5),
+        "max_abs_logit_diff": round(max_abs, 6),
+        "max_rel_logit_diff": round(max_rel, 6),
+        "mean_kl": round(mean_kl, 8),
+        "perplexity_reference": round(ppl_ref, 4) if ppl_ref else None,
+        "perplexity": round(ppl_out, 4) if ppl_out else None,
+        "perplexity_rel_diff": round(ppl_rel, 6) if ppl_rel is not None else None,
+        "greedy_identical": f"{greedy_same}/{greedy_n}",
+        "greedy_first_divergence": first_diverge,
+        "compute_dtype": compute,
+        "tolerance": tol,
+        "ok": ok,
+    }
+
+
+def _check(name: str, result: dict[str, Any], fix: Optional[str] = None) -> None:
+    if not result["ok"]:
+        tol = result["tolerance"]
+        parts = [f"top-1 agreement {result['top1_agreement']:.4f} (needs >= {tol['min_top1']})"]
+        if "max_kl" in tol:
+            parts.append(f"mean KL divergence {result['mean_kl']:.4g} (needs <= {tol['max_kl']})")
+        if "max_rel" in tol:
+            parts.append(f"max relative logit difference {result['max_rel_logit_diff']:.4g} (needs <= {tol['max_rel']})")
+        if "max_ppl" in tol and result["perplexity_rel_diff"] is not None:
+            parts.append(f"perplexity {result['perplexity']:.4g} against {result['perplexity_reference']:.4g} "
+                         f"({result['perplexity_rel_diff']:+.2%}, needs within {tol['max_ppl']:.1%})")
+        if "min_greedy" in tol:
+            parts.append(f"greedy continuations identical {result['greedy_identical']} (needs >= {tol['min_greedy']:.0%})")
+        raise ExportError(
+            f"{name} does not match its reference: " + ", ".join(parts) + "; the numbers are in final/export.json",
+            fix=fix or "do not serve this output. Re-run `ftrun export RUN_DIR` (a truncated write or a full disk "
+            "shows like this); if it repeats, report it with export.json.",
+        )

@@ -1,0 +1,126 @@
+"""What to do instead of this box: catalog boxes that hold the job, recipe changes that fit it here, refusal words."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+from launcher.plan.engine import Choice, choose
+from launcher.plan.figures import _fmt_hours, _fmt_tokens
+from launcher.plan.hardware import Hardware, catalog, catalog_box
+from launcher.plan.job import Job
+
+
+# Box sizes the alternatives table and the refusal advice consider (the catalog lists 1, 2, 4, 8-card boxes).
+BOX_SIZES = (1, 2, 4, 8)
+
+
+def _box_rows(job: Job, forced: str, unsloth_ok: bool, workday_hours: float) -> list[dict[str, Any]]:
+    """Every catalog box (1, 2, 4, 8 cards) with whether the job fits and its time and cost."""
+    rows = []
+    for name, entry in catalog().items():
+        for count in BOX_SIZES:
+            hw = catalog_box(name, count)
+            c = choose(job, hw, forced="auto" if forced == "auto" else forced, unsloth_ok=unsloth_ok,
+                       workday_hours=workday_hours, in_hand=False)
+            if not c.fits:
+                continue
+            # A box whose extra cards stay idle is never a sensible alternative.
+            if count > 1 and c.processes == 1:
+                continue
+            price = entry.price_per_hour_eur * count if entry.price_per_hour_eur is not None else None
+            rows.append({
+                "gpus": f"{count}x{name}",
+                "engine": c.engine,
+                "per_gpu_gb": round(c.estimate.peak_gb, 1),
+                "card_gb": round(entry.memory_gb, 1),
+                "tokens_per_second": round(c.tokens_per_second),
+                "hours": round(c.hours, 2) if c.hours is not None else None,
+                "cost_eur": round(c.hours * price, 2) if c.hours is not None and price is not None else None,
+                "price_per_hour_eur": round(price, 2) if price is not None else None,
+            })
+    return rows
+
+
+def _by_cost(r: dict[str, Any]) -> tuple[float, float]:
+    """Cheapest first (by the run's cost, else by the hour); boxes without a known price last."""
+    money = r["cost_eur"] if r["cost_eur"] is not None else r["price_per_hour_eur"]
+    return (money if money is not None else math.inf, r["hours"] if r["hours"] is not None else math.inf)
+
+
+def _pick_alternatives(rows: list[dict[str, Any]], limit: int = 6) -> list[dict[str, Any]]:
+    """Boxes that hold the job (rows only holds those): the cheapest, and the two fastest."""
+    if not rows:
+        return []
+    by_cost = sorted(rows, key=_by_cost)
+    by_time = sorted(rows, key=lambda r: (r["hours"] if r["hours"] is not None else math.inf, _by_cost(r)))
+    picked: list[dict[str, Any]] = []
+    for r in by_cost[: limit - 2] + (by_time[:2] if rows[0]["hours"] is not None else by_cost[limit - 2: limit]):
+        if r not in picked:
+            picked.append(r)
+    return sorted(picked, key=_by_cost)[:limit]
+
+
+def cheapest_rental(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The catalog box with a known price that runs the job for the least money (by the hour without a token count)."""
+    priced = [r for r in rows if r["price_per_hour_eur"] is not None]
+    return min(priced, key=_by_cost) if priced else None
+
+
+def _fixes_here(job: Job, hw: Hardware, forced: str, unsloth_ok: bool, workday_hours: float) -> list[str]:
+    """Recipe changes that would make the job fit this box, each checked with the same rules."""
+    tries: list[tuple[str, Job]] = []
+    if job.seq_len > 256:
+        for length in (job.seq_len // 2, job.seq_len // 4):
+            if length >= 256:
+                tries.append((f"max_length={length} (shorter sequences)", replace(job, seq_len=length)))
+    if job.method == "lora":
+        tries.append(("method=qlora (4-bit base model)", replace(job, method="qlora")))
+    if job.method == "full":
+        tries.append(("method=full-8bit (8-bit optimizer, no master copy)", replace(job, method="full-8bit")))
+        tries.append(("method=qlora (train adapters on a 4-bit base instead)", replace(job, method="qlora")))
+    if job.micro_batch > 1:
+        acc = job.accumulation * job.micro_batch
+        tries.append((f"micro_batch_size=1 gradient_accumulation_steps={acc} (same effective batch)",
+                      replace(job, micro_batch=1, accumulation=acc)))
+    if not job.gradient_checkpointing:
+        tries.append(("gradient_checkpointing=true", replace(job, gradient_checkpointing=True)))
+    out = []
+    for label, variant in tries:
+        c = choose(variant, hw, forced, unsloth_ok, workday_hours)
+        if c.fits and c.estimate is not None:
+            out.append(f"{label}: fits, {c.estimate.per_gpu_gb:.1f} GB per {'card' if c.device == 'cuda' else 'box'}")
+    return out
+
+
+def _refusal_message(job: Job, hw: Hardware, c: Choice) -> str:
+    where = hw.describe()
+    return f"{job.method} of {job.arch.name} ({_fmt_tokens(job.arch.params)} params) does not fit {where}: {c.refusal}"
+
+
+def _missing_message(job: Job, c: Choice) -> str:
+    return f"{job.method} of {job.arch.name} needs software this machine lacks: {c.refusal}"
+
+
+def _refusal_options(job: Job, hw: Hardware, forced: str, unsloth_ok: bool, workday_hours: float,
+                     rows: list[dict[str, Any]]) -> list[str]:
+    """What to do instead, each checked: a box that holds the job (from rows, which hold only such boxes),
+    and recipe changes that make it fit this box."""
+    options = []
+    if rows:
+        best = min(rows, key=_by_cost)
+        money = (f"{_fmt_hours(best['hours'])}, {best['cost_eur']:.2f} EUR" if best["cost_eur"] is not None
+                 else f"{best['price_per_hour_eur']:.2f} EUR/h" if best["price_per_hour_eur"] is not None
+                 else "price unknown")
+        options.append(f"rent {best['gpus']} ({best['engine']}, {best['per_gpu_gb']} GB per card, {money}); "
+                       f"plan for it with --gpus {best['gpus']}")
+    else:
+        options.append("no box in the GPU catalog holds this job; reduce it (below) or add a bigger box to the catalog")
+    if forced != "auto":
+        options.append("set engine: auto to let the plan choose")
+    options += _fixes_here(job, hw, forced, unsloth_ok, workday_hours)
+    if len(options) == 1 + (forced != "auto"):
+        options.append("no single recipe change (shorter max_length, QLoRA, 8-bit optimizer, micro_batch_size=1, "
+                       "gradient checkpointing) makes it fit this box")
+    return options

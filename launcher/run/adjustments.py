@@ -1,0 +1,104 @@
+"""The recipe changes an out of memory in the smoke test leads to, cheapest first: batch, checkpointing, optimizer,
+method, shard (recipe `auto_adjust`), and the recipe as a run trains it with those applied."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from launcher.recipe import Recipe
+from launcher.store.rundir import RunDir
+
+
+def with_adjustments(run: RunDir, recipe: Recipe) -> Recipe:
+    """The recipe as the run trains it: the smoke test's recorded out-of-memory adjustments applied."""
+    if not run.plan.is_file():
+        return recipe
+    update: dict[str, Any] = {}
+    for adj in json.loads(run.plan.read_text()).get("adjustments", []):
+        update.update(adj["set"])
+    return recipe.model_copy(update=update) if update else recipe
+
+
+def next_adjustment(recipe: Recipe, plan: dict[str, Any]) -> Optional[tuple[dict[str, Any], str]]:
+    """The cheapest change the recipe allows after an out-of-memory, or None."""
+    allowed = recipe.auto_adjust
+    m, g = recipe.micro_batch_size, recipe.gradient_accumulation_steps
+    if "batch" in allowed and m > 1:
+        m2 = m // 2 if m % 2 == 0 else 1
+        g2 = g * m // m2  # the effective batch stays the same, so does the training
+        return ({"micro_batch_size": m2, "gradient_accumulation_steps": g2},
+                f"micro_batch_size {m} -> {m2}, gradient_accumulation_steps {g} -> {g2} (same effective batch)")
+    if "checkpointing" in allowed and not recipe.gradient_checkpointing:
+        return {"gradient_checkpointing": True}, "gradient_checkpointing off -> on (recomputes activations)"
+    if "optimizer" in allowed and recipe.method == "full":
+        return {"method": "full-8bit"}, "method full -> full-8bit (8-bit AdamW states)"
+    if "method" in allowed and recipe.method == "lora":
+        return {"method": "qlora"}, "method lora -> qlora (4-bit base model)"
+    if "shard" in allowed:
+        return shard_adjustment(recipe, plan)
+    return None
+
+
+def shard_adjustment(recipe: Recipe, plan: dict[str, Any]) -> Optional[tuple[dict[str, Any], str]]:
+    """The `shard` step after an out-of-memory (the issue's step 4): more processes, each holding a shard.
+
+    On a GPU box: FSDP over all its cards (or the most that divide the effective batch), as the plan
+    shards a job no card holds; DDP becomes FSDP on the same cards. On CPU only under --memory-limit,
+    where the cap stands in for a card per worker: 2 gloo processes with DeepSpeed ZeRO-3 (FSDP does not
+    shard on CPU, STACK-FACTS). An engine or process count the recipe chose, and several nodes, are left
+    alone. None when there is nothing to shard over; shard_blocker() says why.
+    """
+    return _shard(recipe, plan)[0]
+
+
+def shard_blocker(recipe: Recipe, plan: dict[str, Any]) -> str:
+    """Why the shard step was not taken (for the stop message), '' when it would be."""
+    return _shard(recipe, plan)[1]
+
+
+def _shard(recipe: Recipe, plan: dict[str, Any]) -> tuple[Optional[tuple[dict[str, Any], str]], str]:
+    from launcher.plan.engine import _deepspeed_installed
+
+    procs = int(plan.get("num_processes") or 1)
+    m, g = recipe.micro_batch_size, recipe.gradient_accumulation_steps
+    effective = m * g * procs
+    sharded = plan.get("engine") in ("fsdp", "deepspeed")
+    cards = int((plan.get("hardware") or {}).get("count") or 1)
+    if sharded and (plan.get("device") != "cuda" or procs >= cards):
+        return None, f"already {plan.get('engine')} x {procs}" + (
+            f" over all {cards} GPU(s) of this box" if plan.get("device") == "cuda" else "")
+    if recipe.engine != "auto":
+        return None, f"the recipe sets engine: {recipe.engine}"
+    if recipe.num_processes != "auto":
+        return None, f"the recipe sets num_processes: {recipe.num_processes}"
+    if plan.get("nodes"):
+        return None, "the run spans several nodes"
+    if plan.get("device") == "cuda" and recipe.method == "full-8bit":
+        from launcher.plan.engine import FULL_8BIT_FSDP
+
+        return None, f"{FULL_8BIT_FSDP}; allow it with method: full (drop 'optimizer' from auto_adjust)"
+    if plan.get("device") == "cuda":
+        engine = "fsdp"
+        fewest = procs + 1 if sharded else procs  # DDP -> FSDP on the same cards
+        counts = range(cards, fewest - 1, -1)  # all cards first: more shards, more room, faster
+        where = f"the box's {cards} GPUs"
+        if cards < 2:
+            return None, "this box has 1 GPU, none more to shard over"
+    elif not plan.get("memory_limit_gb"):
+        return None, "on CPU the processes share the same RAM; sharding is tried only under --memory-limit"
+    elif not _deepspeed_installed():
+        return None, "DeepSpeed, which shards on CPU, is not installed"
+    else:
+        engine, cores = "deepspeed", int((plan.get("hardware") or {}).get("cpu_count") or 1)
+        counts = range(2, cores + 1)  # the processes share the cores: the fewest that shard
+        where = f"CPU processes, each capped at {round(plan['memory_limit_gb'], 2):g} GB like a card"
+    for k in counts:
+        if k >= 2 and effective % (m * k) == 0:
+            g2 = effective // (m * k)
+            return ({"engine": engine, "num_processes": k, "gradient_accumulation_steps": g2},
+                    f"engine {plan.get('engine')} x {procs} -> {engine} x {k} over {where}, each holding 1/{k} of the "
+                    f"weights, gradients and optimizer states; gradient_accumulation_steps {g} -> {g2} "
+                    f"(same effective batch {effective})"), ""
+    return None, (f"the effective batch {effective} (micro-batch {m}) does not split evenly over "
+                  f"{where}: sharding would change the training")

@@ -1,0 +1,81 @@
+"""`ftrun plan`: the plan of a recipe for a box (--gpus, this machine, the recipe's box:), as text or JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from launcher.data.stats import data_stats
+from launcher.recipe import check_trainer_fields, load_recipe
+from launcher.run.adjustments import with_adjustments
+from launcher.run.views import data_line
+from launcher.store.rundir import RunDir
+from launcher.worker.trackers import check_installed as check_trackers_installed
+
+
+def plan_command(recipe_path: str, overrides: list[str], gpus: Optional[str], tokens: Optional[str], as_json: bool,
+                 price: Optional[float] = None) -> int:
+    """`ftrun plan`: size the job for --gpus, else this machine's GPUs, else the recipe's box:, else this CPU
+    machine; exit 0 when it fits. With --json, stdout is JSON whatever happens: the plan, the plan that does
+    not fit (fits: false, with its reasons and options), or {"fits": null, "error": ...}."""
+    from launcher.errors import FtrunError, PlanError
+
+    try:
+        return _plan_command(recipe_path, overrides, gpus, tokens, as_json, price)
+    except PlanError as exc:
+        if not as_json or getattr(exc, "plan", None) is None:
+            raise
+        print(json.dumps(exc.plan.to_dict(), indent=2))
+        return exc.exit_code
+    except FtrunError as exc:
+        if not as_json:
+            raise
+        print(json.dumps({"fits": None, "error": exc.kind, "message": exc.message, "fix": exc.fix}, indent=2))
+        return exc.exit_code
+
+
+def _plan_command(recipe_path: str, overrides: list[str], gpus: Optional[str], tokens: Optional[str], as_json: bool,
+                  price: Optional[float]) -> int:
+    import importlib.util
+
+    from launcher.plan import hardware as hw
+    from launcher.plan.plan import make_plan as plan_job
+    from launcher.plan.text import format_plan
+    from launcher.recipe import parse_token_count
+
+    recipe = load_recipe(recipe_path, overrides)
+    check_trackers_installed(recipe)
+    notes = []
+    if importlib.util.find_spec("trl") is not None:
+        check_trainer_fields(recipe)  # an unknown trainer: field fails here, not after the smoke test started
+    elif recipe.trainer:
+        notes.append("trainer: fields not checked: trl is not installed here (pip install 'ftrun[train]')")
+    count = parse_token_count(tokens, "--tokens") if tokens is not None else None
+    stats = None
+    if count is None:
+        from launcher.data.sources import sources_of
+
+        missing = [s.path for s in sources_of(recipe.data) if s.local and not Path(s.path).exists()]
+        if not missing:
+            _, _, stats = data_stats(recipe)
+        elif recipe.tokens is not None:
+            count = recipe.tokens
+            notes.append(f"data {', '.join(missing)} is not on this machine: time and cost use the recipe's "
+                         f"tokens: {recipe.tokens:,}")
+        else:
+            notes.append(f"data {', '.join(missing)} is not on this machine and no token count was given: memory "
+                         "is planned, time and cost are not; add `tokens: 15M` to the recipe or pass --tokens 15M")
+    smoke = None
+    run = RunDir(Path(recipe.output_dir))
+    if run.smoke.is_file() and gpus is None:  # this run's measurements, on the recipe as the smoke test adjusted it
+        smoke = json.loads(run.smoke.read_text())
+        recipe = with_adjustments(run, recipe)
+    box, why = hw.for_plan(gpus, recipe.box)
+    plan = plan_job(recipe, box, data_stats=stats, tokens=count, smoke=smoke, price=price, box_reason=why,
+                    tokens_from="--tokens" if tokens is not None else "the recipe's tokens:")
+    plan.notes[:0] = notes
+    if stats is not None and not as_json:
+        print(f"data: {data_line(stats)}")
+    print(json.dumps(plan.to_dict(), indent=2) if as_json else format_plan(plan))
+    return 0

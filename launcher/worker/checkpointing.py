@@ -1,0 +1,188 @@
+"""How the processes of one launch share the run's checkpoints on disk.
+
+Which process verifies the resume choice and which one writes on each disk; the step every rank resumes from; the
+newest checkpoint's manifest, hashed in the background by its disk's writer and awaited by every rank; a disk that
+fills up while a checkpoint is saved.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from launcher.store import checkpoint as ckpt
+from launcher.store.rundir import RunDir
+from launcher.worker.exits import EXIT_DISK_FULL, _is_disk_full, _record_error, _says_disk_full
+from launcher.worker.process import _rank
+
+
+METRICS_IN_CHECKPOINT = "ftrun_metrics.jsonl"
+
+
+def _restore_metrics(path: Path, checkpoint: Path, last_step: int) -> None:
+    """On resume, metrics.jsonl = the rows the checkpoint carries (steps up to its own); later rows will be logged again."""
+    source = checkpoint / METRICS_IN_CHECKPOINT
+    if not source.is_file():
+        source = path
+    if not source.is_file():
+        return
+    keep = [line for line in source.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+
+
+def _launch_identity() -> dict[str, str]:
+    """What the processes of one launch share (torchrun/accelerate set it): the rendezvous, its address, the
+    restart. The run id repeats across launches under a static rendezvous: _launcher_started tells those apart."""
+    return {k: os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+                                              "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")}
+
+
+def _resume_steps_differ(resume_from, device: str) -> Optional[str]:
+    """Each node verifies its own disk when the run spans several nodes: all ranks must still resume from the same
+    step, or their step counts, optimizer states and data positions part ways. The message when they do not."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    step = resume_from.step if resume_from is not None else -1
+    t = torch.tensor([float(step), float(-step)], device="cuda" if device == "cuda" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    newest, oldest = int(t[0].item()), int(-t[1].item())
+    if newest == oldest:
+        return None
+
+    def name(s: int) -> str:
+        return ckpt.step_dir_name(s) if s >= 0 else "none"
+
+    keep = f"keep {name(oldest)} and older" if oldest >= 0 else "keep none"
+    return (f"the nodes would resume from different checkpoints (oldest {name(oldest)}, newest {name(newest)}, this "
+            f"node {name(step)}): a node was stopped before its copy of the newest checkpoint was complete. On every "
+            f"node remove the newer step-* folders under checkpoints/ ({keep}), then run the same command.")
+
+
+def _launcher_started() -> float:
+    """When this process's launcher started: a resume choice written earlier belongs to an earlier launch (under
+    a static rendezvous every node's launcher starts before any worker of the launch)."""
+    import psutil
+
+    try:
+        return psutil.Process(os.getppid()).create_time()
+    except psutil.Error:
+        return psutil.Process().create_time() - 1.0  # the verifier writes after its imports, seconds later
+
+
+def _verifies_resume(plan: dict[str, Any], rank: int, local_rank: int) -> bool:
+    """Whether this process verifies the checkpoints at resume, one per disk, and hands its choice to the others.
+
+    A plan over several nodes counts on a disk per node whatever the engine: DeepSpeed never sets
+    save_on_each_node, so a rule that follows it left the ranks of nodes >= 1 waiting for a choice that nobody
+    writes on their disk. Each node's local rank 0 verifies its own disk (on a shared one, the same choice);
+    _resume_steps_differ stops the run when nodes chose different steps. One node: rank 0.
+    """
+    from launcher.worker.engines import world_size
+
+    several_nodes = world_size(plan) > int(plan.get("num_processes", 1))
+    return (local_rank if several_nodes else rank) == 0
+
+
+def _writes_checkpoints(save_on_each_node: bool, rank: int, local_rank: int) -> bool:
+    """Whether this process moves, hashes and removes checkpoint folders on its disk: the rule of Cadence.on_save
+    (the Trainer's own, TrainingArguments.should_save): each node's first process when every node saves, else the
+    main process. A step folder without manifest may be its hash in progress: no other process deletes one."""
+    return (local_rank if save_on_each_node else rank) == 0
+
+
+def _writes_this_disk(plan: dict[str, Any], recipe, run: RunDir) -> bool:
+    from launcher.worker.engines import trainer_fields
+    from launcher.worker.loading import local_rank
+
+    fields = {**trainer_fields(plan, run.root), **dict(getattr(recipe, "trainer", None) or {})}
+    return _writes_checkpoints(bool(fields.get("save_on_each_node")), _rank(), local_rank())
+
+
+# The newest checkpoint's manifest, hashed and written in the background by the disk's writer.
+_MANIFEST = ckpt.BackgroundManifest(log=lambda line: print(f"[ftrun worker] {line}", flush=True))
+
+
+_MANIFEST_POLL_S = 5.0  # one round of _await_manifest: far below any process group timeout
+
+
+def _await_manifest(device: str) -> None:
+    """Every rank waits until the writer's background manifest is on disk. A rank that exited first would make
+    torchrun stop the others (a stopped run exits 77), cutting the hashing and losing the checkpoint. The wait
+    is short collectives in a loop, not one barrier, so a long hash never meets the process group's timeout.
+
+    Then every rank raises ManifestFailed when a writer's manifest was not written, so all ranks leave the same
+    way: with ENOSPC/EDQUOT among its causes when the disk was full (the disk-full exit), else a crash."""
+    import errno
+
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        _MANIFEST.wait()
+        _MANIFEST.check()
+        return
+    while True:
+        done = _MANIFEST.wait(timeout=_MANIFEST_POLL_S)
+        failed = _MANIFEST.exception if done else None
+        state = torch.tensor([0.0 if done else 1.0, 0.0 if failed is None else 2.0 if _says_disk_full(failed) else 1.0],
+                             device="cuda" if device == "cuda" else "cpu")
+        dist.all_reduce(state, op=dist.ReduceOp.MAX)
+        if not state[0].item():
+            break
+    _MANIFEST.check()  # the writer whose manifest failed: its own error
+    if state[1].item():
+        full = state[1].item() == 2.0
+        raise ckpt.ManifestFailed("the checkpoint's manifest could not be written by the process that writes "
+                                  "checkpoints on a disk of this run (its log says why)") from (
+            OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) if full else None)
+
+
+def _disk_full_message(run: RunDir, step: int, writer: bool = True) -> str:
+    """Remove the half-written save (the disk's writer only); name the sizes so the user knows how much to free."""
+    import shutil
+
+    partial = [p for p in run.checkpoints.glob("checkpoint-*") if p.is_dir()]
+    partial_bytes = sum(ckpt.tree_bytes(p) for p in partial)
+    if writer:
+        # Only the process that moves and hashes this disk's checkpoints, after its own manifest is done: a
+        # step folder without manifest is one it may still be hashing, which another rank would delete.
+        _MANIFEST.wait()
+        ckpt.remove_incomplete(run.checkpoints)
+    kept = [p for p in ckpt.candidates(run.checkpoints) if (p / ckpt.MANIFEST).is_file()]
+    last_size = ckpt.tree_bytes(kept[0]) if kept else 0
+    free = shutil.disk_usage(run.root).free
+    removed = "the partial save was removed" if writer else \
+        "the partial save is removed by the process that writes this disk's checkpoints (or at the next start)"
+    return (f"disk full while saving the checkpoint of step {step}: {free / 1e6:.1f} MB free on {run.root}, "
+            f"a checkpoint takes about {max(last_size, partial_bytes) / 1e6:.1f} MB; {removed}, "
+            f"{kept[0].name if kept else 'no earlier checkpoint'} is intact. Free space (or lower keep_checkpoints), "
+            "then run the same command to resume.")
+
+
+def _disk_full(run: RunDir, step: int, writer: bool) -> int:
+    """The disk-full exit: the reason in the log and in worker.json, the partial save removed by the disk's writer."""
+    message = _disk_full_message(run, step, writer)
+    print(f"[ftrun worker] {message}", file=sys.stderr, flush=True)
+    _record_error(run, message, EXIT_DISK_FULL)  # under torchrun the supervisor sees 1: it reads this one
+    return EXIT_DISK_FULL
+
+
+def _finish(run: RunDir, device: str, step: int, writer: bool) -> int:
+    """0 once the last checkpoint's manifest is on disk (every rank waits); a manifest that failed is never a
+    clean exit: a full disk takes the disk-full exit, anything else is raised (a crash, restarted from the
+    newest verified checkpoint)."""
+    try:
+        _await_manifest(device)
+    except ckpt.ManifestFailed as exc:
+        if not _is_disk_full(exc, run.root):
+            raise
+        return _disk_full(run, step, writer)
+    return 0

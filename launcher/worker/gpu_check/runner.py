@@ -1,0 +1,171 @@
+"""The GPU check's command line: the step order, running one step into its JSON, recording its end, the summary."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import launcher.worker.gpu_check as package
+from launcher.worker.gpu_check.bench import step_bench_full, step_bench_lora
+from launcher.worker.gpu_check.common import Context, first_line, read_json, write_json
+from launcher.worker.gpu_check.device import step_device
+from launcher.worker.gpu_check.fsdp import fsdp_child, step_fsdp
+from launcher.worker.gpu_check.memory import step_oom, step_peak_memory
+from launcher.worker.gpu_check.padding import step_bench_padding
+from launcher.worker.gpu_check.placement import place_child, step_memory_cap, step_placement
+from launcher.worker.gpu_check.smoke import step_smoke_bench
+from launcher.worker.gpu_check.tiny_model import step_tiny_model
+from launcher.worker.gpu_check.training import GPU_SHAPE
+
+# Execution order. The torch-only checks come first (seconds each), the 8B measurements next (the figures the
+# loan is for), FSDP (a distributed launch: the likeliest to hang) and the trl-based bench last.
+STEPS = ("tiny-model", "device", "placement", "memory-cap", "peak-memory", "oom",
+         "bench-lora", "bench-full", "bench-padding", "fsdp", "smoke-bench")
+STEP_FUNCS: dict[str, Callable[[Context], dict[str, Any]]] = {
+    "tiny-model": step_tiny_model, "device": step_device, "placement": step_placement,
+    "memory-cap": step_memory_cap, "peak-memory": step_peak_memory, "oom": step_oom,
+    "bench-lora": step_bench_lora, "bench-full": step_bench_full, "bench-padding": step_bench_padding,
+    "fsdp": step_fsdp, "smoke-bench": step_smoke_bench,
+}
+
+
+def _status(result: dict[str, Any]) -> str:
+    return {True: "passed", False: "failed", None: "skipped"}[result.get("ok")]
+
+
+def run_step(name: str, ctx_args: dict[str, Any]) -> int:
+    """Run one step in this process; its JSON says "running" until it ends (so a kill leaves that behind)."""
+    out = Path(ctx_args["out"])
+    path = out / f"{name}.json"
+    started = time.time()
+    base = {"step": name, "status": "running", "started": started, "mode": "dry-run" if ctx_args["dry_run"] else "gpu"}
+    write_json(path, base)
+    ctx = Context(progress=lambda **kw: write_json(path, {**base, "partial": kw}), **ctx_args)
+    try:
+        result = STEP_FUNCS[name](ctx)
+    except Exception as exc:  # noqa: BLE001 - a failed step is a result, recorded with its reason
+        result = {"ok": False, "error": first_line(exc), "traceback": traceback.format_exc()[-3000:],
+                  "line": f"error: {first_line(exc)}"}
+        partial = (read_json(path) or {}).get("partial")
+        if partial:
+            result["partial"] = partial
+    import resource
+
+    cpu = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+              for f in ("ru_utime", "ru_stime"))
+    result = {**base, **result, "status": _status(result), "seconds": round(time.time() - started, 1),
+              "cpu_seconds": round(cpu, 1)}
+    write_json(path, result)
+    return 0 if result["ok"] is not False else 1
+
+
+def finish(out: Path, name: str, rc: int, limit: Optional[float], not_run: Optional[str] = None) -> str:
+    """After a step's process ended (or was not started, `not_run` saying why): record what it could not,
+    rewrite the summary, and return the step's one-line result."""
+    path = out / f"{name}.json"
+    data = read_json(path)
+    if not_run is not None:
+        data = {"step": name, "status": "not run", "ok": False, "error": not_run, "line": f"not run: {not_run}"}
+        write_json(path, data)
+    elif data is None or data.get("status") == "running":
+        data = data or {"step": name}
+        log = out / f"{name}.log"
+        tail = ""
+        if log.is_file():
+            lines = [x for x in log.read_text(errors="replace").strip().splitlines() if x.strip()]
+            tail = lines[-1][:200] if lines else ""
+        if rc in (124, 137):  # timeout(1): 124 after SIGTERM, 128+9 after its SIGKILL
+            why = f"timed out after {limit:g} s" if limit else "timed out"
+            data.update(status="timed out")
+        else:
+            why = f"ended with exit {rc} without a result" + (f": {tail}" if tail else "")
+            data.update(status="crashed")
+        if data.get("partial"):
+            why += f" (what it measured before is kept in {name}.json)"
+        data.update(ok=False, error=why, log_tail=tail, line=why, seconds=round(time.time() - data.get("started", time.time()), 1))
+        write_json(path, data)
+    elif rc != 0 and data.get("ok") is not False:
+        data.update(ok=False, status="failed", error=f"exit {rc}", line=f"{data.get('line', '')} (exit {rc})")
+        write_json(path, data)
+    write_summary(out)
+    mark = {"passed": "ok", "failed": "FAIL", "skipped": "skip", "timed out": "TIMEOUT", "crashed": "CRASH",
+            "not run": "NOT RUN"}
+    secs = f" [{data['seconds']:.0f} s]" if isinstance(data.get("seconds"), (int, float)) else ""
+    return f"{mark.get(data['status'], data['status']):>7} {name}: {data.get('line', '')}{secs}"
+
+
+def write_summary(out: Path) -> dict[str, Any]:
+    steps = []
+    selected = [x for x in os.environ.get("GPU_CHECK_STEPS", "").split(",") if x]
+    for name in STEPS:
+        data = read_json(out / f"{name}.json")
+        if selected and name not in selected:
+            steps.append({"step": name, "status": "not selected"})
+            continue
+        if data is None:
+            steps.append({"step": name, "status": "pending"})
+            continue
+        steps.append({"step": name, "status": data.get("status"), "ok": data.get("ok"),
+                      "seconds": data.get("seconds"), "line": data.get("line")})
+    counts: dict[str, int] = {}
+    for s in steps:
+        counts[s["status"]] = counts.get(s["status"], 0) + 1
+    started = float(os.environ.get("GPU_CHECK_STARTED", "0") or 0)
+    summary = {"mode": os.environ.get("GPU_CHECK_MODE", ""), "updated": time.time(),
+               "elapsed_seconds": round(time.time() - started, 1) if started else None,
+               "budget_seconds": float(os.environ.get("GPU_CHECK_BUDGET_S", "0") or 0) or None,
+               "counts": counts, "all_passed": all(s["status"] in ("passed", "skipped", "not selected") for s in steps),
+               "steps": steps}
+    write_json(out / "summary.json", summary)
+    return summary
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m launcher.worker.gpu_check", description=package.__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("step", help="run one step, writing OUT/NAME.json")
+    s.add_argument("name", choices=STEPS)
+    s.add_argument("--out", type=Path, required=True)
+    s.add_argument("--dry-run", action="store_true", help="on the CPU, with CPU expectations and a tiny shape")
+    f = sub.add_parser("finish", help="record a step's end (timeout, crash, skip), rewrite the summary, print its line")
+    f.add_argument("name", choices=STEPS)
+    f.add_argument("--out", type=Path, required=True)
+    f.add_argument("--rc", type=int, default=0)
+    f.add_argument("--limit", type=float)
+    f.add_argument("--not-run", help="the step was not started, for this reason")
+    st = sub.add_parser("start", help="remove step results of an earlier run from OUT, write the first summary")
+    st.add_argument("--out", type=Path, required=True)
+    c = sub.add_parser("place-child", help=argparse.SUPPRESS)
+    c.add_argument("--model", type=Path, required=True)
+    c.add_argument("--out", required=True)
+    c.add_argument("--load", action="store_true")
+    d = sub.add_parser("fsdp-child", help=argparse.SUPPRESS)
+    d.add_argument("--model", type=Path, required=True)
+    d.add_argument("--out", type=Path, required=True)
+    d.add_argument("--work", type=Path, required=True)
+    d.add_argument("--device", choices=("cuda", "cpu"), required=True)
+    ns = p.parse_args(argv)
+    if ns.command == "step":
+        ns.out.mkdir(parents=True, exist_ok=True)
+        work = Path(os.environ.get("GPU_CHECK_WORK") or ns.out / "work")
+        work.mkdir(parents=True, exist_ok=True)
+        shape = os.environ.get("GPU_CHECK_SHAPE") or ("tiny" if ns.dry_run else GPU_SHAPE)
+        return run_step(ns.name, {"out": ns.out, "work": work, "dry_run": ns.dry_run,
+                                  "device": "cpu" if ns.dry_run else "cuda", "shape": shape})
+    if ns.command == "start":
+        ns.out.mkdir(parents=True, exist_ok=True)
+        for name in STEPS:
+            (ns.out / f"{name}.json").unlink(missing_ok=True)
+        write_summary(ns.out)
+        return 0
+    if ns.command == "finish":
+        print(finish(ns.out, ns.name, ns.rc, ns.limit, ns.not_run), flush=True)
+        return 0
+    if ns.command == "place-child":
+        return place_child(ns.model, Path(ns.out.replace("{rank}", os.environ.get("RANK", "0"))), ns.load)
+    return fsdp_child(ns.model, ns.out, ns.work, ns.device)

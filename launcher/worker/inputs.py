@@ -1,0 +1,81 @@
+"""The worker's data, read back as the launcher checked it (training examples, held-out examples, sample prompts)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from launcher.data import split as evaluation
+from launcher.store.rundir import RunDir
+from launcher.worker import samples
+
+
+def _data_spec(run: RunDir, recipe):
+    """The recipe's data, Hub datasets pinned at the revisions the launcher read (data.json)."""
+    from launcher.data.sources import pinned
+
+    record = run.root / "data.json"
+    return pinned(recipe.data, json.loads(record.read_text()).get("sources", [])) if record.is_file() else recipe.data
+
+
+def _data_changed(run: RunDir, recipe, data_sha256: str) -> Optional[str]:
+    """Why the data read now is not what the launcher checked and recorded (data.json), or None. The launcher
+    refuses a resume on changed data; this catches a change between two starts of the worker under one
+    supervisor (a crash and its restart), which would otherwise train on other examples unnoticed."""
+    from launcher.data.dataset import identity, load_data
+
+    record = run.root / "data.json"
+    recorded = json.loads(record.read_text()).get("sha256") if record.is_file() else None
+    if not recorded:
+        return None
+    eval_sha = load_data(recipe.eval.data, recipe.seed).sha256 if recipe.eval.data else None
+    now = identity(data_sha256, eval_sha)
+    if now == recorded:
+        return None
+    return (f"the data changed since the launch checked it (sha256 {recorded[:12]}... -> {now[:12]}...): not "
+            "training on other examples than the run started with; restore the data and run the same command "
+            "again (it resumes), or add --allow-changes / --fresh")
+
+
+def _local_data(spec) -> bool:
+    from launcher.data.sources import sources_of
+
+    return all(s.local and Path(s.path).exists() for s in sources_of(spec))
+
+
+def _eval_and_prompts(run: RunDir, recipe, mode: str, examples: list) -> tuple[list, list[dict[str, Any]]]:
+    """The eval examples and the sample prompts. The full run splits the data itself (launcher/data/split.py);
+    the smoke test reads what its launcher wrote: a share of the held-out examples and the full run's prompts."""
+    from launcher.data.dataset import load_data
+
+    if mode == "smoke":
+        held = run.smoke_work / "eval.jsonl"
+        asked = run.smoke_work / "prompts.json"
+        return (load_data(held, recipe.seed).examples if held.is_file() else [],
+                json.loads(asked.read_text()) if asked.is_file() else [])
+    parts = evaluation.for_recipe(examples, recipe)
+    if recipe.eval.data:
+        held_examples = evaluation.load_eval_data(recipe)
+        prompts = samples.pick(held_examples, list(range(len(held_examples))), [], recipe.eval.samples, recipe.seed,
+                               evaluation.source_name(recipe.eval.data))
+        return held_examples, prompts
+    prompts = samples.pick(examples, parts.held_out, parts.train, recipe.eval.samples, recipe.seed,
+                           evaluation.source_name(recipe.data))
+    return [examples[i] for i in parts.held_out], prompts
+
+
+def _trained_tokens(examples: list, prepared, sample: int = 2000) -> str:
+    """What TRL made of the data: its form and the share of tokens the loss is computed on (plain text: all of
+    them, no chat template; prompt/completion: the completion), read from the prepared dataset's labels."""
+    from launcher.data.formats import example_form
+
+    form = {"chat": "chat (the model's chat template)", "text": "plain text (no chat template)",
+            "prompt_completion": "prompt/completion"}[example_form(examples[0])]
+    rows = prepared.select(range(min(sample, len(prepared))))
+    ids = rows["input_ids"]
+    labels = rows["labels"] if "labels" in rows.column_names else ids
+    total = sum(len(x) for x in ids)
+    trained = sum(1 for row in labels for t in row if t != -100)
+    return (f"data as TRL prepared it: {form}, {len(prepared):,} examples; loss on {trained:,} of {total:,} tokens "
+            f"({trained / max(total, 1):.1%}{f', first {len(rows):,} examples' if len(rows) < len(prepared) else ''})")

@@ -1,0 +1,42 @@
+"""loss.png redrawn in a child process, so that drawing it never holds up training."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+
+_PLOT: dict[str, Any] = {"child": None, "pending": False}
+
+
+def _redraw_loss_plot(run_root: Path, final: bool = False) -> None:
+    """loss.png in a child process: matplotlib's import and drawing never hold up a training step. While one
+    drawing runs, the next checkpoint's is skipped; at the end the last one is waited for (and made, if a
+    checkpoint came since it started), so the finished run's plot is complete."""
+    child = _PLOT["child"]
+    if child is not None and child.poll() is None and not final:
+        _PLOT["pending"] = True
+        return
+    if child is not None:
+        _reap(child)
+        _PLOT["child"] = None
+        if final and not _PLOT["pending"]:
+            return
+    _PLOT["pending"] = False
+    _PLOT["child"] = subprocess.Popen([sys.executable, "-m", "launcher.deliver.plots", str(run_root)],
+                                      stdin=subprocess.DEVNULL, cwd=str(Path(__file__).resolve().parents[2]))
+    if final:
+        _reap(_PLOT["child"])
+        _PLOT["child"] = None
+
+
+def _reap(child: subprocess.Popen, timeout: float = 60.0) -> None:
+    """Wait for a drawing; one that hangs is killed (a plot is not worth a run that never ends)."""
+    try:
+        child.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+        print(f"[ftrun worker] loss.png not updated: the drawing took more than {timeout:.0f} s", flush=True)

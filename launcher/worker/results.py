@@ -1,0 +1,120 @@
+"""What the worker writes once training is done: the smoke test's measurements, or the full run's final result.
+
+The full run's result is final/adapter or final/model, then the trained model's answers to the sample prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Optional
+
+from launcher.store import checkpoint as ckpt
+from launcher.store.rundir import RunDir
+from launcher.worker import samples
+from launcher.worker.process import _rank, _say
+
+
+def _write_smoke_result(run: RunDir, step_times, device: str, timed_out: bool,
+                        checkpoint_seconds: Optional[float] = None, costs: Optional[dict[str, Any]] = None, *,
+                        peak_gb: float) -> None:
+    # The first step pays for warm-up (allocator, kernels, lazy init): throughput is measured
+    # from the end of step 1 to the end of the last step.
+    steps = [t for t in step_times if t[0] > 0]
+    first, last = (steps[0], steps[-1]) if len(steps) >= 2 else (step_times[0], step_times[-1])
+    seconds = last[1] - first[1]
+    tokens = last[2] - first[2]
+    result = {
+        "steps": last[0],
+        "measured_steps": last[0] - first[0],
+        "seconds": round(step_times[-1][1] - step_times[0][1], 3),
+        "measured_seconds": round(seconds, 3),
+        "tokens": int(tokens),
+        "tokens_per_second": round(tokens / seconds, 1) if seconds > 0 else None,
+        "seconds_per_step": round(seconds / max(last[0] - first[0], 1), 4),
+        "warmup_seconds": round(first[1] - step_times[0][1], 3),
+        "warmup_tokens": int(first[2] - step_times[0][2]),  # step 1: the longest batch (smoke.py)
+        # (tokens, seconds) of each measured step: smoke.py fits seconds = a + b * tokens, so steps with
+        # other token counts than the smoke's (another micro-batch mix, a short run) are priced right.
+        "step_costs": [[int(b[2] - a[2]), round(b[1] - a[1], 4)] for a, b in zip(steps, steps[1:])],
+        "peak_memory_gb": round(peak_gb, 3),  # the largest over ranks (memory.peak_memory_over_ranks_gb)
+        "device": device,
+        "timed_out": timed_out,
+        "checkpoint_seconds": round(checkpoint_seconds, 3) if checkpoint_seconds is not None else None,
+        **(costs or {}),
+    }
+    ckpt.atomic_write_json(run.smoke_work / "result.json", result)
+
+
+def _save_final(run: RunDir, trainer, tokenizer, recipe) -> None:
+    """final/adapter (PEFT adapter + tokenizer) or final/model, written to a temporary folder then renamed.
+    Every rank calls it (the sharding engines gather collectively); the supervisor verifies the result
+    (launcher/store/final.py) before the run counts as succeeded."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from launcher.store import final
+    from launcher.worker import saving
+    from launcher.worker.engines.fsdp import is_sharded, save_full
+
+    name = final.kind(recipe.method)
+    tmp = run.final / f".{name}.tmp"
+    # a whole model is written in the base model's dtype, whatever dtype training kept (launcher/worker/saving.py)
+    dtype, source = saving.final_dtype(recipe)
+    if _rank() == 0:
+        run.final.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    if is_sharded(trainer.model):
+        # FSDP2: Trainer.save_model writes nothing unless the checkpoints' state dict type is FULL_STATE_DICT
+        # (see save_full); the final result is gathered here one tensor at a time, the checkpoints stay sharded.
+        save_full(trainer.model, tmp, write=_rank() == 0, dtype=dtype)
+    elif dtype is not None and not trainer.is_deepspeed_enabled:
+        # trl/ddp train fp32 master weights: rank 0 casts them tensor by tensor while saving (no collective)
+        if _rank() == 0:
+            saving.save_model(trainer.accelerator.unwrap_model(trainer.model), tmp, dtype)
+    else:
+        trainer.save_model(str(tmp))  # collective under ZeRO-3 (its 16-bit gather); only the main process writes
+        if dtype is not None and _rank() == 0:
+            saving.recast_folder(tmp, dtype)  # ZeRO-3 wrote its training dtype (fp16 cards, the CPU's fp32)
+    if _rank() != 0:
+        return
+    tokenizer.save_pretrained(str(tmp))
+    dst = run.final / name
+    if dst.exists():
+        shutil.rmtree(dst)
+    os.replace(tmp, dst)
+    print(f"[ftrun worker] final {name} saved to {dst}"
+          + (f" in {str(dtype).replace('torch.', '')} (from {source})" if dtype is not None else ""), flush=True)
+
+
+def _answer_after(run: RunDir, recipe, trainer, tokenizer, prompts: list[dict[str, Any]], sharded: bool) -> None:
+    """The trained model answers the prompts the base model answered (samples-before.json), into final/samples.md.
+    Without a before record (none was generated), a LoRA run's base answers come from the adapter switched off."""
+    if not prompts or not (sharded or _rank() == 0):
+        return
+    before = samples.read_before(run.root / samples.BEFORE_FILE)
+    asked = [{k: v for k, v in s.items() if k != "before"} for s in before["samples"]] if before else prompts
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    t0 = time.monotonic()
+    try:
+        answers = samples.generate(model, tokenizer, asked, recipe.eval.max_new_tokens, sharded)
+        if before is None and hasattr(model, "disable_adapter"):
+            with model.disable_adapter():
+                base = samples.generate(model, tokenizer, asked, recipe.eval.max_new_tokens, sharded)
+            before = {"samples": [{**p, "before": a} for p, a in zip(asked, base)]}
+    except Exception as exc:  # evidence, not training: the result is saved already
+        _say(f"samples: the answers after training could not be generated ({type(exc).__name__}: {exc})")
+        return
+    if _rank() != 0:
+        return
+    path = samples.write_after(run.final, before, asked, answers, run_name=run.root.name,
+                               step=trainer.state.global_step, max_new_tokens=recipe.eval.max_new_tokens)
+    _say(f"samples: before and after training in {path} ({len(answers)} prompt(s), "
+         f"{time.monotonic() - t0:.1f} s)")
+    rows = json.loads((run.final / samples.DATA).read_text())["samples"]
+    for line in samples.summary(rows):
+        _say(line)

@@ -1,0 +1,85 @@
+"""The Trainer's configuration: the SFTConfig that a recipe, its plan and the mode make, with its data collator."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from launcher.store.rundir import RunDir
+from launcher.worker.process import _rank
+
+
+def sft_config(recipe, run: RunDir, mode: str, device: str, dtype, max_steps: Optional[int], output_dir: Path,
+               engine_fields: Optional[dict] = None, eval_fields: Optional[dict] = None):
+    import torch
+    from trl import SFTConfig
+
+    fields: dict[str, Any] = dict(
+        output_dir=str(output_dir),
+        max_length=recipe.max_length,
+        per_device_train_batch_size=recipe.micro_batch_size,
+        gradient_accumulation_steps=recipe.gradient_accumulation_steps,
+        num_train_epochs=recipe.epochs if mode == "full" else 1,
+        max_steps=max_steps if max_steps else -1,
+        learning_rate=recipe.learning_rate,
+        packing=recipe.packing,
+        assistant_only_loss=recipe.assistant_only_loss,
+        seed=recipe.seed,
+        data_seed=recipe.seed,
+        logging_steps=recipe.logging_steps if mode == "full" else 1,
+        save_strategy="no",  # ftrun saves by wall clock (callback), not every N steps
+        save_only_model=False,
+        **_trackers(run, recipe, mode),  # report_to, and the run's name for the trackers (launcher/worker/trackers.py)
+        include_num_input_tokens_seen="non_padding",  # real tokens, not padding
+        use_cpu=device == "cpu",
+        bf16=device == "cuda" and dtype == torch.bfloat16,
+        fp16=device == "cuda" and dtype == torch.float16,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    # transformers 5.2x renamed gradient_checkpointing to activation_checkpointing (old name warns);
+    # older releases (the ones Unsloth pins) only know the old name.
+    import dataclasses
+
+    ac = "activation_checkpointing" if any(f.name == "activation_checkpointing" for f in dataclasses.fields(SFTConfig)) \
+        else "gradient_checkpointing"
+    fields[ac] = recipe.gradient_checkpointing
+    fields[f"{ac}_kwargs"] = {"use_reentrant": False}
+    if mode == "smoke" and any(f.name == "train_sampling_strategy" for f in dataclasses.fields(SFTConfig)):
+        # The smoke sample is written longest batch first: an out-of-memory shows in step 1.
+        fields["train_sampling_strategy"] = "sequential"
+    if recipe.method == "full-8bit":
+        # 8-bit AdamW states (bitsandbytes): about 2 bytes/param of optimizer state instead of 8.
+        fields["optim"] = "adamw_bnb_8bit"
+    # Otherwise TRL's default (fused AdamW), which torch also runs on the CPU: the same optimizer a
+    # plain TRL script gets.
+    for key, value in (engine_fields or {}).items():  # launcher/backends: what the engine needs
+        fields[ac if key == "activation_checkpointing" else key] = value
+    fields.update(eval_fields or {})  # launcher/data/split.py; trainer: may still set the eval batch and the like
+    fields.update(recipe.trainer)
+    return SFTConfig(**fields)
+
+
+def padding_free_collator(recipe, tokenizer):
+    """The micro-batch as one row without padding (position_ids mark the examples), or None for TRL's default.
+
+    TRL's own `padding_free=True` refuses a max_length without packing, although its dataset preparation
+    truncates to max_length either way; passing its padding-free collator keeps the truncation. The loss is
+    the same as padded (each example attends only to itself, the first token of each is not a target), the
+    compute on pad tokens is gone: on data with a long tail, most of a padded batch is padding. With packing,
+    TRL's BFD packing is padding-free already.
+    """
+    if not recipe.padding_free or recipe.packing:
+        return None
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    return DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id, padding_free=True)
+
+
+def _trackers(run: RunDir, recipe, mode: str) -> dict[str, Any]:
+    """SFTConfig's report_to (the recipe's, on the full run's main process; TensorBoard event files in
+    run_dir/tensorboard) and run_name/project, the environment each tracker reads set (launcher/worker/trackers.py)."""
+    from launcher.worker import trackers
+
+    report_to, fields = trackers.prepare(run.root, recipe, mode, _rank())
+    return {"report_to": report_to, **fields}
