@@ -52,7 +52,7 @@ class GgufType:
 # (vendor/llama.cpp/tools/perplexity/README.md of llama-cpp-python 0.3.36: mean KL divergence against FP16 q8_0
 # 0.0014, q6_K 0.0055, q5_K_M 0.011, q4_K_M 0.031; same top token 97.7% / 96.0% / - / 91.9%; perplexity +0.04% /
 # +0.35% / +0.9% / +2.8%), at about four times its KL; (b) scripts/bench_gguf.py on the two tiny models of
-# tests/test_gguf.py (a Qwen3 of hidden size 64 whose rows are too short for K-quants, and a Llama 3.1-style
+# tests/deliver/test_gguf.py (a Qwen3 of hidden size 64 whose rows are too short for K-quants, and a Llama 3.1-style
 # model of hidden size 256 with real Q4_K/Q5_K/Q6_K tensors), at about 1.5 times the worst value there.
 # The mean KL divergence is the main bound: a broken conversion (a wrong rope, a tensor mapped wrong, another
 # tokenizer) is off by whole nats. Top-1 agreement is a loose floor: random-initialised tiny models have flat

@@ -93,3 +93,63 @@ def reference_run(tmp_path_factory, tiny_model) -> Path:
     res = ftrun(recipe, "--foreground", "smoke.enabled=false", cwd=d)
     assert res.returncode == 0, res.stdout + res.stderr
     return d / "run"
+
+
+# A local S3 endpoint for the copies off the box (tests/store/test_sync.py, tests/run/test_kill_series.py).
+
+class _RequestLog:
+    """WSGI middleware recording each request the S3 server answers: method, path, query, response bytes."""
+
+    def __init__(self, app):
+        self.app, self.entries = app, []
+
+    def __call__(self, environ, start_response):
+        entry = {"method": environ["REQUEST_METHOD"], "path": environ.get("PATH_INFO", ""),
+                 "query": environ.get("QUERY_STRING", ""), "bytes": 0}
+        self.entries.append(entry)
+        result = self.app(environ, start_response)
+        try:
+            for chunk in result:
+                entry["bytes"] += len(chunk)
+                yield chunk
+        finally:
+            if hasattr(result, "close"):
+                result.close()
+
+    def object_reads(self) -> list[dict]:
+        """GETs of an object (path-style /bucket/key), not listings of the bucket."""
+        return [e for e in self.entries if e["method"] == "GET" and e["path"].strip("/").count("/") >= 1]
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+
+@pytest.fixture
+def s3_server(monkeypatch):
+    """A local S3-compatible server (moto) with one bucket; the ftrun processes reach it via AWS_* variables.
+    Yields .env (those variables) and .requests (every request it answered)."""
+    from types import SimpleNamespace
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+    from s3fs import S3FileSystem
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    requests = _RequestLog(server._server.app)
+    server._server.app = requests  # werkzeug's handler calls the server's .app for each request
+    host, port = server.get_host_and_port()
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": f"http://{host}:{port}"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    boto3.client("s3").create_bucket(Bucket="ftrun-test")
+    S3FileSystem.clear_instance_cache()  # fsspec reuses a file system made for an earlier test's endpoint
+    yield SimpleNamespace(env=env, requests=requests)
+    server.stop()
+    S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture
+def s3_endpoint(s3_server) -> dict:
+    return s3_server.env

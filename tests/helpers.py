@@ -8,8 +8,31 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+# The article's planning dataset: 10,000 examples of ~500 tokens, three epochs = 15M training tokens.
+ARTICLE_DATA = SimpleNamespace(examples=10_000, total_tokens=5_000_000, mean_tokens=500.0, max_tokens=2048,
+                               over_max_length=0, tokens_source="tokenizer")
+
+
+def article_recipe(tmp_path, **fields):
+    base = {"model": "meta-llama/Llama-3.1-8B", "method": "qlora", "data": "d.jsonl", "max_length": 2048,
+            "micro_batch_size": 1, "gradient_accumulation_steps": 8}
+    base.update(fields)
+    from launcher.recipe import validate_recipe
+
+    return validate_recipe(base, tmp_path, "r")
+
+
+def article_plan(tmp_path, gpus, unsloth=False, data=ARTICLE_DATA, **fields):
+    from launcher.plan.hardware import from_spec
+    from launcher.plan.plan import make_plan
+
+    hw = gpus if not isinstance(gpus, str) else from_spec(gpus)
+    return make_plan(article_recipe(tmp_path, **fields), hw, data, unsloth_available=unsloth)
 
 
 def ftrun(*args, cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -122,8 +145,8 @@ def prepared_run(recipe_path: Path, *overrides: str) -> Path:
 
 
 def export_recipe(path: Path, model: Path, out: Path, **fields) -> Path:
-    """A short LoRA run of the tiny model without a smoke test, for the export tests (tests/test_export.py and
-    the GGUF tier, tests/test_gguf.py); `fields` override."""
+    """A short LoRA run of the tiny model without a smoke test, for the export tests (tests/deliver/test_export.py and
+    the GGUF tier, tests/deliver/test_gguf.py); `fields` override."""
     import yaml
 
     base = {"model": str(model), "method": "lora", "data": str(REPO / "recipes" / "data" / "tiny-chat.jsonl"),

@@ -1,5 +1,5 @@
-"""The training data: read every source, convert every record, count tokens with the model's own chat template,
-check that the template renders what the records hold, draw the smoke sample.
+"""A recipe's dataset, from `data:` to examples: every source read, every record converted, tokens counted with the
+model's own chat template, the template checked against what the records hold, the smoke sample drawn.
 
 `load_data(spec)` is the one entry point from a recipe's `data` (or `eval.data`) to examples; formats live in
 launcher/data/formats.py, sources (files, folders, saved and Hub datasets) in launcher/data/sources.py.

@@ -1,7 +1,8 @@
 """llama.cpp for the GGUF export: its converter, its quantizer and its runtime, all from one pinned version.
 
 One version of llama.cpp does everything, so what is checked is what Ollama and llama.cpp run:
-- the runtime and the quantizer come from `llama-cpp-python` (PINNED), built from its source distribution
+- the runtime and the quantizer come from `llama-cpp-python` (PINNED, in launcher/plan/gguf_readiness.py), built
+  from its source distribution
   (`pip install -e ".[gguf]"`, see docs/engines.md: build without -march=native); the quantizer is its
   binding of `llama_model_quantize` (llama_cpp/llama_cpp.py), the same code as the `llama-quantize` tool;
 - the converter is `convert_hf_to_gguf.py` with its `conversion/` package and its own `gguf-py`, taken from

@@ -1,4 +1,9 @@
-"""Which engine on how many processes runs a job on one box, by the article's rules, each choice with its reason."""
+"""Which engine on how many processes runs a job on one box, each choice with its reason.
+
+The rules are the reference article's (docs/sizing.md, "Engine rules"): Unsloth on one card where it fits; more
+cards (DDP) when one card would take longer than a working day (WORKDAY_HOURS); FSDP or DeepSpeed ZeRO-3 when no
+card holds the job, with QLoRA's 4-bit shards offloaded to CPU RAM when even the shards do not fit.
+"""
 
 from __future__ import annotations
 

@@ -211,7 +211,7 @@ def readiness(model: str, gguf_type: str, this_box: bool = True) -> Readiness:
 
 # The converter's table (conversion/__init__.py TEXT_MODEL_MAP) of the pinned version, shipped with ftrun so that
 # `ftrun plan` on a machine without llama.cpp (planning a box to rent) still refuses an architecture it cannot
-# convert. Written by `ftrun llamacpp architectures`; tests/test_gguf.py checks it against the install.
+# convert. Written by `ftrun llamacpp architectures`; tests/deliver/test_gguf.py checks it against the install.
 ARCHITECTURES_FILE = Path(__file__).with_name("llamacpp_architectures.json")
 
 

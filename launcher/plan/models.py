@@ -434,7 +434,7 @@ def download_size(model: str, arch: Architecture, repo: str | None = None, allow
 # Unsloth's pre-quantized 4-bit uploads (bitsandbytes NF4 weights): for QLoRA they download about a
 # quarter of the 16-bit weights and skip quantizing at load time. Only Hub ids of the built-in catalog's
 # models (CATALOG above) are mapped; local folders are loaded as they are. The names are checked
-# against Unsloth's own mapper (unsloth.models.mapper) in tests/test_unsloth.py.
+# against Unsloth's own mapper (unsloth.models.mapper) in tests/worker/test_unsloth.py.
 PREQUANTIZED: dict[str, str] = {
     # Qwen3
     "qwen/qwen3-0.6b": "unsloth/Qwen3-0.6B-bnb-4bit",

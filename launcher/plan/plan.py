@@ -1,4 +1,8 @@
-"""(Recipe, Hardware, DataStats) -> Plan: engine, processes, memory, tokens, time, cost, each with its reason; refuses with advice."""
+"""(Recipe, Hardware, DataStats) -> Plan: engine, processes, memory, tokens, time, cost, each with its reason; refuses with advice.
+
+It assembles the parts: the job (plan/job.py), the engine choice (plan/engine.py), the advice (plan/advice.py), the
+text (plan/text.py).
+"""
 
 from __future__ import annotations
 

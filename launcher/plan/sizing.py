@@ -366,7 +366,7 @@ def _loading_16bit(arch: Arch, w: Workload, est: MemoryEstimate, n: int) -> None
 
     transformers 5.24 loads a checkpoint whose dtype is the requested one without copying it: the parameters
     are views of the memory-mapped safetensors files (measured on CPU: a bf16 model loaded in bf16 adds its size
-    to the process's file-backed RSS and almost nothing to its anonymous RSS; tests/test_sizing.py), so the N
+    to the process's file-backed RSS and almost nothing to its anonymous RSS; tests/plan/test_sizing.py), so the N
     processes of a box share one copy in the page cache, which the kernel can drop and re-read. What each
     process adds on its own is counted:
     - FSDP: with device_map=None and no process group yet, every rank loads the whole model onto its CPU

@@ -1,4 +1,9 @@
-"""The smoke test: train on 1% of the data (longest examples included), measure, extrapolate the full run."""
+"""The smoke test: train on a sample of the data (longest examples included), measure, extrapolate the full run.
+
+Its settings (the sample's fraction, 1% by default; the minimum steps; the time cap) are the recipe's `smoke:`
+(launcher/recipe.py, SmokeSettings); the sample is drawn by launcher/data/dataset.py. What the measurements mean for
+the user (the forecast, a memory note) is worded by launcher/run/views.py (format_smoke).
+"""
 
 from __future__ import annotations
 
@@ -214,9 +219,9 @@ def run_smoke(run: RunDir, recipe, plan: dict[str, Any], examples, lengths: list
         "engine": plan.get("engine"),
         "num_processes": processes,
     }
-    note = memory_note(measured.get("device"), recipe.method)
-    if note:
-        report["memory_note"] = note
+    growth = memory_growth(measured.get("device"), recipe.method)
+    if growth:
+        report["memory_growth"] = growth
     atomic_write_json(run.smoke, report)
     shutil.rmtree(run.smoke_work / "trainer", ignore_errors=True)
     return report
@@ -254,12 +259,12 @@ def _write_eval_request(run: RunDir, recipe, examples, lengths: list[int], parts
     return cost
 
 
-def memory_note(device: Optional[str], method: str) -> Optional[str]:
-    """Where the smoke test's peak is known to understate the full run's (measured, docs/BENCHMARKS.md)."""
+def memory_growth(device: Optional[str], method: str) -> Optional[dict[str, Any]]:
+    """Where the smoke test's peak is known to understate the full run's (measured, docs/BENCHMARKS.md): the cause
+    and the factor, stored in smoke.json; launcher/run/views.py (memory_note) words it."""
     if device == "cpu" and method == "qlora":
         # bitsandbytes' CPU path holds more memory step after step while the live tensors stay the same:
         # over a 60-step run, peak RSS from 0.94 GB in the first steps (where the smoke test measures) to
         # 1.81 GB; LoRA on the same data stays flat.
-        return ("on CPU, QLoRA's process memory grows during the run (bitsandbytes' CPU path; measured: "
-                "about 2x the peak of the first steps, where this smoke test measured): allow for it in --memory-limit")
+        return {"cause": "bitsandbytes-cpu-qlora", "factor": 2.0}
     return None

@@ -1,5 +1,8 @@
 """What a run looks like to its user: its status (text and JSON), the list of runs, live progress, the end-of-run summary.
 
+Every text a user reads about a run is composed here from stored facts: how a run ended (stopped, preempted by the
+provider's SIGTERM, failed), the exact resume command, the smoke test's forecast and memory note.
+
 Everything here reads the run directory's files (state.json, plan.json, smoke.json, worker.json, metrics.jsonl,
 sync.json, checkpoints/, final/) and never imports torch: `ftrun status` answers in a fraction of a second on a
 box that is busy training. The numbers come from one reading (`run_status`), so the text, the JSON, the live bar
@@ -277,8 +280,19 @@ def format_smoke(report: dict[str, Any]) -> str:
         # already spent, before the smoke test: the full run reads the model from the cache
         + (f"; before it, the model's download took {format_duration(report['download_seconds'])}"
            if report.get("download_bytes") else "")
-        + (f"\nnote: {report['memory_note']}" if report.get("memory_note") else "")
+        + (f"\nnote: {memory_note(report)}" if memory_note(report) else "")
     )
+
+
+def memory_note(report: dict[str, Any]) -> Optional[str]:
+    """The smoke test's warning where its peak understates the full run's (smoke.py memory_growth); a smoke.json
+    written before 2026-12-02 carries the note's text itself."""
+    growth = report.get("memory_growth")
+    if growth and growth.get("cause") == "bitsandbytes-cpu-qlora":
+        return ("on CPU, QLoRA's process memory grows during the run (bitsandbytes' CPU path; measured: about "
+                f"{growth['factor']:g}x the peak of the first steps, where this smoke test measured): allow for it in "
+                "--memory-limit")
+    return report.get("memory_note")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The worker: the process that trains (smoke test or full run), the same code on CPU and GPU.
+"""The worker's main flow, from the run directory to an exit code: load, resume, train, save, report.
 
 Run as `python -m launcher.worker.train --run-dir DIR --mode full|smoke` (or under accelerate/torchrun for
 several processes). It reads the run directory's recipe snapshot and plan, resumes from the newest

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TINY_DATA = REPO / "recipes" / "data" / "tiny-chat.jsonl"
 GB = 1e9
 
@@ -176,7 +176,7 @@ def test_adapter_export_when_the_base_fits_nowhere_checks_the_file_and_refuses_t
 def test_export_in_16_bit_when_float32_fits_nowhere_compares_like_with_like(finished_run, tmp_path, monkeypatch):
     """RAM for the 16-bit model but not for float32: merge and every parity load in bf16 on the CPU, one model at
     a time, the merged model compared with base + adapter in the same dtype. (The GGUF is read back in llama.cpp,
-    which places nothing through this: tests/test_gguf.py, the gguf tier.)"""
+    which places nothing through this: tests/deliver/test_gguf.py, the gguf tier.)"""
     import launcher.deliver.export as ex
     import launcher.deliver.placement as placement
 

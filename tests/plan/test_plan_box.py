@@ -23,7 +23,7 @@ from launcher.plan.plan import make_plan
 from launcher.plan.text import format_plan
 from launcher.recipe import TOKENS_MEANING, Recipe, _suggest, parse_token_count, validate_recipe
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 README_RECIPE = REPO / "recipes" / "qwen3-8b-qlora-rtx4090.yaml"
 
 

@@ -23,7 +23,6 @@ import pytest
 
 from conftest import RESUME_FIELDS, recipe_file
 from helpers import REPO, assert_same_run, ftrun, metrics, read_state, status, wait_for, wait_until_ended
-from test_sync import s3_server  # noqa: F401 - the fixture: a local S3 endpoint
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import pytest
 
 from helpers import ftrun, metrics, status
 
-TINY_DATA = Path(__file__).resolve().parent.parent / "recipes" / "data" / "tiny-chat.jsonl"
+TINY_DATA = Path(__file__).resolve().parents[2] / "recipes" / "data" / "tiny-chat.jsonl"
 
 
 def test_the_split_is_seeded_disjoint_and_the_same_every_time():

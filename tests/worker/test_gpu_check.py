@@ -17,7 +17,7 @@ import pytest
 
 from launcher.worker.gpu_check import common, padding, runner
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
 
 

@@ -15,7 +15,7 @@ from launcher.plan.hardware import from_spec
 from launcher.recipe import load_recipe
 from launcher.plan.sizing import GB
 
-RECIPES = sorted((Path(__file__).resolve().parent.parent / "recipes").glob("*.yaml"))
+RECIPES = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))
 ARTICLE = [p for p in RECIPES if p.name != "tiny-cpu.yaml"]
 # The plan is an estimate (docs/sizing.md); the article gives ranges and rounded figures.
 TIME_COST_REL = 0.20

@@ -23,7 +23,7 @@ from launcher.plan.plan import make_plan
 from launcher.recipe import load_recipe
 from launcher.plan.sizing import GB, Workload
 
-RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 LLAMA70 = "meta-llama/Llama-3.1-70B-Instruct"
 QWEN3_30B_A3B = {"model_type": "qwen3_moe", "num_hidden_layers": 48, "hidden_size": 2048, "intermediate_size": 6144,
                  "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,

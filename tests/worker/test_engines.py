@@ -92,6 +92,7 @@ def test_gpu_plan_honours_process_count_or_refuses(tmp_path):
 
 # --- DDP end to end, recorded and verified ---------------------------------------------------------
 
+@pytest.mark.slow  # two gloo processes under torchrun: the multi-process tests are the slow tier's
 def test_ddp_two_gloo_processes_end_to_end(write_recipe, tmp_path):
     recipe = write_recipe(max_steps=6)
     t0 = time.monotonic()
@@ -344,7 +345,8 @@ def test_fsdp_accelerate_config_is_generated_from_the_plan(write_recipe, tmp_pat
     assert trainer_fields(plan, run) == {"activation_checkpointing": False}
 
 
-@pytest.mark.parametrize("method", ["lora", pytest.param("full", marks=pytest.mark.slow)])
+@pytest.mark.slow  # two gloo processes: the multi-process tests are the slow tier's
+@pytest.mark.parametrize("method", ["lora", "full"])
 def test_fully_shard_on_gloo_shards_the_worker_model_and_trains_like_unsharded(write_recipe, tmp_path, method,
                                                                                 request):
     """...and the worker's FSDP final save (launcher.worker.engines.fsdp.save_full, each tensor gathered on every rank,

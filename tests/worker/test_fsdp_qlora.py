@@ -31,7 +31,7 @@ from launcher.plan.text import format_plan
 from launcher.recipe import load_recipe, validate_recipe
 from launcher.plan.sizing import GB, Workload
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 LLAMA70 = "meta-llama/Llama-3.1-70B-Instruct"
 RECIPE_70B = REPO / "recipes" / "llama-3.1-70b-qlora-fsdp-2xrtx4090.yaml"
 

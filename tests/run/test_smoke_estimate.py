@@ -4,7 +4,7 @@ import pytest
 
 from launcher.data.dataset import DataStats
 from launcher.recipe import validate_recipe
-from launcher.run.smoke import estimate, export_seconds, memory_note, step_seconds, training_tokens
+from launcher.run.smoke import estimate, export_seconds, memory_growth, step_seconds, training_tokens
 from launcher.run.views import format_smoke
 
 STATS = DataStats(examples=1000, total_tokens=100_000, mean_tokens=100.0, max_tokens=400, over_max_length=0,
@@ -94,10 +94,13 @@ def test_the_estimate_adds_start_steps_saves_and_export_without_counting_step_on
 
 def test_the_smoke_output_warns_where_its_peak_understates_the_run():
     """QLoRA on CPU grows during the run (measured, docs/BENCHMARKS.md): said with the smoke result, only there."""
-    assert "about 2x the peak of the first steps" in memory_note("cpu", "qlora")
-    assert memory_note("cuda", "qlora") is None and memory_note("cpu", "lora") is None
+    from launcher.run.views import memory_note
+
+    assert memory_growth("cpu", "qlora") == {"cause": "bitsandbytes-cpu-qlora", "factor": 2.0}
+    assert memory_growth("cuda", "qlora") is None and memory_growth("cpu", "lora") is None
     report = {"measured_steps": 7, "tokens_per_second": 1000.0, "peak_memory_gb": 0.9, "device": "cpu",
               "training_tokens": 80000, "estimated_seconds": 90.0, "price_per_hour_eur": 0.0}
     assert "note:" not in format_smoke(report)
-    text = format_smoke({**report, "memory_note": memory_note("cpu", "qlora")})
-    assert text.splitlines()[-1] == "note: " + memory_note("cpu", "qlora")
+    grows = {**report, "memory_growth": memory_growth("cpu", "qlora")}
+    assert "about 2x the peak of the first steps" in memory_note(grows)
+    assert format_smoke(grows).splitlines()[-1] == "note: " + memory_note(grows)

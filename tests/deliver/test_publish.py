@@ -50,7 +50,7 @@ def _file(path: Path, data: bytes) -> Path:
 
 def finished_run(root: Path, what=("adapter",), export_ok: bool = True, base: str = "Qwen/Qwen3-0.6B") -> RunDir:
     """A run directory as a finished, exported run leaves it (the files' contents do not matter to publishing;
-    tests/test_publish.py's slow test publishes a real one)."""
+    tests/deliver/test_publish.py's slow test publishes a real one)."""
     run = RunDir(root)
     root.mkdir(parents=True)
     recipe = {"model": base, "method": "lora", "data": "/data/support.jsonl", "output_dir": str(root),

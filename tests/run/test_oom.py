@@ -128,14 +128,14 @@ def _walk(recipe, plan):
 
 
 def _gpu_plan(tmp_path, gpus, **fields):
-    from test_plan import plan as make
+    from helpers import article_plan as make
 
     r = make_recipe(tmp_path, **fields)
     return r, make(tmp_path, gpus, **{k: v for k, v in fields.items()}).to_dict()
 
 
 def make_recipe(tmp_path, **fields):
-    from test_plan import recipe
+    from helpers import article_recipe as recipe
 
     return recipe(tmp_path, **fields)
 
@@ -159,7 +159,7 @@ def test_steps_in_order_and_shard_over_the_idle_cards_keeping_the_effective_batc
     # the adjusted recipe plans as what the step asked for
     from launcher.plan.hardware import from_spec
     from launcher.plan.plan import make_plan
-    from test_plan import ARTICLE_DATA
+    from helpers import ARTICLE_DATA
 
     replanned = make_plan(final, from_spec("2xH100"), ARTICLE_DATA, unsloth_available=False)
     assert (replanned.engine, replanned.num_processes, replanned.gradient_accumulation_steps) == ("fsdp", 2, 8)

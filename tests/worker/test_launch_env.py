@@ -16,7 +16,7 @@ from launcher.plan.hardware import from_spec
 from launcher.plan.plan import make_plan
 from launcher.recipe import validate_recipe
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 DATA = SimpleNamespace(examples=10_000, total_tokens=5_000_000, mean_tokens=500.0, max_tokens=2048,
                        over_max_length=0, tokens_source="tokenizer")

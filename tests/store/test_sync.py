@@ -70,6 +70,14 @@ def ssh_alias(tmp_path_factory):
     proc.wait(timeout=10)
 
 
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie waiting for a parent to reap it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 def _machine_loss_then_resume_elsewhere(tmp_path: Path, tiny_model: Path, reference: Path, sync_to: str,
                                         remote_ls, env: dict) -> None:
     recipe = recipe_file(tmp_path / "r.yaml", tiny_model, output_dir=tmp_path / "run",
@@ -86,8 +94,10 @@ def _machine_loss_then_resume_elsewhere(tmp_path: Path, tiny_model: Path, refere
         return json.loads(p.read_text()).get("synced_step") if p.is_file() else None
 
     synced_step = wait_for(synced, 120, "the checkpoint copied off the box")
-    for pid in (st["supervisor_pid"], st["worker_pid"]):  # the machine is gone, with its disk
-        os.kill(pid, signal.SIGKILL)
+    # the machine is gone, with its disk: every process of the run at once (the supervisor's group: the worker and
+    # its children, such as a loss.png drawing that would otherwise still write into the folder removed below)
+    os.killpg(st["supervisor_pid"], signal.SIGKILL)
+    wait_for(lambda: not any(map(_running, (st["supervisor_pid"], st["worker_pid"]))), 30, "the run's processes gone")
     last_step_before = metrics(run)[-1]["step"]
     assert last_step_before < FIELDS["max_steps"], "the run ended before the machine was lost; nothing resumed"
     shutil.rmtree(run)
@@ -105,6 +115,7 @@ def _machine_loss_then_resume_elsewhere(tmp_path: Path, tiny_model: Path, refere
     assert status(run, tmp_path)["offbox_checkpoint"] == f"step-{FIELDS['max_steps']:06d}"
 
 
+@pytest.mark.slow  # the same machine loss as the fsspec path's (default tier), over another destination
 def test_rsync_over_ssh_machine_loss_resume_on_fresh_box(tmp_path, tiny_model, reference, ssh_alias):
     alias, env = ssh_alias
     remote = tmp_path / "remote-box"  # the sshd runs here, so the remote path is local to look at
@@ -123,64 +134,7 @@ def test_fsspec_path_machine_loss_resume_and_no_secrets(tmp_path, tiny_model, re
                 assert secret.encode() not in p.read_bytes(), p
 
 
-class _RequestLog:
-    """WSGI middleware recording each request the S3 server answers: method, path, query, response bytes."""
-
-    def __init__(self, app):
-        self.app, self.entries = app, []
-
-    def __call__(self, environ, start_response):
-        entry = {"method": environ["REQUEST_METHOD"], "path": environ.get("PATH_INFO", ""),
-                 "query": environ.get("QUERY_STRING", ""), "bytes": 0}
-        self.entries.append(entry)
-        result = self.app(environ, start_response)
-        try:
-            for chunk in result:
-                entry["bytes"] += len(chunk)
-                yield chunk
-        finally:
-            if hasattr(result, "close"):
-                result.close()
-
-    def object_reads(self) -> list[dict]:
-        """GETs of an object (path-style /bucket/key), not listings of the bucket."""
-        return [e for e in self.entries if e["method"] == "GET" and e["path"].strip("/").count("/") >= 1]
-
-    def clear(self) -> None:
-        self.entries.clear()
-
-
-@pytest.fixture
-def s3_server(monkeypatch):
-    """A local S3-compatible server (moto) with one bucket; the ftrun processes reach it via AWS_* variables.
-    Yields .env (those variables) and .requests (every request it answered)."""
-    from types import SimpleNamespace
-
-    import boto3
-    from moto.server import ThreadedMotoServer
-    from s3fs import S3FileSystem
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    requests = _RequestLog(server._server.app)
-    server._server.app = requests  # werkzeug's handler calls the server's .app for each request
-    host, port = server.get_host_and_port()
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": f"http://{host}:{port}"}
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    boto3.client("s3").create_bucket(Bucket="ftrun-test")
-    S3FileSystem.clear_instance_cache()  # fsspec reuses a file system made for an earlier test's endpoint
-    yield SimpleNamespace(env=env, requests=requests)
-    server.stop()
-    S3FileSystem.clear_instance_cache()
-
-
-@pytest.fixture
-def s3_endpoint(s3_server) -> dict:
-    return s3_server.env
-
-
+@pytest.mark.slow  # the same machine loss as the fsspec path's (default tier), over another destination
 def test_s3_machine_loss_resume_on_fresh_box(tmp_path, tiny_model, reference, s3_endpoint):
     import fsspec
 

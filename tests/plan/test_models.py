@@ -97,7 +97,7 @@ def test_hf_cache_is_read_before_catalog(tmp_path, monkeypatch):
                                                   "num_attention_heads": 4, "vocab_size": 500}))
     (tmp_path / "models--org--mymodel" / "refs").mkdir()
     (tmp_path / "models--org--mymodel" / "refs" / "main").write_text("abc")
-    # huggingface_hub reads HF_HUB_CACHE when it is imported (tests/test_hf_cache.py sets it in a subprocess)
+    # huggingface_hub reads HF_HUB_CACHE when it is imported (tests/plan/test_hf_cache.py sets it in a subprocess)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     arch = load_architecture("org/mymodel")
     assert arch.layers == 3 and "cache" in arch.source

@@ -1,5 +1,5 @@
 """Export on CPU with the tiny model: one real run exports adapter and merged model, every output reloaded and
-checked. The GGUF (llama.cpp's converter, quantizer and runtime) is tested in tests/test_gguf.py (-m gguf)."""
+checked. The GGUF (llama.cpp's converter, quantizer and runtime) is tested in tests/deliver/test_gguf.py (-m gguf)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TINY_DATA = REPO / "recipes" / "data" / "tiny-chat.jsonl"
 
 pytest.importorskip("matplotlib", reason="the export extra (pip install -e '.[export]') is not installed")

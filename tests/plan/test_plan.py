@@ -19,24 +19,9 @@ from launcher.plan.engine import WORKDAY_HOURS
 from launcher.plan.job import _job
 from launcher.plan.plan import make_plan
 from launcher.plan.text import format_plan
-from launcher.recipe import validate_recipe
 
-REPO = Path(__file__).resolve().parent.parent
-# The article's planning dataset: 10,000 examples of ~500 tokens, three epochs = 15M training tokens.
-ARTICLE_DATA = SimpleNamespace(examples=10_000, total_tokens=5_000_000, mean_tokens=500.0, max_tokens=2048,
-                               over_max_length=0, tokens_source="tokenizer")
-
-
-def recipe(tmp_path, **fields):
-    base = {"model": "meta-llama/Llama-3.1-8B", "method": "qlora", "data": "d.jsonl", "max_length": 2048,
-            "micro_batch_size": 1, "gradient_accumulation_steps": 8}
-    base.update(fields)
-    return validate_recipe(base, tmp_path, "r")
-
-
-def plan(tmp_path, gpus, unsloth=False, data=ARTICLE_DATA, **fields):
-    hw = gpus if not isinstance(gpus, str) else from_spec(gpus)
-    return make_plan(recipe(tmp_path, **fields), hw, data, unsloth_available=unsloth)
+REPO = Path(__file__).resolve().parents[2]
+from helpers import ARTICLE_DATA, article_plan as plan, article_recipe as recipe  # noqa: E402
 
 
 def cpu_box(ram_gb=24.0, cores=2):
@@ -178,7 +163,7 @@ def test_real_model_on_cpu_is_refused_with_the_cheapest_box(tmp_path):
         plan(tmp_path, cpu_box(), method="lora")
 
 
-def test_cpu_refuses_fsdp(tmp_path, tiny_dir):  # ddp, deepspeed: tests/test_engines.py
+def test_cpu_refuses_fsdp(tmp_path, tiny_dir):  # ddp, deepspeed: tests/worker/test_engines.py
     with pytest.raises(PlanError, match="impossible here"):
         make_plan(recipe(tmp_path, model=str(tiny_dir), method="lora", engine="fsdp"), cpu_box(), ARTICLE_DATA)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CONFIG = {"hidden_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4, "vocab_size": 500}
 
 
