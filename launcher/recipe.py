@@ -23,7 +23,7 @@ from launcher.errors import RecipeError
 
 Method = Literal["qlora", "lora", "full", "full-8bit"]
 Engine = Literal["auto", "unsloth", "trl", "ddp", "fsdp", "deepspeed"]
-ExportFormat = Literal["adapter", "merged", "gguf"]  # launcher/deliver/export.py
+ExportFormat = Literal["adapter", "merged", "gguf"]  # in the order launcher/deliver/export.py makes them
 GgufType = Literal[tuple(gguf_types.TYPES)]  # the GGUF table, launcher/gguf_types.py
 
 # Settings the recipe owns at top level: passing them again under `trainer:` would make two

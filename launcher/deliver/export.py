@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, get_args
 
 from launcher.notices import quiet_known_notices
 
@@ -25,6 +25,7 @@ quiet_known_notices()  # this process imports transformers and peft: their depre
 from launcher.store.checkpoint import atomic_write_json, tree_bytes  # noqa: E402
 from launcher.deliver import llamacpp  # noqa: E402
 from launcher import gguf_types  # noqa: E402
+from launcher.recipe import ExportFormat  # noqa: E402
 from launcher.errors import FtrunError, UsageError  # noqa: E402
 from launcher.store.rundir import RunDir  # noqa: E402
 from launcher.deliver.messages import ExportError, _say, human_size  # noqa: E402
@@ -34,7 +35,7 @@ from launcher.deliver.placement import (Loads, Placement, _to_export_dtype, avai
                                         parameter_count, parity_placement, release)
 from launcher.deliver.gguf_export import _GgufFailed, _safetensors_dtypes, _stop_ids, gguf_output  # noqa: E402
 
-FORMATS = ("adapter", "merged", "gguf")
+FORMATS = get_args(ExportFormat)  # the recipe's `export:` values, in the order they are made
 # GGUF types: llama.cpp's converter writes f32/f16/bf16, its quantizer the rest from the 16-bit file (llamacpp.py).
 GGUF_TYPES = tuple(gguf_types.TYPES)
 

@@ -22,7 +22,6 @@ WORKDAY_HOURS = 8.0
 # A CPU run longer than this is refused: CPU training is for tiny models and tests.
 CPU_MAX_HOURS = 24.0
 SHARDING_ENGINES = ("fsdp", "deepspeed")
-ENGINES = ("unsloth", "trl", "ddp", "fsdp", "deepspeed")
 
 
 @dataclass

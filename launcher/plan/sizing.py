@@ -8,36 +8,12 @@ derives every constant and compares the totals with published measurements.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # for the annotations only: at run time this module imports nothing
+    from launcher.plan.models import Architecture as Arch
 
 GB = 2**30  # bytes in one GB as ftrun counts (GiB, as nvidia-smi and torch's memory counters)
-
-
-class Arch(Protocol):  # launcher.plan.models.Architecture, duck-typed so this module imports nothing
-    layers: int
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tied_embeddings: bool
-    norms_per_layer: int
-    experts: int
-
-    @property
-    def params(self) -> int: ...
-    @property
-    def active_params(self) -> int: ...
-    @property
-    def linear_params(self) -> int: ...
-    @property
-    def embedding_params(self) -> int: ...
-    @property
-    def q_dim(self) -> int: ...
-    @property
-    def kv_dim(self) -> int: ...
-    def lora_params(self, r: int, target_modules: Any = "all-linear") -> int: ...
 
 
 # --- bytes per parameter --------------------------------------------------------------------

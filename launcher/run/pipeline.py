@@ -122,7 +122,7 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
 
     from launcher.run.supervisor import start_detached, supervise
 
-    resume = views.resume_command(recipe_path, overrides)  # stored: every view of this run can say it
+    resume = views.resume_command(recipe_path, overrides, memory_limit, nodes)  # stored: every view of it can say it
     if foreground:
         set_state(run, "running", supervisor_pid=_pid(), supervisor_proc=process_identity(_pid()), resume_command=resume)
         with views.attached(run):  # a live progress bar on a terminal

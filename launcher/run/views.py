@@ -386,9 +386,17 @@ def serve_command(run: RunDir, final: Optional[str]) -> Optional[str]:
     return f"vllm serve {q(final)} --served-model-name {q(name)} --max-model-len {recipe.max_length}"
 
 
-def resume_command(recipe_path: str, overrides: list[str]) -> str:
-    """The exact command that resumes a run: the launch's recipe and overrides (stored in state.json at launch)."""
-    return " ".join(["ftrun", *(shlex.quote(x) for x in [recipe_path, *overrides])])
+def resume_command(recipe_path: str, overrides: list[str], memory_limit: Optional[float] = None,
+                   nodes: Optional[dict[str, Any]] = None) -> str:
+    """The exact command that resumes a run (stored in state.json at launch): the launch's recipe, overrides, memory
+    cap and node settings; not --fresh or --foreground, which are about that one launch."""
+    words = [recipe_path, *overrides]
+    if memory_limit:
+        words += ["--memory-limit", f"{memory_limit:g}GB"]
+    if nodes:
+        words += ["--nnodes", str(nodes["nnodes"]), "--node-rank", str(nodes["node_rank"]),
+                  "--master-addr", str(nodes["master_addr"]), "--master-port", str(nodes["master_port"])]
+    return " ".join(["ftrun", *(shlex.quote(x) for x in words)])
 
 
 def format_started(run_dir: Path, pid: int, resume: str) -> str:

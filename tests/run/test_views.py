@@ -183,3 +183,30 @@ def test_after_a_resume_the_memory_line_keeps_the_passed_smoke_tests_measurement
     s = views.run_status(run)
     assert s["memory_source"] == "measured"
     assert "measured by the smoke test" in views.format_status(s) and "no passed smoke test" not in views.format_status(s)
+
+
+def test_a_stopped_run_says_how_it_ended_once_with_the_exact_resume_command(tmp_path):
+    """The supervisor stores the facts of an ending (state.json "ending") and the launch's exact command; the views
+    word them: the preempted run's reason names the command, and status + summary print that reason once."""
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    run.recipe.write_text("model: x\n")
+    resume = views.resume_command("recipes/my run.yaml", ["lora.r=8"], 20.0)
+    assert resume == "ftrun 'recipes/my run.yaml' lora.r=8 --memory-limit 20GB"
+    ending = {"by": "signal", "signal": "SIGTERM", "step": 40, "checkpoint": "step-000040", "saved": True,
+              "grace_seconds": 120.0, "resume_command": resume}
+    reason = views.ending_reason(ending)
+    assert reason == ("preempted (SIGTERM) at step 40 after a checkpoint (step-000040); "
+                      f"run `{resume}` to resume")
+    late = views.ending_reason({**ending, "by": "stop", "checkpoint": None, "saved": False, "resume_command": None})
+    assert late.startswith("stopped by `ftrun stop` at step 40; the worker did not finish its checkpoint within 120s")
+    assert late.endswith("run the same command to resume")
+    set_state(run, "preempted", reason=reason, ending=ending, resume_command=resume)
+    s = views.run_status(run)
+    assert s["resume_command"] == resume and reason in views.format_status(s)
+    both = views.format_status(s, ending_follows=True) + "\n" + views.format_end_summary(views.end_summary(run))
+    assert both.count(reason) == 1
+    # a run whose processes are gone says the same command
+    set_state(run, "running", reason="continuing", resume_command=resume)
+    s = views.run_status(run)
+    assert s["state"] == "interrupted" and f"`{resume}` to resume" in views.format_status(s)

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 from launcher.errors import SyncError
+from launcher.store.sync.base import Destination
+from launcher.store.sync.hub import HubDestination
+from launcher.store.sync.object_store import FsspecDestination
+from launcher.store.sync.rsync import RsyncDestination
 
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _SCP_LIKE = re.compile(r"^(?:[^@/:\s]+@)?[A-Za-z0-9._-]+:(?!//)")
@@ -24,21 +28,20 @@ class Kind:
     example: str  # one concrete value of this kind (tests/test_tables.py walks it through `destination`)
     matches: Callable[[str], bool]
     verification: str  # how a copied file is proven to be the one sent (docs/sync.md)
-    module: str  # the module that holds its Destination (launcher/store/sync/...)
-    cls: str
+    cls: type[Destination]  # its Destination (one module per kind beside this one)
 
 
 KINDS: tuple[Kind, ...] = (
     Kind("hub", ("hf://user/repo",), "hf://user/repo", lambda url: url.startswith("hf://"),
          "the Hub's own listing: LFS sha256 or git blob id and size per file, one commit per copy",
-         "launcher.store.sync.hub", "HubDestination"),
+         HubDestination),
     Kind("fsspec", ("s3://bucket/prefix", "gs://...", "file:///path", "an absolute path"), "s3://bucket/prefix",
          lambda url: bool(_SCHEME.match(url)) or url.startswith("/"),
          "S3's SHA-256 per object (per part), GCS's MD5; read back and hashed where a store has neither",
-         "launcher.store.sync.object_store", "FsspecDestination"),
+         FsspecDestination),
     Kind("rsync", ("user@host:/path", "an SSH alias alias:/path"), "user@host:/path", lambda url: bool(_SCP_LIKE.match(url)),
          "rsync --checksum against the folder sent: nothing may differ",
-         "launcher.store.sync.rsync", "RsyncDestination"),
+         RsyncDestination),
 )
 
 
@@ -55,9 +58,6 @@ def kind_of(url: str) -> Kind:
                     fix="use " + "; ".join(f"{' or '.join(k.forms)} ({k.name})" for k in KINDS) + ".")
 
 
-def destination(url: str):
+def destination(url: str) -> Destination:
     """The Destination for `url` (launcher/store/sync/base.py is the interface)."""
-    import importlib
-
-    kind = kind_of(url)
-    return getattr(importlib.import_module(kind.module), kind.cls)(url)
+    return kind_of(url).cls(url)
