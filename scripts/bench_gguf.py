@@ -102,13 +102,14 @@ def measure(model_dir: Path, name: str, types: list[str], out_dir: Path) -> list
     """Every type from one 16-bit conversion; a failed check is measured and reported, not raised."""
     from launcher.deliver import gguf_export
     from launcher.deliver import llamacpp
+    from launcher.plan import gguf_readiness
 
     tok, prompts, ref = reference(model_dir)
     rows = []
     dtype = (gguf_export._safetensors_dtypes(model_dir) & {"BF16", "F16"} or {"BF16"}).pop().lower()
     sixteen = out_dir / f"{name}-{dtype.upper()}-intermediate.gguf"
     t0 = time.monotonic()
-    conv = llamacpp.convert(llamacpp.converter(), model_dir, sixteen, dtype)
+    conv = llamacpp.convert(gguf_readiness.converter(), model_dir, sixteen, dtype)
     for t in types:
         try:
             res = gguf_export.gguf_output(model_dir, out_dir, name, t, prompts, ref, tok, intermediate=sixteen)

@@ -23,7 +23,7 @@ from launcher.notices import quiet_known_notices
 quiet_known_notices()  # this process imports transformers and peft: their deprecation notices are not the user's
 
 from launcher.store.checkpoint import atomic_write_json, tree_bytes  # noqa: E402
-from launcher.deliver import llamacpp  # noqa: E402
+from launcher.plan import gguf_readiness  # noqa: E402
 from launcher import gguf_types  # noqa: E402
 from launcher.recipe import ExportFormat  # noqa: E402
 from launcher.errors import FtrunError, UsageError  # noqa: E402
@@ -101,9 +101,9 @@ def _model_config(recipe_model: str, source: Path, is_adapter: bool) -> dict[str
     return {}  # a Hub id whose config is not cached: the GGUF step checks again on the merged model
 
 
-def check_gguf(model: str, gguf_type: str) -> llamacpp.Readiness:
+def check_gguf(model: str, gguf_type: str) -> gguf_readiness.Readiness:
     """The GGUF can be made here (llama.cpp installed, architecture and tokenizer supported), else one error."""
-    ready = llamacpp.readiness(model, gguf_type)
+    ready = gguf_readiness.readiness(model, gguf_type)
     if not ready.ok:
         raise UsageError("a GGUF of this model cannot be made here: " + "; ".join(ready.all_problems),
                          fix="fix the above, or export without gguf (the merged folder is what "

@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 from launcher import gguf_types
 from launcher.deliver import llamacpp
+from launcher.plan import gguf_readiness
 from launcher.deliver.messages import ExportError, _say, human_size
 from launcher.deliver.parity import GREEDY_NEW_TOKENS, _check, compare
 
@@ -72,7 +73,7 @@ def gguf_output(merged_dir: Path, gguf_dir: Path, name: str, gguf_type: str, pro
     The steps run one after the other, each streaming from disk in its own process (llamacpp.py); the 16-bit
     GGUF a quantized type is made from is written beside the result and removed after (unless `intermediate`
     names one to reuse: tests quantize one conversion to several types)."""
-    conv = llamacpp.converter()
+    conv = gguf_readiness.converter()
     kind = gguf_types.TYPES[gguf_type]
     gguf_dir.mkdir(parents=True, exist_ok=True)
     fname = f"{name}-{kind.name}.gguf"
@@ -109,8 +110,8 @@ def gguf_output(merged_dir: Path, gguf_dir: Path, name: str, gguf_type: str, pro
     result = compare(merged_out, gguf_out, f"gguf:{gguf_type}", compute)
     size = path.stat().st_size
     out = {"path": str(path), "type": kind.name, "bytes": size, "size": human_size(size),
-           "written_by": f"llama.cpp {conv.source}" + ("" if kind.converter else f" + quantizer ({llamacpp.DIST} "
-                                                       f"{llamacpp.runtime_version()})"),
+           "written_by": f"llama.cpp {conv.source}" + ("" if kind.converter else f" + quantizer ({gguf_readiness.DIST} "
+                                                       f"{gguf_readiness.runtime_version()})"),
            "converter_gguf_py": conv.gguf_py, "steps": steps, "architecture": meta["architecture"],
            "tokenizer_pre": meta["tokenizer_pre"], "tensor_types": meta["tensor_types"],
            "chat_template_included": meta.get("chat_template") == tokenizer.chat_template,

@@ -34,10 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from launcher.gguf_types import DEFAULT_TYPE, TYPES, bytes_per_param  # noqa: F401 (the table: launcher/gguf_types.py)
-from launcher.plan.gguf_readiness import (ARCHITECTURES_FILE, CONVERTER_HOME, DIST, INSTALL_HINT, PINNED,  # noqa: F401
-                                          STAMP, Converter, Readiness, _gguf_py_version, converter,
-                                          installed_gguf_version, readiness, runtime_version,
+from launcher.gguf_types import DEFAULT_TYPE, TYPES
+from launcher.plan.gguf_readiness import (ARCHITECTURES_FILE, CONVERTER_HOME, DIST, INSTALL_HINT, PINNED, STAMP,
+                                          Converter, _gguf_py_version, converter, readiness, runtime_version,
                                           split_rule, supported_architectures)
 
 def install(sdist: Optional[Path] = None, dest: Path = CONVERTER_HOME) -> Converter:

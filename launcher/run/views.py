@@ -269,6 +269,7 @@ def format_smoke(report: dict[str, Any]) -> str:
                                                       ("training", "train_seconds"), ("checkpoints", "saves_seconds"),
                                                       ("evaluation", "eval_seconds"), ("samples", "samples_seconds"),
                                                       ("export", "export_seconds"))]
+    note = memory_note(report)
     split = ", ".join(f"{name} {format_duration(sec)}" for name, sec in parts if sec and sec >= 0.5)
     return (
         f"smoke test: {report['measured_steps']} measured steps, {report['tokens_per_second']:,.0f} tokens/s, "
@@ -280,7 +281,7 @@ def format_smoke(report: dict[str, Any]) -> str:
         # already spent, before the smoke test: the full run reads the model from the cache
         + (f"; before it, the model's download took {format_duration(report['download_seconds'])}"
            if report.get("download_bytes") else "")
-        + (f"\nnote: {memory_note(report)}" if memory_note(report) else "")
+        + (f"\nnote: {note}" if note else "")
     )
 
 

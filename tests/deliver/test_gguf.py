@@ -38,11 +38,11 @@ def _bench():
 @pytest.fixture(scope="module")
 def llama_cpp_ready():
     """The tier's premise, failing loudly (not skipping) when the build or the converter is missing."""
-    from launcher.deliver import llamacpp
+    from launcher.plan import gguf_readiness as g
 
-    assert llamacpp.runtime_version() == llamacpp.PINNED, f"{llamacpp.DIST} {llamacpp.PINNED} is not installed"
-    conv = llamacpp.converter()
-    assert conv is not None and conv.version == llamacpp.PINNED, "ftrun llamacpp install"
+    assert g.runtime_version() == g.PINNED, f"{g.DIST} {g.PINNED} is not installed"
+    conv = g.converter()
+    assert conv is not None and conv.version == g.PINNED, "ftrun llamacpp install"
     return conv
 
 

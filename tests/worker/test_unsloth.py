@@ -42,7 +42,8 @@ def _plan(tmp_path, model, hw, unsloth, **fields):
 # --- default tier: the plan ---------------------------------------------------------------------------
 
 def test_prequantized_repos_only_for_qlora_hub_ids(tiny_model):
-    from launcher.worker.engines.unsloth import plan_reason, prequantized_repo, target_modules
+    from launcher.plan.models import prequantized_repo
+    from launcher.worker.engines.unsloth import plan_reason, target_modules
 
     assert prequantized_repo("Qwen/Qwen3-8B", "qlora") == "unsloth/Qwen3-8B-bnb-4bit"
     assert prequantized_repo("meta-llama/Llama-3.1-8B-Instruct", "qlora") == "unsloth/Meta-Llama-3.1-8B-Instruct-bnb-4bit"
@@ -191,7 +192,7 @@ def test_prequantized_names_are_unsloths_own():
     """Every repo of our small mapping is one Unsloth's own mapper knows (it maps them the same way)."""
     from unsloth.models import mapper
 
-    from launcher.worker.engines.unsloth import PREQUANTIZED
+    from launcher.plan.models import PREQUANTIZED
 
     known = {name.lower() for table in (mapper.INT_TO_FLOAT_MAPPER, mapper.FLOAT_TO_INT_MAPPER) for name in
              [*table.keys(), *[v for vs in table.values() for v in ([vs] if isinstance(vs, str) else vs)]]}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from launcher.plan.models import LINEAR_MODULES, PREQUANTIZED, prequantized_repo  # noqa: F401 (the table is the plan's)
+from launcher.plan.models import LINEAR_MODULES, prequantized_repo  # the pre-quantized repositories: the plan's table
 
 def plan_reason(model: str, method: str) -> str | None:
     """The plan's line about where the weights come from (only when Unsloth's 4-bit repo replaces the id)."""
