@@ -1,16 +1,20 @@
 """The `ftrun` command: parse, call one stage, print. No logic lives here.
 
-    ftrun RECIPE [key=value ...] [--foreground] [--fresh]   plan, smoke test, run detached (or resume)
-    ftrun plan RECIPE [key=value ...] [--gpus SPEC] [--tokens N] [--json]
-    ftrun smoke RECIPE [key=value ...]
-    ftrun status [RECIPE|RUN_DIR] [--json]
-    ftrun logs [RECIPE|RUN_DIR] [-f]
-    ftrun stop [RECIPE|RUN_DIR]
-    ftrun pull RECIPE                                      fetch a run from sync.to (no resume)
+    ftrun RECIPE [key=value ...] [--foreground] [--fresh] [--memory-limit GB] [--allow-changes]
+          [--nnodes N --node-rank I --master-addr HOST --master-port PORT]
+                                                           plan, smoke test, run detached (or resume)
+    ftrun plan RECIPE [key=value ...] [--gpus SPEC] [--tokens N] [--price EUR/h] [--json]
+    ftrun smoke RECIPE [key=value ...] [--memory-limit GB]  the smoke test alone, and its forecast
+    ftrun status [RECIPE|RUN_DIR] [--json] [--watch]       every run under ./runs, or one run
+    ftrun logs [RECIPE|RUN_DIR] [-f]                       the run's train.log (-f: follow it)
+    ftrun stop [RECIPE|RUN_DIR]                            checkpoint, then stop
+    ftrun pull RECIPE [key=value ...]                      fetch a run from sync.to (no resume)
     ftrun push [RECIPE|RUN_DIR]                            copy checkpoint + result to sync.to now
     ftrun export [RECIPE|RUN_DIR] [--merged] [--gguf TYPE]  adapter, merged model, GGUF, serving commands; checked
     ftrun publish [RECIPE|RUN_DIR] [--to hf://USER/REPO]   push the checked export + model card to the Hub
     ftrun explain                                          every recipe key, its default and meaning
+    ftrun llamacpp install | check MODEL [--type T] | architectures   llama.cpp for the GGUF export
+    --debug (anywhere on the line): tracebacks instead of one-paragraph errors
 """
 
 from __future__ import annotations
@@ -29,6 +33,23 @@ from launcher.errors import EXIT_INTERNAL, FtrunError, UsageError
 COMMANDS = ("plan", "smoke", "status", "logs", "stop", "pull", "push", "export", "publish", "explain", "llamacpp", "run")
 
 
+RECIPE_HELP = "the recipe file (YAML; `ftrun explain` lists its keys)"
+OVERRIDES_HELP = "recipe keys changed for this command, e.g. lora.r=8 max_length=2048"
+TARGET_HELP = "the run's recipe file or its run directory (default: the only run under ./runs)"
+
+
+def _tokens_meaning() -> str:
+    from launcher.recipe import TOKENS_MEANING  # the one wording of what a token count means
+
+    return TOKENS_MEANING
+
+
+def _gpu_names() -> str:
+    from launcher.plan.hardware import catalog  # the catalog is the one list of names (gpus.yaml)
+
+    return ", ".join(catalog())
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ftrun", description="From a fine-tuning recipe to a trained, exported model.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2])
@@ -36,8 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command")
 
     r = sub.add_parser("run", help="plan, smoke-test and start (or resume) the run; the default command")
-    r.add_argument("recipe")
-    r.add_argument("overrides", nargs="*", metavar="key=value")
+    r.add_argument("recipe", help=RECIPE_HELP)
+    r.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
     r.add_argument("--foreground", action="store_true", help="stay attached (debugging, tests)")
     r.add_argument("--fresh", action="store_true", help="start over; the old run directory is kept, renamed")
     r.add_argument("--memory-limit", help="cap each worker's memory, e.g. 20GB (plan for a smaller card)")
@@ -49,46 +70,51 @@ def _parser() -> argparse.ArgumentParser:
                    help="resume from the run's checkpoints even though the recipe's training settings changed")
 
     pl = sub.add_parser("plan", help="size the job: memory, engine, GPUs, time, cost")
-    pl.add_argument("recipe")
-    pl.add_argument("overrides", nargs="*", metavar="key=value")
-    pl.add_argument("--gpus", help="plan for this box instead of the recipe's box: or this machine's GPUs, e.g. "
-                    "4xH100-80GB or RTX4090")
-    pl.add_argument("--tokens", help="training tokens in all, every epoch together (3 epochs over 5M tokens = 15M), "
-                    "e.g. 15M; instead of counting the data file or the recipe's tokens:")
+    pl.add_argument("recipe", help=RECIPE_HELP)
+    pl.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
+    pl.add_argument("--gpus", metavar="SPEC", help="plan for another box than this machine's GPUs (or, without a GPU "
+                    "here, the recipe's box:): COUNTxNAME such as 4xH100-80GB, or NAME for one card; names: "
+                    f"{_gpu_names()}")
+    pl.add_argument("--tokens", metavar="N", help=f"{_tokens_meaning()}; e.g. 15M, used instead of counting the data "
+                    "or the recipe's tokens:")
     pl.add_argument("--price", type=float, metavar="EUR/h", help="the whole box's price per hour (overrides the "
                     "catalog and the recipe's price_per_hour_eur)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON, also when it does not fit")
 
     sm = sub.add_parser("smoke", help="run only the smoke test (1%% of the data) and print the forecast")
-    sm.add_argument("recipe")
-    sm.add_argument("overrides", nargs="*", metavar="key=value")
+    sm.add_argument("recipe", help=RECIPE_HELP)
+    sm.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
     sm.add_argument("--memory-limit", help="cap the worker's memory, e.g. 20GB")
 
     for name, helptext in (("status", "state, step, loss, ETA of a run"), ("logs", "the run's train.log"),
                            ("stop", "checkpoint and stop a run")):
         s = sub.add_parser(name, help=helptext)
-        s.add_argument("target", nargs="?", help="recipe file or run directory")
+        s.add_argument("target", nargs="?", help=TARGET_HELP)
         if name == "status":
-            s.add_argument("--json", action="store_true")
+            s.add_argument("--json", action="store_true", help="print the status (or the list of runs) as JSON")
             s.add_argument("--watch", action="store_true", help="refresh every 2 s until the run ends")
         if name == "logs":
-            s.add_argument("-f", "--follow", action="store_true")
+            s.add_argument("-f", "--follow", action="store_true",
+                           help="keep printing new lines while the run's launcher or supervisor lives")
     pu = sub.add_parser("pull", help="fetch a run from the recipe's sync.to without resuming it")
-    pu.add_argument("recipe")
-    pu.add_argument("overrides", nargs="*", metavar="key=value")
+    pu.add_argument("recipe", help=RECIPE_HELP)
+    pu.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
     ps = sub.add_parser("push", help="copy the newest checkpoint and the result to sync.to now")
-    ps.add_argument("target", nargs="?", help="recipe file or run directory")
+    ps.add_argument("target", nargs="?", help=TARGET_HELP)
     ex = sub.add_parser("export", help="adapter, merged 16-bit model, GGUF and serving commands, each checked")
-    ex.add_argument("target", nargs="?", help="recipe file or run directory")
+    ex.add_argument("target", nargs="?", help=TARGET_HELP)
     ex.add_argument("--merged", action="store_true", help="also merge the adapter into the 16-bit base")
-    ex.add_argument("--gguf", metavar="TYPE", help=f"also write a GGUF: {gguf_types.listed()} (implies --merged)")
+    ex.add_argument("--gguf", metavar="TYPE", help=f"also write a GGUF: {gguf_types.listed()} (the recipe's gguf "
+                    f"export defaults to {gguf_types.DEFAULT_TYPE}; implies --merged)")
     pb = sub.add_parser("publish", help="push the checked export and a model card to the recipe's publish.to")
-    pb.add_argument("target", nargs="?", help="recipe file or run directory")
+    pb.add_argument("target", nargs="?", help=TARGET_HELP)
     pb.add_argument("--to", metavar="hf://USER/REPO", help="another repo than the recipe's publish.to")
     sub.add_parser("explain", help="every recipe key with its default and meaning")
     ll = sub.add_parser("llamacpp", help="llama.cpp for the GGUF export: install its converter (install), check a model "
                         "(check MODEL), write the shipped architecture table (architectures)", add_help=False)
-    ll.add_argument("args", nargs=argparse.REMAINDER, help="install | check MODEL [--type T] | architectures")
+    ll.add_argument("args", nargs=argparse.REMAINDER, help="install: copy llama.cpp's converter from the installed "
+                    "llama-cpp-python's source; check MODEL [--type T]: can this model become a GGUF; architectures: "
+                    "write the shipped architecture table (`ftrun llamacpp --help` for more)")
     return p
 
 
@@ -149,9 +175,13 @@ def cmd_status(a) -> int:
 
     if a.target is None:
         runs = views.find_runs(Path.cwd() / "runs")
-        if len(runs) > 1:  # several runs: one line each
+        if len(runs) > 1 or (not runs and a.json):  # several runs: one line each
             rows = [views.run_row(r) for r in runs]
             print(json.dumps(rows, indent=2) if a.json else views.format_runs(rows))
+            return 0
+        if not runs:  # nothing to show is not an error
+            print("no runs under ./runs: start one with `ftrun RECIPE`, or name a recipe or run directory "
+                  "(`ftrun status RECIPE|RUN_DIR`)")
             return 0
     run = resolve_run(a.target)
     if a.watch and not a.json:
@@ -174,7 +204,7 @@ def cmd_logs(a) -> int:
     from launcher.run.pipeline import resolve_run
     from launcher.store.state import run_holder
 
-    run = resolve_run(a.target)
+    run = resolve_run(a.target, command="logs")
     if not run.log.is_file():
         print(f"no log yet in {run.root}")
         return 0
@@ -203,7 +233,7 @@ def cmd_stop(a) -> int:
     from launcher.run.pipeline import resolve_run
     from launcher.run.supervisor import stop
 
-    run = resolve_run(a.target)
+    run = resolve_run(a.target, command="stop")
     outcome = stop(run)
     print(f"{run.root}: {outcome}")
     if outcome == "stopped":
@@ -227,14 +257,14 @@ def cmd_export(a) -> int:
     from launcher.deliver.export import export_command
     from launcher.run.pipeline import resolve_run
 
-    return export_command(resolve_run(a.target), merged=a.merged, gguf=a.gguf)
+    return export_command(resolve_run(a.target, command="export"), merged=a.merged, gguf=a.gguf)
 
 
 def cmd_publish(a) -> int:
     from launcher.run.pipeline import resolve_run
     from launcher.deliver.publish import publish_command
 
-    return publish_command(resolve_run(a.target), to=a.to)
+    return publish_command(resolve_run(a.target, command="publish"), to=a.to)
 
 
 def cmd_llamacpp(a) -> int:

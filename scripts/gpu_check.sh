@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU checks for one short GPU loan (launcher/worker/gpu_check/): device and dtype, per-rank placement, the
 # memory cap, peak memory, out-of-memory classification, predicted vs measured memory and tokens/s for LoRA and
-# full fine-tuning at an 8B shape (random weights, no download), padded vs padding-free, FSDP2 with the final save.
+# full fine-tuning at an 8B shape (random weights, no download), padded vs padding-free, FSDP2 with the final save;
+# the launch's environment (one GPU for a single-process Trainer, each rank's CPU threads, two FSDP launches at once).
 #   OUT=/some/dir scripts/gpu_check.sh            on the GPU box (torch + transformers; peft, accelerate if there)
 #   scripts/gpu_check.sh --dry-run                the same steps on CPU with CPU expectations and a tiny shape (CI)
 # Every step is its own process with its own timeout; a step that fails, crashes or hangs is recorded with the
@@ -66,6 +67,7 @@ step() {
 #    name          GPU  dry-run timeouts (s)
 step tiny-model     60   90
 step device         45   60
+step launch-env     60   90
 step placement      90  120
 step memory-cap     45   60
 step peak-memory    45   60

@@ -6,31 +6,29 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 if [ "${1:-}" = "--unsloth" ]; then
-  # The Unsloth tier runs in its own environment, .venv-unsloth: Unsloth pins transformers<=5.17,
-  # trl<=1.15 and datasets<5.0, older than .venv's stack (docs/engines.md). Built once, then reused.
+  # The Unsloth tier runs in its own environment, .venv-unsloth, the image's /opt/ftrun-unsloth: Unsloth caps
+  # transformers, trl and datasets below .venv's stack (docs/engines.md). Every package the image's environment has
+  # is held at the image's version by docker/requirements-unsloth.txt. Built once, re-installed when the pins change.
   shift
   V=.venv-unsloth
+  PINS=docker/requirements-unsloth.txt
   stamp=$V/.ftrun-installed
-  want=$(sha256sum pyproject.toml | cut -c1-16)
+  want=$(cat pyproject.toml "$PINS" | sha256sum | cut -c1-16)
   if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-    echo "building $V (Unsloth and its pinned stack, about 2-3 minutes; log in $V/pip.log) ..."
+    echo "building $V (Unsloth and its pinned stack, several minutes; log in $V/pip.log) ..."
     [ -x $V/bin/python ] || "${PYTHON:-python3}" -m venv $V
-    pipi() { $V/bin/python -m pip install -q "$@" >>$V/pip.log 2>&1 || { tail -30 $V/pip.log; exit 1; }; }
-    # torch first and held there by a constraint: unsloth (through torchvision/xformers) would
-    # otherwise "upgrade" it to a CUDA build of several GB (seen: torch 2.14.1 + 3.2 GB of nvidia libs).
-    TORCH=${FTRUN_TORCH:-2.13.0}
-    pipi "torch==$TORCH"
-    echo "torch==$TORCH" > $V/constraints.txt
-    pipi -c $V/constraints.txt unsloth
+    pipi() { $V/bin/python -m pip install -q -c "$PINS" "$@" >>$V/pip.log 2>&1 || { tail -30 $V/pip.log; exit 1; }; }
+    pipi pip
+    # torch first (the local CPU wheel of the pinned version here), then held by the pins: unsloth (through
+    # torchvision/xformers) would otherwise "upgrade" it to a CUDA build of several GB (seen: torch 2.14.1 +
+    # 3.2 GB of nvidia libs).
+    pipi torch
+    pipi unsloth
     # The torchvision that unsloth pulls is a CUDA build that does not match the CPU torch: its
     # missing operator ("torchvision::nms does not exist") breaks `import unsloth` and even
     # `from transformers import Trainer`. Nothing here needs torchvision (text models only).
     $V/bin/python -m pip uninstall -q -y torchvision >>$V/pip.log 2>&1 || true
-    # ftrun with its own extras, holding the stack at the versions Unsloth chose: ftrun's ranges
-    # (transformers>=5.0, trl>=1.10, datasets>=4.0) accept them, the constraints make sure nothing moves.
-    $V/bin/python -m pip freeze | grep -i -E '^(transformers|trl|datasets|peft|accelerate|unsloth|unsloth.zoo)==' \
-      >> $V/constraints.txt
-    pipi -c $V/constraints.txt -e ".[train,export,test]"
+    pipi -e ".[train,export,test]"
     echo "$want" > "$stamp"
   fi
   exec $V/bin/python -m pytest -m unsloth "$@"
@@ -44,7 +42,7 @@ if [ "${1:-}" = "--gguf" ]; then
   if ! .venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('llama-cpp-python') != '0.3.36')" 2>/dev/null; then
     echo "building llama-cpp-python 0.3.36 (about 7 minutes on 2 cores; log in .venv/pip.log) ..."
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \
-      .venv/bin/python -m pip install -q -e ".[gguf]" >>.venv/pip.log 2>&1 || { tail -30 .venv/pip.log; exit 1; }
+      .venv/bin/python -m pip install -q -c docker/requirements.txt -e ".[gguf]" >>.venv/pip.log 2>&1 || { tail -30 .venv/pip.log; exit 1; }
   fi
   .venv/bin/python -c "from launcher.plan import gguf_readiness as l; c = l.converter(); raise SystemExit(c is None or c.version != l.PINNED)" \
     || .venv/bin/ftrun llamacpp install

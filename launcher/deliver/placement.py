@@ -74,10 +74,15 @@ def free_gpu_memory() -> list[int]:
 
 
 def available_ram() -> int:
-    """Bytes of RAM the box can give without swapping (MemAvailable), not its total."""
+    """Bytes of RAM the box can give without swapping (MemAvailable), not its total; inside a container with a
+    memory limit, no more than the limit leaves (MemAvailable shows the host's there)."""
     import psutil
 
-    return int(psutil.virtual_memory().available)
+    from launcher.plan.cgroup import memory_headroom_bytes
+
+    available = int(psutil.virtual_memory().available)
+    headroom = memory_headroom_bytes()
+    return min(available, headroom) if headroom is not None else available
 
 
 def _gpu_that_holds(nbytes: float, gpus_free: list[int]) -> Optional[int]:

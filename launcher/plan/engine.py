@@ -73,7 +73,7 @@ FULL_8BIT_FSDP = ("method full-8bit cannot run on FSDP: its 8-bit AdamW (bitsand
 
 def _choose_cpu(job: Job, hw: Hardware, forced: str, processes: int | None = None, nnodes: int = 1) -> Choice:
     capacity = hw.ram_gb
-    reasons = [f"CPU run: this box has no GPU ({hw.cpu_count} cores, {hw.ram_gb:.0f} GB RAM); "
+    reasons = [f"CPU run: this box has no GPU ({hw.cpu_count} cores, {hw.ram_gb:.3g} GB RAM); "
                "only sensible for tiny models and tests"]
     if forced in ("unsloth", "fsdp"):
         why = {"unsloth": "Unsloth needs an NVIDIA GPU",
@@ -141,7 +141,7 @@ def _choose_cpu_multi(job: Job, hw: Hardware, engine: str, processes: int | None
 def _choose_cpu_unsloth(job: Job, hw: Hardware, unsloth_ok: bool, processes: int | None) -> Choice:
     """engine: unsloth forced on a CPU box: allowed only where Unsloth imports (its CPU path, for the test tier)."""
     capacity = hw.ram_gb
-    reasons = [f"CPU run: this box has no GPU ({hw.cpu_count} cores, {hw.ram_gb:.0f} GB RAM); "
+    reasons = [f"CPU run: this box has no GPU ({hw.cpu_count} cores, {hw.ram_gb:.3g} GB RAM); "
                "only sensible for tiny models and tests"]
     if job.method not in ("lora", "qlora"):
         return Choice(False, "unsloth", "cpu", 1, None, capacity, reasons,
@@ -170,7 +170,8 @@ def _choose_cpu_unsloth(job: Job, hw: Hardware, unsloth_ok: bool, processes: int
 # Unsloth pins older transformers/trl/datasets than ftrun's default stack: its own environment (docs/engines.md).
 UNSLOTH_FIX = ("Unsloth pins transformers<=5.17, trl<=1.15 and datasets<5.0, so it lives in its own virtual environment: "
                "python3 -m venv .venv-unsloth && .venv-unsloth/bin/pip install 'ftrun[train,unsloth]' (scripts/test.sh "
-               "--unsloth builds it here), then run ftrun from that environment; ftrun's Docker image (docker/) has it")
+               "--unsloth builds it here), then run ftrun from that environment; ftrun's Docker image has it as a second "
+               "environment (docker run --entrypoint ftrun-unsloth ...)")
 UNSLOTH_MISSING = ("engine: unsloth needs Unsloth, which is not installed in this environment. " + UNSLOTH_FIX +
                    "; or set engine: trl")
 
@@ -312,8 +313,17 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
                               + (f" ({est_all.load_explanation})" if est_all.load_peak_gb > est_all.per_gpu_gb else "")
                               + f", the cards have {cap:.1f} GB")
     ram_usable = hw.ram_gb * sizing.USABLE_RAM_FRACTION
-    if est_all.load_ram_gb > ram_usable:
-        need = est_all.load_ram_gb / sizing.USABLE_RAM_FRACTION
+    need_ram = est_all.load_ram_gb / sizing.USABLE_RAM_FRACTION
+    rent_note = None
+    if est_all.load_ram_gb > ram_usable and not hw.is_this_machine:
+        # A box not rented yet: its RAM is the catalog's assumption (about twice its GPU memory), not a reading.
+        # The plan names the RAM the job needs instead of refusing on that assumption; on the box itself the
+        # launch plans again with the RAM it reads (cgroup limit included) and refuses there if it falls short.
+        rent_note = (f"host RAM: loading needs {est_all.load_ram_gb:.0f} GB ({sizing.USABLE_RAM_FRACTION:.0%} of a "
+                     f"box with {need_ram:.0f} GB); rent {hw.count} x {hw.gpu.name} with at least {need_ram:.0f} GB of "
+                     f"RAM (this plan assumed {hw.ram_gb:.0f} GB for it)")
+    elif est_all.load_ram_gb > ram_usable:
+        need = need_ram
         return Choice(False, shard_engine, "cuda", n, est_all, cap, reasons, offload_params=offload,
                       refusal=f"the cards hold it{' with parameter offload to CPU RAM' if offload else ''} "
                               f"({est_all.peak_gb:.1f} GB per card), but loading does not fit the box's RAM: "
@@ -343,6 +353,8 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
         reasons.append("loading: " + est_all.load_explanation
                        + (f"; quantizing on {hw.cpu_count} CPU cores takes about {_fmt_hours(load_h)} (in the time)"
                           if load_h else ""))
+    if rent_note:
+        reasons.append(rent_note)
     return Choice(True, shard_engine, "cuda", n, est_all, cap, reasons, tps, hrs, min_gpus=minimum,
                   offload_params=offload, load_hours=load_h)
 

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from launcher.errors import HardwareError, UsageError
+from launcher.plan import cgroup
 from launcher.plan.sizing import GB
 
 CATALOG_FILE = Path(__file__).with_name("gpus.yaml")
@@ -81,7 +82,7 @@ class Hardware:
 
     def describe(self) -> str:
         if self.is_cpu_only:
-            return f"CPU only ({self.cpu_count} cores, {self.ram_gb:.0f} GB RAM)"
+            return f"CPU only ({self.cpu_count} cores, {self.ram_gb:.3g} GB RAM)"
         g = self.gpu
         link = f", {'NVLink' if self.interconnect == 'nvlink' else 'PCIe'}" if self.count > 1 else ""
         return f"{self.count} x {g.name} ({g.memory_gb:.0f} GB{' each' if self.count > 1 else ''}{link})"
@@ -252,13 +253,46 @@ def catalog_box(name: str, count: int) -> Hardware:
 # ---------------------------------------------------------------------------------------------
 # Detection
 
-def _ram_gb() -> float:
+def _host_ram_gb() -> float:
     try:
         import psutil
     except ImportError:  # psutil is a dependency; without it, read the POSIX counters
         pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         return pages / GB
     return psutil.virtual_memory().total / GB
+
+
+def _ram_gb(notes: list[str] | None = None) -> float:
+    """The RAM this process's workers may use: the host's, or the container's memory limit where that is smaller
+    (psutil reads /proc/meminfo, which shows the host inside a container; the kernel OOM-kills at the cgroup's
+    limit). The smaller limit is said in `notes`."""
+    host = _host_ram_gb()
+    limit = cgroup.memory_limit_bytes()
+    if limit is not None and limit / GB < host:
+        if notes is not None:
+            notes.append(f"container memory limit {limit / GB:.1f} GB (cgroup) below the host's {host:.0f} GB: "
+                         "planning with the limit, where the kernel OOM-kills")
+        return limit / GB
+    return host
+
+
+def cpu_cores(notes: list[str] | None = None) -> int:
+    """The cores this process may use: its CPU affinity, or the container's CPU quota where that is smaller
+    (os.cpu_count() counts the host's; a quota of 4 cores on a 64-core host runs 64 threads at 1/16 speed)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = cgroup.cpu_limit()
+    if quota is not None and quota < cores:
+        if notes is not None:
+            notes.append(f"container CPU quota {quota} cores (cgroup) below the {cores} this process sees: planning "
+                         "with the quota")
+        return quota
+    return cores
+
+
+def threads_per_process(cores: int, processes: int) -> int:
+    """CPU threads for each of a box's worker processes (OMP_NUM_THREADS): the cores shared out, at least one.
+    The plan's CPU-bound times (quantizing while loading) and the launch both use it, so they agree."""
+    return max(1, cores // max(1, processes))
 
 
 # Files the NVIDIA kernel driver creates: the torch fallback is tried only where one exists, so a
@@ -538,9 +572,16 @@ def _detect_with_torch(cpu: int, ram: float, why: str) -> Hardware:
 
 def detect() -> Hardware:
     """This box: GPUs as a CUDA process here will see them (NVML, else torch.cuda in a child process),
-    CPU and RAM via the OS. No GPU or no driver -> a CPU-only Hardware, with the reason in notes."""
-    cpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    ram = _ram_gb()
+    CPU and RAM via the OS, capped by the container's cgroup limits (launcher/plan/cgroup.py). No GPU or no
+    driver -> a CPU-only Hardware, with the reason in notes."""
+    limits: list[str] = []
+    cpu = cpu_cores(limits)
+    ram = _ram_gb(limits)
+    hw = _detect_devices(cpu, ram)
+    return replace(hw, notes=(*hw.notes, *limits)) if limits else hw
+
+
+def _detect_devices(cpu: int, ram: float) -> Hardware:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() in ("", "-1"):
         return Hardware((), "none", cpu, ram, "detected", ("CUDA_VISIBLE_DEVICES hides all GPUs: CPU only",))
@@ -560,6 +601,26 @@ def detect() -> Hardware:
     else:
         interconnect = "nvlink" if any(d.nvlink for d in chosen) else "pcie"
     return Hardware(gpus, interconnect, cpu, ram, "detected", tuple(notes), driver)
+
+
+# NCCL's shared-memory transport between the processes of one box keeps its buffers in /dev/shm; Docker gives a
+# container 64 MB there unless it runs with --ipc=host or --shm-size, and NCCL then fails at the first collective
+# ("unhandled system error", "Error while creating shared memory segment"). NCCL's own troubleshooting guide
+# (docs.nvidia.com/deeplearning/nccl/user-guide/docs/troubleshooting.html, "Docker") asks for --shm-size=1g at least.
+# Worse on RTX 40-series boxes, where ftrun turns P2P off (nccl_p2p_ib_unsupported) and every transfer goes
+# through shared memory.
+MIN_SHM_BYTES = 1 << 30
+SHM_PATH = "/dev/shm"
+
+
+def shared_memory_bytes(path: str = SHM_PATH) -> int | None:
+    """The size of /dev/shm (a tmpfs); None where it does not exist."""
+    import shutil
+
+    try:
+        return shutil.disk_usage(path).total
+    except OSError:
+        return None
 
 
 # accelerate 1.15, utils/environment.py check_cuda_p2p_ib_support(): GeForce RTX 40-series cards ("RTX 40"

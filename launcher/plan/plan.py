@@ -20,13 +20,14 @@ from launcher.plan.advice import (_box_rows, _fixes_here, _missing_message, _pic
 from launcher.plan.engine import SHARDING_ENGINES, UNSLOTH_FIX, WORKDAY_HOURS, Choice, choose
 from launcher.plan.figures import UNIT, _fmt_hours, _fmt_tokens
 from launcher.plan.hardware import Hardware
-from launcher.plan.job import _job, _steps_and_tokens
+from launcher.plan.job import Job, _job, _steps_and_tokens
 from launcher.plan.models import Architecture, load_architecture
 from launcher.recipe import TOKENS_MEANING
 
 
 # What a box named for planning (--gpus, the recipe's box:) runs: ftrun's Docker image, docker/requirements.txt.
-IMAGE_SOFTWARE = "ftrun's Docker image (docker/requirements.txt: Unsloth, DeepSpeed, bitsandbytes, llama.cpp)"
+IMAGE_SOFTWARE = ("ftrun's Docker image (docker/requirements.txt: DeepSpeed, bitsandbytes, llama.cpp; "
+                  "docker/requirements-unsloth.txt: Unsloth)")
 # Minutes a rented box needs before the download: start, image pull or pip install (the article: 5-10 min for
 # install and model download together).
 SETUP_MINUTES = 5.0
@@ -213,7 +214,8 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
             cheapest_rental=cheapest_rental(rows))
 
     steps, training = _steps_and_tokens(job, choice.processes)
-    tps = choice.tokens_per_second
+    # one value for every figure that shows it (the time's reason line and "Speed:" printed 1,587 and 1,586)
+    tps = round(choice.tokens_per_second, 1)
     reasons = head + choice.reasons
     download, download_lines = _download(recipe, arch, choice.engine, allow_network and choice.device == "cuda")
     reasons += download_lines
@@ -222,7 +224,7 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
         applied = _apply_smoke(smoke, choice)
         measured = applied["measured"]
         notes += applied["notes"]
-        tps = measured.get("tokens_per_second", tps)
+        tps = round(measured.get("tokens_per_second", tps), 1)
     if training is None:
         hrs = None
         reasons.append("time and cost unknown: " + _no_tokens_hint(recipe))
@@ -273,7 +275,8 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
                 "estimated_tokens_per_second": round(choice.tokens_per_second, 1),
                 "seq_len": job.seq_len, "mean_tokens": round(job.mean_tokens, 1),
                 "source": job.tokens_source, "precision": precision,
-                "tokens_per_second_source": "measured" if "tokens_per_second" in measured else "estimated"},
+                "tokens_per_second_source": "measured" if "tokens_per_second" in measured else "estimated",
+                **_mfu_basis(job, choice, g)},
         estimate={"hours": round(hrs, 3) if hrs is not None else None,
                   "cost_eur": round(cost, 2) if cost is not None else None,
                   "setup_hours": round(setup_hours, 3) if setup_hours is not None else None,
@@ -301,6 +304,26 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
 def _no_tokens_hint(recipe: Any) -> str:
     return (f"the data file {recipe.data} is not on this machine and no token count was given: add `tokens: 15M` to "
             f"the recipe or pass --tokens 15M ({TOKENS_MEANING})")
+
+
+def _mfu_basis(job: Job, choice: Choice, g: Any) -> dict[str, Any]:
+    """What model FLOPs utilization is computed from (docs/BENCHMARKS.md, "MFU"): the model's training FLOPs per
+    token without recomputation, at the data's mean length, and the dense 16-bit peak of one card (catalog); on a
+    GPU with a catalog rate only."""
+    if choice.device != "cuda" or g is None or not g.tflops_bf16:
+        return {}
+    flops = sizing.flops_per_token(job.arch, job.method, max(1, round(job.mean_tokens)), gradient_checkpointing=False)
+    return {"model_flops_per_token": round(flops), "peak_tflops_per_gpu": g.tflops_bf16, "gpus_used": choice.processes}
+
+
+def model_flops_utilization(plan: dict[str, Any], tokens_per_second: float | None) -> float | None:
+    """MFU of a measured rate: tokens/s x model FLOPs per token / (cards used x the card's dense 16-bit peak).
+    None on a CPU, for a card without a catalog rate, or without a rate."""
+    t = plan.get("tokens") or {}
+    if not tokens_per_second or not t.get("model_flops_per_token") or not t.get("peak_tflops_per_gpu"):
+        return None
+    return tokens_per_second * t["model_flops_per_token"] / (max(1, int(t.get("gpus_used") or 1))
+                                                             * t["peak_tflops_per_gpu"] * 1e12)
 
 
 def _gpus_dict(hardware: Hardware, choice: Choice) -> dict[str, Any]:

@@ -49,6 +49,10 @@ CUDA_CONTEXT_GB = 0.6  # CUDA context, cuBLAS workspace, kernels (what nvidia-sm
 NCCL_GB = 0.5  # NCCL communicator buffers per process when several GPUs train together
 FRAGMENTATION = 0.05  # caching-allocator slack on the per-step tensors (activations, logits)
 CPU_RUNTIME_GB = 1.0  # Python, torch and the tokenizer in the worker process
+# Bytes per parameter of the weight being quantized that the CPU quantizer holds besides the 4-bit result: measured
+# 19 on the CPU (the quantizing process's sampled peak minus the model it keeps, on the model of
+# tests/worker/test_fsdp_qlora.py's RSS test, largest weight 1.6M parameters; docs/sizing.md, "Loading").
+QUANTIZE_TEMPORARY_BYTES = 20
 
 # Fraction of a card the plan may fill: the estimate's own error (docs/sizing.md: median ~10%) needs room.
 USABLE_FRACTION = 0.97  # the estimate already counts context, NCCL and allocator slack; keep 3% for its own error
@@ -310,17 +314,31 @@ def _loading(arch: Arch, w: Workload, est: MemoryEstimate, static_sharded_gb: fl
     model_gb = nf4_model_bytes(arch) / GB
     lora_gb = est.trainable_params * 4 / GB  # fp32 LoRA weights, added before the engine shards
     if w.engine == "fsdp":
-        # launcher/worker/loading.py loads and quantizes on each rank's CPU (accelerate's rank-0 broadcast skips 4-bit
-        # weights); fully_shard then moves one unit at a time to the card and keeps its shard (on the card, or
-        # back in RAM under offload). accelerate keeps the CPU state dict until every unit is sharded.
+        # launcher/worker/loading.py (quantized_once_per_box): the first process of the box loads and quantizes on the
+        # CPU, with all the box's cores, while the others wait; it saves the 4-bit model into the run directory, drops
+        # it. Then every process loads that file memory-mapped (Params4bit.from_prequantized keeps the file's pages:
+        # one copy in the page cache, shared and reclaimable, not counted as the 16-bit rule does) and holds its
+        # own fp32 LoRA; fully_shard moves one unit at a time to the card and keeps its shard (on the card, or in
+        # pinned RAM under offload, counted here: the box's shards together are one copy).
         resident = 0.0 if w.offload_params else static_sharded_gb - _optimizer_free(est, n)
         est.load_peak_gb = CUDA_CONTEXT_GB + resident + max(layer_b, embed_b) / GB
-        est.load_ram_gb = n * (model_gb + lora_gb + CPU_RUNTIME_GB) + (model_gb + lora_gb if w.offload_params else 0.0)
+        temp_gb = quantize_temporary_bytes(arch) / GB
+        quantizing = model_gb + temp_gb + n * CPU_RUNTIME_GB
+        offloaded = est.offloaded_params_gb  # with parameter offload: shards, gradients, optimizer states (pinned)
+        sharding = n * (lora_gb + CPU_RUNTIME_GB) + offloaded
+        est.load_ram_gb = max(quantizing, sharding)
         est.load_explanation = (
-            f"each of the {n} processes loads and quantizes the whole model on its CPU ({model_gb:.1f} GB in 4-bit, "
-            f"accelerate does not broadcast 4-bit weights from rank 0)"
-            + (", plus the offloaded shards" if w.offload_params else "")
-            + f": {est.load_ram_gb:.0f} GB of RAM; each card holds "
+            f"one process quantizes the model once for the box on its CPU ({model_gb:.1f} GB in 4-bit + "
+            f"{temp_gb:.1f} GB of temporaries for its largest weight) and saves it into the run directory "
+            f"(.quantized/, {model_gb:.1f} GB of disk, reused on restart) while "
+            + ("the other waits" if n == 2 else f"the other {n - 1} wait") + f"; then each of "
+            f"the {n} processes maps that file (one copy in the page cache, shared) and holds its fp32 LoRA "
+            f"({lora_gb:.1f} GB) + {CPU_RUNTIME_GB:.0f} GB of runtime"
+            + (f", and the box the offloaded shards, gradients and optimizer states in pinned RAM ({offloaded:.1f} GB)"
+               if offloaded else "")
+            + f": {est.load_ram_gb:.0f} GB of RAM at the peak ("
+            + ("quantizing" if quantizing >= sharding else "sharding") + "; "
+            f"a box with {est.load_ram_gb / USABLE_RAM_FRACTION:.0f} GB or more holds it); each card holds "
             + ("" if w.offload_params else "its shards and ")
             + f"one unit whole while sharding ({max(layer_b, embed_b) / GB:.1f} GB): {est.load_peak_gb:.1f} GB")
     elif w.engine == "deepspeed":
@@ -329,6 +347,15 @@ def _loading(arch: Arch, w: Workload, est: MemoryEstimate, static_sharded_gb: fl
         est.load_peak_gb = CUDA_CONTEXT_GB + model_gb + lora_gb
         est.load_explanation = (f"DeepSpeed + QLoRA loads the whole 4-bit model onto every card before ZeRO-3 "
                                 f"partitions it: {est.load_peak_gb:.1f} GB per card")
+
+
+def quantize_temporary_bytes(arch: Arch) -> float:
+    """What quantizing the largest linear weight allocates besides its result: bitsandbytes 0.50's CPU quantizer
+    (backends/default/ops.py, quantize_4bit: an fp32 copy, the scaled and clamped values, the int32 bucket indices)
+    and the 16-bit weight read from the file, one weight at a time (transformers loads sequentially while it
+    quantizes: core_model_loading.py, has_on_the_fly_quantization)."""
+    largest = max(arch.hidden * arch.intermediate, arch.hidden * arch.q_dim)
+    return largest * QUANTIZE_TEMPORARY_BYTES
 
 
 def fused_expert_params(arch: Arch) -> int:
@@ -428,7 +455,8 @@ PCIE_GB_S = {3: 15.75, 4: 31.5, 5: 63.0}
 OFFLOAD_PASSES = 2
 # Loading QLoRA on the CPU: bitsandbytes 0.50 quantizes NF4 on the CPU with its pure-torch fallback
 # (backends/default/ops.py, quantize_4bit; the CPU backend has no native 4-bit quantizer). Measured ~5-6M
-# parameters/s per process on a 2-core VM (1-2 threads; docs/sizing.md, "Loading"), counted per core.
+# parameters/s per process on a 2-core VM (1-2 threads; docs/sizing.md, "Loading"), counted per core: the one
+# process that quantizes for the box runs with all of its cores (launcher/worker/loading.py, _quantize_into).
 CPU_NF4_PARAMS_PER_CORE_S = 5e6
 
 
@@ -462,10 +490,11 @@ def _resident_states_gb(est: MemoryEstimate, w: Workload) -> float:
 
 
 def load_seconds(arch: Arch, w: Workload, cpu_count: int) -> float:
-    """Time to load QLoRA under FSDP: every process quantizes the whole model on the CPU, the processes share the cores."""
+    """Time to load QLoRA under FSDP: one process quantizes the whole model on the CPU with all the box's cores
+    (launcher/worker/loading.py, quantized_once_per_box), once per run: a restart maps the saved copy."""
     if w.method != "qlora" or w.engine != "fsdp" or not w.sharded or w.device == "cpu":
         return 0.0
-    return w.num_gpus * arch.linear_params / (CPU_NF4_PARAMS_PER_CORE_S * max(1, cpu_count))
+    return arch.linear_params / (CPU_NF4_PARAMS_PER_CORE_S * max(1, cpu_count))
 
 
 # bf16 tensor cores start with compute capability 8.0 (Ampere). Below it (T4 7.5, V100 7.0) bf16 is only

@@ -10,7 +10,7 @@ from typing import Any, Optional
 import yaml
 
 from launcher.store.checkpoint import atomic_write_json, newest_step_unverified
-from launcher.errors import RecipeError, UsageError
+from launcher.errors import HardwareError, RecipeError, UsageError
 from launcher.recipe import Recipe, check_trainer_fields, load_recipe
 from launcher.run import weights
 from launcher.store.rundir import RunDir
@@ -179,6 +179,7 @@ def _prepare(run: RunDir, recipe: Recipe, *, resuming: bool, fresh: bool, memory
     # a resume skips the smoke test: its passed measurements calibrate the plan again (memory, throughput)
     smoke = json.loads(run.smoke.read_text()) if resuming and not restart and run.smoke.is_file() else None
     plan = make_plan(recipe, stats, smoke=smoke, nnodes=(nodes or {}).get("nnodes", 1))
+    _check_shared_memory(plan.to_dict())
     # the repository the planned engine loads, when it is not the recipe's model (Unsloth's pre-quantized QLoRA):
     # checked here, before the run directory is touched, and downloaded before the smoke test in its place
     loads = worker_model(recipe, plan.to_dict())
@@ -212,6 +213,25 @@ def _prepare(run: RunDir, recipe: Recipe, *, resuming: bool, fresh: bool, memory
     if memory_limit:
         _say(f"memory limited to {round(memory_limit, 2):g} GB per worker (--memory-limit)")
     return examples, lengths, stats, plan, plan_dict, lock, data_sha
+
+
+def _check_shared_memory(plan: dict[str, Any]) -> None:
+    """A multi-process CUDA run on a box whose /dev/shm is too small for NCCL is refused before any GPU time."""
+    from launcher.plan.hardware import MIN_SHM_BYTES, SHM_PATH, shared_memory_bytes
+    from launcher.worker.engines import MULTI_PROCESS
+
+    if plan.get("device") != "cuda" or plan.get("engine") not in MULTI_PROCESS or int(plan.get("num_processes", 1)) < 2:
+        return
+    size = shared_memory_bytes()
+    if size is None or size >= MIN_SHM_BYTES:
+        return
+    n = int(plan.get("num_processes", 1))
+    raise HardwareError(
+        f"{SHM_PATH} holds only {size / 2**20:.0f} MB: NCCL's shared-memory transport between the {n} processes of "
+        f"engine {plan.get('engine')} needs at least {MIN_SHM_BYTES / 2**30:.0f} GB there and fails at the first "
+        "collective (Docker gives a container 64 MB unless told otherwise)",
+        fix="start the container with --ipc=host (or --shm-size=16g), e.g. `docker run --gpus all --ipc=host ...`; "
+            "or train on one card: num_processes=1.")
 
 
 def _plan_record(plan, memory_limit: Optional[float], adjustments: Optional[list],
@@ -465,14 +485,19 @@ def _check_same_trajectory(run: RunDir, recipe: Recipe, allow_changes: bool = Fa
                   accepted_recipe_hashes=sorted(set(accepted) | {old.trajectory_hash()}))
 
 
-def resolve_run(target: Optional[str], overrides: list[str] | None = None) -> RunDir:
+def resolve_run(target: Optional[str], overrides: list[str] | None = None, command: str = "status") -> RunDir:
     """A run directory from a recipe path or a run directory (default: the only run under ./runs)."""
     if target is None:
         runs = sorted(p for p in (Path.cwd() / "runs").glob("*") if (p / "recipe.yaml").is_file()) if (Path.cwd() / "runs").is_dir() else []
         if len(runs) == 1:
             return RunDir(runs[0])
-        raise UsageError("no run given" + (f" and {len(runs)} runs are under ./runs" if runs else ""),
-                         fix="name the recipe or the run directory, e.g. `ftrun status recipes/tiny-cpu.yaml`.")
+        if not runs:
+            raise UsageError("no runs under ./runs (the folder ftrun looks in when no run is named)",
+                             fix=f"start one with `ftrun RECIPE`, or name a recipe or run directory: "
+                                 f"`ftrun {command} recipes/tiny-cpu.yaml`.")
+        raise UsageError(f"no run given and {len(runs)} runs are under ./runs",
+                         fix=f"name the recipe or the run directory, e.g. `ftrun {command} runs/{runs[0].name}` "
+                             "(`ftrun status` lists them).")
     p = Path(target)
     if p.is_dir():
         if not (p / "recipe.yaml").is_file():

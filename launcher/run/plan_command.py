@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 from launcher.data.stats import data_stats
+from launcher.errors import DataError
 from launcher.recipe import check_trainer_fields, load_recipe
 from launcher.run.adjustments import with_adjustments
 from launcher.run.views import data_line
@@ -56,9 +57,19 @@ def _plan_command(recipe_path: str, overrides: list[str], gpus: Optional[str], t
     if count is None:
         from launcher.data.sources import sources_of
 
-        missing = [s.path for s in sources_of(recipe.data) if s.local and not Path(s.path).exists()]
+        sources = sources_of(recipe.data)
+        missing = [s.path for s in sources if s.local and not Path(s.path).exists()]
         if not missing:
-            _, _, stats = data_stats(recipe)
+            try:
+                _, _, stats = data_stats(recipe)
+            except DataError as exc:
+                # A Hub dataset this machine cannot reach (no network, not cached) plans like a missing local file;
+                # the launch reads it and refuses with the same paragraph when the box cannot reach it either.
+                if recipe.tokens is None or all(s.local for s in sources):
+                    raise
+                count = recipe.tokens
+                notes.append(f"data not read here ({exc.message}): time and cost use the recipe's "
+                             f"tokens: {recipe.tokens:,}")
         elif recipe.tokens is not None:
             count = recipe.tokens
             notes.append(f"data {', '.join(missing)} is not on this machine: time and cost use the recipe's "

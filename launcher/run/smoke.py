@@ -219,6 +219,11 @@ def run_smoke(run: RunDir, recipe, plan: dict[str, Any], examples, lengths: list
         "engine": plan.get("engine"),
         "num_processes": processes,
     }
+    from launcher.plan.plan import model_flops_utilization
+
+    mfu = model_flops_utilization(plan, tps) if measured.get("device") == "cuda" else None
+    if mfu is not None:
+        report["mfu"] = round(mfu, 3)  # docs/BENCHMARKS.md, "MFU"; silent on a CPU
     growth = memory_growth(measured.get("device"), recipe.method)
     if growth:
         report["memory_growth"] = growth

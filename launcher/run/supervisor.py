@@ -19,12 +19,14 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from launcher.plan.cgroup import memory_limit_bytes, oom_kills
 from launcher.run import views
 from launcher.worker import train
 from launcher.worker.engines import MULTI_PROCESS, die_with_parent, failed_verification, launch_command, launch_env
 from launcher.store.checkpoint import newest_step_unverified, step_dir_name
 from launcher.store.rundir import RunDir
-from launcher.store.state import process_identity, read_state, run_holder, run_processes, same_process, set_state
+from launcher.store.state import (ENDED, process_identity, read_state, run_holder, run_processes, same_process,
+                                  set_state)
 
 # Worker exits that a restart cannot fix: report them instead of looping.
 FATAL = {
@@ -147,8 +149,17 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
         _record(run, "running", supervisor_pid=os.getpid(), supervisor_proc=process_identity(os.getpid()),
                 worker_pid=proc.pid, worker_proc=process_identity(proc.pid), restarts=restarts,
                 engine=plan.get("engine"), num_processes=plan.get("num_processes"), launch_argv=cmd)
+        kills_before = oom_kills()  # the kernel's OOM-kill count of this cgroup, where it says one
         rc = proc.wait()
         child["proc"] = child["launcher"] = None
+        host_oom = _host_oom(kills_before) if rc != 0 and not stopping["signal"] else None
+        if host_oom is not None:
+            # A worker (or one rank: torchrun then exits 1) killed by the kernel for host memory: a restart loads the
+            # same model into the same RAM and is killed again.
+            facts = {**host_oom, "step": _last_logged_step(run),
+                     "ram_needed_gb": (plan.get("memory") or {}).get("load_ram_gb") or None,
+                     "ram_gb": (plan.get("hardware") or {}).get("ram_gb")}
+            return end("failed", views.host_oom_reason(facts), 5, ending={"by": "host-oom", **facts})
         if rc != 0 and failed_verification(run.worker):
             rc = train.EXIT_BAD_WORLD  # torchrun reports any failed worker as 1; the worker said why
         if rc not in (0, *FATAL) and _worker_exit_code(run) in FATAL:
@@ -219,6 +230,17 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
                 _record(run, "stopped", reason=f"stopped by {stopping['signal']} while recovering")
                 return train.EXIT_STOPPED
             time.sleep(0.1)
+
+
+def _host_oom(kills_before: Optional[int]) -> Optional[dict[str, Any]]:
+    """The cgroup's OOM kills since the worker started, where the kernel counts them (launcher/plan/cgroup.py);
+    None when it killed nothing or does not say. The cgroup's count covers every process in it: the supervisor,
+    its worker and torchrun's ranks share the supervisor's cgroup."""
+    after = oom_kills()
+    if kills_before is None or after is None or after <= kills_before:
+        return None
+    limit = memory_limit_bytes()
+    return {"oom_kills": after - kills_before, "limit_gb": round(limit / 2**30, 1) if limit else None}
 
 
 def _stop_with_parent() -> None:
@@ -361,6 +383,9 @@ def stop(run: RunDir, timeout: float = 120.0) -> str:
         ended = end_orphans(run, _grace_seconds(run) + 15, log=print)
         if ended:
             return f"the supervisor was gone; ended its orphaned worker process(es) {', '.join(map(str, ended))}"
+        state = data.get("state")
+        if state in ENDED:
+            return f"nothing to stop: the run already ended ({state}); no process was signalled"
         return "not running (no live supervisor holds the run; no process was signalled)"
     if holder["role"] != "supervisor":
         return (f"not stopped: pid {holder['pid']} is still planning or smoke-testing this run (state "

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, TextIO
 
+from launcher.plan.plan import model_flops_utilization
 from launcher.store.checkpoint import newest_step_unverified, step_dir_name
 from launcher.store.rundir import RunDir
 from launcher.store.state import (ACTIVE, ENDED, is_locked, last_metrics, read_state, run_holder, run_processes,
@@ -115,6 +116,8 @@ def run_status(run: RunDir) -> dict[str, Any]:
         "eval_loss": last_eval.get("eval_loss"),
         "eval_step": last_eval.get("step"),
         "tokens_per_second": last.get("tokens_per_second"),
+        "mfu": (model_flops_utilization(plan, last.get("tokens_per_second"))
+                if plan.get("device") == "cuda" else None),
         "tokens_seen": last.get("tokens_seen"),
         "eta_seconds": eta,
         "updated_at": data.get("updated_at"),
@@ -190,18 +193,25 @@ def _bar(step: int, total: Optional[int], width: int = 30) -> str:
     return f" [{'#' * done}{'.' * (width - done)}] {step}/{total}"
 
 
+def _mfu(value: Optional[float]) -> str:
+    """" (MFU 31%)" beside a GPU's tokens/s (docs/BENCHMARKS.md, "MFU"); nothing on a CPU."""
+    return f" (MFU {value:.0%})" if value is not None else ""
+
+
 def format_status(s: dict[str, Any], ending_follows: bool = False) -> str:
     """`ftrun status`: the run in a dozen lines."""
     step = s.get("step") or 0
     lines = [f"{s['state']}{_bar(step, s.get('total_steps'))}  ({s['run_dir']})"]
     if s.get("loss") is not None:
-        lines.append(f"  loss {s['loss']:.4f}   {s.get('tokens_per_second') or 0:,.0f} tokens/s   ETA {format_duration(s.get('eta_seconds'))}"
+        lines.append(f"  loss {s['loss']:.4f}   {s.get('tokens_per_second') or 0:,.0f} tokens/s{_mfu(s.get('mfu'))}"
+                     f"   ETA {format_duration(s.get('eta_seconds'))}"
                      + (f"   (smoke test forecast for the whole run: {format_duration(s['smoke_estimated_seconds'])})"
                         if s.get("smoke_estimated_seconds") else ""))
     if s.get("eval_loss") is not None:
         lines.append(f"  eval loss {s['eval_loss']:.4f} (step {s.get('eval_step')}, held-out examples)")
-    lines.append(f"  supervisor pid {s.get('pid')} ({'alive' if s.get('pid_alive') else 'not running'})"
-                 f", restarts {s.get('restarts', 0)}"
+    supervisor = (f"supervisor pid {s['pid']} ({'alive' if s.get('pid_alive') else 'not running'})" if s.get("pid")
+                  else "no supervisor started yet" if s["state"] not in ENDED else "supervisor ended")
+    lines.append(f"  {supervisor}, restarts {s.get('restarts', 0)}"
                  + (f"; launcher pid {s['launcher_pid']} is planning / smoke-testing" if s.get("launcher_pid") else ""))
     if s.get("elapsed_seconds"):
         # the actual beside the forecasts: time used + time to go, against what the smoke test and the plan said
@@ -272,7 +282,8 @@ def format_smoke(report: dict[str, Any]) -> str:
     note = memory_note(report)
     split = ", ".join(f"{name} {format_duration(sec)}" for name, sec in parts if sec and sec >= 0.5)
     return (
-        f"smoke test: {report['measured_steps']} measured steps, {report['tokens_per_second']:,.0f} tokens/s, "
+        f"smoke test: {report['measured_steps']} measured steps, {report['tokens_per_second']:,.0f} tokens/s"
+        f"{_mfu(report.get('mfu'))}, "
         f"peak memory {report['peak_memory_gb']:.2f} GB ({report['device']})\n"
         f"full run: {report['training_tokens']:,} tokens -> about {format_duration(report['estimated_seconds'])}"
         + (f" ({split})" if split else "")
@@ -416,6 +427,18 @@ def ending_reason(e: dict[str, Any]) -> str:
     late = "" if e["saved"] else f"; the worker did not finish its checkpoint within {e['grace_seconds']:g}s"
     resume = f"run `{e['resume_command']}` to resume" if e.get("resume_command") else "run the same command to resume"
     return head + where + late + "; " + resume
+
+
+def host_oom_reason(e: dict[str, Any]) -> str:
+    """Why a run failed when the kernel OOM-killed its worker, from the supervisor's facts (state.json "ending")."""
+    box = (f"the container's limit of {e['limit_gb']:g} GB" if e.get("limit_gb")
+           else f"this box's {e['ram_gb']:.0f} GB" if e.get("ram_gb") else "this box's RAM")
+    need = (f"the plan expected {e['ram_needed_gb']:g} GB of RAM while loading" if e.get("ram_needed_gb")
+            else "the plan counted no RAM beyond the weights' own files while loading")
+    return (f"out of host memory: the kernel killed {e['oom_kills']} process(es) of the run for RAM near step "
+            f"{e['step']} (cgroup OOM kill); {need}, against {box}. Not restarted: a restart loads into the same RAM. "
+            "Rent a box with more RAM (`ftrun plan --gpus ...` names what a job needs), raise the container's memory "
+            "limit (docker run --memory), or make the job smaller (fewer processes, a smaller model)")
 
 
 # How the end of a run is headed, for every state that ends one (store/state.py ENDED; tests/test_tables.py).

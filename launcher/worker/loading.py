@@ -5,6 +5,8 @@ One place decides, per engine and method, the device of this process (from LOCAL
 then loads the model and adds LoRA. The worker (`launcher/worker/train.py`), the FSDP exercise and the GPU check call
 it, so what the GPU check proves is what the worker does. Engine-specific contexts (DeepSpeed's partitioned
 loading) and Unsloth's own loader are chosen by the worker and passed in; this module imports no backend.
+QLoRA under FSDP is quantized once per box into the run directory, and every rank maps that copy
+(quantized_once_per_box).
 
 Sources relied on (installed versions: torch 2.13, transformers 5.24, peft 0.21, bitsandbytes 0.50,
 accelerate 1.15):
@@ -19,6 +21,7 @@ accelerate 1.15):
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any, Optional
 
 # Engines that shard or partition the weights themselves: they load without a device map (transformers
@@ -142,9 +145,10 @@ def quantization_config(method: str, dtype):
 
 
 def fsdp_qlora_kwargs(method: str, engine: str) -> dict[str, Any]:
-    """QLoRA under FSDP loads and quantizes on this rank's CPU: {"device_map": {"": "cpu"}}, else {}.
+    """QLoRA under FSDP loads on the CPU: {"device_map": {"": "cpu"}}, else {}. Both loads of that path use it:
+    the one that quantizes (once per box, `quantized_once_per_box`) and every rank's load of the result.
 
-    Why (transformers 5.24, accelerate 1.15, bitsandbytes 0.50, torch 2.13):
+    Why the CPU (transformers 5.24, accelerate 1.15, bitsandbytes 0.50, torch 2.13):
     - without a device map bitsandbytes puts the whole 4-bit model on the current GPU
       (quantizer_bnb_4bit.update_device_map), and each rank keeps all of it until accelerate shards it: a 70B
       model is 39.5 GB on every card, more than a 24 GB card holds;
@@ -159,12 +163,175 @@ def fsdp_qlora_kwargs(method: str, engine: str) -> dict[str, Any]:
     - bitsandbytes' Linear4bit recovers the quant state FSDP's unsharded parameter loses from the module
       (nn/modules.py, fix_4bit_weight_quant_state_from_module); accelerate's Params4bit check in prepare_model
       is not on the FSDP2 path (_prepare_fsdp2 calls fsdp2_prepare_model only).
-    The cost, counted by the plan (sizing._loading, load_seconds): every rank holds the whole 4-bit model in RAM
-    until it is sharded, and quantizing on the CPU is slower than on a GPU.
     """
     if method == "qlora" and engine == "fsdp":
         return {"device_map": {"": "cpu"}}
     return {}
+
+
+# QLoRA + FSDP: the 4-bit model is quantized once per box into the run directory, then every rank maps it.
+QUANTIZED_DIR = ".quantized"  # <run_dir>/.quantized/: box-local, never synced (store/sync copies checkpoints,
+QUANTIZED_MANIFEST = "ftrun_quantized.json"  # metadata and final/ only); written last: without it, no copy
+
+
+def local_world_size() -> int:
+    """Processes on this box: torchrun (and accelerate launch, which runs it) set LOCAL_WORLD_SIZE."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def quantized_once_per_box(recipe, kwargs: dict[str, Any], run_dir) -> Optional[Path]:
+    """The folder of the 4-bit model, quantized once for this box, that every FSDP rank loads; None where the
+    ranks load the recipe's model themselves (one process on the box, or no run directory to write into).
+
+    Why not each rank quantizing its own copy (the path before: N x the 4-bit model in the box's RAM, 2 x 36.8 GB
+    for Llama-3.1-70B on 2 cards) or accelerate's rank-0 broadcast (skipped for Params4bit, fsdp_qlora_kwargs):
+    - the first rank of the box to take the lock (`_box_lock`: fcntl, released by the kernel if the rank dies)
+      loads and quantizes on the CPU, with all of the box's cores (the others wait idle), and writes the
+      quantized model with save_pretrained: bitsandbytes' Linear4bit._save_to_state_dict stores the packed
+      weight (in the quant storage dtype) and its quant state (QuantState.as_dict(packed=True)), and
+      config.json carries the quantization config; then it drops its copy. A folder whose manifest matches
+      (source files, quantization, dtype, library versions) is reused: a restart or resume does not quantize again;
+    - every rank then loads that folder: transformers loads a pre-quantized checkpoint with
+      Bnb4bitDeserialize (integrations/bitsandbytes.py), which calls Params4bit.from_prequantized
+      (bitsandbytes nn/modules.py): torch.Tensor._make_subclass(cls, data.to(device)) on the tensor read from
+      the memory-mapped safetensors file, no copy on the CPU. The packed weights stay pages of the file, which
+      the ranks of the box share in the page cache (measured against the path before: tests/worker/
+      test_fsdp_qlora.py, test_the_box_holds_one_4bit_copy_while_loading_not_one_per_rank); what a
+      rank makes its own is its shard (fully_shard copies its chunk: _fsdp_param.py, _init_sharded_param,
+      new_zeros + copy_) or, on a GPU, the units moved to the card.
+    """
+    if local_world_size() < 2:
+        return None
+    run_dir = run_dir if run_dir is not None else getattr(recipe, "output_dir", None)
+    if run_dir is None:
+        if local_rank() == 0:
+            print("[ftrun worker] QLoRA + FSDP without a run directory: each rank quantizes the model on its own "
+                  "CPU (one 4-bit copy per rank in RAM)", flush=True)
+        return None
+    folder = Path(run_dir) / QUANTIZED_DIR
+    identity = _quantized_identity(recipe.model, kwargs)
+    with _box_lock(Path(run_dir) / (QUANTIZED_DIR + ".lock")):
+        if _manifest(folder) == identity:
+            if local_rank() == 0:
+                print(f"[ftrun worker] 4-bit model: reusing {folder} (quantized for this run before)", flush=True)
+        else:
+            _quantize_into(folder, recipe.model, kwargs, identity)
+    return folder
+
+
+def _quantized_identity(model: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """What the quantized folder was made from: the source's files (size, mtime), the quantization, the dtype and
+    the library versions. The same on every rank."""
+    import json
+
+    import bitsandbytes
+    import torch
+    import transformers
+
+    source = Path(model).expanduser()
+    if not source.is_dir():  # a Hub name: its snapshot in the local cache (the worker downloads before it loads)
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            found = try_to_load_from_cache(model, "config.json")
+            source = Path(found).parent if isinstance(found, str) else source
+        except ImportError:
+            pass
+    files = {}
+    if source.is_dir():
+        for f in sorted(source.iterdir()):
+            if f.suffix in (".safetensors", ".json", ".bin") and f.is_file():
+                st = f.stat()  # a Hub snapshot's files are links into blobs: stat follows them
+                files[f.name] = [st.st_size, st.st_mtime_ns]
+    quant = kwargs.get("quantization_config")
+    identity = {"model": model, "resolved": str(source.resolve()) if source.is_dir() else None, "files": files,
+                "quantization": quant.to_dict() if quant is not None else None, "dtype": str(kwargs.get("dtype")),
+                "versions": {"transformers": transformers.__version__, "bitsandbytes": bitsandbytes.__version__,
+                             "torch": torch.__version__}}
+    return json.loads(json.dumps(identity, default=str))  # as the manifest reads back (lists, strings)
+
+
+def _manifest(folder: Path) -> Optional[dict[str, Any]]:
+    import json
+
+    path = folder / QUANTIZED_MANIFEST
+    try:
+        return json.loads(path.read_text())["identity"] if path.is_file() else None
+    except (ValueError, KeyError):
+        return None
+
+
+class _box_lock:
+    """An exclusive fcntl lock on a file of the run directory: the ranks of this box take turns; the kernel
+    releases it when its holder dies, so a crashed quantization never blocks a restart."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        import fcntl
+
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+        return False
+
+
+def _quantize_into(folder: Path, model: str, kwargs: dict[str, Any], identity: dict[str, Any]) -> None:
+    """Load and quantize `model` on the CPU with every core of the box, save it into `folder` (written aside and
+    renamed, the manifest last), and give its memory back before this rank loads the folder like the others."""
+    import gc
+    import json
+    import shutil
+    import time
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+    for stale in [*folder.parent.glob(f"{folder.name}.tmp-*"), folder]:  # under the lock: nobody else writes them
+        shutil.rmtree(stale, ignore_errors=True)  # a crashed attempt's, or a copy whose manifest does not match
+    threads = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    started = time.monotonic()
+    # torchrun sets OMP_NUM_THREADS=1 per rank; the others wait on the lock, so this rank takes the box's cores.
+    # fork_rng: the quantizing rank must draw the same LoRA initialisation afterwards as the ranks that did not
+    # load twice (fully_shard takes each rank's chunk of its own tensors: different draws would mix two models).
+    with torch.random.fork_rng(devices=[]):
+        torch.set_num_threads(cores)
+        try:
+            quantized = AutoModelForCausalLM.from_pretrained(model, **kwargs)
+            # save_pretrained writes on global rank 0 only once a process group exists (transformers 5.24
+            # distributed/mixin.py, should_save_on_this_rank); the copy belongs to the box, the lock holder writes it
+            quantized.should_save_on_this_rank = lambda is_main_process: True
+            quantized.save_pretrained(str(tmp))
+        finally:
+            torch.set_num_threads(threads)
+    del quantized
+    gc.collect()
+    _release_free_memory()
+    seconds = round(time.monotonic() - started, 1)
+    (tmp / QUANTIZED_MANIFEST).write_text(json.dumps({"identity": identity, "seconds": seconds}, indent=2))
+    os.replace(tmp, folder)
+    print(f"[ftrun worker] 4-bit model: quantized once for this box on {cores} CPU cores in {seconds:.0f} s into "
+          f"{folder}; every rank maps it", flush=True)
+
+
+def _release_free_memory() -> None:
+    """glibc keeps freed heap memory for reuse; give it back, so the box is not charged for a copy that is gone."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to ask
+        pass
 
 
 def load_kwargs(recipe, device: str, dtype, engine: str) -> dict[str, Any]:
@@ -216,10 +383,12 @@ def add_lora(model, recipe, engine: str):
     ))
 
 
-def load_model_and_tokenizer(recipe, device: str, dtype, plan: Optional[dict] = None, context=None):
+def load_model_and_tokenizer(recipe, device: str, dtype, plan: Optional[dict] = None, context=None,
+                              run_dir=None):
     """The base model by method (4-bit for qlora, 16-bit for lora, fp32 master weights for full on trl/ddp), then LoRA.
 
     `context`: a context manager the engine wraps the load in (DeepSpeed ZeRO-3 partitions while loading).
+    `run_dir`: where QLoRA + FSDP keeps the box's one quantized copy (default: the recipe's output_dir).
     """
     import contextlib
 
@@ -228,8 +397,14 @@ def load_model_and_tokenizer(recipe, device: str, dtype, plan: Optional[dict] = 
     engine = (plan or {}).get("engine", "trl")
     tokenizer = load_tokenizer(recipe)
     kwargs = load_kwargs(recipe, device, dtype, engine)
+    source = recipe.model
+    if recipe.method == "qlora" and engine == "fsdp":
+        quantized = quantized_once_per_box(recipe, kwargs, run_dir)
+        if quantized is not None:
+            # its config.json carries the quantization config: passing ours again only earns a warning
+            source, kwargs = str(quantized), {k: v for k, v in kwargs.items() if k != "quantization_config"}
     with context if context is not None else contextlib.nullcontext():
-        model = AutoModelForCausalLM.from_pretrained(recipe.model, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     if recipe.method in ("qlora", "lora"):
         model = add_lora(model, recipe, engine)
     if is_main_process():

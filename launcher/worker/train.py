@@ -70,7 +70,8 @@ def load_model_and_tokenizer(recipe, device: str, dtype, plan: Optional[dict] = 
         return model, tokenizer
     from launcher.worker.engines import loading_context
 
-    return loading.load_model_and_tokenizer(recipe, device, dtype, plan, context=loading_context(plan or {}, run_dir))
+    return loading.load_model_and_tokenizer(recipe, device, dtype, plan, context=loading_context(plan or {}, run_dir),
+                                            run_dir=run_dir)
 
 
 def run_worker(run_dir: Path, mode: str) -> int:

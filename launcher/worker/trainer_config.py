@@ -56,6 +56,8 @@ def sft_config(recipe, run: RunDir, mode: str, device: str, dtype, max_steps: Op
     for key, value in (engine_fields or {}).items():  # launcher/backends: what the engine needs
         fields[ac if key == "activation_checkpointing" else key] = value
     fields.update(eval_fields or {})  # launcher/data/split.py; trainer: may still set the eval batch and the like
+    if mode == "full":
+        fields["ddp_timeout"] = _process_group_timeout(run)
     fields.update(recipe.trainer)
     return SFTConfig(**fields)
 
@@ -74,6 +76,23 @@ def padding_free_collator(recipe, tokenizer):
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     return DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id, padding_free=True)
+
+
+def _process_group_timeout(run: RunDir) -> int:
+    """The process group's timeout from the plan and the smoke test (launcher/plan/deadlines.py), not the Trainer's
+    1800 s: a backstop above the supervisor's watchdog, so a rank left waiting for a dead or hung peer ends by itself
+    when no supervisor is there to end it. The recipe's trainer: ddp_timeout still wins."""
+    import json
+
+    from launcher.plan.deadlines import process_group_timeout
+
+    def read(path: Path) -> dict:
+        try:
+            return json.loads(path.read_text()) if path.is_file() else {}
+        except (OSError, ValueError):
+            return {}
+
+    return process_group_timeout(read(run.plan), read(run.smoke))
 
 
 def _trackers(run: RunDir, recipe, mode: str) -> dict[str, Any]:

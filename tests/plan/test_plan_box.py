@@ -104,7 +104,7 @@ def test_tokens_mean_one_thing_everywhere(tmp_path, no_gpu_here, capsys):
     with pytest.raises(SystemExit):
         cli.main(["plan", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    assert "--tokens TOKENS training tokens in all, every epoch together" in help_text
+    assert "--tokens N training tokens in all: every epoch together" in help_text
     assert "every epoch together" in Recipe.model_fields["tokens"].description.lower()
     with pytest.raises(RecipeError) as err:
         parse_token_count("lots")

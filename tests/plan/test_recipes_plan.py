@@ -16,7 +16,8 @@ from launcher.recipe import load_recipe
 from launcher.plan.sizing import GB
 
 RECIPES = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))
-ARTICLE = [p for p in RECIPES if p.name != "tiny-cpu.yaml"]
+HEADLINE = RECIPES[0].parent / "qwen3-8b-qlora.yaml"  # the design card's command: `ftrun recipes/qwen3-8b-qlora.yaml`
+ARTICLE = [p for p in RECIPES if p.name not in ("tiny-cpu.yaml", HEADLINE.name)]
 # The plan is an estimate (docs/sizing.md); the article gives ranges and rounded figures.
 TIME_COST_REL = 0.20
 MEMORY_SLACK = 0.25  # below the low end or above the high end of the article's range
@@ -98,3 +99,20 @@ def test_header_comment_states_the_article_figures(path):
     assert re.search(r"# Article, memory table: [\d,]+-[\d,]+ GB", text)
     assert re.search(r"# Article, time table: ", text)
     assert f"# Plan it: ftrun plan recipes/{path.name}" in text  # box: and tokens: make it work as printed
+
+
+def test_the_headline_recipe_plans_on_a_fresh_clone():
+    """`ftrun plan recipes/qwen3-8b-qlora.yaml` as the README's first command runs it: no GPU and no Hub here, so its
+    box: is planned with its tokens:, the Hub data named as not read; it fits, and the README leads with it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "-m", "launcher.cli", "plan", str(HEADLINE)], capture_output=True,
+                          text=True, env=env, cwd=HEADLINE.parents[1], timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Plan: qlora of Qwen/Qwen3-8B on 1 x RTX4090" in done.stdout
+    assert "data not read here" in done.stdout and "the recipe's tokens:" in done.stdout
+    readme = (HEADLINE.parents[1] / "README.md").read_text()
+    assert readme.index("ftrun recipes/qwen3-8b-qlora.yaml") < readme.index("recipes/qwen3-8b-qlora-rtx4090.yaml")

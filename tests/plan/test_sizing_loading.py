@@ -1,5 +1,6 @@
 """The box's RAM while FSDP and DeepSpeed load 16-bit weights (LoRA, full fine-tuning): counted by the plan
 (sizing._loading_16bit) and refused with the reason and the RAM a box would need when the box cannot hold it.
+QLoRA on FSDP: one 4-bit copy per box (sizing._loading; measured in tests/worker/test_fsdp_qlora.py).
 
 The rule rests on what transformers and accelerate do on the CPU, measured here with the real libraries: a
 16-bit checkpoint loaded in its own dtype is the memory-mapped file (page cache, shared by the processes of a
@@ -82,7 +83,7 @@ def test_single_card_and_cpu_plans_count_no_loading():
     assert sizing.memory(arch, Workload("full", 512, 1, device="cpu", engine="ddp", num_gpus=2)).load_ram_gb == 0.0
 
 
-def test_full_finetune_on_fsdp_is_refused_where_the_box_ram_cannot_hold_the_load():
+def test_full_finetune_on_fsdp_is_refused_where_the_box_ram_cannot_hold_the_load(monkeypatch):
     """32B full fine-tuning over 8 x H100 plans on the catalog box (2 x the cards' memory in RAM, 1274 GB) and is
     refused on a box with 1 TB, with the reason, the RAM it needs, and DeepSpeed (partitioned loading) fitting."""
     recipe = load_recipe(RECIPES / "qwen3-32b-full-8xh100.yaml")
@@ -91,13 +92,20 @@ def test_full_finetune_on_fsdp_is_refused_where_the_box_ram_cannot_hold_the_load
     assert p.fits and p.engine == "fsdp" and 900 < p.memory["load_ram_gb"] < hw.ram_gb * 0.8
     assert any(r.startswith("loading: each of the 8 processes loads the whole model") for r in p.reasons)
 
-    small = replace(hw, ram_gb=1024.0)
+    # a box to rent: its RAM is an assumption, so the plan names the RAM it needs instead of refusing
+    rented = make_plan(recipe, replace(hw, ram_gb=1024.0), tokens=15e6)
+    need = p.memory["load_ram_gb"] / sizing.USABLE_RAM_FRACTION
+    assert rented.fits and any(f"with at least {need:.0f} GB of RAM" in r for r in rented.reasons)
+    # the box in hand: its RAM is read, and too little is refused with the figure
+    small = replace(hw, ram_gb=1024.0, source="detected")
+    from launcher.plan import engine
+
+    monkeypatch.setattr(engine, "_deepspeed_installed", lambda: True)  # the box in hand has the image's software
     with pytest.raises(PlanError) as err:
-        make_plan(recipe, small, tokens=15e6)
+        make_plan(recipe, small, tokens=15e6, unsloth_available=False)
     msg = err.value.message
     assert "loading does not fit the box's RAM" in msg and "this box has 1024 GB" in msg
     assert "each of the 8 processes loads the whole model onto its CPU" in msg
-    need = p.memory["load_ram_gb"] / sizing.USABLE_RAM_FRACTION
     assert f"A box with {need:.0f} GB of RAM or more" in msg
 
     ds = make_plan(load_recipe(RECIPES / "qwen3-32b-full-8xh100.yaml", ["engine=deepspeed"]), small, tokens=15e6)
@@ -108,6 +116,62 @@ def test_70b_lora_on_4xh100_plans_and_says_what_loading_holds():
     p = make_plan(load_recipe(RECIPES / "llama-3.1-70b-lora-4xh100.yaml"), from_spec("4xH100-80GB"), tokens=15e6)
     assert p.fits and p.engine == "fsdp" and p.memory["load_ram_gb"] < 10
     assert any(r.startswith("loading:") and "shared" in r for r in p.reasons)
+
+
+# --- QLoRA + FSDP: one 4-bit copy per box (issue 21 item 7) ---------------------------------------------
+
+def qlora_fsdp(n: int, offload: bool = False):
+    arch = from_catalog(LLAMA70)
+    return arch, sizing.memory(arch, Workload("qlora", 512, 1, True, 16, "all-linear", "fsdp", n, "cuda", offload))
+
+
+def test_qlora_fsdp_ram_is_one_4bit_copy_per_box_whatever_the_process_count():
+    """launcher/worker/loading.py quantizes once per box and every rank maps the saved file: more processes add
+    their runtime and fp32 LoRA, never another 4-bit copy."""
+    arch, two = qlora_fsdp(2)
+    _, eight = qlora_fsdp(8)
+    model_gb = sizing.nf4_model_bytes(arch) / GB
+    temp_gb = sizing.quantize_temporary_bytes(arch) / GB
+    assert two.load_ram_gb == pytest.approx(model_gb + temp_gb + 2 * sizing.CPU_RUNTIME_GB)
+    assert eight.load_ram_gb - two.load_ram_gb == pytest.approx(6 * sizing.CPU_RUNTIME_GB)
+    assert eight.load_ram_gb < 1.5 * model_gb  # it was 8 x (model + LoRA + runtime) = 310 GB
+    text = two.load_explanation
+    assert "one process quantizes the model once for the box on its CPU (36.8 GB in 4-bit" in text
+    assert "while the other waits" in text and "while the other 7 wait" in eight.load_explanation
+    assert "maps that file (one copy in the page cache, shared)" in text
+    need = two.load_ram_gb / sizing.USABLE_RAM_FRACTION
+    assert f"{two.load_ram_gb:.0f} GB of RAM at the peak (quantizing; a box with {need:.0f} GB or more holds it)" in text
+
+
+def test_qlora_fsdp_with_offload_counts_the_pinned_shards_once():
+    arch, on_card = qlora_fsdp(2)
+    _, off = qlora_fsdp(2, offload=True)
+    lora_gb = off.trainable_params * 4 / GB
+    sharding = off.offloaded_params_gb + 2 * (lora_gb + sizing.CPU_RUNTIME_GB)
+    assert off.load_ram_gb == pytest.approx(max(on_card.load_ram_gb, sharding))
+    assert "(sharding; a box with" in off.load_explanation and "pinned RAM (39.9 GB)" in off.load_explanation
+    # the pinned shards of all ranks together are one copy (+ LoRA gradients and AdamW states), not one per rank
+    assert off.offloaded_params_gb < 1.1 * sizing.nf4_model_bytes(arch) / GB
+
+
+def test_qlora_fsdp_quantizes_once_with_every_core():
+    arch = from_catalog(LLAMA70)
+    for n in (2, 4, 8):
+        w = Workload("qlora", 512, 1, True, 16, "all-linear", "fsdp", n, "cuda")
+        assert sizing.load_seconds(arch, w, 16) == pytest.approx(arch.linear_params / (5e6 * 16))  # 14 min
+    # other paths do not quantize on the CPU
+    assert sizing.load_seconds(arch, Workload("qlora", 512, 1, engine="deepspeed", num_gpus=2), 16) == 0.0
+    assert sizing.load_seconds(arch, Workload("lora", 512, 1, engine="fsdp", num_gpus=2), 16) == 0.0
+
+
+def test_the_70b_qlora_row_plans_on_2x4090_and_names_the_ram():
+    p = make_plan(load_recipe(RECIPES / "llama-3.1-70b-qlora-fsdp-2xrtx4090.yaml"), from_spec("2xRTX4090"),
+                  tokens=15e6)
+    assert p.fits and p.engine == "fsdp" and p.offload_params
+    need = p.memory["load_ram_gb"] / sizing.USABLE_RAM_FRACTION
+    assert need < 96  # the catalog box's assumed RAM
+    assert any(r.startswith("loading: one process quantizes") and f"a box with {need:.0f} GB or more" in r
+               for r in p.reasons)
 
 
 # --- the premise, measured: mapped 16-bit weights, private fp32 upcast -----------------------------------

@@ -183,9 +183,9 @@ def test_orphans_are_found_by_run_dir_and_killed_with_their_group(run_dir, tmp_p
     assert [p["pid"] for p in run_processes(run)] == [worker_pid]
     assert run_holder(run) is None
     said: list[str] = []
-    t0 = time.monotonic()
+    # no bound on the time: end_orphans itself waits on the processes (1 s for SIGTERM, then up to 10 s for the
+    # SIGKILLed group), and a loaded box may take longer; what it must have done is checked below
     assert end_orphans(run, 1.0, log=said.append) == [worker_pid]
-    assert time.monotonic() - t0 < 8
     assert not same_process(worker) and not same_process(child)
     assert _alive(bystander) and _alive(unrelated)
     assert "still train into this run without a supervisor" in said[0] and "killing" in said[1]

@@ -210,3 +210,73 @@ def test_a_stopped_run_says_how_it_ended_once_with_the_exact_resume_command(tmp_
     set_state(run, "running", reason="continuing", resume_command=resume)
     s = views.run_status(run)
     assert s["state"] == "interrupted" and f"`{resume}` to resume" in views.format_status(s)
+
+
+def test_mfu_beside_a_gpus_tokens_per_second_and_silent_on_a_cpu(tmp_path):
+    """Model FLOPs utilization from the plan's basis (docs/BENCHMARKS.md, "MFU"): a 1 x RTX 4090 plan of Qwen3-8B
+    QLoRA, 1,000 tokens/s measured; the status line and the smoke test's line show it on a GPU only."""
+    from launcher.plan.hardware import from_spec
+    from launcher.plan.plan import make_plan, model_flops_utilization
+    from launcher.recipe import validate_recipe
+
+    recipe = validate_recipe({"model": "Qwen/Qwen3-8B", "method": "qlora", "data": "d.jsonl", "tokens": "15M",
+                              "max_length": 2048}, tmp_path, "r")
+    plan = make_plan(recipe, from_spec("1xRTX4090"), tokens=recipe.tokens, unsloth_available=True,
+                     allow_network=False).to_dict()
+    basis = plan["tokens"]
+    assert basis["peak_tflops_per_gpu"] == 165 and basis["gpus_used"] == 1
+    # LoRA: forward 2N + input gradients 2N, no recomputation counted (model FLOPs, not hardware FLOPs)
+    assert 4 * 7e9 < basis["model_flops_per_token"] < 4 * 8.2e9
+    mfu = model_flops_utilization(plan, 1000.0)
+    assert mfu == pytest.approx(1000.0 * basis["model_flops_per_token"] / 165e12)
+    s = {"state": "running", "run_dir": str(tmp_path), "step": 5, "total_steps": 10, "loss": 1.5,
+         "tokens_per_second": 1000.0, "mfu": mfu}
+    assert f"1,000 tokens/s (MFU {mfu:.0%})" in views.format_status(s)
+    cpu = make_plan(validate_recipe({"model": "Qwen/Qwen3-8B", "method": "qlora", "data": "d.jsonl"}, tmp_path, "r"),
+                    from_spec("1xRTX4090"), tokens=1e6, unsloth_available=True, allow_network=False).to_dict()
+    cpu.update(device="cpu", tokens={})
+    assert model_flops_utilization(cpu, 1000.0) is None
+    assert "MFU" not in views.format_status({**s, "mfu": None})
+
+
+def test_help_names_every_option_and_every_argument_says_what_it_is():
+    """The top-level help's command list names every option of every command, and no argument is left without help
+    (issue 23: --watch, --memory-limit and --price were missing; status --json, logs -f and the positionals bare)."""
+    import argparse
+
+    from launcher import gguf_types
+
+    parser = _parser()
+    epilog = parser.epilog
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sub in commands.choices.items():
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            assert action.help, f"ftrun {name}: {action.dest} has no help"
+            if action.option_strings and name != "llamacpp":
+                assert any(o in epilog for o in action.option_strings), \
+                    f"ftrun {name} {action.option_strings} is not in the top-level help"
+    export = commands.choices["export"].format_help().replace("\n", " ")
+    assert all(t in export for t in gguf_types.TYPES) and gguf_types.DEFAULT_TYPE in export
+
+
+def test_commands_with_no_runs_say_so(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["status"]) == 0
+    assert "no runs under ./runs" in capsys.readouterr().out
+    for command in ("logs", "stop"):
+        assert main([command]) == 2
+        err = capsys.readouterr().err
+        assert "no runs under ./runs" in err and f"`ftrun {command} " in err
+
+
+def test_stop_of_a_finished_run_says_it_ended(tmp_path, capsys):
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    (run.root / "recipe.yaml").write_text("{}")
+    set_state(run, "succeeded", reason="training finished")
+    assert main(["stop", str(run.root)]) == 0
+    assert "already ended (succeeded)" in capsys.readouterr().out
+    s = views.run_status(run)
+    assert "pid None" not in views.format_status(s)

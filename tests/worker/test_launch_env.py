@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -99,3 +100,148 @@ def test_the_worker_keeps_known_notices_and_deprecations_out_of_the_log():
     assert worker.returncode == 0, worker.stderr
     assert "kernels-community" not in worker.stderr and "FutureWarning" not in worker.stderr
     assert "Setting accelerator to CPU" not in worker.stderr and "a real bitsandbytes warning" in worker.stderr
+
+
+# --- one process, one card (issue 21 item 1) -------------------------------------------------------------------
+
+def _cuda_box(monkeypatch, cards: int) -> None:
+    """torch.cuda as a box with `cards` GPUs answers, CUDA_VISIBLE_DEVICES applied the way CUDA applies it: the
+    device queries are stubbed, everything above them (accelerate's state, TrainingArguments) is the real code."""
+    import torch
+    from accelerate.state import AcceleratorState  # noqa: F401 - imported before the stub, as on a real box
+    from trl import SFTConfig  # noqa: F401
+
+    def device_count() -> int:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return cards if visible is None else len([e for e in visible.split(",") if e.strip()])
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", device_count)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+
+
+def _training_args(tmp_path, env: dict[str, str], monkeypatch):
+    from accelerate.state import AcceleratorState
+    from trl import SFTConfig
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        args = SFTConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, report_to=[])
+        return args.n_gpu, args.train_batch_size
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.mark.parametrize("engine", ["trl", "unsloth"])
+def test_a_single_process_engine_sees_only_its_planned_card(tmp_path, monkeypatch, engine):
+    """One process on a 4-card box: without the launch's CUDA_VISIBLE_DEVICES the real TrainingArguments count 4
+    GPUs and take a 4x batch (the Trainer then wraps the model in nn.DataParallel); with it, one card, the planned
+    batch."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    plan = plan_json(tmp_path, "4xH100-80GB", "550.54.14", engine="trl")
+    plan["engine"] = engine  # the single-process rule is the engine's, not the recipe's choice
+    env = launch_env(plan)
+    assert env["CUDA_VISIBLE_DEVICES"] == "0"
+    _cuda_box(monkeypatch, 4)
+    assert _training_args(tmp_path, {}, monkeypatch) == (4, 8)  # the defect the variable prevents
+    assert _training_args(tmp_path, env, monkeypatch) == (1, 2)
+
+
+@pytest.mark.parametrize("visible,expected", [("2,3", "2"), ("GPU-8932f937,GPU-1c2b", "GPU-8932f937"),
+                                              ("3", None), ("MIG-4f1a", None), ("", None)])
+def test_the_users_card_choice_is_narrowed_not_replaced(tmp_path, monkeypatch, visible, expected):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    plan = plan_json(tmp_path, "4xH100-80GB", "550.54.14", engine="trl")
+    assert launch_env(plan).get("CUDA_VISIBLE_DEVICES") == expected
+
+
+def test_multi_process_and_cpu_runs_keep_every_card(tmp_path, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert "CUDA_VISIBLE_DEVICES" not in launch_env(plan_json(tmp_path, "4xH100-80GB", "550.54.14", engine="ddp"))
+    assert "CUDA_VISIBLE_DEVICES" not in launch_env({"device": "cpu", "engine": "trl", "num_processes": 1})
+
+
+def test_the_worker_refuses_a_single_process_trainer_that_counts_several_gpus(tmp_path, monkeypatch):
+    """engines.verify's single-process check reads the real TrainingArguments' n_gpu: 4 visible cards fail it."""
+    from launcher.worker.engines.ddp import single_checks
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    _cuda_box(monkeypatch, 4)
+    n_gpu, _ = _training_args(tmp_path, {}, monkeypatch)
+    trainer = SimpleNamespace(args=SimpleNamespace(n_gpu=n_gpu, train_batch_size=8))
+    bad = [c for c in single_checks({"device": "cuda"}, trainer) if not c["ok"]]
+    assert [c["check"] for c in bad] == ["one device (no nn.DataParallel)"] and "n_gpu 4" in bad[0]["seen"]
+    one = SimpleNamespace(args=SimpleNamespace(n_gpu=1, train_batch_size=2))
+    assert all(c["ok"] for c in single_checks({"device": "cuda"}, one))
+    cpu = SimpleNamespace(args=SimpleNamespace(n_gpu=0, train_batch_size=2))
+    assert all(c["ok"] for c in single_checks({"device": "cpu"}, cpu))
+
+
+# --- CPU threads per process (issue 21 item 2) -----------------------------------------------------------------
+
+def test_gpu_ranks_get_their_share_of_the_cores_not_one_thread(tmp_path, monkeypatch):
+    """torchrun would set OMP_NUM_THREADS=1 for each of 2+ ranks; the launch gives each cores / processes."""
+    import launcher.plan.hardware as hardware
+
+    monkeypatch.setattr(hardware, "cpu_cores", lambda notes=None: 16)
+    plan = plan_json(tmp_path, "2xRTX4090", "565.57.01", engine="ddp")
+    assert launch_env(plan)["OMP_NUM_THREADS"] == "8"
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert "OMP_NUM_THREADS" not in launch_env(plan)  # the user's own setting reaches the ranks unchanged
+
+
+@pytest.mark.slow
+def test_torchrun_keeps_the_launchs_thread_count(tmp_path):
+    """Real torchrun, 2 gloo-free ranks: each rank reports the OMP_NUM_THREADS it got and torch's thread count."""
+    import subprocess
+
+    probe = tmp_path / "probe.py"
+    probe.write_text("import os, torch\nprint('RANK', os.environ['RANK'], os.environ.get('OMP_NUM_THREADS'), "
+                     "torch.get_num_threads(), flush=True)\n")
+    base = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(probe)]
+    bare = subprocess.run(cmd, capture_output=True, text=True, env=base, timeout=120)
+    env = launch_env({"device": "cuda", "engine": "ddp", "num_processes": 2, "hardware": {"gpus": []}})
+    launched = subprocess.run(cmd, capture_output=True, text=True, env={**base, **env}, timeout=120)
+    assert bare.returncode == 0 and launched.returncode == 0, bare.stderr + launched.stderr
+    rows = lambda out: sorted(m.split()[1:] for m in re.findall(r"RANK \d+ \S+ \d+", out))  # noqa: E731 - lines may interleave
+    assert rows(bare.stdout) == [["0", "1", "1"], ["1", "1", "1"]]  # torchrun's default
+    want = env["OMP_NUM_THREADS"]
+    assert rows(launched.stdout) == [["0", want, want], ["1", want, want]]
+
+
+# --- FSDP's rendezvous port (issue 21 item 5) ------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_two_fsdp_launches_at_once_each_get_a_free_port(tmp_path):
+    """The generated accelerate config, launched twice at the same moment by real `accelerate launch`: each job
+    rendezvouses (gloo) on a free port of its own, never the default 29500. (accelerate 1.15 moves off 29500 only
+    when it is taken at the moment it checks, utils/launch.py prepare_multi_gpu_env; two launches at once both
+    find it free, and the second fails with "address already in use".)"""
+    import subprocess
+
+    import yaml
+
+    from launcher.worker.engines.fsdp import accelerate_config
+
+    cfg = tmp_path / "accelerate_fsdp.yaml"
+    cfg.write_text(yaml.safe_dump(accelerate_config({"num_processes": 2, "device": "cpu"}, False)))
+    probe = tmp_path / "probe.py"
+    probe.write_text("import os, torch.distributed as dist\n"
+                     "dist.init_process_group('gloo'); dist.barrier()\n"
+                     "print('PORT', os.environ['MASTER_PORT'], flush=True)\n"
+                     "dist.destroy_process_group()\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg), str(probe)]
+    jobs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+            for _ in range(2)]
+    outs = [job.communicate(timeout=240)[0] for job in jobs]
+    assert all(job.returncode == 0 for job in jobs), outs
+    # both ranks print into one pipe: their lines may interleave, so the numbers are read, not the lines
+    ports = [set(re.findall(r"PORT\s+(\d+)", out)) for out in outs]
+    assert [len(re.findall(r"PORT\s+\d+", out)) for out in outs] == [2, 2], outs
+    assert all(len(p) == 1 for p in ports), outs  # both ranks of a job agree
+    assert ports[0] != ports[1] and "29500" not in ports[0] | ports[1]

@@ -74,13 +74,26 @@ def launch_command(plan: dict[str, Any], run_dir: Path, mode: str) -> list[str]:
 
 
 def launch_env(plan: dict[str, Any], grace_seconds: float | None = None) -> dict[str, str]:
-    """Environment for the launched worker(s): CPU threads split between processes; NCCL's P2P and
-    InfiniBand off on RTX 40-series cards with an old driver. A variable the user set is kept."""
+    """Environment for the launched worker(s): CPU threads split between processes; a single-process engine
+    shown only its own card; NCCL's P2P and InfiniBand off on RTX 40-series cards with an old driver. A variable
+    the user set is kept."""
     n = int(plan.get("num_processes", 1))
     env: dict[str, str] = {}
-    if plan.get("device") == "cpu" and n > 1 and "OMP_NUM_THREADS" not in os.environ:
-        # Several processes each using every core oversubscribe the CPU (about 10x slower).
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
+    if n > 1 and "OMP_NUM_THREADS" not in os.environ:
+        # The box's cores shared out between its processes, on CPU and on GPU boxes alike. torchrun and
+        # accelerate launch set OMP_NUM_THREADS=1 for 2+ processes when it is unset (torch 2.13
+        # torch/distributed/run.py config_from_args: "Setting OMP_NUM_THREADS environment variable for each process
+        # to be 1 in default"; accelerate 1.15 utils/launch.py prepare_multi_gpu_env does the same through
+        # torchrun's args), which leaves QLoRA+FSDP's CPU quantization of a 70B model on one thread per rank, about
+        # cores/n times slower than the plan (sizing.load_seconds counts threads_per_process x n). Unset, every
+        # process would use every core on a CPU box: oversubscribed, about 10x slower.
+        from launcher.plan.hardware import cpu_cores, threads_per_process
+
+        env["OMP_NUM_THREADS"] = str(threads_per_process(cpu_cores(), n))
+    if plan.get("device") == "cuda" and plan.get("engine", "trl") in SINGLE_PROCESS:
+        only = planned_device(os.environ.get("CUDA_VISIBLE_DEVICES"))
+        if only is not None:
+            env["CUDA_VISIBLE_DEVICES"] = only
     if plan.get("device") == "cuda":
         from launcher.plan.hardware import nccl_p2p_ib_unsupported
 
@@ -97,16 +110,40 @@ def launch_env(plan: dict[str, Any], grace_seconds: float | None = None) -> dict
                 if var not in os.environ:
                     env[var] = "1"
     if grace_seconds is not None and plan.get("engine") in MULTI_PROCESS:
-        # The launcher's own wait between forwarding a SIGTERM and SIGKILLing the ranks (torch 2.13:
-        # torch/distributed/launcher/api.py LaunchConfig.__post_init__ reads it when --shutdown-timeout
-        # is not given; SimpleElasticAgent.run passes it to PContext.close). Default 30 s: a checkpoint
-        # taking longer was cut off although grace_seconds allowed more. accelerate launch (fsdp) builds
-        # the same LaunchConfig (commands/launch.py multi_gpu_launcher -> torch.distributed.run.run), so
-        # the variable reaches it too. An environment variable, not the flag: torch before 2.12 rejects
-        # an unknown flag and ignores the variable (the supervisor signals the ranks directly there).
+        # The launcher's own wait between forwarding a SIGTERM and SIGKILLing the ranks, default 30 s: a
+        # checkpoint taking longer was cut off although grace_seconds allowed more. torch 2.12 and 2.13
+        # (2.13.0 is the image's and the tests'; docker/requirements*.txt) read it: torch/distributed/
+        # launcher/api.py LaunchConfig.__post_init__ takes TORCH_ELASTIC_SHUTDOWN_TIMEOUT when torchrun's
+        # --shutdown-timeout (run.py, new in 2.12) is not given, and SimpleElasticAgent.run passes it to
+        # PContext.close. torch 2.11 has neither: no variable, no option (torchrun exits 2 on
+        # "unrecognized arguments: --shutdown-timeout"), a fixed 30 s (elastic/agent/server/
+        # local_elastic_agent.py:416 `self._pcontext.close(death_sig)`, multiprocessing/api.py:1007
+        # SubprocessContext._close `timeout: int = 30`); there only the supervisor's SIGTERM straight to
+        # the ranks keeps grace_seconds. Hence the variable, never the option. accelerate launch (fsdp)
+        # builds the same LaunchConfig (commands/launch.py multi_gpu_launcher -> torch.distributed.run.run).
         # A margin above grace_seconds: the supervisor's own deadline is the one that binds.
         env[LAUNCHER_SHUTDOWN_TIMEOUT_ENV] = str(math.ceil(grace_seconds) + LAUNCHER_SHUTDOWN_MARGIN_S)
     return env
+
+
+def planned_device(visible: str | None) -> str | None:
+    """CUDA_VISIBLE_DEVICES for a one-process engine (trl, unsloth): the card it was planned on, alone; None where
+    the process already sees one card (or none).
+
+    Why: with one process and several visible cards transformers sets n_gpu to torch.cuda.device_count()
+    (transformers 5.24 training_args.py _setup_devices, the DistributedType.NO branch), multiplies the batch by
+    it (train_batch_size) and wraps every model that is not 4/8-bit in nn.DataParallel (trainer.py _wrap_model):
+    an n x global batch with fewer steps than planned, a wrong learning-rate schedule, ETA and cost, peak memory
+    read on cuda:0 only. The plan sizes one card, the first that CUDA enumerates (launcher/plan/hardware.py
+    detect, in CUDA_VISIBLE_DEVICES' order when it is set); the worker checks `n_gpu == 1` (engines/ddp.py
+    single_checks). The entry is kept as the user wrote it (an index or a GPU-/MIG- UUID), so it names the same
+    card under the same CUDA_DEVICE_ORDER."""
+    if visible is None:
+        return "0"
+    entries = [e.strip() for e in visible.split(",")]
+    if len(entries) <= 1 or not entries[0] or entries[0] == "-1":
+        return None
+    return entries[0]
 
 
 def trainer_fields(plan: dict[str, Any], run_dir: Path) -> dict[str, Any]:

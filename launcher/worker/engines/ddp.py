@@ -30,9 +30,19 @@ def checks(plan: dict[str, Any], trainer: Any) -> list[dict[str, Any]]:
 
 
 def single_checks(plan: dict[str, Any], trainer: Any) -> list[dict[str, Any]]:
-    """One process: no process group, the model not wrapped for data parallelism."""
+    """One process: no process group, and one device: the Trainer's n_gpu is 1 on a GPU (0 on the CPU), so it
+    neither multiplies the batch nor wraps the model in nn.DataParallel (transformers 5.24 trainer.py
+    _wrap_model: `self.args.n_gpu > 1` and not 4/8-bit). launch_env shows the process only its planned card."""
+    import os
+
     import torch.distributed as dist
 
     grouped = dist.is_available() and dist.is_initialized()
+    n_gpu = int(trainer.args.n_gpu)
+    want = 1 if plan.get("device") == "cuda" else 0
     return [{"check": "single process", "ok": not grouped,
-             "seen": f"process group of {dist.get_world_size()}" if grouped else "no process group"}]
+             "seen": f"process group of {dist.get_world_size()}" if grouped else "no process group"},
+            {"check": "one device (no nn.DataParallel)", "ok": n_gpu == want,
+             "seen": f"n_gpu {n_gpu} (expected {want}; CUDA_VISIBLE_DEVICES="
+                     f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}), batch per step "
+                     f"{trainer.args.train_batch_size}"}]

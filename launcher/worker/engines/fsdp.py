@@ -29,6 +29,10 @@ def accelerate_config(plan: dict[str, Any], activation_checkpointing: bool) -> d
         "use_cpu": False,
         "rdzv_backend": "static",
         "same_network": True,
+        # 0: a free port for each launch (accelerate 1.15 utils/launch.py prepare_multi_gpu_env: get_free_port()),
+        # not the default 29500 that a second job or a leftover rank holds ("address already in use"); torchrun
+        # --standalone does the same for ddp and deepspeed (engines/__init__.py _torchrun)
+        "main_process_port": 0,
         "fsdp_config": {
             "fsdp_version": 2,
             # wraps each decoder layer: the model's _no_split_modules name the layer class
@@ -36,9 +40,9 @@ def accelerate_config(plan: dict[str, Any], activation_checkpointing: bool) -> d
             # 16-bit weights: every rank's model goes to the meta device, rank 0's state dict is broadcast shard by
             # shard (after every rank loaded the model on its CPU and upcast its trainable weights to fp32: the
             # plan counts that RAM, sizing._loading_16bit). accelerate skips this for 4-bit weights
-            # (fsdp2_prepare_model: Params4bit lose their class on meta), so QLoRA loads on each rank's CPU instead
-            # (loading.fsdp_qlora_kwargs) and fully_shard moves one unit at a time to the card; the plan counts that
-            # load (sizing.py, _loading).
+            # (fsdp2_prepare_model: Params4bit lose their class on meta), so QLoRA is quantized once per box on the CPU
+            # and every rank maps the saved copy (loading.fsdp_qlora_kwargs, quantized_once_per_box), and fully_shard
+            # moves one unit at a time to the card; the plan counts that load (sizing.py, _loading).
             "fsdp_cpu_ram_efficient_loading": True,
             # the plan's choice when the shards do not fit the cards (QLoRA 70B on 2 x 24 GB): shards, gradients and
             # optimizer states in pinned CPU RAM (FSDP2 CPUOffloadPolicy), the optimizer step on the CPU

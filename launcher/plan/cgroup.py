@@ -1,0 +1,180 @@
+"""The container's own limits: the memory and CPU a cgroup gives this process, and its OOM-kill count.
+
+Inside a container psutil and /proc/meminfo show the host's RAM and os.cpu_count() the host's cores; the kernel
+enforces the cgroup's limits instead: a process group above `memory.max` is OOM-killed whatever the host has
+free. The plan sizes host RAM and CPU threads with the smaller of the two; the supervisor reads the OOM-kill
+count to tell a worker the kernel killed for memory from one killed by a person or a preemption.
+
+Read from the kernel's files (Documentation/admin-guide/cgroup-v2.rst, cgroup-v1/memory.rst):
+- cgroup v2 (the unified hierarchy, Docker's default since 20.10 on current distributions): `memory.max`
+  ("max" or bytes), `cpu.max` ("$MAX $PERIOD", "max" = no quota), `memory.events` ("oom_kill N");
+- cgroup v1: `memory.limit_in_bytes` (a huge value, about 2**63, means none), `cpu.cfs_quota_us` /
+  `cpu.cfs_period_us` (-1 = none), `memory.oom_control` ("oom_kill N", kernels 4.13+).
+The process's cgroup path comes from /proc/self/cgroup and the mount points from /proc/self/mountinfo. A limit
+set on an ancestor binds too, so every level from the process's own cgroup up to the mount's root is read
+and the smallest limit wins. With a cgroup namespace (Docker's default on v2) the process's path is "/" and
+the container's own limits are at the mount's root.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+# cgroup v1 writes PAGE_COUNTER_MAX (2**63 - 1 rounded down to a page) for "no limit"; anything above 2**60
+# bytes is no limit on any real box.
+_UNLIMITED = 1 << 60
+
+
+@dataclass(frozen=True)
+class _Mount:
+    point: Path  # where the hierarchy is mounted
+    root: str  # the cgroup path that mount point shows (mountinfo's 4th field)
+    version: int  # 1 or 2
+    controllers: frozenset[str]
+
+
+def _mounts(root: Path) -> list[_Mount]:
+    try:
+        lines = (root / "proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        # "36 25 0:31 / /sys/fs/cgroup/memory rw,relatime shared:14 - cgroup cgroup rw,memory"
+        left, _, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if len(fields) < 5 or not tail:
+            continue
+        if tail[0] == "cgroup2":
+            found.append(_Mount(root / fields[4].lstrip("/"), fields[3], 2, frozenset()))
+        elif tail[0] == "cgroup" and len(tail) >= 3:
+            found.append(_Mount(root / fields[4].lstrip("/"), fields[3], 1, frozenset(tail[2].split(","))))
+    return found
+
+
+def _own_paths(root: Path) -> dict[str, str]:
+    """controller ('' for v2) -> this process's cgroup path, from /proc/self/cgroup."""
+    try:
+        lines = (root / "proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return {}
+    paths: dict[str, str] = {}
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        for name in (controllers.split(",") if controllers else [""]):
+            paths[name] = path
+    return paths
+
+
+def _levels(mount: _Mount, path: str) -> list[Path]:
+    """The directories from this process's cgroup up to the mount's root (the mount's root alone when the path is
+    not under it, as inside a cgroup namespace or a container that mounts only its own subtree)."""
+    rel = path
+    if mount.root not in ("", "/") and (path == mount.root or path.startswith(mount.root.rstrip("/") + "/")):
+        rel = path[len(mount.root.rstrip("/")):]
+    parts = [p for p in rel.split("/") if p]
+    levels = [mount.point.joinpath(*parts[:i]) for i in range(len(parts), -1, -1)]
+    existing = [d for d in levels if d.is_dir()]
+    return existing or [mount.point]
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def _hierarchy(root: Path, controller: str) -> tuple[int, list[Path]] | None:
+    """(version, directories to read) for a controller: v2 when it is enabled there, else its v1 hierarchy."""
+    own = _own_paths(root)
+    mounts = _mounts(root)
+    for m in mounts:
+        if m.version == 2 and "" in own:
+            dirs = _levels(m, own[""])
+            enabled = _read(m.point / "cgroup.controllers") or ""
+            if controller in enabled.split() or any((d / f"{controller}.max").exists() for d in dirs):
+                return 2, dirs
+    for m in mounts:
+        if m.version == 1 and controller in m.controllers:
+            return 1, _levels(m, own.get(controller, "/"))
+    return None
+
+
+def memory_limit_bytes(root: Path = Path("/")) -> int | None:
+    """The smallest memory limit on this process's cgroup or its ancestors; None where none is set or readable."""
+    found = _hierarchy(root, "memory")
+    if found is None:
+        return None
+    version, dirs = found
+    limits = []
+    for d in dirs:
+        text = _read(d / ("memory.max" if version == 2 else "memory.limit_in_bytes"))
+        if text and text != "max":
+            try:
+                value = int(text)
+            except ValueError:
+                continue
+            if 0 < value < _UNLIMITED:
+                limits.append(value)
+    return min(limits) if limits else None
+
+
+def cpu_limit(root: Path = Path("/")) -> int | None:
+    """The CPU quota as whole cores (rounded up), the smallest over the hierarchy; None where no quota is set."""
+    found = _hierarchy(root, "cpu")
+    if found is None:
+        return None
+    version, dirs = found
+    cores = []
+    for d in dirs:
+        if version == 2:
+            parts = (_read(d / "cpu.max") or "max").split()
+            quota, period = (parts + ["100000"])[:2]
+        else:
+            quota, period = _read(d / "cpu.cfs_quota_us") or "-1", _read(d / "cpu.cfs_period_us") or "100000"
+        try:
+            q, p = int(quota), int(period)
+        except ValueError:
+            continue  # "max" on v2
+        if q > 0 and p > 0:
+            cores.append(max(1, math.ceil(q / p)))
+    return min(cores) if cores else None
+
+
+def oom_kills(root: Path = Path("/")) -> int | None:
+    """How many processes the kernel has OOM-killed in this process's cgroup (its own level: where the run's
+    processes live); None where the kernel does not say (no memory controller, a kernel before 4.13)."""
+    found = _hierarchy(root, "memory")
+    if found is None:
+        return None
+    version, dirs = found
+    text = _read(dirs[0] / ("memory.events" if version == 2 else "memory.oom_control"))
+    for line in (text or "").splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+def memory_headroom_bytes(root: Path = Path("/")) -> int | None:
+    """What the cgroup lets its processes still allocate: the limit less what they use now (page cache included,
+    which the kernel reclaims before it OOM-kills, so this is a floor); None where no limit is set."""
+    limit = memory_limit_bytes(root)
+    found = _hierarchy(root, "memory")
+    if limit is None or found is None:
+        return None
+    version, dirs = found
+    used = _read(dirs[0] / ("memory.current" if version == 2 else "memory.usage_in_bytes"))
+    try:
+        return max(0, limit - int(used or "0"))
+    except ValueError:
+        return limit

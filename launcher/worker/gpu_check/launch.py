@@ -1,0 +1,114 @@
+"""The launch's environment on the box (issue 21 items 1, 2, 5): a single-process engine's Trainer counts one GPU,
+each rank of a multi-process launch gets its share of the cores, and two FSDP launches at once each rendezvous on
+a port of their own. Real launchers (torchrun, accelerate launch), the environment `launch_env` gives the worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from typing import Any
+
+from launcher.worker.gpu_check.common import Context, child_env, has
+
+_N_GPU = """
+import json, torch
+from transformers import TrainingArguments
+args = TrainingArguments(output_dir={out!r}, per_device_train_batch_size=2, report_to=[])
+print(json.dumps({{"n_gpu": args.n_gpu, "train_batch_size": args.train_batch_size,
+                  "device_count": torch.cuda.device_count() if torch.cuda.is_available() else 0}}))
+"""
+
+_THREADS = ("import os, torch\nprint('RANK', os.environ['RANK'], os.environ.get('OMP_NUM_THREADS'), "
+            "torch.get_num_threads(), flush=True)\n")
+
+_PORT = ("import os, torch.distributed as dist\ndist.init_process_group('gloo'); dist.barrier()\n"
+         "print('PORT', os.environ['MASTER_PORT'], flush=True)\ndist.destroy_process_group()\n")
+
+
+def _last_json(text: str) -> dict[str, Any]:
+    return json.loads(text.strip().splitlines()[-1])
+
+
+def _n_gpu(ctx: Context) -> dict[str, Any]:
+    """TrainingArguments in a child with the environment a trl plan launches with, and without it."""
+    from launcher.worker.engines import launch_env
+
+    plan = {"device": ctx.device, "engine": "trl", "num_processes": 1, "hardware": {"gpus": []}}
+    env = launch_env(plan)
+    code = _N_GPU.format(out=str(ctx.work / "n-gpu"))
+    bare = child_env()
+    bare.pop("CUDA_VISIBLE_DEVICES", None) if ctx.device == "cuda" else None
+    seen = {}
+    for name, extra in (("without", {}), ("launched", env)):
+        done = subprocess.run([sys.executable, "-c", code], env={**bare, **extra}, capture_output=True, text=True,
+                              timeout=120)
+        if done.returncode != 0:
+            return {"ok": False, "error": (done.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+        seen[name] = _last_json(done.stdout)
+    want = 1 if ctx.device == "cuda" else 0
+    return {"ok": seen["launched"]["n_gpu"] == want and seen["launched"]["train_batch_size"] == 2,
+            "cuda_visible_devices": env.get("CUDA_VISIBLE_DEVICES"), **seen}
+
+
+def _threads(ctx: Context) -> dict[str, Any]:
+    """Two torchrun ranks launched with launch_env's environment: each one's OMP_NUM_THREADS and torch's threads."""
+    from launcher.plan.hardware import cpu_cores, threads_per_process
+    from launcher.worker.engines import launch_env
+
+    probe = ctx.work / "threads_probe.py"
+    probe.write_text(_THREADS)
+    env = {k: v for k, v in child_env().items() if k != "OMP_NUM_THREADS"}
+    env.update(launch_env({"device": ctx.device, "engine": "ddp", "num_processes": 2, "hardware": {"gpus": []}}))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(probe)], env=env, capture_output=True, text=True, timeout=120)
+    rows = sorted(m.split()[1:] for m in re.findall(r"RANK \d+ \S+ \d+", done.stdout))  # lines may interleave
+    want = str(threads_per_process(cpu_cores(), 2))
+    return {"ok": done.returncode == 0 and rows == [["0", want, want], ["1", want, want]],
+            "cores": cpu_cores(), "expected_threads": int(want), "ranks": rows}
+
+
+def _ports(ctx: Context) -> dict[str, Any]:
+    """The generated accelerate FSDP config launched twice at the same moment: two different free ports."""
+    import yaml
+
+    from launcher.worker.engines.fsdp import accelerate_config
+
+    cfg = ctx.work / "ports_fsdp.yaml"
+    cfg.write_text(yaml.safe_dump(accelerate_config({"num_processes": 2, "device": "cpu"}, False)))
+    probe = ctx.work / "ports_probe.py"
+    probe.write_text(_PORT)
+    env = child_env(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # the rendezvous is the point, not the cards
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg), str(probe)]
+    jobs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+            for _ in range(2)]
+    outs = [job.communicate(timeout=180)[0] for job in jobs]
+    counts = [len(re.findall(r"PORT\s+\d+", out)) for out in outs]
+    # both ranks of a job print into one pipe, so their lines may interleave: the numbers are read, not the lines
+    ports = [sorted(set(re.findall(r"PORT\s+(\d+)", out))) for out in outs]
+    ok = all(job.returncode == 0 for job in jobs) and counts == [2, 2] and all(len(p) == 1 for p in ports) \
+        and ports[0] != ports[1] \
+        and ["29500"] not in ports
+    out = {"ok": ok, "ports": ports, "exits": [job.returncode for job in jobs]}
+    if not ok:
+        out["tail"] = [o.strip().splitlines()[-1:] for o in outs]
+    return out
+
+
+def step_launch_env(ctx: Context) -> dict[str, Any]:
+    if not has("transformers"):
+        return {"ok": None, "skipped": "transformers not installed", "line": "skipped: transformers missing"}
+    result: dict[str, Any] = {"n_gpu": _n_gpu(ctx)}
+    ctx.progress(**result)
+    result["threads"] = _threads(ctx)
+    ctx.progress(**result)
+    result["ports"] = _ports(ctx) if has("accelerate") and has("yaml") else {"ok": None, "skipped": "accelerate"}
+    oks = [part.get("ok") for part in result.values()]
+    n, t, p = result["n_gpu"], result["threads"], result["ports"]
+    line = (f"single process: n_gpu {n.get('launched', {}).get('n_gpu', '?')} (without the launch's "
+            f"CUDA_VISIBLE_DEVICES: {n.get('without', {}).get('n_gpu', '?')}); threads per rank "
+            f"{[r[2] for r in t.get('ranks', [])]} of {t.get('cores')} cores; two FSDP launches on ports "
+            f"{p.get('ports', p.get('skipped'))}")
+    return {**result, "ok": all(ok is not False for ok in oks), "line": line, "omp_env": os.environ.get("OMP_NUM_THREADS")}
