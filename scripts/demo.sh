@@ -30,3 +30,6 @@ print(f"adapter: {adapter} ({sum(p.stat().st_size for p in adapter.iterdir()) / 
 sys.exit(0 if last["loss"] < first["loss"] and evals[-1]["eval_loss"] < evals[0]["eval_loss"]
          and (run / "final" / "samples.md").is_file() else 1)
 PY
+echo
+echo "ftrun is installed in .venv: \`source .venv/bin/activate\` puts it on your PATH (or call .venv/bin/ftrun);"
+echo "then e.g. \`ftrun status runs/tiny-cpu\` or \`ftrun plan recipes/qwen3-8b-qlora.yaml\`."

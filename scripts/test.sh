@@ -33,6 +33,17 @@ if [ "${1:-}" = "--unsloth" ]; then
   fi
   exec $V/bin/python -m pytest -m unsloth "$@"
 fi
+# The copy tests start a real sshd on 127.0.0.1 and copy with rsync (tests/store/test_sync.py): installed here where
+# this runs as root with apt-get (CI, a fresh box); elsewhere those tests are skipped with the install line.
+if { ! command -v sshd >/dev/null 2>&1 && [ ! -x /usr/sbin/sshd ]; } || ! command -v rsync >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing openssh-server and rsync for the copy tests (apt-get) ..."
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q openssh-server rsync >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q openssh-server rsync >/dev/null 2>&1; } \
+      || echo "could not install openssh-server and rsync: the copy tests will be skipped"
+  fi
+fi
 scripts/setup.sh
 if [ "${1:-}" = "--gguf" ]; then
   # The GGUF tier: llama-cpp-python built from its source distribution (about 7 minutes on 2 cores, once; pip

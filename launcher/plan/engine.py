@@ -261,7 +261,9 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
             if forced == "ddp":
                 return Choice(False, "ddp", "cuda", n, est, cap, reasons, refusal=f"engine: ddp needs "
                               f"{est.per_gpu_gb:.1f} GB per card, the cards have {cap:.1f} GB")
-        engine_reason = {"unsloth": "engine unsloth: LoRA/QLoRA on one card with Unsloth (fastest, least memory)",
+        engine_reason = {"unsloth": "engine unsloth: LoRA/QLoRA on one card with Unsloth (fastest, least memory)"
+                                    + ("" if hw.is_this_machine else "; in ftrun's Docker image it runs in the "
+                                       "ftrun-unsloth environment: docker run --entrypoint ftrun-unsloth ..."),
                          "trl": "engine trl on one GPU"}[single_engine]
         if forced in ("unsloth", "trl"):
             engine_reason += " (forced by the recipe)"

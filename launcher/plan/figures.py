@@ -11,8 +11,10 @@ def _fmt_hours(h: float | None) -> str:
     if h is None:
         return "unknown"
     minutes = round(h * 60)
+    if h * 60 < 0.995:  # under a minute: seconds, as `ftrun status` shows the same forecast (views.format_duration)
+        return f"{max(1, round(h * 3600))} s"
     if minutes < 60:
-        return f"{max(minutes, 1)} min"
+        return f"{minutes} min"
     if minutes < 48 * 60:
         return f"{minutes // 60} h {minutes % 60:02d} min"
     return f"{h / 24:.1f} days"

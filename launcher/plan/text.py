@@ -26,8 +26,10 @@ def format_plan(plan: Plan) -> str:
     mem = p.memory
     label = "per GPU" if p.device == "cuda" else "in RAM"
     src = "measured by the smoke test" if mem["source"] == "measured" else "estimated"
-    lines.append(f"Memory {label}: {mem['per_gpu_gb']} GB of {mem['capacity_gb']} GB ({src}); "
-                 f"whole job {mem['total_gb']} GB")
+    # "whole job" is the sizer's figure: beside a measured peak it is named as the estimate it is
+    whole = (f"whole job {mem['total_gb']} GB" if mem["source"] != "measured"
+             else f"whole job estimated at {mem['total_gb']} GB")
+    lines.append(f"Memory {label}: {mem['per_gpu_gb']} GB of {mem['capacity_gb']} GB ({src}); {whole}")
     width = max(len(k) for k in mem["breakdown_gb"])
     for k, v in mem["breakdown_gb"].items():
         lines.append(f"  {k:<{width}}  {v:8.2f} GB  {mem['explanations'].get(k, '')}")
@@ -85,6 +87,12 @@ def format_plan(plan: Plan) -> str:
             cost_a = f"{a['cost_eur']:.2f}" if a["cost_eur"] is not None else "-"
             lines.append(f"  {a['gpus']:<16} {a['engine']:<9} {a['per_gpu_gb']:>8} {a['tokens_per_second']:>9,} "
                          f"{_fmt_hours(a['hours']):>14} {cost_a:>9}")
+        rates = [a["tokens_per_second"] for a in p.alternatives if a.get("tokens_per_second")]
+        if len(rates) > 1 and max(rates) <= 1.1 * min(rates):
+            # a T4 and an RTX 5090 at the same rate: the fixed per-step cost (sizing.GPU_SECONDS_PER_MICRO_BATCH)
+            # dwarfs the model's FLOPs, so the table cannot rank the cards by speed
+            lines.append("  (the same rate on every card: for a model this small each step's fixed overhead, not the "
+                         "card's speed, sets it; the smoke test measures the real rate)")
     lines.append("")
     for n in p.notes:
         lines.append(f"note: {n}")
