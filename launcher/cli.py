@@ -5,6 +5,7 @@
                                                            plan, smoke test, run detached (or resume)
     ftrun plan RECIPE [key=value ...] [--gpus SPEC] [--tokens N] [--price EUR/h] [--json]
     ftrun smoke RECIPE [key=value ...] [--memory-limit GB]  the smoke test alone, and its forecast
+    ftrun data RECIPE [key=value ...]                      one example per source as the loss sees it, statistics
     ftrun status [RECIPE|RUN_DIR] [--json] [--watch]       every run under ./runs, or one run
     ftrun logs [RECIPE|RUN_DIR] [-f]                       the run's train.log (-f: follow it)
     ftrun stop [RECIPE|RUN_DIR]                            checkpoint, then stop
@@ -30,7 +31,7 @@ from typing import Optional
 from launcher import gguf_types
 from launcher.errors import EXIT_INTERNAL, FtrunError, UsageError
 
-COMMANDS = ("plan", "smoke", "status", "logs", "stop", "pull", "push", "export", "publish", "explain", "llamacpp", "run")
+COMMANDS = ("plan", "smoke", "data", "status", "logs", "stop", "pull", "push", "export", "publish", "explain", "llamacpp", "run")
 
 
 RECIPE_HELP = "the recipe file (YAML; `ftrun explain` lists its keys)"
@@ -85,6 +86,11 @@ def _parser() -> argparse.ArgumentParser:
     sm.add_argument("recipe", help=RECIPE_HELP)
     sm.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
     sm.add_argument("--memory-limit", help="cap the worker's memory, e.g. 20GB")
+
+    da = sub.add_parser("data", help="the data as the loss sees it: one example per source with its trained tokens "
+                        "marked, and the dataset's statistics (the launch's data check)")
+    da.add_argument("recipe", help=RECIPE_HELP)
+    da.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
 
     for name, helptext in (("status", "state, step, loss, ETA of a run"), ("logs", "the run's train.log"),
                            ("stop", "checkpoint and stop a run")):
@@ -167,6 +173,12 @@ def cmd_smoke(a) -> int:
     from launcher.run.pipeline import smoke_only
 
     return smoke_only(a.recipe, a.overrides, memory_limit=_parse_gb(a.memory_limit))
+
+
+def cmd_data(a) -> int:
+    from launcher.run.data_command import data_command
+
+    return data_command(a.recipe, a.overrides)
 
 
 def cmd_status(a) -> int:
@@ -280,7 +292,7 @@ def cmd_explain(a) -> int:
     return 0
 
 
-WITH_OVERRIDES = ("run", "plan", "smoke", "pull")
+WITH_OVERRIDES = ("run", "plan", "smoke", "data", "pull")
 
 
 def split_command_line(argv: list[str]) -> tuple[list[str], list[str]]:

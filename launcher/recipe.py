@@ -214,12 +214,20 @@ class Recipe(_Strict):
     )
     keep_checkpoints: int = Field(2, ge=1, description="Local checkpoints kept; older ones are deleted.")
     logging_steps: int = Field(10, gt=0, description="Log loss and throughput every N optimizer steps.")
-    max_restarts: int = Field(3, ge=0, description="Restart a crashed worker from its last checkpoint this often.")
+    max_restarts: int = Field(
+        3, ge=0, description="Restarts within any hour of a worker or rank that crashed, was killed or hung, each from "
+        "the newest verified checkpoint (a traceback that repeats at the same step is never restarted).")
     resume: Union[Literal["auto"], bool] = Field(
         "auto", description="auto: continue if a checkpoint exists; true: fail if none; false: refuse to reuse a run."
     )
     smoke: SmokeSettings = Field(default_factory=SmokeSettings, description="The 1%-of-data smoke test.")
     engine: Engine = Field("auto", description="auto lets the plan choose; or force unsloth, trl, ddp, fsdp, deepspeed.")
+    # Not part of the trajectory's keys: a DeepSpeed checkpoint is refused on another layout (worker/engines).
+    offload: Literal["auto", "none", "optimizer", "optimizer+params"] = Field(
+        "auto", description="DeepSpeed ZeRO-3 CPU offload: auto adds it (optimizer, then parameters) only when "
+        "nothing else fits the cards; none never offloads; optimizer or optimizer+params forces it (engine deepspeed). "
+        "Under offload the optimizer is DeepSpeed's CPU AdamW (fp32 states in RAM), also for method full-8bit."
+    )
     # Not part of the trajectory: a LoRA/DDP run may resume on another process count (the worker says so).
     num_processes: Union[Literal["auto"], PositiveInt] = Field(
         "auto", description="Worker processes (one per GPU; gloo processes on CPU): auto lets the plan choose; "

@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import random
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -36,6 +37,7 @@ class DataStats:
     description: str = ""  # "Alpaca (instruction/input/output), 10,000 examples, converted to chat"
     sources: tuple = ()  # per source: source, format, examples, weight, sha256 or revision
     sha256: str = ""  # LoadedData.sha256: what a resume compares
+    loss_view: Optional[dict] = None  # what the loss sees (launcher/data/loss_view.py); None without a tokenizer
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -50,6 +52,7 @@ class LoadedData:
     form: str  # chat | prompt_completion | text
     sources: list[dict[str, Any]] = field(default_factory=list)
     sha256: str = ""  # what a resume compares: a single file's own sha256, else a hash of every source's identity
+    origin: list[int] = field(default_factory=list)  # per example: the index of its source in `sources`
 
     def describe(self) -> str:
         fmts = sorted({s["format"] for s in self.sources})
@@ -73,6 +76,7 @@ def load_data(spec: Any, seed: int = 42) -> LoadedData:
     sources = sources_of(spec)
     examples: list[dict[str, Any]] = []
     where: list[str] = []
+    origin: list[int] = []
     records: list[dict[str, Any]] = []
     forms: set[str] = set()
     single_file_sha = None
@@ -83,6 +87,7 @@ def load_data(spec: Any, seed: int = 42) -> LoadedData:
         reps = _repeat(len(ex), source.weight, random.Random(f"ftrun-data-{seed}-{i}"))
         examples += [ex[j] for j in reps]
         where += [wh[j] for j in reps]
+        origin += [i] * len(reps)
         records.append({**got.identity, "format": fmt, "examples": len(ex), "weight": source.weight,
                         **({"columns": dict(source.columns)} if source.columns else {})})
         if "revision" in got.identity:  # a Hub dataset: its content too (a revision may be unknown offline)
@@ -98,7 +103,7 @@ def load_data(spec: Any, seed: int = 42) -> LoadedData:
         raise DataError("the data weights leave no examples", fix="raise the weights (1 takes every example once).")
     blob = json.dumps(records, sort_keys=True, default=str).encode()
     return LoadedData(examples, where, formats.example_form(examples[0]), records,
-                      single_file_sha or hashlib.sha256(blob).hexdigest())
+                      single_file_sha or hashlib.sha256(blob).hexdigest(), origin)
 
 
 def identity(data_sha256: str, eval_sha256: Optional[str] = None) -> str:
@@ -194,6 +199,26 @@ def load_examples(spec: Any) -> list[list[dict[str, Any]]]:
 # Token counting without torch: the model's tokenizer.json and its chat template (jinja2),
 # rendered the way transformers renders it, so `ftrun plan` stays light.
 
+# While `render_tracked` renders: (the blocks rendered so far, the (start, end) characters of each
+# {% generation %} block), as transformers' AssistantTracker keeps them (transformers 5.24,
+# utils/chat_template_utils.py) for `return_assistant_tokens_mask`.
+_TRACKING: ContextVar = ContextVar("ftrun_generation_tracking", default=None)
+
+
+def render_tracked(compiled, **variables) -> tuple[str, list[tuple[int, int]]]:
+    """A compiled chat template rendered, with the character spans of its {% generation %} blocks (what
+    assistant_only_loss trains), rendered block by block as transformers renders them."""
+    blocks: list[str] = []
+    spans: list[tuple[int, int]] = []
+    token = _TRACKING.set((blocks, spans))
+    try:
+        for block in compiled.generate(**variables):
+            blocks.append(block)
+    finally:
+        _TRACKING.reset(token)
+    return "".join(blocks), spans
+
+
 def _template_env():
     import jinja2
     from jinja2.ext import Extension
@@ -210,7 +235,13 @@ def _template_env():
             return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
 
         def _render(self, caller):
-            return caller()
+            rendered = caller()
+            tracking = _TRACKING.get()
+            if tracking is not None:  # render_tracked: where this block starts and ends in the text
+                blocks, spans = tracking
+                start = len("".join(blocks))
+                spans.append((start, start + len(rendered)))
+            return rendered
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
@@ -258,8 +289,9 @@ def token_counter(model: str) -> tuple[Optional[Callable[[Any], int]], str]:
     return count, source
 
 
-def _renderer(model: str):
-    """((render(example) -> text, encode(text, special) -> ids), source), or (None, why not)."""
+def tokenizer_dir(model: str) -> tuple[Optional[Path], str]:
+    """The folder holding the model's tokenizer on this machine (the model's own folder or the Hugging Face
+    cache), or (None, why not)."""
     model_dir = Path(model)
     if not model_dir.is_dir():
         from launcher.model_files import cached_file
@@ -268,6 +300,14 @@ def _renderer(model: str):
         model_dir = cached.parent if cached else None
         if model_dir is None:
             return None, f"no local tokenizer for {model} (not a folder, not in the Hugging Face cache)"
+    return model_dir, ""
+
+
+def _renderer(model: str):
+    """((render(example) -> text, encode(text, special) -> ids), source), or (None, why not)."""
+    model_dir, why = tokenizer_dir(model)
+    if model_dir is None:
+        return None, why
     tok_path, template, cfg = _find_tokenizer_files(model_dir)
     if tok_path is None:
         return None, f"{model_dir} has no tokenizer.json"

@@ -6,10 +6,11 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from launcher.plan.engine import Choice, choose
+from launcher.plan.engine import Choice, choose, offload_words
 from launcher.plan.figures import _fmt_hours, _fmt_tokens
 from launcher.plan.hardware import Hardware, catalog, catalog_box
 from launcher.plan.job import Job
+from launcher.plan.sizing import USABLE_RAM_FRACTION
 
 
 # Box sizes the alternatives table and the refusal advice consider (the catalog lists 1, 2, 4, 8-card boxes).
@@ -25,6 +26,10 @@ def _box_rows(job: Job, forced: str, unsloth_ok: bool, workday_hours: float) -> 
             c = choose(job, hw, forced="auto" if forced == "auto" else forced, unsloth_ok=unsloth_ok,
                        workday_hours=workday_hours, in_hand=False)
             if not c.fits:
+                continue
+            # CPU offload whose RAM the catalog's box (2 x its GPU memory assumed) does not hold: not offered, so
+            # that every box named as an alternative or a fix plans as it is described
+            if c.offload_optimizer and c.estimate.host_ram_gb > hw.ram_gb * USABLE_RAM_FRACTION:
                 continue
             # A box whose extra cards stay idle is never a sensible alternative.
             if count > 1 and c.processes == 1:
@@ -68,7 +73,8 @@ def cheapest_rental(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     return min(priced, key=_by_cost) if priced else None
 
 
-def _fixes_here(job: Job, hw: Hardware, forced: str, unsloth_ok: bool, workday_hours: float) -> list[str]:
+def _fixes_here(job: Job, hw: Hardware, forced: str, unsloth_ok: bool, workday_hours: float,
+                offload: str = "auto") -> list[str]:
     """Recipe changes that would make the job fit this box, each checked with the same rules."""
     tries: list[tuple[str, Job]] = []
     if job.seq_len > 256:
@@ -88,7 +94,7 @@ def _fixes_here(job: Job, hw: Hardware, forced: str, unsloth_ok: bool, workday_h
         tries.append(("gradient_checkpointing=true", replace(job, gradient_checkpointing=True)))
     out = []
     for label, variant in tries:
-        c = choose(variant, hw, forced, unsloth_ok, workday_hours)
+        c = choose(variant, hw, forced, unsloth_ok, workday_hours, offload=offload)
         if c.fits and c.estimate is not None:
             out.append(f"{label}: fits, {c.estimate.per_gpu_gb:.1f} GB per {'card' if c.device == 'cuda' else 'box'}")
     return out
@@ -104,9 +110,20 @@ def _missing_message(job: Job, c: Choice) -> str:
 
 
 def _refusal_options(job: Job, hw: Hardware, forced: str, unsloth_ok: bool, workday_hours: float,
-                     rows: list[dict[str, Any]]) -> list[str]:
+                     rows: list[dict[str, Any]], offload: str = "auto") -> list[str]:
     """What to do instead, each checked: a box that holds the job (from rows, which hold only such boxes),
-    and recipe changes that make it fit this box."""
+    and recipe changes that make it fit this box. When the recipe's engine or offload setting is what refuses and
+    the plan's own choice fits this box, that is the one fix."""
+    for engine, setting in ((forced, "auto"), ("auto", offload), ("auto", "auto")):
+        if (engine, setting) == (forced, offload):
+            continue
+        c = choose(job, hw, engine, unsloth_ok, workday_hours, offload=setting)
+        if c.fits and c.estimate is not None:
+            how = (f" with {offload_words(c.offload_optimizer, c.offload_params)}" if c.offload_optimizer else "")
+            change = " and ".join(f"{k}: {v}" for k, v, old in (("engine", engine, forced), ("offload", setting, offload))
+                                  if v != old)
+            return [f"set {change}: the plan then runs it on this box with {c.engine}{how}, "
+                    f"{c.estimate.peak_gb:.1f} GB per card"]
     options = []
     if rows:
         best = min(rows, key=_by_cost)
@@ -117,10 +134,8 @@ def _refusal_options(job: Job, hw: Hardware, forced: str, unsloth_ok: bool, work
                        f"plan for it with --gpus {best['gpus']}")
     else:
         options.append("no box in the GPU catalog holds this job; reduce it (below) or add a bigger box to the catalog")
-    if forced != "auto":
-        options.append("set engine: auto to let the plan choose")
-    options += _fixes_here(job, hw, forced, unsloth_ok, workday_hours)
-    if len(options) == 1 + (forced != "auto"):
+    options += _fixes_here(job, hw, forced, unsloth_ok, workday_hours, offload)
+    if len(options) == 1:
         options.append("no single recipe change (shorter max_length, QLoRA, 8-bit optimizer, micro_batch_size=1, "
                        "gradient checkpointing) makes it fit this box")
     return options

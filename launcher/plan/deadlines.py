@@ -23,6 +23,7 @@ FLOOR_ENV = "FTRUN_WATCHDOG_FLOOR_S"
 BACKSTOP_FACTOR = 2.0
 HEARTBEAT_SLACK_S = 2.0  # launcher/worker/heartbeat.py HEARTBEAT_SECONDS: a live rank's file may be this old
 COLLECTIVE_PHASES = ("step", "hash", "save", "eval", "export")
+UNKNOWN_START_FACTOR = 3.0
 
 
 def floor_seconds(env: Optional[Mapping[str, str]] = None) -> float:
@@ -41,7 +42,7 @@ def expected_seconds(plan: Mapping[str, Any], smoke: Mapping[str, Any]) -> dict[
     step: the smoke test's seconds_per_step, else the plan's training hours over its steps; save and hash: the smoke
     test's timed checkpoint (its save and hashing); eval: the smoke's forecast of the run's eval passes (an upper
     bound for one); export (the final save and the sample answers): one save plus the samples; start: the smoke's
-    start-up (imports, load) plus one checkpoint's verification."""
+    start-up (imports, load; else the plan's set-up hours) plus one checkpoint's verification."""
     def num(value: Any) -> Optional[float]:
         try:
             v = float(value)
@@ -56,6 +57,9 @@ def expected_seconds(plan: Mapping[str, Any], smoke: Mapping[str, Any]) -> dict[
     save = num(smoke.get("checkpoint_seconds"))
     samples = num(smoke.get("samples_seconds")) or 0.0
     startup = num(smoke.get("startup_seconds"))
+    if startup is None:  # the plan's start-up (loading the model on the box), where it counts one
+        setup = num((plan.get("estimate") or {}).get("setup_hours"))
+        startup = setup * 3600.0 if setup else None
     return {"start": startup + (save or 0.0) if startup else None, "step": step, "hash": save, "save": save,
             "eval": num(smoke.get("eval_seconds")), "export": save + samples if save else None}
 
@@ -64,6 +68,14 @@ def deadline(expected: Optional[float], floor: float) -> float:
     """Seconds a rank's heartbeat may be old before the watchdog acts: max(factor x expected, floor), plus the
     heartbeat's own write interval."""
     return max(WATCHDOG_FACTOR * (expected or 0.0), floor) + HEARTBEAT_SLACK_S
+
+
+def phase_deadline(phase: str, expected: Mapping[str, Optional[float]], floor: float) -> float:
+    """deadline() for one phase; a start-up that nothing measured or planned (no smoke test, no set-up estimate) gets
+    UNKNOWN_START_FACTOR floors: loading a large model from a slow disk takes minutes, and a false alarm there would
+    restart the same slow load until the budget is spent."""
+    value = expected.get(phase)
+    return deadline(value, floor * (UNKNOWN_START_FACTOR if phase == "start" and value is None else 1.0))
 
 
 def process_group_timeout(plan: Mapping[str, Any], smoke: Mapping[str, Any], floor: Optional[float] = None) -> int:

@@ -37,7 +37,8 @@ class Choice:
     hours: float | None = None
     min_gpus: int = 1  # fewest cards that hold the job (sharding)
     refusal: str = ""  # why it does not fit, when fits is False
-    offload_params: bool = False  # FSDP parameter offload to CPU RAM
+    offload_params: bool = False  # parameters in CPU RAM: FSDP's fsdp_offload_params, DeepSpeed's offload_param
+    offload_optimizer: bool = False  # DeepSpeed ZeRO-3 offload_optimizer: states and the optimizer step on the CPU
     load_hours: float = 0.0  # loading before the first step, included in hours
     missing: str = ""  # a package this machine lacks (never "does not fit": the fix is an install)
 
@@ -69,12 +70,28 @@ def _hours(job: Job, w: Workload, hw: Hardware, processes: int) -> tuple[float, 
 # bitsandbytes issue reports illegal memory accesses with it under FSDP2, whose parameters are DTensors.
 FULL_8BIT_FSDP = ("method full-8bit cannot run on FSDP: its 8-bit AdamW (bitsandbytes) has no support for the "
                   "DTensor parameters FSDP2 shards into (illegal memory access reported under FSDP2)")
+# The recipe's `offload:` values (launcher/recipe.py): auto adds DeepSpeed's CPU offload only when nothing else fits.
+OFFLOAD_FORCED = {"optimizer": (True, False), "optimizer+params": (True, True)}
+# DeepSpeedCPUAdam is a C++ op DeepSpeed compiles on its first use when the install did not build it (DS_BUILD_OPS=0).
+CPU_ADAM_NOTE = ("DeepSpeed compiles its CPU Adam op (cpu_adam) with the C++ compiler on first use unless it was "
+                 "installed prebuilt (DS_BUILD_CPU_ADAM=1): about 4 minutes on a 2-core box, once per machine")
 
 
-def _choose_cpu(job: Job, hw: Hardware, forced: str, processes: int | None = None, nnodes: int = 1) -> Choice:
+def offload_words(optimizer: bool, params: bool) -> str:
+    """How the plan names DeepSpeed's CPU offload in its reasons and refusals."""
+    return ("CPU offload of the optimizer and the parameters (offload_optimizer + offload_param)" if params else
+            "CPU offload of the optimizer (offload_optimizer)") if optimizer else "no CPU offload"
+
+
+def _choose_cpu(job: Job, hw: Hardware, forced: str, processes: int | None = None, nnodes: int = 1,
+                offload: str = "auto") -> Choice:
     capacity = hw.ram_gb
     reasons = [f"CPU run: this box has no GPU ({hw.cpu_count} cores, {hw.ram_gb:.3g} GB RAM); "
                "only sensible for tiny models and tests"]
+    if offload in OFFLOAD_FORCED and forced != "deepspeed":
+        return Choice(False, forced, "cpu", processes or 1, None, capacity, reasons,
+                      refusal=f"offload: {offload} is DeepSpeed ZeRO-3's CPU offload; on a CPU box it runs only with "
+                              "engine: deepspeed (2 or more gloo processes)")
     if forced in ("unsloth", "fsdp"):
         why = {"unsloth": "Unsloth needs an NVIDIA GPU",
                # STACK-FACTS: accelerate/Trainer turn an FSDP2 config into plain DDP on CPU; running
@@ -86,7 +103,7 @@ def _choose_cpu(job: Job, hw: Hardware, forced: str, processes: int | None = Non
         return Choice(False, forced, "cpu", processes, None, capacity, reasons,
                       refusal=f"engine: trl is one process, num_processes is {processes}; use engine: ddp")
     if forced in ("ddp", "deepspeed") or (forced == "auto" and processes is not None and processes > 1):
-        return _choose_cpu_multi(job, hw, "ddp" if forced == "auto" else forced, processes, reasons, nnodes)
+        return _choose_cpu_multi(job, hw, "ddp" if forced == "auto" else forced, processes, reasons, nnodes, offload)
     w = job.workload("trl", 1, "cpu")
     est = sizing.memory(job.arch, w)
     tps, hrs = _hours(job, w, hw, 1)
@@ -107,7 +124,7 @@ def _choose_cpu(job: Job, hw: Hardware, forced: str, processes: int | None = Non
 
 
 def _choose_cpu_multi(job: Job, hw: Hardware, engine: str, processes: int | None, reasons: list[str],
-                      nnodes: int = 1) -> Choice:
+                      nnodes: int = 1, offload: str = "auto") -> Choice:
     """Several gloo processes on one CPU box (DDP or DeepSpeed ZeRO-3): for tests and the trajectory checks."""
     capacity = hw.ram_gb
     n = processes if processes is not None else 2
@@ -130,12 +147,20 @@ def _choose_cpu_multi(job: Job, hw: Hardware, engine: str, processes: int | None
             if engine == "ddp" else
             "ZeRO-3 partitions parameters, gradients and optimizer states; about 4x slower per step than DDP here")
     reasons.append(f"engine {engine}, {n} gloo processes on the CPU ({src}): {what}")
+    opt_off, param_off = OFFLOAD_FORCED.get(offload, (False, False))
+    if opt_off:
+        # On a CPU the "offloaded" states stay in the same RAM: memory and time are sized as without it; the run
+        # exercises the offload path itself (DeepSpeedCPUAdam, the pinned CPU gradient buffers) for the test tier.
+        reasons.append(f"{offload_words(opt_off, param_off)} forced by the recipe: on a CPU box the states stay in "
+                       "the same RAM, so memory and time are as without it; the optimizer is DeepSpeedCPUAdam (fp32 "
+                       f"AdamW) whatever the method; {CPU_ADAM_NOTE}")
     total = est.per_gpu_gb * n
     if total > capacity * sizing.USABLE_RAM_FRACTION:
         return Choice(False, engine, "cpu", n, est, capacity, reasons, tps, hrs,
                       refusal=f"{n} processes need {total:.1f} GB of RAM, this box has {capacity:.0f} GB")
     reasons.append(f"memory: {n} x {est.per_gpu_gb:.1f} GB of {capacity:.0f} GB RAM")
-    return Choice(True, engine, "cpu", n, est, capacity, reasons, tps, hrs)
+    return Choice(True, engine, "cpu", n, est, capacity, reasons, tps, hrs, offload_params=param_off,
+                  offload_optimizer=opt_off)
 
 
 def _choose_cpu_unsloth(job: Job, hw: Hardware, unsloth_ok: bool, processes: int | None) -> Choice:
@@ -178,17 +203,19 @@ UNSLOTH_MISSING = ("engine: unsloth needs Unsloth, which is not installed in thi
 
 def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = False,
            workday_hours: float = WORKDAY_HOURS, processes: int | None = None, nnodes: int = 1,
-           in_hand: bool = True) -> Choice:
+           in_hand: bool = True, offload: str = "auto") -> Choice:
     """The engine and card count for this box. `in_hand`: the box is the one being planned, billed whole, so
     its cards are used (DDP) whenever that is faster than one card; otherwise (choosing a box to rent) the
     article's rules: one card if it fits, DDP when one card takes longer than a working day. Sharding when
-    no card holds the job; otherwise refuse. `processes` (recipe num_processes) is honoured or refused."""
+    no card holds the job, with DeepSpeed's CPU offload of a full fine-tune's optimizer (then its parameters) when
+    even the shards do not fit; otherwise refuse. `processes` (recipe num_processes) is honoured or refused;
+    `offload` (the recipe's): auto, none (never offload), or forced (OFFLOAD_FORCED)."""
     if hw.is_cpu_only and forced == "unsloth":
         return _choose_cpu_unsloth(job, hw, unsloth_ok, processes)
     if hw.is_cpu_only:
-        return _choose_cpu(job, hw, forced, processes, nnodes)
+        return _choose_cpu(job, hw, forced, processes, nnodes, offload)
     if processes is not None:
-        return _choose_gpu_count(job, hw, forced, unsloth_ok, workday_hours, processes, in_hand)
+        return _choose_gpu_count(job, hw, forced, unsloth_ok, workday_hours, processes, in_hand, offload)
     g = hw.gpu
     cap = g.memory_gb
     n = hw.count
@@ -212,6 +239,12 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
                   if _fits(two, cap) else "")
         return Choice(False, forced, "cuda", 1, None, cap, [], refusal=f"engine: {forced} needs 2 or more GPUs and "
                       f"this box has one ({what}); use engine: auto or trl{bigger}")
+    force_offload = offload in OFFLOAD_FORCED
+    if force_offload and (forced not in ("auto", "deepspeed") or n * nnodes < 2):
+        return Choice(False, forced if forced != "auto" else "deepspeed", "cuda", n, None, cap, [],
+                      refusal=f"offload: {offload} is DeepSpeed ZeRO-3's CPU offload: it needs engine: deepspeed (or "
+                              f"auto) and 2 or more GPUs; this box has {n}, the engine is {forced}. Set offload: auto "
+                              "to let the plan add it only when nothing else fits")
 
     single_engine = "trl"
     if forced in ("unsloth", "trl"):
@@ -225,7 +258,7 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
         reasons.append("Unsloth not installed on this machine: TRL on one GPU (Unsloth would need less memory and run "
                        "~1.4x faster; " + UNSLOTH_FIX + ")")
 
-    if fits_one and forced in ("auto", "unsloth", "trl", "ddp"):
+    if fits_one and forced in ("auto", "unsloth", "trl", "ddp") and not force_offload:
         w1 = job.workload(single_engine, 1, "cuda")
         tps1, hrs1 = _hours(job, w1, hw, 1)
         spare = cap - one.per_gpu_gb
@@ -282,73 +315,121 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
                       refusal=f"engine: {forced} keeps the whole job on each card: needs {one.per_gpu_gb:.1f} GB, "
                               f"the card has {cap:.1f} GB")
 
-    # No single card holds it: shard.
-    shard_engine = "deepspeed" if forced == "deepspeed" else "fsdp"
+    # No single card holds it: shard. full-8bit shards with DeepSpeed: its 8-bit AdamW cannot take FSDP2's DTensors,
+    # and ZeRO-3 hands the optimizer plain tensors (keeping fp32 master partitions, 4 B/param more).
+    to_deepspeed = forced == "auto" and (job.method == "full-8bit" or force_offload)
+    shard_engine = "deepspeed" if forced == "deepspeed" or to_deepspeed else "fsdp"
     if n < 2:
         return Choice(False, single_engine, "cuda", 1, one, cap, reasons,
                       refusal=f"needs {one.per_gpu_gb:.1f} GB on one card, the card has {cap:.1f} GB "
                               f"({sizing.USABLE_FRACTION:.0%} usable), and the box has no second card to shard over")
     if job.method == "full-8bit" and shard_engine == "fsdp":
         return Choice(False, "fsdp", "cuda", n, None, cap, reasons,
-                      refusal=f"{FULL_8BIT_FSDP}. Set method: full (AdamW, fp32 master weights) or lora/qlora and let "
-                              "the plan size it, or engine: deepspeed (ZeRO-3 hands the optimizer plain tensors; it "
-                              "keeps fp32 master weights, 4 B/param more)")
+                      refusal=FULL_8BIT_FSDP)
 
-    def fewest(offload: bool):
+    def sized(k: int, params: bool, optimizer: bool) -> sizing.MemoryEstimate:
+        return sizing.memory(job.arch, job.workload(shard_engine, k, "cuda", params, optimizer))
+
+    def fewest(params: bool, optimizer: bool = False):
         for k in range(2, n + 1):
-            if _fits(sizing.memory(job.arch, job.workload(shard_engine, k, "cuda", offload)), cap):
+            if _fits(sized(k, params, optimizer), cap):
                 return k
         return None
 
-    offload = False
-    minimum = fewest(False)
-    est_all = sizing.memory(job.arch, job.workload(shard_engine, n, "cuda"))
-    if minimum is None and job.method == "qlora" and shard_engine == "fsdp":
+    setting = offload  # the recipe's offload:, before `offload` names the choice (parameters in CPU RAM)
+    offload_opt, offload = OFFLOAD_FORCED.get(setting, (False, False))
+    est_plain = sized(n, False, False)  # the layout without offload: what the reasons compare with
+    minimum = fewest(offload, offload_opt)
+    est_all = sized(n, offload, offload_opt)
+    if minimum is None and job.method == "qlora" and shard_engine == "fsdp" and setting != "none":
         # The published 70B-on-2x24 GB QLoRA runs: FSDP with the 4-bit shards offloaded to CPU RAM.
         minimum = fewest(True)
         if minimum is not None:
-            offload, est_all = True, sizing.memory(job.arch, job.workload(shard_engine, n, "cuda", True))
+            offload, est_all = True, sized(n, True, False)
+    ds_tried = (minimum is None and job.method in ("full", "full-8bit") and setting == "auto"
+                and forced in ("auto", "deepspeed"))
+    if ds_tried:
+        # 70B full fine-tuning on 8 x 80 GB as it usually runs: DeepSpeed ZeRO-3 with the optimizer (then the
+        # parameters too) offloaded to CPU RAM, only when nothing without offload fits.
+        shard_engine = "deepspeed"
+        for params in (False, True):
+            offload, offload_opt, est_all = params, True, sized(n, params, True)
+            minimum = fewest(params, True)
+            if minimum is not None:
+                break
     if minimum is None:
-        return Choice(False, shard_engine, "cuda", n, est_all, cap, reasons,
-                      refusal=f"needs {one.total_gb:.0f} GB in all; sharded over all {n} cards it still needs "
-                              f"{est_all.peak_gb:.1f} GB per card"
+        # one layout's figures, the last one tried: its whole job ("in all") and its share per card
+        held = (f" with DeepSpeed ZeRO-3 and {offload_words(True, offload)}" if ds_tried else
+                f" with {offload_words(offload_opt, offload)}" if offload_opt else
+                " with parameter offload to CPU RAM" if offload else "")
+        return Choice(False, shard_engine, "cuda", n, est_all, cap, reasons, offload_params=offload,
+                      offload_optimizer=offload_opt,
+                      refusal=f"needs {est_all.total_gb:.0f} GB in all; sharded over all {n} cards{held} it still "
+                              f"needs {est_all.peak_gb:.1f} GB per card"
                               + (f" ({est_all.load_explanation})" if est_all.load_peak_gb > est_all.per_gpu_gb else "")
                               + f", the cards have {cap:.1f} GB")
     ram_usable = hw.ram_gb * sizing.USABLE_RAM_FRACTION
-    need_ram = est_all.load_ram_gb / sizing.USABLE_RAM_FRACTION
+    need_ram = est_all.host_ram_gb / sizing.USABLE_RAM_FRACTION
+    ram_why = est_all.ram_explanation
     rent_note = None
-    if est_all.load_ram_gb > ram_usable and not hw.is_this_machine:
+    if est_all.host_ram_gb > ram_usable and not hw.is_this_machine:
         # A box not rented yet: its RAM is the catalog's assumption (about twice its GPU memory), not a reading.
         # The plan names the RAM the job needs instead of refusing on that assumption; on the box itself the
         # launch plans again with the RAM it reads (cgroup limit included) and refuses there if it falls short.
-        rent_note = (f"host RAM: loading needs {est_all.load_ram_gb:.0f} GB ({sizing.USABLE_RAM_FRACTION:.0%} of a "
+        what = "training with CPU offload" if est_all.train_ram_gb > est_all.load_ram_gb else "loading"
+        rent_note = (f"host RAM: {what} needs {est_all.host_ram_gb:.0f} GB ({sizing.USABLE_RAM_FRACTION:.0%} of a "
                      f"box with {need_ram:.0f} GB); rent {hw.count} x {hw.gpu.name} with at least {need_ram:.0f} GB of "
                      f"RAM (this plan assumed {hw.ram_gb:.0f} GB for it)")
-    elif est_all.load_ram_gb > ram_usable:
-        need = need_ram
+    elif est_all.host_ram_gb > ram_usable:
+        held = (f" with {offload_words(offload_opt, offload)}" if offload_opt else
+                " with parameter offload to CPU RAM" if offload else "")
+        phase = "training" if est_all.train_ram_gb > est_all.load_ram_gb else "loading"
         return Choice(False, shard_engine, "cuda", n, est_all, cap, reasons, offload_params=offload,
-                      refusal=f"the cards hold it{' with parameter offload to CPU RAM' if offload else ''} "
-                              f"({est_all.peak_gb:.1f} GB per card), but loading does not fit the box's RAM: "
-                              f"{est_all.load_explanation}; this box has {hw.ram_gb:.0f} GB "
-                              f"({sizing.USABLE_RAM_FRACTION:.0%} usable). A box with {need:.0f} GB of RAM or more "
+                      offload_optimizer=offload_opt,
+                      refusal=f"the cards hold it{held} ({est_all.peak_gb:.1f} GB per card), but {phase} does not fit "
+                              f"the box's RAM: {ram_why}; this box has {hw.ram_gb:.0f} GB "
+                              f"({sizing.USABLE_RAM_FRACTION:.0%} usable). A box with {need_ram:.0f} GB of RAM or more "
                               f"holds it (`ftrun plan` on that box reads its RAM)")
-    wn = job.workload(shard_engine, n, "cuda", offload)
+    wn = job.workload(shard_engine, n, "cuda", offload, offload_opt)
     tps, hrs = _hours(job, wn, hw, n)
     link = "NVLink" if hw.interconnect == "nvlink" else "PCIe (sharding exchanges every layer: expect it slower)"
     label = "FSDP" if shard_engine == "fsdp" else "DeepSpeed ZeRO-3"
-    reasons.append(f"engine {shard_engine}: needs {one.total_gb:.0f} GB, largest card {cap:.0f} GB; "
-                   f"{minimum} x {cap:.0f} GB {link} is the fewest that fits")
+    if to_deepspeed and job.method == "full-8bit":
+        reasons.append(f"DeepSpeed ZeRO-3, not FSDP: {FULL_8BIT_FSDP}")
+    if offload_opt:
+        reasons.append(f"engine deepspeed with {offload_words(True, offload)}: "
+                       + (f"forced by the recipe (offload: {setting})" if force_offload else
+                          f"nothing else fits: sharded over all {n} cards without offload each card needs "
+                          f"{est_plain.peak_gb:.1f} GB of {cap:.1f} GB"
+                          + (f", with the optimizer offloaded {sized(n, False, True).peak_gb:.1f} GB" if offload else ""))
+                       + f"; {minimum} x {cap:.0f} GB {link} is the fewest that fits with it")
+    else:
+        reasons.append(f"engine {shard_engine}: needs {one.total_gb:.0f} GB, largest card {cap:.0f} GB; "
+                       f"{minimum} x {cap:.0f} GB {link} is the fewest that fits")
     reasons.append(f"{label} over all {n} cards of this box (billed whole; more shards run faster and leave more room): "
                    f"{est_all.per_gpu_gb:.1f} GB per card, {cap - est_all.per_gpu_gb:.1f} GB spare"
                    + (" (forced by the recipe)" if forced in SHARDING_ENGINES else ""))
     if job.method == "qlora":
         reasons.append("QLoRA + FSDP: 4-bit shards are gathered and dequantised per layer, so it runs at a moderate pace")
-    if offload:
-        link = sizing.pcie_gb_s(hw.gpu.compute_capability)
-        move = sizing.offload_seconds_per_micro_batch(est_all, wn, link)
+    gb_s = sizing.pcie_gb_s(hw.gpu.compute_capability)
+    if offload_opt:
+        move, step = sizing.deepspeed_offload_seconds(job.arch, est_all, wn, gb_s, hw.cpu_count)
+        reasons.append(
+            f"CPU offload: {est_all.offload_explanation}. The optimizer is DeepSpeedCPUAdam, fp32 AdamW, whatever the "
+            "recipe's optimizer" + (": method full-8bit's 8-bit AdamW is not used (DeepSpeed replaces the client "
+                                    "optimizer under offload), so the run trains as method full does, with 16 B/param of "
+                                    "states in RAM instead of 2 on the cards" if job.method == "full-8bit" else "")
+            + f". Each micro-batch's gradients cross PCIe ({gb_s:g} GB/s per card) and every optimizer step moves the "
+            f"fp32 gradients down" + (" and the updated parameters up" if not offload else "")
+            + (", the 16-bit parameters go up before every gather" if offload else "")
+            + f" and runs Adam on {hw.cpu_count} CPU cores: +{move:.2f} s transfer and +{step:.2f} s CPU step per "
+            f"micro-batch (accumulation {job.accumulation}; {tps:,.0f} tokens/s against "
+            f"{_tps(job, job.workload(shard_engine, n, 'cuda'), hw):,.0f} if it fitted without offload); {CPU_ADAM_NOTE}")
+    elif offload:
+        move = sizing.offload_seconds_per_micro_batch(est_all, wn, gb_s)
         reasons.append(f"parameter offload (fsdp_offload_params): without it each card needs "
-                       f"{sizing.memory(job.arch, job.workload(shard_engine, n, 'cuda')).peak_gb:.1f} GB; the shards "
-                       f"({est_all.offloaded_params_gb:.1f} GB) live in CPU RAM and cross PCIe ({link:g} GB/s per card) "
+                       f"{est_plain.peak_gb:.1f} GB; the shards "
+                       f"({est_all.offloaded_params_gb:.1f} GB) live in CPU RAM and cross PCIe ({gb_s:g} GB/s per card) "
                        f"in every forward and backward: +{move:.1f} s per micro-batch")
     load_h = sizing.load_seconds(job.arch, wn, hw.cpu_count) / 3600
     if est_all.load_explanation:
@@ -358,17 +439,17 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
     if rent_note:
         reasons.append(rent_note)
     return Choice(True, shard_engine, "cuda", n, est_all, cap, reasons, tps, hrs, min_gpus=minimum,
-                  offload_params=offload, load_hours=load_h)
+                  offload_params=offload, offload_optimizer=offload_opt, load_hours=load_h)
 
 
 def _choose_gpu_count(job: Job, hw: Hardware, forced: str, unsloth_ok: bool, workday_hours: float,
-                      processes: int, in_hand: bool = True) -> Choice:
+                      processes: int, in_hand: bool = True, offload: str = "auto") -> Choice:
     """The engine choice on `processes` of the box's cards; refused when the rules need another count."""
     if processes > hw.count:
         return Choice(False, forced, "cuda", processes, None, hw.gpu.memory_gb, [],
                       refusal=f"num_processes={processes} needs {processes} GPUs, this box has {hw.count}")
     used = replace(hw, gpus=hw.gpus[:processes])
-    c = choose(job, used, forced, unsloth_ok, workday_hours, in_hand=in_hand)
+    c = choose(job, used, forced, unsloth_ok, workday_hours, in_hand=in_hand, offload=offload)
     if c.fits and c.processes != processes and forced == "auto" and processes > 1:
         c = choose(job, used, "ddp", unsloth_ok, workday_hours, in_hand=in_hand)  # a count > 1 asks for several
     if c.fits and c.processes != processes:

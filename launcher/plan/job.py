@@ -34,9 +34,13 @@ class Job:
     lora_targets: Any
     packing: bool
 
-    def workload(self, engine: str, num_gpus: int, device: str, offload: bool = False) -> Workload:
+    def workload(self, engine: str, num_gpus: int, device: str, offload: bool = False,
+                 offload_optimizer: bool = False) -> Workload:
+        """`offload`: parameters in CPU RAM (FSDP's fsdp_offload_params, DeepSpeed's offload_param);
+        `offload_optimizer`: DeepSpeed's optimizer offload (docs/sizing.md, "CPU offload")."""
         return Workload(self.method, self.seq_len, self.micro_batch, self.gradient_checkpointing,
-                        self.lora_r, self.lora_targets, engine, num_gpus, device, offload)
+                        self.lora_r, self.lora_targets, engine, num_gpus, device, offload, offload_optimizer,
+                        self.accumulation)
 
 
 def _job(recipe: Any, arch: Architecture, data_stats: Any, tokens: float | None,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from launcher.plan import gguf_readiness
+from launcher.plan import packing
 from launcher.plan import sizing
 from launcher.errors import MissingSoftware, PlanError
 # engine_choice._deepspeed_installed is looked up at call time: one name to patch for every caller
@@ -55,7 +56,8 @@ class Plan:
     measured: dict[str, Any] = field(default_factory=dict)
     hardware: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    offload_params: bool = False  # FSDP keeps the parameter shards in CPU RAM (engines/fsdp.py: fsdp_offload_params)
+    offload_params: bool = False  # parameters in CPU RAM (engines/fsdp.py: fsdp_offload_params; deepspeed.py: offload_param)
+    offload_optimizer: bool = False  # DeepSpeed ZeRO-3 offload_optimizer (launcher/worker/engines/deepspeed.py)
     refusal: dict[str, Any] = field(default_factory=dict)  # when fits is False: message, why, missing, options
     cheapest_rental: dict[str, Any] | None = None  # the catalog box that runs the job for the least money
 
@@ -83,6 +85,7 @@ class Plan:
             "hardware": dict(self.hardware),
             "notes": list(self.notes),
             "offload_params": self.offload_params,
+            "offload_optimizer": self.offload_optimizer,
             "refusal": dict(self.refusal) if self.refusal else None,
             "cheapest_rental": dict(self.cheapest_rental) if self.cheapest_rental else None,
         }
@@ -165,12 +168,14 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
     notes += gguf_readiness.plan_check(recipe, this_box=hardware.source == "detected")  # each requested output can be made
     forced = recipe.engine
     wanted = None if recipe.num_processes == "auto" else int(recipe.num_processes)
-    choice = choose(job, hardware, forced, unsloth_ok, workday_hours, processes=wanted, nnodes=nnodes)
+    offload = recipe.offload
+    choice = choose(job, hardware, forced, unsloth_ok, workday_hours, processes=wanted, nnodes=nnodes, offload=offload)
     if not choice.fits and not choice.missing and not unsloth_ok and forced == "auto" and hardware.gpus \
             and hardware.is_this_machine:
         # On the box in hand, a job that only Unsloth's lower memory fits is missing software, not too big:
         # the fix is the install, never a bigger box
-        with_unsloth = choose(job, hardware, forced, True, workday_hours, processes=wanted, nnodes=nnodes)
+        with_unsloth = choose(job, hardware, forced, True, workday_hours, processes=wanted, nnodes=nnodes,
+                              offload=offload)
         if with_unsloth.fits and with_unsloth.engine == "unsloth":
             need = with_unsloth.estimate.per_gpu_gb if with_unsloth.estimate else None
             choice = replace(choice, missing="unsloth", refusal=(
@@ -194,12 +199,13 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
         # than cards): the JSON still says what the job needs, as the engine asked for would run it
         est = sizing.memory(job.arch, job.workload(choice.engine, max(1, choice.processes), "cuda"))
     if not choice.fits:
-        options = ([] if choice.missing else _refusal_options(job, hardware, forced, unsloth_ok, workday_hours, rows))
+        options = ([] if choice.missing else _refusal_options(job, hardware, forced, unsloth_ok, workday_hours, rows,
+                                                              offload))
         if choice.missing:
             options = [f"install {choice.missing} on this machine (the fix is above), or plan for a rented box with "
                        f"--gpus, which assumes {IMAGE_SOFTWARE}"]
             if choice.missing == "unsloth" and forced == "auto":  # or change the recipe so that TRL fits here
-                options += _fixes_here(job, hardware, forced, unsloth_ok, workday_hours)
+                options += _fixes_here(job, hardware, forced, unsloth_ok, workday_hours, offload)
         message = (_missing_message(job, choice) if choice.missing else _refusal_message(job, hardware, choice))
         return Plan(
             fits=False, engine=choice.engine, device=choice.device, num_processes=choice.processes,
@@ -210,7 +216,7 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
             micro_batch_size=job.micro_batch, gradient_accumulation_steps=job.accumulation, checkpoint_every_steps=0,
             reasons=head + choice.reasons, alternatives=alternatives, hardware=hardware.to_dict(),
             notes=notes + list(hardware.notes), offload_params=choice.offload_params,
-            refusal={"message": message, "why": choice.refusal, "missing": choice.missing or None, "options": options},
+            offload_optimizer=choice.offload_optimizer, refusal={"message": message, "why": choice.refusal, "missing": choice.missing or None, "options": options},
             cheapest_rental=cheapest_rental(rows))
 
     steps, training = _steps_and_tokens(job, choice.processes)
@@ -245,6 +251,11 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
         reasons.append(f"precision fp16 with loss scaling: {g.name} (compute capability {cc}) has no bf16 tensor "
                        f"cores (they start at 8.0); {rate}")
         kind += ", fp16"
+    # packing keeps each example to itself on the attention the worker will load, or the plan refuses it
+    packed = packing.decision(recipe, choice.engine, packing.planned_attention(
+        choice.device, precision == "bf16", importlib.util.find_spec("flash_attn") is not None))
+    if packed:
+        reasons.append(packed)
     if hrs is not None:
         money = (f"cost at {box_price:.2f} EUR/h ({price_src}) = {cost:.2f} EUR" if cost is not None
                  else "cost unknown (no price: --price EUR/h)")
@@ -297,6 +308,7 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
         hardware=hardware.to_dict(),
         notes=notes + list(hardware.notes),
         offload_params=choice.offload_params,
+        offload_optimizer=choice.offload_optimizer,
         cheapest_rental=rental,
     )
 
@@ -355,6 +367,8 @@ def _memory_dict(est: Any, choice: Choice, measured: dict[str, Any]) -> dict[str
         "load_peak_gb": round(est.load_peak_gb, 1),
         "load_ram_gb": round(est.load_ram_gb, 1),
         "load_explanation": est.load_explanation,
+        "train_ram_gb": round(est.train_ram_gb, 1),
+        "offload_explanation": est.offload_explanation,
         "source": "measured" if "peak_memory_gb" in measured else "estimated",
     }
 

@@ -75,6 +75,11 @@ class Workload:
     # FSDP parameter offload (fsdp_offload_params): the shards of weights, gradients and optimizer states live in
     # CPU RAM and cross PCIe to the card unit by unit in every forward and backward.
     offload_params: bool = False
+    # DeepSpeed ZeRO-3 optimizer offload (zero_optimization.offload_optimizer: cpu): fp32 master weights, gradients
+    # and Adam states in pinned CPU RAM, the optimizer step on the CPU (DeepSpeedCPUAdam, whatever the method); with
+    # offload_params as well, the 16-bit parameter partitions too (offload_param: cpu). docs/sizing.md, "CPU offload".
+    offload_optimizer: bool = False
+    accumulation: int = 1  # micro-batches per optimizer step: the offload's per-step transfer and CPU step spread over them
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -100,6 +105,18 @@ class MemoryEstimate:
     load_ram_gb: float = 0.0
     load_explanation: str = ""
     offloaded_params_gb: float = 0.0
+    # DeepSpeed CPU offload: the box's RAM while training (the offloaded states + every process's runtime), and why
+    train_ram_gb: float = 0.0
+    offload_explanation: str = ""
+
+    @property
+    def host_ram_gb(self) -> float:
+        """What the box's RAM must hold at its peak: while loading, or while training with CPU offload."""
+        return max(self.load_ram_gb, self.train_ram_gb)
+
+    @property
+    def ram_explanation(self) -> str:
+        return self.offload_explanation if self.train_ram_gb > self.load_ram_gb else self.load_explanation
 
     @property
     def peak_gb(self) -> float:
@@ -118,6 +135,8 @@ class MemoryEstimate:
             "load_ram_gb": round(self.load_ram_gb, 1),
             "load_explanation": self.load_explanation,
             "offloaded_params_gb": round(self.offloaded_params_gb, 1),
+            "train_ram_gb": round(self.train_ram_gb, 1),
+            "offload_explanation": self.offload_explanation,
         }
 
 
@@ -269,7 +288,10 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
     static_sharded = sum(v for k, v in terms.items() if k in STATIC_TERMS)
     total = static_sharded * n + (per_gpu - static_sharded) - terms.get("gathered shards", 0.0)
     offloaded = 0.0
-    if w.offload_params and n > 1 and not cpu:
+    ds_offload = w.engine == "deepspeed" and w.offload_optimizer and n > 1 and not cpu
+    if ds_offload:
+        per_gpu, total, offloaded = _deepspeed_offload(arch, w, terms, why, n, T)
+    elif w.offload_params and n > 1 and not cpu:
         # FSDP2's CPUOffloadPolicy keeps every shard (weights, adapters, gradients, optimizer states) in pinned
         # CPU RAM and runs the optimizer step there; the card holds the gathered units and the step's tensors.
         for k in [k for k in STATIC_TERMS if k in terms]:
@@ -278,7 +300,48 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
         per_gpu = sum(terms.values())
     est = MemoryEstimate(terms, why, per_gpu, total, T, offload, offloaded_params_gb=offloaded)
     _loading(arch, w, est, static_sharded, layer_unit_bytes(arch, w), embedding_unit_bytes(arch, w))
+    if ds_offload:
+        est.train_ram_gb = offloaded + n * CPU_RUNTIME_GB
+        est.offload_explanation = (
+            f"DeepSpeed CPU offload keeps {_count(T)} fp32 master weights, fp32 gradients, Adam m and v and a 16-bit "
+            f"gradient accumulation buffer in pinned RAM ({DS_OFFLOAD_HOST_BYTES} B/param"
+            + (f", and the {_count(P)} 16-bit parameter partitions, 2 B/param" if w.offload_params else "")
+            + f": {offloaded:.0f} GB) + {CPU_RUNTIME_GB:.0f} GB of runtime per process: {est.train_ram_gb:.0f} GB of "
+            "RAM while training")
     return est
+
+
+# DeepSpeed ZeRO-3 optimizer offload, bytes per trainable parameter in the box's RAM (summed over the ranks, each holds
+# its partition): fp32 master weights 4 (stage3.py _create_fp32_partitions, `.to(self.subgroup_to_device[i])`), an fp32
+# gradient buffer per sub-group 4 (initialize_optimizer_states, `subgroup_gradient_buffer`, pinned), Adam m and v in
+# fp32 8 (DeepSpeedCPUAdam, fp32_optimizer_states: engine.py get_optimizer_configuration), and the 16-bit gradient
+# partitions the micro-batches accumulate into 2 (_setup_for_real_optimizer: `grad_partitions_flat_buffer` on
+# self.device, which is the CPU under offload). offload_param adds the 16-bit parameter partitions (2 B/param,
+# pinned: _create_param_groups_fp16_flat_cpu_memory).
+DS_OFFLOAD_HOST_BYTES = 18
+
+
+def _deepspeed_offload(arch: Arch, w: Workload, terms: dict[str, float], why: dict[str, str], n: int,
+                       T: int) -> tuple[float, float, float]:
+    """Move what DeepSpeed's CPU offload keeps in RAM off the card's terms: gradients, optimizer states and their churn
+    (and the weights under offload_param). The client optimizer (8-bit AdamW for full-8bit) is not used: with an
+    "optimizer" section in the config, transformers hands DeepSpeed a DummyOptim (integrations/deepspeed.py,
+    deepspeed_optim_sched) and DeepSpeed builds DeepSpeedCPUAdam (engine.py, _configure_basic_optimizer), fp32 states.
+    Returns per-card GB, the job's GB in all (cards + RAM) and the RAM the offloaded states take (GB, the box)."""
+    for k in ("gradients", "optimizer", "gradient churn"):
+        terms.pop(k, None)
+        why.pop(k, None)
+    host = T * DS_OFFLOAD_HOST_BYTES / GB
+    if "adapters" in terms:  # LoRA: the fp32 adapter weights stay on the card, their states go to RAM
+        terms["adapters"] = T * 4 / n / GB
+        why["adapters"] = f"LoRA r={w.lora_r}: {_count(T)} fp32 adapter weights / {n} GPUs (states offloaded)"
+    if w.offload_params:
+        host += terms.pop("weights") * n
+        why.pop("weights", None)
+    static = sum(v for k, v in terms.items() if k in STATIC_TERMS)
+    per_gpu = sum(terms.values())
+    total = static * n + (per_gpu - static) - terms.get("gathered shards", 0.0) + host
+    return per_gpu, total, host
 
 
 # Terms that stay resident between steps (sharded under FSDP/ZeRO-3, offloadable to CPU RAM by FSDP).
@@ -468,10 +531,44 @@ def pcie_gb_s(compute_capability: tuple[int, int] | None) -> float:
     return PCIE_GB_S[3 if major < 8 else 4 if major < 9 else 5]
 
 
+# DeepSpeed ZeRO-3 optimizer offload, bytes per trainable parameter crossing one card's host link (its partition):
+# every micro-batch, the reduce-scattered 16-bit gradient partition is copied into the pinned CPU buffer and, to add
+# the next micro-batch on the card, back (stage3.py partition_grads: 2 B down, 2 B up); at the accumulation boundary
+# the fp32 gradient goes down for the CPU step (_offload_grad_partition_at_boundary: 4 B); after the step the fp32
+# master partition is copied into the card's 16-bit partition (_reassign_or_swap_out_partitioned_parameters:
+# counted at 4 B, the fp32 side; none under offload_param, whose partitions stay in RAM).
+DS_OFFLOAD_MICRO_BATCH_BYTES = 4
+DS_OFFLOAD_STEP_BYTES = 4
+DS_OFFLOAD_PARAMS_BACK_BYTES = 4
+# DeepSpeedCPUAdam (csrc/adam: AVX2/AVX-512, OpenMP over the rank's threads) is bound by memory bandwidth: per
+# parameter it reads the fp32 master, gradient, m and v and writes master, m and v (28 B). Measured 0.68G params/s on
+# one core of the 2-core development VM (a 20M-parameter step; docs/sizing.md, "CPU offload"); a
+# server's cores share its memory channels (~5 GB/s per core on a loaded 2-socket box), so the plan counts 0.2G
+# params/s per core of the box, every core busy (each rank runs with cores / ranks threads: launch_env).
+CPU_ADAM_PARAMS_PER_CORE_S = 2e8
+
+
+def deepspeed_offload_seconds(arch: Arch, est: MemoryEstimate, w: Workload, link_gb_s: float,
+                              cpu_count: int) -> tuple[float, float]:
+    """DeepSpeed CPU offload per micro-batch for one card: (host-link transfer s, CPU optimizer step s); the step's
+    own transfer and the CPU step are paid once per optimizer step, so they are spread over the accumulation. The
+    card waits for both: ZeRO-3 runs the CPU step between backward and the next forward."""
+    if not (w.engine == "deepspeed" and w.offload_optimizer and w.sharded) or w.device == "cpu":
+        return 0.0, 0.0
+    n, t, acc = w.num_gpus, est.trainable_params, max(1, w.accumulation)
+    per_micro = DS_OFFLOAD_MICRO_BATCH_BYTES * t / n
+    if w.offload_params:  # each unit's 16-bit partition goes up before its all-gather, in forward and in backward
+        per_micro += OFFLOAD_PASSES * arch.params * 2 / n
+    per_step = (DS_OFFLOAD_STEP_BYTES + (0 if w.offload_params else DS_OFFLOAD_PARAMS_BACK_BYTES)) * t / n
+    transfer = (per_micro + per_step / acc) / (link_gb_s * 1e9)  # links are rated in 1e9 bytes/s
+    step = t / (CPU_ADAM_PARAMS_PER_CORE_S * max(1, cpu_count)) / acc
+    return transfer, step
+
+
 def offload_seconds_per_micro_batch(est: MemoryEstimate, w: Workload, link_gb_s: float) -> float:
     """Seconds one card spends moving offloaded shards over its host link per micro-batch: its shard of the
-    parameters up in every forward and backward, the trainable parameters' gradient shard down once."""
-    if not (w.offload_params and w.sharded) or w.device == "cpu":
+    parameters up in every forward and backward, the trainable parameters' gradient shard down once (FSDP)."""
+    if not (w.offload_params and w.sharded) or w.device == "cpu" or w.engine != "fsdp":
         return 0.0
     n = w.num_gpus
     params_gb = est.offloaded_params_gb / n - _resident_states_gb(est, w)  # this card's shard of the weights
@@ -548,8 +645,10 @@ def tokens_per_second(arch: Arch, w: Workload, tflops_bf16: float | None, interc
     rate = peak * MFU[w.method] * (UNSLOTH_SPEEDUP if w.engine == "unsloth" else 1.0)
     tokens = w.micro_batch * seq
     transfer = 0.0
-    if w.offload_params and w.sharded:
+    if w.offload_params and w.sharded and w.engine == "fsdp":
         transfer = offload_seconds_per_micro_batch(memory(arch, w), w, pcie_gb_s(compute_capability))
+    elif w.offload_optimizer and w.sharded and w.engine == "deepspeed":
+        transfer = sum(deepspeed_offload_seconds(arch, memory(arch, w), w, pcie_gb_s(compute_capability), cpu_count))
     one = tokens / (tokens * flops / rate + GPU_SECONDS_PER_MICRO_BATCH + transfer)
     if w.num_gpus <= 1:
         return one

@@ -28,7 +28,7 @@ def format_plan(plan: Plan) -> str:
     src = "measured by the smoke test" if mem["source"] == "measured" else "estimated"
     # "whole job" is the sizer's figure: beside a measured peak it is named as the estimate it is
     whole = (f"whole job {mem['total_gb']} GB" if mem["source"] != "measured"
-             else f"whole job estimated at {mem['total_gb']} GB")
+             else f"whole job estimated at {mem['total_gb']} GB") + (" (cards + CPU RAM)" if p.offload_optimizer else "")
     lines.append(f"Memory {label}: {mem['per_gpu_gb']} GB of {mem['capacity_gb']} GB ({src}); {whole}")
     width = max(len(k) for k in mem["breakdown_gb"])
     for k, v in mem["breakdown_gb"].items():
@@ -37,7 +37,11 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"  (estimate before measuring: {mem['estimated_per_gpu_gb']} GB)")
     if mem.get("offloaded_ram_gb"):
         lines.append(f"  + {mem['offloaded_ram_gb']} GB of activations offloaded to CPU RAM")
-    if mem.get("offloaded_params_gb"):
+    if mem.get("offloaded_params_gb") and p.offload_optimizer:
+        lines.append(f"  + {mem['offloaded_params_gb']} GB in CPU RAM (DeepSpeed CPU offload): fp32 master weights, "
+                     "gradients and Adam states" + (" and the 16-bit parameter partitions" if p.offload_params else "")
+                     + f"; {mem.get('train_ram_gb', 0)} GB of RAM while training")
+    elif mem.get("offloaded_params_gb"):
         lines.append(f"  + {mem['offloaded_params_gb']} GB of parameter shards, gradients and optimizer states "
                      "offloaded to CPU RAM (FSDP parameter offload)")
     if mem.get("load_explanation"):
@@ -92,7 +96,7 @@ def format_plan(plan: Plan) -> str:
             # a T4 and an RTX 5090 at the same rate: the fixed per-step cost (sizing.GPU_SECONDS_PER_MICRO_BATCH)
             # dwarfs the model's FLOPs, so the table cannot rank the cards by speed
             lines.append("  (the same rate on every card: for a model this small each step's fixed overhead, not the "
-                         "card's speed, sets it; the smoke test measures the real rate)")
+                         "card's speed, sets it; a run measures its real rate)")
     lines.append("")
     for n in p.notes:
         lines.append(f"note: {n}")

@@ -209,6 +209,9 @@ def _prepare(run: RunDir, recipe: Recipe, *, resuming: bool, fresh: bool, memory
     from launcher.plan.text import format_plan
 
     _say(f"data: {data_line(stats)}")
+    if stats.loss_view:  # the example as the loss sees it, kept with plain brackets (ftrun data RECIPE shows it again)
+        (run.root / "data_example.txt").write_text(views.format_loss_view(stats.loss_view, statistics=True) + "\n")
+    _say(views.format_loss_view(stats.loss_view, color=views.wants_color()))
     _say(format_plan(plan))
     if memory_limit:
         _say(f"memory limited to {round(memory_limit, 2):g} GB per worker (--memory-limit)")
@@ -342,6 +345,9 @@ def _smoke(run: RunDir, recipe: Recipe, plan_dict, examples, lengths, stats,
     # Plan, then calibrate: the measured throughput and memory replace the estimates.
     calibrated = make_plan(recipe, stats, smoke=report, nnodes=(plan_dict.get("nodes") or {}).get("nnodes", 1))
     record = _plan_record(calibrated, plan_dict.get("memory_limit_gb"), adjustments, plan_dict.get("nodes"))
+    # the forecast the user was shown before the smoke test ("Time:" of the printed plan): `ftrun status` compares
+    # with that one as "plan forecast", the calibrated estimate being the smoke test's own forecast again
+    record["estimate_as_planned"] = plan_dict.get("estimate_as_planned") or plan_dict.get("estimate")
     atomic_write_json(run.plan, record)
     return recipe, record
 

@@ -10,7 +10,7 @@ from launcher.data.stats import data_stats
 from launcher.errors import DataError
 from launcher.recipe import check_trainer_fields, load_recipe
 from launcher.run.adjustments import with_adjustments
-from launcher.run.views import data_line
+from launcher.run.views import data_line, format_loss_view, wants_color
 from launcher.store.rundir import RunDir
 from launcher.worker.trackers import check_installed as check_trackers_installed
 
@@ -88,5 +88,7 @@ def _plan_command(recipe_path: str, overrides: list[str], gpus: Optional[str], t
     plan.notes[:0] = notes
     if stats is not None and not as_json:
         print(f"data: {data_line(stats)}")
+        if stats.loss_view:  # the example as the loss sees it (launcher/data/loss_view.py)
+            print(format_loss_view(stats.loss_view, color=wants_color()))
     print(json.dumps(plan.to_dict(), indent=2) if as_json else format_plan(plan))
     return 0

@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from launcher.plan.cgroup import memory_limit_bytes, oom_kills
-from launcher.run import views
+from launcher.plan import deadlines
+from launcher.run import rank_ends, views, watchdog
+from launcher.store import heartbeat
 from launcher.worker import train
 from launcher.worker.engines import MULTI_PROCESS, die_with_parent, failed_verification, launch_command, launch_env
 from launcher.store.checkpoint import newest_step_unverified, step_dir_name
@@ -127,7 +129,13 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
 
     restarts = 0
     crash_steps: list[int] = []
+    restart_times: list[float] = []  # the restart budget: max_restarts within any RESTART_WINDOW_S
+    last_exception: Optional[tuple[Optional[str], Optional[int]]] = None  # (signature, step) of the last traceback
+    multi = plan.get("engine") in MULTI_PROCESS
     env = dict(os.environ, PYTHONUNBUFFERED="1", **launch_env(plan, recipe.grace_seconds))
+    error_file = run.heartbeats / "error-rank-0.json"  # a single worker's traceback (worker/train.py _recorded)
+    if not multi:
+        env["TORCHELASTIC_ERROR_FILE"] = str(error_file)
     while True:
         cmd = launch_command(plan, run.root, "full")
         _log("starting worker: " + " ".join(cmd))
@@ -137,21 +145,30 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
             plan["launch_argv"] = cmd  # plan.json records how the plan was launched (an argument list)
             atomic_write_json(run.plan, plan)
         _forget_worker_outcome(run)
+        heartbeat.clear(run)  # the last attempt's heartbeats and error file must not speak for this one
+        run.heartbeats.mkdir(parents=True, exist_ok=True)
+        launched_at = time.time()
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env,
+                                # torchrun's report of how each rank ended is read from its stderr (rank_ends.py)
+                                stderr=subprocess.PIPE if multi else None,
                                 # the worker keeps the run locked while it lives, even without its supervisor
                                 pass_fds=(lock_fd,) if lock_fd is not None else (),
                                 # a launcher (torchrun) outliving the supervisor keeps its ranks training: it is
                                 # killed with it; a single worker outliving it would train on unsupervised: it
                                 # gets SIGTERM, saves a checkpoint and exits (the next launch resumes from it)
                                 preexec_fn=die_with_parent if plan.get("engine") in MULTI_PROCESS else _stop_with_parent)
+        tail = _Tail(proc.stderr) if multi else None  # read from the start: a full pipe would block the ranks
         child["proc"] = proc
         child["launcher"] = proc if plan.get("engine") in MULTI_PROCESS else None
         _record(run, "running", supervisor_pid=os.getpid(), supervisor_proc=process_identity(os.getpid()),
                 worker_pid=proc.pid, worker_proc=process_identity(proc.pid), restarts=restarts,
                 engine=plan.get("engine"), num_processes=plan.get("num_processes"), launch_argv=cmd)
         kills_before = oom_kills()  # the kernel's OOM-kill count of this cgroup, where it says one
-        rc = proc.wait()
+        rc, hang = _wait_watching(proc, run, plan, launched_at, stopping, multi, recipe.grace_seconds)
         child["proc"] = child["launcher"] = None
+        if tail is not None:
+            tail.join()
+        ends = _rank_ends(run, rc, tail, error_file, multi)
         host_oom = _host_oom(kills_before) if rc != 0 and not stopping["signal"] else None
         if host_oom is not None:
             # A worker (or one rank: torchrun then exits 1) killed by the kernel for host memory: a restart loads the
@@ -212,24 +229,167 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
                        stop_requested=False, ending=ending)
         if rc in FATAL:
             return end("failed", _worker_error(run) or FATAL[rc], 5)
-        how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
-        step = _last_logged_step(run)
-        if crash_steps and crash_steps[-1] == step:
-            return end("failed", f"worker crashed twice at step {step} ({how}); not retrying a crash that repeats", 5)
-        crash_steps.append(step)
-        if restarts >= recipe.max_restarts:
-            return end("failed", f"worker crashed ({how}) after {restarts} restart(s), the limit "
-                       f"(max_restarts={recipe.max_restarts})", 5)
+        # How the attempt ended, by rank (docs/engines.md, "One rank down"): a rank silent past its deadline (the
+        # watchdog ended the attempt), else the cause among the ranks' ends: a signal from outside is an
+        # interruption, a traceback that repeats at the same step is a deterministic crash, a CUDA/NCCL error is
+        # announced and restarted, a crash without a traceback that repeats at the same step stops too.
+        root = rank_ends.cause(ends)
+        ended = ({"kind": "hang", **hang} if hang else rank_ends.facts(root, ends) if root is not None
+                 else {"kind": "crash", "exit_code": rc})
+        ended["world"] = int(plan.get("num_processes") or 1)
+        if ended.get("step") is None:
+            ended["step"] = _last_logged_step(run)
+        step = ended["step"]
+        if ended["kind"] == "exception" and root is not None:
+            if last_exception == (root.signature(), step):
+                return end("failed", views.repeated_crash_reason(ended), 5, last_end=ended)
+            last_exception = (root.signature(), step)
+        if ended["kind"] == "crash":
+            if crash_steps and crash_steps[-1] == step:
+                return end("failed", views.repeated_crash_reason(ended), 5, last_end=ended)
+            crash_steps.append(step)
+        now = time.time()
+        restart_times = [t for t in restart_times if now - t < RESTART_WINDOW_S]
+        if len(restart_times) >= recipe.max_restarts:
+            return end("failed", views.restart_budget_reason(ended, len(restart_times), recipe.max_restarts), 5,
+                       last_end=ended)
+        restart_times.append(now)
         restarts += 1
-        delay = min(2 ** restarts, 60)
-        _record(run, "recovering", worker_pid=None, restarts=restarts,
-                  reason=f"worker crashed ({how}) near step {step}; restart {restarts}/{recipe.max_restarts} in {delay}s")
-        _log(f"worker crashed ({how}) near step {step}; restarting from the newest verified checkpoint in {delay}s")
+        delay = min(2 ** len(restart_times), 60)
+        why = views.restarted_reason(ended, len(restart_times), recipe.max_restarts, delay)
+        _record(run, "recovering", worker_pid=None, restarts=restarts, last_end=ended, reason=why)
+        _log(why)
         for _ in range(delay * 10):
             if stopping["signal"]:
                 _record(run, "stopped", reason=f"stopped by {stopping['signal']} while recovering")
                 return train.EXIT_STOPPED
             time.sleep(0.1)
+
+
+RESTART_WINDOW_S = 3600.0  # recipe.max_restarts counts the restarts within any hour
+WATCH_INTERVAL_S = 2.0  # how often the supervisor reads the heartbeats while the worker runs
+WATCHDOG_GRACE_S = 30.0  # a silent attempt gets at most this long (or grace_seconds) between SIGTERM and SIGKILL
+TAIL_BYTES = 256 * 1024  # torchrun's stderr kept for its report of how each rank ended
+
+
+class _Tail:
+    """A launcher's stderr copied through to the supervisor's own (train.log, or the terminal in the foreground) as
+    it comes, its last TAIL_BYTES kept: torchrun's report of each rank's end is the last thing it prints."""
+
+    def __init__(self, stream) -> None:
+        self.kept = bytearray()
+        self.thread = threading.Thread(target=self._copy, args=(stream,), daemon=True)
+        self.thread.start()
+
+    def _copy(self, stream) -> None:
+        fd = stream.fileno()
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            try:
+                os.write(2, chunk)
+            except OSError:  # a full disk must not block the ranks behind a full pipe: keep reading
+                pass
+            self.kept += chunk
+            del self.kept[:-TAIL_BYTES]
+        stream.close()
+
+    def join(self) -> None:
+        self.thread.join(timeout=10)  # a rank that outlives its launcher keeps the pipe open: not forever
+
+    def text(self) -> str:
+        return bytes(self.kept).decode(errors="replace")
+
+
+def _rank_ends(run: RunDir, rc: int, tail: Optional[_Tail], error_file: Path, multi: bool) -> list:
+    """How each rank ended (launcher/run/rank_ends.py), each with its last heartbeat's step and phase."""
+    if rc == 0:
+        return []
+    if multi:
+        ends = rank_ends.parse_report(tail.text() if tail else "") or [
+            rank_ends.RankEnd(rank=None, exit_code=rc, signal=rank_ends.signal_name(rc))]
+    else:
+        ends = rank_ends.single(rc, error_file)
+    beats = heartbeat.read_all(run)
+    for e in ends:
+        beat = beats.get(e.rank) if e.rank is not None else None
+        if beat:
+            e.step, e.phase = int(beat.get("step") or 0), beat.get("phase")
+    return ends
+
+
+def _process_state(pid: int) -> Optional[str]:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status()
+    except psutil.Error:
+        return None
+
+
+def _wait_watching(proc: subprocess.Popen, run: RunDir, plan: dict[str, Any], launched_at: float,
+                   stopping: dict[str, Any], multi: bool, grace_seconds: float) -> tuple[int, Optional[dict]]:
+    """Wait for the worker (or launcher) to exit, reading the ranks' heartbeats every WATCH_INTERVAL_S. A rank
+    silent past its phase's deadline (launcher/plan/deadlines.py) ends the attempt: SIGTERM to the ranks, SIGKILL to
+    them and the launcher after a short grace. Returns the exit code and the silent rank's facts (None if none)."""
+    smoke = _json_or_empty(run.smoke)
+    expected, floor = deadlines.expected_seconds(plan, smoke), deadlines.floor_seconds()
+    ranks = watchdog.local_ranks(plan) if multi else [0]
+    hang = None
+    while True:
+        try:
+            return proc.wait(timeout=WATCH_INTERVAL_S), hang
+        except subprocess.TimeoutExpired:
+            pass
+        if hang is not None or stopping["signal"]:
+            continue  # already ending it, or a stop has its own grace
+        hang = watchdog.silent_rank(heartbeat.read_all(run), ranks, launched_at, time.time(), expected, floor,
+                                    _process_state)
+        if hang is not None:
+            _log(f"{views.rank_end_text({'kind': 'hang', 'world': len(ranks) if multi else 1, **hang})}: ending the "
+                 "attempt (SIGTERM, then SIGKILL) to restart it from the newest verified checkpoint")
+            _end_attempt(proc, multi, min(grace_seconds, WATCHDOG_GRACE_S))
+
+
+def _end_attempt(proc: subprocess.Popen, multi: bool, grace: float) -> None:
+    """SIGTERM to the ranks (or the single worker), then SIGKILL to them and the launcher after `grace` seconds in a
+    timer thread. A hung rank cannot save (its peers wait for it in the save's collectives), so what remains is
+    the newest verified checkpoint; psutil's handles make sure a pid reused meanwhile is never signalled."""
+    import psutil
+
+    try:
+        top = psutil.Process(proc.pid)
+        procs = (top.children() if multi else []) + [top]
+    except psutil.Error:
+        return
+    for p in procs[:-1] if multi else procs:
+        try:
+            p.send_signal(signal.SIGTERM)
+        except psutil.Error:
+            pass
+
+    def kill() -> None:
+        for p in procs:
+            try:
+                if p.is_running():
+                    p.send_signal(signal.SIGKILL)
+            except psutil.Error:
+                pass
+
+    timer = threading.Timer(grace, kill)
+    timer.daemon = True
+    timer.start()
+
+
+def _json_or_empty(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}
 
 
 def _host_oom(kills_before: Optional[int]) -> Optional[dict[str, Any]]:

@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, TextIO
 
 from launcher.plan.plan import model_flops_utilization
+from launcher.run.watchdog import heartbeat_rows
 from launcher.store.checkpoint import newest_step_unverified, step_dir_name
+from launcher.store.heartbeat import read_all as read_heartbeats
 from launcher.store.rundir import RunDir
 from launcher.store.state import (ACTIVE, ENDED, is_locked, last_metrics, read_state, run_holder, run_processes,
                                    same_process)
@@ -151,6 +153,11 @@ def run_status(run: RunDir) -> dict[str, Any]:
         "memory_source": memory.get("source"),
         "estimated_memory_gb": memory.get("estimated_per_gpu_gb"),
         "adjustments": [a.get("reason") for a in plan.get("adjustments", [])],
+        # the watchdog's view (launcher/run/watchdog.py): each rank's last heartbeat while a multi-process run trains,
+        # and how the last attempt that was restarted ended
+        "heartbeats": (heartbeat_rows(read_heartbeats(run), time.time())
+                       if state in ("running", "recovering") and (plan.get("num_processes") or 1) > 1 else []),
+        "last_restart": rank_end_text(data["last_end"]) if data.get("last_end") else None,
         **sync_status_fields(run),
     }
     s.update(time_and_money(s, data.get("history", []), plan, smoke))
@@ -163,7 +170,7 @@ def time_and_money(s: dict[str, Any], history: list[dict[str, Any]], plan: dict[
     used = _box_seconds(history, s["state"] in ACTIVE)
     price = plan.get("price_per_hour_eur")
     eta = s.get("eta_seconds")
-    estimate = plan.get("estimate") or {}
+    estimate = plan.get("estimate_as_planned") or plan.get("estimate") or {}  # what the printed plan said
     return {
         "elapsed_seconds": round(used, 1),
         # what the forecasts are for: the full run after the smoke test (its restarts included)
@@ -242,6 +249,9 @@ def format_status(s: dict[str, Any], ending_follows: bool = False) -> str:
             if s.get("memory_source") == "measured" else "estimated by the sizer (no passed smoke test)"))
     for reason in s.get("adjustments") or []:
         lines.append(f"  adjusted after out of memory: {reason}")
+    lines.extend(heartbeat_lines(s.get("heartbeats") or []))
+    if s.get("last_restart") and s["state"] in ("running", "succeeded", "trained-not-exported"):
+        lines.append(f"  last restart: {s['last_restart']}; restarted")
     if s.get("last_checkpoint"):
         lines.append(f"  last checkpoint {s['last_checkpoint']} ({format_duration(s.get('last_checkpoint_age_seconds'))} ago)")
     if s.get("sync_to"):
@@ -441,6 +451,59 @@ def host_oom_reason(e: dict[str, Any]) -> str:
             "limit (docker run --memory), or make the job smaller (fewer processes, a smaller model)")
 
 
+def _short_seconds(seconds: Optional[float]) -> str:
+    """0.4 s, 12 s, 4.5 min: an expected phase time, which is often under a second."""
+    if seconds is None:
+        return "unknown"
+    return f"{seconds:.1f} s" if seconds < 10 else format_duration(seconds)
+
+
+def rank_end_text(e: dict[str, Any]) -> str:
+    """How one attempt of a run ended, from the supervisor's facts (state.json "last_end"; launcher/run/rank_ends.py,
+    launcher/run/watchdog.py): which rank, how, at which step."""
+    from launcher.store.heartbeat import PHASES
+
+    who = f"rank {e['rank']}" if e.get("rank") is not None and e.get("world", 2) > 1 else "the worker"
+    step = e.get("step")
+    at = f" at step {step}" if step is not None else ""
+    kind = e.get("kind")
+    if kind == "hang":
+        return (f"{who} silent for {format_duration(e.get('silent_seconds'))}{at} "
+                f"({PHASES.get(e.get('phase'), e.get('phase'))}; expected {_short_seconds(e.get('expected_seconds'))})")
+    if kind == "signal":
+        return f"{who} was killed by {e.get('signal')}{at} (an interruption from outside, not a crash)"
+    if kind == "stopped":
+        return f"{who} was stopped by a signal{at} after saving a checkpoint (an interruption)"
+    if kind == "cuda":
+        return f"CUDA/NCCL error on {who}{at}: {e.get('message')}"
+    if kind == "exception":
+        return f"{who} raised{at}: {e.get('message')}"
+    how = f"signal {e['signal']}" if e.get("signal") else f"exit code {e.get('exit_code')}"
+    return f"{who} crashed{at} ({how}, no traceback)"
+
+
+def restarted_reason(e: dict[str, Any], used: int, limit: int, delay: float) -> str:
+    return (f"{rank_end_text(e)}; restarted from the newest verified checkpoint in {delay:g}s "
+            f"(restart {used} of max_restarts={limit} per hour)")
+
+
+def repeated_crash_reason(e: dict[str, Any]) -> str:
+    return f"{rank_end_text(e)}, the same error at the same step as the attempt before; not restarting a crash that repeats"
+
+
+def restart_budget_reason(e: dict[str, Any], used: int, limit: int) -> str:
+    return (f"{rank_end_text(e)}; not restarted: {used} restart(s) in the last hour, the limit (max_restarts={limit} "
+            "per hour); run the same command to resume from the newest verified checkpoint")
+
+
+def heartbeat_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The watchdog's view while a multi-process run trains: each rank's last heartbeat."""
+    from launcher.store.heartbeat import PHASES
+
+    return [f"  rank {r['rank']}: step {r['step']}, {PHASES.get(r['phase'], r['phase'])}, heartbeat "
+            f"{format_duration(r['seconds_ago'])} ago" for r in rows]
+
+
 # How the end of a run is headed, for every state that ends one (store/state.py ENDED; tests/test_tables.py).
 ENDING = {"succeeded": "finished", "trained-not-exported": "finished (its export failed)", "stopped": "stopped",
           "preempted": "preempted", "failed": "FAILED", "failed-smoke": "smoke test FAILED"}
@@ -465,9 +528,13 @@ def format_end_summary(e: dict[str, Any]) -> str:
     if e.get("tokens"):
         lines.append(f"  tokens    {e['tokens']:,}")
     if e.get("wall_seconds"):
-        fc = e.get("forecast_seconds")
-        lines.append(f"  time      {format_duration(e['wall_seconds'])} training"
-                     + (f" (the {e['forecast_source']} forecast {format_duration(fc)}, "
+        fc, what = e.get("forecast_seconds"), ""
+        step, total = e.get("step") or 0, e.get("total_steps") or 0
+        if fc and total and step < total:
+            # a run that ended early is compared with the forecast for the steps it ran, not the whole run's
+            fc, what = (fc * step / total if step else None), f" for {step} of {total} steps"
+        lines.append(f"  time      {format_duration(e['wall_seconds'])} running"
+                     + (f" (the {e['forecast_source']} forecast{what} {format_duration(fc)}, "
                         f"{(e['wall_seconds'] - fc) / fc:+.0%})" if fc else "")
                      + (f"; {format_duration(e['box_seconds'])} on the box with the smoke test"
                         if (e.get("box_seconds") or 0) > e["wall_seconds"] + 1 else ""))
@@ -618,3 +685,36 @@ def data_line(stats) -> str:
     return (f"{stats.description}; {stats.total_tokens:,} tokens per epoch ({stats.tokens_source}"
             + (f", {stats.over_max_length} over max_length {stats.max_length}: truncated" if stats.over_max_length else "")
             + ")")
+
+
+def wants_color(stream: Optional[TextIO] = None) -> bool:
+    """Highlighting on a terminal, plain text on a pipe or a file, none where NO_COLOR is set (no-color.org)."""
+    stream = stream or sys.stdout
+    return bool(getattr(stream, "isatty", lambda: False)()) and not os.environ.get("NO_COLOR")
+
+
+def format_loss_view(record: Optional[dict[str, Any]], color: bool = False, statistics: bool = False) -> str:
+    """What the loss sees (data.json "loss_view", launcher/data/loss_view.py): one example per source with its
+    trained tokens marked (highlighted on a terminal, in [[...]] elsewhere); `statistics`: the dataset's figures."""
+    from launcher.data.loss_view import CLOSE, OPEN, TRAINED_STYLE, RESET, render_segments
+
+    if not record:
+        return "what the loss sees: not shown (the model's tokenizer is not on this machine)"
+    s = record["stats"]
+    mark = f"{TRAINED_STYLE}highlighted{RESET}" if color else f"{OPEN}in brackets{CLOSE}"
+    lines = [f"what the loss sees: {s['trained_share']:.1%} of {s['tokens']:,} tokens trained, loss on {record['mode']}, "
+             f"end of turn {record.get('end_of_turn')}; trained tokens {mark}:"]
+    for ex in record["examples"]:
+        where = ex["where"] + (f" ({ex['source']})" if ex.get("source") and len(record["examples"]) > 1 else "")
+        lines.append(f"--- {where}: {ex['trained']} of {ex['tokens']} tokens trained")
+        lines.append(render_segments(ex["segments"], color=color).rstrip("\n"))
+    lines.append("---")
+    if statistics:
+        cap = s.get("max_length")
+        lines.append(f"examples {s['examples']:,}; tokens {s['tokens']:,} (after max_length {cap}); trained "
+                     f"{s['trained_tokens']:,} ({s['trained_share']:.1%})")
+        lines.append(f"length in tokens: p50 {s['p50']:,}, p90 {s['p90']:,}, p99 {s['p99']:,}, max {s['max']:,}")
+        n = max(s["examples"], 1)
+        lines.append(f"truncated by max_length {cap}: {s['truncated']:,} ({s['truncated'] / n:.1%}); trained part cut: "
+                     f"{s['cut']:,} ({s['cut'] / n:.1%}); nothing trained: {s['empty']:,} ({s['empty'] / n:.1%})")
+    return "\n".join(lines)

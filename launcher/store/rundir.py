@@ -47,6 +47,10 @@ class RunDir:
         return self.root / "worker.json"
 
     @property
+    def heartbeats(self) -> Path:  # each rank's step and phase, one small file per rank (store/heartbeat.py)
+        return self.root / "heartbeats"
+
+    @property
     def checkpoints(self) -> Path:
         return self.root / "checkpoints"
 

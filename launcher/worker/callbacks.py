@@ -21,6 +21,7 @@ from launcher.worker import memory
 from launcher.worker import samples
 from launcher.worker.checkpointing import METRICS_IN_CHECKPOINT, _MANIFEST, _await_manifest
 from launcher.worker.exits import EXIT_BAD_WORLD
+from launcher.worker.heartbeat import BEAT
 from launcher.worker.loss_plot import _redraw_loss_plot
 from launcher.worker.process import _Stop, _rank
 
@@ -64,8 +65,10 @@ def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta
                 # _run_epoch), so it would train one step past the schedule. The weights are the checkpoint's by
                 # now (loaded before on_train_begin): leave the loop, and the worker writes the final result.
                 raise TrainingComplete(state.global_step)
+            BEAT.beat("step", state.global_step)
 
         def on_step_end(self, args, state, control, **kw):
+            BEAT.beat("step", state.global_step)  # the watchdog's view of this rank (launcher/run/watchdog.py)
             due = time.monotonic() - self.last_save >= interval
             at_end = state.global_step >= state.max_steps
             stop = agree(_Stop.requested)
@@ -92,11 +95,15 @@ def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta
                 # manifest, in short collectives. on_save's writer then finds it done instead of hashing on
                 # while the others sit in its barrier, where a large checkpoint on slow storage outlasts the
                 # process group's timeout (ddp_timeout, 1800 s by default) and the watchdog aborts every rank.
+                BEAT.beat("hash")
                 _await_manifest(device)
+            if control.should_evaluate or control.should_save:  # the Trainer evaluates, then saves
+                BEAT.beat("eval" if control.should_evaluate else "save")
             return control
 
         def on_evaluate(self, args, state, control, **kw):
             self.last_eval = time.monotonic()
+            BEAT.beat("save" if control.should_save else "step")
 
         def on_save(self, args, state, control, **kw):
             self.last_save = time.monotonic()
@@ -147,6 +154,7 @@ def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta
                 _redraw_loss_plot(run.root)
             if together:
                 torch.distributed.barrier()
+            BEAT.beat("step")
             return control
 
     class Metrics(TrainerCallback):

@@ -46,6 +46,7 @@ from launcher.worker.exits import (  # noqa: E402
     EXIT_BAD_WORLD, EXIT_NAN, EXIT_STOPPED, _is_disk_full, _out_of_memory, _record_error)
 # the launch flow reads every exit code from here (launcher/run/supervisor.py, launcher/run/smoke.py)
 from launcher.worker.exits import EXIT_DISK_FULL, EXIT_OOM  # noqa: E402, F401
+from launcher.worker.heartbeat import BEAT  # noqa: E402
 from launcher.worker.inputs import (  # noqa: E402
     _data_changed, _data_spec, _eval_and_prompts, _local_data, _trained_tokens)
 from launcher.worker.loss_plot import _redraw_loss_plot  # noqa: E402
@@ -208,6 +209,11 @@ def run_worker(run_dir: Path, mode: str) -> int:
             carried = resume_from.path / samples.BEFORE_FILE
             if carried.is_file() and not (run.root / samples.BEFORE_FILE).is_file():  # a resume on another box
                 shutil.copyfile(carried, run.root / samples.BEFORE_FILE)
+        elif mode == "full" and run.metrics.is_file():
+            # a restart before the first checkpoint (a rank killed or hung early) trains from step 0 again: the last
+            # attempt's rows go, as a resume keeps only its checkpoint's; the base model's eval at step 0 stays (the
+            # file stays, so no rank evaluates on start again)
+            _restore_metrics(run.metrics, run.checkpoints, 0)
         print(f"[ftrun worker] device {device} ({info['dtype']}), method {recipe.method}, "
               f"{_world_size()} process(es)", flush=True)
 
@@ -304,11 +310,25 @@ def run_worker(run_dir: Path, mode: str) -> int:
                   "checkpoint saved, resume with the same command", flush=True)
         return EXIT_STOPPED if code == 0 else code
     # every rank: ZeRO-3 and FSDP gather the sharded weights for the final save (rank 0 writes)
+    BEAT.beat("export", step())
     _save_final(run, trainer, tokenizer, recipe)
     _answer_after(run, recipe, trainer, tokenizer, prompts, sharded)  # final/samples.md
     if _rank() == 0:  # one drawer, as at the checkpoints
         _redraw_loss_plot(run.root, final=True)  # the last loss.png is complete when the worker ends
+    BEAT.beat("hash")
     return _finish(run, device, step(), _writes_this_disk(plan, recipe, run))  # the last checkpoint complete at the end
+
+
+def _recorded(fn):
+    """fn under torch's errors.record where an error file is named: an exception leaves its message and traceback in
+    TORCHELASTIC_ERROR_FILE (torch 2.13 elastic/multiprocessing/errors/error_handler.py ErrorHandler.record_exception),
+    which torchrun sets for each rank (elastic/multiprocessing/api.py DefaultLogsSpecs.reify) and the supervisor for a
+    single worker; the supervisor reads each rank's end from it (launcher/run/rank_ends.py)."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return fn
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(fn)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -320,8 +340,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         from launcher.worker.engines import die_with_parent
 
         die_with_parent()
+    if ns.mode == "full":
+        BEAT.start(ns.run_dir.resolve(), _rank())  # before the heavy imports: the watchdog sees the start too
     try:
-        code = run_worker(ns.run_dir.resolve(), ns.mode)
+        code = _recorded(run_worker)(ns.run_dir.resolve(), ns.mode)
+    except Exception:
+        BEAT.beat("error")  # the step it raised at: the supervisor's "same traceback at the same step"
+        raise
     finally:
         _MANIFEST.wait()  # any exit, a crash included: a checkpoint already moved gets its manifest
         try:

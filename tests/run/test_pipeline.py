@@ -35,6 +35,7 @@ def test_foreground_run_end_to_end(write_recipe, tmp_path):
     s = status(run, tmp_path)
     assert s["state"] == "succeeded" and s["step"] == 12 and s["total_steps"] == 12
     assert s["last_checkpoint"] == "step-000012"
+    _the_outputs_agree(res.stdout, ftrun("status", run, cwd=tmp_path).stdout, smoke)
     manifest = json.loads((run / "checkpoints" / "step-000012" / "manifest.json").read_text())
     assert manifest["step"] == 12 and "adapter_model.safetensors" in manifest["files"]
     # the same command again on a finished run says so and changes nothing; nor does bad input
@@ -170,3 +171,22 @@ def test_each_method_trains_what_it_says(write_recipe, tmp_path, method, built, 
     final = tmp_path / "run" / "final" / ("adapter" if method == "qlora" else "model")
     assert final.is_dir() and any(final.glob("*.safetensors"))
     assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2, 3]
+
+
+def _minutes(text: str) -> float:
+    number, unit = text.split()[:2]
+    return float(number) * {"s": 1 / 60, "min": 1.0, "h": 60.0}[unit]
+
+
+def _the_outputs_agree(launch: str, status_text: str, smoke: dict) -> None:
+    """One number, one value: the launch's printed plan and smoke test against `ftrun status` and smoke.json."""
+    import re
+
+    speed = re.search(r"^Speed:\s+([\d,]+) tokens/s", launch, re.M).group(1)
+    assert re.search(rf"training tokens / {speed} tokens/s", launch), "the time line's rate is the Speed: line's"
+    planned = re.search(r"^Time:\s+(\d+(?:\.\d+)? (?:s|min|h)) training", launch, re.M).group(1)
+    forecast = re.search(r"plan forecast (\d+(?:\.\d+)? (?:s|min|h))", status_text).group(1)
+    assert abs(_minutes(planned) - _minutes(forecast)) <= 0.5, (planned, forecast)  # the printed plan, rounded
+    smoke_said = re.search(r"full run: [\d,]+ tokens -> about (\d+(?:\.\d+)? (?:s|min|h))", launch).group(1)
+    assert f"smoke test forecast {smoke_said}" in status_text
+    assert f"{smoke['tokens_per_second']:,.0f} tokens/s" in launch  # the smoke line says smoke.json's figure

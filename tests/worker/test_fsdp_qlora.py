@@ -319,13 +319,16 @@ def _recipe(tmp_path, **fields):
     return validate_recipe(base, tmp_path, "r")
 
 
-@pytest.mark.parametrize("engine", ["fsdp", "auto"])
-def test_full_8bit_on_fsdp_is_refused_with_the_reason_and_the_fix(tmp_path, engine):
+def test_full_8bit_on_fsdp_is_refused_with_the_reason_and_the_fix(tmp_path):
     with pytest.raises(PlanError) as err:
-        make_plan(_recipe(tmp_path, engine=engine), from_spec("8xH100-80GB"), tokens=15e6)
+        make_plan(_recipe(tmp_path, engine="fsdp"), from_spec("8xH100-80GB"), tokens=15e6)
     msg = err.value.message
     assert "full-8bit cannot run on FSDP" in msg and "DTensor" in msg
-    assert "method: full" in msg and "engine: deepspeed" in msg
+    # one fix, and it plans (issue 23: FSDP named deepspeed, deepspeed named auto, auto gave FSDP's refusal)
+    options = err.value.plan.refusal["options"]
+    assert len(options) == 1 and options[0].startswith("set engine: auto:") and "deepspeed" in options[0]
+    p = make_plan(_recipe(tmp_path, engine="auto"), from_spec("8xH100-80GB"), tokens=15e6)
+    assert p.fits and p.engine == "deepspeed"  # auto never shards full-8bit with FSDP
 
 
 def test_full_8bit_on_one_card_still_plans(tmp_path):

@@ -8,14 +8,25 @@ from pathlib import Path
 from typing import Any
 
 CONFIG_NAME = "deepspeed.json"
+# Under optimizer offload DeepSpeed refuses a client optimizer that is not its CPU Adam (runtime/engine.py,
+# _configure_optimizer: zero_force_ds_cpu_optimizer, on by default), and the Trainer would hand it its own (8-bit AdamW
+# for full-8bit: transformers integrations/deepspeed.py, deepspeed_optim_sched, when the config has no "optimizer").
+# With this section the Trainer passes a DummyOptim and DeepSpeed builds DeepSpeedCPUAdam in AdamW mode with fp32
+# states (_configure_basic_optimizer, get_optimizer_configuration); "auto" takes learning rate, betas, eps and weight
+# decay from the Trainer's arguments (trainer_config_process), and the Trainer's scheduler still drives it (no
+# "scheduler" section: deepspeed_optim_sched wraps the Trainer's own in a DummyScheduler).
+OFFLOAD_OPTIMIZER = {"optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                               "weight_decay": "auto"}}}
 
 
 def config(plan: dict[str, Any]) -> dict[str, Any]:
-    """The ZeRO-3 config: batch shape from the plan; precision and clipping left to the Trainer ("auto").
+    """The ZeRO-3 config: batch shape and CPU offload from the plan; precision and clipping left to the Trainer ("auto").
 
     The Trainer fills each "auto" from its own arguments and refuses a concrete value that
     disagrees with them, so the plan and the trainer cannot drift apart silently.
     """
+    offload_optimizer = bool(plan.get("offload_optimizer"))
+    offload_param = offload_optimizer and bool(plan.get("offload_params"))
     mb = int(plan["micro_batch_size"])
     acc = int(plan["gradient_accumulation_steps"])
     nnodes = int((plan.get("nodes") or {}).get("nnodes", 1))
@@ -40,9 +51,14 @@ def config(plan: dict[str, Any]) -> dict[str, Any]:
             "stage3_param_persistence_threshold": 10 * hidden,
             # the final save gathers the full 16-bit weights (or adapter) on rank 0
             "stage3_gather_16bit_weights_on_model_save": True,
-            "offload_optimizer": {"device": "none"},
-            "offload_param": {"device": "none"},
+            # CPU offload (docs/engines.md, "CPU offload"): fp32 master partitions, gradients and Adam states in pinned
+            # RAM, the step on the CPU (deepspeed/runtime/zero/stage3.py, _configure_offloading; the fields are
+            # runtime/zero/offload_config.py's); offload_param keeps the 16-bit partitions there too. On a CPU
+            # accelerator pinning is a no-op (accelerator/cpu_accelerator.py, pin_memory).
+            "offload_optimizer": {"device": "cpu", "pin_memory": True} if offload_optimizer else {"device": "none"},
+            "offload_param": {"device": "cpu", "pin_memory": True} if offload_param else {"device": "none"},
         },
+        **(OFFLOAD_OPTIMIZER if offload_optimizer else {}),
         "steps_per_print": 10**9,  # ftrun logs the loss itself
         # Several boxes, each with its own disk: every node writes its ranks' ZeRO shards and its own copy of the
         # model states (deepspeed/runtime/engine.py: the file is named by local rank with node-local storage), so
@@ -79,6 +95,8 @@ def partitioned_loading(plan: dict[str, Any], run_dir: Path):
     cfg["bf16"]["enabled"] = bf16
     cfg["fp16"]["enabled"] = torch.cuda.is_available() and not bf16
     cfg["gradient_clipping"] = 1.0  # not used while loading
+    for key, value in (cfg.get("optimizer") or {}).get("params", {}).items():  # not used while loading either
+        cfg["optimizer"]["params"][key] = {"betas": [0.9, 0.999]}.get(key, 0.0) if value == "auto" else value
     import deepspeed
 
     # zero.Init partitions over the process group, which the Trainer would only create later:
@@ -108,4 +126,25 @@ def checks(plan: dict[str, Any], trainer: Any) -> list[dict[str, Any]]:
         {"check": "parameters partitioned", "ok": len(partitioned) > 0 and local < total,
          "seen": f"{len(partitioned)} of {len(params)} tensors partitioned; this process holds {local:,} of "
                  f"{total:,} values"},
-    ]
+    ] + offload_checks(plan, wrapped if is_engine else None)
+
+
+def offload_checks(plan: dict[str, Any], engine: Any) -> list[dict[str, Any]]:
+    """The CPU offload the plan asked for is what the engine runs: optimizer offload with DeepSpeed's CPU Adam (the
+    client optimizer is not used: config's OFFLOAD_OPTIMIZER), parameter offload where planned, and neither elsewhere."""
+    want_opt = bool(plan.get("offload_optimizer"))
+    want_param = want_opt and bool(plan.get("offload_params"))
+    if engine is None:
+        return []
+
+    def device(cfg: Any) -> str:  # an OffloadDeviceEnum (runtime/zero/offload_config.py), or no section at all
+        dev = getattr(cfg, "device", None) or "none"
+        return str(getattr(dev, "value", dev))
+
+    opt_dev, param_dev = device(engine.zero_offload_optimizer()), device(engine.zero_offload_param())
+    basic = type(getattr(engine, "basic_optimizer", None)).__name__
+    return [{"check": "optimizer offload " + ("to the CPU" if want_opt else "off"),
+             "ok": (opt_dev == "cpu") == want_opt and (basic == "DeepSpeedCPUAdam") == want_opt,
+             "seen": f"offload_optimizer device {opt_dev}, optimizer {basic}"},
+            {"check": "parameter offload " + ("to the CPU" if want_param else "off"),
+             "ok": (param_dev == "cpu") == want_param, "seen": f"offload_param device {param_dev}"}]
