@@ -186,7 +186,9 @@ def test_orphans_are_found_by_run_dir_and_killed_with_their_group(run_dir, tmp_p
     # no bound on the time: end_orphans itself waits on the processes (1 s for SIGTERM, then up to 10 s for the
     # SIGKILLed group), and a loaded box may take longer; what it must have done is checked below
     assert end_orphans(run, 1.0, log=said.append) == [worker_pid]
-    assert not same_process(worker) and not same_process(child)
+    assert not same_process(worker)
+    # the group's SIGKILL reaches the worker's child too; the kernel delivers it on its own time (a loaded box)
+    wait_for(lambda: not same_process(child), 30, "the worker's child to end with its group")
     assert _alive(bystander) and _alive(unrelated)
     assert "still train into this run without a supervisor" in said[0] and "killing" in said[1]
     assert end_orphans(run, 1.0, log=said.append) == []  # nothing left: nothing signalled
