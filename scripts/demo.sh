@@ -27,8 +27,14 @@ print(f"eval loss (held out): step {evals[0]['step']} {evals[0]['eval_loss']:.3f
 print(f"before/after samples: {run / 'final' / 'samples.md'}")
 adapter = run / "final" / "adapter"
 print(f"adapter: {adapter} ({sum(p.stat().st_size for p in adapter.iterdir()) / 1e6:.2f} MB)")
+# The export's check of the served prompt (final/export.json): the runtimes whose rendering of the held-out prompts
+# was compared token for token with the training's, and the ones this export has no output for.
+from launcher.deliver.messages import served_line
+exported = run / "final" / "export.json"
+report = json.loads(exported.read_text()) if exported.is_file() else {}
+print(served_line(report))
 sys.exit(0 if last["loss"] < first["loss"] and evals[-1]["eval_loss"] < evals[0]["eval_loss"]
-         and (run / "final" / "samples.md").is_file() else 1)
+         and (run / "final" / "samples.md").is_file() and report.get("served_prompt", {}).get("ok") else 1)
 PY
 echo
 echo "ftrun is installed in .venv: \`source .venv/bin/activate\` puts it on your PATH (or call .venv/bin/ftrun);"

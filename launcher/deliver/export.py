@@ -28,8 +28,8 @@ from launcher import gguf_types  # noqa: E402
 from launcher.recipe import ExportFormat  # noqa: E402
 from launcher.errors import FtrunError, UsageError  # noqa: E402
 from launcher.store.rundir import RunDir  # noqa: E402
-from launcher.deliver.messages import ExportError, _say, human_size  # noqa: E402
-from launcher.deliver.parity import _check, compare, model_outputs, parity_prompts  # noqa: E402
+from launcher.deliver.messages import ExportError, _say, human_size, served_line  # noqa: E402
+from launcher.deliver.parity import PARITY_PROMPTS, _check, compare, model_outputs, parity_prompts  # noqa: E402
 from launcher.deliver.placement import (Loads, Placement, _to_export_dtype, available_ram, export_dtype,  # noqa: E402
                                         free_gpu_memory, load_adapter, load_model, merge_placement,
                                         parameter_count, parity_placement, release)
@@ -189,6 +189,11 @@ def _export(inp: Inputs, report: dict[str, Any]) -> None:
     report["parity_prompts"] = [{"tokens": len(p["ids"]), "prompt_tokens": len(p["prompt_ids"])} for p in prompts]
     report["parity_prompts_from"] = prompts[0]["source"] if prompts else None
     report["dtype"] = str(dtype).replace("torch.", "")
+    from launcher.deliver.served_prompt import ServedPrompt
+
+    # What the training saw of the same held-out prompts: every servable output is held to it (served_prompt.py).
+    served = ServedPrompt(inp.recipe, inp.source, PARITY_PROMPTS)
+    report["served_prompt"] = served.report
 
     # Where each model goes, decided before anything is loaded: a merge the box cannot hold fails here.
     n_params = parameter_count(inp.recipe.model if inp.is_adapter else str(inp.source))
@@ -205,13 +210,14 @@ def _export(inp: Inputs, report: dict[str, Any]) -> None:
         _say(f"merge: {merge.reason}")
     loads = Loads()
     try:
-        _export_models(inp, report, tokenizer, prompts, dtype, parity, merge, loads)
+        _export_models(inp, report, tokenizer, prompts, dtype, parity, merge, loads, served)
     finally:
         report["placement"]["loads"] = loads.log
+    _say(served_line(report))
 
 
 def _export_models(inp: Inputs, report: dict[str, Any], tokenizer, prompts, dtype, parity: Placement,
-                   merge: Optional[Placement], loads: Loads) -> None:
+                   merge: Optional[Placement], loads: Loads, served) -> None:
     """Every model is loaded where its placement says, used, and released before the next one is loaded, so
     the box holds one model at a time (the parity logits, a few MB, are what is kept between them)."""
     final = inp.run.final
@@ -222,7 +228,8 @@ def _export_models(inp: Inputs, report: dict[str, Any], tokenizer, prompts, dtyp
         outputs["adapter"] = _adapter_file_check(inp.source, tokenizer, parity.reason)
         _say(f"adapter {outputs['adapter']['size']} (rank {outputs['adapter']['rank']}): checked as a file, not "
              f"by logits ({parity.reason})")
-        return _serving(inp, report, tokenizer)
+        _served_folder(served, outputs["adapter"], "adapter", tokenizer, inp.recipe.model)
+        return _serving(inp, report, tokenizer, served)
     if inp.is_adapter:
         _say(f"loading the base {inp.recipe.model} in {parity.dtype} and the adapter")
         base = load_model(inp.recipe.model, parity, loads)
@@ -245,8 +252,9 @@ def _export_models(inp: Inputs, report: dict[str, Any], tokenizer, prompts, dtyp
                               fix="the training saved an empty adapter; check train.log and metrics.jsonl.")
         _say(f"adapter {human_size(size)} (rank {rank}), reloads and changes the base "
              f"(top-1 agreement with base {effect['top1_agreement']:.3f})")
+        _served_folder(served, outputs["adapter"], "adapter", tokenizer, inp.recipe.model)
         if merge is None:
-            return _serving(inp, report, tokenizer)
+            return _serving(inp, report, tokenizer, served)
         _say(f"merging the adapter into the {merge.dtype} base")
         # A fresh base in the export dtype, where the merge placement says: the merged weights are rounded once,
         # from the adapter's own precision (peft keeps float32 adapter weights over a 16-bit base).
@@ -256,8 +264,9 @@ def _export_models(inp: Inputs, report: dict[str, Any], tokenizer, prompts, dtyp
     else:
         size = tree_bytes(inp.source)
         outputs["model"] = {"path": str(inp.source), "bytes": size, "size": human_size(size)}
+        _served_folder(served, outputs["model"], "model", tokenizer, str(inp.source))
         if merge is None:  # the full model is already servable as it is
-            return _serving(inp, report, tokenizer)
+            return _serving(inp, report, tokenizer, served)
         _say(f"loading the full fine-tune {inp.source}")
         ref_model = load_model(str(inp.source), parity, loads)
         ref = model_outputs(ref_model, prompts)
@@ -279,7 +288,7 @@ def _export_models(inp: Inputs, report: dict[str, Any], tokenizer, prompts, dtyp
         raise ExportError(f"the merged model in {merged_dir} is not plain 16-bit (tensors: {sorted(dtypes)})",
                           fix="report this with export.json; do not serve the merged folder.")
     reloaded = load_model(str(merged_dir), parity, loads)
-    merged_out = model_outputs(reloaded, prompts)
+    merged_out = model_outputs(reloaded, prompts, to_end=served.chat)
     del reloaded
     release()
     result = compare(ref, merged_out, kind, parity.dtype)
@@ -290,21 +299,50 @@ def _export_models(inp: Inputs, report: dict[str, Any], tokenizer, prompts, dtyp
          f"max |dlogit| {result['max_abs_logit_diff']:.3g}, greedy identical {result['greedy_identical']}")
     _check("the merged model", result)
     del ref
+    from transformers import AutoTokenizer
+
+    # the merged folder as vLLM loads it: its own tokenizer files and generation_config.json
+    _served_folder(served, outputs["merged"], "merged", AutoTokenizer.from_pretrained(str(merged_dir)), str(merged_dir))
+    if served.chat:
+        outputs["merged"]["ending"] = served.ending("merged", merged_out, _stop_ids(merged_dir, tokenizer))
 
     if "gguf" in inp.formats:
         try:
             outputs["gguf"] = gguf_output(merged_dir, final / "gguf", inp.run.root.name, inp.gguf_type, prompts,
-                                          merged_out, tokenizer, parity.dtype)
+                                          merged_out, tokenizer, parity.dtype, served=served)
         except _GgufFailed as exc:
             outputs["gguf"] = exc.output  # the numbers of the failed check go into export.json
             raise
-    _serving(inp, report, tokenizer)
+    _serving(inp, report, tokenizer, served)
+
+
+def _served_folder(served, output: dict[str, Any], key: str, tokenizer, config_from: str) -> None:
+    """An exported folder as vLLM serves it: its chat template renders the held-out prompts to the trained ids,
+    and vLLM's stops (the tokenizer's eos and generation_config.json's eos_token_id of `config_from`: the base
+    model for an adapter, vllm/sampling_params.py update_from_generation_config) hold the trained end of turn."""
+    if not served.chat:
+        return
+    label = {"adapter": "vLLM (the base model with the adapter folder's tokenizer)",
+             "model": "vLLM (the fully fine-tuned model folder)", "merged": "vLLM (the merged folder)"}[key]
+    output["served_prompt"] = served.compare_transformers(f"vllm_{key}", tokenizer, label)
+    from launcher.model_files import local_file
+
+    gen = local_file(config_from, "generation_config.json") or local_file(config_from, "config.json")
+    gen_eos = json.loads(gen.read_text()).get("eos_token_id") if gen else None
+    gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos] if isinstance(gen_eos, int) else []
+    stops = sorted(set(gen_eos) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()))
+    where = f"{gen}" if gen else f"{config_from} (no generation_config.json on this box)"
+    output["stops"] = served.check_stops(
+        f"vllm_{key}", label, stops, generation_config=str(gen) if gen else None, generation_config_eos=gen_eos,
+        tokenizer_eos=tokenizer.eos_token_id,
+        fix=f"add the end-of-turn id to eos_token_id in {where} (vLLM stops on those and the tokenizer's eos), "
+        "or pass the stop to each request (`stop_token_ids`); otherwise the served model talks past its answer.")
 
 
 # ---------------------------------------------------------------------------------------------
 # Serving commands
 
-def _serving(inp: Inputs, report: dict[str, Any], tokenizer) -> None:
+def _serving(inp: Inputs, report: dict[str, Any], tokenizer, served=None) -> None:
     from launcher.deliver import serving
 
     merged_dir = inp.run.final / "merged"
@@ -317,7 +355,39 @@ def _serving(inp: Inputs, report: dict[str, Any], tokenizer) -> None:
         path.write_text(modelfile["text"])
         report["outputs"]["gguf"]["modelfile"] = str(path)
         report["outputs"]["gguf"]["modelfile_template_check"] = modelfile["check"]
+        if served is not None and served.chat:
+            _served_modelfile(served, report["outputs"]["gguf"], modelfile["text"])
     _say(f"serving commands in {inp.run.final / 'SERVING.md'}")
+
+
+def _served_modelfile(served, gguf: dict[str, Any], text: str) -> None:
+    """The Modelfile as Ollama reads it: its TEMPLATE rendered the Go-template way and tokenized by the GGUF's
+    vocabulary (BOS added as the vocabulary says: Ollama's runner encodes with its special tokens), and its
+    PARAMETER stop values matched against the trained end-of-turn token's text."""
+    from launcher.deliver import go_template, llamacpp
+    from launcher.deliver.served_prompt import modelfile_parts
+
+    template, stops = modelfile_parts(text)
+    vocab = llamacpp.Vocabulary(Path(gguf["path"]))
+    try:
+        if template is not None:
+            gguf["modelfile_served_prompt"] = served.compare(
+                "ollama", "Ollama (the Modelfile's TEMPLATE)",
+                [vocab.tokenize(go_template.render(template, p["messages"]), True) for p in served.prompts])
+            served.checked("Ollama")
+        else:
+            served.report["runtimes"]["ollama"] = {
+                "runtime": "Ollama", "ok": True, "identical": None,
+                "note": "no TEMPLATE in the Modelfile: Ollama 0.30+ renders the GGUF's own template (the llama.cpp check)"}
+        pieces = {i: vocab.piece(i) for i in served.end_ids}
+    finally:
+        vocab.close()
+    covered = served.covered_by_stops(pieces, stops)
+    gguf["modelfile_stops"] = served.check_stops(
+        "ollama", "Ollama with this Modelfile (PARAMETER stop)", covered, stop=stops,
+        end_of_turn_text={str(i): p for i, p in pieces.items()},
+        fix=f"add `PARAMETER stop {json.dumps(next(iter(pieces.values()), ''))}` to the Modelfile; Ollama stops on a "
+        "stop value found in the generated text.")
 
 
 def _record_export(run: RunDir, formats: Optional[list[str]], started: float, info: dict[str, Any]) -> None:

@@ -66,13 +66,17 @@ def _stop_ids(merged_dir: Path, tokenizer) -> set[int]:
 
 def gguf_output(merged_dir: Path, gguf_dir: Path, name: str, gguf_type: str, prompts: list[dict[str, Any]],
                 merged_out: list[dict[str, Any]], tokenizer, compute: str = "float32",
-                intermediate: Optional[Path] = None) -> dict[str, Any]:
+                intermediate: Optional[Path] = None, served=None) -> dict[str, Any]:
     """Convert the merged folder with llama.cpp's converter, quantize with its quantizer, read the file back in
     llama.cpp and compare it with the merged model's outputs (merged_out, computed by transformers).
 
     The steps run one after the other, each streaming from disk in its own process (llamacpp.py); the 16-bit
     GGUF a quantized type is made from is written beside the result and removed after (unless `intermediate`
-    names one to reuse: tests quantize one conversion to several types)."""
+    names one to reuse: tests quantize one conversion to several types).
+
+    `served` (served_prompt.ServedPrompt): the held-out prompts as training tokenized them; then the GGUF's own
+    template must render them to the same ids, llama.cpp must end a generation on the trained end-of-turn token,
+    and one prompt is answered through llama-cpp-python's chat completion (serving_smoke)."""
     conv = gguf_readiness.converter()
     kind = gguf_types.TYPES[gguf_type]
     gguf_dir.mkdir(parents=True, exist_ok=True)
@@ -104,7 +108,12 @@ def gguf_output(merged_dir: Path, gguf_dir: Path, name: str, gguf_type: str, pro
     meta = llamacpp.metadata(path)
     _say(f"reading {fname} back in llama.cpp")
     t0 = time.monotonic()
-    gguf_out, same_tokens = llamacpp.run_prompts(path, prompts, GREEDY_NEW_TOKENS, _stop_ids(merged_dir, tokenizer))
+    stop_ids = _stop_ids(merged_dir, tokenizer)
+    chat = served.prompts if served is not None and served.chat else None
+    smoke = _smoke_index(prompts, chat) if chat else None
+    run = llamacpp.run_gguf(path, prompts, GREEDY_NEW_TOKENS, stop_ids, to_end=chat is not None, chat=chat,
+                            smoke=smoke)
+    gguf_out, same_tokens = run["outputs"], run["same_tokens"]
     steps["llama_cpp_prompts_seconds"] = round(time.monotonic() - t0, 2)
     config_diff = _config_diff(json.loads((merged_dir / "config.json").read_text()), meta)
     result = compare(merged_out, gguf_out, f"gguf:{gguf_type}", compute)
@@ -130,6 +139,8 @@ def gguf_output(merged_dir: Path, gguf_dir: Path, name: str, gguf_type: str, pro
             raise ExportError(f"llama.cpp splits the parity prompts into other tokens with {fname} than the model's "
                               "own tokenizer", fix="do not serve this GGUF: Ollama would see other tokens than "
                               "training did; report it with export.json (tokenizer_pre says which split rule it has).")
+        if chat:  # first: it names the first token a differing template changes
+            _served_checks(served, run, out, meta, merged_out, kind, smoke)
         if not out["chat_template_included"]:
             raise ExportError(f"{fname} does not carry the model's chat template",
                               fix="report this with export.json; Ollama would fall back to a wrong template.")
@@ -141,6 +152,69 @@ def gguf_output(merged_dir: Path, gguf_dir: Path, name: str, gguf_type: str, pro
         out["error"] = exc.message
         raise _GgufFailed(exc, out) from None
     return out
+
+
+def _smoke_index(prompts: list[dict[str, Any]], chat: list[dict[str, Any]]) -> int:
+    """The held-out prompt the serving smoke test asks: the first whose parity prompt is whole (not cut to
+    PARITY_MAX_TOKENS) and equals the trained one, so the parity's greedy continuation is its reference."""
+    return next((i for i, (p, c) in enumerate(zip(prompts, chat))
+                 if not p.get("prompt_truncated") and list(p["prompt_ids"]) == c["ids"]), 0)
+
+
+def _until_end(tokens: list[int], ends: set[int], n: int) -> list[int]:
+    """A greedy continuation as a chat completion returns it: up to and with its first end token, n at most."""
+    out = []
+    for t in tokens[:n]:
+        out.append(t)
+        if t in ends:
+            break
+    return out
+
+
+def _served_checks(served, run: dict[str, Any], out: dict[str, Any], meta: dict[str, Any],
+                   merged_out: list[dict[str, Any]], kind, smoke: Optional[int]) -> None:
+    """The served prompt, the stop tokens, the ending share and the serving smoke test of one GGUF (into `out`)."""
+    rendered = run["chat"]
+    served.compare("llama_cpp", f"llama.cpp ({Path(out['path']).name}'s own chat template through llama-cpp-python's "
+                   "Jinja2ChatFormatter)", [r["ids"] or [] for r in rendered],
+                   bos_eos_ids=run["bos_eos"])
+    served.checked("llama.cpp")
+    eog = set(run["eog_ids"])
+    served.check_stops("llama_cpp", f"llama.cpp with {Path(out['path']).name}", sorted(eog),
+                       fix="do not serve this GGUF: llama.cpp and Ollama would not stop at the end of an answer. "
+                       "The converter takes the end tokens from the merged folder's tokenizer_config.json and "
+                       "generation_config.json; report it with export.json.",
+                       eos_token_id=meta.get("eos_token_id"), end_of_generation_ids=sorted(eog)[:16])
+    out["ending"] = served.ending("gguf", run["outputs"], eog)
+    if smoke is None or "smoke" not in run:
+        return
+    s = run["smoke"]
+    n = GREEDY_NEW_TOKENS
+    own = _until_end(run["outputs"][smoke]["continuation"], eog, n)
+    merged = _until_end(merged_out[smoke].get("continuation") or merged_out[smoke]["greedy"] or [], eog, n)
+    exact = kind.bits >= 16  # a 16-bit or f32 file holds the merged weights: its answer is the merged model's
+    smoke_out = {"runtime": "llama-cpp-python Llama.create_chat_completion (temperature 0)", "prompt": smoke + 1,
+                 "seconds": s["seconds"], "answer": s["answer"], "finish_reason": s["finish_reason"],
+                 "tokens": s["tokens"], "prompt_is_trained_prompt": s["prompt_ids"] == served.prompts[smoke]["ids"],
+                 "same_as_llama_cpp_greedy": s["tokens"] == own, "same_as_merged_greedy": s["tokens"] == merged,
+                 "must_equal": "the merged model's and llama.cpp's greedy continuation" if exact
+                 else "llama.cpp's greedy continuation (a quantized file's answer may leave the merged model's)"}
+    out["serving_smoke"] = smoke_out
+    ok = smoke_out["prompt_is_trained_prompt"] and smoke_out["same_as_llama_cpp_greedy"] and \
+        (smoke_out["same_as_merged_greedy"] or not exact)
+    smoke_out["ok"] = ok
+    _say(f"serving smoke test: llama-cpp-python's chat completion answered held-out prompt {smoke + 1} in "
+         f"{s['seconds']:.2f} s ({len(s['tokens'])} tokens, {s['finish_reason']}); "
+         + ("the parity's greedy continuation" if ok else "NOT the parity's greedy continuation"))
+    if not ok:
+        want = merged if exact and s["tokens"] != merged else own
+        i = next((k for k, (a, b) in enumerate(zip(s["tokens"] + [None], want + [None])) if a != b), 0)
+        raise ExportError(
+            f"llama-cpp-python's chat completion with {Path(out['path']).name} does not answer as the checked model: "
+            + ("its prompt is not the trained prompt" if not smoke_out["prompt_is_trained_prompt"] else
+               f"token {i} of its answer differs ({s['tokens'][i:i + 1]} where the parity's greedy continuation has "
+               f"{want[i:i + 1]})"),
+            fix="do not serve this GGUF; report it with export.json (outputs.gguf.serving_smoke).")
 
 
 class _GgufFailed(ExportError):

@@ -234,21 +234,41 @@ def metadata(path: Path) -> dict[str, Any]:
     }
 
 
+def _open(path: Path, n_ctx: int, threads: Optional[int] = None):
+    from llama_cpp import Llama
+
+    return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
+                 n_threads=threads or os.cpu_count(), n_gpu_layers=0, verbose=False, seed=0)
+
+
 def run_prompts(path: Path, prompts: list[dict[str, Any]], greedy_tokens: int, stop_ids: set[int],
                 threads: Optional[int] = None) -> tuple[list[dict[str, Any]], list[bool]]:
     """Per prompt, through llama.cpp: the next-token logits at every position of the text (teacher-forced) and
     the greedy continuation of the prompt (argmax, stopping after an end token as transformers' generate does);
     and whether llama.cpp tokenizes each text exactly as the model's tokenizer did."""
+    run = run_gguf(path, prompts, greedy_tokens, stop_ids, threads=threads)
+    return run["outputs"], run["same_tokens"]
+
+
+def run_gguf(path: Path, prompts: list[dict[str, Any]], greedy_tokens: int, stop_ids: set[int],
+             threads: Optional[int] = None, to_end: bool = False, chat: Optional[list[dict[str, Any]]] = None,
+             smoke: Optional[int] = None) -> dict[str, Any]:
+    """run_prompts, and with one model load: with to_end, each greedy continuation runs on to its prompt's
+    `budget` (`continuation`; `greedy` stays its first greedy_tokens); `chat`: conversations ({messages, tools})
+    rendered and tokenized by the GGUF's own chat template (chat_prompt); `smoke`: the index of the chat
+    conversation answered through the runtime's chat completion (chat_smoke), greedy_tokens long at most."""
     import numpy as np
     import torch
-    from llama_cpp import Llama
 
-    n_ctx = max(max(len(p["ids"]), len(p["prompt_ids"]) + greedy_tokens) for p in prompts) + 8
-    llm = Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
-                n_threads=threads or os.cpu_count(), n_gpu_layers=0, verbose=False, seed=0)
+    budgets = [max(greedy_tokens, p.get("budget", 0)) if to_end else greedy_tokens for p in prompts]
+    n_ctx = max(max(len(p["ids"]), len(p["prompt_ids"]) + b) for p, b in zip(prompts, budgets)) + 8
+    if chat:
+        n_ctx = max(n_ctx, max(len(c["ids"]) for c in chat) + greedy_tokens + 8)
+    llm = _open(path, n_ctx, threads)
     outs, same_tokens = [], []
+    result: dict[str, Any] = {}
     try:
-        for p in prompts:
+        for p, budget in zip(prompts, budgets):
             ids = list(p["ids"])
             same_tokens.append(llm.tokenize(p["text"].encode(), add_bos=False, special=True)[:len(ids)] == ids)
             llm.reset()
@@ -257,17 +277,104 @@ def run_prompts(path: Path, prompts: list[dict[str, Any]], greedy_tokens: int, s
             llm.reset()
             llm.eval(list(p["prompt_ids"]))
             tokens: list[int] = []
-            for _ in range(greedy_tokens):
+            for _ in range(budget):
                 tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
                 tokens.append(tok)
                 if tok in stop_ids:
                     break
                 llm.eval([tok])
-            outs.append({"logits": logits, "greedy": tokens, "ids": ids})
+            outs.append({"logits": logits, "greedy": tokens[:greedy_tokens], "continuation": tokens, "ids": ids})
+        if chat:
+            result["eog_ids"] = eog_ids(llm)
+            result["bos_eos"] = {"bos": llm.token_bos(), "eos": llm.token_eos()}
+            result["chat"] = [chat_prompt(llm, c["messages"], c.get("tools")) for c in chat]
+            if smoke is not None:
+                llm.reset()
+                result["smoke"] = chat_smoke(llm, chat[smoke]["messages"], chat[smoke].get("tools"), greedy_tokens)
     finally:
         llm.close() if hasattr(llm, "close") else None
         del llm
-    return outs, same_tokens
+    result.update(outputs=outs, same_tokens=same_tokens)
+    return result
+
+
+class Vocabulary:
+    """The GGUF's tokenizer alone (llama.cpp loads the vocabulary, no weights): text to ids as a runtime that
+    serves the file tokenizes it, and an id's text piece."""
+
+    def __init__(self, path: Path):
+        from llama_cpp import Llama
+        from llama_cpp._utils import suppress_stdout_stderr
+
+        # a vocabulary-only context has no training length: llama.cpp's warning about it is not the user's
+        with suppress_stdout_stderr(disable=False):
+            self.llm = Llama(model_path=str(path), vocab_only=True, n_ctx=8, verbose=False)
+
+    def tokenize(self, text: str, add_special: bool) -> list[int]:
+        return list(self.llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=True))
+
+    def piece(self, token: int) -> str:
+        return self.llm.detokenize([token], special=True).decode("utf-8", "replace")
+
+    def close(self) -> None:
+        self.llm.close() if hasattr(self.llm, "close") else None
+
+
+def chat_prompt(llm, messages: list[dict[str, Any]], tools: Optional[list] = None) -> dict[str, Any]:
+    """The prompt llama-cpp-python's chat completion builds from the GGUF (llama.py __init__, llama_chat_format.py
+    chat_formatter_to_chat_completion_handler): the embedded tokenizer.chat_template through its Jinja2ChatFormatter
+    with the GGUF's own BOS/EOS token texts, tokenized by the GGUF's vocabulary (special tokens parsed, a BOS
+    added only when the formatter says the template did not add its own)."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    template = llm.metadata.get("tokenizer.chat_template")
+    if not template:
+        return {"text": None, "ids": None, "template": None}
+    eos, bos = llm.token_eos(), llm.token_bos()
+    formatter = Jinja2ChatFormatter(template=template, eos_token=llm._model.token_get_text(eos) if eos != -1 else "",
+                                    bos_token=llm._model.token_get_text(bos) if bos != -1 else "",
+                                    stop_token_ids=[eos])
+    res = formatter(messages=messages, tools=tools)
+    ids = llm.tokenize(res.prompt.encode("utf-8"), add_bos=not res.added_special, special=True)
+    return {"text": res.prompt, "ids": list(ids), "template": template}
+
+
+def eog_ids(llm) -> list[int]:
+    """Every token llama.cpp ends a generation on (its end-of-generation set: EOS, EOT and the end tokens it
+    recognises by their text, vendor/llama.cpp/src/llama-vocab.cpp)."""
+    import llama_cpp
+
+    vocab = llm._model.vocab
+    return [i for i in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, i)]
+
+
+def chat_smoke(llm, messages: list[dict[str, Any]], tools: Optional[list], max_tokens: int) -> dict[str, Any]:
+    """One chat completion through llama-cpp-python's own chat path (`Llama.create_chat_completion`: template,
+    tokenization, sampling, stop handling), greedy; the prompt and every token it generated (its end token
+    included) are read off the runtime's token generator, which the chat path drives."""
+    import time
+
+    seen: dict[str, Any] = {"prompt": None, "tokens": []}
+    generate = llm.generate
+
+    def recording(tokens, *args, **kwargs):
+        seen["prompt"] = list(tokens)
+        for tok in generate(tokens, *args, **kwargs):
+            seen["tokens"].append(int(tok))
+            yield tok
+
+    llm.generate = recording
+    try:
+        t0 = time.monotonic()
+        res = llm.create_chat_completion(messages=messages, tools=tools, temperature=0.0, max_tokens=max_tokens,
+                                         repeat_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, seed=0)
+        seconds = time.monotonic() - t0
+    finally:
+        del llm.generate
+    choice = res["choices"][0]
+    return {"seconds": round(seconds, 3), "prompt_ids": seen["prompt"], "tokens": seen["tokens"],
+            "answer": choice["message"].get("content"), "finish_reason": choice.get("finish_reason"),
+            "usage": res.get("usage")}
 
 
 # ---------------------------------------------------------------------------------------------

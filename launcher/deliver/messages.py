@@ -22,3 +22,34 @@ def human_size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n:.1f} GB"
+
+
+SERVING_RUNTIMES = ("vLLM", "llama.cpp", "Ollama")
+
+
+def served_line(report: dict) -> str:
+    """One line on the served-prompt checks of an export (export.json): the runtimes whose rendering of the
+    held-out prompts was compared with the training's token ids, and why the others were not."""
+    sp = report.get("served_prompt") or {}
+    if not sp:
+        return "served prompt: not checked (this export has no served-prompt record)"
+    if sp.get("not_applicable"):
+        return f"served prompt: not checked ({sp['not_applicable']})"
+    if not sp.get("ok"):
+        failed = [v["runtime"] for v in list(sp.get("runtimes", {}).values()) + list(sp.get("stops", {}).values())
+                  if not v.get("ok", True)]
+        return "served prompt != trained prompt: " + ("; ".join(failed) or "see final/export.json served_prompt")
+    checked = [r for r in SERVING_RUNTIMES if r in sp.get("checked", [])]
+    outputs = report.get("outputs", {})
+    why = {"vLLM": "no adapter or model folder checked",
+           "llama.cpp": "no GGUF in this export",
+           "Ollama": "no GGUF in this export" if "gguf" not in outputs else
+           "the Modelfile has no TEMPLATE: Ollama renders the GGUF's own template, checked as llama.cpp"}
+    line = f"served prompt = trained prompt ({', '.join(checked) or 'no runtime'})"
+    missing = [r for r in SERVING_RUNTIMES if r not in checked]
+    reasons: dict[str, list[str]] = {}
+    for r in missing:
+        reasons.setdefault(why[r], []).append(r)
+    if reasons:
+        line += "; not checked: " + "; ".join(f"{', '.join(rs)} ({w})" for w, rs in reasons.items())
+    return line

@@ -13,6 +13,8 @@ from launcher.deliver.messages import ExportError
 PARITY_PROMPTS = 3
 PARITY_MAX_TOKENS = 128
 GREEDY_NEW_TOKENS = 16
+# The longest greedy continuation run to see whether a model ends its turn (ending_budget).
+ENDING_MAX_TOKENS = 256
 
 # Tolerances, by what is compared. top1 = share of positions (teacher-forced, over the parity prompts) where both
 # models pick the same next token; rel = max |logit difference| / std of the reference logits; ppl = relative
@@ -35,28 +37,37 @@ TOLERANCE_16BIT = {
 }
 
 
-def parity_examples(recipe) -> tuple[list[list[dict[str, Any]]], str]:
-    """The conversations the parity checks use, and where they come from: held out when the recipe holds some
-    out (eval.data, or the seeded eval.fraction draw of launcher/data/split.py), else the training data."""
-    from launcher.data import formats as data_formats
-    from launcher.data.dataset import load_data, load_examples
+def held_out_examples(recipe) -> tuple[list[dict[str, Any]], str]:
+    """The examples the export's checks use, as the worker reads them (a form TRL trains), and where they come
+    from: held out when the recipe holds some out (eval.data, or the seeded eval.fraction draw of
+    launcher/data/split.py), else the training data."""
+    from launcher.data.dataset import load_data
 
     ev = getattr(recipe, "eval", None)
+    seed = getattr(recipe, "seed", 42)
     if ev is not None and getattr(ev, "data", None):
-        return load_examples(ev.data), "held out (eval.data)"
-    raw = load_data(recipe.data, getattr(recipe, "seed", 42)).examples  # the mix as trained, split as the worker splits it
-    examples = [data_formats.conversation(e) for e in raw]
+        return load_data(ev.data, seed).examples, "held out (eval.data)"
+    raw = load_data(recipe.data, seed).examples  # the mix as trained, split as the worker splits it
     if ev is not None and getattr(ev, "fraction", None):
         from launcher.data.split import for_recipe
 
         held = for_recipe(raw, recipe).held_out
         if held:
-            return [examples[i] for i in held], "held out (eval.fraction)"
-    return examples, "training data (the recipe holds nothing out)"
+            return [raw[i] for i in held], "held out (eval.fraction)"
+    return raw, "training data (the recipe holds nothing out)"
+
+
+def parity_examples(recipe) -> tuple[list[list[dict[str, Any]]], str]:
+    """The conversations the parity checks use (held_out_examples as lists of messages), and where they come from."""
+    from launcher.data import formats as data_formats
+
+    examples, source = held_out_examples(recipe)
+    return [data_formats.conversation(e) for e in examples], source
 
 
 def parity_prompts(recipe, tokenizer, n: int = PARITY_PROMPTS) -> list[dict[str, Any]]:
-    """The first n parity conversations: full text (teacher-forced logits) and prompt (greedy decoding)."""
+    """The first n parity conversations: full text (teacher-forced logits) and prompt (greedy decoding); `budget`:
+    how far a greedy continuation runs to see whether the model ends its turn (ending_budget)."""
     examples, source = parity_examples(recipe)
     out = []
     for messages in examples[:n]:
@@ -65,13 +76,25 @@ def parity_prompts(recipe, tokenizer, n: int = PARITY_PROMPTS) -> list[dict[str,
         full = tokenizer.apply_chat_template(messages, tokenize=False)
         prompt = tokenizer.apply_chat_template(prompt_msgs, tokenize=False, add_generation_prompt=True)
         ids = tokenizer(full, add_special_tokens=False)["input_ids"][:PARITY_MAX_TOKENS]
-        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"][-PARITY_MAX_TOKENS:]
-        out.append({"text": full, "ids": ids, "prompt_ids": prompt_ids, "source": source})
+        all_prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        answer = messages[last_assistant]["content"] if last_assistant < len(messages) else ""
+        answer_tokens = len(tokenizer(answer or "", add_special_tokens=False)["input_ids"])
+        out.append({"text": full, "ids": ids, "prompt_ids": all_prompt_ids[-PARITY_MAX_TOKENS:], "source": source,
+                    "messages": prompt_msgs, "prompt_truncated": len(all_prompt_ids) > PARITY_MAX_TOKENS,
+                    "budget": ending_budget(answer_tokens)})
     return out
 
 
-def model_outputs(model, prompts: list[dict[str, Any]], greedy: bool = True) -> list[dict[str, Any]]:
-    """Per prompt: next-token logits over the whole text (float32) and the greedy continuation."""
+def ending_budget(answer_tokens: int) -> int:
+    """New tokens a greedy continuation may take to end its turn: the held-out answer's length and
+    GREEDY_NEW_TOKENS more (a model that learned the format ends near the reference's length), at most
+    ENDING_MAX_TOKENS."""
+    return max(GREEDY_NEW_TOKENS, min(answer_tokens + GREEDY_NEW_TOKENS, ENDING_MAX_TOKENS))
+
+
+def model_outputs(model, prompts: list[dict[str, Any]], greedy: bool = True, to_end: bool = False) -> list[dict[str, Any]]:
+    """Per prompt: next-token logits over the whole text (float32) and the greedy continuation (`greedy`: its first
+    GREEDY_NEW_TOKENS, which parity compares; with to_end, `continuation`: on up to the prompt's budget)."""
     import torch
 
     device = input_device(model)
@@ -85,13 +108,17 @@ def model_outputs(model, prompts: list[dict[str, Any]], greedy: bool = True) -> 
                 pid = torch.tensor([p["prompt_ids"]], device=device)
                 # plain argmax, as the llama.cpp side decodes: generate() fills every unset option from the model's
                 # generation_config (transformers 5.24 generation/utils.py _prepare_generation_config), and instruct
-                # models ship a repetition_penalty (Qwen2.5: 1.05) or n-gram rules that change greedy tokens
-                gen = model.generate(input_ids=pid, attention_mask=torch.ones_like(pid), max_new_tokens=GREEDY_NEW_TOKENS,
+                # models ship a repetition_penalty (Qwen2.5: 1.05) or n-gram rules that change greedy tokens.
+                # Greedy tokens do not depend on how many follow, so the first GREEDY_NEW_TOKENS of a longer run are
+                # the parity's.
+                new = max(GREEDY_NEW_TOKENS, p.get("budget", 0)) if to_end else GREEDY_NEW_TOKENS
+                gen = model.generate(input_ids=pid, attention_mask=torch.ones_like(pid), max_new_tokens=new,
                                      do_sample=False, num_beams=1, repetition_penalty=1.0, no_repeat_ngram_size=0,
                                      min_new_tokens=0, pad_token_id=model.config.eos_token_id
                                      if isinstance(model.config.eos_token_id, int) else 0)
                 tokens = gen[0, pid.shape[1]:].tolist()
-            results.append({"logits": logits, "greedy": tokens, "ids": list(p["ids"])})
+            results.append({"logits": logits, "greedy": tokens[:GREEDY_NEW_TOKENS] if tokens is not None else None,
+                            "continuation": tokens, "ids": list(p["ids"])})
     return results
 
 

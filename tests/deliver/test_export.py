@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -55,6 +56,46 @@ def test_run_exports_adapter_and_merged_within_tolerance(exported):
     assert rep["parity_prompts_from"] == "training data (the recipe holds nothing out)"
     state = json.loads((run / "state.json").read_text())
     assert state["state"] == "succeeded" and state["export"]["state"] == "succeeded"
+
+
+def test_served_prompt_is_the_trained_prompt_in_vllm(exported):
+    """Both folders vLLM serves (the base with the adapter's tokenizer, the merged folder) render the prompts to
+    the ids training tokenized, and stop on the end of turn the training taught; the log says which runtimes."""
+    from launcher.deliver.messages import served_line
+
+    rep = report(exported["run"])
+    sp = rep["served_prompt"]
+    assert sp["ok"] and sp["checked"] == ["vLLM"] and sp["end_of_turn"]["tokens"] == ["<|im_end|>"]
+    for key in ("vllm_adapter", "vllm_merged"):
+        assert sp["runtimes"][key]["identical"] == "3/3" and sp["stops"][key]["ok"], key
+    assert sp["stops"]["vllm_merged"]["generation_config_eos"] == [2, 0]
+    assert rep["outputs"]["merged"]["served_prompt"]["ok"] and rep["outputs"]["adapter"]["stops"]["ok"]
+    # how often the merged model ends its greedy answer with <|im_end|>: measured, not bounded (8 steps of LoRA
+    # on a random tiny model need not have learned it)
+    ending = rep["outputs"]["merged"]["ending"]
+    assert ending["ended_with_end_of_turn"].endswith("/3") and 0 <= ending["share"] <= 1
+    assert len(ending["tokens_run"]) == 3 and all(n >= 1 for n in ending["tokens_run"])
+    line = "served prompt = trained prompt (vLLM); not checked: llama.cpp, Ollama (no GGUF in this export)"
+    log = exported["run"] / "train.log"
+    assert served_line(rep) == line and f"[ftrun export] {line}" in exported["stdout"] + (
+        log.read_text() if log.is_file() else "")
+
+
+def test_an_adapter_whose_template_drops_the_end_of_turn_fails_the_export(exported, tmp_path):
+    """The exported adapter folder's template differs from training's (it drops <|im_end|>): vLLM would serve
+    another prompt, so the export fails (exit 5) with the first differing token, and export.json keeps it."""
+    run = tmp_path / "run"
+    shutil.copytree(exported["run"], run, ignore=shutil.ignore_patterns("merged", "checkpoints"))
+    jinja = run / "final" / "adapter" / "chat_template.jinja"
+    jinja.write_text(jinja.read_text().replace("message['content'] + '<|im_end|>\\n'", "message['content'] + '\\n'"))
+    res = ftrun("export", run, cwd=tmp_path)
+    assert res.returncode == 5, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "vLLM (the base model with the adapter folder's tokenizer) serves another prompt than the training saw" \
+        in res.stderr and "where training had 2 '<|im_end|>'" in res.stderr and "Traceback" not in res.stderr
+    rep = report(run)
+    d = rep["served_prompt"]["runtimes"]["vllm_adapter"]["first_difference"]
+    assert rep["ok"] is False and d["trained"]["token"] == "<|im_end|>" and d["context"]
+    assert "merged" not in rep["outputs"]  # it failed before merging
 
 
 def test_outputs_reload_on_their_own(exported):

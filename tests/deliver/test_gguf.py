@@ -166,6 +166,96 @@ def test_modelfile_and_serving_md_for_ollama(qwen_run):
 
 
 @gguf_tier
+def test_served_prompt_is_the_trained_prompt_in_llama_cpp_and_ollama(qwen_run):
+    """The GGUF's own template (llama-cpp-python's chat formatter) and the Modelfile's TEMPLATE (rendered as Ollama
+    renders it) give the ids training tokenized; every runtime stops on <|im_end|>; the chat completion answers a
+    held-out prompt with llama.cpp's greedy continuation of it."""
+    from launcher.deliver.messages import served_line
+
+    rep = _report(qwen_run["run"])
+    sp, g = rep["served_prompt"], rep["outputs"]["gguf"]
+    assert sp["ok"] and sp["checked"] == ["vLLM", "llama.cpp", "Ollama"]
+    for key in ("vllm_adapter", "vllm_merged", "llama_cpp", "ollama"):
+        assert sp["runtimes"][key]["identical"] == "3/3", key
+        assert sp["stops"][key]["ok"], key
+    assert 2 in sp["stops"]["llama_cpp"]["end_of_generation_ids"] and sp["stops"]["ollama"]["stop"][0] == "<|im_end|>"
+    assert g["modelfile_served_prompt"]["ok"] and g["ending"]["ended_with_end_of_turn"].endswith("/3")
+    smoke = g["serving_smoke"]
+    assert smoke["ok"] and smoke["prompt_is_trained_prompt"] and smoke["same_as_llama_cpp_greedy"]
+    assert 0 < smoke["seconds"] < 60 and 1 <= len(smoke["tokens"]) <= 16 and smoke["finish_reason"] in ("stop", "length")
+    assert served_line(rep) == "served prompt = trained prompt (vLLM, llama.cpp, Ollama)"
+
+
+@gguf_tier
+def test_a_gguf_whose_embedded_template_differs_fails_with_the_first_differing_token(qwen_run, llama_cpp_ready,
+                                                                                    tmp_path):
+    """The same file with another chat template (written by gguf-py's gguf_new_metadata, the end of turn dropped):
+    llama.cpp renders another prompt than training's, and the check names the token."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from launcher import gguf_types
+    from launcher.deliver import gguf_export, llamacpp
+    from launcher.deliver.messages import ExportError
+    from launcher.deliver.parity import parity_prompts
+    from launcher.deliver.served_prompt import ServedPrompt
+    from launcher.recipe import load_recipe
+
+    run = qwen_run["run"]
+    good = run / "final" / "gguf" / "run-Q4_K_M.gguf"
+    bad = tmp_path / "bad.gguf"
+    tok = AutoTokenizer.from_pretrained(str(run / "final" / "merged"))
+    template = tok.chat_template.replace("message['content'] + '<|im_end|>\\n'", "message['content'] + '\\n'")
+    assert template != tok.chat_template
+    script = llama_cpp_ready.folder / "gguf-py" / "gguf" / "scripts" / "gguf_new_metadata.py"
+    res = subprocess.run([sys.executable, str(script), str(good), str(bad), "--chat-template", template, "--force"],
+                         capture_output=True, text=True, env={"PYTHONPATH": str(llama_cpp_ready.folder / "gguf-py")})
+    assert res.returncode == 0 and bad.is_file(), res.stderr[-2000:]
+    recipe = load_recipe(run / "recipe.yaml")
+    served = ServedPrompt(recipe, run / "final" / "adapter", 3)
+    prompts = parity_prompts(recipe, tok)
+    for path, fails in ((good, False), (bad, True)):
+        r = llamacpp.run_gguf(path, prompts, 16, {0, 2}, chat=served.prompts)
+        out = {"path": str(path)}
+        if not fails:
+            gguf_export._served_checks(served, r, out, {}, [], gguf_types.TYPES["q4_k_m"], None)
+            assert served.report["runtimes"]["llama_cpp"]["identical"] == "3/3"
+            continue
+        with pytest.raises(ExportError, match=r"serves another prompt than the training saw .* where training had 2 "
+                                              r"'<\|im_end\|>'"):
+            gguf_export._served_checks(served, r, out, {}, [], gguf_types.TYPES["q4_k_m"], None)
+        d = served.report["runtimes"]["llama_cpp"]["first_difference"]
+        assert d["served"]["token"] == "Ċ" and d["context"]
+
+
+@gguf_tier
+def test_a_modelfile_with_a_wrong_stop_or_template_fails(qwen_run):
+    """Ollama would not stop on a Modelfile whose only stop is another model's ("</s>"), and would render another
+    prompt from a TEMPLATE without the end of turn: both fail the check."""
+    from launcher.deliver import export
+    from launcher.deliver.messages import ExportError
+    from launcher.deliver.served_prompt import ServedPrompt
+    from launcher.recipe import load_recipe
+
+    run = qwen_run["run"]
+    text = (run / "final" / "gguf" / "Modelfile").read_text()
+    g = {"path": str(run / "final" / "gguf" / "run-Q4_K_M.gguf")}
+    served = ServedPrompt(load_recipe(run / "recipe.yaml"), run / "final" / "adapter", 3)
+    export._served_modelfile(served, g, text)  # the real one passes
+    assert g["modelfile_served_prompt"]["identical"] == "3/3" and g["modelfile_stops"]["ok"]
+    wrong_stop = "\n".join(l for l in text.splitlines() if not l.startswith("PARAMETER stop")) + '\nPARAMETER stop "</s>"\n'
+    with pytest.raises(ExportError, match=r"Ollama with this Modelfile \(PARAMETER stop\) does not stop on the token"):
+        export._served_modelfile(served, g, wrong_stop)
+    stops = served.report["stops"]["ollama"]
+    assert stops["ok"] is False and stops["stop"] == ["</s>"] and stops["end_of_turn_text"] == {"2": "<|im_end|>"}
+    wrong_template = text.replace("{{ .Content }}<|im_end|>", "{{ .Content }}")
+    with pytest.raises(ExportError, match=r"Ollama \(the Modelfile's TEMPLATE\) serves another prompt"):
+        export._served_modelfile(served, g, wrong_template)
+
+
+@gguf_tier
 def test_ftrun_export_q8_0_from_the_same_run(qwen_run):
     run = qwen_run["run"]
     res = ftrun("export", run, "--gguf", "q8_0", cwd=qwen_run["cwd"], timeout=600)
@@ -175,6 +265,20 @@ def test_ftrun_export_q8_0_from_the_same_run(qwen_run):
     assert g["type"] == "Q8_0" and g["tensor_types"].keys() <= {"Q8_0", "F32"}
     assert g["parity_vs_merged"]["ok"] and g["tokenizer_identical"] == "3/3"
     assert json.loads((run / "state.json").read_text())["state"] == "succeeded"
+
+
+@gguf_tier
+def test_f32_serving_smoke_answers_the_merged_models_greedy_continuation(qwen_run):
+    """An F32 file holds the merged weights: llama-cpp-python's chat completion answers the held-out prompt with the
+    merged model's own greedy tokens (transformers), not only llama.cpp's; its time is in export.json."""
+    run = qwen_run["run"]
+    res = ftrun("export", run, "--gguf", "f32", cwd=qwen_run["cwd"], timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rep = _report(run)
+    smoke = rep["outputs"]["gguf"]["serving_smoke"]
+    assert smoke["ok"] and smoke["same_as_merged_greedy"] and smoke["same_as_llama_cpp_greedy"]
+    assert smoke["must_equal"] == "the merged model's and llama.cpp's greedy continuation" and smoke["seconds"] > 0
+    assert "served prompt = trained prompt (vLLM, llama.cpp, Ollama)" in res.stdout
 
 
 @gguf_tier
