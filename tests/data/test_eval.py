@@ -78,6 +78,7 @@ def test_recipe_eval_key_and_the_trainer_settings_it_owns(tmp_path):
     assert _recipe(tmp_path, trainer={"per_device_eval_batch_size": 2}).trainer == {"per_device_eval_batch_size": 2}
 
 
+@pytest.mark.slow  # a long end-to-end run: the default tier stays under 6 minutes
 def test_eval_data_is_given_like_data(tmp_path, write_recipe):
     """eval.data takes what data takes: a Hub id stays an id, a mapping keeps split and columns, a list mixes;
     a local source converts like data's, in any format. Then one run evaluates on it (metrics.jsonl)."""

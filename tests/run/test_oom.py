@@ -23,6 +23,7 @@ def big_vocab_model() -> Path:
 FIELDS = dict(max_length=512, micro_batch_size=8, gradient_accumulation_steps=1, max_steps=4, smoke={"min_steps": 2})
 
 
+@pytest.mark.slow  # a long end-to-end run: the default tier stays under 6 minutes
 def test_nothing_fits_stops_with_the_attempts_and_starts_nothing(tmp_path, big_vocab_model):
     recipe = recipe_file(tmp_path / "r.yaml", big_vocab_model, output_dir=tmp_path / "run",
                          auto_adjust=["batch"], **{**FIELDS, "micro_batch_size": 2})

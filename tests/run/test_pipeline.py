@@ -92,6 +92,7 @@ def test_worker_crash_is_restarted_by_the_supervisor(write_recipe, tmp_path, ref
     assert_same_run(ref, run)
 
 
+@pytest.mark.slow  # a long end-to-end run: the default tier stays under 6 minutes
 def test_stop_saves_a_checkpoint_and_resume_continues(write_recipe, tmp_path):
     recipe = write_recipe(max_steps=200, checkpoint_every_minutes=10)
     assert ftrun(recipe, "smoke.enabled=false", cwd=tmp_path).returncode == 0

@@ -9,12 +9,14 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from conftest import REPO
 from helpers import adapter_tensors, ftrun, metrics
 
 
+@pytest.mark.slow  # a long end-to-end run: the default tier stays under 6 minutes
 def test_a_restart_from_the_last_steps_checkpoint_writes_the_final_result_and_trains_nothing(write_recipe, tmp_path):
     recipe = write_recipe(max_steps=4, checkpoint_every_minutes=60, smoke={"enabled": False}, export=[])
     res = ftrun(recipe, "--foreground", cwd=tmp_path)

@@ -124,6 +124,7 @@ def test_rsync_over_ssh_machine_loss_resume_on_fresh_box(tmp_path, tiny_model, r
                                         lambda rel: (remote / rel).is_file(), env)
 
 
+@pytest.mark.slow  # a long end-to-end run: the default tier stays under 6 minutes
 def test_fsspec_path_machine_loss_resume_and_no_secrets(tmp_path, tiny_model, reference):
     remote = tmp_path / "bucket" / "runs" / "r1"
     secret = "hf_SECRETtoken1234567890"
@@ -302,6 +303,7 @@ def test_pull_skips_a_remote_checkpoint_whose_upload_did_not_finish(tmp_path):
     assert ckpt.verify(tmp_path / "local" / "checkpoints" / "step-000010")[0]
 
 
+@pytest.mark.slow  # a long end-to-end run: the default tier stays under 6 minutes
 def test_sigterm_is_a_preemption_checkpoint_then_exact_resume(tmp_path, tiny_model, reference):
     recipe = recipe_file(tmp_path / "r.yaml", tiny_model, output_dir=tmp_path / "run",
                          **{**FIELDS, "checkpoint_every_minutes": 30})
