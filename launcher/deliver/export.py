@@ -188,7 +188,8 @@ def _export(inp: Inputs, report: dict[str, Any]) -> None:
     prompts = parity_prompts(inp.recipe, tokenizer)
     report["parity_prompts"] = [{"tokens": len(p["ids"]), "prompt_tokens": len(p["prompt_ids"])} for p in prompts]
     report["parity_prompts_from"] = prompts[0]["source"] if prompts else None
-    report["dtype"] = str(dtype).replace("torch.", "")
+    # the dtype the exported 16-bit weights are written in; the parity checks load in their own (placement.parity)
+    report["export_dtype"] = str(dtype).replace("torch.", "")
     from launcher.deliver.served_prompt import ServedPrompt
 
     # What the training saw of the same held-out prompts: every servable output is held to it (served_prompt.py).

@@ -160,8 +160,9 @@ def render(run, recipe, report: dict[str, Any], tokenizer,
     q = shlex.quote
     parts = [f"# Serving {name}", "",
              f"Written by `ftrun export` for the run in `{run.root}` ({recipe.method} of `{recipe.model}`).",
-             "Every output below was reloaded and compared with its reference on training prompts; "
-             "the numbers are in `export.json`.", ""]
+             # the prompts' source as export.json records it: "held out (eval.fraction)", or the training data
+             f"Every output below was reloaded and compared with its reference on the prompts export.json names "
+             f"({report.get('parity_prompts_from') or 'the data'}); the numbers are there.", ""]
     rows = []
     for key in ("adapter", "model", "merged", "gguf"):
         if key in outputs:

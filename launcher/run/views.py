@@ -385,6 +385,7 @@ def end_summary(run: RunDir) -> dict[str, Any]:
         "samples": str(samples) if samples.is_file() else None,
         "serve": serve_command(run, s.get("final")),
         "export": s.get("export"),
+        "pid_alive": s.get("pid_alive"),
     }
     return out
 
@@ -513,9 +514,17 @@ def _summary_says_reason(s: dict[str, Any]) -> bool:
     return s["state"] != "succeeded"
 
 
+def _exporting(s: dict[str, Any]) -> bool:
+    """The training finished and the supervisor is still exporting (state.json's export says running, and a live
+    supervisor holds the run: an export left running by a killed supervisor is not waited for)."""
+    return (s.get("export") or {}).get("state") == "running" and bool(s.get("pid_alive", True))
+
+
 def format_end_summary(e: dict[str, Any]) -> str:
     """The lines a run's end prints (the foreground run, `ftrun status --watch`, `ftrun status` of a finished run)."""
     head = ENDING.get(e["state"], e["state"])
+    if e["state"] == "succeeded" and _exporting(e):
+        head = "trained (its export is still running)"  # not "finished" beside an export line that says running
     step = f"step {e['step']}/{e['total_steps']}" if e.get("total_steps") else f"step {e.get('step') or 0}"
     lines = [f"== run {head} at {step}: {e['run_dir']}"]
     if _summary_says_reason(e) and e.get("reason"):
@@ -621,7 +630,8 @@ def watch(run: RunDir, *, interval: float = 2.0, out: TextIO = sys.stdout, live:
             s = run_status(run)
             bar.update(s)
             if s["state"] not in ACTIVE + ("planned",) or (s["state"] == "planned" and not run_holder(run)):
-                break
+                if not (s["state"] == "succeeded" and _exporting(s)):  # the export is part of the run's end
+                    break
             sleep(interval)
     print(format_end_summary(end_summary(run)) if s["state"] in ENDED else format_status(s), file=out, flush=True)
     return s

@@ -280,3 +280,15 @@ def test_stop_of_a_finished_run_says_it_ended(tmp_path, capsys):
     assert "already ended (succeeded)" in capsys.readouterr().out
     s = views.run_status(run)
     assert "pid None" not in views.format_status(s)
+
+
+def test_a_finished_training_whose_export_runs_is_not_called_finished(tmp_path):
+    """Run vs export (issue 23): state succeeded while the supervisor still exports reads as trained, export running."""
+    e = {"state": "succeeded", "step": 12, "total_steps": 12, "run_dir": str(tmp_path), "pid_alive": True,
+         "export": {"state": "running", "formats": ["adapter"]}}
+    head = views.format_end_summary(e).splitlines()[0]
+    assert head.startswith("== run trained (its export is still running)")
+    e["export"] = {"state": "succeeded", "formats": ["adapter"]}
+    assert views.format_end_summary(e).startswith("== run finished at step 12/12")
+    e.update(export={"state": "running"}, pid_alive=False)  # a killed supervisor's export is not waited for
+    assert views.format_end_summary(e).startswith("== run finished")
