@@ -172,6 +172,7 @@ def test_the_newest_training_row_and_the_newest_eval_row_are_found_apart(tmp_pat
     assert last_metrics(path, "loss")["step"] == 199 and last_metrics(path, "eval_loss")["eval_loss"] == 2.5
 
 
+@pytest.mark.slow  # a long end-to-end run: the default tier stays under 6 minutes
 def test_a_run_with_an_eval_split_reports_eval_loss_and_before_after_samples(write_recipe, tmp_path):
     """Smoke test (one eval pass, the base model's answers) then the full run (eval at the start and the end,
     the answers after training): metrics.jsonl, status, TensorBoard, loss.png, final/samples.md."""

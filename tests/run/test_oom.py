@@ -74,6 +74,7 @@ def test_shard_step_on_cpu_runs_a_real_sharded_attempt_and_lists_it(tmp_path, bi
     assert "Traceback" not in res.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow  # a long end-to-end run: the default tier stays under 6 minutes
 def test_auto_adjust_empty_is_respected(tmp_path, big_vocab_model):
     recipe = recipe_file(tmp_path / "r.yaml", big_vocab_model, output_dir=tmp_path / "run", auto_adjust=[], **FIELDS)
     res = ftrun("smoke", recipe, "--memory-limit", "150MB", cwd=tmp_path)

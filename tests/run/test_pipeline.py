@@ -80,6 +80,7 @@ def test_detached_kill9_after_checkpoint_then_same_command_resumes_exactly(write
     assert_same_run(ref, run)
 
 
+@pytest.mark.slow  # a long end-to-end run: the default tier stays under 6 minutes
 def test_worker_crash_is_restarted_by_the_supervisor(write_recipe, tmp_path, reference_run):
     fields, ref = RESUME_FIELDS, reference_run
     recipe = write_recipe(**fields)
@@ -158,8 +159,9 @@ def test_output_dir_that_is_not_a_run_is_never_written(write_recipe, tmp_path):
 
 @pytest.mark.parametrize("method, built, optimizer", [
     ("qlora", "Linear4bit", "torch.optim.adamw.AdamW"),  # fused, as TRL's default
-    ("full", "Linear", "torch.optim.adamw.AdamW"),
-    ("full-8bit", "Linear", "bitsandbytes.optim.adamw.AdamW"),  # bitsandbytes, with 8-bit states
+    pytest.param("full", "Linear", "torch.optim.adamw.AdamW", marks=pytest.mark.slow),
+    # bitsandbytes, with 8-bit states
+    pytest.param("full-8bit", "Linear", "bitsandbytes.optim.adamw.AdamW", marks=pytest.mark.slow),
 ])
 def test_each_method_trains_what_it_says(write_recipe, tmp_path, method, built, optimizer):
     recipe = write_recipe(method=method, max_steps=3, learning_rate=1e-3)

@@ -324,6 +324,7 @@ def test_sigterm_is_a_preemption_checkpoint_then_exact_resume(tmp_path, tiny_mod
     assert_same_run(reference, run)
 
 
+@pytest.mark.slow  # a long end-to-end run: the default tier stays under 6 minutes
 def test_disk_full_during_a_save_keeps_the_older_checkpoint(tmp_path, tiny_model):
     disk = tmp_path / "small-disk"
     disk.mkdir()
