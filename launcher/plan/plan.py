@@ -168,7 +168,7 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
     notes += gguf_readiness.plan_check(recipe, this_box=hardware.source == "detected")  # each requested output can be made
     forced = recipe.engine
     wanted = None if recipe.num_processes == "auto" else int(recipe.num_processes)
-    offload = recipe.offload
+    offload = getattr(recipe, "offload", "auto")  # a recipe-like namespace (the GPU check's) may not name it
     choice = choose(job, hardware, forced, unsloth_ok, workday_hours, processes=wanted, nnodes=nnodes, offload=offload)
     if not choice.fits and not choice.missing and not unsloth_ok and forced == "auto" and hardware.gpus \
             and hardware.is_this_machine:
