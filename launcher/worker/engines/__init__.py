@@ -83,8 +83,9 @@ def launch_env(plan: dict[str, Any], grace_seconds: float | None = None) -> dict
         # The box's cores shared out between its processes, on CPU and on GPU boxes alike. torchrun and
         # accelerate launch set OMP_NUM_THREADS=1 for 2+ processes when it is unset (torch 2.13
         # torch/distributed/run.py config_from_args: "Setting OMP_NUM_THREADS environment variable for each process
-        # to be 1 in default"; accelerate 1.15 utils/launch.py prepare_multi_gpu_env does the same through
-        # torchrun's args), which leaves QLoRA+FSDP's CPU quantization of a 70B model on one thread per rank, about
+        # to be 1 in default"; accelerate 1.15 commands/launch.py _validate_launch_command takes
+        # num_cpu_threads_per_process from OMP_NUM_THREADS, default 1 off CPU, and utils/launch.py
+        # prepare_multi_gpu_env exports it as OMP_NUM_THREADS to every rank), which leaves QLoRA+FSDP's CPU quantization of a 70B model on one thread per rank, about
         # cores/n times slower than the plan (sizing.load_seconds counts threads_per_process x n). Unset, every
         # process would use every core on a CPU box: oversubscribed, about 10x slower.
         from launcher.plan.hardware import cpu_cores, threads_per_process
