@@ -41,6 +41,7 @@ class Choice:
     offload_optimizer: bool = False  # DeepSpeed ZeRO-3 offload_optimizer: states and the optimizer step on the CPU
     load_hours: float = 0.0  # loading before the first step, included in hours
     missing: str = ""  # a package this machine lacks (never "does not fit": the fix is an install)
+    offload_activations: bool = False  # TRL's activation_offloading: saved layer inputs in CPU RAM
 
 
 def _deepspeed_installed() -> bool:
@@ -309,6 +310,26 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
             reasons.append(f"the box has {n} cards; {n - 1} stay idle (billed all the same): rent a 1-card box "
                            f"for this job instead, it costs 1/{n} per hour")
         return Choice(True, single_engine, "cuda", 1, one, cap, reasons, tps1, hrs1)
+
+    if (not fits_one and single_engine == "trl" and forced in ("auto", "trl") and (n == 1 or forced == "trl")
+            and job.gradient_checkpointing
+            and not job.offload_activations and not force_offload):
+        # TRL's activation offloading: the saved layer inputs wait in pinned RAM instead of on the card, for the
+        # host-link time of moving them down and back every micro-batch (sizing.activation_offload_seconds).
+        w_off = job.workload("trl", 1, "cuda", offload_activations=True)
+        off = sizing.memory(job.arch, w_off)
+        ram_ok = off.offloaded_ram_gb + sizing.CPU_RUNTIME_GB <= hw.ram_gb * sizing.USABLE_RAM_FRACTION
+        if _fits(off, cap) and ram_ok:
+            tps_off, hrs_off = _hours(job, w_off, hw, 1)
+            tps_plain = _tps(job, job.workload("trl", 1, "cuda"), hw)
+            reasons += [f"one card would need {one.peak_gb:.1f} GB of {cap:.1f} GB; with TRL's activation offloading "
+                        f"the {job.arch.layers} saved layer inputs ({off.offloaded_ram_gb:.1f} GB) wait in CPU RAM: "
+                        f"{off.per_gpu_gb:.1f} GB on the card",
+                        f"engine trl on one GPU with activation offloading: the host link moves "
+                        f"{2 * off.offloaded_ram_gb / max(1, job.micro_batch):.2f} GB per sequence, "
+                        f"~{tps_off / tps_plain:.0%} of the speed without it"
+                        + (" (forced by the recipe)" if forced == "trl" else "")]
+            return Choice(True, "trl", "cuda", 1, off, cap, reasons, tps_off, hrs_off, offload_activations=True)
 
     if forced in ("unsloth", "trl", "ddp"):
         return Choice(False, forced, "cuda", n if forced == "ddp" else 1, one, cap, reasons,

@@ -33,14 +33,17 @@ class Job:
     lora_r: int
     lora_targets: Any
     packing: bool
+    offload_activations: bool = False  # the recipe's trainer: activation_offloading
 
     def workload(self, engine: str, num_gpus: int, device: str, offload: bool = False,
-                 offload_optimizer: bool = False) -> Workload:
+                 offload_optimizer: bool = False, offload_activations: bool = False) -> Workload:
         """`offload`: parameters in CPU RAM (FSDP's fsdp_offload_params, DeepSpeed's offload_param);
-        `offload_optimizer`: DeepSpeed's optimizer offload (docs/sizing.md, "CPU offload")."""
+        `offload_optimizer`: DeepSpeed's optimizer offload (docs/sizing.md, "CPU offload"); `offload_activations`:
+        TRL's activation_offloading (also when the recipe's trainer: section sets it)."""
         return Workload(self.method, self.seq_len, self.micro_batch, self.gradient_checkpointing,
                         self.lora_r, self.lora_targets, engine, num_gpus, device, offload, offload_optimizer,
-                        self.accumulation)
+                        self.accumulation,
+                        offload_activations=offload_activations or self.offload_activations)
 
 
 def _job(recipe: Any, arch: Architecture, data_stats: Any, tokens: float | None,
@@ -82,7 +85,8 @@ def _job(recipe: Any, arch: Architecture, data_stats: Any, tokens: float | None,
         notes.append(f"examples not known (data not read): steps assume {mean:.0f} tokens per example")
     job = Job(arch, recipe.method, seq_len, mean_seq, examples, training, source, recipe.micro_batch_size,
               recipe.gradient_accumulation_steps, recipe.epochs, recipe.max_steps, recipe.gradient_checkpointing,
-              recipe.lora.r, recipe.lora.target_modules, recipe.packing)
+              recipe.lora.r, recipe.lora.target_modules, recipe.packing,
+              bool((getattr(recipe, "trainer", None) or {}).get("activation_offloading")))
     return job, notes
 
 

@@ -58,6 +58,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     offload_params: bool = False  # parameters in CPU RAM (engines/fsdp.py: fsdp_offload_params; deepspeed.py: offload_param)
     offload_optimizer: bool = False  # DeepSpeed ZeRO-3 offload_optimizer (launcher/worker/engines/deepspeed.py)
+    offload_activations: bool = False  # TRL's activation_offloading (launcher/worker/trainer_config.py)
     refusal: dict[str, Any] = field(default_factory=dict)  # when fits is False: message, why, missing, options
     cheapest_rental: dict[str, Any] | None = None  # the catalog box that runs the job for the least money
 
@@ -86,6 +87,7 @@ class Plan:
             "notes": list(self.notes),
             "offload_params": self.offload_params,
             "offload_optimizer": self.offload_optimizer,
+            "offload_activations": self.offload_activations,
             "refusal": dict(self.refusal) if self.refusal else None,
             "cheapest_rental": dict(self.cheapest_rental) if self.cheapest_rental else None,
         }
@@ -256,6 +258,7 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
         choice.device, precision == "bf16", importlib.util.find_spec("flash_attn") is not None))
     if packed:
         reasons.append(packed)
+    reasons.append(_loss_reason(job, choice, est))
     if hrs is not None:
         money = (f"cost at {box_price:.2f} EUR/h ({price_src}) = {cost:.2f} EUR" if cost is not None
                  else "cost unknown (no price: --price EUR/h)")
@@ -309,8 +312,24 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
         notes=notes + list(hardware.notes),
         offload_params=choice.offload_params,
         offload_optimizer=choice.offload_optimizer,
+        offload_activations=choice.offload_activations or job.offload_activations,
         cheapest_rental=rental,
     )
+
+
+def _loss_reason(job: Job, choice: Choice, est: Any) -> str:
+    """Which loss the engine computes and what it holds (sizing.memory's "logits and loss" term)."""
+    w = job.workload(choice.engine, choice.processes, choice.device, choice.offload_params, choice.offload_optimizer,
+                     choice.offload_activations)
+    t, vocab = w.tokens_per_micro_batch, job.arch.vocab
+    whole = t * vocab * (sizing.LOGIT_BYTES_HF_CPU if choice.device == "cpu" else sizing.LOGIT_BYTES_HF) / sizing.GB
+    if w.loss_kind == sizing.LOSS_UNSLOTH:
+        return (f"loss: Unsloth's fused cross-entropy, in chunks with the gradient in place "
+                f"({est.breakdown_gb.get('logits and loss', 0.0):.2f} GB for {t:,} tokens x {vocab:,} vocabulary)")
+    head = sizing.fused_head_bytes(job.arch, w) / sizing.GB
+    return (f"loss: TRL's fused LM head (trl's SFTTrainer): the {t:,} x {vocab:,} logits of a micro-batch are never "
+            f"whole, {head:.2f} GB at its peak instead of {whole:.1f} GB for the model's own loss; token accuracy "
+            "and entropy are still logged (computed in the same pass)")
 
 
 def _no_tokens_hint(recipe: Any) -> str:

@@ -32,8 +32,32 @@ GRADIENT_CHURN_BYTES = 1.0
 
 # --- activations and logits -------------------------------------------------------------------
 # Loss on the HF path (transformers ForCausalLMLoss): bf16 logits 2 + fp32 upcast 4 + fp32 log-softmax
-# gradient 4 + bf16 gradient 2 = 12 bytes per token per vocabulary entry at the peak of backward.
+# gradient 4 + bf16 gradient 2 = 12 bytes per token per vocabulary entry at the peak of backward. ftrun's engines no
+# longer take this path (LOSS_FUSED below); the published rows measured on it do (docs/sizing.md).
 LOGIT_BYTES_HF = 12
+# The same loss on the CPU (fp32 logits): log-softmax output 4 + its gradient 4 + the logits' gradient 4 at the start of
+# backward (measured 10.9 with scripts/bench_lean_loss.py: docs/BENCHMARKS.md, section 6).
+LOGIT_BYTES_HF_CPU = 12
+# The loss ftrun's trl, ddp, fsdp and deepspeed engines compute: TRL's fused LM head. trl 1.16's SFTTrainer patches the
+# model (sft_trainer.py __init__: add_fused_lm_head, outputs log_probs, entropy, is_top1) and calls it with
+# fused_lm_head=True in compute_loss; trl/kernels/chunked_logprob.py (ChunkedLogProbFunction) projects TOKEN_CHUNK_SIZE
+# 4096 tokens x _CHUNKED_LOGPROB_CHUNK_SIZE 32768 vocabulary entries (trl/trainer/utils.py) at a time into one buffer
+# in the compute dtype, folds each tile into per-token statistics (online logsumexp), and in backward recomputes each
+# tile, turns it into the logits' gradient in place (a Triton kernel on CUDA) and accumulates the hidden states'
+# gradient in fp32. The (tokens x vocabulary) logits never exist.
+LOSS_FUSED, LOSS_MATERIALIZED, LOSS_UNSLOTH = "fused LM head", "materialized logits", "Unsloth fused cross-entropy"
+FUSED_TOKEN_TILE = 4096
+FUSED_VOCAB_TILE = 32768
+# Without Triton (the CPU), trl folds a tile with torch ops: _backward_tile holds the tile and about eight fp32
+# temporaries of its size at once (y, z, log_p, p, grad, the target mask as float, their difference and product).
+FUSED_CPU_TILE_COPIES = 9
+# So the CPU worker routes a frozen head (LoRA, QLoRA) through launcher/worker/cpu_logprob.py instead: a chunk of
+# tokens on the whole vocabulary, about CPU_LOSS_CHUNK_ELEMENTS logits, with three fp32 buffers of that size alive (the
+# logits turned log-probabilities in place, the probabilities, their product for the entropy), and the hidden states'
+# gradient kept from the forward (tokens x hidden, fp32).
+CPU_LOSS_CHUNK_ELEMENTS = 2**23
+CPU_LOSS_MIN_TOKENS = 16
+CPU_LOSS_BUFFERS = 3
 # Unsloth's fused cross-entropy works on chunks of the logits and writes the gradient in place: about an
 # eighth of the bf16 logits is alive at once (fitted on Unsloth's context-length table, docs/sizing.md).
 LOGIT_BYTES_UNSLOTH = 0.25
@@ -80,6 +104,18 @@ class Workload:
     # offload_params as well, the 16-bit parameter partitions too (offload_param: cpu). docs/sizing.md, "CPU offload".
     offload_optimizer: bool = False
     accumulation: int = 1  # micro-batches per optimizer step: the offload's per-step transfer and CPU step spread over them
+    # The loss as the engine computes it: "" = what ftrun's engine does (Unsloth's for unsloth, TRL's fused LM head
+    # otherwise); LOSS_MATERIALIZED for a stack that builds the whole logits (the published rows measured on one).
+    loss: str = ""
+    # TRL's activation_offloading: the tensors saved for backward (with gradient checkpointing: the layer inputs) go to
+    # pinned CPU RAM in the forward and come back in the backward (trl/models/activation_offloading.py).
+    offload_activations: bool = False
+
+    @property
+    def loss_kind(self) -> str:
+        if self.loss:
+            return self.loss
+        return LOSS_UNSLOTH if self.engine == "unsloth" else LOSS_FUSED
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -153,17 +189,56 @@ def trainable_params(arch: Arch, w: Workload) -> int:
     return arch.params
 
 
-def layer_activation_bytes_per_token(arch: Arch, fp32: bool = False) -> float:
+def layer_activation_bytes_per_token(arch: Arch, fp32: bool = False, lora_targets: Any = None) -> float:
     """Tensors one decoder layer saves for backward, per token (flash / SDPA attention: no s^2 term).
 
-    Attention: norm input and output, q, k, v after RoPE, attention output (o_proj input).
-    MLP: norm input and output, gate, up, act(gate), act(gate) * up (down_proj input).
-    RMSNorm upcasts to fp32 and keeps two fp32 copies of its input on the HF path.
+    Trained weights (full fine-tuning): every linear saves its input. Attention: norm input and output, q, k, v after
+    RoPE, attention output (o_proj input). MLP: norm input and output, gate, up, act(gate), act(gate) * up (down_proj
+    input). RMSNorm upcasts to fp32 and keeps two fp32 copies of its input on the HF path.
+
+    LoRA (lora_targets given, on a GPU): a frozen linear saves nothing (its weight needs no gradient), so only the
+    targeted ones save their input, each its own 16-bit copy (PEFT casts the input to the fp32 adapter's dtype and
+    autocast back to bf16 for the matmul). The rest is what attention, the gated MLP and the frozen RMSNorms save:
+    q, k, v, output (SDPA), gate, up and act(gate), one fp32 copy of each norm's input. Measured with autograd's
+    saved-tensor hooks on a Llama layer in bf16 under autocast (tests/plan/test_sizing.py,
+    test_lora_layer_activations_match_what_autograd_saves).
     """
     h, i = arch.hidden, arch.intermediate
+    if lora_targets is not None and not fp32:
+        shapes = arch.linear_shapes()
+        inputs = sum(shapes[m][0] for m in arch.resolve_targets(lora_targets))
+        return arch.norms_per_layer * 4 * h + 2 * (2 * arch.q_dim + 2 * arch.kv_dim) + 2 * 3 * i + 2 * inputs
     elems = 4 * h + 2 * arch.q_dim + 2 * arch.kv_dim + 4 * i
     norm_fp32 = arch.norms_per_layer * 2 * 4 * h
     return elems * (4 if fp32 else 2) + (0 if fp32 else norm_fp32)
+
+
+def cpu_loss_chunk_tokens(vocab: int, tokens: int | None = None) -> int:
+    """Tokens per chunk of launcher/worker/cpu_logprob.py (capped at the micro-batch's tokens when given)."""
+    c = max(CPU_LOSS_MIN_TOKENS, CPU_LOSS_CHUNK_ELEMENTS // max(1, vocab))
+    return c if tokens is None else min(c, tokens)
+
+
+def fused_head_bytes(arch: Arch, w: Workload) -> float:
+    """What TRL's fused LM head holds at its peak (the start of backward) for one micro-batch, in bytes.
+
+    CUDA (Triton): the tile buffer in bf16, the hidden states it saved (the positions with a label: at most all of
+    them, 2 B), their fp32 gradient and its 16-bit copy; a trainable head (full fine-tuning) adds its fp32 gradient
+    accumulator (V x H x 4) and, sharded, the head gathered whole (`weight.full_tensor()` under FSDP2, gathered by
+    ZeRO-3: V x H x 2). CPU: the tile in fp32 with FUSED_CPU_TILE_COPIES of its size and the fp32 gradients."""
+    t = w.tokens_per_micro_batch
+    trainable_head = w.method in ("full", "full-8bit")
+    if w.device == "cpu" and not trainable_head:
+        return CPU_LOSS_BUFFERS * cpu_loss_chunk_tokens(arch.vocab, t) * arch.vocab * 4 + t * arch.hidden * (4 + 4)
+    tile = min(t, FUSED_TOKEN_TILE) * min(arch.vocab, FUSED_VOCAB_TILE)
+    if w.device == "cpu":
+        return tile * 4 * FUSED_CPU_TILE_COPIES + t * arch.hidden * (4 + 4 + 4) + arch.vocab * arch.hidden * 4
+    b = tile * 2 + t * arch.hidden * (2 + 4 + 2)
+    if w.method in ("full", "full-8bit"):
+        b += arch.vocab * arch.hidden * 4
+    if w.sharded:
+        b += arch.vocab * arch.hidden * 2
+    return b
 
 
 def memory(arch: Arch, w: Workload) -> MemoryEstimate:
@@ -222,17 +297,20 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
                                      "allocator keeps ~half their size reserved but unusable (1 B/param)")
 
     # Activations
-    layer = layer_activation_bytes_per_token(arch, fp32=cpu)
+    lora = w.method in ("qlora", "lora") and not unsloth
+    layer = layer_activation_bytes_per_token(arch, fp32=cpu, lora_targets=w.lora_targets if lora else None)
     offload = 0.0
+    live = 0.0
     if w.gradient_checkpointing:
         checkpoints = arch.layers * t * arch.hidden * b16
         factor = UNSLOTH_LAYER_FACTOR if unsloth else 1.0
         live = LAYER_BACKWARD_FACTOR * factor * layer * t
-        if unsloth:
+        offloaded_by = "Unsloth" if unsloth else "TRL's activation offloading" if w.offload_activations and not cpu else ""
+        if offloaded_by:
             offload = checkpoints / GB
             checkpoints = 0.0
         terms["activations"] = (checkpoints + live) / GB
-        why["activations"] = (f"gradient checkpointing: {'layer inputs offloaded to CPU RAM by Unsloth, ' if unsloth else f'{arch.layers} saved layer inputs + '}"
+        why["activations"] = (f"gradient checkpointing: {f'layer inputs offloaded to CPU RAM by {offloaded_by}, ' if offloaded_by else f'{arch.layers} saved layer inputs + '}"
                               f"one layer recomputed ({layer / 1e3:.0f} KB/token) for {t:,} tokens per micro-batch")
     else:
         factor = UNSLOTH_LAYER_FACTOR if unsloth else 1.0
@@ -243,11 +321,27 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
         # The CPU attention path (math SDPA) materialises the score matrix: heads x s^2 fp32, twice for backward.
         terms["activations"] += 2 * w.micro_batch * arch.heads * w.seq_len**2 * 4 * (1 if w.gradient_checkpointing else arch.layers) / GB
 
-    logit_b = LOGIT_BYTES_UNSLOTH if unsloth else (8 if cpu else LOGIT_BYTES_HF)
-    terms["logits and loss"] = t * arch.vocab * logit_b / GB
-    why["logits and loss"] = (f"{t:,} tokens x {arch.vocab:,} vocabulary x {logit_b} B "
-                              + ("(chunked fused cross-entropy, gradient in place)" if unsloth
-                                 else "(logits, fp32 copy for the loss, its gradient)"))
+    loss = w.loss_kind
+    if loss == LOSS_FUSED:
+        head = fused_head_bytes(arch, w)
+        # With gradient checkpointing the head's backward ends (its buffers freed) before the last layer is recomputed:
+        # the card holds the larger of the two, so only the head's excess over the recomputed layer counts here.
+        excess = max(0.0, head - live) if w.gradient_checkpointing else head
+        terms["logits and loss"] = excess / GB
+        if cpu and w.method in ("qlora", "lora"):
+            at_once = f"{cpu_loss_chunk_tokens(arch.vocab, t):,} tokens x {arch.vocab:,} vocabulary entries"
+        else:
+            at_once = f"{min(t, FUSED_TOKEN_TILE):,} tokens x {min(arch.vocab, FUSED_VOCAB_TILE):,} vocabulary entries"
+        why["logits and loss"] = (
+            f"TRL's fused LM head: the logits never exist whole, {at_once} at a time; {head / GB:.2f} GB at its peak"
+            + (f", before any layer is recomputed: {excess / GB:.2f} GB beyond the recomputed layer"
+               if w.gradient_checkpointing else ""))
+    else:
+        logit_b = LOGIT_BYTES_UNSLOTH if unsloth else (LOGIT_BYTES_HF_CPU if cpu else LOGIT_BYTES_HF)
+        terms["logits and loss"] = t * arch.vocab * logit_b / GB
+        why["logits and loss"] = (f"{t:,} tokens x {arch.vocab:,} vocabulary x {logit_b} B "
+                                  + ("(chunked fused cross-entropy, gradient in place)" if unsloth
+                                     else "(logits, fp32 copy for the loss, its gradient)"))
 
     # Sharding: the unit being computed is gathered whole (plus the next one prefetched).
     if n > 1:
@@ -266,6 +360,14 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
                                   + (", and a unit's full gradient before reduce-scatter"
                                      if w.method in ("full", "full-8bit") else ""))
 
+    if w.method == "qlora" and not cpu:
+        # bitsandbytes 0.50 multiplies a micro-batch's tokens by a 4-bit weight by dequantizing the whole weight to
+        # 16 bits and calling F.linear (backends/cuda/ops.py, gemm_4bit: _dequant_linear_fallback past the custom
+        # kernel's few rows; the same in backward for the input's gradient): the largest weight, one at a time.
+        largest = max(a * b for a, b in arch.linear_shapes().values())
+        terms["dequantized weight"] = largest * 2 / GB
+        why["dequantized weight"] = (f"the largest 4-bit weight ({_count(largest)} params) dequantized to 16 bits for "
+                                     "its matmul, one weight at a time")
     dynamic = terms["activations"] + terms["logits and loss"]
     if cpu:
         terms["runtime"] = CPU_RUNTIME_GB
@@ -576,6 +678,16 @@ def offload_seconds_per_micro_batch(est: MemoryEstimate, w: Workload, link_gb_s:
     return (OFFLOAD_PASSES * params_gb + grads_gb) * GB / (link_gb_s * 1e9)  # links are rated in 1e9 bytes/s
 
 
+def activation_offload_seconds(arch: Arch, w: Workload, link_gb_s: float) -> float:
+    """Seconds per micro-batch TRL's activation offloading adds: the saved layer inputs go down to pinned RAM in the
+    forward and come back in the backward (trl/models/activation_offloading.py, OffloadActivations). trl overlaps the
+    copies with compute on a second stream; the plan counts them whole, as for parameter offload."""
+    if not w.offload_activations or w.device == "cpu" or not w.gradient_checkpointing:
+        return 0.0
+    saved = arch.layers * w.tokens_per_micro_batch * arch.hidden * 2
+    return 2 * saved / (link_gb_s * 1e9)
+
+
 def _resident_states_gb(est: MemoryEstimate, w: Workload) -> float:
     """Offloaded bytes per card that never cross the link: optimizer states and gradient buffers (the step runs on the CPU)."""
     n = w.num_gpus
@@ -649,6 +761,7 @@ def tokens_per_second(arch: Arch, w: Workload, tflops_bf16: float | None, interc
         transfer = offload_seconds_per_micro_batch(memory(arch, w), w, pcie_gb_s(compute_capability))
     elif w.offload_optimizer and w.sharded and w.engine == "deepspeed":
         transfer = sum(deepspeed_offload_seconds(arch, memory(arch, w), w, pcie_gb_s(compute_capability), cpu_count))
+    transfer += activation_offload_seconds(arch, w, pcie_gb_s(compute_capability))
     one = tokens / (tokens * flops / rate + GPU_SECONDS_PER_MICRO_BATCH + transfer)
     if w.num_gpus <= 1:
         return one

@@ -34,6 +34,7 @@ quiet_known_notices()  # before the libraries below are imported
 
 from launcher.store import checkpoint as ckpt  # noqa: E402
 from launcher.data import split as evaluation  # noqa: E402
+from launcher.worker import cpu_logprob  # noqa: E402
 from launcher.worker import memory  # noqa: E402
 from launcher.worker import samples  # noqa: E402
 from launcher.store.rundir import RunDir  # noqa: E402
@@ -249,6 +250,8 @@ def run_worker(run_dir: Path, mode: str) -> int:
         first_start = mode == "full" and resume_from is None and not run.metrics.is_file()
         args = sft_config(recipe, run, mode, device, dtype, max_steps, out_dir, trainer_fields(plan, run.root),
                           evaluation.trainer_fields(recipe, eval_dataset is not None, first_start))
+        if plan.get("engine") != "unsloth":
+            cpu_logprob.install(device)  # TRL's fused LM head, on the CPU: launcher/worker/cpu_logprob.py
         differ = _resume_steps_differ(resume_from, device)  # the process group exists from sft_config on
         if differ:
             print(f"[ftrun worker] {differ}", file=sys.stderr, flush=True)

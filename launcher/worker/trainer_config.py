@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -59,6 +60,11 @@ def sft_config(recipe, run: RunDir, mode: str, device: str, dtype, max_steps: Op
     if mode == "full":
         fields["ddp_timeout"] = _process_group_timeout(run)
     fields.update(recipe.trainer)
+    if device == "cpu" and fields.pop("activation_offloading", False):
+        # trl 1.16's OffloadActivations moves saved tensors from the accelerator to CPU RAM and reads
+        # torch.accelerator.current_accelerator().type, None on a CPU: on a CPU box there is nothing to offload.
+        print("[ftrun worker] trainer.activation_offloading ignored on the CPU: activations already live in CPU RAM",
+              file=sys.stderr, flush=True)
     return SFTConfig(**fields)
 
 

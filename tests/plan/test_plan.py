@@ -110,7 +110,7 @@ def test_nothing_fits_refuses_with_options(tmp_path):
 
 def test_refusal_suggests_what_makes_it_fit_here(tmp_path):
     with pytest.raises(PlanError) as err:
-        plan(tmp_path, "H100", method="lora", model="Qwen/Qwen2.5-32B", max_length=8192, micro_batch_size=2,
+        plan(tmp_path, "H100", method="lora", model="Qwen/Qwen2.5-32B", max_length=8192, micro_batch_size=4,
              data=SimpleNamespace(**{**ARTICLE_DATA.__dict__, "max_tokens": 8192}))
     assert "max_length=" in err.value.fix and "fits" in err.value.fix
 

@@ -151,10 +151,10 @@ def test_this_machine_uses_what_is_installed_and_names_the_fix(tmp_path, monkeyp
 
 
 def test_a_job_only_unsloth_fits_here_is_missing_software_not_too_big(tmp_path, monkeypatch):
-    """Qwen3-32B QLoRA on the RTX 4090 in hand: trl needs more than the card, Unsloth less. Without Unsloth here
-    the fix is its install (exit 2), not a bigger box (exit 3)."""
+    """Qwen3-32B QLoRA at 6k tokens on the RTX 4090 in hand: trl needs more than the card even with activation
+    offloading, Unsloth less. Without Unsloth here the fix is its install (exit 2), not a bigger box (exit 3)."""
     monkeypatch.setattr(plan_mod, "_unsloth_installed", lambda: False)
-    big = recipe(tmp_path, model="Qwen/Qwen3-32B", max_length=1024)
+    big = recipe(tmp_path, model="Qwen/Qwen3-32B", max_length=6144)
     assert make_plan(big, from_spec("1xRTX4090"), tokens=15e6).engine == "unsloth"  # a rented box has the image
     with pytest.raises(MissingSoftware) as err:
         make_plan(big, detected("RTX4090"), tokens=15e6)

@@ -172,6 +172,10 @@ def trainer_fields(plan: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         # FSDP2 checkpoints activations itself (fsdp_activation_checkpointing in the accelerate
         # config); the Trainer's own checkpointing on top of it breaks the sharded backward.
         return {"activation_checkpointing": False}
+    if plan.get("offload_activations") and plan.get("device") == "cuda":
+        # the plan's choice where one card does not hold the job otherwise (launcher/plan/engine.py); SFTTrainer wraps
+        # every forward in trl's OffloadActivations (sft_trainer.py: maybe_activation_offload_context)
+        return {"activation_offloading": True}
     return {}
 
 

@@ -28,8 +28,10 @@ def _plan_hardware(ctx: Context):
             f"catalog {entry.name}: detection saw no GPU ({'; '.join(hw.notes)})")
 
 
-def predict(ctx: Context, arch, method: str, micro_batch: int, seq: int) -> dict[str, Any]:
-    """The plan's memory and tokens/s for this job on this box (engine trl: one process, the worker's path)."""
+def predict(ctx: Context, arch, method: str, micro_batch: int, seq: int, fused: bool = True) -> dict[str, Any]:
+    """The plan's memory and tokens/s for this job on this box (engine trl: one process, the worker's path). `fused`:
+    the step computes the loss with TRL's fused LM head as the worker does; without trl on the box it runs the
+    model's own loss, and memory_gb is the sizer's figure for that loss (the plan's own is plan_memory_gb)."""
     from launcher.plan import sizing
     from launcher.errors import FtrunError
     from launcher.plan.plan import make_plan
@@ -51,10 +53,18 @@ def predict(ctx: Context, arch, method: str, micro_batch: int, seq: int) -> dict
         out.update(fits=True, memory_gb=plan.memory["estimated_per_gpu_gb"],
                    breakdown_gb=plan.memory["breakdown_gb"],
                    tokens_per_second=plan.tokens["estimated_tokens_per_second"], engine=plan.engine)
+        if not fused:
+            device = "cpu" if hw.is_cpu_only else "cuda"
+            est = sizing.memory(arch, sizing.Workload(method, seq, micro_batch, True, 16, "all-linear", "trl", 1,
+                                                      device, loss=sizing.LOSS_MATERIALIZED))
+            out.update(plan_memory_gb=out["memory_gb"], memory_gb=round(est.peak_gb, 1),
+                       breakdown_gb={k: round(v, 2) for k, v in est.breakdown_gb.items()})
+        out["loss"] = sizing.LOSS_FUSED if fused else sizing.LOSS_MATERIALIZED
     except FtrunError as exc:
         # the plan refuses: keep its reason, and the sizer's own figures for the comparison
         device = "cpu" if hw.is_cpu_only else "cuda"
-        w = sizing.Workload(method, seq, micro_batch, True, 16, "all-linear", "trl", 1, device)
+        w = sizing.Workload(method, seq, micro_batch, True, 16, "all-linear", "trl", 1, device,
+                            loss="" if fused else sizing.LOSS_MATERIALIZED)
         est = sizing.memory(arch, w)
         g = hw.gpu
         out.update(fits=False, refusal=exc.message[:400], memory_gb=round(est.per_gpu_gb, 1),
@@ -75,14 +85,15 @@ def _allocator(device: str) -> dict[str, Any]:
             "max_reserved_gb": in_gb(torch.cuda.max_memory_reserved()), "device_used_gb": in_gb(total - free)}
 
 
-def _fixed_batches(vocab: int, micro_batch: int, seq: int, n: int, device: str) -> list[dict[str, Any]]:
+def _fixed_batches(vocab: int, micro_batch: int, seq: int, n: int, device: str,
+                   fused: bool = False) -> list[dict[str, Any]]:
     import torch
 
     g = torch.Generator().manual_seed(1)
     out = []
     for _ in range(n):
         ids = torch.randint(0, vocab, (micro_batch, seq), generator=g).to(device)
-        out.append({"input_ids": ids, "labels": ids})
+        out.append({"input_ids": ids, "labels": ids, **({"fused_lm_head": True} if fused else {})})
     return out
 
 
@@ -98,12 +109,22 @@ def _bench(ctx: Context, method: str) -> dict[str, Any]:
     batch_sizes = [cfg[f"{method}_batch"]]
     if method == "full" and batch_sizes[0] > 1:
         batch_sizes.append(1)
+    # the worker's loss, TRL's fused LM head (trl 1.16 SFTTrainer: add_fused_lm_head, fused_lm_head=True), where trl
+    # is installed; the lent box has no trl, so there the step measures the model's own loss and predicts that
+    fused = has("trl")
     result: dict[str, Any] = {"shape": arch.name, "params": arch.params, "method": method, "seq": cfg["seq"],
-                              "predicted": predict(ctx, arch, method, batch_sizes[0], cfg["seq"])}
+                              "predicted": predict(ctx, arch, method, batch_sizes[0], cfg["seq"], fused)}
     ctx.progress(**result)
     t0 = time.monotonic()
     model, device, dtype, attn = build_model(ctx, arch, method)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if fused:
+        from trl.trainer.utils import add_fused_lm_head
+
+        from launcher.worker import cpu_logprob
+
+        add_fused_lm_head(base, outputs=("log_probs", "entropy", "is_top1"))
+        cpu_logprob.install(device)
     built = sum(p.numel() for n, p in base.named_parameters() if "lora_" not in n)
     result.update(device=device, dtype=str(dtype).replace("torch.", ""), attention=attn,
                   build_seconds=round(time.monotonic() - t0, 1), built_params=built,
@@ -113,9 +134,9 @@ def _bench(ctx: Context, method: str) -> dict[str, Any]:
     attempts = []
     for mb in batch_sizes:
         if mb != batch_sizes[0]:
-            result["predicted_fallback"] = predict(ctx, arch, method, mb, cfg["seq"])
+            result["predicted_fallback"] = predict(ctx, arch, method, mb, cfg["seq"], fused)
         memory.reset_peak(device)
-        batches = _fixed_batches(arch.vocab, mb, cfg["seq"], cfg["warmup"] + cfg["steps"], device)
+        batches = _fixed_batches(arch.vocab, mb, cfg["seq"], cfg["warmup"] + cfg["steps"], device, fused)
         params, opt = make_optimizer(model, device)
         failure = None
         try:
@@ -151,7 +172,7 @@ def _bench(ctx: Context, method: str) -> dict[str, Any]:
     ok = done is not None and all(x == x and abs(x) < 1e4 for x in done["losses"]) and built == arch.params
     oom = "; ".join(f"mb {a['micro_batch']}: out of memory" for a in attempts if "out_of_memory" in a)
     if done:
-        line = (f"{arch.name} {method} mb {done['micro_batch']} x {cfg['seq']}: memory predicted "
+        line = (f"{arch.name} {method} mb {done['micro_batch']} x {cfg['seq']} ({pred.get('loss')}): memory predicted "
                 f"{pred.get('memory_gb')} GB{'' if pred.get('fits', True) else ' (plan refuses)'} measured "
                 f"{done['peak_memory_gb']:.1f} GB; tokens/s predicted {pred.get('tokens_per_second')} measured "
                 f"{done['tokens_per_second']:.0f} ({result['weights_dtype']} weights, {attn})"

@@ -1,0 +1,133 @@
+"""The LM head's per-token log-probabilities on a CPU, a few tokens at a time, for TRL's fused LM head.
+
+trl 1.16's SFTTrainer computes the loss through a fused LM head (trl/trainer/utils.py, add_fused_lm_head, calling
+`_ChunkedLogProbFunction.apply`): the (tokens x vocabulary) logits are never whole. Its kernel
+(trl/kernels/chunked_logprob.py, ChunkedLogProbFunction) is built for CUDA: Triton folds each 4096 x 32768 tile in
+place, and backward recomputes the tiles. Without Triton it folds every tile with torch ops that hold about eight fp32
+copies of it, as large as the whole logits of a 150k vocabulary, and recomputing the projection makes a step on a
+large-vocabulary model about 3x slower than the model's own loss (scripts/bench_lean_loss.py, docs/BENCHMARKS.md).
+
+Here, on the CPU: a chunk of tokens is projected on the whole vocabulary (a chunk of about CHUNK_ELEMENTS logits),
+its log-softmax taken in place, and the gradient of each token's log-probability with respect to its hidden state
+((onehot - p) @ W) computed in the same pass and kept (tokens x hidden, fp32). Backward only scales it by the
+incoming gradient: no recomputation, the same matmuls as the model's own loss. This needs a frozen LM head, which is
+LoRA's and QLoRA's; a trainable head (full fine-tuning), a soft-capped head (Gemma 2) or an entropy gradient go to
+TRL's own kernel. The worker installs it in place of TRL's on the CPU only (install), where it is measurably better:
+the loss's memory stays one chunk, at the speed of the model's own loss.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+# Logits per chunk: the chunk's tokens x the whole vocabulary, about 8M of them (32 MB of fp32); the sizer counts
+# the same (launcher/plan/sizing.py, CPU_LOSS_CHUNK_ELEMENTS).
+from launcher.plan.sizing import cpu_loss_chunk_tokens
+
+
+@cache
+def function() -> Any:
+    """The autograd function (built on first use: torch is imported inside worker/'s functions, docs/architecture.md)."""
+    import torch
+
+    class CpuChunkedLogProb(torch.autograd.Function):
+        """`ChunkedLogProbFunction.apply`'s signature and outputs (log_probs, entropy, log_sum_sq_probs, mean_logits,
+        is_top1; those not in `outputs` are None), for a frozen head on the CPU."""
+
+        @staticmethod
+        def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    targets: torch.Tensor, temperature: float, chunk_size: int, final_logit_softcapping: float | None = None,
+                    logit_scale: float = 1.0, outputs: tuple[str, ...] = ("log_probs",)):
+            ctx.set_materialize_grads(False)
+            n, vocab = hidden.shape[0], weight.shape[0]
+            scale = logit_scale / temperature
+            w = weight.to(hidden.dtype)
+            logprobs = torch.empty(n, dtype=torch.float32)
+            entropy = torch.empty(n, dtype=torch.float32) if "entropy" in outputs else None
+            sq = torch.empty(n, dtype=torch.float32) if "log_sum_sq_probs" in outputs else None
+            mean = torch.empty(n, dtype=torch.float32) if "mean_logits" in outputs else None
+            top1 = torch.empty(n, dtype=torch.bool) if "is_top1" in outputs else None
+            grad = torch.empty_like(hidden, dtype=torch.float32) if ctx.needs_input_grad[0] else None
+            step = cpu_loss_chunk_tokens(vocab)
+            with torch.no_grad():
+                for s in range(0, n, step):
+                    e = min(n, s + step)
+                    z = hidden[s:e] @ w.t()
+                    if bias is not None:
+                        z += bias.to(z.dtype)
+                    z = z.float()
+                    if scale != 1.0:
+                        z.mul_(scale)
+                    tgt = targets[s:e]
+                    rows = torch.arange(e - s)
+                    if top1 is not None:
+                        top1[s:e] = z.argmax(-1) == tgt  # the first maximum, as TRL's kernel counts it
+                    if mean is not None:
+                        mean[s:e] = z.mean(-1)
+                    lse = torch.logsumexp(z, -1)
+                    logprobs[s:e] = z[rows, tgt] - lse
+                    z.sub_(lse.unsqueeze(-1))  # log p, in place
+                    p = z.exp()
+                    if entropy is not None:  # -sum p log p, as a batched dot product: no third buffer
+                        entropy[s:e] = -torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).view(-1)
+                    if sq is not None:
+                        sq[s:e] = torch.log(torch.bmm(p.unsqueeze(1), p.unsqueeze(2)).view(-1))
+                    if grad is not None:
+                        # d log p_target / d z = onehot - p, so the hidden state's gradient is W[target] - p @ W
+                        g = w[tgt].float() - (p.to(w.dtype) @ w).float()
+                        grad[s:e] = g * scale if scale != 1.0 else g
+                    del z, p
+            ctx.save_for_backward(grad)
+            ctx.hidden_dtype = hidden.dtype
+            for t in (sq, mean, top1):
+                if t is not None:
+                    ctx.mark_non_differentiable(t)
+            return logprobs, entropy, sq, mean, top1
+
+        @staticmethod
+        def backward(ctx: Any, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None, *_: Any):
+            if grad_entropy is not None:
+                raise RuntimeError("ftrun's CPU log-probabilities carry no entropy gradient (TRL's SFT logs the entropy "
+                                   "only); a loss on the entropy needs TRL's own kernel")
+            (saved,) = ctx.saved_tensors
+            grad_hidden = None
+            if saved is not None and grad_logprobs is not None:
+                grad_hidden = (saved * grad_logprobs.float().unsqueeze(-1)).to(ctx.hidden_dtype)
+            return grad_hidden, None, None, None, None, None, None, None, None
+
+    return CpuChunkedLogProb
+
+
+class _Dispatch:
+    """What `trl.trainer.utils._ChunkedLogProbFunction` becomes: this module's function where it applies, TRL's
+    own kernel elsewhere (a GPU tensor, a trainable or soft-capped head)."""
+
+    def __init__(self, trl_function: Any) -> None:
+        self.trl_function = trl_function
+
+    def apply(self, hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
+              logit_scale=1.0, outputs=("log_probs",)):
+        trainable = weight.requires_grad or (bias is not None and bias.requires_grad)
+        if hidden.device.type != "cpu" or trainable or final_logit_softcapping is not None:
+            return self.trl_function.apply(hidden, weight, bias, targets, temperature, chunk_size,
+                                           final_logit_softcapping, logit_scale, outputs)
+        return function().apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping,
+                                logit_scale, outputs)
+
+
+def install(device: str) -> bool:
+    """On the CPU, route TRL's fused LM head through this module; True where it did. trl reads
+    `_ChunkedLogProbFunction` from its module at call time (trl/trainer/utils.py, add_fused_lm_head)."""
+    if device != "cpu":
+        return False
+    try:
+        from trl.trainer import utils
+    except ImportError:
+        return False
+    current = getattr(utils, "_ChunkedLogProbFunction", None)
+    if current is None:  # a trl without the fused head: the model's own loss, nothing to route
+        return False
+    if not isinstance(current, _Dispatch):
+        utils._ChunkedLogProbFunction = _Dispatch(current)
+    return True
