@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for one short GPU loan (launcher/worker/gpu_check/): device and dtype, per-rank placement, the
-# memory cap, peak memory, out-of-memory classification, predicted vs measured memory and tokens/s for LoRA and
+# memory cap, peak memory, out-of-memory classification, the LM head's loss (the model's own against TRL's fused head),
+# predicted vs measured memory and tokens/s for LoRA and
 # full fine-tuning at an 8B shape (random weights, no download), padded vs padding-free, FSDP2 with the final save;
 # the launch's environment (one GPU for a single-process Trainer, each rank's CPU threads, two FSDP launches at once).
 #   OUT=/some/dir scripts/gpu_check.sh            on the GPU box (torch + transformers; peft, accelerate if there)
@@ -25,6 +26,11 @@ mkdir -p "$OUT"
 export GPU_CHECK_WORK=${GPU_CHECK_WORK:-$(mktemp -d)}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 \
   TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+# Pure-Python wheels carried to a box that lacks them import from the wheel file itself (the loss-head step reads
+# trl's kernel this way): pip download --no-deps trl==1.16.0 -d .cache/device-wheels, carried with the call.
+for wheel in "${FTRUN_DEVICE_WHEELS:-.cache/device-wheels}"/*.whl; do
+  [ -f "$wheel" ] && PYTHONPATH="$PYTHONPATH:$PWD/$wheel"
+done
 export GPU_CHECK_MODE=$MODE GPU_CHECK_STARTED=$(date +%s)
 if [ "$MODE" = dry-run ]; then
   export CUDA_VISIBLE_DEVICES=""  # CPU expectations even where a GPU is present
@@ -72,6 +78,7 @@ step placement      90  120
 step memory-cap     45   60
 step peak-memory    45   60
 step oom            60   60
+step loss-head      60   90
 step bench-lora    120  120
 step bench-full    150  120
 step bench-padding 120  120

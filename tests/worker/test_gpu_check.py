@@ -108,3 +108,17 @@ def test_failed_and_hung_steps_are_recorded_and_the_next_step_runs(tmp_path):
     assert (statuses["tiny-model"], statuses["bench-lora"], statuses["peak-memory"]) == ("timed out", "failed", "passed")
     assert json.loads((results / "bench-lora.json").read_text())["traceback"]
     assert "2 step(s) failed" in out
+
+
+def test_the_loss_head_step_compares_the_losses_and_skips_without_trls_kernel(tmp_path, monkeypatch):
+    """The loss-head step on the dry run's shape: the model's own loss, trl's fused head and ftrun's CPU kernel agree
+    (loss and gradients); without trl's kernel importable it is skipped with the carry it needs."""
+    from launcher.worker.gpu_check import loss_head
+
+    ctx = common.Context(out=tmp_path, work=tmp_path, dry_run=True, device="cpu", shape="tiny", progress=lambda **k: None)
+    result = loss_head.step_loss_head(ctx)
+    assert result["ok"] is True and set(result["agree"]) == {"model's own loss", "trl fused LM head", "ftrun CPU kernel"}
+    assert len({r["loss"] for r in result["runs"].values()}) == 1
+    monkeypatch.setattr(loss_head, "_fused_kernel", lambda: None)
+    skipped = loss_head.step_loss_head(ctx)
+    assert skipped["ok"] is None and ".cache/device-wheels" in skipped["line"]

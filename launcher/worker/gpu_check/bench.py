@@ -74,6 +74,17 @@ def predict(ctx: Context, arch, method: str, micro_batch: int, seq: int, fused: 
     return out
 
 
+def _fused_head_importable() -> bool:
+    """trl's fused LM head as the worker adds it (trl.trainer.utils needs datasets and pandas besides trl)."""
+    if not has("trl"):
+        return False
+    try:
+        from trl.trainer.utils import add_fused_lm_head  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _allocator(device: str) -> dict[str, Any]:
     if device != "cuda":
         return {}
@@ -111,7 +122,7 @@ def _bench(ctx: Context, method: str) -> dict[str, Any]:
         batch_sizes.append(1)
     # the worker's loss, TRL's fused LM head (trl 1.16 SFTTrainer: add_fused_lm_head, fused_lm_head=True), where trl
     # is installed; the lent box has no trl, so there the step measures the model's own loss and predicts that
-    fused = has("trl")
+    fused = _fused_head_importable()
     result: dict[str, Any] = {"shape": arch.name, "params": arch.params, "method": method, "seq": cfg["seq"],
                               "predicted": predict(ctx, arch, method, batch_sizes[0], cfg["seq"], fused)}
     ctx.progress(**result)

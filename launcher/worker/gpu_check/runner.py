@@ -15,6 +15,7 @@ from launcher.worker.gpu_check.common import Context, first_line, read_json, wri
 from launcher.worker.gpu_check.device import step_device
 from launcher.worker.gpu_check.fsdp import fsdp_child, step_fsdp
 from launcher.worker.gpu_check.launch import step_launch_env
+from launcher.worker.gpu_check.loss_head import step_loss_head
 from launcher.worker.gpu_check.memory import step_oom, step_peak_memory
 from launcher.worker.gpu_check.padding import step_bench_padding
 from launcher.worker.gpu_check.placement import place_child, step_memory_cap, step_placement
@@ -25,11 +26,11 @@ from launcher.worker.gpu_check.training import GPU_SHAPE
 # Execution order. The torch-only checks come first (seconds each), the 8B measurements next (the figures the
 # loan is for), FSDP (a distributed launch: the likeliest to hang) and the trl-based bench last.
 STEPS = ("tiny-model", "device", "launch-env", "placement", "memory-cap", "peak-memory", "oom",
-         "bench-lora", "bench-full", "bench-padding", "fsdp", "smoke-bench")
+         "loss-head", "bench-lora", "bench-full", "bench-padding", "fsdp", "smoke-bench")
 STEP_FUNCS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "tiny-model": step_tiny_model, "device": step_device, "launch-env": step_launch_env, "placement": step_placement,
     "memory-cap": step_memory_cap, "peak-memory": step_peak_memory, "oom": step_oom,
-    "bench-lora": step_bench_lora, "bench-full": step_bench_full, "bench-padding": step_bench_padding,
+    "loss-head": step_loss_head, "bench-lora": step_bench_lora, "bench-full": step_bench_full, "bench-padding": step_bench_padding,
     "fsdp": step_fsdp, "smoke-bench": step_smoke_bench,
 }
 
