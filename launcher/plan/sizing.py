@@ -200,8 +200,7 @@ def layer_activation_bytes_per_token(arch: Arch, fp32: bool = False, lora_target
     targeted ones save their input, each its own 16-bit copy (PEFT casts the input to the fp32 adapter's dtype and
     autocast back to bf16 for the matmul). The rest is what attention, the gated MLP and the frozen RMSNorms save:
     q, k, v, output (SDPA), gate, up and act(gate), one fp32 copy of each norm's input. Measured with autograd's
-    saved-tensor hooks on a Llama layer in bf16 under autocast (tests/plan/test_sizing.py,
-    test_lora_layer_activations_match_what_autograd_saves).
+    saved-tensor hooks on a Llama layer in bf16 under autocast (tests/plan/test_sizing_activations.py).
     """
     h, i = arch.hidden, arch.intermediate
     if lora_targets is not None and not fp32:
@@ -225,7 +224,9 @@ def fused_head_bytes(arch: Arch, w: Workload) -> float:
     CUDA (Triton): the tile buffer in bf16, the hidden states it saved (the positions with a label: at most all of
     them, 2 B), their fp32 gradient and its 16-bit copy; a trainable head (full fine-tuning) adds its fp32 gradient
     accumulator (V x H x 4) and, sharded, the head gathered whole (`weight.full_tensor()` under FSDP2, gathered by
-    ZeRO-3: V x H x 2). CPU: the tile in fp32 with FUSED_CPU_TILE_COPIES of its size and the fp32 gradients."""
+    ZeRO-3: V x H x 2). CPU: a frozen head goes through launcher/worker/cpu_logprob.py (CPU_LOSS_BUFFERS fp32 chunks
+    of the whole vocabulary and the hidden states' fp32 gradients), a trainable one through trl's torch fallback
+    (FUSED_CPU_TILE_COPIES fp32 tiles, the gradients, the head's fp32 gradient accumulator)."""
     t = w.tokens_per_micro_batch
     trainable_head = w.method in ("full", "full-8bit")
     if w.device == "cpu" and not trainable_head:
