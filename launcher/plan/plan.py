@@ -327,7 +327,9 @@ def _loss_reason(job: Job, choice: Choice, est: Any) -> str:
         return (f"loss: Unsloth's fused cross-entropy, in chunks with the gradient in place "
                 f"({est.breakdown_gb.get('logits and loss', 0.0):.2f} GB for {t:,} tokens x {vocab:,} vocabulary)")
     head = sizing.fused_head_bytes(job.arch, w) / sizing.GB
-    return (f"loss: TRL's fused LM head (trl's SFTTrainer): the {t:,} x {vocab:,} logits of a micro-batch are never "
+    on = ("; on a CPU, a frozen head through ftrun's kernel, launcher/worker/cpu_logprob.py"
+          if choice.device == "cpu" and job.method in ("lora", "qlora") else "")
+    return (f"loss: TRL's fused LM head (trl's SFTTrainer{on}): the {t:,} x {vocab:,} logits of a micro-batch are never "
             f"whole, {head:.2f} GB at its peak instead of {whole:.1f} GB for the model's own loss; token accuracy "
             "and entropy are still logged (computed in the same pass)")
 
