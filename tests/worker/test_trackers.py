@@ -180,7 +180,8 @@ def _kill_rank_0_after_a_checkpoint(run: Path, max_steps: int, timeout: float = 
                     p.suspend()
                 if has_checkpoint(run) and (run / "metrics.jsonl").is_file():
                     step = metrics(run)[-1]["step"]
-                    assert step < max_steps, "the run ended before its main process could be killed"
+                    # a step still to train besides the one in flight: the kill lands in training, not in the final save
+                    assert step < max_steps - 1, "the run ended before its main process could be killed"
                     rank0 = next(p for p in ranks if p.environ().get("RANK") == "0")
                     rank0.kill()
                     for p in ranks:
@@ -206,7 +207,7 @@ def test_trackers_continue_the_same_run_after_a_kill_9_and_only_rank_0_reports(t
         pytest.importorskip(package)
     t0 = time.monotonic()
     run = tmp_path / "run"
-    steps = 8
+    steps = 16  # steps left after the first checkpoint on a fast box too (8 were done before the kill landed once)
     recipe = recipe_file(tmp_path / "r.yaml", tiny_model, output_dir=run, max_steps=steps, micro_batch_size=4,
                          keep_checkpoints=1, engine="ddp", num_processes=2,
                          report_to=["tensorboard", "wandb", "mlflow", "trackio"], smoke={"enabled": False})
