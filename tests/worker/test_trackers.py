@@ -216,7 +216,7 @@ def test_trackers_continue_the_same_run_after_a_kill_9_and_only_rank_0_reports(t
     _kill_rank_0_after_a_checkpoint(run, steps)
     wait_until_ended(run, tmp_path)
     log = (run / "train.log").read_text()
-    assert "restarting from the newest verified checkpoint" in log and "resuming from step-" in log
+    assert "from the newest verified checkpoint" in log and "resuming from step-" in log  # the supervisor's restart line
     ids = json.loads((run / "trackers.json").read_text())
 
     wandb = _wandb_runs(run)  # two launches, one run: `wandb sync` sends both folders to run <id>
