@@ -322,7 +322,7 @@ def _loss_reason(job: Job, choice: Choice, est: Any) -> str:
     w = job.workload(choice.engine, choice.processes, choice.device, choice.offload_params, choice.offload_optimizer,
                      choice.offload_activations)
     t, vocab = w.tokens_per_micro_batch, job.arch.vocab
-    whole = t * vocab * (sizing.LOGIT_BYTES_HF_CPU if choice.device == "cpu" else sizing.LOGIT_BYTES_HF) / sizing.GB
+    whole = sizing.whole_logits_bytes(t, vocab, choice.device) / sizing.GB
     if w.loss_kind == sizing.LOSS_UNSLOTH:
         return (f"loss: Unsloth's fused cross-entropy, in chunks with the gradient in place "
                 f"({est.breakdown_gb.get('logits and loss', 0.0):.2f} GB for {t:,} tokens x {vocab:,} vocabulary)")

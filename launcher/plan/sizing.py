@@ -212,6 +212,11 @@ def layer_activation_bytes_per_token(arch: Arch, fp32: bool = False, lora_target
     return elems * (4 if fp32 else 2) + (0 if fp32 else norm_fp32)
 
 
+def whole_logits_bytes(tokens: int, vocab: int, device: str) -> float:
+    """What the model's own loss holds for `tokens` x `vocab` logits (LOGIT_BYTES_HF, on a CPU LOGIT_BYTES_HF_CPU)."""
+    return tokens * vocab * (LOGIT_BYTES_HF_CPU if device == "cpu" else LOGIT_BYTES_HF)
+
+
 def cpu_loss_chunk_tokens(vocab: int, tokens: int | None = None) -> int:
     """Tokens per chunk of launcher/worker/cpu_logprob.py (capped at the micro-batch's tokens when given)."""
     c = max(CPU_LOSS_MIN_TOKENS, CPU_LOSS_CHUNK_ELEMENTS // max(1, vocab))
@@ -235,7 +240,7 @@ def fused_head_bytes(arch: Arch, w: Workload) -> float:
     if w.device == "cpu":
         return tile * 4 * FUSED_CPU_TILE_COPIES + t * arch.hidden * (4 + 4 + 4) + arch.vocab * arch.hidden * 4
     b = tile * 2 + t * arch.hidden * (2 + 4 + 2)
-    if w.method in ("full", "full-8bit"):
+    if trainable_head:
         b += arch.vocab * arch.hidden * 4
     if w.sharded:
         b += arch.vocab * arch.hidden * 2

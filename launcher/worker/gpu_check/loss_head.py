@@ -92,8 +92,7 @@ def step_loss_head(ctx: Context) -> dict[str, Any]:
              and bool(torch.allclose(grads[name], grads["model's own loss"], rtol=10 * tol, atol=1e-3 * tol))
              for name, r in runs.items()}
     w = sizing.Workload("lora", t, 1, True, 16, "all-linear", "trl", 1, device)
-    predicted = {"model's own loss": round(t * arch.vocab * (sizing.LOGIT_BYTES_HF if device == "cuda"
-                                                             else sizing.LOGIT_BYTES_HF_CPU) / sizing.GB, 3),
+    predicted = {"model's own loss": round(sizing.whole_logits_bytes(t, arch.vocab, device) / sizing.GB, 3),
                  "trl fused LM head": round(sizing.fused_head_bytes(arch, w) / sizing.GB, 3)}
     parts = []
     for name, r in runs.items():
