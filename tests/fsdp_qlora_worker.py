@@ -85,7 +85,14 @@ def main(run_dir: str, dtype_name: str, out: str, path: str = "once-per-box", ch
     import bitsandbytes  # noqa: F401
     import peft  # noqa: F401
     import transformers.integrations.bitsandbytes  # noqa: F401
+    from accelerate.utils import extract_model_from_parallel
     from transformers import AutoModelForCausalLM
+
+    # save_pretrained (the quantizing rank's) unwraps the model through accelerate's extract_model_from_parallel,
+    # which imports deepspeed where it is installed (accelerate 1.x utils/other.py: `from deepspeed import
+    # DeepSpeedEngine`), and deepspeed imports mlflow, wandb and fastapi: about 90 MB of modules, measured
+    # 2026-12-02. Runtime, paid once per process whatever the model's size: imported here, before the baseline.
+    extract_model_from_parallel(torch.nn.Linear(1, 1))
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -163,7 +163,16 @@ def test_a_stopped_rank_is_noticed_by_the_watchdog_and_the_run_restarts_exactly(
     # while it trains, status shows each rank's last heartbeat
     text = ftrun("status", run, cwd=tmp_path).stdout
     assert "rank 0: step " in text and "rank 1: step " in text and "heartbeat" in text, text
-    os.kill(pid, signal.SIGSTOP)
+    # stopped in a step, not in a checkpoint save (a periodic save comes every 6 s): freeze it, and let it go on
+    # until the moment it is frozen at is a step
+    deadline = time.monotonic() + 120
+    while True:
+        assert time.monotonic() < deadline, "timed out waiting to stop rank 1 in a step"
+        os.kill(pid, signal.SIGSTOP)
+        if _beat(run, 1).get("phase") == "step":
+            break
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(0.02)
     stopped_at = time.monotonic()
     try:
         wait_for(lambda: read_state(run).get("restarts") == 1, 4 * FLOOR_S + 60, "the watchdog's restart", 0.5)

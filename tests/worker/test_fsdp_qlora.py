@@ -307,13 +307,9 @@ def test_the_box_holds_one_4bit_copy_while_loading_not_one_per_rank(tmp_path, rs
     # and it computes what an unsharded copy quantized directly from the recipe's model computes
     assert new["loss_sharded"] == pytest.approx(new["loss_unsharded"], abs=1e-3)
     assert new["lora_grads"] > 0 and new["max_grad_diff"] <= 1e-2 * max(new["max_ref_grad"], 1e-6)
-    # the box: one copy (the quantizing rank's, then the shards), no more than one rank held before. Open: on a fresh
-    # machine on 2026-12-02 (the commit before issue 24 as well) the quantizing rank kept 101-116 MB anonymous after
-    # the load, 4x the 24 MB of weights, and the box peaked at 139 MB against 110 MB on the per-rank path; the checks
-    # above held. Recorded as an expected failure until the cause is found, the rest of the test still binding.
-    if not (n["box_peak_anon"] < 0.7 * o["box_peak_anon"] and n["box_peak_anon"] < 1.25 * max(o["rank_peak_anon"])):
-        pytest.xfail(f"the box peaked at {n['box_peak_anon']:.0f} MB with one copy against {o['box_peak_anon']:.0f} MB "
-                     "per rank (the quantizing rank's heap after the load: open, see the comment)")
+    # the box: one copy (the quantizing rank's, then the shards), no more than one rank held before
+    assert n["box_peak_anon"] < 0.7 * o["box_peak_anon"]
+    assert n["box_peak_anon"] < 1.25 * max(o["rank_peak_anon"])
 
 
 # --- item 8: full-8bit never runs on FSDP -----------------------------------------------------
