@@ -120,6 +120,18 @@ def build_tiny_model(
     }
     if dtype != "float32":  # only when asked: float32 builds made before the option existed stay valid
         spec["dtype"] = dtype
+    # One builder at a time (the test tiers run two pytest workers): the others wait, then find it built.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        import fcntl
+
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build_locked(out, data, spec, hidden, layers, heads, kv_heads, intermediate, vocab, seed,
+                             model_vocab, dtype)
+
+
+def _build_locked(out: Path, data: Path, spec: dict, hidden: int, layers: int, heads: int, kv_heads: int,
+                  intermediate: int, vocab: int, seed: int, model_vocab: int, dtype: str) -> Path:
     marker = out / MARKER
     if marker.is_file() and (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file():
         try:

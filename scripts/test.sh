@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Run the tests: default tier (CPU, under 6 minutes on 2 cores: 4 min 07 s on 2026-12-02); --slow adds multi-process and long tests; --all both;
-# --unsloth: the Unsloth engine tier, in its own environment .venv-unsloth (built on first use);
+# Run the tests: default tier (CPU, under 6 minutes on 2 cores: 3 min 03 s on 2026-12-02, two workers); --slow adds multi-process and long tests; --all both;
+# --unsloth: the Unsloth engine tier, in its own environment .venv-unsloth (built on first use; --unsloth --build-only
+# builds it and stops);
 # --gguf: the GGUF export through llama.cpp (builds llama-cpp-python once, about 7 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,6 +32,7 @@ if [ "${1:-}" = "--unsloth" ]; then
     pipi -e ".[train,export,test]"
     echo "$want" > "$stamp"
   fi
+  [ "${1:-}" = "--build-only" ] && exit 0  # .ci/run builds it while the slow tier runs
   exec $V/bin/python -m pytest -m unsloth "$@"
 fi
 # The copy tests start a real sshd on 127.0.0.1 and copy with rsync (tests/store/test_sync.py): installed here where
@@ -59,8 +61,13 @@ if [ "${1:-}" = "--gguf" ]; then
     || .venv/bin/ftrun llamacpp install
   exec .venv/bin/python -m pytest -m gguf "$@"
 fi
+# Two pytest workers (pytest-xdist), each taking whole test files (module fixtures such as a reference run are built
+# once): the tests wait on processes as much as they compute (CPU 61% busy over a serial slow tier on 2 cores,
+# 2026-12-02), and the default tier halves (6 min 51 s serial, 3 min 03 s with two). FTRUN_TEST_WORKERS=0 runs
+# serially; a later -n on the command line wins.
+PAR=(-n "${FTRUN_TEST_WORKERS:-2}" --dist loadfile)
 case "${1:-}" in
-  --slow) shift; exec .venv/bin/python -m pytest -m "slow and not gpu and not unsloth" "$@" ;;
-  --all)  shift; exec .venv/bin/python -m pytest -m "not gpu and not unsloth and not gguf" "$@" ;;
-  *)      exec .venv/bin/python -m pytest "$@" ;;
+  --slow) shift; exec .venv/bin/python -m pytest "${PAR[@]}" -m "slow and not gpu and not unsloth" "$@" ;;
+  --all)  shift; exec .venv/bin/python -m pytest "${PAR[@]}" -m "not gpu and not unsloth and not gguf" "$@" ;;
+  *)      exec .venv/bin/python -m pytest "${PAR[@]}" "$@" ;;
 esac

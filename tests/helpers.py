@@ -116,7 +116,10 @@ def freeze_worker(run_dir: Path, until, timeout: float = 180) -> dict:
                 return st
             os.kill(pid, signal.SIGCONT)
         time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting to freeze the worker")
+    st = read_state(run_dir) if (run_dir / "state.json").is_file() else {}
+    log = (run_dir / "train.log").read_text(errors="replace")[-2000:] if (run_dir / "train.log").is_file() else ""
+    raise AssertionError(f"timed out after {timeout}s waiting to freeze the worker at the moment asked for; the run "
+                         f"is {st.get('state')!r}; the end of its log:\n{log}")
 
 
 def has_checkpoint(run_dir: Path) -> bool:

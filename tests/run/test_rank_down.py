@@ -86,14 +86,20 @@ def _beat(run: Path, rank: int) -> dict:
         return {}
 
 
-def _rank_pid(run: Path, rank: int, training: bool = True) -> int:
-    """The pid of `rank` in the current attempt: from its heartbeat, checked to be a child of the recorded launcher."""
+def _launcher_pid(run: Path):
+    return (read_state(run) if (run / "state.json").is_file() else {}).get("worker_pid")
+
+
+def _rank_pid(run: Path, rank: int, training: bool = True, after_launcher: int | None = None) -> int:
+    """The pid of `rank` in the current attempt: from its heartbeat, checked to be a child of the recorded launcher
+    (and, with `after_launcher`, of a launcher other than that one: a restart records its `restarts` before its new
+    launcher, while the old one may still be ending its surviving rank)."""
     import psutil
 
     def found():
-        launcher = (read_state(run) if (run / "state.json").is_file() else {}).get("worker_pid")
+        launcher = _launcher_pid(run)
         beat = _beat(run, rank)
-        if not launcher or not beat.get("pid") or (training and beat.get("phase") == "start"):
+        if not launcher or launcher == after_launcher or not beat.get("pid") or (training and beat.get("phase") == "start"):
             return None
         try:
             kids = {p.pid for p in psutil.Process(launcher).children()}
@@ -125,13 +131,14 @@ def test_kill9_of_one_rank_twice_the_second_before_the_next_checkpoint_restarts_
     _, run = _start(write_recipe, tmp_path, max_restarts=3)
     # the first kill: rank 1 in the middle of training, after a checkpoint
     pid = _rank_pid(run, 1)
+    first = _launcher_pid(run)
     wait_for(lambda: _newest_checkpoint(run) > 0, 180, "a checkpoint", 0.05)
     os.kill(pid, signal.SIGKILL)
     wait_for(lambda: read_state(run).get("restarts") == 1, 120, "the first restart")
     resumed = _newest_checkpoint(run)
     # the second kill: after the resumed attempt trained a step, before it wrote its next checkpoint. Both ranks are
     # frozen at the moment it holds, so the check and the kill see the same run.
-    rank0, rank1 = _rank_pid(run, 0), _rank_pid(run, 1)
+    rank0, rank1 = _rank_pid(run, 0, after_launcher=first), _rank_pid(run, 1, after_launcher=first)
     deadline = time.monotonic() + 120
     while True:
         assert time.monotonic() < deadline, "timed out waiting to freeze the resumed ranks after a step"

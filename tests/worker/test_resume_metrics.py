@@ -12,7 +12,9 @@ import pytest
 from helpers import adapter_tensors, freeze_worker, ftrun, metrics, read_state, status, wait_for, wait_until_ended
 
 LOG_EVERY = 5
-FIELDS = dict(max_steps=30, logging_steps=LOG_EVERY, checkpoint_every_minutes=0.01, learning_rate=5e-3)
+# A checkpoint after every step (the cadence is wall-clock): a 0.6 s cadence on a busy box saved only at logged steps
+# (the logging step is the slow one), so no checkpoint fell inside a window; with one per step, 4 of 5 do.
+FIELDS = dict(max_steps=30, logging_steps=LOG_EVERY, checkpoint_every_minutes=0.0001, learning_rate=5e-3)
 QUICK = ("smoke.enabled=false", "export=[]")
 # Wall-clock values differ between any two runs; every other logged value is a function of the trajectory.
 WALL_CLOCK = ("time", "tokens_per_second", "peak_memory_gb", "train_runtime", "train_tokens_per_second",
@@ -46,6 +48,18 @@ def _reference(write_recipe, tmp_path: Path, name: str, *overrides: str) -> Path
     res = ftrun(recipe, "--foreground", *QUICK, *overrides, cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     return tmp_path / name
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_model) -> Path:
+    """The uninterrupted single-process run both single-process tests compare with (built once)."""
+    from conftest import recipe_file
+
+    d = tmp_path_factory.mktemp("metrics-reference")
+    recipe = recipe_file(d / "ref.yaml", tiny_model, output_dir=d / "ref", **FIELDS)
+    res = ftrun(recipe, "--foreground", *QUICK, cwd=d)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return d / "ref"
 
 
 def _interrupted(write_recipe, tmp_path: Path, *overrides: str, kill_group: bool = False) -> tuple[Path, int, Path]:
@@ -104,8 +118,8 @@ def _assert_same_adapter(ref: Path, run: Path) -> None:
 
 
 @pytest.mark.slow
-def test_kill9_inside_a_logging_window_then_every_logged_value_matches(write_recipe, tmp_path):
-    ref = _reference(write_recipe, tmp_path, "ref")
+def test_kill9_inside_a_logging_window_then_every_logged_value_matches(write_recipe, tmp_path, reference):
+    ref = reference
     run, resume_at, recipe = _interrupted(write_recipe, tmp_path)
     folder = run / "checkpoints" / f"step-{resume_at:06d}"
     hashed = json.loads((folder / "manifest.json").read_text())["files"]
@@ -130,11 +144,11 @@ def test_ddp_kill9_inside_a_logging_window_then_every_logged_value_matches(write
 
 
 @pytest.mark.slow
-def test_checkpoint_without_window_state_still_resumes_with_a_note(write_recipe, tmp_path):
+def test_checkpoint_without_window_state_still_resumes_with_a_note(write_recipe, tmp_path, reference):
     """A checkpoint written before the window's sums were saved: the same weights, the old metrics, a note."""
     from launcher.store import checkpoint as ckpt
 
-    ref = _reference(write_recipe, tmp_path, "ref")
+    ref = reference
     run, resume_at, recipe = _interrupted(write_recipe, tmp_path)
     folder = run / "checkpoints" / f"step-{resume_at:06d}"
     manifest = json.loads((folder / "manifest.json").read_text())
