@@ -24,7 +24,7 @@ from launcher.plan import deadlines
 from launcher.run import rank_ends, views, watchdog
 from launcher.store import heartbeat
 from launcher.worker import train
-from launcher.worker.engines import MULTI_PROCESS, die_with_parent, failed_verification, launch_command, launch_env
+from launcher.worker.engines import MULTI_PROCESS, failed_verification, launch_command, launch_env, with_death_signal
 from launcher.store.checkpoint import newest_step_unverified, step_dir_name
 from launcher.store.rundir import RunDir
 from launcher.store.state import (ENDED, process_identity, read_state, run_holder, run_processes, same_process,
@@ -148,15 +148,15 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
         heartbeat.clear(run)  # the last attempt's heartbeats and error file must not speak for this one
         run.heartbeats.mkdir(parents=True, exist_ok=True)
         launched_at = time.time()
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env,
+        # a launcher (torchrun) outliving the supervisor keeps its ranks training: it is killed with it; a single
+        # worker outliving it would train on unsupervised: it gets SIGTERM, saves a checkpoint and exits (the next
+        # launch resumes from it). Asked for after the exec, not in a preexec_fn (engines.with_death_signal)
+        death = signal.SIGKILL if plan.get("engine") in MULTI_PROCESS else signal.SIGTERM
+        proc = subprocess.Popen(with_death_signal(cmd, death), stdin=subprocess.DEVNULL, env=env,
                                 # torchrun's report of how each rank ended is read from its stderr (rank_ends.py)
                                 stderr=subprocess.PIPE if multi else None,
                                 # the worker keeps the run locked while it lives, even without its supervisor
-                                pass_fds=(lock_fd,) if lock_fd is not None else (),
-                                # a launcher (torchrun) outliving the supervisor keeps its ranks training: it is
-                                # killed with it; a single worker outliving it would train on unsupervised: it
-                                # gets SIGTERM, saves a checkpoint and exits (the next launch resumes from it)
-                                preexec_fn=die_with_parent if plan.get("engine") in MULTI_PROCESS else _stop_with_parent)
+                                pass_fds=(lock_fd,) if lock_fd is not None else ())
         tail = _Tail(proc.stderr) if multi else None  # read from the start: a full pipe would block the ranks
         child["proc"] = proc
         child["launcher"] = proc if plan.get("engine") in MULTI_PROCESS else None
@@ -401,13 +401,6 @@ def _host_oom(kills_before: Optional[int]) -> Optional[dict[str, Any]]:
         return None
     limit = memory_limit_bytes()
     return {"oom_kills": after - kills_before, "limit_gb": round(limit / 2**30, 1) if limit else None}
-
-
-def _stop_with_parent() -> None:
-    """In the single worker, before exec: SIGTERM when the supervisor dies (kill -9, the OOM killer). The
-    signal is tied to the thread that started the worker: the supervisor's main thread, which lives as long
-    as the supervisor."""
-    die_with_parent(signal.SIGTERM)
 
 
 def _ranks(launcher: subprocess.Popen) -> list[int]:

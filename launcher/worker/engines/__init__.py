@@ -283,6 +283,33 @@ def failed_verification(worker_json: Path) -> str | None:
     return None
 
 
+# Run by `python -S -c` between the supervisor's fork and the worker: ask for the signal, check the parent is still the
+# one that started it (a parent that died before prctl sends nothing), then exec the worker, which keeps the pid and
+# the death signal (prctl(2): PR_SET_PDEATHSIG survives execve).
+_DEATH_SIGNAL_EXEC = """\
+import ctypes, os, sys
+sig, parent, argv = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+ctypes.CDLL(None, use_errno=True).prctl(1, sig, 0, 0, 0)
+if os.getppid() != parent:
+    os.kill(os.getpid(), sig)
+    sys.exit(128 + sig)
+os.execvp(argv[0], argv)
+"""
+
+
+def with_death_signal(cmd: list[str], sig: int) -> list[str]:
+    """`cmd`, started so that it gets `sig` when the process that starts it dies (Linux; elsewhere `cmd` itself).
+
+    Why not Popen's preexec_fn=die_with_parent: it runs Python in the forked child of a process with threads (the
+    supervisor's copier, its stderr reader), and Python's docs warn that the child can deadlock before exec. It did:
+    a supervisor's child hung in a futex, never exec'd, and the run stayed 'running' with no worker (the kill series
+    on a busy box, 2026-12-02; ctypes.CDLL takes the dynamic loader's lock, which another thread can hold at the
+    fork). The child now execs at once into this small program, which asks for the signal in a fresh process."""
+    if not sys.platform.startswith("linux"):
+        return list(cmd)
+    return [sys.executable, "-S", "-c", _DEATH_SIGNAL_EXEC, str(int(sig)), str(os.getpid()), *cmd]
+
+
 def die_with_parent(sig: "int | None" = None) -> None:
     """Linux: this process gets `sig` (SIGKILL by default) when its parent dies.
 
