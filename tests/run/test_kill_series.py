@@ -30,7 +30,7 @@ BUCKET_PREFIX = "runs/kills"
 
 
 def _frozen_when(group: Callable[[], Optional[int]], marker: Callable[[], bool], what: str,
-                 timeout: float = 240) -> int:
+                 timeout: float = 240, run: Optional[Path] = None) -> int:
     """SIGSTOP the process group at short intervals until `marker()` holds while it is stopped; returns the
     group, still stopped. The marker is read only while nothing of the run moves, so the kill that follows
     lands in the phase the marker names."""
@@ -50,7 +50,12 @@ def _frozen_when(group: Callable[[], Optional[int]], marker: Callable[[], bool],
                 pass
             os.killpg(pgid, signal.SIGCONT)
         time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    where = ""
+    if run is not None and (run / "state.json").is_file():
+        st = read_state(run)
+        log = (run / "train.log").read_text(errors="replace")[-1500:] if (run / "train.log").is_file() else ""
+        where = f"; the run is {st.get('state')!r}, its export {st.get('export')}; the end of its log:\n{log}"
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}{where}")
 
 
 def _kill(pgid: int) -> None:
@@ -139,7 +144,7 @@ def test_five_kill9_one_in_each_phase_then_the_same_command_ends_like_the_uninte
             seen.add(now)
         return bool(now) and len(seen) >= saves
 
-    pgid = _frozen_when(_supervisor_group(run), nth_save, f"save number {saves}")
+    pgid = _frozen_when(_supervisor_group(run), nth_save, f"save number {saves}", run=run)
     phases.append(f"a save ({_saving(run)})")
     _kill(pgid)
     same_command()
@@ -159,7 +164,7 @@ def test_five_kill9_one_in_each_phase_then_the_same_command_ends_like_the_uninte
             started.add(name)
         return bool(keys) and not any(k.endswith("/manifest.json") for k in keys) and len(started) >= uploads
 
-    pgid = _frozen_when(_supervisor_group(run), nth_upload, f"upload number {uploads}")
+    pgid = _frozen_when(_supervisor_group(run), nth_upload, f"upload number {uploads}", run=run)
     phases.append(f"an upload ({next((run / 'checkpoints').glob('.sync-step-*')).name})")
     _kill(pgid)
     assert _logged(run) < RESUME_FIELDS["max_steps"], "training ended before the upload's kill"
@@ -174,7 +179,7 @@ def test_five_kill9_one_in_each_phase_then_the_same_command_ends_like_the_uninte
         return (st.get("export") or {}).get("state") == "running" and \
             log[log.rfind("exporting: merged"):].count("[ftrun export]") >= export_lines
 
-    pgid = _frozen_when(_supervisor_group(run), exporting, f"{export_lines} export line(s)")
+    pgid = _frozen_when(_supervisor_group(run), exporting, f"{export_lines} export line(s)", run=run)
     phases.append(f"the export, after {export_lines} of its lines")
     _kill(pgid)
     same_command()
