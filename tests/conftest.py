@@ -84,15 +84,21 @@ def write_recipe(tmp_path, tiny_model):
 RESUME_FIELDS = dict(max_steps=30, checkpoint_every_minutes=0.01, learning_rate=5e-3)
 
 
-@pytest.fixture(scope="session")
-def reference_run(tmp_path_factory, tiny_model) -> Path:
+def uninterrupted_run(tmp_path_factory, tiny_model: Path, name: str, fields: dict, *overrides: str) -> Path:
+    """One foreground run of the tiny model with `fields` and `overrides`, start to end: what an interrupted run's
+    losses and adapter are compared with. Returns its run directory."""
     from helpers import ftrun
 
-    d = tmp_path_factory.mktemp("reference")
-    recipe = recipe_file(d / "ref.yaml", tiny_model, output_dir=d / "run", **RESUME_FIELDS)
-    res = ftrun(recipe, "--foreground", "smoke.enabled=false", cwd=d)
+    d = tmp_path_factory.mktemp(name)
+    recipe = recipe_file(d / "ref.yaml", tiny_model, output_dir=d / "run", **fields)
+    res = ftrun(recipe, "--foreground", *overrides, cwd=d)
     assert res.returncode == 0, res.stdout + res.stderr
     return d / "run"
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory, tiny_model) -> Path:
+    return uninterrupted_run(tmp_path_factory, tiny_model, "reference", RESUME_FIELDS, "smoke.enabled=false")
 
 
 # A local S3 endpoint for the copies off the box (tests/store/test_sync.py, tests/run/test_kill_series.py).

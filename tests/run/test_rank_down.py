@@ -70,13 +70,9 @@ sys.meta_path.insert(0, _PatchAfterImport())
 
 @pytest.fixture(scope="module")
 def ddp_reference(tmp_path_factory, tiny_model) -> Path:
-    from conftest import recipe_file
+    from conftest import uninterrupted_run
 
-    d = tmp_path_factory.mktemp("ddp-reference")
-    recipe = recipe_file(d / "ref.yaml", tiny_model, output_dir=d / "run", **FIELDS)
-    res = ftrun(recipe, "--foreground", *DDP2, cwd=d)
-    assert res.returncode == 0, res.stdout + res.stderr
-    return d / "run"
+    return uninterrupted_run(tmp_path_factory, tiny_model, "ddp-reference", FIELDS, *DDP2)
 
 
 def _beat(run: Path, rank: int) -> dict:

@@ -28,13 +28,9 @@ def _values(rows: list[dict]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, tiny_model) -> Path:
-    from conftest import recipe_file
+    from conftest import uninterrupted_run
 
-    d = tmp_path_factory.mktemp("eval-ref")
-    recipe = recipe_file(d / "ref.yaml", tiny_model, output_dir=d / "run", **FIELDS)
-    res = ftrun(recipe, "--foreground", *QUICK, cwd=d)
-    assert res.returncode == 0, res.stdout + res.stderr
-    return d / "run"
+    return uninterrupted_run(tmp_path_factory, tiny_model, "eval-ref", FIELDS, *QUICK)
 
 
 def _samples(run: Path) -> list[dict]:

@@ -53,13 +53,9 @@ def _reference(write_recipe, tmp_path: Path, name: str, *overrides: str) -> Path
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, tiny_model) -> Path:
     """The uninterrupted single-process run both single-process tests compare with (built once)."""
-    from conftest import recipe_file
+    from conftest import uninterrupted_run
 
-    d = tmp_path_factory.mktemp("metrics-reference")
-    recipe = recipe_file(d / "ref.yaml", tiny_model, output_dir=d / "ref", **FIELDS)
-    res = ftrun(recipe, "--foreground", *QUICK, cwd=d)
-    assert res.returncode == 0, res.stdout + res.stderr
-    return d / "ref"
+    return uninterrupted_run(tmp_path_factory, tiny_model, "metrics-reference", FIELDS, *QUICK)
 
 
 def _interrupted(write_recipe, tmp_path: Path, *overrides: str, kill_group: bool = False) -> tuple[Path, int, Path]:
