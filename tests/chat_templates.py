@@ -61,7 +61,8 @@ FAMILIES = {
                      ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
                       "<|eom_id|>", "<|python_tag|>"), "<|begin_of_text|>", "<|eot_id|>", "<|end_of_text|>",
                      "<|eot_id|>", add_bos=True, tools=True, broken={"<|eot_id|>": ""}),
-    "gemma": Family("gemma", _trl_template("gemma"), ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"),
+    "gemma": Family("gemma", _trl_template("gemma"), ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>",
+                                                     "<end_of_turn>"),
                     "<bos>", "<eos>", "<pad>", "<end_of_turn>", add_bos=True, system=False,
                     broken={"<end_of_turn>": ""}),
     "mistral": Family("mistral", MISTRAL_TEMPLATE, ("<unk>", "<s>", "</s>"), "<s>", "</s>", "</s>", "</s>",
@@ -137,3 +138,41 @@ def conversation(family: str, answer: str = "Paris.", question: str = "The capit
 def write_jsonl(path: Path, records: list) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
+
+
+def _added(content: str) -> dict:
+    return {"__type": "AddedToken", "content": content, "lstrip": False, "normalized": False, "rstrip": False,
+            "single_word": False}
+
+
+# tokenizer_config.json as the Hub repositories publish it (their keys and value types; the template and the long
+# added_tokens_decoder left to the built tokenizer): `add_bos_token` and `add_eos_token` are booleans, Llama 2's
+# tokens are AddedToken objects, `sp_model_kwargs` an object, `pad_token` null.
+PUBLISHED_CONFIGS = {
+    # mistralai/Mistral-7B-Instruct-v0.2
+    "mistral": ("mistral", {"add_bos_token": True, "add_eos_token": False, "additional_special_tokens": [],
+                            "bos_token": "<s>", "clean_up_tokenization_spaces": False, "eos_token": "</s>",
+                            "legacy": True, "model_max_length": 1000000000000000019884624838656, "pad_token": None,
+                            "sp_model_kwargs": {}, "spaces_between_special_tokens": False,
+                            "tokenizer_class": "LlamaTokenizer", "unk_token": "<unk>",
+                            "use_default_system_prompt": False}),
+    # meta-llama/Llama-2-7b-chat-hf (same special tokens as Mistral's tokenizer)
+    "llama2": ("mistral", {"add_bos_token": True, "add_eos_token": False, "bos_token": _added("<s>"),
+                           "clean_up_tokenization_spaces": False, "eos_token": _added("</s>"), "legacy": False,
+                           "model_max_length": 1000000000000000019884624838656, "pad_token": None,
+                           "padding_side": "right", "sp_model_kwargs": {}, "tokenizer_class": "LlamaTokenizer",
+                           "unk_token": _added("<unk>")}),
+    # google/gemma-7b-it
+    "gemma": ("gemma", {"add_bos_token": True, "add_eos_token": False,
+                        "additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"], "bos_token": "<bos>",
+                        "clean_up_tokenization_spaces": False, "eos_token": "<eos>", "legacy": None,
+                        "model_max_length": 1000000000000000019884624838656, "pad_token": "<pad>",
+                        "sp_model_kwargs": {}, "spaces_between_special_tokens": False,
+                        "tokenizer_class": "GemmaTokenizer", "unk_token": "<unk>", "use_default_system_prompt": False}),
+}
+
+
+def publish_config(folder: Path, layout: str) -> Path:
+    """`folder`'s tokenizer_config.json replaced by the published layout `layout` (PUBLISHED_CONFIGS)."""
+    (Path(folder) / "tokenizer_config.json").write_text(json.dumps(PUBLISHED_CONFIGS[layout][1], indent=2))
+    return Path(folder)

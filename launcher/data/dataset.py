@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 
 from launcher.data import formats as formats
 from launcher.data.sources import NotJson, Source, read, sources_of
+from launcher.data.tokenizer import read_tokenizer, tokenizer_dir
 from launcher.errors import DataError
 
 ROLES = formats.ROLES
@@ -196,8 +197,8 @@ def load_examples(spec: Any) -> list[list[dict[str, Any]]]:
 
 
 # ---------------------------------------------------------------------------------------
-# Token counting without torch: the model's tokenizer.json and its chat template (jinja2),
-# rendered the way transformers renders it, so `ftrun plan` stays light.
+# Token counting without torch: the model's tokenizer (launcher/data/tokenizer.py) and its chat template
+# (jinja2), rendered the way transformers renders it, so `ftrun plan` stays light.
 
 # While `render_tracked` renders: (the blocks rendered so far, the (start, end) characters of each
 # {% generation %} block), as transformers' AssistantTracker keeps them (transformers 5.24,
@@ -253,19 +254,6 @@ def _template_env():
     return env
 
 
-def _find_tokenizer_files(model_dir: Path) -> tuple[Optional[Path], Optional[str], dict[str, Any]]:
-    tok_json = model_dir / "tokenizer.json"
-    cfg_path = model_dir / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-    template = None
-    jinja_file = model_dir / "chat_template.jinja"
-    if jinja_file.is_file():
-        template = jinja_file.read_text()
-    elif isinstance(cfg.get("chat_template"), str):
-        template = cfg["chat_template"]
-    return (tok_json if tok_json.is_file() else None), template, cfg
-
-
 def token_counter(model: str) -> tuple[Optional[Callable[[Any], int]], str]:
     """A function counting an example's tokens as TRL tokenizes it, and where it came from.
 
@@ -289,31 +277,15 @@ def token_counter(model: str) -> tuple[Optional[Callable[[Any], int]], str]:
     return count, source
 
 
-def tokenizer_dir(model: str) -> tuple[Optional[Path], str]:
-    """The folder holding the model's tokenizer on this machine (the model's own folder or the Hugging Face
-    cache), or (None, why not)."""
-    model_dir = Path(model)
-    if not model_dir.is_dir():
-        from launcher.model_files import cached_file
-
-        cached = cached_file(model, "tokenizer.json")
-        model_dir = cached.parent if cached else None
-        if model_dir is None:
-            return None, f"no local tokenizer for {model} (not a folder, not in the Hugging Face cache)"
-    return model_dir, ""
-
-
 def _renderer(model: str):
     """((render(example) -> text, encode(text, special) -> ids), source), or (None, why not)."""
     model_dir, why = tokenizer_dir(model)
     if model_dir is None:
         return None, why
-    tok_path, template, cfg = _find_tokenizer_files(model_dir)
-    if tok_path is None:
+    read = read_tokenizer(model_dir)
+    if read is None:
         return None, f"{model_dir} has no tokenizer.json"
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(tok_path))
+    tokenizer, template, special = read.tokenizer, read.template, read.special
 
     def encode(text: str, add_special: bool) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=add_special).ids
@@ -321,7 +293,6 @@ def _renderer(model: str):
     if template is None:  # plain text and plain prompt/completion need none
         return (None, encode), f"{model_dir} has a tokenizer but no chat template"
     compiled = _template_env().from_string(template)
-    special = {k: (v if isinstance(v, str) else (v or {}).get("content")) for k, v in cfg.items() if k.endswith("_token")}
 
     def render(example: dict[str, Any]) -> str:
         msgs = example["messages"] if "messages" in example else example["prompt"] + example["completion"]

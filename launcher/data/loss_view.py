@@ -7,9 +7,9 @@ the chat template (TRL's training template with {% generation %} markers swapped
 trl/chat_template_utils.py get_training_chat_template), `return_assistant_tokens_mask` as transformers 5.24 computes
 it from the generation blocks' characters (tokenization_utils_base.py apply_chat_template), the completion mask of
 prompt/completion data from the common prefix, the EOS appended to plain text, `build_labels`, truncation to
-max_length; and the collator: the first token of every sequence is never a target. It runs without torch or
-transformers (`ftrun plan` stays light): the model's tokenizer.json and jinja2, as the token counts do
-(launcher/data/dataset.py). tests/data/test_loss_view.py holds it token for token to TRL's own prepared dataset
+max_length; and the collator: the first token of every sequence is never a target. It runs without torch
+(`ftrun plan` stays light): the tokenizer as transformers reads it (launcher/data/tokenizer.py) and jinja2, as the
+token counts do (launcher/data/dataset.py). tests/data/test_loss_view.py holds it token for token to TRL's own prepared dataset
 (`SFTTrainer._prepare_dataset`) on each chat template family, so a TRL or transformers upgrade that masks
 differently fails there.
 """
@@ -17,7 +17,6 @@ differently fails there.
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,20 +89,18 @@ class LossView:
     """A model's tokenizer and chat template with the recipe's settings: `mark(example)` gives what the loss sees."""
 
     def __init__(self, model: str, settings: Settings):
-        from tokenizers import Tokenizer
-
-        from launcher.data.dataset import _find_tokenizer_files, _template_env, tokenizer_dir
+        from launcher.data.dataset import _template_env
+        from launcher.data.tokenizer import read_tokenizer, tokenizer_dir
 
         folder, why = tokenizer_dir(model)
-        tok_path, template, cfg = _find_tokenizer_files(folder) if folder else (None, None, {})
-        if tok_path is None:
+        read = read_tokenizer(folder) if folder else None
+        if read is None:
             raise LookupError(why or f"{folder} has no tokenizer.json")
+        template = read.template
         self.model, self.settings = model, settings
-        self.tokenizer = Tokenizer.from_file(str(tok_path))
-        self.special = {k: (v if isinstance(v, str) else (v or {}).get("content")) for k, v in cfg.items()
-                        if k.endswith("_token")}
-        raw = json.loads(Path(tok_path).read_text(encoding="utf-8"))
-        self.added = {t["content"]: t["id"] for t in raw.get("added_tokens", [])}
+        self.tokenizer = read.tokenizer
+        self.special = read.special
+        self.added = read.added
         self.added_ids = set(self.added.values())
         self.eos = settings.eos_token or self.special.get("eos_token")
         self.template_source = template

@@ -1,0 +1,67 @@
+"""The base model's tokenizer as training reads it, without torch: its folder on this machine, the tokenizer that
+encodes, the special tokens a chat template sees, and the chat template.
+
+transformers reads the files (`PreTrainedTokenizerFast.from_pretrained`, which imports no torch), so every key of a
+published `tokenizer_config.json` means what it means in training. Special tokens may be strings or AddedToken
+objects; the template sees exactly `special_tokens_map` (transformers 5.24, tokenization_utils_base.py
+`apply_chat_template`: `template_kwargs = {**self.special_tokens_map, **kwargs}`). `add_bos_token` and
+`add_eos_token` (Mistral, Gemma, Llama 2 as published) are settings, never tokens, and with a tokenizer.json at
+hand transformers drops them (`from_pretrained`: `init_kwargs.pop("add_bos_token", None)` where a tokenizer_file
+resolves): tokenizer.json's post-processor decides what encoding adds, here as in training.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class ModelTokenizer:
+    folder: Path
+    tokenizer: Any  # the tokenizers.Tokenizer transformers encodes with: encode(text, add_special_tokens=...)
+    template: Optional[str]  # the chat template (chat_template.jinja, else tokenizer_config.json's), or None
+    special: dict[str, str]  # what apply_chat_template passes the template: bos_token, eos_token, pad_token, ...
+    added: dict[str, int]  # the added tokens (content -> id) of tokenizer.json
+
+
+def tokenizer_dir(model: str) -> tuple[Optional[Path], str]:
+    """The folder holding the model's tokenizer on this machine (the model's own folder or the Hugging Face
+    cache), or (None, why not)."""
+    model_dir = Path(model)
+    if not model_dir.is_dir():
+        from launcher.model_files import cached_file
+
+        cached = cached_file(model, "tokenizer.json")
+        model_dir = cached.parent if cached else None
+        if model_dir is None:
+            return None, f"no local tokenizer for {model} (not a folder, not in the Hugging Face cache)"
+    return model_dir, ""
+
+
+def read_tokenizer(model_dir: Path) -> Optional[ModelTokenizer]:
+    """The tokenizer in `model_dir` as transformers loads it, or None when the folder has no tokenizer.json."""
+    tok_json = model_dir / "tokenizer.json"
+    if not tok_json.is_file():
+        return None
+    from transformers import PreTrainedTokenizerFast
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its notes on a config's tokenizer_class are not the user's business here
+    try:
+        loaded = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    template = None
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.is_file():
+        template = jinja_file.read_text(encoding="utf-8")
+    elif isinstance(loaded.chat_template, str):
+        template = loaded.chat_template
+    raw = json.loads(tok_json.read_text(encoding="utf-8"))
+    return ModelTokenizer(folder=model_dir, tokenizer=loaded.backend_tokenizer, template=template,
+                          special=dict(loaded.special_tokens_map),
+                          added={t["content"]: t["id"] for t in raw.get("added_tokens", [])})
