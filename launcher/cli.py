@@ -21,11 +21,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
-from pathlib import Path
 from typing import Optional
 
 from launcher import gguf_types
@@ -182,75 +179,23 @@ def cmd_data(a) -> int:
 
 
 def cmd_status(a) -> int:
-    from launcher.run import views
-    from launcher.run.pipeline import resolve_run
+    from launcher.run.status_command import status_command
 
-    if a.target is None:
-        runs = views.find_runs(Path.cwd() / "runs")
-        if len(runs) > 1 or (not runs and a.json):  # several runs: one line each
-            rows = [views.run_row(r) for r in runs]
-            print(json.dumps(rows, indent=2) if a.json else views.format_runs(rows))
-            return 0
-        if not runs:  # nothing to show is not an error
-            print("no runs under ./runs: start one with `ftrun RECIPE`, or name a recipe or run directory "
-                  "(`ftrun status RECIPE|RUN_DIR`)")
-            return 0
-    run = resolve_run(a.target)
-    if a.watch and not a.json:
-        views.watch(run)
-        return 0
-    while True:
-        s = views.run_status(run)
-        if a.json:
-            print(json.dumps(s, indent=2), flush=True)
-        else:
-            print(views.format_status(s, ending_follows=s["state"] in views.ENDED), flush=True)
-            if s["state"] in views.ENDED:
-                print(views.format_end_summary(views.end_summary(run)), flush=True)
-        if not a.watch or s["state"] not in views.ACTIVE:
-            return 0
-        time.sleep(2)
+    return status_command(a.target, as_json=a.json, watching=a.watch)
 
 
 def cmd_logs(a) -> int:
+    from launcher.run.logs_command import logs_command
     from launcher.run.pipeline import resolve_run
-    from launcher.store.state import run_holder
 
-    run = resolve_run(a.target, command="logs")
-    if not run.log.is_file():
-        print(f"no log yet in {run.root}")
-        return 0
-    with run.log.open("r", errors="replace") as fh:
-        sys.stdout.write(fh.read())
-        sys.stdout.flush()
-        while a.follow:
-            line = fh.readline()
-            if line:
-                sys.stdout.write(line)
-                sys.stdout.flush()
-                continue
-            # followed while a verified process holds the run: the launcher (plan, smoke test), then the
-            # supervisor, which outlives the training (export, the last copy off the box); a stale pid in
-            # state.json (a restarted box) ends it at once
-            if run_holder(run) is None:
-                sys.stdout.write(fh.read())  # what was written just before the end
-                sys.stdout.flush()
-                return 0
-            time.sleep(0.5)
-    return 0
+    return logs_command(resolve_run(a.target, command="logs"), follow=a.follow)
 
 
 def cmd_stop(a) -> int:
-    from launcher.run import views
+    from launcher.run.control import stop_command
     from launcher.run.pipeline import resolve_run
-    from launcher.run.supervisor import stop
 
-    run = resolve_run(a.target, command="stop")
-    outcome = stop(run)
-    print(f"{run.root}: {outcome}")
-    if outcome == "stopped":
-        print(views.format_end_summary(views.end_summary(run)))
-    return 0
+    return stop_command(resolve_run(a.target, command="stop"))
 
 
 def cmd_pull(a) -> int:

@@ -1,6 +1,13 @@
-"""Errors a user can act on: each carries what went wrong, where, and the fix to suggest."""
+"""Errors a user can act on: each carries what went wrong, where, and the fix to suggest.
+
+Owns the table of the worker's failure exits (WORKER_EXITS: each code's wording, its fix, whether the supervisor
+restarts the worker after it); launcher/worker/exits.py exits with these codes, launcher/run/smoke.py and
+launcher/run/supervisor.py read them from here.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 # Exit codes, documented in the README; scripts rely on them.
 EXIT_OK = 0
@@ -10,6 +17,48 @@ EXIT_DOES_NOT_FIT = 3  # the plan finds no way to run the job on this box
 EXIT_SMOKE_FAILED = 4
 EXIT_RUN_FAILED = 5
 EXIT_BUSY = 6  # another ftrun owns the run directory
+
+# The worker's own exit codes (launcher/worker/exits.py), read by the supervisor and the smoke test.
+EXIT_STOPPED = 77  # stopped by SIGTERM/SIGINT after saving a checkpoint (preemption, `ftrun stop`)
+EXIT_OOM = 78
+EXIT_NAN = 79
+EXIT_BAD_WORLD = 80
+EXIT_DISK_FULL = 81
+
+
+@dataclass(frozen=True)
+class WorkerExit:
+    """How a worker's exit code reads, the fix to suggest, and whether the supervisor restarts the worker after it."""
+
+    what: str
+    fix: str
+    restart: bool
+
+    @property
+    def reason(self) -> str:
+        return f"{self.what}; {self.fix}"
+
+
+# Each failure exit of a worker, once: the smoke test's error (launcher/run/smoke.py REASONS) and the supervisor's
+# reason for stopping a run a restart cannot fix (launcher/run/supervisor.py FATAL) are read from it.
+WORKER_EXITS = {
+    EXIT_OOM: WorkerExit("out of GPU memory", "lower micro_batch_size (raise gradient_accumulation_steps to keep the "
+                         "effective batch), lower max_length, or use method: qlora", restart=False),
+    EXIT_NAN: WorkerExit("the loss became NaN or infinite",
+                         "lower learning_rate and check the data for empty or broken examples", restart=False),
+    EXIT_BAD_WORLD: WorkerExit("the worker saw another device or process count than the plan",
+                               "the worker's log says what it saw (train.log; the smoke test shows its last lines)",
+                               restart=False),
+    EXIT_DISK_FULL: WorkerExit("disk full while saving a checkpoint",
+                               "free space on the run directory's disk (`df -h`), then run the same command to resume "
+                               "from the newest verified checkpoint", restart=False),
+    EXIT_BAD_INPUT: WorkerExit("the worker rejected its input",
+                               "the worker's log says why (train.log; the smoke test shows its last lines)",
+                               restart=False),
+    -9: WorkerExit("the worker was killed (SIGKILL), most often by the kernel when memory runs out",
+                   "lower micro_batch_size or max_length, or use a box with more memory; `dmesg | tail` shows OOM kills",
+                   restart=True),
+}
 
 
 class FtrunError(Exception):

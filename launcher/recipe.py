@@ -16,14 +16,14 @@ from typing import Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
-from launcher import gguf_types
+from launcher import engine_kinds, export_formats, gguf_types, methods, tracker_kinds
 from launcher.data import formats as data_formats
 from launcher.store.sync import kinds as sync_kinds
 from launcher.errors import RecipeError
 
-Method = Literal["qlora", "lora", "full", "full-8bit"]
-Engine = Literal["auto", "unsloth", "trl", "ddp", "fsdp", "deepspeed"]
-ExportFormat = Literal["adapter", "merged", "gguf"]  # in the order launcher/deliver/export.py makes them
+Method = Literal[tuple(methods.METHODS)]  # the method table, launcher/methods.py
+Engine = Literal[(engine_kinds.AUTO, *engine_kinds.ENGINES)]  # the engine table, launcher/engine_kinds.py
+ExportFormat = Literal[tuple(export_formats.FORMATS)]  # the export table, launcher/export_formats.py
 GgufType = Literal[tuple(gguf_types.TYPES)]  # the GGUF table, launcher/gguf_types.py
 
 # Settings the recipe owns at top level: passing them again under `trainer:` would make two
@@ -158,7 +158,7 @@ class EvalSettings(_Strict):
         return self
 
 
-Tracker = Literal["tensorboard", "wandb", "mlflow", "trackio"]  # launcher/worker/trackers.py
+Tracker = Literal[tuple(tracker_kinds.TRACKERS)]  # the tracker table, launcher/tracker_kinds.py
 
 
 class PublishSettings(_Strict):
@@ -186,7 +186,7 @@ class Recipe(_Strict):
     """One fine-tuning job. Field descriptions are the documentation (`ftrun explain` prints them)."""
 
     model: str = Field(description="Hugging Face model id or a local model directory.")
-    method: Method = Field(description="qlora (4-bit base + LoRA), lora (16-bit base + LoRA), full (AdamW), full-8bit.")
+    method: Method = Field(description=methods.described())
     data: Union[str, DataSource, list[Union[str, DataSource]]] = Field(
         description="The training data: a file (.jsonl, .json, .parquet, .csv), a folder of them, a Hub dataset "
         "(org/name), a {path, split, subset, columns, format, weight} mapping, or a list of those mixed by weight. "
@@ -221,7 +221,8 @@ class Recipe(_Strict):
         "auto", description="auto: continue if a checkpoint exists; true: fail if none; false: refuse to reuse a run."
     )
     smoke: SmokeSettings = Field(default_factory=SmokeSettings, description="The 1%-of-data smoke test.")
-    engine: Engine = Field("auto", description="auto lets the plan choose; or force unsloth, trl, ddp, fsdp, deepspeed.")
+    engine: Engine = Field(engine_kinds.AUTO, description=f"{engine_kinds.AUTO} lets the plan choose; or force "
+                           f"{', '.join(engine_kinds.ENGINES)}.")
     # Not part of the trajectory's keys: a DeepSpeed checkpoint is refused on another layout (worker/engines).
     offload: Literal["auto", "none", "optimizer", "optimizer+params"] = Field(
         "auto", description="DeepSpeed ZeRO-3 CPU offload: auto adds it (optimizer, then parameters) only when "
@@ -263,8 +264,7 @@ class Recipe(_Strict):
     )
     export: list[ExportFormat] = Field(
         default_factory=lambda: ["adapter"],
-        description="Outputs made after training, each reloaded and checked: adapter, merged (16-bit, for vLLM), "
-        "gguf (for Ollama/llama.cpp; implies merged).",
+        description=f"Outputs made after training, each reloaded and checked: {export_formats.described()}.",
     )
     gguf_type: GgufType = Field(gguf_types.DEFAULT_TYPE,
                                 description=f"GGUF type, made by llama.cpp: {gguf_types.described()}.")
@@ -272,7 +272,7 @@ class Recipe(_Strict):
     report_to: list[Tracker] = Field(
         default_factory=lambda: ["tensorboard"],
         description="Experiment trackers the trainer reports to (rank 0 only), named after the run, with the recipe as "
-        "config: tensorboard (event files in the run), wandb, mlflow, trackio; [] for none. docs/tracking.md.",
+        f"config: {tracker_kinds.described()}; [] for none. docs/tracking.md.",
     )
     publish: PublishSettings = Field(default_factory=PublishSettings,
                                      description="Pushing the verified result to the Hugging Face Hub, with a model card.")
@@ -302,11 +302,10 @@ class Recipe(_Strict):
         if self.assistant_only_loss and self.packing:
             raise ValueError("assistant_only_loss and packing together are not supported by TRL; turn one off")
         if self.publish.to:
-            full = self.method in ("full", "full-8bit")
-            if full and "adapter" in self.publish.what:
+            if not methods.is_adapter(self.method) and "adapter" in self.publish.what:
                 raise ValueError("publish.what has 'adapter', but a full fine-tune has none: publish merged "
                                  "(the 16-bit model, with merged in export:) or gguf")
-            exported = set(self.export) | ({"merged"} if "gguf" in self.export else set())
+            exported = set(export_formats.made(self.export))
             missing = [w for w in self.publish.what if w not in exported]
             if missing:
                 raise ValueError(f"publish.what has {missing}, which export: does not make (and check) first; "
@@ -521,13 +520,15 @@ def validate_recipe(raw: dict[str, Any], base_dir: Path, default_name: str, sour
 
 
 def check_trainer_fields(recipe: Recipe) -> None:
-    """Check `trainer:` against the installed TRL's SFTConfig (imports trl: call only where we train)."""
+    """Check `trainer:` against the installed TRL's SFTConfig, the objective's configuration (imports trl: call only
+    where we train)."""
     if not recipe.trainer:
         return
     import dataclasses
 
-    from trl import SFTConfig
+    import trl
 
+    SFTConfig = getattr(trl, methods.OBJECTIVES["sft"].config)
     known = {f.name for f in dataclasses.fields(SFTConfig)}
     bad = [k for k in recipe.trainer if k not in known]
     if bad:

@@ -2,7 +2,9 @@
 
 One owner per table (docs/architecture.md): the GGUF types (launcher/gguf_types.py), the data formats
 (launcher/data/formats.py), the run states (launcher/store/state.py), the copy destinations
-(launcher/store/sync/kinds.py) and the GPU catalog (launcher/plan/gpus.yaml, read by launcher/plan/hardware.py).
+(launcher/store/sync/kinds.py), the GPU catalog (launcher/plan/gpus.yaml, read by launcher/plan/hardware.py), the
+methods and objectives (launcher/methods.py), the engines (launcher/engine_kinds.py), the trackers
+(launcher/tracker_kinds.py) and the export formats (launcher/export_formats.py).
 An entry added to a table without what its users need fails here, not in a user's run.
 """
 
@@ -125,7 +127,7 @@ def _states():
 
 @pytest.mark.parametrize("state", _states())
 def test_every_run_state_is_recorded_and_shown(state, tmp_path):
-    from launcher.run import views
+    from launcher.run import facts, views
     from launcher.store.rundir import RunDir
     from launcher.store.state import ACTIVE, ENDED, STATES, TRAINED, read_state, set_state
 
@@ -135,13 +137,24 @@ def test_every_run_state_is_recorded_and_shown(state, tmp_path):
     run.recipe.write_text("model: x\n")
     set_state(run, state, reason="a reason")
     assert read_state(run)["state"] == state
-    s = views.run_status(run)
+    s = facts.run_status(run)
     text = views.format_status(s)
     assert state in text or (state in ACTIVE and s["state"] == "interrupted")  # no process holds this test's run
     if state in ENDED:
         assert state in views.ENDING  # how its end is headed
-        assert views.format_end_summary(views.end_summary(run)).startswith(f"== run {views.ENDING[state]}")
+        assert views.format_end_summary(facts.end_summary(run)).startswith(f"== run {views.ENDING[state]}")
     assert not (set(ACTIVE) & set(ENDED)) and set(TRAINED) <= set(ENDED)
+
+
+def test_every_worker_exit_is_worded_once_for_the_smoke_test_and_the_supervisor():
+    from launcher.errors import WORKER_EXITS
+    from launcher.run import smoke, supervisor
+    from launcher.worker import exits
+
+    for code, e in WORKER_EXITS.items():
+        assert smoke.REASONS[code] == (e.what, e.fix)
+        assert supervisor.FATAL.get(code) == (None if e.restart else f"{e.what}; {e.fix}")
+    assert {exits.EXIT_OOM, exits.EXIT_NAN, exits.EXIT_BAD_WORLD, exits.EXIT_DISK_FULL} <= set(supervisor.FATAL)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,3 +216,191 @@ def test_every_catalog_gpu_is_found_by_name_and_planned_for(name):
                              default_name="t")
     plan = plan_for(recipe, hw, tokens=1e6, arch=from_catalog("Qwen/Qwen3-0.6B"), allow_network=False)
     assert plan.to_dict()["gpus"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Methods and objectives (launcher/methods.py)
+
+
+def _methods():
+    from launcher.methods import METHODS
+
+    return list(METHODS)
+
+
+@pytest.mark.parametrize("name", _methods())
+def test_every_method_is_accepted_sized_planned_saved_and_named(name):
+    from launcher.methods import METHODS
+    from launcher.plan import sizing
+    from launcher.plan.hardware import from_spec
+    from launcher.plan.models import from_catalog
+    from launcher.plan.plan import plan_for
+    from launcher.recipe import Recipe, validate_recipe
+    from launcher.store import final
+
+    m = METHODS[name]
+    recipe = validate_recipe({"model": "Qwen/Qwen3-0.6B", "data": "d.jsonl", "method": name}, base_dir=REPO,
+                             default_name="t")
+    assert recipe.method == name and f"{name} ({m.help})" in Recipe.model_fields["method"].description
+    arch = from_catalog("Qwen/Qwen3-0.6B")
+    est = sizing.memory(arch, sizing.Workload(name, 512, 1, True, 16, "all-linear", "trl", 1, "cuda"))
+    assert ("adapters" in est.breakdown_gb) == m.adapter and ("optimizer" in est.breakdown_gb) != m.adapter
+    assert est.trainable_params == (arch.lora_params(16, "all-linear") if m.adapter else arch.params)
+    assert final.kind(name) == (final.ADAPTER if m.adapter else final.MODEL)
+    assert m.title and sizing.MFU[name] == m.mfu
+    plan = plan_for(recipe, from_spec("1xH100-80GB"), tokens=1e6, arch=arch, allow_network=False).to_dict()
+    assert plan["fits"], plan
+    if m.lighter:
+        lighter = METHODS[m.lighter]
+        assert m.lighter_by in Recipe.model_fields["auto_adjust"].annotation.__args__[0].__args__
+        smaller = sizing.memory(arch, sizing.Workload(m.lighter, 512, 1, True, 16, "all-linear", "trl", 1, "cuda"))
+        assert smaller.per_gpu_gb < est.per_gpu_gb and lighter.adapter == m.adapter
+
+
+def test_every_objective_names_a_trainer_and_configuration_of_the_installed_trl():
+    import trl
+
+    from launcher.data import formats
+    from launcher.methods import OBJECTIVES
+
+    assert "sft" in OBJECTIVES
+    for o in OBJECTIVES.values():
+        assert callable(getattr(trl, o.trainer)) and callable(getattr(trl, o.config)), o
+        assert set(o.formats) <= set(formats.FORMATS) and o.sequences_per_example >= 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Engines (launcher/engine_kinds.py)
+
+
+def _engines():
+    from launcher.engine_kinds import ENGINES
+
+    return list(ENGINES)
+
+
+@pytest.mark.parametrize("name", _engines())
+def test_every_engine_is_accepted_planned_and_launched_with_its_config_file(name, tmp_path):
+    from launcher.engine_kinds import ENGINES
+    from launcher.plan.hardware import from_spec
+    from launcher.plan.models import from_catalog
+    from launcher.plan.plan import plan_for
+    from launcher.recipe import Recipe, validate_recipe
+    from launcher.worker.engines import launch_command
+
+    e = ENGINES[name]
+    assert name in Recipe.model_fields["engine"].description
+    recipe = validate_recipe({"model": "Qwen/Qwen3-0.6B", "data": "d.jsonl", "method": "lora", "engine": name},
+                             base_dir=REPO, default_name="t")
+    plan = plan_for(recipe, from_spec("2xH100-80GB"), tokens=1e6, arch=from_catalog("Qwen/Qwen3-0.6B"),
+                    allow_network=False).to_dict()
+    assert plan["engine"] == name and (int(plan["num_processes"]) > 1) == e.multi_process
+    (tmp_path / "recipe.yaml").write_text("model: x\n")
+    argv = launch_command(plan, tmp_path, "full")
+    module = {"python": "launcher.worker.train", "torchrun": "torch.distributed.run",
+              "accelerate": "accelerate.commands.launch"}[e.launcher]
+    assert argv[2] == module, argv
+    written = sorted(p.name for p in tmp_path.iterdir() if p.name != "recipe.yaml")
+    assert written == ([e.config_file] if e.config_file else [])
+
+
+# ---------------------------------------------------------------------------------------------
+# Trackers (launcher/tracker_kinds.py)
+
+
+def test_every_tracker_is_accepted_and_installed_by_the_extra_or_with_training():
+    import tomllib
+
+    from launcher.recipe import Recipe, validate_recipe
+    from launcher.tracker_kinds import TRACKERS
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    installed_by = {req.split(">")[0].split("=")[0].split("[")[0].strip(): extra
+                    for extra, reqs in extras.items() for req in reqs}
+    for t in TRACKERS.values():
+        recipe = validate_recipe({"model": "m", "data": "d.jsonl", "method": "lora", "report_to": [t.name]},
+                                 base_dir=REPO, default_name="t")
+        assert recipe.report_to == [t.name] and t.name in Recipe.model_fields["report_to"].description
+        assert installed_by.get(t.package) in ("trackers", "train"), (t.package, installed_by)
+    assert {p for p, extra in installed_by.items() if extra == "trackers"} <= {t.package for t in TRACKERS.values()}
+
+
+def test_a_missing_tracker_is_refused_with_its_package():
+    from types import SimpleNamespace
+
+    from launcher.errors import RecipeError
+    from launcher.tracker_kinds import TRACKERS
+    from launcher.worker import trackers
+
+    absent = [t for t in TRACKERS if t != "tensorboard" and not trackers._installed(t)]
+    if not absent:
+        pytest.skip("every tracker is installed here")
+    with pytest.raises(RecipeError) as err:
+        trackers.check_installed(SimpleNamespace(report_to=absent))
+    assert all(TRACKERS[t].package in err.value.fix for t in absent)
+
+
+# ---------------------------------------------------------------------------------------------
+# Export formats (launcher/export_formats.py)
+
+
+def test_every_export_format_is_accepted_ordered_and_estimated():
+    from launcher.deliver import export
+    from launcher.export_formats import FORMATS, made
+    from launcher.recipe import Recipe, validate_recipe
+    from launcher.run.smoke import export_seconds
+
+    assert export.FORMATS == tuple(FORMATS)
+    for f in FORMATS.values():
+        recipe = validate_recipe({"model": "m", "data": "d.jsonl", "method": "lora", "export": [f.name]},
+                                 base_dir=REPO, default_name="t")
+        assert f.name in Recipe.model_fields["export"].description
+        assert made([f.name]) == tuple(n for n in FORMATS if n == f.name or n in f.needs)
+        measured = {"import_seconds": 1.0, "load_seconds": 1.0, "checkpoint_bytes": 1e6, "checkpoint_seconds": 1.0}
+        assert export_seconds(measured, recipe, 10**6) > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# One owner: a table's names and values are written in its owner alone
+
+
+# A value only the table's owner may write, and the owner (another product module writing it is a copy).
+OWNED = {
+    '("qlora", "lora")': "launcher/methods.py", '("lora", "qlora")': "launcher/methods.py",
+    '("full", "full-8bit")': "launcher/methods.py", '"full fine-tuning with 8-bit AdamW"': "launcher/methods.py",
+    '("fsdp", "deepspeed")': "launcher/engine_kinds.py", '("ddp", "fsdp", "deepspeed")': "launcher/engine_kinds.py",
+    '"accelerate_fsdp.yaml"': "launcher/engine_kinds.py", '"deepspeed.json"': "launcher/engine_kinds.py",
+    '"mlflow-skinny"': "launcher/tracker_kinds.py", '"tensorboard", "wandb"': "launcher/tracker_kinds.py",
+    '["adapter", "merged", "gguf"]': "launcher/export_formats.py",
+}
+
+
+def test_no_product_module_copies_a_table():
+    copies = []
+    for path in sorted((REPO / "launcher").rglob("*.py")):
+        rel = path.relative_to(REPO).as_posix()
+        text = path.read_text(encoding="utf-8")
+        copies += [f"{rel}: {value} (owner {owner})" for value, owner in OWNED.items()
+                   if value in text and rel != owner]
+    assert not copies, "\n".join(copies)
+
+
+def test_every_method_engine_and_tracker_is_documented():
+    from launcher.engine_kinds import ENGINES
+    from launcher.methods import METHODS
+    from launcher.tracker_kinds import TRACKERS
+
+    docs = {"docs/sizing.md": METHODS, "docs/engines.md": ENGINES, "docs/tracking.md": TRACKERS}
+    missing = [f"{doc}: {name}" for doc, table in docs.items() for name in table
+               if f"`{name}`" not in (REPO / doc).read_text(encoding="utf-8")
+               and f" {name} " not in (REPO / doc).read_text(encoding="utf-8")]
+    assert not missing, missing
+
+
+def test_the_sizing_docs_method_rows_hold_the_tables_bytes():
+    from launcher.methods import METHODS
+
+    text = (REPO / "docs/sizing.md").read_text(encoding="utf-8")
+    for m in METHODS.values():
+        row = next(line for line in text.splitlines() if line.startswith(f"| `{m.name}` |"))
+        assert f"| {m.weight_bytes} + {m.gradient_bytes} + {m.optimizer_bytes} = {m.trained_bytes} | {m.mfu} |" in row

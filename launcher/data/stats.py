@@ -6,7 +6,7 @@ from dataclasses import replace
 from typing import Any
 
 from launcher.data import loss_view
-from launcher.data import split as evaluation
+from launcher.data import split
 from launcher.data.dataset import compute_stats, example_lengths, load_data
 from launcher.data.dataset import identity as data_identity
 
@@ -16,7 +16,7 @@ def data_stats(recipe: Any):
     examples = data.examples
     lengths, source = example_lengths(examples, recipe.model, data.where)
     # the statistics (plan, ETA) count what trains: the eval split's held-out examples do not (launcher/data/split.py)
-    train = evaluation.for_recipe(examples, recipe).train
+    train = split.for_recipe(examples, recipe).train
     stats = compute_stats([examples[i] for i in train], [lengths[i] for i in train], source, recipe.max_length, data)
     # what the loss sees, every training example marked as TRL masks it; a DataError refuses data that would train
     # nothing, never teach the model to stop, or lose its answers to max_length (launcher/data/loss_view.py)
@@ -25,7 +25,7 @@ def data_stats(recipe: Any):
                            [str(s.get("source")) for s in data.sources])
     stats = replace(stats, loss_view=seen)
     if recipe.eval.data:
-        evaluation.load_eval_data(recipe)  # a missing or broken eval file stops here, before the smoke test
+        split.load_eval_data(recipe)  # a missing or broken eval file stops here, before the smoke test
         # a resume on changed eval data is refused like one on changed training data
         stats = replace(stats, sha256=data_identity(stats.sha256, load_data(recipe.eval.data, recipe.seed).sha256))
     return examples, lengths, stats

@@ -12,6 +12,7 @@ resolves): tokenizer.json's post-processor decides what encoding adds, here as i
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,9 +44,28 @@ def tokenizer_dir(model: str) -> tuple[Optional[Path], str]:
 
 def read_tokenizer(model_dir: Path) -> Optional[ModelTokenizer]:
     """The tokenizer in `model_dir` as transformers loads it, or None when the folder has no tokenizer.json."""
+    model_dir = Path(model_dir)
     tok_json = model_dir / "tokenizer.json"
     if not tok_json.is_file():
         return None
+    # The data check reads it for the token counts and again for what the loss sees: read once per version of
+    # the files (an edited tokenizer_config.json or chat template is read anew).
+    versions = tuple(_version(model_dir / n) for n in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                                                       "special_tokens_map.json"))
+    return _read(model_dir.resolve(), versions)
+
+
+def _version(path: Path) -> Optional[tuple[int, int]]:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
+
+
+@functools.lru_cache(maxsize=8)
+def _read(model_dir: Path, versions: tuple) -> ModelTokenizer:
+    tok_json = model_dir / "tokenizer.json"
     from transformers import PreTrainedTokenizerFast
     from transformers.utils import logging as hf_logging
 

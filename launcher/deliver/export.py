@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, get_args
+from typing import Any, Callable, Optional
 
 from launcher.notices import quiet_known_notices
 
@@ -24,8 +24,7 @@ quiet_known_notices()  # this process imports transformers and peft: their depre
 
 from launcher.store.checkpoint import atomic_write_json, tree_bytes  # noqa: E402
 from launcher.plan import gguf_readiness  # noqa: E402
-from launcher import gguf_types  # noqa: E402
-from launcher.recipe import ExportFormat  # noqa: E402
+from launcher import export_formats, gguf_types, methods  # noqa: E402
 from launcher.errors import FtrunError, UsageError  # noqa: E402
 from launcher.store.rundir import RunDir  # noqa: E402
 from launcher.deliver.messages import ExportError, _say, human_size, served_line  # noqa: E402
@@ -35,7 +34,7 @@ from launcher.deliver.placement import (Loads, Placement, _to_export_dtype, avai
                                         parameter_count, parity_placement, release)
 from launcher.deliver.gguf_export import _GgufFailed, _safetensors_dtypes, _stop_ids, gguf_output  # noqa: E402
 
-FORMATS = get_args(ExportFormat)  # the recipe's `export:` values, in the order they are made
+FORMATS = tuple(export_formats.FORMATS)  # the recipe's `export:` values, in the order they are made
 # GGUF types: llama.cpp's converter writes f32/f16/bf16, its quantizer the rest from the 16-bit file (llamacpp.py).
 GGUF_TYPES = tuple(gguf_types.TYPES)
 
@@ -72,11 +71,11 @@ def check_inputs(run_dir: Path, formats: Optional[list[str]] = None, gguf_type: 
         raise UsageError(f"unknown GGUF type {gguf_type!r}",
                          fix=f"choose one of {', '.join(GGUF_TYPES)} (--gguf TYPE or gguf_type: in the recipe); "
                          "q4_k_m is what Ollama serves by default.")
-    is_adapter = recipe.method in ("qlora", "lora")
+    is_adapter = methods.is_adapter(recipe.method)
     source = run.final / ("adapter" if is_adapter else "model")
     weights = ("adapter_model.safetensors",) if is_adapter else ("model.safetensors", "model.safetensors.index.json")
     if not source.is_dir() or not any((source / w).is_file() for w in weights):
-        from launcher.store.state import effective_state
+        from launcher.store.state import ACTIVE, effective_state
 
         state = effective_state(run)
         raise UsageError(
@@ -85,12 +84,12 @@ def check_inputs(run_dir: Path, formats: Optional[list[str]] = None, gguf_type: 
             fix=("the run finished but its result is not here (deleted, or a fresh box): `ftrun pull RECIPE` "
                  "fetches it from sync.to; then export again." if state == "succeeded" else
                  "wait until the run has finished (`ftrun status " + str(run.root) + "`), then run `ftrun export "
-                 + str(run.root) + "`." if state in ("planned", "smoking", "running", "recovering") else
+                 + str(run.root) + "`." if state in ACTIVE + ("planned",) else
                  "resume the run with `ftrun RECIPE` until it finishes, then export."),
         )
     if "gguf" in formats:
         check_gguf(recipe.model if is_adapter else str(source), gguf_type)
-    order = tuple(f for f in FORMATS if f in formats or (f == "merged" and "gguf" in formats))
+    order = export_formats.made(formats)
     return Inputs(run, recipe, source, is_adapter, order, gguf_type)
 
 

@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 
 import yaml
 
+from launcher import methods
 from launcher.errors import EXIT_RUN_FAILED, FtrunError, UsageError
 from launcher.store.rundir import RunDir
 
@@ -118,13 +119,13 @@ def _eval_losses(run: RunDir) -> tuple[Optional[dict], Optional[dict], Optional[
 
 
 def _serve_lines(repo: str, recipe, outputs: dict[str, Path], report: dict[str, Any]) -> list[str]:
-    from launcher.deliver.serving import served_name, vllm_lora_rank
+    from launcher.deliver.serving import served_name, vllm_command
 
     name = served_name(Path(repo.split("/")[1]))
     base = _hub_id(recipe.model) or "BASE_MODEL"
     lines: list[str] = []
     if "merged" in outputs:
-        lines += ["```", f"vllm serve {repo}", "```", "",
+        lines += ["```", vllm_command(repo, quote=False), "```", "",
                   "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
                   f'model = AutoModelForCausalLM.from_pretrained("{repo}")',
                   f'tokenizer = AutoTokenizer.from_pretrained("{repo}")', "```", ""]
@@ -133,11 +134,9 @@ def _serve_lines(repo: str, recipe, outputs: dict[str, Path], report: dict[str, 
         if "merged" in outputs:
             lines += ["The LoRA adapter alone is in `adapter/`:", "", "```",
                       f"hf download {repo} --include 'adapter/*' --local-dir {name}",
-                      f"vllm serve {base} --enable-lora --lora-modules {name}=./{name}/adapter "
-                      f"--max-lora-rank {vllm_lora_rank(rank)}", "```", ""]
+                      vllm_command(base, lora_module=f"{name}=./{name}/adapter", lora_rank=rank, quote=False), "```", ""]
         else:
-            lines += ["```", f"vllm serve {base} --enable-lora --lora-modules {name}={repo} "
-                      f"--max-lora-rank {vllm_lora_rank(rank)}", "```", "",
+            lines += ["```", vllm_command(base, lora_module=f"{name}={repo}", lora_rank=rank, quote=False), "```", "",
                       "```python", "from peft import AutoPeftModelForCausalLM",
                       f'model = AutoPeftModelForCausalLM.from_pretrained("{repo}")', "```", ""]
     if "gguf" in outputs:
@@ -154,13 +153,12 @@ def model_card(run: RunDir, recipe, report: dict[str, Any], repo: str, outputs: 
     adapter_at_root = "adapter" in outputs and "merged" not in outputs
     data = ModelCardData(
         base_model=base, library_name="peft" if adapter_at_root else "transformers", pipeline_tag="text-generation",
-        tags=["ftrun", recipe.method, *(["lora"] if recipe.method in ("lora", "qlora") else []),
+        tags=["ftrun", recipe.method, *(["lora"] if methods.is_adapter(recipe.method) else []),
               *(["gguf"] if "gguf" in outputs else [])],
     )
-    method = {"qlora": "QLoRA (4-bit base, LoRA adapters)", "lora": "LoRA", "full": "full fine-tuning",
-              "full-8bit": "full fine-tuning with 8-bit AdamW"}[recipe.method]
+    method = methods.METHODS[recipe.method].title
     lora = f" (r={recipe.lora.r}, alpha={recipe.lora.alpha}, targets {recipe.lora.target_modules})" \
-        if recipe.method in ("lora", "qlora") else ""
+        if methods.is_adapter(recipe.method) else ""
     body = [f"# {repo.split('/')[1]}", "",
             f"A fine-tune of {'[' + base + '](https://huggingface.co/' + base + ')' if base else '`' + recipe.model + '`'} "
             f"with {method}{lora}, trained and checked with ftrun. Published: "

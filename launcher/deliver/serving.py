@@ -8,6 +8,8 @@ import shlex
 from pathlib import Path
 from typing import Any, Optional
 
+from launcher.methods import is_quantized
+
 # vLLM accepts only these values for --max-lora-rank (vllm/config/lora.py MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 _SENTINELS = {"system": "QQSYSTEMQQ", "user": "QQUSERQQ", "assistant": "QQASSISTANTQQ", "user2": "QQSECONDQQ"}
@@ -19,6 +21,24 @@ def vllm_lora_rank(r: int) -> int:
 
 def served_name(run_root: Path) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", run_root.name).strip("-").lower() or "model"
+
+
+def vllm_command(model: str, *, lora_module: Optional[str] = None, lora_rank: Optional[int] = None,
+                 name: Optional[str] = None, max_model_len: Optional[int] = None, quote: bool = True,
+                 breaks: bool = False) -> str:
+    """The one spelling of vLLM's serve command (SERVING.md, the end-of-run summary, the model card): `model`, or the
+    base model with a LoRA adapter (`lora_module` NAME=PATH of rank `lora_rank`); `quote`: each word shell-quoted;
+    `breaks`: each option on a line of its own."""
+    words = [["vllm", "serve", model]]
+    if lora_module is not None:
+        words += [["--enable-lora"], ["--lora-modules", lora_module],
+                  ["--max-lora-rank", str(vllm_lora_rank(lora_rank))]]
+    if name is not None:
+        words += [["--served-model-name", name]]
+    if max_model_len is not None:
+        words += [["--max-model-len", str(max_model_len)]]
+    return (" \\\n  " if breaks else " ").join(" ".join(shlex.quote(w) if quote else w for w in option)
+                                               for option in words)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,9 +198,9 @@ def render(run, recipe, report: dict[str, Any], tokenizer,
         parts += ["## vLLM: the base model with the adapter", "",
                   "The adapter is small; vLLM loads the base model once and applies the adapter per request "
                   "(the model name `" + name + "` selects it, the base id the plain model).", "", "```",
-                  f"vllm serve {q(recipe.model)} \\\n  --enable-lora \\\n  --lora-modules {q(name + '=' + outputs['adapter']['path'])} \\\n"
-                  f"  --max-lora-rank {vllm_lora_rank(rank)} \\\n  --max-model-len {recipe.max_length}", "```", ""]
-        if recipe.method == "qlora":
+                  vllm_command(recipe.model, lora_module=name + "=" + outputs["adapter"]["path"], lora_rank=rank,
+                               max_model_len=recipe.max_length, breaks=True), "```", ""]
+        if is_quantized(recipe.method):
             parts += ["The adapter was trained against the 4-bit base; served on the 16-bit base it behaves like "
                       "the merged model below (the standard QLoRA deployment).", ""]
         parts += ["```", _curl(name, question), "```", ""]
@@ -188,7 +208,7 @@ def render(run, recipe, report: dict[str, Any], tokenizer,
         mpath = outputs["merged" if "merged" in outputs else "model"]["path"]
         parts += ["## vLLM: the " + ("merged 16-bit" if "merged" in outputs else "fully fine-tuned") + " model", "",
                   "No adapter at run time; add `--tensor-parallel-size N` for a model larger than one GPU.", "", "```",
-                  f"vllm serve {q(mpath)} \\\n  --served-model-name {q(name)} \\\n  --max-model-len {recipe.max_length}",
+                  vllm_command(mpath, name=name, max_model_len=recipe.max_length, breaks=True),
                   "```", "", "```", _curl(name, question), "```", ""]
     mf = None
     if "gguf" in outputs:

@@ -3,7 +3,8 @@
 Pure arithmetic from the plan and the smoke test's measurements (smoke.json). The supervisor's watchdog ends a run
 whose rank is silent past its phase's deadline (launcher/run/watchdog.py); the worker sets the process group's own
 timeout (SFTConfig ddp_timeout, launcher/worker/trainer_config.py) above every deadline, as a backstop that acts
-only when the watchdog cannot (the supervisor is gone).
+only when the watchdog cannot (the supervisor is gone). Owns the ranks' heartbeat interval (HEARTBEAT_SECONDS),
+which the worker writes at (launcher/worker/heartbeat.py) and every deadline adds.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ WATCHDOG_FLOOR_S = 300.0
 FLOOR_ENV = "FTRUN_WATCHDOG_FLOOR_S"
 # The process group's timeout: this many times the longest deadline of a phase in which ranks wait for each other.
 BACKSTOP_FACTOR = 2.0
-HEARTBEAT_SLACK_S = 2.0  # launcher/worker/heartbeat.py HEARTBEAT_SECONDS: a live rank's file may be this old
+# The longest a live rank leaves its heartbeat file unchanged within one phase (launcher/worker/heartbeat.py writes
+# at this interval), so a live rank's file may be this old: every deadline adds it.
+HEARTBEAT_SECONDS = 2.0
 COLLECTIVE_PHASES = ("step", "hash", "save", "eval", "export")
 UNKNOWN_START_FACTOR = 3.0
 
@@ -67,7 +70,7 @@ def expected_seconds(plan: Mapping[str, Any], smoke: Mapping[str, Any]) -> dict[
 def deadline(expected: Optional[float], floor: float) -> float:
     """Seconds a rank's heartbeat may be old before the watchdog acts: max(factor x expected, floor), plus the
     heartbeat's own write interval."""
-    return max(WATCHDOG_FACTOR * (expected or 0.0), floor) + HEARTBEAT_SLACK_S
+    return max(WATCHDOG_FACTOR * (expected or 0.0), floor) + HEARTBEAT_SECONDS
 
 
 def phase_deadline(phase: str, expected: Mapping[str, Optional[float]], floor: float) -> float:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass, replace
 
+from launcher.engine_kinds import SHARDING
+from launcher.methods import METHODS, is_adapter, is_quantized
 from launcher.plan import sizing
 from launcher.plan.figures import _fmt_hours
 from launcher.plan.hardware import Hardware
@@ -21,7 +23,7 @@ from launcher.plan.sizing import Workload
 WORKDAY_HOURS = 8.0
 # A CPU run longer than this is refused: CPU training is for tiny models and tests.
 CPU_MAX_HOURS = 24.0
-SHARDING_ENGINES = ("fsdp", "deepspeed")
+SHARDING_ENGINES = SHARDING  # the engine table, launcher/engine_kinds.py
 
 
 @dataclass
@@ -109,7 +111,7 @@ def _choose_cpu(job: Job, hw: Hardware, forced: str, processes: int | None = Non
     est = sizing.memory(job.arch, w)
     tps, hrs = _hours(job, w, hw, 1)
     reasons.append("engine trl, one process on the CPU" + (" (forced by the recipe)" if forced == "trl" else ""))
-    if job.method in ("qlora", "full-8bit"):
+    if METHODS[job.method].bitsandbytes:
         reasons.append(f"{job.method} relies on bitsandbytes, whose CPU support is limited: the smoke test will tell; "
                        "method lora (or full) is the safe choice on CPU")
     if est.per_gpu_gb > capacity * sizing.USABLE_RAM_FRACTION:
@@ -169,7 +171,7 @@ def _choose_cpu_unsloth(job: Job, hw: Hardware, unsloth_ok: bool, processes: int
     capacity = hw.ram_gb
     reasons = [f"CPU run: this box has no GPU ({hw.cpu_count} cores, {hw.ram_gb:.3g} GB RAM); "
                "only sensible for tiny models and tests"]
-    if job.method not in ("lora", "qlora"):
+    if not is_adapter(job.method):
         return Choice(False, "unsloth", "cpu", 1, None, capacity, reasons,
                       refusal=f"engine: unsloth trains LoRA/QLoRA only; method is {job.method}")
     if not unsloth_ok:
@@ -220,7 +222,7 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
     g = hw.gpu
     cap = g.memory_gb
     n = hw.count
-    lora = job.method in ("qlora", "lora")
+    lora = is_adapter(job.method)
     cc_ok = g.compute_capability is None or g.compute_capability >= (7, 0)
     reasons: list[str] = []
 
@@ -338,13 +340,13 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
 
     # No single card holds it: shard. full-8bit shards with DeepSpeed: its 8-bit AdamW cannot take FSDP2's DTensors,
     # and ZeRO-3 hands the optimizer plain tensors (keeping fp32 master partitions, 4 B/param more).
-    to_deepspeed = forced == "auto" and (job.method == "full-8bit" or force_offload)
+    to_deepspeed = forced == "auto" and (METHODS[job.method].eight_bit_optimizer or force_offload)
     shard_engine = "deepspeed" if forced == "deepspeed" or to_deepspeed else "fsdp"
     if n < 2:
         return Choice(False, single_engine, "cuda", 1, one, cap, reasons,
                       refusal=f"needs {one.per_gpu_gb:.1f} GB on one card, the card has {cap:.1f} GB "
                               f"({sizing.USABLE_FRACTION:.0%} usable), and the box has no second card to shard over")
-    if job.method == "full-8bit" and shard_engine == "fsdp":
+    if METHODS[job.method].eight_bit_optimizer and shard_engine == "fsdp":
         return Choice(False, "fsdp", "cuda", n, None, cap, reasons,
                       refusal=FULL_8BIT_FSDP)
 
@@ -362,12 +364,12 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
     est_plain = sized(n, False, False)  # the layout without offload: what the reasons compare with
     minimum = fewest(offload, offload_opt)
     est_all = sized(n, offload, offload_opt)
-    if minimum is None and job.method == "qlora" and shard_engine == "fsdp" and setting != "none":
+    if minimum is None and is_quantized(job.method) and shard_engine == "fsdp" and setting != "none":
         # The published 70B-on-2x24 GB QLoRA runs: FSDP with the 4-bit shards offloaded to CPU RAM.
         minimum = fewest(True)
         if minimum is not None:
             offload, est_all = True, sized(n, True, False)
-    ds_tried = (minimum is None and job.method in ("full", "full-8bit") and setting == "auto"
+    ds_tried = (minimum is None and not is_adapter(job.method) and setting == "auto"
                 and forced in ("auto", "deepspeed"))
     if ds_tried:
         # 70B full fine-tuning on 8 x 80 GB as it usually runs: DeepSpeed ZeRO-3 with the optimizer (then the
@@ -415,7 +417,7 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
     tps, hrs = _hours(job, wn, hw, n)
     link = "NVLink" if hw.interconnect == "nvlink" else "PCIe (sharding exchanges every layer: expect it slower)"
     label = "FSDP" if shard_engine == "fsdp" else "DeepSpeed ZeRO-3"
-    if to_deepspeed and job.method == "full-8bit":
+    if to_deepspeed and METHODS[job.method].eight_bit_optimizer:
         reasons.append(f"DeepSpeed ZeRO-3, not FSDP: {FULL_8BIT_FSDP}")
     if offload_opt:
         reasons.append(f"engine deepspeed with {offload_words(True, offload)}: "
@@ -430,7 +432,7 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
     reasons.append(f"{label} over all {n} cards of this box (billed whole; more shards run faster and leave more room): "
                    f"{est_all.per_gpu_gb:.1f} GB per card, {cap - est_all.per_gpu_gb:.1f} GB spare"
                    + (" (forced by the recipe)" if forced in SHARDING_ENGINES else ""))
-    if job.method == "qlora":
+    if is_quantized(job.method):
         reasons.append("QLoRA + FSDP: 4-bit shards are gathered and dequantised per layer, so it runs at a moderate pace")
     gb_s = sizing.pcie_gb_s(hw.gpu.compute_capability)
     if offload_opt:
@@ -439,7 +441,7 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
             f"CPU offload: {est_all.offload_explanation}. The optimizer is DeepSpeedCPUAdam, fp32 AdamW, whatever the "
             "recipe's optimizer" + (": method full-8bit's 8-bit AdamW is not used (DeepSpeed replaces the client "
                                     "optimizer under offload), so the run trains as method full does, with 16 B/param of "
-                                    "states in RAM instead of 2 on the cards" if job.method == "full-8bit" else "")
+                                    "states in RAM instead of 2 on the cards" if METHODS[job.method].eight_bit_optimizer else "")
             + f". Each micro-batch's gradients cross PCIe ({gb_s:g} GB/s per card) and every optimizer step moves the "
             f"fp32 gradients down" + (" and the updated parameters up" if not offload else "")
             + (", the 16-bit parameters go up before every gather" if offload else "")

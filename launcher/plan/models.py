@@ -11,6 +11,7 @@ from launcher.model_files import cached_file
 from typing import Any
 
 from launcher.errors import ModelError
+from launcher.methods import is_quantized
 
 # Module names that LoRA can target in a Llama-shaped decoder layer, with (d_in, d_out) from the architecture.
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -482,6 +483,6 @@ PREQUANTIZED: dict[str, str] = {
 
 def prequantized_repo(model: str, method: str) -> str | None:
     """Unsloth's 4-bit repo for a QLoRA run of a Hub id it has one for; None for local folders and LoRA."""
-    if method != "qlora" or Path(model).expanduser().exists():
+    if not is_quantized(method) or Path(model).expanduser().exists():
         return None
     return PREQUANTIZED.get(model.strip().rstrip("/").lower())

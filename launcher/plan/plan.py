@@ -14,6 +14,7 @@ from launcher.plan import gguf_readiness
 from launcher.plan import packing
 from launcher.plan import sizing
 from launcher.errors import MissingSoftware, PlanError
+from launcher.methods import is_adapter
 # engine_choice._deepspeed_installed is looked up at call time: one name to patch for every caller
 from launcher.plan import engine as engine_choice
 from launcher.plan.advice import (_box_rows, _fixes_here, _missing_message, _pick_alternatives, _refusal_message,
@@ -328,7 +329,7 @@ def _loss_reason(job: Job, choice: Choice, est: Any) -> str:
                 f"({est.breakdown_gb.get('logits and loss', 0.0):.2f} GB for {t:,} tokens x {vocab:,} vocabulary)")
     head = sizing.fused_head_bytes(job.arch, w) / sizing.GB
     on = ("; on a CPU, a frozen head through ftrun's kernel, launcher/worker/cpu_logprob.py"
-          if choice.device == "cpu" and job.method in ("lora", "qlora") else "")
+          if choice.device == "cpu" and is_adapter(job.method) else "")
     return (f"loss: TRL's fused LM head (trl's SFTTrainer{on}): the {t:,} x {vocab:,} logits of a micro-batch are never "
             f"whole, {head:.2f} GB at its peak instead of {whole:.1f} GB for the model's own loss; token accuracy "
             "and entropy are still logged (computed in the same pass)")

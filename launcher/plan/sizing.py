@@ -10,7 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # for the annotations only: at run time this module imports nothing
+from launcher.engine_kinds import SHARDING
+from launcher.methods import METHODS, is_adapter, is_quantized
+
+if TYPE_CHECKING:  # for the annotations only: at run time this module imports nothing else
     from launcher.plan.models import Architecture as Arch
 
 GB = 2**30  # bytes in one GB as ftrun counts (GiB, as nvidia-smi and torch's memory counters)
@@ -19,12 +22,11 @@ GB = 2**30  # bytes in one GB as ftrun counts (GiB, as nvidia-smi and torch's me
 # --- bytes per parameter --------------------------------------------------------------------
 # NF4 with double quantization: 4 bits + 0.127 bits of constants per weight (QLoRA paper, sec. 3).
 NF4_BYTES = (4 + 0.127) / 8
-# LoRA adapters are kept in fp32 (PEFT autocast_adapter_dtype): weight 4 + gradient 4 + AdamW m, v 8.
-ADAPTER_BYTES = 16
-# Full fine-tuning, mixed precision AdamW: bf16 weight 2 + bf16 gradient 2 + fp32 master 4 + m, v 8.
-FULL_ADAMW_BYTES = {"weights": 2, "gradients": 2, "optimizer": 12}
-# 8-bit AdamW (bitsandbytes) on bf16 weights, no master copy: m, v 1 byte each.
-FULL_8BIT_BYTES = {"weights": 2, "gradients": 2, "optimizer": 2}
+# Bytes per trained parameter: the method table (launcher/methods.py). LoRA adapters are kept in fp32 (PEFT
+# autocast_adapter_dtype): weight 4 + gradient 4 + AdamW m, v 8. Full fine-tuning, mixed precision AdamW: bf16 weight
+# 2 + bf16 gradient 2 + fp32 master 4 + m, v 8; 8-bit AdamW (bitsandbytes) on bf16 weights, no master copy: m, v 1
+# byte each.
+ADAPTER_BYTES = METHODS["lora"].trained_bytes
 # Gradients of a full fine-tune are freed and re-allocated every step between activations
 # (zero_grad(set_to_none=True)); the caching allocator keeps about half a gradient's size reserved
 # but unusable. This is what lifts the article's 6 B/param (8-bit) to the 7-8 its table implies.
@@ -123,7 +125,7 @@ class Workload:
 
     @property
     def sharded(self) -> bool:
-        return self.engine in ("fsdp", "deepspeed") and self.num_gpus > 1
+        return self.engine in SHARDING and self.num_gpus > 1
 
 
 @dataclass
@@ -176,6 +178,16 @@ class MemoryEstimate:
         }
 
 
+def _adamw_full(method: str) -> bool:
+    """Every weight trained with a 32-bit AdamW (an fp32 master copy where the weights are 16-bit)."""
+    return not METHODS[method].adapter and not METHODS[method].eight_bit_optimizer
+
+
+def _sixteen_bit_adapter(method: str) -> bool:
+    """Adapters on a 16-bit base: each process upcasts its own LoRA weights to fp32 while it loads."""
+    return METHODS[method].adapter and not METHODS[method].quantized
+
+
 def _count(n: float) -> str:
     for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
         if n >= size:
@@ -184,7 +196,7 @@ def _count(n: float) -> str:
 
 
 def trainable_params(arch: Arch, w: Workload) -> int:
-    if w.method in ("qlora", "lora"):
+    if is_adapter(w.method):
         return arch.lora_params(w.lora_r, w.lora_targets)
     return arch.params
 
@@ -233,7 +245,7 @@ def fused_head_bytes(arch: Arch, w: Workload) -> float:
     of the whole vocabulary and the hidden states' fp32 gradients), a trainable one through trl's torch fallback
     (FUSED_CPU_TILE_COPIES fp32 tiles, the gradients, the head's fp32 gradient accumulator)."""
     t = w.tokens_per_micro_batch
-    trainable_head = w.method in ("full", "full-8bit")
+    trainable_head = not is_adapter(w.method)
     if w.device == "cpu" and not trainable_head:
         return CPU_LOSS_BUFFERS * cpu_loss_chunk_tokens(arch.vocab, t) * arch.vocab * 4 + t * arch.hidden * (4 + 4)
     tile = min(t, FUSED_TOKEN_TILE) * min(arch.vocab, FUSED_VOCAB_TILE)
@@ -261,10 +273,10 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
     # Full fine-tuning in the Trainer's own loop (trl, ddp) keeps the weights themselves in fp32 and trains under
     # autocast (launcher/worker/loading.py weights_dtype): the same 16 B/param as bf16 weights + an fp32 master copy,
     # split as weight 4 + gradient 4 + AdamW m, v 8. FSDP and DeepSpeed keep the bf16 + master layout.
-    fp32_master = not cpu and w.method == "full" and w.engine not in ("fsdp", "deepspeed")
+    fp32_master = not cpu and _adamw_full(w.method) and w.engine not in SHARDING
 
     # Weights
-    if w.method == "qlora":
+    if is_quantized(w.method):
         other = P - arch.linear_params  # embeddings, lm_head, norms stay 16-bit
         terms["weights"] = (arch.linear_params * NF4_BYTES + other * b16) / n / GB
         why["weights"] = (f"{_count(arch.linear_params)} linear weights in NF4 ({NF4_BYTES:.3f} B/param with "
@@ -278,23 +290,23 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
         why["weights"] = f"{_count(P)} params x {b16} B ({'fp32' if cpu else 'bf16'}){shard}"
 
     T = trainable_params(arch, w)
-    if w.method in ("qlora", "lora"):
+    if is_adapter(w.method):
         terms["adapters"] = T * ADAPTER_BYTES / n / GB
         why["adapters"] = (f"LoRA r={w.lora_r}: {_count(T)} trainable params x {ADAPTER_BYTES} B "
                            f"(fp32 weight, gradient, AdamW m and v){shard}")
     else:
-        table = FULL_8BIT_BYTES if w.method == "full-8bit" else FULL_ADAMW_BYTES
-        grad_b = 4 if cpu or fp32_master else table["gradients"]
+        table = METHODS[w.method]
+        grad_b = 4 if cpu or fp32_master else table.gradient_bytes
         # fp32 weights (CPU, or fp32 master weights on a GPU): no separate master copy
-        opt_b = 8 if (cpu and w.method == "full") or fp32_master else table["optimizer"]
+        opt_b = 8 if (cpu and not table.eight_bit_optimizer) or fp32_master else table.optimizer_bytes
         # DeepSpeed's ZeRO optimizer keeps fp32 master partitions whatever the client optimizer: 4 B/param more.
-        ds_master = not cpu and w.method == "full-8bit" and w.engine == "deepspeed"
+        ds_master = not cpu and table.eight_bit_optimizer and w.engine == "deepspeed"
         opt_b += 4 if ds_master else 0
         terms["gradients"] = P * grad_b / n / GB
         why["gradients"] = f"one gradient per weight, {grad_b} B each{shard}"
         terms["optimizer"] = P * opt_b / n / GB
         why["optimizer"] = ("fp32 master partitions (DeepSpeed) 4 B + 8-bit AdamW m and v 2 B" if ds_master else
-                            "8-bit AdamW: m and v at 1 B each" if w.method == "full-8bit" else
+                            "8-bit AdamW: m and v at 1 B each" if table.eight_bit_optimizer else
                             ("AdamW m and v in fp32" if cpu or fp32_master
                              else "fp32 master weights 4 B + AdamW m and v 8 B")) + shard
         if not cpu:
@@ -303,7 +315,7 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
                                      "allocator keeps ~half their size reserved but unusable (1 B/param)")
 
     # Activations
-    lora = w.method in ("qlora", "lora") and not unsloth
+    lora = is_adapter(w.method) and not unsloth
     layer = layer_activation_bytes_per_token(arch, fp32=cpu, lora_targets=w.lora_targets if lora else None)
     offload = 0.0
     live = 0.0
@@ -334,7 +346,7 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
         # the card holds the larger of the two, so only the head's excess over the recomputed layer counts here.
         excess = max(0.0, head - live) if w.gradient_checkpointing else head
         terms["logits and loss"] = excess / GB
-        if cpu and w.method in ("qlora", "lora"):
+        if cpu and is_adapter(w.method):
             at_once = f"{cpu_loss_chunk_tokens(arch.vocab, t):,} tokens x {arch.vocab:,} vocabulary entries"
         else:
             at_once = f"{min(t, FUSED_TOKEN_TILE):,} tokens x {min(arch.vocab, FUSED_VOCAB_TILE):,} vocabulary entries"
@@ -354,19 +366,19 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
         # Units: one decoder layer (4-bit for QLoRA) or the embedding / lm_head (always 16-bit); the layer
         # being computed and the one prefetched are whole on every card, next to the sharded rest.
         per_layer = (P - arch.embedding_params * (1 if arch.tied_embeddings else 2)) / arch.layers
-        layer_b = NF4_BYTES if w.method == "qlora" else b16
+        layer_b = NF4_BYTES if is_quantized(w.method) else b16
         layer_unit = per_layer * layer_b
         embed_unit = arch.embedding_params * b16
         gathered = max(2 * layer_unit, layer_unit + embed_unit)
-        if w.method in ("full", "full-8bit"):
+        if not is_adapter(w.method):
             gathered += max(per_layer, arch.embedding_params) * b16  # its full gradient before reduce-scatter
         terms["gathered shards"] = gathered / GB
         why["gathered shards"] = (f"FSDP/ZeRO-3 holds the unit being computed whole (a layer: {per_layer / 1e6:.0f}M "
                                   f"params, or the embedding: {arch.embedding_params / 1e6:.0f}M) plus the prefetched next one"
                                   + (", and a unit's full gradient before reduce-scatter"
-                                     if w.method in ("full", "full-8bit") else ""))
+                                     if not is_adapter(w.method) else ""))
 
-    if w.method == "qlora" and not cpu:
+    if is_quantized(w.method) and not cpu:
         # bitsandbytes 0.50 multiplies a micro-batch's tokens by a 4-bit weight by dequantizing the whole weight to
         # 16 bits and calling F.linear (backends/cuda/ops.py, gemm_4bit: _dequant_linear_fallback past the custom
         # kernel's few rows; the same in backward for the input's gradient): the largest weight, one at a time.
@@ -385,7 +397,7 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
             runtime += NCCL_GB
             parts.append(f"NCCL buffers {NCCL_GB} GB")
             if w.engine == "ddp":
-                grad_bytes = T * (4 if w.method in ("qlora", "lora") or fp32_master else 2)
+                grad_bytes = T * (4 if fp32_master else METHODS[w.method].gradient_bytes)
                 runtime += grad_bytes / GB
                 parts.append(f"DDP gradient buckets {grad_bytes / GB:.1f} GB (a second copy of the trainable gradients)")
         terms["runtime"] = runtime
@@ -464,7 +476,7 @@ def nf4_model_bytes(arch: Arch) -> float:
 def layer_unit_bytes(arch: Arch, w: Workload) -> float:
     """One decoder layer as FSDP gathers it (4-bit weights for QLoRA, 16-bit otherwise)."""
     per_layer = (arch.params - arch.embedding_params * (1 if arch.tied_embeddings else 2)) / arch.layers
-    return per_layer * (NF4_BYTES if w.method == "qlora" else (4 if w.device == "cpu" else 2))
+    return per_layer * (NF4_BYTES if is_quantized(w.method) else (4 if w.device == "cpu" else 2))
 
 
 def embedding_unit_bytes(arch: Arch, w: Workload) -> float:
@@ -479,7 +491,7 @@ def _loading(arch: Arch, w: Workload, est: MemoryEstimate, static_sharded_gb: fl
     n = w.num_gpus if w.sharded else 1
     if n < 2 or w.device == "cpu":
         return
-    if w.method != "qlora":
+    if not is_quantized(w.method):
         _loading_16bit(arch, w, est, n)
         return
     model_gb = nf4_model_bytes(arch) / GB
@@ -556,11 +568,11 @@ def _loading_16bit(arch: Arch, w: Workload, est: MemoryEstimate, n: int) -> None
       is_deepspeed_zero3_enabled branch of the loading, map_location "meta" on the other ranks): no whole copy
       per process; rank 0's box holds the fused MoE experts once.
     """
-    lora_gb = est.trainable_params * 4 / GB if w.method == "lora" else 0.0
+    lora_gb = est.trainable_params * 4 / GB if _sixteen_bit_adapter(w.method) else 0.0
     fused_gb = fused_expert_params(arch) * 2 / GB
     model_gb = arch.params * 2 / GB
     if w.engine == "fsdp":
-        if w.method == "lora":
+        if _sixteen_bit_adapter(w.method):
             own = lora_gb + fused_gb
             what = (f"its fp32 LoRA weights ({lora_gb:.1f} GB)"
                     + (f" and the MoE experts fused while loading ({fused_gb:.1f} GB)" if fused_gb else ""))
@@ -573,7 +585,7 @@ def _loading_16bit(arch: Arch, w: Workload, est: MemoryEstimate, n: int) -> None
             f"each of the {n} processes loads the whole model onto its CPU before FSDP shards it (the "
             f"{model_gb:.0f} GB of 16-bit weights stay in the page cache, shared) and holds {what} + "
             f"{CPU_RUNTIME_GB:.0f} GB of runtime: {est.load_ram_gb:.0f} GB of RAM"
-            + ("; engine: deepspeed loads partitioned (zero.Init) and holds no such copies" if w.method != "lora"
+            + ("; engine: deepspeed loads partitioned (zero.Init) and holds no such copies" if not _sixteen_bit_adapter(w.method)
                else ""))
     elif w.engine == "deepspeed":
         est.load_ram_gb = n * (lora_gb + CPU_RUNTIME_GB) + fused_gb
@@ -595,7 +607,7 @@ def _optimizer_free(est: MemoryEstimate, n: int) -> float:
 
 # Model FLOPs utilisation per GPU (dense bf16 peak), calibrated on the article's time table
 # (docs/sizing.md, "Time"); QLoRA dequantises every weight on every forward and recompute.
-MFU = {"full": 0.36, "full-8bit": 0.36, "lora": 0.34, "qlora": 0.32}
+MFU = {name: m.mfu for name, m in METHODS.items()}  # launcher/methods.py
 # Unsloth's kernels: LLaMA-Factory measured 1.6x tokens/s over HF for 4-bit LoRA; the article's
 # RTX 4090 row implies ~1.4x. We use the lower.
 UNSLOTH_SPEEDUP = 1.4
@@ -698,16 +710,16 @@ def _resident_states_gb(est: MemoryEstimate, w: Workload) -> float:
     """Offloaded bytes per card that never cross the link: optimizer states and gradient buffers (the step runs on the CPU)."""
     n = w.num_gpus
     t = est.trainable_params
-    if w.method in ("qlora", "lora"):
+    if is_adapter(w.method):
         return t * (ADAPTER_BYTES - 4) / n / GB  # of the 16 B per adapter parameter, only the fp32 weight moves up
-    table = FULL_8BIT_BYTES if w.method == "full-8bit" else FULL_ADAMW_BYTES
-    return t * (table["gradients"] + table["optimizer"] + GRADIENT_CHURN_BYTES) / n / GB
+    table = METHODS[w.method]
+    return t * (table.gradient_bytes + table.optimizer_bytes + GRADIENT_CHURN_BYTES) / n / GB
 
 
 def load_seconds(arch: Arch, w: Workload, cpu_count: int) -> float:
     """Time to load QLoRA under FSDP: one process quantizes the whole model on the CPU with all the box's cores
     (launcher/worker/loading.py, quantized_once_per_box), once per run: a restart maps the saved copy."""
-    if w.method != "qlora" or w.engine != "fsdp" or not w.sharded or w.device == "cpu":
+    if not is_quantized(w.method) or w.engine != "fsdp" or not w.sharded or w.device == "cpu":
         return 0.0
     return arch.linear_params / (CPU_NF4_PARAMS_PER_CORE_S * max(1, cpu_count))
 
@@ -736,7 +748,7 @@ def flops_per_token(arch: Arch, method: str, seq_len: int, gradient_checkpointin
     matmul = arch.active_params - arch.embedding_params + (arch.embedding_params if arch.tied_embeddings else 0)
     attention = 2 * arch.layers * arch.q_dim * seq_len  # QK^T and AV, 2 FLOPs per MAC, causal halves the context
     forward = 2 * matmul + attention
-    backward = 2 * forward if method in ("full", "full-8bit") else forward
+    backward = forward if is_adapter(method) else 2 * forward
     return forward + backward + (forward if gradient_checkpointing else 0)
 
 
@@ -774,7 +786,7 @@ def tokens_per_second(arch: Arch, w: Workload, tflops_bf16: float | None, interc
     speed = one * scaling(w.num_gpus, interconnect)
     if w.sharded:
         speed *= SHARDING_EFFICIENCY.get(interconnect, 0.8)
-        if w.method == "qlora":
+        if is_quantized(w.method):
             speed *= QLORA_SHARDED_EFFICIENCY
     return speed
 

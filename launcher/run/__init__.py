@@ -1,5 +1,6 @@
-"""A run as the user drives it: the launch flow, the smoke test, the detached supervisor, and the views
-(every text a user reads about a run: status, list, progress, summary).
+"""A run as the user drives it: the launch flow, the smoke test, the detached supervisor and its control, and the
+views (facts.py reads a run's files, views.py words every text a user reads about a run, progress.py shows it live,
+commands.py builds the commands a user is shown).
 
 May import: every other stage. Nothing imports run/ but launcher/cli.py.
 """

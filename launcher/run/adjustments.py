@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
+from launcher.engine_kinds import SHARDING
+from launcher.methods import METHODS
 from launcher.recipe import Recipe
 from launcher.store.rundir import RunDir
 
@@ -31,10 +33,9 @@ def next_adjustment(recipe: Recipe, plan: dict[str, Any]) -> Optional[tuple[dict
                 f"micro_batch_size {m} -> {m2}, gradient_accumulation_steps {g} -> {g2} (same effective batch)")
     if "checkpointing" in allowed and not recipe.gradient_checkpointing:
         return {"gradient_checkpointing": True}, "gradient_checkpointing off -> on (recomputes activations)"
-    if "optimizer" in allowed and recipe.method == "full":
-        return {"method": "full-8bit"}, "method full -> full-8bit (8-bit AdamW states)"
-    if "method" in allowed and recipe.method == "lora":
-        return {"method": "qlora"}, "method lora -> qlora (4-bit base model)"
+    method = METHODS[recipe.method]
+    if method.lighter and method.lighter_by in allowed:
+        return {"method": method.lighter}, f"method {method.name} -> {method.lighter} ({method.lighter_why})"
     if "shard" in allowed:
         return shard_adjustment(recipe, plan)
     return None
@@ -63,7 +64,7 @@ def _shard(recipe: Recipe, plan: dict[str, Any]) -> tuple[Optional[tuple[dict[st
     procs = int(plan.get("num_processes") or 1)
     m, g = recipe.micro_batch_size, recipe.gradient_accumulation_steps
     effective = m * g * procs
-    sharded = plan.get("engine") in ("fsdp", "deepspeed")
+    sharded = plan.get("engine") in SHARDING
     cards = int((plan.get("hardware") or {}).get("count") or 1)
     if sharded and (plan.get("device") != "cuda" or procs >= cards):
         return None, f"already {plan.get('engine')} x {procs}" + (
@@ -74,7 +75,7 @@ def _shard(recipe: Recipe, plan: dict[str, Any]) -> tuple[Optional[tuple[dict[st
         return None, f"the recipe sets num_processes: {recipe.num_processes}"
     if plan.get("nodes"):
         return None, "the run spans several nodes"
-    if plan.get("device") == "cuda" and recipe.method == "full-8bit":
+    if plan.get("device") == "cuda" and METHODS[recipe.method].eight_bit_optimizer:
         from launcher.plan.engine import FULL_8BIT_FSDP
 
         return None, f"{FULL_8BIT_FSDP}; allow it with method: full (drop 'optimizer' from auto_adjust)"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from launcher.errors import UsageError
 from launcher.recipe import load_recipe
-from launcher.run.views import data_line, format_loss_view, wants_color
+from launcher.run.data_view import data_line, format_loss_view, wants_color
 
 
 def data_command(recipe_path: str, overrides: list[str]) -> int:

@@ -18,8 +18,11 @@ from launcher.worker.trackers import check_installed as check_trackers_installed
 from launcher.store.sync import kinds as sync_kinds
 from launcher.store.state import (TRAINED, RunLock, busy_error, effective_state, is_locked, process_identity, read_state,
                                    run_holder, set_state)
-from launcher.run import views
-from launcher.run.views import data_label, data_line, format_status, run_status
+from launcher.run import progress, views
+from launcher.run.commands import resume_command
+from launcher.run.data_view import data_label, data_line, format_loss_view, wants_color
+from launcher.run.facts import end_summary, run_status
+from launcher.run.views import format_status
 from launcher.run.adjustments import next_adjustment, shard_blocker, with_adjustments
 from launcher.data.stats import data_record, data_stats
 
@@ -122,13 +125,13 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
 
     from launcher.run.supervisor import start_detached, supervise
 
-    resume = views.resume_command(recipe_path, overrides, memory_limit, nodes)  # stored: every view of it can say it
+    resume = resume_command(recipe_path, overrides, memory_limit, nodes)  # stored: every view of it can say it
     if foreground:
         set_state(run, "running", supervisor_pid=_pid(), supervisor_proc=process_identity(_pid()), resume_command=resume)
-        with views.attached(run):  # a live progress bar on a terminal
+        with progress.attached(run):  # a live progress bar on a terminal
             code = supervise(run.root, lock.fd)
         _say(format_status(run_status(run), ending_follows=True))
-        _say(views.format_end_summary(views.end_summary(run)))
+        _say(views.format_end_summary(end_summary(run)))
         return code
     pid = start_detached(run, lock.fd)
     # who holds the lock from now on, recorded before the launcher lets go of it (the supervisor records
@@ -210,8 +213,8 @@ def _prepare(run: RunDir, recipe: Recipe, *, resuming: bool, fresh: bool, memory
 
     _say(f"data: {data_line(stats)}")
     if stats.loss_view:  # the example as the loss sees it, kept with plain brackets (ftrun data RECIPE shows it again)
-        (run.root / "data_example.txt").write_text(views.format_loss_view(stats.loss_view, statistics=True) + "\n")
-    _say(views.format_loss_view(stats.loss_view, color=views.wants_color()))
+        (run.root / "data_example.txt").write_text(format_loss_view(stats.loss_view, statistics=True) + "\n")
+    _say(format_loss_view(stats.loss_view, color=wants_color()))
     _say(format_plan(plan))
     if memory_limit:
         _say(f"memory limited to {round(memory_limit, 2):g} GB per worker (--memory-limit)")
@@ -463,7 +466,7 @@ def _end_orphans(run: RunDir, recipe: Recipe) -> None:
     before anything else starts: never two trainings in one directory. A live, verified run is left alone."""
     if run_holder(run) is not None:
         return
-    from launcher.run.supervisor import end_orphans
+    from launcher.run.control import end_orphans
 
     if end_orphans(run, recipe.grace_seconds + 15, log=_say):
         # A worker counts as gone once its main thread is (a zombie); the kernel releases its descriptors, the

@@ -10,7 +10,7 @@ from launcher.data.stats import data_stats
 from launcher.errors import DataError
 from launcher.recipe import check_trainer_fields, load_recipe
 from launcher.run.adjustments import with_adjustments
-from launcher.run.views import data_line, format_loss_view, wants_color
+from launcher.run.data_view import data_line, format_loss_view, wants_color
 from launcher.store.rundir import RunDir
 from launcher.worker.trackers import check_installed as check_trackers_installed
 

@@ -54,7 +54,7 @@ class RankEnd:
     root_cause: bool = False  # what torchrun calls the first observed failure
     message: Optional[str] = None  # the exception's last line, from the error file
     traceback: Optional[str] = None
-    step: Optional[int] = None  # the rank's last heartbeat step (launcher/store/heartbeat.py)
+    step: Optional[int] = None  # the rank's last heartbeat step (launcher/store/heartbeat_files.py)
     phase: Optional[str] = None
 
     @property

@@ -16,22 +16,17 @@ import subprocess
 import time
 from typing import Any, Optional
 
-from launcher.data import split as evaluation
+from launcher.data import split
 from launcher.worker import train
 from launcher.worker.engines import failed_verification, launch_command, launch_env, worker_file
 from launcher.store.checkpoint import atomic_write_json
 from launcher.data.dataset import DataStats, smoke_sample, write_jsonl
-from launcher.errors import SmokeError, SmokeOOM
+from launcher import export_formats, methods
+from launcher.errors import WORKER_EXITS, SmokeError, SmokeOOM
 from launcher.store.rundir import RunDir
 
-REASONS = {
-    train.EXIT_OOM: ("out of GPU memory", "lower micro_batch_size (raise gradient_accumulation_steps to keep the "
-                     "effective batch), lower max_length, or use method: qlora"),
-    train.EXIT_NAN: ("the loss became NaN or infinite", "lower learning_rate and check the data for empty or broken examples"),
-    train.EXIT_BAD_WORLD: ("the worker saw another device or process count than the plan", "see the log lines above"),
-    -9: ("the worker was killed (SIGKILL), most often by the kernel when memory runs out",
-         "lower micro_batch_size or max_length, or use a box with more memory; `dmesg | tail` shows OOM kills"),
-}
+# What a failed smoke worker's exit code means and its fix (launcher/errors.py WORKER_EXITS)
+REASONS = {code: (e.what, e.fix) for code, e in WORKER_EXITS.items()}
 
 
 def training_tokens(recipe, stats: DataStats, processes: int) -> int:
@@ -101,8 +96,8 @@ def export_seconds(measured: dict[str, Any], recipe, params: int) -> float:
     formats = set(recipe.export)
     if not formats:
         return 0.0
-    merged = bool(formats & {"merged", "gguf"})
-    lora = recipe.method in ("lora", "qlora")
+    merged = "merged" in export_formats.made(formats)
+    lora = methods.is_adapter(recipe.method)
     # adapter: the base (+ adapter); merged: the 16-bit reference for a full fine-tune, then the written
     # folder reloaded; gguf: the merged model once more and the GGUF file
     # gguf: llama.cpp's converter is a process of its own (the same imports), the file is read back once in
@@ -142,7 +137,7 @@ def estimate(measured: dict[str, Any], wall: float, recipe, stats: DataStats, pr
     train = step_seconds(measured, total_tokens, recipe, stats, processes)
     saves = saves_seconds(save, train, recipe)
     export = export_seconds(measured, recipe, params)
-    evals = evaluation.eval_seconds(measured, train, recipe)
+    evals = split.eval_seconds(measured, train, recipe)
     return {"startup_seconds": startup, "train_seconds": train, "saves_seconds": saves, "export_seconds": export,
             "eval_seconds": evals, "samples_seconds": samples,
             "estimated_seconds": startup + train + saves + export + evals + samples}
@@ -154,7 +149,7 @@ def run_smoke(run: RunDir, recipe, plan: dict[str, Any], examples, lengths: list
 
     processes = world_size(plan)  # all nodes' processes share the global batch
     global_batch = recipe.micro_batch_size * recipe.gradient_accumulation_steps * processes
-    parts = evaluation.for_recipe(examples, recipe)  # held-out examples never train, here neither
+    parts = split.for_recipe(examples, recipe)  # held-out examples never train, here neither
     drawn = smoke_sample([lengths[i] for i in parts.train], recipe.smoke.fraction,
                          recipe.smoke.min_steps * global_batch, recipe.seed, longest=global_batch)
     idx = [parts.train[j] for j in drawn]
@@ -240,26 +235,26 @@ def _write_eval_request(run: RunDir, recipe, examples, lengths: list[int], parts
     from launcher.data.dataset import example_lengths
 
     if recipe.eval.data:
-        held_examples = evaluation.load_eval_data(recipe)
+        held_examples = split.load_eval_data(recipe)
         held_lengths, _ = example_lengths(held_examples, recipe.model)
         held, pool = list(range(len(held_examples))), held_examples
     else:
         held, pool, held_lengths = parts.held_out, examples, lengths
     cost: dict[str, Any] = {}
     if held:
-        subset = evaluation.smoke_subset(held, recipe, processes)
+        subset = split.smoke_subset(held, recipe, processes)
         write_jsonl(run.smoke_work / "eval.jsonl", [pool[i] for i in subset])
         clip = recipe.max_length
         cost = {"eval_examples": len(held), "eval_tokens": sum(min(held_lengths[i], clip) for i in subset),
                 "eval_full_tokens": sum(min(held_lengths[i], clip) for i in held)}
         print(f"evaluation: {len(held)} held-out examples"
               + (f" ({len(held) / len(examples):.1%} of the data, a seeded draw that never trains)"
-                 if not recipe.eval.data else f" from {evaluation.source_name(recipe.eval.data)}")
+                 if not recipe.eval.data else f" from {split.source_name(recipe.eval.data)}")
               + f", every {recipe.eval.every_minutes:g} min, at the start and at the end; the smoke test "
               f"evaluates {len(subset)} of them", flush=True)
     if recipe.eval.samples and not (run.root / samples.BEFORE_FILE).is_file():
         prompts = samples.pick(pool, held, parts.train if not recipe.eval.data else [], recipe.eval.samples,
-                               recipe.seed, evaluation.source_name(recipe.eval.data or recipe.data))
+                               recipe.seed, split.source_name(recipe.eval.data or recipe.data))
         atomic_write_json(run.smoke_work / "prompts.json", prompts)
     return cost
 
@@ -267,7 +262,7 @@ def _write_eval_request(run: RunDir, recipe, examples, lengths: list[int], parts
 def memory_growth(device: Optional[str], method: str) -> Optional[dict[str, Any]]:
     """Where the smoke test's peak is known to understate the full run's (measured, docs/BENCHMARKS.md): the cause
     and the factor, stored in smoke.json; launcher/run/views.py (memory_note) words it."""
-    if device == "cpu" and method == "qlora":
+    if device == "cpu" and methods.is_quantized(method):
         # bitsandbytes' CPU path holds more memory step after step while the live tensors stay the same:
         # over a 60-step run, peak RSS from 0.94 GB in the first steps (where the smoke test measures) to
         # 1.81 GB; LoRA on the same data stays flat.

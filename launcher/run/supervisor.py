@@ -19,25 +19,19 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from launcher.errors import WORKER_EXITS
 from launcher.plan.cgroup import memory_limit_bytes, oom_kills
 from launcher.plan import deadlines
 from launcher.run import rank_ends, views, watchdog
-from launcher.store import heartbeat
+from launcher.store import heartbeat_files
 from launcher.worker import train
 from launcher.worker.engines import MULTI_PROCESS, failed_verification, launch_command, launch_env, with_death_signal
 from launcher.store.checkpoint import newest_step_unverified, step_dir_name
 from launcher.store.rundir import RunDir
-from launcher.store.state import (ENDED, process_identity, read_state, run_holder, run_processes, same_process,
-                                  set_state)
+from launcher.store.state import process_identity, read_state, set_state
 
-# Worker exits that a restart cannot fix: report them instead of looping.
-FATAL = {
-    train.EXIT_NAN: "the loss became NaN/inf (lower learning_rate, check the data)",
-    train.EXIT_OOM: "out of GPU memory (run `ftrun smoke` again: a smaller micro_batch_size or max_length)",
-    train.EXIT_BAD_WORLD: "the worker saw a different device or process count than planned (see train.log)",
-    train.EXIT_DISK_FULL: "disk full while saving a checkpoint",
-    2: "the worker rejected its input (see train.log)",
-}
+# Worker exits that a restart cannot fix: report them instead of looping (launcher/errors.py WORKER_EXITS).
+FATAL = {code: e.reason for code, e in WORKER_EXITS.items() if not e.restart}
 
 
 def _record(run: RunDir, state: str, **fields) -> None:
@@ -145,7 +139,7 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
             plan["launch_argv"] = cmd  # plan.json records how the plan was launched (an argument list)
             atomic_write_json(run.plan, plan)
         _forget_worker_outcome(run)
-        heartbeat.clear(run)  # the last attempt's heartbeats and error file must not speak for this one
+        heartbeat_files.clear(run)  # the last attempt's heartbeats and error file must not speak for this one
         run.heartbeats.mkdir(parents=True, exist_ok=True)
         launched_at = time.time()
         # a launcher (torchrun) outliving the supervisor keeps its ranks training: it is killed with it; a single
@@ -314,7 +308,7 @@ def _rank_ends(run: RunDir, rc: int, tail: Optional[_Tail], error_file: Path, mu
             rank_ends.RankEnd(rank=None, exit_code=rc, signal=rank_ends.signal_name(rc))]
     else:
         ends = rank_ends.single(rc, error_file)
-    beats = heartbeat.read_all(run)
+    beats = heartbeat_files.read_all(run)
     for e in ends:
         beat = beats.get(e.rank) if e.rank is not None else None
         if beat:
@@ -347,7 +341,7 @@ def _wait_watching(proc: subprocess.Popen, run: RunDir, plan: dict[str, Any], la
             pass
         if hang is not None or stopping["signal"]:
             continue  # already ending it, or a stop has its own grace
-        hang = watchdog.silent_rank(heartbeat.read_all(run), ranks, launched_at, time.time(), expected, floor,
+        hang = watchdog.silent_rank(heartbeat_files.read_all(run), ranks, launched_at, time.time(), expected, floor,
                                     _process_state)
         if hang is not None:
             _log(f"{views.rank_end_text({'kind': 'hang', 'world': len(ranks) if multi else 1, **hang})}: ending the "
@@ -518,112 +512,6 @@ def start_detached(run: RunDir, lock_fd: int) -> int:
     )
     log.close()
     return proc.pid
-
-
-def stop(run: RunDir, timeout: float = 120.0) -> str:
-    """SIGTERM the run's verified supervisor (which forwards to the worker) and wait until it exits.
-
-    Only a supervisor that holds the run's lock and is the recorded process (pid, start time, boot) is
-    signalled; a pid in state.json alone is never enough (after a reboot it names someone else). The
-    signal goes to the supervisor itself, not to its process group: it forwards SIGTERM to a single
-    worker or straight to the ranks, because torchrun and accelerate launch SIGKILL their ranks a fixed
-    time after they forward a signal (see forward in supervise). Workers left without a supervisor are
-    ended (end_orphans); otherwise nothing is touched.
-    """
-    data = read_state(run)
-    holder = run_holder(run, data)
-    if holder is None:
-        ended = end_orphans(run, _grace_seconds(run) + 15, log=print)
-        if ended:
-            return f"the supervisor was gone; ended its orphaned worker process(es) {', '.join(map(str, ended))}"
-        state = data.get("state")
-        if state in ENDED:
-            return f"nothing to stop: the run already ended ({state}); no process was signalled"
-        return "not running (no live supervisor holds the run; no process was signalled)"
-    if holder["role"] != "supervisor":
-        return (f"not stopped: pid {holder['pid']} is still planning or smoke-testing this run (state "
-                f"{data.get('state', 'planned')}); interrupt it with Ctrl-C where it runs, or wait and stop the run")
-    set_state(run, data.get("state", "running"), stop_requested=True)  # `stopped`, not `preempted`
-    _signal_verified(holder, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while same_process(holder) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return "stopped" if not same_process(holder) else "still stopping"
-
-
-def _grace_seconds(run: RunDir) -> float:
-    try:
-        from launcher.recipe import load_recipe
-
-        return float(load_recipe(run.recipe).grace_seconds)
-    except Exception:  # a recipe that no longer loads must not keep a stop from ending workers
-        return 60.0
-
-
-def _signal_verified(proc: dict[str, Any], sig: int) -> bool:
-    """Send `sig` to the recorded process only if it is still that process (pid, start time, boot)."""
-    if not same_process(proc):
-        return False
-    try:
-        os.kill(proc["pid"], sig)
-        return True
-    except ProcessLookupError:
-        return False
-
-
-def end_orphans(run: RunDir, wait_seconds: float, log=print) -> list[int]:
-    """Workers still training into the run without a supervisor (it was killed hard): SIGTERM, so they save a
-    checkpoint and exit, then SIGKILL whatever is left after wait_seconds (callers: grace_seconds + 15 s).
-    Returns their pids.
-
-    Found by their command line (`launcher.worker.train --run-dir <this run>`, a torchrun included), so every
-    process signalled is a worker of this run; each is checked again (start time) right before each signal.
-    SIGTERM goes to the workers that are not the parent of another (the ranks, not their launcher, as the
-    supervisor does). SIGKILL goes to the process group of the run's supervisor when a worker still sits in
-    it: that group was the supervisor's own session (start_new_session), and a group id is not reused while
-    a member lives, so the group holds this run's processes only; any other worker is killed by its pid.
-    Call only when no verified supervisor or launcher holds the run (run_holder is None).
-    """
-    procs = run_processes(run)
-    if not procs:
-        return []
-    pids = [p["pid"] for p in procs]
-    # The launchers (torchrun, accelerate launch) carry the worker's arguments too; the ranks are signalled, not
-    # them. Told apart by their command, not by being a parent: a worker forking a helper (the loss plot) is
-    # for a moment the parent of a process with its own command line.
-    launchers = {p["pid"] for p in procs if any(a in ("torch.distributed.run", "accelerate.commands.launch")
-                                                for a in p["argv"])}
-    log(f"{run.root}: worker process(es) {', '.join(map(str, pids))} still train into this run without a supervisor; "
-        f"asking them to save a checkpoint and exit (up to {wait_seconds:g} s)")
-    def asked(p: dict) -> bool:
-        if p["pid"] in launchers:  # a launcher only while it has no ranks yet
-            return not any(q["ppid"] == p["pid"] for q in procs)
-        return p["ppid"] in launchers or p["ppid"] not in pids  # a rank, or a worker of its own (not a fork of one)
-
-    for p in procs:
-        if asked(p):
-            _signal_verified(p, signal.SIGTERM)
-    deadline = time.monotonic() + wait_seconds
-    while any(same_process(p) for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    left = [p for p in procs if same_process(p)]
-    if left:
-        log(f"{run.root}: killing worker process(es) {', '.join(str(p['pid']) for p in left)} (no exit after "
-            f"{wait_seconds:g} s)")
-        sup = read_state(run).get("supervisor_proc") or {}
-        same_boot = sup.get("boot") == (process_identity(os.getpid()) or {}).get("boot")
-        group = sup.get("pgid") if same_boot and sup.get("pgid") == sup.get("pid") else None
-        for p in left:
-            if group and p["pgid"] == group and p["sid"] == group and same_process(p) and group != os.getpgrp():
-                try:
-                    os.killpg(group, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            _signal_verified(p, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while any(same_process(p) for p in left) and time.monotonic() < deadline:
-            time.sleep(0.1)
-    return pids
 
 
 def main(argv: Optional[list[str]] = None) -> int:

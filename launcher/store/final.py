@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from launcher import methods
 from launcher.model_files import local_file
 
 ADAPTER, MODEL = "adapter", "model"
@@ -48,7 +49,7 @@ class Verdict:
 
 def kind(method: str) -> str:
     """LoRA and QLoRA runs end with an adapter, full fine-tuning with the whole model."""
-    return ADAPTER if method in ("lora", "qlora") else MODEL
+    return ADAPTER if methods.is_adapter(method) else MODEL
 
 
 def path(final_root: Path, method: str) -> Path:

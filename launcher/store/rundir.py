@@ -47,7 +47,7 @@ class RunDir:
         return self.root / "worker.json"
 
     @property
-    def heartbeats(self) -> Path:  # each rank's step and phase, one small file per rank (store/heartbeat.py)
+    def heartbeats(self) -> Path:  # each rank's step and phase, one small file per rank (store/heartbeat_files.py)
         return self.root / "heartbeats"
 
     @property

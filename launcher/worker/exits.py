@@ -11,17 +11,12 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+# the codes' one definition, with their wording and whether the supervisor restarts: launcher/errors.py WORKER_EXITS
+from launcher.errors import EXIT_BAD_WORLD, EXIT_DISK_FULL, EXIT_NAN, EXIT_OOM, EXIT_STOPPED  # noqa: F401
 from launcher.store import checkpoint as ckpt
 from launcher.store.rundir import RunDir
 from launcher.worker import memory
 from launcher.worker.process import _rank
-
-
-EXIT_STOPPED = 77  # stopped by SIGTERM/SIGINT after saving a checkpoint (preemption, `ftrun stop`)
-EXIT_OOM = 78
-EXIT_NAN = 79
-EXIT_BAD_WORLD = 80
-EXIT_DISK_FULL = 81
 
 
 def _out_of_memory(run: RunDir, mode: str, device: str, text: str, step: int) -> int:

@@ -1,8 +1,9 @@
 """This rank's heartbeat: its step and phase into the run directory, cheaply, for the supervisor's watchdog.
 
-One small file per rank (launcher/store/heartbeat.py), replaced at most every HEARTBEAT_SECONDS within a phase and
-at once when the phase changes (a save, an eval, the final save), so a rank that stops making progress goes silent
-and the supervisor can tell where it stopped (launcher/run/watchdog.py). Writing never fails the training.
+One small file per rank (launcher/store/heartbeat_files.py), replaced at most every HEARTBEAT_SECONDS (its home:
+launcher/plan/deadlines.py, whose deadlines add it) within a phase and at once when the phase changes (a save, an
+eval, the final save), so a rank that stops making progress goes silent and the supervisor can tell where it
+stopped (launcher/run/watchdog.py). Writing never fails the training.
 """
 
 from __future__ import annotations
@@ -12,10 +13,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from launcher.store import heartbeat as files
+from launcher.plan.deadlines import HEARTBEAT_SECONDS
+from launcher.store import heartbeat_files
 from launcher.store.rundir import RunDir
-
-HEARTBEAT_SECONDS = 2.0  # the longest a live rank leaves its file unchanged within one phase (the watchdog adds it)
 
 
 class Heartbeat:
@@ -45,8 +45,8 @@ class Heartbeat:
         elif now - self.written < HEARTBEAT_SECONDS:
             return
         try:
-            files.write(self.run, self.rank, {"pid": os.getpid(), "step": self.step, "phase": self.phase,
-                                              "phase_started": self.phase_started, "time": now})
+            heartbeat_files.write(self.run, self.rank, {"pid": os.getpid(), "step": self.step, "phase": self.phase,
+                                                        "phase_started": self.phase_started, "time": now})
             self.written = now
         except OSError:  # a full disk says so elsewhere; the watchdog's floor covers a rank that cannot write
             pass

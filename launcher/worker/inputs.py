@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from launcher.data import split as evaluation
+from launcher.data import split
 from launcher.store.rundir import RunDir
 from launcher.worker import samples
 
@@ -54,14 +54,14 @@ def _eval_and_prompts(run: RunDir, recipe, mode: str, examples: list) -> tuple[l
         asked = run.smoke_work / "prompts.json"
         return (load_data(held, recipe.seed).examples if held.is_file() else [],
                 json.loads(asked.read_text()) if asked.is_file() else [])
-    parts = evaluation.for_recipe(examples, recipe)
+    parts = split.for_recipe(examples, recipe)
     if recipe.eval.data:
-        held_examples = evaluation.load_eval_data(recipe)
+        held_examples = split.load_eval_data(recipe)
         prompts = samples.pick(held_examples, list(range(len(held_examples))), [], recipe.eval.samples, recipe.seed,
-                               evaluation.source_name(recipe.eval.data))
+                               split.source_name(recipe.eval.data))
         return held_examples, prompts
     prompts = samples.pick(examples, parts.held_out, parts.train, recipe.eval.samples, recipe.seed,
-                           evaluation.source_name(recipe.data))
+                           split.source_name(recipe.data))
     return [examples[i] for i in parts.held_out], prompts
 
 

@@ -24,9 +24,11 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-# Engines that shard or partition the weights themselves: they load without a device map (transformers
+from launcher.engine_kinds import SHARDING as SHARDING_ENGINES
+from launcher.methods import METHODS, is_adapter, is_quantized
+
+# SHARDING_ENGINES shard or partition the weights themselves: they load without a device map (transformers
 # refuses a device_map under ZeRO-3's partitioned loading; FSDP places the shards on each rank's device).
-SHARDING_ENGINES = ("fsdp", "deepspeed")
 
 
 def local_rank() -> int:
@@ -90,7 +92,8 @@ def weights_dtype(method: str, engine: str, device: str, dtype):
 
     if device != "cuda" or engine in SHARDING_ENGINES:
         return dtype
-    if method == "full" or (method == "full-8bit" and dtype == torch.float16):
+    table = METHODS[method]
+    if (not table.adapter and not table.eight_bit_optimizer) or (table.eight_bit_optimizer and dtype == torch.float16):
         return torch.float32
     return dtype
 
@@ -131,7 +134,7 @@ def attention_implementation(device: str, dtype) -> Optional[str]:
 def quantization_config(method: str, dtype):
     """QLoRA's 4-bit NF4 config; quant storage in the compute dtype so FSDP can shard the 4-bit weights
     (accelerate excludes non-floating Params4bit from sharding: fsdp2_prepare_model)."""
-    if method != "qlora":
+    if not is_quantized(method):
         return None
     from transformers import BitsAndBytesConfig
 
@@ -164,7 +167,7 @@ def fsdp_qlora_kwargs(method: str, engine: str) -> dict[str, Any]:
       (nn/modules.py, fix_4bit_weight_quant_state_from_module); accelerate's Params4bit check in prepare_model
       is not on the FSDP2 path (_prepare_fsdp2 calls fsdp2_prepare_model only).
     """
-    if method == "qlora" and engine == "fsdp":
+    if is_quantized(method) and engine == "fsdp":
         return {"device_map": {"": "cpu"}}
     return {}
 
@@ -361,7 +364,7 @@ def add_lora(model, recipe, engine: str):
     """LoRA on the base model (after kbit preparation for QLoRA)."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
-    if recipe.method == "qlora" and engine == "fsdp":
+    if is_quantized(recipe.method) and engine == "fsdp":
         # Not prepare_model_for_kbit_training under FSDP: it would turn on the model's own activation
         # checkpointing beside FSDP's (fsdp_activation_checkpointing in the accelerate config, engines/fsdp.py),
         # which wraps every layer twice and breaks the sharded backward; and its fp32 upcast of the embeddings,
@@ -369,7 +372,7 @@ def add_lora(model, recipe, engine: str):
         # FSDP2's mixed-precision policy casts every parameter to bf16 for compute. transformers' own FSDP+QLoRA
         # example loads the 4-bit model and hands it to the trainer the same way.
         pass
-    elif recipe.method == "qlora":
+    elif is_quantized(recipe.method):
         model = prepare_model_for_kbit_training(
             model, use_gradient_checkpointing=recipe.gradient_checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False},
@@ -398,14 +401,14 @@ def load_model_and_tokenizer(recipe, device: str, dtype, plan: Optional[dict] = 
     tokenizer = load_tokenizer(recipe)
     kwargs = load_kwargs(recipe, device, dtype, engine)
     source = recipe.model
-    if recipe.method == "qlora" and engine == "fsdp":
+    if is_quantized(recipe.method) and engine == "fsdp":
         quantized = quantized_once_per_box(recipe, kwargs, run_dir)
         if quantized is not None:
             # its config.json carries the quantization config: passing ours again only earns a warning
             source, kwargs = str(quantized), {k: v for k, v in kwargs.items() if k != "quantization_config"}
     with context if context is not None else contextlib.nullcontext():
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
-    if recipe.method in ("qlora", "lora"):
+    if is_adapter(recipe.method):
         model = add_lora(model, recipe, engine)
     if is_main_process():
         print("[ftrun worker] " + describe_model(model), flush=True)

@@ -28,14 +28,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from launcher.errors import RecipeError
+from launcher.tracker_kinds import TRACKERS  # the tracker table
 
-# tracker -> (module to import, what to pip install)
-PACKAGES = {
-    "tensorboard": ("tensorboard", "tensorboard"),
-    "wandb": ("wandb", "wandb"),
-    "mlflow": ("mlflow", "mlflow-skinny"),  # the client and its local file store, without the server and UI
-    "trackio": ("trackio", "trackio"),
-}
 TRACKERS_FILE = "trackers.json"  # in the run directory, and carried by every checkpoint
 PROJECT = "ftrun"  # wandb project, MLflow experiment, Trackio project, unless the environment or recipe names one
 
@@ -43,7 +37,7 @@ PROJECT = "ftrun"  # wandb project, MLflow experiment, Trackio project, unless t
 def _installed(tracker: str) -> bool:
     if tracker == "tensorboard":  # TensorBoardCallback takes either writer
         return importlib.util.find_spec("tensorboard") is not None or importlib.util.find_spec("tensorboardX") is not None
-    return importlib.util.find_spec(PACKAGES[tracker][0]) is not None
+    return importlib.util.find_spec(TRACKERS[tracker].module) is not None
 
 
 def missing(report_to: list[str]) -> list[str]:
@@ -81,7 +75,7 @@ def check_installed(recipe, launching: bool = False) -> None:
                           "RUN/wandb and send it later with `wandb sync`.")
     if not absent:
         return
-    packages = " ".join(PACKAGES[t][1] for t in absent)
+    packages = " ".join(TRACKERS[t].package for t in absent)
     names = ", ".join(absent)
     raise RecipeError(
         f"report_to names {names}, but {'it is' if len(absent) == 1 else 'they are'} not installed in this Python "
@@ -127,7 +121,7 @@ def prepare(run_root: Path, recipe, mode: str, rank: int) -> tuple[list[str], di
     absent = missing(report_to)
     if absent:  # refused at the launch already; a package removed since then
         raise RecipeError(f"report_to names {', '.join(absent)}, not installed where the worker runs",
-                          fix=f"pip install {' '.join(PACKAGES[t][1] for t in absent)}")
+                          fix=f"pip install {' '.join(TRACKERS[t].package for t in absent)}")
     if "tensorboard" in report_to and not _installed("tensorboard"):
         print("[ftrun worker] tensorboard is not installed: no event files (metrics.jsonl and loss.png still are)",
               flush=True)

@@ -32,8 +32,9 @@ from launcher.notices import quiet_known_notices  # noqa: E402
 
 quiet_known_notices()  # before the libraries below are imported
 
+from launcher.engine_kinds import SHARDING  # noqa: E402
 from launcher.store import checkpoint as ckpt  # noqa: E402
-from launcher.data import split as evaluation  # noqa: E402
+from launcher.data import split  # noqa: E402
 from launcher.worker import cpu_logprob  # noqa: E402
 from launcher.worker import memory  # noqa: E402
 from launcher.worker import samples  # noqa: E402
@@ -124,7 +125,11 @@ def run_worker(run_dir: Path, mode: str) -> int:
     # process start and the imports the export after training pays again (smoke.py's ETA): not trl, datasets
     import_seconds = time.time() - psutil.Process().create_time()
     from datasets import Dataset
-    from trl import SFTTrainer
+    import trl
+
+    from launcher.methods import OBJECTIVES
+
+    SFTTrainer = getattr(trl, OBJECTIVES["sft"].trainer)  # the objective's trainer (launcher/methods.py)
 
     from launcher.worker.engines import trainer_fields
     from launcher.data.dataset import load_data, to_dataset
@@ -232,7 +237,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
             return 2
     held_out, prompts = _eval_and_prompts(run, recipe, mode, examples)
     if mode == "full":
-        examples = [examples[i] for i in evaluation.for_recipe(examples, recipe).train]  # eval never trains
+        examples = [examples[i] for i in split.for_recipe(examples, recipe).train]  # eval never trains
     if held_out and _rank() == 0:
         _say(f"training on {len(examples)} examples, evaluating on {len(held_out)} held-out examples")
     dataset = to_dataset(examples)
@@ -249,7 +254,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
         load_seconds = time.monotonic() - loading
         first_start = mode == "full" and resume_from is None and not run.metrics.is_file()
         args = sft_config(recipe, run, mode, device, dtype, max_steps, out_dir, trainer_fields(plan, run.root),
-                          evaluation.trainer_fields(recipe, eval_dataset is not None, first_start))
+                          split.trainer_fields(recipe, eval_dataset is not None, first_start))
         if plan.get("engine") != "unsloth":
             cpu_logprob.install(device)  # TRL's fused LM head, on the CPU: launcher/worker/cpu_logprob.py
         differ = _resume_steps_differ(resume_from, device)  # the process group exists from sft_config on
@@ -261,7 +266,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
         meta = {"recipe_hash": recipe.trajectory_hash(), "method": recipe.method, "world_size": _world_size(),
                 "engine": plan.get("engine", "trl")}
         cadence, metrics = build_callbacks(run, recipe, mode, device, meta, max_seconds, evaluates=eval_dataset is not None)
-        sharded = plan.get("engine") in ("fsdp", "deepspeed") and _world_size() > 1
+        sharded = plan.get("engine") in SHARDING and _world_size() > 1
         before = samples.before_callback(run.root / samples.BEFORE_FILE, prompts, recipe.eval.max_new_tokens, tokenizer,
                                          writes=_rank() == 0, synced=sharded, say=_say)
         from launcher.worker.window import carrying

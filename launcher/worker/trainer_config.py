@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from launcher.methods import METHODS, OBJECTIVES
 from launcher.store.rundir import RunDir
 from launcher.worker.process import _rank
 
@@ -13,7 +14,9 @@ from launcher.worker.process import _rank
 def sft_config(recipe, run: RunDir, mode: str, device: str, dtype, max_steps: Optional[int], output_dir: Path,
                engine_fields: Optional[dict] = None, eval_fields: Optional[dict] = None):
     import torch
-    from trl import SFTConfig
+    import trl
+
+    SFTConfig = getattr(trl, OBJECTIVES["sft"].config)  # the objective's configuration (launcher/methods.py)
 
     fields: dict[str, Any] = dict(
         output_dir=str(output_dir),
@@ -49,7 +52,7 @@ def sft_config(recipe, run: RunDir, mode: str, device: str, dtype, max_steps: Op
     if mode == "smoke" and any(f.name == "train_sampling_strategy" for f in dataclasses.fields(SFTConfig)):
         # The smoke sample is written longest batch first: an out-of-memory shows in step 1.
         fields["train_sampling_strategy"] = "sequential"
-    if recipe.method == "full-8bit":
+    if METHODS[recipe.method].eight_bit_optimizer:
         # 8-bit AdamW states (bitsandbytes): about 2 bytes/param of optimizer state instead of 8.
         fields["optim"] = "adamw_bnb_8bit"
     # Otherwise TRL's default (fused AdamW), which torch also runs on the CPU: the same optimizer a

@@ -156,7 +156,7 @@ def test_orphans_are_found_by_run_dir_and_killed_with_their_group(run_dir, tmp_p
     """A supervisor (own session, as start_detached makes it) killed -9 leaves a worker that ignores SIGTERM:
     end_orphans finds it by `launcher.worker.train --run-dir <run>` (a relative path included), waits, then kills its
     supervisor's group (the worker's child with it); a worker of another run and an unrelated process live on."""
-    from launcher.run.supervisor import end_orphans
+    from launcher.run.control import end_orphans
 
     other = tmp_path / "other-run"
     other.mkdir()

@@ -10,7 +10,7 @@ import pytest
 
 from launcher.plan import deadlines
 from launcher.run import rank_ends, views, watchdog
-from launcher.store import heartbeat
+from launcher.store import heartbeat_files
 from launcher.store.rundir import RunDir
 
 # torch 2.13's ChildFailedError as torchrun printed it for `kill -9` of rank 1 (rank 0 then raised gloo's error)
@@ -106,9 +106,9 @@ def test_no_report_leaves_no_rank_ends():
 
 
 def test_deadline_is_the_larger_of_factor_times_expected_and_the_floor_plus_the_heartbeat_interval(monkeypatch):
-    assert deadlines.deadline(0.4, 300) == 300 + deadlines.HEARTBEAT_SLACK_S
-    assert deadlines.deadline(60, 300) == 600 + deadlines.HEARTBEAT_SLACK_S
-    assert deadlines.deadline(None, 300) == 300 + deadlines.HEARTBEAT_SLACK_S
+    assert deadlines.deadline(0.4, 300) == 300 + deadlines.HEARTBEAT_SECONDS
+    assert deadlines.deadline(60, 300) == 600 + deadlines.HEARTBEAT_SECONDS
+    assert deadlines.deadline(None, 300) == 300 + deadlines.HEARTBEAT_SECONDS
     monkeypatch.delenv(deadlines.FLOOR_ENV, raising=False)
     assert deadlines.floor_seconds() == deadlines.WATCHDOG_FLOOR_S == 300
     monkeypatch.setenv(deadlines.FLOOR_ENV, "20")
@@ -173,23 +173,23 @@ def test_heartbeat_files_round_trip_and_the_worker_throttles_its_writes(tmp_path
     run = RunDir(tmp_path)
     hb = beat.Heartbeat()
     hb.beat("step", 3)  # not started: writes nothing
-    assert heartbeat.read_all(run) == {}
+    assert heartbeat_files.read_all(run) == {}
     clock = [100.0]
     monkeypatch.setattr(beat.time, "time", lambda: clock[0])
     hb.start(tmp_path, 1)
-    assert heartbeat.read_all(run)[1]["phase"] == "start"
+    assert heartbeat_files.read_all(run)[1]["phase"] == "start"
     hb.beat("step", 1)  # a new phase: written at once
     clock[0] += 0.5
     hb.beat("step", 2)  # the same phase within HEARTBEAT_SECONDS: not written
-    assert heartbeat.read_all(run)[1]["step"] == 1
+    assert heartbeat_files.read_all(run)[1]["step"] == 1
     clock[0] += beat.HEARTBEAT_SECONDS
     hb.beat("step", 3)
-    got = heartbeat.read_all(run)[1]
+    got = heartbeat_files.read_all(run)[1]
     assert (got["step"], got["phase"], got["time"], got["phase_started"]) == (3, "step", 102.5, 100.0)
     (run.heartbeats / "rank-7.json").write_text("{half")  # a file being replaced is skipped
-    assert list(heartbeat.read_all(run)) == [1]
-    heartbeat.clear(run)
-    assert heartbeat.read_all(run) == {}
+    assert list(heartbeat_files.read_all(run)) == [1]
+    heartbeat_files.clear(run)
+    assert heartbeat_files.read_all(run) == {}
 
 
 def test_status_words_each_end_with_rank_step_and_what_follows():

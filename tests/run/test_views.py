@@ -1,5 +1,6 @@
-"""The run's views (launcher/run/views.py): status, the list of runs, live progress, the end-of-run summary; and the
-command line's argument order. Built on a real finished run (the shared reference run) where numbers matter."""
+"""The run's views (launcher/run/facts.py read, views.py word, progress.py shows live): status, the list of runs, live
+progress, the end-of-run summary; and the command line's argument order. Built on a real finished run (the shared
+reference run) where numbers matter."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.run import views
+from launcher.run import commands, facts, progress, views
 from launcher.cli import _parser, main, split_command_line
 from launcher.store.rundir import RunDir
 from launcher.store.state import RunLock, process_identity, set_state
@@ -63,7 +64,7 @@ def test_status_lists_every_run_under_runs(reference_run, tmp_path, monkeypatch,
     assert main(["status"]) == 0
     out = capsys.readouterr().out.splitlines()
     rows = {line.split()[0]: line.split() for line in out[1:-1]}
-    last = views.metrics_rows(done.metrics)[-1]
+    last = facts.metrics_rows(done.metrics)[-1]
     assert rows["done"][1:4] == ["succeeded", f"{last['step']}/{last['step']}", f"{last['loss']:.4f}"]
     assert rows["early"][1] == "stopped" and rows["early"][-1] == "ago"
     assert main(["status", "--json"]) == 0
@@ -73,13 +74,13 @@ def test_status_lists_every_run_under_runs(reference_run, tmp_path, monkeypatch,
 
 def test_end_summary_of_a_finished_run(reference_run, tmp_path):
     run = _copy(reference_run, tmp_path / "run")
-    rows = views.metrics_rows(run.metrics)
-    e = views.end_summary(run)
+    rows = facts.metrics_rows(run.metrics)
+    e = facts.end_summary(run)
     assert (e["loss_first"], e["loss_last"]) == (rows[0]["loss"], rows[-1]["loss"])
     assert e["tokens"] == rows[-1]["tokens_seen"] > 0
     assert e["result"] == str(run.final / "adapter") and e["eval_loss_first"] is None
     (run.final / "samples.md").unlink(missing_ok=True)
-    assert views.end_summary(run)["samples"] is None
+    assert facts.end_summary(run)["samples"] is None
     assert e["wall_seconds"] > 0
     text = views.format_end_summary(e)
     assert f"loss      {rows[0]['loss']:.4f} (step {rows[0]['step']}) -> {rows[-1]['loss']:.4f}" in text
@@ -90,7 +91,7 @@ def test_end_summary_of_a_finished_run(reference_run, tmp_path):
     with run.metrics.open("a") as fh:
         fh.write(json.dumps({"step": 10, "eval_loss": 5.5}) + "\n" + json.dumps({"step": 30, "eval_loss": 4.25}) + "\n")
     (run.final / "samples.md").write_text("# samples\n")
-    text = views.format_end_summary(views.end_summary(run))
+    text = views.format_end_summary(facts.end_summary(run))
     assert "eval loss 5.5000 -> 4.2500" in text and f"samples   {run.final / 'samples.md'}" in text
 
 
@@ -103,13 +104,13 @@ def test_step_count_after_launch_is_the_full_runs(tmp_path):
     (tmp_path / "worker.json").write_text(json.dumps({"start_step": 0, "total_steps": 6}))  # the smoke test's
     set_state(run, "smoking")
     set_state(run, "running")
-    assert (views.run_status(run)["step"], views.run_status(run)["total_steps"]) == (0, 250)
+    assert (facts.run_status(run)["step"], facts.run_status(run)["total_steps"]) == (0, 250)
     (tmp_path / "worker.json").write_text(json.dumps({"mode": "full", "start_step": 0, "total_steps": 6,
                                                       "started": time.time() - 3600}))  # a launch before this one
-    assert views.run_status(run)["total_steps"] == 250
+    assert facts.run_status(run)["total_steps"] == 250
     (tmp_path / "worker.json").write_text(json.dumps({"mode": "full", "start_step": 0, "total_steps": 240,
                                                       "started": time.time() + 1}))
-    assert views.run_status(run)["total_steps"] == 240
+    assert facts.run_status(run)["total_steps"] == 240
 
 
 def test_time_and_money_beside_the_forecasts(tmp_path):
@@ -117,7 +118,7 @@ def test_time_and_money_beside_the_forecasts(tmp_path):
     history = [{"state": "smoking", "at": now - 4000}, {"state": "running", "at": now - 3600}]
     s = {"state": "running", "run_dir": str(tmp_path), "step": 50, "total_steps": 100, "eta_seconds": 1800.0,
          "loss": 1.5, "tokens_per_second": 1000, "smoke_estimated_seconds": 5400}
-    s.update(views.time_and_money(s, history, {"price_per_hour_eur": 3.6, "estimate": {"hours": 2.0, "cost_eur": 7.2}},
+    s.update(facts.time_and_money(s, history, {"price_per_hour_eur": 3.6, "estimate": {"hours": 2.0, "cost_eur": 7.2}},
                                   {"estimated_seconds": 5400, "estimated_cost": 5.4}))
     assert s["cost_so_far_eur"] == pytest.approx(4.0, abs=0.01) and s["cost_to_go_eur"] == 1.8
     text = views.format_status(s)
@@ -131,7 +132,7 @@ def test_watch_follows_a_live_run_to_its_summary(reference_run, tmp_path, live):
     step, loss, tokens/s and ETA as metrics arrive, then the end summary once the state is final."""
     run = _copy(reference_run, tmp_path / "run")
     shutil.rmtree(run.checkpoints)  # a run in its first steps: no checkpoint yet (one would count as progress)
-    rows = views.metrics_rows(run.metrics)
+    rows = facts.metrics_rows(run.metrics)
     run.metrics.write_text(json.dumps(rows[0]) + "\n")
     lock = RunLock(run).acquire()
     (run.root / "worker.json").write_text(json.dumps({"mode": "full", "start_step": 0, "total_steps": 30,
@@ -151,7 +152,7 @@ def test_watch_follows_a_live_run_to_its_summary(reference_run, tmp_path, live):
 
     out = io.StringIO()
     try:
-        s = views.watch(run, out=out, live=live, sleep=sleep)
+        s = progress.watch(run, out=out, live=live, sleep=sleep)
     finally:
         lock.release()
     text = out.getvalue()
@@ -180,7 +181,7 @@ def test_after_a_resume_the_memory_line_keeps_the_passed_smoke_tests_measurement
     recipe = load_recipe(run.recipe)
     *_, lock, _sha = _prepare(run, recipe, resuming=True, fresh=False)
     lock.release()
-    s = views.run_status(run)
+    s = facts.run_status(run)
     assert s["memory_source"] == "measured"
     assert "measured by the smoke test" in views.format_status(s) and "no passed smoke test" not in views.format_status(s)
 
@@ -191,7 +192,7 @@ def test_a_stopped_run_says_how_it_ended_once_with_the_exact_resume_command(tmp_
     run = RunDir(tmp_path / "run")
     run.root.mkdir()
     run.recipe.write_text("model: x\n")
-    resume = views.resume_command("recipes/my run.yaml", ["lora.r=8"], 20.0)
+    resume = commands.resume_command("recipes/my run.yaml", ["lora.r=8"], 20.0)
     assert resume == "ftrun 'recipes/my run.yaml' lora.r=8 --memory-limit 20GB"
     ending = {"by": "signal", "signal": "SIGTERM", "step": 40, "checkpoint": "step-000040", "saved": True,
               "grace_seconds": 120.0, "resume_command": resume}
@@ -202,13 +203,13 @@ def test_a_stopped_run_says_how_it_ended_once_with_the_exact_resume_command(tmp_
     assert late.startswith("stopped by `ftrun stop` at step 40; the worker did not finish its checkpoint within 120s")
     assert late.endswith("run the same command to resume")
     set_state(run, "preempted", reason=reason, ending=ending, resume_command=resume)
-    s = views.run_status(run)
+    s = facts.run_status(run)
     assert s["resume_command"] == resume and reason in views.format_status(s)
-    both = views.format_status(s, ending_follows=True) + "\n" + views.format_end_summary(views.end_summary(run))
+    both = views.format_status(s, ending_follows=True) + "\n" + views.format_end_summary(facts.end_summary(run))
     assert both.count(reason) == 1
     # a run whose processes are gone says the same command
     set_state(run, "running", reason="continuing", resume_command=resume)
-    s = views.run_status(run)
+    s = facts.run_status(run)
     assert s["state"] == "interrupted" and f"`{resume}` to resume" in views.format_status(s)
 
 
@@ -278,7 +279,7 @@ def test_stop_of_a_finished_run_says_it_ended(tmp_path, capsys):
     set_state(run, "succeeded", reason="training finished")
     assert main(["stop", str(run.root)]) == 0
     assert "already ended (succeeded)" in capsys.readouterr().out
-    s = views.run_status(run)
+    s = facts.run_status(run)
     assert "pid None" not in views.format_status(s)
 
 

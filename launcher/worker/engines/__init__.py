@@ -8,13 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from launcher.engine_kinds import ENGINES, MULTI_PROCESS, PER_RANK_CHECKPOINTS, SINGLE_PROCESS
 from launcher.errors import PlanError
 
-SINGLE_PROCESS = ("trl", "unsloth")
-# Engines whose launcher starts several processes, one per GPU (gloo processes on CPU).
-MULTI_PROCESS = ("ddp", "fsdp", "deepspeed")
-DEEPSPEED_CONFIG = "deepspeed.json"  # written into the run directory from the plan (data, not code)
-FSDP_CONFIG = "accelerate_fsdp.yaml"
 # torchrun's (and accelerate launch's) wait for the ranks after it forwards a SIGTERM; launch_env.
 LAUNCHER_SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 LAUNCHER_SHUTDOWN_MARGIN_S = 15
@@ -69,7 +65,7 @@ def launch_command(plan: dict[str, Any], run_dir: Path, mode: str) -> list[str]:
                 *_worker(run_dir, mode)]
     raise PlanError(
         f"engine '{engine}' cannot be launched by this version of ftrun",
-        fix="set engine: auto (or trl / ddp / deepspeed / fsdp) in the recipe.",
+        fix=f"set engine: auto (or {' / '.join(ENGINES)}) in the recipe.",
     )
 
 
@@ -151,7 +147,7 @@ def trainer_fields(plan: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     """Extra SFTConfig fields the engine needs inside the worker."""
     engine = plan.get("engine", "trl")
     if engine == "deepspeed":
-        path = run_dir / DEEPSPEED_CONFIG
+        path = run_dir / ENGINES["deepspeed"].config_file
         if not path.is_file():
             from launcher.worker.engines.deepspeed import write_config
 
@@ -229,10 +225,6 @@ def loading_context(plan: dict[str, Any], run_dir: Path | None):
     from launcher.worker.engines.deepspeed import partitioned_loading
 
     return partitioned_loading(plan, run_dir)
-
-
-# Engines whose checkpoints hold state split per process: they resume only on the same count.
-PER_RANK_CHECKPOINTS = ("deepspeed",)
 
 
 def resume_compatibility(manifest: dict[str, Any], plan: dict[str, Any]) -> tuple[str, bool]:

@@ -7,7 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-CONFIG_NAME = "deepspeed.json"
+from launcher.engine_kinds import ENGINES
+
+CONFIG_NAME = ENGINES["deepspeed"].config_file  # the engine table, launcher/engine_kinds.py
 # Under optimizer offload DeepSpeed refuses a client optimizer that is not its CPU Adam (runtime/engine.py,
 # _configure_optimizer: zero_force_ds_cpu_optimizer, on by default), and the Trainer would hand it its own (8-bit AdamW
 # for full-8bit: transformers integrations/deepspeed.py, deepspeed_optim_sched, when the config has no "optimizer").

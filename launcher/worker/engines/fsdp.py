@@ -13,7 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-CONFIG_NAME = "accelerate_fsdp.yaml"
+from launcher.engine_kinds import ENGINES
+
+CONFIG_NAME = ENGINES["fsdp"].config_file  # the engine table, launcher/engine_kinds.py
 
 
 def accelerate_config(plan: dict[str, Any], activation_checkpointing: bool) -> dict[str, Any]:

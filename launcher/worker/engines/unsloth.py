@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from launcher.methods import is_quantized
 from launcher.plan.models import LINEAR_MODULES, prequantized_repo  # the pre-quantized repositories: the plan's table
 
 def plan_reason(model: str, method: str) -> str | None:
@@ -75,7 +76,7 @@ def load_model_and_tokenizer(recipe, device: str, dtype):
     model, tokenizer = FastLanguageModel.from_pretrained(
         model_name=source,
         max_seq_length=recipe.max_length,
-        load_in_4bit=recipe.method == "qlora",
+        load_in_4bit=is_quantized(recipe.method),
         dtype=dtype,
     )
     if tokenizer.pad_token is None:

@@ -12,7 +12,8 @@ doing what the worker's Trainer does (fused AdamW, gradient clipping, bf16 autoc
 `--dry-run` runs every step on the CPU with the CPU's expectations and a tiny model shape.
 
 runner (the command line, the step order, results and summary), common (what every check shares); one module
-per check: tiny_model, device, placement (placement, memory cap), memory (peak memory, oom), bench (predicted
-vs measured; training: the model and loop it times), padding (padded vs padding-free), fsdp, smoke.
+per check: tiny_model, device, placement_check (placement, memory cap), memory_check (peak memory, oom), bench
+(predicted vs measured; training: the model and loop it times), padding (padded vs padding-free), fsdp_check,
+smoke_check. A check whose name another ftrun module has (memory, fsdp, placement, smoke) ends in `_check`.
 May import plan/ (sizing, models, hardware, plan), the other worker/ modules and store/; never run/ or deliver/.
 """

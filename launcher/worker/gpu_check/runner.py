@@ -13,13 +13,13 @@ import launcher.worker.gpu_check as package
 from launcher.worker.gpu_check.bench import step_bench_full, step_bench_lora
 from launcher.worker.gpu_check.common import Context, first_line, read_json, write_json
 from launcher.worker.gpu_check.device import step_device
-from launcher.worker.gpu_check.fsdp import fsdp_child, step_fsdp
+from launcher.worker.gpu_check.fsdp_check import fsdp_child, step_fsdp
 from launcher.worker.gpu_check.launch import step_launch_env
 from launcher.worker.gpu_check.loss_head import step_loss_head
-from launcher.worker.gpu_check.memory import step_oom, step_peak_memory
+from launcher.worker.gpu_check.memory_check import step_oom, step_peak_memory
 from launcher.worker.gpu_check.padding import step_bench_padding
-from launcher.worker.gpu_check.placement import place_child, step_memory_cap, step_placement
-from launcher.worker.gpu_check.smoke import step_smoke_bench
+from launcher.worker.gpu_check.placement_check import place_child, step_memory_cap, step_placement
+from launcher.worker.gpu_check.smoke_check import step_smoke_bench
 from launcher.worker.gpu_check.tiny_model import step_tiny_model
 from launcher.worker.gpu_check.training import GPU_SHAPE
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from launcher.engine_kinds import ENGINES
 from launcher.worker.gpu_check.common import Context, child_env, read_json, worker_recipe, write_json
 
 
@@ -142,7 +143,7 @@ def step_fsdp(ctx: Context) -> dict[str, Any]:
     from launcher.worker.engines.fsdp import accelerate_config
 
     cfg = accelerate_config({"num_processes": 1, "device": ctx.device}, activation_checkpointing=True)
-    config_path = ctx.out / "accelerate_fsdp.yaml"
+    config_path = ctx.out / ENGINES["fsdp"].config_file
     config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     child_out = ctx.out / "fsdp-child.json"
     child_out.unlink(missing_ok=True)

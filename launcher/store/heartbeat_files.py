@@ -1,7 +1,7 @@
 """Each rank's heartbeat in the run directory: its step and phase, one small file per rank, replaced atomically.
 
 The worker writes it (launcher/worker/heartbeat.py), the supervisor's watchdog and `ftrun status` read it
-(launcher/run/watchdog.py, launcher/run/views.py). A file is `heartbeats/rank-<RANK>.json`:
+(launcher/run/watchdog.py, launcher/run/facts.py). A file is `heartbeats/rank-<RANK>.json`:
 {"rank", "pid", "step" (optimizer steps done), "phase" (a PHASES key), "phase_started", "time"} (wall clock).
 """
 

@@ -1,0 +1,96 @@
+"""The training methods and objectives as tables: one row a method (qlora, lora, full, full-8bit) and one row an
+objective (sft). Every question about a method or an objective asks these rows: the recipe's allowed values, the
+sizer's bytes, the engine choice, the loading, the export, the final result's check, the model card.
+
+A root leaf (like launcher/gguf_types.py): the recipe, plan/, worker/, store/ and deliver/ all ask it, and store/
+may import no stage above it.
+
+    METHODS["qlora"].adapter        # True: LoRA adapters on a frozen base
+    adapter_methods()               # ('qlora', 'lora')
+    OBJECTIVES["sft"].trainer       # 'SFTTrainer'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    adapter: bool  # trains LoRA adapters on a frozen base (saved as an adapter); else every weight (a whole model)
+    quantized: bool  # the frozen base is loaded in 4-bit NF4 (bitsandbytes) on a GPU
+    eight_bit_optimizer: bool  # AdamW's m and v in 8 bits (bitsandbytes' adamw_8bit)
+    # Bytes per trained parameter on a GPU in bf16 (the sizer's table, docs/sizing.md): an adapter parameter holds an
+    # fp32 weight, gradient and AdamW m and v; a fully trained one a bf16 weight and gradient, and either fp32 master
+    # weights + AdamW m and v (12 B) or 8-bit m and v (2 B).
+    weight_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    mfu: float  # model FLOPs utilization the time estimate assumes before a smoke test measures the real rate
+    title: str  # how a model card names it
+    help: str  # what it is, for the recipe's help
+    lighter: Optional[str] = None  # the method an out-of-memory re-plan switches to (auto_adjust: method/optimizer)
+    lighter_by: str = ""  # the auto_adjust entry that allows the switch
+    lighter_why: str = ""  # what the switch changes, as the re-plan says it
+
+    @property
+    def bitsandbytes(self) -> bool:
+        """It needs bitsandbytes (a 4-bit base or an 8-bit optimizer), whose CPU support is limited."""
+        return self.quantized or self.eight_bit_optimizer
+
+    @property
+    def trained_bytes(self) -> int:
+        return self.weight_bytes + self.gradient_bytes + self.optimizer_bytes
+
+
+METHODS: dict[str, Method] = {m.name: m for m in (
+    # MFU: LoRA's frozen matmuls skip the weight gradient, QLoRA adds dequantization (docs/sizing.md).
+    Method("qlora", adapter=True, quantized=True, eight_bit_optimizer=False, weight_bytes=4, gradient_bytes=4,
+           optimizer_bytes=8, mfu=0.32, title="QLoRA (4-bit base, LoRA adapters)",
+           help="4-bit base + LoRA"),
+    Method("lora", adapter=True, quantized=False, eight_bit_optimizer=False, weight_bytes=4, gradient_bytes=4,
+           optimizer_bytes=8, mfu=0.34, title="LoRA", help="16-bit base + LoRA", lighter="qlora", lighter_by="method",
+           lighter_why="4-bit base model"),
+    Method("full", adapter=False, quantized=False, eight_bit_optimizer=False, weight_bytes=2, gradient_bytes=2,
+           optimizer_bytes=12, mfu=0.36, title="full fine-tuning", help="AdamW", lighter="full-8bit",
+           lighter_by="optimizer", lighter_why="8-bit AdamW states"),
+    Method("full-8bit", adapter=False, quantized=False, eight_bit_optimizer=True, weight_bytes=2, gradient_bytes=2,
+           optimizer_bytes=2, mfu=0.36, title="full fine-tuning with 8-bit AdamW",
+           help="8-bit AdamW"),
+)}
+
+
+def described() -> str:
+    """Every method with what it is, for the recipe's help."""
+    return ", ".join(f"{m.name} ({m.help})" for m in METHODS.values()) + "."
+
+
+def adapter_methods() -> tuple[str, ...]:
+    """The methods that train an adapter, in table order."""
+    return tuple(name for name, m in METHODS.items() if m.adapter)
+
+
+def is_adapter(method: str) -> bool:
+    return METHODS[method].adapter
+
+
+def is_quantized(method: str) -> bool:
+    return METHODS[method].quantized
+
+
+@dataclass(frozen=True)
+class Objective:
+    name: str
+    trainer: str  # TRL's trainer class
+    config: str  # its configuration class (the recipe's `trainer:` fields are checked against it)
+    formats: tuple[str, ...]  # the data formats it trains on (launcher/data/formats.py FORMATS), () for every one
+    sequences_per_example: int  # sequences the forward pass runs per example (2 for a chosen/rejected pair)
+    reference_pass: bool  # a frozen reference model's log-probabilities are computed too
+
+
+OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
+    Objective("sft", trainer="SFTTrainer", config="SFTConfig", formats=(), sequences_per_example=1,
+              reference_pass=False),
+)}

@@ -1,0 +1,128 @@
+"""Talks to a running supervisor from outside it: `ftrun stop` signals it, and workers left without one are ended."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+from launcher.run.facts import end_summary
+from launcher.run.views import format_end_summary
+from launcher.store.rundir import RunDir
+from launcher.store.state import ENDED, process_identity, read_state, run_holder, run_processes, same_process, set_state
+
+
+def stop_command(run: RunDir) -> int:
+    """`ftrun stop`: stop the run, say how it went, and the run's summary once it stopped."""
+    outcome = stop(run)
+    print(f"{run.root}: {outcome}")
+    if outcome == "stopped":
+        print(format_end_summary(end_summary(run)))
+    return 0
+
+
+def stop(run: RunDir, timeout: float = 120.0) -> str:
+    """SIGTERM the run's verified supervisor (which forwards to the worker) and wait until it exits.
+
+    Only a supervisor that holds the run's lock and is the recorded process (pid, start time, boot) is
+    signalled; a pid in state.json alone is never enough (after a reboot it names someone else). The
+    signal goes to the supervisor itself, not to its process group: it forwards SIGTERM to a single
+    worker or straight to the ranks, because torchrun and accelerate launch SIGKILL their ranks a fixed
+    time after they forward a signal (see forward in supervisor.supervise). Workers left without a supervisor are
+    ended (end_orphans); otherwise nothing is touched.
+    """
+    data = read_state(run)
+    holder = run_holder(run, data)
+    if holder is None:
+        ended = end_orphans(run, _grace_seconds(run) + 15, log=print)
+        if ended:
+            return f"the supervisor was gone; ended its orphaned worker process(es) {', '.join(map(str, ended))}"
+        state = data.get("state")
+        if state in ENDED:
+            return f"nothing to stop: the run already ended ({state}); no process was signalled"
+        return "not running (no live supervisor holds the run; no process was signalled)"
+    if holder["role"] != "supervisor":
+        return (f"not stopped: pid {holder['pid']} is still planning or smoke-testing this run (state "
+                f"{data.get('state', 'planned')}); interrupt it with Ctrl-C where it runs, or wait and stop the run")
+    set_state(run, data.get("state", "running"), stop_requested=True)  # `stopped`, not `preempted`
+    _signal_verified(holder, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while same_process(holder) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return "stopped" if not same_process(holder) else "still stopping"
+
+
+def _grace_seconds(run: RunDir) -> float:
+    try:
+        from launcher.recipe import load_recipe
+
+        return float(load_recipe(run.recipe).grace_seconds)
+    except Exception:  # a recipe that no longer loads must not keep a stop from ending workers
+        return 60.0
+
+
+def _signal_verified(proc: dict[str, Any], sig: int) -> bool:
+    """Send `sig` to the recorded process only if it is still that process (pid, start time, boot)."""
+    if not same_process(proc):
+        return False
+    try:
+        os.kill(proc["pid"], sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def end_orphans(run: RunDir, wait_seconds: float, log=print) -> list[int]:
+    """Workers still training into the run without a supervisor (it was killed hard): SIGTERM, so they save a
+    checkpoint and exit, then SIGKILL whatever is left after wait_seconds (callers: grace_seconds + 15 s).
+    Returns their pids.
+
+    Found by their command line (`launcher.worker.train --run-dir <this run>`, a torchrun included), so every
+    process signalled is a worker of this run; each is checked again (start time) right before each signal.
+    SIGTERM goes to the workers that are not the parent of another (the ranks, not their launcher, as the
+    supervisor does). SIGKILL goes to the process group of the run's supervisor when a worker still sits in
+    it: that group was the supervisor's own session (start_new_session), and a group id is not reused while
+    a member lives, so the group holds this run's processes only; any other worker is killed by its pid.
+    Call only when no verified supervisor or launcher holds the run (run_holder is None).
+    """
+    procs = run_processes(run)
+    if not procs:
+        return []
+    pids = [p["pid"] for p in procs]
+    # The launchers (torchrun, accelerate launch) carry the worker's arguments too; the ranks are signalled, not
+    # them. Told apart by their command, not by being a parent: a worker forking a helper (the loss plot) is
+    # for a moment the parent of a process with its own command line.
+    launchers = {p["pid"] for p in procs if any(a in ("torch.distributed.run", "accelerate.commands.launch")
+                                                for a in p["argv"])}
+    log(f"{run.root}: worker process(es) {', '.join(map(str, pids))} still train into this run without a supervisor; "
+        f"asking them to save a checkpoint and exit (up to {wait_seconds:g} s)")
+    def asked(p: dict) -> bool:
+        if p["pid"] in launchers:  # a launcher only while it has no ranks yet
+            return not any(q["ppid"] == p["pid"] for q in procs)
+        return p["ppid"] in launchers or p["ppid"] not in pids  # a rank, or a worker of its own (not a fork of one)
+
+    for p in procs:
+        if asked(p):
+            _signal_verified(p, signal.SIGTERM)
+    deadline = time.monotonic() + wait_seconds
+    while any(same_process(p) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p for p in procs if same_process(p)]
+    if left:
+        log(f"{run.root}: killing worker process(es) {', '.join(str(p['pid']) for p in left)} (no exit after "
+            f"{wait_seconds:g} s)")
+        sup = read_state(run).get("supervisor_proc") or {}
+        same_boot = sup.get("boot") == (process_identity(os.getpid()) or {}).get("boot")
+        group = sup.get("pgid") if same_boot and sup.get("pgid") == sup.get("pid") else None
+        for p in left:
+            if group and p["pgid"] == group and p["sid"] == group and same_process(p) and group != os.getpgrp():
+                try:
+                    os.killpg(group, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            _signal_verified(p, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while any(same_process(p) for p in left) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    return pids

@@ -1,0 +1,51 @@
+"""How the training data reads to a user: its one-line description and what the loss sees of each example."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Optional, TextIO
+
+
+def data_label(stats) -> str:
+    return ", ".join(str(s.get("source")) for s in stats.sources) or "data"
+
+
+def data_line(stats) -> str:
+    """'Alpaca (instruction/input/output) format, 10,000 examples, converted to chat; 1,234,567 tokens (tokenizer)'"""
+    return (f"{stats.description}; {stats.total_tokens:,} tokens per epoch ({stats.tokens_source}"
+            + (f", {stats.over_max_length} over max_length {stats.max_length}: truncated" if stats.over_max_length else "")
+            + ")")
+
+
+def wants_color(stream: Optional[TextIO] = None) -> bool:
+    """Highlighting on a terminal, plain text on a pipe or a file, none where NO_COLOR is set (no-color.org)."""
+    stream = stream or sys.stdout
+    return bool(getattr(stream, "isatty", lambda: False)()) and not os.environ.get("NO_COLOR")
+
+
+def format_loss_view(record: Optional[dict[str, Any]], color: bool = False, statistics: bool = False) -> str:
+    """What the loss sees (data.json "loss_view", launcher/data/loss_view.py): one example per source with its
+    trained tokens marked (highlighted on a terminal, in [[...]] elsewhere); `statistics`: the dataset's figures."""
+    from launcher.data.loss_view import CLOSE, OPEN, TRAINED_STYLE, RESET, render_segments
+
+    if not record:
+        return "what the loss sees: not shown (the model's tokenizer is not on this machine)"
+    s = record["stats"]
+    mark = f"{TRAINED_STYLE}highlighted{RESET}" if color else f"{OPEN}in brackets{CLOSE}"
+    lines = [f"what the loss sees: {s['trained_share']:.1%} of {s['tokens']:,} tokens trained, loss on {record['mode']}, "
+             f"end of turn {record.get('end_of_turn')}; trained tokens {mark}:"]
+    for ex in record["examples"]:
+        where = ex["where"] + (f" ({ex['source']})" if ex.get("source") and len(record["examples"]) > 1 else "")
+        lines.append(f"--- {where}: {ex['trained']} of {ex['tokens']} tokens trained")
+        lines.append(render_segments(ex["segments"], color=color).rstrip("\n"))
+    lines.append("---")
+    if statistics:
+        cap = s.get("max_length")
+        lines.append(f"examples {s['examples']:,}; tokens {s['tokens']:,} (after max_length {cap}); trained "
+                     f"{s['trained_tokens']:,} ({s['trained_share']:.1%})")
+        lines.append(f"length in tokens: p50 {s['p50']:,}, p90 {s['p90']:,}, p99 {s['p99']:,}, max {s['max']:,}")
+        n = max(s["examples"], 1)
+        lines.append(f"truncated by max_length {cap}: {s['truncated']:,} ({s['truncated'] / n:.1%}); trained part cut: "
+                     f"{s['cut']:,} ({s['cut'] / n:.1%}); nothing trained: {s['empty']:,} ({s['empty'] / n:.1%})")
+    return "\n".join(lines)

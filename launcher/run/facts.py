@@ -1,0 +1,231 @@
+"""Reads a run's facts from its run directory: its status (`run_status`), the list of runs, the end summary's numbers.
+
+Everything here reads the run directory's files (state.json, plan.json, smoke.json, worker.json, metrics.jsonl,
+sync.json, checkpoints/, final/) and never imports torch: `ftrun status` answers in a fraction of a second on a
+box that is busy training. The numbers come from one reading (`run_status`), so the text, the JSON, the live bar
+and the summary never disagree with each other; launcher/run/views.py words them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from launcher.plan.plan import model_flops_utilization
+from launcher.run.commands import serve_command
+from launcher.run.views import rank_end_text
+from launcher.run.watchdog import heartbeat_rows
+from launcher.store.checkpoint import newest_step_unverified, step_dir_name
+from launcher.store.heartbeat_files import read_all as read_heartbeats
+from launcher.store.rundir import RunDir
+from launcher.store.state import (ACTIVE, is_locked, last_metrics, read_state, run_holder, run_processes,
+                                   same_process)
+
+
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):  # a file being replaced right now reads as absent; the next refresh has it
+        return {}
+
+
+def metrics_rows(path: Path) -> list[dict[str, Any]]:
+    """Every row of metrics.jsonl (a half-written last line is skipped)."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
+
+
+def _box_seconds(history: list[dict[str, Any]], live: bool, states: tuple[str, ...] = ACTIVE) -> float:
+    """Box time the run has used: the intervals spent smoking, running or recovering (resumes included);
+    with `states`, only those (the full run's own time: running, recovering)."""
+    used = 0.0
+    for i, h in enumerate(history):
+        if h.get("state") in states:
+            end = history[i + 1]["at"] if i + 1 < len(history) else (time.time() if live else h["at"])
+            used += max(end - h["at"], 0.0)
+    return used
+
+
+def run_status(run: RunDir) -> dict[str, Any]:
+    """What `ftrun status --json` prints: one reading of the run's files (no torch)."""
+    from launcher.store.sync import status_fields as sync_status_fields
+
+    data = read_state(run)
+    holder = run_holder(run, data)
+    # workers still training into the run with no supervisor over them (it was killed hard)
+    orphans = [] if holder else [p["pid"] for p in run_processes(run)]
+    worker = _json(run.worker)
+    plan = _json(run.plan)
+    smoke = _json(run.smoke)
+    last = last_metrics(run.metrics, "loss")  # the training rows; eval passes have rows of their own
+    last_eval = last_metrics(run.metrics, "eval_loss")
+    ckpt_step = newest_step_unverified(run.checkpoints)
+    state = data.get("state", "none")
+    if state in ACTIVE and holder is None:
+        state = "interrupted"  # state.effective_state, from the same reading
+    # worker.json describes the full run's worker; one written by another mode (an older smoke test's) or before
+    # the full run's worker has started says nothing about this run's steps: the plan's count stands then
+    full_worker = worker.get("mode") == "full" and (worker.get("started") or 0) >= _started_at(data)
+    start_step = worker.get("start_step", 0) if full_worker else 0
+    # a checkpoint is progress too (a run shorter than logging_steps logs no step)
+    step = max(last.get("step", start_step), ckpt_step or 0)
+    total = (worker.get("total_steps") if full_worker else None) or plan.get("total_steps")
+    ckpt_age = None
+    if ckpt_step is not None:
+        manifest = run.checkpoints / step_dir_name(ckpt_step) / "manifest.json"
+        ckpt_age = round(time.time() - manifest.stat().st_mtime, 1) if manifest.is_file() else None
+    eta = None
+    if total and step and state == "running" and full_worker:
+        started, done_since = worker.get("started"), step - start_step
+        if started and done_since > 0:
+            eta = round((time.time() - started) / done_since * (total - step), 1)
+    final = None
+    for name in ("adapter", "model"):
+        if (run.final / name).is_dir():
+            final = str(run.final / name)
+    memory = plan.get("memory") or {}
+    s = {
+        "run_dir": str(run.root),
+        "state": state,
+        "step": step,
+        "total_steps": total,
+        "loss": last.get("loss"),
+        "eval_loss": last_eval.get("eval_loss"),
+        "eval_step": last_eval.get("step"),
+        "tokens_per_second": last.get("tokens_per_second"),
+        "mfu": (model_flops_utilization(plan, last.get("tokens_per_second"))
+                if plan.get("device") == "cuda" else None),
+        "tokens_seen": last.get("tokens_seen"),
+        "eta_seconds": eta,
+        "updated_at": data.get("updated_at"),
+        "pid": data.get("supervisor_pid"),
+        # alive: the run's lock is held and this pid is the process recorded with it (start time, boot)
+        "pid_alive": bool(holder) and holder["role"] == "supervisor",
+        "launcher_pid": holder["pid"] if holder and holder["role"] == "launcher" else None,
+        "worker_pid": data.get("worker_pid"),
+        # the worker holds the run's lock too (inherited): the same test as the supervisor's
+        "worker_alive": same_process(data.get("worker_proc")) and is_locked(run),
+        "orphan_worker_pids": orphans,
+        "restarts": data.get("restarts", 0),
+        "last_checkpoint": f"step-{ckpt_step:06d}" if ckpt_step is not None else None,
+        "last_checkpoint_age_seconds": ckpt_age,
+        "smoke_estimated_seconds": smoke.get("estimated_seconds"),
+        "reason": data.get("reason"),
+        "resume_command": data.get("resume_command"),
+        "final": final,
+        "log": str(run.log),
+        # the engine as planned, how it was launched, and what the worker verified (launcher/backends)
+        "engine": plan.get("engine"),
+        "num_processes": plan.get("num_processes"),
+        "launch_argv": data.get("launch_argv"),
+        "world_size": (worker.get("verification") or {}).get("world_size", worker.get("world_size")),
+        "verification": worker.get("verification") or data.get("verification"),
+        "export": data.get("export"),
+        "loss_plot": str(run.root / "loss.png") if (run.root / "loss.png").is_file() else None,
+        # the plan's memory, calibrated by the smoke test's measured peak once it passed
+        "device": plan.get("device"),
+        "memory_gb": memory.get("per_gpu_gb"),
+        "memory_source": memory.get("source"),
+        "estimated_memory_gb": memory.get("estimated_per_gpu_gb"),
+        "adjustments": [a.get("reason") for a in plan.get("adjustments", [])],
+        # the watchdog's view (launcher/run/watchdog.py): each rank's last heartbeat while a multi-process run trains,
+        # and how the last attempt that was restarted ended
+        "heartbeats": (heartbeat_rows(read_heartbeats(run), time.time())
+                       if state in ("running", "recovering") and (plan.get("num_processes") or 1) > 1 else []),
+        "last_restart": rank_end_text(data["last_end"]) if data.get("last_end") else None,
+        **sync_status_fields(run),
+    }
+    s.update(time_and_money(s, data.get("history", []), plan, smoke))
+    return s
+
+
+def time_and_money(s: dict[str, Any], history: list[dict[str, Any]], plan: dict[str, Any],
+                   smoke: dict[str, Any]) -> dict[str, Any]:
+    """Box time and euros so far and to go, beside what the smoke test and the plan forecast."""
+    used = _box_seconds(history, s["state"] in ACTIVE)
+    price = plan.get("price_per_hour_eur")
+    eta = s.get("eta_seconds")
+    estimate = plan.get("estimate_as_planned") or plan.get("estimate") or {}  # what the printed plan said
+    return {
+        "elapsed_seconds": round(used, 1),
+        # what the forecasts are for: the full run after the smoke test (its restarts included)
+        "run_seconds": round(_box_seconds(history, s["state"] in ACTIVE, ("running", "recovering")), 1),
+        "price_per_hour_eur": price,
+        "cost_so_far_eur": round(used / 3600 * price, 2) if price is not None else None,
+        "cost_to_go_eur": round(eta / 3600 * price, 2) if price is not None and eta is not None else None,
+        "plan_estimated_seconds": round(estimate["hours"] * 3600, 1) if estimate.get("hours") is not None else None,
+        "plan_estimated_cost_eur": estimate.get("cost_eur"),
+        "smoke_estimated_cost_eur": smoke.get("estimated_cost"),
+    }
+
+
+def _started_at(data: dict[str, Any]) -> float:
+    """When the newest launch of the full run began (its last move into `running` from another state)."""
+    history = data.get("history", [])
+    for h in reversed(history):
+        if h.get("state") == "running":
+            return float(h.get("at") or 0.0)
+    return 0.0
+
+
+def find_runs(root: Path) -> list[RunDir]:
+    """The run directories directly under `root` (./runs), by name."""
+    if not root.is_dir():
+        return []
+    return [RunDir(p) for p in sorted(root.iterdir()) if p.is_dir() and (p / "recipe.yaml").is_file()]
+
+
+def run_row(run: RunDir) -> dict[str, Any]:
+    """One line's worth of a run: name, state, step/total, loss, age (since its state or its last logged step)."""
+    s = run_status(run)
+    times = [t for t in (s.get("updated_at"), last_metrics(run.metrics).get("time")) if t]
+    return {"run_dir": s["run_dir"], "name": run.root.name, "state": s["state"], "step": s["step"],
+            "total_steps": s["total_steps"], "loss": s["loss"],
+            "age_seconds": round(time.time() - max(times), 1) if times else None}
+
+
+def end_summary(run: RunDir) -> dict[str, Any]:
+    """The finished run in numbers: loss first -> last (eval loss too when logged), tokens, wall time against
+    the forecasts, cost at the box's price, the result and how to serve it."""
+    s = run_status(run)
+    rows = metrics_rows(run.metrics)
+    train = [r for r in rows if r.get("loss") is not None]
+    evals = [r for r in rows if r.get("eval_loss") is not None]
+    tokens = max((int(r.get("tokens_seen") or 0) for r in rows), default=0) or None
+    forecast = s.get("smoke_estimated_seconds") or s.get("plan_estimated_seconds")
+    samples = run.final / "samples.md"
+    out = {
+        "run_dir": s["run_dir"],
+        "state": s["state"],
+        "reason": s.get("reason"),
+        "step": s["step"],
+        "total_steps": s["total_steps"],
+        "loss_first": train[0]["loss"] if train else None,
+        "loss_last": train[-1]["loss"] if train else None,
+        "loss_first_step": train[0]["step"] if train else None,
+        "loss_last_step": train[-1]["step"] if train else None,
+        "eval_loss_first": evals[0]["eval_loss"] if evals else None,
+        "eval_loss_last": evals[-1]["eval_loss"] if evals else None,
+        "tokens": tokens,
+        "wall_seconds": s.get("run_seconds"),
+        "box_seconds": s.get("elapsed_seconds"),
+        "forecast_seconds": forecast,
+        "forecast_source": "smoke test" if s.get("smoke_estimated_seconds") else "plan" if forecast else None,
+        "price_per_hour_eur": s.get("price_per_hour_eur"),
+        "cost_eur": s.get("cost_so_far_eur"),
+        "result": s.get("final"),
+        "samples": str(samples) if samples.is_file() else None,
+        "serve": serve_command(run, s.get("final")),
+        "export": s.get("export"),
+        "pid_alive": s.get("pid_alive"),
+    }
+    return out

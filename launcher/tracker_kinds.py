@@ -1,0 +1,32 @@
+"""The experiment trackers as a table: one row a tracker (tensorboard, wandb, mlflow, trackio), with what is imported
+and what pip installs. The recipe's `report_to` values, the install lines of launcher/worker/trackers.py (which sets
+up each tracker in the worker) and pyproject.toml's `trackers` extra (tests/test_tables.py checks it) derive from it.
+
+A root leaf (like launcher/gguf_types.py): the recipe validates against it, and worker/ imports the recipe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Tracker:
+    name: str  # the recipe's report_to value, and transformers' report_to name
+    module: str  # what is imported
+    package: str  # what pip installs (the `trackers` extra of pyproject.toml lists it, tests/test_tables.py checks)
+    what: str  # for the recipe's help ("" where the name says it)
+
+
+# The tracker table: the recipe's `report_to` values, the install lines, pyproject.toml's `trackers` extra.
+TRACKERS: dict[str, Tracker] = {t.name: t for t in (
+    Tracker("tensorboard", "tensorboard", "tensorboard", "event files in the run"),  # installed with ftrun[train]
+    Tracker("wandb", "wandb", "wandb", ""),
+    Tracker("mlflow", "mlflow", "mlflow-skinny", ""),  # the client and its local file store, without the server and UI
+    Tracker("trackio", "trackio", "trackio", ""),
+)}
+
+
+def described() -> str:
+    """Every tracker with what it is, for the recipe's help."""
+    return ", ".join(f"{t.name} ({t.what})" if t.what else t.name for t in TRACKERS.values())
