@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 
 from launcher import engine_kinds, export_formats, gguf_types, methods, tracker_kinds
 from launcher.data import formats as data_formats
+from launcher.data import sources as data_sources
 from launcher.store.sync import kinds as sync_kinds
 from launcher.errors import RecipeError
 
@@ -188,7 +189,7 @@ class Recipe(_Strict):
     model: str = Field(description="Hugging Face model id or a local model directory.")
     method: Method = Field(description=methods.described())
     data: Union[str, DataSource, list[Union[str, DataSource]]] = Field(
-        description="The training data: a file (.jsonl, .json, .parquet, .csv), a folder of them, a Hub dataset "
+        description=f"The training data: a file ({', '.join(data_sources.EXTENSIONS)}), a folder of them, a Hub dataset "
         "(org/name), a {path, split, subset, columns, format, weight} mapping, or a list of those mixed by weight. "
         "Formats (detected): chat messages, ShareGPT, Alpaca, prompt/completion, plain text (docs/data.md).")
     max_length: int = Field(2048, gt=0, description="Tokens per example; longer ones are truncated.")
@@ -462,7 +463,7 @@ def _resolve_data(value: Any, base_dir: Path) -> Any:
         return {**value, "path": _resolve_data(value["path"], base_dir)}
     if isinstance(value, str):
         candidate = base_dir / Path(value).expanduser()
-        if _looks_local(value) or candidate.exists() or Path(value).suffix.lower() in (".jsonl", ".json", ".parquet", ".csv"):
+        if _looks_local(value) or candidate.exists() or Path(value).suffix.lower() in data_sources.EXTENSIONS:
             return str(candidate.resolve())
     return value
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import sys
@@ -46,27 +47,23 @@ def launch_command(plan: dict[str, Any], run_dir: Path, mode: str) -> list[str]:
     """
     engine = plan.get("engine", "trl")
     n = int(plan.get("num_processes", 1))
-    if engine in SINGLE_PROCESS:
+    kind = ENGINES.get(engine)
+    if kind is None:
+        raise PlanError(
+            f"engine '{engine}' cannot be launched by this version of ftrun",
+            fix=f"set engine: auto (or {' / '.join(ENGINES)}) in the recipe.",
+        )
+    # The engine's config file (its name in launcher/engine_kinds.py), written by its module's write_config.
+    cfg = importlib.import_module(f"{__name__}.{engine}").write_config(plan, run_dir) if kind.config_file else None
+    if kind.launcher == "python":
         return [sys.executable, *_worker(run_dir, mode)]
-    if engine == "ddp":
+    if kind.launcher == "torchrun":
+        # DeepSpeed: the Trainer drives it from the JSON config (SFTConfig.deepspeed); torchrun only starts the
+        # processes, the same way as for DDP.
         return [*_torchrun(n, plan), *_worker(run_dir, mode)]
-    if engine == "deepspeed":
-        # The Trainer drives DeepSpeed from the JSON config (SFTConfig.deepspeed); torchrun only
-        # starts the processes, the same way as for DDP.
-        from launcher.worker.engines.deepspeed import write_config
-
-        write_config(plan, run_dir)
-        return [*_torchrun(n, plan), *_worker(run_dir, mode)]
-    if engine == "fsdp":
-        from launcher.worker.engines.fsdp import write_accelerate_config
-
-        cfg = write_accelerate_config(plan, run_dir)
-        return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg),
-                *_worker(run_dir, mode)]
-    raise PlanError(
-        f"engine '{engine}' cannot be launched by this version of ftrun",
-        fix=f"set engine: auto (or {' / '.join(ENGINES)}) in the recipe.",
-    )
+    if kind.launcher == "accelerate":
+        return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg), *_worker(run_dir, mode)]
+    raise AssertionError(f"launcher {kind.launcher!r} of engine {engine} has no command here")  # the table's rows
 
 
 def launch_env(plan: dict[str, Any], grace_seconds: float | None = None) -> dict[str, str]:

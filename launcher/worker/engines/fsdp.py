@@ -57,7 +57,8 @@ def accelerate_config(plan: dict[str, Any], activation_checkpointing: bool) -> d
     }
 
 
-def write_accelerate_config(plan: dict[str, Any], run_dir: Path) -> Path:
+def write_config(plan: dict[str, Any], run_dir: Path) -> Path:
+    """accelerate_fsdp.yaml in the run directory, from the plan."""
     import os
 
     import yaml
