@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 from launcher import engine_kinds, export_formats, gguf_types, methods, tracker_kinds
 from launcher.data import formats as data_formats
 from launcher.data import sources as data_sources
+from launcher.data import task_metrics
 from launcher.store.sync import kinds as sync_kinds
 from launcher.errors import RecipeError
 
@@ -139,6 +140,24 @@ class SyncSettings(_Strict):
         return value
 
 
+class TaskSettings(_Strict):
+    examples: int = Field(200, ge=0, description="Held-out examples the task evaluation scores (a seeded draw; 0 turns "
+                          "it off): each one's last assistant turn is the reference, answered greedily from the turns "
+                          "before it by the base model, the fine-tuned model and each export.")
+    metric: Literal[(task_metrics.AUTO, *task_metrics.METRICS)] = Field(
+        task_metrics.AUTO, description=f"{task_metrics.AUTO}: chosen from the references, the reason stated; or "
+        f"force one. {task_metrics.described()}.")
+    shots: int = Field(3, ge=0, description="Training examples placed before each prompt, as earlier turns, for the "
+                       "base model's few-shot score (the reference article's first question: is a prompt with "
+                       "examples enough?).")
+    baseline: Literal["run", "skip"] = Field(
+        "run", description="run: the launch scores the base model (zero- and few-shot) before the smoke test and "
+        "states whether fine-tuning pays (it never stops the run); skip: not before training.")
+    max_new_tokens: Optional[int] = Field(
+        None, gt=0, description="Longest answer generated; default: from the longest reference (about 2 tokens per "
+        "3 characters, twice over, at least 8), at most eval.max_new_tokens.")
+
+
 class EvalSettings(_Strict):
     fraction: Optional[float] = Field(
         None, gt=0.0, lt=0.5, description="Share of the data held out for evaluation (a seeded draw, the same at "
@@ -150,6 +169,8 @@ class EvalSettings(_Strict):
     samples: int = Field(4, ge=0, description="Held-out prompts answered greedily by the base model before training "
                          "and by the fine-tuned one after (final/samples.md); from the training data without a split.")
     max_new_tokens: int = Field(128, gt=0, description="Longest answer generated for each sample.")
+    task: TaskSettings = Field(default_factory=TaskSettings, description="The scored task evaluation "
+                               "(final/task_eval.json; `ftrun baseline` before training).")
 
     @model_validator(mode="after")
     def _one_source(self) -> "EvalSettings":

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from launcher.data.task_examples import prompt_and_reference
+
 BEFORE_FILE = "samples-before.json"  # in the run directory, and copied into each checkpoint
 MARKDOWN = "samples.md"  # in final/
 DATA = "samples.json"  # in final/
@@ -32,30 +34,10 @@ def pick(examples: list, held_out: list[int], train: list[int], n: int, seed: in
     for i in order:
         if len(picked) >= n:
             break
-        prompt = _prompt(examples[i])
+        prompt = prompt_and_reference(examples[i])
         if prompt is not None:
             picked.append({"index": i, "source": source, "file": file, **prompt})
     return picked
-
-
-def _prompt(example: Any) -> Optional[dict[str, Any]]:
-    """{"messages": ..., "reference": ...} for a chat example: the turns before its last assistant turn, and that
-    turn; a prompt/completion pair: the prompt ("text" when it is a plain string, answered without the chat
-    template, as it trained) and the completion. None for plain text and examples without an assistant turn."""
-    if isinstance(example, dict) and "prompt" in example and "completion" in example:
-        prompt, completion = example["prompt"], example["completion"]
-        if isinstance(prompt, str) and isinstance(completion, str):
-            return {"text": prompt, "messages": [{"role": "prompt", "content": prompt}], "reference": completion}
-        if isinstance(prompt, list) and isinstance(completion, list):
-            example = {"messages": prompt + completion}
-    messages = example.get("messages") if isinstance(example, dict) else example
-    if not isinstance(messages, list):
-        return None
-    last = max((k for k, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"),
-               default=None)
-    if not last or not isinstance(messages[last].get("content"), str):
-        return None  # no assistant turn, or nothing before it to prompt with
-    return {"messages": [dict(m) for m in messages[:last]], "reference": messages[last]["content"]}
 
 
 def generate(model, tokenizer, prompts: list[dict[str, Any]], max_new_tokens: int, synced: bool = False) -> list[str]:

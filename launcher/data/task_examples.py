@@ -1,0 +1,113 @@
+"""The task evaluation's examples: each held-out example's last assistant turn as the reference and the turns before
+it as the prompt, a seeded draw of them, and few-shot prompts built from training examples placed as earlier turns.
+
+Pure (no torch). The same prompts are answered by the base model (zero- and few-shot, `ftrun baseline`), by the
+fine-tuned model and by each export, so their scores compare.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Optional
+
+MIN_EXAMPLES = 10  # fewer held-out examples than this give a score too coarse to read (one example = 10 points)
+
+
+def prompt_and_reference(example: Any) -> Optional[dict[str, Any]]:
+    """{"messages": ..., "reference": ...} for a chat example: the turns before its last assistant turn, and that
+    turn; a prompt/completion pair: the prompt ("text" when it is a plain string, answered without the chat
+    template, as it trained) and the completion. None for plain text and examples without an assistant turn."""
+    if isinstance(example, dict) and "prompt" in example and "completion" in example:
+        prompt, completion = example["prompt"], example["completion"]
+        if isinstance(prompt, str) and isinstance(completion, str):
+            return {"text": prompt, "messages": [{"role": "prompt", "content": prompt}], "reference": completion}
+        if isinstance(prompt, list) and isinstance(completion, list):
+            example = {"messages": prompt + completion}
+    messages = example.get("messages") if isinstance(example, dict) else example
+    if not isinstance(messages, list):
+        return None
+    last = max((k for k, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"),
+               default=None)
+    if not last or not isinstance(messages[last].get("content"), str):
+        return None  # no assistant turn, or nothing before it to prompt with
+    return {"messages": [dict(m) for m in messages[:last]], "reference": messages[last]["content"]}
+
+
+def pick(examples: list, pool: list[int], n: int, seed: int, salt: str = "task") -> list[dict[str, Any]]:
+    """Up to n prompts with their references from `pool` (indices into examples), a seeded draw."""
+    order = list(pool)
+    random.Random(f"ftrun-{salt}-{seed}").shuffle(order)
+    picked = []
+    for i in order:
+        if len(picked) >= n:
+            break
+        pr = prompt_and_reference(examples[i])
+        if pr is not None:
+            picked.append({"index": i, **pr})
+    return picked
+
+
+def not_applicable(examples: list) -> Optional[str]:
+    """Why the task evaluation does not apply to this data, or None when it does."""
+    if not examples:
+        return "the data has no examples"
+    if all(prompt_and_reference(e) is None for e in examples):
+        return ("no example has an answer to score: plain text (and chat without an assistant turn after a prompt) "
+                "has no reference answer; the eval loss measures such data")
+    return None
+
+
+def with_shots(prompt: dict[str, Any], shots: list[dict[str, Any]]) -> dict[str, Any]:
+    """The prompt with the shots before it as earlier turns of the same conversation (a system turn stays first);
+    plain-text prompts get the shots as text before them, each prompt followed by its answer."""
+    if "text" in prompt:
+        lead = "".join(s["text"] + s["reference"] + "\n\n" for s in shots if "text" in s)
+        return {**prompt, "text": lead + prompt["text"], "messages": [{"role": "prompt", "content": lead + prompt["text"]}]}
+    msgs = prompt["messages"]
+    system = [m for m in msgs[:1] if m.get("role") == "system"]
+    turns: list[dict[str, Any]] = []
+    for s in shots:
+        if "text" in s:
+            continue
+        turns += [m for m in s["messages"] if m.get("role") != "system"]
+        turns.append({"role": "assistant", "content": s["reference"]})
+    return {**prompt, "messages": system + turns + msgs[len(system):]}
+
+
+def shots_for(examples: list, train: list[int], k: int, seed: int) -> list[dict[str, Any]]:
+    """k training examples (a seeded draw, the same for every prompt) to place in front of each prompt."""
+    return pick(examples, train, k, seed, salt="shots")
+
+
+def build_task(examples: list, held_out: list[int], train: list[int], settings, seed: int,
+               eval_examples: Optional[list] = None, max_new_tokens_cap: int = 128) -> dict[str, Any]:
+    """What the task evaluation asks, as data (stored in the run directory so every scorer asks the same):
+    {"metric", "metric_reason", "prompts": [{"index", "messages" or "text", "reference"}], "shots": [...],
+    "max_new_tokens"}; or {"not_applicable": why} / {"too_few": n, "why": ...} when it cannot score.
+
+    `settings`: the recipe's eval.task; `eval_examples`: a separate eval file (eval.data) whose examples are all
+    held out, else the held-out indices of `examples`."""
+    from launcher.data import task_metrics
+
+    pool_examples, pool = (eval_examples, list(range(len(eval_examples)))) if eval_examples else (examples, held_out)
+    if not pool:
+        return {"not_applicable": "the recipe holds no examples out (set eval.fraction, e.g. 0.05, or eval.data): "
+                                  "scoring examples the model trained on would say nothing about the task"}
+    why = not_applicable([pool_examples[i] for i in pool])
+    if why:
+        return {"not_applicable": why}
+    prompts = pick(pool_examples, pool, settings.examples, seed)
+    if len(prompts) < MIN_EXAMPLES:
+        return {"too_few": len(prompts),
+                "why": f"only {len(prompts)} held-out example(s) have an answer to score; at least {MIN_EXAMPLES} "
+                       "give a score worth reading (one example would be 10 points or more)",
+                "fix": "hold out more: raise eval.fraction or give a larger eval.data"}
+    references = [p["reference"] for p in prompts]
+    if settings.metric == task_metrics.AUTO:
+        metric, reason = task_metrics.choose(references)
+    else:
+        metric, reason = settings.metric, f"{settings.metric}, as the recipe sets (eval.task.metric)"
+    longest = max(len(r) for r in references)
+    limit = settings.max_new_tokens or min(max_new_tokens_cap, max(8, 2 * (2 * longest // 3 + 1)))
+    return {"metric": metric, "metric_reason": reason, "prompts": prompts,
+            "shots": shots_for(examples, train, settings.shots, seed), "max_new_tokens": limit}

@@ -1,0 +1,116 @@
+"""The task evaluation's metrics as a table: exact (short labels), json (structured answers), text (free text, chrF),
+the choice among them from the references with its reason, the scores, and the reference article's verdict rule.
+
+Pure (no torch): `ftrun baseline`, the worker after training and the export score answers here. chrF comes from
+sacrebleu (2.6.0: `sacrebleu.metrics.CHRF`, corpus level, 0-100 scaled to a fraction here), not a copy of it.
+
+    metric, reason = choose(references)       # ('exact', '4 distinct short labels ...')
+    score(metric, answers, references)        # {'score': 0.75, 'details': {...}, 'per_example': [...]}
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Optional
+
+# The reference article: "if the format or style is still wrong in one case out of five, a fine-tune pays":
+# a base model with examples in its prompt scoring below this pays for a fine-tune.
+PAYS_BELOW = 0.8
+# Labels: at most this many words each, and few distinct ones (a class, a category, a yes/no).
+LABEL_MAX_WORDS = 4
+LABEL_MAX_DISTINCT = 20
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    primary: str  # what the score in [0, 1] measures
+    when: str  # when `choose` picks it, for the recipe's help
+
+
+METRICS: dict[str, Metric] = {m.name: m for m in (
+    Metric("exact", "accuracy after whitespace and case normalisation", "the references are a few short labels"),
+    Metric("json", "field-level exact match against the reference object", "every reference parses as a JSON object"),
+    Metric("text", "chrF (sacrebleu), as a fraction", "anything else"),
+)}
+AUTO = "auto"  # the recipe's default: chosen from the references
+
+
+def described() -> str:
+    """Every metric with when it is chosen, for the recipe's help."""
+    return "; ".join(f"{m.name}: {m.primary} (chosen when {m.when})" for m in METRICS.values())
+
+
+def normalise(text: str) -> str:
+    return " ".join(str(text).split()).casefold()
+
+
+def _json_object(text: str) -> Optional[dict]:
+    """The JSON object a text holds: the whole text, or inside a ```json fence a chat model may add."""
+    body = str(text).strip()
+    if body.startswith("```"):
+        body = body.strip("`").strip()
+        body = body[4:].lstrip() if body.lower().startswith("json") else body
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def choose(references: list[str]) -> tuple[str, str]:
+    """(metric, why) from the references alone."""
+    n = len(references)
+    if n and all(_json_object(r) is not None for r in references):
+        return "json", f"all {n} references parse as JSON objects: parse rate, keys and field-level exact match"
+    labels = {normalise(r) for r in references}
+    longest = max((len(r.split()) for r in references), default=0)
+    if n and longest <= LABEL_MAX_WORDS and len(labels) <= min(LABEL_MAX_DISTINCT, max(2, n // 2)):
+        return "exact", (f"the {n} references are {len(labels)} distinct short labels (at most {longest} words): "
+                         "accuracy after whitespace and case normalisation")
+    return "text", (f"the {n} references are free text ({len(labels)} distinct, up to {longest} words): chrF, "
+                    "plus exact match")
+
+
+def _exact(answers: list[str], references: list[str]) -> list[float]:
+    return [float(normalise(a) == normalise(r)) for a, r in zip(answers, references)]
+
+
+def score(metric: str, answers: list[str], references: list[str]) -> dict[str, Any]:
+    """{"score": the primary metric in [0, 1], "details": sub-metrics, "per_example": each example's primary score
+    (chrF: each answer's own chrF)}."""
+    if metric not in METRICS:
+        raise ValueError(f"unknown metric {metric!r}; one of {', '.join(METRICS)}")
+    if len(answers) != len(references):
+        raise ValueError(f"{len(answers)} answers for {len(references)} references")
+    n = len(references)
+    if n == 0:
+        return {"score": 0.0, "details": {}, "per_example": []}
+    exact = _exact(answers, references)
+    if metric == "exact":
+        return {"score": sum(exact) / n, "details": {"exact": sum(exact) / n}, "per_example": exact}
+    if metric == "json":
+        parsed = [_json_object(a) for a in answers]
+        keys, fields = [], []
+        for got, ref_text in zip(parsed, references):
+            ref = _json_object(ref_text) or {}
+            keys.append(float(got is not None and set(ref) <= set(got)))
+            if not ref:
+                fields.append(float(got == ref))
+            else:
+                fields.append(sum(1.0 for k, v in ref.items() if got is not None and k in got and got[k] == v) / len(ref))
+        details = {"parses": sum(p is not None for p in parsed) / n, "has_keys": sum(keys) / n,
+                   "field_match": sum(fields) / n, "exact": sum(exact) / n}
+        return {"score": details["field_match"], "details": details, "per_example": fields}
+    from sacrebleu.metrics import CHRF
+
+    chrf = CHRF()
+    corpus = chrf.corpus_score(list(answers), [list(references)]).score / 100.0
+    per = [chrf.sentence_score(a, [r]).score / 100.0 for a, r in zip(answers, references)]
+    return {"score": corpus, "details": {"chrf": corpus, "exact": sum(exact) / n}, "per_example": per}
+
+
+def fine_tune_pays(few_shot: float) -> bool:
+    """The article's rule on the base model's few-shot score: wrong in one case out of five or more."""
+    return few_shot < PAYS_BELOW
