@@ -5,6 +5,7 @@
                                                            plan, smoke test, run detached (or resume)
     ftrun plan RECIPE [key=value ...] [--gpus SPEC] [--tokens N] [--price EUR/h] [--json]
     ftrun smoke RECIPE [key=value ...] [--memory-limit GB]  the smoke test alone, and its forecast
+    ftrun baseline RECIPE [key=value ...] [--json]         the base model scored on the task: does fine-tuning pay?
     ftrun data RECIPE [key=value ...]                      one example per source as the loss sees it, statistics
     ftrun status [RECIPE|RUN_DIR] [--json] [--watch]       every run under ./runs, or one run
     ftrun logs [RECIPE|RUN_DIR] [-f]                       the run's train.log (-f: follow it)
@@ -28,7 +29,8 @@ from typing import Optional
 from launcher import gguf_types
 from launcher.errors import EXIT_INTERNAL, FtrunError, UsageError
 
-COMMANDS = ("plan", "smoke", "data", "status", "logs", "stop", "pull", "push", "export", "publish", "explain", "llamacpp", "run")
+COMMANDS = ("plan", "smoke", "baseline", "data", "status", "logs", "stop", "pull", "push", "export", "publish", "explain",
+            "llamacpp", "run")
 
 
 RECIPE_HELP = "the recipe file (YAML; `ftrun explain` lists its keys)"
@@ -83,6 +85,12 @@ def _parser() -> argparse.ArgumentParser:
     sm.add_argument("recipe", help=RECIPE_HELP)
     sm.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
     sm.add_argument("--memory-limit", help="cap the worker's memory, e.g. 20GB")
+
+    bl = sub.add_parser("baseline", help="score the base model on held-out examples, zero-shot and with examples in "
+                        "its prompt, and say whether fine-tuning pays (the launch does it too, before its smoke test)")
+    bl.add_argument("recipe", help=RECIPE_HELP)
+    bl.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
+    bl.add_argument("--json", action="store_true", help="print only the scores and the verdict as JSON on stdout")
 
     da = sub.add_parser("data", help="the data as the loss sees it: one example per source with its trained tokens "
                         "marked, and the dataset's statistics (the launch's data check)")
@@ -172,6 +180,12 @@ def cmd_smoke(a) -> int:
     return smoke_only(a.recipe, a.overrides, memory_limit=_parse_gb(a.memory_limit))
 
 
+def cmd_baseline(a) -> int:
+    from launcher.run.baseline_command import baseline_command
+
+    return baseline_command(a.recipe, a.overrides, json_out=a.json)
+
+
 def cmd_data(a) -> int:
     from launcher.run.data_command import data_command
 
@@ -237,7 +251,7 @@ def cmd_explain(a) -> int:
     return 0
 
 
-WITH_OVERRIDES = ("run", "plan", "smoke", "data", "pull")
+WITH_OVERRIDES = ("run", "plan", "smoke", "baseline", "data", "pull")
 
 
 def split_command_line(argv: list[str]) -> tuple[list[str], list[str]]:

@@ -58,7 +58,9 @@ def recipe_file(path: Path, tiny_model: Path, output_dir: Path, **fields) -> Pat
         "output_dir": str(output_dir),
         "smoke": {"min_steps": 3},
         "export": [],  # tests that check the export ask for it; the rest should not pay for it
-        "eval": {"samples": 0},  # the same for the before/after answers (tests/test_eval*.py ask for them)
+        # the same for the before/after answers (tests/test_eval*.py ask for them) and the scored task evaluation
+        # (tests/worker/test_task_eval.py, tests/run/test_task_baseline.py ask for it)
+        "eval": {"samples": 0, "task": {"examples": 0}},
     }
     for key, value in fields.items():
         if value is None:

@@ -160,3 +160,30 @@ def export_recipe(path: Path, model: Path, out: Path, **fields) -> Path:
     path.write_text(yaml.safe_dump(base))
     return path
 
+
+
+# Ticket sorting, the issue's label task: a short ticket in, one of four labels out (launcher/worker/task_eval.py).
+TICKET_LABELS = {
+    "account": ["login today", "password not accepted", "can't log in", "close my account", "reset my password"],
+    "billing": ["charged twice", "double charge on my card", "invoice shows two payments", "refund please",
+                "wrong invoice amount"],
+    "performance": ["server is very slow", "dashboard takes ages", "everything is slow", "instance keeps lagging",
+                    "pages load slowly"],
+    "email": ["no confirmation email", "verification mail never arrived", "no email from you", "mail went to spam",
+              "resend the email"],
+}
+
+
+def write_ticket_labels(path: Path, n: int = 200, seed: int = 0) -> Path:
+    """n chat examples "Ticket 7468: login today" -> "account" (four labels, drawn evenly), one JSON line each."""
+    import random
+
+    rng = random.Random(f"tickets-{seed}")
+    labels = sorted(TICKET_LABELS)
+    with Path(path).open("w") as fh:
+        for k in range(n):
+            label = labels[k % len(labels)]
+            ticket = f"Ticket {rng.randint(1000, 9999)}: {rng.choice(TICKET_LABELS[label])}"
+            fh.write(json.dumps({"messages": [{"role": "user", "content": ticket},
+                                              {"role": "assistant", "content": label}]}) + "\n")
+    return Path(path)

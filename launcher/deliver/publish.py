@@ -191,6 +191,8 @@ def model_card(run: RunDir, recipe, report: dict[str, Any], repo: str, outputs: 
              f"learning rate {recipe.learning_rate:g}, max length {recipe.max_length}, "
              + (f"{recipe.max_steps} steps" if recipe.max_steps else f"{recipe.epochs:g} epochs"), ""]
 
+    body += _task_eval_lines(run)
+
     checks = []
     out = report.get("outputs", {})
     if "adapter" in out and out["adapter"].get("changes_base_logits"):
@@ -216,6 +218,34 @@ def model_card(run: RunDir, recipe, report: dict[str, Any], repo: str, outputs: 
     body += ["## Use", "", *_serve_lines(repo, recipe, outputs, report)]
     body += ["## Recipe", "", "```yaml", yaml.safe_dump(_public_recipe(recipe), sort_keys=False).strip(), "```", ""]
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body)))
+
+
+def _task_eval_file(run: RunDir) -> Optional[Path]:
+    """The task evaluation's record (launcher/worker/task_eval.py): final/task_eval.json, else the base model's alone
+    in the run directory (published as ftrun/task_eval.json)."""
+    return next((p for p in (run.final / run.task_eval.name, run.task_eval) if p.is_file()), None)
+
+
+def _task_eval_lines(run: RunDir) -> list[str]:
+    """The card's scores table, from the task evaluation's record; nothing when it has no scores."""
+    from launcher.worker.task_eval import BASE_FEW_SHOT, BASE_ZERO_SHOT, FINE_TUNED
+
+    path = _task_eval_file(run)
+    record = json.loads(path.read_text()) if path else {}
+    scores = {k: v for k, v in (record.get("scores") or {}).items() if v is not None}
+    if not scores:
+        return []
+    shots = record.get("shots")
+    names = {BASE_ZERO_SHOT: "base model, zero-shot", FINE_TUNED: "fine-tuned",
+             BASE_FEW_SHOT: f"base model, {shots} examples in the prompt" if shots else "base model, few-shot"}
+    order = [n for n in (BASE_ZERO_SHOT, BASE_FEW_SHOT, FINE_TUNED) if n in scores] \
+        + [n for n in scores if n not in names]
+    reason = f": {record['metric_reason']}" if record.get("metric_reason") else ""
+    lines = ["## Task evaluation", "",
+             f"{record.get('examples', '?')} held-out examples (never trained on), answered greedily; metric "
+             f"`{record.get('metric')}`{reason}.", "", f"| model | {record.get('metric')} |", "|---|---:|"]
+    lines += [f"| {names.get(n, n)} | {scores[n]:.1%} |" for n in order]
+    return lines + ["", "The answers' scores are in `ftrun/task_eval.json`.", ""]
 
 
 def _public_recipe(recipe) -> dict[str, Any]:
@@ -271,6 +301,8 @@ def _push(run: RunDir, recipe, repo: str, outputs: dict[str, Path], files: list[
         if (run.root / name).is_file():
             extra.append((run.root / name, f"ftrun/{name}"))
     extra.append((run.final / "export.json", "ftrun/export.json"))
+    if _task_eval_file(run):
+        extra.append((_task_eval_file(run), "ftrun/task_eval.json"))
     operations = [CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(local)) for local, rel in files + extra]
     size = sum(local.stat().st_size for local, _ in files)
     say(f"publishing {', '.join(outputs)} ({size / 1e6:.1f} MB, {len(operations)} files) to {repo}")

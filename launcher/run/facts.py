@@ -55,6 +55,22 @@ def _box_seconds(history: list[dict[str, Any]], live: bool, states: tuple[str, .
     return used
 
 
+def task_eval(run: RunDir, base_only: bool = False) -> dict[str, Any] | None:
+    """The task evaluation's facts (launcher/worker/task_eval.py): final/task_eval.json after training, else (or with
+    `base_only`) the base model's RUN/task_eval.json, with what the verdict weighs against it: the fine-tune's
+    forecast time and cost (the smoke test's, else the plan's). None when neither file exists."""
+    paths = [run.task_eval] if base_only else [run.final / run.task_eval.name, run.task_eval]
+    found = next((p for p in paths if p.is_file()), None)
+    record = _json(found) if found else {}
+    if not record:
+        return None
+    plan, smoke = _json(run.plan), _json(run.smoke)
+    estimate = plan.get("estimate") or {}
+    hours = smoke.get("estimated_hours") if smoke.get("estimated_hours") is not None else estimate.get("hours")
+    cost = smoke.get("estimated_cost") if smoke.get("price_per_hour_eur") else estimate.get("cost_eur")
+    return {**record, "file": str(found), "fine_tune_hours": hours, "fine_tune_cost_eur": cost}
+
+
 def run_status(run: RunDir) -> dict[str, Any]:
     """What `ftrun status --json` prints: one reading of the run's files (no torch)."""
     from launcher.store.sync import status_fields as sync_status_fields
@@ -142,6 +158,7 @@ def run_status(run: RunDir) -> dict[str, Any]:
         "heartbeats": (heartbeat_rows(read_heartbeats(run), time.time())
                        if state in ("running", "recovering") and (plan.get("num_processes") or 1) > 1 else []),
         "last_restart": rank_end_text(data["last_end"]) if data.get("last_end") else None,
+        "task_eval": task_eval(run),
         **sync_status_fields(run),
     }
     s.update(time_and_money(s, data.get("history", []), plan, smoke))
@@ -227,5 +244,6 @@ def end_summary(run: RunDir) -> dict[str, Any]:
         "serve": serve_command(run, s.get("final")),
         "export": s.get("export"),
         "pid_alive": s.get("pid_alive"),
+        "task_eval": s.get("task_eval"),
     }
     return out

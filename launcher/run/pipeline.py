@@ -22,6 +22,7 @@ from launcher.run import progress, views
 from launcher.run.commands import resume_command
 from launcher.run.data_view import data_label, data_line, format_loss_view, wants_color
 from launcher.run.facts import end_summary, run_status
+from launcher.run.task_baseline import launch_baseline
 from launcher.run.views import format_status
 from launcher.run.adjustments import next_adjustment, shard_blocker, with_adjustments
 from launcher.data.stats import data_record, data_stats
@@ -118,6 +119,8 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
         _say(f"continuing {run.root} {where}")
     else:
         set_state(run, "planned", **_launcher(), data_sha256=data_sha, reason="new run")
+    # the base model's task score and the verdict (does fine-tuning pay?), before the smoke test; said, never a stop
+    launch_baseline(run, recipe, plan_dict, _say)
 
     # a resume with a checkpoint, or after a passed smoke test, skips it: it was measured on this trajectory
     if recipe.smoke.enabled and not (resuming and (smoke_ok or ckpt_step is not None)):
@@ -355,9 +358,10 @@ def _smoke(run: RunDir, recipe: Recipe, plan_dict, examples, lengths, stats,
     return recipe, record
 
 
-def smoke_only(recipe_path: str, overrides: list[str], memory_limit: Optional[float] = None) -> int:
-    """`ftrun smoke RECIPE`: plan and smoke-test without starting the run (a later `ftrun RECIPE` reuses it)."""
-    recipe = load_recipe(recipe_path, overrides)
+def prepare_only(recipe: Recipe, purpose: str, memory_limit: Optional[float] = None):
+    """A step before the run (`ftrun smoke`, `ftrun baseline`): checks, plan, lock and recipe.yaml as the launch
+    makes them, the model in the cache; state `planned` with `purpose` as its reason. Returns the recipe (with the
+    run's adjustments), the run, _prepare's tuple and the download's record; the caller releases the lock."""
     run = run_dir_of(recipe)
     exists = run.exists()
     if exists:
@@ -373,11 +377,24 @@ def smoke_only(recipe_path: str, overrides: list[str], memory_limit: Optional[fl
     missed = weights.fetch_tokenizer(recipe.model, found)  # the data check renders with the model's chat template
     if missed:
         _say(f"note: {missed}")
-    examples, lengths, stats, plan, plan_dict, lock, data_sha = _prepare(run, recipe, resuming=exists, fresh=False,
-                                                                         memory_limit=memory_limit)
+    prepared = _prepare(run, recipe, resuming=exists, fresh=False, memory_limit=memory_limit)
+    lock = prepared[5]
     try:
-        set_state(run, "planned", **_launcher(), data_sha256=data_sha, reason="smoke test only")
-        _smoke(run, recipe, plan_dict, examples, lengths, stats, _download(run, recipe, found, plan_dict))
+        set_state(run, "planned", **_launcher(), data_sha256=prepared[6], reason=purpose)
+        download = _download(run, recipe, found, prepared[4])
+    except BaseException:
+        lock.release()
+        raise
+    return recipe, run, prepared, download
+
+
+def smoke_only(recipe_path: str, overrides: list[str], memory_limit: Optional[float] = None) -> int:
+    """`ftrun smoke RECIPE`: plan and smoke-test without starting the run (a later `ftrun RECIPE` reuses it)."""
+    recipe, run, prepared, download = prepare_only(load_recipe(recipe_path, overrides), "smoke test only",
+                                                   memory_limit)
+    examples, lengths, stats, _plan, plan_dict, lock, _sha = prepared
+    try:
+        _smoke(run, recipe, plan_dict, examples, lengths, stats, download)
         set_state(run, "planned", reason="smoke test passed; `ftrun RECIPE` starts the run")
     finally:
         lock.release()

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from launcher.store.state import ENDED
+from launcher.worker.task_eval import BASE_FEW_SHOT, BASE_ZERO_SHOT, FINE_TUNED, PREFIX as TASK_EVAL_PREFIX
 
 
 
@@ -298,6 +299,8 @@ def format_end_summary(e: dict[str, Any]) -> str:
         lines.append(f"  result    {e['result']}")
     if e.get("samples"):
         lines.append(f"  samples   {e['samples']} (answers before and after the training)")
+    if e.get("task_eval"):
+        lines.append(format_task_eval(e["task_eval"]))
     ex = e.get("export") or {}
     if ex.get("state") == "succeeded" and ex.get("serving"):
         lines.append(f"  serving   {ex['serving']}")
@@ -306,3 +309,113 @@ def format_end_summary(e: dict[str, Any]) -> str:
     if e.get("serve"):
         lines.append(f"  serve it  {e['serve']}")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# The task evaluation: the base model's scores before training, the fine-tuned model's and each export's after it
+# (facts.task_eval: RUN/task_eval.json, final/task_eval.json), and the reference article's verdict
+
+# How each metric's score is named beside its percentage (launcher/data/task_metrics.py METRICS)
+METRIC_WORDS = {"exact": "exact", "json": "field match", "text": "chrF"}
+BASE_SCORES = (BASE_ZERO_SHOT, BASE_FEW_SHOT)
+
+
+def task_label(name: str, shots: Optional[int]) -> str:
+    """A row of the scores table: the base model zero-shot, with its examples in the prompt, fine-tuned, an export."""
+    if name == BASE_ZERO_SHOT:
+        return "base model, zero-shot"
+    if name == BASE_FEW_SHOT:
+        return f"base model, {shots} examples" if shots else "base model, with examples"
+    return "fine-tuned" if name == FINE_TUNED else name
+
+
+def _pct(value: float) -> str:
+    return f"{value:.0%}"
+
+
+def _base_score(t: dict[str, Any]) -> tuple[Optional[float], str]:
+    """The score the verdict reads, the base model's with examples in its prompt (zero-shot when there were none),
+    and how to name it."""
+    scores, shots = t.get("scores") or {}, t.get("shots")
+    if scores.get(BASE_FEW_SHOT) is not None and shots != 0:
+        return scores[BASE_FEW_SHOT], f"base model with {shots} examples" if shots else "base model with examples"
+    return scores.get(BASE_ZERO_SHOT), "base model zero-shot"
+
+
+def task_verdict(t: dict[str, Any]) -> str:
+    """The reference article's answer to "do you need to fine-tune at all?" from the stored scores: a base model
+    still wrong in one case out of five with examples in its prompt pays for a fine-tune (task_metrics.PAYS_BELOW);
+    one right more often may need only a prompt, against the fine-tune's forecast cost. Not applicable and too few
+    examples are said with why (and the fix)."""
+    from launcher.data.task_metrics import PAYS_BELOW, fine_tune_pays
+
+    if t.get("not_applicable"):
+        return f"the task evaluation does not apply to this data: {t['not_applicable']}"
+    if t.get("too_few") is not None:
+        return (f"too few examples to score the task: {t.get('why') or str(t['too_few']) + ' held-out example(s)'}"
+                + (f"; fix: {t['fix']}" if t.get("fix") else ""))
+    score, who = _base_score(t)
+    if score is None:
+        return "the base model has not been scored yet"
+    metric = t.get("metric")
+    word = METRIC_WORDS.get(metric, metric or "score")
+    pays = t["fine_tune_pays"] if t.get("fine_tune_pays") is not None else fine_tune_pays(score)
+    if pays:
+        fifths = max(1, round(5 * (1 - score)))
+        if metric == "exact":
+            return f"{who}: wrong in {fifths} of 5 ({_pct(score)} exact): fine-tuning pays"
+        if metric == "json":
+            return f"{who}: fields wrong in {fifths} of 5 ({_pct(score)} field match): fine-tuning pays"
+        return f"{who}: {_pct(score)} {word}, below the {_pct(PAYS_BELOW)} a prompt would need: fine-tuning pays"
+    cost, hours = t.get("fine_tune_cost_eur"), t.get("fine_tune_hours")
+    price = (f"; fine-tuning would cost ~{cost:.2f} EUR" if cost else
+             f"; fine-tuning would take ~{format_duration(hours * 3600)}" if hours else "")
+    said = f"right in {_pct(score)}" if metric == "exact" else f"{_pct(score)} {word}"
+    return f"{who}: {said}: a prompt with examples may be enough{price}"
+
+
+def task_rows(t: dict[str, Any]) -> list[tuple[str, float, Optional[float]]]:
+    """(label, score, generation tokens/s) for each score stored: the base model's two, fine-tuned, each export."""
+    scores, speed = t.get("scores") or {}, t.get("generation") or {}
+    order = [n for n in (*BASE_SCORES, FINE_TUNED) if n in scores] \
+        + [n for n in scores if n not in (*BASE_SCORES, FINE_TUNED)]
+    return [(task_label(n, t.get("shots")), scores[n], (speed.get(n) or {}).get("tokens_per_s"))
+            for n in order if scores[n] is not None]
+
+
+def format_task_eval(t: dict[str, Any]) -> str:
+    """The scores as one table with the metric and the verdict (the end summary, `ftrun status` of a finished run,
+    `ftrun baseline`, the launch before its smoke test)."""
+    verdict = task_verdict(t)
+    if t.get("not_applicable") or t.get("too_few") is not None:
+        return f"  task      {verdict}"
+    metric = t.get("metric")
+    word = METRIC_WORDS.get(metric, metric)
+    lines = [f"  task      {t.get('examples')} held-out examples, scored by {metric}"
+             + (f" ({word})" if word != metric else "") + (f": {t['metric_reason']}" if t.get("metric_reason") else "")]
+    rows = task_rows(t)
+    width = max([len(label) for label, _, _ in rows] + [10])
+    for label, score, tps in rows:
+        lines.append(f"            {label:<{width}}  {_pct(score):>5}"
+                     + (f"   ({tps:,.0f} tokens/s generated)" if tps else ""))
+    scores = t.get("scores") or {}
+    base, who = _base_score(t)
+    if scores.get(FINE_TUNED) is not None and base is not None:
+        gain = (scores[FINE_TUNED] - base) * 100
+        lines.append(f"  gain      fine-tuned {_pct(scores[FINE_TUNED])} against {_pct(base)} for the {who} "
+                     f"({gain:+.0f} points)")
+    lines.append(f"  verdict   {verdict}")
+    return "\n".join(lines)
+
+
+def worker_line(line: str) -> str:
+    """A line of the task evaluation's worker without its prefix."""
+    return line.strip().removeprefix(TASK_EVAL_PREFIX).strip()
+
+
+def baseline_failed(code: Optional[int], last: str, launching: bool) -> str:
+    """One line: the base model could not be scored (the worker's exit code and last line); the launch goes on."""
+    how = f"its worker exited with code {code}" if code is not None else "it could not run"
+    said = worker_line(last)
+    return (f"task evaluation: the base model was not scored ({how}" + (f": {said}" if said else "") + ")"
+            + ("; the launch goes on without the verdict (`ftrun baseline RECIPE` tries again)" if launching else ""))

@@ -55,6 +55,18 @@ class RunDir:
         return self.root / "checkpoints"
 
     @property
+    def task(self) -> Path:  # what the task evaluation asks (prompts, references, shots, metric): built once
+        return self.root / "task.json"
+
+    @property
+    def task_answers(self) -> Path:  # each scorer's answers, task_eval/<name>.jsonl (worker/task_eval.py)
+        return self.root / "task_eval"
+
+    @property
+    def task_eval(self) -> Path:  # the task evaluation's scores so far; final/task_eval.json after training
+        return self.root / "task_eval.json"
+
+    @property
     def final(self) -> Path:
         return self.root / "final"
 

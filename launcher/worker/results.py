@@ -1,6 +1,7 @@
 """What the worker writes once training is done: the smoke test's measurements, or the full run's final result.
 
-The full run's result is final/adapter or final/model, then the trained model's answers to the sample prompts.
+The full run's result is final/adapter or final/model, then the trained model's answers to the sample prompts and
+its score on the task evaluation (final/task_eval.json).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any, Optional
 
 from launcher.store import checkpoint as ckpt
 from launcher.store.rundir import RunDir
-from launcher.worker import samples
+from launcher.worker import samples, task_eval
 from launcher.worker.process import _rank, _say
 
 
@@ -118,3 +119,63 @@ def _answer_after(run: RunDir, recipe, trainer, tokenizer, prompts: list[dict[st
     rows = json.loads((run.final / samples.DATA).read_text())["samples"]
     for line in samples.summary(rows):
         _say(line)
+
+
+def _score_after(run: RunDir, recipe, trainer, tokenizer, examples: list, sharded: bool,
+                 beat=lambda: None) -> None:
+    """The trained model's score on the task (task.json, built here from `examples`, the recipe's whole data, when
+    no baseline built it) as "fine_tuned", merged into task_eval.json beside the base model's scores, then
+    final/task_eval.json and the scores' table in final/samples.md. A LoRA run whose base model was not scored
+    before training (the baseline failed or predates the run) scores it here with the adapter switched off, unless
+    the recipe skips the baseline. Under a sharding engine every rank generates (synced); rank 0 writes. A failure
+    is said once and the run goes on: the result is saved already. `beat`: after each batch (the heartbeat)."""
+    if not task_eval.enabled(recipe) or not (sharded or _rank() == 0):
+        return
+    writes = _rank() == 0
+    t0 = time.monotonic()
+    try:
+        task = task_eval.task_for_run(run, recipe, examples, write=writes)
+        if not task_eval.scores(task):
+            if writes:
+                _publish(run, task_eval.record(run.root, task))
+                _say(f"task eval: not scored: {task.get('not_applicable') or task['why']}")
+            return
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        kw = dict(synced=sharded, write=writes, on_batch=lambda done, total: beat())
+        scored = (task_eval.read_results(run.root) or {}).get("scores", {})
+        if recipe.eval.task.baseline == "run" and hasattr(model, "disable_adapter"):
+            for name, shots in ((task_eval.BASE_ZERO_SHOT, False), (task_eval.BASE_FEW_SHOT, True)):
+                if name in scored:
+                    continue
+                with model.disable_adapter():
+                    result = task_eval.score_model(model, tokenizer, run.root, task, name, shots,
+                                                   identity=recipe.model, **kw)
+                if writes:
+                    task_eval.record(run.root, task, name, result)
+                    _say(f"task eval: {name} (the adapter switched off): {result['score']:.1%}")
+        # a run trained further (a resume with more steps) answers again; a restart at the same step resumes
+        result = task_eval.score_model(model, tokenizer, run.root, task, task_eval.FINE_TUNED,
+                                       identity=f"{recipe.model} step {trainer.state.global_step}", **kw)
+    except Exception as exc:  # evidence, not training: the result is saved already
+        if writes:
+            _say(f"task eval: the fine-tuned model could not be scored ({type(exc).__name__}: {exc})")
+        return
+    if not writes:
+        return
+    results = task_eval.record(run.root, task, task_eval.FINE_TUNED, result)
+    path = _publish(run, results)
+    base = results["scores"].get(task_eval.BASE_ZERO_SHOT)
+    _say(f"task eval: fine-tuned {result['score']:.1%} {task['metric']} on {result['examples']} held-out examples"
+         + (f" (base model zero-shot {base:.1%})" if base is not None else "")
+         + f", {time.monotonic() - t0:.1f} s: {path}")
+
+
+def _publish(run: RunDir, results: dict[str, Any]):
+    """final/task_eval.json (the run's record as it stands) and the scores' table at the end of final/samples.md
+    (begun for the table when the samples are off; why nothing was scored only beside the samples)."""
+    run.final.mkdir(parents=True, exist_ok=True)
+    path = run.final / run.task_eval.name
+    ckpt.atomic_write_json(path, results)
+    if "scores" in results or (run.final / samples.MARKDOWN).is_file():
+        samples.append_scores(run.final, results)
+    return path

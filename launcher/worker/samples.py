@@ -140,6 +140,43 @@ def write_after(final: Path, before: Optional[dict[str, Any]], prompts: list[dic
     return path
 
 
+SCORES_HEADING = "## Task evaluation"
+# the rows of the scores' table, in this order (others, e.g. exports, after them)
+SCORE_ROWS = {"base_zero_shot": "base model, zero-shot", "base_few_shot": "base model, {shots} examples in the prompt",
+              "fine_tuned": "fine-tuned"}
+
+
+def scores_table(results: dict[str, Any]) -> list[str]:
+    """The task evaluation's scores (task_eval.json) as a markdown section: the metric and why, one row a model."""
+    if "scores" not in results:
+        why = results.get("not_applicable") or results.get("why") or "not scored"
+        return [SCORES_HEADING, "", f"Not scored: {why}" + (f" ({results['fix']})" if results.get("fix") else ""), ""]
+    scores, details, speed = results["scores"], results.get("details", {}), results.get("generation", {})
+    names = [n for n in SCORE_ROWS if n in scores] + [n for n in scores if n not in SCORE_ROWS]
+    lines = [SCORES_HEADING, "",
+             f"{results['examples']} held-out examples, answered greedily; metric **{results['metric']}**: "
+             f"{results['metric_reason']}.", "",
+             "| model | score | details | tokens/s |", "|---|---:|---|---:|"]
+    for n in names:
+        label = SCORE_ROWS.get(n, n).format(shots=results.get("shots"))
+        sub = ", ".join(f"{k} {v:.1%}" for k, v in (details.get(n) or {}).items())
+        tps = (speed.get(n) or {}).get("tokens_per_s")
+        lines.append(f"| {label} | {scores[n]:.1%} | {sub} | {f'{tps:,.0f}' if tps else '-'} |")
+    return lines + [""]
+
+
+def append_scores(final: Path, results: dict[str, Any]) -> Path:
+    """The scores' table at the end of final/samples.md (replacing an earlier one; the file begun if absent)."""
+    path = final / MARKDOWN
+    text = path.read_text() if path.is_file() else ""
+    kept = ("\n" + text).split(f"\n{SCORES_HEADING}\n")[0].strip("\n")
+    body = (kept + "\n\n" if kept else "") + "\n".join(scores_table(results))
+    tmp = path.with_suffix(".md.tmp")
+    tmp.write_text(body)
+    tmp.replace(path)
+    return path
+
+
 def _quote(text: str) -> list[str]:
     """A blockquote: any text (code fences, headings) stays inside it."""
     if not text.strip():

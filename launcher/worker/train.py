@@ -53,7 +53,7 @@ from launcher.worker.inputs import (  # noqa: E402
     _data_changed, _data_spec, _eval_and_prompts, _local_data, _trained_tokens)
 from launcher.worker.loss_plot import _redraw_loss_plot  # noqa: E402
 from launcher.worker.process import _Stop, _on_signal, _rank, _say, _world_size  # noqa: E402
-from launcher.worker.results import _answer_after, _save_final, _write_smoke_result  # noqa: E402
+from launcher.worker.results import _answer_after, _save_final, _score_after, _write_smoke_result  # noqa: E402
 from launcher.worker.trainer_config import padding_free_collator, sft_config  # noqa: E402
 
 
@@ -324,7 +324,13 @@ def run_worker(run_dir: Path, mode: str) -> int:
     if _rank() == 0:  # one drawer, as at the checkpoints
         _redraw_loss_plot(run.root, final=True)  # the last loss.png is complete when the worker ends
     BEAT.beat("hash")
-    return _finish(run, device, step(), _writes_this_disk(plan, recipe, run))  # the last checkpoint complete at the end
+    code = _finish(run, device, step(), _writes_this_disk(plan, recipe, run))  # the last checkpoint complete at the end
+    if code == 0:
+        # after the last checkpoint is sealed: a crash or kill here resumes at the end (nothing to train again) and
+        # the task eval answers only what its answers file misses
+        _score_after(run, recipe, trainer, tokenizer, loaded.examples, sharded,
+                     beat=lambda: BEAT.beat("export", step()))  # final/task_eval.json
+    return code
 
 
 def _recorded(fn):

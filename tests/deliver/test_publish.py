@@ -231,3 +231,19 @@ def test_a_finished_run_publishes_after_the_export_checked_it(tmp_path, tiny_mod
     card = hf.ModelCard(hub.read("README.md").decode()).text
     assert "training loss" in card and "vllm serve" in card and "top-1 agreement with the base" in card
     print(f"trained, exported and published in {time.monotonic() - t0:.0f} s")
+
+
+def test_the_card_has_the_task_evaluation_table(tmp_path, hub):
+    run = finished_run(tmp_path / "run")
+    (run.final / "task_eval.json").write_text(json.dumps({
+        "metric": "exact", "metric_reason": "the 40 references are 4 distinct short labels", "examples": 40,
+        "shots": 3, "scores": {"base_zero_shot": 0.0, "base_few_shot": 0.35, "fine_tuned": 1.0, "merged": 0.975},
+        "fine_tune_pays": True}))
+    publish_run(run.root, say=lambda line: None)
+    text = hf.ModelCard(hub.read("README.md").decode()).text
+    table = text[text.index("## Task evaluation"):]
+    rows = ["| base model, zero-shot | 0.0% |", "| base model, 3 examples in the prompt | 35.0% |",
+            "| fine-tuned | 100.0% |", "| merged | 97.5% |"]
+    assert [line for line in table.splitlines() if line.startswith("| ") and "%" in line] == rows
+    assert "40 held-out examples (never trained on), answered greedily; metric `exact`: the 40 references" in table
+    assert json.loads(hub.read("ftrun/task_eval.json"))["scores"]["fine_tuned"] == 1.0

@@ -1,0 +1,333 @@
+"""The task evaluation's answers and scores: a loaded model answers the task's held-out prompts greedily, in batches,
+each answer kept as it comes, and the answers are scored by the task's metric (launcher/data/task_metrics.py).
+
+Three files in the run directory (launcher/store/rundir.py names them):
+- task.json: what is asked (prompts, references, shots, metric and its reason, max_new_tokens), built once from
+  the run's data and held-out split (`task_for_run`), so the base model, the fine-tuned model, each export and a
+  resume all ask exactly the same;
+- task_eval/<name>.jsonl: one scorer's answers, {"index", "answer", "new_tokens", "seconds", "prompt"} a line (prompt:
+  a hash of the model's identity and the text it read), appended after each batch: a rerun after a crash or kill -9
+  answers only the examples missing there, and scores the same; a model trained further asks again;
+- task_eval.json: every scorer's score so far, merged name by name (`record`).
+
+`python -m launcher.worker.task_eval --run-dir RUN --phase base` scores the base model (16-bit) zero-shot and with
+the task's shots, before training; the worker scores the fine-tuned model in-process after it (worker/results.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from launcher.data import task_metrics
+from launcher.data.task_examples import with_shots
+from launcher.store.checkpoint import atomic_write_json
+from launcher.store.rundir import RunDir
+
+PREFIX = "[ftrun task eval]"
+# Prompts answered per generate call: a CPU gains little past a few (and pads more), a GPU fills up with more.
+BATCH = {"cpu": 8, "cuda": 32}
+# The names of the scores (final/task_eval.json's "scores"): the base model before training, the trained one.
+BASE_ZERO_SHOT, BASE_FEW_SHOT, FINE_TUNED = "base_zero_shot", "base_few_shot", "fine_tuned"
+
+
+def enabled(recipe) -> bool:
+    return recipe.eval.task.examples > 0
+
+
+def scores(task: dict[str, Any]) -> bool:
+    """Whether the task can be scored (not {"not_applicable"} / {"too_few"})."""
+    return "prompts" in task
+
+
+def task_for_run(run: RunDir, recipe, examples: list, write: bool = True) -> dict[str, Any]:
+    """The run's task (task.json), built from `examples` (the recipe's data, every example: the held-out ones are
+    drawn from them by the same split the worker trains with) unless task.json exists. `write`: store it (the main
+    process; other ranks build the same in memory)."""
+    from launcher.data import split
+    from launcher.data.task_examples import build_task
+
+    if run.task.is_file():
+        return json.loads(run.task.read_text())
+    parts = split.for_recipe(examples, recipe)
+    eval_examples = split.load_eval_data(recipe) if recipe.eval.data else None
+    task = build_task(examples, parts.held_out, parts.train, recipe.eval.task, recipe.seed, eval_examples,
+                      max_new_tokens_cap=recipe.eval.max_new_tokens)
+    if write:
+        run.root.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(run.task, task)
+    return task
+
+
+# --- answering ---------------------------------------------------------------------------------------------------
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    """Where an answer ends: the tokenizer's eos and the model's generation_config eos ids (a chat model's
+    end-of-turn token, e.g. <|im_end|>, besides <|endoftext|>)."""
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    found = [tokenizer.eos_token_id, *(configured if isinstance(configured, list) else [configured])]
+    return list(dict.fromkeys(int(i) for i in found if i is not None))
+
+
+def prompt_text(tokenizer, prompt: dict[str, Any]) -> str:
+    """What the model reads: plain text as it is, messages through the model's own chat template."""
+    if "text" in prompt:
+        return prompt["text"]
+    return tokenizer.apply_chat_template(prompt["messages"], tokenize=False, add_generation_prompt=True)
+
+
+def generate_batch(model, tokenizer, texts: list[str], max_new_tokens: int,
+                   synced: bool = False) -> list[tuple[str, int]]:
+    """(answer, new tokens up to and including its end) for each text: one greedy, left-padded generate call.
+    The caller forks the RNG and sets eval mode (`answer`)."""
+    import torch
+
+    device = getattr(model, "device", None) or next(model.parameters()).device
+    eos = _eos_ids(model, tokenizer)
+    side, pad_token = tokenizer.padding_side, tokenizer.pad_token
+    tokenizer.padding_side = "left"  # the answers start right after each prompt's last token
+    if pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # masked out: any token pads
+    try:
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+        pad = tokenizer.pad_token_id
+    finally:
+        tokenizer.padding_side = side
+        if pad_token is None:
+            tokenizer.pad_token = None
+    out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True, pad_token_id=pad,
+                         eos_token_id=eos or None, synced_gpus=synced)
+    new = out[:, enc["input_ids"].shape[1]:]
+    ended = torch.isin(new, torch.tensor(eos, dtype=new.dtype, device=new.device))
+    results = []
+    for row, stops in zip(new, ended):
+        first = int(stops.nonzero()[0]) + 1 if bool(stops.any()) else len(row)
+        results.append((tokenizer.decode(row[:first], skip_special_tokens=True).strip(), first))
+    return results
+
+
+def read_answers(path: Path) -> dict[int, dict[str, Any]]:
+    """The answers kept so far, by example index; a line cut short by a kill is skipped (answered again)."""
+    kept: dict[int, dict[str, Any]] = {}
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return kept
+    for line in lines:
+        try:
+            row = json.loads(line)
+            kept[int(row["index"])] = row
+        except (ValueError, KeyError, TypeError):
+            continue
+    return kept
+
+
+def _append(path: Path, rows: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as fh:
+        fh.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _repair(path: Path) -> None:
+    """A kill in the middle of a write leaves a line without its end: end it, so the next append starts a line."""
+    try:
+        with path.open("rb+") as fh:
+            fh.seek(0, os.SEEK_END)
+            if fh.tell() == 0:
+                return
+            fh.seek(-1, os.SEEK_END)
+            if fh.read(1) != b"\n":
+                fh.write(b"\n")
+    except OSError:
+        pass
+
+
+def answer(model, tokenizer, prompts: list[dict[str, Any]], max_new_tokens: int, path: Path, *,
+           identity: str = "", batch_size: Optional[int] = None, synced: bool = False, write: bool = True,
+           on_batch: Optional[Callable[[int, int], None]] = None) -> list[dict[str, Any]]:
+    """Each prompt's answer row, in the prompts' order: read from `path` where kept, else generated (batches of
+    similar length, longest first) and appended there after each batch (`write`: the main process).
+    The random number generators are left as they were, and so is the train/eval mode. `synced`: every process
+    calls this with the same prompts and the same file (ZeRO-3, FSDP gather weights in each forward).
+    `identity`: which model answers (its name, its training step): a kept answer counts only for the same model and
+    the very text asked now. `on_batch(done, total)`: after each batch (the worker's heartbeat)."""
+    import torch
+
+    texts = {int(p["index"]): prompt_text(tokenizer, p) for p in prompts}
+    asked = {i: hashlib.sha256(f"{identity}\0{t}".encode()).hexdigest()[:16] for i, t in texts.items()}
+    kept = {i: r for i, r in read_answers(path).items() if asked.get(i) == r.get("prompt")}
+    missing = [i for i in texts if i not in kept]
+    if missing:
+        device = getattr(model, "device", None) or next(model.parameters()).device
+        size = batch_size or BATCH.get(torch.device(device).type, BATCH["cpu"])
+        order = sorted(missing, key=lambda i: -len(texts[i]))
+        if write:
+            _repair(path)
+        was_training = model.training
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            model.eval()
+            try:
+                for start in range(0, len(order), size):
+                    batch = order[start:start + size]
+                    t0 = time.monotonic()
+                    got = generate_batch(model, tokenizer, [texts[i] for i in batch], max_new_tokens, synced)
+                    share = (time.monotonic() - t0) / len(batch)
+                    rows = [{"index": i, "answer": a, "new_tokens": n, "seconds": round(share, 4), "prompt": asked[i]}
+                            for i, (a, n) in zip(batch, got)]
+                    if write:
+                        _append(path, rows)
+                    kept.update({r["index"]: r for r in rows})
+                    if on_batch is not None:
+                        on_batch(len(prompts) - len(missing) + start + len(batch), len(prompts))
+            finally:
+                model.train(was_training)
+    return [kept[int(p["index"])] for p in prompts]
+
+
+def score_model(model, tokenizer, run_root: Path, task: dict[str, Any], name: str, shots: bool = False, *,
+                identity: str = "", batch_size: Optional[int] = None, synced: bool = False, write: bool = True,
+                on_batch: Optional[Callable[[int, int], None]] = None) -> dict[str, Any]:
+    """The model's score on the task: {"score", "details", "examples", "seconds", "new_tokens", "tokens_per_s"}.
+    `name`: its answers file (task_eval/<name>.jsonl, resumed where it stopped, for the same `identity`: see
+    `answer`); `shots`: the task's shots before each prompt. seconds and tokens count every answer, those of an earlier attempt included."""
+    prompts = task["prompts"]
+    if shots:
+        prompts = [with_shots(p, task["shots"]) for p in prompts]
+    rows = answer(model, tokenizer, prompts, task["max_new_tokens"], RunDir(Path(run_root)).task_answers / f"{name}.jsonl",
+                  identity=identity, batch_size=batch_size, synced=synced, write=write, on_batch=on_batch)
+    scored = task_metrics.score(task["metric"], [r["answer"] for r in rows], [p["reference"] for p in prompts])
+    seconds = sum(float(r.get("seconds") or 0.0) for r in rows)
+    new_tokens = sum(int(r.get("new_tokens") or 0) for r in rows)
+    return {"score": scored["score"], "details": scored["details"], "examples": len(rows),
+            "seconds": round(seconds, 3), "new_tokens": new_tokens,
+            "tokens_per_s": round(new_tokens / seconds, 1) if seconds > 0 else None}
+
+
+# --- the results file --------------------------------------------------------------------------------------------
+
+def read_results(run_root: Path) -> Optional[dict[str, Any]]:
+    try:
+        return json.loads(RunDir(Path(run_root)).task_eval.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def record(run_root: Path, task: dict[str, Any], name: Optional[str] = None,
+           result: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """task_eval.json with `name`'s result merged in (or only the task's statement when it cannot be scored), written
+    atomically; returns it. fine_tune_pays: the article's rule on base_few_shot, null until that is scored."""
+    path = RunDir(Path(run_root)).task_eval
+    if not scores(task):
+        atomic_write_json(path, {k: v for k, v in task.items() if k in ("not_applicable", "too_few", "why", "fix")})
+        return read_results(run_root) or {}
+    old = read_results(run_root) or {}
+    if "scores" not in old or old.get("metric") != task["metric"]:
+        old = {}  # a statement written before, or another task: start over
+    results = {"metric": task["metric"], "metric_reason": task["metric_reason"], "examples": len(task["prompts"]),
+               "shots": len(task["shots"]), "max_new_tokens": task["max_new_tokens"],
+               "scores": dict(old.get("scores", {})), "details": dict(old.get("details", {})),
+               "generation": dict(old.get("generation", {}))}
+    if name is not None and result is not None:
+        results["scores"][name] = result["score"]
+        results["details"][name] = result["details"]
+        results["generation"][name] = {k: result[k] for k in ("seconds", "new_tokens", "tokens_per_s")}
+    few = results["scores"].get(BASE_FEW_SHOT)
+    results["fine_tune_pays"] = task_metrics.fine_tune_pays(few) if few is not None else None
+    atomic_write_json(path, results)
+    return results
+
+
+def progress_line(name: str, task: dict[str, Any], result: dict[str, Any]) -> str:
+    speed = f", {result['tokens_per_s']:.0f} tokens/s" if result.get("tokens_per_s") else ""
+    return (f"{PREFIX} {name}: {result['score']:.1%} ({task['metric']}, {result['examples']} examples, "
+            f"{result['seconds']:.1f} s{speed})")
+
+
+# --- before training: the base model ---------------------------------------------------------------------------
+
+def load_base(recipe):
+    """The base model in 16-bit (bf16 on a GPU from compute capability 8.0, fp16 below, fp32 on the CPU) on this
+    process's device, whatever the method trains in (a 4-bit QLoRA base included), and its tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    from launcher.worker.loading import attention_implementation, device_map, load_tokenizer, select_device
+
+    device, dtype = select_device()
+    kwargs: dict[str, Any] = {"dtype": dtype, "device_map": device_map(device, "trl")}
+    attn = attention_implementation(device, dtype)
+    if attn is not None:
+        kwargs["attn_implementation"] = attn
+    return AutoModelForCausalLM.from_pretrained(recipe.model, **kwargs), load_tokenizer(recipe)
+
+
+def score_base(run: RunDir, recipe, task: dict[str, Any], model, tokenizer,
+               say: Callable[[str], None] = print, batch_size: Optional[int] = None) -> dict[str, Any]:
+    """base_zero_shot and base_few_shot (the task's shots before each prompt) into task_eval.json; returns it."""
+    results: dict[str, Any] = {}
+    for name, shots in ((BASE_ZERO_SHOT, False), (BASE_FEW_SHOT, True)):
+        result = score_model(model, tokenizer, run.root, task, name, shots=shots, identity=recipe.model,
+                             batch_size=batch_size)
+        results = record(run.root, task, name, result)
+        say(progress_line(name, task, result))
+    return results
+
+
+def _base_phase(run_dir: Path, batch_size: Optional[int]) -> int:
+    from launcher.data.dataset import load_data
+    from launcher.errors import FtrunError
+    from launcher.recipe import load_recipe
+    from launcher.worker.inputs import _data_spec
+
+    run = RunDir(run_dir)
+    try:
+        recipe = load_recipe(run.recipe)
+        if not enabled(recipe):
+            print(f"{PREFIX} off (eval.task.examples is 0)", flush=True)
+            return 0
+        task = task_for_run(run, recipe, [] if run.task.is_file() else load_data(_data_spec(run, recipe),
+                                                                                 recipe.seed).examples)
+    except FtrunError as exc:  # a recipe or data the launcher would refuse: said in one line
+        fix = f" Fix: {exc.fix}" if exc.fix else ""
+        print(f"{PREFIX} {' '.join((exc.message + fix).split())}", file=sys.stderr, flush=True)
+        return 2
+    if not scores(task):
+        record(run.root, task)
+        print(f"{PREFIX} not scored: {task.get('not_applicable') or task['why']}", flush=True)
+        return 0
+    t0 = time.monotonic()
+    model, tokenizer = load_base(recipe)
+    print(f"{PREFIX} base model {recipe.model} loaded in {time.monotonic() - t0:.1f} s; "
+          f"{len(task['prompts'])} examples, metric {task['metric']}: {task['metric_reason']}", flush=True)
+    score_base(run, recipe, task, model, tokenizer, say=lambda line: print(line, flush=True), batch_size=batch_size)
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launcher.worker.task_eval",
+                                     description="Score a run's task (task.json) with the base model, before training.")
+    parser.add_argument("--run-dir", required=True, type=Path, help="the run directory (holds recipe.yaml)")
+    parser.add_argument("--phase", required=True, choices=["base"],
+                        help="base: the base model in 16-bit, zero-shot and with the task's shots")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help=f"prompts per generate call (default {BATCH['cpu']} on the CPU, {BATCH['cuda']} on a GPU)")
+    args = parser.parse_args(argv)
+    if not RunDir(args.run_dir).recipe.is_file():
+        print(f"{PREFIX} {args.run_dir} is not a run directory (no recipe.yaml)", file=sys.stderr, flush=True)
+        return 2
+    if args.batch_size is not None and args.batch_size < 1:
+        print(f"{PREFIX} --batch-size must be at least 1", file=sys.stderr, flush=True)
+        return 2
+    return _base_phase(args.run_dir, args.batch_size)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
