@@ -20,6 +20,8 @@ class EngineKind:
     shards: bool  # shards or partitions the weights itself: loads without a device map, no fp32 master copy
     per_rank_checkpoints: bool  # its checkpoints hold state split per process: resumed only on the same count
     adapters_only: bool  # trains LoRA/QLoRA only
+    cpu_processes: bool  # runs several gloo processes on a CPU (FSDP through accelerate does not shard there)
+    multi_node: bool  # trains over several boxes (--nnodes), each a complete set of processes
     what: str  # for the recipe's help
 
     @property
@@ -29,17 +31,17 @@ class EngineKind:
 
 ENGINES: dict[str, EngineKind] = {e.name: e for e in (
     EngineKind("unsloth", "python", None, shards=False, per_rank_checkpoints=False, adapters_only=True,
-               what="Unsloth's kernels, one GPU"),
+               cpu_processes=False, multi_node=False, what="Unsloth's kernels, one GPU"),
     EngineKind("trl", "python", None, shards=False, per_rank_checkpoints=False, adapters_only=False,
-               what="TRL, one process"),
+               cpu_processes=False, multi_node=False, what="TRL, one process"),
     EngineKind("ddp", "torchrun", None, shards=False, per_rank_checkpoints=False, adapters_only=False,
-               what="a whole copy per GPU"),
+               cpu_processes=True, multi_node=True, what="a whole copy per GPU"),
     # accelerate launch reads the FSDP plugin settings from its config file (launcher/worker/engines/fsdp.py)
     EngineKind("fsdp", "accelerate", "accelerate_fsdp.yaml", shards=True, per_rank_checkpoints=False,
-               adapters_only=False, what="FSDP2 shards over the GPUs"),
+               adapters_only=False, cpu_processes=False, multi_node=False, what="FSDP2 shards over the GPUs"),
     # the Trainer drives DeepSpeed from the JSON config (SFTConfig.deepspeed); torchrun only starts the processes
     EngineKind("deepspeed", "torchrun", "deepspeed.json", shards=True, per_rank_checkpoints=True, adapters_only=False,
-               what="ZeRO-3, with CPU offload"),
+               cpu_processes=True, multi_node=True, what="ZeRO-3, with CPU offload"),
 )}
 AUTO = "auto"  # the recipe's default: the plan chooses
 
@@ -53,3 +55,5 @@ SINGLE_PROCESS = names(lambda e: not e.multi_process)
 MULTI_PROCESS = names(lambda e: e.multi_process)
 SHARDING = names(lambda e: e.shards)
 PER_RANK_CHECKPOINTS = names(lambda e: e.per_rank_checkpoints)
+CPU_MULTI_PROCESS = names(lambda e: e.cpu_processes)
+MULTI_NODE = names(lambda e: e.multi_node)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass, replace
 
-from launcher.engine_kinds import SHARDING
+from launcher.engine_kinds import CPU_MULTI_PROCESS, SHARDING
 from launcher.methods import METHODS, is_adapter, is_quantized
 from launcher.plan import sizing
 from launcher.plan.figures import _fmt_hours
@@ -105,7 +105,7 @@ def _choose_cpu(job: Job, hw: Hardware, forced: str, processes: int | None = Non
     if forced == "trl" and processes is not None and processes > 1:
         return Choice(False, forced, "cpu", processes, None, capacity, reasons,
                       refusal=f"engine: trl is one process, num_processes is {processes}; use engine: ddp")
-    if forced in ("ddp", "deepspeed") or (forced == "auto" and processes is not None and processes > 1):
+    if forced in CPU_MULTI_PROCESS or (forced == "auto" and processes is not None and processes > 1):
         return _choose_cpu_multi(job, hw, "ddp" if forced == "auto" else forced, processes, reasons, nnodes, offload)
     w = job.workload("trl", 1, "cpu")
     est = sizing.memory(job.arch, w)

@@ -17,6 +17,7 @@ from launcher.plan.plan import model_flops_utilization
 from launcher.run.commands import serve_command
 from launcher.run.views import rank_end_text
 from launcher.run.watchdog import heartbeat_rows
+from launcher.store import final as final_result
 from launcher.store.checkpoint import newest_step_unverified, step_dir_name
 from launcher.store.heartbeat_files import read_all as read_heartbeats
 from launcher.store.rundir import RunDir
@@ -105,7 +106,7 @@ def run_status(run: RunDir) -> dict[str, Any]:
         if started and done_since > 0:
             eta = round((time.time() - started) / done_since * (total - step), 1)
     final = None
-    for name in ("adapter", "model"):
+    for name in (final_result.ADAPTER, final_result.MODEL):
         if (run.final / name).is_dir():
             final = str(run.final / name)
     memory = plan.get("memory") or {}

@@ -10,6 +10,7 @@ from typing import Any, Optional
 import yaml
 
 from launcher.store.checkpoint import atomic_write_json, newest_step_unverified
+from launcher.engine_kinds import MULTI_NODE
 from launcher.errors import HardwareError, RecipeError, UsageError
 from launcher.recipe import Recipe, check_trainer_fields, load_recipe
 from launcher.run import weights
@@ -190,7 +191,7 @@ def _prepare(run: RunDir, recipe: Recipe, *, resuming: bool, fresh: bool, memory
     # checked here, before the run directory is touched, and downloaded before the smoke test in its place
     loads = worker_model(recipe, plan.to_dict())
     worker_weights = {"model": loads, **weights.check(loads)} if loads != recipe.model else None
-    if nodes and plan.to_dict().get("engine") not in ("ddp", "deepspeed"):
+    if nodes and plan.to_dict().get("engine") not in MULTI_NODE:
         raise UsageError(
             f"--nnodes {nodes['nnodes']}: the plan chose engine '{plan.to_dict().get('engine')}', which runs on one box",
             fix="add engine=ddp (or engine=deepspeed) and num_processes=<processes per node> to train over several boxes.")

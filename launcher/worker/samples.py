@@ -10,12 +10,11 @@ final/samples.md holds prompt, reference answer, before and after (final/samples
 from __future__ import annotations
 
 import json
-import random
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from launcher.data.task_examples import prompt_and_reference
+from launcher.data import task_examples
 
 BEFORE_FILE = "samples-before.json"  # in the run directory, and copied into each checkpoint
 MARKDOWN = "samples.md"  # in final/
@@ -28,16 +27,8 @@ def pick(examples: list, held_out: list[int], train: list[int], n: int, seed: in
     From the held-out examples when there are any, else from the training data; a seeded draw. `file`: where
     the examples' numbers count from (samples.md names it)."""
     pool, source = (held_out, "eval split") if held_out else (train, "training data")
-    order = list(pool)
-    random.Random(f"ftrun-samples-{seed}").shuffle(order)
-    picked = []
-    for i in order:
-        if len(picked) >= n:
-            break
-        prompt = prompt_and_reference(examples[i])
-        if prompt is not None:
-            picked.append({"index": i, "source": source, "file": file, **prompt})
-    return picked
+    return [{"index": p.pop("index"), "source": source, "file": file, **p}
+            for p in task_examples.pick(examples, pool, n, seed, salt="samples")]
 
 
 def generate(model, tokenizer, prompts: list[dict[str, Any]], max_new_tokens: int, synced: bool = False) -> list[str]:
