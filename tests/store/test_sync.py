@@ -286,6 +286,65 @@ def test_torn_checkpoints_are_never_resumed_from(tmp_path):
     assert "has 100 bytes, manifest says 8192" in skipped[3]
 
 
+class _Killed(BaseException):
+    """The copier's process dies here (a BaseException: the copier's `except Exception` does not catch it)."""
+
+
+@pytest.mark.parametrize("killed", ["after the copy, before it was recorded", "before the manifest went up"])
+def test_a_copy_that_completed_before_the_copier_was_killed_is_not_sent_again(tmp_path, monkeypatch, killed):
+    """The copier dies after its copy of a checkpoint completed off the box but before sync.json recorded it.
+    The next copier checks the copy off the box (manifest last, then every file) and does not send it again;
+    one that died before the manifest went up sends it all again."""
+    from launcher.store.rundir import RunDir
+    from launcher.store.sync import Syncer
+    from launcher.store.sync import transfer
+    from launcher.store.sync.object_store import FsspecDestination
+
+    run = RunDir(tmp_path / "run")
+    step_dir = _fake_checkpoint(run.checkpoints, 10)
+    remote = tmp_path / "remote"
+    real_write, real_put = transfer._write_sync_state, FsspecDestination.put_file
+
+    def dies_before_the_record(r, **fields):
+        if "synced_step" in fields:
+            raise _Killed
+        return real_write(r, **fields)
+
+    def dies_at_the_manifest(self, local, rel):
+        if rel.endswith(ckpt.MANIFEST):
+            raise _Killed
+        return real_put(self, local, rel)
+
+    if killed.startswith("after"):
+        monkeypatch.setattr(transfer, "_write_sync_state", dies_before_the_record)
+    else:
+        monkeypatch.setattr(FsspecDestination, "put_file", dies_at_the_manifest)
+    with pytest.raises(_Killed):
+        Syncer(run, str(remote), keep=2, log=lambda _: None).sync_once()
+    monkeypatch.undo()
+    assert json.loads((run.root / "sync.json").read_text())["sending"] == {"to": str(remote), "what": "step-000010"}
+
+    sent: list[str] = []
+    monkeypatch.setattr(FsspecDestination, "put_file", lambda self, local, rel: (sent.append(rel), real_put(self, local, rel)))
+    assert Syncer(run, str(remote), keep=2, log=lambda _: None).sync_once()
+    ckpt_sent = sorted(r for r in sent if r.startswith("checkpoints/"))
+    if killed.startswith("after"):
+        assert ckpt_sent == []
+    else:
+        assert ckpt_sent == [f"checkpoints/step-000010/{n}" for n in ("adapter_model.safetensors", ckpt.MANIFEST,
+                                                                       "optimizer.pt")]
+    state = json.loads((run.root / "sync.json").read_text())
+    assert state["synced_step"] == 10 and state["sending"] is None
+    assert ckpt.verify(remote / "checkpoints" / "step-000010")[0]
+    # a copy off the box under the same name whose files are not the manifest's is sent again
+    (remote / "checkpoints" / "step-000010" / "optimizer.pt").write_bytes(b"other")
+    real_write(run, synced_step=None, sending={"to": str(remote), "what": "step-000010"})
+    sent.clear()
+    assert Syncer(run, str(remote), keep=2, log=lambda _: None).sync_once()
+    assert "checkpoints/step-000010/optimizer.pt" in sent
+    assert ckpt.verify(remote / "checkpoints" / "step-000010")[0]
+
+
 def test_pull_skips_a_remote_checkpoint_whose_upload_did_not_finish(tmp_path):
     from launcher.store.rundir import RunDir
     from launcher.store.sync import pull

@@ -230,9 +230,13 @@ def test_two_fsdp_launches_at_once_each_get_a_free_port(tmp_path):
     cfg = tmp_path / "accelerate_fsdp.yaml"
     cfg.write_text(yaml.safe_dump(accelerate_config({"num_processes": 2, "device": "cpu"}, False)))
     probe = tmp_path / "probe.py"
+    # one os.write per line: the two ranks leave the barrier together and share the job's pipe. print() writes
+    # its arguments, separators and newline one by one where stdout is unbuffered (PYTHONUNBUFFERED=1, as the
+    # image and CI set it), and two ranks' pieces interleave ("PORT PORT43689 \n43689\n": 111 of 300 launches
+    # in step on this box); a pipe write of under PIPE_BUF bytes is never split
     probe.write_text("import os, torch.distributed as dist\n"
                      "dist.init_process_group('gloo'); dist.barrier()\n"
-                     "print('PORT', os.environ['MASTER_PORT'], flush=True)\n"
+                     "os.write(1, f\"PORT {os.environ['MASTER_PORT']}\\n\".encode())\n"
                      "dist.destroy_process_group()\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg), str(probe)]
@@ -240,8 +244,8 @@ def test_two_fsdp_launches_at_once_each_get_a_free_port(tmp_path):
             for _ in range(2)]
     outs = [job.communicate(timeout=240)[0] for job in jobs]
     assert all(job.returncode == 0 for job in jobs), outs
-    # both ranks print into one pipe: their lines may interleave, so the numbers are read, not the lines
-    ports = [set(re.findall(r"PORT\s+(\d+)", out)) for out in outs]
-    assert [len(re.findall(r"PORT\s+\d+", out)) for out in outs] == [2, 2], outs
+    # whole lines: another process's unfinished stderr piece may come just before one, never inside it
+    ports = [set(re.findall(r"PORT (\d+)\n", out)) for out in outs]
+    assert [len(re.findall(r"PORT \d+\n", out)) for out in outs] == [2, 2], outs
     assert all(len(p) == 1 for p in ports), outs  # both ranks of a job agree
     assert ports[0] != ports[1] and "29500" not in ports[0] | ports[1]

@@ -37,14 +37,26 @@ def _write_sync_state(run: RunDir, **fields: Any) -> dict[str, Any]:
     return data
 
 
-def push_checkpoint(dest: Destination, run: RunDir, step_dir: Path, keep: int, name: Optional[str] = None) -> int:
+def already_copied(dest: Destination, rel: str, local: Path, manifest: dict[str, Any]) -> bool:
+    """Whether `rel` off the box already holds `local` as sent, its manifest (sent last) the same bytes: a copier
+    killed after the copy completed, before it recorded it, does not send the checkpoint again."""
+    if dest.read_bytes_sha256(f"{rel}/{ckpt.MANIFEST}") != ckpt.sha256_file(local / ckpt.MANIFEST):
+        return False
+    return dest.verify_dir(rel, manifest, local=local)[0]
+
+
+def push_checkpoint(dest: Destination, run: RunDir, step_dir: Path, keep: int, name: Optional[str] = None,
+                    maybe_there: bool = False) -> int:
+    """Copy a checkpoint and verify the copy, then apply the remote retention. `maybe_there`: an earlier copier
+    began this copy and was stopped before it recorded the end; the copy off the box is checked first."""
     name = name or step_dir.name
     manifest = json.loads((step_dir / ckpt.MANIFEST).read_text())
     rel = f"checkpoints/{name}"
-    dest.put_dir(step_dir, rel)
-    ok, why = dest.verify_dir(rel, manifest, local=step_dir)
-    if not ok:
-        raise SyncError(f"the copy of {name} at {dest.url} does not verify: {why}")
+    if not (maybe_there and already_copied(dest, rel, step_dir, manifest)):
+        dest.put_dir(step_dir, rel)
+        ok, why = dest.verify_dir(rel, manifest, local=step_dir)
+        if not ok:
+            raise SyncError(f"the copy of {name} at {dest.url} does not verify: {why}")
     # Remote retention: only after the new copy verified, drop the oldest beyond `keep`.
     remote = sorted(n for n in dest.list_dirs("checkpoints") if n.startswith(ckpt.PREFIX))
     dest.remove_dirs([f"checkpoints/{old}" for old in (remote[:-keep] if keep > 0 else []) if old != name])
@@ -65,7 +77,9 @@ def push_metadata(dest: Destination, run: RunDir, sent: Optional[dict[str, str]]
     return {**(sent or {}), **{n: now[n] for n in changed}}
 
 
-def push_final(dest: Destination, run: RunDir) -> None:
+def push_final(dest: Destination, run: RunDir, maybe_there: bool = False) -> None:
+    """Each folder of final/ with its manifest, then final/'s files. `maybe_there`: an earlier copier began
+    this and was stopped before it recorded the end; a folder already copied whole is not sent again."""
     if not run.final.is_dir():
         return
     for sub in sorted(p for p in run.final.iterdir() if p.is_dir() and not p.name.startswith(".")):
@@ -74,6 +88,8 @@ def push_final(dest: Destination, run: RunDir) -> None:
         manifest = {"files": {f.relative_to(sub).as_posix(): {"size": f.stat().st_size, "sha256": ckpt.sha256_file(f)}
                               for f in files if f.name != ckpt.MANIFEST}}
         ckpt.atomic_write_json(sub / ckpt.MANIFEST, {"step": -1, **manifest})
+        if maybe_there and already_copied(dest, f"final/{sub.name}", sub, manifest):
+            continue
         dest.put_dir(sub, f"final/{sub.name}")
         ok, why = dest.verify_dir(f"final/{sub.name}", manifest, local=sub)
         if not ok:
@@ -121,13 +137,19 @@ class Syncer:
             pushed = False
             if newest is not None and state.get("synced_step") != int(newest.name[len(ckpt.PREFIX):]):
                 t0 = time.monotonic()
-                step = self._push_snapshot(dest, newest)
-                _write_sync_state(self.run, synced_step=step, synced_at=time.time(), last_error=None, to=self.url)
+                # `sending` names the copy under way: a copier killed before it recorded the end leaves it
+                maybe_there = state.get("sending") == {"to": self.url, "what": newest.name}
+                _write_sync_state(self.run, sending={"to": self.url, "what": newest.name})
+                step = self._push_snapshot(dest, newest, maybe_there)
+                _write_sync_state(self.run, synced_step=step, synced_at=time.time(), last_error=None, to=self.url,
+                                  sending=None)
                 self.log(f"copied {newest.name} to {self.url} and verified it ({time.monotonic() - t0:.1f} s)")
                 pushed = True
             if final:
-                push_final(dest, self.run)
-                _write_sync_state(self.run, final_synced_at=time.time())
+                maybe_there = _sync_state(self.run).get("sending") == {"to": self.url, "what": "final"}
+                _write_sync_state(self.run, sending={"to": self.url, "what": "final"})
+                push_final(dest, self.run, maybe_there)
+                _write_sync_state(self.run, final_synced_at=time.time(), sending=None)
             self._push_metadata(dest, throttle=not pushed and not final and self._thread is not None
                                 and not self._stop.is_set())
             self.failures = 0
@@ -156,7 +178,7 @@ class Syncer:
         if now != sent:
             _write_sync_state(self.run, metadata_sent={"to": self.url, "sha256": now}, metadata_at=time.time())
 
-    def _push_snapshot(self, dest: Destination, step_dir: Path) -> int:
+    def _push_snapshot(self, dest: Destination, step_dir: Path, maybe_there: bool = False) -> int:
         # Local retention may delete this checkpoint while it uploads (a new one arrived): copy
         # from a hard-linked snapshot, which costs no space and outlives the deletion.
         snap = self.run.checkpoints / f".sync-{step_dir.name}"
@@ -166,7 +188,7 @@ class Syncer:
             shutil.rmtree(stale, ignore_errors=True)
         try:
             shutil.copytree(step_dir, snap, copy_function=os.link)
-            return push_checkpoint(dest, self.run, snap, self.keep, name=step_dir.name)
+            return push_checkpoint(dest, self.run, snap, self.keep, name=step_dir.name, maybe_there=maybe_there)
         finally:
             shutil.rmtree(snap, ignore_errors=True)
 
