@@ -184,16 +184,16 @@ def _export(inp: Inputs, report: dict[str, Any]) -> None:
     if not tokenizer.chat_template:
         raise ExportError(f"{inp.source} has no chat template", fix="the base model's tokenizer needs one; "
                           "a model served without its template answers in the wrong format.")
-    prompts = parity_prompts(inp.recipe, tokenizer)
-    report["parity_prompts"] = [{"tokens": len(p["ids"]), "prompt_tokens": len(p["prompt_ids"])} for p in prompts]
-    report["parity_prompts_from"] = prompts[0]["source"] if prompts else None
-    # the dtype the exported 16-bit weights are written in; the parity checks load in their own (placement.parity)
-    report["export_dtype"] = str(dtype).replace("torch.", "")
     from launcher.deliver.served_prompt import ServedPrompt
 
     # What the training saw of the same held-out prompts: every servable output is held to it (served_prompt.py).
     served = ServedPrompt(inp.recipe, inp.source, PARITY_PROMPTS)
     report["served_prompt"] = served.report
+    prompts = parity_prompts(inp.recipe, tokenizer, kwargs=served.kwargs)
+    report["parity_prompts"] = [{"tokens": len(p["ids"]), "prompt_tokens": len(p["prompt_ids"])} for p in prompts]
+    report["parity_prompts_from"] = prompts[0]["source"] if prompts else None
+    # the dtype the exported 16-bit weights are written in; the parity checks load in their own (placement.parity)
+    report["export_dtype"] = str(dtype).replace("torch.", "")
 
     # Where each model goes, decided before anything is loaded: a merge the box cannot hold fails here.
     n_params = parameter_count(inp.recipe.model if inp.is_adapter else str(inp.source))
@@ -347,7 +347,8 @@ def _serving(inp: Inputs, report: dict[str, Any], tokenizer, served=None) -> Non
 
     merged_dir = inp.run.final / "merged"
     eos_ids = _stop_ids(merged_dir, tokenizer) if "merged" in report["outputs"] else None
-    text, modelfile = serving.render(inp.run, inp.recipe, report, tokenizer, eos_ids=eos_ids)
+    prompts = [p["messages"] for p in served.prompts] if served is not None and served.chat else None
+    text, modelfile = serving.render(inp.run, inp.recipe, report, tokenizer, eos_ids=eos_ids, prompts=prompts)
     (inp.run.final / "SERVING.md").write_text(text)
     report["serving"] = str(inp.run.final / "SERVING.md")
     if modelfile is not None:
@@ -376,9 +377,14 @@ def _served_modelfile(served, gguf: dict[str, Any], text: str) -> None:
                 [vocab.tokenize(go_template.render(template, p["messages"]), True) for p in served.prompts])
             served.checked("Ollama")
         else:
+            # Ollama 0.30+ serves a GGUF without a Go template through llama-server's chat path (ollama
+            # llm/llama_server.go, server/routes.go usesOllamaRenderedChat): the llama-server check is Ollama's
             served.report["runtimes"]["ollama"] = {
                 "runtime": "Ollama", "ok": True, "identical": None,
-                "note": "no TEMPLATE in the Modelfile: Ollama 0.30+ renders the GGUF's own template (the llama.cpp check)"}
+                "note": "no TEMPLATE in the Modelfile: Ollama 0.30+ renders the GGUF's own template through "
+                        "llama-server (the llama-server check)"}
+            if "llama-server" in served.report["checked"]:
+                served.checked("Ollama")
         pieces = {i: vocab.piece(i) for i in served.end_ids}
     finally:
         vocab.close()

@@ -110,9 +110,12 @@ def gguf_output(merged_dir: Path, gguf_dir: Path, name: str, gguf_type: str, pro
     t0 = time.monotonic()
     stop_ids = _stop_ids(merged_dir, tokenizer)
     chat = served.prompts if served is not None and served.chat else None
-    smoke = _smoke_index(prompts, chat) if chat else None
+    switches = served.kwargs if chat else {}
+    # llama-cpp-python's chat completion takes no chat-template switches (Llama.create_chat_completion's fixed
+    # arguments): with switches, its answer would not start from the trained prompt, so no serving smoke test
+    smoke = _smoke_index(prompts, chat) if chat and not switches else None
     run = llamacpp.run_gguf(path, prompts, GREEDY_NEW_TOKENS, stop_ids, to_end=chat is not None, chat=chat,
-                            smoke=smoke)
+                            smoke=smoke, template_kwargs=switches)
     gguf_out, same_tokens = run["outputs"], run["same_tokens"]
     steps["llama_cpp_prompts_seconds"] = round(time.monotonic() - t0, 2)
     config_diff = _config_diff(json.loads((merged_dir / "config.json").read_text()), meta)
@@ -171,14 +174,38 @@ def _until_end(tokens: list[int], ends: set[int], n: int) -> list[int]:
     return out
 
 
+def _server_fix(adds: dict[str, bool], switches: dict[str, Any]) -> str:
+    """What to do when llama-server's prompt is not the trained one."""
+    if adds["eos"]:
+        return ("do not serve this GGUF as it is: its vocabulary adds EOS to every tokenized text "
+                "(tokenizer.ggml.add_eos_token), so llama-server and Ollama end every chat prompt with EOS, which "
+                "training never put in front of an answer. With llama-server, add `--override-kv "
+                "tokenizer.ggml.add_eos_token=bool:false`; the model folder's tokenizer (tokenizer.json's "
+                "post-processor, tokenizer_config.json add_eos_token) is where the converter took it from.")
+    return ("do not serve this GGUF as it is: llama-server renders the GGUF's own template another way than the "
+            "training did" + (f" even with {json.dumps(switches)}" if switches else "")
+            + "; report it with export.json (served_prompt).")
+
+
 def _served_checks(served, run: dict[str, Any], out: dict[str, Any], meta: dict[str, Any],
                    merged_out: list[dict[str, Any]], kind, smoke: Optional[int]) -> None:
     """The served prompt, the stop tokens, the ending share and the serving smoke test of one GGUF (into `out`)."""
-    rendered = run["chat"]
-    served.compare("llama_cpp", f"llama.cpp ({Path(out['path']).name}'s own chat template through llama-cpp-python's "
-                   "Jinja2ChatFormatter)", [r["ids"] or [] for r in rendered],
-                   bos_eos_ids=run["bos_eos"])
-    served.checked("llama.cpp")
+    rendered, fname = run["chat"], Path(out["path"]).name
+    adds = run["adds"]
+    served.compare("llama_server", f"llama-server --jinja with {fname} (and Ollama 0.30+ without a Go template)",
+                   [r["ids"] or [] for r in run["server"]], adds_bos=adds["bos"], adds_eos=adds["eos"],
+                   fix=_server_fix(adds, served.kwargs))
+    served.checked("llama-server")
+    if served.kwargs:
+        served.report["runtimes"]["llama_cpp"] = {
+            "runtime": "llama-cpp-python", "ok": True, "identical": None,
+            "note": "not compared: llama-cpp-python's create_chat_completion takes no chat-template switches "
+                    f"({json.dumps(served.kwargs)}); serve with llama-server"}
+    else:
+        served.compare("llama_cpp", f"llama.cpp ({fname}'s own chat template through llama-cpp-python's "
+                       "Jinja2ChatFormatter)", [r["ids"] or [] for r in rendered],
+                       bos_eos_ids=run["bos_eos"])
+        served.checked("llama.cpp")
     eog = set(run["eog_ids"])
     served.check_stops("llama_cpp", f"llama.cpp with {Path(out['path']).name}", sorted(eog),
                        fix="do not serve this GGUF: llama.cpp and Ollama would not stop at the end of an answer. "

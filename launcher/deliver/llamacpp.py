@@ -234,11 +234,12 @@ def metadata(path: Path) -> dict[str, Any]:
     }
 
 
-def _open(path: Path, n_ctx: int, threads: Optional[int] = None):
+def _open(path: Path, n_ctx: int, threads: Optional[int] = None, overrides: Optional[dict[str, Any]] = None):
     from llama_cpp import Llama
 
     return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
-                 n_threads=threads or os.cpu_count(), n_gpu_layers=0, verbose=False, seed=0)
+                 n_threads=threads or os.cpu_count(), n_gpu_layers=0, verbose=False, seed=0,
+                 kv_overrides=overrides or None)
 
 
 def run_prompts(path: Path, prompts: list[dict[str, Any]], greedy_tokens: int, stop_ids: set[int],
@@ -252,11 +253,14 @@ def run_prompts(path: Path, prompts: list[dict[str, Any]], greedy_tokens: int, s
 
 def run_gguf(path: Path, prompts: list[dict[str, Any]], greedy_tokens: int, stop_ids: set[int],
              threads: Optional[int] = None, to_end: bool = False, chat: Optional[list[dict[str, Any]]] = None,
-             smoke: Optional[int] = None) -> dict[str, Any]:
+             smoke: Optional[int] = None, template_kwargs: Optional[dict[str, Any]] = None,
+             overrides: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """run_prompts, and with one model load: with to_end, each greedy continuation runs on to its prompt's
     `budget` (`continuation`; `greedy` stays its first greedy_tokens); `chat`: conversations ({messages, tools})
-    rendered and tokenized by the GGUF's own chat template (chat_prompt); `smoke`: the index of the chat
-    conversation answered through the runtime's chat completion (chat_smoke), greedy_tokens long at most."""
+    rendered and tokenized by the GGUF's own chat template as llama-cpp-python's chat completion does (chat_prompt)
+    and as llama-server does with `template_kwargs` (server_prompt); `smoke`: the index of the chat conversation
+    answered through the runtime's chat completion (chat_smoke), greedy_tokens long at most; `overrides`: GGUF
+    metadata as llama.cpp's --override-kv changes it (tests)."""
     import numpy as np
     import torch
 
@@ -264,7 +268,7 @@ def run_gguf(path: Path, prompts: list[dict[str, Any]], greedy_tokens: int, stop
     n_ctx = max(max(len(p["ids"]), len(p["prompt_ids"]) + b) for p, b in zip(prompts, budgets)) + 8
     if chat:
         n_ctx = max(n_ctx, max(len(c["ids"]) for c in chat) + greedy_tokens + 8)
-    llm = _open(path, n_ctx, threads)
+    llm = _open(path, n_ctx, threads, overrides)
     outs, same_tokens = [], []
     result: dict[str, Any] = {}
     try:
@@ -288,6 +292,8 @@ def run_gguf(path: Path, prompts: list[dict[str, Any]], greedy_tokens: int, stop
             result["eog_ids"] = eog_ids(llm)
             result["bos_eos"] = {"bos": llm.token_bos(), "eos": llm.token_eos()}
             result["chat"] = [chat_prompt(llm, c["messages"], c.get("tools")) for c in chat]
+            result["server"] = [server_prompt(llm, c["messages"], c.get("tools"), template_kwargs) for c in chat]
+            result["adds"] = special_adds(llm)
             if smoke is not None:
                 llm.reset()
                 result["smoke"] = chat_smoke(llm, chat[smoke]["messages"], chat[smoke].get("tools"), greedy_tokens)
@@ -337,6 +343,48 @@ def chat_prompt(llm, messages: list[dict[str, Any]], tools: Optional[list] = Non
     res = formatter(messages=messages, tools=tools)
     ids = llm.tokenize(res.prompt.encode("utf-8"), add_bos=not res.added_special, special=True)
     return {"text": res.prompt, "ids": list(ids), "template": template}
+
+
+def special_adds(llm) -> dict[str, bool]:
+    """Whether the GGUF's vocabulary adds BOS and EOS when a runtime tokenizes with its special tokens
+    (tokenizer.ggml.add_bos_token / add_eos_token, else the tokenizer type's default: src/llama-vocab.cpp)."""
+    import llama_cpp
+
+    vocab = llm._model.vocab
+    return {"bos": bool(llama_cpp.llama_vocab_get_add_bos(vocab)), "eos": bool(llama_cpp.llama_vocab_get_add_eos(vocab))}
+
+
+def server_prompt(llm, messages: list[dict[str, Any]], tools: Optional[list] = None,
+                  template_kwargs: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """The prompt llama-server builds for /v1/chat/completions from the GGUF (llama.cpp@0c1e57098, the commit
+    llama-cpp-python 0.3.36 vendors), which Ollama 0.30+ also uses for a GGUF without a Go template
+    (ollama llm/llama_server.go, server/routes.go usesOllamaRenderedChat):
+    - the embedded template is rendered with the vocabulary's BOS and EOS texts (common/chat.cpp
+      common_chat_templates_init, 830-833), `enable_thinking` on (server-context.cpp 1444-1445; --reasoning off or
+      --chat-template-kwargs change it) and the chat-template kwargs (chat.cpp 905-966);
+    - a leading BOS text is cut when the vocabulary adds BOS, a trailing EOS text when it adds EOS (chat.cpp
+      958-964);
+    - the text is tokenized with add_special and parse_special (server-context.cpp 4280, handle_completions_impl),
+      so the vocabulary's BOS and EOS are added (src/llama-vocab.cpp tokenize): a vocabulary that adds EOS ends
+      every chat prompt in EOS.
+    llama.cpp renders with its own C++ Jinja; here llama-cpp-python's Jinja2 environment stands in for it."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    template = llm.metadata.get("tokenizer.chat_template")
+    if not template:
+        return {"text": None, "ids": None, "template": None}
+    eos, bos = llm.token_eos(), llm.token_bos()
+    eos_text = llm._model.token_get_text(eos) if eos != -1 else ""
+    bos_text = llm._model.token_get_text(bos) if bos != -1 else ""
+    formatter = Jinja2ChatFormatter(template=template, eos_token=eos_text, bos_token=bos_text)
+    text = formatter(messages=messages, tools=tools, **{"enable_thinking": True, **(template_kwargs or {})}).prompt
+    adds = special_adds(llm)
+    if adds["bos"] and bos_text and text.startswith(bos_text):
+        text = text[len(bos_text):]
+    if adds["eos"] and eos_text and text.endswith(eos_text):
+        text = text[:-len(eos_text)]
+    ids = llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)  # llama_tokenize(add_special, parse_special)
+    return {"text": text, "ids": list(ids), "template": template, "adds": adds}
 
 
 def eog_ids(llm) -> list[int]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from launcher.errors import EXIT_RUN_FAILED, FtrunError
 
 
@@ -24,7 +26,7 @@ def human_size(n: float) -> str:
     return f"{n:.1f} GB"
 
 
-SERVING_RUNTIMES = ("vLLM", "llama.cpp", "Ollama")
+SERVING_RUNTIMES = ("vLLM", "llama-server", "llama.cpp", "Ollama")  # llama.cpp: llama-cpp-python's chat completion
 
 
 def served_line(report: dict) -> str:
@@ -42,10 +44,13 @@ def served_line(report: dict) -> str:
     checked = [r for r in SERVING_RUNTIMES if r in sp.get("checked", [])]
     outputs = report.get("outputs", {})
     why = {"vLLM": "no adapter or model folder checked",
-           "llama.cpp": "no GGUF in this export",
-           "Ollama": "no GGUF in this export" if "gguf" not in outputs else
-           "the Modelfile has no TEMPLATE: Ollama renders the GGUF's own template, checked as llama.cpp"}
+           "llama-server": "no GGUF in this export",
+           "llama.cpp": "no GGUF in this export" if "gguf" not in outputs else
+           "llama-cpp-python's chat completion takes no chat-template switches",
+           "Ollama": "no GGUF in this export"}
     line = f"served prompt = trained prompt ({', '.join(checked) or 'no runtime'})"
+    if sp.get("chat_template_kwargs"):
+        line += f" served with {json.dumps(sp['chat_template_kwargs'])}"
     missing = [r for r in SERVING_RUNTIMES if r not in checked]
     reasons: dict[str, list[str]] = {}
     for r in missing:

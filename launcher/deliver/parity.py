@@ -65,16 +65,18 @@ def parity_examples(recipe) -> tuple[list[list[dict[str, Any]]], str]:
     return [data_formats.conversation(e) for e in examples], source
 
 
-def parity_prompts(recipe, tokenizer, n: int = PARITY_PROMPTS) -> list[dict[str, Any]]:
-    """The first n parity conversations: full text (teacher-forced logits) and prompt (greedy decoding); `budget`:
-    how far a greedy continuation runs to see whether the model ends its turn (ending_budget)."""
+def parity_prompts(recipe, tokenizer, n: int = PARITY_PROMPTS,
+                   kwargs: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
+    """The first n parity conversations: full text (teacher-forced logits) and prompt (greedy decoding), the prompt
+    rendered with the chat-template switches it is served with (`kwargs`: served_prompt.ServedPrompt.kwargs);
+    `budget`: how far a greedy continuation runs to see whether the model ends its turn (ending_budget)."""
     examples, source = parity_examples(recipe)
     out = []
     for messages in examples[:n]:
         last_assistant = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages))
         prompt_msgs = messages[:last_assistant] or messages[:1]
         full = tokenizer.apply_chat_template(messages, tokenize=False)
-        prompt = tokenizer.apply_chat_template(prompt_msgs, tokenize=False, add_generation_prompt=True)
+        prompt = tokenizer.apply_chat_template(prompt_msgs, tokenize=False, add_generation_prompt=True, **(kwargs or {}))
         ids = tokenizer(full, add_special_tokens=False)["input_ids"][:PARITY_MAX_TOKENS]
         all_prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         answer = messages[last_assistant]["content"] if last_assistant < len(messages) else ""

@@ -119,13 +119,17 @@ def _eval_losses(run: RunDir) -> tuple[Optional[dict], Optional[dict], Optional[
 
 
 def _serve_lines(repo: str, recipe, outputs: dict[str, Path], report: dict[str, Any]) -> list[str]:
-    from launcher.deliver.serving import served_name, vllm_command
+    from launcher.deliver.serving import served_name, template_switches, vllm_command
 
     name = served_name(Path(repo.split("/")[1]))
     base = _hub_id(recipe.model) or "BASE_MODEL"
+    switches = template_switches(report)
     lines: list[str] = []
+    if switches:
+        lines += [f"Serve it with the chat-template switch `{json.dumps(switches)}`: the model was trained on the "
+                  "prompt its template writes with it (the commands below pass it).", ""]
     if "merged" in outputs:
-        lines += ["```", vllm_command(repo, quote=False), "```", "",
+        lines += ["```", vllm_command(repo, quote=False, switches=switches), "```", "",
                   "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
                   f'model = AutoModelForCausalLM.from_pretrained("{repo}")',
                   f'tokenizer = AutoTokenizer.from_pretrained("{repo}")', "```", ""]
@@ -134,14 +138,18 @@ def _serve_lines(repo: str, recipe, outputs: dict[str, Path], report: dict[str, 
         if "merged" in outputs:
             lines += ["The LoRA adapter alone is in `adapter/`:", "", "```",
                       f"hf download {repo} --include 'adapter/*' --local-dir {name}",
-                      vllm_command(base, lora_module=f"{name}=./{name}/adapter", lora_rank=rank, quote=False), "```", ""]
+                      vllm_command(base, lora_module=f"{name}=./{name}/adapter", lora_rank=rank, quote=False,
+                                   switches=switches), "```", ""]
         else:
-            lines += ["```", vllm_command(base, lora_module=f"{name}={repo}", lora_rank=rank, quote=False), "```", "",
+            lines += ["```", vllm_command(base, lora_module=f"{name}={repo}", lora_rank=rank, quote=False,
+                                          switches=switches), "```", "",
                       "```python", "from peft import AutoPeftModelForCausalLM",
                       f'model = AutoPeftModelForCausalLM.from_pretrained("{repo}")', "```", ""]
     if "gguf" in outputs:
         quant = str((report.get("outputs", {}).get("gguf") or {}).get("type") or recipe.gguf_type).upper()
-        lines += ["```", f"ollama run hf.co/{repo}:{quant}", f"llama-server -hf {repo}:{quant}", "```", ""]
+        think = " --think=false" if switches.get("enable_thinking") is False else ""
+        kwargs = f" --chat-template-kwargs '{json.dumps(switches)}'" if switches else ""
+        lines += ["```", f"ollama run hf.co/{repo}:{quant}{think}", f"llama-server -hf {repo}:{quant}{kwargs}", "```", ""]
     return lines
 
 

@@ -1,11 +1,22 @@
-"""The served prompt is the trained prompt: each runtime's rendering of the held-out prompts, token for token
-against the training's, and the token that ends a turn against each runtime's stops.
+"""The served prompt is the trained prompt: each runtime's rendering of the conversations' prompts, token for token
+against what the training put in front of the answer, and the token that ends a turn against each runtime's stops.
 
-The reference is the worker's own tokenization: the base model's tokenizer as the worker loads it
-(launcher/worker/loading.py load_tokenizer), the conversation before its last answer rendered by TRL's call,
-`apply_chat_template(prompt, tools=..., add_generation_prompt=True, tokenize=True)` (trl 1.16
-trainer/sft_trainer.py tokenize_fn, data_utils.py _tokenize; with `assistant_only_loss` and a template without
-`{% generation %}` markers, the training template TRL swaps in). Each runtime is then asked for the same prompt:
+The reference is the training sequence itself. TRL renders a `messages` conversation whole, once, with no
+generation prompt (trl 1.16 trainer/sft_trainer.py tokenize_fn, language-modeling case: `apply_chat_template(
+messages, tokenize=True, return_dict=True)` through data_utils.py _tokenize), and a conversational
+prompt/completion pair as prompt + completion the same way, its loss starting where the prompt's own rendering
+stops being a prefix (common_prefix_length). What the model learned to continue from is the tokens in front of
+the last answer in that sequence: the whole tokens before the answer's first character. A template whose
+generation prompt differs from what precedes an assistant turn in its history (Qwen3's empty think block with
+`enable_thinking=False`, a generation prompt ending in a space that the answer's first token swallows in
+training, a header written otherwise for the last turn) serves another prompt than the one trained.
+
+The tokenizer is the worker's (launcher/worker/loading.py load_tokenizer); with `assistant_only_loss` and a
+template without `{% generation %}` markers, the training template TRL swaps in. The prompts are the first held-out
+conversations and one of every other shape (the sequence of roles) found in the data, MAX_SHAPES in all. Where the
+model's template has chat-template switches (Qwen3's `enable_thinking`), the setting under which its generation
+prompt is the trained context is found once (`kwargs`), and every runtime is told to serve with it
+(SERVING.md); where none gives it, the export fails. Each runtime is then asked for the same prompts:
 - transformers and vLLM: the exported folder's tokenizer and chat template (tokenizer_config.json /
   chat_template.jinja), `apply_chat_template(..., tokenize=False, add_generation_prompt=True)` tokenized without
   special tokens. vLLM's chat endpoint does exactly this: it resolves the template with
@@ -13,10 +24,12 @@ trainer/sft_trainer.py tokenize_fn, data_utils.py _tokenize; with `assistant_onl
   transformers' apply_chat_template (apply_hf_chat_template) and tokenizes with add_special_tokens=False (the
   chat request's default); with `--lora-modules` it takes the adapter folder's tokenizer when the folder has one
   (vllm/transformers_utils/tokenizer.py get_lora_tokenizer), else the base model's.
-- llama.cpp: the GGUF's embedded template through llama-cpp-python's Jinja chat formatter with the GGUF's own
-  BOS/EOS texts, tokenized by the GGUF's vocabulary (llamacpp.py chat_prompt), as its chat completion does.
+- llama.cpp: the GGUF's embedded template, tokenized by the GGUF's vocabulary, both as llama-cpp-python's chat
+  completion does and as llama-server does (llamacpp.py chat_prompt, server_prompt; docs/evaluation.md has the
+  table of runtimes with the source lines).
 - Ollama: the Modelfile's TEMPLATE rendered as Ollama renders a Go template (go_template.py), tokenized by the
-  GGUF's vocabulary with its special tokens added, as Ollama's runner does.
+  GGUF's vocabulary with its special tokens added, as Ollama's runner does; without a TEMPLATE, Ollama 0.30+
+  serves through llama-server (the llama.cpp check).
 A prompt that differs fails the export, with the first differing token and the tokens before it.
 """
 
@@ -29,6 +42,11 @@ from typing import Any, Optional
 from launcher.deliver.messages import ExportError
 
 CONTEXT_TOKENS = 8  # tokens shown before the first difference
+MAX_SHAPES = 24  # conversation shapes (sequences of roles) checked, the most frequent first
+# chat-template switches a template may read, and the values tried when its default does not serve the trained
+# context (Qwen3's chat template: the generation prompt of enable_thinking=false is the empty think block that its
+# history writes before an answer without reasoning)
+TEMPLATE_SWITCHES = {"enable_thinking": (False, True)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -71,22 +89,59 @@ def _end_of_turn(tokenizer, text: str, answer: str) -> Optional[int]:
     return -1
 
 
+def shape(conv: list[dict[str, Any]]) -> str:
+    """A conversation's prompt shape: its roles up to the last assistant turn ("system,user,user"); an assistant
+    turn that calls tools is "assistant(tool call)"."""
+    last = max((i for i, m in enumerate(conv) if m["role"] == "assistant"), default=len(conv))
+    return ",".join(m["role"] + ("(tool call)" if m["role"] == "assistant" and m.get("tool_calls") else "")
+                    for m in (conv[:last] or conv[:1]))
+
+
+def _common_prefix(a: str, b: str) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def trained_context(tokenizer, conv: list[dict[str, Any]], last: int, kw: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """What the training sequence holds in front of the last answer: its whole tokens before the answer's first
+    character ("ids"), and the answer's first token ("next", with "merged": it begins inside the text before the
+    answer, as ` 16` after `ASSISTANT:`). None when the template does not write the answer verbatim or its
+    tokenization cannot be read back to characters."""
+    full = conv[:last + 1]
+    text = tokenizer.apply_chat_template(full, tokenize=False, **kw)
+    ids = list(tokenizer.apply_chat_template(full, tokenize=True, return_dict=True, **kw)["input_ids"])
+    answer = conv[last].get("content") or ""
+    if not isinstance(answer, str) or not answer.strip():
+        return None
+    # the answer comes after the history: search from where the text stops being the history's own rendering
+    history = tokenizer.apply_chat_template(conv[:last], tokenize=False, **kw) if last else ""
+    lo = _common_prefix(history, text)
+    at = next((i for i in (text.find(c, lo) for c in (answer, answer.strip())) if i >= 0), -1)
+    if at < 0:
+        return None
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    if list(enc["input_ids"]) != ids:
+        return None
+    offsets = enc["offset_mapping"]
+    k = next((j for j, (a, e) in enumerate(offsets) if e > at and e > a), len(ids))
+    return {"ids": ids[:k], "next": ids[k] if k < len(ids) else None, "merged": k < len(ids) and offsets[k][0] < at}
+
+
 class ServedPrompt:
-    """The trained prompts of the held-out conversations and every runtime's comparison with them; `report` is
-    what goes into export.json (served_prompt)."""
+    """The trained prompts of the held-out conversations (and one of each other shape in the data) and every
+    runtime's comparison with them; `report` is what goes into export.json (served_prompt)."""
 
     def __init__(self, recipe, saved_tokenizer: Path, n: int):
         from launcher.data import formats as data_formats
         from launcher.deliver.parity import held_out_examples
 
         raw, source = held_out_examples(recipe)
-        raw = raw[:n]
         self.tokenizer, tok_from = training_tokenizer(recipe, saved_tokenizer)
         self.chat = bool(raw) and all(data_formats.conversational(e) for e in raw)
-        self.report: dict[str, Any] = {"prompts_from": source, "prompts": len(raw), "tokenizer": tok_from,
+        self.report: dict[str, Any] = {"prompts_from": source, "prompts": min(n, len(raw)), "tokenizer": tok_from,
                                        "checked": [], "runtimes": {}, "stops": {}, "ending": {}, "ok": True}
         self.prompts: list[dict[str, Any]] = []
         self.end_ids: set[int] = set()
+        self.kwargs: dict[str, Any] = {}  # the chat-template switches every runtime serves with
         if not self.chat:
             form = data_formats.example_form(raw[0]) if raw else "none"
             self.report["not_applicable"] = (f"the data is {form.replace('_', '/')} without a chat template: training "
@@ -96,24 +151,35 @@ class ServedPrompt:
         template, why = _training_template(recipe, self.tokenizer)
         if why:
             self.report["training_template"] = why
-        ends, untrained, rewritten = [], 0, 0
-        for ex in raw:
+        chosen = self._choose(recipe, raw, n)
+        ends, untrained, rewritten, merged = [], 0, 0, 0
+        for ex, kind in chosen:
             conv = data_formats.conversation(ex)
             tools = ex.get("tools")
             tools = json.loads(tools) if isinstance(tools, str) else tools
             last = max((i for i, m in enumerate(conv) if m["role"] == "assistant"), default=len(conv))
             prompt = conv[:last] or conv[:1]
             kw = {"tools": tools, "chat_template": template}
-            ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=True, **kw)["input_ids"]
-            self.prompts.append({"messages": prompt, "tools": tools, "ids": list(ids)})
-            if last >= len(conv):
+            entry = {"messages": prompt, "tools": tools, "shape": shape(conv), "from": kind}
+            ctx = trained_context(self.tokenizer, conv, last, kw) if last < len(conv) else None
+            if ctx is None:
+                # no answer to find in the sequence (a tool call, an answer the template rewrites): the template's
+                # own generation prompt stands in, as the training's prompt/completion split takes it
+                rewritten += last < len(conv)
+                entry["ids"] = list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+                                                                       return_dict=True, **kw)["input_ids"])
+                entry["reference"] = "the generation prompt (the answer is not in the training sequence verbatim)"
+            else:
+                entry.update(ids=ctx["ids"], answer_first=ctx["next"], answer_first_merged=ctx["merged"])
+                entry["reference"] = "the tokens in front of the answer in the training sequence"
+                merged += ctx["merged"]
+            self.prompts.append(entry)
+            if last >= len(conv) or kind != "held out":
                 continue
             full = conv[:last + 1]
             text = self.tokenizer.apply_chat_template(full, tokenize=False, **kw)
             k = _end_of_turn(self.tokenizer, text, conv[last]["content"] or "")
             if k == -1:
-                rewritten += 1
                 continue
             if k is None:
                 ends.append(None)
@@ -130,6 +196,60 @@ class ServedPrompt:
             "answers_followed_by_nothing": sum(e is None for e in ends),
             "outside_the_loss": untrained, "answers_not_written_verbatim": rewritten,
         }
+        self.report["reference"] = ("the tokens in front of the last answer in the training sequence (TRL renders a "
+                                    "conversation whole, with no generation prompt)")
+        self.report["answers_whose_first_token_holds_the_prompts_end"] = merged
+        self.kwargs = self._switches()
+        if self.kwargs:
+            self.report["chat_template_kwargs"] = self.kwargs
+
+    def _choose(self, recipe, held: list[dict[str, Any]], n: int) -> list[tuple[dict[str, Any], str]]:
+        """The first n held-out conversations, then one of every other shape in the data (held out and trained),
+        the most frequent first, MAX_SHAPES shapes in all; the report says how many shapes there are."""
+        from collections import Counter
+
+        from launcher.data import formats as data_formats
+        from launcher.data.dataset import load_data
+
+        chosen = [(ex, "held out") for ex in held[:n]]
+        try:
+            trained = load_data(recipe.data, getattr(recipe, "seed", 42)).examples
+        except Exception:  # the data is not on this box any more (an export elsewhere): the held-out ones only
+            trained = []
+        pool = [e for e in list(held) + list(trained) if data_formats.conversational(e)]
+        shapes = Counter(shape(data_formats.conversation(e)) for e in pool)
+        seen = {shape(data_formats.conversation(e)) for e, _ in chosen}
+        first: dict[str, dict[str, Any]] = {}
+        for e in pool:
+            first.setdefault(shape(data_formats.conversation(e)), e)
+        for sh, _ in shapes.most_common():
+            if len(seen) >= MAX_SHAPES:
+                break
+            if sh not in seen:
+                seen.add(sh)
+                chosen.append((first[sh], "shape"))
+        self.report["shapes"] = {"found": len(shapes), "checked": len(seen),
+                                 "each": {sh: c for sh, c in shapes.most_common()}}
+        return chosen
+
+    def _switches(self) -> dict[str, Any]:
+        """The chat-template switches under which the tokenizer's own template (the one every runtime serves)
+        renders every prompt as trained: none when its default does, else the first setting that does (Qwen3
+        trained on answers without reasoning: enable_thinking=false). {} when none does: the comparisons fail."""
+        own = self.tokenizer.chat_template or ""
+        tried = [{}] + [{k: v} for k, values in TEMPLATE_SWITCHES.items() if k in own for v in values]
+        for kw in tried:
+            if all(self.render_ids(self.tokenizer, p, kw) == p["ids"] for p in self.prompts):
+                return kw
+        return {}
+
+    @staticmethod
+    def render_ids(tokenizer, p: dict[str, Any], kw: dict[str, Any]) -> list[int]:
+        """A chat endpoint's prompt through a transformers tokenizer: rendered with the generation prompt, then
+        tokenized without special tokens (vLLM's default)."""
+        text = tokenizer.apply_chat_template(p["messages"], tools=p["tools"], tokenize=False,
+                                             add_generation_prompt=True, **kw)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     # -----------------------------------------------------------------------------------------
     def token(self, i: int) -> str:
@@ -148,8 +268,19 @@ class ServedPrompt:
                 "trained": side(trained), "served": side(served),
                 "context": self._text(trained[max(0, i - CONTEXT_TOKENS):i])}
 
-    def compare(self, key: str, runtime: str, served: list[list[int]], **extra: Any) -> dict[str, Any]:
-        """Record one runtime's token ids for every held-out prompt; a difference fails the export."""
+    def _wanted(self, d: dict[str, Any], prompt: dict[str, Any]) -> str:
+        """What training had at the first difference, in words."""
+        if d["trained"]:
+            return f"{d['trained']['id']} {d['trained']['token']!r}"
+        nxt = prompt.get("answer_first")
+        if nxt is None:
+            return "the end of the prompt"
+        held = " (it begins with the end of the served prompt)" if prompt.get("answer_first_merged") else ""
+        return f"the answer, whose first token was {nxt} {self.token(nxt)!r}{held}"
+
+    def compare(self, key: str, runtime: str, served: list[list[int]], fix: Optional[str] = None,
+                **extra: Any) -> dict[str, Any]:
+        """Record one runtime's token ids for every prompt; a difference fails the export (`fix`: what to do)."""
         diffs = [self.difference(p["ids"], s) for p, s in zip(self.prompts, served)]
         same = sum(d is None for d in diffs)
         first = next(((n, d) for n, d in enumerate(diffs) if d is not None), None)
@@ -160,13 +291,14 @@ class ServedPrompt:
             self.report["ok"] = False
             d = first[1]
             got = (f"{d['served']['id']} {d['served']['token']!r}" if d["served"] else "the end of the prompt")
-            want = (f"{d['trained']['id']} {d['trained']['token']!r}" if d["trained"] else "the end of the prompt")
+            p = self.prompts[first[0]]
             raise ExportError(
-                f"{runtime} serves another prompt than the training saw (held-out prompt {first[0] + 1} of "
-                f"{len(diffs)}): at token {d['position']} it has {got} where training had {want}, after "
-                f"{d['context']!r}; identical {entry['identical']}",
-                fix="do not serve this output as it is: the model would answer a prompt it was never trained on. "
-                "The template or tokenizer that runtime reads is not the one training used (see "
+                f"{runtime} serves another prompt than the training saw (prompt {first[0] + 1} of {len(diffs)}, "
+                f"{p['from']}, roles {p['shape']}): at token {d['position']} it has {got} where training had "
+                f"{self._wanted(d, p)}, after {d['context']!r}; identical {entry['identical']}"
+                + (f" (served with {json.dumps(self.kwargs)})" if self.kwargs else ""),
+                fix=fix or "do not serve this output as it is: the model would answer a prompt it was never trained "
+                "on. The template or tokenizer that runtime reads is not the one training used (see "
                 "final/export.json served_prompt); re-export from the run, and report it if it repeats.")
         return entry
 
@@ -176,12 +308,8 @@ class ServedPrompt:
 
     # -----------------------------------------------------------------------------------------
     def compare_transformers(self, key: str, tokenizer, runtime: str) -> dict[str, Any]:
-        served = []
-        for p in self.prompts:
-            text = tokenizer.apply_chat_template(p["messages"], tools=p["tools"], tokenize=False,
-                                                 add_generation_prompt=True)
-            served.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-        entry = self.compare(key, runtime, served)
+        served = [self.render_ids(tokenizer, p, self.kwargs) for p in self.prompts]
+        entry = self.compare(key, runtime, served, chat_template_kwargs=self.kwargs or None)
         self.checked("vLLM")
         return entry
 

@@ -8,6 +8,7 @@ import shlex
 from pathlib import Path
 from typing import Any, Optional
 
+from launcher.deliver.go_template import render as render_go
 from launcher.methods import is_quantized
 
 # vLLM accepts only these values for --max-lora-rank (vllm/config/lora.py MaxLoRARanks).
@@ -23,12 +24,20 @@ def served_name(run_root: Path) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", run_root.name).strip("-").lower() or "model"
 
 
+def template_switches(report: dict[str, Any]) -> dict[str, Any]:
+    """The chat-template switches the export found the trained prompt under (export.json served_prompt), {} when
+    the template's defaults serve it."""
+    return dict((report.get("served_prompt") or {}).get("chat_template_kwargs") or {})
+
+
 def vllm_command(model: str, *, lora_module: Optional[str] = None, lora_rank: Optional[int] = None,
                  name: Optional[str] = None, max_model_len: Optional[int] = None, quote: bool = True,
-                 breaks: bool = False) -> str:
+                 breaks: bool = False, switches: Optional[dict[str, Any]] = None) -> str:
     """The one spelling of vLLM's serve command (SERVING.md, the end-of-run summary, the model card): `model`, or the
-    base model with a LoRA adapter (`lora_module` NAME=PATH of rank `lora_rank`); `quote`: each word shell-quoted;
-    `breaks`: each option on a line of its own."""
+    base model with a LoRA adapter (`lora_module` NAME=PATH of rank `lora_rank`); `switches`: the chat-template
+    kwargs every request is rendered with (vLLM 0.34 `--default-chat-template-kwargs`,
+    vllm/entrypoints/common/cli_args.py; a request's own chat_template_kwargs override it); `quote`: each word
+    shell-quoted; `breaks`: each option on a line of its own."""
     words = [["vllm", "serve", model]]
     if lora_module is not None:
         words += [["--enable-lora"], ["--lora-modules", lora_module],
@@ -37,8 +46,11 @@ def vllm_command(model: str, *, lora_module: Optional[str] = None, lora_rank: Op
         words += [["--served-model-name", name]]
     if max_model_len is not None:
         words += [["--max-model-len", str(max_model_len)]]
-    return (" \\\n  " if breaks else " ").join(" ".join(shlex.quote(w) if quote else w for w in option)
+    text = (" \\\n  " if breaks else " ").join(" ".join(shlex.quote(w) if quote else w for w in option)
                                                for option in words)
+    if switches:  # JSON: quoted for the shell even where the rest is shown as written
+        text += (" \\\n  " if breaks else " ") + "--default-chat-template-kwargs " + shlex.quote(json.dumps(switches))
+    return text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,13 +150,21 @@ def modelfile(gguf_name: str, tokenizer, conversations: list[list[dict[str, str]
         for conv in conversations:
             last = max((i for i, m in enumerate(conv) if m["role"] == "assistant"), default=len(conv))
             prompt = conv[:last] or conv[:1]
-            if render_pieces(pieces, prompt) == _render(tokenizer, prompt, True):
+            # as Ollama renders it: consecutive messages of one role merged first (go_template.collate)
+            if render_go(go_template(pieces), prompt) == _render(tokenizer, prompt, True):
                 same += 1
+            else:
+                check.setdefault("differs_for", []).append(",".join(m["role"] for m in prompt))
         check.update(prompts=len(conversations), identical=same)
         if same == len(conversations) and '"""' not in go_template(pieces):
             lines.append(f'TEMPLATE """{go_template(pieces)}"""')
         else:
-            check["note"] = "the derived template differs from the Jinja one; Ollama uses the template in the GGUF"
+            lines.insert(1, "# No TEMPLATE here: an Ollama template would render some conversations of the data "
+                         "otherwise than the model's own (Ollama merges consecutive messages of one role). Ollama "
+                         "0.30 or newer renders the GGUF's own chat template instead.")
+            check["note"] = ("the derived template renders some conversations otherwise than the Jinja one (roles "
+                             + "; ".join(check.get("differs_for", [])[:3]) + "); Ollama 0.30+ uses the template in the GGUF")
+            check["ollama"] = ">=0.30.0"
     elif features["tools"] or features["thinking"]:
         has = " and ".join(k for k in ("tools", "thinking") if features[k])
         lines.insert(1, f"# The chat template has {has}: no TEMPLATE here. Ollama 0.30 or newer renders the GGUF's "
@@ -168,9 +188,11 @@ def _curl(name: str, content: str, port: int = 8000) -> str:
             f"  -d {shlex.quote(body)}")
 
 
-def render(run, recipe, report: dict[str, Any], tokenizer,
-           eos_ids: Optional[set[int]] = None) -> tuple[str, Optional[dict[str, Any]]]:
-    """(SERVING.md text, Modelfile or None) for what export produced; eos_ids: the model's end tokens."""
+def render(run, recipe, report: dict[str, Any], tokenizer, eos_ids: Optional[set[int]] = None,
+           prompts: Optional[list[list[dict[str, Any]]]] = None) -> tuple[str, Optional[dict[str, Any]]]:
+    """(SERVING.md text, Modelfile or None) for what export produced; eos_ids: the model's end tokens; `prompts`:
+    the conversations an Ollama template must render as the model's own does (the served-prompt checks' prompts,
+    one of each shape in the data), else the data's first three."""
     from launcher.data.dataset import load_examples
 
     outputs = report["outputs"]
@@ -178,11 +200,22 @@ def render(run, recipe, report: dict[str, Any], tokenizer,
     convs = load_examples(recipe.data)[:3]
     question = next((m["content"] for m in convs[0] if m["role"] == "user"), "Hello") if convs else "Hello"
     q = shlex.quote
+    switches = template_switches(report)
     parts = [f"# Serving {name}", "",
              f"Written by `ftrun export` for the run in `{run.root}` ({recipe.method} of `{recipe.model}`).",
              # the prompts' source as export.json records it: "held out (eval.fraction)", or the training data
              f"Every output below was reloaded and compared with its reference on the prompts export.json names "
              f"({report.get('parity_prompts_from') or 'the data'}); the numbers are there.", ""]
+    if switches:
+        think = switches.get("enable_thinking")
+        parts += [f"**Serve with the chat-template switch `{json.dumps(switches)}`.** The model's chat template "
+                  "writes what training put in front of every answer only with it"
+                  + (" (an empty think block: the answers trained have no reasoning)" if think is False else "")
+                  + "; without it the served prompt differs from the trained one (export.json served_prompt). "
+                  "The commands below pass it: vLLM `--default-chat-template-kwargs`, llama-server "
+                  "`--chat-template-kwargs`"
+                  + (", Ollama `--think=false` (API: `\"think\": false`)" if think is False else "")
+                  + "; a request's own `chat_template_kwargs` overrides the server's.", ""]
     rows = []
     for key in ("adapter", "model", "merged", "gguf"):
         if key in outputs:
@@ -199,7 +232,7 @@ def render(run, recipe, report: dict[str, Any], tokenizer,
                   "The adapter is small; vLLM loads the base model once and applies the adapter per request "
                   "(the model name `" + name + "` selects it, the base id the plain model).", "", "```",
                   vllm_command(recipe.model, lora_module=name + "=" + outputs["adapter"]["path"], lora_rank=rank,
-                               max_model_len=recipe.max_length, breaks=True), "```", ""]
+                               max_model_len=recipe.max_length, breaks=True, switches=switches), "```", ""]
         if is_quantized(recipe.method):
             parts += ["The adapter was trained against the 4-bit base; served on the 16-bit base it behaves like "
                       "the merged model below (the standard QLoRA deployment).", ""]
@@ -208,13 +241,13 @@ def render(run, recipe, report: dict[str, Any], tokenizer,
         mpath = outputs["merged" if "merged" in outputs else "model"]["path"]
         parts += ["## vLLM: the " + ("merged 16-bit" if "merged" in outputs else "fully fine-tuned") + " model", "",
                   "No adapter at run time; add `--tensor-parallel-size N` for a model larger than one GPU.", "", "```",
-                  vllm_command(mpath, name=name, max_model_len=recipe.max_length, breaks=True),
+                  vllm_command(mpath, name=name, max_model_len=recipe.max_length, breaks=True, switches=switches),
                   "```", "", "```", _curl(name, question), "```", ""]
     mf = None
     if "gguf" in outputs:
         g = outputs["gguf"]
         gname = Path(g["path"]).name
-        mf = modelfile(gname, tokenizer, convs, recipe.max_length, eos_ids=eos_ids)
+        mf = modelfile(gname, tokenizer, prompts or convs, recipe.max_length, eos_ids=eos_ids)
         gdir = Path(g["path"]).parent
         feats = mf["check"]
         par = g.get("parity_vs_merged") or {}
@@ -229,7 +262,8 @@ def render(run, recipe, report: dict[str, Any], tokenizer,
                   + (f", with the stop tokens {', '.join(f'`{x}`' for x in feats['stop'])}" if feats["stop"] else "")
                   + ".", "", "```",
                   f"cd {q(str(gdir))}", f"ollama create {q(name)} -f Modelfile",
-                  f"ollama run {q(name)} {q(question)}", "```", ""]
+                  f"ollama run {q(name)}" + (" --think=false" if switches.get("enable_thinking") is False else "")
+                  + f" {q(question)}", "```", ""]
         if feats.get("tools") or feats.get("thinking"):
             parts += ["The template has " + " and ".join(k for k in ("tools", "thinking") if feats.get(k))
                       + ": Ollama 0.30.0 or newer renders the GGUF's own template with them (older versions match "
@@ -239,7 +273,8 @@ def render(run, recipe, report: dict[str, Any], tokenizer,
                          if feats.get("thinking") else "") + ".", ""]
         parts += ["Ollama's OpenAI-compatible API:", "", "```",
                   _curl(name, question, port=11434), "```", "", "```", mf["text"].rstrip(), "```", "",
-                  "llama.cpp directly: `llama-server -m " + q(str(g["path"])) + f" -c {recipe.max_length} --jinja`", ""]
+                  "llama.cpp directly: `llama-server -m " + q(str(g["path"])) + f" -c {recipe.max_length} --jinja"
+                  + (f" --chat-template-kwargs {q(json.dumps(switches))}" if switches else "") + "`", ""]
     if "merged" in outputs:
         mdir = outputs["merged"]["path"]
         parts += ["## Ollama: from the merged folder", "",

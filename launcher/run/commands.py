@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shlex
 from pathlib import Path
 from typing import Any, Optional
@@ -14,17 +15,24 @@ def serve_command(run: RunDir, final: Optional[str]) -> Optional[str]:
     if not final:
         return None
     from launcher.recipe import load_recipe
-    from launcher.deliver.serving import served_name, vllm_command
+    from launcher.deliver.serving import served_name, template_switches, vllm_command
 
     try:
         recipe = load_recipe(run.recipe)
     except Exception:  # a recipe that no longer loads (a package upgrade): the summary still shows the rest
         return None
     name = served_name(run.root)
+    switches = {}
+    report = run.final / "export.json"
+    if report.is_file():  # the chat-template switches the export found the trained prompt under
+        try:
+            switches = template_switches(json.loads(report.read_text()))
+        except (OSError, ValueError):
+            switches = {}
     if Path(final).name == "adapter":
         return vllm_command(recipe.model, lora_module=name + "=" + final, lora_rank=recipe.lora.r,
-                            max_model_len=recipe.max_length)
-    return vllm_command(final, name=name, max_model_len=recipe.max_length)
+                            max_model_len=recipe.max_length, switches=switches)
+    return vllm_command(final, name=name, max_model_len=recipe.max_length, switches=switches)
 
 
 def resume_command(recipe_path: str, overrides: list[str], memory_limit: Optional[float] = None,

@@ -66,8 +66,10 @@ def test_served_prompt_is_the_trained_prompt_in_vllm(exported):
     rep = report(exported["run"])
     sp = rep["served_prompt"]
     assert sp["ok"] and sp["checked"] == ["vLLM"] and sp["end_of_turn"]["tokens"] == ["<|im_end|>"]
+    # the data's first three conversations (two shapes) and one of each other shape (tiny-chat.jsonl has six)
+    assert sp["shapes"]["found"] == sp["shapes"]["checked"] == 6
     for key in ("vllm_adapter", "vllm_merged"):
-        assert sp["runtimes"][key]["identical"] == "3/3" and sp["stops"][key]["ok"], key
+        assert sp["runtimes"][key]["identical"] == "6/6" and sp["stops"][key]["ok"], key  # 3 first, 3 shapes more
     assert sp["stops"]["vllm_merged"]["generation_config_eos"] == [2, 0]
     assert rep["outputs"]["merged"]["served_prompt"]["ok"] and rep["outputs"]["adapter"]["stops"]["ok"]
     # how often the merged model ends its greedy answer with <|im_end|>: measured, not bounded (8 steps of LoRA
@@ -75,7 +77,7 @@ def test_served_prompt_is_the_trained_prompt_in_vllm(exported):
     ending = rep["outputs"]["merged"]["ending"]
     assert ending["ended_with_end_of_turn"].endswith("/3") and 0 <= ending["share"] <= 1
     assert len(ending["tokens_run"]) == 3 and all(n >= 1 for n in ending["tokens_run"])
-    line = "served prompt = trained prompt (vLLM); not checked: llama.cpp, Ollama (no GGUF in this export)"
+    line = "served prompt = trained prompt (vLLM); not checked: llama-server, llama.cpp, Ollama (no GGUF in this export)"
     log = exported["run"] / "train.log"
     assert served_line(rep) == line and f"[ftrun export] {line}" in exported["stdout"] + (
         log.read_text() if log.is_file() else "")
@@ -96,6 +98,40 @@ def test_an_adapter_whose_template_drops_the_end_of_turn_fails_the_export(export
     d = rep["served_prompt"]["runtimes"]["vllm_adapter"]["first_difference"]
     assert rep["ok"] is False and d["trained"]["token"] == "<|im_end|>" and d["context"]
     assert "merged" not in rep["outputs"]  # it failed before merging
+
+
+def test_qwen3s_template_is_served_with_thinking_off_and_serving_md_says_so(exported, tmp_path):
+    """The base model's template is Qwen3's (the headline recipe's family) and the answers trained carry no
+    reasoning: training put Qwen3's empty think block in front of every answer, which its generation prompt writes
+    only with enable_thinking=false. The export finds that switch, checks vLLM's prompt under it, and every serve
+    command passes it."""
+    from chat_templates import FAMILIES
+
+    qwen3 = FAMILIES["qwen3"].template
+    base = tmp_path / "base"
+    shutil.copytree(exported["run"], tmp_path / "run", ignore=shutil.ignore_patterns("merged", "checkpoints"))
+    shutil.copytree(Path(yaml_model(exported["recipe"])), base)
+    (base / "chat_template.jinja").write_text(qwen3)
+    run = tmp_path / "run"
+    (run / "final" / "adapter" / "chat_template.jinja").write_text(qwen3)
+    recipe = run / "recipe.yaml"
+    recipe.write_text(recipe.read_text().replace(str(yaml_model(exported["recipe"])), str(base)))
+    res = ftrun("export", run, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rep = report(run)
+    sp = rep["served_prompt"]
+    assert sp["ok"] and sp["chat_template_kwargs"] == {"enable_thinking": False}
+    assert sp["runtimes"]["vllm_adapter"]["chat_template_kwargs"] == {"enable_thinking": False}
+    assert 'served with {"enable_thinking": false}' in res.stdout
+    serving = (run / "final" / "SERVING.md").read_text()
+    assert serving.count("--default-chat-template-kwargs '{\"enable_thinking\": false}'") == 2  # adapter, merged
+    assert "**Serve with the chat-template switch" in serving
+
+
+def yaml_model(recipe: Path) -> str:
+    import yaml
+
+    return yaml.safe_load(recipe.read_text())["model"]
 
 
 def test_outputs_reload_on_their_own(exported):

@@ -174,16 +174,19 @@ def test_served_prompt_is_the_trained_prompt_in_llama_cpp_and_ollama(qwen_run):
 
     rep = _report(qwen_run["run"])
     sp, g = rep["served_prompt"], rep["outputs"]["gguf"]
-    assert sp["ok"] and sp["checked"] == ["vLLM", "llama.cpp", "Ollama"]
+    assert sp["ok"] and sp["checked"] == ["vLLM", "llama-server", "llama.cpp", "Ollama"]
+    for key in ("vllm_adapter", "vllm_merged", "llama_server", "llama_cpp", "ollama"):
+        assert sp["runtimes"][key]["identical"] == "6/6", key  # three held-out prompts, three more shapes
     for key in ("vllm_adapter", "vllm_merged", "llama_cpp", "ollama"):
-        assert sp["runtimes"][key]["identical"] == "3/3", key
         assert sp["stops"][key]["ok"], key
+    # llama-server tokenizes with the vocabulary's specials: this GGUF adds neither BOS nor EOS
+    assert sp["runtimes"]["llama_server"]["adds_bos"] is False and sp["runtimes"]["llama_server"]["adds_eos"] is False
     assert 2 in sp["stops"]["llama_cpp"]["end_of_generation_ids"] and sp["stops"]["ollama"]["stop"][0] == "<|im_end|>"
     assert g["modelfile_served_prompt"]["ok"] and g["ending"]["ended_with_end_of_turn"].endswith("/3")
     smoke = g["serving_smoke"]
     assert smoke["ok"] and smoke["prompt_is_trained_prompt"] and smoke["same_as_llama_cpp_greedy"]
     assert 0 < smoke["seconds"] < 60 and 1 <= len(smoke["tokens"]) <= 16 and smoke["finish_reason"] in ("stop", "length")
-    assert served_line(rep) == "served prompt = trained prompt (vLLM, llama.cpp, Ollama)"
+    assert served_line(rep) == "served prompt = trained prompt (vLLM, llama-server, llama.cpp, Ollama)"
 
 
 @gguf_tier
@@ -221,13 +224,94 @@ def test_a_gguf_whose_embedded_template_differs_fails_with_the_first_differing_t
         out = {"path": str(path)}
         if not fails:
             gguf_export._served_checks(served, r, out, {}, [], gguf_types.TYPES["q4_k_m"], None)
-            assert served.report["runtimes"]["llama_cpp"]["identical"] == "3/3"
+            assert served.report["runtimes"]["llama_cpp"]["identical"] == "6/6"
+            assert served.report["runtimes"]["llama_server"]["identical"] == "6/6"
             continue
-        with pytest.raises(ExportError, match=r"serves another prompt than the training saw .* where training had 2 "
-                                              r"'<\|im_end\|>'"):
+        with pytest.raises(ExportError, match=r"^llama-server --jinja with bad.gguf .*serves another prompt than the "
+                                              r"training saw .* where training had 2 '<\|im_end\|>'"):
             gguf_export._served_checks(served, r, out, {}, [], gguf_types.TYPES["q4_k_m"], None)
-        d = served.report["runtimes"]["llama_cpp"]["first_difference"]
+        d = served.report["runtimes"]["llama_server"]["first_difference"]
         assert d["served"]["token"] == "Ċ" and d["context"]
+
+
+@gguf_tier
+def test_a_gguf_whose_vocabulary_adds_eos_fails_in_llama_server_naming_the_eos(qwen_run):
+    """tokenizer.ggml.add_eos_token=true (a tokenizer whose post-processor appends EOS, as converted): llama-server
+    tokenizes the chat prompt with the vocabulary's specials (server-context.cpp handle_completions_impl), so every
+    prompt ends in EOS where training had the end of the prompt; llama-cpp-python's chat completion does not add
+    it. The check refuses, names the EOS, and says which flag serves the trained prompt."""
+    from transformers import AutoTokenizer
+
+    from launcher import gguf_types
+    from launcher.deliver import gguf_export, llamacpp
+    from launcher.deliver.messages import ExportError
+    from launcher.deliver.parity import parity_prompts
+    from launcher.deliver.served_prompt import ServedPrompt
+    from launcher.recipe import load_recipe
+
+    run = qwen_run["run"]
+    path = run / "final" / "gguf" / "run-Q4_K_M.gguf"
+    recipe = load_recipe(run / "recipe.yaml")
+    served = ServedPrompt(recipe, run / "final" / "adapter", 3)
+    prompts = parity_prompts(recipe, AutoTokenizer.from_pretrained(str(run / "final" / "merged")))
+    r = llamacpp.run_gguf(path, prompts, 16, {0, 2}, chat=served.prompts,
+                          overrides={"tokenizer.ggml.add_eos_token": True})
+    assert r["adds"] == {"bos": False, "eos": True}
+    assert all(c["ids"] == s["ids"][:-1] for c, s in zip(r["chat"], r["server"]))  # the same prompt, and an EOS
+    with pytest.raises(ExportError) as err:
+        gguf_export._served_checks(served, r, {"path": str(path)}, {}, [], gguf_types.TYPES["q4_k_m"], None)
+    eos = r["bos_eos"]["eos"]
+    assert f"it has {eos} " in err.value.message and "where training had the answer" in err.value.message
+    assert "--override-kv tokenizer.ggml.add_eos_token=bool:false" in err.value.fix
+
+
+@gguf_tier
+def test_qwen3_thinking_off_is_served_by_llama_server_with_the_switch(qwen_run, llama_cpp_ready, tmp_path):
+    """The same GGUF carrying Qwen3's real template, the base model's too: training (answers without reasoning)
+    put the empty think block in front of every answer; llama-server renders it with enable_thinking=false
+    (--chat-template-kwargs), and llama-cpp-python, which takes no switches, is not compared and runs no smoke test."""
+    import shutil
+    import subprocess
+    import sys
+
+    import yaml
+    from transformers import AutoTokenizer
+
+    from chat_templates import FAMILIES
+    from launcher import gguf_types
+    from launcher.deliver import gguf_export, llamacpp
+    from launcher.deliver.parity import parity_prompts
+    from launcher.deliver.served_prompt import ServedPrompt
+    from launcher.recipe import load_recipe
+
+    run = qwen_run["run"]
+    qwen3 = FAMILIES["qwen3"].template
+    base = tmp_path / "base"
+    cfg = yaml.safe_load((run / "recipe.yaml").read_text())
+    shutil.copytree(cfg["model"], base)
+    (base / "chat_template.jinja").write_text(qwen3)
+    cfg["model"] = str(base)
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(cfg))
+    recipe = load_recipe(tmp_path / "r.yaml")
+    served = ServedPrompt(recipe, base, 3)
+    assert served.kwargs == {"enable_thinking": False}
+    gguf = tmp_path / "qwen3.gguf"
+    script = llama_cpp_ready.folder / "gguf-py" / "gguf" / "scripts" / "gguf_new_metadata.py"
+    res = subprocess.run([sys.executable, str(script), str(run / "final" / "gguf" / "run-Q4_K_M.gguf"), str(gguf),
+                          "--chat-template", qwen3, "--force"],
+                         capture_output=True, text=True, env={"PYTHONPATH": str(llama_cpp_ready.folder / "gguf-py")})
+    assert res.returncode == 0, res.stderr[-2000:]
+    tok = AutoTokenizer.from_pretrained(str(base))
+    r = llamacpp.run_gguf(gguf, parity_prompts(recipe, tok, kwargs=served.kwargs), 16, {0, 2}, chat=served.prompts,
+                          template_kwargs=served.kwargs)
+    assert r["server"][0]["text"].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not r["chat"][0]["text"].endswith("</think>\n\n")  # llama-cpp-python: the template's default
+    gguf_export._served_checks(served, r, {"path": str(gguf)}, {}, [], gguf_types.TYPES["q4_k_m"], None)
+    rt = served.report["runtimes"]
+    n = len(served.prompts)
+    assert rt["llama_server"]["identical"] == f"{n}/{n}" and rt["llama_cpp"]["identical"] is None
+    assert "takes no chat-template switches" in rt["llama_cpp"]["note"]
+    assert served.report["checked"] == ["llama-server"]
 
 
 @gguf_tier
@@ -244,7 +328,7 @@ def test_a_modelfile_with_a_wrong_stop_or_template_fails(qwen_run):
     g = {"path": str(run / "final" / "gguf" / "run-Q4_K_M.gguf")}
     served = ServedPrompt(load_recipe(run / "recipe.yaml"), run / "final" / "adapter", 3)
     export._served_modelfile(served, g, text)  # the real one passes
-    assert g["modelfile_served_prompt"]["identical"] == "3/3" and g["modelfile_stops"]["ok"]
+    assert g["modelfile_served_prompt"]["identical"] == "6/6" and g["modelfile_stops"]["ok"]
     wrong_stop = "\n".join(l for l in text.splitlines() if not l.startswith("PARAMETER stop")) + '\nPARAMETER stop "</s>"\n'
     with pytest.raises(ExportError, match=r"Ollama with this Modelfile \(PARAMETER stop\) does not stop on the token"):
         export._served_modelfile(served, g, wrong_stop)
@@ -278,7 +362,7 @@ def test_f32_serving_smoke_answers_the_merged_models_greedy_continuation(qwen_ru
     smoke = rep["outputs"]["gguf"]["serving_smoke"]
     assert smoke["ok"] and smoke["same_as_merged_greedy"] and smoke["same_as_llama_cpp_greedy"]
     assert smoke["must_equal"] == "the merged model's and llama.cpp's greedy continuation" and smoke["seconds"] > 0
-    assert "served prompt = trained prompt (vLLM, llama.cpp, Ollama)" in res.stdout
+    assert "served prompt = trained prompt (vLLM, llama-server, llama.cpp, Ollama)" in res.stdout
 
 
 @gguf_tier

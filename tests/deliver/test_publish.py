@@ -119,6 +119,20 @@ def test_merged_goes_to_the_root_and_the_adapter_beside_it(tmp_path, hub):
     assert "vllm serve me/support-bot" in card.text and "top-1 agreement with base + adapter 0.995" in card.text
 
 
+def test_the_card_serves_with_the_chat_template_switch_the_export_found(tmp_path, hub):
+    """A Qwen3 run trained without reasoning: the export found the trained prompt under enable_thinking=false
+    (export.json served_prompt), and every serve command on the card passes it."""
+    run = finished_run(tmp_path / "run", what=("adapter", "merged"))
+    report = json.loads((run.final / "export.json").read_text())
+    report["served_prompt"] = {"ok": True, "chat_template_kwargs": {"enable_thinking": False}}
+    (run.final / "export.json").write_text(json.dumps(report))
+    publish_run(run.root, say=lambda line: None)
+    text = hf.ModelCard(hub.read("README.md").decode()).text
+    assert "vllm serve me/support-bot --default-chat-template-kwargs '{\"enable_thinking\": false}'" in text
+    assert text.count("""--default-chat-template-kwargs '{"enable_thinking": false}'""") == 2  # merged, adapter
+    assert 'chat-template switch `{"enable_thinking": false}`' in text
+
+
 def test_a_failed_export_publishes_nothing_and_says_so(tmp_path, hub):
     run = finished_run(tmp_path / "run", what=("adapter", "merged"), export_ok=False)
     with pytest.raises(PublishError, match="the export did not pass its checks .merged: top-1 agreement 0.91.*"

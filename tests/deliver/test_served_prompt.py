@@ -40,13 +40,20 @@ def test_trained_prompts_and_end_of_turn_come_from_the_held_out_examples(served)
     assert rep["prompts_from"] == "held out (eval.fraction)" and rep["prompts"] == 3 and served.chat
     assert rep["end_of_turn"] == {"ids": [2], "tokens": ["<|im_end|>"], "answers_followed_by_nothing": 0,
                                   "outside_the_loss": 0, "answers_not_written_verbatim": 0}
-    for p in served.prompts:  # the prompt ends with the generation prompt, as training tokenized it
+    for p in served.prompts:  # what precedes the answer in the training sequence: the assistant turn's header
         assert served.tokenizer.decode(p["ids"]).endswith("<|im_end|>\n<|im_start|>assistant\n")
+        assert p["reference"] == "the tokens in front of the answer in the training sequence"
+    # the held-out prompts first, then one of every other shape in the data (tiny-chat.jsonl has six)
+    assert [p["from"] for p in served.prompts[:3]] == ["held out"] * 3
+    shapes = rep["shapes"]
+    assert shapes["found"] == shapes["checked"] == len({p["shape"] for p in served.prompts}) == 6
+    assert "system,user,assistant,user,assistant,user" in shapes["each"] and served.kwargs == {}
 
 
 def test_the_exported_template_renders_the_trained_prompt(served, tiny_model):
     entry = served.compare_transformers("vllm_merged", _tokenizer(tiny_model), "vLLM (the merged folder)")
-    assert entry["ok"] and entry["identical"] == "3/3" and served.report["checked"] == ["vLLM"]
+    n = len(served.prompts)
+    assert entry["ok"] and entry["identical"] == f"{n}/{n}" and served.report["checked"] == ["vLLM"]
     stops = served.check_stops("vllm_merged", "vLLM", [2, 0], fix="-")
     assert stops["ok"]
 
@@ -59,7 +66,8 @@ def test_a_template_that_drops_the_end_of_turn_token_fails_with_the_first_differ
         served.compare_transformers("vllm_adapter", bad, "vLLM (the adapter)")
     msg = err.value.message
     assert "vLLM (the adapter) serves another prompt than the training saw" in msg
-    assert "where training had 2 '<|im_end|>'" in msg and "identical 0/3" in msg
+    assert "where training had 2 '<|im_end|>'" in msg and f"identical 0/{len(served.prompts)}" in msg
+    assert "(prompt 1 of 7, held out, roles user)" in msg
     entry = served.report["runtimes"]["vllm_adapter"]
     d = entry["first_difference"]
     assert not entry["ok"] and not served.report["ok"]
@@ -136,10 +144,15 @@ def test_served_line_names_what_was_checked():
     from launcher.deliver.messages import served_line
 
     ok = {"ok": True, "runtimes": {}, "stops": {}}
-    assert served_line({"served_prompt": dict(ok, checked=["vLLM", "llama.cpp", "Ollama"]), "outputs": {"gguf": {}}}) \
-        == "served prompt = trained prompt (vLLM, llama.cpp, Ollama)"
+    assert served_line({"served_prompt": dict(ok, checked=["vLLM", "llama-server", "llama.cpp", "Ollama"]),
+                        "outputs": {"gguf": {}}}) == "served prompt = trained prompt (vLLM, llama-server, llama.cpp, Ollama)"
     assert served_line({"served_prompt": dict(ok, checked=["vLLM"]), "outputs": {"adapter": {}}}) \
-        == "served prompt = trained prompt (vLLM); not checked: llama.cpp, Ollama (no GGUF in this export)"
+        == "served prompt = trained prompt (vLLM); not checked: llama-server, llama.cpp, Ollama (no GGUF in this export)"
+    # Qwen3 trained without reasoning: served with thinking off, which llama-cpp-python's chat completion cannot
+    switched = dict(ok, checked=["vLLM", "llama-server", "Ollama"], chat_template_kwargs={"enable_thinking": False})
+    assert served_line({"served_prompt": switched, "outputs": {"gguf": {}}}) == (
+        'served prompt = trained prompt (vLLM, llama-server, Ollama) served with {"enable_thinking": false}; not '
+        "checked: llama.cpp (llama-cpp-python's chat completion takes no chat-template switches)")
     bad = {"ok": False, "checked": [], "runtimes": {"ollama": {"runtime": "Ollama (the Modelfile's TEMPLATE)", "ok": False}},
            "stops": {}}
     assert served_line({"served_prompt": bad}) == "served prompt != trained prompt: Ollama (the Modelfile's TEMPLATE)"
@@ -177,3 +190,158 @@ def test_go_template_trims_collates_and_refuses_what_it_cannot_render():
     for bad in ("{{ template \"x\" }}", "{{ json .Tools }}", "{{ if .System }}open"):
         with pytest.raises(go_template.Unsupported):
             go_template.render(bad, msgs)
+
+
+# ---------------------------------------------------------------------------------------------
+# The generation prompt against what the training sequence holds in front of the answer
+
+def _served_for(tmp_path, family: str, records: list, template=None, held=None):
+    """ServedPrompt of a tokenizer of `family` (its real template, or `template`) trained on `records`, the
+    first three (or `held`) held out as eval.data."""
+    from chat_templates import build_tokenizer, write_jsonl
+    from helpers import export_recipe
+
+    from launcher.deliver.served_prompt import ServedPrompt
+    from launcher.recipe import load_recipe
+
+    folder = build_tokenizer(tmp_path / "tok", family, template=template)
+    data = write_jsonl(tmp_path / "train.jsonl", records)
+    ev = write_jsonl(tmp_path / "held.jsonl", held if held is not None else records[:3])
+    recipe = load_recipe(export_recipe(tmp_path / "r.yaml", folder, tmp_path / "run", data=str(data),
+                                       eval={"data": str(ev)}))
+    return ServedPrompt(recipe, folder, 3), folder
+
+
+def _chat(question: str, answer: str, system: bool = True) -> dict:
+    return {"messages": ([{"role": "system", "content": "Be brief."}] if system else [])
+            + [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
+
+
+QUESTIONS = ["The capital of France?", "What is 2 + 2?", "Reverse the word lamp."]
+
+
+def test_qwen3_trained_on_answers_without_reasoning_is_served_with_thinking_off(tmp_path):
+    """Qwen3's template writes an empty think block in front of an answer without reasoning, and so does its
+    generation prompt only with enable_thinking=false: that switch serves the trained prompt, and a runtime left
+    at the default (thinking on) would serve a prompt that ends before the think block."""
+    from transformers import AutoTokenizer
+
+    from launcher.deliver.messages import ExportError
+
+    sp, folder = _served_for(tmp_path, "qwen3", [_chat(q, a) for q, a in zip(QUESTIONS, ["Paris.", "4.", "pmal."])])
+    assert sp.kwargs == {"enable_thinking": False} == sp.report["chat_template_kwargs"]
+    for p in sp.prompts:
+        assert sp.tokenizer.decode(p["ids"]).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    entry = sp.compare_transformers("vllm_merged", AutoTokenizer.from_pretrained(str(folder)), "vLLM")
+    assert entry["ok"] and entry["chat_template_kwargs"] == {"enable_thinking": False}
+    sp.kwargs = {}  # a runtime at the template's default
+    with pytest.raises(ExportError) as err:
+        sp.compare_transformers("vllm_default", AutoTokenizer.from_pretrained(str(folder)), "vLLM (thinking on)")
+    assert "it has the end of the prompt where training had" in err.value.message
+    assert "'<think>'" in err.value.message
+
+
+def test_qwen3_trained_on_reasoning_is_served_with_thinking_on(tmp_path):
+    """The other direction: answers that reason (a think block in the answer) were trained after the bare
+    assistant header, which the default generation prompt is; enable_thinking=false would serve an empty think
+    block the model never saw in front of its answers."""
+    from transformers import AutoTokenizer
+
+    from launcher.deliver.messages import ExportError
+
+    answers = ["<think>\nThe capital of France is Paris.\n</think>\n\nParis.", "<think>\nIt is 4.\n</think>\n\n4.",
+               "<think>\nReverse it.\n</think>\n\npmal."]
+    sp, folder = _served_for(tmp_path, "qwen3", [_chat(q, a) for q, a in zip(QUESTIONS, answers)])
+    assert sp.kwargs == {} and "chat_template_kwargs" not in sp.report
+    for p in sp.prompts:
+        assert sp.tokenizer.decode(p["ids"]).endswith("<|im_start|>assistant\n")
+        assert sp.token(p["answer_first"]) == "<think>"
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    assert sp.compare_transformers("vllm_merged", tok, "vLLM")["ok"]
+    sp.kwargs = {"enable_thinking": False}
+    with pytest.raises(ExportError) as err:
+        sp.compare_transformers("vllm_no_thinking", tok, "vLLM (enable_thinking=false)")
+    msg = err.value.message
+    assert "it has " in msg and "'<think>' where training had the answer, whose first token was" in msg
+
+
+def test_a_generation_prompt_ending_in_a_space_that_the_answer_swallows_in_training_is_refused(tmp_path):
+    """`ASSISTANT: ` then `Paris.`: in the training sequence the space belongs to the answer's first token
+    (` Paris`), so the model never saw a prompt ending in a lone space; the served prompt does."""
+    from transformers import AutoTokenizer
+
+    from launcher.deliver.messages import ExportError
+
+    vicuna = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}\n"
+              "{% elif m['role'] == 'user' %}USER: {{ m['content'] }}\n"
+              "{% else %}ASSISTANT: {{ m['content'] }}{{ eos_token }}\n{% endif %}{% endfor %}"
+              "{% if add_generation_prompt %}ASSISTANT: {% endif %}")
+    sp, folder = _served_for(tmp_path, "base", [_chat(q, a) for q, a in zip(QUESTIONS, ["Paris.", "It is 4.", "pmal."])],
+                             template=vicuna)
+    first = sp.prompts[0]
+    assert first["answer_first_merged"] and sp.token(first["answer_first"]).startswith("ĠPar")
+    with pytest.raises(ExportError) as err:
+        sp.compare_transformers("vllm_merged", AutoTokenizer.from_pretrained(str(folder)), "vLLM")
+    msg = err.value.message
+    assert "it has " in msg and "'Ġ' where training had the answer, whose first token was" in msg
+    assert f"{sp.token(first['answer_first'])!r} (it begins with the end of the served prompt)" in msg
+    assert sp.report["answers_whose_first_token_holds_the_prompts_end"] >= 1
+
+
+def test_a_header_written_otherwise_for_the_last_turn_is_refused(tmp_path):
+    """A template that writes the last assistant turn under another header than its generation prompt: the
+    training sequence has that header in front of every answer, the served prompt the other one."""
+    from transformers import AutoTokenizer
+
+    from chat_templates import FAMILIES
+    from launcher.deliver.messages import ExportError
+
+    last_header = FAMILIES["qwen3"].template.replace(
+        "{{- '<|im_start|>' + message.role + '\\n<think>\\n' +",
+        "{{- '<|im_start|>' + (message.role if not loop.last else 'assistant final') + '\\n<think>\\n' +")
+    assert last_header != FAMILIES["qwen3"].template
+    multi = [{"messages": [{"role": "user", "content": "The capital of France?"},
+                           {"role": "assistant", "content": "Paris."}]}] * 3
+    sp, folder = _served_for(tmp_path, "qwen3", multi, template=last_header)
+    with pytest.raises(ExportError) as err:
+        sp.compare_transformers("vllm_merged", AutoTokenizer.from_pretrained(str(folder)), "vLLM")
+    assert "where training had" in err.value.message and "(prompt 1 of" in err.value.message
+    # the header: training continued `assistant` with ` final`, the generation prompt with a newline
+    assert err.value.message.split("where training had")[0].endswith("it has 201 'Ċ' ")
+    assert "<|im_start|>assistant'" in err.value.message
+
+
+def test_every_shape_in_the_data_is_checked_and_ollamas_merge_drops_the_template(tmp_path, tiny_model):
+    """Two user turns in a row, a system turn in the middle, a tool call and its result: one prompt of each shape
+    is checked (the report counts them). Ollama merges consecutive messages of one role, so a Go template ftrun
+    derives would render the `user,user` prompt otherwise than the model's template: the Modelfile then carries
+    no TEMPLATE, and Ollama 0.30+ renders the GGUF's own template."""
+    from transformers import AutoTokenizer
+
+    from launcher.deliver.serving import modelfile
+
+    call = {"type": "function", "function": {"name": "lights", "arguments": {"room": "kitchen"}}}
+    records = [_chat(q, a, system=False) for q, a in zip(QUESTIONS, ["Paris.", "4.", "pmal."])] + [
+        {"messages": [{"role": "user", "content": "Hi."}, {"role": "user", "content": "The capital of France?"},
+                      {"role": "assistant", "content": "Paris."}]},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."},
+                      {"role": "assistant", "content": "Hello."}, {"role": "system", "content": "Answer in one word."},
+                      {"role": "user", "content": "The capital of France?"}, {"role": "assistant", "content": "Paris."}]},
+        {"messages": [{"role": "user", "content": "Lights on in the kitchen, please."},
+                      {"role": "assistant", "content": "", "tool_calls": [call]},
+                      {"role": "tool", "content": "ok"}, {"role": "assistant", "content": "Done."}]},
+    ]
+    sp, folder = _served_for(tmp_path, "qwen3", records)
+    shapes = sp.report["shapes"]
+    assert {"user,user", "system,user,assistant,system,user", "user,assistant(tool call),tool"} <= set(shapes["each"])
+    assert shapes["found"] == shapes["checked"] == 4
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    n = len(sp.prompts)
+    assert sp.compare_transformers("vllm_merged", tok, "vLLM")["identical"] == f"{n}/{n}"
+
+    chatml = AutoTokenizer.from_pretrained(str(tiny_model))  # a template uniform per role: ftrun derives a TEMPLATE
+    plain = [[{"role": "user", "content": "The capital of France?"}]]
+    assert 'TEMPLATE """' in modelfile("x.gguf", chatml, plain, 256, {0})["text"]
+    merged = modelfile("x.gguf", chatml, plain + [records[3]["messages"][:2]], 256, {0})
+    assert 'TEMPLATE """' not in merged["text"] and "Ollama merges consecutive messages of one role" in merged["text"]
+    assert merged["check"]["differs_for"] == ["user,user"] and merged["check"]["ollama"] == ">=0.30.0"
