@@ -236,7 +236,7 @@ def _task_eval_file(run: RunDir) -> Optional[Path]:
 
 def _task_eval_lines(run: RunDir) -> list[str]:
     """The card's scores table, from the task evaluation's record; nothing when it has no scores."""
-    from launcher.worker.task_eval import BASE_FEW_SHOT, BASE_ZERO_SHOT, FINE_TUNED
+    from launcher.data.task_verdict import BASE_FEW_SHOT, BASE_ZERO_SHOT, FINE_TUNED
 
     path = _task_eval_file(run)
     record = json.loads(path.read_text()) if path else {}

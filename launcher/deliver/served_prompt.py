@@ -39,14 +39,11 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from launcher.data.chat_prompt import generation_ids, shape, switches, trained_context
 from launcher.deliver.messages import ExportError
 
 CONTEXT_TOKENS = 8  # tokens shown before the first difference
 MAX_SHAPES = 24  # conversation shapes (sequences of roles) checked, the most frequent first
-# chat-template switches a template may read, and the values tried when its default does not serve the trained
-# context (Qwen3's chat template: the generation prompt of enable_thinking=false is the empty think block that its
-# history writes before an answer without reasoning)
-TEMPLATE_SWITCHES = {"enable_thinking": (False, True)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,43 +84,6 @@ def _end_of_turn(tokenizer, text: str, answer: str) -> Optional[int]:
             end = at + len(candidate)
             return next((k for k, (s, e) in enumerate(enc["offset_mapping"]) if e > end and e > s), None)
     return -1
-
-
-def shape(conv: list[dict[str, Any]]) -> str:
-    """A conversation's prompt shape: its roles up to the last assistant turn ("system,user,user"); an assistant
-    turn that calls tools is "assistant(tool call)"."""
-    last = max((i for i, m in enumerate(conv) if m["role"] == "assistant"), default=len(conv))
-    return ",".join(m["role"] + ("(tool call)" if m["role"] == "assistant" and m.get("tool_calls") else "")
-                    for m in (conv[:last] or conv[:1]))
-
-
-def _common_prefix(a: str, b: str) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def trained_context(tokenizer, conv: list[dict[str, Any]], last: int, kw: dict[str, Any]) -> Optional[dict[str, Any]]:
-    """What the training sequence holds in front of the last answer: its whole tokens before the answer's first
-    character ("ids"), and the answer's first token ("next", with "merged": it begins inside the text before the
-    answer, as ` 16` after `ASSISTANT:`). None when the template does not write the answer verbatim or its
-    tokenization cannot be read back to characters."""
-    full = conv[:last + 1]
-    text = tokenizer.apply_chat_template(full, tokenize=False, **kw)
-    ids = list(tokenizer.apply_chat_template(full, tokenize=True, return_dict=True, **kw)["input_ids"])
-    answer = conv[last].get("content") or ""
-    if not isinstance(answer, str) or not answer.strip():
-        return None
-    # the answer comes after the history: search from where the text stops being the history's own rendering
-    history = tokenizer.apply_chat_template(conv[:last], tokenize=False, **kw) if last else ""
-    lo = _common_prefix(history, text)
-    at = next((i for i in (text.find(c, lo) for c in (answer, answer.strip())) if i >= 0), -1)
-    if at < 0:
-        return None
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    if list(enc["input_ids"]) != ids:
-        return None
-    offsets = enc["offset_mapping"]
-    k = next((j for j, (a, e) in enumerate(offsets) if e > at and e > a), len(ids))
-    return {"ids": ids[:k], "next": ids[k] if k < len(ids) else None, "merged": k < len(ids) and offsets[k][0] < at}
 
 
 class ServedPrompt:
@@ -233,23 +193,12 @@ class ServedPrompt:
         return chosen
 
     def _switches(self) -> dict[str, Any]:
-        """The chat-template switches under which the tokenizer's own template (the one every runtime serves)
-        renders every prompt as trained: none when its default does, else the first setting that does (Qwen3
-        trained on answers without reasoning: enable_thinking=false). {} when none does: the comparisons fail."""
-        own = self.tokenizer.chat_template or ""
-        tried = [{}] + [{k: v} for k, values in TEMPLATE_SWITCHES.items() if k in own for v in values]
-        for kw in tried:
-            if all(self.render_ids(self.tokenizer, p, kw) == p["ids"] for p in self.prompts):
-                return kw
-        return {}
+        """The chat-template switches every runtime serves with (launcher/data/chat_prompt.py switches)."""
+        return switches(self.tokenizer, [(p["messages"], p["tools"], p["ids"]) for p in self.prompts])
 
     @staticmethod
     def render_ids(tokenizer, p: dict[str, Any], kw: dict[str, Any]) -> list[int]:
-        """A chat endpoint's prompt through a transformers tokenizer: rendered with the generation prompt, then
-        tokenized without special tokens (vLLM's default)."""
-        text = tokenizer.apply_chat_template(p["messages"], tools=p["tools"], tokenize=False,
-                                             add_generation_prompt=True, **kw)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return generation_ids(tokenizer, p["messages"], p["tools"], kw)
 
     # -----------------------------------------------------------------------------------------
     def token(self, i: int) -> str:

@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from launcher.store.state import ENDED
-from launcher.worker.task_eval import BASE_FEW_SHOT, BASE_ZERO_SHOT, FINE_TUNED, PREFIX as TASK_EVAL_PREFIX
+from launcher.data.task_verdict import (BASE_FEW_SHOT, BASE_ZERO_SHOT, FINE_TUNED, METRIC_WORDS, base_score, pct,
+                                        verdict)
+from launcher.worker.task_eval import PREFIX as TASK_EVAL_PREFIX
 
 
 
@@ -315,8 +317,6 @@ def format_end_summary(e: dict[str, Any]) -> str:
 # The task evaluation: the base model's scores before training, the fine-tuned model's and each export's after it
 # (facts.task_eval: RUN/task_eval.json, final/task_eval.json), and the reference article's verdict
 
-# How each metric's score is named beside its percentage (launcher/data/task_metrics.py METRICS)
-METRIC_WORDS = {"exact": "exact", "json": "field match", "text": "chrF"}
 BASE_SCORES = (BASE_ZERO_SHOT, BASE_FEW_SHOT)
 
 
@@ -329,49 +329,12 @@ def task_label(name: str, shots: Optional[int]) -> str:
     return "fine-tuned" if name == FINE_TUNED else name
 
 
-def _pct(value: float) -> str:
-    return f"{value:.0%}"
-
-
-def _base_score(t: dict[str, Any]) -> tuple[Optional[float], str]:
-    """The score the verdict reads, the base model's with examples in its prompt (zero-shot when there were none),
-    and how to name it."""
-    scores, shots = t.get("scores") or {}, t.get("shots")
-    if scores.get(BASE_FEW_SHOT) is not None and shots != 0:
-        return scores[BASE_FEW_SHOT], f"base model with {shots} examples" if shots else "base model with examples"
-    return scores.get(BASE_ZERO_SHOT), "base model zero-shot"
-
-
 def task_verdict(t: dict[str, Any]) -> str:
-    """The reference article's answer to "do you need to fine-tune at all?" from the stored scores: a base model
-    still wrong in one case out of five with examples in its prompt pays for a fine-tune (task_metrics.PAYS_BELOW);
-    one right more often may need only a prompt, against the fine-tune's forecast cost. Not applicable and too few
-    examples are said with why (and the fix)."""
-    from launcher.data.task_metrics import PAYS_BELOW, fine_tune_pays
-
-    if t.get("not_applicable"):
-        return f"the task evaluation does not apply to this data: {t['not_applicable']}"
-    if t.get("too_few") is not None:
-        return (f"too few examples to score the task: {t.get('why') or str(t['too_few']) + ' held-out example(s)'}"
-                + (f"; fix: {t['fix']}" if t.get("fix") else ""))
-    score, who = _base_score(t)
-    if score is None:
-        return "the base model has not been scored yet"
-    metric = t.get("metric")
-    word = METRIC_WORDS.get(metric, metric or "score")
-    pays = t["fine_tune_pays"] if t.get("fine_tune_pays") is not None else fine_tune_pays(score)
-    if pays:
-        fifths = max(1, round(5 * (1 - score)))
-        if metric == "exact":
-            return f"{who}: wrong in {fifths} of 5 ({_pct(score)} exact): fine-tuning pays"
-        if metric == "json":
-            return f"{who}: fields wrong in {fifths} of 5 ({_pct(score)} field match): fine-tuning pays"
-        return f"{who}: {_pct(score)} {word}, below the {_pct(PAYS_BELOW)} a prompt would need: fine-tuning pays"
+    """The verdict (launcher/data/task_verdict.py) with the fine-tune's forecast cost, else its time, where a prompt
+    may be enough (facts.task_eval adds both)."""
     cost, hours = t.get("fine_tune_cost_eur"), t.get("fine_tune_hours")
-    price = (f"; fine-tuning would cost ~{cost:.2f} EUR" if cost else
-             f"; fine-tuning would take ~{format_duration(hours * 3600)}" if hours else "")
-    said = f"right in {_pct(score)}" if metric == "exact" else f"{_pct(score)} {word}"
-    return f"{who}: {said}: a prompt with examples may be enough{price}"
+    price = f"cost ~{cost:.2f} EUR" if cost else f"take ~{format_duration(hours * 3600)}" if hours else ""
+    return verdict(t, price)
 
 
 def task_rows(t: dict[str, Any]) -> list[tuple[str, float, Optional[float]]]:
@@ -396,13 +359,13 @@ def format_task_eval(t: dict[str, Any]) -> str:
     rows = task_rows(t)
     width = max([len(label) for label, _, _ in rows] + [10])
     for label, score, tps in rows:
-        lines.append(f"            {label:<{width}}  {_pct(score):>5}"
+        lines.append(f"            {label:<{width}}  {pct(score):>5}"
                      + (f"   ({tps:,.0f} tokens/s generated)" if tps else ""))
     scores = t.get("scores") or {}
-    base, who = _base_score(t)
+    base, who = base_score(t)
     if scores.get(FINE_TUNED) is not None and base is not None:
         gain = (scores[FINE_TUNED] - base) * 100
-        lines.append(f"  gain      fine-tuned {_pct(scores[FINE_TUNED])} against {_pct(base)} for the {who} "
+        lines.append(f"  gain      fine-tuned {pct(scores[FINE_TUNED])} against {pct(base)} for the {who} "
                      f"({gain:+.0f} points)")
     lines.append(f"  verdict   {verdict}")
     return "\n".join(lines)

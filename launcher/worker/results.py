@@ -134,7 +134,7 @@ def _score_after(run: RunDir, recipe, trainer, tokenizer, examples: list, sharde
     writes = _rank() == 0
     t0 = time.monotonic()
     try:
-        task = task_eval.task_for_run(run, recipe, examples, write=writes)
+        task = task_eval.task_for_run(run, recipe, examples, write=writes, tokenizer=tokenizer)
         if not task_eval.scores(task):
             if writes:
                 _publish(run, task_eval.record(run.root, task))

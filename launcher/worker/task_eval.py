@@ -27,14 +27,13 @@ from typing import Any, Callable, Optional
 
 from launcher.data import task_metrics
 from launcher.data.task_examples import with_shots
+from launcher.data.task_verdict import BASE_FEW_SHOT, BASE_ZERO_SHOT, FINE_TUNED, verdict
 from launcher.store.checkpoint import atomic_write_json
 from launcher.store.rundir import RunDir
 
 PREFIX = "[ftrun task eval]"
 # Prompts answered per generate call: a CPU gains little past a few (and pads more), a GPU fills up with more.
 BATCH = {"cpu": 8, "cuda": 32}
-# The names of the scores (final/task_eval.json's "scores"): the base model before training, the trained one.
-BASE_ZERO_SHOT, BASE_FEW_SHOT, FINE_TUNED = "base_zero_shot", "base_few_shot", "fine_tuned"
 
 
 def enabled(recipe) -> bool:
@@ -46,10 +45,13 @@ def scores(task: dict[str, Any]) -> bool:
     return "prompts" in task
 
 
-def task_for_run(run: RunDir, recipe, examples: list, write: bool = True) -> dict[str, Any]:
+def task_for_run(run: RunDir, recipe, examples: list, write: bool = True, tokenizer=None) -> dict[str, Any]:
     """The run's task (task.json), built from `examples` (the recipe's data, every example: the held-out ones are
     drawn from them by the same split the worker trains with) unless task.json exists. `write`: store it (the main
-    process; other ranks build the same in memory)."""
+    process; other ranks build the same in memory). With the model's `tokenizer`, the chat-template switches under
+    which its generation prompt is what training puts in front of an answer (launcher/data/chat_prompt.py: Qwen3
+    trained on answers without reasoning asks with enable_thinking=false) go into the task as
+    chat_template_kwargs: every scorer asks with them, as the export serves."""
     from launcher.data import split
     from launcher.data.task_examples import build_task
 
@@ -59,6 +61,12 @@ def task_for_run(run: RunDir, recipe, examples: list, write: bool = True) -> dic
     eval_examples = split.load_eval_data(recipe) if recipe.eval.data else None
     task = build_task(examples, parts.held_out, parts.train, recipe.eval.task, recipe.seed, eval_examples,
                       max_new_tokens_cap=recipe.eval.max_new_tokens)
+    if tokenizer is not None and scores(task):
+        from launcher.data.chat_prompt import task_switches
+
+        switched = task_switches(tokenizer, task["prompts"])
+        if switched:
+            task["chat_template_kwargs"] = switched
     if write:
         run.root.mkdir(parents=True, exist_ok=True)
         atomic_write_json(run.task, task)
@@ -75,11 +83,13 @@ def _eos_ids(model, tokenizer) -> list[int]:
     return list(dict.fromkeys(int(i) for i in found if i is not None))
 
 
-def prompt_text(tokenizer, prompt: dict[str, Any]) -> str:
-    """What the model reads: plain text as it is, messages through the model's own chat template."""
+def prompt_text(tokenizer, prompt: dict[str, Any], template_kwargs: Optional[dict[str, Any]] = None) -> str:
+    """What the model reads: plain text as it is, messages through the model's own chat template (with the task's
+    chat-template switches, task.json chat_template_kwargs)."""
     if "text" in prompt:
         return prompt["text"]
-    return tokenizer.apply_chat_template(prompt["messages"], tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(prompt["messages"], tokenize=False, add_generation_prompt=True,
+                                         **(template_kwargs or {}))
 
 
 def generate_batch(model, tokenizer, texts: list[str], max_new_tokens: int,
@@ -152,7 +162,8 @@ def _repair(path: Path) -> None:
 
 def answer(model, tokenizer, prompts: list[dict[str, Any]], max_new_tokens: int, path: Path, *,
            identity: str = "", batch_size: Optional[int] = None, synced: bool = False, write: bool = True,
-           on_batch: Optional[Callable[[int, int], None]] = None) -> list[dict[str, Any]]:
+           on_batch: Optional[Callable[[int, int], None]] = None,
+           template_kwargs: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
     """Each prompt's answer row, in the prompts' order: read from `path` where kept, else generated (batches of
     similar length, longest first) and appended there after each batch (`write`: the main process).
     The random number generators are left as they were, and so is the train/eval mode. `synced`: every process
@@ -161,7 +172,7 @@ def answer(model, tokenizer, prompts: list[dict[str, Any]], max_new_tokens: int,
     the very text asked now. `on_batch(done, total)`: after each batch (the worker's heartbeat)."""
     import torch
 
-    texts = {int(p["index"]): prompt_text(tokenizer, p) for p in prompts}
+    texts = {int(p["index"]): prompt_text(tokenizer, p, template_kwargs) for p in prompts}
     asked = {i: hashlib.sha256(f"{identity}\0{t}".encode()).hexdigest()[:16] for i, t in texts.items()}
     kept = {i: r for i, r in read_answers(path).items() if asked.get(i) == r.get("prompt")}
     missing = [i for i in texts if i not in kept]
@@ -203,7 +214,8 @@ def score_model(model, tokenizer, run_root: Path, task: dict[str, Any], name: st
     if shots:
         prompts = [with_shots(p, task["shots"]) for p in prompts]
     rows = answer(model, tokenizer, prompts, task["max_new_tokens"], RunDir(Path(run_root)).task_answers / f"{name}.jsonl",
-                  identity=identity, batch_size=batch_size, synced=synced, write=write, on_batch=on_batch)
+                  identity=identity, batch_size=batch_size, synced=synced, write=write, on_batch=on_batch,
+                  template_kwargs=task.get("chat_template_kwargs"))
     scored = task_metrics.score(task["metric"], [r["answer"] for r in rows], [p["reference"] for p in prompts])
     seconds = sum(float(r.get("seconds") or 0.0) for r in rows)
     new_tokens = sum(int(r.get("new_tokens") or 0) for r in rows)
@@ -227,13 +239,15 @@ def record(run_root: Path, task: dict[str, Any], name: Optional[str] = None,
     atomically; returns it. fine_tune_pays: the article's rule on base_few_shot, null until that is scored."""
     path = RunDir(Path(run_root)).task_eval
     if not scores(task):
-        atomic_write_json(path, {k: v for k, v in task.items() if k in ("not_applicable", "too_few", "why", "fix")})
+        statement = {k: v for k, v in task.items() if k in ("not_applicable", "too_few", "why", "fix")}
+        atomic_write_json(path, {**statement, "verdict": verdict(statement)})
         return read_results(run_root) or {}
     old = read_results(run_root) or {}
     if "scores" not in old or old.get("metric") != task["metric"]:
         old = {}  # a statement written before, or another task: start over
     results = {"metric": task["metric"], "metric_reason": task["metric_reason"], "examples": len(task["prompts"]),
                "shots": len(task["shots"]), "max_new_tokens": task["max_new_tokens"],
+               **({"chat_template_kwargs": task["chat_template_kwargs"]} if task.get("chat_template_kwargs") else {}),
                "scores": dict(old.get("scores", {})), "details": dict(old.get("details", {})),
                "generation": dict(old.get("generation", {}))}
     if name is not None and result is not None:
@@ -242,6 +256,7 @@ def record(run_root: Path, task: dict[str, Any], name: Optional[str] = None,
         results["generation"][name] = {k: result[k] for k in ("seconds", "new_tokens", "tokens_per_s")}
     few = results["scores"].get(BASE_FEW_SHOT)
     results["fine_tune_pays"] = task_metrics.fine_tune_pays(few) if few is not None else None
+    results["verdict"] = verdict(results)
     atomic_write_json(path, results)
     return results
 
@@ -293,8 +308,11 @@ def _base_phase(run_dir: Path, batch_size: Optional[int]) -> int:
         if not enabled(recipe):
             print(f"{PREFIX} off (eval.task.examples is 0)", flush=True)
             return 0
+        from launcher.worker.loading import load_tokenizer
+
         task = task_for_run(run, recipe, [] if run.task.is_file() else load_data(_data_spec(run, recipe),
-                                                                                 recipe.seed).examples)
+                                                                                 recipe.seed).examples,
+                            tokenizer=load_tokenizer(recipe))
     except FtrunError as exc:  # a recipe or data the launcher would refuse: said in one line
         fix = f" Fix: {exc.fix}" if exc.fix else ""
         print(f"{PREFIX} {' '.join((exc.message + fix).split())}", file=sys.stderr, flush=True)

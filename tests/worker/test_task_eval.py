@@ -133,6 +133,7 @@ def test_the_results_file_merges_names_and_says_the_rule(tmp_path):
     out = task_eval.record(tmp_path, task, "fine_tuned", {**r, "score": 1.0})
     assert out["scores"] == {"base_zero_shot": 0.4, "base_few_shot": 0.9, "fine_tuned": 1.0}
     assert out["fine_tune_pays"] is False and out["generation"]["fine_tuned"]["tokens_per_s"] == 20.0
+    assert out["verdict"] == "base model with 3 examples: right in 90%: a prompt with examples may be enough"
     assert json.loads((tmp_path / "task_eval.json").read_text()) == out
     final = tmp_path / "final"
     final.mkdir()
@@ -142,7 +143,8 @@ def test_the_results_file_merges_names_and_says_the_rule(tmp_path):
     assert text.startswith("# Before and after") and text.count(samples.SCORES_HEADING) == 1
     assert "| base model, 3 examples in the prompt | 90.0% |" in text and "| fine-tuned | 100.0% |" in text
     gone = task_eval.record(tmp_path, {"not_applicable": "plain text has no reference"})
-    assert gone == {"not_applicable": "plain text has no reference"}
+    assert gone == {"not_applicable": "plain text has no reference",
+                    "verdict": "the task evaluation does not apply to this data: plain text has no reference"}
     (tmp_path / "f2").mkdir()
     assert "Not scored: plain text" in samples.append_scores(tmp_path / "f2", gone).read_text()
 

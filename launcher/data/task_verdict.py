@@ -1,0 +1,54 @@
+"""The reference article's verdict on the task evaluation's scores: does a fine-tune pay? A base model still wrong in
+one case out of five with examples in its prompt pays for one (task_metrics.PAYS_BELOW); one right more often may
+need only a prompt. final/task_eval.json stores the sentence (worker/task_eval.py record); the views add the
+fine-tune's forecast cost where they show it (run/views.py task_verdict)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from launcher.data.task_metrics import PAYS_BELOW, fine_tune_pays
+
+# The score names of task_eval.json: the base model zero-shot and with the task's examples in its prompt, the trained
+# model (each export adds its own name: merged, gguf-q4_k_m)
+BASE_ZERO_SHOT, BASE_FEW_SHOT, FINE_TUNED = "base_zero_shot", "base_few_shot", "fine_tuned"
+# How each metric's score is named beside its percentage (launcher/data/task_metrics.py METRICS)
+METRIC_WORDS = {"exact": "exact", "json": "field match", "text": "chrF"}
+
+
+def pct(value: float) -> str:
+    return f"{value:.0%}"
+
+
+def base_score(t: dict[str, Any]) -> tuple[Optional[float], str]:
+    """The score the verdict reads, the base model's with examples in its prompt (zero-shot when there were none),
+    and how to name it."""
+    scores, shots = t.get("scores") or {}, t.get("shots")
+    if scores.get(BASE_FEW_SHOT) is not None and shots != 0:
+        return scores[BASE_FEW_SHOT], f"base model with {shots} examples" if shots else "base model with examples"
+    return scores.get(BASE_ZERO_SHOT), "base model zero-shot"
+
+
+def verdict(t: dict[str, Any], price: str = "") -> str:
+    """The verdict from task_eval.json's fields `t`; `price`: what the fine-tune would cost ("~0.42 EUR"), said
+    where a prompt may be enough. Not applicable and too few examples are said with why (and the fix)."""
+    if t.get("not_applicable"):
+        return f"the task evaluation does not apply to this data: {t['not_applicable']}"
+    if t.get("too_few") is not None:
+        return (f"too few examples to score the task: {t.get('why') or str(t['too_few']) + ' held-out example(s)'}"
+                + (f"; fix: {t['fix']}" if t.get("fix") else ""))
+    score, who = base_score(t)
+    if score is None:
+        return "the base model has not been scored yet"
+    metric = t.get("metric")
+    word = METRIC_WORDS.get(metric, metric or "score")
+    pays = t["fine_tune_pays"] if t.get("fine_tune_pays") is not None else fine_tune_pays(score)
+    if pays:
+        fifths = max(1, round(5 * (1 - score)))
+        if metric == "exact":
+            return f"{who}: wrong in {fifths} of 5 ({pct(score)} exact): fine-tuning pays"
+        if metric == "json":
+            return f"{who}: fields wrong in {fifths} of 5 ({pct(score)} field match): fine-tuning pays"
+        return f"{who}: {pct(score)} {word}, below the {pct(PAYS_BELOW)} a prompt would need: fine-tuning pays"
+    said = f"right in {pct(score)}" if metric == "exact" else f"{pct(score)} {word}"
+    return f"{who}: {said}: a prompt with examples may be enough" + (f"; fine-tuning would {price}" if price else "")
