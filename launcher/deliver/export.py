@@ -289,6 +289,16 @@ def _export_models(inp: Inputs, report: dict[str, Any], tokenizer, prompts, dtyp
                           fix="report this with export.json; do not serve the merged folder.")
     reloaded = load_model(str(merged_dir), parity, loads)
     merged_out = model_outputs(reloaded, prompts, to_end=served.chat)
+    task = _task(inp)
+    if task is not None:  # what the merged folder scores, as vLLM would serve it (its own tokenizer files)
+        from transformers import AutoTokenizer
+
+        from launcher.worker import task_eval
+
+        stamp = (merged_dir / "config.json").stat().st_mtime_ns
+        _score_export(inp, task, "merged", task_eval.score_model(
+            reloaded, AutoTokenizer.from_pretrained(str(merged_dir)), inp.run.root, task, "merged",
+            identity=f"merged {tree_bytes(merged_dir)} {stamp}"))
     del reloaded
     release()
     result = compare(ref, merged_out, kind, parity.dtype)
@@ -309,11 +319,51 @@ def _export_models(inp: Inputs, report: dict[str, Any], tokenizer, prompts, dtyp
     if "gguf" in inp.formats:
         try:
             outputs["gguf"] = gguf_output(merged_dir, final / "gguf", inp.run.root.name, inp.gguf_type, prompts,
-                                          merged_out, tokenizer, parity.dtype, served=served)
+                                          merged_out, tokenizer, parity.dtype, served=served, task=task)
         except _GgufFailed as exc:
             outputs["gguf"] = exc.output  # the numbers of the failed check go into export.json
             raise
+        answers = outputs["gguf"].pop("task_answers", None)
+        if task is not None and answers is not None:
+            _score_export(inp, task, f"gguf-{inp.gguf_type.lower()}", _scored(task, answers))
     _serving(inp, report, tokenizer, served)
+
+
+def _task(inp: Inputs) -> Optional[dict[str, Any]]:
+    """The run's task (RUN/task.json, launcher/worker/task_eval.py) when the recipe scores it and it can be scored:
+    each export answers the same held-out prompts as the base and the fine-tuned model."""
+    from launcher.worker import task_eval
+
+    if not task_eval.enabled(inp.recipe) or not inp.run.task.is_file():
+        return None
+    task = json.loads(inp.run.task.read_text())
+    return task if task_eval.scores(task) else None
+
+
+def _scored(task: dict[str, Any], answers: list[dict[str, Any]]) -> dict[str, Any]:
+    """A score from answers generated outside transformers (the GGUF in llama.cpp), as task_eval.score_model gives."""
+    from launcher.data import task_metrics
+
+    scored = task_metrics.score(task["metric"], [a["answer"] for a in answers], [p["reference"] for p in task["prompts"]])
+    seconds = sum(a["seconds"] for a in answers)
+    new_tokens = sum(a["new_tokens"] for a in answers)
+    return {"score": scored["score"], "details": scored["details"], "examples": len(answers),
+            "seconds": round(seconds, 3), "new_tokens": new_tokens,
+            "tokens_per_s": round(new_tokens / seconds, 1) if seconds > 0 else None}
+
+
+def _score_export(inp: Inputs, task: dict[str, Any], name: str, result: dict[str, Any]) -> None:
+    """An export's score into the run's task_eval.json, final/task_eval.json and samples.md's table, beside the
+    base and fine-tuned model's; said with the fine-tuned model's for comparison."""
+    from launcher.worker import task_eval
+    from launcher.worker.results import publish_scores
+
+    results = task_eval.record(inp.run.root, task, name, result)
+    publish_scores(inp.run, results)
+    tuned = results["scores"].get(task_eval.FINE_TUNED)
+    _say(f"task eval: {name} {result['score']:.1%} {task['metric']} on {result['examples']} held-out examples"
+         + (f" (fine-tuned {tuned:.1%})" if tuned is not None else "")
+         + (f", {result['tokens_per_s']:.0f} tokens/s generated" if result.get("tokens_per_s") else ""))
 
 
 def _served_folder(served, output: dict[str, Any], key: str, tokenizer, config_from: str) -> None:

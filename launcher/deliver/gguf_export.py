@@ -66,7 +66,7 @@ def _stop_ids(merged_dir: Path, tokenizer) -> set[int]:
 
 def gguf_output(merged_dir: Path, gguf_dir: Path, name: str, gguf_type: str, prompts: list[dict[str, Any]],
                 merged_out: list[dict[str, Any]], tokenizer, compute: str = "float32",
-                intermediate: Optional[Path] = None, served=None) -> dict[str, Any]:
+                intermediate: Optional[Path] = None, served=None, task: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Convert the merged folder with llama.cpp's converter, quantize with its quantizer, read the file back in
     llama.cpp and compare it with the merged model's outputs (merged_out, computed by transformers).
 
@@ -76,7 +76,10 @@ def gguf_output(merged_dir: Path, gguf_dir: Path, name: str, gguf_type: str, pro
 
     `served` (served_prompt.ServedPrompt): the held-out prompts as training tokenized them; then the GGUF's own
     template must render them to the same ids, llama.cpp must end a generation on the trained end-of-turn token,
-    and one prompt is answered through llama-cpp-python's chat completion (serving_smoke)."""
+    and one prompt is answered through llama-cpp-python's chat completion (serving_smoke).
+
+    `task` (RUN/task.json): its held-out prompts answered greedily by the file as llama-server serves it
+    (llamacpp.task_answers), returned as out["task_answers"] for the task evaluation's score."""
     conv = gguf_readiness.converter()
     kind = gguf_types.TYPES[gguf_type]
     gguf_dir.mkdir(parents=True, exist_ok=True)
@@ -115,7 +118,7 @@ def gguf_output(merged_dir: Path, gguf_dir: Path, name: str, gguf_type: str, pro
     # arguments): with switches, its answer would not start from the trained prompt, so no serving smoke test
     smoke = _smoke_index(prompts, chat) if chat and not switches else None
     run = llamacpp.run_gguf(path, prompts, GREEDY_NEW_TOKENS, stop_ids, to_end=chat is not None, chat=chat,
-                            smoke=smoke, template_kwargs=switches)
+                            smoke=smoke, template_kwargs=switches, task=task)
     gguf_out, same_tokens = run["outputs"], run["same_tokens"]
     steps["llama_cpp_prompts_seconds"] = round(time.monotonic() - t0, 2)
     config_diff = _config_diff(json.loads((merged_dir / "config.json").read_text()), meta)
@@ -129,6 +132,8 @@ def gguf_output(merged_dir: Path, gguf_dir: Path, name: str, gguf_type: str, pro
            "chat_template_included": meta.get("chat_template") == tokenizer.chat_template,
            "tokenizer_identical": f"{sum(same_tokens)}/{len(same_tokens)}",
            "config_differences": config_diff, "parity_vs_merged": result}
+    if "task_answers" in run:
+        out["task_answers"] = run["task_answers"]
     ppl = result["perplexity_rel_diff"]
     _say(f"GGUF {human_size(size)} {fname} ({', '.join(f'{k} x{v}' for k, v in meta['tensor_types'].items())}): "
          f"in llama.cpp top-1 agreement {result['top1_agreement']:.4f}, perplexity "

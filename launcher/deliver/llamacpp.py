@@ -254,13 +254,14 @@ def run_prompts(path: Path, prompts: list[dict[str, Any]], greedy_tokens: int, s
 def run_gguf(path: Path, prompts: list[dict[str, Any]], greedy_tokens: int, stop_ids: set[int],
              threads: Optional[int] = None, to_end: bool = False, chat: Optional[list[dict[str, Any]]] = None,
              smoke: Optional[int] = None, template_kwargs: Optional[dict[str, Any]] = None,
-             overrides: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+             overrides: Optional[dict[str, Any]] = None, task: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """run_prompts, and with one model load: with to_end, each greedy continuation runs on to its prompt's
     `budget` (`continuation`; `greedy` stays its first greedy_tokens); `chat`: conversations ({messages, tools})
     rendered and tokenized by the GGUF's own chat template as llama-cpp-python's chat completion does (chat_prompt)
     and as llama-server does with `template_kwargs` (server_prompt); `smoke`: the index of the chat conversation
     answered through the runtime's chat completion (chat_smoke), greedy_tokens long at most; `overrides`: GGUF
-    metadata as llama.cpp's --override-kv changes it (tests)."""
+    metadata as llama.cpp's --override-kv changes it (tests); `task` (RUN/task.json): its prompts answered
+    greedily as llama-server serves them (task_answers)."""
     import numpy as np
     import torch
 
@@ -268,6 +269,11 @@ def run_gguf(path: Path, prompts: list[dict[str, Any]], greedy_tokens: int, stop
     n_ctx = max(max(len(p["ids"]), len(p["prompt_ids"]) + b) for p, b in zip(prompts, budgets)) + 8
     if chat:
         n_ctx = max(n_ctx, max(len(c["ids"]) for c in chat) + greedy_tokens + 8)
+    if task:
+        # every token but a special one covers at least a byte of the text: the prompt's bytes, and room for the
+        # template's own tokens, bound its length
+        n_ctx = max(n_ctx, max(len(json.dumps(p.get("messages") or p.get("text"), ensure_ascii=False).encode())
+                               for p in task["prompts"]) + 256 + task["max_new_tokens"])
     llm = _open(path, n_ctx, threads, overrides)
     outs, same_tokens = [], []
     result: dict[str, Any] = {}
@@ -297,6 +303,8 @@ def run_gguf(path: Path, prompts: list[dict[str, Any]], greedy_tokens: int, stop
             if smoke is not None:
                 llm.reset()
                 result["smoke"] = chat_smoke(llm, chat[smoke]["messages"], chat[smoke].get("tools"), greedy_tokens)
+        if task:
+            result["task_answers"] = task_answers(llm, task)
     finally:
         llm.close() if hasattr(llm, "close") else None
         del llm
@@ -343,6 +351,38 @@ def chat_prompt(llm, messages: list[dict[str, Any]], tools: Optional[list] = Non
     res = formatter(messages=messages, tools=tools)
     ids = llm.tokenize(res.prompt.encode("utf-8"), add_bos=not res.added_special, special=True)
     return {"text": res.prompt, "ids": list(ids), "template": template}
+
+
+def task_answers(llm, task: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each task prompt answered greedily by the file as llama-server serves it: a chat prompt rendered and tokenized
+    as server_prompt does (with the task's chat-template switches), a plain-text one tokenized with the vocabulary's
+    specials as /completion does; generation stops at an end-of-generation token or max_new_tokens.
+    {"answer", "new_tokens", "seconds"} each, in the task's order."""
+    import time
+
+    import numpy as np
+
+    eog = set(eog_ids(llm))
+    out = []
+    for p in task["prompts"]:
+        t0 = time.monotonic()
+        if "messages" in p:
+            ids = server_prompt(llm, p["messages"], p.get("tools"), task.get("chat_template_kwargs"))["ids"]
+        else:
+            ids = list(llm.tokenize(p["text"].encode("utf-8"), add_bos=True, special=True))
+        ids = ids[-(llm.n_ctx() - task["max_new_tokens"] - 1):]  # as a server truncates: the prompt's end kept
+        llm.reset()
+        llm.eval(ids)
+        tokens: list[int] = []
+        for _ in range(task["max_new_tokens"]):
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            tokens.append(tok)
+            if tok in eog:
+                break
+            llm.eval([tok])
+        text = llm.detokenize([t for t in tokens if t not in eog], special=False).decode("utf-8", "replace").strip()
+        out.append({"answer": text, "new_tokens": len(tokens), "seconds": round(time.monotonic() - t0, 4)})
+    return out
 
 
 def special_adds(llm) -> dict[str, bool]:

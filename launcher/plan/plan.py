@@ -20,6 +20,7 @@ from launcher.plan import engine as engine_choice
 from launcher.plan.advice import (_box_rows, _fixes_here, _missing_message, _pick_alternatives, _refusal_message,
                                   _refusal_options, cheapest_rental)
 from launcher.plan.engine import SHARDING_ENGINES, UNSLOTH_FIX, WORKDAY_HOURS, Choice, choose
+from launcher import export_formats
 from launcher.plan.figures import UNIT, _fmt_hours, _fmt_tokens
 from launcher.plan.hardware import Hardware
 from launcher.plan.job import Job, _job, _steps_and_tokens
@@ -106,7 +107,10 @@ def make_plan(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: f
     if not plan.fits:
         missing = plan.refusal.get("missing")
         err_type = MissingSoftware if missing else PlanError
-        err = err_type(plan.refusal["message"], fix="\n  - " + "\n  - ".join(plan.refusal["options"]))
+        options = plan.refusal["options"]
+        # one option on the Fix: line itself, several listed under it (never a Fix: line with nothing on it)
+        fix = options[0] if len(options) == 1 else "one of:\n  - " + "\n  - ".join(options) if options else None
+        err = err_type(plan.refusal["message"], fix=fix)
         err.plan = plan
         raise err
     return plan
@@ -159,6 +163,29 @@ def _download(recipe: Any, arch: Architecture, engine: str, allow_network: bool)
     return got, lines
 
 
+def _task_eval_note(recipe: Any, data_stats: Any) -> list[str]:
+    """What the task evaluation will generate (launcher/worker/task_eval.py): its examples, the answers each gets
+    (the base model zero-shot and with examples, the fine-tuned model, each exported model) and their longest
+    length; the smoke test measures the generation speed and forecasts its time (run/smoke.py task_eval_seconds)."""
+    task = getattr(getattr(recipe, "eval", None), "task", None)
+    if task is None or not task.examples:
+        return []
+    ev = recipe.eval
+    if ev.data:
+        held = f"up to {task.examples} examples of eval.data:"
+    elif ev.fraction:
+        held = f"the held-out examples ({ev.fraction:.0%} of the data, at most {task.examples}):"
+    else:
+        return ["task evaluation: nothing is held out (eval.fraction or eval.data), so nothing is scored"]
+    formats = set(recipe.export)
+    scorers = (["base model zero-shot", f"with {task.shots} examples"] if task.baseline == "run" else []) \
+        + ["fine-tuned"] + (["merged"] if "merged" in export_formats.made(formats) else []) \
+        + (["GGUF"] if "gguf" in formats else [])
+    longest = task.max_new_tokens or ev.max_new_tokens
+    return [f"task evaluation: {held} each answered greedily {len(scorers)} times ({', '.join(scorers)}), "
+            f"up to {longest} new tokens each; the smoke test measures the generation speed and forecasts its time"]
+
+
 def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: float | None = None,
              unsloth_available: bool | None = None, smoke: dict[str, Any] | None = None,
              workday_hours: float = WORKDAY_HOURS, arch: Architecture | None = None, nnodes: int = 1,
@@ -169,6 +196,7 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
     unsloth_ok, software = _software(hardware, unsloth_available)
     job, notes = _job(recipe, arch, data_stats, tokens, tokens_from)
     notes += gguf_readiness.plan_check(recipe, this_box=hardware.source == "detected")  # each requested output can be made
+    notes += _task_eval_note(recipe, data_stats)
     forced = recipe.engine
     wanted = None if recipe.num_processes == "auto" else int(recipe.num_processes)
     offload = getattr(recipe, "offload", "auto")  # a recipe-like namespace (the GPU check's) may not name it
@@ -203,12 +231,12 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
         est = sizing.memory(job.arch, job.workload(choice.engine, max(1, choice.processes), "cuda"))
     if not choice.fits:
         options = ([] if choice.missing else _refusal_options(job, hardware, forced, unsloth_ok, workday_hours, rows,
-                                                              offload))
+                                                              offload, wanted, nnodes))
         if choice.missing:
             options = [f"install {choice.missing} on this machine (the fix is above), or plan for a rented box with "
                        f"--gpus, which assumes {IMAGE_SOFTWARE}"]
             if choice.missing == "unsloth" and forced == "auto":  # or change the recipe so that TRL fits here
-                options += _fixes_here(job, hardware, forced, unsloth_ok, workday_hours, offload)
+                options += _fixes_here(job, hardware, forced, unsloth_ok, workday_hours, offload, wanted, nnodes)
         message = (_missing_message(job, choice) if choice.missing else _refusal_message(job, hardware, choice))
         return Plan(
             fits=False, engine=choice.engine, device=choice.device, num_processes=choice.processes,

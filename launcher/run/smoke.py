@@ -115,9 +115,26 @@ def export_seconds(measured: dict[str, Any], recipe, params: int) -> float:
     return seconds
 
 
+def task_eval_seconds(measured: dict[str, Any], recipe, examples: int, base_scored: bool) -> float:
+    """The task evaluation after training (launcher/worker/task_eval.py), from the smoke test's generation of one
+    batch of its prompts (generation_tokens_per_second, the new tokens an answer took): `examples` prompts answered
+    by the fine-tuned model and by each exported model (merged folder, GGUF), and by the base model twice more
+    (zero-shot, with examples) where a LoRA run's baseline has not scored it yet."""
+    tps, asked = measured.get("generation_tokens_per_second"), measured.get("generation_prompts")
+    if not tps or not asked or not examples:
+        return 0.0
+    per_answer = float(measured.get("generation_new_tokens") or 0) / float(asked)
+    formats = set(recipe.export)
+    scorers = 1 + ("merged" in export_formats.made(formats)) + ("gguf" in formats)
+    if not base_scored and recipe.eval.task.baseline == "run" and methods.is_adapter(recipe.method):
+        scorers += 2
+    return scorers * examples * per_answer / float(tps)
+
+
 def estimate(measured: dict[str, Any], wall: float, recipe, stats: DataStats, processes: int,
-             params: int) -> dict[str, float]:
-    """The full run's wall time in parts, from the smoke worker's measurements and its wall time `wall`."""
+             params: int, task_examples: int = 0, base_scored: bool = True) -> dict[str, float]:
+    """The full run's wall time in parts, from the smoke worker's measurements and its wall time `wall`;
+    `task_examples`: the prompts the task evaluation will ask after training (task_eval_seconds)."""
     # The full run pays the same fixed start as the smoke worker (process start, imports, model load, data
     # preparation, the warm-up of step 1): the smoke's wall time minus its measured steps. Without it the
     # ETA of a short run is far too low (measured: -35% for a 5-minute run on CPU, docs/BENCHMARKS.md).
@@ -132,15 +149,17 @@ def estimate(measured: dict[str, Any], wall: float, recipe, stats: DataStats, pr
     # the smoke's eval pass and the base model's answers are in its wall time: priced apart (the full run has
     # its own number of eval passes, and answers the same prompts once, after training)
     samples = float(measured.get("samples_seconds") or 0.0)
-    startup = max(0.0, startup - float(measured.get("eval_seconds") or 0.0) - samples)
+    startup = max(0.0, startup - float(measured.get("eval_seconds") or 0.0) - samples
+                  - float(measured.get("generation_seconds") or 0.0))
     total_tokens = training_tokens(recipe, stats, processes)
     train = step_seconds(measured, total_tokens, recipe, stats, processes)
     saves = saves_seconds(save, train, recipe)
     export = export_seconds(measured, recipe, params)
     evals = split.eval_seconds(measured, train, recipe)
+    task = task_eval_seconds(measured, recipe, task_examples, base_scored)
     return {"startup_seconds": startup, "train_seconds": train, "saves_seconds": saves, "export_seconds": export,
-            "eval_seconds": evals, "samples_seconds": samples,
-            "estimated_seconds": startup + train + saves + export + evals + samples}
+            "eval_seconds": evals, "samples_seconds": samples, "task_eval_seconds": task,
+            "estimated_seconds": startup + train + saves + export + evals + samples + task}
 
 
 def run_smoke(run: RunDir, recipe, plan: dict[str, Any], examples, lengths: list[int], stats: DataStats) -> dict[str, Any]:
@@ -197,7 +216,12 @@ def run_smoke(run: RunDir, recipe, plan: dict[str, Any], examples, lengths: list
         raise SmokeError("the smoke test finished too few steps to measure throughput",
                          fix="raise smoke.min_steps or smoke.max_minutes.")
     total_tokens = training_tokens(recipe, stats, processes)
-    parts = estimate(measured, wall, recipe, stats, processes, int((plan.get("model") or {}).get("params") or 0))
+    task = json.loads(run.task.read_text()) if run.task.is_file() else {}
+    scored = json.loads(run.task_eval.read_text()).get("scores", {}) if run.task_eval.is_file() else {}
+    task_examples = len(task["prompts"]) if "prompts" in task else 0 if task else \
+        min(recipe.eval.task.examples, len(parts.held_out) or (stats.examples if recipe.eval.data else 0))
+    parts = estimate(measured, wall, recipe, stats, processes, int((plan.get("model") or {}).get("params") or 0),
+                     task_examples=task_examples, base_scored="base_few_shot" in scored)
     est_seconds = parts["estimated_seconds"]
     price = float(plan.get("price_per_hour_eur") or 0.0)
     report = {

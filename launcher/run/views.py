@@ -122,13 +122,15 @@ def format_smoke(report: dict[str, Any]) -> str:
     parts = [(name, report.get(key)) for name, key in (("start", "startup_seconds"),
                                                       ("training", "train_seconds"), ("checkpoints", "saves_seconds"),
                                                       ("evaluation", "eval_seconds"), ("samples", "samples_seconds"),
-                                                      ("export", "export_seconds"))]
+                                                      ("task eval", "task_eval_seconds"), ("export", "export_seconds"))]
     note = memory_note(report)
     split = ", ".join(f"{name} {format_duration(sec)}" for name, sec in parts if sec and sec >= 0.5)
     return (
         f"smoke test: {report['measured_steps']} measured steps, {report['tokens_per_second']:,.0f} tokens/s"
         f"{_mfu(report.get('mfu'))}, "
-        f"peak memory {report['peak_memory_gb']:.2f} GB ({report['device']})\n"
+        f"peak memory {report['peak_memory_gb']:.2f} GB ({report['device']})"
+        + (f", answers generated at {report['generation_tokens_per_second']:,.0f} tokens/s (a batch of "
+           f"{report['generation_prompts']} task prompts)" if report.get("generation_tokens_per_second") else "") + "\n"
         f"full run: {report['training_tokens']:,} tokens -> about {format_duration(report['estimated_seconds'])}"
         + (f" ({split})" if split else "")
         + (f", about {report['estimated_cost']:.2f} EUR at {report['price_per_hour_eur']:.2f} EUR/h"

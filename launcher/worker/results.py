@@ -48,6 +48,38 @@ def _write_smoke_result(run: RunDir, step_times, device: str, timed_out: bool,
     ckpt.atomic_write_json(run.smoke_work / "result.json", result)
 
 
+def generation_speed(run: RunDir, recipe, trainer, tokenizer, examples: list, sharded: bool) -> dict[str, Any]:
+    """The smoke test's measure of the task evaluation's generation: one batch of the task's prompts (task.json,
+    which the baseline wrote before the smoke test; else the smoke sample's own prompts) answered greedily as the
+    evaluation after training will answer them, timed. {} when the recipe scores no task or there is no prompt.
+    Every rank of a sharding engine generates (synced); the caller keeps rank 0's figures."""
+    import torch
+
+    from launcher.data.task_examples import prompt_and_reference
+
+    if not task_eval.enabled(recipe):
+        return {}
+    task = json.loads(run.task.read_text()) if run.task.is_file() else {}
+    if task_eval.scores(task):
+        prompts, max_new, switches = task["prompts"], task["max_new_tokens"], task.get("chat_template_kwargs")
+    else:
+        found = [p for p in (prompt_and_reference(e) for e in examples) if p]
+        prompts = [{**p, "index": i} for i, p in enumerate(found)]
+        max_new, switches = recipe.eval.task.max_new_tokens or recipe.eval.max_new_tokens, None
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    device = getattr(model, "device", None) or next(model.parameters()).device
+    batch = prompts[:task_eval.BATCH.get(torch.device(device).type, task_eval.BATCH["cpu"])]
+    if not batch:
+        return {}
+    t0 = time.monotonic()
+    rows = task_eval.answer(model, tokenizer, batch, max_new, run.smoke_work / "generation.jsonl", write=False,
+                            synced=sharded, batch_size=len(batch), template_kwargs=switches)
+    seconds = time.monotonic() - t0
+    new = sum(int(r["new_tokens"]) for r in rows)
+    return {"generation_seconds": round(seconds, 3), "generation_prompts": len(rows),
+            "generation_new_tokens": new, "generation_tokens_per_second": round(new / seconds, 1) if seconds > 0 else None}
+
+
 def _save_final(run: RunDir, trainer, tokenizer, recipe) -> None:
     """final/adapter (PEFT adapter + tokenizer) or final/model, written to a temporary folder then renamed.
     Every rank calls it (the sharding engines gather collectively); the supervisor verifies the result
@@ -137,7 +169,7 @@ def _score_after(run: RunDir, recipe, trainer, tokenizer, examples: list, sharde
         task = task_eval.task_for_run(run, recipe, examples, write=writes, tokenizer=tokenizer)
         if not task_eval.scores(task):
             if writes:
-                _publish(run, task_eval.record(run.root, task))
+                publish_scores(run, task_eval.record(run.root, task))
                 _say(f"task eval: not scored: {task.get('not_applicable') or task['why']}")
             return
         model = trainer.accelerator.unwrap_model(trainer.model)
@@ -163,14 +195,14 @@ def _score_after(run: RunDir, recipe, trainer, tokenizer, examples: list, sharde
     if not writes:
         return
     results = task_eval.record(run.root, task, task_eval.FINE_TUNED, result)
-    path = _publish(run, results)
+    path = publish_scores(run, results)
     base = results["scores"].get(task_eval.BASE_ZERO_SHOT)
     _say(f"task eval: fine-tuned {result['score']:.1%} {task['metric']} on {result['examples']} held-out examples"
          + (f" (base model zero-shot {base:.1%})" if base is not None else "")
          + f", {time.monotonic() - t0:.1f} s: {path}")
 
 
-def _publish(run: RunDir, results: dict[str, Any]):
+def publish_scores(run: RunDir, results: dict[str, Any]):
     """final/task_eval.json (the run's record as it stands) and the scores' table at the end of final/samples.md
     (begun for the table when the samples are off; why nothing was scored only beside the samples)."""
     run.final.mkdir(parents=True, exist_ok=True)

@@ -53,7 +53,8 @@ from launcher.worker.inputs import (  # noqa: E402
     _data_changed, _data_spec, _eval_and_prompts, _local_data, _trained_tokens)
 from launcher.worker.loss_plot import _redraw_loss_plot  # noqa: E402
 from launcher.worker.process import _Stop, _on_signal, _rank, _say, _world_size  # noqa: E402
-from launcher.worker.results import _answer_after, _save_final, _score_after, _write_smoke_result  # noqa: E402
+from launcher.worker.results import (_answer_after, _save_final, _score_after, _write_smoke_result,  # noqa: E402
+                                     generation_speed)
 from launcher.worker.trainer_config import padding_free_collator, sft_config  # noqa: E402
 
 
@@ -303,12 +304,18 @@ def run_worker(run_dir: Path, mode: str) -> int:
 
     if mode == "smoke":
         peak_gb = memory.peak_memory_over_ranks_gb(device)  # a collective: every rank, before rank 0 writes
+        # after the peak: generation's memory is not training's, and the full run's evaluation comes after training
+        try:
+            speed = generation_speed(run, recipe, trainer, tokenizer, examples, sharded)
+        except Exception as exc:  # a measure for the forecast, not training: said, and the smoke test goes on
+            speed = {"generation_error": f"{type(exc).__name__}: {exc}"[:300]}
+            _say(f"task eval: the generation speed could not be measured ({speed['generation_error']})")
         if _rank() == 0:
             _write_smoke_result(run, metrics.step_times, device, cadence.timed_out, cadence.save_seconds,
                                 {"import_seconds": round(import_seconds, 3), "load_seconds": round(load_seconds, 3),
                                  "checkpoint_bytes": ckpt.tree_bytes(out_dir),
                                  # the eval pass and the base model's answers: priced apart from the start-up
-                                 "eval_seconds": metrics.eval_seconds, "samples_seconds": before.seconds},
+                                 "eval_seconds": metrics.eval_seconds, "samples_seconds": before.seconds, **speed},
                                 peak_gb=peak_gb)
         return 0
     if cadence.stopped_by_signal and trainer.state.global_step < trainer.state.max_steps:

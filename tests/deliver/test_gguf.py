@@ -123,7 +123,15 @@ def qwen_run(llama_cpp_ready, tiny_model, tmp_path_factory):
     recipe = write_recipe(tmp / "r.yaml", tiny_model, tmp / "run", export=["adapter", "merged", "gguf"])
     res = ftrun(recipe, "--foreground", cwd=tmp, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return {"run": tmp / "run", "cwd": tmp}
+    return {"run": tmp / "run", "cwd": tmp, "stdout": res.stdout}
+
+
+def _checked(run: Path) -> str:
+    """"n/n": the served-prompt checks' prompts (three held out, one of each other shape)."""
+    n = len(json.loads((run / "final" / "export.json").read_text())["served_prompt"]["shapes"]["each"])
+    ids = _report(run)["served_prompt"]["runtimes"]["vllm_merged"]["identical"]
+    assert ids.split("/")[0] == ids.split("/")[1] and int(ids.split("/")[0]) >= n
+    return ids
 
 
 def _report(run: Path) -> dict:
@@ -154,6 +162,42 @@ def test_q4_k_m_made_by_llama_cpp_and_checked_in_llama_cpp(qwen_run):
 
 
 @gguf_tier
+def test_the_task_is_scored_on_every_export_the_served_gguf_included(qwen_run, tmp_path):
+    """A copy of the run with a task of 20 of its conversations (RUN/task.json, as the worker writes it) exported
+    again: the merged folder (transformers, its own tokenizer) and the Q4_K_M file as llama-server serves it answer
+    the same prompts; their scores join the fine-tuned model's in final/task_eval.json and samples.md, and the
+    export says each."""
+    import shutil
+
+    from launcher.data.task_examples import build_task
+    from launcher.data.dataset import load_data
+    from launcher.recipe import load_recipe
+    from launcher.store.checkpoint import atomic_write_json
+    from launcher.worker import task_eval
+
+    run = tmp_path / "run"
+    shutil.copytree(qwen_run["run"], run, ignore=shutil.ignore_patterns("checkpoints", "merged", "gguf"))
+    recipe = load_recipe(run / "recipe.yaml")
+    examples = load_data(recipe.data, recipe.seed).examples
+    task = build_task(examples, list(range(20)), list(range(20, len(examples))), recipe.eval.task, recipe.seed)
+    atomic_write_json(run / "task.json", task)
+    task_eval.record(run, task, task_eval.FINE_TUNED, {"score": 0.5, "details": {}, "seconds": 1.0, "new_tokens": 10,
+                                                       "tokens_per_s": 10.0})
+    res = ftrun("export", run, cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = json.loads((run / "final" / "task_eval.json").read_text())
+    assert out["examples"] == 20 and out["metric"] == "text" and out["verdict"]
+    assert set(out["scores"]) == {"fine_tuned", "merged", "gguf-q4_k_m"}
+    assert all(0 <= v <= 1 for v in out["scores"].values())
+    gen = out["generation"]["gguf-q4_k_m"]
+    assert gen["new_tokens"] > 0 and gen["tokens_per_s"] > 0
+    assert len((run / "task_eval" / "merged.jsonl").read_text().splitlines()) == 20
+    assert "[ftrun export] task eval: gguf-q4_k_m " in res.stdout and "[ftrun export] task eval: merged " in res.stdout
+    assert "(fine-tuned 50.0%)" in res.stdout
+    assert "| gguf-q4_k_m |" in (run / "final" / "samples.md").read_text()
+
+
+@gguf_tier
 def test_modelfile_and_serving_md_for_ollama(qwen_run):
     final = qwen_run["run"] / "final"
     modelfile = (final / "gguf" / "Modelfile").read_text()
@@ -176,7 +220,7 @@ def test_served_prompt_is_the_trained_prompt_in_llama_cpp_and_ollama(qwen_run):
     sp, g = rep["served_prompt"], rep["outputs"]["gguf"]
     assert sp["ok"] and sp["checked"] == ["vLLM", "llama-server", "llama.cpp", "Ollama"]
     for key in ("vllm_adapter", "vllm_merged", "llama_server", "llama_cpp", "ollama"):
-        assert sp["runtimes"][key]["identical"] == "6/6", key  # three held-out prompts, three more shapes
+        assert sp["runtimes"][key]["identical"] == _checked(qwen_run["run"]), key  # three held out, the other shapes
     for key in ("vllm_adapter", "vllm_merged", "llama_cpp", "ollama"):
         assert sp["stops"][key]["ok"], key
     # llama-server tokenizes with the vocabulary's specials: this GGUF adds neither BOS nor EOS
@@ -224,8 +268,8 @@ def test_a_gguf_whose_embedded_template_differs_fails_with_the_first_differing_t
         out = {"path": str(path)}
         if not fails:
             gguf_export._served_checks(served, r, out, {}, [], gguf_types.TYPES["q4_k_m"], None)
-            assert served.report["runtimes"]["llama_cpp"]["identical"] == "6/6"
-            assert served.report["runtimes"]["llama_server"]["identical"] == "6/6"
+            assert served.report["runtimes"]["llama_cpp"]["identical"] == _checked(run)
+            assert served.report["runtimes"]["llama_server"]["identical"] == _checked(run)
             continue
         with pytest.raises(ExportError, match=r"^llama-server --jinja with bad.gguf .*serves another prompt than the "
                                               r"training saw .* where training had 2 '<\|im_end\|>'"):
@@ -328,7 +372,7 @@ def test_a_modelfile_with_a_wrong_stop_or_template_fails(qwen_run):
     g = {"path": str(run / "final" / "gguf" / "run-Q4_K_M.gguf")}
     served = ServedPrompt(load_recipe(run / "recipe.yaml"), run / "final" / "adapter", 3)
     export._served_modelfile(served, g, text)  # the real one passes
-    assert g["modelfile_served_prompt"]["identical"] == "6/6" and g["modelfile_stops"]["ok"]
+    assert g["modelfile_served_prompt"]["identical"] == _checked(run) and g["modelfile_stops"]["ok"]
     wrong_stop = "\n".join(l for l in text.splitlines() if not l.startswith("PARAMETER stop")) + '\nPARAMETER stop "</s>"\n'
     with pytest.raises(ExportError, match=r"Ollama with this Modelfile \(PARAMETER stop\) does not stop on the token"):
         export._served_modelfile(served, g, wrong_stop)

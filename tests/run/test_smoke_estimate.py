@@ -92,6 +92,29 @@ def test_the_estimate_adds_start_steps_saves_and_export_without_counting_step_on
     assert parts["estimated_seconds"] == pytest.approx(sum(v for k, v in parts.items() if k != "estimated_seconds"))
 
 
+def test_the_task_evaluation_after_training_is_priced_from_the_smokes_generation(tmp_path):
+    """One batch of 8 task prompts took 4 s for 200 new tokens (50 tokens/s, 25 a prompt): 100 examples cost 50 s a
+    scorer; the fine-tuned model and each exported model score, the base model twice more where no baseline ran."""
+    from launcher.run.smoke import task_eval_seconds
+
+    steps = {**MEASURED, "tokens_per_second": 1000.0, "step_costs": COSTS, "measured_seconds": 5.0}
+    measured = {**steps, "generation_tokens_per_second": 50.0, "generation_prompts": 8, "generation_new_tokens": 200,
+                "generation_seconds": 4.0}
+    adapter = _recipe(tmp_path, export=["adapter"])
+    assert task_eval_seconds(measured, adapter, 100, base_scored=True) == pytest.approx(50.0)
+    assert task_eval_seconds(measured, _recipe(tmp_path, export=["adapter", "merged"]), 100, True) == pytest.approx(100.0)
+    assert task_eval_seconds(measured, _recipe(tmp_path, export=["gguf"]), 100, True) == pytest.approx(150.0)
+    assert task_eval_seconds(measured, adapter, 100, base_scored=False) == pytest.approx(150.0)
+    assert task_eval_seconds(MEASURED, adapter, 100, True) == 0.0  # no generation measured: not guessed
+    parts = estimate(measured, wall=20.0, recipe=adapter, stats=STATS, processes=1, params=10_000_000,
+                     task_examples=100)
+    assert parts["task_eval_seconds"] == pytest.approx(50.0)
+    assert parts["estimated_seconds"] == pytest.approx(sum(v for k, v in parts.items() if k != "estimated_seconds"))
+    # the smoke's own generation is not start-up the full run pays again
+    assert parts["startup_seconds"] == pytest.approx(estimate(steps, 20.0, adapter, STATS, 1, 10_000_000)
+                                                     ["startup_seconds"] - 4.0)
+
+
 def test_the_smoke_output_warns_where_its_peak_understates_the_run():
     """QLoRA on CPU grows during the run (measured, docs/BENCHMARKS.md): said with the smoke result, only there."""
     from launcher.run.views import memory_note

@@ -225,7 +225,7 @@ def test_a_label_task_is_learned_and_scored_after_training(tmp_path, tiny_model)
 
     data = write_ticket_labels(tmp_path / "t.jsonl", 200)
     recipe = recipe_file(tmp_path / "r.yaml", tiny_model, tmp_path / "run", data=str(data), max_steps=None, epochs=5,
-                         micro_batch_size=16, learning_rate=1e-2, assistant_only_loss=True,
+                         micro_batch_size=16, learning_rate=1e-2, assistant_only_loss=True, export=["adapter", "merged"],
                          checkpoint_every_minutes=5, eval={"fraction": 0.1, "samples": 2, "every_minutes": 60})
     res = ftrun(recipe, "--foreground", cwd=tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -236,5 +236,8 @@ def test_a_label_task_is_learned_and_scored_after_training(tmp_path, tiny_model)
     assert out["scores"]["base_zero_shot"] <= 0.1 and out["fine_tune_pays"] is True
     assert out["scores"]["fine_tuned"] >= out["scores"]["base_zero_shot"] + 0.5, out["scores"]
     assert out["details"]["fine_tuned"]["exact"] == out["scores"]["fine_tuned"]
+    # the merged folder, scored by the export on the same 20 prompts, answers as the fine-tuned model did
+    assert abs(out["scores"]["merged"] - out["scores"]["fine_tuned"]) <= 0.05, out["scores"]
+    assert out["verdict"].endswith("fine-tuning pays")
     text = (final / "samples.md").read_text()
     assert "**Before** (base model)" in text and "| fine-tuned |" in text
