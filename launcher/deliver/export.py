@@ -177,7 +177,13 @@ def export_run(run_dir: Path, formats: Optional[list[str]] = None, gguf_type: Op
 
 def _export(inp: Inputs, report: dict[str, Any]) -> None:
     from transformers import AutoTokenizer
+    from transformers.utils import logging as transformers_logging
 
+    # Every model the export loads would draw transformers' "Loading weights: 0%|" bar between the export's own
+    # lines (transformers 5.24 core_model_loading.py, tqdm(..., desc="Loading weights") through utils/logging.py's
+    # tqdm); utils/logging.py disable_progress_bar turns off its bars and huggingface_hub's
+    # (huggingface_hub.utils.disable_progress_bars). The export's lines say what is loaded and where.
+    transformers_logging.disable_progress_bar()
     config = _model_config(inp.recipe.model, inp.source, inp.is_adapter)
     dtype = export_dtype(config)
     tokenizer = AutoTokenizer.from_pretrained(str(inp.source))
@@ -360,6 +366,12 @@ def _score_export(inp: Inputs, task: dict[str, Any], name: str, result: dict[str
 
     results = task_eval.record(inp.run.root, task, name, result)
     publish_scores(inp.run, results)
+    from launcher.worker import trackers
+
+    # a finished run: its last step is its total (worker.json)
+    step = int(json.loads(inp.run.worker.read_text()).get("total_steps") or 0) if inp.run.worker.is_file() else 0
+    trackers.log_scores(inp.run.root, [t for t in inp.recipe.report_to if t != "none"], {name: result["score"]}, step,
+                        say=_say)
     tuned = results["scores"].get(task_eval.FINE_TUNED)
     _say(f"task eval: {name} {result['score']:.1%} {task['metric']} on {result['examples']} held-out examples"
          + (f" (fine-tuned {tuned:.1%})" if tuned is not None else "")

@@ -196,6 +196,12 @@ def _score_after(run: RunDir, recipe, trainer, tokenizer, examples: list, sharde
         return
     results = task_eval.record(run.root, task, task_eval.FINE_TUNED, result)
     path = publish_scores(run, results)
+    from launcher.worker import trackers
+
+    logged = trackers.log_scores(run.root, [t for t in recipe.report_to if t != "none"], results["scores"],
+                                 trainer.state.global_step)
+    if logged:
+        _say(f"task eval: the scores are summary metrics (task/...) of the tracked run in {', '.join(logged)}")
     base = results["scores"].get(task_eval.BASE_ZERO_SHOT)
     _say(f"task eval: fine-tuned {result['score']:.1%} {task['metric']} on {result['examples']} held-out examples"
          + (f" (base model zero-shot {base:.1%})" if base is not None else "")

@@ -231,6 +231,64 @@ def _describe(tracker: str, run_root: Path, snapshot: dict[str, Any]) -> Optiona
     return None
 
 
+def log_scores(run_root: Path, report_to: list[str], scores: dict[str, float], step: int,
+               say=lambda line: print(f"[ftrun worker] {line}", flush=True)) -> list[str]:
+    """The task evaluation's scores (task/<name>: base_zero_shot, fine_tuned, merged, gguf-q4_k_m, ...) as summary
+    metrics of the run's tracked runs, after training: each tracker's run is reopened by the ids in trackers.json
+    (the trainer's integrations have ended theirs: MLflowCallback and TrackioCallback on_train_end), so the
+    export's process adds its scores to the same runs. W&B: the run's summary (wandb.init(id=..., resume="allow"));
+    MLflow: metrics of the same run (start_run(run_id)); Trackio: a log of the same run (init(resume="must"));
+    TensorBoard: scalars in RUN/tensorboard. A tracker that fails is said and skipped. Returns those logged to."""
+    ids = load_ids(run_root)
+    metrics = {f"task/{name}": float(value) for name, value in scores.items() if value is not None}
+    done: list[str] = []
+    if not metrics:
+        return done
+    for tracker in report_to:
+        try:
+            if tracker == "wandb" and ids.get("wandb"):
+                import wandb
+
+                info = ids["wandb"]
+                live = wandb.run is not None and wandb.run.id == info["id"]
+                run = wandb.run if live else wandb.init(id=info["id"], project=info.get("project", PROJECT),
+                                                        resume="allow", dir=os.environ.get("WANDB_DIR", str(run_root)),
+                                                        mode=info.get("mode", "online"))
+                run.summary.update(metrics)
+                if not live:
+                    run.finish()
+            elif tracker == "mlflow" and ids.get("mlflow", {}).get("run_id"):
+                import mlflow
+
+                info = ids["mlflow"]
+                if info.get("tracking_uri"):
+                    mlflow.set_tracking_uri(info["tracking_uri"])
+                    if info["tracking_uri"].startswith(("file:", "/", ".")):
+                        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # as prepare() allows it
+                with mlflow.start_run(run_id=info["run_id"]):
+                    mlflow.log_metrics(metrics, step=step)
+            elif tracker == "trackio" and ids.get("trackio"):
+                import trackio
+
+                info = ids["trackio"]
+                trackio.init(project=info["project"], name=info["name"], resume="must")
+                trackio.log(metrics, step=step)
+                trackio.finish()
+            elif tracker == "tensorboard" and _installed("tensorboard"):
+                from torch.utils.tensorboard import SummaryWriter
+
+                writer = SummaryWriter(str(run_root / "tensorboard"))
+                for key, value in metrics.items():
+                    writer.add_scalar(key, value, step)
+                writer.close()
+            else:
+                continue
+            done.append(tracker)
+        except Exception as exc:  # evidence, not training: the scores are in task_eval.json whatever a tracker does
+            say(f"{tracker}: the task scores could not be logged ({type(exc).__name__}: {str(exc)[:200]})")
+    return done
+
+
 def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """Nested settings as dotted keys, each value a short string (MLflow params hold up to 6,000 characters)."""
     out: dict[str, Any] = {}

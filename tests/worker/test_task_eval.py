@@ -239,5 +239,98 @@ def test_a_label_task_is_learned_and_scored_after_training(tmp_path, tiny_model)
     # the merged folder, scored by the export on the same 20 prompts, answers as the fine-tuned model did
     assert abs(out["scores"]["merged"] - out["scores"]["fine_tuned"]) <= 0.05, out["scores"]
     assert out["verdict"].endswith("fine-tuning pays")
+
+    # the run's merged output as the base of a second recipe: already good at the task, so a prompt with examples
+    # may be enough (the verdict never stops a run; `ftrun baseline` says it before any training)
+    import yaml
+
+    again = yaml.safe_load(recipe.read_text())
+    again.update(model=str(final / "merged"), output_dir=str(tmp_path / "run2"))
+    (tmp_path / "r2.yaml").write_text(yaml.safe_dump(again))
+    res = ftrun("baseline", tmp_path / "r2.yaml", "--json", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    second = json.loads(res.stdout)
+    assert second["fine_tune_pays"] is False and second["scores"]["base_few_shot"] >= 0.8, second
+    assert "a prompt with examples may be enough" in second["verdict"]
     text = (final / "samples.md").read_text()
     assert "**Before** (base model)" in text and "| fine-tuned |" in text
+
+
+@pytest.mark.slow
+def test_a_kill_9_during_the_evaluation_after_training_resumes_it_with_the_same_scores(tmp_path, tiny_model):
+    """The worker is killed (SIGKILL) after the fine-tuned model's first batch of answers is kept: the supervisor
+    restarts it from the final checkpoint, nothing is left to train, and the evaluation answers only the examples
+    the file misses. The kept answers are not asked again, and the score is the one a fresh scoring of the final
+    adapter gives."""
+    import signal
+
+    from conftest import recipe_file
+    from helpers import freeze_worker, wait_until_ended
+
+    from launcher.worker import task_eval
+
+    data = write_ticket_labels(tmp_path / "t.jsonl", 120)
+    run = tmp_path / "run"
+    recipe = recipe_file(tmp_path / "r.yaml", tiny_model, run, data=str(data), max_steps=6, micro_batch_size=8,
+                         eval={"fraction": 0.2, "samples": 0, "task": {"examples": 24, "baseline": "skip"}})
+    res = ftrun(recipe, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    answers = run / "task_eval" / "fine_tuned.jsonl"
+
+    def first_batch_kept(r: Path) -> bool:
+        return answers.is_file() and 0 < len(answers.read_text().splitlines()) < 24
+
+    st = freeze_worker(run, first_batch_kept)
+    kept = answers.read_text().splitlines()
+    os.kill(st["worker_pid"], signal.SIGKILL)
+    wait_until_ended(run, tmp_path)
+    lines = answers.read_text().splitlines()
+    assert lines[:len(kept)] == kept and len(lines) == 24, (len(kept), len(lines))  # the kept ones not asked again
+    assert len({json.loads(l)["index"] for l in lines}) == 24
+    log = (run / "train.log").read_text()
+    assert "nothing left to train" in log
+    out = json.loads((run / "final" / "task_eval.json").read_text())
+
+    # a fresh scoring of the final adapter, with no kept answer, gives the same score
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32),
+                                      str(run / "final" / "adapter"))
+    task = json.loads((run / "task.json").read_text())
+    fresh = task_eval.score_model(model, AutoTokenizer.from_pretrained(str(run / "final" / "adapter")), tmp_path / "again",
+                                  task, "fresh", write=False)
+    assert fresh["score"] == out["scores"]["fine_tuned"], (fresh["score"], out["scores"])
+
+
+@pytest.mark.slow
+def test_a_json_extraction_task_reports_parse_rate_and_field_match(tmp_path, tiny_model):
+    """References that parse as JSON choose the json metric: for each scorer, the share of answers that parse, that
+    have the reference's keys, and the field-level match (the score), beside exact match."""
+    import random
+
+    from conftest import recipe_file
+
+    rng = random.Random(3)
+    names, cities = ["Ann", "Bo", "Cy", "Di", "Ed", "Flo"], ["Oslo", "Rome", "Lima", "Kyiv", "Pune"]
+    rows = []
+    for _ in range(150):
+        n, a, c = rng.choice(names), rng.randint(20, 60), rng.choice(cities)
+        rows.append({"messages": [{"role": "user", "content": f"Extract the person: {n} is {a} and lives in {c}."},
+                                  {"role": "assistant", "content": json.dumps({"name": n, "age": a, "city": c})}]})
+    data = tmp_path / "people.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = recipe_file(tmp_path / "r.yaml", tiny_model, tmp_path / "run", data=str(data), max_steps=None, epochs=3,
+                         micro_batch_size=16, learning_rate=1e-2, assistant_only_loss=True, smoke={"enabled": False},
+                         eval={"fraction": 0.1, "samples": 0, "task": {"examples": 15}})
+    res = ftrun(recipe, "--foreground", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = json.loads((tmp_path / "run" / "final" / "task_eval.json").read_text())
+    assert out["metric"] == "json" and "JSON" in out["metric_reason"] and out["examples"] == 15
+    for name in ("base_zero_shot", "base_few_shot", "fine_tuned"):
+        d = out["details"][name]
+        assert set(d) == {"parses", "has_keys", "field_match", "exact"}, d
+        assert 0 <= d["exact"] <= d["field_match"] <= 1 and d["has_keys"] <= d["parses"]
+        assert out["scores"][name] == d["field_match"]
+    print("json task:", {n: out["details"][n] for n in out["details"]})
