@@ -36,6 +36,7 @@ COMMANDS = ("plan", "smoke", "baseline", "data", "status", "logs", "stop", "pull
 RECIPE_HELP = "the recipe file (YAML; `ftrun explain` lists its keys)"
 OVERRIDES_HELP = "recipe keys changed for this command, e.g. lora.r=8 max_length=2048"
 TARGET_HELP = "the run's recipe file or its run directory (default: the only run under ./runs)"
+MASTER_PORT = 29500  # --master-port's default: torchrun's own
 
 
 def _tokens_meaning() -> str:
@@ -65,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--nnodes", type=int, default=1, help="boxes in the job (run the same command on each)")
     r.add_argument("--node-rank", type=int, default=0, help="this box's number, 0 .. nnodes-1 (0 holds the rendezvous)")
     r.add_argument("--master-addr", help="address of node 0, reachable from every node")
-    r.add_argument("--master-port", type=int, default=29500, help="a free TCP port on node 0")
+    r.add_argument("--master-port", type=int, default=MASTER_PORT, help="a free TCP port on node 0")
     r.add_argument("--allow-changes", action="store_true",
                    help="resume from the run's checkpoints even though the recipe's training settings changed")
 
@@ -76,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
                     "here, the recipe's box:): COUNTxNAME such as 4xH100-80GB, or NAME for one card; names: "
                     f"{_gpu_names()}")
     pl.add_argument("--tokens", metavar="N", help=f"{_tokens_meaning()}; e.g. 15M, used instead of counting the data "
-                    "or the recipe's tokens:")
+                    "and instead of the recipe's `tokens` key")
     pl.add_argument("--price", type=float, metavar="EUR/h", help="the whole box's price per hour (overrides the "
                     "catalog and the recipe's price_per_hour_eur)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON, also when it does not fit")
@@ -126,7 +127,31 @@ def _parser() -> argparse.ArgumentParser:
     ll.add_argument("args", nargs=argparse.REMAINDER, help="install: copy llama.cpp's converter from the installed "
                     "llama-cpp-python's source; check MODEL [--type T]: can this model become a GGUF; architectures: "
                     "write the shipped architecture table (`ftrun llamacpp --help` for more)")
+    p.set_defaults(_commands=sub.choices)  # each command's parser, for an option given to the wrong one
     return p
+
+
+def _misplaced_option(parser: argparse.ArgumentParser, args, extra: list[str], typed: str) -> Optional[UsageError]:
+    """An option that another command has (`ftrun RECIPE --gpus 8xH100-80GB`): which command it belongs to, what it
+    does there, and the command line that uses it. None when no command has it (argparse's own error then)."""
+    commands = getattr(args, "_commands", None) or {}
+    for word in extra:
+        flag = word.split("=", 1)[0]
+        if not flag.startswith("-"):
+            continue
+        # argparse keeps each parser's options in _option_string_actions; it offers no public lookup
+        owners = [(name, sp._option_string_actions[flag]) for name, sp in commands.items()
+                  if name != args.command and flag in sp._option_string_actions]
+        if not owners:
+            continue
+        name, action = owners[0]
+        does = (action.help or "").split(" (")[0].split(":")[0].rstrip(".; ")
+        line = " ".join(["ftrun", name, args.recipe, *getattr(args, "overrides", []), *extra]) \
+            if getattr(args, "recipe", None) else None
+        return UsageError(
+            f"{flag} is an option of `ftrun {name}`" + (f" ({does})" if does else "") + f", not of `{typed}`",
+            fix=(f"{line}; " if line else "") + f"`ftrun {name} --help` lists its options")
+    return None
 
 
 def _parse_gb(text: Optional[str]) -> Optional[float]:
@@ -151,6 +176,19 @@ def _parse_gb(text: Optional[str]) -> Optional[float]:
 
 def _nodes(a) -> Optional[dict]:
     if a.nnodes == 1:
+        # a rank, an address or a port only mean something in a job of several boxes: without --nnodes the run would
+        # train alone on this box, and the other nodes would wait for it in vain
+        given = [f"--node-rank {a.node_rank}" if a.node_rank != 0 else "",
+                 f"--master-addr {a.master_addr}" if a.master_addr else "",
+                 f"--master-port {a.master_port}" if a.master_port != MASTER_PORT else ""]
+        given = [g for g in given if g]
+        if given:
+            raise UsageError(
+                f"{' '.join(given)} {'is a flag' if len(given) == 1 else 'are flags'} of a job across several boxes, "
+                f"but --nnodes (the number of boxes) is missing or 1, so this box would train alone",
+                fix="give the number of boxes on every node, e.g. `--nnodes 2 --node-rank 1 --master-addr HOST` "
+                "(node 0 has --node-rank 0 and HOST is its address); to train on this box alone, leave out "
+                + " and ".join(g.split()[0] for g in given) + ".")
         return None
     if a.nnodes < 1 or not 0 <= a.node_rank < a.nnodes:
         raise UsageError(f"--nnodes {a.nnodes} --node-rank {a.node_rank}: the rank must be 0 .. nnodes-1",
@@ -158,6 +196,10 @@ def _nodes(a) -> Optional[dict]:
     if not a.master_addr:
         raise UsageError(f"--nnodes {a.nnodes} needs --master-addr (the address of node 0)",
                          fix="add --master-addr HOST --master-port PORT, the same on every node.")
+    if not 0 < a.master_port < 65536:
+        raise UsageError(f"--master-port {a.master_port} is not a TCP port",
+                         fix=f"give a free port from 1024 to 65535 on node 0, the same on every node (default "
+                         f"{MASTER_PORT}).")
     return {"nnodes": a.nnodes, "node_rank": a.node_rank, "master_addr": a.master_addr, "master_port": a.master_port}
 
 
@@ -227,8 +269,13 @@ def cmd_push(a) -> int:
 def cmd_export(a) -> int:
     from launcher.deliver.export import export_command
     from launcher.run.pipeline import resolve_run
+    from launcher.store.modes import share_results
 
-    return export_command(resolve_run(a.target, command="export"), merged=a.merged, gguf=a.gguf)
+    run = resolve_run(a.target, command="export")
+    try:
+        return export_command(run, merged=a.merged, gguf=a.gguf)
+    finally:  # what the export wrote, as readable as the rest of the run (as the supervisor's export does)
+        share_results(run.final, lambda line: print(line, file=sys.stderr))
 
 
 def cmd_publish(a) -> int:
@@ -268,22 +315,52 @@ def split_command_line(argv: list[str]) -> tuple[list[str], list[str]]:
     return [x for x in argv if x not in overrides], overrides
 
 
+def _recipe_and_overrides(argv: list[str], recipe: str, words: list[str]) -> tuple[str, list[str]]:
+    """The recipe, and every other word that is not an option (the overrides and the words argparse left over) in
+    the order typed on `argv`: recipe.parse_overrides reads `max_steps 20` or `epochs = 1` as the user typed them and
+    refuses them by name. argparse's recipe is the first such word; when that is no file but a later one is
+    (`ftrun plan max_steps 20 r.yaml`), the file is the recipe and the first word is refused as a word."""
+    left, ordered = [recipe, *words], []
+    for word in argv[1:]:  # argv[0] is the command
+        if word in left:
+            left.remove(word)
+            ordered.append(word)
+    ordered += left
+    if not os.path.isfile(recipe):
+        recipe = next((w for w in ordered if "=" not in w and os.path.isfile(w)), recipe)
+    ordered.remove(recipe)
+    return recipe, ordered
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv  # accepted anywhere on the line
     argv = [x for x in argv if x != "--debug"]
+    parser, extra = None, []
     if argv[:1] == ["llamacpp"]:  # its own parser (launcher/deliver/llamacpp.py) reads the rest, --help included
         args = argparse.Namespace(command="llamacpp", args=argv[1:])
     else:
+        typed = argv[0] if argv[:1] and argv[0] in COMMANDS else "RECIPE"  # `ftrun RECIPE` is `ftrun run RECIPE`
+        typed_argv = argv if typed != "RECIPE" else ["run", *argv]
         argv, overrides = split_command_line(argv)
-        args = _parser().parse_args(argv)
+        parser = _parser()
+        args, extra = parser.parse_known_args(argv)
         if hasattr(args, "overrides"):
-            args.overrides = overrides
-    if args.command is None:
-        _parser().print_help()
-        return 2
-    handler = globals()[f"cmd_{args.command}"]
+            # words that are neither options nor key=value (`max_steps 20`, `lr:1e-4`) go to the overrides too, in
+            # the order typed, so that they are refused by name (recipe.parse_overrides) instead of dropped
+            strays = list(args.overrides) + ([] if any(x.startswith("-") for x in extra) else extra)
+            extra = [x for x in extra if x not in strays]
+            args.recipe, args.overrides = _recipe_and_overrides(typed_argv, args.recipe, overrides + strays)
     try:
+        if extra:
+            misplaced = _misplaced_option(parser, args, extra, f"ftrun {typed}")
+            if misplaced is None:
+                parser.error("unrecognized arguments: " + " ".join(extra))  # argparse's usage and exit 2
+            raise misplaced
+        if args.command is None:
+            _parser().print_help()
+            return 2
+        handler = globals()[f"cmd_{args.command}"]
         return handler(args)
     except FtrunError as exc:
         if debug:

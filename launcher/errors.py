@@ -144,3 +144,39 @@ class BusyError(FtrunError):
 class SyncError(FtrunError):
     kind = "sync error"
     exit_code = EXIT_RUN_FAILED
+
+
+# A raw control character inside a JSON string, by the name a user knows it and the escape JSON wants instead.
+_CONTROL = {"\t": ("a tab", "\\t"), "\n": ("a line break", "\\n"), "\r": ("a carriage return", "\\r")}
+
+
+def json_problem(exc, lines: bool = True) -> str:
+    """A json.JSONDecodeError in words, its place said once: Python's own message ends some problems with "at"
+    ("Invalid control character at", "Unterminated string starting at"), which a message that adds "at column N"
+    doubles. A broken string is placed where it starts (the opening quote), the point a reader looks for; `lines`:
+    name the line too (a whole JSON file; one JSONL line is already named by its caller)."""
+    doc, pos = exc.doc or "", exc.pos
+
+    def where(p: int) -> str:
+        line = doc.count("\n", 0, p) + 1
+        column = p - (doc.rfind("\n", 0, p) + 1) + 1
+        return f"line {line}, column {column}" if lines else f"column {column}"
+
+    if exc.msg.startswith("Invalid control character"):
+        start, inside, escaped = None, False, False
+        for i, ch in enumerate(doc[:pos]):  # valid JSON up to pos: quotes outside strings open them
+            if escaped:
+                escaped = False
+            elif inside and ch == "\\":
+                escaped = True
+            elif ch == '"':
+                inside, start = not inside, i if not inside else start
+        ch = doc[pos] if pos < len(doc) else ""
+        name, escape = _CONTROL.get(ch, (f"the control character U+{ord(ch or chr(0)):04X}",
+                                         f"\\u{ord(ch or chr(0)):04x}"))
+        at = "" if start is None else f" ({where(pos).split(', ')[-1]})"
+        return (f"the string that starts at {where(start if start is not None else pos)} holds {name}{at} as a raw "
+                f"character, which JSON does not allow inside a string: write it as {escape}")
+    if exc.msg.startswith("Unterminated string"):
+        return f"the string that starts at {where(pos)} never ends (its closing quote is missing)"
+    return f"{exc.msg.removesuffix(' at')} at {where(pos)}"

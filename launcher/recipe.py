@@ -1,13 +1,15 @@
 """A recipe: YAML checked into a frozen, typed `Recipe`; `key=value` overrides; every error at once.
 
 Precedence, lowest first: the defaults below < the recipe file < `key=value` on the command line.
-Relative paths (`data`, `output_dir`, a local `model` directory) resolve against the recipe's folder.
+Relative paths (`data`, `output_dir`, a local `model` directory) resolve against the recipe's folder; the same keys
+given on the command line resolve against the working directory.
 """
 
 from __future__ import annotations
 
 import difflib
 import re
+import typing
 import hashlib
 import json
 from pathlib import Path
@@ -16,12 +18,13 @@ from typing import Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
-from launcher import engine_kinds, export_formats, gguf_types, methods, tracker_kinds
+from launcher import engine_kinds, export_formats, gguf_types, methods, model_files, tracker_kinds
 from launcher.data import formats as data_formats
+from launcher.data import loss_view
 from launcher.data import sources as data_sources
 from launcher.data import task_metrics
 from launcher.store.sync import kinds as sync_kinds
-from launcher.errors import RecipeError
+from launcher.errors import RecipeError, UsageError
 
 Method = Literal[tuple(methods.METHODS)]  # the method table, launcher/methods.py
 Engine = Literal[(engine_kinds.AUTO, *engine_kinds.ENGINES)]  # the engine table, launcher/engine_kinds.py
@@ -100,6 +103,15 @@ class LoraSettings(_Strict):
         "all-linear", description="'all-linear' or a list such as [q_proj, v_proj]."
     )
 
+    @field_validator("target_modules")
+    @classmethod
+    def _something_to_adapt(cls, value: Union[str, list[str]]) -> Union[str, list[str]]:
+        # PEFT would fail after the model loaded (tuners_utils: "Target modules [] not found in the base model")
+        if isinstance(value, list) and not [m for m in value if str(m).strip()]:
+            raise ValueError("an empty list adapts nothing: LoRA needs modules to put its matrices on; write "
+                             "all-linear (every linear layer but the head) or names such as [q_proj, v_proj]")
+        return value
+
 
 class SmokeSettings(_Strict):
     enabled: bool = Field(True, description="Run the smoke test before the full run.")
@@ -137,6 +149,9 @@ class SyncSettings(_Strict):
         if value and re.search(r"://[^/@]+:[^/@]+@", value):
             raise ValueError("credentials do not belong in the recipe; use the environment (AWS_*, HF_TOKEN) "
                              "or ~/.ssh/config instead")
+        wrong = sync_kinds.problem(value) if value else None  # the scheme, the bucket/repo/host: before any copy
+        if wrong:
+            raise ValueError(wrong)
         return value
 
 
@@ -214,6 +229,10 @@ class Recipe(_Strict):
         "(org/name), a {path, split, subset, columns, format, weight} mapping, or a list of those mixed by weight. "
         "Formats (detected): chat messages, ShareGPT, Alpaca, prompt/completion, plain text (docs/data.md).")
     max_length: int = Field(2048, gt=0, description="Tokens per example; longer ones are truncated.")
+    max_length_may_cut: float = Field(
+        loss_view.CUT_SHARE_LIMIT, ge=0.0, le=1.0,
+        description="Share of the examples whose trained part max_length may cut (the answer loses its end and its "
+        "end-of-turn token) before the data check refuses; 0: none.")
     micro_batch_size: int = Field(2, gt=0, description="Examples per GPU per forward pass.")
     gradient_accumulation_steps: int = Field(4, gt=0, description="Micro-batches per optimizer step.")
     epochs: float = Field(3.0, gt=0, description="Passes over the data (ignored when max_steps is set).")
@@ -299,6 +318,14 @@ class Recipe(_Strict):
     publish: PublishSettings = Field(default_factory=PublishSettings,
                                      description="Pushing the verified result to the Hugging Face Hub, with a model card.")
     trainer: dict[str, Any] = Field(default_factory=dict, description="Extra TRL SFTConfig fields, passed through.")
+
+    @field_validator("model")
+    @classmethod
+    def _model_is_not_a_file(cls, value: str) -> str:
+        wrong = model_files.not_a_model(value)  # a GGUF above all: refused here, before any download or GPU time
+        if wrong:
+            raise ValueError(f"{wrong[0].removeprefix(f'model {value} is ')}; {wrong[1]}")
+        return value
 
     @field_validator("tokens", mode="before")
     @classmethod
@@ -438,16 +465,71 @@ def _field_doc(loc: str) -> str:
     return ""
 
 
+_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*")
+
+
+def _unread_words(words: list[str]) -> list[str]:
+    """Each word of the command line's overrides (in the order typed) that is not key=value, with the form that would
+    have worked: `max_steps 20`, `epochs = 1`, `epochs =1`, `epochs= 1` -> `max_steps=20`, `epochs=1`;
+    `learning_rate:1e-4` -> `learning_rate=1e-4`. One line each; [] when every word is key=value."""
+    lines, i = [], 0
+    while i < len(words):
+        word, after = words[i], words[i + 1:]
+        key, sep, _ = word.partition("=")
+        if sep and key and _KEY.fullmatch(key):  # key=value (key= sets the key to null)
+            if word.endswith("=") and after and "=" not in after[0]:  # `epochs= 1`: the value stood apart
+                lines.append(f"- '{word} {after[0]}': the value stands apart from its key; write {word}{after[0]}")
+                i += 2
+                continue
+            i += 1
+            continue
+        if sep and key:
+            lines.append(f"- '{word}': '{key}' is not a key (a recipe key is a name or a dotted path such as lora.r); "
+                         f"write it like lora.r=8")
+        elif sep:  # `=1` or `=`: no key before '=' (a key given apart from it is named by the branch below)
+            lines.append(f"- '{word}': no key before '='; write it like max_steps=20")
+        elif ":" in word and _KEY.fullmatch(word.partition(":")[0]):
+            name, _, value = word.partition(":")
+            lines.append(f"- '{word}': ':' between key and value is the recipe file's form; on the command line "
+                         f"write {name}={value}")
+        elif _KEY.fullmatch(word) and Path(word).suffix.lower() in (".yaml", ".yml"):
+            lines.append(f"- '{word}': a second recipe; ftrun reads one recipe per command, run it on its own")
+        elif _KEY.fullmatch(word):
+            nxt = after[0] if after else None
+            if nxt == "=" and len(after) > 1:  # `epochs = 1`
+                lines.append(f"- '{word} = {after[1]}': spaces around '='; write {word}={after[1]}")
+                i += 3
+                continue
+            if nxt is not None and nxt.startswith("=") and nxt != "=":  # `epochs =1`
+                lines.append(f"- '{word} {nxt}': a space before '='; write {word}{nxt}")
+                i += 2
+                continue
+            if nxt is not None and "=" not in nxt:  # `max_steps 20`
+                lines.append(f"- '{word} {nxt}': a key and its value as two words; write {word}={nxt}")
+                i += 2
+                continue
+            lines.append(f"- '{word}': a key without a value; write {word}=VALUE")
+        else:
+            lines.append(f"- '{word}': not key=value; write overrides like max_steps=20 lora.r=8")
+        i += 1
+    return lines
+
+
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
-    """`lora.r=8 max_steps=20` -> nested dict; values are parsed as YAML scalars."""
+    """`lora.r=8 max_steps=20` -> nested dict; values are parsed as YAML scalars. `pairs` are the command line's words
+    after the recipe in the order typed: a word that is not key=value is refused by name, never dropped."""
+    unread = _unread_words(pairs)
+    if unread:
+        head = "is neither an option nor a key=value override (ftrun would have run without it)"
+        raise UsageError(
+            (f"{unread[0][2:].replace(': ', f' {head}: ', 1)}" if len(unread) == 1 else
+             f"{len(unread)} parts of the command line are neither options nor key=value overrides (ftrun would have "
+             f"run without them):\n" + "\n".join(unread)),
+            fix="write each override as key=value, no spaces around '=' (quote a value with spaces: key='a b'); "
+            "`ftrun explain` lists the keys.")
     out: dict[str, Any] = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
-        if not sep or not key or any(not part for part in key.split(".")):
-            raise RecipeError(
-                f"cannot read the override '{pair}'",
-                fix="write overrides as key=value after the recipe, e.g. `max_steps=20 lora.r=8`.",
-            )
         try:
             value = yaml.safe_load(raw) if raw != "" else None
         except yaml.YAMLError:
@@ -498,14 +580,47 @@ def _resolve_paths(raw: dict[str, Any], base_dir: Path, default_name: str) -> di
     if isinstance(out.get("model"), str):
         model = out["model"]
         candidate = (base_dir / Path(model).expanduser())
-        # "org/name" is a Hub id unless such a folder exists next to the recipe.
-        if _looks_local(model) or candidate.is_dir():
+        # "org/name" is a Hub id unless such a folder (or a file, refused by name then) exists next to the recipe.
+        if _looks_local(model) or candidate.exists():
             out["model"] = str(candidate.resolve())
     if out.get("output_dir") is None:
         out["output_dir"] = str((Path.cwd() / "runs" / default_name).resolve())
     elif isinstance(out.get("output_dir"), str):
         out["output_dir"] = str((base_dir / Path(out["output_dir"]).expanduser()).resolve())
     return out
+
+
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: Any, first: int, again: int):
+        super().__init__(f"the key {key!r} is written twice (lines {first} and {again})")
+        self.key, self.first, self.again = key, first, again
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a mapping that names a key twice (YAML leaves it to the loader, and PyYAML's
+    own keeps the last one in silence): checked in construct_mapping, the hook PyYAML builds every mapping with,
+    before merge keys (<<) are flattened into it."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                if isinstance(key, (str, int, float, bool)) and key in seen:
+                    raise _DuplicateKey(key, seen[key], line)
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _command_line_paths(over: dict[str, Any]) -> dict[str, Any]:
+    """The paths of the command line's overrides (output_dir=, data=, eval.data=, model=) against the working
+    directory, as a shell user expects of every path typed there; the recipe file's own paths resolve against its
+    folder afterwards (_resolve_paths), which leaves these, absolute by then, as they are."""
+    resolved = _resolve_paths(over, Path.cwd(), default_name="")
+    return {k: v if v is None else resolved[k] for k, v in over.items()}  # `output_dir=` keeps meaning the default
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
@@ -517,7 +632,10 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
             fix="give the path of a recipe YAML, e.g. `ftrun recipes/tiny-cpu.yaml` (see recipes/).",
         )
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=_RecipeLoader)  # noqa: S506 - a SafeLoader subclass
+    except _DuplicateKey as exc:
+        raise RecipeError(f"{path}: {exc}; YAML would keep only the last value",
+                          fix=f"keep one '{exc.key}' (line {exc.first} or {exc.again}) and delete the other.") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -530,7 +648,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     if not isinstance(raw, dict):
         raise RecipeError(f"{path} must be a mapping of keys to values, found a {type(raw).__name__}",
                           fix="write the recipe as `key: value` lines (see recipes/tiny-cpu.yaml).")
-    merged = _merge(raw, parse_overrides(overrides or []))
+    merged = _merge(raw, _command_line_paths(parse_overrides(overrides or [])))
     return validate_recipe(merged, path.parent.resolve(), path.stem, source=str(path))
 
 
@@ -551,17 +669,53 @@ def check_trainer_fields(recipe: Recipe) -> None:
     import trl
 
     SFTConfig = getattr(trl, methods.OBJECTIVES["sft"].config)
-    known = {f.name for f in dataclasses.fields(SFTConfig)}
-    bad = [k for k in recipe.trainer if k not in known]
+    fields = {f.name: f for f in dataclasses.fields(SFTConfig)}
+    bad = [k for k in recipe.trainer if k not in fields]
     if bad:
         lines = []
         for k in bad:
-            near = close_name(k, sorted(known))
+            near = close_name(k, sorted(fields))
             lines.append(f"- trainer.{k} is not a field of TRL's SFTConfig" + (f" (did you mean '{near}'?)" if near else ""))
         raise RecipeError(
             "the recipe's trainer: section has unknown fields:\n" + "\n".join(lines),
             fix="use SFTConfig field names of the installed trl (python -c 'import trl; help(trl.SFTConfig)').",
         )
+    hints = typing.get_type_hints(SFTConfig)
+    wrong = [line for k, v in recipe.trainer.items() if (line := _trainer_value_problem(k, v, hints.get(k), fields[k]))]
+    if wrong:
+        raise RecipeError(
+            "the recipe's trainer: section has values the installed trl/transformers do not take:\n" + "\n".join(wrong),
+            fix="use one of the values named (they come from the installed libraries' own choices), or leave the key "
+            "out for its default.")
+
+
+def _trainer_value_problem(key: str, value: Any, hint: Any, field: Any) -> Optional[str]:
+    """Why `value` does not fit the SFTConfig field `key`, from the field's own declaration: its enum types
+    (transformers' SchedulerType, OptimizerNames, IntervalStrategy, ...: their values are the names
+    TrainingArguments.__post_init__ accepts), its `choices` metadata (TRL's loss_type, packing_strategy, ...), or its
+    plain type (bool, int, float). None when it fits or the field takes a shape this does not check."""
+    import enum
+
+    options = [a for a in typing.get_args(hint)] if typing.get_args(hint) else [hint]
+    if value is None:
+        return None if type(None) in options else f"- trainer.{key}: null, which it does not take"
+    choices = list(field.metadata.get("choices") or [])
+    enums = [o for o in options if isinstance(o, type) and issubclass(o, enum.Enum)]
+    choices += [m.value for e in enums for m in e]
+    if choices and isinstance(value, str):
+        if value in choices:
+            return None
+        near = close_name(value, [str(c) for c in choices])
+        return (f"- trainer.{key}: {value!r} is not one of " + ", ".join(str(c) for c in choices)
+                + (f" (did you mean '{near}'?)" if near else ""))
+    plain = [o for o in options if o is not type(None)]  # Optional[float] is a float where a value is given
+    if plain == [bool] and not isinstance(value, bool):
+        return f"- trainer.{key}: {value!r} is not true or false"
+    if plain == [int] and (isinstance(value, bool) or not isinstance(value, int)):
+        return f"- trainer.{key}: {value!r} is not a whole number"
+    if plain == [float] and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        return f"- trainer.{key}: {value!r} is not a number"
+    return None
 
 
 def explain() -> str:

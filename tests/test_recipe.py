@@ -1,11 +1,12 @@
 """Recipe validation: every problem reported at once, did-you-mean, overrides, path resolution."""
 
+import re
 from pathlib import Path
 
 import pytest
 import yaml
 
-from launcher.errors import RecipeError
+from launcher.errors import RecipeError, UsageError
 from launcher.recipe import load_recipe, parse_overrides
 
 
@@ -71,9 +72,10 @@ def test_override_with_unknown_key_is_an_error(tmp_path):
         load_recipe(_write(tmp_path, BASE), ["max_step=3"])
 
 
-@pytest.mark.parametrize("pair", ["max_steps", "=3", "lora.=3"])
-def test_malformed_override(pair):
-    with pytest.raises(RecipeError, match="cannot read the override"):
+@pytest.mark.parametrize("pair, says", [("max_steps", "write max_steps=VALUE"), ("=3", "no key before '='"),
+                                        ("lora.=3", "'lora.' is not a key")])
+def test_malformed_override(pair, says):
+    with pytest.raises(UsageError, match=f"'{re.escape(pair)}' is neither an option nor a key=value override.*{says}"):
         parse_overrides([pair])
 
 

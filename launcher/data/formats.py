@@ -19,6 +19,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
+from launcher.errors import json_problem
+
 
 @dataclass(frozen=True)
 class Format:
@@ -45,6 +47,11 @@ ROLES = ("system", "user", "assistant", "tool")
 # whether it renders them; launcher/data/dataset.py checks that it does for every record that has them.
 KEPT_FIELDS = ("tool_calls", "tool_call_id", "name", "reasoning_content", "thinking", "reasoning")
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# Per-turn training switches some formats carry (OpenAI's fine-tuning format and Axolotl's chat_template datasets:
+# "weight": 0 on an assistant turn means "do not train on it"; Axolotl's message_field_training "train"). ftrun
+# trains every assistant turn alike, so a turn switched on is what it does anyway; a turn switched off cannot be
+# honoured and is refused with its line, never trained in silence.
+TRAINING_SWITCHES = ("weight", "train", "training")
 # ShareGPT's role names as Axolotl, LLaMA-Factory and FastChat write them.
 SHAREGPT_ROLES = {
     "human": "user", "user": "user",
@@ -140,7 +147,7 @@ def _maybe_json(value: Any, field: str) -> Any:
         try:
             return json.loads(value)
         except json.JSONDecodeError as exc:
-            raise RecordProblem(f"'{field}' is not valid JSON ({exc.msg} at column {exc.colno})") from None
+            raise RecordProblem(f"'{field}' is not valid JSON: {json_problem(exc, lines=False)}") from None
     return value
 
 
@@ -182,6 +189,18 @@ def check_messages(msgs: Any, field: str, need_assistant: bool = True) -> list[d
             raise RecordProblem(f"{where}.content must be a string, found {type(content).__name__}")
         elif not content.strip() and not calls:
             raise RecordProblem(f"{where} ({role}) has empty content")
+        for key in TRAINING_SWITCHES:
+            if key in m and not (role == "assistant" and m[key] in (1, True)):
+                raise RecordProblem(
+                    f"{where}.{key} is {m[key]!r} on {'an' if role[0] in 'aeiou' else 'a'} {role} turn: a per-turn "
+                    "training switch ftrun cannot honour "
+                    "(it trains every assistant turn alike, and no other turn); remove the turns not to train on "
+                    f"(or end the conversation before them), or drop '{key}' where the turn should train")
+        unknown = sorted(k for k in m if k not in ("role", "content", *KEPT_FIELDS, *TRAINING_SWITCHES))
+        if unknown:
+            raise RecordProblem(f"{where} has {', '.join(repr(k) for k in unknown)}, which ftrun does not read (it reads "
+                                f"role, content, {', '.join(KEPT_FIELDS)}); a key that is not honoured is refused, "
+                                "not dropped in silence: remove it, or move what it says into the content")
         kept = {"role": role, "content": content}
         kept.update({k: m[k] for k in KEPT_FIELDS if m.get(k) not in (None, "")})
         out.append(kept)

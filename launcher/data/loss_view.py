@@ -32,7 +32,7 @@ EMPTY_SHARE_LIMIT = 0.01
 # Examples whose trained part max_length cuts (the answer loses its end, and its end-of-turn token): up to this
 # share passes (max_length at the data's 95th percentile is a usual way to keep the long tail out of memory; the
 # test data's max_length 256 cuts 3.8%), above it, one answer in twenty or more trains without its end, and the
-# data check refuses and names the length that keeps them.
+# data check refuses and names the length that keeps them. The default of the recipe's max_length_may_cut.
 CUT_SHARE_LIMIT = 0.05
 # The example shown: at most this many characters of it, the middle elided (the demo and `ftrun plan` stay compact).
 SHOWN_CHARS = 900
@@ -51,6 +51,7 @@ class Settings:
     packing_strategy: str = "bfd"
     truncation_mode: str = "keep_start"
     eos_token: Optional[str] = None  # SFTConfig.eos_token: another EOS than the tokenizer's
+    may_cut: float = CUT_SHARE_LIMIT  # the recipe's max_length_may_cut
 
     @classmethod
     def of(cls, recipe) -> "Settings":
@@ -58,7 +59,8 @@ class Settings:
         return cls(max_length=recipe.max_length, assistant_only_loss=recipe.assistant_only_loss,
                    completion_only_loss=t.get("completion_only_loss"), packing=recipe.packing,
                    packing_strategy=t.get("packing_strategy", "bfd"),
-                   truncation_mode=t.get("truncation_mode", "keep_start"), eos_token=t.get("eos_token"))
+                   truncation_mode=t.get("truncation_mode", "keep_start"), eos_token=t.get("eos_token"),
+                   may_cut=getattr(recipe, "max_length_may_cut", CUT_SHARE_LIMIT))
 
 
 @dataclass
@@ -413,16 +415,17 @@ def _refuse_no_stop(view: LossView, where, marks: list[Marked], stops: set[int])
 def _refuse_cut(view: LossView, where, marks: list[Marked]) -> None:
     s = view.settings
     bad = [i for i, m in enumerate(marks) if m.cut]
-    if len(bad) <= CUT_SHARE_LIMIT * len(marks):
+    if len(bad) <= s.may_cut * len(marks):
         return
     lengths = [m.length for m in marks]
     i = bad[0]
     raise DataError(
         f"{where[i]}: max_length {s.max_length} cuts the trained part of {len(bad)} of {len(marks)} examples "
-        f"({len(bad) / len(marks):.1%}, more than the {CUT_SHARE_LIMIT:.0%} allowed: loss_view.CUT_SHARE_LIMIT); this one "
+        f"({len(bad) / len(marks):.1%}, more than max_length_may_cut={s.may_cut:g} allows); this one "
         f"has {marks[i].length} tokens, and its answer loses its end and its end-of-turn token:\n" + _shown(view, marks[i]),
         fix=f"raise max_length: {percentile(lengths, 99)} keeps 99% of the examples whole (p99), {max(lengths)} keeps "
-            "all of them; or shorten or remove the long examples.")
+            "all of them; or shorten or remove the long examples; or allow more cut answers with "
+            f"max_length_may_cut={len(bad) / len(marks):.2f} (they train without their end).")
 
 
 # ---------------------------------------------------------------------------------------------------------------

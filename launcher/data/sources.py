@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from launcher.store.checkpoint import sha256_file
-from launcher.errors import DataError
+from launcher.errors import DataError, json_problem
 
 EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv")
 
@@ -66,7 +66,29 @@ def sources_of(spec: Any) -> list[Source]:
                             fix="give data as a path, {path: org/name, split: train}, or a list of those.")
     if not out:
         raise DataError("data is an empty list", fix="name at least one file, folder or Hub dataset under data.")
+    for source in out:
+        _only_options_that_apply(source)
     return out
+
+
+def _only_options_that_apply(source: Source) -> None:
+    """A Hub-only option on a local source would be ignored and the source read whole: refused, naming both. A
+    local file or folder of files has no splits, subsets or revisions; a dataset saved with `datasets` has splits
+    (a DatasetDict) but no subsets or revisions."""
+    if not source.local:
+        return
+    path = Path(source.path)
+    saved = path.is_dir() and _is_saved_dataset(path)
+    ignored = [(k, v) for k, v in (("subset", source.subset), ("revision", source.revision)) if v is not None]
+    if source.split != "train" and not saved:
+        ignored.insert(0, ("split", source.split))
+    if ignored:
+        what = ", ".join(f"{k}: {v}" for k, v in ignored)
+        raise DataError(f"data entry {source.path}: {what} applies to Hub datasets"
+                        + (" (a saved dataset takes split only)" if saved else "")
+                        + f", and {source.path} is a local {'saved dataset' if saved else 'file or folder'}, read whole",
+                        fix="remove it from the data entry, or split the data into files of its own (one file per "
+                        "split: the held-out part as eval.data).")
 
 
 def pinned(spec: Any, recorded: list[dict[str, Any]]) -> list[Source]:
@@ -141,7 +163,7 @@ def _read_file(path: Path, label: str) -> Iterator[tuple[str, Any]]:
             try:
                 doc = json.loads(path.read_text(encoding="utf-8"))
             except json.JSONDecodeError as exc:
-                raise DataError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})",
+                raise DataError(f"{path} is not valid JSON: {json_problem(exc)}",
                                 fix="a .json file holds one list of records; use .jsonl for one record per line.") from None
             if isinstance(doc, dict) and len(doc) == 1 and isinstance(next(iter(doc.values())), list):
                 doc = next(iter(doc.values()))  # {"train": [...]} or {"data": [...]}
@@ -158,7 +180,7 @@ def _read_file(path: Path, label: str) -> Iterator[tuple[str, Any]]:
                     try:
                         yield f"{label} line {lineno}", json.loads(line)
                     except json.JSONDecodeError as exc:
-                        yield f"{label} line {lineno}", NotJson(f"not valid JSON ({exc.msg} at column {exc.colno})")
+                        yield f"{label} line {lineno}", NotJson(f"not valid JSON: {json_problem(exc, lines=False)}")
     except UnicodeDecodeError as exc:
         raise DataError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})",
                         fix="save the file as UTF-8.") from None

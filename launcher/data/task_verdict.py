@@ -21,12 +21,15 @@ def pct(value: float) -> str:
 
 
 def base_score(t: dict[str, Any]) -> tuple[Optional[float], str]:
-    """The score the verdict reads, the base model's with examples in its prompt (zero-shot when there were none),
-    and how to name it."""
+    """The score the verdict reads, and how to name it: the base model's best prompt of the two tried, with examples
+    in it (the article's "good prompt with a few examples") or without (a model the examples confuse, or one
+    already trained on the task, answers better without them); with examples where both score the same."""
     scores, shots = t.get("scores") or {}, t.get("shots")
-    if scores.get(BASE_FEW_SHOT) is not None and shots != 0:
-        return scores[BASE_FEW_SHOT], f"base model with {shots} examples" if shots else "base model with examples"
-    return scores.get(BASE_ZERO_SHOT), "base model zero-shot"
+    few = scores.get(BASE_FEW_SHOT) if shots != 0 else None
+    zero = scores.get(BASE_ZERO_SHOT)
+    if few is not None and (zero is None or few >= zero):
+        return few, f"base model with {shots} examples" if shots else "base model with examples"
+    return zero, "base model zero-shot"
 
 
 def verdict(t: dict[str, Any], price: str = "") -> str:
@@ -51,4 +54,5 @@ def verdict(t: dict[str, Any], price: str = "") -> str:
             return f"{who}: fields wrong in {fifths} of 5 ({pct(score)} field match): fine-tuning pays"
         return f"{who}: {pct(score)} {word}, below the {pct(PAYS_BELOW)} a prompt would need: fine-tuning pays"
     said = f"right in {pct(score)}" if metric == "exact" else f"{pct(score)} {word}"
-    return f"{who}: {said}: a prompt with examples may be enough" + (f"; fine-tuning would {price}" if price else "")
+    prompt = "a prompt with examples" if who != "base model zero-shot" else "a prompt"
+    return f"{who}: {said}: {prompt} may be enough" + (f"; fine-tuning would {price}" if price else "")

@@ -261,7 +261,9 @@ def _export_models(inp: Inputs, report: dict[str, Any], tokenizer, prompts, dtyp
         _served_folder(served, outputs["adapter"], "adapter", tokenizer, inp.recipe.model)
         if merge is None:
             return _serving(inp, report, tokenizer, served)
-        _say(f"merging the adapter into the {merge.dtype} base")
+        # both dtypes: the merge's arithmetic and what the merged folder holds (export.json's export_dtype)
+        _say(f"merging the adapter into the {merge.dtype} base; the merged model is saved in "
+             f"{str(dtype).replace('torch.', '')}")
         # A fresh base in the export dtype, where the merge placement says: the merged weights are rounded once,
         # from the adapter's own precision (peft keeps float32 adapter weights over a 16-bit base).
         merged = load_adapter(load_model(inp.recipe.model, merge, loads), inp.source, merge, loads)

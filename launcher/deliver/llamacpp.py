@@ -478,10 +478,12 @@ def main(argv: Optional[list[str]] = None, prog: str = "ftrun llamacpp") -> int:
     p = sub.add_parser("check", help="can a GGUF of this model be made here?")
     p.add_argument("model")
     p.add_argument("--type", default=DEFAULT_TYPE)
-    p = sub.add_parser("convert")
+    p = sub.add_parser("convert", help="convert a merged model folder to a 16-bit GGUF (the export runs it as a "
+                       "child process)")
     for a in ("--converter", "--model", "--outfile", "--outtype"):
         p.add_argument(a, required=True)
-    p = sub.add_parser("quantize")
+    p = sub.add_parser("quantize", help="quantize a 16-bit GGUF to a smaller type (the export runs it as a child "
+                       "process)")
     for a in ("--input", "--output", "--type", "--threads"):
         p.add_argument(a, required=True)
     ns = parser.parse_args(argv)

@@ -74,8 +74,9 @@ def cheapest_rental(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def _fixes_here(job: Job, hw: Hardware, forced: str, unsloth_ok: bool, workday_hours: float,
-                offload: str = "auto") -> list[str]:
-    """Recipe changes that would make the job fit this box, each checked with the same rules."""
+                offload: str = "auto", processes: int | None = None, nnodes: int = 1) -> list[str]:
+    """Recipe changes that would make the job fit this box, each checked with the same rules and the recipe's
+    other settings (num_processes included): a change is offered only when it fits as the recipe would run it."""
     tries: list[tuple[str, Job]] = []
     if job.seq_len > 256:
         for length in (job.seq_len // 2, job.seq_len // 4):
@@ -94,7 +95,7 @@ def _fixes_here(job: Job, hw: Hardware, forced: str, unsloth_ok: bool, workday_h
         tries.append(("gradient_checkpointing=true", replace(job, gradient_checkpointing=True)))
     out = []
     for label, variant in tries:
-        c = choose(variant, hw, forced, unsloth_ok, workday_hours, offload=offload)
+        c = choose(variant, hw, forced, unsloth_ok, workday_hours, processes=processes, nnodes=nnodes, offload=offload)
         if c.fits and c.estimate is not None:
             out.append(f"{label}: fits, {c.estimate.per_gpu_gb:.1f} GB per {'card' if c.device == 'cuda' else 'box'}")
     return out
@@ -109,21 +110,56 @@ def _missing_message(job: Job, c: Choice) -> str:
     return f"{job.method} of {job.arch.name} needs software this machine lacks: {c.refusal}"
 
 
-def _refusal_options(job: Job, hw: Hardware, forced: str, unsloth_ok: bool, workday_hours: float,
-                     rows: list[dict[str, Any]], offload: str = "auto") -> list[str]:
-    """What to do instead, each checked: a box that holds the job (from rows, which hold only such boxes),
-    and recipe changes that make it fit this box. When the recipe's engine or offload setting is what refuses and
-    the plan's own choice fits this box, that is the one fix."""
-    for engine, setting in ((forced, "auto"), ("auto", offload), ("auto", "auto")):
-        if (engine, setting) == (forced, offload):
-            continue
-        c = choose(job, hw, engine, unsloth_ok, workday_hours, offload=setting)
-        if c.fits and c.estimate is not None:
+def _setting_fixes(job: Job, hw: Hardware, forced: str, unsloth_ok: bool, workday_hours: float, offload: str,
+                   processes: int | None, nnodes: int) -> list[str]:
+    """The recipe's settings that pin the plan's choice (engine, offload, num_processes), changed one at a time, then
+    two, then all: the fewest changes that make the job fit this box are what refused it, and the fix. num_processes
+    is tried at auto and at this box's count (its cards, or its cores on a CPU box). Empty when no such change fits:
+    the job itself is too big for the box."""
+    box_count = hw.cpu_count if hw.is_cpu_only else hw.count
+    counts = [processes] + ([None] if processes is not None else []) + \
+        ([box_count] if processes is not None and processes != box_count and box_count >= 2 else [])
+    tries: dict[int, list[tuple[str, str, int | None]]] = {}
+    for engine in dict.fromkeys((forced, "auto")):
+        for setting in dict.fromkeys((offload, "auto")):
+            for count in counts:
+                changed = (engine != forced) + (setting != offload) + (count != processes)
+                if changed:
+                    tries.setdefault(changed, []).append((engine, setting, count))
+    for changed in sorted(tries):
+        fixes: dict[tuple, list[str]] = {}  # the plan a change leads to -> the changes that lead to it
+        words: dict[tuple, str] = {}
+        for engine, setting, count in tries[changed]:
+            c = choose(job, hw, engine, unsloth_ok, workday_hours, processes=count, nnodes=nnodes, offload=setting)
+            if not (c.fits and c.estimate is not None):
+                continue
+            # as typed after the recipe on the command line, like the other fixes (method=qlora)
+            change = " and ".join(f"{k}={v if v is not None else 'auto'}" for k, v, old in (
+                ("engine", engine, forced), ("offload", setting, offload), ("num_processes", count, processes))
+                if v != old)
+            if count is not None and count == box_count and count != processes:
+                change += f" (this box's {box_count} {'cores' if hw.is_cpu_only else 'cards'})"
+            outcome = (c.engine, c.processes, c.offload_optimizer, c.offload_params)
             how = (f" with {offload_words(c.offload_optimizer, c.offload_params)}" if c.offload_optimizer else "")
-            change = " and ".join(f"{k}: {v}" for k, v, old in (("engine", engine, forced), ("offload", setting, offload))
-                                  if v != old)
-            return [f"set {change}: the plan then runs it on this box with {c.engine}{how}, "
-                    f"{c.estimate.peak_gb:.1f} GB per card"]
+            fixes.setdefault(outcome, []).append(change)
+            words.setdefault(outcome, f"the plan then runs it on this box with {c.engine}{how}, {c.processes} "
+                             f"process{'es' if c.processes != 1 else ''}, {c.estimate.peak_gb:.1f} GB per "
+                             f"{'card' if c.device == 'cuda' else 'process'}")
+        if fixes:
+            return [f"set {' or '.join(changes)}: {words[outcome]}" for outcome, changes in fixes.items()]
+    return []
+
+
+def _refusal_options(job: Job, hw: Hardware, forced: str, unsloth_ok: bool, workday_hours: float,
+                     rows: list[dict[str, Any]], offload: str = "auto", processes: int | None = None,
+                     nnodes: int = 1) -> list[str]:
+    """What to do instead, each checked: a box that holds the job (from rows, which hold only such boxes),
+    and recipe changes that make it fit this box. When a setting of the recipe (engine, offload, num_processes) is
+    what refuses and the plan's own choice fits this box, changing that setting is the fix, and nothing else is
+    offered: a bigger box or a smaller job does not address the cause."""
+    settings = _setting_fixes(job, hw, forced, unsloth_ok, workday_hours, offload, processes, nnodes)
+    if settings:
+        return settings
     options = []
     if rows:
         best = min(rows, key=_by_cost)
@@ -134,7 +170,7 @@ def _refusal_options(job: Job, hw: Hardware, forced: str, unsloth_ok: bool, work
                        f"plan for it with --gpus {best['gpus']}")
     else:
         options.append("no box in the GPU catalog holds this job; reduce it (below) or add a bigger box to the catalog")
-    options += _fixes_here(job, hw, forced, unsloth_ok, workday_hours, offload)
+    options += _fixes_here(job, hw, forced, unsloth_ok, workday_hours, offload, processes, nnodes)
     if len(options) == 1:
         options.append("no single recipe change (shorter max_length, QLoRA, 8-bit optimizer, micro_batch_size=1, "
                        "gradient checkpointing) makes it fit this box")

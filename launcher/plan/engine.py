@@ -80,6 +80,11 @@ CPU_ADAM_NOTE = ("DeepSpeed compiles its CPU Adam op (cpu_adam) with the C++ com
                  "installed prebuilt (DS_BUILD_CPU_ADAM=1): about 4 minutes on a 2-core box, once per machine")
 
 
+def _idle(cards: int) -> str:
+    """"1 GPU stays idle", "3 GPUs stay idle"."""
+    return "1 GPU stays idle" if cards == 1 else f"{cards} GPUs stay idle"
+
+
 def offload_words(optimizer: bool, params: bool) -> str:
     """How the plan names DeepSpeed's CPU offload in its reasons and refusals."""
     return ("CPU offload of the optimizer and the parameters (offload_optimizer + offload_param)" if params else
@@ -305,11 +310,11 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
             engine_reason += " (forced by the recipe)"
         reasons += [fit_reason, engine_reason]
         if n > 1 and not in_hand:
-            reasons.append(f"the box has {n} cards; {n - 1} stay idle because one card finishes within a working day "
+            reasons.append(f"the box has {n} cards; {_idle(n - 1)} because one card finishes within a working day "
                            f"({_fmt_hours(hrs1) if hrs1 else 'time unknown'}); a 1-card box costs 1/{n} per hour, "
                            "or force engine: ddp")
         elif n > 1:
-            reasons.append(f"the box has {n} cards; {n - 1} stay idle (billed all the same): rent a 1-card box "
+            reasons.append(f"the box has {n} cards; {_idle(n - 1)} (billed all the same): rent a 1-card box "
                            f"for this job instead, it costs 1/{n} per hour")
         return Choice(True, single_engine, "cuda", 1, one, cap, reasons, tps1, hrs1)
 
@@ -481,5 +486,5 @@ def _choose_gpu_count(job: Job, hw: Hardware, forced: str, unsloth_ok: bool, wor
     if c.fits:
         idle = hw.count - processes
         c.reasons.append(f"num_processes={processes} from the recipe"
-                         + (f"; {idle} of the box's {hw.count} cards stay idle" if idle else ""))
+                         + (f"; {idle} of the box's {hw.count} cards {'stays' if idle == 1 else 'stay'} idle" if idle else ""))
     return c

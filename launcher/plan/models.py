@@ -7,7 +7,7 @@ import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from launcher.model_files import cached_file
+from launcher.model_files import cached_file, not_a_model
 from typing import Any
 
 from launcher.errors import ModelError
@@ -274,9 +274,11 @@ def _from_cache(model: str) -> Architecture | None:
     return from_config(_read_config(cfg), model, f"Hugging Face cache ({cfg})") if cfg else None
 
 
-def _offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes") or \
-        os.environ.get("FTRUN_OFFLINE", "").lower() in ("1", "true", "yes")
+def _offline() -> str | None:
+    """Why the Hub is not asked (offline by setting, or it did not answer the plan's probe), else None."""
+    from launcher import hub_access
+
+    return hub_access.offline_reason()
 
 
 def _from_hub(model: str, timeout: float = 5.0) -> Architecture:
@@ -331,17 +333,24 @@ def load_architecture(model: str, allow_network: bool = True) -> Architecture:
                 fix="point `model` at a folder with the model's config.json (from `save_pretrained` or the Hub).",
             )
         return from_config(_read_config(cfg), path.name, f"local config.json ({cfg})")
+    wrong = not_a_model(model)  # a file (a GGUF above all) where a folder or a Hub id belongs
+    if wrong:
+        raise ModelError(*wrong)
     if model.startswith(("/", ".", "~")):
         raise ModelError(f"model directory {path} does not exist",
-                         fix="check the path (relative paths resolve against the recipe's folder).")
+                         fix="check the path (a recipe's relative paths resolve against its folder, a model= on the "
+                         "command line against the working directory).")
     cached = _from_cache(model)
     if cached is not None:
         return cached
     known = from_catalog(model)
     if known is not None:
         return known
-    if not allow_network or _offline():
-        raise _unknown_model(model, "network access is off (HF_HUB_OFFLINE / FTRUN_OFFLINE)")
+    offline = _offline()
+    if not allow_network or offline:
+        # "... and the Hub at URL did not answer ...", or the setting that keeps it off
+        raise _unknown_model(model, offline if allow_network and offline.startswith("the Hub") else
+                             "network access is off (HF_HUB_OFFLINE / FTRUN_OFFLINE)")
     return _from_hub(model)
 
 
@@ -422,7 +431,7 @@ def download_size(model: str, arch: Architecture, repo: str | None = None, allow
             cached_file(source_repo, n) for n in ("model.safetensors", "model.safetensors.index.json")):
         return Download(source_repo, 0, "in the Hugging Face cache already", cached=True)
     four_bit = repo is not None and "4bit" in repo.lower()
-    why = "offline (HF_HUB_OFFLINE / FTRUN_OFFLINE)"
+    why = _offline() or "offline (HF_HUB_OFFLINE / FTRUN_OFFLINE)"
     if allow_network and not _offline():
         try:
             return Download(source_repo, _hub_weights_bytes(source_repo), "Hub metadata (file sizes)")

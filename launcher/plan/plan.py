@@ -63,6 +63,8 @@ class Plan:
     offload_activations: bool = False  # TRL's activation_offloading (launcher/worker/trainer_config.py)
     refusal: dict[str, Any] = field(default_factory=dict)  # when fits is False: message, why, missing, options
     cheapest_rental: dict[str, Any] | None = None  # the catalog box that runs the job for the least money
+    # the recipe's checkpoint_every_minutes: checkpoints follow the clock, checkpoint_every_steps is its estimate
+    checkpoint_every_minutes: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -82,6 +84,7 @@ class Plan:
             "micro_batch_size": self.micro_batch_size,
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
             "checkpoint_every_steps": self.checkpoint_every_steps,
+            "checkpoint_every_minutes": self.checkpoint_every_minutes,
             "reasons": list(self.reasons),
             "alternatives": [dict(a) for a in self.alternatives],
             "measured": dict(self.measured),
@@ -334,6 +337,7 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
         micro_batch_size=job.micro_batch,
         gradient_accumulation_steps=job.accumulation,
         checkpoint_every_steps=every,
+        checkpoint_every_minutes=recipe.checkpoint_every_minutes,
         reasons=reasons,
         alternatives=alternatives,
         measured=measured,

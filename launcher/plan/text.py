@@ -7,6 +7,13 @@ from launcher.plan.plan import Plan
 from launcher.recipe import TOKENS_MEANING
 
 
+def _fmt_minutes(minutes: float) -> str:
+    """The recipe's checkpoint_every_minutes as read: "20 minutes", "1 minute", "15 s"."""
+    if minutes < 1:
+        return f"{minutes * 60:.3g} s"
+    return "1 minute" if minutes == 1 else f"{minutes:g} minutes"
+
+
 def format_plan(plan: Plan) -> str:
     """Human output: memory breakdown with each term explained, engine and reasons, tokens/time/cost, alternatives."""
     p = plan
@@ -74,7 +81,9 @@ def format_plan(plan: Plan) -> str:
             lines.append(f"Total:  {_fmt_hours(e['total_hours'])}{total_cost} on this box")
     lines.append(f"Steps:  {p.total_steps:,} optimizer steps (micro-batch {p.micro_batch_size} x accumulation "
                  f"{p.gradient_accumulation_steps} x {p.num_processes} process{'es' if p.num_processes > 1 else ''}); "
-                 f"checkpoint every {p.checkpoint_every_steps} steps")
+                 + (f"checkpoint about every {p.checkpoint_every_steps} steps (every "
+                    f"{_fmt_minutes(p.checkpoint_every_minutes)} by the clock)" if p.checkpoint_every_minutes else
+                    f"checkpoint about every {p.checkpoint_every_steps} steps"))
     r = p.cheapest_rental
     if r is not None and p.device == "cuda":
         money = (f"{_fmt_hours(r['hours'])}, {r['cost_eur']:.2f} EUR" if r["cost_eur"] is not None

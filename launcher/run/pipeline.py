@@ -11,7 +11,7 @@ import yaml
 
 from launcher.store.checkpoint import atomic_write_json, newest_step_unverified
 from launcher.engine_kinds import MULTI_NODE
-from launcher.errors import HardwareError, RecipeError, UsageError
+from launcher.errors import BusyError, FtrunError, HardwareError, RecipeError, UsageError
 from launcher.recipe import Recipe, check_trainer_fields, load_recipe
 from launcher.run import weights
 from launcher.store.rundir import RunDir
@@ -51,6 +51,38 @@ def _diff_trajectory(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
             for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
 
 
+def _flat(snap: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in snap.items():
+        if isinstance(v, dict):  # each key by its dotted name (lora.r, trainer.lr_scheduler_type)
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+# Keys that only decide how a run starts (its smoke test and what an out of memory there may change, whether to
+# resume) or what the plan assumes (box, tokens, price): nothing to a run in progress or finished, never a difference.
+STARTING_ONLY = ("smoke", "auto_adjust", "resume", "box", "tokens", "price_per_hour_eur")
+
+
+def _recipe_differences(run: RunDir, recipe: Recipe) -> dict[str, tuple[Any, Any]]:
+    """Every setting (dotted key) in which `recipe` differs from the run's own recipe.yaml: (the run's, the recipe's);
+    the STARTING_ONLY keys left out. The smoke test's recorded adjustments are applied first: they are the run's."""
+    try:
+        old = load_recipe(run.recipe).snapshot()
+    except FtrunError:  # a recipe.yaml this ftrun cannot read: the run's own views say so; nothing to compare
+        return {}
+    new = with_adjustments(run, recipe).snapshot()
+    a, b = _flat(old), _flat(new)
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k) and k.split(".")[0] not in STARTING_ONLY}
+
+
+def _listed(differs: dict[str, tuple[Any, Any]]) -> str:
+    return "\n".join(f"- {k}: run has {old!r}, recipe now says {new!r}" for k, (old, new) in differs.items())
+
+
 def _archive(run: RunDir) -> Path:
     dest = run.root.with_name(f"{run.root.name}.{time.strftime('%Y%m%d-%H%M%S')}")
     run.root.rename(dest)
@@ -70,6 +102,13 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
         _end_orphans(run, recipe)
     if run.exists() and not fresh:
         holder = run_holder(run)
+        differs = _recipe_differences(run, recipe) if holder or effective_state(run) in TRAINED else {}
+        if holder and differs:  # another recipe pointed at a busy run: never a second training, never silence
+            raise BusyError(
+                f"{run.root} is busy: a run is in progress there ({holder['role']} pid {holder['pid']}), and this "
+                f"recipe differs from it:\n" + _listed(differs),
+                fix=f"set another output_dir to train this recipe beside it (output_dir=runs/NAME, or in the "
+                f"recipe), or wait for the run to end (`ftrun status {run.root}`), or stop it (`ftrun stop {run.root}`).")
         if holder:
             s = run_status(run)
             _say(f"a run is already active in {run.root} ({holder['role']} pid {holder['pid']}); "
@@ -80,6 +119,13 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
         if is_locked(run):
             raise busy_error(run)  # held, but by no process ftrun can vouch for: never a second training
         state = effective_state(run)
+        if state in TRAINED and differs:  # the finished run stays as it is; this recipe would be dropped in silence
+            exports = {k.split(".")[0] for k in differs} <= {"export", "gguf_type"}
+            raise RecipeError(
+                f"{run.root} holds a finished run, and this recipe differs from it:\n" + _listed(differs),
+                fix=(f"`ftrun export {run.root} --merged` or `--gguf TYPE` makes another export of the finished run; "
+                     if exports else "") + "add --fresh to train this recipe from the start (the finished run is "
+                "kept, renamed), or set another output_dir (output_dir=runs/NAME, or in the recipe) to keep both.")
         if state in TRAINED:
             _say(f"this run has finished: {run.root}")
             _say(format_status(run_status(run)))

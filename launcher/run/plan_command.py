@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 from launcher.data.stats import data_stats
-from launcher.errors import DataError
+from launcher.errors import DataError, RecipeError
 from launcher.recipe import check_trainer_fields, load_recipe
 from launcher.run.adjustments import with_adjustments
 from launcher.run.data_view import data_line, format_loss_view, wants_color
@@ -36,6 +36,19 @@ def plan_command(recipe_path: str, overrides: list[str], gpus: Optional[str], to
         return exc.exit_code
 
 
+def _ask_the_hub_once(recipe, sources, read_data: bool) -> Optional[str]:
+    """Why the Hub did not answer one short request, when the plan would ask it (a model that is not a local
+    folder, a Hub dataset it reads); the process is then offline, so no later request waits on retries
+    (launcher/hub_access.py). None when it answered, or when nothing would ask it or it is off by setting: the
+    plan's own lines say so then."""
+    from launcher import hub_access
+
+    asks = not Path(recipe.model).expanduser().is_dir() or (read_data and not all(s.local for s in sources))
+    if not asks or hub_access.offline_reason():
+        return None
+    return hub_access.probe()
+
+
 def _plan_command(recipe_path: str, overrides: list[str], gpus: Optional[str], tokens: Optional[str], as_json: bool,
                   price: Optional[float]) -> int:
     import importlib.util
@@ -48,16 +61,27 @@ def _plan_command(recipe_path: str, overrides: list[str], gpus: Optional[str], t
     recipe = load_recipe(recipe_path, overrides)
     check_trackers_installed(recipe)
     notes = []
+    if recipe.sync.to and recipe.sync.to.startswith("hf://"):
+        from huggingface_hub import get_token
+
+        if not get_token():  # the copy would fail at its first upload, after the smoke test spent GPU time
+            raise RecipeError(f"sync.to={recipe.sync.to} is a Hugging Face repo, but no Hugging Face token is set on "
+                              "this box", fix="run `hf auth login`, or set HF_TOKEN to a token with write access "
+                              "(never in the recipe); or copy elsewhere (sync.to).")
     if importlib.util.find_spec("trl") is not None:
         check_trainer_fields(recipe)  # an unknown trainer: field fails here, not after the smoke test started
     elif recipe.trainer:
         notes.append("trainer: fields not checked: trl is not installed here (pip install 'ftrun[train]')")
     count = parse_token_count(tokens, "--tokens") if tokens is not None else None
     stats = None
-    if count is None:
-        from launcher.data.sources import sources_of
+    from launcher.data.sources import sources_of
 
-        sources = sources_of(recipe.data)
+    sources = sources_of(recipe.data)
+    unanswered = _ask_the_hub_once(recipe, sources, read_data=count is None)
+    if unanswered:
+        notes.append(f"planned offline: {unanswered}; the model's figures come from the built-in catalog or this "
+                     "machine's Hugging Face cache, the data's from this machine or the recipe's tokens")
+    if count is None:
         missing = [s.path for s in sources if s.local and not Path(s.path).exists()]
         if not missing:
             try:

@@ -27,6 +27,7 @@ from launcher.store import heartbeat_files
 from launcher.worker import train
 from launcher.worker.engines import MULTI_PROCESS, failed_verification, launch_command, launch_env, with_death_signal
 from launcher.store.checkpoint import newest_step_unverified, step_dir_name
+from launcher.store.modes import share_results
 from launcher.store.rundir import RunDir
 from launcher.store.state import process_identity, read_state, set_state
 
@@ -420,6 +421,7 @@ def _verify_final(recipe, run: RunDir, plan: dict[str, Any]):
 
     if int((plan.get("nodes") or {}).get("node_rank", 0)) != 0:
         return None
+    share_results(run.final, _log)  # the weights readable as the rest of the run (safetensors writes them 0600)
     return final.verify(run.final, recipe.method, recipe.lora.target_modules, recipe.model)
 
 
@@ -472,6 +474,7 @@ def _export(recipe, run: RunDir, child: dict) -> str:
         child["proc"] = None
     except OSError as exc:
         rc, err = None, f"could not start the export: {exc}"
+    share_results(run.final, _log)  # what the export wrote, as readable as the rest of the run
     report = json.loads(report_path.read_text()) if report_path.is_file() else {}
     if rc == 0 and report.get("ok"):
         outs = ", ".join(f"{k} {v.get('size', '')}".strip() for k, v in report.get("outputs", {}).items())

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from launcher import __version__
+from launcher.store.modes import apply_umask
 
 MANIFEST = "manifest.json"
 PREFIX = "step-"
@@ -115,6 +116,9 @@ def atomic_write_json(path: Path, data: Any) -> None:
 
 def write_manifest(ckpt: Path, step: int, meta: dict[str, Any], workers: Optional[int] = None) -> dict[str, Any]:
     """List every file with size and sha256, then write manifest.json last: its presence marks completeness."""
+    # the weights as readable as the rest (safetensors writes them 0600, store/modes.py); a file system without
+    # chmod leaves them as they are, which a resume by the same user does not mind
+    apply_umask(ckpt)
     paths = [p for p in sorted(ckpt.rglob("*"))
              if p.is_file() and p.name != MANIFEST and not p.name.startswith(f".{MANIFEST}")]
     # each data file is fsynced before the manifest claims it

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 
 from launcher.data import task_metrics
 from launcher.data.task_examples import with_shots
-from launcher.data.task_verdict import BASE_FEW_SHOT, BASE_ZERO_SHOT, FINE_TUNED, verdict
+from launcher.data.task_verdict import BASE_FEW_SHOT, BASE_ZERO_SHOT, FINE_TUNED, base_score, verdict
 from launcher.store.checkpoint import atomic_write_json
 from launcher.store.rundir import RunDir
 
@@ -254,8 +254,9 @@ def record(run_root: Path, task: dict[str, Any], name: Optional[str] = None,
         results["scores"][name] = result["score"]
         results["details"][name] = result["details"]
         results["generation"][name] = {k: result[k] for k in ("seconds", "new_tokens", "tokens_per_s")}
-    few = results["scores"].get(BASE_FEW_SHOT)
-    results["fine_tune_pays"] = task_metrics.fine_tune_pays(few) if few is not None else None
+    best, _ = base_score(results)  # the base model's better prompt (data/task_verdict.py)
+    results["fine_tune_pays"] = task_metrics.fine_tune_pays(best) if results["scores"].get(BASE_FEW_SHOT) is not None \
+        else None
     results["verdict"] = verdict(results)
     atomic_write_json(path, results)
     return results

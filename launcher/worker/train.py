@@ -280,6 +280,11 @@ def run_worker(run_dir: Path, mode: str) -> int:
         from transformers.trainer_callback import PrinterCallback
 
         trainer.remove_callback(PrinterCallback)  # our Metrics callback prints one compact line per log
+        # No checkpoints/README.md: at every save trl 1.16 writes its automatic model card into args.output_dir
+        # (sft_trainer.py SFTTrainer._save_checkpoint calls base_trainer.py create_model_card, which saves README.md
+        # there; no setting turns it off), and in a run folder it says "fine-tuned version of [None]". The run's
+        # model card is the one `ftrun publish` writes (launcher/deliver/publish.py).
+        trainer.create_model_card = lambda *args, **kwargs: None
         trainer.add_callback(_tracked_recipe(run, recipe))  # last: after the trackers' own callbacks have started
         if _rank() == 0:
             print(f"[ftrun worker] {_trained_tokens(examples, trainer.train_dataset)}", flush=True)

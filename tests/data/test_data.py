@@ -383,3 +383,50 @@ def test_changed_data_or_eval_data_is_caught_at_the_launch_and_at_a_worker_resta
     assert data_stats(recipe)[2].sha256 != stats.sha256  # the launch refuses the resume (pipeline._prepare)
     why = _data_changed(run, recipe, load_data(str(train), recipe.seed).sha256)
     assert why and "the data changed since the launch checked it" in why and "--allow-changes" in why
+
+
+# -- keys ftrun does not honour are refused, never dropped -------------------------------------------------------
+
+@pytest.mark.parametrize("turn, said", [
+    ({"role": "assistant", "content": "Paris.", "weight": 0},
+     "messages[1].weight is 0 on an assistant turn: a per-turn training switch ftrun cannot honour"),
+    ({"role": "assistant", "content": "Paris.", "train": False}, "messages[1].train is False on an assistant turn"),
+    ({"role": "assistant", "content": "Paris.", "loss_mask": [0, 1]}, "messages[1] has 'loss_mask', which ftrun does not read"),
+    ({"role": "assistant", "content": "Paris.", "mask": True, "id": 7}, "messages[1] has 'id', 'mask', which ftrun does not read"),
+])
+def test_a_per_turn_key_ftrun_does_not_honour_is_refused_with_its_line(tmp_path, turn, said):
+    """OpenAI's and Axolotl's per-turn training weight ("weight": 0: do not train on this turn) and any other key
+    in a message: refused with the line, never dropped while the turn trains anyway."""
+    rows = [{"messages": [{"role": "user", "content": "The capital of France?"},
+                          {"role": "assistant", "content": "Paris."}]}] * 3
+    rows = rows + [{"messages": [{"role": "user", "content": "The capital of France?"}, turn]}]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    msg = _error(str(path))
+    assert "line 4" in msg and said in msg, msg
+
+
+def test_a_turn_switched_on_is_what_ftrun_does_and_loads(tmp_path):
+    rows = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello.", "weight": 1}]},
+            {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello.", "train": True}]}]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = load_data(str(path))
+    assert [m for e in data.examples for m in e["messages"] if "weight" in m or "train" in m] == []
+
+
+@pytest.mark.parametrize("entry, said", [
+    ({"split": "test"}, "split: test applies to Hub datasets"),
+    ({"subset": "en"}, "subset: en applies to Hub datasets"),
+    ({"revision": "main", "split": "validation"}, "split: validation, revision: main applies to Hub datasets"),
+])
+def test_a_hub_only_option_on_a_local_file_is_refused_naming_both(tmp_path, entry, said):
+    from launcher.data.sources import sources_of
+
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"},
+                                             {"role": "assistant", "content": "Hello."}]}) + "\n")
+    with pytest.raises(DataError) as err:
+        sources_of([{"path": str(path), **entry}])
+    assert said in err.value.message and str(path) in err.value.message and "read whole" in err.value.message
+    assert sources_of([{"path": str(path), "split": "train"}])  # the default says nothing new: it loads

@@ -178,9 +178,14 @@ def test_max_length_that_cuts_too_many_answers_is_refused(tokenizers, family):
     record = _check(tokenizers[family], short + [long] * 5, max_length=limit)  # 5 of 100: the limit
     assert record["stats"]["cut"] == 5 and 5 / 100 <= CUT_SHARE_LIMIT
     msg = _refusal(tokenizers[family], short[:90] + [long] * 10, max_length=limit)
-    assert msg.startswith(f"d.jsonl line 91: max_length {limit} cuts the trained part of 10 of 100 examples (10.0%")
+    assert msg.startswith(f"d.jsonl line 91: max_length {limit} cuts the trained part of 10 of 100 examples (10.0%, "
+                          "more than max_length_may_cut=0.05 allows)")
     longest = LossView(tokenizers[family], Settings(max_length=None)).mark(long).length
-    assert f"{longest} keeps all of them" in msg and "(p99)" in msg
+    assert f"{longest} keeps all of them" in msg and "(p99)" in msg and "max_length_may_cut=0.10" in msg
+    # the recipe's key allows more, or none
+    assert _check(tokenizers[family], short[:90] + [long] * 10, max_length=limit, may_cut=0.1)["stats"]["cut"] == 10
+    assert "more than max_length_may_cut=0 allows" in _refusal(tokenizers[family], short + [long], max_length=limit,
+                                                               may_cut=0.0)
 
 
 # -- the example shown, the statistics -------------------------------------------------------------------------

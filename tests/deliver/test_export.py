@@ -34,7 +34,8 @@ def exported(tiny_model, tmp_path_factory):
     t0 = time.monotonic()
     res = ftrun(recipe, "--foreground", cwd=tmp)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return {"run": tmp / "run", "cwd": tmp, "recipe": recipe, "stdout": res.stdout, "seconds": time.monotonic() - t0}
+    return {"run": tmp / "run", "cwd": tmp, "recipe": recipe, "stdout": res.stdout, "stderr": res.stderr,
+            "seconds": time.monotonic() - t0}
 
 
 def report(run: Path) -> dict:
@@ -145,6 +146,68 @@ def test_outputs_reload_on_their_own(exported):
     assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {"BF16"}
     for name in ("tokenizer.json", "chat_template.jinja", "generation_config.json"):
         assert (final / "merged" / name).is_file(), name
+
+
+def _mode(path: Path) -> int:
+    return path.stat().st_mode & 0o7777
+
+
+def test_result_files_are_as_readable_as_the_rest_of_the_run(exported):
+    """safetensors writes its files 0600 (launcher/store/modes.py): a server running as another user could not read
+    the weights beside a 0644 export.json. Every result has the mode the umask gives a new file, the supervisor's
+    export and `ftrun export` alike."""
+    from launcher.store.modes import umask
+
+    run = exported["run"]
+    final = run / "final"
+    want = 0o666 & ~umask()
+    assert _mode(final / "export.json") == want
+    weights = [*final.glob("adapter/*.safetensors"), *final.glob("merged/*.safetensors"),
+               *run.glob("checkpoints/step-*/*.safetensors")]
+    assert {p.relative_to(run).parts[:2] for p in weights} >= {("final", "adapter"), ("final", "merged")}
+    assert any(p.parts[-3] == "checkpoints" for p in weights), "no checkpoint kept to check"
+    assert {str(p.relative_to(run)): oct(_mode(p)) for p in weights} == {
+        str(p.relative_to(run)): oct(want) for p in weights}
+    assert _mode(final / "merged") == 0o777 & ~umask()
+
+    # `ftrun export` run by hand: what it leaves in final/ gets the same mode, even when it refuses
+    merged = final / "merged" / "model.safetensors"
+    merged.chmod(0o600)
+    res = ftrun("export", run, "--gguf", "q3_k_s", cwd=exported["cwd"])
+    assert res.returncode == 2, res.stderr
+    assert _mode(merged) == want
+
+
+def test_the_merge_line_names_both_dtypes(exported):
+    """The merge computes in one dtype and saves in another: the line says both, the saved one as export.json does."""
+    rep = report(exported["run"])
+    merge = rep["placement"]["merge"]["dtype"]
+    assert rep["export_dtype"] == "bfloat16"
+    assert (f"merging the adapter into the {merge} base; the merged model is saved in bfloat16"
+            in exported["stdout"] + exported["stderr"])
+
+
+def test_the_export_prints_no_loading_bars(exported, tmp_path):
+    """transformers draws "Loading weights: 0%|" for each model the export loads, unless its progress bars are off:
+    the export turns them off itself, whatever the environment says (the worker's HF_HUB_DISABLE_PROGRESS_BARS
+    reaches only the processes it starts)."""
+    assert "Loading weights" not in exported["stdout"] + exported["stderr"]
+    run = tmp_path / "run"
+    shutil.copytree(exported["run"], run, ignore=shutil.ignore_patterns("checkpoints"))  # the fixture's stays as it is
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_DISABLE_PROGRESS_BARS")}
+    res = subprocess.run([sys.executable, "-m", "launcher.deliver.export", "--run-dir", str(run), "--formats", "adapter"],
+                         cwd=tmp_path, env={**env, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"},
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "loading the base" in res.stdout  # a model was loaded: the bar would have been drawn
+    assert "Loading weights" not in res.stdout + res.stderr, res.stderr[-2000:]
+
+
+def test_no_automatic_model_card_beside_the_checkpoints(exported):
+    """TRL writes "fine-tuned version of [None]" into checkpoints/README.md at every save unless told not to."""
+    checkpoints = exported["run"] / "checkpoints"
+    assert list(checkpoints.glob("step-*")), "no checkpoint kept to look beside"
+    assert not (checkpoints / "README.md").exists()
 
 
 def test_serving_md_and_modelfile_hold_the_commands(exported):

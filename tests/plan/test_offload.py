@@ -112,9 +112,9 @@ def test_forced_offload_is_honoured_or_refused():
 
 def _fix_plans(recipe_path: Path, overrides: list[str], hw, fix: str) -> None:
     """The fix a refusal names, applied as written, plans."""
-    m = re.match(r"set ((?:\w+: [\w+]+(?: and )?)+): ", fix)
+    m = re.match(r"set ((?:\w+=[\w+]+(?: and )?)+): ", fix)
     if m:
-        changes = [c.replace(": ", "=") for c in m.group(1).split(" and ")]
+        changes = m.group(1).split(" and ")
         assert make_plan(load_recipe(recipe_path, overrides + changes), hw, tokens=15e6).fits
         return
     m = re.match(r"rent (\S+) .*plan for it with --gpus (\S+)", fix)
@@ -144,7 +144,7 @@ def test_a_box_that_cannot_hold_it_even_with_offload_gets_one_layouts_figures_an
     msg, options = err.value.message, err.value.plan.refusal["options"]
     assert "the cards hold it with CPU offload of the optimizer" in msg and "training does not fit the box's RAM" in msg
     assert "this box has 512 GB" in msg and "18 B/param" in msg
-    assert any(o.startswith("rent ") for o in options) and "set engine: auto" not in " ".join(options)
+    assert any(o.startswith("rent ") for o in options) and "set engine=auto" not in " ".join(options)
     _fix_plans(LLAMA_8BIT, [], small, next(o for o in options if o.startswith("rent ")))
     # cards too small even with the optimizer and the parameters offloaded: the "in all" and the per-card figure are
     # the same layout's (before: 468 GB of another layout beside 104.1 GB per card of this one)

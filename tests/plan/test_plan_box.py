@@ -188,11 +188,23 @@ def test_8xh100_uses_its_cards_and_shows_the_cheapest_box_to_rent(tmp_path):
     assert f"the cheapest box to rent instead is {rent['gpus']}" in text and f"{p.estimate['cost_eur']:.2f} EUR" in text
 
 
+def test_the_checkpoint_interval_is_the_clocks_and_its_steps_an_estimate(tmp_path):
+    """Checkpoints follow the clock (checkpoint_every_minutes), so the step count is said as an estimate."""
+    p = make_plan(recipe(tmp_path, checkpoint_every_minutes=20), from_spec("RTX4090"), tokens=15e6)
+    assert p.checkpoint_every_minutes == 20 and p.to_dict()["checkpoint_every_minutes"] == 20
+    assert (f"checkpoint about every {p.checkpoint_every_steps} steps (every 20 minutes by the clock)"
+            in format_plan(p))
+    p = make_plan(recipe(tmp_path, checkpoint_every_minutes=0.25), from_spec("RTX4090"), tokens=15e6)
+    assert f"checkpoint about every {p.checkpoint_every_steps} steps (every 15 s by the clock)" in format_plan(p)
+
+
 def test_header_says_when_cards_stay_idle(tmp_path):
     p = make_plan(recipe(tmp_path, engine="unsloth"), from_spec("2xRTX4090"), tokens=15e6)
     assert (p.engine, p.num_processes) == ("unsloth", 1)
     assert "on 1 of the box's 2 x RTX4090 (24 GB each)" in format_plan(p)
-    assert any("1 stay idle (billed all the same)" in r for r in p.reasons)
+    assert any("the box has 2 cards; 1 GPU stays idle (billed all the same)" in r for r in p.reasons), p.reasons
+    p = make_plan(recipe(tmp_path, engine="unsloth"), from_spec("4xRTX4090"), tokens=15e6)
+    assert any("the box has 4 cards; 3 GPUs stay idle (billed all the same)" in r for r in p.reasons), p.reasons
 
 
 # --- --json is always JSON ------------------------------------------------------------------------

@@ -66,11 +66,25 @@ def test_a_base_model_right_often_may_need_only_a_prompt_and_the_fine_tune_has_a
 
 
 def test_without_a_price_the_fine_tune_is_said_in_time(tmp_path):
-    record = {**BASE, "metric": "text", "scores": {"base_zero_shot": 0.9, "base_few_shot": 0.85},
+    record = {**BASE, "metric": "text", "scores": {"base_zero_shot": 0.8, "base_few_shot": 0.85},
               "fine_tune_pays": False}
     verdict = _verdict(tmp_path, record, plan={"estimate": {"hours": 2.0, "cost_eur": None}})
     assert verdict == ("base model with 3 examples: 85% chrF: a prompt with examples may be enough; "
                        "fine-tuning would take ~2.0 h")
+
+
+def test_the_verdict_reads_the_base_models_better_prompt(tmp_path):
+    """A model the examples confuse (measured: a run's own merged output, right in 90% zero-shot and 15% with three
+    ticket examples before the prompt): its better prompt decides, and the verdict says which it was."""
+    from launcher.worker import task_eval
+
+    record = {**BASE, "scores": {"base_zero_shot": 0.9, "base_few_shot": 0.15}, "fine_tune_pays": False}
+    assert _verdict(tmp_path, record) == "base model zero-shot: right in 90%: a prompt may be enough"
+    task = {"metric": "exact", "metric_reason": "labels", "prompts": [{}] * 20, "shots": [{}] * 3, "max_new_tokens": 8}
+    for name, score in (("base_zero_shot", 0.9), ("base_few_shot", 0.15)):
+        out = task_eval.record(tmp_path, task, name, {"score": score, "details": {}, "seconds": 1.0, "new_tokens": 1,
+                                                     "tokens_per_s": 1.0})
+    assert out["fine_tune_pays"] is False and out["verdict"] == "base model zero-shot: right in 90%: a prompt may be enough"
 
 
 def test_no_shots_is_a_zero_shot_verdict(tmp_path):

@@ -67,6 +67,28 @@ def test_cpu_plan_refuses_impossible_engines_with_the_reason(tmp_path, tiny_mode
     assert why in err.value.message
 
 
+@pytest.mark.parametrize("box, fields, counts", [
+    (cpu_box(), {"num_processes": 8}, ("auto", "2")),
+    (cpu_box(), {"num_processes": 8, "engine": "ddp"}, ("auto", "2")),
+    (from_spec("4xH100-80GB"), {"num_processes": 8}, ("auto", "4")),
+])
+def test_a_process_count_refusal_advises_the_process_count(tmp_path, tiny_model, box, fields, counts):
+    """The fix addresses the refusal's cause: num_processes, set to auto or to the box's count, each of which plans;
+    nothing about method or batch (which fit only because they were tried with another process count), no empty
+    Fix: line."""
+    with pytest.raises(PlanError) as err:
+        _plan(tmp_path, tiny_model, box, **fields)
+    options = err.value.plan.refusal["options"]
+    text = " ".join(options)
+    for count in counts:
+        assert f"num_processes={count}" in text, options
+    assert not any(word in text for word in ("qlora", "micro_batch_size", "max_length", "rent ")), options
+    lines = err.value.render().splitlines()
+    assert not [line for line in lines if line.strip() == "Fix:"], lines
+    for count in counts:
+        assert _plan(tmp_path, tiny_model, box, **{**fields, "num_processes": count}).fits
+
+
 def test_cpu_plan_refuses_deepspeed_when_not_installed(tmp_path, tiny_model, monkeypatch):
     import launcher.plan.engine as engine_mod
 

@@ -328,7 +328,7 @@ def test_full_8bit_on_fsdp_is_refused_with_the_reason_and_the_fix(tmp_path):
     assert "full-8bit cannot run on FSDP" in msg and "DTensor" in msg
     # one fix, and it plans (issue 23: FSDP named deepspeed, deepspeed named auto, auto gave FSDP's refusal)
     options = err.value.plan.refusal["options"]
-    assert len(options) == 1 and options[0].startswith("set engine: auto:") and "deepspeed" in options[0]
+    assert len(options) == 1 and options[0].startswith("set engine=auto:") and "deepspeed" in options[0]
     p = make_plan(_recipe(tmp_path, engine="auto"), from_spec("8xH100-80GB"), tokens=15e6)
     assert p.fits and p.engine == "deepspeed"  # auto never shards full-8bit with FSDP
 
