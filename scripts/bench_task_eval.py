@@ -4,7 +4,7 @@ greedily, in batches as ftrun answers them (launcher/worker/task_eval.py, 8 prom
 one at a time, side by side in one run; then the whole evaluation (the base model zero-shot and with 3 examples,
 the fine-tuned model, the merged folder) priced from the measured speed.
 
-    .venv/bin/python scripts/bench_task_eval.py [--examples 200] [--threads N]
+    .venv/bin/python scripts/bench_task_eval.py [--examples 200 | --quick] [--threads N]
 
 The model is the demo's (scripts/make_tiny_model.py, built into .cache/tiny-model when missing), random weights:
 its answers run to the token limit more often than a trained model's, so the figures bound the cost from above.
@@ -33,8 +33,11 @@ DATA = REPO / "recipes" / "data" / "tiny-chat.jsonl"
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--examples", type=int, default=200)
+    parser.add_argument("--quick", action="store_true", help="40 examples (a check that it runs, about a minute)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args()
+    if args.quick:
+        args.examples = 40
     if not (MODEL / "config.json").is_file():
         subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), str(MODEL)], check=True)
 

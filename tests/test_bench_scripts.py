@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPTS = ["bench_throughput", "bench_eta", "bench_overhead", "gpu_bench"]
+SCRIPTS = ["bench_throughput", "bench_eta", "bench_overhead", "gpu_bench", "bench_task_eval"]
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
