@@ -41,20 +41,28 @@ def held_out_examples(recipe) -> tuple[list[dict[str, Any]], str]:
     """The examples the export's checks use, as the worker reads them (a form TRL trains), and where they come
     from: held out when the recipe holds some out (eval.data, or the seeded eval.fraction draw of
     launcher/data/split.py), else the training data."""
+    held, source, _ = examples_of(recipe)
+    return held, source
+
+
+def examples_of(recipe, with_data: bool = False) -> tuple[list[dict[str, Any]], str, Optional[list[dict[str, Any]]]]:
+    """held_out_examples, and (with_data, or where it is read anyway) the recipe's data as trained: the data is
+    read once for both."""
     from launcher.data.dataset import load_data
 
     ev = getattr(recipe, "eval", None)
     seed = getattr(recipe, "seed", 42)
     if ev is not None and getattr(ev, "data", None):
-        return load_data(ev.data, seed).examples, "held out (eval.data)"
+        return load_data(ev.data, seed).examples, "held out (eval.data)", \
+            (load_data(recipe.data, seed).examples if with_data else None)
     raw = load_data(recipe.data, seed).examples  # the mix as trained, split as the worker splits it
     if ev is not None and getattr(ev, "fraction", None):
         from launcher.data.split import for_recipe
 
         held = for_recipe(raw, recipe).held_out
         if held:
-            return [raw[i] for i in held], "held out (eval.fraction)"
-    return raw, "training data (the recipe holds nothing out)"
+            return [raw[i] for i in held], "held out (eval.fraction)", raw
+    return raw, "training data (the recipe holds nothing out)", raw
 
 
 def parity_examples(recipe) -> tuple[list[list[dict[str, Any]]], str]:

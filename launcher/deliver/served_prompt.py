@@ -92,9 +92,12 @@ class ServedPrompt:
 
     def __init__(self, recipe, saved_tokenizer: Path, n: int):
         from launcher.data import formats as data_formats
-        from launcher.deliver.parity import held_out_examples
+        from launcher.deliver.parity import examples_of
 
-        raw, source = held_out_examples(recipe)
+        try:
+            raw, source, data = examples_of(recipe, with_data=True)
+        except Exception:  # noqa: BLE001 - eval.data here, the training data not (an export on another box)
+            (raw, source, _), data = examples_of(recipe), []
         self.tokenizer, tok_from = training_tokenizer(recipe, saved_tokenizer)
         self.chat = bool(raw) and all(data_formats.conversational(e) for e in raw)
         self.report: dict[str, Any] = {"prompts_from": source, "prompts": min(n, len(raw)), "tokenizer": tok_from,
@@ -111,7 +114,7 @@ class ServedPrompt:
         template, why = _training_template(recipe, self.tokenizer)
         if why:
             self.report["training_template"] = why
-        chosen = self._choose(recipe, raw, n)
+        chosen = self._choose(raw, data or [], n)
         ends, untrained, rewritten, merged = [], 0, 0, 0
         for ex, kind in chosen:
             conv = data_formats.conversation(ex)
@@ -163,20 +166,16 @@ class ServedPrompt:
         if self.kwargs:
             self.report["chat_template_kwargs"] = self.kwargs
 
-    def _choose(self, recipe, held: list[dict[str, Any]], n: int) -> list[tuple[dict[str, Any], str]]:
+    def _choose(self, held: list[dict[str, Any]], trained: list[dict[str, Any]], n: int) -> list[tuple[dict[str, Any], str]]:
         """The first n held-out conversations, then one of every other shape in the data (held out and trained),
         the most frequent first, MAX_SHAPES shapes in all; the report says how many shapes there are."""
         from collections import Counter
 
         from launcher.data import formats as data_formats
-        from launcher.data.dataset import load_data
 
         chosen = [(ex, "held out") for ex in held[:n]]
-        try:
-            trained = load_data(recipe.data, getattr(recipe, "seed", 42)).examples
-        except Exception:  # the data is not on this box any more (an export elsewhere): the held-out ones only
-            trained = []
-        pool = [e for e in list(held) + list(trained) if data_formats.conversational(e)]
+        seen_ids = {id(e) for e in trained}  # the held-out examples are among the data's unless eval.data holds them
+        pool = [e for e in list(trained) + [h for h in held if id(h) not in seen_ids] if data_formats.conversational(e)]
         shapes = Counter(shape(data_formats.conversation(e)) for e in pool)
         seen = {shape(data_formats.conversation(e)) for e, _ in chosen}
         first: dict[str, dict[str, Any]] = {}
