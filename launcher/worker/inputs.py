@@ -74,8 +74,15 @@ def _trained_tokens(examples: list, prepared, sample: int = 2000) -> str:
             "prompt_completion": "prompt/completion"}[example_form(examples[0])]
     rows = prepared.select(range(min(sample, len(prepared))))
     ids = rows["input_ids"]
-    labels = rows["labels"] if "labels" in rows.column_names else ids
+    # what the loss is computed on: trl 1.16 keeps the masks as columns (assistant_masks with assistant_only_loss,
+    # completion_mask for prompt/completion) and the collator turns them into labels; a row's first token is never
+    # a target (the labels are shifted), as the data view counts them (launcher/data/loss_view.py)
+    mask = next((rows[c] for c in ("labels", "assistant_masks", "completion_mask") if c in rows.column_names), None)
+    if mask is None:
+        mask = [[1] * len(x) for x in ids]
+    elif "labels" in rows.column_names:
+        mask = [[int(t != -100) for t in row] for row in mask]
     total = sum(len(x) for x in ids)
-    trained = sum(1 for row in labels for t in row if t != -100)
+    trained = sum(sum(row[1:]) for row in mask)
     return (f"data as TRL prepared it: {form}, {len(prepared):,} examples; loss on {trained:,} of {total:,} tokens "
             f"({trained / max(total, 1):.1%}{f', first {len(rows):,} examples' if len(rows) < len(prepared) else ''})")

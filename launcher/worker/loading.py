@@ -426,6 +426,7 @@ def describe_model(model) -> str:
     """What was actually built: parameter counts, where and how the base weights are stored (says 4-bit only if it is)."""
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    adapter = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
     kinds: dict[str, int] = {}
     for module in model.modules():
         name = type(module).__name__
@@ -434,5 +435,7 @@ def describe_model(model) -> str:
     layers = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
     devices = sorted({str(p.device) for p in model.parameters()})
     dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})
-    return (f"model: {total:,} parameters, {trainable:,} trainable; linear layers: {layers}; "
+    # the base model's count is the one the plan and the built model state; an adapter's parameters come on top
+    split = f" ({total - adapter:,} of the base model and {adapter:,} of the LoRA adapter)" if adapter else ""
+    return (f"model: {total:,} parameters{split}, {trainable:,} trainable; linear layers: {layers}; "
             f"on {', '.join(devices)} in {', '.join(dtypes)}")
