@@ -39,6 +39,8 @@ class DataStats:
     sources: tuple = ()  # per source: source, format, examples, weight, sha256 or revision
     sha256: str = ""  # LoadedData.sha256: what a resume compares
     loss_view: Optional[dict] = None  # what the loss sees (launcher/data/loss_view.py); None without a tokenizer
+    held_out: int = 0  # distinct examples held out for evaluation (eval.fraction)
+    held_out_lines: int = 0  # the data's examples that do not train for it: the held-out ones and their copies
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -16,14 +16,15 @@ def data_stats(recipe: Any):
     examples = data.examples
     lengths, source = example_lengths(examples, recipe.model, data.where)
     # the statistics (plan, ETA) count what trains: the eval split's held-out examples do not (launcher/data/split.py)
-    train = split.for_recipe(examples, recipe).train
+    parts = split.for_recipe(examples, recipe)
+    train = parts.train
     stats = compute_stats([examples[i] for i in train], [lengths[i] for i in train], source, recipe.max_length, data)
     # what the loss sees, every training example marked as TRL masks it; a DataError refuses data that would train
     # nothing, never teach the model to stop, or lose its answers to max_length (launcher/data/loss_view.py)
     seen = loss_view.check(recipe.model, loss_view.Settings.of(recipe), [examples[i] for i in train],
                            [data.where[i] for i in train], [data.origin[i] for i in train] if data.origin else None,
                            [str(s.get("source")) for s in data.sources])
-    stats = replace(stats, loss_view=seen)
+    stats = replace(stats, loss_view=seen, held_out=len(parts.held_out), held_out_lines=len(examples) - len(train))
     if recipe.eval.data:
         split.load_eval_data(recipe)  # a missing or broken eval file stops here, before the smoke test
         # a resume on changed eval data is refused like one on changed training data

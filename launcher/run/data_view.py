@@ -12,8 +12,15 @@ def data_label(stats) -> str:
 
 
 def data_line(stats) -> str:
-    """'Alpaca (instruction/input/output) format, 10,000 examples, converted to chat; 1,234,567 tokens (tokenizer)'"""
-    return (f"{stats.description}; {stats.total_tokens:,} tokens per epoch ({stats.tokens_source}"
+    """'Alpaca (instruction/input/output) format, 10,000 examples, converted to chat; 1,234,567 tokens (tokenizer)'; with
+    an eval split, how many of the examples train (the tokens are theirs) and how many are held out."""
+    held, lines = getattr(stats, "held_out", 0), getattr(stats, "held_out_lines", 0)
+    copies = lines - held
+    trains = (f"; {stats.examples:,} train, {held:,} are held out for evaluation (a seeded draw)"
+              + ((", and 1 copy of a held-out example leaves training with it" if copies == 1 else
+                  f", and {copies:,} copies of held-out examples leave training with them") if copies > 0 else "")
+              if held else "")
+    return (f"{stats.description}{trains}; {stats.total_tokens:,} tokens per epoch ({stats.tokens_source}"
             + (f", {stats.over_max_length} over max_length {stats.max_length}: truncated" if stats.over_max_length else "")
             + ")")
 

@@ -2,6 +2,8 @@
 refuses, with the example that shows it, data that trains nothing, never teaches the model to stop, or loses its
 answers to max_length."""
 
+from pathlib import Path
+
 import pytest
 
 from chat_templates import CHAT_FAMILIES, FAMILIES, broken_template, build_tokenizer, conversation, write_jsonl
@@ -240,3 +242,21 @@ def test_a_refused_launch_exits_2_and_touches_nothing(write_recipe, tmp_path, ca
     assert "ftrun: data error: tiny-chat.jsonl line " in err and "max_length 64 cuts the trained part" in err
     assert "Fix: raise max_length: " in err
     assert not (tmp_path / "run").exists()
+
+
+def test_the_data_line_says_how_many_train_and_how_many_are_held_out(tmp_path):
+    """`ftrun data` and the launch open with the data's count; the tokens are the training examples': the line
+    says how many train and how many are held out, copies of a held-out example included (they leave training
+    with it), so no count on the screen contradicts another."""
+    from launcher.data.stats import data_stats
+    from launcher.recipe import load_recipe
+    from launcher.run.data_view import data_line
+
+    recipe = load_recipe(Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu.yaml")
+    _, _, stats = data_stats(recipe)
+    line = data_line(stats)
+    assert stats.examples + stats.held_out_lines == 400 and stats.held_out_lines >= stats.held_out > 0
+    assert f"400 examples; {stats.examples} train, {stats.held_out} are held out for evaluation" in line
+    extra = stats.held_out_lines - stats.held_out
+    assert (f"and {extra} cop" in line) == (extra > 0), line
+    assert f"{stats.total_tokens:,} tokens per epoch" in line
