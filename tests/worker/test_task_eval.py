@@ -328,7 +328,7 @@ def test_a_json_extraction_task_reports_parse_rate_and_field_match(tmp_path, tin
     res = ftrun(recipe, "--foreground", cwd=tmp_path, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = json.loads((tmp_path / "run" / "final" / "task_eval.json").read_text())
-    assert out["metric"] == "json" and "JSON" in out["metric_reason"] and out["examples"] == 15
+    assert out["metric"] == "json" and "JSON" in out["metric_reason"] and 10 <= out["examples"] <= 15
     for name in ("base_zero_shot", "base_few_shot", "fine_tuned"):
         d = out["details"][name]
         assert set(d) == {"parses", "has_keys", "field_match", "exact"}, d
