@@ -179,7 +179,7 @@ def test_a_run_with_an_eval_split_reports_eval_loss_and_before_after_samples(wri
     recipe = write_recipe(max_steps=4, checkpoint_every_minutes=30, logging_steps=2,
                           eval={"fraction": 0.05, "every_minutes": 30, "samples": 2, "max_new_tokens": 6},
                           trainer={"per_device_eval_batch_size": 4})
-    res = ftrun(recipe, "--foreground", cwd=tmp_path)
+    res = ftrun(recipe, "--foreground", cwd=tmp_path, timeout=600)  # 57 s alone, 197 s at load 4-10
     assert res.returncode == 0, res.stdout + res.stderr
     run = tmp_path / "run"
     from launcher.data.dataset import load_data
