@@ -32,7 +32,8 @@ from launcher.deliver.parity import PARITY_PROMPTS, _check, compare, model_outpu
 from launcher.deliver.placement import (Loads, Placement, _to_export_dtype, available_ram, export_dtype,  # noqa: E402
                                         free_gpu_memory, load_adapter, load_model, merge_placement,
                                         parameter_count, parity_placement, release)
-from launcher.deliver.gguf_export import _GgufFailed, _safetensors_dtypes, _stop_ids, gguf_output  # noqa: E402
+from launcher.deliver.gguf_export import (SIXTEEN_BIT, _GgufFailed, _safetensors_dtypes, _stop_ids,  # noqa: E402
+                                         gguf_output)
 
 FORMATS = tuple(export_formats.FORMATS)  # the recipe's `export:` values, in the order they are made
 # GGUF types: llama.cpp's converter writes f32/f16/bf16, its quantizer the rest from the 16-bit file (llamacpp.py).
@@ -292,7 +293,7 @@ def _export_models(inp: Inputs, report: dict[str, Any], tokenizer, prompts, dtyp
     release()
     dtypes = _safetensors_dtypes(merged_dir)
     saved_cfg = json.loads((merged_dir / "config.json").read_text())
-    if "quantization_config" in saved_cfg or not dtypes <= {"BF16", "F16"}:
+    if "quantization_config" in saved_cfg or not dtypes <= SIXTEEN_BIT:
         raise ExportError(f"the merged model in {merged_dir} is not plain 16-bit (tensors: {sorted(dtypes)})",
                           fix="report this with export.json; do not serve the merged folder.")
     reloaded = load_model(str(merged_dir), parity, loads)

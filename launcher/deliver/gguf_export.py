@@ -15,6 +15,10 @@ from launcher.deliver.messages import ExportError, _say, human_size
 from launcher.deliver.parity import GREEDY_NEW_TOKENS, _check, compare
 
 
+# The safetensors dtypes of a plain 16-bit model folder: what the merged folder must hold, and what its GGUF converts
+SIXTEEN_BIT = frozenset({"BF16", "F16"})
+
+
 def _safetensors_dtypes(folder: Path) -> set[str]:
     import struct
 
@@ -95,7 +99,7 @@ def gguf_output(merged_dir: Path, gguf_dir: Path, name: str, gguf_type: str, pro
             sixteen = intermediate
             if sixteen is None or not sixteen.is_file():
                 # the merged model's own 16-bit type, so the conversion itself rounds nothing
-                dtype = (_safetensors_dtypes(merged_dir) & {"BF16", "F16"} or {"BF16"}).pop().lower()
+                dtype = (_safetensors_dtypes(merged_dir) & SIXTEEN_BIT or {"BF16"}).pop().lower()
                 sixteen = gguf_dir / f".{name}-{dtype.upper()}.tmp.gguf"
                 _say(f"converting the merged model to a {dtype.upper()} GGUF with llama.cpp's converter ({conv.source})")
                 steps["convert"] = llamacpp.convert(conv, merged_dir, sixteen, dtype).to_dict()

@@ -137,7 +137,9 @@ def input_device(model):
     device, so the first parameter says nothing), else the device of its weights."""
     import torch
 
-    devices = [d for d in (getattr(model, "hf_device_map", None) or {}).values() if str(d) not in ("cpu", "disk")]
+    from launcher.deliver.placement import HOST_PLACES
+
+    devices = [d for d in (getattr(model, "hf_device_map", None) or {}).values() if str(d) not in HOST_PLACES]
     if devices:
         d = devices[0]
         return torch.device(f"cuda:{d}" if isinstance(d, int) else d)

@@ -215,10 +215,14 @@ def load_adapter(base, source: Path, placement: Placement, loads: Loads):
     return model
 
 
+# The places of an accelerate device_map that are not a compute device (parity.input_device skips them too)
+HOST_PLACES = ("cpu", "disk")
+
+
 def offloaded(model) -> list[str]:
     """The devices a dispatched model keeps weights on outside its compute device ("cpu" beside a GPU, "disk")."""
     devices = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
-    gpu = any(d not in ("cpu", "disk") for d in devices)
+    gpu = any(d not in HOST_PLACES for d in devices)
     return sorted(d for d in devices if d == "disk" or (d == "cpu" and gpu))
 
 

@@ -94,10 +94,12 @@ class ServedPrompt:
         from launcher.data import formats as data_formats
         from launcher.deliver.parity import examples_of
 
+        unread = None
         try:
             raw, source, data = examples_of(recipe, with_data=True)
-        except Exception:  # noqa: BLE001 - eval.data here, the training data not (an export on another box)
+        except Exception as exc:  # noqa: BLE001 - eval.data here, the training data not (an export on another box)
             (raw, source, _), data = examples_of(recipe), []
+            unread = f"the training data could not be read here ({type(exc).__name__}): shapes of eval.data only"
         self.tokenizer, tok_from = training_tokenizer(recipe, saved_tokenizer)
         self.chat = bool(raw) and all(data_formats.conversational(e) for e in raw)
         self.report: dict[str, Any] = {"prompts_from": source, "prompts": min(n, len(raw)), "tokenizer": tok_from,
@@ -115,6 +117,8 @@ class ServedPrompt:
         if why:
             self.report["training_template"] = why
         chosen = self._choose(raw, data or [], n)
+        if unread:
+            self.report["shapes"]["note"] = unread  # said in export.json, not a quiet narrowing
         ends, untrained, rewritten, merged = [], 0, 0, 0
         for ex, kind in chosen:
             conv = data_formats.conversation(ex)
