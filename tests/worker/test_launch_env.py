@@ -199,15 +199,17 @@ def test_torchrun_keeps_the_launchs_thread_count(tmp_path):
     import subprocess
 
     probe = tmp_path / "probe.py"
-    probe.write_text("import os, torch\nprint('RANK', os.environ['RANK'], os.environ.get('OMP_NUM_THREADS'), "
-                     "torch.get_num_threads(), flush=True)\n")
+    # one os.write per line, as in the port test below: print() under PYTHONUNBUFFERED=1 (CI) writes each piece
+    # apart, and the two ranks' pieces interleaved in CI ("RANK 0" lost, 2026-12-03)
+    probe.write_text("import os, torch\nos.write(1, f\"RANK {os.environ['RANK']} {os.environ.get('OMP_NUM_THREADS')} "
+                     "{torch.get_num_threads()}\\n\".encode())\n")
     base = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(probe)]
     bare = subprocess.run(cmd, capture_output=True, text=True, env=base, timeout=120)
     env = launch_env({"device": "cuda", "engine": "ddp", "num_processes": 2, "hardware": {"gpus": []}})
     launched = subprocess.run(cmd, capture_output=True, text=True, env={**base, **env}, timeout=120)
     assert bare.returncode == 0 and launched.returncode == 0, bare.stderr + launched.stderr
-    rows = lambda out: sorted(m.split()[1:] for m in re.findall(r"RANK \d+ \S+ \d+", out))  # noqa: E731 - lines may interleave
+    rows = lambda out: sorted(m.split()[1:] for m in re.findall(r"RANK \d+ \S+ \d+\n", out))  # noqa: E731 - whole lines
     assert rows(bare.stdout) == [["0", "1", "1"], ["1", "1", "1"]]  # torchrun's default
     want = env["OMP_NUM_THREADS"]
     assert rows(launched.stdout) == [["0", want, want], ["1", want, want]]
