@@ -4,6 +4,10 @@ description, `ftrun export --gguf`'s help, llama.cpp's converter and quantizer c
 the export's check (launcher/deliver/parity.py and gguf_export.py), the smoke test's disk and time estimate
 (launcher/run/smoke.py).
 
+This table says what a type is, not which files an export makes: that (one GGUF per run today, of the recipe's
+`gguf_type`) is launcher/deliver/export.py's `outputs["gguf"]`, read by deliver/serving.py, deliver/publish.py and
+run/smoke.py's export estimate.
+
 It sits at the root, beside the recipe, because the recipe (a root leaf every stage imports) validates against it;
 it imports nothing. A type added here without a tolerance fails to construct, and tests/test_tables.py walks every
 type through the code that uses it.

@@ -73,7 +73,7 @@ step() {
 #    name          GPU  dry-run timeouts (s)
 step tiny-model     60   90
 step device         45   60
-step launch-env     60   90
+step launch-env     90  150
 step placement      90  120
 step memory-cap     45   60
 step peak-memory    45   60

@@ -325,7 +325,7 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
         live = LAYER_BACKWARD_FACTOR * factor * layer * t
         offloaded_by = "Unsloth" if unsloth else "TRL's activation offloading" if w.offload_activations and not cpu else ""
         if offloaded_by:
-            offload = checkpoints / GB
+            offload = (checkpoints if unsloth else offloaded_activation_bytes(arch, t)) / GB
             checkpoints = 0.0
         terms["activations"] = (checkpoints + live) / GB
         why["activations"] = (f"gradient checkpointing: {f'layer inputs offloaded to CPU RAM by {offloaded_by}, ' if offloaded_by else f'{arch.layers} saved layer inputs + '}"
@@ -696,14 +696,22 @@ def offload_seconds_per_micro_batch(est: MemoryEstimate, w: Workload, link_gb_s:
     return (OFFLOAD_PASSES * params_gb + grads_gb) * GB / (link_gb_s * 1e9)  # links are rated in 1e9 bytes/s
 
 
+def offloaded_activation_bytes(arch: Arch, tokens: int) -> float:
+    """What TRL's activation offloading moves to pinned RAM per micro-batch under gradient checkpointing: each layer's
+    saved input (16-bit) and the final RMSNorm's fp32 copy of its input, the one large tensor saved outside the
+    checkpointed layers (offloaded once: trl deduplicates by storage, trl/models/activation_offloading.py pack_tensor).
+    The fused LM head's input stays on the card (launcher/worker/fused_head.py). The same count as a real step's
+    saved tensors under trl's rules, on the CPU: tests/worker/test_fused_head.py."""
+    return arch.layers * tokens * arch.hidden * 2 + tokens * arch.hidden * 4
+
+
 def activation_offload_seconds(arch: Arch, w: Workload, link_gb_s: float) -> float:
-    """Seconds per micro-batch TRL's activation offloading adds: the saved layer inputs go down to pinned RAM in the
-    forward and come back in the backward (trl/models/activation_offloading.py, OffloadActivations). trl overlaps the
-    copies with compute on a second stream; the plan counts them whole, as for parameter offload."""
+    """Seconds per micro-batch TRL's activation offloading adds: the offloaded activations go down to pinned RAM in
+    the forward and come back in the backward (trl/models/activation_offloading.py, OffloadActivations). trl overlaps
+    the copies with compute on a second stream; the plan counts them whole, as for parameter offload."""
     if not w.offload_activations or w.device == "cpu" or not w.gradient_checkpointing:
         return 0.0
-    saved = arch.layers * w.tokens_per_micro_batch * arch.hidden * 2
-    return 2 * saved / (link_gb_s * 1e9)
+    return 2 * offloaded_activation_bytes(arch, w.tokens_per_micro_batch) / (link_gb_s * 1e9)
 
 
 def _resident_states_gb(est: MemoryEstimate, w: Workload) -> float:

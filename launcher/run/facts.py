@@ -1,7 +1,8 @@
 """Reads a run's facts from its run directory: its status (`run_status`), the list of runs, the end summary's numbers.
 
 Everything here reads the run directory's files (state.json, plan.json, smoke.json, worker.json, metrics.jsonl,
-sync.json, checkpoints/, final/) and never imports torch: `ftrun status` answers in a fraction of a second on a
+checkpoints/, final/; the copy's facts from sync.json come from launcher/store/sync/transfer.py `status_fields`)
+and never imports torch: `ftrun status` answers in a fraction of a second on a
 box that is busy training. The numbers come from one reading (`run_status`), so the text, the JSON, the live bar
 and the summary never disagree with each other; launcher/run/views.py words them.
 """

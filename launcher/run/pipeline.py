@@ -382,6 +382,13 @@ def _smoke(run: RunDir, recipe: Recipe, plan_dict, examples, lengths, stats,
                                      " Attempts:\n" + "\n".join(f"- {a}" for a in attempts), fix=exc.fix) from None
                 plan_dict = _plan_record(replanned, plan_dict.get("memory_limit_gb"), adjustments, plan_dict.get("nodes"))
                 _say(f"re-planned: engine {replanned.engine}, {replanned.num_processes} processes")
+                # one card's job sharded over the idle ones (FSDP, ZeRO-3) now needs NCCL between processes: the
+                # first launch checked /dev/shm only for the job it planned then
+                try:
+                    _check_shared_memory(plan_dict)
+                except HardwareError as exc:
+                    set_state(run, "failed-smoke", reason=exc.message)
+                    raise
             run.recipe.write_text("# resolved by ftrun: defaults < recipe < command line < OOM adjustments (plan.json)\n"
                                   + yaml.safe_dump(recipe.snapshot(), sort_keys=False))
             atomic_write_json(run.plan, plan_dict)

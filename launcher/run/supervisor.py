@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from launcher.errors import WORKER_EXITS
 from launcher.plan.cgroup import memory_limit_bytes, oom_kills
@@ -159,7 +159,8 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
                 worker_pid=proc.pid, worker_proc=process_identity(proc.pid), restarts=restarts,
                 engine=plan.get("engine"), num_processes=plan.get("num_processes"), launch_argv=cmd)
         kills_before = oom_kills()  # the kernel's OOM-kill count of this cgroup, where it says one
-        rc, hang = _wait_watching(proc, run, plan, launched_at, stopping, multi, recipe.grace_seconds)
+        rc, hang, ranks = _wait_watching(proc, run, plan, launched_at, stopping, multi, recipe.grace_seconds)
+        ended_at = time.monotonic()
         child["proc"] = child["launcher"] = None
         if tail is not None:
             tail.join()
@@ -259,12 +260,30 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
                 _record(run, "stopped", reason=f"stopped by {stopping['signal']} while recovering")
                 return train.EXIT_STOPPED
             time.sleep(0.1)
+        # A rank of the ended attempt still alive keeps its GPU memory, and the next attempt would run out of memory
+        # loading (exit 78, fatal, blamed on micro_batch_size). One stuck in the GPU driver (state disk-sleep)
+        # survives SIGKILL, and torchrun leaves it behind: torch 2.13 distributed/elastic/multiprocessing/api.py
+        # SubprocessContext._close waits a bounded time after its SIGKILL, then abandons the rank and exits. The
+        # ranks get min(grace_seconds, WATCHDOG_GRACE_S) more after the backoff, the grace a silent attempt gets
+        # between SIGTERM and SIGKILL (_wait_watching): a process SIGKILL has not ended by then is not slow to exit
+        # but stuck in the kernel, and no restart can use its GPU until it is gone.
+        left = _ranks_left(ranks, min(recipe.grace_seconds, WATCHDOG_GRACE_S), lambda: stopping["signal"] is not None)
+        if stopping["signal"]:
+            _record(run, "stopped", reason=f"stopped by {stopping['signal']} while recovering")
+            return train.EXIT_STOPPED
+        if left:
+            return end("failed", views.ranks_left_reason(ended, left, time.monotonic() - ended_at), 5, last_end=ended,
+                       ranks_left=left)
 
 
 RESTART_WINDOW_S = 3600.0  # recipe.max_restarts counts the restarts within any hour
 WATCH_INTERVAL_S = 2.0  # how often the supervisor reads the heartbeats while the worker runs
 WATCHDOG_GRACE_S = 30.0  # a silent attempt gets at most this long (or grace_seconds) between SIGTERM and SIGKILL
 TAIL_BYTES = 256 * 1024  # torchrun's stderr kept for its report of how each rank ended
+RANK_GONE_POLL_S = 0.1  # how often the ranks of an ended attempt are looked at while the supervisor waits for them
+# Reading a process's environment (/proc/PID/environ) takes its memory map's lock (Linux fs/proc/base.c environ_read,
+# access_remote_vm), which a process stuck in the kernel may hold: the supervisor reads it aside, this long at most.
+ENVIRON_READ_S = 2.0
 
 
 class _Tail:
@@ -327,19 +346,23 @@ def _process_state(pid: int) -> Optional[str]:
 
 
 def _wait_watching(proc: subprocess.Popen, run: RunDir, plan: dict[str, Any], launched_at: float,
-                   stopping: dict[str, Any], multi: bool, grace_seconds: float) -> tuple[int, Optional[dict]]:
+                   stopping: dict[str, Any], multi: bool, grace_seconds: float) -> tuple[int, Optional[dict], list]:
     """Wait for the worker (or launcher) to exit, reading the ranks' heartbeats every WATCH_INTERVAL_S. A rank
     silent past its phase's deadline (launcher/plan/deadlines.py) ends the attempt: SIGTERM to the ranks, SIGKILL to
-    them and the launcher after a short grace. Returns the exit code and the silent rank's facts (None if none)."""
+    them and the launcher after a short grace. Returns the exit code, the silent rank's facts (None if none) and
+    psutil handles of the launcher's ranks, taken while it lived (its children are re-parented once it exits)."""
     smoke = _json_or_empty(run.smoke)
     expected, floor = deadlines.expected_seconds(plan, smoke), deadlines.floor_seconds()
     ranks = watchdog.local_ranks(plan) if multi else [0]
+    seen: set = set()  # a reused pid is another entry: psutil/__init__.py Process.__hash__ takes pid and start time
     hang = None
     while True:
         try:
-            return proc.wait(timeout=WATCH_INTERVAL_S), hang
+            return proc.wait(timeout=WATCH_INTERVAL_S), hang, list(seen)
         except subprocess.TimeoutExpired:
             pass
+        if multi:
+            seen.update(_rank_handles(proc))
         if hang is not None or stopping["signal"]:
             continue  # already ending it, or a stop has its own grace
         hang = watchdog.silent_rank(heartbeat_files.read_all(run), ranks, launched_at, time.time(), expected, floor,
@@ -347,20 +370,21 @@ def _wait_watching(proc: subprocess.Popen, run: RunDir, plan: dict[str, Any], la
         if hang is not None:
             _log(f"{views.rank_end_text({'kind': 'hang', 'world': len(ranks) if multi else 1, **hang})}: ending the "
                  "attempt (SIGTERM, then SIGKILL) to restart it from the newest verified checkpoint")
-            _end_attempt(proc, multi, min(grace_seconds, WATCHDOG_GRACE_S))
+            seen.update(_end_attempt(proc, multi, min(grace_seconds, WATCHDOG_GRACE_S)))
 
 
-def _end_attempt(proc: subprocess.Popen, multi: bool, grace: float) -> None:
+def _end_attempt(proc: subprocess.Popen, multi: bool, grace: float) -> list:
     """SIGTERM to the ranks (or the single worker), then SIGKILL to them and the launcher after `grace` seconds in a
     timer thread. A hung rank cannot save (its peers wait for it in the save's collectives), so what remains is
-    the newest verified checkpoint; psutil's handles make sure a pid reused meanwhile is never signalled."""
+    the newest verified checkpoint; psutil's handles make sure a pid reused meanwhile is never signalled. Returns
+    the launcher's ranks' handles ([] for a single worker: the supervisor's wait reaps it)."""
     import psutil
 
     try:
         top = psutil.Process(proc.pid)
         procs = (top.children() if multi else []) + [top]
     except psutil.Error:
-        return
+        return []
     for p in procs[:-1] if multi else procs:
         try:
             p.send_signal(signal.SIGTERM)
@@ -378,6 +402,81 @@ def _end_attempt(proc: subprocess.Popen, multi: bool, grace: float) -> None:
     timer = threading.Timer(grace, kill)
     timer.daemon = True
     timer.start()
+    return procs[:-1]
+
+
+def _ranks_left(procs: list, bound_s: float, interrupted: Callable[[], bool] = lambda: False) -> list[dict[str, Any]]:
+    """The processes among `procs` (psutil handles) still alive after up to `bound_s` seconds, each with its facts
+    (_rank_facts); [] when every one is gone, or as soon as `interrupted()` holds.
+
+    A zombie counts as gone: the kernel unmapped its memory and closed its files, the GPU's device files included,
+    before it became one (Linux kernel/exit.c do_exit: exit_mm and exit_files before exit_notify). is_running
+    compares the start time too (psutil/__init__.py Process.is_running): a pid reused meanwhile is not the rank."""
+    import psutil
+
+    def alive(p) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    deadline = time.monotonic() + bound_s
+    left = [p for p in procs if alive(p)]
+    while left and time.monotonic() < deadline:
+        if interrupted():
+            return []
+        time.sleep(RANK_GONE_POLL_S)
+        left = [p for p in left if alive(p)]
+    return [_rank_facts(p) for p in left]
+
+
+def _rank_facts(p) -> dict[str, Any]:
+    """pid, psutil's process state ("disk-sleep": uninterruptible, in the kernel) and, where its environment is
+    readable, its RANK, LOCAL_RANK, CUDA_VISIBLE_DEVICES and the GPU they name (_rank_gpu). The environment is the
+    one the process started with (psutil environ(), /proc/PID/environ): torchrun sets LOCAL_RANK there."""
+    import psutil
+
+    facts: dict[str, Any] = {"pid": p.pid}
+    try:
+        facts["process_state"] = p.status()
+    except psutil.Error:
+        pass
+    env: dict[str, str] = {}
+
+    def read() -> None:
+        try:
+            env.update(p.environ())
+        except psutil.Error:  # gone, or another user's
+            pass
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(ENVIRON_READ_S)
+    got = {} if reader.is_alive() else env
+    for key in ("RANK", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES"):
+        if key in got:
+            facts[key.lower()] = got[key]
+    gpu = _rank_gpu(got)
+    if gpu is not None:
+        facts["gpu"] = gpu
+    return facts
+
+
+def _rank_gpu(env: dict[str, str]) -> Optional[str]:
+    """The GPU a rank uses, as CUDA_VISIBLE_DEVICES names it: its entry LOCAL_RANK (loading.select_device makes
+    cuda:LOCAL_RANK current), LOCAL_RANK itself where nothing hides cards, the one entry of a one-card list; None
+    where the environment does not say."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    entries = [e.strip() for e in visible.split(",")] if visible else []
+    try:
+        local: Optional[int] = int(env["LOCAL_RANK"])
+    except (KeyError, ValueError):
+        local = None
+    if local is None:
+        return entries[0] if len(entries) == 1 else None
+    if visible is None:
+        return str(local)
+    return entries[local] if 0 <= local < len(entries) else None
 
 
 def _json_or_empty(path: Path) -> dict[str, Any]:
@@ -406,10 +505,15 @@ def _ranks(launcher: subprocess.Popen) -> list[int]:
     launch process (commands/launch.py multi_gpu_launcher runs torch.distributed.run in-process); a
     numactl wrapper (NUMA binding on GPU boxes) execs into the rank and keeps its pid.
     """
+    return [p.pid for p in _rank_handles(launcher)]
+
+
+def _rank_handles(launcher: subprocess.Popen) -> list:
+    """psutil handles of a launcher's ranks (_ranks); [] once it has exited."""
     import psutil
 
     try:
-        return [p.pid for p in psutil.Process(launcher.pid).children()]
+        return psutil.Process(launcher.pid).children()
     except psutil.Error:
         return []
 

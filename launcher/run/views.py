@@ -219,6 +219,11 @@ def rank_end_text(e: dict[str, Any]) -> str:
     at = f" at step {step}" if step is not None else ""
     kind = e.get("kind")
     if kind == "hang":
+        behind = e.get("behind") or []
+        if e.get("all_silent"):  # a hang in a collective or on a GPU: no rank can be told from the others
+            who, at = f"all {len(behind)} ranks", f" since step {step}" if step is not None else ""
+        elif len(behind) > 1:
+            who = "ranks " + ", ".join(str(r) for r in behind)
         return (f"{who} silent for {format_duration(e.get('silent_seconds'))}{at} "
                 f"({PHASES.get(e.get('phase'), e.get('phase'))}; expected {_short_seconds(e.get('expected_seconds'))})")
     if kind == "signal":
@@ -245,6 +250,27 @@ def repeated_crash_reason(e: dict[str, Any]) -> str:
 def restart_budget_reason(e: dict[str, Any], used: int, limit: int) -> str:
     return (f"{rank_end_text(e)}; not restarted: {used} restart(s) in the last hour, the limit (max_restarts={limit} "
             "per hour); run the same command to resume from the newest verified checkpoint")
+
+
+def ranks_left_reason(e: dict[str, Any], left: list[dict[str, Any]], waited_s: float) -> str:
+    """Why a run stopped instead of restarting: processes of the ended attempt outlived it (supervisor.py
+    _ranks_left: pid, process state, and RANK, LOCAL_RANK, CUDA_VISIBLE_DEVICES, GPU where readable)."""
+    def one(r: dict[str, Any]) -> str:
+        said = [f"rank {r['rank']}"] if r.get("rank") is not None else []
+        said.append(f"GPU {r['gpu']}: LOCAL_RANK={r.get('local_rank', 'unset')}, CUDA_VISIBLE_DEVICES="
+                    f"{r.get('cuda_visible_devices', 'unset')}" if r.get("gpu") is not None
+                    else "its GPU unknown: no LOCAL_RANK or CUDA_VISIBLE_DEVICES readable in its environment")
+        return f"pid {r['pid']} ({', '.join(said)}) in state {r.get('process_state', 'unknown')}"
+
+    stuck = any(r.get("process_state") == "disk-sleep" for r in left)
+    return (f"{rank_end_text(e)}; not restarted: {len(left)} process(es) of that attempt still alive "
+            f"{waited_s:.0f} s after it ended: " + "; ".join(one(r) for r in left) + ". "
+            + ("disk-sleep is uninterruptible sleep in the kernel, most often inside the GPU driver: SIGKILL cannot "
+               "end it until the driver returns, " if stuck else "")
+            + "while it lives it keeps its GPU memory, so a new attempt would run out of memory while loading. Look "
+            "at the GPU with `nvidia-smi` (and `dmesg` for the driver's Xid errors); once the process is gone (one "
+            "stuck in the driver often needs `nvidia-smi --gpu-reset` or a reboot), run the same command to resume "
+            "from the newest verified checkpoint")
 
 
 def heartbeat_lines(rows: list[dict[str, Any]]) -> list[str]:

@@ -30,13 +30,17 @@ def silent_rank(beats: Mapping[int, Mapping[str, Any]], ranks: Iterable[int], la
 
     A rank without a heartbeat yet counts as starting since the launch. When one rank is overdue, every rank
     silent for over half its own deadline is a suspect (a peer waiting in a collective goes silent too); the one
-    blamed is a stopped or stuck process first, then the one at the lowest step, then the longest silent."""
-    suspects, overdue = [], False
+    blamed is a stopped or stuck process first, then the one at the lowest step, then the longest silent.
+    "behind" lists the ranks that explain it: the stuck ones, else those at the lowest step. During an NCCL or GPU
+    hang every rank blocks at the next collective at the same step, and the heartbeats (at most every
+    HEARTBEAT_SECONDS) cannot tell who blocked first: "all_silent" says so, rather than naming one rank at random."""
+    suspects, overdue, watched = [], False, 0
     for rank in ranks:
         beat = beats.get(rank) or {}
         phase = beat.get("phase") or "start"
         if phase == "error":  # it raised and is ending: torchrun reports it
             continue
+        watched += 1
         since = float(beat.get("time") or launched_at)
         silent, limit = now - since, phase_deadline(phase, expected, floor)
         if silent > limit / 2:
@@ -48,7 +52,10 @@ def silent_rank(beats: Mapping[int, Mapping[str, Any]], ranks: Iterable[int], la
     if not overdue:
         return None
     blamed = min(suspects, key=lambda s: (s.get("process_state") not in STUCK_STATES, s["step"], -s["silent_seconds"]))
-    return {**blamed, "silent_ranks": [s["rank"] for s in suspects]}
+    stuck = [s["rank"] for s in suspects if s.get("process_state") in STUCK_STATES]
+    behind = stuck or [s["rank"] for s in suspects if s["step"] == blamed["step"]]
+    return {**blamed, "silent_ranks": [s["rank"] for s in suspects], "behind": behind,
+            "all_silent": not stuck and watched > 1 and len(behind) == watched}
 
 
 def heartbeat_rows(beats: Mapping[int, Mapping[str, Any]], now: float) -> list[dict[str, Any]]:

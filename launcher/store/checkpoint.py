@@ -1,4 +1,8 @@
-"""Checkpoint layout (`checkpoints/step-000120/`), the manifest written last, verification, newest, retention."""
+"""Checkpoint layout (`checkpoints/step-000120/`), the manifest written last, verification, newest, retention.
+
+Retention here (`retain`, the recipe's `keep_checkpoints`) prunes the checkpoints on the box only; the copies off
+the box are pruned separately by launcher/store/sync/transfer.py `push_checkpoint` (the recipe's `sync.keep`).
+"""
 
 from __future__ import annotations
 
@@ -41,7 +45,9 @@ def hash_file(path: Path, h: Any) -> str:
 
 
 def hash_workers() -> int:
-    """Threads for hashing: one per core, at most 16 (past that the disk, not the CPU, is the limit)."""
+    """Threads for hashing: one per core, at most 16 (past that the disk, not the CPU, is the limit). The affinity,
+    not a cgroup quota (launcher/plan/hardware.py cpu_cores): store/ imports no stage above it, and threads past a
+    quota only take turns at a disk-bound job."""
     return max(1, min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 

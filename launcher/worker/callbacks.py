@@ -2,6 +2,12 @@
 
 Wall-clock checkpoints and evaluation, the save after SIGTERM, the metrics rows and log lines, the NaN guard, the
 smoke test's timing, the check that the planned engine runs, the recipe into each tracked run.
+
+The metrics rows (the full run's metrics.jsonl, Metrics.on_log) hold per logged step: step, loss, learning_rate,
+grad_norm, epoch, tokens_seen, tokens_per_second, peak_memory_gb, time; each eval pass adds a row of its own
+(eval_loss, TRL's token accuracy and entropy, eval_seconds). `ftrun status` reads them in launcher/run/facts.py
+(`run_status`: loss, eval loss, tokens/s today) and words them in launcher/run/views.py (`format_status`): showing
+another value there needs no change here.
 """
 
 from __future__ import annotations

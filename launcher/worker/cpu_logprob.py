@@ -12,8 +12,8 @@ its log-softmax taken in place, and the gradient of each token's log-probability
 ((onehot - p) @ W) computed in the same pass and kept (tokens x hidden, fp32). Backward only scales it by the
 incoming gradient: no recomputation, the same matmuls as the model's own loss. This needs a frozen LM head, which is
 LoRA's and QLoRA's; a trainable head (full fine-tuning), a soft-capped head (Gemma 2) or an entropy gradient go to
-TRL's own kernel. The worker installs it in place of TRL's on the CPU only (install), where it is measurably better:
-the loss's memory stays one chunk, at the speed of the model's own loss.
+TRL's own kernel. The worker routes TRL's call to it on the CPU only (launcher/worker/fused_head.py), where it is
+measurably better: the loss's memory stays one chunk, at the speed of the model's own loss.
 """
 
 from __future__ import annotations
@@ -97,37 +97,3 @@ def function() -> Any:
             return grad_hidden, None, None, None, None, None, None, None, None
 
     return CpuChunkedLogProb
-
-
-class _Dispatch:
-    """What `trl.trainer.utils._ChunkedLogProbFunction` becomes: this module's function where it applies, TRL's
-    own kernel elsewhere (a GPU tensor, a trainable or soft-capped head)."""
-
-    def __init__(self, trl_function: Any) -> None:
-        self.trl_function = trl_function
-
-    def apply(self, hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
-              logit_scale=1.0, outputs=("log_probs",)):
-        trainable = weight.requires_grad or (bias is not None and bias.requires_grad)
-        if hidden.device.type != "cpu" or trainable or final_logit_softcapping is not None:
-            return self.trl_function.apply(hidden, weight, bias, targets, temperature, chunk_size,
-                                           final_logit_softcapping, logit_scale, outputs)
-        return function().apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping,
-                                logit_scale, outputs)
-
-
-def install(device: str) -> bool:
-    """On the CPU, route TRL's fused LM head through this module; True where it did. trl reads
-    `_ChunkedLogProbFunction` from its module at call time (trl/trainer/utils.py, add_fused_lm_head)."""
-    if device != "cpu":
-        return False
-    try:
-        from trl.trainer import utils
-    except ImportError:
-        return False
-    current = getattr(utils, "_ChunkedLogProbFunction", None)
-    if current is None:  # a trl without the fused head: the model's own loss, nothing to route
-        return False
-    if not isinstance(current, _Dispatch):
-        utils._ChunkedLogProbFunction = _Dispatch(current)
-    return True

@@ -298,11 +298,16 @@ def _quantize_into(folder: Path, model: str, kwargs: dict[str, Any], identity: d
     import torch
     from transformers import AutoModelForCausalLM
 
+    from launcher.plan.hardware import cpu_cores
+
     tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
     for stale in [*folder.parent.glob(f"{folder.name}.tmp-*"), folder]:  # under the lock: nobody else writes them
         shutil.rmtree(stale, ignore_errors=True)  # a crashed attempt's, or a copy whose manifest does not match
     threads = torch.get_num_threads()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    # the box's cores as the plan counts them (the affinity, capped by a cgroup CPU quota, launcher/plan/cgroup.py
+    # cpu_limit: threads beyond it add no speed, the kernel throttles the cgroup once a period's quota is spent),
+    # the count the plan's quantizing time assumes
+    cores = cpu_cores()
     started = time.monotonic()
     # torchrun sets OMP_NUM_THREADS=1 per rank; the others wait on the lock, so this rank takes the box's cores.
     # fork_rng: the quantizing rank must draw the same LoRA initialisation afterwards as the ranks that did not
@@ -360,24 +365,24 @@ def load_tokenizer(recipe):
     return tokenizer
 
 
-def add_lora(model, recipe, engine: str):
-    """LoRA on the base model (after kbit preparation for QLoRA)."""
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+def add_lora(model, recipe):
+    """LoRA on the base model, 16-bit or 4-bit alike.
 
-    if is_quantized(recipe.method) and engine == "fsdp":
-        # Not prepare_model_for_kbit_training under FSDP: it would turn on the model's own activation
-        # checkpointing beside FSDP's (fsdp_activation_checkpointing in the accelerate config, engines/fsdp.py),
-        # which wraps every layer twice and breaks the sharded backward; and its fp32 upcast of the embeddings,
-        # head and norms (about 4 GB more for a 70B model, per rank while loading) buys nothing there, since
-        # FSDP2's mixed-precision policy casts every parameter to bf16 for compute. transformers' own FSDP+QLoRA
-        # example loads the 4-bit model and hands it to the trainer the same way.
-        pass
-    elif is_quantized(recipe.method):
-        model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=recipe.gradient_checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False},
-        )
-    elif recipe.gradient_checkpointing:
+    Not PEFT's prepare_model_for_kbit_training for QLoRA: it casts every parameter that is not 4-bit to fp32
+    (peft/utils/other.py: embeddings, lm_head, norms), and bitsandbytes' Linear4bit returns its input's dtype,
+    so the residual stream and every checkpointed layer input became fp32 too: for Qwen3-8B about 2.3 GB more
+    weights and twice the saved activations the plan counts in bf16 (docs/sizing.md, "QLoRA without the upcast").
+    What the cast was for is already there: the RMSNorms compute in fp32 inside their forward
+    (transformers 5.24 modeling_qwen3.py/modeling_llama.py: hidden_states.to(torch.float32); Gemma's
+    x.float()), the loss in fp32 (TRL's fused head accumulates in fp32; the model's ForCausalLMLoss upcasts
+    the logits). PEFT freezes the base (only the adapters train), and TRL 1.16's SFTTrainer does not call it
+    either (it enables input gradients for a PEFT model under checkpointing, sft_trainer.py). Checkpointing
+    itself is the trainer's (SFTConfig activation_checkpointing; under FSDP the accelerate config's alone,
+    engines/fsdp.py trainer_fields), as for LoRA.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    if recipe.gradient_checkpointing:
         model.enable_input_require_grads()  # checkpointed LoRA needs grads flowing into the frozen embeddings
     lora = recipe.lora
     return get_peft_model(model, LoraConfig(
@@ -409,7 +414,7 @@ def load_model_and_tokenizer(recipe, device: str, dtype, plan: Optional[dict] = 
     with context if context is not None else contextlib.nullcontext():
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     if is_adapter(recipe.method):
-        model = add_lora(model, recipe, engine)
+        model = add_lora(model, recipe)
     if is_main_process():
         print("[ftrun worker] " + describe_model(model), flush=True)
         if device == "cuda" and "attn_implementation" not in kwargs:  # the fallback is said, once

@@ -3,6 +3,9 @@
 Run as `python -m launcher.worker.train --run-dir DIR --mode full|smoke` (or under accelerate/torchrun for
 several processes). It reads the run directory's recipe snapshot and plan, resumes from the newest
 verified checkpoint by itself, and reports through files: metrics.jsonl, worker.json, checkpoints.
+The metrics rows are written by launcher/worker/callbacks.py (Metrics.on_log: step, loss, learning_rate, grad_norm,
+tokens/s, peak memory; a row per eval pass); `ftrun status` reads them in launcher/run/facts.py (`run_status`) and
+words them in launcher/run/views.py (`format_status`).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ quiet_known_notices()  # before the libraries below are imported
 from launcher.engine_kinds import SHARDING  # noqa: E402
 from launcher.store import checkpoint as ckpt  # noqa: E402
 from launcher.data import split  # noqa: E402
-from launcher.worker import cpu_logprob  # noqa: E402
+from launcher.worker import fused_head  # noqa: E402
 from launcher.worker import memory  # noqa: E402
 from launcher.worker import samples  # noqa: E402
 from launcher.store.rundir import RunDir  # noqa: E402
@@ -55,7 +58,7 @@ from launcher.worker.loss_plot import _redraw_loss_plot  # noqa: E402
 from launcher.worker.process import _Stop, _on_signal, _rank, _say, _world_size  # noqa: E402
 from launcher.worker.results import (_answer_after, _save_final, _score_after, _write_smoke_result,  # noqa: E402
                                      generation_speed)
-from launcher.worker.trainer_config import padding_free_collator, sft_config  # noqa: E402
+from launcher.worker.trainer_config import padding_free_collator, process_group_seconds, sft_config  # noqa: E402
 
 
 def load_model_and_tokenizer(recipe, device: str, dtype, plan: Optional[dict] = None, run_dir: Optional[Path] = None):
@@ -132,19 +135,16 @@ def run_worker(run_dir: Path, mode: str) -> int:
 
     SFTTrainer = getattr(trl, OBJECTIVES["sft"].trainer)  # the objective's trainer (launcher/methods.py)
 
-    from launcher.worker.engines import trainer_fields
+    from launcher.worker.engines import create_process_group, trainer_fields
     from launcher.data.dataset import load_data, to_dataset
 
     from launcher.worker.loading import local_rank, select_device
 
     device, dtype = select_device()  # this rank's own GPU (LOCAL_RANK), before anything touches CUDA
+    # before the memory cap too: the cap counts training memory, not the process group's threads
+    # (on a GPU, the CUDA context is outside the per-process fraction as well)
+    create_process_group(plan, device, process_group_seconds(recipe, run, mode))
     if plan.get("memory_limit_gb"):
-        if plan.get("engine") == "deepspeed" and device == "cpu":
-            # the cap counts training memory, not the engine's code and its process group's threads
-            # (on a GPU, the CUDA context is outside the per-process fraction too)
-            import deepspeed
-
-            deepspeed.init_distributed(dist_backend="gloo")
         memory.cap_memory(device, float(plan["memory_limit_gb"]))  # this rank's own device
     planned_device = plan.get("device")
     if planned_device and planned_device != device:
@@ -257,7 +257,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
         args = sft_config(recipe, run, mode, device, dtype, max_steps, out_dir, trainer_fields(plan, run.root),
                           split.trainer_fields(recipe, eval_dataset is not None, first_start))
         if plan.get("engine") != "unsloth":
-            cpu_logprob.install(device)  # TRL's fused LM head, on the CPU: launcher/worker/cpu_logprob.py
+            fused_head.install()  # TRL's fused LM head: on the CPU ours, never offloaded (launcher/worker/fused_head.py)
         differ = _resume_steps_differ(resume_from, device)  # the process group exists from sft_config on
         if differ:
             print(f"[ftrun worker] {differ}", file=sys.stderr, flush=True)

@@ -60,8 +60,7 @@ def sft_config(recipe, run: RunDir, mode: str, device: str, dtype, max_steps: Op
     for key, value in (engine_fields or {}).items():  # launcher/backends: what the engine needs
         fields[ac if key == "activation_checkpointing" else key] = value
     fields.update(eval_fields or {})  # launcher/data/split.py; trainer: may still set the eval batch and the like
-    if mode == "full":
-        fields["ddp_timeout"] = _process_group_timeout(run)
+    fields["ddp_timeout"] = process_group_seconds(recipe, run, mode)
     fields.update(recipe.trainer)
     if device == "cpu" and fields.pop("activation_offloading", False):
         # trl 1.16's OffloadActivations moves saved tensors from the accelerator to CPU RAM and reads
@@ -85,6 +84,22 @@ def padding_free_collator(recipe, tokenizer):
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     return DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id, padding_free=True)
+
+
+def process_group_seconds(recipe, run: RunDir, mode: str) -> int:
+    """The process group's timeout in seconds, one value for every place that creates the group: SFTConfig's
+    ddp_timeout (accelerate's init_process_group) and DeepSpeed's own init_distributed, which runs first under
+    ZeRO-3 (launcher/worker/engines/deepspeed.py) and would otherwise set deepspeed/comm/constants.py's
+    default_pg_timeout, 10 minutes, which accelerate then keeps (it skips a group that already exists).
+    The recipe's trainer: ddp_timeout wins; the full run takes the plan's backstop; the smoke test
+    TrainingArguments' own default (1800 s in transformers 5.24)."""
+    if "ddp_timeout" in recipe.trainer:
+        return int(recipe.trainer["ddp_timeout"])
+    if mode == "full":
+        return _process_group_timeout(run)
+    from transformers import TrainingArguments
+
+    return int(TrainingArguments.__dataclass_fields__["ddp_timeout"].default)
 
 
 def _process_group_timeout(run: RunDir) -> int:

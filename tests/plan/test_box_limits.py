@@ -92,6 +92,40 @@ def test_the_plan_sizes_ram_and_cores_by_the_container(monkeypatch):
     assert any("container CPU quota 1 cores" in n for n in hw.notes)
 
 
+def test_the_box_quantization_takes_the_cores_the_plan_counts(tmp_path, monkeypatch):
+    """A 4-core quota on a 64-core host: the one quantization per box runs on the 4 cores the plan counts
+    (hardware.cpu_cores), not on the 64 the affinity shows."""
+    import torch
+    import transformers
+
+    from launcher.worker import loading
+
+    quota, unlimited = v2_docker(tmp_path / "quota", cpu_max="400000 100000"), v2_docker(tmp_path / "none", cpu_max="max 100000")
+    read = cgroup.cpu_limit
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    monkeypatch.setattr(cgroup, "cpu_limit", lambda root=None: read(unlimited))
+    assert hardware.cpu_cores() == 64
+    monkeypatch.setattr(cgroup, "cpu_limit", lambda root=None: read(quota))
+    assert hardware.cpu_cores() == 4
+
+    loading_threads = []
+
+    class Quantized:
+        def save_pretrained(self, path):
+            Path(path).mkdir(parents=True)
+            (Path(path) / "model.safetensors").write_bytes(b"")
+
+    def from_pretrained(model, **kwargs):  # stands in for bitsandbytes' load: the threads it runs on are tested
+        loading_threads.append(torch.get_num_threads())
+        return Quantized()
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    before = torch.get_num_threads()
+    loading._quantize_into(tmp_path / ".quantized", "m", {}, {"model": "m"})
+    assert loading_threads == [4] and torch.get_num_threads() == before
+    assert (tmp_path / ".quantized" / loading.QUANTIZED_MANIFEST).is_file()
+
+
 def test_threads_per_process_share_the_cores():
     assert hardware.threads_per_process(16, 2) == 8
     assert hardware.threads_per_process(2, 8) == 1
@@ -114,6 +148,41 @@ def test_a_small_dev_shm_refuses_a_multi_process_gpu_run(monkeypatch):
     pipeline._check_shared_memory({**DDP2, "device": "cpu"})  # gloo on a CPU box: no NCCL
     monkeypatch.setattr(hardware, "shared_memory_bytes", lambda path=hardware.SHM_PATH: 16 * GiB)
     pipeline._check_shared_memory(DDP2)
+
+
+def test_a_replan_onto_several_processes_checks_dev_shm_before_it_launches(tmp_path, monkeypatch):
+    """One card of two runs out of memory in the smoke test; the re-plan shards the job over both (fsdp x 2). On a
+    box whose /dev/shm is Docker's 64 MB that job is refused with the first launch's message before it starts."""
+    from helpers import ARTICLE_DATA, article_recipe
+    from launcher.errors import SmokeOOM
+    from launcher.run import pipeline, smoke
+    from launcher.store.rundir import RunDir
+    from launcher.store.state import read_state
+
+    monkeypatch.setattr(pipeline, "hardware_for", lambda gpus=None: hardware.from_spec("2xH100"))
+    monkeypatch.setattr(hardware, "shared_memory_bytes", lambda path=hardware.SHM_PATH: 64 * 2**20)
+    recipe = article_recipe(tmp_path, method="lora", micro_batch_size=1, gradient_accumulation_steps=8)
+    # a job planned on one card (a run resumed on this box): the first launch has nothing to refuse
+    one = {**pipeline.make_plan(recipe, ARTICLE_DATA).to_dict(), "engine": "trl", "num_processes": 1}
+    pipeline._check_shared_memory(one)
+    launched = []
+
+    def out_of_memory(run, recipe, plan_dict, *rest):
+        launched.append((plan_dict["engine"], plan_dict["num_processes"]))
+        raise SmokeOOM("CUDA out of memory", peak_memory_gb=79.5)
+
+    monkeypatch.setattr(smoke, "run_smoke", out_of_memory)
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    with pytest.raises(HardwareError) as err:
+        pipeline._smoke(run, recipe, one, [], [], ARTICLE_DATA)
+    assert launched == [("trl", 1)], launched  # the sharded job never started
+    with pytest.raises(HardwareError) as direct:
+        pipeline._check_shared_memory({**one, "engine": "fsdp", "num_processes": 2})
+    assert (err.value.message, err.value.fix) == (direct.value.message, direct.value.fix)
+    assert "/dev/shm holds only 64 MB" in err.value.message and "2 processes of engine fsdp" in err.value.message
+    state = read_state(run)
+    assert state["state"] == "failed-smoke" and state["reason"] == err.value.message
 
 
 def test_dev_shm_is_read_from_the_box():

@@ -144,14 +144,26 @@ def test_watchdog_blames_the_stopped_rank_once_any_rank_is_past_its_deadline():
     states = {10: "sleeping", 11: "stopped"}
     hang = watchdog.silent_rank(beats, [0, 1], now - 100, now, expected, floor=30, process_state=states.get)
     assert hang["rank"] == 1 and hang["process_state"] == "stopped" and hang["silent_ranks"] == [0, 1]
+    assert hang["behind"] == [1] and not hang["all_silent"]
     assert hang["step"] == 35 and hang["phase"] == "step" and hang["expected_seconds"] == 0.4
     # within the deadline: nothing
     assert watchdog.silent_rank(beats, [0, 1], now - 100, now - 15, expected, 30, states.get) is None
     # without a process state to go by: the lowest step, then the longest silent
     beats[1]["step"] = 34
-    assert watchdog.silent_rank(beats, [0, 1], now - 100, now, expected, 30)["rank"] == 1
+    hang = watchdog.silent_rank(beats, [0, 1], now - 100, now, expected, 30)
+    assert hang["rank"] == 1 and hang["behind"] == [1] and not hang["all_silent"]
+    assert views.rank_end_text({"kind": "hang", "world": 2, **hang}).startswith("rank 1 silent for 39 s at step 34")
+    # both blocked at the same step (an NCCL or GPU hang: each waits at the next collective): no rank is named
     beats[1]["step"] = 35
-    assert watchdog.silent_rank(beats, [0, 1], now - 100, now, expected, 30)["rank"] == 0
+    hang = watchdog.silent_rank(beats, [0, 1], now - 100, now, expected, 30)
+    assert hang["rank"] == 0 and hang["behind"] == [0, 1] and hang["all_silent"]
+    assert views.rank_end_text({"kind": "hang", "world": 2, **hang}) == (
+        "all 2 ranks silent for 40 s since step 35 (in a step; expected 0.4 s)")
+    # four ranks, two of them behind the others: both named
+    beats = {r: _beat(r, 35 if r % 2 else 34, "step", now - 40) for r in range(4)}
+    hang = watchdog.silent_rank(beats, range(4), now - 100, now, expected, 30)
+    assert hang["behind"] == [0, 2] and not hang["all_silent"]
+    assert views.rank_end_text({"kind": "hang", "world": 4, **hang}).startswith("ranks 0, 2 silent for 40 s at step 34")
 
 
 def test_watchdog_counts_a_rank_without_heartbeat_as_starting_since_the_launch_and_skips_a_raising_one():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from launcher.plan import sizing
-from launcher.worker import cpu_logprob
+from launcher.worker import cpu_logprob, fused_head
 
 VOCAB = 3000
 
@@ -62,8 +62,8 @@ def test_loss_and_gradients_equal_the_models_own(trl_kernel, monkeypatch, chunk_
     plain, plain_grads = _loss_and_grads(model, fused=False)
     add_fused_lm_head(model.get_base_model(), outputs=("log_probs", "entropy", "is_top1"))  # as SFTTrainer does
     theirs, trl_grads = _loss_and_grads(model, fused=True)
-    assert cpu_logprob.install("cpu")
-    assert isinstance(trl_kernel._ChunkedLogProbFunction, cpu_logprob._Dispatch)
+    assert fused_head.install()
+    assert isinstance(trl_kernel._ChunkedLogProbFunction, fused_head._Dispatch)
     ours, our_grads = _loss_and_grads(model, fused=True)
 
     assert ours.loss.item() == pytest.approx(plain.loss.item(), rel=1e-5)
@@ -82,7 +82,7 @@ def test_a_trainable_head_goes_to_trls_kernel(trl_kernel, monkeypatch):
     model = _model(lora=False)  # full fine-tuning: the head learns, its gradient needs TRL's backward
     plain, plain_grads = _loss_and_grads(model, fused=False)
     add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))
-    cpu_logprob.install("cpu")
+    fused_head.install()
     calls = []
     monkeypatch.setattr(cpu_logprob, "function", lambda: calls.append(1))
     ours, grads = _loss_and_grads(model, fused=True)
@@ -91,8 +91,7 @@ def test_a_trainable_head_goes_to_trls_kernel(trl_kernel, monkeypatch):
     torch.testing.assert_close(grads["lm_head.weight"], plain_grads["lm_head.weight"], rtol=1e-4, atol=1e-6)
 
 
-def test_installed_on_the_cpu_only(trl_kernel):
+def test_installed_once(trl_kernel):
     before = trl_kernel._ChunkedLogProbFunction
-    assert cpu_logprob.install("cuda") is False and trl_kernel._ChunkedLogProbFunction is before
-    assert cpu_logprob.install("cpu") and cpu_logprob.install("cpu")  # twice: wrapped once
+    assert fused_head.install() and fused_head.install()  # twice: wrapped once
     assert trl_kernel._ChunkedLogProbFunction.trl_function is before

@@ -333,6 +333,14 @@ def test_deepspeed_zero3_two_processes_follows_ddp(write_recipe, tmp_path):
     assert v["ok"] and v["engine"] == "deepspeed" and v["world_size"] == 2
     part = next(c for c in v["checks"] if c["check"] == "parameters partitioned")
     assert part["ok"] and "this process holds" in part["seen"]
+    # the group DeepSpeed's init_distributed created has the plan's timeout, not DeepSpeed's 10 minutes
+    from launcher.plan.deadlines import process_group_timeout
+
+    want = process_group_timeout(json.loads((zero / "plan.json").read_text()), json.loads((zero / "smoke.json").read_text())
+                                 if (zero / "smoke.json").is_file() else {})
+    timeout = next(c for c in v["checks"] if c["check"] == "process group timeout")
+    assert timeout["ok"] and timeout["seen"] == f"{want:g} s (gloo), trainer ddp_timeout {want} s", timeout
+    assert want != 600
     a, b = metrics(ddp), metrics(zero)
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, 7))
     diffs = [abs(x["loss"] - y["loss"]) for x, y in zip(a, b)]

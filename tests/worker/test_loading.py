@@ -137,13 +137,58 @@ def test_real_load_on_cpu_places_and_describes(tiny_model):
     assert "on cpu in float32" in text and "trainable" in text
 
 
-def test_qlora_under_fsdp_checkpoints_once(tiny_model):
-    """Item 10: prepare_model_for_kbit_training must not turn on the model's own checkpointing under FSDP, whose
-    accelerate config checkpoints every layer itself (engines/fsdp.py); the other engines keep it."""
+def test_qlora_keeps_the_16_bit_tensors_16_bit_as_the_plan_counts_them(tiny_model):
+    """Issue 32 item 2: the QLoRA load no longer runs PEFT's prepare_model_for_kbit_training, whose fp32 upcast of
+    the embeddings, head and norms the plan never counted. The same loading path in bf16 on the CPU: the tensors
+    that are not 4-bit stay bf16 (the plan's 2 B each: sizing.memory's "embedding/head/norm params"), the residual
+    stream stays bf16, and a step's saved activations against the upcast path (PEFT's own function on the same
+    4-bit model) are measured side by side. Checkpointing is the trainer's, on every engine (SFTConfig; under FSDP
+    the accelerate config's), so loading turns on none. The saved activations are the decoder's (the head's and
+    the loss's are fp32 either way)."""
     pytest.importorskip("bitsandbytes")
+    import json
+
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM
+
+    from launcher.plan import models
+
     recipe = _recipe(tiny_model, method="qlora")
-    fsdp, _ = loading.load_model_and_tokenizer(recipe, "cpu", torch.float32, {"engine": "fsdp"})
-    trl, _ = loading.load_model_and_tokenizer(recipe, "cpu", torch.float32, {"engine": "trl"})
-    assert not fsdp.get_base_model().is_gradient_checkpointing
-    assert trl.get_base_model().is_gradient_checkpointing
-    assert any(type(m).__name__ == "Linear4bit" for m in fsdp.modules())
+    arch = models.from_config(json.loads((tiny_model / "config.json").read_text()), "tiny", "test")
+    batch = torch.randint(0, arch.vocab, (2, 32))
+
+    def measure(model):  # a step as the trainer runs it: layers checkpointed, so each saves its input
+        base = model.get_base_model()
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        other = [p for n, p in base.named_parameters() if type(p).__name__ != "Params4bit" and "lora_" not in n]
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t,
+                                                      lambda t: t):
+            out = base.model(input_ids=batch, output_hidden_states=True)  # the decoder: the layers' inputs
+        out.last_hidden_state.float().sum().backward()
+        return {"other_params": sum(p.numel() for p in other), "other_dtypes": {str(p.dtype) for p in other},
+                "other_bytes": sum(p.numel() * p.element_size() for p in other),
+                "residual": str(out.hidden_states[1].dtype), "saved_bytes": sum(saved)}
+
+    for engine in ("trl", "fsdp", "deepspeed"):
+        model, _ = loading.load_model_and_tokenizer(recipe, "cpu", torch.bfloat16, {"engine": engine})
+        assert not model.get_base_model().is_gradient_checkpointing, engine
+    ours = measure(model)
+    assert ours["other_dtypes"] == {"torch.bfloat16"} and ours["residual"] == "torch.bfloat16", ours
+    assert ours["other_params"] == arch.params - arch.linear_params  # what the plan counts at 2 B
+    assert ours["other_bytes"] == 2 * ours["other_params"]
+
+    old = AutoModelForCausalLM.from_pretrained(str(tiny_model), **loading.load_kwargs(recipe, "cpu", torch.bfloat16,
+                                                                                        "trl"))
+    old = get_peft_model(prepare_model_for_kbit_training(old, use_gradient_checkpointing=False),
+                         LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear",
+                                    task_type="CAUSAL_LM"))
+    theirs = measure(old)
+    assert theirs["other_dtypes"] == {"torch.float32"} and theirs["residual"] == "torch.float32", theirs
+    assert theirs["other_bytes"] == 2 * ours["other_bytes"]  # the upcast: +2 B per 16-bit parameter
+    # each checkpointed layer's input (tokens x hidden) in fp32: 2 B more per value than the plan's bf16
+    assert theirs["saved_bytes"] - ours["saved_bytes"] >= arch.layers * batch.numel() * arch.hidden * 2, (ours, theirs)
+    print(f"QLoRA bf16 tiny model: 16-bit tensors {ours['other_bytes']:,} B (upcast {theirs['other_bytes']:,}); "
+          f"a step's saved activations {ours['saved_bytes']:,} B (upcast {theirs['saved_bytes']:,}, "
+          f"x{theirs['saved_bytes'] / ours['saved_bytes']:.2f})")

@@ -2,8 +2,9 @@
 
 kinds (the table of destinations: hf://, fsspec URLs and paths, rsync over SSH) picks a Destination (base: the
 interface) from `sync.to`: hub, object_store, rsync, one module per kind. transfer copies a run up (the Syncer
-of the supervisor) and down (`ftrun pull`, a resume on a fresh box). The remote layout mirrors the run directory:
-checkpoints/step-NNNNNN/ (manifest.json uploaded last), final/, and the metadata files.
+of the supervisor) and down (`ftrun pull`, a resume on a fresh box); its `push_checkpoint` keeps the newest
+`sync.keep` copies (the box's own checkpoints: launcher/store/checkpoint.py `retain`). The remote layout mirrors
+the run directory: checkpoints/step-NNNNNN/ (manifest.json uploaded last), final/, and the metadata files.
 """
 
 from launcher.store.sync.base import Destination  # noqa: F401

@@ -1,5 +1,9 @@
 """Copying a run off the box and back: the newest verified checkpoint, the metadata and the final result go up
-(the Syncer thread of the supervisor, with retries); a fresh box pulls them down, each verified."""
+(the Syncer thread of the supervisor, with retries); a fresh box pulls them down, each verified.
+
+`push_checkpoint` also prunes the copies off the box to the recipe's `sync.keep`; the checkpoints on the box are
+pruned by launcher/store/checkpoint.py `retain` (`keep_checkpoints`). `status_fields` gives `ftrun status` the
+copy's facts from sync.json (read by launcher/run/facts.py)."""
 
 from __future__ import annotations
 

@@ -188,6 +188,8 @@ def verify(plan: dict[str, Any], trainer: Any) -> dict[str, Any]:
     expected = world_size(plan)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     checks = [{"check": "world size", "ok": world == expected, "seen": f"{world} process(es), plan {expected}"}]
+    if world > 1:
+        checks.append(group_timeout_check(trainer.args.ddp_timeout))
     if engine in ("ddp",):
         from launcher.worker.engines.ddp import checks as engine_checks
     elif engine == "deepspeed":
@@ -203,6 +205,52 @@ def verify(plan: dict[str, Any], trainer: Any) -> dict[str, Any]:
 
         checks += unsloth_checks(plan, trainer)
     return {"engine": engine, "world_size": world, "ok": all(c["ok"] for c in checks), "checks": checks}
+
+
+def create_process_group(plan: dict[str, Any], device: str, timeout_s: int) -> None:
+    """A multi-process run's process group, made by the worker with the trainer's timeout (SFTConfig ddp_timeout,
+    launcher/worker/trainer_config.py process_group_seconds) where a library would otherwise make it without:
+    - ZeRO-3: DeepSpeed's init_distributed, called before the trainer by partitioned_loading (zero.Init needs the
+      group), takes its default_pg_timeout, 10 minutes (deepspeed 0.19.8 constants.py, comm/comm.py), and
+      accelerate keeps a group that exists (accelerate 1.15 state.py PartialState: `if not dist.is_initialized()`).
+      A ZeRO-3 save longer than that (rank 0 gathers the 16-bit model while the others wait in the barrier) ended
+      in NCCL's watchdog abort, whatever the plan's deadlines;
+    - the CPU: transformers 5.24 TrainingArguments._setup_devices passes no timeout on its use_cpu path
+      (training_args.py), so gloo's 30 minutes held.
+    DDP and FSDP on a GPU keep accelerate's own group, which gets ddp_timeout (training_args.py's other branch).
+    Both made here are what those libraries would make (env:// from torchrun's variables); they wrap it."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if world_size(plan) <= 1 or dist.is_initialized():
+        return
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if plan.get("engine") == "deepspeed":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl", timeout=timeout)
+    elif device == "cpu":
+        dist.init_process_group("gloo", timeout=timeout)
+
+
+def group_timeout_check(want_s: int) -> dict[str, Any]:
+    """The process group's own timeout against the trainer's ddp_timeout: whoever created the group (accelerate,
+    or DeepSpeed's init_distributed under ZeRO-3, which accelerate then keeps) gave it the plan's value, so the
+    watchdog's deadlines, not a library default, decide when a waiting rank gives up. Read where torch 2.13 keeps
+    it (distributed_c10d.py new_group: backend_options._timeout, the backend's options for gloo and NCCL alike);
+    where no backend shows it, said and not refused."""
+    import torch.distributed as dist
+
+    group = dist.distributed_c10d._get_default_group()
+    for device in group._device_types:
+        try:
+            seen = group._get_backend(device).options._timeout.total_seconds()
+        except (AttributeError, RuntimeError):
+            continue
+        return {"check": "process group timeout", "ok": seen == want_s,
+                "seen": f"{seen:g} s ({dist.get_backend()}), trainer ddp_timeout {want_s} s"}
+    return {"check": "process group timeout", "ok": True, "seen": f"not readable on this backend (want {want_s} s)"}
 
 
 def format_verification(v: dict[str, Any]) -> str:

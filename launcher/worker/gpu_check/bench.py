@@ -132,10 +132,10 @@ def _bench(ctx: Context, method: str) -> dict[str, Any]:
     if fused:
         from trl.trainer.utils import add_fused_lm_head
 
-        from launcher.worker import cpu_logprob
+        from launcher.worker import fused_head
 
         add_fused_lm_head(base, outputs=("log_probs", "entropy", "is_top1"))
-        cpu_logprob.install(device)
+        fused_head.install()
     built = sum(p.numel() for n, p in base.named_parameters() if "lora_" not in n)
     result.update(device=device, dtype=str(dtype).replace("torch.", ""), attention=attn,
                   build_seconds=round(time.monotonic() - t0, 1), built_params=built,

@@ -21,11 +21,27 @@ print(json.dumps({{"n_gpu": args.n_gpu, "train_batch_size": args.train_batch_siz
                   "device_count": torch.cuda.device_count() if torch.cuda.is_available() else 0}}))
 """
 
-_THREADS = ("import os, torch\nprint('RANK', os.environ['RANK'], os.environ.get('OMP_NUM_THREADS'), "
-            "torch.get_num_threads(), flush=True)\n")
+# One os.write per line: under PYTHONUNBUFFERED=1 (set above in scripts/gpu_check.sh) print() writes its pieces one
+# by one and two ranks' pieces interleave in the shared pipe (tests/worker/test_launch_env.py); a pipe write under
+# PIPE_BUF bytes is never split.
+_THREADS = ("import os, torch\nos.write(1, f\"RANK {os.environ['RANK']} {os.environ.get('OMP_NUM_THREADS')} "
+            "{torch.get_num_threads()}\\n\".encode())\n")
 
 _PORT = ("import os, torch.distributed as dist\ndist.init_process_group('gloo'); dist.barrier()\n"
-         "print('PORT', os.environ['MASTER_PORT'], flush=True)\ndist.destroy_process_group()\n")
+         "os.write(1, f\"PORT {os.environ['MASTER_PORT']}\\n\".encode())\ndist.destroy_process_group()\n")
+
+# The worker's order (launcher/worker/train.py): its own process group where a library would make one without the
+# trainer's timeout, then TrainingArguments' (accelerate's), then the check that reads the group's timeout back.
+_GROUP = """
+import json, sys
+from transformers import TrainingArguments
+from launcher.worker.engines import create_process_group, group_timeout_check
+device, engine, want = sys.argv[1], sys.argv[2], int(sys.argv[3])
+create_process_group({{"engine": engine, "num_processes": 2}}, device, want)
+args = TrainingArguments(output_dir={out!r}, ddp_timeout=want, use_cpu=device == "cpu", report_to=[])
+args.device  # accelerate's PartialState: its init_process_group, or the group that exists
+print(json.dumps(group_timeout_check(want)))
+"""
 
 
 def _last_json(text: str) -> dict[str, Any]:
@@ -64,7 +80,7 @@ def _threads(ctx: Context) -> dict[str, Any]:
     env.update(launch_env({"device": ctx.device, "engine": "ddp", "num_processes": 2, "hardware": {"gpus": []}}))
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            str(probe)], env=env, capture_output=True, text=True, timeout=120)
-    rows = sorted(m.split()[1:] for m in re.findall(r"RANK \d+ \S+ \d+", done.stdout))  # lines may interleave
+    rows = sorted(m.split()[1:] for m in re.findall(r"RANK \d+ \S+ \d+\n", done.stdout))  # whole lines
     want = str(threads_per_process(cpu_cores(), 2))
     return {"ok": done.returncode == 0 and rows == [["0", want, want], ["1", want, want]],
             "cores": cpu_cores(), "expected_threads": int(want), "ranks": rows}
@@ -85,9 +101,8 @@ def _ports(ctx: Context) -> dict[str, Any]:
     jobs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
             for _ in range(2)]
     outs = [job.communicate(timeout=180)[0] for job in jobs]
-    counts = [len(re.findall(r"PORT\s+\d+", out)) for out in outs]
-    # both ranks of a job print into one pipe, so their lines may interleave: the numbers are read, not the lines
-    ports = [sorted(set(re.findall(r"PORT\s+(\d+)", out))) for out in outs]
+    counts = [len(re.findall(r"PORT \d+\n", out)) for out in outs]
+    ports = [sorted(set(re.findall(r"PORT (\d+)\n", out))) for out in outs]  # whole lines (one os.write each)
     ok = all(job.returncode == 0 for job in jobs) and counts == [2, 2] and all(len(p) == 1 for p in ports) \
         and ports[0] != ports[1] \
         and ["29500"] not in ports
@@ -95,6 +110,28 @@ def _ports(ctx: Context) -> dict[str, Any]:
     if not ok:
         out["tail"] = [o.strip().splitlines()[-1:] for o in outs]
     return out
+
+
+def _group_timeout(ctx: Context) -> dict[str, Any]:
+    """The process group's timeout as the worker makes it, read back from the group (issue 32 item 1): DDP and FSDP
+    through accelerate on NCCL, ZeRO-3 through DeepSpeed's init_distributed where DeepSpeed is installed (on a GPU
+    only: on the CPU DeepSpeed JIT-builds its shared-memory op first, minutes on 2 cores, and the slow tier covers
+    it, tests/worker/test_engines.py). One rank (WORLD_SIZE=1): the group's options are the point, not a
+    collective."""
+    import socket
+
+    seen = {}
+    for engine in ["ddp"] + (["deepspeed"] if has("deepspeed") and ctx.device == "cuda" else []):
+        with socket.socket() as s:  # a port of its own each: the previous store's may still be in TIME_WAIT
+            s.bind(("127.0.0.1", 0))
+            port = str(s.getsockname()[1])
+        env = child_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=port)
+        done = subprocess.run([sys.executable, "-c", _GROUP.format(out=str(ctx.work / "group")), ctx.device, engine,
+                               "1234"], env=env, capture_output=True, text=True, timeout=120)
+        seen[engine] = (_last_json(done.stdout) if done.returncode == 0
+                        else {"ok": False, "seen": (done.stderr.strip().splitlines() or ["no output"])[-1][:300]})
+    return {"ok": all(v["ok"] and "not readable" not in v["seen"] for v in seen.values()), **seen}
 
 
 def step_launch_env(ctx: Context) -> dict[str, Any]:
@@ -105,10 +142,13 @@ def step_launch_env(ctx: Context) -> dict[str, Any]:
     result["threads"] = _threads(ctx)
     ctx.progress(**result)
     result["ports"] = _ports(ctx) if has("accelerate") and has("yaml") else {"ok": None, "skipped": "accelerate"}
+    ctx.progress(**result)
+    result["group_timeout"] = _group_timeout(ctx) if has("accelerate") else {"ok": None, "skipped": "accelerate"}
     oks = [part.get("ok") for part in result.values()]
     n, t, p = result["n_gpu"], result["threads"], result["ports"]
     line = (f"single process: n_gpu {n.get('launched', {}).get('n_gpu', '?')} (without the launch's "
             f"CUDA_VISIBLE_DEVICES: {n.get('without', {}).get('n_gpu', '?')}); threads per rank "
             f"{[r[2] for r in t.get('ranks', [])]} of {t.get('cores')} cores; two FSDP launches on ports "
-            f"{p.get('ports', p.get('skipped'))}")
+            f"{p.get('ports', p.get('skipped'))}; process group timeout "
+            f"{ {k: v['seen'] for k, v in result['group_timeout'].items() if isinstance(v, dict)} or 'skipped'}")
     return {**result, "ok": all(ok is not False for ok in oks), "line": line, "omp_env": os.environ.get("OMP_NUM_THREADS")}

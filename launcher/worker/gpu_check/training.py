@@ -65,7 +65,7 @@ def build_model(ctx: Context, arch, method: str):
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=loading.weights_dtype(method, "trl", device, dtype))
     if method == "lora":
-        model = loading.add_lora(model, worker_recipe(Path(arch.name)), "trl")
+        model = loading.add_lora(model, worker_recipe(Path(arch.name)))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     return model, device, dtype, attn or getattr(model.config, "_attn_implementation", None) or "sdpa"
