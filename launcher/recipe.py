@@ -227,7 +227,7 @@ class Recipe(_Strict):
     data: Union[str, DataSource, list[Union[str, DataSource]]] = Field(
         description=f"The training data: a file ({', '.join(data_sources.EXTENSIONS)}), a folder of them, a Hub dataset "
         "(org/name), a {path, split, subset, columns, format, weight} mapping, or a list of those mixed by weight. "
-        "Formats (detected): chat messages, ShareGPT, Alpaca, prompt/completion, plain text (docs/data.md).")
+        f"Formats (detected): {'; '.join(f.description for f in data_formats.FORMATS.values())} (docs/data.md).")
     max_length: int = Field(2048, gt=0, description="Tokens per example; longer ones are truncated.")
     max_length_may_cut: float = Field(
         loss_view.CUT_SHARE_LIMIT, ge=0.0, le=1.0,

@@ -174,6 +174,7 @@ def time_and_money(s: dict[str, Any], history: list[dict[str, Any]], plan: dict[
     price = plan.get("price_per_hour_eur")
     eta = s.get("eta_seconds")
     estimate = plan.get("estimate_as_planned") or plan.get("estimate") or {}  # what the printed plan said
+    at_resume = plan.get("estimate_at_resume") or {}  # the plan made again at the newest resume (pipeline.py)
     return {
         "elapsed_seconds": round(used, 1),
         # what the forecasts are for: the full run after the smoke test (its restarts included)
@@ -183,6 +184,8 @@ def time_and_money(s: dict[str, Any], history: list[dict[str, Any]], plan: dict[
         "cost_to_go_eur": round(eta / 3600 * price, 2) if price is not None and eta is not None else None,
         "plan_estimated_seconds": round(estimate["hours"] * 3600, 1) if estimate.get("hours") is not None else None,
         "plan_estimated_cost_eur": estimate.get("cost_eur"),
+        "resume_estimated_seconds": round(at_resume["hours"] * 3600, 1) if at_resume.get("hours") is not None else None,
+        "resume_estimated_cost_eur": at_resume.get("cost_eur"),
         "smoke_estimated_cost_eur": smoke.get("estimated_cost"),
     }
 

@@ -255,6 +255,9 @@ def _prepare(run: RunDir, recipe: Recipe, *, resuming: bool, fresh: bool, memory
     run.recipe.write_text("# resolved by ftrun: defaults < recipe < command line\n"
                           + yaml.safe_dump(recipe.snapshot(), sort_keys=False))
     plan_dict = _plan_record(plan, memory_limit, previous.get("adjustments"), nodes)
+    if previous:  # a resume: the forecast the user was shown first stays the plan's, the new one is labelled
+        plan_dict["estimate_as_planned"] = previous.get("estimate_as_planned") or previous.get("estimate")
+        plan_dict["estimate_at_resume"] = plan_dict.get("estimate")
     if worker_weights:
         plan_dict["weights"] = worker_weights
     atomic_write_json(run.plan, plan_dict)

@@ -61,7 +61,9 @@ def format_status(s: dict[str, Any], ending_follows: bool = False) -> str:
             + (f" + {format_duration(eta)} to go" if eta is not None else "")
         fc = [f"{name} forecast {format_duration(sec)}" + (f" / {cost:.2f} EUR" if cost is not None else "")
               for name, sec, cost in (("smoke test", s.get("smoke_estimated_seconds"), s.get("smoke_estimated_cost_eur")),
-                                      ("plan", s.get("plan_estimated_seconds"), s.get("plan_estimated_cost_eur")))
+                                      ("plan", s.get("plan_estimated_seconds"), s.get("plan_estimated_cost_eur")),
+                                      ("resume re-plan",
+                                       s.get("resume_estimated_seconds"), s.get("resume_estimated_cost_eur")))
               if sec is not None]
         lines.append(f"  time {actual}" + (f"   ({'; '.join(fc)})" if fc else ""))
         if s.get("price_per_hour_eur"):

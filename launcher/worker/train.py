@@ -252,6 +252,11 @@ def run_worker(run_dir: Path, mode: str) -> int:
         # Loading the model can run out of memory as well as training: both are inside.
         loading = time.monotonic()
         model, tokenizer = load_model_and_tokenizer(recipe, device, dtype, plan, run.root)
+        if hasattr(model, "create_or_update_model_card"):
+            # No README.md in the adapter folders either: PEFT's save_pretrained writes its model-card template
+            # ("[More Information Needed]") into each checkpoint and final/adapter (peft 0.21 peft_model.py
+            # save_pretrained -> create_or_update_model_card; no argument turns it off)
+            model.create_or_update_model_card = lambda output_dir: None
         load_seconds = time.monotonic() - loading
         first_start = mode == "full" and resume_from is None and not run.metrics.is_file()
         args = sft_config(recipe, run, mode, device, dtype, max_steps, out_dir, trainer_fields(plan, run.root),

@@ -204,10 +204,14 @@ def test_the_export_prints_no_loading_bars(exported, tmp_path):
 
 
 def test_no_automatic_model_card_beside_the_checkpoints(exported):
-    """TRL writes "fine-tuned version of [None]" into checkpoints/README.md at every save unless told not to."""
+    """TRL writes "fine-tuned version of [None]" into checkpoints/README.md at every save, and PEFT its template
+    ("[More Information Needed]") into every adapter folder it saves, unless told not to."""
     checkpoints = exported["run"] / "checkpoints"
     assert list(checkpoints.glob("step-*")), "no checkpoint kept to look beside"
     assert not (checkpoints / "README.md").exists()
+    assert not list(checkpoints.glob("step-*/README.md"))
+    assert (exported["run"] / "final" / "adapter" / "adapter_config.json").is_file()
+    assert not (exported["run"] / "final" / "adapter" / "README.md").exists()
 
 
 def test_serving_md_and_modelfile_hold_the_commands(exported):

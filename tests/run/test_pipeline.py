@@ -98,6 +98,7 @@ def test_stop_saves_a_checkpoint_and_resume_continues(write_recipe, tmp_path):
     recipe = write_recipe(max_steps=200, checkpoint_every_minutes=10)
     assert ftrun(recipe, "smoke.enabled=false", cwd=tmp_path).returncode == 0
     run = tmp_path / "run"
+    first_estimate = json.loads((run / "plan.json").read_text())["estimate"]
     st = freeze_worker(run, logged_steps(3))
     os.kill(st["worker_pid"], signal.SIGCONT)
     res = ftrun("stop", run, cwd=tmp_path)
@@ -119,6 +120,11 @@ def test_stop_saves_a_checkpoint_and_resume_continues(write_recipe, tmp_path):
     wait_until_ended(run, tmp_path)
     assert f"resuming from step-{stopped_at:06d}" in (run / "train.log").read_text()
     assert metrics(run)[-1]["step"] == stopped_at + 3
+    # the forecast shown first stays the plan's; the resume's new plan (fewer steps here) is labelled as such
+    plan = json.loads((run / "plan.json").read_text())
+    assert plan["estimate_as_planned"] == first_estimate and plan["estimate_at_resume"] == plan["estimate"]
+    text = ftrun("status", run, cwd=tmp_path).stdout
+    assert "plan forecast " in text and "resume re-plan forecast " in text, text
 
 
 @pytest.mark.parametrize(

@@ -124,6 +124,13 @@ def test_time_and_money_beside_the_forecasts(tmp_path):
     text = views.format_status(s)
     assert "cost 4.00 EUR so far, 1.80 EUR to go at 3.60 EUR/h" in text
     assert "smoke test forecast 1.5 h / 5.40 EUR" in text and "plan forecast 2.0 h / 7.20 EUR" in text
+    assert "resume re-plan" not in text
+    # after a resume the plan was made again with the smoke test's speed: the first forecast stays, the new is labelled
+    resumed = {"price_per_hour_eur": 3.6, "estimate_as_planned": {"hours": 2.0, "cost_eur": 7.2},
+               "estimate": {"hours": 1.25, "cost_eur": 4.5}, "estimate_at_resume": {"hours": 1.25, "cost_eur": 4.5}}
+    s.update(facts.time_and_money(s, history, resumed, {"estimated_seconds": 5400, "estimated_cost": 5.4}))
+    text = views.format_status(s)
+    assert "plan forecast 2.0 h / 7.20 EUR; resume re-plan forecast 1.2 h / 4.50 EUR" in text, text
 
 
 @pytest.mark.parametrize("live", [False, True])
