@@ -107,7 +107,7 @@ def main(run_dir: str, dtype_name: str, out: str, path: str = "once-per-box", ch
     with Sampler() as sampler:
         if path == "per-rank":
             model = AutoModelForCausalLM.from_pretrained(recipe.model, **kwargs)
-            model = add_lora(model, recipe, "fsdp")
+            model = add_lora(model, recipe)
         else:
             model, _ = load_model_and_tokenizer(recipe, "cpu", dtype, plan={"engine": "fsdp"}, run_dir=run_dir)
         loaded_at = rss_mb()
@@ -200,7 +200,7 @@ def _unsharded_reference(model, recipe, kwargs):
     from launcher.worker.loading import add_lora
 
     with torch.random.fork_rng(devices=[]):
-        ref = add_lora(AutoModelForCausalLM.from_pretrained(recipe.model, **kwargs), recipe, "fsdp")
+        ref = add_lora(AutoModelForCausalLM.from_pretrained(recipe.model, **kwargs), recipe)
     ref.config.use_cache = False
     sharded = dict(model.named_parameters())
     with torch.no_grad():

@@ -163,6 +163,9 @@ def parameter_count(path: str) -> int:
 
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    # Made on the meta device the model's tied embeddings are two tensors (transformers 5.24): tied as loaded,
+    # parameters() counts them once, as the worker's count and the model's files do (a tiny Qwen3: 139,648, not 205,184)
+    model.tie_weights()
     return sum(p.numel() for p in model.parameters())
 
 

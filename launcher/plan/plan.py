@@ -323,13 +323,15 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
                 "source": job.tokens_source, "precision": precision,
                 "tokens_per_second_source": "measured" if "tokens_per_second" in measured else "estimated",
                 **_mfu_basis(job, choice, g)},
-        estimate={"hours": round(hrs, 3) if hrs is not None else None,
+        # to 0.04 s: the Time: line and `ftrun status`'s "plan forecast" print these hours, the Why line the
+        # unrounded ones, and a short run shows seconds (3 decimals: 40.8 s stored as 39.6 s, "40 s" beside "41 s")
+        estimate={"hours": round(hrs, 5) if hrs is not None else None,
                   "cost_eur": round(cost, 2) if cost is not None else None,
                   "setup_hours": round(setup_hours, 3) if setup_hours is not None else None,
                   "setup": ({"minutes": SETUP_MINUTES, "what": "box start and image pull or pip install"}
                             if setup_hours is not None else None),
                   "download": download.to_dict() if choice.device == "cuda" else None,
-                  "total_hours": round(total_hours, 3) if total_hours is not None else None,
+                  "total_hours": round(total_hours, 5) if total_hours is not None else None,
                   "total_cost_eur": (round(total_hours * box_price, 2)
                                      if total_hours is not None and box_price is not None else None)},
         price_per_hour_eur=round(box_price, 2) if box_price is not None else None,

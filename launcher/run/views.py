@@ -313,7 +313,10 @@ def format_end_summary(e: dict[str, Any]) -> str:
     if e.get("eval_loss_first") is not None:
         lines.append(f"  eval loss {e['eval_loss_first']:.4f} -> {e['eval_loss_last']:.4f}")
     if e.get("tokens"):
-        lines.append(f"  tokens    {e['tokens']:,}")
+        # the count logged with the last loss: short of the run's own where the last step logged none (logging_steps)
+        logged = e.get("loss_last_step")
+        lines.append(f"  tokens    {e['tokens']:,}"
+                     + (f" (by step {logged}, the last logged one)" if logged and logged < (e.get("step") or 0) else ""))
     if e.get("wall_seconds"):
         fc, what = e.get("forecast_seconds"), ""
         step, total = e.get("step") or 0, e.get("total_steps") or 0
@@ -394,9 +397,10 @@ def format_task_eval(t: dict[str, Any]) -> str:
     scores = t.get("scores") or {}
     base, who = base_score(t)
     if scores.get(FINE_TUNED) is not None and base is not None:
-        gain = (scores[FINE_TUNED] - base) * 100
+        # the difference of the two percents shown, as a reader subtracts them (5% against 8%: -3, not -3.5 -> -4)
+        gain = int(pct(scores[FINE_TUNED]).rstrip("%")) - int(pct(base).rstrip("%"))
         lines.append(f"  gain      fine-tuned {pct(scores[FINE_TUNED])} against {pct(base)} for the {who} "
-                     f"({gain:+.0f} points)")
+                     f"({gain:+d} points)")
     lines.append(f"  verdict   {verdict}")
     return "\n".join(lines)
 

@@ -262,7 +262,8 @@ def run_worker(run_dir: Path, mode: str) -> int:
         args = sft_config(recipe, run, mode, device, dtype, max_steps, out_dir, trainer_fields(plan, run.root),
                           split.trainer_fields(recipe, eval_dataset is not None, first_start))
         if plan.get("engine") != "unsloth":
-            fused_head.install()  # TRL's fused LM head: on the CPU ours, never offloaded (launcher/worker/fused_head.py)
+            # TRL's fused LM head: on the CPU ours, never offloaded (launcher/worker/fused_head.py)
+            fused_head.install(bool(getattr(args, "activation_offloading", False)))
         differ = _resume_steps_differ(resume_from, device)  # the process group exists from sft_config on
         if differ:
             print(f"[ftrun worker] {differ}", file=sys.stderr, flush=True)

@@ -129,7 +129,8 @@ def test_ddp_two_gloo_processes_end_to_end(write_recipe, tmp_path):
     v = st["verification"]
     assert v["ok"] and v["world_size"] == 2
     assert {c["check"]: c["ok"] for c in v["checks"]} == {
-        "world size": True, "process group backend": True, "model wrapped in DistributedDataParallel": True}
+        "world size": True, "process group timeout": True, "process group backend": True,
+        "model wrapped in DistributedDataParallel": True}
     s = status(run, tmp_path)
     assert s["state"] == "succeeded" and s["world_size"] == 2 and s["verification"]["ok"]
     text = ftrun("status", run, cwd=tmp_path).stdout

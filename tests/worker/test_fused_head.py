@@ -64,7 +64,10 @@ def test_the_fused_heads_input_is_not_offloaded_and_the_rest_is_the_plans_count(
     plan = sizing.offloaded_activation_bytes(arch, ids.numel())
 
     before = _offloaded(base, ids)  # TRL's kernel as trl calls it: inside the offloaded region
-    assert fused_head.install()
+    # no offloading asked (DDP, FSDP, ZeRO-3): the call is left as it is, the head's saved tensor (here the CPU
+    # kernel's fp32 gradient) in whatever hooks are active
+    assert fused_head.install() and sum(_offloaded(base, ids)) > plan
+    assert fused_head.install(activation_offloading=True)
     after = _offloaded(base, ids)
     assert sum(after) == plan, (after, plan)
     head_input = (ids.numel() - 2) * arch.hidden  # the shifted tokens' hidden states, saved by the head's function
