@@ -26,7 +26,9 @@ print(f"eval loss (held out): step {evals[0]['step']} {evals[0]['eval_loss']:.3f
       f"step {evals[-1]['step']} {evals[-1]['eval_loss']:.3f}")
 print(f"before/after samples: {run / 'final' / 'samples.md'}")
 adapter = run / "final" / "adapter"
-print(f"adapter: {adapter} ({sum(p.stat().st_size for p in adapter.iterdir()) / 1e6:.2f} MB)")
+# its weights' size, as `ftrun status` and the export say it (the folder also holds the tokenizer's files)
+from launcher.deliver.messages import human_size
+print(f"adapter: {adapter} ({human_size((adapter / 'adapter_model.safetensors').stat().st_size)} of weights)")
 # The export's check of the served prompt (final/export.json): the runtimes whose rendering of the held-out prompts
 # was compared token for token with the training's, and the ones this export has no output for.
 from launcher.deliver.messages import served_line

@@ -117,6 +117,7 @@ def run_status(run: RunDir) -> dict[str, Any]:
         "step": step,
         "total_steps": total,
         "loss": last.get("loss"),
+        "loss_step": last.get("step"),  # the logged row the loss and tokens/s come from (logging_steps)
         "eval_loss": last_eval.get("eval_loss"),
         "eval_step": last_eval.get("step"),
         "tokens_per_second": last.get("tokens_per_second"),

@@ -44,7 +44,9 @@ def format_status(s: dict[str, Any], ending_follows: bool = False) -> str:
     step = s.get("step") or 0
     lines = [f"{s['state']}{_bar(step, s.get('total_steps'))}  ({s['run_dir']})"]
     if s.get("loss") is not None:
-        lines.append(f"  loss {s['loss']:.4f}   {s.get('tokens_per_second') or 0:,.0f} tokens/s{_mfu(s.get('mfu'))}"
+        # the last logged step's values: say which step where the run is past it (logging_steps)
+        at = f" (step {s['loss_step']})" if s.get("loss_step") is not None and s["loss_step"] < step else ""
+        lines.append(f"  loss {s['loss']:.4f}{at}   {s.get('tokens_per_second') or 0:,.0f} tokens/s{_mfu(s.get('mfu'))}"
                      f"   ETA {format_duration(s.get('eta_seconds'))}"
                      + (f"   (smoke test forecast for the whole run: {format_duration(s['smoke_estimated_seconds'])})"
                         if s.get("smoke_estimated_seconds") else ""))

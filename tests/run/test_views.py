@@ -300,3 +300,12 @@ def test_a_finished_training_whose_export_runs_is_not_called_finished(tmp_path):
     assert views.format_end_summary(e).startswith("== run finished at step 12/12")
     e.update(export={"state": "running"}, pid_alive=False)  # a killed supervisor's export is not waited for
     assert views.format_end_summary(e).startswith("== run finished")
+
+
+def test_the_status_loss_says_its_step_when_the_run_is_past_it():
+    """logging_steps 5 and 48 steps: the last loss row is step 45's; status says so beside 48/48."""
+    s = {"state": "succeeded", "run_dir": "/r", "step": 48, "total_steps": 48, "loss": 4.2243, "loss_step": 45,
+         "tokens_per_second": 5694}
+    assert "  loss 4.2243 (step 45)   5,694 tokens/s" in views.format_status(s)
+    s["loss_step"] = 48
+    assert "  loss 4.2243   5,694 tokens/s" in views.format_status(s)
