@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 from launcher.errors import WORKER_EXITS
 from launcher.plan.cgroup import memory_limit_bytes, oom_kills
 from launcher.plan import deadlines
-from launcher.run import rank_ends, views, watchdog
+from launcher.run import build_locks, rank_ends, views, watchdog
 from launcher.store import heartbeat_files
 from launcher.worker import train
 from launcher.worker.engines import MULTI_PROCESS, failed_verification, launch_command, launch_env, with_death_signal
@@ -142,6 +142,7 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
         _forget_worker_outcome(run)
         heartbeat_files.clear(run)  # the last attempt's heartbeats and error file must not speak for this one
         run.heartbeats.mkdir(parents=True, exist_ok=True)
+        build_locks.clear_stale(_log)  # a lock left by a rank killed mid-build would hold this attempt forever
         launched_at = time.time()
         # a launcher (torchrun) outliving the supervisor keeps its ranks training: it is killed with it; a single
         # worker outliving it would train on unsupervised: it gets SIGTERM, saves a checkpoint and exits (the next
