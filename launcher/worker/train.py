@@ -141,9 +141,11 @@ def run_worker(run_dir: Path, mode: str) -> int:
     from launcher.worker.loading import local_rank, select_device
 
     device, dtype = select_device()  # this rank's own GPU (LOCAL_RANK), before anything touches CUDA
-    # before the memory cap too: the cap counts training memory, not the process group's threads
-    # (on a GPU, the CUDA context is outside the per-process fraction as well)
-    create_process_group(plan, device, process_group_seconds(recipe, run, mode))
+    group_timeout_s = process_group_seconds(recipe, run, mode)
+    if plan.get("memory_limit_gb") and plan.get("engine") == "deepspeed" and device == "cpu":
+        # before the cap: it counts training memory, not DeepSpeed's process group and its threads (on a GPU the CUDA
+        # context is outside the per-process fraction as well); every other group comes after the resume choice
+        create_process_group(plan, device, group_timeout_s)
     if plan.get("memory_limit_gb"):
         memory.cap_memory(device, float(plan["memory_limit_gb"]))  # this rank's own device
     planned_device = plan.get("device")
@@ -251,6 +253,10 @@ def run_worker(run_dir: Path, mode: str) -> int:
     try:
         # Loading the model can run out of memory as well as training: both are inside.
         loading = time.monotonic()
+        # the process group, made here where a library would make it without the trainer's timeout (ZeRO-3's
+        # partitioned loading, the CPU's gloo): after the resume choice, a wait on files that a stop ends cleanly,
+        # which a rendezvous blocked in torch's TCPStore would not (tests/store/test_checkpoint_hashing.py)
+        create_process_group(plan, device, group_timeout_s)
         model, tokenizer = load_model_and_tokenizer(recipe, device, dtype, plan, run.root)
         if hasattr(model, "create_or_update_model_card"):
             # No README.md in the adapter folders either: PEFT's save_pretrained writes its model-card template
