@@ -77,7 +77,13 @@ def assert_same_run(a: Path, b: Path) -> None:
 
     ma, mb = metrics(a), metrics(b)
     assert [r["step"] for r in ma] == [r["step"] for r in mb]
-    assert [r["loss"] for r in ma] == [r["loss"] for r in mb]
+    differ = [(x["step"], x["loss"], y["loss"]) for x, y in zip(ma, mb) if x["loss"] != y["loss"]]
+    if differ:  # what the next reader needs: which steps, and the resumed run's own account of its resume
+        log = (b / "train.log").read_text() if (b / "train.log").is_file() else ""
+        said = [line for line in log.splitlines() if any(w in line for w in ("resum", "checkpoint", "SIGTERM",
+                                                                                "window", "preempt"))]
+        raise AssertionError(f"losses differ at (step, reference, this run) {differ[:8]}; this run's log:\n"
+                             + "\n".join(said[-30:]))
     ta, tb = adapter_tensors(a), adapter_tensors(b)
     assert ta.keys() == tb.keys()
     for k in ta:
