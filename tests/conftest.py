@@ -161,3 +161,16 @@ def s3_server(monkeypatch):
 @pytest.fixture
 def s3_endpoint(s3_server) -> dict:
     return s3_server.env
+
+
+@pytest.fixture
+def procs():
+    """Processes a test starts: killed and reaped at the end, whatever happened."""
+    import subprocess
+
+    started: list[subprocess.Popen] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        p.wait()

@@ -31,17 +31,6 @@ def _spawn(*argv: str, **kw) -> subprocess.Popen:
 
 
 @pytest.fixture
-def procs():
-    """Processes a test starts: killed and reaped at the end, whatever happened."""
-    started: list[subprocess.Popen] = []
-    yield started
-    for p in started:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
-
-
-@pytest.fixture
 def run_dir(tmp_path, tiny_model) -> Path:
     """A run directory with its recipe (no plan, nothing started): what status, logs and stop read."""
     run = tmp_path / "run"

@@ -29,17 +29,6 @@ sys.stdin.readline()
 """
 
 
-@pytest.fixture
-def procs():
-    """Processes a test starts: killed and reaped at the end, whatever happened."""
-    started: list[subprocess.Popen] = []
-    yield started
-    for p in started:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
-
-
 def _rank(procs: list, **env: str) -> subprocess.Popen:
     p = subprocess.Popen([sys.executable, "-c", RANK], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          env={k: v for k, v in {**os.environ, **env}.items()

@@ -6,7 +6,7 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from launcher.worker.gpu_check.common import Context, has, in_gb
+from launcher.worker.gpu_check.common import FUSED_OUTPUTS, Context, has, in_gb
 from launcher.worker.gpu_check.training import BENCH, architecture, build_model, make_optimizer, measure, no_peft
 
 
@@ -134,7 +134,7 @@ def _bench(ctx: Context, method: str) -> dict[str, Any]:
 
         from launcher.worker import fused_head
 
-        add_fused_lm_head(base, outputs=("log_probs", "entropy", "is_top1"))
+        add_fused_lm_head(base, outputs=FUSED_OUTPUTS)
         fused_head.install()
     built = sum(p.numel() for n, p in base.named_parameters() if "lora_" not in n)
     result.update(device=device, dtype=str(dtype).replace("torch.", ""), attention=attn,

@@ -13,6 +13,9 @@ from launcher.plan.sizing import GB  # ftrun's one memory unit, 2**30 bytes: wha
 
 # the repository root (this file is launcher/worker/gpu_check/common.py): scripts/, and the children's PYTHONPATH
 REPO = Path(__file__).resolve().parents[3]
+# The fused LM head's outputs as trl 1.16's SFTTrainer asks for them (the loss, its entropy and token accuracy
+# metrics): what the benches and the loss-head check run it with.
+FUSED_OUTPUTS = ("log_probs", "entropy", "is_top1")
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

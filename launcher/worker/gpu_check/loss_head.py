@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from launcher.worker.gpu_check.common import Context, in_gb
+from launcher.worker.gpu_check.common import FUSED_OUTPUTS, Context, in_gb
 from launcher.worker.gpu_check.training import architecture
 
 TOKENS = {"cuda": 4096, "cpu": 256}
@@ -38,8 +38,7 @@ def _run(variant: str, fn, hidden, weight, targets, device: str) -> dict[str, An
         if variant == "model's own loss":
             loss = torch.nn.functional.cross_entropy((hidden @ weight.t()).float(), targets)
         else:
-            logprobs = fn.apply(hidden, weight, None, targets, 1.0, 32768, None, 1.0,
-                                ("log_probs", "entropy", "is_top1"))[0]
+            logprobs = fn.apply(hidden, weight, None, targets, 1.0, 32768, None, 1.0, FUSED_OUTPUTS)[0]
             loss = -logprobs.mean()
         loss.backward()
         return float(loss.item())
