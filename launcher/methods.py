@@ -1,5 +1,5 @@
 """The training methods and objectives as tables: one row a method (qlora, lora, full, full-8bit) and one row an
-objective (sft). Every question about a method or an objective asks these rows: the recipe's allowed values, the
+objective (sft, dpo, orpo). Every question about a method or an objective asks these rows: the recipe's allowed values, the
 sizer's bytes, the engine choice, the loading, the export, the final result's check, the model card.
 
 A root leaf (like launcher/gguf_types.py): the recipe, plan/, worker/, store/ and deliver/ all ask it, and store/
@@ -8,6 +8,7 @@ may import no stage above it.
     METHODS["qlora"].adapter        # True: LoRA adapters on a frozen base
     adapter_methods()               # ('qlora', 'lora')
     OBJECTIVES["sft"].trainer       # 'SFTTrainer'
+    OBJECTIVES["dpo"].reference_pass  # True: a frozen reference's log-probabilities beside the policy's
 """
 
 from __future__ import annotations
@@ -83,14 +84,51 @@ def is_quantized(method: str) -> bool:
 @dataclass(frozen=True)
 class Objective:
     name: str
-    trainer: str  # TRL's trainer class
+    trainer: str  # TRL's trainer class, in `module`
     config: str  # its configuration class (the recipe's `trainer:` fields are checked against it)
-    formats: tuple[str, ...]  # the data formats it trains on (launcher/data/formats.py FORMATS), () for every one
+    module: str  # where TRL keeps both (ORPO is in trl.experimental in trl 1.16)
+    forms: tuple[str, ...]  # the canonical data forms it trains (launcher/data/formats.py FORMATS' `form`)
     sequences_per_example: int  # sequences the forward pass runs per example (2 for a chosen/rejected pair)
-    reference_pass: bool  # a frozen reference model's log-probabilities are computed too
+    reference_pass: bool  # a frozen reference model's log-probabilities are computed too (one more forward)
+    settings: tuple[str, ...]  # the recipe's `preference:` keys that apply (the others are refused)
+    logged: tuple[str, ...]  # the trainer's own logged metrics kept in metrics.jsonl (train rows; eval_ on eval rows)
+    help: str  # what it is, for the recipe's help
+    learning_rate: float  # the learning rate TRL's configuration defaults to, named when a recipe keeps SFT's
 
+    @property
+    def preference(self) -> bool:
+        """It trains on pairs of a chosen and a rejected answer."""
+        return self.sequences_per_example == 2
+
+
+# TRL's reward metrics for a pair (dpo_trainer.py DPOTrainer._compute_loss, orpo_trainer.py get_batch_loss_metrics)
+_REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
 
 OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
-    Objective("sft", trainer="SFTTrainer", config="SFTConfig", formats=(), sequences_per_example=1,
-              reference_pass=False),
+    Objective("sft", trainer="SFTTrainer", config="SFTConfig", module="trl", forms=("chat", "prompt_completion", "text"),
+              sequences_per_example=1, reference_pass=False, settings=(), logged=(),
+              help="supervised fine-tuning on examples", learning_rate=2e-5),
+    Objective("dpo", trainer="DPOTrainer", config="DPOConfig", module="trl", forms=("preference",),
+              sequences_per_example=2, reference_pass=True, settings=("beta", "loss_type", "reference"),
+              logged=_REWARDS, help="Direct Preference Optimization on chosen/rejected pairs, against a frozen "
+              "reference", learning_rate=1e-6),
+    Objective("orpo", trainer="ORPOTrainer", config="ORPOConfig", module="trl.experimental.orpo",
+              forms=("preference",), sequences_per_example=2, reference_pass=False, settings=("beta",),
+              logged=_REWARDS + ("nll_loss", "log_odds_ratio"), help="ORPO on chosen/rejected pairs: SFT loss plus "
+              "an odds-ratio term, no reference model", learning_rate=1e-6),
 )}
+
+
+def objectives_described() -> str:
+    """Every objective with what it is, for the recipe's help."""
+    return ", ".join(f"{o.name} ({o.help})" for o in OBJECTIVES.values()) + "."
+
+
+def trl_class(objective: str, what: str):
+    """The objective's trainer (what='trainer') or configuration (what='config') class of the installed TRL."""
+    import importlib
+    import os
+
+    o = OBJECTIVES[objective]
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # ORPO's module warns on import that it is experimental
+    return getattr(importlib.import_module(o.module), getattr(o, what))

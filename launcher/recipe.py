@@ -27,6 +27,7 @@ from launcher.store.sync import kinds as sync_kinds
 from launcher.errors import RecipeError, UsageError
 
 Method = Literal[tuple(methods.METHODS)]  # the method table, launcher/methods.py
+ObjectiveName = Literal[tuple(methods.OBJECTIVES)]  # the objective table, launcher/methods.py
 Engine = Literal[(engine_kinds.AUTO, *engine_kinds.ENGINES)]  # the engine table, launcher/engine_kinds.py
 ExportFormat = Literal[tuple(export_formats.FORMATS)]  # the export table, launcher/export_formats.py
 GgufType = Literal[tuple(gguf_types.TYPES)]  # the GGUF table, launcher/gguf_types.py
@@ -111,6 +112,20 @@ class LoraSettings(_Strict):
             raise ValueError("an empty list adapts nothing: LoRA needs modules to put its matrices on; write "
                              "all-linear (every linear layer but the head) or names such as [q_proj, v_proj]")
         return value
+
+
+class PreferenceSettings(_Strict):
+    """The preference objectives' settings (objective dpo or orpo; launcher/methods.py OBJECTIVES names which apply)."""
+
+    beta: float = Field(0.1, gt=0, description="dpo: how far the policy may move from the reference (TRL's beta; "
+                        "higher stays closer); orpo: the weight of the odds-ratio term (ORPO's lambda).")
+    loss_type: str = Field("sigmoid", description="dpo: TRL's DPO loss (sigmoid is the DPO paper's; ipo, hinge, "
+                           "robust, ... as the installed trl names them).")
+    reference: Literal["auto", "precomputed"] = Field(
+        "auto", description="dpo: the reference's log-probabilities. auto: computed beside each step (LoRA: the base "
+        "with the adapter switched off, or the parent adapter's frozen copy under init_from, no second model; full: a "
+        "frozen copy of the model); precomputed: computed once over the data before training (one forward per "
+        "example, no reference model kept in memory).")
 
 
 class SmokeSettings(_Strict):
@@ -224,6 +239,12 @@ class Recipe(_Strict):
 
     model: str = Field(description="Hugging Face model id or a local model directory.")
     method: Method = Field(description=methods.described())
+    objective: ObjectiveName = Field("sft", description=methods.objectives_described())
+    preference: PreferenceSettings = Field(default_factory=PreferenceSettings,
+                                           description="DPO and ORPO settings (objective dpo or orpo).")
+    init_from: Optional[str] = Field(
+        None, description="Start from an earlier run's adapter: its run directory (final/adapter) or an adapter "
+        "folder; the usual chain is SFT, then DPO on the same base (lora, qlora). The plan and the model card name it.")
     data: Union[str, DataSource, list[Union[str, DataSource]]] = Field(
         description=f"The training data: a file ({', '.join(data_sources.EXTENSIONS)}), a folder of them, a Hub dataset "
         "(org/name), a {path, split, subset, columns, format, weight} mapping, or a list of those mixed by weight. "
@@ -327,6 +348,13 @@ class Recipe(_Strict):
             raise ValueError(f"{wrong[0].removeprefix(f'model {value} is ')}; {wrong[1]}")
         return value
 
+    @field_validator("init_from")
+    @classmethod
+    def _init_from_an_adapter(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None:
+            parent_adapter(value)  # an earlier run without its adapter, or a folder that is none: here, before the plan
+        return value
+
     @field_validator("tokens", mode="before")
     @classmethod
     def _token_count(cls, value: Any) -> Any:
@@ -347,6 +375,31 @@ class Recipe(_Strict):
         return value
 
     @model_validator(mode="after")
+    def _objective_keys(self) -> "Recipe":
+        objective = methods.OBJECTIVES[self.objective]
+        # set to another value than the default: the run folder's recipe snapshot writes every key with its value
+        given = sorted(k for k, f in PreferenceSettings.model_fields.items()
+                       if k not in objective.settings and getattr(self.preference, k) != f.default)
+        if given:
+            where = "it applies to " + ", ".join(o.name for o in methods.OBJECTIVES.values() if set(given) & set(o.settings))
+            raise ValueError(f"preference.{', preference.'.join(given)} does not apply to objective {self.objective} "
+                             f"({where}; objective {self.objective} takes "
+                             f"{', '.join('preference.' + k for k in objective.settings) or 'no preference: keys'}); "
+                             "remove it, or set the objective it is for")
+        if objective.preference:
+            sft_only = sorted(k for k in ("packing", "assistant_only_loss", "padding_free")
+                              if k in self.model_fields_set and getattr(self, k) != Recipe.model_fields[k].default)
+            if sft_only:
+                raise ValueError(f"{', '.join(sft_only)} apply to objective sft; {self.objective} trains a pair's "
+                                 "answers after their prompt, padded side by side (TRL's preference collator): remove "
+                                 f"{'them' if len(sft_only) > 1 else 'it'}")
+        if self.init_from is not None and not methods.is_adapter(self.method):
+            raise ValueError(f"init_from starts from an adapter, and method {self.method} trains every weight: give the "
+                             "earlier run's merged model as model: (RUN/final/merged, made with export: [merged]) "
+                             "instead")
+        return self
+
+    @model_validator(mode="after")
     def _cross_field(self) -> "Recipe":
         if self.assistant_only_loss and self.packing:
             raise ValueError("assistant_only_loss and packing together are not supported by TRL; turn one off")
@@ -362,6 +415,11 @@ class Recipe(_Strict):
         return self
 
     # -- derived values, one place each --------------------------------------------------
+    @property
+    def objective_row(self) -> methods.Objective:
+        return methods.OBJECTIVES[self.objective]
+
+
     @property
     def name(self) -> str:
         return Path(self.output_dir or "run").name
@@ -380,11 +438,39 @@ class Recipe(_Strict):
         out = {k: snap[k] for k in keep}
         if self.eval.fraction is not None:  # the held-out share decides which examples train (absent: as before)
             out["eval.fraction"] = self.eval.fraction
+        if self.objective != "sft":  # absent for SFT: a run of an earlier ftrun resumes with the same hash
+            out["objective"] = self.objective
+            out["preference"] = {k: snap["preference"][k] for k in self.objective_row.settings}
+        if self.init_from is not None:  # the parent adapter's weights, not only its path
+            out["init_from"] = _weights_sha256(parent_adapter(self.init_from))
         return out
 
     def trajectory_hash(self) -> str:
         blob = json.dumps(self.trajectory(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def parent_adapter(init_from: str) -> Path:
+    """The adapter folder `init_from` names: a run directory's final/adapter, or an adapter folder itself. ValueError
+    saying what is there otherwise (the recipe check words it)."""
+    path = Path(init_from)
+    for folder in (path / "final" / "adapter", path):
+        if (folder / "adapter_config.json").is_file():
+            return folder
+    if not path.exists():
+        raise ValueError(f"{path} does not exist: give the earlier run's directory (runs/NAME) or an adapter folder")
+    if (path / "state.json").is_file() or (path / "checkpoints").is_dir():
+        raise ValueError(f"{path} is a run without a final adapter (final/adapter/adapter_config.json): let it finish "
+                         "(`ftrun status` says where it is), or give one of its checkpoints' folders")
+    raise ValueError(f"{path} holds no adapter_config.json: give a run directory (with final/adapter) or a PEFT "
+                     "adapter folder")
+
+
+def _weights_sha256(folder: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(folder.glob("adapter_model.*")):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 # ---------------------------------------------------------------------------------------
@@ -583,6 +669,8 @@ def _resolve_paths(raw: dict[str, Any], base_dir: Path, default_name: str) -> di
         # "org/name" is a Hub id unless such a folder (or a file, refused by name then) exists next to the recipe.
         if _looks_local(model) or candidate.exists():
             out["model"] = str(candidate.resolve())
+    if isinstance(out.get("init_from"), str):
+        out["init_from"] = str((base_dir / Path(out["init_from"]).expanduser()).resolve())
     if out.get("output_dir") is None:
         out["output_dir"] = str((Path.cwd() / "runs" / default_name).resolve())
     elif isinstance(out.get("output_dir"), str):
@@ -660,33 +748,53 @@ def validate_recipe(raw: dict[str, Any], base_dir: Path, default_name: str, sour
 
 
 def check_trainer_fields(recipe: Recipe) -> None:
-    """Check `trainer:` against the installed TRL's SFTConfig, the objective's configuration (imports trl: call only
-    where we train)."""
+    """Check `trainer:` against the installed TRL's configuration of the recipe's objective (SFTConfig, DPOConfig,
+    ORPOConfig), and preference.loss_type against the losses the installed DPOTrainer computes (imports trl: call
+    only where we train)."""
+    objective = recipe.objective_row
+    if "loss_type" in objective.settings:
+        losses = dpo_loss_types()
+        if losses and recipe.preference.loss_type not in losses:
+            near = close_name(recipe.preference.loss_type, losses)
+            raise RecipeError(
+                f"preference.loss_type {recipe.preference.loss_type!r} is not a loss the installed trl's DPOTrainer "
+                "computes" + (f" (did you mean '{near}'?)" if near else ""),
+                fix=f"use one of: {', '.join(losses)} (sigmoid is the DPO paper's loss).")
     if not recipe.trainer:
         return
     import dataclasses
 
-    import trl
-
-    SFTConfig = getattr(trl, methods.OBJECTIVES["sft"].config)
-    fields = {f.name: f for f in dataclasses.fields(SFTConfig)}
+    Config = methods.trl_class(recipe.objective, "config")
+    name = objective.config
+    fields = {f.name: f for f in dataclasses.fields(Config)}
     bad = [k for k in recipe.trainer if k not in fields]
     if bad:
         lines = []
         for k in bad:
             near = close_name(k, sorted(fields))
-            lines.append(f"- trainer.{k} is not a field of TRL's SFTConfig" + (f" (did you mean '{near}'?)" if near else ""))
+            lines.append(f"- trainer.{k} is not a field of TRL's {name}" + (f" (did you mean '{near}'?)" if near else ""))
         raise RecipeError(
             "the recipe's trainer: section has unknown fields:\n" + "\n".join(lines),
-            fix="use SFTConfig field names of the installed trl (python -c 'import trl; help(trl.SFTConfig)').",
-        )
-    hints = typing.get_type_hints(SFTConfig)
+            fix=f"use {name} field names of the installed trl (objective {recipe.objective}; "
+            f"python -c 'import {objective.module}; help({objective.module}.{name})').")
+    hints = typing.get_type_hints(Config)
     wrong = [line for k, v in recipe.trainer.items() if (line := _trainer_value_problem(k, v, hints.get(k), fields[k]))]
     if wrong:
         raise RecipeError(
             "the recipe's trainer: section has values the installed trl/transformers do not take:\n" + "\n".join(wrong),
             fix="use one of the values named (they come from the installed libraries' own choices), or leave the key "
             "out for its default.")
+
+
+def dpo_loss_types() -> list[str]:
+    """The loss names the installed DPOTrainer computes, read from its own loss function (trl 1.16 dpo_trainer.py
+    `_compute_loss` branches on `loss_type == "..."`; its DPOConfig lists them only in a help text, and an unknown
+    one fails at the first step, after the model loaded)."""
+    import inspect
+    import re
+
+    source = inspect.getsource(methods.trl_class("dpo", "trainer"))
+    return sorted(set(re.findall(r'loss_type == "([a-z_0-9]+)"', source)))
 
 
 def _trainer_value_problem(key: str, value: Any, hint: Any, field: Any) -> Optional[str]:

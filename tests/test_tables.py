@@ -73,6 +73,9 @@ RECORDS = {
     "prompt_completion": {"prompt": "Hi?", "completion": "Hello."},
     "alpaca": {"instruction": "Greet.", "input": "", "output": "Hello."},
     "text": {"text": "Hello."},
+    "preference": {"prompt": "Hi?", "chosen": "Hello.", "rejected": "Go away."},
+    "preference_implicit": {"chosen": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}],
+                            "rejected": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "No."}]},
 }
 
 
@@ -91,7 +94,8 @@ def test_every_data_format_is_detected_converted_and_accepted(name, tmp_path):
     assert formats.detect_one(record) == name  # the table's keys and order tell it apart from the others
     assert formats.detect([("line 1", record)]) == (name, None)
     example = formats.convert(record, name)
-    assert {"chat": "messages", "prompt_completion": "prompt", "text": "text"}[formats.form(name)] in example
+    assert {"chat": "messages", "prompt_completion": "prompt", "text": "text",
+            "preference": "chosen"}[formats.form(name)] in example
     recipe = validate_recipe({"model": "Qwen/Qwen3-0.6B", "method": "lora", "data": {"path": "d.jsonl", "format": name}},
                              base_dir=tmp_path, default_name="t")
     assert recipe.data[0].format == name if isinstance(recipe.data, list) else recipe.data.format == name
@@ -263,10 +267,16 @@ def test_every_objective_names_a_trainer_and_configuration_of_the_installed_trl(
     from launcher.data import formats
     from launcher.methods import OBJECTIVES
 
+    from launcher.methods import trl_class
+
     assert "sft" in OBJECTIVES
+    forms = {f.form for f in formats.FORMATS.values()}
     for o in OBJECTIVES.values():
-        assert callable(getattr(trl, o.trainer)) and callable(getattr(trl, o.config)), o
-        assert set(o.formats) <= set(formats.FORMATS) and o.sequences_per_example >= 1
+        assert callable(trl_class(o.name, "trainer")) and callable(trl_class(o.name, "config")), o
+        assert set(o.forms) <= forms and o.sequences_per_example >= 1
+        config = {f.name for f in __import__("dataclasses").fields(trl_class(o.name, "config"))}
+        assert {k for k in o.settings if k != "reference"} <= config  # the recipe's preference: keys it passes on
+    assert {f for o in OBJECTIVES.values() for f in o.forms} == forms  # every form trains under some objective
 
 
 # ---------------------------------------------------------------------------------------------

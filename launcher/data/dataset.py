@@ -355,6 +355,19 @@ def example_lengths(examples: list[Any], model: str, where: Optional[list[str]] 
     """
     examples = [{"messages": e} if isinstance(e, list) else e for e in examples]
     where = where or [f"example {i + 1}" for i in range(len(examples))]
+    if any(formats.example_form(ex) == "preference" for ex in examples):
+        # a pair trains as two sequences, the prompt with each answer: its tokens are both (the forward runs both)
+        flat, owner, places = [], [], []
+        for i, ex in enumerate(examples):
+            for side, seq in zip(("chosen", "rejected"), formats.sequences(ex)):
+                flat.append(seq)
+                owner.append(i)
+                places.append(f"{where[i]} ({side})")
+        counts, source = example_lengths(flat, model, places)
+        lengths = [0] * len(examples)
+        for i, n in zip(owner, counts):
+            lengths[i] += n
+        return lengths, source
     renderer, _ = _renderer(model)
     if renderer is not None and renderer[0] is None and not any(formats.conversational(ex) for ex in examples):
         encode = renderer[1]
@@ -406,14 +419,16 @@ def _characters(ex: dict[str, Any]) -> int:
 
 def compute_stats(examples: list[Any], lengths: list[int], source: str, max_length: int,
                   data: Optional[LoadedData] = None) -> DataStats:
-    """Token statistics of `examples` (those that train); `data` adds what was read (description, sources)."""
-    clipped = [min(n, max_length) for n in lengths]
+    """Token statistics of `examples` (those that train); `data` adds what was read (description, sources). A
+    preference pair's tokens are its two sequences' (each at most max_length)."""
+    limits = [max_length * len(formats.sequences(ex)) if isinstance(ex, dict) else max_length for ex in examples]
+    clipped = [min(n, limit) for n, limit in zip(lengths, limits)]
     return DataStats(
         examples=len(examples),
         total_tokens=sum(clipped),
         mean_tokens=round(sum(clipped) / len(clipped), 1),
         max_tokens=max(lengths),
-        over_max_length=sum(1 for n in lengths if n > max_length),
+        over_max_length=sum(1 for n, limit in zip(lengths, limits) if n > limit),
         tokens_source=source,
         max_length=max_length,
         description=data.describe() if data else "",
@@ -447,7 +462,7 @@ def write_jsonl(path: Path, examples: list[Any]) -> None:
 
 
 def to_dataset(examples: list[Any]):
-    """A `datasets.Dataset` for SFTTrainer. Messages, prompts and completions are stored as `Json` values
+    """A `datasets.Dataset` for the objective's trainer (SFTTrainer, DPOTrainer, ORPOTrainer). Messages, prompts and completions are stored as `Json` values
     (datasets 5.2.0, features/features.py): Arrow would otherwise give every message the union of all messages'
     keys (tool_calls: None on each turn, which templates test with `is defined`) and refuse tool-call arguments
     of different shapes. Tool schemas go as JSON text, which TRL's tokenize_fn decodes (sft_trainer.py)."""
@@ -457,7 +472,7 @@ def to_dataset(examples: list[Any]):
     has_tools = any("tools" in r for r in rows)
     columns: dict[str, Any] = {}
     first = rows[0]
-    for key in ("messages", "prompt", "completion", "text"):
+    for key in ("messages", "prompt", "completion", "text", "chosen", "rejected"):
         if key in first:
             columns[key] = List(Json()) if isinstance(first[key], list) else Value("string")
     if has_tools:

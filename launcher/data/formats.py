@@ -4,7 +4,11 @@ The canonical forms (what `SFTTrainer` takes, trl 1.16.0 `sft_trainer.py` `_prep
 - chat: {"messages": [...], "tools": [...]?}, a conversation rendered with the model's chat template;
 - prompt_completion: {"prompt": ..., "completion": ...}, both strings (plain) or both message lists
   (conversational); TRL trains on the completion only (`completion_only_loss` defaults to it for this form);
-- text: {"text": "..."}, continued pre-training: no chat template, EOS appended, loss on every token.
+- text: {"text": "..."}, continued pre-training: no chat template, EOS appended, loss on every token;
+- preference: {"prompt": ..., "chosen": ..., "rejected": ...}, all strings (standard) or all message lists
+  (conversational: the prompt's turns, then the chosen and the rejected assistant turns), what `DPOTrainer` and
+  `ORPOTrainer` take (trl 1.16.0 `dpo_trainer.py` `_prepare_dataset`); an implicit prompt (two whole conversations
+  that share their first turns) is split where they part, as TRL's `extract_prompt` does.
 
 Alpaca and ShareGPT records become chat. A problem with a record is a `RecordProblem` naming the field.
 
@@ -41,6 +45,14 @@ FORMATS: dict[str, Format] = {
     "alpaca": Format("Alpaca (instruction/input/output)", "chat", ("instruction", "output"),
                      '{"instruction": "...", "input": "" (optional), "output": "...", "system": "..." (optional)}'),
     "text": Format("plain text (continued pre-training)", "text", ("text",), '{"text": "..."}'),
+    "preference": Format("preference pairs (prompt/chosen/rejected)", "preference", ("prompt", "chosen", "rejected"),
+                         '{"prompt": [{"role": "user", "content": "..."}], "chosen": [{"role": "assistant", '
+                         '"content": "..."}], "rejected": [{"role": "assistant", "content": "..."}]} (or three strings)'),
+    "preference_implicit": Format("preference pairs with an implicit prompt (chosen/rejected conversations)",
+                                  "preference", ("chosen", "rejected"),
+                                  '{"chosen": [{"role": "user", "content": "..."}, {"role": "assistant", "content": '
+                                  '"..."}], "rejected": [{"role": "user", "content": "..."}, {"role": "assistant", '
+                                  '"content": "..."}]}'),
 }
 ROLES = ("system", "user", "assistant", "tool")
 # Message fields kept besides role and content: tool calls, tool results, reasoning. The chat template decides
@@ -306,14 +318,81 @@ def _plain_text(record: dict, other: Optional[str]) -> dict[str, Any]:
     return {"text": _text(record, "text")}
 
 
+def _pair_check(prompt: Any, chosen: Any, rejected: Any) -> None:
+    if chosen == rejected:
+        raise RecordProblem("'chosen' and 'rejected' are the same answer: the pair prefers nothing; remove it or "
+                            "give the rejected answer")
+
+
+def _preference(record: dict, other: Optional[str]) -> dict[str, Any]:
+    for key in ("prompt", "chosen", "rejected"):
+        if key not in record:
+            raise _missing(record, key, "preference", other)
+    prompt, chosen, rejected = (_maybe_json(record[k], k) for k in ("prompt", "chosen", "rejected"))
+    if all(isinstance(v, str) for v in (prompt, chosen, rejected)):
+        example = {"prompt": _text(record, "prompt"), "chosen": _text(record, "chosen"),
+                   "rejected": _text(record, "rejected")}
+    elif all(isinstance(v, list) for v in (prompt, chosen, rejected)):
+        example = {"prompt": check_messages(prompt, "prompt", need_assistant=False),
+                   "chosen": _answer(chosen, "chosen"), "rejected": _answer(rejected, "rejected")}
+        if example["prompt"][-1]["role"] == "assistant":
+            raise RecordProblem("the last turn of 'prompt' is the assistant's: the prompt ends where the chosen and "
+                                "the rejected answers begin (a user or tool turn)")
+        tools = _tools(record)
+        if tools:
+            example["tools"] = tools
+    else:
+        raise RecordProblem("'prompt', 'chosen' and 'rejected' must all be strings (standard) or all lists of "
+                            f"messages (conversational), found {type(prompt).__name__}, {type(chosen).__name__} and "
+                            f"{type(rejected).__name__}")
+    _pair_check(example["prompt"], example["chosen"], example["rejected"])
+    return example
+
+
+def _answer(msgs: Any, field: str) -> list[dict[str, Any]]:
+    out = check_messages(msgs, field)
+    if any(m["role"] != "assistant" for m in out):
+        raise RecordProblem(f"'{field}' holds {', '.join(sorted({m['role'] for m in out if m['role'] != 'assistant'}))} "
+                            "turns: it is the answer alone (assistant turns); the turns before it go in 'prompt'")
+    return out
+
+
+def _preference_implicit(record: dict, other: Optional[str]) -> dict[str, Any]:
+    for key in ("chosen", "rejected"):
+        if key not in record:
+            raise _missing(record, key, "preference_implicit", other)
+    chosen, rejected = _maybe_json(record["chosen"], "chosen"), _maybe_json(record["rejected"], "rejected")
+    if not (isinstance(chosen, list) and isinstance(rejected, list)):
+        raise RecordProblem("without a 'prompt', 'chosen' and 'rejected' must be whole conversations (lists of "
+                            f"messages), found {type(chosen).__name__} and {type(rejected).__name__}; plain strings "
+                            "need a 'prompt' beside them")
+    chosen, rejected = check_messages(chosen, "chosen"), check_messages(rejected, "rejected")
+    shared = 0  # the turns both conversations share: the prompt (TRL's extract_prompt splits the same way)
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    if shared == len(chosen) == len(rejected):
+        _pair_check(None, chosen, rejected)
+    if shared == 0:
+        raise RecordProblem("'chosen' and 'rejected' share no first turn: with an implicit prompt both conversations "
+                            "begin with the same prompt turns; give a 'prompt' key, or the same first turns")
+    while shared and chosen[shared - 1]["role"] == "assistant":
+        shared -= 1  # the answers begin with the first assistant turn after the shared prompt
+    record = {"prompt": chosen[:shared], "chosen": chosen[shared:], "rejected": rejected[shared:],
+              **({"tools": record["tools"]} if "tools" in record else {})}
+    return _preference(record, other)
+
+
 _CONVERTERS = {"messages": _messages, "sharegpt": _sharegpt, "alpaca": _alpaca,
-               "prompt_completion": _prompt_completion, "text": _plain_text}
+               "prompt_completion": _prompt_completion, "text": _plain_text, "preference": _preference,
+               "preference_implicit": _preference_implicit}
 
 
 def example_form(example: dict[str, Any]) -> str:
-    """The canonical form of a converted example: chat, prompt_completion or text."""
+    """The canonical form of a converted example: chat, prompt_completion, text or preference."""
     if "messages" in example:
         return "chat"
+    if "chosen" in example:
+        return "preference"
     if "prompt" in example:
         return "prompt_completion"
     return "text"
@@ -330,8 +409,20 @@ def conversation(example: Any) -> list[dict[str, Any]]:
         return example
     if "messages" in example:
         return example["messages"]
+    if "chosen" in example:  # a pair: its prompt and the chosen answer (what the task evaluation scores)
+        return conversation(sequences(example)[0])
     if isinstance(example.get("prompt"), list):
         return example["prompt"] + example["completion"]
     if "prompt" in example:
         return [{"role": "user", "content": example["prompt"]}, {"role": "assistant", "content": example["completion"]}]
     return [{"role": "user", "content": example["text"]}]
+
+
+def sequences(example: dict[str, Any]) -> list[dict[str, Any]]:
+    """The sequences one example trains as prompt/completion examples: a preference pair's prompt with the chosen
+    answer, then with the rejected one (TRL tokenizes each so and trains both in one batch, chosen rows first:
+    dpo_trainer.py DataCollatorForPreference); any other example is its own one sequence."""
+    if "chosen" not in example:
+        return [example]
+    extra = {"tools": example["tools"]} if example.get("tools") else {}
+    return [{"prompt": example["prompt"], "completion": example[side], **extra} for side in ("chosen", "rejected")]

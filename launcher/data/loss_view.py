@@ -342,6 +342,7 @@ def check(model: str, settings: Settings, examples: list[Any], where: list[str],
                   "max": max(lengths) if lengths else 0, "max_length": settings.max_length,
                   "truncated": sum(1 for x in lengths if settings.max_length and x > settings.max_length),
                   "cut": sum(m.cut for m in marks), "empty": empty},
+        "trained_each": [sum(m.trained) for m in marks],  # per example, for the caller's own figures (not kept)
     }
 
 

@@ -5,14 +5,18 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from launcher import methods
+from launcher.data import formats
 from launcher.data import loss_view
 from launcher.data import split
 from launcher.data.dataset import compute_stats, example_lengths, load_data
 from launcher.data.dataset import identity as data_identity
+from launcher.errors import DataError
 
 
 def data_stats(recipe: Any):
     data = load_data(recipe.data, recipe.seed)
+    objective_fits(recipe, data.form, "data")
     examples = data.examples
     lengths, source = example_lengths(examples, recipe.model, data.where)
     # the statistics (plan, ETA) count what trains: the eval split's held-out examples do not (launcher/data/split.py)
@@ -21,15 +25,60 @@ def data_stats(recipe: Any):
     stats = compute_stats([examples[i] for i in train], [lengths[i] for i in train], source, recipe.max_length, data)
     # what the loss sees, every training example marked as TRL masks it; a DataError refuses data that would train
     # nothing, never teach the model to stop, or lose its answers to max_length (launcher/data/loss_view.py)
-    seen = loss_view.check(recipe.model, loss_view.Settings.of(recipe), [examples[i] for i in train],
-                           [data.where[i] for i in train], [data.origin[i] for i in train] if data.origin else None,
-                           [str(s.get("source")) for s in data.sources])
+    seen = loss_view.check(recipe.model, loss_view.Settings.of(recipe), *_sequences(
+        [examples[i] for i in train], [data.where[i] for i in train],
+        [data.origin[i] for i in train] if data.origin else [0] * len(train), [str(s.get("source")) for s in data.sources]))
+    trained_each = seen.pop("trained_each", None) if seen else None
+    if seen and any(isinstance(ex, dict) and "chosen" in ex for ex in examples):
+        seen["pairs"] = pair_stats(trained_each)
     stats = replace(stats, loss_view=seen, held_out=len(parts.held_out), held_out_lines=len(examples) - len(train))
     if recipe.eval.data:
         split.load_eval_data(recipe)  # a missing or broken eval file stops here, before the smoke test
+        objective_fits(recipe, load_data(recipe.eval.data, recipe.seed).form, "eval.data")
         # a resume on changed eval data is refused like one on changed training data
         stats = replace(stats, sha256=data_identity(stats.sha256, load_data(recipe.eval.data, recipe.seed).sha256))
     return examples, lengths, stats
+
+
+def objective_fits(recipe: Any, form: str, key: str) -> None:
+    """A DataError when the recipe's objective does not train data of this form (SFT examples under DPO, pairs
+    under SFT), naming both and the formats that would fit."""
+    objective = methods.OBJECTIVES[recipe.objective]
+    if form in objective.forms:
+        return
+    fitting = [name for name, f in formats.FORMATS.items() if f.form in objective.forms]
+    other = next((o.name for o in methods.OBJECTIVES.values() if form in o.forms), None)
+    raise DataError(
+        f"{key} is {form.replace('_', '/')} data, which objective {recipe.objective} does not train "
+        f"({recipe.objective} trains {', '.join(formats.describe(f) for f in fitting)})",
+        fix=(f"set objective: {other}" + (" (preference pairs train with dpo or orpo)" if form == "preference" else "")
+             + f", or give {key} in one of: {', '.join(formats.example(f) for f in fitting[:2])}") if other else
+        f"give {key} in one of the formats {', '.join(fitting)} (docs/data.md).")
+
+
+def _sequences(examples: list[Any], where: list[str], origin: list[int], sources: list[str]):
+    """The examples as the sequences that train (formats.sequences): a preference pair is its prompt with the chosen
+    answer and with the rejected one, each checked as the loss sees it and shown side by side (one "source" each)."""
+    if not any(isinstance(ex, dict) and "chosen" in ex for ex in examples):
+        return examples, where, origin, sources
+    flat, places, kinds = [], [], []
+    for ex, w, k in zip(examples, where, origin):
+        for j, (side, seq) in enumerate(zip(("chosen", "rejected"), formats.sequences(ex))):
+            flat.append(seq)
+            places.append(f"{w} ({side})")
+            kinds.append(2 * k + j)
+    return flat, places, kinds, [name for name in sources for _ in ("chosen", "rejected")]
+
+
+def pair_stats(trained: list[int]) -> dict[str, Any]:
+    """The pairs' figures from each sequence's trained tokens (chosen, rejected, chosen, ...): the answers' mean
+    lengths and the share of pairs whose chosen answer is the longer one (DPO's known length bias: a set where the
+    chosen answer is nearly always the longer teaches length as much as quality)."""
+    chosen, rejected = trained[0::2], trained[1::2]
+    n = max(len(chosen), 1)
+    return {"pairs": len(chosen), "chosen_mean_tokens": round(sum(chosen) / n, 1),
+            "rejected_mean_tokens": round(sum(rejected) / n, 1),
+            "chosen_longer": round(sum(c > r for c, r in zip(chosen, rejected)) / n, 4)}
 
 
 def data_record(stats) -> dict[str, Any]:

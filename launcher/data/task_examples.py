@@ -10,13 +10,18 @@ from __future__ import annotations
 import random
 from typing import Any, Optional
 
+from launcher.data import formats
+
 MIN_EXAMPLES = 10  # fewer held-out examples than this give a score too coarse to read (one example = 10 points)
 
 
 def prompt_and_reference(example: Any) -> Optional[dict[str, Any]]:
     """{"messages": ..., "reference": ...} for a chat example: the turns before its last assistant turn, and that
     turn; a prompt/completion pair: the prompt ("text" when it is a plain string, answered without the chat
-    template, as it trained) and the completion. None for plain text and examples without an assistant turn."""
+    template, as it trained) and the completion; a preference pair: its prompt and the chosen answer. None for plain
+    text and examples without an assistant turn."""
+    if isinstance(example, dict) and "chosen" in example:
+        example = formats.sequences(example)[0]
     if isinstance(example, dict) and "prompt" in example and "completion" in example:
         prompt, completion = example["prompt"], example["completion"]
         if isinstance(prompt, str) and isinstance(completion, str):

@@ -162,11 +162,19 @@ def model_card(run: RunDir, recipe, report: dict[str, Any], repo: str, outputs: 
     data = ModelCardData(
         base_model=base, library_name="peft" if adapter_at_root else "transformers", pipeline_tag="text-generation",
         tags=["ftrun", recipe.method, *(["lora"] if methods.is_adapter(recipe.method) else []),
-              *(["gguf"] if "gguf" in outputs else [])],
+              *([recipe.objective] if recipe.objective != "sft" else []), *(["gguf"] if "gguf" in outputs else [])],
     )
     method = methods.METHODS[recipe.method].title
     lora = f" (r={recipe.lora.r}, alpha={recipe.lora.alpha}, targets {recipe.lora.target_modules})" \
-        if methods.is_adapter(recipe.method) else ""
+        if methods.is_adapter(recipe.method) and not recipe.init_from else ""
+    objective = recipe.objective_row
+    if objective.name != "sft":
+        settings = ", ".join(f"{k} {getattr(recipe.preference, k)}" for k in objective.settings)
+        method += f", objective {objective.name} ({objective.help}; {settings})"
+    if recipe.init_from:
+        from launcher.recipe import parent_adapter
+
+        method += f", continuing the adapter of the earlier run `{Path(recipe.init_from).name}` ({parent_adapter(recipe.init_from)})"
     body = [f"# {repo.split('/')[1]}", "",
             f"A fine-tune of {'[' + base + '](https://huggingface.co/' + base + ')' if base else '`' + recipe.model + '`'} "
             f"with {method}{lora}, trained and checked with ftrun. Published: "

@@ -58,7 +58,7 @@ def _fits(est: sizing.MemoryEstimate, capacity: float) -> bool:
 def _tps(job: Job, w: Workload, hw: Hardware) -> float:
     g = hw.gpu
     return sizing.tokens_per_second(job.arch, w, g.tflops_bf16 if g else None, hw.interconnect, hw.cpu_count,
-                                    mean_seq_len=int(job.mean_tokens),
+                                    mean_seq_len=int(job.mean_tokens / job.sequences),  # a pair: per sequence
                                     compute_capability=g.compute_capability if g else None)
 
 
@@ -179,6 +179,9 @@ def _choose_cpu_unsloth(job: Job, hw: Hardware, unsloth_ok: bool, processes: int
     if not is_adapter(job.method):
         return Choice(False, "unsloth", "cpu", 1, None, capacity, reasons,
                       refusal=f"engine: unsloth trains LoRA/QLoRA only; method is {job.method}")
+    if job.objective != "sft":
+        return Choice(False, "unsloth", "cpu", 1, None, capacity, reasons,
+                      refusal=UNSLOTH_NOT_FOR.format(job.objective) + "; use engine: auto or trl")
     if not unsloth_ok:
         return Choice(False, "unsloth", "cpu", 1, None, capacity, reasons, missing="unsloth",
                       refusal=UNSLOTH_MISSING + " (Unsloth needs an NVIDIA GPU for real runs; on a CPU it is allowed "
@@ -209,6 +212,12 @@ UNSLOTH_MISSING = ("engine: unsloth needs Unsloth, which is not installed in thi
                    "; or set engine: trl")
 
 
+# Unsloth patches TRL's DPO and ORPO trainers (PatchDPOTrainer), but ftrun's Unsloth engine loads, checkpoints and
+# resumes through its SFT path only (launcher/worker/engines/unsloth.py): a preference objective runs on TRL.
+UNSLOTH_NOT_FOR = ("engine unsloth: ftrun runs Unsloth for objective sft only, and this recipe's objective is {}: its "
+                   "trainer (TRL's) is not the one ftrun's Unsloth engine loads, checkpoints and resumes")
+
+
 def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = False,
            workday_hours: float = WORKDAY_HOURS, processes: int | None = None, nnodes: int = 1,
            in_hand: bool = True, offload: str = "auto") -> Choice:
@@ -232,6 +241,9 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
     reasons: list[str] = []
 
     # Forced engines that cannot work here are refused before anything is sized.
+    if forced == "unsloth" and job.objective != "sft":
+        return Choice(False, "unsloth", "cuda", 1, None, cap, [], refusal=UNSLOTH_NOT_FOR.format(job.objective)
+                      + "; use engine: auto or trl")
     if forced == "unsloth" and not lora:
         return Choice(False, "unsloth", "cuda", 1, None, cap, [], refusal="engine: unsloth trains LoRA/QLoRA only; "
                       f"method is {job.method}")
@@ -257,12 +269,14 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
     single_engine = "trl"
     if forced in ("unsloth", "trl"):
         single_engine = forced
-    elif forced == "auto" and lora and unsloth_ok and cc_ok:
+    elif forced == "auto" and lora and unsloth_ok and cc_ok and job.objective == "sft":
         single_engine = "unsloth"
+    elif forced == "auto" and lora and unsloth_ok and cc_ok:
+        reasons.append(UNSLOTH_NOT_FOR.format(job.objective) + ": TRL on one GPU")
 
     one = sizing.memory(job.arch, job.workload(single_engine, 1, "cuda"))
     fits_one = _fits(one, cap)
-    if forced == "auto" and lora and not unsloth_ok:
+    if forced == "auto" and lora and not unsloth_ok and job.objective == "sft":
         reasons.append("Unsloth not installed on this machine: TRL on one GPU (Unsloth would need less memory and run "
                        "~1.4x faster; " + UNSLOTH_FIX + ")")
 

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from launcher import methods
 from launcher.plan.models import Architecture
 from launcher.plan.sizing import Workload
 
@@ -34,6 +35,9 @@ class Job:
     lora_targets: Any
     packing: bool
     offload_activations: bool = False  # the recipe's trainer: activation_offloading
+    sequences: int = 1  # rows per example in a micro-batch (a preference pair: 2); mean_tokens counts them all
+    reference: str = ""  # DPO's reference (sizing.REFERENCES), "" without one
+    objective: str = "sft"  # launcher/methods.py OBJECTIVES
 
     def workload(self, engine: str, num_gpus: int, device: str, offload: bool = False,
                  offload_optimizer: bool = False, offload_activations: bool = False) -> Workload:
@@ -43,7 +47,8 @@ class Job:
         return Workload(self.method, self.seq_len, self.micro_batch, self.gradient_checkpointing,
                         self.lora_r, self.lora_targets, engine, num_gpus, device, offload, offload_optimizer,
                         self.accumulation,
-                        offload_activations=offload_activations or self.offload_activations)
+                        offload_activations=offload_activations or self.offload_activations,
+                        sequences=self.sequences, reference=self.reference)
 
 
 def _job(recipe: Any, arch: Architecture, data_stats: Any, tokens: float | None,
@@ -83,11 +88,44 @@ def _job(recipe: Any, arch: Architecture, data_stats: Any, tokens: float | None,
         notes.append("--tokens ignored: the data's own token count is used")
     if data_stats is None and tokens:
         notes.append(f"examples not known (data not read): steps assume {mean:.0f} tokens per example")
+    r, targets = recipe.lora.r, recipe.lora.target_modules
+    parent = _parent_lora(recipe)
+    if parent:  # init_from: the parent adapter's own rank and modules train on
+        r, targets = parent
+    objective = methods.OBJECTIVES[getattr(recipe, "objective", "sft")]
     job = Job(arch, recipe.method, seq_len, mean_seq, examples, training, source, recipe.micro_batch_size,
               recipe.gradient_accumulation_steps, recipe.epochs, recipe.max_steps, recipe.gradient_checkpointing,
-              recipe.lora.r, recipe.lora.target_modules, recipe.packing,
-              bool((getattr(recipe, "trainer", None) or {}).get("activation_offloading")))
+              r, targets, recipe.packing,
+              bool((getattr(recipe, "trainer", None) or {}).get("activation_offloading")),
+              objective.sequences_per_example, reference_kind(recipe), objective.name)
     return job, notes
+
+
+def reference_kind(recipe: Any) -> str:
+    """How the recipe's DPO reference comes (a key of sizing.REFERENCES), "" for an objective without one."""
+    objective = methods.OBJECTIVES[getattr(recipe, "objective", "sft")]
+    if not objective.reference_pass:
+        return ""
+    if recipe.preference.reference == "precomputed":
+        return "precomputed"
+    if not methods.is_adapter(recipe.method):
+        return "frozen copy"
+    return "parent copy" if getattr(recipe, "init_from", None) else "adapter off"
+
+
+def _parent_lora(recipe: Any) -> tuple[int, Any] | None:
+    """(r, target_modules) of the init_from adapter (its adapter_config.json), None without one."""
+    if not getattr(recipe, "init_from", None):
+        return None
+    import json
+
+    from launcher.recipe import parent_adapter
+
+    config = json.loads((parent_adapter(recipe.init_from) / "adapter_config.json").read_text())
+    targets = config.get("target_modules")
+    # PEFT writes the modules it found ("model.layers.0.mlp.down_proj", ...): the sizer counts by their leaf names
+    leaves = sorted({str(t).rsplit(".", 1)[-1] for t in targets}) if isinstance(targets, list) else targets
+    return int(config.get("r", recipe.lora.r)), leaves
 
 
 def _steps_and_tokens(job: Job, processes: int) -> tuple[int, float | None]:

@@ -21,6 +21,7 @@ from launcher.plan.advice import (_box_rows, _fixes_here, _missing_message, _pic
                                   _refusal_options, cheapest_rental)
 from launcher.plan.engine import SHARDING_ENGINES, UNSLOTH_FIX, WORKDAY_HOURS, Choice, choose
 from launcher import export_formats
+from launcher import methods
 from launcher.plan.figures import UNIT, _fmt_hours, _fmt_tokens
 from launcher.plan.hardware import Hardware
 from launcher.plan.job import Job, _job, _steps_and_tokens
@@ -291,6 +292,7 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
     if packed:
         reasons.append(packed)
     reasons.append(_loss_reason(job, choice, est))
+    reasons += _objective_reasons(recipe, job)
     if hrs is not None:
         money = (f"cost at {box_price:.2f} EUR/h ({price_src}) = {cost:.2f} EUR" if cost is not None
                  else "cost unknown (no price: --price EUR/h)")
@@ -364,9 +366,33 @@ def _loss_reason(job: Job, choice: Choice, est: Any) -> str:
     head = sizing.fused_head_bytes(job.arch, w) / sizing.GB
     on = ("; on a CPU, a frozen head through ftrun's kernel, launcher/worker/cpu_logprob.py"
           if choice.device == "cpu" and is_adapter(job.method) else "")
-    return (f"loss: TRL's fused LM head (trl's SFTTrainer{on}): the {t:,} x {vocab:,} logits of a micro-batch are never "
+    trainer = methods.OBJECTIVES[job.objective].trainer
+    return (f"loss: TRL's fused LM head (trl's {trainer}{on}): the {t:,} x {vocab:,} logits of a micro-batch are never "
             f"whole, {head:.2f} GB at its peak instead of {whole:.1f} GB for the model's own loss; token accuracy "
             "and entropy are still logged (computed in the same pass)")
+
+
+def _objective_reasons(recipe: Any, job: Job) -> list[str]:
+    """What a preference objective changes in the plan: two sequences per example, the reference, the parent run."""
+    objective = methods.OBJECTIVES[getattr(recipe, "objective", "sft")]
+    lines = []
+    if objective.preference:
+        lines.append(
+            f"objective {objective.name} (trl's {objective.trainer}): each example is a pair, {job.sequences} sequences "
+            f"(the prompt with the chosen and with the rejected answer) in one batch: a micro-batch of "
+            f"{job.micro_batch} pairs runs {job.micro_batch * job.sequences} sequences, and the tokens count both")
+    if job.reference:
+        what, per_step = sizing.REFERENCES[job.reference]
+        lines.append(f"reference: {what}; time counts its forward over every token "
+                     + ("each step" if per_step else "(once, before the first step)"))
+    elif objective.preference:
+        lines.append(f"reference: none ({objective.name} needs no reference model)")
+    if getattr(recipe, "init_from", None):
+        from launcher.recipe import parent_adapter
+
+        lines.append(f"init_from: the adapter of {recipe.init_from} ({parent_adapter(recipe.init_from)}), LoRA "
+                     f"r={job.lora_r} as it was trained, trains on")
+    return lines
 
 
 def _no_tokens_hint(recipe: Any) -> str:

@@ -85,6 +85,20 @@ USABLE_FRACTION = 0.97  # the estimate already counts context, NCCL and allocato
 USABLE_RAM_FRACTION = 0.8  # leave the OS and the page cache their share
 
 
+# How DPO's reference log-probabilities come (trl 1.16 dpo_trainer.py: __init__ "Reference model", _compute_loss,
+# compute_ref_log_probs): what the reference costs in memory, and whether each step runs its forward.
+REFERENCES = {
+    "adapter off": ("the base model with the LoRA adapter switched off (PEFT's disable_adapter): the same weights, "
+                    "no second model", True),
+    "parent copy": ("the parent adapter's frozen copy (trl adds it as a second adapter, 'ref'; init_from): the same "
+                    "base weights, the adapter's parameters twice", True),
+    "frozen copy": ("a frozen copy of the model (no gradient, no optimizer state; trl prepares it like the policy)",
+                    True),
+    "precomputed": ("precomputed once over the data before training (one forward per example, 2 floats kept per "
+                    "pair): no reference model in memory while training", False),
+}
+
+
 @dataclass(frozen=True)
 class Workload:
     """What decides memory and speed, independent of where the numbers came from."""
@@ -112,6 +126,11 @@ class Workload:
     # TRL's activation_offloading: the tensors saved for backward (with gradient checkpointing: the layer inputs) go to
     # pinned CPU RAM in the forward and come back in the backward (trl/models/activation_offloading.py).
     offload_activations: bool = False
+    # A preference objective (launcher/methods.py OBJECTIVES): each example is `sequences` rows of the micro-batch (DPO
+    # and ORPO: the prompt with the chosen and with the rejected answer, padded side by side), and `reference` how
+    # DPO's reference log-probabilities come (REFERENCES; "" for none: SFT, ORPO).
+    sequences: int = 1
+    reference: str = ""
 
     @property
     def loss_kind(self) -> str:
@@ -121,7 +140,7 @@ class Workload:
 
     @property
     def tokens_per_micro_batch(self) -> int:
-        return self.seq_len * self.micro_batch
+        return self.seq_len * self.micro_batch * self.sequences
 
     @property
     def sharded(self) -> bool:
@@ -337,7 +356,23 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
                               f"({layer / 1e3:.0f} KB/token/layer) for {t:,} tokens per micro-batch")
     if cpu:
         # The CPU attention path (math SDPA) materialises the score matrix: heads x s^2 fp32, twice for backward.
-        terms["activations"] += 2 * w.micro_batch * arch.heads * w.seq_len**2 * 4 * (1 if w.gradient_checkpointing else arch.layers) / GB
+        terms["activations"] += 2 * w.micro_batch * w.sequences * arch.heads * w.seq_len**2 * 4 * (1 if w.gradient_checkpointing else arch.layers) / GB
+    if w.sequences > 1:
+        why["activations"] += (f" ({w.micro_batch} pairs x {w.sequences} sequences: each prompt with its chosen and "
+                               f"its rejected answer, padded to the longest, {w.seq_len:,} tokens)")
+    if w.reference:
+        what, per_step = REFERENCES[w.reference]
+        copy = w.reference == "frozen copy"
+        # the copy's 16-bit weights, sharded like the policy's; the others add no weights (the parent adapter's copy:
+        # its fp32 parameters once more, no gradient or optimizer state)
+        extra = P * b16 / n if copy else (T * 4 / n if w.reference == "parent copy" else 0.0)
+        terms["reference model"] = extra / GB
+        why["reference model"] = f"DPO's reference: {what}" + (shard if copy else "")
+        if per_step:
+            # its forward runs under no_grad between the policy's forward and backward: one layer's activations at a
+            # time, below the backward's recomputed layer (LAYER_BACKWARD_FACTOR x one layer) that the peak counts
+            why["reference model"] += ("; its forward each step keeps no activations (no gradient), one layer at a "
+                                       "time: inside the backward's peak")
 
     loss = w.loss_kind
     if loss == LOSS_FUSED:
@@ -750,14 +785,16 @@ def training_precision(device: str, compute_capability: tuple[int, int] | list[i
     return "bf16"
 
 
-def flops_per_token(arch: Arch, method: str, seq_len: int, gradient_checkpointing: bool) -> float:
+def flops_per_token(arch: Arch, method: str, seq_len: int, gradient_checkpointing: bool,
+                    reference_forward: bool = False) -> float:
     """Training FLOPs per token: forward 2 x matmul params + causal attention; backward 2x forward for full
-    (input and weight gradients), 1x for LoRA (input gradients only); recomputation adds one forward."""
+    (input and weight gradients), 1x for LoRA (input gradients only); recomputation adds one forward, and so does
+    DPO's reference pass (the same tokens through the frozen reference, without gradients)."""
     matmul = arch.active_params - arch.embedding_params + (arch.embedding_params if arch.tied_embeddings else 0)
     attention = 2 * arch.layers * arch.q_dim * seq_len  # QK^T and AV, 2 FLOPs per MAC, causal halves the context
     forward = 2 * matmul + attention
     backward = forward if is_adapter(method) else 2 * forward
-    return forward + backward + (forward if gradient_checkpointing else 0)
+    return forward + backward + (forward if gradient_checkpointing else 0) + (forward if reference_forward else 0)
 
 
 def scaling(count: int, interconnect: str) -> float:
@@ -774,14 +811,15 @@ def tokens_per_second(arch: Arch, w: Workload, tflops_bf16: float | None, interc
     """Training tokens per second for the whole box (parameter offload adds its host-link transfers to each
     micro-batch, not overlapped with compute: docs/sizing.md, "Parameter offload")."""
     seq = mean_seq_len or w.seq_len
-    flops = flops_per_token(arch, w.method, seq, w.gradient_checkpointing)
+    # DPO's reference: a forward of every token, each step or once before training (the same count in one epoch)
+    flops = flops_per_token(arch, w.method, seq, w.gradient_checkpointing, reference_forward=bool(w.reference))
     if w.device == "cpu":
-        tokens = w.micro_batch * seq
+        tokens = w.micro_batch * w.sequences * seq
         seconds = tokens * flops / (cpu_count * CPU_FLOPS_PER_CORE) + CPU_SECONDS_PER_MICRO_BATCH
         return tokens / seconds
     peak = (tflops_bf16 or UNKNOWN_GPU_TFLOPS) * 1e12
     rate = peak * MFU[w.method] * (UNSLOTH_SPEEDUP if w.engine == "unsloth" else 1.0)
-    tokens = w.micro_batch * seq
+    tokens = w.micro_batch * w.sequences * seq
     transfer = 0.0
     if w.offload_params and w.sharded and w.engine == "fsdp":
         transfer = offload_seconds_per_micro_batch(memory(arch, w), w, pcie_gb_s(compute_capability))

@@ -49,10 +49,16 @@ def format_loss_view(record: Optional[dict[str, Any]], color: bool = False, stat
     lines.append("---")
     if statistics:
         cap = s.get("max_length")
-        lines.append(f"examples {s['examples']:,}; tokens {s['tokens']:,} (after max_length {cap}); trained "
+        lines.append(f"{'sequences' if record.get('pairs') else 'examples'} {s['examples']:,}; tokens {s['tokens']:,} (after max_length {cap}); trained "
                      f"{s['trained_tokens']:,} ({s['trained_share']:.1%})")
         lines.append(f"length in tokens: p50 {s['p50']:,}, p90 {s['p90']:,}, p99 {s['p99']:,}, max {s['max']:,}")
         n = max(s["examples"], 1)
         lines.append(f"truncated by max_length {cap}: {s['truncated']:,} ({s['truncated'] / n:.1%}); trained part cut: "
                      f"{s['cut']:,} ({s['cut'] / n:.1%}); nothing trained: {s['empty']:,} ({s['empty'] / n:.1%})")
+        pairs = record.get("pairs")
+        if pairs:  # the sequences above are the pairs' two sides (launcher/data/stats.py pair_stats)
+            lines.append(f"pairs {pairs['pairs']:,} (each example above is one side of a pair): answers "
+                         f"{pairs['chosen_mean_tokens']:g} tokens chosen, {pairs['rejected_mean_tokens']:g} rejected "
+                         f"on average; the chosen answer is the longer in {pairs['chosen_longer']:.0%} of the pairs"
+                         + (" (a length bias DPO learns as well)" if pairs['chosen_longer'] >= 0.8 else ""))
     return "\n".join(lines)

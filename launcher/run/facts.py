@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from launcher.plan.plan import model_flops_utilization
 from launcher.run.commands import serve_command
@@ -120,6 +120,11 @@ def run_status(run: RunDir) -> dict[str, Any]:
         "loss_step": last.get("step"),  # the logged row the loss and tokens/s come from (logging_steps)
         "eval_loss": last_eval.get("eval_loss"),
         "eval_step": last_eval.get("step"),
+        # a preference objective's rewards (launcher/methods.py logged): the last training row's, the last eval pass's
+        "margin": last.get("rewards/margins"),
+        "accuracy": last.get("rewards/accuracies"),
+        "eval_margin": last_eval.get("eval_rewards/margins"),
+        "eval_accuracy": last_eval.get("eval_rewards/accuracies"),
         "tokens_per_second": last.get("tokens_per_second"),
         "mfu": (model_flops_utilization(plan, last.get("tokens_per_second"))
                 if plan.get("device") == "cuda" else None),
@@ -216,6 +221,15 @@ def run_row(run: RunDir) -> dict[str, Any]:
             "age_seconds": round(time.time() - max(times), 1) if times else None}
 
 
+def _preference_first_last(evals: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    rows = [r for r in evals if r.get("eval_rewards/margins") is not None]
+    if not rows:
+        return None
+    return {"margin_first": rows[0]["eval_rewards/margins"], "margin_last": rows[-1]["eval_rewards/margins"],
+            "accuracy_first": rows[0].get("eval_rewards/accuracies"), "accuracy_last": rows[-1].get("eval_rewards/accuracies"),
+            "step_first": rows[0]["step"], "step_last": rows[-1]["step"]}
+
+
 def end_summary(run: RunDir) -> dict[str, Any]:
     """The finished run in numbers: loss first -> last (eval loss too when logged), tokens, wall time against
     the forecasts, cost at the box's price, the result and how to serve it."""
@@ -238,6 +252,8 @@ def end_summary(run: RunDir) -> dict[str, Any]:
         "loss_last_step": train[-1]["step"] if train else None,
         "eval_loss_first": evals[0]["eval_loss"] if evals else None,
         "eval_loss_last": evals[-1]["eval_loss"] if evals else None,
+        # a preference objective: the held-out reward margin and preference accuracy, first eval pass -> last
+        "preference": _preference_first_last(evals),
         "tokens": tokens,
         "wall_seconds": s.get("run_seconds"),
         "box_seconds": s.get("elapsed_seconds"),

@@ -52,6 +52,16 @@ def format_status(s: dict[str, Any], ending_follows: bool = False) -> str:
                         if s.get("smoke_estimated_seconds") else ""))
     if s.get("eval_loss") is not None:
         lines.append(f"  eval loss {s['eval_loss']:.4f} (step {s.get('eval_step')}, held-out examples)")
+    if s.get("margin") is not None or s.get("eval_margin") is not None:
+        # a preference objective: reward margin chosen - rejected, and the share of pairs the model ranks right
+        parts = []
+        if s.get("margin") is not None:
+            parts.append(f"margin {s['margin']:.3f}, accuracy {s.get('accuracy') or 0:.2f} (step {s.get('loss_step')}, "
+                         "training pairs)")
+        if s.get("eval_margin") is not None:
+            parts.append(f"margin {s['eval_margin']:.3f}, preference accuracy {s.get('eval_accuracy') or 0:.2f} "
+                         f"(step {s.get('eval_step')}, held-out pairs)")
+        lines.append("  rewards   " + "; ".join(parts))
     supervisor = (f"supervisor pid {s['pid']} ({'alive' if s.get('pid_alive') else 'not running'})" if s.get("pid")
                   else "no supervisor started yet" if s["state"] not in ENDED else "supervisor ended")
     lines.append(f"  {supervisor}, restarts {s.get('restarts', 0)}"
@@ -314,6 +324,11 @@ def format_end_summary(e: dict[str, Any]) -> str:
                      f"(step {e['loss_last_step']})")
     if e.get("eval_loss_first") is not None:
         lines.append(f"  eval loss {e['eval_loss_first']:.4f} -> {e['eval_loss_last']:.4f}")
+    pref = e.get("preference")
+    if pref:
+        lines.append(f"  rewards   held-out margin {pref['margin_first']:.3f} (step {pref['step_first']}) -> "
+                     f"{pref['margin_last']:.3f} (step {pref['step_last']}); preference accuracy "
+                     f"{pref['accuracy_first'] or 0:.2f} -> {pref['accuracy_last'] or 0:.2f}")
     if e.get("tokens"):
         # the count logged with the last loss: short of the run's own where the last step logged none (logging_steps)
         logged = e.get("loss_last_step")
@@ -355,12 +370,13 @@ def format_end_summary(e: dict[str, Any]) -> str:
 BASE_SCORES = (BASE_ZERO_SHOT, BASE_FEW_SHOT)
 
 
-def task_label(name: str, shots: Optional[int]) -> str:
-    """A row of the scores table: the base model zero-shot, with its examples in the prompt, fine-tuned, an export."""
+def task_label(name: str, shots: Optional[int], start: str = "base model") -> str:
+    """A row of the scores table: the base model zero-shot, with its examples in the prompt, fine-tuned, an export.
+    `start`: what the "base" rows scored ("parent adapter" for a run with init_from)."""
     if name == BASE_ZERO_SHOT:
-        return "base model, zero-shot"
+        return f"{start}, zero-shot"
     if name == BASE_FEW_SHOT:
-        return f"base model, {shots} examples" if shots else "base model, with examples"
+        return f"{start}, {shots} examples" if shots else f"{start}, with examples"
     return "fine-tuned" if name == FINE_TUNED else name
 
 
@@ -377,7 +393,8 @@ def task_rows(t: dict[str, Any]) -> list[tuple[str, float, Optional[float]]]:
     scores, speed = t.get("scores") or {}, t.get("generation") or {}
     order = [n for n in (*BASE_SCORES, FINE_TUNED) if n in scores] \
         + [n for n in scores if n not in (*BASE_SCORES, FINE_TUNED)]
-    return [(task_label(n, t.get("shots")), scores[n], (speed.get(n) or {}).get("tokens_per_s"))
+    start = "parent adapter" if t.get("starting_point") else "base model"  # init_from: where the run starts
+    return [(task_label(n, t.get("shots"), start), scores[n], (speed.get(n) or {}).get("tokens_per_s"))
             for n in order if scores[n] is not None]
 
 
@@ -391,6 +408,8 @@ def format_task_eval(t: dict[str, Any]) -> str:
     word = METRIC_WORDS.get(metric, metric)
     lines = [f"  task      {t.get('examples')} held-out examples, scored by {metric}"
              + (f" ({word})" if word != metric else "") + (f": {t['metric_reason']}" if t.get("metric_reason") else "")]
+    if t.get("starting_point"):
+        lines.append(f"            (the parent adapter rows: {t['starting_point']}, where this run starts)")
     rows = task_rows(t)
     width = max([len(label) for label, _, _ in rows] + [10])
     for label, score, tps in rows:

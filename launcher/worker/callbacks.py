@@ -192,7 +192,7 @@ def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta
             logs = logs or {}
             if "eval_loss" in logs:
                 self.eval_seconds = logs.get("eval_runtime")
-                _log_eval(run, mode, state, logs)
+                _log_eval(run, mode, state, logs, recipe.objective_row.logged)
                 return
             if "loss" not in logs:
                 return
@@ -214,21 +214,28 @@ def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta
                 "peak_memory_gb": round(memory.peak_memory_over_ranks_gb(device), 3),
                 "time": time.time(),
             }
+            # the objective's own figures (DPO's rewards/chosen ... rewards/accuracies: launcher/methods.py logged)
+            row.update({k: float(logs[k]) for k in recipe.objective_row.logged if logs.get(k) is not None})
             self.t_last, self.tokens_last = now, tokens
+            margin = (f" margin {row['rewards/margins']:.3f} acc {row['rewards/accuracies']:.2f}"
+                      if "rewards/margins" in row and "rewards/accuracies" in row else "")
             _emit(run, mode, state, row, f"loss {loss:.4f} lr {row['learning_rate']:.2e} "
-                                         f"{row['tokens_per_second']:.0f} tok/s")
+                                         f"{row['tokens_per_second']:.0f} tok/s{margin}")
 
     return Cadence(), Metrics()
 
 
-def _log_eval(run: RunDir, mode: str, state, logs: dict[str, Any]) -> None:
-    """An eval pass: a row of its own in metrics.jsonl (step, eval_loss, TRL's eval metrics) and a log line."""
+def _log_eval(run: RunDir, mode: str, state, logs: dict[str, Any], logged: tuple[str, ...] = ()) -> None:
+    """An eval pass: a row of its own in metrics.jsonl (step, eval_loss, TRL's eval metrics, the objective's own
+    figures with eval_ before them) and a log line."""
     row = {"step": state.global_step, "eval_loss": float(logs["eval_loss"])}
-    for key in ("eval_mean_token_accuracy", "eval_entropy"):
+    for key in ("eval_mean_token_accuracy", "eval_entropy", *(f"eval_{k}" for k in logged)):
         if logs.get(key) is not None:
             row[key] = float(logs[key])
     row.update(epoch=round(state.epoch or 0.0, 4), eval_seconds=logs.get("eval_runtime"), time=time.time())
-    _emit(run, mode, state, row, f"eval loss {row['eval_loss']:.4f} ({row['eval_seconds'] or 0:.1f} s)")
+    held = (f", held-out preference accuracy {row['eval_rewards/accuracies']:.2f}"
+            if "eval_rewards/accuracies" in row else "")
+    _emit(run, mode, state, row, f"eval loss {row['eval_loss']:.4f}{held} ({row['eval_seconds'] or 0:.1f} s)")
 
 
 def _emit(run: RunDir, mode: str, state, row: dict[str, Any], text: str) -> None:

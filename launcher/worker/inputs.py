@@ -70,9 +70,25 @@ def _trained_tokens(examples: list, prepared, sample: int = 2000) -> str:
     them, no chat template; prompt/completion: the completion), read from the prepared dataset's labels."""
     from launcher.data.formats import example_form
 
+    rows = prepared.select(range(min(sample, len(prepared))))
+    first = f", first {len(rows):,} pairs" if len(rows) < len(prepared) else ""
+    if example_form(examples[0]) == "preference":
+        # DPO keeps prompt_ids/chosen_ids/rejected_ids (trl 1.16 dpo_trainer.py tokenize_fn; the loss is on the
+        # answers); ORPO prompt_input_ids and chosen_/rejected_labels (-100 on the prompt; orpo_trainer.py tokenize_row)
+        cols = rows.column_names
+        if "chosen_ids" in cols:
+            prompt = sum(len(x) for x in rows["prompt_ids"])
+            answers = sum(len(x) for x in rows["chosen_ids"]) + sum(len(x) for x in rows["rejected_ids"])
+        else:
+            prompt = sum(len(x) for x in rows["prompt_input_ids"])
+            answers = sum(sum(t != -100 for t in row) for side in ("chosen_labels", "rejected_labels")
+                          for row in rows[side])
+        total = 2 * prompt + answers
+        return (f"data as TRL prepared it: preference pairs, {len(prepared):,} pairs (two sequences each: the prompt "
+                f"with the chosen and with the rejected answer); loss on the answers' {answers:,} of {total:,} tokens "
+                f"({answers / max(total, 1):.1%}{first})")
     form = {"chat": "chat (the model's chat template)", "text": "plain text (no chat template)",
             "prompt_completion": "prompt/completion"}[example_form(examples[0])]
-    rows = prepared.select(range(min(sample, len(prepared))))
     ids = rows["input_ids"]
     # what the loss is computed on: trl 1.16 keeps the masks as columns (assistant_masks with assistant_only_loss,
     # completion_mask for prompt/completion) and the collator turns them into labels; a row's first token is never

@@ -380,10 +380,17 @@ def add_lora(model, recipe):
     itself is the trainer's (SFTConfig activation_checkpointing; under FSDP the accelerate config's alone,
     engines/fsdp.py trainer_fields), as for LoRA.
     """
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig, PeftModel, get_peft_model
 
     if recipe.gradient_checkpointing:
         model.enable_input_require_grads()  # checkpointed LoRA needs grads flowing into the frozen embeddings
+    if recipe.init_from:
+        from launcher.recipe import parent_adapter
+
+        # the earlier run's adapter, trained further (its own r, alpha and modules: adapter_config.json); a DPO
+        # reference is then that adapter's frozen copy, which trl 1.16's DPOTrainer makes itself for a PeftModel
+        # passed without a peft_config (dpo_trainer.py: add_adapter("ref", ...) and a copy of the weights)
+        return PeftModel.from_pretrained(model, str(parent_adapter(recipe.init_from)), is_trainable=True)
     lora = recipe.lora
     return get_peft_model(model, LoraConfig(
         r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,

@@ -115,6 +115,10 @@ def _save_final(run: RunDir, trainer, tokenizer, recipe) -> None:
             saving.recast_folder(tmp, dtype)  # ZeRO-3 wrote its training dtype (fp16 cards, the CPU's fp32)
     if _rank() != 0:
         return
+    if recipe.objective_row.reference_pass and (tmp / "ref" / "adapter_config.json").is_file():
+        # DPO from a parent adapter (init_from): PEFT saves every adapter, and trl's DPOTrainer added "ref", the parent
+        # adapter's frozen copy it takes the reference's log-probabilities from; the result is the trained one alone
+        shutil.rmtree(tmp / "ref")
     tokenizer.save_pretrained(str(tmp))
     dst = run.final / name
     if dst.exists():

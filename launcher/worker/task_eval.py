@@ -67,6 +67,9 @@ def task_for_run(run: RunDir, recipe, examples: list, write: bool = True, tokeni
         switched = task_switches(tokenizer, task["prompts"])
         if switched:
             task["chat_template_kwargs"] = switched
+    if getattr(recipe, "init_from", None):
+        # the "base" rows score where this run starts: the base with the parent run's adapter (load_base)
+        task["starting_point"] = f"the base model with the adapter of {Path(recipe.init_from).name} (init_from)"
     if write:
         run.root.mkdir(parents=True, exist_ok=True)
         atomic_write_json(run.task, task)
@@ -248,6 +251,7 @@ def record(run_root: Path, task: dict[str, Any], name: Optional[str] = None,
     results = {"metric": task["metric"], "metric_reason": task["metric_reason"], "examples": len(task["prompts"]),
                "shots": len(task["shots"]), "max_new_tokens": task["max_new_tokens"],
                **({"chat_template_kwargs": task["chat_template_kwargs"]} if task.get("chat_template_kwargs") else {}),
+               **({"starting_point": task["starting_point"]} if task.get("starting_point") else {}),
                "scores": dict(old.get("scores", {})), "details": dict(old.get("details", {})),
                "generation": dict(old.get("generation", {}))}
     if name is not None and result is not None:
@@ -282,7 +286,16 @@ def load_base(recipe):
     attn = attention_implementation(device, dtype)
     if attn is not None:
         kwargs["attn_implementation"] = attn
-    return AutoModelForCausalLM.from_pretrained(recipe.model, **kwargs), load_tokenizer(recipe)
+    model = AutoModelForCausalLM.from_pretrained(recipe.model, **kwargs)
+    if getattr(recipe, "init_from", None):
+        # a run that continues an earlier run's adapter starts from that result, not from the bare base: its "base"
+        # scores are the parent's (the comparison "did this step help?"), merged for generation
+        from peft import PeftModel
+
+        from launcher.recipe import parent_adapter
+
+        model = PeftModel.from_pretrained(model, str(parent_adapter(recipe.init_from))).merge_and_unload()
+    return model, load_tokenizer(recipe)
 
 
 def score_base(run: RunDir, recipe, task: dict[str, Any], model, tokenizer,

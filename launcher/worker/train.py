@@ -58,7 +58,7 @@ from launcher.worker.loss_plot import _redraw_loss_plot  # noqa: E402
 from launcher.worker.process import _Stop, _on_signal, _rank, _say, _world_size  # noqa: E402
 from launcher.worker.results import (_answer_after, _save_final, _score_after, _write_smoke_result,  # noqa: E402
                                      generation_speed)
-from launcher.worker.trainer_config import padding_free_collator, process_group_seconds, sft_config  # noqa: E402
+from launcher.worker.trainer_config import padding_free_collator, process_group_seconds, trainer_config  # noqa: E402
 
 
 def load_model_and_tokenizer(recipe, device: str, dtype, plan: Optional[dict] = None, run_dir: Optional[Path] = None):
@@ -131,9 +131,9 @@ def run_worker(run_dir: Path, mode: str) -> int:
     from datasets import Dataset
     import trl
 
-    from launcher.methods import OBJECTIVES
+    from launcher.methods import trl_class
 
-    SFTTrainer = getattr(trl, OBJECTIVES["sft"].trainer)  # the objective's trainer (launcher/methods.py)
+    Trainer = trl_class(recipe.objective, "trainer")  # the objective's trainer (launcher/methods.py)
 
     from launcher.worker.engines import create_process_group, trainer_fields
     from launcher.data.dataset import load_data, to_dataset
@@ -265,12 +265,12 @@ def run_worker(run_dir: Path, mode: str) -> int:
             model.create_or_update_model_card = lambda output_dir: None
         load_seconds = time.monotonic() - loading
         first_start = mode == "full" and resume_from is None and not run.metrics.is_file()
-        args = sft_config(recipe, run, mode, device, dtype, max_steps, out_dir, trainer_fields(plan, run.root),
-                          split.trainer_fields(recipe, eval_dataset is not None, first_start))
+        args = trainer_config(recipe, run, mode, device, dtype, max_steps, out_dir, trainer_fields(plan, run.root),
+                              split.trainer_fields(recipe, eval_dataset is not None, first_start))
         if plan.get("engine") != "unsloth":
             # TRL's fused LM head: on the CPU ours, never offloaded (launcher/worker/fused_head.py)
             fused_head.install(bool(getattr(args, "activation_offloading", False)))
-        differ = _resume_steps_differ(resume_from, device)  # the process group exists from sft_config on
+        differ = _resume_steps_differ(resume_from, device)  # the process group exists from trainer_config on
         if differ:
             print(f"[ftrun worker] {differ}", file=sys.stderr, flush=True)
             if local_rank() == 0:
@@ -285,7 +285,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
         from launcher.worker.window import carrying
 
         # checkpoints carry the logging window's sums: the logs after a resume equal an uninterrupted run's
-        trainer_cls = carrying(SFTTrainer, say=lambda line: print(f"[ftrun worker] {line}", flush=True))
+        trainer_cls = carrying(Trainer, say=lambda line: print(f"[ftrun worker] {line}", flush=True))
         trainer = trainer_cls(model=model, args=args, train_dataset=dataset, eval_dataset=eval_dataset,
                               processing_class=tokenizer, data_collator=padding_free_collator(recipe, tokenizer),
                               callbacks=[cadence, metrics, _engine_check(run, plan, mode, lambda: trainer), before])

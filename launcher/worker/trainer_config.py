@@ -1,4 +1,5 @@
-"""The Trainer's configuration: the SFTConfig that a recipe, its plan and the mode make, with its data collator."""
+"""The Trainer's configuration: the objective's TRL configuration (SFTConfig, DPOConfig, ORPOConfig: launcher/methods.py
+OBJECTIVES) that a recipe, its plan and the mode make, with its data collator."""
 
 from __future__ import annotations
 
@@ -6,17 +7,17 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from launcher.methods import METHODS, OBJECTIVES
+from launcher.methods import METHODS, trl_class
 from launcher.store.rundir import RunDir
 from launcher.worker.process import _rank
 
 
-def sft_config(recipe, run: RunDir, mode: str, device: str, dtype, max_steps: Optional[int], output_dir: Path,
-               engine_fields: Optional[dict] = None, eval_fields: Optional[dict] = None):
+def trainer_config(recipe, run: RunDir, mode: str, device: str, dtype, max_steps: Optional[int], output_dir: Path,
+                   engine_fields: Optional[dict] = None, eval_fields: Optional[dict] = None):
     import torch
-    import trl
 
-    SFTConfig = getattr(trl, OBJECTIVES["sft"].config)  # the objective's configuration (launcher/methods.py)
+    Config = trl_class(recipe.objective, "config")  # the objective's configuration (launcher/methods.py)
+    objective = recipe.objective_row
 
     fields: dict[str, Any] = dict(
         output_dir=str(output_dir),
@@ -45,11 +46,11 @@ def sft_config(recipe, run: RunDir, mode: str, device: str, dtype, max_steps: Op
     # older releases (the ones Unsloth pins) only know the old name.
     import dataclasses
 
-    ac = "activation_checkpointing" if any(f.name == "activation_checkpointing" for f in dataclasses.fields(SFTConfig)) \
+    ac = "activation_checkpointing" if any(f.name == "activation_checkpointing" for f in dataclasses.fields(Config)) \
         else "gradient_checkpointing"
     fields[ac] = recipe.gradient_checkpointing
     fields[f"{ac}_kwargs"] = {"use_reentrant": False}
-    if mode == "smoke" and any(f.name == "train_sampling_strategy" for f in dataclasses.fields(SFTConfig)):
+    if mode == "smoke" and any(f.name == "train_sampling_strategy" for f in dataclasses.fields(Config)):
         # The smoke sample is written longest batch first: an out-of-memory shows in step 1.
         fields["train_sampling_strategy"] = "sequential"
     if METHODS[recipe.method].eight_bit_optimizer:
@@ -59,6 +60,16 @@ def sft_config(recipe, run: RunDir, mode: str, device: str, dtype, max_steps: Op
     # plain TRL script gets.
     for key, value in (engine_fields or {}).items():  # launcher/backends: what the engine needs
         fields[ac if key == "activation_checkpointing" else key] = value
+    if objective.preference:
+        # SFT's own settings do not exist there (a pair's answers train after their prompt, padded side by side)
+        fields.pop("packing")
+        fields.pop("assistant_only_loss")
+        fields.update({k: getattr(recipe.preference, k) for k in objective.settings if k in ("beta", "loss_type")})
+        if "reference" in objective.settings:
+            # trl 1.16 dpo_trainer.py: precompute_ref_log_probs runs the reference over the data in __init__, before a
+            # resume loads the checkpoint: with the initial weights (the adapter off, the parent adapter's copy, or
+            # the model itself for full fine-tuning), as the reference must be
+            fields["precompute_ref_log_probs"] = recipe.preference.reference == "precomputed"
     fields.update(eval_fields or {})  # launcher/data/split.py; trainer: may still set the eval batch and the like
     fields["ddp_timeout"] = process_group_seconds(recipe, run, mode)
     fields.update(recipe.trainer)
@@ -67,7 +78,7 @@ def sft_config(recipe, run: RunDir, mode: str, device: str, dtype, max_steps: Op
         # torch.accelerator.current_accelerator().type, None on a CPU: on a CPU box there is nothing to offload.
         print("[ftrun worker] trainer.activation_offloading ignored on the CPU: activations already live in CPU RAM",
               file=sys.stderr, flush=True)
-    return SFTConfig(**fields)
+    return Config(**fields)
 
 
 def padding_free_collator(recipe, tokenizer):
@@ -79,8 +90,8 @@ def padding_free_collator(recipe, tokenizer):
     compute on pad tokens is gone: on data with a long tail, most of a padded batch is padding. With packing,
     TRL's BFD packing is padding-free already.
     """
-    if not recipe.padding_free or recipe.packing:
-        return None
+    if not recipe.padding_free or recipe.packing or recipe.objective_row.preference:
+        return None  # a preference trainer brings its own collator (chosen and rejected rows side by side)
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     return DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id, padding_free=True)

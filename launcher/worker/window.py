@@ -86,9 +86,11 @@ def capture(trainer) -> Optional[dict[str, Any]]:
         "loss_sums": [float(v) for v in sums.reshape(-1).tolist()],  # float32 as a double: exact
         "loss_dtype": str(loss.dtype).replace("torch.", ""),
     }
-    metrics = getattr(trainer, "_metrics", None)
-    if isinstance(metrics, dict) and "train" in metrics:
-        window = {key: list(values) for key, values in metrics["train"].items()}
+    train = _trl_window(trainer)
+    if train is not None:
+        # DPO's and SFT's values are floats; ORPO stores 0-d tensors (experimental/orpo/orpo_trainer.py store_metrics)
+        # and averages them in float32 at the log: .item() of a float32 is exact as a double, and back again
+        window = {key: [v.item() if hasattr(v, "item") else v for v in values] for key, values in train.items()}
         try:
             json.dumps(window)
         except TypeError:
@@ -132,11 +134,24 @@ def restore(trainer, checkpoint: Path) -> Optional[str]:
     trainer._globalstep_last_logged = int(saved["last_logged_step"])
     # The summary's train_loss averages the losses of this launch's steps: the carried sum is not one of them.
     trainer._total_loss_scalar -= torch.tensor(sums, dtype=loss.dtype).mean().item()
-    metrics = getattr(trainer, "_metrics", None)
-    if "trl_metrics" in saved and isinstance(metrics, dict) and "train" in metrics:
-        metrics["train"].clear()
+    train = _trl_window(trainer)
+    if "trl_metrics" in saved and train is not None:
+        train.clear()
         for key, values in saved["trl_metrics"].items():
-            metrics["train"][key] = list(values)
+            train[key] = list(values)
         if saved.get("trl_total_train_tokens") is not None:
             trainer._total_train_tokens = saved["trl_total_train_tokens"]
     return note
+
+
+def _trl_window(trainer) -> Optional[dict]:
+    """The TRL trainer's own figures since the last log (train): SFTTrainer's and DPOTrainer's `_metrics["train"]`,
+    ORPOTrainer's `_stored_metrics["train"]` (a defaultdict, made again after each log); None for a trainer with
+    neither."""
+    metrics = getattr(trainer, "_metrics", None)
+    if isinstance(metrics, dict) and "train" in metrics:
+        return metrics["train"]
+    stored = getattr(trainer, "_stored_metrics", None)
+    if stored is not None and hasattr(stored, "default_factory"):
+        return stored["train"]
+    return None

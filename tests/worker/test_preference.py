@@ -1,0 +1,271 @@
+"""Preference tuning (objective dpo, orpo): the pairs' formats and their refusals, the recipe's keys, the plan's two
+sequences and reference, and end to end on the tiny model: DPO from an SFT run's adapter, ORPO, kill -9 + resume,
+DDP x 2 against accumulation x 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from helpers import adapter_tensors, article_plan, freeze_worker, ftrun, metrics, status, wait_for, wait_until_ended
+
+PAIRS = REPO / "recipes" / "data" / "tiny-pref.jsonl"
+SAID = ("time", "tokens_per_second", "peak_memory_gb", "eval_seconds")  # wall-clock values
+
+
+def _lines(path: Path, records: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _turn(role: str, text: str) -> dict:
+    return {"role": role, "content": text}
+
+
+# ---------------------------------------------------------------------------------------------
+# Formats (launcher/data/formats.py) and their refusals, with line numbers
+
+
+def test_the_three_preference_formats_become_one_form(tmp_path):
+    from launcher.data.dataset import load_data
+
+    conversational = {"prompt": [_turn("user", "2+2?")], "chosen": [_turn("assistant", "4")],
+                      "rejected": [_turn("assistant", "5")]}
+    standard = {"prompt": "2+2?", "chosen": "4", "rejected": "5"}
+    implicit = {"chosen": [_turn("system", "Be brief."), _turn("user", "2+2?"), _turn("assistant", "4")],
+                "rejected": [_turn("system", "Be brief."), _turn("user", "2+2?"), _turn("assistant", "5")]}
+    got = {}
+    for name, record in (("conv", conversational), ("std", standard), ("implicit", implicit)):
+        data = load_data(_lines(tmp_path / f"{name}.jsonl", [record] * 3))
+        assert data.form == "preference", name
+        got[name] = data.examples[0]
+    assert got["conv"] == conversational and got["std"] == standard
+    # the implicit prompt is what both conversations share, up to the first answer
+    assert got["implicit"] == {"prompt": implicit["chosen"][:2], "chosen": implicit["chosen"][2:],
+                               "rejected": implicit["rejected"][2:]}
+    from launcher.data import formats
+
+    # what the samples and the task evaluation score: the prompt and the chosen answer
+    assert formats.conversation(got["conv"]) == conversational["prompt"] + conversational["chosen"]
+
+
+@pytest.mark.parametrize("bad, said", [
+    ({"prompt": "2+2?", "chosen": "4", "rejected": "4"}, "the same answer"),
+    ({"prompt": "2+2?", "chosen": "4", "rejected": " "}, "'rejected' is empty"),
+    ({"prompt": [_turn("user", "2+2?")], "chosen": [_turn("assistant", "")], "rejected": [_turn("assistant", "5")]},
+     "chosen[0] (assistant) has empty content"),
+    ({"prompt": [_turn("user", "2+2?")], "chosen": [_turn("assistant", "4")],
+      "rejected": [_turn("user", "again"), _turn("assistant", "5")]}, "the answer alone"),
+    ({"prompt": "2+2?", "chosen": [_turn("assistant", "4")], "rejected": "5"}, "all be strings"),
+    ({"chosen": [_turn("user", "a"), _turn("assistant", "4")], "rejected": [_turn("user", "b"), _turn("assistant", "5")]},
+     "share no first turn"),
+])
+def test_a_bad_pair_is_refused_with_its_line(tmp_path, bad, said):
+    from launcher.data.dataset import load_data
+    from launcher.errors import DataError
+
+    good = {"prompt": [_turn("user", "2+2?")], "chosen": [_turn("assistant", "4")], "rejected": [_turn("assistant", "5")]}
+    if isinstance(bad.get("prompt"), str):
+        good = {"prompt": "2+2?", "chosen": "4", "rejected": "5"}
+    if "prompt" not in bad:
+        good = {"chosen": [_turn("user", "q"), _turn("assistant", "4")], "rejected": [_turn("user", "q"), _turn("assistant", "5")]}
+    path = _lines(tmp_path / "pairs.jsonl", [good, good, bad, good])
+    with pytest.raises(DataError) as err:
+        load_data(path)
+    text = str(err.value)
+    assert "pairs.jsonl line 3" in text and said in text, text
+
+
+def test_an_objective_refuses_data_it_does_not_train(write_recipe, tmp_path):
+    from launcher.data.stats import data_stats
+    from launcher.errors import DataError
+    from launcher.recipe import load_recipe
+
+    with pytest.raises(DataError, match="chat data, which objective dpo does not train") as err:
+        data_stats(load_recipe(write_recipe(objective="dpo")))  # the demo's chat data
+    assert "set objective: sft" in err.value.fix
+    with pytest.raises(DataError, match="preference data, which objective sft does not train") as err:
+        data_stats(load_recipe(write_recipe(data=str(PAIRS))))
+    assert "set objective: dpo" in err.value.fix
+
+
+# ---------------------------------------------------------------------------------------------
+# The recipe: keys that apply to the objective, init_from
+
+
+@pytest.mark.parametrize("fields, said", [
+    (dict(preference={"beta": 0.2}), "preference.beta does not apply to objective sft"),
+    (dict(objective="orpo", preference={"loss_type": "ipo"}), "preference.loss_type does not apply to objective orpo"),
+    (dict(objective="dpo", packing=True), "packing apply to objective sft"),
+    (dict(objective="dpo", init_from="nowhere"), "does not exist"),
+    (dict(objective="dpo", method="full", init_from="adapter"), "init_from starts from an adapter"),
+    (dict(objective="dpo", init_from="."), "holds no adapter_config.json"),
+])
+def test_a_key_that_does_not_apply_is_refused(write_recipe, tmp_path, fields, said):
+    from launcher.errors import RecipeError
+    from launcher.recipe import load_recipe
+
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
+
+    with pytest.raises(RecipeError) as err:
+        load_recipe(write_recipe(data=str(PAIRS), **fields))
+    assert said in str(err.value), str(err.value)
+
+
+def test_a_loss_type_the_installed_trl_lacks_is_refused_before_training(write_recipe):
+    from launcher.errors import RecipeError
+    from launcher.recipe import check_trainer_fields, dpo_loss_types, load_recipe
+
+    assert {"sigmoid", "ipo", "hinge"} <= set(dpo_loss_types())
+    check_trainer_fields(load_recipe(write_recipe(data=str(PAIRS), objective="dpo", preference={"loss_type": "ipo"})))
+    with pytest.raises(RecipeError, match="did you mean 'sigmoid'"):
+        check_trainer_fields(load_recipe(write_recipe(data=str(PAIRS), objective="dpo",
+                                                      preference={"loss_type": "sigmod"})))
+    with pytest.raises(RecipeError, match="not a field of TRL's DPOConfig"):
+        check_trainer_fields(load_recipe(write_recipe(data=str(PAIRS), objective="dpo",
+                                                      trainer={"completion_only_loss": True})))
+
+
+def test_an_sft_recipe_keeps_its_trajectory_hash(write_recipe):
+    """Runs started before the objective key existed resume: an SFT recipe's trajectory has no new keys."""
+    from launcher.recipe import load_recipe
+
+    recipe = load_recipe(write_recipe())
+    assert not {"objective", "preference", "init_from"} & set(recipe.trajectory())
+    dpo = load_recipe(write_recipe(data=str(PAIRS), objective="dpo"))
+    assert dpo.trajectory()["objective"] == "dpo" and dpo.trajectory_hash() != recipe.trajectory_hash()
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan: two sequences per example and the reference (docs/sizing.md, "Preference tuning")
+
+
+def test_the_plan_of_an_8b_qlora_dpo_job_on_one_4090_states_the_pairs_and_the_reference(tmp_path):
+    sft = article_plan(tmp_path, "1xRTX4090")
+    dpo = article_plan(tmp_path, "1xRTX4090", objective="dpo")
+    precomputed = article_plan(tmp_path, "1xRTX4090", objective="dpo", preference={"reference": "precomputed"})
+    orpo = article_plan(tmp_path, "1xRTX4090", objective="orpo")
+    assert dpo.fits and dpo.engine == "trl"
+    text = "\n".join(dpo.reasons)
+    assert "a micro-batch of 1 pairs runs 2 sequences" in text
+    assert "reference: the base model with the LoRA adapter switched off" in text and "each step" in text
+    mem = dpo.memory["breakdown_gb"]
+    # two sequences: the activations double; the reference adds no weights (the same base, the adapter off)
+    assert mem["activations"] == pytest.approx(2 * sft.memory["breakdown_gb"]["activations"], rel=0.02)
+    assert mem["reference model"] == 0.0 and "switched off" in dpo.memory["explanations"]["reference model"]
+    # time: the same tokens twice, and a reference forward over each of them
+    assert dpo.tokens["training_tokens"] == sft.tokens["training_tokens"]  # the data's own count (both sides)
+    assert dpo.estimate["hours"] > sft.estimate["hours"]
+    assert "reference model" not in orpo.memory["breakdown_gb"] and "needs no reference model" in "\n".join(orpo.reasons)
+    assert orpo.estimate["hours"] < dpo.estimate["hours"]
+    assert "once, before the first step" in "\n".join(precomputed.reasons)
+    full = article_plan(tmp_path, "8xH100-80GB", objective="dpo", method="full")
+    assert full.memory["breakdown_gb"]["reference model"] > 0 and "frozen copy" in "\n".join(full.reasons)
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end on the tiny model
+
+DPO = dict(objective="dpo", data=str(PAIRS), max_length=512, max_steps=24, learning_rate=2e-3, logging_steps=4,
+           eval={"fraction": 0.1, "every_minutes": 10, "samples": 0, "task": {"examples": 0}})
+QUICK = ("smoke.enabled=false",)
+
+
+def _train_rows(run: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in SAID} for r in metrics(run)]
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory, tiny_model) -> Path:
+    """The parent: LoRA SFT on the demo's chat data (what recipes/tiny-cpu-dpo.yaml starts from)."""
+    from conftest import uninterrupted_run
+
+    return uninterrupted_run(tmp_path_factory, tiny_model, "pref-sft", dict(max_steps=20), *QUICK)
+
+
+@pytest.fixture(scope="module")
+def dpo_run(tmp_path_factory, tiny_model, sft_run) -> Path:
+    from conftest import uninterrupted_run
+
+    return uninterrupted_run(tmp_path_factory, tiny_model, "pref-dpo", dict(DPO, init_from=str(sft_run)), *QUICK)
+
+
+@pytest.mark.slow
+def test_dpo_from_an_sft_runs_adapter_learns_the_held_out_preferences(dpo_run, sft_run, tmp_path):
+    rows = metrics(dpo_run)
+    evals = [r for r in rows if "eval_rewards/accuracies" in r]
+    train = [r for r in rows if "rewards/margins" in r]
+    assert evals[0]["step"] == 0 and evals[0]["eval_rewards/margins"] == 0.0  # the policy starts as its reference
+    assert evals[-1]["eval_rewards/accuracies"] > 0.5, evals
+    assert evals[-1]["eval_rewards/margins"] > evals[0]["eval_rewards/margins"], evals
+    assert {"rewards/chosen", "rewards/rejected", "rewards/accuracies"} <= set(train[-1])
+    # the result is the trained adapter alone (not trl's frozen "ref" copy), of the parent's shape, moved from it
+    adapter = dpo_run / "final" / "adapter"
+    assert not (adapter / "ref").exists()
+    parent, child = adapter_tensors(sft_run), adapter_tensors(dpo_run)
+    assert parent.keys() == child.keys() and any(not (parent[k] == child[k]).all() for k in parent)
+    plan = "\n".join(json.loads((dpo_run / "plan.json").read_text())["reasons"])
+    assert f"init_from: the adapter of {sft_run}" in plan and "parent adapter's frozen copy" in plan
+    text = ftrun("status", dpo_run, cwd=tmp_path).stdout
+    assert "rewards   margin" in text and "held-out pairs" in text
+
+
+@pytest.mark.slow
+def test_orpo_trains_without_a_reference(write_recipe, tmp_path):
+    recipe = write_recipe(**dict(DPO, objective="orpo", preference={"beta": 0.1}))
+    res = ftrun(recipe, "--foreground", *QUICK, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = [r for r in metrics(tmp_path / "run") if "rewards/margins" in r]
+    assert rows and {"nll_loss", "log_odds_ratio"} <= set(rows[-1])
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert "reference: none (orpo needs no reference model)" in (tmp_path / "run" / "plan.json").read_text()
+
+
+@pytest.mark.slow
+def test_dpo_kill9_then_resume_matches_the_uninterrupted_run(write_recipe, tmp_path, dpo_run, sft_run):
+    recipe = write_recipe(**dict(DPO, init_from=str(sft_run), max_restarts=0, checkpoint_every_minutes=0.0001))
+    assert ftrun(recipe, *QUICK, cwd=tmp_path).returncode == 0
+    run = tmp_path / "run"
+
+    def past_a_checkpoint(r: Path) -> bool:
+        steps = [int(p.parent.name.split("-")[1]) for p in (r / "checkpoints").glob("step-*/manifest.json")]
+        return bool(steps) and 6 <= max(steps) < 20 and max(steps) % 4 != 0  # inside a logging window
+
+    st = freeze_worker(run, past_a_checkpoint, timeout=240)
+    os.kill(st["supervisor_pid"], signal.SIGKILL)
+    os.kill(st["worker_pid"], signal.SIGKILL)
+    wait_for(lambda: status(run, tmp_path)["state"] == "interrupted", 30, "state interrupted")
+    res = ftrun(recipe, *QUICK, cwd=tmp_path)
+    assert res.returncode == 0 and "continuing" in res.stdout, res.stdout + res.stderr
+    wait_until_ended(run, tmp_path)
+    assert "resuming from step-" in (run / "train.log").read_text()
+    assert _train_rows(run) == _train_rows(dpo_run)  # losses, rewards, eval figures: exact on CPU
+    a, b = adapter_tensors(dpo_run), adapter_tensors(run)
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+@pytest.mark.slow
+def test_dpo_ddp_two_processes_follow_accumulation_two(write_recipe, tmp_path):
+    fields = dict(DPO, max_steps=6, micro_batch_size=4, checkpoint_every_minutes=10, logging_steps=1,
+                  eval={"samples": 0, "task": {"examples": 0}})
+
+    def run(name: str, *overrides: str) -> list[dict]:
+        recipe = write_recipe(f"{name}.yaml", output_dir=str(tmp_path / name), **fields)
+        res = ftrun(recipe, "--foreground", *QUICK, *overrides, cwd=tmp_path)
+        assert res.returncode == 0, res.stdout + res.stderr
+        return metrics(tmp_path / name)
+
+    one = run("one", "gradient_accumulation_steps=2")
+    ddp = run("ddp", "engine=ddp", "num_processes=2")
+    assert [r["step"] for r in one] == [r["step"] for r in ddp] == list(range(1, 7))
+    for x, y in zip(one, ddp):
+        for key in ("loss", "rewards/margins", "rewards/accuracies"):
+            assert abs(x[key] - y[key]) < 1e-4, (key, x, y)
+    ta, tb = adapter_tensors(tmp_path / "one"), adapter_tensors(tmp_path / "ddp")
+    assert max((ta[k] - tb[k]).abs().max().item() for k in ta) < 1e-4
