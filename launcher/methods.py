@@ -94,6 +94,9 @@ class Objective:
     logged: tuple[str, ...]  # the trainer's own logged metrics kept in metrics.jsonl (train rows; eval_ on eval rows)
     help: str  # what it is, for the recipe's help
     learning_rate: float  # the learning rate TRL's configuration defaults to, named when a recipe keeps SFT's
+    # The trainer renders conversational data with datasets.map into the same columns (ORPO: maybe_apply_chat_template),
+    # which keep ftrun's Json column types and so stay lists: the worker renders them first with TRL's own function.
+    templated_by_worker: bool = False
 
     @property
     def preference(self) -> bool:
@@ -115,7 +118,7 @@ OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
     Objective("orpo", trainer="ORPOTrainer", config="ORPOConfig", module="trl.experimental.orpo",
               forms=("preference",), sequences_per_example=2, reference_pass=False, settings=("beta",),
               logged=_REWARDS + ("nll_loss", "log_odds_ratio"), help="ORPO on chosen/rejected pairs: SFT loss plus "
-              "an odds-ratio term, no reference model", learning_rate=1e-6),
+              "an odds-ratio term, no reference model", learning_rate=1e-6, templated_by_worker=True),
 )}
 
 

@@ -397,7 +397,27 @@ class Recipe(_Strict):
             raise ValueError(f"init_from starts from an adapter, and method {self.method} trains every weight: give the "
                              "earlier run's merged model as model: (RUN/final/merged, made with export: [merged]) "
                              "instead")
+        if self.init_from is not None:
+            self._fits_the_parent()
         return self
+
+    def _fits_the_parent(self) -> None:
+        """The parent adapter was trained on this recipe's base model, and the recipe's lora: settings (which the
+        parent's own replace) are the defaults or the parent's: a setting that would be ignored is refused."""
+        folder = parent_adapter(self.init_from)
+        config = json.loads((folder / "adapter_config.json").read_text())
+        base = config.get("base_model_name_or_path")
+        if base and base != self.model and Path(base).name != Path(self.model).name:
+            raise ValueError(f"the adapter in {folder} was trained on {base}, and this recipe's model is {self.model}: "
+                             f"an adapter fits the base it was trained on; set model: {base}")
+        parent = {"r": config.get("r"), "alpha": config.get("lora_alpha"), "dropout": config.get("lora_dropout")}
+        defaults = LoraSettings()
+        ignored = [f"lora.{k} {getattr(self.lora, k)} (the parent's: {v})" for k, v in parent.items()
+                   if v is not None and getattr(self.lora, k) != v and getattr(self.lora, k) != getattr(defaults, k)]
+        if ignored:
+            raise ValueError(f"init_from continues the adapter in {folder} with its own settings, so "
+                             f"{', '.join(ignored)} would be ignored; remove the lora: keys (or start a new adapter "
+                             "without init_from)")
 
     @model_validator(mode="after")
     def _cross_field(self) -> "Recipe":

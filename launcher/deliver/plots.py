@@ -1,4 +1,5 @@
-"""loss.png: training loss, eval loss and learning rate over steps, drawn from a run's metrics.jsonl."""
+"""loss.png: training loss, eval loss and learning rate over steps (and, for a preference objective, the reward
+margin and the preference accuracy below them), drawn from a run's metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -34,7 +35,13 @@ def plot_loss(metrics: Path, out: Path, title: Optional[str] = None) -> Optional
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in rows]
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    margins = [r for r in rows if r.get("rewards/margins") is not None]
+    held = read_metrics(metrics, "eval_rewards/margins")
+    if margins or held:  # DPO/ORPO: a second panel, the margin chosen - rejected and the share of pairs ranked right
+        fig, (ax, rax) = plt.subplots(2, 1, figsize=(8, 7), dpi=100, sharex=True, height_ratios=(3, 2))
+        _rewards(rax, margins, held)
+    else:
+        fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
     ax.plot(steps, [r["loss"] for r in rows], color="tab:blue", label="training loss")
     evals = read_metrics(metrics, "eval_loss")
     if evals:
@@ -59,6 +66,28 @@ def plot_loss(metrics: Path, out: Path, title: Optional[str] = None) -> Optional
     plt.close(fig)
     os.replace(tmp, out)
     return out
+
+
+def _rewards(ax, margins: list[dict[str, Any]], held: list[dict[str, Any]]) -> None:
+    """The reward margin (training pairs, held-out pairs) and the held-out preference accuracy over steps."""
+    if margins:
+        ax.plot([r["step"] for r in margins], [r["rewards/margins"] for r in margins], color="tab:purple",
+                label="reward margin (training pairs)")
+    if held:
+        ax.plot([r["step"] for r in held], [r["eval_rewards/margins"] for r in held], color="tab:red", marker="o",
+                label="reward margin (held out)")
+    ax.axhline(0.0, color="grey", linewidth=0.8)
+    ax.set_ylabel("chosen - rejected")
+    ax.set_xlabel("optimizer step")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left")
+    accuracy = [r for r in held if r.get("eval_rewards/accuracies") is not None]
+    if accuracy:
+        ax2 = ax.twinx()
+        ax2.plot([r["step"] for r in accuracy], [r["eval_rewards/accuracies"] for r in accuracy], color="tab:olive",
+                 linestyle="--", label="preference accuracy (held out)")
+        ax2.set_ylim(0.0, 1.05)
+        ax2.set_ylabel("preference accuracy", color="tab:olive")
 
 
 def refresh(run_root: Path) -> Optional[Path]:

@@ -102,3 +102,17 @@ def _trained_tokens(examples: list, prepared, sample: int = 2000) -> str:
     trained = sum(sum(row[1:]) for row in mask)
     return (f"data as TRL prepared it: {form}, {len(prepared):,} examples; loss on {trained:,} of {total:,} tokens "
             f"({trained / max(total, 1):.1%}{f', first {len(rows):,} examples' if len(rows) < len(prepared) else ''})")
+
+
+def templated(examples: list, tokenizer) -> list:
+    """Conversational pairs rendered to text with the model's chat template by TRL's own functions (trl 1.16
+    data_utils.py maybe_extract_prompt, maybe_apply_chat_template: what ORPOTrainer maps over its dataset), for a
+    trainer that renders through datasets.map into the same columns, where ftrun's Json message columns would keep
+    the lists (launcher/methods.py templated_by_worker). Plain pairs are returned as they are."""
+    from trl.data_utils import maybe_apply_chat_template, maybe_extract_prompt
+
+    out = []
+    for ex in examples:
+        row = maybe_apply_chat_template(maybe_extract_prompt(dict(ex)), tokenizer)
+        out.append({k: row[k] for k in ("prompt", "chosen", "rejected")})
+    return out

@@ -384,7 +384,7 @@ def add_lora(model, recipe):
 
     if recipe.gradient_checkpointing:
         model.enable_input_require_grads()  # checkpointed LoRA needs grads flowing into the frozen embeddings
-    if recipe.init_from:
+    if getattr(recipe, "init_from", None):  # a recipe-like namespace (the GPU check's) may not name it
         from launcher.recipe import parent_adapter
 
         # the earlier run's adapter, trained further (its own r, alpha and modules: adapter_config.json); a DPO

@@ -258,6 +258,11 @@ def run_worker(run_dir: Path, mode: str) -> int:
         # which a rendezvous blocked in torch's TCPStore would not (tests/store/test_checkpoint_hashing.py)
         create_process_group(plan, device, group_timeout_s)
         model, tokenizer = load_model_and_tokenizer(recipe, device, dtype, plan, run.root)
+        if recipe.objective_row.templated_by_worker:
+            from launcher.worker.inputs import templated
+
+            dataset = to_dataset(templated(examples, tokenizer))
+            eval_dataset = to_dataset(templated(held_out, tokenizer)) if held_out else None
         if hasattr(model, "create_or_update_model_card"):
             # No README.md in the adapter folders either: PEFT's save_pretrained writes its model-card template
             # ("[More Information Needed]") into each checkpoint and final/adapter (peft 0.21 peft_model.py

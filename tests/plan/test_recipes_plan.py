@@ -17,7 +17,7 @@ from launcher.plan.sizing import GB
 
 RECIPES = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))
 HEADLINE = RECIPES[0].parent / "qwen3-8b-qlora.yaml"  # the design card's command: `ftrun recipes/qwen3-8b-qlora.yaml`
-ARTICLE = [p for p in RECIPES if p.name not in ("tiny-cpu.yaml", HEADLINE.name)]
+ARTICLE = [p for p in RECIPES if p.name not in ("tiny-cpu.yaml", "tiny-cpu-dpo.yaml", HEADLINE.name)]
 # The plan is an estimate (docs/sizing.md); the article gives ranges and rounded figures.
 TIME_COST_REL = 0.20
 MEMORY_SLACK = 0.25  # below the low end or above the high end of the article's range
@@ -103,6 +103,29 @@ def test_tiny_cpu_recipe_plans_on_a_cpu(tiny_model):
     _, _, stats = data_stats(recipe)
     p = plan_mod.make_plan(recipe, from_spec("cpu"), data_stats=stats)
     assert p.fits and p.device == "cpu" and p.engine == "trl" and p.total_steps > 0
+
+
+def test_tiny_dpo_recipe_needs_the_sft_demos_adapter_and_plans_on_a_cpu(tiny_model, tmp_path):
+    """recipes/tiny-cpu-dpo.yaml continues the SFT demo's adapter: without it, the recipe names init_from and the fix;
+    with one (a stand-in adapter of the tiny model here), it plans the pairs on the CPU."""
+    import json
+
+    from launcher.data.stats import data_stats
+    from launcher.errors import RecipeError
+
+    path = RECIPES[0].parent / "tiny-cpu-dpo.yaml"
+    with pytest.raises(RecipeError, match="'init_from' = .*does not exist: give the earlier run's directory"):
+        load_recipe(path, [f"model={tiny_model}", f"init_from={tmp_path / 'runs' / 'tiny-cpu'}"])
+    adapter = tmp_path / "runs" / "tiny-cpu" / "final" / "adapter"
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16, "lora_dropout": 0.0,
+                                                            "base_model_name_or_path": str(tiny_model),
+                                                            "target_modules": ["q_proj", "v_proj"]}))
+    recipe = load_recipe(path, [f"model={tiny_model}", f"init_from={tmp_path / 'runs' / 'tiny-cpu'}"])
+    _, _, stats = data_stats(recipe)
+    p = plan_mod.make_plan(recipe, from_spec("cpu"), data_stats=stats)
+    assert p.fits and p.device == "cpu" and p.engine == "trl" and p.total_steps > 0
+    assert "reference model" in p.memory["breakdown_gb"] and "LoRA r=8" in p.memory["explanations"]["adapters"]
 
 
 @pytest.mark.parametrize("path", ARTICLE, ids=lambda p: p.stem)

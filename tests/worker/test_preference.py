@@ -105,13 +105,16 @@ def test_an_objective_refuses_data_it_does_not_train(write_recipe, tmp_path):
     (dict(objective="dpo", init_from="nowhere"), "does not exist"),
     (dict(objective="dpo", method="full", init_from="adapter"), "init_from starts from an adapter"),
     (dict(objective="dpo", init_from="."), "holds no adapter_config.json"),
+    (dict(objective="dpo", init_from="adapter", lora={"r": 32}), "lora.r 32 (the parent's: 8) would be ignored"),
+    (dict(objective="dpo", init_from="adapter", model="Qwen/Qwen3-8B"), "was trained on"),
 ])
-def test_a_key_that_does_not_apply_is_refused(write_recipe, tmp_path, fields, said):
+def test_a_key_that_does_not_apply_is_refused(write_recipe, tmp_path, tiny_model, fields, said):
     from launcher.errors import RecipeError
     from launcher.recipe import load_recipe
 
     (tmp_path / "adapter").mkdir()
-    (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(
+        {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "base_model_name_or_path": str(tiny_model)}))
 
     with pytest.raises(RecipeError) as err:
         load_recipe(write_recipe(data=str(PAIRS), **fields))
@@ -269,3 +272,56 @@ def test_dpo_ddp_two_processes_follow_accumulation_two(write_recipe, tmp_path):
             assert abs(x[key] - y[key]) < 1e-4, (key, x, y)
     ta, tb = adapter_tensors(tmp_path / "one"), adapter_tensors(tmp_path / "ddp")
     assert max((ta[k] - tb[k]).abs().max().item() for k in ta) < 1e-4
+
+
+@pytest.mark.slow
+def test_dpo_zero3_two_processes_follows_ddp(write_recipe, tmp_path):
+    """DeepSpeed ZeRO-3 on 2 gloo processes: DPO with the adapter switched off as the reference, as DDP trains it."""
+    pytest.importorskip("deepspeed")
+    fields = dict(DPO, max_steps=4, micro_batch_size=4, checkpoint_every_minutes=10, logging_steps=1,
+                  eval={"samples": 0, "task": {"examples": 0}})
+
+    def run(name: str, *overrides: str) -> list[dict]:
+        recipe = write_recipe(f"{name}.yaml", output_dir=str(tmp_path / name), **fields)
+        res = ftrun(recipe, "--foreground", *QUICK, *overrides, cwd=tmp_path)
+        assert res.returncode == 0, res.stdout + res.stderr
+        return metrics(tmp_path / name)
+
+    ddp = run("ddp", "engine=ddp", "num_processes=2")
+    zero = run("zero", "engine=deepspeed", "num_processes=2")
+    assert [r["step"] for r in ddp] == [r["step"] for r in zero] == list(range(1, 5))
+    for x, y in zip(ddp, zero):
+        for key in ("loss", "rewards/margins"):
+            assert abs(x[key] - y[key]) < 2e-3, (key, x, y)
+    assert zero[-1]["rewards/margins"] > 0
+
+
+@pytest.mark.slow
+def test_dpo_full_fine_tuning_trains_against_a_frozen_copy(write_recipe, tmp_path):
+    recipe = write_recipe(**dict(DPO, method="full", max_steps=8, learning_rate=1e-3, export=["merged"]))
+    res = ftrun(recipe, "--foreground", *QUICK, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    run = tmp_path / "run"
+    plan = json.loads((run / "plan.json").read_text())
+    assert plan["memory"]["breakdown_gb"]["reference model"] > 0
+    rows = metrics(run)
+    held = [r for r in rows if "eval_rewards/margins" in r]
+    assert held[-1]["eval_rewards/margins"] > held[0]["eval_rewards/margins"] == 0.0
+    assert (run / "final" / "model" / "config.json").is_file()
+    report = json.loads((run / "final" / "export.json").read_text())
+    assert report["ok"] and "merged" in report["outputs"]
+
+
+def test_the_loss_plot_draws_the_margins_of_a_preference_run(tmp_path):
+    from launcher.deliver.plots import plot_loss
+
+    rows = [{"step": s, "loss": 0.7 - s / 100, "learning_rate": 1e-3, "rewards/margins": s / 10,
+             "rewards/accuracies": 0.5} for s in range(1, 6)]
+    rows += [{"step": s, "eval_loss": 0.69, "eval_rewards/margins": s / 20, "eval_rewards/accuracies": 0.6}
+             for s in (0, 5)]
+    path = _lines(tmp_path / "metrics.jsonl", rows)
+    out = plot_loss(path, tmp_path / "loss.png")
+    import matplotlib.image
+
+    height, width = matplotlib.image.imread(str(out)).shape[:2]
+    assert (height, width) == (700, 800)  # the second panel (an SFT run's plot is 450 high)
