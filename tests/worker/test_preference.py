@@ -325,3 +325,17 @@ def test_the_loss_plot_draws_the_margins_of_a_preference_run(tmp_path):
 
     height, width = matplotlib.image.imread(str(out)).shape[:2]
     assert (height, width) == (700, 800)  # the second panel (an SFT run's plot is 450 high)
+
+
+@pytest.mark.slow
+def test_a_precomputed_reference_trains_as_the_reference_pass_each_step(write_recipe, tmp_path, dpo_run, sft_run):
+    """preference.reference: precomputed (TRL's precompute_ref_log_probs: the parent adapter's copy over the data once,
+    before the first step) follows the run that computes the reference beside each step."""
+    recipe = write_recipe(**dict(DPO, init_from=str(sft_run), preference={"reference": "precomputed"}))
+    res = ftrun(recipe, "--foreground", *QUICK, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    a = [r for r in metrics(dpo_run) if "loss" in r]
+    b = [r for r in metrics(tmp_path / "run") if "loss" in r]
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    assert max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b)) < 1e-4, (a, b)
+    assert "once, before the first step" in (tmp_path / "run" / "plan.json").read_text()
