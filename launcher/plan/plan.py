@@ -201,6 +201,7 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
     job, notes = _job(recipe, arch, data_stats, tokens, tokens_from)
     notes += gguf_readiness.plan_check(recipe, this_box=hardware.source == "detected")  # each requested output can be made
     notes += _task_eval_note(recipe, data_stats)
+    notes += _learning_rate_note(recipe)
     forced = recipe.engine
     wanted = None if recipe.num_processes == "auto" else int(recipe.num_processes)
     offload = getattr(recipe, "offload", "auto")  # a recipe-like namespace (the GPU check's) may not name it
@@ -393,6 +394,19 @@ def _objective_reasons(recipe: Any, job: Job) -> list[str]:
         lines.append(f"init_from: the adapter of {recipe.init_from} ({parent_adapter(recipe.init_from)}), LoRA "
                      f"r={job.lora_r} as it was trained, trains on")
     return lines
+
+
+def _learning_rate_note(recipe: Any) -> list[str]:
+    """A preference objective left at the recipe's default learning rate, which is SFT's (LoRA): said, with TRL's."""
+    objective = methods.OBJECTIVES[getattr(recipe, "objective", "sft")]
+    fields_set = getattr(recipe, "model_fields_set", set())
+    if not objective.preference or "learning_rate" in fields_set:
+        return []
+    default = type(recipe).model_fields["learning_rate"].default
+    return [f"learning_rate is the recipe's default {default:g}, a LoRA SFT rate; TRL's {objective.config} defaults to "
+            f"{objective.learning_rate:g} for {objective.name}, and DPO with LoRA usually trains at 5e-6 to 5e-5: set "
+            "learning_rate: in the recipe (the rewards in `ftrun status` show a rate too high as a margin that "
+            "swings and an accuracy that falls)"]
 
 
 def _no_tokens_hint(recipe: Any) -> str:

@@ -168,6 +168,9 @@ def test_the_plan_of_an_8b_qlora_dpo_job_on_one_4090_states_the_pairs_and_the_re
     assert "reference model" not in orpo.memory["breakdown_gb"] and "needs no reference model" in "\n".join(orpo.reasons)
     assert orpo.estimate["hours"] < dpo.estimate["hours"]
     assert "once, before the first step" in "\n".join(precomputed.reasons)
+    assert any("learning_rate is the recipe's default" in n for n in dpo.notes)  # SFT's rate, TRL's named
+    assert not any("learning_rate" in n for n in article_plan(tmp_path, "1xRTX4090", objective="dpo",
+                                                             learning_rate=1e-5).notes)
     full = article_plan(tmp_path, "8xH100-80GB", objective="dpo", method="full")
     assert full.memory["breakdown_gb"]["reference model"] > 0 and "frozen copy" in "\n".join(full.reasons)
 
