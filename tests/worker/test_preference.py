@@ -183,6 +183,14 @@ DPO = dict(objective="dpo", data=str(PAIRS), max_length=512, max_steps=24, learn
 QUICK = ("smoke.enabled=false",)
 
 
+def _foreground(write_recipe, tmp_path: Path, fields: dict, name: str, *overrides: str) -> list[dict]:
+    """A run in the foreground, named `name`, with `fields` and `overrides`: its metrics rows."""
+    recipe = write_recipe(f"{name}.yaml", output_dir=str(tmp_path / name), **fields)
+    res = ftrun(recipe, "--foreground", *QUICK, *overrides, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return metrics(tmp_path / name)
+
+
 def _train_rows(run: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in SAID} for r in metrics(run)]
 
@@ -261,14 +269,8 @@ def test_dpo_ddp_two_processes_follow_accumulation_two(write_recipe, tmp_path):
     fields = dict(DPO, max_steps=6, micro_batch_size=4, checkpoint_every_minutes=10, logging_steps=1,
                   eval={"samples": 0, "task": {"examples": 0}})
 
-    def run(name: str, *overrides: str) -> list[dict]:
-        recipe = write_recipe(f"{name}.yaml", output_dir=str(tmp_path / name), **fields)
-        res = ftrun(recipe, "--foreground", *QUICK, *overrides, cwd=tmp_path)
-        assert res.returncode == 0, res.stdout + res.stderr
-        return metrics(tmp_path / name)
-
-    one = run("one", "gradient_accumulation_steps=2")
-    ddp = run("ddp", "engine=ddp", "num_processes=2")
+    one = _foreground(write_recipe, tmp_path, fields, "one", "gradient_accumulation_steps=2")
+    ddp = _foreground(write_recipe, tmp_path, fields, "ddp", "engine=ddp", "num_processes=2")
     assert [r["step"] for r in one] == [r["step"] for r in ddp] == list(range(1, 7))
     for x, y in zip(one, ddp):
         for key in ("loss", "rewards/margins", "rewards/accuracies"):
@@ -284,14 +286,8 @@ def test_dpo_zero3_two_processes_follows_ddp(write_recipe, tmp_path):
     fields = dict(DPO, max_steps=4, micro_batch_size=4, checkpoint_every_minutes=10, logging_steps=1,
                   eval={"samples": 0, "task": {"examples": 0}})
 
-    def run(name: str, *overrides: str) -> list[dict]:
-        recipe = write_recipe(f"{name}.yaml", output_dir=str(tmp_path / name), **fields)
-        res = ftrun(recipe, "--foreground", *QUICK, *overrides, cwd=tmp_path)
-        assert res.returncode == 0, res.stdout + res.stderr
-        return metrics(tmp_path / name)
-
-    ddp = run("ddp", "engine=ddp", "num_processes=2")
-    zero = run("zero", "engine=deepspeed", "num_processes=2")
+    ddp = _foreground(write_recipe, tmp_path, fields, "ddp", "engine=ddp", "num_processes=2")
+    zero = _foreground(write_recipe, tmp_path, fields, "zero", "engine=deepspeed", "num_processes=2")
     assert [r["step"] for r in ddp] == [r["step"] for r in zero] == list(range(1, 5))
     for x, y in zip(ddp, zero):
         for key in ("loss", "rewards/margins"):
