@@ -439,7 +439,6 @@ class Recipe(_Strict):
     def objective_row(self) -> methods.Objective:
         return methods.OBJECTIVES[self.objective]
 
-
     @property
     def name(self) -> str:
         return Path(self.output_dir or "run").name
