@@ -214,25 +214,29 @@ def test_hub_metadata_goes_only_when_changed_and_together(tmp_path, hub):
 def test_hub_metadata_commits_are_spaced_while_training_and_sent_at_the_end(tmp_path, hub):
     """While the copier runs, changed metadata goes at most every `metadata_every` seconds (commits are rate
     limited); the last copy sends what changed since, whatever the spacing."""
+    from helpers import wait_for
     from launcher.store.sync import HubDestination
 
     run = RunDir(tmp_path / "run")
     _run_with_checkpoint(run.root, 10)
+    run.metrics.write_text('{"step": 0, "loss": 1.0}\n')  # there before the first copy, which sends it
     syncer = _syncer(run).start(interval=0.02)
     try:
+        wait_for(lambda: hub.commits_adding("job/metrics.jsonl"), 60, "the first copy")
         deadline = time.monotonic() + 1.5
-        i = 0
+        i = 1
         while time.monotonic() < deadline:  # a training that logs all the time
             with run.metrics.open("a") as fh:
                 fh.write('{"step": %d, "loss": 1.0}\n' % i)
             i += 1
             time.sleep(0.01)
+        # while the copier runs: the first copy only (counted before stop(), whose last pass sends unthrottled)
+        assert len(hub.commits_adding("job/metrics.jsonl")) == 1
     finally:
         syncer.stop()
     assert HubDestination.metadata_every >= 60
-    assert len(hub.commits_adding("job/metrics.jsonl")) == 1  # the first copy only
     assert syncer.finish(final=False)
-    assert len(hub.commits_adding("job/metrics.jsonl")) == 2
+    assert len(hub.commits_adding("job/metrics.jsonl")) == 2  # the end sends what changed since, once
     assert hub.read("job/metrics.jsonl") == run.metrics.read_bytes()
 
 
