@@ -32,6 +32,7 @@ class Gpu:
     compute_capability: tuple[int, int] | None = None
     tflops_bf16: float | None = None  # dense bf16; None for a card the catalog does not know
     price_per_hour_eur: float | None = None
+    memory_bandwidth_gb_s: float | None = None  # decimal GB/s (catalog); None where the catalog does not say
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -40,6 +41,7 @@ class Gpu:
             "compute_capability": list(self.compute_capability) if self.compute_capability else None,
             "tflops_bf16": self.tflops_bf16,
             "price_per_hour_eur": self.price_per_hour_eur,
+            "memory_bandwidth_gb_s": self.memory_bandwidth_gb_s,
         }
 
 
@@ -112,9 +114,11 @@ class CatalogGpu:
     price_per_hour_eur: float | None  # None: no known price (the plan asks for --price)
     compute_capability: tuple[int, int] | None
     nvml_names: tuple[str, ...]
+    memory_bandwidth_gb_s: float | None = None
 
     def gpu(self) -> Gpu:
-        return Gpu(self.name, self.memory_gb, self.compute_capability, self.tflops_bf16, self.price_per_hour_eur)
+        return Gpu(self.name, self.memory_gb, self.compute_capability, self.tflops_bf16, self.price_per_hour_eur,
+                   self.memory_bandwidth_gb_s)
 
 
 def _parse_catalog(raw: Any, source: str) -> dict[str, CatalogGpu]:
@@ -133,6 +137,8 @@ def _parse_catalog(raw: Any, source: str) -> dict[str, CatalogGpu]:
                 price_per_hour_eur=None if v.get("price_per_hour_eur") is None else float(v["price_per_hour_eur"]),
                 compute_capability=tuple(cc) if cc else None,
                 nvml_names=tuple(v.get("nvml_names", [])),
+                memory_bandwidth_gb_s=(None if v.get("memory_bandwidth_gb_s") is None
+                                       else float(v["memory_bandwidth_gb_s"])),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise HardwareError(f"GPU catalog {source}: entry {name} is incomplete ({exc})",
@@ -474,7 +480,7 @@ def _gpu(name: str, memory_bytes: int, cc: tuple[int, int] | None, notes: list[s
             notes.append(f"GPU '{name}' is not in the catalog: no price or TFLOP/s known, time is estimated "
                          f"from its memory class; add it to {USER_CATALOG_ENV}")
         return Gpu(entry.name if entry else name, memory, cc, entry.tflops_bf16 if entry else None,
-                   entry.price_per_hour_eur if entry else None)
+                   entry.price_per_hour_eur if entry else None, entry.memory_bandwidth_gb_s if entry else None)
     profile, slices = _mig_profile(name)
     card = entry.name if entry else parent_name
     tflops = entry.tflops_bf16 * slices / MIG_COMPUTE_SLICES if entry and slices else None

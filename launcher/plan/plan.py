@@ -181,10 +181,7 @@ def _task_eval_note(recipe: Any, data_stats: Any) -> list[str]:
         held = f"the held-out examples ({ev.fraction:.0%} of the data, at most {task.examples}):"
     else:
         return ["task evaluation: nothing is held out (eval.fraction or eval.data), so nothing is scored"]
-    formats = set(recipe.export)
-    scorers = (["base model zero-shot", f"with {task.shots} examples"] if task.baseline == "run" else []) \
-        + ["fine-tuned"] + (["merged"] if "merged" in export_formats.made(formats) else []) \
-        + (["GGUF"] if "gguf" in formats else [])
+    scorers = _task_eval_scorers(recipe)
     longest = task.max_new_tokens or ev.max_new_tokens
     return [f"task evaluation: {held} each answered greedily {len(scorers)} times ({', '.join(scorers)}), "
             f"up to {longest} new tokens each; the smoke test measures the generation speed and forecasts its time"]
@@ -299,6 +296,9 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
                  else "cost unknown (no price: --price EUR/h)")
         reasons.append(f"time: {training / 1e6:.2f}M training tokens / {tps:,.0f} tokens/s ({kind}) = "
                        f"{_fmt_hours(hrs)}; {money}")
+    task_eval = _task_eval_time(recipe, data_stats, arch, g if choice.device == "cuda" else None, box_price)
+    if task_eval:
+        reasons.append(task_eval["reason"])
     setup_hours = None
     if choice.device == "cuda":
         setup_hours = SETUP_MINUTES / 60 + download.seconds() / 3600
@@ -336,7 +336,8 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
                   "download": download.to_dict() if choice.device == "cuda" else None,
                   "total_hours": round(total_hours, 5) if total_hours is not None else None,
                   "total_cost_eur": (round(total_hours * box_price, 2)
-                                     if total_hours is not None and box_price is not None else None)},
+                                     if total_hours is not None and box_price is not None else None),
+                  "task_eval": ({k: v for k, v in task_eval.items() if k != "reason"} if task_eval else None)},
         price_per_hour_eur=round(box_price, 2) if box_price is not None else None,
         total_steps=steps,
         micro_batch_size=job.micro_batch,
@@ -394,6 +395,44 @@ def _objective_reasons(recipe: Any, job: Job) -> list[str]:
         lines.append(f"init_from: the adapter of {recipe.init_from} ({parent_adapter(recipe.init_from)}), LoRA "
                      f"r={job.lora_r} as it was trained, trains on")
     return lines
+
+
+def _task_eval_scorers(recipe: Any) -> list[str]:
+    """Who answers the task evaluation's prompts (launcher/worker/task_eval.py): the base model twice where the launch
+    scores it, the fine-tuned model, each exported model."""
+    task = recipe.eval.task
+    formats = set(recipe.export)
+    return (["base model zero-shot", f"with {task.shots} examples"] if task.baseline == "run" else []) \
+        + ["fine-tuned"] + (["merged"] if "merged" in export_formats.made(formats) else []) \
+        + (["GGUF"] if "gguf" in formats else [])
+
+
+def _task_eval_time(recipe: Any, data_stats: Any, arch: Architecture, gpu: Any,
+                    box_price: float | None) -> dict[str, Any] | None:
+    """The task evaluation's time and cost before any smoke test, on a GPU the catalog knows the bandwidth of
+    (sizing.generation_tokens_per_second): an upper bound, every answer at its max_new_tokens (a trained model stops
+    at its end of turn sooner); the smoke test then measures the run's own rate (run/smoke.py task_eval_seconds)."""
+    task = getattr(getattr(recipe, "eval", None), "task", None)
+    if task is None or not task.examples or gpu is None or not (recipe.eval.fraction or recipe.eval.data):
+        return None
+    tps = sizing.generation_tokens_per_second(arch, gpu.memory_bandwidth_gb_s, gpu.tflops_bf16)
+    if not tps:
+        return None
+    held = getattr(data_stats, "held_out", 0) if data_stats is not None else 0
+    examples = min(task.examples, held) if held else task.examples
+    longest = task.max_new_tokens or recipe.eval.max_new_tokens
+    scorers = _task_eval_scorers(recipe)
+    tokens = len(scorers) * examples * longest
+    seconds = tokens / tps
+    cost = seconds / 3600 * box_price if box_price is not None else None
+    reason = (f"task evaluation: at most {len(scorers)} scorers x {examples} examples x {longest} new tokens = "
+              f"{tokens:,} tokens at ~{tps:,.0f} tokens/s (estimated: {gpu.name}'s "
+              f"{gpu.memory_bandwidth_gb_s:,.0f} GB/s read once per decode step, {sizing.GENERATION_BATCH['cuda']} "
+              f"prompts a step, at {sizing.GENERATION_EFFICIENCY:.0%} of that bound) = {_fmt_hours(seconds / 3600)}"
+              + (f", {cost:.2f} EUR" if cost is not None else "") + "; the smoke test measures the run's own rate")
+    return {"reason": reason, "seconds": round(seconds, 1), "cost_eur": round(cost, 2) if cost is not None else None,
+            "generation_tokens_per_second": round(tps, 1), "new_tokens": tokens, "scorers": scorers,
+            "examples": examples}
 
 
 def _learning_rate_note(recipe: Any) -> list[str]:

@@ -837,6 +837,28 @@ def tokens_per_second(arch: Arch, w: Workload, tflops_bf16: float | None, interc
     return speed
 
 
+# --- the task evaluation's generation (launcher/worker/task_eval.py) ------------------------------------------
+# Prompts answered per generate call: a CPU gains little past a few (and pads more), a GPU fills up with more.
+GENERATION_BATCH = {"cpu": 8, "cuda": 32}
+# A greedy decode step reads every weight once: it takes at least the model's 16-bit bytes over the card's memory
+# bandwidth, and a batch of prompts shares the step. transformers' generate reaches a fraction of that bound at
+# batch 32 (its per-step Python and kernel launches): half, an assumption no GPU has measured yet (docs/BENCHMARKS.md
+# section 7); the smoke test measures the run's own rate and the forecast uses that.
+GENERATION_EFFICIENCY = 0.5
+
+
+def generation_tokens_per_second(arch: Arch, bandwidth_gb_s: float | None, tflops_bf16: float | None,
+                                 batch: int = GENERATION_BATCH["cuda"]) -> float | None:
+    """New tokens per second of batched greedy generation on one card, from the roofline: each decode step reads
+    the 16-bit weights once (memory bound) or computes 2 x active parameters per prompt (compute bound), whichever
+    is slower, at GENERATION_EFFICIENCY of it. None without the card's bandwidth (a card the catalog lacks, MIG)."""
+    if not bandwidth_gb_s:
+        return None
+    read = arch.params * 2 / (bandwidth_gb_s * 1e9)
+    compute = batch * 2 * arch.active_params / ((tflops_bf16 or UNKNOWN_GPU_TFLOPS) * 1e12)
+    return batch * GENERATION_EFFICIENCY / max(read, compute)
+
+
 def hours(training_tokens: float, tokens_per_sec: float) -> float:
     return training_tokens / tokens_per_sec / 3600
 

@@ -31,9 +31,9 @@ from launcher.data.task_verdict import BASE_FEW_SHOT, BASE_ZERO_SHOT, FINE_TUNED
 from launcher.store.checkpoint import atomic_write_json
 from launcher.store.rundir import RunDir
 
+from launcher.plan.sizing import GENERATION_BATCH as BATCH  # prompts per generate call, by device (one home)
+
 PREFIX = "[ftrun task eval]"
-# Prompts answered per generate call: a CPU gains little past a few (and pads more), a GPU fills up with more.
-BATCH = {"cpu": 8, "cuda": 32}
 
 
 def enabled(recipe) -> bool:

@@ -247,3 +247,26 @@ def test_importing_the_planner_stays_light():
 def test_detected_box_plans_without_error_or_refuses_cleanly(tmp_path, tiny_dir):
     p = make_plan(recipe(tmp_path, model=str(tiny_dir), method="lora", max_length=256), detect(), ARTICLE_DATA)
     assert p.fits
+
+
+def test_the_plan_states_the_task_evaluations_time_and_cost_before_any_smoke_test(tmp_path):
+    """On a catalog GPU: scorers x examples x max_new_tokens at the roofline rate of batched greedy decoding
+    (weights read once a step, docs/BENCHMARKS.md section 7), with its cost; on a CPU the smoke test measures it."""
+    from helpers import article_plan
+    from launcher.plan import sizing
+    from launcher.plan.hardware import catalog
+    from launcher.plan.models import from_catalog
+
+    assert all(g.memory_bandwidth_gb_s for g in catalog().values())  # every card's datasheet bandwidth
+    plan = article_plan(tmp_path, "1xH100-80GB", eval={"fraction": 0.02}, export=["adapter", "merged"])
+    t = plan.estimate["task_eval"]
+    assert t["scorers"] == ["base model zero-shot", "with 3 examples", "fine-tuned", "merged"]
+    assert t["new_tokens"] == 4 * 200 * 128 and t["examples"] == 200
+    tps = sizing.generation_tokens_per_second(from_catalog("meta-llama/Llama-3.1-8B"), 3350, 989)
+    assert t["generation_tokens_per_second"] == round(tps, 1)
+    assert t["seconds"] == round(t["new_tokens"] / tps, 1) and t["cost_eur"] == round(t["seconds"] / 3600 * 3.9, 2)
+    assert any(r.startswith("task evaluation: at most 4 scorers x 200 examples") for r in plan.reasons)
+    # twice the bandwidth, twice the rate while the step stays memory bound
+    assert sizing.generation_tokens_per_second(from_catalog("meta-llama/Llama-3.1-8B"), 6700, 989) == \
+        pytest.approx(2 * tps)
+    assert article_plan(tmp_path, "1xH100-80GB").estimate["task_eval"] is None  # nothing held out, nothing scored
