@@ -20,6 +20,12 @@ def pct(value: float) -> str:
     return f"{value:.0%}"
 
 
+def start_name(t: dict[str, Any]) -> str:
+    """What the "base" scores scored: the base model, or for a run that continues an earlier run's adapter
+    (init_from: task_eval.json's starting_point) that parent adapter, where the run starts."""
+    return "parent adapter" if t.get("starting_point") else "base model"
+
+
 def base_score(t: dict[str, Any]) -> tuple[Optional[float], str]:
     """The score the verdict reads, and how to name it: the base model's best prompt of the two tried, with examples
     in it (the article's "good prompt with a few examples") or without (a model the examples confuse, or one
@@ -27,9 +33,10 @@ def base_score(t: dict[str, Any]) -> tuple[Optional[float], str]:
     scores, shots = t.get("scores") or {}, t.get("shots")
     few = scores.get(BASE_FEW_SHOT) if shots != 0 else None
     zero = scores.get(BASE_ZERO_SHOT)
+    start = start_name(t)
     if few is not None and (zero is None or few >= zero):
-        return few, f"base model with {shots} examples" if shots else "base model with examples"
-    return zero, "base model zero-shot"
+        return few, f"{start} with {shots} examples" if shots else f"{start} with examples"
+    return zero, f"{start} zero-shot"
 
 
 def verdict(t: dict[str, Any], price: str = "") -> str:
@@ -54,5 +61,5 @@ def verdict(t: dict[str, Any], price: str = "") -> str:
             return f"{who}: fields wrong in {fifths} of 5 ({pct(score)} field match): fine-tuning pays"
         return f"{who}: {pct(score)} {word}, below the {pct(PAYS_BELOW)} a prompt would need: fine-tuning pays"
     said = f"right in {pct(score)}" if metric == "exact" else f"{pct(score)} {word}"
-    prompt = "a prompt with examples" if who != "base model zero-shot" else "a prompt"
+    prompt = "a prompt with examples" if not who.endswith("zero-shot") else "a prompt"
     return f"{who}: {said}: {prompt} may be enough" + (f"; fine-tuning would {price}" if price else "")

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from launcher.store.state import ENDED
 from launcher.data.task_verdict import (BASE_FEW_SHOT, BASE_ZERO_SHOT, FINE_TUNED, METRIC_WORDS, base_score, pct,
-                                        verdict)
+                                        start_name, verdict)
 from launcher.worker.task_eval import PREFIX as TASK_EVAL_PREFIX
 
 
@@ -393,7 +393,7 @@ def task_rows(t: dict[str, Any]) -> list[tuple[str, float, Optional[float]]]:
     scores, speed = t.get("scores") or {}, t.get("generation") or {}
     order = [n for n in (*BASE_SCORES, FINE_TUNED) if n in scores] \
         + [n for n in scores if n not in (*BASE_SCORES, FINE_TUNED)]
-    start = "parent adapter" if t.get("starting_point") else "base model"  # init_from: where the run starts
+    start = start_name(t)  # init_from: the parent adapter, where the run starts
     return [(task_label(n, t.get("shots"), start), scores[n], (speed.get(n) or {}).get("tokens_per_s"))
             for n in order if scores[n] is not None]
 

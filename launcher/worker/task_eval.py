@@ -337,7 +337,8 @@ def _base_phase(run_dir: Path, batch_size: Optional[int]) -> int:
         return 0
     t0 = time.monotonic()
     model, tokenizer = load_base(recipe)
-    print(f"{PREFIX} base model {recipe.model} loaded in {time.monotonic() - t0:.1f} s; "
+    parent = f" with the adapter of {Path(recipe.init_from).name} (init_from)" if recipe.init_from else ""
+    print(f"{PREFIX} base model {recipe.model}{parent} loaded in {time.monotonic() - t0:.1f} s; "
           f"{len(task['prompts'])} examples, metric {task['metric']}: {task['metric_reason']}", flush=True)
     score_base(run, recipe, task, model, tokenizer, say=lambda line: print(line, flush=True), batch_size=batch_size)
     return 0
