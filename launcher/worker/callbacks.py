@@ -71,6 +71,11 @@ def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta
                 # _run_epoch), so it would train one step past the schedule. The weights are the checkpoint's by
                 # now (loaded before on_train_begin): leave the loop, and the worker writes the final result.
                 raise TrainingComplete(state.global_step)
+            # the wall-clock cadence counts training time: the first checkpoint `interval` after training (re)starts,
+            # not after this callback was made (the trainer's construction, DDP's setup and a resume's loading came
+            # between; under load they took longer than a short cadence, and a resumed attempt saved with its first
+            # step: tests/run/test_rank_down.py)
+            self.last_save = time.monotonic()
             BEAT.beat("step", state.global_step)
 
         def on_step_end(self, args, state, control, **kw):

@@ -124,10 +124,12 @@ def _log(run: Path) -> str:
 
 def test_kill9_of_one_rank_twice_the_second_before_the_next_checkpoint_restarts_exactly(
         write_recipe, tmp_path, ddp_reference):
-    # A checkpoint every 1.2 s, not every 6 s: on a fast box the 40 steps take less than 6 s, the first checkpoint was
-    # the final one and the resumed attempt ended before the second kill could come (the cadence does not change
-    # the trajectory: the reference saves every 6 s).
-    _, run = _start(write_recipe, tmp_path, max_restarts=3, checkpoint_every_minutes=0.02)
+    # A checkpoint every 3 s, not every 6 s: on a fast box the 40 steps take less than 6 s, the first checkpoint was
+    # the final one and the resumed attempt ended before the second kill could come. Not every 1.2 s either: on a
+    # loaded box (a fresh-clone slow tier at load 4, 2026-12-03) one step of the resumed attempt took longer than
+    # that, its checkpoint came with its first step, and no moment lay between the two. (The cadence does not change
+    # the trajectory: the reference saves every 6 s.)
+    _, run = _start(write_recipe, tmp_path, max_restarts=3, checkpoint_every_minutes=0.05)
     # the first kill: rank 1 in the middle of training, after a checkpoint
     pid = _rank_pid(run, 1)
     first = _launcher_pid(run)
