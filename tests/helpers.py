@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -193,3 +194,27 @@ def write_ticket_labels(path: Path, n: int = 200, seed: int = 0) -> Path:
             fh.write(json.dumps({"messages": [{"role": "user", "content": ticket},
                                               {"role": "assistant", "content": label}]}) + "\n")
     return Path(path)
+
+
+# A Hub dataset in the HF datasets cache, as `datasets` leaves a download there (tests/data, tests/worker/test_preference.py).
+HUB_REVISION = "0123456789abcdef0123456789abcdef01234567"
+
+
+def make_hub_cache(root, repo_id: str, rows: list[dict]) -> str:
+    """A stand-in HF datasets cache holding `repo_id` as `datasets` leaves a Hub download there (the folder named
+    by the commit), built by datasets itself from a parquet file: what load_dataset reads offline."""
+    import datasets
+
+    src = root / "src.parquet"
+    root.mkdir(parents=True, exist_ok=True)
+    datasets.Dataset.from_list(rows).to_parquet(str(src))
+    datasets.load_dataset("parquet", data_files={"train": str(src)}, cache_dir=str(root / "build"))
+    built = next(p for p in (root / "build" / "parquet").glob("*/*/*") if p.is_dir())
+    org, name = repo_id.split("/")
+    dest = root / "datasets" / f"{org}___{name}" / "default" / "0.0.0" / HUB_REVISION
+    shutil.copytree(built, dest)
+    for f in dest.glob("parquet-*.arrow"):
+        f.rename(dest / f.name.replace("parquet-", f"{name}-"))
+    info = json.loads((dest / "dataset_info.json").read_text())
+    (dest / "dataset_info.json").write_text(json.dumps({**info, "config_name": "default"}))
+    return str(root / "datasets")

@@ -8,6 +8,7 @@ import pytest
 
 from launcher.data.dataset import compute_stats, example_lengths, load_data, load_examples, smoke_sample, to_dataset
 from launcher.errors import DataError
+from helpers import HUB_REVISION, make_hub_cache  # noqa: F401 (tests/data/test_data_training.py imports it from here)
 
 GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 TOOL_CHAT = {"messages": [
@@ -212,27 +213,6 @@ def test_saved_dataset_and_hub_cache(tmp_path, monkeypatch):
     assert "is not in this box's Hugging Face cache and the Hub cannot be reached" in message
 
 
-HUB_REVISION = "0123456789abcdef0123456789abcdef01234567"
-
-
-def make_hub_cache(root, repo_id: str, rows: list[dict]) -> str:
-    """A stand-in HF datasets cache holding `repo_id` as `datasets` leaves a Hub download there (the folder named
-    by the commit), built by datasets itself from a parquet file: what load_dataset reads offline."""
-    import datasets
-
-    src = root / "src.parquet"
-    root.mkdir(parents=True, exist_ok=True)
-    datasets.Dataset.from_list(rows).to_parquet(str(src))
-    datasets.load_dataset("parquet", data_files={"train": str(src)}, cache_dir=str(root / "build"))
-    built = next(p for p in (root / "build" / "parquet").glob("*/*/*") if p.is_dir())
-    org, name = repo_id.split("/")
-    dest = root / "datasets" / f"{org}___{name}" / "default" / "0.0.0" / HUB_REVISION
-    shutil.copytree(built, dest)
-    for f in dest.glob("parquet-*.arrow"):
-        f.rename(dest / f.name.replace("parquet-", f"{name}-"))
-    info = json.loads((dest / "dataset_info.json").read_text())
-    (dest / "dataset_info.json").write_text(json.dumps({**info, "config_name": "default"}))
-    return str(root / "datasets")
 
 
 def test_weighted_mix_and_recorded_identity(tmp_path):

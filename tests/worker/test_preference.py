@@ -81,6 +81,32 @@ def test_a_bad_pair_is_refused_with_its_line(tmp_path, bad, said):
     assert "pairs.jsonl line 3" in text and said in text, text
 
 
+def test_pairs_from_the_hub_cache_a_mixture_and_eval_data(tmp_path, monkeypatch, write_recipe):
+    """Pairs read like examples: a Hub dataset (through the HF cache, columns mapped), mixed by weight with a local
+    file, and separate eval.data of pairs; the data check counts both sides of each pair."""
+    import datasets
+
+    from launcher.data.dataset import load_data
+    from launcher.data.stats import data_stats
+    from launcher.recipe import load_recipe
+    from helpers import make_hub_cache
+
+    rows = [{"question": [_turn("user", f"Spell {w} backwards.")], "good": [_turn("assistant", w[::-1])],
+             "bad": [_turn("assistant", w)]} for w in ("chair", "lamp", "table", "green")]
+    cache = make_hub_cache(tmp_path / "hf", "acme/prefs", rows)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    hub = {"path": "acme/prefs", "columns": {"prompt": "question", "chosen": "good", "rejected": "bad"}}
+    data = load_data([hub, {"path": str(PAIRS), "weight": 0.05}])
+    assert data.form == "preference" and data.sources[0]["format"] == "preference"
+    assert len(data.examples) == 4 + 20 and data.examples[0]["chosen"][0]["content"] == "riahc"
+    recipe = load_recipe(write_recipe(objective="dpo", data=[hub, str(PAIRS)], max_length=512,
+                                      eval={"data": str(PAIRS), "samples": 0, "task": {"examples": 0}}))
+    examples, lengths, stats = data_stats(recipe)
+    assert stats.examples == 404 and stats.loss_view["pairs"]["pairs"] == 404
+    assert stats.loss_view["stats"]["examples"] == 808  # each pair's two sequences, checked as the loss sees them
+
+
 def test_an_objective_refuses_data_it_does_not_train(write_recipe, tmp_path):
     from launcher.data.stats import data_stats
     from launcher.errors import DataError
