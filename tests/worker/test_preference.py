@@ -1,6 +1,6 @@
 """Preference tuning (objective dpo, orpo): the pairs' formats and their refusals, the recipe's keys, the plan's two
-sequences and reference, and end to end on the tiny model: DPO from an SFT run's adapter, ORPO, kill -9 + resume,
-DDP x 2 against accumulation x 2."""
+sequences and reference, and end to end on the tiny model: DPO from an SFT run's adapter, kill -9 + resume, a
+precomputed reference. ORPO and the engines (DDP, ZeRO-3, full fine-tuning): tests/worker/test_preference_engines.py."""
 
 from __future__ import annotations
 
@@ -257,17 +257,6 @@ def test_dpo_from_an_sft_runs_adapter_learns_the_held_out_preferences(dpo_run, s
 
 
 @pytest.mark.slow
-def test_orpo_trains_without_a_reference(write_recipe, tmp_path):
-    recipe = write_recipe(**dict(DPO, objective="orpo", preference={"beta": 0.1}))
-    res = ftrun(recipe, "--foreground", *QUICK, cwd=tmp_path)
-    assert res.returncode == 0, res.stdout + res.stderr
-    rows = [r for r in metrics(tmp_path / "run") if "rewards/margins" in r]
-    assert rows and {"nll_loss", "log_odds_ratio"} <= set(rows[-1])
-    assert rows[-1]["loss"] < rows[0]["loss"]
-    assert "reference: none (orpo needs no reference model)" in (tmp_path / "run" / "plan.json").read_text()
-
-
-@pytest.mark.slow
 def test_dpo_kill9_then_resume_matches_the_uninterrupted_run(write_recipe, tmp_path, dpo_run, sft_run):
     recipe = write_recipe(**dict(DPO, init_from=str(sft_run), max_restarts=0, checkpoint_every_minutes=0.0001))
     assert ftrun(recipe, *QUICK, cwd=tmp_path).returncode == 0
@@ -288,53 +277,6 @@ def test_dpo_kill9_then_resume_matches_the_uninterrupted_run(write_recipe, tmp_p
     assert _train_rows(run) == _train_rows(dpo_run)  # losses, rewards, eval figures: exact on CPU
     a, b = adapter_tensors(dpo_run), adapter_tensors(run)
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
-
-
-@pytest.mark.slow
-def test_dpo_ddp_two_processes_follow_accumulation_two(write_recipe, tmp_path):
-    fields = dict(DPO, max_steps=6, micro_batch_size=4, checkpoint_every_minutes=10, logging_steps=1,
-                  eval={"samples": 0, "task": {"examples": 0}})
-
-    one = _foreground(write_recipe, tmp_path, fields, "one", "gradient_accumulation_steps=2")
-    ddp = _foreground(write_recipe, tmp_path, fields, "ddp", "engine=ddp", "num_processes=2")
-    assert [r["step"] for r in one] == [r["step"] for r in ddp] == list(range(1, 7))
-    for x, y in zip(one, ddp):
-        for key in ("loss", "rewards/margins", "rewards/accuracies"):
-            assert abs(x[key] - y[key]) < 1e-4, (key, x, y)
-    ta, tb = adapter_tensors(tmp_path / "one"), adapter_tensors(tmp_path / "ddp")
-    assert max((ta[k] - tb[k]).abs().max().item() for k in ta) < 1e-4
-
-
-@pytest.mark.slow
-def test_dpo_zero3_two_processes_follows_ddp(write_recipe, tmp_path):
-    """DeepSpeed ZeRO-3 on 2 gloo processes: DPO with the adapter switched off as the reference, as DDP trains it."""
-    pytest.importorskip("deepspeed")
-    fields = dict(DPO, max_steps=4, micro_batch_size=4, checkpoint_every_minutes=10, logging_steps=1,
-                  eval={"samples": 0, "task": {"examples": 0}})
-
-    ddp = _foreground(write_recipe, tmp_path, fields, "ddp", "engine=ddp", "num_processes=2")
-    zero = _foreground(write_recipe, tmp_path, fields, "zero", "engine=deepspeed", "num_processes=2")
-    assert [r["step"] for r in ddp] == [r["step"] for r in zero] == list(range(1, 5))
-    for x, y in zip(ddp, zero):
-        for key in ("loss", "rewards/margins"):
-            assert abs(x[key] - y[key]) < 2e-3, (key, x, y)
-    assert zero[-1]["rewards/margins"] > 0
-
-
-@pytest.mark.slow
-def test_dpo_full_fine_tuning_trains_against_a_frozen_copy(write_recipe, tmp_path):
-    recipe = write_recipe(**dict(DPO, method="full", max_steps=8, learning_rate=1e-3, export=["merged"]))
-    res = ftrun(recipe, "--foreground", *QUICK, cwd=tmp_path)
-    assert res.returncode == 0, res.stdout + res.stderr
-    run = tmp_path / "run"
-    plan = json.loads((run / "plan.json").read_text())
-    assert "a frozen copy of the model" in plan["memory"]["explanations"]["reference model"]  # 0.0005 GB: rounds to 0
-    rows = metrics(run)
-    held = [r for r in rows if "eval_rewards/margins" in r]
-    assert held[-1]["eval_rewards/margins"] > held[0]["eval_rewards/margins"] == 0.0
-    assert (run / "final" / "model" / "config.json").is_file()
-    report = json.loads((run / "final" / "export.json").read_text())
-    assert report["ok"] and "merged" in report["outputs"]
 
 
 def test_the_loss_plot_draws_the_margins_of_a_preference_run(tmp_path):
