@@ -363,11 +363,13 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
     if w.reference:
         what, per_step = REFERENCES[w.reference]
         copy = w.reference == "frozen copy"
-        # the copy's 16-bit weights, sharded like the policy's; the others add no weights (the parent adapter's copy:
-        # its fp32 parameters once more, no gradient or optimizer state)
-        extra = P * b16 / n if copy else (T * 4 / n if w.reference == "parent copy" else 0.0)
+        # the copy in the policy's dtype (trl 1.16 creates it with dtype=self.model.dtype: fp32 where the Trainer's
+        # own loop keeps fp32 master weights, 16-bit under FSDP and ZeRO-3), sharded like the policy's; the others add
+        # no weights (the parent adapter's copy: its fp32 parameters once more, no gradient or optimizer state)
+        copy_b = 4 if fp32_master else b16
+        extra = P * copy_b / n if copy else (T * 4 / n if w.reference == "parent copy" else 0.0)
         terms["reference model"] = extra / GB
-        why["reference model"] = f"DPO's reference: {what}" + (shard if copy else "")
+        why["reference model"] = f"DPO's reference: {what}" + (f", {_count(P)} params x {copy_b} B{shard}" if copy else "")
         if per_step:
             # its forward runs under no_grad between the policy's forward and backward: one layer's activations at a
             # time, below the backward's recomputed layer (LAYER_BACKWARD_FACTOR x one layer) that the peak counts
