@@ -318,7 +318,7 @@ def _plain_text(record: dict, other: Optional[str]) -> dict[str, Any]:
     return {"text": _text(record, "text")}
 
 
-def _pair_check(prompt: Any, chosen: Any, rejected: Any) -> None:
+def _pair_check(chosen: Any, rejected: Any) -> None:
     if chosen == rejected:
         raise RecordProblem("'chosen' and 'rejected' are the same answer: the pair prefers nothing; remove it or "
                             "give the rejected answer")
@@ -345,7 +345,7 @@ def _preference(record: dict, other: Optional[str]) -> dict[str, Any]:
         raise RecordProblem("'prompt', 'chosen' and 'rejected' must all be strings (standard) or all lists of "
                             f"messages (conversational), found {type(prompt).__name__}, {type(chosen).__name__} and "
                             f"{type(rejected).__name__}")
-    _pair_check(example["prompt"], example["chosen"], example["rejected"])
+    _pair_check(example["chosen"], example["rejected"])
     return example
 
 
@@ -371,7 +371,7 @@ def _preference_implicit(record: dict, other: Optional[str]) -> dict[str, Any]:
     while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
         shared += 1
     if shared == len(chosen) == len(rejected):
-        _pair_check(None, chosen, rejected)
+        _pair_check(chosen, rejected)
     if shared == 0:
         raise RecordProblem("'chosen' and 'rejected' share no first turn: with an implicit prompt both conversations "
                             "begin with the same prompt turns; give a 'prompt' key, or the same first turns")
