@@ -40,4 +40,5 @@ sys.exit(0 if last["loss"] < first["loss"] and evals[-1]["eval_loss"] < evals[0]
 PY
 echo
 echo "ftrun is installed in .venv: \`source .venv/bin/activate\` puts it on your PATH (or call .venv/bin/ftrun);"
-echo "then e.g. \`ftrun status runs/tiny-cpu\` or \`ftrun plan recipes/qwen3-8b-qlora.yaml\`."
+echo "then e.g. \`ftrun status runs/tiny-cpu\` or \`ftrun plan recipes/qwen3-8b-qlora.yaml\`;"
+echo "the second step, DPO on preference pairs from this run's adapter: \`ftrun recipes/tiny-cpu-dpo.yaml\`."
