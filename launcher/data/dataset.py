@@ -359,7 +359,7 @@ def example_lengths(examples: list[Any], model: str, where: Optional[list[str]] 
         # a pair trains as two sequences, the prompt with each answer: its tokens are both (the forward runs both)
         flat, owner, places = [], [], []
         for i, ex in enumerate(examples):
-            for side, seq in zip(("chosen", "rejected"), formats.sequences(ex)):
+            for side, seq in formats.sides(ex):
                 flat.append(seq)
                 owner.append(i)
                 places.append(f"{where[i]} ({side})")
@@ -472,7 +472,7 @@ def to_dataset(examples: list[Any]):
     has_tools = any("tools" in r for r in rows)
     columns: dict[str, Any] = {}
     first = rows[0]
-    for key in ("messages", "prompt", "completion", "text", "chosen", "rejected"):
+    for key in ("messages", "prompt", "completion", "text", *formats.SIDES):
         if key in first:
             columns[key] = List(Json()) if isinstance(first[key], list) else Value("string")
     if has_tools:

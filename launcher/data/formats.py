@@ -34,6 +34,11 @@ class Format:
     example: str  # one record, as the bad-record advice shows it
 
 
+# A preference pair's two answers, in the order TRL batches them (dpo_trainer.py DataCollatorForPreference: the chosen
+# rows, then the rejected ones), and the keys of a pair.
+SIDES = ("chosen", "rejected")
+PAIR_KEYS = ("prompt", *SIDES)
+
 # In detection order: a record is in the first format whose keys it has all of.
 FORMATS: dict[str, Format] = {
     "messages": Format("chat messages (role/content)", "chat", ("messages",),
@@ -45,11 +50,11 @@ FORMATS: dict[str, Format] = {
     "alpaca": Format("Alpaca (instruction/input/output)", "chat", ("instruction", "output"),
                      '{"instruction": "...", "input": "" (optional), "output": "...", "system": "..." (optional)}'),
     "text": Format("plain text (continued pre-training)", "text", ("text",), '{"text": "..."}'),
-    "preference": Format("preference pairs (prompt/chosen/rejected)", "preference", ("prompt", "chosen", "rejected"),
+    "preference": Format("preference pairs (prompt/chosen/rejected)", "preference", PAIR_KEYS,
                          '{"prompt": [{"role": "user", "content": "..."}], "chosen": [{"role": "assistant", '
                          '"content": "..."}], "rejected": [{"role": "assistant", "content": "..."}]} (or three strings)'),
     "preference_implicit": Format("preference pairs with an implicit prompt (chosen/rejected conversations)",
-                                  "preference", ("chosen", "rejected"),
+                                  "preference", SIDES,
                                   '{"chosen": [{"role": "user", "content": "..."}, {"role": "assistant", "content": '
                                   '"..."}], "rejected": [{"role": "user", "content": "..."}, {"role": "assistant", '
                                   '"content": "..."}]}'),
@@ -325,10 +330,10 @@ def _pair_check(chosen: Any, rejected: Any) -> None:
 
 
 def _preference(record: dict, other: Optional[str]) -> dict[str, Any]:
-    for key in ("prompt", "chosen", "rejected"):
+    for key in PAIR_KEYS:
         if key not in record:
             raise _missing(record, key, "preference", other)
-    prompt, chosen, rejected = (_maybe_json(record[k], k) for k in ("prompt", "chosen", "rejected"))
+    prompt, chosen, rejected = (_maybe_json(record[k], k) for k in PAIR_KEYS)
     if all(isinstance(v, str) for v in (prompt, chosen, rejected)):
         example = {"prompt": _text(record, "prompt"), "chosen": _text(record, "chosen"),
                    "rejected": _text(record, "rejected")}
@@ -358,7 +363,7 @@ def _answer(msgs: Any, field: str) -> list[dict[str, Any]]:
 
 
 def _preference_implicit(record: dict, other: Optional[str]) -> dict[str, Any]:
-    for key in ("chosen", "rejected"):
+    for key in SIDES:
         if key not in record:
             raise _missing(record, key, "preference_implicit", other)
     chosen, rejected = _maybe_json(record["chosen"], "chosen"), _maybe_json(record["rejected"], "rejected")
@@ -418,11 +423,15 @@ def conversation(example: Any) -> list[dict[str, Any]]:
     return [{"role": "user", "content": example["text"]}]
 
 
+def sides(example: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """A preference pair's two sequences as prompt/completion examples, each named by its side (SIDES): the prompt
+    with the chosen answer, then with the rejected one (TRL tokenizes each so and trains both in one batch)."""
+    extra = {"tools": example["tools"]} if example.get("tools") else {}
+    return [(side, {"prompt": example["prompt"], "completion": example[side], **extra}) for side in SIDES]
+
+
 def sequences(example: dict[str, Any]) -> list[dict[str, Any]]:
-    """The sequences one example trains as prompt/completion examples: a preference pair's prompt with the chosen
-    answer, then with the rejected one (TRL tokenizes each so and trains both in one batch, chosen rows first:
-    dpo_trainer.py DataCollatorForPreference); any other example is its own one sequence."""
+    """The sequences one example trains as: a preference pair's two (sides), any other example its own one."""
     if "chosen" not in example:
         return [example]
-    extra = {"tools": example["tools"]} if example.get("tools") else {}
-    return [{"prompt": example["prompt"], "completion": example[side], **extra} for side in ("chosen", "rejected")]
+    return [seq for _, seq in sides(example)]

@@ -63,11 +63,11 @@ def _sequences(examples: list[Any], where: list[str], origin: list[int], sources
         return examples, where, origin, sources
     flat, places, kinds = [], [], []
     for ex, w, k in zip(examples, where, origin):
-        for j, (side, seq) in enumerate(zip(("chosen", "rejected"), formats.sequences(ex))):
+        for j, (side, seq) in enumerate(formats.sides(ex)):
             flat.append(seq)
             places.append(f"{w} ({side})")
-            kinds.append(2 * k + j)
-    return flat, places, kinds, [name for name in sources for _ in ("chosen", "rejected")]
+            kinds.append(len(formats.SIDES) * k + j)
+    return flat, places, kinds, [name for name in sources for _ in formats.SIDES]
 
 
 def pair_stats(trained: list[int]) -> dict[str, Any]:

@@ -111,8 +111,10 @@ def templated(examples: list, tokenizer) -> list:
     the lists (launcher/methods.py templated_by_worker). Plain pairs are returned as they are."""
     from trl.data_utils import maybe_apply_chat_template, maybe_extract_prompt
 
+    from launcher.data.formats import PAIR_KEYS
+
     out = []
     for ex in examples:
         row = maybe_apply_chat_template(maybe_extract_prompt(dict(ex)), tokenizer)
-        out.append({k: row[k] for k in ("prompt", "chosen", "rejected")})
+        out.append({k: row[k] for k in PAIR_KEYS})
     return out
