@@ -154,6 +154,18 @@ def prepared_run(recipe_path: Path, *overrides: str) -> Path:
     return run
 
 
+def stand_in_adapter(run_dir: Path, base_model: str | Path | None = None) -> Path:
+    """A finished run's adapter as `init_from` reads it (final/adapter/adapter_config.json, r 8, alpha 16): for the
+    recipe checks and the plan, which read the config and never the weights. Returns the run directory."""
+    adapter = Path(run_dir) / "final" / "adapter"
+    adapter.mkdir(parents=True, exist_ok=True)
+    config = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+    if base_model is not None:
+        config["base_model_name_or_path"] = str(base_model)
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    return Path(run_dir)
+
+
 def export_recipe(path: Path, model: Path, out: Path, **fields) -> Path:
     """A short LoRA run of the tiny model without a smoke test, for the export tests (tests/deliver/test_export.py and
     the GGUF tier, tests/deliver/test_gguf.py); `fields` override."""

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import stand_in_adapter
 from launcher.plan import hardware
 from launcher.plan import plan as plan_mod
 from launcher.errors import PlanError
@@ -108,19 +109,13 @@ def test_tiny_cpu_recipe_plans_on_a_cpu(tiny_model):
 def test_tiny_dpo_recipe_needs_the_sft_demos_adapter_and_plans_on_a_cpu(tiny_model, tmp_path):
     """recipes/tiny-cpu-dpo.yaml continues the SFT demo's adapter: without it, the recipe names init_from and the fix;
     with one (a stand-in adapter of the tiny model here), it plans the pairs on the CPU."""
-    import json
-
     from launcher.data.stats import data_stats
     from launcher.errors import RecipeError
 
     path = RECIPES[0].parent / "tiny-cpu-dpo.yaml"
     with pytest.raises(RecipeError, match="'init_from' = .*does not exist: give the earlier run's directory"):
         load_recipe(path, [f"model={tiny_model}", f"init_from={tmp_path / 'runs' / 'tiny-cpu'}"])
-    adapter = tmp_path / "runs" / "tiny-cpu" / "final" / "adapter"
-    adapter.mkdir(parents=True)
-    (adapter / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16, "lora_dropout": 0.0,
-                                                            "base_model_name_or_path": str(tiny_model),
-                                                            "target_modules": ["q_proj", "v_proj"]}))
+    stand_in_adapter(tmp_path / "runs" / "tiny-cpu", tiny_model)
     recipe = load_recipe(path, [f"model={tiny_model}", f"init_from={tmp_path / 'runs' / 'tiny-cpu'}"])
     _, _, stats = data_stats(recipe)
     p = plan_mod.make_plan(recipe, from_spec("cpu"), data_stats=stats)
