@@ -83,12 +83,33 @@ def assert_same_run(a: Path, b: Path) -> None:
         log = (b / "train.log").read_text() if (b / "train.log").is_file() else ""
         said = [line for line in log.splitlines() if any(w in line for w in ("resum", "checkpoint", "SIGTERM",
                                                                                 "window", "preempt"))]
-        raise AssertionError(f"losses differ at (step, reference, this run) {differ[:8]}; this run's log:\n"
+        first = next(i for i, (x, y) in enumerate(zip(ma, mb)) if x["loss"] != y["loss"])
+        raise AssertionError(f"losses differ at (step, reference, this run) {differ[:8]}; the first such rows:\n"
+                             f"  reference {ma[first]}\n  this run  {mb[first]}\n"
+                             f"the two runs' plans and workers differ in: {_settings_differ(a, b)}; this run's log:\n"
                              + "\n".join(said[-30:]))
     ta, tb = adapter_tensors(a), adapter_tensors(b)
     assert ta.keys() == tb.keys()
     for k in ta:
         assert torch.equal(ta[k], tb[k]), k
+
+
+def _settings_differ(a: Path, b: Path) -> list[str]:
+    """The plan.json and worker.json keys whose values differ between two run directories (paths, times and process
+    ids aside): a choice one run made and the other did not, where their losses differ."""
+    out = []
+    for name in ("plan.json", "worker.json"):
+        pa, pb = a / name, b / name
+        if not (pa.is_file() and pb.is_file()):
+            out.append(f"{name} missing in {'the reference' if not pa.is_file() else 'this run'}")
+            continue
+        ja, jb = json.loads(pa.read_text()), json.loads(pb.read_text())
+        for k in sorted(set(ja) | set(jb)):
+            if k in ("pid", "started", "launch_argv", "resumed_from", "start_step", "measured", "estimate"):
+                continue
+            if ja.get(k) != jb.get(k):
+                out.append(f"{name} {k}: {str(ja.get(k))[:200]} | {str(jb.get(k))[:200]}")
+    return out
 
 
 def wait_until_ended(run_dir: Path, cwd: Path, timeout: float = 240) -> dict:
