@@ -97,6 +97,11 @@ class Objective:
     # The trainer renders conversational data with datasets.map into the same columns (ORPO: maybe_apply_chat_template),
     # which keep ftrun's Json column types and so stay lists: the worker renders them first with TRL's own function.
     templated_by_worker: bool = False
+    # Its loss reads the model's whole logits (tokens x vocabulary), where SFT and DPO call TRL's fused LM head (the
+    # logits never whole): trl 1.16 experimental/orpo/orpo_trainer.py concatenated_forward takes `outputs.logits`, a
+    # shifted copy of the chosen half for its cross-entropy and selective_log_softmax over all of them. The plan counts
+    # them (launcher/plan/sizing.py LOSS_MATERIALIZED).
+    whole_logits: bool = False
 
     @property
     def preference(self) -> bool:
@@ -118,7 +123,8 @@ OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
     Objective("orpo", trainer="ORPOTrainer", config="ORPOConfig", module="trl.experimental.orpo",
               forms=("preference",), sequences_per_example=2, reference_pass=False, settings=("beta",),
               logged=_REWARDS + ("nll_loss", "log_odds_ratio"), help="ORPO on chosen/rejected pairs: SFT loss plus "
-              "an odds-ratio term, no reference model", learning_rate=1e-6, templated_by_worker=True),
+              "an odds-ratio term, no reference model", learning_rate=1e-6, templated_by_worker=True,
+              whole_logits=True),
 )}
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from launcher import methods
 from launcher.plan.models import Architecture
-from launcher.plan.sizing import Workload
+from launcher.plan.sizing import LOSS_MATERIALIZED, Workload
 
 
 # Without data statistics, an example is assumed to be this long (capped at max_length).
@@ -48,7 +48,8 @@ class Job:
                         self.lora_r, self.lora_targets, engine, num_gpus, device, offload, offload_optimizer,
                         self.accumulation,
                         offload_activations=offload_activations or self.offload_activations,
-                        sequences=self.sequences, reference=self.reference)
+                        sequences=self.sequences, reference=self.reference,
+                        loss=LOSS_MATERIALIZED if methods.OBJECTIVES[self.objective].whole_logits else "")
 
 
 def _job(recipe: Any, arch: Architecture, data_stats: Any, tokens: float | None,

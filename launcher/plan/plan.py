@@ -365,10 +365,14 @@ def _loss_reason(job: Job, choice: Choice, est: Any) -> str:
     if w.loss_kind == sizing.LOSS_UNSLOTH:
         return (f"loss: Unsloth's fused cross-entropy, in chunks with the gradient in place "
                 f"({est.breakdown_gb.get('logits and loss', 0.0):.2f} GB for {t:,} tokens x {vocab:,} vocabulary)")
+    trainer = methods.OBJECTIVES[job.objective].trainer
+    if w.loss_kind == sizing.LOSS_MATERIALIZED:  # an objective whose loss reads the model's logits (methods.Objective)
+        return (f"loss: the model's whole logits (trl's {trainer} takes them, not TRL's fused LM head): "
+                f"{est.breakdown_gb.get('logits and loss', 0.0):.2f} GB for {t:,} tokens x {vocab:,} vocabulary "
+                "(the logits, a copy for the loss, their gradient)")
     head = sizing.fused_head_bytes(job.arch, w) / sizing.GB
     on = ("; on a CPU, a frozen head through ftrun's kernel, launcher/worker/cpu_logprob.py"
           if choice.device == "cpu" and is_adapter(job.method) else "")
-    trainer = methods.OBJECTIVES[job.objective].trainer
     return (f"loss: TRL's fused LM head (trl's {trainer}{on}): the {t:,} x {vocab:,} logits of a micro-batch are never "
             f"whole, {head:.2f} GB at its peak instead of {whole:.1f} GB for the model's own loss; token accuracy "
             "and entropy are still logged (computed in the same pass)")

@@ -193,6 +193,17 @@ def test_the_plan_of_an_8b_qlora_dpo_job_on_one_4090_states_the_pairs_and_the_re
     assert dpo.estimate["hours"] > sft.estimate["hours"]
     assert "reference model" not in orpo.memory["breakdown_gb"] and "needs no reference model" in "\n".join(orpo.reasons)
     assert orpo.estimate["hours"] < dpo.estimate["hours"]
+    # ORPO's loss reads the whole logits (trl's ORPOTrainer takes outputs.logits), DPO's the fused head: 2 sequences x
+    # seq_len tokens x the vocabulary at 12 B (sizing.LOGIT_BYTES_HF) against the head's tiles
+    from launcher.plan import sizing
+
+    tokens = 2 * orpo.tokens["seq_len"]
+    assert orpo.memory["breakdown_gb"]["logits and loss"] == pytest.approx(
+        tokens * orpo.model["vocab"] * sizing.LOGIT_BYTES_HF / sizing.GB, rel=0.01)
+    assert orpo.memory["breakdown_gb"]["logits and loss"] > 5 * dpo.memory["breakdown_gb"]["logits and loss"]
+    assert "loss: the model's whole logits (trl's ORPOTrainer takes them" in "\n".join(orpo.reasons)
+    assert "fused LM head (trl's ORPOTrainer" not in "\n".join(orpo.reasons)
+    assert "loss: TRL's fused LM head (trl's DPOTrainer" in "\n".join(dpo.reasons)
     assert "once, before the first step" in "\n".join(precomputed.reasons)
     assert any("learning_rate is the recipe's default" in n for n in dpo.notes)  # SFT's rate, TRL's named
     assert not any("learning_rate" in n for n in article_plan(tmp_path, "1xRTX4090", objective="dpo",
