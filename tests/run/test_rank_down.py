@@ -118,38 +118,68 @@ def _start(write_recipe, tmp_path, env=None, **fields) -> tuple[Path, Path]:
     return recipe, tmp_path / "run"
 
 
+def _logged_step(run: Path) -> int:
+    """The newest step in metrics.jsonl (a line still being written, where rank 0 is frozen mid-write, not counted)."""
+    step = 0
+    try:
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if "loss" in row:
+            step = max(step, int(row.get("step", 0)))
+    return step
+
+
+def _slices(pids, until, what: str, timeout: float = 180) -> None:
+    """Let the processes run 10 ms at a time, frozen between; return with them frozen at the first moment `until()`
+    holds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for p in pids:
+            os.kill(p, signal.SIGSTOP)
+        if until():
+            return
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        for p in pids:
+            os.kill(p, signal.SIGCONT)
+        time.sleep(0.01)
+        for p in pids:
+            os.kill(p, signal.SIGSTOP)
+        time.sleep(0.05)
+
+
 def _log(run: Path) -> str:
     return (run / "train.log").read_text(errors="replace")
 
 
 def test_kill9_of_one_rank_twice_the_second_before_the_next_checkpoint_restarts_exactly(
         write_recipe, tmp_path, ddp_reference):
-    # A checkpoint every 3 s, not every 6 s: on a fast box the 40 steps take less than 6 s, the first checkpoint was
-    # the final one and the resumed attempt ended before the second kill could come. Not every 1.2 s either: on a
-    # loaded box (a fresh-clone slow tier at load 4, 2026-12-03) one step of the resumed attempt took longer than
-    # that, its checkpoint came with its first step, and no moment lay between the two. (The cadence does not change
-    # the trajectory: the reference saves every 6 s.)
+    # The cadence is wall-clock (3 s) and the box's speed is not known: on a quiet box the 40 steps took about one
+    # cadence, the first checkpoint was the final one and nothing was left to resume (a fresh-clone slow tier,
+    # 2026-12-03: ProcessLookupError at the first SIGSTOP); on a loaded one a step took longer than a short cadence.
+    # So both attempts run in slices: the ranks are taken at their start and let run 10 ms of every ~60, so the
+    # wall-clock checkpoint comes after a few steps whatever the box, and each check sees them frozen. (The cadence
+    # does not change the trajectory: the reference saves every 6 s.)
     _, run = _start(write_recipe, tmp_path, max_restarts=3, checkpoint_every_minutes=0.05)
-    # the first kill: rank 1 in the middle of training, after a checkpoint
-    pid = _rank_pid(run, 1)
+    first_ranks = _rank_pid(run, 0, training=False), _rank_pid(run, 1, training=False)
     first = _launcher_pid(run)
-    wait_for(lambda: _newest_checkpoint(run) > 0, 180, "a checkpoint", 0.05)
-    os.kill(pid, signal.SIGKILL)
+    # the first kill: rank 1 in the middle of training, after a checkpoint
+    _slices(first_ranks, lambda: _newest_checkpoint(run) > 0, "a checkpoint of the first attempt")
+    assert not (run / "final").exists(), "the first attempt ended before a checkpoint could be followed by a kill"
+    os.kill(first_ranks[1], signal.SIGKILL)
+    os.kill(first_ranks[0], signal.SIGCONT)
     wait_for(lambda: read_state(run).get("restarts") == 1, 120, "the first restart")
     resumed = _newest_checkpoint(run)
-    # the second kill: after the resumed attempt trained a step, before it wrote its next checkpoint. Both ranks are
-    # frozen at the moment it holds, so the check and the kill see the same run.
-    rank0, rank1 = _rank_pid(run, 0, after_launcher=first), _rank_pid(run, 1, after_launcher=first)
-    deadline = time.monotonic() + 120
-    while True:
-        assert time.monotonic() < deadline, "timed out waiting to freeze the resumed ranks after a step"
-        for p in (rank0, rank1):
-            os.kill(p, signal.SIGSTOP)
-        if _beat(run, 1).get("step", 0) > resumed and _beat(run, 1).get("phase") == "step":
-            break
-        for p in (rank0, rank1):
-            os.kill(p, signal.SIGCONT)
-        time.sleep(0.02)
+    # the second kill: after the resumed attempt trained a step (its newest metrics row, which rank 0 writes at every
+    # step: a heartbeat's step is written at most every 2 s within a phase), before it wrote its next checkpoint
+    rank0 = _rank_pid(run, 0, training=False, after_launcher=first)
+    rank1 = _rank_pid(run, 1, training=False, after_launcher=first)
+    _slices((rank0, rank1), lambda: _logged_step(run) > resumed, "a step of the resumed attempt")
     assert _newest_checkpoint(run) == resumed, "a checkpoint was written before the second kill could come"
     assert not (run / "final").exists()
     os.kill(rank1, signal.SIGKILL)
