@@ -122,11 +122,49 @@ def wait_until_ended(run_dir: Path, cwd: Path, timeout: float = 240) -> dict:
     return s
 
 
+def run_in_slices(pids, until, what: str, timeout: float = 180) -> None:
+    """Let the processes run 10 ms at a time, frozen ~50 ms between; return with them frozen at the first moment
+    `until()` holds.
+
+    A run's checkpoint cadence is wall-clock and the box's speed is not known: on a fast box a short test run
+    trains all its steps inside one cadence, its first checkpoint is its final one and nothing is left to
+    interrupt (CI, 2026-12-03: the Unsloth kill -9 test found `final` already written). Run this way, the
+    processes get about a sixth of the wall clock, so a wall-clock checkpoint comes after a few steps on any box,
+    and each check sees them frozen. The trajectory does not depend on the cadence.
+    """
+    import signal
+
+    deadline = time.monotonic() + timeout
+    while True:
+        for p in pids:
+            os.kill(p, signal.SIGSTOP)
+        if until():
+            return
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        for p in pids:
+            os.kill(p, signal.SIGCONT)
+        time.sleep(0.01)
+        for p in pids:
+            os.kill(p, signal.SIGSTOP)
+        time.sleep(0.05)
+
+
+def _training(run_dir: Path) -> bool:
+    """Rank 0's heartbeat says it is past its start (imports, model load): in a step, a save, an evaluation."""
+    try:
+        beat = json.loads((run_dir / "heartbeats" / "rank-0.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return beat.get("phase") not in (None, "", "start")
+
+
 def freeze_worker(run_dir: Path, until, timeout: float = 180) -> dict:
     """SIGSTOP the worker at the first moment `until(run_dir)` holds, whatever the machine's speed.
 
-    Returns state.json with the frozen worker's pid; the caller kills it or sends SIGCONT. Without
-    this, a fast machine finishes a short run before the test can interrupt it.
+    Returns state.json with the frozen worker's pid; the caller kills it or sends SIGCONT. Without this, a fast
+    machine finishes a short run before the test can interrupt it. The worker starts (imports, model load) at full
+    speed, checked every 50 ms; once it trains it runs in slices (`run_in_slices`), so a wall-clock checkpoint is
+    not its final one on a fast box.
     """
     import signal
 
@@ -143,6 +181,12 @@ def freeze_worker(run_dir: Path, until, timeout: float = 180) -> dict:
             if until(run_dir):
                 return st
             os.kill(pid, signal.SIGCONT)
+            if _training(run_dir):  # a slice, then frozen, as in run_in_slices (the pid is read again each time)
+                time.sleep(0.01)
+                try:
+                    os.kill(pid, signal.SIGSTOP)
+                except ProcessLookupError:
+                    pass
         time.sleep(0.05)
     st = read_state(run_dir) if (run_dir / "state.json").is_file() else {}
     log = (run_dir / "train.log").read_text(errors="replace")[-2000:] if (run_dir / "train.log").is_file() else ""

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import assert_same_run, ftrun, read_state, status, wait_for, wait_until_ended
+from helpers import assert_same_run, ftrun, read_state, run_in_slices, status, wait_for, wait_until_ended
 
 pytestmark = pytest.mark.slow
 
@@ -135,24 +135,6 @@ def _logged_step(run: Path) -> int:
     return step
 
 
-def _slices(pids, until, what: str, timeout: float = 180) -> None:
-    """Let the processes run 10 ms at a time, frozen between; return with them frozen at the first moment `until()`
-    holds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        for p in pids:
-            os.kill(p, signal.SIGSTOP)
-        if until():
-            return
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        for p in pids:
-            os.kill(p, signal.SIGCONT)
-        time.sleep(0.01)
-        for p in pids:
-            os.kill(p, signal.SIGSTOP)
-        time.sleep(0.05)
-
-
 def _log(run: Path) -> str:
     return (run / "train.log").read_text(errors="replace")
 
@@ -169,7 +151,7 @@ def test_kill9_of_one_rank_twice_the_second_before_the_next_checkpoint_restarts_
     first_ranks = _rank_pid(run, 0, training=False), _rank_pid(run, 1, training=False)
     first = _launcher_pid(run)
     # the first kill: rank 1 in the middle of training, after a checkpoint
-    _slices(first_ranks, lambda: _newest_checkpoint(run) > 0, "a checkpoint of the first attempt")
+    run_in_slices(first_ranks, lambda: _newest_checkpoint(run) > 0, "a checkpoint of the first attempt")
     assert not (run / "final").exists(), "the first attempt ended before a checkpoint could be followed by a kill"
     os.kill(first_ranks[1], signal.SIGKILL)
     os.kill(first_ranks[0], signal.SIGCONT)
@@ -179,7 +161,7 @@ def test_kill9_of_one_rank_twice_the_second_before_the_next_checkpoint_restarts_
     # step: a heartbeat's step is written at most every 2 s within a phase), before it wrote its next checkpoint
     rank0 = _rank_pid(run, 0, training=False, after_launcher=first)
     rank1 = _rank_pid(run, 1, training=False, after_launcher=first)
-    _slices((rank0, rank1), lambda: _logged_step(run) > resumed, "a step of the resumed attempt")
+    run_in_slices((rank0, rank1), lambda: _logged_step(run) > resumed, "a step of the resumed attempt")
     assert _newest_checkpoint(run) == resumed, "a checkpoint was written before the second kill could come"
     assert not (run / "final").exists()
     os.kill(rank1, signal.SIGKILL)
