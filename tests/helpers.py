@@ -122,9 +122,9 @@ def wait_until_ended(run_dir: Path, cwd: Path, timeout: float = 240) -> dict:
     return s
 
 
-def run_in_slices(pids, until, what: str, timeout: float = 180) -> None:
-    """Let the processes run 10 ms at a time, frozen ~50 ms between; return with them frozen at the first moment
-    `until()` holds.
+def run_in_slices(pids, until, what: str, timeout: float = 180, group: bool = False) -> None:
+    """Let the processes (with `group`, the process groups) run 10 ms at a time, frozen ~50 ms between; return with
+    them frozen at the first moment `until()` holds.
 
     A run's checkpoint cadence is wall-clock and the box's speed is not known: on a fast box a short test run
     trains all its steps inside one cadence, its first checkpoint is its final one and nothing is left to
@@ -134,22 +134,23 @@ def run_in_slices(pids, until, what: str, timeout: float = 180) -> None:
     """
     import signal
 
+    send = os.killpg if group else os.kill
     deadline = time.monotonic() + timeout
     while True:
         for p in pids:
-            os.kill(p, signal.SIGSTOP)
+            send(p, signal.SIGSTOP)
         if until():
             return
         assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
         for p in pids:
-            os.kill(p, signal.SIGCONT)
+            send(p, signal.SIGCONT)
         time.sleep(0.01)
         for p in pids:
-            os.kill(p, signal.SIGSTOP)
+            send(p, signal.SIGSTOP)
         time.sleep(0.05)
 
 
-def _training(run_dir: Path) -> bool:
+def is_training(run_dir: Path) -> bool:
     """Rank 0's heartbeat says it is past its start (imports, model load): in a step, a save, an evaluation."""
     try:
         beat = json.loads((run_dir / "heartbeats" / "rank-0.json").read_text())
@@ -181,7 +182,7 @@ def freeze_worker(run_dir: Path, until, timeout: float = 180) -> dict:
             if until(run_dir):
                 return st
             os.kill(pid, signal.SIGCONT)
-            if _training(run_dir):  # a slice, then frozen, as in run_in_slices (the pid is read again each time)
+            if is_training(run_dir):  # a slice, then frozen, as in run_in_slices (the pid is read again each time)
                 time.sleep(0.01)
                 try:
                     os.kill(pid, signal.SIGSTOP)

@@ -14,7 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import REPO, ftrun, has_checkpoint, metrics, prepared_run, read_state, status, wait_for, wait_until_ended
+from helpers import (REPO, ftrun, has_checkpoint, is_training, metrics, prepared_run, read_state, run_in_slices,
+                     status, wait_for, wait_until_ended)
 
 from launcher.errors import PlanError
 from launcher.plan.hardware import from_spec
@@ -225,10 +226,12 @@ def test_ddp_two_processes_follow_the_single_process_trajectory(write_recipe, tm
 
 
 def _kill_run_after_checkpoint(run: Path) -> None:
-    """Machine loss: SIGKILL the supervisor's whole process group (torchrun and both ranks) after a checkpoint."""
-    wait_for(lambda: has_checkpoint(run) and read_state(run).get("supervisor_pid"), 240, "a checkpoint", 0.05)
+    """Machine loss: SIGKILL the supervisor's whole process group (torchrun and both ranks) after a checkpoint. Once
+    it trains, the group runs in slices (helpers.run_in_slices): on a fast box the wall-clock checkpoint would
+    otherwise be the final one."""
+    wait_for(lambda: read_state(run).get("supervisor_pid") and is_training(run), 240, "training to start", 0.05)
     pgid = os.getpgid(read_state(run)["supervisor_pid"])
-    os.killpg(pgid, signal.SIGSTOP)
+    run_in_slices((pgid,), lambda: has_checkpoint(run), "a checkpoint", 240, group=True)
     assert not (run / "final").exists(), "the run finished before it could be interrupted"
     os.killpg(pgid, signal.SIGKILL)
 

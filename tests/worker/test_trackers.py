@@ -164,10 +164,11 @@ def _trackio_runs(tmp_path: Path) -> dict[str, list[int]]:
 
 def _kill_rank_0_after_a_checkpoint(run: Path, max_steps: int, timeout: float = 240) -> int:
     """SIGKILL the main process (the one that reports) of a 2-process run once a checkpoint exists and steps remain:
-    both ranks are held (SIGSTOP) while that is checked, whatever the machine's speed. Returns the last logged step."""
+    both ranks are held (SIGSTOP) while that is checked, and run in slices once they train, whatever the
+    machine's speed. Returns the last logged step."""
     import psutil
 
-    from helpers import has_checkpoint, metrics, read_state
+    from helpers import has_checkpoint, is_training, metrics, read_state
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -190,6 +191,10 @@ def _kill_rank_0_after_a_checkpoint(run: Path, max_steps: int, timeout: float = 
                     return step
                 for p in ranks:
                     p.resume()
+                if is_training(run):  # in slices, frozen between (helpers.run_in_slices): the wall-clock
+                    time.sleep(0.01)  # checkpoint comes after a few steps on a fast box too
+                    for p in ranks:
+                        p.suspend()
         except psutil.Error:
             pass
         time.sleep(0.05)
