@@ -122,6 +122,16 @@ def wait_until_ended(run_dir: Path, cwd: Path, timeout: float = 240) -> dict:
     return s
 
 
+def free_port() -> int:
+    """A TCP port free on this box now (the kernel's pick, from its ephemeral range): a test's rendezvous never
+    shares a fixed port with another test that runs at the same time (pytest-xdist)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_in_slices(pids, until, what: str, timeout: float = 180, group: bool = False) -> None:
     """Let the processes (with `group`, the process groups) run 10 ms at a time, frozen ~50 ms between; return with
     them frozen at the first moment `until()` holds.

@@ -404,15 +404,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 if __name__ == "__main__":
     exit_code = main()
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        # A torchrun rank whose work is done and whose process group is destroyed: leave without the interpreter's
-        # teardown. C++ destructors of the distributed stack abort a rank now and then at that point ("terminate
-        # called without an active exception", SIGABRT; seen about once in four 2-process runs here), which
-        # torchrun reports as a failed worker and the supervisor would restart a finished run.
-        import logging
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun rank, its work done and its process group destroyed
+        from launcher.worker.engines import leave_rank
 
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(exit_code)
+        leave_rank(exit_code)
     sys.exit(exit_code)

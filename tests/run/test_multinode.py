@@ -4,20 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
 from conftest import REPO, recipe_file
-from helpers import ftrun, metrics
+from helpers import free_port, ftrun, metrics
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
@@ -25,7 +19,7 @@ def test_two_nodes_on_loopback_train_like_one_process_with_double_accumulation(t
     fields = dict(max_steps=6, micro_batch_size=4, gradient_accumulation_steps=1, smoke={"enabled": False})
     recipe = recipe_file(tmp_path / "r.yaml", tiny_model, output_dir=tmp_path / "node0",
                          engine="ddp", num_processes=1, **fields)
-    port = _free_port()
+    port = free_port()
     # one process per node: without OMP_NUM_THREADS=1 two processes on 2 cores crawl (STACK-FACTS)
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, "-m", "launcher.cli", str(recipe), "--foreground",

@@ -358,6 +358,8 @@ differ = checkpointing._resume_steps_differ(ckpt.Verified(folder, 40, {}) if dis
 (folder.parent / f"rank{dist.get_rank()}.json").write_text(json.dumps(
     {"rank": dist.get_rank(), "manifest_at_return": at_return, "same": same, "differ": differ}))
 dist.destroy_process_group()
+from launcher.worker.engines import leave_rank
+leave_rank(0)
 """
 
 
@@ -568,6 +570,8 @@ checkpointing._await_manifest("cpu")
 (run_root / f"rank{rank}.json").write_text(json.dumps({"should_save": control.should_save, "pre_s": pre_s,
     "polled_rounds": polled, "sealed_before_save": sealed, "save_s": save_s}))
 dist.destroy_process_group()
+from launcher.worker.engines import leave_rank
+leave_rank(0)
 """
 
 
@@ -661,11 +665,11 @@ sys.exit(train.main(["--run-dir", sys.argv[1], "--mode", "full"]))
 @pytest.mark.slow
 def test_a_stop_while_waiting_for_the_resume_choice_is_a_clean_stop(write_recipe, tmp_path):
     """Rank 1 of a 2-process DDP launch whose verifier never writes: SIGTERM during the wait ends it with 77."""
-    from helpers import prepared_run
+    from helpers import free_port, prepared_run
 
     run = prepared_run(write_recipe(max_steps=3), "engine=ddp", "num_processes=2", "smoke.enabled=false")
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", RANK="1", LOCAL_RANK="1",
-               WORLD_SIZE="2", TORCHELASTIC_RUN_ID="t", MASTER_ADDR="127.0.0.1", MASTER_PORT="29561")
+               WORLD_SIZE="2", TORCHELASTIC_RUN_ID="t", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     proc = subprocess.Popen([sys.executable, str(_script(tmp_path, "rank1.py", _WAITING_RANK)), str(run)], cwd=REPO,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

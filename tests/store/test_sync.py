@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -16,8 +15,8 @@ import pytest
 import yaml
 
 from conftest import RESUME_FIELDS, recipe_file
-from helpers import (assert_same_run, freeze_worker, ftrun, has_checkpoint, logged_steps, metrics, read_state,
-                     status, wait_for, wait_until_ended)
+from helpers import (assert_same_run, free_port, freeze_worker, ftrun, has_checkpoint, logged_steps, metrics,
+                     read_state, status, wait_for, wait_until_ended)
 from launcher.store import checkpoint as ckpt
 from launcher.errors import RecipeError
 from launcher.recipe import load_recipe
@@ -29,11 +28,6 @@ FIELDS = RESUME_FIELDS
 def reference(reference_run) -> Path:
     return reference_run
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +42,7 @@ def ssh_alias(tmp_path_factory):
     for name in ("host_key", "client_key"):
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / name)], check=True)
     (d / "authorized_keys").write_text((d / "client_key.pub").read_text())
-    port = _free_port()
+    port = free_port()
     (d / "sshd_config").write_text(
         f"Port {port}\nListenAddress 127.0.0.1\nHostKey {d / 'host_key'}\nAuthorizedKeysFile {d / 'authorized_keys'}\n"
         "PasswordAuthentication no\nKbdInteractiveAuthentication no\nStrictModes no\nUsePAM no\n"

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import free_port
 from launcher.plan import sizing
 from launcher.errors import PlanError
 from launcher.plan.hardware import from_spec
@@ -204,11 +205,14 @@ def test_the_box_quantizes_once_and_reuses_the_copy_while_it_matches(tmp_path, t
                                               for n in a)
 
 
-def _torchrun(run: Path, out: Path, port: int, *args: str, env_extra: dict | None = None):
+def _torchrun(run: Path, out: Path, *args: str, env_extra: dict | None = None):
+    """The harness under torchrun, its rendezvous on a port free now (helpers.free_port): a fixed one was shared
+    with tests/store/test_checkpoint_hashing.py's rank, which may run at the same time."""
     env = dict(os.environ, PYTHONPATH=f"{REPO}:{REPO / 'tests'}", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
                **(env_extra or {}))
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          str(port), str(REPO / "tests" / "fsdp_qlora_worker.py"), str(run), "bfloat16", str(out), *args],
+                          str(free_port()), str(REPO / "tests" / "fsdp_qlora_worker.py"), str(run), "bfloat16", str(out),
+                          *args],
                          cwd=run.parent, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return json.loads(out.read_text()), res.stdout + res.stderr
@@ -225,7 +229,7 @@ def test_qlora_loaded_on_cpu_shards_with_fully_shard_and_matches_the_unsharded_m
     run = tmp_path / "run"
     run.mkdir()
     recipe_file(run / "recipe.yaml", tiny_model, run, method="qlora")
-    r, log = _torchrun(run, tmp_path / "report.json", 29561)
+    r, log = _torchrun(run, tmp_path / "report.json")
     assert r["load_kwargs"]["device_map"] == "{'': 'cpu'}"
     assert r["quantized_dir"] == str(run / ".quantized")
     assert log.count("quantized once for this box") == 1  # one rank quantized, the other waited and mapped it
@@ -241,7 +245,7 @@ def test_qlora_loaded_on_cpu_shards_with_fully_shard_and_matches_the_unsharded_m
 
     manifest = json.loads((run / ".quantized" / "ftrun_quantized.json").read_text())
     assert manifest["identity"]["model"] == str(tiny_model) and manifest["identity"]["files"]
-    again, log = _torchrun(run, tmp_path / "again.json", 29562, "once-per-box", "rss")  # a restart
+    again, log = _torchrun(run, tmp_path / "again.json", "once-per-box", "rss")  # a restart
     assert "quantized once for this box" not in log and "reusing" in log
     assert (again["sum_4bit"], again["sum_lora"]) == (r["sum_4bit"], r["sum_lora"])
 
@@ -275,11 +279,11 @@ def test_the_box_holds_one_4bit_copy_while_loading_not_one_per_rank(tmp_path, rs
 
     env = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
     runs = {}
-    for path, check, port in (("per-rank", "rss", 29563), ("once-per-box", "equal", 29564)):
+    for path, check in (("per-rank", "rss"), ("once-per-box", "equal")):
         run = tmp_path / path
         run.mkdir()
         recipe_file(run / "recipe.yaml", rss_model, run, method="qlora")
-        runs[path], _ = _torchrun(run, tmp_path / f"{path}.json", port, path, check, env_extra=env)
+        runs[path], _ = _torchrun(run, tmp_path / f"{path}.json", path, check, env_extra=env)
     old, new = runs["per-rank"], runs["once-per-box"]
     four_bit = new["bytes_4bit"] / 2**20
     assert four_bit > 20

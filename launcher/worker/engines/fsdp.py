@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -400,4 +399,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from launcher.worker.engines import leave_rank
+
+    leave_rank(main())  # always a torchrun rank; its process group destroyed in exercise()

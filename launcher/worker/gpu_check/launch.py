@@ -27,8 +27,10 @@ print(json.dumps({{"n_gpu": args.n_gpu, "train_batch_size": args.train_batch_siz
 _THREADS = ("import os, torch\nos.write(1, f\"RANK {os.environ['RANK']} {os.environ.get('OMP_NUM_THREADS')} "
             "{torch.get_num_threads()}\\n\".encode())\n")
 
-_PORT = ("import os, torch.distributed as dist\ndist.init_process_group('gloo'); dist.barrier()\n"
-         "os.write(1, f\"PORT {os.environ['MASTER_PORT']}\\n\".encode())\ndist.destroy_process_group()\n")
+# Each probe that makes a process group ends through leave_rank (launcher/worker/engines: no interpreter teardown).
+_PORT = ("import os, torch.distributed as dist\nfrom launcher.worker.engines import leave_rank\n"
+         "dist.init_process_group('gloo'); dist.barrier()\n"
+         "os.write(1, f\"PORT {os.environ['MASTER_PORT']}\\n\".encode())\ndist.destroy_process_group()\nleave_rank(0)\n")
 
 # The worker's order (launcher/worker/train.py): its own process group where a library would make one without the
 # trainer's timeout, then TrainingArguments' (accelerate's), then the check that reads the group's timeout back.
@@ -40,7 +42,11 @@ device, engine, want = sys.argv[1], sys.argv[2], int(sys.argv[3])
 create_process_group({{"engine": engine, "num_processes": 2}}, device, want)
 args = TrainingArguments(output_dir={out!r}, ddp_timeout=want, use_cpu=device == "cpu", report_to=[])
 args.device  # accelerate's PartialState: its init_process_group, or the group that exists
-print(json.dumps(group_timeout_check(want)))
+print(json.dumps(group_timeout_check(want)), flush=True)
+import torch.distributed as dist
+from launcher.worker.engines import leave_rank
+dist.destroy_process_group()
+leave_rank(0)
 """
 
 
