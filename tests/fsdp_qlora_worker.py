@@ -212,6 +212,6 @@ def _unsharded_reference(model, recipe, kwargs):
 
 
 if __name__ == "__main__":
-    from launcher.worker.engines import leave_rank
+    from launcher.worker.process import leave_rank
 
     leave_rank(main(*sys.argv[1:6]))  # as the worker's ranks leave: no interpreter teardown after the group

@@ -405,7 +405,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 if __name__ == "__main__":
     exit_code = main()
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun rank, its work done and its process group destroyed
-        from launcher.worker.engines import leave_rank
+        from launcher.worker.process import leave_rank
 
         leave_rank(exit_code)
     sys.exit(exit_code)

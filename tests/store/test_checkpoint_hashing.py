@@ -358,7 +358,7 @@ differ = checkpointing._resume_steps_differ(ckpt.Verified(folder, 40, {}) if dis
 (folder.parent / f"rank{dist.get_rank()}.json").write_text(json.dumps(
     {"rank": dist.get_rank(), "manifest_at_return": at_return, "same": same, "differ": differ}))
 dist.destroy_process_group()
-from launcher.worker.engines import leave_rank
+from launcher.worker.process import leave_rank
 leave_rank(0)
 """
 
@@ -570,7 +570,7 @@ checkpointing._await_manifest("cpu")
 (run_root / f"rank{rank}.json").write_text(json.dumps({"should_save": control.should_save, "pre_s": pre_s,
     "polled_rounds": polled, "sealed_before_save": sealed, "save_s": save_s}))
 dist.destroy_process_group()
-from launcher.worker.engines import leave_rank
+from launcher.worker.process import leave_rank
 leave_rank(0)
 """
 

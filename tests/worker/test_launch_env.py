@@ -240,7 +240,7 @@ def test_two_fsdp_launches_at_once_each_get_a_free_port(tmp_path):
                      "dist.init_process_group('gloo'); dist.barrier()\n"
                      "os.write(1, f\"PORT {os.environ['MASTER_PORT']}\\n\".encode())\n"
                      "dist.destroy_process_group()\n"
-                     "from launcher.worker.engines import leave_rank\nleave_rank(0)\n")  # as the worker's ranks leave
+                     "from launcher.worker.process import leave_rank\nleave_rank(0)\n")  # as the worker's ranks leave
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg), str(probe)]
     jobs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

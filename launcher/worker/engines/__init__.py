@@ -7,7 +7,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from launcher.engine_kinds import ENGINES, MULTI_PROCESS, PER_RANK_CHECKPOINTS, SINGLE_PROCESS
 from launcher.errors import PlanError
@@ -364,22 +364,3 @@ def die_with_parent(sig: "int | None" = None) -> None:
     PR_SET_PDEATHSIG = 1
     libc.prctl(PR_SET_PDEATHSIG, int(sig or _signal.SIGKILL), 0, 0, 0)
 
-
-def leave_rank(code: int) -> NoReturn:
-    """End this rank of a torchrun launch with `code`, without the interpreter's teardown.
-
-    Call it once the rank's work is written and its process group destroyed. At the interpreter's teardown the C++
-    destructors of the distributed stack abort a rank now and then: "terminate called without an active
-    exception", SIGABRT (seen about once in four 2-process runs of the worker here, 2026-11; once in a fresh-clone
-    slow tier, 2026-12-03, in tests/fsdp_qlora_worker.py after its report was written). torch's c10d keeps gloo's
-    worker threads and their AsyncWork objects to the end (pytorch/pytorch#179291, closed unmerged, describes the
-    crash: a tensor released during interpreter finalization takes the GIL). torchrun reports such a rank as a
-    failed worker, and the supervisor would restart a finished run. atexit handlers do not run: logging and the
-    standard streams are flushed here; anything else the rank must flush, it flushes before.
-    """
-    import logging
-
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

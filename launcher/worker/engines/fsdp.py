@@ -399,6 +399,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    from launcher.worker.engines import leave_rank
+    from launcher.worker.process import leave_rank
 
     leave_rank(main())  # always a torchrun rank; its process group destroyed in exercise()

@@ -27,8 +27,8 @@ print(json.dumps({{"n_gpu": args.n_gpu, "train_batch_size": args.train_batch_siz
 _THREADS = ("import os, torch\nos.write(1, f\"RANK {os.environ['RANK']} {os.environ.get('OMP_NUM_THREADS')} "
             "{torch.get_num_threads()}\\n\".encode())\n")
 
-# Each probe that makes a process group ends through leave_rank (launcher/worker/engines: no interpreter teardown).
-_PORT = ("import os, torch.distributed as dist\nfrom launcher.worker.engines import leave_rank\n"
+# Each probe that makes a process group ends through leave_rank (launcher/worker/process.py: no interpreter teardown).
+_PORT = ("import os, torch.distributed as dist\nfrom launcher.worker.process import leave_rank\n"
          "dist.init_process_group('gloo'); dist.barrier()\n"
          "os.write(1, f\"PORT {os.environ['MASTER_PORT']}\\n\".encode())\ndist.destroy_process_group()\nleave_rank(0)\n")
 
@@ -44,7 +44,7 @@ args = TrainingArguments(output_dir={out!r}, ddp_timeout=want, use_cpu=device ==
 args.device  # accelerate's PartialState: its init_process_group, or the group that exists
 print(json.dumps(group_timeout_check(want)), flush=True)
 import torch.distributed as dist
-from launcher.worker.engines import leave_rank
+from launcher.worker.process import leave_rank
 dist.destroy_process_group()
 leave_rank(0)
 """
