@@ -148,53 +148,78 @@ def test_the_headline_recipe_plans_on_a_fresh_clone():
     assert readme.index("ftrun recipes/qwen3-8b-qlora.yaml") < readme.index("recipes/qwen3-8b-qlora-rtx4090.yaml")
 
 
-def _timed_plan(recipe: Path, env: dict, *args: str):
+class _UnansweringHub:
+    """A Hub endpoint on this box that accepts each connection and closes it without a word, counting them."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+
+        self.connections = 0
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(16)
+        self._sock.settimeout(0.05)
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+
+    def _serve(self) -> None:
+        while not self._done.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:  # the accept's timeout: look at the flag again
+                continue
+            self.connections += 1
+            conn.close()
+
+    def __enter__(self) -> "_UnansweringHub":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+        self._sock.close()
+
+
+def _plan(recipe: Path, env: dict, *args: str):
     import subprocess
     import sys
-    import time
 
-    t0 = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "launcher.cli", "plan", str(recipe), *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "launcher.cli", "plan", str(recipe), *args], capture_output=True,
                           text=True, env=env, cwd=HEADLINE.parents[1], timeout=120)
-    return done, time.monotonic() - t0
 
 
-@pytest.mark.parametrize("offline", ["HF_HUB_OFFLINE", "unreachable"])
-def test_the_headline_recipe_plans_at_once_without_the_hub(offline, tmp_path, tiny_model):
-    """Offline by setting, or with a Hub that cannot be reached: the plan answers from the built-in catalog at once,
-    without huggingface_hub's retries (five, 23 s of waiting: launcher/hub_access.py), and one line says why.
-    "At once" is under 3 s on an idle machine; on a busy one, under three times what a plan that asks no Hub
-    (a local model, --tokens) takes there and then."""
+@pytest.mark.parametrize("offline", ["HF_HUB_OFFLINE", "refused", "unanswered"])
+def test_the_headline_recipe_plans_at_once_without_the_hub(offline, tmp_path):
+    """Offline by setting, or with a Hub that cannot be reached (a refused connection; one closed unanswered): the
+    plan answers from the built-in catalog at once, without huggingface_hub's retries (five, 23 s of waiting:
+    launcher/hub_access.py), and one line says why. "At once" is counted, not timed: the Hub that closes every
+    connection sees exactly one, the probe's (each retry would be one more), and none when the setting says
+    offline."""
     import os
     import socket
 
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "FTRUN_OFFLINE", "HF_ENDPOINT")}
     env.update(CUDA_VISIBLE_DEVICES="", HF_HOME=str(tmp_path / "hf"), HF_HUB_DISABLE_TELEMETRY="1")
-    with socket.socket() as closed:  # bound, never listening: a connection to it is refused
+    with _UnansweringHub() as hub, socket.socket() as closed:  # bound, never listening: a connection is refused
         closed.bind(("127.0.0.1", 0))
-        if offline == "HF_HUB_OFFLINE":
-            env["HF_HUB_OFFLINE"] = "1"
-        else:
+        if offline == "refused":
             env["HF_ENDPOINT"] = f"http://127.0.0.1:{closed.getsockname()[1]}"
-        done, seconds = _timed_plan(HEADLINE, env)
-        local, baseline = _timed_plan(RECIPES[0].parent / "tiny-cpu.yaml", env, f"model={tiny_model}",
-                                      "--tokens", "1M")
+        else:
+            env["HF_ENDPOINT"] = hub.url
+            if offline == "HF_HUB_OFFLINE":
+                env["HF_HUB_OFFLINE"] = "1"
+        done = _plan(HEADLINE, env)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
-    assert local.returncode == 0, local.stdout + local.stderr
-    assert "Retry" not in out and "thrown while requesting" not in out, out
     assert "8.19B params (built-in catalog (qwen3-8b))" in done.stdout
     said = [line for line in done.stdout.splitlines() if "planned offline" in line]
-    if offline == "unreachable":
-        assert len(said) == 1 and f"the Hub at {env['HF_ENDPOINT']} could not be reached" in said[0], out
-    else:
+    if offline == "HF_HUB_OFFLINE":
         assert said == [] and "offline (HF_HUB_OFFLINE / FTRUN_OFFLINE)" in done.stdout
-    if seconds >= max(3.0, 3 * baseline):  # a busy box's moment: the best of a second pair, as benchmarks take
-        with socket.socket() as closed:
-            closed.bind(("127.0.0.1", 0))
-            if offline != "HF_HUB_OFFLINE":
-                env["HF_ENDPOINT"] = f"http://127.0.0.1:{closed.getsockname()[1]}"
-            seconds = min(seconds, _timed_plan(HEADLINE, env)[1])
-            baseline = max(baseline, _timed_plan(RECIPES[0].parent / "tiny-cpu.yaml", env, f"model={tiny_model}",
-                                                 "--tokens", "1M")[1])
-    assert seconds < max(3.0, 3 * baseline), f"{seconds:.1f} s; a plan without the Hub took {baseline:.1f} s"
+        assert hub.connections == 0, out
+    else:
+        assert len(said) == 1 and f"the Hub at {env['HF_ENDPOINT']} could not be reached" in said[0], out
+    if offline == "unanswered":
+        assert hub.connections == 1, (hub.connections, out)
