@@ -40,7 +40,7 @@ def leave_rank(code: int) -> NoReturn:
 
     Call it once the rank's work is written and its process group destroyed. At the interpreter's teardown the C++
     destructors of the distributed stack abort a rank now and then: "terminate called without an active
-    exception", SIGABRT (seen about once in four 2-process runs of the worker here, 2026-11; once in a fresh-clone
+    exception", SIGABRT (seen about once in four 2-process runs of the worker here; once in a fresh-clone
     slow tier, 2026-12-03, in tests/fsdp_qlora_worker.py after its report was written and its group destroyed).
     pytorch/pytorch#179291 (closed unmerged) describes one road to it: gloo's C++ worker threads still hold work
     objects whose tensors are released during the interpreter's finalization. torchrun reports such a rank as a

@@ -363,4 +363,3 @@ def die_with_parent(sig: "int | None" = None) -> None:
         return
     PR_SET_PDEATHSIG = 1
     libc.prctl(PR_SET_PDEATHSIG, int(sig or _signal.SIGKILL), 0, 0, 0)
-
