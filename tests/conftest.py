@@ -106,15 +106,42 @@ def reference_run(tmp_path_factory, tiny_model) -> Path:
 # A local S3 endpoint for the copies off the box (tests/store/test_sync.py, tests/run/test_kill_series.py).
 
 class _RequestLog:
-    """WSGI middleware recording each request the S3 server answers: method, path, query, response bytes."""
+    """WSGI middleware recording each request the S3 server answers: method, path, query, response bytes.
+
+    It can also hold one request (`hold`): a test that must interrupt an upload in its middle stops the upload
+    there, rather than hoping to look at the moment it passes (a tiny checkpoint's copy takes milliseconds).
+    """
 
     def __init__(self, app):
+        import threading
+
         self.app, self.entries = app, []
+        self._match = None
+        self.held, self._released = threading.Event(), threading.Event()
+
+    def hold(self, match) -> None:
+        """Hold the first request for which `match(entry)` is true: it waits unanswered, its object not stored,
+        and `.held` is set, until `release()`, which answers it 503 without passing it to the store."""
+        self.held.clear()
+        self._released.clear()
+        self._match = match
+
+    def release(self) -> None:
+        self._match = None
+        self._released.set()
 
     def __call__(self, environ, start_response):
         entry = {"method": environ["REQUEST_METHOD"], "path": environ.get("PATH_INFO", ""),
                  "query": environ.get("QUERY_STRING", ""), "bytes": 0}
         self.entries.append(entry)
+        match = self._match
+        if match is not None and match(entry):
+            self._match = None
+            entry["held"] = True
+            self.held.set()
+            self._released.wait(600)
+            start_response("503 Service Unavailable", [("Content-Length", "0")])
+            return
         result = self.app(environ, start_response)
         try:
             for chunk in result:
@@ -154,6 +181,7 @@ def s3_server(monkeypatch):
     boto3.client("s3").create_bucket(Bucket="ftrun-test")
     S3FileSystem.clear_instance_cache()  # fsspec reuses a file system made for an earlier test's endpoint
     yield SimpleNamespace(env=env, requests=requests)
+    requests.release()
     server.stop()
     S3FileSystem.clear_instance_cache()
 

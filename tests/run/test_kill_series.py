@@ -4,7 +4,9 @@ like the uninterrupted one: every logged loss and every tensor of the final adap
 
 Each kill lands in its phase by construction: the run's process group is frozen (SIGSTOP) at short intervals,
 the phase's marker is read while it is frozen (a log line, a folder, an object in the bucket, a state field), and
-the kill comes while the marker holds; the random part (seeded) is which occurrence of the phase is hit.
+the kill comes while the marker holds; the random part (seeded) is which occurrence of the phase is hit. Phases
+that last only milliseconds are made to last: a save is looked for with the group run in slices, an upload is held
+by the S3 server at one of its objects (and looked for in slices, so that several checkpoints come before the end).
 """
 
 from __future__ import annotations
@@ -30,10 +32,14 @@ BUCKET_PREFIX = "runs/kills"
 
 
 def _frozen_when(group: Callable[[], Optional[int]], marker: Callable[[], bool], what: str,
-                 timeout: float = 240, run: Optional[Path] = None) -> int:
+                 timeout: float = 240, run: Optional[Path] = None, slices: bool = False) -> int:
     """SIGSTOP the process group at short intervals until `marker()` holds while it is stopped; returns the
     group, still stopped. The marker is read only while nothing of the run moves, so the kill that follows
-    lands in the phase the marker names."""
+    lands in the phase the marker names.
+
+    Between two looks the group runs 20 ms; with `slices` it runs 10 ms, then stays frozen 50 ms (as
+    helpers.run_in_slices), so a phase that lasts a few ms of the run's time (a tiny checkpoint's save) spans
+    several looks on any box. The smoke test is never run so: its measured speed plans the run."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         pgid = group()
@@ -49,7 +55,13 @@ def _frozen_when(group: Callable[[], Optional[int]], marker: Callable[[], bool],
             except (OSError, ValueError):  # a file being replaced while read: not the moment
                 pass
             os.killpg(pgid, signal.SIGCONT)
-        time.sleep(0.02)
+        time.sleep(0.01 if slices and pgid else 0.02)
+        if slices and pgid:
+            try:
+                os.killpg(pgid, signal.SIGSTOP)
+            except ProcessLookupError:
+                continue
+            time.sleep(0.05)
     where = ""
     if run is not None and (run / "state.json").is_file():
         st = read_state(run)
@@ -144,29 +156,44 @@ def test_five_kill9_one_in_each_phase_then_the_same_command_ends_like_the_uninte
             seen.add(now)
         return bool(now) and len(seen) >= saves
 
-    pgid = _frozen_when(_supervisor_group(run), nth_save, f"save number {saves}", run=run)
+    pgid = _frozen_when(_supervisor_group(run), nth_save, f"save number {saves}", run=run, slices=True)
     phases.append(f"a save ({_saving(run)})")
     _kill(pgid)
     same_command()
 
-    # 4. a checkpoint's upload: its snapshot is being copied, some of its objects are in the bucket, its manifest not
-    uploads = rng.randint(1, 2)
-    started: set[str] = set()
+    # 4. a checkpoint's upload: its snapshot is being copied, some of its objects are in the bucket, its manifest
+    # not. A tiny checkpoint's copy takes milliseconds, so the server holds the copy there, unanswered: its
+    # `nth_put`-th object of the `uploads`-th checkpoint it is sent (the manifest comes last, after them all)
+    uploads, nth_put = rng.randint(1, 2), rng.randint(2, 3)
+    puts: dict[str, int] = {}
+    ckpt_prefix = f"/ftrun-test/{BUCKET_PREFIX}/checkpoints/"
+
+    def held_put(entry: dict) -> bool:
+        if entry["method"] != "PUT" or not entry["path"].startswith(ckpt_prefix) \
+                or entry["path"].endswith("/manifest.json"):
+            return False
+        name = entry["path"][len(ckpt_prefix):].split("/", 1)[0]
+        puts[name] = puts.get(name, 0) + 1
+        return len(puts) >= uploads and puts[name] == nth_put
 
     def nth_upload() -> bool:
-        snap = next((p for p in (run / "checkpoints").glob(".sync-step-*")), None)
-        if snap is None:
+        if not s3_server.requests.held.is_set():
             return False
+        snap = next((p for p in (run / "checkpoints").glob(".sync-step-*")), None)
+        assert snap is not None, "the server holds a checkpoint's object, but no upload snapshot is on the box"
         name = snap.name[len(".sync-"):]
         keys = [o["Key"] for o in s3.list_objects_v2(Bucket="ftrun-test", Prefix=f"{BUCKET_PREFIX}/checkpoints/{name}/")
                 .get("Contents", [])]
-        if keys:
-            started.add(name)
-        return bool(keys) and not any(k.endswith("/manifest.json") for k in keys) and len(started) >= uploads
+        assert keys and not any(k.endswith("/manifest.json") for k in keys), (name, keys)
+        return True
 
-    pgid = _frozen_when(_supervisor_group(run), nth_upload, f"upload number {uploads}", run=run)
-    phases.append(f"an upload ({next((run / 'checkpoints').glob('.sync-step-*')).name})")
+    s3_server.requests.hold(held_put)
+    # in slices too: the checkpoint cadence is wall-clock, so a fast box still makes several before training ends
+    pgid = _frozen_when(_supervisor_group(run), nth_upload, f"upload number {uploads}", run=run, slices=True)
+    held = next(e["path"] for e in s3_server.requests.entries if e.get("held"))
+    phases.append(f"an upload (object {nth_put} of upload {uploads}: {held[len(ckpt_prefix):]})")
     _kill(pgid)
+    s3_server.requests.release()
     assert _logged(run) < RESUME_FIELDS["max_steps"], "training ended before the upload's kill"
     same_command()
 
