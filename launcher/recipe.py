@@ -262,9 +262,10 @@ class Recipe(_Strict):
     lora: LoraSettings = Field(default_factory=LoraSettings, description="LoRA settings (qlora, lora).")
     gradient_checkpointing: bool = Field(True, description="Recompute activations to save memory.")
     packing: bool = Field(False, description="Pack several examples into one sequence of max_length.")
-    padding_free: bool = Field(
-        True, description="Concatenate each micro-batch into one row without padding (same examples, same loss; "
-        "no compute spent on pad tokens). Off: rows padded to the batch's longest example, as plain TRL does.",
+    padding_free: Optional[bool] = Field(
+        None, validate_default=True, description="Concatenate each micro-batch into one row without padding (same examples, same loss; "
+        "no compute spent on pad tokens). Off: rows padded to the batch's longest example, as plain TRL does. "
+        "Default: on for objective sft; dpo and orpo pad their pairs (trl 1.16's DPOTrainer turns padding_free off).",
     )
     assistant_only_loss: bool = Field(
         False, description="Train only on assistant turns (needs {% generation %} markers in the chat template)."
@@ -365,6 +366,17 @@ class Recipe(_Strict):
         except RecipeError as exc:
             raise ValueError(f"not a token count: write it like 15M, 250k or 1500000 ({TOKENS_MEANING})") from exc
 
+    @field_validator("padding_free")
+    @classmethod
+    def _padding_free_where_the_trainer_honours_it(cls, value: Optional[bool], info) -> Optional[bool]:
+        """Left out: on for sft, off where a preference trainer pads its chosen and rejected rows side by side (a
+        given true is refused there, _objective_keys). Resolved here, so the run's recipe.yaml holds a bool, as it
+        did when true was the default for every objective."""
+        objective = methods.OBJECTIVES.get(info.data.get("objective"))
+        if value is None and objective is not None:  # no objective: its own error says so
+            return not objective.preference
+        return value
+
     @field_validator("trainer")
     @classmethod
     def _trainer_keys_not_owned(cls, value: dict[str, Any]) -> dict[str, Any]:
@@ -387,8 +399,9 @@ class Recipe(_Strict):
                              f"{', '.join('preference.' + k for k in objective.settings) or 'no preference: keys'}); "
                              "remove it, or set the objective it is for")
         if objective.preference:
-            sft_only = sorted(k for k in ("packing", "assistant_only_loss", "padding_free")
-                              if k in self.model_fields_set and getattr(self, k) != Recipe.model_fields[k].default)
+            # each switched on only where SFT's trainer honours it: trl 1.16 dpo_trainer.py DPOTrainer.__init__ warns
+            # that padding_free=True "is temporarily unavailable" and sets it False; ORPOConfig has no such field
+            sft_only = sorted(k for k in ("packing", "assistant_only_loss", "padding_free") if getattr(self, k))
             if sft_only:
                 raise ValueError(f"{', '.join(sft_only)} apply to objective sft; {self.objective} trains a pair's "
                                  "answers after their prompt, padded side by side (TRL's preference collator): remove "

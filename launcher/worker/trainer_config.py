@@ -90,8 +90,8 @@ def padding_free_collator(recipe, tokenizer):
     compute on pad tokens is gone: on data with a long tail, most of a padded batch is padding. With packing,
     TRL's BFD packing is padding-free already.
     """
-    if not recipe.padding_free or recipe.packing or recipe.objective_row.preference:
-        return None  # a preference trainer brings its own collator (chosen and rejected rows side by side)
+    if not recipe.padding_free or recipe.packing:
+        return None  # TRL's own collator: padded rows, or BFD packing's; a preference trainer's pairs side by side
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     return DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id, padding_free=True)

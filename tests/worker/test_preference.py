@@ -128,6 +128,8 @@ def test_an_objective_refuses_data_it_does_not_train(write_recipe, tmp_path):
     (dict(preference={"beta": 0.2}), "preference.beta does not apply to objective sft"),
     (dict(objective="orpo", preference={"loss_type": "ipo"}), "preference.loss_type does not apply to objective orpo"),
     (dict(objective="dpo", packing=True), "packing apply to objective sft"),
+    (dict(objective="orpo", padding_free=True), "padding_free apply to objective sft"),
+    (dict(objective="dpo", padding_free=True, assistant_only_loss=True), "assistant_only_loss, padding_free apply"),
     (dict(objective="dpo", init_from="nowhere"), "does not exist"),
     (dict(objective="dpo", method="full", init_from="adapter"), "init_from starts from an adapter"),
     (dict(objective="dpo", init_from="."), "holds no adapter_config.json"),
@@ -145,6 +147,29 @@ def test_a_key_that_does_not_apply_is_refused(write_recipe, tmp_path, tiny_model
     with pytest.raises(RecipeError) as err:
         load_recipe(write_recipe(data=str(PAIRS), **fields))
     assert said in str(err.value), str(err.value)
+
+
+def test_padding_free_is_on_where_the_objective_honours_it(write_recipe, tmp_path):
+    """padding_free left out: SFT's micro-batches are one row, a preference trainer pads (trl 1.16 DPOTrainer turns
+    a given padding_free=True off with a warning, so a given true is refused above); false is taken everywhere. The
+    run folder's snapshot (every key with its value) holds the resolved bool, true for sft as when true was every
+    objective's default (a finished run's recipe.yaml is compared key by key), and reads back to the same recipe."""
+    import yaml
+
+    from launcher.recipe import load_recipe
+    from launcher.worker.trainer_config import padding_free_collator
+
+    seen = {}
+    for name, fields in {"sft": {}, "sft_off": dict(padding_free=False),
+                         "dpo": dict(objective="dpo", data=str(PAIRS)),
+                         "dpo_off": dict(objective="dpo", data=str(PAIRS), padding_free=False)}.items():
+        recipe = load_recipe(write_recipe(**fields))
+        snapshot = tmp_path / f"{name}-snapshot.yaml"  # as launch writes the run's recipe.yaml
+        snapshot.write_text(yaml.safe_dump(recipe.snapshot(), sort_keys=False))
+        assert load_recipe(snapshot).snapshot() == recipe.snapshot()
+        assert recipe.snapshot()["padding_free"] is recipe.padding_free
+        seen[name] = (recipe.padding_free, padding_free_collator(recipe, type("T", (), {"pad_token_id": 0})) is not None)
+    assert seen == {"sft": (True, True), "sft_off": (False, False), "dpo": (False, False), "dpo_off": (False, False)}
 
 
 def test_a_loss_type_the_installed_trl_lacks_is_refused_before_training(write_recipe):
