@@ -199,8 +199,10 @@ def _export(inp: Inputs, report: dict[str, Any]) -> None:
     prompts = parity_prompts(inp.recipe, tokenizer, kwargs=served.kwargs)
     report["parity_prompts"] = [{"tokens": len(p["ids"]), "prompt_tokens": len(p["prompt_ids"])} for p in prompts]
     report["parity_prompts_from"] = prompts[0]["source"] if prompts else None
-    # the dtype the exported 16-bit weights are written in; the parity checks load in their own (placement.parity)
-    report["export_dtype"] = str(dtype).replace("torch.", "")
+    # the dtype the exported 16-bit weights are written in (the merged folder, which gguf converts); the parity checks
+    # load in their own (placement.parity). An adapter-only export writes none: the adapter keeps training's dtype.
+    if "merged" in inp.formats:
+        report["export_dtype"] = str(dtype).replace("torch.", "")
 
     # Where each model goes, decided before anything is loaded: a merge the box cannot hold fails here.
     n_params = parameter_count(inp.recipe.model if inp.is_adapter else str(inp.source))

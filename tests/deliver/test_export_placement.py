@@ -165,6 +165,7 @@ def test_adapter_export_when_the_base_fits_nowhere_checks_the_file_and_refuses_t
     assert rep["ok"] and adapter["changes_base_logits"] is None and adapter["file_check"]["lora_B_nonzero"] == "14/14"
     assert rep["placement"]["parity"]["device"] is None and rep["placement"]["loads"] == []
     assert (run / "final" / "SERVING.md").is_file()
+    assert "export_dtype" not in rep  # no 16-bit weights written: the adapter keeps the dtype training saved it in
     with pytest.raises(ex.ExportError, match="merging needs the whole bfloat16 model"):
         ex.export_run(run, ["adapter", "merged"])
     rep = json.loads((run / "final" / "export.json").read_text())  # refused before any model was loaded
