@@ -263,7 +263,8 @@ class Recipe(_Strict):
     gradient_checkpointing: bool = Field(True, description="Recompute activations to save memory.")
     packing: bool = Field(False, description="Pack several examples into one sequence of max_length.")
     padding_free: Optional[bool] = Field(
-        None, validate_default=True, description="Concatenate each micro-batch into one row without padding (same examples, same loss; "
+        None, validate_default=True,
+        description="Concatenate each micro-batch into one row without padding (same examples, same loss; "
         "no compute spent on pad tokens). Off: rows padded to the batch's longest example, as plain TRL does. "
         "Default: on for objective sft; dpo and orpo pad their pairs (trl 1.16's DPOTrainer turns padding_free off).",
     )

@@ -168,7 +168,8 @@ def test_padding_free_is_on_where_the_objective_honours_it(write_recipe, tmp_pat
         snapshot.write_text(yaml.safe_dump(recipe.snapshot(), sort_keys=False))
         assert load_recipe(snapshot).snapshot() == recipe.snapshot()
         assert recipe.snapshot()["padding_free"] is recipe.padding_free
-        seen[name] = (recipe.padding_free, padding_free_collator(recipe, type("T", (), {"pad_token_id": 0})) is not None)
+        tokenizer = type("Tokenizer", (), {"pad_token_id": 0})
+        seen[name] = (recipe.padding_free, padding_free_collator(recipe, tokenizer) is not None)
     assert seen == {"sft": (True, True), "sft_off": (False, False), "dpo": (False, False), "dpo_off": (False, False)}
 
 
