@@ -193,6 +193,9 @@ def load_model(path: str, placement: Placement, loads: Loads, **kwargs):
     adapter's precision), never moved afterwards (see the sources above)."""
     from transformers import AutoModelForCausalLM
 
+    from launcher.worker.loading import apply_sdpa_backends
+
+    apply_sdpa_backends()  # the parity check's generation takes the worker's attention backends
     model = AutoModelForCausalLM.from_pretrained(path, **{**placement.load_kwargs(), **kwargs})
     loads.record(path, placement, model)
     if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False) \

@@ -37,12 +37,6 @@ UNMASKED = ("transformers builds no per-example mask for it (masking_utils.py _p
 VERIFIED_ON_CPU = ("sdpa", "eager")
 
 
-def planned_attention(device: str, bf16: bool, flash_attn_installed: bool) -> str:
-    """The attention the worker loads the model with (launcher/worker/loading.py attention_implementation):
-    flash_attention_2 where flash-attn 2 is installed on a bf16 card, else transformers' default, SDPA."""
-    return "flash_attention_2" if device == "cuda" and bf16 and flash_attn_installed else "sdpa"
-
-
 def decision(recipe: Any, engine: str, attention: str) -> Optional[str]:
     """The plan's reason line for packing (None when the recipe does not pack); a RecipeError when the examples of
     a packed row would see each other."""

@@ -10,6 +10,7 @@ import importlib.util
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from launcher.plan import attention
 from launcher.plan import gguf_readiness
 from launcher.plan import packing
 from launcher.plan import sizing
@@ -284,9 +285,13 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
         reasons.append(f"precision fp16 with loss scaling: {g.name} (compute capability {cc}) has no bf16 tensor "
                        f"cores (they start at 8.0); {rate}")
         kind += ", fp16"
+    attn = attention.implementation(choice.device, precision == "bf16",
+                                    importlib.util.find_spec("flash_attn") is not None)
+    attention_line = attention.reason(choice.device, attn)
+    if attention_line:
+        reasons.append(attention_line)
     # packing keeps each example to itself on the attention the worker will load, or the plan refuses it
-    packed = packing.decision(recipe, choice.engine, packing.planned_attention(
-        choice.device, precision == "bf16", importlib.util.find_spec("flash_attn") is not None))
+    packed = packing.decision(recipe, choice.engine, attn)
     if packed:
         reasons.append(packed)
     reasons.append(_loss_reason(job, choice, est))

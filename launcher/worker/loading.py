@@ -60,10 +60,12 @@ def select_device() -> tuple[str, Any]:
     """('cuda', dtype) on this rank's own GPU, made the current device, or ('cpu', fp32): detected, never configured.
 
     Called once at worker start, before the model, a process group or a memory cap touch CUDA: without
-    set_device every rank would allocate on GPU 0 (and NCCL would bind every rank to it).
+    set_device every rank would allocate on GPU 0 (and NCCL would bind every rank to it). It also sets the SDPA
+    backends (apply_sdpa_backends) before the first attention call, on every path that loads a model.
     """
     import torch
 
+    apply_sdpa_backends()
     if not torch.cuda.is_available():
         return "cpu", torch.float32
     index = local_rank()
@@ -116,19 +118,44 @@ def _flash_attn_2_installed() -> bool:
 
 
 def attention_implementation(device: str, dtype) -> Optional[str]:
-    """flash_attention_2 where flash-attn 2 is installed on a bf16 card, else transformers' default (SDPA).
-
-    Padding-free batches (ftrun's default) carry position_ids that mark the examples; SDPA turns them into a
-    dense block-diagonal mask over the whole micro-batch, flash-attention into variable-length kernels
-    without a mask. FlashAttention-2 runs on compute capability 8.0 and newer only ("FlashAttention only supports
-    Ampere GPUs or newer", at the first forward; transformers checks a minimum capability for FA3/FA4 only):
-    the bf16 cards by the plan's rule (compute_dtype), never the fp16 ones (T4, V100).
-    """
+    """The attn_implementation to pass (launcher/plan/attention.py implementation, the plan's own rule), or None for
+    transformers' default, SDPA."""
     import torch
 
-    if device != "cuda" or dtype != torch.bfloat16:
+    from launcher.plan import attention
+
+    if device != "cuda":
         return None
-    return "flash_attention_2" if _flash_attn_2_installed() else None
+    chosen = attention.implementation(device, dtype == torch.bfloat16, _flash_attn_2_installed())
+    return None if chosen == "sdpa" else chosen
+
+
+def apply_sdpa_backends() -> dict[str, Any]:
+    """Leave on exactly the SDPA backends launcher/plan/attention.py names (cuDNN's off by default) and return what
+    torch then reports. The flags are process-wide and read at every dispatch (torch/backends/cuda/__init__.py
+    enable_cudnn_sdp and its siblings; sdp_utils.cpp check_runtime_disabled_*); a CPU has no cuDNN backend, and its
+    own SDPA reads the flash and math flags, so the same call is right there."""
+    import torch
+
+    from launcher.plan import attention
+
+    backends, _ = attention.sdpa_backends()
+    for name, flag in attention.SDPA_BACKENDS.items():
+        getattr(torch.backends.cuda, f"enable_{flag}")(name in backends)
+    return sdpa_state()
+
+
+def sdpa_state() -> dict[str, Any]:
+    """Each SDPA backend on or off as torch reports it now, and where the choice came from (worker.json's and
+    task_eval.json's sdpa_backends)."""
+    import torch
+
+    from launcher.plan import attention
+
+    state: dict[str, Any] = {name: bool(getattr(torch.backends.cuda, f"{flag}_enabled")())
+                             for name, flag in attention.SDPA_BACKENDS.items()}
+    state["source"] = attention.sdpa_backends()[1]
+    return state
 
 
 def quantization_config(method: str, dtype):

@@ -210,9 +210,13 @@ def answer(model, tokenizer, prompts: list[dict[str, Any]], max_new_tokens: int,
 def score_model(model, tokenizer, run_root: Path, task: dict[str, Any], name: str, shots: bool = False, *,
                 identity: str = "", batch_size: Optional[int] = None, synced: bool = False, write: bool = True,
                 on_batch: Optional[Callable[[int, int], None]] = None) -> dict[str, Any]:
-    """The model's score on the task: {"score", "details", "examples", "seconds", "new_tokens", "tokens_per_s"}.
+    """The model's score on the task: {"score", "details", "examples", "seconds", "new_tokens", "tokens_per_s",
+    "sdpa_backends" (the attention backends its generation ran with)}.
     `name`: its answers file (task_eval/<name>.jsonl, resumed where it stopped, for the same `identity`: see
     `answer`); `shots`: the task's shots before each prompt. seconds and tokens count every answer, those of an earlier attempt included."""
+    from launcher.worker.loading import apply_sdpa_backends
+
+    backends = apply_sdpa_backends()  # the export's process loads its models without select_device
     prompts = task["prompts"]
     if shots:
         prompts = [with_shots(p, task["shots"]) for p in prompts]
@@ -224,7 +228,7 @@ def score_model(model, tokenizer, run_root: Path, task: dict[str, Any], name: st
     new_tokens = sum(int(r.get("new_tokens") or 0) for r in rows)
     return {"score": scored["score"], "details": scored["details"], "examples": len(rows),
             "seconds": round(seconds, 3), "new_tokens": new_tokens,
-            "tokens_per_s": round(new_tokens / seconds, 1) if seconds > 0 else None}
+            "tokens_per_s": round(new_tokens / seconds, 1) if seconds > 0 else None, "sdpa_backends": backends}
 
 
 # --- the results file --------------------------------------------------------------------------------------------
@@ -257,7 +261,8 @@ def record(run_root: Path, task: dict[str, Any], name: Optional[str] = None,
     if name is not None and result is not None:
         results["scores"][name] = result["score"]
         results["details"][name] = result["details"]
-        results["generation"][name] = {k: result[k] for k in ("seconds", "new_tokens", "tokens_per_s")}
+        results["generation"][name] = {k: result[k] for k in ("seconds", "new_tokens", "tokens_per_s", "sdpa_backends")
+                                       if k in result}
     best, _ = base_score(results)  # the base model's better prompt (data/task_verdict.py)
     results["fine_tune_pays"] = task_metrics.fine_tune_pays(best) if results["scores"].get(BASE_FEW_SHOT) is not None \
         else None

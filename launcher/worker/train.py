@@ -138,7 +138,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
     from launcher.worker.engines import create_process_group, trainer_fields
     from launcher.data.dataset import load_data, to_dataset
 
-    from launcher.worker.loading import local_rank, select_device
+    from launcher.worker.loading import local_rank, sdpa_state, select_device
 
     device, dtype = select_device()  # this rank's own GPU (LOCAL_RANK), before anything touches CUDA
     group_timeout_s = process_group_seconds(recipe, run, mode)
@@ -207,7 +207,8 @@ def run_worker(run_dir: Path, mode: str) -> int:
     if _rank() == 0:
         info = {"pid": os.getpid(), "mode": mode, "device": device, "dtype": str(dtype).replace("torch.", ""),
                 "world_size": _world_size(), "started": time.time(),
-                "resumed_from": resume_from.path.name if resume_from else None}
+                "resumed_from": resume_from.path.name if resume_from else None,
+                "sdpa_backends": sdpa_state()}
         ckpt.atomic_write_json(run.worker if mode == "full" else run.smoke_work / "worker.json", info)
         if resume_from:
             print(f"[ftrun worker] resuming from {resume_from.path.name} (step {resume_from.step}, verified)", flush=True)
