@@ -1,22 +1,8 @@
-"""The `ftrun` command: parse, call one stage, print. No logic lives here.
+"""The `ftrun` command line: parse, call one stage, print. No logic lives here.
 
-    ftrun RECIPE [key=value ...] [--foreground] [--fresh] [--memory-limit GB] [--allow-changes]
-          [--nnodes N --node-rank I --master-addr HOST --master-port PORT]
-                                                           plan, smoke test, run detached (or resume)
-    ftrun plan RECIPE [key=value ...] [--gpus SPEC] [--tokens N] [--price EUR/h] [--json]
-    ftrun smoke RECIPE [key=value ...] [--memory-limit GB]  the smoke test alone, and its forecast
-    ftrun baseline RECIPE [key=value ...] [--json]         the base model scored on the task: does fine-tuning pay?
-    ftrun data RECIPE [key=value ...]                      one example per source as the loss sees it, statistics
-    ftrun status [RECIPE|RUN_DIR] [--json] [--watch]       every run under ./runs, or one run
-    ftrun logs [RECIPE|RUN_DIR] [-f]                       the run's train.log (-f: follow it)
-    ftrun stop [RECIPE|RUN_DIR]                            checkpoint, then stop
-    ftrun pull RECIPE [key=value ...]                      fetch a run from sync.to (no resume)
-    ftrun push [RECIPE|RUN_DIR]                            copy checkpoint + result to sync.to now
-    ftrun export [RECIPE|RUN_DIR] [--merged] [--gguf TYPE]  adapter, merged model, GGUF, serving commands; checked
-    ftrun publish [RECIPE|RUN_DIR] [--to hf://USER/REPO]   push the checked export + model card to the Hub
-    ftrun explain                                          every recipe key, its default and meaning
-    ftrun llamacpp install | check MODEL [--type T] | architectures   llama.cpp for the GGUF export
-    --debug (anywhere on the line): tracebacks instead of one-paragraph errors
+`COMMANDS` is the one list of subcommands: each row's name, what follows it, what it does, its options and the stage
+it calls. The usage text (`ftrun --help`), the parser, the dispatch and the commands that take key=value overrides
+are built from it. `--debug`, anywhere on the line, shows tracebacks instead of one-paragraph errors.
 """
 
 from __future__ import annotations
@@ -24,18 +10,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 from launcher import gguf_types
 from launcher.errors import EXIT_INTERNAL, FtrunError, UsageError
-
-COMMANDS = ("plan", "smoke", "baseline", "data", "status", "logs", "stop", "pull", "push", "export", "publish", "explain",
-            "llamacpp", "run")
-
+from launcher.store.rundir import RUNS
 
 RECIPE_HELP = "the recipe file (YAML; `ftrun explain` lists its keys)"
 OVERRIDES_HELP = "recipe keys changed for this command, e.g. lora.r=8 max_length=2048"
-TARGET_HELP = "the run's recipe file or its run directory (default: the only run under ./runs)"
+TARGET_HELP = f"the run's recipe file or its run directory (default: the only run under ./{RUNS})"
 MASTER_PORT = 29500  # --master-port's default: torchrun's own
 
 
@@ -51,82 +35,239 @@ def _gpu_names() -> str:
     return ", ".join(catalog())
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ftrun", description="From a fine-tuning recipe to a trained, exported model.",
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2])
-    p.add_argument("--debug", action="store_true", help="show tracebacks (accepted anywhere on the line)")
-    sub = p.add_subparsers(dest="command")
+def _smoke_share() -> str:
+    from launcher.recipe import SmokeSettings  # the smoke test's default sample, as its field says it
 
-    r = sub.add_parser("run", help="plan, smoke-test and start (or resume) the run; the default command")
-    r.add_argument("recipe", help=RECIPE_HELP)
-    r.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
+    return f"{SmokeSettings.model_fields['fraction'].default:.0%}"
+
+
+# --- each command's options and call ------------------------------------------------------------------------------
+
+def _run_options(r: argparse.ArgumentParser) -> None:
     r.add_argument("--foreground", action="store_true", help="stay attached (debugging, tests)")
     r.add_argument("--fresh", action="store_true", help="start over; the old run directory is kept, renamed")
-    r.add_argument("--memory-limit", help="cap each worker's memory, e.g. 20GB (plan for a smaller card)")
-    r.add_argument("--nnodes", type=int, default=1, help="boxes in the job (run the same command on each)")
-    r.add_argument("--node-rank", type=int, default=0, help="this box's number, 0 .. nnodes-1 (0 holds the rendezvous)")
-    r.add_argument("--master-addr", help="address of node 0, reachable from every node")
-    r.add_argument("--master-port", type=int, default=MASTER_PORT, help="a free TCP port on node 0")
+    r.add_argument("--memory-limit", metavar="GB", help="cap each worker's memory, e.g. 20GB (plan for a smaller card)")
+    r.add_argument("--nnodes", type=int, default=1, metavar="N", help="boxes in the job (run the same command on each)")
+    r.add_argument("--node-rank", type=int, default=0, metavar="I", help="this box's number, 0 .. nnodes-1 (0 holds the rendezvous)")
+    r.add_argument("--master-addr", metavar="HOST", help="address of node 0, reachable from every node")
+    r.add_argument("--master-port", type=int, default=MASTER_PORT, metavar="PORT", help="a free TCP port on node 0")
     r.add_argument("--allow-changes", action="store_true",
                    help="resume from the run's checkpoints even though the recipe's training settings changed")
 
-    pl = sub.add_parser("plan", help="size the job: memory, engine, GPUs, time, cost")
-    pl.add_argument("recipe", help=RECIPE_HELP)
-    pl.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
-    pl.add_argument("--gpus", metavar="SPEC", help="plan for another box than this machine's GPUs (or, without a GPU "
-                    "here, the recipe's box:): COUNTxNAME such as 4xH100-80GB, or NAME for one card; names: "
-                    f"{_gpu_names()}")
-    pl.add_argument("--tokens", metavar="N", help=f"{_tokens_meaning()}; e.g. 15M, used instead of counting the data "
-                    "and instead of the recipe's `tokens` key")
-    pl.add_argument("--price", type=float, metavar="EUR/h", help="the whole box's price per hour (overrides the "
-                    "catalog and the recipe's price_per_hour_eur)")
-    pl.add_argument("--json", action="store_true", help="print the plan as JSON, also when it does not fit")
 
-    sm = sub.add_parser("smoke", help="run only the smoke test (1%% of the data) and print the forecast")
-    sm.add_argument("recipe", help=RECIPE_HELP)
-    sm.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
-    sm.add_argument("--memory-limit", help="cap the worker's memory, e.g. 20GB")
+def _run(a) -> int:
+    from launcher.run.pipeline import launch
 
-    bl = sub.add_parser("baseline", help="score the base model on held-out examples, zero-shot and with examples in "
-                        "its prompt, and say whether fine-tuning pays (the launch does it too, before its smoke test)")
-    bl.add_argument("recipe", help=RECIPE_HELP)
-    bl.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
-    bl.add_argument("--json", action="store_true", help="print only the scores and the verdict as JSON on stdout")
+    return launch(a.recipe, a.overrides, foreground=a.foreground, fresh=a.fresh, memory_limit=_parse_gb(a.memory_limit),
+                  allow_changes=a.allow_changes, nodes=_nodes(a))
 
-    da = sub.add_parser("data", help="the data as the loss sees it: one example per source with its trained tokens "
-                        "marked, and the dataset's statistics (the launch's data check)")
-    da.add_argument("recipe", help=RECIPE_HELP)
-    da.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
 
-    for name, helptext in (("status", "state, step, loss, ETA of a run"), ("logs", "the run's train.log"),
-                           ("stop", "checkpoint and stop a run")):
-        s = sub.add_parser(name, help=helptext)
-        s.add_argument("target", nargs="?", help=TARGET_HELP)
-        if name == "status":
-            s.add_argument("--json", action="store_true", help="print the status (or the list of runs) as JSON")
-            s.add_argument("--watch", action="store_true", help="refresh every 2 s until the run ends")
-        if name == "logs":
-            s.add_argument("-f", "--follow", action="store_true",
-                           help="keep printing new lines while the run's launcher or supervisor lives")
-    pu = sub.add_parser("pull", help="fetch a run from the recipe's sync.to without resuming it")
-    pu.add_argument("recipe", help=RECIPE_HELP)
-    pu.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
-    ps = sub.add_parser("push", help="copy the newest checkpoint and the result to sync.to now")
-    ps.add_argument("target", nargs="?", help=TARGET_HELP)
-    ex = sub.add_parser("export", help="adapter, merged 16-bit model, GGUF and serving commands, each checked")
-    ex.add_argument("target", nargs="?", help=TARGET_HELP)
-    ex.add_argument("--merged", action="store_true", help="also merge the adapter into the 16-bit base")
-    ex.add_argument("--gguf", metavar="TYPE", help=f"also write a GGUF: {gguf_types.listed()} (the recipe's gguf "
-                    f"export defaults to {gguf_types.DEFAULT_TYPE}; implies --merged)")
-    pb = sub.add_parser("publish", help="push the checked export and a model card to the recipe's publish.to")
-    pb.add_argument("target", nargs="?", help=TARGET_HELP)
-    pb.add_argument("--to", metavar="hf://USER/REPO", help="another repo than the recipe's publish.to")
-    sub.add_parser("explain", help="every recipe key with its default and meaning")
-    ll = sub.add_parser("llamacpp", help="llama.cpp for the GGUF export: install its converter (install), check a model "
-                        "(check MODEL), write the shipped architecture table (architectures)", add_help=False)
+def _plan_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gpus", metavar="SPEC", help="plan for another box than this machine's GPUs (or, without a GPU "
+                   "here, the recipe's box:): COUNTxNAME such as 4xH100-80GB, or NAME for one card; names: "
+                   f"{_gpu_names()}")
+    p.add_argument("--tokens", metavar="N", help=f"{_tokens_meaning()}; e.g. 15M, used instead of counting the data "
+                   "and instead of the recipe's `tokens` key")
+    p.add_argument("--price", type=float, metavar="EUR/h", help="the whole box's price per hour (overrides the "
+                   "catalog and the recipe's price_per_hour_eur)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON, also when it does not fit")
+
+
+def _plan(a) -> int:
+    from launcher.run.plan_command import plan_command
+
+    return plan_command(a.recipe, a.overrides, a.gpus, a.tokens, a.json, a.price)
+
+
+def _smoke(a) -> int:
+    from launcher.run.pipeline import smoke_only
+
+    return smoke_only(a.recipe, a.overrides, memory_limit=_parse_gb(a.memory_limit))
+
+
+def _baseline(a) -> int:
+    from launcher.run.baseline_command import baseline_command
+
+    return baseline_command(a.recipe, a.overrides, json_out=a.json)
+
+
+def _data(a) -> int:
+    from launcher.run.data_command import data_command
+
+    return data_command(a.recipe, a.overrides)
+
+
+def _status_options(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--json", action="store_true", help="print the status (or the list of runs) as JSON")
+    s.add_argument("--watch", action="store_true", help="refresh every 2 s until the run ends")
+
+
+def _status(a) -> int:
+    from launcher.run.status_command import status_command
+
+    return status_command(a.target, as_json=a.json, watching=a.watch)
+
+
+def _logs(a) -> int:
+    from launcher.run.logs_command import logs_command
+    from launcher.run.pipeline import resolve_run
+
+    return logs_command(resolve_run(a.target, command="logs"), follow=a.follow)
+
+
+def _stop(a) -> int:
+    from launcher.run.control import stop_command
+    from launcher.run.pipeline import resolve_run
+
+    return stop_command(resolve_run(a.target, command="stop"))
+
+
+def _pull(a) -> int:
+    from launcher.run.pipeline import pull_command
+
+    return pull_command(a.recipe, a.overrides)
+
+
+def _push(a) -> int:
+    from launcher.run.pipeline import push_command
+
+    return push_command(a.target)
+
+
+def _export_options(e: argparse.ArgumentParser) -> None:
+    e.add_argument("--merged", action="store_true", help="also merge the adapter into the 16-bit base")
+    e.add_argument("--gguf", metavar="TYPE", help=f"also write a GGUF: {gguf_types.listed()} (the recipe's gguf "
+                   f"export defaults to {gguf_types.DEFAULT_TYPE}; implies --merged)")
+
+
+def _export(a) -> int:
+    from launcher.deliver.export import export_command
+    from launcher.run.pipeline import resolve_run
+    from launcher.store.modes import share_results
+
+    run = resolve_run(a.target, command="export")
+    try:
+        return export_command(run, merged=a.merged, gguf=a.gguf)
+    finally:  # what the export wrote, as readable as the rest of the run (as the supervisor's export does)
+        share_results(run.final, lambda line: print(line, file=sys.stderr))
+
+
+def _publish(a) -> int:
+    from launcher.deliver.publish import publish_command
+    from launcher.run.pipeline import resolve_run
+
+    return publish_command(resolve_run(a.target, command="publish"), to=a.to)
+
+
+def _explain(a) -> int:
+    from launcher.recipe import explain
+
+    print(explain())
+    return 0
+
+
+def _llamacpp(a) -> int:
+    from launcher.deliver import llamacpp
+
+    return llamacpp.main(a.args, prog="ftrun llamacpp")
+
+
+def _llamacpp_options(ll: argparse.ArgumentParser) -> None:
     ll.add_argument("args", nargs=argparse.REMAINDER, help="install: copy llama.cpp's converter from the installed "
                     "llama-cpp-python's source; check MODEL [--type T]: can this model become a GGUF; architectures: "
                     "write the shipped architecture table (`ftrun llamacpp --help` for more)")
+
+
+def _none(_: argparse.ArgumentParser) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    takes: str  # "recipe": RECIPE [key=value ...]; "target": [RECIPE|RUN_DIR]; else its own words, as typed
+    help: str
+    options: Callable[[argparse.ArgumentParser], None]
+    call: Callable[[argparse.Namespace], int]
+
+    def text(self) -> str:
+        """What it does, with the defaults it names read from where they are set."""
+        return self.help.replace("{smoke_share}", _smoke_share())
+
+    def synopsis(self, parser: argparse.ArgumentParser) -> str:
+        """`ftrun NAME`, what it takes and its options, read from its parser."""
+        words = {"recipe": ["RECIPE [key=value ...]"], "target": ["[RECIPE|RUN_DIR]"]}.get(self.takes, [self.takes])
+        for action in parser._actions:  # argparse has no public list of a parser's options
+            if action.option_strings and action.help != argparse.SUPPRESS and "-h" not in action.option_strings:
+                flag = action.option_strings[-1]
+                words.append(f"[{flag}]" if action.nargs == 0 else f"[{flag} {action.metavar or action.dest.upper()}]")
+        return " ".join(["ftrun", self.name, *filter(None, words)])
+
+
+# `ftrun RECIPE ...` is `ftrun run RECIPE ...`: run is the default command
+COMMANDS = {c.name: c for c in (
+    Command("run", "recipe",
+            "plan, smoke-test and start (or resume) the run, detached; the default command (`ftrun RECIPE`)",
+            _run_options, _run),
+    Command("plan", "recipe", "size the job: memory, engine, GPUs, time, cost", _plan_options, _plan),
+    Command("smoke", "recipe",
+            "run only the smoke test ({smoke_share} of the data unless the recipe's smoke.fraction says otherwise) "
+            "and print the forecast",
+            lambda s: s.add_argument("--memory-limit", metavar="GB", help="cap the worker's memory, e.g. 20GB"), _smoke),
+    Command("baseline", "recipe",
+            "score the base model on held-out examples, zero-shot and with examples in its prompt, and say whether "
+            "fine-tuning pays (the launch does it too, before its smoke test)",
+            lambda b: b.add_argument("--json", action="store_true",
+                                     help="print only the scores and the verdict as JSON on stdout"), _baseline),
+    Command("data", "recipe", "the data as the loss sees it: one example per source with its trained tokens "
+            "marked, and the dataset's statistics (the launch's data check)", _none, _data),
+    Command("status", "target", f"state, step, loss and ETA of a run; without a target, every run under ./{RUNS}",
+            _status_options, _status),
+    Command("logs", "target", "the run's train.log",
+            lambda g: g.add_argument("-f", "--follow", action="store_true",
+                                     help="keep printing new lines while the run's launcher or supervisor lives"),
+            _logs),
+    Command("stop", "target", "checkpoint and stop a run", _none, _stop),
+    Command("pull", "recipe", "fetch a run from the recipe's sync.to without resuming it", _none, _pull),
+    Command("push", "target", "copy the newest checkpoint and the result to sync.to now", _none, _push),
+    Command("export", "target", "adapter, merged 16-bit model, GGUF and serving commands, each checked",
+            _export_options, _export),
+    Command("publish", "target", "push the checked export and a model card to the recipe's publish.to",
+            lambda p: p.add_argument("--to", metavar="hf://USER/REPO", help="another repo than the recipe's publish.to"),
+            _publish),
+    Command("explain", "", "every recipe key with its default and meaning", _none, _explain),
+    Command("llamacpp", "install | check MODEL [--type T] | architectures",
+            "llama.cpp for the GGUF export: install its converter (install), check a model (check MODEL), write the "
+            "shipped architecture table (architectures)", _llamacpp_options, _llamacpp),
+)}
+WITH_OVERRIDES = tuple(name for name, c in COMMANDS.items() if c.takes == "recipe")
+
+
+def usage_text(parsers: dict[str, argparse.ArgumentParser]) -> str:
+    """Each command's synopsis (what it does is in the list above it): the epilog of `ftrun --help`."""
+    import textwrap
+
+    lines = ["synopses:"]
+    for c in COMMANDS.values():
+        lines += textwrap.wrap(c.synopsis(parsers[c.name]), 100, initial_indent="  ", subsequent_indent="      ")
+    return "\n".join(lines + ["  --debug (anywhere on the line): tracebacks instead of one-paragraph errors"])
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ftrun", description="From a fine-tuning recipe to a trained, exported model.",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--debug", action="store_true", help="show tracebacks (accepted anywhere on the line)")
+    sub = p.add_subparsers(dest="command")
+    for c in COMMANDS.values():
+        # argparse formats help with %: a literal percent sign is doubled
+        sp = sub.add_parser(c.name, help=c.text().replace("%", "%%"), add_help=c.name != "llamacpp")
+        if c.takes == "recipe":
+            sp.add_argument("recipe", help=RECIPE_HELP)
+            sp.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
+        elif c.takes == "target":
+            sp.add_argument("target", nargs="?", help=TARGET_HELP)
+        c.options(sp)
+    p.epilog = usage_text(sub.choices)
     p.set_defaults(_commands=sub.choices)  # each command's parser, for an option given to the wrong one
     return p
 
@@ -203,104 +344,6 @@ def _nodes(a) -> Optional[dict]:
     return {"nnodes": a.nnodes, "node_rank": a.node_rank, "master_addr": a.master_addr, "master_port": a.master_port}
 
 
-def cmd_run(a) -> int:
-    from launcher.run.pipeline import launch
-
-    return launch(a.recipe, a.overrides, foreground=a.foreground, fresh=a.fresh, memory_limit=_parse_gb(a.memory_limit),
-                  allow_changes=a.allow_changes, nodes=_nodes(a))
-
-
-def cmd_plan(a) -> int:
-    from launcher.run.plan_command import plan_command
-
-    return plan_command(a.recipe, a.overrides, a.gpus, a.tokens, a.json, a.price)
-
-
-def cmd_smoke(a) -> int:
-    from launcher.run.pipeline import smoke_only
-
-    return smoke_only(a.recipe, a.overrides, memory_limit=_parse_gb(a.memory_limit))
-
-
-def cmd_baseline(a) -> int:
-    from launcher.run.baseline_command import baseline_command
-
-    return baseline_command(a.recipe, a.overrides, json_out=a.json)
-
-
-def cmd_data(a) -> int:
-    from launcher.run.data_command import data_command
-
-    return data_command(a.recipe, a.overrides)
-
-
-def cmd_status(a) -> int:
-    from launcher.run.status_command import status_command
-
-    return status_command(a.target, as_json=a.json, watching=a.watch)
-
-
-def cmd_logs(a) -> int:
-    from launcher.run.logs_command import logs_command
-    from launcher.run.pipeline import resolve_run
-
-    return logs_command(resolve_run(a.target, command="logs"), follow=a.follow)
-
-
-def cmd_stop(a) -> int:
-    from launcher.run.control import stop_command
-    from launcher.run.pipeline import resolve_run
-
-    return stop_command(resolve_run(a.target, command="stop"))
-
-
-def cmd_pull(a) -> int:
-    from launcher.run.pipeline import pull_command
-
-    return pull_command(a.recipe, a.overrides)
-
-
-def cmd_push(a) -> int:
-    from launcher.run.pipeline import push_command
-
-    return push_command(a.target)
-
-
-def cmd_export(a) -> int:
-    from launcher.deliver.export import export_command
-    from launcher.run.pipeline import resolve_run
-    from launcher.store.modes import share_results
-
-    run = resolve_run(a.target, command="export")
-    try:
-        return export_command(run, merged=a.merged, gguf=a.gguf)
-    finally:  # what the export wrote, as readable as the rest of the run (as the supervisor's export does)
-        share_results(run.final, lambda line: print(line, file=sys.stderr))
-
-
-def cmd_publish(a) -> int:
-    from launcher.run.pipeline import resolve_run
-    from launcher.deliver.publish import publish_command
-
-    return publish_command(resolve_run(a.target, command="publish"), to=a.to)
-
-
-def cmd_llamacpp(a) -> int:
-    from launcher.deliver import llamacpp
-
-    return llamacpp.main(a.args, prog="ftrun llamacpp")
-
-
-def cmd_explain(a) -> int:
-    from launcher.recipe import explain
-
-    print(explain())
-    return 0
-
-
-WITH_OVERRIDES = ("run", "plan", "smoke", "baseline", "data", "pull")
-
-
 def split_command_line(argv: list[str]) -> tuple[list[str], list[str]]:
     """(arguments for argparse, key=value overrides): `ftrun RECIPE ...` is `ftrun run RECIPE ...`, and options
     and overrides may stand before or after the recipe (`ftrun plan --gpus 4xH100-80GB r.yaml lora.r=8`,
@@ -360,8 +403,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.command is None:
             _parser().print_help()
             return 2
-        handler = globals()[f"cmd_{args.command}"]
-        return handler(args)
+        return COMMANDS[args.command].call(args)
     except FtrunError as exc:
         if debug:
             raise

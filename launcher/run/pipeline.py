@@ -14,7 +14,7 @@ from launcher.engine_kinds import MULTI_NODE
 from launcher.errors import BusyError, FtrunError, HardwareError, RecipeError, UsageError
 from launcher.recipe import Recipe, check_trainer_fields, load_recipe
 from launcher.run import weights
-from launcher.store.rundir import RunDir
+from launcher.store.rundir import RUNS, RunDir
 from launcher.worker.trackers import check_installed as check_trackers_installed
 from launcher.store.sync import kinds as sync_kinds
 from launcher.store.state import (TRAINED, RunLock, busy_error, effective_state, is_locked, process_identity, read_state,
@@ -569,17 +569,18 @@ def _check_same_trajectory(run: RunDir, recipe: Recipe, allow_changes: bool = Fa
 
 
 def resolve_run(target: Optional[str], overrides: list[str] | None = None, command: str = "status") -> RunDir:
-    """A run directory from a recipe path or a run directory (default: the only run under ./runs)."""
+    """A run directory from a recipe path or a run directory (default: the only run under ./RUNS)."""
     if target is None:
-        runs = sorted(p for p in (Path.cwd() / "runs").glob("*") if (p / "recipe.yaml").is_file()) if (Path.cwd() / "runs").is_dir() else []
+        folder = Path.cwd() / RUNS
+        runs = sorted(p for p in folder.glob("*") if (p / "recipe.yaml").is_file()) if folder.is_dir() else []
         if len(runs) == 1:
             return RunDir(runs[0])
         if not runs:
-            raise UsageError("no runs under ./runs (the folder ftrun looks in when no run is named)",
+            raise UsageError(f"no runs under ./{RUNS} (the folder ftrun looks in when no run is named)",
                              fix=f"start one with `ftrun RECIPE`, or name a recipe or run directory: "
                                  f"`ftrun {command} recipes/tiny-cpu.yaml`.")
-        raise UsageError(f"no run given and {len(runs)} runs are under ./runs",
-                         fix=f"name the recipe or the run directory, e.g. `ftrun {command} runs/{runs[0].name}` "
+        raise UsageError(f"no run given and {len(runs)} runs are under ./{RUNS}",
+                         fix=f"name the recipe or the run directory, e.g. `ftrun {command} {RUNS}/{runs[0].name}` "
                              "(`ftrun status` lists them).")
     p = Path(target)
     if p.is_dir():

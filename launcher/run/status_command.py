@@ -1,4 +1,5 @@
-"""`ftrun status`: every run under ./runs, or one run (text or JSON, once or until it ends)."""
+"""`ftrun status`: one run (text or JSON, once or until it ends), or without a target the runs listing: every run
+under ./runs, a line each."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from launcher.run.facts import end_summary, find_runs, run_row, run_status
 from launcher.run.pipeline import resolve_run
 from launcher.run.progress import watch
 from launcher.run.views import format_end_summary, format_runs, format_status
+from launcher.store.rundir import RUNS
 from launcher.store.state import ACTIVE, ENDED
 
 
@@ -19,13 +21,13 @@ def status_command(target: Optional[str], as_json: bool = False, watching: bool 
     """Several runs under ./runs (no target): one line each. One run: its status and, once it ended, its summary;
     `watching`: the live bar until it ends, or with `as_json` the JSON again every 2 s."""
     if target is None:
-        runs = find_runs(Path.cwd() / "runs")
+        runs = find_runs(Path.cwd() / RUNS)
         if len(runs) > 1 or (not runs and as_json):  # several runs: one line each
             rows = [run_row(r) for r in runs]
             print(json.dumps(rows, indent=2) if as_json else format_runs(rows))
             return 0
         if not runs:  # nothing to show is not an error
-            print("no runs under ./runs: start one with `ftrun RECIPE`, or name a recipe or run directory "
+            print(f"no runs under ./{RUNS}: start one with `ftrun RECIPE`, or name a recipe or run directory "
                   "(`ftrun status RECIPE|RUN_DIR`)")
             return 0
     run = resolve_run(target)
