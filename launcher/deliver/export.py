@@ -429,29 +429,18 @@ def _serving(inp: Inputs, report: dict[str, Any], tokenizer, served=None) -> Non
 
 
 def _served_modelfile(served, gguf: dict[str, Any], text: str) -> None:
-    """The Modelfile as Ollama reads it: its TEMPLATE rendered the Go-template way and tokenized by the GGUF's
-    vocabulary (BOS added as the vocabulary says: Ollama's runner encodes with its special tokens), and its
-    PARAMETER stop values matched against the trained end-of-turn token's text."""
-    from launcher.deliver import go_template, llamacpp
+    """The Modelfile as Ollama reads it: the template Ollama renders with it (ollama_template.choose, from the GGUF's
+    own tokenizer.chat_template), rendered the Go-template way and tokenized by the GGUF's vocabulary (BOS added as
+    the vocabulary says: Ollama's runner encodes with its special tokens), or llama-server's check where Ollama
+    hands the messages to llama-server; and its PARAMETER stop values matched against the trained end-of-turn
+    token's text."""
+    from launcher.deliver import llamacpp
     from launcher.deliver.served_prompt import modelfile_parts
 
     template, stops = modelfile_parts(text)
     vocab = llamacpp.Vocabulary(Path(gguf["path"]))
     try:
-        if template is not None:
-            gguf["modelfile_served_prompt"] = served.compare(
-                "ollama", "Ollama (the Modelfile's TEMPLATE)",
-                [vocab.tokenize(go_template.render(template, p["messages"]), True) for p in served.prompts])
-            served.checked("Ollama")
-        else:
-            # Ollama 0.30+ serves a GGUF without a Go template through llama-server's chat path (ollama
-            # llm/llama_server.go, server/routes.go usesOllamaRenderedChat): the llama-server check is Ollama's
-            served.report["runtimes"]["ollama"] = {
-                "runtime": "Ollama", "ok": True, "identical": None,
-                "note": "no TEMPLATE in the Modelfile: Ollama 0.30+ renders the GGUF's own template through "
-                        "llama-server (the llama-server check)"}
-            if "llama-server" in served.report["checked"]:
-                served.checked("Ollama")
+        _served_by_ollama(served, gguf, template, vocab)
         pieces = {i: vocab.piece(i) for i in served.end_ids}
     finally:
         vocab.close()
@@ -461,6 +450,48 @@ def _served_modelfile(served, gguf: dict[str, Any], text: str) -> None:
         end_of_turn_text={str(i): p for i, p in pieces.items()},
         fix=f"add `PARAMETER stop {json.dumps(next(iter(pieces.values()), ''))}` to the Modelfile; Ollama stops on a "
         "stop value found in the generated text.")
+
+
+def _served_by_ollama(served, gguf: dict[str, Any], template: Optional[str], vocab) -> None:
+    """Ollama's prompt against the trained one, counted as checked only where a token comparison was made: its Go
+    template's rendering, or llama-server's (the same messages, the same template and vocabulary) where Ollama
+    hands the chat to llama-server, as installed or with the OLLAMA_GO_TEMPLATE=0 SERVING.md asks for."""
+    from launcher.deliver import go_template, ollama_template
+
+    arch = gguf.get("architecture")
+    own = vocab.llm.metadata.get("tokenizer.chat_template") or ""
+    default = (gguf.get("modelfile_template_check") or {}).get("ollama") or {}
+    choice = ollama_template.choose(own, template, arch)
+    server = served.report["runtimes"].get("llama_server")
+    runtimes = served.report["runtimes"]
+    if choice["path"] == "go":
+        try:
+            ids = [vocab.tokenize(go_template.render(choice["template"], p["messages"]), True) for p in served.prompts]
+        except go_template.Unsupported as exc:
+            choice = {"path": "not modelled", "why": f"{choice['from']}: {exc} is beyond what ftrun renders"}
+        else:
+            label = f"Ollama ({choice['from']})"
+            if not default.get("serve_with"):  # SERVING.md serves it as installed: a difference fails the export
+                gguf["modelfile_served_prompt"] = served.compare("ollama", label, ids)
+                served.checked("Ollama")
+                return
+            diffs = [served.difference(p["ids"], s) for p, s in zip(served.prompts, ids)]
+            first = next(((n, d) for n, d in enumerate(diffs) if d is not None), None)
+            as_installed = {"runtime": label, "identical": f"{diffs.count(None)}/{len(diffs)}",
+                            "first_difference": dict(first[1], prompt=first[0]) if first else None}
+            choice = dict(ollama_template.choose(own, template, arch, go_template_env=False),
+                          serve_with=default["serve_with"], as_installed=as_installed)
+    if choice["path"] == "native" and server is not None and server.get("ok"):
+        env = " ".join(f"{k}={v}" for k, v in (choice.get("serve_with") or {}).items())
+        runtimes["ollama"] = {"runtime": "Ollama" + (f" with {env}" if env else "") + ": " + choice["why"],
+                              "ok": True, "identical": server["identical"], "compared_as": "llama_server",
+                              **{k: choice[k] for k in ("serve_with", "as_installed") if k in choice}}
+        if env:
+            served.report["ollama_serve_with"] = choice["serve_with"]
+        served.checked("Ollama")
+        return
+    why = choice["why"] if choice["path"] != "native" else "llama-server's check was not made"
+    runtimes["ollama"] = {"runtime": "Ollama", "ok": True, "identical": None, "not_checked": why}
 
 
 def _record_export(run: RunDir, formats: Optional[list[str]], started: float, info: dict[str, Any]) -> None:

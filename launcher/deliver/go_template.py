@@ -5,7 +5,7 @@ Ollama (template/template.go Execute) first collates the messages: consecutive m
 joined by a blank line, and every system message is also joined into `.System`; a template that uses
 `.Messages` is then executed with {System, Messages, Tools, Response: ""}, and a missing key is the zero value
 (missingkey=zero). An action outside this subset raises `Unsupported`, so a template that cannot be rendered
-here is never reported as checked.
+here is never reported as checked. Which template Ollama renders at all is ollama_template.py's to say.
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ class Unsupported(ValueError):
 
 
 def collate(messages: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
-    """Ollama's collate: the joined system messages, and the messages with consecutive same-role ones merged."""
+    """Ollama's collate (template/template.go 357-374, v0.33.0-rc2): the joined system messages, and the messages
+    with consecutive same-role ones merged, tool results excepted."""
     system = [m["content"] for m in messages if m["role"] == "system"]
     out: list[dict[str, Any]] = []
     for m in messages:
-        if out and out[-1]["Role"] == m["role"]:
+        if out and out[-1]["Role"] == m["role"] and m["role"] != "tool":
             out[-1]["Content"] += "\n\n" + m["content"]
         else:
             out.append({"Role": m["role"], "Content": m["content"]})

@@ -31,7 +31,8 @@ SERVING_RUNTIMES = ("vLLM", "llama-server", "llama.cpp", "Ollama")  # llama.cpp:
 
 def served_line(report: dict) -> str:
     """One line on the served-prompt checks of an export (export.json): the runtimes whose rendering of the
-    held-out prompts was compared with the training's token ids, and why the others were not."""
+    held-out prompts was compared with the training's token ids (Ollama with the setting it must be started with,
+    if any), and why the others were not."""
     sp = report.get("served_prompt") or {}
     if not sp:
         return "served prompt: not checked (this export has no served-prompt record)"
@@ -48,7 +49,12 @@ def served_line(report: dict) -> str:
            "llama.cpp": "no GGUF in this export" if "gguf" not in outputs else
            "llama-cpp-python's chat completion takes no chat-template switches",
            "Ollama": "no GGUF in this export"}
-    line = f"served prompt = trained prompt ({', '.join(checked) or 'no runtime'})"
+    ollama = sp.get("runtimes", {}).get("ollama") or {}
+    if ollama.get("not_checked"):  # a GGUF whose Ollama template ftrun does not model
+        why["Ollama"] = ollama["not_checked"]
+    env = " ".join(f"{k}={v}" for k, v in (sp.get("ollama_serve_with") or {}).items())
+    names = [f"Ollama with {env}" if r == "Ollama" and env else r for r in checked]
+    line = f"served prompt = trained prompt ({', '.join(names) or 'no runtime'})"
     if sp.get("chat_template_kwargs"):
         line += f" served with {json.dumps(sp['chat_template_kwargs'])}"
     missing = [r for r in SERVING_RUNTIMES if r not in checked]

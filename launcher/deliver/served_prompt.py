@@ -27,9 +27,10 @@ prompt is the trained context is found once (`kwargs`), and every runtime is tol
 - llama.cpp: the GGUF's embedded template, tokenized by the GGUF's vocabulary, both as llama-cpp-python's chat
   completion does and as llama-server does (llamacpp.py chat_prompt, server_prompt; docs/evaluation.md has the
   table of runtimes with the source lines).
-- Ollama: the Modelfile's TEMPLATE rendered as Ollama renders a Go template (go_template.py), tokenized by the
-  GGUF's vocabulary with its special tokens added, as Ollama's runner does; without a TEMPLATE, Ollama 0.30+
-  serves through llama-server (the llama.cpp check).
+- Ollama: the template Ollama chooses for the GGUF and Modelfile (ollama_template.py: the Modelfile's TEMPLATE,
+  the Go template it autodetects, or the GGUF's own through llama-server) rendered as Ollama renders a Go template
+  (go_template.py), tokenized by the GGUF's vocabulary with its special tokens added, as Ollama's runner does;
+  where Ollama hands the chat to llama-server, the llama-server check is Ollama's.
 A prompt that differs fails the export, with the first differing token and the tokens before it.
 """
 

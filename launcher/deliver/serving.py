@@ -127,29 +127,76 @@ def stop_tokens(tokenizer, eos_ids: set[int], pieces: Optional[dict[str, str]]) 
     return stops
 
 
+def _prompt_of(conv: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    last = max((i for i, m in enumerate(conv) if m["role"] == "assistant"), default=len(conv))
+    return conv[:last] or conv[:1]
+
+
+def ollama_default(tokenizer, written: Optional[str], conversations: list[list[dict[str, Any]]],
+                   architecture: Optional[str] = None) -> dict[str, Any]:
+    """How Ollama, as installed (OLLAMA_GO_TEMPLATE unset), renders these conversations' prompts for a model made
+    from the GGUF (whose template is the tokenizer's) and a Modelfile with the TEMPLATE `written`
+    (ollama_template.choose), and, when a Go template renders them otherwise than the model's own template, the
+    setting under which Ollama serves the GGUF's own template instead (`serve_with`)."""
+    from launcher.deliver.go_template import Unsupported
+    from launcher.deliver.ollama_template import GO_TEMPLATE_ENV, choose, source
+
+    gguf_template = tokenizer.chat_template or ""
+    choice = choose(gguf_template, written, architecture)
+    out = {"path": choice["path"], "why": choice["why"], "ollama": source()["tag"]}
+    if choice["path"] != "go":
+        return out
+    differ = []
+    for conv in conversations:
+        prompt = _prompt_of(conv)
+        try:
+            same = render_go(choice["template"], prompt) == _render(tokenizer, prompt, True)
+        except Unsupported as exc:
+            return dict(out, path="not modelled", why=f"{choice['from']}: {exc} is beyond what ftrun renders")
+        if not same:
+            differ.append(",".join(m["role"] for m in prompt))
+    out.update(template_from=choice["from"], identical=f"{len(conversations) - len(differ)}/{len(conversations)}")
+    if differ:
+        out["differs_for"] = list(dict.fromkeys(differ))[:5]  # the conversation shapes, each once
+        if choose(gguf_template, written, architecture, go_template_env=False)["path"] == "native":
+            out["serve_with"] = {GO_TEMPLATE_ENV: "0"}
+    return out
+
+
+def _ollama_comment(default: dict[str, Any]) -> list[str]:
+    """The Modelfile's comment on the template Ollama renders without a TEMPLATE line."""
+    if default.get("serve_with"):
+        return [f"# Ollama {default['ollama']} would render {default['template_from']}, which writes some prompts "
+                "otherwise than the model's", "# own template (roles " + "; ".join(default["differs_for"]) + "). "
+                "Start `ollama serve` with OLLAMA_GO_TEMPLATE=0 (SERVING.md): it then renders the", "# GGUF's own "
+                "chat template through llama-server, the messages one to one."]
+    if default["path"] == "native":
+        return ["# Ollama renders the GGUF's own chat template (tokenizer.chat_template) through llama-server."]
+    return [f"# Which template Ollama renders here is not modelled by ftrun: {default['why']}."]
+
+
 def modelfile(gguf_name: str, tokenizer, conversations: list[list[dict[str, str]]], num_ctx: int,
-              eos_ids: Optional[set[int]] = None) -> dict[str, Any]:
+              eos_ids: Optional[set[int]] = None, architecture: Optional[str] = None) -> dict[str, Any]:
     """The Modelfile text, and whether its template reproduces the Jinja template on the parity prompts.
 
     A template that is uniform per role becomes an Ollama TEMPLATE, checked to render the prompts exactly as the
-    Jinja one. A template with tools or a thinking mode is not rewritten: a per-role TEMPLATE would drop them.
-    Ollama 0.30.0 and newer then render the GGUF's own Jinja template (tokenizer.chat_template) through
-    llama-server with --jinja, tools and thinking included, and prefer it to a Go template with fewer
-    capabilities (ollama llm/llama_server.go, server/images.go shouldPreferChatTemplate). Older versions only
-    match it against their own templates (server/model.go detectChatTemplate: Levenshtein distance under 100 to
-    template/index.json); a Qwen3 template matches none there and falls back to a bare prompt, so SERVING.md and
-    the Modelfile say that Ollama 0.30 or newer is needed for these."""
+    Jinja one. A template with tools or a thinking mode is not rewritten: a per-role TEMPLATE would drop them. Nor
+    is one where a conversation has two messages of one role in a row: Ollama merges them before any Go template
+    sees them (template/template.go collate). Without a TEMPLATE, Ollama autodetects a Go template of its own for
+    the GGUF's template or renders the GGUF's template through llama-server (ollama_template.py); `check["ollama"]`
+    says which, and when its Go template renders the prompts otherwise, the OLLAMA_GO_TEMPLATE=0 that serves the
+    GGUF's own template instead."""
     template = tokenizer.chat_template or ""
     features = template_features(template)
     pieces = None if (features["tools"] or features["thinking"]) else derive_pieces(tokenizer)
     stops = stop_tokens(tokenizer, eos_ids or set(), pieces)
     lines = ["# Written by ftrun export. From this folder: ollama create NAME -f Modelfile", f"FROM ./{gguf_name}"]
     check: dict[str, Any] = {"derived": pieces is not None, **features, "stop": stops}
+    written = None
     if pieces is not None:
         same = 0
         for conv in conversations:
-            last = max((i for i, m in enumerate(conv) if m["role"] == "assistant"), default=len(conv))
-            prompt = conv[:last] or conv[:1]
+            prompt = _prompt_of(conv)
             # as Ollama renders it: consecutive messages of one role merged first (go_template.collate)
             if render_go(go_template(pieces), prompt) == _render(tokenizer, prompt, True):
                 same += 1
@@ -157,22 +204,24 @@ def modelfile(gguf_name: str, tokenizer, conversations: list[list[dict[str, str]
                 check.setdefault("differs_for", []).append(",".join(m["role"] for m in prompt))
         check.update(prompts=len(conversations), identical=same)
         if same == len(conversations) and '"""' not in go_template(pieces):
-            lines.append(f'TEMPLATE """{go_template(pieces)}"""')
+            written = go_template(pieces)
         else:
-            lines.insert(1, "# No TEMPLATE here: an Ollama template would render some conversations of the data "
-                         "otherwise than the model's own (Ollama merges consecutive messages of one role). Ollama "
-                         "0.30 or newer renders the GGUF's own chat template instead.")
             check["note"] = ("the derived template renders some conversations otherwise than the Jinja one (roles "
-                             + "; ".join(check.get("differs_for", [])[:3]) + "); Ollama 0.30+ uses the template in the GGUF")
-            check["ollama"] = ">=0.30.0"
+                             + "; ".join(check.get("differs_for", [])[:3]) + "): Ollama merges consecutive messages "
+                             "of one role before a Go template renders them, so no TEMPLATE is written")
+            lines.insert(1, "# No TEMPLATE here: Ollama merges consecutive messages of one role before any Go "
+                         "template renders them, so none renders every conversation of the data as the model's own.")
     elif features["tools"] or features["thinking"]:
         has = " and ".join(k for k in ("tools", "thinking") if features[k])
-        lines.insert(1, f"# The chat template has {has}: no TEMPLATE here. Ollama 0.30 or newer renders the GGUF's "
-                     f"own chat template (tokenizer.chat_template) with its {has}; older versions do not: use 0.30+.")
-        check["note"] = f"the template has {has}; Ollama 0.30+ renders the template in the GGUF"
-        check["ollama"] = ">=0.30.0"
+        lines.insert(1, f"# The chat template has {has}: no TEMPLATE here, a per-role one would drop them.")
+        check["note"] = f"the template has {has}: no TEMPLATE written"
     else:
-        check["note"] = "the Jinja template is not uniform per role; Ollama uses the template in the GGUF"
+        check["note"] = "the Jinja template is not uniform per role: no TEMPLATE written"
+    check["ollama"] = ollama_default(tokenizer, written, conversations, architecture)
+    if written is not None:
+        lines.append(f'TEMPLATE """{written}"""')
+    else:
+        lines[2:2] = _ollama_comment(check["ollama"])
     lines += [f"PARAMETER stop {json.dumps(s)}" for s in stops]
     lines.append(f"PARAMETER num_ctx {num_ctx}")
     return {"text": "\n".join(lines) + "\n", "check": check}
@@ -180,6 +229,26 @@ def modelfile(gguf_name: str, tokenizer, conversations: list[list[dict[str, str]
 
 # ---------------------------------------------------------------------------------------------
 # SERVING.md
+
+def _go_template_off(default: dict[str, Any]) -> list[str]:
+    """SERVING.md's lines that start Ollama with the setting its served prompt needs (ollama_default serve_with):
+    envconfig.GoTemplate is read by `ollama serve`, not by `ollama create` or `ollama run`."""
+    env = default.get("serve_with")
+    if not env:
+        return []
+    (key, value), = env.items()
+    return [f"**Start Ollama with `{key}={value}`.** For this GGUF Ollama {default['ollama']} stores "
+            f"{default['template_from']}; rendered as Ollama renders a Go template (consecutive messages of one role "
+            "merged), it writes some of the checked prompts otherwise than training did (roles "
+            + "; ".join(default["differs_for"]) + "). With the setting, the server renders the GGUF's own template "
+            "through llama-server, one message per turn, the prompt llama-server's check compared token for token "
+            "(export.json served_prompt.runtimes.ollama). It applies to every model that server serves, and a "
+            "Modelfile TEMPLATE is then ignored.", "", "```",
+            f"{key}={value} ollama serve",
+            "# or, for Ollama as a systemd service (the Linux installer's):",
+            f'sudo systemctl edit ollama.service   # add under [Service]: Environment="{key}={value}"',
+            "sudo systemctl restart ollama", "```", ""]
+
 
 def _curl(name: str, content: str, port: int = 8000) -> str:
     body = json.dumps({"model": name, "messages": [{"role": "user", "content": content}],
@@ -247,7 +316,8 @@ def render(run, recipe, report: dict[str, Any], tokenizer, eos_ids: Optional[set
     if "gguf" in outputs:
         g = outputs["gguf"]
         gname = Path(g["path"]).name
-        mf = modelfile(gname, tokenizer, prompts or convs, recipe.max_length, eos_ids=eos_ids)
+        mf = modelfile(gname, tokenizer, prompts or convs, recipe.max_length, eos_ids=eos_ids,
+                       architecture=g.get("architecture"))
         gdir = Path(g["path"]).parent
         feats = mf["check"]
         par = g.get("parity_vs_merged") or {}
@@ -257,18 +327,18 @@ def render(run, recipe, report: dict[str, Any], tokenizer, eos_ids: Optional[set
                   f"perplexity {par['perplexity_rel_diff']:+.2%} against the merged model" if par.get("perplexity_rel_diff")
                   is not None else "see export.json") + ") and "
                   + ("carries the chat template as an Ollama template, checked to render the parity prompts exactly as "
-                     "the model's own template" if "TEMPLATE" in mf["text"] else
-                     "leaves the chat template to the one inside the GGUF (tokenizer.chat_template)")
+                     "the model's own template" if 'TEMPLATE """' in mf["text"] else
+                     "has no TEMPLATE line (" + feats["ollama"]["why"] + ")")
                   + (f", with the stop tokens {', '.join(f'`{x}`' for x in feats['stop'])}" if feats["stop"] else "")
-                  + ".", "", "```",
+                  + ".", "", *_go_template_off(feats["ollama"]), "```",
                   f"cd {q(str(gdir))}", f"ollama create {q(name)} -f Modelfile",
                   f"ollama run {q(name)}" + (" --think=false" if switches.get("enable_thinking") is False else "")
                   + f" {q(question)}", "```", ""]
         if feats.get("tools") or feats.get("thinking"):
             parts += ["The template has " + " and ".join(k for k in ("tools", "thinking") if feats.get(k))
-                      + ": Ollama 0.30.0 or newer renders the GGUF's own template with them (older versions match "
-                      "it against their built-in templates, which have neither, or fall back to a bare prompt); "
-                      "`ollama show " + name + " --template` shows the template Ollama chose"
+                      + ": Ollama 0.30.0 or newer renders the GGUF's own template with them when no Go template of "
+                      "its own is closer to it than its rule allows (export.json says which it chose); "
+                      "`ollama show " + name + " --template` shows the Go template Ollama stored, if any"
                       + ("; `ollama run " + name + " --think=false` answers without the thinking part"
                          if feats.get("thinking") else "") + ".", ""]
         parts += ["Ollama's OpenAI-compatible API:", "", "```",

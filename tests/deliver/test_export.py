@@ -318,8 +318,10 @@ def test_modelfile_template_stops_and_tools(tiny_model):
     convs = load_examples(str(TINY_DATA))[:3]
     eos = {tok.convert_tokens_to_ids("<|endoftext|>")}
     mf = modelfile("run-Q4_K_M.gguf", tok, convs, 256, eos_ids=eos)
+    ollama = mf["check"].pop("ollama")  # the TEMPLATE is what Ollama renders (launcher/deliver/ollama_template.py)
     assert mf["check"] == {"derived": True, "tools": False, "thinking": False,
                            "stop": ["<|im_end|>", "<|endoftext|>"], "prompts": 3, "identical": 3}
+    assert ollama["path"] == "go" and ollama["template_from"] == "the Modelfile's TEMPLATE" and "serve_with" not in ollama
     text = mf["text"]
     assert "FROM ./run-Q4_K_M.gguf" in text and "{{ .Content }}<|im_end|>" in text
     assert 'PARAMETER stop "<|im_end|>"\nPARAMETER stop "<|endoftext|>"' in text and "PARAMETER num_ctx 256" in text
@@ -329,7 +331,7 @@ def test_modelfile_template_stops_and_tools(tiny_model):
     mf = modelfile("run-Q4_K_M.gguf", tok, convs, 256, eos_ids=eos)
     assert mf["check"]["tools"] and mf["check"]["thinking"] and not mf["check"]["derived"]
     assert not any(line.startswith("TEMPLATE") for line in mf["text"].splitlines())
-    assert "# The chat template has tools and thinking" in mf["text"]
+    assert "# The chat template has tools and thinking" in mf["text"] and mf["check"]["ollama"]["path"] == "native"
     assert 'PARAMETER stop "<|endoftext|>"' in mf["text"]
 
 

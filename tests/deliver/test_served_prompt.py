@@ -344,4 +344,89 @@ def test_every_shape_in_the_data_is_checked_and_ollamas_merge_drops_the_template
     assert 'TEMPLATE """' in modelfile("x.gguf", chatml, plain, 256, {0})["text"]
     merged = modelfile("x.gguf", chatml, plain + [records[3]["messages"][:2]], 256, {0})
     assert 'TEMPLATE """' not in merged["text"] and "Ollama merges consecutive messages of one role" in merged["text"]
-    assert merged["check"]["differs_for"] == ["user,user"] and merged["check"]["ollama"] == ">=0.30.0"
+    assert merged["check"]["differs_for"] == ["user,user"] and merged["check"]["ollama"]["path"] == "native"
+    assert "renders the GGUF's own chat template" in merged["text"]  # no index entry is near this ChatML template
+
+
+class _Vocab:
+    """The GGUF's vocabulary as export.py reads it (llamacpp.Vocabulary), from the same tokenizer."""
+
+    def __init__(self, tok):
+        self.tok, self.llm = tok, type("Llm", (), {"metadata": {"tokenizer.chat_template": tok.chat_template}})
+
+    def tokenize(self, text: str, add_special: bool) -> list[int]:
+        return self.tok(text, add_special_tokens=add_special)["input_ids"]
+
+
+def test_chatml_data_with_two_user_turns_is_ollama_identical_only_as_served_with_go_templates_off(tmp_path):
+    """Qwen2's ChatML template is in Ollama's index: `ollama create` stores its chatml Go template, which merges
+    the two user turns (and writes no default system turn). Ollama as installed is not counted as identical; the
+    Modelfile and SERVING.md ask for OLLAMA_GO_TEMPLATE=0, under which Ollama hands the messages to llama-server,
+    whose token comparison is then Ollama's."""
+    from test_ollama_template import QWEN2
+    from transformers import AutoTokenizer
+
+    from launcher.deliver import go_template
+    from launcher.deliver.export import _served_by_ollama
+    from launcher.deliver.messages import ExportError, served_line
+    from launcher.deliver.serving import modelfile
+
+    # a system turn in each conversation, so that Qwen2's default system turn is not what differs
+    two = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."},
+                        {"role": "user", "content": "The capital of France?"}, {"role": "assistant", "content": "P."}]}
+    records = [_chat(q, a) for q, a in zip(QUESTIONS, ["Paris.", "4.", "pmal."])] + [two]
+    sp, folder = _served_for(tmp_path, "qwen3", records, template=QWEN2)
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    mf = modelfile("x.gguf", tok, [p["messages"] for p in sp.prompts], 256, {0}, architecture="qwen2")
+    default = mf["check"]["ollama"]
+    assert default["path"] == "go" and default["serve_with"] == {"OLLAMA_GO_TEMPLATE": "0"}
+    assert default["differs_for"] == ["system,user,user"] and "autodetected chatml" in default["template_from"]
+    assert default["identical"] == f"{len(sp.prompts) - 1}/{len(sp.prompts)}"
+    assert 'TEMPLATE """' not in mf["text"] and "OLLAMA_GO_TEMPLATE=0" in mf["text"]
+
+    n = len(sp.prompts)
+    llama_server = [sp.render_ids(tok, p, {}) for p in sp.prompts]  # the GGUF's own template, one message a turn
+    sp.compare("llama_server", "llama-server", llama_server)
+    sp.checked("llama-server")
+    gguf = {"architecture": "qwen2", "modelfile_template_check": mf["check"]}
+    _served_by_ollama(sp, gguf, None, _Vocab(tok))
+    entry = sp.report["runtimes"]["ollama"]
+    assert entry["ok"] and entry["identical"] == f"{n}/{n}" and entry["serve_with"] == {"OLLAMA_GO_TEMPLATE": "0"}
+    installed = entry["as_installed"]
+    assert installed["identical"] == f"{n - 1}/{n}" and installed["first_difference"]["prompt"] == n - 1
+    assert "Hi.\n\nThe capital" in go_template.render(ollama_template_text(), sp.prompts[-1]["messages"])
+    assert "Ollama" in sp.report["checked"] and sp.report["ok"]
+    line = served_line({"served_prompt": sp.report, "outputs": {"gguf": {}}})
+    assert "Ollama with OLLAMA_GO_TEMPLATE=0" in line
+
+    # had SERVING.md not asked for the setting, Ollama as installed is what is served: the export fails
+    sp.report["runtimes"].pop("ollama")
+    sp.report["checked"].remove("Ollama")
+    with pytest.raises(ExportError) as err:
+        _served_by_ollama(sp, {"architecture": "qwen2", "modelfile_template_check": {}}, None, _Vocab(tok))
+    assert "Ollama (Ollama's autodetected chatml template" in err.value.message and "Ollama" not in sp.report["checked"]
+
+
+def test_ollama_is_not_counted_without_a_token_comparison(tmp_path):
+    """No llama-server comparison to stand for Ollama's, or a template ftrun does not model: Ollama is named as
+    not checked, with the reason, in export.json and the export line."""
+    from test_ollama_template import QWEN2
+    from transformers import AutoTokenizer
+
+    from launcher.deliver.export import _served_by_ollama
+    from launcher.deliver.messages import served_line
+
+    sp, folder = _served_for(tmp_path, "qwen3", [_chat(q, "Paris.") for q in QUESTIONS], template=QWEN2)
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    _served_by_ollama(sp, {"architecture": "gemma4", "modelfile_template_check": {}}, None, _Vocab(tok))
+    entry = sp.report["runtimes"]["ollama"]
+    assert entry["identical"] is None and "own renderer" in entry["not_checked"] and "Ollama" not in sp.report["checked"]
+    sp.compare_transformers("vllm_merged", tok, "vLLM")
+    line = served_line({"served_prompt": sp.report, "outputs": {"gguf": {}}})
+    assert line.startswith("served prompt = trained prompt (vLLM)") and "Ollama (Ollama renders gemma4" in line
+
+
+def ollama_template_text() -> str:
+    from launcher.deliver.ollama_template import _data
+
+    return _data()["templates"]["chatml"]["template"]
