@@ -52,7 +52,7 @@ class LoadedData:
 
     examples: list[dict[str, Any]]
     where: list[str]  # "d.jsonl line 3" per example
-    form: str  # chat | prompt_completion | text
+    form: str  # a formats.FORMS name
     sources: list[dict[str, Any]] = field(default_factory=list)
     sha256: str = ""  # what a resume compares: a single file's own sha256, else a hash of every source's identity
     origin: list[int] = field(default_factory=list)  # per example: the index of its source in `sources`
@@ -60,8 +60,7 @@ class LoadedData:
     def describe(self) -> str:
         fmts = sorted({s["format"] for s in self.sources})
         what = ", ".join(formats.describe(f) for f in fmts)
-        converted = "" if all(formats.form(f) == f.replace("messages", "chat") for f in fmts) else \
-            f", converted to {self.form.replace('_', '/')}"
+        converted = "" if all(formats.FORMATS[f].native for f in fmts) else f", converted to {self.form.replace('_', '/')}"
         many = f" from {len(self.sources)} sources" if len(self.sources) > 1 else ""
         n = len(self.examples)
         return f"{what} format, {n:,} example{'' if n == 1 else 's'}{many}{converted}"
@@ -123,8 +122,11 @@ def _form_key(example: dict[str, Any]) -> str:
 
 
 def _kind_name(key: str) -> str:
-    return {"prompt_completion": "plain prompt/completion (strings)",
-            "prompt_completion/conversational": "conversational prompt/completion (messages)"}.get(key, key)
+    form, _, conversational = key.partition("/")
+    if form != "prompt_completion":
+        return key
+    return f"conversational {formats.FORMS[form].reads_as} (messages)" if conversational else \
+        f"plain {formats.FORMS[form].reads_as} (strings)"
 
 
 def _content_hash(examples: list[dict[str, Any]]) -> str:
@@ -472,7 +474,7 @@ def to_dataset(examples: list[Any]):
     has_tools = any("tools" in r for r in rows)
     columns: dict[str, Any] = {}
     first = rows[0]
-    for key in ("messages", "prompt", "completion", "text", *formats.SIDES):
+    for key in dict.fromkeys(k for f in formats.FORMS.values() for k in f.columns):
         if key in first:
             columns[key] = List(Json()) if isinstance(first[key], list) else Value("string")
     if has_tools:

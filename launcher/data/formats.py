@@ -12,26 +12,38 @@ The canonical forms (what `SFTTrainer` takes, trl 1.16.0 `sft_trainer.py` `_prep
 
 Alpaca and ShareGPT records become chat. A problem with a record is a `RecordProblem` naming the field.
 
-Owns the format table, FORMATS: each format's description, the form it trains as, the keys that identify it (in
-detection order) and the example line an error shows. The recipe's `format:` values, the detection, the "expected
-one of" text and the bad-record advice derive from it; tests/test_tables.py walks every entry.
+Owns two tables. FORMS, the canonical forms: the key that marks a converted example of each, its dataset columns and
+how a user reads it. FORMATS, the formats records come in: each one's description, its form, the keys that identify
+it (in detection order), the example line an error shows and its converter. The recipe's `format:` values, the
+detection, the "expected one of" text, the bad-record advice and the dataset's columns derive from them;
+tests/test_tables.py walks every entry.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from launcher.errors import json_problem
 
 
 @dataclass(frozen=True)
+class Form:
+    """A canonical form: what TRL's trainers take."""
+    marker: str  # the key a converted example of this form has (example_form reads them in FORMS' order)
+    columns: tuple[str, ...]  # the dataset columns it trains from (dataset.py to_dataset)
+    reads_as: str  # how a user reads it
+
+
+@dataclass(frozen=True)
 class Format:
     description: str  # what the plan and the errors say
-    form: str  # the canonical form it trains as: chat, prompt_completion or text
+    form: str  # the FORMS entry it trains as
     keys: tuple[str, ...]  # a record with all of these keys is in this format (the first match in table order wins)
     example: str  # one record, as the bad-record advice shows it
+    convert: Callable[[dict, Optional[str]], dict[str, Any]]  # a record to its form (a RecordProblem if it cannot)
+    native: bool  # its records already are its form (nothing is renamed, split or assembled)
 
 
 # A preference pair's two answers, in the order TRL batches them (dpo_trainer.py DataCollatorForPreference: the chosen
@@ -39,26 +51,14 @@ class Format:
 SIDES = ("chosen", "rejected")
 PAIR_KEYS = ("prompt", *SIDES)
 
-# In detection order: a record is in the first format whose keys it has all of.
-FORMATS: dict[str, Format] = {
-    "messages": Format("chat messages (role/content)", "chat", ("messages",),
-                       '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}'),
-    "sharegpt": Format("ShareGPT conversations (from/value)", "chat", ("conversations",),
-                       '{"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}]}'),
-    "prompt_completion": Format("prompt/completion", "prompt_completion", ("prompt", "completion"),
-                                '{"prompt": "...", "completion": "..."} (or both lists of messages)'),
-    "alpaca": Format("Alpaca (instruction/input/output)", "chat", ("instruction", "output"),
-                     '{"instruction": "...", "input": "" (optional), "output": "...", "system": "..." (optional)}'),
-    "text": Format("plain text (continued pre-training)", "text", ("text",), '{"text": "..."}'),
-    "preference": Format("preference pairs (prompt/chosen/rejected)", "preference", PAIR_KEYS,
-                         '{"prompt": [{"role": "user", "content": "..."}], "chosen": [{"role": "assistant", '
-                         '"content": "..."}], "rejected": [{"role": "assistant", "content": "..."}]} (or three strings)'),
-    "preference_implicit": Format("preference pairs with an implicit prompt (chosen/rejected conversations)",
-                                  "preference", SIDES,
-                                  '{"chosen": [{"role": "user", "content": "..."}, {"role": "assistant", "content": '
-                                  '"..."}], "rejected": [{"role": "user", "content": "..."}, {"role": "assistant", '
-                                  '"content": "..."}]}'),
+# The canonical forms, in the order example_form tells them apart (a pair has a prompt too: it comes first).
+FORMS: dict[str, Form] = {
+    "chat": Form("messages", ("messages",), "chat (the model's chat template)"),
+    "preference": Form(SIDES[0], PAIR_KEYS, "preference pairs"),
+    "prompt_completion": Form("prompt", ("prompt", "completion"), "prompt/completion"),
+    "text": Form("text", ("text",), "plain text (no chat template)"),
 }
+
 ROLES = ("system", "user", "assistant", "tool")
 # Message fields kept besides role and content: tool calls, tool results, reasoning. The chat template decides
 # whether it renders them; launcher/data/dataset.py checks that it does for every record that has them.
@@ -138,7 +138,7 @@ def convert(record: Any, fmt: str) -> dict[str, Any]:
     if not isinstance(record, dict):
         raise RecordProblem(f"expected a JSON object, found {type(record).__name__}")
     other = detect_one(record)
-    return _CONVERTERS[fmt](record, other)
+    return FORMATS[fmt].convert(record, other)
 
 
 def _missing(record: dict, key: str, fmt: str, other: Optional[str]) -> RecordProblem:
@@ -387,20 +387,36 @@ def _preference_implicit(record: dict, other: Optional[str]) -> dict[str, Any]:
     return _preference(record, other)
 
 
-_CONVERTERS = {"messages": _messages, "sharegpt": _sharegpt, "alpaca": _alpaca,
-               "prompt_completion": _prompt_completion, "text": _plain_text, "preference": _preference,
-               "preference_implicit": _preference_implicit}
-
+# In detection order: a record is in the first format whose keys it has all of.
+FORMATS: dict[str, Format] = {
+    "messages": Format("chat messages (role/content)", "chat", ("messages",),
+                       '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}',
+                       _messages, native=True),
+    "sharegpt": Format("ShareGPT conversations (from/value)", "chat", ("conversations",),
+                       '{"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}]}',
+                       _sharegpt, native=False),
+    "prompt_completion": Format("prompt/completion", "prompt_completion", ("prompt", "completion"),
+                                '{"prompt": "...", "completion": "..."} (or both lists of messages)',
+                                _prompt_completion, native=True),
+    "alpaca": Format("Alpaca (instruction/input/output)", "chat", ("instruction", "output"),
+                     '{"instruction": "...", "input": "" (optional), "output": "...", "system": "..." (optional)}',
+                     _alpaca, native=False),
+    "text": Format("plain text (continued pre-training)", "text", ("text",), '{"text": "..."}', _plain_text,
+                   native=True),
+    "preference": Format("preference pairs (prompt/chosen/rejected)", "preference", PAIR_KEYS,
+                         '{"prompt": [{"role": "user", "content": "..."}], "chosen": [{"role": "assistant", '
+                         '"content": "..."}], "rejected": [{"role": "assistant", "content": "..."}]} (or three strings)',
+                         _preference, native=True),
+    "preference_implicit": Format("preference pairs with an implicit prompt (chosen/rejected conversations)",
+                                  "preference", SIDES,
+                                  '{"chosen": [{"role": "user", "content": "..."}, {"role": "assistant", "content": '
+                                  '"..."}], "rejected": [{"role": "user", "content": "..."}, {"role": "assistant", '
+                                  '"content": "..."}]}', _preference_implicit, native=False),
+}
 
 def example_form(example: dict[str, Any]) -> str:
-    """The canonical form of a converted example: chat, prompt_completion, text or preference."""
-    if "messages" in example:
-        return "chat"
-    if "chosen" in example:
-        return "preference"
-    if "prompt" in example:
-        return "prompt_completion"
-    return "text"
+    """The canonical form (a FORMS name) of a converted example."""
+    return next((name for name, f in FORMS.items() if f.marker in example), "text")
 
 
 def conversational(example: dict[str, Any]) -> bool:

@@ -47,12 +47,13 @@ def objective_fits(recipe: Any, form: str, key: str) -> None:
     if form in objective.forms:
         return
     fitting = [name for name, f in formats.FORMATS.items() if f.form in objective.forms]
-    other = next((o.name for o in methods.OBJECTIVES.values() if form in o.forms), None)
+    others = [o.name for o in methods.OBJECTIVES.values() if form in o.forms]
     raise DataError(
         f"{key} is {form.replace('_', '/')} data, which objective {recipe.objective} does not train "
         f"({recipe.objective} trains {', '.join(formats.describe(f) for f in fitting)})",
-        fix=(f"set objective: {other}" + (" (preference pairs train with dpo or orpo)" if form == "preference" else "")
-             + f", or give {key} in one of: {', '.join(formats.example(f) for f in fitting[:2])}") if other else
+        fix=(f"set objective: {others[0]}" + (f" ({formats.FORMS[form].reads_as} train with {' or '.join(others)})"
+                                               if len(others) > 1 else "")
+             + f", or give {key} in one of: {', '.join(formats.example(f) for f in fitting[:2])}") if others else
         f"give {key} in one of the formats {', '.join(fitting)} (docs/data.md).")
 
 

@@ -68,7 +68,7 @@ def _eval_and_prompts(run: RunDir, recipe, mode: str, examples: list) -> tuple[l
 def _trained_tokens(examples: list, prepared, sample: int = 2000) -> str:
     """What TRL made of the data: its form and the share of tokens the loss is computed on (plain text: all of
     them, no chat template; prompt/completion: the completion), read from the prepared dataset's labels."""
-    from launcher.data.formats import example_form
+    from launcher.data.formats import FORMS, example_form
 
     rows = prepared.select(range(min(sample, len(prepared))))
     first = f", first {len(rows):,} pairs" if len(rows) < len(prepared) else ""
@@ -87,8 +87,7 @@ def _trained_tokens(examples: list, prepared, sample: int = 2000) -> str:
         return (f"data as TRL prepared it: preference pairs, {len(prepared):,} pairs (two sequences each: the prompt "
                 f"with the chosen and with the rejected answer); loss on the answers' {answers:,} of {total:,} tokens "
                 f"({answers / max(total, 1):.1%}{first})")
-    form = {"chat": "chat (the model's chat template)", "text": "plain text (no chat template)",
-            "prompt_completion": "prompt/completion"}[example_form(examples[0])]
+    form = FORMS[example_form(examples[0])].reads_as
     ids = rows["input_ids"]
     # what the loss is computed on: trl 1.16 keeps the masks as columns (assistant_masks with assistant_only_loss,
     # completion_mask for prompt/completion) and the collator turns them into labels; a row's first token is never
