@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 # The reference article: "if the format or style is still wrong in one case out of five, a fine-tune pays":
 # a base model with examples in its prompt scoring below this pays for a fine-tune.
@@ -27,14 +27,53 @@ class Metric:
     name: str
     primary: str  # what the score in [0, 1] measures
     when: str  # when `choose` picks it, for the recipe's help
+    word: str  # how its score is named beside the percentage (the verdict, the summary)
+    scorer: Callable[[list[str], list[str], list[float]], dict[str, Any]]  # (answers, references, exact) -> score
+
+
+def _exact_score(answers: list[str], references: list[str], exact: list[float]) -> dict[str, Any]:
+    n = len(references)
+    return {"score": sum(exact) / n, "details": {"exact": sum(exact) / n}, "per_example": exact}
+
+
+def _json_score(answers: list[str], references: list[str], exact: list[float]) -> dict[str, Any]:
+    n = len(references)
+    parsed = [_json_object(a) for a in answers]
+    keys, fields = [], []
+    for got, ref_text in zip(parsed, references):
+        ref = _json_object(ref_text) or {}
+        keys.append(float(got is not None and set(ref) <= set(got)))
+        if not ref:
+            fields.append(float(got == ref))
+        else:
+            fields.append(sum(1.0 for k, v in ref.items() if got is not None and k in got and got[k] == v) / len(ref))
+    details = {"parses": sum(p is not None for p in parsed) / n, "has_keys": sum(keys) / n,
+               "field_match": sum(fields) / n, "exact": sum(exact) / n}
+    return {"score": details["field_match"], "details": details, "per_example": fields}
+
+
+def _chrf_score(answers: list[str], references: list[str], exact: list[float]) -> dict[str, Any]:
+    from sacrebleu.metrics import CHRF
+
+    chrf = CHRF()
+    corpus = chrf.corpus_score(list(answers), [list(references)]).score / 100.0
+    per = [chrf.sentence_score(a, [r]).score / 100.0 for a, r in zip(answers, references)]
+    return {"score": corpus, "details": {"chrf": corpus, "exact": sum(exact) / len(references)}, "per_example": per}
 
 
 METRICS: dict[str, Metric] = {m.name: m for m in (
-    Metric("exact", "accuracy after whitespace and case normalisation", "the references are a few short labels"),
-    Metric("json", "field-level exact match against the reference object", "every reference parses as a JSON object"),
-    Metric("text", "chrF (sacrebleu), as a fraction", "anything else"),
+    Metric("exact", "accuracy after whitespace and case normalisation", "the references are a few short labels",
+           "exact", _exact_score),
+    Metric("json", "field-level exact match against the reference object", "every reference parses as a JSON object",
+           "field match", _json_score),
+    Metric("text", "chrF (sacrebleu), as a fraction", "anything else", "chrF", _chrf_score),
 )}
 AUTO = "auto"  # the recipe's default: chosen from the references
+
+
+def word(metric: Optional[str]) -> Optional[str]:
+    """How the metric's score is named beside its percentage ("field match 40%")."""
+    return METRICS[metric].word if metric in METRICS else metric
 
 
 def described() -> str:
@@ -87,28 +126,7 @@ def score(metric: str, answers: list[str], references: list[str]) -> dict[str, A
     n = len(references)
     if n == 0:
         return {"score": 0.0, "details": {}, "per_example": []}
-    exact = _exact(answers, references)
-    if metric == "exact":
-        return {"score": sum(exact) / n, "details": {"exact": sum(exact) / n}, "per_example": exact}
-    if metric == "json":
-        parsed = [_json_object(a) for a in answers]
-        keys, fields = [], []
-        for got, ref_text in zip(parsed, references):
-            ref = _json_object(ref_text) or {}
-            keys.append(float(got is not None and set(ref) <= set(got)))
-            if not ref:
-                fields.append(float(got == ref))
-            else:
-                fields.append(sum(1.0 for k, v in ref.items() if got is not None and k in got and got[k] == v) / len(ref))
-        details = {"parses": sum(p is not None for p in parsed) / n, "has_keys": sum(keys) / n,
-                   "field_match": sum(fields) / n, "exact": sum(exact) / n}
-        return {"score": details["field_match"], "details": details, "per_example": fields}
-    from sacrebleu.metrics import CHRF
-
-    chrf = CHRF()
-    corpus = chrf.corpus_score(list(answers), [list(references)]).score / 100.0
-    per = [chrf.sentence_score(a, [r]).score / 100.0 for a, r in zip(answers, references)]
-    return {"score": corpus, "details": {"chrf": corpus, "exact": sum(exact) / n}, "per_example": per}
+    return METRICS[metric].scorer(answers, references, _exact(answers, references))
 
 
 def fine_tune_pays(few_shot: float) -> bool:

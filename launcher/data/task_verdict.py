@@ -7,13 +7,11 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from launcher.data.task_metrics import PAYS_BELOW, fine_tune_pays
+from launcher.data.task_metrics import PAYS_BELOW, fine_tune_pays, word as metric_word
 
 # The score names of task_eval.json: the base model zero-shot and with the task's examples in its prompt, the trained
 # model (each export adds its own name: merged, gguf-q4_k_m)
 BASE_ZERO_SHOT, BASE_FEW_SHOT, FINE_TUNED = "base_zero_shot", "base_few_shot", "fine_tuned"
-# How each metric's score is named beside its percentage (launcher/data/task_metrics.py METRICS)
-METRIC_WORDS = {"exact": "exact", "json": "field match", "text": "chrF"}
 
 
 def pct(value: float) -> str:
@@ -51,7 +49,7 @@ def verdict(t: dict[str, Any], price: str = "") -> str:
     if score is None:
         return "the base model has not been scored yet"
     metric = t.get("metric")
-    word = METRIC_WORDS.get(metric, metric or "score")
+    word = metric_word(metric) or "score"
     pays = t["fine_tune_pays"] if t.get("fine_tune_pays") is not None else fine_tune_pays(score)
     if pays:
         fifths = max(1, round(5 * (1 - score)))

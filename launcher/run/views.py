@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from launcher.store.state import ENDED
-from launcher.data.task_verdict import (BASE_FEW_SHOT, BASE_ZERO_SHOT, FINE_TUNED, METRIC_WORDS, base_score, pct,
+from launcher.data import task_metrics
+from launcher.data.task_verdict import (BASE_FEW_SHOT, BASE_ZERO_SHOT, FINE_TUNED, base_score, pct,
                                         start_name, verdict)
 from launcher.worker.task_eval import PREFIX as TASK_EVAL_PREFIX
 
@@ -405,7 +406,7 @@ def format_task_eval(t: dict[str, Any]) -> str:
     if t.get("not_applicable") or t.get("too_few") is not None:
         return f"  task      {verdict}"
     metric = t.get("metric")
-    word = METRIC_WORDS.get(metric, metric)
+    word = task_metrics.word(metric)
     lines = [f"  task      {t.get('examples')} held-out examples, scored by {metric}"
              + (f" ({word})" if word != metric else "") + (f": {t['metric_reason']}" if t.get("metric_reason") else "")]
     if t.get("starting_point"):
