@@ -47,18 +47,21 @@ class Method:
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (
-    # MFU: LoRA's frozen matmuls skip the weight gradient, QLoRA adds dequantization (docs/sizing.md).
+    # MFU: measured on one H200 (Qwen3-8B, 4 x 1,024 tokens for LoRA, 2 x 1,024 for full, gradient checkpointing,
+    # SDPA: 5,887 and 4,315 tokens/s at sizing.flops_per_token's count, recomputation included): 0.28 both; full-8bit
+    # runs the same matmuls. QLoRA has no measurement: LoRA's 0.28 x 0.32 / 0.34, the ratio the article's time table
+    # implied before (dequantizing every weight per pass). docs/sizing.md, "Time and cost".
     Method("qlora", adapter=True, quantized=True, eight_bit_optimizer=False, weight_bytes=4, gradient_bytes=4,
-           optimizer_bytes=8, mfu=0.32, title="QLoRA (4-bit base, LoRA adapters)",
+           optimizer_bytes=8, mfu=0.26, title="QLoRA (4-bit base, LoRA adapters)",
            help="4-bit base + LoRA"),
     Method("lora", adapter=True, quantized=False, eight_bit_optimizer=False, weight_bytes=4, gradient_bytes=4,
-           optimizer_bytes=8, mfu=0.34, title="LoRA", help="16-bit base + LoRA", lighter="qlora", lighter_by="method",
+           optimizer_bytes=8, mfu=0.28, title="LoRA", help="16-bit base + LoRA", lighter="qlora", lighter_by="method",
            lighter_why="4-bit base model"),
     Method("full", adapter=False, quantized=False, eight_bit_optimizer=False, weight_bytes=2, gradient_bytes=2,
-           optimizer_bytes=12, mfu=0.36, title="full fine-tuning", help="AdamW", lighter="full-8bit",
+           optimizer_bytes=12, mfu=0.28, title="full fine-tuning", help="AdamW", lighter="full-8bit",
            lighter_by="optimizer", lighter_why="8-bit AdamW states"),
     Method("full-8bit", adapter=False, quantized=False, eight_bit_optimizer=True, weight_bytes=2, gradient_bytes=2,
-           optimizer_bytes=2, mfu=0.36, title="full fine-tuning with 8-bit AdamW",
+           optimizer_bytes=2, mfu=0.28, title="full fine-tuning with 8-bit AdamW",
            help="8-bit AdamW"),
 )}
 

@@ -14,6 +14,7 @@ from launcher.plan import attention
 from launcher.plan import gguf_readiness
 from launcher.plan import packing
 from launcher.plan import sizing
+from launcher.plan import speed
 from launcher.errors import MissingSoftware, PlanError
 from launcher.methods import is_adapter
 # engine_choice._deepspeed_installed is looked up at call time: one name to patch for every caller
@@ -67,6 +68,7 @@ class Plan:
     cheapest_rental: dict[str, Any] | None = None  # the catalog box that runs the job for the least money
     # the recipe's checkpoint_every_minutes: checkpoints follow the clock, checkpoint_every_steps is its estimate
     checkpoint_every_minutes: float | None = None
+    speed: dict[str, Any] | None = None  # the faster settings the plan chose (launcher/plan/speed.py record)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -97,6 +99,7 @@ class Plan:
             "offload_activations": self.offload_activations,
             "refusal": dict(self.refusal) if self.refusal else None,
             "cheapest_rental": dict(self.cheapest_rental) if self.cheapest_rental else None,
+            "speed": dict(self.speed) if self.speed else None,
         }
 
 
@@ -253,6 +256,13 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
             offload_optimizer=choice.offload_optimizer, refusal={"message": message, "why": choice.refusal, "missing": choice.missing or None, "options": options},
             cheapest_rental=cheapest_rental(rows))
 
+    # the card's spare memory buys speed where the recipe leaves the settings to the plan
+    sped = speed.faster(job, choice, speed.left_to_plan(recipe), lambda j: choose(
+        j, hardware, forced, unsloth_ok, workday_hours, processes=wanted, nnodes=nnodes, offload=offload))
+    sped_record = speed.record(job, sped)
+    if sped:
+        job, choice = sped.job, replace(sped.choice, reasons=sped.choice.reasons + sped.reasons)
+        est = choice.estimate
     steps, training = _steps_and_tokens(job, choice.processes)
     # one value for every figure that shows it (the time's reason line and "Speed:" printed 1,587 and 1,586)
     tps = round(choice.tokens_per_second, 1)
@@ -358,6 +368,7 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
         offload_optimizer=choice.offload_optimizer,
         offload_activations=choice.offload_activations or job.offload_activations,
         cheapest_rental=rental,
+        speed=sped_record,
     )
 
 

@@ -642,8 +642,8 @@ def _optimizer_free(est: MemoryEstimate, n: int) -> float:
 # ---------------------------------------------------------------------------------------------
 # Compute, throughput, time
 
-# Model FLOPs utilisation per GPU (dense bf16 peak), calibrated on the article's time table
-# (docs/sizing.md, "Time"); QLoRA dequantises every weight on every forward and recompute.
+# Model FLOPs utilisation per GPU (dense bf16 peak), calibrated on one H200's measured Qwen3-8B steps
+# (docs/sizing.md, "Time and cost"); QLoRA dequantises every weight on every forward and recompute.
 MFU = {name: m.mfu for name, m in METHODS.items()}  # launcher/methods.py
 # Unsloth's kernels: LLaMA-Factory measured 1.6x tokens/s over HF for 4-bit LoRA; the article's
 # RTX 4090 row implies ~1.4x. We use the lower.

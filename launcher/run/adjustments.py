@@ -1,29 +1,64 @@
-"""The recipe changes an out of memory in the smoke test leads to, cheapest first: batch, checkpointing, optimizer,
-method, shard (recipe `auto_adjust`), and the recipe as a run trains it with those applied."""
+"""The recipe changes an out of memory in the smoke test leads to, cheapest first: the plan's own faster settings
+undone, then batch, checkpointing, optimizer, method, shard (recipe `auto_adjust`), and the recipe as a run trains it
+with the plan's settings and those changes applied."""
 
 from __future__ import annotations
 
 import json
 from typing import Any, Optional
 
+import yaml
+
 from launcher.engine_kinds import SHARDING
 from launcher.methods import METHODS
+from launcher.plan.speed import left_to_plan
 from launcher.recipe import Recipe
 from launcher.store.rundir import RunDir
 
 
+def with_plan_settings(recipe: Recipe, plan: dict[str, Any]) -> Recipe:
+    """The recipe with the faster settings its plan chose for the keys it leaves out (plan.json `speed`,
+    launcher/plan/speed.py): what recipe.yaml records and the worker trains with."""
+    chosen = (plan.get("speed") or {}).get("set") or {}
+    return recipe.model_copy(update=chosen) if chosen else recipe
+
+
 def with_adjustments(run: RunDir, recipe: Recipe) -> Recipe:
-    """The recipe as the run trains it: the smoke test's recorded out-of-memory adjustments applied."""
-    if not run.plan.is_file():
-        return recipe
+    """The recipe as the run trains it: the keys it leaves to the plan as the run's recipe.yaml holds them (the plan
+    chose them when the run began; a resume keeps them, on any box), then the smoke test's recorded out-of-memory
+    adjustments."""
     update: dict[str, Any] = {}
-    for adj in json.loads(run.plan.read_text()).get("adjustments", []):
-        update.update(adj["set"])
+    left = left_to_plan(recipe)
+    if left and run.recipe.is_file():
+        try:
+            recorded = yaml.safe_load(run.recipe.read_text()) or {}
+        except yaml.YAMLError:  # a recipe.yaml this ftrun cannot read: the run's own views say so
+            recorded = {}
+        update.update({k: recorded[k] for k in left if isinstance(recorded, dict) and k in recorded})
+    if run.plan.is_file():
+        for adj in json.loads(run.plan.read_text()).get("adjustments", []):
+            update.update(adj["set"])
     return recipe.model_copy(update=update) if update else recipe
 
 
+def undo_plan_settings(recipe: Recipe, plan: dict[str, Any]) -> Optional[tuple[dict[str, Any], str]]:
+    """Back to the recipe's own values where the plan chose faster ones that are still in force, or None. The plan
+    sized those values to fit with the usual margin; its faster ones only with headroom for its error."""
+    speed = plan.get("speed") or {}
+    chosen, was = speed.get("set") or {}, speed.get("from") or {}
+    if not chosen or any(getattr(recipe, k) != v for k, v in chosen.items()):
+        return None
+    back = {k: v for k, v in was.items() if getattr(recipe, k) != v}
+    return (back, "the plan's faster settings undone: " + ", ".join(f"{k} {getattr(recipe, k)} -> {v}"
+                                                                   for k, v in back.items())) if back else None
+
+
 def next_adjustment(recipe: Recipe, plan: dict[str, Any]) -> Optional[tuple[dict[str, Any], str]]:
-    """The cheapest change the recipe allows after an out-of-memory, or None."""
+    """The cheapest change the recipe allows after an out-of-memory, or None. The plan's own faster settings go
+    first, whatever auto_adjust says: they are the plan's, not the recipe's."""
+    undo = undo_plan_settings(recipe, plan)
+    if undo:
+        return undo
     allowed = recipe.auto_adjust
     m, g = recipe.micro_batch_size, recipe.gradient_accumulation_steps
     if "batch" in allowed and m > 1:

@@ -25,7 +25,7 @@ from launcher.run.data_view import data_label, data_line, format_loss_view, want
 from launcher.run.facts import end_summary, run_status
 from launcher.run.task_baseline import launch_baseline
 from launcher.run.views import format_status
-from launcher.run.adjustments import next_adjustment, shard_blocker, with_adjustments
+from launcher.run.adjustments import next_adjustment, shard_blocker, with_adjustments, with_plan_settings
 from launcher.data.stats import data_record, data_stats
 
 
@@ -156,6 +156,7 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
     examples, lengths, stats, plan, plan_dict, lock, data_sha = _prepare(run, recipe, resuming=resuming, fresh=fresh,
                                                                          memory_limit=memory_limit,
                                                                          allow_changes=allow_changes, nodes=nodes)
+    recipe = with_plan_settings(recipe, plan.to_dict())  # as _prepare wrote it into recipe.yaml (a new choice only)
     download = _download(run, recipe, found, plan_dict)
     ckpt_step = newest_step_unverified(run.checkpoints)
     smoke_ok = run.smoke.is_file()
@@ -232,6 +233,7 @@ def _prepare(run: RunDir, recipe: Recipe, *, resuming: bool, fresh: bool, memory
     # a resume skips the smoke test: its passed measurements calibrate the plan again (memory, throughput)
     smoke = json.loads(run.smoke.read_text()) if resuming and not restart and run.smoke.is_file() else None
     plan = make_plan(recipe, stats, smoke=smoke, nnodes=(nodes or {}).get("nnodes", 1))
+    recipe = with_plan_settings(recipe, plan.to_dict())  # recipe.yaml and the worker train with the plan's choice
     _check_shared_memory(plan.to_dict())
     # the repository the planned engine loads, when it is not the recipe's model (Unsloth's pre-quantized QLoRA):
     # checked here, before the run directory is touched, and downloaded before the smoke test in its place
@@ -255,6 +257,8 @@ def _prepare(run: RunDir, recipe: Recipe, *, resuming: bool, fresh: bool, memory
     run.recipe.write_text("# resolved by ftrun: defaults < recipe < command line\n"
                           + yaml.safe_dump(recipe.snapshot(), sort_keys=False))
     plan_dict = _plan_record(plan, memory_limit, previous.get("adjustments"), nodes)
+    if previous.get("speed") and not plan_dict.get("speed"):  # the run's own choice, kept by with_adjustments
+        plan_dict["speed"] = previous["speed"]
     if previous:  # a resume: the forecast the user was shown first stays the plan's, the new one is labelled
         plan_dict["estimate_as_planned"] = previous.get("estimate_as_planned") or previous.get("estimate")
         plan_dict["estimate_at_resume"] = plan_dict.get("estimate")
@@ -408,6 +412,7 @@ def _smoke(run: RunDir, recipe: Recipe, plan_dict, examples, lengths, stats,
     # Plan, then calibrate: the measured throughput and memory replace the estimates.
     calibrated = make_plan(recipe, stats, smoke=report, nnodes=(plan_dict.get("nodes") or {}).get("nnodes", 1))
     record = _plan_record(calibrated, plan_dict.get("memory_limit_gb"), adjustments, plan_dict.get("nodes"))
+    record["speed"] = plan_dict.get("speed")  # the plan's choice and its reasons, which the recipe now holds
     # the forecast the user was shown before the smoke test ("Time:" of the printed plan): `ftrun status` compares
     # with that one as "plan forecast", the calibrated estimate being the smoke test's own forecast again
     record["estimate_as_planned"] = plan_dict.get("estimate_as_planned") or plan_dict.get("estimate")
@@ -435,6 +440,7 @@ def prepare_only(recipe: Recipe, purpose: str, memory_limit: Optional[float] = N
     if missed:
         _say(f"note: {missed}")
     prepared = _prepare(run, recipe, resuming=exists, fresh=False, memory_limit=memory_limit)
+    recipe = with_plan_settings(recipe, prepared[3].to_dict())  # as _prepare wrote it into recipe.yaml
     lock = prepared[5]
     try:
         set_state(run, "planned", **_launcher(), data_sha256=prepared[6], reason=purpose)
