@@ -69,6 +69,8 @@ class Plan:
     # the recipe's checkpoint_every_minutes: checkpoints follow the clock, checkpoint_every_steps is its estimate
     checkpoint_every_minutes: float | None = None
     speed: dict[str, Any] | None = None  # the faster settings the plan chose (launcher/plan/speed.py record)
+    # what the job needs that this box lacks although it fits (llama.cpp for a GGUF export): {"message", "fix"}
+    blocked: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -100,6 +102,7 @@ class Plan:
             "refusal": dict(self.refusal) if self.refusal else None,
             "cheapest_rental": dict(self.cheapest_rental) if self.cheapest_rental else None,
             "speed": dict(self.speed) if self.speed else None,
+            "blocked": dict(self.blocked) if self.blocked else None,
         }
 
 
@@ -109,7 +112,8 @@ def make_plan(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: f
               price: float | None = None, box_reason: str | None = None, allow_network: bool = True,
               tokens_from: str = "--tokens") -> Plan:
     """Size the recipe's job for this box. When nothing fits: PlanError (concrete options in .fix, the whole
-    no-fit plan in .plan); when it needs software this machine lacks: MissingSoftware (the install in .fix)."""
+    no-fit plan in .plan); when it needs software this machine lacks: MissingSoftware (the install in .fix; the plan in
+    .plan, which fits where only an output's software is missing: Plan.blocked)."""
     plan = plan_for(recipe, hardware, data_stats, tokens, unsloth_available, smoke, workday_hours, arch, nnodes,
                     price, box_reason, allow_network, tokens_from)
     if not plan.fits:
@@ -119,6 +123,10 @@ def make_plan(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: f
         # one option on the Fix: line itself, several listed under it (never a Fix: line with nothing on it)
         fix = options[0] if len(options) == 1 else "one of:\n  - " + "\n  - ".join(options) if options else None
         err = err_type(plan.refusal["message"], fix=fix)
+        err.plan = plan
+        raise err
+    if plan.blocked:
+        err = MissingSoftware(plan.blocked["message"], fix=plan.blocked["fix"])
         err.plan = plan
         raise err
     return plan
@@ -200,7 +208,11 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
     arch = arch or load_architecture(recipe.model)
     unsloth_ok, software = _software(hardware, unsloth_available)
     job, notes = _job(recipe, arch, data_stats, tokens, tokens_from)
-    notes += gguf_readiness.plan_check(recipe, this_box=hardware.source == "detected")  # each requested output can be made
+    blocked = None
+    try:  # each requested output can be made; a missing install is said after the plan, which it does not change
+        notes += gguf_readiness.plan_check(recipe, this_box=hardware.source == "detected")
+    except MissingSoftware as exc:
+        blocked = {"message": exc.message, "fix": exc.fix}
     notes += _task_eval_note(recipe, data_stats)
     notes += _learning_rate_note(recipe)
     forced = recipe.engine
@@ -369,6 +381,7 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
         offload_activations=choice.offload_activations or job.offload_activations,
         cheapest_rental=rental,
         speed=sped_record,
+        blocked=blocked,
     )
 
 

@@ -21,7 +21,8 @@ from launcher.plan.job import Job
 LEFT_TO_PLAN = ("gradient_checkpointing", "micro_batch_size", "gradient_accumulation_steps")
 # A faster setting is taken only when its estimate times this fits the memory the plan may fill (USABLE_FRACTION of
 # the card): the estimate was within 4% on the H200 at 8B (LoRA 18.9 GB planned, 19.6 measured; full 133.5 and
-# 129.6) and within 7% (median) over the published rows; 25% covers the worst of those rows at 8B and above.
+# 129.6) and within 7% (median) over the published rows (docs/sizing.md). The smoke test measures the peak, and an
+# out of memory there undoes the faster settings first.
 HEADROOM = 1.10
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 from launcher.data.stats import data_stats
-from launcher.errors import DataError, RecipeError
+from launcher.errors import DataError, MissingSoftware, RecipeError
 from launcher.recipe import check_trainer_fields, load_recipe
 from launcher.run.adjustments import with_adjustments
 from launcher.run.data_view import data_line, format_loss_view, wants_color
@@ -107,12 +107,22 @@ def _plan_command(recipe_path: str, overrides: list[str], gpus: Optional[str], t
         smoke = json.loads(run.smoke.read_text())
         recipe = with_adjustments(run, recipe)
     box, why = hw.for_plan(gpus, recipe.box)
-    plan = plan_job(recipe, box, data_stats=stats, tokens=count, smoke=smoke, price=price, box_reason=why,
-                    tokens_from="--tokens" if tokens is not None else "the recipe's tokens:")
+    blocked = None
+    try:
+        plan = plan_job(recipe, box, data_stats=stats, tokens=count, smoke=smoke, price=price, box_reason=why,
+                        tokens_from="--tokens" if tokens is not None else "the recipe's tokens:")
+    except MissingSoftware as exc:  # the job fits, but this box lacks what an output needs: the plan, then that
+        if getattr(exc, "plan", None) is None or not exc.plan.fits:
+            raise
+        plan, blocked = exc.plan, exc
     plan.notes[:0] = notes
     if stats is not None and not as_json:
         print(f"data: {data_line(stats)}")
         if stats.loss_view:  # the example as the loss sees it (launcher/data/loss_view.py)
             print(format_loss_view(stats.loss_view, color=wants_color()))
-    print(json.dumps(plan.to_dict(), indent=2) if as_json else format_plan(plan))
+    print(json.dumps(plan.to_dict(), indent=2) if as_json else format_plan(plan), flush=True)
+    if blocked is not None:
+        if as_json:
+            return blocked.exit_code
+        raise blocked
     return 0

@@ -57,6 +57,11 @@ def test_plan_refuses_gguf_when_this_box_lacks_llama_cpp(tiny_model, tmp_path):
     assert res.returncode == 2, res.stdout + res.stderr
     assert "export: gguf (q4_k_m) needs llama.cpp on this box" in res.stderr
     assert "converter is not installed" in res.stderr and "Fix:" in res.stderr and "Traceback" not in res.stderr
+    # the plan itself first (it fits: only the export's software is missing), then the blocking problem
+    assert "Plan: lora of" in res.stdout and "Memory" in res.stdout and "Time" in res.stdout, res.stdout
+    res = ftrun("plan", recipe, "--json", cwd=tmp_path, env={"FTRUN_LLAMA_CPP": str(empty)}, timeout=120)
+    plan = json.loads(res.stdout)
+    assert res.returncode == 2 and plan["fits"] is True and "needs llama.cpp" in plan["blocked"]["message"], plan
     # planned for another box (--gpus), a missing build here is a note, not a refusal
     res = ftrun("plan", recipe, "--gpus", "1xH100-80GB", cwd=tmp_path, env={"FTRUN_LLAMA_CPP": str(empty)}, timeout=120)
     assert "needs llama.cpp on this box" not in res.stderr
