@@ -90,8 +90,9 @@ class Objective:
     trainer: str  # TRL's trainer class, in `module`
     config: str  # its configuration class (the recipe's `trainer:` fields are checked against it)
     module: str  # where TRL keeps both (ORPO is in trl.experimental in trl 1.16)
-    forms: tuple[str, ...]  # the canonical data forms it trains (launcher/data/formats.py FORMATS' `form`)
+    forms: tuple[str, ...]  # the canonical data forms it trains (launcher/data/formats.py FORMS)
     sequences_per_example: int  # sequences the forward pass runs per example (2 for a chosen/rejected pair)
+    preference: bool  # preference tuning: it learns which of two answers is preferred (its `preference:` keys, rewards)
     reference_pass: bool  # a frozen reference model's log-probabilities are computed too (one more forward)
     settings: tuple[str, ...]  # the recipe's `preference:` keys that apply (the others are refused)
     logged: tuple[str, ...]  # the trainer's own logged metrics kept in metrics.jsonl (train rows; eval_ on eval rows)
@@ -105,30 +106,41 @@ class Objective:
     # shifted copy of the chosen half for its cross-entropy and selective_log_softmax over all of them. The plan counts
     # them (launcher/plan/sizing.py LOSS_MATERIALIZED).
     whole_logits: bool = False
+    refuses: tuple[str, ...] = ()  # the recipe's switches it cannot honour: each is refused when set true
+    refuses_why: str = ""  # why, as the refusal says it
+    unsloth: bool = False  # engine unsloth trains it (FastLanguageModel with its own patched TRL trainer)
 
-    @property
-    def preference(self) -> bool:
-        """It trains on pairs of a chosen and a rejected answer."""
-        return self.sequences_per_example == 2
 
+# What the pair trainers cannot honour: they pad a pair's chosen and rejected rows side by side (trl 1.16
+# dpo_trainer.py DPOTrainer.__init__ warns that padding_free=True "is temporarily unavailable" and sets it False;
+# ORPOConfig has no such field), and train the answers after their prompt.
+_PAIRS_REFUSE = ("packing", "assistant_only_loss", "padding_free")
+_PAIRS_WHY = "it trains a pair's answers after their prompt, padded side by side (TRL's preference collator)"
+# The recipe's default objective, and the one runs trained before objectives existed (their trajectory hash has none)
+DEFAULT_OBJECTIVE = "sft"
 
 # TRL's reward metrics for a pair (dpo_trainer.py DPOTrainer._compute_loss, orpo_trainer.py get_batch_loss_metrics)
 _REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
 
 OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
     Objective("sft", trainer="SFTTrainer", config="SFTConfig", module="trl", forms=("chat", "prompt_completion", "text"),
-              sequences_per_example=1, reference_pass=False, settings=(), logged=(),
-              help="supervised fine-tuning on examples", learning_rate=2e-5),
+              sequences_per_example=1, preference=False, reference_pass=False, settings=(), logged=(),
+              help="supervised fine-tuning on examples", learning_rate=2e-5, unsloth=True),
     Objective("dpo", trainer="DPOTrainer", config="DPOConfig", module="trl", forms=("preference",),
-              sequences_per_example=2, reference_pass=True, settings=("beta", "loss_type", "reference"),
+              sequences_per_example=2, preference=True, reference_pass=True, settings=("beta", "loss_type", "reference"),
               logged=_REWARDS, help="Direct Preference Optimization on chosen/rejected pairs, against a frozen "
-              "reference", learning_rate=1e-6),
+              "reference", learning_rate=1e-6, refuses=_PAIRS_REFUSE, refuses_why=_PAIRS_WHY),
     Objective("orpo", trainer="ORPOTrainer", config="ORPOConfig", module="trl.experimental.orpo",
-              forms=("preference",), sequences_per_example=2, reference_pass=False, settings=("beta",),
+              forms=("preference",), sequences_per_example=2, preference=True, reference_pass=False, settings=("beta",),
               logged=_REWARDS + ("nll_loss", "log_odds_ratio"), help="ORPO on chosen/rejected pairs: SFT loss plus "
               "an odds-ratio term, no reference model", learning_rate=1e-6, templated_by_worker=True,
-              whole_logits=True),
+              whole_logits=True, refuses=_PAIRS_REFUSE, refuses_why=_PAIRS_WHY),
 )}
+
+
+def preference_objectives() -> tuple[str, ...]:
+    """The objectives that tune on preferences, in table order."""
+    return tuple(name for name, o in OBJECTIVES.items() if o.preference)
 
 
 def objectives_described() -> str:

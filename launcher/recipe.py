@@ -115,7 +115,7 @@ class LoraSettings(_Strict):
 
 
 class PreferenceSettings(_Strict):
-    """The preference objectives' settings (objective dpo or orpo; launcher/methods.py OBJECTIVES names which apply)."""
+    """The preference objectives' settings (launcher/methods.py OBJECTIVES names which apply to which)."""
 
     beta: float = Field(0.1, gt=0, description="dpo: how far the policy may move from the reference (TRL's beta; "
                         "higher stays closer); orpo: the weight of the odds-ratio term (ORPO's lambda).")
@@ -239,9 +239,10 @@ class Recipe(_Strict):
 
     model: str = Field(description="Hugging Face model id or a local model directory.")
     method: Method = Field(description=methods.described())
-    objective: ObjectiveName = Field("sft", description=methods.objectives_described())
+    objective: ObjectiveName = Field(methods.DEFAULT_OBJECTIVE, description=methods.objectives_described())
     preference: PreferenceSettings = Field(default_factory=PreferenceSettings,
-                                           description="DPO and ORPO settings (objective dpo or orpo).")
+                                           description="Preference tuning's settings (objective "
+                                           f"{' or '.join(methods.preference_objectives())}).")
     init_from: Optional[str] = Field(
         None, description="Start from an earlier run's adapter: its run directory (final/adapter) or an adapter "
         "folder; the usual chain is SFT, then DPO on the same base (lora, qlora). The plan and the model card name it.")
@@ -375,7 +376,7 @@ class Recipe(_Strict):
         did when true was the default for every objective."""
         objective = methods.OBJECTIVES.get(info.data.get("objective"))
         if value is None and objective is not None:  # no objective: its own error says so
-            return not objective.preference
+            return "padding_free" not in objective.refuses
         return value
 
     @field_validator("trainer")
@@ -399,14 +400,11 @@ class Recipe(_Strict):
                              f"({where}; objective {self.objective} takes "
                              f"{', '.join('preference.' + k for k in objective.settings) or 'no preference: keys'}); "
                              "remove it, or set the objective it is for")
-        if objective.preference:
-            # each switched on only where SFT's trainer honours it: trl 1.16 dpo_trainer.py DPOTrainer.__init__ warns
-            # that padding_free=True "is temporarily unavailable" and sets it False; ORPOConfig has no such field
-            sft_only = sorted(k for k in ("packing", "assistant_only_loss", "padding_free") if getattr(self, k))
-            if sft_only:
-                raise ValueError(f"{', '.join(sft_only)} apply to objective sft; {self.objective} trains a pair's "
-                                 "answers after their prompt, padded side by side (TRL's preference collator): remove "
-                                 f"{'them' if len(sft_only) > 1 else 'it'}")
+        refused = sorted(k for k in objective.refuses if getattr(self, k))
+        if refused:
+            takers = ", ".join(o.name for o in methods.OBJECTIVES.values() if not set(refused) & set(o.refuses))
+            raise ValueError(f"{', '.join(refused)} apply to objective {takers}; {self.objective}: "
+                             f"{objective.refuses_why}: remove {'them' if len(refused) > 1 else 'it'}")
         if self.init_from is not None and not methods.is_adapter(self.method):
             raise ValueError(f"init_from starts from an adapter, and method {self.method} trains every weight: give the "
                              "earlier run's merged model as model: (RUN/final/merged, made with export: [merged]) "
@@ -471,7 +469,7 @@ class Recipe(_Strict):
         out = {k: snap[k] for k in keep}
         if self.eval.fraction is not None:  # the held-out share decides which examples train (absent: as before)
             out["eval.fraction"] = self.eval.fraction
-        if self.objective != "sft":  # absent for SFT: a run of an earlier ftrun resumes with the same hash
+        if self.objective != methods.DEFAULT_OBJECTIVE:  # absent: a run of an earlier ftrun resumes with its hash
             out["objective"] = self.objective
             out["preference"] = {k: snap["preference"][k] for k in self.objective_row.settings}
         if self.init_from is not None:  # the parent adapter's weights, not only its path

@@ -162,13 +162,14 @@ def model_card(run: RunDir, recipe, report: dict[str, Any], repo: str, outputs: 
     data = ModelCardData(
         base_model=base, library_name="peft" if adapter_at_root else "transformers", pipeline_tag="text-generation",
         tags=["ftrun", recipe.method, *(["lora"] if methods.is_adapter(recipe.method) else []),
-              *([recipe.objective] if recipe.objective != "sft" else []), *(["gguf"] if "gguf" in outputs else [])],
+              *([recipe.objective] if recipe.objective != methods.DEFAULT_OBJECTIVE else []),
+              *(["gguf"] if "gguf" in outputs else [])],
     )
     method = methods.METHODS[recipe.method].title
     lora = f" (r={recipe.lora.r}, alpha={recipe.lora.alpha}, targets {recipe.lora.target_modules})" \
         if methods.is_adapter(recipe.method) and not recipe.init_from else ""
     objective = recipe.objective_row
-    if objective.name != "sft":
+    if objective.settings:
         settings = ", ".join(f"{k} {getattr(recipe.preference, k)}" for k in objective.settings)
         method += f", objective {objective.name} ({objective.help}; {settings})"
     if recipe.init_from:

@@ -11,7 +11,7 @@ import importlib.util
 from dataclasses import dataclass, replace
 
 from launcher.engine_kinds import CPU_MULTI_PROCESS, SHARDING
-from launcher.methods import METHODS, is_adapter, is_quantized
+from launcher.methods import METHODS, OBJECTIVES, is_adapter, is_quantized
 from launcher.plan import sizing
 from launcher.plan.figures import _fmt_hours
 from launcher.plan.hardware import Hardware
@@ -179,7 +179,7 @@ def _choose_cpu_unsloth(job: Job, hw: Hardware, unsloth_ok: bool, processes: int
     if not is_adapter(job.method):
         return Choice(False, "unsloth", "cpu", 1, None, capacity, reasons,
                       refusal=f"engine: unsloth trains LoRA/QLoRA only; method is {job.method}")
-    if job.objective != "sft":
+    if not OBJECTIVES[job.objective].unsloth:
         return Choice(False, "unsloth", "cpu", 1, None, capacity, reasons,
                       refusal=UNSLOTH_NOT_FOR.format(job.objective) + "; use engine: auto or trl")
     if not unsloth_ok:
@@ -214,8 +214,10 @@ UNSLOTH_MISSING = ("engine: unsloth needs Unsloth, which is not installed in thi
 
 # Unsloth patches TRL's DPO and ORPO trainers (PatchDPOTrainer), but ftrun's Unsloth engine loads, checkpoints and
 # resumes through its SFT path only (launcher/worker/engines/unsloth.py): a preference objective runs on TRL.
-UNSLOTH_NOT_FOR = ("engine unsloth: ftrun runs Unsloth for objective sft only, and this recipe's objective is {}: its "
-                   "trainer (TRL's) is not the one ftrun's Unsloth engine loads, checkpoints and resumes")
+UNSLOTH_NOT_FOR = ("engine unsloth: ftrun runs Unsloth for objective "
+                   + " and ".join(name for name, o in OBJECTIVES.items() if o.unsloth)
+                   + " only, and this recipe's objective is {}: its trainer (TRL's) is not the one ftrun's Unsloth "
+                   "engine loads, checkpoints and resumes")
 
 
 def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = False,
@@ -241,7 +243,7 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
     reasons: list[str] = []
 
     # Forced engines that cannot work here are refused before anything is sized.
-    if forced == "unsloth" and job.objective != "sft":
+    if forced == "unsloth" and not OBJECTIVES[job.objective].unsloth:
         return Choice(False, "unsloth", "cuda", 1, None, cap, [], refusal=UNSLOTH_NOT_FOR.format(job.objective)
                       + "; use engine: auto or trl")
     if forced == "unsloth" and not lora:
@@ -269,14 +271,14 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
     single_engine = "trl"
     if forced in ("unsloth", "trl"):
         single_engine = forced
-    elif forced == "auto" and lora and unsloth_ok and cc_ok and job.objective == "sft":
+    elif forced == "auto" and lora and unsloth_ok and cc_ok and OBJECTIVES[job.objective].unsloth:
         single_engine = "unsloth"
     elif forced == "auto" and lora and unsloth_ok and cc_ok:
         reasons.append(UNSLOTH_NOT_FOR.format(job.objective) + ": TRL on one GPU")
 
     one = sizing.memory(job.arch, job.workload(single_engine, 1, "cuda"))
     fits_one = _fits(one, cap)
-    if forced == "auto" and lora and not unsloth_ok and job.objective == "sft":
+    if forced == "auto" and lora and not unsloth_ok and OBJECTIVES[job.objective].unsloth:
         reasons.append("Unsloth not installed on this machine: TRL on one GPU (Unsloth would need less memory and run "
                        "~1.4x faster; " + UNSLOTH_FIX + ")")
 

@@ -37,7 +37,7 @@ class Job:
     offload_activations: bool = False  # the recipe's trainer: activation_offloading
     sequences: int = 1  # rows per example in a micro-batch (a preference pair: 2); mean_tokens counts them all
     reference: str = ""  # DPO's reference (sizing.REFERENCES), "" without one
-    objective: str = "sft"  # launcher/methods.py OBJECTIVES
+    objective: str = methods.DEFAULT_OBJECTIVE  # launcher/methods.py OBJECTIVES
 
     def workload(self, engine: str, num_gpus: int, device: str, offload: bool = False,
                  offload_optimizer: bool = False, offload_activations: bool = False) -> Workload:
@@ -93,7 +93,7 @@ def _job(recipe: Any, arch: Architecture, data_stats: Any, tokens: float | None,
     parent = _parent_lora(recipe)
     if parent:  # init_from: the parent adapter's own rank and modules train on
         r, targets = parent
-    objective = methods.OBJECTIVES[getattr(recipe, "objective", "sft")]
+    objective = methods.OBJECTIVES[getattr(recipe, "objective", methods.DEFAULT_OBJECTIVE)]
     job = Job(arch, recipe.method, seq_len, mean_seq, examples, training, source, recipe.micro_batch_size,
               recipe.gradient_accumulation_steps, recipe.epochs, recipe.max_steps, recipe.gradient_checkpointing,
               r, targets, recipe.packing,
@@ -104,7 +104,7 @@ def _job(recipe: Any, arch: Architecture, data_stats: Any, tokens: float | None,
 
 def reference_kind(recipe: Any) -> str:
     """How the recipe's DPO reference comes (a key of sizing.REFERENCES), "" for an objective without one."""
-    objective = methods.OBJECTIVES[getattr(recipe, "objective", "sft")]
+    objective = methods.OBJECTIVES[getattr(recipe, "objective", methods.DEFAULT_OBJECTIVE)]
     if not objective.reference_pass:
         return ""
     if recipe.preference.reference == "precomputed":

@@ -409,9 +409,9 @@ def _loss_reason(job: Job, choice: Choice, est: Any) -> str:
 
 def _objective_reasons(recipe: Any, job: Job) -> list[str]:
     """What a preference objective changes in the plan: two sequences per example, the reference, the parent run."""
-    objective = methods.OBJECTIVES[getattr(recipe, "objective", "sft")]
+    objective = methods.OBJECTIVES[getattr(recipe, "objective", methods.DEFAULT_OBJECTIVE)]
     lines = []
-    if objective.preference:
+    if objective.sequences_per_example > 1:
         lines.append(
             f"objective {objective.name} (trl's {objective.trainer}): each example is a pair, {job.sequences} sequences "
             f"(the prompt with the chosen and with the rejected answer) in one batch: a micro-batch of "
@@ -470,7 +470,7 @@ def _task_eval_time(recipe: Any, data_stats: Any, arch: Architecture, gpu: Any,
 
 def _learning_rate_note(recipe: Any) -> list[str]:
     """A preference objective left at the recipe's default learning rate, which is SFT's (LoRA): said, with TRL's."""
-    objective = methods.OBJECTIVES[getattr(recipe, "objective", "sft")]
+    objective = methods.OBJECTIVES[getattr(recipe, "objective", methods.DEFAULT_OBJECTIVE)]
     fields_set = getattr(recipe, "model_fields_set", set())
     if not objective.preference or "learning_rate" in fields_set:
         return []

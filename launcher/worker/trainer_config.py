@@ -60,10 +60,9 @@ def trainer_config(recipe, run: RunDir, mode: str, device: str, dtype, max_steps
     # plain TRL script gets.
     for key, value in (engine_fields or {}).items():  # launcher/backends: what the engine needs
         fields[ac if key == "activation_checkpointing" else key] = value
+    for key in objective.refuses:  # SFTConfig's switches an objective's configuration lacks (methods.Objective)
+        fields.pop(key, None)
     if objective.preference:
-        # SFT's own settings do not exist there (a pair's answers train after their prompt, padded side by side)
-        fields.pop("packing")
-        fields.pop("assistant_only_loss")
         fields.update({k: getattr(recipe.preference, k) for k in objective.settings if k in ("beta", "loss_type")})
         if "reference" in objective.settings:
             # trl 1.16 dpo_trainer.py: precompute_ref_log_probs runs the reference over the data in __init__, before a
