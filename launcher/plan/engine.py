@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from launcher.engine_kinds import CPU_MULTI_PROCESS, SHARDING
 from launcher.methods import METHODS, OBJECTIVES, is_adapter, is_quantized
-from launcher.plan import sizing
+from launcher.plan import links, sizing
 from launcher.plan.figures import _fmt_hours
 from launcher.plan.hardware import Hardware
 from launcher.plan.job import Job, _steps_and_tokens
@@ -295,7 +295,7 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
             tps, hrs = _hours(job, wd, hw, n)
             faster = tps > tps1
             if _fits(est, cap) and (faster or forced == "ddp"):
-                speed = sizing.scaling(n, hw.interconnect)
+                speed = links.scaling(n, hw.interconnect)
                 if forced == "ddp":
                     why = "forced by the recipe"
                 elif in_hand:
@@ -305,8 +305,8 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
                            f"({single_engine}), so less time and less money")
                 else:
                     why = f"one card would take {_fmt_hours(hrs1)}, longer than a working day ({workday_hours:g} h)"
-                link = ("NVLink" if hw.interconnect == "nvlink" else
-                        "PCIe: cards talk over PCIe, which scales worse than NVLink")
+                link = (links.title(hw.interconnect) if hw.interconnect == links.NVLINK else
+                        f"{links.title(links.PCIE)}: cards talk over it, which scales worse than NVLink")
                 reasons += [fit_reason, f"engine ddp over {n} GPUs: {why}; ~{speed:.1f}x one card ({link})",
                             f"DDP keeps a full copy per card: {est.per_gpu_gb:.1f} GB per card"]
                 return Choice(True, "ddp", "cuda", n, est, cap, reasons, tps, hrs)
@@ -436,7 +436,8 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
                               f"holds it (`ftrun plan` on that box reads its RAM)")
     wn = job.workload(shard_engine, n, "cuda", offload, offload_opt)
     tps, hrs = _hours(job, wn, hw, n)
-    link = "NVLink" if hw.interconnect == "nvlink" else "PCIe (sharding exchanges every layer: expect it slower)"
+    link = links.title(hw.interconnect) if hw.interconnect == links.NVLINK else \
+        f"{links.title(links.PCIE)} (sharding exchanges every layer: expect it slower)"
     label = "FSDP" if shard_engine == "fsdp" else "DeepSpeed ZeRO-3"
     if to_deepspeed and METHODS[job.method].eight_bit_optimizer:
         reasons.append(f"DeepSpeed ZeRO-3, not FSDP: {FULL_8BIT_FSDP}")

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from launcher.errors import HardwareError, UsageError
-from launcher.plan import cgroup
+from launcher.plan import cgroup, links
 from launcher.plan.sizing import GB
 
 CATALOG_FILE = Path(__file__).with_name("gpus.yaml")
@@ -48,7 +48,7 @@ class Gpu:
 @dataclass(frozen=True)
 class Hardware:
     gpus: tuple[Gpu, ...]
-    interconnect: str  # "nvlink" | "pcie" | "none"
+    interconnect: str  # a launcher/plan/links.py LINKS name
     cpu_count: int
     ram_gb: float  # total, GB = 2**30 bytes
     source: str  # "detected" | "--gpus SPEC" | "recipe box: SPEC" | "catalog ..."
@@ -86,7 +86,7 @@ class Hardware:
         if self.is_cpu_only:
             return f"CPU only ({self.cpu_count} cores, {self.ram_gb:.3g} GB RAM)"
         g = self.gpu
-        link = f", {'NVLink' if self.interconnect == 'nvlink' else 'PCIe'}" if self.count > 1 else ""
+        link = f", {links.title(self.interconnect)}" if self.count > 1 else ""
         return f"{self.count} x {g.name} ({g.memory_gb:.0f} GB{' each' if self.count > 1 else ''}{link})"
 
     def to_dict(self) -> dict[str, Any]:
@@ -133,7 +133,7 @@ def _parse_catalog(raw: Any, source: str) -> dict[str, CatalogGpu]:
                 name=str(name),
                 memory_gb=float(v["memory_gb"]),
                 tflops_bf16=float(v["tflops_bf16"]),
-                interconnect=str(v.get("interconnect", "pcie")),
+                interconnect=str(v.get("interconnect", links.PCIE)),
                 price_per_hour_eur=None if v.get("price_per_hour_eur") is None else float(v["price_per_hour_eur"]),
                 compute_capability=tuple(cc) if cc else None,
                 nvml_names=tuple(v.get("nvml_names", [])),
@@ -143,6 +143,10 @@ def _parse_catalog(raw: Any, source: str) -> dict[str, CatalogGpu]:
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise HardwareError(f"GPU catalog {source}: entry {name} is incomplete ({exc})",
                                 fix="each entry needs memory_gb and tflops_bf16 (price_per_hour_eur may be null).") from None
+        if out[str(name)].interconnect not in links.LINKS:
+            raise HardwareError(f"GPU catalog {source}: entry {name} has interconnect "
+                                f"{out[str(name)].interconnect!r}, which the plan does not know",
+                                fix=f"write one of: {', '.join(links.LINKS)}.")
     return out
 
 
@@ -210,7 +214,7 @@ def from_spec(spec: str) -> Hardware:
     """`4xH100-80GB`, `RTX4090`, `2xA100-80GB`, `cpu` -> a Hardware for a box not rented yet."""
     text = spec.strip()
     if text.lower() in ("cpu", "none", "0"):
-        return Hardware((), "none", os.cpu_count() or 1, _ram_gb(), f"--gpus {spec}")
+        return Hardware((), links.NONE, os.cpu_count() or 1, _ram_gb(), f"--gpus {spec}")
     m = _SPEC.match(text)
     entry = lookup(m.group(2)) if m else None
     count = int(m.group(1)) if m and m.group(1) else 1
@@ -222,7 +226,7 @@ def from_spec(spec: str) -> Hardware:
                 f"(add your own in {USER_CATALOG_ENV} or ~/.config/ftrun/gpus.yaml).",
         )
     gpus = tuple(entry.gpu() for _ in range(count))
-    interconnect = "none" if count == 1 else entry.interconnect
+    interconnect = links.NONE if count == 1 else entry.interconnect
     # A planned box has the CPU and RAM typical for its cards; rental boxes give ~8 cores and ~2x VRAM in RAM per card.
     return Hardware(gpus, interconnect, cpu_count=8 * count, ram_gb=max(32.0, 2 * entry.memory_gb * count),
                     source=f"--gpus {spec}")
@@ -251,7 +255,7 @@ def for_plan(gpus: str | None, box: str | None) -> tuple[Hardware, str]:
 
 def catalog_box(name: str, count: int) -> Hardware:
     entry = catalog()[name]
-    return Hardware(tuple(entry.gpu() for _ in range(count)), "none" if count == 1 else entry.interconnect,
+    return Hardware(tuple(entry.gpu() for _ in range(count)), links.NONE if count == 1 else entry.interconnect,
                     cpu_count=8 * count, ram_gb=max(32.0, 2 * entry.memory_gb * count),
                     source=f"catalog {count}x{name}")
 
@@ -548,27 +552,27 @@ def _detect_with_torch(cpu: int, ram: float, why: str) -> Hardware:
     import importlib.util
 
     if not _nvidia_driver_present():
-        return Hardware((), "none", cpu, ram, "detected", (f"{why}, and no NVIDIA driver is loaded on this box: "
+        return Hardware((), links.NONE, cpu, ram, "detected", (f"{why}, and no NVIDIA driver is loaded on this box: "
                                                           "CPU only; plan for a GPU box with --gpus",))
     if importlib.util.find_spec("torch") is None:
-        return Hardware((), "none", cpu, ram, "detected", (f"{why}, and torch is not installed to ask instead: "
+        return Hardware((), links.NONE, cpu, ram, "detected", (f"{why}, and torch is not installed to ask instead: "
                                                           "CPU only; install ftrun[gpu] (nvidia-ml-py)",))
     try:
         found = _torch_devices()
     except HardwareError as exc:
-        return Hardware((), "none", cpu, ram, "detected", (f"{why}, and {exc.args[0] if exc.args else exc}: CPU only",))
+        return Hardware((), links.NONE, cpu, ram, "detected", (f"{why}, and {exc.args[0] if exc.args else exc}: CPU only",))
     if not found:
-        return Hardware((), "none", cpu, ram, "detected",
+        return Hardware((), links.NONE, cpu, ram, "detected",
                         (f"{why}, and torch.cuda sees no device (CUDA_VISIBLE_DEVICES, or a driver that does not "
                          "match torch's CUDA): CPU only",))
     notes: list[str] = []
     gpus = tuple(_gpu(d["name"], int(d["total_memory"]), (int(d["major"]), int(d["minor"])), notes) for d in found)
     if len(gpus) == 1:
-        interconnect = "none"
+        interconnect = links.NONE
     else:
         # torch does not tell NVLink from PCIe; the catalog knows how a card's multi-GPU boxes are built.
         entry = lookup(gpus[0].name)
-        interconnect = entry.interconnect if entry else "pcie"
+        interconnect = entry.interconnect if entry else links.PCIE
     notes.insert(0, f"{why}: GPUs read through torch.cuda instead (name, memory, compute capability); the "
                     f"interconnect is not visible that way and is taken as {interconnect} "
                     f"({'from the catalog' if len(gpus) > 1 and lookup(gpus[0].name) else 'assumed'}); "
@@ -590,7 +594,7 @@ def detect() -> Hardware:
 def _detect_devices(cpu: int, ram: float) -> Hardware:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() in ("", "-1"):
-        return Hardware((), "none", cpu, ram, "detected", ("CUDA_VISIBLE_DEVICES hides all GPUs: CPU only",))
+        return Hardware((), links.NONE, cpu, ram, "detected", ("CUDA_VISIBLE_DEVICES hides all GPUs: CPU only",))
     try:
         import pynvml  # nvidia-ml-py; imported here so `import launcher.plan.hardware` stays light
     except ImportError:
@@ -603,9 +607,9 @@ def _detect_devices(cpu: int, ram: float) -> Hardware:
     notes += view_notes
     gpus = tuple(_gpu(d.name, d.memory_bytes, d.compute_capability, notes, d.parent_name) for d in chosen)
     if len(gpus) <= 1 or any(d.is_mig for d in chosen):
-        interconnect = "none" if len(gpus) <= 1 else "pcie"  # MIG instances have no NVLink or P2P
+        interconnect = links.NONE if len(gpus) <= 1 else links.PCIE  # MIG instances have no NVLink or P2P
     else:
-        interconnect = "nvlink" if any(d.nvlink for d in chosen) else "pcie"
+        interconnect = links.NVLINK if any(d.nvlink for d in chosen) else links.PCIE
     return Hardware(gpus, interconnect, cpu, ram, "detected", tuple(notes), driver)
 
 

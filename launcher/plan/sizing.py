@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from launcher.engine_kinds import SHARDING
 from launcher.methods import METHODS, is_adapter, is_quantized
+from launcher.plan import links
 
 if TYPE_CHECKING:  # for the annotations only: at run time this module imports nothing else
     from launcher.plan.models import Architecture as Arch
@@ -648,12 +649,6 @@ MFU = {name: m.mfu for name, m in METHODS.items()}  # launcher/methods.py
 # Unsloth's kernels: LLaMA-Factory measured 1.6x tokens/s over HF for 4-bit LoRA; the article's
 # RTX 4090 row implies ~1.4x. We use the lower.
 UNSLOTH_SPEEDUP = 1.4
-# Speed-up over one card, by card count; data parallel over NVLink (the article: 1.8x for 2, 3.5x for 4).
-SCALING_NVLINK = {1: 1.0, 2: 1.8, 4: 3.5, 8: 6.8}
-# PCIe has a fraction of NVLink's bandwidth; community reports for 2-4 x RTX 4090 show ~1.5-1.6x for 2.
-SCALING_PCIE = {1: 1.0, 2: 1.6, 4: 2.8, 8: 4.8}
-# Sharding adds an all-gather per layer in forward and backward on top of DDP's gradient reduction.
-SHARDING_EFFICIENCY = {"nvlink": 0.95, "pcie": 0.8, "none": 1.0}
 # QLoRA + FSDP gathers 4-bit shards and dequantises them: the article's "bei maessigem Tempo".
 QLORA_SHARDED_EFFICIENCY = 0.7
 # CPU: effective fp32 FLOP/s per core for small matmuls, and a fixed cost per micro-batch (Python,
@@ -799,15 +794,7 @@ def flops_per_token(arch: Arch, method: str, seq_len: int, gradient_checkpointin
     return forward + backward + (forward if gradient_checkpointing else 0) + (forward if reference_forward else 0)
 
 
-def scaling(count: int, interconnect: str) -> float:
-    table = SCALING_NVLINK if interconnect == "nvlink" else SCALING_PCIE
-    if count in table:
-        return table[count]
-    lower = max(k for k in table if k <= count)  # between listed counts: linear in the efficiency
-    return table[lower] / lower * count
-
-
-def tokens_per_second(arch: Arch, w: Workload, tflops_bf16: float | None, interconnect: str = "none",
+def tokens_per_second(arch: Arch, w: Workload, tflops_bf16: float | None, interconnect: str = links.NONE,
                       cpu_count: int = 1, mean_seq_len: int | None = None,
                       compute_capability: tuple[int, int] | None = None) -> float:
     """Training tokens per second for the whole box (parameter offload adds its host-link transfers to each
@@ -831,9 +818,9 @@ def tokens_per_second(arch: Arch, w: Workload, tflops_bf16: float | None, interc
     one = tokens / (tokens * flops / rate + GPU_SECONDS_PER_MICRO_BATCH + transfer)
     if w.num_gpus <= 1:
         return one
-    speed = one * scaling(w.num_gpus, interconnect)
+    speed = one * links.scaling(w.num_gpus, interconnect)
     if w.sharded:
-        speed *= SHARDING_EFFICIENCY.get(interconnect, 0.8)
+        speed *= links.sharding_efficiency(interconnect)
         if is_quantized(w.method):
             speed *= QLORA_SHARDED_EFFICIENCY
     return speed

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from launcher.errors import PlanError
-from launcher.plan import engine, sizing
+from launcher.plan import engine, links, sizing
 from launcher.plan.hardware import catalog_box, from_spec
 from launcher.plan.models import from_catalog
 from launcher.plan.plan import make_plan
@@ -62,7 +62,7 @@ def test_offload_time_adds_the_host_link_and_the_cpu_step():
     slow = sizing.tokens_per_second(ARCH, w, 989, "nvlink", 64, 500, (9, 0))
     compute = 500 * sizing.flops_per_token(ARCH, "full-8bit", 500, True) / (989e12 * sizing.MFU["full-8bit"])
     one = 500 / (compute + sizing.GPU_SECONDS_PER_MICRO_BATCH + move + step)
-    assert slow == pytest.approx(one * sizing.scaling(8, "nvlink") * sizing.SHARDING_EFFICIENCY["nvlink"])
+    assert slow == pytest.approx(one * links.scaling(8, "nvlink") * links.sharding_efficiency("nvlink"))
     assert slow < plain
     # more accumulation spreads the step's transfer and the CPU step over more micro-batches
     assert sum(sizing.deepspeed_offload_seconds(ARCH, est, ds(acc=32), 63.0, 64)) < move + step

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.plan import sizing
+from launcher.plan import links, sizing
 from launcher.plan.hardware import catalog, catalog_box
 from launcher.plan.models import from_catalog
 from launcher.plan.sizing import LOSS_MATERIALIZED as PLAIN, Workload
@@ -223,7 +223,7 @@ def test_flops_full_is_three_forwards_lora_two():
 
 @pytest.mark.parametrize("count,link,speedup", [(2, "nvlink", 1.8), (4, "nvlink", 3.5), (2, "pcie", 1.6)])
 def test_multi_gpu_scaling(count, link, speedup):
-    assert sizing.scaling(count, link) == speedup
+    assert links.scaling(count, link) == speedup
 
 
 # Published peak memory (GiB) by tokens per micro-batch; docs/sizing.md lists the sources.

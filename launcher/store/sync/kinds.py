@@ -44,8 +44,9 @@ def _fsspec_problem(url: str) -> Optional[str]:
         return None
     protocol, rest = url.split("://", 1)
     if protocol not in FSSPEC_PROTOCOLS:
+        others = [f for k in KINDS if k.problem is not _fsspec_problem for f in k.forms]  # the other kinds' forms
         return (f"'{protocol}://' is not a destination ftrun copies to; it takes "
-                + ", ".join(f"{p}://" for p in FSSPEC_PROTOCOLS) + f", or {' or '.join(KINDS[0].forms + KINDS[2].forms)}")
+                + ", ".join(f"{p}://" for p in FSSPEC_PROTOCOLS) + f", or {' or '.join(others)}")
     if protocol in BUCKETS and not rest.split("/", 1)[0]:
         return f"{url} names no bucket: write {protocol}://BUCKET/PREFIX"
     if protocol == "sftp" and not rest.split("/", 1)[0]:
