@@ -92,7 +92,7 @@ def run_status(run: RunDir) -> dict[str, Any]:
         state = "interrupted"  # state.effective_state, from the same reading
     # worker.json describes the full run's worker; one written by another mode (an older smoke test's) or before
     # the full run's worker has started says nothing about this run's steps: the plan's count stands then
-    full_worker = worker.get("mode") == "full" and (worker.get("started") or 0) >= _started_at(data)
+    full_worker = worker.get("mode") == "full" and (worker.get("started") or 0) >= _last_moved_to_running(data)
     start_step = worker.get("start_step", 0) if full_worker else 0
     # a checkpoint is progress too (a run shorter than logging_steps logs no step)
     step = max(last.get("step", start_step), ckpt_step or 0)
@@ -196,7 +196,7 @@ def time_and_money(s: dict[str, Any], history: list[dict[str, Any]], plan: dict[
     }
 
 
-def _started_at(data: dict[str, Any]) -> float:
+def _last_moved_to_running(data: dict[str, Any]) -> float:
     """When the newest launch of the full run began (its last move into `running` from another state)."""
     history = data.get("history", [])
     for h in reversed(history):

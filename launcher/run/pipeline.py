@@ -189,7 +189,7 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
     # itself too): pid and start time, so that no later process with the same pid passes for it
     set_state(run, "running", supervisor_pid=pid, supervisor_proc=process_identity(pid), resume_command=resume)
     lock.release()  # the supervisor holds the same lock through the inherited descriptor
-    _say(views.format_started(run.root, pid, resume))
+    _say(views.format_background_start(run.root, pid, resume))
     return 0
 
 

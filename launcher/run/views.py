@@ -187,7 +187,7 @@ def format_runs(rows: list[dict[str, Any]]) -> str:
 # ---------------------------------------------------------------------------------------------
 # The end of a run
 
-def format_started(run_dir: Path, pid: int, resume: str) -> str:
+def format_background_start(run_dir: Path, pid: int, resume: str) -> str:
     """What the launch prints when the training goes to the background."""
     return (f"training started in the background (pid {pid}); it keeps running after you log out.\n"
             f"  watch:  ftrun status {run_dir}   |   ftrun logs -f {run_dir}\n"

@@ -1,5 +1,6 @@
-"""Copies through fsspec (sync.to: s3://, gs://, file:///path, /abs/path): object stores prove each copy by
-their own checksums, other stores are read back."""
+"""Copies through fsspec (sync.to: every protocol in launcher/store/sync/kinds.py FSSPEC_PROTOCOLS: s3://, gs://,
+az://, sftp://, file:///path, /abs/path): object stores prove each copy by their own checksums, other stores are
+read back."""
 
 from __future__ import annotations
 
