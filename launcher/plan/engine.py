@@ -46,8 +46,29 @@ class Choice:
     offload_activations: bool = False  # TRL's activation_offloading: saved layer inputs in CPU RAM
 
 
+# What a box named for planning (--gpus, the recipe's box:) runs: ftrun's Docker image, docker/requirements.txt.
+IMAGE_SOFTWARE = ("ftrun's Docker image (docker/requirements.txt: DeepSpeed, bitsandbytes, llama.cpp; "
+                  "docker/requirements-unsloth.txt: Unsloth)")
+
+
 def _deepspeed_installed() -> bool:
     return importlib.util.find_spec("deepspeed") is not None
+
+
+def _unsloth_installed() -> bool:
+    return importlib.util.find_spec("unsloth") is not None
+
+
+def software(hardware: Hardware, unsloth_available: bool | None) -> tuple[bool, str]:
+    """Whether Unsloth can be used, and the plan's line about the software it assumes."""
+    if unsloth_available is not None:
+        return unsloth_available, f"software: Unsloth {'available' if unsloth_available else 'not available'} (given)"
+    if not hardware.is_cpu_only and not hardware.is_this_machine:
+        return True, (f"software: planned with {IMAGE_SOFTWARE}, what a rented box runs; not this machine's "
+                      "installation")
+    here = _unsloth_installed()
+    return here, ("software: as installed on this machine (Unsloth " + ("installed" if here else "not installed")
+                  + ")")
 
 
 def _fits(est: sizing.MemoryEstimate, capacity: float) -> bool:
@@ -505,3 +526,23 @@ def _choose_gpu_count(job: Job, hw: Hardware, forced: str, unsloth_ok: bool, wor
         c.reasons.append(f"num_processes={processes} from the recipe"
                          + (f"; {idle} of the box's {hw.count} cards {'stays' if idle == 1 else 'stay'} idle" if idle else ""))
     return c
+
+
+def choose_with_software(job: Job, hw: Hardware, forced: str, unsloth_ok: bool, workday_hours: float, *,
+                         processes: int | None, nnodes: int, offload: str) -> Choice:
+    """`choose`, then what the box in hand lacks: a job that only Unsloth's lower memory fits is missing software,
+    not too big (the fix is the install, never a bigger box); a DeepSpeed plan without DeepSpeed installed."""
+    choice = choose(job, hw, forced, unsloth_ok, workday_hours, processes=processes, nnodes=nnodes, offload=offload)
+    if not choice.fits and not choice.missing and not unsloth_ok and forced == "auto" and hw.gpus and hw.is_this_machine:
+        with_unsloth = choose(job, hw, forced, True, workday_hours, processes=processes, nnodes=nnodes, offload=offload)
+        if with_unsloth.fits and with_unsloth.engine == "unsloth":
+            need = with_unsloth.estimate.per_gpu_gb if with_unsloth.estimate else None
+            choice = replace(choice, missing="unsloth", refusal=(
+                "it fits this box only with Unsloth" + (f" ({need:.1f} GB of {with_unsloth.capacity_gb:.1f} GB per "
+                                                       "card)" if need else "") + ", and Unsloth is not installed "
+                "in this environment. " + UNSLOTH_FIX))
+    if choice.fits and choice.engine == "deepspeed" and hw.is_this_machine and not _deepspeed_installed():
+        choice = replace(choice, fits=False, missing="deepspeed", refusal="engine: deepspeed needs DeepSpeed, which "
+                         "is not installed in this environment: pip install 'ftrun[deepspeed]' (ftrun's Docker image "
+                         "has it)")
+    return choice

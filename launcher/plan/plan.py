@@ -17,11 +17,10 @@ from launcher.plan import sizing
 from launcher.plan import speed
 from launcher.errors import MissingSoftware, PlanError
 from launcher.methods import is_adapter
-# engine_choice._deepspeed_installed is looked up at call time: one name to patch for every caller
 from launcher.plan import engine as engine_choice
 from launcher.plan.advice import (_box_rows, _fixes_here, _missing_message, _pick_alternatives, _refusal_message,
                                   _refusal_options, cheapest_rental)
-from launcher.plan.engine import SHARDING_ENGINES, UNSLOTH_FIX, WORKDAY_HOURS, Choice, choose
+from launcher.plan.engine import SHARDING_ENGINES, WORKDAY_HOURS, Choice, choose
 from launcher import export_formats
 from launcher import methods
 from launcher.plan.figures import UNIT, _fmt_hours, _fmt_tokens
@@ -31,9 +30,6 @@ from launcher.plan.models import Architecture, load_architecture
 from launcher.recipe import TOKENS_MEANING
 
 
-# What a box named for planning (--gpus, the recipe's box:) runs: ftrun's Docker image, docker/requirements.txt.
-IMAGE_SOFTWARE = ("ftrun's Docker image (docker/requirements.txt: DeepSpeed, bitsandbytes, llama.cpp; "
-                  "docker/requirements-unsloth.txt: Unsloth)")
 # Minutes a rented box needs before the download: start, image pull or pip install (the article: 5-10 min for
 # install and model download together).
 SETUP_MINUTES = 5.0
@@ -132,22 +128,6 @@ def make_plan(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: f
     return plan
 
 
-def _unsloth_installed() -> bool:
-    return importlib.util.find_spec("unsloth") is not None
-
-
-def _software(hardware: Hardware, unsloth_available: bool | None) -> tuple[bool, str]:
-    """Whether Unsloth can be used, and the plan's line about the software it assumes."""
-    if unsloth_available is not None:
-        return unsloth_available, f"software: Unsloth {'available' if unsloth_available else 'not available'} (given)"
-    if not hardware.is_cpu_only and not hardware.is_this_machine:
-        return True, (f"software: planned with {IMAGE_SOFTWARE}, what a rented box runs; not this machine's "
-                      "installation")
-    here = _unsloth_installed()
-    return here, ("software: as installed on this machine (Unsloth " + ("installed" if here else "not installed")
-                  + ")")
-
-
 def _price(recipe: Any, hardware: Hardware, price: float | None) -> tuple[float | None, str]:
     if price is not None:
         return price, "--price"
@@ -206,7 +186,7 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
              tokens_from: str = "--tokens") -> Plan:
     """The plan, fitting or not (Plan.fits False: the memory needed, the reasons, the options in .refusal)."""
     arch = arch or load_architecture(recipe.model)
-    unsloth_ok, software = _software(hardware, unsloth_available)
+    unsloth_ok, software = engine_choice.software(hardware, unsloth_available)
     job, notes = _job(recipe, arch, data_stats, tokens, tokens_from)
     blocked = None
     try:  # each requested output can be made; a missing install is said after the plan, which it does not change
@@ -218,23 +198,8 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
     forced = recipe.engine
     wanted = None if recipe.num_processes == "auto" else int(recipe.num_processes)
     offload = getattr(recipe, "offload", "auto")  # a recipe-like namespace (the GPU check's) may not name it
-    choice = choose(job, hardware, forced, unsloth_ok, workday_hours, processes=wanted, nnodes=nnodes, offload=offload)
-    if not choice.fits and not choice.missing and not unsloth_ok and forced == "auto" and hardware.gpus \
-            and hardware.is_this_machine:
-        # On the box in hand, a job that only Unsloth's lower memory fits is missing software, not too big:
-        # the fix is the install, never a bigger box
-        with_unsloth = choose(job, hardware, forced, True, workday_hours, processes=wanted, nnodes=nnodes,
-                              offload=offload)
-        if with_unsloth.fits and with_unsloth.engine == "unsloth":
-            need = with_unsloth.estimate.per_gpu_gb if with_unsloth.estimate else None
-            choice = replace(choice, missing="unsloth", refusal=(
-                "it fits this box only with Unsloth" + (f" ({need:.1f} GB of {with_unsloth.capacity_gb:.1f} GB per "
-                                                       "card)" if need else "") + ", and Unsloth is not installed "
-                "in this environment. " + UNSLOTH_FIX))
-    if choice.fits and choice.engine == "deepspeed" and hardware.is_this_machine and not engine_choice._deepspeed_installed():
-        choice = replace(choice, fits=False, missing="deepspeed", refusal="engine: deepspeed needs DeepSpeed, which "
-                         "is not installed in this environment: pip install 'ftrun[deepspeed]' (ftrun's Docker image "
-                         "has it)")
+    choice = engine_choice.choose_with_software(job, hardware, forced, unsloth_ok, workday_hours, processes=wanted,
+                                                nnodes=nnodes, offload=offload)
     rows = _box_rows(job, forced if forced in ("auto", *SHARDING_ENGINES) else "auto", True, workday_hours)
     alternatives = _pick_alternatives(rows)
     g = hardware.gpu
@@ -252,7 +217,7 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
                                                               offload, wanted, nnodes))
         if choice.missing:
             options = [f"install {choice.missing} on this machine (the fix is above), or plan for a rented box with "
-                       f"--gpus, which assumes {IMAGE_SOFTWARE}"]
+                       f"--gpus, which assumes {engine_choice.IMAGE_SOFTWARE}"]
             if choice.missing == "unsloth" and forced == "auto":  # or change the recipe so that TRL fits here
                 options += _fixes_here(job, hardware, forced, unsloth_ok, workday_hours, offload, wanted, nnodes)
         message = (_missing_message(job, choice) if choice.missing else _refusal_message(job, hardware, choice))
