@@ -172,6 +172,7 @@ def _varlen(s: dict[str, Any], device: str) -> dict[str, Any]:
 def attention_child(out: str) -> int:
     """One pass over every backend and case, in its own process: each backend's first call at each length is a
     first call for this process (cuDNN's plan cache and torch's dispatch state are per process)."""
+    import importlib.util
     import json
 
     import torch
@@ -187,6 +188,10 @@ def attention_child(out: str) -> int:
         result["training"][backend] = {case: _train_case(case, backend, s, device, dtype) for case in CASES}
         result["decode"][backend] = _decode_case(backend, s, device, dtype)
     result["flash_attn_varlen"] = _varlen(s, device)
+    # transformers' Hub kernels (attn_implementation="kernels-community/...") need the `kernels` package and the
+    # kernel's download: a lent box has no network, so only a kernel already in its Hub cache could run
+    result["hub_kernel"] = {"skipped": "the kernels package is not installed" if importlib.util.find_spec("kernels")
+                            is None else "no network on the box to fetch a Hub kernel, and none is carried"}
     with open(out, "w") as fh:
         json.dump(result, fh, indent=2)
     return 0
