@@ -3,7 +3,8 @@
 # call carries (docs/BENCHMARKS.md, "The next GPU loan"). The box has torch, transformers, peft, accelerate,
 # pyarrow, huggingface_hub, numpy, pandas, requests, tqdm, xxhash, fsspec, filelock, pyyaml and packaging
 # (as seen on the lent H200, and listed in the device's KINDS.md); each wheel's Requires-Dist was read (printed
-# below) so that nothing else is missing there. gpu_check.sh installs them with `pip install --no-index --no-deps --target`.
+# below) so that nothing else is missing there. gpu_check.sh installs them with
+# `pip install --no-index --no-deps --target`.
 #   scripts/device_wheels.sh [DIR]             the first call's set, DIR defaults to .cache/device-wheels (ignored)
 #   scripts/device_wheels.sh --unsloth [DIR]   the second call's, DIR defaults to .cache/device-wheels-unsloth
 #                                              (Unsloth 2026.10.9 pins trl<=1.15 and datasets<5: a set of its own)

@@ -44,14 +44,15 @@ def test_a_run_directorys_speed_record(tmp_path):
     run = tmp_path / "run"
     (run / "final" / "task_eval").mkdir(parents=True)
     rows = [{"step": 0, "eval_loss": 7.0, "time": 99.0}] + [
-        {"step": s, "loss": 7.0 - s / 10, "tokens_seen": 100 * s, "time": 100.0 + 0.5 * s, "peak_memory_gb": 0.5 + s / 100}
-        for s in range(1, 7)]
+        {"step": s, "loss": 7.0 - s / 10, "tokens_seen": 100 * s, "time": 100.0 + 0.5 * s,
+         "peak_memory_gb": 0.5 + s / 100} for s in range(1, 7)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (run / "state.json").write_text(json.dumps({"state": "succeeded", "history": [
         {"state": "planned", "at": 10.0}, {"state": "smoking", "at": 12.0}, {"state": "running", "at": 20.0},
         {"state": "succeeded", "at": 50.0}], "export": {"seconds": 7.5}}))
     (run / "smoke.json").write_text(json.dumps({"tokens_per_second": 612.0, "seconds_per_step": 0.3}))
-    (run / "plan.json").write_text(json.dumps({"tokens": {"estimated_tokens_per_second": 67188}, "micro_batch_size": 8}))
+    plan = {"tokens": {"estimated_tokens_per_second": 67188}, "micro_batch_size": 8}
+    (run / "plan.json").write_text(json.dumps(plan))
     (run / "worker.json").write_text(json.dumps({"device": "cuda", "sdpa_backends": {"cudnn": False}}))
     answers = [{"index": i, "new_tokens": 24, "seconds": 0.5} for i in range(4)]
     (run / "final" / "task_eval" / "fine_tuned.jsonl").write_text("".join(json.dumps(a) + "\n" for a in answers))
@@ -94,7 +95,8 @@ def test_the_resume_comparison_says_exact_or_how_far(tmp_path):
         (d / "final" / "adapter").mkdir(parents=True)
         (d / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "loss": x, "grad_norm": 1.0}) + "\n"
                                                  for i, x in enumerate(losses)))
-        save_file({"a.lora_A.weight": torch.full((2, 2), weight)}, str(d / "final" / "adapter" / "adapter_model.safetensors"))
+        adapter = d / "final" / "adapter" / "adapter_model.safetensors"
+        save_file({"a.lora_A.weight": torch.full((2, 2), weight)}, str(adapter))
         return d
 
     a = run("a", [3.0, 2.5, 2.0], 1.0)
@@ -201,5 +203,6 @@ def test_ftrun_and_plain_trl_side_by_side_and_the_other_cpu_steps(dry_run):
     gen = _result(dry_run, "generation")
     assert gen["variants"]["default"]["passes"][-1]["tokens_per_second"] > 0
     att = _result(dry_run, "attention")
-    assert att["training"]["MATH"]["causal"]["supported"] and not att["training"]["CUDNN_ATTENTION"]["causal"]["supported"]
+    training = att["training"]
+    assert training["MATH"]["causal"]["supported"] and not training["CUDNN_ATTENTION"]["causal"]["supported"]
     assert _result(dry_run, "unsloth")["status"] == "skipped"

@@ -6,7 +6,6 @@ steps), and the plain side again with cuDNN attention disabled."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import time
