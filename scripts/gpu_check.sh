@@ -9,10 +9,13 @@
 # Every step is its own process with its own timeout; a step that fails, crashes or hangs is recorded with the
 # reason and the next one runs. Each step writes $OUT/<step>.json as soon as it has results, and
 # $OUT/summary.json is rewritten after every step. The whole run stays within GPU_CHECK_BUDGET_S (default 450 s
-# on a GPU, 600 s dry); one line per step goes to stdout, each step's full output to $OUT/<step>.log.
-# Settings: GPU_CHECK_SHAPE (a launcher/plan/models.py catalog name, default qwen3-8b), GPU_CHECK_STEPS (a comma list
-# to run a subset), GPU_CHECK_TIMEOUTS (per-step timeouts, "bench-full=200,fsdp=60"), GPU_CHECK_WORK (where the
-# tiny model and the FSDP save are built, default a temporary folder: not in $OUT, which comes back from the box).
+# on a GPU, 1800 s dry); one line per step goes to stdout, each step's full output to $OUT/<step>.log.
+# The product steps (issue 43) run ftrun itself on the tiny model: GPU_CHECK_STEPS=product selects what one call of at
+# most 8 minutes runs on a lent GPU (docs/BENCHMARKS.md, "The next GPU loan").
+# Settings: GPU_CHECK_SHAPE (a launcher/plan/models.py catalog name, default qwen3-8b), GPU_CHECK_STEPS (a comma
+# list of steps and presets to run a subset), GPU_CHECK_TIMEOUTS (per-step timeouts, "bench-full=200,fsdp=60"),
+# GPU_CHECK_WORK (where the tiny model, the product runs and the FSDP save are built, default a temporary folder: not
+# in $OUT, which comes back from the box).
 # Exit 0 only when every step passed or was skipped for a missing package; a step left out for lack of time fails it.
 set -uo pipefail  # no -e: a failed step is a result, not the end of the run
 cd "$(dirname "$0")/.."
@@ -26,15 +29,24 @@ mkdir -p "$OUT"
 export GPU_CHECK_WORK=${GPU_CHECK_WORK:-$(mktemp -d)}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 \
   TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-# Pure-Python wheels carried to a box that lacks them import from the wheel file itself (the loss-head step reads
-# trl's kernel this way): pip download --no-deps trl==1.16.0 -d .cache/device-wheels, carried with the call.
-for wheel in "${FTRUN_DEVICE_WHEELS:-.cache/device-wheels}"/*.whl; do
-  [ -f "$wheel" ] && PYTHONPATH="$PYTHONPATH:$PWD/$wheel"
-done
+# The wheels a lent box lacks (trl, datasets, pydantic, bitsandbytes, ...: scripts/device_wheels.sh, carried as
+# .cache/device-wheels) are installed into a folder of their own and put on the path, on a GPU only: here the
+# virtualenv has them, and the wheels are for the box's Python 3.12.
+WHEELS=${FTRUN_DEVICE_WHEELS:-.cache/device-wheels}
+if [ "$MODE" = gpu ] && compgen -G "$WHEELS/*.whl" >/dev/null; then
+  SITE=${GPU_CHECK_SITE:-/tmp/ftrun-site}
+  if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl
+  then
+    PYTHONPATH="$PYTHONPATH:$SITE"
+    echo "gpu_check: installed $(ls "$WHEELS"/*.whl | wc -l) carried wheels into $SITE"
+  else
+    echo "gpu_check: installing the carried wheels from $WHEELS failed; steps that need them say skipped" >&2
+  fi
+fi
 export GPU_CHECK_MODE=$MODE GPU_CHECK_STARTED=$(date +%s)
 if [ "$MODE" = dry-run ]; then
   export CUDA_VISIBLE_DEVICES=""  # CPU expectations even where a GPU is present
-  export GPU_CHECK_BUDGET_S=${GPU_CHECK_BUDGET_S:-600}
+  export GPU_CHECK_BUDGET_S=${GPU_CHECK_BUDGET_S:-1800}  # the product steps train through the CLI: minutes each
 else
   export GPU_CHECK_BUDGET_S=${GPU_CHECK_BUDGET_S:-450}
   if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
@@ -43,6 +55,11 @@ else
   fi
 fi
 DEADLINE=$((GPU_CHECK_STARTED + GPU_CHECK_BUDGET_S))
+# GPU_CHECK_STEPS may name presets (launcher/worker/gpu_check/runner.py PRESETS: product, unsloth): expanded once
+SELECTED=""
+if [ -n "${GPU_CHECK_STEPS:-}" ]; then
+  SELECTED=" $("$PY" -m launcher.worker.gpu_check select | tr '\n' ' ')" || exit 2
+fi
 "$PY" -m launcher.worker.gpu_check start --out "$OUT" || exit 2
 echo "gpu_check $MODE: results in $OUT, budget ${GPU_CHECK_BUDGET_S} s"
 
@@ -52,7 +69,7 @@ FAILED=0
 step() {
   local name=$1 limit=$2
   [ "$MODE" = dry-run ] && limit=$3
-  if [ -n "${GPU_CHECK_STEPS:-}" ] && [[ ",$GPU_CHECK_STEPS," != *",$name,"* ]]; then return; fi
+  if [ -n "$SELECTED" ] && [[ "$SELECTED" != *" $name "* ]]; then return; fi
   local pair spec=${GPU_CHECK_TIMEOUTS:-}
   for pair in ${spec//,/ }; do [ "${pair%%=*}" = "$name" ] && limit=${pair#*=}; done
   local left=$((DEADLINE - $(date +%s)))
@@ -79,10 +96,25 @@ step memory-cap     45   60
 step peak-memory    45   60
 step oom            60   60
 step loss-head      60   90
+step attention     100  120
+step product-lora  120  300
+step generation     60  120
+step vs-trl        120  300
 step bench-lora    120  120
 step bench-full    150  120
+step resume-exact  150  300
+step product-dpo   100  300
+step product-qlora 100  480
 step bench-padding 120  120
 step fsdp          120  150
 step smoke-bench   300  300
+step unsloth       200   60
 echo "gpu_check $MODE: $FAILED step(s) failed in $(( $(date +%s) - GPU_CHECK_STARTED )) s; summary: $OUT/summary.json"
+# A call brings back at most 8 files: every step's JSON and log go into one tarball beside summary.json. On a GPU
+# the packed files are removed, so that the two are what comes back; a call cut short leaves them unpacked.
+packed=$(cd "$OUT" && ls | grep -v -e '^summary\.json$' -e '^gpu_check\.tar\.gz$' || true)
+if [ -n "$packed" ]; then
+  (cd "$OUT" && tar czf gpu_check.tar.gz $packed) && echo "gpu_check: results packed into $OUT/gpu_check.tar.gz"
+  [ "$MODE" = gpu ] && [ "${GPU_CHECK_KEEP_FILES:-0}" != 1 ] && (cd "$OUT" && rm -rf $packed)
+fi
 [ "$FAILED" -eq 0 ]

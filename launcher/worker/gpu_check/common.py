@@ -65,6 +65,12 @@ def module_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "launcher.worker.gpu_check", *args]
 
 
+def last_line(proc) -> str:
+    """A finished child's last line of output, or its exit code: why it left no result."""
+    lines = [x for x in ((proc.stdout or "") + (proc.stderr or "")).splitlines() if x.strip()]
+    return lines[-1][:300] if lines else f"exit {proc.returncode}"
+
+
 def child_env(**extra: str) -> dict[str, str]:
     path = os.environ.get("PYTHONPATH", "")
     return {**os.environ, "PYTHONPATH": str(REPO) + (os.pathsep + path if path else ""), **extra}

@@ -4,35 +4,66 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import launcher.worker.gpu_check as package
+from launcher.worker.gpu_check.attention import attention_child, step_attention
 from launcher.worker.gpu_check.bench import step_bench_full, step_bench_lora
 from launcher.worker.gpu_check.common import Context, first_line, read_json, write_json
 from launcher.worker.gpu_check.device import step_device
 from launcher.worker.gpu_check.fsdp_check import fsdp_child, step_fsdp
+from launcher.worker.gpu_check.generation import generation_child, step_generation
 from launcher.worker.gpu_check.launch import step_launch_env
 from launcher.worker.gpu_check.loss_head import step_loss_head
 from launcher.worker.gpu_check.memory_check import step_oom, step_peak_memory
 from launcher.worker.gpu_check.padding import step_bench_padding
 from launcher.worker.gpu_check.placement_check import place_child, step_memory_cap, step_placement
+from launcher.worker.gpu_check.product import step_product_dpo, step_product_lora, step_product_qlora
+from launcher.worker.gpu_check.resume_check import step_resume_exact
 from launcher.worker.gpu_check.smoke_check import step_smoke_bench
 from launcher.worker.gpu_check.tiny_model import step_tiny_model
+from launcher.worker.gpu_check.unsloth_check import step_unsloth
+from launcher.worker.gpu_check.vs_trl import step_vs_trl, trl_child
 from launcher.worker.gpu_check.training import GPU_SHAPE
 
-# Execution order. The torch-only checks come first (seconds each), the 8B measurements next (the figures the
-# loan is for), FSDP (a distributed launch: the likeliest to hang) and the trl-based bench last.
+# Execution order. The torch-only checks come first (seconds each), then the product itself on the tiny model and
+# the attention and generation costs (issue 43), the 8B measurements next (the figures the speed calibration is
+# fed), FSDP (a distributed launch: the likeliest to hang) and the trl-based bench last.
 STEPS = ("tiny-model", "device", "launch-env", "placement", "memory-cap", "peak-memory", "oom",
-         "loss-head", "bench-lora", "bench-full", "bench-padding", "fsdp", "smoke-bench")
+         "loss-head", "attention", "product-lora", "generation", "vs-trl", "bench-lora", "bench-full",
+         "resume-exact", "product-dpo", "product-qlora", "bench-padding", "fsdp", "smoke-bench", "unsloth")
+# Named selections (GPU_CHECK_STEPS=product): what one call of at most 8 minutes on a lent GPU runs.
+PRESETS = {
+    "product": ("tiny-model", "attention", "product-lora", "generation", "vs-trl", "bench-lora", "bench-full",
+                "resume-exact", "product-dpo", "product-qlora"),
+    "unsloth": ("tiny-model", "product-lora", "unsloth"),  # the second call: TRL 1.15 beside Unsloth, one stack
+}
 STEP_FUNCS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "tiny-model": step_tiny_model, "device": step_device, "launch-env": step_launch_env, "placement": step_placement,
     "memory-cap": step_memory_cap, "peak-memory": step_peak_memory, "oom": step_oom,
     "loss-head": step_loss_head, "bench-lora": step_bench_lora, "bench-full": step_bench_full, "bench-padding": step_bench_padding,
     "fsdp": step_fsdp, "smoke-bench": step_smoke_bench,
+    "attention": step_attention, "product-lora": step_product_lora, "generation": step_generation,
+    "vs-trl": step_vs_trl, "resume-exact": step_resume_exact, "product-dpo": step_product_dpo,
+    "product-qlora": step_product_qlora, "unsloth": step_unsloth,
 }
+
+
+def selected_steps(spec: str) -> list[str]:
+    """GPU_CHECK_STEPS: step names and preset names (PRESETS), comma-separated; empty: every step."""
+    names: list[str] = []
+    for item in (x.strip() for x in spec.split(",") if x.strip()):
+        for name in PRESETS.get(item, (item,)):
+            if name not in STEPS:
+                raise ValueError(f"GPU_CHECK_STEPS: {name!r} is no step or preset; steps: {', '.join(STEPS)}; "
+                                 f"presets: {', '.join(PRESETS)}")
+            if name not in names:
+                names.append(name)
+    return names
 
 
 def _status(result: dict[str, Any]) -> str:
@@ -102,7 +133,7 @@ def finish(out: Path, name: str, rc: int, limit: Optional[float], not_run: Optio
 
 def write_summary(out: Path) -> dict[str, Any]:
     steps = []
-    selected = [x for x in os.environ.get("GPU_CHECK_STEPS", "").split(",") if x]
+    selected = selected_steps(os.environ.get("GPU_CHECK_STEPS", ""))
     for name in STEPS:
         data = read_json(out / f"{name}.json")
         if selected and name not in selected:
@@ -151,7 +182,34 @@ def main(argv: Optional[list[str]] = None) -> int:
     d.add_argument("--out", type=Path, required=True)
     d.add_argument("--work", type=Path, required=True)
     d.add_argument("--device", choices=("cuda", "cpu"), required=True)
+    a = sub.add_parser("attention-child", help=argparse.SUPPRESS)
+    a.add_argument("--out", required=True)
+    g = sub.add_parser("generation-child", help=argparse.SUPPRESS)
+    g.add_argument("--model", type=Path, required=True)
+    g.add_argument("--out", type=Path, required=True)
+    g.add_argument("--force-cudnn", action="store_true")
+    t = sub.add_parser("trl-child", help=argparse.SUPPRESS)
+    t.add_argument("--model", type=Path, required=True)
+    t.add_argument("--settings", type=Path, required=True)
+    t.add_argument("--out", type=Path, required=True)
+    t.add_argument("--no-cudnn", action="store_true")
+    sel = sub.add_parser("select", help="print the steps GPU_CHECK_STEPS selects (presets expanded), one a line")
+    sel.add_argument("spec", nargs="?", default=None)
     ns = p.parse_args(argv)
+    if ns.command == "select":
+        try:
+            print("\n".join(selected_steps(os.environ.get("GPU_CHECK_STEPS", "") if ns.spec is None else ns.spec)
+                            or STEPS))
+        except ValueError as exc:
+            print(exc, file=sys.stderr)
+            return 2
+        return 0
+    if ns.command == "attention-child":
+        return attention_child(ns.out)
+    if ns.command == "generation-child":
+        return generation_child(ns.model, ns.out, ns.force_cudnn)
+    if ns.command == "trl-child":
+        return trl_child(ns.model, ns.settings, ns.out, not ns.no_cudnn)
     if ns.command == "step":
         ns.out.mkdir(parents=True, exist_ok=True)
         work = Path(os.environ.get("GPU_CHECK_WORK") or ns.out / "work")

@@ -1,0 +1,214 @@
+"""The product steps: the demo recipe end to end through `python -m launcher.cli` (plan, base-model task evaluation,
+smoke test, foreground run, task evaluation, adapter export) with LoRA, QLoRA and DPO from the LoRA run, and what
+each run directory says about its speed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from launcher.worker.gpu_check.common import REPO, Context, child_env, read_json
+
+RECIPES = REPO / "recipes"
+SFT_RECIPE = RECIPES / "tiny-cpu.yaml"
+DPO_RECIPE = RECIPES / "tiny-cpu-dpo.yaml"
+# What the CLI imports besides torch and transformers: the lent box gets them as wheels (scripts/device_wheels.sh).
+NEEDS = ("trl", "datasets", "pydantic", "peft")
+# The demo's 5 epochs are 240 steps: on the loan one epoch (48 steps) says the per-step cost as well; the dry run
+# trains 8 so that three runs fit the CPU's budget. logging_steps=1 gives metrics.jsonl a row per step.
+STEPS = {"cuda": 48, "cpu": 8}
+# The dry run keeps every phase but trims each: the task evaluation asks 10 prompts (the fewest it scores) instead
+# of the 20 held out, the smoke test trains 3 steps, no eval pass between the start's and the end's. On 2 busy
+# cores a base-model pass took a minute and QLoRA's smoke test (quantization on the CPU) 141 s.
+DRY_RUN = {"cuda": (), "cpu": ("eval.task.examples=10", "smoke.min_steps=3", "eval.every_minutes=60")}
+
+
+def missing_packages(extra: tuple[str, ...] = ()) -> Optional[dict[str, Any]]:
+    """The step's skip result when the CLI cannot import on this box, else None."""
+    import importlib.util
+
+    missing = [m for m in (*NEEDS, *extra) if importlib.util.find_spec(m) is None]
+    if not missing:
+        return None
+    why = f"{', '.join(missing)} not installed (scripts/device_wheels.sh's wheels, carried as .cache/device-wheels)"
+    return {"ok": None, "skipped": why, "line": f"skipped: {why}"}
+
+
+def cli(args: list[str], cwd: Path, timeout: float, log: Path, **env: str) -> tuple[int, float, str]:
+    """`python -m launcher.cli ARGS` as a user runs it: (exit code, seconds, its output), the output appended to
+    `log` (a step's log in OUT). A run that outlives `timeout` is killed with its process group."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", *args], cwd=cwd, env=child_env(**env),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        import signal
+
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        out += f"\n[gpu_check] killed after {timeout:.0f} s"
+    seconds = time.perf_counter() - t0
+    with log.open("a") as fh:
+        fh.write(f"$ ftrun {' '.join(args)}  (exit {proc.returncode}, {seconds:.1f} s)\n{out}\n")
+    return proc.returncode, seconds, out
+
+
+def tiny_model(ctx: Context) -> Path:
+    """The tiny-model step's model, built here when that step was not run in this OUT/work."""
+    path = ctx.work / "tiny-model"
+    if not (path / "config.json").is_file():
+        from launcher.worker.gpu_check.tiny_model import step_tiny_model
+
+        step_tiny_model(ctx)
+    return path
+
+
+def budget(default: float) -> float:
+    return float(os.environ.get("GPU_CHECK_STEP_BUDGET", default))
+
+
+def metrics_rows(run: Path) -> list[dict[str, Any]]:
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def train_rows(run: Path) -> list[dict[str, Any]]:
+    return [r for r in metrics_rows(run) if "loss" in r]
+
+
+def step_seconds(rows: list[dict[str, Any]]) -> list[float]:
+    """Seconds between consecutive logged steps (a row per step with logging_steps=1), evaluation rows apart."""
+    return [round((b["time"] - a["time"]) / max(1, b["step"] - a["step"]), 4) for a, b in zip(rows, rows[1:])]
+
+
+def generation_rate(run: Path) -> dict[str, Any]:
+    """The task evaluation's answers (task_eval/<scorer>.jsonl: new tokens and seconds per answer): tokens/s per
+    scorer, as it generated them (batched greedy, launcher/worker/task_eval.py)."""
+    rates = {}
+    for path in sorted(run.rglob("task_eval/*.jsonl")):
+        rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        seconds = sum(float(r.get("seconds", 0)) for r in rows)
+        tokens = sum(int(r.get("new_tokens", 0)) for r in rows)
+        rates[f"{path.parent.parent.name}/{path.stem}" if path.parent.parent != run else path.stem] = {
+            "answers": len(rows), "new_tokens": tokens, "seconds": round(seconds, 3),
+            "tokens_per_second": round(tokens / seconds, 1) if seconds else None}
+    return rates
+
+
+def phases(run: Path, started: float) -> dict[str, Any]:
+    """Wall time per phase from state.json's history (planned: plan and data check done; smoking: the base model's
+    task evaluation done; running: the smoke test done; succeeded: training and its task evaluation done) and the
+    export after it (the supervisor's, state.json export.seconds)."""
+    state = read_json(run / "state.json") or {}
+    marks = [("launch", started)] + [(h["state"], h["at"]) for h in state.get("history", [])]
+    named = {"planned": "plan and data check", "smoking": "base-model task evaluation",
+             "running": "smoke test", "succeeded": "training and task evaluation"}
+    out = {}
+    for (_, a), (state_b, b) in zip(marks, marks[1:]):
+        out[named.get(state_b, f"until {state_b}")] = round(b - a, 1)
+    export = state.get("export") or {}
+    if "seconds" in export:
+        out["export"] = export["seconds"]
+    return out
+
+
+def run_record(run: Path, started: float) -> dict[str, Any]:
+    """What a finished run directory says about its speed, memory and result."""
+    smoke = read_json(run / "smoke.json") or {}
+    plan = read_json(run / "plan.json") or {}
+    worker = read_json(run / "worker.json") or {}
+    state = read_json(run / "state.json") or {}
+    rows = train_rows(run)
+    per_step = step_seconds(rows)
+    tail = per_step[len(per_step) // 2:]  # the second half: past the first shapes' one-time costs
+    peaks = [r["peak_memory_gb"] for r in rows if isinstance(r.get("peak_memory_gb"), (int, float))]
+    return {
+        "state": state.get("state"), "ending": state.get("reason"),
+        "phases_seconds": phases(run, started),
+        "plan": {"tokens": plan.get("tokens"), "micro_batch_size": plan.get("micro_batch_size"),
+                 "gradient_accumulation_steps": plan.get("gradient_accumulation_steps"), "device": plan.get("device"),
+                 "engine": plan.get("engine"), "cheapest_rental_tokens_per_second":
+                 (plan.get("cheapest_rental") or {}).get("tokens_per_second")},
+        "smoke": {k: smoke.get(k) for k in ("tokens_per_second", "seconds_per_step", "step_costs", "peak_memory_gb",
+                                            "planned_memory_gb", "generation_tokens_per_second", "import_seconds",
+                                            "load_seconds", "warmup_seconds", "train_seconds", "startup_seconds",
+                                            "export_seconds", "wall_seconds", "estimated_seconds")},
+        "steps": [r["step"] for r in rows], "losses": [round(r["loss"], 4) for r in rows],
+        "step_seconds": per_step,
+        "median_step_seconds_second_half": sorted(tail)[len(tail) // 2] if tail else None,
+        "logged_tokens_per_second": [r.get("tokens_per_second") for r in rows],
+        "peak_memory_gb": max(peaks) if peaks else None,
+        "task_eval": read_json(run / "final" / "task_eval.json"),
+        "generation": generation_rate(run),
+        "worker": worker, "sdpa_backends": worker.get("sdpa_backends"),
+        "final_check": state.get("final_check"), "export": state.get("export"),
+    }
+
+
+def run_demo(ctx: Context, name: str, recipe: Path, *overrides: str, timeout: float) -> dict[str, Any]:
+    """`ftrun RECIPE --foreground model=... output_dir=...` in the work folder, and its record."""
+    run = ctx.work / "runs" / name
+    log = ctx.out / f"{name}.cli.log"
+    steps = STEPS[ctx.device]
+    args = [str(recipe), "--foreground", "--fresh", f"model={tiny_model(ctx)}", f"output_dir={run}",
+            f"max_steps={steps}", "logging_steps=1", *DRY_RUN[ctx.device], *overrides]
+    started = time.time()
+    code, seconds, out = cli(args, ctx.work, timeout, log)
+    record = {"command": "python -m launcher.cli " + " ".join(args), "exit": code, "wall_seconds": round(seconds, 1),
+              "run_dir": str(run), "log": log.name}
+    if run.is_dir():
+        record.update(run_record(run, started))
+    if code != 0:
+        lines = [x for x in out.strip().splitlines() if x.strip()]
+        record["error"] = lines[-1][:300] if lines else f"exit {code}"
+    return record
+
+
+def summary_line(record: dict[str, Any]) -> str:
+    if record.get("exit") != 0:
+        return f"failed: {record.get('error')}"
+    smoke = record.get("smoke") or {}
+    plan = (record.get("plan") or {}).get("tokens") or {}
+    gen = [g["tokens_per_second"] for g in (record.get("generation") or {}).values() if g.get("tokens_per_second")]
+    parts = [f"{len(record.get('steps') or [])} steps, median {record.get('median_step_seconds_second_half')} s/step",
+             f"smoke {smoke.get('tokens_per_second')} tok/s (plan {plan.get('estimated_tokens_per_second')})",
+             f"peak {record.get('peak_memory_gb')} GB",
+             f"generation {', '.join(f'{g:.0f}' for g in gen) or '-'} tok/s",
+             f"{record.get('wall_seconds')} s in all"]
+    return "; ".join(parts)
+
+
+def _step(ctx: Context, name: str, recipe: Path, *overrides: str, needs: tuple[str, ...] = ()) -> dict[str, Any]:
+    skipped = missing_packages(needs)
+    if skipped:
+        return skipped
+    record = run_demo(ctx, name, recipe, *overrides, timeout=budget(300) - 10)
+    ok = record.get("exit") == 0 and record.get("state") == "succeeded" and bool(record.get("steps"))
+    return {"ok": ok, **record, "line": summary_line(record)}
+
+
+def step_product_lora(ctx: Context) -> dict[str, Any]:
+    """The demo recipe with LoRA, as the demo runs it (recipes/tiny-cpu.yaml)."""
+    return _step(ctx, "product-lora", SFT_RECIPE)
+
+
+def step_product_qlora(ctx: Context) -> dict[str, Any]:
+    """The demo recipe with method=qlora (bitsandbytes' 4-bit base)."""
+    return _step(ctx, "product-qlora", SFT_RECIPE, "method=qlora", needs=("bitsandbytes",))
+
+
+def step_product_dpo(ctx: Context) -> dict[str, Any]:
+    """The demo's second step (recipes/tiny-cpu-dpo.yaml): DPO on the preference pairs from product-lora's adapter."""
+    parent = ctx.work / "runs" / "product-lora"
+    if not (parent / "final" / "adapter").is_dir():
+        why = "product-lora's run has no final/adapter in this work folder (run product-lora first)"
+        return {"ok": None, "skipped": why, "line": f"skipped: {why}"}
+    return _step(ctx, "product-dpo", DPO_RECIPE, f"init_from={parent}")
