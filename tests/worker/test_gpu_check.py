@@ -2,7 +2,8 @@
 lack of time is recorded with its reason and the next step runs; the summary is rewritten after every step; the
 padded and padding-free micro-batches have the worker's layout.
 
-The whole `--dry-run` (every step on CPU) runs in CI (.ci/run); these tests cover the run's bookkeeping.
+The whole `--dry-run` (every step on CPU) runs once in the slow tier (tests/worker/test_gpu_check_product.py);
+these tests cover the run's bookkeeping.
 """
 
 from __future__ import annotations

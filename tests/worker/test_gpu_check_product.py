@@ -1,6 +1,6 @@
 """scripts/gpu_check.sh's product steps (issue 43): the presets, what each step reads from a run directory, the
-attention cases and the resume comparison on the CPU; in the slow tier every new step's dry run through the script,
-run once and shared by the tests that read its results."""
+attention cases and the resume comparison on the CPU; in the slow tier the script's whole dry run, once, shared by
+the tests that read its results."""
 
 from __future__ import annotations
 
@@ -156,13 +156,23 @@ def test_results_are_packed_into_one_tarball_beside_the_summary(tmp_path):
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory) -> Path:
+    """The whole `scripts/gpu_check.sh --dry-run`, every step, as CI ran it on its own before (.ci/run): once here,
+    where the tests below read what each new step recorded."""
     tmp = tmp_path_factory.mktemp("gpu-check-product")
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_CHECK_")}
-    env.update(OUT=str(tmp / "out"), GPU_CHECK_WORK=str(tmp / "work"), GPU_CHECK_BUDGET_S="1500",
-               GPU_CHECK_STEPS="tiny-model," + ",".join(NEW))
+    env.update(OUT=str(tmp / "out"), GPU_CHECK_WORK=str(tmp / "work"), GPU_CHECK_BUDGET_S="1500")
     proc = subprocess.run(["bash", str(SCRIPT), "--dry-run"], env=env, capture_output=True, text=True, timeout=1700)
     (tmp / "out" / "stdout.txt").write_text(proc.stdout + proc.stderr)
+    (tmp / "out" / "rc.txt").write_text(str(proc.returncode))
     return tmp / "out"
+
+
+@pytest.mark.slow
+def test_the_whole_dry_run_passes(dry_run):
+    """Every step passed or was skipped for a missing package (the script's own exit status says so)."""
+    summary = json.loads((dry_run / "summary.json").read_text())
+    assert (dry_run / "rc.txt").read_text() == "0" and summary["all_passed"], (dry_run / "stdout.txt").read_text()
+    assert {s["step"] for s in summary["steps"]} >= set(NEW)
 
 
 def _result(out: Path, name: str) -> dict:
