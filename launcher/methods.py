@@ -48,7 +48,7 @@ class Method:
 
 METHODS: dict[str, Method] = {m.name: m for m in (
     # MFU: measured on one H200 (Qwen3-8B, 4 x 1,024 tokens for LoRA, 2 x 1,024 for full, gradient checkpointing,
-    # SDPA: 5,887 and 4,315 tokens/s at sizing.flops_per_token's count, recomputation included): 0.28 both; full-8bit
+    # SDPA: 5,887 and 4,315 tokens/s at throughput.flops_per_token's count, recomputation included): 0.28 both; full-8bit
     # runs the same matmuls. QLoRA has no measurement: LoRA's 0.28 x 0.32 / 0.34, the ratio the article's time table
     # implied before (dequantizing every weight per pass). docs/sizing.md, "Time and cost".
     Method("qlora", adapter=True, quantized=True, eight_bit_optimizer=False, weight_bytes=4, gradient_bytes=4,

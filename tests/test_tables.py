@@ -236,6 +236,7 @@ def _methods():
 def test_every_method_is_accepted_sized_planned_saved_and_named(name):
     from launcher.methods import METHODS
     from launcher.plan import sizing
+    from launcher.plan import throughput
     from launcher.plan.hardware import from_spec
     from launcher.plan.models import from_catalog
     from launcher.plan.plan import plan_for
@@ -251,7 +252,7 @@ def test_every_method_is_accepted_sized_planned_saved_and_named(name):
     assert ("adapters" in est.breakdown_gb) == m.adapter and ("optimizer" in est.breakdown_gb) != m.adapter
     assert est.trainable_params == (arch.lora_params(16, "all-linear") if m.adapter else arch.params)
     assert final.kind(name) == (final.ADAPTER if m.adapter else final.MODEL)
-    assert m.title and sizing.MFU[name] == m.mfu
+    assert m.title and throughput.MFU[name] == m.mfu
     plan = plan_for(recipe, from_spec("1xH100-80GB"), tokens=1e6, arch=arch, allow_network=False).to_dict()
     assert plan["fits"], plan
     if m.lighter:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from launcher.engine_kinds import CPU_MULTI_PROCESS, SHARDING
 from launcher.methods import METHODS, OBJECTIVES, is_adapter, is_quantized
 from launcher.plan import links, sizing
+from launcher.plan import throughput
 from launcher.plan.figures import _fmt_hours
 from launcher.plan.hardware import Hardware
 from launcher.plan.job import Job, _steps_and_tokens
@@ -78,7 +79,7 @@ def _fits(est: sizing.MemoryEstimate, capacity: float) -> bool:
 
 def _tps(job: Job, w: Workload, hw: Hardware) -> float:
     g = hw.gpu
-    return sizing.tokens_per_second(job.arch, w, g.tflops_bf16 if g else None, hw.interconnect, hw.cpu_count,
+    return throughput.tokens_per_second(job.arch, w, g.tflops_bf16 if g else None, hw.interconnect, hw.cpu_count,
                                     mean_seq_len=int(job.mean_tokens / job.sequences),  # a pair: per sequence
                                     compute_capability=g.compute_capability if g else None)
 
@@ -86,8 +87,8 @@ def _tps(job: Job, w: Workload, hw: Hardware) -> float:
 def _hours(job: Job, w: Workload, hw: Hardware, processes: int) -> tuple[float, float | None]:
     tps = _tps(job, w, hw)
     _, training = _steps_and_tokens(job, processes)
-    load = sizing.load_seconds(job.arch, w, hw.cpu_count) / 3600
-    return tps, (sizing.hours(training, tps) + load if training else None)
+    load = throughput.load_seconds(job.arch, w, hw.cpu_count) / 3600
+    return tps, (throughput.hours(training, tps) + load if training else None)
 
 
 # bitsandbytes' 8-bit AdamW indexes its states by the parameter's local storage and has no DTensor support; an open
@@ -359,7 +360,7 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
             and job.gradient_checkpointing
             and not job.offload_activations and not force_offload):
         # TRL's activation offloading: the saved layer inputs wait in pinned RAM instead of on the card, for the
-        # host-link time of moving them down and back every micro-batch (sizing.activation_offload_seconds).
+        # host-link time of moving them down and back every micro-batch (throughput.activation_offload_seconds).
         w_off = job.workload("trl", 1, "cuda", offload_activations=True)
         off = sizing.memory(job.arch, w_off)
         ram_ok = off.offloaded_ram_gb + sizing.CPU_RUNTIME_GB <= hw.ram_gb * sizing.USABLE_RAM_FRACTION
@@ -477,9 +478,9 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
                    + (" (forced by the recipe)" if forced in SHARDING_ENGINES else ""))
     if is_quantized(job.method):
         reasons.append("QLoRA + FSDP: 4-bit shards are gathered and dequantised per layer, so it runs at a moderate pace")
-    gb_s = sizing.pcie_gb_s(hw.gpu.compute_capability)
+    gb_s = throughput.pcie_gb_s(hw.gpu.compute_capability)
     if offload_opt:
-        move, step = sizing.deepspeed_offload_seconds(job.arch, est_all, wn, gb_s, hw.cpu_count)
+        move, step = throughput.deepspeed_offload_seconds(job.arch, est_all, wn, gb_s, hw.cpu_count)
         reasons.append(
             f"CPU offload: {est_all.offload_explanation}. The optimizer is DeepSpeedCPUAdam, fp32 AdamW, whatever the "
             "recipe's optimizer" + (": method full-8bit's 8-bit AdamW is not used (DeepSpeed replaces the client "
@@ -492,12 +493,12 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
             f"micro-batch (accumulation {job.accumulation}; {tps:,.0f} tokens/s against "
             f"{_tps(job, job.workload(shard_engine, n, 'cuda'), hw):,.0f} if it fitted without offload); {CPU_ADAM_NOTE}")
     elif offload:
-        move = sizing.offload_seconds_per_micro_batch(est_all, wn, gb_s)
+        move = throughput.offload_seconds_per_micro_batch(est_all, wn, gb_s)
         reasons.append(f"parameter offload (fsdp_offload_params): without it each card needs "
                        f"{est_plain.peak_gb:.1f} GB; the shards "
                        f"({est_all.offloaded_params_gb:.1f} GB) live in CPU RAM and cross PCIe ({gb_s:g} GB/s per card) "
                        f"in every forward and backward: +{move:.1f} s per micro-batch")
-    load_h = sizing.load_seconds(job.arch, wn, hw.cpu_count) / 3600
+    load_h = throughput.load_seconds(job.arch, wn, hw.cpu_count) / 3600
     if est_all.load_explanation:
         reasons.append("loading: " + est_all.load_explanation
                        + (f"; quantizing on {hw.cpu_count} CPU cores takes about {_fmt_hours(load_h)} (in the time)"

@@ -14,6 +14,7 @@ from launcher.plan import attention
 from launcher.plan import gguf_readiness
 from launcher.plan import packing
 from launcher.plan import sizing
+from launcher.plan import throughput
 from launcher.plan import speed
 from launcher.errors import MissingSoftware, PlanError
 from launcher.methods import is_adapter
@@ -256,18 +257,18 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
         hrs = None
         reasons.append("time and cost unknown: " + _no_tokens_hint(recipe))
     else:
-        hrs = sizing.hours(training, tps) + choice.load_hours  # loading that the smoke test does not measure
+        hrs = throughput.hours(training, tps) + choice.load_hours  # loading that the smoke test does not measure
     box_price, price_src = _price(recipe, hardware, price)
     if box_price is None:
         notes.append(f"no price known for {hardware.gpu.name}: cost not shown; give the box's price with "
                      "--price EUR/h (or price_per_hour_eur in the recipe)")
     cost = hrs * box_price if hrs is not None and box_price is not None else None
     kind = "measured by the smoke test" if "tokens_per_second" in measured else "estimated"
-    precision = sizing.training_precision(choice.device, g.compute_capability if g else None)
+    precision = throughput.training_precision(choice.device, g.compute_capability if g else None)
     if precision == "fp16":
         cc = ".".join(map(str, g.compute_capability))
         rate = (f"speed and time count {g.tflops_bf16:g} TFLOP/s, its fp16 tensor rate (catalog)" if g.tflops_bf16
-                else f"it is not in the catalog, so the estimate assumes {sizing.UNKNOWN_GPU_TFLOPS:g} TFLOP/s, more "
+                else f"it is not in the catalog, so the estimate assumes {throughput.UNKNOWN_GPU_TFLOPS:g} TFLOP/s, more "
                      "than cards before Ampere reach; the smoke test measures it")
         reasons.append(f"precision fp16 with loss scaling: {g.name} (compute capability {cc}) has no bf16 tensor "
                        f"cores (they start at 8.0); {rate}")
@@ -408,12 +409,12 @@ def _task_eval_scorers(recipe: Any) -> list[str]:
 def _task_eval_time(recipe: Any, data_stats: Any, arch: Architecture, gpu: Any,
                     box_price: float | None) -> dict[str, Any] | None:
     """The task evaluation's time and cost before any smoke test, on a GPU the catalog knows the bandwidth of
-    (sizing.generation_tokens_per_second): an upper bound, every answer at its max_new_tokens (a trained model stops
+    (throughput.generation_tokens_per_second): an upper bound, every answer at its max_new_tokens (a trained model stops
     at its end of turn sooner); the smoke test then measures the run's own rate (run/smoke.py task_eval_seconds)."""
     task = getattr(getattr(recipe, "eval", None), "task", None)
     if task is None or not task.examples or gpu is None or not (recipe.eval.fraction or recipe.eval.data):
         return None
-    tps = sizing.generation_tokens_per_second(arch, gpu.memory_bandwidth_gb_s, gpu.tflops_bf16)
+    tps = throughput.generation_tokens_per_second(arch, gpu.memory_bandwidth_gb_s, gpu.tflops_bf16)
     if not tps:
         return None
     held = getattr(data_stats, "held_out", 0) if data_stats is not None else 0
@@ -425,8 +426,8 @@ def _task_eval_time(recipe: Any, data_stats: Any, arch: Architecture, gpu: Any,
     cost = seconds / 3600 * box_price if box_price is not None else None
     reason = (f"task evaluation: at most {len(scorers)} scorers x {examples} examples x {longest} new tokens = "
               f"{tokens:,} tokens at ~{tps:,.0f} tokens/s (estimated: {gpu.name}'s "
-              f"{gpu.memory_bandwidth_gb_s:,.0f} GB/s read once per decode step, {sizing.GENERATION_BATCH['cuda']} "
-              f"prompts a step, at {sizing.GENERATION_EFFICIENCY:.0%} of that bound) = {_fmt_hours(seconds / 3600)}"
+              f"{gpu.memory_bandwidth_gb_s:,.0f} GB/s read once per decode step, {throughput.GENERATION_BATCH['cuda']} "
+              f"prompts a step, at {throughput.GENERATION_EFFICIENCY:.0%} of that bound) = {_fmt_hours(seconds / 3600)}"
               + (f", {cost:.2f} EUR" if cost is not None else "") + "; the smoke test measures the run's own rate")
     return {"reason": reason, "seconds": round(seconds, 1), "cost_eur": round(cost, 2) if cost is not None else None,
             "generation_tokens_per_second": round(tps, 1), "new_tokens": tokens, "scorers": scorers,
@@ -457,7 +458,7 @@ def _mfu_basis(job: Job, choice: Choice, g: Any) -> dict[str, Any]:
     GPU with a catalog rate only."""
     if choice.device != "cuda" or g is None or not g.tflops_bf16:
         return {}
-    flops = sizing.flops_per_token(job.arch, job.method, max(1, round(job.mean_tokens)), gradient_checkpointing=False)
+    flops = throughput.flops_per_token(job.arch, job.method, max(1, round(job.mean_tokens)), gradient_checkpointing=False)
     return {"model_flops_per_token": round(flops), "peak_tflops_per_gpu": g.tflops_bf16, "gpus_used": choice.processes}
 
 

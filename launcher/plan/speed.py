@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from launcher.plan import sizing
+from launcher.plan import throughput
 from launcher.plan.engine import Choice
 from launcher.plan.job import Job
 
@@ -68,8 +69,8 @@ def faster(job: Job, choice: Choice, free: set[str], replan: Callable[[Job], Cho
         cand = replace(job, gradient_checkpointing=False)
         c = replan(cand)
         if _same_engine(c, choice) and _with_headroom(c):
-            with_ = sizing.flops_per_token(job.arch, job.method, job.seq_len, True, bool(job.reference))
-            without = sizing.flops_per_token(job.arch, job.method, job.seq_len, False, bool(job.reference))
+            with_ = throughput.flops_per_token(job.arch, job.method, job.seq_len, True, bool(job.reference))
+            without = throughput.flops_per_token(job.arch, job.method, job.seq_len, False, bool(job.reference))
             best, update["gradient_checkpointing"] = (cand, c), False
             reasons.append(
                 f"gradient checkpointing off (the recipe leaves it to the plan): {c.estimate.peak_gb:.1f} GB of "
@@ -89,7 +90,7 @@ def faster(job: Job, choice: Choice, free: set[str], replan: Callable[[Job], Cho
                     f"optimizer step and process): {c.estimate.peak_gb:.1f} GB of {cap:.1f} GB per card, "
                     f"{HEADROOM:g}x of it within the {sizing.USABLE_FRACTION:.0%} the plan fills; fewer, larger "
                     f"micro-batches keep the card busier (the estimate counts only the "
-                    f"{sizing.GPU_SECONDS_PER_MICRO_BATCH * 1000:.0f} ms fixed cost per micro-batch; the smoke test "
+                    f"{throughput.GPU_SECONDS_PER_MICRO_BATCH * 1000:.0f} ms fixed cost per micro-batch; the smoke test "
                     "measures the rest)")
                 best = (cand, c)
                 break

@@ -102,7 +102,7 @@ def format_plan(plan: Plan) -> str:
                          f"{_fmt_hours(a['hours']):>14} {cost_a:>9}")
         rates = [a["tokens_per_second"] for a in p.alternatives if a.get("tokens_per_second")]
         if len(rates) > 1 and max(rates) <= 1.1 * min(rates):
-            # a T4 and an RTX 5090 at the same rate: the fixed per-step cost (sizing.GPU_SECONDS_PER_MICRO_BATCH)
+            # a T4 and an RTX 5090 at the same rate: the fixed per-step cost (throughput.GPU_SECONDS_PER_MICRO_BATCH)
             # dwarfs the model's FLOPs, so the table cannot rank the cards by speed
             lines.append("  (the same rate on every card: for a model this small each step's fixed overhead, not the "
                          "card's speed, sets it; a run measures its real rate)")

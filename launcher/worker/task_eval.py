@@ -31,7 +31,7 @@ from launcher.data.task_verdict import BASE_FEW_SHOT, BASE_ZERO_SHOT, FINE_TUNED
 from launcher.store.checkpoint import atomic_write_json
 from launcher.store.rundir import RunDir
 
-from launcher.plan.sizing import GENERATION_BATCH as BATCH  # prompts per generate call, by device (one home)
+from launcher.plan.throughput import GENERATION_BATCH as BATCH  # prompts per generate call, by device (one home)
 
 PREFIX = "[ftrun task eval]"
 

@@ -10,6 +10,7 @@ import pytest
 
 from launcher.errors import PlanError
 from launcher.plan import sizing
+from launcher.plan import throughput
 from launcher.plan.hardware import from_spec
 from launcher.plan.plan import make_plan
 from launcher.plan.text import format_plan
@@ -46,11 +47,11 @@ def test_offloading_chosen_only_where_one_card_needs_it(tmp_path):
 
     arch = from_catalog("Qwen/Qwen3-32B")
     g = from_spec("1xRTX4090").gpu
-    off = sizing.tokens_per_second(arch, replace(job_w, offload_activations=True), g.tflops_bf16,
+    off = throughput.tokens_per_second(arch, replace(job_w, offload_activations=True), g.tflops_bf16,
                                    compute_capability=g.compute_capability)
-    plain = sizing.tokens_per_second(arch, job_w, g.tflops_bf16, compute_capability=g.compute_capability)
+    plain = throughput.tokens_per_second(arch, job_w, g.tflops_bf16, compute_capability=g.compute_capability)
     assert off < plain
-    assert sizing.activation_offload_seconds(arch, replace(job_w, offload_activations=True), 31.5) == pytest.approx(
+    assert throughput.activation_offload_seconds(arch, replace(job_w, offload_activations=True), 31.5) == pytest.approx(
         2 * (arch.layers * 4096 * arch.hidden * 2 + 4096 * arch.hidden * 4) / 31.5e9)  # + the final norm's fp32 input
     # the card that holds it without: no offloading
     big = make_plan(r, _here("1xH100-80GB"), DATA, unsloth_available=False)

@@ -11,6 +11,7 @@ import pytest
 
 from launcher.errors import PlanError
 from launcher.plan import engine, links, sizing
+from launcher.plan import throughput
 from launcher.plan.hardware import catalog_box, from_spec
 from launcher.plan.models import from_catalog
 from launcher.plan.plan import make_plan
@@ -54,24 +55,24 @@ def test_parameter_offload_moves_the_16bit_partitions_too():
 def test_offload_time_adds_the_host_link_and_the_cpu_step():
     w = ds()
     est = sizing.memory(ARCH, w)
-    move, step = sizing.deepspeed_offload_seconds(ARCH, est, w, 63.0, 64)
+    move, step = throughput.deepspeed_offload_seconds(ARCH, est, w, 63.0, 64)
     p = ARCH.params
     assert move == pytest.approx((4 * p / 8 + (4 + 4) * p / 8 / 8) / 63e9)  # per micro-batch; the step's over 8
-    assert step == pytest.approx(p / (sizing.CPU_ADAM_PARAMS_PER_CORE_S * 64) / 8)
-    plain = sizing.tokens_per_second(ARCH, ds(optimizer=False), 989, "nvlink", 64, 500, (9, 0))
-    slow = sizing.tokens_per_second(ARCH, w, 989, "nvlink", 64, 500, (9, 0))
-    compute = 500 * sizing.flops_per_token(ARCH, "full-8bit", 500, True) / (989e12 * sizing.MFU["full-8bit"])
-    one = 500 / (compute + sizing.GPU_SECONDS_PER_MICRO_BATCH + move + step)
+    assert step == pytest.approx(p / (throughput.CPU_ADAM_PARAMS_PER_CORE_S * 64) / 8)
+    plain = throughput.tokens_per_second(ARCH, ds(optimizer=False), 989, "nvlink", 64, 500, (9, 0))
+    slow = throughput.tokens_per_second(ARCH, w, 989, "nvlink", 64, 500, (9, 0))
+    compute = 500 * throughput.flops_per_token(ARCH, "full-8bit", 500, True) / (989e12 * throughput.MFU["full-8bit"])
+    one = 500 / (compute + throughput.GPU_SECONDS_PER_MICRO_BATCH + move + step)
     assert slow == pytest.approx(one * links.scaling(8, "nvlink") * links.sharding_efficiency("nvlink"))
     assert slow < plain
     # more accumulation spreads the step's transfer and the CPU step over more micro-batches
-    assert sum(sizing.deepspeed_offload_seconds(ARCH, est, ds(acc=32), 63.0, 64)) < move + step
+    assert sum(throughput.deepspeed_offload_seconds(ARCH, est, ds(acc=32), 63.0, 64)) < move + step
     # parameter offload: every unit's partition goes up in forward and backward, nothing comes back after the step
     w2 = ds(n=2, params=True)
-    move2, _ = sizing.deepspeed_offload_seconds(ARCH, sizing.memory(ARCH, w2), w2, 63.0, 64)
+    move2, _ = throughput.deepspeed_offload_seconds(ARCH, sizing.memory(ARCH, w2), w2, 63.0, 64)
     assert move2 == pytest.approx((4 * p / 2 + 2 * 2 * p / 2 + 4 * p / 2 / 8) / 63e9)
     # never on a CPU, never without offload, never for FSDP
-    assert sizing.deepspeed_offload_seconds(ARCH, est, ds(optimizer=False), 63.0, 64) == (0.0, 0.0)
+    assert throughput.deepspeed_offload_seconds(ARCH, est, ds(optimizer=False), 63.0, 64) == (0.0, 0.0)
 
 
 @pytest.mark.parametrize("path, gpus", [(LLAMA_8BIT, 8), (QWEN_8BIT, 4)])

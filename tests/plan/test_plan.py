@@ -254,6 +254,7 @@ def test_the_plan_states_the_task_evaluations_time_and_cost_before_any_smoke_tes
     (weights read once a step, docs/BENCHMARKS.md section 7), with its cost; on a CPU the smoke test measures it."""
     from helpers import article_plan
     from launcher.plan import sizing
+    from launcher.plan import throughput
     from launcher.plan.hardware import catalog
     from launcher.plan.models import from_catalog
 
@@ -262,11 +263,11 @@ def test_the_plan_states_the_task_evaluations_time_and_cost_before_any_smoke_tes
     t = plan.estimate["task_eval"]
     assert t["scorers"] == ["base model zero-shot", "with 3 examples", "fine-tuned", "merged"]
     assert t["new_tokens"] == 4 * 200 * 128 and t["examples"] == 200
-    tps = sizing.generation_tokens_per_second(from_catalog("meta-llama/Llama-3.1-8B"), 3350, 989)
+    tps = throughput.generation_tokens_per_second(from_catalog("meta-llama/Llama-3.1-8B"), 3350, 989)
     assert t["generation_tokens_per_second"] == round(tps, 1)
     assert t["seconds"] == round(t["new_tokens"] / tps, 1) and t["cost_eur"] == round(t["seconds"] / 3600 * 3.9, 2)
     assert any(r.startswith("task evaluation: at most 4 scorers x 200 examples") for r in plan.reasons)
     # twice the bandwidth, twice the rate while the step stays memory bound
-    assert sizing.generation_tokens_per_second(from_catalog("meta-llama/Llama-3.1-8B"), 6700, 989) == \
+    assert throughput.generation_tokens_per_second(from_catalog("meta-llama/Llama-3.1-8B"), 6700, 989) == \
         pytest.approx(2 * tps)
     assert article_plan(tmp_path, "1xH100-80GB").estimate["task_eval"] is None  # nothing held out, nothing scored

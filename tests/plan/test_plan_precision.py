@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from launcher.plan import sizing
+from launcher.plan import throughput
 from launcher.plan.hardware import Gpu, Hardware, catalog, from_spec
 from launcher.plan.plan import make_plan
 from launcher.plan.text import format_plan
@@ -29,7 +30,7 @@ def plan(tmp_path, hw):
     ("cuda", None, "bf16"), ("cpu", None, "fp32"), ("cpu", (7, 5), "fp32"),
 ])
 def test_precision_rule(device, cc, want):
-    assert sizing.training_precision(device, cc) == want
+    assert throughput.training_precision(device, cc) == want
 
 
 def test_catalog_cards_before_ampere_carry_fp16_rates():
@@ -67,4 +68,4 @@ def test_unknown_pre_ampere_card_says_its_speed_is_a_guess(tmp_path):
     card = Gpu("Quadro RTX 8000", 51.0, (7, 5), None, None)
     p = plan(tmp_path, Hardware((card,), "none", 8, 64.0, "detected"))
     [why] = [r for r in p.reasons if r.startswith("precision fp16")]
-    assert "not in the catalog" in why and f"{sizing.UNKNOWN_GPU_TFLOPS:g} TFLOP/s" in why
+    assert "not in the catalog" in why and f"{throughput.UNKNOWN_GPU_TFLOPS:g} TFLOP/s" in why

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from launcher.plan import links, sizing
+from launcher.plan import throughput
 from launcher.plan.hardware import catalog, catalog_box
 from launcher.plan.models import from_catalog
 from launcher.plan.sizing import LOSS_MATERIALIZED as PLAIN, Workload
@@ -184,12 +185,12 @@ def test_article_time_table(method, size, engine, box, tps, tokens, hours, cost)
     off = Workload(method, ARTICLE_TOKENS, 2, False, 16, "all-linear", engine, int(count))
     keep = sizing.memory(arch, off).peak_gb * HEADROOM > hw.gpu.memory_gb * sizing.USABLE_FRACTION
     w = Workload(method, ARTICLE_TOKENS, 2, keep, 16, "all-linear", engine, int(count))
-    got = sizing.tokens_per_second(arch, w, hw.gpu.tflops_bf16, hw.interconnect, mean_seq_len=ARTICLE_TOKENS)
+    got = throughput.tokens_per_second(arch, w, hw.gpu.tflops_bf16, hw.interconnect, mean_seq_len=ARTICLE_TOKENS)
     assert got == pytest.approx(used, rel=0.15) or lo <= got <= hi, f"{got:,.0f} tokens/s, article {lo:,}-{hi:,}"
-    h = sizing.hours(tokens, got)
+    h = throughput.hours(tokens, got)
     assert h == pytest.approx(tokens / got / 3600)
     assert lo <= tokens / hours / 3600 * (1 + 1e-3) and tokens / hours / 3600 <= hi * (1 + 1e-3)  # the row itself
-    assert sizing.cost_eur(h, hw.price_per_hour_eur) == pytest.approx(h * cost / hours, rel=0.02)  # the article's price
+    assert throughput.cost_eur(h, hw.price_per_hour_eur) == pytest.approx(h * cost / hours, rel=0.02)  # the article's price
 
 
 def test_bench_shapes_within_ten_percent_of_the_h200():
@@ -215,8 +216,8 @@ def test_bench_shapes_within_ten_percent_of_the_h200():
 
 def test_flops_full_is_three_forwards_lora_two():
     arch = from_catalog(MODEL["8B"])
-    full = sizing.flops_per_token(arch, "full", 1, False)
-    lora = sizing.flops_per_token(arch, "lora", 1, False)
+    full = throughput.flops_per_token(arch, "full", 1, False)
+    lora = throughput.flops_per_token(arch, "lora", 1, False)
     assert full / lora == pytest.approx(1.5, rel=0.01)
     assert full == pytest.approx(6 * (arch.params - arch.embedding_params), rel=0.01)
 

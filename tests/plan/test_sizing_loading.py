@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from launcher.plan import sizing
+from launcher.plan import throughput
 from launcher.errors import PlanError
 from launcher.plan.hardware import from_spec
 from launcher.plan.models import from_catalog, from_config
@@ -158,10 +159,10 @@ def test_qlora_fsdp_quantizes_once_with_every_core():
     arch = from_catalog(LLAMA70)
     for n in (2, 4, 8):
         w = Workload("qlora", 512, 1, True, 16, "all-linear", "fsdp", n, "cuda")
-        assert sizing.load_seconds(arch, w, 16) == pytest.approx(arch.linear_params / (5e6 * 16))  # 14 min
+        assert throughput.load_seconds(arch, w, 16) == pytest.approx(arch.linear_params / (5e6 * 16))  # 14 min
     # other paths do not quantize on the CPU
-    assert sizing.load_seconds(arch, Workload("qlora", 512, 1, engine="deepspeed", num_gpus=2), 16) == 0.0
-    assert sizing.load_seconds(arch, Workload("lora", 512, 1, engine="fsdp", num_gpus=2), 16) == 0.0
+    assert throughput.load_seconds(arch, Workload("qlora", 512, 1, engine="deepspeed", num_gpus=2), 16) == 0.0
+    assert throughput.load_seconds(arch, Workload("lora", 512, 1, engine="fsdp", num_gpus=2), 16) == 0.0
 
 
 def test_the_70b_qlora_row_plans_on_2x4090_and_names_the_ram():

@@ -25,6 +25,7 @@ import pytest
 
 from helpers import free_port
 from launcher.plan import sizing
+from launcher.plan import throughput
 from launcher.errors import PlanError
 from launcher.plan.hardware import from_spec
 from launcher.plan.models import from_catalog
@@ -81,18 +82,18 @@ def test_parameter_offload_moves_the_shards_to_ram_and_costs_pcie_time():
     assert est.load_ram_gb < 1.2 * sizing.nf4_model_bytes(arch) / GB
     assert est.load_peak_gb < 3  # one unit whole while sharding, nothing resident
     # host-link time: the card's weight shard up twice (forward, backward), the LoRA gradient shard down once
-    link = sizing.pcie_gb_s((8, 9))
+    link = throughput.pcie_gb_s((8, 9))
     assert link == 31.5
     up = on_card.breakdown_gb["weights"] + est.trainable_params * 4 / 2 / GB
     expected = (2 * up + est.trainable_params * 4 / 2 / GB) / (link * 1e9 / GB)  # a link's rate is in 1e9 bytes/s
-    assert sizing.offload_seconds_per_micro_batch(est, wo, link) == pytest.approx(expected)
-    slow = sizing.tokens_per_second(arch, wo, 165, "pcie", 16, 500, (8, 9))
-    fast = sizing.tokens_per_second(arch, w, 165, "pcie", 16, 500, (8, 9))
+    assert throughput.offload_seconds_per_micro_batch(est, wo, link) == pytest.approx(expected)
+    slow = throughput.tokens_per_second(arch, wo, 165, "pcie", 16, 500, (8, 9))
+    fast = throughput.tokens_per_second(arch, w, 165, "pcie", 16, 500, (8, 9))
     assert slow < fast
 
 
 def test_pcie_generation_from_compute_capability():
-    assert [sizing.pcie_gb_s(cc) for cc in ((7, 5), (8, 0), (8, 9), (9, 0), (10, 0), (12, 0), None)] == \
+    assert [throughput.pcie_gb_s(cc) for cc in ((7, 5), (8, 0), (8, 9), (9, 0), (10, 0), (12, 0), None)] == \
         [15.75, 31.5, 31.5, 63.0, 63.0, 63.0, 31.5]
 
 
@@ -122,9 +123,9 @@ def test_70b_qlora_on_2x4090_plans_with_offload_and_states_the_ram_it_needs():
     # the estimate includes the transfers and one CPU quantization (all cores, not one pass per process)
     _, w, est = qlora70(True)
     assert p.tokens["tokens_per_second"] == pytest.approx(
-        sizing.tokens_per_second(from_catalog(LLAMA70), w, 165, "pcie", 16, 500, (8, 9)), rel=0.01)
-    load_s = sizing.load_seconds(from_catalog(LLAMA70), w, 16)
-    assert load_s == pytest.approx(from_catalog(LLAMA70).linear_params / (sizing.CPU_NF4_PARAMS_PER_CORE_S * 16))
+        throughput.tokens_per_second(from_catalog(LLAMA70), w, 165, "pcie", 16, 500, (8, 9)), rel=0.01)
+    load_s = throughput.load_seconds(from_catalog(LLAMA70), w, 16)
+    assert load_s == pytest.approx(from_catalog(LLAMA70).linear_params / (throughput.CPU_NF4_PARAMS_PER_CORE_S * 16))
     assert p.estimate["hours"] == pytest.approx(15e6 / p.tokens["tokens_per_second"] / 3600 + load_s / 3600, rel=0.01)
     assert p.to_dict()["offload_params"] is True
 

@@ -79,7 +79,7 @@ def launch_env(plan: dict[str, Any], grace_seconds: float | None = None) -> dict
         # to be 1 in default"; accelerate 1.15 commands/launch.py _validate_launch_command takes
         # num_cpu_threads_per_process from OMP_NUM_THREADS, default 1 off CPU, and utils/launch.py
         # prepare_multi_gpu_env exports it as OMP_NUM_THREADS to every rank), which leaves QLoRA+FSDP's CPU quantization of a 70B model on one thread per rank, about
-        # cores/n times slower than the plan (sizing.load_seconds counts threads_per_process x n). Unset, every
+        # cores/n times slower than the plan (throughput.load_seconds counts threads_per_process x n). Unset, every
         # process would use every core on a CPU box: oversubscribed, about 10x slower.
         from launcher.plan.hardware import cpu_cores, threads_per_process
 

@@ -33,6 +33,7 @@ def predict(ctx: Context, arch, method: str, micro_batch: int, seq: int, fused: 
     the step computes the loss with TRL's fused LM head as the worker does; without trl on the box it runs the
     model's own loss, and memory_gb is the sizer's figure for that loss (the plan's own is plan_memory_gb)."""
     from launcher.plan import sizing
+    from launcher.plan import throughput
     from launcher.errors import FtrunError
     from launcher.plan.plan import make_plan
 
@@ -69,7 +70,7 @@ def predict(ctx: Context, arch, method: str, micro_batch: int, seq: int, fused: 
         g = hw.gpu
         out.update(fits=False, refusal=exc.message[:400], memory_gb=round(est.per_gpu_gb, 1),
                    breakdown_gb={k: round(v, 2) for k, v in est.breakdown_gb.items()},
-                   tokens_per_second=round(sizing.tokens_per_second(arch, w, g.tflops_bf16 if g else None,
+                   tokens_per_second=round(throughput.tokens_per_second(arch, w, g.tflops_bf16 if g else None,
                                                                     hw.interconnect, hw.cpu_count), 1))
     return out
 
