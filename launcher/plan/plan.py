@@ -14,6 +14,7 @@ from launcher.plan import attention
 from launcher.plan import gguf_readiness
 from launcher.plan import packing
 from launcher.plan import sizing
+from launcher.plan import loss_head
 from launcher.plan import throughput
 from launcher.plan import speed
 from launcher.errors import MissingSoftware, PlanError
@@ -356,7 +357,7 @@ def _loss_reason(job: Job, choice: Choice, est: Any) -> str:
     w = job.workload(choice.engine, choice.processes, choice.device, choice.offload_params, choice.offload_optimizer,
                      choice.offload_activations)
     t, vocab = w.tokens_per_micro_batch, job.arch.vocab
-    whole = sizing.whole_logits_bytes(t, vocab, choice.device) / sizing.GB
+    whole = loss_head.whole_logits_bytes(t, vocab, choice.device) / sizing.GB
     if w.loss_kind == sizing.LOSS_UNSLOTH:
         return (f"loss: Unsloth's fused cross-entropy, in chunks with the gradient in place "
                 f"({est.breakdown_gb.get('logits and loss', 0.0):.2f} GB for {t:,} tokens x {vocab:,} vocabulary)")
@@ -365,7 +366,7 @@ def _loss_reason(job: Job, choice: Choice, est: Any) -> str:
         return (f"loss: the model's whole logits (trl's {trainer} takes them, not TRL's fused LM head): "
                 f"{est.breakdown_gb.get('logits and loss', 0.0):.2f} GB for {t:,} tokens x {vocab:,} vocabulary "
                 "(the logits, a copy for the loss, their gradient)")
-    head = sizing.fused_head_bytes(job.arch, w) / sizing.GB
+    head = loss_head.fused_head_bytes(job.arch, w) / sizing.GB
     on = ("; on a CPU, a frozen head through ftrun's kernel, launcher/worker/cpu_logprob.py"
           if choice.device == "cpu" and is_adapter(job.method) else "")
     return (f"loss: TRL's fused LM head (trl's {trainer}{on}): the {t:,} x {vocab:,} logits of a micro-batch are never "

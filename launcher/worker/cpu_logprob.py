@@ -22,8 +22,8 @@ from functools import cache
 from typing import Any
 
 # Logits per chunk: the chunk's tokens x the whole vocabulary, about 8M of them (32 MB of fp32); the sizer counts
-# the same (launcher/plan/sizing.py, CPU_LOSS_CHUNK_ELEMENTS).
-from launcher.plan.sizing import cpu_loss_chunk_tokens
+# the same (launcher/plan/loss_head.py, CPU_LOSS_CHUNK_ELEMENTS).
+from launcher.plan.loss_head import cpu_loss_chunk_tokens
 
 
 @cache

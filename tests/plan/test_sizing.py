@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from launcher.plan import links, sizing
+from launcher.plan import loss_head
 from launcher.plan import throughput
 from launcher.plan.hardware import catalog, catalog_box
 from launcher.plan.models import from_catalog
@@ -114,14 +115,14 @@ def test_trl_fused_head_holds_one_tile_not_the_logits():
     arch = from_catalog("Qwen/Qwen3-8B")
     w = Workload("qlora", 4096, 1, True)
     assert w.loss_kind == sizing.LOSS_FUSED
-    head = sizing.fused_head_bytes(arch, w)
+    head = loss_head.fused_head_bytes(arch, w)
     assert head == 4096 * 32768 * 2 + 4096 * arch.hidden * 8
     plain = sizing.memory(arch, Workload("qlora", 4096, 1, True, loss=PLAIN))
     lean = sizing.memory(arch, w)
     assert plain.per_gpu_gb - lean.per_gpu_gb > 6.5  # the 7 GB of logits are gone
     no_gc = sizing.memory(arch, Workload("qlora", 4096, 1, False))
     assert no_gc.breakdown_gb["logits and loss"] == pytest.approx(head / sizing.GB)
-    longer = sizing.fused_head_bytes(arch, Workload("qlora", 32768, 1, True))
+    longer = loss_head.fused_head_bytes(arch, Workload("qlora", 32768, 1, True))
     assert longer - head == (32768 - 4096) * arch.hidden * 8  # the tile stays; only the per-token vectors grow
 
 

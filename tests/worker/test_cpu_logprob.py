@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from launcher.plan import sizing
+from launcher.plan import loss_head
 from launcher.worker import cpu_logprob, fused_head
 
 VOCAB = 3000
@@ -53,11 +54,11 @@ def trl_kernel(monkeypatch):
     return utils
 
 
-@pytest.mark.parametrize("chunk_elements", [sizing.CPU_LOSS_CHUNK_ELEMENTS, 16 * VOCAB])
+@pytest.mark.parametrize("chunk_elements", [loss_head.CPU_LOSS_CHUNK_ELEMENTS, 16 * VOCAB])
 def test_loss_and_gradients_equal_the_models_own(trl_kernel, monkeypatch, chunk_elements):
     from trl.trainer.utils import add_fused_lm_head
 
-    monkeypatch.setattr(sizing, "CPU_LOSS_CHUNK_ELEMENTS", chunk_elements)  # 16 tokens a chunk: 5 chunks of 80
+    monkeypatch.setattr(loss_head, "CPU_LOSS_CHUNK_ELEMENTS", chunk_elements)  # 16 tokens a chunk: 5 chunks of 80
     model = _model()
     plain, plain_grads = _loss_and_grads(model, fused=False)
     add_fused_lm_head(model.get_base_model(), outputs=("log_probs", "entropy", "is_top1"))  # as SFTTrainer does

@@ -3,7 +3,7 @@
 Issue 24's GPU measurement: one micro-batch of 2 x 2,048 tokens' hidden states through the frozen head of the shape
 (Qwen3-8B: 4,096 x 151,936), loss and backward to the hidden states, the way the trl engine's loss runs; the peak
 memory above what was allocated before and the time per step, beside the sizer's figure for each
-(`sizing.LOGIT_BYTES_HF`, `sizing.fused_head_bytes`). The fused head is trl's own kernel,
+(`loss_head.LOGIT_BYTES_HF`, `loss_head.fused_head_bytes`). The fused head is trl's own kernel,
 `trl.kernels.chunked_logprob.ChunkedLogProbFunction` (Triton on CUDA), which imports with torch and transformers
 alone: the lent box has no trl installed, so scripts/gpu_check.sh puts the wheels under `$FTRUN_DEVICE_WHEELS`
 (default .cache/device-wheels: `pip download --no-deps trl==1.16.0 -d .cache/device-wheels`, carried with the call)
@@ -64,7 +64,7 @@ def step_loss_head(ctx: Context) -> dict[str, Any]:
     """The model's own loss against TRL's fused LM head at the shape: memory above the inputs, time, equal loss."""
     import torch
 
-    from launcher.plan import sizing
+    from launcher.plan import loss_head, sizing
     from launcher.worker import cpu_logprob
 
     trl_kernel = _fused_kernel()
@@ -91,8 +91,8 @@ def step_loss_head(ctx: Context) -> dict[str, Any]:
              and bool(torch.allclose(grads[name], grads["model's own loss"], rtol=10 * tol, atol=1e-3 * tol))
              for name, r in runs.items()}
     w = sizing.Workload("lora", t, 1, True, 16, "all-linear", "trl", 1, device)
-    predicted = {"model's own loss": round(sizing.whole_logits_bytes(t, arch.vocab, device) / sizing.GB, 3),
-                 "trl fused LM head": round(sizing.fused_head_bytes(arch, w) / sizing.GB, 3)}
+    predicted = {"model's own loss": round(loss_head.whole_logits_bytes(t, arch.vocab, device) / sizing.GB, 3),
+                 "trl fused LM head": round(loss_head.fused_head_bytes(arch, w) / sizing.GB, 3)}
     parts = []
     for name, r in runs.items():
         mem = f"{r['peak_above_gb']:.2f} GB (sized {predicted.get(name, '-')})" if "peak_above_gb" in r else "-"
