@@ -8,12 +8,11 @@ derives every constant and compares the totals with published measurements.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from launcher.engine_kinds import SHARDING
 from launcher.methods import METHODS, is_adapter, is_quantized
-from launcher.plan import links
 from launcher.plan.loss_head import (FUSED_TOKEN_TILE, FUSED_VOCAB_TILE, LOGIT_BYTES_HF, LOGIT_BYTES_HF_CPU,
                                      cpu_loss_chunk_tokens, fused_head_bytes)
 

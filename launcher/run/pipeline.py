@@ -35,8 +35,9 @@ def _say(msg: str) -> None:
 
 def hardware_for(gpus: Optional[str]):
     from launcher.plan import hardware
+    from launcher.plan import this_box
 
-    return hardware.from_spec(gpus) if gpus else hardware.detect()
+    return hardware.from_spec(gpus) if gpus else this_box.detect()
 
 
 def make_plan(recipe: Recipe, stats, gpus: Optional[str] = None, tokens: Optional[int] = None, smoke=None,

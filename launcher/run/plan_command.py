@@ -54,6 +54,7 @@ def _plan_command(recipe_path: str, overrides: list[str], gpus: Optional[str], t
     import importlib.util
 
     from launcher.plan import hardware as hw
+    from launcher.plan import this_box
     from launcher.plan.plan import make_plan as plan_job
     from launcher.plan.text import format_plan
     from launcher.recipe import parse_token_count
@@ -106,7 +107,7 @@ def _plan_command(recipe_path: str, overrides: list[str], gpus: Optional[str], t
     if run.smoke.is_file() and gpus is None:  # this run's measurements, on the recipe as the smoke test adjusted it
         smoke = json.loads(run.smoke.read_text())
         recipe = with_adjustments(run, recipe)
-    box, why = hw.for_plan(gpus, recipe.box)
+    box, why = this_box.for_plan(gpus, recipe.box)
     blocked = None
     try:
         plan = plan_job(recipe, box, data_stats=stats, tokens=count, smoke=smoke, price=price, box_reason=why,

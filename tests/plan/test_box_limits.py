@@ -14,6 +14,7 @@ import pytest
 
 from launcher.errors import HardwareError
 from launcher.plan import cgroup, hardware
+from launcher.plan import this_box
 
 REPO = Path(__file__).resolve().parents[2]
 GiB = 2**30
@@ -86,7 +87,7 @@ def test_the_plan_sizes_ram_and_cores_by_the_container(monkeypatch):
     monkeypatch.setattr(cgroup, "memory_limit_bytes", lambda root=None: 8 * GiB)
     monkeypatch.setattr(cgroup, "cpu_limit", lambda root=None: 1)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU probe: the box's CPU side is what is tested
-    hw = hardware.detect()
+    hw = this_box.detect()
     assert hw.ram_gb == 8 and hw.cpu_count == 1
     assert any("container memory limit 8.0 GB" in n for n in hw.notes)
     assert any("container CPU quota 1 cores" in n for n in hw.notes)

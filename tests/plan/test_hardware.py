@@ -7,9 +7,10 @@ import types
 
 import pytest
 
-from launcher.plan import hardware
+from launcher.plan import hardware, this_box
 from launcher.errors import UsageError
-from launcher.plan.hardware import detect, from_spec
+from launcher.plan.hardware import from_spec
+from launcher.plan.this_box import detect
 
 
 @pytest.mark.parametrize("spec,name,count,interconnect", [
@@ -68,7 +69,7 @@ def test_nvml_names_map_to_catalog():
 
 def test_detect_without_driver_is_cpu_only(monkeypatch, tmp_path):
     """A fake pynvml whose init fails like on a box without NVIDIA driver: CPU-only, said so."""
-    monkeypatch.setattr(hardware, "NVIDIA_DRIVER_FILES", (str(tmp_path / "none"),))
+    monkeypatch.setattr(this_box, "NVIDIA_DRIVER_FILES", (str(tmp_path / "none"),))
     fake = types.ModuleType("pynvml")
 
     class NVMLError(Exception):
@@ -261,8 +262,8 @@ def no_nvml_box(monkeypatch, tmp_path):
     probe's child process imports instead of the real torch (PYTHONPATH)."""
     version = tmp_path / "version"
     version.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.129.03  Thu Oct 19 18:56:32 UTC 2023\n")
-    monkeypatch.setattr(hardware, "NVIDIA_DRIVER_FILES", (str(version),))
-    monkeypatch.setattr(hardware, "DRIVER_VERSION_FILES", (str(tmp_path / "missing"), str(version)))
+    monkeypatch.setattr(this_box, "NVIDIA_DRIVER_FILES", (str(version),))
+    monkeypatch.setattr(this_box, "DRIVER_VERSION_FILES", (str(tmp_path / "missing"), str(version)))
     monkeypatch.setitem(sys.modules, "pynvml", None)  # `import pynvml` raises ImportError
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
@@ -307,14 +308,14 @@ def test_torch_failing_is_cpu_only_with_the_reason(no_nvml_box):
 
 
 def test_no_driver_never_imports_torch(monkeypatch, tmp_path):
-    monkeypatch.setattr(hardware, "NVIDIA_DRIVER_FILES", (str(tmp_path / "none"),))
+    monkeypatch.setattr(this_box, "NVIDIA_DRIVER_FILES", (str(tmp_path / "none"),))
     monkeypatch.setitem(sys.modules, "pynvml", None)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
     def must_not_run():
         raise AssertionError("torch probed on a box without NVIDIA driver")
 
-    monkeypatch.setattr(hardware, "_torch_devices", must_not_run)
+    monkeypatch.setattr(this_box, "_torch_devices", must_not_run)
     hw = detect()
     assert hw.is_cpu_only and any("no NVIDIA driver" in n for n in hw.notes)
 

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from launcher.errors import MissingSoftware, PlanError
-from launcher.plan.hardware import detect, from_spec
+from launcher.plan.hardware import from_spec
+from launcher.plan.this_box import detect
 from launcher.plan.models import from_catalog
 from launcher.plan.advice import _box_rows
 from launcher.plan.engine import WORKDAY_HOURS

@@ -11,6 +11,7 @@ import pytest
 
 from launcher import cli
 from launcher.plan import hardware
+from launcher.plan import this_box
 from launcher.run import pipeline, plan_command
 from launcher.plan import sizing
 from launcher.plan import plan as plan_mod
@@ -39,7 +40,7 @@ def detected(spec: str) -> Hardware:
 
 @pytest.fixture
 def no_gpu_here(monkeypatch):
-    monkeypatch.setattr(hardware, "detect", cpu_only)
+    monkeypatch.setattr(this_box, "detect", cpu_only)
 
 
 def recipe(tmp_path, **fields):
@@ -79,22 +80,22 @@ def test_readme_first_command_works_as_printed(no_gpu_here, capsys, monkeypatch)
 
 
 def test_gpus_and_a_detected_gpu_win_over_the_recipe_box(monkeypatch):
-    hw, why = hardware.for_plan("8xH100-80GB", "1xRTX4090")
+    hw, why = this_box.for_plan("8xH100-80GB", "1xRTX4090")
     assert (hw.count, hw.gpu.name, why) == (8, "H100-80GB", "--gpus 8xH100-80GB")
-    monkeypatch.setattr(hardware, "detect", lambda: detected("A100-80GB"))
-    hw, why = hardware.for_plan(None, "1xRTX4090")
+    monkeypatch.setattr(this_box, "detect", lambda: detected("A100-80GB"))
+    hw, why = this_box.for_plan(None, "1xRTX4090")
     assert hw.gpu.name == "A100-80GB" and hw.is_this_machine
     assert "detected" in why and "box: 1xRTX4090 is not used here" in why and "--gpus 1xRTX4090" in why
-    monkeypatch.setattr(hardware, "detect", cpu_only)
-    hw, why = hardware.for_plan(None, "1xRTX4090")
+    monkeypatch.setattr(this_box, "detect", cpu_only)
+    hw, why = this_box.for_plan(None, "1xRTX4090")
     assert hw.gpu.name == "RTX4090" and not hw.is_this_machine and "recipe's box" in why
-    hw, why = hardware.for_plan(None, None)
+    hw, why = this_box.for_plan(None, None)
     assert hw.is_cpu_only and "no GPU" in why
 
 
 def test_a_bad_box_names_the_field(no_gpu_here):
     with pytest.raises(Exception) as err:
-        hardware.for_plan(None, "1xGTX480")
+        this_box.for_plan(None, "1xGTX480")
     assert "box: '1xGTX480'" in err.value.message and "RTX4090" in err.value.fix
 
 
@@ -144,7 +145,7 @@ def test_this_machine_uses_what_is_installed_and_names_the_fix(tmp_path, monkeyp
         make_plan(recipe(tmp_path, engine="unsloth"), detected("RTX4090"), tokens=15e6)
     assert err.value.exit_code == 2 and "does not fit" not in err.value.render()
     assert "missing software" in err.value.render() and "pip install" in err.value.message
-    monkeypatch.setattr(hardware, "detect", lambda: detected("RTX4090"))
+    monkeypatch.setattr(this_box, "detect", lambda: detected("RTX4090"))
     rc, out, _ = run_cli(capsys, "plan", write_recipe(tmp_path, engine="unsloth"), "--json")
     d = json.loads(out)
     assert rc == 2 and d["fits"] is False and d["refusal"]["missing"] == "unsloth"

@@ -10,6 +10,7 @@ import pytest
 
 from helpers import stand_in_adapter
 from launcher.plan import hardware
+from launcher.plan import this_box
 from launcher.plan import plan as plan_mod
 from launcher.errors import PlanError
 from launcher.plan.hardware import from_spec
@@ -37,7 +38,7 @@ def header(path: Path) -> dict[str, str]:
 @pytest.fixture
 def no_gpu_here(monkeypatch):
     """This machine as the README's first command meets it: no GPU, so the recipe's box: is planned."""
-    monkeypatch.setattr(hardware, "detect", lambda: from_spec("cpu").__class__((), "none", 2, 24.0, "detected"))
+    monkeypatch.setattr(this_box, "detect", lambda: from_spec("cpu").__class__((), "none", 2, 24.0, "detected"))
 
 
 def tokens(text: str) -> float:
@@ -71,7 +72,7 @@ def test_recipe_plans_as_its_header_says(path, no_gpu_here):
     assert recipe.method.replace("-", "") in path.stem.replace("-", ""), "name is <model>-<method>[-<box>]"
     assert recipe.tokens == tokens(h.get("tokens", "15M"))
     # The recipe's box is planned with ftrun's Docker image (Unsloth in it), not this machine's software.
-    hw, why = hardware.for_plan(None, recipe.box)
+    hw, why = this_box.for_plan(None, recipe.box)
     assert hw.source == f"recipe box: {recipe.box}" and "recipe's box" in why
     if h["fits"] == "no":
         with pytest.raises(PlanError) as err:

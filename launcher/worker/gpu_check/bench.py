@@ -13,7 +13,8 @@ from launcher.worker.gpu_check.training import BENCH, architecture, build_model,
 def _plan_hardware(ctx: Context):
     """What the plan sizes for: this box as detected; where detection sees no GPU on a CUDA box, the catalog
     entry of torch's device name (and the step says so)."""
-    from launcher.plan.hardware import catalog_box, detect, lookup
+    from launcher.plan.hardware import catalog_box, lookup
+    from launcher.plan.this_box import detect
 
     hw = detect()
     if ctx.device != "cuda" or not hw.is_cpu_only:

@@ -26,7 +26,7 @@ def step_device(ctx: Context) -> dict[str, Any]:
     capability (bf16 from 8.0, fp16 below); and what the plan's hardware detection sees on this box."""
     import torch
 
-    from launcher.plan.hardware import detect
+    from launcher.plan.this_box import detect
     from launcher.worker.loading import compute_dtype, select_device
 
     packages = _packages()
