@@ -49,7 +49,7 @@ def compute_dtype(capability: Optional[tuple[int, int]]):
     """
     import torch
 
-    from launcher.plan.sizing import training_precision  # the plan's rule: the plan and the worker cannot disagree
+    from launcher.plan.throughput import training_precision  # the plan's rule: the plan and the worker cannot disagree
 
     if capability is None:
         return torch.float32
