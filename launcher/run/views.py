@@ -197,11 +197,44 @@ def format_started(run_dir: Path, pid: int, resume: str) -> str:
 def ending_reason(e: dict[str, Any]) -> str:
     """Why a run stopped or was preempted, from the facts the supervisor stores (state.json "ending")."""
     head = "stopped by `ftrun stop`" if e["by"] == "stop" else f"preempted ({e['signal']})"
+    resume = f"run `{e['resume_command']}`" if e.get("resume_command") else "run the same command"
+    if e.get("after_training"):  # nothing left to train: the resume lands at the end and does the rest
+        return (f"{head} after training: the final result and its checkpoint ({e.get('checkpoint')}) are saved; "
+                f"not done yet: {', then '.join(e.get('left') or ['the end of the run'])}; {resume} to finish "
+                "(no step is trained again)")
     where = (f" at step {e['step']} after a checkpoint ({e['checkpoint']})" if e.get("checkpoint")
              else f" at step {e['step']}" + (" after a checkpoint" if e["saved"] else ""))
     late = "" if e["saved"] else f"; the worker did not finish its checkpoint within {e['grace_seconds']:g}s"
-    resume = f"run `{e['resume_command']}` to resume" if e.get("resume_command") else "run the same command to resume"
-    return head + where + late + "; " + resume
+    return head + where + late + "; " + resume + " to resume"
+
+
+def stop_waits_for(p: dict[str, Any], grace_seconds: float) -> str:
+    """What `ftrun stop` waits for, said before it waits (launcher/run/control.py `_phase`)."""
+    if p["phase"] == "export":
+        return ("training is complete and the export is running: ending the export; the trained result stays, "
+                "and `ftrun export` makes the export later")
+    if p["phase"] == "after training":
+        return (f"training is complete (step {p.get('step')}): the worker saves the final result and its checkpoint "
+                "if still saving them, then ends before the rest of the samples and the task evaluation (answers "
+                "kept); the same command finishes them")
+    return (f"asking the worker to save a checkpoint at the end of its step, then stop (it has up to "
+            f"{grace_seconds:g} s)")
+
+
+# the stop's outcome when the run ended stopped but left work for the resume (stop_outcome): the summary follows
+STOPPED_PREFIXES = ("stopped after training", "stopped during the export")
+
+
+def stop_outcome(state: dict[str, Any]) -> str:
+    """`ftrun stop`'s last word, from the state the supervisor wrote once it ended: the same word `ftrun status` says."""
+    name = state.get("state")
+    if name == "stopped" and (state.get("ending") or {}).get("after_training"):
+        return "stopped after training: " + state.get("reason", "")
+    if name == "trained-not-exported":
+        return (f"stopped during the export: training is complete and its result verified; {state.get('reason', '')}")
+    if name in ("succeeded", "failed"):
+        return f"the run ended {name} before the stop took effect: {state.get('reason', '')}"
+    return "stopped"
 
 
 def host_oom_reason(e: dict[str, Any]) -> str:

@@ -309,3 +309,25 @@ def test_the_status_loss_says_its_step_when_the_run_is_past_it():
     assert "  loss 4.2243 (step 45)   5,694 tokens/s" in views.format_status(s)
     s["loss_step"] = 48
     assert "  loss 4.2243   5,694 tokens/s" in views.format_status(s)
+
+
+def test_the_stops_last_word_is_the_states():
+    """`ftrun stop` words its outcome from the state the supervisor wrote (issue 46): a stop after training says
+    what is left; one during the export, or one that came too late, does not say "stopped" over another state."""
+    after = {"by": "stop", "signal": "SIGTERM", "step": 12, "checkpoint": "step-000012", "saved": True,
+             "after_training": True, "left": ["the samples and the task evaluation", "the export"],
+             "resume_command": "ftrun r.yaml"}
+    reason = views.ending_reason(after)
+    assert reason == ("stopped by `ftrun stop` after training: the final result and its checkpoint (step-000012) are "
+                      "saved; not done yet: the samples and the task evaluation, then the export; run `ftrun r.yaml` "
+                      "to finish (no step is trained again)")
+    assert views.stop_outcome({"state": "stopped", "ending": after, "reason": reason}).startswith(
+        "stopped after training: stopped by")
+    assert views.stop_outcome({"state": "stopped", "reason": "x"}) == "stopped"
+    late = views.stop_outcome({"state": "succeeded", "reason": "training finished"})
+    assert late == "the run ended succeeded before the stop took effect: training finished"
+    export = views.stop_outcome({"state": "trained-not-exported", "reason": "trained, not exported: killed"})
+    assert export.startswith("stopped during the export: training is complete")
+    said = views.stop_waits_for({"phase": "after training", "step": 12}, 120)
+    assert said.startswith("training is complete (step 12)")
+    assert "at the end of its step" in views.stop_waits_for({"phase": "training", "step": 3}, 120)
