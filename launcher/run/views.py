@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from launcher.store.state import ENDED
-from launcher.data.task_verdict import (BASE_FEW_SHOT, BASE_ZERO_SHOT, FINE_TUNED, METRIC_WORDS, base_score, pct,
-                                        start_name, verdict)
+from launcher.data.task_verdict import (BASE_FEW_SHOT, BASE_ZERO_SHOT, FINE_TUNED, METRIC_WORDS, base_score,
+                                        difference, noise_words, pct, start_name, verdict)
 from launcher.worker.task_eval import PREFIX as TASK_EVAL_PREFIX
 
 
@@ -450,11 +450,12 @@ def format_task_eval(t: dict[str, Any]) -> str:
                      + (f"   ({tps:,.0f} tokens/s generated)" if tps else ""))
     scores = t.get("scores") or {}
     base, who = base_score(t)
-    if scores.get(FINE_TUNED) is not None and base is not None:
-        # the difference of the two percents shown, as a reader subtracts them (5% against 8%: -3, not -3.5 -> -4)
-        gain = int(pct(scores[FINE_TUNED]).rstrip("%")) - int(pct(base).rstrip("%"))
+    diff = difference(t)
+    if diff is not None:
+        # the difference of the two percents shown, as a reader subtracts them (5% against 8%: -3, not -3.5 -> -4),
+        # and whether it is more than the n examples can tell apart
         lines.append(f"  gain      fine-tuned {pct(scores[FINE_TUNED])} against {pct(base)} for the {who} "
-                     f"({gain:+d} points)")
+                     f"({noise_words(diff)})")
     lines.append(f"  verdict   {verdict}")
     return "\n".join(lines)
 
