@@ -227,7 +227,11 @@ def _preference_first_last(evals: list[dict[str, Any]]) -> Optional[dict[str, An
         return None
     return {"margin_first": rows[0]["eval_rewards/margins"], "margin_last": rows[-1]["eval_rewards/margins"],
             "accuracy_first": rows[0].get("eval_rewards/accuracies"), "accuracy_last": rows[-1].get("eval_rewards/accuracies"),
-            "step_first": rows[0]["step"], "step_last": rows[-1]["step"]}
+            "step_first": rows[0]["step"], "step_last": rows[-1]["step"],
+            # the rewards apart: a margin that rises while the chosen answers' reward falls lowers their likelihood too
+            "chosen_first": rows[0].get("eval_rewards/chosen"), "chosen_last": rows[-1].get("eval_rewards/chosen"),
+            "rejected_first": rows[0].get("eval_rewards/rejected"),
+            "rejected_last": rows[-1].get("eval_rewards/rejected")}
 
 
 def end_summary(run: RunDir) -> dict[str, Any]:

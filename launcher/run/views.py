@@ -59,7 +59,8 @@ def format_status(s: dict[str, Any], ending_follows: bool = False) -> str:
             parts.append(f"margin {s['margin']:.3f}, accuracy {s.get('accuracy') or 0:.2f} (step {s.get('loss_step')}, "
                          "training pairs)")
         if s.get("eval_margin") is not None:
-            parts.append(f"margin {s['eval_margin']:.3f}, preference accuracy {s.get('eval_accuracy') or 0:.2f} "
+            parts.append(f"margin {s['eval_margin']:.3f}, preference accuracy "
+                         f"{preference_accuracy(s.get('eval_accuracy'), s['eval_margin'])} "
                          f"(step {s.get('eval_step')}, held-out pairs)")
         lines.append("  rewards   " + "; ".join(parts))
     supervisor = (f"supervisor pid {s['pid']} ({'alive' if s.get('pid_alive') else 'not running'})" if s.get("pid")
@@ -206,6 +207,14 @@ def ending_reason(e: dict[str, Any]) -> str:
              else f" at step {e['step']}" + (" after a checkpoint" if e["saved"] else ""))
     late = "" if e["saved"] else f"; the worker did not finish its checkpoint within {e['grace_seconds']:g}s"
     return head + where + late + "; " + resume + " to resume"
+
+
+def preference_accuracy(accuracy: Optional[float], margin: Optional[float]) -> str:
+    """The share of held-out pairs ranked right; every pair tied (margin 0: the policy is still its reference, as at
+    step 0) is said as ties, not 0.00: trl 1.16 dpo_trainer.py counts a pair right only when chosen > rejected."""
+    if not accuracy and margin is not None and abs(margin) < 1e-9:
+        return "tied (margin 0: the policy is its reference)"
+    return f"{accuracy or 0:.2f}"
 
 
 def stop_waits_for(p: dict[str, Any], grace_seconds: float) -> str:
@@ -361,7 +370,14 @@ def format_end_summary(e: dict[str, Any]) -> str:
     if pref:
         lines.append(f"  rewards   held-out margin {pref['margin_first']:.3f} (step {pref['step_first']}) -> "
                      f"{pref['margin_last']:.3f} (step {pref['step_last']}); preference accuracy "
-                     f"{pref['accuracy_first'] or 0:.2f} -> {pref['accuracy_last'] or 0:.2f}")
+                     f"{preference_accuracy(pref['accuracy_first'], pref['margin_first'])} -> "
+                     f"{preference_accuracy(pref['accuracy_last'], pref['margin_last'])}")
+        if pref.get("chosen_first") is not None and pref.get("chosen_last") is not None:
+            fell = pref["chosen_last"] < pref["chosen_first"]
+            lines.append(f"            chosen answers' reward {pref['chosen_first']:.3f} -> {pref['chosen_last']:.3f}, "
+                         f"rejected {pref['rejected_first'] or 0:.3f} -> {pref['rejected_last'] or 0:.3f}"
+                         + ("; the chosen answers fell too: less likely than under the reference (lower "
+                            "preference.beta or the learning rate if the task score fell)" if fell else ""))
     if e.get("tokens"):
         # the count logged with the last loss: short of the run's own where the last step logged none (logging_steps)
         logged = e.get("loss_last_step")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 from launcher.store import checkpoint as ckpt
@@ -148,8 +149,9 @@ def _answer_after(run: RunDir, recipe, trainer, tokenizer, prompts: list[dict[st
         return
     if _rank() != 0:
         return
+    start = f"parent adapter, {Path(recipe.init_from).name}" if recipe.init_from else "base model"
     path = samples.write_after(run.final, before, asked, answers, run_name=run.root.name,
-                               step=trainer.state.global_step, max_new_tokens=recipe.eval.max_new_tokens)
+                               step=trainer.state.global_step, max_new_tokens=recipe.eval.max_new_tokens, start=start)
     _say(f"samples: before and after training in {path} ({len(answers)} prompt(s), "
          f"{time.monotonic() - t0:.1f} s)")
     rows = json.loads((run.final / samples.DATA).read_text())["samples"]

@@ -331,3 +331,25 @@ def test_the_stops_last_word_is_the_states():
     said = views.stop_waits_for({"phase": "after training", "step": 12}, 120)
     assert said.startswith("training is complete (step 12)")
     assert "at the end of its step" in views.stop_waits_for({"phase": "training", "step": 3}, 120)
+
+
+def test_a_dpo_summary_says_ties_as_ties_and_the_chosen_answers_reward(tmp_path):
+    """Issue 46: at step 0 the policy is its reference and every held-out margin is 0 (trl counts chosen > rejected
+    only): the summary and status say "tied", not an accuracy of 0; the chosen answers' reward beside the margin."""
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    run.recipe.write_text("model: x\n")
+    set_state(run, "succeeded", reason="training finished")
+    rows = [{"step": 0, "eval_loss": 0.6931, "eval_rewards/margins": 0.0, "eval_rewards/accuracies": 0.0,
+             "eval_rewards/chosen": 0.0, "eval_rewards/rejected": 0.0},
+            {"step": 5, "loss": 0.3, "rewards/margins": 1.7, "rewards/accuracies": 0.8},
+            {"step": 48, "eval_loss": 0.01, "eval_rewards/margins": 10.2, "eval_rewards/accuracies": 1.0,
+             "eval_rewards/chosen": -1.42, "eval_rewards/rejected": -11.62}]
+    run.metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = views.format_end_summary(facts.end_summary(run))
+    assert ("rewards   held-out margin 0.000 (step 0) -> 10.200 (step 48); preference accuracy tied (margin 0: the "
+            "policy is its reference) -> 1.00") in text, text
+    assert "chosen answers' reward 0.000 -> -1.420, rejected 0.000 -> -11.620; the chosen answers fell too" in text
+    assert "accuracy 0.00" not in text
+    first = views.format_status({**facts.run_status(run), "eval_margin": 0.0, "eval_accuracy": 0.0, "eval_step": 0})
+    assert "preference accuracy tied (margin 0" in first
