@@ -113,9 +113,14 @@ def build_task(examples: list, held_out: list[int], train: list[int], settings, 
     else:
         metric, reason = settings.metric, f"{settings.metric}, as the recipe sets (eval.task.metric)"
     longest = max(len(r) for r in references)
-    limit = settings.max_new_tokens or min(max_new_tokens_cap, max(8, 2 * (2 * longest // 3 + 1)))
-    return {"metric": metric, "metric_reason": reason, "prompts": prompts,
+    needed = 2 * longest // 3 + 1  # the longest reference's tokens, about 2 per 3 characters
+    limit = settings.max_new_tokens or min(max_new_tokens_cap, max(8, 2 * needed))
+    task = {"metric": metric, "metric_reason": reason, "prompts": prompts,
             "shots": shots_for(examples, train, settings.shots, seed), "max_new_tokens": limit}
+    if limit < needed:  # an answer as long as the reference is cut by a setting: the score says so (run/views.py)
+        task["capped"] = {"max_new_tokens": limit, "reference_tokens": needed,
+                          "key": "eval.task.max_new_tokens" if settings.max_new_tokens else "eval.max_new_tokens"}
+    return task
 
 
 def refusals(settings, examples: list, lengths: list[int], held_out: list[int], train: list[int], max_length: int,

@@ -235,7 +235,7 @@ STOPPED_PREFIXES = ("stopped after training", "stopped during the export")
 
 
 def stop_outcome(state: dict[str, Any]) -> str:
-    """`ftrun stop`'s last word, from the state the supervisor wrote once it ended: the same word `ftrun status` says."""
+    """`ftrun stop`'s last word, from the state the supervisor wrote once it ended: the word `ftrun status` says."""
     name = state.get("state")
     if name == "stopped" and (state.get("ending") or {}).get("after_training"):
         return "stopped after training: " + state.get("reason", "")
@@ -459,6 +459,11 @@ def format_task_eval(t: dict[str, Any]) -> str:
              + (f" ({word})" if word != metric else "") + (f": {t['metric_reason']}" if t.get("metric_reason") else "")]
     if t.get("starting_point"):
         lines.append(f"            (the parent adapter rows: {t['starting_point']}, where this run starts)")
+    cap = t.get("capped")
+    if cap:  # the answers are cut by a setting before they can be as long as the references
+        lines.append(f"            answers cut at {cap['max_new_tokens']} new tokens ({cap['key']}) while the longest "
+                     f"reference runs to about {cap['reference_tokens']} tokens: the scores are capped by that "
+                     f"setting; eval.task.max_new_tokens: {cap['reference_tokens']} lets the answers finish")
     rows = task_rows(t)
     width = max([len(label) for label, _, _ in rows] + [10])
     for label, score, tps in rows:

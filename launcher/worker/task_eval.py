@@ -257,6 +257,7 @@ def record(run_root: Path, task: dict[str, Any], name: Optional[str] = None,
                "shots": len(task["shots"]), "max_new_tokens": task["max_new_tokens"],
                **({"chat_template_kwargs": task["chat_template_kwargs"]} if task.get("chat_template_kwargs") else {}),
                **({"starting_point": task["starting_point"]} if task.get("starting_point") else {}),
+               **({"capped": task["capped"]} if task.get("capped") else {}),
                "scores": dict(old.get("scores", {})), "details": dict(old.get("details", {})),
                "generation": dict(old.get("generation", {})), "per_example": dict(old.get("per_example", {}))}
     if name is not None and result is not None:

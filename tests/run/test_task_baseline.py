@@ -108,6 +108,30 @@ FINISHED = {**BASE, "scores": {"base_zero_shot": 0.0, "base_few_shot": 0.35, "fi
             "fine_tune_pays": True}
 
 
+def test_answers_cut_by_a_setting_before_the_references_end_are_said_with_both_numbers(tmp_path):
+    """Issue 46: the demo's task answers are capped at 24 new tokens (eval.max_new_tokens) while its references run to
+    71 words; the table says so, with the setting, both numbers and the value that lets the answers finish."""
+    from types import SimpleNamespace
+
+    from launcher.data.task_examples import build_task
+
+    long = " ".join(["word"] * 70)
+    examples = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"{long} {i}"}]}
+                for i in range(30)]
+    settings = SimpleNamespace(examples=20, metric="auto", shots=0, max_new_tokens=None)
+    task = build_task(examples, list(range(20)), list(range(20, 30)), settings, 42, max_new_tokens_cap=24)
+    assert task["max_new_tokens"] == 24 and task["capped"]["key"] == "eval.max_new_tokens"
+    needed = task["capped"]["reference_tokens"]
+    assert needed > 200
+    t = {**BASE, "metric": "text", "capped": task["capped"], "scores": {"base_zero_shot": 0.08}}
+    text = views.format_task_eval(t)
+    assert (f"answers cut at 24 new tokens (eval.max_new_tokens) while the longest reference runs to about {needed} "
+            f"tokens: the scores are capped by that setting; eval.task.max_new_tokens: {needed} lets the answers "
+            "finish") in text, text
+    roomy = build_task(examples, list(range(20)), list(range(20, 30)), settings, 42, max_new_tokens_cap=1024)
+    assert "capped" not in roomy
+
+
 def test_a_step_from_a_parent_adapter_is_judged_against_it_with_the_noise_of_its_examples(tmp_path):
     """DPO from an SFT adapter (issue 46): the gain says whether it is within the noise of the n examples (two standard
     errors of the per-example differences), and the verdict speaks of this run's step, not of the base model."""
