@@ -607,7 +607,7 @@ def _export(recipe, run: RunDir, child: dict) -> str:
     share_results(run.final, _log)  # what the export wrote, as readable as the rest of the run
     report = json.loads(report_path.read_text()) if report_path.is_file() else {}
     if rc == 0 and report.get("ok"):
-        outs = ", ".join(f"{k} {v.get('size', '')}".strip() for k, v in report.get("outputs", {}).items())
+        outs = views.export_outputs(report.get("outputs", {}))
         info = {"state": "succeeded", "outputs": outs, "serving": report.get("serving")}
         _log(f"export finished: {outs}; serving commands in {report.get('serving')}")
     else:

@@ -353,3 +353,14 @@ def test_a_dpo_summary_says_ties_as_ties_and_the_chosen_answers_reward(tmp_path)
     assert "accuracy 0.00" not in text
     first = views.format_status({**facts.run_status(run), "eval_margin": 0.0, "eval_accuracy": 0.0, "eval_step": 0})
     assert "preference accuracy tied (margin 0" in first
+
+
+def test_the_exports_sizes_say_what_each_counts():
+    """Issue 46: the adapter's size is its weights file, the merged model's its whole folder; status says which."""
+    outs = views.export_outputs({"adapter": {"size": "65.2 KB", "bytes": 66764},
+                                 "merged": {"size": "1.1 MB", "bytes": 1153433}, "gguf": {"size": "0.6 MB"}})
+    assert outs == "adapter 65.2 KB weights file, merged 1.1 MB folder, gguf 0.6 MB file"
+    s = {"state": "succeeded", "run_dir": "r", "export": {"state": "succeeded", "formats": ["adapter", "merged"],
+                                                            "outputs": outs, "serving": "SERVING.md"}}
+    assert "export (adapter, merged): succeeded - adapter 65.2 KB weights file, merged 1.1 MB folder" in \
+        views.format_status(s)
