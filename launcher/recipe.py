@@ -340,7 +340,9 @@ class Recipe(_Strict):
     )
     publish: PublishSettings = Field(default_factory=PublishSettings,
                                      description="Pushing the verified result to the Hugging Face Hub, with a model card.")
-    trainer: dict[str, Any] = Field(default_factory=dict, description="Extra TRL SFTConfig fields, passed through.")
+    trainer: dict[str, Any] = Field(default_factory=dict, description="Extra fields of the objective's TRL "
+                                    "configuration, checked against it and passed through: " + ", ".join(
+                                        f"{o.config} ({o.name})" for o in methods.OBJECTIVES.values()) + ".")
 
     @field_validator("model")
     @classmethod
