@@ -46,7 +46,10 @@ def format_status(s: dict[str, Any], ending_follows: bool = False) -> str:
     if s.get("loss") is not None:
         # the last logged step's values: say which step where the run is past it (logging_steps)
         at = f" (step {s['loss_step']})" if s.get("loss_step") is not None and s["loss_step"] < step else ""
-        lines.append(f"  loss {s['loss']:.4f}{at}   {s.get('tokens_per_second') or 0:,.0f} tokens/s{_mfu(s.get('mfu'))}"
+        # a finished run: its average speed, not the last logging window's (facts.run_status)
+        speed = (f"{s['average_tokens_per_second']:,.0f} tokens/s on average" if s.get("average_tokens_per_second")
+                 else f"{s.get('tokens_per_second') or 0:,.0f} tokens/s{_mfu(s.get('mfu'))}")
+        lines.append(f"  loss {s['loss']:.4f}{at}   {speed}"
                      f"   ETA {format_duration(s.get('eta_seconds'))}"
                      + (f"   (smoke test forecast for the whole run: {format_duration(s['smoke_estimated_seconds'])})"
                         if s.get("smoke_estimated_seconds") else ""))
@@ -72,6 +75,10 @@ def format_status(s: dict[str, Any], ending_follows: bool = False) -> str:
         eta = s.get("eta_seconds")
         actual = f"{format_duration(s['elapsed_seconds'])} {'in all' if s.get('state') in ENDED else 'so far'}" \
             + (f" + {format_duration(eta)} to go" if eta is not None else "")
+        phases = s.get("phase_seconds")
+        if phases:  # an ended run: every phase the command spent, each said (the plan's own check excepted)
+            actual = (f"{format_duration(sum(phases.values()))} in all: "
+                      + ", ".join(f"{name} {_short_seconds(sec)}" for name, sec in phases.items()))
         fc = [f"{name} forecast {format_duration(sec)}" + (f" / {cost:.2f} EUR" if cost is not None else "")
               for name, sec, cost in (("smoke test", s.get("smoke_estimated_seconds"), s.get("smoke_estimated_cost_eur")),
                                       ("plan", s.get("plan_estimated_seconds"), s.get("plan_estimated_cost_eur")),
