@@ -79,7 +79,8 @@ def noise_words(diff: dict[str, Any]) -> str:
         return said
     if not diff.get("paired"):
         return said + f", one example of {diff['n']} being worth {diff['noise']:.0f}"
-    return said + f", {'within' if diff['within'] else 'beyond'} the ±{diff['noise']:.0f}-point noise of {diff['n']} examples"
+    where = "within" if diff["within"] else "beyond"
+    return said + f", {where} the ±{diff['noise']:.0f}-point noise of {diff['n']} examples"
 
 
 def verdict(t: dict[str, Any], price: str = "") -> str:
@@ -92,7 +93,11 @@ def verdict(t: dict[str, Any], price: str = "") -> str:
                 + (f"; fix: {t['fix']}" if t.get("fix") else ""))
     score, who = base_score(t)
     if score is None:
-        return "the base model has not been scored yet"
+        if (t.get("scores") or {}).get(FINE_TUNED) is not None:  # after training, and nothing to compare with
+            return (f"the {start_name(t)} was not scored, so there is no comparison: set eval.task.baseline: run to "
+                    "score it before training" + (" (an adapter from init_from cannot be switched off to score it "
+                                                  "after)" if t.get("starting_point") else ""))
+        return f"the {start_name(t)} has not been scored yet"
     diff = difference(t) if t.get("starting_point") else None
     if diff is not None:  # a step from a parent adapter (init_from) is judged against where it started
         metric = t.get("metric")

@@ -164,8 +164,9 @@ def _score_after(run: RunDir, recipe, trainer, tokenizer, examples: list, sharde
     """The trained model's score on the task (task.json, built here from `examples`, the recipe's whole data, when
     no baseline built it) as "fine_tuned", merged into task_eval.json beside the base model's scores, then
     final/task_eval.json and the scores' table in final/samples.md. A LoRA run whose base model was not scored
-    before training (the baseline failed or predates the run) scores it here with the adapter switched off, unless
-    the recipe skips the baseline. Under a sharding engine every rank generates (synced); rank 0 writes. A failure
+    before training (eval.task.baseline: skip, or the baseline failed) scores it here with the adapter switched
+    off; a run from init_from cannot (its parent would be switched off too).
+    Under a sharding engine every rank generates (synced); rank 0 writes. A failure
     is said once and the run goes on: the result is saved already. `beat`: after each batch (the heartbeat).
     `stop()`: asked after each batch; true ends the scoring there (the answers so far are kept in task_eval/) and
     this returns False; otherwise True."""
@@ -189,7 +190,10 @@ def _score_after(run: RunDir, recipe, trainer, tokenizer, examples: list, sharde
 
         kw = dict(synced=sharded, write=writes, on_batch=after_batch)
         scored = (task_eval.read_results(run.root) or {}).get("scores", {})
-        if recipe.eval.task.baseline == "run" and hasattr(model, "disable_adapter"):
+        # an adapter's base is scored here with the adapter off when nothing scored it before training (baseline:
+        # skip, or a failed baseline): the comparison costs two passes, not a second model. Not under init_from:
+        # switched off, the parent adapter goes too, and its rows would score the base under the parent's name.
+        if hasattr(model, "disable_adapter") and not recipe.init_from:
             for name, shots in ((task_eval.BASE_ZERO_SHOT, False), (task_eval.BASE_FEW_SHOT, True)):
                 if name in scored:
                     continue
