@@ -408,8 +408,8 @@ def test_task_scores(demo):
     assert within(100 * scores["merged"], rounded(merged)) and tuned2 == tuned
     assert rate == f"{speed['merged']['tokens_per_s']:.0f}"
     # the gain: the difference of the two percents it names, each as the table shows it
-    a, b, gain = grab(r"^  gain\s+fine-tuned (\d+)% against (\d+)% for the [^(]+\(([+-]\d+) points\)", demo.summary,
-                      "the summary")
+    a, b, gain = grab(r"^  gain\s+fine-tuned (\d+)% against (\d+)% for the [^(]+\(([+-]\d+) points?, (?:within|beyond) "
+                      r"the ±\d+-point noise of \d+ examples\)", demo.summary, "the summary")
     assert f"{a}%" == pct(scores["fine_tuned"]) and int(gain) == int(a) - int(b)
     verdicts = {grab(r"^  verdict\s+(.*)$", text, where)[0] for where, text in tables.items()}
     assert verdicts == {demo.task["verdict"]}
@@ -425,7 +425,8 @@ def test_the_exports_sizes_and_dtypes(demo):
     assert outputs["merged"]["bytes"] == tree_bytes(final / "merged")
     sizes = {k: outputs[k]["size"] for k in ("adapter", "merged")}
     assert sizes == {k: human_size(outputs[k]["bytes"]) for k in sizes}
-    listed = ", ".join(f"{k} {v}" for k, v in sizes.items())
+    # each size says what it counts (issue 46): the adapter's weights file, the merged model's folder
+    listed = f"adapter {sizes['adapter']} weights file, merged {sizes['merged']} folder"
     assert grab(r"export finished: (.*?); serving commands", demo.log, "the supervisor")[0] == listed
     assert grab(r"^  export \(adapter, merged\): succeeded - (.*?); serving commands", demo.status, "the status")[0] \
         == listed
