@@ -341,7 +341,9 @@ class Recipe(_Strict):
     )
     publish: PublishSettings = Field(default_factory=PublishSettings,
                                      description="Pushing the verified result to the Hugging Face Hub, with a model card.")
-    trainer: dict[str, Any] = Field(default_factory=dict, description="Extra TRL SFTConfig fields, passed through.")
+    trainer: dict[str, Any] = Field(default_factory=dict, description="Extra fields of the objective's TRL "
+                                    "configuration, checked against it and passed through: " + ", ".join(
+                                        f"{o.config} ({o.name})" for o in methods.OBJECTIVES.values()) + ".")
 
     @field_validator("model")
     @classmethod
@@ -414,22 +416,37 @@ class Recipe(_Strict):
         return self
 
     def _fits_the_parent(self) -> None:
-        """The parent adapter was trained on this recipe's base model, and the recipe's lora: settings (which the
-        parent's own replace) are the defaults or the parent's: a setting that would be ignored is refused."""
+        """The parent adapter was trained on this recipe's base model, and it brings its own lora: settings: a lora:
+        key the recipe gives is refused unless it is the parent's (it would be ignored), whatever its value; the
+        recipe then holds the parent's values, so the plan, the serving commands and the run's recipe.yaml say one
+        rank, the parent's."""
         folder = parent_adapter(self.init_from)
         config = json.loads((folder / "adapter_config.json").read_text())
         base = config.get("base_model_name_or_path")
         if base and base != self.model and Path(base).name != Path(self.model).name:
             raise ValueError(f"the adapter in {folder} was trained on {base}, and this recipe's model is {self.model}: "
                              f"an adapter fits the base it was trained on; set model: {base}")
-        parent = {"r": config.get("r"), "alpha": config.get("lora_alpha"), "dropout": config.get("lora_dropout")}
-        defaults = LoraSettings()
-        ignored = [f"lora.{k} {getattr(self.lora, k)} (the parent's: {v})" for k, v in parent.items()
-                   if v is not None and getattr(self.lora, k) != v and getattr(self.lora, k) != getattr(defaults, k)]
+        modules = config.get("target_modules")
+        parent = {"r": config.get("r"), "alpha": config.get("lora_alpha"), "dropout": config.get("lora_dropout"),
+                  "target_modules": sorted(modules) if isinstance(modules, (list, set, tuple)) else modules}
+
+        def same(key: str, value: Any) -> bool:
+            mine = getattr(self.lora, key)
+            return sorted(mine) == value if key == "target_modules" and isinstance(mine, list) else mine == value
+
+        def shown(value: Any) -> str:  # PEFT stores every module's name: hundreds on a real model
+            return f"{len(value)} modules: {', '.join(value[:3])}, ..." if isinstance(value, list) and len(value) > 4 \
+                else str(value)
+
+        given = self.lora.model_fields_set
+        ignored = [f"lora.{k} {shown(getattr(self.lora, k))} (the parent's: {shown(v)})" for k, v in parent.items()
+                   if k in given and v is not None and not same(k, v)]
         if ignored:
             raise ValueError(f"init_from continues the adapter in {folder} with its own settings, so "
                              f"{', '.join(ignored)} would be ignored; remove the lora: keys (or start a new adapter "
                              "without init_from)")
+        # the recipe is frozen once checked; this is its check, resolving the values it holds
+        object.__setattr__(self, "lora", self.lora.model_copy(update={k: v for k, v in parent.items() if v is not None}))
 
     @model_validator(mode="after")
     def _cross_field(self) -> "Recipe":

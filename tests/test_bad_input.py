@@ -39,6 +39,20 @@ CASES = [
     ("per-turn weight 0", {"data": "WEIGHTED"}, ["line 41", "weight is 0", "cannot honour"]),
     ("unknown message key", {"data": "EXTRA_KEY"}, ["line 41", "'loss_mask'", "does not read"]),
     ("cut share", {"max_length_may_cut": 2}, ["max_length_may_cut"]),
+    # task settings the data cannot honour (issue 46): the key, the value, the largest that fits
+    ("task metric json on labels",
+     {"data": "DISTINCT", "eval": {"fraction": 0.3, "samples": 0, "task": {"metric": "json", "examples": 10}}},
+     ["eval.task.metric json", "none of the 10 held-out references parses", "set eval.task.metric: text"]),
+    ("task examples, none held out", {"eval": {"samples": 0, "task": {"examples": 10}}},
+     ["eval.task.examples 10", "holds no examples out", "eval.fraction"]),
+    ("task examples over the held out",
+     {"data": "DISTINCT", "eval": {"fraction": 0.3, "samples": 0, "task": {"examples": 30}}},
+     ["eval.task.examples 30", "the largest that fits is 12"]),
+    ("task shots over the training",
+     {"data": "DISTINCT", "eval": {"fraction": 0.3, "samples": 0, "task": {"shots": 100}}},
+     ["eval.task.shots 100", "the largest that fits is 28"]),
+    ("task shots over max_length", {"data": "DISTINCT", "eval": {"fraction": 0.3, "samples": 0, "task": {"shots": 20}}},
+     ["eval.task.shots 20", "over max_length 128", "the largest that fits is"]),
 ]
 
 
@@ -53,6 +67,11 @@ def case_recipe(tmp_path, tiny_model):
             change["data"] = {"path": str(data), "split": "validation"}
         elif change.get("data") == "WEIGHTED":
             change["data"] = str(_data(tmp_path, {"role": "assistant", "content": "Paris.", "weight": 0}))
+        elif change.get("data") == "DISTINCT":  # forty questions with their answers: the eval split holds some out
+            rows = [{"messages": [{"role": "user", "content": f"Question {i}?"},
+                                  {"role": "assistant", "content": f"Answer number {i}."}]} for i in range(40)]
+            change["data"] = str(tmp_path / "distinct.jsonl")
+            Path(change["data"]).write_text("".join(json.dumps(r) + "\n" for r in rows))
         elif change.get("data") == "EXTRA_KEY":
             change["data"] = str(_data(tmp_path, {"role": "assistant", "content": "Paris.", "loss_mask": [1]}))
         path = tmp_path / "r.yaml"

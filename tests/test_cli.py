@@ -44,3 +44,18 @@ def test_every_help_text_ends_as_a_sentence_part():
     assert "ftrun plan --tokens" in helps and "ftrun plan" in helps
     dangling = {where: text for where, text in helps.items() if text.rstrip().endswith((":", ",", ";", "("))}
     assert dangling == {}
+
+
+def test_one_epoch_one_word_and_explain_names_each_objectives_trainer_config(capsys, write_recipe, tiny_model):
+    """Issue 46: "1 epochs", "1 words" read as typos; `ftrun explain` said SFTConfig for a key DPO checks against
+    DPOConfig."""
+    recipe = write_recipe(max_steps=None, epochs=1)
+    assert cli.main(["plan", str(recipe)]) == 0
+    out = capsys.readouterr().out
+    assert " x 1 epoch)" in out and "1 epochs" not in out, out
+    assert cli.main(["explain"]) == 0
+    explained = capsys.readouterr().out
+    assert "SFTConfig (sft), DPOConfig (dpo), ORPOConfig (orpo)" in explained and "Extra TRL SFTConfig" not in explained
+    from launcher.data.task_metrics import choose
+
+    assert "(at most 1 word)" in choose(["yes", "no", "yes", "no"])[1]

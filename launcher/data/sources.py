@@ -229,8 +229,14 @@ def _read_folder(path: Path, source: Source) -> tuple[list[tuple[str, Any]], dic
 
 
 def _read_hub(source: Source) -> tuple[list[tuple[str, Any]], dict[str, Any]]:
-    import datasets
-    from datasets.exceptions import DatasetNotFoundError
+    try:
+        import datasets
+        from datasets.exceptions import DatasetNotFoundError
+    except ImportError:  # a light install (no extras): `ftrun plan` still plans on the recipe's tokens
+        raise DataError(f"the Hub dataset {source.path} is read with the `datasets` library, which this install of "
+                        "ftrun lacks (the base install plans, it does not train)",
+                        fix="pip install 'ftrun[train]' to read it (and to train), or plan without reading it: "
+                        "tokens: N in the recipe, or `ftrun plan RECIPE --tokens N`") from None
 
     try:
         ds = datasets.load_dataset(source.path, name=source.subset, split=source.split, revision=source.revision)

@@ -9,9 +9,10 @@ from launcher import methods
 from launcher.data import formats
 from launcher.data import loss_view
 from launcher.data import split
+from launcher.data import task_examples
 from launcher.data.dataset import compute_stats, example_lengths, load_data
 from launcher.data.dataset import identity as data_identity
-from launcher.errors import DataError
+from launcher.errors import DataError, RecipeError
 
 
 def data_stats(recipe: Any):
@@ -32,8 +33,14 @@ def data_stats(recipe: Any):
     if seen and any(isinstance(ex, dict) and "chosen" in ex for ex in examples):
         seen["pairs"] = pair_stats(trained_each)
     stats = replace(stats, loss_view=seen, held_out=len(parts.held_out), held_out_lines=len(examples) - len(train))
+    eval_examples = split.load_eval_data(recipe) if recipe.eval.data else None  # a broken eval file stops here
+    problems = task_examples.refusals(recipe.eval.task, examples, lengths, parts.held_out, train, recipe.max_length,
+                                      recipe.seed, eval_examples)
+    if problems:
+        raise RecipeError("the task evaluation cannot honour " + ("these settings:\n- " + "\n- ".join(problems)
+                                                                  if len(problems) > 1 else problems[0]),
+                          fix="change or remove the eval.task keys named (docs/task_eval.md)")
     if recipe.eval.data:
-        split.load_eval_data(recipe)  # a missing or broken eval file stops here, before the smoke test
         objective_fits(recipe, load_data(recipe.eval.data, recipe.seed).form, "eval.data")
         # a resume on changed eval data is refused like one on changed training data
         stats = replace(stats, sha256=data_identity(stats.sha256, load_data(recipe.eval.data, recipe.seed).sha256))

@@ -113,6 +113,61 @@ def build_task(examples: list, held_out: list[int], train: list[int], settings, 
     else:
         metric, reason = settings.metric, f"{settings.metric}, as the recipe sets (eval.task.metric)"
     longest = max(len(r) for r in references)
-    limit = settings.max_new_tokens or min(max_new_tokens_cap, max(8, 2 * (2 * longest // 3 + 1)))
-    return {"metric": metric, "metric_reason": reason, "prompts": prompts,
+    needed = 2 * longest // 3 + 1  # the longest reference's tokens, about 2 per 3 characters
+    limit = settings.max_new_tokens or min(max_new_tokens_cap, max(8, 2 * needed))
+    task = {"metric": metric, "metric_reason": reason, "prompts": prompts,
             "shots": shots_for(examples, train, settings.shots, seed), "max_new_tokens": limit}
+    if limit < needed:  # an answer as long as the reference is cut by a setting: the score says so (run/views.py)
+        task["capped"] = {"max_new_tokens": limit, "reference_tokens": needed,
+                          "key": "eval.task.max_new_tokens" if settings.max_new_tokens else "eval.max_new_tokens"}
+    return task
+
+
+def refusals(settings, examples: list, lengths: list[int], held_out: list[int], train: list[int], max_length: int,
+             seed: int, eval_examples: Optional[list] = None) -> list[str]:
+    """The eval.task settings this data cannot honour, each naming the key, the value, what the data holds and the
+    largest value that fits; the plan refuses them (launcher/data/stats.py) before anything trains. Only values given
+    other than their defaults are refused: a default adapts (examples is a cap; the verdict says "too few").
+    `lengths`: each example's tokens (the plan's count), used for the shots against max_length."""
+    from launcher.data import task_metrics
+
+    if not settings.examples:
+        return []
+    defaults = type(settings)()
+    out: list[str] = []
+    pool_examples, pool = (eval_examples, list(range(len(eval_examples)))) if eval_examples else (examples, held_out)
+    answered = [i for i in pool if prompt_and_reference(pool_examples[i]) is not None]
+    if settings.examples != defaults.examples and not pool:
+        out.append(f"eval.task.examples {settings.examples}: the recipe holds no examples out, so the task evaluation "
+                   "would score none; set eval.fraction (e.g. 0.05) or eval.data, or eval.task.examples: 0 to turn "
+                   "it off")
+    elif settings.examples != defaults.examples and settings.examples > len(answered):
+        out.append(f"eval.task.examples {settings.examples}: {len(answered)} held-out example(s) have an answer to "
+                   f"score; the largest that fits is {len(answered)} (or hold out more: eval.fraction, eval.data)")
+    prompts = pick(pool_examples, pool, settings.examples, seed) if answered else []
+    if settings.metric == "json" and prompts:
+        references = [p["reference"] for p in prompts]
+        if not any(task_metrics._json_object(r) is not None for r in references):
+            metric, why = task_metrics.choose(references)
+            out.append(f"eval.task.metric json: none of the {len(references)} held-out references parses as a JSON "
+                       f"object, so every answer would score 0 (auto chooses {metric} for them: {why}); set "
+                       f"eval.task.metric: {metric} or leave it out")
+    if settings.shots != defaults.shots and settings.shots:
+        drawn = shots_for(examples, train, settings.shots, seed)
+        if len(drawn) < settings.shots:
+            out.append(f"eval.task.shots {settings.shots}: the training examples hold {len(drawn)} with an answer "
+                       f"to place before a prompt; the largest that fits is {len(drawn)}")
+        elif prompts and not eval_examples:
+            longest = max(lengths[p["index"]] for p in prompts)  # the whole example: the prompt and its answer
+            used, fits = longest, 0
+            for shot in drawn:
+                used += lengths[shot["index"]]
+                if used > max_length:
+                    break
+                fits += 1
+            if fits < settings.shots:
+                total = longest + sum(lengths[s["index"]] for s in drawn)
+                out.append(f"eval.task.shots {settings.shots}: the longest task prompt with {settings.shots} "
+                           f"training examples before it comes to about {total:,} tokens, over max_length "
+                           f"{max_length:,}; the largest that fits is {fits} (or raise max_length)")
+    return out

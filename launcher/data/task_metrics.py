@@ -106,9 +106,9 @@ def choose(references: list[str]) -> tuple[str, str]:
     labels = {normalise(r) for r in references}
     longest = max((len(r.split()) for r in references), default=0)
     if n and longest <= LABEL_MAX_WORDS and len(labels) <= min(LABEL_MAX_DISTINCT, max(2, n // 2)):
-        return "exact", (f"the {n} references are {len(labels)} distinct short labels (at most {longest} words): "
+        return "exact", (f"the {n} references are {len(labels)} distinct short labels (at most {longest} word{'' if longest == 1 else 's'}): "
                          "accuracy after whitespace and case normalisation")
-    return "text", (f"the {n} references are free text ({len(labels)} distinct, up to {longest} words): chrF, "
+    return "text", (f"the {n} references are free text ({len(labels)} distinct, up to {longest} word{'' if longest == 1 else 's'}): chrF, "
                     "plus exact match")
 
 

@@ -37,6 +37,50 @@ def base_score(t: dict[str, Any]) -> tuple[Optional[float], str]:
     return zero, f"{start} zero-shot"
 
 
+def base_key(t: dict[str, Any]) -> Optional[str]:
+    """The score name base_score reads (BASE_FEW_SHOT or BASE_ZERO_SHOT), None when neither is scored."""
+    scores, shots = t.get("scores") or {}, t.get("shots")
+    few = scores.get(BASE_FEW_SHOT) if shots != 0 else None
+    zero = scores.get(BASE_ZERO_SHOT)
+    if few is not None and (zero is None or few >= zero):
+        return BASE_FEW_SHOT
+    return BASE_ZERO_SHOT if zero is not None else None
+
+
+def difference(t: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The fine-tuned score against the one the verdict reads: {"gain" (points, as a reader subtracts the two
+    percents shown), "noise" (points: two standard errors of the per-example differences on the same examples,
+    None without them), "within" (|gain| inside the noise), "n"}; None until both are scored."""
+    scores, key = t.get("scores") or {}, base_key(t)
+    if key is None or scores.get(FINE_TUNED) is None:
+        return None
+    gain = int(pct(scores[FINE_TUNED]).rstrip("%")) - int(pct(scores[key]).rstrip("%"))
+    mine, theirs = ((t.get("per_example") or {}).get(k) for k in (FINE_TUNED, key))
+    n = int(t.get("examples") or len(mine or []) or 0)
+    noise = None
+    if mine and theirs and len(mine) == len(theirs) and len(mine) > 1:
+        d = [a - b for a, b in zip(mine, theirs)]
+        mean = sum(d) / len(d)
+        spread = (sum((x - mean) ** 2 for x in d) / (len(d) - 1)) ** 0.5
+        noise = 100 * 2 * spread / len(d) ** 0.5
+    elif n:
+        noise = 100 / n  # without the per-example scores: one example's worth, the least a difference can be
+    return {"gain": gain, "noise": noise, "within": noise is not None and abs(gain) <= noise, "n": n,
+            "paired": bool(mine and theirs)}
+
+
+def noise_words(diff: dict[str, Any]) -> str:
+    """"-1 point, within the ±6-point noise of 20 examples" (or beyond it); without per-example scores, what one
+    example is worth."""
+    said = f"{diff['gain']:+d} point{'' if abs(diff['gain']) == 1 else 's'}"
+    if diff.get("noise") is None:
+        return said
+    if not diff.get("paired"):
+        return said + f", one example of {diff['n']} being worth {diff['noise']:.0f}"
+    where = "within" if diff["within"] else "beyond"
+    return said + f", {where} the ±{diff['noise']:.0f}-point noise of {diff['n']} examples"
+
+
 def verdict(t: dict[str, Any], price: str = "") -> str:
     """The verdict from task_eval.json's fields `t`; `price`: what the fine-tune would cost ("~0.42 EUR"), said
     where a prompt may be enough. Not applicable and too few examples are said with why (and the fix)."""
@@ -47,7 +91,18 @@ def verdict(t: dict[str, Any], price: str = "") -> str:
                 + (f"; fix: {t['fix']}" if t.get("fix") else ""))
     score, who = base_score(t)
     if score is None:
-        return "the base model has not been scored yet"
+        if (t.get("scores") or {}).get(FINE_TUNED) is not None:  # after training, and nothing to compare with
+            return (f"the {start_name(t)} was not scored, so there is no comparison: set eval.task.baseline: run to "
+                    "score it before training" + (" (an adapter from init_from cannot be switched off to score it "
+                                                  "after)" if t.get("starting_point") else ""))
+        return f"the {start_name(t)} has not been scored yet"
+    diff = difference(t) if t.get("starting_point") else None
+    if diff is not None:  # a step from a parent adapter (init_from) is judged against where it started
+        metric = t.get("metric")
+        word = metric_word(metric) or "score"
+        change = ("no measurable change" if diff["within"] else "better" if diff["gain"] > 0 else "worse")
+        return (f"this run against the {who}: {change} on the task ({pct(t['scores'][FINE_TUNED])} against "
+                f"{pct(score)} {word}, {noise_words(diff)})")
     metric = t.get("metric")
     word = metric_word(metric) or "score"
     pays = t["fine_tune_pays"] if t.get("fine_tune_pays") is not None else fine_tune_pays(score)

@@ -28,9 +28,22 @@ class ModelTokenizer:
     added: dict[str, int]  # the added tokens (content -> id) of tokenizer.json
 
 
+def _installed(name: str) -> bool:
+    """Whether `name` can be imported, without importing it (ValueError: a module set to None in sys.modules)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def tokenizer_dir(model: str) -> tuple[Optional[Path], str]:
     """The folder holding the model's tokenizer on this machine (the model's own folder or the Hugging Face
     cache), or (None, why not)."""
+    if not _installed("transformers"):  # a light install: the plan estimates, and says why
+        return None, ("transformers, which reads the model's tokenizer and chat template as training does, is not "
+                      "installed (pip install 'ftrun[train]')")
     model_dir = Path(model)
     if not model_dir.is_dir():
         from launcher.model_files import cached_file

@@ -82,7 +82,7 @@ def _job(recipe: Any, arch: Architecture, data_stats: Any, tokens: float | None,
         source += f"; max_steps={recipe.max_steps} decides the length"
     elif per_epoch is not None:
         training = per_epoch * recipe.epochs
-        source += f" x {recipe.epochs:g} epochs"
+        source += f" x {recipe.epochs:g} epoch{'' if recipe.epochs == 1 else 's'}"
     elif tokens:
         training = float(tokens)
     if tokens and data_stats is not None:

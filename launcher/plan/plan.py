@@ -161,6 +161,10 @@ def _download(recipe: Any, arch: Architecture, engine: str, allow_network: bool)
     return got, lines
 
 
+def _times(n: int) -> str:
+    return "once" if n == 1 else f"{n} times"
+
+
 def _task_eval_note(recipe: Any, data_stats: Any) -> list[str]:
     """What the task evaluation will generate (launcher/worker/task_eval.py): its examples, the answers each gets
     (the base model zero-shot and with examples, the fine-tuned model, each exported model) and their longest
@@ -177,7 +181,7 @@ def _task_eval_note(recipe: Any, data_stats: Any) -> list[str]:
         return ["task evaluation: nothing is held out (eval.fraction or eval.data), so nothing is scored"]
     scorers = _task_eval_scorers(recipe)
     longest = task.max_new_tokens or ev.max_new_tokens
-    return [f"task evaluation: {held} each answered greedily {len(scorers)} times ({', '.join(scorers)}), "
+    return [f"task evaluation: {held} each answered greedily {_times(len(scorers))} ({', '.join(scorers)}), "
             f"up to {longest} new tokens each; the smoke test measures the generation speed and forecasts its time"]
 
 

@@ -8,21 +8,23 @@ import time
 from typing import Any
 
 from launcher.run.facts import end_summary
-from launcher.run.views import format_end_summary
+from launcher.run.views import STOPPED_PREFIXES, format_end_summary, stop_outcome, stop_waits_for
+from launcher.store import heartbeat_files
 from launcher.store.rundir import RunDir
 from launcher.store.state import ENDED, process_identity, read_state, run_holder, run_processes, same_process, set_state
 
 
 def stop_command(run: RunDir) -> int:
-    """`ftrun stop`: stop the run, say how it went, and the run's summary once it stopped."""
-    outcome = stop(run)
+    """`ftrun stop`: say at once what the stop waits for, stop the run, say how it ended (from the state the
+    supervisor wrote, so the word and `ftrun status` agree), and the run's summary once it ended."""
+    outcome = stop(run, say=lambda line: print(f"{run.root}: {line}", flush=True))
     print(f"{run.root}: {outcome}")
-    if outcome == "stopped":
+    if outcome == "stopped" or outcome.startswith(STOPPED_PREFIXES):
         print(format_end_summary(end_summary(run)))
     return 0
 
 
-def stop(run: RunDir, timeout: float = 120.0) -> str:
+def stop(run: RunDir, timeout: float = 120.0, say=lambda line: None) -> str:
     """SIGTERM the run's verified supervisor (which forwards to the worker) and wait until it exits.
 
     Only a supervisor that holds the run's lock and is the recorded process (pid, start time, boot) is
@@ -46,11 +48,23 @@ def stop(run: RunDir, timeout: float = 120.0) -> str:
         return (f"not stopped: pid {holder['pid']} is still planning or smoke-testing this run (state "
                 f"{data.get('state', 'planned')}); interrupt it with Ctrl-C where it runs, or wait and stop the run")
     set_state(run, data.get("state", "running"), stop_requested=True)  # `stopped`, not `preempted`
+    say(stop_waits_for(_phase(run, data), _grace_seconds(run)))
     _signal_verified(holder, signal.SIGTERM)
     deadline = time.monotonic() + timeout
     while same_process(holder) and time.monotonic() < deadline:
         time.sleep(0.2)
-    return "stopped" if not same_process(holder) else "still stopping"
+    if same_process(holder):
+        return "still stopping"
+    return stop_outcome(read_state(run))
+
+
+def _phase(run: RunDir, data: dict[str, Any]) -> dict[str, Any]:
+    """What the run does as the stop comes: exporting (state.json's export), past training (rank 0's heartbeat
+    phase `export`: the final save, samples and task evaluation), or training; with its step."""
+    beat = heartbeat_files.read_all(run).get(0) or {}
+    if (data.get("export") or {}).get("state") == "running":
+        return {"phase": "export", "step": beat.get("step")}
+    return {"phase": "after training" if beat.get("phase") == "export" else "training", "step": beat.get("step")}
 
 
 def _grace_seconds(run: RunDir) -> float:

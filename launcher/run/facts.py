@@ -22,7 +22,7 @@ from launcher.store import final as final_result
 from launcher.store.checkpoint import newest_step_unverified, step_dir_name
 from launcher.store.heartbeat_files import read_all as read_heartbeats
 from launcher.store.rundir import RunDir
-from launcher.store.state import (ACTIVE, is_locked, last_metrics, read_state, run_holder, run_processes,
+from launcher.store.state import (ACTIVE, ENDED, is_locked, last_metrics, read_state, run_holder, run_processes,
                                    same_process)
 
 
@@ -46,15 +46,28 @@ def metrics_rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _box_seconds(history: list[dict[str, Any]], live: bool, states: tuple[str, ...] = ACTIVE) -> float:
+def _box_seconds(history: list[dict[str, Any]], live: bool, states: tuple[str, ...] = ACTIVE,
+                 until: Optional[float] = None) -> float:
     """Box time the run has used: the intervals spent smoking, running or recovering (resumes included);
-    with `states`, only those (the full run's own time: running, recovering)."""
+    with `states`, only those (the full run's own time: running, recovering); `until`: none after that moment."""
     used = 0.0
     for i, h in enumerate(history):
         if h.get("state") in states:
             end = history[i + 1]["at"] if i + 1 < len(history) else (time.time() if live else h["at"])
+            end = min(end, until) if until is not None else end
             used += max(end - h["at"], 0.0)
     return used
+
+
+def _phases(history: list[dict[str, Any]], export: Optional[dict[str, Any]]) -> dict[str, float]:
+    """An ended run's time by phase, as `ftrun status` says what "in all" covers: the launch's plan check and base
+    model's task score (state planned, from the moment state.json was first written), the smoke test, training with
+    its evaluations and the task evaluation after it (running, recovering), the export (its own seconds)."""
+    out = {"plan and baseline": _box_seconds(history, False, ("planned",)),
+           "smoke test": _box_seconds(history, False, ("smoking",)),
+           "training and evaluation": _box_seconds(history, False, ("running", "recovering")),
+           "export": float((export or {}).get("seconds") or 0.0)}
+    return {k: round(v, 1) for k, v in out.items() if v > 0}
 
 
 def task_eval(run: RunDir, base_only: bool = False) -> dict[str, Any] | None:
@@ -170,6 +183,15 @@ def run_status(run: RunDir) -> dict[str, Any]:
         **sync_status_fields(run),
     }
     s.update(time_and_money(s, data.get("history", []), plan, smoke))
+    if state in ENDED:
+        s["phase_seconds"] = _phases(data.get("history", []), data.get("export"))
+        trained = [r for r in metrics_rows(run.metrics) if "loss" in r and r.get("time")]
+        # a finished run's speed is its average, not the last logging window's: the tokens trained over the time
+        # spent training (model loads, evaluations and checkpoints included; the task evaluation after it not)
+        wall = _box_seconds(data.get("history", []), False, ("running", "recovering"),
+                            until=trained[-1]["time"]) if trained else 0.0
+        if trained and trained[-1].get("tokens_seen") and wall > 0:
+            s["average_tokens_per_second"] = round(trained[-1]["tokens_seen"] / wall, 1)
     return s
 
 
@@ -227,7 +249,11 @@ def _preference_first_last(evals: list[dict[str, Any]]) -> Optional[dict[str, An
         return None
     return {"margin_first": rows[0]["eval_rewards/margins"], "margin_last": rows[-1]["eval_rewards/margins"],
             "accuracy_first": rows[0].get("eval_rewards/accuracies"), "accuracy_last": rows[-1].get("eval_rewards/accuracies"),
-            "step_first": rows[0]["step"], "step_last": rows[-1]["step"]}
+            "step_first": rows[0]["step"], "step_last": rows[-1]["step"],
+            # the rewards apart: a margin that rises while the chosen answers' reward falls lowers their likelihood too
+            "chosen_first": rows[0].get("eval_rewards/chosen"), "chosen_last": rows[-1].get("eval_rewards/chosen"),
+            "rejected_first": rows[0].get("eval_rewards/rejected"),
+            "rejected_last": rows[-1].get("eval_rewards/rejected")}
 
 
 def end_summary(run: RunDir) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from launcher.worker.trackers import check_installed as check_trackers_installed
 from launcher.store.sync import kinds as sync_kinds
 from launcher.store.state import (TRAINED, RunLock, busy_error, effective_state, is_locked, process_identity, read_state,
                                    run_holder, set_state)
-from launcher.run import progress, views
+from launcher.run import parent, progress, views
 from launcher.run.commands import resume_command
 from launcher.run.data_view import data_label, data_line, format_loss_view, wants_color
 from launcher.run.facts import end_summary, run_status
@@ -71,7 +71,7 @@ def _recipe_differences(run: RunDir, recipe: Recipe) -> dict[str, tuple[Any, Any
     """Every setting (dotted key) in which `recipe` differs from the run's own recipe.yaml: (the run's, the recipe's);
     the STARTING_ONLY keys left out. The smoke test's recorded adjustments are applied first: they are the run's."""
     try:
-        old = load_recipe(run.recipe).snapshot()
+        old = parent.as_given(run, load_recipe(run.recipe).snapshot())
     except FtrunError:  # a recipe.yaml this ftrun cannot read: the run's own views say so; nothing to compare
         return {}
     new = with_adjustments(run, recipe).snapshot()
@@ -255,8 +255,11 @@ def _prepare(run: RunDir, recipe: Recipe, *, resuming: bool, fresh: bool, memory
     if restart:
         run.smoke.unlink(missing_ok=True)  # an older passed smoke test measured a configuration that ran out
     run.root.mkdir(parents=True, exist_ok=True)
+    snapshot = recipe.snapshot()
+    if recipe.init_from is not None:  # the run trains from its own copy of the parent (launcher/run/parent.py)
+        snapshot["init_from"] = parent.pin(run, recipe.init_from)
     run.recipe.write_text("# resolved by ftrun: defaults < recipe < command line\n"
-                          + yaml.safe_dump(recipe.snapshot(), sort_keys=False))
+                          + yaml.safe_dump(snapshot, sort_keys=False))
     plan_dict = _plan_record(plan, memory_limit, previous.get("adjustments"), nodes)
     if previous.get("speed") and not plan_dict.get("speed"):  # the run's own choice, kept by with_adjustments
         plan_dict["speed"] = previous["speed"]

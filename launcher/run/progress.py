@@ -88,27 +88,36 @@ def watch(run: RunDir, *, interval: float = 2.0, out: TextIO = sys.stdout, live:
 
 @contextmanager
 def attached(run: RunDir, out: TextIO = sys.stdout, interval: float = 2.0) -> Iterator[None]:
-    """The foreground run (`ftrun RECIPE --foreground`) on a terminal: the output of this process and of its
-    children (supervisor, worker) scrolls above a live progress bar. The children write to file descriptors 1 and 2,
-    which they inherit: those point at a pipe for the while, and its lines are printed above the bar. Not a
-    terminal: nothing changes, the worker's own lines (step, loss, tokens/s) are the plain progress."""
-    if not out.isatty():
-        yield
-        return
+    """The foreground run (`ftrun RECIPE --foreground`): the output of this process and of its children (supervisor,
+    worker, export), which write to the file descriptors 1 and 2 they inherit, goes to train.log as a detached run's
+    does (`ftrun logs` reads it afterwards), and to where it went before. Those descriptors point at pipes for the
+    while; on a terminal their lines scroll above a live progress bar, elsewhere they pass through unchanged (the
+    worker's own lines, step, loss, tokens/s, are the plain progress)."""
+    live = out.isatty()
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
-    read_end, write_end = os.pipe()
-    os.dup2(write_end, 1)
-    os.dup2(write_end, 2)
-    os.close(write_end)
+    log = run.log.open("ab")
+    written = threading.Lock()  # one line at a time in train.log, from either pipe
+    reads = []
+    for fd in (1, 2):
+        read_end, write_end = os.pipe()
+        os.dup2(write_end, fd)
+        os.close(write_end)
+        reads.append(read_end)
     terminal = os.fdopen(os.dup(saved[0]), "w", buffering=1)
     stop = threading.Event()
-    with Progress(terminal, live=True) as bar:
-        def pump() -> None:
-            with os.fdopen(read_end, "r", errors="replace") as fh:
+    with Progress(terminal, live=live) as bar:
+        def pump(read_end: int, to: int) -> None:
+            with os.fdopen(read_end, "rb") as fh:
                 for line in fh:
-                    bar.print(line.rstrip("\n"))
+                    with written:
+                        log.write(line)
+                        log.flush()
+                    if live:
+                        bar.print(line.decode(errors="replace").rstrip("\n"))
+                    else:
+                        os.write(to, line)
 
         def refresh() -> None:
             while True:
@@ -116,7 +125,9 @@ def attached(run: RunDir, out: TextIO = sys.stdout, interval: float = 2.0) -> It
                 if stop.wait(interval):
                     return
 
-        threads = [threading.Thread(target=pump, daemon=True), threading.Thread(target=refresh, daemon=True)]
+        threads = [threading.Thread(target=pump, args=(r, to), daemon=True) for r, to in zip(reads, saved)]
+        if live:
+            threads.append(threading.Thread(target=refresh, daemon=True))
         for th in threads:
             th.start()
         try:
@@ -124,12 +135,14 @@ def attached(run: RunDir, out: TextIO = sys.stdout, interval: float = 2.0) -> It
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
-            os.dup2(saved[0], 1)  # the pipe's last writers here: the children have exited
+            os.dup2(saved[0], 1)  # the pipes' last writers here: the children have exited
             os.dup2(saved[1], 2)
             stop.set()
             for th in threads:
                 th.join(timeout=5)
-            bar.update(run_status(run))
+            if live:
+                bar.update(run_status(run))
     terminal.close()
+    log.close()
     for fd in saved:
         os.close(fd)

@@ -128,7 +128,7 @@ def task_eval_seconds(measured: dict[str, Any], recipe, examples: int, base_scor
     per_answer = float(measured.get("generation_new_tokens") or 0) / float(asked)
     formats = set(recipe.export)
     scorers = 1 + ("merged" in export_formats.made(formats)) + ("gguf" in formats)
-    if not base_scored and recipe.eval.task.baseline == "run" and methods.is_adapter(recipe.method):
+    if not base_scored and methods.is_adapter(recipe.method) and not recipe.init_from:  # results.py _score_after
         scorers += 2
     return scorers * examples * per_answer / float(tps)
 

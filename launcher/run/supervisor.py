@@ -181,6 +181,9 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
         if run.worker.is_file() and "verification" in json.loads(run.worker.read_text()):
             _record(run, read_state(run).get("state", "running"),
                       verification=json.loads(run.worker.read_text())["verification"])
+        if rc == 0 and stopping["signal"] and recipe.export and getattr(_verify_final(recipe, run, plan), "ok", 0):
+            # the stop came as the worker finished: what training made is whole; the export waits for the resume
+            return _stopped_after_training(run, recipe, stopping["signal"], end, ["the export"])
         if rc == 0:
             checked = _verify_final(recipe, run, plan)
             if checked is not None and not checked.ok:
@@ -207,6 +210,10 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
                 syncer.sync_once()  # the state file itself, saying so
             _on_finish(recipe, run)
             return 0
+        if (stopping["signal"] or rc == train.EXIT_STOPPED) and _worker_fact(run, "stopped_after_training"):
+            return _stopped_after_training(run, recipe, stopping["signal"] or "SIGTERM", end,
+                                           ["the samples and the task evaluation"] +
+                                           (["the export"] if recipe.export else []))
         if stopping["signal"] or rc == train.EXIT_STOPPED:
             requested = read_state(run).get("stop_requested")
             # A launcher exits 1 when its ranks exit EXIT_STOPPED: a checkpoint sealed after the
@@ -530,6 +537,24 @@ def _verify_final(recipe, run: RunDir, plan: dict[str, Any]):
     return final.verify(run.final, recipe.method, recipe.lora.target_modules, recipe.model)
 
 
+def _stopped_after_training(run: RunDir, recipe, signal_name: str, end: Callable[..., int], left: list[str]) -> int:
+    """A stop (or a provider's signal) after the final result and the last checkpoint were saved: the run is stopped,
+    not succeeded, and a resume lands at the end, doing only what `left` names."""
+    requested = read_state(run).get("stop_requested")
+    newest = newest_step_unverified(run.checkpoints)
+    ending = {"by": "stop" if requested else "signal", "signal": signal_name, "step": newest,
+              "checkpoint": step_dir_name(newest) if newest is not None else None, "saved": True,
+              "after_training": True, "left": left,
+              "grace_seconds": recipe.grace_seconds, "resume_command": read_state(run).get("resume_command")}
+    return end("stopped" if requested else "preempted", views.ending_reason(ending), train.EXIT_STOPPED,
+               stop_requested=False, ending=ending)
+
+
+def _worker_fact(run: RunDir, key: str) -> Any:
+    """A fact the worker of this attempt recorded in worker.json (forgotten before each attempt)."""
+    return _json_or_empty(run.worker).get(key)
+
+
 def _forget_worker_outcome(run: RunDir) -> None:
     """Before each attempt: the last attempt's error and exit code must not speak for a worker that dies before
     it writes its own worker.json (a crash would otherwise be read as the previous out of memory, not restarted)."""
@@ -538,9 +563,9 @@ def _forget_worker_outcome(run: RunDir) -> None:
     from launcher.store.checkpoint import atomic_write_json
 
     info = json.loads(run.worker.read_text())
-    if "exit_code" in info or "error" in info:
-        info.pop("exit_code", None)
-        info.pop("error", None)
+    if {"exit_code", "error", "stopped_after_training"} & set(info):
+        for key in ("exit_code", "error", "stopped_after_training"):
+            info.pop(key, None)
         atomic_write_json(run.worker, info)
 
 
@@ -582,7 +607,7 @@ def _export(recipe, run: RunDir, child: dict) -> str:
     share_results(run.final, _log)  # what the export wrote, as readable as the rest of the run
     report = json.loads(report_path.read_text()) if report_path.is_file() else {}
     if rc == 0 and report.get("ok"):
-        outs = ", ".join(f"{k} {v.get('size', '')}".strip() for k, v in report.get("outputs", {}).items())
+        outs = views.export_outputs(report.get("outputs", {}))
         info = {"state": "succeeded", "outputs": outs, "serving": report.get("serving")}
         _log(f"export finished: {outs}; serving commands in {report.get('serving')}")
     else:

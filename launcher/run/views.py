@@ -13,8 +13,8 @@ from typing import Any, Optional
 
 from launcher.store.state import ENDED
 from launcher.data import task_metrics
-from launcher.data.task_verdict import (BASE_FEW_SHOT, BASE_ZERO_SHOT, FINE_TUNED, base_score, pct,
-                                        start_name, verdict)
+from launcher.data.task_verdict import (BASE_FEW_SHOT, BASE_ZERO_SHOT, FINE_TUNED, base_score, difference,
+                                        noise_words, pct, start_name, verdict)
 from launcher.worker.task_eval import PREFIX as TASK_EVAL_PREFIX
 
 
@@ -47,7 +47,10 @@ def format_status(s: dict[str, Any], ending_follows: bool = False) -> str:
     if s.get("loss") is not None:
         # the last logged step's values: say which step where the run is past it (logging_steps)
         at = f" (step {s['loss_step']})" if s.get("loss_step") is not None and s["loss_step"] < step else ""
-        lines.append(f"  loss {s['loss']:.4f}{at}   {s.get('tokens_per_second') or 0:,.0f} tokens/s{_mfu(s.get('mfu'))}"
+        # a finished run: its average speed, not the last logging window's (facts.run_status)
+        speed = (f"{s['average_tokens_per_second']:,.0f} tokens/s on average" if s.get("average_tokens_per_second")
+                 else f"{s.get('tokens_per_second') or 0:,.0f} tokens/s{_mfu(s.get('mfu'))}")
+        lines.append(f"  loss {s['loss']:.4f}{at}   {speed}"
                      f"   ETA {format_duration(s.get('eta_seconds'))}"
                      + (f"   (smoke test forecast for the whole run: {format_duration(s['smoke_estimated_seconds'])})"
                         if s.get("smoke_estimated_seconds") else ""))
@@ -60,7 +63,8 @@ def format_status(s: dict[str, Any], ending_follows: bool = False) -> str:
             parts.append(f"margin {s['margin']:.3f}, accuracy {s.get('accuracy') or 0:.2f} (step {s.get('loss_step')}, "
                          "training pairs)")
         if s.get("eval_margin") is not None:
-            parts.append(f"margin {s['eval_margin']:.3f}, preference accuracy {s.get('eval_accuracy') or 0:.2f} "
+            parts.append(f"margin {s['eval_margin']:.3f}, preference accuracy "
+                         f"{preference_accuracy(s.get('eval_accuracy'), s['eval_margin'])} "
                          f"(step {s.get('eval_step')}, held-out pairs)")
         lines.append("  rewards   " + "; ".join(parts))
     supervisor = (f"supervisor pid {s['pid']} ({'alive' if s.get('pid_alive') else 'not running'})" if s.get("pid")
@@ -72,6 +76,10 @@ def format_status(s: dict[str, Any], ending_follows: bool = False) -> str:
         eta = s.get("eta_seconds")
         actual = f"{format_duration(s['elapsed_seconds'])} {'in all' if s.get('state') in ENDED else 'so far'}" \
             + (f" + {format_duration(eta)} to go" if eta is not None else "")
+        phases = s.get("phase_seconds")
+        if phases:  # an ended run: every phase the command spent, each said (the plan's own check excepted)
+            actual = (f"{format_duration(sum(phases.values()))} in all: "
+                      + ", ".join(f"{name} {_short_seconds(sec)}" for name, sec in phases.items()))
         fc = [f"{name} forecast {format_duration(sec)}" + (f" / {cost:.2f} EUR" if cost is not None else "")
               for name, sec, cost in (("smoke test", s.get("smoke_estimated_seconds"), s.get("smoke_estimated_cost_eur")),
                                       ("plan", s.get("plan_estimated_seconds"), s.get("plan_estimated_cost_eur")),
@@ -198,11 +206,64 @@ def format_background_start(run_dir: Path, pid: int, resume: str) -> str:
 def ending_reason(e: dict[str, Any]) -> str:
     """Why a run stopped or was preempted, from the facts the supervisor stores (state.json "ending")."""
     head = "stopped by `ftrun stop`" if e["by"] == "stop" else f"preempted ({e['signal']})"
+    resume = f"run `{e['resume_command']}`" if e.get("resume_command") else "run the same command"
+    if e.get("after_training"):  # nothing left to train: the resume lands at the end and does the rest
+        return (f"{head} after training: the final result and its checkpoint ({e.get('checkpoint')}) are saved; "
+                f"not done yet: {', then '.join(e.get('left') or ['the end of the run'])}; {resume} to finish "
+                "(no step is trained again)")
     where = (f" at step {e['step']} after a checkpoint ({e['checkpoint']})" if e.get("checkpoint")
              else f" at step {e['step']}" + (" after a checkpoint" if e["saved"] else ""))
     late = "" if e["saved"] else f"; the worker did not finish its checkpoint within {e['grace_seconds']:g}s"
-    resume = f"run `{e['resume_command']}` to resume" if e.get("resume_command") else "run the same command to resume"
-    return head + where + late + "; " + resume
+    return head + where + late + "; " + resume + " to resume"
+
+
+# What each export's size counts (launcher/deliver/export.py, gguf_export.py): the adapter's is its weights file,
+# the merged and full models' their whole folder, a GGUF its one file
+SIZE_COVERS = {"adapter": "weights file", "merged": "folder", "model": "folder", "gguf": "file"}
+
+
+def export_outputs(outputs: dict[str, Any]) -> str:
+    """The export's outputs with their sizes, each saying what it counts: "adapter 1.2 MB weights file, merged 2.1 GB
+    folder" (the supervisor stores it in state.json's export, `ftrun status` shows it)."""
+    return ", ".join(f"{k} {v.get('size', '')}" + (f" {SIZE_COVERS[k]}" if k in SIZE_COVERS and v.get("size") else "")
+                     for k, v in outputs.items())
+
+
+def preference_accuracy(accuracy: Optional[float], margin: Optional[float]) -> str:
+    """The share of held-out pairs ranked right; every pair tied (margin 0: the policy is still its reference, as at
+    step 0) is said as ties, not 0.00: trl 1.16 dpo_trainer.py counts a pair right only when chosen > rejected."""
+    if not accuracy and margin is not None and abs(margin) < 1e-9:
+        return "tied (margin 0: the policy is its reference)"
+    return f"{accuracy or 0:.2f}"
+
+
+def stop_waits_for(p: dict[str, Any], grace_seconds: float) -> str:
+    """What `ftrun stop` waits for, said before it waits (launcher/run/control.py `_phase`)."""
+    if p["phase"] == "export":
+        return ("training is complete and the export is running: ending the export; the trained result stays, "
+                "and `ftrun export` makes the export later")
+    if p["phase"] == "after training":
+        return (f"training is complete (step {p.get('step')}): the worker saves the final result and its checkpoint "
+                "if still saving them, then ends before the rest of the samples and the task evaluation (answers "
+                "kept); the same command finishes them")
+    return (f"asking the worker to save a checkpoint at the end of its step, then stop (it has up to "
+            f"{grace_seconds:g} s)")
+
+
+# the stop's outcome when the run ended stopped but left work for the resume (stop_outcome): the summary follows
+STOPPED_PREFIXES = ("stopped after training", "stopped during the export")
+
+
+def stop_outcome(state: dict[str, Any]) -> str:
+    """`ftrun stop`'s last word, from the state the supervisor wrote once it ended: the word `ftrun status` says."""
+    name = state.get("state")
+    if name == "stopped" and (state.get("ending") or {}).get("after_training"):
+        return "stopped after training: " + state.get("reason", "")
+    if name == "trained-not-exported":
+        return (f"stopped during the export: training is complete and its result verified; {state.get('reason', '')}")
+    if name in ("succeeded", "failed"):
+        return f"the run ended {name} before the stop took effect: {state.get('reason', '')}"
+    return "stopped"
 
 
 def host_oom_reason(e: dict[str, Any]) -> str:
@@ -329,7 +390,14 @@ def format_end_summary(e: dict[str, Any]) -> str:
     if pref:
         lines.append(f"  rewards   held-out margin {pref['margin_first']:.3f} (step {pref['step_first']}) -> "
                      f"{pref['margin_last']:.3f} (step {pref['step_last']}); preference accuracy "
-                     f"{pref['accuracy_first'] or 0:.2f} -> {pref['accuracy_last'] or 0:.2f}")
+                     f"{preference_accuracy(pref['accuracy_first'], pref['margin_first'])} -> "
+                     f"{preference_accuracy(pref['accuracy_last'], pref['margin_last'])}")
+        if pref.get("chosen_first") is not None and pref.get("chosen_last") is not None:
+            fell = pref["chosen_last"] < pref["chosen_first"]
+            lines.append(f"            chosen answers' reward {pref['chosen_first']:.3f} -> {pref['chosen_last']:.3f}, "
+                         f"rejected {pref['rejected_first'] or 0:.3f} -> {pref['rejected_last'] or 0:.3f}"
+                         + ("; the chosen answers fell too: less likely than under the reference (lower "
+                            "preference.beta or the learning rate if the task score fell)" if fell else ""))
     if e.get("tokens"):
         # the count logged with the last loss: short of the run's own where the last step logged none (logging_steps)
         logged = e.get("loss_last_step")
@@ -411,6 +479,11 @@ def format_task_eval(t: dict[str, Any]) -> str:
              + (f" ({word})" if word != metric else "") + (f": {t['metric_reason']}" if t.get("metric_reason") else "")]
     if t.get("starting_point"):
         lines.append(f"            (the parent adapter rows: {t['starting_point']}, where this run starts)")
+    cap = t.get("capped")
+    if cap:  # the answers are cut by a setting before they can be as long as the references
+        lines.append(f"            answers cut at {cap['max_new_tokens']} new tokens ({cap['key']}) while the longest "
+                     f"reference runs to about {cap['reference_tokens']} tokens: the scores are capped by that "
+                     f"setting; eval.task.max_new_tokens: {cap['reference_tokens']} lets the answers finish")
     rows = task_rows(t)
     width = max([len(label) for label, _, _ in rows] + [10])
     for label, score, tps in rows:
@@ -418,11 +491,12 @@ def format_task_eval(t: dict[str, Any]) -> str:
                      + (f"   ({tps:,.0f} tokens/s generated)" if tps else ""))
     scores = t.get("scores") or {}
     base, who = base_score(t)
-    if scores.get(FINE_TUNED) is not None and base is not None:
-        # the difference of the two percents shown, as a reader subtracts them (5% against 8%: -3, not -3.5 -> -4)
-        gain = int(pct(scores[FINE_TUNED]).rstrip("%")) - int(pct(base).rstrip("%"))
+    diff = difference(t)
+    if diff is not None:
+        # the difference of the two percents shown, as a reader subtracts them (5% against 8%: -3, not -3.5 -> -4),
+        # and whether it is more than the n examples can tell apart
         lines.append(f"  gain      fine-tuned {pct(scores[FINE_TUNED])} against {pct(base)} for the {who} "
-                     f"({gain:+d} points)")
+                     f"({noise_words(diff)})")
     lines.append(f"  verdict   {verdict}")
     return "\n".join(lines)
 

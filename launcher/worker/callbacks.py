@@ -238,8 +238,10 @@ def _log_eval(run: RunDir, mode: str, state, logs: dict[str, Any], logged: tuple
         if logs.get(key) is not None:
             row[key] = float(logs[key])
     row.update(epoch=round(state.epoch or 0.0, 4), eval_seconds=logs.get("eval_runtime"), time=time.time())
-    held = (f", held-out preference accuracy {row['eval_rewards/accuracies']:.2f}"
-            if "eval_rewards/accuracies" in row else "")
+    # every pair tied (the policy still its reference, as at step 0) is no accuracy of 0 (run/views.py)
+    tied = not row.get("eval_rewards/accuracies") and abs(row.get("eval_rewards/margins", 1.0)) < 1e-9
+    held = ("" if "eval_rewards/accuracies" not in row else ", held-out pairs all tied (margin 0: the policy is its "
+            "reference)" if tied else f", held-out preference accuracy {row['eval_rewards/accuracies']:.2f}")
     _emit(run, mode, state, row, f"eval loss {row['eval_loss']:.4f}{held} ({row['eval_seconds'] or 0:.1f} s)")
 
 

@@ -66,3 +66,14 @@ def _record_error(run: RunDir, message: str, exit_code: Optional[int] = None) ->
         ckpt.atomic_write_json(run.worker, info)
     except OSError:  # the disk may be too full even for this; the log line above already says it
         pass
+
+
+def _record_stop_after_training(run: RunDir, step: int) -> None:
+    """worker.json's fact for the supervisor: this stop came after training ended at `step` (the final result and the
+    last checkpoint are saved); what it skipped is what a resume does at the end."""
+    info = json.loads(run.worker.read_text()) if run.worker.is_file() else {}
+    info["stopped_after_training"] = {"step": step}
+    try:
+        ckpt.atomic_write_json(run.worker, info)
+    except OSError:
+        pass

@@ -10,17 +10,26 @@ from typing import NoReturn
 
 
 class _Stop:
-    """Set by SIGTERM/SIGINT; the trainer callback saves a checkpoint and stops at the next step."""
+    """Set by SIGTERM/SIGINT; the trainer callback saves a checkpoint and stops at the next step. After training
+    (`trained`), the final result and the last checkpoint are saved first, and the worker stops before the samples
+    and between the task evaluation's batches: the answers so far are kept, the same command answers the rest."""
 
     requested = False
     signal_name = ""
+    trained = False
+
+
+class StopRequested(Exception):
+    """Raised between the task evaluation's batches once a stop is requested after training."""
 
 
 def _on_signal(signum, _frame):
     _Stop.requested = True
     _Stop.signal_name = signal.Signals(signum).name
-    print(f"[ftrun worker] {_Stop.signal_name} received: saving a checkpoint at the end of this step, then stopping",
-          flush=True)
+    then = ("training is complete: saving the final result and its checkpoint if not yet saved, then stopping "
+            "before the rest of the samples and the task evaluation (kept answers stay)" if _Stop.trained
+            else "saving a checkpoint at the end of this step, then stopping")
+    print(f"[ftrun worker] {_Stop.signal_name} received: {then}", flush=True)
 
 
 def _rank() -> int:

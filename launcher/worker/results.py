@@ -9,12 +9,13 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 from launcher.store import checkpoint as ckpt
 from launcher.store.rundir import RunDir
 from launcher.worker import samples, task_eval
-from launcher.worker.process import _rank, _say
+from launcher.worker.process import StopRequested, _rank, _say
 
 
 def _write_smoke_result(run: RunDir, step_times, device: str, timed_out: bool,
@@ -148,8 +149,9 @@ def _answer_after(run: RunDir, recipe, trainer, tokenizer, prompts: list[dict[st
         return
     if _rank() != 0:
         return
+    start = f"parent adapter, {Path(recipe.init_from).name}" if recipe.init_from else "base model"
     path = samples.write_after(run.final, before, asked, answers, run_name=run.root.name,
-                               step=trainer.state.global_step, max_new_tokens=recipe.eval.max_new_tokens)
+                               step=trainer.state.global_step, max_new_tokens=recipe.eval.max_new_tokens, start=start)
     _say(f"samples: before and after training in {path} ({len(answers)} prompt(s), "
          f"{time.monotonic() - t0:.1f} s)")
     rows = json.loads((run.final / samples.DATA).read_text())["samples"]
@@ -158,15 +160,18 @@ def _answer_after(run: RunDir, recipe, trainer, tokenizer, prompts: list[dict[st
 
 
 def _score_after(run: RunDir, recipe, trainer, tokenizer, examples: list, sharded: bool,
-                 beat=lambda: None) -> None:
+                 beat=lambda: None, stop=lambda: False) -> bool:
     """The trained model's score on the task (task.json, built here from `examples`, the recipe's whole data, when
     no baseline built it) as "fine_tuned", merged into task_eval.json beside the base model's scores, then
     final/task_eval.json and the scores' table in final/samples.md. A LoRA run whose base model was not scored
-    before training (the baseline failed or predates the run) scores it here with the adapter switched off, unless
-    the recipe skips the baseline. Under a sharding engine every rank generates (synced); rank 0 writes. A failure
-    is said once and the run goes on: the result is saved already. `beat`: after each batch (the heartbeat)."""
+    before training (eval.task.baseline: skip, or the baseline failed) scores it here with the adapter switched
+    off; a run from init_from cannot (its parent would be switched off too).
+    Under a sharding engine every rank generates (synced); rank 0 writes. A failure
+    is said once and the run goes on: the result is saved already. `beat`: after each batch (the heartbeat).
+    `stop()`: asked after each batch; true ends the scoring there (the answers so far are kept in task_eval/) and
+    this returns False; otherwise True."""
     if not task_eval.enabled(recipe) or not (sharded or _rank() == 0):
-        return
+        return True
     writes = _rank() == 0
     t0 = time.monotonic()
     try:
@@ -175,11 +180,20 @@ def _score_after(run: RunDir, recipe, trainer, tokenizer, examples: list, sharde
             if writes:
                 publish_scores(run, task_eval.record(run.root, task))
                 _say(f"task eval: not scored: {task.get('not_applicable') or task['why']}")
-            return
+            return True
         model = trainer.accelerator.unwrap_model(trainer.model)
-        kw = dict(synced=sharded, write=writes, on_batch=lambda done, total: beat())
+
+        def after_batch(done: int, total: int) -> None:
+            beat()
+            if stop():
+                raise StopRequested(f"{done} of {total}")
+
+        kw = dict(synced=sharded, write=writes, on_batch=after_batch)
         scored = (task_eval.read_results(run.root) or {}).get("scores", {})
-        if recipe.eval.task.baseline == "run" and hasattr(model, "disable_adapter"):
+        # an adapter's base is scored here with the adapter off when nothing scored it before training (baseline:
+        # skip, or a failed baseline): the comparison costs two passes, not a second model. Not under init_from:
+        # switched off, the parent adapter goes too, and its rows would score the base under the parent's name.
+        if hasattr(model, "disable_adapter") and not recipe.init_from:
             for name, shots in ((task_eval.BASE_ZERO_SHOT, False), (task_eval.BASE_FEW_SHOT, True)):
                 if name in scored:
                     continue
@@ -192,12 +206,15 @@ def _score_after(run: RunDir, recipe, trainer, tokenizer, examples: list, sharde
         # a run trained further (a resume with more steps) answers again; a restart at the same step resumes
         result = task_eval.score_model(model, tokenizer, run.root, task, task_eval.FINE_TUNED,
                                        identity=f"{recipe.model} step {trainer.state.global_step}", **kw)
+    except StopRequested as where:
+        _say(f"task eval: stopped after {where} answers of this model (kept in {run.task_answers})")
+        return False
     except Exception as exc:  # evidence, not training: the result is saved already
         if writes:
             _say(f"task eval: the fine-tuned model could not be scored ({type(exc).__name__}: {exc})")
-        return
+        return True
     if not writes:
-        return
+        return True
     results = task_eval.record(run.root, task, task_eval.FINE_TUNED, result)
     path = publish_scores(run, results)
     from launcher.worker import trackers
@@ -210,6 +227,7 @@ def _score_after(run: RunDir, recipe, trainer, tokenizer, examples: list, sharde
     _say(f"task eval: fine-tuned {result['score']:.1%} {task['metric']} on {result['examples']} held-out examples"
          + (f" (base model zero-shot {base:.1%})" if base is not None else "")
          + f", {time.monotonic() - t0:.1f} s: {path}")
+    return True
 
 
 def publish_scores(run: RunDir, results: dict[str, Any]):

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from launcher.data import task_examples
+from launcher.data.task_verdict import start_name
 
 BEFORE_FILE = "samples-before.json"  # in the run directory, and copied into each checkpoint
 MARKDOWN = "samples.md"  # in final/
@@ -103,8 +104,9 @@ def before_callback(path: Path, prompts: list[dict[str, Any]], max_new_tokens: i
 
 
 def write_after(final: Path, before: Optional[dict[str, Any]], prompts: list[dict[str, Any]], answers: list[str],
-                *, run_name: str, step: int, max_new_tokens: int) -> Path:
-    """final/samples.md and final/samples.json from the before record and the answers after training."""
+                *, run_name: str, step: int, max_new_tokens: int, start: str = "base model") -> Path:
+    """final/samples.md and final/samples.json from the before record and the answers after training. `start`: what
+    answered before training (a run with init_from starts from its parent adapter, not the base model)."""
     from launcher.store.checkpoint import atomic_write_json
 
     by_index = {s["index"]: s.get("before") for s in (before or {}).get("samples", [])}
@@ -115,13 +117,13 @@ def write_after(final: Path, before: Optional[dict[str, Any]], prompts: list[dic
     where = ("held out in the eval split: never trained on" if source == "eval split"
              else "from the training data (the recipe has no eval split): the model trained on these")
     lines = [f"# Before and after: {run_name}", "",
-             f"{len(rows)} prompt(s) {where}, answered greedily (at most {max_new_tokens} new tokens) by the base "
-             f"model before training and by the fine-tuned model after step {step}.", ""]
+             f"{len(rows)} prompt(s) {where}, answered greedily (at most {max_new_tokens} new tokens) by the {start} "
+             f"before training and by the fine-tuned model after step {step}.", ""]
     for k, r in enumerate(rows, start=1):
         lines += [f"## {k}. example {r['index'] + 1} of {r.get('file') or 'the data'}", "", "**Prompt**", ""]
         lines += _quote("\n\n".join(f"[{m['role']}] {m['content']}" for m in r["messages"]))
         lines += ["", "**Reference**", ""] + _quote(r["reference"])
-        lines += ["", "**Before** (base model)", ""] + (
+        lines += ["", f"**Before** ({start})", ""] + (
             _quote(r["before"]) if r["before"] is not None else ["_(not recorded)_"])
         lines += ["", f"**After** (step {step})", ""] + _quote(r["after"]) + [""]
     path = final / MARKDOWN
@@ -150,6 +152,8 @@ def scores_table(results: dict[str, Any]) -> list[str]:
              "| model | score | details | tokens/s |", "|---|---:|---|---:|"]
     for n in names:
         label = SCORE_ROWS.get(n, n).format(shots=results.get("shots"))
+        if n in ("base_zero_shot", "base_few_shot"):  # init_from: the parent adapter's scores (task_verdict)
+            label = label.replace("base model", start_name(results))
         sub = ", ".join(f"{k} {v:.1%}" for k, v in (details.get(n) or {}).items())
         tps = (speed.get(n) or {}).get("tokens_per_s")
         lines.append(f"| {label} | {scores[n]:.1%} | {sub} | {f'{tps:,.0f}' if tps else '-'} |")

@@ -227,6 +227,7 @@ def score_model(model, tokenizer, run_root: Path, task: dict[str, Any], name: st
     seconds = sum(float(r.get("seconds") or 0.0) for r in rows)
     new_tokens = sum(int(r.get("new_tokens") or 0) for r in rows)
     return {"score": scored["score"], "details": scored["details"], "examples": len(rows),
+            "per_example": [round(x, 4) for x in scored["per_example"]],  # the noise of a difference (task_verdict)
             "seconds": round(seconds, 3), "new_tokens": new_tokens,
             "tokens_per_s": round(new_tokens / seconds, 1) if seconds > 0 else None, "sdpa_backends": backends}
 
@@ -256,10 +257,13 @@ def record(run_root: Path, task: dict[str, Any], name: Optional[str] = None,
                "shots": len(task["shots"]), "max_new_tokens": task["max_new_tokens"],
                **({"chat_template_kwargs": task["chat_template_kwargs"]} if task.get("chat_template_kwargs") else {}),
                **({"starting_point": task["starting_point"]} if task.get("starting_point") else {}),
+               **({"capped": task["capped"]} if task.get("capped") else {}),
                "scores": dict(old.get("scores", {})), "details": dict(old.get("details", {})),
-               "generation": dict(old.get("generation", {}))}
+               "generation": dict(old.get("generation", {})), "per_example": dict(old.get("per_example", {}))}
     if name is not None and result is not None:
         results["scores"][name] = result["score"]
+        if result.get("per_example") is not None:
+            results["per_example"][name] = result["per_example"]
         results["details"][name] = result["details"]
         results["generation"][name] = {k: result[k] for k in ("seconds", "new_tokens", "tokens_per_s", "sdpa_backends")
                                        if k in result}

@@ -48,7 +48,8 @@ from launcher.worker.checkpointing import (  # noqa: E402
     _MANIFEST, _disk_full, _finish, _launch_identity, _launcher_started, _restore_metrics, _resume_steps_differ,
     _verifies_resume, _writes_this_disk)
 from launcher.worker.exits import (  # noqa: E402
-    EXIT_BAD_WORLD, EXIT_NAN, EXIT_STOPPED, _is_disk_full, _out_of_memory, _record_error)
+    EXIT_BAD_WORLD, EXIT_NAN, EXIT_STOPPED, _is_disk_full, _out_of_memory, _record_error,
+    _record_stop_after_training)
 # the launch flow reads every exit code from here (launcher/run/supervisor.py, launcher/run/smoke.py)
 from launcher.worker.exits import EXIT_DISK_FULL, EXIT_OOM  # noqa: E402, F401
 from launcher.worker.heartbeat import BEAT  # noqa: E402
@@ -347,10 +348,15 @@ def run_worker(run_dir: Path, mode: str) -> int:
             print(f"[ftrun worker] stopped at step {trainer.state.global_step} after {_Stop.signal_name}; "
                   "checkpoint saved, resume with the same command", flush=True)
         return EXIT_STOPPED if code == 0 else code
+    # A stop from here on saves what training made, then skips the evidence (samples, task evaluation): a resume
+    # lands at the end and answers only what is missing. Ranks that generate together (sharded) could see the stop
+    # at different batches and wait on each other: they finish the evidence instead.
+    _Stop.trained = not sharded
     # every rank: ZeRO-3 and FSDP gather the sharded weights for the final save (rank 0 writes)
     BEAT.beat("export", step())
     _save_final(run, trainer, tokenizer, recipe)
-    _answer_after(run, recipe, trainer, tokenizer, prompts, sharded)  # final/samples.md
+    if not (_Stop.requested and _Stop.trained):
+        _answer_after(run, recipe, trainer, tokenizer, prompts, sharded)  # final/samples.md
     if _rank() == 0:  # one drawer, as at the checkpoints
         _redraw_loss_plot(run.root, final=True)  # the last loss.png is complete when the worker ends
     BEAT.beat("hash")
@@ -358,8 +364,18 @@ def run_worker(run_dir: Path, mode: str) -> int:
     if code == 0:
         # after the last checkpoint is sealed: a crash or kill here resumes at the end (nothing to train again) and
         # the task eval answers only what its answers file misses
-        _score_after(run, recipe, trainer, tokenizer, loaded.examples, sharded,
-                     beat=lambda: BEAT.beat("export", step()))  # final/task_eval.json
+        stopped = _Stop.requested and _Stop.trained
+        if not stopped:
+            stopped = not _score_after(run, recipe, trainer, tokenizer, loaded.examples, sharded,
+                                       beat=lambda: BEAT.beat("export", step()),  # final/task_eval.json
+                                       stop=lambda: _Stop.requested and _Stop.trained)
+        if stopped:
+            if _rank() == 0:
+                _record_stop_after_training(run, trainer.state.global_step)
+            _say(f"stopped after training (step {trainer.state.global_step}) on {_Stop.signal_name}: the final "
+                 "result and its checkpoint are saved; the same command writes the samples and the task evaluation "
+                 "left" + (", then the export" if recipe.export else ""))
+            return EXIT_STOPPED
     return code
 
 

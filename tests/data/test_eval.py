@@ -159,6 +159,28 @@ def test_samples_md_holds_prompt_reference_before_and_after(tmp_path):
     assert len(samples.summary(data["samples"])) == 6
 
 
+def test_samples_md_of_a_run_from_a_parent_adapter_labels_its_rows_as_the_parent(tmp_path):
+    """Issue 46: a DPO run from an SFT adapter answered "before" with that adapter; samples.md says so, in the answers
+    and in the scores' table (task_eval.json's starting_point)."""
+    from launcher.worker import samples
+
+    examples = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+                for i in range(6)]
+    picked = samples.pick(examples, [4, 5], [0, 1, 2, 3], 2, 42, "d.jsonl")
+    before = {"samples": [{**p, "before": "sft says"} for p in picked]}
+    final = tmp_path / "final"
+    samples.write_after(final, before, picked, ["x", "y"], run_name="dpo", step=3, max_new_tokens=8,
+                        start="parent adapter, tiny-cpu")
+    samples.append_scores(final, {"metric": "text", "metric_reason": "free text", "examples": 20, "shots": 3,
+                                  "starting_point": "the base model with the adapter of tiny-cpu (init_from)",
+                                  "scores": {"base_zero_shot": 0.2, "base_few_shot": 0.15, "fine_tuned": 0.19}})
+    text = (final / samples.MARKDOWN).read_text()
+    assert text.count("**Before** (parent adapter, tiny-cpu)") == 2 and "(base model)" not in text
+    assert "by the parent adapter, tiny-cpu before training" in text
+    assert "| parent adapter, zero-shot | 20.0% |" in text and "| parent adapter, 3 examples in the prompt |" in text
+    assert "base model" not in text
+
+
 def test_the_newest_training_row_and_the_newest_eval_row_are_found_apart(tmp_path):
     from launcher.store.state import last_metrics
 

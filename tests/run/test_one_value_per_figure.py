@@ -27,11 +27,12 @@ metrics.jsonl, smoke.json, final/task_eval.json and final/export.json. The figur
 - losses: each worker step line and eval line against metrics.jsonl; the summary's first and last loss and eval
   loss (with their steps), the status's loss and eval loss (with its step)
 - tokens/s: the plan's Speed: and Why lines (estimated), the smoke test's line against smoke.json (measured), the
-  status's against the last metrics row and the worker's last step line; the task evaluation's generation rates
+  finished run's status (its average) against `ftrun status --json`, the worker's last step line against the last
+  metrics row; the task evaluation's generation rates
   (its worker lines, the tables, the export's merged line, task_eval.json)
 - time forecasts: the plan's Time: and Why lines against the status's "plan forecast" (rounded), the smoke
   test's "about T" against the status (twice), the summary and smoke.json; the time used: the status's "in all"
-  against the summary's "on the box", and the summary's percentage against its two durations; the cost and the
+  against its phases, the summary's "on the box" against the smoke test and training phases, and the summary's percentage against its two durations; the cost and the
   price per hour (plan, status, summary, smoke.json)
 - memory: the plan's estimate against the status's "the sizer estimated", the smoke test's peak against
   smoke.json and the status's "measured by the smoke test"
@@ -317,10 +318,12 @@ def test_tokens_per_second(demo):
     # the smoke test's measurement
     assert grab(r"^smoke test: \d+ measured steps, ([\d,]+) tokens/s", demo.launch, "the smoke test's line")[0] == (
         f"{demo.smoke['tokens_per_second']:,.0f}")
-    # the status's: the last logged step's, as the worker's last step line says it
+    # the status of a finished run: its average (issue 46), the tokens trained over the training's time, as
+    # `ftrun status --json` says it; the worker's last step line says the last window's
     last = demo.train[-1]
-    assert grab(r"^  loss \d+\.\d+(?: \(step \d+\))?\s+([\d,]+) tokens/s", demo.status, "the status")[0] == (
-        f"{last['tokens_per_second']:,.0f}")
+    avg = json.loads(ftrun("status", demo.run, "--json", cwd=demo.run.parent).stdout)["average_tokens_per_second"]
+    assert grab(r"^  loss \d+\.\d+(?: \(step \d+\))?\s+([\d,]+) tokens/s on average", demo.status,
+                "the status")[0] == f"{avg:,.0f}"
     assert re.findall(r"\[ftrun worker\] step \d+/\d+ loss .* (\d+) tok/s", demo.log)[-1] == (
         f"{last['tokens_per_second']:.0f}")
 
@@ -352,9 +355,16 @@ def test_time_and_cost_forecasts(demo):
     # the percentage is the two durations' (each printed rounded)
     (rlo, rhi), (flo, fhi) = duration(running), duration(forecast)
     assert (rlo - fhi) / fhi * 100 - 0.5 <= int(pct) <= (rhi - flo) / flo * 100 + 0.5, (running, forecast, pct)
-    # the box time: the status's "in all", the summary's "on the box with the smoke test"
-    in_all = grab(r"^  time (.+?) in all", demo.status, "the status")[0]
-    assert (box or running) == in_all, (box, running, in_all)  # the summary names the box time where it is longer
+    # the status's "in all" says each phase it covers (issue 46); the summary's box time is its smoke test and
+    # training (each printed rounded)
+    in_all, phases = grab(r"^  time (.+?) in all: (.+?)(?:   \(|$)", demo.status, "the status")
+    said = dict(re.findall(r"(plan and baseline|smoke test|training and evaluation|export) ([\d.]+ (?:s|min|h))",
+                           phases))
+    assert set(said) == {"plan and baseline", "smoke test", "training and evaluation", "export"}, phases
+    parts = [duration(v) for v in said.values()]
+    assert overlap(duration(in_all), (sum(p[0] for p in parts), sum(p[1] for p in parts))), (in_all, phases)
+    box_parts = [duration(said["smoke test"]), duration(said["training and evaluation"])]
+    assert overlap(duration(box or running), (sum(p[0] for p in box_parts), sum(p[1] for p in box_parts)))
     assert grab(r"^  cost\s+([\d.]+) EUR at ([\d.]+) EUR/h", demo.summary, "the summary")[1] == price
     assert f"{demo.smoke['price_per_hour_eur']:.2f}" == price
 
@@ -398,8 +408,8 @@ def test_task_scores(demo):
     assert within(100 * scores["merged"], rounded(merged)) and tuned2 == tuned
     assert rate == f"{speed['merged']['tokens_per_s']:.0f}"
     # the gain: the difference of the two percents it names, each as the table shows it
-    a, b, gain = grab(r"^  gain\s+fine-tuned (\d+)% against (\d+)% for the [^(]+\(([+-]\d+) points\)", demo.summary,
-                      "the summary")
+    a, b, gain = grab(r"^  gain\s+fine-tuned (\d+)% against (\d+)% for the [^(]+\(([+-]\d+) points?, (?:within|beyond) "
+                      r"the ±\d+-point noise of \d+ examples\)", demo.summary, "the summary")
     assert f"{a}%" == pct(scores["fine_tuned"]) and int(gain) == int(a) - int(b)
     verdicts = {grab(r"^  verdict\s+(.*)$", text, where)[0] for where, text in tables.items()}
     assert verdicts == {demo.task["verdict"]}
@@ -415,7 +425,8 @@ def test_the_exports_sizes_and_dtypes(demo):
     assert outputs["merged"]["bytes"] == tree_bytes(final / "merged")
     sizes = {k: outputs[k]["size"] for k in ("adapter", "merged")}
     assert sizes == {k: human_size(outputs[k]["bytes"]) for k in sizes}
-    listed = ", ".join(f"{k} {v}" for k, v in sizes.items())
+    # each size says what it counts (issue 46): the adapter's weights file, the merged model's folder
+    listed = f"adapter {sizes['adapter']} weights file, merged {sizes['merged']} folder"
     assert grab(r"export finished: (.*?); serving commands", demo.log, "the supervisor")[0] == listed
     assert grab(r"^  export \(adapter, merged\): succeeded - (.*?); serving commands", demo.status, "the status")[0] \
         == listed

@@ -108,6 +108,51 @@ FINISHED = {**BASE, "scores": {"base_zero_shot": 0.0, "base_few_shot": 0.35, "fi
             "fine_tune_pays": True}
 
 
+def test_answers_cut_by_a_setting_before_the_references_end_are_said_with_both_numbers(tmp_path):
+    """Issue 46: the demo's task answers are capped at 24 new tokens (eval.max_new_tokens) while its references run to
+    71 words; the table says so, with the setting, both numbers and the value that lets the answers finish."""
+    from types import SimpleNamespace
+
+    from launcher.data.task_examples import build_task
+
+    long = " ".join(["word"] * 70)
+    examples = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"{long} {i}"}]}
+                for i in range(30)]
+    settings = SimpleNamespace(examples=20, metric="auto", shots=0, max_new_tokens=None)
+    task = build_task(examples, list(range(20)), list(range(20, 30)), settings, 42, max_new_tokens_cap=24)
+    assert task["max_new_tokens"] == 24 and task["capped"]["key"] == "eval.max_new_tokens"
+    needed = task["capped"]["reference_tokens"]
+    assert needed > 200
+    t = {**BASE, "metric": "text", "capped": task["capped"], "scores": {"base_zero_shot": 0.08}}
+    text = views.format_task_eval(t)
+    assert (f"answers cut at 24 new tokens (eval.max_new_tokens) while the longest reference runs to about {needed} "
+            f"tokens: the scores are capped by that setting; eval.task.max_new_tokens: {needed} lets the answers "
+            "finish") in text, text
+    roomy = build_task(examples, list(range(20)), list(range(20, 30)), settings, 42, max_new_tokens_cap=1024)
+    assert "capped" not in roomy
+
+
+def test_a_step_from_a_parent_adapter_is_judged_against_it_with_the_noise_of_its_examples(tmp_path):
+    """DPO from an SFT adapter (issue 46): the gain says whether it is within the noise of the n examples (two standard
+    errors of the per-example differences), and the verdict speaks of this run's step, not of the base model."""
+    same = [0.1, 0.3, 0.2, 0.4, 0.25] * 4
+    step = {**BASE, "metric": "text", "examples": 20, "starting_point": "the base model with the adapter of sft",
+            "scores": {"base_zero_shot": 0.20, "base_few_shot": 0.15, "fine_tuned": 0.19},
+            "metric_reason": "the 20 references are free text", "per_example": {
+                "base_zero_shot": same, "fine_tuned": [0.3, 0.1, 0.4, 0.2, 0.2] * 4}}
+    run = _run(tmp_path, step, final=step, state="succeeded")
+    table = views.format_end_summary(facts.end_summary(run))
+    assert "gain      fine-tuned 19% against 20% for the parent adapter zero-shot (-1 point, within the ±8-point " \
+           "noise of 20 examples)" in table, table
+    assert "verdict   this run against the parent adapter zero-shot: no measurable change on the task" in table
+    assert "fine-tuning pays" not in table
+    better = {**step, "scores": {**step["scores"], "fine_tuned": 0.40},
+              "per_example": {"base_zero_shot": same,
+                              "fine_tuned": [x + 0.2 + (0.05 if i % 2 else -0.05) for i, x in enumerate(same)]}}
+    assert views.task_verdict(better) == ("this run against the parent adapter zero-shot: better on the task (40% "
+                                          "against 20% chrF, +20 points, beyond the ±2-point noise of 20 examples)")
+
+
 def test_the_end_summary_and_status_show_one_table_of_the_scores(tmp_path, capsys, monkeypatch):
     run = _run(tmp_path, {**BASE, "scores": {"base_zero_shot": 0.0, "base_few_shot": 0.35}}, final=FINISHED,
                state="succeeded")
@@ -120,7 +165,8 @@ def test_the_end_summary_and_status_show_one_table_of_the_scores(tmp_path, capsy
     assert [line.split()[0] for line in table.splitlines()] == ["task", "base", "base", "fine-tuned", "merged",
                                                                "gguf-q4_k_m", "gain", "verdict"]
     assert "40 held-out examples, scored by exact: the 40 references are 4 distinct short labels" in table
-    assert "gain      fine-tuned 100% against 35% for the base model with 3 examples (+65 points)" in table
+    assert ("gain      fine-tuned 100% against 35% for the base model with 3 examples (+65 points, one example of 40 "
+            "being worth 2)") in table
     assert "verdict   base model with 3 examples: wrong in 3 of 5 (35% exact): fine-tuning pays" in table
     monkeypatch.chdir(tmp_path)
     assert main(["status", str(run.root)]) == 0

@@ -309,3 +309,58 @@ def test_the_status_loss_says_its_step_when_the_run_is_past_it():
     assert "  loss 4.2243 (step 45)   5,694 tokens/s" in views.format_status(s)
     s["loss_step"] = 48
     assert "  loss 4.2243   5,694 tokens/s" in views.format_status(s)
+
+
+def test_the_stops_last_word_is_the_states():
+    """`ftrun stop` words its outcome from the state the supervisor wrote (issue 46): a stop after training says
+    what is left; one during the export, or one that came too late, does not say "stopped" over another state."""
+    after = {"by": "stop", "signal": "SIGTERM", "step": 12, "checkpoint": "step-000012", "saved": True,
+             "after_training": True, "left": ["the samples and the task evaluation", "the export"],
+             "resume_command": "ftrun r.yaml"}
+    reason = views.ending_reason(after)
+    assert reason == ("stopped by `ftrun stop` after training: the final result and its checkpoint (step-000012) are "
+                      "saved; not done yet: the samples and the task evaluation, then the export; run `ftrun r.yaml` "
+                      "to finish (no step is trained again)")
+    assert views.stop_outcome({"state": "stopped", "ending": after, "reason": reason}).startswith(
+        "stopped after training: stopped by")
+    assert views.stop_outcome({"state": "stopped", "reason": "x"}) == "stopped"
+    late = views.stop_outcome({"state": "succeeded", "reason": "training finished"})
+    assert late == "the run ended succeeded before the stop took effect: training finished"
+    export = views.stop_outcome({"state": "trained-not-exported", "reason": "trained, not exported: killed"})
+    assert export.startswith("stopped during the export: training is complete")
+    said = views.stop_waits_for({"phase": "after training", "step": 12}, 120)
+    assert said.startswith("training is complete (step 12)")
+    assert "at the end of its step" in views.stop_waits_for({"phase": "training", "step": 3}, 120)
+
+
+def test_a_dpo_summary_says_ties_as_ties_and_the_chosen_answers_reward(tmp_path):
+    """Issue 46: at step 0 the policy is its reference and every held-out margin is 0 (trl counts chosen > rejected
+    only): the summary and status say "tied", not an accuracy of 0; the chosen answers' reward beside the margin."""
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    run.recipe.write_text("model: x\n")
+    set_state(run, "succeeded", reason="training finished")
+    rows = [{"step": 0, "eval_loss": 0.6931, "eval_rewards/margins": 0.0, "eval_rewards/accuracies": 0.0,
+             "eval_rewards/chosen": 0.0, "eval_rewards/rejected": 0.0},
+            {"step": 5, "loss": 0.3, "rewards/margins": 1.7, "rewards/accuracies": 0.8},
+            {"step": 48, "eval_loss": 0.01, "eval_rewards/margins": 10.2, "eval_rewards/accuracies": 1.0,
+             "eval_rewards/chosen": -1.42, "eval_rewards/rejected": -11.62}]
+    run.metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = views.format_end_summary(facts.end_summary(run))
+    assert ("rewards   held-out margin 0.000 (step 0) -> 10.200 (step 48); preference accuracy tied (margin 0: the "
+            "policy is its reference) -> 1.00") in text, text
+    assert "chosen answers' reward 0.000 -> -1.420, rejected 0.000 -> -11.620; the chosen answers fell too" in text
+    assert "accuracy 0.00" not in text
+    first = views.format_status({**facts.run_status(run), "eval_margin": 0.0, "eval_accuracy": 0.0, "eval_step": 0})
+    assert "preference accuracy tied (margin 0" in first
+
+
+def test_the_exports_sizes_say_what_each_counts():
+    """Issue 46: the adapter's size is its weights file, the merged model's its whole folder; status says which."""
+    outs = views.export_outputs({"adapter": {"size": "65.2 KB", "bytes": 66764},
+                                 "merged": {"size": "1.1 MB", "bytes": 1153433}, "gguf": {"size": "0.6 MB"}})
+    assert outs == "adapter 65.2 KB weights file, merged 1.1 MB folder, gguf 0.6 MB file"
+    s = {"state": "succeeded", "run_dir": "r", "export": {"state": "succeeded", "formats": ["adapter", "merged"],
+                                                            "outputs": outs, "serving": "SERVING.md"}}
+    assert "export (adapter, merged): succeeded - adapter 65.2 KB weights file, merged 1.1 MB folder" in \
+        views.format_status(s)

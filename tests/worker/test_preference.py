@@ -10,6 +10,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import REPO
 from helpers import adapter_tensors, article_plan, freeze_worker, ftrun, metrics, status, wait_for, wait_until_ended
@@ -134,6 +135,10 @@ def test_an_objective_refuses_data_it_does_not_train(write_recipe, tmp_path):
     (dict(objective="dpo", method="full", init_from="adapter"), "init_from starts from an adapter"),
     (dict(objective="dpo", init_from="."), "holds no adapter_config.json"),
     (dict(objective="dpo", init_from="adapter", lora={"r": 32}), "lora.r 32 (the parent's: 8) would be ignored"),
+    # the default value given on purpose is ignored as well (issue 46): refused whatever its value
+    (dict(objective="dpo", init_from="adapter", lora={"r": 16}), "lora.r 16 (the parent's: 8) would be ignored"),
+    (dict(objective="dpo", init_from="adapter", lora={"target_modules": ["q_proj"]}),
+     "lora.target_modules ['q_proj'] (the parent's: ['q_proj', 'v_proj']) would be ignored"),
     (dict(objective="dpo", init_from="adapter", model="Qwen/Qwen3-8B"), "was trained on"),
 ])
 def test_a_key_that_does_not_apply_is_refused(write_recipe, tmp_path, tiny_model, fields, said):
@@ -142,11 +147,33 @@ def test_a_key_that_does_not_apply_is_refused(write_recipe, tmp_path, tiny_model
 
     (tmp_path / "adapter").mkdir()
     (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(
-        {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "base_model_name_or_path": str(tiny_model)}))
+        {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "base_model_name_or_path": str(tiny_model),
+         "target_modules": ["v_proj", "q_proj"]}))
 
     with pytest.raises(RecipeError) as err:
         load_recipe(write_recipe(data=str(PAIRS), **fields))
     assert said in str(err.value), str(err.value)
+
+
+def test_a_run_from_init_from_says_the_parents_rank_everywhere(write_recipe, tmp_path, tiny_model):
+    """Issue 46: one value, from the parent: the recipe resolves lora: to the parent adapter's settings, so the plan,
+    the serving command (vLLM's --max-lora-rank) and the run's recipe.yaml say r=8, not the default 16."""
+    from launcher.recipe import load_recipe
+    from launcher.run import commands
+    from launcher.store.rundir import RunDir
+
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(
+        {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "base_model_name_or_path": str(tiny_model),
+         "target_modules": ["v_proj", "q_proj"]}))
+    recipe = load_recipe(write_recipe(data=str(PAIRS), objective="dpo", init_from=str(tmp_path / "adapter")))
+    assert (recipe.lora.r, recipe.lora.target_modules) == (8, ["q_proj", "v_proj"])
+    run = RunDir(tmp_path / "run")
+    (run.final / "adapter").mkdir(parents=True)
+    run.recipe.write_text(yaml.safe_dump(recipe.snapshot()))
+    assert load_recipe(run.recipe).lora.r == 8  # the run's own recipe.yaml reloads as it was checked
+    served = commands.serve_command(run, str(run.final / "adapter"))
+    assert "--max-lora-rank 8" in served, served
 
 
 def test_padding_free_is_on_where_the_objective_honours_it(write_recipe, tmp_path):

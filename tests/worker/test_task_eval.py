@@ -340,3 +340,19 @@ def test_a_json_extraction_task_reports_parse_rate_and_field_match(tmp_path, tin
         assert 0 <= d["exact"] <= d["field_match"] <= 1 and d["has_keys"] <= d["parses"]
         assert out["scores"][name] == d["field_match"]
     print("json task:", {n: out["details"][n] for n in out["details"]})
+
+
+@pytest.mark.slow
+def test_baseline_skip_scores_the_base_after_training_with_the_adapter_off(tmp_path, tiny_model):
+    """eval.task.baseline: skip (issue 46): nothing is scored before training, and the LoRA run still ends with the
+    comparison, the base scored with its adapter switched off, as docs/task_eval.md says."""
+    from conftest import recipe_file
+
+    recipe = recipe_file(tmp_path / "r.yaml", tiny_model, tmp_path / "run", max_steps=4, checkpoint_every_minutes=5,
+                         eval={"fraction": 0.1, "samples": 0, "task": {"examples": 10, "baseline": "skip"}})
+    res = ftrun(recipe, "--foreground", "smoke.enabled=false", cwd=tmp_path, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "scoring the base model before training" not in res.stdout
+    out = json.loads((tmp_path / "run" / "final" / "task_eval.json").read_text())
+    assert {"base_zero_shot", "base_few_shot", "fine_tuned"} <= set(out["scores"]), out
+    assert "gain      fine-tuned" in res.stdout and "has not been scored" not in res.stdout

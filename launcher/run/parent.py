@@ -1,0 +1,64 @@
+"""The init_from adapter pinned into the run directory at launch: what was planned is what trains.
+
+An earlier run's checkpoint is a moving target while that run trains: its keep_checkpoints deletes older ones, and
+its final/adapter is written again when it finishes. The run copies the parent adapter once, into
+RUN/parent/<name of the source>/, and its recipe.yaml names the copy; parent.json records where it came from, so a
+resume with the user's recipe (init_from: the source) compares equal to the run's own.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+from launcher.errors import RecipeError
+from launcher.recipe import parent_adapter
+from launcher.store.checkpoint import atomic_write_json
+from launcher.store.rundir import RunDir
+
+
+def _record(run: RunDir) -> Path:
+    return run.root / "parent.json"
+
+
+def pinned(run: RunDir) -> Optional[dict[str, Any]]:
+    """{"init_from": the recipe's source, "copy": the pinned folder} when this run pinned its parent, else None."""
+    path = _record(run)
+    if not path.is_file():
+        return None
+    info = json.loads(path.read_text())
+    return info if Path(info.get("copy", "")).is_dir() else None
+
+
+def pin(run: RunDir, init_from: str) -> str:
+    """Copy the adapter `init_from` names into the run (once: a resume keeps the first copy); returns the copy's path,
+    which the run's recipe.yaml gives as its init_from. A source removed while it is copied is a recipe error."""
+    held = pinned(run)
+    if held and held["init_from"] == init_from:
+        return held["copy"]
+    source = parent_adapter(init_from)
+    dest = run.root / "parent" / Path(init_from).name
+    tmp = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        shutil.copytree(source, tmp)
+    except (OSError, shutil.Error) as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise RecipeError(
+            f"init_from: {source} went away while ftrun copied it into the run ({exc})",
+            fix="a checkpoint of a run that is still training is deleted when newer ones come (its keep_checkpoints): "
+            "give its newest checkpoint folder, or let that run finish and give its run directory") from None
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    atomic_write_json(_record(run), {"init_from": init_from, "source": str(source), "copy": str(dest)})
+    return str(dest)
+
+
+def as_given(run: RunDir, snapshot: dict[str, Any]) -> dict[str, Any]:
+    """The run's recipe snapshot with init_from as the user's recipe gives it (the source, not the pinned copy)."""
+    held = pinned(run)
+    if held and snapshot.get("init_from") == held["copy"]:
+        return {**snapshot, "init_from": held["init_from"]}
+    return snapshot

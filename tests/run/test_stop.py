@@ -1,0 +1,52 @@
+"""`ftrun stop` as a user reads it: what it waits for, said at once, and a last word that agrees with the state."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import REPO, freeze_worker, ftrun, status, wait_until_ended
+
+
+def _past_training(run_dir) -> bool:
+    beat = run_dir / "heartbeats" / "rank-0.json"
+    return beat.is_file() and json.loads(beat.read_text()).get("phase") == "export"
+
+
+@pytest.mark.slow
+def test_a_stop_after_training_stops_and_the_same_command_finishes_the_evaluation(write_recipe, tmp_path):
+    recipe = write_recipe(max_steps=4, checkpoint_every_minutes=5,
+                          eval={"fraction": 0.1, "samples": 2, "task": {"examples": 12, "baseline": "skip"}})
+    res = ftrun(recipe, "smoke.enabled=false", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    run = tmp_path / "run"
+    st = freeze_worker(run, _past_training)  # training done, the final result not yet saved
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    stop = subprocess.Popen([sys.executable, "-m", "launcher.cli", "stop", str(run)], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(3)  # the stop has signalled the supervisor, which forwards to the frozen worker
+    os.kill(st["worker_pid"], signal.SIGCONT)
+    out, err = stop.communicate(timeout=180)
+    assert stop.returncode == 0, out + err
+    # said at once: what the stop waits for; then the word that `ftrun status` says too
+    assert "training is complete (step 4)" in out, out
+    assert "stopped after training" in out and "not done yet: the samples and the task evaluation" in out, out
+    s = status(run, tmp_path)
+    assert s["state"] == "stopped" and "after training" in s["reason"], s
+    assert not (run / "final" / "task_eval.json").is_file() and not (run / "final" / "samples.md").is_file()
+    assert (run / "final" / "adapter" / "adapter_config.json").is_file()
+    # the same command finishes what the stop left, training nothing again
+    again = ftrun(recipe, "smoke.enabled=false", cwd=tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr
+    wait_until_ended(run, tmp_path)
+    scores = json.loads((run / "final" / "task_eval.json").read_text())["scores"]
+    assert "fine_tuned" in scores, scores
+    assert (run / "final" / "samples.md").is_file()
+    log = (run / "train.log").read_text()
+    assert "nothing left to train" in log
