@@ -43,33 +43,62 @@ def _smoke_share() -> str:
 
 # --- each command's options and call ------------------------------------------------------------------------------
 
+
 def _run_options(r: argparse.ArgumentParser) -> None:
     r.add_argument("--foreground", action="store_true", help="stay attached (debugging, tests)")
     r.add_argument("--fresh", action="store_true", help="start over; the old run directory is kept, renamed")
     r.add_argument("--memory-limit", metavar="GB", help="cap each worker's memory, e.g. 20GB (plan for a smaller card)")
     r.add_argument("--nnodes", type=int, default=1, metavar="N", help="boxes in the job (run the same command on each)")
-    r.add_argument("--node-rank", type=int, default=0, metavar="I", help="this box's number, 0 .. nnodes-1 (0 holds the rendezvous)")
+    r.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        metavar="I",
+        help="this box's number, 0 .. nnodes-1 (0 holds the rendezvous)",
+    )
     r.add_argument("--master-addr", metavar="HOST", help="address of node 0, reachable from every node")
     r.add_argument("--master-port", type=int, default=MASTER_PORT, metavar="PORT", help="a free TCP port on node 0")
-    r.add_argument("--allow-changes", action="store_true",
-                   help="resume from the run's checkpoints even though the recipe's training settings changed")
+    r.add_argument(
+        "--allow-changes",
+        action="store_true",
+        help="resume from the run's checkpoints even though the recipe's training settings changed",
+    )
 
 
 def _run(a) -> int:
     from launcher.run.pipeline import launch
 
-    return launch(a.recipe, a.overrides, foreground=a.foreground, fresh=a.fresh, memory_limit=_parse_gb(a.memory_limit),
-                  allow_changes=a.allow_changes, nodes=_nodes(a))
+    return launch(
+        a.recipe,
+        a.overrides,
+        foreground=a.foreground,
+        fresh=a.fresh,
+        memory_limit=_parse_gb(a.memory_limit),
+        allow_changes=a.allow_changes,
+        nodes=_nodes(a),
+    )
 
 
 def _plan_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--gpus", metavar="SPEC", help="plan for another box than this machine's GPUs (or, without a GPU "
-                   "here, the recipe's box:): COUNTxNAME such as 4xH100-80GB, or NAME for one card; names: "
-                   f"{_gpu_names()}")
-    p.add_argument("--tokens", metavar="N", help=f"{_tokens_meaning()}; e.g. 15M, used instead of counting the data "
-                   "and instead of the recipe's `tokens` key")
-    p.add_argument("--price", type=float, metavar="EUR/h", help="the whole box's price per hour (overrides the "
-                   "catalog and the recipe's price_per_hour_eur)")
+    p.add_argument(
+        "--gpus",
+        metavar="SPEC",
+        help="plan for another box than this machine's GPUs (or, without a GPU "
+        "here, the recipe's box:): COUNTxNAME such as 4xH100-80GB, or NAME for one card; names: "
+        f"{_gpu_names()}",
+    )
+    p.add_argument(
+        "--tokens",
+        metavar="N",
+        help=f"{_tokens_meaning()}; e.g. 15M, used instead of counting the data "
+        "and instead of the recipe's `tokens` key",
+    )
+    p.add_argument(
+        "--price",
+        type=float,
+        metavar="EUR/h",
+        help="the whole box's price per hour (overrides the catalog and the recipe's price_per_hour_eur)",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON, also when it does not fit")
 
 
@@ -136,8 +165,12 @@ def _push(a) -> int:
 
 def _export_options(e: argparse.ArgumentParser) -> None:
     e.add_argument("--merged", action="store_true", help="also merge the adapter into the 16-bit base")
-    e.add_argument("--gguf", metavar="TYPE", help=f"also write a GGUF: {gguf_types.listed()} (the recipe's gguf "
-                   f"export defaults to {gguf_types.DEFAULT_TYPE}; implies --merged)")
+    e.add_argument(
+        "--gguf",
+        metavar="TYPE",
+        help=f"also write a GGUF: {gguf_types.listed()} (the recipe's gguf "
+        f"export defaults to {gguf_types.DEFAULT_TYPE}; implies --merged)",
+    )
 
 
 def _export(a) -> int:
@@ -173,9 +206,13 @@ def _llamacpp(a) -> int:
 
 
 def _llamacpp_options(ll: argparse.ArgumentParser) -> None:
-    ll.add_argument("args", nargs=argparse.REMAINDER, help="install: copy llama.cpp's converter from the installed "
-                    "llama-cpp-python's source; check MODEL [--type T]: can this model become a GGUF; architectures: "
-                    "write the shipped architecture table (`ftrun llamacpp --help` for more)")
+    ll.add_argument(
+        "args",
+        nargs=argparse.REMAINDER,
+        help="install: copy llama.cpp's converter from the installed "
+        "llama-cpp-python's source; check MODEL [--type T]: can this model become a GGUF; architectures: "
+        "write the shipped architecture table (`ftrun llamacpp --help` for more)",
+    )
 
 
 def _none(_: argparse.ArgumentParser) -> None:
@@ -205,41 +242,92 @@ class Command:
 
 
 # `ftrun RECIPE ...` is `ftrun run RECIPE ...`: run is the default command
-COMMANDS = {c.name: c for c in (
-    Command("run", "recipe",
+COMMANDS = {
+    c.name: c
+    for c in (
+        Command(
+            "run",
+            "recipe",
             "plan, smoke-test and start (or resume) the run, detached; the default command (`ftrun RECIPE`)",
-            _run_options, _run),
-    Command("plan", "recipe", "size the job: memory, engine, GPUs, time, cost", _plan_options, _plan),
-    Command("smoke", "recipe",
+            _run_options,
+            _run,
+        ),
+        Command("plan", "recipe", "size the job: memory, engine, GPUs, time, cost", _plan_options, _plan),
+        Command(
+            "smoke",
+            "recipe",
             "run only the smoke test ({smoke_share} of the data unless the recipe's smoke.fraction says otherwise) "
             "and print the forecast",
-            lambda s: s.add_argument("--memory-limit", metavar="GB", help="cap the worker's memory, e.g. 20GB"), _smoke),
-    Command("baseline", "recipe",
+            lambda s: s.add_argument("--memory-limit", metavar="GB", help="cap the worker's memory, e.g. 20GB"),
+            _smoke,
+        ),
+        Command(
+            "baseline",
+            "recipe",
             "score the base model on held-out examples, zero-shot and with examples in its prompt, and say whether "
             "fine-tuning pays (the launch does it too, before its smoke test)",
-            lambda b: b.add_argument("--json", action="store_true",
-                                     help="print only the scores and the verdict as JSON on stdout"), _baseline),
-    Command("data", "recipe", "the data as the loss sees it: one example per source with its trained tokens "
-            "marked, and the dataset's statistics (the launch's data check)", _none, _data),
-    Command("status", "target", f"state, step, loss and ETA of a run; without a target, every run under ./{RUNS}",
-            _status_options, _status),
-    Command("logs", "target", "the run's train.log",
-            lambda g: g.add_argument("-f", "--follow", action="store_true",
-                                     help="keep printing new lines while the run's launcher or supervisor lives"),
-            _logs),
-    Command("stop", "target", "checkpoint and stop a run", _none, _stop),
-    Command("pull", "recipe", "fetch a run from the recipe's sync.to without resuming it", _none, _pull),
-    Command("push", "target", "copy the newest checkpoint and the result to sync.to now", _none, _push),
-    Command("export", "target", "adapter, merged 16-bit model, GGUF and serving commands, each checked",
-            _export_options, _export),
-    Command("publish", "target", "push the checked export and a model card to the recipe's publish.to",
-            lambda p: p.add_argument("--to", metavar="hf://USER/REPO", help="another repo than the recipe's publish.to"),
-            _publish),
-    Command("explain", "", "every recipe key with its default and meaning", _none, _explain),
-    Command("llamacpp", "install | check MODEL [--type T] | architectures",
+            lambda b: b.add_argument(
+                "--json", action="store_true", help="print only the scores and the verdict as JSON on stdout"
+            ),
+            _baseline,
+        ),
+        Command(
+            "data",
+            "recipe",
+            "the data as the loss sees it: one example per source with its trained tokens "
+            "marked, and the dataset's statistics (the launch's data check)",
+            _none,
+            _data,
+        ),
+        Command(
+            "status",
+            "target",
+            f"state, step, loss and ETA of a run; without a target, every run under ./{RUNS}",
+            _status_options,
+            _status,
+        ),
+        Command(
+            "logs",
+            "target",
+            "the run's train.log",
+            lambda g: g.add_argument(
+                "-f",
+                "--follow",
+                action="store_true",
+                help="keep printing new lines while the run's launcher or supervisor lives",
+            ),
+            _logs,
+        ),
+        Command("stop", "target", "checkpoint and stop a run", _none, _stop),
+        Command("pull", "recipe", "fetch a run from the recipe's sync.to without resuming it", _none, _pull),
+        Command("push", "target", "copy the newest checkpoint and the result to sync.to now", _none, _push),
+        Command(
+            "export",
+            "target",
+            "adapter, merged 16-bit model, GGUF and serving commands, each checked",
+            _export_options,
+            _export,
+        ),
+        Command(
+            "publish",
+            "target",
+            "push the checked export and a model card to the recipe's publish.to",
+            lambda p: p.add_argument(
+                "--to", metavar="hf://USER/REPO", help="another repo than the recipe's publish.to"
+            ),
+            _publish,
+        ),
+        Command("explain", "", "every recipe key with its default and meaning", _none, _explain),
+        Command(
+            "llamacpp",
+            "install | check MODEL [--type T] | architectures",
             "llama.cpp for the GGUF export: install its converter (install), check a model (check MODEL), write the "
-            "shipped architecture table (architectures)", _llamacpp_options, _llamacpp),
-)}
+            "shipped architecture table (architectures)",
+            _llamacpp_options,
+            _llamacpp,
+        ),
+    )
+}
 WITH_OVERRIDES = tuple(name for name, c in COMMANDS.items() if c.takes == "recipe")
 
 
@@ -254,8 +342,11 @@ def usage_text(parsers: dict[str, argparse.ArgumentParser]) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ftrun", description="From a fine-tuning recipe to a trained, exported model.",
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="ftrun",
+        description="From a fine-tuning recipe to a trained, exported model.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--debug", action="store_true", help="show tracebacks (accepted anywhere on the line)")
     sub = p.add_subparsers(dest="command")
     for c in COMMANDS.values():
@@ -281,17 +372,24 @@ def _misplaced_option(parser: argparse.ArgumentParser, args, extra: list[str], t
         if not flag.startswith("-"):
             continue
         # argparse keeps each parser's options in _option_string_actions; it offers no public lookup
-        owners = [(name, sp._option_string_actions[flag]) for name, sp in commands.items()
-                  if name != args.command and flag in sp._option_string_actions]
+        owners = [
+            (name, sp._option_string_actions[flag])
+            for name, sp in commands.items()
+            if name != args.command and flag in sp._option_string_actions
+        ]
         if not owners:
             continue
         name, action = owners[0]
         does = (action.help or "").split(" (")[0].split(":")[0].rstrip(".; ")
-        line = " ".join(["ftrun", name, args.recipe, *getattr(args, "overrides", []), *extra]) \
-            if getattr(args, "recipe", None) else None
+        line = (
+            " ".join(["ftrun", name, args.recipe, *getattr(args, "overrides", []), *extra])
+            if getattr(args, "recipe", None)
+            else None
+        )
         return UsageError(
             f"{flag} is an option of `ftrun {name}`" + (f" ({does})" if does else "") + f", not of `{typed}`",
-            fix=(f"{line}; " if line else "") + f"`ftrun {name} --help` lists its options")
+            fix=(f"{line}; " if line else "") + f"`ftrun {name} --help` lists its options",
+        )
     return None
 
 
@@ -299,7 +397,8 @@ def _parse_gb(text: Optional[str]) -> Optional[float]:
     if text is None:
         return None
     t = text.strip().lower().replace(" ", "")
-    # ftrun's one unit, GB = 2**30 bytes (sizing.GB), as nvidia-smi counts: 20GB and 20GiB are the same, 800MB is 800 MiB
+    # ftrun's one unit, GB = 2**30 bytes (sizing.GB), as nvidia-smi counts: 20GB and 20GiB are the same, 800MB is 800
+    # MiB
     for unit, factor in (("gib", 1.0), ("gb", 1.0), ("g", 1.0), ("mib", 1 / 1024), ("mb", 1 / 1024), ("m", 1 / 1024)):
         if t.endswith(unit):
             t, scale = t[: -len(unit)], factor
@@ -319,9 +418,11 @@ def _nodes(a) -> Optional[dict]:
     if a.nnodes == 1:
         # a rank, an address or a port only mean something in a job of several boxes: without --nnodes the run would
         # train alone on this box, and the other nodes would wait for it in vain
-        given = [f"--node-rank {a.node_rank}" if a.node_rank != 0 else "",
-                 f"--master-addr {a.master_addr}" if a.master_addr else "",
-                 f"--master-port {a.master_port}" if a.master_port != MASTER_PORT else ""]
+        given = [
+            f"--node-rank {a.node_rank}" if a.node_rank != 0 else "",
+            f"--master-addr {a.master_addr}" if a.master_addr else "",
+            f"--master-port {a.master_port}" if a.master_port != MASTER_PORT else "",
+        ]
         given = [g for g in given if g]
         if given:
             raise UsageError(
@@ -329,18 +430,25 @@ def _nodes(a) -> Optional[dict]:
                 f"but --nnodes (the number of boxes) is missing or 1, so this box would train alone",
                 fix="give the number of boxes on every node, e.g. `--nnodes 2 --node-rank 1 --master-addr HOST` "
                 "(node 0 has --node-rank 0 and HOST is its address); to train on this box alone, leave out "
-                + " and ".join(g.split()[0] for g in given) + ".")
+                + " and ".join(g.split()[0] for g in given)
+                + ".",
+            )
         return None
     if a.nnodes < 1 or not 0 <= a.node_rank < a.nnodes:
-        raise UsageError(f"--nnodes {a.nnodes} --node-rank {a.node_rank}: the rank must be 0 .. nnodes-1",
-                         fix="number the boxes 0, 1, ...; node 0 is the one whose address is --master-addr.")
+        raise UsageError(
+            f"--nnodes {a.nnodes} --node-rank {a.node_rank}: the rank must be 0 .. nnodes-1",
+            fix="number the boxes 0, 1, ...; node 0 is the one whose address is --master-addr.",
+        )
     if not a.master_addr:
-        raise UsageError(f"--nnodes {a.nnodes} needs --master-addr (the address of node 0)",
-                         fix="add --master-addr HOST --master-port PORT, the same on every node.")
+        raise UsageError(
+            f"--nnodes {a.nnodes} needs --master-addr (the address of node 0)",
+            fix="add --master-addr HOST --master-port PORT, the same on every node.",
+        )
     if not 0 < a.master_port < 65536:
-        raise UsageError(f"--master-port {a.master_port} is not a TCP port",
-                         fix=f"give a free port from 1024 to 65535 on node 0, the same on every node (default "
-                         f"{MASTER_PORT}).")
+        raise UsageError(
+            f"--master-port {a.master_port} is not a TCP port",
+            fix=f"give a free port from 1024 to 65535 on node 0, the same on every node (default {MASTER_PORT}).",
+        )
     return {"nnodes": a.nnodes, "node_rank": a.node_rank, "master_addr": a.master_addr, "master_port": a.master_port}
 
 
@@ -418,8 +526,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     except Exception as exc:  # an ftrun bug: one line, and how to see more
         if debug or os.environ.get("FTRUN_DEBUG"):
             raise
-        print(f"ftrun: internal error: {type(exc).__name__}: {exc}\n  Run again with --debug for the traceback, "
-              "and please report it.", file=sys.stderr)
+        print(
+            f"ftrun: internal error: {type(exc).__name__}: {exc}\n  Run again with --debug for the traceback, "
+            "and please report it.",
+            file=sys.stderr,
+        )
         return EXIT_INTERNAL
 
 

@@ -29,20 +29,68 @@ class EngineKind:
         return self.launcher != "python"
 
 
-ENGINES: dict[str, EngineKind] = {e.name: e for e in (
-    EngineKind("unsloth", "python", None, shards=False, per_rank_checkpoints=False, adapters_only=True,
-               cpu_processes=False, multi_node=False, what="Unsloth's kernels, one GPU"),
-    EngineKind("trl", "python", None, shards=False, per_rank_checkpoints=False, adapters_only=False,
-               cpu_processes=False, multi_node=False, what="TRL, one process"),
-    EngineKind("ddp", "torchrun", None, shards=False, per_rank_checkpoints=False, adapters_only=False,
-               cpu_processes=True, multi_node=True, what="a whole copy per GPU"),
-    # accelerate launch reads the FSDP plugin settings from its config file (launcher/worker/engines/fsdp.py)
-    EngineKind("fsdp", "accelerate", "accelerate_fsdp.yaml", shards=True, per_rank_checkpoints=False,
-               adapters_only=False, cpu_processes=False, multi_node=False, what="FSDP2 shards over the GPUs"),
-    # the Trainer drives DeepSpeed from the JSON config (SFTConfig.deepspeed); torchrun only starts the processes
-    EngineKind("deepspeed", "torchrun", "deepspeed.json", shards=True, per_rank_checkpoints=True, adapters_only=False,
-               cpu_processes=True, multi_node=True, what="ZeRO-3, with CPU offload"),
-)}
+ENGINES: dict[str, EngineKind] = {
+    e.name: e
+    for e in (
+        EngineKind(
+            "unsloth",
+            "python",
+            None,
+            shards=False,
+            per_rank_checkpoints=False,
+            adapters_only=True,
+            cpu_processes=False,
+            multi_node=False,
+            what="Unsloth's kernels, one GPU",
+        ),
+        EngineKind(
+            "trl",
+            "python",
+            None,
+            shards=False,
+            per_rank_checkpoints=False,
+            adapters_only=False,
+            cpu_processes=False,
+            multi_node=False,
+            what="TRL, one process",
+        ),
+        EngineKind(
+            "ddp",
+            "torchrun",
+            None,
+            shards=False,
+            per_rank_checkpoints=False,
+            adapters_only=False,
+            cpu_processes=True,
+            multi_node=True,
+            what="a whole copy per GPU",
+        ),
+        # accelerate launch reads the FSDP plugin settings from its config file (launcher/worker/engines/fsdp.py)
+        EngineKind(
+            "fsdp",
+            "accelerate",
+            "accelerate_fsdp.yaml",
+            shards=True,
+            per_rank_checkpoints=False,
+            adapters_only=False,
+            cpu_processes=False,
+            multi_node=False,
+            what="FSDP2 shards over the GPUs",
+        ),
+        # the Trainer drives DeepSpeed from the JSON config (SFTConfig.deepspeed); torchrun only starts the processes
+        EngineKind(
+            "deepspeed",
+            "torchrun",
+            "deepspeed.json",
+            shards=True,
+            per_rank_checkpoints=True,
+            adapters_only=False,
+            cpu_processes=True,
+            multi_node=True,
+            what="ZeRO-3, with CPU offload",
+        ),
+    )
+}
 AUTO = "auto"  # the recipe's default: the plan chooses
 
 

@@ -42,22 +42,38 @@ class WorkerExit:
 # Each failure exit of a worker, once: the smoke test's error (launcher/run/smoke.py REASONS) and the supervisor's
 # reason for stopping a run a restart cannot fix (launcher/run/supervisor.py FATAL) are read from it.
 WORKER_EXITS = {
-    EXIT_OOM: WorkerExit("out of GPU memory", "lower micro_batch_size (raise gradient_accumulation_steps to keep the "
-                         "effective batch), lower max_length, or use method: qlora", restart=False),
-    EXIT_NAN: WorkerExit("the loss became NaN or infinite",
-                         "lower learning_rate and check the data for empty or broken examples", restart=False),
-    EXIT_BAD_WORLD: WorkerExit("the worker saw another device or process count than the plan",
-                               "the worker's log says what it saw (train.log; the smoke test shows its last lines)",
-                               restart=False),
-    EXIT_DISK_FULL: WorkerExit("disk full while saving a checkpoint",
-                               "free space on the run directory's disk (`df -h`), then run the same command to resume "
-                               "from the newest verified checkpoint", restart=False),
-    EXIT_BAD_INPUT: WorkerExit("the worker rejected its input",
-                               "the worker's log says why (train.log; the smoke test shows its last lines)",
-                               restart=False),
-    -9: WorkerExit("the worker was killed (SIGKILL), most often by the kernel when memory runs out",
-                   "lower micro_batch_size or max_length, or use a box with more memory; `dmesg | tail` shows OOM kills",
-                   restart=True),
+    EXIT_OOM: WorkerExit(
+        "out of GPU memory",
+        "lower micro_batch_size (raise gradient_accumulation_steps to keep the "
+        "effective batch), lower max_length, or use method: qlora",
+        restart=False,
+    ),
+    EXIT_NAN: WorkerExit(
+        "the loss became NaN or infinite",
+        "lower learning_rate and check the data for empty or broken examples",
+        restart=False,
+    ),
+    EXIT_BAD_WORLD: WorkerExit(
+        "the worker saw another device or process count than the plan",
+        "the worker's log says what it saw (train.log; the smoke test shows its last lines)",
+        restart=False,
+    ),
+    EXIT_DISK_FULL: WorkerExit(
+        "disk full while saving a checkpoint",
+        "free space on the run directory's disk (`df -h`), then run the same command to resume "
+        "from the newest verified checkpoint",
+        restart=False,
+    ),
+    EXIT_BAD_INPUT: WorkerExit(
+        "the worker rejected its input",
+        "the worker's log says why (train.log; the smoke test shows its last lines)",
+        restart=False,
+    ),
+    -9: WorkerExit(
+        "the worker was killed (SIGKILL), most often by the kernel when memory runs out",
+        "lower micro_batch_size or max_length, or use a box with more memory; `dmesg | tail` shows OOM kills",
+        restart=True,
+    ),
 }
 
 
@@ -172,11 +188,14 @@ def json_problem(exc, lines: bool = True) -> str:
             elif ch == '"':
                 inside, start = not inside, i if not inside else start
         ch = doc[pos] if pos < len(doc) else ""
-        name, escape = _CONTROL.get(ch, (f"the control character U+{ord(ch or chr(0)):04X}",
-                                         f"\\u{ord(ch or chr(0)):04x}"))
+        name, escape = _CONTROL.get(
+            ch, (f"the control character U+{ord(ch or chr(0)):04X}", f"\\u{ord(ch or chr(0)):04x}")
+        )
         at = "" if start is None else f" ({where(pos).split(', ')[-1]})"
-        return (f"the string that starts at {where(start if start is not None else pos)} holds {name}{at} as a raw "
-                f"character, which JSON does not allow inside a string: write it as {escape}")
+        return (
+            f"the string that starts at {where(start if start is not None else pos)} holds {name}{at} as a raw "
+            f"character, which JSON does not allow inside a string: write it as {escape}"
+        )
     if exc.msg.startswith("Unterminated string"):
         return f"the string that starts at {where(pos)} never ends (its closing quote is missing)"
     return f"{exc.msg.removesuffix(' at')} at {where(pos)}"

@@ -17,12 +17,15 @@ class ExportFormat:
     what: str  # what it is, for the recipe's help ("" where the name says it)
 
 
-FORMATS: dict[str, ExportFormat] = {f.name: f for f in (
-    ExportFormat("adapter", (), ""),
-    ExportFormat("merged", (), "16-bit, for vLLM"),
-    # llama.cpp's converter reads a 16-bit model folder (launcher/deliver/gguf_export.py)
-    ExportFormat("gguf", ("merged",), "for Ollama/llama.cpp; implies merged"),
-)}
+FORMATS: dict[str, ExportFormat] = {
+    f.name: f
+    for f in (
+        ExportFormat("adapter", (), ""),
+        ExportFormat("merged", (), "16-bit, for vLLM"),
+        # llama.cpp's converter reads a 16-bit model folder (launcher/deliver/gguf_export.py)
+        ExportFormat("gguf", ("merged",), "for Ollama/llama.cpp; implies merged"),
+    )
+}
 
 
 def described() -> str:

@@ -29,8 +29,12 @@ class Tolerance:
     min_greedy: float  # share of 16-token greedy continuations that repeat exactly
 
     def as_dict(self) -> dict[str, float]:
-        return {"max_kl": self.max_kl, "min_top1": self.min_top1, "max_ppl": self.max_ppl,
-                "min_greedy": self.min_greedy}
+        return {
+            "max_kl": self.max_kl,
+            "min_top1": self.min_top1,
+            "max_ppl": self.max_ppl,
+            "min_greedy": self.min_greedy,
+        }
 
 
 @dataclass(frozen=True)
@@ -65,12 +69,10 @@ class GgufType:
 # apart at some token for any quantized type (first divergence is recorded), so only 16-bit and f32 files must
 # reproduce them.
 TYPES: dict[str, GgufType] = {
-    "q4_k_m": GgufType("Q4_K_M", 15, 4.89, Tolerance(0.2, 0.35, 0.10, 0.0),
-                       note="Ollama's default, about 0.3 of f16"),
+    "q4_k_m": GgufType("Q4_K_M", 15, 4.89, Tolerance(0.2, 0.35, 0.10, 0.0), note="Ollama's default, about 0.3 of f16"),
     "q5_k_m": GgufType("Q5_K_M", 17, 5.70, Tolerance(0.06, 0.50, 0.06, 0.0)),
     "q6_k": GgufType("Q6_K", 18, 6.56, Tolerance(0.025, 0.65, 0.03, 0.0), advised_above=True),
-    "q8_0": GgufType("Q8_0", 7, 8.50, Tolerance(0.006, 0.80, 0.02, 0.33), advised_above=True,
-                     note="about half of f16"),
+    "q8_0": GgufType("Q8_0", 7, 8.50, Tolerance(0.006, 0.80, 0.02, 0.33), advised_above=True, note="about half of f16"),
     "f16": GgufType("F16", 1, 16.0, Tolerance(0.001, 0.90, 0.01, 0.66), converter="f16"),
     "bf16": GgufType("BF16", 32, 16.0, Tolerance(0.001, 0.90, 0.01, 0.66), converter="bf16", advised_above=True),
     "f32": GgufType("F32", 0, 32.0, Tolerance(0.0005, 0.98, 0.005, 1.0), converter="f32"),

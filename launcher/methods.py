@@ -1,5 +1,6 @@
 """The training methods and objectives as tables: one row a method (qlora, lora, full, full-8bit) and one row an
-objective (sft, dpo, orpo). Every question about a method or an objective asks these rows: the recipe's allowed values, the
+objective (sft, dpo, orpo). Every question about a method or an objective asks these rows: the recipe's allowed values,
+the
 sizer's bytes, the engine choice, the loading, the export, the final result's check, the model card.
 
 A root leaf (like launcher/gguf_types.py): the recipe, plan/, worker/, store/ and deliver/ all ask it, and store/
@@ -46,24 +47,70 @@ class Method:
         return self.weight_bytes + self.gradient_bytes + self.optimizer_bytes
 
 
-METHODS: dict[str, Method] = {m.name: m for m in (
-    # MFU: measured on one H200 (Qwen3-8B, 4 x 1,024 tokens for LoRA, 2 x 1,024 for full, gradient checkpointing,
-    # SDPA: 5,887 and 4,315 tokens/s at throughput.flops_per_token's count, recomputation included): 0.28 both; full-8bit
-    # runs the same matmuls. QLoRA has no measurement: LoRA's 0.28 x 0.32 / 0.34, the ratio the article's time table
-    # implied before (dequantizing every weight per pass). docs/sizing.md, "Time and cost".
-    Method("qlora", adapter=True, quantized=True, eight_bit_optimizer=False, weight_bytes=4, gradient_bytes=4,
-           optimizer_bytes=8, mfu=0.26, title="QLoRA (4-bit base, LoRA adapters)",
-           help="4-bit base + LoRA"),
-    Method("lora", adapter=True, quantized=False, eight_bit_optimizer=False, weight_bytes=4, gradient_bytes=4,
-           optimizer_bytes=8, mfu=0.28, title="LoRA", help="16-bit base + LoRA", lighter="qlora", lighter_by="method",
-           lighter_why="4-bit base model"),
-    Method("full", adapter=False, quantized=False, eight_bit_optimizer=False, weight_bytes=2, gradient_bytes=2,
-           optimizer_bytes=12, mfu=0.28, title="full fine-tuning", help="AdamW", lighter="full-8bit",
-           lighter_by="optimizer", lighter_why="8-bit AdamW states"),
-    Method("full-8bit", adapter=False, quantized=False, eight_bit_optimizer=True, weight_bytes=2, gradient_bytes=2,
-           optimizer_bytes=2, mfu=0.28, title="full fine-tuning with 8-bit AdamW",
-           help="8-bit AdamW"),
-)}
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        # MFU: measured on one H200 (Qwen3-8B, 4 x 1,024 tokens for LoRA, 2 x 1,024 for full, gradient checkpointing,
+        # SDPA: 5,887 and 4,315 tokens/s at throughput.flops_per_token's count, recomputation included): 0.28 both;
+        # full-8bit
+        # runs the same matmuls. QLoRA has no measurement: LoRA's 0.28 x 0.32 / 0.34, the ratio the article's time table
+        # implied before (dequantizing every weight per pass). docs/sizing.md, "Time and cost".
+        Method(
+            "qlora",
+            adapter=True,
+            quantized=True,
+            eight_bit_optimizer=False,
+            weight_bytes=4,
+            gradient_bytes=4,
+            optimizer_bytes=8,
+            mfu=0.26,
+            title="QLoRA (4-bit base, LoRA adapters)",
+            help="4-bit base + LoRA",
+        ),
+        Method(
+            "lora",
+            adapter=True,
+            quantized=False,
+            eight_bit_optimizer=False,
+            weight_bytes=4,
+            gradient_bytes=4,
+            optimizer_bytes=8,
+            mfu=0.28,
+            title="LoRA",
+            help="16-bit base + LoRA",
+            lighter="qlora",
+            lighter_by="method",
+            lighter_why="4-bit base model",
+        ),
+        Method(
+            "full",
+            adapter=False,
+            quantized=False,
+            eight_bit_optimizer=False,
+            weight_bytes=2,
+            gradient_bytes=2,
+            optimizer_bytes=12,
+            mfu=0.28,
+            title="full fine-tuning",
+            help="AdamW",
+            lighter="full-8bit",
+            lighter_by="optimizer",
+            lighter_why="8-bit AdamW states",
+        ),
+        Method(
+            "full-8bit",
+            adapter=False,
+            quantized=False,
+            eight_bit_optimizer=True,
+            weight_bytes=2,
+            gradient_bytes=2,
+            optimizer_bytes=2,
+            mfu=0.28,
+            title="full fine-tuning with 8-bit AdamW",
+            help="8-bit AdamW",
+        ),
+    )
+}
 
 
 def described() -> str:
@@ -122,20 +169,60 @@ DEFAULT_OBJECTIVE = "sft"
 # TRL's reward metrics for a pair (dpo_trainer.py DPOTrainer._compute_loss, orpo_trainer.py get_batch_loss_metrics)
 _REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
 
-OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
-    Objective("sft", trainer="SFTTrainer", config="SFTConfig", module="trl", forms=("chat", "prompt_completion", "text"),
-              sequences_per_example=1, preference=False, reference_pass=False, settings=(), logged=(),
-              help="supervised fine-tuning on examples", learning_rate=2e-5, unsloth=True),
-    Objective("dpo", trainer="DPOTrainer", config="DPOConfig", module="trl", forms=("preference",),
-              sequences_per_example=2, preference=True, reference_pass=True, settings=("beta", "loss_type", "reference"),
-              logged=_REWARDS, help="Direct Preference Optimization on chosen/rejected pairs, against a frozen "
-              "reference", learning_rate=1e-6, refuses=_PAIRS_REFUSE, refuses_why=_PAIRS_WHY),
-    Objective("orpo", trainer="ORPOTrainer", config="ORPOConfig", module="trl.experimental.orpo",
-              forms=("preference",), sequences_per_example=2, preference=True, reference_pass=False, settings=("beta",),
-              logged=_REWARDS + ("nll_loss", "log_odds_ratio"), help="ORPO on chosen/rejected pairs: SFT loss plus "
-              "an odds-ratio term, no reference model", learning_rate=1e-6, templated_by_worker=True,
-              whole_logits=True, refuses=_PAIRS_REFUSE, refuses_why=_PAIRS_WHY),
-)}
+OBJECTIVES: dict[str, Objective] = {
+    o.name: o
+    for o in (
+        Objective(
+            "sft",
+            trainer="SFTTrainer",
+            config="SFTConfig",
+            module="trl",
+            forms=("chat", "prompt_completion", "text"),
+            sequences_per_example=1,
+            preference=False,
+            reference_pass=False,
+            settings=(),
+            logged=(),
+            help="supervised fine-tuning on examples",
+            learning_rate=2e-5,
+            unsloth=True,
+        ),
+        Objective(
+            "dpo",
+            trainer="DPOTrainer",
+            config="DPOConfig",
+            module="trl",
+            forms=("preference",),
+            sequences_per_example=2,
+            preference=True,
+            reference_pass=True,
+            settings=("beta", "loss_type", "reference"),
+            logged=_REWARDS,
+            help="Direct Preference Optimization on chosen/rejected pairs, against a frozen reference",
+            learning_rate=1e-6,
+            refuses=_PAIRS_REFUSE,
+            refuses_why=_PAIRS_WHY,
+        ),
+        Objective(
+            "orpo",
+            trainer="ORPOTrainer",
+            config="ORPOConfig",
+            module="trl.experimental.orpo",
+            forms=("preference",),
+            sequences_per_example=2,
+            preference=True,
+            reference_pass=False,
+            settings=("beta",),
+            logged=_REWARDS + ("nll_loss", "log_odds_ratio"),
+            help="ORPO on chosen/rejected pairs: SFT loss plus an odds-ratio term, no reference model",
+            learning_rate=1e-6,
+            templated_by_worker=True,
+            whole_logits=True,
+            refuses=_PAIRS_REFUSE,
+            refuses_why=_PAIRS_WHY,
+        ),
+    )
+}
 
 
 def preference_objectives() -> tuple[str, ...]:

@@ -40,17 +40,22 @@ def not_a_model(model: str) -> Optional[tuple[str, str]]:
     the plan, so that the user hears what ftrun needs, not that a folder is missing."""
     path = Path(model).expanduser()
     if path.suffix.lower() == ".gguf":  # by its name, there or not: a GGUF is never trainable
-        return (f"model {model} is a GGUF file: llama.cpp's format for inference, its weights quantized to a few "
-                "bits with none kept at training precision, so there is nothing to compute gradients on and ftrun "
-                "cannot fine-tune it; ftrun trains a Hugging Face model, a folder (config.json and safetensors "
-                "weights) or a Hub id (org/name)",
-                "set model: to the original model the GGUF was made from (its Hub id is on the GGUF's model card, "
-                "e.g. Qwen/Qwen3-8B), train that, then make the GGUF from the result: export: [gguf] in the recipe, "
-                "or `ftrun export --gguf TYPE` after the run")
+        return (
+            f"model {model} is a GGUF file: llama.cpp's format for inference, its weights quantized to a few "
+            "bits with none kept at training precision, so there is nothing to compute gradients on and ftrun "
+            "cannot fine-tune it; ftrun trains a Hugging Face model, a folder (config.json and safetensors "
+            "weights) or a Hub id (org/name)",
+            "set model: to the original model the GGUF was made from (its Hub id is on the GGUF's model card, "
+            "e.g. Qwen/Qwen3-8B), train that, then make the GGUF from the result: export: [gguf] in the recipe, "
+            "or `ftrun export --gguf TYPE` after the run",
+        )
     if path.is_file():
         folder = path.parent
-        return (f"model {model} is a file; ftrun trains a Hugging Face model, a folder (config.json and safetensors "
-                "weights) or a Hub id (org/name)",
-                f"set model: to the folder that holds it, {folder}" if (folder / "config.json").is_file() else
-                "set model: to the model's folder (the one with config.json) or its Hub id")
+        return (
+            f"model {model} is a file; ftrun trains a Hugging Face model, a folder (config.json and safetensors "
+            "weights) or a Hub id (org/name)",
+            f"set model: to the folder that holds it, {folder}"
+            if (folder / "config.json").is_file()
+            else "set model: to the model's folder (the one with config.json) or its Hub id",
+        )
     return None

@@ -65,7 +65,8 @@ OWNED_TRAINER_KEYS = {
     "eval_delay": "eval.every_minutes",
     # ftrun saves by wall clock and keeps the newest checkpoints: a "best" one by eval loss is not kept apart, so
     # these would do nothing (the eval loss of every pass is in metrics.jsonl, beside each checkpoint's step)
-    "load_best_model_at_end": "(not supported: the final model is the last step's; eval loss per pass in metrics.jsonl)",
+    "load_best_model_at_end": "(not supported: the final model is the last step's; eval loss per pass in "
+    "metrics.jsonl)",
     "metric_for_best_model": "(not supported: the final model is the last step's; eval loss per pass in metrics.jsonl)",
 }
 
@@ -87,8 +88,9 @@ def parse_token_count(value: Any, where: str = "--tokens") -> int:
     except (ValueError, KeyError):
         count = 0
     if count <= 0:
-        raise RecipeError(f"{where} {value!r} is not a token count",
-                          fix=f"write it like 15M, 250k or 1500000 ({TOKENS_MEANING}).")
+        raise RecipeError(
+            f"{where} {value!r} is not a token count", fix=f"write it like 15M, 250k or 1500000 ({TOKENS_MEANING})."
+        )
     return count
 
 
@@ -109,23 +111,34 @@ class LoraSettings(_Strict):
     def _something_to_adapt(cls, value: Union[str, list[str]]) -> Union[str, list[str]]:
         # PEFT would fail after the model loaded (tuners_utils: "Target modules [] not found in the base model")
         if isinstance(value, list) and not [m for m in value if str(m).strip()]:
-            raise ValueError("an empty list adapts nothing: LoRA needs modules to put its matrices on; write "
-                             "all-linear (every linear layer but the head) or names such as [q_proj, v_proj]")
+            raise ValueError(
+                "an empty list adapts nothing: LoRA needs modules to put its matrices on; write "
+                "all-linear (every linear layer but the head) or names such as [q_proj, v_proj]"
+            )
         return value
 
 
 class PreferenceSettings(_Strict):
     """The preference objectives' settings (launcher/methods.py OBJECTIVES names which apply to which)."""
 
-    beta: float = Field(0.1, gt=0, description="dpo: how far the policy may move from the reference (TRL's beta; "
-                        "higher stays closer); orpo: the weight of the odds-ratio term (ORPO's lambda).")
-    loss_type: str = Field("sigmoid", description="dpo: TRL's DPO loss (sigmoid is the DPO paper's; ipo, hinge, "
-                           "robust, ... as the installed trl names them).")
+    beta: float = Field(
+        0.1,
+        gt=0,
+        description="dpo: how far the policy may move from the reference (TRL's beta; "
+        "higher stays closer); orpo: the weight of the odds-ratio term (ORPO's lambda).",
+    )
+    loss_type: str = Field(
+        "sigmoid",
+        description="dpo: TRL's DPO loss (sigmoid is the DPO paper's; ipo, hinge, "
+        "robust, ... as the installed trl names them).",
+    )
     reference: Literal["auto", "precomputed"] = Field(
-        "auto", description="dpo: the reference's log-probabilities. auto: computed beside each step (LoRA: the base "
+        "auto",
+        description="dpo: the reference's log-probabilities. auto: computed beside each step (LoRA: the base "
         "with the adapter switched off, or the parent adapter's frozen copy under init_from, no second model; full: a "
         "frozen copy of the model); precomputed: computed once over the data before training (one forward per "
-        "example, no reference model kept in memory).")
+        "example, no reference model kept in memory).",
+    )
 
 
 class SmokeSettings(_Strict):
@@ -141,15 +154,19 @@ DataFormat = Literal[tuple(data_formats.FORMATS)]  # the format table, launcher/
 class DataSource(_Strict):
     """One data source (launcher/data/sources.py); docs/data.md has the formats."""
 
-    path: str = Field(description="A .jsonl/.json/.parquet/.csv file, a folder of them, a dataset saved with "
-                      "datasets (save_to_disk), or a Hub dataset id (org/name, read through the HF cache).")
+    path: str = Field(
+        description="A .jsonl/.json/.parquet/.csv file, a folder of them, a dataset saved with "
+        "datasets (save_to_disk), or a Hub dataset id (org/name, read through the HF cache)."
+    )
     split: str = Field("train", description="The split to read (Hub and saved datasets).")
     subset: Optional[str] = Field(None, description="The Hub dataset's subset (configuration) name.")
     revision: Optional[str] = Field(None, description="The Hub dataset's revision (branch, tag or commit).")
-    columns: dict[str, str] = Field(default_factory=dict, description="The format's field -> this source's column, "
-                                    "e.g. {messages: conversation}.")
-    format: Optional[DataFormat] = Field(None, description=f"{data_formats.listed(' or ')}; "
-                                         "default: detected from the first records.")
+    columns: dict[str, str] = Field(
+        default_factory=dict, description="The format's field -> this source's column, e.g. {messages: conversation}."
+    )
+    format: Optional[DataFormat] = Field(
+        None, description=f"{data_formats.listed(' or ')}; default: detected from the first records."
+    )
     weight: float = Field(1.0, gt=0, description="Times each example is used in the mix (0.5: a seeded half).")
 
 
@@ -162,8 +179,10 @@ class SyncSettings(_Strict):
     @classmethod
     def _no_secrets_in_url(cls, value: Optional[str]) -> Optional[str]:
         if value and re.search(r"://[^/@]+:[^/@]+@", value):
-            raise ValueError("credentials do not belong in the recipe; use the environment (AWS_*, HF_TOKEN) "
-                             "or ~/.ssh/config instead")
+            raise ValueError(
+                "credentials do not belong in the recipe; use the environment (AWS_*, HF_TOKEN) "
+                "or ~/.ssh/config instead"
+            )
         wrong = sync_kinds.problem(value) if value else None  # the scheme, the bucket/repo/host: before any copy
         if wrong:
             raise ValueError(wrong)
@@ -171,42 +190,72 @@ class SyncSettings(_Strict):
 
 
 class TaskSettings(_Strict):
-    examples: int = Field(200, ge=0, description="Held-out examples the task evaluation scores (a seeded draw; 0 turns "
-                          "it off): each one's last assistant turn is the reference, answered greedily from the turns "
-                          "before it by the base model, the fine-tuned model and each export.")
+    examples: int = Field(
+        200,
+        ge=0,
+        description="Held-out examples the task evaluation scores (a seeded draw; 0 turns "
+        "it off): each one's last assistant turn is the reference, answered greedily from the turns "
+        "before it by the base model, the fine-tuned model and each export.",
+    )
     metric: Literal[(task_metrics.AUTO, *task_metrics.METRICS)] = Field(
-        task_metrics.AUTO, description=f"{task_metrics.AUTO}: chosen from the references, the reason stated; or "
-        f"force one. {task_metrics.described()}.")
-    shots: int = Field(3, ge=0, description="Training examples placed before each prompt, as earlier turns, for the "
-                       "base model's few-shot score (the reference article's first question: is a prompt with "
-                       "examples enough?).")
+        task_metrics.AUTO,
+        description=f"{task_metrics.AUTO}: chosen from the references, the reason stated; or "
+        f"force one. {task_metrics.described()}.",
+    )
+    shots: int = Field(
+        3,
+        ge=0,
+        description="Training examples placed before each prompt, as earlier turns, for the "
+        "base model's few-shot score (the reference article's first question: is a prompt with "
+        "examples enough?).",
+    )
     baseline: Literal["run", "skip"] = Field(
-        "run", description="run: the launch scores the base model (zero- and few-shot) before the smoke test and "
-        "states whether fine-tuning pays (it never stops the run); skip: not before training.")
+        "run",
+        description="run: the launch scores the base model (zero- and few-shot) before the smoke test and "
+        "states whether fine-tuning pays (it never stops the run); skip: not before training.",
+    )
     max_new_tokens: Optional[int] = Field(
-        None, gt=0, description="Longest answer generated; default: from the longest reference (about 2 tokens per "
-        "3 characters, twice over, at least 8), at most eval.max_new_tokens.")
+        None,
+        gt=0,
+        description="Longest answer generated; default: from the longest reference (about 2 tokens per "
+        "3 characters, twice over, at least 8), at most eval.max_new_tokens.",
+    )
 
 
 class EvalSettings(_Strict):
     fraction: Optional[float] = Field(
-        None, gt=0.0, lt=0.5, description="Share of the data held out for evaluation (a seeded draw, the same at "
-        "every resume; these examples never train).")
+        None,
+        gt=0.0,
+        lt=0.5,
+        description="Share of the data held out for evaluation (a seeded draw, the same at "
+        "every resume; these examples never train).",
+    )
     data: Optional[Union[str, DataSource, list[Union[str, DataSource]]]] = Field(
-        None, description="Separate evaluation data instead of a share, given like data: a file or folder, a Hub "
-        "dataset (org/name, or {path, split, subset, columns}), or a list of them.")
-    every_minutes: float = Field(20.0, gt=0, description="Wall-clock cadence of the eval loss, plus at the start and the end.")
-    samples: int = Field(4, ge=0, description="Held-out prompts answered greedily by the base model before training "
-                         "and by the fine-tuned one after (final/samples.md); from the training data without a split.")
+        None,
+        description="Separate evaluation data instead of a share, given like data: a file or folder, a Hub "
+        "dataset (org/name, or {path, split, subset, columns}), or a list of them.",
+    )
+    every_minutes: float = Field(
+        20.0, gt=0, description="Wall-clock cadence of the eval loss, plus at the start and the end."
+    )
+    samples: int = Field(
+        4,
+        ge=0,
+        description="Held-out prompts answered greedily by the base model before training "
+        "and by the fine-tuned one after (final/samples.md); from the training data without a split.",
+    )
     max_new_tokens: int = Field(128, gt=0, description="Longest answer generated for each sample.")
-    task: TaskSettings = Field(default_factory=TaskSettings, description="The scored task evaluation "
-                               "(final/task_eval.json; `ftrun baseline` before training).")
+    task: TaskSettings = Field(
+        default_factory=TaskSettings,
+        description="The scored task evaluation (final/task_eval.json; `ftrun baseline` before training).",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> "EvalSettings":
         if self.fraction is not None and self.data is not None:
-            raise ValueError("give either eval.fraction (a share of data held out) or eval.data (a separate file), "
-                             "not both")
+            raise ValueError(
+                "give either eval.fraction (a share of data held out) or eval.data (a separate file), not both"
+            )
         return self
 
 
@@ -228,7 +277,7 @@ class PublishSettings(_Strict):
             return value
         if re.search(r"://[^/@]+:[^/@]+@", value):
             raise ValueError("credentials do not belong in the recipe; set HF_TOKEN or run `hf auth login`")
-        parts = value[len("hf://"):].strip("/").split("/") if value.startswith("hf://") else []
+        parts = value[len("hf://") :].strip("/").split("/") if value.startswith("hf://") else []
         if len(parts) != 2 or not all(parts):
             raise ValueError("publish.to is a Hugging Face model repo: write hf://USER/REPO")
         return value
@@ -240,21 +289,29 @@ class Recipe(_Strict):
     model: str = Field(description="Hugging Face model id or a local model directory.")
     method: Method = Field(description=methods.described())
     objective: ObjectiveName = Field(methods.DEFAULT_OBJECTIVE, description=methods.objectives_described())
-    preference: PreferenceSettings = Field(default_factory=PreferenceSettings,
-                                           description="Preference tuning's settings (objective "
-                                           f"{' or '.join(methods.preference_objectives())}).")
+    preference: PreferenceSettings = Field(
+        default_factory=PreferenceSettings,
+        description=f"Preference tuning's settings (objective {' or '.join(methods.preference_objectives())}).",
+    )
     init_from: Optional[str] = Field(
-        None, description="Start from an earlier run's adapter: its run directory (final/adapter) or an adapter "
-        "folder; the usual chain is SFT, then DPO on the same base (lora, qlora). The plan and the model card name it.")
+        None,
+        description="Start from an earlier run's adapter: its run directory (final/adapter) or an adapter "
+        "folder; the usual chain is SFT, then DPO on the same base (lora, qlora). The plan and the model card name it.",
+    )
     data: Union[str, DataSource, list[Union[str, DataSource]]] = Field(
-        description=f"The training data: a file ({', '.join(data_sources.EXTENSIONS)}), a folder of them, a Hub dataset "
+        description=f"The training data: a file ({', '.join(data_sources.EXTENSIONS)}), a folder of them, a Hub "
+        f"dataset "
         "(org/name), a {path, split, subset, columns, format, weight} mapping, or a list of those mixed by weight. "
-        f"Formats (detected): {'; '.join(f.description for f in data_formats.FORMATS.values())} (docs/data.md).")
+        f"Formats (detected): {'; '.join(f.description for f in data_formats.FORMATS.values())} (docs/data.md)."
+    )
     max_length: int = Field(2048, gt=0, description="Tokens per example; longer ones are truncated.")
     max_length_may_cut: float = Field(
-        loss_view.CUT_SHARE_LIMIT, ge=0.0, le=1.0,
+        loss_view.CUT_SHARE_LIMIT,
+        ge=0.0,
+        le=1.0,
         description="Share of the examples whose trained part max_length may cut (the answer loses its end and its "
-        "end-of-turn token) before the data check refuses; 0: none.")
+        "end-of-turn token) before the data check refuses; 0: none.",
+    )
     micro_batch_size: int = Field(2, gt=0, description="Examples per GPU per forward pass.")
     gradient_accumulation_steps: int = Field(4, gt=0, description="Micro-batches per optimizer step.")
     epochs: float = Field(3.0, gt=0, description="Passes over the data (ignored when max_steps is set).")
@@ -264,7 +321,8 @@ class Recipe(_Strict):
     gradient_checkpointing: bool = Field(True, description="Recompute activations to save memory.")
     packing: bool = Field(False, description="Pack several examples into one sequence of max_length.")
     padding_free: Optional[bool] = Field(
-        None, validate_default=True,
+        None,
+        validate_default=True,
         description="Concatenate each micro-batch into one row without padding (same examples, same loss; "
         "no compute spent on pad tokens). Off: rows padded to the batch's longest example, as plain TRL does. "
         "Default: on for objective sft; dpo and orpo pad their pairs (trl 1.16's DPOTrainer turns padding_free off).",
@@ -273,43 +331,56 @@ class Recipe(_Strict):
         False, description="Train only on assistant turns (needs {% generation %} markers in the chat template)."
     )
     seed: int = Field(42, description="Seed for weights init of LoRA, data order and dropout.")
-    output_dir: Optional[str] = Field(None, description="Run directory; default runs/<recipe name> in the current folder.")
+    output_dir: Optional[str] = Field(
+        None, description="Run directory; default runs/<recipe name> in the current folder."
+    )
     checkpoint_every_minutes: float = Field(
         20.0, gt=0, description="Wall-clock checkpoint cadence (the article: every 15-30 minutes)."
     )
     keep_checkpoints: int = Field(2, ge=1, description="Local checkpoints kept; older ones are deleted.")
     logging_steps: int = Field(10, gt=0, description="Log loss and throughput every N optimizer steps.")
     max_restarts: int = Field(
-        3, ge=0, description="Restarts within any hour of a worker or rank that crashed, was killed or hung, each from "
-        "the newest verified checkpoint (a traceback that repeats at the same step is never restarted).")
+        3,
+        ge=0,
+        description="Restarts within any hour of a worker or rank that crashed, was killed or hung, each from "
+        "the newest verified checkpoint (a traceback that repeats at the same step is never restarted).",
+    )
     resume: Union[Literal["auto"], bool] = Field(
         "auto", description="auto: continue if a checkpoint exists; true: fail if none; false: refuse to reuse a run."
     )
     smoke: SmokeSettings = Field(default_factory=SmokeSettings, description="The 1%-of-data smoke test.")
-    engine: Engine = Field(engine_kinds.AUTO, description=f"{engine_kinds.AUTO} lets the plan choose; or force "
-                           f"{', '.join(engine_kinds.ENGINES)}.")
+    engine: Engine = Field(
+        engine_kinds.AUTO,
+        description=f"{engine_kinds.AUTO} lets the plan choose; or force {', '.join(engine_kinds.ENGINES)}.",
+    )
     # Not part of the trajectory's keys: a DeepSpeed checkpoint is refused on another layout (worker/engines).
     offload: Literal["auto", "none", "optimizer", "optimizer+params"] = Field(
-        "auto", description="DeepSpeed ZeRO-3 CPU offload: auto adds it (optimizer, then parameters) only when "
+        "auto",
+        description="DeepSpeed ZeRO-3 CPU offload: auto adds it (optimizer, then parameters) only when "
         "nothing else fits the cards; none never offloads; optimizer or optimizer+params forces it (engine deepspeed). "
-        "Under offload the optimizer is DeepSpeed's CPU AdamW (fp32 states in RAM), also for method full-8bit."
+        "Under offload the optimizer is DeepSpeed's CPU AdamW (fp32 states in RAM), also for method full-8bit.",
     )
     # Not part of the trajectory: a LoRA/DDP run may resume on another process count (the worker says so).
     num_processes: Union[Literal["auto"], PositiveInt] = Field(
-        "auto", description="Worker processes (one per GPU; gloo processes on CPU): auto lets the plan choose; "
-        "a number is honoured or refused with the reason."
+        "auto",
+        description="Worker processes (one per GPU; gloo processes on CPU): auto lets the plan choose; "
+        "a number is honoured or refused with the reason.",
     )
     price_per_hour_eur: Optional[float] = Field(
         None, ge=0, description="Price of the whole box per hour; default from the GPU catalog."
     )
     # box and tokens are for planning only: not part of the trajectory.
     box: Optional[str] = Field(
-        None, description="The box this recipe is meant for, e.g. 1xRTX4090 or 8xH100-80GB: `ftrun plan` plans for it "
-        "unless --gpus names another or this machine has GPUs."
+        None,
+        description="The box this recipe is meant for, e.g. 1xRTX4090 or 8xH100-80GB: `ftrun plan` plans for it "
+        "unless --gpus names another or this machine has GPUs.",
     )
     tokens: Optional[int] = Field(
-        None, gt=0, description=TOKENS_MEANING.capitalize() + ", e.g. 15M: what `ftrun plan` sizes time and cost with when the data "
-        "file is not on this machine (the data's own count wins when it is; --tokens wins over both)."
+        None,
+        gt=0,
+        description=TOKENS_MEANING.capitalize()
+        + ", e.g. 15M: what `ftrun plan` sizes time and cost with when the data "
+        "file is not on this machine (the data's own count wins when it is; --tokens wins over both).",
     )
     sync: SyncSettings = Field(default_factory=SyncSettings, description="Copying checkpoints off the box.")
     auto_adjust: list[Literal["batch", "checkpointing", "optimizer", "method", "shard"]] = Field(
@@ -321,29 +392,39 @@ class Recipe(_Strict):
         "DeepSpeed ZeRO-3 x 2); [] to stop with advice instead.",
     )
     grace_seconds: float = Field(
-        60.0, gt=0, description="After SIGTERM (preemption, `ftrun stop`): time to checkpoint before the worker is killed."
+        60.0,
+        gt=0,
+        description="After SIGTERM (preemption, `ftrun stop`): time to checkpoint before the worker is killed.",
     )
     on_finish: list[list[str]] = Field(
         default_factory=list,
-        description="Commands (argument lists) run after the final result is verified off the box, e.g. stopping the server.",
+        description="Commands (argument lists) run after the final result is verified off the box, e.g. stopping the "
+        "server.",
     )
     export: list[ExportFormat] = Field(
         default_factory=lambda: ["adapter"],
         description=f"Outputs made after training, each reloaded and checked: {export_formats.described()}.",
     )
-    gguf_type: GgufType = Field(gguf_types.DEFAULT_TYPE,
-                                description=f"GGUF type, made by llama.cpp: {gguf_types.described()}.")
+    gguf_type: GgufType = Field(
+        gguf_types.DEFAULT_TYPE, description=f"GGUF type, made by llama.cpp: {gguf_types.described()}."
+    )
     eval: EvalSettings = Field(default_factory=EvalSettings, description="Validation split and before/after samples.")
     report_to: list[Tracker] = Field(
         default_factory=lambda: ["tensorboard"],
         description="Experiment trackers the trainer reports to (rank 0 only), named after the run, with the recipe as "
         f"config: {tracker_kinds.described()}; [] for none. docs/tracking.md.",
     )
-    publish: PublishSettings = Field(default_factory=PublishSettings,
-                                     description="Pushing the verified result to the Hugging Face Hub, with a model card.")
-    trainer: dict[str, Any] = Field(default_factory=dict, description="Extra fields of the objective's TRL "
-                                    "configuration, checked against it and passed through: " + ", ".join(
-                                        f"{o.config} ({o.name})" for o in methods.OBJECTIVES.values()) + ".")
+    publish: PublishSettings = Field(
+        default_factory=PublishSettings,
+        description="Pushing the verified result to the Hugging Face Hub, with a model card.",
+    )
+    trainer: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra fields of the objective's TRL "
+        "configuration, checked against it and passed through: "
+        + ", ".join(f"{o.config} ({o.name})" for o in methods.OBJECTIVES.values())
+        + ".",
+    )
 
     @field_validator("model")
     @classmethod
@@ -394,23 +475,34 @@ class Recipe(_Strict):
     def _objective_keys(self) -> "Recipe":
         objective = methods.OBJECTIVES[self.objective]
         # set to another value than the default: the run folder's recipe snapshot writes every key with its value
-        given = sorted(k for k, f in PreferenceSettings.model_fields.items()
-                       if k not in objective.settings and getattr(self.preference, k) != f.default)
+        given = sorted(
+            k
+            for k, f in PreferenceSettings.model_fields.items()
+            if k not in objective.settings and getattr(self.preference, k) != f.default
+        )
         if given:
-            where = "it applies to " + ", ".join(o.name for o in methods.OBJECTIVES.values() if set(given) & set(o.settings))
-            raise ValueError(f"preference.{', preference.'.join(given)} does not apply to objective {self.objective} "
-                             f"({where}; objective {self.objective} takes "
-                             f"{', '.join('preference.' + k for k in objective.settings) or 'no preference: keys'}); "
-                             "remove it, or set the objective it is for")
+            where = "it applies to " + ", ".join(
+                o.name for o in methods.OBJECTIVES.values() if set(given) & set(o.settings)
+            )
+            raise ValueError(
+                f"preference.{', preference.'.join(given)} does not apply to objective {self.objective} "
+                f"({where}; objective {self.objective} takes "
+                f"{', '.join('preference.' + k for k in objective.settings) or 'no preference: keys'}); "
+                "remove it, or set the objective it is for"
+            )
         refused = sorted(k for k in objective.refuses if getattr(self, k))
         if refused:
             takers = ", ".join(o.name for o in methods.OBJECTIVES.values() if not set(refused) & set(o.refuses))
-            raise ValueError(f"{', '.join(refused)} apply to objective {takers}; {self.objective}: "
-                             f"{objective.refuses_why}: remove {'them' if len(refused) > 1 else 'it'}")
+            raise ValueError(
+                f"{', '.join(refused)} apply to objective {takers}; {self.objective}: "
+                f"{objective.refuses_why}: remove {'them' if len(refused) > 1 else 'it'}"
+            )
         if self.init_from is not None and not methods.is_adapter(self.method):
-            raise ValueError(f"init_from starts from an adapter, and method {self.method} trains every weight: give the "
-                             "earlier run's merged model as model: (RUN/final/merged, made with export: [merged]) "
-                             "instead")
+            raise ValueError(
+                f"init_from starts from an adapter, and method {self.method} trains every weight: give the "
+                "earlier run's merged model as model: (RUN/final/merged, made with export: [merged]) "
+                "instead"
+            )
         if self.init_from is not None:
             self._fits_the_parent()
         return self
@@ -424,29 +516,45 @@ class Recipe(_Strict):
         config = json.loads((folder / "adapter_config.json").read_text())
         base = config.get("base_model_name_or_path")
         if base and base != self.model and Path(base).name != Path(self.model).name:
-            raise ValueError(f"the adapter in {folder} was trained on {base}, and this recipe's model is {self.model}: "
-                             f"an adapter fits the base it was trained on; set model: {base}")
+            raise ValueError(
+                f"the adapter in {folder} was trained on {base}, and this recipe's model is {self.model}: "
+                f"an adapter fits the base it was trained on; set model: {base}"
+            )
         modules = config.get("target_modules")
-        parent = {"r": config.get("r"), "alpha": config.get("lora_alpha"), "dropout": config.get("lora_dropout"),
-                  "target_modules": sorted(modules) if isinstance(modules, (list, set, tuple)) else modules}
+        parent = {
+            "r": config.get("r"),
+            "alpha": config.get("lora_alpha"),
+            "dropout": config.get("lora_dropout"),
+            "target_modules": sorted(modules) if isinstance(modules, (list, set, tuple)) else modules,
+        }
 
         def same(key: str, value: Any) -> bool:
             mine = getattr(self.lora, key)
             return sorted(mine) == value if key == "target_modules" and isinstance(mine, list) else mine == value
 
         def shown(value: Any) -> str:  # PEFT stores every module's name: hundreds on a real model
-            return f"{len(value)} modules: {', '.join(value[:3])}, ..." if isinstance(value, list) and len(value) > 4 \
+            return (
+                f"{len(value)} modules: {', '.join(value[:3])}, ..."
+                if isinstance(value, list) and len(value) > 4
                 else str(value)
+            )
 
         given = self.lora.model_fields_set
-        ignored = [f"lora.{k} {shown(getattr(self.lora, k))} (the parent's: {shown(v)})" for k, v in parent.items()
-                   if k in given and v is not None and not same(k, v)]
+        ignored = [
+            f"lora.{k} {shown(getattr(self.lora, k))} (the parent's: {shown(v)})"
+            for k, v in parent.items()
+            if k in given and v is not None and not same(k, v)
+        ]
         if ignored:
-            raise ValueError(f"init_from continues the adapter in {folder} with its own settings, so "
-                             f"{', '.join(ignored)} would be ignored; remove the lora: keys (or start a new adapter "
-                             "without init_from)")
+            raise ValueError(
+                f"init_from continues the adapter in {folder} with its own settings, so "
+                f"{', '.join(ignored)} would be ignored; remove the lora: keys (or start a new adapter "
+                "without init_from)"
+            )
         # the recipe is frozen once checked; this is its check, resolving the values it holds
-        object.__setattr__(self, "lora", self.lora.model_copy(update={k: v for k, v in parent.items() if v is not None}))
+        object.__setattr__(
+            self, "lora", self.lora.model_copy(update={k: v for k, v in parent.items() if v is not None})
+        )
 
     @model_validator(mode="after")
     def _cross_field(self) -> "Recipe":
@@ -454,13 +562,17 @@ class Recipe(_Strict):
             raise ValueError("assistant_only_loss and packing together are not supported by TRL; turn one off")
         if self.publish.to:
             if not methods.is_adapter(self.method) and "adapter" in self.publish.what:
-                raise ValueError("publish.what has 'adapter', but a full fine-tune has none: publish merged "
-                                 "(the 16-bit model, with merged in export:) or gguf")
+                raise ValueError(
+                    "publish.what has 'adapter', but a full fine-tune has none: publish merged "
+                    "(the 16-bit model, with merged in export:) or gguf"
+                )
             exported = set(export_formats.made(self.export))
             missing = [w for w in self.publish.what if w not in exported]
             if missing:
-                raise ValueError(f"publish.what has {missing}, which export: does not make (and check) first; "
-                                 f"add {missing} to export:")
+                raise ValueError(
+                    f"publish.what has {missing}, which export: does not make (and check) first; "
+                    f"add {missing} to export:"
+                )
         return self
 
     # -- derived values, one place each --------------------------------------------------
@@ -508,10 +620,13 @@ def parent_adapter(init_from: str) -> Path:
     if not path.exists():
         raise ValueError(f"{path} does not exist: give the earlier run's directory (runs/NAME) or an adapter folder")
     if (path / "state.json").is_file() or (path / "checkpoints").is_dir():
-        raise ValueError(f"{path} is a run without a final adapter (final/adapter/adapter_config.json): let it finish "
-                         "(`ftrun status` says where it is), or give one of its checkpoints' folders")
-    raise ValueError(f"{path} holds no adapter_config.json: give a run directory (with final/adapter) or a PEFT "
-                     "adapter folder")
+        raise ValueError(
+            f"{path} is a run without a final adapter (final/adapter/adapter_config.json): let it finish "
+            "(`ftrun status` says where it is), or give one of its checkpoints' folders"
+        )
+    raise ValueError(
+        f"{path} holds no adapter_config.json: give a run directory (with final/adapter) or a PEFT adapter folder"
+    )
 
 
 def _weights_sha256(folder: Path) -> str:
@@ -524,6 +639,7 @@ def _weights_sha256(folder: Path) -> str:
 # ---------------------------------------------------------------------------------------
 # Loading
 
+
 def _all_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
     keys = []
     for name, field in model.model_fields.items():
@@ -535,9 +651,16 @@ def _all_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
 
 
 # Names people bring from other tools, for keys whose spelling is not close to ftrun's.
-KEY_ALIASES = {"lr": "learning_rate", "batch_size": "micro_batch_size", "num_epochs": "epochs",
-               "num_train_epochs": "epochs", "per_device_train_batch_size": "micro_batch_size",
-               "max_seq_length": "max_length", "base_model": "model", "dataset": "data"}
+KEY_ALIASES = {
+    "lr": "learning_rate",
+    "batch_size": "micro_batch_size",
+    "num_epochs": "epochs",
+    "num_train_epochs": "epochs",
+    "per_device_train_batch_size": "micro_batch_size",
+    "max_seq_length": "max_length",
+    "base_model": "model",
+    "dataset": "data",
+}
 # "Did you mean" only for close spellings: difflib's ratio 2*matches/(len a + len b); 'lr' vs 'lora' is 0.67,
 # 'learnig_rate' vs 'learning_rate' 0.96, 'max_len' vs 'max_length' 0.82.
 SUGGEST_CUTOFF = 0.75
@@ -608,7 +731,7 @@ def _unread_words(words: list[str]) -> list[str]:
     `learning_rate:1e-4` -> `learning_rate=1e-4`. One line each; [] when every word is key=value."""
     lines, i = [], 0
     while i < len(words):
-        word, after = words[i], words[i + 1:]
+        word, after = words[i], words[i + 1 :]
         key, sep, _ = word.partition("=")
         if sep and key and _KEY.fullmatch(key):  # key=value (key= sets the key to null)
             if word.endswith("=") and after and "=" not in after[0]:  # `epochs= 1`: the value stood apart
@@ -618,14 +741,18 @@ def _unread_words(words: list[str]) -> list[str]:
             i += 1
             continue
         if sep and key:
-            lines.append(f"- '{word}': '{key}' is not a key (a recipe key is a name or a dotted path such as lora.r); "
-                         f"write it like lora.r=8")
+            lines.append(
+                f"- '{word}': '{key}' is not a key (a recipe key is a name or a dotted path such as lora.r); "
+                f"write it like lora.r=8"
+            )
         elif sep:  # `=1` or `=`: no key before '=' (a key given apart from it is named by the branch below)
             lines.append(f"- '{word}': no key before '='; write it like max_steps=20")
         elif ":" in word and _KEY.fullmatch(word.partition(":")[0]):
             name, _, value = word.partition(":")
-            lines.append(f"- '{word}': ':' between key and value is the recipe file's form; on the command line "
-                         f"write {name}={value}")
+            lines.append(
+                f"- '{word}': ':' between key and value is the recipe file's form; on the command line "
+                f"write {name}={value}"
+            )
         elif _KEY.fullmatch(word) and Path(word).suffix.lower() in (".yaml", ".yml"):
             lines.append(f"- '{word}': a second recipe; ftrun reads one recipe per command, run it on its own")
         elif _KEY.fullmatch(word):
@@ -656,11 +783,16 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     if unread:
         head = "is neither an option nor a key=value override (ftrun would have run without it)"
         raise UsageError(
-            (f"{unread[0][2:].replace(': ', f' {head}: ', 1)}" if len(unread) == 1 else
-             f"{len(unread)} parts of the command line are neither options nor key=value overrides (ftrun would have "
-             f"run without them):\n" + "\n".join(unread)),
+            (
+                f"{unread[0][2:].replace(': ', f' {head}: ', 1)}"
+                if len(unread) == 1
+                else f"{len(unread)} parts of the command line are neither options nor key=value overrides (ftrun "
+                f"would have "
+                f"run without them):\n" + "\n".join(unread)
+            ),
             fix="write each override as key=value, no spaces around '=' (quote a value with spaces: key='a b'); "
-            "`ftrun explain` lists the keys.")
+            "`ftrun explain` lists the keys.",
+        )
     out: dict[str, Any] = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
@@ -713,7 +845,7 @@ def _resolve_paths(raw: dict[str, Any], base_dir: Path, default_name: str) -> di
         out["eval"] = {**out["eval"], "data": _resolve_data(out["eval"]["data"], base_dir)}  # the same forms as data
     if isinstance(out.get("model"), str):
         model = out["model"]
-        candidate = (base_dir / Path(model).expanduser())
+        candidate = base_dir / Path(model).expanduser()
         # "org/name" is a Hub id unless such a folder (or a file, refused by name then) exists next to the recipe.
         if _looks_local(model) or candidate.exists():
             out["model"] = str(candidate.resolve())
@@ -770,8 +902,10 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     try:
         raw = yaml.load(path.read_text(), Loader=_RecipeLoader)  # noqa: S506 - a SafeLoader subclass
     except _DuplicateKey as exc:
-        raise RecipeError(f"{path}: {exc}; YAML would keep only the last value",
-                          fix=f"keep one '{exc.key}' (line {exc.first} or {exc.again}) and delete the other.") from None
+        raise RecipeError(
+            f"{path}: {exc}; YAML would keep only the last value",
+            fix=f"keep one '{exc.key}' (line {exc.first} or {exc.again}) and delete the other.",
+        ) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -782,8 +916,10 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise RecipeError(f"{path} must be a mapping of keys to values, found a {type(raw).__name__}",
-                          fix="write the recipe as `key: value` lines (see recipes/tiny-cpu.yaml).")
+        raise RecipeError(
+            f"{path} must be a mapping of keys to values, found a {type(raw).__name__}",
+            fix="write the recipe as `key: value` lines (see recipes/tiny-cpu.yaml).",
+        )
     merged = _merge(raw, _command_line_paths(parse_overrides(overrides or [])))
     return validate_recipe(merged, path.parent.resolve(), path.stem, source=str(path))
 
@@ -807,7 +943,8 @@ def check_trainer_fields(recipe: Recipe) -> None:
             raise RecipeError(
                 f"preference.loss_type {recipe.preference.loss_type!r} is not a loss the installed trl's DPOTrainer "
                 "computes" + (f" (did you mean '{near}'?)" if near else ""),
-                fix=f"use one of: {', '.join(losses)} (sigmoid is the DPO paper's loss).")
+                fix=f"use one of: {', '.join(losses)} (sigmoid is the DPO paper's loss).",
+            )
     if not recipe.trainer:
         return
     import dataclasses
@@ -820,18 +957,22 @@ def check_trainer_fields(recipe: Recipe) -> None:
         lines = []
         for k in bad:
             near = close_name(k, sorted(fields))
-            lines.append(f"- trainer.{k} is not a field of TRL's {name}" + (f" (did you mean '{near}'?)" if near else ""))
+            lines.append(
+                f"- trainer.{k} is not a field of TRL's {name}" + (f" (did you mean '{near}'?)" if near else "")
+            )
         raise RecipeError(
             "the recipe's trainer: section has unknown fields:\n" + "\n".join(lines),
             fix=f"use {name} field names of the installed trl (objective {recipe.objective}; "
-            f"python -c 'import {objective.module}; help({objective.module}.{name})').")
+            f"python -c 'import {objective.module}; help({objective.module}.{name})').",
+        )
     hints = typing.get_type_hints(Config)
     wrong = [line for k, v in recipe.trainer.items() if (line := _trainer_value_problem(k, v, hints.get(k), fields[k]))]
     if wrong:
         raise RecipeError(
             "the recipe's trainer: section has values the installed trl/transformers do not take:\n" + "\n".join(wrong),
             fix="use one of the values named (they come from the installed libraries' own choices), or leave the key "
-            "out for its default.")
+            "out for its default.",
+        )
 
 
 def dpo_loss_types() -> list[str]:
@@ -867,8 +1008,11 @@ def _trainer_value_problem(key: str, value: Any, hint: Any, field: Any) -> Optio
         if value in choices:
             return None
         near = close_name(value, [str(c) for c in choices])
-        return (f"- trainer.{key}: {value!r} is not one of " + ", ".join(str(c) for c in choices)
-                + (f" (did you mean '{near}'?)" if near else ""))
+        return (
+            f"- trainer.{key}: {value!r} is not one of "
+            + ", ".join(str(c) for c in choices)
+            + (f" (did you mean '{near}'?)" if near else "")
+        )
     plain = [o for o in options if o is not type(None)]  # Optional[float] is a float where a value is given
     if plain == [bool] and not isinstance(value, bool):
         return f"- trainer.{key}: {value!r} is not true or false"

@@ -19,12 +19,17 @@ class Tracker:
 
 
 # The tracker table: the recipe's `report_to` values, the install lines, pyproject.toml's `trackers` extra.
-TRACKERS: dict[str, Tracker] = {t.name: t for t in (
-    Tracker("tensorboard", "tensorboard", "tensorboard", "event files in the run"),  # installed with ftrun[train]
-    Tracker("wandb", "wandb", "wandb", ""),
-    Tracker("mlflow", "mlflow", "mlflow-skinny", ""),  # the client and its local file store, without the server and UI
-    Tracker("trackio", "trackio", "trackio", ""),
-)}
+TRACKERS: dict[str, Tracker] = {
+    t.name: t
+    for t in (
+        Tracker("tensorboard", "tensorboard", "tensorboard", "event files in the run"),  # installed with ftrun[train]
+        Tracker("wandb", "wandb", "wandb", ""),
+        Tracker(
+            "mlflow", "mlflow", "mlflow-skinny", ""
+        ),  # the client and its local file store, without the server and UI
+        Tracker("trackio", "trackio", "trackio", ""),
+    )
+}
 
 
 def described() -> str:

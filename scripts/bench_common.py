@@ -23,13 +23,18 @@ FTRUN = [PYTHON, "-m", "launcher.cli"]
 # Qwen3-shaped, random weights, built locally. "m" (~10M parameters) is the default: large enough that
 # compute, not Python overhead, dominates a step on 2 cores, small enough for a bench in minutes.
 MODEL_SIZES = {
-    "s": dict(hidden=192, layers=4, heads=6, kv_heads=2, intermediate=512),    # ~1.8M
-    "m": dict(hidden=384, layers=6, heads=6, kv_heads=2, intermediate=1024),   # ~9.8M
-    "l": dict(hidden=512, layers=8, heads=8, kv_heads=2, intermediate=1408),   # ~22M
+    "s": dict(hidden=192, layers=4, heads=6, kv_heads=2, intermediate=512),  # ~1.8M
+    "m": dict(hidden=384, layers=6, heads=6, kv_heads=2, intermediate=1024),  # ~9.8M
+    "l": dict(hidden=512, layers=8, heads=8, kv_heads=2, intermediate=1408),  # ~22M
 }
 
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false",
-       "PYTHONUNBUFFERED": "1"}
+ENV = {
+    **os.environ,
+    "HF_HUB_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONUNBUFFERED": "1",
+}
 
 
 def _script(name: str):
@@ -66,8 +71,9 @@ def ftrun(args: list[str], *, log: Optional[Path] = None, timeout: float = 3600)
     t0 = time.monotonic()
     out = log.open("w") if log else subprocess.DEVNULL
     try:
-        rc = subprocess.run(FTRUN + args, cwd=REPO, env=ENV, stdout=out, stderr=subprocess.STDOUT,
-                            timeout=timeout).returncode
+        rc = subprocess.run(
+            FTRUN + args, cwd=REPO, env=ENV, stdout=out, stderr=subprocess.STDOUT, timeout=timeout
+        ).returncode
     finally:
         if log:
             out.close()

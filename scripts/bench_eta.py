@@ -35,10 +35,20 @@ QUICK_CASES = ["lora-512", "qlora-256"]
 
 def run_case(name: str, model: Path, data: Path, work: Path, epochs: float, extra: list[str]) -> dict:
     out = bc.fresh_dir(work / name)
-    recipe = bc.write_recipe(work / f"{name}.yaml", model=str(model), data=str(data), output_dir=str(out),
-                             micro_batch_size=8, gradient_accumulation_steps=2, epochs=epochs, learning_rate=2e-4,
-                             logging_steps=5, checkpoint_every_minutes=0.5, keep_checkpoints=2,
-                             **CASES[name])
+    recipe = bc.write_recipe(
+        work / f"{name}.yaml",
+        model=str(model),
+        data=str(data),
+        output_dir=str(out),
+        micro_batch_size=8,
+        gradient_accumulation_steps=2,
+        epochs=epochs,
+        learning_rate=2e-4,
+        logging_steps=5,
+        checkpoint_every_minutes=0.5,
+        keep_checkpoints=2,
+        **CASES[name],
+    )
     rc, wall = bc.ftrun([str(recipe), "--foreground", *extra], log=work / f"{name}.log")
     end = time.time()
     if rc != 0:
@@ -52,15 +62,31 @@ def run_case(name: str, model: Path, data: Path, work: Path, epochs: float, extr
     export_path = out / "final" / "export.json"
     export = json.loads(export_path.read_text()).get("seconds", 0.0) if export_path.is_file() else 0.0
     est = smoke["estimated_seconds"]
-    return {"case": name, "predicted_seconds": est, "actual_seconds": round(full_wall, 1),
-            "error": est / full_wall - 1, "training_steps_seconds": round(steps_total, 1),
-            "export_seconds": export, "other_seconds": round(full_wall - steps_total - export, 1),
-            "smoke_wall_seconds": round(wall - full_wall, 1), "smoke_tokens_per_second": smoke["tokens_per_second"],
-            "run_tokens_per_second": round(bc.tokens_per_second(rows) or 0, 1),
-            "steps": rows[-1]["step"], "smoke": {k: smoke.get(k) for k in
-                                                 ("measured_steps", "warmup_seconds", "training_tokens",
-                                                  "startup_seconds", "saves_seconds", "export_seconds",
-                                                  "wall_seconds")}}
+    return {
+        "case": name,
+        "predicted_seconds": est,
+        "actual_seconds": round(full_wall, 1),
+        "error": est / full_wall - 1,
+        "training_steps_seconds": round(steps_total, 1),
+        "export_seconds": export,
+        "other_seconds": round(full_wall - steps_total - export, 1),
+        "smoke_wall_seconds": round(wall - full_wall, 1),
+        "smoke_tokens_per_second": smoke["tokens_per_second"],
+        "run_tokens_per_second": round(bc.tokens_per_second(rows) or 0, 1),
+        "steps": rows[-1]["step"],
+        "smoke": {
+            k: smoke.get(k)
+            for k in (
+                "measured_steps",
+                "warmup_seconds",
+                "training_tokens",
+                "startup_seconds",
+                "saves_seconds",
+                "export_seconds",
+                "wall_seconds",
+            )
+        },
+    }
 
 
 def main(argv=None) -> int:
@@ -85,17 +111,22 @@ def main(argv=None) -> int:
             r = run_case(name, model, data, work, a.epochs, [])
             r["round"] = rnd + 1
             results.append(r)
-            print(f"  {name:10s} round {rnd + 1}: predicted {r['predicted_seconds']:7.1f} s  actual "
-                  f"{r['actual_seconds']:7.1f} s  error {r['error']:+6.1%}  (training steps "
-                  f"{r['training_steps_seconds']:.1f} s, export {r['export_seconds']:.1f} s (predicted "
-                  f"{r['smoke']['export_seconds']}), other {r['other_seconds']:.1f} s; tokens/s smoke "
-                  f"{r['smoke_tokens_per_second']:.0f}, run {r['run_tokens_per_second']:.0f})", flush=True)
+            print(
+                f"  {name:10s} round {rnd + 1}: predicted {r['predicted_seconds']:7.1f} s  actual "
+                f"{r['actual_seconds']:7.1f} s  error {r['error']:+6.1%}  (training steps "
+                f"{r['training_steps_seconds']:.1f} s, export {r['export_seconds']:.1f} s (predicted "
+                f"{r['smoke']['export_seconds']}), other {r['other_seconds']:.1f} s; tokens/s smoke "
+                f"{r['smoke_tokens_per_second']:.0f}, run {r['run_tokens_per_second']:.0f})",
+                flush=True,
+            )
     for name in cases:
         errs = [r["error"] for r in results if r["case"] == name]
         print(f"  {name:10s} median error {bc.median(errs):+6.1%} over {len(errs)} round(s)")
     errors = [abs(bc.median([r["error"] for r in results if r["case"] == n])) for n in cases]
-    print(f"ETA error: median |error| {bc.median(errors):.1%}, worst case median {max(errors):.1%}; "
-          f"{sum(e <= 0.10 for e in errors)}/{len(errors)} cases within +-10%")
+    print(
+        f"ETA error: median |error| {bc.median(errors):.1%}, worst case median {max(errors):.1%}; "
+        f"{sum(e <= 0.10 for e in errors)}/{len(errors)} cases within +-10%"
+    )
     if a.json:
         a.json.write_text(json.dumps({"machine": bc.machine(), "examples": examples, "results": results}, indent=2))
     return 0

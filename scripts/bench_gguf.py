@@ -7,7 +7,8 @@ Two models, no downloads: the tiny Qwen3 of scripts/make_tiny_model.py (hidden s
 the 256 values of a K-quant block, so K-quant types fall back tensor by tensor to 32-block types) and a tiny
 Llama with Llama 3.1's rope scaling (rope_type llama3) and hidden size 256 / intermediate 512, whose matrices get
 real Q4_K, Q5_K and Q6_K blocks. Each is converted once to a 16-bit GGUF by llama.cpp's converter and quantized
-to every type by llama.cpp's quantizer (launcher/deliver/gguf_export.gguf_output), read back in llama.cpp and compared with the
+to every type by llama.cpp's quantizer (launcher/deliver/gguf_export.gguf_output), read back in llama.cpp and compared
+with the
 model in transformers (float32) on the parity prompts. docs/BENCHMARKS.md section 5 holds a run of it, and the
 tolerances in launcher/gguf_types.py (each type's tolerance) were set from it.
 """
@@ -26,8 +27,10 @@ from types import SimpleNamespace
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 TINY_DATA = REPO / "recipes" / "data" / "tiny-chat.jsonl"
-LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # ChatML with a tools block and a thinking prompt, as Qwen3's template has them (the Modelfile keeps both).
 TOOLS_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\n# Tools\n{%- for t in tools %}\n{{ t | tojson }}{%- endfor %}<|im_end|>\n"
@@ -60,18 +63,38 @@ def build_tiny_llama(out: Path, hidden: int = 256, intermediate: int = 512, laye
 
     mtm = _script("make_tiny_model")
     tok = mtm._build_tokenizer(TINY_DATA, 1024)
-    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+        ]
+    )
     tok.chat_template = TOOLS_TEMPLATE
     eos = [tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")]
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 1024},
-        tie_word_embeddings=False, initializer_range=0.08, bos_token_id=None, eos_token_id=eos, pad_token_id=eos[1])
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 1024,
+        },
+        tie_word_embeddings=False,
+        initializer_range=0.08,
+        bos_token_id=None,
+        eos_token_id=eos,
+        pad_token_id=eos[1],
+    )
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=eos[1])
     out.mkdir(parents=True, exist_ok=True)
@@ -116,22 +139,41 @@ def measure(model_dir: Path, name: str, types: list[str], out_dir: Path) -> list
         except gguf_export._GgufFailed as exc:
             res = exc.output
         par = res["parity_vs_merged"]
-        rows.append({"model": name, "type": t, "bytes": res["bytes"], "size": res["size"],
-                     "convert_seconds": res["steps"].get("convert", conv.to_dict())["seconds"],
-                     "convert_peak_rss_bytes": res["steps"].get("convert", conv.to_dict())["peak_rss_bytes"],
-                     "quantize_seconds": res["steps"].get("quantize", {}).get("seconds"),
-                     "quantize_peak_rss_bytes": res["steps"].get("quantize", {}).get("peak_rss_bytes"),
-                     "llama_cpp_seconds": res["steps"]["llama_cpp_prompts_seconds"],
-                     "tensor_types": res["tensor_types"], "top1": par["top1_agreement"],
-                     "ppl_ref": par["perplexity_reference"], "ppl": par["perplexity"],
-                     "ppl_rel": par["perplexity_rel_diff"], "greedy": par["greedy_identical"],
-                     "mean_kl": par["mean_kl"], "max_rel": par["max_rel_logit_diff"],
-                     "tokenizer_identical": res["tokenizer_identical"], "ok": par["ok"] and "error" not in res,
-                     "error": res.get("error")})
+        rows.append(
+            {
+                "model": name,
+                "type": t,
+                "bytes": res["bytes"],
+                "size": res["size"],
+                "convert_seconds": res["steps"].get("convert", conv.to_dict())["seconds"],
+                "convert_peak_rss_bytes": res["steps"].get("convert", conv.to_dict())["peak_rss_bytes"],
+                "quantize_seconds": res["steps"].get("quantize", {}).get("seconds"),
+                "quantize_peak_rss_bytes": res["steps"].get("quantize", {}).get("peak_rss_bytes"),
+                "llama_cpp_seconds": res["steps"]["llama_cpp_prompts_seconds"],
+                "tensor_types": res["tensor_types"],
+                "top1": par["top1_agreement"],
+                "ppl_ref": par["perplexity_reference"],
+                "ppl": par["perplexity"],
+                "ppl_rel": par["perplexity_rel_diff"],
+                "greedy": par["greedy_identical"],
+                "mean_kl": par["mean_kl"],
+                "max_rel": par["max_rel_logit_diff"],
+                "tokenizer_identical": res["tokenizer_identical"],
+                "ok": par["ok"] and "error" not in res,
+                "error": res.get("error"),
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
-    rows.append({"model": name, "type": f"{dtype} (intermediate)", "bytes": sixteen.stat().st_size,
-                 "convert_seconds": conv.seconds, "convert_peak_rss_bytes": conv.peak_rss_bytes,
-                 "wall_seconds": round(time.monotonic() - t0, 1)})
+    rows.append(
+        {
+            "model": name,
+            "type": f"{dtype} (intermediate)",
+            "bytes": sixteen.stat().st_size,
+            "convert_seconds": conv.seconds,
+            "convert_peak_rss_bytes": conv.peak_rss_bytes,
+            "wall_seconds": round(time.monotonic() - t0, 1),
+        }
+    )
     return rows
 
 

@@ -58,10 +58,21 @@ def model_dir() -> Path:
 
 
 def smoke(work: Path, name: str, model: Path, data: Path, tokens: int, patch: str | None) -> dict:
-    r = bc.write_recipe(work / f"{name}.yaml", model=str(model), data=str(data), method="lora", max_length=tokens,
-                        micro_batch_size=1, gradient_accumulation_steps=1, learning_rate=2e-4, logging_steps=1,
-                        packing=True, epochs=1, output_dir=str(bc.fresh_dir(work / name)),
-                        smoke={"fraction": 0.01, "min_steps": 8})
+    r = bc.write_recipe(
+        work / f"{name}.yaml",
+        model=str(model),
+        data=str(data),
+        method="lora",
+        max_length=tokens,
+        micro_batch_size=1,
+        gradient_accumulation_steps=1,
+        learning_rate=2e-4,
+        logging_steps=1,
+        packing=True,
+        epochs=1,
+        output_dir=str(bc.fresh_dir(work / name)),
+        smoke={"fraction": 0.01, "min_steps": 8},
+    )
     env = dict(bc.ENV)
     if patch:
         site = work / f"site-{name}"
@@ -73,8 +84,15 @@ def smoke(work: Path, name: str, model: Path, data: Path, tokens: int, patch: st
 
     t0 = time.monotonic()
     with (work / f"{name}.log").open("w") as log:
-        rc = subprocess.run(bc.FTRUN + ["smoke", str(r)], cwd=bc.REPO, env=env, stdout=log,
-                            stderr=subprocess.STDOUT, timeout=1800, check=False).returncode
+        rc = subprocess.run(
+            bc.FTRUN + ["smoke", str(r)],
+            cwd=bc.REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=1800,
+            check=False,
+        ).returncode
     if rc != 0:
         raise SystemExit(f"ftrun smoke ({name}) failed with exit {rc}; see {work / f'{name}.log'}")
     result = json.loads((work / name / "smoke.json").read_text())
@@ -121,30 +139,44 @@ def main() -> None:
     work = bc.CACHE / "lean-loss"
     model = model_dir()
     data = bc.bench_data(2000)
-    runs = {name: smoke(work, name, model, data, args.tokens, patch)
-            for name, patch in (("lean", None), ("trl-kernel", TRL_KERNEL), ("plain", PLAIN_LOSS))}
+    runs = {
+        name: smoke(work, name, model, data, args.tokens, patch)
+        for name, patch in (("lean", None), ("trl-kernel", TRL_KERNEL), ("plain", PLAIN_LOSS))
+    }
     pred = predicted(model, args.tokens)
     base = import_baseline()
-    print(f"\nmodel: vocabulary {VOCAB:,}, hidden {MODEL['hidden']}, {args.tokens:,} tokens per micro-batch, "
-          f"same examples in each run")
+    print(
+        f"\nmodel: vocabulary {VOCAB:,}, hidden {MODEL['hidden']}, {args.tokens:,} tokens per micro-batch, "
+        f"same examples in each run"
+    )
     for name, r in runs.items():
-        print(f"  {name:10s} peak RSS {r['peak_memory_gb']:.3f} GB, {r['tokens_per_second']:,.0f} tokens/s "
-              f"({r['steps']} steps)")
+        print(
+            f"  {name:10s} peak RSS {r['peak_memory_gb']:.3f} GB, {r['tokens_per_second']:,.0f} tokens/s "
+            f"({r['steps']} steps)"
+        )
     lean, plain, tile = runs["lean"], runs["plain"], runs["trl-kernel"]
     saved = plain["peak_memory_gb"] - lean["peak_memory_gb"]
-    print(f"\nlogits memory removed (plain - lean peak): measured {saved:.3f} GB, predicted "
-          f"{pred['plain'] - pred['lean']:.3f} GB (sizer: plain {pred['plain']:.3f} GB, lean {pred['lean']:.3f} GB "
-          "beyond the recomputed layer)")
+    print(
+        f"\nlogits memory removed (plain - lean peak): measured {saved:.3f} GB, predicted "
+        f"{pred['plain'] - pred['lean']:.3f} GB (sizer: plain {pred['plain']:.3f} GB, lean {pred['lean']:.3f} GB "
+        "beyond the recomputed layer)"
+    )
     for name, r in (("lean", lean), ("plain", plain)):
         above = r["peak_memory_gb"] - base
-        print(f"{name}: peak {r['peak_memory_gb']:.3f} GB measured, {pred[f'{name}_total']:.3f} GB planned; above the "
-              f"imports ({base:.3f} GB; the plan's 1 GB runtime term) {above:.3f} GB measured, "
-              f"{pred[f'{name}_above_runtime']:.3f} GB planned ({pred[f'{name}_above_runtime'] / above - 1:+.0%})")
-    print(f"peak ratio lean / plain: measured {lean['peak_memory_gb'] / plain['peak_memory_gb']:.2f}, predicted "
-          f"{pred['lean_total'] / pred['plain_total']:.2f}")
+        print(
+            f"{name}: peak {r['peak_memory_gb']:.3f} GB measured, {pred[f'{name}_total']:.3f} GB planned; above the "
+            f"imports ({base:.3f} GB; the plan's 1 GB runtime term) {above:.3f} GB measured, "
+            f"{pred[f'{name}_above_runtime']:.3f} GB planned ({pred[f'{name}_above_runtime'] / above - 1:+.0%})"
+        )
+    print(
+        f"peak ratio lean / plain: measured {lean['peak_memory_gb'] / plain['peak_memory_gb']:.2f}, predicted "
+        f"{pred['lean_total'] / pred['plain_total']:.2f}"
+    )
     print(f"peak ratio TRL's kernel / ftrun's on the CPU: {tile['peak_memory_gb'] / lean['peak_memory_gb']:.2f}")
-    print(f"throughput ratio lean / plain: {lean['tokens_per_second'] / plain['tokens_per_second']:.2f} "
-          f"(TRL's kernel / plain: {tile['tokens_per_second'] / plain['tokens_per_second']:.2f})")
+    print(
+        f"throughput ratio lean / plain: {lean['tokens_per_second'] / plain['tokens_per_second']:.2f} "
+        f"(TRL's kernel / plain: {tile['tokens_per_second'] / plain['tokens_per_second']:.2f})"
+    )
     raw = json.dumps({"runs": runs, "predicted": pred, "tokens": args.tokens, "import_baseline_gb": base}, indent=1)
     for path in [work / "result.json"] + ([args.json] if args.json else []):
         path.write_text(raw)

@@ -29,13 +29,21 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # noqa: E402
 
-BASE = dict(method="lora", micro_batch_size=8, gradient_accumulation_steps=1, learning_rate=2e-4, max_length=512,
-            logging_steps=1)
+BASE = dict(
+    method="lora",
+    micro_batch_size=8,
+    gradient_accumulation_steps=1,
+    learning_rate=2e-4,
+    max_length=512,
+    logging_steps=1,
+)
 
 
 def recipe(work: Path, name: str, model: Path, data: Path, **fields) -> Path:
-    return bc.write_recipe(work / f"{name}.yaml", **{**BASE, "model": str(model), "data": str(data),
-                                                     "output_dir": str(bc.fresh_dir(work / name)), **fields})
+    return bc.write_recipe(
+        work / f"{name}.yaml",
+        **{**BASE, "model": str(model), "data": str(data), "output_dir": str(bc.fresh_dir(work / name)), **fields},
+    )
 
 
 def plan_and_smoke(work: Path, model: Path, data: Path) -> dict:
@@ -51,9 +59,14 @@ def plan_and_smoke(work: Path, model: Path, data: Path) -> dict:
     smoke_cfg = dict(fraction=0.01, min_steps=8)  # the recipe defaults
     extrapolated_train = max(smoke_cfg["fraction"] * run, smoke_cfg["min_steps"] * per_step)
     total = fixed + extrapolated_train
-    return {"wall_seconds": round(wall, 1), "smoke_training_seconds": train_s, "fixed_seconds": round(fixed, 1),
-            "seconds_per_step": per_step, "for_30_min_run_seconds": round(total, 1),
-            "fraction_of_30_min": total / run}
+    return {
+        "wall_seconds": round(wall, 1),
+        "smoke_training_seconds": train_s,
+        "fixed_seconds": round(fixed, 1),
+        "seconds_per_step": per_step,
+        "for_30_min_run_seconds": round(total, 1),
+        "fraction_of_30_min": total / run,
+    }
 
 
 def _pids(run_dir: Path) -> list[int]:
@@ -82,6 +95,7 @@ def _first_new_step(metrics: Path, after_wall: float, timeout: float) -> dict:
             return None
         rows = [r for r in bc.read_rows(metrics) if r["time"] >= after_wall]
         return rows[0] if rows else None
+
     return _wait(new_row, timeout, f"a new step in {metrics}")
 
 
@@ -104,8 +118,9 @@ def _kill_run(out: Path) -> None:
 
 def resume_cost(work: Path, model: Path, data: Path, i: int) -> dict:
     interval_min = 0.25
-    r = recipe(work, f"resume-{i}", model, data, epochs=3, checkpoint_every_minutes=interval_min,
-               smoke={"enabled": False})
+    r = recipe(
+        work, f"resume-{i}", model, data, epochs=3, checkpoint_every_minutes=interval_min, smoke={"enabled": False}
+    )
     out = work / f"resume-{i}"
     t_cold = _start(r, out)
     cold = _first_new_step(out / "metrics.jsonl", t_cold, 600)
@@ -125,11 +140,18 @@ def resume_cost(work: Path, model: Path, data: Path, i: int) -> dict:
     first = _first_new_step(out / "metrics.jsonl", t_resume, 600)
     resume_s = first["time"] - t_resume
     _kill_run(out)  # the measurement is done; the rest of the run is not needed
-    return {"cold_start_to_first_step_seconds": round(cold_s, 1),
-            "resume_to_first_new_step_seconds": round(resume_s, 1), "resume_vs_cold": resume_s / cold_s,
-            "killed_at_step": last_step, "resumed_from_step": saved, "first_new_step": first["step"],
-            "steps_lost": last_step - saved, "work_lost_seconds": round((last_step - saved) * sec_per_step, 1),
-            "checkpoint_interval_seconds": interval_min * 60, "seconds_per_step": round(sec_per_step, 2)}
+    return {
+        "cold_start_to_first_step_seconds": round(cold_s, 1),
+        "resume_to_first_new_step_seconds": round(resume_s, 1),
+        "resume_vs_cold": resume_s / cold_s,
+        "killed_at_step": last_step,
+        "resumed_from_step": saved,
+        "first_new_step": first["step"],
+        "steps_lost": last_step - saved,
+        "work_lost_seconds": round((last_step - saved) * sec_per_step, 1),
+        "checkpoint_interval_seconds": interval_min * 60,
+        "seconds_per_step": round(sec_per_step, 2),
+    }
 
 
 BASELINE = """
@@ -140,8 +162,11 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9)
 
 
 def sizing(work: Path, sizes: list[str], data: Path) -> list[dict]:
-    base = float(subprocess.run([bc.PYTHON, "-c", BASELINE], env=bc.ENV, capture_output=True, text=True,
-                                check=True).stdout.strip().splitlines()[-1])
+    base = float(
+        subprocess.run([bc.PYTHON, "-c", BASELINE], env=bc.ENV, capture_output=True, text=True, check=True)
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     rows = []
     for size in sizes:
         model = bc.bench_model(size)
@@ -155,12 +180,20 @@ def sizing(work: Path, sizes: list[str], data: Path) -> list[dict]:
         predicted = mem.get("estimated_per_gpu_gb") or mem["per_gpu_gb"]
         runtime = mem["breakdown_gb"].get("runtime", 0.0)
         measured = smoke["peak_memory_gb"]
-        rows.append({"size": size, "params": plan["model"]["params"], "predicted_gb": predicted,
-                     "predicted_runtime_gb": runtime, "measured_peak_gb": measured, "import_baseline_gb": round(base, 3),
-                     "predicted_above_runtime_gb": round(predicted - runtime, 3),
-                     "measured_above_baseline_gb": round(measured - base, 3),
-                     "ratio_total": predicted / measured,
-                     "ratio_above_baseline": (predicted - runtime) / max(measured - base, 1e-3)})
+        rows.append(
+            {
+                "size": size,
+                "params": plan["model"]["params"],
+                "predicted_gb": predicted,
+                "predicted_runtime_gb": runtime,
+                "measured_peak_gb": measured,
+                "import_baseline_gb": round(base, 3),
+                "predicted_above_runtime_gb": round(predicted - runtime, 3),
+                "measured_above_baseline_gb": round(measured - base, 3),
+                "ratio_total": predicted / measured,
+                "ratio_above_baseline": (predicted - runtime) / max(measured - base, 1e-3),
+            }
+        )
     return rows
 
 
@@ -177,26 +210,36 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     print(f"bench_overhead: {bc.machine()}; model {model.name}", flush=True)
     ps = plan_and_smoke(work, model, data)
-    print(f"plan + smoke: {ps['wall_seconds']:.1f} s here ({ps['fixed_seconds']:.1f} s fixed: start, imports, load, "
-          f"data; {ps['smoke_training_seconds']:.1f} s training); for a 30-min run about "
-          f"{ps['for_30_min_run_seconds']:.0f} s = {ps['fraction_of_30_min']:.1%} (target <= 3%)", flush=True)
+    print(
+        f"plan + smoke: {ps['wall_seconds']:.1f} s here ({ps['fixed_seconds']:.1f} s fixed: start, imports, load, "
+        f"data; {ps['smoke_training_seconds']:.1f} s training); for a 30-min run about "
+        f"{ps['for_30_min_run_seconds']:.0f} s = {ps['fraction_of_30_min']:.1%} (target <= 3%)",
+        flush=True,
+    )
     resumes = []
     for i in range(rounds):
         r = resume_cost(work, model, data, i)
         resumes.append(r)
-        print(f"resume {i}: first new step {r['resume_to_first_new_step_seconds']:.1f} s after `ftrun RECIPE` "
-              f"(cold start {r['cold_start_to_first_step_seconds']:.1f} s, {r['resume_vs_cold']:.2f}x); killed at "
-              f"step {r['killed_at_step']}, resumed from {r['resumed_from_step']}: {r['steps_lost']} steps = "
-              f"{r['work_lost_seconds']:.0f} s lost, interval {r['checkpoint_interval_seconds']:.0f} s", flush=True)
+        print(
+            f"resume {i}: first new step {r['resume_to_first_new_step_seconds']:.1f} s after `ftrun RECIPE` "
+            f"(cold start {r['cold_start_to_first_step_seconds']:.1f} s, {r['resume_vs_cold']:.2f}x); killed at "
+            f"step {r['killed_at_step']}, resumed from {r['resumed_from_step']}: {r['steps_lost']} steps = "
+            f"{r['work_lost_seconds']:.0f} s lost, interval {r['checkpoint_interval_seconds']:.0f} s",
+            flush=True,
+        )
     sz = sizing(work, ["s", "m"] if a.quick else ["s", "m", "l"], data)
     for r in sz:
-        print(f"sizing {r['size']} ({r['params'] / 1e6:.1f}M): predicted {r['predicted_gb']:.2f} GB, measured peak RSS "
-              f"{r['measured_peak_gb']:.2f} GB (ratio {r['ratio_total']:.2f}); above the imports: predicted "
-              f"{r['predicted_above_runtime_gb']:.3f} GB, measured {r['measured_above_baseline_gb']:.3f} GB "
-              f"(ratio {r['ratio_above_baseline']:.2f})", flush=True)
+        print(
+            f"sizing {r['size']} ({r['params'] / 1e6:.1f}M): predicted {r['predicted_gb']:.2f} GB, measured peak RSS "
+            f"{r['measured_peak_gb']:.2f} GB (ratio {r['ratio_total']:.2f}); above the imports: predicted "
+            f"{r['predicted_above_runtime_gb']:.3f} GB, measured {r['measured_above_baseline_gb']:.3f} GB "
+            f"(ratio {r['ratio_above_baseline']:.2f})",
+            flush=True,
+        )
     if a.json:
-        a.json.write_text(json.dumps({"machine": bc.machine(), "plan_and_smoke": ps, "resume": resumes, "sizing": sz},
-                                     indent=2))
+        a.json.write_text(
+            json.dumps({"machine": bc.machine(), "plan_and_smoke": ps, "resume": resumes, "sizing": sz}, indent=2)
+        )
     return 0
 
 

@@ -53,13 +53,15 @@ def main() -> int:
     examples = load_data(str(DATA), 42).examples
     order = list(range(len(examples)))
     random.Random(42).shuffle(order)
-    held, train = order[:args.examples], order[args.examples:]
+    held, train = order[: args.examples], order[args.examples :]
     settings = SimpleNamespace(examples=args.examples, metric="auto", shots=3, baseline="run", max_new_tokens=None)
     task = build_task(examples, held, train, settings, 42)
     model = AutoModelForCausalLM.from_pretrained(str(MODEL), dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(str(MODEL))
-    print(f"{len(task['prompts'])} examples, metric {task['metric']}, up to {task['max_new_tokens']} new tokens, "
-          f"{sum(p.numel() for p in model.parameters()):,} parameters, {torch.get_num_threads()} threads")
+    print(
+        f"{len(task['prompts'])} examples, metric {task['metric']}, up to {task['max_new_tokens']} new tokens, "
+        f"{sum(p.numel() for p in model.parameters()):,} parameters, {torch.get_num_threads()} threads"
+    )
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, batch in (("batched", task_eval.BATCH["cpu"]), ("one at a time", 1)):
@@ -67,21 +69,38 @@ def main() -> int:
             r = task_eval.score_model(model, tok, Path(tmp), task, name.replace(" ", "-"), batch_size=batch)
             wall = time.monotonic() - t0
             rows[name] = {"seconds": wall, "new_tokens": r["new_tokens"], "score": r["score"]}
-            print(f"  {name:<14} batch {batch:>2}: {wall:6.1f} s, {r['new_tokens']:>6,} new tokens, "
-                  f"{r['new_tokens'] / wall:7.0f} tokens/s, score {r['score']:.3f}")
+            print(
+                f"  {name:<14} batch {batch:>2}: {wall:6.1f} s, {r['new_tokens']:>6,} new tokens, "
+                f"{r['new_tokens'] / wall:7.0f} tokens/s, score {r['score']:.3f}"
+            )
         few_t0 = time.monotonic()
         few = task_eval.score_model(model, tok, Path(tmp), task, "few-shot", shots=True)
         few_wall = time.monotonic() - few_t0
     b, o = rows["batched"], rows["one at a time"]
-    print(f"batched / one at a time: {o['seconds'] / b['seconds']:.2f}x faster, the same score: "
-          f"{b['score'] == o['score']}")
-    print(f"  with {task['shots'] and len(task['shots'])} examples in each prompt (the base model's few-shot score): "
-          f"{few_wall:.1f} s, {few_wall / b['seconds']:.2f}x the zero-shot time")
+    print(
+        f"batched / one at a time: {o['seconds'] / b['seconds']:.2f}x faster, the same score: "
+        f"{b['score'] == o['score']}"
+    )
+    print(
+        f"  with {task['shots'] and len(task['shots'])} examples in each prompt (the base model's few-shot score): "
+        f"{few_wall:.1f} s, {few_wall / b['seconds']:.2f}x the zero-shot time"
+    )
     whole = 2 * b["seconds"] + few_wall + b["seconds"]  # zero-shot, fine-tuned, merged; few-shot as measured
-    print(f"the whole evaluation (base zero-shot, base with examples, fine-tuned, merged): about {whole:.0f} s on "
-          "this CPU")
-    print(json.dumps({"examples": len(task["prompts"]), "batched": b, "one_at_a_time": o,
-                      "few_shot_seconds": round(few_wall, 2), "whole_seconds": round(whole, 1)}))
+    print(
+        f"the whole evaluation (base zero-shot, base with examples, fine-tuned, merged): about {whole:.0f} s on "
+        "this CPU"
+    )
+    print(
+        json.dumps(
+            {
+                "examples": len(task["prompts"]),
+                "batched": b,
+                "one_at_a_time": o,
+                "few_shot_seconds": round(few_wall, 2),
+                "whole_seconds": round(whole, 1),
+            }
+        )
+    )
     return 0
 
 

@@ -13,7 +13,8 @@ plain-fp32 (the like-for-like one for `ftrun` on a CPU).
 Tokens/s is measured the same way on every side: the trainer's non-padding token count and the wall
 clock at each logged step, from the first logged step (warm-up excluded) to the last.
 
-    .venv/bin/python scripts/bench_throughput.py            # model m (~10M), 800 examples, 3 rounds (long on 2 busy cores)
+    .venv/bin/python scripts/bench_throughput.py            # model m (~10M), 800 examples, 3 rounds (long on 2 busy
+    cores)
     .venv/bin/python scripts/bench_throughput.py --quick    # model s (~1.8M), 200 examples, 1 round (~2-3 min quiet)
 """
 
@@ -29,8 +30,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # noqa: E402
 
 # The hyperparameters both sides train with (the article's LoRA example, scaled to a CPU).
-SETTINGS = dict(max_length=512, micro_batch_size=8, gradient_accumulation_steps=2, epochs=1, learning_rate=2e-4,
-                lora_r=16, lora_alpha=16, logging_steps=2, seed=42)
+SETTINGS = dict(
+    max_length=512,
+    micro_batch_size=8,
+    gradient_accumulation_steps=2,
+    epochs=1,
+    learning_rate=2e-4,
+    lora_r=16,
+    lora_alpha=16,
+    logging_steps=2,
+    seed=42,
+)
 
 
 def plain_trl(model_dir: str, data: str, out_dir: str, metrics_path: str, s: dict) -> None:
@@ -44,8 +54,9 @@ def plain_trl(model_dir: str, data: str, out_dir: str, metrics_path: str, s: dic
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     dataset = load_dataset("json", data_files=data, split="train")
-    peft_config = LoraConfig(r=s["lora_r"], lora_alpha=s["lora_alpha"], lora_dropout=0.0,
-                             target_modules="all-linear", task_type="CAUSAL_LM")
+    peft_config = LoraConfig(
+        r=s["lora_r"], lora_alpha=s["lora_alpha"], lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+    )
     args = SFTConfig(
         output_dir=out_dir,
         max_length=s["max_length"],
@@ -67,11 +78,26 @@ def plain_trl(model_dir: str, data: str, out_dir: str, metrics_path: str, s: dic
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "loss" in logs:
                 with open(metrics_path, "a") as fh:
-                    fh.write(json.dumps({"step": state.global_step, "time": time.time(),
-                                         "tokens_seen": state.num_input_tokens_seen, "loss": logs["loss"]}) + "\n")
+                    fh.write(
+                        json.dumps(
+                            {
+                                "step": state.global_step,
+                                "time": time.time(),
+                                "tokens_seen": state.num_input_tokens_seen,
+                                "loss": logs["loss"],
+                            }
+                        )
+                        + "\n"
+                    )
 
-    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                         peft_config=peft_config, callbacks=[Timing()])
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        callbacks=[Timing()],
+    )
     trainer.train()
     trainer.save_model(out_dir)
 
@@ -82,12 +108,23 @@ PLAIN = {"plain": {}, "plain-fp32": {"bf16": False}}
 
 def recipe_fields(model: Path, data: Path, output_dir: Path, same_settings: bool) -> dict:
     s = SETTINGS
-    fields = dict(model=str(model), method="lora", data=str(data), output_dir=str(output_dir),
-                  max_length=s["max_length"], micro_batch_size=s["micro_batch_size"],
-                  gradient_accumulation_steps=s["gradient_accumulation_steps"], epochs=s["epochs"],
-                  learning_rate=s["learning_rate"], lora={"r": s["lora_r"], "alpha": s["lora_alpha"]},
-                  logging_steps=s["logging_steps"], seed=s["seed"], checkpoint_every_minutes=60,
-                  smoke={"enabled": False}, export=["adapter"])
+    fields = dict(
+        model=str(model),
+        method="lora",
+        data=str(data),
+        output_dir=str(output_dir),
+        max_length=s["max_length"],
+        micro_batch_size=s["micro_batch_size"],
+        gradient_accumulation_steps=s["gradient_accumulation_steps"],
+        epochs=s["epochs"],
+        learning_rate=s["learning_rate"],
+        lora={"r": s["lora_r"], "alpha": s["lora_alpha"]},
+        logging_steps=s["logging_steps"],
+        seed=s["seed"],
+        checkpoint_every_minutes=60,
+        smoke={"enabled": False},
+        export=["adapter"],
+    )
     if same_settings:
         fields["padding_free"] = False  # what plain TRL does: random batches padded to their longest example
     return fields
@@ -99,10 +136,18 @@ def run_variant(name: str, model: Path, data: Path, work: Path, i: int) -> dict:
         out.mkdir(parents=True)
         metrics = out / "metrics.jsonl"
         t0 = time.monotonic()
-        rc = bc.subprocess.run([bc.PYTHON, __file__, "--plain-run", json.dumps(
-            [str(model), str(data), str(out / "trainer"), str(metrics), {**SETTINGS, **PLAIN[name]}])],
-            cwd=bc.REPO, env=bc.ENV,
-            stdout=(out / "log.txt").open("w"), stderr=bc.subprocess.STDOUT).returncode
+        rc = bc.subprocess.run(
+            [
+                bc.PYTHON,
+                __file__,
+                "--plain-run",
+                json.dumps([str(model), str(data), str(out / "trainer"), str(metrics), {**SETTINGS, **PLAIN[name]}]),
+            ],
+            cwd=bc.REPO,
+            env=bc.ENV,
+            stdout=(out / "log.txt").open("w"),
+            stderr=bc.subprocess.STDOUT,
+        ).returncode
         wall = time.monotonic() - t0
     else:
         recipe = bc.write_recipe(work / f"{name}.yaml", **recipe_fields(model, data, out, name == "ftrun"))
@@ -111,8 +156,14 @@ def run_variant(name: str, model: Path, data: Path, work: Path, i: int) -> dict:
     if rc != 0 or not metrics.is_file():
         raise SystemExit(f"{name} run {i} failed (exit {rc}); see {work}")
     rows = bc.read_rows(metrics)
-    return {"variant": name, "round": i, "tokens_per_second": bc.tokens_per_second(rows), "wall_seconds": wall,
-            "final_loss": rows[-1].get("loss"), "tokens": rows[-1]["tokens_seen"]}
+    return {
+        "variant": name,
+        "round": i,
+        "tokens_per_second": bc.tokens_per_second(rows),
+        "wall_seconds": wall,
+        "final_loss": rows[-1].get("loss"),
+        "tokens": rows[-1]["tokens_seen"],
+    }
 
 
 def main(argv=None) -> int:
@@ -120,7 +171,9 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="model s, 200 examples, 1 round (a few minutes)")
     p.add_argument("--rounds", type=int, help="rounds of all variants (default 3, --quick 1)")
     p.add_argument("--examples", type=int, help="examples in the data (default 800, --quick 200)")
-    p.add_argument("--size", choices=sorted(bc.MODEL_SIZES), help="bench model size (default m, ~10M; --quick s, ~1.8M)")
+    p.add_argument(
+        "--size", choices=sorted(bc.MODEL_SIZES), help="bench model size (default m, ~10M; --quick s, ~1.8M)"
+    )
     p.add_argument("--variants", default="plain,plain-fp32,ftrun,defaults", help="comma-separated subset")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--plain-run", help=argparse.SUPPRESS)
@@ -140,12 +193,15 @@ def main(argv=None) -> int:
     print(f"bench_throughput: {bc.machine()}; model {model.name}, {examples} examples, {rounds} round(s)", flush=True)
     results = []
     for i in range(rounds):
-        order = variants[i % len(variants):] + variants[:i % len(variants)]
+        order = variants[i % len(variants) :] + variants[: i % len(variants)]
         for name in order:
             r = run_variant(name, model, data, work, i)
             results.append(r)
-            print(f"  round {i} {name:10s} {r['tokens_per_second']:8.0f} tokens/s  wall {r['wall_seconds']:6.1f} s  "
-                  f"final loss {r['final_loss']:.3f}", flush=True)
+            print(
+                f"  round {i} {name:10s} {r['tokens_per_second']:8.0f} tokens/s  wall {r['wall_seconds']:6.1f} s  "
+                f"final loss {r['final_loss']:.3f}",
+                flush=True,
+            )
     med = {v: bc.median([r["tokens_per_second"] for r in results if r["variant"] == v]) for v in variants}
     print("median training tokens/s (real tokens): " + ", ".join(f"{v} {med[v]:.0f}" for v in variants))
     ratios = {}
@@ -153,15 +209,31 @@ def main(argv=None) -> int:
         for v in variants:
             if v in PLAIN:
                 continue
-            per_round = [r["tokens_per_second"] / p_["tokens_per_second"] for r in results for p_ in results
-                         if r["variant"] == v and p_["variant"] == base and p_["round"] == r["round"]]
+            per_round = [
+                r["tokens_per_second"] / p_["tokens_per_second"]
+                for r in results
+                for p_ in results
+                if r["variant"] == v and p_["variant"] == base and p_["round"] == r["round"]
+            ]
             ratios[f"{v}/{base}"] = {"ratio_of_medians": med[v] / med[base], "median_round_ratio": bc.median(per_round)}
-            print(f"ratio {v}/{base}: {med[v] / med[base]:.2f}x (median of per-round ratios "
-                  f"{bc.median(per_round):.2f}x)")
+            print(
+                f"ratio {v}/{base}: {med[v] / med[base]:.2f}x (median of per-round ratios {bc.median(per_round):.2f}x)"
+            )
     if a.json:
-        a.json.write_text(json.dumps({"machine": bc.machine(), "examples": examples, "rounds": rounds,
-                                      "settings": SETTINGS, "results": results, "medians": med, "ratios": ratios},
-                                     indent=2))
+        a.json.write_text(
+            json.dumps(
+                {
+                    "machine": bc.machine(),
+                    "examples": examples,
+                    "rounds": rounds,
+                    "settings": SETTINGS,
+                    "results": results,
+                    "medians": med,
+                    "ratios": ratios,
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

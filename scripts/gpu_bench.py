@@ -41,11 +41,18 @@ def build(size: str, dry_run: bool) -> Path:
 def case(work: Path, model: Path, data: Path, size: str, method: str, dry_run: bool, timeout: float = 600) -> dict:
     name = f"{size}-{method}"
     out = bc.fresh_dir(work / name)
-    recipe = bc.write_recipe(work / f"{name}.yaml", model=str(model), data=str(data), output_dir=str(out),
-                             method=method, max_length=256 if dry_run else 2048,
-                             micro_batch_size=4 if dry_run else 8, gradient_accumulation_steps=1,
-                             gradient_checkpointing=True, smoke={"min_steps": 4, "fraction": 0.01,
-                                                                 "max_minutes": 2})
+    recipe = bc.write_recipe(
+        work / f"{name}.yaml",
+        model=str(model),
+        data=str(data),
+        output_dir=str(out),
+        method=method,
+        max_length=256 if dry_run else 2048,
+        micro_batch_size=4 if dry_run else 8,
+        gradient_accumulation_steps=1,
+        gradient_checkpointing=True,
+        smoke={"min_steps": 4, "fraction": 0.01, "max_minutes": 2},
+    )
     row = {"size": size, "method": method}
     rc, plan_wall = bc.ftrun(["plan", str(recipe)], log=work / f"{name}.plan.log")
     t0 = time.monotonic()
@@ -62,12 +69,18 @@ def case(work: Path, model: Path, data: Path, size: str, method: str, dry_run: b
     mem = plan["memory"]
     predicted_gb = mem.get("estimated_per_gpu_gb") or mem["per_gpu_gb"]
     predicted_tps = plan["tokens"].get("estimated_tokens_per_second")
-    return {**row, "params": plan["model"]["params"], "device": smoke["device"],
-            "predicted_gb": predicted_gb, "measured_gb": smoke["peak_memory_gb"],
-            "memory_ratio": predicted_gb / smoke["peak_memory_gb"] if smoke["peak_memory_gb"] else None,
-            "predicted_tokens_per_second": predicted_tps, "measured_tokens_per_second": smoke["tokens_per_second"],
-            "tps_ratio": (predicted_tps / smoke["tokens_per_second"]) if predicted_tps else None,
-            "elapsed": round(time.monotonic() - t0, 1)}
+    return {
+        **row,
+        "params": plan["model"]["params"],
+        "device": smoke["device"],
+        "predicted_gb": predicted_gb,
+        "measured_gb": smoke["peak_memory_gb"],
+        "memory_ratio": predicted_gb / smoke["peak_memory_gb"] if smoke["peak_memory_gb"] else None,
+        "predicted_tokens_per_second": predicted_tps,
+        "measured_tokens_per_second": smoke["tokens_per_second"],
+        "tps_ratio": (predicted_tps / smoke["tokens_per_second"]) if predicted_tps else None,
+        "elapsed": round(time.monotonic() - t0, 1),
+    }
 
 
 def main(argv=None) -> int:
@@ -108,10 +121,13 @@ def main(argv=None) -> int:
             if "error" in r:
                 print(f"  {size:6s} {method:9s} FAILED {r['error']}", flush=True)
             else:
-                print(f"  {size:6s} {method:9s} memory predicted {r['predicted_gb']:.2f} GB measured "
-                      f"{r['measured_gb']:.2f} GB ({r['memory_ratio']:.2f}x); tokens/s predicted "
-                      f"{r['predicted_tokens_per_second'] or 0:.0f} measured {r['measured_tokens_per_second']:.0f} "
-                      f"({r['device']}, smoke {r['smoke_wall_seconds']:.0f} s)", flush=True)
+                print(
+                    f"  {size:6s} {method:9s} memory predicted {r['predicted_gb']:.2f} GB measured "
+                    f"{r['measured_gb']:.2f} GB ({r['memory_ratio']:.2f}x); tokens/s predicted "
+                    f"{r['predicted_tokens_per_second'] or 0:.0f} measured {r['measured_tokens_per_second']:.0f} "
+                    f"({r['device']}, smoke {r['smoke_wall_seconds']:.0f} s)",
+                    flush=True,
+                )
     save()
     return 0 if all("error" not in r for r in rows) else 1
 

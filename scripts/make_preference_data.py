@@ -28,8 +28,13 @@ def pairs(conversations: list[list[dict]], seed: int = 7) -> list[dict]:
     for messages in conversations:
         last = max(k for k, m in enumerate(messages) if m["role"] == "assistant")
         chosen = messages[last]["content"]
-        out.append({"prompt": messages[:last], "chosen": [{"role": "assistant", "content": chosen}],
-                    "rejected": [{"role": "assistant", "content": chosen + rng.choice(FILLER)}]})
+        out.append(
+            {
+                "prompt": messages[:last],
+                "chosen": [{"role": "assistant", "content": chosen}],
+                "rejected": [{"role": "assistant", "content": chosen + rng.choice(FILLER)}],
+            }
+        )
     return out
 
 

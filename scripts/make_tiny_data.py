@@ -14,17 +14,53 @@ DEFAULT_OUT = Path(__file__).resolve().parent.parent / "recipes" / "data" / "tin
 # memorise the mapping (capital, sum, reversal, ticket reply) within a few hundred steps, so the loss
 # curve in the demo visibly falls.
 CAPITALS = [
-    ("France", "Paris"), ("Germany", "Berlin"), ("Italy", "Rome"), ("Spain", "Madrid"),
-    ("Portugal", "Lisbon"), ("Japan", "Tokyo"), ("Egypt", "Cairo"), ("Kenya", "Nairobi"),
-    ("Canada", "Ottawa"), ("Peru", "Lima"), ("Chile", "Santiago"), ("Norway", "Oslo"),
-    ("Sweden", "Stockholm"), ("Finland", "Helsinki"), ("Poland", "Warsaw"), ("Austria", "Vienna"),
-    ("Greece", "Athens"), ("Ireland", "Dublin"), ("India", "New Delhi"), ("China", "Beijing"),
-    ("Brazil", "Brasilia"), ("Mexico", "Mexico City"), ("Cuba", "Havana"), ("Ghana", "Accra"),
+    ("France", "Paris"),
+    ("Germany", "Berlin"),
+    ("Italy", "Rome"),
+    ("Spain", "Madrid"),
+    ("Portugal", "Lisbon"),
+    ("Japan", "Tokyo"),
+    ("Egypt", "Cairo"),
+    ("Kenya", "Nairobi"),
+    ("Canada", "Ottawa"),
+    ("Peru", "Lima"),
+    ("Chile", "Santiago"),
+    ("Norway", "Oslo"),
+    ("Sweden", "Stockholm"),
+    ("Finland", "Helsinki"),
+    ("Poland", "Warsaw"),
+    ("Austria", "Vienna"),
+    ("Greece", "Athens"),
+    ("Ireland", "Dublin"),
+    ("India", "New Delhi"),
+    ("China", "Beijing"),
+    ("Brazil", "Brasilia"),
+    ("Mexico", "Mexico City"),
+    ("Cuba", "Havana"),
+    ("Ghana", "Accra"),
 ]
 
 WORDS = [
-    "cat", "dog", "tree", "lamp", "river", "stone", "cloud", "apple", "train", "glass",
-    "paper", "light", "music", "table", "house", "green", "sugar", "plant", "bread", "chair",
+    "cat",
+    "dog",
+    "tree",
+    "lamp",
+    "river",
+    "stone",
+    "cloud",
+    "apple",
+    "train",
+    "glass",
+    "paper",
+    "light",
+    "music",
+    "table",
+    "house",
+    "green",
+    "sugar",
+    "plant",
+    "bread",
+    "chair",
 ]
 
 SYSTEM_PROMPTS = [
@@ -40,40 +76,57 @@ SYSTEM_PROMPTS = [
 TICKETS = [
     (
         ["I can't log in to my account.", "Login keeps failing for me.", "My password is not accepted anymore."],
-        ["Open the login page and click Forgot password.", "Check your email for the reset link.",
-         "Choose a new password and sign in again."],
+        [
+            "Open the login page and click Forgot password.",
+            "Check your email for the reset link.",
+            "Choose a new password and sign in again.",
+        ],
     ),
     (
         ["I was charged twice this month.", "There is a double charge on my card.", "My invoice shows two payments."],
-        ["Open Billing and select the invoice.", "Click Request refund on the duplicate payment.",
-         "The refund reaches your card within five days."],
+        [
+            "Open Billing and select the invoice.",
+            "Click Request refund on the duplicate payment.",
+            "The refund reaches your card within five days.",
+        ],
     ),
     (
         ["My server is very slow.", "The dashboard takes ages to load.", "Everything is slow since this morning."],
-        ["Open the Status page to check for incidents.", "Restart the instance from the dashboard.",
-         "If it is still slow, send us the instance id."],
+        [
+            "Open the Status page to check for incidents.",
+            "Restart the instance from the dashboard.",
+            "If it is still slow, send us the instance id.",
+        ],
     ),
     (
         ["How do I delete my account?", "Please close my account.", "I want to remove my account."],
-        ["Open Settings and choose Account.", "Click Delete account and confirm.",
-         "Your data is removed after thirty days."],
+        [
+            "Open Settings and choose Account.",
+            "Click Delete account and confirm.",
+            "Your data is removed after thirty days.",
+        ],
     ),
     (
         ["I did not get the confirmation email.", "The verification mail never arrived.", "No email from you yet."],
-        ["Check your spam folder first.", "Click Resend email on the sign up page.",
-         "Add our address to your contacts."],
+        [
+            "Check your spam folder first.",
+            "Click Resend email on the sign up page.",
+            "Add our address to your contacts.",
+        ],
     ),
 ]
 
 
 def _capital(rng: random.Random) -> tuple[str, str]:
     country, city = rng.choice(CAPITALS)
-    q = rng.choice([
-        f"What is the capital of {country}?",
-        f"Name the capital city of {country}.",
-        f"Which city is the capital of {country}?",
-        f"capital of {country}?",
-    ])
+    q = rng.choice(
+        [
+            f"What is the capital of {country}?",
+            f"Name the capital city of {country}.",
+            f"Which city is the capital of {country}?",
+            f"capital of {country}?",
+        ]
+    )
     a = rng.choice([f"The capital of {country} is {city}.", f"{city} is the capital of {country}."])
     return q, a
 
@@ -112,16 +165,20 @@ def _long(rng: random.Random) -> tuple[str, str]:
         return f"Count from {start} to {start + n - 1}.", ", ".join(str(i) for i in range(start, start + n)) + "."
     if kind == "capitals":
         pairs = rng.sample(CAPITALS, rng.randint(12, len(CAPITALS)))
-        return ("List these countries with their capitals: " + ", ".join(c for c, _ in pairs) + ".",
-                "\n".join(f"- {c}: {city}" for c, city in pairs))
+        return (
+            "List these countries with their capitals: " + ", ".join(c for c, _ in pairs) + ".",
+            "\n".join(f"- {c}: {city}" for c, city in pairs),
+        )
     lines = []
     for i in range(rng.randint(15, 40)):
         level = rng.choice(["INFO", "INFO", "INFO", "WARN", "ERROR"])
         lines.append(f"12:{i:02d} {level} worker {rng.randint(1, 4)} step {i * 10} done")
     errors = sum(1 for line in lines if " ERROR " in line)
     warns = sum(1 for line in lines if " WARN " in line)
-    return ("Summarize this log:\n" + "\n".join(lines),
-            f"The log has {len(lines)} lines, {errors} errors and {warns} warnings.")
+    return (
+        "Summarize this log:\n" + "\n".join(lines),
+        f"The log has {len(lines)} lines, {errors} errors and {warns} warnings.",
+    )
 
 
 def make_examples(n: int = 400, seed: int = 0) -> list[dict]:

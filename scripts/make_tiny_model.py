@@ -126,12 +126,25 @@ def build_tiny_model(
         import fcntl
 
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return _build_locked(out, data, spec, hidden, layers, heads, kv_heads, intermediate, vocab, seed,
-                             model_vocab, dtype)
+        return _build_locked(
+            out, data, spec, hidden, layers, heads, kv_heads, intermediate, vocab, seed, model_vocab, dtype
+        )
 
 
-def _build_locked(out: Path, data: Path, spec: dict, hidden: int, layers: int, heads: int, kv_heads: int,
-                  intermediate: int, vocab: int, seed: int, model_vocab: int, dtype: str) -> Path:
+def _build_locked(
+    out: Path,
+    data: Path,
+    spec: dict,
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    intermediate: int,
+    vocab: int,
+    seed: int,
+    model_vocab: int,
+    dtype: str,
+) -> Path:
     marker = out / MARKER
     if marker.is_file() and (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file():
         try:
@@ -164,7 +177,7 @@ def _build_locked(out: Path, data: Path, spec: dict, hidden: int, layers: int, h
         # Fan-in scale (1/sqrt(hidden)) instead of Qwen's 0.02: the lm_head is the frozen, tied embedding, and
         # with 0.02 its logits stay near zero, so LoRA on a random model cannot move the loss at all (measured:
         # 6.89 -> 6.53 in 40 steps, against 6.69 -> 4.28 with this scale).
-        initializer_range=hidden ** -0.5,
+        initializer_range=hidden**-0.5,
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         tie_word_embeddings=True,
         use_cache=True,  # for generation; the trainer turns it off itself under gradient checkpointing
@@ -178,9 +191,7 @@ def _build_locked(out: Path, data: Path, spec: dict, hidden: int, layers: int, h
         model = Qwen3ForCausalLM(config)
     model.to(getattr(torch, dtype))
     # Like Qwen's chat models: generation stops at the end of the assistant turn.
-    model.generation_config = GenerationConfig(
-        eos_token_id=[im_end_id, pad_id], pad_token_id=pad_id, bos_token_id=None
-    )
+    model.generation_config = GenerationConfig(eos_token_id=[im_end_id, pad_id], pad_token_id=pad_id, bos_token_id=None)
 
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
@@ -220,16 +231,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", default=str(DEFAULT_DATA))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-vocab", type=int, default=0, help="pad the embedding to this many rows")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                   help="the dtype the weights are saved in")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="the dtype the weights are saved in",
+    )
     a = p.parse_args(argv)
     from transformers.utils import logging as hf_logging
 
     # A one-shard progress bar is noise in the CLI; done here, not in build_tiny_model, as it is process-global.
     hf_logging.disable_progress_bar()
     out = build_tiny_model(
-        a.out_dir, hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads,
-        intermediate=a.intermediate, vocab=a.vocab, data=a.data, seed=a.seed, model_vocab=a.model_vocab,
+        a.out_dir,
+        hidden=a.hidden,
+        layers=a.layers,
+        heads=a.heads,
+        kv_heads=a.kv_heads,
+        intermediate=a.intermediate,
+        vocab=a.vocab,
+        data=a.data,
+        seed=a.seed,
+        model_vocab=a.model_vocab,
         dtype=a.dtype,
     )
     print(f"tiny model ({count_params(out):,} parameters) in {out}")

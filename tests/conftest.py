@@ -105,6 +105,7 @@ def reference_run(tmp_path_factory, tiny_model) -> Path:
 
 # A local S3 endpoint for the copies off the box (tests/store/test_sync.py, tests/run/test_kill_series.py).
 
+
 class _RequestLog:
     """WSGI middleware recording each request the S3 server answers: method, path, query, response bytes.
 
@@ -131,8 +132,12 @@ class _RequestLog:
         self._released.set()
 
     def __call__(self, environ, start_response):
-        entry = {"method": environ["REQUEST_METHOD"], "path": environ.get("PATH_INFO", ""),
-                 "query": environ.get("QUERY_STRING", ""), "bytes": 0}
+        entry = {
+            "method": environ["REQUEST_METHOD"],
+            "path": environ.get("PATH_INFO", ""),
+            "query": environ.get("QUERY_STRING", ""),
+            "bytes": 0,
+        }
         self.entries.append(entry)
         match = self._match
         if match is not None and match(entry):
@@ -174,8 +179,12 @@ def s3_server(monkeypatch):
     requests = _RequestLog(server._server.app)
     server._server.app = requests  # werkzeug's handler calls the server's .app for each request
     host, port = server.get_host_and_port()
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": f"http://{host}:{port}"}
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+    }
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     boto3.client("s3").create_bucket(Bucket="ftrun-test")

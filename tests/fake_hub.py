@@ -29,8 +29,9 @@ REAL_API = hf.HfApi
 LFS_ABOVE = 1024  # the stand-in stores files above this as LFS (the Hub: 10 MB or a binary type)
 
 
-def hub_error(status: int, url: str = "https://huggingface.co/api/models/me/runs/commit/main",
-              headers: dict | None = None):
+def hub_error(
+    status: int, url: str = "https://huggingface.co/api/models/me/runs/commit/main", headers: dict | None = None
+):
     """The exception huggingface_hub raises for this answer, made by its own hf_raise_for_status."""
     response_cls = hf.errors.Response
     request_cls = sys.modules[response_cls.__module__.split(".")[0]].Request
@@ -46,8 +47,9 @@ def not_found(what: str):
     """The error the Hub's 404 becomes (built from the response class huggingface_hub itself uses)."""
     response_cls = hf.errors.Response
     request_cls = sys.modules[response_cls.__module__.split(".")[0]].Request
-    return hf.errors.RemoteEntryNotFoundError(f"404: {what}", response=response_cls(
-        404, request=request_cls("GET", "https://huggingface.co/api/x")))
+    return hf.errors.RemoteEntryNotFoundError(
+        f"404: {what}", response=response_cls(404, request=request_cls("GET", "https://huggingface.co/api/x"))
+    )
 
 
 def _shared(method):
@@ -97,8 +99,13 @@ class FakeHub:
         self.objects = _Objects(self.state / "objects")
 
     def save(self) -> None:
-        data = {"calls": self.calls, "made": [{k: v for k, v in c.items() if k != "tree"} for c in self.made],
-                "answers": self.answers, "commits": self.commits, "before_squash": [sorted(s) for s in self.before_squash]}
+        data = {
+            "calls": self.calls,
+            "made": [{k: v for k, v in c.items() if k != "tree"} for c in self.made],
+            "answers": self.answers,
+            "commits": self.commits,
+            "before_squash": [sorted(s) for s in self.before_squash],
+        }
         tmp = self.state / "repo.json.tmp"
         tmp.write_text(json.dumps(data))
         tmp.replace(self.state / "repo.json")
@@ -116,20 +123,31 @@ class FakeHub:
 
     # -- the stand-in's own bookkeeping --------------------------------------------------
 
-    def refuse(self, call: str, status: int, times: int = 1, headers: dict | None = None, landed: bool = False,
-               message: str = ""):
+    def refuse(
+        self,
+        call: str,
+        status: int,
+        times: int = 1,
+        headers: dict | None = None,
+        landed: bool = False,
+        message: str = "",
+    ):
         """The next `times` calls of `call` answer `status` (`landed`: a commit applied, its answer lost; `message`:
         only commits whose message holds it)."""
         if self.state is not None:
             self.reload()
-        self.answers += [{"call": call, "status": status, "headers": headers or {}, "landed": landed,
-                          "message": message}] * times
+        self.answers += [
+            {"call": call, "status": status, "headers": headers or {}, "landed": landed, "message": message}
+        ] * times
         if self.state is not None:
             self.save()
 
     def _answer(self, name: str, kwargs: dict):
-        if self.answers and self.answers[0]["call"] == name and \
-                self.answers[0].get("message", "") in kwargs.get("commit_message", ""):
+        if (
+            self.answers
+            and self.answers[0]["call"] == name
+            and self.answers[0].get("message", "") in kwargs.get("commit_message", "")
+        ):
             return self.answers.pop(0)
         return None
 
@@ -190,8 +208,11 @@ class FakeHub:
                 data = Path(op.path_or_fileobj).read_bytes()
                 data = self.mangle(op.path_in_repo, data) if self.mangle else data
                 lfs = len(data) > LFS_ABOVE
-                oid = hashlib.sha256(data).hexdigest() if lfs else \
-                    hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+                oid = (
+                    hashlib.sha256(data).hexdigest()
+                    if lfs
+                    else hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+                )
                 self.objects[oid] = data
                 tree[op.path_in_repo] = (oid, lfs)
                 added.append(op.path_in_repo)
@@ -202,8 +223,7 @@ class FakeHub:
                 missing = [n for n in named if f"{folder}/{n}" not in added]
                 assert not missing, f"commit adds {path} without {missing}"
         if tree != self.head:  # huggingface_hub skips a commit that changes nothing
-            self.commits.append({"message": kwargs["commit_message"], "tree": tree, "added": added,
-                                 "deleted": deleted})
+            self.commits.append({"message": kwargs["commit_message"], "tree": tree, "added": added, "deleted": deleted})
             self.made.append(self.commits[-1])
         for op in operations:
             if isinstance(op, hf.CommitOperationAdd):
@@ -215,8 +235,9 @@ class FakeHub:
     def super_squash_history(self, *args, **kwargs):
         self._check("super_squash_history", *args, **kwargs)
         self.before_squash.append(self.lfs_referenced())
-        self.commits = [{"message": kwargs.get("commit_message") or "squash", "tree": dict(self.head),
-                         "added": [], "deleted": []}]
+        self.commits = [
+            {"message": kwargs.get("commit_message") or "squash", "tree": dict(self.head), "added": [], "deleted": []}
+        ]
 
     @_shared
     def hf_hub_download(self, *args, **kwargs):
@@ -236,7 +257,7 @@ class FakeHub:
         """{path: is_folder} of the head's entries directly in `folder` ("" is the root)."""
         out = {}
         for path in self.head:
-            rest = path[len(folder) + 1:] if folder else path
+            rest = path[len(folder) + 1 :] if folder else path
             if folder and not path.startswith(folder + "/"):
                 continue
             first, _, more = rest.partition("/")
@@ -250,8 +271,10 @@ class FakeHub:
         children = self._children(folder)
         if folder and not children:
             raise not_found(folder)
-        return [hf.hf_api.RepoFolder(path=path, oid="0" * 40) if is_folder else self._info(path)
-                for path, is_folder in sorted(children.items())]
+        return [
+            hf.hf_api.RepoFolder(path=path, oid="0" * 40) if is_folder else self._info(path)
+            for path, is_folder in sorted(children.items())
+        ]
 
     @_shared
     def get_paths_info(self, *args, **kwargs):
@@ -269,10 +292,12 @@ class FakeHub:
         oid, lfs = self.head[path]
         data = self.objects[oid]
         blob = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-        return hf.hf_api.RepoFile(path=path, size=len(data), oid=blob,
-                                  lfs={"size": len(data), "oid": oid, "pointerSize": 134} if lfs else None)
-
-
+        return hf.hf_api.RepoFile(
+            path=path,
+            size=len(data),
+            oid=blob,
+            lfs={"size": len(data), "oid": oid, "pointerSize": 134} if lfs else None,
+        )
 
 
 class _Objects(dict):

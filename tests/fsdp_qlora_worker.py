@@ -1,4 +1,5 @@
-"""Run under torchrun (gloo): the worker's QLoRA+FSDP loading path on CPU, sharded with fully_shard, against an unsharded copy.
+"""Run under torchrun (gloo): the worker's QLoRA+FSDP loading path on CPU, sharded with fully_shard, against an
+unsharded copy.
 
 `path` once-per-box (the worker's path, launcher.worker.loading.load_model_and_tokenizer with engine fsdp): the first
 rank of the box quantizes into <run_dir>/.quantized/ and every rank loads that folder, memory-mapped. `path` per-rank
@@ -115,15 +116,17 @@ def main(run_dir: str, dtype_name: str, out: str, path: str = "once-per-box", ch
         model.config.use_cache = False
         # held until the model is sharded, as accelerate's fsdp2_prepare_model holds the state dict it takes first
         params4 = {n: p for n, p in model.named_parameters() if type(p).__name__ == "Params4bit"}
-        loaded = {"params4bit": len(params4),
-                  "storage_dtypes": sorted({str(p.dtype) for p in params4.values()}),
-                  "devices": sorted({str(p.device) for p in params4.values()}),
-                  "quantized": all(p.bnb_quantized for p in params4.values()),
-                  "bytes_4bit": sum(p.numel() * p.element_size() for p in params4.values()),
-                  "values_4bit": sum(int(p.quant_state.shape.numel()) for p in params4.values()),
-                  # the packed bytes and the LoRA initialisation, to compare across ranks and between the paths
-                  "sum_4bit": sum(int(p.data.view(torch.int16).sum(dtype=torch.int64)) for p in params4.values()),
-                  "sum_lora": sum(float(p.detach().double().sum()) for p in model.parameters() if p.requires_grad)}
+        loaded = {
+            "params4bit": len(params4),
+            "storage_dtypes": sorted({str(p.dtype) for p in params4.values()}),
+            "devices": sorted({str(p.device) for p in params4.values()}),
+            "quantized": all(p.bnb_quantized for p in params4.values()),
+            "bytes_4bit": sum(p.numel() * p.element_size() for p in params4.values()),
+            "values_4bit": sum(int(p.quant_state.shape.numel()) for p in params4.values()),
+            # the packed bytes and the LoRA initialisation, to compare across ranks and between the paths
+            "sum_4bit": sum(int(p.data.view(torch.int16).sum(dtype=torch.int64)) for p in params4.values()),
+            "sum_lora": sum(float(p.detach().double().sum()) for p in model.parameters() if p.requires_grad),
+        }
         shard_worker_model(model)
         dist.barrier()
     phases["load_and_shard"] = round(time.monotonic() - started, 1)
@@ -136,28 +139,42 @@ def main(run_dir: str, dtype_name: str, out: str, path: str = "once-per-box", ch
     if check == "equal":
         result = _compare_with_unsharded(model, recipe, kwargs)
     phases["reference_and_step"] = round(time.monotonic() - started - phases["load_and_shard"], 1)
-    mine = {"rank": rank, "sums": [loaded["sum_4bit"], loaded["sum_lora"]], "baseline": baseline,
-            "loaded": loaded_at, "sharded": sharded_at, "samples": sampler.samples, "load_seconds": load_seconds}
+    mine = {
+        "rank": rank,
+        "sums": [loaded["sum_4bit"], loaded["sum_lora"]],
+        "baseline": baseline,
+        "loaded": loaded_at,
+        "sharded": sharded_at,
+        "samples": sampler.samples,
+        "load_seconds": load_seconds,
+    }
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     series = [r["samples"] for r in everyone]
     anon0 = [r["baseline"]["RssAnon"] for r in everyone]
     file0 = [r["baseline"]["RssFile"] for r in everyone]
-    result = {**result, "world_size": world, "path": path,
-              "same_weights_on_every_rank": all(r["sums"] == everyone[0]["sums"] for r in everyone),
-              "load_kwargs": {k: str(v) for k, v in kwargs.items()}, **loaded,
-              "quantized_dir": str(Path(run_dir) / ".quantized") if (Path(run_dir) / ".quantized").is_dir() else None,
-              "sharded_4bit": len(sharded4), "local_bytes_4bit": local4,
-              "rss_mb": {
-                  "box_peak_anon": box_peak(series, anon0),
-                  "rank_peak_anon": [max(a for _, a, _ in s) - anon0[i] for i, s in enumerate(series)],
-                  "rank_peak_file": [max(f for _, _, f in s) - file0[i] for i, s in enumerate(series)],
-                  "rank_loaded_anon": [r["loaded"]["RssAnon"] - anon0[i] for i, r in enumerate(everyone)],
-                  "rank_loaded_file": [r["loaded"]["RssFile"] - file0[i] for i, r in enumerate(everyone)],
-                  "rank_sharded_anon": [r["sharded"]["RssAnon"] - anon0[i] for i, r in enumerate(everyone)],
-                  "samples": [len(s) for s in series],
-              },
-              "load_seconds": [round(r["load_seconds"], 2) for r in everyone], "phases_rank0": phases}
+    result = {
+        **result,
+        "world_size": world,
+        "path": path,
+        "same_weights_on_every_rank": all(r["sums"] == everyone[0]["sums"] for r in everyone),
+        "load_kwargs": {k: str(v) for k, v in kwargs.items()},
+        **loaded,
+        "quantized_dir": str(Path(run_dir) / ".quantized") if (Path(run_dir) / ".quantized").is_dir() else None,
+        "sharded_4bit": len(sharded4),
+        "local_bytes_4bit": local4,
+        "rss_mb": {
+            "box_peak_anon": box_peak(series, anon0),
+            "rank_peak_anon": [max(a for _, a, _ in s) - anon0[i] for i, s in enumerate(series)],
+            "rank_peak_file": [max(f for _, _, f in s) - file0[i] for i, s in enumerate(series)],
+            "rank_loaded_anon": [r["loaded"]["RssAnon"] - anon0[i] for i, r in enumerate(everyone)],
+            "rank_loaded_file": [r["loaded"]["RssFile"] - file0[i] for i, r in enumerate(everyone)],
+            "rank_sharded_anon": [r["sharded"]["RssAnon"] - anon0[i] for i, r in enumerate(everyone)],
+            "samples": [len(s) for s in series],
+        },
+        "load_seconds": [round(r["load_seconds"], 2) for r in everyone],
+        "phases_rank0": phases,
+    }
     if rank == 0:
         Path(out).write_text(json.dumps(result, indent=2))
     dist.barrier()
@@ -183,9 +200,13 @@ def _compare_with_unsharded(model, recipe, kwargs) -> dict:
     for n, g in grads.items():
         full = g.full_tensor() if isinstance(g, DTensor) else g
         diffs.append(float((full.float() - ref_grads[n].float()).abs().max()))
-    return {"loss_sharded": loss.item(), "loss_unsharded": ref.item(), "lora_grads": len(grads),
-            "max_grad_diff": max(diffs) if diffs else None,
-            "max_ref_grad": max(float(g.abs().max()) for g in ref_grads.values())}
+    return {
+        "loss_sharded": loss.item(),
+        "loss_unsharded": ref.item(),
+        "lora_grads": len(grads),
+        "max_grad_diff": max(diffs) if diffs else None,
+        "max_ref_grad": max(float(g.abs().max()) for g in ref_grads.values()),
+    }
 
 
 def _unsharded_reference(model, recipe, kwargs):

@@ -15,13 +15,25 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 # The article's planning dataset: 10,000 examples of ~500 tokens, three epochs = 15M training tokens.
-ARTICLE_DATA = SimpleNamespace(examples=10_000, total_tokens=5_000_000, mean_tokens=500.0, max_tokens=2048,
-                               over_max_length=0, tokens_source="tokenizer")
+ARTICLE_DATA = SimpleNamespace(
+    examples=10_000,
+    total_tokens=5_000_000,
+    mean_tokens=500.0,
+    max_tokens=2048,
+    over_max_length=0,
+    tokens_source="tokenizer",
+)
 
 
 def article_recipe(tmp_path, **fields):
-    base = {"model": "meta-llama/Llama-3.1-8B", "method": "qlora", "data": "d.jsonl", "max_length": 2048,
-            "micro_batch_size": 1, "gradient_accumulation_steps": 8}
+    base = {
+        "model": "meta-llama/Llama-3.1-8B",
+        "method": "qlora",
+        "data": "d.jsonl",
+        "max_length": 2048,
+        "micro_batch_size": 1,
+        "gradient_accumulation_steps": 8,
+    }
     base.update(fields)
     from launcher.recipe import validate_recipe
 
@@ -38,8 +50,14 @@ def article_plan(tmp_path, gpus, unsloth=False, data=ARTICLE_DATA, **fields):
 
 def ftrun(*args, cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     full_env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", **(env or {}))
-    return subprocess.run([sys.executable, "-m", "launcher.cli", *map(str, args)], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "launcher.cli", *map(str, args)],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def status(run_dir: Path, cwd: Path) -> dict:
@@ -81,13 +99,18 @@ def assert_same_run(a: Path, b: Path) -> None:
     differ = [(x["step"], x["loss"], y["loss"]) for x, y in zip(ma, mb) if x["loss"] != y["loss"]]
     if differ:  # what the next reader needs: which steps, and the resumed run's own account of its resume
         log = (b / "train.log").read_text() if (b / "train.log").is_file() else ""
-        said = [line for line in log.splitlines() if any(w in line for w in ("resum", "checkpoint", "SIGTERM",
-                                                                                "window", "preempt"))]
+        said = [
+            line
+            for line in log.splitlines()
+            if any(w in line for w in ("resum", "checkpoint", "SIGTERM", "window", "preempt"))
+        ]
         first = next(i for i, (x, y) in enumerate(zip(ma, mb)) if x["loss"] != y["loss"])
-        raise AssertionError(f"losses differ at (step, reference, this run) {differ[:8]}; the first such rows:\n"
-                             f"  reference {ma[first]}\n  this run  {mb[first]}\n"
-                             f"the two runs' plans and workers differ in: {_settings_differ(a, b)}; this run's log:\n"
-                             + "\n".join(said[-30:]))
+        raise AssertionError(
+            f"losses differ at (step, reference, this run) {differ[:8]}; the first such rows:\n"
+            f"  reference {ma[first]}\n  this run  {mb[first]}\n"
+            f"the two runs' plans and workers differ in: {_settings_differ(a, b)}; this run's log:\n"
+            + "\n".join(said[-30:])
+        )
     ta, tb = adapter_tensors(a), adapter_tensors(b)
     assert ta.keys() == tb.keys()
     for k in ta:
@@ -114,8 +137,14 @@ def _settings_differ(a: Path, b: Path) -> list[str]:
 
 def wait_until_ended(run_dir: Path, cwd: Path, timeout: float = 240) -> dict:
     # ended: a final state, and the supervisor gone (it copies the result off the box after training)
-    wait_for(lambda: (lambda s: s["state"] not in ("running", "recovering", "smoking", "planned") and not s["pid_alive"])(
-        status(run_dir, cwd)), timeout, "the run to end", 0.5)
+    wait_for(
+        lambda: (lambda s: s["state"] not in ("running", "recovering", "smoking", "planned") and not s["pid_alive"])(
+            status(run_dir, cwd)
+        ),
+        timeout,
+        "the run to end",
+        0.5,
+    )
     s = status(run_dir, cwd)
     log = (run_dir / "train.log").read_text()[-4000:] if (run_dir / "train.log").is_file() else ""
     assert s["state"] == "succeeded", log
@@ -201,8 +230,10 @@ def freeze_worker(run_dir: Path, until, timeout: float = 180) -> dict:
         time.sleep(0.05)
     st = read_state(run_dir) if (run_dir / "state.json").is_file() else {}
     log = (run_dir / "train.log").read_text(errors="replace")[-2000:] if (run_dir / "train.log").is_file() else ""
-    raise AssertionError(f"timed out after {timeout}s waiting to freeze the worker at the moment asked for; the run "
-                         f"is {st.get('state')!r}; the end of its log:\n{log}")
+    raise AssertionError(
+        f"timed out after {timeout}s waiting to freeze the worker at the moment asked for; the run "
+        f"is {st.get('state')!r}; the end of its log:\n{log}"
+    )
 
 
 def has_checkpoint(run_dir: Path) -> bool:
@@ -247,25 +278,49 @@ def export_recipe(path: Path, model: Path, out: Path, **fields) -> Path:
     the GGUF tier, tests/deliver/test_gguf.py); `fields` override."""
     import yaml
 
-    base = {"model": str(model), "method": "lora", "data": str(REPO / "recipes" / "data" / "tiny-chat.jsonl"),
-            "max_length": 256, "micro_batch_size": 8, "gradient_accumulation_steps": 1, "max_steps": 8,
-            "learning_rate": 5e-3, "logging_steps": 1, "checkpoint_every_minutes": 0.02, "output_dir": str(out),
-            "smoke": {"enabled": False}}
+    base = {
+        "model": str(model),
+        "method": "lora",
+        "data": str(REPO / "recipes" / "data" / "tiny-chat.jsonl"),
+        "max_length": 256,
+        "micro_batch_size": 8,
+        "gradient_accumulation_steps": 1,
+        "max_steps": 8,
+        "learning_rate": 5e-3,
+        "logging_steps": 1,
+        "checkpoint_every_minutes": 0.02,
+        "output_dir": str(out),
+        "smoke": {"enabled": False},
+    }
     base.update(fields)
     path.write_text(yaml.safe_dump(base))
     return path
 
 
-
 # Ticket sorting, the issue's label task: a short ticket in, one of four labels out (launcher/worker/task_eval.py).
 TICKET_LABELS = {
     "account": ["login today", "password not accepted", "can't log in", "close my account", "reset my password"],
-    "billing": ["charged twice", "double charge on my card", "invoice shows two payments", "refund please",
-                "wrong invoice amount"],
-    "performance": ["server is very slow", "dashboard takes ages", "everything is slow", "instance keeps lagging",
-                    "pages load slowly"],
-    "email": ["no confirmation email", "verification mail never arrived", "no email from you", "mail went to spam",
-              "resend the email"],
+    "billing": [
+        "charged twice",
+        "double charge on my card",
+        "invoice shows two payments",
+        "refund please",
+        "wrong invoice amount",
+    ],
+    "performance": [
+        "server is very slow",
+        "dashboard takes ages",
+        "everything is slow",
+        "instance keeps lagging",
+        "pages load slowly",
+    ],
+    "email": [
+        "no confirmation email",
+        "verification mail never arrived",
+        "no email from you",
+        "mail went to spam",
+        "resend the email",
+    ],
 }
 
 
@@ -279,12 +334,15 @@ def write_ticket_labels(path: Path, n: int = 200, seed: int = 0) -> Path:
         for k in range(n):
             label = labels[k % len(labels)]
             ticket = f"Ticket {rng.randint(1000, 9999)}: {rng.choice(TICKET_LABELS[label])}"
-            fh.write(json.dumps({"messages": [{"role": "user", "content": ticket},
-                                              {"role": "assistant", "content": label}]}) + "\n")
+            fh.write(
+                json.dumps({"messages": [{"role": "user", "content": ticket}, {"role": "assistant", "content": label}]})
+                + "\n"
+            )
     return Path(path)
 
 
-# A Hub dataset in the HF datasets cache, as `datasets` leaves a download there (tests/data, tests/worker/test_preference.py).
+# A Hub dataset in the HF datasets cache, as `datasets` leaves a download there (tests/data,
+# tests/worker/test_preference.py).
 HUB_REVISION = "0123456789abcdef0123456789abcdef01234567"
 
 

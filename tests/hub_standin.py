@@ -51,11 +51,14 @@ class HubStandIn:
                 self.send_response(status)
                 for k, v in (headers or {}).items():
                     self.send_header(k, v)
-                self.send_header("Content-Length", str(len(body)) if not (headers or {}).get("Content-Length") else headers["Content-Length"])
+                self.send_header(
+                    "Content-Length",
+                    str(len(body)) if not (headers or {}).get("Content-Length") else headers["Content-Length"],
+                )
                 self.end_headers()
                 if not head and body:
                     for i in range(0, len(body), CHUNK):
-                        self.wfile.write(body[i:i + CHUNK])
+                        self.wfile.write(body[i : i + CHUNK])
                         if hub.slow:
                             time.sleep(hub.slow)
 
@@ -63,8 +66,11 @@ class HubStandIn:
                 self._send(status, json.dumps(obj).encode(), {"Content-Type": "application/json"})
 
             def _error(self, status: int, code: str, message: str):
-                self._send(status, json.dumps({"error": message}).encode(),
-                           {"Content-Type": "application/json", "X-Error-Code": code, "X-Error-Message": message})
+                self._send(
+                    status,
+                    json.dumps({"error": message}).encode(),
+                    {"Content-Type": "application/json", "X-Error-Code": code, "X-Error-Message": message},
+                )
 
             def _repo(self, parts: list[str]):
                 repo = "/".join(parts[:2])
@@ -72,8 +78,12 @@ class HubStandIn:
                     self._error(404, "RepoNotFound", f"Repository Not Found for url: {self.path}.")
                     return None
                 if repo in hub.gated:
-                    self._error(403, "GatedRepo", f"Access to model {repo} is restricted. You must have access to it "
-                                "and be authenticated to access it. Please log in.")
+                    self._error(
+                        403,
+                        "GatedRepo",
+                        f"Access to model {repo} is restricted. You must have access to it "
+                        "and be authenticated to access it. Please log in.",
+                    )
                     return None
                 return repo
 
@@ -103,8 +113,9 @@ class HubStandIn:
                             if "lfs" in e:
                                 s["lfs"] = {"size": e["size"], "sha256": e["lfs"]["oid"], "pointerSize": 134}
                             siblings.append(s)
-                        return self._json({"id": repo, "modelId": repo, "sha": SHA, "private": False,
-                                           "siblings": siblings})
+                        return self._json(
+                            {"id": repo, "modelId": repo, "sha": SHA, "private": False, "siblings": siblings}
+                        )
                     if rest[:1] == ["tree"]:
                         return self._json([self._entry(n, d) for n, d in files.items()])
                     return self._error(404, "EntryNotFound", "no such API")
@@ -119,8 +130,12 @@ class HubStandIn:
                         return self._error(404, "EntryNotFound", f"{name} not found")
                     e = self._entry(name, data)
                     etag = e["lfs"]["oid"] if "lfs" in e else e["oid"]
-                    headers = {"X-Repo-Commit": SHA, "ETag": f'"{etag}"', "Content-Length": str(len(data)),
-                               "Content-Type": "application/octet-stream"}
+                    headers = {
+                        "X-Repo-Commit": SHA,
+                        "ETag": f'"{etag}"',
+                        "Content-Length": str(len(data)),
+                        "Content-Type": "application/octet-stream",
+                    }
                     if "lfs" in e:
                         headers.update({"X-Linked-Etag": f'"{etag}"', "X-Linked-Size": str(len(data))})
                     return self._send(200, data, headers, head=head)

@@ -25,9 +25,17 @@ def _data(folder: Path, turn: dict | None = None) -> Path:
 
 # (id, what the recipe changes, what the error must name): each a mistake a user makes
 CASES = [
-    ("scheduler name", {"trainer": {"lr_scheduler_type": "cosine_warmup"}}, ["trainer.lr_scheduler_type", "cosine_warmup"]),
+    (
+        "scheduler name",
+        {"trainer": {"lr_scheduler_type": "cosine_warmup"}},
+        ["trainer.lr_scheduler_type", "cosine_warmup"],
+    ),
     ("optimizer name", {"trainer": {"optim": "adam_w"}}, ["trainer.optim", "adam_w", "adamw_torch"]),
-    ("scheduler typo", {"trainer": {"lr_scheduler_type": "cosin"}}, ["trainer.lr_scheduler_type", "did you mean 'cosine'"]),
+    (
+        "scheduler typo",
+        {"trainer": {"lr_scheduler_type": "cosin"}},
+        ["trainer.lr_scheduler_type", "did you mean 'cosine'"],
+    ),
     ("bool as a word", {"trainer": {"torch_compile": "yes"}}, ["trainer.torch_compile", "'yes' is not true or false"]),
     ("number as a word", {"trainer": {"neftune_noise_alpha": "high"}}, ["trainer.neftune_noise_alpha", "'high'"]),
     ("sync scheme", {"sync": {"to": "s4://bucket/runs"}}, ["sync.to", "'s4://' is not a destination"]),
@@ -40,19 +48,31 @@ CASES = [
     ("unknown message key", {"data": "EXTRA_KEY"}, ["line 41", "'loss_mask'", "does not read"]),
     ("cut share", {"max_length_may_cut": 2}, ["max_length_may_cut"]),
     # task settings the data cannot honour (issue 46): the key, the value, the largest that fits
-    ("task metric json on labels",
-     {"data": "DISTINCT", "eval": {"fraction": 0.3, "samples": 0, "task": {"metric": "json", "examples": 10}}},
-     ["eval.task.metric json", "none of the 10 held-out references parses", "set eval.task.metric: text"]),
-    ("task examples, none held out", {"eval": {"samples": 0, "task": {"examples": 10}}},
-     ["eval.task.examples 10", "holds no examples out", "eval.fraction"]),
-    ("task examples over the held out",
-     {"data": "DISTINCT", "eval": {"fraction": 0.3, "samples": 0, "task": {"examples": 30}}},
-     ["eval.task.examples 30", "the largest that fits is 12"]),
-    ("task shots over the training",
-     {"data": "DISTINCT", "eval": {"fraction": 0.3, "samples": 0, "task": {"shots": 100}}},
-     ["eval.task.shots 100", "the largest that fits is 28"]),
-    ("task shots over max_length", {"data": "DISTINCT", "eval": {"fraction": 0.3, "samples": 0, "task": {"shots": 20}}},
-     ["eval.task.shots 20", "over max_length 128", "the largest that fits is"]),
+    (
+        "task metric json on labels",
+        {"data": "DISTINCT", "eval": {"fraction": 0.3, "samples": 0, "task": {"metric": "json", "examples": 10}}},
+        ["eval.task.metric json", "none of the 10 held-out references parses", "set eval.task.metric: text"],
+    ),
+    (
+        "task examples, none held out",
+        {"eval": {"samples": 0, "task": {"examples": 10}}},
+        ["eval.task.examples 10", "holds no examples out", "eval.fraction"],
+    ),
+    (
+        "task examples over the held out",
+        {"data": "DISTINCT", "eval": {"fraction": 0.3, "samples": 0, "task": {"examples": 30}}},
+        ["eval.task.examples 30", "the largest that fits is 12"],
+    ),
+    (
+        "task shots over the training",
+        {"data": "DISTINCT", "eval": {"fraction": 0.3, "samples": 0, "task": {"shots": 100}}},
+        ["eval.task.shots 100", "the largest that fits is 28"],
+    ),
+    (
+        "task shots over max_length",
+        {"data": "DISTINCT", "eval": {"fraction": 0.3, "samples": 0, "task": {"shots": 20}}},
+        ["eval.task.shots 20", "over max_length 128", "the largest that fits is"],
+    ),
 ]
 
 
@@ -60,16 +80,30 @@ CASES = [
 def case_recipe(tmp_path, tiny_model):
     def write(change: dict) -> tuple[Path, Path]:
         data = _data(tmp_path)
-        base = {"model": str(tiny_model), "method": "lora", "data": str(data), "max_steps": 2, "max_length": 128,
-                "output_dir": str(tmp_path / "run"), "eval": {"samples": 0, "task": {"examples": 0}}}
+        base = {
+            "model": str(tiny_model),
+            "method": "lora",
+            "data": str(data),
+            "max_steps": 2,
+            "max_length": 128,
+            "output_dir": str(tmp_path / "run"),
+            "eval": {"samples": 0, "task": {"examples": 0}},
+        }
         change = dict(change)
         if change.get("data") == "DATA_ENTRY":
             change["data"] = {"path": str(data), "split": "validation"}
         elif change.get("data") == "WEIGHTED":
             change["data"] = str(_data(tmp_path, {"role": "assistant", "content": "Paris.", "weight": 0}))
         elif change.get("data") == "DISTINCT":  # forty questions with their answers: the eval split holds some out
-            rows = [{"messages": [{"role": "user", "content": f"Question {i}?"},
-                                  {"role": "assistant", "content": f"Answer number {i}."}]} for i in range(40)]
+            rows = [
+                {
+                    "messages": [
+                        {"role": "user", "content": f"Question {i}?"},
+                        {"role": "assistant", "content": f"Answer number {i}."},
+                    ]
+                }
+                for i in range(40)
+            ]
             change["data"] = str(tmp_path / "distinct.jsonl")
             Path(change["data"]).write_text("".join(json.dumps(r) + "\n" for r in rows))
         elif change.get("data") == "EXTRA_KEY":
@@ -103,14 +137,18 @@ def test_a_mistake_is_refused_before_anything_runs_naming_the_culprit(case_recip
 
 def test_a_key_written_twice_is_refused_with_both_lines(tmp_path, capsys, tiny_model):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"model: {tiny_model}\nmethod: lora\ndata: {_data(tmp_path)}\nlearning_rate: 1e-4\n"
-                      "lora:\n  r: 8\nlearning_rate: 2e-4\n")
+    recipe.write_text(
+        f"model: {tiny_model}\nmethod: lora\ndata: {_data(tmp_path)}\nlearning_rate: 1e-4\n"
+        "lora:\n  r: 8\nlearning_rate: 2e-4\n"
+    )
     for argv in (["plan", str(recipe)], [str(recipe), "--foreground"]):
         assert main(argv) == 2
         said = capsys.readouterr().err
         assert "the key 'learning_rate' is written twice (lines 4 and 7)" in said and "Traceback" not in said
     nested = tmp_path / "n.yaml"
-    nested.write_text(f"model: {tiny_model}\nmethod: lora\ndata: {_data(tmp_path)}\nlora:\n  r: 8\n  alpha: 16\n  r: 16\n")
+    nested.write_text(
+        f"model: {tiny_model}\nmethod: lora\ndata: {_data(tmp_path)}\nlora:\n  r: 8\n  alpha: 16\n  r: 16\n"
+    )
     assert main(["plan", str(nested)]) == 2
     assert "the key 'r' is written twice (lines 5 and 7)" in capsys.readouterr().err
     # YAML's merge keys are not duplicates

@@ -17,8 +17,9 @@ SCRIPTS = ["bench_throughput", "bench_eta", "bench_overhead", "gpu_bench", "benc
 
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_help(name):
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / f"{name}.py"), "--help"], capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / f"{name}.py"), "--help"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     assert "--quick" in out.stdout or "--dry-run" in out.stdout
 
@@ -27,8 +28,11 @@ def test_tokens_per_second_excludes_warmup():
     sys.path.insert(0, str(REPO / "scripts"))
     import bench_common as bc
 
-    rows = [{"step": 2, "time": 100.0, "tokens_seen": 1000}, {"step": 4, "time": 102.0, "tokens_seen": 3000},
-            {"step": 6, "time": 104.0, "tokens_seen": 5000}]
+    rows = [
+        {"step": 2, "time": 100.0, "tokens_seen": 1000},
+        {"step": 4, "time": 102.0, "tokens_seen": 3000},
+        {"step": 6, "time": 104.0, "tokens_seen": 5000},
+    ]
     assert bc.tokens_per_second(rows) == 1000.0  # (5000 - 1000) / (104 - 100): steps 1-2 (warm-up) left out
     assert bc.tokens_per_second(rows[:1]) is None
 
@@ -37,8 +41,20 @@ def test_tokens_per_second_excludes_warmup():
 def test_throughput_quick_output(tmp_path):
     """--quick runs end to end and prints the ratios (96 examples: 6 steps, 3 logged rows, the fewest that leave
     two after the warm-up; about 100 s on 2 cores, most of it four processes importing the stack)."""
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_throughput.py"), "--quick", "--examples", "96",
-                          "--json", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=1200)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "bench_throughput.py"),
+            "--quick",
+            "--examples",
+            "96",
+            "--json",
+            str(tmp_path / "r.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     for ratio in ("ftrun/plain", "defaults/plain", "ftrun/plain-fp32", "defaults/plain-fp32"):
         assert f"ratio {ratio}:" in out.stdout, ratio

@@ -14,8 +14,10 @@ def test_an_option_of_another_command_names_that_command(capsys, tmp_path):
     recipe = str(tmp_path / "r.yaml")  # never read: the command line is refused first
     assert cli.main([recipe, "--gpus", "8xH100-80GB", "lora.r=8"]) == 2
     err = capsys.readouterr().err
-    assert "ftrun: usage error: --gpus is an option of `ftrun plan` (plan for another box than this machine's " \
-           "GPUs), not of `ftrun RECIPE`" in err, err
+    assert (
+        "ftrun: usage error: --gpus is an option of `ftrun plan` (plan for another box than this machine's "
+        "GPUs), not of `ftrun RECIPE`" in err
+    ), err
     assert f"Fix: ftrun plan {recipe} lora.r=8 --gpus 8xH100-80GB;" in err and "usage:" not in err
     assert cli.main(["plan", recipe, "--foreground"]) == 2
     assert "--foreground is an option of `ftrun run` (stay attached), not of `ftrun plan`" in capsys.readouterr().err

@@ -37,18 +37,22 @@ def _refused(capsys, argv: list[str], code: int = 2) -> str:
 
 # --- words that are neither options nor key=value ----------------------------------------------------------------
 
-@pytest.mark.parametrize("words, culprit, works", [
-    (["learning_rate:1e-4"], "'learning_rate:1e-4'", "learning_rate=1e-4"),
-    (["max_steps", "20"], "'max_steps 20'", "max_steps=20"),
-    (["epochs", "=", "1"], "'epochs = 1'", "epochs=1"),
-    (["epochs", "=1"], "'epochs =1'", "epochs=1"),
-    (["epochs=", "1"], "'epochs= 1'", "epochs=1"),
-    (["lora.r", "8", "max_steps=3"], "'lora.r 8'", "lora.r=8"),
-    (["max_steps"], "'max_steps'", "max_steps=VALUE"),
-    (["=3"], "'=3'", "no key before '='"),
-    (["lora.=3"], "'lora.=3'", "'lora.' is not a key"),
-    (["other.yaml"], "'other.yaml'", "one recipe per command"),
-])
+
+@pytest.mark.parametrize(
+    "words, culprit, works",
+    [
+        (["learning_rate:1e-4"], "'learning_rate:1e-4'", "learning_rate=1e-4"),
+        (["max_steps", "20"], "'max_steps 20'", "max_steps=20"),
+        (["epochs", "=", "1"], "'epochs = 1'", "epochs=1"),
+        (["epochs", "=1"], "'epochs =1'", "epochs=1"),
+        (["epochs=", "1"], "'epochs= 1'", "epochs=1"),
+        (["lora.r", "8", "max_steps=3"], "'lora.r 8'", "lora.r=8"),
+        (["max_steps"], "'max_steps'", "max_steps=VALUE"),
+        (["=3"], "'=3'", "no key before '='"),
+        (["lora.=3"], "'lora.=3'", "'lora.' is not a key"),
+        (["other.yaml"], "'other.yaml'", "one recipe per command"),
+    ],
+)
 @pytest.mark.parametrize("command", ["plan", "data", "run"])
 def test_a_stray_word_is_refused_by_name_with_the_form_that_works(tmp_path, capsys, command, words, culprit, works):
     recipe = _recipe(tmp_path)
@@ -59,8 +63,22 @@ def test_a_stray_word_is_refused_by_name_with_the_form_that_works(tmp_path, caps
 
 def test_every_stray_word_is_named_at_once_wherever_it_stands(tmp_path, capsys):
     recipe = _recipe(tmp_path)
-    text = _refused(capsys, ["plan", "--json", "max_steps", "20", str(recipe), "lora.r=8", "--gpus", "1xH100-80GB",
-                             "learning_rate:1e-4", "seed", "3"])
+    text = _refused(
+        capsys,
+        [
+            "plan",
+            "--json",
+            "max_steps",
+            "20",
+            str(recipe),
+            "lora.r=8",
+            "--gpus",
+            "1xH100-80GB",
+            "learning_rate:1e-4",
+            "seed",
+            "3",
+        ],
+    )
     # --json: the refusal is the plan's JSON error on stdout, each culprit named in it
     for named in ("max_steps=20", "learning_rate=1e-4", "seed=3", "3 parts of the command line"):
         assert named in text, text
@@ -90,14 +108,21 @@ def test_parse_overrides_refuses_what_the_api_is_given_too():
 
 # --- multi-node flags --------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("flags, named, leave_out", [
-    (["--node-rank", "1", "--master-addr", "10.0.0.1"], "--node-rank 1 --master-addr 10.0.0.1",
-     "--node-rank and --master-addr"),
-    (["--master-addr", "node0.example"], "--master-addr node0.example", "--master-addr"),
-    (["--node-rank", "2"], "--node-rank 2", "--node-rank"),
-    (["--master-port", "29600"], "--master-port 29600", "--master-port"),
-    (["--nnodes", "1", "--node-rank", "1"], "--node-rank 1", "--node-rank"),
-])
+
+@pytest.mark.parametrize(
+    "flags, named, leave_out",
+    [
+        (
+            ["--node-rank", "1", "--master-addr", "10.0.0.1"],
+            "--node-rank 1 --master-addr 10.0.0.1",
+            "--node-rank and --master-addr",
+        ),
+        (["--master-addr", "node0.example"], "--master-addr node0.example", "--master-addr"),
+        (["--node-rank", "2"], "--node-rank 2", "--node-rank"),
+        (["--master-port", "29600"], "--master-port 29600", "--master-port"),
+        (["--nnodes", "1", "--node-rank", "1"], "--node-rank 1", "--node-rank"),
+    ],
+)
 def test_multi_node_flags_without_a_node_count_are_refused(tmp_path, capsys, flags, named, leave_out):
     recipe = _recipe(tmp_path)
     text = _refused(capsys, [str(recipe), *flags])
@@ -106,12 +131,15 @@ def test_multi_node_flags_without_a_node_count_are_refused(tmp_path, capsys, fla
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("flags, named", [
-    (["--nnodes", "2", "--node-rank", "2", "--master-addr", "h"], "--nnodes 2 --node-rank 2"),
-    (["--nnodes", "2", "--node-rank", "-1", "--master-addr", "h"], "--nnodes 2 --node-rank -1"),
-    (["--nnodes", "2"], "--nnodes 2 needs --master-addr"),
-    (["--nnodes", "2", "--master-addr", "h", "--master-port", "70000"], "--master-port 70000 is not a TCP port"),
-])
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--nnodes", "2", "--node-rank", "2", "--master-addr", "h"], "--nnodes 2 --node-rank 2"),
+        (["--nnodes", "2", "--node-rank", "-1", "--master-addr", "h"], "--nnodes 2 --node-rank -1"),
+        (["--nnodes", "2"], "--nnodes 2 needs --master-addr"),
+        (["--nnodes", "2", "--master-addr", "h", "--master-port", "70000"], "--master-port 70000 is not a TCP port"),
+    ],
+)
 def test_multi_node_flags_that_contradict_each_other_are_refused(tmp_path, capsys, flags, named):
     text = _refused(capsys, [str(_recipe(tmp_path)), *flags])
     assert named in text, text
@@ -126,6 +154,7 @@ def test_contradicting_node_flags_through_the_real_command(tmp_path):
 
 
 # --- a GGUF file (or any file) as the model ----------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name, exists", [("model-Q4_K_M.gguf", True), ("model.GGUF", True), ("gone.gguf", False)])
 def test_a_gguf_as_model_says_what_ftrun_needs_and_why(tmp_path, capsys, name, exists):
@@ -168,6 +197,7 @@ def test_a_gguf_through_the_real_command(tmp_path):
 
 
 # --- output_dir= on the command line -----------------------------------------------------------------------------
+
 
 def test_a_command_line_output_dir_resolves_where_the_user_stands(tmp_path, monkeypatch):
     recipe = _recipe(tmp_path / "recipes")

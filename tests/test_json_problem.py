@@ -16,12 +16,15 @@ def _problem(text: str, lines: bool = True) -> str:
     return json_problem(err.value, lines=lines)
 
 
-@pytest.mark.parametrize("text, start, says", [
-    ('{"messages": [{"role": "user", "content": "a\tb"}]}', 43, "holds a tab (column 45) as a raw character"),
-    ('{"a": "x\ny"}', 7, "holds a line break (column 9)"),
-    ('{"a": "x\ry"}', 7, "holds a carriage return (column 9)"),
-    ('{"a": "x\x01y"}', 7, "holds the control character U+0001 (column 9)"),
-])
+@pytest.mark.parametrize(
+    "text, start, says",
+    [
+        ('{"messages": [{"role": "user", "content": "a\tb"}]}', 43, "holds a tab (column 45) as a raw character"),
+        ('{"a": "x\ny"}', 7, "holds a line break (column 9)"),
+        ('{"a": "x\ry"}', 7, "holds a carriage return (column 9)"),
+        ('{"a": "x\x01y"}', 7, "holds the control character U+0001 (column 9)"),
+    ],
+)
 def test_a_raw_control_character_names_where_its_string_starts_once(text, start, says):
     problem = _problem(text)
     assert says in problem and "at at" not in problem and problem.count(" at ") == 1, problem
@@ -42,11 +45,14 @@ def test_an_unterminated_string_is_placed_where_it_starts():
     assert "at at" not in _problem('[1, "x', lines=False) and "column 5" in _problem('[1, "x', lines=False)
 
 
-@pytest.mark.parametrize("text, says", [
-    ('{"a": 1,}', "Expecting property name enclosed in double quotes at line 1, column 9"),
-    ('{"a" 1}', "Expecting ':' delimiter at line 1, column 6"),
-    ('{}\n{}', "Extra data at line 2, column 1"),
-])
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ('{"a": 1,}', "Expecting property name enclosed in double quotes at line 1, column 9"),
+        ('{"a" 1}', "Expecting ':' delimiter at line 1, column 6"),
+        ("{}\n{}", "Extra data at line 2, column 1"),
+    ],
+)
 def test_other_problems_keep_pythons_words_with_one_place(text, says):
     problem = _problem(text)
     assert problem == says and "at at" not in problem

@@ -90,8 +90,11 @@ def test_no_folder_imports_a_root_leaf_that_imports_it():
         if _is_folder(leaf):
             continue
         for folder in {_folder(t) for t in targets if _is_folder(t)}:
-            back += [f"{leaf} -> {folder}/ -> {m} -> {leaf}" for m, ts in graph.items()
-                     if _is_folder(m) and _folder(m) == folder and leaf in ts]
+            back += [
+                f"{leaf} -> {folder}/ -> {m} -> {leaf}"
+                for m, ts in graph.items()
+                if _is_folder(m) and _folder(m) == folder and leaf in ts
+            ]
     assert not back, back
 
 

@@ -11,8 +11,22 @@ import sys
 from conftest import REPO
 
 # the `train`, `export` and `gpu` extras' top-level modules (pyproject.toml), absent from a light install
-ABSENT = ["torch", "transformers", "trl", "peft", "accelerate", "datasets", "bitsandbytes", "tensorboard", "sacrebleu",
-          "gguf", "matplotlib", "pynvml", "deepspeed", "unsloth"]
+ABSENT = [
+    "torch",
+    "transformers",
+    "trl",
+    "peft",
+    "accelerate",
+    "datasets",
+    "bitsandbytes",
+    "tensorboard",
+    "sacrebleu",
+    "gguf",
+    "matplotlib",
+    "pynvml",
+    "deepspeed",
+    "unsloth",
+]
 
 # each recipe planned in one process where those modules cannot be imported (None in sys.modules: `import torch`
 # raises ModuleNotFoundError, as in a venv without them); its exit code and its output
@@ -37,12 +51,18 @@ print(json.dumps(out))
 def test_every_shipped_recipe_plans_without_the_training_stack(tmp_path, tiny_model):
     # the demo's recipes name the model scripts/demo.sh builds (.cache/tiny-model, absent on a fresh clone): the
     # tests' own build of it stands in
-    recipes = [[str(p), *([f"model={tiny_model}"] if "cache/tiny-model" in p.read_text() else [])]
-               for p in sorted((REPO / "recipes").glob("*.yaml"))]
-    res = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(ABSENT), json.dumps(recipes)], cwd=REPO,
-                         capture_output=True,
-                         text=True, timeout=600, env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
-                                                      "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    recipes = [
+        [str(p), *([f"model={tiny_model}"] if "cache/tiny-model" in p.read_text() else [])]
+        for p in sorted((REPO / "recipes").glob("*.yaml"))
+    ]
+    res = subprocess.run(
+        [sys.executable, "-c", SCRIPT, json.dumps(ABSENT), json.dumps(recipes)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     said = json.loads(res.stdout.splitlines()[-1])
     for recipe, (code, text) in said.items():

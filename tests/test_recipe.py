@@ -73,8 +73,10 @@ def test_override_with_unknown_key_is_an_error(tmp_path):
         load_recipe(_write(tmp_path, BASE), ["max_step=3"])
 
 
-@pytest.mark.parametrize("pair, says", [("max_steps", "write max_steps=VALUE"), ("=3", "no key before '='"),
-                                        ("lora.=3", "'lora.' is not a key")])
+@pytest.mark.parametrize(
+    "pair, says",
+    [("max_steps", "write max_steps=VALUE"), ("=3", "no key before '='"), ("lora.=3", "'lora.' is not a key")],
+)
 def test_malformed_override(pair, says):
     with pytest.raises(UsageError, match=f"'{re.escape(pair)}' is neither an option nor a key=value override.*{says}"):
         parse_overrides([pair])

@@ -36,8 +36,11 @@ def test_every_gguf_type_is_accepted_sized_checked_and_advised(name, tmp_path):
     from launcher.run.smoke import gguf_bytes_per_param
 
     t = gguf_types.TYPES[name]
-    recipe = validate_recipe({"model": "Qwen/Qwen3-0.6B", "method": "lora", "data": "d.jsonl", "export": ["gguf"], "gguf_type": name},
-                             base_dir=tmp_path, default_name="t")
+    recipe = validate_recipe(
+        {"model": "Qwen/Qwen3-0.6B", "method": "lora", "data": "d.jsonl", "export": ["gguf"], "gguf_type": name},
+        base_dir=tmp_path,
+        default_name="t",
+    )
     assert recipe.gguf_type == name
     assert 0 < gguf_types.bytes_per_param(name) <= 4 and gguf_bytes_per_param(name) >= gguf_types.bytes_per_param(name)
     assert t.converter in (None, "f16", "bf16", "f32") and isinstance(t.ftype, int)
@@ -57,8 +60,13 @@ def test_the_gguf_help_and_the_recipe_list_every_type():
     from launcher import gguf_types
     from launcher.recipe import Recipe
 
-    help_text = subprocess.run([sys.executable, "-m", "launcher.cli", "export", "--help"], capture_output=True,
-                               text=True, cwd=REPO, timeout=120).stdout
+    help_text = subprocess.run(
+        [sys.executable, "-m", "launcher.cli", "export", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    ).stdout
     description = Recipe.model_fields["gguf_type"].description
     for name in gguf_types.TYPES:
         assert name in " ".join(help_text.split()) and name in description
@@ -74,8 +82,10 @@ RECORDS = {
     "alpaca": {"instruction": "Greet.", "input": "", "output": "Hello."},
     "text": {"text": "Hello."},
     "preference": {"prompt": "Hi?", "chosen": "Hello.", "rejected": "Go away."},
-    "preference_implicit": {"chosen": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}],
-                            "rejected": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "No."}]},
+    "preference_implicit": {
+        "chosen": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}],
+        "rejected": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "No."}],
+    },
 }
 
 
@@ -94,10 +104,14 @@ def test_every_data_format_is_detected_converted_and_accepted(name, tmp_path):
     assert formats.detect_one(record) == name  # the table's keys and order tell it apart from the others
     assert formats.detect([("line 1", record)]) == (name, None)
     example = formats.convert(record, name)
-    assert {"chat": "messages", "prompt_completion": "prompt", "text": "text",
-            "preference": "chosen"}[formats.form(name)] in example
-    recipe = validate_recipe({"model": "Qwen/Qwen3-0.6B", "method": "lora", "data": {"path": "d.jsonl", "format": name}},
-                             base_dir=tmp_path, default_name="t")
+    assert {"chat": "messages", "prompt_completion": "prompt", "text": "text", "preference": "chosen"}[
+        formats.form(name)
+    ] in example
+    recipe = validate_recipe(
+        {"model": "Qwen/Qwen3-0.6B", "method": "lora", "data": {"path": "d.jsonl", "format": name}},
+        base_dir=tmp_path,
+        default_name="t",
+    )
     assert recipe.data[0].format == name if isinstance(recipe.data, list) else recipe.data.format == name
     assert name in DataSource.model_fields["format"].description
     assert formats.describe(name) and formats.example(name)
@@ -216,8 +230,9 @@ def test_every_catalog_gpu_is_found_by_name_and_planned_for(name):
 
     hw = from_spec(f"2x{name}")
     assert hw.count == 2 and hw.gpu.name == catalog()[name].name and hw.gpu.memory_gb > 0
-    recipe = validate_recipe({"model": "Qwen/Qwen3-0.6B", "data": "d.jsonl", "method": "lora"}, base_dir=REPO,
-                             default_name="t")
+    recipe = validate_recipe(
+        {"model": "Qwen/Qwen3-0.6B", "data": "d.jsonl", "method": "lora"}, base_dir=REPO, default_name="t"
+    )
     plan = plan_for(recipe, hw, tokens=1e6, arch=from_catalog("Qwen/Qwen3-0.6B"), allow_network=False)
     assert plan.to_dict()["gpus"]
 
@@ -244,8 +259,9 @@ def test_every_method_is_accepted_sized_planned_saved_and_named(name):
     from launcher.store import final
 
     m = METHODS[name]
-    recipe = validate_recipe({"model": "Qwen/Qwen3-0.6B", "data": "d.jsonl", "method": name}, base_dir=REPO,
-                             default_name="t")
+    recipe = validate_recipe(
+        {"model": "Qwen/Qwen3-0.6B", "data": "d.jsonl", "method": name}, base_dir=REPO, default_name="t"
+    )
     assert recipe.method == name and f"{name} ({m.help})" in Recipe.model_fields["method"].description
     arch = from_catalog("Qwen/Qwen3-0.6B")
     est = sizing.memory(arch, sizing.Workload(name, 512, 1, True, 16, "all-linear", "trl", 1, "cuda"))
@@ -301,15 +317,22 @@ def test_every_engine_is_accepted_planned_and_launched_with_its_config_file(name
 
     e = ENGINES[name]
     assert name in Recipe.model_fields["engine"].description
-    recipe = validate_recipe({"model": "Qwen/Qwen3-0.6B", "data": "d.jsonl", "method": "lora", "engine": name},
-                             base_dir=REPO, default_name="t")
-    plan = plan_for(recipe, from_spec("2xH100-80GB"), tokens=1e6, arch=from_catalog("Qwen/Qwen3-0.6B"),
-                    allow_network=False).to_dict()
+    recipe = validate_recipe(
+        {"model": "Qwen/Qwen3-0.6B", "data": "d.jsonl", "method": "lora", "engine": name},
+        base_dir=REPO,
+        default_name="t",
+    )
+    plan = plan_for(
+        recipe, from_spec("2xH100-80GB"), tokens=1e6, arch=from_catalog("Qwen/Qwen3-0.6B"), allow_network=False
+    ).to_dict()
     assert plan["engine"] == name and (int(plan["num_processes"]) > 1) == e.multi_process
     (tmp_path / "recipe.yaml").write_text("model: x\n")
     argv = launch_command(plan, tmp_path, "full")
-    module = {"python": "launcher.worker.train", "torchrun": "torch.distributed.run",
-              "accelerate": "accelerate.commands.launch"}[e.launcher]
+    module = {
+        "python": "launcher.worker.train",
+        "torchrun": "torch.distributed.run",
+        "accelerate": "accelerate.commands.launch",
+    }[e.launcher]
     assert argv[2] == module, argv
     written = sorted(p.name for p in tmp_path.iterdir() if p.name != "recipe.yaml")
     assert written == ([e.config_file] if e.config_file else [])
@@ -326,11 +349,13 @@ def test_every_tracker_is_accepted_and_installed_by_the_extra_or_with_training()
     from launcher.tracker_kinds import TRACKERS
 
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    installed_by = {req.split(">")[0].split("=")[0].split("[")[0].strip(): extra
-                    for extra, reqs in extras.items() for req in reqs}
+    installed_by = {
+        req.split(">")[0].split("=")[0].split("[")[0].strip(): extra for extra, reqs in extras.items() for req in reqs
+    }
     for t in TRACKERS.values():
-        recipe = validate_recipe({"model": "m", "data": "d.jsonl", "method": "lora", "report_to": [t.name]},
-                                 base_dir=REPO, default_name="t")
+        recipe = validate_recipe(
+            {"model": "m", "data": "d.jsonl", "method": "lora", "report_to": [t.name]}, base_dir=REPO, default_name="t"
+        )
         assert recipe.report_to == [t.name] and t.name in Recipe.model_fields["report_to"].description
         assert installed_by.get(t.package) in ("trackers", "train"), (t.package, installed_by)
     assert {p for p, extra in installed_by.items() if extra == "trackers"} <= {t.package for t in TRACKERS.values()}
@@ -364,8 +389,9 @@ def test_every_export_format_is_accepted_ordered_and_estimated():
 
     assert export.FORMATS == tuple(FORMATS)
     for f in FORMATS.values():
-        recipe = validate_recipe({"model": "m", "data": "d.jsonl", "method": "lora", "export": [f.name]},
-                                 base_dir=REPO, default_name="t")
+        recipe = validate_recipe(
+            {"model": "m", "data": "d.jsonl", "method": "lora", "export": [f.name]}, base_dir=REPO, default_name="t"
+        )
         assert f.name in Recipe.model_fields["export"].description
         assert made([f.name]) == tuple(n for n in FORMATS if n == f.name or n in f.needs)
         measured = {"import_seconds": 1.0, "load_seconds": 1.0, "checkpoint_bytes": 1e6, "checkpoint_seconds": 1.0}
@@ -378,11 +404,16 @@ def test_every_export_format_is_accepted_ordered_and_estimated():
 
 # A value only the table's owner may write, and the owner (another product module writing it is a copy).
 OWNED = {
-    '("qlora", "lora")': "launcher/methods.py", '("lora", "qlora")': "launcher/methods.py",
-    '("full", "full-8bit")': "launcher/methods.py", '"full fine-tuning with 8-bit AdamW"': "launcher/methods.py",
-    '("fsdp", "deepspeed")': "launcher/engine_kinds.py", '("ddp", "fsdp", "deepspeed")': "launcher/engine_kinds.py",
-    '"accelerate_fsdp.yaml"': "launcher/engine_kinds.py", '"deepspeed.json"': "launcher/engine_kinds.py",
-    '"mlflow-skinny"': "launcher/tracker_kinds.py", '"tensorboard", "wandb"': "launcher/tracker_kinds.py",
+    '("qlora", "lora")': "launcher/methods.py",
+    '("lora", "qlora")': "launcher/methods.py",
+    '("full", "full-8bit")': "launcher/methods.py",
+    '"full fine-tuning with 8-bit AdamW"': "launcher/methods.py",
+    '("fsdp", "deepspeed")': "launcher/engine_kinds.py",
+    '("ddp", "fsdp", "deepspeed")': "launcher/engine_kinds.py",
+    '"accelerate_fsdp.yaml"': "launcher/engine_kinds.py",
+    '"deepspeed.json"': "launcher/engine_kinds.py",
+    '"mlflow-skinny"': "launcher/tracker_kinds.py",
+    '"tensorboard", "wandb"': "launcher/tracker_kinds.py",
     '["adapter", "merged", "gguf"]': "launcher/export_formats.py",
 }
 
@@ -392,8 +423,9 @@ def test_no_product_module_copies_a_table():
     for path in sorted((REPO / "launcher").rglob("*.py")):
         rel = path.relative_to(REPO).as_posix()
         text = path.read_text(encoding="utf-8")
-        copies += [f"{rel}: {value} (owner {owner})" for value, owner in OWNED.items()
-                   if value in text and rel != owner]
+        copies += [
+            f"{rel}: {value} (owner {owner})" for value, owner in OWNED.items() if value in text and rel != owner
+        ]
     assert not copies, "\n".join(copies)
 
 
@@ -403,9 +435,13 @@ def test_every_method_engine_and_tracker_is_documented():
     from launcher.tracker_kinds import TRACKERS
 
     docs = {"docs/sizing.md": METHODS, "docs/engines.md": ENGINES, "docs/tracking.md": TRACKERS}
-    missing = [f"{doc}: {name}" for doc, table in docs.items() for name in table
-               if f"`{name}`" not in (REPO / doc).read_text(encoding="utf-8")
-               and f" {name} " not in (REPO / doc).read_text(encoding="utf-8")]
+    missing = [
+        f"{doc}: {name}"
+        for doc, table in docs.items()
+        for name in table
+        if f"`{name}`" not in (REPO / doc).read_text(encoding="utf-8")
+        and f" {name} " not in (REPO / doc).read_text(encoding="utf-8")
+    ]
     assert not missing, missing
 
 

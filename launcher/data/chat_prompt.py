@@ -25,8 +25,10 @@ def shape(conv: list[dict[str, Any]]) -> str:
     """A conversation's prompt shape: its roles up to the last assistant turn ("system,user,user"); an assistant
     turn that calls tools is "assistant(tool call)"."""
     last = max((i for i, m in enumerate(conv) if m["role"] == "assistant"), default=len(conv))
-    return ",".join(m["role"] + ("(tool call)" if m["role"] == "assistant" and m.get("tool_calls") else "")
-                    for m in (conv[:last] or conv[:1]))
+    return ",".join(
+        m["role"] + ("(tool call)" if m["role"] == "assistant" and m.get("tool_calls") else "")
+        for m in (conv[:last] or conv[:1])
+    )
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -38,7 +40,7 @@ def trained_context(tokenizer, conv: list[dict[str, Any]], last: int, kw: dict[s
     character ("ids"), and the answer's first token ("next", with "merged": it begins inside the text before the
     answer, as ` 16` after `ASSISTANT:`). None when the template does not write the answer verbatim or its
     tokenization cannot be read back to characters."""
-    full = conv[:last + 1]
+    full = conv[: last + 1]
     text = tokenizer.apply_chat_template(full, tokenize=False, **kw)
     ids = list(tokenizer.apply_chat_template(full, tokenize=True, return_dict=True, **kw)["input_ids"])
     answer = conv[last].get("content") or ""

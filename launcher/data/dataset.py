@@ -60,7 +60,9 @@ class LoadedData:
     def describe(self) -> str:
         fmts = sorted({s["format"] for s in self.sources})
         what = ", ".join(formats.describe(f) for f in fmts)
-        converted = "" if all(formats.FORMATS[f].native for f in fmts) else f", converted to {self.form.replace('_', '/')}"
+        converted = (
+            "" if all(formats.FORMATS[f].native for f in fmts) else f", converted to {self.form.replace('_', '/')}"
+        )
         many = f" from {len(self.sources)} sources" if len(self.sources) > 1 else ""
         n = len(self.examples)
         return f"{what} format, {n:,} example{'' if n == 1 else 's'}{many}{converted}"
@@ -90,22 +92,37 @@ def load_data(spec: Any, seed: int = 42) -> LoadedData:
         examples += [ex[j] for j in reps]
         where += [wh[j] for j in reps]
         origin += [i] * len(reps)
-        records.append({**got.identity, "format": fmt, "examples": len(ex), "weight": source.weight,
-                        **({"columns": dict(source.columns)} if source.columns else {})})
+        records.append(
+            {
+                **got.identity,
+                "format": fmt,
+                "examples": len(ex),
+                "weight": source.weight,
+                **({"columns": dict(source.columns)} if source.columns else {}),
+            }
+        )
         if "revision" in got.identity:  # a Hub dataset: its content too (a revision may be unknown offline)
             records[-1]["content_sha256"] = _content_hash(ex)
         if len(sources) == 1 and source.local and Path(source.path).is_file() and source.weight == 1:
             single_file_sha = got.identity["sha256"]
     if len(forms) > 1:
-        raise DataError("the data sources train differently: " + "; ".join(
-            f"{r['source']} is {formats.describe(r['format'])}" for r in records),
+        raise DataError(
+            "the data sources train differently: "
+            + "; ".join(f"{r['source']} is {formats.describe(r['format'])}" for r in records),
             fix="mix only sources that become the same form (chat formats with each other; prompt/completion with "
-            "prompt/completion of the same kind; text with text), or train them in separate runs.")
+            "prompt/completion of the same kind; text with text), or train them in separate runs.",
+        )
     if not examples:
         raise DataError("the data weights leave no examples", fix="raise the weights (1 takes every example once).")
     blob = json.dumps(records, sort_keys=True, default=str).encode()
-    return LoadedData(examples, where, formats.example_form(examples[0]), records,
-                      single_file_sha or hashlib.sha256(blob).hexdigest(), origin)
+    return LoadedData(
+        examples,
+        where,
+        formats.example_form(examples[0]),
+        records,
+        single_file_sha or hashlib.sha256(blob).hexdigest(),
+        origin,
+    )
 
 
 def identity(data_sha256: str, eval_sha256: Optional[str] = None) -> str:
@@ -125,8 +142,11 @@ def _kind_name(key: str) -> str:
     form, _, conversational = key.partition("/")
     if form != "prompt_completion":
         return key
-    return f"conversational {formats.FORMS[form].reads_as} (messages)" if conversational else \
-        f"plain {formats.FORMS[form].reads_as} (strings)"
+    return (
+        f"conversational {formats.FORMS[form].reads_as} (messages)"
+        if conversational
+        else f"plain {formats.FORMS[form].reads_as} (strings)"
+    )
 
 
 def _content_hash(examples: list[dict[str, Any]]) -> str:
@@ -153,9 +173,11 @@ def _convert_source(source: Source, rows: list[tuple[str, Any]]) -> tuple[list[d
         if fmt is None:
             if why == "no records":
                 why = f"its first {min(len(rows), formats.DETECT_LINES)} lines are not valid JSON"
-            raise DataError(f"{label}: cannot tell its format: {why}",
-                            fix="convert the data to one of the formats in docs/data.md, or name the format and map "
-                            "the columns in the recipe: data: {path: ..., format: alpaca, columns: {output: answer}}.")
+            raise DataError(
+                f"{label}: cannot tell its format: {why}",
+                fix="convert the data to one of the formats in docs/data.md, or name the format and map "
+                "the columns in the recipe: data: {path: ..., format: alpaca, columns: {output: answer}}.",
+            )
     elif fmt not in formats.FORMATS:
         raise DataError(f"{label}: unknown format '{fmt}'", fix=f"use one of: {', '.join(formats.FORMATS)}.")
     examples, where = [], []
@@ -169,8 +191,9 @@ def _convert_source(source: Source, rows: list[tuple[str, Any]]) -> tuple[list[d
             ex = formats.convert(rec, fmt)
             k = _form_key(ex)
             if kind is not None and k != kind:
-                raise formats.RecordProblem(f"this record is {_kind_name(k)} but the first was {_kind_name(kind)}: "
-                                            "one kind per source")
+                raise formats.RecordProblem(
+                    f"this record is {_kind_name(k)} but the first was {_kind_name(kind)}: one kind per source"
+                )
             kind = k
         except formats.RecordProblem as exc:
             n_bad += 1
@@ -189,7 +212,8 @@ def _convert_source(source: Source, rows: list[tuple[str, Any]]) -> tuple[list[d
         raise DataError(
             f"{label} ({formats.describe(fmt)}{'' if source.format else ', detected from its first lines'}) has "
             f"{n_bad} bad record{'s' if n_bad > 1 else ''} of {len(rows)}:\n" + "\n".join(lines),
-            fix=f"each record must be like: {formats.example(fmt)} ; fix or remove these records (docs/data.md).")
+            fix=f"each record must be like: {formats.example(fmt)} ; fix or remove these records (docs/data.md).",
+        )
     return examples, where, fmt
 
 
@@ -251,8 +275,12 @@ def _template_env():
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, "jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent, ensure_ascii=ensure_ascii)
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, "jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+        x, indent=indent, ensure_ascii=ensure_ascii
+    )
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: __import__("datetime").datetime.now().strftime(fmt)
     return env
@@ -325,15 +353,21 @@ def _without_tools(ex):
 FEATURES = (
     ("tool_calls", lambda ex: any("tool_calls" in m for m in _msgs(ex)), _without_tool_calls),
     ("the tool role", lambda ex: any(m["role"] == "tool" for m in _msgs(ex)), _without_tool_role),
-    ("reasoning content", lambda ex: any(k in m for m in _msgs(ex) for k in formats.REASONING_FIELDS),
-     _without_reasoning),
+    (
+        "reasoning content",
+        lambda ex: any(k in m for m in _msgs(ex) for k in formats.REASONING_FIELDS),
+        _without_reasoning,
+    ),
     ("tools (the tool schemas)", lambda ex: bool(ex.get("tools")), _without_tools),
 )
 
 
 def _msgs(ex: dict[str, Any]) -> list[dict[str, Any]]:
-    return ex["messages"] if "messages" in ex else (ex["prompt"] + ex["completion"]
-                                                     if isinstance(ex.get("prompt"), list) else [])
+    return (
+        ex["messages"]
+        if "messages" in ex
+        else (ex["prompt"] + ex["completion"] if isinstance(ex.get("prompt"), list) else [])
+    )
 
 
 def _map_messages(ex, fn):
@@ -345,7 +379,11 @@ def _map_messages(ex, fn):
 def _filter_messages(ex, keep):
     if "messages" in ex:
         return {**ex, "messages": [m for m in ex["messages"] if keep(m)]}
-    return {**ex, "prompt": [m for m in ex["prompt"] if keep(m)], "completion": [m for m in ex["completion"] if keep(m)]}
+    return {
+        **ex,
+        "prompt": [m for m in ex["prompt"] if keep(m)],
+        "completion": [m for m in ex["completion"] if keep(m)],
+    }
 
 
 def example_lengths(examples: list[Any], model: str, where: Optional[list[str]] = None) -> tuple[list[int], str]:
@@ -373,8 +411,9 @@ def example_lengths(examples: list[Any], model: str, where: Optional[list[str]] 
     renderer, _ = _renderer(model)
     if renderer is not None and renderer[0] is None and not any(formats.conversational(ex) for ex in examples):
         encode = renderer[1]
-        return [len(encode(ex["text"] if "text" in ex else ex["prompt"] + ex["completion"], True)) + 1
-                for ex in examples], "tokenizer"
+        return [
+            len(encode(ex["text"] if "text" in ex else ex["prompt"] + ex["completion"], True)) + 1 for ex in examples
+        ], "tokenizer"
     if renderer is None or renderer[0] is None:
         # About 4 characters per token for English text with today's BPE vocabularies, plus a few
         # template tokens per turn.
@@ -402,12 +441,15 @@ def example_lengths(examples: list[Any], model: str, where: Optional[list[str]] 
     if dropped:
         raise DataError(
             f"the chat template of {model} does not render what these records hold, so training would silently "
-            "drop it:\n" + "\n".join(
+            "drop it:\n"
+            + "\n".join(
                 f"- {name}: {', '.join(places[:LOCATIONS_PER_PROBLEM])}"
                 + (f" and {len(places) - LOCATIONS_PER_PROBLEM} more" if len(places) > LOCATIONS_PER_PROBLEM else "")
-                for name, places in dropped.items()),
+                for name, places in dropped.items()
+            ),
             fix="train a model whose chat template renders them (Qwen3, Llama 3.1+ and most tool-calling models do), "
-            "or remove those fields from these records.")
+            "or remove those fields from these records.",
+        )
     return lengths, "tokenizer"
 
 
@@ -419,8 +461,9 @@ def _characters(ex: dict[str, Any]) -> int:
     return sum(len(m.get("content") or "") // 4 + len(json.dumps(m.get("tool_calls", ""))) // 4 + 4 for m in _msgs(ex))
 
 
-def compute_stats(examples: list[Any], lengths: list[int], source: str, max_length: int,
-                  data: Optional[LoadedData] = None) -> DataStats:
+def compute_stats(
+    examples: list[Any], lengths: list[int], source: str, max_length: int, data: Optional[LoadedData] = None
+) -> DataStats:
     """Token statistics of `examples` (those that train); `data` adds what was read (description, sources). A
     preference pair's tokens are its two sequences' (each at most max_length)."""
     limits = [max_length * len(formats.sequences(ex)) if isinstance(ex, dict) else max_length for ex in examples]
@@ -464,7 +507,8 @@ def write_jsonl(path: Path, examples: list[Any]) -> None:
 
 
 def to_dataset(examples: list[Any]):
-    """A `datasets.Dataset` for the objective's trainer (SFTTrainer, DPOTrainer, ORPOTrainer). Messages, prompts and completions are stored as `Json` values
+    """A `datasets.Dataset` for the objective's trainer (SFTTrainer, DPOTrainer, ORPOTrainer). Messages, prompts and
+    completions are stored as `Json` values
     (datasets 5.2.0, features/features.py): Arrow would otherwise give every message the union of all messages'
     keys (tool_calls: None on each turn, which templates test with `is defined`) and refuse tool-call arguments
     of different shapes. Tool schemas go as JSON text, which TRL's tokenize_fn decodes (sft_trainer.py)."""

@@ -31,6 +31,7 @@ from launcher.errors import json_problem
 @dataclass(frozen=True)
 class Form:
     """A canonical form: what TRL's trainers take."""
+
     marker: str  # the key a converted example of this form has (example_form reads them in FORMS' order)
     columns: tuple[str, ...]  # the dataset columns it trains from (dataset.py to_dataset)
     reads_as: str  # how a user reads it
@@ -71,11 +72,19 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 TRAINING_SWITCHES = ("weight", "train", "training")
 # ShareGPT's role names as Axolotl, LLaMA-Factory and FastChat write them.
 SHAREGPT_ROLES = {
-    "human": "user", "user": "user",
-    "gpt": "assistant", "assistant": "assistant", "model": "assistant", "chatgpt": "assistant", "bard": "assistant",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
     "bing": "assistant",
     "system": "system",
-    "tool": "tool", "observation": "tool", "function_response": "tool", "ipython": "tool",
+    "tool": "tool",
+    "observation": "tool",
+    "function_response": "tool",
+    "ipython": "tool",
     "function_call": "assistant",  # its value is the call as JSON: becomes the assistant's tool_calls
 }
 DETECT_LINES = 20  # records read to detect a source's format
@@ -121,8 +130,11 @@ def detect(first: Iterable[tuple[str, Any]]) -> tuple[Optional[str], Optional[st
             continue
         seen.setdefault(fmt, where)
     if len(seen) > 1:
-        return None, ("mixed formats: " + ", ".join(f"{describe(f)} from {w}" for f, w in seen.items())
-                      + "; one format per source (list several sources under data: to mix them)")
+        return None, (
+            "mixed formats: "
+            + ", ".join(f"{describe(f)} from {w}" for f, w in seen.items())
+            + "; one format per source (list several sources under data: to mix them)"
+        )
     if seen:
         return next(iter(seen)), None
     if unknown is None:
@@ -198,8 +210,10 @@ def check_messages(msgs: Any, field: str, need_assistant: bool = True) -> list[d
             for j, call in enumerate(calls):
                 fn = call.get("function", call) if isinstance(call, dict) else None
                 if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                    raise RecordProblem(f"{where}.tool_calls[{j}] has no function name "
-                                        "(expected {\"type\": \"function\", \"function\": {\"name\": ..., \"arguments\": {...}}})")
+                    raise RecordProblem(
+                        f"{where}.tool_calls[{j}] has no function name "
+                        '(expected {"type": "function", "function": {"name": ..., "arguments": {...}}})'
+                    )
         if content is None and calls:
             pass  # a tool call without text
         elif not isinstance(content, str):
@@ -212,12 +226,15 @@ def check_messages(msgs: Any, field: str, need_assistant: bool = True) -> list[d
                     f"{where}.{key} is {m[key]!r} on {'an' if role[0] in 'aeiou' else 'a'} {role} turn: a per-turn "
                     "training switch ftrun cannot honour "
                     "(it trains every assistant turn alike, and no other turn); remove the turns not to train on "
-                    f"(or end the conversation before them), or drop '{key}' where the turn should train")
+                    f"(or end the conversation before them), or drop '{key}' where the turn should train"
+                )
         unknown = sorted(k for k in m if k not in ("role", "content", *KEPT_FIELDS, *TRAINING_SWITCHES))
         if unknown:
-            raise RecordProblem(f"{where} has {', '.join(repr(k) for k in unknown)}, which ftrun does not read (it reads "
-                                f"role, content, {', '.join(KEPT_FIELDS)}); a key that is not honoured is refused, "
-                                "not dropped in silence: remove it, or move what it says into the content")
+            raise RecordProblem(
+                f"{where} has {', '.join(repr(k) for k in unknown)}, which ftrun does not read (it reads "
+                f"role, content, {', '.join(KEPT_FIELDS)}); a key that is not honoured is refused, "
+                "not dropped in silence: remove it, or move what it says into the content"
+            )
         kept = {"role": role, "content": content}
         kept.update({k: m[k] for k in KEPT_FIELDS if m.get(k) not in (None, "")})
         out.append(kept)
@@ -269,9 +286,18 @@ def _sharegpt(record: dict, other: Optional[str]) -> dict[str, Any]:
             except json.JSONDecodeError as exc:
                 raise RecordProblem(f"{where}.value (a function_call) is not JSON ({exc.msg})") from None
             calls = call if isinstance(call, list) else [call]
-            msgs.append({"role": "assistant", "content": None, "tool_calls": [
-                {"type": "function", "function": {"name": c.get("name"), "arguments": c.get("arguments", {})}}
-                if isinstance(c, dict) else c for c in calls]})
+            msgs.append(
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {"type": "function", "function": {"name": c.get("name"), "arguments": c.get("arguments", {})}}
+                        if isinstance(c, dict)
+                        else c
+                        for c in calls
+                    ],
+                }
+            )
             continue
         msgs.append({"role": role, "content": value})
     return _chat(record, check_messages(msgs, "conversations"))
@@ -289,13 +315,16 @@ def _alpaca(record: dict, other: Optional[str]) -> dict[str, Any]:
     if system.strip():
         msgs.append({"role": "system", "content": system})
     history = _maybe_json(record.get("history"), "history") or []  # LLaMA-Factory: [[question, answer], ...]
-    if not isinstance(history, list) or not all(isinstance(h, list) and len(h) == 2 and all(isinstance(x, str) for x in h)
-                                                for h in history):
+    if not isinstance(history, list) or not all(
+        isinstance(h, list) and len(h) == 2 and all(isinstance(x, str) for x in h) for h in history
+    ):
         raise RecordProblem("'history' must be a list of [question, answer] string pairs")
     for q, a in history:
         msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
-    msgs += [{"role": "user", "content": f"{instruction}\n\n{extra}" if extra.strip() else instruction},
-             {"role": "assistant", "content": output}]
+    msgs += [
+        {"role": "user", "content": f"{instruction}\n\n{extra}" if extra.strip() else instruction},
+        {"role": "assistant", "content": output},
+    ]
     return {"messages": msgs}
 
 
@@ -307,14 +336,18 @@ def _prompt_completion(record: dict, other: Optional[str]) -> dict[str, Any]:
     if isinstance(prompt, str) and isinstance(completion, str):
         return {"prompt": _text(record, "prompt"), "completion": _text(record, "completion")}
     if isinstance(prompt, list) and isinstance(completion, list):
-        example = {"prompt": check_messages(prompt, "prompt", need_assistant=False),
-                   "completion": check_messages(completion, "completion")}
+        example = {
+            "prompt": check_messages(prompt, "prompt", need_assistant=False),
+            "completion": check_messages(completion, "completion"),
+        }
         tools = _tools(record)
         if tools:
             example["tools"] = tools
         return example
-    raise RecordProblem(f"'prompt' and 'completion' must both be strings (plain) or both lists of messages "
-                        f"(conversational), found {type(prompt).__name__} and {type(completion).__name__}")
+    raise RecordProblem(
+        f"'prompt' and 'completion' must both be strings (plain) or both lists of messages "
+        f"(conversational), found {type(prompt).__name__} and {type(completion).__name__}"
+    )
 
 
 def _plain_text(record: dict, other: Optional[str]) -> dict[str, Any]:
@@ -325,8 +358,10 @@ def _plain_text(record: dict, other: Optional[str]) -> dict[str, Any]:
 
 def _pair_check(chosen: Any, rejected: Any) -> None:
     if chosen == rejected:
-        raise RecordProblem("'chosen' and 'rejected' are the same answer: the pair prefers nothing; remove it or "
-                            "give the rejected answer")
+        raise RecordProblem(
+            "'chosen' and 'rejected' are the same answer: the pair prefers nothing; remove it or "
+            "give the rejected answer"
+        )
 
 
 def _preference(record: dict, other: Optional[str]) -> dict[str, Any]:
@@ -335,21 +370,31 @@ def _preference(record: dict, other: Optional[str]) -> dict[str, Any]:
             raise _missing(record, key, "preference", other)
     prompt, chosen, rejected = (_maybe_json(record[k], k) for k in PAIR_KEYS)
     if all(isinstance(v, str) for v in (prompt, chosen, rejected)):
-        example = {"prompt": _text(record, "prompt"), "chosen": _text(record, "chosen"),
-                   "rejected": _text(record, "rejected")}
+        example = {
+            "prompt": _text(record, "prompt"),
+            "chosen": _text(record, "chosen"),
+            "rejected": _text(record, "rejected"),
+        }
     elif all(isinstance(v, list) for v in (prompt, chosen, rejected)):
-        example = {"prompt": check_messages(prompt, "prompt", need_assistant=False),
-                   "chosen": _answer(chosen, "chosen"), "rejected": _answer(rejected, "rejected")}
+        example = {
+            "prompt": check_messages(prompt, "prompt", need_assistant=False),
+            "chosen": _answer(chosen, "chosen"),
+            "rejected": _answer(rejected, "rejected"),
+        }
         if example["prompt"][-1]["role"] == "assistant":
-            raise RecordProblem("the last turn of 'prompt' is the assistant's: the prompt ends where the chosen and "
-                                "the rejected answers begin (a user or tool turn)")
+            raise RecordProblem(
+                "the last turn of 'prompt' is the assistant's: the prompt ends where the chosen and "
+                "the rejected answers begin (a user or tool turn)"
+            )
         tools = _tools(record)
         if tools:
             example["tools"] = tools
     else:
-        raise RecordProblem("'prompt', 'chosen' and 'rejected' must all be strings (standard) or all lists of "
-                            f"messages (conversational), found {type(prompt).__name__}, {type(chosen).__name__} and "
-                            f"{type(rejected).__name__}")
+        raise RecordProblem(
+            "'prompt', 'chosen' and 'rejected' must all be strings (standard) or all lists of "
+            f"messages (conversational), found {type(prompt).__name__}, {type(chosen).__name__} and "
+            f"{type(rejected).__name__}"
+        )
     _pair_check(example["chosen"], example["rejected"])
     return example
 
@@ -357,8 +402,10 @@ def _preference(record: dict, other: Optional[str]) -> dict[str, Any]:
 def _answer(msgs: Any, field: str) -> list[dict[str, Any]]:
     out = check_messages(msgs, field)
     if any(m["role"] != "assistant" for m in out):
-        raise RecordProblem(f"'{field}' holds {', '.join(sorted({m['role'] for m in out if m['role'] != 'assistant'}))} "
-                            "turns: it is the answer alone (assistant turns); the turns before it go in 'prompt'")
+        raise RecordProblem(
+            f"'{field}' holds {', '.join(sorted({m['role'] for m in out if m['role'] != 'assistant'}))} "
+            "turns: it is the answer alone (assistant turns); the turns before it go in 'prompt'"
+        )
     return out
 
 
@@ -368,9 +415,11 @@ def _preference_implicit(record: dict, other: Optional[str]) -> dict[str, Any]:
             raise _missing(record, key, "preference_implicit", other)
     chosen, rejected = _maybe_json(record["chosen"], "chosen"), _maybe_json(record["rejected"], "rejected")
     if not (isinstance(chosen, list) and isinstance(rejected, list)):
-        raise RecordProblem("without a 'prompt', 'chosen' and 'rejected' must be whole conversations (lists of "
-                            f"messages), found {type(chosen).__name__} and {type(rejected).__name__}; plain strings "
-                            "need a 'prompt' beside them")
+        raise RecordProblem(
+            "without a 'prompt', 'chosen' and 'rejected' must be whole conversations (lists of "
+            f"messages), found {type(chosen).__name__} and {type(rejected).__name__}; plain strings "
+            "need a 'prompt' beside them"
+        )
     chosen, rejected = check_messages(chosen, "chosen"), check_messages(rejected, "rejected")
     shared = 0  # the turns both conversations share: the prompt (TRL's extract_prompt splits the same way)
     while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
@@ -378,41 +427,79 @@ def _preference_implicit(record: dict, other: Optional[str]) -> dict[str, Any]:
     if shared == len(chosen) == len(rejected):
         _pair_check(chosen, rejected)
     if shared == 0:
-        raise RecordProblem("'chosen' and 'rejected' share no first turn: with an implicit prompt both conversations "
-                            "begin with the same prompt turns; give a 'prompt' key, or the same first turns")
+        raise RecordProblem(
+            "'chosen' and 'rejected' share no first turn: with an implicit prompt both conversations "
+            "begin with the same prompt turns; give a 'prompt' key, or the same first turns"
+        )
     while shared and chosen[shared - 1]["role"] == "assistant":
         shared -= 1  # the answers begin with the first assistant turn after the shared prompt
-    record = {"prompt": chosen[:shared], "chosen": chosen[shared:], "rejected": rejected[shared:],
-              **({"tools": record["tools"]} if "tools" in record else {})}
+    record = {
+        "prompt": chosen[:shared],
+        "chosen": chosen[shared:],
+        "rejected": rejected[shared:],
+        **({"tools": record["tools"]} if "tools" in record else {}),
+    }
     return _preference(record, other)
 
 
 # In detection order: a record is in the first format whose keys it has all of.
 FORMATS: dict[str, Format] = {
-    "messages": Format("chat messages (role/content)", "chat", ("messages",),
-                       '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}',
-                       _messages, native=True),
-    "sharegpt": Format("ShareGPT conversations (from/value)", "chat", ("conversations",),
-                       '{"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}]}',
-                       _sharegpt, native=False),
-    "prompt_completion": Format("prompt/completion", "prompt_completion", ("prompt", "completion"),
-                                '{"prompt": "...", "completion": "..."} (or both lists of messages)',
-                                _prompt_completion, native=True),
-    "alpaca": Format("Alpaca (instruction/input/output)", "chat", ("instruction", "output"),
-                     '{"instruction": "...", "input": "" (optional), "output": "...", "system": "..." (optional)}',
-                     _alpaca, native=False),
-    "text": Format("plain text (continued pre-training)", "text", ("text",), '{"text": "..."}', _plain_text,
-                   native=True),
-    "preference": Format("preference pairs (prompt/chosen/rejected)", "preference", PAIR_KEYS,
-                         '{"prompt": [{"role": "user", "content": "..."}], "chosen": [{"role": "assistant", '
-                         '"content": "..."}], "rejected": [{"role": "assistant", "content": "..."}]} (or three strings)',
-                         _preference, native=True),
-    "preference_implicit": Format("preference pairs with an implicit prompt (chosen/rejected conversations)",
-                                  "preference", SIDES,
-                                  '{"chosen": [{"role": "user", "content": "..."}, {"role": "assistant", "content": '
-                                  '"..."}], "rejected": [{"role": "user", "content": "..."}, {"role": "assistant", '
-                                  '"content": "..."}]}', _preference_implicit, native=False),
+    "messages": Format(
+        "chat messages (role/content)",
+        "chat",
+        ("messages",),
+        '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}',
+        _messages,
+        native=True,
+    ),
+    "sharegpt": Format(
+        "ShareGPT conversations (from/value)",
+        "chat",
+        ("conversations",),
+        '{"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}]}',
+        _sharegpt,
+        native=False,
+    ),
+    "prompt_completion": Format(
+        "prompt/completion",
+        "prompt_completion",
+        ("prompt", "completion"),
+        '{"prompt": "...", "completion": "..."} (or both lists of messages)',
+        _prompt_completion,
+        native=True,
+    ),
+    "alpaca": Format(
+        "Alpaca (instruction/input/output)",
+        "chat",
+        ("instruction", "output"),
+        '{"instruction": "...", "input": "" (optional), "output": "...", "system": "..." (optional)}',
+        _alpaca,
+        native=False,
+    ),
+    "text": Format(
+        "plain text (continued pre-training)", "text", ("text",), '{"text": "..."}', _plain_text, native=True
+    ),
+    "preference": Format(
+        "preference pairs (prompt/chosen/rejected)",
+        "preference",
+        PAIR_KEYS,
+        '{"prompt": [{"role": "user", "content": "..."}], "chosen": [{"role": "assistant", '
+        '"content": "..."}], "rejected": [{"role": "assistant", "content": "..."}]} (or three strings)',
+        _preference,
+        native=True,
+    ),
+    "preference_implicit": Format(
+        "preference pairs with an implicit prompt (chosen/rejected conversations)",
+        "preference",
+        SIDES,
+        '{"chosen": [{"role": "user", "content": "..."}, {"role": "assistant", "content": '
+        '"..."}], "rejected": [{"role": "user", "content": "..."}, {"role": "assistant", '
+        '"content": "..."}]}',
+        _preference_implicit,
+        native=False,
+    ),
 }
+
 
 def example_form(example: dict[str, Any]) -> str:
     """The canonical form (a FORMS name) of a converted example."""

@@ -9,7 +9,8 @@ it from the generation blocks' characters (tokenization_utils_base.py apply_chat
 prompt/completion data from the common prefix, the EOS appended to plain text, `build_labels`, truncation to
 max_length; and the collator: the first token of every sequence is never a target. It runs without torch
 (`ftrun plan` stays light): the tokenizer as transformers reads it (launcher/data/tokenizer.py) and jinja2, as the
-token counts do (launcher/data/dataset.py). tests/data/test_loss_view.py holds it token for token to TRL's own prepared dataset
+token counts do (launcher/data/dataset.py). tests/data/test_loss_view.py holds it token for token to TRL's own prepared
+dataset
 (`SFTTrainer._prepare_dataset`) on each chat template family, so a TRL or transformers upgrade that masks
 differently fails there.
 """
@@ -56,11 +57,16 @@ class Settings:
     @classmethod
     def of(cls, recipe) -> "Settings":
         t = recipe.trainer
-        return cls(max_length=recipe.max_length, assistant_only_loss=recipe.assistant_only_loss,
-                   completion_only_loss=t.get("completion_only_loss"), packing=recipe.packing,
-                   packing_strategy=t.get("packing_strategy", "bfd"),
-                   truncation_mode=t.get("truncation_mode", "keep_start"), eos_token=t.get("eos_token"),
-                   may_cut=getattr(recipe, "max_length_may_cut", CUT_SHARE_LIMIT))
+        return cls(
+            max_length=recipe.max_length,
+            assistant_only_loss=recipe.assistant_only_loss,
+            completion_only_loss=t.get("completion_only_loss"),
+            packing=recipe.packing,
+            packing_strategy=t.get("packing_strategy", "bfd"),
+            truncation_mode=t.get("truncation_mode", "keep_start"),
+            eos_token=t.get("eos_token"),
+            may_cut=getattr(recipe, "max_length_may_cut", CUT_SHARE_LIMIT),
+        )
 
 
 @dataclass
@@ -126,16 +132,22 @@ class LossView:
             f"assistant_only_loss: the chat template of {self.model} has no {{% generation %}} markers, and TRL has no "
             "training template for it, so no token would be trained (TRL stops at the first example)",
             fix="wrap each assistant turn of the template, its end-of-turn token included, in {% generation %} ... "
-                "{% endgeneration %} (chat_template.jinja in the model folder), or set assistant_only_loss: false.")
+            "{% endgeneration %} (chat_template.jinja in the model folder), or set assistant_only_loss: false.",
+        )
 
     def _end_of_turn(self) -> Optional[str]:
         """The token that ends an assistant turn: the first special token the template writes after an answer's
         text (<|im_end|>, <|eot_id|>, <end_of_turn>, </s>); without a template, the EOS TRL appends."""
         if self.compiled is None:
             return self.eos
-        for messages in ([{"role": "user", "content": PROBE_QUESTION}, {"role": "assistant", "content": PROBE_ANSWER}],
-                         [{"role": "system", "content": "s"}, {"role": "user", "content": PROBE_QUESTION},
-                          {"role": "assistant", "content": PROBE_ANSWER}]):
+        for messages in (
+            [{"role": "user", "content": PROBE_QUESTION}, {"role": "assistant", "content": PROBE_ANSWER}],
+            [
+                {"role": "system", "content": "s"},
+                {"role": "user", "content": PROBE_QUESTION},
+                {"role": "assistant", "content": PROBE_ANSWER},
+            ],
+        ):
             try:
                 text = self._render(messages, None, False)[0]
             except Exception:  # a template that wants another shape of conversation: the next probe
@@ -143,7 +155,7 @@ class LossView:
             end = text.find(PROBE_ANSWER)
             if end < 0:
                 continue
-            rest = text[end + len(PROBE_ANSWER):].lstrip()
+            rest = text[end + len(PROBE_ANSWER) :].lstrip()
             return next((tok for tok in sorted(self.added, key=len, reverse=True) if rest.startswith(tok)), None)
         return None
 
@@ -156,8 +168,9 @@ class LossView:
 
         # transformers drops the keys whose value is None before rendering (_normalize_chat_messages)
         msgs = [{k: v for k, v in m.items() if v is not None} for m in messages]
-        return render_tracked(self.compiled, messages=msgs, tools=tools, add_generation_prompt=generation_prompt,
-                              **self.special)
+        return render_tracked(
+            self.compiled, messages=msgs, tools=tools, add_generation_prompt=generation_prompt, **self.special
+        )
 
     def mark(self, example: dict[str, Any]) -> Marked:
         s = self.settings
@@ -166,7 +179,8 @@ class LossView:
             raise DataError(
                 f"{self.model} has no chat template, and the data is chat (messages): the trainer cannot render it",
                 fix="train a model with a chat template (an instruct model), add one to the model folder "
-                    "(chat_template.jinja), or give the data as text or plain prompt/completion.")
+                "(chat_template.jinja), or give the data as text or plain prompt/completion.",
+            )
         masks: list[list[int]] = []
         if conversational:
             messages = example["messages"] if "messages" in example else example["prompt"] + example["completion"]
@@ -183,21 +197,28 @@ class LossView:
             if "text" in example:
                 text = example["text"] if example["text"].endswith(eos) else example["text"] + eos
             else:
-                completion = example["completion"] if example["completion"].endswith(eos) else example["completion"] + eos
+                completion = (
+                    example["completion"] if example["completion"].endswith(eos) else example["completion"] + eos
+                )
                 text = example["prompt"] + completion
             enc = self.tokenizer.encode(text, add_special_tokens=True)
             ids, offsets = enc.ids, enc.offsets
             if "prompt" in example:
-                masks += self._completion_mask(self.tokenizer.encode(example["prompt"], add_special_tokens=True).ids, ids)
+                masks += self._completion_mask(
+                    self.tokenizer.encode(example["prompt"], add_special_tokens=True).ids, ids
+                )
         labelled = [all(m[i] for m in masks) for i in range(len(ids))]  # build_labels: every applicable mask
         unmasked = not any(labelled)
         length = len(ids)
         keep = slice(0, length)
         if s.max_length is not None and length > s.max_length and (not s.packing or s.packing_strategy == "bfd"):
             # _prepare_dataset truncates (keep_start or keep_end); BFD packing truncates each sequence the same way
-            keep = slice(length - s.max_length, length) if s.truncation_mode == "keep_end" and not s.packing \
+            keep = (
+                slice(length - s.max_length, length)
+                if s.truncation_mode == "keep_end" and not s.packing
                 else slice(0, s.max_length)
-        cut = any(labelled[:keep.start]) or any(labelled[keep.stop:])
+            )
+        cut = any(labelled[: keep.start]) or any(labelled[keep.stop :])
         ids, offsets, labelled = ids[keep], offsets[keep], labelled[keep]
         trained = [t and i > 0 for i, t in enumerate(labelled)]  # the first token of a sequence is never a target
         pieces = self._pieces(text, ids, offsets)
@@ -224,7 +245,7 @@ class LossView:
             if end <= seen or start == end:
                 pieces.append(self.tokenizer.id_to_token(tid) if tid in self.added_ids and start == end else "")
                 continue
-            pieces.append(text[max(start, seen):end])
+            pieces.append(text[max(start, seen) : end])
             seen = end
         return pieces
 
@@ -249,7 +270,9 @@ class LossView:
             runs = runs[-1:]
         ends = []
         for a, b in runs:
-            last = next((i for i in range(b - 1, a - 1, -1) if m.pieces[i].strip() or m.ids[i] in self.added_ids), b - 1)
+            last = next(
+                (i for i in range(b - 1, a - 1, -1) if m.pieces[i].strip() or m.ids[i] in self.added_ids), b - 1
+            )
             ends.append(last)
         return ends
 
@@ -288,14 +311,21 @@ def _assistant_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]
 # ---------------------------------------------------------------------------------------------------------------
 # The check of every example, and the record a run keeps (data.json "loss_view", data_example.txt)
 
+
 def percentile(values: list[int], q: float) -> int:
     """The nearest-rank percentile: the smallest value with at least q% of the values at or below it."""
     ordered = sorted(values)
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)] if ordered else 0
 
 
-def check(model: str, settings: Settings, examples: list[Any], where: list[str], origin: Optional[list[int]] = None,
-          sources: Optional[list[str]] = None) -> Optional[dict[str, Any]]:
+def check(
+    model: str,
+    settings: Settings,
+    examples: list[Any],
+    where: list[str],
+    origin: Optional[list[int]] = None,
+    sources: Optional[list[str]] = None,
+) -> Optional[dict[str, Any]]:
     """Every example marked; a DataError (the example that shows it, its place, the fix) when too many train
     nothing, when a trained turn does not end with the end-of-turn token, or when max_length cuts too many
     answers. Returns the record the run keeps (one marked example per source, the statistics), or None when the
@@ -313,8 +343,10 @@ def check(model: str, settings: Settings, examples: list[Any], where: list[str],
         except DataError:
             raise
         except Exception as exc:  # the template refuses this record: the count already named such records
-            raise DataError(f"the chat template of {model} could not render {w}: {exc}",
-                            fix="check that the model's chat template supports what this record holds.") from None
+            raise DataError(
+                f"the chat template of {model} could not render {w}: {exc}",
+                fix="check that the model's chat template supports what this record holds.",
+            ) from None
     n = len(marks)
     stops = view.stop_ids()
     _refuse_empty(view, examples, where, marks)
@@ -328,20 +360,34 @@ def check(model: str, settings: Settings, examples: list[Any], where: list[str],
         i = next((j for j in range(n) if origin[j] == k and not marks[j].empty), None)
         if i is None:
             i = origin.index(k)
-        shown.append({"where": where[i], "source": (sources or [None])[k] if sources and k < len(sources) else None,
-                      "tokens": len(marks[i].ids), "trained": sum(marks[i].trained),
-                      "segments": [[text, t] for text, t in marks[i].segments()]})
+        shown.append(
+            {
+                "where": where[i],
+                "source": (sources or [None])[k] if sources and k < len(sources) else None,
+                "tokens": len(marks[i].ids),
+                "trained": sum(marks[i].trained),
+                "segments": [[text, t] for text, t in marks[i].segments()],
+            }
+        )
     empty = sum(m.empty for m in marks)
     return {
         "examples": shown,
         "end_of_turn": view.eot,
         "mode": _mode(view, examples[0]),
-        "stats": {"examples": n, "tokens": kept, "trained_tokens": trained,
-                  "trained_share": round(trained / kept, 4) if kept else 0.0,
-                  "p50": percentile(lengths, 50), "p90": percentile(lengths, 90), "p99": percentile(lengths, 99),
-                  "max": max(lengths) if lengths else 0, "max_length": settings.max_length,
-                  "truncated": sum(1 for x in lengths if settings.max_length and x > settings.max_length),
-                  "cut": sum(m.cut for m in marks), "empty": empty},
+        "stats": {
+            "examples": n,
+            "tokens": kept,
+            "trained_tokens": trained,
+            "trained_share": round(trained / kept, 4) if kept else 0.0,
+            "p50": percentile(lengths, 50),
+            "p90": percentile(lengths, 90),
+            "p99": percentile(lengths, 99),
+            "max": max(lengths) if lengths else 0,
+            "max_length": settings.max_length,
+            "truncated": sum(1 for x in lengths if settings.max_length and x > settings.max_length),
+            "cut": sum(m.cut for m in marks),
+            "empty": empty,
+        },
         "trained_each": [sum(m.trained) for m in marks],  # per example, for the caller's own figures (not kept)
     }
 
@@ -371,20 +417,25 @@ def _refuse_empty(view: LossView, examples, where, marks: list[Marked]) -> None:
                 f"{where[i]}: no token is trained: assistant_only_loss trains the template's {{% generation %}} "
                 f"blocks, and this example has none ({len(bad)} of {len(marks)} examples; TRL stops at the first):\n"
                 + _shown(view, marks[i]),
-                fix="give every example an assistant turn, or set assistant_only_loss: false.")
+                fix="give every example an assistant turn, or set assistant_only_loss: false.",
+            )
     bad = [i for i, m in enumerate(marks) if m.empty]
     if len(bad) > EMPTY_SHARE_LIMIT * len(marks):
         i = bad[0]
         m = marks[i]
-        why = (f"max_length {s.max_length} keeps only its first {len(m.ids)} of {m.length} tokens, none of them "
-               "trained" if m.length > len(m.ids) else "the masking leaves no token to train")
+        why = (
+            f"max_length {s.max_length} keeps only its first {len(m.ids)} of {m.length} tokens, none of them trained"
+            if m.length > len(m.ids)
+            else "the masking leaves no token to train"
+        )
         need = percentile([x.length for x in marks], 99)
         raise DataError(
             f"{where[i]}: no token of this example is trained ({why}); {len(bad)} of {len(marks)} examples "
             f"({len(bad) / len(marks):.1%}) train nothing, more than the {EMPTY_SHARE_LIMIT:.0%} allowed "
             f"(loss_view.EMPTY_SHARE_LIMIT); TRL would drop them silently:\n" + _shown(view, m),
             fix=f"raise max_length (max_length={need} keeps 99% of the examples whole), shorten the prompts, or "
-                "remove these examples.")
+            "remove these examples.",
+        )
 
 
 def _refuse_no_stop(view: LossView, where, marks: list[Marked], stops: set[int]) -> None:
@@ -402,15 +453,18 @@ def _refuse_no_stop(view: LossView, where, marks: list[Marked], stops: set[int])
             if view.eot is None and view.compiled is not None:
                 why = "the chat template writes no end-of-turn token after an assistant turn"
             elif eot is not None and eot not in view.added:
-                why = (f"the end-of-turn text {eot!r} is not one token of the tokenizer (it is split into "
-                       f"{len(view.tokenizer.encode(eot, add_special_tokens=False).ids)} pieces)")
+                why = (
+                    f"the end-of-turn text {eot!r} is not one token of the tokenizer (it is split into "
+                    f"{len(view.tokenizer.encode(eot, add_special_tokens=False).ids)} pieces)"
+                )
             else:
                 why = f"the template's end-of-turn token {eot} is not in the trained part"
             raise DataError(
                 f"{where[i]}: the trained part of an assistant turn ends with {found!r}, not with the end-of-turn "
                 f"token ({why}), so the model never learns to stop:\n" + _shown(view, m),
                 fix="put the end-of-turn token inside the {% generation %} block of the chat template (or set "
-                    "assistant_only_loss: false), or use a tokenizer whose EOS is one special token.")
+                "assistant_only_loss: false), or use a tokenizer whose EOS is one special token.",
+            )
 
 
 def _refuse_cut(view: LossView, where, marks: list[Marked]) -> None:
@@ -423,10 +477,12 @@ def _refuse_cut(view: LossView, where, marks: list[Marked]) -> None:
     raise DataError(
         f"{where[i]}: max_length {s.max_length} cuts the trained part of {len(bad)} of {len(marks)} examples "
         f"({len(bad) / len(marks):.1%}, more than max_length_may_cut={s.may_cut:g} allows); this one "
-        f"has {marks[i].length} tokens, and its answer loses its end and its end-of-turn token:\n" + _shown(view, marks[i]),
+        f"has {marks[i].length} tokens, and its answer loses its end and its end-of-turn token:\n"
+        + _shown(view, marks[i]),
         fix=f"raise max_length: {percentile(lengths, 99)} keeps 99% of the examples whole (p99), {max(lengths)} keeps "
-            "all of them; or shorten or remove the long examples; or allow more cut answers with "
-            f"max_length_may_cut={len(bad) / len(marks):.2f} (they train without their end).")
+        "all of them; or shorten or remove the long examples; or allow more cut answers with "
+        f"max_length_may_cut={len(bad) / len(marks):.2f} (they train without their end).",
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -442,8 +498,11 @@ def render_segments(segments, color: bool = False, limit: Optional[int] = SHOWN_
     total = sum(len(t) for t, _ in segments)
     if limit and total > limit:
         head, tail = limit * 2 // 3, limit // 3
-        segments = _slice(segments, 0, head) + [(f" ... ({total - head - tail:,} characters) ... ", None)] \
+        segments = (
+            _slice(segments, 0, head)
+            + [(f" ... ({total - head - tail:,} characters) ... ", None)]
             + _slice(segments, total - tail, total)
+        )
     out = []
     for text, trained in segments:
         if trained is None:
@@ -460,6 +519,6 @@ def _slice(segments, start: int, stop: int):
     for text, trained in segments:
         a, b = max(start, pos), min(stop, pos + len(text))
         if a < b:
-            out.append((text[a - pos:b - pos], trained))
+            out.append((text[a - pos : b - pos], trained))
         pos += len(text)
     return out

@@ -38,8 +38,12 @@ class Source:
     @property
     def local(self) -> bool:
         p = Path(self.path)
-        return (p.exists() or self.path.startswith((".", "/", "~")) or self.path.count("/") != 1
-                or p.suffix.lower() in EXTENSIONS)
+        return (
+            p.exists()
+            or self.path.startswith((".", "/", "~"))
+            or self.path.count("/") != 1
+            or p.suffix.lower() in EXTENSIONS
+        )
 
     def label(self) -> str:
         if self.local:
@@ -62,8 +66,10 @@ def sources_of(spec: Any) -> list[Source]:
         elif isinstance(item, dict):
             out.append(Source(**{k: v for k, v in item.items() if v is not None}))
         else:
-            raise DataError(f"data entry {item!r} is neither a path nor a {{path: ...}} mapping",
-                            fix="give data as a path, {path: org/name, split: train}, or a list of those.")
+            raise DataError(
+                f"data entry {item!r} is neither a path nor a {{path: ...}} mapping",
+                fix="give data as a path, {path: org/name, split: train}, or a list of those.",
+            )
     if not out:
         raise DataError("data is an empty list", fix="name at least one file, folder or Hub dataset under data.")
     for source in out:
@@ -84,11 +90,13 @@ def _only_options_that_apply(source: Source) -> None:
         ignored.insert(0, ("split", source.split))
     if ignored:
         what = ", ".join(f"{k}: {v}" for k, v in ignored)
-        raise DataError(f"data entry {source.path}: {what} applies to Hub datasets"
-                        + (" (a saved dataset takes split only)" if saved else "")
-                        + f", and {source.path} is a local {'saved dataset' if saved else 'file or folder'}, read whole",
-                        fix="remove it from the data entry, or split the data into files of its own (one file per "
-                        "split: the held-out part as eval.data).")
+        raise DataError(
+            f"data entry {source.path}: {what} applies to Hub datasets"
+            + (" (a saved dataset takes split only)" if saved else "")
+            + f", and {source.path} is a local {'saved dataset' if saved else 'file or folder'}, read whole",
+            fix="remove it from the data entry, or split the data into files of its own (one file per "
+            "split: the held-out part as eval.data).",
+        )
 
 
 def pinned(spec: Any, recorded: list[dict[str, Any]]) -> list[Source]:
@@ -97,8 +105,9 @@ def pinned(spec: Any, recorded: list[dict[str, Any]]) -> list[Source]:
     sources = sources_of(spec)
     if len(recorded) != len(sources):
         return sources
-    return [replace(s, revision=r.get("revision") or s.revision) if not s.local else s
-            for s, r in zip(sources, recorded)]
+    return [
+        replace(s, revision=r.get("revision") or s.revision) if not s.local else s for s, r in zip(sources, recorded)
+    ]
 
 
 @dataclass
@@ -115,7 +124,8 @@ def read(source: Source) -> Records:
             raise DataError(
                 f"data '{source.path}' (recipe key 'data') does not exist",
                 fix="set data to a .jsonl/.json/.parquet/.csv file or a folder of them (relative paths are read from "
-                "the recipe's folder), or to a Hub dataset as org/name.")
+                "the recipe's folder), or to a Hub dataset as org/name.",
+            )
         if path.is_dir():
             rows, identity = _read_folder(path, source)
         else:
@@ -133,9 +143,11 @@ def _renamed(rows: list[tuple[str, Any]], source: Source) -> list[tuple[str, Any
     if isinstance(first, dict):
         missing = [f"{col} (columns.{key})" for key, col in source.columns.items() if col not in first]
         if missing:
-            raise DataError(f"{source.label()} has no column {', '.join(missing)}; its columns: {', '.join(sorted(first))}",
-                            fix="map each field the format expects to one of the source's columns, e.g. "
-                            "columns: {messages: conversation}.")
+            raise DataError(
+                f"{source.label()} has no column {', '.join(missing)}; its columns: {', '.join(sorted(first))}",
+                fix="map each field the format expects to one of the source's columns, e.g. "
+                "columns: {messages: conversation}.",
+            )
     out = []
     for where, rec in rows:
         if isinstance(rec, dict):
@@ -163,13 +175,17 @@ def _read_file(path: Path, label: str) -> Iterator[tuple[str, Any]]:
             try:
                 doc = json.loads(path.read_text(encoding="utf-8"))
             except json.JSONDecodeError as exc:
-                raise DataError(f"{path} is not valid JSON: {json_problem(exc)}",
-                                fix="a .json file holds one list of records; use .jsonl for one record per line.") from None
+                raise DataError(
+                    f"{path} is not valid JSON: {json_problem(exc)}",
+                    fix="a .json file holds one list of records; use .jsonl for one record per line.",
+                ) from None
             if isinstance(doc, dict) and len(doc) == 1 and isinstance(next(iter(doc.values())), list):
                 doc = next(iter(doc.values()))  # {"train": [...]} or {"data": [...]}
             if not isinstance(doc, list):
-                raise DataError(f"{path} holds a JSON {type(doc).__name__}, not a list of records",
-                                fix="write the records as one JSON list, or one per line as .jsonl.")
+                raise DataError(
+                    f"{path} holds a JSON {type(doc).__name__}, not a list of records",
+                    fix="write the records as one JSON list, or one per line as .jsonl.",
+                )
             for i, rec in enumerate(doc, start=1):
                 yield f"{label} record {i}", rec
         else:  # .jsonl, and .json written one record per line
@@ -182,8 +198,9 @@ def _read_file(path: Path, label: str) -> Iterator[tuple[str, Any]]:
                     except json.JSONDecodeError as exc:
                         yield f"{label} line {lineno}", NotJson(f"not valid JSON: {json_problem(exc, lines=False)}")
     except UnicodeDecodeError as exc:
-        raise DataError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})",
-                        fix="save the file as UTF-8.") from None
+        raise DataError(
+            f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})", fix="save the file as UTF-8."
+        ) from None
 
 
 def _is_json_lines(path: Path) -> bool:
@@ -199,13 +216,17 @@ class NotJson(str):
 
 
 def _is_saved_dataset(path: Path) -> bool:
-    return (path / "dataset_dict.json").is_file() or ((path / "state.json").is_file()
-                                                      and (path / "dataset_info.json").is_file())
+    return (path / "dataset_dict.json").is_file() or (
+        (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
+    )
 
 
 def _read_folder(path: Path, source: Source) -> tuple[list[tuple[str, Any]], dict[str, Any]]:
-    files = sorted(p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in
-                                                                          p.relative_to(path).parts))
+    files = sorted(
+        p
+        for p in path.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+    )
     digest = hashlib.sha256()
     for p in files:
         digest.update(f"{p.relative_to(path)}\0{sha256_file(p)}\n".encode())
@@ -216,14 +237,18 @@ def _read_folder(path: Path, source: Source) -> tuple[list[tuple[str, Any]], dic
         ds = datasets.load_from_disk(str(path))
         if isinstance(ds, datasets.DatasetDict):
             if source.split not in ds:
-                raise DataError(f"{path} has no split '{source.split}'; its splits: {', '.join(ds)}",
-                                fix="set split: to one of them in the data entry.")
+                raise DataError(
+                    f"{path} has no split '{source.split}'; its splits: {', '.join(ds)}",
+                    fix="set split: to one of them in the data entry.",
+                )
             ds = ds[source.split]
         return [(f"{path.name} row {i}", rec) for i, rec in enumerate(ds.to_list(), start=1)], identity
     data_files = [p for p in files if p.suffix.lower() in EXTENSIONS]
     if not data_files:
-        raise DataError(f"the folder {path} holds no {', '.join(EXTENSIONS)} files",
-                        fix="point data at a folder of data files, at one file, or at a dataset saved with datasets.")
+        raise DataError(
+            f"the folder {path} holds no {', '.join(EXTENSIONS)} files",
+            fix="point data at a folder of data files, at one file, or at a dataset saved with datasets.",
+        )
     rows = [r for p in data_files for r in _read_file(p, str(p.relative_to(path)))]
     return rows, identity
 
@@ -233,10 +258,12 @@ def _read_hub(source: Source) -> tuple[list[tuple[str, Any]], dict[str, Any]]:
         import datasets
         from datasets.exceptions import DatasetNotFoundError
     except ImportError:  # a light install (no extras): `ftrun plan` still plans on the recipe's tokens
-        raise DataError(f"the Hub dataset {source.path} is read with the `datasets` library, which this install of "
-                        "ftrun lacks (the base install plans, it does not train)",
-                        fix="pip install 'ftrun[train]' to read it (and to train), or plan without reading it: "
-                        "tokens: N in the recipe, or `ftrun plan RECIPE --tokens N`") from None
+        raise DataError(
+            f"the Hub dataset {source.path} is read with the `datasets` library, which this install of "
+            "ftrun lacks (the base install plans, it does not train)",
+            fix="pip install 'ftrun[train]' to read it (and to train), or plan without reading it: "
+            "tokens: N in the recipe, or `ftrun plan RECIPE --tokens N`",
+        ) from None
 
     try:
         ds = datasets.load_dataset(source.path, name=source.subset, split=source.split, revision=source.revision)
@@ -248,11 +275,14 @@ def _read_hub(source: Source) -> tuple[list[tuple[str, Any]], dict[str, Any]]:
             "reads (HF_HOME / HF_DATASETS_CACHE), unset HF_HUB_OFFLINE, or copy the files here and give their path.",
         ) from None
     except DatasetNotFoundError as exc:
-        raise DataError(f"{source.label()}: {exc}", fix="check the name (org/name) and your access "
-                        "(HF_TOKEN for gated or private datasets).") from None
+        raise DataError(
+            f"{source.label()}: {exc}",
+            fix="check the name (org/name) and your access (HF_TOKEN for gated or private datasets).",
+        ) from None
     except (ValueError, FileNotFoundError) as exc:  # an unknown split or subset, no data files
-        raise DataError(f"{source.label()} could not be loaded: {exc}",
-                        fix="check split: and subset: against the dataset's page.") from None
+        raise DataError(
+            f"{source.label()} could not be loaded: {exc}", fix="check split: and subset: against the dataset's page."
+        ) from None
     revision = None
     for f in getattr(ds, "cache_files", None) or []:
         # the cache folder of a Hub dataset is named by the commit it was downloaded at
@@ -260,6 +290,10 @@ def _read_hub(source: Source) -> tuple[list[tuple[str, Any]], dict[str, Any]]:
         if re.fullmatch(r"[0-9a-f]{40}", name):
             revision = name
             break
-    identity = {"source": source.path, "split": source.split, "subset": source.subset,
-                "revision": revision or source.revision}
+    identity = {
+        "source": source.path,
+        "split": source.split,
+        "subset": source.subset,
+        "revision": revision or source.revision,
+    }
     return [(f"{source.path} row {i}", rec) for i, rec in enumerate(ds.to_list(), start=1)], identity

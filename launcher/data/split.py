@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+
 @dataclass(frozen=True)
 class Split:
     train: list[int]  # indices into the data, in file order

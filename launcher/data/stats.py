@@ -1,4 +1,5 @@
-"""The statistics of the recipe's data that the plan and the run use: what trains, the eval split's examples left out."""
+"""The statistics of the recipe's data that the plan and the run use: what trains, the eval split's examples left
+out."""
 
 from __future__ import annotations
 
@@ -26,20 +27,30 @@ def data_stats(recipe: Any):
     stats = compute_stats([examples[i] for i in train], [lengths[i] for i in train], source, recipe.max_length, data)
     # what the loss sees, every training example marked as TRL masks it; a DataError refuses data that would train
     # nothing, never teach the model to stop, or lose its answers to max_length (launcher/data/loss_view.py)
-    seen = loss_view.check(recipe.model, loss_view.Settings.of(recipe), *_sequences(
-        [examples[i] for i in train], [data.where[i] for i in train],
-        [data.origin[i] for i in train] if data.origin else [0] * len(train), [str(s.get("source")) for s in data.sources]))
+    seen = loss_view.check(
+        recipe.model,
+        loss_view.Settings.of(recipe),
+        *_sequences(
+            [examples[i] for i in train],
+            [data.where[i] for i in train],
+            [data.origin[i] for i in train] if data.origin else [0] * len(train),
+            [str(s.get("source")) for s in data.sources],
+        ),
+    )
     trained_each = seen.pop("trained_each", None) if seen else None
     if seen and any(isinstance(ex, dict) and "chosen" in ex for ex in examples):
         seen["pairs"] = pair_stats(trained_each)
     stats = replace(stats, loss_view=seen, held_out=len(parts.held_out), held_out_lines=len(examples) - len(train))
     eval_examples = split.load_eval_data(recipe) if recipe.eval.data else None  # a broken eval file stops here
-    problems = task_examples.refusals(recipe.eval.task, examples, lengths, parts.held_out, train, recipe.max_length,
-                                      recipe.seed, eval_examples)
+    problems = task_examples.refusals(
+        recipe.eval.task, examples, lengths, parts.held_out, train, recipe.max_length, recipe.seed, eval_examples
+    )
     if problems:
-        raise RecipeError("the task evaluation cannot honour " + ("these settings:\n- " + "\n- ".join(problems)
-                                                                  if len(problems) > 1 else problems[0]),
-                          fix="change or remove the eval.task keys named (docs/task_eval.md)")
+        raise RecipeError(
+            "the task evaluation cannot honour "
+            + ("these settings:\n- " + "\n- ".join(problems) if len(problems) > 1 else problems[0]),
+            fix="change or remove the eval.task keys named (docs/task_eval.md)",
+        )
     if recipe.eval.data:
         objective_fits(recipe, load_data(recipe.eval.data, recipe.seed).form, "eval.data")
         # a resume on changed eval data is refused like one on changed training data
@@ -58,10 +69,14 @@ def objective_fits(recipe: Any, form: str, key: str) -> None:
     raise DataError(
         f"{key} is {form.replace('_', '/')} data, which objective {recipe.objective} does not train "
         f"({recipe.objective} trains {', '.join(formats.describe(f) for f in fitting)})",
-        fix=(f"set objective: {others[0]}" + (f" ({formats.FORMS[form].reads_as} train with {' or '.join(others)})"
-                                               if len(others) > 1 else "")
-             + f", or give {key} in one of: {', '.join(formats.example(f) for f in fitting[:2])}") if others else
-        f"give {key} in one of the formats {', '.join(fitting)} (docs/data.md).")
+        fix=(
+            f"set objective: {others[0]}"
+            + (f" ({formats.FORMS[form].reads_as} train with {' or '.join(others)})" if len(others) > 1 else "")
+            + f", or give {key} in one of: {', '.join(formats.example(f) for f in fitting[:2])}"
+        )
+        if others
+        else f"give {key} in one of the formats {', '.join(fitting)} (docs/data.md).",
+    )
 
 
 def _sequences(examples: list[Any], where: list[str], origin: list[int], sources: list[str]):
@@ -84,14 +99,24 @@ def pair_stats(trained: list[int]) -> dict[str, Any]:
     chosen answer is nearly always the longer teaches length as much as quality)."""
     chosen, rejected = trained[0::2], trained[1::2]
     n = max(len(chosen), 1)
-    return {"pairs": len(chosen), "chosen_mean_tokens": round(sum(chosen) / n, 1),
-            "rejected_mean_tokens": round(sum(rejected) / n, 1),
-            "chosen_longer": round(sum(c > r for c, r in zip(chosen, rejected)) / n, 4)}
+    return {
+        "pairs": len(chosen),
+        "chosen_mean_tokens": round(sum(chosen) / n, 1),
+        "rejected_mean_tokens": round(sum(rejected) / n, 1),
+        "chosen_longer": round(sum(c > r for c, r in zip(chosen, rejected)) / n, 4),
+    }
 
 
 def data_record(stats) -> dict[str, Any]:
     """data.json in the run: the resolved data (sources with their sha256 or revision, format, count, tokens)."""
-    return {"description": stats.description, "sha256": stats.sha256, "sources": list(stats.sources),
-            "examples": stats.examples, "total_tokens": stats.total_tokens, "mean_tokens": stats.mean_tokens,
-            "max_tokens": stats.max_tokens, "tokens_source": stats.tokens_source,
-            **({"loss_view": stats.loss_view} if stats.loss_view else {})}
+    return {
+        "description": stats.description,
+        "sha256": stats.sha256,
+        "sources": list(stats.sources),
+        "examples": stats.examples,
+        "total_tokens": stats.total_tokens,
+        "mean_tokens": stats.mean_tokens,
+        "max_tokens": stats.max_tokens,
+        "tokens_source": stats.tokens_source,
+        **({"loss_view": stats.loss_view} if stats.loss_view else {}),
+    }

@@ -31,8 +31,9 @@ def prompt_and_reference(example: Any) -> Optional[dict[str, Any]]:
     messages = example.get("messages") if isinstance(example, dict) else example
     if not isinstance(messages, list):
         return None
-    last = max((k for k, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"),
-               default=None)
+    last = max(
+        (k for k, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"), default=None
+    )
     if not last or not isinstance(messages[last].get("content"), str):
         return None  # no assistant turn, or nothing before it to prompt with
     return {"messages": [dict(m) for m in messages[:last]], "reference": messages[last]["content"]}
@@ -57,8 +58,10 @@ def not_applicable(examples: list) -> Optional[str]:
     if not examples:
         return "the data has no examples"
     if all(prompt_and_reference(e) is None for e in examples):
-        return ("no example has an answer to score: plain text (and chat without an assistant turn after a prompt) "
-                "has no reference answer; the eval loss measures such data")
+        return (
+            "no example has an answer to score: plain text (and chat without an assistant turn after a prompt) "
+            "has no reference answer; the eval loss measures such data"
+        )
     return None
 
 
@@ -67,7 +70,11 @@ def with_shots(prompt: dict[str, Any], shots: list[dict[str, Any]]) -> dict[str,
     plain-text prompts get the shots as text before them, each prompt followed by its answer."""
     if "text" in prompt:
         lead = "".join(s["text"] + s["reference"] + "\n\n" for s in shots if "text" in s)
-        return {**prompt, "text": lead + prompt["text"], "messages": [{"role": "prompt", "content": lead + prompt["text"]}]}
+        return {
+            **prompt,
+            "text": lead + prompt["text"],
+            "messages": [{"role": "prompt", "content": lead + prompt["text"]}],
+        }
     msgs = prompt["messages"]
     system = [m for m in msgs[:1] if m.get("role") == "system"]
     turns: list[dict[str, Any]] = []
@@ -76,7 +83,7 @@ def with_shots(prompt: dict[str, Any], shots: list[dict[str, Any]]) -> dict[str,
             continue
         turns += [m for m in s["messages"] if m.get("role") != "system"]
         turns.append({"role": "assistant", "content": s["reference"]})
-    return {**prompt, "messages": system + turns + msgs[len(system):]}
+    return {**prompt, "messages": system + turns + msgs[len(system) :]}
 
 
 def shots_for(examples: list, train: list[int], k: int, seed: int) -> list[dict[str, Any]]:
@@ -84,8 +91,15 @@ def shots_for(examples: list, train: list[int], k: int, seed: int) -> list[dict[
     return pick(examples, train, k, seed, salt="shots")
 
 
-def build_task(examples: list, held_out: list[int], train: list[int], settings, seed: int,
-               eval_examples: Optional[list] = None, max_new_tokens_cap: int = 128) -> dict[str, Any]:
+def build_task(
+    examples: list,
+    held_out: list[int],
+    train: list[int],
+    settings,
+    seed: int,
+    eval_examples: Optional[list] = None,
+    max_new_tokens_cap: int = 128,
+) -> dict[str, Any]:
     """What the task evaluation asks, as data (stored in the run directory so every scorer asks the same):
     {"metric", "metric_reason", "prompts": [{"index", "messages" or "text", "reference"}], "shots": [...],
     "max_new_tokens"}; or {"not_applicable": why} / {"too_few": n, "why": ...} when it cannot score.
@@ -96,17 +110,21 @@ def build_task(examples: list, held_out: list[int], train: list[int], settings, 
 
     pool_examples, pool = (eval_examples, list(range(len(eval_examples)))) if eval_examples else (examples, held_out)
     if not pool:
-        return {"not_applicable": "the recipe holds no examples out (set eval.fraction, e.g. 0.05, or eval.data): "
-                                  "scoring examples the model trained on would say nothing about the task"}
+        return {
+            "not_applicable": "the recipe holds no examples out (set eval.fraction, e.g. 0.05, or eval.data): "
+            "scoring examples the model trained on would say nothing about the task"
+        }
     why = not_applicable([pool_examples[i] for i in pool])
     if why:
         return {"not_applicable": why}
     prompts = pick(pool_examples, pool, settings.examples, seed)
     if len(prompts) < MIN_EXAMPLES:
-        return {"too_few": len(prompts),
-                "why": f"only {len(prompts)} held-out example(s) have an answer to score; at least {MIN_EXAMPLES} "
-                       "give a score worth reading (one example would be 10 points or more)",
-                "fix": "hold out more: raise eval.fraction or give a larger eval.data"}
+        return {
+            "too_few": len(prompts),
+            "why": f"only {len(prompts)} held-out example(s) have an answer to score; at least {MIN_EXAMPLES} "
+            "give a score worth reading (one example would be 10 points or more)",
+            "fix": "hold out more: raise eval.fraction or give a larger eval.data",
+        }
     references = [p["reference"] for p in prompts]
     if settings.metric == task_metrics.AUTO:
         metric, reason = task_metrics.choose(references)
@@ -115,16 +133,32 @@ def build_task(examples: list, held_out: list[int], train: list[int], settings, 
     longest = max(len(r) for r in references)
     needed = 2 * longest // 3 + 1  # the longest reference's tokens, about 2 per 3 characters
     limit = settings.max_new_tokens or min(max_new_tokens_cap, max(8, 2 * needed))
-    task = {"metric": metric, "metric_reason": reason, "prompts": prompts,
-            "shots": shots_for(examples, train, settings.shots, seed), "max_new_tokens": limit}
+    task = {
+        "metric": metric,
+        "metric_reason": reason,
+        "prompts": prompts,
+        "shots": shots_for(examples, train, settings.shots, seed),
+        "max_new_tokens": limit,
+    }
     if limit < needed:  # an answer as long as the reference is cut by a setting: the score says so (run/views.py)
-        task["capped"] = {"max_new_tokens": limit, "reference_tokens": needed,
-                          "key": "eval.task.max_new_tokens" if settings.max_new_tokens else "eval.max_new_tokens"}
+        task["capped"] = {
+            "max_new_tokens": limit,
+            "reference_tokens": needed,
+            "key": "eval.task.max_new_tokens" if settings.max_new_tokens else "eval.max_new_tokens",
+        }
     return task
 
 
-def refusals(settings, examples: list, lengths: list[int], held_out: list[int], train: list[int], max_length: int,
-             seed: int, eval_examples: Optional[list] = None) -> list[str]:
+def refusals(
+    settings,
+    examples: list,
+    lengths: list[int],
+    held_out: list[int],
+    train: list[int],
+    max_length: int,
+    seed: int,
+    eval_examples: Optional[list] = None,
+) -> list[str]:
     """The eval.task settings this data cannot honour, each naming the key, the value, what the data holds and the
     largest value that fits; the plan refuses them (launcher/data/stats.py) before anything trains. Only values given
     other than their defaults are refused: a default adapts (examples is a cap; the verdict says "too few").
@@ -138,25 +172,33 @@ def refusals(settings, examples: list, lengths: list[int], held_out: list[int], 
     pool_examples, pool = (eval_examples, list(range(len(eval_examples)))) if eval_examples else (examples, held_out)
     answered = [i for i in pool if prompt_and_reference(pool_examples[i]) is not None]
     if settings.examples != defaults.examples and not pool:
-        out.append(f"eval.task.examples {settings.examples}: the recipe holds no examples out, so the task evaluation "
-                   "would score none; set eval.fraction (e.g. 0.05) or eval.data, or eval.task.examples: 0 to turn "
-                   "it off")
+        out.append(
+            f"eval.task.examples {settings.examples}: the recipe holds no examples out, so the task evaluation "
+            "would score none; set eval.fraction (e.g. 0.05) or eval.data, or eval.task.examples: 0 to turn "
+            "it off"
+        )
     elif settings.examples != defaults.examples and settings.examples > len(answered):
-        out.append(f"eval.task.examples {settings.examples}: {len(answered)} held-out example(s) have an answer to "
-                   f"score; the largest that fits is {len(answered)} (or hold out more: eval.fraction, eval.data)")
+        out.append(
+            f"eval.task.examples {settings.examples}: {len(answered)} held-out example(s) have an answer to "
+            f"score; the largest that fits is {len(answered)} (or hold out more: eval.fraction, eval.data)"
+        )
     prompts = pick(pool_examples, pool, settings.examples, seed) if answered else []
     if settings.metric == "json" and prompts:
         references = [p["reference"] for p in prompts]
         if not any(task_metrics._json_object(r) is not None for r in references):
             metric, why = task_metrics.choose(references)
-            out.append(f"eval.task.metric json: none of the {len(references)} held-out references parses as a JSON "
-                       f"object, so every answer would score 0 (auto chooses {metric} for them: {why}); set "
-                       f"eval.task.metric: {metric} or leave it out")
+            out.append(
+                f"eval.task.metric json: none of the {len(references)} held-out references parses as a JSON "
+                f"object, so every answer would score 0 (auto chooses {metric} for them: {why}); set "
+                f"eval.task.metric: {metric} or leave it out"
+            )
     if settings.shots != defaults.shots and settings.shots:
         drawn = shots_for(examples, train, settings.shots, seed)
         if len(drawn) < settings.shots:
-            out.append(f"eval.task.shots {settings.shots}: the training examples hold {len(drawn)} with an answer "
-                       f"to place before a prompt; the largest that fits is {len(drawn)}")
+            out.append(
+                f"eval.task.shots {settings.shots}: the training examples hold {len(drawn)} with an answer "
+                f"to place before a prompt; the largest that fits is {len(drawn)}"
+            )
         elif prompts and not eval_examples:
             longest = max(lengths[p["index"]] for p in prompts)  # the whole example: the prompt and its answer
             used, fits = longest, 0
@@ -167,7 +209,9 @@ def refusals(settings, examples: list, lengths: list[int], held_out: list[int], 
                 fits += 1
             if fits < settings.shots:
                 total = longest + sum(lengths[s["index"]] for s in drawn)
-                out.append(f"eval.task.shots {settings.shots}: the longest task prompt with {settings.shots} "
-                           f"training examples before it comes to about {total:,} tokens, over max_length "
-                           f"{max_length:,}; the largest that fits is {fits} (or raise max_length)")
+                out.append(
+                    f"eval.task.shots {settings.shots}: the longest task prompt with {settings.shots} "
+                    f"training examples before it comes to about {total:,} tokens, over max_length "
+                    f"{max_length:,}; the largest that fits is {fits} (or raise max_length)"
+                )
     return out

@@ -47,8 +47,12 @@ def _json_score(answers: list[str], references: list[str], exact: list[float]) -
             fields.append(float(got == ref))
         else:
             fields.append(sum(1.0 for k, v in ref.items() if got is not None and k in got and got[k] == v) / len(ref))
-    details = {"parses": sum(p is not None for p in parsed) / n, "has_keys": sum(keys) / n,
-               "field_match": sum(fields) / n, "exact": sum(exact) / n}
+    details = {
+        "parses": sum(p is not None for p in parsed) / n,
+        "has_keys": sum(keys) / n,
+        "field_match": sum(fields) / n,
+        "exact": sum(exact) / n,
+    }
     return {"score": details["field_match"], "details": details, "per_example": fields}
 
 
@@ -61,13 +65,26 @@ def _chrf_score(answers: list[str], references: list[str], exact: list[float]) -
     return {"score": corpus, "details": {"chrf": corpus, "exact": sum(exact) / len(references)}, "per_example": per}
 
 
-METRICS: dict[str, Metric] = {m.name: m for m in (
-    Metric("exact", "accuracy after whitespace and case normalisation", "the references are a few short labels",
-           "exact", _exact_score),
-    Metric("json", "field-level exact match against the reference object", "every reference parses as a JSON object",
-           "field match", _json_score),
-    Metric("text", "chrF (sacrebleu), as a fraction", "anything else", "chrF", _chrf_score),
-)}
+METRICS: dict[str, Metric] = {
+    m.name: m
+    for m in (
+        Metric(
+            "exact",
+            "accuracy after whitespace and case normalisation",
+            "the references are a few short labels",
+            "exact",
+            _exact_score,
+        ),
+        Metric(
+            "json",
+            "field-level exact match against the reference object",
+            "every reference parses as a JSON object",
+            "field match",
+            _json_score,
+        ),
+        Metric("text", "chrF (sacrebleu), as a fraction", "anything else", "chrF", _chrf_score),
+    )
+}
 AUTO = "auto"  # the recipe's default: chosen from the references
 
 
@@ -106,10 +123,16 @@ def choose(references: list[str]) -> tuple[str, str]:
     labels = {normalise(r) for r in references}
     longest = max((len(r.split()) for r in references), default=0)
     if n and longest <= LABEL_MAX_WORDS and len(labels) <= min(LABEL_MAX_DISTINCT, max(2, n // 2)):
-        return "exact", (f"the {n} references are {len(labels)} distinct short labels (at most {longest} word{'' if longest == 1 else 's'}): "
-                         "accuracy after whitespace and case normalisation")
-    return "text", (f"the {n} references are free text ({len(labels)} distinct, up to {longest} word{'' if longest == 1 else 's'}): chrF, "
-                    "plus exact match")
+        return "exact", (
+            f"the {n} references are {len(labels)} distinct short labels (at most {longest} "
+            f"word{'' if longest == 1 else 's'}): "
+            "accuracy after whitespace and case normalisation"
+        )
+    return "text", (
+        f"the {n} references are free text ({len(labels)} distinct, up to {longest} "
+        f"word{'' if longest == 1 else 's'}): chrF, "
+        "plus exact match"
+    )
 
 
 def _exact(answers: list[str], references: list[str]) -> list[float]:

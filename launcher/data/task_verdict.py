@@ -65,12 +65,17 @@ def difference(t: dict[str, Any]) -> Optional[dict[str, Any]]:
         noise = 100 * 2 * spread / len(d) ** 0.5
     elif n:
         noise = 100 / n  # without the per-example scores: one example's worth, the least a difference can be
-    return {"gain": gain, "noise": noise, "within": noise is not None and abs(gain) <= noise, "n": n,
-            "paired": bool(mine and theirs)}
+    return {
+        "gain": gain,
+        "noise": noise,
+        "within": noise is not None and abs(gain) <= noise,
+        "n": n,
+        "paired": bool(mine and theirs),
+    }
 
 
 def noise_words(diff: dict[str, Any]) -> str:
-    """"-1 point, within the ±6-point noise of 20 examples" (or beyond it); without per-example scores, what one
+    """ "-1 point, within the ±6-point noise of 20 examples" (or beyond it); without per-example scores, what one
     example is worth."""
     said = f"{diff['gain']:+d} point{'' if abs(diff['gain']) == 1 else 's'}"
     if diff.get("noise") is None:
@@ -87,22 +92,31 @@ def verdict(t: dict[str, Any], price: str = "") -> str:
     if t.get("not_applicable"):
         return f"the task evaluation does not apply to this data: {t['not_applicable']}"
     if t.get("too_few") is not None:
-        return (f"too few examples to score the task: {t.get('why') or str(t['too_few']) + ' held-out example(s)'}"
-                + (f"; fix: {t['fix']}" if t.get("fix") else ""))
+        return f"too few examples to score the task: {t.get('why') or str(t['too_few']) + ' held-out example(s)'}" + (
+            f"; fix: {t['fix']}" if t.get("fix") else ""
+        )
     score, who = base_score(t)
     if score is None:
         if (t.get("scores") or {}).get(FINE_TUNED) is not None:  # after training, and nothing to compare with
-            return (f"the {start_name(t)} was not scored, so there is no comparison: set eval.task.baseline: run to "
-                    "score it before training" + (" (an adapter from init_from cannot be switched off to score it "
-                                                  "after)" if t.get("starting_point") else ""))
+            return (
+                f"the {start_name(t)} was not scored, so there is no comparison: set eval.task.baseline: run to "
+                "score it before training"
+                + (
+                    " (an adapter from init_from cannot be switched off to score it after)"
+                    if t.get("starting_point")
+                    else ""
+                )
+            )
         return f"the {start_name(t)} has not been scored yet"
     diff = difference(t) if t.get("starting_point") else None
     if diff is not None:  # a step from a parent adapter (init_from) is judged against where it started
         metric = t.get("metric")
         word = metric_word(metric) or "score"
-        change = ("no measurable change" if diff["within"] else "better" if diff["gain"] > 0 else "worse")
-        return (f"this run against the {who}: {change} on the task ({pct(t['scores'][FINE_TUNED])} against "
-                f"{pct(score)} {word}, {noise_words(diff)})")
+        change = "no measurable change" if diff["within"] else "better" if diff["gain"] > 0 else "worse"
+        return (
+            f"this run against the {who}: {change} on the task ({pct(t['scores'][FINE_TUNED])} against "
+            f"{pct(score)} {word}, {noise_words(diff)})"
+        )
     metric = t.get("metric")
     word = metric_word(metric) or "score"
     pays = t["fine_tune_pays"] if t.get("fine_tune_pays") is not None else fine_tune_pays(score)

@@ -42,8 +42,10 @@ def tokenizer_dir(model: str) -> tuple[Optional[Path], str]:
     """The folder holding the model's tokenizer on this machine (the model's own folder or the Hugging Face
     cache), or (None, why not)."""
     if not _installed("transformers"):  # a light install: the plan estimates, and says why
-        return None, ("transformers, which reads the model's tokenizer and chat template as training does, is not "
-                      "installed (pip install 'ftrun[train]')")
+        return None, (
+            "transformers, which reads the model's tokenizer and chat template as training does, is not "
+            "installed (pip install 'ftrun[train]')"
+        )
     model_dir = Path(model)
     if not model_dir.is_dir():
         from launcher.model_files import cached_file
@@ -63,8 +65,10 @@ def read_tokenizer(model_dir: Path) -> Optional[ModelTokenizer]:
         return None
     # The data check reads it for the token counts and again for what the loss sees: read once per version of
     # the files (an edited tokenizer_config.json or chat template is read anew).
-    versions = tuple(_version(model_dir / n) for n in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                                                       "special_tokens_map.json"))
+    versions = tuple(
+        _version(model_dir / n)
+        for n in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+    )
     return _read(model_dir.resolve(), versions)
 
 
@@ -95,6 +99,10 @@ def _read(model_dir: Path, versions: tuple) -> ModelTokenizer:
     elif isinstance(loaded.chat_template, str):
         template = loaded.chat_template
     raw = json.loads(tok_json.read_text(encoding="utf-8"))
-    return ModelTokenizer(folder=model_dir, tokenizer=loaded.backend_tokenizer, template=template,
-                          special=dict(loaded.special_tokens_map),
-                          added={t["content"]: t["id"] for t in raw.get("added_tokens", [])})
+    return ModelTokenizer(
+        folder=model_dir,
+        tokenizer=loaded.backend_tokenizer,
+        template=template,
+        special=dict(loaded.special_tokens_map),
+        added={t["content"]: t["id"] for t in raw.get("added_tokens", [])},
+    )

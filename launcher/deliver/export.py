@@ -29,11 +29,27 @@ from launcher.errors import FtrunError, UsageError  # noqa: E402
 from launcher.store.rundir import RunDir  # noqa: E402
 from launcher.deliver.messages import ExportError, _say, human_size, served_line  # noqa: E402
 from launcher.deliver.parity import PARITY_PROMPTS, _check, compare, model_outputs, parity_prompts  # noqa: E402
-from launcher.deliver.placement import (Loads, Placement, _to_export_dtype, available_ram, export_dtype,  # noqa: E402
-                                        free_gpu_memory, load_adapter, load_model, merge_placement,
-                                        parameter_count, parity_placement, release)
-from launcher.deliver.gguf_export import (SIXTEEN_BIT, _GgufFailed, _safetensors_dtypes, _stop_ids,  # noqa: E402
-                                         gguf_output)
+from launcher.deliver.placement import (
+    Loads,
+    Placement,
+    _to_export_dtype,
+    available_ram,
+    export_dtype,  # noqa: E402
+    free_gpu_memory,
+    load_adapter,
+    load_model,
+    merge_placement,
+    parameter_count,
+    parity_placement,
+    release,
+)
+from launcher.deliver.gguf_export import (
+    SIXTEEN_BIT,
+    _GgufFailed,
+    _safetensors_dtypes,
+    _stop_ids,  # noqa: E402
+    gguf_output,
+)
 
 FORMATS = tuple(export_formats.FORMATS)  # the recipe's `export:` values, in the order they are made
 # GGUF types: llama.cpp's converter writes f32/f16/bf16, its quantizer the rest from the 16-bit file (llamacpp.py).
@@ -42,6 +58,7 @@ GGUF_TYPES = tuple(gguf_types.TYPES)
 
 # ---------------------------------------------------------------------------------------------
 # Inputs
+
 
 @dataclass(frozen=True)
 class Inputs:
@@ -59,19 +76,24 @@ def check_inputs(run_dir: Path, formats: Optional[list[str]] = None, gguf_type: 
 
     run = RunDir(Path(run_dir))
     if not run.exists():
-        raise UsageError(f"{run.root} is not an ftrun run directory (no recipe.yaml)",
-                         fix="give the run's output_dir or its recipe file, e.g. `ftrun export runs/tiny-cpu`.")
+        raise UsageError(
+            f"{run.root} is not an ftrun run directory (no recipe.yaml)",
+            fix="give the run's output_dir or its recipe file, e.g. `ftrun export runs/tiny-cpu`.",
+        )
     recipe = load_recipe(run.recipe)
     formats = list(formats if formats is not None else getattr(recipe, "export", ["adapter"]))
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:
-        raise UsageError(f"unknown export format(s) {', '.join(map(repr, unknown))}",
-                         fix=f"choose from {', '.join(FORMATS)}.")
+        raise UsageError(
+            f"unknown export format(s) {', '.join(map(repr, unknown))}", fix=f"choose from {', '.join(FORMATS)}."
+        )
     gguf_type = (gguf_type or getattr(recipe, "gguf_type", gguf_types.DEFAULT_TYPE)).lower()
     if gguf_type not in GGUF_TYPES:
-        raise UsageError(f"unknown GGUF type {gguf_type!r}",
-                         fix=f"choose one of {', '.join(GGUF_TYPES)} (--gguf TYPE or gguf_type: in the recipe); "
-                         "q4_k_m is what Ollama serves by default.")
+        raise UsageError(
+            f"unknown GGUF type {gguf_type!r}",
+            fix=f"choose one of {', '.join(GGUF_TYPES)} (--gguf TYPE or gguf_type: in the recipe); "
+            "q4_k_m is what Ollama serves by default.",
+        )
     is_adapter = methods.is_adapter(recipe.method)
     source = run.final / ("adapter" if is_adapter else "model")
     weights = ("adapter_model.safetensors",) if is_adapter else ("model.safetensors", "model.safetensors.index.json")
@@ -82,11 +104,18 @@ def check_inputs(run_dir: Path, formats: Optional[list[str]] = None, gguf_type: 
         raise UsageError(
             f"{run.root} has no final {'adapter' if is_adapter else 'model'} yet (state: {state}); "
             f"export needs {source}",
-            fix=("the run finished but its result is not here (deleted, or a fresh box): `ftrun pull RECIPE` "
-                 "fetches it from sync.to; then export again." if state == "succeeded" else
-                 "wait until the run has finished (`ftrun status " + str(run.root) + "`), then run `ftrun export "
-                 + str(run.root) + "`." if state in ACTIVE + ("planned",) else
-                 "resume the run with `ftrun RECIPE` until it finishes, then export."),
+            fix=(
+                "the run finished but its result is not here (deleted, or a fresh box): `ftrun pull RECIPE` "
+                "fetches it from sync.to; then export again."
+                if state == "succeeded"
+                else "wait until the run has finished (`ftrun status "
+                + str(run.root)
+                + "`), then run `ftrun export "
+                + str(run.root)
+                + "`."
+                if state in ACTIVE + ("planned",)
+                else "resume the run with `ftrun RECIPE` until it finishes, then export."
+            ),
         )
     if "gguf" in formats:
         check_gguf(recipe.model if is_adapter else str(source), gguf_type)
@@ -105,14 +134,17 @@ def check_gguf(model: str, gguf_type: str) -> gguf_readiness.Readiness:
     """The GGUF can be made here (llama.cpp installed, architecture and tokenizer supported), else one error."""
     ready = gguf_readiness.readiness(model, gguf_type)
     if not ready.ok:
-        raise UsageError("a GGUF of this model cannot be made here: " + "; ".join(ready.all_problems),
-                         fix="fix the above, or export without gguf (the merged folder is what "
-                         "`ollama create -q q4_K_M` also takes, see SERVING.md).")
+        raise UsageError(
+            "a GGUF of this model cannot be made here: " + "; ".join(ready.all_problems),
+            fix="fix the above, or export without gguf (the merged folder is what "
+            "`ollama create -q q4_K_M` also takes, see SERVING.md).",
+        )
     return ready
 
 
 # ---------------------------------------------------------------------------------------------
 # The steps
+
 
 def _write_dir_atomically(dst: Path, write: Callable[[Path], None]) -> None:
     tmp = dst.with_name(f".{dst.name}.tmp")
@@ -139,13 +171,21 @@ def _adapter_file_check(source: Path, tokenizer, why: str) -> dict[str, Any]:
                 pairs += 1
                 nonzero += int(bool(f.get_tensor(key).abs().max() > 0))
     if not pairs or not nonzero:
-        raise ExportError(f"the adapter in {source} is empty ({nonzero} of {pairs} lora_B tensors non-zero): it "
-                          "does not change the base model", fix="the training saved an empty adapter; check "
-                          "train.log and metrics.jsonl.")
+        raise ExportError(
+            f"the adapter in {source} is empty ({nonzero} of {pairs} lora_B tensors non-zero): it "
+            "does not change the base model",
+            fix="the training saved an empty adapter; check train.log and metrics.jsonl.",
+        )
     size = tree_bytes(path)
-    return {"path": str(source), "bytes": size, "size": human_size(size), "rank": config.r,
-            "changes_base_logits": None, "file_check": {"lora_B_nonzero": f"{nonzero}/{pairs}", "why": why},
-            "chat_template": (source / "chat_template.jinja").is_file() or bool(tokenizer.chat_template)}
+    return {
+        "path": str(source),
+        "bytes": size,
+        "size": human_size(size),
+        "rank": config.r,
+        "changes_base_logits": None,
+        "file_check": {"lora_B_nonzero": f"{nonzero}/{pairs}", "why": why},
+        "chat_template": (source / "chat_template.jinja").is_file() or bool(tokenizer.chat_template),
+    }
 
 
 def export_run(run_dir: Path, formats: Optional[list[str]] = None, gguf_type: Optional[str] = None) -> dict[str, Any]:
@@ -166,8 +206,10 @@ def export_run(run_dir: Path, formats: Optional[list[str]] = None, gguf_type: Op
         raise
     except Exception as exc:  # a library failure mid-export: recorded, then shown as an export failure
         report["error"] = f"{type(exc).__name__}: {exc}"
-        raise ExportError(f"{type(exc).__name__}: {exc}",
-                          fix="see the lines above; `ftrun export RUN_DIR --debug` shows the traceback.") from exc
+        raise ExportError(
+            f"{type(exc).__name__}: {exc}",
+            fix="see the lines above; `ftrun export RUN_DIR --debug` shows the traceback.",
+        ) from exc
     finally:
         report["seconds"] = round(time.time() - report.pop("started"), 1)
         if run.exists():  # never create files in a folder that is not a run
@@ -189,8 +231,11 @@ def _export(inp: Inputs, report: dict[str, Any]) -> None:
     dtype = export_dtype(config)
     tokenizer = AutoTokenizer.from_pretrained(str(inp.source))
     if not tokenizer.chat_template:
-        raise ExportError(f"{inp.source} has no chat template", fix="the base model's tokenizer needs one; "
-                          "a model served without its template answers in the wrong format.")
+        raise ExportError(
+            f"{inp.source} has no chat template",
+            fix="the base model's tokenizer needs one; "
+            "a model served without its template answers in the wrong format.",
+        )
     from launcher.deliver.served_prompt import ServedPrompt
 
     # What the training saw of the same held-out prompts: every servable output is held to it (served_prompt.py).
@@ -225,8 +270,17 @@ def _export(inp: Inputs, report: dict[str, Any]) -> None:
     _say(served_line(report))
 
 
-def _export_models(inp: Inputs, report: dict[str, Any], tokenizer, prompts, dtype, parity: Placement,
-                   merge: Optional[Placement], loads: Loads, served) -> None:
+def _export_models(
+    inp: Inputs,
+    report: dict[str, Any],
+    tokenizer,
+    prompts,
+    dtype,
+    parity: Placement,
+    merge: Optional[Placement],
+    loads: Loads,
+    served,
+) -> None:
     """Every model is loaded where its placement says, used, and released before the next one is loaded, so
     the box holds one model at a time (the parity logits, a few MB, are what is kept between them)."""
     final = inp.run.final
@@ -235,8 +289,10 @@ def _export_models(inp: Inputs, report: dict[str, Any], tokenizer, prompts, dtyp
     if inp.is_adapter and parity.device_map is None:
         # Nothing here holds the 16-bit base, so its logits cannot be compared: the adapter is checked as a file.
         outputs["adapter"] = _adapter_file_check(inp.source, tokenizer, parity.reason)
-        _say(f"adapter {outputs['adapter']['size']} (rank {outputs['adapter']['rank']}): checked as a file, not "
-             f"by logits ({parity.reason})")
+        _say(
+            f"adapter {outputs['adapter']['size']} (rank {outputs['adapter']['rank']}): checked as a file, not "
+            f"by logits ({parity.reason})"
+        )
         _served_folder(served, outputs["adapter"], "adapter", tokenizer, inp.recipe.model)
         return _serving(inp, report, tokenizer, served)
     if inp.is_adapter:
@@ -251,22 +307,31 @@ def _export_models(inp: Inputs, report: dict[str, Any], tokenizer, prompts, dtyp
         release()
         size = tree_bytes(inp.source / "adapter_model.safetensors")
         outputs["adapter"] = {
-            "path": str(inp.source), "bytes": size, "size": human_size(size), "rank": rank,
+            "path": str(inp.source),
+            "bytes": size,
+            "size": human_size(size),
+            "rank": rank,
             # An adapter that does not move the logits is untrained or was saved empty.
             "changes_base_logits": {"mean_kl": effect["mean_kl"], "top1_agreement_with_base": effect["top1_agreement"]},
             "chat_template": (inp.source / "chat_template.jinja").is_file() or bool(tokenizer.chat_template),
         }
         if effect["max_abs_logit_diff"] == 0.0:
-            raise ExportError(f"the adapter in {inp.source} does not change the base model's output",
-                              fix="the training saved an empty adapter; check train.log and metrics.jsonl.")
-        _say(f"adapter {human_size(size)} (rank {rank}), reloads and changes the base "
-             f"(top-1 agreement with base {effect['top1_agreement']:.3f})")
+            raise ExportError(
+                f"the adapter in {inp.source} does not change the base model's output",
+                fix="the training saved an empty adapter; check train.log and metrics.jsonl.",
+            )
+        _say(
+            f"adapter {human_size(size)} (rank {rank}), reloads and changes the base "
+            f"(top-1 agreement with base {effect['top1_agreement']:.3f})"
+        )
         _served_folder(served, outputs["adapter"], "adapter", tokenizer, inp.recipe.model)
         if merge is None:
             return _serving(inp, report, tokenizer, served)
         # both dtypes: the merge's arithmetic and what the merged folder holds (export.json's export_dtype)
-        _say(f"merging the adapter into the {merge.dtype} base; the merged model is saved in "
-             f"{str(dtype).replace('torch.', '')}")
+        _say(
+            f"merging the adapter into the {merge.dtype} base; the merged model is saved in "
+            f"{str(dtype).replace('torch.', '')}"
+        )
         # A fresh base in the export dtype, where the merge placement says: the merged weights are rounded once,
         # from the adapter's own precision (peft keeps float32 adapter weights over a 16-bit base).
         merged = load_adapter(load_model(inp.recipe.model, merge, loads), inp.source, merge, loads)
@@ -296,8 +361,10 @@ def _export_models(inp: Inputs, report: dict[str, Any], tokenizer, prompts, dtyp
     dtypes = _safetensors_dtypes(merged_dir)
     saved_cfg = json.loads((merged_dir / "config.json").read_text())
     if "quantization_config" in saved_cfg or not dtypes <= SIXTEEN_BIT:
-        raise ExportError(f"the merged model in {merged_dir} is not plain 16-bit (tensors: {sorted(dtypes)})",
-                          fix="report this with export.json; do not serve the merged folder.")
+        raise ExportError(
+            f"the merged model in {merged_dir} is not plain 16-bit (tensors: {sorted(dtypes)})",
+            fix="report this with export.json; do not serve the merged folder.",
+        )
     reloaded = load_model(str(merged_dir), parity, loads)
     merged_out = model_outputs(reloaded, prompts, to_end=served.chat)
     task = _task(inp)
@@ -307,17 +374,34 @@ def _export_models(inp: Inputs, report: dict[str, Any], tokenizer, prompts, dtyp
         from launcher.worker import task_eval
 
         stamp = (merged_dir / "config.json").stat().st_mtime_ns
-        _score_export(inp, task, "merged", task_eval.score_model(
-            reloaded, AutoTokenizer.from_pretrained(str(merged_dir)), inp.run.root, task, "merged",
-            identity=f"merged {tree_bytes(merged_dir)} {stamp}"))
+        _score_export(
+            inp,
+            task,
+            "merged",
+            task_eval.score_model(
+                reloaded,
+                AutoTokenizer.from_pretrained(str(merged_dir)),
+                inp.run.root,
+                task,
+                "merged",
+                identity=f"merged {tree_bytes(merged_dir)} {stamp}",
+            ),
+        )
     del reloaded
     release()
     result = compare(ref, merged_out, kind, parity.dtype)
     size = tree_bytes(merged_dir)
-    outputs["merged"] = {"path": str(merged_dir), "bytes": size, "size": human_size(size),
-                         "tensor_dtypes": sorted(dtypes), "parity_vs_" + ("base_plus_adapter" if inp.is_adapter else "full_model"): result}
-    _say(f"merged model {human_size(size)} in {merged_dir}: top-1 agreement {result['top1_agreement']:.4f}, "
-         f"max |dlogit| {result['max_abs_logit_diff']:.3g}, greedy identical {result['greedy_identical']}")
+    outputs["merged"] = {
+        "path": str(merged_dir),
+        "bytes": size,
+        "size": human_size(size),
+        "tensor_dtypes": sorted(dtypes),
+        "parity_vs_" + ("base_plus_adapter" if inp.is_adapter else "full_model"): result,
+    }
+    _say(
+        f"merged model {human_size(size)} in {merged_dir}: top-1 agreement {result['top1_agreement']:.4f}, "
+        f"max |dlogit| {result['max_abs_logit_diff']:.3g}, greedy identical {result['greedy_identical']}"
+    )
     _check("the merged model", result)
     del ref
     from transformers import AutoTokenizer
@@ -329,8 +413,18 @@ def _export_models(inp: Inputs, report: dict[str, Any], tokenizer, prompts, dtyp
 
     if "gguf" in inp.formats:
         try:
-            outputs["gguf"] = gguf_output(merged_dir, final / "gguf", inp.run.root.name, inp.gguf_type, prompts,
-                                          merged_out, tokenizer, parity.dtype, served=served, task=task)
+            outputs["gguf"] = gguf_output(
+                merged_dir,
+                final / "gguf",
+                inp.run.root.name,
+                inp.gguf_type,
+                prompts,
+                merged_out,
+                tokenizer,
+                parity.dtype,
+                served=served,
+                task=task,
+            )
         except _GgufFailed as exc:
             outputs["gguf"] = exc.output  # the numbers of the failed check go into export.json
             raise
@@ -355,12 +449,19 @@ def _scored(task: dict[str, Any], answers: list[dict[str, Any]]) -> dict[str, An
     """A score from answers generated outside transformers (the GGUF in llama.cpp), as task_eval.score_model gives."""
     from launcher.data import task_metrics
 
-    scored = task_metrics.score(task["metric"], [a["answer"] for a in answers], [p["reference"] for p in task["prompts"]])
+    scored = task_metrics.score(
+        task["metric"], [a["answer"] for a in answers], [p["reference"] for p in task["prompts"]]
+    )
     seconds = sum(a["seconds"] for a in answers)
     new_tokens = sum(a["new_tokens"] for a in answers)
-    return {"score": scored["score"], "details": scored["details"], "examples": len(answers),
-            "seconds": round(seconds, 3), "new_tokens": new_tokens,
-            "tokens_per_s": round(new_tokens / seconds, 1) if seconds > 0 else None}
+    return {
+        "score": scored["score"],
+        "details": scored["details"],
+        "examples": len(answers),
+        "seconds": round(seconds, 3),
+        "new_tokens": new_tokens,
+        "tokens_per_s": round(new_tokens / seconds, 1) if seconds > 0 else None,
+    }
 
 
 def _score_export(inp: Inputs, task: dict[str, Any], name: str, result: dict[str, Any]) -> None:
@@ -375,12 +476,15 @@ def _score_export(inp: Inputs, task: dict[str, Any], name: str, result: dict[str
 
     # a finished run: its last step is its total (worker.json)
     step = int(json.loads(inp.run.worker.read_text()).get("total_steps") or 0) if inp.run.worker.is_file() else 0
-    trackers.log_scores(inp.run.root, [t for t in inp.recipe.report_to if t != "none"], {name: result["score"]}, step,
-                        say=_say)
+    trackers.log_scores(
+        inp.run.root, [t for t in inp.recipe.report_to if t != "none"], {name: result["score"]}, step, say=_say
+    )
     tuned = results["scores"].get(task_eval.FINE_TUNED)
-    _say(f"task eval: {name} {result['score']:.1%} {task['metric']} on {result['examples']} held-out examples"
-         + (f" (fine-tuned {tuned:.1%})" if tuned is not None else "")
-         + (f", {result['tokens_per_s']:.0f} tokens/s generated" if result.get("tokens_per_s") else ""))
+    _say(
+        f"task eval: {name} {result['score']:.1%} {task['metric']} on {result['examples']} held-out examples"
+        + (f" (fine-tuned {tuned:.1%})" if tuned is not None else "")
+        + (f", {result['tokens_per_s']:.0f} tokens/s generated" if result.get("tokens_per_s") else "")
+    )
 
 
 def _served_folder(served, output: dict[str, Any], key: str, tokenizer, config_from: str) -> None:
@@ -389,8 +493,11 @@ def _served_folder(served, output: dict[str, Any], key: str, tokenizer, config_f
     model for an adapter, vllm/sampling_params.py update_from_generation_config) hold the trained end of turn."""
     if not served.chat:
         return
-    label = {"adapter": "vLLM (the base model with the adapter folder's tokenizer)",
-             "model": "vLLM (the fully fine-tuned model folder)", "merged": "vLLM (the merged folder)"}[key]
+    label = {
+        "adapter": "vLLM (the base model with the adapter folder's tokenizer)",
+        "model": "vLLM (the fully fine-tuned model folder)",
+        "merged": "vLLM (the merged folder)",
+    }[key]
     output["served_prompt"] = served.compare_transformers(f"vllm_{key}", tokenizer, label)
     from launcher.model_files import local_file
 
@@ -400,14 +507,20 @@ def _served_folder(served, output: dict[str, Any], key: str, tokenizer, config_f
     stops = sorted(set(gen_eos) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()))
     where = f"{gen}" if gen else f"{config_from} (no generation_config.json on this box)"
     output["stops"] = served.check_stops(
-        f"vllm_{key}", label, stops, generation_config=str(gen) if gen else None, generation_config_eos=gen_eos,
+        f"vllm_{key}",
+        label,
+        stops,
+        generation_config=str(gen) if gen else None,
+        generation_config_eos=gen_eos,
         tokenizer_eos=tokenizer.eos_token_id,
         fix=f"add the end-of-turn id to eos_token_id in {where} (vLLM stops on those and the tokenizer's eos), "
-        "or pass the stop to each request (`stop_token_ids`); otherwise the served model talks past its answer.")
+        "or pass the stop to each request (`stop_token_ids`); otherwise the served model talks past its answer.",
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Serving commands
+
 
 def _serving(inp: Inputs, report: dict[str, Any], tokenizer, served=None) -> None:
     from launcher.deliver import serving
@@ -446,10 +559,14 @@ def _served_modelfile(served, gguf: dict[str, Any], text: str) -> None:
         vocab.close()
     covered = served.covered_by_stops(pieces, stops)
     gguf["modelfile_stops"] = served.check_stops(
-        "ollama", "Ollama with this Modelfile (PARAMETER stop)", covered, stop=stops,
+        "ollama",
+        "Ollama with this Modelfile (PARAMETER stop)",
+        covered,
+        stop=stops,
         end_of_turn_text={str(i): p for i, p in pieces.items()},
         fix=f"add `PARAMETER stop {json.dumps(next(iter(pieces.values()), ''))}` to the Modelfile; Ollama stops on a "
-        "stop value found in the generated text.")
+        "stop value found in the generated text.",
+    )
 
 
 def _served_by_ollama(served, gguf: dict[str, Any], template: Optional[str], vocab) -> None:
@@ -477,15 +594,25 @@ def _served_by_ollama(served, gguf: dict[str, Any], template: Optional[str], voc
                 return
             diffs = [served.difference(p["ids"], s) for p, s in zip(served.prompts, ids)]
             first = next(((n, d) for n, d in enumerate(diffs) if d is not None), None)
-            as_installed = {"runtime": label, "identical": f"{diffs.count(None)}/{len(diffs)}",
-                            "first_difference": dict(first[1], prompt=first[0]) if first else None}
-            choice = dict(ollama_template.choose(own, template, arch, go_template_env=False),
-                          serve_with=default["serve_with"], as_installed=as_installed)
+            as_installed = {
+                "runtime": label,
+                "identical": f"{diffs.count(None)}/{len(diffs)}",
+                "first_difference": dict(first[1], prompt=first[0]) if first else None,
+            }
+            choice = dict(
+                ollama_template.choose(own, template, arch, go_template_env=False),
+                serve_with=default["serve_with"],
+                as_installed=as_installed,
+            )
     if choice["path"] == "native" and server is not None and server.get("ok"):
         env = " ".join(f"{k}={v}" for k, v in (choice.get("serve_with") or {}).items())
-        runtimes["ollama"] = {"runtime": "Ollama" + (f" with {env}" if env else "") + ": " + choice["why"],
-                              "ok": True, "identical": server["identical"], "compared_as": "llama_server",
-                              **{k: choice[k] for k in ("serve_with", "as_installed") if k in choice}}
+        runtimes["ollama"] = {
+            "runtime": "Ollama" + (f" with {env}" if env else "") + ": " + choice["why"],
+            "ok": True,
+            "identical": server["identical"],
+            "compared_as": "llama_server",
+            **{k: choice[k] for k in ("serve_with", "as_installed") if k in choice},
+        }
         if env:
             served.report["ollama_serve_with"] = choice["serve_with"]
         served.checked("Ollama")
@@ -503,8 +630,12 @@ def _record_export(run: RunDir, formats: Optional[list[str]], started: float, in
         return
     info.update(formats=list(formats or inp_formats(run)), seconds=round(time.time() - started, 1))
     ok = info["state"] == "succeeded"
-    set_state(run, "succeeded" if ok else "trained-not-exported", export=info,
-              reason="training finished" if ok else f"trained, not exported: {info['reason']}")
+    set_state(
+        run,
+        "succeeded" if ok else "trained-not-exported",
+        export=info,
+        reason="training finished" if ok else f"trained, not exported: {info['reason']}",
+    )
 
 
 def inp_formats(run: RunDir) -> list[str]:
@@ -527,8 +658,12 @@ def export_command(run: RunDir, merged: bool = False, gguf: Optional[str] = None
     try:
         report = export_run(run.root, formats, gguf)
     except FtrunError as exc:
-        _record_export(run, formats, started, {"state": "failed", "reason": exc.message.splitlines()[0]
-                                               + f"; retry with `ftrun export {run.root}`"})
+        _record_export(
+            run,
+            formats,
+            started,
+            {"state": "failed", "reason": exc.message.splitlines()[0] + f"; retry with `ftrun export {run.root}`"},
+        )
         raise
     finally:
         lock.release()

@@ -40,7 +40,7 @@ def _parse(template: str) -> list:
     pieces: list[tuple[str, str]] = []
     pos = 0
     for m in _ACTION.finditer(template):
-        text = template[pos:m.start()]
+        text = template[pos : m.start()]
         if m.group(1):
             text = text.rstrip()
         if pieces and pieces[-1][0] == "trim":

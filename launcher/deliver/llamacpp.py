@@ -35,23 +35,55 @@ from pathlib import Path
 from typing import Any, Optional
 
 from launcher.gguf_types import DEFAULT_TYPE, TYPES
-from launcher.plan.gguf_readiness import (ARCHITECTURES_FILE, CONVERTER_HOME, DIST, INSTALL_HINT, PINNED, STAMP,
-                                          Converter, _gguf_py_version, converter, readiness, runtime_version,
-                                          split_rule, supported_architectures)
+from launcher.plan.gguf_readiness import (
+    ARCHITECTURES_FILE,
+    CONVERTER_HOME,
+    DIST,
+    INSTALL_HINT,
+    PINNED,
+    STAMP,
+    Converter,
+    _gguf_py_version,
+    converter,
+    readiness,
+    runtime_version,
+    split_rule,
+    supported_architectures,
+)
+
 
 def install(sdist: Optional[Path] = None, dest: Path = CONVERTER_HOME) -> Converter:
     """Put the pinned converter (convert_hf_to_gguf.py, conversion/, gguf-py/) into dest, from the
     llama-cpp-python source distribution: the given file, else `pip download` of the pinned version."""
     with tempfile.TemporaryDirectory() as tmp:
         if sdist is None:
-            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", DIST,
-                            f"{DIST}=={PINNED}", "-d", tmp], check=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "--no-deps",
+                    "--no-binary",
+                    DIST,
+                    f"{DIST}=={PINNED}",
+                    "-d",
+                    tmp,
+                ],
+                check=True,
+            )
             sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
         version = re.search(r"llama_cpp_python-([\d.]+)\.tar\.gz$", Path(sdist).name)
         staging = Path(tempfile.mkdtemp(dir=dest.parent if dest.parent.is_dir() else None, prefix=".llamacpp-"))
         # models/templates/: chat templates some converters read (conversion/base.py RWKV, deepseek.py, minimax.py)
-        wanted = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/", "gguf-py/pyproject.toml", "models/templates/",
-                  "LICENSE")
+        wanted = (
+            "convert_hf_to_gguf.py",
+            "conversion/",
+            "gguf-py/gguf/",
+            "gguf-py/pyproject.toml",
+            "models/templates/",
+            "LICENSE",
+        )
         with tarfile.open(sdist) as tar:
             for member in tar.getmembers():
                 parts = member.name.split("/", 3)
@@ -65,8 +97,11 @@ def install(sdist: Optional[Path] = None, dest: Path = CONVERTER_HOME) -> Conver
                         target.write_bytes(src.read())
         if not (staging / "convert_hf_to_gguf.py").is_file():
             raise RuntimeError(f"{sdist} holds no vendor/llama.cpp/convert_hf_to_gguf.py")
-        info = {"version": version.group(1) if version else PINNED, "gguf_py": _gguf_py_version(staging),
-                "sdist_sha256": hashlib.sha256(Path(sdist).read_bytes()).hexdigest()}
+        info = {
+            "version": version.group(1) if version else PINNED,
+            "gguf_py": _gguf_py_version(staging),
+            "sdist_sha256": hashlib.sha256(Path(sdist).read_bytes()).hexdigest(),
+        }
         (staging / STAMP).write_text(json.dumps(info, indent=1) + "\n")
         dest.parent.mkdir(parents=True, exist_ok=True)
         if dest.exists():
@@ -77,10 +112,9 @@ def install(sdist: Optional[Path] = None, dest: Path = CONVERTER_HOME) -> Conver
     return converter() if dest == CONVERTER_HOME else Converter(dest, "install", info["version"], info["gguf_py"])
 
 
-
-
 # ---------------------------------------------------------------------------------------------
 # Converting and quantizing: each in its own process (peak RSS measured, a crash in C stays there)
+
 
 @dataclass
 class Step:
@@ -101,15 +135,21 @@ def _run_step(args: list[str], what: str) -> Step:
     import time
 
     t0 = time.monotonic()
-    res = subprocess.run([sys.executable, "-m", "launcher.deliver.llamacpp", *args], capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])
-                                  + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    res = subprocess.run(
+        [sys.executable, "-m", "launcher.deliver.llamacpp", *args],
+        capture_output=True,
+        text=True,
+        env=dict(
+            os.environ,
+            PYTHONPATH=str(Path(__file__).resolve().parents[2]) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        ),
+    )
     seconds = time.monotonic() - t0
     out = res.stdout + res.stderr
     extra: dict[str, Any] = {}
     for line in res.stdout.splitlines():
         if line.startswith("FTRUN_RESULT "):
-            extra = json.loads(line[len("FTRUN_RESULT "):])
+            extra = json.loads(line[len("FTRUN_RESULT ") :])
     if res.returncode != 0 or not extra.get("ok"):
         tail = "\n".join(l for l in out.strip().splitlines() if not l.startswith("FTRUN_RESULT"))[-2500:]
         raise StepFailed(f"{what} failed (exit {res.returncode}):\n{tail}")
@@ -119,13 +159,37 @@ def _run_step(args: list[str], what: str) -> Step:
 
 def convert(conv: Converter, model_dir: Path, out: Path, outtype: str) -> Step:
     """convert_hf_to_gguf.py on a merged 16-bit folder (outtype f32/f16/bf16/q8_0)."""
-    return _run_step(["convert", "--converter", str(conv.folder), "--model", str(model_dir), "--outfile", str(out),
-                      "--outtype", outtype], "llama.cpp's converter")
+    return _run_step(
+        [
+            "convert",
+            "--converter",
+            str(conv.folder),
+            "--model",
+            str(model_dir),
+            "--outfile",
+            str(out),
+            "--outtype",
+            outtype,
+        ],
+        "llama.cpp's converter",
+    )
 
 
 def quantize(src: Path, out: Path, gguf_type: str, threads: Optional[int] = None) -> Step:
-    return _run_step(["quantize", "--input", str(src), "--output", str(out), "--type", gguf_type,
-                      "--threads", str(threads or os.cpu_count() or 1)], "llama.cpp's quantizer")
+    return _run_step(
+        [
+            "quantize",
+            "--input",
+            str(src),
+            "--output",
+            str(out),
+            "--type",
+            gguf_type,
+            "--threads",
+            str(threads or os.cpu_count() or 1),
+        ],
+        "llama.cpp's quantizer",
+    )
 
 
 def _peak_rss() -> int:
@@ -146,9 +210,11 @@ def _convert_main(ns) -> int:
     named: dict[str, Any] = {}
     try:
         from conversion import base  # llama.cpp split the converter into a package in 2026
+
         holder = base.TextModel
     except ImportError:
         import convert_hf_to_gguf as base
+
         holder = base.TextModel
     original = holder.get_vocab_base_pre
 
@@ -163,8 +229,10 @@ def _convert_main(ns) -> int:
             if rule is None:
                 raise
             named["pre"] = rule
-            print(f"[ftrun] tokenizer hash not in llama.cpp's list; split rule {rule!r} named from tokenizer.json",
-                  flush=True)
+            print(
+                f"[ftrun] tokenizer hash not in llama.cpp's list; split rule {rule!r} named from tokenizer.json",
+                flush=True,
+            )
             return rule
 
     holder.get_vocab_base_pre = get_vocab_base_pre
@@ -172,10 +240,18 @@ def _convert_main(ns) -> int:
 
     sys.argv = ["convert_hf_to_gguf.py", ns.model, "--outfile", ns.outfile, "--outtype", ns.outtype]
     convert_hf_to_gguf.main()
-    print("FTRUN_RESULT " + json.dumps({"ok": Path(ns.outfile).is_file(), "peak_rss_bytes": _peak_rss(),
-                                         "pre_named_by": "ftrun split rule" if named else "llama.cpp",
-                                         "gguf_py": getattr(gguf, "__version__", None) or _gguf_py_version(folder)}),
-          flush=True)
+    print(
+        "FTRUN_RESULT "
+        + json.dumps(
+            {
+                "ok": Path(ns.outfile).is_file(),
+                "peak_rss_bytes": _peak_rss(),
+                "pre_named_by": "ftrun split rule" if named else "llama.cpp",
+                "gguf_py": getattr(gguf, "__version__", None) or _gguf_py_version(folder),
+            }
+        ),
+        flush=True,
+    )
     return 0
 
 
@@ -189,13 +265,17 @@ def _quantize_main(ns) -> int:
     params.ftype = TYPES[ns.type].ftype
     params.nthread = int(ns.threads)
     rc = llama_cpp.llama_model_quantize(ns.input.encode(), ns.output.encode(), ctypes.byref(params))
-    print("FTRUN_RESULT " + json.dumps({"ok": rc == 0 and Path(ns.output).is_file(), "rc": rc,
-                                         "peak_rss_bytes": _peak_rss()}), flush=True)
+    print(
+        "FTRUN_RESULT "
+        + json.dumps({"ok": rc == 0 and Path(ns.output).is_file(), "rc": rc, "peak_rss_bytes": _peak_rss()}),
+        flush=True,
+    )
     return 0 if rc == 0 else 1
 
 
 # ---------------------------------------------------------------------------------------------
 # Reading a GGUF back in llama.cpp
+
 
 def metadata(path: Path) -> dict[str, Any]:
     """The GGUF's architecture numbers, tokenizer, chat template and tensor types (the gguf package's reader)."""
@@ -237,13 +317,23 @@ def metadata(path: Path) -> dict[str, Any]:
 def _open(path: Path, n_ctx: int, threads: Optional[int] = None, overrides: Optional[dict[str, Any]] = None):
     from llama_cpp import Llama
 
-    return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
-                 n_threads=threads or os.cpu_count(), n_gpu_layers=0, verbose=False, seed=0,
-                 kv_overrides=overrides or None)
+    return Llama(
+        model_path=str(path),
+        n_ctx=n_ctx,
+        n_batch=n_ctx,
+        n_ubatch=n_ctx,
+        logits_all=True,
+        n_threads=threads or os.cpu_count(),
+        n_gpu_layers=0,
+        verbose=False,
+        seed=0,
+        kv_overrides=overrides or None,
+    )
 
 
-def run_prompts(path: Path, prompts: list[dict[str, Any]], greedy_tokens: int, stop_ids: set[int],
-                threads: Optional[int] = None) -> tuple[list[dict[str, Any]], list[bool]]:
+def run_prompts(
+    path: Path, prompts: list[dict[str, Any]], greedy_tokens: int, stop_ids: set[int], threads: Optional[int] = None
+) -> tuple[list[dict[str, Any]], list[bool]]:
     """Per prompt, through llama.cpp: the next-token logits at every position of the text (teacher-forced) and
     the greedy continuation of the prompt (argmax, stopping after an end token as transformers' generate does);
     and whether llama.cpp tokenizes each text exactly as the model's tokenizer did."""
@@ -251,10 +341,19 @@ def run_prompts(path: Path, prompts: list[dict[str, Any]], greedy_tokens: int, s
     return run["outputs"], run["same_tokens"]
 
 
-def run_gguf(path: Path, prompts: list[dict[str, Any]], greedy_tokens: int, stop_ids: set[int],
-             threads: Optional[int] = None, to_end: bool = False, chat: Optional[list[dict[str, Any]]] = None,
-             smoke: Optional[int] = None, template_kwargs: Optional[dict[str, Any]] = None,
-             overrides: Optional[dict[str, Any]] = None, task: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+def run_gguf(
+    path: Path,
+    prompts: list[dict[str, Any]],
+    greedy_tokens: int,
+    stop_ids: set[int],
+    threads: Optional[int] = None,
+    to_end: bool = False,
+    chat: Optional[list[dict[str, Any]]] = None,
+    smoke: Optional[int] = None,
+    template_kwargs: Optional[dict[str, Any]] = None,
+    overrides: Optional[dict[str, Any]] = None,
+    task: Optional[dict[str, Any]] = None,
+) -> dict[str, Any]:
     """run_prompts, and with one model load: with to_end, each greedy continuation runs on to its prompt's
     `budget` (`continuation`; `greedy` stays its first greedy_tokens); `chat`: conversations ({messages, tools})
     rendered and tokenized by the GGUF's own chat template as llama-cpp-python's chat completion does (chat_prompt)
@@ -272,18 +371,25 @@ def run_gguf(path: Path, prompts: list[dict[str, Any]], greedy_tokens: int, stop
     if task:
         # every token but a special one covers at least a byte of the text: the prompt's bytes, and room for the
         # template's own tokens, bound its length
-        n_ctx = max(n_ctx, max(len(json.dumps(p.get("messages") or p.get("text"), ensure_ascii=False).encode())
-                               for p in task["prompts"]) + 256 + task["max_new_tokens"])
+        n_ctx = max(
+            n_ctx,
+            max(
+                len(json.dumps(p.get("messages") or p.get("text"), ensure_ascii=False).encode())
+                for p in task["prompts"]
+            )
+            + 256
+            + task["max_new_tokens"],
+        )
     llm = _open(path, n_ctx, threads, overrides)
     outs, same_tokens = [], []
     result: dict[str, Any] = {}
     try:
         for p, budget in zip(prompts, budgets):
             ids = list(p["ids"])
-            same_tokens.append(llm.tokenize(p["text"].encode(), add_bos=False, special=True)[:len(ids)] == ids)
+            same_tokens.append(llm.tokenize(p["text"].encode(), add_bos=False, special=True)[: len(ids)] == ids)
             llm.reset()
             llm.eval(ids)
-            logits = torch.from_numpy(np.array(llm.scores[:len(ids)], dtype=np.float32))
+            logits = torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))
             llm.reset()
             llm.eval(list(p["prompt_ids"]))
             tokens: list[int] = []
@@ -345,9 +451,12 @@ def chat_prompt(llm, messages: list[dict[str, Any]], tools: Optional[list] = Non
     if not template:
         return {"text": None, "ids": None, "template": None}
     eos, bos = llm.token_eos(), llm.token_bos()
-    formatter = Jinja2ChatFormatter(template=template, eos_token=llm._model.token_get_text(eos) if eos != -1 else "",
-                                    bos_token=llm._model.token_get_text(bos) if bos != -1 else "",
-                                    stop_token_ids=[eos])
+    formatter = Jinja2ChatFormatter(
+        template=template,
+        eos_token=llm._model.token_get_text(eos) if eos != -1 else "",
+        bos_token=llm._model.token_get_text(bos) if bos != -1 else "",
+        stop_token_ids=[eos],
+    )
     res = formatter(messages=messages, tools=tools)
     ids = llm.tokenize(res.prompt.encode("utf-8"), add_bos=not res.added_special, special=True)
     return {"text": res.prompt, "ids": list(ids), "template": template}
@@ -370,7 +479,7 @@ def task_answers(llm, task: dict[str, Any]) -> list[dict[str, Any]]:
             ids = server_prompt(llm, p["messages"], p.get("tools"), task.get("chat_template_kwargs"))["ids"]
         else:
             ids = list(llm.tokenize(p["text"].encode("utf-8"), add_bos=True, special=True))
-        ids = ids[-(llm.n_ctx() - task["max_new_tokens"] - 1):]  # as a server truncates: the prompt's end kept
+        ids = ids[-(llm.n_ctx() - task["max_new_tokens"] - 1) :]  # as a server truncates: the prompt's end kept
         llm.reset()
         llm.eval(ids)
         tokens: list[int] = []
@@ -391,11 +500,15 @@ def special_adds(llm) -> dict[str, bool]:
     import llama_cpp
 
     vocab = llm._model.vocab
-    return {"bos": bool(llama_cpp.llama_vocab_get_add_bos(vocab)), "eos": bool(llama_cpp.llama_vocab_get_add_eos(vocab))}
+    return {
+        "bos": bool(llama_cpp.llama_vocab_get_add_bos(vocab)),
+        "eos": bool(llama_cpp.llama_vocab_get_add_eos(vocab)),
+    }
 
 
-def server_prompt(llm, messages: list[dict[str, Any]], tools: Optional[list] = None,
-                  template_kwargs: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+def server_prompt(
+    llm, messages: list[dict[str, Any]], tools: Optional[list] = None, template_kwargs: Optional[dict[str, Any]] = None
+) -> dict[str, Any]:
     """The prompt llama-server builds for /v1/chat/completions from the GGUF (llama.cpp@0c1e57098, the commit
     llama-cpp-python 0.3.36 vendors), which Ollama 0.30+ also uses for a GGUF without a Go template
     (ollama llm/llama_server.go, server/routes.go usesOllamaRenderedChat):
@@ -420,9 +533,9 @@ def server_prompt(llm, messages: list[dict[str, Any]], tools: Optional[list] = N
     text = formatter(messages=messages, tools=tools, **{"enable_thinking": True, **(template_kwargs or {})}).prompt
     adds = special_adds(llm)
     if adds["bos"] and bos_text and text.startswith(bos_text):
-        text = text[len(bos_text):]
+        text = text[len(bos_text) :]
     if adds["eos"] and eos_text and text.endswith(eos_text):
-        text = text[:-len(eos_text)]
+        text = text[: -len(eos_text)]
     ids = llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)  # llama_tokenize(add_special, parse_special)
     return {"text": text, "ids": list(ids), "template": template, "adds": adds}
 
@@ -454,18 +567,32 @@ def chat_smoke(llm, messages: list[dict[str, Any]], tools: Optional[list], max_t
     llm.generate = recording
     try:
         t0 = time.monotonic()
-        res = llm.create_chat_completion(messages=messages, tools=tools, temperature=0.0, max_tokens=max_tokens,
-                                         repeat_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, seed=0)
+        res = llm.create_chat_completion(
+            messages=messages,
+            tools=tools,
+            temperature=0.0,
+            max_tokens=max_tokens,
+            repeat_penalty=1.0,
+            presence_penalty=0.0,
+            frequency_penalty=0.0,
+            seed=0,
+        )
         seconds = time.monotonic() - t0
     finally:
         del llm.generate
     choice = res["choices"][0]
-    return {"seconds": round(seconds, 3), "prompt_ids": seen["prompt"], "tokens": seen["tokens"],
-            "answer": choice["message"].get("content"), "finish_reason": choice.get("finish_reason"),
-            "usage": res.get("usage")}
+    return {
+        "seconds": round(seconds, 3),
+        "prompt_ids": seen["prompt"],
+        "tokens": seen["tokens"],
+        "answer": choice["message"].get("content"),
+        "finish_reason": choice.get("finish_reason"),
+        "usage": res.get("usage"),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
+
 
 def main(argv: Optional[list[str]] = None, prog: str = "ftrun llamacpp") -> int:
     """`ftrun llamacpp install|architectures|check` (convert and quantize are the export's child processes)."""
@@ -478,12 +605,14 @@ def main(argv: Optional[list[str]] = None, prog: str = "ftrun llamacpp") -> int:
     p = sub.add_parser("check", help="can a GGUF of this model be made here?")
     p.add_argument("model")
     p.add_argument("--type", default=DEFAULT_TYPE)
-    p = sub.add_parser("convert", help="convert a merged model folder to a 16-bit GGUF (the export runs it as a "
-                       "child process)")
+    p = sub.add_parser(
+        "convert", help="convert a merged model folder to a 16-bit GGUF (the export runs it as a child process)"
+    )
     for a in ("--converter", "--model", "--outfile", "--outtype"):
         p.add_argument(a, required=True)
-    p = sub.add_parser("quantize", help="quantize a 16-bit GGUF to a smaller type (the export runs it as a child "
-                       "process)")
+    p = sub.add_parser(
+        "quantize", help="quantize a 16-bit GGUF to a smaller type (the export runs it as a child process)"
+    )
     for a in ("--input", "--output", "--type", "--threads"):
         p.add_argument(a, required=True)
     ns = parser.parse_args(argv)
@@ -499,9 +628,18 @@ def main(argv: Optional[list[str]] = None, prog: str = "ftrun llamacpp") -> int:
         if conv is None or conv.version != PINNED:
             print(f"install the converter of {DIST} {PINNED} first: ftrun llamacpp install")
             return 2
-        ARCHITECTURES_FILE.write_text(json.dumps({"llama_cpp_python": conv.version, "gguf_py": conv.gguf_py,
-                                                  "architectures": supported_architectures(conv.folder)},
-                                                 indent=1, sort_keys=True) + "\n")
+        ARCHITECTURES_FILE.write_text(
+            json.dumps(
+                {
+                    "llama_cpp_python": conv.version,
+                    "gguf_py": conv.gguf_py,
+                    "architectures": supported_architectures(conv.folder),
+                },
+                indent=1,
+                sort_keys=True,
+            )
+            + "\n"
+        )
         print(f"{ARCHITECTURES_FILE}: {len(supported_architectures(conv.folder))} architectures")
         return 0
     if ns.cmd == "check":

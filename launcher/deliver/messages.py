@@ -39,16 +39,22 @@ def served_line(report: dict) -> str:
     if sp.get("not_applicable"):
         return f"served prompt: not checked ({sp['not_applicable']})"
     if not sp.get("ok"):
-        failed = [v["runtime"] for v in list(sp.get("runtimes", {}).values()) + list(sp.get("stops", {}).values())
-                  if not v.get("ok", True)]
+        failed = [
+            v["runtime"]
+            for v in list(sp.get("runtimes", {}).values()) + list(sp.get("stops", {}).values())
+            if not v.get("ok", True)
+        ]
         return "served prompt != trained prompt: " + ("; ".join(failed) or "see final/export.json served_prompt")
     checked = [r for r in SERVING_RUNTIMES if r in sp.get("checked", [])]
     outputs = report.get("outputs", {})
-    why = {"vLLM": "no adapter or model folder checked",
-           "llama-server": "no GGUF in this export",
-           "llama.cpp": "no GGUF in this export" if "gguf" not in outputs else
-           "llama-cpp-python's chat completion takes no chat-template switches",
-           "Ollama": "no GGUF in this export"}
+    why = {
+        "vLLM": "no adapter or model folder checked",
+        "llama-server": "no GGUF in this export",
+        "llama.cpp": "no GGUF in this export"
+        if "gguf" not in outputs
+        else "llama-cpp-python's chat completion takes no chat-template switches",
+        "Ollama": "no GGUF in this export",
+    }
     ollama = sp.get("runtimes", {}).get("ollama") or {}
     if ollama.get("not_checked"):  # a GGUF whose Ollama template ftrun does not model
         why["Ollama"] = ollama["not_checked"]

@@ -66,7 +66,7 @@ def distance_below(a: str, b: str, limit: int) -> Optional[int]:
         for j in range(lo, hi + 1):
             d = prev[j - 1] if a[j - 1] == ch else 1 + min(prev[j - 1], prev[j], cur[j - 1])
             cur[j] = d if d < limit else inf
-        if min(cur[max(0, lo - 1):hi + 1]) >= limit:
+        if min(cur[max(0, lo - 1) : hi + 1]) >= limit:
             return None
         prev = cur
     return prev[len(a)] if prev[len(a)] < limit else None
@@ -94,7 +94,8 @@ def gguf_capabilities(chat_template: str) -> list[str]:
         caps.append("tools")
     split = "content.split('</think>')" in chat_template or 'content.split("</think>")' in chat_template
     if ("<think>" in chat_template and "</think>" in chat_template) or (
-            split and "reasoning_content" not in chat_template and "<SPECIAL_12>" not in chat_template):
+        split and "reasoning_content" not in chat_template and "<SPECIAL_12>" not in chat_template
+    ):
         caps.append("thinking")
     return caps
 
@@ -103,8 +104,12 @@ def _go_fields(template: str) -> set[str]:
     return set(re.findall(r"(?<![\w)])\$?\.([A-Z]\w*)", template))
 
 
-def choose(gguf_template: str, modelfile_template: Optional[str], architecture: Optional[str],
-           go_template_env: Optional[bool] = None) -> dict[str, Any]:
+def choose(
+    gguf_template: str,
+    modelfile_template: Optional[str],
+    architecture: Optional[str],
+    go_template_env: Optional[bool] = None,
+) -> dict[str, Any]:
     """How Ollama renders a chat for a model made from this GGUF and Modelfile: {"path": "go", "template", "from"}
     (a Go template, the messages collated), {"path": "native"} (the GGUF's own template through llama-server,
     messages one to one) or {"path": "not modelled"}; each with `why`. `go_template_env`: OLLAMA_GO_TEMPLATE as
@@ -115,25 +120,37 @@ def choose(gguf_template: str, modelfile_template: Optional[str], architecture: 
         go = {"template": modelfile_template, "from": "the Modelfile's TEMPLATE", "stop": None}
     elif gguf_template:
         found = named(gguf_template)
-        go = found and {"template": found["template"], "stop": found["stop"],
-                        "from": f"Ollama's autodetected {found['name']} template (index entry {found['index_entry']}, "
-                                f"edit distance {found['distance']} to the GGUF's, under {_data()['threshold']})"}
+        go = found and {
+            "template": found["template"],
+            "stop": found["stop"],
+            "from": f"Ollama's autodetected {found['name']} template (index entry {found['index_entry']}, "
+            f"edit distance {found['distance']} to the GGUF's, under {_data()['threshold']})",
+        }
     else:
         go = None
     native = {"path": "native", "why": "the GGUF's own template through llama-server --jinja, messages one to one"}
     if go is None:
-        return dict(native, why=native["why"] + " (no Go template: no Modelfile TEMPLATE and no index entry within "
-                    f"an edit distance of {_data()['threshold']} of the GGUF's template)")
+        return dict(
+            native,
+            why=native["why"] + " (no Go template: no Modelfile TEMPLATE and no index entry within "
+            f"an edit distance of {_data()['threshold']} of the GGUF's template)",
+        )
     if go_template_env is not None:
         if not go_template_env:
             return dict(native, why=native["why"] + f" ({GO_TEMPLATE_ENV}=0 turns the Go template off)")
         return dict(go, path="go", why=f"{go['from']} ({GO_TEMPLATE_ENV}=1)")
     caps_of_go = sorted(_go_fields(go["template"]) & {"Tools", "Thinking", "Suffix"})
     if caps_of_go:  # the preference rule for a Go template with capabilities changed in 0.33: not modelled
-        return {"path": "not modelled", "why": f"{go['from']} uses {', '.join(caps_of_go)}: whether Ollama prefers "
-                "it to the GGUF's template differs between versions"}
+        return {
+            "path": "not modelled",
+            "why": f"{go['from']} uses {', '.join(caps_of_go)}: whether Ollama prefers "
+            "it to the GGUF's template differs between versions",
+        }
     caps = gguf_capabilities(gguf_template or "")
     if caps:  # more capabilities than a Go template without any: Ollama prefers the GGUF's template
-        return dict(native, why=native["why"] + f" (the GGUF's template offers {' and '.join(caps)}, the Go template "
-                    f"({go['from']}) none: Ollama prefers the GGUF's)")
+        return dict(
+            native,
+            why=native["why"] + f" (the GGUF's template offers {' and '.join(caps)}, the Go template "
+            f"({go['from']}) none: Ollama prefers the GGUF's)",
+        )
     return dict(go, path="go", why=f"{go['from']}, rendered with the messages collated")

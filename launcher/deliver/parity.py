@@ -1,4 +1,5 @@
-"""The parity check: the same prompts through two models, their next-token logits and greedy tokens held to a tolerance."""
+"""The parity check: the same prompts through two models, their next-token logits and greedy tokens held to a
+tolerance."""
 
 from __future__ import annotations
 
@@ -20,10 +21,7 @@ ENDING_MAX_TOKENS = 256
 # models pick the same next token; rel = max |logit difference| / std of the reference logits; ppl = relative
 # perplexity difference of the two models on the parity texts; greedy = share of prompts whose greedy
 # continuations (GREEDY_NEW_TOKENS) are identical. Merging in 16 bit only rounds the merged weights once.
-TOLERANCE = {
-    "merged": {"min_top1": 0.98, "max_rel": 0.15},
-    "full:merged": {"min_top1": 0.98, "max_rel": 0.15},
-}
+TOLERANCE = {"merged": {"min_top1": 0.98, "max_rel": 0.15}, "full:merged": {"min_top1": 0.98, "max_rel": 0.15}}
 # A GGUF's bounds are its type's tolerance in the GGUF table (launcher/gguf_types.py, where their origin is told).
 TOLERANCE.update({f"gguf:{k}": t.tolerance.as_dict() for k, t in gguf_types.TYPES.items()})
 # When a model's float32 copy fits neither one GPU nor RAM, both sides of a comparison run in its 16-bit dtype
@@ -31,10 +29,7 @@ TOLERANCE.update({f"gguf:{k}": t.tolerance.as_dict() for k, t in gguf_types.TYPE
 # teacher-forced position whose two best logits are nearly tied can flip. Only the merge's check needs more
 # room for that (tiny model, bf16 on the CPU: top-1 agreement 0.975 where float32 gives 0.985); a GGUF in
 # F32/F16/BF16 holds the merged weights exactly and stays identical in any dtype.
-TOLERANCE_16BIT = {
-    "merged": {"min_top1": 0.95, "max_rel": 0.15},
-    "full:merged": {"min_top1": 0.95, "max_rel": 0.15},
-}
+TOLERANCE_16BIT = {"merged": {"min_top1": 0.95, "max_rel": 0.15}, "full:merged": {"min_top1": 0.95, "max_rel": 0.15}}
 
 
 def held_out_examples(recipe) -> tuple[list[dict[str, Any]], str]:
@@ -53,8 +48,11 @@ def examples_of(recipe, with_data: bool = False) -> tuple[list[dict[str, Any]], 
     ev = getattr(recipe, "eval", None)
     seed = getattr(recipe, "seed", 42)
     if ev is not None and getattr(ev, "data", None):
-        return load_data(ev.data, seed).examples, "held out (eval.data)", \
-            (load_data(recipe.data, seed).examples if with_data else None)
+        return (
+            load_data(ev.data, seed).examples,
+            "held out (eval.data)",
+            (load_data(recipe.data, seed).examples if with_data else None),
+        )
     raw = load_data(recipe.data, seed).examples  # the mix as trained, split as the worker splits it
     if ev is not None and getattr(ev, "fraction", None):
         from launcher.data.split import for_recipe
@@ -73,8 +71,9 @@ def parity_examples(recipe) -> tuple[list[list[dict[str, Any]]], str]:
     return [data_formats.conversation(e) for e in examples], source
 
 
-def parity_prompts(recipe, tokenizer, n: int = PARITY_PROMPTS,
-                   kwargs: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
+def parity_prompts(
+    recipe, tokenizer, n: int = PARITY_PROMPTS, kwargs: Optional[dict[str, Any]] = None
+) -> list[dict[str, Any]]:
     """The first n parity conversations: full text (teacher-forced logits) and prompt (greedy decoding), the prompt
     rendered with the chat-template switches it is served with (`kwargs`: served_prompt.ServedPrompt.kwargs);
     `budget`: how far a greedy continuation runs to see whether the model ends its turn (ending_budget)."""
@@ -84,14 +83,24 @@ def parity_prompts(recipe, tokenizer, n: int = PARITY_PROMPTS,
         last_assistant = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages))
         prompt_msgs = messages[:last_assistant] or messages[:1]
         full = tokenizer.apply_chat_template(messages, tokenize=False)
-        prompt = tokenizer.apply_chat_template(prompt_msgs, tokenize=False, add_generation_prompt=True, **(kwargs or {}))
+        prompt = tokenizer.apply_chat_template(
+            prompt_msgs, tokenize=False, add_generation_prompt=True, **(kwargs or {})
+        )
         ids = tokenizer(full, add_special_tokens=False)["input_ids"][:PARITY_MAX_TOKENS]
         all_prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         answer = messages[last_assistant]["content"] if last_assistant < len(messages) else ""
         answer_tokens = len(tokenizer(answer or "", add_special_tokens=False)["input_ids"])
-        out.append({"text": full, "ids": ids, "prompt_ids": all_prompt_ids[-PARITY_MAX_TOKENS:], "source": source,
-                    "messages": prompt_msgs, "prompt_truncated": len(all_prompt_ids) > PARITY_MAX_TOKENS,
-                    "budget": ending_budget(answer_tokens)})
+        out.append(
+            {
+                "text": full,
+                "ids": ids,
+                "prompt_ids": all_prompt_ids[-PARITY_MAX_TOKENS:],
+                "source": source,
+                "messages": prompt_msgs,
+                "prompt_truncated": len(all_prompt_ids) > PARITY_MAX_TOKENS,
+                "budget": ending_budget(answer_tokens),
+            }
+        )
     return out
 
 
@@ -102,7 +111,9 @@ def ending_budget(answer_tokens: int) -> int:
     return max(GREEDY_NEW_TOKENS, min(answer_tokens + GREEDY_NEW_TOKENS, ENDING_MAX_TOKENS))
 
 
-def model_outputs(model, prompts: list[dict[str, Any]], greedy: bool = True, to_end: bool = False) -> list[dict[str, Any]]:
+def model_outputs(
+    model, prompts: list[dict[str, Any]], greedy: bool = True, to_end: bool = False
+) -> list[dict[str, Any]]:
     """Per prompt: next-token logits over the whole text (float32) and the greedy continuation (`greedy`: its first
     GREEDY_NEW_TOKENS, which parity compares; with to_end, `continuation`: on up to the prompt's budget)."""
     import torch
@@ -122,13 +133,26 @@ def model_outputs(model, prompts: list[dict[str, Any]], greedy: bool = True, to_
                 # Greedy tokens do not depend on how many follow, so the first GREEDY_NEW_TOKENS of a longer run are
                 # the parity's.
                 new = max(GREEDY_NEW_TOKENS, p.get("budget", 0)) if to_end else GREEDY_NEW_TOKENS
-                gen = model.generate(input_ids=pid, attention_mask=torch.ones_like(pid), max_new_tokens=new,
-                                     do_sample=False, num_beams=1, repetition_penalty=1.0, no_repeat_ngram_size=0,
-                                     min_new_tokens=0, pad_token_id=model.config.eos_token_id
-                                     if isinstance(model.config.eos_token_id, int) else 0)
-                tokens = gen[0, pid.shape[1]:].tolist()
-            results.append({"logits": logits, "greedy": tokens[:GREEDY_NEW_TOKENS] if tokens is not None else None,
-                            "continuation": tokens, "ids": list(p["ids"])})
+                gen = model.generate(
+                    input_ids=pid,
+                    attention_mask=torch.ones_like(pid),
+                    max_new_tokens=new,
+                    do_sample=False,
+                    num_beams=1,
+                    repetition_penalty=1.0,
+                    no_repeat_ngram_size=0,
+                    min_new_tokens=0,
+                    pad_token_id=model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0,
+                )
+                tokens = gen[0, pid.shape[1] :].tolist()
+            results.append(
+                {
+                    "logits": logits,
+                    "greedy": tokens[:GREEDY_NEW_TOKENS] if tokens is not None else None,
+                    "continuation": tokens,
+                    "ids": list(p["ids"]),
+                }
+            )
     return results
 
 
@@ -148,7 +172,9 @@ def input_device(model):
     return next(model.parameters()).device
 
 
-def compare(ref: list[dict[str, Any]], out: list[dict[str, Any]], kind: str, compute: str = "float32") -> dict[str, Any]:
+def compare(
+    ref: list[dict[str, Any]], out: list[dict[str, Any]], kind: str, compute: str = "float32"
+) -> dict[str, Any]:
     """Numbers for export.json, and whether they are within the tolerance of kind for the compute dtype."""
     import torch
 
@@ -180,8 +206,9 @@ def compare(ref: list[dict[str, Any]], out: list[dict[str, Any]], kind: str, com
             if r["greedy"] == o["greedy"]:
                 greedy_same += 1
             else:
-                first_diverge.append(next(i for i, (x, y) in enumerate(zip(r["greedy"] + [None], o["greedy"] + [None]))
-                                          if x != y))
+                first_diverge.append(
+                    next(i for i, (x, y) in enumerate(zip(r["greedy"] + [None], o["greedy"] + [None])) if x != y)
+                )
     tol = TOLERANCE[kind] if compute == "float32" else TOLERANCE_16BIT.get(kind, TOLERANCE[kind])
     top1 = agree / max(total, 1)
     ppl_ref = math.exp(nll_ref / n_nll) if n_nll else None
@@ -189,9 +216,13 @@ def compare(ref: list[dict[str, Any]], out: list[dict[str, Any]], kind: str, com
     ppl_rel = (ppl_out / ppl_ref - 1.0) if n_nll else None
     greedy_share = greedy_same / greedy_n if greedy_n else None
     mean_kl = kl_sum / max(len(ref), 1)
-    ok = (top1 >= tol["min_top1"] and max_rel <= tol.get("max_rel", math.inf) and mean_kl <= tol.get("max_kl", math.inf)
-          and (ppl_rel is None or abs(ppl_rel) <= tol.get("max_ppl", math.inf))
-          and (greedy_share is None or greedy_share >= tol.get("min_greedy", 0.0)))
+    ok = (
+        top1 >= tol["min_top1"]
+        and max_rel <= tol.get("max_rel", math.inf)
+        and mean_kl <= tol.get("max_kl", math.inf)
+        and (ppl_rel is None or abs(ppl_rel) <= tol.get("max_ppl", math.inf))
+        and (greedy_share is None or greedy_share >= tol.get("min_greedy", 0.0))
+    )
     return {
         "prompts": len(ref),
         "positions": total,
@@ -217,14 +248,21 @@ def _check(name: str, result: dict[str, Any], fix: Optional[str] = None) -> None
         if "max_kl" in tol:
             parts.append(f"mean KL divergence {result['mean_kl']:.4g} (needs <= {tol['max_kl']})")
         if "max_rel" in tol:
-            parts.append(f"max relative logit difference {result['max_rel_logit_diff']:.4g} (needs <= {tol['max_rel']})")
+            parts.append(
+                f"max relative logit difference {result['max_rel_logit_diff']:.4g} (needs <= {tol['max_rel']})"
+            )
         if "max_ppl" in tol and result["perplexity_rel_diff"] is not None:
-            parts.append(f"perplexity {result['perplexity']:.4g} against {result['perplexity_reference']:.4g} "
-                         f"({result['perplexity_rel_diff']:+.2%}, needs within {tol['max_ppl']:.1%})")
+            parts.append(
+                f"perplexity {result['perplexity']:.4g} against {result['perplexity_reference']:.4g} "
+                f"({result['perplexity_rel_diff']:+.2%}, needs within {tol['max_ppl']:.1%})"
+            )
         if "min_greedy" in tol:
-            parts.append(f"greedy continuations identical {result['greedy_identical']} (needs >= {tol['min_greedy']:.0%})")
+            parts.append(
+                f"greedy continuations identical {result['greedy_identical']} (needs >= {tol['min_greedy']:.0%})"
+            )
         raise ExportError(
             f"{name} does not match its reference: " + ", ".join(parts) + "; the numbers are in final/export.json",
-            fix=fix or "do not serve this output. Re-run `ftrun export RUN_DIR` (a truncated write or a full disk "
+            fix=fix
+            or "do not serve this output. Re-run `ftrun export RUN_DIR` (a truncated write or a full disk "
             "shows like this); if it repeats, report it with export.json.",
         )

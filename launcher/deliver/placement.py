@@ -107,11 +107,18 @@ def parity_placement(n_params: int, dtype, gpus_free: list[int], ram: int) -> Pl
     f32 = 4 * n_params
     gpu = _gpu_that_holds(f32, gpus_free)
     if gpu is not None:
-        return Placement({"": f"cuda:{gpu}"}, "float32",
-                         f"float32 ({human_size(f32)}) fits GPU {gpu} ({human_size(gpus_free[gpu])} free)")
+        return Placement(
+            {"": f"cuda:{gpu}"},
+            "float32",
+            f"float32 ({human_size(f32)}) fits GPU {gpu} ({human_size(gpus_free[gpu])} free)",
+        )
     if _ram_holds(f32, ram):
-        return Placement({"": "cpu"}, "float32", f"float32 ({human_size(f32)}) fits RAM ({human_size(ram)} "
-                         "available)" + (", not one GPU" if gpus_free else ""))
+        return Placement(
+            {"": "cpu"},
+            "float32",
+            f"float32 ({human_size(f32)}) fits RAM ({human_size(ram)} "
+            "available)" + (", not one GPU" if gpus_free else ""),
+        )
     name = str(dtype).replace("torch.", "")
     size16 = n_params * _itemsize(dtype)
     head = f"float32 ({human_size(f32)}) fits neither one GPU nor RAM ({human_size(ram)} available): "
@@ -121,8 +128,9 @@ def parity_placement(n_params: int, dtype, gpus_free: list[int], ram: int) -> Pl
     budget["cpu"] = int(max(ram - RAM_RESERVE, 0) / HEADROOM)
     if size16 > sum(budget.values()):
         return Placement(None, name, head + f"nor does {name} ({human_size(size16)}) fit the GPUs and RAM together")
-    return Placement("auto", name, head + f"{name} ({human_size(size16)}) split over the GPUs and RAM",
-                     max_memory=budget)
+    return Placement(
+        "auto", name, head + f"{name} ({human_size(size16)}) split over the GPUs and RAM", max_memory=budget
+    )
 
 
 def merge_placement(n_params: int, dtype, gpus_free: list[int], ram: int, stored_float32: bool = False) -> Placement:
@@ -137,11 +145,16 @@ def merge_placement(n_params: int, dtype, gpus_free: list[int], ram: int, stored
     for dt, size in ([("float32", 4 * n_params)] if stored_float32 else []) + [(name, n_params * _itemsize(dtype))]:
         gpu = _gpu_that_holds(size, gpus_free)
         if gpu is not None:
-            return Placement({"": f"cuda:{gpu}"}, dt, f"{dt} ({human_size(size)}) fits GPU {gpu} "
-                             f"({human_size(gpus_free[gpu])} free)")
+            return Placement(
+                {"": f"cuda:{gpu}"}, dt, f"{dt} ({human_size(size)}) fits GPU {gpu} ({human_size(gpus_free[gpu])} free)"
+            )
         if _ram_holds(size, ram):
-            return Placement({"": "cpu"}, dt, f"{dt} ({human_size(size)}) fits RAM ({human_size(ram)} available)"
-                             + (", not one GPU: merged on the CPU" if gpus_free else ""))
+            return Placement(
+                {"": "cpu"},
+                dt,
+                f"{dt} ({human_size(size)}) fits RAM ({human_size(ram)} available)"
+                + (", not one GPU: merged on the CPU" if gpus_free else ""),
+            )
     size16 = n_params * _itemsize(dtype)
     need = size16 * HEADROOM + RAM_RESERVE
     raise ExportError(
@@ -149,7 +162,8 @@ def merge_placement(n_params: int, dtype, gpus_free: list[int], ram: int, stored
         f"RAM, and this box has {human_size(ram)} available"
         + (f" and at most {human_size(max(gpus_free))} free on one GPU" if gpus_free else ""),
         fix="export the adapter alone (`export: [adapter]`; vLLM serves it with --enable-lora, see SERVING.md), or "
-        f"run `ftrun export RUN_DIR --merged` on a box with at least {human_size(need)} of free RAM.")
+        f"run `ftrun export RUN_DIR --merged` on a box with at least {human_size(need)} of free RAM.",
+    )
 
 
 def _itemsize(dtype) -> int:
@@ -184,8 +198,14 @@ class Loads:
         self.log: list[dict[str, Any]] = []
 
     def record(self, what: str, placement: Placement, model) -> None:
-        self.log.append({"model": what, "device": placement.to_dict()["device"], "dtype": placement.dtype,
-                         "offloaded_to": offloaded(model)})
+        self.log.append(
+            {
+                "model": what,
+                "device": placement.to_dict()["device"],
+                "dtype": placement.dtype,
+                "offloaded_to": offloaded(model),
+            }
+        )
 
 
 def load_model(path: str, placement: Placement, loads: Loads, **kwargs):
@@ -198,11 +218,16 @@ def load_model(path: str, placement: Placement, loads: Loads, **kwargs):
     apply_sdpa_backends()  # the parity check's generation takes the worker's attention backends
     model = AutoModelForCausalLM.from_pretrained(path, **{**placement.load_kwargs(), **kwargs})
     loads.record(path, placement, model)
-    if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False) \
-            or getattr(model.config, "quantization_config", None):
-        raise ExportError(f"{path} loaded as a quantized model; merging needs the 16-bit base",
-                          fix="point the recipe's model at the original 16-bit checkpoint, not a 4-bit one "
-                          "(e.g. Qwen/Qwen3-8B instead of unsloth/Qwen3-8B-bnb-4bit).")
+    if (
+        getattr(model, "is_loaded_in_4bit", False)
+        or getattr(model, "is_loaded_in_8bit", False)
+        or getattr(model.config, "quantization_config", None)
+    ):
+        raise ExportError(
+            f"{path} loaded as a quantized model; merging needs the 16-bit base",
+            fix="point the recipe's model at the original 16-bit checkpoint, not a 4-bit one "
+            "(e.g. Qwen/Qwen3-8B instead of unsloth/Qwen3-8B-bnb-4bit).",
+        )
     return model.eval()
 
 

@@ -45,8 +45,13 @@ def plot_loss(metrics: Path, out: Path, title: Optional[str] = None) -> Optional
     ax.plot(steps, [r["loss"] for r in rows], color="tab:blue", label="training loss")
     evals = read_metrics(metrics, "eval_loss")
     if evals:
-        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], color="tab:green", marker="o",
-                label="eval loss (held out)")
+        ax.plot(
+            [r["step"] for r in evals],
+            [r["eval_loss"] for r in evals],
+            color="tab:green",
+            marker="o",
+            label="eval loss (held out)",
+        )
         ax.legend(loc="upper right")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss", color="tab:blue")
@@ -58,8 +63,11 @@ def plot_loss(metrics: Path, out: Path, title: Optional[str] = None) -> Optional
         ax2.set_ylabel("learning rate", color="tab:orange")
         ax2.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
     last = rows[-1]
-    ax.set_title(title or f"{metrics.parent.name}: step {last['step']}, loss {last['loss']:.4f}"
-                 + (f", eval loss {evals[-1]['eval_loss']:.4f}" if evals else ""))
+    ax.set_title(
+        title
+        or f"{metrics.parent.name}: step {last['step']}, loss {last['loss']:.4f}"
+        + (f", eval loss {evals[-1]['eval_loss']:.4f}" if evals else "")
+    )
     fig.tight_layout()
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}.png")  # two drawers never share a temporary
     fig.savefig(tmp)
@@ -71,11 +79,20 @@ def plot_loss(metrics: Path, out: Path, title: Optional[str] = None) -> Optional
 def _rewards(ax, margins: list[dict[str, Any]], held: list[dict[str, Any]]) -> None:
     """The reward margin (training pairs, held-out pairs) and the held-out preference accuracy over steps."""
     if margins:
-        ax.plot([r["step"] for r in margins], [r["rewards/margins"] for r in margins], color="tab:purple",
-                label="reward margin (training pairs)")
+        ax.plot(
+            [r["step"] for r in margins],
+            [r["rewards/margins"] for r in margins],
+            color="tab:purple",
+            label="reward margin (training pairs)",
+        )
     if held:
-        ax.plot([r["step"] for r in held], [r["eval_rewards/margins"] for r in held], color="tab:red", marker="o",
-                label="reward margin (held out)")
+        ax.plot(
+            [r["step"] for r in held],
+            [r["eval_rewards/margins"] for r in held],
+            color="tab:red",
+            marker="o",
+            label="reward margin (held out)",
+        )
     ax.axhline(0.0, color="grey", linewidth=0.8)
     ax.set_ylabel("chosen - rejected")
     ax.set_xlabel("optimizer step")
@@ -84,8 +101,13 @@ def _rewards(ax, margins: list[dict[str, Any]], held: list[dict[str, Any]]) -> N
     accuracy = [r for r in held if r.get("eval_rewards/accuracies") is not None]
     if accuracy:
         ax2 = ax.twinx()
-        ax2.plot([r["step"] for r in accuracy], [r["eval_rewards/accuracies"] for r in accuracy], color="tab:olive",
-                 linestyle="--", label="preference accuracy (held out)")
+        ax2.plot(
+            [r["step"] for r in accuracy],
+            [r["eval_rewards/accuracies"] for r in accuracy],
+            color="tab:olive",
+            linestyle="--",
+            label="preference accuracy (held out)",
+        )
         ax2.set_ylim(0.0, 1.05)
         ax2.set_ylabel("preference accuracy", color="tab:olive")
 

@@ -37,7 +37,7 @@ class PublishError(FtrunError):
 
 def repo_of(url: str) -> str:
     """hf://user/repo -> user/repo (the recipe checked the form)."""
-    parts = url[len("hf://"):].strip("/").split("/") if url.startswith("hf://") else []
+    parts = url[len("hf://") :].strip("/").split("/") if url.startswith("hf://") else []
     if len(parts) != 2 or not all(parts):
         raise UsageError(f"publish.to={url} does not name a Hugging Face repo", fix="write hf://USER/REPO.")
     return "/".join(parts)
@@ -60,26 +60,41 @@ def verified_outputs(run: RunDir, recipe, report: dict[str, Any], what: list[str
 
     if not report.get("ok"):
         why = report.get("error") or ("final/export.json is missing" if not report else "failed")
-        raise PublishError(f"the export did not pass its checks ({str(why).splitlines()[0]}): nothing was published",
-                           fix=f"run `ftrun export {run.root}` (it checks again), then `ftrun publish {run.root}`.")
+        raise PublishError(
+            f"the export did not pass its checks ({str(why).splitlines()[0]}): nothing was published",
+            fix=f"run `ftrun export {run.root}` (it checks again), then `ftrun publish {run.root}`.",
+        )
     state = read_state(run)
     if not (state.get("final_check") or {}).get("ok"):
-        raise PublishError(f"{run.root} has no verified final result (state {state.get('state', 'unknown')}): "
-                           "nothing was published", fix="publish a run whose training finished and was verified.")
+        raise PublishError(
+            f"{run.root} has no verified final result (state {state.get('state', 'unknown')}): nothing was published",
+            fix="publish a run whose training finished and was verified.",
+        )
     outputs = report.get("outputs", {})
     found: dict[str, Path] = {}
     for item in what:
         out = outputs.get(item)
         if out is None:
-            raise PublishError(f"publish.what has {item}, which the export did not make and check: nothing was published",
-                               fix=f"add {item} to export: and run `ftrun export {run.root}`, or remove it from publish.what.")
+            raise PublishError(
+                f"publish.what has {item}, which the export did not make and check: nothing was published",
+                fix=f"add {item} to export: and run `ftrun export {run.root}`, or remove it from publish.what.",
+            )
         path = Path(out["path"])
-        size = tree_bytes(path / "adapter_model.safetensors") if item == "adapter" else \
-            path.stat().st_size if path.is_file() else tree_bytes(path) if path.is_dir() else None
+        size = (
+            tree_bytes(path / "adapter_model.safetensors")
+            if item == "adapter"
+            else path.stat().st_size
+            if path.is_file()
+            else tree_bytes(path)
+            if path.is_dir()
+            else None
+        )
         if size is None or (out.get("bytes") is not None and size != out["bytes"]):
-            raise PublishError(f"{path} changed since the export checked it ({out.get('bytes')} bytes then, "
-                               f"{size} now): nothing was published",
-                               fix=f"run `ftrun export {run.root}` to check it again, then `ftrun publish {run.root}`.")
+            raise PublishError(
+                f"{path} changed since the export checked it ({out.get('bytes')} bytes then, "
+                f"{size} now): nothing was published",
+                fix=f"run `ftrun export {run.root}` to check it again, then `ftrun publish {run.root}`.",
+            )
         found[item] = path
     return found
 
@@ -104,6 +119,7 @@ def layout(outputs: dict[str, Path]) -> list[tuple[Path, str]]:
 # ---------------------------------------------------------------------------------------------
 # The model card
 
+
 def _hub_id(model: str) -> Optional[str]:
     """The base model's Hub id, or None for a local folder (the card then names the folder's config)."""
     return model if re.fullmatch(r"[\w.-]+/[\w.-]+", model) and not Path(model).exists() else None
@@ -111,8 +127,11 @@ def _hub_id(model: str) -> Optional[str]:
 
 def _eval_losses(run: RunDir) -> tuple[Optional[dict], Optional[dict], Optional[dict]]:
     """(first train row, last train row, last eval row) of metrics.jsonl."""
-    rows = [json.loads(line) for line in run.metrics.read_text().splitlines() if line.strip()] \
-        if run.metrics.is_file() else []
+    rows = (
+        [json.loads(line) for line in run.metrics.read_text().splitlines() if line.strip()]
+        if run.metrics.is_file()
+        else []
+    )
     train = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval_loss" in r]
     return (train[0] if train else None), (train[-1] if train else None), (evals[-1] if evals else None)
@@ -126,30 +145,61 @@ def _serve_lines(repo: str, recipe, outputs: dict[str, Path], report: dict[str, 
     switches = template_switches(report)
     lines: list[str] = []
     if switches:
-        lines += [f"Serve it with the chat-template switch `{json.dumps(switches)}`: the model was trained on the "
-                  "prompt its template writes with it (the commands below pass it).", ""]
+        lines += [
+            f"Serve it with the chat-template switch `{json.dumps(switches)}`: the model was trained on the "
+            "prompt its template writes with it (the commands below pass it).",
+            "",
+        ]
     if "merged" in outputs:
-        lines += ["```", vllm_command(repo, quote=False, switches=switches), "```", "",
-                  "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
-                  f'model = AutoModelForCausalLM.from_pretrained("{repo}")',
-                  f'tokenizer = AutoTokenizer.from_pretrained("{repo}")', "```", ""]
+        lines += [
+            "```",
+            vllm_command(repo, quote=False, switches=switches),
+            "```",
+            "",
+            "```python",
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            f'model = AutoModelForCausalLM.from_pretrained("{repo}")',
+            f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
+            "```",
+            "",
+        ]
     if "adapter" in outputs:
         rank = (report.get("outputs", {}).get("adapter") or {}).get("rank") or recipe.lora.r
         if "merged" in outputs:
-            lines += ["The LoRA adapter alone is in `adapter/`:", "", "```",
-                      f"hf download {repo} --include 'adapter/*' --local-dir {name}",
-                      vllm_command(base, lora_module=f"{name}=./{name}/adapter", lora_rank=rank, quote=False,
-                                   switches=switches), "```", ""]
+            lines += [
+                "The LoRA adapter alone is in `adapter/`:",
+                "",
+                "```",
+                f"hf download {repo} --include 'adapter/*' --local-dir {name}",
+                vllm_command(
+                    base, lora_module=f"{name}=./{name}/adapter", lora_rank=rank, quote=False, switches=switches
+                ),
+                "```",
+                "",
+            ]
         else:
-            lines += ["```", vllm_command(base, lora_module=f"{name}={repo}", lora_rank=rank, quote=False,
-                                          switches=switches), "```", "",
-                      "```python", "from peft import AutoPeftModelForCausalLM",
-                      f'model = AutoPeftModelForCausalLM.from_pretrained("{repo}")', "```", ""]
+            lines += [
+                "```",
+                vllm_command(base, lora_module=f"{name}={repo}", lora_rank=rank, quote=False, switches=switches),
+                "```",
+                "",
+                "```python",
+                "from peft import AutoPeftModelForCausalLM",
+                f'model = AutoPeftModelForCausalLM.from_pretrained("{repo}")',
+                "```",
+                "",
+            ]
     if "gguf" in outputs:
         quant = str((report.get("outputs", {}).get("gguf") or {}).get("type") or recipe.gguf_type).upper()
         think = " --think=false" if switches.get("enable_thinking") is False else ""
         kwargs = f" --chat-template-kwargs '{json.dumps(switches)}'" if switches else ""
-        lines += ["```", f"ollama run hf.co/{repo}:{quant}{think}", f"llama-server -hf {repo}:{quant}{kwargs}", "```", ""]
+        lines += [
+            "```",
+            f"ollama run hf.co/{repo}:{quant}{think}",
+            f"llama-server -hf {repo}:{quant}{kwargs}",
+            "```",
+            "",
+        ]
     return lines
 
 
@@ -160,14 +210,23 @@ def model_card(run: RunDir, recipe, report: dict[str, Any], repo: str, outputs: 
     base = _hub_id(recipe.model)
     adapter_at_root = "adapter" in outputs and "merged" not in outputs
     data = ModelCardData(
-        base_model=base, library_name="peft" if adapter_at_root else "transformers", pipeline_tag="text-generation",
-        tags=["ftrun", recipe.method, *(["lora"] if methods.is_adapter(recipe.method) else []),
-              *([recipe.objective] if recipe.objective != methods.DEFAULT_OBJECTIVE else []),
-              *(["gguf"] if "gguf" in outputs else [])],
+        base_model=base,
+        library_name="peft" if adapter_at_root else "transformers",
+        pipeline_tag="text-generation",
+        tags=[
+            "ftrun",
+            recipe.method,
+            *(["lora"] if methods.is_adapter(recipe.method) else []),
+            *([recipe.objective] if recipe.objective != methods.DEFAULT_OBJECTIVE else []),
+            *(["gguf"] if "gguf" in outputs else []),
+        ],
     )
     method = methods.METHODS[recipe.method].title
-    lora = f" (r={recipe.lora.r}, alpha={recipe.lora.alpha}, targets {recipe.lora.target_modules})" \
-        if methods.is_adapter(recipe.method) and not recipe.init_from else ""
+    lora = (
+        f" (r={recipe.lora.r}, alpha={recipe.lora.alpha}, targets {recipe.lora.target_modules})"
+        if methods.is_adapter(recipe.method) and not recipe.init_from
+        else ""
+    )
     objective = recipe.objective_row
     if objective.settings:
         settings = ", ".join(f"{k} {getattr(recipe.preference, k)}" for k in objective.settings)
@@ -175,24 +234,33 @@ def model_card(run: RunDir, recipe, report: dict[str, Any], repo: str, outputs: 
     if recipe.init_from:
         from launcher.recipe import parent_adapter
 
-        method += f", continuing the adapter of the earlier run `{Path(recipe.init_from).name}` ({parent_adapter(recipe.init_from)})"
-    body = [f"# {repo.split('/')[1]}", "",
-            f"A fine-tune of {'[' + base + '](https://huggingface.co/' + base + ')' if base else '`' + recipe.model + '`'} "
-            f"with {method}{lora}, trained and checked with ftrun. Published: "
-            + ", ".join(f"{k}{' (in adapter/)' if k == 'adapter' and 'merged' in outputs else ''}" for k in outputs)
-            + ".", ""]
+        parent = parent_adapter(recipe.init_from)
+        method += f", continuing the adapter of the earlier run `{Path(recipe.init_from).name}` ({parent})"
+    body = [
+        f"# {repo.split('/')[1]}",
+        "",
+        f"A fine-tune of {'[' + base + '](https://huggingface.co/' + base + ')' if base else '`' + recipe.model + '`'} "
+        f"with {method}{lora}, trained and checked with ftrun. Published: "
+        + ", ".join(f"{k}{' (in adapter/)' if k == 'adapter' and 'merged' in outputs else ''}" for k in outputs)
+        + ".",
+        "",
+    ]
 
     body += ["## Data", ""]
     data_record = run.root / "data.json"
     if data_record.is_file():
         d = json.loads(data_record.read_text())
         body.append(f"- {d.get('description', '')}".rstrip())
-        body.append(f"- {d.get('examples', '?')} examples, {d.get('total_tokens', '?')} tokens "
-                    f"(mean {d.get('mean_tokens', '?')}, longest {d.get('max_tokens', '?')})")
+        body.append(
+            f"- {d.get('examples', '?')} examples, {d.get('total_tokens', '?')} tokens "
+            f"(mean {d.get('mean_tokens', '?')}, longest {d.get('max_tokens', '?')})"
+        )
         for s in d.get("sources", []):
             ident = s.get("revision") or (s.get("sha256") or "")[:12]
-            body.append(f"- source `{Path(str(s.get('source'))).name}`, format {s.get('format')}, "
-                        f"{s.get('examples')} examples, weight {s.get('weight')}" + (f", {ident}" if ident else ""))
+            body.append(
+                f"- source `{Path(str(s.get('source'))).name}`, format {s.get('format')}, "
+                f"{s.get('examples')} examples, weight {s.get('weight')}" + (f", {ident}" if ident else "")
+            )
     else:
         body.append(f"- `{Path(recipe.data).name}`" if isinstance(recipe.data, str) else "- see ftrun/recipe.yaml")
     body.append("")
@@ -200,25 +268,37 @@ def model_card(run: RunDir, recipe, report: dict[str, Any], repo: str, outputs: 
     first, last, ev = _eval_losses(run)
     body += ["## Training", ""]
     if first and last:
-        body.append(f"- training loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} "
-                    f"(step {last['step']})")
+        body.append(
+            f"- training loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} (step {last['step']})"
+        )
     if ev:
         body.append(f"- eval loss {ev['eval_loss']:.4f} at step {ev['step']} (held-out examples)")
-    body += [f"- {recipe.micro_batch_size} x {recipe.gradient_accumulation_steps} examples per step per process, "
-             f"learning rate {recipe.learning_rate:g}, max length {recipe.max_length}, "
-             + (f"{recipe.max_steps} steps" if recipe.max_steps else f"{recipe.epochs:g} epoch{'' if recipe.epochs == 1 else 's'}"), ""]
+    body += [
+        f"- {recipe.micro_batch_size} x {recipe.gradient_accumulation_steps} examples per step per process, "
+        f"learning rate {recipe.learning_rate:g}, max length {recipe.max_length}, "
+        + (
+            f"{recipe.max_steps} steps"
+            if recipe.max_steps
+            else f"{recipe.epochs:g} epoch{'' if recipe.epochs == 1 else 's'}"
+        ),
+        "",
+    ]
 
     body += _task_eval_lines(run)
 
     checks = []
     out = report.get("outputs", {})
     if "adapter" in out and out["adapter"].get("changes_base_logits"):
-        checks.append(f"- adapter: reloaded over the base, top-1 agreement with the base "
-                      f"{out['adapter']['changes_base_logits']['top1_agreement_with_base']:.3f} (it changes the model)")
+        checks.append(
+            f"- adapter: reloaded over the base, top-1 agreement with the base "
+            f"{out['adapter']['changes_base_logits']['top1_agreement_with_base']:.3f} (it changes the model)"
+        )
     if "merged" in out and out["merged"].get("parity"):
         p = out["merged"]["parity"]
-        checks.append(f"- merged: top-1 agreement with base + adapter {p.get('top1_agreement')}, "
-                      f"max relative logit difference {p.get('max_rel')}")
+        checks.append(
+            f"- merged: top-1 agreement with base + adapter {p.get('top1_agreement')}, "
+            f"max relative logit difference {p.get('max_rel')}"
+        )
     if "gguf" in out and out["gguf"].get("parity"):
         p = out["gguf"]["parity"]
         checks.append(f"- gguf {out['gguf'].get('type')}: top-1 agreement {p.get('top1_agreement')}")
@@ -253,14 +333,24 @@ def _task_eval_lines(run: RunDir) -> list[str]:
     if not scores:
         return []
     shots = record.get("shots")
-    names = {BASE_ZERO_SHOT: "base model, zero-shot", FINE_TUNED: "fine-tuned",
-             BASE_FEW_SHOT: f"base model, {shots} examples in the prompt" if shots else "base model, few-shot"}
-    order = [n for n in (BASE_ZERO_SHOT, BASE_FEW_SHOT, FINE_TUNED) if n in scores] \
-        + [n for n in scores if n not in names]
+    names = {
+        BASE_ZERO_SHOT: "base model, zero-shot",
+        FINE_TUNED: "fine-tuned",
+        BASE_FEW_SHOT: f"base model, {shots} examples in the prompt" if shots else "base model, few-shot",
+    }
+    order = [n for n in (BASE_ZERO_SHOT, BASE_FEW_SHOT, FINE_TUNED) if n in scores] + [
+        n for n in scores if n not in names
+    ]
     reason = f": {record['metric_reason']}" if record.get("metric_reason") else ""
-    lines = ["## Task evaluation", "",
-             f"{record.get('examples', '?')} held-out examples (never trained on), answered greedily; metric "
-             f"`{record.get('metric')}`{reason}.", "", f"| model | {record.get('metric')} |", "|---|---:|"]
+    lines = [
+        "## Task evaluation",
+        "",
+        f"{record.get('examples', '?')} held-out examples (never trained on), answered greedily; metric "
+        f"`{record.get('metric')}`{reason}.",
+        "",
+        f"| model | {record.get('metric')} |",
+        "|---|---:|",
+    ]
     lines += [f"| {names.get(n, n)} | {scores[n]:.1%} |" for n in order]
     return lines + ["", "The answers' scores are in `ftrun/task_eval.json`.", ""]
 
@@ -281,6 +371,7 @@ def _public_recipe(recipe) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------
 
+
 def publish_run(run_root: Path, to: Optional[str] = None, say: Callable[[str], None] = print) -> dict[str, Any]:
     """Push the run's verified outputs and the card to `to` (default: the recipe's publish.to); the record of it."""
     from huggingface_hub import get_token
@@ -289,23 +380,36 @@ def publish_run(run_root: Path, to: Optional[str] = None, say: Callable[[str], N
     recipe, report = _load(run)
     url = to or recipe.publish.to
     if not url:
-        raise UsageError(f"the recipe of {run.root} has no publish.to", fix="add publish: {to: hf://USER/REPO} to the "
-                         "recipe, or give the repo: `ftrun publish RUN --to hf://USER/REPO`.")
+        raise UsageError(
+            f"the recipe of {run.root} has no publish.to",
+            fix="add publish: {to: hf://USER/REPO} to the "
+            "recipe, or give the repo: `ftrun publish RUN --to hf://USER/REPO`.",
+        )
     repo = repo_of(url)
     outputs = verified_outputs(run, recipe, report, list(recipe.publish.what))
     if not get_token():
-        raise PublishError(f"publish.to={url} is a Hugging Face repo, but no Hugging Face token is set on this box: "
-                           "nothing was published",
-                           fix="run `hf auth login`, or set HF_TOKEN to a token with write access, then "
-                           f"`ftrun publish {run.root}`; never put it in the recipe.")
+        raise PublishError(
+            f"publish.to={url} is a Hugging Face repo, but no Hugging Face token is set on this box: "
+            "nothing was published",
+            fix="run `hf auth login`, or set HF_TOKEN to a token with write access, then "
+            f"`ftrun publish {run.root}`; never put it in the recipe.",
+        )
     files = layout(outputs)
     card = model_card(run, recipe, report, repo, outputs)
     with tempfile.TemporaryDirectory(prefix="ftrun-publish-") as tmp:  # never a stray file in final/
         return _push(run, recipe, repo, outputs, files, card, Path(tmp), say)
 
 
-def _push(run: RunDir, recipe, repo: str, outputs: dict[str, Path], files: list[tuple[Path, str]], card: str,
-          staging: Path, say: Callable[[str], None]) -> dict[str, Any]:
+def _push(
+    run: RunDir,
+    recipe,
+    repo: str,
+    outputs: dict[str, Path],
+    files: list[tuple[Path, str]],
+    card: str,
+    staging: Path,
+    say: Callable[[str], None],
+) -> dict[str, Any]:
     from huggingface_hub import CommitOperationAdd, HfApi
 
     (staging / "README.md").write_text(card)
@@ -329,14 +433,23 @@ def _push(run: RunDir, recipe, repo: str, outputs: dict[str, Path], files: list[
         info = api.create_commit(repo, operations, commit_message=f"ftrun: {', '.join(outputs)} of {run.root.name}")
     except Exception as exc:  # HfHubHTTPError, a lost connection: the run stays succeeded, the record says why
         first = (str(exc).strip().splitlines() or [""])[0][:300]
-        raise PublishError(f"the Hub refused or did not answer ({type(exc).__name__}: {first}); nothing was published "
-                           "(a commit is all or nothing)",
-                           fix=f"check the token's write access (`hf auth whoami`) and the network, then "
-                           f"`ftrun publish {run.root}`.") from exc
+        raise PublishError(
+            f"the Hub refused or did not answer ({type(exc).__name__}: {first}); nothing was published "
+            "(a commit is all or nothing)",
+            fix=f"check the token's write access (`hf auth whoami`) and the network, then `ftrun publish {run.root}`.",
+        ) from exc
     commit = getattr(info, "commit_url", None) if info is not None else None
-    record = {"state": "published", "repo": repo, "url": f"https://huggingface.co/{repo}", "what": list(outputs),
-              "files": len(operations), "bytes": size, "commit": commit, "private": recipe.publish.private,
-              "at": time.time()}
+    record = {
+        "state": "published",
+        "repo": repo,
+        "url": f"https://huggingface.co/{repo}",
+        "what": list(outputs),
+        "files": len(operations),
+        "bytes": size,
+        "commit": commit,
+        "private": recipe.publish.private,
+        "at": time.time(),
+    }
     say(f"published to https://huggingface.co/{repo}")
     return record
 
@@ -369,8 +482,11 @@ def publish_command(run: RunDir, to: Optional[str] = None) -> int:
             record = publish_run(run.root, to=to, say=print)
         except FtrunError as exc:
             if read_state(run).get("state"):
-                set_state(run, read_state(run)["state"],
-                          publish={"state": "failed", "reason": exc.message, "retry": f"ftrun publish {run.root}"})
+                set_state(
+                    run,
+                    read_state(run)["state"],
+                    publish={"state": "failed", "reason": exc.message, "retry": f"ftrun publish {run.root}"},
+                )
             raise
         set_state(run, read_state(run).get("state", "succeeded"), publish=record)
     finally:

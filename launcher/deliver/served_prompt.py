@@ -50,6 +50,7 @@ MAX_SHAPES = 24  # conversation shapes (sequences of roles) checked, the most fr
 # ---------------------------------------------------------------------------------------------
 # What the training saw
 
+
 def training_tokenizer(recipe, saved: Path):
     """(the worker's tokenizer, where it came from): the base model's, as the worker loads it; the run's saved
     copy when the base is not on this box (a Hub id not in the cache)."""
@@ -60,7 +61,9 @@ def training_tokenizer(recipe, saved: Path):
     except (OSError, ValueError):
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(saved)), f"the run's saved tokenizer ({saved}; {recipe.model} is not here)"
+        return AutoTokenizer.from_pretrained(
+            str(saved)
+        ), f"the run's saved tokenizer ({saved}; {recipe.model} is not here)"
 
 
 def _training_template(recipe, tokenizer) -> tuple[Optional[str], Optional[str]]:
@@ -103,16 +106,26 @@ class ServedPrompt:
             unread = f"the training data could not be read here ({type(exc).__name__}): shapes of eval.data only"
         self.tokenizer, tok_from = training_tokenizer(recipe, saved_tokenizer)
         self.chat = bool(raw) and all(data_formats.conversational(e) for e in raw)
-        self.report: dict[str, Any] = {"prompts_from": source, "prompts": min(n, len(raw)), "tokenizer": tok_from,
-                                       "checked": [], "runtimes": {}, "stops": {}, "ending": {}, "ok": True}
+        self.report: dict[str, Any] = {
+            "prompts_from": source,
+            "prompts": min(n, len(raw)),
+            "tokenizer": tok_from,
+            "checked": [],
+            "runtimes": {},
+            "stops": {},
+            "ending": {},
+            "ok": True,
+        }
         self.prompts: list[dict[str, Any]] = []
         self.end_ids: set[int] = set()
         self.kwargs: dict[str, Any] = {}  # the chat-template switches every runtime serves with
         if not self.chat:
             form = data_formats.example_form(raw[0]) if raw else "none"
-            self.report["not_applicable"] = (f"the data is {form.replace('_', '/')} without a chat template: training "
-                                             "rendered no chat prompt, so a chat endpoint's prompt has nothing to "
-                                             "match; serve it through /v1/completions with the raw prompt")
+            self.report["not_applicable"] = (
+                f"the data is {form.replace('_', '/')} without a chat template: training "
+                "rendered no chat prompt, so a chat endpoint's prompt has nothing to "
+                "match; serve it through /v1/completions with the raw prompt"
+            )
             return
         template, why = _training_template(recipe, self.tokenizer)
         if why:
@@ -134,8 +147,11 @@ class ServedPrompt:
                 # no answer to find in the sequence (a tool call, an answer the template rewrites): the template's
                 # own generation prompt stands in, as the training's prompt/completion split takes it
                 rewritten += last < len(conv)
-                entry["ids"] = list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
-                                                                       return_dict=True, **kw)["input_ids"])
+                entry["ids"] = list(
+                    self.tokenizer.apply_chat_template(
+                        prompt, add_generation_prompt=True, tokenize=True, return_dict=True, **kw
+                    )["input_ids"]
+                )
                 entry["reference"] = "the generation prompt (the answer is not in the training sequence verbatim)"
             else:
                 entry.update(ids=ctx["ids"], answer_first=ctx["next"], answer_first_merged=ctx["merged"])
@@ -144,7 +160,7 @@ class ServedPrompt:
             self.prompts.append(entry)
             if last >= len(conv) or kind != "held out":
                 continue
-            full = conv[:last + 1]
+            full = conv[: last + 1]
             text = self.tokenizer.apply_chat_template(full, tokenize=False, **kw)
             k = _end_of_turn(self.tokenizer, text, conv[last]["content"] or "")
             if k == -1:
@@ -152,26 +168,36 @@ class ServedPrompt:
             if k is None:
                 ends.append(None)
                 continue
-            seq = self.tokenizer.apply_chat_template(full, tokenize=True, return_dict=True,
-                                                     return_assistant_tokens_mask=bool(getattr(
-                                                         recipe, "assistant_only_loss", False)), **kw)
+            seq = self.tokenizer.apply_chat_template(
+                full,
+                tokenize=True,
+                return_dict=True,
+                return_assistant_tokens_mask=bool(getattr(recipe, "assistant_only_loss", False)),
+                **kw,
+            )
             ends.append(seq["input_ids"][k])
             if "assistant_masks" in seq and not seq["assistant_masks"][k]:
                 untrained += 1
         self.end_ids = {e for e in ends if e is not None}
         self.report["end_of_turn"] = {
-            "ids": sorted(self.end_ids), "tokens": [self.token(i) for i in sorted(self.end_ids)],
+            "ids": sorted(self.end_ids),
+            "tokens": [self.token(i) for i in sorted(self.end_ids)],
             "answers_followed_by_nothing": sum(e is None for e in ends),
-            "outside_the_loss": untrained, "answers_not_written_verbatim": rewritten,
+            "outside_the_loss": untrained,
+            "answers_not_written_verbatim": rewritten,
         }
-        self.report["reference"] = ("the tokens in front of the last answer in the training sequence (TRL renders a "
-                                    "conversation whole, with no generation prompt)")
+        self.report["reference"] = (
+            "the tokens in front of the last answer in the training sequence (TRL renders a "
+            "conversation whole, with no generation prompt)"
+        )
         self.report["answers_whose_first_token_holds_the_prompts_end"] = merged
         self.kwargs = self._switches()
         if self.kwargs:
             self.report["chat_template_kwargs"] = self.kwargs
 
-    def _choose(self, held: list[dict[str, Any]], trained: list[dict[str, Any]], n: int) -> list[tuple[dict[str, Any], str]]:
+    def _choose(
+        self, held: list[dict[str, Any]], trained: list[dict[str, Any]], n: int
+    ) -> list[tuple[dict[str, Any], str]]:
         """The first n held-out conversations, then one of every other shape in the data (held out and trained),
         the most frequent first, MAX_SHAPES shapes in all; the report says how many shapes there are."""
         from collections import Counter
@@ -192,8 +218,11 @@ class ServedPrompt:
             if sh not in seen:
                 seen.add(sh)
                 chosen.append((first[sh], "shape"))
-        self.report["shapes"] = {"found": len(shapes), "checked": len(seen),
-                                 "each": {sh: c for sh, c in shapes.most_common()}}
+        self.report["shapes"] = {
+            "found": len(shapes),
+            "checked": len(seen),
+            "each": {sh: c for sh, c in shapes.most_common()},
+        }
         return chosen
 
     def _switches(self) -> dict[str, Any]:
@@ -217,9 +246,14 @@ class ServedPrompt:
             return None
         i = next((k for k, (a, b) in enumerate(zip(trained, served)) if a != b), min(len(trained), len(served)))
         side = lambda ids: {"id": ids[i], "token": self.token(ids[i])} if i < len(ids) else None  # noqa: E731
-        return {"position": i, "trained_length": len(trained), "served_length": len(served),
-                "trained": side(trained), "served": side(served),
-                "context": self._text(trained[max(0, i - CONTEXT_TOKENS):i])}
+        return {
+            "position": i,
+            "trained_length": len(trained),
+            "served_length": len(served),
+            "trained": side(trained),
+            "served": side(served),
+            "context": self._text(trained[max(0, i - CONTEXT_TOKENS) : i]),
+        }
 
     def _wanted(self, d: dict[str, Any], prompt: dict[str, Any]) -> str:
         """What training had at the first difference, in words."""
@@ -231,28 +265,36 @@ class ServedPrompt:
         held = " (it begins with the end of the served prompt)" if prompt.get("answer_first_merged") else ""
         return f"the answer, whose first token was {nxt} {self.token(nxt)!r}{held}"
 
-    def compare(self, key: str, runtime: str, served: list[list[int]], fix: Optional[str] = None,
-                **extra: Any) -> dict[str, Any]:
+    def compare(
+        self, key: str, runtime: str, served: list[list[int]], fix: Optional[str] = None, **extra: Any
+    ) -> dict[str, Any]:
         """Record one runtime's token ids for every prompt; a difference fails the export (`fix`: what to do)."""
         diffs = [self.difference(p["ids"], s) for p, s in zip(self.prompts, served)]
         same = sum(d is None for d in diffs)
         first = next(((n, d) for n, d in enumerate(diffs) if d is not None), None)
-        entry = {"runtime": runtime, "identical": f"{same}/{len(diffs)}", "ok": first is None,
-                 "first_difference": dict(first[1], prompt=first[0]) if first else None, **extra}
+        entry = {
+            "runtime": runtime,
+            "identical": f"{same}/{len(diffs)}",
+            "ok": first is None,
+            "first_difference": dict(first[1], prompt=first[0]) if first else None,
+            **extra,
+        }
         self.report["runtimes"][key] = entry
         if first is not None:
             self.report["ok"] = False
             d = first[1]
-            got = (f"{d['served']['id']} {d['served']['token']!r}" if d["served"] else "the end of the prompt")
+            got = f"{d['served']['id']} {d['served']['token']!r}" if d["served"] else "the end of the prompt"
             p = self.prompts[first[0]]
             raise ExportError(
                 f"{runtime} serves another prompt than the training saw (prompt {first[0] + 1} of {len(diffs)}, "
                 f"{p['from']}, roles {p['shape']}): at token {d['position']} it has {got} where training had "
                 f"{self._wanted(d, p)}, after {d['context']!r}; identical {entry['identical']}"
                 + (f" (served with {json.dumps(self.kwargs)})" if self.kwargs else ""),
-                fix=fix or "do not serve this output as it is: the model would answer a prompt it was never trained "
+                fix=fix
+                or "do not serve this output as it is: the model would answer a prompt it was never trained "
                 "on. The template or tokenizer that runtime reads is not the one training used (see "
-                "final/export.json served_prompt); re-export from the run, and report it if it repeats.")
+                "final/export.json served_prompt); re-export from the run, and report it if it repeats.",
+            )
         return entry
 
     def checked(self, name: str) -> None:
@@ -273,14 +315,18 @@ class ServedPrompt:
         self.report["stops"][key] = entry
         if not self.end_ids:
             self.report["ok"] = False
-            raise ExportError("the training taught no token to end a turn: in the training sequence nothing follows "
-                              "the assistant's answer, so a served model does not know when to stop",
-                              fix="use a chat template that closes the assistant turn with an end-of-turn token "
-                              "(Qwen's <|im_end|>, Llama 3's <|eot_id|>), then train again.")
+            raise ExportError(
+                "the training taught no token to end a turn: in the training sequence nothing follows "
+                "the assistant's answer, so a served model does not know when to stop",
+                fix="use a chat template that closes the assistant turn with an end-of-turn token "
+                "(Qwen's <|im_end|>, Llama 3's <|eot_id|>), then train again.",
+            )
         if missing:
             self.report["ok"] = False
             names = ", ".join(f"{i} {self.token(i)!r}" for i in missing)
-            raise ExportError(f"{runtime} does not stop on the token the training taught to end a turn ({names})", fix=fix)
+            raise ExportError(
+                f"{runtime} does not stop on the token the training taught to end a turn ({names})", fix=fix
+            )
         return entry
 
     @staticmethod
@@ -299,14 +345,19 @@ class ServedPrompt:
             first = next((t for t in cont if t in self.end_ids or t in stop_ids), None)
             ended += int(first is not None and first in self.end_ids)
             other += int(first is not None and first not in self.end_ids)
-        entry = {"ended_with_end_of_turn": f"{ended}/{len(outs)}", "share": round(ended / max(len(outs), 1), 4),
-                 "ended_with_another_stop": other, "tokens_run": [len(o.get("continuation") or []) for o in outs]}
+        entry = {
+            "ended_with_end_of_turn": f"{ended}/{len(outs)}",
+            "share": round(ended / max(len(outs), 1), 4),
+            "ended_with_another_stop": other,
+            "tokens_run": [len(o.get("continuation") or []) for o in outs],
+        }
         self.report["ending"][key] = entry
         return entry
 
 
 # ---------------------------------------------------------------------------------------------
 # The Modelfile, as Ollama reads it
+
 
 def modelfile_parts(text: str) -> tuple[Optional[str], list[str]]:
     """(TEMPLATE, PARAMETER stop values) of a Modelfile as serving.py writes it (a triple-quoted TEMPLATE, stop
@@ -317,6 +368,6 @@ def modelfile_parts(text: str) -> tuple[Optional[str], list[str]]:
     stops = []
     for line in text.splitlines():
         if line.startswith("PARAMETER stop "):
-            value = line[len("PARAMETER stop "):].strip()
+            value = line[len("PARAMETER stop ") :].strip()
             stops.append(json.loads(value) if value.startswith('"') else value)
     return template, stops

@@ -1,4 +1,5 @@
-"""The serving commands for an exported run: SERVING.md (vLLM with the adapter or the merged model, curl, Ollama) and the Ollama Modelfile."""
+"""The serving commands for an exported run: SERVING.md (vLLM with the adapter or the merged model, curl, Ollama) and
+the Ollama Modelfile."""
 
 from __future__ import annotations
 
@@ -30,9 +31,17 @@ def template_switches(report: dict[str, Any]) -> dict[str, Any]:
     return dict((report.get("served_prompt") or {}).get("chat_template_kwargs") or {})
 
 
-def vllm_command(model: str, *, lora_module: Optional[str] = None, lora_rank: Optional[int] = None,
-                 name: Optional[str] = None, max_model_len: Optional[int] = None, quote: bool = True,
-                 breaks: bool = False, switches: Optional[dict[str, Any]] = None) -> str:
+def vllm_command(
+    model: str,
+    *,
+    lora_module: Optional[str] = None,
+    lora_rank: Optional[int] = None,
+    name: Optional[str] = None,
+    max_model_len: Optional[int] = None,
+    quote: bool = True,
+    breaks: bool = False,
+    switches: Optional[dict[str, Any]] = None,
+) -> str:
     """The one spelling of vLLM's serve command (SERVING.md, the end-of-run summary, the model card): `model`, or the
     base model with a LoRA adapter (`lora_module` NAME=PATH of rank `lora_rank`); `switches`: the chat-template
     kwargs every request is rendered with (vLLM 0.34 `--default-chat-template-kwargs`,
@@ -40,14 +49,18 @@ def vllm_command(model: str, *, lora_module: Optional[str] = None, lora_rank: Op
     shell-quoted; `breaks`: each option on a line of its own."""
     words = [["vllm", "serve", model]]
     if lora_module is not None:
-        words += [["--enable-lora"], ["--lora-modules", lora_module],
-                  ["--max-lora-rank", str(vllm_lora_rank(lora_rank))]]
+        words += [
+            ["--enable-lora"],
+            ["--lora-modules", lora_module],
+            ["--max-lora-rank", str(vllm_lora_rank(lora_rank))],
+        ]
     if name is not None:
         words += [["--served-model-name", name]]
     if max_model_len is not None:
         words += [["--max-model-len", str(max_model_len)]]
-    text = (" \\\n  " if breaks else " ").join(" ".join(shlex.quote(w) if quote else w for w in option)
-                                               for option in words)
+    text = (" \\\n  " if breaks else " ").join(
+        " ".join(shlex.quote(w) if quote else w for w in option) for option in words
+    )
     if switches:  # JSON: quoted for the shell even where the rest is shown as written
         text += (" \\\n  " if breaks else " ") + "--default-chat-template-kwargs " + shlex.quote(json.dumps(switches))
     return text
@@ -55,6 +68,7 @@ def vllm_command(model: str, *, lora_module: Optional[str] = None, lora_rank: Op
 
 # ---------------------------------------------------------------------------------------------
 # The chat template as an Ollama (Go) template: derived from the Jinja one, then checked against it
+
 
 def _render(tokenizer, messages: list[dict[str, str]], gen: bool) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
@@ -83,15 +97,22 @@ def derive_pieces(tokenizer) -> Optional[dict[str, str]]:
         u_post = between[: len(between) - len(u_pre)] if u_pre else between
         if not after_u.startswith(u_post):
             return None
-        gen = after_u[len(u_post):]
+        gen = after_u[len(u_post) :]
         a_pre, a_post = with_asst.split(u)[1].split(a)
         if not a_pre.startswith(u_post):
             return None
-        a_pre = a_pre[len(u_post):]
+        a_pre = a_pre[len(u_post) :]
     except ValueError:  # a sentinel missing or repeated: the template rewrites content
         return None
-    return {"system_pre": s_pre, "system_post": s_post, "user_pre": u_pre, "user_post": u_post,
-            "assistant_pre": a_pre, "assistant_post": a_post, "generation": gen}
+    return {
+        "system_pre": s_pre,
+        "system_post": s_post,
+        "user_pre": u_pre,
+        "user_post": u_post,
+        "assistant_pre": a_pre,
+        "assistant_post": a_post,
+        "generation": gen,
+    }
 
 
 def render_pieces(pieces: dict[str, str], messages: list[dict[str, str]]) -> str:
@@ -105,14 +126,24 @@ def go_template(pieces: dict[str, str]) -> str:
     def branch(role: str) -> str:
         return f'eq .Role "{role}" }}}}{pieces[role + "_pre"]}{{{{ .Content }}}}{pieces[role + "_post"]}'
 
-    return ("{{ range .Messages }}{{ if " + branch("system") + "{{ else if " + branch("user")
-            + "{{ else if " + branch("assistant") + "{{ end }}{{ end }}" + pieces["generation"])
+    return (
+        "{{ range .Messages }}{{ if "
+        + branch("system")
+        + "{{ else if "
+        + branch("user")
+        + "{{ else if "
+        + branch("assistant")
+        + "{{ end }}{{ end }}"
+        + pieces["generation"]
+    )
 
 
 def template_features(template: str) -> dict[str, bool]:
     """Whether a Jinja chat template takes tools and has a thinking mode (as Qwen3 and Llama 3.1's do)."""
-    return {"tools": bool(re.search(r"\btools\b", template)),
-            "thinking": any(k in template for k in ("enable_thinking", "<think>", "reasoning_content"))}
+    return {
+        "tools": bool(re.search(r"\btools\b", template)),
+        "thinking": any(k in template for k in ("enable_thinking", "<think>", "reasoning_content")),
+    }
 
 
 def stop_tokens(tokenizer, eos_ids: set[int], pieces: Optional[dict[str, str]]) -> list[str]:
@@ -132,8 +163,9 @@ def _prompt_of(conv: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return conv[:last] or conv[:1]
 
 
-def ollama_default(tokenizer, written: Optional[str], conversations: list[list[dict[str, Any]]],
-                   architecture: Optional[str] = None) -> dict[str, Any]:
+def ollama_default(
+    tokenizer, written: Optional[str], conversations: list[list[dict[str, Any]]], architecture: Optional[str] = None
+) -> dict[str, Any]:
     """How Ollama, as installed (OLLAMA_GO_TEMPLATE unset), renders these conversations' prompts for a model made
     from the GGUF (whose template is the tokenizer's) and a Modelfile with the TEMPLATE `written`
     (ollama_template.choose), and, when a Go template renders them otherwise than the model's own template, the
@@ -166,17 +198,26 @@ def ollama_default(tokenizer, written: Optional[str], conversations: list[list[d
 def _ollama_comment(default: dict[str, Any]) -> list[str]:
     """The Modelfile's comment on the template Ollama renders without a TEMPLATE line."""
     if default.get("serve_with"):
-        return [f"# Ollama {default['ollama']} would render {default['template_from']}, which writes some prompts "
-                "otherwise than the model's", "# own template (roles " + "; ".join(default["differs_for"]) + "). "
-                "Start `ollama serve` with OLLAMA_GO_TEMPLATE=0 (SERVING.md): it then renders the", "# GGUF's own "
-                "chat template through llama-server, the messages one to one."]
+        return [
+            f"# Ollama {default['ollama']} would render {default['template_from']}, which writes some prompts "
+            "otherwise than the model's",
+            "# own template (roles " + "; ".join(default["differs_for"]) + "). "
+            "Start `ollama serve` with OLLAMA_GO_TEMPLATE=0 (SERVING.md): it then renders the",
+            "# GGUF's own chat template through llama-server, the messages one to one.",
+        ]
     if default["path"] == "native":
         return ["# Ollama renders the GGUF's own chat template (tokenizer.chat_template) through llama-server."]
     return [f"# Which template Ollama renders here is not modelled by ftrun: {default['why']}."]
 
 
-def modelfile(gguf_name: str, tokenizer, conversations: list[list[dict[str, str]]], num_ctx: int,
-              eos_ids: Optional[set[int]] = None, architecture: Optional[str] = None) -> dict[str, Any]:
+def modelfile(
+    gguf_name: str,
+    tokenizer,
+    conversations: list[list[dict[str, str]]],
+    num_ctx: int,
+    eos_ids: Optional[set[int]] = None,
+    architecture: Optional[str] = None,
+) -> dict[str, Any]:
     """The Modelfile text, and whether its template reproduces the Jinja template on the parity prompts.
 
     A template that is uniform per role becomes an Ollama TEMPLATE, checked to render the prompts exactly as the
@@ -206,11 +247,17 @@ def modelfile(gguf_name: str, tokenizer, conversations: list[list[dict[str, str]
         if same == len(conversations) and '"""' not in go_template(pieces):
             written = go_template(pieces)
         else:
-            check["note"] = ("the derived template renders some conversations otherwise than the Jinja one (roles "
-                             + "; ".join(check.get("differs_for", [])[:3]) + "): Ollama merges consecutive messages "
-                             "of one role before a Go template renders them, so no TEMPLATE is written")
-            lines.insert(1, "# No TEMPLATE here: Ollama merges consecutive messages of one role before any Go "
-                         "template renders them, so none renders every conversation of the data as the model's own.")
+            check["note"] = (
+                "the derived template renders some conversations otherwise than the Jinja one (roles "
+                + "; ".join(check.get("differs_for", [])[:3])
+                + "): Ollama merges consecutive messages "
+                "of one role before a Go template renders them, so no TEMPLATE is written"
+            )
+            lines.insert(
+                1,
+                "# No TEMPLATE here: Ollama merges consecutive messages of one role before any Go "
+                "template renders them, so none renders every conversation of the data as the model's own.",
+            )
     elif features["tools"] or features["thinking"]:
         has = " and ".join(k for k in ("tools", "thinking") if features[k])
         lines.insert(1, f"# The chat template has {has}: no TEMPLATE here, a per-role one would drop them.")
@@ -230,35 +277,53 @@ def modelfile(gguf_name: str, tokenizer, conversations: list[list[dict[str, str]
 # ---------------------------------------------------------------------------------------------
 # SERVING.md
 
+
 def _go_template_off(default: dict[str, Any]) -> list[str]:
     """SERVING.md's lines that start Ollama with the setting its served prompt needs (ollama_default serve_with):
     envconfig.GoTemplate is read by `ollama serve`, not by `ollama create` or `ollama run`."""
     env = default.get("serve_with")
     if not env:
         return []
-    (key, value), = env.items()
-    return [f"**Start Ollama with `{key}={value}`.** For this GGUF Ollama {default['ollama']} stores "
-            f"{default['template_from']}; rendered as Ollama renders a Go template (consecutive messages of one role "
-            "merged), it writes some of the checked prompts otherwise than training did (roles "
-            + "; ".join(default["differs_for"]) + "). With the setting, the server renders the GGUF's own template "
-            "through llama-server, one message per turn, the prompt llama-server's check compared token for token "
-            "(export.json served_prompt.runtimes.ollama). It applies to every model that server serves, and a "
-            "Modelfile TEMPLATE is then ignored.", "", "```",
-            f"{key}={value} ollama serve",
-            "# or, for Ollama as a systemd service (the Linux installer's):",
-            f'sudo systemctl edit ollama.service   # add under [Service]: Environment="{key}={value}"',
-            "sudo systemctl restart ollama", "```", ""]
+    ((key, value),) = env.items()
+    return [
+        f"**Start Ollama with `{key}={value}`.** For this GGUF Ollama {default['ollama']} stores "
+        f"{default['template_from']}; rendered as Ollama renders a Go template (consecutive messages of one role "
+        "merged), it writes some of the checked prompts otherwise than training did (roles "
+        + "; ".join(default["differs_for"])
+        + "). With the setting, the server renders the GGUF's own template "
+        "through llama-server, one message per turn, the prompt llama-server's check compared token for token "
+        "(export.json served_prompt.runtimes.ollama). It applies to every model that server serves, and a "
+        "Modelfile TEMPLATE is then ignored.",
+        "",
+        "```",
+        f"{key}={value} ollama serve",
+        "# or, for Ollama as a systemd service (the Linux installer's):",
+        f'sudo systemctl edit ollama.service   # add under [Service]: Environment="{key}={value}"',
+        "sudo systemctl restart ollama",
+        "```",
+        "",
+    ]
 
 
 def _curl(name: str, content: str, port: int = 8000) -> str:
-    body = json.dumps({"model": name, "messages": [{"role": "user", "content": content}],
-                       "max_tokens": 256, "temperature": 0}, ensure_ascii=False)
-    return (f"curl -s http://localhost:{port}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-            f"  -d {shlex.quote(body)}")
+    body = json.dumps(
+        {"model": name, "messages": [{"role": "user", "content": content}], "max_tokens": 256, "temperature": 0},
+        ensure_ascii=False,
+    )
+    return (
+        f"curl -s http://localhost:{port}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+        f"  -d {shlex.quote(body)}"
+    )
 
 
-def render(run, recipe, report: dict[str, Any], tokenizer, eos_ids: Optional[set[int]] = None,
-           prompts: Optional[list[list[dict[str, Any]]]] = None) -> tuple[str, Optional[dict[str, Any]]]:
+def render(
+    run,
+    recipe,
+    report: dict[str, Any],
+    tokenizer,
+    eos_ids: Optional[set[int]] = None,
+    prompts: Optional[list[list[dict[str, Any]]]] = None,
+) -> tuple[str, Optional[dict[str, Any]]]:
     """(SERVING.md text, Modelfile or None) for what export produced; eos_ids: the model's end tokens; `prompts`:
     the conversations an Ollama template must render as the model's own does (the served-prompt checks' prompts,
     one of each shape in the data), else the data's first three."""
@@ -270,87 +335,175 @@ def render(run, recipe, report: dict[str, Any], tokenizer, eos_ids: Optional[set
     question = next((m["content"] for m in convs[0] if m["role"] == "user"), "Hello") if convs else "Hello"
     q = shlex.quote
     switches = template_switches(report)
-    parts = [f"# Serving {name}", "",
-             f"Written by `ftrun export` for the run in `{run.root}` ({recipe.method} of `{recipe.model}`).",
-             # the prompts' source as export.json records it: "held out (eval.fraction)", or the training data
-             f"Every output below was reloaded and compared with its reference on the prompts export.json names "
-             f"({report.get('parity_prompts_from') or 'the data'}); the numbers are there.", ""]
+    parts = [
+        f"# Serving {name}",
+        "",
+        f"Written by `ftrun export` for the run in `{run.root}` ({recipe.method} of `{recipe.model}`).",
+        # the prompts' source as export.json records it: "held out (eval.fraction)", or the training data
+        f"Every output below was reloaded and compared with its reference on the prompts export.json names "
+        f"({report.get('parity_prompts_from') or 'the data'}); the numbers are there.",
+        "",
+    ]
     if switches:
         think = switches.get("enable_thinking")
-        parts += [f"**Serve with the chat-template switch `{json.dumps(switches)}`.** The model's chat template "
-                  "writes what training put in front of every answer only with it"
-                  + (" (an empty think block: the answers trained have no reasoning)" if think is False else "")
-                  + "; without it the served prompt differs from the trained one (export.json served_prompt). "
-                  "The commands below pass it: vLLM `--default-chat-template-kwargs`, llama-server "
-                  "`--chat-template-kwargs`"
-                  + (", Ollama `--think=false` (API: `\"think\": false`)" if think is False else "")
-                  + "; a request's own `chat_template_kwargs` overrides the server's.", ""]
+        parts += [
+            f"**Serve with the chat-template switch `{json.dumps(switches)}`.** The model's chat template "
+            "writes what training put in front of every answer only with it"
+            + (" (an empty think block: the answers trained have no reasoning)" if think is False else "")
+            + "; without it the served prompt differs from the trained one (export.json served_prompt). "
+            "The commands below pass it: vLLM `--default-chat-template-kwargs`, llama-server "
+            "`--chat-template-kwargs`"
+            + (', Ollama `--think=false` (API: `"think": false`)' if think is False else "")
+            + "; a request's own `chat_template_kwargs` overrides the server's.",
+            "",
+        ]
     rows = []
     for key in ("adapter", "model", "merged", "gguf"):
         if key in outputs:
             o = outputs[key]
             par = o.get("parity_vs_merged") or o.get("parity_vs_base_plus_adapter") or o.get("parity_vs_full_model")
-            check = (f"top-1 agreement {par['top1_agreement']:.4f}, greedy identical {par['greedy_identical']}" if par
-                     else "reloads; changes the base model's output" if key == "adapter" else "as the trainer saved it")
+            check = (
+                f"top-1 agreement {par['top1_agreement']:.4f}, greedy identical {par['greedy_identical']}"
+                if par
+                else "reloads; changes the base model's output"
+                if key == "adapter"
+                else "as the trainer saved it"
+            )
             rows.append(f"| {key} | `{o['path']}` | {o['size']} | {check} |")
     parts += ["| output | path | size | check |", "|---|---|---|---|", *rows, ""]
 
     if "adapter" in outputs:
         rank = outputs["adapter"]["rank"]
-        parts += ["## vLLM: the base model with the adapter", "",
-                  "The adapter is small; vLLM loads the base model once and applies the adapter per request "
-                  "(the model name `" + name + "` selects it, the base id the plain model).", "", "```",
-                  vllm_command(recipe.model, lora_module=name + "=" + outputs["adapter"]["path"], lora_rank=rank,
-                               max_model_len=recipe.max_length, breaks=True, switches=switches), "```", ""]
+        parts += [
+            "## vLLM: the base model with the adapter",
+            "",
+            "The adapter is small; vLLM loads the base model once and applies the adapter per request "
+            "(the model name `" + name + "` selects it, the base id the plain model).",
+            "",
+            "```",
+            vllm_command(
+                recipe.model,
+                lora_module=name + "=" + outputs["adapter"]["path"],
+                lora_rank=rank,
+                max_model_len=recipe.max_length,
+                breaks=True,
+                switches=switches,
+            ),
+            "```",
+            "",
+        ]
         if is_quantized(recipe.method):
-            parts += ["The adapter was trained against the 4-bit base; served on the 16-bit base it behaves like "
-                      "the merged model below (the standard QLoRA deployment).", ""]
+            parts += [
+                "The adapter was trained against the 4-bit base; served on the 16-bit base it behaves like "
+                "the merged model below (the standard QLoRA deployment).",
+                "",
+            ]
         parts += ["```", _curl(name, question), "```", ""]
     if "merged" in outputs or "model" in outputs:
         mpath = outputs["merged" if "merged" in outputs else "model"]["path"]
-        parts += ["## vLLM: the " + ("merged 16-bit" if "merged" in outputs else "fully fine-tuned") + " model", "",
-                  "No adapter at run time; add `--tensor-parallel-size N` for a model larger than one GPU.", "", "```",
-                  vllm_command(mpath, name=name, max_model_len=recipe.max_length, breaks=True, switches=switches),
-                  "```", "", "```", _curl(name, question), "```", ""]
+        parts += [
+            "## vLLM: the " + ("merged 16-bit" if "merged" in outputs else "fully fine-tuned") + " model",
+            "",
+            "No adapter at run time; add `--tensor-parallel-size N` for a model larger than one GPU.",
+            "",
+            "```",
+            vllm_command(mpath, name=name, max_model_len=recipe.max_length, breaks=True, switches=switches),
+            "```",
+            "",
+            "```",
+            _curl(name, question),
+            "```",
+            "",
+        ]
     mf = None
     if "gguf" in outputs:
         g = outputs["gguf"]
         gname = Path(g["path"]).name
-        mf = modelfile(gname, tokenizer, prompts or convs, recipe.max_length, eos_ids=eos_ids,
-                       architecture=g.get("architecture"))
+        mf = modelfile(
+            gname, tokenizer, prompts or convs, recipe.max_length, eos_ids=eos_ids, architecture=g.get("architecture")
+        )
         gdir = Path(g["path"]).parent
         feats = mf["check"]
         par = g.get("parity_vs_merged") or {}
-        parts += ["## Ollama: the GGUF", "",
-                  f"`{gdir / 'Modelfile'}` points at `{gname}` ({g['type']}, {g['size']}, made by llama.cpp's converter "
-                  "and quantizer and read back in llama.cpp: " + (f"top-1 agreement {par['top1_agreement']:.4f} and "
-                  f"perplexity {par['perplexity_rel_diff']:+.2%} against the merged model" if par.get("perplexity_rel_diff")
-                  is not None else "see export.json") + ") and "
-                  + ("carries the chat template as an Ollama template, checked to render the parity prompts exactly as "
-                     "the model's own template" if 'TEMPLATE """' in mf["text"] else
-                     "has no TEMPLATE line (" + feats["ollama"]["why"] + ")")
-                  + (f", with the stop tokens {', '.join(f'`{x}`' for x in feats['stop'])}" if feats["stop"] else "")
-                  + ".", "", *_go_template_off(feats["ollama"]), "```",
-                  f"cd {q(str(gdir))}", f"ollama create {q(name)} -f Modelfile",
-                  f"ollama run {q(name)}" + (" --think=false" if switches.get("enable_thinking") is False else "")
-                  + f" {q(question)}", "```", ""]
+        parts += [
+            "## Ollama: the GGUF",
+            "",
+            f"`{gdir / 'Modelfile'}` points at `{gname}` ({g['type']}, {g['size']}, made by llama.cpp's converter "
+            "and quantizer and read back in llama.cpp: "
+            + (
+                f"top-1 agreement {par['top1_agreement']:.4f} and "
+                f"perplexity {par['perplexity_rel_diff']:+.2%} against the merged model"
+                if par.get("perplexity_rel_diff") is not None
+                else "see export.json"
+            )
+            + ") and "
+            + (
+                "carries the chat template as an Ollama template, checked to render the parity prompts exactly as "
+                "the model's own template"
+                if 'TEMPLATE """' in mf["text"]
+                else "has no TEMPLATE line (" + feats["ollama"]["why"] + ")"
+            )
+            + (f", with the stop tokens {', '.join(f'`{x}`' for x in feats['stop'])}" if feats["stop"] else "")
+            + ".",
+            "",
+            *_go_template_off(feats["ollama"]),
+            "```",
+            f"cd {q(str(gdir))}",
+            f"ollama create {q(name)} -f Modelfile",
+            f"ollama run {q(name)}"
+            + (" --think=false" if switches.get("enable_thinking") is False else "")
+            + f" {q(question)}",
+            "```",
+            "",
+        ]
         if feats.get("tools") or feats.get("thinking"):
-            parts += ["The template has " + " and ".join(k for k in ("tools", "thinking") if feats.get(k))
-                      + ": Ollama 0.30.0 or newer renders the GGUF's own template with them when no Go template of "
-                      "its own is closer to it than its rule allows (export.json says which it chose); "
-                      "`ollama show " + name + " --template` shows the Go template Ollama stored, if any"
-                      + ("; `ollama run " + name + " --think=false` answers without the thinking part"
-                         if feats.get("thinking") else "") + ".", ""]
-        parts += ["Ollama's OpenAI-compatible API:", "", "```",
-                  _curl(name, question, port=11434), "```", "", "```", mf["text"].rstrip(), "```", "",
-                  "llama.cpp directly: `llama-server -m " + q(str(g["path"])) + f" -c {recipe.max_length} --jinja"
-                  + (f" --chat-template-kwargs {q(json.dumps(switches))}" if switches else "") + "`", ""]
+            parts += [
+                "The template has "
+                + " and ".join(k for k in ("tools", "thinking") if feats.get(k))
+                + ": Ollama 0.30.0 or newer renders the GGUF's own template with them when no Go template of "
+                "its own is closer to it than its rule allows (export.json says which it chose); "
+                "`ollama show "
+                + name
+                + " --template` shows the Go template Ollama stored, if any"
+                + (
+                    "; `ollama run " + name + " --think=false` answers without the thinking part"
+                    if feats.get("thinking")
+                    else ""
+                )
+                + ".",
+                "",
+            ]
+        parts += [
+            "Ollama's OpenAI-compatible API:",
+            "",
+            "```",
+            _curl(name, question, port=11434),
+            "```",
+            "",
+            "```",
+            mf["text"].rstrip(),
+            "```",
+            "",
+            "llama.cpp directly: `llama-server -m "
+            + q(str(g["path"]))
+            + f" -c {recipe.max_length} --jinja"
+            + (f" --chat-template-kwargs {q(json.dumps(switches))}" if switches else "")
+            + "`",
+            "",
+        ]
     if "merged" in outputs:
         mdir = outputs["merged"]["path"]
-        parts += ["## Ollama: from the merged folder", "",
-                  "Ollama can also convert and quantize the merged safetensors itself (its own converter, which "
-                  "ftrun's checks do not cover; it knows fewer architectures than llama.cpp's):", "", "```",
-                  f"printf 'FROM %s\\n' {q(str(mdir))} > Modelfile.merged",
-                  f"ollama create {q(name + '-ollama')} -q q4_K_M -f Modelfile.merged",
-                  f"ollama run {q(name + '-ollama')} {q(question)}", "```", ""]
+        parts += [
+            "## Ollama: from the merged folder",
+            "",
+            "Ollama can also convert and quantize the merged safetensors itself (its own converter, which "
+            "ftrun's checks do not cover; it knows fewer architectures than llama.cpp's):",
+            "",
+            "```",
+            f"printf 'FROM %s\\n' {q(str(mdir))} > Modelfile.merged",
+            f"ollama create {q(name + '-ollama')} -q q4_K_M -f Modelfile.merged",
+            f"ollama run {q(name + '-ollama')} {q(question)}",
+            "```",
+            "",
+        ]
     return "\n".join(parts), mf

@@ -23,8 +23,14 @@ def _box_rows(job: Job, forced: str, unsloth_ok: bool, workday_hours: float) -> 
     for name, entry in catalog().items():
         for count in BOX_SIZES:
             hw = catalog_box(name, count)
-            c = choose(job, hw, forced="auto" if forced == "auto" else forced, unsloth_ok=unsloth_ok,
-                       workday_hours=workday_hours, in_hand=False)
+            c = choose(
+                job,
+                hw,
+                forced="auto" if forced == "auto" else forced,
+                unsloth_ok=unsloth_ok,
+                workday_hours=workday_hours,
+                in_hand=False,
+            )
             if not c.fits:
                 continue
             # CPU offload whose RAM the catalog's box (2 x its GPU memory assumed) does not hold: not offered, so
@@ -35,16 +41,18 @@ def _box_rows(job: Job, forced: str, unsloth_ok: bool, workday_hours: float) -> 
             if count > 1 and c.processes == 1:
                 continue
             price = entry.price_per_hour_eur * count if entry.price_per_hour_eur is not None else None
-            rows.append({
-                "gpus": f"{count}x{name}",
-                "engine": c.engine,
-                "per_gpu_gb": round(c.estimate.peak_gb, 1),
-                "card_gb": round(entry.memory_gb, 1),
-                "tokens_per_second": round(c.tokens_per_second),
-                "hours": round(c.hours, 2) if c.hours is not None else None,
-                "cost_eur": round(c.hours * price, 2) if c.hours is not None and price is not None else None,
-                "price_per_hour_eur": round(price, 2) if price is not None else None,
-            })
+            rows.append(
+                {
+                    "gpus": f"{count}x{name}",
+                    "engine": c.engine,
+                    "per_gpu_gb": round(c.estimate.peak_gb, 1),
+                    "card_gb": round(entry.memory_gb, 1),
+                    "tokens_per_second": round(c.tokens_per_second),
+                    "hours": round(c.hours, 2) if c.hours is not None else None,
+                    "cost_eur": round(c.hours * price, 2) if c.hours is not None and price is not None else None,
+                    "price_per_hour_eur": round(price, 2) if price is not None else None,
+                }
+            )
     return rows
 
 
@@ -61,7 +69,7 @@ def _pick_alternatives(rows: list[dict[str, Any]], limit: int = 6) -> list[dict[
     by_cost = sorted(rows, key=_by_cost)
     by_time = sorted(rows, key=lambda r: (r["hours"] if r["hours"] is not None else math.inf, _by_cost(r)))
     picked: list[dict[str, Any]] = []
-    for r in by_cost[: limit - 2] + (by_time[:2] if rows[0]["hours"] is not None else by_cost[limit - 2: limit]):
+    for r in by_cost[: limit - 2] + (by_time[:2] if rows[0]["hours"] is not None else by_cost[limit - 2 : limit]):
         if r not in picked:
             picked.append(r)
     return sorted(picked, key=_by_cost)[:limit]
@@ -73,8 +81,16 @@ def cheapest_rental(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     return min(priced, key=_by_cost) if priced else None
 
 
-def _fixes_here(job: Job, hw: Hardware, forced: str, unsloth_ok: bool, workday_hours: float,
-                offload: str = "auto", processes: int | None = None, nnodes: int = 1) -> list[str]:
+def _fixes_here(
+    job: Job,
+    hw: Hardware,
+    forced: str,
+    unsloth_ok: bool,
+    workday_hours: float,
+    offload: str = "auto",
+    processes: int | None = None,
+    nnodes: int = 1,
+) -> list[str]:
     """Recipe changes that would make the job fit this box, each checked with the same rules and the recipe's
     other settings (num_processes included): a change is offered only when it fits as the recipe would run it."""
     tries: list[tuple[str, Job]] = []
@@ -89,8 +105,12 @@ def _fixes_here(job: Job, hw: Hardware, forced: str, unsloth_ok: bool, workday_h
         tries.append(("method=qlora (train adapters on a 4-bit base instead)", replace(job, method="qlora")))
     if job.micro_batch > 1:
         acc = job.accumulation * job.micro_batch
-        tries.append((f"micro_batch_size=1 gradient_accumulation_steps={acc} (same effective batch)",
-                      replace(job, micro_batch=1, accumulation=acc)))
+        tries.append(
+            (
+                f"micro_batch_size=1 gradient_accumulation_steps={acc} (same effective batch)",
+                replace(job, micro_batch=1, accumulation=acc),
+            )
+        )
     if not job.gradient_checkpointing:
         tries.append(("gradient_checkpointing=true", replace(job, gradient_checkpointing=True)))
     out = []
@@ -110,15 +130,26 @@ def _missing_message(job: Job, c: Choice) -> str:
     return f"{job.method} of {job.arch.name} needs software this machine lacks: {c.refusal}"
 
 
-def _setting_fixes(job: Job, hw: Hardware, forced: str, unsloth_ok: bool, workday_hours: float, offload: str,
-                   processes: int | None, nnodes: int) -> list[str]:
+def _setting_fixes(
+    job: Job,
+    hw: Hardware,
+    forced: str,
+    unsloth_ok: bool,
+    workday_hours: float,
+    offload: str,
+    processes: int | None,
+    nnodes: int,
+) -> list[str]:
     """The recipe's settings that pin the plan's choice (engine, offload, num_processes), changed one at a time, then
     two, then all: the fewest changes that make the job fit this box are what refused it, and the fix. num_processes
     is tried at auto and at this box's count (its cards, or its cores on a CPU box). Empty when no such change fits:
     the job itself is too big for the box."""
     box_count = hw.cpu_count if hw.is_cpu_only else hw.count
-    counts = [processes] + ([None] if processes is not None else []) + \
-        ([box_count] if processes is not None and processes != box_count and box_count >= 2 else [])
+    counts = (
+        [processes]
+        + ([None] if processes is not None else [])
+        + ([box_count] if processes is not None and processes != box_count and box_count >= 2 else [])
+    )
     tries: dict[int, list[tuple[str, str, int | None]]] = {}
     for engine in dict.fromkeys((forced, "auto")):
         for setting in dict.fromkeys((offload, "auto")):
@@ -134,25 +165,42 @@ def _setting_fixes(job: Job, hw: Hardware, forced: str, unsloth_ok: bool, workda
             if not (c.fits and c.estimate is not None):
                 continue
             # as typed after the recipe on the command line, like the other fixes (method=qlora)
-            change = " and ".join(f"{k}={v if v is not None else 'auto'}" for k, v, old in (
-                ("engine", engine, forced), ("offload", setting, offload), ("num_processes", count, processes))
-                if v != old)
+            change = " and ".join(
+                f"{k}={v if v is not None else 'auto'}"
+                for k, v, old in (
+                    ("engine", engine, forced),
+                    ("offload", setting, offload),
+                    ("num_processes", count, processes),
+                )
+                if v != old
+            )
             if count is not None and count == box_count and count != processes:
                 change += f" (this box's {box_count} {'cores' if hw.is_cpu_only else 'cards'})"
             outcome = (c.engine, c.processes, c.offload_optimizer, c.offload_params)
-            how = (f" with {offload_words(c.offload_optimizer, c.offload_params)}" if c.offload_optimizer else "")
+            how = f" with {offload_words(c.offload_optimizer, c.offload_params)}" if c.offload_optimizer else ""
             fixes.setdefault(outcome, []).append(change)
-            words.setdefault(outcome, f"the plan then runs it on this box with {c.engine}{how}, {c.processes} "
-                             f"process{'es' if c.processes != 1 else ''}, {c.estimate.peak_gb:.1f} GB per "
-                             f"{'card' if c.device == 'cuda' else 'process'}")
+            words.setdefault(
+                outcome,
+                f"the plan then runs it on this box with {c.engine}{how}, {c.processes} "
+                f"process{'es' if c.processes != 1 else ''}, {c.estimate.peak_gb:.1f} GB per "
+                f"{'card' if c.device == 'cuda' else 'process'}",
+            )
         if fixes:
             return [f"set {' or '.join(changes)}: {words[outcome]}" for outcome, changes in fixes.items()]
     return []
 
 
-def _refusal_options(job: Job, hw: Hardware, forced: str, unsloth_ok: bool, workday_hours: float,
-                     rows: list[dict[str, Any]], offload: str = "auto", processes: int | None = None,
-                     nnodes: int = 1) -> list[str]:
+def _refusal_options(
+    job: Job,
+    hw: Hardware,
+    forced: str,
+    unsloth_ok: bool,
+    workday_hours: float,
+    rows: list[dict[str, Any]],
+    offload: str = "auto",
+    processes: int | None = None,
+    nnodes: int = 1,
+) -> list[str]:
     """What to do instead, each checked: a box that holds the job (from rows, which hold only such boxes),
     and recipe changes that make it fit this box. When a setting of the recipe (engine, offload, num_processes) is
     what refuses and the plan's own choice fits this box, changing that setting is the fix, and nothing else is
@@ -163,15 +211,23 @@ def _refusal_options(job: Job, hw: Hardware, forced: str, unsloth_ok: bool, work
     options = []
     if rows:
         best = min(rows, key=_by_cost)
-        money = (f"{_fmt_hours(best['hours'])}, {best['cost_eur']:.2f} EUR" if best["cost_eur"] is not None
-                 else f"{best['price_per_hour_eur']:.2f} EUR/h" if best["price_per_hour_eur"] is not None
-                 else "price unknown")
-        options.append(f"rent {best['gpus']} ({best['engine']}, {best['per_gpu_gb']} GB per card, {money}); "
-                       f"plan for it with --gpus {best['gpus']}")
+        money = (
+            f"{_fmt_hours(best['hours'])}, {best['cost_eur']:.2f} EUR"
+            if best["cost_eur"] is not None
+            else f"{best['price_per_hour_eur']:.2f} EUR/h"
+            if best["price_per_hour_eur"] is not None
+            else "price unknown"
+        )
+        options.append(
+            f"rent {best['gpus']} ({best['engine']}, {best['per_gpu_gb']} GB per card, {money}); "
+            f"plan for it with --gpus {best['gpus']}"
+        )
     else:
         options.append("no box in the GPU catalog holds this job; reduce it (below) or add a bigger box to the catalog")
     options += _fixes_here(job, hw, forced, unsloth_ok, workday_hours, offload, processes, nnodes)
     if len(options) == 1:
-        options.append("no single recipe change (shorter max_length, QLoRA, 8-bit optimizer, micro_batch_size=1, "
-                       "gradient checkpointing) makes it fit this box")
+        options.append(
+            "no single recipe change (shorter max_length, QLoRA, 8-bit optimizer, micro_batch_size=1, "
+            "gradient checkpointing) makes it fit this box"
+        )
     return options

@@ -48,10 +48,12 @@ def sdpa_backends(environ: Optional[Mapping[str, str]] = None) -> tuple[tuple[st
     names = tuple(dict.fromkeys(x.strip().lower() for x in given.split(",") if x.strip()))
     unknown = [x for x in names if x not in SDPA_BACKENDS]
     if unknown or not names:
-        raise UsageError(f"{OVERRIDE}={given!r} names {', '.join(map(repr, unknown)) or 'no backend'}: it lists the "
-                         f"SDPA backends torch may use, from {', '.join(SDPA_BACKENDS)}",
-                         fix=f"set it to a comma list such as {','.join(SDPA_BACKENDS)} (cuDNN included), or unset it "
-                             f"for the default {','.join(DEFAULT_BACKENDS)}.")
+        raise UsageError(
+            f"{OVERRIDE}={given!r} names {', '.join(map(repr, unknown)) or 'no backend'}: it lists the "
+            f"SDPA backends torch may use, from {', '.join(SDPA_BACKENDS)}",
+            fix=f"set it to a comma list such as {','.join(SDPA_BACKENDS)} (cuDNN included), or unset it "
+            f"for the default {','.join(DEFAULT_BACKENDS)}.",
+        )
     return tuple(x for x in SDPA_BACKENDS if x in names), OVERRIDE
 
 
@@ -63,9 +65,13 @@ def reason(device: str, attn: str, environ: Optional[Mapping[str, str]] = None) 
     if attn != "sdpa":
         return f"attention: {attn} (variable-length kernels, nothing built per sequence length)"
     if source != "default":
-        return (f"attention: SDPA with the backends {', '.join(backends)} ({OVERRIDE}); "
-                + ("cuDNN's builds a new execution graph for each new sequence length" if "cudnn" in backends
-                   else "cuDNN's is off"))
-    return ("attention: SDPA through flash attention (unmasked) and the memory-efficient kernel (masked: padded, "
-            "padding-free, generation); cuDNN's backend is off: it builds a new execution graph for each new "
-            f"sequence length, and real data has one nearly every step ({OVERRIDE} sets the backends)")
+        return f"attention: SDPA with the backends {', '.join(backends)} ({OVERRIDE}); " + (
+            "cuDNN's builds a new execution graph for each new sequence length"
+            if "cudnn" in backends
+            else "cuDNN's is off"
+        )
+    return (
+        "attention: SDPA through flash attention (unmasked) and the memory-efficient kernel (masked: padded, "
+        "padding-free, generation); cuDNN's backend is off: it builds a new execution graph for each new "
+        f"sequence length, and real data has one nearly every step ({OVERRIDE} sets the backends)"
+    )

@@ -66,7 +66,7 @@ def _own_paths(root: Path) -> dict[str, str]:
         if len(parts) != 3:
             continue
         _, controllers, path = parts
-        for name in (controllers.split(",") if controllers else [""]):
+        for name in controllers.split(",") if controllers else [""]:
             paths[name] = path
     return paths
 
@@ -76,7 +76,7 @@ def _levels(mount: _Mount, path: str) -> list[Path]:
     not under it, as inside a cgroup namespace or a container that mounts only its own subtree)."""
     rel = path
     if mount.root not in ("", "/") and (path == mount.root or path.startswith(mount.root.rstrip("/") + "/")):
-        rel = path[len(mount.root.rstrip("/")):]
+        rel = path[len(mount.root.rstrip("/")) :]
     parts = [p for p in rel.split("/") if p]
     levels = [mount.point.joinpath(*parts[:i]) for i in range(len(parts), -1, -1)]
     existing = [d for d in levels if d.is_dir()]

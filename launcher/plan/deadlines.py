@@ -46,6 +46,7 @@ def expected_seconds(plan: Mapping[str, Any], smoke: Mapping[str, Any]) -> dict[
     test's timed checkpoint (its save and hashing); eval: the smoke's forecast of the run's eval passes (an upper
     bound for one); export (the final save and the sample answers): one save plus the samples; start: the smoke's
     start-up (imports, load; else the plan's set-up hours) plus one checkpoint's verification."""
+
     def num(value: Any) -> Optional[float]:
         try:
             v = float(value)
@@ -63,8 +64,14 @@ def expected_seconds(plan: Mapping[str, Any], smoke: Mapping[str, Any]) -> dict[
     if startup is None:  # the plan's start-up (loading the model on the box), where it counts one
         setup = num((plan.get("estimate") or {}).get("setup_hours"))
         startup = setup * 3600.0 if setup else None
-    return {"start": startup + (save or 0.0) if startup else None, "step": step, "hash": save, "save": save,
-            "eval": num(smoke.get("eval_seconds")), "export": save + samples if save else None}
+    return {
+        "start": startup + (save or 0.0) if startup else None,
+        "step": step,
+        "hash": save,
+        "save": save,
+        "eval": num(smoke.get("eval_seconds")),
+        "export": save + samples if save else None,
+    }
 
 
 def deadline(expected: Optional[float], floor: float) -> float:

@@ -48,8 +48,10 @@ class Choice:
 
 
 # What a box named for planning (--gpus, the recipe's box:) runs: ftrun's Docker image, docker/requirements.txt.
-IMAGE_SOFTWARE = ("ftrun's Docker image (docker/requirements.txt: DeepSpeed, bitsandbytes, llama.cpp; "
-                  "docker/requirements-unsloth.txt: Unsloth)")
+IMAGE_SOFTWARE = (
+    "ftrun's Docker image (docker/requirements.txt: DeepSpeed, bitsandbytes, llama.cpp; "
+    "docker/requirements-unsloth.txt: Unsloth)"
+)
 
 
 def _deepspeed_installed() -> bool:
@@ -65,11 +67,11 @@ def software(hardware: Hardware, unsloth_available: bool | None) -> tuple[bool, 
     if unsloth_available is not None:
         return unsloth_available, f"software: Unsloth {'available' if unsloth_available else 'not available'} (given)"
     if not hardware.is_cpu_only and not hardware.is_this_machine:
-        return True, (f"software: planned with {IMAGE_SOFTWARE}, what a rented box runs; not this machine's "
-                      "installation")
+        return True, (
+            f"software: planned with {IMAGE_SOFTWARE}, what a rented box runs; not this machine's installation"
+        )
     here = _unsloth_installed()
-    return here, ("software: as installed on this machine (Unsloth " + ("installed" if here else "not installed")
-                  + ")")
+    return here, ("software: as installed on this machine (Unsloth " + ("installed" if here else "not installed") + ")")
 
 
 def _fits(est: sizing.MemoryEstimate, capacity: float) -> bool:
@@ -79,9 +81,15 @@ def _fits(est: sizing.MemoryEstimate, capacity: float) -> bool:
 
 def _tps(job: Job, w: Workload, hw: Hardware) -> float:
     g = hw.gpu
-    return throughput.tokens_per_second(job.arch, w, g.tflops_bf16 if g else None, hw.interconnect, hw.cpu_count,
-                                    mean_seq_len=int(job.mean_tokens / job.sequences),  # a pair: per sequence
-                                    compute_capability=g.compute_capability if g else None)
+    return throughput.tokens_per_second(
+        job.arch,
+        w,
+        g.tflops_bf16 if g else None,
+        hw.interconnect,
+        hw.cpu_count,
+        mean_seq_len=int(job.mean_tokens / job.sequences),  # a pair: per sequence
+        compute_capability=g.compute_capability if g else None,
+    )
 
 
 def _hours(job: Job, w: Workload, hw: Hardware, processes: int) -> tuple[float, float | None]:
@@ -93,45 +101,79 @@ def _hours(job: Job, w: Workload, hw: Hardware, processes: int) -> tuple[float, 
 
 # bitsandbytes' 8-bit AdamW indexes its states by the parameter's local storage and has no DTensor support; an open
 # bitsandbytes issue reports illegal memory accesses with it under FSDP2, whose parameters are DTensors.
-FULL_8BIT_FSDP = ("method full-8bit cannot run on FSDP: its 8-bit AdamW (bitsandbytes) has no support for the "
-                  "DTensor parameters FSDP2 shards into (illegal memory access reported under FSDP2)")
+FULL_8BIT_FSDP = (
+    "method full-8bit cannot run on FSDP: its 8-bit AdamW (bitsandbytes) has no support for the "
+    "DTensor parameters FSDP2 shards into (illegal memory access reported under FSDP2)"
+)
 # The recipe's `offload:` values (launcher/recipe.py): auto adds DeepSpeed's CPU offload only when nothing else fits.
 OFFLOAD_FORCED = {"optimizer": (True, False), "optimizer+params": (True, True)}
 # DeepSpeedCPUAdam is a C++ op DeepSpeed compiles on its first use when the install did not build it (DS_BUILD_OPS=0).
-CPU_ADAM_NOTE = ("DeepSpeed compiles its CPU Adam op (cpu_adam) with the C++ compiler on first use unless it was "
-                 "installed prebuilt (DS_BUILD_CPU_ADAM=1): about 4 minutes on a 2-core box, once per machine")
+CPU_ADAM_NOTE = (
+    "DeepSpeed compiles its CPU Adam op (cpu_adam) with the C++ compiler on first use unless it was "
+    "installed prebuilt (DS_BUILD_CPU_ADAM=1): about 4 minutes on a 2-core box, once per machine"
+)
 
 
 def _idle(cards: int) -> str:
-    """"1 GPU stays idle", "3 GPUs stay idle"."""
+    """ "1 GPU stays idle", "3 GPUs stay idle"."""
     return "1 GPU stays idle" if cards == 1 else f"{cards} GPUs stay idle"
 
 
 def offload_words(optimizer: bool, params: bool) -> str:
     """How the plan names DeepSpeed's CPU offload in its reasons and refusals."""
-    return ("CPU offload of the optimizer and the parameters (offload_optimizer + offload_param)" if params else
-            "CPU offload of the optimizer (offload_optimizer)") if optimizer else "no CPU offload"
+    return (
+        (
+            "CPU offload of the optimizer and the parameters (offload_optimizer + offload_param)"
+            if params
+            else "CPU offload of the optimizer (offload_optimizer)"
+        )
+        if optimizer
+        else "no CPU offload"
+    )
 
 
-def _choose_cpu(job: Job, hw: Hardware, forced: str, processes: int | None = None, nnodes: int = 1,
-                offload: str = "auto") -> Choice:
+def _choose_cpu(
+    job: Job, hw: Hardware, forced: str, processes: int | None = None, nnodes: int = 1, offload: str = "auto"
+) -> Choice:
     capacity = hw.ram_gb
-    reasons = [f"CPU run: this box has no GPU ({hw.cpu_count} cores, {hw.ram_gb:.3g} GB RAM); "
-               "only sensible for tiny models and tests"]
+    reasons = [
+        f"CPU run: this box has no GPU ({hw.cpu_count} cores, {hw.ram_gb:.3g} GB RAM); "
+        "only sensible for tiny models and tests"
+    ]
     if offload in OFFLOAD_FORCED and forced != "deepspeed":
-        return Choice(False, forced, "cpu", processes or 1, None, capacity, reasons,
-                      refusal=f"offload: {offload} is DeepSpeed ZeRO-3's CPU offload; on a CPU box it runs only with "
-                              "engine: deepspeed (2 or more gloo processes)")
+        return Choice(
+            False,
+            forced,
+            "cpu",
+            processes or 1,
+            None,
+            capacity,
+            reasons,
+            refusal=f"offload: {offload} is DeepSpeed ZeRO-3's CPU offload; on a CPU box it runs only with "
+            "engine: deepspeed (2 or more gloo processes)",
+        )
     if forced in ("unsloth", "fsdp"):
-        why = {"unsloth": "Unsloth needs an NVIDIA GPU",
-               # STACK-FACTS: accelerate/Trainer turn an FSDP2 config into plain DDP on CPU; running
-               # DDP under the FSDP name would be a silent fallback, so it is refused.
-               "fsdp": "FSDP through accelerate/the Trainer does not shard on CPU (it silently becomes DDP); "
-                       "use engine: ddp or deepspeed for several CPU processes"}[forced]
-        return Choice(False, forced, "cpu", 1, None, capacity, reasons, refusal=f"engine: {forced} is impossible here: {why}")
+        why = {
+            "unsloth": "Unsloth needs an NVIDIA GPU",
+            # STACK-FACTS: accelerate/Trainer turn an FSDP2 config into plain DDP on CPU; running
+            # DDP under the FSDP name would be a silent fallback, so it is refused.
+            "fsdp": "FSDP through accelerate/the Trainer does not shard on CPU (it silently becomes DDP); "
+            "use engine: ddp or deepspeed for several CPU processes",
+        }[forced]
+        return Choice(
+            False, forced, "cpu", 1, None, capacity, reasons, refusal=f"engine: {forced} is impossible here: {why}"
+        )
     if forced == "trl" and processes is not None and processes > 1:
-        return Choice(False, forced, "cpu", processes, None, capacity, reasons,
-                      refusal=f"engine: trl is one process, num_processes is {processes}; use engine: ddp")
+        return Choice(
+            False,
+            forced,
+            "cpu",
+            processes,
+            None,
+            capacity,
+            reasons,
+            refusal=f"engine: trl is one process, num_processes is {processes}; use engine: ddp",
+        )
     if forced in CPU_MULTI_PROCESS or (forced == "auto" and processes is not None and processes > 1):
         return _choose_cpu_multi(job, hw, "ddp" if forced == "auto" else forced, processes, reasons, nnodes, offload)
     w = job.workload("trl", 1, "cpu")
@@ -139,112 +181,241 @@ def _choose_cpu(job: Job, hw: Hardware, forced: str, processes: int | None = Non
     tps, hrs = _hours(job, w, hw, 1)
     reasons.append("engine trl, one process on the CPU" + (" (forced by the recipe)" if forced == "trl" else ""))
     if METHODS[job.method].bitsandbytes:
-        reasons.append(f"{job.method} relies on bitsandbytes, whose CPU support is limited: the smoke test will tell; "
-                       "method lora (or full) is the safe choice on CPU")
+        reasons.append(
+            f"{job.method} relies on bitsandbytes, whose CPU support is limited: the smoke test will tell; "
+            "method lora (or full) is the safe choice on CPU"
+        )
     if est.per_gpu_gb > capacity * sizing.USABLE_RAM_FRACTION:
-        return Choice(False, "trl", "cpu", 1, est, capacity, reasons, tps, hrs,
-                      refusal=f"needs {est.per_gpu_gb:.1f} GB of RAM, this box has {capacity:.0f} GB "
-                              f"({sizing.USABLE_RAM_FRACTION:.0%} usable)")
+        return Choice(
+            False,
+            "trl",
+            "cpu",
+            1,
+            est,
+            capacity,
+            reasons,
+            tps,
+            hrs,
+            refusal=f"needs {est.per_gpu_gb:.1f} GB of RAM, this box has {capacity:.0f} GB "
+            f"({sizing.USABLE_RAM_FRACTION:.0%} usable)",
+        )
     if hrs is not None and hrs > CPU_MAX_HOURS:
-        return Choice(False, "trl", "cpu", 1, est, capacity, reasons, tps, hrs,
-                      refusal=f"fits in RAM but would take about {_fmt_hours(hrs)} on {hw.cpu_count} CPU cores "
-                              f"(more than {CPU_MAX_HOURS:.0f} h)")
+        return Choice(
+            False,
+            "trl",
+            "cpu",
+            1,
+            est,
+            capacity,
+            reasons,
+            tps,
+            hrs,
+            refusal=f"fits in RAM but would take about {_fmt_hours(hrs)} on {hw.cpu_count} CPU cores "
+            f"(more than {CPU_MAX_HOURS:.0f} h)",
+        )
     reasons.append(f"memory: needs {est.per_gpu_gb:.1f} GB of {capacity:.0f} GB RAM")
     return Choice(True, "trl", "cpu", 1, est, capacity, reasons, tps, hrs)
 
 
-def _choose_cpu_multi(job: Job, hw: Hardware, engine: str, processes: int | None, reasons: list[str],
-                      nnodes: int = 1, offload: str = "auto") -> Choice:
+def _choose_cpu_multi(
+    job: Job,
+    hw: Hardware,
+    engine: str,
+    processes: int | None,
+    reasons: list[str],
+    nnodes: int = 1,
+    offload: str = "auto",
+) -> Choice:
     """Several gloo processes on one CPU box (DDP or DeepSpeed ZeRO-3): for tests and the trajectory checks."""
     capacity = hw.ram_gb
     n = processes if processes is not None else 2
     if n * nnodes < 2:  # one process per node is fine when there are several nodes
-        return Choice(False, engine, "cpu", n, None, capacity, reasons,
-                      refusal=f"engine: {engine} with num_processes=1 is single-process training; use engine: trl")
+        return Choice(
+            False,
+            engine,
+            "cpu",
+            n,
+            None,
+            capacity,
+            reasons,
+            refusal=f"engine: {engine} with num_processes=1 is single-process training; use engine: trl",
+        )
     if n > hw.cpu_count:
-        return Choice(False, engine, "cpu", n, None, capacity, reasons,
-                      refusal=f"{n} gloo processes need at least {n} CPU cores, this box has {hw.cpu_count}")
+        return Choice(
+            False,
+            engine,
+            "cpu",
+            n,
+            None,
+            capacity,
+            reasons,
+            refusal=f"{n} gloo processes need at least {n} CPU cores, this box has {hw.cpu_count}",
+        )
     if engine == "deepspeed" and not _deepspeed_installed():
-        return Choice(False, engine, "cpu", n, None, capacity, reasons, missing="deepspeed",
-                      refusal="engine: deepspeed needs DeepSpeed, which is not installed here: pip install "
-                              "'ftrun[deepspeed]' (DS_BUILD_OPS=0 on a box without CUDA)")
+        return Choice(
+            False,
+            engine,
+            "cpu",
+            n,
+            None,
+            capacity,
+            reasons,
+            missing="deepspeed",
+            refusal="engine: deepspeed needs DeepSpeed, which is not installed here: pip install "
+            "'ftrun[deepspeed]' (DS_BUILD_OPS=0 on a box without CUDA)",
+        )
     w = job.workload("trl", 1, "cpu")
     est = sizing.memory(job.arch, w)
     # The processes share the box's cores, so the box's throughput is about one process's.
     tps, hrs = _hours(job, w, hw, n)
     src = "num_processes from the recipe" if processes is not None else "2 by default on CPU"
-    what = ("each holds a full copy and trains on its own micro-batches; gradients are averaged over gloo"
-            if engine == "ddp" else
-            "ZeRO-3 partitions parameters, gradients and optimizer states; about 4x slower per step than DDP here")
+    what = (
+        "each holds a full copy and trains on its own micro-batches; gradients are averaged over gloo"
+        if engine == "ddp"
+        else "ZeRO-3 partitions parameters, gradients and optimizer states; about 4x slower per step than DDP here"
+    )
     reasons.append(f"engine {engine}, {n} gloo processes on the CPU ({src}): {what}")
     opt_off, param_off = OFFLOAD_FORCED.get(offload, (False, False))
     if opt_off:
         # On a CPU the "offloaded" states stay in the same RAM: memory and time are sized as without it; the run
         # exercises the offload path itself (DeepSpeedCPUAdam, the pinned CPU gradient buffers) for the test tier.
-        reasons.append(f"{offload_words(opt_off, param_off)} forced by the recipe: on a CPU box the states stay in "
-                       "the same RAM, so memory and time are as without it; the optimizer is DeepSpeedCPUAdam (fp32 "
-                       f"AdamW) whatever the method; {CPU_ADAM_NOTE}")
+        reasons.append(
+            f"{offload_words(opt_off, param_off)} forced by the recipe: on a CPU box the states stay in "
+            "the same RAM, so memory and time are as without it; the optimizer is DeepSpeedCPUAdam (fp32 "
+            f"AdamW) whatever the method; {CPU_ADAM_NOTE}"
+        )
     total = est.per_gpu_gb * n
     if total > capacity * sizing.USABLE_RAM_FRACTION:
-        return Choice(False, engine, "cpu", n, est, capacity, reasons, tps, hrs,
-                      refusal=f"{n} processes need {total:.1f} GB of RAM, this box has {capacity:.0f} GB")
+        return Choice(
+            False,
+            engine,
+            "cpu",
+            n,
+            est,
+            capacity,
+            reasons,
+            tps,
+            hrs,
+            refusal=f"{n} processes need {total:.1f} GB of RAM, this box has {capacity:.0f} GB",
+        )
     reasons.append(f"memory: {n} x {est.per_gpu_gb:.1f} GB of {capacity:.0f} GB RAM")
-    return Choice(True, engine, "cpu", n, est, capacity, reasons, tps, hrs, offload_params=param_off,
-                  offload_optimizer=opt_off)
+    return Choice(
+        True, engine, "cpu", n, est, capacity, reasons, tps, hrs, offload_params=param_off, offload_optimizer=opt_off
+    )
 
 
 def _choose_cpu_unsloth(job: Job, hw: Hardware, unsloth_ok: bool, processes: int | None) -> Choice:
     """engine: unsloth forced on a CPU box: allowed only where Unsloth imports (its CPU path, for the test tier)."""
     capacity = hw.ram_gb
-    reasons = [f"CPU run: this box has no GPU ({hw.cpu_count} cores, {hw.ram_gb:.3g} GB RAM); "
-               "only sensible for tiny models and tests"]
+    reasons = [
+        f"CPU run: this box has no GPU ({hw.cpu_count} cores, {hw.ram_gb:.3g} GB RAM); "
+        "only sensible for tiny models and tests"
+    ]
     if not is_adapter(job.method):
-        return Choice(False, "unsloth", "cpu", 1, None, capacity, reasons,
-                      refusal=f"engine: unsloth trains LoRA/QLoRA only; method is {job.method}")
+        return Choice(
+            False,
+            "unsloth",
+            "cpu",
+            1,
+            None,
+            capacity,
+            reasons,
+            refusal=f"engine: unsloth trains LoRA/QLoRA only; method is {job.method}",
+        )
     if not OBJECTIVES[job.objective].unsloth:
-        return Choice(False, "unsloth", "cpu", 1, None, capacity, reasons,
-                      refusal=UNSLOTH_NOT_FOR.format(job.objective) + "; use engine: auto or trl")
+        return Choice(
+            False,
+            "unsloth",
+            "cpu",
+            1,
+            None,
+            capacity,
+            reasons,
+            refusal=UNSLOTH_NOT_FOR.format(job.objective) + "; use engine: auto or trl",
+        )
     if not unsloth_ok:
-        return Choice(False, "unsloth", "cpu", 1, None, capacity, reasons, missing="unsloth",
-                      refusal=UNSLOTH_MISSING + " (Unsloth needs an NVIDIA GPU for real runs; on a CPU it is allowed "
-                      "only where it is installed, to test the engine)")
+        return Choice(
+            False,
+            "unsloth",
+            "cpu",
+            1,
+            None,
+            capacity,
+            reasons,
+            missing="unsloth",
+            refusal=UNSLOTH_MISSING + " (Unsloth needs an NVIDIA GPU for real runs; on a CPU it is allowed "
+            "only where it is installed, to test the engine)",
+        )
     if processes is not None and processes > 1:
-        return Choice(False, "unsloth", "cpu", processes, None, capacity, reasons,
-                      refusal=f"engine: unsloth is one process, num_processes is {processes}; use engine: ddp")
+        return Choice(
+            False,
+            "unsloth",
+            "cpu",
+            processes,
+            None,
+            capacity,
+            reasons,
+            refusal=f"engine: unsloth is one process, num_processes is {processes}; use engine: ddp",
+        )
     # Unsloth's fused kernels are GPU kernels; on a CPU it runs its plain PyTorch path: sized as trl.
     w = job.workload("trl", 1, "cpu")
     est = sizing.memory(job.arch, w)
     tps, hrs = _hours(job, w, hw, 1)
-    reasons.append("engine unsloth (forced by the recipe) on the CPU: Unsloth's CPU path (\"no GPU found, training "
-                   "on CPU\"), for testing the engine; its speed and memory gains need an NVIDIA GPU, so time and "
-                   "memory are estimated as for trl")
+    reasons.append(
+        "engine unsloth (forced by the recipe) on the CPU: Unsloth's CPU path (\"no GPU found, training "
+        'on CPU"), for testing the engine; its speed and memory gains need an NVIDIA GPU, so time and '
+        "memory are estimated as for trl"
+    )
     if est.per_gpu_gb > capacity * sizing.USABLE_RAM_FRACTION:
-        return Choice(False, "unsloth", "cpu", 1, est, capacity, reasons, tps, hrs,
-                      refusal=f"needs {est.per_gpu_gb:.1f} GB of RAM, this box has {capacity:.0f} GB")
+        return Choice(
+            False,
+            "unsloth",
+            "cpu",
+            1,
+            est,
+            capacity,
+            reasons,
+            tps,
+            hrs,
+            refusal=f"needs {est.per_gpu_gb:.1f} GB of RAM, this box has {capacity:.0f} GB",
+        )
     reasons.append(f"memory: needs {est.per_gpu_gb:.1f} GB of {capacity:.0f} GB RAM")
     return Choice(True, "unsloth", "cpu", 1, est, capacity, reasons, tps, hrs)
 
 
 # Unsloth pins older transformers/trl/datasets than ftrun's default stack: its own environment (docs/engines.md).
-UNSLOTH_FIX = ("Unsloth pins transformers<=5.17, trl<=1.15 and datasets<5.0, so it lives in its own virtual environment: "
-               "python3 -m venv .venv-unsloth && .venv-unsloth/bin/pip install 'ftrun[train,unsloth]' (scripts/test.sh "
-               "--unsloth builds it here), then run ftrun from that environment; ftrun's Docker image has it as a second "
-               "environment (docker run --entrypoint ftrun-unsloth ...)")
-UNSLOTH_MISSING = ("engine: unsloth needs Unsloth, which is not installed in this environment. " + UNSLOTH_FIX +
-                   "; or set engine: trl")
+UNSLOTH_FIX = (
+    "Unsloth pins transformers<=5.17, trl<=1.15 and datasets<5.0, so it lives in its own virtual environment: "
+    "python3 -m venv .venv-unsloth && .venv-unsloth/bin/pip install 'ftrun[train,unsloth]' (scripts/test.sh "
+    "--unsloth builds it here), then run ftrun from that environment; ftrun's Docker image has it as a second "
+    "environment (docker run --entrypoint ftrun-unsloth ...)"
+)
+UNSLOTH_MISSING = (
+    "engine: unsloth needs Unsloth, which is not installed in this environment. " + UNSLOTH_FIX + "; or set engine: trl"
+)
 
 
 # Unsloth patches TRL's DPO and ORPO trainers (PatchDPOTrainer), but ftrun's Unsloth engine loads, checkpoints and
 # resumes through its SFT path only (launcher/worker/engines/unsloth.py): a preference objective runs on TRL.
-UNSLOTH_NOT_FOR = ("engine unsloth: ftrun runs Unsloth for objective "
-                   + " and ".join(name for name, o in OBJECTIVES.items() if o.unsloth)
-                   + " only, and this recipe's objective is {}: its trainer (TRL's) is not the one ftrun's Unsloth "
-                   "engine loads, checkpoints and resumes")
+UNSLOTH_NOT_FOR = (
+    "engine unsloth: ftrun runs Unsloth for objective "
+    + " and ".join(name for name, o in OBJECTIVES.items() if o.unsloth)
+    + " only, and this recipe's objective is {}: its trainer (TRL's) is not the one ftrun's Unsloth "
+    "engine loads, checkpoints and resumes"
+)
 
 
-def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = False,
-           workday_hours: float = WORKDAY_HOURS, processes: int | None = None, nnodes: int = 1,
-           in_hand: bool = True, offload: str = "auto") -> Choice:
+def choose(
+    job: Job,
+    hw: Hardware,
+    forced: str = "auto",
+    unsloth_ok: bool = False,
+    workday_hours: float = WORKDAY_HOURS,
+    processes: int | None = None,
+    nnodes: int = 1,
+    in_hand: bool = True,
+    offload: str = "auto",
+) -> Choice:
     """The engine and card count for this box. `in_hand`: the box is the one being planned, billed whole, so
     its cards are used (DDP) whenever that is faster than one card; otherwise (choosing a box to rent) the
     article's rules: one card if it fits, DDP when one card takes longer than a working day. Sharding when
@@ -266,29 +437,74 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
 
     # Forced engines that cannot work here are refused before anything is sized.
     if forced == "unsloth" and not OBJECTIVES[job.objective].unsloth:
-        return Choice(False, "unsloth", "cuda", 1, None, cap, [], refusal=UNSLOTH_NOT_FOR.format(job.objective)
-                      + "; use engine: auto or trl")
+        return Choice(
+            False,
+            "unsloth",
+            "cuda",
+            1,
+            None,
+            cap,
+            [],
+            refusal=UNSLOTH_NOT_FOR.format(job.objective) + "; use engine: auto or trl",
+        )
     if forced == "unsloth" and not lora:
-        return Choice(False, "unsloth", "cuda", 1, None, cap, [], refusal="engine: unsloth trains LoRA/QLoRA only; "
-                      f"method is {job.method}")
+        return Choice(
+            False,
+            "unsloth",
+            "cuda",
+            1,
+            None,
+            cap,
+            [],
+            refusal=f"engine: unsloth trains LoRA/QLoRA only; method is {job.method}",
+        )
     if forced == "unsloth" and not unsloth_ok:
-        return Choice(False, "unsloth", "cuda", 1, None, cap, [], missing="unsloth", refusal=UNSLOTH_MISSING +
-                      " (Unsloth also needs a GPU of compute capability 7.0 or newer)")
+        return Choice(
+            False,
+            "unsloth",
+            "cuda",
+            1,
+            None,
+            cap,
+            [],
+            missing="unsloth",
+            refusal=UNSLOTH_MISSING + " (Unsloth also needs a GPU of compute capability 7.0 or newer)",
+        )
     if forced in ("ddp", *SHARDING_ENGINES) and n * nnodes < 2:
         what = "DDP copies the model to every card to train on more data at once"
         if forced in SHARDING_ENGINES:
             what = f"{forced} shards the model over several cards"
         two = sizing.memory(job.arch, job.workload(forced, 2, "cuda"))
-        bigger = (f", or plan for a box of two with --gpus 2x{g.name} ({two.peak_gb:.1f} GB per card)"
-                  if _fits(two, cap) else "")
-        return Choice(False, forced, "cuda", 1, None, cap, [], refusal=f"engine: {forced} needs 2 or more GPUs and "
-                      f"this box has one ({what}); use engine: auto or trl{bigger}")
+        bigger = (
+            f", or plan for a box of two with --gpus 2x{g.name} ({two.peak_gb:.1f} GB per card)"
+            if _fits(two, cap)
+            else ""
+        )
+        return Choice(
+            False,
+            forced,
+            "cuda",
+            1,
+            None,
+            cap,
+            [],
+            refusal=f"engine: {forced} needs 2 or more GPUs and "
+            f"this box has one ({what}); use engine: auto or trl{bigger}",
+        )
     force_offload = offload in OFFLOAD_FORCED
     if force_offload and (forced not in ("auto", "deepspeed") or n * nnodes < 2):
-        return Choice(False, forced if forced != "auto" else "deepspeed", "cuda", n, None, cap, [],
-                      refusal=f"offload: {offload} is DeepSpeed ZeRO-3's CPU offload: it needs engine: deepspeed (or "
-                              f"auto) and 2 or more GPUs; this box has {n}, the engine is {forced}. Set offload: auto "
-                              "to let the plan add it only when nothing else fits")
+        return Choice(
+            False,
+            forced if forced != "auto" else "deepspeed",
+            "cuda",
+            n,
+            None,
+            cap,
+            [],
+            refusal=f"offload: {offload} is DeepSpeed ZeRO-3's CPU offload: it needs engine: deepspeed (or "
+            f"auto) and 2 or more GPUs; this box has {n}, the engine is {forced}. Set offload: auto "
+            "to let the plan add it only when nothing else fits",
+        )
 
     single_engine = "trl"
     if forced in ("unsloth", "trl"):
@@ -301,8 +517,10 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
     one = sizing.memory(job.arch, job.workload(single_engine, 1, "cuda"))
     fits_one = _fits(one, cap)
     if forced == "auto" and lora and not unsloth_ok and OBJECTIVES[job.objective].unsloth:
-        reasons.append("Unsloth not installed on this machine: TRL on one GPU (Unsloth would need less memory and run "
-                       "~1.4x faster; " + UNSLOTH_FIX + ")")
+        reasons.append(
+            "Unsloth not installed on this machine: TRL on one GPU (Unsloth would need less memory and run "
+            "~1.4x faster; " + UNSLOTH_FIX + ")"
+        )
 
     if fits_one and forced in ("auto", "unsloth", "trl", "ddp") and not force_offload:
         w1 = job.workload(single_engine, 1, "cuda")
@@ -321,44 +539,80 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
                 if forced == "ddp":
                     why = "forced by the recipe"
                 elif in_hand:
-                    why = (f"the box is billed whole, so its {n} cards cost no more per hour than one: "
-                           f"{_fmt_hours(hrs) if hrs is not None else 'time unknown'} instead of "
-                           f"{_fmt_hours(hrs1) if hrs1 is not None else 'time unknown'} on one card with {n - 1} idle "
-                           f"({single_engine}), so less time and less money")
+                    why = (
+                        f"the box is billed whole, so its {n} cards cost no more per hour than one: "
+                        f"{_fmt_hours(hrs) if hrs is not None else 'time unknown'} instead of "
+                        f"{_fmt_hours(hrs1) if hrs1 is not None else 'time unknown'} on one card with {n - 1} idle "
+                        f"({single_engine}), so less time and less money"
+                    )
                 else:
                     why = f"one card would take {_fmt_hours(hrs1)}, longer than a working day ({workday_hours:g} h)"
-                link = (links.title(hw.interconnect) if hw.interconnect == links.NVLINK else
-                        f"{links.title(links.PCIE)}: cards talk over it, which scales worse than NVLink")
-                reasons += [fit_reason, f"engine ddp over {n} GPUs: {why}; ~{speed:.1f}x one card ({link})",
-                            f"DDP keeps a full copy per card: {est.per_gpu_gb:.1f} GB per card"]
+                link = (
+                    links.title(hw.interconnect)
+                    if hw.interconnect == links.NVLINK
+                    else f"{links.title(links.PCIE)}: cards talk over it, which scales worse than NVLink"
+                )
+                reasons += [
+                    fit_reason,
+                    f"engine ddp over {n} GPUs: {why}; ~{speed:.1f}x one card ({link})",
+                    f"DDP keeps a full copy per card: {est.per_gpu_gb:.1f} GB per card",
+                ]
                 return Choice(True, "ddp", "cuda", n, est, cap, reasons, tps, hrs)
             if not _fits(est, cap):
-                reasons.append(f"DDP would need {est.per_gpu_gb:.1f} GB per card (gradient buckets): staying on one card")
+                reasons.append(
+                    f"DDP would need {est.per_gpu_gb:.1f} GB per card (gradient buckets): staying on one card"
+                )
             else:
-                reasons.append(f"DDP over {n} cards ({tps:,.0f} tokens/s) would be slower than {single_engine} on one "
-                               f"card ({tps1:,.0f} tokens/s): staying on one card")
+                reasons.append(
+                    f"DDP over {n} cards ({tps:,.0f} tokens/s) would be slower than {single_engine} on one "
+                    f"card ({tps1:,.0f} tokens/s): staying on one card"
+                )
             if forced == "ddp":
-                return Choice(False, "ddp", "cuda", n, est, cap, reasons, refusal=f"engine: ddp needs "
-                              f"{est.per_gpu_gb:.1f} GB per card, the cards have {cap:.1f} GB")
-        engine_reason = {"unsloth": "engine unsloth: LoRA/QLoRA on one card with Unsloth (fastest, least memory)"
-                                    + ("" if hw.is_this_machine else "; in ftrun's Docker image it runs in the "
-                                       "ftrun-unsloth environment: docker run --entrypoint ftrun-unsloth ..."),
-                         "trl": "engine trl on one GPU"}[single_engine]
+                return Choice(
+                    False,
+                    "ddp",
+                    "cuda",
+                    n,
+                    est,
+                    cap,
+                    reasons,
+                    refusal=f"engine: ddp needs {est.per_gpu_gb:.1f} GB per card, the cards have {cap:.1f} GB",
+                )
+        engine_reason = {
+            "unsloth": "engine unsloth: LoRA/QLoRA on one card with Unsloth (fastest, least memory)"
+            + (
+                ""
+                if hw.is_this_machine
+                else "; in ftrun's Docker image it runs in the "
+                "ftrun-unsloth environment: docker run --entrypoint ftrun-unsloth ..."
+            ),
+            "trl": "engine trl on one GPU",
+        }[single_engine]
         if forced in ("unsloth", "trl"):
             engine_reason += " (forced by the recipe)"
         reasons += [fit_reason, engine_reason]
         if n > 1 and not in_hand:
-            reasons.append(f"the box has {n} cards; {_idle(n - 1)} because one card finishes within a working day "
-                           f"({_fmt_hours(hrs1) if hrs1 else 'time unknown'}); a 1-card box costs 1/{n} per hour, "
-                           "or force engine: ddp")
+            reasons.append(
+                f"the box has {n} cards; {_idle(n - 1)} because one card finishes within a working day "
+                f"({_fmt_hours(hrs1) if hrs1 else 'time unknown'}); a 1-card box costs 1/{n} per hour, "
+                "or force engine: ddp"
+            )
         elif n > 1:
-            reasons.append(f"the box has {n} cards; {_idle(n - 1)} (billed all the same): rent a 1-card box "
-                           f"for this job instead, it costs 1/{n} per hour")
+            reasons.append(
+                f"the box has {n} cards; {_idle(n - 1)} (billed all the same): rent a 1-card box "
+                f"for this job instead, it costs 1/{n} per hour"
+            )
         return Choice(True, single_engine, "cuda", 1, one, cap, reasons, tps1, hrs1)
 
-    if (not fits_one and single_engine == "trl" and forced in ("auto", "trl") and (n == 1 or forced == "trl")
-            and job.gradient_checkpointing
-            and not job.offload_activations and not force_offload):
+    if (
+        not fits_one
+        and single_engine == "trl"
+        and forced in ("auto", "trl")
+        and (n == 1 or forced == "trl")
+        and job.gradient_checkpointing
+        and not job.offload_activations
+        and not force_offload
+    ):
         # TRL's activation offloading: the saved layer inputs wait in pinned RAM instead of on the card, for the
         # host-link time of moving them down and back every micro-batch (throughput.activation_offload_seconds).
         w_off = job.workload("trl", 1, "cuda", offload_activations=True)
@@ -367,31 +621,48 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
         if _fits(off, cap) and ram_ok:
             tps_off, hrs_off = _hours(job, w_off, hw, 1)
             tps_plain = _tps(job, job.workload("trl", 1, "cuda"), hw)
-            reasons += [f"one card would need {one.peak_gb:.1f} GB of {cap:.1f} GB; with TRL's activation offloading "
-                        f"the {job.arch.layers} saved layer inputs ({off.offloaded_ram_gb:.1f} GB) wait in CPU RAM: "
-                        f"{off.per_gpu_gb:.1f} GB on the card",
-                        f"engine trl on one GPU with activation offloading: the host link moves "
-                        f"{2 * off.offloaded_ram_gb / max(1, job.micro_batch):.2f} GB per sequence, "
-                        f"~{tps_off / tps_plain:.0%} of the speed without it"
-                        + (" (forced by the recipe)" if forced == "trl" else "")]
+            reasons += [
+                f"one card would need {one.peak_gb:.1f} GB of {cap:.1f} GB; with TRL's activation offloading "
+                f"the {job.arch.layers} saved layer inputs ({off.offloaded_ram_gb:.1f} GB) wait in CPU RAM: "
+                f"{off.per_gpu_gb:.1f} GB on the card",
+                f"engine trl on one GPU with activation offloading: the host link moves "
+                f"{2 * off.offloaded_ram_gb / max(1, job.micro_batch):.2f} GB per sequence, "
+                f"~{tps_off / tps_plain:.0%} of the speed without it"
+                + (" (forced by the recipe)" if forced == "trl" else ""),
+            ]
             return Choice(True, "trl", "cuda", 1, off, cap, reasons, tps_off, hrs_off, offload_activations=True)
 
     if forced in ("unsloth", "trl", "ddp"):
-        return Choice(False, forced, "cuda", n if forced == "ddp" else 1, one, cap, reasons,
-                      refusal=f"engine: {forced} keeps the whole job on each card: needs {one.per_gpu_gb:.1f} GB, "
-                              f"the card has {cap:.1f} GB")
+        return Choice(
+            False,
+            forced,
+            "cuda",
+            n if forced == "ddp" else 1,
+            one,
+            cap,
+            reasons,
+            refusal=f"engine: {forced} keeps the whole job on each card: needs {one.per_gpu_gb:.1f} GB, "
+            f"the card has {cap:.1f} GB",
+        )
 
     # No single card holds it: shard. full-8bit shards with DeepSpeed: its 8-bit AdamW cannot take FSDP2's DTensors,
     # and ZeRO-3 hands the optimizer plain tensors (keeping fp32 master partitions, 4 B/param more).
     to_deepspeed = forced == "auto" and (METHODS[job.method].eight_bit_optimizer or force_offload)
     shard_engine = "deepspeed" if forced == "deepspeed" or to_deepspeed else "fsdp"
     if n < 2:
-        return Choice(False, single_engine, "cuda", 1, one, cap, reasons,
-                      refusal=f"needs {one.per_gpu_gb:.1f} GB on one card, the card has {cap:.1f} GB "
-                              f"({sizing.USABLE_FRACTION:.0%} usable), and the box has no second card to shard over")
+        return Choice(
+            False,
+            single_engine,
+            "cuda",
+            1,
+            one,
+            cap,
+            reasons,
+            refusal=f"needs {one.per_gpu_gb:.1f} GB on one card, the card has {cap:.1f} GB "
+            f"({sizing.USABLE_FRACTION:.0%} usable), and the box has no second card to shard over",
+        )
     if METHODS[job.method].eight_bit_optimizer and shard_engine == "fsdp":
-        return Choice(False, "fsdp", "cuda", n, None, cap, reasons,
-                      refusal=FULL_8BIT_FSDP)
+        return Choice(False, "fsdp", "cuda", n, None, cap, reasons, refusal=FULL_8BIT_FSDP)
 
     def sized(k: int, params: bool, optimizer: bool) -> sizing.MemoryEstimate:
         return sizing.memory(job.arch, job.workload(shard_engine, k, "cuda", params, optimizer))
@@ -412,8 +683,7 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
         minimum = fewest(True)
         if minimum is not None:
             offload, est_all = True, sized(n, True, False)
-    ds_tried = (minimum is None and not is_adapter(job.method) and setting == "auto"
-                and forced in ("auto", "deepspeed"))
+    ds_tried = minimum is None and not is_adapter(job.method) and setting == "auto" and forced in ("auto", "deepspeed")
     if ds_tried:
         # 70B full fine-tuning on 8 x 80 GB as it usually runs: DeepSpeed ZeRO-3 with the optimizer (then the
         # parameters too) offloaded to CPU RAM, only when nothing without offload fits.
@@ -425,15 +695,30 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
                 break
     if minimum is None:
         # one layout's figures, the last one tried: its whole job ("in all") and its share per card
-        held = (f" with DeepSpeed ZeRO-3 and {offload_words(True, offload)}" if ds_tried else
-                f" with {offload_words(offload_opt, offload)}" if offload_opt else
-                " with parameter offload to CPU RAM" if offload else "")
-        return Choice(False, shard_engine, "cuda", n, est_all, cap, reasons, offload_params=offload,
-                      offload_optimizer=offload_opt,
-                      refusal=f"needs {est_all.total_gb:.0f} GB in all; sharded over all {n} cards{held} it still "
-                              f"needs {est_all.peak_gb:.1f} GB per card"
-                              + (f" ({est_all.load_explanation})" if est_all.load_peak_gb > est_all.per_gpu_gb else "")
-                              + f", the cards have {cap:.1f} GB")
+        held = (
+            f" with DeepSpeed ZeRO-3 and {offload_words(True, offload)}"
+            if ds_tried
+            else f" with {offload_words(offload_opt, offload)}"
+            if offload_opt
+            else " with parameter offload to CPU RAM"
+            if offload
+            else ""
+        )
+        return Choice(
+            False,
+            shard_engine,
+            "cuda",
+            n,
+            est_all,
+            cap,
+            reasons,
+            offload_params=offload,
+            offload_optimizer=offload_opt,
+            refusal=f"needs {est_all.total_gb:.0f} GB in all; sharded over all {n} cards{held} it still "
+            f"needs {est_all.peak_gb:.1f} GB per card"
+            + (f" ({est_all.load_explanation})" if est_all.load_peak_gb > est_all.per_gpu_gb else "")
+            + f", the cards have {cap:.1f} GB",
+        )
     ram_usable = hw.ram_gb * sizing.USABLE_RAM_FRACTION
     need_ram = est_all.host_ram_gb / sizing.USABLE_RAM_FRACTION
     ram_why = est_all.ram_explanation
@@ -443,107 +728,219 @@ def choose(job: Job, hw: Hardware, forced: str = "auto", unsloth_ok: bool = Fals
         # The plan names the RAM the job needs instead of refusing on that assumption; on the box itself the
         # launch plans again with the RAM it reads (cgroup limit included) and refuses there if it falls short.
         what = "training with CPU offload" if est_all.train_ram_gb > est_all.load_ram_gb else "loading"
-        rent_note = (f"host RAM: {what} needs {est_all.host_ram_gb:.0f} GB ({sizing.USABLE_RAM_FRACTION:.0%} of a "
-                     f"box with {need_ram:.0f} GB); rent {hw.count} x {hw.gpu.name} with at least {need_ram:.0f} GB of "
-                     f"RAM (this plan assumed {hw.ram_gb:.0f} GB for it)")
+        rent_note = (
+            f"host RAM: {what} needs {est_all.host_ram_gb:.0f} GB ({sizing.USABLE_RAM_FRACTION:.0%} of a "
+            f"box with {need_ram:.0f} GB); rent {hw.count} x {hw.gpu.name} with at least {need_ram:.0f} GB of "
+            f"RAM (this plan assumed {hw.ram_gb:.0f} GB for it)"
+        )
     elif est_all.host_ram_gb > ram_usable:
-        held = (f" with {offload_words(offload_opt, offload)}" if offload_opt else
-                " with parameter offload to CPU RAM" if offload else "")
+        held = (
+            f" with {offload_words(offload_opt, offload)}"
+            if offload_opt
+            else " with parameter offload to CPU RAM"
+            if offload
+            else ""
+        )
         phase = "training" if est_all.train_ram_gb > est_all.load_ram_gb else "loading"
-        return Choice(False, shard_engine, "cuda", n, est_all, cap, reasons, offload_params=offload,
-                      offload_optimizer=offload_opt,
-                      refusal=f"the cards hold it{held} ({est_all.peak_gb:.1f} GB per card), but {phase} does not fit "
-                              f"the box's RAM: {ram_why}; this box has {hw.ram_gb:.0f} GB "
-                              f"({sizing.USABLE_RAM_FRACTION:.0%} usable). A box with {need_ram:.0f} GB of RAM or more "
-                              f"holds it (`ftrun plan` on that box reads its RAM)")
+        return Choice(
+            False,
+            shard_engine,
+            "cuda",
+            n,
+            est_all,
+            cap,
+            reasons,
+            offload_params=offload,
+            offload_optimizer=offload_opt,
+            refusal=f"the cards hold it{held} ({est_all.peak_gb:.1f} GB per card), but {phase} does not fit "
+            f"the box's RAM: {ram_why}; this box has {hw.ram_gb:.0f} GB "
+            f"({sizing.USABLE_RAM_FRACTION:.0%} usable). A box with {need_ram:.0f} GB of RAM or more "
+            f"holds it (`ftrun plan` on that box reads its RAM)",
+        )
     wn = job.workload(shard_engine, n, "cuda", offload, offload_opt)
     tps, hrs = _hours(job, wn, hw, n)
-    link = links.title(hw.interconnect) if hw.interconnect == links.NVLINK else \
-        f"{links.title(links.PCIE)} (sharding exchanges every layer: expect it slower)"
+    link = (
+        links.title(hw.interconnect)
+        if hw.interconnect == links.NVLINK
+        else f"{links.title(links.PCIE)} (sharding exchanges every layer: expect it slower)"
+    )
     label = "FSDP" if shard_engine == "fsdp" else "DeepSpeed ZeRO-3"
     if to_deepspeed and METHODS[job.method].eight_bit_optimizer:
         reasons.append(f"DeepSpeed ZeRO-3, not FSDP: {FULL_8BIT_FSDP}")
     if offload_opt:
-        reasons.append(f"engine deepspeed with {offload_words(True, offload)}: "
-                       + (f"forced by the recipe (offload: {setting})" if force_offload else
-                          f"nothing else fits: sharded over all {n} cards without offload each card needs "
-                          f"{est_plain.peak_gb:.1f} GB of {cap:.1f} GB"
-                          + (f", with the optimizer offloaded {sized(n, False, True).peak_gb:.1f} GB" if offload else ""))
-                       + f"; {minimum} x {cap:.0f} GB {link} is the fewest that fits with it")
+        reasons.append(
+            f"engine deepspeed with {offload_words(True, offload)}: "
+            + (
+                f"forced by the recipe (offload: {setting})"
+                if force_offload
+                else f"nothing else fits: sharded over all {n} cards without offload each card needs "
+                f"{est_plain.peak_gb:.1f} GB of {cap:.1f} GB"
+                + (f", with the optimizer offloaded {sized(n, False, True).peak_gb:.1f} GB" if offload else "")
+            )
+            + f"; {minimum} x {cap:.0f} GB {link} is the fewest that fits with it"
+        )
     else:
-        reasons.append(f"engine {shard_engine}: needs {one.total_gb:.0f} GB, largest card {cap:.0f} GB; "
-                       f"{minimum} x {cap:.0f} GB {link} is the fewest that fits")
-    reasons.append(f"{label} over all {n} cards of this box (billed whole; more shards run faster and leave more room): "
-                   f"{est_all.per_gpu_gb:.1f} GB per card, {cap - est_all.per_gpu_gb:.1f} GB spare"
-                   + (" (forced by the recipe)" if forced in SHARDING_ENGINES else ""))
+        reasons.append(
+            f"engine {shard_engine}: needs {one.total_gb:.0f} GB, largest card {cap:.0f} GB; "
+            f"{minimum} x {cap:.0f} GB {link} is the fewest that fits"
+        )
+    reasons.append(
+        f"{label} over all {n} cards of this box (billed whole; more shards run faster and leave more room): "
+        f"{est_all.per_gpu_gb:.1f} GB per card, {cap - est_all.per_gpu_gb:.1f} GB spare"
+        + (" (forced by the recipe)" if forced in SHARDING_ENGINES else "")
+    )
     if is_quantized(job.method):
-        reasons.append("QLoRA + FSDP: 4-bit shards are gathered and dequantised per layer, so it runs at a moderate pace")
+        reasons.append(
+            "QLoRA + FSDP: 4-bit shards are gathered and dequantised per layer, so it runs at a moderate pace"
+        )
     gb_s = throughput.pcie_gb_s(hw.gpu.compute_capability)
     if offload_opt:
         move, step = throughput.deepspeed_offload_seconds(job.arch, est_all, wn, gb_s, hw.cpu_count)
         reasons.append(
             f"CPU offload: {est_all.offload_explanation}. The optimizer is DeepSpeedCPUAdam, fp32 AdamW, whatever the "
-            "recipe's optimizer" + (": method full-8bit's 8-bit AdamW is not used (DeepSpeed replaces the client "
-                                    "optimizer under offload), so the run trains as method full does, with 16 B/param of "
-                                    "states in RAM instead of 2 on the cards" if METHODS[job.method].eight_bit_optimizer else "")
+            "recipe's optimizer"
+            + (
+                ": method full-8bit's 8-bit AdamW is not used (DeepSpeed replaces the client "
+                "optimizer under offload), so the run trains as method full does, with 16 B/param of "
+                "states in RAM instead of 2 on the cards"
+                if METHODS[job.method].eight_bit_optimizer
+                else ""
+            )
             + f". Each micro-batch's gradients cross PCIe ({gb_s:g} GB/s per card) and every optimizer step moves the "
-            f"fp32 gradients down" + (" and the updated parameters up" if not offload else "")
+            f"fp32 gradients down"
+            + (" and the updated parameters up" if not offload else "")
             + (", the 16-bit parameters go up before every gather" if offload else "")
             + f" and runs Adam on {hw.cpu_count} CPU cores: +{move:.2f} s transfer and +{step:.2f} s CPU step per "
             f"micro-batch (accumulation {job.accumulation}; {tps:,.0f} tokens/s against "
-            f"{_tps(job, job.workload(shard_engine, n, 'cuda'), hw):,.0f} if it fitted without offload); {CPU_ADAM_NOTE}")
+            f"{_tps(job, job.workload(shard_engine, n, 'cuda'), hw):,.0f} if it fitted without offload); "
+            f"{CPU_ADAM_NOTE}"
+        )
     elif offload:
         move = throughput.offload_seconds_per_micro_batch(est_all, wn, gb_s)
-        reasons.append(f"parameter offload (fsdp_offload_params): without it each card needs "
-                       f"{est_plain.peak_gb:.1f} GB; the shards "
-                       f"({est_all.offloaded_params_gb:.1f} GB) live in CPU RAM and cross PCIe ({gb_s:g} GB/s per card) "
-                       f"in every forward and backward: +{move:.1f} s per micro-batch")
+        reasons.append(
+            f"parameter offload (fsdp_offload_params): without it each card needs "
+            f"{est_plain.peak_gb:.1f} GB; the shards "
+            f"({est_all.offloaded_params_gb:.1f} GB) live in CPU RAM and cross PCIe ({gb_s:g} GB/s per card) "
+            f"in every forward and backward: +{move:.1f} s per micro-batch"
+        )
     load_h = throughput.load_seconds(job.arch, wn, hw.cpu_count) / 3600
     if est_all.load_explanation:
-        reasons.append("loading: " + est_all.load_explanation
-                       + (f"; quantizing on {hw.cpu_count} CPU cores takes about {_fmt_hours(load_h)} (in the time)"
-                          if load_h else ""))
+        reasons.append(
+            "loading: "
+            + est_all.load_explanation
+            + (
+                f"; quantizing on {hw.cpu_count} CPU cores takes about {_fmt_hours(load_h)} (in the time)"
+                if load_h
+                else ""
+            )
+        )
     if rent_note:
         reasons.append(rent_note)
-    return Choice(True, shard_engine, "cuda", n, est_all, cap, reasons, tps, hrs, min_gpus=minimum,
-                  offload_params=offload, offload_optimizer=offload_opt, load_hours=load_h)
+    return Choice(
+        True,
+        shard_engine,
+        "cuda",
+        n,
+        est_all,
+        cap,
+        reasons,
+        tps,
+        hrs,
+        min_gpus=minimum,
+        offload_params=offload,
+        offload_optimizer=offload_opt,
+        load_hours=load_h,
+    )
 
 
-def _choose_gpu_count(job: Job, hw: Hardware, forced: str, unsloth_ok: bool, workday_hours: float,
-                      processes: int, in_hand: bool = True, offload: str = "auto") -> Choice:
+def _choose_gpu_count(
+    job: Job,
+    hw: Hardware,
+    forced: str,
+    unsloth_ok: bool,
+    workday_hours: float,
+    processes: int,
+    in_hand: bool = True,
+    offload: str = "auto",
+) -> Choice:
     """The engine choice on `processes` of the box's cards; refused when the rules need another count."""
     if processes > hw.count:
-        return Choice(False, forced, "cuda", processes, None, hw.gpu.memory_gb, [],
-                      refusal=f"num_processes={processes} needs {processes} GPUs, this box has {hw.count}")
+        return Choice(
+            False,
+            forced,
+            "cuda",
+            processes,
+            None,
+            hw.gpu.memory_gb,
+            [],
+            refusal=f"num_processes={processes} needs {processes} GPUs, this box has {hw.count}",
+        )
     used = replace(hw, gpus=hw.gpus[:processes])
     c = choose(job, used, forced, unsloth_ok, workday_hours, in_hand=in_hand, offload=offload)
     if c.fits and c.processes != processes and forced == "auto" and processes > 1:
         c = choose(job, used, "ddp", unsloth_ok, workday_hours, in_hand=in_hand)  # a count > 1 asks for several
     if c.fits and c.processes != processes:
-        return Choice(False, c.engine, "cuda", processes, c.estimate, c.capacity_gb, c.reasons,
-                      refusal=f"num_processes={processes}: engine {c.engine} runs {c.processes} process(es) here")
+        return Choice(
+            False,
+            c.engine,
+            "cuda",
+            processes,
+            c.estimate,
+            c.capacity_gb,
+            c.reasons,
+            refusal=f"num_processes={processes}: engine {c.engine} runs {c.processes} process(es) here",
+        )
     if c.fits:
         idle = hw.count - processes
-        c.reasons.append(f"num_processes={processes} from the recipe"
-                         + (f"; {idle} of the box's {hw.count} cards {'stays' if idle == 1 else 'stay'} idle" if idle else ""))
+        c.reasons.append(
+            f"num_processes={processes} from the recipe"
+            + (f"; {idle} of the box's {hw.count} cards {'stays' if idle == 1 else 'stay'} idle" if idle else "")
+        )
     return c
 
 
-def choose_with_software(job: Job, hw: Hardware, forced: str, unsloth_ok: bool, workday_hours: float, *,
-                         processes: int | None, nnodes: int, offload: str) -> Choice:
+def choose_with_software(
+    job: Job,
+    hw: Hardware,
+    forced: str,
+    unsloth_ok: bool,
+    workday_hours: float,
+    *,
+    processes: int | None,
+    nnodes: int,
+    offload: str,
+) -> Choice:
     """`choose`, then what the box in hand lacks: a job that only Unsloth's lower memory fits is missing software,
     not too big (the fix is the install, never a bigger box); a DeepSpeed plan without DeepSpeed installed."""
     choice = choose(job, hw, forced, unsloth_ok, workday_hours, processes=processes, nnodes=nnodes, offload=offload)
-    if not choice.fits and not choice.missing and not unsloth_ok and forced == "auto" and hw.gpus and hw.is_this_machine:
+    if (
+        not choice.fits
+        and not choice.missing
+        and not unsloth_ok
+        and forced == "auto"
+        and hw.gpus
+        and hw.is_this_machine
+    ):
         with_unsloth = choose(job, hw, forced, True, workday_hours, processes=processes, nnodes=nnodes, offload=offload)
         if with_unsloth.fits and with_unsloth.engine == "unsloth":
             need = with_unsloth.estimate.per_gpu_gb if with_unsloth.estimate else None
-            choice = replace(choice, missing="unsloth", refusal=(
-                "it fits this box only with Unsloth" + (f" ({need:.1f} GB of {with_unsloth.capacity_gb:.1f} GB per "
-                                                       "card)" if need else "") + ", and Unsloth is not installed "
-                "in this environment. " + UNSLOTH_FIX))
+            choice = replace(
+                choice,
+                missing="unsloth",
+                refusal=(
+                    "it fits this box only with Unsloth"
+                    + (f" ({need:.1f} GB of {with_unsloth.capacity_gb:.1f} GB per card)" if need else "")
+                    + ", and Unsloth is not installed "
+                    "in this environment. " + UNSLOTH_FIX
+                ),
+            )
     if choice.fits and choice.engine == "deepspeed" and hw.is_this_machine and not _deepspeed_installed():
-        choice = replace(choice, fits=False, missing="deepspeed", refusal="engine: deepspeed needs DeepSpeed, which "
-                         "is not installed in this environment: pip install 'ftrun[deepspeed]' (ftrun's Docker image "
-                         "has it)")
+        choice = replace(
+            choice,
+            fits=False,
+            missing="deepspeed",
+            refusal="engine: deepspeed needs DeepSpeed, which "
+            "is not installed in this environment: pip install 'ftrun[deepspeed]' (ftrun's Docker image "
+            "has it)",
+        )
     return choice

@@ -27,12 +27,12 @@ DIST = "llama-cpp-python"
 CONVERTER_HOME = Path(os.environ.get("FTRUN_CACHE", Path.home() / ".cache" / "ftrun")) / f"llama.cpp-{PINNED}"
 STAMP = "ftrun-llamacpp.json"
 BUILD_FLAGS = "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
-INSTALL_HINT = (f'CMAKE_ARGS="{BUILD_FLAGS}" pip install --no-binary {DIST} "{DIST}=={PINNED}" && '
-                "ftrun llamacpp install")
+INSTALL_HINT = f'CMAKE_ARGS="{BUILD_FLAGS}" pip install --no-binary {DIST} "{DIST}=={PINNED}" && ftrun llamacpp install'
 
 
 # ---------------------------------------------------------------------------------------------
 # Where things are
+
 
 @dataclass
 class Converter:
@@ -53,8 +53,9 @@ def converter() -> Optional[Converter]:
     stamp = CONVERTER_HOME / STAMP
     if (CONVERTER_HOME / "convert_hf_to_gguf.py").is_file() and stamp.is_file():
         info = json.loads(stamp.read_text())
-        return Converter(CONVERTER_HOME, f"{DIST} {info['version']} source distribution", info["version"],
-                         info.get("gguf_py"))
+        return Converter(
+            CONVERTER_HOME, f"{DIST} {info['version']} source distribution", info["version"], info.get("gguf_py")
+        )
     return None
 
 
@@ -87,6 +88,7 @@ def installed_gguf_version() -> Optional[str]:
 
 # ---------------------------------------------------------------------------------------------
 # What the converter supports, read from its source (no torch: `ftrun plan` runs this)
+
 
 def supported_architectures(folder: Path) -> dict[str, str]:
     """HF architecture class -> converter module, from conversion/__init__.py's TEXT_MODEL_MAP (the table its
@@ -126,10 +128,14 @@ def known_pre_tokenizers(folder: Path) -> tuple[str, dict[str, str]]:
 # BPE tokenizer whose hash llama.cpp does not list (a tokenizer trained for the model, or a list older than the
 # model) is named by its split rule instead; the export then checks that llama.cpp tokenizes the prompts exactly
 # like the model's own tokenizer.
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 KNOWN_SPLITS = {_QWEN2_SPLIT: "qwen2", _LLAMA3_SPLIT: "llama-bpe"}
 
 
@@ -175,24 +181,34 @@ def readiness(model: str, gguf_type: str, this_box: bool = True) -> Readiness:
         return r
     have = runtime_version()
     conv = converter()
-    r.facts.update(runtime=have, converter=str(conv.folder) if conv else None,
-                   converter_version=conv.version if conv else None, gguf_py=conv.gguf_py if conv else None,
-                   gguf_package=installed_gguf_version())
+    r.facts.update(
+        runtime=have,
+        converter=str(conv.folder) if conv else None,
+        converter_version=conv.version if conv else None,
+        gguf_py=conv.gguf_py if conv else None,
+        gguf_package=installed_gguf_version(),
+    )
     # a box planned by name runs ftrun's Docker image, which has llama-cpp-python and the converter (docker/)
     where = "this box" if this_box else "the box that exports (ftrun's Docker image has it)"
     if have is None:
         (r.missing if this_box else r.notes).append(
-            f"{DIST} (llama.cpp's runtime and quantizer) is not installed on {where}: {INSTALL_HINT}")
+            f"{DIST} (llama.cpp's runtime and quantizer) is not installed on {where}: {INSTALL_HINT}"
+        )
     elif have != PINNED:
         r.notes.append(f"{DIST} {have} is installed; ftrun is tested with {PINNED}")
     if conv is None:
         (r.missing if this_box else r.notes).append(
             f"llama.cpp's converter is not installed on {where}: `ftrun llamacpp install` copies "
-            f"convert_hf_to_gguf.py from the {DIST} {PINNED} source distribution")
+            f"convert_hf_to_gguf.py from the {DIST} {PINNED} source distribution"
+        )
         # the architecture is still checked, against the converter's table as ftrun ships it (the tokenizer
         # check needs the converter's own code, on the box that exports)
-        _check_architecture(model, shipped_architectures(), f"{DIST} {PINNED}'s converter (its table as ftrun "
-                            f"ships it, {ARCHITECTURES_FILE.name})", r)
+        _check_architecture(
+            model,
+            shipped_architectures(),
+            f"{DIST} {PINNED}'s converter (its table as ftrun ships it, {ARCHITECTURES_FILE.name})",
+            r,
+        )
         return r
     import importlib.util
 
@@ -200,10 +216,13 @@ def readiness(model: str, gguf_type: str, this_box: bool = True) -> Readiness:
         # conversion/base.py imports it before it looks for a tokenizer.model, so every model needs it
         (r.missing if this_box else r.notes).append(
             "llama.cpp's converter needs the sentencepiece package (pip install sentencepiece, part of ftrun's "
-            "gguf extra)")
+            "gguf extra)"
+        )
     if conv.version and have and conv.version != have:
-        r.problems.append(f"the converter comes from {DIST} {conv.version}, the runtime is {have}: one version for "
-                          "both (`ftrun llamacpp install` again)")
+        r.problems.append(
+            f"the converter comes from {DIST} {conv.version}, the runtime is {have}: one version for "
+            "both (`ftrun llamacpp install` again)"
+        )
     if _check_architecture(model, supported_architectures(conv.folder), f"llama.cpp's converter ({conv.source})", r):
         _check_tokenizer(model, conv, r)
     return r
@@ -230,8 +249,10 @@ def _check_architecture(model: str, archs: dict[str, str], source: str, r: Readi
     arch = (cfg.get("architectures") or [None])[0]
     r.facts["architecture"] = arch
     if arch not in archs:
-        r.problems.append(f"{source} has no conversion for architecture {arch!r} "
-                          f"(it knows {len(archs)}, e.g. {', '.join(sorted(a for a in archs if 'CausalLM' in a)[:6])})")
+        r.problems.append(
+            f"{source} has no conversion for architecture {arch!r} "
+            f"(it knows {len(archs)}, e.g. {', '.join(sorted(a for a in archs if 'CausalLM' in a)[:6])})"
+        )
         return False
     r.notes.append(f"architecture {arch}: converted by llama.cpp's conversion/{archs[arch]}.py")
     return True
@@ -247,15 +268,19 @@ def plan_check(recipe: Any, this_box: bool) -> list[str]:
     gguf_type = getattr(recipe, "gguf_type", DEFAULT_TYPE)
     r = readiness(recipe.model, gguf_type, this_box=this_box)
     if r.problems:
-        raise RecipeError(f"export: gguf ({gguf_type}) cannot be made for {recipe.model}: " + "; ".join(r.problems),
-                          fix="remove gguf from export: before training (the merged model can still be served), "
-                          "or train a model llama.cpp's converter supports.")
+        raise RecipeError(
+            f"export: gguf ({gguf_type}) cannot be made for {recipe.model}: " + "; ".join(r.problems),
+            fix="remove gguf from export: before training (the merged model can still be served), "
+            "or train a model llama.cpp's converter supports.",
+        )
     if r.missing:
         from launcher.errors import MissingSoftware
 
-        raise MissingSoftware(f"export: gguf ({gguf_type}) needs llama.cpp on this box: " + "; ".join(r.missing),
-                              fix="install it before training (the lines above), or remove gguf from export: and "
-                              "run `ftrun export RUN_DIR --gguf TYPE` later on a box that has it.")
+        raise MissingSoftware(
+            f"export: gguf ({gguf_type}) needs llama.cpp on this box: " + "; ".join(r.missing),
+            fix="install it before training (the lines above), or remove gguf from export: and "
+            "run `ftrun export RUN_DIR --gguf TYPE` later on a box that has it.",
+        )
     return [f"export gguf {gguf_type}: " + "; ".join(r.notes)]
 
 
@@ -269,8 +294,11 @@ def _check_tokenizer(model: str, conv: Converter, r: Readiness) -> None:
     tj_path = _model_file(model, "tokenizer.json")
     spm = _model_file(model, "tokenizer.model")
     if tj_path is None:
-        r.notes.append("tokenizer: SentencePiece (tokenizer.model)" if spm is not None else
-                       "no tokenizer.json on this box: the tokenizer is checked at export")
+        r.notes.append(
+            "tokenizer: SentencePiece (tokenizer.model)"
+            if spm is not None
+            else "no tokenizer.json on this box: the tokenizer is checked at export"
+        )
         return
     tj = json.loads(tj_path.read_text())
     m = tj.get("model") or {}
@@ -282,22 +310,28 @@ def _check_tokenizer(model: str, conv: Converter, r: Readiness) -> None:
         ids = Tokenizer.from_file(str(tj_path)).encode(chktxt).ids
         digest = hashlib.sha256(str(ids).encode()).hexdigest()
         rule = split_rule(tj)
-        r.facts["tokenizer"] = {"kind": "byte-level BPE", "hash": digest, "pre": known.get(digest) or rule,
-                                "named_by": "llama.cpp" if digest in known else "split rule" if rule else None}
+        r.facts["tokenizer"] = {
+            "kind": "byte-level BPE",
+            "hash": digest,
+            "pre": known.get(digest) or rule,
+            "named_by": "llama.cpp" if digest in known else "split rule" if rule else None,
+        }
         if digest in known:
             r.notes.append(f"tokenizer: byte-level BPE, known to llama.cpp as {known[digest]!r}")
         elif rule:
-            r.notes.append(f"tokenizer: byte-level BPE not in llama.cpp's list; its split rule is llama.cpp's "
-                           f"{rule!r}, and the export checks that llama.cpp tokenizes the prompts identically")
+            r.notes.append(
+                f"tokenizer: byte-level BPE not in llama.cpp's list; its split rule is llama.cpp's "
+                f"{rule!r}, and the export checks that llama.cpp tokenizes the prompts identically"
+            )
         else:
-            r.problems.append("the tokenizer is a byte-level BPE whose split rule llama.cpp does not implement "
-                              "(its hash is not in convert_hf_to_gguf's list and its regex is not GPT-2, Qwen2 or "
-                              "Llama 3's): llama.cpp and Ollama would split text differently from training")
+            r.problems.append(
+                "the tokenizer is a byte-level BPE whose split rule llama.cpp does not implement "
+                "(its hash is not in convert_hf_to_gguf's list and its regex is not GPT-2, Qwen2 or "
+                "Llama 3's): llama.cpp and Ollama would split text differently from training"
+            )
     elif spm is not None:
         r.facts["tokenizer"] = {"kind": "sentencepiece"}
         r.notes.append("tokenizer: SentencePiece (tokenizer.model)")
     else:
         r.facts["tokenizer"] = {"kind": str(m.get("type"))}
         r.notes.append(f"tokenizer: {m.get('type')} (left to the converter; the export checks its tokenization)")
-
-

@@ -105,6 +105,7 @@ class Hardware:
 # ---------------------------------------------------------------------------------------------
 # Catalog
 
+
 @dataclass(frozen=True)
 class CatalogGpu:
     name: str
@@ -117,14 +118,21 @@ class CatalogGpu:
     memory_bandwidth_gb_s: float | None = None
 
     def gpu(self) -> Gpu:
-        return Gpu(self.name, self.memory_gb, self.compute_capability, self.tflops_bf16, self.price_per_hour_eur,
-                   self.memory_bandwidth_gb_s)
+        return Gpu(
+            self.name,
+            self.memory_gb,
+            self.compute_capability,
+            self.tflops_bf16,
+            self.price_per_hour_eur,
+            self.memory_bandwidth_gb_s,
+        )
 
 
 def _parse_catalog(raw: Any, source: str) -> dict[str, CatalogGpu]:
     if not isinstance(raw, dict) or not isinstance(raw.get("gpus"), dict):
-        raise HardwareError(f"GPU catalog {source} must have a top-level `gpus:` mapping",
-                            fix=f"copy the shape of {CATALOG_FILE}.")
+        raise HardwareError(
+            f"GPU catalog {source} must have a top-level `gpus:` mapping", fix=f"copy the shape of {CATALOG_FILE}."
+        )
     out = {}
     for name, v in raw["gpus"].items():
         try:
@@ -137,16 +145,21 @@ def _parse_catalog(raw: Any, source: str) -> dict[str, CatalogGpu]:
                 price_per_hour_eur=None if v.get("price_per_hour_eur") is None else float(v["price_per_hour_eur"]),
                 compute_capability=tuple(cc) if cc else None,
                 nvml_names=tuple(v.get("nvml_names", [])),
-                memory_bandwidth_gb_s=(None if v.get("memory_bandwidth_gb_s") is None
-                                       else float(v["memory_bandwidth_gb_s"])),
+                memory_bandwidth_gb_s=(
+                    None if v.get("memory_bandwidth_gb_s") is None else float(v["memory_bandwidth_gb_s"])
+                ),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise HardwareError(f"GPU catalog {source}: entry {name} is incomplete ({exc})",
-                                fix="each entry needs memory_gb and tflops_bf16 (price_per_hour_eur may be null).") from None
+            raise HardwareError(
+                f"GPU catalog {source}: entry {name} is incomplete ({exc})",
+                fix="each entry needs memory_gb and tflops_bf16 (price_per_hour_eur may be null).",
+            ) from None
         if out[str(name)].interconnect not in links.LINKS:
-            raise HardwareError(f"GPU catalog {source}: entry {name} has interconnect "
-                                f"{out[str(name)].interconnect!r}, which the plan does not know",
-                                fix=f"write one of: {', '.join(links.LINKS)}.")
+            raise HardwareError(
+                f"GPU catalog {source}: entry {name} has interconnect "
+                f"{out[str(name)].interconnect!r}, which the plan does not know",
+                fix=f"write one of: {', '.join(links.LINKS)}.",
+            )
     return out
 
 
@@ -199,7 +212,7 @@ def lookup(name: str) -> CatalogGpu | None:
     if prefix:
         # 'A100' -> A100-80GB, 'H100' -> H100-80GB: users who write the bare name mean the common rental card, the
         # largest of the entries that differ from it only by a memory size (not H100-NVL or H100-PCIe).
-        sized = [e for e in prefix if re.fullmatch(r"\d+gb", _norm(e.name)[len(want):])]
+        sized = [e for e in prefix if re.fullmatch(r"\d+gb", _norm(e.name)[len(want) :])]
         return max(sized or prefix, key=lambda e: e.memory_gb)
     return None
 
@@ -223,24 +236,30 @@ def from_spec(spec: str) -> Hardware:
         raise UsageError(
             f"--gpus '{spec}' is not a GPU ftrun knows" if entry is None else f"--gpus '{spec}': count must be 1-64",
             fix=f"write COUNTxNAME such as 4xH100-80GB or RTX4090; known names: {names} "
-                f"(add your own in {USER_CATALOG_ENV} or ~/.config/ftrun/gpus.yaml).",
+            f"(add your own in {USER_CATALOG_ENV} or ~/.config/ftrun/gpus.yaml).",
         )
     gpus = tuple(entry.gpu() for _ in range(count))
     interconnect = links.NONE if count == 1 else entry.interconnect
     # A planned box has the CPU and RAM typical for its cards; rental boxes give ~8 cores and ~2x VRAM in RAM per card.
-    return Hardware(gpus, interconnect, cpu_count=8 * count, ram_gb=max(32.0, 2 * entry.memory_gb * count),
-                    source=f"--gpus {spec}")
+    return Hardware(
+        gpus, interconnect, cpu_count=8 * count, ram_gb=max(32.0, 2 * entry.memory_gb * count), source=f"--gpus {spec}"
+    )
 
 
 def catalog_box(name: str, count: int) -> Hardware:
     entry = catalog()[name]
-    return Hardware(tuple(entry.gpu() for _ in range(count)), links.NONE if count == 1 else entry.interconnect,
-                    cpu_count=8 * count, ram_gb=max(32.0, 2 * entry.memory_gb * count),
-                    source=f"catalog {count}x{name}")
+    return Hardware(
+        tuple(entry.gpu() for _ in range(count)),
+        links.NONE if count == 1 else entry.interconnect,
+        cpu_count=8 * count,
+        ram_gb=max(32.0, 2 * entry.memory_gb * count),
+        source=f"catalog {count}x{name}",
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Detection
+
 
 def _host_ram_gb() -> float:
     try:
@@ -259,8 +278,10 @@ def _ram_gb(notes: list[str] | None = None) -> float:
     limit = cgroup.memory_limit_bytes()
     if limit is not None and limit / GB < host:
         if notes is not None:
-            notes.append(f"container memory limit {limit / GB:.1f} GB (cgroup) below the host's {host:.0f} GB: "
-                         "planning with the limit, where the kernel OOM-kills")
+            notes.append(
+                f"container memory limit {limit / GB:.1f} GB (cgroup) below the host's {host:.0f} GB: "
+                "planning with the limit, where the kernel OOM-kills"
+            )
         return limit / GB
     return host
 
@@ -272,8 +293,10 @@ def cpu_cores(notes: list[str] | None = None) -> int:
     quota = cgroup.cpu_limit()
     if quota is not None and quota < cores:
         if notes is not None:
-            notes.append(f"container CPU quota {quota} cores (cgroup) below the {cores} this process sees: planning "
-                         "with the quota")
+            notes.append(
+                f"container CPU quota {quota} cores (cgroup) below the {cores} this process sees: planning "
+                "with the quota"
+            )
         return quota
     return cores
 

@@ -39,21 +39,41 @@ class Job:
     reference: str = ""  # DPO's reference (sizing.REFERENCES), "" without one
     objective: str = methods.DEFAULT_OBJECTIVE  # launcher/methods.py OBJECTIVES
 
-    def workload(self, engine: str, num_gpus: int, device: str, offload: bool = False,
-                 offload_optimizer: bool = False, offload_activations: bool = False) -> Workload:
+    def workload(
+        self,
+        engine: str,
+        num_gpus: int,
+        device: str,
+        offload: bool = False,
+        offload_optimizer: bool = False,
+        offload_activations: bool = False,
+    ) -> Workload:
         """`offload`: parameters in CPU RAM (FSDP's fsdp_offload_params, DeepSpeed's offload_param);
         `offload_optimizer`: DeepSpeed's optimizer offload (docs/sizing.md, "CPU offload"); `offload_activations`:
         TRL's activation_offloading (also when the recipe's trainer: section sets it)."""
-        return Workload(self.method, self.seq_len, self.micro_batch, self.gradient_checkpointing,
-                        self.lora_r, self.lora_targets, engine, num_gpus, device, offload, offload_optimizer,
-                        self.accumulation,
-                        offload_activations=offload_activations or self.offload_activations,
-                        sequences=self.sequences, reference=self.reference,
-                        loss=LOSS_MATERIALIZED if methods.OBJECTIVES[self.objective].whole_logits else "")
+        return Workload(
+            self.method,
+            self.seq_len,
+            self.micro_batch,
+            self.gradient_checkpointing,
+            self.lora_r,
+            self.lora_targets,
+            engine,
+            num_gpus,
+            device,
+            offload,
+            offload_optimizer,
+            self.accumulation,
+            offload_activations=offload_activations or self.offload_activations,
+            sequences=self.sequences,
+            reference=self.reference,
+            loss=LOSS_MATERIALIZED if methods.OBJECTIVES[self.objective].whole_logits else "",
+        )
 
 
-def _job(recipe: Any, arch: Architecture, data_stats: Any, tokens: float | None,
-         tokens_from: str = "--tokens") -> tuple[Job, list[str]]:
+def _job(
+    recipe: Any, arch: Architecture, data_stats: Any, tokens: float | None, tokens_from: str = "--tokens"
+) -> tuple[Job, list[str]]:
     notes = []
     max_length = recipe.max_length
     examples = None
@@ -63,8 +83,9 @@ def _job(recipe: Any, arch: Architecture, data_stats: Any, tokens: float | None,
         longest = min(int(data_stats.max_tokens), max_length)
         per_epoch = float(data_stats.total_tokens)
         src = "tokenizer" if getattr(data_stats, "tokens_source", "tokenizer") == "tokenizer" else "characters"
-        source = f"{examples:,} examples x {mean:.0f} tokens (from the {src}" + \
-                 (", about 4 characters per token: no tokenizer available)" if src == "characters" else ")")
+        source = f"{examples:,} examples x {mean:.0f} tokens (from the {src}" + (
+            ", about 4 characters per token: no tokenizer available)" if src == "characters" else ")"
+        )
     else:
         longest = max_length
         mean = min(ASSUMED_MEAN_TOKENS, max_length)
@@ -94,11 +115,27 @@ def _job(recipe: Any, arch: Architecture, data_stats: Any, tokens: float | None,
     if parent:  # init_from: the parent adapter's own rank and modules train on
         r, targets = parent
     objective = methods.OBJECTIVES[getattr(recipe, "objective", methods.DEFAULT_OBJECTIVE)]
-    job = Job(arch, recipe.method, seq_len, mean_seq, examples, training, source, recipe.micro_batch_size,
-              recipe.gradient_accumulation_steps, recipe.epochs, recipe.max_steps, recipe.gradient_checkpointing,
-              r, targets, recipe.packing,
-              bool((getattr(recipe, "trainer", None) or {}).get("activation_offloading")),
-              objective.sequences_per_example, reference_kind(recipe), objective.name)
+    job = Job(
+        arch,
+        recipe.method,
+        seq_len,
+        mean_seq,
+        examples,
+        training,
+        source,
+        recipe.micro_batch_size,
+        recipe.gradient_accumulation_steps,
+        recipe.epochs,
+        recipe.max_steps,
+        recipe.gradient_checkpointing,
+        r,
+        targets,
+        recipe.packing,
+        bool((getattr(recipe, "trainer", None) or {}).get("activation_offloading")),
+        objective.sequences_per_example,
+        reference_kind(recipe),
+        objective.name,
+    )
     return job, notes
 
 

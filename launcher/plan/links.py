@@ -21,11 +21,14 @@ class Link:
     sharding: float  # sharding's efficiency on top of that: an all-gather per layer in forward and backward
 
 
-LINKS: dict[str, Link] = {link.name: link for link in (
-    Link(NVLINK, "NVLink", {1: 1.0, 2: 1.8, 4: 3.5, 8: 6.8}, 0.95),  # the article: 1.8x for 2 cards, 3.5x for 4
-    Link(PCIE, "PCIe", _PCIE_SCALING, 0.8),
-    Link(NONE, "one card", _PCIE_SCALING, 1.0),
-)}
+LINKS: dict[str, Link] = {
+    link.name: link
+    for link in (
+        Link(NVLINK, "NVLink", {1: 1.0, 2: 1.8, 4: 3.5, 8: 6.8}, 0.95),  # the article: 1.8x for 2 cards, 3.5x for 4
+        Link(PCIE, "PCIe", _PCIE_SCALING, 0.8),
+        Link(NONE, "one card", _PCIE_SCALING, 1.0),
+    )
+}
 
 
 def title(interconnect: str) -> str:

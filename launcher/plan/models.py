@@ -1,4 +1,5 @@
-"""A model's architecture and parameter count, found offline: local config.json, HF cache, built-in catalog, then the Hub."""
+"""A model's architecture and parameter count, found offline: local config.json, HF cache, built-in catalog, then the
+Hub."""
 
 from __future__ import annotations
 
@@ -83,7 +84,9 @@ class Architecture:
     @property
     def mlp_params_per_layer(self) -> int:
         """All experts' MLP weights (what must be held in memory)."""
-        return 3 * self.hidden * self.intermediate * self.experts + (self.hidden * self.experts if self.experts > 1 else 0)
+        return 3 * self.hidden * self.intermediate * self.experts + (
+            self.hidden * self.experts if self.experts > 1 else 0
+        )
 
     @property
     def linear_params(self) -> int:
@@ -137,6 +140,7 @@ class Architecture:
 # ---------------------------------------------------------------------------------------------
 # Reading a config.json
 
+
 def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     # Multimodal checkpoints (Gemma 3 4B+, Llama 3.2 Vision) nest the language model's config.
     text = cfg.get("text_config")
@@ -162,7 +166,11 @@ def from_config(cfg: dict[str, Any], name: str, source: str) -> Architecture:
     heads = int(c["num_attention_heads"])
     experts = int(c.get("num_experts") or c.get("num_local_experts") or 1)
     # MoE configs give the per-expert width separately; dense ones only intermediate_size.
-    intermediate = int(c.get("moe_intermediate_size") if experts > 1 and c.get("moe_intermediate_size") else c.get("intermediate_size", 4 * hidden))
+    intermediate = int(
+        c.get("moe_intermediate_size")
+        if experts > 1 and c.get("moe_intermediate_size")
+        else c.get("intermediate_size", 4 * hidden)
+    )
     tied = c.get("tie_word_embeddings")
     if tied is None:  # transformers' PretrainedConfig default
         tied = True
@@ -189,9 +197,19 @@ def from_config(cfg: dict[str, Any], name: str, source: str) -> Architecture:
 # Built-in catalog: the real config.json values of popular models, so planning works offline.
 # Keys are normalised names (see `catalog_key`); one entry covers base, instruct and 4-bit re-uploads.
 
+
 def _a(layers, hidden, intermediate, heads, kv_heads, head_dim, vocab, tied, **kw) -> dict[str, Any]:
-    return dict(layers=layers, hidden=hidden, intermediate=intermediate, heads=heads, kv_heads=kv_heads,
-                head_dim=head_dim, vocab=vocab, tied_embeddings=tied, **kw)
+    return dict(
+        layers=layers,
+        hidden=hidden,
+        intermediate=intermediate,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab=vocab,
+        tied_embeddings=tied,
+        **kw,
+    )
 
 
 _QWEN3 = dict(qk_norm=True)
@@ -226,7 +244,8 @@ CATALOG: dict[str, dict[str, Any]] = {
     # Mistral
     "mistral-7b-v0.3": _a(32, 4096, 14336, 32, 8, 128, 32768, False),
     "mistral-7b-v0.1": _a(32, 4096, 14336, 32, 8, 128, 32000, False),
-    # Gemma 2 / 3 (Gemma 3 4B+ are multimodal: these are the text model's numbers; the ~0.4B vision tower is not counted)
+    # Gemma 2 / 3 (Gemma 3 4B+ are multimodal: these are the text model's numbers; the ~0.4B vision tower is not
+    # counted)
     "gemma-2-2b": _a(26, 2304, 9216, 8, 4, 256, 256000, True, **_GEMMA2),
     "gemma-2-9b": _a(42, 3584, 14336, 16, 8, 256, 256000, True, **_GEMMA2),
     "gemma-2-27b": _a(46, 4608, 36864, 32, 16, 128, 256000, True, **_GEMMA2),
@@ -240,8 +259,23 @@ CATALOG: dict[str, dict[str, Any]] = {
 _ALIASES = {"mistral-7b": "mistral-7b-v0.3", "llama-3.1-8b-base": "llama-3.1-8b"}
 
 # Name parts that mark a variant with the same architecture (instruct tunes, 4-bit re-uploads, dates).
-_VARIANT_PARTS = {"instruct", "it", "chat", "base", "hf", "pt", "bnb", "4bit", "unsloth", "dynamic", "awq", "gptq",
-                  "fp8", "int4", "2507"}
+_VARIANT_PARTS = {
+    "instruct",
+    "it",
+    "chat",
+    "base",
+    "hf",
+    "pt",
+    "bnb",
+    "4bit",
+    "unsloth",
+    "dynamic",
+    "awq",
+    "gptq",
+    "fp8",
+    "int4",
+    "2507",
+}
 
 
 def catalog_key(model: str) -> str:
@@ -261,6 +295,7 @@ def from_catalog(model: str) -> Architecture | None:
 
 # ---------------------------------------------------------------------------------------------
 # Local directory, HF cache, Hub
+
 
 def _read_config(path: Path) -> dict[str, Any]:
     try:
@@ -285,17 +320,27 @@ def _from_hub(model: str, timeout: float = 5.0) -> Architecture:
     """Fetch config.json only (a few KB) from the Hub into the Hugging Face cache (hf_hub_download: the user's
     token, HF_ENDPOINT and the cache location as huggingface_hub has them); raises ModelError when not found."""
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                        RemoteEntryNotFoundError, RepositoryNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RemoteEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
 
     try:
         path = hf_hub_download(model, "config.json", etag_timeout=timeout)
     except GatedRepoError:
-        raise _unknown_model(model, "the Hub answered that it is gated (accept its licence on the Hub, then "
-                             "`hf auth login` or set HF_TOKEN)") from None
+        raise _unknown_model(
+            model,
+            "the Hub answered that it is gated (accept its licence on the Hub, then `hf auth login` or set HF_TOKEN)",
+        ) from None
     except RepositoryNotFoundError:
-        raise _unknown_model(model, "the Hub has no such repository (or it is private and no token with access "
-                             "to it is set: `hf auth login` or HF_TOKEN)") from None
+        raise _unknown_model(
+            model,
+            "the Hub has no such repository (or it is private and no token with access "
+            "to it is set: `hf auth login` or HF_TOKEN)",
+        ) from None
     except RemoteEntryNotFoundError:
         raise _unknown_model(model, "its repository on the Hub has no config.json") from None
     except HfHubHTTPError as exc:
@@ -337,9 +382,11 @@ def load_architecture(model: str, allow_network: bool = True) -> Architecture:
     if wrong:
         raise ModelError(*wrong)
     if model.startswith(("/", ".", "~")):
-        raise ModelError(f"model directory {path} does not exist",
-                         fix="check the path (a recipe's relative paths resolve against its folder, a model= on the "
-                         "command line against the working directory).")
+        raise ModelError(
+            f"model directory {path} does not exist",
+            fix="check the path (a recipe's relative paths resolve against its folder, a model= on the "
+            "command line against the working directory).",
+        )
     cached = _from_cache(model)
     if cached is not None:
         return cached
@@ -349,8 +396,12 @@ def load_architecture(model: str, allow_network: bool = True) -> Architecture:
     offline = _offline()
     if not allow_network or offline:
         # "... and the Hub at URL did not answer ...", or the setting that keeps it off
-        raise _unknown_model(model, offline if allow_network and offline.startswith("the Hub") else
-                             "network access is off (HF_HUB_OFFLINE / FTRUN_OFFLINE)")
+        raise _unknown_model(
+            model,
+            offline
+            if allow_network and offline.startswith("the Hub")
+            else "network access is off (HF_HUB_OFFLINE / FTRUN_OFFLINE)",
+        )
     return _from_hub(model)
 
 
@@ -387,9 +438,15 @@ class Download:
         return 0.0 if self.cached or not self.bytes else self.bytes / (mb_s * 1e6)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"repo": self.repo, "bytes": self.bytes, "gb": round(self.bytes / 2**30, 1) if self.bytes else None,
-                "source": self.source, "cached": self.cached, "bandwidth_mb_s": DOWNLOAD_MB_S,
-                "seconds": round(self.seconds())}
+        return {
+            "repo": self.repo,
+            "bytes": self.bytes,
+            "gb": round(self.bytes / 2**30, 1) if self.bytes else None,
+            "source": self.source,
+            "cached": self.cached,
+            "bandwidth_mb_s": DOWNLOAD_MB_S,
+            "seconds": round(self.seconds()),
+        }
 
 
 def _weights_bytes(sizes: dict[str, int]) -> int:
@@ -428,7 +485,8 @@ def download_size(model: str, arch: Architecture, repo: str | None = None, allow
         sizes = {p.name: p.stat().st_size for p in path.iterdir() if p.is_file()}
         return Download(str(path), _weights_bytes(sizes), "local folder", cached=True)
     if cached_file(source_repo, "config.json") is not None and any(
-            cached_file(source_repo, n) for n in ("model.safetensors", "model.safetensors.index.json")):
+        cached_file(source_repo, n) for n in ("model.safetensors", "model.safetensors.index.json")
+    ):
         return Download(source_repo, 0, "in the Hugging Face cache already", cached=True)
     four_bit = repo is not None and "4bit" in repo.lower()
     why = _offline() or "offline (HF_HUB_OFFLINE / FTRUN_OFFLINE)"
@@ -437,8 +495,11 @@ def download_size(model: str, arch: Architecture, repo: str | None = None, allow
             return Download(source_repo, _hub_weights_bytes(source_repo), "Hub metadata (file sizes)")
         except Exception as exc:  # noqa: BLE001 - any Hub failure falls back to the estimate, announced in source
             why = f"the Hub did not answer: {type(exc).__name__}"
-    return Download(source_repo, estimated_weights_bytes(arch, four_bit),
-                    f"estimated from the architecture ({'4-bit' if four_bit else 'bf16'} weights; {why})")
+    return Download(
+        source_repo,
+        estimated_weights_bytes(arch, four_bit),
+        f"estimated from the architecture ({'4-bit' if four_bit else 'bf16'} weights; {why})",
+    )
 
 
 # Unsloth's pre-quantized 4-bit uploads (bitsandbytes NF4 weights): for QLoRA they download about a

@@ -1,4 +1,5 @@
-"""(Recipe, Hardware, DataStats) -> Plan: engine, processes, memory, tokens, time, cost, each with its reason; refuses with advice.
+"""(Recipe, Hardware, DataStats) -> Plan: engine, processes, memory, tokens, time, cost, each with its reason; refuses
+with advice.
 
 It assembles the parts: the job (plan/job.py), the engine choice (plan/engine.py), the advice (plan/advice.py), the
 text (plan/text.py).
@@ -20,8 +21,15 @@ from launcher.plan import speed
 from launcher.errors import MissingSoftware, PlanError
 from launcher.methods import is_adapter
 from launcher.plan import engine as engine_choice
-from launcher.plan.advice import (_box_rows, _fixes_here, _missing_message, _pick_alternatives, _refusal_message,
-                                  _refusal_options, cheapest_rental)
+from launcher.plan.advice import (
+    _box_rows,
+    _fixes_here,
+    _missing_message,
+    _pick_alternatives,
+    _refusal_message,
+    _refusal_options,
+    cheapest_rental,
+)
 from launcher.plan.engine import SHARDING_ENGINES, WORKDAY_HOURS, Choice, choose
 from launcher import export_formats
 from launcher import methods
@@ -59,7 +67,9 @@ class Plan:
     measured: dict[str, Any] = field(default_factory=dict)
     hardware: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    offload_params: bool = False  # parameters in CPU RAM (engines/fsdp.py: fsdp_offload_params; deepspeed.py: offload_param)
+    offload_params: bool = (
+        False  # parameters in CPU RAM (engines/fsdp.py: fsdp_offload_params; deepspeed.py: offload_param)
+    )
     offload_optimizer: bool = False  # DeepSpeed ZeRO-3 offload_optimizer (launcher/worker/engines/deepspeed.py)
     offload_activations: bool = False  # TRL's activation_offloading (launcher/worker/trainer_config.py)
     refusal: dict[str, Any] = field(default_factory=dict)  # when fits is False: message, why, missing, options
@@ -104,16 +114,39 @@ class Plan:
         }
 
 
-def make_plan(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: float | None = None,
-              unsloth_available: bool | None = None, smoke: dict[str, Any] | None = None,
-              workday_hours: float = WORKDAY_HOURS, arch: Architecture | None = None, nnodes: int = 1,
-              price: float | None = None, box_reason: str | None = None, allow_network: bool = True,
-              tokens_from: str = "--tokens") -> Plan:
+def make_plan(
+    recipe: Any,
+    hardware: Hardware,
+    data_stats: Any = None,
+    tokens: float | None = None,
+    unsloth_available: bool | None = None,
+    smoke: dict[str, Any] | None = None,
+    workday_hours: float = WORKDAY_HOURS,
+    arch: Architecture | None = None,
+    nnodes: int = 1,
+    price: float | None = None,
+    box_reason: str | None = None,
+    allow_network: bool = True,
+    tokens_from: str = "--tokens",
+) -> Plan:
     """Size the recipe's job for this box. When nothing fits: PlanError (concrete options in .fix, the whole
     no-fit plan in .plan); when it needs software this machine lacks: MissingSoftware (the install in .fix; the plan in
     .plan, which fits where only an output's software is missing: Plan.blocked)."""
-    plan = plan_for(recipe, hardware, data_stats, tokens, unsloth_available, smoke, workday_hours, arch, nnodes,
-                    price, box_reason, allow_network, tokens_from)
+    plan = plan_for(
+        recipe,
+        hardware,
+        data_stats,
+        tokens,
+        unsloth_available,
+        smoke,
+        workday_hours,
+        arch,
+        nnodes,
+        price,
+        box_reason,
+        allow_network,
+        tokens_from,
+    )
     if not plan.fits:
         missing = plan.refusal.get("missing")
         err_type = MissingSoftware if missing else PlanError
@@ -150,14 +183,18 @@ def _download(recipe: Any, arch: Architecture, engine: str, allow_network: bool)
     lines = []
     if repo and engine == "unsloth":
         got = download_size(recipe.model, arch, repo, allow_network)
-        lines.append(f"weights: the pre-quantized 4-bit repository {repo} instead of {recipe.model} (same model, "
-                     "NF4 already: about a quarter of the download, no quantization at load)")
+        lines.append(
+            f"weights: the pre-quantized 4-bit repository {repo} instead of {recipe.model} (same model, "
+            "NF4 already: about a quarter of the download, no quantization at load)"
+        )
         return got, lines
     got = download_size(recipe.model, arch, None, allow_network)
     if repo:
-        lines.append(f"weights: {recipe.model} in 16-bit, quantized to 4 bits while loading ({engine} loads the "
-                     f"recipe's model); the pre-quantized {repo} is about a quarter of the download: "
-                     f"model={repo} to use it")
+        lines.append(
+            f"weights: {recipe.model} in 16-bit, quantized to 4 bits while loading ({engine} loads the "
+            f"recipe's model); the pre-quantized {repo} is about a quarter of the download: "
+            f"model={repo} to use it"
+        )
     return got, lines
 
 
@@ -181,15 +218,27 @@ def _task_eval_note(recipe: Any, data_stats: Any) -> list[str]:
         return ["task evaluation: nothing is held out (eval.fraction or eval.data), so nothing is scored"]
     scorers = _task_eval_scorers(recipe)
     longest = task.max_new_tokens or ev.max_new_tokens
-    return [f"task evaluation: {held} each answered greedily {_times(len(scorers))} ({', '.join(scorers)}), "
-            f"up to {longest} new tokens each; the smoke test measures the generation speed and forecasts its time"]
+    return [
+        f"task evaluation: {held} each answered greedily {_times(len(scorers))} ({', '.join(scorers)}), "
+        f"up to {longest} new tokens each; the smoke test measures the generation speed and forecasts its time"
+    ]
 
 
-def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: float | None = None,
-             unsloth_available: bool | None = None, smoke: dict[str, Any] | None = None,
-             workday_hours: float = WORKDAY_HOURS, arch: Architecture | None = None, nnodes: int = 1,
-             price: float | None = None, box_reason: str | None = None, allow_network: bool = True,
-             tokens_from: str = "--tokens") -> Plan:
+def plan_for(
+    recipe: Any,
+    hardware: Hardware,
+    data_stats: Any = None,
+    tokens: float | None = None,
+    unsloth_available: bool | None = None,
+    smoke: dict[str, Any] | None = None,
+    workday_hours: float = WORKDAY_HOURS,
+    arch: Architecture | None = None,
+    nnodes: int = 1,
+    price: float | None = None,
+    box_reason: str | None = None,
+    allow_network: bool = True,
+    tokens_from: str = "--tokens",
+) -> Plan:
     """The plan, fitting or not (Plan.fits False: the memory needed, the reasons, the options in .refusal)."""
     arch = arch or load_architecture(recipe.model)
     unsloth_ok, software = engine_choice.software(hardware, unsloth_available)
@@ -204,8 +253,9 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
     forced = recipe.engine
     wanted = None if recipe.num_processes == "auto" else int(recipe.num_processes)
     offload = getattr(recipe, "offload", "auto")  # a recipe-like namespace (the GPU check's) may not name it
-    choice = engine_choice.choose_with_software(job, hardware, forced, unsloth_ok, workday_hours, processes=wanted,
-                                                nnodes=nnodes, offload=offload)
+    choice = engine_choice.choose_with_software(
+        job, hardware, forced, unsloth_ok, workday_hours, processes=wanted, nnodes=nnodes, offload=offload
+    )
     rows = _box_rows(job, forced if forced in ("auto", *SHARDING_ENGINES) else "auto", True, workday_hours)
     alternatives = _pick_alternatives(rows)
     g = hardware.gpu
@@ -213,35 +263,64 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
     head = [f"model {arch.name}: {_fmt_tokens(arch.params)} params ({arch.source})"] + box + [software]
 
     est = choice.estimate
-    if not choice.fits and est is None and choice.device == "cuda" and choice.engine in ("trl", "unsloth", "ddp",
-                                                                                          *SHARDING_ENGINES):
+    if (
+        not choice.fits
+        and est is None
+        and choice.device == "cuda"
+        and choice.engine in ("trl", "unsloth", "ddp", *SHARDING_ENGINES)
+    ):
         # a forced engine refused before sizing (unsloth for a full fine-tune, ddp on one card, more processes
         # than cards): the JSON still says what the job needs, as the engine asked for would run it
         est = sizing.memory(job.arch, job.workload(choice.engine, max(1, choice.processes), "cuda"))
     if not choice.fits:
-        options = ([] if choice.missing else _refusal_options(job, hardware, forced, unsloth_ok, workday_hours, rows,
-                                                              offload, wanted, nnodes))
+        options = (
+            []
+            if choice.missing
+            else _refusal_options(job, hardware, forced, unsloth_ok, workday_hours, rows, offload, wanted, nnodes)
+        )
         if choice.missing:
-            options = [f"install {choice.missing} on this machine (the fix is above), or plan for a rented box with "
-                       f"--gpus, which assumes {engine_choice.IMAGE_SOFTWARE}"]
+            options = [
+                f"install {choice.missing} on this machine (the fix is above), or plan for a rented box with "
+                f"--gpus, which assumes {engine_choice.IMAGE_SOFTWARE}"
+            ]
             if choice.missing == "unsloth" and forced == "auto":  # or change the recipe so that TRL fits here
                 options += _fixes_here(job, hardware, forced, unsloth_ok, workday_hours, offload, wanted, nnodes)
-        message = (_missing_message(job, choice) if choice.missing else _refusal_message(job, hardware, choice))
+        message = _missing_message(job, choice) if choice.missing else _refusal_message(job, hardware, choice)
         return Plan(
-            fits=False, engine=choice.engine, device=choice.device, num_processes=choice.processes,
-            gpus=_gpus_dict(hardware, choice), model=_model_dict(arch, est), method=job.method,
+            fits=False,
+            engine=choice.engine,
+            device=choice.device,
+            num_processes=choice.processes,
+            gpus=_gpus_dict(hardware, choice),
+            model=_model_dict(arch, est),
+            method=job.method,
             memory=_memory_dict(est, choice, {}) if est else {"capacity_gb": round(choice.capacity_gb, 1)},
             tokens={"training_tokens": job.training_tokens, "source": job.tokens_source, "seq_len": job.seq_len},
-            estimate={"hours": choice.hours, "cost_eur": None}, price_per_hour_eur=None, total_steps=0,
-            micro_batch_size=job.micro_batch, gradient_accumulation_steps=job.accumulation, checkpoint_every_steps=0,
-            reasons=head + choice.reasons, alternatives=alternatives, hardware=hardware.to_dict(),
-            notes=notes + list(hardware.notes), offload_params=choice.offload_params,
-            offload_optimizer=choice.offload_optimizer, refusal={"message": message, "why": choice.refusal, "missing": choice.missing or None, "options": options},
-            cheapest_rental=cheapest_rental(rows))
+            estimate={"hours": choice.hours, "cost_eur": None},
+            price_per_hour_eur=None,
+            total_steps=0,
+            micro_batch_size=job.micro_batch,
+            gradient_accumulation_steps=job.accumulation,
+            checkpoint_every_steps=0,
+            reasons=head + choice.reasons,
+            alternatives=alternatives,
+            hardware=hardware.to_dict(),
+            notes=notes + list(hardware.notes),
+            offload_params=choice.offload_params,
+            offload_optimizer=choice.offload_optimizer,
+            refusal={"message": message, "why": choice.refusal, "missing": choice.missing or None, "options": options},
+            cheapest_rental=cheapest_rental(rows),
+        )
 
     # the card's spare memory buys speed where the recipe leaves the settings to the plan
-    sped = speed.faster(job, choice, speed.left_to_plan(recipe), lambda j: choose(
-        j, hardware, forced, unsloth_ok, workday_hours, processes=wanted, nnodes=nnodes, offload=offload))
+    sped = speed.faster(
+        job,
+        choice,
+        speed.left_to_plan(recipe),
+        lambda j: choose(
+            j, hardware, forced, unsloth_ok, workday_hours, processes=wanted, nnodes=nnodes, offload=offload
+        ),
+    )
     sped_record = speed.record(job, sped)
     if sped:
         job, choice = sped.job, replace(sped.choice, reasons=sped.choice.reasons + sped.reasons)
@@ -265,21 +344,29 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
         hrs = throughput.hours(training, tps) + choice.load_hours  # loading that the smoke test does not measure
     box_price, price_src = _price(recipe, hardware, price)
     if box_price is None:
-        notes.append(f"no price known for {hardware.gpu.name}: cost not shown; give the box's price with "
-                     "--price EUR/h (or price_per_hour_eur in the recipe)")
+        notes.append(
+            f"no price known for {hardware.gpu.name}: cost not shown; give the box's price with "
+            "--price EUR/h (or price_per_hour_eur in the recipe)"
+        )
     cost = hrs * box_price if hrs is not None and box_price is not None else None
     kind = "measured by the smoke test" if "tokens_per_second" in measured else "estimated"
     precision = throughput.training_precision(choice.device, g.compute_capability if g else None)
     if precision == "fp16":
         cc = ".".join(map(str, g.compute_capability))
-        rate = (f"speed and time count {g.tflops_bf16:g} TFLOP/s, its fp16 tensor rate (catalog)" if g.tflops_bf16
-                else f"it is not in the catalog, so the estimate assumes {throughput.UNKNOWN_GPU_TFLOPS:g} TFLOP/s, more "
-                     "than cards before Ampere reach; the smoke test measures it")
-        reasons.append(f"precision fp16 with loss scaling: {g.name} (compute capability {cc}) has no bf16 tensor "
-                       f"cores (they start at 8.0); {rate}")
+        rate = (
+            f"speed and time count {g.tflops_bf16:g} TFLOP/s, its fp16 tensor rate (catalog)"
+            if g.tflops_bf16
+            else f"it is not in the catalog, so the estimate assumes {throughput.UNKNOWN_GPU_TFLOPS:g} TFLOP/s, more "
+            "than cards before Ampere reach; the smoke test measures it"
+        )
+        reasons.append(
+            f"precision fp16 with loss scaling: {g.name} (compute capability {cc}) has no bf16 tensor "
+            f"cores (they start at 8.0); {rate}"
+        )
         kind += ", fp16"
-    attn = attention.implementation(choice.device, precision == "bf16",
-                                    importlib.util.find_spec("flash_attn") is not None)
+    attn = attention.implementation(
+        choice.device, precision == "bf16", importlib.util.find_spec("flash_attn") is not None
+    )
     attention_line = attention.reason(choice.device, attn)
     if attention_line:
         reasons.append(attention_line)
@@ -290,10 +377,14 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
     reasons.append(_loss_reason(job, choice, est))
     reasons += _objective_reasons(recipe, job)
     if hrs is not None:
-        money = (f"cost at {box_price:.2f} EUR/h ({price_src}) = {cost:.2f} EUR" if cost is not None
-                 else "cost unknown (no price: --price EUR/h)")
-        reasons.append(f"time: {training / 1e6:.2f}M training tokens / {tps:,.0f} tokens/s ({kind}) = "
-                       f"{_fmt_hours(hrs)}; {money}")
+        money = (
+            f"cost at {box_price:.2f} EUR/h ({price_src}) = {cost:.2f} EUR"
+            if cost is not None
+            else "cost unknown (no price: --price EUR/h)"
+        )
+        reasons.append(
+            f"time: {training / 1e6:.2f}M training tokens / {tps:,.0f} tokens/s ({kind}) = {_fmt_hours(hrs)}; {money}"
+        )
     task_eval = _task_eval_time(recipe, data_stats, arch, g if choice.device == "cuda" else None, box_price)
     if task_eval:
         reasons.append(task_eval["reason"])
@@ -316,26 +407,36 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
         model=_model_dict(arch, est),
         method=job.method,
         memory=_memory_dict(est, choice, measured),
-        tokens={"training_tokens": int(training) if training is not None else None,
-                "meaning": TOKENS_MEANING,
-                "tokens_per_second": round(tps, 1),
-                "estimated_tokens_per_second": round(choice.tokens_per_second, 1),
-                "seq_len": job.seq_len, "mean_tokens": round(job.mean_tokens, 1),
-                "source": job.tokens_source, "precision": precision,
-                "tokens_per_second_source": "measured" if "tokens_per_second" in measured else "estimated",
-                **_mfu_basis(job, choice, g)},
+        tokens={
+            "training_tokens": int(training) if training is not None else None,
+            "meaning": TOKENS_MEANING,
+            "tokens_per_second": round(tps, 1),
+            "estimated_tokens_per_second": round(choice.tokens_per_second, 1),
+            "seq_len": job.seq_len,
+            "mean_tokens": round(job.mean_tokens, 1),
+            "source": job.tokens_source,
+            "precision": precision,
+            "tokens_per_second_source": "measured" if "tokens_per_second" in measured else "estimated",
+            **_mfu_basis(job, choice, g),
+        },
         # to 0.04 s: the Time: line and `ftrun status`'s "plan forecast" print these hours, the Why line the
         # unrounded ones, and a short run shows seconds (3 decimals: 40.8 s stored as 39.6 s, "40 s" beside "41 s")
-        estimate={"hours": round(hrs, 5) if hrs is not None else None,
-                  "cost_eur": round(cost, 2) if cost is not None else None,
-                  "setup_hours": round(setup_hours, 3) if setup_hours is not None else None,
-                  "setup": ({"minutes": SETUP_MINUTES, "what": "box start and image pull or pip install"}
-                            if setup_hours is not None else None),
-                  "download": download.to_dict() if choice.device == "cuda" else None,
-                  "total_hours": round(total_hours, 5) if total_hours is not None else None,
-                  "total_cost_eur": (round(total_hours * box_price, 2)
-                                     if total_hours is not None and box_price is not None else None),
-                  "task_eval": ({k: v for k, v in task_eval.items() if k != "reason"} if task_eval else None)},
+        estimate={
+            "hours": round(hrs, 5) if hrs is not None else None,
+            "cost_eur": round(cost, 2) if cost is not None else None,
+            "setup_hours": round(setup_hours, 3) if setup_hours is not None else None,
+            "setup": (
+                {"minutes": SETUP_MINUTES, "what": "box start and image pull or pip install"}
+                if setup_hours is not None
+                else None
+            ),
+            "download": download.to_dict() if choice.device == "cuda" else None,
+            "total_hours": round(total_hours, 5) if total_hours is not None else None,
+            "total_cost_eur": (
+                round(total_hours * box_price, 2) if total_hours is not None and box_price is not None else None
+            ),
+            "task_eval": ({k: v for k, v in task_eval.items() if k != "reason"} if task_eval else None),
+        },
         price_per_hour_eur=round(box_price, 2) if box_price is not None else None,
         total_steps=steps,
         micro_batch_size=job.micro_batch,
@@ -358,24 +459,39 @@ def plan_for(recipe: Any, hardware: Hardware, data_stats: Any = None, tokens: fl
 
 def _loss_reason(job: Job, choice: Choice, est: Any) -> str:
     """Which loss the engine computes and what it holds (sizing.memory's "logits and loss" term)."""
-    w = job.workload(choice.engine, choice.processes, choice.device, choice.offload_params, choice.offload_optimizer,
-                     choice.offload_activations)
+    w = job.workload(
+        choice.engine,
+        choice.processes,
+        choice.device,
+        choice.offload_params,
+        choice.offload_optimizer,
+        choice.offload_activations,
+    )
     t, vocab = w.tokens_per_micro_batch, job.arch.vocab
     whole = loss_head.whole_logits_bytes(t, vocab, choice.device) / sizing.GB
     if w.loss_kind == sizing.LOSS_UNSLOTH:
-        return (f"loss: Unsloth's fused cross-entropy, in chunks with the gradient in place "
-                f"({est.breakdown_gb.get('logits and loss', 0.0):.2f} GB for {t:,} tokens x {vocab:,} vocabulary)")
+        return (
+            f"loss: Unsloth's fused cross-entropy, in chunks with the gradient in place "
+            f"({est.breakdown_gb.get('logits and loss', 0.0):.2f} GB for {t:,} tokens x {vocab:,} vocabulary)"
+        )
     trainer = methods.OBJECTIVES[job.objective].trainer
     if w.loss_kind == sizing.LOSS_MATERIALIZED:  # an objective whose loss reads the model's logits (methods.Objective)
-        return (f"loss: the model's whole logits (trl's {trainer} takes them, not TRL's fused LM head): "
-                f"{est.breakdown_gb.get('logits and loss', 0.0):.2f} GB for {t:,} tokens x {vocab:,} vocabulary "
-                "(the logits, a copy for the loss, their gradient)")
+        return (
+            f"loss: the model's whole logits (trl's {trainer} takes them, not TRL's fused LM head): "
+            f"{est.breakdown_gb.get('logits and loss', 0.0):.2f} GB for {t:,} tokens x {vocab:,} vocabulary "
+            "(the logits, a copy for the loss, their gradient)"
+        )
     head = loss_head.fused_head_bytes(job.arch, w) / sizing.GB
-    on = ("; on a CPU, a frozen head through ftrun's kernel, launcher/worker/cpu_logprob.py"
-          if choice.device == "cpu" and is_adapter(job.method) else "")
-    return (f"loss: TRL's fused LM head (trl's {trainer}{on}): the {t:,} x {vocab:,} logits of a micro-batch are never "
-            f"whole, {head:.2f} GB at its peak instead of {whole:.1f} GB for the model's own loss; token accuracy "
-            "and entropy are still logged (computed in the same pass)")
+    on = (
+        "; on a CPU, a frozen head through ftrun's kernel, launcher/worker/cpu_logprob.py"
+        if choice.device == "cpu" and is_adapter(job.method)
+        else ""
+    )
+    return (
+        f"loss: TRL's fused LM head (trl's {trainer}{on}): the {t:,} x {vocab:,} logits of a micro-batch are never "
+        f"whole, {head:.2f} GB at its peak instead of {whole:.1f} GB for the model's own loss; token accuracy "
+        "and entropy are still logged (computed in the same pass)"
+    )
 
 
 def _objective_reasons(recipe: Any, job: Job) -> list[str]:
@@ -384,20 +500,26 @@ def _objective_reasons(recipe: Any, job: Job) -> list[str]:
     lines = []
     if objective.sequences_per_example > 1:
         lines.append(
-            f"objective {objective.name} (trl's {objective.trainer}): each example is a pair, {job.sequences} sequences "
+            f"objective {objective.name} (trl's {objective.trainer}): each example is a pair, {job.sequences} "
+            f"sequences "
             f"(the prompt with the chosen and with the rejected answer) in one batch: a micro-batch of "
-            f"{job.micro_batch} pairs runs {job.micro_batch * job.sequences} sequences, and the tokens count both")
+            f"{job.micro_batch} pairs runs {job.micro_batch * job.sequences} sequences, and the tokens count both"
+        )
     if job.reference:
         what, per_step = sizing.REFERENCES[job.reference]
-        lines.append(f"reference: {what}; time counts its forward over every token "
-                     + ("each step" if per_step else "(once, before the first step)"))
+        lines.append(
+            f"reference: {what}; time counts its forward over every token "
+            + ("each step" if per_step else "(once, before the first step)")
+        )
     elif objective.preference:
         lines.append(f"reference: none ({objective.name} needs no reference model)")
     if getattr(recipe, "init_from", None):
         from launcher.recipe import parent_adapter
 
-        lines.append(f"init_from: the adapter of {recipe.init_from} ({parent_adapter(recipe.init_from)}), LoRA "
-                     f"r={job.lora_r} as it was trained, trains on")
+        lines.append(
+            f"init_from: the adapter of {recipe.init_from} ({parent_adapter(recipe.init_from)}), LoRA "
+            f"r={job.lora_r} as it was trained, trains on"
+        )
     return lines
 
 
@@ -406,13 +528,17 @@ def _task_eval_scorers(recipe: Any) -> list[str]:
     scores it, the fine-tuned model, each exported model."""
     task = recipe.eval.task
     formats = set(recipe.export)
-    return (["base model zero-shot", f"with {task.shots} examples"] if task.baseline == "run" else []) \
-        + ["fine-tuned"] + (["merged"] if "merged" in export_formats.made(formats) else []) \
+    return (
+        (["base model zero-shot", f"with {task.shots} examples"] if task.baseline == "run" else [])
+        + ["fine-tuned"]
+        + (["merged"] if "merged" in export_formats.made(formats) else [])
         + (["GGUF"] if "gguf" in formats else [])
+    )
 
 
-def _task_eval_time(recipe: Any, data_stats: Any, arch: Architecture, gpu: Any,
-                    box_price: float | None) -> dict[str, Any] | None:
+def _task_eval_time(
+    recipe: Any, data_stats: Any, arch: Architecture, gpu: Any, box_price: float | None
+) -> dict[str, Any] | None:
     """The task evaluation's time and cost before any smoke test, on a GPU the catalog knows the bandwidth of
     (throughput.generation_tokens_per_second): an upper bound, every answer at its max_new_tokens (a trained model stops
     at its end of turn sooner); the smoke test then measures the run's own rate (run/smoke.py task_eval_seconds)."""
@@ -429,14 +555,23 @@ def _task_eval_time(recipe: Any, data_stats: Any, arch: Architecture, gpu: Any,
     tokens = len(scorers) * examples * longest
     seconds = tokens / tps
     cost = seconds / 3600 * box_price if box_price is not None else None
-    reason = (f"task evaluation: at most {len(scorers)} scorers x {examples} examples x {longest} new tokens = "
-              f"{tokens:,} tokens at ~{tps:,.0f} tokens/s (estimated: {gpu.name}'s "
-              f"{gpu.memory_bandwidth_gb_s:,.0f} GB/s read once per decode step, {throughput.GENERATION_BATCH['cuda']} "
-              f"prompts a step, at {throughput.GENERATION_EFFICIENCY:.0%} of that bound) = {_fmt_hours(seconds / 3600)}"
-              + (f", {cost:.2f} EUR" if cost is not None else "") + "; the smoke test measures the run's own rate")
-    return {"reason": reason, "seconds": round(seconds, 1), "cost_eur": round(cost, 2) if cost is not None else None,
-            "generation_tokens_per_second": round(tps, 1), "new_tokens": tokens, "scorers": scorers,
-            "examples": examples}
+    reason = (
+        f"task evaluation: at most {len(scorers)} scorers x {examples} examples x {longest} new tokens = "
+        f"{tokens:,} tokens at ~{tps:,.0f} tokens/s (estimated: {gpu.name}'s "
+        f"{gpu.memory_bandwidth_gb_s:,.0f} GB/s read once per decode step, {throughput.GENERATION_BATCH['cuda']} "
+        f"prompts a step, at {throughput.GENERATION_EFFICIENCY:.0%} of that bound) = {_fmt_hours(seconds / 3600)}"
+        + (f", {cost:.2f} EUR" if cost is not None else "")
+        + "; the smoke test measures the run's own rate"
+    )
+    return {
+        "reason": reason,
+        "seconds": round(seconds, 1),
+        "cost_eur": round(cost, 2) if cost is not None else None,
+        "generation_tokens_per_second": round(tps, 1),
+        "new_tokens": tokens,
+        "scorers": scorers,
+        "examples": examples,
+    }
 
 
 def _learning_rate_note(recipe: Any) -> list[str]:
@@ -446,15 +581,19 @@ def _learning_rate_note(recipe: Any) -> list[str]:
     if not objective.preference or "learning_rate" in fields_set:
         return []
     default = type(recipe).model_fields["learning_rate"].default
-    return [f"learning_rate is the recipe's default {default:g}, a LoRA SFT rate; TRL's {objective.config} defaults to "
-            f"{objective.learning_rate:g} for {objective.name}, and DPO with LoRA usually trains at 5e-6 to 5e-5: set "
-            "learning_rate: in the recipe (the rewards in `ftrun status` show a rate too high as a margin that "
-            "swings and an accuracy that falls)"]
+    return [
+        f"learning_rate is the recipe's default {default:g}, a LoRA SFT rate; TRL's {objective.config} defaults to "
+        f"{objective.learning_rate:g} for {objective.name}, and DPO with LoRA usually trains at 5e-6 to 5e-5: set "
+        "learning_rate: in the recipe (the rewards in `ftrun status` show a rate too high as a margin that "
+        "swings and an accuracy that falls)"
+    ]
 
 
 def _no_tokens_hint(recipe: Any) -> str:
-    return (f"the data file {recipe.data} is not on this machine and no token count was given: add `tokens: 15M` to "
-            f"the recipe or pass --tokens 15M ({TOKENS_MEANING})")
+    return (
+        f"the data file {recipe.data} is not on this machine and no token count was given: add `tokens: 15M` to "
+        f"the recipe or pass --tokens 15M ({TOKENS_MEANING})"
+    )
 
 
 def _mfu_basis(job: Job, choice: Choice, g: Any) -> dict[str, Any]:
@@ -463,7 +602,9 @@ def _mfu_basis(job: Job, choice: Choice, g: Any) -> dict[str, Any]:
     GPU with a catalog rate only."""
     if choice.device != "cuda" or g is None or not g.tflops_bf16:
         return {}
-    flops = throughput.flops_per_token(job.arch, job.method, max(1, round(job.mean_tokens)), gradient_checkpointing=False)
+    flops = throughput.flops_per_token(
+        job.arch, job.method, max(1, round(job.mean_tokens)), gradient_checkpointing=False
+    )
     return {"model_flops_per_token": round(flops), "peak_tflops_per_gpu": g.tflops_bf16, "gpus_used": choice.processes}
 
 
@@ -473,20 +614,35 @@ def model_flops_utilization(plan: dict[str, Any], tokens_per_second: float | Non
     t = plan.get("tokens") or {}
     if not tokens_per_second or not t.get("model_flops_per_token") or not t.get("peak_tflops_per_gpu"):
         return None
-    return tokens_per_second * t["model_flops_per_token"] / (max(1, int(t.get("gpus_used") or 1))
-                                                             * t["peak_tflops_per_gpu"] * 1e12)
+    return (
+        tokens_per_second
+        * t["model_flops_per_token"]
+        / (max(1, int(t.get("gpus_used") or 1)) * t["peak_tflops_per_gpu"] * 1e12)
+    )
 
 
 def _gpus_dict(hardware: Hardware, choice: Choice) -> dict[str, Any]:
     g = hardware.gpu
-    return {"name": g.name if g else "cpu", "count": choice.processes if g else 0,
-            "memory_gb": round(g.memory_gb, 1) if g else round(hardware.ram_gb, 1),
-            "box_count": hardware.count, "interconnect": hardware.interconnect, "source": hardware.source}
+    return {
+        "name": g.name if g else "cpu",
+        "count": choice.processes if g else 0,
+        "memory_gb": round(g.memory_gb, 1) if g else round(hardware.ram_gb, 1),
+        "box_count": hardware.count,
+        "interconnect": hardware.interconnect,
+        "source": hardware.source,
+    }
 
 
 def _model_dict(arch: Architecture, est: Any) -> dict[str, Any]:
-    return {"name": arch.name, "params": arch.params, "trainable_params": est.trainable_params if est else None,
-            "source": arch.source, "layers": arch.layers, "hidden": arch.hidden, "vocab": arch.vocab}
+    return {
+        "name": arch.name,
+        "params": arch.params,
+        "trainable_params": est.trainable_params if est else None,
+        "source": arch.source,
+        "layers": arch.layers,
+        "hidden": arch.hidden,
+        "vocab": arch.vocab,
+    }
 
 
 def _memory_dict(est: Any, choice: Choice, measured: dict[str, Any]) -> dict[str, Any]:
@@ -497,8 +653,9 @@ def _memory_dict(est: Any, choice: Choice, measured: dict[str, Any]) -> dict[str
         "peak_gb": round(est.peak_gb, 1),
         "total_gb": round(est.total_gb, 1),
         "capacity_gb": round(choice.capacity_gb, 1),
-        "usable_gb": round(choice.capacity_gb * (sizing.USABLE_FRACTION if choice.device == "cuda"
-                                                 else sizing.USABLE_RAM_FRACTION), 1),
+        "usable_gb": round(
+            choice.capacity_gb * (sizing.USABLE_FRACTION if choice.device == "cuda" else sizing.USABLE_RAM_FRACTION), 1
+        ),
         "breakdown_gb": {k: round(v, 2) for k, v in est.breakdown_gb.items()},
         "explanations": dict(est.explanations),
         "offloaded_ram_gb": round(est.offloaded_ram_gb, 1),
@@ -518,8 +675,10 @@ def _apply_smoke(smoke: dict[str, Any], choice: Choice) -> dict[str, Any]:
     engine = smoke.get("engine")
     procs = smoke.get("num_processes")
     if (engine and engine != choice.engine) or (procs and int(procs) != choice.processes):
-        notes.append(f"smoke test ran with engine {engine} x {procs} processes, the plan chose {choice.engine} x "
-                     f"{choice.processes}: its measurements are not used")
+        notes.append(
+            f"smoke test ran with engine {engine} x {procs} processes, the plan chose {choice.engine} x "
+            f"{choice.processes}: its measurements are not used"
+        )
         return {"measured": measured, "notes": notes}
     if smoke.get("tokens_per_second"):
         measured["tokens_per_second"] = float(smoke["tokens_per_second"])

@@ -13,8 +13,14 @@ from typing import TYPE_CHECKING, Any
 
 from launcher.engine_kinds import SHARDING
 from launcher.methods import METHODS, is_adapter, is_quantized
-from launcher.plan.loss_head import (FUSED_TOKEN_TILE, FUSED_VOCAB_TILE, LOGIT_BYTES_HF, LOGIT_BYTES_HF_CPU,
-                                     cpu_loss_chunk_tokens, fused_head_bytes)
+from launcher.plan.loss_head import (
+    FUSED_TOKEN_TILE,
+    FUSED_VOCAB_TILE,
+    LOGIT_BYTES_HF,
+    LOGIT_BYTES_HF_CPU,
+    cpu_loss_chunk_tokens,
+    fused_head_bytes,
+)
 
 if TYPE_CHECKING:  # for the annotations only: at run time this module imports nothing else
     from launcher.plan.models import Architecture as Arch
@@ -67,14 +73,24 @@ USABLE_RAM_FRACTION = 0.8  # leave the OS and the page cache their share
 # How DPO's reference log-probabilities come (trl 1.16 dpo_trainer.py: __init__ "Reference model", _compute_loss,
 # compute_ref_log_probs): what the reference costs in memory, and whether each step runs its forward.
 REFERENCES = {
-    "adapter off": ("the base model with the LoRA adapter switched off (PEFT's disable_adapter): the same weights, "
-                    "no second model", True),
-    "parent copy": ("the parent adapter's frozen copy (trl adds it as a second adapter, 'ref'; init_from): the same "
-                    "base weights, the adapter's parameters twice", True),
-    "frozen copy": ("a frozen copy of the model (no gradient, no optimizer state; trl prepares it like the policy)",
-                    True),
-    "precomputed": ("precomputed once over the data before training (one forward per example, 2 floats kept per "
-                    "pair): no reference model in memory while training", False),
+    "adapter off": (
+        "the base model with the LoRA adapter switched off (PEFT's disable_adapter): the same weights, no second model",
+        True,
+    ),
+    "parent copy": (
+        "the parent adapter's frozen copy (trl adds it as a second adapter, 'ref'; init_from): the same "
+        "base weights, the adapter's parameters twice",
+        True,
+    ),
+    "frozen copy": (
+        "a frozen copy of the model (no gradient, no optimizer state; trl prepares it like the policy)",
+        True,
+    ),
+    "precomputed": (
+        "precomputed once over the data before training (one forward per example, 2 floats kept per "
+        "pair): no reference model in memory while training",
+        False,
+    ),
 }
 
 
@@ -98,7 +114,9 @@ class Workload:
     # and Adam states in pinned CPU RAM, the optimizer step on the CPU (DeepSpeedCPUAdam, whatever the method); with
     # offload_params as well, the 16-bit parameter partitions too (offload_param: cpu). docs/sizing.md, "CPU offload".
     offload_optimizer: bool = False
-    accumulation: int = 1  # micro-batches per optimizer step: the offload's per-step transfer and CPU step spread over them
+    accumulation: int = (
+        1  # micro-batches per optimizer step: the offload's per-step transfer and CPU step spread over them
+    )
     # The loss as the engine computes it: "" = what ftrun's engine does (Unsloth's for unsloth, TRL's fused LM head
     # otherwise); LOSS_MATERIALIZED for a stack that builds the whole logits (the published rows measured on one).
     loss: str = ""
@@ -242,9 +260,11 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
     if is_quantized(w.method):
         other = P - arch.linear_params  # embeddings, lm_head, norms stay 16-bit
         terms["weights"] = (arch.linear_params * NF4_BYTES + other * b16) / n / GB
-        why["weights"] = (f"{_count(arch.linear_params)} linear weights in NF4 ({NF4_BYTES:.3f} B/param with "
-                          f"quantization constants) + {_count(other)} embedding/head/norm params in "
-                          f"{'fp32' if cpu else 'bf16'}{shard}")
+        why["weights"] = (
+            f"{_count(arch.linear_params)} linear weights in NF4 ({NF4_BYTES:.3f} B/param with "
+            f"quantization constants) + {_count(other)} embedding/head/norm params in "
+            f"{'fp32' if cpu else 'bf16'}{shard}"
+        )
     elif fp32_master:
         terms["weights"] = P * 4 / GB
         why["weights"] = f"{_count(P)} params x 4 B (fp32 master weights, trained under bf16 autocast)"
@@ -255,8 +275,10 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
     T = trainable_params(arch, w)
     if is_adapter(w.method):
         terms["adapters"] = T * ADAPTER_BYTES / n / GB
-        why["adapters"] = (f"LoRA r={w.lora_r}: {_count(T)} trainable params x {ADAPTER_BYTES} B "
-                           f"(fp32 weight, gradient, AdamW m and v){shard}")
+        why["adapters"] = (
+            f"LoRA r={w.lora_r}: {_count(T)} trainable params x {ADAPTER_BYTES} B "
+            f"(fp32 weight, gradient, AdamW m and v){shard}"
+        )
     else:
         table = METHODS[w.method]
         grad_b = 4 if cpu or fp32_master else table.gradient_bytes
@@ -268,14 +290,19 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
         terms["gradients"] = P * grad_b / n / GB
         why["gradients"] = f"one gradient per weight, {grad_b} B each{shard}"
         terms["optimizer"] = P * opt_b / n / GB
-        why["optimizer"] = ("fp32 master partitions (DeepSpeed) 4 B + 8-bit AdamW m and v 2 B" if ds_master else
-                            "8-bit AdamW: m and v at 1 B each" if table.eight_bit_optimizer else
-                            ("AdamW m and v in fp32" if cpu or fp32_master
-                             else "fp32 master weights 4 B + AdamW m and v 8 B")) + shard
+        why["optimizer"] = (
+            "fp32 master partitions (DeepSpeed) 4 B + 8-bit AdamW m and v 2 B"
+            if ds_master
+            else "8-bit AdamW: m and v at 1 B each"
+            if table.eight_bit_optimizer
+            else ("AdamW m and v in fp32" if cpu or fp32_master else "fp32 master weights 4 B + AdamW m and v 8 B")
+        ) + shard
         if not cpu:
             terms["gradient churn"] = P * GRADIENT_CHURN_BYTES / n / GB
-            why["gradient churn"] = ("gradients are freed and re-allocated every step between activations; the "
-                                     "allocator keeps ~half their size reserved but unusable (1 B/param)")
+            why["gradient churn"] = (
+                "gradients are freed and re-allocated every step between activations; the "
+                "allocator keeps ~half their size reserved but unusable (1 B/param)"
+            )
 
     # Activations
     lora = is_adapter(w.method) and not unsloth
@@ -286,24 +313,43 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
         checkpoints = arch.layers * t * arch.hidden * b16
         factor = UNSLOTH_LAYER_FACTOR if unsloth else 1.0
         live = LAYER_BACKWARD_FACTOR * factor * layer * t
-        offloaded_by = "Unsloth" if unsloth else "TRL's activation offloading" if w.offload_activations and not cpu else ""
+        offloaded_by = (
+            "Unsloth" if unsloth else "TRL's activation offloading" if w.offload_activations and not cpu else ""
+        )
         if offloaded_by:
             offload = (checkpoints if unsloth else offloaded_activation_bytes(arch, t)) / GB
             checkpoints = 0.0
         terms["activations"] = (checkpoints + live) / GB
-        why["activations"] = (f"gradient checkpointing: {f'layer inputs offloaded to CPU RAM by {offloaded_by}, ' if offloaded_by else f'{arch.layers} saved layer inputs + '}"
-                              f"one layer recomputed ({layer / 1e3:.0f} KB/token) for {t:,} tokens per micro-batch")
+        why["activations"] = (
+            f"gradient checkpointing: "
+            f"{f'layer inputs offloaded to CPU RAM by {offloaded_by}, ' if offloaded_by else ''}"
+            f"{'' if offloaded_by else f'{arch.layers} saved layer inputs + '}"
+            f"one layer recomputed ({layer / 1e3:.0f} KB/token) for {t:,} tokens per micro-batch"
+        )
     else:
         factor = UNSLOTH_LAYER_FACTOR if unsloth else 1.0
         terms["activations"] = (arch.layers * layer * factor * t) / GB
-        why["activations"] = (f"no gradient checkpointing: all {arch.layers} layers keep their activations "
-                              f"({layer / 1e3:.0f} KB/token/layer) for {t:,} tokens per micro-batch")
+        why["activations"] = (
+            f"no gradient checkpointing: all {arch.layers} layers keep their activations "
+            f"({layer / 1e3:.0f} KB/token/layer) for {t:,} tokens per micro-batch"
+        )
     if cpu:
         # The CPU attention path (math SDPA) materialises the score matrix: heads x s^2 fp32, twice for backward.
-        terms["activations"] += 2 * w.micro_batch * w.sequences * arch.heads * w.seq_len**2 * 4 * (1 if w.gradient_checkpointing else arch.layers) / GB
+        terms["activations"] += (
+            2
+            * w.micro_batch
+            * w.sequences
+            * arch.heads
+            * w.seq_len**2
+            * 4
+            * (1 if w.gradient_checkpointing else arch.layers)
+            / GB
+        )
     if w.sequences > 1:
-        why["activations"] += (f" ({w.micro_batch} pairs x {w.sequences} sequences: each prompt with its chosen and "
-                               f"its rejected answer, padded to the longest, {w.seq_len:,} tokens)")
+        why["activations"] += (
+            f" ({w.micro_batch} pairs x {w.sequences} sequences: each prompt with its chosen and "
+            f"its rejected answer, padded to the longest, {w.seq_len:,} tokens)"
+        )
     if w.reference:
         what, per_step = REFERENCES[w.reference]
         copy = w.reference == "frozen copy"
@@ -313,12 +359,16 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
         copy_b = 4 if fp32_master else b16
         extra = P * copy_b / n if copy else (T * 4 / n if w.reference == "parent copy" else 0.0)
         terms["reference model"] = extra / GB
-        why["reference model"] = f"DPO's reference: {what}" + (f", {_count(P)} params x {copy_b} B{shard}" if copy else "")
+        why["reference model"] = f"DPO's reference: {what}" + (
+            f", {_count(P)} params x {copy_b} B{shard}" if copy else ""
+        )
         if per_step:
             # its forward runs under no_grad between the policy's forward and backward: one layer's activations at a
             # time, below the backward's recomputed layer (LAYER_BACKWARD_FACTOR x one layer) that the peak counts
-            why["reference model"] += ("; its forward each step keeps no activations (no gradient), one layer at a "
-                                       "time: inside the backward's peak")
+            why["reference model"] += (
+                "; its forward each step keeps no activations (no gradient), one layer at a "
+                "time: inside the backward's peak"
+            )
 
     loss = w.loss_kind
     if loss == LOSS_FUSED:
@@ -333,14 +383,20 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
             at_once = f"{min(t, FUSED_TOKEN_TILE):,} tokens x {min(arch.vocab, FUSED_VOCAB_TILE):,} vocabulary entries"
         why["logits and loss"] = (
             f"TRL's fused LM head: the logits never exist whole, {at_once} at a time; {head / GB:.2f} GB at its peak"
-            + (f", before any layer is recomputed: {excess / GB:.2f} GB beyond the recomputed layer"
-               if w.gradient_checkpointing else ""))
+            + (
+                f", before any layer is recomputed: {excess / GB:.2f} GB beyond the recomputed layer"
+                if w.gradient_checkpointing
+                else ""
+            )
+        )
     else:
         logit_b = LOGIT_BYTES_UNSLOTH if unsloth else (LOGIT_BYTES_HF_CPU if cpu else LOGIT_BYTES_HF)
         terms["logits and loss"] = t * arch.vocab * logit_b / GB
-        why["logits and loss"] = (f"{t:,} tokens x {arch.vocab:,} vocabulary x {logit_b} B "
-                                  + ("(chunked fused cross-entropy, gradient in place)" if unsloth
-                                     else "(logits, fp32 copy for the loss, its gradient)"))
+        why["logits and loss"] = f"{t:,} tokens x {arch.vocab:,} vocabulary x {logit_b} B " + (
+            "(chunked fused cross-entropy, gradient in place)"
+            if unsloth
+            else "(logits, fp32 copy for the loss, its gradient)"
+        )
 
     # Sharding: the unit being computed is gathered whole (plus the next one prefetched).
     if n > 1:
@@ -354,10 +410,11 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
         if not is_adapter(w.method):
             gathered += max(per_layer, arch.embedding_params) * b16  # its full gradient before reduce-scatter
         terms["gathered shards"] = gathered / GB
-        why["gathered shards"] = (f"FSDP/ZeRO-3 holds the unit being computed whole (a layer: {per_layer / 1e6:.0f}M "
-                                  f"params, or the embedding: {arch.embedding_params / 1e6:.0f}M) plus the prefetched next one"
-                                  + (", and a unit's full gradient before reduce-scatter"
-                                     if not is_adapter(w.method) else ""))
+        why["gathered shards"] = (
+            f"FSDP/ZeRO-3 holds the unit being computed whole (a layer: {per_layer / 1e6:.0f}M "
+            f"params, or the embedding: {arch.embedding_params / 1e6:.0f}M) plus the prefetched next one"
+            + (", and a unit's full gradient before reduce-scatter" if not is_adapter(w.method) else "")
+        )
 
     if is_quantized(w.method) and not cpu:
         # bitsandbytes 0.50 multiplies a micro-batch's tokens by a 4-bit weight by dequantizing the whole weight to
@@ -365,8 +422,10 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
         # kernel's few rows; the same in backward for the input's gradient): the largest weight, one at a time.
         largest = max(a * b for a, b in arch.linear_shapes().values())
         terms["dequantized weight"] = largest * 2 / GB
-        why["dequantized weight"] = (f"the largest 4-bit weight ({_count(largest)} params) dequantized to 16 bits for "
-                                     "its matmul, one weight at a time")
+        why["dequantized weight"] = (
+            f"the largest 4-bit weight ({_count(largest)} params) dequantized to 16 bits for "
+            "its matmul, one weight at a time"
+        )
     dynamic = terms["activations"] + terms["logits and loss"]
     if cpu:
         terms["runtime"] = CPU_RUNTIME_GB
@@ -380,7 +439,9 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
             if w.engine == "ddp":
                 grad_bytes = T * (4 if fp32_master else METHODS[w.method].gradient_bytes)
                 runtime += grad_bytes / GB
-                parts.append(f"DDP gradient buckets {grad_bytes / GB:.1f} GB (a second copy of the trainable gradients)")
+                parts.append(
+                    f"DDP gradient buckets {grad_bytes / GB:.1f} GB (a second copy of the trainable gradients)"
+                )
         terms["runtime"] = runtime
         why["runtime"] = ", ".join(parts)
 
@@ -408,7 +469,8 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
             f"gradient accumulation buffer in pinned RAM ({DS_OFFLOAD_HOST_BYTES} B/param"
             + (f", and the {_count(P)} 16-bit parameter partitions, 2 B/param" if w.offload_params else "")
             + f": {offloaded:.0f} GB) + {CPU_RUNTIME_GB:.0f} GB of runtime per process: {est.train_ram_gb:.0f} GB of "
-            "RAM while training")
+            "RAM while training"
+        )
     return est
 
 
@@ -422,8 +484,9 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
 DS_OFFLOAD_HOST_BYTES = 18
 
 
-def _deepspeed_offload(arch: Arch, w: Workload, terms: dict[str, float], why: dict[str, str], n: int,
-                       T: int) -> tuple[float, float, float]:
+def _deepspeed_offload(
+    arch: Arch, w: Workload, terms: dict[str, float], why: dict[str, str], n: int, T: int
+) -> tuple[float, float, float]:
     """Move what DeepSpeed's CPU offload keeps in RAM off the card's terms: gradients, optimizer states and their churn
     (and the weights under offload_param). The client optimizer (8-bit AdamW for full-8bit) is not used: with an
     "optimizer" section in the config, transformers hands DeepSpeed a DummyOptim (integrations/deepspeed.py,
@@ -465,8 +528,9 @@ def embedding_unit_bytes(arch: Arch, w: Workload) -> float:
     return arch.embedding_params * (4 if w.device == "cpu" else 2)
 
 
-def _loading(arch: Arch, w: Workload, est: MemoryEstimate, static_sharded_gb: float, layer_b: float,
-             embed_b: float) -> None:
+def _loading(
+    arch: Arch, w: Workload, est: MemoryEstimate, static_sharded_gb: float, layer_b: float, embed_b: float
+) -> None:
     """The load-time peak per card and the box's CPU RAM while loading, for the paths where loading, not the
     training step, decides (docs/sizing.md, "Loading"). Other paths load below their training peak."""
     n = w.num_gpus if w.sharded else 1
@@ -495,22 +559,30 @@ def _loading(arch: Arch, w: Workload, est: MemoryEstimate, static_sharded_gb: fl
             f"one process quantizes the model once for the box on its CPU ({model_gb:.1f} GB in 4-bit + "
             f"{temp_gb:.1f} GB of temporaries for its largest weight) and saves it into the run directory "
             f"(.quantized/, {model_gb:.1f} GB of disk, reused on restart) while "
-            + ("the other waits" if n == 2 else f"the other {n - 1} wait") + f"; then each of "
+            + ("the other waits" if n == 2 else f"the other {n - 1} wait")
+            + f"; then each of "
             f"the {n} processes maps that file (one copy in the page cache, shared) and holds its fp32 LoRA "
             f"({lora_gb:.1f} GB) + {CPU_RUNTIME_GB:.0f} GB of runtime"
-            + (f", and the box the offloaded shards, gradients and optimizer states in pinned RAM ({offloaded:.1f} GB)"
-               if offloaded else "")
+            + (
+                f", and the box the offloaded shards, gradients and optimizer states in pinned RAM ({offloaded:.1f} GB)"
+                if offloaded
+                else ""
+            )
             + f": {est.load_ram_gb:.0f} GB of RAM at the peak ("
-            + ("quantizing" if quantizing >= sharding else "sharding") + "; "
+            + ("quantizing" if quantizing >= sharding else "sharding")
+            + "; "
             f"a box with {est.load_ram_gb / USABLE_RAM_FRACTION:.0f} GB or more holds it); each card holds "
             + ("" if w.offload_params else "its shards and ")
-            + f"one unit whole while sharding ({max(layer_b, embed_b) / GB:.1f} GB): {est.load_peak_gb:.1f} GB")
+            + f"one unit whole while sharding ({max(layer_b, embed_b) / GB:.1f} GB): {est.load_peak_gb:.1f} GB"
+        )
     elif w.engine == "deepspeed":
         # transformers skips zero.Init for quantized models and bitsandbytes places the whole model on the
         # current device (quantizer_bnb_4bit.update_device_map): every card holds all of it until ZeRO-3 partitions.
         est.load_peak_gb = CUDA_CONTEXT_GB + model_gb + lora_gb
-        est.load_explanation = (f"DeepSpeed + QLoRA loads the whole 4-bit model onto every card before ZeRO-3 "
-                                f"partitions it: {est.load_peak_gb:.1f} GB per card")
+        est.load_explanation = (
+            f"DeepSpeed + QLoRA loads the whole 4-bit model onto every card before ZeRO-3 "
+            f"partitions it: {est.load_peak_gb:.1f} GB per card"
+        )
 
 
 def quantize_temporary_bytes(arch: Arch) -> float:
@@ -555,32 +627,46 @@ def _loading_16bit(arch: Arch, w: Workload, est: MemoryEstimate, n: int) -> None
     if w.engine == "fsdp":
         if _sixteen_bit_adapter(w.method):
             own = lora_gb + fused_gb
-            what = (f"its fp32 LoRA weights ({lora_gb:.1f} GB)"
-                    + (f" and the MoE experts fused while loading ({fused_gb:.1f} GB)" if fused_gb else ""))
+            what = f"its fp32 LoRA weights ({lora_gb:.1f} GB)" + (
+                f" and the MoE experts fused while loading ({fused_gb:.1f} GB)" if fused_gb else ""
+            )
         else:
             own = est.trainable_params * 4 / GB
-            what = (f"the whole model upcast to fp32 ({own:.0f} GB: accelerate upcasts the trainable weights to "
-                    f"fp32 master weights on the CPU before it shards them)")
+            what = (
+                f"the whole model upcast to fp32 ({own:.0f} GB: accelerate upcasts the trainable weights to "
+                f"fp32 master weights on the CPU before it shards them)"
+            )
         est.load_ram_gb = n * (own + CPU_RUNTIME_GB)
         est.load_explanation = (
             f"each of the {n} processes loads the whole model onto its CPU before FSDP shards it (the "
             f"{model_gb:.0f} GB of 16-bit weights stay in the page cache, shared) and holds {what} + "
             f"{CPU_RUNTIME_GB:.0f} GB of runtime: {est.load_ram_gb:.0f} GB of RAM"
-            + ("; engine: deepspeed loads partitioned (zero.Init) and holds no such copies" if not _sixteen_bit_adapter(w.method)
-               else ""))
+            + (
+                "; engine: deepspeed loads partitioned (zero.Init) and holds no such copies"
+                if not _sixteen_bit_adapter(w.method)
+                else ""
+            )
+        )
     elif w.engine == "deepspeed":
         est.load_ram_gb = n * (lora_gb + CPU_RUNTIME_GB) + fused_gb
         est.load_explanation = (
             f"ZeRO-3 creates each weight partitioned on the cards (zero.Init) and rank 0 alone reads the "
             f"checkpoint (the {model_gb:.0f} GB of 16-bit weights in the page cache)"
             + (f", fusing the MoE experts ({fused_gb:.1f} GB)" if fused_gb else "")
-            + f": {est.load_ram_gb:.0f} GB of RAM for the {n} processes")
+            + f": {est.load_ram_gb:.0f} GB of RAM for the {n} processes"
+        )
 
 
 def _optimizer_free(est: MemoryEstimate, n: int) -> float:
     """Optimizer states and gradients do not exist yet while the model is being sharded."""
     b = est.breakdown_gb
-    return b.get("adapters", 0.0) * 12 / 16 + b.get("gradients", 0.0) + b.get("optimizer", 0.0) + b.get("gradient churn", 0.0)
+    return (
+        b.get("adapters", 0.0) * 12 / 16
+        + b.get("gradients", 0.0)
+        + b.get("optimizer", 0.0)
+        + b.get("gradient churn", 0.0)
+    )
+
 
 def offloaded_activation_bytes(arch: Arch, tokens: int) -> float:
     """What TRL's activation offloading moves to pinned RAM per micro-batch under gradient checkpointing: each layer's

@@ -47,21 +47,30 @@ def left_to_plan(recipe: Any) -> set[str]:
 
 
 def _same_engine(a: Choice, b: Choice) -> bool:
-    return (a.engine, a.processes, a.offload_params, a.offload_optimizer, a.offload_activations) == \
-        (b.engine, b.processes, b.offload_params, b.offload_optimizer, b.offload_activations)
+    return (a.engine, a.processes, a.offload_params, a.offload_optimizer, a.offload_activations) == (
+        b.engine,
+        b.processes,
+        b.offload_params,
+        b.offload_optimizer,
+        b.offload_activations,
+    )
 
 
 def _with_headroom(c: Choice) -> bool:
-    return c.fits and c.estimate is not None and \
-        c.estimate.peak_gb * HEADROOM <= c.capacity_gb * sizing.USABLE_FRACTION
+    return c.fits and c.estimate is not None and c.estimate.peak_gb * HEADROOM <= c.capacity_gb * sizing.USABLE_FRACTION
 
 
 def faster(job: Job, choice: Choice, free: set[str], replan: Callable[[Job], Choice]) -> Faster | None:
     """The faster settings this box's memory allows for the keys in `free`, or None. `replan` sizes a job on the same
     box with the same engine rules (launcher/plan/engine.py choose); a setting that changes the engine, the process
     count or an offload is not taken."""
-    if not (choice.fits and choice.device == "cuda" and choice.estimate is not None) or choice.offload_params \
-            or choice.offload_optimizer or choice.offload_activations or job.offload_activations:
+    if (
+        not (choice.fits and choice.device == "cuda" and choice.estimate is not None)
+        or choice.offload_params
+        or choice.offload_optimizer
+        or choice.offload_activations
+        or job.offload_activations
+    ):
         return None
     best, update, reasons = (job, choice), {}, []
     cap = choice.capacity_gb
@@ -76,7 +85,8 @@ def faster(job: Job, choice: Choice, free: set[str], replan: Callable[[Job], Cho
                 f"gradient checkpointing off (the recipe leaves it to the plan): {c.estimate.peak_gb:.1f} GB of "
                 f"{cap:.1f} GB per card with the activations kept, {HEADROOM:g}x of it within the "
                 f"{sizing.USABLE_FRACTION:.0%} the plan fills (headroom for the estimate's error); recomputing them "
-                f"would cost {with_ / without - 1:.0%} more time per token")
+                f"would cost {with_ / without - 1:.0%} more time per token"
+            )
     if {"micro_batch_size", "gradient_accumulation_steps"} <= free and job.accumulation > 1:
         per_step = job.micro_batch * job.accumulation  # examples per optimizer step and process: kept
         for m in sorted((m for m in range(job.micro_batch + 1, per_step + 1) if per_step % m == 0), reverse=True):
@@ -90,14 +100,18 @@ def faster(job: Job, choice: Choice, free: set[str], replan: Callable[[Job], Cho
                     f"optimizer step and process): {c.estimate.peak_gb:.1f} GB of {cap:.1f} GB per card, "
                     f"{HEADROOM:g}x of it within the {sizing.USABLE_FRACTION:.0%} the plan fills; fewer, larger "
                     f"micro-batches keep the card busier (the estimate counts only the "
-                    f"{throughput.GPU_SECONDS_PER_MICRO_BATCH * 1000:.0f} ms fixed cost per micro-batch; the smoke test "
-                    "measures the rest)")
+                    f"{throughput.GPU_SECONDS_PER_MICRO_BATCH * 1000:.0f} ms fixed cost per micro-batch; the smoke "
+                    f"test "
+                    "measures the rest)"
+                )
                 best = (cand, c)
                 break
     if not update:
         return None
-    reasons.append("an out of memory in the smoke test first undoes these (back to the recipe's values); setting the "
-                   "keys in the recipe keeps them as given")
+    reasons.append(
+        "an out of memory in the smoke test first undoes these (back to the recipe's values); setting the "
+        "keys in the recipe keeps them as given"
+    )
     return Faster(best[0], best[1], update, reasons)
 
 
@@ -106,6 +120,9 @@ def record(job: Job, sped: Faster | None) -> dict[str, Any] | None:
     and why; None when it set nothing."""
     if sped is None:
         return None
-    was = {"gradient_checkpointing": job.gradient_checkpointing, "micro_batch_size": job.micro_batch,
-           "gradient_accumulation_steps": job.accumulation}
+    was = {
+        "gradient_checkpointing": job.gradient_checkpointing,
+        "micro_batch_size": job.micro_batch,
+        "gradient_accumulation_steps": job.accumulation,
+    }
     return {"set": dict(sped.update), "from": {k: was[k] for k in sped.update}, "reasons": list(sped.reasons)}

@@ -27,15 +27,20 @@ def format_plan(plan: Plan) -> str:
         where = f"{box_count} x {card}"
     else:
         where = f"{p.num_processes} of the box's {box_count} x {card}"
-    lines.append(f"Plan: {p.method} of {p.model['name']} on {where} -> engine {p.engine}, "
-                 f"{p.num_processes} process{'es' if p.num_processes > 1 else ''}")
+    lines.append(
+        f"Plan: {p.method} of {p.model['name']} on {where} -> engine {p.engine}, "
+        f"{p.num_processes} process{'es' if p.num_processes > 1 else ''}"
+    )
     lines.append("")
     mem = p.memory
     label = "per GPU" if p.device == "cuda" else "in RAM"
     src = "measured by the smoke test" if mem["source"] == "measured" else "estimated"
     # "whole job" is the sizer's figure: beside a measured peak it is named as the estimate it is
-    whole = (f"whole job {mem['total_gb']} GB" if mem["source"] != "measured"
-             else f"whole job estimated at {mem['total_gb']} GB") + (" (cards + CPU RAM)" if p.offload_optimizer else "")
+    whole = (
+        f"whole job {mem['total_gb']} GB"
+        if mem["source"] != "measured"
+        else f"whole job estimated at {mem['total_gb']} GB"
+    ) + (" (cards + CPU RAM)" if p.offload_optimizer else "")
     lines.append(f"Memory {label}: {mem['per_gpu_gb']} GB of {mem['capacity_gb']} GB ({src}); {whole}")
     width = max(len(k) for k in mem["breakdown_gb"])
     for k, v in mem["breakdown_gb"].items():
@@ -45,12 +50,17 @@ def format_plan(plan: Plan) -> str:
     if mem.get("offloaded_ram_gb"):
         lines.append(f"  + {mem['offloaded_ram_gb']} GB of activations offloaded to CPU RAM")
     if mem.get("offloaded_params_gb") and p.offload_optimizer:
-        lines.append(f"  + {mem['offloaded_params_gb']} GB in CPU RAM (DeepSpeed CPU offload): fp32 master weights, "
-                     "gradients and Adam states" + (" and the 16-bit parameter partitions" if p.offload_params else "")
-                     + f"; {mem.get('train_ram_gb', 0)} GB of RAM while training")
+        lines.append(
+            f"  + {mem['offloaded_params_gb']} GB in CPU RAM (DeepSpeed CPU offload): fp32 master weights, "
+            "gradients and Adam states"
+            + (" and the 16-bit parameter partitions" if p.offload_params else "")
+            + f"; {mem.get('train_ram_gb', 0)} GB of RAM while training"
+        )
     elif mem.get("offloaded_params_gb"):
-        lines.append(f"  + {mem['offloaded_params_gb']} GB of parameter shards, gradients and optimizer states "
-                     "offloaded to CPU RAM (FSDP parameter offload)")
+        lines.append(
+            f"  + {mem['offloaded_params_gb']} GB of parameter shards, gradients and optimizer states "
+            "offloaded to CPU RAM (FSDP parameter offload)"
+        )
     if mem.get("load_explanation"):
         lines.append(f"  loading: {mem['load_explanation']}")
     lines.append("")
@@ -61,51 +71,77 @@ def format_plan(plan: Plan) -> str:
     t = p.tokens
     tps_src = t["tokens_per_second_source"]
     lines.append(f"Tokens: {_fmt_tokens(t['training_tokens'])} training tokens ({t['source']})")
-    lines.append(f"Speed:  {t['tokens_per_second']:,.0f} tokens/s ({tps_src})"
-                 + (f", estimate was {t['estimated_tokens_per_second']:,.0f}" if tps_src == "measured" else "")
-                 + ("; trains in fp16 with loss scaling (no bf16 below compute capability 8.0)"
-                    if t.get("precision") == "fp16" else ""))
+    lines.append(
+        f"Speed:  {t['tokens_per_second']:,.0f} tokens/s ({tps_src})"
+        + (f", estimate was {t['estimated_tokens_per_second']:,.0f}" if tps_src == "measured" else "")
+        + (
+            "; trains in fp16 with loss scaling (no bf16 below compute capability 8.0)"
+            if t.get("precision") == "fp16"
+            else ""
+        )
+    )
     e = p.estimate
     price = f"{p.price_per_hour_eur:.2f} EUR/h" if p.price_per_hour_eur is not None else "no price known: --price EUR/h"
     cost = f"{e['cost_eur']:.2f} EUR at {price}" if e["cost_eur"] is not None else f"unknown ({price})"
     lines.append(f"Time:   {_fmt_hours(e['hours'])} training; cost {cost}")
     if e.get("setup_hours") is not None:
         d = e["download"]
-        fetch = ("download: none, " + d["source"] if d["cached"] else
-                 f"download {d['gb']} GB of {d['repo']} at {d['bandwidth_mb_s']:g} MB/s: "
-                 f"{_fmt_hours(d['seconds'] / 3600)}; size: {d['source']}")
+        fetch = (
+            "download: none, " + d["source"]
+            if d["cached"]
+            else f"download {d['gb']} GB of {d['repo']} at {d['bandwidth_mb_s']:g} MB/s: "
+            f"{_fmt_hours(d['seconds'] / 3600)}; size: {d['source']}"
+        )
         total_cost = f", {e['total_cost_eur']:.2f} EUR" if e.get("total_cost_eur") is not None else ""
-        lines.append(f"Setup:  {_fmt_hours(e['setup_hours'])} ({e['setup']['minutes']:g} min {e['setup']['what']}; "
-                     f"{fetch})")
+        lines.append(
+            f"Setup:  {_fmt_hours(e['setup_hours'])} ({e['setup']['minutes']:g} min {e['setup']['what']}; {fetch})"
+        )
         if e.get("total_hours") is not None:
             lines.append(f"Total:  {_fmt_hours(e['total_hours'])}{total_cost} on this box")
-    lines.append(f"Steps:  {p.total_steps:,} optimizer steps (micro-batch {p.micro_batch_size} x accumulation "
-                 f"{p.gradient_accumulation_steps} x {p.num_processes} process{'es' if p.num_processes > 1 else ''}); "
-                 + (f"checkpoint about every {p.checkpoint_every_steps} steps (every "
-                    f"{_fmt_minutes(p.checkpoint_every_minutes)} by the clock)" if p.checkpoint_every_minutes else
-                    f"checkpoint about every {p.checkpoint_every_steps} steps"))
+    lines.append(
+        f"Steps:  {p.total_steps:,} optimizer steps (micro-batch {p.micro_batch_size} x accumulation "
+        f"{p.gradient_accumulation_steps} x {p.num_processes} process{'es' if p.num_processes > 1 else ''}); "
+        + (
+            f"checkpoint about every {p.checkpoint_every_steps} steps (every "
+            f"{_fmt_minutes(p.checkpoint_every_minutes)} by the clock)"
+            if p.checkpoint_every_minutes
+            else f"checkpoint about every {p.checkpoint_every_steps} steps"
+        )
+    )
     r = p.cheapest_rental
     if r is not None and p.device == "cuda":
-        money = (f"{_fmt_hours(r['hours'])}, {r['cost_eur']:.2f} EUR" if r["cost_eur"] is not None
-                 else f"{r['price_per_hour_eur']:.2f} EUR/h")
-        here = (f"{_fmt_hours(e['hours'])}, {e['cost_eur']:.2f} EUR" if e["cost_eur"] is not None
-                else _fmt_hours(e["hours"]))
-        lines.append(f"Rent:   this box as planned {here}; the cheapest box to rent instead is {r['gpus']} "
-                     f"({r['engine']}, {money}, training only)")
+        money = (
+            f"{_fmt_hours(r['hours'])}, {r['cost_eur']:.2f} EUR"
+            if r["cost_eur"] is not None
+            else f"{r['price_per_hour_eur']:.2f} EUR/h"
+        )
+        here = (
+            f"{_fmt_hours(e['hours'])}, {e['cost_eur']:.2f} EUR"
+            if e["cost_eur"] is not None
+            else _fmt_hours(e["hours"])
+        )
+        lines.append(
+            f"Rent:   this box as planned {here}; the cheapest box to rent instead is {r['gpus']} "
+            f"({r['engine']}, {money}, training only)"
+        )
     if p.alternatives:
         lines.append("")
         lines.append("Other boxes that hold the job (estimated; with ftrun's Docker image):")
         lines.append(f"  {'gpus':<16} {'engine':<9} {'GB/card':>8} {'tokens/s':>9} {'time':>14} {'cost EUR':>9}")
         for a in p.alternatives:
             cost_a = f"{a['cost_eur']:.2f}" if a["cost_eur"] is not None else "-"
-            lines.append(f"  {a['gpus']:<16} {a['engine']:<9} {a['per_gpu_gb']:>8} {a['tokens_per_second']:>9,} "
-                         f"{_fmt_hours(a['hours']):>14} {cost_a:>9}")
+            lines.append(
+                f"  {a['gpus']:<16} {a['engine']:<9} {a['per_gpu_gb']:>8} {a['tokens_per_second']:>9,} "
+                f"{_fmt_hours(a['hours']):>14} {cost_a:>9}"
+            )
         rates = [a["tokens_per_second"] for a in p.alternatives if a.get("tokens_per_second")]
         if len(rates) > 1 and max(rates) <= 1.1 * min(rates):
             # a T4 and an RTX 5090 at the same rate: the fixed per-step cost (throughput.GPU_SECONDS_PER_MICRO_BATCH)
             # dwarfs the model's FLOPs, so the table cannot rank the cards by speed
-            lines.append("  (the same rate on every card: for a model this small each step's fixed overhead, not the "
-                         "card's speed, sets it; a run measures its real rate)")
+            lines.append(
+                "  (the same rate on every card: for a model this small each step's fixed overhead, not the "
+                "card's speed, sets it; a run measures its real rate)"
+            )
     lines.append("")
     for n in p.notes:
         lines.append(f"note: {n}")

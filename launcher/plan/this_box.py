@@ -76,8 +76,15 @@ def _nvml_devices(pynvml: Any) -> tuple[list[_Device], str | None, list[str]]:
             except pynvml.NVMLError:
                 cc = None
             if not _mig_enabled(pynvml, handle):
-                devices.append(_Device(uuid, name, int(pynvml.nvmlDeviceGetMemoryInfo(handle).total), cc,
-                                       nvlink=_has_active_nvlink(pynvml, handle)))
+                devices.append(
+                    _Device(
+                        uuid,
+                        name,
+                        int(pynvml.nvmlDeviceGetMemoryInfo(handle).total),
+                        cc,
+                        nvlink=_has_active_nvlink(pynvml, handle),
+                    )
+                )
                 continue
             instances = []
             for slot in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
@@ -89,12 +96,22 @@ def _nvml_devices(pynvml: Any) -> tuple[list[_Device], str | None, list[str]]:
                     ids = (int(pynvml.nvmlDeviceGetGpuInstanceId(mig)), int(pynvml.nvmlDeviceGetComputeInstanceId(mig)))
                 except pynvml.NVMLError:
                     ids = None
-                instances.append(_Device(_nvml_uuid(pynvml, mig), _text(pynvml.nvmlDeviceGetName(mig)),
-                                         int(pynvml.nvmlDeviceGetMemoryInfo(mig).total), cc,
-                                         parent_name=name, parent_uuid=uuid, mig_ids=ids))
+                instances.append(
+                    _Device(
+                        _nvml_uuid(pynvml, mig),
+                        _text(pynvml.nvmlDeviceGetName(mig)),
+                        int(pynvml.nvmlDeviceGetMemoryInfo(mig).total),
+                        cc,
+                        parent_name=name,
+                        parent_uuid=uuid,
+                        mig_ids=ids,
+                    )
+                )
             if not instances:
-                notes.append(f"GPU {i} ({name}) has MIG enabled but no MIG instance: CUDA cannot use it "
-                             "(create one with nvidia-smi mig, or disable MIG)")
+                notes.append(
+                    f"GPU {i} ({name}) has MIG enabled but no MIG instance: CUDA cannot use it "
+                    "(create one with nvidia-smi mig, or disable MIG)"
+                )
             devices += instances
         return devices, driver, notes
     finally:
@@ -137,8 +154,13 @@ def _match_visible(entry: str, devices: list[_Device]) -> _Device | None:
     low = entry.lower()
     legacy = re.fullmatch(r"mig-(gpu-[0-9a-f-]+)/(\d+)/(\d+)", low)
     if legacy:
-        found = [d for d in devices if d.is_mig and (d.parent_uuid or "").lower() == legacy.group(1)
-                 and d.mig_ids == (int(legacy.group(2)), int(legacy.group(3)))]
+        found = [
+            d
+            for d in devices
+            if d.is_mig
+            and (d.parent_uuid or "").lower() == legacy.group(1)
+            and d.mig_ids == (int(legacy.group(2)), int(legacy.group(3)))
+        ]
     else:
         # CUDA accepts a unique prefix of a UUID ("GPU-8932f937"). A MIG-enabled card named by its GPU
         # UUID stands for its instances.
@@ -161,8 +183,10 @@ def _cuda_view(devices: list[_Device], visible: str | None) -> tuple[list[_Devic
             if device is None:
                 # CUDA's rule: an invalid entry hides itself and every entry after it.
                 if entry != "-1":
-                    notes.append(f"CUDA_VISIBLE_DEVICES entry '{entry}' names no device on this box: CUDA ignores it "
-                                 "and every entry after it")
+                    notes.append(
+                        f"CUDA_VISIBLE_DEVICES entry '{entry}' names no device on this box: CUDA ignores it "
+                        "and every entry after it"
+                    )
                 break
             if device not in chosen:
                 chosen.append(device)
@@ -171,9 +195,11 @@ def _cuda_view(devices: list[_Device], visible: str | None) -> tuple[list[_Devic
         # MIG user guide, "CUDA Device Enumeration": with CUDA 11/R450 and CUDA 12/R525 a CUDA process
         # enumerates a single MIG instance however many are visible (pytorch/pytorch#130181), so
         # torchrun's ranks cannot each take one: the job plans for the first.
-        notes.append(f"{len(migs)} MIG instances are visible, but a CUDA process can use only one: planning for "
-                     f"{migs[0].uuid or migs[0].name}; run one job per MIG instance, each with its own "
-                     "CUDA_VISIBLE_DEVICES=MIG-<uuid>")
+        notes.append(
+            f"{len(migs)} MIG instances are visible, but a CUDA process can use only one: planning for "
+            f"{migs[0].uuid or migs[0].name}; run one job per MIG instance, each with its own "
+            "CUDA_VISIBLE_DEVICES=MIG-<uuid>"
+        )
         chosen = [d for d in chosen if not d.is_mig or d is migs[0]]
     return chosen, notes
 
@@ -184,8 +210,9 @@ def _mig_profile(name: str) -> tuple[str | None, int | None]:
     return (m.group(0), int(m.group(1))) if m else (None, None)
 
 
-def _gpu(name: str, memory_bytes: int, cc: tuple[int, int] | None, notes: list[str],
-         parent_name: str | None = None) -> Gpu:
+def _gpu(
+    name: str, memory_bytes: int, cc: tuple[int, int] | None, notes: list[str], parent_name: str | None = None
+) -> Gpu:
     """A detected device as sizing sees it, priced and rated from the catalog."""
     if parent_name is None and " MIG " in f" {name} ":
         # torch names a MIG instance after its card: "NVIDIA H100 80GB HBM3 MIG 3g.40gb"
@@ -194,19 +221,30 @@ def _gpu(name: str, memory_bytes: int, cc: tuple[int, int] | None, notes: list[s
     memory = round(memory_bytes / GB, 2)
     if parent_name is None:
         if entry is None:
-            notes.append(f"GPU '{name}' is not in the catalog: no price or TFLOP/s known, time is estimated "
-                         f"from its memory class; add it to {USER_CATALOG_ENV}")
-        return Gpu(entry.name if entry else name, memory, cc, entry.tflops_bf16 if entry else None,
-                   entry.price_per_hour_eur if entry else None, entry.memory_bandwidth_gb_s if entry else None)
+            notes.append(
+                f"GPU '{name}' is not in the catalog: no price or TFLOP/s known, time is estimated "
+                f"from its memory class; add it to {USER_CATALOG_ENV}"
+            )
+        return Gpu(
+            entry.name if entry else name,
+            memory,
+            cc,
+            entry.tflops_bf16 if entry else None,
+            entry.price_per_hour_eur if entry else None,
+            entry.memory_bandwidth_gb_s if entry else None,
+        )
     profile, slices = _mig_profile(name)
     card = entry.name if entry else parent_name
     tflops = entry.tflops_bf16 * slices / MIG_COMPUTE_SLICES if entry and slices else None
-    notes.append(f"{card} is split by MIG: planning for one MIG instance ({profile or 'profile unknown'}, "
-                 f"{memory:.1f} GB"
-                 + (f", {slices} of {MIG_COMPUTE_SLICES} compute slices" if tflops else ", its compute share unknown")
-                 + "), not the whole card; a MIG instance's price depends on the provider: set price_per_hour_eur")
-    return Gpu(f"{card} MIG {profile}" if profile else f"{card} MIG", memory, cc,
-               round(tflops, 1) if tflops else None, None)
+    notes.append(
+        f"{card} is split by MIG: planning for one MIG instance ({profile or 'profile unknown'}, "
+        f"{memory:.1f} GB"
+        + (f", {slices} of {MIG_COMPUTE_SLICES} compute slices" if tflops else ", its compute share unknown")
+        + "), not the whole card; a MIG instance's price depends on the provider: set price_per_hour_eur"
+    )
+    return Gpu(
+        f"{card} MIG {profile}" if profile else f"{card} MIG", memory, cc, round(tflops, 1) if tflops else None, None
+    )
 
 
 def _driver_version_from_os() -> str | None:
@@ -247,8 +285,9 @@ def _torch_devices() -> list[dict[str, Any]]:
     import subprocess
 
     try:
-        done = subprocess.run([sys.executable, "-c", _TORCH_PROBE], capture_output=True, text=True,
-                              timeout=TORCH_PROBE_TIMEOUT_S)
+        done = subprocess.run(
+            [sys.executable, "-c", _TORCH_PROBE], capture_output=True, text=True, timeout=TORCH_PROBE_TIMEOUT_S
+        )
     except subprocess.TimeoutExpired:
         raise HardwareError(f"torch.cuda did not answer within {TORCH_PROBE_TIMEOUT_S} s") from None
     if done.returncode != 0:
@@ -265,19 +304,41 @@ def _detect_with_torch(cpu: int, ram: float, why: str) -> Hardware:
     import importlib.util
 
     if not _nvidia_driver_present():
-        return Hardware((), links.NONE, cpu, ram, "detected", (f"{why}, and no NVIDIA driver is loaded on this box: "
-                                                          "CPU only; plan for a GPU box with --gpus",))
+        return Hardware(
+            (),
+            links.NONE,
+            cpu,
+            ram,
+            "detected",
+            (f"{why}, and no NVIDIA driver is loaded on this box: CPU only; plan for a GPU box with --gpus",),
+        )
     if importlib.util.find_spec("torch") is None:
-        return Hardware((), links.NONE, cpu, ram, "detected", (f"{why}, and torch is not installed to ask instead: "
-                                                          "CPU only; install ftrun[gpu] (nvidia-ml-py)",))
+        return Hardware(
+            (),
+            links.NONE,
+            cpu,
+            ram,
+            "detected",
+            (f"{why}, and torch is not installed to ask instead: CPU only; install ftrun[gpu] (nvidia-ml-py)",),
+        )
     try:
         found = _torch_devices()
     except HardwareError as exc:
-        return Hardware((), links.NONE, cpu, ram, "detected", (f"{why}, and {exc.args[0] if exc.args else exc}: CPU only",))
+        return Hardware(
+            (), links.NONE, cpu, ram, "detected", (f"{why}, and {exc.args[0] if exc.args else exc}: CPU only",)
+        )
     if not found:
-        return Hardware((), links.NONE, cpu, ram, "detected",
-                        (f"{why}, and torch.cuda sees no device (CUDA_VISIBLE_DEVICES, or a driver that does not "
-                         "match torch's CUDA): CPU only",))
+        return Hardware(
+            (),
+            links.NONE,
+            cpu,
+            ram,
+            "detected",
+            (
+                f"{why}, and torch.cuda sees no device (CUDA_VISIBLE_DEVICES, or a driver that does not "
+                "match torch's CUDA): CPU only",
+            ),
+        )
     notes: list[str] = []
     gpus = tuple(_gpu(d["name"], int(d["total_memory"]), (int(d["major"]), int(d["minor"])), notes) for d in found)
     if len(gpus) == 1:
@@ -286,10 +347,13 @@ def _detect_with_torch(cpu: int, ram: float, why: str) -> Hardware:
         # torch does not tell NVLink from PCIe; the catalog knows how a card's multi-GPU boxes are built.
         entry = lookup(gpus[0].name)
         interconnect = entry.interconnect if entry else links.PCIE
-    notes.insert(0, f"{why}: GPUs read through torch.cuda instead (name, memory, compute capability); the "
-                    f"interconnect is not visible that way and is taken as {interconnect} "
-                    f"({'from the catalog' if len(gpus) > 1 and lookup(gpus[0].name) else 'assumed'}); "
-                    "install ftrun[gpu] (nvidia-ml-py) for NVML's view")
+    notes.insert(
+        0,
+        f"{why}: GPUs read through torch.cuda instead (name, memory, compute capability); the "
+        f"interconnect is not visible that way and is taken as {interconnect} "
+        f"({'from the catalog' if len(gpus) > 1 and lookup(gpus[0].name) else 'assumed'}); "
+        "install ftrun[gpu] (nvidia-ml-py) for NVML's view",
+    )
     return Hardware(gpus, interconnect, cpu, ram, "detected", tuple(notes), _driver_version_from_os())
 
 
@@ -326,7 +390,6 @@ def _detect_devices(cpu: int, ram: float) -> Hardware:
     return Hardware(gpus, interconnect, cpu, ram, "detected", tuple(notes), driver)
 
 
-
 def for_plan(gpus: str | None, box: str | None) -> tuple[Hardware, str]:
     """The box `ftrun plan` sizes for, and why: --gpus, else a GPU detected here, else the recipe's `box:`,
     else this machine (CPU only)."""
@@ -342,9 +405,13 @@ def for_plan(gpus: str | None, box: str | None) -> tuple[Hardware, str]:
         try:
             named = from_spec(box)
         except UsageError as exc:
-            raise UsageError(f"the recipe's box: {box!r} is not a box ftrun knows ({exc.message})", fix=exc.fix) from None
-        return (replace(named, source=f"recipe box: {box}"),
-                f"the recipe's box: {box} (this machine has no GPU; --gpus plans for another box)")
+            raise UsageError(
+                f"the recipe's box: {box!r} is not a box ftrun knows ({exc.message})", fix=exc.fix
+            ) from None
+        return (
+            replace(named, source=f"recipe box: {box}"),
+            f"the recipe's box: {box} (this machine has no GPU; --gpus plans for another box)",
+        )
     return here, "this machine (no GPU detected, and the recipe names no box:; --gpus plans for a GPU box)"
 
 

@@ -10,8 +10,15 @@ from typing import TYPE_CHECKING, Any
 
 from launcher.methods import METHODS, is_adapter, is_quantized
 from launcher.plan import links
-from launcher.plan.sizing import (ADAPTER_BYTES, GB, GRADIENT_CHURN_BYTES, MemoryEstimate, Workload, memory,
-                                  offloaded_activation_bytes)
+from launcher.plan.sizing import (
+    ADAPTER_BYTES,
+    GB,
+    GRADIENT_CHURN_BYTES,
+    MemoryEstimate,
+    Workload,
+    memory,
+    offloaded_activation_bytes,
+)
 
 if TYPE_CHECKING:  # for the annotations only
     from launcher.plan.models import Architecture as Arch
@@ -73,8 +80,9 @@ DS_OFFLOAD_PARAMS_BACK_BYTES = 4
 CPU_ADAM_PARAMS_PER_CORE_S = 2e8
 
 
-def deepspeed_offload_seconds(arch: Arch, est: MemoryEstimate, w: Workload, link_gb_s: float,
-                              cpu_count: int) -> tuple[float, float]:
+def deepspeed_offload_seconds(
+    arch: Arch, est: MemoryEstimate, w: Workload, link_gb_s: float, cpu_count: int
+) -> tuple[float, float]:
     """DeepSpeed CPU offload per micro-batch for one card: (host-link transfer s, CPU optimizer step s); the step's
     own transfer and the CPU step are paid once per optimizer step, so they are spread over the accumulation. The
     card waits for both: ZeRO-3 runs the CPU step between backward and the next forward."""
@@ -101,7 +109,6 @@ def offload_seconds_per_micro_batch(est: MemoryEstimate, w: Workload, link_gb_s:
     return (OFFLOAD_PASSES * params_gb + grads_gb) * GB / (link_gb_s * 1e9)  # links are rated in 1e9 bytes/s
 
 
-
 def activation_offload_seconds(arch: Arch, w: Workload, link_gb_s: float) -> float:
     """Seconds per micro-batch TRL's activation offloading adds: the offloaded activations go down to pinned RAM in
     the forward and come back in the backward (trl/models/activation_offloading.py, OffloadActivations). trl overlaps
@@ -112,7 +119,8 @@ def activation_offload_seconds(arch: Arch, w: Workload, link_gb_s: float) -> flo
 
 
 def _resident_states_gb(est: MemoryEstimate, w: Workload) -> float:
-    """Offloaded bytes per card that never cross the link: optimizer states and gradient buffers (the step runs on the CPU)."""
+    """Offloaded bytes per card that never cross the link: optimizer states and gradient buffers (the step runs on
+    the CPU)."""
     n = w.num_gpus
     t = est.trainable_params
     if is_adapter(w.method):
@@ -147,8 +155,9 @@ def training_precision(device: str, compute_capability: tuple[int, int] | list[i
     return "bf16"
 
 
-def flops_per_token(arch: Arch, method: str, seq_len: int, gradient_checkpointing: bool,
-                    reference_forward: bool = False) -> float:
+def flops_per_token(
+    arch: Arch, method: str, seq_len: int, gradient_checkpointing: bool, reference_forward: bool = False
+) -> float:
     """Training FLOPs per token: forward 2 x matmul params + causal attention; backward 2x forward for full
     (input and weight gradients), 1x for LoRA (input gradients only); recomputation adds one forward, and so does
     DPO's reference pass (the same tokens through the frozen reference, without gradients)."""
@@ -159,9 +168,15 @@ def flops_per_token(arch: Arch, method: str, seq_len: int, gradient_checkpointin
     return forward + backward + (forward if gradient_checkpointing else 0) + (forward if reference_forward else 0)
 
 
-def tokens_per_second(arch: Arch, w: Workload, tflops_bf16: float | None, interconnect: str = links.NONE,
-                      cpu_count: int = 1, mean_seq_len: int | None = None,
-                      compute_capability: tuple[int, int] | None = None) -> float:
+def tokens_per_second(
+    arch: Arch,
+    w: Workload,
+    tflops_bf16: float | None,
+    interconnect: str = links.NONE,
+    cpu_count: int = 1,
+    mean_seq_len: int | None = None,
+    compute_capability: tuple[int, int] | None = None,
+) -> float:
     """Training tokens per second for the whole box (parameter offload adds its host-link transfers to each
     micro-batch, not overlapped with compute: docs/sizing.md, "Parameter offload")."""
     seq = mean_seq_len or w.seq_len
@@ -201,8 +216,9 @@ GENERATION_BATCH = {"cpu": 8, "cuda": 32}
 GENERATION_EFFICIENCY = 0.5
 
 
-def generation_tokens_per_second(arch: Arch, bandwidth_gb_s: float | None, tflops_bf16: float | None,
-                                 batch: int = GENERATION_BATCH["cuda"]) -> float | None:
+def generation_tokens_per_second(
+    arch: Arch, bandwidth_gb_s: float | None, tflops_bf16: float | None, batch: int = GENERATION_BATCH["cuda"]
+) -> float | None:
     """New tokens per second of batched greedy generation on one card, from the roofline: each decode step reads
     the 16-bit weights once (memory bound) or computes 2 x active parameters per prompt (compute bound), whichever
     is slower, at GENERATION_EFFICIENCY of it. None without the card's bandwidth (a card the catalog lacks, MIG)."""

@@ -49,8 +49,15 @@ def undo_plan_settings(recipe: Recipe, plan: dict[str, Any]) -> Optional[tuple[d
     if not chosen or any(getattr(recipe, k) != v for k, v in chosen.items()):
         return None
     back = {k: v for k, v in was.items() if getattr(recipe, k) != v}
-    return (back, "the plan's faster settings undone: " + ", ".join(f"{k} {getattr(recipe, k)} -> {v}"
-                                                                   for k, v in back.items())) if back else None
+    return (
+        (
+            back,
+            "the plan's faster settings undone: "
+            + ", ".join(f"{k} {getattr(recipe, k)} -> {v}" for k, v in back.items()),
+        )
+        if back
+        else None
+    )
 
 
 def next_adjustment(recipe: Recipe, plan: dict[str, Any]) -> Optional[tuple[dict[str, Any], str]]:
@@ -64,8 +71,10 @@ def next_adjustment(recipe: Recipe, plan: dict[str, Any]) -> Optional[tuple[dict
     if "batch" in allowed and m > 1:
         m2 = m // 2 if m % 2 == 0 else 1
         g2 = g * m // m2  # the effective batch stays the same, so does the training
-        return ({"micro_batch_size": m2, "gradient_accumulation_steps": g2},
-                f"micro_batch_size {m} -> {m2}, gradient_accumulation_steps {g} -> {g2} (same effective batch)")
+        return (
+            {"micro_batch_size": m2, "gradient_accumulation_steps": g2},
+            f"micro_batch_size {m} -> {m2}, gradient_accumulation_steps {g} -> {g2} (same effective batch)",
+        )
     if "checkpointing" in allowed and not recipe.gradient_checkpointing:
         return {"gradient_checkpointing": True}, "gradient_checkpointing off -> on (recomputes activations)"
     method = METHODS[recipe.method]
@@ -103,7 +112,8 @@ def _shard(recipe: Recipe, plan: dict[str, Any]) -> tuple[Optional[tuple[dict[st
     cards = int((plan.get("hardware") or {}).get("count") or 1)
     if sharded and (plan.get("device") != "cuda" or procs >= cards):
         return None, f"already {plan.get('engine')} x {procs}" + (
-            f" over all {cards} GPU(s) of this box" if plan.get("device") == "cuda" else "")
+            f" over all {cards} GPU(s) of this box" if plan.get("device") == "cuda" else ""
+        )
     if recipe.engine != "auto":
         return None, f"the recipe sets engine: {recipe.engine}"
     if recipe.num_processes != "auto":
@@ -132,9 +142,13 @@ def _shard(recipe: Recipe, plan: dict[str, Any]) -> tuple[Optional[tuple[dict[st
     for k in counts:
         if k >= 2 and effective % (m * k) == 0:
             g2 = effective // (m * k)
-            return ({"engine": engine, "num_processes": k, "gradient_accumulation_steps": g2},
-                    f"engine {plan.get('engine')} x {procs} -> {engine} x {k} over {where}, each holding 1/{k} of the "
-                    f"weights, gradients and optimizer states; gradient_accumulation_steps {g} -> {g2} "
-                    f"(same effective batch {effective})"), ""
-    return None, (f"the effective batch {effective} (micro-batch {m}) does not split evenly over "
-                  f"{where}: sharding would change the training")
+            return (
+                {"engine": engine, "num_processes": k, "gradient_accumulation_steps": g2},
+                f"engine {plan.get('engine')} x {procs} -> {engine} x {k} over {where}, each holding 1/{k} of the "
+                f"weights, gradients and optimizer states; gradient_accumulation_steps {g} -> {g2} "
+                f"(same effective batch {effective})",
+            ), ""
+    return None, (
+        f"the effective batch {effective} (micro-batch {m}) does not split evenly over "
+        f"{where}: sharding would change the training"
+    )

@@ -26,9 +26,13 @@ def _say(line: str) -> None:
 def as_json(t: dict[str, Any]) -> dict[str, Any]:
     """`ftrun baseline --json`: the metric, the examples, the base model's two scores, the verdict."""
     scores = t.get("scores") or {}
-    out = {"metric": t.get("metric"), "examples": t.get("examples"),
-           "scores": {n: scores.get(n) for n in views.BASE_SCORES}, "verdict": views.task_verdict(t),
-           "fine_tune_pays": t.get("fine_tune_pays")}
+    out = {
+        "metric": t.get("metric"),
+        "examples": t.get("examples"),
+        "scores": {n: scores.get(n) for n in views.BASE_SCORES},
+        "verdict": views.task_verdict(t),
+        "fine_tune_pays": t.get("fine_tune_pays"),
+    }
     for key in ("not_applicable", "too_few", "fix"):
         if t.get(key) is not None:
             out[key] = t[key]
@@ -40,9 +44,10 @@ def baseline_command(recipe_path: str, overrides: list[str], json_out: bool = Fa
     With --json every other line goes to stderr: stdout holds only the JSON."""
     recipe = load_recipe(recipe_path, overrides)
     if recipe.eval.task.examples <= 0:
-        raise RecipeError("eval.task.examples is 0: the task evaluation is off, so there is nothing to score",
-                          fix="set eval.task.examples (200 by default), e.g. `ftrun baseline RECIPE "
-                              "eval.task.examples=200`.")
+        raise RecipeError(
+            "eval.task.examples is 0: the task evaluation is off, so there is nothing to score",
+            fix="set eval.task.examples (200 by default), e.g. `ftrun baseline RECIPE eval.task.examples=200`.",
+        )
     with contextlib.redirect_stdout(sys.stderr if json_out else sys.stdout):
         t = _score_base(recipe)
     if json_out:
@@ -58,23 +63,33 @@ def _score_base(recipe: Recipe) -> dict[str, Any]:
     if run.exists() and settled(run):  # scored before (the answers are kept): said again, nothing re-run
         return facts.task_eval(run, base_only=True)
     if run.exists() and training_began(run):
-        raise UsageError(f"{run.root} has trained already, and its base model was not scored before training",
-                         fix="score the base model in a new run directory: `ftrun baseline RECIPE "
-                             "output_dir=runs/<new>`.")
+        raise UsageError(
+            f"{run.root} has trained already, and its base model was not scored before training",
+            fix="score the base model in a new run directory: `ftrun baseline RECIPE output_dir=runs/<new>`.",
+        )
     recipe, run, prepared, _downloaded = prepare_only(recipe, "task baseline only")
     lock = prepared[5]
     try:
         rc, last = run_worker(run, prepared[4], _say)
-        set_state(run, "planned", reason="task baseline scored; `ftrun RECIPE` starts the run" if rc == 0
-                  else "task baseline failed; `ftrun RECIPE` starts the run")
+        set_state(
+            run,
+            "planned",
+            reason="task baseline scored; `ftrun RECIPE` starts the run"
+            if rc == 0
+            else "task baseline failed; `ftrun RECIPE` starts the run",
+        )
     finally:
         lock.release()
     t = facts.task_eval(run, base_only=True)
     if rc == EXIT_WORKER_BAD_INPUT:
-        raise UsageError(f"the task evaluation refused its input: {views.worker_line(last)}",
-                         fix="change the recipe's eval.task settings or the data as the line says, and run it again.")
+        raise UsageError(
+            f"the task evaluation refused its input: {views.worker_line(last)}",
+            fix="change the recipe's eval.task settings or the data as the line says, and run it again.",
+        )
     if rc != 0 or t is None:
-        raise RunError(views.baseline_failed(rc, last, launching=False),
-                       fix=f"read the worker's lines above; `ftrun baseline` again resumes (answers are kept in "
-                           f"{run.root / 'task_eval'}).")
+        raise RunError(
+            views.baseline_failed(rc, last, launching=False),
+            fix=f"read the worker's lines above; `ftrun baseline` again resumes (answers are kept in "
+            f"{run.root / 'task_eval'}).",
+        )
     return t

@@ -79,6 +79,8 @@ def clear_stale(say: Callable[[str], None], now: Optional[float] = None) -> list
         except OSError:
             continue
         removed.append(lock)
-        say(f"removed a stale build lock, {lock}: left by a process killed while it compiled "
-            f"{lock.parent.name}, it would have made this attempt wait for that build forever")
+        say(
+            f"removed a stale build lock, {lock}: left by a process killed while it compiled "
+            f"{lock.parent.name}, it would have made this attempt wait for that build forever"
+        )
     return removed

@@ -1,4 +1,5 @@
-"""Builds the commands a user is shown to type: the exact resume command (stored at launch), the one serving the result."""
+"""Builds the commands a user is shown to type: the exact resume command (stored at launch), the one serving the
+result."""
 
 from __future__ import annotations
 
@@ -30,19 +31,33 @@ def serve_command(run: RunDir, final: Optional[str]) -> Optional[str]:
         except (OSError, ValueError):
             switches = {}
     if Path(final).name == "adapter":
-        return vllm_command(recipe.model, lora_module=name + "=" + final, lora_rank=recipe.lora.r,
-                            max_model_len=recipe.max_length, switches=switches)
+        return vllm_command(
+            recipe.model,
+            lora_module=name + "=" + final,
+            lora_rank=recipe.lora.r,
+            max_model_len=recipe.max_length,
+            switches=switches,
+        )
     return vllm_command(final, name=name, max_model_len=recipe.max_length, switches=switches)
 
 
-def resume_command(recipe_path: str, overrides: list[str], memory_limit: Optional[float] = None,
-                   nodes: Optional[dict[str, Any]] = None) -> str:
+def resume_command(
+    recipe_path: str, overrides: list[str], memory_limit: Optional[float] = None, nodes: Optional[dict[str, Any]] = None
+) -> str:
     """The exact command that resumes a run (stored in state.json at launch): the launch's recipe, overrides, memory
     cap and node settings; not --fresh or --foreground, which are about that one launch."""
     words = [recipe_path, *overrides]
     if memory_limit:
         words += ["--memory-limit", f"{memory_limit:g}GB"]
     if nodes:
-        words += ["--nnodes", str(nodes["nnodes"]), "--node-rank", str(nodes["node_rank"]),
-                  "--master-addr", str(nodes["master_addr"]), "--master-port", str(nodes["master_port"])]
+        words += [
+            "--nnodes",
+            str(nodes["nnodes"]),
+            "--node-rank",
+            str(nodes["node_rank"]),
+            "--master-addr",
+            str(nodes["master_addr"]),
+            "--master-port",
+            str(nodes["master_port"]),
+        ]
     return " ".join(["ftrun", *(shlex.quote(x) for x in words)])

@@ -45,8 +45,10 @@ def stop(run: RunDir, timeout: float = 120.0, say=lambda line: None) -> str:
             return f"nothing to stop: the run already ended ({state}); no process was signalled"
         return "not running (no live supervisor holds the run; no process was signalled)"
     if holder["role"] != "supervisor":
-        return (f"not stopped: pid {holder['pid']} is still planning or smoke-testing this run (state "
-                f"{data.get('state', 'planned')}); interrupt it with Ctrl-C where it runs, or wait and stop the run")
+        return (
+            f"not stopped: pid {holder['pid']} is still planning or smoke-testing this run (state "
+            f"{data.get('state', 'planned')}); interrupt it with Ctrl-C where it runs, or wait and stop the run"
+        )
     set_state(run, data.get("state", "running"), stop_requested=True)  # `stopped`, not `preempted`
     say(stop_waits_for(_phase(run, data), _grace_seconds(run)))
     _signal_verified(holder, signal.SIGTERM)
@@ -107,10 +109,14 @@ def end_orphans(run: RunDir, wait_seconds: float, log=print) -> list[int]:
     # The launchers (torchrun, accelerate launch) carry the worker's arguments too; the ranks are signalled, not
     # them. Told apart by their command, not by being a parent: a worker forking a helper (the loss plot) is
     # for a moment the parent of a process with its own command line.
-    launchers = {p["pid"] for p in procs if any(a in ("torch.distributed.run", "accelerate.commands.launch")
-                                                for a in p["argv"])}
-    log(f"{run.root}: worker process(es) {', '.join(map(str, pids))} still train into this run without a supervisor; "
-        f"asking them to save a checkpoint and exit (up to {wait_seconds:g} s)")
+    launchers = {
+        p["pid"] for p in procs if any(a in ("torch.distributed.run", "accelerate.commands.launch") for a in p["argv"])
+    }
+    log(
+        f"{run.root}: worker process(es) {', '.join(map(str, pids))} still train into this run without a supervisor; "
+        f"asking them to save a checkpoint and exit (up to {wait_seconds:g} s)"
+    )
+
     def asked(p: dict) -> bool:
         if p["pid"] in launchers:  # a launcher only while it has no ranks yet
             return not any(q["ppid"] == p["pid"] for q in procs)
@@ -124,8 +130,10 @@ def end_orphans(run: RunDir, wait_seconds: float, log=print) -> list[int]:
         time.sleep(0.2)
     left = [p for p in procs if same_process(p)]
     if left:
-        log(f"{run.root}: killing worker process(es) {', '.join(str(p['pid']) for p in left)} (no exit after "
-            f"{wait_seconds:g} s)")
+        log(
+            f"{run.root}: killing worker process(es) {', '.join(str(p['pid']) for p in left)} (no exit after "
+            f"{wait_seconds:g} s)"
+        )
         sup = read_state(run).get("supervisor_proc") or {}
         same_boot = sup.get("boot") == (process_identity(os.getpid()) or {}).get("boot")
         group = sup.get("pgid") if same_boot and sup.get("pgid") == sup.get("pid") else None

@@ -27,8 +27,10 @@ def data_command(recipe_path: str, overrides: list[str]) -> int:
         if kept.is_file():
             record = json.loads(kept.read_text()).get("loss_view")
     if record is None and line is None:
-        raise UsageError(f"the data of {recipe_path} is not on this machine, and no run of it has kept its view",
-                         fix="run it where the data is, or launch the recipe once (the run keeps data.json).")
+        raise UsageError(
+            f"the data of {recipe_path} is not on this machine, and no run of it has kept its view",
+            fix="run it where the data is, or launch the recipe once (the run keeps data.json).",
+        )
     if line:
         print(f"data: {line}")
     print(format_loss_view(record, color=wants_color(), statistics=True))

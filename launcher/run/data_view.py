@@ -12,17 +12,30 @@ def data_label(stats) -> str:
 
 
 def data_line(stats) -> str:
-    """'Alpaca (instruction/input/output) format, 10,000 examples, converted to chat; 1,234,567 tokens (tokenizer)'; with
+    """'Alpaca (instruction/input/output) format, 10,000 examples, converted to chat; 1,234,567 tokens (tokenizer)';
+    with
     an eval split, how many of the examples train (the tokens are theirs) and how many are held out."""
     held, lines = getattr(stats, "held_out", 0), getattr(stats, "held_out_lines", 0)
     copies = lines - held
-    trains = (f"; {stats.examples:,} train, {held:,} are held out for evaluation (a seeded draw)"
-              + ((", and 1 copy of a held-out example leaves training with it" if copies == 1 else
-                  f", and {copies:,} copies of held-out examples leave training with them") if copies > 0 else "")
-              if held else "")
-    return (f"{stats.description}{trains}; {stats.total_tokens:,} tokens per epoch ({stats.tokens_source}"
-            + (f", {stats.over_max_length} over max_length {stats.max_length}: truncated" if stats.over_max_length else "")
-            + ")")
+    trains = (
+        f"; {stats.examples:,} train, {held:,} are held out for evaluation (a seeded draw)"
+        + (
+            (
+                ", and 1 copy of a held-out example leaves training with it"
+                if copies == 1
+                else f", and {copies:,} copies of held-out examples leave training with them"
+            )
+            if copies > 0
+            else ""
+        )
+        if held
+        else ""
+    )
+    return (
+        f"{stats.description}{trains}; {stats.total_tokens:,} tokens per epoch ({stats.tokens_source}"
+        + (f", {stats.over_max_length} over max_length {stats.max_length}: truncated" if stats.over_max_length else "")
+        + ")"
+    )
 
 
 def wants_color(stream: Optional[TextIO] = None) -> bool:
@@ -40,8 +53,10 @@ def format_loss_view(record: Optional[dict[str, Any]], color: bool = False, stat
         return "what the loss sees: not shown (the model's tokenizer is not on this machine)"
     s = record["stats"]
     mark = f"{TRAINED_STYLE}highlighted{RESET}" if color else f"{OPEN}in brackets{CLOSE}"
-    lines = [f"what the loss sees: {s['trained_share']:.1%} of {s['tokens']:,} tokens trained, loss on {record['mode']}, "
-             f"end of turn {record.get('end_of_turn')}; trained tokens {mark}:"]
+    lines = [
+        f"what the loss sees: {s['trained_share']:.1%} of {s['tokens']:,} tokens trained, loss on {record['mode']}, "
+        f"end of turn {record.get('end_of_turn')}; trained tokens {mark}:"
+    ]
     for ex in record["examples"]:
         where = ex["where"] + (f" ({ex['source']})" if ex.get("source") and len(record["examples"]) > 1 else "")
         lines.append(f"--- {where}: {ex['trained']} of {ex['tokens']} tokens trained")
@@ -49,16 +64,23 @@ def format_loss_view(record: Optional[dict[str, Any]], color: bool = False, stat
     lines.append("---")
     if statistics:
         cap = s.get("max_length")
-        lines.append(f"{'sequences' if record.get('pairs') else 'examples'} {s['examples']:,}; tokens {s['tokens']:,} (after max_length {cap}); trained "
-                     f"{s['trained_tokens']:,} ({s['trained_share']:.1%})")
+        lines.append(
+            f"{'sequences' if record.get('pairs') else 'examples'} {s['examples']:,}; tokens {s['tokens']:,} (after "
+            f"max_length {cap}); trained "
+            f"{s['trained_tokens']:,} ({s['trained_share']:.1%})"
+        )
         lines.append(f"length in tokens: p50 {s['p50']:,}, p90 {s['p90']:,}, p99 {s['p99']:,}, max {s['max']:,}")
         n = max(s["examples"], 1)
-        lines.append(f"truncated by max_length {cap}: {s['truncated']:,} ({s['truncated'] / n:.1%}); trained part cut: "
-                     f"{s['cut']:,} ({s['cut'] / n:.1%}); nothing trained: {s['empty']:,} ({s['empty'] / n:.1%})")
+        lines.append(
+            f"truncated by max_length {cap}: {s['truncated']:,} ({s['truncated'] / n:.1%}); trained part cut: "
+            f"{s['cut']:,} ({s['cut'] / n:.1%}); nothing trained: {s['empty']:,} ({s['empty'] / n:.1%})"
+        )
         pairs = record.get("pairs")
         if pairs:  # the sequences above are the pairs' two sides (launcher/data/stats.py pair_stats)
-            lines.append(f"pairs {pairs['pairs']:,} (each example above is one side of a pair): answers "
-                         f"{pairs['chosen_mean_tokens']:g} tokens chosen, {pairs['rejected_mean_tokens']:g} rejected "
-                         f"on average; the chosen answer is the longer in {pairs['chosen_longer']:.0%} of the pairs"
-                         + (" (a length bias DPO learns as well)" if pairs['chosen_longer'] >= 0.8 else ""))
+            lines.append(
+                f"pairs {pairs['pairs']:,} (each example above is one side of a pair): answers "
+                f"{pairs['chosen_mean_tokens']:g} tokens chosen, {pairs['rejected_mean_tokens']:g} rejected "
+                f"on average; the chosen answer is the longer in {pairs['chosen_longer']:.0%} of the pairs"
+                + (" (a length bias DPO learns as well)" if pairs["chosen_longer"] >= 0.8 else "")
+            )
     return "\n".join(lines)

@@ -22,8 +22,16 @@ from launcher.store import final as final_result
 from launcher.store.checkpoint import newest_step_unverified, step_dir_name
 from launcher.store.heartbeat_files import read_all as read_heartbeats
 from launcher.store.rundir import RunDir
-from launcher.store.state import (ACTIVE, ENDED, is_locked, last_metrics, read_state, run_holder, run_processes,
-                                   same_process)
+from launcher.store.state import (
+    ACTIVE,
+    ENDED,
+    is_locked,
+    last_metrics,
+    read_state,
+    run_holder,
+    run_processes,
+    same_process,
+)
 
 
 def _json(path: Path) -> dict[str, Any]:
@@ -46,8 +54,9 @@ def metrics_rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _box_seconds(history: list[dict[str, Any]], live: bool, states: tuple[str, ...] = ACTIVE,
-                 until: Optional[float] = None) -> float:
+def _box_seconds(
+    history: list[dict[str, Any]], live: bool, states: tuple[str, ...] = ACTIVE, until: Optional[float] = None
+) -> float:
     """Box time the run has used: the intervals spent smoking, running or recovering (resumes included);
     with `states`, only those (the full run's own time: running, recovering); `until`: none after that moment."""
     used = 0.0
@@ -63,10 +72,12 @@ def _phases(history: list[dict[str, Any]], export: Optional[dict[str, Any]]) -> 
     """An ended run's time by phase, as `ftrun status` says what "in all" covers: the launch's plan check and base
     model's task score (state planned, from the moment state.json was first written), the smoke test, training with
     its evaluations and the task evaluation after it (running, recovering), the export (its own seconds)."""
-    out = {"plan and baseline": _box_seconds(history, False, ("planned",)),
-           "smoke test": _box_seconds(history, False, ("smoking",)),
-           "training and evaluation": _box_seconds(history, False, ("running", "recovering")),
-           "export": float((export or {}).get("seconds") or 0.0)}
+    out = {
+        "plan and baseline": _box_seconds(history, False, ("planned",)),
+        "smoke test": _box_seconds(history, False, ("smoking",)),
+        "training and evaluation": _box_seconds(history, False, ("running", "recovering")),
+        "export": float((export or {}).get("seconds") or 0.0),
+    }
     return {k: round(v, 1) for k, v in out.items() if v > 0}
 
 
@@ -139,8 +150,7 @@ def run_status(run: RunDir) -> dict[str, Any]:
         "eval_margin": last_eval.get("eval_rewards/margins"),
         "eval_accuracy": last_eval.get("eval_rewards/accuracies"),
         "tokens_per_second": last.get("tokens_per_second"),
-        "mfu": (model_flops_utilization(plan, last.get("tokens_per_second"))
-                if plan.get("device") == "cuda" else None),
+        "mfu": (model_flops_utilization(plan, last.get("tokens_per_second")) if plan.get("device") == "cuda" else None),
         "tokens_seen": last.get("tokens_seen"),
         "eta_seconds": eta,
         "updated_at": data.get("updated_at"),
@@ -176,8 +186,11 @@ def run_status(run: RunDir) -> dict[str, Any]:
         "adjustments": [a.get("reason") for a in plan.get("adjustments", [])],
         # the watchdog's view (launcher/run/watchdog.py): each rank's last heartbeat while a multi-process run trains,
         # and how the last attempt that was restarted ended
-        "heartbeats": (heartbeat_rows(read_heartbeats(run), time.time())
-                       if state in ("running", "recovering") and (plan.get("num_processes") or 1) > 1 else []),
+        "heartbeats": (
+            heartbeat_rows(read_heartbeats(run), time.time())
+            if state in ("running", "recovering") and (plan.get("num_processes") or 1) > 1
+            else []
+        ),
         "last_restart": rank_end_text(data["last_end"]) if data.get("last_end") else None,
         "task_eval": task_eval(run),
         **sync_status_fields(run),
@@ -188,15 +201,19 @@ def run_status(run: RunDir) -> dict[str, Any]:
         trained = [r for r in metrics_rows(run.metrics) if "loss" in r and r.get("time")]
         # a finished run's speed is its average, not the last logging window's: the tokens trained over the time
         # spent training (model loads, evaluations and checkpoints included; the task evaluation after it not)
-        wall = _box_seconds(data.get("history", []), False, ("running", "recovering"),
-                            until=trained[-1]["time"]) if trained else 0.0
+        wall = (
+            _box_seconds(data.get("history", []), False, ("running", "recovering"), until=trained[-1]["time"])
+            if trained
+            else 0.0
+        )
         if trained and trained[-1].get("tokens_seen") and wall > 0:
             s["average_tokens_per_second"] = round(trained[-1]["tokens_seen"] / wall, 1)
     return s
 
 
-def time_and_money(s: dict[str, Any], history: list[dict[str, Any]], plan: dict[str, Any],
-                   smoke: dict[str, Any]) -> dict[str, Any]:
+def time_and_money(
+    s: dict[str, Any], history: list[dict[str, Any]], plan: dict[str, Any], smoke: dict[str, Any]
+) -> dict[str, Any]:
     """Box time and euros so far and to go, beside what the smoke test and the plan forecast."""
     used = _box_seconds(history, s["state"] in ACTIVE)
     price = plan.get("price_per_hour_eur")
@@ -238,22 +255,34 @@ def run_row(run: RunDir) -> dict[str, Any]:
     """One line's worth of a run: name, state, step/total, loss, age (since its state or its last logged step)."""
     s = run_status(run)
     times = [t for t in (s.get("updated_at"), last_metrics(run.metrics).get("time")) if t]
-    return {"run_dir": s["run_dir"], "name": run.root.name, "state": s["state"], "step": s["step"],
-            "total_steps": s["total_steps"], "loss": s["loss"],
-            "age_seconds": round(time.time() - max(times), 1) if times else None}
+    return {
+        "run_dir": s["run_dir"],
+        "name": run.root.name,
+        "state": s["state"],
+        "step": s["step"],
+        "total_steps": s["total_steps"],
+        "loss": s["loss"],
+        "age_seconds": round(time.time() - max(times), 1) if times else None,
+    }
 
 
 def _preference_first_last(evals: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
     rows = [r for r in evals if r.get("eval_rewards/margins") is not None]
     if not rows:
         return None
-    return {"margin_first": rows[0]["eval_rewards/margins"], "margin_last": rows[-1]["eval_rewards/margins"],
-            "accuracy_first": rows[0].get("eval_rewards/accuracies"), "accuracy_last": rows[-1].get("eval_rewards/accuracies"),
-            "step_first": rows[0]["step"], "step_last": rows[-1]["step"],
-            # the rewards apart: a margin that rises while the chosen answers' reward falls lowers their likelihood too
-            "chosen_first": rows[0].get("eval_rewards/chosen"), "chosen_last": rows[-1].get("eval_rewards/chosen"),
-            "rejected_first": rows[0].get("eval_rewards/rejected"),
-            "rejected_last": rows[-1].get("eval_rewards/rejected")}
+    return {
+        "margin_first": rows[0]["eval_rewards/margins"],
+        "margin_last": rows[-1]["eval_rewards/margins"],
+        "accuracy_first": rows[0].get("eval_rewards/accuracies"),
+        "accuracy_last": rows[-1].get("eval_rewards/accuracies"),
+        "step_first": rows[0]["step"],
+        "step_last": rows[-1]["step"],
+        # the rewards apart: a margin that rises while the chosen answers' reward falls lowers their likelihood too
+        "chosen_first": rows[0].get("eval_rewards/chosen"),
+        "chosen_last": rows[-1].get("eval_rewards/chosen"),
+        "rejected_first": rows[0].get("eval_rewards/rejected"),
+        "rejected_last": rows[-1].get("eval_rewards/rejected"),
+    }
 
 
 def end_summary(run: RunDir) -> dict[str, Any]:

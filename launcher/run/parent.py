@@ -49,7 +49,8 @@ def pin(run: RunDir, init_from: str) -> str:
         raise RecipeError(
             f"init_from: {source} went away while ftrun copied it into the run ({exc})",
             fix="a checkpoint of a run that is still training is deleted when newer ones come (its keep_checkpoints): "
-            "give its newest checkpoint folder, or let that run finish and give its run directory") from None
+            "give its newest checkpoint folder, or let that run finish and give its run directory",
+        ) from None
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
     atomic_write_json(_record(run), {"init_from": init_from, "source": str(source), "copy": str(dest)})

@@ -1,4 +1,5 @@
-"""The `ftrun RECIPE` flow: recipe -> plan -> smoke test -> detached run; or the status / resume of a run that exists."""
+"""The `ftrun RECIPE` flow: recipe -> plan -> smoke test -> detached run; or the status / resume of a run that
+exists."""
 
 from __future__ import annotations
 
@@ -17,8 +18,17 @@ from launcher.run import weights
 from launcher.store.rundir import RUNS, RunDir
 from launcher.worker.trackers import check_installed as check_trackers_installed
 from launcher.store.sync import kinds as sync_kinds
-from launcher.store.state import (TRAINED, RunLock, busy_error, effective_state, is_locked, process_identity, read_state,
-                                   run_holder, set_state)
+from launcher.store.state import (
+    TRAINED,
+    RunLock,
+    busy_error,
+    effective_state,
+    is_locked,
+    process_identity,
+    read_state,
+    run_holder,
+    set_state,
+)
 from launcher.run import parent, progress, views
 from launcher.run.commands import resume_command
 from launcher.run.data_view import data_label, data_line, format_loss_view, wants_color
@@ -40,16 +50,20 @@ def hardware_for(gpus: Optional[str]):
     return hardware.from_spec(gpus) if gpus else this_box.detect()
 
 
-def make_plan(recipe: Recipe, stats, gpus: Optional[str] = None, tokens: Optional[int] = None, smoke=None,
-              nnodes: int = 1):
+def make_plan(
+    recipe: Recipe, stats, gpus: Optional[str] = None, tokens: Optional[int] = None, smoke=None, nnodes: int = 1
+):
     from launcher.plan.plan import make_plan as _make_plan
 
     return _make_plan(recipe, hardware_for(gpus), data_stats=stats, tokens=tokens, smoke=smoke, nnodes=nnodes)
 
 
 def _diff_trajectory(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    return [f"- {k}: run has {old.get(k)!r}, recipe now says {new.get(k)!r}"
-            for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    return [
+        f"- {k}: run has {old.get(k)!r}, recipe now says {new.get(k)!r}"
+        for k in sorted(set(old) | set(new))
+        if old.get(k) != new.get(k)
+    ]
 
 
 def _flat(snap: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -76,8 +90,11 @@ def _recipe_differences(run: RunDir, recipe: Recipe) -> dict[str, tuple[Any, Any
         return {}
     new = with_adjustments(run, recipe).snapshot()
     a, b = _flat(old), _flat(new)
-    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
-            if a.get(k) != b.get(k) and k.split(".")[0] not in STARTING_ONLY}
+    return {
+        k: (a.get(k), b.get(k))
+        for k in sorted(set(a) | set(b))
+        if a.get(k) != b.get(k) and k.split(".")[0] not in STARTING_ONLY
+    }
 
 
 def _listed(differs: dict[str, tuple[Any, Any]]) -> str:
@@ -90,9 +107,16 @@ def _archive(run: RunDir) -> Path:
     return dest
 
 
-def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, fresh: bool = False,
-           memory_limit: Optional[float] = None, allow_changes: bool = False,
-           nodes: Optional[dict[str, Any]] = None) -> int:
+def launch(
+    recipe_path: str,
+    overrides: list[str],
+    *,
+    foreground: bool = False,
+    fresh: bool = False,
+    memory_limit: Optional[float] = None,
+    allow_changes: bool = False,
+    nodes: Optional[dict[str, Any]] = None,
+) -> int:
     """`ftrun RECIPE`: start a new run, show a live one, or resume an interrupted one."""
     recipe = load_recipe(recipe_path, overrides)
     run = run_dir_of(recipe)
@@ -109,11 +133,15 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
                 f"{run.root} is busy: a run is in progress there ({holder['role']} pid {holder['pid']}), and this "
                 f"recipe differs from it:\n" + _listed(differs),
                 fix=f"set another output_dir to train this recipe beside it (output_dir=runs/NAME, or in the "
-                f"recipe), or wait for the run to end (`ftrun status {run.root}`), or stop it (`ftrun stop {run.root}`).")
+                f"recipe), or wait for the run to end (`ftrun status {run.root}`), or stop it (`ftrun stop "
+                f"{run.root}`).",
+            )
         if holder:
             s = run_status(run)
-            _say(f"a run is already active in {run.root} ({holder['role']} pid {holder['pid']}); "
-                 "not starting a second one:")
+            _say(
+                f"a run is already active in {run.root} ({holder['role']} pid {holder['pid']}); "
+                "not starting a second one:"
+            )
             _say(format_status(s))
             _say(f"  watch: ftrun status {run.root} | ftrun logs -f {run.root}    stop: ftrun stop {run.root}")
             return 0
@@ -124,9 +152,14 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
             exports = {k.split(".")[0] for k in differs} <= {"export", "gguf_type"}
             raise RecipeError(
                 f"{run.root} holds a finished run, and this recipe differs from it:\n" + _listed(differs),
-                fix=(f"`ftrun export {run.root} --merged` or `--gguf TYPE` makes another export of the finished run; "
-                     if exports else "") + "add --fresh to train this recipe from the start (the finished run is "
-                "kept, renamed), or set another output_dir (output_dir=runs/NAME, or in the recipe) to keep both.")
+                fix=(
+                    f"`ftrun export {run.root} --merged` or `--gguf TYPE` makes another export of the finished run; "
+                    if exports
+                    else ""
+                )
+                + "add --fresh to train this recipe from the start (the finished run is "
+                "kept, renamed), or set another output_dir (output_dir=runs/NAME, or in the recipe) to keep both.",
+            )
         if state in TRAINED:
             _say(f"this run has finished: {run.root}")
             _say(format_status(run_status(run)))
@@ -138,32 +171,40 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
             recipe = with_adjustments(run, recipe)
             _check_same_trajectory(run, recipe, allow_changes)
         if recipe.resume is False:
-            raise RecipeError(f"{run.root} already holds a run and the recipe says resume: false",
-                              fix="add --fresh to start over (the old run is kept, renamed), or set resume: auto.")
+            raise RecipeError(
+                f"{run.root} already holds a run and the recipe says resume: false",
+                fix="add --fresh to start over (the old run is kept, renamed), or set resume: auto.",
+            )
         resuming = True
     elif run.root.exists() and not run.exists() and any(run.root.iterdir()):
         raise UsageError(
             f"output_dir {run.root} exists and holds files that are not an ftrun run",
-            fix="choose another output_dir (recipe or `output_dir=...`); ftrun never writes into a folder it did not create.",
+            fix="choose another output_dir (recipe or `output_dir=...`); ftrun never writes into a folder it did not "
+            "create.",
         )
     if recipe.resume is True and not resuming:
-        raise RecipeError(f"resume: true but {run.root} holds no run to resume",
-                          fix="set resume: auto to start a new run when there is none.")
+        raise RecipeError(
+            f"resume: true but {run.root} holds no run to resume",
+            fix="set resume: auto to start a new run when there is none.",
+        )
     found = weights.check(recipe.model)  # before the run directory is touched: a failure leaves nothing behind
     missed = weights.fetch_tokenizer(recipe.model, found)  # the data check renders with the model's chat template
     if missed:
         _say(f"note: {missed}")
 
-    examples, lengths, stats, plan, plan_dict, lock, data_sha = _prepare(run, recipe, resuming=resuming, fresh=fresh,
-                                                                         memory_limit=memory_limit,
-                                                                         allow_changes=allow_changes, nodes=nodes)
+    examples, lengths, stats, plan, plan_dict, lock, data_sha = _prepare(
+        run, recipe, resuming=resuming, fresh=fresh, memory_limit=memory_limit, allow_changes=allow_changes, nodes=nodes
+    )
     recipe = with_plan_settings(recipe, plan.to_dict())  # as _prepare wrote it into recipe.yaml (a new choice only)
     download = _download(run, recipe, found, plan_dict)
     ckpt_step = newest_step_unverified(run.checkpoints)
     smoke_ok = run.smoke.is_file()
     if resuming:
-        where = f"from checkpoint step-{ckpt_step:06d} (verified by the worker before use)" if ckpt_step is not None \
+        where = (
+            f"from checkpoint step-{ckpt_step:06d} (verified by the worker before use)"
+            if ckpt_step is not None
             else "from the start: no checkpoint was written yet"
+        )
         set_state(run, "planned", **_launcher(), data_sha256=data_sha, reason=f"continuing {where}")
         _say(f"continuing {run.root} {where}")
     else:
@@ -179,7 +220,9 @@ def launch(recipe_path: str, overrides: list[str], *, foreground: bool = False, 
 
     resume = resume_command(recipe_path, overrides, memory_limit, nodes)  # stored: every view of it can say it
     if foreground:
-        set_state(run, "running", supervisor_pid=_pid(), supervisor_proc=process_identity(_pid()), resume_command=resume)
+        set_state(
+            run, "running", supervisor_pid=_pid(), supervisor_proc=process_identity(_pid()), resume_command=resume
+        )
         with progress.attached(run):  # a live progress bar on a terminal
             code = supervise(run.root, lock.fd)
         _say(format_status(run_status(run), ending_follows=True))
@@ -198,8 +241,10 @@ def run_dir_of(recipe: Recipe) -> RunDir:
     """The recipe's run directory; an output_dir that names a file is a usage error, before anything runs."""
     root = Path(recipe.output_dir)
     if root.exists() and not root.is_dir():
-        raise UsageError(f"output_dir {root} is a file, not a folder",
-                         fix="set output_dir to a folder (recipe or `output_dir=...`), e.g. runs/<name>; ftrun creates it.")
+        raise UsageError(
+            f"output_dir {root} is a file, not a folder",
+            fix="set output_dir to a folder (recipe or `output_dir=...`), e.g. runs/<name>; ftrun creates it.",
+        )
     return RunDir(root)
 
 
@@ -209,8 +254,16 @@ def restarts_after_failed_smoke(run: RunDir) -> bool:
     return read_state(run).get("state") == "failed-smoke" and newest_step_unverified(run.checkpoints) is None
 
 
-def _prepare(run: RunDir, recipe: Recipe, *, resuming: bool, fresh: bool, memory_limit: Optional[float] = None,
-             allow_changes: bool = False, nodes: Optional[dict[str, Any]] = None):
+def _prepare(
+    run: RunDir,
+    recipe: Recipe,
+    *,
+    resuming: bool,
+    fresh: bool,
+    memory_limit: Optional[float] = None,
+    allow_changes: bool = False,
+    nodes: Optional[dict[str, Any]] = None,
+):
     """Check everything (trainer fields, data, plan) before touching the run directory; then lock and write."""
     check_trainer_fields(recipe)
     check_trackers_installed(recipe, launching=True)  # report_to: refused with the fix before any GPU time
@@ -228,7 +281,8 @@ def _prepare(run: RunDir, recipe: Recipe, *, resuming: bool, fresh: bool, memory
             raise RecipeError(
                 f"the data ({data_label(stats)}) changed since this run started (sha256 {old_sha[:12]}... -> "
                 f"{data_sha[:12]}...)",
-                fix="restore the original data, add --allow-changes to continue on the new data, or add --fresh to start "
+                fix="restore the original data, add --allow-changes to continue on the new data, or add --fresh to "
+                "start "
                 "a new run on it (the old run is kept).",
             )
     # a resume skips the smoke test: its passed measurements calibrate the plan again (memory, throughput)
@@ -242,14 +296,18 @@ def _prepare(run: RunDir, recipe: Recipe, *, resuming: bool, fresh: bool, memory
     worker_weights = {"model": loads, **weights.check(loads)} if loads != recipe.model else None
     if nodes and plan.to_dict().get("engine") not in MULTI_NODE:
         raise UsageError(
-            f"--nnodes {nodes['nnodes']}: the plan chose engine '{plan.to_dict().get('engine')}', which runs on one box",
-            fix="add engine=ddp (or engine=deepspeed) and num_processes=<processes per node> to train over several boxes.")
+            f"--nnodes {nodes['nnodes']}: the plan chose engine '{plan.to_dict().get('engine')}', which runs on one "
+            f"box",
+            fix="add engine=ddp (or engine=deepspeed) and num_processes=<processes per node> to train over several "
+            "boxes.",
+        )
     # a restart after a failed smoke test keeps none of its adjustments, nor its stale measurements
     previous = json.loads(run.plan.read_text()) if resuming and not restart and run.plan.is_file() else {}
     if fresh and run.exists():
         if is_locked(run):
-            raise UsageError(f"--fresh: the run in {run.root} is still active",
-                             fix=f"stop it first with `ftrun stop {run.root}`.")
+            raise UsageError(
+                f"--fresh: the run in {run.root} is still active", fix=f"stop it first with `ftrun stop {run.root}`."
+            )
         _say(f"--fresh: the previous run was moved to {_archive(run)}")
     lock = RunLock(run).acquire()
     if restart:
@@ -258,8 +316,9 @@ def _prepare(run: RunDir, recipe: Recipe, *, resuming: bool, fresh: bool, memory
     snapshot = recipe.snapshot()
     if recipe.init_from is not None:  # the run trains from its own copy of the parent (launcher/run/parent.py)
         snapshot["init_from"] = parent.pin(run, recipe.init_from)
-    run.recipe.write_text("# resolved by ftrun: defaults < recipe < command line\n"
-                          + yaml.safe_dump(snapshot, sort_keys=False))
+    run.recipe.write_text(
+        "# resolved by ftrun: defaults < recipe < command line\n" + yaml.safe_dump(snapshot, sort_keys=False)
+    )
     plan_dict = _plan_record(plan, memory_limit, previous.get("adjustments"), nodes)
     if previous.get("speed") and not plan_dict.get("speed"):  # the run's own choice, kept by with_adjustments
         plan_dict["speed"] = previous["speed"]
@@ -298,11 +357,13 @@ def _check_shared_memory(plan: dict[str, Any]) -> None:
         f"engine {plan.get('engine')} needs at least {MIN_SHM_BYTES / 2**30:.0f} GB there and fails at the first "
         "collective (Docker gives a container 64 MB unless told otherwise)",
         fix="start the container with --ipc=host (or --shm-size=16g), e.g. `docker run --gpus all --ipc=host ...`; "
-            "or train on one card: num_processes=1.")
+        "or train on one card: num_processes=1.",
+    )
 
 
-def _plan_record(plan, memory_limit: Optional[float], adjustments: Optional[list],
-                 nodes: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+def _plan_record(
+    plan, memory_limit: Optional[float], adjustments: Optional[list], nodes: Optional[dict[str, Any]] = None
+) -> dict[str, Any]:
     """plan.json: the plan, plus what the launcher decided around it (a memory cap, OOM adjustments, nodes)."""
     record = plan.to_dict()
     if memory_limit:
@@ -311,7 +372,8 @@ def _plan_record(plan, memory_limit: Optional[float], adjustments: Optional[list
         record["nodes"] = nodes
         record.setdefault("reasons", []).append(
             f"{nodes['nnodes']} nodes x {record.get('num_processes', 1)} process(es); this is node "
-            f"{nodes['node_rank']}, rendezvous at {nodes['master_addr']}:{nodes['master_port']}")
+            f"{nodes['node_rank']}, rendezvous at {nodes['master_addr']}:{nodes['master_port']}"
+        )
     if adjustments:
         record["adjustments"] = adjustments
     return record
@@ -331,6 +393,7 @@ def _download(run: RunDir, recipe: Recipe, found: dict[str, Any], plan: dict[str
     """The weights the worker loads into the cache before the smoke test, the progress on the console and in
     train.log. The recipe's own model, when another repository trains (plan["weights"]), is fetched by the export
     that merges onto it, if one does."""
+
     def say(line: str) -> None:
         _say(line)
         with run.log.open("a") as fh:
@@ -341,8 +404,9 @@ def _download(run: RunDir, recipe: Recipe, found: dict[str, Any], plan: dict[str
     return weights.fetch(recipe.model, found, say)
 
 
-def _smoke(run: RunDir, recipe: Recipe, plan_dict, examples, lengths, stats,
-           download: Optional[dict[str, Any]] = None) -> tuple[Recipe, dict[str, Any]]:
+def _smoke(
+    run: RunDir, recipe: Recipe, plan_dict, examples, lengths, stats, download: Optional[dict[str, Any]] = None
+) -> tuple[Recipe, dict[str, Any]]:
     """The smoke test; after an out-of-memory, re-plan with the cheapest allowed change and try again.
 
     Returns the recipe as adjusted (the full run trains with it) and the calibrated plan record.
@@ -364,20 +428,29 @@ def _smoke(run: RunDir, recipe: Recipe, plan_dict, examples, lengths, stats,
             where = f"{peak}" + (f" of {round(limit, 2):g} GB" if limit else "")
             if plan_dict.get("device") == "cpu" and plan_dict.get("memory_limit_gb"):
                 where += " above the imports"  # what --memory-limit caps on CPU
-            attempts.append(f"engine {plan_dict.get('engine')} x {plan_dict.get('num_processes', 1)}: "
-                            f"micro_batch_size={recipe.micro_batch_size} gradient_accumulation_steps="
-                            f"{recipe.gradient_accumulation_steps} gradient_checkpointing={recipe.gradient_checkpointing} "
-                            f"method={recipe.method}: out of memory ({where})")
+            attempts.append(
+                f"engine {plan_dict.get('engine')} x {plan_dict.get('num_processes', 1)}: "
+                f"micro_batch_size={recipe.micro_batch_size} gradient_accumulation_steps="
+                f"{recipe.gradient_accumulation_steps} gradient_checkpointing={recipe.gradient_checkpointing} "
+                f"method={recipe.method}: out of memory ({where})"
+            )
             step = next_adjustment(recipe, plan_dict)
             if step is None:
                 blocked = shard_blocker(recipe, plan_dict) if "shard" in recipe.auto_adjust else ""
-                reason = "the smoke test ran out of memory and nothing the recipe allows (auto_adjust: " \
-                         f"{recipe.auto_adjust}) is left to try" + (f" (shard: {blocked})" if blocked else "") \
-                    + ". Attempts:\n" + "\n".join(f"- {a}" for a in attempts)
+                reason = (
+                    "the smoke test ran out of memory and nothing the recipe allows (auto_adjust: "
+                    f"{recipe.auto_adjust}) is left to try"
+                    + (f" (shard: {blocked})" if blocked else "")
+                    + ". Attempts:\n"
+                    + "\n".join(f"- {a}" for a in attempts)
+                )
                 set_state(run, "failed-smoke", reason=reason.splitlines()[0])
-                raise SmokeError(reason, fix=f"lower max_length (now {recipe.max_length}), allow more in auto_adjust "
-                                 "(batch, checkpointing, optimizer, method, shard), or use a card with more memory "
-                                 "(`ftrun plan RECIPE --gpus ...` shows the options with time and cost).") from None
+                raise SmokeError(
+                    reason,
+                    fix=f"lower max_length (now {recipe.max_length}), allow more in auto_adjust "
+                    "(batch, checkpointing, optimizer, method, shard), or use a card with more memory "
+                    "(`ftrun plan RECIPE --gpus ...` shows the options with time and cost).",
+                ) from None
             update, text = step
             change = {"set": update, "reason": f"{text}: out of memory at {where} on the longest batch"}
             adjustments.append(change)
@@ -389,9 +462,14 @@ def _smoke(run: RunDir, recipe: Recipe, plan_dict, examples, lengths, stats,
                     replanned = make_plan(recipe, stats)
                 except PlanError as exc:
                     set_state(run, "failed-smoke", reason=f"re-planning after out of memory failed: {exc.message}")
-                    raise SmokeError(f"the smoke test ran out of memory; re-planning for {text} failed: {exc.message}."
-                                     " Attempts:\n" + "\n".join(f"- {a}" for a in attempts), fix=exc.fix) from None
-                plan_dict = _plan_record(replanned, plan_dict.get("memory_limit_gb"), adjustments, plan_dict.get("nodes"))
+                    raise SmokeError(
+                        f"the smoke test ran out of memory; re-planning for {text} failed: {exc.message}."
+                        " Attempts:\n" + "\n".join(f"- {a}" for a in attempts),
+                        fix=exc.fix,
+                    ) from None
+                plan_dict = _plan_record(
+                    replanned, plan_dict.get("memory_limit_gb"), adjustments, plan_dict.get("nodes")
+                )
                 _say(f"re-planned: engine {replanned.engine}, {replanned.num_processes} processes")
                 # one card's job sharded over the idle ones (FSDP, ZeRO-3) now needs NCCL between processes: the
                 # first launch checked /dev/shm only for the job it planned then
@@ -400,8 +478,10 @@ def _smoke(run: RunDir, recipe: Recipe, plan_dict, examples, lengths, stats,
                 except HardwareError as exc:
                     set_state(run, "failed-smoke", reason=exc.message)
                     raise
-            run.recipe.write_text("# resolved by ftrun: defaults < recipe < command line < OOM adjustments (plan.json)\n"
-                                  + yaml.safe_dump(recipe.snapshot(), sort_keys=False))
+            run.recipe.write_text(
+                "# resolved by ftrun: defaults < recipe < command line < OOM adjustments (plan.json)\n"
+                + yaml.safe_dump(recipe.snapshot(), sort_keys=False)
+            )
             atomic_write_json(run.plan, plan_dict)
         except SmokeError as exc:
             set_state(run, "failed-smoke", reason=exc.message.splitlines()[0])
@@ -437,8 +517,10 @@ def prepare_only(recipe: Recipe, purpose: str, memory_limit: Optional[float] = N
             recipe = with_adjustments(run, recipe)
             _check_same_trajectory(run, recipe)
     elif run.root.exists() and any(run.root.iterdir()):
-        raise UsageError(f"output_dir {run.root} exists and holds files that are not an ftrun run",
-                         fix="choose another output_dir; ftrun never writes into a folder it did not create.")
+        raise UsageError(
+            f"output_dir {run.root} exists and holds files that are not an ftrun run",
+            fix="choose another output_dir; ftrun never writes into a folder it did not create.",
+        )
     found = weights.check(recipe.model)  # before the run directory is touched: a failure leaves nothing behind
     missed = weights.fetch_tokenizer(recipe.model, found)  # the data check renders with the model's chat template
     if missed:
@@ -457,8 +539,7 @@ def prepare_only(recipe: Recipe, purpose: str, memory_limit: Optional[float] = N
 
 def smoke_only(recipe_path: str, overrides: list[str], memory_limit: Optional[float] = None) -> int:
     """`ftrun smoke RECIPE`: plan and smoke-test without starting the run (a later `ftrun RECIPE` reuses it)."""
-    recipe, run, prepared, download = prepare_only(load_recipe(recipe_path, overrides), "smoke test only",
-                                                   memory_limit)
+    recipe, run, prepared, download = prepare_only(load_recipe(recipe_path, overrides), "smoke test only", memory_limit)
     examples, lengths, stats, _plan, plan_dict, lock, _sha = prepared
     try:
         _smoke(run, recipe, plan_dict, examples, lengths, stats, download)
@@ -478,15 +559,18 @@ def _pull_if_remote_run(run: RunDir, recipe: Recipe) -> bool:
     except SyncError as exc:
         # A run that cannot reach its off-box copy must not start blind: it might overwrite nothing, or
         # it might be the resume of a lost box whose checkpoints sit there.
-        raise SyncError(f"cannot look for an earlier copy of this run at sync.to={recipe.sync.to}: {exc.message}",
-                        fix="check that the destination is reachable from this box (for SSH: `ssh HOST true` with "
-                        "your ~/.ssh/config), or remove sync.to to train without an off-box copy.") from None
+        raise SyncError(
+            f"cannot look for an earlier copy of this run at sync.to={recipe.sync.to}: {exc.message}",
+            fix="check that the destination is reachable from this box (for SSH: `ssh HOST true` with "
+            "your ~/.ssh/config), or remove sync.to to train without an off-box copy.",
+        ) from None
     if not found:
         return False
     if run.root.exists() and any(run.root.iterdir()):
         raise UsageError(
             f"{recipe.sync.to} holds this run, but output_dir {run.root} is not empty and is not an ftrun run",
-            fix="empty that folder or choose another output_dir, then run the same command to fetch and resume.")
+            fix="empty that folder or choose another output_dir, then run the same command to fetch and resume.",
+        )
     _say(f"{run.root} is empty on this box, {recipe.sync.to} holds the run: fetching the newest verified checkpoint")
     lock = RunLock(run).acquire()
     try:
@@ -494,9 +578,16 @@ def _pull_if_remote_run(run: RunDir, recipe: Recipe) -> bool:
         # The pids in the fetched state belong to the lost box.
         data = read_state(run)
         if data:
-            set_state(run, data.get("state", "planned"), supervisor_pid=None, worker_pid=None, supervisor_proc=None,
-                      worker_proc=None, launcher_proc=None,
-                      reason=f"fetched from {recipe.sync.to}" + (f" at step {step}" if step is not None else ""))
+            set_state(
+                run,
+                data.get("state", "planned"),
+                supervisor_pid=None,
+                worker_pid=None,
+                supervisor_proc=None,
+                worker_proc=None,
+                launcher_proc=None,
+                reason=f"fetched from {recipe.sync.to}" + (f" at step {step}" if step is not None else ""),
+            )
     finally:
         lock.release()
     return True
@@ -506,15 +597,21 @@ def pull_command(recipe_path: str, overrides: list[str]) -> int:
     """`ftrun pull RECIPE`: fetch the run from sync.to without resuming it."""
     recipe = load_recipe(recipe_path, overrides)
     if not recipe.sync.to:
-        raise RecipeError("the recipe has no sync.to, so there is nothing to pull from",
-                          fix=f"set sync: {{to: ...}} in the recipe, one of: {sync_kinds.forms()}.")
+        raise RecipeError(
+            "the recipe has no sync.to, so there is nothing to pull from",
+            fix=f"set sync: {{to: ...}} in the recipe, one of: {sync_kinds.forms()}.",
+        )
     run = run_dir_of(recipe)
     if run.exists():
-        raise UsageError(f"{run.root} already holds a run; pulling would overwrite it",
-                         fix="choose an empty output_dir (output_dir=...) to fetch a copy.")
+        raise UsageError(
+            f"{run.root} already holds a run; pulling would overwrite it",
+            fix="choose an empty output_dir (output_dir=...) to fetch a copy.",
+        )
     if not _pull_if_remote_run(run, recipe):
-        raise UsageError(f"{recipe.sync.to} holds no ftrun run (no recipe.yaml there)",
-                         fix="check sync.to; a run copies itself there once its first checkpoint exists.")
+        raise UsageError(
+            f"{recipe.sync.to} holds no ftrun run (no recipe.yaml there)",
+            fix="check sync.to; a run copies itself there once its first checkpoint exists.",
+        )
     _say(format_status(run_status(run)))
     return 0
 
@@ -571,11 +668,18 @@ def _check_same_trajectory(run: RunDir, recipe: Recipe, allow_changes: bool = Fa
             "--fresh to start a new run (the old one is kept, renamed), or set another output_dir.",
         )
     if diffs:
-        _say("--allow-changes: continuing from the existing checkpoints with a changed recipe:\n" + "\n".join(diffs)
-             + "\n(the optimizer and scheduler state come from the checkpoint; the trajectory is no longer the original one)")
+        _say(
+            "--allow-changes: continuing from the existing checkpoints with a changed recipe:\n"
+            + "\n".join(diffs)
+            + "\n(the optimizer and scheduler state come from the checkpoint; the trajectory is no longer the original "
+            "one)"
+        )
         accepted = read_state(run).get("accepted_recipe_hashes", [])
-        set_state(run, read_state(run).get("state", "planned"),
-                  accepted_recipe_hashes=sorted(set(accepted) | {old.trajectory_hash()}))
+        set_state(
+            run,
+            read_state(run).get("state", "planned"),
+            accepted_recipe_hashes=sorted(set(accepted) | {old.trajectory_hash()}),
+        )
 
 
 def resolve_run(target: Optional[str], overrides: list[str] | None = None, command: str = "status") -> RunDir:
@@ -586,19 +690,27 @@ def resolve_run(target: Optional[str], overrides: list[str] | None = None, comma
         if len(runs) == 1:
             return RunDir(runs[0])
         if not runs:
-            raise UsageError(f"no runs under ./{RUNS} (the folder ftrun looks in when no run is named)",
-                             fix=f"start one with `ftrun RECIPE`, or name a recipe or run directory: "
-                                 f"`ftrun {command} recipes/tiny-cpu.yaml`.")
-        raise UsageError(f"no run given and {len(runs)} runs are under ./{RUNS}",
-                         fix=f"name the recipe or the run directory, e.g. `ftrun {command} {RUNS}/{runs[0].name}` "
-                             "(`ftrun status` lists them).")
+            raise UsageError(
+                f"no runs under ./{RUNS} (the folder ftrun looks in when no run is named)",
+                fix=f"start one with `ftrun RECIPE`, or name a recipe or run directory: "
+                f"`ftrun {command} recipes/tiny-cpu.yaml`.",
+            )
+        raise UsageError(
+            f"no run given and {len(runs)} runs are under ./{RUNS}",
+            fix=f"name the recipe or the run directory, e.g. `ftrun {command} {RUNS}/{runs[0].name}` "
+            "(`ftrun status` lists them).",
+        )
     p = Path(target)
     if p.is_dir():
         if not (p / "recipe.yaml").is_file():
-            raise UsageError(f"{p} is not an ftrun run directory (no recipe.yaml)",
-                             fix="give the run's output_dir or its recipe file.")
+            raise UsageError(
+                f"{p} is not an ftrun run directory (no recipe.yaml)",
+                fix="give the run's output_dir or its recipe file.",
+            )
         return RunDir(p.resolve())
     if p.is_file():
         return run_dir_of(load_recipe(p, overrides))
-    raise UsageError(f"'{target}' is neither a recipe file nor a run directory",
-                     fix="give the recipe you started the run with, or its output_dir.")
+    raise UsageError(
+        f"'{target}' is neither a recipe file nor a run directory",
+        fix="give the recipe you started the run with, or its output_dir.",
+    )

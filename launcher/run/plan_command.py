@@ -15,8 +15,14 @@ from launcher.store.rundir import RunDir
 from launcher.worker.trackers import check_installed as check_trackers_installed
 
 
-def plan_command(recipe_path: str, overrides: list[str], gpus: Optional[str], tokens: Optional[str], as_json: bool,
-                 price: Optional[float] = None) -> int:
+def plan_command(
+    recipe_path: str,
+    overrides: list[str],
+    gpus: Optional[str],
+    tokens: Optional[str],
+    as_json: bool,
+    price: Optional[float] = None,
+) -> int:
     """`ftrun plan`: size the job for --gpus, else this machine's GPUs, else the recipe's box:, else this CPU
     machine; exit 0 when it fits. With --json, stdout is JSON whatever happens: the plan, the plan that does
     not fit (fits: false, with its reasons and options), or {"fits": null, "error": ...}."""
@@ -49,8 +55,14 @@ def _ask_the_hub_once(recipe, sources, read_data: bool) -> Optional[str]:
     return hub_access.probe()
 
 
-def _plan_command(recipe_path: str, overrides: list[str], gpus: Optional[str], tokens: Optional[str], as_json: bool,
-                  price: Optional[float]) -> int:
+def _plan_command(
+    recipe_path: str,
+    overrides: list[str],
+    gpus: Optional[str],
+    tokens: Optional[str],
+    as_json: bool,
+    price: Optional[float],
+) -> int:
     import importlib.util
 
     from launcher.plan import hardware as hw
@@ -66,9 +78,11 @@ def _plan_command(recipe_path: str, overrides: list[str], gpus: Optional[str], t
         from huggingface_hub import get_token
 
         if not get_token():  # the copy would fail at its first upload, after the smoke test spent GPU time
-            raise RecipeError(f"sync.to={recipe.sync.to} is a Hugging Face repo, but no Hugging Face token is set on "
-                              "this box", fix="run `hf auth login`, or set HF_TOKEN to a token with write access "
-                              "(never in the recipe); or copy elsewhere (sync.to).")
+            raise RecipeError(
+                f"sync.to={recipe.sync.to} is a Hugging Face repo, but no Hugging Face token is set on this box",
+                fix="run `hf auth login`, or set HF_TOKEN to a token with write access "
+                "(never in the recipe); or copy elsewhere (sync.to).",
+            )
     if importlib.util.find_spec("trl") is not None:
         check_trainer_fields(recipe)  # an unknown trainer: field fails here, not after the smoke test started
     elif recipe.trainer:
@@ -80,8 +94,10 @@ def _plan_command(recipe_path: str, overrides: list[str], gpus: Optional[str], t
     sources = sources_of(recipe.data)
     unanswered = _ask_the_hub_once(recipe, sources, read_data=count is None)
     if unanswered:
-        notes.append(f"planned offline: {unanswered}; the model's figures come from the built-in catalog or this "
-                     "machine's Hugging Face cache, the data's from this machine or the recipe's tokens")
+        notes.append(
+            f"planned offline: {unanswered}; the model's figures come from the built-in catalog or this "
+            "machine's Hugging Face cache, the data's from this machine or the recipe's tokens"
+        )
     if count is None:
         missing = [s.path for s in sources if s.local and not Path(s.path).exists()]
         if not missing:
@@ -93,15 +109,20 @@ def _plan_command(recipe_path: str, overrides: list[str], gpus: Optional[str], t
                 if recipe.tokens is None or all(s.local for s in sources):
                     raise
                 count = recipe.tokens
-                notes.append(f"data not read here ({exc.message}): time and cost use the recipe's "
-                             f"tokens: {recipe.tokens:,}")
+                notes.append(
+                    f"data not read here ({exc.message}): time and cost use the recipe's tokens: {recipe.tokens:,}"
+                )
         elif recipe.tokens is not None:
             count = recipe.tokens
-            notes.append(f"data {', '.join(missing)} is not on this machine: time and cost use the recipe's "
-                         f"tokens: {recipe.tokens:,}")
+            notes.append(
+                f"data {', '.join(missing)} is not on this machine: time and cost use the recipe's "
+                f"tokens: {recipe.tokens:,}"
+            )
         else:
-            notes.append(f"data {', '.join(missing)} is not on this machine and no token count was given: memory "
-                         "is planned, time and cost are not; add `tokens: 15M` to the recipe or pass --tokens 15M")
+            notes.append(
+                f"data {', '.join(missing)} is not on this machine and no token count was given: memory "
+                "is planned, time and cost are not; add `tokens: 15M` to the recipe or pass --tokens 15M"
+            )
     smoke = None
     run = RunDir(Path(recipe.output_dir))
     if run.smoke.is_file() and gpus is None:  # this run's measurements, on the recipe as the smoke test adjusted it
@@ -110,8 +131,16 @@ def _plan_command(recipe_path: str, overrides: list[str], gpus: Optional[str], t
     box, why = this_box.for_plan(gpus, recipe.box)
     blocked = None
     try:
-        plan = plan_job(recipe, box, data_stats=stats, tokens=count, smoke=smoke, price=price, box_reason=why,
-                        tokens_from="--tokens" if tokens is not None else "the recipe's tokens:")
+        plan = plan_job(
+            recipe,
+            box,
+            data_stats=stats,
+            tokens=count,
+            smoke=smoke,
+            price=price,
+            box_reason=why,
+            tokens_from="--tokens" if tokens is not None else "the recipe's tokens:",
+        )
     except MissingSoftware as exc:  # the job fits, but this box lacks what an output needs: the plan, then that
         if getattr(exc, "plan", None) is None or not exc.plan.fits:
             raise

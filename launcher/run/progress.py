@@ -37,10 +37,15 @@ class Progress:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn
 
-            self._rich = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                      TextColumn("{task.fields[info]}"),
-                                      console=Console(file=self.out, force_terminal=True), refresh_per_second=2,
-                                      transient=False)
+            self._rich = RichProgress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"),
+                console=Console(file=self.out, force_terminal=True),
+                refresh_per_second=2,
+                transient=False,
+            )
             self._rich.start()
             self._task = self._rich.add_task("", total=None, info="")
         return self
@@ -49,9 +54,13 @@ class Progress:
         if self._rich is not None:
             loss = f"loss {s['loss']:.4f}" if s.get("loss") is not None else "loss -"
             tps = f"{s['tokens_per_second']:,.0f} tok/s" if s.get("tokens_per_second") else "- tok/s"
-            self._rich.update(self._task, description=s["state"], completed=s.get("step") or 0,
-                              total=s.get("total_steps"),
-                              info=f"{loss}  {tps}  ETA {format_duration(s.get('eta_seconds'))}")
+            self._rich.update(
+                self._task,
+                description=s["state"],
+                completed=s.get("step") or 0,
+                total=s.get("total_steps"),
+                info=f"{loss}  {tps}  ETA {format_duration(s.get('eta_seconds'))}",
+            )
             return
         key = (s["state"], s.get("step"), s.get("loss"))
         if key != self._last:
@@ -71,8 +80,14 @@ class Progress:
             self._rich = None
 
 
-def watch(run: RunDir, *, interval: float = 2.0, out: TextIO = sys.stdout, live: Optional[bool] = None,
-          sleep: Callable[[float], None] = time.sleep) -> dict[str, Any]:
+def watch(
+    run: RunDir,
+    *,
+    interval: float = 2.0,
+    out: TextIO = sys.stdout,
+    live: Optional[bool] = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> dict[str, Any]:
     """`ftrun status --watch`: the live bar until the run leaves the active states; then its summary."""
     with Progress(out, live) as bar:
         while True:
@@ -108,6 +123,7 @@ def attached(run: RunDir, out: TextIO = sys.stdout, interval: float = 2.0) -> It
     terminal = os.fdopen(os.dup(saved[0]), "w", buffering=1)
     stop = threading.Event()
     with Progress(terminal, live=live) as bar:
+
         def pump(read_end: int, to: int) -> None:
             with os.fdopen(read_end, "rb") as fh:
                 for line in fh:

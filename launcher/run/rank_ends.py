@@ -30,18 +30,40 @@ from launcher.worker.exits import EXIT_STOPPED
 EXTERNAL_SIGNALS = ("SIGKILL", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGPIPE", "SIGXCPU")
 # A survivor's error once its peer is gone: gloo's transport (gloo/transport/tcp/pair.cc "Connection reset by peer",
 # "Connection closed by peer"), NCCL's abort after a peer's death. Never the cause while another end is known.
-PEER_GONE = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused",
-             "remote process exited", "communicator was aborted", "ncclremoteerror", "socket closed",
-             "timed out", "timeout")
+PEER_GONE = (
+    "connection reset by peer",
+    "connection closed by peer",
+    "broken pipe",
+    "connection refused",
+    "remote process exited",
+    "communicator was aborted",
+    "ncclremoteerror",
+    "socket closed",
+    "timed out",
+    "timeout",
+)
 # A CUDA or NCCL error: announced as such (the GPU, the driver, the interconnect), a restart allowed.
-CUDA_MARKERS = ("cuda error", "cudaerror", "nccl error", "ncclunhandledcudaerror", "ncclsystemerror",
-                "ncclinternalerror", "distbackenderror", "cublas_status", "cudnn_status", "device-side assert",
-                "uncorrectable ecc", "illegal memory access", "xid")
+CUDA_MARKERS = (
+    "cuda error",
+    "cudaerror",
+    "nccl error",
+    "ncclunhandledcudaerror",
+    "ncclsystemerror",
+    "ncclinternalerror",
+    "distbackenderror",
+    "cublas_status",
+    "cudnn_status",
+    "device-side assert",
+    "uncorrectable ecc",
+    "illegal memory access",
+    "xid",
+)
 
 _ENTRY = re.compile(
     r"time\s*:\s*(?P<time>\S+)\s*\n\s*host\s*:.*\n\s*rank\s*:\s*(?P<rank>-?\d+)\s*\(local_rank:\s*(?P<local>\d+)\)\s*\n"
     r"\s*exitcode\s*:\s*(?P<code>-?\d+)\s*\(pid:\s*(?P<pid>\d+)\)\s*(?:\((?P<sig>\w+)\))?\s*\n"
-    r"\s*error_file\s*:\s*(?P<file>.*)")
+    r"\s*error_file\s*:\s*(?P<file>.*)"
+)
 _REPORT = "ChildFailedError"
 
 
@@ -103,8 +125,15 @@ def parse_report(text: str) -> list[RankEnd]:
     ends = []
     for m in _ENTRY.finditer(report):
         code = int(m["code"])
-        ends.append(RankEnd(rank=int(m["rank"]), exit_code=code, signal=m["sig"] or signal_name(code),
-                            pid=int(m["pid"]), root_cause=root_at >= 0 and m.start() > root_at))
+        ends.append(
+            RankEnd(
+                rank=int(m["rank"]),
+                exit_code=code,
+                signal=m["sig"] or signal_name(code),
+                pid=int(m["pid"]),
+                root_cause=root_at >= 0 and m.start() > root_at,
+            )
+        )
         ends[-1].message, ends[-1].traceback = read_error_file(m["file"].strip())
     return ends
 
@@ -149,6 +178,13 @@ def facts(end: RankEnd, ends: list[RankEnd]) -> dict[str, Any]:
     """What the supervisor stores about an attempt's end (state.json `last_end`); views word it."""
     out = {k: v for k, v in asdict(end).items() if k not in ("traceback", "root_cause") and v is not None}
     out["kind"] = end.kind
-    out["ranks"] = [{"rank": e.rank, "exit_code": e.exit_code, **({"signal": e.signal} if e.signal else {}),
-                     **({"error": e.message} if e.message else {})} for e in ends]
+    out["ranks"] = [
+        {
+            "rank": e.rank,
+            "exit_code": e.exit_code,
+            **({"signal": e.signal} if e.signal else {}),
+            **({"error": e.message} if e.message else {}),
+        }
+        for e in ends
+    ]
     return out

@@ -107,8 +107,9 @@ def export_seconds(measured: dict[str, Any], recipe, params: int) -> float:
     gguf = "gguf" in formats
     loads = (1 if lora else 0) + ((1 if lora else 2) if merged else 0) + (1 if gguf else 0)
     written = (2.0 * params if merged else 0.0) + (gguf_bytes_per_param(recipe.gguf_type) * params if gguf else 0.0)
-    seconds = float(measured.get("import_seconds") or 0.0) * (2 if gguf else 1) \
-        + loads * float(measured.get("load_seconds") or 0.0)
+    seconds = float(measured.get("import_seconds") or 0.0) * (2 if gguf else 1) + loads * float(
+        measured.get("load_seconds") or 0.0
+    )
     save_bytes, save_seconds = measured.get("checkpoint_bytes"), measured.get("checkpoint_seconds")
     # a save of less than MIN_RATE_BYTES (a LoRA checkpoint) is mostly fixed cost: its rate would
     # overstate the writing of a merged model many times its size, so the bytes are then left out
@@ -133,8 +134,16 @@ def task_eval_seconds(measured: dict[str, Any], recipe, examples: int, base_scor
     return scorers * examples * per_answer / float(tps)
 
 
-def estimate(measured: dict[str, Any], wall: float, recipe, stats: DataStats, processes: int,
-             params: int, task_examples: int = 0, base_scored: bool = True) -> dict[str, float]:
+def estimate(
+    measured: dict[str, Any],
+    wall: float,
+    recipe,
+    stats: DataStats,
+    processes: int,
+    params: int,
+    task_examples: int = 0,
+    base_scored: bool = True,
+) -> dict[str, float]:
     """The full run's wall time in parts, from the smoke worker's measurements and its wall time `wall`;
     `task_examples`: the prompts the task evaluation will ask after training (task_eval_seconds)."""
     # The full run pays the same fixed start as the smoke worker (process start, imports, model load, data
@@ -151,28 +160,47 @@ def estimate(measured: dict[str, Any], wall: float, recipe, stats: DataStats, pr
     # the smoke's eval pass and the base model's answers are in its wall time: priced apart (the full run has
     # its own number of eval passes, and answers the same prompts once, after training)
     samples = float(measured.get("samples_seconds") or 0.0)
-    startup = max(0.0, startup - float(measured.get("eval_seconds") or 0.0) - samples
-                  - float(measured.get("generation_seconds") or 0.0))
+    startup = max(
+        0.0,
+        startup
+        - float(measured.get("eval_seconds") or 0.0)
+        - samples
+        - float(measured.get("generation_seconds") or 0.0),
+    )
     total_tokens = training_tokens(recipe, stats, processes)
     train = step_seconds(measured, total_tokens, recipe, stats, processes)
     saves = saves_seconds(save, train, recipe)
     export = export_seconds(measured, recipe, params)
     evals = split.eval_seconds(measured, train, recipe)
     task = task_eval_seconds(measured, recipe, task_examples, base_scored)
-    return {"startup_seconds": startup, "train_seconds": train, "saves_seconds": saves, "export_seconds": export,
-            "eval_seconds": evals, "samples_seconds": samples, "task_eval_seconds": task,
-            "estimated_seconds": startup + train + saves + export + evals + samples + task}
+    return {
+        "startup_seconds": startup,
+        "train_seconds": train,
+        "saves_seconds": saves,
+        "export_seconds": export,
+        "eval_seconds": evals,
+        "samples_seconds": samples,
+        "task_eval_seconds": task,
+        "estimated_seconds": startup + train + saves + export + evals + samples + task,
+    }
 
 
-def run_smoke(run: RunDir, recipe, plan: dict[str, Any], examples, lengths: list[int], stats: DataStats) -> dict[str, Any]:
+def run_smoke(
+    run: RunDir, recipe, plan: dict[str, Any], examples, lengths: list[int], stats: DataStats
+) -> dict[str, Any]:
     """Run the worker on the sample in the foreground; write and return smoke.json, or raise SmokeError."""
     from launcher.worker.engines import world_size
 
     processes = world_size(plan)  # all nodes' processes share the global batch
     global_batch = recipe.micro_batch_size * recipe.gradient_accumulation_steps * processes
     parts = split.for_recipe(examples, recipe)  # held-out examples never train, here neither
-    drawn = smoke_sample([lengths[i] for i in parts.train], recipe.smoke.fraction,
-                         recipe.smoke.min_steps * global_batch, recipe.seed, longest=global_batch)
+    drawn = smoke_sample(
+        [lengths[i] for i in parts.train],
+        recipe.smoke.fraction,
+        recipe.smoke.min_steps * global_batch,
+        recipe.seed,
+        longest=global_batch,
+    )
     idx = [parts.train[j] for j in drawn]
     shutil.rmtree(run.smoke_work, ignore_errors=True)
     run.smoke_work.mkdir(parents=True)
@@ -184,15 +212,24 @@ def run_smoke(run: RunDir, recipe, plan: dict[str, Any], examples, lengths: list
     random.Random(recipe.seed).shuffle(rest)
     write_jsonl(run.smoke_work / "data.jsonl", [examples[i] for i in first + rest])
     steps = max(1, len(idx) // global_batch)
-    atomic_write_json(run.smoke_work / "request.json",
-                      {"max_steps": steps, "max_seconds": recipe.smoke.max_minutes * 60.0})
-    print(f"smoke test: {len(idx)} of {stats.examples} examples ({len(idx) / stats.examples:.1%}, the longest "
-          f"included), {steps} steps, at most {recipe.smoke.max_minutes:g} min ...", flush=True)
+    atomic_write_json(
+        run.smoke_work / "request.json", {"max_steps": steps, "max_seconds": recipe.smoke.max_minutes * 60.0}
+    )
+    print(
+        f"smoke test: {len(idx)} of {stats.examples} examples ({len(idx) / stats.examples:.1%}, the longest "
+        f"included), {steps} steps, at most {recipe.smoke.max_minutes:g} min ...",
+        flush=True,
+    )
     log_path = run.smoke_work / "smoke.log"
     t0 = time.monotonic()
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(launch_command(plan, run.root, "smoke"), stdin=subprocess.DEVNULL,
-                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **launch_env(plan)})
+        proc = subprocess.Popen(
+            launch_command(plan, run.root, "smoke"),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **launch_env(plan)},
+        )
         try:
             rc = proc.wait()
         except KeyboardInterrupt:
@@ -206,8 +243,9 @@ def run_smoke(run: RunDir, recipe, plan: dict[str, Any], examples, lengths: list
     oom_path = run.smoke_work / "oom.json"
     if rc == train.EXIT_OOM or (rc != 0 and oom_path.is_file()):  # torchrun reports a worker's 78 as 1
         oom = json.loads(oom_path.read_text()) if oom_path.is_file() else {}
-        raise SmokeOOM(oom.get("error", "out of memory"), fix=REASONS[train.EXIT_OOM][1],
-                       peak_memory_gb=oom.get("peak_memory_gb"))
+        raise SmokeOOM(
+            oom.get("error", "out of memory"), fix=REASONS[train.EXIT_OOM][1], peak_memory_gb=oom.get("peak_memory_gb")
+        )
     if rc != 0 or not result_path.is_file():
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
         what, fix = REASONS.get(rc, (f"the worker exited with code {rc}", f"read {log_path} (last lines below)"))
@@ -215,15 +253,30 @@ def run_smoke(run: RunDir, recipe, plan: dict[str, Any], examples, lengths: list
     measured = {**json.loads(result_path.read_text()), **eval_cost}
     tps = measured.get("tokens_per_second")
     if not tps:
-        raise SmokeError("the smoke test finished too few steps to measure throughput",
-                         fix="raise smoke.min_steps or smoke.max_minutes.")
+        raise SmokeError(
+            "the smoke test finished too few steps to measure throughput",
+            fix="raise smoke.min_steps or smoke.max_minutes.",
+        )
     total_tokens = training_tokens(recipe, stats, processes)
     task = json.loads(run.task.read_text()) if run.task.is_file() else {}
     scored = json.loads(run.task_eval.read_text()).get("scores", {}) if run.task_eval.is_file() else {}
-    task_examples = len(task["prompts"]) if "prompts" in task else 0 if task else \
-        min(recipe.eval.task.examples, len(parts.held_out) or (stats.examples if recipe.eval.data else 0))
-    parts = estimate(measured, wall, recipe, stats, processes, int((plan.get("model") or {}).get("params") or 0),
-                     task_examples=task_examples, base_scored="base_few_shot" in scored)
+    task_examples = (
+        len(task["prompts"])
+        if "prompts" in task
+        else 0
+        if task
+        else min(recipe.eval.task.examples, len(parts.held_out) or (stats.examples if recipe.eval.data else 0))
+    )
+    parts = estimate(
+        measured,
+        wall,
+        recipe,
+        stats,
+        processes,
+        int((plan.get("model") or {}).get("params") or 0),
+        task_examples=task_examples,
+        base_scored="base_few_shot" in scored,
+    )
     est_seconds = parts["estimated_seconds"]
     price = float(plan.get("price_per_hour_eur") or 0.0)
     report = {
@@ -271,16 +324,31 @@ def _write_eval_request(run: RunDir, recipe, examples, lengths: list[int], parts
         subset = split.smoke_subset(held, recipe, processes)
         write_jsonl(run.smoke_work / "eval.jsonl", [pool[i] for i in subset])
         clip = recipe.max_length
-        cost = {"eval_examples": len(held), "eval_tokens": sum(min(held_lengths[i], clip) for i in subset),
-                "eval_full_tokens": sum(min(held_lengths[i], clip) for i in held)}
-        print(f"evaluation: {len(held)} held-out examples"
-              + (f" ({len(held) / len(examples):.1%} of the data, a seeded draw that never trains)"
-                 if not recipe.eval.data else f" from {split.source_name(recipe.eval.data)}")
-              + f", every {recipe.eval.every_minutes:g} min, at the start and at the end; the smoke test "
-              f"evaluates {len(subset)} of them", flush=True)
+        cost = {
+            "eval_examples": len(held),
+            "eval_tokens": sum(min(held_lengths[i], clip) for i in subset),
+            "eval_full_tokens": sum(min(held_lengths[i], clip) for i in held),
+        }
+        print(
+            f"evaluation: {len(held)} held-out examples"
+            + (
+                f" ({len(held) / len(examples):.1%} of the data, a seeded draw that never trains)"
+                if not recipe.eval.data
+                else f" from {split.source_name(recipe.eval.data)}"
+            )
+            + f", every {recipe.eval.every_minutes:g} min, at the start and at the end; the smoke test "
+            f"evaluates {len(subset)} of them",
+            flush=True,
+        )
     if recipe.eval.samples and not (run.root / samples.BEFORE_FILE).is_file():
-        prompts = samples.pick(pool, held, parts.train if not recipe.eval.data else [], recipe.eval.samples,
-                               recipe.seed, split.source_name(recipe.eval.data or recipe.data))
+        prompts = samples.pick(
+            pool,
+            held,
+            parts.train if not recipe.eval.data else [],
+            recipe.eval.samples,
+            recipe.seed,
+            split.source_name(recipe.eval.data or recipe.data),
+        )
         atomic_write_json(run.smoke_work / "prompts.json", prompts)
     return cost
 

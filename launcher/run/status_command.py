@@ -16,8 +16,9 @@ from launcher.store.rundir import RUNS
 from launcher.store.state import ACTIVE, ENDED
 
 
-def status_command(target: Optional[str], as_json: bool = False, watching: bool = False,
-                   sleep: Callable[[float], None] = time.sleep) -> int:
+def status_command(
+    target: Optional[str], as_json: bool = False, watching: bool = False, sleep: Callable[[float], None] = time.sleep
+) -> int:
     """Several runs under ./runs (no target): one line each. One run: its status and, once it ended, its summary;
     `watching`: the live bar until it ends, or with `as_json` the JSON again every 2 s."""
     if target is None:
@@ -27,8 +28,10 @@ def status_command(target: Optional[str], as_json: bool = False, watching: bool 
             print(json.dumps(rows, indent=2) if as_json else format_runs(rows))
             return 0
         if not runs:  # nothing to show is not an error
-            print(f"no runs under ./{RUNS}: start one with `ftrun RECIPE`, or name a recipe or run directory "
-                  "(`ftrun status RECIPE|RUN_DIR`)")
+            print(
+                f"no runs under ./{RUNS}: start one with `ftrun RECIPE`, or name a recipe or run directory "
+                "(`ftrun status RECIPE|RUN_DIR`)"
+            )
             return 0
     run = resolve_run(target)
     if watching and not as_json:

@@ -148,17 +148,30 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
         # worker outliving it would train on unsupervised: it gets SIGTERM, saves a checkpoint and exits (the next
         # launch resumes from it). Asked for after the exec, not in a preexec_fn (engines.with_death_signal)
         death = signal.SIGKILL if plan.get("engine") in MULTI_PROCESS else signal.SIGTERM
-        proc = subprocess.Popen(with_death_signal(cmd, death), stdin=subprocess.DEVNULL, env=env,
-                                # torchrun's report of how each rank ended is read from its stderr (rank_ends.py)
-                                stderr=subprocess.PIPE if multi else None,
-                                # the worker keeps the run locked while it lives, even without its supervisor
-                                pass_fds=(lock_fd,) if lock_fd is not None else ())
+        proc = subprocess.Popen(
+            with_death_signal(cmd, death),
+            stdin=subprocess.DEVNULL,
+            env=env,
+            # torchrun's report of how each rank ended is read from its stderr (rank_ends.py)
+            stderr=subprocess.PIPE if multi else None,
+            # the worker keeps the run locked while it lives, even without its supervisor
+            pass_fds=(lock_fd,) if lock_fd is not None else (),
+        )
         tail = _Tail(proc.stderr) if multi else None  # read from the start: a full pipe would block the ranks
         child["proc"] = proc
         child["launcher"] = proc if plan.get("engine") in MULTI_PROCESS else None
-        _record(run, "running", supervisor_pid=os.getpid(), supervisor_proc=process_identity(os.getpid()),
-                worker_pid=proc.pid, worker_proc=process_identity(proc.pid), restarts=restarts,
-                engine=plan.get("engine"), num_processes=plan.get("num_processes"), launch_argv=cmd)
+        _record(
+            run,
+            "running",
+            supervisor_pid=os.getpid(),
+            supervisor_proc=process_identity(os.getpid()),
+            worker_pid=proc.pid,
+            worker_proc=process_identity(proc.pid),
+            restarts=restarts,
+            engine=plan.get("engine"),
+            num_processes=plan.get("num_processes"),
+            launch_argv=cmd,
+        )
         kills_before = oom_kills()  # the kernel's OOM-kill count of this cgroup, where it says one
         rc, hang, ranks = _wait_watching(proc, run, plan, launched_at, stopping, multi, recipe.grace_seconds)
         ended_at = time.monotonic()
@@ -170,17 +183,23 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
         if host_oom is not None:
             # A worker (or one rank: torchrun then exits 1) killed by the kernel for host memory: a restart loads the
             # same model into the same RAM and is killed again.
-            facts = {**host_oom, "step": _last_logged_step(run),
-                     "ram_needed_gb": (plan.get("memory") or {}).get("load_ram_gb") or None,
-                     "ram_gb": (plan.get("hardware") or {}).get("ram_gb")}
+            facts = {
+                **host_oom,
+                "step": _last_logged_step(run),
+                "ram_needed_gb": (plan.get("memory") or {}).get("load_ram_gb") or None,
+                "ram_gb": (plan.get("hardware") or {}).get("ram_gb"),
+            }
             return end("failed", views.host_oom_reason(facts), 5, ending={"by": "host-oom", **facts})
         if rc != 0 and failed_verification(run.worker):
             rc = train.EXIT_BAD_WORLD  # torchrun reports any failed worker as 1; the worker said why
         if rc not in (0, *FATAL) and _worker_exit_code(run) in FATAL:
             rc = _worker_exit_code(run)  # a rank's out of memory arrives from torchrun as 1: not a crash to restart
         if run.worker.is_file() and "verification" in json.loads(run.worker.read_text()):
-            _record(run, read_state(run).get("state", "running"),
-                      verification=json.loads(run.worker.read_text())["verification"])
+            _record(
+                run,
+                read_state(run).get("state", "running"),
+                verification=json.loads(run.worker.read_text())["verification"],
+            )
         if rc == 0 and stopping["signal"] and recipe.export and getattr(_verify_final(recipe, run, plan), "ok", 0):
             # the stop came as the worker finished: what training made is whole; the export waits for the resume
             return _stopped_after_training(run, recipe, stopping["signal"], end, ["the export"])
@@ -188,12 +207,23 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
             checked = _verify_final(recipe, run, plan)
             if checked is not None and not checked.ok:
                 # exit 0 without a usable result (a save that wrote nothing) is a failure, and nothing is exported
-                return end("failed", f"training finished but the final result is not usable: {checked.reason}; "
-                           "the checkpoints are intact: run the same command to resume from the newest one, which "
-                           "saves the final result again", 5, final_check={"ok": False, "reason": checked.reason})
-            _record(run, "succeeded", worker_pid=None, reason="training finished",
-                    final_check={"ok": True, "reason": checked.reason, **checked.details} if checked else
-                    {"ok": None, "reason": "written and verified by node 0"})
+                return end(
+                    "failed",
+                    f"training finished but the final result is not usable: {checked.reason}; "
+                    "the checkpoints are intact: run the same command to resume from the newest one, which "
+                    "saves the final result again",
+                    5,
+                    final_check={"ok": False, "reason": checked.reason},
+                )
+            _record(
+                run,
+                "succeeded",
+                worker_pid=None,
+                reason="training finished",
+                final_check={"ok": True, "reason": checked.reason, **checked.details}
+                if checked
+                else {"ok": None, "reason": "written and verified by node 0"},
+            )
             _log("training finished" + (f"; {checked.reason}" if checked else ""))
             done = _export(recipe, run, child)  # succeeded, or trained-not-exported when an export failed
             # after the export's checks, before on_finish (which may stop the box); a failed export publishes nothing
@@ -203,34 +233,53 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
             if syncer:
                 _record(run, done, reason=f"training finished; copying the result to {recipe.sync.to}")
                 if not syncer.finish(final=True):
-                    _record(run, done, reason="training finished, but the copy off the box failed: "
-                              "see sync.json; `ftrun push` retries")
+                    _record(
+                        run,
+                        done,
+                        reason="training finished, but the copy off the box failed: "
+                        "see sync.json; `ftrun push` retries",
+                    )
                     return 0
                 _record(run, done, reason=f"training finished; result verified at {recipe.sync.to}")
                 syncer.sync_once()  # the state file itself, saying so
             _on_finish(recipe, run)
             return 0
         if (stopping["signal"] or rc == train.EXIT_STOPPED) and _worker_fact(run, "stopped_after_training"):
-            return _stopped_after_training(run, recipe, stopping["signal"] or "SIGTERM", end,
-                                           ["the samples and the task evaluation"] +
-                                           (["the export"] if recipe.export else []))
+            return _stopped_after_training(
+                run,
+                recipe,
+                stopping["signal"] or "SIGTERM",
+                end,
+                ["the samples and the task evaluation"] + (["the export"] if recipe.export else []),
+            )
         if stopping["signal"] or rc == train.EXIT_STOPPED:
             requested = read_state(run).get("stop_requested")
             # A launcher exits 1 when its ranks exit EXIT_STOPPED: a checkpoint sealed after the
             # signal says the same.
             newest = newest_step_unverified(run.checkpoints)
             saved = rc == train.EXIT_STOPPED or (
-                not stopping["killed"] and newest is not None
-                and (stopping["checkpoint_before"] is None or newest > stopping["checkpoint_before"]))
+                not stopping["killed"]
+                and newest is not None
+                and (stopping["checkpoint_before"] is None or newest > stopping["checkpoint_before"])
+            )
             # the facts of the ending (the step of the checkpoint it wrote: the last logged step may be a few steps
             # older); what a user reads of them is composed by views.ending_reason
-            ending = {"by": "stop" if requested else "signal", "signal": stopping["signal"] or "SIGTERM",
-                      "step": newest if saved and newest is not None else _last_logged_step(run),
-                      "checkpoint": step_dir_name(newest) if saved and newest is not None else None,
-                      "saved": bool(saved), "grace_seconds": recipe.grace_seconds,
-                      "resume_command": read_state(run).get("resume_command")}
-            return end("stopped" if requested else "preempted", views.ending_reason(ending), train.EXIT_STOPPED,
-                       stop_requested=False, ending=ending)
+            ending = {
+                "by": "stop" if requested else "signal",
+                "signal": stopping["signal"] or "SIGTERM",
+                "step": newest if saved and newest is not None else _last_logged_step(run),
+                "checkpoint": step_dir_name(newest) if saved and newest is not None else None,
+                "saved": bool(saved),
+                "grace_seconds": recipe.grace_seconds,
+                "resume_command": read_state(run).get("resume_command"),
+            }
+            return end(
+                "stopped" if requested else "preempted",
+                views.ending_reason(ending),
+                train.EXIT_STOPPED,
+                stop_requested=False,
+                ending=ending,
+            )
         if rc in FATAL:
             return end("failed", _worker_error(run) or FATAL[rc], 5)
         # How the attempt ended, by rank (docs/engines.md, "One rank down"): a rank silent past its deadline (the
@@ -238,8 +287,13 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
         # interruption, a traceback that repeats at the same step is a deterministic crash, a CUDA/NCCL error is
         # announced and restarted, a crash without a traceback that repeats at the same step stops too.
         root = rank_ends.cause(ends)
-        ended = ({"kind": "hang", **hang} if hang else rank_ends.facts(root, ends) if root is not None
-                 else {"kind": "crash", "exit_code": rc})
+        ended = (
+            {"kind": "hang", **hang}
+            if hang
+            else rank_ends.facts(root, ends)
+            if root is not None
+            else {"kind": "crash", "exit_code": rc}
+        )
         ended["world"] = int(plan.get("num_processes") or 1)
         if ended.get("step") is None:
             ended["step"] = _last_logged_step(run)
@@ -255,8 +309,9 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
         now = time.time()
         restart_times = [t for t in restart_times if now - t < RESTART_WINDOW_S]
         if len(restart_times) >= recipe.max_restarts:
-            return end("failed", views.restart_budget_reason(ended, len(restart_times), recipe.max_restarts), 5,
-                       last_end=ended)
+            return end(
+                "failed", views.restart_budget_reason(ended, len(restart_times), recipe.max_restarts), 5, last_end=ended
+            )
         restart_times.append(now)
         restarts += 1
         delay = min(2 ** len(restart_times), 60)
@@ -280,8 +335,13 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
             _record(run, "stopped", reason=f"stopped by {stopping['signal']} while recovering")
             return train.EXIT_STOPPED
         if left:
-            return end("failed", views.ranks_left_reason(ended, left, time.monotonic() - ended_at), 5, last_end=ended,
-                       ranks_left=left)
+            return end(
+                "failed",
+                views.ranks_left_reason(ended, left, time.monotonic() - ended_at),
+                5,
+                last_end=ended,
+                ranks_left=left,
+            )
 
 
 RESTART_WINDOW_S = 3600.0  # recipe.max_restarts counts the restarts within any hour
@@ -333,7 +393,8 @@ def _rank_ends(run: RunDir, rc: int, tail: Optional[_Tail], error_file: Path, mu
         return []
     if multi:
         ends = rank_ends.parse_report(tail.text() if tail else "") or [
-            rank_ends.RankEnd(rank=None, exit_code=rc, signal=rank_ends.signal_name(rc))]
+            rank_ends.RankEnd(rank=None, exit_code=rc, signal=rank_ends.signal_name(rc))
+        ]
     else:
         ends = rank_ends.single(rc, error_file)
     beats = heartbeat_files.read_all(run)
@@ -353,8 +414,15 @@ def _process_state(pid: int) -> Optional[str]:
         return None
 
 
-def _wait_watching(proc: subprocess.Popen, run: RunDir, plan: dict[str, Any], launched_at: float,
-                   stopping: dict[str, Any], multi: bool, grace_seconds: float) -> tuple[int, Optional[dict], list]:
+def _wait_watching(
+    proc: subprocess.Popen,
+    run: RunDir,
+    plan: dict[str, Any],
+    launched_at: float,
+    stopping: dict[str, Any],
+    multi: bool,
+    grace_seconds: float,
+) -> tuple[int, Optional[dict], list]:
     """Wait for the worker (or launcher) to exit, reading the ranks' heartbeats every WATCH_INTERVAL_S. A rank
     silent past its phase's deadline (launcher/plan/deadlines.py) ends the attempt: SIGTERM to the ranks, SIGKILL to
     them and the launcher after a short grace. Returns the exit code, the silent rank's facts (None if none) and
@@ -373,11 +441,14 @@ def _wait_watching(proc: subprocess.Popen, run: RunDir, plan: dict[str, Any], la
             seen.update(_rank_handles(proc))
         if hang is not None or stopping["signal"]:
             continue  # already ending it, or a stop has its own grace
-        hang = watchdog.silent_rank(heartbeat_files.read_all(run), ranks, launched_at, time.time(), expected, floor,
-                                    _process_state)
+        hang = watchdog.silent_rank(
+            heartbeat_files.read_all(run), ranks, launched_at, time.time(), expected, floor, _process_state
+        )
         if hang is not None:
-            _log(f"{views.rank_end_text({'kind': 'hang', 'world': len(ranks) if multi else 1, **hang})}: ending the "
-                 "attempt (SIGTERM, then SIGKILL) to restart it from the newest verified checkpoint")
+            _log(
+                f"{views.rank_end_text({'kind': 'hang', 'world': len(ranks) if multi else 1, **hang})}: ending the "
+                "attempt (SIGTERM, then SIGKILL) to restart it from the newest verified checkpoint"
+            )
             seen.update(_end_attempt(proc, multi, min(grace_seconds, WATCHDOG_GRACE_S)))
 
 
@@ -542,12 +613,24 @@ def _stopped_after_training(run: RunDir, recipe, signal_name: str, end: Callable
     not succeeded, and a resume lands at the end, doing only what `left` names."""
     requested = read_state(run).get("stop_requested")
     newest = newest_step_unverified(run.checkpoints)
-    ending = {"by": "stop" if requested else "signal", "signal": signal_name, "step": newest,
-              "checkpoint": step_dir_name(newest) if newest is not None else None, "saved": True,
-              "after_training": True, "left": left,
-              "grace_seconds": recipe.grace_seconds, "resume_command": read_state(run).get("resume_command")}
-    return end("stopped" if requested else "preempted", views.ending_reason(ending), train.EXIT_STOPPED,
-               stop_requested=False, ending=ending)
+    ending = {
+        "by": "stop" if requested else "signal",
+        "signal": signal_name,
+        "step": newest,
+        "checkpoint": step_dir_name(newest) if newest is not None else None,
+        "saved": True,
+        "after_training": True,
+        "left": left,
+        "grace_seconds": recipe.grace_seconds,
+        "resume_command": read_state(run).get("resume_command"),
+    }
+    return end(
+        "stopped" if requested else "preempted",
+        views.ending_reason(ending),
+        train.EXIT_STOPPED,
+        stop_requested=False,
+        ending=ending,
+    )
 
 
 def _worker_fact(run: RunDir, key: str) -> Any:
@@ -597,8 +680,12 @@ def _export(recipe, run: RunDir, child: dict) -> str:
     report_path = run.final / "export.json"
     report_path.unlink(missing_ok=True)  # a stale report must not speak for this export
     try:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                                cwd=str(Path(__file__).resolve().parents[2]))
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            cwd=str(Path(__file__).resolve().parents[2]),
+        )
         child["proc"] = proc  # `ftrun stop` reaches the export too
         rc = proc.wait()
         child["proc"] = None
@@ -612,13 +699,19 @@ def _export(recipe, run: RunDir, child: dict) -> str:
         _log(f"export finished: {outs}; serving commands in {report.get('serving')}")
     else:
         if rc is not None:
-            err = report.get("error") or (f"killed by signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}")
+            err = report.get("error") or (
+                f"killed by signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
+            )
         info = {"state": "failed", "reason": f"{err.splitlines()[0]}; retry with `ftrun export {run.root}`"}
         _log(f"export failed: {err}; the trained result is intact")
     info.update(formats=list(recipe.export), seconds=round(time.time() - started, 1))
     state = "succeeded" if info["state"] == "succeeded" else "trained-not-exported"
-    set_state(run, state, export=info, **({} if state == "succeeded" else
-                                          {"reason": f"trained, not exported: {info['reason']}"}))
+    set_state(
+        run,
+        state,
+        export=info,
+        **({} if state == "succeeded" else {"reason": f"trained, not exported: {info['reason']}"}),
+    )
     return state
 
 
@@ -639,9 +732,12 @@ def start_detached(run: RunDir, lock_fd: int) -> int:
     log = open(run.log, "ab")
     proc = subprocess.Popen(
         [sys.executable, "-m", "launcher.run.supervisor", "--run-dir", str(run.root), "--lock-fd", str(lock_fd)],
-        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
         start_new_session=True,  # own session: no controlling terminal, no SIGHUP at logout
-        pass_fds=(lock_fd,), cwd=str(Path(__file__).resolve().parents[2]),
+        pass_fds=(lock_fd,),
+        cwd=str(Path(__file__).resolve().parents[2]),
     )
     log.close()
     return proc.pid

@@ -33,8 +33,15 @@ def run_worker(run: RunDir, plan: dict[str, Any], say: Callable[[str], None]) ->
     # one process, whatever the training's engine: its threads are not shared out with other ranks
     env = {**os.environ, **launch_env({**plan, "num_processes": 1})}
     last = ""
-    proc = subprocess.Popen(worker_argv(run), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, env=env, text=True, errors="replace")
+    proc = subprocess.Popen(
+        worker_argv(run),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        text=True,
+        errors="replace",
+    )
     try:
         for line in proc.stdout:
             line = line.rstrip("\n")
@@ -52,15 +59,19 @@ def settled(run: RunDir) -> bool:
     """RUN/task_eval.json holds the base model's scores, or says why there are none (not applicable, too few)."""
     t = facts.task_eval(run, base_only=True) or {}
     scores = t.get("scores") or {}
-    return bool(t.get("not_applicable")) or t.get("too_few") is not None \
+    return (
+        bool(t.get("not_applicable"))
+        or t.get("too_few") is not None
         or any(scores.get(n) is not None for n in views.BASE_SCORES)
+    )
 
 
 def training_began(run: RunDir) -> bool:
     """The run has trained (a checkpoint, or a past move into `running`): the base model's moment has passed, and a
     resume never scores it again."""
-    return newest_step_unverified(run.checkpoints) is not None \
-        or any(h.get("state") == "running" for h in read_state(run).get("history", []))
+    return newest_step_unverified(run.checkpoints) is not None or any(
+        h.get("state") == "running" for h in read_state(run).get("history", [])
+    )
 
 
 def launch_baseline(run: RunDir, recipe: Recipe, plan: dict[str, Any], say: Callable[[str], None]) -> None:

@@ -13,10 +13,18 @@ from typing import Any, Optional
 
 from launcher.store.state import ENDED
 from launcher.data import task_metrics
-from launcher.data.task_verdict import (BASE_FEW_SHOT, BASE_ZERO_SHOT, FINE_TUNED, base_score, difference,
-                                        noise_words, pct, start_name, verdict)
+from launcher.data.task_verdict import (
+    BASE_FEW_SHOT,
+    BASE_ZERO_SHOT,
+    FINE_TUNED,
+    base_score,
+    difference,
+    noise_words,
+    pct,
+    start_name,
+    verdict,
+)
 from launcher.worker.task_eval import PREFIX as TASK_EVAL_PREFIX
-
 
 
 def format_duration(seconds: Optional[float]) -> str:
@@ -36,7 +44,7 @@ def _bar(step: int, total: Optional[int], width: int = 30) -> str:
 
 
 def _mfu(value: Optional[float]) -> str:
-    """" (MFU 31%)" beside a GPU's tokens/s (docs/BENCHMARKS.md, "MFU"); nothing on a CPU."""
+    """ " (MFU 31%)" beside a GPU's tokens/s (docs/BENCHMARKS.md, "MFU"); nothing on a CPU."""
     return f" (MFU {value:.0%})" if value is not None else ""
 
 
@@ -48,93 +56,145 @@ def format_status(s: dict[str, Any], ending_follows: bool = False) -> str:
         # the last logged step's values: say which step where the run is past it (logging_steps)
         at = f" (step {s['loss_step']})" if s.get("loss_step") is not None and s["loss_step"] < step else ""
         # a finished run: its average speed, not the last logging window's (facts.run_status)
-        speed = (f"{s['average_tokens_per_second']:,.0f} tokens/s on average" if s.get("average_tokens_per_second")
-                 else f"{s.get('tokens_per_second') or 0:,.0f} tokens/s{_mfu(s.get('mfu'))}")
-        lines.append(f"  loss {s['loss']:.4f}{at}   {speed}"
-                     f"   ETA {format_duration(s.get('eta_seconds'))}"
-                     + (f"   (smoke test forecast for the whole run: {format_duration(s['smoke_estimated_seconds'])})"
-                        if s.get("smoke_estimated_seconds") else ""))
+        speed = (
+            f"{s['average_tokens_per_second']:,.0f} tokens/s on average"
+            if s.get("average_tokens_per_second")
+            else f"{s.get('tokens_per_second') or 0:,.0f} tokens/s{_mfu(s.get('mfu'))}"
+        )
+        lines.append(
+            f"  loss {s['loss']:.4f}{at}   {speed}"
+            f"   ETA {format_duration(s.get('eta_seconds'))}"
+            + (
+                f"   (smoke test forecast for the whole run: {format_duration(s['smoke_estimated_seconds'])})"
+                if s.get("smoke_estimated_seconds")
+                else ""
+            )
+        )
     if s.get("eval_loss") is not None:
         lines.append(f"  eval loss {s['eval_loss']:.4f} (step {s.get('eval_step')}, held-out examples)")
     if s.get("margin") is not None or s.get("eval_margin") is not None:
         # a preference objective: reward margin chosen - rejected, and the share of pairs the model ranks right
         parts = []
         if s.get("margin") is not None:
-            parts.append(f"margin {s['margin']:.3f}, accuracy {s.get('accuracy') or 0:.2f} (step {s.get('loss_step')}, "
-                         "training pairs)")
+            parts.append(
+                f"margin {s['margin']:.3f}, accuracy {s.get('accuracy') or 0:.2f} (step {s.get('loss_step')}, "
+                "training pairs)"
+            )
         if s.get("eval_margin") is not None:
-            parts.append(f"margin {s['eval_margin']:.3f}, preference accuracy "
-                         f"{preference_accuracy(s.get('eval_accuracy'), s['eval_margin'])} "
-                         f"(step {s.get('eval_step')}, held-out pairs)")
+            parts.append(
+                f"margin {s['eval_margin']:.3f}, preference accuracy "
+                f"{preference_accuracy(s.get('eval_accuracy'), s['eval_margin'])} "
+                f"(step {s.get('eval_step')}, held-out pairs)"
+            )
         lines.append("  rewards   " + "; ".join(parts))
-    supervisor = (f"supervisor pid {s['pid']} ({'alive' if s.get('pid_alive') else 'not running'})" if s.get("pid")
-                  else "no supervisor started yet" if s["state"] not in ENDED else "supervisor ended")
-    lines.append(f"  {supervisor}, restarts {s.get('restarts', 0)}"
-                 + (f"; launcher pid {s['launcher_pid']} is planning / smoke-testing" if s.get("launcher_pid") else ""))
+    supervisor = (
+        f"supervisor pid {s['pid']} ({'alive' if s.get('pid_alive') else 'not running'})"
+        if s.get("pid")
+        else "no supervisor started yet"
+        if s["state"] not in ENDED
+        else "supervisor ended"
+    )
+    lines.append(
+        f"  {supervisor}, restarts {s.get('restarts', 0)}"
+        + (f"; launcher pid {s['launcher_pid']} is planning / smoke-testing" if s.get("launcher_pid") else "")
+    )
     if s.get("elapsed_seconds"):
         # the actual beside the forecasts: time used + time to go, against what the smoke test and the plan said
         eta = s.get("eta_seconds")
-        actual = f"{format_duration(s['elapsed_seconds'])} {'in all' if s.get('state') in ENDED else 'so far'}" \
-            + (f" + {format_duration(eta)} to go" if eta is not None else "")
+        actual = f"{format_duration(s['elapsed_seconds'])} {'in all' if s.get('state') in ENDED else 'so far'}" + (
+            f" + {format_duration(eta)} to go" if eta is not None else ""
+        )
         phases = s.get("phase_seconds")
         if phases:  # an ended run: every phase the command spent, each said (the plan's own check excepted)
-            actual = (f"{format_duration(sum(phases.values()))} in all: "
-                      + ", ".join(f"{name} {_short_seconds(sec)}" for name, sec in phases.items()))
-        fc = [f"{name} forecast {format_duration(sec)}" + (f" / {cost:.2f} EUR" if cost is not None else "")
-              for name, sec, cost in (("smoke test", s.get("smoke_estimated_seconds"), s.get("smoke_estimated_cost_eur")),
-                                      ("plan", s.get("plan_estimated_seconds"), s.get("plan_estimated_cost_eur")),
-                                      ("resume re-plan",
-                                       s.get("resume_estimated_seconds"), s.get("resume_estimated_cost_eur")))
-              if sec is not None]
+            actual = f"{format_duration(sum(phases.values()))} in all: " + ", ".join(
+                f"{name} {_short_seconds(sec)}" for name, sec in phases.items()
+            )
+        fc = [
+            f"{name} forecast {format_duration(sec)}" + (f" / {cost:.2f} EUR" if cost is not None else "")
+            for name, sec, cost in (
+                ("smoke test", s.get("smoke_estimated_seconds"), s.get("smoke_estimated_cost_eur")),
+                ("plan", s.get("plan_estimated_seconds"), s.get("plan_estimated_cost_eur")),
+                ("resume re-plan", s.get("resume_estimated_seconds"), s.get("resume_estimated_cost_eur")),
+            )
+            if sec is not None
+        ]
         lines.append(f"  time {actual}" + (f"   ({'; '.join(fc)})" if fc else ""))
         if s.get("price_per_hour_eur"):
-            lines.append(f"  cost {s['cost_so_far_eur']:.2f} EUR so far"
-                         + (f", {s['cost_to_go_eur']:.2f} EUR to go" if s.get("cost_to_go_eur") is not None else "")
-                         + f" at {s['price_per_hour_eur']:.2f} EUR/h")
+            lines.append(
+                f"  cost {s['cost_so_far_eur']:.2f} EUR so far"
+                + (f", {s['cost_to_go_eur']:.2f} EUR to go" if s.get("cost_to_go_eur") is not None else "")
+                + f" at {s['price_per_hour_eur']:.2f} EUR/h"
+            )
     if s.get("engine"):
         v = s.get("verification")
-        checked = ("not yet verified" if not v else
-                   ("verified: " if v["ok"] else "NOT verified: ")
-                   + "; ".join(f"{c['check']} {c['seen']}" for c in v["checks"] if v["ok"] or not c["ok"]))
+        checked = (
+            "not yet verified"
+            if not v
+            else ("verified: " if v["ok"] else "NOT verified: ")
+            + "; ".join(f"{c['check']} {c['seen']}" for c in v["checks"] if v["ok"] or not c["ok"])
+        )
         lines.append(f"  engine {s['engine']} x {s.get('num_processes') or 1} process(es), {checked}")
         if s.get("launch_argv"):
             lines.append("  launched: " + " ".join(s["launch_argv"]))
     if s.get("memory_gb") is not None:
         where = "per GPU" if s.get("device") == "cuda" else "per process"
-        lines.append(f"  memory {s['memory_gb']:g} GB {where}, " + (
-            f"measured by the smoke test (the sizer estimated {s['estimated_memory_gb']:g} GB)"
-            if s.get("memory_source") == "measured" else "estimated by the sizer (no passed smoke test)"))
+        lines.append(
+            f"  memory {s['memory_gb']:g} GB {where}, "
+            + (
+                f"measured by the smoke test (the sizer estimated {s['estimated_memory_gb']:g} GB)"
+                if s.get("memory_source") == "measured"
+                else "estimated by the sizer (no passed smoke test)"
+            )
+        )
     for reason in s.get("adjustments") or []:
         lines.append(f"  adjusted after out of memory: {reason}")
     lines.extend(heartbeat_lines(s.get("heartbeats") or []))
     if s.get("last_restart") and s["state"] in ("running", "succeeded", "trained-not-exported"):
         lines.append(f"  last restart: {s['last_restart']}; restarted")
     if s.get("last_checkpoint"):
-        lines.append(f"  last checkpoint {s['last_checkpoint']} ({format_duration(s.get('last_checkpoint_age_seconds'))} ago)")
+        lines.append(
+            f"  last checkpoint {s['last_checkpoint']} ({format_duration(s.get('last_checkpoint_age_seconds'))} ago)"
+        )
     if s.get("sync_to"):
         off = s.get("offbox_checkpoint")
-        lines.append(f"  off the box: {off or 'nothing yet'}"
-                     + (f" ({format_duration(s.get('offbox_age_seconds'))} ago)" if off and s.get("offbox_age_seconds") is not None else "")
-                     + f" at {s['sync_to']}" + (f"   last error: {s['sync_error']}" if s.get("sync_error") else ""))
-        if s.get("sync_backoff"):  # the destination asked to wait (a 429 or 5xx): launcher/store/sync/transfer.py backoff_fields
+        lines.append(
+            f"  off the box: {off or 'nothing yet'}"
+            + (
+                f" ({format_duration(s.get('offbox_age_seconds'))} ago)"
+                if off and s.get("offbox_age_seconds") is not None
+                else ""
+            )
+            + f" at {s['sync_to']}"
+            + (f"   last error: {s['sync_error']}" if s.get("sync_error") else "")
+        )
+        if s.get(
+            "sync_backoff"
+        ):  # the destination asked to wait (a 429 or 5xx): launcher/store/sync/transfer.py backoff_fields
             lines.append(f"  waiting for {s['sync_to']}: {s['sync_backoff']}")
     # the end summary printed after it (ending_follows) says why a run ended other than by succeeding: not twice
     if s.get("reason") and s["state"] not in ("running",) and not (ending_follows and _summary_says_reason(s)):
         lines.append(f"  {s['reason']}")
     if s.get("orphan_worker_pids"):
-        lines.append(f"  worker process(es) {', '.join(map(str, s['orphan_worker_pids']))} still train without a supervisor "
-                     f"(it was killed): `ftrun stop` ends them after a checkpoint; `{s.get('resume_command') or 'ftrun RECIPE'}` "
-                     "ends them and resumes")
+        lines.append(
+            f"  worker process(es) {', '.join(map(str, s['orphan_worker_pids']))} still train without a supervisor "
+            f"(it was killed): `ftrun stop` ends them after a checkpoint; "
+            f"`{s.get('resume_command') or 'ftrun RECIPE'}` "
+            "ends them and resumes"
+        )
     elif s["state"] == "interrupted":
-        lines.append("  the run's processes are gone (crash, kill, machine loss, a restarted box): run the same "
-                     f"`{s.get('resume_command') or 'ftrun RECIPE'}` to resume")
+        lines.append(
+            "  the run's processes are gone (crash, kill, machine loss, a restarted box): run the same "
+            f"`{s.get('resume_command') or 'ftrun RECIPE'}` to resume"
+        )
     if s.get("final"):
         lines.append(f"  result: {s['final']}")
     ex = s.get("export")
     if ex:
-        lines.append(f"  export ({', '.join(ex.get('formats', []))}): {ex.get('state')}"
-                     + (f" - {ex['outputs']}; serving commands in {ex['serving']}" if ex.get("state") == "succeeded" else "")
-                     + (f" - {ex['reason']}" if ex.get("state") == "failed" else ""))
+        lines.append(
+            f"  export ({', '.join(ex.get('formats', []))}): {ex.get('state')}"
+            + (f" - {ex['outputs']}; serving commands in {ex['serving']}" if ex.get("state") == "succeeded" else "")
+            + (f" - {ex['reason']}" if ex.get("state") == "failed" else "")
+        )
     if s.get("loss_plot"):
         lines.append(f"  loss plot: {s['loss_plot']}")
     return "\n".join(lines)
@@ -142,25 +202,44 @@ def format_status(s: dict[str, Any], ending_follows: bool = False) -> str:
 
 def format_smoke(report: dict[str, Any]) -> str:
     """The smoke test's measurements and the full run's forecast in parts; the model's download, when there was one."""
-    parts = [(name, report.get(key)) for name, key in (("start", "startup_seconds"),
-                                                      ("training", "train_seconds"), ("checkpoints", "saves_seconds"),
-                                                      ("evaluation", "eval_seconds"), ("samples", "samples_seconds"),
-                                                      ("task eval", "task_eval_seconds"), ("export", "export_seconds"))]
+    parts = [
+        (name, report.get(key))
+        for name, key in (
+            ("start", "startup_seconds"),
+            ("training", "train_seconds"),
+            ("checkpoints", "saves_seconds"),
+            ("evaluation", "eval_seconds"),
+            ("samples", "samples_seconds"),
+            ("task eval", "task_eval_seconds"),
+            ("export", "export_seconds"),
+        )
+    ]
     note = memory_note(report)
     split = ", ".join(f"{name} {format_duration(sec)}" for name, sec in parts if sec and sec >= 0.5)
     return (
         f"smoke test: {report['measured_steps']} measured steps, {report['tokens_per_second']:,.0f} tokens/s"
         f"{_mfu(report.get('mfu'))}, "
         f"peak memory {report['peak_memory_gb']:.2f} GB ({report['device']})"
-        + (f", answers generated at {report['generation_tokens_per_second']:,.0f} tokens/s (a batch of "
-           f"{report['generation_prompts']} task prompts)" if report.get("generation_tokens_per_second") else "") + "\n"
+        + (
+            f", answers generated at {report['generation_tokens_per_second']:,.0f} tokens/s (a batch of "
+            f"{report['generation_prompts']} task prompts)"
+            if report.get("generation_tokens_per_second")
+            else ""
+        )
+        + "\n"
         f"full run: {report['training_tokens']:,} tokens -> about {format_duration(report['estimated_seconds'])}"
         + (f" ({split})" if split else "")
-        + (f", about {report['estimated_cost']:.2f} EUR at {report['price_per_hour_eur']:.2f} EUR/h"
-           if report["price_per_hour_eur"] else "")
+        + (
+            f", about {report['estimated_cost']:.2f} EUR at {report['price_per_hour_eur']:.2f} EUR/h"
+            if report["price_per_hour_eur"]
+            else ""
+        )
         # already spent, before the smoke test: the full run reads the model from the cache
-        + (f"; before it, the model's download took {format_duration(report['download_seconds'])}"
-           if report.get("download_bytes") else "")
+        + (
+            f"; before it, the model's download took {format_duration(report['download_seconds'])}"
+            if report.get("download_bytes")
+            else ""
+        )
         + (f"\nnote: {note}" if note else "")
     )
 
@@ -170,14 +249,17 @@ def memory_note(report: dict[str, Any]) -> Optional[str]:
     written before 2026-12-02 carries the note's text itself."""
     growth = report.get("memory_growth")
     if growth and growth.get("cause") == "bitsandbytes-cpu-qlora":
-        return ("on CPU, QLoRA's process memory grows during the run (bitsandbytes' CPU path; measured: about "
-                f"{growth['factor']:g}x the peak of the first steps, where this smoke test measured): allow for it in "
-                "--memory-limit")
+        return (
+            "on CPU, QLoRA's process memory grows during the run (bitsandbytes' CPU path; measured: about "
+            f"{growth['factor']:g}x the peak of the first steps, where this smoke test measured): allow for it in "
+            "--memory-limit"
+        )
     return report.get("memory_note")
 
 
 # ---------------------------------------------------------------------------------------------
 # Several runs
+
 
 def format_runs(rows: list[dict[str, Any]]) -> str:
     """`ftrun status` with several runs under ./runs: one line each."""
@@ -195,12 +277,15 @@ def format_runs(rows: list[dict[str, Any]]) -> str:
 # ---------------------------------------------------------------------------------------------
 # The end of a run
 
+
 def format_background_start(run_dir: Path, pid: int, resume: str) -> str:
     """What the launch prints when the training goes to the background."""
-    return (f"training started in the background (pid {pid}); it keeps running after you log out.\n"
-            f"  watch:  ftrun status {run_dir}   |   ftrun logs -f {run_dir}\n"
-            f"  stop:   ftrun stop {run_dir}      (saves a checkpoint first)\n"
-            f"  resume: {resume}   (after a crash or on a new box)")
+    return (
+        f"training started in the background (pid {pid}); it keeps running after you log out.\n"
+        f"  watch:  ftrun status {run_dir}   |   ftrun logs -f {run_dir}\n"
+        f"  stop:   ftrun stop {run_dir}      (saves a checkpoint first)\n"
+        f"  resume: {resume}   (after a crash or on a new box)"
+    )
 
 
 def ending_reason(e: dict[str, Any]) -> str:
@@ -208,11 +293,16 @@ def ending_reason(e: dict[str, Any]) -> str:
     head = "stopped by `ftrun stop`" if e["by"] == "stop" else f"preempted ({e['signal']})"
     resume = f"run `{e['resume_command']}`" if e.get("resume_command") else "run the same command"
     if e.get("after_training"):  # nothing left to train: the resume lands at the end and does the rest
-        return (f"{head} after training: the final result and its checkpoint ({e.get('checkpoint')}) are saved; "
-                f"not done yet: {', then '.join(e.get('left') or ['the end of the run'])}; {resume} to finish "
-                "(no step is trained again)")
-    where = (f" at step {e['step']} after a checkpoint ({e['checkpoint']})" if e.get("checkpoint")
-             else f" at step {e['step']}" + (" after a checkpoint" if e["saved"] else ""))
+        return (
+            f"{head} after training: the final result and its checkpoint ({e.get('checkpoint')}) are saved; "
+            f"not done yet: {', then '.join(e.get('left') or ['the end of the run'])}; {resume} to finish "
+            "(no step is trained again)"
+        )
+    where = (
+        f" at step {e['step']} after a checkpoint ({e['checkpoint']})"
+        if e.get("checkpoint")
+        else f" at step {e['step']}" + (" after a checkpoint" if e["saved"] else "")
+    )
     late = "" if e["saved"] else f"; the worker did not finish its checkpoint within {e['grace_seconds']:g}s"
     return head + where + late + "; " + resume + " to resume"
 
@@ -225,8 +315,10 @@ SIZE_COVERS = {"adapter": "weights file", "merged": "folder", "model": "folder",
 def export_outputs(outputs: dict[str, Any]) -> str:
     """The export's outputs with their sizes, each saying what it counts: "adapter 1.2 MB weights file, merged 2.1 GB
     folder" (the supervisor stores it in state.json's export, `ftrun status` shows it)."""
-    return ", ".join(f"{k} {v.get('size', '')}" + (f" {SIZE_COVERS[k]}" if k in SIZE_COVERS and v.get("size") else "")
-                     for k, v in outputs.items())
+    return ", ".join(
+        f"{k} {v.get('size', '')}" + (f" {SIZE_COVERS[k]}" if k in SIZE_COVERS and v.get("size") else "")
+        for k, v in outputs.items()
+    )
 
 
 def preference_accuracy(accuracy: Optional[float], margin: Optional[float]) -> str:
@@ -240,14 +332,19 @@ def preference_accuracy(accuracy: Optional[float], margin: Optional[float]) -> s
 def stop_waits_for(p: dict[str, Any], grace_seconds: float) -> str:
     """What `ftrun stop` waits for, said before it waits (launcher/run/control.py `_phase`)."""
     if p["phase"] == "export":
-        return ("training is complete and the export is running: ending the export; the trained result stays, "
-                "and `ftrun export` makes the export later")
+        return (
+            "training is complete and the export is running: ending the export; the trained result stays, "
+            "and `ftrun export` makes the export later"
+        )
     if p["phase"] == "after training":
-        return (f"training is complete (step {p.get('step')}): the worker saves the final result and its checkpoint "
-                "if still saving them, then ends before the rest of the samples and the task evaluation (answers "
-                "kept); the same command finishes them")
-    return (f"asking the worker to save a checkpoint at the end of its step, then stop (it has up to "
-            f"{grace_seconds:g} s)")
+        return (
+            f"training is complete (step {p.get('step')}): the worker saves the final result and its checkpoint "
+            "if still saving them, then ends before the rest of the samples and the task evaluation (answers "
+            "kept); the same command finishes them"
+        )
+    return (
+        f"asking the worker to save a checkpoint at the end of its step, then stop (it has up to {grace_seconds:g} s)"
+    )
 
 
 # the stop's outcome when the run ended stopped but left work for the resume (stop_outcome): the summary follows
@@ -260,7 +357,7 @@ def stop_outcome(state: dict[str, Any]) -> str:
     if name == "stopped" and (state.get("ending") or {}).get("after_training"):
         return "stopped after training: " + state.get("reason", "")
     if name == "trained-not-exported":
-        return (f"stopped during the export: training is complete and its result verified; {state.get('reason', '')}")
+        return f"stopped during the export: training is complete and its result verified; {state.get('reason', '')}"
     if name in ("succeeded", "failed"):
         return f"the run ended {name} before the stop took effect: {state.get('reason', '')}"
     return "stopped"
@@ -268,14 +365,24 @@ def stop_outcome(state: dict[str, Any]) -> str:
 
 def host_oom_reason(e: dict[str, Any]) -> str:
     """Why a run failed when the kernel OOM-killed its worker, from the supervisor's facts (state.json "ending")."""
-    box = (f"the container's limit of {e['limit_gb']:g} GB" if e.get("limit_gb")
-           else f"this box's {e['ram_gb']:.0f} GB" if e.get("ram_gb") else "this box's RAM")
-    need = (f"the plan expected {e['ram_needed_gb']:g} GB of RAM while loading" if e.get("ram_needed_gb")
-            else "the plan counted no RAM beyond the weights' own files while loading")
-    return (f"out of host memory: the kernel killed {e['oom_kills']} process(es) of the run for RAM near step "
-            f"{e['step']} (cgroup OOM kill); {need}, against {box}. Not restarted: a restart loads into the same RAM. "
-            "Rent a box with more RAM (`ftrun plan --gpus ...` names what a job needs), raise the container's memory "
-            "limit (docker run --memory), or make the job smaller (fewer processes, a smaller model)")
+    box = (
+        f"the container's limit of {e['limit_gb']:g} GB"
+        if e.get("limit_gb")
+        else f"this box's {e['ram_gb']:.0f} GB"
+        if e.get("ram_gb")
+        else "this box's RAM"
+    )
+    need = (
+        f"the plan expected {e['ram_needed_gb']:g} GB of RAM while loading"
+        if e.get("ram_needed_gb")
+        else "the plan counted no RAM beyond the weights' own files while loading"
+    )
+    return (
+        f"out of host memory: the kernel killed {e['oom_kills']} process(es) of the run for RAM near step "
+        f"{e['step']} (cgroup OOM kill); {need}, against {box}. Not restarted: a restart loads into the same RAM. "
+        "Rent a box with more RAM (`ftrun plan --gpus ...` names what a job needs), raise the container's memory "
+        "limit (docker run --memory), or make the job smaller (fewer processes, a smaller model)"
+    )
 
 
 def _short_seconds(seconds: Optional[float]) -> str:
@@ -300,8 +407,10 @@ def rank_end_text(e: dict[str, Any]) -> str:
             who, at = f"all {len(behind)} ranks", f" since step {step}" if step is not None else ""
         elif len(behind) > 1:
             who = "ranks " + ", ".join(str(r) for r in behind)
-        return (f"{who} silent for {format_duration(e.get('silent_seconds'))}{at} "
-                f"({PHASES.get(e.get('phase'), e.get('phase'))}; expected {_short_seconds(e.get('expected_seconds'))})")
+        return (
+            f"{who} silent for {format_duration(e.get('silent_seconds'))}{at} "
+            f"({PHASES.get(e.get('phase'), e.get('phase'))}; expected {_short_seconds(e.get('expected_seconds'))})"
+        )
     if kind == "signal":
         return f"{who} was killed by {e.get('signal')}{at} (an interruption from outside, not a crash)"
     if kind == "stopped":
@@ -315,51 +424,79 @@ def rank_end_text(e: dict[str, Any]) -> str:
 
 
 def restarted_reason(e: dict[str, Any], used: int, limit: int, delay: float) -> str:
-    return (f"{rank_end_text(e)}; restarted from the newest verified checkpoint in {delay:g}s "
-            f"(restart {used} of max_restarts={limit} per hour)")
+    return (
+        f"{rank_end_text(e)}; restarted from the newest verified checkpoint in {delay:g}s "
+        f"(restart {used} of max_restarts={limit} per hour)"
+    )
 
 
 def repeated_crash_reason(e: dict[str, Any]) -> str:
-    return f"{rank_end_text(e)}, the same error at the same step as the attempt before; not restarting a crash that repeats"
+    return (
+        f"{rank_end_text(e)}, the same error at the same step as the attempt before; "
+        "not restarting a crash that repeats"
+    )
 
 
 def restart_budget_reason(e: dict[str, Any], used: int, limit: int) -> str:
-    return (f"{rank_end_text(e)}; not restarted: {used} restart(s) in the last hour, the limit (max_restarts={limit} "
-            "per hour); run the same command to resume from the newest verified checkpoint")
+    return (
+        f"{rank_end_text(e)}; not restarted: {used} restart(s) in the last hour, the limit (max_restarts={limit} "
+        "per hour); run the same command to resume from the newest verified checkpoint"
+    )
 
 
 def ranks_left_reason(e: dict[str, Any], left: list[dict[str, Any]], waited_s: float) -> str:
     """Why a run stopped instead of restarting: processes of the ended attempt outlived it (supervisor.py
     _ranks_left: pid, process state, and RANK, LOCAL_RANK, CUDA_VISIBLE_DEVICES, GPU where readable)."""
+
     def one(r: dict[str, Any]) -> str:
         said = [f"rank {r['rank']}"] if r.get("rank") is not None else []
-        said.append(f"GPU {r['gpu']}: LOCAL_RANK={r.get('local_rank', 'unset')}, CUDA_VISIBLE_DEVICES="
-                    f"{r.get('cuda_visible_devices', 'unset')}" if r.get("gpu") is not None
-                    else "its GPU unknown: no LOCAL_RANK or CUDA_VISIBLE_DEVICES readable in its environment")
+        said.append(
+            f"GPU {r['gpu']}: LOCAL_RANK={r.get('local_rank', 'unset')}, CUDA_VISIBLE_DEVICES="
+            f"{r.get('cuda_visible_devices', 'unset')}"
+            if r.get("gpu") is not None
+            else "its GPU unknown: no LOCAL_RANK or CUDA_VISIBLE_DEVICES readable in its environment"
+        )
         return f"pid {r['pid']} ({', '.join(said)}) in state {r.get('process_state', 'unknown')}"
 
     stuck = any(r.get("process_state") == "disk-sleep" for r in left)
-    return (f"{rank_end_text(e)}; not restarted: {len(left)} process(es) of that attempt still alive "
-            f"{waited_s:.0f} s after it ended: " + "; ".join(one(r) for r in left) + ". "
-            + ("disk-sleep is uninterruptible sleep in the kernel, most often inside the GPU driver: SIGKILL cannot "
-               "end it until the driver returns, " if stuck else "")
-            + "while it lives it keeps its GPU memory, so a new attempt would run out of memory while loading. Look "
-            "at the GPU with `nvidia-smi` (and `dmesg` for the driver's Xid errors); once the process is gone (one "
-            "stuck in the driver often needs `nvidia-smi --gpu-reset` or a reboot), run the same command to resume "
-            "from the newest verified checkpoint")
+    return (
+        f"{rank_end_text(e)}; not restarted: {len(left)} process(es) of that attempt still alive "
+        f"{waited_s:.0f} s after it ended: "
+        + "; ".join(one(r) for r in left)
+        + ". "
+        + (
+            "disk-sleep is uninterruptible sleep in the kernel, most often inside the GPU driver: SIGKILL cannot "
+            "end it until the driver returns, "
+            if stuck
+            else ""
+        )
+        + "while it lives it keeps its GPU memory, so a new attempt would run out of memory while loading. Look "
+        "at the GPU with `nvidia-smi` (and `dmesg` for the driver's Xid errors); once the process is gone (one "
+        "stuck in the driver often needs `nvidia-smi --gpu-reset` or a reboot), run the same command to resume "
+        "from the newest verified checkpoint"
+    )
 
 
 def heartbeat_lines(rows: list[dict[str, Any]]) -> list[str]:
     """The watchdog's view while a multi-process run trains: each rank's last heartbeat."""
     from launcher.store.heartbeat_files import PHASES
 
-    return [f"  rank {r['rank']}: step {r['step']}, {PHASES.get(r['phase'], r['phase'])}, heartbeat "
-            f"{format_duration(r['seconds_ago'])} ago" for r in rows]
+    return [
+        f"  rank {r['rank']}: step {r['step']}, {PHASES.get(r['phase'], r['phase'])}, heartbeat "
+        f"{format_duration(r['seconds_ago'])} ago"
+        for r in rows
+    ]
 
 
 # How the end of a run is headed, for every state that ends one (store/state.py ENDED; tests/test_tables.py).
-ENDING = {"succeeded": "finished", "trained-not-exported": "finished (its export failed)", "stopped": "stopped",
-          "preempted": "preempted", "failed": "FAILED", "failed-smoke": "smoke test FAILED"}
+ENDING = {
+    "succeeded": "finished",
+    "trained-not-exported": "finished (its export failed)",
+    "stopped": "stopped",
+    "preempted": "preempted",
+    "failed": "FAILED",
+    "failed-smoke": "smoke test FAILED",
+}
 
 
 def _summary_says_reason(s: dict[str, Any]) -> bool:
@@ -382,38 +519,59 @@ def format_end_summary(e: dict[str, Any]) -> str:
     if _summary_says_reason(e) and e.get("reason"):
         lines.append(f"  {e['reason']}")
     if e.get("loss_first") is not None:
-        lines.append(f"  loss      {e['loss_first']:.4f} (step {e['loss_first_step']}) -> {e['loss_last']:.4f} "
-                     f"(step {e['loss_last_step']})")
+        lines.append(
+            f"  loss      {e['loss_first']:.4f} (step {e['loss_first_step']}) -> {e['loss_last']:.4f} "
+            f"(step {e['loss_last_step']})"
+        )
     if e.get("eval_loss_first") is not None:
         lines.append(f"  eval loss {e['eval_loss_first']:.4f} -> {e['eval_loss_last']:.4f}")
     pref = e.get("preference")
     if pref:
-        lines.append(f"  rewards   held-out margin {pref['margin_first']:.3f} (step {pref['step_first']}) -> "
-                     f"{pref['margin_last']:.3f} (step {pref['step_last']}); preference accuracy "
-                     f"{preference_accuracy(pref['accuracy_first'], pref['margin_first'])} -> "
-                     f"{preference_accuracy(pref['accuracy_last'], pref['margin_last'])}")
+        lines.append(
+            f"  rewards   held-out margin {pref['margin_first']:.3f} (step {pref['step_first']}) -> "
+            f"{pref['margin_last']:.3f} (step {pref['step_last']}); preference accuracy "
+            f"{preference_accuracy(pref['accuracy_first'], pref['margin_first'])} -> "
+            f"{preference_accuracy(pref['accuracy_last'], pref['margin_last'])}"
+        )
         if pref.get("chosen_first") is not None and pref.get("chosen_last") is not None:
             fell = pref["chosen_last"] < pref["chosen_first"]
-            lines.append(f"            chosen answers' reward {pref['chosen_first']:.3f} -> {pref['chosen_last']:.3f}, "
-                         f"rejected {pref['rejected_first'] or 0:.3f} -> {pref['rejected_last'] or 0:.3f}"
-                         + ("; the chosen answers fell too: less likely than under the reference (lower "
-                            "preference.beta or the learning rate if the task score fell)" if fell else ""))
+            lines.append(
+                f"            chosen answers' reward {pref['chosen_first']:.3f} -> {pref['chosen_last']:.3f}, "
+                f"rejected {pref['rejected_first'] or 0:.3f} -> {pref['rejected_last'] or 0:.3f}"
+                + (
+                    "; the chosen answers fell too: less likely than under the reference (lower "
+                    "preference.beta or the learning rate if the task score fell)"
+                    if fell
+                    else ""
+                )
+            )
     if e.get("tokens"):
         # the count logged with the last loss: short of the run's own where the last step logged none (logging_steps)
         logged = e.get("loss_last_step")
-        lines.append(f"  tokens    {e['tokens']:,}"
-                     + (f" (by step {logged}, the last logged one)" if logged and logged < (e.get("step") or 0) else ""))
+        lines.append(
+            f"  tokens    {e['tokens']:,}"
+            + (f" (by step {logged}, the last logged one)" if logged and logged < (e.get("step") or 0) else "")
+        )
     if e.get("wall_seconds"):
         fc, what = e.get("forecast_seconds"), ""
         step, total = e.get("step") or 0, e.get("total_steps") or 0
         if fc and total and step < total:
             # a run that ended early is compared with the forecast for the steps it ran, not the whole run's
             fc, what = (fc * step / total if step else None), f" for {step} of {total} steps"
-        lines.append(f"  time      {format_duration(e['wall_seconds'])} running"
-                     + (f" (the {e['forecast_source']} forecast{what} {format_duration(fc)}, "
-                        f"{(e['wall_seconds'] - fc) / fc:+.0%})" if fc else "")
-                     + (f"; {format_duration(e['box_seconds'])} on the box with the smoke test"
-                        if (e.get("box_seconds") or 0) > e["wall_seconds"] + 1 else ""))
+        lines.append(
+            f"  time      {format_duration(e['wall_seconds'])} running"
+            + (
+                f" (the {e['forecast_source']} forecast{what} {format_duration(fc)}, "
+                f"{(e['wall_seconds'] - fc) / fc:+.0%})"
+                if fc
+                else ""
+            )
+            + (
+                f"; {format_duration(e['box_seconds'])} on the box with the smoke test"
+                if (e.get("box_seconds") or 0) > e["wall_seconds"] + 1
+                else ""
+            )
+        )
     if e.get("price_per_hour_eur") is not None and e.get("cost_eur") is not None:
         lines.append(f"  cost      {e['cost_eur']:.2f} EUR at {e['price_per_hour_eur']:.2f} EUR/h (the box time above)")
     if e.get("result"):
@@ -460,11 +618,15 @@ def task_verdict(t: dict[str, Any]) -> str:
 def task_rows(t: dict[str, Any]) -> list[tuple[str, float, Optional[float]]]:
     """(label, score, generation tokens/s) for each score stored: the base model's two, fine-tuned, each export."""
     scores, speed = t.get("scores") or {}, t.get("generation") or {}
-    order = [n for n in (*BASE_SCORES, FINE_TUNED) if n in scores] \
-        + [n for n in scores if n not in (*BASE_SCORES, FINE_TUNED)]
+    order = [n for n in (*BASE_SCORES, FINE_TUNED) if n in scores] + [
+        n for n in scores if n not in (*BASE_SCORES, FINE_TUNED)
+    ]
     start = start_name(t)  # init_from: the parent adapter, where the run starts
-    return [(task_label(n, t.get("shots"), start), scores[n], (speed.get(n) or {}).get("tokens_per_s"))
-            for n in order if scores[n] is not None]
+    return [
+        (task_label(n, t.get("shots"), start), scores[n], (speed.get(n) or {}).get("tokens_per_s"))
+        for n in order
+        if scores[n] is not None
+    ]
 
 
 def format_task_eval(t: dict[str, Any]) -> str:
@@ -475,28 +637,35 @@ def format_task_eval(t: dict[str, Any]) -> str:
         return f"  task      {verdict}"
     metric = t.get("metric")
     word = task_metrics.word(metric)
-    lines = [f"  task      {t.get('examples')} held-out examples, scored by {metric}"
-             + (f" ({word})" if word != metric else "") + (f": {t['metric_reason']}" if t.get("metric_reason") else "")]
+    lines = [
+        f"  task      {t.get('examples')} held-out examples, scored by {metric}"
+        + (f" ({word})" if word != metric else "")
+        + (f": {t['metric_reason']}" if t.get("metric_reason") else "")
+    ]
     if t.get("starting_point"):
         lines.append(f"            (the parent adapter rows: {t['starting_point']}, where this run starts)")
     cap = t.get("capped")
     if cap:  # the answers are cut by a setting before they can be as long as the references
-        lines.append(f"            answers cut at {cap['max_new_tokens']} new tokens ({cap['key']}) while the longest "
-                     f"reference runs to about {cap['reference_tokens']} tokens: the scores are capped by that "
-                     f"setting; eval.task.max_new_tokens: {cap['reference_tokens']} lets the answers finish")
+        lines.append(
+            f"            answers cut at {cap['max_new_tokens']} new tokens ({cap['key']}) while the longest "
+            f"reference runs to about {cap['reference_tokens']} tokens: the scores are capped by that "
+            f"setting; eval.task.max_new_tokens: {cap['reference_tokens']} lets the answers finish"
+        )
     rows = task_rows(t)
     width = max([len(label) for label, _, _ in rows] + [10])
     for label, score, tps in rows:
-        lines.append(f"            {label:<{width}}  {pct(score):>5}"
-                     + (f"   ({tps:,.0f} tokens/s generated)" if tps else ""))
+        lines.append(
+            f"            {label:<{width}}  {pct(score):>5}" + (f"   ({tps:,.0f} tokens/s generated)" if tps else "")
+        )
     scores = t.get("scores") or {}
     base, who = base_score(t)
     diff = difference(t)
     if diff is not None:
         # the difference of the two percents shown, as a reader subtracts them (5% against 8%: -3, not -3.5 -> -4),
         # and whether it is more than the n examples can tell apart
-        lines.append(f"  gain      fine-tuned {pct(scores[FINE_TUNED])} against {pct(base)} for the {who} "
-                     f"({noise_words(diff)})")
+        lines.append(
+            f"  gain      fine-tuned {pct(scores[FINE_TUNED])} against {pct(base)} for the {who} ({noise_words(diff)})"
+        )
     lines.append(f"  verdict   {verdict}")
     return "\n".join(lines)
 
@@ -510,5 +679,9 @@ def baseline_failed(code: Optional[int], last: str, launching: bool) -> str:
     """One line: the base model could not be scored (the worker's exit code and last line); the launch goes on."""
     how = f"its worker exited with code {code}" if code is not None else "it could not run"
     said = worker_line(last)
-    return (f"task evaluation: the base model was not scored ({how}" + (f": {said}" if said else "") + ")"
-            + ("; the launch goes on without the verdict (`ftrun baseline RECIPE` tries again)" if launching else ""))
+    return (
+        f"task evaluation: the base model was not scored ({how}"
+        + (f": {said}" if said else "")
+        + ")"
+        + ("; the launch goes on without the verdict (`ftrun baseline RECIPE` tries again)" if launching else "")
+    )

@@ -23,9 +23,15 @@ def local_ranks(plan: Mapping[str, Any]) -> list[int]:
     return list(range(node * n, node * n + n))
 
 
-def silent_rank(beats: Mapping[int, Mapping[str, Any]], ranks: Iterable[int], launched_at: float, now: float,
-                expected: Mapping[str, Optional[float]], floor: float,
-                process_state: Callable[[int], Optional[str]] = lambda pid: None) -> Optional[dict[str, Any]]:
+def silent_rank(
+    beats: Mapping[int, Mapping[str, Any]],
+    ranks: Iterable[int],
+    launched_at: float,
+    now: float,
+    expected: Mapping[str, Optional[float]],
+    floor: float,
+    process_state: Callable[[int], Optional[str]] = lambda pid: None,
+) -> Optional[dict[str, Any]]:
     """The facts of the rank to blame when any rank is silent past its deadline, else None.
 
     A rank without a heartbeat yet counts as starting since the launch. When one rank is overdue, every rank
@@ -45,20 +51,39 @@ def silent_rank(beats: Mapping[int, Mapping[str, Any]], ranks: Iterable[int], la
         silent, limit = now - since, phase_deadline(phase, expected, floor)
         if silent > limit / 2:
             state = process_state(int(beat["pid"])) if beat.get("pid") else None
-            suspects.append({"rank": rank, "silent_seconds": round(silent, 1), "step": int(beat.get("step") or 0),
-                             "phase": phase, "expected_seconds": expected.get(phase), "deadline_seconds": round(limit, 1),
-                             **({"process_state": state} if state else {})})
+            suspects.append(
+                {
+                    "rank": rank,
+                    "silent_seconds": round(silent, 1),
+                    "step": int(beat.get("step") or 0),
+                    "phase": phase,
+                    "expected_seconds": expected.get(phase),
+                    "deadline_seconds": round(limit, 1),
+                    **({"process_state": state} if state else {}),
+                }
+            )
             overdue = overdue or silent > limit
     if not overdue:
         return None
     blamed = min(suspects, key=lambda s: (s.get("process_state") not in STUCK_STATES, s["step"], -s["silent_seconds"]))
     stuck = [s["rank"] for s in suspects if s.get("process_state") in STUCK_STATES]
     behind = stuck or [s["rank"] for s in suspects if s["step"] == blamed["step"]]
-    return {**blamed, "silent_ranks": [s["rank"] for s in suspects], "behind": behind,
-            "all_silent": not stuck and watched > 1 and len(behind) == watched}
+    return {
+        **blamed,
+        "silent_ranks": [s["rank"] for s in suspects],
+        "behind": behind,
+        "all_silent": not stuck and watched > 1 and len(behind) == watched,
+    }
 
 
 def heartbeat_rows(beats: Mapping[int, Mapping[str, Any]], now: float) -> list[dict[str, Any]]:
     """Each rank's last heartbeat for `ftrun status`: rank, step, phase, seconds since."""
-    return [{"rank": rank, "step": int(b.get("step") or 0), "phase": b.get("phase"),
-             "seconds_ago": round(max(0.0, now - float(b.get("time") or now)), 1)} for rank, b in sorted(beats.items())]
+    return [
+        {
+            "rank": rank,
+            "step": int(b.get("step") or 0),
+            "phase": b.get("phase"),
+            "seconds_ago": round(max(0.0, now - float(b.get("time") or now)), 1),
+        }
+        for rank, b in sorted(beats.items())
+    ]

@@ -54,8 +54,9 @@ def cached(model: str) -> Optional[str]:
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        path = snapshot_download(model, allow_patterns=ALLOW + [PYTORCH_BIN], ignore_patterns=IGNORE,
-                                 local_files_only=True)
+        path = snapshot_download(
+            model, allow_patterns=ALLOW + [PYTORCH_BIN], ignore_patterns=IGNORE, local_files_only=True
+        )
     except LocalEntryNotFoundError:  # not cached, or cached in part (IncompleteSnapshotError is a subclass)
         return None
     # snapshot_download knows a snapshot is partial only from a cached file listing; files fetched one by one
@@ -77,8 +78,9 @@ def _has_weights(snapshot: Path) -> bool:
 
 
 def _unavailable(model: str, why: str, fix: str) -> ModelError:
-    return ModelError(f"the model '{model}' is not on this box and cannot be downloaded: {why}; nothing was started",
-                      fix=fix)
+    return ModelError(
+        f"the model '{model}' is not on this box and cannot be downloaded: {why}; nothing was started", fix=fix
+    )
 
 
 def check(model: str) -> dict[str, Any]:
@@ -91,10 +93,12 @@ def check(model: str) -> dict[str, Any]:
     if path:
         return {"source": "cache", "path": path, "bytes": 0}
     if _offline():
-        raise _unavailable(model, "it is not in the Hugging Face cache and the network is off "
-                           "(HF_HUB_OFFLINE / FTRUN_OFFLINE)",
-                           f"download it while online (`hf download {model}`), unset HF_HUB_OFFLINE, or "
-                           "set `model` to a local folder that holds it.")
+        raise _unavailable(
+            model,
+            "it is not in the Hugging Face cache and the network is off (HF_HUB_OFFLINE / FTRUN_OFFLINE)",
+            f"download it while online (`hf download {model}`), unset HF_HUB_OFFLINE, or "
+            "set `model` to a local folder that holds it.",
+        )
     from huggingface_hub import HfApi
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
 
@@ -104,31 +108,57 @@ def check(model: str) -> dict[str, Any]:
         api.auth_check(model)  # GatedRepoError before RepositoryNotFoundError: it subclasses it
         info = api.model_info(model, files_metadata=True)
     except GatedRepoError:
-        raise _unavailable(model, "it is gated: its licence must be accepted on the Hub" +
-                           (", and the token in HF_TOKEN has no access yet" if token_set else " and a token given"),
-                           f"accept the licence on the model's page (https://huggingface.co/{model}), then "
-                           + ("wait for the approval and retry." if token_set else
-                              "set HF_TOKEN to a token of that account (`export HF_TOKEN=hf_...`).")) from None
+        raise _unavailable(
+            model,
+            "it is gated: its licence must be accepted on the Hub"
+            + (", and the token in HF_TOKEN has no access yet" if token_set else " and a token given"),
+            f"accept the licence on the model's page (https://huggingface.co/{model}), then "
+            + (
+                "wait for the approval and retry."
+                if token_set
+                else "set HF_TOKEN to a token of that account (`export HF_TOKEN=hf_...`)."
+            ),
+        ) from None
     except RepositoryNotFoundError:
-        raise _unavailable(model, "the Hub has no such model" + ("" if token_set else " (or it is private)"),
-                           "check the spelling (organisation/name, as on its Hub page)"
-                           + ("; for a private model, check that HF_TOKEN's account can read it." if token_set else
-                              "; for a private model, set HF_TOKEN.")) from None
+        raise _unavailable(
+            model,
+            "the Hub has no such model" + ("" if token_set else " (or it is private)"),
+            "check the spelling (organisation/name, as on its Hub page)"
+            + (
+                "; for a private model, check that HF_TOKEN's account can read it."
+                if token_set
+                else "; for a private model, set HF_TOKEN."
+            ),
+        ) from None
     except HfHubHTTPError as exc:
         status = exc.response.status_code if exc.response is not None else None
         if status == 401:
-            raise _unavailable(model, "the Hub refused the token in HF_TOKEN (401)",
-                               "set HF_TOKEN to a valid token (https://huggingface.co/settings/tokens).") from None
-        raise _unavailable(model, f"the Hub answered {status}: {str(exc).splitlines()[0]}",
-                           "retry in a few minutes, or download it elsewhere and set `model` to the folder.") from None
+            raise _unavailable(
+                model,
+                "the Hub refused the token in HF_TOKEN (401)",
+                "set HF_TOKEN to a valid token (https://huggingface.co/settings/tokens).",
+            ) from None
+        raise _unavailable(
+            model,
+            f"the Hub answered {status}: {str(exc).splitlines()[0]}",
+            "retry in a few minutes, or download it elsewhere and set `model` to the folder.",
+        ) from None
     except Exception as exc:  # noqa: BLE001 - only the Hub client runs here: whatever it raises, the Hub was not had
-        raise _unavailable(model, f"the Hub could not be reached ({type(exc).__name__}: {exc})",
-                           "check the network (or HF_ENDPOINT), or download the model elsewhere and set `model` "
-                           "to a local folder that holds it.") from None
+        raise _unavailable(
+            model,
+            f"the Hub could not be reached ({type(exc).__name__}: {exc})",
+            "check the network (or HF_ENDPOINT), or download the model elsewhere and set `model` "
+            "to a local folder that holds it.",
+        ) from None
     files = _wanted([(s.rfilename, s.size or 0) for s in info.siblings or []])
-    return {"source": "hub", "sha": info.sha, "files": len(files), "bytes": sum(size for _, size in files),
-            "allow": _allow([name for name, _ in files]),
-            "tokenizer_files": [name for name, _ in files if name in TOKENIZER_FILES]}
+    return {
+        "source": "hub",
+        "sha": info.sha,
+        "files": len(files),
+        "bytes": sum(size for _, size in files),
+        "allow": _allow([name for name, _ in files]),
+        "tokenizer_files": [name for name, _ in files if name in TOKENIZER_FILES],
+    }
 
 
 # What the data check reads (launcher/data/dataset.py _renderer): the tokenizer and the chat template, a few MB at most
@@ -149,9 +179,11 @@ def fetch_tokenizer(model: str, found: dict[str, Any]) -> Optional[str]:
         try:
             hf_hub_download(model, name, endpoint=_endpoint())
         except Exception as exc:  # noqa: BLE001 - the Hub answered check() a moment ago: not a reason to stop
-            return (f"{model}'s {name} could not be fetched before the data check ({type(exc).__name__}: {exc}); "
-                    "the data check estimates tokens from characters and cannot check how the chat template "
-                    "renders tool calls and reasoning")
+            return (
+                f"{model}'s {name} could not be fetched before the data check ({type(exc).__name__}: {exc}); "
+                "the data check estimates tokens from characters and cannot check how the chat template "
+                "renders tool calls and reasoning"
+            )
     return None
 
 
@@ -220,9 +252,17 @@ def fetch(model: str, found: dict[str, Any], say: Callable[[str], None], every: 
     say(f"downloading {model}: {found['files']} files, {format_bytes(found['bytes'])} into the Hugging Face cache")
     meter = _Meter(model, found["bytes"], say, every)
     t0 = time.monotonic()
-    snapshot_download(model, allow_patterns=found["allow"], ignore_patterns=IGNORE,
-                      endpoint=_endpoint(), tqdm_class=_bar_class(meter, sys.stderr.isatty()))
+    snapshot_download(
+        model,
+        allow_patterns=found["allow"],
+        ignore_patterns=IGNORE,
+        endpoint=_endpoint(),
+        tqdm_class=_bar_class(meter, sys.stderr.isatty()),
+    )
     seconds = time.monotonic() - t0
     say(meter.line(final=True))
-    return {"model_source": "hub", "download_bytes": int(meter.done or found["bytes"]),
-            "download_seconds": round(seconds, 2)}
+    return {
+        "model_source": "hub",
+        "download_bytes": int(meter.done or found["bytes"]),
+        "download_seconds": round(seconds, 2),
+    }

@@ -125,8 +125,11 @@ def write_manifest(ckpt: Path, step: int, meta: dict[str, Any], workers: Optiona
     # the weights as readable as the rest (safetensors writes them 0600, store/modes.py); a file system without
     # chmod leaves them as they are, which a resume by the same user does not mind
     apply_umask(ckpt)
-    paths = [p for p in sorted(ckpt.rglob("*"))
-             if p.is_file() and p.name != MANIFEST and not p.name.startswith(f".{MANIFEST}")]
+    paths = [
+        p
+        for p in sorted(ckpt.rglob("*"))
+        if p.is_file() and p.name != MANIFEST and not p.name.startswith(f".{MANIFEST}")
+    ]
     # each data file is fsynced before the manifest claims it
     digests = sha256_files(paths, workers, fsync=True)
     files = {p.relative_to(ckpt).as_posix(): {"size": p.stat().st_size, "sha256": d} for p, d in zip(paths, digests)}
@@ -166,8 +169,14 @@ class BackgroundManifest:
     def pending(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def start(self, ckpt: Path, step: int, meta: dict[str, Any], then: Optional[Callable[[], None]] = None,
-              workers: Optional[int] = None) -> None:
+    def start(
+        self,
+        ckpt: Path,
+        step: int,
+        meta: dict[str, Any],
+        then: Optional[Callable[[], None]] = None,
+        workers: Optional[int] = None,
+    ) -> None:
         """Hash `ckpt` and write its manifest in the background; `then` runs after the manifest (retention)."""
         if self.pending:
             raise RuntimeError("a checkpoint's manifest is still being written: wait() for it first")
@@ -179,8 +188,10 @@ class BackgroundManifest:
                 write_manifest(ckpt, step, meta, workers)
             except BaseException as exc:  # noqa: BLE001 - check() raises it in the owner, the folder stays incomplete
                 self.error, self.exception = f"{type(exc).__name__}: {exc}", exc
-                self.log(f"checkpoint {ckpt.name} not completed, its manifest could not be written ({self.error}); "
-                         "the folder is removed as incomplete at the next start")
+                self.log(
+                    f"checkpoint {ckpt.name} not completed, its manifest could not be written ({self.error}); "
+                    "the folder is removed as incomplete at the next start"
+                )
                 return
             self.seconds = time.monotonic() - t0
             if then is not None:
@@ -219,8 +230,9 @@ class Verified:
     manifest: dict[str, Any]
 
 
-def verify(ckpt: Path, expect: Optional[dict[str, Any]] = None,
-           workers: Optional[int] = None) -> tuple[Optional[Verified], str]:
+def verify(
+    ckpt: Path, expect: Optional[dict[str, Any]] = None, workers: Optional[int] = None
+) -> tuple[Optional[Verified], str]:
     """(Verified, "") when every file matches the manifest (and `expect`'s keys match), else (None, why)."""
     mpath = ckpt / MANIFEST
     if not mpath.is_file():
@@ -254,13 +266,14 @@ def candidates(ckpt_root: Path) -> list[Path]:
         return []
     found = []
     for p in ckpt_root.iterdir():
-        if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit():
-            found.append((int(p.name[len(PREFIX):]), p))
+        if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX) :].isdigit():
+            found.append((int(p.name[len(PREFIX) :]), p))
     return [p for _, p in sorted(found, reverse=True)]
 
 
-def newest_verified(ckpt_root: Path, expect: Optional[dict[str, Any]] = None,
-                    workers: Optional[int] = None) -> tuple[Optional[Verified], list[str]]:
+def newest_verified(
+    ckpt_root: Path, expect: Optional[dict[str, Any]] = None, workers: Optional[int] = None
+) -> tuple[Optional[Verified], list[str]]:
     """The newest checkpoint that verifies, and a line for each newer one skipped with its reason."""
     skipped = []
     for p in candidates(ckpt_root):
@@ -274,19 +287,32 @@ def newest_verified(ckpt_root: Path, expect: Optional[dict[str, Any]] = None,
 # ---------------------------------------------------------------------------------------
 # Verify once per disk: one process hashes, the others of the same launch take its choice.
 
+
 def publish_choice(path: Path, launch: dict[str, Any], found: Optional[Verified], skipped: list[str]) -> None:
     """Write the verifier's resume choice for the other processes of this launch (atomically)."""
-    atomic_write_json(path, {
-        "launch": launch, "written": time.time(),
-        "checkpoint": found.path.name if found else None, "step": found.step if found else None,
-        # the waiters check that the manifest they read is the one that was verified
-        "manifest_sha256": sha256_file(found.path / MANIFEST) if found else None,
-        "skipped": skipped,
-    })
+    atomic_write_json(
+        path,
+        {
+            "launch": launch,
+            "written": time.time(),
+            "checkpoint": found.path.name if found else None,
+            "step": found.step if found else None,
+            # the waiters check that the manifest they read is the one that was verified
+            "manifest_sha256": sha256_file(found.path / MANIFEST) if found else None,
+            "skipped": skipped,
+        },
+    )
 
 
-def await_choice(path: Path, ckpt_root: Path, launch: dict[str, Any], not_before: float, timeout: float,
-                 cancelled: Callable[[], bool] = lambda: False, poll: float = 0.2) -> Optional[Verified]:
+def await_choice(
+    path: Path,
+    ckpt_root: Path,
+    launch: dict[str, Any],
+    not_before: float,
+    timeout: float,
+    cancelled: Callable[[], bool] = lambda: False,
+    poll: float = 0.2,
+) -> Optional[Verified]:
     """The checkpoint the verifier of this launch chose (None: start fresh), without hashing the files again.
 
     A choice counts when it names this launch and was written after `not_before` (the launcher's start):
@@ -303,9 +329,11 @@ def await_choice(path: Path, ckpt_root: Path, launch: dict[str, Any], not_before
         if cancelled():
             raise ChoiceCancelled("stopped while waiting for the resume checkpoint to be verified")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"no resume choice in {path} after {timeout:.0f} s: the process that verifies the "
-                               "checkpoints on this disk (each node's local rank 0 when the run spans several nodes, "
-                               "else rank 0) did not finish; its log says why")
+            raise TimeoutError(
+                f"no resume choice in {path} after {timeout:.0f} s: the process that verifies the "
+                "checkpoints on this disk (each node's local rank 0 when the run spans several nodes, "
+                "else rank 0) did not finish; its log says why"
+            )
         time.sleep(poll)
     if choice["checkpoint"] is None:
         return None
@@ -332,7 +360,7 @@ def newest_step_unverified(ckpt_root: Path) -> Optional[int]:
     """The newest step with a manifest present, without hashing (cheap, for `ftrun status`)."""
     for p in candidates(ckpt_root):
         if (p / MANIFEST).is_file():
-            return int(p.name[len(PREFIX):])
+            return int(p.name[len(PREFIX) :])
     return None
 
 
@@ -342,7 +370,9 @@ def remove_incomplete(ckpt_root: Path) -> list[str]:
     if not ckpt_root.is_dir():
         return removed
     for p in ckpt_root.iterdir():
-        if p.is_dir() and (p.name.startswith("checkpoint-") or (p.name.startswith(PREFIX) and not (p / MANIFEST).is_file())):
+        if p.is_dir() and (
+            p.name.startswith("checkpoint-") or (p.name.startswith(PREFIX) and not (p / MANIFEST).is_file())
+        ):
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p.name)
     return removed

@@ -26,13 +26,35 @@ MODEL_WEIGHTS = "model.safetensors"
 MODEL_INDEX = "model.safetensors.index.json"
 
 # Bytes per element of the safetensors dtypes; packed 4-bit types are left out of the size check.
-_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8,
-             "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
+_ITEMSIZE = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U64": 8,
+    "U32": 4,
+    "U16": 2,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+}
 # A float is inf or NaN exactly when its exponent bits are all ones: (unsigned view, mask). Read this way,
 # bf16 needs no float conversion (numpy has no bf16). F8_E4M3 ("fn") has no inf; its NaN is every bit but the
 # sign set.
-_NON_FINITE = {"F64": ("<u8", 0x7FF0000000000000), "F32": ("<u4", 0x7F800000), "F16": ("<u2", 0x7C00),
-               "BF16": ("<u2", 0x7F80), "F8_E5M2": ("u1", 0x7C), "F8_E4M3": ("u1", 0x7F)}
+_NON_FINITE = {
+    "F64": ("<u8", 0x7FF0000000000000),
+    "F32": ("<u4", 0x7F800000),
+    "F16": ("<u2", 0x7C00),
+    "BF16": ("<u2", 0x7F80),
+    "F8_E5M2": ("u1", 0x7C),
+    "F8_E4M3": ("u1", 0x7F),
+}
 _CHUNK = 64 * 1024 * 1024  # bytes scanned at a time: memory stays flat whatever the model's size
 
 
@@ -71,8 +93,9 @@ def read_header(file: Path) -> dict[str, dict[str, Any]]:
             raise ArtifactError(f"{file.name} is truncated ({size} bytes, shorter than a safetensors header)")
         (n,) = struct.unpack("<Q", head)
         if n > size - 8:
-            raise ArtifactError(f"{file.name} is truncated: its header says {n:,} bytes of header, the file has "
-                                f"{size:,} bytes")
+            raise ArtifactError(
+                f"{file.name} is truncated: its header says {n:,} bytes of header, the file has {size:,} bytes"
+            )
         try:
             header = json.loads(fh.read(n))
         except ValueError:
@@ -92,13 +115,17 @@ def read_header(file: Path) -> dict[str, dict[str, Any]]:
             numel *= d
         item = _ITEMSIZE.get(t.get("dtype"))
         if item is not None and stop - begin != numel * item:
-            raise ArtifactError(f"{file.name}: tensor {name} {t.get('dtype')}{shape} should take {numel * item:,} "
-                                f"bytes, its offsets give {stop - begin:,}")
+            raise ArtifactError(
+                f"{file.name}: tensor {name} {t.get('dtype')}{shape} should take {numel * item:,} "
+                f"bytes, its offsets give {stop - begin:,}"
+            )
         end = max(end, stop)
     if size != 8 + n + end:
-        raise ArtifactError(f"{file.name} is truncated: {size:,} bytes, its header describes {8 + n + end:,}"
-                            if size < 8 + n + end else
-                            f"{file.name} has {size - 8 - n - end:,} bytes after its last tensor")
+        raise ArtifactError(
+            f"{file.name} is truncated: {size:,} bytes, its header describes {8 + n + end:,}"
+            if size < 8 + n + end
+            else f"{file.name} has {size - 8 - n - end:,} bytes after its last tensor"
+        )
     return header
 
 
@@ -152,6 +179,7 @@ def _all_zero(file: Path, header: dict[str, dict[str, Any]], names: list[str]) -
 
 # --- the base model's own weight names, where a copy is on this machine --------------------------------
 
+
 def base_weights(model: str) -> Optional[dict[str, list[int]]]:
     """{name: shape} of the base model's safetensors (a local folder or the Hugging Face cache), else None."""
     files: list[Path] = []
@@ -198,8 +226,9 @@ def _matches(module: str, targets: list[str]) -> bool:
     return any(module == t or module.endswith("." + t) for t in targets)
 
 
-def verify_adapter(folder: Path, target_modules: Union[str, list[str]],
-                   base: Optional[dict[str, list[int]]] = None) -> Verdict:
+def verify_adapter(
+    folder: Path, target_modules: Union[str, list[str]], base: Optional[dict[str, list[int]]] = None
+) -> Verdict:
     """adapter_config.json and adapter_model.safetensors: LoRA A/B pairs for every target module, ranks that
     agree, no empty or non-finite tensor, not the untrained initialisation; with the base model's weight names
     (`base`), every adapted module exists in the base and every targeted base module is adapted."""
@@ -208,9 +237,17 @@ def verify_adapter(folder: Path, target_modules: Union[str, list[str]],
     cfg_path = folder / ADAPTER_CONFIG
     if not cfg_path.is_file():
         present = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
-        return Verdict(False, f"{where}/{ADAPTER_CONFIG} is missing"
-                       + (f" ({where} holds only {', '.join(present)})" if present else
-                          f" ({where} does not exist)" if not folder.is_dir() else f" ({where} is empty)"))
+        return Verdict(
+            False,
+            f"{where}/{ADAPTER_CONFIG} is missing"
+            + (
+                f" ({where} holds only {', '.join(present)})"
+                if present
+                else f" ({where} does not exist)"
+                if not folder.is_dir()
+                else f" ({where} is empty)"
+            ),
+        )
     try:
         cfg = json.loads(cfg_path.read_text())
     except ValueError:
@@ -230,50 +267,77 @@ def verify_adapter(folder: Path, target_modules: Union[str, list[str]],
         if m:
             pairs.setdefault(m["module"], {})[m["ab"]] = list(t["shape"])
     if not pairs:
-        return Verdict(False, f"{where}/{ADAPTER_WEIGHTS} holds no LoRA tensors (lora_A/lora_B); its tensors: "
-                       + ", ".join(sorted(header)[:3]))
+        return Verdict(
+            False,
+            f"{where}/{ADAPTER_WEIGHTS} holds no LoRA tensors (lora_A/lora_B); its tensors: "
+            + ", ".join(sorted(header)[:3]),
+        )
     for module, ab in pairs.items():
         if set(ab) != {"A", "B"}:
             return Verdict(False, f"{where}/{ADAPTER_WEIGHTS}: {module} has lora_{''.join(ab)} without its pair")
         if len(ab["A"]) != 2 or len(ab["B"]) != 2 or ab["A"][0] != ab["B"][1]:
-            return Verdict(False, f"{where}/{ADAPTER_WEIGHTS}: {module} lora_A {ab['A']} and lora_B {ab['B']} "
-                           "do not share a rank")
+            return Verdict(
+                False, f"{where}/{ADAPTER_WEIGHTS}: {module} lora_A {ab['A']} and lora_B {ab['B']} do not share a rank"
+            )
     # "all-linear" is resolved by PEFT into the modules it adapted, recorded in the adapter's config
-    targets = list(target_modules) if isinstance(target_modules, (list, tuple)) else \
-        list(cfg.get("target_modules") or [])
+    targets = (
+        list(target_modules) if isinstance(target_modules, (list, tuple)) else list(cfg.get("target_modules") or [])
+    )
     missing = [t for t in targets if not any(_matches(m, [t]) for m in pairs)]
     if missing:
-        return Verdict(False, f"{where}/{ADAPTER_WEIGHTS} has no LoRA tensors for target module(s) "
-                       f"{', '.join(missing)} (it adapts {len(pairs)} module(s))")
+        return Verdict(
+            False,
+            f"{where}/{ADAPTER_WEIGHTS} has no LoRA tensors for target module(s) "
+            f"{', '.join(missing)} (it adapts {len(pairs)} module(s))",
+        )
     cross = "base model's weight names not found on this machine: not cross-checked"
     if base is not None:
-        names = {m[len(_PEFT_PREFIX):] if m.startswith(_PEFT_PREFIX) else m for m in pairs}
+        names = {m[len(_PEFT_PREFIX) :] if m.startswith(_PEFT_PREFIX) else m for m in pairs}
         unknown = sorted(n for n in names if f"{n}.weight" not in base)
-        targeted = {k[:-len(".weight")] for k in base if k.endswith(".weight") and not _EXPERTS.search(k)
-                    and _matches(k[:-len(".weight")], targets)}
+        targeted = {
+            k[: -len(".weight")]
+            for k in base
+            if k.endswith(".weight") and not _EXPERTS.search(k) and _matches(k[: -len(".weight")], targets)
+        }
         uncovered = sorted(targeted - names)
         if unknown:
-            return Verdict(False, f"{where}/{ADAPTER_WEIGHTS} adapts {len(unknown)} module(s) the base model does "
-                           f"not have, e.g. {unknown[0]}")
+            return Verdict(
+                False,
+                f"{where}/{ADAPTER_WEIGHTS} adapts {len(unknown)} module(s) the base model does "
+                f"not have, e.g. {unknown[0]}",
+            )
         if uncovered:
-            return Verdict(False, f"{where}/{ADAPTER_WEIGHTS} adapts {len(targeted) - len(uncovered)} of the base "
-                           f"model's {len(targeted)} target modules; missing e.g. {uncovered[0]}")
+            return Verdict(
+                False,
+                f"{where}/{ADAPTER_WEIGHTS} adapts {len(targeted) - len(uncovered)} of the base "
+                f"model's {len(targeted)} target modules; missing e.g. {uncovered[0]}",
+            )
         cross = f"all {len(targeted)} targeted modules of the base model adapted"
     bad = non_finite(folder / ADAPTER_WEIGHTS, header)
     if bad:
         return Verdict(False, f"{where}/{ADAPTER_WEIGHTS}: {len(bad)} tensor(s) hold inf/NaN, e.g. {bad[0]}")
     b_names = [f"{m}.lora_B.weight" for m in pairs]
     if _all_zero(folder / ADAPTER_WEIGHTS, header, b_names):
-        return Verdict(False, f"{where}/{ADAPTER_WEIGHTS}: every lora_B is zero, the untrained initialisation "
-                       "(the trained values were not saved)")
+        return Verdict(
+            False,
+            f"{where}/{ADAPTER_WEIGHTS}: every lora_B is zero, the untrained initialisation "
+            "(the trained values were not saved)",
+        )
     r = sorted({ab["A"][0] for ab in pairs.values()})
-    details = {"kind": ADAPTER, "path": str(folder), "lora_modules": len(pairs), "tensors": len(header),
-               "rank": r[0] if len(r) == 1 else r, "bytes": (folder / ADAPTER_WEIGHTS).stat().st_size,
-               "cross_check": cross}
+    details = {
+        "kind": ADAPTER,
+        "path": str(folder),
+        "lora_modules": len(pairs),
+        "tensors": len(header),
+        "rank": r[0] if len(r) == 1 else r,
+        "bytes": (folder / ADAPTER_WEIGHTS).stat().st_size,
+        "cross_check": cross,
+    }
     return Verdict(True, f"{where}: {len(pairs)} LoRA modules (r={details['rank']}), finite; {cross}", details)
 
 
 # --- the whole model -----------------------------------------------------------------------------------
+
 
 def verify_model(folder: Path, base: Optional[dict[str, list[int]]] = None) -> Verdict:
     """config.json and the safetensors weights (one file, or an index and its shards): complete files, finite
@@ -282,9 +346,17 @@ def verify_model(folder: Path, base: Optional[dict[str, list[int]]] = None) -> V
     where = f"final/{folder.name}"
     if not (folder / MODEL_CONFIG).is_file():
         present = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
-        return Verdict(False, f"{where}/{MODEL_CONFIG} is missing"
-                       + (f" ({where} holds only {', '.join(present)})" if present else
-                          f" ({where} does not exist)" if not folder.is_dir() else f" ({where} is empty)"))
+        return Verdict(
+            False,
+            f"{where}/{MODEL_CONFIG} is missing"
+            + (
+                f" ({where} holds only {', '.join(present)})"
+                if present
+                else f" ({where} does not exist)"
+                if not folder.is_dir()
+                else f" ({where} is empty)"
+            ),
+        )
     try:
         config = json.loads((folder / MODEL_CONFIG).read_text())
     except ValueError:
@@ -314,8 +386,11 @@ def verify_model(folder: Path, base: Optional[dict[str, list[int]]] = None) -> V
     if weight_map is not None:
         absent = sorted(k for k, f in weight_map.items() if k not in headers[f])
         if absent:
-            return Verdict(False, f"{where}/{MODEL_INDEX} lists {len(absent)} tensor(s) its shards lack, "
-                           f"e.g. {absent[0]} in {weight_map[absent[0]]}")
+            return Verdict(
+                False,
+                f"{where}/{MODEL_INDEX} lists {len(absent)} tensor(s) its shards lack, "
+                f"e.g. {absent[0]} in {weight_map[absent[0]]}",
+            )
     empty = [k for k, s in saved.items() if 0 in s]
     if empty:
         return Verdict(False, f"{where}: {len(empty)} empty tensor(s), e.g. {empty[0]}")
@@ -326,19 +401,29 @@ def verify_model(folder: Path, base: Optional[dict[str, list[int]]] = None) -> V
             expected.pop("lm_head.weight", None)  # a tied head is saved once, as the embedding
         missing = sorted(k for k in expected if k not in saved)
         if missing:
-            return Verdict(False, f"{where} lacks {len(missing)} of the base model's {len(expected)} weights, "
-                           f"e.g. {missing[0]}")
+            return Verdict(
+                False, f"{where} lacks {len(missing)} of the base model's {len(expected)} weights, e.g. {missing[0]}"
+            )
         wrong = sorted(k for k in expected if saved[k] != expected[k])
         if wrong:
-            return Verdict(False, f"{where}: {len(wrong)} weight(s) have another shape than in the base model, e.g. "
-                           f"{wrong[0]} {saved[wrong[0]]} instead of {expected[wrong[0]]}")
+            return Verdict(
+                False,
+                f"{where}: {len(wrong)} weight(s) have another shape than in the base model, e.g. "
+                f"{wrong[0]} {saved[wrong[0]]} instead of {expected[wrong[0]]}",
+            )
         cross = f"all {len(expected)} weights of the base model present with their shapes"
     for name in files:
         bad = non_finite(folder / name, headers[name])
         if bad:
             return Verdict(False, f"{where}/{name}: {len(bad)} tensor(s) hold inf/NaN, e.g. {bad[0]}")
-    details = {"kind": MODEL, "path": str(folder), "tensors": len(saved), "files": len(files),
-               "bytes": sum((folder / f).stat().st_size for f in files), "cross_check": cross}
+    details = {
+        "kind": MODEL,
+        "path": str(folder),
+        "tensors": len(saved),
+        "files": len(files),
+        "bytes": sum((folder / f).stat().st_size for f in files),
+        "cross_check": cross,
+    }
     return Verdict(True, f"{where}: {len(saved)} tensors in {len(files)} file(s), finite; {cross}", details)
 
 

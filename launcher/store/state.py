@@ -36,7 +36,6 @@ from launcher.errors import BusyError
 from launcher.store.rundir import RunDir
 
 
-
 @dataclass(frozen=True)
 class State:
     active: bool = False  # a process of the run is working (a run whose holder is gone reads as interrupted)
@@ -122,8 +121,14 @@ def process_identity(pid: Optional[int]) -> Optional[dict[str, Any]]:
     fields = stat.rsplit(")", 1)[1].split()  # fields[0] is field 3 (state)
     if fields[0] in ("Z", "X", "x"):
         return None
-    return {"pid": int(pid), "start": int(fields[19]), "boot": _boot_id(), "pgid": int(fields[2]),
-            "sid": int(fields[3]), "ppid": int(fields[1])}
+    return {
+        "pid": int(pid),
+        "start": int(fields[19]),
+        "boot": _boot_id(),
+        "pgid": int(fields[2]),
+        "sid": int(fields[3]),
+        "ppid": int(fields[1]),
+    }
 
 
 def _identity_psutil(pid: int) -> Optional[dict[str, Any]]:
@@ -134,8 +139,14 @@ def _identity_psutil(pid: int) -> Optional[dict[str, Any]]:
         p = psutil.Process(pid)
         if p.status() == psutil.STATUS_ZOMBIE:
             return None
-        return {"pid": int(pid), "start": round(p.create_time() * 100), "boot": "", "pgid": os.getpgid(pid),
-                "sid": os.getsid(pid), "ppid": p.ppid()}
+        return {
+            "pid": int(pid),
+            "start": round(p.create_time() * 100),
+            "boot": "",
+            "pgid": os.getpgid(pid),
+            "sid": os.getsid(pid),
+            "ppid": p.ppid(),
+        }
     except (psutil.Error, OSError):
         return None
 
@@ -170,8 +181,10 @@ def run_holder(run: RunDir, data: Optional[dict[str, Any]] = None) -> Optional[d
 # The module each role of a run runs as (`python -m MODULE --run-dir RUN`), found in a process's command line. The
 # flat layout's names come second: processes an ftrun from before the stage folders (2026-12-02) started on this
 # box are found too, so that an upgrade never leaves a worker training unseen beside a new one.
-ROLE_MODULES = {"train": ("launcher.worker.train", "launcher.train"),
-                "supervisor": ("launcher.run.supervisor", "launcher.supervisor")}
+ROLE_MODULES = {
+    "train": ("launcher.worker.train", "launcher.train"),
+    "supervisor": ("launcher.run.supervisor", "launcher.supervisor"),
+}
 
 
 def run_processes(run: RunDir, roles: tuple[str, ...] = ("train",)) -> list[dict[str, Any]]:
@@ -253,16 +266,24 @@ def busy_error(run: RunDir) -> BusyError:
             f"another ftrun ({holder['role']}, pid {holder['pid']}) is working on {run.root} "
             f"(state: {data.get('state', 'starting')})",
             fix=f"watch it with `ftrun status {run.root}` or `ftrun logs -f {run.root}`; "
-            f"stop it with `ftrun stop {run.root}`.")
+            f"stop it with `ftrun stop {run.root}`.",
+        )
     workers = [p["pid"] for p in run_processes(run)]
     return BusyError(
         f"the lock of {run.root} is held, but not by a live ftrun supervisor"
-        + (f": worker process(es) {', '.join(map(str, workers))} still train into it" if workers else
-           ": by a process this box cannot see (another container or machine using the same directory?) "
-           "or by an ftrun that is just starting"),
-        fix=(f"`ftrun stop {run.root}` ends them (after a checkpoint); then run the same command to resume."
-             if workers else "end the other ftrun first (in its container or on its machine), or wait a few "
-             "seconds and retry; ftrun never trains twice into the same directory."))
+        + (
+            f": worker process(es) {', '.join(map(str, workers))} still train into it"
+            if workers
+            else ": by a process this box cannot see (another container or machine using the same directory?) "
+            "or by an ftrun that is just starting"
+        ),
+        fix=(
+            f"`ftrun stop {run.root}` ends them (after a checkpoint); then run the same command to resume."
+            if workers
+            else "end the other ftrun first (in its container or on its machine), or wait a few "
+            "seconds and retry; ftrun never trains twice into the same directory."
+        ),
+    )
 
 
 def is_locked(run: RunDir) -> bool:

@@ -36,8 +36,15 @@ class TrainingComplete(Exception):
     """Raised at the start of training when the checkpoint resumed from is the schedule's last step."""
 
 
-def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta: dict[str, Any], max_seconds: Optional[float],
-                    evaluates: bool = False):
+def build_callbacks(
+    run: RunDir,
+    recipe,
+    mode: str,
+    device: str,
+    checkpoint_meta: dict[str, Any],
+    max_seconds: Optional[float],
+    evaluates: bool = False,
+):
     """The trainer callbacks: wall-clock checkpoints and evaluation, SIGTERM save, metrics, NaN guard, smoke timing."""
     import torch
     from transformers import TrainerCallback
@@ -88,8 +95,14 @@ def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta
                 control.should_save = True
             # eval by wall clock and at the end (the Trainer evaluates before it saves: the row is in the checkpoint);
             # the smoke test evaluates once, at its end, for the ETA
-            if evaluates and not stop and (at_end or (over_time if mode == "smoke" else
-                                                      agree(time.monotonic() - self.last_eval >= eval_interval))):
+            if (
+                evaluates
+                and not stop
+                and (
+                    at_end
+                    or (over_time if mode == "smoke" else agree(time.monotonic() - self.last_eval >= eval_interval))
+                )
+            ):
                 control.should_evaluate = True
             if stop:
                 self.stopped_by_signal = True
@@ -156,9 +169,12 @@ def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta
                 def complete(dst: Path = dst) -> None:
                     # retention after the manifest: the newest complete checkpoint outlives the hashing
                     removed = ckpt.retain(run.checkpoints, recipe.keep_checkpoints)
-                    print(f"[ftrun worker] checkpoint {dst.name} saved and verified "
-                          f"({ckpt.tree_bytes(dst) / 1e9:.2f} GB hashed in {_MANIFEST.seconds:.1f} s)"
-                          + (f"; removed {', '.join(removed)}" if removed else ""), flush=True)
+                    print(
+                        f"[ftrun worker] checkpoint {dst.name} saved and verified "
+                        f"({ckpt.tree_bytes(dst) / 1e9:.2f} GB hashed in {_MANIFEST.seconds:.1f} s)"
+                        + (f"; removed {', '.join(removed)}" if removed else ""),
+                        flush=True,
+                    )
 
                 # Hashing after the barrier, beside the training: no rank waits for it.
                 _MANIFEST.start(dst, state.global_step, checkpoint_meta, then=complete)
@@ -222,10 +238,18 @@ def build_callbacks(run: RunDir, recipe, mode: str, device: str, checkpoint_meta
             # the objective's own figures (DPO's rewards/chosen ... rewards/accuracies: launcher/methods.py logged)
             row.update({k: float(logs[k]) for k in recipe.objective_row.logged if logs.get(k) is not None})
             self.t_last, self.tokens_last = now, tokens
-            margin = (f" margin {row['rewards/margins']:.3f} acc {row['rewards/accuracies']:.2f}"
-                      if "rewards/margins" in row and "rewards/accuracies" in row else "")
-            _emit(run, mode, state, row, f"loss {loss:.4f} lr {row['learning_rate']:.2e} "
-                                         f"{row['tokens_per_second']:.0f} tok/s{margin}")
+            margin = (
+                f" margin {row['rewards/margins']:.3f} acc {row['rewards/accuracies']:.2f}"
+                if "rewards/margins" in row and "rewards/accuracies" in row
+                else ""
+            )
+            _emit(
+                run,
+                mode,
+                state,
+                row,
+                f"loss {loss:.4f} lr {row['learning_rate']:.2e} {row['tokens_per_second']:.0f} tok/s{margin}",
+            )
 
     return Cadence(), Metrics()
 
@@ -240,8 +264,13 @@ def _log_eval(run: RunDir, mode: str, state, logs: dict[str, Any], logged: tuple
     row.update(epoch=round(state.epoch or 0.0, 4), eval_seconds=logs.get("eval_runtime"), time=time.time())
     # every pair tied (the policy still its reference, as at step 0) is no accuracy of 0 (run/views.py)
     tied = not row.get("eval_rewards/accuracies") and abs(row.get("eval_rewards/margins", 1.0)) < 1e-9
-    held = ("" if "eval_rewards/accuracies" not in row else ", held-out pairs all tied (margin 0: the policy is its "
-            "reference)" if tied else f", held-out preference accuracy {row['eval_rewards/accuracies']:.2f}")
+    held = (
+        ""
+        if "eval_rewards/accuracies" not in row
+        else ", held-out pairs all tied (margin 0: the policy is its reference)"
+        if tied
+        else f", held-out preference accuracy {row['eval_rewards/accuracies']:.2f}"
+    )
     _emit(run, mode, state, row, f"eval loss {row['eval_loss']:.4f}{held} ({row['eval_seconds'] or 0:.1f} s)")
 
 

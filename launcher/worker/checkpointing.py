@@ -23,13 +23,18 @@ METRICS_IN_CHECKPOINT = "ftrun_metrics.jsonl"
 
 
 def _restore_metrics(path: Path, checkpoint: Path, last_step: int) -> None:
-    """On resume, metrics.jsonl = the rows the checkpoint carries (steps up to its own); later rows will be logged again."""
+    """On resume, metrics.jsonl = the rows the checkpoint carries (steps up to its own); later rows will be logged
+    again."""
     source = checkpoint / METRICS_IN_CHECKPOINT
     if not source.is_file():
         source = path
     if not source.is_file():
         return
-    keep = [line for line in source.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    keep = [
+        line
+        for line in source.read_text().splitlines()
+        if line.strip() and json.loads(line).get("step", 0) <= last_step
+    ]
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(line + "\n" for line in keep))
     os.replace(tmp, path)
@@ -38,8 +43,10 @@ def _restore_metrics(path: Path, checkpoint: Path, last_step: int) -> None:
 def _launch_identity() -> dict[str, str]:
     """What the processes of one launch share (torchrun/accelerate set it): the rendezvous, its address, the
     restart. The run id repeats across launches under a static rendezvous: _launcher_started tells those apart."""
-    return {k: os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
-                                              "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")}
+    return {
+        k: os.environ.get(k, "")
+        for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")
+    }
 
 
 def _resume_steps_differ(resume_from, device: str) -> Optional[str]:
@@ -61,9 +68,11 @@ def _resume_steps_differ(resume_from, device: str) -> Optional[str]:
         return ckpt.step_dir_name(s) if s >= 0 else "none"
 
     keep = f"keep {name(oldest)} and older" if oldest >= 0 else "keep none"
-    return (f"the nodes would resume from different checkpoints (oldest {name(oldest)}, newest {name(newest)}, this "
-            f"node {name(step)}): a node was stopped before its copy of the newest checkpoint was complete. On every "
-            f"node remove the newer step-* folders under checkpoints/ ({keep}), then run the same command.")
+    return (
+        f"the nodes would resume from different checkpoints (oldest {name(oldest)}, newest {name(newest)}, this "
+        f"node {name(step)}): a node was stopped before its copy of the newest checkpoint was complete. On every "
+        f"node remove the newer step-* folders under checkpoints/ ({keep}), then run the same command."
+    )
 
 
 def _launcher_started() -> float:
@@ -132,17 +141,20 @@ def _await_manifest(device: str) -> None:
     while True:
         done = _MANIFEST.wait(timeout=_MANIFEST_POLL_S)
         failed = _MANIFEST.exception if done else None
-        state = torch.tensor([0.0 if done else 1.0, 0.0 if failed is None else 2.0 if _says_disk_full(failed) else 1.0],
-                             device="cuda" if device == "cuda" else "cpu")
+        state = torch.tensor(
+            [0.0 if done else 1.0, 0.0 if failed is None else 2.0 if _says_disk_full(failed) else 1.0],
+            device="cuda" if device == "cuda" else "cpu",
+        )
         dist.all_reduce(state, op=dist.ReduceOp.MAX)
         if not state[0].item():
             break
     _MANIFEST.check()  # the writer whose manifest failed: its own error
     if state[1].item():
         full = state[1].item() == 2.0
-        raise ckpt.ManifestFailed("the checkpoint's manifest could not be written by the process that writes "
-                                  "checkpoints on a disk of this run (its log says why)") from (
-            OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) if full else None)
+        raise ckpt.ManifestFailed(
+            "the checkpoint's manifest could not be written by the process that writes "
+            "checkpoints on a disk of this run (its log says why)"
+        ) from (OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) if full else None)
 
 
 def _disk_full_message(run: RunDir, step: int, writer: bool = True) -> str:
@@ -159,12 +171,17 @@ def _disk_full_message(run: RunDir, step: int, writer: bool = True) -> str:
     kept = [p for p in ckpt.candidates(run.checkpoints) if (p / ckpt.MANIFEST).is_file()]
     last_size = ckpt.tree_bytes(kept[0]) if kept else 0
     free = shutil.disk_usage(run.root).free
-    removed = "the partial save was removed" if writer else \
-        "the partial save is removed by the process that writes this disk's checkpoints (or at the next start)"
-    return (f"disk full while saving the checkpoint of step {step}: {free / 1e6:.1f} MB free on {run.root}, "
-            f"a checkpoint takes about {max(last_size, partial_bytes) / 1e6:.1f} MB; {removed}, "
-            f"{kept[0].name if kept else 'no earlier checkpoint'} is intact. Free space (or lower keep_checkpoints), "
-            "then run the same command to resume.")
+    removed = (
+        "the partial save was removed"
+        if writer
+        else "the partial save is removed by the process that writes this disk's checkpoints (or at the next start)"
+    )
+    return (
+        f"disk full while saving the checkpoint of step {step}: {free / 1e6:.1f} MB free on {run.root}, "
+        f"a checkpoint takes about {max(last_size, partial_bytes) / 1e6:.1f} MB; {removed}, "
+        f"{kept[0].name if kept else 'no earlier checkpoint'} is intact. Free space (or lower keep_checkpoints), "
+        "then run the same command to resume."
+    )
 
 
 def _disk_full(run: RunDir, step: int, writer: bool) -> int:

@@ -28,7 +28,8 @@ from launcher.plan.loss_head import cpu_loss_chunk_tokens
 
 @cache
 def function() -> Any:
-    """The autograd function (built on first use: torch is imported inside worker/'s functions, docs/architecture.md)."""
+    """The autograd function (built on first use: torch is imported inside worker/'s functions,
+    docs/architecture.md)."""
     import torch
 
     class CpuChunkedLogProb(torch.autograd.Function):
@@ -36,9 +37,18 @@ def function() -> Any:
         is_top1; those not in `outputs` are None), for a frozen head on the CPU."""
 
         @staticmethod
-        def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    targets: torch.Tensor, temperature: float, chunk_size: int, final_logit_softcapping: float | None = None,
-                    logit_scale: float = 1.0, outputs: tuple[str, ...] = ("log_probs",)):
+        def forward(
+            ctx: Any,
+            hidden: torch.Tensor,
+            weight: torch.Tensor,
+            bias: torch.Tensor | None,
+            targets: torch.Tensor,
+            temperature: float,
+            chunk_size: int,
+            final_logit_softcapping: float | None = None,
+            logit_scale: float = 1.0,
+            outputs: tuple[str, ...] = ("log_probs",),
+        ):
             ctx.set_materialize_grads(False)
             n, vocab = hidden.shape[0], weight.shape[0]
             scale = logit_scale / temperature
@@ -88,8 +98,10 @@ def function() -> Any:
         @staticmethod
         def backward(ctx: Any, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None, *_: Any):
             if grad_entropy is not None:
-                raise RuntimeError("ftrun's CPU log-probabilities carry no entropy gradient (TRL's SFT logs the entropy "
-                                   "only); a loss on the entropy needs TRL's own kernel")
+                raise RuntimeError(
+                    "ftrun's CPU log-probabilities carry no entropy gradient (TRL's SFT logs the entropy "
+                    "only); a loss on the entropy needs TRL's own kernel"
+                )
             (saved,) = ctx.saved_tensors
             grad_hidden = None
             if saved is not None and grad_logprobs is not None:

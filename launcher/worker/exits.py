@@ -26,8 +26,15 @@ def _out_of_memory(run: RunDir, mode: str, device: str, text: str, step: int) ->
     message = f"out of {'GPU ' if device == 'cuda' else ''}memory at step {step + 1} ({measured}): {first[:300]}"
     print(f"[ftrun worker] {message}", file=sys.stderr, flush=True)
     if mode == "smoke":  # any rank: under ZeRO-3 or FSDP one rank may run out before the others
-        ckpt.atomic_write_json(run.smoke_work / "oom.json", {"peak_memory_gb": None if peak is None else round(peak, 3),
-                                                              "step": step + 1, "rank": _rank(), "error": first[:500]})
+        ckpt.atomic_write_json(
+            run.smoke_work / "oom.json",
+            {
+                "peak_memory_gb": None if peak is None else round(peak, 3),
+                "step": step + 1,
+                "rank": _rank(),
+                "error": first[:500],
+            },
+        )
     else:  # any rank, for the same reason; worker.json is written atomically
         _record_error(run, message, EXIT_OOM)
     return EXIT_OOM

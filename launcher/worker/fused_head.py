@@ -5,7 +5,8 @@ trl 1.16's SFTTrainer patches the model with add_fused_lm_head (trl/trainer/util
 - on the CPU, a frozen head's call goes to launcher/worker/cpu_logprob.py, TRL's own kernel otherwise (a GPU tensor,
   a trainable or soft-capped head);
 - where the trainer offloads activations (`trainer: activation_offloading`, the plan's choice for one card:
-  launcher/worker/engines/__init__.py trainer_fields), the call runs outside that offloading. TRL keeps the output head out of it (trl/models/
+  launcher/worker/engines/__init__.py trainer_fields), the call runs outside that offloading. TRL keeps the output head
+  out of it (trl/models/
   activation_offloading.py, get_act_offloading_ctx_manager: a NoOpManager entered in lm_head's forward pre-hook):
   offloading the head's input only to fetch it back at the very start of backward costs a round trip over PCIe for
   nothing. The fused head never calls lm_head.forward (it reads lm_head.weight), so those hooks never fire and the
@@ -35,19 +36,31 @@ class _Dispatch:
         self.trl_function = trl_function
         self.outside_offloading = False
 
-    def apply(self, hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
-              logit_scale=1.0, outputs=("log_probs",)):
+    def apply(
+        self,
+        hidden,
+        weight,
+        bias,
+        targets,
+        temperature,
+        chunk_size,
+        final_logit_softcapping=None,
+        logit_scale=1.0,
+        outputs=("log_probs",),
+    ):
         import torch
 
         trainable = weight.requires_grad or (bias is not None and bias.requires_grad)
         on_cpu = hidden.device.type == "cpu" and not trainable and final_logit_softcapping is None
         chosen = cpu_logprob.function() if on_cpu else self.trl_function
         if not self.outside_offloading:
-            return chosen.apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping,
-                                logit_scale, outputs)
+            return chosen.apply(
+                hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale, outputs
+            )
         with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):  # out of activation offloading
-            return chosen.apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping,
-                                logit_scale, outputs)
+            return chosen.apply(
+                hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale, outputs
+            )
 
 
 def install(activation_offloading: bool = False) -> bool:

@@ -33,9 +33,11 @@ def _data_changed(run: RunDir, recipe, data_sha256: str) -> Optional[str]:
     now = identity(data_sha256, eval_sha)
     if now == recorded:
         return None
-    return (f"the data changed since the launch checked it (sha256 {recorded[:12]}... -> {now[:12]}...): not "
-            "training on other examples than the run started with; restore the data and run the same command "
-            "again (it resumes), or add --allow-changes / --fresh")
+    return (
+        f"the data changed since the launch checked it (sha256 {recorded[:12]}... -> {now[:12]}...): not "
+        "training on other examples than the run started with; restore the data and run the same command "
+        "again (it resumes), or add --allow-changes / --fresh"
+    )
 
 
 def _local_data(spec) -> bool:
@@ -52,16 +54,25 @@ def _eval_and_prompts(run: RunDir, recipe, mode: str, examples: list) -> tuple[l
     if mode == "smoke":
         held = run.smoke_work / "eval.jsonl"
         asked = run.smoke_work / "prompts.json"
-        return (load_data(held, recipe.seed).examples if held.is_file() else [],
-                json.loads(asked.read_text()) if asked.is_file() else [])
+        return (
+            load_data(held, recipe.seed).examples if held.is_file() else [],
+            json.loads(asked.read_text()) if asked.is_file() else [],
+        )
     parts = split.for_recipe(examples, recipe)
     if recipe.eval.data:
         held_examples = split.load_eval_data(recipe)
-        prompts = samples.pick(held_examples, list(range(len(held_examples))), [], recipe.eval.samples, recipe.seed,
-                               split.source_name(recipe.eval.data))
+        prompts = samples.pick(
+            held_examples,
+            list(range(len(held_examples))),
+            [],
+            recipe.eval.samples,
+            recipe.seed,
+            split.source_name(recipe.eval.data),
+        )
         return held_examples, prompts
-    prompts = samples.pick(examples, parts.held_out, parts.train, recipe.eval.samples, recipe.seed,
-                           split.source_name(recipe.data))
+    prompts = samples.pick(
+        examples, parts.held_out, parts.train, recipe.eval.samples, recipe.seed, split.source_name(recipe.data)
+    )
     return [examples[i] for i in parts.held_out], prompts
 
 
@@ -81,12 +92,15 @@ def _trained_tokens(examples: list, prepared, sample: int = 2000) -> str:
             answers = sum(len(x) for x in rows["chosen_ids"]) + sum(len(x) for x in rows["rejected_ids"])
         else:
             prompt = sum(len(x) for x in rows["prompt_input_ids"])
-            answers = sum(sum(t != -100 for t in row) for side in ("chosen_labels", "rejected_labels")
-                          for row in rows[side])
+            answers = sum(
+                sum(t != -100 for t in row) for side in ("chosen_labels", "rejected_labels") for row in rows[side]
+            )
         total = 2 * prompt + answers
-        return (f"data as TRL prepared it: preference pairs, {len(prepared):,} pairs (two sequences each: the prompt "
-                f"with the chosen and with the rejected answer); loss on the answers' {answers:,} of {total:,} tokens "
-                f"({answers / max(total, 1):.1%}{first})")
+        return (
+            f"data as TRL prepared it: preference pairs, {len(prepared):,} pairs (two sequences each: the prompt "
+            f"with the chosen and with the rejected answer); loss on the answers' {answers:,} of {total:,} tokens "
+            f"({answers / max(total, 1):.1%}{first})"
+        )
     form = FORMS[example_form(examples[0])].reads_as
     ids = rows["input_ids"]
     # what the loss is computed on: trl 1.16 keeps the masks as columns (assistant_masks with assistant_only_loss,
@@ -99,8 +113,10 @@ def _trained_tokens(examples: list, prepared, sample: int = 2000) -> str:
         mask = [[int(t != -100) for t in row] for row in mask]
     total = sum(len(x) for x in ids)
     trained = sum(sum(row[1:]) for row in mask)
-    return (f"data as TRL prepared it: {form}, {len(prepared):,} examples; loss on {trained:,} of {total:,} tokens "
-            f"({trained / max(total, 1):.1%}{f', first {len(rows):,} examples' if len(rows) < len(prepared) else ''})")
+    return (
+        f"data as TRL prepared it: {form}, {len(prepared):,} examples; loss on {trained:,} of {total:,} tokens "
+        f"({trained / max(total, 1):.1%}{f', first {len(rows):,} examples' if len(rows) < len(prepared) else ''})"
+    )
 
 
 def templated(examples: list, tokenizer) -> list:

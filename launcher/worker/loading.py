@@ -71,8 +71,10 @@ def select_device() -> tuple[str, Any]:
     index = local_rank()
     count = torch.cuda.device_count()
     if index >= count:
-        raise RuntimeError(f"LOCAL_RANK={index} but this process sees {count} GPU(s) "
-                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+        raise RuntimeError(
+            f"LOCAL_RANK={index} but this process sees {count} GPU(s) "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"
+        )
     torch.cuda.set_device(index)
     return "cuda", compute_dtype(torch.cuda.get_device_capability(index))
 
@@ -152,8 +154,9 @@ def sdpa_state() -> dict[str, Any]:
 
     from launcher.plan import attention
 
-    state: dict[str, Any] = {name: bool(getattr(torch.backends.cuda, f"{flag}_enabled")())
-                             for name, flag in attention.SDPA_BACKENDS.items()}
+    state: dict[str, Any] = {
+        name: bool(getattr(torch.backends.cuda, f"{flag}_enabled")()) for name, flag in attention.SDPA_BACKENDS.items()
+    }
     state["source"] = attention.sdpa_backends()[1]
     return state
 
@@ -235,8 +238,11 @@ def quantized_once_per_box(recipe, kwargs: dict[str, Any], run_dir) -> Optional[
     run_dir = run_dir if run_dir is not None else getattr(recipe, "output_dir", None)
     if run_dir is None:
         if local_rank() == 0:
-            print("[ftrun worker] QLoRA + FSDP without a run directory: each rank quantizes the model on its own "
-                  "CPU (one 4-bit copy per rank in RAM)", flush=True)
+            print(
+                "[ftrun worker] QLoRA + FSDP without a run directory: each rank quantizes the model on its own "
+                "CPU (one 4-bit copy per rank in RAM)",
+                flush=True,
+            )
         return None
     folder = Path(run_dir) / QUANTIZED_DIR
     identity = _quantized_identity(recipe.model, kwargs)
@@ -274,10 +280,18 @@ def _quantized_identity(model: str, kwargs: dict[str, Any]) -> dict[str, Any]:
                 st = f.stat()  # a Hub snapshot's files are links into blobs: stat follows them
                 files[f.name] = [st.st_size, st.st_mtime_ns]
     quant = kwargs.get("quantization_config")
-    identity = {"model": model, "resolved": str(source.resolve()) if source.is_dir() else None, "files": files,
-                "quantization": quant.to_dict() if quant is not None else None, "dtype": str(kwargs.get("dtype")),
-                "versions": {"transformers": transformers.__version__, "bitsandbytes": bitsandbytes.__version__,
-                             "torch": torch.__version__}}
+    identity = {
+        "model": model,
+        "resolved": str(source.resolve()) if source.is_dir() else None,
+        "files": files,
+        "quantization": quant.to_dict() if quant is not None else None,
+        "dtype": str(kwargs.get("dtype")),
+        "versions": {
+            "transformers": transformers.__version__,
+            "bitsandbytes": bitsandbytes.__version__,
+            "torch": torch.__version__,
+        },
+    }
     return json.loads(json.dumps(identity, default=str))  # as the manifest reads back (lists, strings)
 
 
@@ -355,8 +369,11 @@ def _quantize_into(folder: Path, model: str, kwargs: dict[str, Any], identity: d
     seconds = round(time.monotonic() - started, 1)
     (tmp / QUANTIZED_MANIFEST).write_text(json.dumps({"identity": identity, "seconds": seconds}, indent=2))
     os.replace(tmp, folder)
-    print(f"[ftrun worker] 4-bit model: quantized once for this box on {cores} CPU cores in {seconds:.0f} s into "
-          f"{folder}; every rank maps it", flush=True)
+    print(
+        f"[ftrun worker] 4-bit model: quantized once for this box on {cores} CPU cores in {seconds:.0f} s into "
+        f"{folder}; every rank maps it",
+        flush=True,
+    )
 
 
 def _release_free_memory() -> None:
@@ -371,8 +388,10 @@ def _release_free_memory() -> None:
 
 def load_kwargs(recipe, device: str, dtype, engine: str) -> dict[str, Any]:
     """Every from_pretrained argument this module decides, in one dict (the GPU check reports it)."""
-    kwargs: dict[str, Any] = {"dtype": weights_dtype(recipe.method, engine, device, dtype),
-                              "device_map": device_map(device, engine)}
+    kwargs: dict[str, Any] = {
+        "dtype": weights_dtype(recipe.method, engine, device, dtype),
+        "device_map": device_map(device, engine),
+    }
     quant = quantization_config(recipe.method, dtype)
     if quant is not None:
         kwargs["quantization_config"] = quant
@@ -419,14 +438,19 @@ def add_lora(model, recipe):
         # passed without a peft_config (dpo_trainer.py: add_adapter("ref", ...) and a copy of the weights)
         return PeftModel.from_pretrained(model, str(parent_adapter(recipe.init_from)), is_trainable=True)
     lora = recipe.lora
-    return get_peft_model(model, LoraConfig(
-        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-        target_modules=lora.target_modules, task_type="CAUSAL_LM",
-    ))
+    return get_peft_model(
+        model,
+        LoraConfig(
+            r=lora.r,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=lora.target_modules,
+            task_type="CAUSAL_LM",
+        ),
+    )
 
 
-def load_model_and_tokenizer(recipe, device: str, dtype, plan: Optional[dict] = None, context=None,
-                              run_dir=None):
+def load_model_and_tokenizer(recipe, device: str, dtype, plan: Optional[dict] = None, context=None, run_dir=None):
     """The base model by method (4-bit for qlora, 16-bit for lora, fp32 master weights for full on trl/ddp), then LoRA.
 
     `context`: a context manager the engine wraps the load in (DeepSpeed ZeRO-3 partitions while loading).
@@ -454,15 +478,22 @@ def load_model_and_tokenizer(recipe, device: str, dtype, plan: Optional[dict] = 
         if device == "cuda" and "attn_implementation" not in kwargs:  # the fallback is said, once
             import torch
 
-            why = ("FlashAttention-2 needs compute capability 8.0" if dtype != torch.bfloat16
-                   else "flash-attn 2 is not installed")
-            print(f"[ftrun worker] attention: transformers' default (SDPA), not flash_attention_2: {why}; "
-                  "padding-free batches then carry a dense mask", flush=True)
+            why = (
+                "FlashAttention-2 needs compute capability 8.0"
+                if dtype != torch.bfloat16
+                else "flash-attn 2 is not installed"
+            )
+            print(
+                f"[ftrun worker] attention: transformers' default (SDPA), not flash_attention_2: {why}; "
+                "padding-free batches then carry a dense mask",
+                flush=True,
+            )
     return model, tokenizer
 
 
 def describe_model(model) -> str:
-    """What was actually built: parameter counts, where and how the base weights are stored (says 4-bit only if it is)."""
+    """What was actually built: parameter counts, where and how the base weights are stored (says 4-bit only if it
+    is)."""
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     adapter = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
@@ -476,5 +507,7 @@ def describe_model(model) -> str:
     dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})
     # the base model's count is the one the plan and the built model state; an adapter's parameters come on top
     split = f" ({total - adapter:,} of the base model and {adapter:,} of the LoRA adapter)" if adapter else ""
-    return (f"model: {total:,} parameters{split}, {trainable:,} trainable; linear layers: {layers}; "
-            f"on {', '.join(devices)} in {', '.join(dtypes)}")
+    return (
+        f"model: {total:,} parameters{split}, {trainable:,} trainable; linear layers: {layers}; "
+        f"on {', '.join(devices)} in {', '.join(dtypes)}"
+    )

@@ -25,8 +25,11 @@ def _redraw_loss_plot(run_root: Path, final: bool = False) -> None:
         if final and not _PLOT["pending"]:
             return
     _PLOT["pending"] = False
-    _PLOT["child"] = subprocess.Popen([sys.executable, "-m", "launcher.deliver.plots", str(run_root)],
-                                      stdin=subprocess.DEVNULL, cwd=str(Path(__file__).resolve().parents[2]))
+    _PLOT["child"] = subprocess.Popen(
+        [sys.executable, "-m", "launcher.deliver.plots", str(run_root)],
+        stdin=subprocess.DEVNULL,
+        cwd=str(Path(__file__).resolve().parents[2]),
+    )
     if final:
         _reap(_PLOT["child"])
         _PLOT["child"] = None

@@ -47,13 +47,13 @@ from launcher.plan.sizing import GB
 # Texts of out-of-memory failures that arrive as a RuntimeError (AcceleratorError, DistBackendError or plain)
 # rather than as torch.OutOfMemoryError; where each comes from is in the module docstring.
 _OOM_TEXTS = re.compile(
-    r"\b(CUDA|HIP) out of memory"                       # the caching allocator's text, when re-raised as another type
-    r"|\b(CUDA|HIP) error: out of memory"               # C10_CUDA_CHECK with cudaErrorMemoryAllocation
+    r"\b(CUDA|HIP) out of memory"  # the caching allocator's text, when re-raised as another type
+    r"|\b(CUDA|HIP) error: out of memory"  # C10_CUDA_CHECK with cudaErrorMemoryAllocation
     r"|cudaErrorMemoryAllocation|CUDA_ERROR_OUT_OF_MEMORY"  # the runtime's and the driver's error names
     r"|\b(CUBLAS|CUSPARSE|CUSOLVER|CUDNN)_STATUS_ALLOC_FAILED\b"
     r"|Failed to CUDA calloc|Cuda failure \d+ 'out of memory'|Failed to malloc \d+ bytes"  # NCCL's last error
-    r"|Triton Error \[CUDA\]: out of memory"            # Triton kernels (torch.compile, Unsloth)
-    r"|can't allocate memory"                           # torch's CPU allocator (alloc_cpu.cpp)
+    r"|Triton Error \[CUDA\]: out of memory"  # Triton kernels (torch.compile, Unsloth)
+    r"|can't allocate memory"  # torch's CPU allocator (alloc_cpu.cpp)
 )
 
 
@@ -109,7 +109,7 @@ def _oom_line(exc: BaseException) -> Optional[str]:
         if match is not None:
             start = text.rfind("\n", 0, match.start()) + 1
             end = text.find("\n", match.end())
-            return text[start:end if end >= 0 else len(text)].strip()
+            return text[start : end if end >= 0 else len(text)].strip()
     return None
 
 
@@ -124,6 +124,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 # --- peak measurement ---------------------------------------------------------------------------------
+
 
 def peak_memory_gb(device: str) -> float:
     """This process's peak memory in GB (2**30 bytes, sizing.GB).

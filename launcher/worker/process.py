@@ -26,9 +26,12 @@ class StopRequested(Exception):
 def _on_signal(signum, _frame):
     _Stop.requested = True
     _Stop.signal_name = signal.Signals(signum).name
-    then = ("training is complete: saving the final result and its checkpoint if not yet saved, then stopping "
-            "before the rest of the samples and the task evaluation (kept answers stay)" if _Stop.trained
-            else "saving a checkpoint at the end of this step, then stopping")
+    then = (
+        "training is complete: saving the final result and its checkpoint if not yet saved, then stopping "
+        "before the rest of the samples and the task evaluation (kept answers stay)"
+        if _Stop.trained
+        else "saving a checkpoint at the end of this step, then stopping"
+    )
     print(f"[ftrun worker] {_Stop.signal_name} received: {then}", flush=True)
 
 

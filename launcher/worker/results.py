@@ -18,9 +18,16 @@ from launcher.worker import samples, task_eval
 from launcher.worker.process import StopRequested, _rank, _say
 
 
-def _write_smoke_result(run: RunDir, step_times, device: str, timed_out: bool,
-                        checkpoint_seconds: Optional[float] = None, costs: Optional[dict[str, Any]] = None, *,
-                        peak_gb: float) -> None:
+def _write_smoke_result(
+    run: RunDir,
+    step_times,
+    device: str,
+    timed_out: bool,
+    checkpoint_seconds: Optional[float] = None,
+    costs: Optional[dict[str, Any]] = None,
+    *,
+    peak_gb: float,
+) -> None:
     # The first step pays for warm-up (allocator, kernels, lazy init): throughput is measured
     # from the end of step 1 to the end of the last step.
     steps = [t for t in step_times if t[0] > 0]
@@ -69,16 +76,29 @@ def generation_speed(run: RunDir, recipe, trainer, tokenizer, examples: list, sh
         max_new, switches = recipe.eval.task.max_new_tokens or recipe.eval.max_new_tokens, None
     model = trainer.accelerator.unwrap_model(trainer.model)
     device = getattr(model, "device", None) or next(model.parameters()).device
-    batch = prompts[:task_eval.BATCH.get(torch.device(device).type, task_eval.BATCH["cpu"])]
+    batch = prompts[: task_eval.BATCH.get(torch.device(device).type, task_eval.BATCH["cpu"])]
     if not batch:
         return {}
     t0 = time.monotonic()
-    rows = task_eval.answer(model, tokenizer, batch, max_new, run.smoke_work / "generation.jsonl", write=False,
-                            synced=sharded, batch_size=len(batch), template_kwargs=switches)
+    rows = task_eval.answer(
+        model,
+        tokenizer,
+        batch,
+        max_new,
+        run.smoke_work / "generation.jsonl",
+        write=False,
+        synced=sharded,
+        batch_size=len(batch),
+        template_kwargs=switches,
+    )
     seconds = time.monotonic() - t0
     new = sum(int(r["new_tokens"]) for r in rows)
-    return {"generation_seconds": round(seconds, 3), "generation_prompts": len(rows),
-            "generation_new_tokens": new, "generation_tokens_per_second": round(new / seconds, 1) if seconds > 0 else None}
+    return {
+        "generation_seconds": round(seconds, 3),
+        "generation_prompts": len(rows),
+        "generation_new_tokens": new,
+        "generation_tokens_per_second": round(new / seconds, 1) if seconds > 0 else None,
+    }
 
 
 def _save_final(run: RunDir, trainer, tokenizer, recipe) -> None:
@@ -125,8 +145,11 @@ def _save_final(run: RunDir, trainer, tokenizer, recipe) -> None:
     if dst.exists():
         shutil.rmtree(dst)
     os.replace(tmp, dst)
-    print(f"[ftrun worker] final {name} saved to {dst}"
-          + (f" in {str(dtype).replace('torch.', '')} (from {source})" if dtype is not None else ""), flush=True)
+    print(
+        f"[ftrun worker] final {name} saved to {dst}"
+        + (f" in {str(dtype).replace('torch.', '')} (from {source})" if dtype is not None else ""),
+        flush=True,
+    )
 
 
 def _answer_after(run: RunDir, recipe, trainer, tokenizer, prompts: list[dict[str, Any]], sharded: bool) -> None:
@@ -150,17 +173,25 @@ def _answer_after(run: RunDir, recipe, trainer, tokenizer, prompts: list[dict[st
     if _rank() != 0:
         return
     start = f"parent adapter, {Path(recipe.init_from).name}" if recipe.init_from else "base model"
-    path = samples.write_after(run.final, before, asked, answers, run_name=run.root.name,
-                               step=trainer.state.global_step, max_new_tokens=recipe.eval.max_new_tokens, start=start)
-    _say(f"samples: before and after training in {path} ({len(answers)} prompt(s), "
-         f"{time.monotonic() - t0:.1f} s)")
+    path = samples.write_after(
+        run.final,
+        before,
+        asked,
+        answers,
+        run_name=run.root.name,
+        step=trainer.state.global_step,
+        max_new_tokens=recipe.eval.max_new_tokens,
+        start=start,
+    )
+    _say(f"samples: before and after training in {path} ({len(answers)} prompt(s), {time.monotonic() - t0:.1f} s)")
     rows = json.loads((run.final / samples.DATA).read_text())["samples"]
     for line in samples.summary(rows):
         _say(line)
 
 
-def _score_after(run: RunDir, recipe, trainer, tokenizer, examples: list, sharded: bool,
-                 beat=lambda: None, stop=lambda: False) -> bool:
+def _score_after(
+    run: RunDir, recipe, trainer, tokenizer, examples: list, sharded: bool, beat=lambda: None, stop=lambda: False
+) -> bool:
     """The trained model's score on the task (task.json, built here from `examples`, the recipe's whole data, when
     no baseline built it) as "fine_tuned", merged into task_eval.json beside the base model's scores, then
     final/task_eval.json and the scores' table in final/samples.md. A LoRA run whose base model was not scored
@@ -198,14 +229,22 @@ def _score_after(run: RunDir, recipe, trainer, tokenizer, examples: list, sharde
                 if name in scored:
                     continue
                 with model.disable_adapter():
-                    result = task_eval.score_model(model, tokenizer, run.root, task, name, shots,
-                                                   identity=recipe.model, **kw)
+                    result = task_eval.score_model(
+                        model, tokenizer, run.root, task, name, shots, identity=recipe.model, **kw
+                    )
                 if writes:
                     task_eval.record(run.root, task, name, result)
                     _say(f"task eval: {name} (the adapter switched off): {result['score']:.1%}")
         # a run trained further (a resume with more steps) answers again; a restart at the same step resumes
-        result = task_eval.score_model(model, tokenizer, run.root, task, task_eval.FINE_TUNED,
-                                       identity=f"{recipe.model} step {trainer.state.global_step}", **kw)
+        result = task_eval.score_model(
+            model,
+            tokenizer,
+            run.root,
+            task,
+            task_eval.FINE_TUNED,
+            identity=f"{recipe.model} step {trainer.state.global_step}",
+            **kw,
+        )
     except StopRequested as where:
         _say(f"task eval: stopped after {where} answers of this model (kept in {run.task_answers})")
         return False
@@ -219,14 +258,17 @@ def _score_after(run: RunDir, recipe, trainer, tokenizer, examples: list, sharde
     path = publish_scores(run, results)
     from launcher.worker import trackers
 
-    logged = trackers.log_scores(run.root, [t for t in recipe.report_to if t != "none"], results["scores"],
-                                 trainer.state.global_step)
+    logged = trackers.log_scores(
+        run.root, [t for t in recipe.report_to if t != "none"], results["scores"], trainer.state.global_step
+    )
     if logged:
         _say(f"task eval: the scores are summary metrics (task/...) of the tracked run in {', '.join(logged)}")
     base = results["scores"].get(task_eval.BASE_ZERO_SHOT)
-    _say(f"task eval: fine-tuned {result['score']:.1%} {task['metric']} on {result['examples']} held-out examples"
-         + (f" (base model zero-shot {base:.1%})" if base is not None else "")
-         + f", {time.monotonic() - t0:.1f} s: {path}")
+    _say(
+        f"task eval: fine-tuned {result['score']:.1%} {task['metric']} on {result['examples']} held-out examples"
+        + (f" (base model zero-shot {base:.1%})" if base is not None else "")
+        + f", {time.monotonic() - t0:.1f} s: {path}"
+    )
     return True
 
 

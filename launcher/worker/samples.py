@@ -22,14 +22,17 @@ MARKDOWN = "samples.md"  # in final/
 DATA = "samples.json"  # in final/
 
 
-def pick(examples: list, held_out: list[int], train: list[int], n: int, seed: int,
-         file: Optional[str] = None) -> list[dict[str, Any]]:
+def pick(
+    examples: list, held_out: list[int], train: list[int], n: int, seed: int, file: Optional[str] = None
+) -> list[dict[str, Any]]:
     """n prompts: the messages before an example's last assistant turn, with that turn as the reference.
     From the held-out examples when there are any, else from the training data; a seeded draw. `file`: where
     the examples' numbers count from (samples.md names it)."""
     pool, source = (held_out, "eval split") if held_out else (train, "training data")
-    return [{"index": p.pop("index"), "source": source, "file": file, **p}
-            for p in task_examples.pick(examples, pool, n, seed, salt="samples")]
+    return [
+        {"index": p.pop("index"), "source": source, "file": file, **p}
+        for p in task_examples.pick(examples, pool, n, seed, salt="samples")
+    ]
 
 
 def generate(model, tokenizer, prompts: list[dict[str, Any]], max_new_tokens: int, synced: bool = False) -> list[str]:
@@ -46,13 +49,23 @@ def generate(model, tokenizer, prompts: list[dict[str, Any]], max_new_tokens: in
         model.eval()
         try:
             for p in prompts:
-                text = p["text"] if "text" in p else \
-                    tokenizer.apply_chat_template(p["messages"], tokenize=False, add_generation_prompt=True)
+                text = (
+                    p["text"]
+                    if "text" in p
+                    else tokenizer.apply_chat_template(p["messages"], tokenize=False, add_generation_prompt=True)
+                )
                 enc = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(device)
-                out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True,
-                                     pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
-                                     else tokenizer.eos_token_id, synced_gpus=synced)
-                answers.append(tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip())
+                out = model.generate(
+                    **enc,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    use_cache=True,
+                    pad_token_id=tokenizer.pad_token_id
+                    if tokenizer.pad_token_id is not None
+                    else tokenizer.eos_token_id,
+                    synced_gpus=synced,
+                )
+                answers.append(tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True).strip())
         finally:
             model.train(was_training)
     return answers
@@ -65,16 +78,31 @@ def read_before(path: Path) -> Optional[dict[str, Any]]:
         return None
 
 
-def write_before(path: Path, prompts: list[dict[str, Any]], answers: list[str], max_new_tokens: int,
-                 seconds: float) -> None:
+def write_before(
+    path: Path, prompts: list[dict[str, Any]], answers: list[str], max_new_tokens: int, seconds: float
+) -> None:
     from launcher.store.checkpoint import atomic_write_json
 
-    atomic_write_json(path, {"max_new_tokens": max_new_tokens, "seconds": round(seconds, 3), "generated": time.time(),
-                             "samples": [{**p, "before": a} for p, a in zip(prompts, answers)]})
+    atomic_write_json(
+        path,
+        {
+            "max_new_tokens": max_new_tokens,
+            "seconds": round(seconds, 3),
+            "generated": time.time(),
+            "samples": [{**p, "before": a} for p, a in zip(prompts, answers)],
+        },
+    )
 
 
-def before_callback(path: Path, prompts: list[dict[str, Any]], max_new_tokens: int, tokenizer, writes: bool,
-                    synced: bool, say: Callable[[str], None]):
+def before_callback(
+    path: Path,
+    prompts: list[dict[str, Any]],
+    max_new_tokens: int,
+    tokenizer,
+    writes: bool,
+    synced: bool,
+    say: Callable[[str], None],
+):
     """A trainer callback: at the start of training from step 0 (the base model, LoRA's B still zero), answer the
     prompts unless samples-before.json exists. Under a sharding engine every process generates (synced)."""
     from transformers import TrainerCallback
@@ -91,20 +119,33 @@ def before_callback(path: Path, prompts: list[dict[str, Any]], max_new_tokens: i
             try:
                 answers = generate(model, tokenizer, prompts, max_new_tokens, synced)
             except Exception as exc:  # evidence, not training: a failure is said once and training goes on
-                say(f"samples: the base model's answers could not be generated ({type(exc).__name__}: {exc}); "
-                    "final/samples.md will have only the answers after training")
+                say(
+                    f"samples: the base model's answers could not be generated ({type(exc).__name__}: {exc}); "
+                    "final/samples.md will have only the answers after training"
+                )
                 return
             self.seconds = time.monotonic() - t0
             if writes:
                 write_before(path, prompts, answers, max_new_tokens, self.seconds)
-                say(f"samples: the base model answered {len(answers)} prompt(s) in {self.seconds:.1f} s "
-                    f"({path.name}; answered again after training)")
+                say(
+                    f"samples: the base model answered {len(answers)} prompt(s) in {self.seconds:.1f} s "
+                    f"({path.name}; answered again after training)"
+                )
 
     return Before()
 
 
-def write_after(final: Path, before: Optional[dict[str, Any]], prompts: list[dict[str, Any]], answers: list[str],
-                *, run_name: str, step: int, max_new_tokens: int, start: str = "base model") -> Path:
+def write_after(
+    final: Path,
+    before: Optional[dict[str, Any]],
+    prompts: list[dict[str, Any]],
+    answers: list[str],
+    *,
+    run_name: str,
+    step: int,
+    max_new_tokens: int,
+    start: str = "base model",
+) -> Path:
     """final/samples.md and final/samples.json from the before record and the answers after training. `start`: what
     answered before training (a run with init_from starts from its parent adapter, not the base model)."""
     from launcher.store.checkpoint import atomic_write_json
@@ -114,17 +155,25 @@ def write_after(final: Path, before: Optional[dict[str, Any]], prompts: list[dic
     final.mkdir(parents=True, exist_ok=True)
     atomic_write_json(final / DATA, {"step": step, "max_new_tokens": max_new_tokens, "samples": rows})
     source = rows[0]["source"] if rows else "eval split"
-    where = ("held out in the eval split: never trained on" if source == "eval split"
-             else "from the training data (the recipe has no eval split): the model trained on these")
-    lines = [f"# Before and after: {run_name}", "",
-             f"{len(rows)} prompt(s) {where}, answered greedily (at most {max_new_tokens} new tokens) by the {start} "
-             f"before training and by the fine-tuned model after step {step}.", ""]
+    where = (
+        "held out in the eval split: never trained on"
+        if source == "eval split"
+        else "from the training data (the recipe has no eval split): the model trained on these"
+    )
+    lines = [
+        f"# Before and after: {run_name}",
+        "",
+        f"{len(rows)} prompt(s) {where}, answered greedily (at most {max_new_tokens} new tokens) by the {start} "
+        f"before training and by the fine-tuned model after step {step}.",
+        "",
+    ]
     for k, r in enumerate(rows, start=1):
         lines += [f"## {k}. example {r['index'] + 1} of {r.get('file') or 'the data'}", "", "**Prompt**", ""]
         lines += _quote("\n\n".join(f"[{m['role']}] {m['content']}" for m in r["messages"]))
         lines += ["", "**Reference**", ""] + _quote(r["reference"])
         lines += ["", f"**Before** ({start})", ""] + (
-            _quote(r["before"]) if r["before"] is not None else ["_(not recorded)_"])
+            _quote(r["before"]) if r["before"] is not None else ["_(not recorded)_"]
+        )
         lines += ["", f"**After** (step {step})", ""] + _quote(r["after"]) + [""]
     path = final / MARKDOWN
     tmp = path.with_suffix(".md.tmp")
@@ -135,8 +184,11 @@ def write_after(final: Path, before: Optional[dict[str, Any]], prompts: list[dic
 
 SCORES_HEADING = "## Task evaluation"
 # the rows of the scores' table, in this order (others, e.g. exports, after them)
-SCORE_ROWS = {"base_zero_shot": "base model, zero-shot", "base_few_shot": "base model, {shots} examples in the prompt",
-              "fine_tuned": "fine-tuned"}
+SCORE_ROWS = {
+    "base_zero_shot": "base model, zero-shot",
+    "base_few_shot": "base model, {shots} examples in the prompt",
+    "fine_tuned": "fine-tuned",
+}
 
 
 def scores_table(results: dict[str, Any]) -> list[str]:
@@ -146,10 +198,15 @@ def scores_table(results: dict[str, Any]) -> list[str]:
         return [SCORES_HEADING, "", f"Not scored: {why}" + (f" ({results['fix']})" if results.get("fix") else ""), ""]
     scores, details, speed = results["scores"], results.get("details", {}), results.get("generation", {})
     names = [n for n in SCORE_ROWS if n in scores] + [n for n in scores if n not in SCORE_ROWS]
-    lines = [SCORES_HEADING, "",
-             f"{results['examples']} held-out examples, answered greedily; metric **{results['metric']}**: "
-             f"{results['metric_reason']}.", "",
-             "| model | score | details | tokens/s |", "|---|---:|---|---:|"]
+    lines = [
+        SCORES_HEADING,
+        "",
+        f"{results['examples']} held-out examples, answered greedily; metric **{results['metric']}**: "
+        f"{results['metric_reason']}.",
+        "",
+        "| model | score | details | tokens/s |",
+        "|---|---:|---|---:|",
+    ]
     for n in names:
         label = SCORE_ROWS.get(n, n).format(shots=results.get("shots"))
         if n in ("base_zero_shot", "base_few_shot"):  # init_from: the parent adapter's scores (task_verdict)

@@ -91,8 +91,7 @@ def _weights_dtype(model: str) -> Optional[str]:
         header = read_header(first)
     except ArtifactError:
         return None
-    return next((_SAFETENSORS_FLOAT[t["dtype"]] for t in header.values() if t.get("dtype") in _SAFETENSORS_FLOAT),
-                None)
+    return next((_SAFETENSORS_FLOAT[t["dtype"]] for t in header.values() if t.get("dtype") in _SAFETENSORS_FLOAT), None)
 
 
 def cast_state_dict(state: dict[str, Any], dtype) -> dict[str, Any]:
@@ -190,7 +189,8 @@ def recast_folder(folder: Path, dtype) -> bool:
     if changed and index.is_file():  # the index's total_size counts the bytes as they are now
         data = json.loads(index.read_text())
         data.setdefault("metadata", {})["total_size"] = sum(
-            t["data_offsets"][1] - t["data_offsets"][0] for f in weight_files(folder) for t in read_header(f).values())
+            t["data_offsets"][1] - t["data_offsets"][0] for f in weight_files(folder) for t in read_header(f).values()
+        )
         tmp = index.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
         os.replace(tmp, index)

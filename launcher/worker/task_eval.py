@@ -59,8 +59,15 @@ def task_for_run(run: RunDir, recipe, examples: list, write: bool = True, tokeni
         return json.loads(run.task.read_text())
     parts = split.for_recipe(examples, recipe)
     eval_examples = split.load_eval_data(recipe) if recipe.eval.data else None
-    task = build_task(examples, parts.held_out, parts.train, recipe.eval.task, recipe.seed, eval_examples,
-                      max_new_tokens_cap=recipe.eval.max_new_tokens)
+    task = build_task(
+        examples,
+        parts.held_out,
+        parts.train,
+        recipe.eval.task,
+        recipe.seed,
+        eval_examples,
+        max_new_tokens_cap=recipe.eval.max_new_tokens,
+    )
     if tokenizer is not None and scores(task):
         from launcher.data.chat_prompt import task_switches
 
@@ -78,6 +85,7 @@ def task_for_run(run: RunDir, recipe, examples: list, write: bool = True, tokeni
 
 # --- answering ---------------------------------------------------------------------------------------------------
 
+
 def _eos_ids(model, tokenizer) -> list[int]:
     """Where an answer ends: the tokenizer's eos and the model's generation_config eos ids (a chat model's
     end-of-turn token, e.g. <|im_end|>, besides <|endoftext|>)."""
@@ -91,12 +99,14 @@ def prompt_text(tokenizer, prompt: dict[str, Any], template_kwargs: Optional[dic
     chat-template switches, task.json chat_template_kwargs)."""
     if "text" in prompt:
         return prompt["text"]
-    return tokenizer.apply_chat_template(prompt["messages"], tokenize=False, add_generation_prompt=True,
-                                         **(template_kwargs or {}))
+    return tokenizer.apply_chat_template(
+        prompt["messages"], tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+    )
 
 
-def generate_batch(model, tokenizer, texts: list[str], max_new_tokens: int,
-                   synced: bool = False) -> list[tuple[str, int]]:
+def generate_batch(
+    model, tokenizer, texts: list[str], max_new_tokens: int, synced: bool = False
+) -> list[tuple[str, int]]:
     """(answer, new tokens up to and including its end) for each text: one greedy, left-padded generate call.
     The caller forks the RNG and sets eval mode (`answer`)."""
     import torch
@@ -114,9 +124,16 @@ def generate_batch(model, tokenizer, texts: list[str], max_new_tokens: int,
         tokenizer.padding_side = side
         if pad_token is None:
             tokenizer.pad_token = None
-    out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True, pad_token_id=pad,
-                         eos_token_id=eos or None, synced_gpus=synced)
-    new = out[:, enc["input_ids"].shape[1]:]
+    out = model.generate(
+        **enc,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        use_cache=True,
+        pad_token_id=pad,
+        eos_token_id=eos or None,
+        synced_gpus=synced,
+    )
+    new = out[:, enc["input_ids"].shape[1] :]
     ended = torch.isin(new, torch.tensor(eos, dtype=new.dtype, device=new.device))
     results = []
     for row, stops in zip(new, ended):
@@ -163,10 +180,20 @@ def _repair(path: Path) -> None:
         pass
 
 
-def answer(model, tokenizer, prompts: list[dict[str, Any]], max_new_tokens: int, path: Path, *,
-           identity: str = "", batch_size: Optional[int] = None, synced: bool = False, write: bool = True,
-           on_batch: Optional[Callable[[int, int], None]] = None,
-           template_kwargs: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
+def answer(
+    model,
+    tokenizer,
+    prompts: list[dict[str, Any]],
+    max_new_tokens: int,
+    path: Path,
+    *,
+    identity: str = "",
+    batch_size: Optional[int] = None,
+    synced: bool = False,
+    write: bool = True,
+    on_batch: Optional[Callable[[int, int], None]] = None,
+    template_kwargs: Optional[dict[str, Any]] = None,
+) -> list[dict[str, Any]]:
     """Each prompt's answer row, in the prompts' order: read from `path` where kept, else generated (batches of
     similar length, longest first) and appended there after each batch (`write`: the main process).
     The random number generators are left as they were, and so is the train/eval mode. `synced`: every process
@@ -191,12 +218,14 @@ def answer(model, tokenizer, prompts: list[dict[str, Any]], max_new_tokens: int,
             model.eval()
             try:
                 for start in range(0, len(order), size):
-                    batch = order[start:start + size]
+                    batch = order[start : start + size]
                     t0 = time.monotonic()
                     got = generate_batch(model, tokenizer, [texts[i] for i in batch], max_new_tokens, synced)
                     share = (time.monotonic() - t0) / len(batch)
-                    rows = [{"index": i, "answer": a, "new_tokens": n, "seconds": round(share, 4), "prompt": asked[i]}
-                            for i, (a, n) in zip(batch, got)]
+                    rows = [
+                        {"index": i, "answer": a, "new_tokens": n, "seconds": round(share, 4), "prompt": asked[i]}
+                        for i, (a, n) in zip(batch, got)
+                    ]
                     if write:
                         _append(path, rows)
                     kept.update({r["index"]: r for r in rows})
@@ -207,32 +236,61 @@ def answer(model, tokenizer, prompts: list[dict[str, Any]], max_new_tokens: int,
     return [kept[int(p["index"])] for p in prompts]
 
 
-def score_model(model, tokenizer, run_root: Path, task: dict[str, Any], name: str, shots: bool = False, *,
-                identity: str = "", batch_size: Optional[int] = None, synced: bool = False, write: bool = True,
-                on_batch: Optional[Callable[[int, int], None]] = None) -> dict[str, Any]:
+def score_model(
+    model,
+    tokenizer,
+    run_root: Path,
+    task: dict[str, Any],
+    name: str,
+    shots: bool = False,
+    *,
+    identity: str = "",
+    batch_size: Optional[int] = None,
+    synced: bool = False,
+    write: bool = True,
+    on_batch: Optional[Callable[[int, int], None]] = None,
+) -> dict[str, Any]:
     """The model's score on the task: {"score", "details", "examples", "seconds", "new_tokens", "tokens_per_s",
     "sdpa_backends" (the attention backends its generation ran with)}.
     `name`: its answers file (task_eval/<name>.jsonl, resumed where it stopped, for the same `identity`: see
-    `answer`); `shots`: the task's shots before each prompt. seconds and tokens count every answer, those of an earlier attempt included."""
+    `answer`); `shots`: the task's shots before each prompt. seconds and tokens count every answer, those of an
+    earlier attempt included."""
     from launcher.worker.loading import apply_sdpa_backends
 
     backends = apply_sdpa_backends()  # the export's process loads its models without select_device
     prompts = task["prompts"]
     if shots:
         prompts = [with_shots(p, task["shots"]) for p in prompts]
-    rows = answer(model, tokenizer, prompts, task["max_new_tokens"], RunDir(Path(run_root)).task_answers / f"{name}.jsonl",
-                  identity=identity, batch_size=batch_size, synced=synced, write=write, on_batch=on_batch,
-                  template_kwargs=task.get("chat_template_kwargs"))
+    rows = answer(
+        model,
+        tokenizer,
+        prompts,
+        task["max_new_tokens"],
+        RunDir(Path(run_root)).task_answers / f"{name}.jsonl",
+        identity=identity,
+        batch_size=batch_size,
+        synced=synced,
+        write=write,
+        on_batch=on_batch,
+        template_kwargs=task.get("chat_template_kwargs"),
+    )
     scored = task_metrics.score(task["metric"], [r["answer"] for r in rows], [p["reference"] for p in prompts])
     seconds = sum(float(r.get("seconds") or 0.0) for r in rows)
     new_tokens = sum(int(r.get("new_tokens") or 0) for r in rows)
-    return {"score": scored["score"], "details": scored["details"], "examples": len(rows),
-            "per_example": [round(x, 4) for x in scored["per_example"]],  # the noise of a difference (task_verdict)
-            "seconds": round(seconds, 3), "new_tokens": new_tokens,
-            "tokens_per_s": round(new_tokens / seconds, 1) if seconds > 0 else None, "sdpa_backends": backends}
+    return {
+        "score": scored["score"],
+        "details": scored["details"],
+        "examples": len(rows),
+        "per_example": [round(x, 4) for x in scored["per_example"]],  # the noise of a difference (task_verdict)
+        "seconds": round(seconds, 3),
+        "new_tokens": new_tokens,
+        "tokens_per_s": round(new_tokens / seconds, 1) if seconds > 0 else None,
+        "sdpa_backends": backends,
+    }
 
 
 # --- the results file --------------------------------------------------------------------------------------------
+
 
 def read_results(run_root: Path) -> Optional[dict[str, Any]]:
     try:
@@ -241,8 +299,9 @@ def read_results(run_root: Path) -> Optional[dict[str, Any]]:
         return None
 
 
-def record(run_root: Path, task: dict[str, Any], name: Optional[str] = None,
-           result: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+def record(
+    run_root: Path, task: dict[str, Any], name: Optional[str] = None, result: Optional[dict[str, Any]] = None
+) -> dict[str, Any]:
     """task_eval.json with `name`'s result merged in (or only the task's statement when it cannot be scored), written
     atomically; returns it. fine_tune_pays: the article's rule on base_few_shot, null until that is scored."""
     path = RunDir(Path(run_root)).task_eval
@@ -253,23 +312,32 @@ def record(run_root: Path, task: dict[str, Any], name: Optional[str] = None,
     old = read_results(run_root) or {}
     if "scores" not in old or old.get("metric") != task["metric"]:
         old = {}  # a statement written before, or another task: start over
-    results = {"metric": task["metric"], "metric_reason": task["metric_reason"], "examples": len(task["prompts"]),
-               "shots": len(task["shots"]), "max_new_tokens": task["max_new_tokens"],
-               **({"chat_template_kwargs": task["chat_template_kwargs"]} if task.get("chat_template_kwargs") else {}),
-               **({"starting_point": task["starting_point"]} if task.get("starting_point") else {}),
-               **({"capped": task["capped"]} if task.get("capped") else {}),
-               "scores": dict(old.get("scores", {})), "details": dict(old.get("details", {})),
-               "generation": dict(old.get("generation", {})), "per_example": dict(old.get("per_example", {}))}
+    results = {
+        "metric": task["metric"],
+        "metric_reason": task["metric_reason"],
+        "examples": len(task["prompts"]),
+        "shots": len(task["shots"]),
+        "max_new_tokens": task["max_new_tokens"],
+        **({"chat_template_kwargs": task["chat_template_kwargs"]} if task.get("chat_template_kwargs") else {}),
+        **({"starting_point": task["starting_point"]} if task.get("starting_point") else {}),
+        **({"capped": task["capped"]} if task.get("capped") else {}),
+        "scores": dict(old.get("scores", {})),
+        "details": dict(old.get("details", {})),
+        "generation": dict(old.get("generation", {})),
+        "per_example": dict(old.get("per_example", {})),
+    }
     if name is not None and result is not None:
         results["scores"][name] = result["score"]
         if result.get("per_example") is not None:
             results["per_example"][name] = result["per_example"]
         results["details"][name] = result["details"]
-        results["generation"][name] = {k: result[k] for k in ("seconds", "new_tokens", "tokens_per_s", "sdpa_backends")
-                                       if k in result}
+        results["generation"][name] = {
+            k: result[k] for k in ("seconds", "new_tokens", "tokens_per_s", "sdpa_backends") if k in result
+        }
     best, _ = base_score(results)  # the base model's better prompt (data/task_verdict.py)
-    results["fine_tune_pays"] = task_metrics.fine_tune_pays(best) if results["scores"].get(BASE_FEW_SHOT) is not None \
-        else None
+    results["fine_tune_pays"] = (
+        task_metrics.fine_tune_pays(best) if results["scores"].get(BASE_FEW_SHOT) is not None else None
+    )
     results["verdict"] = verdict(results)
     atomic_write_json(path, results)
     return results
@@ -277,11 +345,14 @@ def record(run_root: Path, task: dict[str, Any], name: Optional[str] = None,
 
 def progress_line(name: str, task: dict[str, Any], result: dict[str, Any]) -> str:
     speed = f", {result['tokens_per_s']:.0f} tokens/s" if result.get("tokens_per_s") else ""
-    return (f"{PREFIX} {name}: {result['score']:.1%} ({task['metric']}, {result['examples']} examples, "
-            f"{result['seconds']:.1f} s{speed})")
+    return (
+        f"{PREFIX} {name}: {result['score']:.1%} ({task['metric']}, {result['examples']} examples, "
+        f"{result['seconds']:.1f} s{speed})"
+    )
 
 
 # --- before training: the base model ---------------------------------------------------------------------------
+
 
 def load_base(recipe):
     """The base model in 16-bit (bf16 on a GPU from compute capability 8.0, fp16 below, fp32 on the CPU) on this
@@ -307,13 +378,21 @@ def load_base(recipe):
     return model, load_tokenizer(recipe)
 
 
-def score_base(run: RunDir, recipe, task: dict[str, Any], model, tokenizer,
-               say: Callable[[str], None] = print, batch_size: Optional[int] = None) -> dict[str, Any]:
+def score_base(
+    run: RunDir,
+    recipe,
+    task: dict[str, Any],
+    model,
+    tokenizer,
+    say: Callable[[str], None] = print,
+    batch_size: Optional[int] = None,
+) -> dict[str, Any]:
     """base_zero_shot and base_few_shot (the task's shots before each prompt) into task_eval.json; returns it."""
     results: dict[str, Any] = {}
     for name, shots in ((BASE_ZERO_SHOT, False), (BASE_FEW_SHOT, True)):
-        result = score_model(model, tokenizer, run.root, task, name, shots=shots, identity=recipe.model,
-                             batch_size=batch_size)
+        result = score_model(
+            model, tokenizer, run.root, task, name, shots=shots, identity=recipe.model, batch_size=batch_size
+        )
         results = record(run.root, task, name, result)
         say(progress_line(name, task, result))
     return results
@@ -333,9 +412,12 @@ def _base_phase(run_dir: Path, batch_size: Optional[int]) -> int:
             return 0
         from launcher.worker.loading import load_tokenizer
 
-        task = task_for_run(run, recipe, [] if run.task.is_file() else load_data(_data_spec(run, recipe),
-                                                                                 recipe.seed).examples,
-                            tokenizer=load_tokenizer(recipe))
+        task = task_for_run(
+            run,
+            recipe,
+            [] if run.task.is_file() else load_data(_data_spec(run, recipe), recipe.seed).examples,
+            tokenizer=load_tokenizer(recipe),
+        )
     except FtrunError as exc:  # a recipe or data the launcher would refuse: said in one line
         fix = f" Fix: {exc.fix}" if exc.fix else ""
         print(f"{PREFIX} {' '.join((exc.message + fix).split())}", file=sys.stderr, flush=True)
@@ -347,20 +429,33 @@ def _base_phase(run_dir: Path, batch_size: Optional[int]) -> int:
     t0 = time.monotonic()
     model, tokenizer = load_base(recipe)
     parent = f" with the adapter of {Path(recipe.init_from).name} (init_from)" if recipe.init_from else ""
-    print(f"{PREFIX} base model {recipe.model}{parent} loaded in {time.monotonic() - t0:.1f} s; "
-          f"{len(task['prompts'])} examples, metric {task['metric']}: {task['metric_reason']}", flush=True)
+    print(
+        f"{PREFIX} base model {recipe.model}{parent} loaded in {time.monotonic() - t0:.1f} s; "
+        f"{len(task['prompts'])} examples, metric {task['metric']}: {task['metric_reason']}",
+        flush=True,
+    )
     score_base(run, recipe, task, model, tokenizer, say=lambda line: print(line, flush=True), batch_size=batch_size)
     return 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m launcher.worker.task_eval",
-                                     description="Score a run's task (task.json) with the base model, before training.")
+    parser = argparse.ArgumentParser(
+        prog="python -m launcher.worker.task_eval",
+        description="Score a run's task (task.json) with the base model, before training.",
+    )
     parser.add_argument("--run-dir", required=True, type=Path, help="the run directory (holds recipe.yaml)")
-    parser.add_argument("--phase", required=True, choices=["base"],
-                        help="base: the base model in 16-bit, zero-shot and with the task's shots")
-    parser.add_argument("--batch-size", type=int, default=None,
-                        help=f"prompts per generate call (default {BATCH['cpu']} on the CPU, {BATCH['cuda']} on a GPU)")
+    parser.add_argument(
+        "--phase",
+        required=True,
+        choices=["base"],
+        help="base: the base model in 16-bit, zero-shot and with the task's shots",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help=f"prompts per generate call (default {BATCH['cpu']} on the CPU, {BATCH['cuda']} on a GPU)",
+    )
     args = parser.parse_args(argv)
     if not RunDir(args.run_dir).recipe.is_file():
         print(f"{PREFIX} {args.run_dir} is not a run directory (no recipe.yaml)", file=sys.stderr, flush=True)

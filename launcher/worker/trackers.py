@@ -36,7 +36,9 @@ PROJECT = "ftrun"  # wandb project, MLflow experiment, Trackio project, unless t
 
 def _installed(tracker: str) -> bool:
     if tracker == "tensorboard":  # TensorBoardCallback takes either writer
-        return importlib.util.find_spec("tensorboard") is not None or importlib.util.find_spec("tensorboardX") is not None
+        return (
+            importlib.util.find_spec("tensorboard") is not None or importlib.util.find_spec("tensorboardX") is not None
+        )
     return importlib.util.find_spec(TRACKERS[tracker].module) is not None
 
 
@@ -67,12 +69,18 @@ def check_installed(recipe, launching: bool = False) -> None:
     at the launch, before the smoke test (the trainer itself would fail only when the full run starts). At the
     launch also wandb without a login: wandb.init would fail in the detached worker, at every restart."""
     absent = missing(list(recipe.report_to))
-    if launching and "wandb" in recipe.report_to and "wandb" not in absent \
-            and os.environ.get("WANDB_MODE", "online") not in ("offline", "disabled", "dryrun") \
-            and not _wandb_has_credentials():
-        raise RecipeError("report_to names wandb, but this box has no W&B login (no WANDB_API_KEY, no `wandb login`)",
-                          fix="run `wandb login` or set WANDB_API_KEY; or set WANDB_MODE=offline to keep the run in "
-                          "RUN/wandb and send it later with `wandb sync`.")
+    if (
+        launching
+        and "wandb" in recipe.report_to
+        and "wandb" not in absent
+        and os.environ.get("WANDB_MODE", "online") not in ("offline", "disabled", "dryrun")
+        and not _wandb_has_credentials()
+    ):
+        raise RecipeError(
+            "report_to names wandb, but this box has no W&B login (no WANDB_API_KEY, no `wandb login`)",
+            fix="run `wandb login` or set WANDB_API_KEY; or set WANDB_MODE=offline to keep the run in "
+            "RUN/wandb and send it later with `wandb sync`.",
+        )
     if not absent:
         return
     packages = " ".join(TRACKERS[t].package for t in absent)
@@ -87,6 +95,7 @@ def check_installed(recipe, launching: bool = False) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # In the worker (main process of the full run)
+
 
 def load_ids(run_root: Path) -> dict[str, Any]:
     path = run_root / TRACKERS_FILE
@@ -120,11 +129,15 @@ def prepare(run_root: Path, recipe, mode: str, rank: int) -> tuple[list[str], di
         return ["none"], {}
     absent = missing(report_to)
     if absent:  # refused at the launch already; a package removed since then
-        raise RecipeError(f"report_to names {', '.join(absent)}, not installed where the worker runs",
-                          fix=f"pip install {' '.join(TRACKERS[t].package for t in absent)}")
+        raise RecipeError(
+            f"report_to names {', '.join(absent)}, not installed where the worker runs",
+            fix=f"pip install {' '.join(TRACKERS[t].package for t in absent)}",
+        )
     if "tensorboard" in report_to and not _installed("tensorboard"):
-        print("[ftrun worker] tensorboard is not installed: no event files (metrics.jsonl and loss.png still are)",
-              flush=True)
+        print(
+            "[ftrun worker] tensorboard is not installed: no event files (metrics.jsonl and loss.png still are)",
+            flush=True,
+        )
         report_to.remove("tensorboard")
     ids = load_ids(run_root)
     trainer = dict(recipe.trainer)
@@ -203,19 +216,27 @@ def _describe(tracker: str, run_root: Path, snapshot: dict[str, Any]) -> Optiona
         if run is None:
             return None
         resumed = ids.get("mlflow", {}).get("run_id") == run.info.run_id
-        ids["mlflow"] = {"run_id": run.info.run_id, "tracking_uri": os.environ.get("MLFLOW_TRACKING_URI"),
-                         "experiment_id": run.info.experiment_id}
+        ids["mlflow"] = {
+            "run_id": run.info.run_id,
+            "tracking_uri": os.environ.get("MLFLOW_TRACKING_URI"),
+            "experiment_id": run.info.experiment_id,
+        }
         _save_ids(run_root, ids)
         mlflow.log_dict(snapshot, "ftrun/recipe.json")  # the whole recipe, nested, replaced at each start
         params = [(f"ftrun.{k}", v) for k, v in _flat(snapshot).items()]
         try:  # params cannot change once logged: a resume with a changed recipe keeps the first values
             for i in range(0, len(params), 100):  # MLflow takes at most 100 params per call
-                mlflow.log_params(dict(params[i:i + 100]))
+                mlflow.log_params(dict(params[i : i + 100]))
         except mlflow.exceptions.MlflowException:
-            print("[ftrun worker] mlflow: the recipe changed since this run started; its params keep the first "
-                  "values, ftrun/recipe.json holds the current recipe", flush=True)
-        return (f"{'continuing' if resumed else 'started'} run {run.info.run_id} ({run.info.run_name}) in "
-                f"{mlflow.get_tracking_uri()}")
+            print(
+                "[ftrun worker] mlflow: the recipe changed since this run started; its params keep the first "
+                "values, ftrun/recipe.json holds the current recipe",
+                flush=True,
+            )
+        return (
+            f"{'continuing' if resumed else 'started'} run {run.info.run_id} ({run.info.run_name}) in "
+            f"{mlflow.get_tracking_uri()}"
+        )
     if tracker == "trackio":
         import trackio
 
@@ -231,8 +252,13 @@ def _describe(tracker: str, run_root: Path, snapshot: dict[str, Any]) -> Optiona
     return None
 
 
-def log_scores(run_root: Path, report_to: list[str], scores: dict[str, float], step: int,
-               say=lambda line: print(f"[ftrun worker] {line}", flush=True)) -> list[str]:
+def log_scores(
+    run_root: Path,
+    report_to: list[str],
+    scores: dict[str, float],
+    step: int,
+    say=lambda line: print(f"[ftrun worker] {line}", flush=True),
+) -> list[str]:
     """The task evaluation's scores (task/<name>: base_zero_shot, fine_tuned, merged, gguf-q4_k_m, ...) as summary
     metrics of the run's tracked runs, after training: each tracker's run is reopened by the ids in trackers.json
     (the trainer's integrations have ended theirs: MLflowCallback and TrackioCallback on_train_end), so the
@@ -251,9 +277,17 @@ def log_scores(run_root: Path, report_to: list[str], scores: dict[str, float], s
 
                 info = ids["wandb"]
                 live = wandb.run is not None and wandb.run.id == info["id"]
-                run = wandb.run if live else wandb.init(id=info["id"], project=info.get("project", PROJECT),
-                                                        resume="allow", dir=os.environ.get("WANDB_DIR", str(run_root)),
-                                                        mode=info.get("mode", "online"))
+                run = (
+                    wandb.run
+                    if live
+                    else wandb.init(
+                        id=info["id"],
+                        project=info.get("project", PROJECT),
+                        resume="allow",
+                        dir=os.environ.get("WANDB_DIR", str(run_root)),
+                        mode=info.get("mode", "online"),
+                    )
+                )
                 run.summary.update(metrics)
                 if not live:
                     run.finish()

@@ -43,22 +43,52 @@ from launcher.worker import memory  # noqa: E402
 from launcher.worker import samples  # noqa: E402
 from launcher.store.rundir import RunDir  # noqa: E402
 from launcher.worker.callbacks import (  # noqa: E402
-    TrainingComplete, _engine_check, _tracked_recipe, _write_verification, build_callbacks)
+    TrainingComplete,
+    _engine_check,
+    _tracked_recipe,
+    _write_verification,
+    build_callbacks,
+)
 from launcher.worker.checkpointing import (  # noqa: E402
-    _MANIFEST, _disk_full, _finish, _launch_identity, _launcher_started, _restore_metrics, _resume_steps_differ,
-    _verifies_resume, _writes_this_disk)
+    _MANIFEST,
+    _disk_full,
+    _finish,
+    _launch_identity,
+    _launcher_started,
+    _restore_metrics,
+    _resume_steps_differ,
+    _verifies_resume,
+    _writes_this_disk,
+)
 from launcher.worker.exits import (  # noqa: E402
-    EXIT_BAD_WORLD, EXIT_NAN, EXIT_STOPPED, _is_disk_full, _out_of_memory, _record_error,
-    _record_stop_after_training)
+    EXIT_BAD_WORLD,
+    EXIT_NAN,
+    EXIT_STOPPED,
+    _is_disk_full,
+    _out_of_memory,
+    _record_error,
+    _record_stop_after_training,
+)
+
 # the launch flow reads every exit code from here (launcher/run/supervisor.py, launcher/run/smoke.py)
 from launcher.worker.exits import EXIT_DISK_FULL, EXIT_OOM  # noqa: E402, F401
 from launcher.worker.heartbeat import BEAT  # noqa: E402
 from launcher.worker.inputs import (  # noqa: E402
-    _data_changed, _data_spec, _eval_and_prompts, _local_data, _trained_tokens)
+    _data_changed,
+    _data_spec,
+    _eval_and_prompts,
+    _local_data,
+    _trained_tokens,
+)
 from launcher.worker.loss_plot import _redraw_loss_plot  # noqa: E402
 from launcher.worker.process import _Stop, _on_signal, _rank, _say, _world_size  # noqa: E402
-from launcher.worker.results import (_answer_after, _save_final, _score_after, _write_smoke_result,  # noqa: E402
-                                     generation_speed)
+from launcher.worker.results import (
+    _answer_after,
+    _save_final,
+    _score_after,
+    _write_smoke_result,  # noqa: E402
+    generation_speed,
+)
 from launcher.worker.trainer_config import padding_free_collator, process_group_seconds, trainer_config  # noqa: E402
 
 
@@ -67,19 +97,25 @@ def load_model_and_tokenizer(recipe, device: str, dtype, plan: Optional[dict] = 
     (inside DeepSpeed's partitioned loading for ZeRO-3)."""
     from launcher.worker import loading
 
-    if (plan or {}).get("engine") == "unsloth":  # FastLanguageModel + its get_peft_model (launcher/worker/engines/unsloth.py)
+    if (plan or {}).get(
+        "engine"
+    ) == "unsloth":  # FastLanguageModel + its get_peft_model (launcher/worker/engines/unsloth.py)
         from launcher.worker.engines import unsloth as unsloth_engine
 
         model, tokenizer, source = unsloth_engine.load_model_and_tokenizer(recipe, device, dtype)
-        print(f"[ftrun worker] engine unsloth {unsloth_engine.version()}: FastLanguageModel loaded {source}"
-              f"{' in 4 bit' if recipe.method == 'qlora' else ''}; "
-              f"{'; '.join(unsloth_engine.markers(model)) or 'no Unsloth marks'}", flush=True)
+        print(
+            f"[ftrun worker] engine unsloth {unsloth_engine.version()}: FastLanguageModel loaded {source}"
+            f"{' in 4 bit' if recipe.method == 'qlora' else ''}; "
+            f"{'; '.join(unsloth_engine.markers(model)) or 'no Unsloth marks'}",
+            flush=True,
+        )
         print("[ftrun worker] " + loading.describe_model(model), flush=True)
         return model, tokenizer
     from launcher.worker.engines import loading_context
 
-    return loading.load_model_and_tokenizer(recipe, device, dtype, plan, context=loading_context(plan or {}, run_dir),
-                                            run_dir=run_dir)
+    return loading.load_model_and_tokenizer(
+        recipe, device, dtype, plan, context=loading_context(plan or {}, run_dir), run_dir=run_dir
+    )
 
 
 def run_worker(run_dir: Path, mode: str) -> int:
@@ -99,13 +135,24 @@ def run_worker(run_dir: Path, mode: str) -> int:
 
     expected_world = planned_world_size(plan)
     if _world_size() != expected_world:
-        message = (f"the plan asks for {expected_world} process(es) but {_world_size()} were started; "
-                   "refusing to train with a different engine than planned")
+        message = (
+            f"the plan asks for {expected_world} process(es) but {_world_size()} were started; "
+            "refusing to train with a different engine than planned"
+        )
         print(f"[ftrun worker] {message}", file=sys.stderr, flush=True)
-        _write_verification(run, mode, {"engine": plan.get("engine", "trl"), "world_size": _world_size(), "ok": False,
-                                        "checks": [{"check": "world size", "ok": False,
-                                                    "seen": f"{_world_size()} process(es), plan {expected_world}"}]},
-                            message)
+        _write_verification(
+            run,
+            mode,
+            {
+                "engine": plan.get("engine", "trl"),
+                "world_size": _world_size(),
+                "ok": False,
+                "checks": [
+                    {"check": "world size", "ok": False, "seen": f"{_world_size()} process(es), plan {expected_world}"}
+                ],
+            },
+            message,
+        )
         return EXIT_BAD_WORLD
 
     if plan.get("engine") == "unsloth":
@@ -117,9 +164,17 @@ def run_worker(run_dir: Path, mode: str) -> int:
             import_unsloth()
         except UnslothUnavailable as exc:
             print(f"[ftrun worker] {exc}", file=sys.stderr, flush=True)
-            _write_verification(run, mode, {"engine": "unsloth", "world_size": _world_size(), "ok": False,
-                                            "checks": [{"check": "import unsloth", "ok": False, "seen": str(exc)}]},
-                                str(exc))
+            _write_verification(
+                run,
+                mode,
+                {
+                    "engine": "unsloth",
+                    "world_size": _world_size(),
+                    "ok": False,
+                    "checks": [{"check": "import unsloth", "ok": False, "seen": str(exc)}],
+                },
+                str(exc),
+            )
             return EXIT_BAD_WORLD
 
     import peft  # noqa: F401
@@ -151,8 +206,11 @@ def run_worker(run_dir: Path, mode: str) -> int:
         memory.cap_memory(device, float(plan["memory_limit_gb"]))  # this rank's own device
     planned_device = plan.get("device")
     if planned_device and planned_device != device:
-        print(f"[ftrun worker] the plan was made for device '{planned_device}' but this process sees '{device}'",
-              file=sys.stderr, flush=True)
+        print(
+            f"[ftrun worker] the plan was made for device '{planned_device}' but this process sees '{device}'",
+            file=sys.stderr,
+            flush=True,
+        )
         return EXIT_BAD_WORLD
 
     if mode == "smoke":
@@ -172,25 +230,39 @@ def run_worker(run_dir: Path, mode: str) -> int:
             if removed:
                 print(f"[ftrun worker] removed incomplete checkpoint(s): {', '.join(removed)}", flush=True)
             # Checkpoints of this trajectory, or of an earlier one the user accepted with --allow-changes.
-            accepted = [recipe.trajectory_hash(), *json.loads(run.state.read_text()).get("accepted_recipe_hashes", [])] \
-                if run.state.is_file() else [recipe.trajectory_hash()]
+            accepted = (
+                [recipe.trajectory_hash(), *json.loads(run.state.read_text()).get("accepted_recipe_hashes", [])]
+                if run.state.is_file()
+                else [recipe.trajectory_hash()]
+            )
             found, skipped = ckpt.newest_verified(run.checkpoints, {"recipe_hash": accepted})
             for line in skipped:
                 print(f"[ftrun worker] skipping checkpoint {line}", flush=True)
             if _world_size() > 1:
                 ckpt.publish_choice(run.root / ckpt.CHOICE, _launch_identity(), found, skipped)
             if _Stop.requested:  # as the waiters do: nothing trained yet, nothing to save
-                print(f"[ftrun worker] stopped by {_Stop.signal_name} before training; "
-                      f"{found.path.name if found else 'no checkpoint'} is where the same command resumes", flush=True)
+                print(
+                    f"[ftrun worker] stopped by {_Stop.signal_name} before training; "
+                    f"{found.path.name if found else 'no checkpoint'} is where the same command resumes",
+                    flush=True,
+                )
                 return EXIT_STOPPED
         else:
             try:
-                found = ckpt.await_choice(run.root / ckpt.CHOICE, run.checkpoints, _launch_identity(),
-                                          _launcher_started(), ckpt.choice_timeout(run.checkpoints),
-                                          cancelled=lambda: _Stop.requested)
+                found = ckpt.await_choice(
+                    run.root / ckpt.CHOICE,
+                    run.checkpoints,
+                    _launch_identity(),
+                    _launcher_started(),
+                    ckpt.choice_timeout(run.checkpoints),
+                    cancelled=lambda: _Stop.requested,
+                )
             except ckpt.ChoiceCancelled:  # a clean stop (77), not a crash: nothing was trained
-                print(f"[ftrun worker] stopped by {_Stop.signal_name} while waiting for the resume checkpoint to be "
-                      "verified; nothing was trained", flush=True)
+                print(
+                    f"[ftrun worker] stopped by {_Stop.signal_name} while waiting for the resume checkpoint to be "
+                    "verified; nothing was trained",
+                    flush=True,
+                )
                 return EXIT_STOPPED
         resume_from = found
         if found is not None:
@@ -206,13 +278,21 @@ def run_worker(run_dir: Path, mode: str) -> int:
                 print(f"[ftrun worker] {note}", flush=True)
 
     if _rank() == 0:
-        info = {"pid": os.getpid(), "mode": mode, "device": device, "dtype": str(dtype).replace("torch.", ""),
-                "world_size": _world_size(), "started": time.time(),
-                "resumed_from": resume_from.path.name if resume_from else None,
-                "sdpa_backends": sdpa_state()}
+        info = {
+            "pid": os.getpid(),
+            "mode": mode,
+            "device": device,
+            "dtype": str(dtype).replace("torch.", ""),
+            "world_size": _world_size(),
+            "started": time.time(),
+            "resumed_from": resume_from.path.name if resume_from else None,
+            "sdpa_backends": sdpa_state(),
+        }
         ckpt.atomic_write_json(run.worker if mode == "full" else run.smoke_work / "worker.json", info)
         if resume_from:
-            print(f"[ftrun worker] resuming from {resume_from.path.name} (step {resume_from.step}, verified)", flush=True)
+            print(
+                f"[ftrun worker] resuming from {resume_from.path.name} (step {resume_from.step}, verified)", flush=True
+            )
             _restore_metrics(run.metrics, resume_from.path, resume_from.step)
             from launcher.worker import trackers
 
@@ -225,8 +305,10 @@ def run_worker(run_dir: Path, mode: str) -> int:
             # attempt's rows go, as a resume keeps only its checkpoint's; the base model's eval at step 0 stays (the
             # file stays, so no rank evaluates on start again)
             _restore_metrics(run.metrics, run.checkpoints, 0)
-        print(f"[ftrun worker] device {device} ({info['dtype']}), method {recipe.method}, "
-              f"{_world_size()} process(es)", flush=True)
+        print(
+            f"[ftrun worker] device {device} ({info['dtype']}), method {recipe.method}, {_world_size()} process(es)",
+            flush=True,
+        )
 
     set_seed(recipe.seed)
     # the smoke sample as the launcher wrote it (canonical lines), or the recipe's data read again: the launcher
@@ -272,8 +354,17 @@ def run_worker(run_dir: Path, mode: str) -> int:
             model.create_or_update_model_card = lambda output_dir: None
         load_seconds = time.monotonic() - loading
         first_start = mode == "full" and resume_from is None and not run.metrics.is_file()
-        args = trainer_config(recipe, run, mode, device, dtype, max_steps, out_dir, trainer_fields(plan, run.root),
-                              split.trainer_fields(recipe, eval_dataset is not None, first_start))
+        args = trainer_config(
+            recipe,
+            run,
+            mode,
+            device,
+            dtype,
+            max_steps,
+            out_dir,
+            trainer_fields(plan, run.root),
+            split.trainer_fields(recipe, eval_dataset is not None, first_start),
+        )
         if plan.get("engine") != "unsloth":
             # TRL's fused LM head: on the CPU ours, never offloaded (launcher/worker/fused_head.py)
             fused_head.install(bool(getattr(args, "activation_offloading", False)))
@@ -283,19 +374,38 @@ def run_worker(run_dir: Path, mode: str) -> int:
             if local_rank() == 0:
                 _record_error(run, differ, EXIT_BAD_WORLD)
             return EXIT_BAD_WORLD
-        meta = {"recipe_hash": recipe.trajectory_hash(), "method": recipe.method, "world_size": _world_size(),
-                "engine": plan.get("engine", "trl")}
-        cadence, metrics = build_callbacks(run, recipe, mode, device, meta, max_seconds, evaluates=eval_dataset is not None)
+        meta = {
+            "recipe_hash": recipe.trajectory_hash(),
+            "method": recipe.method,
+            "world_size": _world_size(),
+            "engine": plan.get("engine", "trl"),
+        }
+        cadence, metrics = build_callbacks(
+            run, recipe, mode, device, meta, max_seconds, evaluates=eval_dataset is not None
+        )
         sharded = plan.get("engine") in SHARDING and _world_size() > 1
-        before = samples.before_callback(run.root / samples.BEFORE_FILE, prompts, recipe.eval.max_new_tokens, tokenizer,
-                                         writes=_rank() == 0, synced=sharded, say=_say)
+        before = samples.before_callback(
+            run.root / samples.BEFORE_FILE,
+            prompts,
+            recipe.eval.max_new_tokens,
+            tokenizer,
+            writes=_rank() == 0,
+            synced=sharded,
+            say=_say,
+        )
         from launcher.worker.window import carrying
 
         # checkpoints carry the logging window's sums: the logs after a resume equal an uninterrupted run's
         trainer_cls = carrying(Trainer, say=lambda line: print(f"[ftrun worker] {line}", flush=True))
-        trainer = trainer_cls(model=model, args=args, train_dataset=dataset, eval_dataset=eval_dataset,
-                              processing_class=tokenizer, data_collator=padding_free_collator(recipe, tokenizer),
-                              callbacks=[cadence, metrics, _engine_check(run, plan, mode, lambda: trainer), before])
+        trainer = trainer_cls(
+            model=model,
+            args=args,
+            train_dataset=dataset,
+            eval_dataset=eval_dataset,
+            processing_class=tokenizer,
+            data_collator=padding_free_collator(recipe, tokenizer),
+            callbacks=[cadence, metrics, _engine_check(run, plan, mode, lambda: trainer), before],
+        )
         from transformers.trainer_callback import PrinterCallback
 
         trainer.remove_callback(PrinterCallback)  # our Metrics callback prints one compact line per log
@@ -312,8 +422,11 @@ def run_worker(run_dir: Path, mode: str) -> int:
             trainer.train(resume_from_checkpoint=str(resume_from.path) if resume_from else None)
         except TrainingComplete as done:
             if _rank() == 0:
-                print(f"[ftrun worker] {resume_from.path.name if resume_from else 'the checkpoint'} is the last step "
-                      f"({done}) of the schedule: nothing left to train, writing the final result", flush=True)
+                print(
+                    f"[ftrun worker] {resume_from.path.name if resume_from else 'the checkpoint'} is the last step "
+                    f"({done}) of the schedule: nothing left to train, writing the final result",
+                    flush=True,
+                )
     except FloatingPointError as exc:
         print(f"[ftrun worker] stopping: {exc}", file=sys.stderr, flush=True)
         return EXIT_NAN
@@ -335,18 +448,32 @@ def run_worker(run_dir: Path, mode: str) -> int:
             speed = {"generation_error": f"{type(exc).__name__}: {exc}"[:300]}
             _say(f"task eval: the generation speed could not be measured ({speed['generation_error']})")
         if _rank() == 0:
-            _write_smoke_result(run, metrics.step_times, device, cadence.timed_out, cadence.save_seconds,
-                                {"import_seconds": round(import_seconds, 3), "load_seconds": round(load_seconds, 3),
-                                 "checkpoint_bytes": ckpt.tree_bytes(out_dir),
-                                 # the eval pass and the base model's answers: priced apart from the start-up
-                                 "eval_seconds": metrics.eval_seconds, "samples_seconds": before.seconds, **speed},
-                                peak_gb=peak_gb)
+            _write_smoke_result(
+                run,
+                metrics.step_times,
+                device,
+                cadence.timed_out,
+                cadence.save_seconds,
+                {
+                    "import_seconds": round(import_seconds, 3),
+                    "load_seconds": round(load_seconds, 3),
+                    "checkpoint_bytes": ckpt.tree_bytes(out_dir),
+                    # the eval pass and the base model's answers: priced apart from the start-up
+                    "eval_seconds": metrics.eval_seconds,
+                    "samples_seconds": before.seconds,
+                    **speed,
+                },
+                peak_gb=peak_gb,
+            )
         return 0
     if cadence.stopped_by_signal and trainer.state.global_step < trainer.state.max_steps:
         code = _finish(run, device, step(), _writes_this_disk(plan, recipe, run))  # the checkpoint sealed, or why not
         if code == 0:
-            print(f"[ftrun worker] stopped at step {trainer.state.global_step} after {_Stop.signal_name}; "
-                  "checkpoint saved, resume with the same command", flush=True)
+            print(
+                f"[ftrun worker] stopped at step {trainer.state.global_step} after {_Stop.signal_name}; "
+                "checkpoint saved, resume with the same command",
+                flush=True,
+            )
         return EXIT_STOPPED if code == 0 else code
     # A stop from here on saves what training made, then skips the evidence (samples, task evaluation): a resume
     # lands at the end and answers only what is missing. Ranks that generate together (sharded) could see the stop
@@ -366,15 +493,24 @@ def run_worker(run_dir: Path, mode: str) -> int:
         # the task eval answers only what its answers file misses
         stopped = _Stop.requested and _Stop.trained
         if not stopped:
-            stopped = not _score_after(run, recipe, trainer, tokenizer, loaded.examples, sharded,
-                                       beat=lambda: BEAT.beat("export", step()),  # final/task_eval.json
-                                       stop=lambda: _Stop.requested and _Stop.trained)
+            stopped = not _score_after(
+                run,
+                recipe,
+                trainer,
+                tokenizer,
+                loaded.examples,
+                sharded,
+                beat=lambda: BEAT.beat("export", step()),  # final/task_eval.json
+                stop=lambda: _Stop.requested and _Stop.trained,
+            )
         if stopped:
             if _rank() == 0:
                 _record_stop_after_training(run, trainer.state.global_step)
-            _say(f"stopped after training (step {trainer.state.global_step}) on {_Stop.signal_name}: the final "
-                 "result and its checkpoint are saved; the same command writes the samples and the task evaluation "
-                 "left" + (", then the export" if recipe.export else ""))
+            _say(
+                f"stopped after training (step {trainer.state.global_step}) on {_Stop.signal_name}: the final "
+                "result and its checkpoint are saved; the same command writes the samples and the task evaluation "
+                "left" + (", then the export" if recipe.export else "")
+            )
             return EXIT_STOPPED
     return code
 

@@ -12,8 +12,17 @@ from launcher.store.rundir import RunDir
 from launcher.worker.process import _rank
 
 
-def trainer_config(recipe, run: RunDir, mode: str, device: str, dtype, max_steps: Optional[int], output_dir: Path,
-                   engine_fields: Optional[dict] = None, eval_fields: Optional[dict] = None):
+def trainer_config(
+    recipe,
+    run: RunDir,
+    mode: str,
+    device: str,
+    dtype,
+    max_steps: Optional[int],
+    output_dir: Path,
+    engine_fields: Optional[dict] = None,
+    eval_fields: Optional[dict] = None,
+):
     import torch
 
     Config = trl_class(recipe.objective, "config")  # the objective's configuration (launcher/methods.py)
@@ -46,8 +55,11 @@ def trainer_config(recipe, run: RunDir, mode: str, device: str, dtype, max_steps
     # older releases (the ones Unsloth pins) only know the old name.
     import dataclasses
 
-    ac = "activation_checkpointing" if any(f.name == "activation_checkpointing" for f in dataclasses.fields(Config)) \
+    ac = (
+        "activation_checkpointing"
+        if any(f.name == "activation_checkpointing" for f in dataclasses.fields(Config))
         else "gradient_checkpointing"
+    )
     fields[ac] = recipe.gradient_checkpointing
     fields[f"{ac}_kwargs"] = {"use_reentrant": False}
     if mode == "smoke" and any(f.name == "train_sampling_strategy" for f in dataclasses.fields(Config)):
@@ -75,8 +87,11 @@ def trainer_config(recipe, run: RunDir, mode: str, device: str, dtype, max_steps
     if device == "cpu" and fields.pop("activation_offloading", False):
         # trl 1.16's OffloadActivations moves saved tensors from the accelerator to CPU RAM and reads
         # torch.accelerator.current_accelerator().type, None on a CPU: on a CPU box there is nothing to offload.
-        print("[ftrun worker] trainer.activation_offloading ignored on the CPU: activations already live in CPU RAM",
-              file=sys.stderr, flush=True)
+        print(
+            "[ftrun worker] trainer.activation_offloading ignored on the CPU: activations already live in CPU RAM",
+            file=sys.stderr,
+            flush=True,
+        )
     return Config(**fields)
 
 

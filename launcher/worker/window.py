@@ -1,4 +1,5 @@
-"""The logging window's running sums, carried in each checkpoint so the logs after a resume equal an uninterrupted run's.
+"""The logging window's running sums, carried in each checkpoint so the logs after a resume equal an uninterrupted
+run's.
 
 A logged loss is the mean over the optimizer steps since the last log (`logging_steps` of them). The Trainer keeps
 that window's sum in memory and starts it from zero at a resume, so a checkpoint that falls between two logs made
@@ -106,18 +107,23 @@ def restore(trainer, checkpoint: Path) -> Optional[str]:
     import torch
 
     path = checkpoint / WINDOW_FILE
-    consequence = ("the first logged values after the resume average only the steps since the checkpoint "
-                   "(the weights are the same)")
+    consequence = (
+        "the first logged values after the resume average only the steps since the checkpoint "
+        "(the weights are the same)"
+    )
     if not path.is_file():
-        return (f"checkpoint {checkpoint.name} carries no logging-window state (saved by an earlier ftrun): "
-                f"{consequence}")
+        return (
+            f"checkpoint {checkpoint.name} carries no logging-window state (saved by an earlier ftrun): {consequence}"
+        )
     loss = getattr(trainer, "_tr_loss", None)
     if not isinstance(loss, torch.Tensor):
         return f"this trainer keeps its logging window to itself: {consequence}"
     saved = json.loads(path.read_text())
     if saved.get("step") != trainer.state.global_step:
-        return (f"{path.name} of {checkpoint.name} is for step {saved.get('step')}, the checkpoint's state for "
-                f"step {trainer.state.global_step}: {consequence}")
+        return (
+            f"{path.name} of {checkpoint.name} is for step {saved.get('step')}, the checkpoint's state for "
+            f"step {trainer.state.global_step}: {consequence}"
+        )
     sums = saved["loss_sums"]
     note = None
     if len(sums) == trainer.args.world_size:
@@ -128,8 +134,10 @@ def restore(trainer, checkpoint: Path) -> Optional[str]:
         # Another number of processes than at the save (a resume across world sizes): every rank carries the
         # mean, so the gathered mean at the next log still counts the window's earlier steps once.
         mine = sum(sums) / len(sums)
-        note = (f"{path.name} holds the loss sums of {len(sums)} process(es), this launch has "
-                f"{trainer.args.world_size}: each carries their mean")
+        note = (
+            f"{path.name} holds the loss sums of {len(sums)} process(es), this launch has "
+            f"{trainer.args.world_size}: each carries their mean"
+        )
     loss.fill_(mine)  # in place, on the Trainer's device and dtype: the loop adds to this very tensor
     trainer._globalstep_last_logged = int(saved["last_logged_step"])
     # The summary's train_loss averages the losses of this launch's steps: the carried sum is not one of them.

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 
 def _prompts(answers):
-    return [{"index": i, "messages": [{"role": "user", "content": q}], "reference": a}
-            for i, (q, a) in enumerate(zip(["The capital of France?", "What is 2 + 2?"], answers))]
+    return [
+        {"index": i, "messages": [{"role": "user", "content": q}], "reference": a}
+        for i, (q, a) in enumerate(zip(["The capital of France?", "What is 2 + 2?"], answers))
+    ]
 
 
 def test_qwen3_task_prompts_ask_with_thinking_off_when_the_answers_do_not_reason(tmp_path):
@@ -20,7 +22,9 @@ def test_qwen3_task_prompts_ask_with_thinking_off_when_the_answers_do_not_reason
     tok = AutoTokenizer.from_pretrained(str(build_tokenizer(tmp_path / "qwen3", "qwen3")))
     plain = _prompts(["Paris.", "4."])
     assert task_switches(tok, plain) == {"enable_thinking": False}
-    assert prompt_text(tok, plain[0], {"enable_thinking": False}).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert prompt_text(tok, plain[0], {"enable_thinking": False}).endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
     reasoning = _prompts(["<think>\nThe capital.\n</think>\n\nParis.", "<think>\nAdd.\n</think>\n\n4."])
     assert task_switches(tok, reasoning) == {}
 

@@ -11,12 +11,20 @@ from launcher.errors import DataError
 from helpers import HUB_REVISION, make_hub_cache  # noqa: F401 (tests/data/test_data_training.py imports it from here)
 
 GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
-TOOL_CHAT = {"messages": [
-    {"role": "user", "content": "Lights on in the kitchen"},
-    {"role": "assistant", "content": None, "tool_calls": [
-        {"type": "function", "function": {"name": "lights", "arguments": {"room": "kitchen", "on": True}}}]},
-    {"role": "tool", "name": "lights", "content": "ok"},
-    {"role": "assistant", "content": "Done.", "reasoning_content": "The tool said ok."}]}
+TOOL_CHAT = {
+    "messages": [
+        {"role": "user", "content": "Lights on in the kitchen"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"type": "function", "function": {"name": "lights", "arguments": {"room": "kitchen", "on": True}}}
+            ],
+        },
+        {"role": "tool", "name": "lights", "content": "ok"},
+        {"role": "assistant", "content": "Done.", "reasoning_content": "The tool said ok."},
+    ]
+}
 
 # A Qwen-like template that renders tool schemas, tool calls, tool results and reasoning (the tiny model's does not).
 RICH_TEMPLATE = (
@@ -49,23 +57,48 @@ def _error(spec) -> str:
 
 # -- formats --------------------------------------------------------------------------------------------------
 
+
 def test_each_format_is_detected_and_converted(tmp_path):
     cases = {
         "messages": (GOOD, GOOD, "chat messages"),
-        "alpaca": ({"instruction": "Add", "input": "1+1", "output": "2", "system": "be brief"},
-                   {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Add\n\n1+1"},
-                                 {"role": "assistant", "content": "2"}]}, "Alpaca (instruction/input/output) format, "
-                   "1 example, converted to chat"),
-        "sharegpt": ({"conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "q"},
-                                        {"from": "gpt", "value": "a"}]},
-                     {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
-                                   {"role": "assistant", "content": "a"}]}, "converted to chat"),
-        "plain": ({"prompt": "The sky is", "completion": " blue."}, {"prompt": "The sky is", "completion": " blue."},
-                  "prompt/completion format"),
-        "conversational": ({"prompt": [{"role": "user", "content": "sky?"}],
-                            "completion": [{"role": "assistant", "content": "blue"}]},
-                           {"prompt": [{"role": "user", "content": "sky?"}],
-                            "completion": [{"role": "assistant", "content": "blue"}]}, "prompt/completion"),
+        "alpaca": (
+            {"instruction": "Add", "input": "1+1", "output": "2", "system": "be brief"},
+            {
+                "messages": [
+                    {"role": "system", "content": "be brief"},
+                    {"role": "user", "content": "Add\n\n1+1"},
+                    {"role": "assistant", "content": "2"},
+                ]
+            },
+            "Alpaca (instruction/input/output) format, 1 example, converted to chat",
+        ),
+        "sharegpt": (
+            {
+                "conversations": [
+                    {"from": "system", "value": "s"},
+                    {"from": "human", "value": "q"},
+                    {"from": "gpt", "value": "a"},
+                ]
+            },
+            {
+                "messages": [
+                    {"role": "system", "content": "s"},
+                    {"role": "user", "content": "q"},
+                    {"role": "assistant", "content": "a"},
+                ]
+            },
+            "converted to chat",
+        ),
+        "plain": (
+            {"prompt": "The sky is", "completion": " blue."},
+            {"prompt": "The sky is", "completion": " blue."},
+            "prompt/completion format",
+        ),
+        "conversational": (
+            {"prompt": [{"role": "user", "content": "sky?"}], "completion": [{"role": "assistant", "content": "blue"}]},
+            {"prompt": [{"role": "user", "content": "sky?"}], "completion": [{"role": "assistant", "content": "blue"}]},
+            "prompt/completion",
+        ),
         "text": ({"text": "Once upon a time."}, {"text": "Once upon a time."}, "plain text (continued pre-training)"),
     }
     for name, (record, expected, described) in cases.items():
@@ -76,11 +109,16 @@ def test_each_format_is_detected_and_converted(tmp_path):
 
 
 def test_sharegpt_tool_turns_and_role_names(tmp_path):
-    rec = {"system": "sys", "tools": json.dumps([{"name": "lights"}]), "conversations": [
-        {"from": "human", "value": "on"},
-        {"from": "function_call", "value": json.dumps({"name": "lights", "arguments": {"on": True}})},
-        {"from": "observation", "value": "ok"},
-        {"from": "gpt", "value": "Done."}]}
+    rec = {
+        "system": "sys",
+        "tools": json.dumps([{"name": "lights"}]),
+        "conversations": [
+            {"from": "human", "value": "on"},
+            {"from": "function_call", "value": json.dumps({"name": "lights", "arguments": {"on": True}})},
+            {"from": "observation", "value": "ok"},
+            {"from": "gpt", "value": "Done."},
+        ],
+    }
     (ex,) = load_data(_write(tmp_path, [rec])).examples
     assert [m["role"] for m in ex["messages"]] == ["system", "user", "assistant", "tool", "assistant"]
     assert ex["messages"][2]["tool_calls"][0]["function"] == {"name": "lights", "arguments": {"on": True}}
@@ -93,42 +131,74 @@ def test_chat_lines_keep_tool_calls_the_tool_role_and_reasoning(tmp_path):
     # and they reach the trainer as they are: no None-filled keys on the other turns
     row = to_dataset([ex, GOOD])[1]
     assert row["messages"] == GOOD["messages"]
-    assert to_dataset([ex])[0]["messages"][1]["tool_calls"][0]["function"]["arguments"] == {"room": "kitchen", "on": True}
+    assert to_dataset([ex])[0]["messages"][1]["tool_calls"][0]["function"]["arguments"] == {
+        "room": "kitchen",
+        "on": True,
+    }
 
 
-@pytest.mark.parametrize("record, expected", [
-    ("{not json", "d.jsonl line 2: not valid JSON"),
-    ({"messages": []}, "d.jsonl line 2: 'messages' must be a non-empty list"),
-    ({"messages": [{"role": "bot", "content": "x"}]}, "line 2: messages[0].role is 'bot'; allowed: system, user, assistant, tool"),
-    ({"messages": [{"role": "user", "content": "  "}, {"role": "assistant", "content": "x"}]},
-     "line 2: messages[0] (user) has empty content"),
-    ({"messages": [{"role": "user", "content": "q"}]}, "line 2: no assistant turn"),
-    ({"messages": [{"role": "user", "content": 3}]}, "line 2: messages[0].content must be a string, found int"),
-    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [{"x": 1}]}]},
-     "line 2: messages[1].tool_calls[0] has no function name"),
-    ([1, 2], "line 2: expected a JSON object, found list"),
-])
+@pytest.mark.parametrize(
+    "record, expected",
+    [
+        ("{not json", "d.jsonl line 2: not valid JSON"),
+        ({"messages": []}, "d.jsonl line 2: 'messages' must be a non-empty list"),
+        (
+            {"messages": [{"role": "bot", "content": "x"}]},
+            "line 2: messages[0].role is 'bot'; allowed: system, user, assistant, tool",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "  "}, {"role": "assistant", "content": "x"}]},
+            "line 2: messages[0] (user) has empty content",
+        ),
+        ({"messages": [{"role": "user", "content": "q"}]}, "line 2: no assistant turn"),
+        ({"messages": [{"role": "user", "content": 3}]}, "line 2: messages[0].content must be a string, found int"),
+        (
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [{"x": 1}]}]},
+            "line 2: messages[1].tool_calls[0] has no function name",
+        ),
+        ([1, 2], "line 2: expected a JSON object, found list"),
+    ],
+)
 def test_bad_chat_line_is_named_with_its_field(tmp_path, record, expected):
     message = _error(_write(tmp_path, [GOOD, record, GOOD]))
     assert expected in message
     assert "1 bad record of 3" in message
 
 
-@pytest.mark.parametrize("first, bad, expected", [
-    ({"instruction": "q", "output": "a"}, {"instruction": "q", "output": ""}, "line 2: 'output' is empty"),
-    ({"instruction": "q", "output": "a"}, {"instruction": "q", "input": "x"}, "line 2: no 'output' key"),
-    ({"instruction": "q", "output": "a"}, {"instruction": 5, "output": "a"}, "line 2: 'instruction' must be a string"),
-    ({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]},
-     {"conversations": [{"from": "robot", "value": "q"}]}, "line 2: conversations[0].from is 'robot'"),
-    ({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]},
-     {"conversations": [{"from": "human", "value": "q"}]}, "line 2: no assistant turn in 'conversations'"),
-    ({"prompt": "p", "completion": "c"}, {"prompt": "p", "completion": 3}, "line 2: 'prompt' and 'completion' must both"),
-    ({"prompt": "p", "completion": "c"}, {"prompt": [{"role": "user", "content": "p"}],
-                                          "completion": [{"role": "assistant", "content": "c"}]},
-     "line 2: this record is conversational prompt/completion (messages) but the first was plain"),
-    ({"text": "a"}, {"text": ""}, "line 2: 'text' is empty"),
-    ({"text": "a"}, {"body": "a"}, "line 2: no 'text' key (keys present: body)"),
-])
+@pytest.mark.parametrize(
+    "first, bad, expected",
+    [
+        ({"instruction": "q", "output": "a"}, {"instruction": "q", "output": ""}, "line 2: 'output' is empty"),
+        ({"instruction": "q", "output": "a"}, {"instruction": "q", "input": "x"}, "line 2: no 'output' key"),
+        (
+            {"instruction": "q", "output": "a"},
+            {"instruction": 5, "output": "a"},
+            "line 2: 'instruction' must be a string",
+        ),
+        (
+            {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]},
+            {"conversations": [{"from": "robot", "value": "q"}]},
+            "line 2: conversations[0].from is 'robot'",
+        ),
+        (
+            {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]},
+            {"conversations": [{"from": "human", "value": "q"}]},
+            "line 2: no assistant turn in 'conversations'",
+        ),
+        (
+            {"prompt": "p", "completion": "c"},
+            {"prompt": "p", "completion": 3},
+            "line 2: 'prompt' and 'completion' must both",
+        ),
+        (
+            {"prompt": "p", "completion": "c"},
+            {"prompt": [{"role": "user", "content": "p"}], "completion": [{"role": "assistant", "content": "c"}]},
+            "line 2: this record is conversational prompt/completion (messages) but the first was plain",
+        ),
+        ({"text": "a"}, {"text": ""}, "line 2: 'text' is empty"),
+        ({"text": "a"}, {"body": "a"}, "line 2: no 'text' key (keys present: body)"),
+    ],
+)
 def test_bad_line_in_each_format_is_named_with_its_field(tmp_path, first, bad, expected):
     message = _error(_write(tmp_path, [first, bad]))
     assert expected in message, message
@@ -146,12 +216,16 @@ def test_one_error_for_a_file_in_another_format_and_counted_repeats(tmp_path):
 
 def test_mixed_formats_and_empty_sources_are_refused_with_the_reason(tmp_path):
     mixed = _write(tmp_path, [GOOD, {"text": "x"}])
-    assert "mixed formats: chat messages (role/content) from d.jsonl line 1, plain text (continued pre-training) " \
-           "from d.jsonl line 2" in _error(mixed)
+    assert (
+        "mixed formats: chat messages (role/content) from d.jsonl line 1, plain text (continued pre-training) "
+        "from d.jsonl line 2" in _error(mixed)
+    )
     # past the lines the format is detected from: the record is named, and what it looks like
     late = _write(tmp_path, [GOOD] * 25 + [{"instruction": "q", "output": "a"}], "late.jsonl")
-    assert "late.jsonl line 26: no 'messages' key (keys present: instruction, output); this record looks like Alpaca " \
-           "(instruction/input/output): one format per source" in _error(late)
+    assert (
+        "late.jsonl line 26: no 'messages' key (keys present: instruction, output); this record looks like Alpaca "
+        "(instruction/input/output): one format per source" in _error(late)
+    )
     assert "holds no records" in _error(_write(tmp_path, ["", ""], "empty.jsonl"))
     assert "is in no known format (keys: body)" in _error(_write(tmp_path, [{"body": "x"}], "odd.jsonl"))
     # sources that train differently do not mix
@@ -169,13 +243,16 @@ def test_format_and_columns_named_in_the_recipe(tmp_path):
 
 # -- sources --------------------------------------------------------------------------------------------------
 
+
 def test_json_parquet_csv_and_folders(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    (tmp_path / "a.json").write_text(json.dumps([{"instruction": "q1", "output": "a1"}, {"instruction": "q2", "output": "a2"}]))
+    (tmp_path / "a.json").write_text(
+        json.dumps([{"instruction": "q1", "output": "a1"}, {"instruction": "q2", "output": "a2"}])
+    )
     pq.write_table(pa.Table.from_pylist([{"instruction": "q3", "input": "", "output": "a3"}]), tmp_path / "b.parquet")
-    (tmp_path / "c.csv").write_text("instruction,input,output\nq4,,\"a4, with a comma\"\n")
+    (tmp_path / "c.csv").write_text('instruction,input,output\nq4,,"a4, with a comma"\n')
     assert [len(load_data(str(tmp_path / f)).examples) for f in ("a.json", "b.parquet", "c.csv")] == [2, 1, 1]
     folder = load_data(str(tmp_path))
     assert folder.where == ["a.json record 1", "a.json record 2", "b.parquet row 1", "c.csv row 1"]
@@ -213,8 +290,6 @@ def test_saved_dataset_and_hub_cache(tmp_path, monkeypatch):
     assert "is not in this box's Hugging Face cache and the Hub cannot be reached" in message
 
 
-
-
 def test_weighted_mix_and_recorded_identity(tmp_path):
     a = _write(tmp_path, [{"text": f"a{i}"} for i in range(10)], "a.jsonl")
     b = _write(tmp_path, [{"text": f"b{i}"} for i in range(10)], "b.jsonl")
@@ -234,11 +309,14 @@ def test_weighted_mix_and_recorded_identity(tmp_path):
 
 def test_load_examples_gives_conversations_for_prompts(tmp_path):
     assert load_examples(_write(tmp_path, [{"text": "t"}])) == [[{"role": "user", "content": "t"}]]
-    assert load_examples(_write(tmp_path, [{"prompt": "p", "completion": "c"}], "pc.jsonl"))[0][1] == \
-        {"role": "assistant", "content": "c"}
+    assert load_examples(_write(tmp_path, [{"prompt": "p", "completion": "c"}], "pc.jsonl"))[0][1] == {
+        "role": "assistant",
+        "content": "c",
+    }
 
 
 # -- tokens and the chat template ---------------------------------------------------------------------------
+
 
 def test_token_stats_use_the_chat_template(tiny_model):
     from transformers import AutoTokenizer
@@ -266,17 +344,30 @@ def test_token_counts_match_trl_for_text_and_prompt_completion(tiny_model):
     assert source == "tokenizer"
     assert lengths[0] == len(tok(text["text"] + tok.eos_token)["input_ids"])
     assert lengths[1] == len(tok(plain["prompt"] + plain["completion"] + tok.eos_token)["input_ids"])
-    assert lengths[2] == len(tok.apply_chat_template(conv["prompt"] + conv["completion"], tokenize=True,
-                                                     return_dict=True)["input_ids"])
+    assert lengths[2] == len(
+        tok.apply_chat_template(conv["prompt"] + conv["completion"], tokenize=True, return_dict=True)["input_ids"]
+    )
 
 
 def test_template_that_drops_tool_calls_or_reasoning_is_refused_naming_lines(tmp_path, tiny_model):
-    plain_tool = {"messages": [{"role": "user", "content": "on"},
-                               {"role": "assistant", "content": "calling", "tool_calls": [
-                                   {"type": "function", "function": {"name": "lights", "arguments": {}}}]},
-                               {"role": "tool", "content": "ok"}, {"role": "assistant", "content": "Done."}]}
-    reasoning = {"messages": [{"role": "user", "content": "q"},
-                              {"role": "assistant", "content": "a", "reasoning_content": "because"}]}
+    plain_tool = {
+        "messages": [
+            {"role": "user", "content": "on"},
+            {
+                "role": "assistant",
+                "content": "calling",
+                "tool_calls": [{"type": "function", "function": {"name": "lights", "arguments": {}}}],
+            },
+            {"role": "tool", "content": "ok"},
+            {"role": "assistant", "content": "Done."},
+        ]
+    }
+    reasoning = {
+        "messages": [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "a", "reasoning_content": "because"},
+        ]
+    }
     data = load_data(_write(tmp_path, [GOOD, plain_tool, reasoning]))
     with pytest.raises(DataError) as err:
         example_lengths(data.examples, str(tiny_model), data.where)
@@ -301,6 +392,7 @@ def test_unknown_model_falls_back_to_characters():
 
 # -- the smoke sample ---------------------------------------------------------------------------------------
 
+
 def test_smoke_sample_includes_the_longest():
     lengths = list(range(1000))
     idx = smoke_sample(lengths, 0.01, 20, seed=1)
@@ -319,6 +411,7 @@ def test_smoke_sample_holds_one_batch_of_the_longest_and_a_random_rest():
 
 # -- the recipe's data ----------------------------------------------------------------------------------------
 
+
 def test_recipe_data_is_a_path_a_hub_id_a_source_or_a_weighted_list(tmp_path, write_recipe):
     from launcher.errors import RecipeError
     from launcher.recipe import load_recipe
@@ -328,8 +421,14 @@ def test_recipe_data_is_a_path_a_hub_id_a_source_or_a_weighted_list(tmp_path, wr
     r = load_recipe(write_recipe(data="d.jsonl"))
     assert r.data == str(tmp_path / "d.jsonl") and r.snapshot()["data"] == r.data  # as before: a plain string
     assert load_recipe(write_recipe(data="tatsu-lab/alpaca")).data == "tatsu-lab/alpaca"  # a Hub id stays one
-    r = load_recipe(write_recipe(data=[{"path": "d.jsonl", "weight": 2},
-                                       {"path": "acme/chats", "split": "train_sft", "columns": {"messages": "conv"}}]))
+    r = load_recipe(
+        write_recipe(
+            data=[
+                {"path": "d.jsonl", "weight": 2},
+                {"path": "acme/chats", "split": "train_sft", "columns": {"messages": "conv"}},
+            ]
+        )
+    )
     assert r.data[0].path == str(tmp_path / "d.jsonl") and r.data[1].path == str(tmp_path / "acme" / "chats")
     r = load_recipe(write_recipe(data={"path": "d.jsonl", "format": "messages"}))
     assert len(load_data(r.data).examples) == 1
@@ -367,18 +466,36 @@ def test_changed_data_or_eval_data_is_caught_at_the_launch_and_at_a_worker_resta
 
 # -- keys ftrun does not honour are refused, never dropped -------------------------------------------------------
 
-@pytest.mark.parametrize("turn, said", [
-    ({"role": "assistant", "content": "Paris.", "weight": 0},
-     "messages[1].weight is 0 on an assistant turn: a per-turn training switch ftrun cannot honour"),
-    ({"role": "assistant", "content": "Paris.", "train": False}, "messages[1].train is False on an assistant turn"),
-    ({"role": "assistant", "content": "Paris.", "loss_mask": [0, 1]}, "messages[1] has 'loss_mask', which ftrun does not read"),
-    ({"role": "assistant", "content": "Paris.", "mask": True, "id": 7}, "messages[1] has 'id', 'mask', which ftrun does not read"),
-])
+
+@pytest.mark.parametrize(
+    "turn, said",
+    [
+        (
+            {"role": "assistant", "content": "Paris.", "weight": 0},
+            "messages[1].weight is 0 on an assistant turn: a per-turn training switch ftrun cannot honour",
+        ),
+        ({"role": "assistant", "content": "Paris.", "train": False}, "messages[1].train is False on an assistant turn"),
+        (
+            {"role": "assistant", "content": "Paris.", "loss_mask": [0, 1]},
+            "messages[1] has 'loss_mask', which ftrun does not read",
+        ),
+        (
+            {"role": "assistant", "content": "Paris.", "mask": True, "id": 7},
+            "messages[1] has 'id', 'mask', which ftrun does not read",
+        ),
+    ],
+)
 def test_a_per_turn_key_ftrun_does_not_honour_is_refused_with_its_line(tmp_path, turn, said):
     """OpenAI's and Axolotl's per-turn training weight ("weight": 0: do not train on this turn) and any other key
     in a message: refused with the line, never dropped while the turn trains anyway."""
-    rows = [{"messages": [{"role": "user", "content": "The capital of France?"},
-                          {"role": "assistant", "content": "Paris."}]}] * 3
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": "The capital of France?"},
+                {"role": "assistant", "content": "Paris."},
+            ]
+        }
+    ] * 3
     rows = rows + [{"messages": [{"role": "user", "content": "The capital of France?"}, turn]}]
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -387,25 +504,31 @@ def test_a_per_turn_key_ftrun_does_not_honour_is_refused_with_its_line(tmp_path,
 
 
 def test_a_turn_switched_on_is_what_ftrun_does_and_loads(tmp_path):
-    rows = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello.", "weight": 1}]},
-            {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello.", "train": True}]}]
+    rows = [
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello.", "weight": 1}]},
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello.", "train": True}]},
+    ]
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     data = load_data(str(path))
     assert [m for e in data.examples for m in e["messages"] if "weight" in m or "train" in m] == []
 
 
-@pytest.mark.parametrize("entry, said", [
-    ({"split": "test"}, "split: test applies to Hub datasets"),
-    ({"subset": "en"}, "subset: en applies to Hub datasets"),
-    ({"revision": "main", "split": "validation"}, "split: validation, revision: main applies to Hub datasets"),
-])
+@pytest.mark.parametrize(
+    "entry, said",
+    [
+        ({"split": "test"}, "split: test applies to Hub datasets"),
+        ({"subset": "en"}, "subset: en applies to Hub datasets"),
+        ({"revision": "main", "split": "validation"}, "split: validation, revision: main applies to Hub datasets"),
+    ],
+)
 def test_a_hub_only_option_on_a_local_file_is_refused_naming_both(tmp_path, entry, said):
     from launcher.data.sources import sources_of
 
     path = tmp_path / "d.jsonl"
-    path.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"},
-                                             {"role": "assistant", "content": "Hello."}]}) + "\n")
+    path.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}) + "\n"
+    )
     with pytest.raises(DataError) as err:
         sources_of([{"path": str(path), **entry}])
     assert said in err.value.message and str(path) in err.value.message and "read whole" in err.value.message

@@ -29,10 +29,22 @@ def _chat_rows(n: int, tag: str):
 
 def _recipe(tmp_path, tiny_model, name: str, data):
     recipe = tmp_path / f"{name}.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "model": str(tiny_model), "method": "lora", "data": data, "gradient_accumulation_steps": 1,
-        "learning_rate": 5e-3, "checkpoint_every_minutes": 10, "output_dir": str(tmp_path / name),
-        "smoke": {"min_steps": 2}, "export": [], **NO_SAMPLES}))
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "model": str(tiny_model),
+                "method": "lora",
+                "data": data,
+                "gradient_accumulation_steps": 1,
+                "learning_rate": 5e-3,
+                "checkpoint_every_minutes": 10,
+                "output_dir": str(tmp_path / name),
+                "smoke": {"min_steps": 2},
+                "export": [],
+                **NO_SAMPLES,
+            }
+        )
+    )
     return recipe
 
 
@@ -61,35 +73,65 @@ def test_every_format_and_source_trains(tmp_path, tiny_model):
     src = tmp_path / "src"
     (src / "folder").mkdir(parents=True)
     # Alpaca as JSONL, ShareGPT as parquet, messages as a JSON list and as CSV cells, text files in a folder
-    (src / "alpaca.jsonl").write_text("".join(json.dumps({"instruction": q, "input": "", "output": a}) + "\n"
-                                              for q, a in _chat_rows(8, "alpaca")))
-    pq.write_table(pa.Table.from_pylist([{"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
-                                         for q, a in _chat_rows(8, "sharegpt")]), src / "sharegpt.parquet")
+    (src / "alpaca.jsonl").write_text(
+        "".join(json.dumps({"instruction": q, "input": "", "output": a}) + "\n" for q, a in _chat_rows(8, "alpaca"))
+    )
+    pq.write_table(
+        pa.Table.from_pylist(
+            [
+                {"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
+                for q, a in _chat_rows(8, "sharegpt")
+            ]
+        ),
+        src / "sharegpt.parquet",
+    )
     msgs = [[{"role": "user", "content": q}, {"role": "assistant", "content": a}] for q, a in _chat_rows(8, "json")]
-    msgs[0] = [msgs[0][0], {"role": "tool", "content": "result"}, msgs[0][1]]  # the tool role, which this template renders
+    msgs[0] = [
+        msgs[0][0],
+        {"role": "tool", "content": "result"},
+        msgs[0][1],
+    ]  # the tool role, which this template renders
     (src / "chat.json").write_text(json.dumps([{"messages": m} for m in msgs]))
-    (src / "folder" / "a.csv").write_text("messages\n" + "".join(
-        '"' + json.dumps(m).replace('"', '""') + '"\n' for m in msgs[1:4]))
+    (src / "folder" / "a.csv").write_text(
+        "messages\n" + "".join('"' + json.dumps(m).replace('"', '""') + '"\n' for m in msgs[1:4])
+    )
     (src / "folder" / "b.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in msgs[4:]))
-    rows = [{"conversation": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]} for q, a in _chat_rows(8, "hub")]
+    rows = [
+        {"conversation": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]} for q, a in _chat_rows(8, "hub")
+    ]
     datasets.Dataset.from_list(rows).save_to_disk(str(src / "saved"))
     cache = make_hub_cache(tmp_path / "hf", "acme/chats", rows)
-    chat_mix = [{"path": str(src / "alpaca.jsonl"), "weight": 2}, str(src / "sharegpt.parquet"), str(src / "chat.json"),
-                str(src / "folder"), {"path": str(src / "saved"), "columns": {"conversations": "conversation"}},
-                {"path": "acme/chats", "columns": {"conversations": "conversation"}, "weight": 0.5}]
+    chat_mix = [
+        {"path": str(src / "alpaca.jsonl"), "weight": 2},
+        str(src / "sharegpt.parquet"),
+        str(src / "chat.json"),
+        str(src / "folder"),
+        {"path": str(src / "saved"), "columns": {"conversations": "conversation"}},
+        {"path": "acme/chats", "columns": {"conversations": "conversation"}, "weight": 0.5},
+    ]
     # the worker reads the mix itself (the Hub dataset from the cache, offline), as a full run does
-    out, record, prepared = _run(tmp_path, tiny_model, "chat", chat_mix, "smoke.enabled=false",
-                                 env={"HF_DATASETS_CACHE": cache})
-    assert "Alpaca (instruction/input/output), chat messages (role/content), ShareGPT conversations (from/value) " \
-           "format, 51 examples from 6 sources, converted to chat" in out
-    assert record["examples"] == 51 and [s["format"] for s in record["sources"]] == \
-        ["alpaca", "sharegpt", "messages", "messages", "sharegpt", "sharegpt"]
+    out, record, prepared = _run(
+        tmp_path, tiny_model, "chat", chat_mix, "smoke.enabled=false", env={"HF_DATASETS_CACHE": cache}
+    )
+    assert (
+        "Alpaca (instruction/input/output), chat messages (role/content), ShareGPT conversations (from/value) "
+        "format, 51 examples from 6 sources, converted to chat" in out
+    )
+    assert record["examples"] == 51 and [s["format"] for s in record["sources"]] == [
+        "alpaca",
+        "sharegpt",
+        "messages",
+        "messages",
+        "sharegpt",
+        "sharegpt",
+    ]
     assert record["sources"][-1]["revision"] and all(s.get("sha256") for s in record["sources"][:-1])
     assert len(prepared) == 1 and "chat (the model's chat template), 51 examples" in prepared[0]
     # plain text: no chat template, loss on every token; the smoke test alone trains it (its sample written as
     # canonical lines and read back by the worker), and a resume on changed data is refused before any training
-    (src / "text.jsonl").write_text("".join(json.dumps({"text": f"Once upon a time, story {i} began."}) + "\n"
-                                            for i in range(16)))
+    (src / "text.jsonl").write_text(
+        "".join(json.dumps({"text": f"Once upon a time, story {i} began."}) + "\n" for i in range(16))
+    )
     recipe = _recipe(tmp_path, tiny_model, "text", str(src / "text.jsonl"))
     res = ftrun("smoke", recipe, *QUICK, cwd=tmp_path, timeout=400)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -103,11 +145,24 @@ def test_every_format_and_source_trains(tmp_path, tiny_model):
     assert res.returncode != 0 and "changed since this run started" in res.stderr, res.stdout + res.stderr
 
     # prompt/completion, plain and conversational: TRL trains on the completion only
-    (src / "pc.jsonl").write_text("".join(json.dumps({"prompt": f"Question {i}: what is {i} + {i}?",
-                                                      "completion": f" {2 * i}."}) + "\n" for i in range(16)))
-    (src / "pc-chat.jsonl").write_text("".join(json.dumps(
-        {"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}],
-         "completion": [{"role": "assistant", "content": f"{2 * i}."}]}) + "\n" for i in range(16)))
+    (src / "pc.jsonl").write_text(
+        "".join(
+            json.dumps({"prompt": f"Question {i}: what is {i} + {i}?", "completion": f" {2 * i}."}) + "\n"
+            for i in range(16)
+        )
+    )
+    (src / "pc-chat.jsonl").write_text(
+        "".join(
+            json.dumps(
+                {
+                    "prompt": [{"role": "user", "content": f"What is {i} + {i}?"}],
+                    "completion": [{"role": "assistant", "content": f"{2 * i}."}],
+                }
+            )
+            + "\n"
+            for i in range(16)
+        )
+    )
     for name in ("pc", "pc-chat"):
         out, record, prepared = _run(tmp_path, tiny_model, name, str(src / f"{name}.jsonl"), "smoke.enabled=false")
         trained, total = _loss_tokens(prepared[0])

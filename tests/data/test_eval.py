@@ -88,8 +88,10 @@ def test_eval_data_is_given_like_data(tmp_path, write_recipe):
     from launcher.data.split import load_eval_data, source_name
 
     assert _recipe(tmp_path, eval={"data": "acme/support-eval"}).eval.data == "acme/support-eval"
-    hub = _recipe(tmp_path, eval={"data": {"path": "acme/support-eval", "split": "validation",
-                                           "columns": {"messages": "conversation"}}}).eval.data
+    hub = _recipe(
+        tmp_path,
+        eval={"data": {"path": "acme/support-eval", "split": "validation", "columns": {"messages": "conversation"}}},
+    ).eval.data
     assert (hub.path, hub.split, hub.columns) == ("acme/support-eval", "validation", {"messages": "conversation"})
     rows = [{"question": f"What is {i} plus {i}?", "input": "", "output": f"{2 * i}."} for i in range(12)]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "held.parquet")  # Alpaca, its instruction column renamed
@@ -99,8 +101,9 @@ def test_eval_data_is_given_like_data(tmp_path, write_recipe):
     assert len(held) == 12 and held[0]["messages"][-1] == {"role": "assistant", "content": "0."}
     assert source_name(r.eval.data) == "held.parquet"
 
-    recipe = write_recipe(max_steps=2, logging_steps=1, **{"smoke": {"enabled": False}},
-                          eval={"data": spec, "samples": 0})
+    recipe = write_recipe(
+        max_steps=2, logging_steps=1, **{"smoke": {"enabled": False}}, eval={"data": spec, "samples": 0}
+    )
     res = ftrun(recipe, "--foreground", cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     evals = [m for m in metrics(tmp_path / "run") if "eval_loss" in m]
@@ -111,10 +114,22 @@ def test_the_eta_counts_every_eval_pass_and_the_samples(tmp_path):
     from launcher.data.dataset import DataStats
     from launcher.run.smoke import estimate
 
-    recipe = _recipe(tmp_path, max_steps=100, micro_batch_size=1, gradient_accumulation_steps=1,
-                     eval={"fraction": 0.05, "every_minutes": 1})
-    stats = DataStats(examples=100, total_tokens=10_000, mean_tokens=100.0, max_tokens=100, over_max_length=0,
-                      tokens_source="tokenizer", max_length=2048)
+    recipe = _recipe(
+        tmp_path,
+        max_steps=100,
+        micro_batch_size=1,
+        gradient_accumulation_steps=1,
+        eval={"fraction": 0.05, "every_minutes": 1},
+    )
+    stats = DataStats(
+        examples=100,
+        total_tokens=10_000,
+        mean_tokens=100.0,
+        max_tokens=100,
+        over_max_length=0,
+        tokens_source="tokenizer",
+        max_length=2048,
+    )
     measured = {"tokens_per_second": 100.0, "measured_seconds": 10.0, "checkpoint_seconds": 0.0}
     base = estimate(measured, 60.0, recipe, stats, 1, 0)
     assert base["eval_seconds"] == 0.0
@@ -129,24 +144,38 @@ def test_the_eta_counts_every_eval_pass_and_the_samples(tmp_path):
     assert parts["estimated_seconds"] == pytest.approx(base["estimated_seconds"] + 30.0 + 5.0 - 7.0)
     from launcher.run.views import format_smoke  # the forecast as printed names both parts
 
-    line = format_smoke({**parts, "measured_steps": 2, "tokens_per_second": 100.0, "peak_memory_gb": 1.0,
-                         "device": "cpu", "training_tokens": 10_000, "price_per_hour_eur": 0.0})
+    line = format_smoke(
+        {
+            **parts,
+            "measured_steps": 2,
+            "tokens_per_second": 100.0,
+            "peak_memory_gb": 1.0,
+            "device": "cpu",
+            "training_tokens": 10_000,
+            "price_per_hour_eur": 0.0,
+        }
+    )
     assert "evaluation 30 s" in line and "samples 5 s" in line, line
 
 
 def test_samples_md_holds_prompt_reference_before_and_after(tmp_path):
     from launcher.worker import samples
 
-    examples = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
-                for i in range(10)] + [{"prompt": "plain prompt", "completion": "plain answer"}, {"text": "no prompt"}]
+    examples = [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+        for i in range(10)
+    ] + [{"prompt": "plain prompt", "completion": "plain answer"}, {"text": "no prompt"}]
     picked = samples.pick(examples, [3, 10, 11], [0, 1, 2], 5, 42, "d.jsonl")
     assert {p["index"] for p in picked} == {3, 10}  # plain text has nothing to prompt with
     plain = next(p for p in picked if p["index"] == 10)
     assert plain["text"] == "plain prompt" and plain["reference"] == "plain answer"  # no chat template, as it trained
-    assert samples.pick(examples, [3, 10, 11], [0, 1, 2], 5, 42) == samples.pick(examples, [3, 10, 11], [0, 1, 2], 5, 42)
+    assert samples.pick(examples, [3, 10, 11], [0, 1, 2], 5, 42) == samples.pick(
+        examples, [3, 10, 11], [0, 1, 2], 5, 42
+    )
     before = {"samples": [{**p, "before": f"base says {p['index']}"} for p in picked]}
-    path = samples.write_after(tmp_path / "final", before, picked, ["```\nfenced\n```", ""], run_name="r", step=7,
-                               max_new_tokens=16)
+    path = samples.write_after(
+        tmp_path / "final", before, picked, ["```\nfenced\n```", ""], run_name="r", step=7, max_new_tokens=16
+    )
     text = path.read_text()
     assert text.count("**Prompt**") == text.count("**Reference**") == text.count("**Before** (base model)") == 2
     assert "> base says 3" in text and "> ```" in text and "_(empty)_" in text and "after step 7" in text
@@ -154,7 +183,9 @@ def test_samples_md_holds_prompt_reference_before_and_after(tmp_path):
     data = json.loads((tmp_path / "final" / samples.DATA).read_text())
     assert [r["after"] for r in data["samples"]] == ["```\nfenced\n```", ""]
     trained = samples.pick(examples, [], [0, 1, 2], 2, 42)
-    text = samples.write_after(tmp_path / "f2", None, trained, ["x", "y"], run_name="r", step=1, max_new_tokens=4).read_text()
+    text = samples.write_after(
+        tmp_path / "f2", None, trained, ["x", "y"], run_name="r", step=1, max_new_tokens=4
+    ).read_text()
     assert "the model trained on these" in text and "_(not recorded)_" in text
     assert len(samples.summary(data["samples"])) == 6
 
@@ -164,16 +195,27 @@ def test_samples_md_of_a_run_from_a_parent_adapter_labels_its_rows_as_the_parent
     and in the scores' table (task_eval.json's starting_point)."""
     from launcher.worker import samples
 
-    examples = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
-                for i in range(6)]
+    examples = [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+        for i in range(6)
+    ]
     picked = samples.pick(examples, [4, 5], [0, 1, 2, 3], 2, 42, "d.jsonl")
     before = {"samples": [{**p, "before": "sft says"} for p in picked]}
     final = tmp_path / "final"
-    samples.write_after(final, before, picked, ["x", "y"], run_name="dpo", step=3, max_new_tokens=8,
-                        start="parent adapter, tiny-cpu")
-    samples.append_scores(final, {"metric": "text", "metric_reason": "free text", "examples": 20, "shots": 3,
-                                  "starting_point": "the base model with the adapter of tiny-cpu (init_from)",
-                                  "scores": {"base_zero_shot": 0.2, "base_few_shot": 0.15, "fine_tuned": 0.19}})
+    samples.write_after(
+        final, before, picked, ["x", "y"], run_name="dpo", step=3, max_new_tokens=8, start="parent adapter, tiny-cpu"
+    )
+    samples.append_scores(
+        final,
+        {
+            "metric": "text",
+            "metric_reason": "free text",
+            "examples": 20,
+            "shots": 3,
+            "starting_point": "the base model with the adapter of tiny-cpu (init_from)",
+            "scores": {"base_zero_shot": 0.2, "base_few_shot": 0.15, "fine_tuned": 0.19},
+        },
+    )
     text = (final / samples.MARKDOWN).read_text()
     assert text.count("**Before** (parent adapter, tiny-cpu)") == 2 and "(base model)" not in text
     assert "by the parent adapter, tiny-cpu before training" in text
@@ -187,7 +229,10 @@ def test_the_newest_training_row_and_the_newest_eval_row_are_found_apart(tmp_pat
     path = tmp_path / "metrics.jsonl"
     rows = [{"step": 0, "eval_loss": 3.0}] + [{"step": s, "loss": 10.0 / s, "pad": "x" * 100} for s in range(1, 200)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))  # the eval row lies far before the last 4 KB
-    assert last_metrics(path, "loss")["step"] == 199 and last_metrics(path, "eval_loss") == {"step": 0, "eval_loss": 3.0}
+    assert last_metrics(path, "loss")["step"] == 199 and last_metrics(path, "eval_loss") == {
+        "step": 0,
+        "eval_loss": 3.0,
+    }
     assert last_metrics(path, "grad_norm") == {} and last_metrics(path)["step"] == 199
     with path.open("a") as fh:
         fh.write(json.dumps({"step": 199, "eval_loss": 2.5}) + "\n" + '{"step": 200, "lo')  # a half-written line
@@ -198,9 +243,13 @@ def test_the_newest_training_row_and_the_newest_eval_row_are_found_apart(tmp_pat
 def test_a_run_with_an_eval_split_reports_eval_loss_and_before_after_samples(write_recipe, tmp_path):
     """Smoke test (one eval pass, the base model's answers) then the full run (eval at the start and the end,
     the answers after training): metrics.jsonl, status, TensorBoard, loss.png, final/samples.md."""
-    recipe = write_recipe(max_steps=4, checkpoint_every_minutes=30, logging_steps=2,
-                          eval={"fraction": 0.05, "every_minutes": 30, "samples": 2, "max_new_tokens": 6},
-                          trainer={"per_device_eval_batch_size": 4})
+    recipe = write_recipe(
+        max_steps=4,
+        checkpoint_every_minutes=30,
+        logging_steps=2,
+        eval={"fraction": 0.05, "every_minutes": 30, "samples": 2, "max_new_tokens": 6},
+        trainer={"per_device_eval_batch_size": 4},
+    )
     res = ftrun(recipe, "--foreground", cwd=tmp_path, timeout=600)  # 57 s alone, 197 s at load 4-10
     assert res.returncode == 0, res.stdout + res.stderr
     run = tmp_path / "run"
@@ -218,8 +267,14 @@ def test_a_run_with_an_eval_split_reports_eval_loss_and_before_after_samples(wri
     assert smoke["samples_seconds"] == round(measured["samples_seconds"], 1) and smoke["eval_seconds"] > 0
     lines = TINY_DATA.read_text().splitlines()
     held_lines = {json.dumps(json.loads(lines[i]), ensure_ascii=False) for i in held}
-    smoke_train = {json.dumps(json.loads(line), ensure_ascii=False) for line in (run / "smoke" / "data.jsonl").read_text().splitlines()}
-    smoke_eval = {json.dumps(json.loads(line), ensure_ascii=False) for line in (run / "smoke" / "eval.jsonl").read_text().splitlines()}
+    smoke_train = {
+        json.dumps(json.loads(line), ensure_ascii=False)
+        for line in (run / "smoke" / "data.jsonl").read_text().splitlines()
+    }
+    smoke_eval = {
+        json.dumps(json.loads(line), ensure_ascii=False)
+        for line in (run / "smoke" / "eval.jsonl").read_text().splitlines()
+    }
     assert smoke_eval and smoke_eval <= held_lines and not smoke_train & held_lines
     # (the printed forecast names only parts of half a second or more: the tiny model evaluates in 0.1 s;
     # test_the_eta_counts_every_eval_pass_and_the_samples checks the printed parts)

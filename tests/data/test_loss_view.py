@@ -29,7 +29,10 @@ def _example(family: str, answer: str = "Paris.", question: str = "The capital o
 def _prompt_completion(family: str, prompt: str, completion: str) -> dict:
     if FAMILIES[family].template is None:
         return {"prompt": prompt, "completion": completion}
-    return {"prompt": [{"role": "user", "content": prompt}], "completion": [{"role": "assistant", "content": completion}]}
+    return {
+        "prompt": [{"role": "user", "content": prompt}],
+        "completion": [{"role": "assistant", "content": completion}],
+    }
 
 
 def _check(model, examples, **settings):
@@ -47,6 +50,7 @@ def _refusal(model, examples, **settings) -> str:
 
 # -- the marks are TRL's labels --------------------------------------------------------------------------------
 
+
 def _trl_labels(folder: str, examples: list, tmp_path, **fields):
     """TRL 1.16's own preparation (SFTTrainer._prepare_dataset, the function the worker's trainer runs) of the
     examples, and the chat template the trainer would use (its __init__: the training template for
@@ -62,15 +66,23 @@ def _trl_labels(folder: str, examples: list, tmp_path, **fields):
     tok = AutoTokenizer.from_pretrained(folder)
     args = SFTConfig(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], **fields)
     swap = args.assistant_only_loss and not has_generation_markers(tok.chat_template)
-    trainer = SimpleNamespace(_tokenizer=tok, chat_template=get_training_chat_template(tok) if swap else None,
-                              completion_only_loss=("prompt" in examples[0]) if args.completion_only_loss is None
-                              else args.completion_only_loss)
+    trainer = SimpleNamespace(
+        _tokenizer=tok,
+        chat_template=get_training_chat_template(tok) if swap else None,
+        completion_only_loss=("prompt" in examples[0])
+        if args.completion_only_loss is None
+        else args.completion_only_loss,
+    )
     prepared = SFTTrainer._prepare_dataset(trainer, to_dataset(examples), tok, args, args.packing, None, "train")
     return [(row["input_ids"], [lab != -100 and i > 0 for i, lab in enumerate(row["labels"])]) for row in prepared]
 
 
-CASES = [(f, "chat", False) for f in CHAT_FAMILIES] + [("qwen3", "chat", True), ("gemma", "chat", True)] + \
-    [(f, "prompt_completion", False) for f in FAMILIES] + [("base", "text", False)]
+CASES = (
+    [(f, "chat", False) for f in CHAT_FAMILIES]
+    + [("qwen3", "chat", True), ("gemma", "chat", True)]
+    + [(f, "prompt_completion", False) for f in FAMILIES]
+    + [("base", "text", False)]
+)
 
 
 @pytest.mark.parametrize("family,form,assistant_only", CASES)
@@ -78,13 +90,19 @@ def test_marks_equal_what_trl_trains(tokenizers, tmp_path, family, form, assista
     if form == "chat":
         examples = [_example(family, turns=2), _example(family, "It is 4.", "What is 2 + 2?")]
     elif form == "prompt_completion":
-        examples = [_prompt_completion(family, "The capital of France is", " Paris."),
-                    _prompt_completion(family, "Reverse lamp:", " pmal")]
+        examples = [
+            _prompt_completion(family, "The capital of France is", " Paris."),
+            _prompt_completion(family, "Reverse lamp:", " pmal"),
+        ]
     else:
         examples = [{"text": "The capital of France is Paris."}, {"text": "Reverse the word lamp: pmal."}]
     # truncation included: max_length cuts the end of the first example's last answer
-    short = LossView(tokenizers[family], Settings(max_length=None, assistant_only_loss=assistant_only)) \
-        .mark(examples[0]).length - 3
+    short = (
+        LossView(tokenizers[family], Settings(max_length=None, assistant_only_loss=assistant_only))
+        .mark(examples[0])
+        .length
+        - 3
+    )
     view = LossView(tokenizers[family], Settings(max_length=short, assistant_only_loss=assistant_only))
     ours = [view.mark(e) for e in examples]
     assert ours[0].cut and not any(m.empty for m in ours)
@@ -97,6 +115,7 @@ def test_marks_equal_what_trl_trains(tokenizers, tmp_path, family, form, assista
 
 
 # -- no token trained ------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_examples_that_train_nothing_are_refused_above_the_limit(tokenizers, family):
@@ -125,6 +144,7 @@ def test_assistant_only_loss_needs_generation_markers_trl_can_supply(tokenizers)
 
 # -- the end of turn -------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("family", CHAT_FAMILIES)
 def test_each_family_ends_its_trained_turns_with_its_end_of_turn_token(tokenizers, family):
     view = LossView(tokenizers[family], Settings(max_length=4096))
@@ -145,10 +165,12 @@ def test_a_template_that_drops_the_end_of_turn_token_is_refused(tmp_path, family
 def test_an_end_of_turn_token_outside_the_generation_block_is_refused(tmp_path):
     # the classic: {% generation %} around the content only, <|im_end|> after it (TRL 1.16 only warns)
     template = FAMILIES["qwen3"].template
-    template = ("{%- for m in messages %}{%- if m.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}"
-                "{%- generation %}{{- m.content }}{%- endgeneration %}{{- '<|im_end|>\\n' }}"
-                "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
-                "{%- endfor %}")
+    template = (
+        "{%- for m in messages %}{%- if m.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}"
+        "{%- generation %}{{- m.content }}{%- endgeneration %}{{- '<|im_end|>\\n' }}"
+        "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+        "{%- endfor %}"
+    )
     folder = build_tokenizer(tmp_path / "chatml", "qwen3", template=template)
     msg = _refusal(str(folder), [_example("qwen3")], assistant_only_loss=True)
     assert "ends with 'Paris.'" in msg and "<|im_end|> is not in the trained part" in msg
@@ -172,6 +194,7 @@ def test_a_chat_dataset_on_a_model_without_a_chat_template_is_refused(tokenizers
 
 # -- max_length cuts the answers -------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_max_length_that_cuts_too_many_answers_is_refused(tokenizers, family):
     short = [_example(family)] * 95
@@ -180,17 +203,21 @@ def test_max_length_that_cuts_too_many_answers_is_refused(tokenizers, family):
     record = _check(tokenizers[family], short + [long] * 5, max_length=limit)  # 5 of 100: the limit
     assert record["stats"]["cut"] == 5 and 5 / 100 <= CUT_SHARE_LIMIT
     msg = _refusal(tokenizers[family], short[:90] + [long] * 10, max_length=limit)
-    assert msg.startswith(f"d.jsonl line 91: max_length {limit} cuts the trained part of 10 of 100 examples (10.0%, "
-                          "more than max_length_may_cut=0.05 allows)")
+    assert msg.startswith(
+        f"d.jsonl line 91: max_length {limit} cuts the trained part of 10 of 100 examples (10.0%, "
+        "more than max_length_may_cut=0.05 allows)"
+    )
     longest = LossView(tokenizers[family], Settings(max_length=None)).mark(long).length
     assert f"{longest} keeps all of them" in msg and "(p99)" in msg and "max_length_may_cut=0.10" in msg
     # the recipe's key allows more, or none
     assert _check(tokenizers[family], short[:90] + [long] * 10, max_length=limit, may_cut=0.1)["stats"]["cut"] == 10
-    assert "more than max_length_may_cut=0 allows" in _refusal(tokenizers[family], short + [long], max_length=limit,
-                                                               may_cut=0.0)
+    assert "more than max_length_may_cut=0 allows" in _refusal(
+        tokenizers[family], short + [long], max_length=limit, may_cut=0.0
+    )
 
 
 # -- the example shown, the statistics -------------------------------------------------------------------------
+
 
 def test_one_example_per_source_and_the_statistics(tokenizers, tmp_path):
     from launcher.data.dataset import load_data
@@ -198,8 +225,14 @@ def test_one_example_per_source_and_the_statistics(tokenizers, tmp_path):
     a = write_jsonl(tmp_path / "a.jsonl", [_example("qwen3")] * 3)
     b = write_jsonl(tmp_path / "b.jsonl", [_example("qwen3", "It is 4.", "What is 2 + 2?")] * 2)
     data = load_data([str(a), str(b)])
-    record = check(tokenizers["qwen3"], Settings(max_length=4096, assistant_only_loss=True), data.examples,
-                   data.where, data.origin, [s["source"] for s in data.sources])
+    record = check(
+        tokenizers["qwen3"],
+        Settings(max_length=4096, assistant_only_loss=True),
+        data.examples,
+        data.where,
+        data.origin,
+        [s["source"] for s in data.sources],
+    )
     assert [e["where"] for e in record["examples"]] == ["a.jsonl line 1", "b.jsonl line 1"]
     stats = record["stats"]
     assert stats["examples"] == 5 and 0 < stats["trained_share"] < 0.5
@@ -222,6 +255,7 @@ def test_a_long_example_is_shown_compactly():
 
 
 # -- the commands ----------------------------------------------------------------------------------------------
+
 
 def test_ftrun_data_shows_the_example_and_the_statistics(write_recipe, capsys):
     from launcher.cli import main

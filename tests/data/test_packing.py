@@ -20,19 +20,23 @@ def _examples(tiny_model):
     view = LossView(str(tiny_model), Settings(max_length=512, packing=True))
     marked = [view.mark(e) for e in load_data(TINY_DATA).examples[:4]]
     # the labels as TRL builds them: the token where trained (the first of an example is masked by the collator)
-    return [{"input_ids": m.ids, "labels": [t if tr or i == 0 else -100 for i, (t, tr) in enumerate(zip(m.ids, m.trained))]}
-            for m in marked]
+    return [
+        {"input_ids": m.ids, "labels": [t if tr or i == 0 else -100 for i, (t, tr) in enumerate(zip(m.ids, m.trained))]}
+        for m in marked
+    ]
 
 
 def _per_example_losses(model, batch, bounds):
     import torch
 
     with torch.no_grad():  # as TRL's compute_loss calls it: use_cache=False (trl/trainer/sft_trainer.py)
-        logits = model(**{k: v for k, v in batch.items() if k in ("input_ids", "position_ids", "attention_mask",
-                                                                  "use_cache")}, **({} if "use_cache" in batch else
-                                                                                    {"use_cache": False})).logits
-    losses = torch.nn.functional.cross_entropy(logits[0, :-1], batch["labels"][0, 1:], ignore_index=-100,
-                                               reduction="none")
+        logits = model(
+            **{k: v for k, v in batch.items() if k in ("input_ids", "position_ids", "attention_mask", "use_cache")},
+            **({} if "use_cache" in batch else {"use_cache": False}),
+        ).logits
+    losses = torch.nn.functional.cross_entropy(
+        logits[0, :-1], batch["labels"][0, 1:], ignore_index=-100, reduction="none"
+    )
     labels = batch["labels"][0, 1:]
     out = []
     for a, b in bounds:  # token positions [a, b) of each example; the predictions of positions a..b-1 sit at a-1..b-2

@@ -49,7 +49,9 @@ def test_the_verdict_rule_is_the_articles_one_in_five():
 
 def _chat(question, answer, system=None):
     msgs = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": answer},
+    ]
     return {"messages": msgs}
 
 
@@ -74,7 +76,11 @@ def test_the_task_is_drawn_from_held_out_examples_and_refuses_what_it_cannot_sco
     few = task_examples.build_task(examples, list(range(55, 60)), list(range(55)), _settings(), seed=0)
     assert few["too_few"] == 5 and "eval.fraction" in few["fix"]
     text = [{"text": "just text"} for _ in range(30)]
-    assert "no example has an answer" in task_examples.build_task(text, list(range(20, 30)), list(range(20)),
-                                                                 _settings(), seed=0)["not_applicable"]
-    assert "holds no examples out" in task_examples.build_task(examples, [], list(range(60)), _settings(),
-                                                               seed=0)["not_applicable"]
+    assert (
+        "no example has an answer"
+        in task_examples.build_task(text, list(range(20, 30)), list(range(20)), _settings(), seed=0)["not_applicable"]
+    )
+    assert (
+        "holds no examples out"
+        in task_examples.build_task(examples, [], list(range(60)), _settings(), seed=0)["not_applicable"]
+    )

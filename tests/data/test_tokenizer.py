@@ -16,8 +16,10 @@ from launcher.data.tokenizer import read_tokenizer
 @pytest.fixture(scope="module")
 def published(tmp_path_factory):
     root = tmp_path_factory.mktemp("published")
-    return {layout: publish_config(build_tokenizer(root / layout, family), layout)
-            for layout, (family, _) in PUBLISHED_CONFIGS.items()}
+    return {
+        layout: publish_config(build_tokenizer(root / layout, family), layout)
+        for layout, (family, _) in PUBLISHED_CONFIGS.items()
+    }
 
 
 # AutoTokenizer loads the Llama-class layouts of these byte-level test tokenizers as TokenizersBackend (transformers
@@ -60,7 +62,10 @@ def test_published_config_counts_and_marks_a_conversation(published, layout):
     assert "".join(marked.pieces) == text
     assert count(example) == len(marked.ids) == len(view.tokenizer.encode(text, add_special_tokens=False).ids)
     if layout in SAME_ENCODING:
-        assert marked.ids == reference.apply_chat_template(example["messages"], tokenize=True, return_dict=True)["input_ids"]
+        assert (
+            marked.ids
+            == reference.apply_chat_template(example["messages"], tokenize=True, return_dict=True)["input_ids"]
+        )
     assert any(marked.trained) and not marked.empty
 
 
@@ -71,9 +76,23 @@ def test_plan_reads_a_model_whose_config_has_add_bos_token(tmp_path, tiny_model,
     shutil.copytree(tiny_model, model)
     cfg_path = model / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
-    cfg.update({"add_bos_token": True, "add_eos_token": False, "legacy": False, "sp_model_kwargs": {},
-                "pad_token": None, "eos_token": {"__type": "AddedToken", "content": cfg["eos_token"], "lstrip": False,
-                                                 "normalized": False, "rstrip": False, "single_word": False}})
+    cfg.update(
+        {
+            "add_bos_token": True,
+            "add_eos_token": False,
+            "legacy": False,
+            "sp_model_kwargs": {},
+            "pad_token": None,
+            "eos_token": {
+                "__type": "AddedToken",
+                "content": cfg["eos_token"],
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+            },
+        }
+    )
     cfg_path.write_text(json.dumps(cfg))
     recipe = write_recipe(model=str(model))
     out = ftrun("plan", str(recipe), cwd=tmp_path)

@@ -24,18 +24,23 @@ from helpers import export_recipe as write_recipe  # noqa: E402
 from helpers import ftrun  # noqa: E402
 
 
-
-
 @pytest.fixture(scope="module")
 def exported(tiny_model, tmp_path_factory):
-    """One tiny LoRA run whose recipe asks for the adapter and the merged model; the supervisor exports after training."""
+    """One tiny LoRA run whose recipe asks for the adapter and the merged model; the supervisor exports after
+    training."""
     tmp = tmp_path_factory.mktemp("export")
     recipe = write_recipe(tmp / "r.yaml", tiny_model, tmp / "run", export=["adapter", "merged"])
     t0 = time.monotonic()
     res = ftrun(recipe, "--foreground", cwd=tmp)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return {"run": tmp / "run", "cwd": tmp, "recipe": recipe, "stdout": res.stdout, "stderr": res.stderr,
-            "seconds": time.monotonic() - t0}
+    return {
+        "run": tmp / "run",
+        "cwd": tmp,
+        "recipe": recipe,
+        "stdout": res.stdout,
+        "stderr": res.stderr,
+        "seconds": time.monotonic() - t0,
+    }
 
 
 def report(run: Path) -> dict:
@@ -78,10 +83,13 @@ def test_served_prompt_is_the_trained_prompt_in_vllm(exported):
     ending = rep["outputs"]["merged"]["ending"]
     assert ending["ended_with_end_of_turn"].endswith("/3") and 0 <= ending["share"] <= 1
     assert len(ending["tokens_run"]) == 3 and all(n >= 1 for n in ending["tokens_run"])
-    line = "served prompt = trained prompt (vLLM); not checked: llama-server, llama.cpp, Ollama (no GGUF in this export)"
+    line = (
+        "served prompt = trained prompt (vLLM); not checked: llama-server, llama.cpp, Ollama (no GGUF in this export)"
+    )
     log = exported["run"] / "train.log"
     assert served_line(rep) == line and f"[ftrun export] {line}" in exported["stdout"] + (
-        log.read_text() if log.is_file() else "")
+        log.read_text() if log.is_file() else ""
+    )
 
 
 def test_an_adapter_whose_template_drops_the_end_of_turn_fails_the_export(exported, tmp_path):
@@ -93,8 +101,12 @@ def test_an_adapter_whose_template_drops_the_end_of_turn_fails_the_export(export
     jinja.write_text(jinja.read_text().replace("message['content'] + '<|im_end|>\\n'", "message['content'] + '\\n'"))
     res = ftrun("export", run, cwd=tmp_path)
     assert res.returncode == 5, res.stdout[-2000:] + res.stderr[-2000:]
-    assert "vLLM (the base model with the adapter folder's tokenizer) serves another prompt than the training saw" \
-        in res.stderr and "where training had 2 '<|im_end|>'" in res.stderr and "Traceback" not in res.stderr
+    assert (
+        "vLLM (the base model with the adapter folder's tokenizer) serves another prompt than the training saw"
+        in res.stderr
+        and "where training had 2 '<|im_end|>'" in res.stderr
+        and "Traceback" not in res.stderr
+    )
     rep = report(run)
     d = rep["served_prompt"]["runtimes"]["vllm_adapter"]["first_difference"]
     assert rep["ok"] is False and d["trained"]["token"] == "<|im_end|>" and d["context"]
@@ -162,12 +174,16 @@ def test_result_files_are_as_readable_as_the_rest_of_the_run(exported):
     final = run / "final"
     want = 0o666 & ~umask()
     assert _mode(final / "export.json") == want
-    weights = [*final.glob("adapter/*.safetensors"), *final.glob("merged/*.safetensors"),
-               *run.glob("checkpoints/step-*/*.safetensors")]
+    weights = [
+        *final.glob("adapter/*.safetensors"),
+        *final.glob("merged/*.safetensors"),
+        *run.glob("checkpoints/step-*/*.safetensors"),
+    ]
     assert {p.relative_to(run).parts[:2] for p in weights} >= {("final", "adapter"), ("final", "merged")}
     assert any(p.parts[-3] == "checkpoints" for p in weights), "no checkpoint kept to check"
     assert {str(p.relative_to(run)): oct(_mode(p)) for p in weights} == {
-        str(p.relative_to(run)): oct(want) for p in weights}
+        str(p.relative_to(run)): oct(want) for p in weights
+    }
     assert _mode(final / "merged") == 0o777 & ~umask()
 
     # `ftrun export` run by hand: what it leaves in final/ gets the same mode, even when it refuses
@@ -183,8 +199,10 @@ def test_the_merge_line_names_both_dtypes(exported):
     rep = report(exported["run"])
     merge = rep["placement"]["merge"]["dtype"]
     assert rep["export_dtype"] == "bfloat16"
-    assert (f"merging the adapter into the {merge} base; the merged model is saved in bfloat16"
-            in exported["stdout"] + exported["stderr"])
+    assert (
+        f"merging the adapter into the {merge} base; the merged model is saved in bfloat16"
+        in exported["stdout"] + exported["stderr"]
+    )
 
 
 def test_the_export_prints_no_loading_bars(exported, tmp_path):
@@ -195,9 +213,14 @@ def test_the_export_prints_no_loading_bars(exported, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(exported["run"], run, ignore=shutil.ignore_patterns("checkpoints"))  # the fixture's stays as it is
     env = {k: v for k, v in os.environ.items() if not k.endswith("_DISABLE_PROGRESS_BARS")}
-    res = subprocess.run([sys.executable, "-m", "launcher.deliver.export", "--run-dir", str(run), "--formats", "adapter"],
-                         cwd=tmp_path, env={**env, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"},
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "launcher.deliver.export", "--run-dir", str(run), "--formats", "adapter"],
+        cwd=tmp_path,
+        env={**env, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "loading the base" in res.stdout  # a model was loaded: the bar would have been drawn
     assert "Loading weights" not in res.stdout + res.stderr, res.stderr[-2000:]
@@ -238,9 +261,7 @@ def test_loss_png_and_status_show_the_run(exported):
     assert s["export"]["state"] == "succeeded" and s["elapsed_seconds"] > 0
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--gguf", "q3_k_s"], "unknown GGUF type 'q3_k_s'"),
-])
+@pytest.mark.parametrize("args, needle", [(["--gguf", "q3_k_s"], "unknown GGUF type 'q3_k_s'")])
 def test_bad_export_input_is_one_paragraph(exported, args, needle):
     res = ftrun("export", exported["run"], *args, cwd=exported["cwd"])
     assert res.returncode == 2 and needle in res.stderr
@@ -299,8 +320,13 @@ def test_split_rule_and_vllm_rank():
 
     assert split_rule({"pre_tokenizer": {"type": "ByteLevel", "use_regex": True}}) == "gpt-2"
     for regex, name in KNOWN_SPLITS.items():
-        seq = {"type": "Sequence", "pretokenizers": [{"type": "Split", "pattern": {"Regex": regex}},
-                                                    {"type": "ByteLevel", "use_regex": False}]}
+        seq = {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": regex}},
+                {"type": "ByteLevel", "use_regex": False},
+            ],
+        }
         assert split_rule({"pre_tokenizer": seq}) == name
     assert split_rule({"pre_tokenizer": {"type": "Metaspace"}}) is None
     assert [vllm_lora_rank(r) for r in (4, 8, 16, 24, 64, 600)] == [8, 8, 16, 32, 64, 512]
@@ -319,15 +345,25 @@ def test_modelfile_template_stops_and_tools(tiny_model):
     eos = {tok.convert_tokens_to_ids("<|endoftext|>")}
     mf = modelfile("run-Q4_K_M.gguf", tok, convs, 256, eos_ids=eos)
     ollama = mf["check"].pop("ollama")  # the TEMPLATE is what Ollama renders (launcher/deliver/ollama_template.py)
-    assert mf["check"] == {"derived": True, "tools": False, "thinking": False,
-                           "stop": ["<|im_end|>", "<|endoftext|>"], "prompts": 3, "identical": 3}
-    assert ollama["path"] == "go" and ollama["template_from"] == "the Modelfile's TEMPLATE" and "serve_with" not in ollama
+    assert mf["check"] == {
+        "derived": True,
+        "tools": False,
+        "thinking": False,
+        "stop": ["<|im_end|>", "<|endoftext|>"],
+        "prompts": 3,
+        "identical": 3,
+    }
+    assert (
+        ollama["path"] == "go" and ollama["template_from"] == "the Modelfile's TEMPLATE" and "serve_with" not in ollama
+    )
     text = mf["text"]
     assert "FROM ./run-Q4_K_M.gguf" in text and "{{ .Content }}<|im_end|>" in text
     assert 'PARAMETER stop "<|im_end|>"\nPARAMETER stop "<|endoftext|>"' in text and "PARAMETER num_ctx 256" in text
-    tok.chat_template = ("{%- if tools %}<|im_start|>system\n{{ tools | tojson }}<|im_end|>\n{%- endif %}"
-                         "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
-                         "{%- if add_generation_prompt %}<|im_start|>assistant\n<think>\n{%- endif %}")
+    tok.chat_template = (
+        "{%- if tools %}<|im_start|>system\n{{ tools | tojson }}<|im_end|>\n{%- endif %}"
+        "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
+        "{%- if add_generation_prompt %}<|im_start|>assistant\n<think>\n{%- endif %}"
+    )
     mf = modelfile("run-Q4_K_M.gguf", tok, convs, 256, eos_ids=eos)
     assert mf["check"]["tools"] and mf["check"]["thinking"] and not mf["check"]["derived"]
     assert not any(line.startswith("TEMPLATE") for line in mf["text"].splitlines())
@@ -339,17 +375,27 @@ def test_plot_skips_bad_lines_and_never_raises(tmp_path):
     from launcher.deliver.plots import plot_loss, refresh
 
     m = tmp_path / "metrics.jsonl"
-    m.write_text("".join(json.dumps({"step": i, "loss": 3 - i * 0.1, "learning_rate": 1e-3}) + "\n" for i in range(1, 6))
-                 + '{"step": 6, "lo')
+    m.write_text(
+        "".join(json.dumps({"step": i, "loss": 3 - i * 0.1, "learning_rate": 1e-3}) + "\n" for i in range(1, 6))
+        + '{"step": 6, "lo'
+    )
     out = plot_loss(m, tmp_path / "loss.png")
     assert out and out.read_bytes()[:4] == b"\x89PNG"
     assert refresh(tmp_path / "missing") is None
 
 
 def test_export_modules_import_light():
-    code = ("import sys; import launcher.deliver.export, launcher.deliver.plots, launcher.deliver.serving, launcher.deliver.llamacpp; "
-            "heavy = [m for m in ('torch', 'transformers', 'matplotlib', 'gguf', 'peft') if m in sys.modules]; "
-            "print(heavy); assert not heavy")
-    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=str(REPO)))
+    code = (
+        "import sys; import launcher.deliver.export, launcher.deliver.plots, launcher.deliver.serving, "
+        "launcher.deliver.llamacpp; "
+        "heavy = [m for m in ('torch', 'transformers', 'matplotlib', 'gguf', 'peft') if m in sys.modules]; "
+        "print(heavy); assert not heavy"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     assert res.returncode == 0, res.stdout + res.stderr

@@ -27,6 +27,7 @@ def _stub_cuda(monkeypatch, free: list[float]):
 # ---------------------------------------------------------------------------------------------
 # The choice, with the device queries stubbed
 
+
 def test_gpu_box_compares_in_float32_on_one_gpu_and_merges_there(monkeypatch):
     import torch
 
@@ -60,14 +61,24 @@ def test_70b_on_two_24gb_cards_splits_over_gpus_and_ram_and_refuses_a_merge_it_c
     import torch
 
     from launcher.errors import FtrunError
-    from launcher.deliver.placement import GPU_RESERVE, HEADROOM, RAM_RESERVE, free_gpu_memory, merge_placement, parity_placement
+    from launcher.deliver.placement import (
+        GPU_RESERVE,
+        HEADROOM,
+        RAM_RESERVE,
+        free_gpu_memory,
+        merge_placement,
+        parity_placement,
+    )
 
     _stub_cuda(monkeypatch, [24 * GB, 24 * GB])
     n = 70_000_000_000
     p = parity_placement(n, torch.bfloat16, free_gpu_memory(), ram=128 * GB)
     assert p.device_map == "auto" and p.dtype == "bfloat16"
-    assert p.max_memory == {0: int((24 * GB - GPU_RESERVE) / HEADROOM), 1: int((24 * GB - GPU_RESERVE) / HEADROOM),
-                            "cpu": int((128 * GB - RAM_RESERVE) / HEADROOM)}
+    assert p.max_memory == {
+        0: int((24 * GB - GPU_RESERVE) / HEADROOM),
+        1: int((24 * GB - GPU_RESERVE) / HEADROOM),
+        "cpu": int((128 * GB - RAM_RESERVE) / HEADROOM),
+    }
     assert "disk" not in p.max_memory  # parity never offloads to disk (see the sources in placement.py)
     with pytest.raises(FtrunError, match="about 163.0 GB of RAM, and this box has 128.0 GB") as err:
         merge_placement(n, torch.bfloat16, free_gpu_memory(), ram=128 * GB)
@@ -92,6 +103,7 @@ def test_cpu_box_without_room_for_float32_compares_in_16_bit_on_the_cpu_and_merg
 # ---------------------------------------------------------------------------------------------
 # Real loads and exports on CPU
 
+
 @pytest.fixture(scope="module")
 def finished_run(tiny_model, tmp_path_factory) -> Path:
     """A LoRA run as training leaves it (recipe.yaml, final/adapter with tokenizer), with a seeded non-zero adapter
@@ -102,13 +114,23 @@ def finished_run(tiny_model, tmp_path_factory) -> Path:
 
     run = tmp_path_factory.mktemp("placement") / "run"
     (run / "final").mkdir(parents=True)
-    (run / "recipe.yaml").write_text(yaml.safe_dump({"model": str(tiny_model), "method": "lora",
-                                                     "data": str(TINY_DATA), "max_length": 256,
-                                                     "output_dir": str(run), "export": ["adapter"]}))
+    (run / "recipe.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "model": str(tiny_model),
+                "method": "lora",
+                "data": str(TINY_DATA),
+                "max_length": 256,
+                "output_dir": str(run),
+                "export": ["adapter"],
+            }
+        )
+    )
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
     torch.manual_seed(0)
-    peft_model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear",
-                                                  task_type="CAUSAL_LM"))
+    peft_model = get_peft_model(
+        model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
+    )
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
@@ -131,8 +153,12 @@ def test_a_model_split_onto_disk_is_used_where_it_was_loaded(tiny_model, tmp_pat
     prompts = [{"ids": list(range(5, 60)), "prompt_ids": list(range(5, 20))}]
     loads = Loads()
     whole = load_model(str(tiny_model), Placement({"": "cpu"}, "bfloat16", "test"), loads)
-    split = load_model(str(tiny_model), Placement("auto", "bfloat16", "test", max_memory={"cpu": 250_000}), loads,
-                       offload_folder=str(tmp_path / "offload"))
+    split = load_model(
+        str(tiny_model),
+        Placement("auto", "bfloat16", "test", max_memory={"cpu": 250_000}),
+        loads,
+        offload_folder=str(tmp_path / "offload"),
+    )
     assert [entry["offloaded_to"] for entry in loads.log] == [[], ["disk"]]
     with pytest.raises(RuntimeError, match="offloaded to cpu or disk"):
         split.to(torch.float32)  # what `load_16bit(...).to(cdtype)` did
@@ -151,8 +177,9 @@ def _copy_run(run: Path, tmp: Path) -> Path:
     return dst
 
 
-def test_adapter_export_when_the_base_fits_nowhere_checks_the_file_and_refuses_the_merge(finished_run, tmp_path,
-                                                                                         monkeypatch):
+def test_adapter_export_when_the_base_fits_nowhere_checks_the_file_and_refuses_the_merge(
+    finished_run, tmp_path, monkeypatch
+):
     """The 70B recipes' `export: [adapter]` loaded the 16-bit base for its parity check, wherever it landed."""
     import launcher.deliver.export as ex
     import launcher.deliver.placement as placement

@@ -24,8 +24,6 @@ from helpers import export_recipe as write_recipe  # noqa: E402
 from helpers import ftrun  # noqa: E402
 
 
-
-
 def _bench():
     import importlib.util
 
@@ -48,6 +46,7 @@ def llama_cpp_ready():
 
 # ---------------------------------------------------------------------------------------------
 # The plan knows before training (default tier: no llama.cpp needed)
+
 
 def test_plan_refuses_gguf_when_this_box_lacks_llama_cpp(tiny_model, tmp_path):
     recipe = write_recipe(tmp_path / "r.yaml", tiny_model, tmp_path / "run", export=["adapter", "gguf"])
@@ -82,10 +81,16 @@ def test_an_architecture_the_converter_lacks_is_refused_even_where_llama_cpp_is_
     recipe = write_recipe(tmp_path / "r.yaml", model, tmp_path / "run", export=["adapter", "gguf"])
     res = ftrun("plan", recipe, "--gpus", "1xH100-80GB", cwd=tmp_path, env=env, timeout=120)
     assert res.returncode == 2, res.stdout + res.stderr
-    assert "has no conversion for architecture 'OPTForCausalLM'" in res.stderr and "llamacpp_architectures.json" in res.stderr
+    assert (
+        "has no conversion for architecture 'OPTForCausalLM'" in res.stderr
+        and "llamacpp_architectures.json" in res.stderr
+    )
     ok = write_recipe(tmp_path / "ok.yaml", tiny_model, tmp_path / "run2", export=["adapter", "gguf"])
     res = ftrun("plan", ok, "--gpus", "1xH100-80GB", cwd=tmp_path, env=env, timeout=120)
-    assert res.returncode == 0 and "architecture Qwen3ForCausalLM: converted by llama.cpp's conversion/qwen.py" in res.stdout
+    assert (
+        res.returncode == 0
+        and "architecture Qwen3ForCausalLM: converted by llama.cpp's conversion/qwen.py" in res.stdout
+    )
 
 
 @gguf_tier
@@ -93,7 +98,11 @@ def test_the_shipped_architecture_table_is_the_pinned_converters(llama_cpp_ready
     from launcher.plan import gguf_readiness
 
     conv = gguf_readiness.converter()
-    assert conv.version == gguf_readiness.PINNED == json.loads(gguf_readiness.ARCHITECTURES_FILE.read_text())["llama_cpp_python"]
+    assert (
+        conv.version
+        == gguf_readiness.PINNED
+        == json.loads(gguf_readiness.ARCHITECTURES_FILE.read_text())["llama_cpp_python"]
+    )
     assert gguf_readiness.shipped_architectures() == gguf_readiness.supported_architectures(conv.folder)
 
 
@@ -112,8 +121,12 @@ def test_plan_refuses_a_model_the_converter_cannot_handle(llama_cpp_ready, tiny_
     # the same model without gguf plans; the supported one plans with the converter's module named
     plain = write_recipe(tmp_path / "plain.yaml", model, tmp_path / "run", export=["adapter"])
     assert ftrun("plan", plain, cwd=tmp_path, timeout=120).returncode == 0
-    ok = ftrun("plan", write_recipe(tmp_path / "ok.yaml", tiny_model, tmp_path / "run2", export=["gguf"]),
-               cwd=tmp_path, timeout=120)
+    ok = ftrun(
+        "plan",
+        write_recipe(tmp_path / "ok.yaml", tiny_model, tmp_path / "run2", export=["gguf"]),
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert ok.returncode == 0, ok.stderr
     assert "architecture Qwen3ForCausalLM: converted by llama.cpp's conversion/qwen.py" in ok.stdout
     assert "its split rule is llama.cpp's 'gpt-2'" in ok.stdout  # the tiny tokenizer is not in llama.cpp's list
@@ -121,6 +134,7 @@ def test_plan_refuses_a_model_the_converter_cannot_handle(llama_cpp_ready, tiny_
 
 # ---------------------------------------------------------------------------------------------
 # The tiny Qwen3, trained and exported by the supervisor
+
 
 @pytest.fixture(scope="module")
 def qwen_run(llama_cpp_ready, tiny_model, tmp_path_factory):
@@ -132,7 +146,7 @@ def qwen_run(llama_cpp_ready, tiny_model, tmp_path_factory):
 
 
 def _checked(run: Path) -> str:
-    """"n/n": the served-prompt checks' prompts (three held out, one of each other shape)."""
+    """ "n/n": the served-prompt checks' prompts (three held out, one of each other shape)."""
     n = len(json.loads((run / "final" / "export.json").read_text())["served_prompt"]["shapes"]["each"])
     ids = _report(run)["served_prompt"]["runtimes"]["vllm_merged"]["identical"]
     assert ids.split("/")[0] == ids.split("/")[1] and int(ids.split("/")[0]) >= n
@@ -160,8 +174,9 @@ def test_q4_k_m_made_by_llama_cpp_and_checked_in_llama_cpp(qwen_run):
     assert abs(par["perplexity_rel_diff"]) <= par["tolerance"]["max_ppl"]
     # both steps ran in their own processes and streamed: peak RSS measured, the 16-bit intermediate removed
     assert g["steps"]["convert"]["peak_rss_bytes"] > 0 and g["steps"]["quantize"]["peak_rss_bytes"] > 0
-    assert [p.name for p in (run / "final" / "gguf").iterdir()] == ["Modelfile", "run-Q4_K_M.gguf"] or \
-        sorted(p.name for p in (run / "final" / "gguf").iterdir()) == ["Modelfile", "run-Q4_K_M.gguf"]
+    assert [p.name for p in (run / "final" / "gguf").iterdir()] == ["Modelfile", "run-Q4_K_M.gguf"] or sorted(
+        p.name for p in (run / "final" / "gguf").iterdir()
+    ) == ["Modelfile", "run-Q4_K_M.gguf"]
     state = json.loads((run / "state.json").read_text())
     assert state["state"] == "succeeded" and state["export"]["state"] == "succeeded"
 
@@ -186,8 +201,12 @@ def test_the_task_is_scored_on_every_export_the_served_gguf_included(qwen_run, t
     examples = load_data(recipe.data, recipe.seed).examples
     task = build_task(examples, list(range(20)), list(range(20, len(examples))), recipe.eval.task, recipe.seed)
     atomic_write_json(run / "task.json", task)
-    task_eval.record(run, task, task_eval.FINE_TUNED, {"score": 0.5, "details": {}, "seconds": 1.0, "new_tokens": 10,
-                                                       "tokens_per_s": 10.0})
+    task_eval.record(
+        run,
+        task,
+        task_eval.FINE_TUNED,
+        {"score": 0.5, "details": {}, "seconds": 1.0, "new_tokens": 10, "tokens_per_s": 10.0},
+    )
     res = ftrun("export", run, cwd=tmp_path, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = json.loads((run / "final" / "task_eval.json").read_text())
@@ -234,13 +253,16 @@ def test_served_prompt_is_the_trained_prompt_in_llama_cpp_and_ollama(qwen_run):
     assert g["modelfile_served_prompt"]["ok"] and g["ending"]["ended_with_end_of_turn"].endswith("/3")
     smoke = g["serving_smoke"]
     assert smoke["ok"] and smoke["prompt_is_trained_prompt"] and smoke["same_as_llama_cpp_greedy"]
-    assert 0 < smoke["seconds"] < 60 and 1 <= len(smoke["tokens"]) <= 16 and smoke["finish_reason"] in ("stop", "length")
+    assert (
+        0 < smoke["seconds"] < 60 and 1 <= len(smoke["tokens"]) <= 16 and smoke["finish_reason"] in ("stop", "length")
+    )
     assert served_line(rep) == "served prompt = trained prompt (vLLM, llama-server, llama.cpp, Ollama)"
 
 
 @gguf_tier
-def test_a_gguf_whose_embedded_template_differs_fails_with_the_first_differing_token(qwen_run, llama_cpp_ready,
-                                                                                    tmp_path):
+def test_a_gguf_whose_embedded_template_differs_fails_with_the_first_differing_token(
+    qwen_run, llama_cpp_ready, tmp_path
+):
     """The same file with another chat template (written by gguf-py's gguf_new_metadata, the end of turn dropped):
     llama.cpp renders another prompt than training's, and the check names the token."""
     import subprocess
@@ -262,8 +284,12 @@ def test_a_gguf_whose_embedded_template_differs_fails_with_the_first_differing_t
     template = tok.chat_template.replace("message['content'] + '<|im_end|>\\n'", "message['content'] + '\\n'")
     assert template != tok.chat_template
     script = llama_cpp_ready.folder / "gguf-py" / "gguf" / "scripts" / "gguf_new_metadata.py"
-    res = subprocess.run([sys.executable, str(script), str(good), str(bad), "--chat-template", template, "--force"],
-                         capture_output=True, text=True, env={"PYTHONPATH": str(llama_cpp_ready.folder / "gguf-py")})
+    res = subprocess.run(
+        [sys.executable, str(script), str(good), str(bad), "--chat-template", template, "--force"],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(llama_cpp_ready.folder / "gguf-py")},
+    )
     assert res.returncode == 0 and bad.is_file(), res.stderr[-2000:]
     recipe = load_recipe(run / "recipe.yaml")
     served = ServedPrompt(recipe, run / "final" / "adapter", 3)
@@ -276,8 +302,11 @@ def test_a_gguf_whose_embedded_template_differs_fails_with_the_first_differing_t
             assert served.report["runtimes"]["llama_cpp"]["identical"] == _checked(run)
             assert served.report["runtimes"]["llama_server"]["identical"] == _checked(run)
             continue
-        with pytest.raises(ExportError, match=r"^llama-server --jinja with bad.gguf .*serves another prompt than the "
-                                              r"training saw .* where training had 2 '<\|im_end\|>'"):
+        with pytest.raises(
+            ExportError,
+            match=r"^llama-server --jinja with bad.gguf .*serves another prompt than the "
+            r"training saw .* where training had 2 '<\|im_end\|>'",
+        ):
             gguf_export._served_checks(served, r, out, {}, [], gguf_types.TYPES["q4_k_m"], None)
         d = served.report["runtimes"]["llama_server"]["first_difference"]
         assert d["served"]["token"] == "Ċ" and d["context"]
@@ -303,8 +332,9 @@ def test_a_gguf_whose_vocabulary_adds_eos_fails_in_llama_server_naming_the_eos(q
     recipe = load_recipe(run / "recipe.yaml")
     served = ServedPrompt(recipe, run / "final" / "adapter", 3)
     prompts = parity_prompts(recipe, AutoTokenizer.from_pretrained(str(run / "final" / "merged")))
-    r = llamacpp.run_gguf(path, prompts, 16, {0, 2}, chat=served.prompts,
-                          overrides={"tokenizer.ggml.add_eos_token": True})
+    r = llamacpp.run_gguf(
+        path, prompts, 16, {0, 2}, chat=served.prompts, overrides={"tokenizer.ggml.add_eos_token": True}
+    )
     assert r["adds"] == {"bos": False, "eos": True}
     assert all(c["ids"] == s["ids"][:-1] for c, s in zip(r["chat"], r["server"]))  # the same prompt, and an EOS
     with pytest.raises(ExportError) as err:
@@ -346,13 +376,30 @@ def test_qwen3_thinking_off_is_served_by_llama_server_with_the_switch(qwen_run, 
     assert served.kwargs == {"enable_thinking": False}
     gguf = tmp_path / "qwen3.gguf"
     script = llama_cpp_ready.folder / "gguf-py" / "gguf" / "scripts" / "gguf_new_metadata.py"
-    res = subprocess.run([sys.executable, str(script), str(run / "final" / "gguf" / "run-Q4_K_M.gguf"), str(gguf),
-                          "--chat-template", qwen3, "--force"],
-                         capture_output=True, text=True, env={"PYTHONPATH": str(llama_cpp_ready.folder / "gguf-py")})
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            str(run / "final" / "gguf" / "run-Q4_K_M.gguf"),
+            str(gguf),
+            "--chat-template",
+            qwen3,
+            "--force",
+        ],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(llama_cpp_ready.folder / "gguf-py")},
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     tok = AutoTokenizer.from_pretrained(str(base))
-    r = llamacpp.run_gguf(gguf, parity_prompts(recipe, tok, kwargs=served.kwargs), 16, {0, 2}, chat=served.prompts,
-                          template_kwargs=served.kwargs)
+    r = llamacpp.run_gguf(
+        gguf,
+        parity_prompts(recipe, tok, kwargs=served.kwargs),
+        16,
+        {0, 2},
+        chat=served.prompts,
+        template_kwargs=served.kwargs,
+    )
     assert r["server"][0]["text"].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert not r["chat"][0]["text"].endswith("</think>\n\n")  # llama-cpp-python: the template's default
     gguf_export._served_checks(served, r, {"path": str(gguf)}, {}, [], gguf_types.TYPES["q4_k_m"], None)
@@ -378,7 +425,9 @@ def test_a_modelfile_with_a_wrong_stop_or_template_fails(qwen_run):
     served = ServedPrompt(load_recipe(run / "recipe.yaml"), run / "final" / "adapter", 3)
     export._served_modelfile(served, g, text)  # the real one passes
     assert g["modelfile_served_prompt"]["identical"] == _checked(run) and g["modelfile_stops"]["ok"]
-    wrong_stop = "\n".join(l for l in text.splitlines() if not l.startswith("PARAMETER stop")) + '\nPARAMETER stop "</s>"\n'
+    wrong_stop = (
+        "\n".join(l for l in text.splitlines() if not l.startswith("PARAMETER stop")) + '\nPARAMETER stop "</s>"\n'
+    )
     with pytest.raises(ExportError, match=r"Ollama with this Modelfile \(PARAMETER stop\) does not stop on the token"):
         export._served_modelfile(served, g, wrong_stop)
     stops = served.report["stops"]["ollama"]
@@ -421,13 +470,18 @@ def test_a_gguf_that_fails_its_check_leaves_the_run_trained_not_exported(qwen_ru
     from launcher.store.rundir import RunDir
 
     run = qwen_run["run"]
-    monkeypatch.setitem(parity.TOLERANCE, "gguf:q8_0", {"max_kl": 0.0, "min_top1": 1.01, "max_ppl": 0.0, "min_greedy": 1.0})
+    monkeypatch.setitem(
+        parity.TOLERANCE, "gguf:q8_0", {"max_kl": 0.0, "min_top1": 1.01, "max_ppl": 0.0, "min_greedy": 1.0}
+    )
     monkeypatch.chdir(qwen_run["cwd"])
     with pytest.raises(export.ExportError, match=r"does not match its reference.*top-1 agreement"):
         export.export_command(RunDir(Path(run).resolve()), gguf="q8_0")
     rep = _report(run)
     assert rep["ok"] is False and rep["outputs"]["gguf"]["parity_vs_merged"]["ok"] is False
-    assert "does not match its reference" in rep["outputs"]["gguf"]["error"] and "mean KL divergence" in rep["outputs"]["gguf"]["error"]
+    assert (
+        "does not match its reference" in rep["outputs"]["gguf"]["error"]
+        and "mean KL divergence" in rep["outputs"]["gguf"]["error"]
+    )
     state = json.loads((run / "state.json").read_text())
     assert state["state"] == "trained-not-exported" and state["export"]["state"] == "failed"
     res = ftrun("status", run, cwd=qwen_run["cwd"], timeout=120)
@@ -436,6 +490,7 @@ def test_a_gguf_that_fails_its_check_leaves_the_run_trained_not_exported(qwen_ru
 
 # ---------------------------------------------------------------------------------------------
 # A second architecture: Llama with Llama 3.1's rope scaling, rows long enough for K-quants
+
 
 @gguf_tier
 def test_tiny_llama31_converts_quantizes_and_matches_in_llama_cpp(llama_cpp_ready, tmp_path_factory):
@@ -453,8 +508,10 @@ def test_tiny_llama31_converts_quantizes_and_matches_in_llama_cpp(llama_cpp_read
     tok, prompts, ref = bench.reference(model)
     sixteen = out / "tiny-BF16.gguf"
     llamacpp.convert(llama_cpp_ready, model, sixteen, "bf16")
-    results = {t: gguf_export.gguf_output(model, out / "gguf", "tiny", t, prompts, ref, tok, intermediate=sixteen)
-               for t in ("q4_k_m", "q8_0")}
+    results = {
+        t: gguf_export.gguf_output(model, out / "gguf", "tiny", t, prompts, ref, tok, intermediate=sixteen)
+        for t in ("q4_k_m", "q8_0")
+    }
     q4, q8 = results["q4_k_m"], results["q8_0"]
     assert {"Q4_K", "Q6_K"} <= set(q4["tensor_types"]) and "Q8_0" in q8["tensor_types"]
     for r in results.values():

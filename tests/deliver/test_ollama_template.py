@@ -10,10 +10,12 @@ import pytest
 from launcher.deliver import go_template, ollama_template
 
 # Qwen2-Instruct's ChatML template, as Ollama's template/testdata/templates.jsonl holds it (a `chatml` example)
-QWEN2 = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system"
-         "\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
-         "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>"
-         "assistant\n' }}{% endif %}")
+QWEN2 = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system"
+    "\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>"
+    "assistant\n' }}{% endif %}"
+)
 
 
 def _levenshtein(a: str, b: str) -> int:
@@ -77,10 +79,17 @@ def test_ollamas_choice_between_a_go_template_and_the_ggufs_own():
 
 
 def test_collate_merges_one_roles_consecutive_messages_but_not_tool_results():
-    msgs = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
-            {"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}]
+    msgs = [
+        {"role": "user", "content": "a"},
+        {"role": "user", "content": "b"},
+        {"role": "tool", "content": "1"},
+        {"role": "tool", "content": "2"},
+    ]
     system, collated = go_template.collate(msgs)
     assert system == "" and [(m["Role"], m["Content"]) for m in collated] == [
-        ("user", "a\n\nb"), ("tool", "1"), ("tool", "2")]
+        ("user", "a\n\nb"),
+        ("tool", "1"),
+        ("tool", "2"),
+    ]
     chatml = ollama_template._data()["templates"]["chatml"]["template"]
     assert go_template.render(chatml, msgs[:2]) == "<|im_start|>user\na\n\nb<|im_end|>\n<|im_start|>assistant\n"

@@ -38,8 +38,13 @@ def _tokenizer(model: Path, template=None):
 def test_trained_prompts_and_end_of_turn_come_from_the_held_out_examples(served):
     rep = served.report
     assert rep["prompts_from"] == "held out (eval.fraction)" and rep["prompts"] == 3 and served.chat
-    assert rep["end_of_turn"] == {"ids": [2], "tokens": ["<|im_end|>"], "answers_followed_by_nothing": 0,
-                                  "outside_the_loss": 0, "answers_not_written_verbatim": 0}
+    assert rep["end_of_turn"] == {
+        "ids": [2],
+        "tokens": ["<|im_end|>"],
+        "answers_followed_by_nothing": 0,
+        "outside_the_loss": 0,
+        "answers_not_written_verbatim": 0,
+    }
     for p in served.prompts:  # what precedes the answer in the training sequence: the assistant turn's header
         assert served.tokenizer.decode(p["ids"]).endswith("<|im_end|>\n<|im_start|>assistant\n")
         assert p["reference"] == "the tokens in front of the answer in the training sequence"
@@ -72,7 +77,7 @@ def test_a_template_that_drops_the_end_of_turn_token_fails_with_the_first_differ
     d = entry["first_difference"]
     assert not entry["ok"] and not served.report["ok"]
     assert d["trained"] == {"id": 2, "token": "<|im_end|>"} and d["served"]["token"] == "Ċ" and d["context"]
-    assert served.tokenizer.decode(served.prompts[d["prompt"]]["ids"][:d["position"]]).endswith(d["context"])
+    assert served.tokenizer.decode(served.prompts[d["prompt"]]["ids"][: d["position"]]).endswith(d["context"])
 
 
 @pytest.mark.parametrize("after, taught", [("'\\n'", ["Ċ"]), ("''", [])])
@@ -94,8 +99,12 @@ def test_a_training_template_without_an_end_of_turn_teaches_no_stop(tiny_model, 
     sp = ServedPrompt(recipe, model, 3)
     assert sp.report["end_of_turn"]["tokens"] == taught
     assert sp.report["end_of_turn"]["answers_followed_by_nothing"] == (0 if taught else 3)
-    with pytest.raises(ExportError, match="does not stop on the token the training taught to end a turn \\(201 'Ċ'\\)"
-                       if taught else "the training taught no token to end a turn"):
+    with pytest.raises(
+        ExportError,
+        match="does not stop on the token the training taught to end a turn \\(201 'Ċ'\\)"
+        if taught
+        else "the training taught no token to end a turn",
+    ):
         sp.check_stops("vllm_merged", "vLLM", [0, 2], fix="-")
 
 
@@ -103,7 +112,9 @@ def test_stops_that_miss_the_trained_end_of_turn_fail(served):
     from launcher.deliver.messages import ExportError
 
     # a base model's generation_config.json that stops on <|endoftext|> only (LLaMA-Factory #7454)
-    with pytest.raises(ExportError, match=r"does not stop on the token the training taught to end a turn \(2 '<\|im_end\|>'\)"):
+    with pytest.raises(
+        ExportError, match=r"does not stop on the token the training taught to end a turn \(2 '<\|im_end\|>'\)"
+    ):
         served.check_stops("vllm_merged", "vLLM (the merged folder)", [0], fix="add it")
     assert served.report["stops"]["vllm_merged"]["ok"] is False
 
@@ -111,8 +122,10 @@ def test_stops_that_miss_the_trained_end_of_turn_fail(served):
 def test_modelfile_stops_are_matched_as_ollama_matches_them(served):
     from launcher.deliver.served_prompt import modelfile_parts
 
-    template, stops = modelfile_parts('FROM ./x.gguf\nTEMPLATE """{{ .Content }}"""\nPARAMETER stop "<|im_end|>"\n'
-                                      'PARAMETER stop "</s>"\nPARAMETER num_ctx 256\n')
+    template, stops = modelfile_parts(
+        'FROM ./x.gguf\nTEMPLATE """{{ .Content }}"""\nPARAMETER stop "<|im_end|>"\n'
+        'PARAMETER stop "</s>"\nPARAMETER num_ctx 256\n'
+    )
     assert template == "{{ .Content }}" and stops == ["<|im_end|>", "</s>"]
     assert served.covered_by_stops({2: "<|im_end|>"}, stops) == [2]
     assert served.covered_by_stops({2: "<|im_end|>"}, ["</s>", "<|endoftext|>"]) == []
@@ -121,8 +134,12 @@ def test_modelfile_stops_are_matched_as_ollama_matches_them(served):
 def test_ending_share_counts_the_first_end_token(served):
     outs = [{"continuation": [5, 6, 2]}, {"continuation": [5, 0, 2]}, {"continuation": [7] * 20}]
     e = served.ending("merged", outs, {0})
-    assert e == {"ended_with_end_of_turn": "1/3", "share": 0.3333, "ended_with_another_stop": 1,
-                 "tokens_run": [3, 3, 20]}
+    assert e == {
+        "ended_with_end_of_turn": "1/3",
+        "share": 0.3333,
+        "ended_with_another_stop": 1,
+        "tokens_run": [3, 3, 20],
+    }
 
 
 def test_plain_text_data_has_no_chat_prompt_to_check(tiny_model, tmp_path):
@@ -134,8 +151,9 @@ def test_plain_text_data_has_no_chat_prompt_to_check(tiny_model, tmp_path):
 
     data = tmp_path / "text.jsonl"
     data.write_text("".join(json.dumps({"text": f"line {i} of plain text"}) + "\n" for i in range(20)))
-    sp = ServedPrompt(load_recipe(export_recipe(tmp_path / "r.yaml", tiny_model, tmp_path / "run", data=str(data))),
-                      tiny_model, 3)
+    sp = ServedPrompt(
+        load_recipe(export_recipe(tmp_path / "r.yaml", tiny_model, tmp_path / "run", data=str(data))), tiny_model, 3
+    )
     assert not sp.chat and "without a chat template" in sp.report["not_applicable"]
     assert served_line({"served_prompt": sp.report}).startswith("served prompt: not checked (the data is text")
 
@@ -144,22 +162,38 @@ def test_served_line_names_what_was_checked():
     from launcher.deliver.messages import served_line
 
     ok = {"ok": True, "runtimes": {}, "stops": {}}
-    assert served_line({"served_prompt": dict(ok, checked=["vLLM", "llama-server", "llama.cpp", "Ollama"]),
-                        "outputs": {"gguf": {}}}) == "served prompt = trained prompt (vLLM, llama-server, llama.cpp, Ollama)"
-    assert served_line({"served_prompt": dict(ok, checked=["vLLM"]), "outputs": {"adapter": {}}}) \
-        == "served prompt = trained prompt (vLLM); not checked: llama-server, llama.cpp, Ollama (no GGUF in this export)"
+    assert (
+        served_line(
+            {
+                "served_prompt": dict(ok, checked=["vLLM", "llama-server", "llama.cpp", "Ollama"]),
+                "outputs": {"gguf": {}},
+            }
+        )
+        == "served prompt = trained prompt (vLLM, llama-server, llama.cpp, Ollama)"
+    )
+    assert (
+        served_line({"served_prompt": dict(ok, checked=["vLLM"]), "outputs": {"adapter": {}}})
+        == "served prompt = trained prompt (vLLM); not checked: llama-server, llama.cpp, Ollama (no GGUF in this "
+        "export)"
+    )
     # Qwen3 trained without reasoning: served with thinking off, which llama-cpp-python's chat completion cannot
     switched = dict(ok, checked=["vLLM", "llama-server", "Ollama"], chat_template_kwargs={"enable_thinking": False})
     assert served_line({"served_prompt": switched, "outputs": {"gguf": {}}}) == (
         'served prompt = trained prompt (vLLM, llama-server, Ollama) served with {"enable_thinking": false}; not '
-        "checked: llama.cpp (llama-cpp-python's chat completion takes no chat-template switches)")
-    bad = {"ok": False, "checked": [], "runtimes": {"ollama": {"runtime": "Ollama (the Modelfile's TEMPLATE)", "ok": False}},
-           "stops": {}}
+        "checked: llama.cpp (llama-cpp-python's chat completion takes no chat-template switches)"
+    )
+    bad = {
+        "ok": False,
+        "checked": [],
+        "runtimes": {"ollama": {"runtime": "Ollama (the Modelfile's TEMPLATE)", "ok": False}},
+        "stops": {},
+    }
     assert served_line({"served_prompt": bad}) == "served prompt != trained prompt: Ollama (the Modelfile's TEMPLATE)"
 
 
 # ---------------------------------------------------------------------------------------------
 # Ollama's Go template, rendered as Ollama renders it
+
 
 def test_ftruns_ollama_template_renders_as_the_jinja_template(served, tiny_model):
     from launcher.data.dataset import load_examples
@@ -171,29 +205,37 @@ def test_ftruns_ollama_template_renders_as_the_jinja_template(served, tiny_model
     template, _ = modelfile_parts(modelfile("x.gguf", tok, load_examples(str(TINY_DATA))[:3], 256, {0})["text"])
     for p in served.prompts:
         assert go_template.render(template, p["messages"]) == tok.apply_chat_template(
-            p["messages"], tokenize=False, add_generation_prompt=True)
+            p["messages"], tokenize=False, add_generation_prompt=True
+        )
 
 
 def test_go_template_trims_collates_and_refuses_what_it_cannot_render():
     from launcher.deliver import go_template
 
     # Ollama's chatml.gotmpl shape: trim markers, .System, a range with an if/else if chain
-    tmpl = ('{{- if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ end }}'
-            '{{- range .Messages }}{{- if eq .Role "user" }}<|im_start|>user\n{{ .Content }}<|im_end|>\n'
-            '{{ else if eq .Role "assistant" }}<|im_start|>assistant\n{{ .Content }}<|im_end|>\n'
-            '{{ end }}{{- end }}<|im_start|>assistant\n')
-    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-            {"role": "user", "content": "there"}]
-    assert go_template.render(tmpl, msgs) == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi\n\nthere"
-                                              "<|im_end|>\n<|im_start|>assistant\n")
+    tmpl = (
+        "{{- if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ end }}"
+        '{{- range .Messages }}{{- if eq .Role "user" }}<|im_start|>user\n{{ .Content }}<|im_end|>\n'
+        '{{ else if eq .Role "assistant" }}<|im_start|>assistant\n{{ .Content }}<|im_end|>\n'
+        "{{ end }}{{- end }}<|im_start|>assistant\n"
+    )
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "user", "content": "there"},
+    ]
+    assert go_template.render(tmpl, msgs) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi\n\nthere<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert go_template.render("a  {{- .Missing -}}  b{{ if not .System }}!{{ end }}", []) == "ab!"
-    for bad in ("{{ template \"x\" }}", "{{ json .Tools }}", "{{ if .System }}open"):
+    for bad in ('{{ template "x" }}', "{{ json .Tools }}", "{{ if .System }}open"):
         with pytest.raises(go_template.Unsupported):
             go_template.render(bad, msgs)
 
 
 # ---------------------------------------------------------------------------------------------
 # The generation prompt against what the training sequence holds in front of the answer
+
 
 def _served_for(tmp_path, family: str, records: list, template=None, held=None):
     """ServedPrompt of a tokenizer of `family` (its real template, or `template`) trained on `records`, the
@@ -207,14 +249,17 @@ def _served_for(tmp_path, family: str, records: list, template=None, held=None):
     folder = build_tokenizer(tmp_path / "tok", family, template=template)
     data = write_jsonl(tmp_path / "train.jsonl", records)
     ev = write_jsonl(tmp_path / "held.jsonl", held if held is not None else records[:3])
-    recipe = load_recipe(export_recipe(tmp_path / "r.yaml", folder, tmp_path / "run", data=str(data),
-                                       eval={"data": str(ev)}))
+    recipe = load_recipe(
+        export_recipe(tmp_path / "r.yaml", folder, tmp_path / "run", data=str(data), eval={"data": str(ev)})
+    )
     return ServedPrompt(recipe, folder, 3), folder
 
 
 def _chat(question: str, answer: str, system: bool = True) -> dict:
-    return {"messages": ([{"role": "system", "content": "Be brief."}] if system else [])
-            + [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
+    return {
+        "messages": ([{"role": "system", "content": "Be brief."}] if system else [])
+        + [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    }
 
 
 QUESTIONS = ["The capital of France?", "What is 2 + 2?", "Reverse the word lamp."]
@@ -249,8 +294,11 @@ def test_qwen3_trained_on_reasoning_is_served_with_thinking_on(tmp_path):
 
     from launcher.deliver.messages import ExportError
 
-    answers = ["<think>\nThe capital of France is Paris.\n</think>\n\nParis.", "<think>\nIt is 4.\n</think>\n\n4.",
-               "<think>\nReverse it.\n</think>\n\npmal."]
+    answers = [
+        "<think>\nThe capital of France is Paris.\n</think>\n\nParis.",
+        "<think>\nIt is 4.\n</think>\n\n4.",
+        "<think>\nReverse it.\n</think>\n\npmal.",
+    ]
     sp, folder = _served_for(tmp_path, "qwen3", [_chat(q, a) for q, a in zip(QUESTIONS, answers)])
     assert sp.kwargs == {} and "chat_template_kwargs" not in sp.report
     for p in sp.prompts:
@@ -272,12 +320,15 @@ def test_a_generation_prompt_ending_in_a_space_that_the_answer_swallows_in_train
 
     from launcher.deliver.messages import ExportError
 
-    vicuna = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}\n"
-              "{% elif m['role'] == 'user' %}USER: {{ m['content'] }}\n"
-              "{% else %}ASSISTANT: {{ m['content'] }}{{ eos_token }}\n{% endif %}{% endfor %}"
-              "{% if add_generation_prompt %}ASSISTANT: {% endif %}")
-    sp, folder = _served_for(tmp_path, "base", [_chat(q, a) for q, a in zip(QUESTIONS, ["Paris.", "It is 4.", "pmal."])],
-                             template=vicuna)
+    vicuna = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}\n"
+        "{% elif m['role'] == 'user' %}USER: {{ m['content'] }}\n"
+        "{% else %}ASSISTANT: {{ m['content'] }}{{ eos_token }}\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}ASSISTANT: {% endif %}"
+    )
+    sp, folder = _served_for(
+        tmp_path, "base", [_chat(q, a) for q, a in zip(QUESTIONS, ["Paris.", "It is 4.", "pmal."])], template=vicuna
+    )
     first = sp.prompts[0]
     assert first["answer_first_merged"] and sp.token(first["answer_first"]).startswith("ĠPar")
     with pytest.raises(ExportError) as err:
@@ -298,10 +349,17 @@ def test_a_header_written_otherwise_for_the_last_turn_is_refused(tmp_path):
 
     last_header = FAMILIES["qwen3"].template.replace(
         "{{- '<|im_start|>' + message.role + '\\n<think>\\n' +",
-        "{{- '<|im_start|>' + (message.role if not loop.last else 'assistant final') + '\\n<think>\\n' +")
+        "{{- '<|im_start|>' + (message.role if not loop.last else 'assistant final') + '\\n<think>\\n' +",
+    )
     assert last_header != FAMILIES["qwen3"].template
-    multi = [{"messages": [{"role": "user", "content": "The capital of France?"},
-                           {"role": "assistant", "content": "Paris."}]}] * 3
+    multi = [
+        {
+            "messages": [
+                {"role": "user", "content": "The capital of France?"},
+                {"role": "assistant", "content": "Paris."},
+            ]
+        }
+    ] * 3
     sp, folder = _served_for(tmp_path, "qwen3", multi, template=last_header)
     with pytest.raises(ExportError) as err:
         sp.compare_transformers("vllm_merged", AutoTokenizer.from_pretrained(str(folder)), "vLLM")
@@ -322,14 +380,31 @@ def test_every_shape_in_the_data_is_checked_and_ollamas_merge_drops_the_template
 
     call = {"type": "function", "function": {"name": "lights", "arguments": {"room": "kitchen"}}}
     records = [_chat(q, a, system=False) for q, a in zip(QUESTIONS, ["Paris.", "4.", "pmal."])] + [
-        {"messages": [{"role": "user", "content": "Hi."}, {"role": "user", "content": "The capital of France?"},
-                      {"role": "assistant", "content": "Paris."}]},
-        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."},
-                      {"role": "assistant", "content": "Hello."}, {"role": "system", "content": "Answer in one word."},
-                      {"role": "user", "content": "The capital of France?"}, {"role": "assistant", "content": "Paris."}]},
-        {"messages": [{"role": "user", "content": "Lights on in the kitchen, please."},
-                      {"role": "assistant", "content": "", "tool_calls": [call]},
-                      {"role": "tool", "content": "ok"}, {"role": "assistant", "content": "Done."}]},
+        {
+            "messages": [
+                {"role": "user", "content": "Hi."},
+                {"role": "user", "content": "The capital of France?"},
+                {"role": "assistant", "content": "Paris."},
+            ]
+        },
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hi."},
+                {"role": "assistant", "content": "Hello."},
+                {"role": "system", "content": "Answer in one word."},
+                {"role": "user", "content": "The capital of France?"},
+                {"role": "assistant", "content": "Paris."},
+            ]
+        },
+        {
+            "messages": [
+                {"role": "user", "content": "Lights on in the kitchen, please."},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": "ok"},
+                {"role": "assistant", "content": "Done."},
+            ]
+        },
     ]
     sp, folder = _served_for(tmp_path, "qwen3", records)
     shapes = sp.report["shapes"]
@@ -372,8 +447,14 @@ def test_chatml_data_with_two_user_turns_is_ollama_identical_only_as_served_with
     from launcher.deliver.serving import modelfile
 
     # a system turn in each conversation, so that Qwen2's default system turn is not what differs
-    two = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."},
-                        {"role": "user", "content": "The capital of France?"}, {"role": "assistant", "content": "P."}]}
+    two = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi."},
+            {"role": "user", "content": "The capital of France?"},
+            {"role": "assistant", "content": "P."},
+        ]
+    }
     records = [_chat(q, a) for q, a in zip(QUESTIONS, ["Paris.", "4.", "pmal."])] + [two]
     sp, folder = _served_for(tmp_path, "qwen3", records, template=QWEN2)
     tok = AutoTokenizer.from_pretrained(str(folder))
@@ -420,7 +501,9 @@ def test_ollama_is_not_counted_without_a_token_comparison(tmp_path):
     tok = AutoTokenizer.from_pretrained(str(folder))
     _served_by_ollama(sp, {"architecture": "gemma4", "modelfile_template_check": {}}, None, _Vocab(tok))
     entry = sp.report["runtimes"]["ollama"]
-    assert entry["identical"] is None and "own renderer" in entry["not_checked"] and "Ollama" not in sp.report["checked"]
+    assert (
+        entry["identical"] is None and "own renderer" in entry["not_checked"] and "Ollama" not in sp.report["checked"]
+    )
     sp.compare_transformers("vllm_merged", tok, "vLLM")
     line = served_line({"served_prompt": sp.report, "outputs": {"gguf": {}}})
     assert line.startswith("served prompt = trained prompt (vLLM)") and "Ollama (Ollama renders gemma4" in line

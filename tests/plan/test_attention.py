@@ -90,14 +90,20 @@ def test_the_task_evaluation_generates_with_the_policy_and_records_it(monkeypatc
     from launcher.worker import task_eval
 
     model, tokenizer = AutoModelForCausalLM.from_pretrained(tiny_model), AutoTokenizer.from_pretrained(tiny_model)
-    prompts = [{"index": i, "messages": [{"role": "user", "content": f"ticket {i}"}], "reference": "a"}
-               for i in range(3)]
+    prompts = [
+        {"index": i, "messages": [{"role": "user", "content": f"ticket {i}"}], "reference": "a"} for i in range(3)
+    ]
     task = {"metric": "exact", "metric_reason": "labels", "prompts": prompts, "shots": [], "max_new_tokens": 3}
     monkeypatch.setenv(attention.OVERRIDE, "efficient,math")
     torch_flags.enable_flash_sdp(True)
     result = task_eval.score_model(model, tokenizer, tmp_path, task, "m")
-    assert result["sdpa_backends"] == {"cudnn": False, "flash": False, "efficient": True, "math": True,
-                                       "source": attention.OVERRIDE}
+    assert result["sdpa_backends"] == {
+        "cudnn": False,
+        "flash": False,
+        "efficient": True,
+        "math": True,
+        "source": attention.OVERRIDE,
+    }
     assert not torch_flags.flash_sdp_enabled()
     task_eval.record(tmp_path, task, "m", result)
     saved = json.loads((tmp_path / "task_eval.json").read_text())

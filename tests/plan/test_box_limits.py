@@ -33,25 +33,39 @@ def _tree(root: Path, mountinfo: list[str], own: list[str], files: dict[str, str
 
 def v2_docker(tmp_path: Path, memory_max: str = "17179869184", cpu_max: str = "400000 100000") -> Path:
     """Docker on cgroup v2 with a cgroup namespace: the container's cgroup is the mount's root."""
-    return _tree(tmp_path, ["35 30 0:29 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate"], ["0::/"],
-                 {"sys/fs/cgroup/cgroup.controllers": "cpuset cpu io memory pids",
-                  "sys/fs/cgroup/memory.max": memory_max, "sys/fs/cgroup/cpu.max": cpu_max,
-                  "sys/fs/cgroup/memory.current": str(5 * GiB),
-                  "sys/fs/cgroup/memory.events": "low 0\nhigh 0\nmax 12\noom 2\noom_kill 2\noom_group_kill 0\n"})
+    return _tree(
+        tmp_path,
+        ["35 30 0:29 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate"],
+        ["0::/"],
+        {
+            "sys/fs/cgroup/cgroup.controllers": "cpuset cpu io memory pids",
+            "sys/fs/cgroup/memory.max": memory_max,
+            "sys/fs/cgroup/cpu.max": cpu_max,
+            "sys/fs/cgroup/memory.current": str(5 * GiB),
+            "sys/fs/cgroup/memory.events": "low 0\nhigh 0\nmax 12\noom 2\noom_kill 2\noom_group_kill 0\n",
+        },
+    )
 
 
 def v1_nested(tmp_path: Path) -> Path:
     """cgroup v1 without a namespace: the process sits in /docker/abc, its parent /docker has the smaller limit."""
-    return _tree(tmp_path, ["40 30 0:35 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory",
-                            "41 30 0:36 / /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct"],
-                 ["12:memory:/docker/abc", "4:cpu,cpuacct:/docker/abc", "0::/"],
-                 {"sys/fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712",
-                  "sys/fs/cgroup/memory/docker/memory.limit_in_bytes": str(8 * GiB),
-                  "sys/fs/cgroup/memory/docker/abc/memory.limit_in_bytes": str(32 * GiB),
-                  "sys/fs/cgroup/memory/docker/abc/memory.usage_in_bytes": str(GiB),
-                  "sys/fs/cgroup/memory/docker/abc/memory.oom_control": "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n",
-                  "sys/fs/cgroup/cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "250000",
-                  "sys/fs/cgroup/cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000"})
+    return _tree(
+        tmp_path,
+        [
+            "40 30 0:35 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory",
+            "41 30 0:36 / /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct",
+        ],
+        ["12:memory:/docker/abc", "4:cpu,cpuacct:/docker/abc", "0::/"],
+        {
+            "sys/fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712",
+            "sys/fs/cgroup/memory/docker/memory.limit_in_bytes": str(8 * GiB),
+            "sys/fs/cgroup/memory/docker/abc/memory.limit_in_bytes": str(32 * GiB),
+            "sys/fs/cgroup/memory/docker/abc/memory.usage_in_bytes": str(GiB),
+            "sys/fs/cgroup/memory/docker/abc/memory.oom_control": "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n",
+            "sys/fs/cgroup/cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "250000",
+            "sys/fs/cgroup/cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000",
+        },
+    )
 
 
 def test_cgroup_v2_container_limits(tmp_path):
@@ -101,7 +115,10 @@ def test_the_box_quantization_takes_the_cores_the_plan_counts(tmp_path, monkeypa
 
     from launcher.worker import loading
 
-    quota, unlimited = v2_docker(tmp_path / "quota", cpu_max="400000 100000"), v2_docker(tmp_path / "none", cpu_max="max 100000")
+    quota, unlimited = (
+        v2_docker(tmp_path / "quota", cpu_max="400000 100000"),
+        v2_docker(tmp_path / "none", cpu_max="max 100000"),
+    )
     read = cgroup.cpu_limit
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
     monkeypatch.setattr(cgroup, "cpu_limit", lambda root=None: read(unlimited))
@@ -194,6 +211,7 @@ def test_dev_shm_is_read_from_the_box():
 
 # --- the real kernel ------------------------------------------------------------------------------------------
 
+
 def _own_memory_cgroup() -> Path | None:
     """A directory this test may create a memory cgroup under (root, a writable v1 or v2 hierarchy); else None."""
     found = cgroup._hierarchy(Path("/"), "memory")
@@ -225,15 +243,19 @@ def test_a_real_oom_kill_is_counted_and_classified(tmp_path):
     cg = parent / f"ftrun-test-{os.getpid()}"
     try:
         cg.mkdir()
-        limit_file = cg / ("memory.max" if (parent / "memory.max").exists() or (cg / "memory.max").exists()
-                           else "memory.limit_in_bytes")
+        limit_file = cg / (
+            "memory.max"
+            if (parent / "memory.max").exists() or (cg / "memory.max").exists()
+            else "memory.limit_in_bytes"
+        )
         limit_file.write_text(str(512 * 2**20))
         (cg / "memory.swap.max").exists() and (cg / "memory.swap.max").write_text("0")
     except OSError as exc:
         pytest.skip(f"cannot make a memory cgroup here: {exc}")
     try:
-        done = subprocess.run([sys.executable, "-c", _PROBE, str(cg)], capture_output=True, text=True, cwd=REPO,
-                              timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-c", _PROBE, str(cg)], capture_output=True, text=True, cwd=REPO, timeout=120
+        )
         assert done.returncode == 0, done.stderr
         out = json.loads(done.stdout.strip().splitlines()[-1])
     finally:

@@ -13,15 +13,18 @@ from launcher.plan.hardware import from_spec
 from launcher.plan.this_box import detect
 
 
-@pytest.mark.parametrize("spec,name,count,interconnect", [
-    ("4xH100-80GB", "H100-80GB", 4, "nvlink"),
-    ("RTX4090", "RTX4090", 1, "none"),
-    ("2xA100-80GB", "A100-80GB", 2, "nvlink"),
-    ("2 x rtx4090", "RTX4090", 2, "pcie"),
-    ("8xB200", "B200", 8, "nvlink"),
-    ("h100", "H100-80GB", 1, "none"),
-    ("A100", "A100-80GB", 1, "none"),  # the bare name means the common rental card
-])
+@pytest.mark.parametrize(
+    "spec,name,count,interconnect",
+    [
+        ("4xH100-80GB", "H100-80GB", 4, "nvlink"),
+        ("RTX4090", "RTX4090", 1, "none"),
+        ("2xA100-80GB", "A100-80GB", 2, "nvlink"),
+        ("2 x rtx4090", "RTX4090", 2, "pcie"),
+        ("8xB200", "B200", 8, "nvlink"),
+        ("h100", "H100-80GB", 1, "none"),
+        ("A100", "A100-80GB", 1, "none"),  # the bare name means the common rental card
+    ],
+)
 def test_spec_parsing(spec, name, count, interconnect):
     hw = from_spec(spec)
     assert hw.count == count and hw.gpu.name == name and hw.interconnect == interconnect
@@ -163,8 +166,13 @@ def mig(name, uuid, mib, slot, gi, ci=0):
     return {"name": f"{H100} MIG {name}", "uuid": uuid, "mib": mib, "slot": slot, "gi": gi, "ci": ci}
 
 
-MIG_CARD = h100(0, mig=[mig("3g.40gb", "MIG-aaaa1111-3g", 40448, slot=0, gi=2),
-                        mig("2g.20gb", "MIG-bbbb2222-2g", 20096, slot=3, gi=5)])
+MIG_CARD = h100(
+    0,
+    mig=[
+        mig("3g.40gb", "MIG-aaaa1111-3g", 40448, slot=0, gi=2),
+        mig("2g.20gb", "MIG-bbbb2222-2g", 20096, slot=3, gi=5),
+    ],
+)
 
 
 def nvml_box(monkeypatch, cards, visible=None, driver="550.54.14"):
@@ -200,12 +208,15 @@ def test_mig_plans_one_instance_with_its_own_memory(monkeypatch):
     assert any("split by MIG" in n and "3g.40gb" in n for n in hw.notes)
 
 
-@pytest.mark.parametrize("visible,profile,mib", [
-    ("MIG-bbbb2222-2g", "2g.20gb", 20096),  # full MIG UUID
-    ("MIG-bbbb", "2g.20gb", 20096),  # a unique prefix, as CUDA accepts
-    ("MIG-GPU-0000aaaa-0000/5/0", "2g.20gb", 20096),  # the older MIG-GPU-<uuid>/<gi>/<ci> form
-    ("MIG-aaaa1111-3g,MIG-bbbb2222-2g", "3g.40gb", 40448),  # two visible: the process gets the first
-])
+@pytest.mark.parametrize(
+    "visible,profile,mib",
+    [
+        ("MIG-bbbb2222-2g", "2g.20gb", 20096),  # full MIG UUID
+        ("MIG-bbbb", "2g.20gb", 20096),  # a unique prefix, as CUDA accepts
+        ("MIG-GPU-0000aaaa-0000/5/0", "2g.20gb", 20096),  # the older MIG-GPU-<uuid>/<gi>/<ci> form
+        ("MIG-aaaa1111-3g,MIG-bbbb2222-2g", "3g.40gb", 40448),  # two visible: the process gets the first
+    ],
+)
 def test_mig_uuid_selects_the_instance(monkeypatch, visible, profile, mib):
     hw = nvml_box(monkeypatch, [MIG_CARD, h100(1)], visible=visible)
     assert hw.count == 1 and hw.gpu.name == f"H100-80GB MIG {profile}"
@@ -218,14 +229,17 @@ def test_mig_enabled_without_instances_is_said(monkeypatch):
     assert any("MIG enabled but no MIG instance" in n for n in hw.notes)
 
 
-@pytest.mark.parametrize("visible,count,note", [
-    ("GPU-3333aaaa-0000,GPU-1111aaaa-0000", 2, None),
-    ("GPU-2222", 1, None),  # abbreviated UUID
-    ("GPU-1111aaaa-0000,GPU-ffff,GPU-2222aaaa-0000", 1, "GPU-ffff"),  # CUDA stops at an entry it cannot find
-    ("1,3", 2, None),
-    ("0,7,1", 1, "'7'"),
-    ("2,-1,3", 1, None),  # -1 ends the list, as CUDA reads it
-])
+@pytest.mark.parametrize(
+    "visible,count,note",
+    [
+        ("GPU-3333aaaa-0000,GPU-1111aaaa-0000", 2, None),
+        ("GPU-2222", 1, None),  # abbreviated UUID
+        ("GPU-1111aaaa-0000,GPU-ffff,GPU-2222aaaa-0000", 1, "GPU-ffff"),  # CUDA stops at an entry it cannot find
+        ("1,3", 2, None),
+        ("0,7,1", 1, "'7'"),
+        ("2,-1,3", 1, None),  # -1 ends the list, as CUDA reads it
+    ],
+)
 def test_cuda_visible_devices_lists(monkeypatch, visible, count, note):
     hw = nvml_box(monkeypatch, [h100(i) for i in range(4)], visible=visible)
     assert hw.count == count and hw.interconnect == ("nvlink" if count > 1 else "none")
@@ -240,7 +254,7 @@ def test_visible_index_picks_that_card(monkeypatch):
     assert hw.count == 1 and hw.gpu.name == "RTX4090"
 
 
-FAKE_TORCH_CUDA = '''
+FAKE_TORCH_CUDA = """
 import types
 DEVICES = {devices!r}
 FAIL = {fail!r}
@@ -253,7 +267,7 @@ def device_count():
 def get_device_properties(i):
     name, mib, major, minor = DEVICES[i]
     return types.SimpleNamespace(name=name, total_memory=mib * 2**20, major=major, minor=minor)
-'''
+"""
 
 
 @pytest.fixture
@@ -273,6 +287,7 @@ def no_nvml_box(monkeypatch, tmp_path):
         (pkg / "__init__.py").write_text("from . import cuda\n")
         (pkg / "cuda.py").write_text(FAKE_TORCH_CUDA.format(devices=devices, fail=fail))
         monkeypatch.setenv("PYTHONPATH", str(tmp_path / "stub"))
+
     return torch_sees
 
 
@@ -320,15 +335,18 @@ def test_no_driver_never_imports_torch(monkeypatch, tmp_path):
     assert hw.is_cpu_only and any("no NVIDIA driver" in n for n in hw.notes)
 
 
-@pytest.mark.parametrize("names,driver,off", [
-    (["RTX4090", "RTX4090"], "535.129.03", True),  # accelerate's own test: "RTX 40" and < 550.40.07
-    (["NVIDIA GeForce RTX 4080"], "550.40.06", True),
-    (["RTX4090"], "550.40.07", False),
-    (["RTX4090"], "560.35.03", False),
-    (["RTX4090"], None, True),  # unknown driver: NCCL told to do without P2P (Ada GeForce has none)
-    (["H100-80GB"], "535.129.03", False),
-    (["RTX5090"], "535.129.03", False),
-])
+@pytest.mark.parametrize(
+    "names,driver,off",
+    [
+        (["RTX4090", "RTX4090"], "535.129.03", True),  # accelerate's own test: "RTX 40" and < 550.40.07
+        (["NVIDIA GeForce RTX 4080"], "550.40.06", True),
+        (["RTX4090"], "550.40.07", False),
+        (["RTX4090"], "560.35.03", False),
+        (["RTX4090"], None, True),  # unknown driver: NCCL told to do without P2P (Ada GeForce has none)
+        (["H100-80GB"], "535.129.03", False),
+        (["RTX5090"], "535.129.03", False),
+    ],
+)
 def test_nccl_p2p_ib_rule(names, driver, off):
     assert hardware.nccl_p2p_ib_unsupported(names, driver) is off
 

@@ -26,14 +26,21 @@ def _cache_with_model(hub_cache: Path, repo: str = "org/mymodel", sha: str = "01
 
 
 def _found(env: dict[str, str], tmp_path: Path) -> dict:
-    code = ("import json; from launcher.model_files import cached_file; from launcher.plan.models import load_architecture; "
-            "a = load_architecture('org/mymodel', allow_network=False); "
-            "print(json.dumps({'file': str(cached_file('org/mymodel', 'config.json')), 'layers': a.layers, "
-            "'source': a.source}))")
+    code = (
+        "import json; from launcher.model_files import cached_file; from launcher.plan.models import "
+        "load_architecture; "
+        "a = load_architecture('org/mymodel', allow_network=False); "
+        "print(json.dumps({'file': str(cached_file('org/mymodel', 'config.json')), 'layers': a.layers, "
+        "'source': a.source}))"
+    )
     clean = {k: v for k, v in os.environ.items() if k not in ("HF_HOME", "HF_HUB_CACHE", "XDG_CACHE_HOME")}
-    res = subprocess.run([sys.executable, "-c", code], env={**clean, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
-                                                            "HOME": str(tmp_path / "home"), **env},
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**clean, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "HOME": str(tmp_path / "home"), **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout)
 
@@ -41,7 +48,9 @@ def _found(env: dict[str, str], tmp_path: Path) -> dict:
 @pytest.mark.parametrize("variable", ["HF_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"])
 def test_the_model_cache_is_where_huggingface_hub_keeps_it(tmp_path, variable):
     base = tmp_path / "elsewhere"
-    hub_cache = {"HF_HUB_CACHE": base, "HF_HOME": base / "hub", "XDG_CACHE_HOME": base / "huggingface" / "hub"}[variable]
+    hub_cache = {"HF_HUB_CACHE": base, "HF_HOME": base / "hub", "XDG_CACHE_HOME": base / "huggingface" / "hub"}[
+        variable
+    ]
     config = _cache_with_model(hub_cache)
     found = _found({variable: str(base)}, tmp_path)
     assert found["file"] == str(config) and found["layers"] == 3 and "cache" in found["source"]
@@ -66,8 +75,12 @@ def test_a_config_from_the_hub_comes_through_hf_hub_download(tmp_path, monkeypat
         if repo_id == "org/gated":
             response_cls = hf.errors.Response
             request_cls = sys.modules[response_cls.__module__.split(".")[0]].Request
-            raise hf.errors.GatedRepoError("403: gated", response=response_cls(
-                403, request=request_cls("GET", f"https://huggingface.co/{repo_id}/resolve/main/{filename}")))
+            raise hf.errors.GatedRepoError(
+                "403: gated",
+                response=response_cls(
+                    403, request=request_cls("GET", f"https://huggingface.co/{repo_id}/resolve/main/{filename}")
+                ),
+            )
         return str(_cache_with_model(tmp_path / "cache", repo_id))
 
     monkeypatch.setattr(hf, "hf_hub_download", download)

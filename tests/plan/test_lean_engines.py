@@ -17,8 +17,14 @@ from launcher.plan.text import format_plan
 from launcher.recipe import validate_recipe
 from launcher.worker.engines import trainer_fields
 
-DATA = SimpleNamespace(examples=2_000, total_tokens=8_000_000, mean_tokens=4000.0, max_tokens=4096,
-                       over_max_length=0, tokens_source="tokenizer")
+DATA = SimpleNamespace(
+    examples=2_000,
+    total_tokens=8_000_000,
+    mean_tokens=4000.0,
+    max_tokens=4096,
+    over_max_length=0,
+    tokens_source="tokenizer",
+)
 
 
 def _recipe(tmp_path, **fields):
@@ -47,12 +53,14 @@ def test_offloading_chosen_only_where_one_card_needs_it(tmp_path):
 
     arch = from_catalog("Qwen/Qwen3-32B")
     g = from_spec("1xRTX4090").gpu
-    off = throughput.tokens_per_second(arch, replace(job_w, offload_activations=True), g.tflops_bf16,
-                                   compute_capability=g.compute_capability)
+    off = throughput.tokens_per_second(
+        arch, replace(job_w, offload_activations=True), g.tflops_bf16, compute_capability=g.compute_capability
+    )
     plain = throughput.tokens_per_second(arch, job_w, g.tflops_bf16, compute_capability=g.compute_capability)
     assert off < plain
     assert throughput.activation_offload_seconds(arch, replace(job_w, offload_activations=True), 31.5) == pytest.approx(
-        2 * (arch.layers * 4096 * arch.hidden * 2 + 4096 * arch.hidden * 4) / 31.5e9)  # + the final norm's fp32 input
+        2 * (arch.layers * 4096 * arch.hidden * 2 + 4096 * arch.hidden * 4) / 31.5e9
+    )  # + the final norm's fp32 input
     # the card that holds it without: no offloading
     big = make_plan(r, _here("1xH100-80GB"), DATA, unsloth_available=False)
     assert big.engine == "trl" and not big.offload_activations
@@ -71,8 +79,12 @@ def test_offloaded_activations_need_the_boxes_ram(tmp_path):
 
 
 def test_the_plan_names_its_loss(tmp_path):
-    plan = make_plan(_recipe(tmp_path, max_length=2048, model="meta-llama/Llama-3.1-8B"), _here("1xH100-80GB"),
-                     DATA, unsloth_available=False)
+    plan = make_plan(
+        _recipe(tmp_path, max_length=2048, model="meta-llama/Llama-3.1-8B"),
+        _here("1xH100-80GB"),
+        DATA,
+        unsloth_available=False,
+    )
     loss = [r for r in plan.reasons if r.startswith("loss:")]
     assert len(loss) == 1 and "TRL's fused LM head" in loss[0] and "never" in loss[0]
     assert "token accuracy and entropy are still logged" in loss[0]
@@ -80,7 +92,8 @@ def test_the_plan_names_its_loss(tmp_path):
 
 def test_worker_fields_follow_the_plan():
     assert trainer_fields({"engine": "trl", "device": "cuda", "offload_activations": True}, None) == {
-        "activation_offloading": True}
+        "activation_offloading": True
+    }
     assert trainer_fields({"engine": "trl", "device": "cpu", "offload_activations": True}, None) == {}
     assert trainer_fields({"engine": "trl", "device": "cuda"}, None) == {}
 
@@ -88,10 +101,15 @@ def test_worker_fields_follow_the_plan():
 def test_the_recipes_own_activation_offloading_is_sized(tmp_path):
     """trainer: activation_offloading: true (passed through to SFTConfig) moves the layer inputs off the card in the
     plan too."""
-    base = make_plan(_recipe(tmp_path, model="meta-llama/Llama-3.1-8B"), _here("1xH100-80GB"), DATA,
-                     unsloth_available=False)
-    forced = make_plan(_recipe(tmp_path, model="meta-llama/Llama-3.1-8B", trainer={"activation_offloading": True}),
-                       _here("1xH100-80GB"), DATA, unsloth_available=False)
+    base = make_plan(
+        _recipe(tmp_path, model="meta-llama/Llama-3.1-8B"), _here("1xH100-80GB"), DATA, unsloth_available=False
+    )
+    forced = make_plan(
+        _recipe(tmp_path, model="meta-llama/Llama-3.1-8B", trainer={"activation_offloading": True}),
+        _here("1xH100-80GB"),
+        DATA,
+        unsloth_available=False,
+    )
     assert forced.offload_activations and not base.offload_activations
     assert forced.memory["per_gpu_gb"] < base.memory["per_gpu_gb"]
     assert forced.estimate["hours"] > base.estimate["hours"]

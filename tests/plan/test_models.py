@@ -35,21 +35,27 @@ def test_catalog_parameter_counts_match_published(model, billions):
     assert arch.params / 1e9 == pytest.approx(billions, rel=0.01)
 
 
-@pytest.mark.parametrize("name,key", [
-    ("unsloth/Meta-Llama-3.1-8B-Instruct-bnb-4bit", "llama-3.1-8b"),
-    ("unsloth/Qwen3-8B-unsloth-bnb-4bit", "qwen3-8b"),
-    ("Qwen/Qwen2.5-7B-Instruct", "qwen2.5-7b"),
-    ("google/gemma-3-27b-it", "gemma-3-27b"),
-    ("meta-llama/Llama-3.3-70B-Instruct", "llama-3.3-70b"),
-])
+@pytest.mark.parametrize(
+    "name,key",
+    [
+        ("unsloth/Meta-Llama-3.1-8B-Instruct-bnb-4bit", "llama-3.1-8b"),
+        ("unsloth/Qwen3-8B-unsloth-bnb-4bit", "qwen3-8b"),
+        ("Qwen/Qwen2.5-7B-Instruct", "qwen2.5-7b"),
+        ("google/gemma-3-27b-it", "gemma-3-27b"),
+        ("meta-llama/Llama-3.3-70B-Instruct", "llama-3.3-70b"),
+    ],
+)
 def test_catalog_key_ignores_variant_suffixes(name, key):
     assert catalog_key(name) == key
 
 
-@pytest.mark.parametrize("r,targets,expected", [
-    (32, ["q_proj", "v_proj"], 9_175_040),  # the hand calculation for Llama-3.2-3B
-    (16, "all-linear", 16 * 28 * ((3072 + 3072) + 2 * (3072 + 1024) + (3072 + 3072) + 3 * (3072 + 8192))),
-])
+@pytest.mark.parametrize(
+    "r,targets,expected",
+    [
+        (32, ["q_proj", "v_proj"], 9_175_040),  # the hand calculation for Llama-3.2-3B
+        (16, "all-linear", 16 * 28 * ((3072 + 3072) + 2 * (3072 + 1024) + (3072 + 3072) + 3 * (3072 + 8192))),
+    ],
+)
 def test_lora_parameter_count_llama_3_2_3b(r, targets, expected):
     assert from_catalog("meta-llama/Llama-3.2-3B").lora_params(r, targets) == expected
 
@@ -62,8 +68,14 @@ def test_lora_unknown_target_names_the_valid_ones():
 
 def test_local_config_directory(tmp_path):
     cfg = {  # a tiny Qwen3-shaped config like scripts/make_tiny_model.py writes
-        "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 1000,
+        "model_type": "qwen3",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 1000,
         "tie_word_embeddings": True,
     }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
@@ -81,9 +93,19 @@ def test_local_dir_without_config_is_an_error(tmp_path):
 
 
 def test_multimodal_text_config_is_used():
-    cfg = {"model_type": "gemma3", "text_config": {"model_type": "gemma3_text", "hidden_size": 2560,
-           "intermediate_size": 10240, "num_hidden_layers": 34, "num_attention_heads": 8,
-           "num_key_value_heads": 4, "head_dim": 256, "vocab_size": 262208}}
+    cfg = {
+        "model_type": "gemma3",
+        "text_config": {
+            "model_type": "gemma3_text",
+            "hidden_size": 2560,
+            "intermediate_size": 10240,
+            "num_hidden_layers": 34,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "head_dim": 256,
+            "vocab_size": 262208,
+        },
+    }
     arch = models.from_config(cfg, "g", "test")
     assert arch.params == from_catalog("google/gemma-3-4b-it").params
 
@@ -93,8 +115,9 @@ def test_hf_cache_is_read_before_catalog(tmp_path, monkeypatch):
 
     snap = tmp_path / "models--org--mymodel" / "snapshots" / "abc"
     snap.mkdir(parents=True)
-    (snap / "config.json").write_text(json.dumps({"hidden_size": 128, "num_hidden_layers": 3,
-                                                  "num_attention_heads": 4, "vocab_size": 500}))
+    (snap / "config.json").write_text(
+        json.dumps({"hidden_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4, "vocab_size": 500})
+    )
     (tmp_path / "models--org--mymodel" / "refs").mkdir()
     (tmp_path / "models--org--mymodel" / "refs" / "main").write_text("abc")
     # huggingface_hub reads HF_HUB_CACHE when it is imported (tests/plan/test_hf_cache.py sets it in a subprocess)

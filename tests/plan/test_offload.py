@@ -40,14 +40,17 @@ def test_optimizer_offload_moves_gradients_and_states_into_ram():
     assert off.host_ram_gb == off.train_ram_gb > off.load_ram_gb and off.ram_explanation == off.offload_explanation
     # the job in all: the cards' partitions and one card's step tensors, plus what lives in RAM
     static = off.breakdown_gb["weights"]
-    assert off.total_gb == pytest.approx(static * 8 + off.per_gpu_gb - static - off.breakdown_gb["gathered shards"]
-                                         + off.offloaded_params_gb)
+    assert off.total_gb == pytest.approx(
+        static * 8 + off.per_gpu_gb - static - off.breakdown_gb["gathered shards"] + off.offloaded_params_gb
+    )
     assert "18 B/param" in off.offload_explanation and "RAM while training" in off.offload_explanation
 
 
 def test_parameter_offload_moves_the_16bit_partitions_too():
     opt, both = sizing.memory(ARCH, ds(n=2)), sizing.memory(ARCH, ds(n=2, params=True))
-    assert opt.per_gpu_gb > 79.65 * sizing.USABLE_FRACTION and "weights" not in both.breakdown_gb and both.per_gpu_gb < 20
+    assert (
+        opt.per_gpu_gb > 79.65 * sizing.USABLE_FRACTION and "weights" not in both.breakdown_gb and both.per_gpu_gb < 20
+    )
     assert both.offloaded_params_gb == pytest.approx(ARCH.params * 20 / GB)
     assert "16-bit parameter partitions" in both.offload_explanation
 
@@ -107,8 +110,7 @@ def test_forced_offload_is_honoured_or_refused():
     assert p.offload_optimizer and p.offload_params and "weights" not in p.memory["breakdown_gb"]
     assert any("forced by the recipe (offload: optimizer+params)" in r for r in p.reasons)
     with pytest.raises(PlanError, match="offload: optimizer is DeepSpeed ZeRO-3's CPU offload"):
-        make_plan(load_recipe(QWEN_8BIT, ["offload=optimizer", "engine=fsdp"]), from_spec("4xH100-80GB"),
-                  tokens=15e6)
+        make_plan(load_recipe(QWEN_8BIT, ["offload=optimizer", "engine=fsdp"]), from_spec("4xH100-80GB"), tokens=15e6)
 
 
 def _fix_plans(recipe_path: Path, overrides: list[str], hw, fix: str) -> None:
@@ -168,5 +170,9 @@ def test_alternatives_only_offer_boxes_whose_assumed_ram_holds_the_offload(monke
     p = make_plan(load_recipe(LLAMA_8BIT), from_spec("8xH100-80GB"), tokens=15e6)
     for a in p.alternatives:
         box = catalog_box(a["gpus"].split("x", 1)[1], int(a["gpus"].split("x", 1)[0]))
-        assert make_plan(load_recipe(LLAMA_8BIT), replace(box, source="detected"), tokens=15e6,
-                         unsloth_available=False).fits or a["engine"] != "deepspeed"
+        assert (
+            make_plan(
+                load_recipe(LLAMA_8BIT), replace(box, source="detected"), tokens=15e6, unsloth_available=False
+            ).fits
+            or a["engine"] != "deepspeed"
+        )

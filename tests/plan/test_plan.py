@@ -33,14 +33,26 @@ def cpu_box(ram_gb=24.0, cores=2):
 def tiny_dir(tmp_path):
     d = tmp_path / "tiny"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({
-        "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 1000,
-        "tie_word_embeddings": True}))
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "qwen3",
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "vocab_size": 1000,
+                "tie_word_embeddings": True,
+            }
+        )
+    )
     return d
 
 
 # --- the article's rules, one case each ------------------------------------------------------
+
 
 def test_fits_one_card_unsloth_when_installed(tmp_path):
     p = plan(tmp_path, "RTX4090", unsloth=True)
@@ -69,9 +81,17 @@ def test_renting_follows_the_workday_rule(tmp_path):
     """Choosing a box to rent, one card if it finishes within a working day, else DDP: the alternatives."""
     short = {a["gpus"] for a in plan(tmp_path, "RTX4090", model="meta-llama/Llama-3.1-8B").alternatives}
     assert short and all(g.startswith("1x") for g in short)  # ~3 h on one card: no multi-card box to rent
-    rows = _box_rows(_job(recipe(tmp_path, model="meta-llama/Llama-3.1-70B"),
-                          from_catalog("meta-llama/Llama-3.1-70B"), ARTICLE_DATA, None)[0],
-                     "auto", True, WORKDAY_HOURS)
+    rows = _box_rows(
+        _job(
+            recipe(tmp_path, model="meta-llama/Llama-3.1-70B"),
+            from_catalog("meta-llama/Llama-3.1-70B"),
+            ARTICLE_DATA,
+            None,
+        )[0],
+        "auto",
+        True,
+        WORKDAY_HOURS,
+    )
     two = next(r for r in rows if r["gpus"] == "2xA100-80GB")  # ~16 h on one A100: rent two
     assert two["engine"] == "ddp"
 
@@ -111,16 +131,26 @@ def test_nothing_fits_refuses_with_options(tmp_path):
 
 def test_refusal_suggests_what_makes_it_fit_here(tmp_path):
     with pytest.raises(PlanError) as err:
-        plan(tmp_path, "H100", method="lora", model="Qwen/Qwen2.5-32B", max_length=8192, micro_batch_size=4,
-             data=SimpleNamespace(**{**ARTICLE_DATA.__dict__, "max_tokens": 8192}))
+        plan(
+            tmp_path,
+            "H100",
+            method="lora",
+            model="Qwen/Qwen2.5-32B",
+            max_length=8192,
+            micro_batch_size=4,
+            data=SimpleNamespace(**{**ARTICLE_DATA.__dict__, "max_tokens": 8192}),
+        )
     assert "max_length=" in err.value.fix and "fits" in err.value.fix
 
 
-@pytest.mark.parametrize("engine,gpus,why", [
-    ("fsdp", "H100", "needs 2 or more GPUs"),
-    ("ddp", "H100", "needs 2 or more GPUs"),
-    ("unsloth", "H100", "not installed"),
-])
+@pytest.mark.parametrize(
+    "engine,gpus,why",
+    [
+        ("fsdp", "H100", "needs 2 or more GPUs"),
+        ("ddp", "H100", "needs 2 or more GPUs"),
+        ("unsloth", "H100", "not installed"),
+    ],
+)
 def test_forced_engine_refused_with_reason(tmp_path, engine, gpus, why):
     with pytest.raises(PlanError, match=why):
         plan(tmp_path, gpus, engine=engine)
@@ -138,11 +168,30 @@ def test_forced_unsloth_for_full_is_refused(tmp_path):
 
 # --- CPU boxes --------------------------------------------------------------------------------
 
+
 def test_cpu_box_plans_tiny_model(tmp_path, tiny_dir):
-    data = SimpleNamespace(examples=64, total_tokens=64 * 120, mean_tokens=120.0, max_tokens=256,
-                           over_max_length=0, tokens_source="tokenizer")
-    p = make_plan(recipe(tmp_path, model=str(tiny_dir), method="lora", max_length=256, micro_batch_size=8,
-                         gradient_accumulation_steps=1, max_steps=12), cpu_box(), data, unsloth_available=True)
+    data = SimpleNamespace(
+        examples=64,
+        total_tokens=64 * 120,
+        mean_tokens=120.0,
+        max_tokens=256,
+        over_max_length=0,
+        tokens_source="tokenizer",
+    )
+    p = make_plan(
+        recipe(
+            tmp_path,
+            model=str(tiny_dir),
+            method="lora",
+            max_length=256,
+            micro_batch_size=8,
+            gradient_accumulation_steps=1,
+            max_steps=12,
+        ),
+        cpu_box(),
+        data,
+        unsloth_available=True,
+    )
     assert (p.device, p.engine, p.num_processes, p.price_per_hour_eur) == ("cpu", "trl", 1, 0.0)
     assert p.total_steps == 12 and p.estimate["cost_eur"] == 0.0
     assert any("CPU run" in r and "tiny" in r for r in p.reasons)
@@ -151,8 +200,9 @@ def test_cpu_box_plans_tiny_model(tmp_path, tiny_dir):
 
 
 def test_cpu_box_uses_recipe_price(tmp_path, tiny_dir):
-    p = make_plan(recipe(tmp_path, model=str(tiny_dir), method="lora", price_per_hour_eur=0.10), cpu_box(),
-                  ARTICLE_DATA)
+    p = make_plan(
+        recipe(tmp_path, model=str(tiny_dir), method="lora", price_per_hour_eur=0.10), cpu_box(), ARTICLE_DATA
+    )
     assert p.price_per_hour_eur == 0.10
 
 
@@ -171,12 +221,17 @@ def test_cpu_refuses_fsdp(tmp_path, tiny_dir):  # ddp, deepspeed: tests/worker/t
 
 def test_unsloth_missing_on_a_cpu_is_missing_software(tmp_path, tiny_dir):
     with pytest.raises(MissingSoftware) as err:
-        make_plan(recipe(tmp_path, model=str(tiny_dir), method="lora", engine="unsloth"), cpu_box(), ARTICLE_DATA,
-                  unsloth_available=False)
+        make_plan(
+            recipe(tmp_path, model=str(tiny_dir), method="lora", engine="unsloth"),
+            cpu_box(),
+            ARTICLE_DATA,
+            unsloth_available=False,
+        )
     assert err.value.exit_code == 2 and "does not fit" not in err.value.render()
 
 
 # --- tokens, steps, calibration, output --------------------------------------------------------
+
 
 def test_steps_from_examples_batch_and_epochs(tmp_path):
     p = plan(tmp_path, "RTX4090", micro_batch_size=2, gradient_accumulation_steps=4, epochs=3)
@@ -199,8 +254,13 @@ def test_character_based_token_counts_are_said(tmp_path):
 def test_smoke_measurement_replaces_estimates(tmp_path):
     r = recipe(tmp_path)
     est = make_plan(r, from_spec("RTX4090"), ARTICLE_DATA, unsloth_available=False)
-    cal = make_plan(r, from_spec("RTX4090"), ARTICLE_DATA, unsloth_available=False,
-                    smoke={"tokens_per_second": 1000.0, "peak_memory_gb": 14.2, "device": "cuda"})
+    cal = make_plan(
+        r,
+        from_spec("RTX4090"),
+        ARTICLE_DATA,
+        unsloth_available=False,
+        smoke={"tokens_per_second": 1000.0, "peak_memory_gb": 14.2, "device": "cuda"},
+    )
     assert cal.measured["tokens_per_second"] == 1000.0 and cal.memory["per_gpu_gb"] == 14.2
     assert cal.estimate["hours"] == pytest.approx(15e6 / 1000 / 3600, rel=1e-3)
     assert est.measured == {} and cal.tokens["tokens_per_second_source"] == "measured"
@@ -209,8 +269,21 @@ def test_smoke_measurement_replaces_estimates(tmp_path):
 
 def test_to_dict_has_the_issue_keys(tmp_path):
     d = plan(tmp_path, "2xA100-80GB", model="meta-llama/Llama-3.1-70B").to_dict()
-    for key in ("fits", "engine", "gpus", "memory", "tokens", "estimate", "reasons", "alternatives",
-                "num_processes", "device", "price_per_hour_eur", "total_steps", "measured"):
+    for key in (
+        "fits",
+        "engine",
+        "gpus",
+        "memory",
+        "tokens",
+        "estimate",
+        "reasons",
+        "alternatives",
+        "num_processes",
+        "device",
+        "price_per_hour_eur",
+        "total_steps",
+        "measured",
+    ):
         assert key in d
     assert set(d["gpus"]) >= {"name", "count", "memory_gb"}
     assert set(d["memory"]) >= {"per_gpu_gb", "total_gb", "breakdown_gb"}
@@ -237,10 +310,12 @@ def test_plan_is_fast(tmp_path):
 
 
 def test_importing_the_planner_stays_light():
-    code = ("import sys, launcher.plan.plan, launcher.plan.text, launcher.plan.hardware, launcher.plan.sizing, "
-            "launcher.plan.models; "
-            "heavy = [m for m in ('torch', 'transformers', 'trl', 'peft', 'pynvml', 'unsloth') if m in sys.modules]; "
-            "print(heavy)")
+    code = (
+        "import sys, launcher.plan.plan, launcher.plan.text, launcher.plan.hardware, launcher.plan.sizing, "
+        "launcher.plan.models; "
+        "heavy = [m for m in ('torch', 'transformers', 'trl', 'peft', 'pynvml', 'unsloth') if m in sys.modules]; "
+        "print(heavy)"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -269,6 +344,7 @@ def test_the_plan_states_the_task_evaluations_time_and_cost_before_any_smoke_tes
     assert t["seconds"] == round(t["new_tokens"] / tps, 1) and t["cost_eur"] == round(t["seconds"] / 3600 * 3.9, 2)
     assert any(r.startswith("task evaluation: at most 4 scorers x 200 examples") for r in plan.reasons)
     # twice the bandwidth, twice the rate while the step stays memory bound
-    assert throughput.generation_tokens_per_second(from_catalog("meta-llama/Llama-3.1-8B"), 6700, 989) == \
-        pytest.approx(2 * tps)
+    assert throughput.generation_tokens_per_second(from_catalog("meta-llama/Llama-3.1-8B"), 6700, 989) == pytest.approx(
+        2 * tps
+    )
     assert article_plan(tmp_path, "1xH100-80GB").estimate["task_eval"] is None  # nothing held out, nothing scored

@@ -44,8 +44,14 @@ def no_gpu_here(monkeypatch):
 
 
 def recipe(tmp_path, **fields):
-    base = {"model": "meta-llama/Llama-3.1-8B", "method": "qlora", "data": "absent.jsonl", "max_length": 2048,
-            "micro_batch_size": 1, "gradient_accumulation_steps": 8}
+    base = {
+        "model": "meta-llama/Llama-3.1-8B",
+        "method": "qlora",
+        "data": "absent.jsonl",
+        "max_length": 2048,
+        "micro_batch_size": 1,
+        "gradient_accumulation_steps": 8,
+    }
     base.update(fields)
     return validate_recipe(base, tmp_path, "r")
 
@@ -67,6 +73,7 @@ def run_cli(capsys, *argv) -> tuple[int, str, str]:
 
 
 # --- the README's first command, the recipe's box: and tokens: -------------------------------------
+
 
 def test_readme_first_command_works_as_printed(no_gpu_here, capsys, monkeypatch):
     monkeypatch.chdir(REPO)
@@ -128,6 +135,7 @@ def test_without_data_or_tokens_it_plans_memory_and_says_how_to_give_them(tmp_pa
 
 # --- software: the image for a named box, what is installed for this one -----------------------------
 
+
 def test_a_named_box_has_the_images_software(tmp_path, monkeypatch):
     monkeypatch.setattr(engine_mod, "_unsloth_installed", lambda: False)
     p = make_plan(recipe(tmp_path, engine="unsloth"), from_spec("RTX4090"), tokens=15e6)
@@ -139,8 +147,9 @@ def test_a_named_box_has_the_images_software(tmp_path, monkeypatch):
 def test_this_machine_uses_what_is_installed_and_names_the_fix(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(engine_mod, "_unsloth_installed", lambda: False)
     p = make_plan(recipe(tmp_path), detected("RTX4090"), tokens=15e6)
-    assert p.engine == "trl" and any("Unsloth not installed on this machine" in r and ".venv-unsloth" in r
-                                     for r in p.reasons)
+    assert p.engine == "trl" and any(
+        "Unsloth not installed on this machine" in r and ".venv-unsloth" in r for r in p.reasons
+    )
     with pytest.raises(MissingSoftware) as err:
         make_plan(recipe(tmp_path, engine="unsloth"), detected("RTX4090"), tokens=15e6)
     assert err.value.exit_code == 2 and "does not fit" not in err.value.render()
@@ -175,6 +184,7 @@ def test_deepspeed_missing_here_is_missing_software(tmp_path, monkeypatch):
 
 # --- the box in hand is billed whole --------------------------------------------------------------
 
+
 def test_8xh100_uses_its_cards_and_shows_the_cheapest_box_to_rent(tmp_path):
     r = recipe(tmp_path, model="meta-llama/Llama-3.1-70B", micro_batch_size=2, gradient_accumulation_steps=4)
     p = make_plan(r, from_spec("8xH100-80GB"), tokens=15e6, unsloth_available=True)
@@ -183,7 +193,9 @@ def test_8xh100_uses_its_cards_and_shows_the_cheapest_box_to_rent(tmp_path):
     assert p.estimate["hours"] < one.estimate["hours"] / 5 and p.estimate["cost_eur"] < one.estimate["cost_eur"] * 8 / 5
     assert any("billed whole" in r for r in p.reasons)
     text = format_plan(p)
-    assert text.startswith("Plan: qlora of meta-llama/Llama-3.1-70B on 8 x H100-80GB (80 GB each) -> engine ddp, 8 processes")
+    assert text.startswith(
+        "Plan: qlora of meta-llama/Llama-3.1-70B on 8 x H100-80GB (80 GB each) -> engine ddp, 8 processes"
+    )
     rent = p.cheapest_rental
     assert rent and rent["gpus"].startswith("1x") and rent["cost_eur"] < p.estimate["cost_eur"]
     assert f"the cheapest box to rent instead is {rent['gpus']}" in text and f"{p.estimate['cost_eur']:.2f} EUR" in text
@@ -193,8 +205,7 @@ def test_the_checkpoint_interval_is_the_clocks_and_its_steps_an_estimate(tmp_pat
     """Checkpoints follow the clock (checkpoint_every_minutes), so the step count is said as an estimate."""
     p = make_plan(recipe(tmp_path, checkpoint_every_minutes=20), from_spec("RTX4090"), tokens=15e6)
     assert p.checkpoint_every_minutes == 20 and p.to_dict()["checkpoint_every_minutes"] == 20
-    assert (f"checkpoint about every {p.checkpoint_every_steps} steps (every 20 minutes by the clock)"
-            in format_plan(p))
+    assert f"checkpoint about every {p.checkpoint_every_steps} steps (every 20 minutes by the clock)" in format_plan(p)
     p = make_plan(recipe(tmp_path, checkpoint_every_minutes=0.25), from_spec("RTX4090"), tokens=15e6)
     assert f"checkpoint about every {p.checkpoint_every_steps} steps (every 15 s by the clock)" in format_plan(p)
 
@@ -210,9 +221,16 @@ def test_header_says_when_cards_stay_idle(tmp_path):
 
 # --- --json is always JSON ------------------------------------------------------------------------
 
+
 def test_json_when_nothing_fits(tmp_path, no_gpu_here, capsys):
-    rc, out, err = run_cli(capsys, "plan", write_recipe(tmp_path, model="Qwen/Qwen2.5-32B", method="full", tokens="15M"),
-                           "--gpus", "RTX4090", "--json")
+    rc, out, err = run_cli(
+        capsys,
+        "plan",
+        write_recipe(tmp_path, model="Qwen/Qwen2.5-32B", method="full", tokens="15M"),
+        "--gpus",
+        "RTX4090",
+        "--json",
+    )
     d = json.loads(out)
     assert rc == 3 and err == "" and d["fits"] is False
     assert d["memory"]["total_gb"] > 500 and d["memory"]["breakdown_gb"]["optimizer"] > 200
@@ -225,8 +243,14 @@ def test_json_when_nothing_fits(tmp_path, no_gpu_here, capsys):
 
 def test_json_of_a_forced_engine_refusal_says_what_the_job_needs(tmp_path, no_gpu_here, capsys):
     """A forced engine refused before sizing (fsdp on one card) still prints the memory with its breakdown."""
-    rc, out, _ = run_cli(capsys, "plan", write_recipe(tmp_path, model="Qwen/Qwen2.5-32B", method="full", tokens="15M",
-                                                      engine="fsdp"), "--gpus", "RTX4090", "--json")
+    rc, out, _ = run_cli(
+        capsys,
+        "plan",
+        write_recipe(tmp_path, model="Qwen/Qwen2.5-32B", method="full", tokens="15M", engine="fsdp"),
+        "--gpus",
+        "RTX4090",
+        "--json",
+    )
     d = json.loads(out)
     assert rc == 3 and d["fits"] is False and "needs 2 or more GPUs" in d["refusal"]["why"]
     assert d["memory"]["per_gpu_gb"] > 24 and d["memory"]["breakdown_gb"]["optimizer"] > 100
@@ -240,8 +264,10 @@ def test_json_for_a_bad_recipe(tmp_path, capsys):
 
 # --- units ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name,size", [("RTX4090", 24), ("H100-80GB", 80), ("A100-80GB", 80), ("RTX3090", 24),
-                                       ("T4", 15), ("H200", 140)])
+
+@pytest.mark.parametrize(
+    "name,size", [("RTX4090", 24), ("H100-80GB", 80), ("A100-80GB", 80), ("RTX3090", 24), ("T4", 15), ("H200", 140)]
+)
 def test_card_sizes_as_people_know_them(name, size):
     assert round(catalog()[name].memory_gb) == size
     assert f"({size} GB)" in from_spec(name).describe()
@@ -257,17 +283,31 @@ def test_one_unit_said_once(tmp_path):
 
 # --- the rental catalog -----------------------------------------------------------------------------
 
+
 def test_catalog_has_the_cards_people_rent():
     for name in ("T4", "L4", "A10G", "A10", "RTX3090", "RTXA6000", "A40", "L40", "L40S", "H200", "RTX6000Ada"):
         assert name in catalog()
 
 
-@pytest.mark.parametrize("nvml,name", [
-    ("NVIDIA L4", "L4"), ("NVIDIA L40S", "L40S"), ("NVIDIA L40", "L40"), ("NVIDIA A10G", "A10G"), ("NVIDIA A10", "A10"),
-    ("NVIDIA RTX A6000", "RTXA6000"), ("NVIDIA RTX 6000 Ada Generation", "RTX6000Ada"), ("Tesla T4", "T4"),
-    ("NVIDIA GeForce RTX 3090", "RTX3090"), ("NVIDIA H100 NVL", "H100-NVL"), ("NVIDIA H100 PCIe", "H100-PCIe"),
-    ("NVIDIA H200", "H200"), ("NVIDIA A40", "A40"), ("NVIDIA A100-SXM4-80GB", "A100-80GB"),
-])
+@pytest.mark.parametrize(
+    "nvml,name",
+    [
+        ("NVIDIA L4", "L4"),
+        ("NVIDIA L40S", "L40S"),
+        ("NVIDIA L40", "L40"),
+        ("NVIDIA A10G", "A10G"),
+        ("NVIDIA A10", "A10"),
+        ("NVIDIA RTX A6000", "RTXA6000"),
+        ("NVIDIA RTX 6000 Ada Generation", "RTX6000Ada"),
+        ("Tesla T4", "T4"),
+        ("NVIDIA GeForce RTX 3090", "RTX3090"),
+        ("NVIDIA H100 NVL", "H100-NVL"),
+        ("NVIDIA H100 PCIe", "H100-PCIe"),
+        ("NVIDIA H200", "H200"),
+        ("NVIDIA A40", "A40"),
+        ("NVIDIA A100-SXM4-80GB", "A100-80GB"),
+    ],
+)
 def test_a_detected_name_matches_the_most_specific_entry(nvml, name):
     assert lookup(nvml).name == name
 
@@ -277,14 +317,16 @@ def test_a_card_without_a_price_plans_and_price_sets_one(tmp_path, no_gpu_here, 
     p = make_plan(recipe(tmp_path), from_spec("H100-NVL"), tokens=15e6)
     assert p.fits and p.estimate["cost_eur"] is None and p.price_per_hour_eur is None
     assert any("--price EUR/h" in n for n in p.notes) and "no price known" in format_plan(p)
-    rc, out, _ = run_cli(capsys, "plan", write_recipe(tmp_path, tokens="15M"), "--gpus", "H100-NVL", "--price", "2.5",
-                         "--json")
+    rc, out, _ = run_cli(
+        capsys, "plan", write_recipe(tmp_path, tokens="15M"), "--gpus", "H100-NVL", "--price", "2.5", "--json"
+    )
     d = json.loads(out)
     assert rc == 0 and d["price_per_hour_eur"] == 2.5
     assert d["estimate"]["cost_eur"] == pytest.approx(d["estimate"]["hours"] * 2.5, abs=0.01)
 
 
 # --- setup and download ------------------------------------------------------------------------------
+
 
 def test_setup_and_download_are_in_the_estimate(tmp_path):
     p = make_plan(recipe(tmp_path, model="Qwen/Qwen3-8B"), from_spec("RTX4090"), tokens=15e6)
@@ -303,8 +345,12 @@ def test_qlora_70b_downloads_a_quarter_with_the_4bit_repo(tmp_path):
     full = download_size("meta-llama/Llama-3.1-70B-Instruct", arch)
     four = download_size("meta-llama/Llama-3.1-70B-Instruct", arch, "unsloth/Meta-Llama-3.1-70B-Instruct-bnb-4bit")
     assert 125 < full.bytes / 2**30 < 135 and 35 < four.bytes / 2**30 < 42  # the article: 141 GB and ~40 GB (decimal)
-    p = make_plan(recipe(tmp_path, model="meta-llama/Llama-3.1-70B-Instruct"), from_spec("H100-80GB"), tokens=15e6,
-                  unsloth_available=False)
+    p = make_plan(
+        recipe(tmp_path, model="meta-llama/Llama-3.1-70B-Instruct"),
+        from_spec("H100-80GB"),
+        tokens=15e6,
+        unsloth_available=False,
+    )
     assert p.engine == "trl" and p.estimate["download"]["repo"] == "meta-llama/Llama-3.1-70B-Instruct"
     assert any("model=unsloth/Meta-Llama-3.1-70B-Instruct-bnb-4bit to use it" in r for r in p.reasons)
 
@@ -317,9 +363,11 @@ def test_download_size_from_the_hubs_listing(monkeypatch):
 
     import huggingface_hub.constants
 
-    listing = [{"rfilename": "model-00001-of-00002.safetensors", "size": 4_000_000_000},
-               {"rfilename": "model-00002-of-00002.safetensors", "size": 2_000_000_000},
-               {"rfilename": "config.json", "size": 900}]
+    listing = [
+        {"rfilename": "model-00001-of-00002.safetensors", "size": 4_000_000_000},
+        {"rfilename": "model-00002-of-00002.safetensors", "size": 2_000_000_000},
+        {"rfilename": "config.json", "size": 900},
+    ]
     seen = []
 
     class Hub(BaseHTTPRequestHandler):
@@ -351,16 +399,30 @@ def test_download_size_from_the_hubs_listing(monkeypatch):
 
 
 def test_weight_files_from_a_hub_listing():
-    listing = {"model-00001-of-00002.safetensors": 5, "model-00002-of-00002.safetensors": 3, "pytorch_model.bin": 8,
-               "config.json": 1, "original/consolidated.00.pth": 8}
+    listing = {
+        "model-00001-of-00002.safetensors": 5,
+        "model-00002-of-00002.safetensors": 3,
+        "pytorch_model.bin": 8,
+        "config.json": 1,
+        "original/consolidated.00.pth": 8,
+    }
     assert _weights_bytes(listing) == 8  # safetensors only: from_pretrained loads those, not the .bin copy
     assert _weights_bytes({"pytorch_model.bin": 8, "original/consolidated.00.pth": 8, "tokenizer.json": 2}) == 8
 
 
 # --- suggestions -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("typo,meant", [("lr", "learning_rate"), ("learnig_rate", "learning_rate"),
-                                        ("max_len", "max_length"), ("lora.rr", "lora.r"), ("epoch", "epochs")])
+
+@pytest.mark.parametrize(
+    "typo,meant",
+    [
+        ("lr", "learning_rate"),
+        ("learnig_rate", "learning_rate"),
+        ("max_len", "max_length"),
+        ("lora.rr", "lora.r"),
+        ("epoch", "epochs"),
+    ],
+)
 def test_did_you_mean_only_when_close(typo, meant):
     assert _suggest(typo) == f" (did you mean '{meant}'?)"
 

@@ -14,21 +14,37 @@ from launcher.plan.plan import make_plan
 from launcher.plan.text import format_plan
 from launcher.recipe import validate_recipe
 
-DATA = SimpleNamespace(examples=10_000, total_tokens=5_000_000, mean_tokens=500.0, max_tokens=2048,
-                       over_max_length=0, tokens_source="tokenizer")
+DATA = SimpleNamespace(
+    examples=10_000,
+    total_tokens=5_000_000,
+    mean_tokens=500.0,
+    max_tokens=2048,
+    over_max_length=0,
+    tokens_source="tokenizer",
+)
 
 
 def plan(tmp_path, hw):
-    recipe = validate_recipe({"model": "meta-llama/Llama-3.1-8B", "method": "qlora", "data": "d.jsonl",
-                              "max_length": 1024}, tmp_path, "r")
+    recipe = validate_recipe(
+        {"model": "meta-llama/Llama-3.1-8B", "method": "qlora", "data": "d.jsonl", "max_length": 1024}, tmp_path, "r"
+    )
     return make_plan(recipe, hw, DATA, unsloth_available=False)
 
 
-@pytest.mark.parametrize("device,cc,want", [
-    ("cuda", (7, 0), "fp16"), ("cuda", (7, 5), "fp16"), ("cuda", [7, 5], "fp16"),
-    ("cuda", (8, 0), "bf16"), ("cuda", (8, 9), "bf16"), ("cuda", (12, 0), "bf16"),
-    ("cuda", None, "bf16"), ("cpu", None, "fp32"), ("cpu", (7, 5), "fp32"),
-])
+@pytest.mark.parametrize(
+    "device,cc,want",
+    [
+        ("cuda", (7, 0), "fp16"),
+        ("cuda", (7, 5), "fp16"),
+        ("cuda", [7, 5], "fp16"),
+        ("cuda", (8, 0), "bf16"),
+        ("cuda", (8, 9), "bf16"),
+        ("cuda", (12, 0), "bf16"),
+        ("cuda", None, "bf16"),
+        ("cpu", None, "fp32"),
+        ("cpu", (7, 5), "fp32"),
+    ],
+)
 def test_precision_rule(device, cc, want):
     assert throughput.training_precision(device, cc) == want
 

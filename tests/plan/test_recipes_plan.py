@@ -47,10 +47,23 @@ def tokens(text: str) -> float:
 
 def test_there_is_a_recipe_for_every_row_of_the_article():
     names = {p.stem for p in ARTICLE}
-    for needed in ("qwen3-8b-qlora", "qwen3-8b-lora", "qwen3-8b-full-8bit", "qwen3-8b-full-4x", "qwen3-32b-qlora-l40s",
-                   "qwen3-32b-qlora-h100", "qwen3-32b-lora", "qwen3-32b-full-8bit", "qwen3-32b-full-8x",
-                   "llama-3.1-70b-qlora-a100", "llama-3.1-70b-qlora-h100", "llama-3.1-70b-qlora-fsdp-2xrtx4090",
-                   "llama-3.1-70b-lora", "llama-3.1-70b-full-8bit", "llama-3.1-70b-full-8x"):
+    for needed in (
+        "qwen3-8b-qlora",
+        "qwen3-8b-lora",
+        "qwen3-8b-full-8bit",
+        "qwen3-8b-full-4x",
+        "qwen3-32b-qlora-l40s",
+        "qwen3-32b-qlora-h100",
+        "qwen3-32b-lora",
+        "qwen3-32b-full-8bit",
+        "qwen3-32b-full-8x",
+        "llama-3.1-70b-qlora-a100",
+        "llama-3.1-70b-qlora-h100",
+        "llama-3.1-70b-qlora-fsdp-2xrtx4090",
+        "llama-3.1-70b-lora",
+        "llama-3.1-70b-full-8bit",
+        "llama-3.1-70b-full-8x",
+    ):
         assert any(n.startswith(needed) for n in names), needed
     assert (RECIPES[0].parent / "tiny-cpu.yaml").is_file()
 
@@ -61,9 +74,16 @@ def test_there_is_a_recipe_for_every_row_of_the_article():
 BELOW_THE_ARTICLE = {"qwen3-8b-full-4xh100"}
 
 
-@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.xfail(
-    strict=True, reason="calibrated speed under the article's range")) if p.stem in BELOW_THE_ARTICLE else p
-    for p in ARTICLE], ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "path",
+    [
+        pytest.param(p, marks=pytest.mark.xfail(strict=True, reason="calibrated speed under the article's range"))
+        if p.stem in BELOW_THE_ARTICLE
+        else p
+        for p in ARTICLE
+    ],
+    ids=lambda p: p.stem,
+)
 def test_recipe_plans_as_its_header_says(path, no_gpu_here):
     h = header(path)
     assert {"gpus", "engine", "memory_gb", "fits"} <= h.keys(), f"{path.name}: '# expect:' line incomplete"
@@ -82,8 +102,9 @@ def test_recipe_plans_as_its_header_says(path, no_gpu_here):
     p = plan_mod.make_plan(recipe, hw, tokens=recipe.tokens, box_reason=why)
     # the article's memory table assumes gradient checkpointing; the recipes leave it to the plan, which turns it off
     # where the card holds the activations (launcher/plan/speed.py): the memory is compared as the article counts it
-    article = plan_mod.make_plan(recipe.model_copy(update={"gradient_checkpointing": True}), hw,
-                                 tokens=recipe.tokens, box_reason=why)
+    article = plan_mod.make_plan(
+        recipe.model_copy(update={"gradient_checkpointing": True}), hw, tokens=recipe.tokens, box_reason=why
+    )
     assert p.fits and p.engine == h["engine"], (p.engine, p.reasons)
     assert p.num_processes == hw.count
     assert any("Docker image" in r for r in p.reasons)
@@ -98,8 +119,9 @@ def test_recipe_plans_as_its_header_says(path, no_gpu_here):
         cards = p.memory["per_gpu_gb"] * p.num_processes
         assert cards < lo * (1 - MEMORY_SLACK), f"cards hold {cards} GB: the article's {lo}-{hi} GB would fit them"
         assert total >= lo, f"plan {total} GB in all (cards + RAM) vs article {lo}-{hi} GB"
-        assert any("nothing else fits" in r for r in p.reasons) and any("8-bit AdamW is not used" in r
-                                                                        for r in p.reasons) == (p.method == "full-8bit")
+        assert any("nothing else fits" in r for r in p.reasons) and any(
+            "8-bit AdamW is not used" in r for r in p.reasons
+        ) == (p.method == "full-8bit")
     else:
         assert lo * (1 - MEMORY_SLACK) <= total <= hi * (1 + MEMORY_SLACK), f"plan {total} GB vs article {lo}-{hi} GB"
     assert p.memory["per_gpu_gb"] <= hw.gpu.memory_gb
@@ -109,9 +131,10 @@ def test_recipe_plans_as_its_header_says(path, no_gpu_here):
         # it, the article's range of tokens/s: a measurement beats the article's chosen midpoint
         tps_lo, tps_hi = (float(x) for x in h["tps"].split("-"))
         tps = p.tokens["estimated_tokens_per_second"]
-        assert p.estimate["hours"] == pytest.approx(float(h["hours"]), rel=TIME_COST_REL) or tps_lo <= tps <= tps_hi, \
-            f"{tps:,.0f} tokens/s: the article used {recipe.tokens / 3600 / float(h['hours']):,.0f} " \
+        assert p.estimate["hours"] == pytest.approx(float(h["hours"]), rel=TIME_COST_REL) or tps_lo <= tps <= tps_hi, (
+            f"{tps:,.0f} tokens/s: the article used {recipe.tokens / 3600 / float(h['hours']):,.0f} "
             f"({tps_lo:,.0f}-{tps_hi:,.0f})"
+        )
         assert p.estimate["cost_eur"] == pytest.approx(p.estimate["hours"] * p.price_per_hour_eur, rel=0.01)
 
 
@@ -158,8 +181,14 @@ def test_the_headline_recipe_plans_on_a_fresh_clone():
     import sys
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, "-m", "launcher.cli", "plan", str(HEADLINE)], capture_output=True,
-                          text=True, env=env, cwd=HEADLINE.parents[1], timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "launcher.cli", "plan", str(HEADLINE)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=HEADLINE.parents[1],
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Plan: qlora of Qwen/Qwen3-8B on 1 x RTX4090" in done.stdout
     assert "data not read here" in done.stdout and "the recipe's tokens:" in done.stdout
@@ -206,8 +235,14 @@ def _plan(recipe: Path, env: dict, *args: str):
     import subprocess
     import sys
 
-    return subprocess.run([sys.executable, "-m", "launcher.cli", "plan", str(recipe), *args], capture_output=True,
-                          text=True, env=env, cwd=HEADLINE.parents[1], timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "launcher.cli", "plan", str(recipe), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=HEADLINE.parents[1],
+        timeout=120,
+    )
 
 
 @pytest.mark.parametrize("offline", ["HF_HUB_OFFLINE", "refused", "unanswered"])

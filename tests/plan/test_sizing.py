@@ -13,7 +13,8 @@ from launcher.plan.sizing import LOSS_MATERIALIZED as PLAIN, Workload
 
 MODEL = {"8B": "meta-llama/Llama-3.1-8B", "32B": "Qwen/Qwen2.5-32B", "70B": "meta-llama/Llama-3.1-70B"}
 
-# The article's memory table: (method, size) -> (low GB, high GB, boxes it recommends, the next-smaller box that must not fit).
+# The article's memory table: (method, size) -> (low GB, high GB, boxes it recommends, the next-smaller box that must
+# not fit).
 # The article's figures are bytes per parameter times billions of parameters ("70B x 2 B = 140 GB"): decimal GB,
 # converted here to ftrun's unit (GB = 2**30 bytes).
 ARTICLE_GB = 1e9 / sizing.GB
@@ -57,8 +58,9 @@ def test_article_memory_table(method, size, low, high, boxes, too_small):
         assert not _fits_box(arch, method, too_small), f"{too_small} should not hold {method} {size}"
 
 
-@pytest.mark.parametrize("method,size,low,high", [(m, s, lo, hi) for m, s, lo, hi, *_ in MEMORY_TABLE
-                                                  if m not in ("qlora",)])
+@pytest.mark.parametrize(
+    "method,size,low,high", [(m, s, lo, hi) for m, s, lo, hi, *_ in MEMORY_TABLE if m not in ("qlora",)]
+)
 def test_article_memory_table_at_4096_tokens(method, size, low, high):
     """The table's upper end (4,000 tokens) for everything but QLoRA on plain HF code, whose 12-byte
     logits at 4k tokens exceed the article's range; measured HF peaks agree (docs/sizing.md)."""
@@ -80,8 +82,9 @@ def test_bytes_per_param_for_full_finetuning():
     per_param = (b["weights"] + b["gradients"] + b["optimizer"]) * sizing.GB / arch.params
     assert per_param == pytest.approx(16)  # the article: ~16 bytes/param before activations
     eight = sizing.memory(arch, Workload("full-8bit", 1, 1, True)).breakdown_gb
-    per_param8 = ((eight["weights"] + eight["gradients"] + eight["optimizer"] + eight["gradient churn"]) * sizing.GB
-                  / arch.params)
+    per_param8 = (
+        (eight["weights"] + eight["gradients"] + eight["optimizer"] + eight["gradient churn"]) * sizing.GB / arch.params
+    )
     assert 6 <= per_param8 <= 8  # the article: 6-8 bytes with an 8-bit optimizer
 
 
@@ -143,8 +146,9 @@ def test_sharding_divides_static_memory():
     four = sizing.memory(arch, Workload("full", 2048, 1, True, engine="fsdp", num_gpus=4))
     static = ("weights", "gradients", "optimizer")
     # trl keeps fp32 weights (4+4+8 B/param), FSDP bf16 weights + an fp32 master (2+2+12): the same 16 B/param
-    assert sum(four.breakdown_gb[k] for k in static) == pytest.approx(sum(one.breakdown_gb[k] for k in static) / 4,
-                                                                      rel=0.01)
+    assert sum(four.breakdown_gb[k] for k in static) == pytest.approx(
+        sum(one.breakdown_gb[k] for k in static) / 4, rel=0.01
+    )
     assert one.breakdown_gb["weights"] == pytest.approx(arch.params * 4 / sizing.GB)
     assert "gathered shards" in four.breakdown_gb
     assert four.total_gb == pytest.approx(one.total_gb, rel=0.02)
@@ -191,7 +195,9 @@ def test_article_time_table(method, size, engine, box, tps, tokens, hours, cost)
     h = throughput.hours(tokens, got)
     assert h == pytest.approx(tokens / got / 3600)
     assert lo <= tokens / hours / 3600 * (1 + 1e-3) and tokens / hours / 3600 <= hi * (1 + 1e-3)  # the row itself
-    assert throughput.cost_eur(h, hw.price_per_hour_eur) == pytest.approx(h * cost / hours, rel=0.02)  # the article's price
+    assert throughput.cost_eur(h, hw.price_per_hour_eur) == pytest.approx(
+        h * cost / hours, rel=0.02
+    )  # the article's price
 
 
 def test_bench_shapes_within_ten_percent_of_the_h200():
@@ -203,13 +209,25 @@ def test_bench_shapes_within_ten_percent_of_the_h200():
 
     arch = from_catalog("Qwen3-8B")
     for method, micro_batch, measured in (("lora", 4, 5887), ("full", 2, 4315)):
-        recipe = SimpleNamespace(model=arch.name, method=method, engine="trl", num_processes="auto", max_length=1024,
-                                 packing=False, max_steps=None, epochs=1, micro_batch_size=micro_batch,
-                                 gradient_accumulation_steps=1, gradient_checkpointing=True,
-                                 lora=SimpleNamespace(r=16, target_modules="all-linear"), price_per_hour_eur=None,
-                                 checkpoint_every_minutes=30)
-        stats = SimpleNamespace(examples=1000, mean_tokens=1024, max_tokens=1024, total_tokens=1024000,
-                                tokens_source="tokenizer")
+        recipe = SimpleNamespace(
+            model=arch.name,
+            method=method,
+            engine="trl",
+            num_processes="auto",
+            max_length=1024,
+            packing=False,
+            max_steps=None,
+            epochs=1,
+            micro_batch_size=micro_batch,
+            gradient_accumulation_steps=1,
+            gradient_checkpointing=True,
+            lora=SimpleNamespace(r=16, target_modules="all-linear"),
+            price_per_hour_eur=None,
+            checkpoint_every_minutes=30,
+        )
+        stats = SimpleNamespace(
+            examples=1000, mean_tokens=1024, max_tokens=1024, total_tokens=1024000, tokens_source="tokenizer"
+        )
         plan = make_plan(recipe, catalog_box("H200", 1), stats, arch=arch, unsloth_available=False)
         assert plan.tokens["estimated_tokens_per_second"] == pytest.approx(measured, rel=0.10), method
         assert plan.speed is None  # a namespace recipe gives every key: nothing is left to the plan
@@ -229,8 +247,17 @@ def test_multi_gpu_scaling(count, link, speedup):
 
 
 # Published peak memory (GiB) by tokens per micro-batch; docs/sizing.md lists the sources.
-LLAMA2_7B = dict(name="Llama-2-7B", layers=32, hidden=4096, intermediate=11008, heads=32, kv_heads=32,
-                 head_dim=128, vocab=32000, tied_embeddings=False)
+LLAMA2_7B = dict(
+    name="Llama-2-7B",
+    layers=32,
+    hidden=4096,
+    intermediate=11008,
+    heads=32,
+    kv_heads=32,
+    head_dim=128,
+    vocab=32000,
+    tied_embeddings=False,
+)
 MEASURED = [
     # LLaMA-Factory wiki, Llama-2-7B QLoRA r=8 all modules, batch 1, HF + FlashAttention-2
     ("llama2", 8, "trl", {1024: 6, 2048: 7, 4096: 9, 8192: 12, 16384: 19, 32768: 32}),

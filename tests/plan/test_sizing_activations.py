@@ -20,11 +20,18 @@ def _saved_bytes(targets, tokens: int) -> int:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=H, intermediate_size=I, num_attention_heads=HEADS, num_key_value_heads=KV,
-                      num_hidden_layers=1, vocab_size=256)
+    cfg = LlamaConfig(
+        hidden_size=H,
+        intermediate_size=I,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV,
+        num_hidden_layers=1,
+        vocab_size=256,
+    )
     cfg._attn_implementation = "sdpa"
-    model = get_peft_model(LlamaForCausalLM(cfg).to(torch.bfloat16),
-                           LoraConfig(r=8, target_modules=targets, lora_dropout=0.0))
+    model = get_peft_model(
+        LlamaForCausalLM(cfg).to(torch.bfloat16), LoraConfig(r=8, target_modules=targets, lora_dropout=0.0)
+    )
     base = model.base_model.model.model
     x = torch.randn(1, tokens, H, dtype=torch.bfloat16, requires_grad=True)
     pos = torch.arange(tokens)[None]

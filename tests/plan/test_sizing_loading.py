@@ -27,10 +27,20 @@ from launcher.plan.sizing import GB, Workload
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 LLAMA70 = "meta-llama/Llama-3.1-70B-Instruct"
-QWEN3_30B_A3B = {"model_type": "qwen3_moe", "num_hidden_layers": 48, "hidden_size": 2048, "intermediate_size": 6144,
-                 "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
-                 "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
-                 "tie_word_embeddings": False}
+QWEN3_30B_A3B = {
+    "model_type": "qwen3_moe",
+    "num_hidden_layers": 48,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+}
 
 
 def est(arch, method: str, engine: str, n: int):
@@ -75,7 +85,8 @@ def test_deepspeed_zero3_loads_partitioned_without_a_copy_per_process():
     assert "zero.Init" in full.load_explanation and "rank 0 alone reads the checkpoint" in full.load_explanation
     moe = from_config(QWEN3_30B_A3B, "qwen3-30b-a3b", "test")
     assert est(moe, "full", "deepspeed", 8).load_ram_gb == pytest.approx(
-        8 * sizing.CPU_RUNTIME_GB + sizing.fused_expert_params(moe) * 2 / GB)  # rank 0 fuses them once
+        8 * sizing.CPU_RUNTIME_GB + sizing.fused_expert_params(moe) * 2 / GB
+    )  # rank 0 fuses them once
 
 
 def test_single_card_and_cpu_plans_count_no_loading():
@@ -121,6 +132,7 @@ def test_70b_lora_on_4xh100_plans_and_says_what_loading_holds():
 
 # --- QLoRA + FSDP: one 4-bit copy per box (issue 21 item 7) ---------------------------------------------
 
+
 def qlora_fsdp(n: int, offload: bool = False):
     arch = from_catalog(LLAMA70)
     return arch, sizing.memory(arch, Workload("qlora", 512, 1, True, 16, "all-linear", "fsdp", n, "cuda", offload))
@@ -141,7 +153,9 @@ def test_qlora_fsdp_ram_is_one_4bit_copy_per_box_whatever_the_process_count():
     assert "while the other waits" in text and "while the other 7 wait" in eight.load_explanation
     assert "maps that file (one copy in the page cache, shared)" in text
     need = two.load_ram_gb / sizing.USABLE_RAM_FRACTION
-    assert f"{two.load_ram_gb:.0f} GB of RAM at the peak (quantizing; a box with {need:.0f} GB or more holds it)" in text
+    assert (
+        f"{two.load_ram_gb:.0f} GB of RAM at the peak (quantizing; a box with {need:.0f} GB or more holds it)" in text
+    )
 
 
 def test_qlora_fsdp_with_offload_counts_the_pinned_shards_once():
@@ -166,13 +180,13 @@ def test_qlora_fsdp_quantizes_once_with_every_core():
 
 
 def test_the_70b_qlora_row_plans_on_2x4090_and_names_the_ram():
-    p = make_plan(load_recipe(RECIPES / "llama-3.1-70b-qlora-fsdp-2xrtx4090.yaml"), from_spec("2xRTX4090"),
-                  tokens=15e6)
+    p = make_plan(load_recipe(RECIPES / "llama-3.1-70b-qlora-fsdp-2xrtx4090.yaml"), from_spec("2xRTX4090"), tokens=15e6)
     assert p.fits and p.engine == "fsdp" and p.offload_params
     need = p.memory["load_ram_gb"] / sizing.USABLE_RAM_FRACTION
     assert need < 96  # the catalog box's assumed RAM
-    assert any(r.startswith("loading: one process quantizes") and f"a box with {need:.0f} GB or more" in r
-               for r in p.reasons)
+    assert any(
+        r.startswith("loading: one process quantizes") and f"a box with {need:.0f} GB or more" in r for r in p.reasons
+    )
 
 
 # --- the premise, measured: mapped 16-bit weights, private fp32 upcast -----------------------------------
@@ -225,26 +239,44 @@ def test_a_16bit_checkpoint_loads_mapped_and_the_fp32_upcast_is_private(tmp_path
     from safetensors.torch import save_file
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(vocab_size=32000, hidden_size=512, intermediate_size=2048, num_hidden_layers=6,
-                         num_attention_heads=8, num_key_value_heads=4, head_dim=64, tie_word_embeddings=False)
+    config = Qwen3Config(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=2048,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        tie_word_embeddings=False,
+    )
     with torch.device("meta"):
         shape = Qwen3ForCausalLM(config)
     n = sum(p.numel() for p in shape.parameters())
     gen = torch.Generator().manual_seed(0)
     folder = tmp_path / "m"
     folder.mkdir()
-    save_file({k: (torch.rand(v.shape, generator=gen) - 0.5).to(torch.bfloat16) for k, v in shape.state_dict().items()},
-              str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: (torch.rand(v.shape, generator=gen) - 0.5).to(torch.bfloat16) for k, v in shape.state_dict().items()},
+        str(folder / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     config.dtype = "bfloat16"
     config.save_pretrained(folder)
     model_mb = n * 2 / 2**20
 
-    res = subprocess.run([sys.executable, "-c", MEASURE, str(folder)], capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    res = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     m = json.loads(res.stdout.strip().splitlines()[-1])
     assert m["mapped"] > 0.8 * model_mb, (m, model_mb)  # the file's pages
     assert m["anon"] < 0.25 * model_mb, (m, model_mb)  # no private copy
     assert m["upcast"] > 0.9 * 2 * model_mb and m["dtypes"] == ["torch.float32"], (m, model_mb)  # 4 B/param, private
-    print(f"{n / 1e6:.0f}M params ({model_mb:.0f} MB in bf16): loaded +{m['mapped']:.0f} MB file-backed, "
-          f"+{m['anon']:.0f} MB anonymous; fp32 upcast +{m['upcast']:.0f} MB anonymous")
+    print(
+        f"{n / 1e6:.0f}M params ({model_mb:.0f} MB in bf16): loaded +{m['mapped']:.0f} MB file-backed, "
+        f"+{m['anon']:.0f} MB anonymous; fp32 upcast +{m['upcast']:.0f} MB anonymous"
+    )

@@ -13,8 +13,13 @@ from launcher.store.rundir import RunDir
 
 
 def _recipe(tmp_path, **keys):
-    base = {"model": "Qwen/Qwen3-8B", "method": "lora", "data": "train.jsonl", "tokens": 15_000_000,
-            "output_dir": str(tmp_path / "run")}
+    base = {
+        "model": "Qwen/Qwen3-8B",
+        "method": "lora",
+        "data": "train.jsonl",
+        "tokens": 15_000_000,
+        "output_dir": str(tmp_path / "run"),
+    }
     return validate_recipe({**base, **keys}, tmp_path, "r", source="test")
 
 
@@ -23,8 +28,11 @@ def test_h200_lora_turns_checkpointing_off_and_grows_the_micro_batch(tmp_path):
     assert p.speed["set"]["gradient_checkpointing"] is False
     assert p.micro_batch_size > 2 and p.micro_batch_size * p.gradient_accumulation_steps == 8
     assert any(r.startswith("gradient checkpointing off") and "more time per token" in r for r in p.reasons)
-    slow = make_plan(_recipe(tmp_path, gradient_checkpointing=True, micro_batch_size=2, gradient_accumulation_steps=4),
-                     catalog_box("H200", 1), tokens=15_000_000)
+    slow = make_plan(
+        _recipe(tmp_path, gradient_checkpointing=True, micro_batch_size=2, gradient_accumulation_steps=4),
+        catalog_box("H200", 1),
+        tokens=15_000_000,
+    )
     assert slow.speed is None and slow.micro_batch_size == 2  # given keys are honoured
     assert p.tokens["estimated_tokens_per_second"] > 1.4 * slow.tokens["estimated_tokens_per_second"]
 

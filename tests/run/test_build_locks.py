@@ -26,9 +26,16 @@ def test_a_killed_builders_lock_goes_and_a_build_under_way_keeps_its_own(tmp_pat
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(root))
     # the holder was killed mid-build: torch's own baton takes the lock, the process dies with it
     (root / "cpu_adam").mkdir(parents=True)
-    holder = subprocess.run([sys.executable, "-c", "import os, sys\nfrom torch.utils.file_baton import FileBaton\n"
-                             "FileBaton(sys.argv[1]).try_acquire() or sys.exit(3)\nos._exit(0)",
-                             str(root / "cpu_adam" / "lock")], timeout=120)
+    holder = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import os, sys\nfrom torch.utils.file_baton import FileBaton\n"
+            "FileBaton(sys.argv[1]).try_acquire() or sys.exit(3)\nos._exit(0)",
+            str(root / "cpu_adam" / "lock"),
+        ],
+        timeout=120,
+    )
     assert holder.returncode == 0 and (root / "cpu_adam" / "lock").exists()
     old = time.time() - 2 * build_locks.STALE_AFTER_S
     os.utime(root / "cpu_adam" / "lock", (old, old))
@@ -45,9 +52,16 @@ def test_a_killed_builders_lock_goes_and_a_build_under_way_keeps_its_own(tmp_pat
     assert building.exists() and fresh.exists()
     assert len(said) == 1 and "stale build lock" in said[0] and "cpu_adam" in said[0]
     # what the next attempt's build does with the folder now: torch's baton is free at once
-    waited = subprocess.run([sys.executable, "-c", "import sys\nfrom torch.utils.file_baton import FileBaton\n"
-                             "b = FileBaton(sys.argv[1]); b.wait(); sys.exit(0 if b.try_acquire() else 4)",
-                             str(root / "cpu_adam" / "lock")], timeout=60)
+    waited = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys\nfrom torch.utils.file_baton import FileBaton\n"
+            "b = FileBaton(sys.argv[1]); b.wait(); sys.exit(0 if b.try_acquire() else 4)",
+            str(root / "cpu_adam" / "lock"),
+        ],
+        timeout=60,
+    )
     assert waited.returncode == 0
 
 
@@ -60,5 +74,6 @@ def test_the_default_root_is_torchs(monkeypatch, tmp_path):
     assert build_locks.roots() == [Path(get_default_build_root())]  # torch's own answer (its _appdirs)
     _lock(tmp_path / "torch_extensions" / "py311_cpu" / "deepspeed_shm_comm", 3 * build_locks.STALE_AFTER_S)
     assert build_locks.clear_stale(lambda _: None) == [
-        tmp_path / "torch_extensions" / "py311_cpu" / "deepspeed_shm_comm" / "lock"]
+        tmp_path / "torch_extensions" / "py311_cpu" / "deepspeed_shm_comm" / "lock"
+    ]
     assert build_locks.clear_stale(lambda _: None) == []

@@ -31,7 +31,7 @@ DDP2 = ("engine=ddp", "num_processes=2", "smoke.enabled=false", "export=[]")
 # Prepended to PYTHONPATH for the interrupted runs only: every process of the run imports it at start.
 # Once transformers.trainer is imported, the Trainer's checkpoint save sleeps after writing its files
 # (before ftrun seals the checkpoint with its manifest), once, in a worker that received SIGTERM.
-SITECUSTOMIZE = '''
+SITECUSTOMIZE = """
 import os
 import sys
 
@@ -80,7 +80,7 @@ if _DELAY:
             return spec
 
     sys.meta_path.insert(0, _PatchAfterImport())
-'''
+"""
 
 
 def _ftrun(*args, cwd: Path, hook: Path | None = None, wait: bool = True):
@@ -99,14 +99,20 @@ def _ftrun(*args, cwd: Path, hook: Path | None = None, wait: bool = True):
 def _ranks(launcher_pid: int) -> list[int]:
     import psutil
 
-    return wait_for(lambda: (lambda c: len(c) == 2 and [p.pid for p in c])(psutil.Process(launcher_pid).children()),
-                    120, "torchrun to start 2 ranks")
+    return wait_for(
+        lambda: (lambda c: len(c) == 2 and [p.pid for p in c])(psutil.Process(launcher_pid).children()),
+        120,
+        "torchrun to start 2 ranks",
+    )
 
 
 def _freeze_ranks(run: Path, until) -> tuple[dict, list[int]]:
     """SIGSTOP both ranks at the first moment `until(run)` holds: the run cannot end before the signal."""
-    st = wait_for(lambda: (lambda s: s.get("worker_pid") and s)(read_state(run) if (run / "state.json").is_file()
-                                                                 else {}), 120, "the launcher to start")
+    st = wait_for(
+        lambda: (lambda s: s.get("worker_pid") and s)(read_state(run) if (run / "state.json").is_file() else {}),
+        120,
+        "the launcher to start",
+    )
     ranks = _ranks(st["worker_pid"])
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -127,8 +133,9 @@ def test_ddp_preemption_gets_grace_seconds_not_torchruns_30s(write_recipe, tmp_p
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(SITECUSTOMIZE)
     t0 = time.monotonic()
-    recipes = {name: write_recipe(f"{name}.yaml", output_dir=str(tmp_path / name), **FIELDS)
-               for name in ("ref", "sup", "box")}
+    recipes = {
+        name: write_recipe(f"{name}.yaml", output_dir=str(tmp_path / name), **FIELDS) for name in ("ref", "sup", "box")
+    }
     for name in ("sup", "box"):
         _ftrun(recipes[name], *DDP2, cwd=tmp_path, hook=hook)
 
@@ -170,8 +177,10 @@ def test_ddp_preemption_gets_grace_seconds_not_torchruns_30s(write_recipe, tmp_p
         assert ok, why
         stopped_at[name] = ok.step
         assert 3 <= ok.step < FIELDS["max_steps"]
-        print(f"{name}: SIGTERM to checkpoint step-{ok.step:06d} and exit in {took:.1f}s (save slowed by "
-              f"{SLOW_SAVE_S}s, grace {GRACE_S}s)")
+        print(
+            f"{name}: SIGTERM to checkpoint step-{ok.step:06d} and exit in {took:.1f}s (save slowed by "
+            f"{SLOW_SAVE_S}s, grace {GRACE_S}s)"
+        )
 
     # The same command resumes from the checkpoint the preemption left, to the same result (one run
     # resumed: the checkpoints of both were verified above, the resume path is the same).
@@ -205,10 +214,17 @@ def test_launcher_waits_grace_seconds_plus_a_margin(engine, monkeypatch):
         from accelerate.commands.launch import launch_command_parser
         from accelerate.utils.launch import _filter_args
 
-        args = launch_command_parser().parse_args(["--multi_gpu", "--num_processes", "2", "-m", "launcher.worker.train"])
-        args = _filter_args(args, distrib_run.get_args_parser(),
-                            ["--training_script", args.training_script, "--training_script_args", args.training_script_args])
+        args = launch_command_parser().parse_args(
+            ["--multi_gpu", "--num_processes", "2", "-m", "launcher.worker.train"]
+        )
+        args = _filter_args(
+            args,
+            distrib_run.get_args_parser(),
+            ["--training_script", args.training_script, "--training_script_args", args.training_script_args],
+        )
     else:
-        args = distrib_run.get_args_parser().parse_args(["--standalone", "--nproc_per_node=2", "-m", "launcher.worker.train"])
+        args = distrib_run.get_args_parser().parse_args(
+            ["--standalone", "--nproc_per_node=2", "-m", "launcher.worker.train"]
+        )
     config, _, _ = distrib_run.config_from_args(args)
     assert config.shutdown_timeout == 45 + LAUNCHER_SHUTDOWN_MARGIN_S

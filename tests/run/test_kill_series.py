@@ -31,8 +31,14 @@ pytestmark = pytest.mark.slow
 BUCKET_PREFIX = "runs/kills"
 
 
-def _frozen_when(group: Callable[[], Optional[int]], marker: Callable[[], bool], what: str,
-                 timeout: float = 240, run: Optional[Path] = None, slices: bool = False) -> int:
+def _frozen_when(
+    group: Callable[[], Optional[int]],
+    marker: Callable[[], bool],
+    what: str,
+    timeout: float = 240,
+    run: Optional[Path] = None,
+    slices: bool = False,
+) -> int:
     """SIGSTOP the process group at short intervals until `marker()` holds while it is stopped; returns the
     group, still stopped. The marker is read only while nothing of the run moves, so the kill that follows
     lands in the phase the marker names.
@@ -107,13 +113,21 @@ def _logged(run: Path) -> int:
 
 
 def test_five_kill9_one_in_each_phase_then_the_same_command_ends_like_the_uninterrupted_run(
-        tmp_path, tiny_model, reference_run, s3_server):  # noqa: F811
+    tmp_path, tiny_model, reference_run, s3_server
+):  # noqa: F811
     import boto3
 
     rng = random.Random(16)
     run = tmp_path / "run"
-    recipe = recipe_file(tmp_path / "r.yaml", tiny_model, output_dir=run, max_restarts=0, export=["merged"],
-                         sync={"to": f"s3://ftrun-test/{BUCKET_PREFIX}", "every_seconds": 0.3}, **RESUME_FIELDS)
+    recipe = recipe_file(
+        tmp_path / "r.yaml",
+        tiny_model,
+        output_dir=run,
+        max_restarts=0,
+        export=["merged"],
+        sync={"to": f"s3://ftrun-test/{BUCKET_PREFIX}", "every_seconds": 0.3},
+        **RESUME_FIELDS,
+    )
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", **s3_server.env)
     s3 = boto3.client("s3")
     t0 = time.monotonic()
@@ -124,14 +138,22 @@ def test_five_kill9_one_in_each_phase_then_the_same_command_ends_like_the_uninte
         assert res.returncode == 0, res.stdout + res.stderr
 
     # 1. the smoke test: `ftrun RECIPE` runs it in the foreground, the launcher and its smoke worker are killed
-    launcher = subprocess.Popen([sys.executable, "-m", "launcher.cli", str(recipe)], cwd=tmp_path, env=env,
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "launcher.cli", str(recipe)],
+        cwd=tmp_path,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     smoke_step = rng.randint(1, 2)
     smoke_log = run / "smoke" / "smoke.log"
-    pgid = _frozen_when(lambda: launcher.pid if launcher.poll() is None else None,
-                        lambda: f"[ftrun worker] step {smoke_step}/" in smoke_log.read_text(),
-                        f"smoke step {smoke_step}")
+    pgid = _frozen_when(
+        lambda: launcher.pid if launcher.poll() is None else None,
+        lambda: f"[ftrun worker] step {smoke_step}/" in smoke_log.read_text(),
+        f"smoke step {smoke_step}",
+    )
     _kill(pgid)
     launcher.wait()
     assert not (run / "smoke.json").is_file()
@@ -140,8 +162,9 @@ def test_five_kill9_one_in_each_phase_then_the_same_command_ends_like_the_uninte
 
     # 2. a training step: after a random number of further logged steps, not saving
     target = _logged(run) + rng.randint(2, 5)
-    pgid = _frozen_when(_supervisor_group(run),
-                        lambda: _logged(run) >= target and not _saving(run), f"{target} logged steps")
+    pgid = _frozen_when(
+        _supervisor_group(run), lambda: _logged(run) >= target and not _saving(run), f"{target} logged steps"
+    )
     _kill(pgid)
     phases.append(f"a step, {_logged(run)} logged")
     same_command()
@@ -169,10 +192,13 @@ def test_five_kill9_one_in_each_phase_then_the_same_command_ends_like_the_uninte
     ckpt_prefix = f"/ftrun-test/{BUCKET_PREFIX}/checkpoints/"
 
     def held_put(entry: dict) -> bool:
-        if entry["method"] != "PUT" or not entry["path"].startswith(ckpt_prefix) \
-                or entry["path"].endswith("/manifest.json"):
+        if (
+            entry["method"] != "PUT"
+            or not entry["path"].startswith(ckpt_prefix)
+            or entry["path"].endswith("/manifest.json")
+        ):
             return False
-        name = entry["path"][len(ckpt_prefix):].split("/", 1)[0]
+        name = entry["path"][len(ckpt_prefix) :].split("/", 1)[0]
         puts[name] = puts.get(name, 0) + 1
         return len(puts) >= uploads and puts[name] == nth_put
 
@@ -181,9 +207,13 @@ def test_five_kill9_one_in_each_phase_then_the_same_command_ends_like_the_uninte
             return False
         snap = next((p for p in (run / "checkpoints").glob(".sync-step-*")), None)
         assert snap is not None, "the server holds a checkpoint's object, but no upload snapshot is on the box"
-        name = snap.name[len(".sync-"):]
-        keys = [o["Key"] for o in s3.list_objects_v2(Bucket="ftrun-test", Prefix=f"{BUCKET_PREFIX}/checkpoints/{name}/")
-                .get("Contents", [])]
+        name = snap.name[len(".sync-") :]
+        keys = [
+            o["Key"]
+            for o in s3.list_objects_v2(Bucket="ftrun-test", Prefix=f"{BUCKET_PREFIX}/checkpoints/{name}/").get(
+                "Contents", []
+            )
+        ]
         assert keys and not any(k.endswith("/manifest.json") for k in keys), (name, keys)
         return True
 
@@ -191,7 +221,7 @@ def test_five_kill9_one_in_each_phase_then_the_same_command_ends_like_the_uninte
     # in slices too: the checkpoint cadence is wall-clock, so a fast box still makes several before training ends
     pgid = _frozen_when(_supervisor_group(run), nth_upload, f"upload number {uploads}", run=run, slices=True)
     held = next(e["path"] for e in s3_server.requests.entries if e.get("held"))
-    phases.append(f"an upload (object {nth_put} of upload {uploads}: {held[len(ckpt_prefix):]})")
+    phases.append(f"an upload (object {nth_put} of upload {uploads}: {held[len(ckpt_prefix) :]})")
     _kill(pgid)
     s3_server.requests.release()
     assert _logged(run) < RESUME_FIELDS["max_steps"], "training ended before the upload's kill"
@@ -203,8 +233,9 @@ def test_five_kill9_one_in_each_phase_then_the_same_command_ends_like_the_uninte
     def exporting() -> bool:
         st = read_state(run)
         log = (run / "train.log").read_text()
-        return (st.get("export") or {}).get("state") == "running" and \
-            log[log.rfind("exporting: merged"):].count("[ftrun export]") >= export_lines
+        return (st.get("export") or {}).get("state") == "running" and log[log.rfind("exporting: merged") :].count(
+            "[ftrun export]"
+        ) >= export_lines
 
     pgid = _frozen_when(_supervisor_group(run), exporting, f"{export_lines} export line(s)", run=run)
     phases.append(f"the export, after {export_lines} of its lines")
@@ -224,8 +255,11 @@ def test_five_kill9_one_in_each_phase_then_the_same_command_ends_like_the_uninte
     assert off_box["offbox_checkpoint"] == f"step-{RESUME_FIELDS['max_steps']:06d}" and not off_box["sync_error"]
     assert s3.head_object(Bucket="ftrun-test", Key=f"{BUCKET_PREFIX}/final/merged/manifest.json")
     # every checkpoint's manifest went up once: a copy that completed is not sent again
-    manifests = [e["path"] for e in s3_server.requests.entries
-                 if e["method"] == "PUT" and e["path"].endswith("/manifest.json") and "/checkpoints/" in e["path"]]
+    manifests = [
+        e["path"]
+        for e in s3_server.requests.entries
+        if e["method"] == "PUT" and e["path"].endswith("/manifest.json") and "/checkpoints/" in e["path"]
+    ]
     assert len(manifests) == len(set(manifests)), manifests
     print(f"kill series: {seconds:.0f} s; kills in: " + "; ".join(phases))
 
@@ -236,7 +270,8 @@ def _saving(run: Path) -> Optional[str]:
     if not ckpts.is_dir():
         return None
     for p in ckpts.iterdir():
-        if p.is_dir() and (p.name.startswith("checkpoint-") or
-                           (p.name.startswith("step-") and not (p / "manifest.json").is_file())):
+        if p.is_dir() and (
+            p.name.startswith("checkpoint-") or (p.name.startswith("step-") and not (p / "manifest.json").is_file())
+        ):
             return p.name
     return None

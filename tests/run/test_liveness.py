@@ -15,8 +15,17 @@ from pathlib import Path
 import pytest
 
 from conftest import RESUME_FIELDS, recipe_file
-from helpers import (REPO, assert_same_run, freeze_worker, ftrun, has_checkpoint, read_state, status, wait_for,
-                     wait_until_ended)
+from helpers import (
+    REPO,
+    assert_same_run,
+    freeze_worker,
+    ftrun,
+    has_checkpoint,
+    read_state,
+    status,
+    wait_for,
+    wait_until_ended,
+)
 from launcher.store.rundir import RunDir
 from launcher.store.state import is_locked, process_identity, run_holder, run_processes, same_process, set_state
 
@@ -26,8 +35,9 @@ def _alive(proc: subprocess.Popen) -> bool:
 
 
 def _spawn(*argv: str, **kw) -> subprocess.Popen:
-    return subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, **kw)
+    return subprocess.Popen(
+        list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **kw
+    )
 
 
 @pytest.fixture
@@ -63,8 +73,14 @@ def test_process_identity_tells_a_later_process_apart(procs):
     assert process_identity(sleeper.pid) is None
 
 
-@pytest.mark.parametrize("case", ["bare pid (older state.json)", "identity matches, lock free (restarted box)",
-                                  "lock held, start time differs (pid reused)"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "bare pid (older state.json)",
+        "identity matches, lock free (restarted box)",
+        "lock held, start time differs (pid reused)",
+    ],
+)
 def test_a_stale_pid_is_never_running_nor_signalled(run_dir, tmp_path, procs, case):
     """state.json names a live process that is not the run's supervisor: status says not running, logs -f
     returns, stop signals nothing (the process lives on)."""
@@ -109,8 +125,14 @@ def test_the_verified_supervisor_is_running_and_stop_signals_it(run_dir, tmp_pat
         assert s["state"] == "running" and s["pid_alive"], s
         assert run_holder(RunDir(run_dir))["role"] == "supervisor"
         env = dict(os.environ, PYTHONPATH=str(REPO))
-        follower = subprocess.Popen([sys.executable, "-m", "launcher.cli", "logs", str(run_dir), "-f"], cwd=tmp_path,
-                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        follower = subprocess.Popen(
+            [sys.executable, "-m", "launcher.cli", "logs", str(run_dir), "-f"],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         time.sleep(2.0)
         assert follower.poll() is None  # follows a live run
         stop = ftrun("stop", run_dir, cwd=tmp_path, timeout=60)
@@ -149,12 +171,24 @@ def test_orphans_are_found_by_run_dir_and_killed_with_their_group(run_dir, tmp_p
 
     other = tmp_path / "other-run"
     other.mkdir()
-    sup = subprocess.Popen([sys.executable, "-c", FAKE_SUPERVISOR, FAKE_WORKER, "run"], cwd=tmp_path,
-                           stdout=subprocess.PIPE, text=True, start_new_session=True)
+    sup = subprocess.Popen(
+        [sys.executable, "-c", FAKE_SUPERVISOR, FAKE_WORKER, "run"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     procs.append(sup)
     worker_pid = int(sup.stdout.readline())
-    bystander = _spawn(sys.executable, "-c", "import time; time.sleep(60)", "launcher.worker.train", "--run-dir", str(other),
-                       start_new_session=True)
+    bystander = _spawn(
+        sys.executable,
+        "-c",
+        "import time; time.sleep(60)",
+        "launcher.worker.train",
+        "--run-dir",
+        str(other),
+        start_new_session=True,
+    )
     unrelated = _spawn("sleep", "60", start_new_session=True)
     procs += [bystander, unrelated]
     run = RunDir(run_dir)
@@ -265,10 +299,16 @@ def test_an_orphaned_worker_is_ended_before_the_run_resumes(write_recipe, tmp_pa
 
     fd = _hold_lock(run)
     with (run / "train.log").open("ab") as log:
-        orphan = subprocess.Popen([sys.executable, "-m", "launcher.worker.train", "--run-dir", str(run), "--mode", "full"],
-                                  cwd=REPO, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                  pass_fds=(fd,), start_new_session=True,
-                                  env=dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1"))
+        orphan = subprocess.Popen(
+            [sys.executable, "-m", "launcher.worker.train", "--run-dir", str(run), "--mode", "full"],
+            cwd=REPO,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            pass_fds=(fd,),
+            start_new_session=True,
+            env=dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1"),
+        )
     os.close(fd)  # the orphan alone holds the lock now
     launch = None
     try:
@@ -276,11 +316,19 @@ def test_an_orphaned_worker_is_ended_before_the_run_resumes(write_recipe, tmp_pa
         os.kill(orphan.pid, signal.SIGSTOP)  # held mid-run whatever the machine's speed, until it is asked to stop
         s = status(run, tmp_path)
         assert s["state"] == "interrupted" and s["orphan_worker_pids"] == [orphan.pid], s
-        assert f"worker process(es) {orphan.pid} still train without a supervisor" in ftrun("status", run, cwd=tmp_path).stdout
+        assert (
+            f"worker process(es) {orphan.pid} still train without a supervisor"
+            in ftrun("status", run, cwd=tmp_path).stdout
+        )
         monitor = _single_trainer_monitor(run)
-        launch = subprocess.Popen([sys.executable, "-m", "launcher.cli", str(recipe)], cwd=tmp_path, text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  env=dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1"))
+        launch = subprocess.Popen(
+            [sys.executable, "-m", "launcher.cli", str(recipe)],
+            cwd=tmp_path,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1"),
+        )
         said = launch.stdout.readline()
         assert f"worker process(es) {orphan.pid} still train into this run without a supervisor" in said, said
         os.kill(orphan.pid, signal.SIGCONT)

@@ -32,7 +32,8 @@ metrics.jsonl, smoke.json, final/task_eval.json and final/export.json. The figur
   (its worker lines, the tables, the export's merged line, task_eval.json)
 - time forecasts: the plan's Time: and Why lines against the status's "plan forecast" (rounded), the smoke
   test's "about T" against the status (twice), the summary and smoke.json; the time used: the status's "in all"
-  against its phases, the summary's "on the box" against the smoke test and training phases, and the summary's percentage against its two durations; the cost and the
+  against its phases, the summary's "on the box" against the smoke test and training phases, and the summary's
+  percentage against its two durations; the cost and the
   price per hour (plan, status, summary, smoke.json)
 - memory: the plan's estimate against the status's "the sizer estimated", the smoke test's peak against
   smoke.json and the status's "measured by the smoke test"
@@ -59,10 +60,21 @@ from helpers import ftrun, metrics, wait_until_ended
 pytestmark = pytest.mark.slow  # one full run with its smoke test, task evaluation and merged export: ~2 min
 
 # recipes/tiny-cpu.yaml (the demo's), one epoch; the merged export shows the merged model's dtype
-DEMO = dict(max_steps=None, epochs=1, max_length=512, micro_batch_size=8, gradient_accumulation_steps=1,
-            learning_rate=2.0e-2, lora={"r": 8, "alpha": 16}, logging_steps=5, checkpoint_every_minutes=0.25,
-            keep_checkpoints=2, smoke={"fraction": 0.01, "min_steps": 6},
-            eval={"fraction": 0.05, "every_minutes": 0.25, "max_new_tokens": 24}, export=["adapter", "merged"])
+DEMO = dict(
+    max_steps=None,
+    epochs=1,
+    max_length=512,
+    micro_batch_size=8,
+    gradient_accumulation_steps=1,
+    learning_rate=2.0e-2,
+    lora={"r": 8, "alpha": 16},
+    logging_steps=5,
+    checkpoint_every_minutes=0.25,
+    keep_checkpoints=2,
+    smoke={"fraction": 0.01, "min_steps": 6},
+    eval={"fraction": 0.05, "every_minutes": 0.25, "max_new_tokens": 24},
+    export=["adapter", "merged"],
+)
 
 NUM = r"(\d[\d,]*(?:\.\d+)?)"
 SUFFIX = {"": 1, "k": 1e3, "M": 1e6, "B": 1e9}
@@ -82,7 +94,7 @@ def rounded(text: str, suffix: str = "") -> tuple[float, float]:
     """The interval a figure printed with this many decimals (and k/M/B) stands for."""
     decimals = len(text.split(".")[1]) if "." in text else 0
     scale = SUFFIX[suffix]
-    return (num(text) - 0.5 * 10 ** -decimals) * scale, (num(text) + 0.5 * 10 ** -decimals) * scale
+    return (num(text) - 0.5 * 10**-decimals) * scale, (num(text) + 0.5 * 10**-decimals) * scale
 
 
 def within(value: float, interval: tuple[float, float]) -> bool:
@@ -132,22 +144,36 @@ def demo(tmp_path_factory, tiny_model) -> SimpleNamespace:
     assert summary, "a finished run's status ends with its summary"
     rows = metrics(run)
     return SimpleNamespace(
-        run=run, recipe=DEMO, plan=said["plan"], data=said["data"], launch=said["launch"], status=status,
-        summary="== run " + summary, log=(run / "train.log").read_text(), rows=rows,
-        train=[r for r in rows if r.get("loss") is not None], evals=[r for r in rows if r.get("eval_loss") is not None],
+        run=run,
+        recipe=DEMO,
+        plan=said["plan"],
+        data=said["data"],
+        launch=said["launch"],
+        status=status,
+        summary="== run " + summary,
+        log=(run / "train.log").read_text(),
+        rows=rows,
+        train=[r for r in rows if r.get("loss") is not None],
+        evals=[r for r in rows if r.get("eval_loss") is not None],
         smoke=json.loads((run / "smoke.json").read_text()),
         plan_json=json.loads((run / "plan.json").read_text()),
         task=json.loads((run / "final" / "task_eval.json").read_text()),
-        export=json.loads((run / "final" / "export.json").read_text()))
+        export=json.loads((run / "final" / "export.json").read_text()),
+    )
 
 
 def examples(demo) -> SimpleNamespace:
     """The data line's counts: in all, train, held out, copies of held-out examples that leave training."""
-    total, train, held = grab(r"([\d,]+) examples; ([\d,]+) train, ([\d,]+) are held out for evaluation",
-                              demo.data, "the data view")
+    total, train, held = grab(
+        r"([\d,]+) examples; ([\d,]+) train, ([\d,]+) are held out for evaluation", demo.data, "the data view"
+    )
     copies = re.search(r", and ([\d,]+) cop(?:y|ies) of (?:a )?held-out example", demo.data)
-    return SimpleNamespace(total=int(num(total)), train=int(num(train)), held=int(num(held)),
-                           copies=int(num(copies.group(1))) if copies else 0)
+    return SimpleNamespace(
+        total=int(num(total)),
+        train=int(num(train)),
+        held=int(num(held)),
+        copies=int(num(copies.group(1))) if copies else 0,
+    )
 
 
 def data_line(text: str) -> str:
@@ -162,14 +188,18 @@ def test_examples_in_all_train_and_held_out(demo):
     assert int(num(grab(r"^examples ([\d,]+); tokens", demo.data, "the data view's statistics")[0])) == n.train
     for where, text in (("ftrun plan", demo.plan), ("the launch", demo.launch)):
         assert int(num(grab(r"^Tokens:.*?\(([\d,]+) examples x", text, where)[0])) == n.train, where
-    held, share = grab(r"^evaluation: ([\d,]+) held-out examples \((\d+(?:\.\d+)?)% of the data", demo.launch,
-                       "the launch's evaluation line")
+    held, share = grab(
+        r"^evaluation: ([\d,]+) held-out examples \((\d+(?:\.\d+)?)% of the data",
+        demo.launch,
+        "the launch's evaluation line",
+    )
     assert int(num(held)) == n.held and within(100 * n.held / n.total, rounded(share))
     smoked, of = grab(r"^smoke test: ([\d,]+) of ([\d,]+) examples", demo.launch, "the smoke test's line")
     assert int(num(of)) == n.train and int(num(smoked)) == demo.smoke["examples"]
     assert demo.smoke["eval_examples"] == n.held
-    trains, evals = grab(r"training on ([\d,]+) examples, evaluating on ([\d,]+) held-out examples", demo.log,
-                         "the worker log")
+    trains, evals = grab(
+        r"training on ([\d,]+) examples, evaluating on ([\d,]+) held-out examples", demo.log, "the worker log"
+    )
     assert (int(num(trains)), int(num(evals))) == (n.train, n.held)
     assert int(num(grab(r"data as TRL prepared it: .*?([\d,]+) examples;", demo.log, "the worker log")[0])) == n.train
 
@@ -188,20 +218,32 @@ def test_tokens_per_epoch_trained_tokens_and_the_runs_tokens(demo):
     n = examples(demo)
     per_epoch = int(num(grab(r"; ([\d,]+) tokens per epoch", data_line(demo.data), "the data line")[0]))
     share, seen = grab(r"what the loss sees: (\d+\.\d)% of ([\d,]+) tokens trained", demo.data, "the data view")
-    tokens, trained, share2 = grab(r"^examples [\d,]+; tokens ([\d,]+) \(after max_length \d+\); trained ([\d,]+) "
-                                   r"\((\d+\.\d)%\)", demo.data, "the data view's statistics")
+    tokens, trained, share2 = grab(
+        r"^examples [\d,]+; tokens ([\d,]+) \(after max_length \d+\); trained ([\d,]+) "
+        r"\((\d+\.\d)%\)",
+        demo.data,
+        "the data view's statistics",
+    )
     assert int(num(seen)) == int(num(tokens)) == per_epoch
     assert share == share2 and within(100 * num(trained) / per_epoch, rounded(share))
     # the worker counts them again, from the data as TRL tokenized it
-    w_trained, w_tokens, w_share = grab(r"data as TRL prepared it: .*; loss on ([\d,]+) of ([\d,]+) tokens "
-                                        r"\((\d+\.\d)%\)", demo.log, "the worker log")
+    w_trained, w_tokens, w_share = grab(
+        r"data as TRL prepared it: .*; loss on ([\d,]+) of ([\d,]+) tokens "
+        r"\((\d+\.\d)%\)",
+        demo.log,
+        "the worker log",
+    )
     assert (int(num(w_trained)), int(num(w_tokens)), w_share) == (int(num(trained)), per_epoch, share)
 
     # the run's training tokens: every epoch of the training examples
     run_tokens = per_epoch * demo.recipe["epochs"]
     for where, text in (("ftrun plan", demo.plan), ("the launch", demo.launch)):
-        total, suffix, mean = grab(r"^Tokens:\s+(\d+(?:\.\d+)?)([kMB]?) training tokens \([\d,]+ examples x "
-                                   r"(\d+(?:\.\d+)?) tokens", text, where)
+        total, suffix, mean = grab(
+            r"^Tokens:\s+(\d+(?:\.\d+)?)([kMB]?) training tokens \([\d,]+ examples x "
+            r"(\d+(?:\.\d+)?) tokens",
+            text,
+            where,
+        )
         assert within(run_tokens, rounded(total, suffix)), (where, total, suffix, run_tokens)
         assert within(per_epoch / n.train, rounded(mean)), (where, mean)  # the mean length
         why, why_suffix = grab(r"- time: (\d+(?:\.\d+)?)([kMB]?) training tokens /", text, where)
@@ -220,13 +262,21 @@ def test_tokens_per_epoch_trained_tokens_and_the_runs_tokens(demo):
 
 
 def test_parameters_base_adapter_and_trainable(demo):
-    total, base, adapter, trainable = grab(r"model: ([\d,]+) parameters \(([\d,]+) of the base model and ([\d,]+) "
-                                           r"of the LoRA adapter\), ([\d,]+) trainable", demo.log, "the worker log")
+    total, base, adapter, trainable = grab(
+        r"model: ([\d,]+) parameters \(([\d,]+) of the base model and ([\d,]+) "
+        r"of the LoRA adapter\), ([\d,]+) trainable",
+        demo.log,
+        "the worker log",
+    )
     total, base, adapter, trainable = map(lambda s: int(num(s)), (total, base, adapter, trainable))
     assert total == base + adapter and trainable == adapter
     for where, text in (("ftrun plan", demo.plan), ("the launch", demo.launch)):
-        weights, suffix, width, precision = grab(r"^  weights\s+[\d.]+ GB\s+(\d+(?:\.\d+)?)([kMB]?) params x (\d) B "
-                                                 r"\((\w+)\)", text, where)
+        weights, suffix, width, precision = grab(
+            r"^  weights\s+[\d.]+ GB\s+(\d+(?:\.\d+)?)([kMB]?) params x (\d) B "
+            r"\((\w+)\)",
+            text,
+            where,
+        )
         assert within(base, rounded(weights, suffix)) and (width, precision) == ("4", "fp32"), (where, weights)
         why, why_suffix = grab(r"- model [^:]+: (\d+(?:\.\d+)?)([kMB]?) params", text, where)
         assert within(base, rounded(why, why_suffix)), (where, why)
@@ -254,8 +304,13 @@ def test_steps_and_batch(demo):
     n = examples(demo)
     plans = set()
     for where, text in (("ftrun plan", demo.plan), ("the launch", demo.launch)):
-        plans.add(grab(r"^Steps:\s+([\d,]+) optimizer steps \(micro-batch (\d+) x accumulation (\d+) x (\d+) process",
-                       text, where))
+        plans.add(
+            grab(
+                r"^Steps:\s+([\d,]+) optimizer steps \(micro-batch (\d+) x accumulation (\d+) x (\d+) process",
+                text,
+                where,
+            )
+        )
     assert len(plans) == 1
     steps, micro, accumulation, processes = map(lambda s: int(num(s)), plans.pop())
     batch = micro * accumulation * processes
@@ -294,9 +349,15 @@ def test_losses_and_eval_losses(demo):
     assert evals == {r["step"]: f"{r['eval_loss']:.4f}" for r in demo.evals}
     first, last = demo.train[0], demo.train[-1]
     assert grab(r"^  loss\s+(\d+\.\d+) \(step (\d+)\) -> (\d+\.\d+) \(step (\d+)\)", demo.summary, "the summary") == (
-        f"{first['loss']:.4f}", str(first["step"]), f"{last['loss']:.4f}", str(last["step"]))
+        f"{first['loss']:.4f}",
+        str(first["step"]),
+        f"{last['loss']:.4f}",
+        str(last["step"]),
+    )
     assert grab(r"^  eval loss (\d+\.\d+) -> (\d+\.\d+)", demo.summary, "the summary") == (
-        f"{demo.evals[0]['eval_loss']:.4f}", f"{demo.evals[-1]['eval_loss']:.4f}")
+        f"{demo.evals[0]['eval_loss']:.4f}",
+        f"{demo.evals[-1]['eval_loss']:.4f}",
+    )
     # the status: the same last loss as the summary, with its step where the run is past it; the last eval loss
     # with its step
     loss, at = grab(r"^  loss (\d+\.\d+)(?: \(step (\d+)\))? ", demo.status, "the status")
@@ -304,7 +365,9 @@ def test_losses_and_eval_losses(demo):
     at_step = int(grab(r"\] (\d+)/\d+  \(", demo.status, "the status bar")[0])
     assert at == (str(last["step"]) if last["step"] < at_step else None), demo.status
     assert grab(r"^  eval loss (\d+\.\d+) \(step (\d+), held-out examples\)", demo.status, "the status") == (
-        f"{demo.evals[-1]['eval_loss']:.4f}", str(demo.evals[-1]["step"]))
+        f"{demo.evals[-1]['eval_loss']:.4f}",
+        str(demo.evals[-1]["step"]),
+    )
 
 
 def test_tokens_per_second(demo):
@@ -317,15 +380,19 @@ def test_tokens_per_second(demo):
     assert f"{demo.plan_json['tokens']['estimated_tokens_per_second']:,.0f}" == rates.pop()
     # the smoke test's measurement
     assert grab(r"^smoke test: \d+ measured steps, ([\d,]+) tokens/s", demo.launch, "the smoke test's line")[0] == (
-        f"{demo.smoke['tokens_per_second']:,.0f}")
+        f"{demo.smoke['tokens_per_second']:,.0f}"
+    )
     # the status of a finished run: its average (issue 46), the tokens trained over the training's time, as
     # `ftrun status --json` says it; the worker's last step line says the last window's
     last = demo.train[-1]
     avg = json.loads(ftrun("status", demo.run, "--json", cwd=demo.run.parent).stdout)["average_tokens_per_second"]
-    assert grab(r"^  loss \d+\.\d+(?: \(step \d+\))?\s+([\d,]+) tokens/s on average", demo.status,
-                "the status")[0] == f"{avg:,.0f}"
+    assert (
+        grab(r"^  loss \d+\.\d+(?: \(step \d+\))?\s+([\d,]+) tokens/s on average", demo.status, "the status")[0]
+        == f"{avg:,.0f}"
+    )
     assert re.findall(r"\[ftrun worker\] step \d+/\d+ loss .* (\d+) tok/s", demo.log)[-1] == (
-        f"{last['tokens_per_second']:.0f}")
+        f"{last['tokens_per_second']:.0f}"
+    )
 
 
 def test_time_and_cost_forecasts(demo):
@@ -350,7 +417,9 @@ def test_time_and_cost_forecasts(demo):
     assert smoke_status == smoke_said and smoke_cost == f"{demo.smoke['estimated_cost']:.2f}"
     running, source, forecast, pct, box = grab(
         r"^  time\s+(.+?) running \(the (smoke test|plan) forecast (.+?), ([+-]\d+)%\)(?:; (.+?) on the box)?",
-        demo.summary, "the summary")
+        demo.summary,
+        "the summary",
+    )
     assert source == "smoke test" and forecast == smoke_said
     # the percentage is the two durations' (each printed rounded)
     (rlo, rhi), (flo, fhi) = duration(running), duration(forecast)
@@ -358,8 +427,9 @@ def test_time_and_cost_forecasts(demo):
     # the status's "in all" says each phase it covers (issue 46); the summary's box time is its smoke test and
     # training (each printed rounded)
     in_all, phases = grab(r"^  time (.+?) in all: (.+?)(?:   \(|$)", demo.status, "the status")
-    said = dict(re.findall(r"(plan and baseline|smoke test|training and evaluation|export) ([\d.]+ (?:s|min|h))",
-                           phases))
+    said = dict(
+        re.findall(r"(plan and baseline|smoke test|training and evaluation|export) ([\d.]+ (?:s|min|h))", phases)
+    )
     assert set(said) == {"plan and baseline", "smoke test", "training and evaluation", "export"}, phases
     parts = [duration(v) for v in said.values()]
     assert overlap(duration(in_all), (sum(p[0] for p in parts), sum(p[1] for p in parts))), (in_all, phases)
@@ -370,13 +440,21 @@ def test_time_and_cost_forecasts(demo):
 
 
 def test_memory(demo):
-    estimates = {grab(r"^Memory [^:]*: ([\d.]+) GB of", text, where)[0]
-                 for where, text in (("ftrun plan", demo.plan), ("the launch", demo.launch))}
-    estimates |= {grab(r"- memory: needs ([\d.]+) GB", text, where)[0]
-                  for where, text in (("ftrun plan", demo.plan), ("the launch", demo.launch))}
+    estimates = {
+        grab(r"^Memory [^:]*: ([\d.]+) GB of", text, where)[0]
+        for where, text in (("ftrun plan", demo.plan), ("the launch", demo.launch))
+    }
+    estimates |= {
+        grab(r"- memory: needs ([\d.]+) GB", text, where)[0]
+        for where, text in (("ftrun plan", demo.plan), ("the launch", demo.launch))
+    }
     assert len(estimates) == 1
-    measured, sizer = grab(r"^  memory ([\d.]+) GB per process, measured by the smoke test \(the sizer estimated "
-                           r"([\d.]+) GB\)", demo.status, "the status")
+    measured, sizer = grab(
+        r"^  memory ([\d.]+) GB per process, measured by the smoke test \(the sizer estimated "
+        r"([\d.]+) GB\)",
+        demo.status,
+        "the status",
+    )
     assert num(sizer) == num(estimates.pop())
     peak = grab(r"^smoke test: .*peak memory ([\d.]+) GB", demo.launch, "the smoke test's line")[0]
     assert peak == f"{demo.smoke['peak_memory_gb']:.2f}"
@@ -387,8 +465,12 @@ def test_task_scores(demo):
     from launcher.data.task_verdict import pct
 
     scores, speed = demo.task["scores"], demo.task["generation"]
-    labels = {"base_zero_shot": "base model, zero-shot", "base_few_shot": f"base model, {demo.task['shots']} examples",
-              "fine_tuned": "fine-tuned", "merged": "merged"}
+    labels = {
+        "base_zero_shot": "base model, zero-shot",
+        "base_few_shot": f"base model, {demo.task['shots']} examples",
+        "fine_tuned": "fine-tuned",
+        "merged": "merged",
+    }
     tables = {"the launch": demo.launch, "the summary": demo.summary}
     for name, label in labels.items():
         for where, text in tables.items():
@@ -399,17 +481,29 @@ def test_task_scores(demo):
     for name in ("base_zero_shot", "base_few_shot"):
         score, rate = grab(rf"\[ftrun task eval\] {name}: (\d+\.\d)% .*, (\d+) tokens/s\)", demo.launch, "the launch")
         assert within(100 * scores[name], rounded(score)) and rate == f"{speed[name]['tokens_per_s']:.0f}", name
-    tuned, who, base = grab(r"task eval: fine-tuned (\d+\.\d)% \w+ on \d+ held-out examples \((base model [^)]*?) "
-                            r"(\d+\.\d)%\)", demo.log, "the worker log")
+    tuned, who, base = grab(
+        r"task eval: fine-tuned (\d+\.\d)% \w+ on \d+ held-out examples \((base model [^)]*?) "
+        r"(\d+\.\d)%\)",
+        demo.log,
+        "the worker log",
+    )
     base_name = "base_zero_shot" if who == "base model zero-shot" else "base_few_shot"
     assert within(100 * scores["fine_tuned"], rounded(tuned)) and within(100 * scores[base_name], rounded(base))
-    merged, tuned2, rate = grab(r"task eval: merged (\d+\.\d)% \w+ on \d+ held-out examples \(fine-tuned (\d+\.\d)%\), "
-                                r"(\d+) tokens/s generated", demo.log, "the export's lines")
+    merged, tuned2, rate = grab(
+        r"task eval: merged (\d+\.\d)% \w+ on \d+ held-out examples \(fine-tuned (\d+\.\d)%\), "
+        r"(\d+) tokens/s generated",
+        demo.log,
+        "the export's lines",
+    )
     assert within(100 * scores["merged"], rounded(merged)) and tuned2 == tuned
     assert rate == f"{speed['merged']['tokens_per_s']:.0f}"
     # the gain: the difference of the two percents it names, each as the table shows it
-    a, b, gain = grab(r"^  gain\s+fine-tuned (\d+)% against (\d+)% for the [^(]+\(([+-]\d+) points?, (?:within|beyond) "
-                      r"the ±\d+-point noise of \d+ examples\)", demo.summary, "the summary")
+    a, b, gain = grab(
+        r"^  gain\s+fine-tuned (\d+)% against (\d+)% for the [^(]+\(([+-]\d+) points?, (?:within|beyond) "
+        r"the ±\d+-point noise of \d+ examples\)",
+        demo.summary,
+        "the summary",
+    )
     assert f"{a}%" == pct(scores["fine_tuned"]) and int(gain) == int(a) - int(b)
     verdicts = {grab(r"^  verdict\s+(.*)$", text, where)[0] for where, text in tables.items()}
     assert verdicts == {demo.task["verdict"]}
@@ -428,8 +522,10 @@ def test_the_exports_sizes_and_dtypes(demo):
     # each size says what it counts (issue 46): the adapter's weights file, the merged model's folder
     listed = f"adapter {sizes['adapter']} weights file, merged {sizes['merged']} folder"
     assert grab(r"export finished: (.*?); serving commands", demo.log, "the supervisor")[0] == listed
-    assert grab(r"^  export \(adapter, merged\): succeeded - (.*?); serving commands", demo.status, "the status")[0] \
+    assert (
+        grab(r"^  export \(adapter, merged\): succeeded - (.*?); serving commands", demo.status, "the status")[0]
         == listed
+    )
     assert grab(r"\[ftrun export\] adapter ([\d.]+ [KMG]?B) \(rank", demo.log, "the export")[0] == sizes["adapter"]
     assert grab(r"\[ftrun export\] merged model ([\d.]+ [KMG]?B) in ", demo.log, "the export")[0] == sizes["merged"]
 
@@ -437,8 +533,9 @@ def test_the_exports_sizes_and_dtypes(demo):
     trained = grab(r"\[ftrun worker\] model: .* on \w+ in (\w+)", demo.log, "the worker log")[0]
     device_dtype = grab(r"\[ftrun worker\] device \w+ \((\w+)\)", demo.log, "the worker log")[0]
     assert trained == device_dtype == "float32"
-    merge_dtype, saved = grab(r"merging the adapter into the (\w+) base; the merged model is saved in (\w+)",
-                              demo.log, "the export")
+    merge_dtype, saved = grab(
+        r"merging the adapter into the (\w+) base; the merged model is saved in (\w+)", demo.log, "the export"
+    )
     place = demo.export["placement"]
     assert merge_dtype == place["merge"]["dtype"] and place["parity"]["dtype"] == trained
     assert {e["dtype"] for e in place["loads"]} == {trained}  # base + adapter and the merged model reloaded alike

@@ -1,4 +1,5 @@
-"""Out of memory in the smoke test (a real allocator failure under --memory-limit): re-plan, keep the effective batch."""
+"""Out of memory in the smoke test (a real allocator failure under --memory-limit): re-plan, keep the effective
+batch."""
 
 from __future__ import annotations
 
@@ -41,8 +42,13 @@ WIDE_LIMIT = "0.8GB"
 
 @pytest.mark.slow  # a long end-to-end run: the default tier stays under 6 minutes
 def test_nothing_fits_stops_with_the_attempts_and_starts_nothing(tmp_path, big_vocab_model):
-    recipe = recipe_file(tmp_path / "r.yaml", big_vocab_model, output_dir=tmp_path / "run",
-                         auto_adjust=["batch"], **{**FIELDS, "micro_batch_size": 2})
+    recipe = recipe_file(
+        tmp_path / "r.yaml",
+        big_vocab_model,
+        output_dir=tmp_path / "run",
+        auto_adjust=["batch"],
+        **{**FIELDS, "micro_batch_size": 2},
+    )
     res = ftrun(recipe, "--memory-limit", "150MB", cwd=tmp_path)
     assert res.returncode == 4, res.stdout + res.stderr
     err = res.stderr
@@ -58,7 +64,9 @@ def test_nothing_fits_stops_with_the_attempts_and_starts_nothing(tmp_path, big_v
     # the same recipe again (here without the cap) starts from the recipe, not from the failed adjustments
     again = ftrun("smoke", recipe, cwd=tmp_path)
     assert again.returncode == 0, again.stdout + again.stderr
-    assert "failed (the smoke test ran out of memory" in again.stdout and "starting again from the recipe" in again.stdout
+    assert (
+        "failed (the smoke test ran out of memory" in again.stdout and "starting again from the recipe" in again.stdout
+    )
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
     assert "adjustments" not in plan and plan["micro_batch_size"] == 2
 
@@ -70,19 +78,29 @@ def test_shard_step_on_cpu_runs_a_real_sharded_attempt_and_lists_it(tmp_path, bi
     fp32 holds more per process than one unsharded process at this size, so that attempt runs out too: the
     stop lists it, with the out-of-memory detected through torchrun (which reports the worker's exit as 1)."""
     pytest.importorskip("deepspeed")
-    recipe = recipe_file(tmp_path / "r.yaml", big_vocab_model, output_dir=tmp_path / "run",
-                         **{**FIELDS, "micro_batch_size": 2, "gradient_accumulation_steps": 2})
+    recipe = recipe_file(
+        tmp_path / "r.yaml",
+        big_vocab_model,
+        output_dir=tmp_path / "run",
+        **{**FIELDS, "micro_batch_size": 2, "gradient_accumulation_steps": 2},
+    )
     res = ftrun(recipe, "--memory-limit", "150MB", cwd=tmp_path, timeout=600)
     assert res.returncode == 4, res.stdout + res.stderr
-    assert "re-planning: engine trl x 1 -> deepspeed x 2 over CPU processes, each capped at 0.15 GB like a card" \
+    assert (
+        "re-planning: engine trl x 1 -> deepspeed x 2 over CPU processes, each capped at 0.15 GB like a card"
         in res.stdout
+    )
     assert "gradient_accumulation_steps 4 -> 2 (same effective batch 4)" in res.stdout
     assert "re-planned: engine deepspeed, 2 processes" in res.stdout
     assert "- engine deepspeed x 2: micro_batch_size=1 gradient_accumulation_steps=2" in res.stderr
     assert "(shard: already deepspeed x 2)" in res.stderr
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
     assert (plan["engine"], plan["num_processes"]) == ("deepspeed", 2)
-    assert plan["adjustments"][-1]["set"] == {"engine": "deepspeed", "num_processes": 2, "gradient_accumulation_steps": 2}
+    assert plan["adjustments"][-1]["set"] == {
+        "engine": "deepspeed",
+        "num_processes": 2,
+        "gradient_accumulation_steps": 2,
+    }
     oom = json.loads((tmp_path / "run" / "smoke" / "oom.json").read_text())
     # ENOMEM under the cap, from whichever allocation met it first: torch's ("DefaultCPUAllocator: can't allocate
     # memory") or a Rust library's (safetensors, tokenizers: "Cannot allocate memory (os error 12)")
@@ -112,8 +130,12 @@ def test_oom_replans_to_smaller_micro_batch_and_trains_like_that_from_the_start(
     m, g = final["micro_batch_size"], final["gradient_accumulation_steps"]
     assert m < 8 and m * g == 8  # the effective batch is kept
 
-    ref = recipe_file(tmp_path / "ref.yaml", wide_model, output_dir=tmp_path / "ref",
-                      **{**WIDE, "micro_batch_size": m, "gradient_accumulation_steps": g})
+    ref = recipe_file(
+        tmp_path / "ref.yaml",
+        wide_model,
+        output_dir=tmp_path / "ref",
+        **{**WIDE, "micro_batch_size": m, "gradient_accumulation_steps": g},
+    )
     res = ftrun(ref, "--foreground", "smoke.enabled=false", cwd=tmp_path, timeout=900)
     assert res.returncode == 0, res.stdout + res.stderr
     assert [r["loss"] for r in metrics(tmp_path / "run")] == [r["loss"] for r in metrics(tmp_path / "ref")]
@@ -130,6 +152,7 @@ def test_oom_replans_to_smaller_micro_batch_and_trains_like_that_from_the_start(
 
 
 # --- the order of the re-plan steps, without running anything -------------------------------------
+
 
 def _walk(recipe, plan):
     """Every step next_adjustment takes until none is left, applied one after the other."""
@@ -161,8 +184,15 @@ def make_recipe(tmp_path, **fields):
 def test_steps_in_order_and_shard_over_the_idle_cards_keeping_the_effective_batch(tmp_path):
     # LoRA on one of two H100s, the second card idle (the plan itself uses both: DDP, the box being billed whole;
     # a one-card plan is what a run planned on one card and resumed on this box carries)
-    r, plan = _gpu_plan(tmp_path, "2xH100", method="lora", micro_batch_size=4, gradient_accumulation_steps=4, max_length=512,
-                        gradient_checkpointing=False)
+    r, plan = _gpu_plan(
+        tmp_path,
+        "2xH100",
+        method="lora",
+        micro_batch_size=4,
+        gradient_accumulation_steps=4,
+        max_length=512,
+        gradient_checkpointing=False,
+    )
     assert (plan["engine"], plan["num_processes"]) == ("ddp", 2)
     plan = {**plan, "engine": "trl", "num_processes": 1}
     final, steps = _walk(r, plan)
@@ -184,15 +214,22 @@ def test_steps_in_order_and_shard_over_the_idle_cards_keeping_the_effective_batc
 
 
 def test_shard_comes_after_the_quality_steps_the_recipe_allows(tmp_path):
-    r, plan = _gpu_plan(tmp_path, "2xH100", method="lora", micro_batch_size=1, gradient_accumulation_steps=8,
-                        auto_adjust=["batch", "checkpointing", "method", "shard"])
+    r, plan = _gpu_plan(
+        tmp_path,
+        "2xH100",
+        method="lora",
+        micro_batch_size=1,
+        gradient_accumulation_steps=8,
+        auto_adjust=["batch", "checkpointing", "method", "shard"],
+    )
     texts = [t for _, t in _walk(r, plan)[1]]
     assert [t.split(" ")[0] for t in texts] == ["method", "engine"]  # checkpointing is on by default
 
 
 def test_ddp_becomes_fsdp_on_the_same_cards_and_a_sharded_plan_has_nothing_left(tmp_path):
-    r, plan = _gpu_plan(tmp_path, "4xH100", method="lora", engine="auto", micro_batch_size=1,
-                        gradient_accumulation_steps=8)
+    r, plan = _gpu_plan(
+        tmp_path, "4xH100", method="lora", engine="auto", micro_batch_size=1, gradient_accumulation_steps=8
+    )
     ddp = {**plan, "engine": "ddp", "num_processes": 4}
     update, _ = _walk(r.model_copy(update={"gradient_accumulation_steps": 2}), ddp)[1][0]
     assert update == {"engine": "fsdp", "num_processes": 4, "gradient_accumulation_steps": 2}
@@ -218,7 +255,10 @@ def test_the_stop_says_why_shard_was_not_tried(tmp_path):
     one = {**plan, "engine": "trl", "num_processes": 1}
     assert "effective batch 1 (micro-batch 1) does not split evenly" in shard_blocker(r, one)
     assert shard_blocker(r.model_copy(update={"engine": "trl"}), one) == "the recipe sets engine: trl"
-    assert shard_blocker(r, {**plan, "engine": "fsdp", "num_processes": 4}) == "already fsdp x 4 over all 4 GPU(s) of this box"
+    assert (
+        shard_blocker(r, {**plan, "engine": "fsdp", "num_processes": 4})
+        == "already fsdp x 4 over all 4 GPU(s) of this box"
+    )
     assert "none more to shard over" in shard_blocker(r, {**one, "hardware": {"count": 1}})
     cpu = {"engine": "trl", "num_processes": 1, "device": "cpu", "hardware": {"count": 0, "cpu_count": 2}}
     assert "only under --memory-limit" in shard_blocker(r, cpu)

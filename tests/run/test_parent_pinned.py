@@ -13,13 +13,15 @@ from helpers import ftrun, wait_until_ended
 
 @pytest.mark.slow
 def test_a_parent_checkpoint_deleted_after_the_launch_still_trains(write_recipe, tmp_path):
-    parent = write_recipe("parent.yaml", output_dir=str(tmp_path / "parent"), max_steps=4,
-                          checkpoint_every_minutes=0.0001)
+    parent = write_recipe(
+        "parent.yaml", output_dir=str(tmp_path / "parent"), max_steps=4, checkpoint_every_minutes=0.0001
+    )
     res = ftrun(parent, "--foreground", "smoke.enabled=false", cwd=tmp_path)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     checkpoint = sorted((tmp_path / "parent" / "checkpoints").glob("step-*"))[0]
-    child = write_recipe("child.yaml", output_dir=str(tmp_path / "child"), max_steps=3, init_from=str(checkpoint),
-                         lora=None)
+    child = write_recipe(
+        "child.yaml", output_dir=str(tmp_path / "child"), max_steps=3, init_from=str(checkpoint), lora=None
+    )
     res = ftrun(child, "smoke.enabled=false", cwd=tmp_path)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     shutil.rmtree(checkpoint)  # what the parent's keep_checkpoints does while that run trains on

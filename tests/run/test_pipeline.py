@@ -13,8 +13,17 @@ from pathlib import Path
 import pytest
 
 from conftest import RESUME_FIELDS
-from helpers import (assert_same_run, freeze_worker, ftrun, has_checkpoint, logged_steps, metrics, status,
-                     wait_for, wait_until_ended)
+from helpers import (
+    assert_same_run,
+    freeze_worker,
+    ftrun,
+    has_checkpoint,
+    logged_steps,
+    metrics,
+    status,
+    wait_for,
+    wait_until_ended,
+)
 
 
 def test_foreground_run_end_to_end(write_recipe, tmp_path):
@@ -113,7 +122,9 @@ def test_stop_saves_a_checkpoint_and_resume_continues(write_recipe, tmp_path):
     # a changed training setting is refused with the difference named, or accepted on request
     changed = ftrun(recipe, "learning_rate=1e-2", "max_steps=" + str(stopped_at + 3), cwd=tmp_path)
     assert changed.returncode == 2
-    assert "- learning_rate: run has 0.005, recipe now says 0.01" in changed.stderr and "--allow-changes" in changed.stderr
+    assert (
+        "- learning_rate: run has 0.005, recipe now says 0.01" in changed.stderr and "--allow-changes" in changed.stderr
+    )
     res = ftrun(recipe, "learning_rate=1e-2", f"max_steps={stopped_at + 3}", "--allow-changes", cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "continuing from the existing checkpoints with a changed recipe" in res.stdout
@@ -133,7 +144,11 @@ def test_stop_saves_a_checkpoint_and_resume_continues(write_recipe, tmp_path):
         ({"lerning_rate": 1e-3}, [], "unknown key 'lerning_rate' (did you mean 'learning_rate'?)"),
         ({"micro_batch_size": "two"}, [], "'micro_batch_size' = 'two'"),
         ({"method": "dora"}, [], "'method' = 'dora'"),
-        ({"data": "/nonexistent/train.jsonl"}, [], "data '/nonexistent/train.jsonl' (recipe key 'data') does not exist"),
+        (
+            {"data": "/nonexistent/train.jsonl"},
+            [],
+            "data '/nonexistent/train.jsonl' (recipe key 'data') does not exist",
+        ),
         ({}, ["max_steps=-1"], "'max_steps' = -1"),
         ({"trainer": {"warmup_ratioo": 0.1}}, [], "trainer.warmup_ratioo is not a field of TRL's SFTConfig"),
     ],
@@ -149,7 +164,9 @@ def test_bad_input_is_one_paragraph_and_touches_nothing(write_recipe, tmp_path, 
 
 def test_bad_data_line_is_named(write_recipe, tmp_path):
     data = tmp_path / "bad.jsonl"
-    data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n{"messages": 5}\n')
+    data.write_text(
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n{"messages": 5}\n'
+    )
     res = ftrun(write_recipe(data=str(data)), cwd=tmp_path)
     assert res.returncode == 2 and "line 2: 'messages' must be a non-empty list" in res.stderr
     assert not (tmp_path / "run").exists()
@@ -163,12 +180,15 @@ def test_output_dir_that_is_not_a_run_is_never_written(write_recipe, tmp_path):
     assert [p.name for p in (tmp_path / "run").iterdir()] == ["precious.txt"]
 
 
-@pytest.mark.parametrize("method, built, optimizer", [
-    ("qlora", "Linear4bit", "torch.optim.adamw.AdamW"),  # fused, as TRL's default
-    pytest.param("full", "Linear", "torch.optim.adamw.AdamW", marks=pytest.mark.slow),
-    # bitsandbytes, with 8-bit states
-    pytest.param("full-8bit", "Linear", "bitsandbytes.optim.adamw.AdamW", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "method, built, optimizer",
+    [
+        ("qlora", "Linear4bit", "torch.optim.adamw.AdamW"),  # fused, as TRL's default
+        pytest.param("full", "Linear", "torch.optim.adamw.AdamW", marks=pytest.mark.slow),
+        # bitsandbytes, with 8-bit states
+        pytest.param("full-8bit", "Linear", "bitsandbytes.optim.adamw.AdamW", marks=pytest.mark.slow),
+    ],
+)
 def test_each_method_trains_what_it_says(write_recipe, tmp_path, method, built, optimizer):
     recipe = write_recipe(method=method, max_steps=3, learning_rate=1e-3)
     res = ftrun(recipe, "--foreground", "smoke.enabled=false", cwd=tmp_path)
@@ -176,7 +196,9 @@ def test_each_method_trains_what_it_says(write_recipe, tmp_path, method, built, 
     log = (tmp_path / "run" / "train.log").read_text() if (tmp_path / "run" / "train.log").is_file() else res.stdout
     assert f"optimizer: {optimizer}" in log
     line = next(l for l in log.splitlines() if "linear layers:" in l)
-    assert built in line and (method != "qlora" or "Linear " not in line.split("linear layers:")[1].replace("Linear4bit", ""))
+    assert built in line and (
+        method != "qlora" or "Linear " not in line.split("linear layers:")[1].replace("Linear4bit", "")
+    )
     final = tmp_path / "run" / "final" / ("adapter" if method == "qlora" else "model")
     assert final.is_dir() and any(final.glob("*.safetensors"))
     assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2, 3]

@@ -1,4 +1,5 @@
-"""One rank down (issue 25): a killed, hung or failing rank of a 2-process DDP run (gloo on CPU) ends in an exact restart
+"""One rank down (issue 25): a killed, hung or failing rank of a 2-process DDP run (gloo on CPU) ends in an exact
+restart
 or a clear stop, never in a failed run or a run that waits forever.
 
 Real processes: the detached supervisor, torchrun and its two ranks. Every wait is on a condition (a heartbeat, a
@@ -21,7 +22,8 @@ from helpers import assert_same_run, ftrun, read_state, run_in_slices, status, w
 pytestmark = pytest.mark.slow
 
 # About 0.35 s a step on two cores: one periodic checkpoint every 6 s, several in a run, none in the next few steps
-# after a resume. max_length 512 keeps every example of the tiny data whole (the data check refuses the cut that 256 makes).
+# after a resume. max_length 512 keeps every example of the tiny data whole (the data check refuses the cut that 256
+# makes).
 FIELDS = dict(max_steps=40, checkpoint_every_minutes=0.1, learning_rate=5e-3, grace_seconds=5, max_length=512)
 DDP2 = ("engine=ddp", "num_processes=2", "smoke.enabled=false")
 FLOOR_S = 30  # the watchdog's floor for the hung-rank test (FTRUN_WATCHDOG_FLOOR_S; the default is 5 minutes)
@@ -29,7 +31,7 @@ FLOOR_S = 30  # the watchdog's floor for the hung-rank test (FTRUN_WATCHDOG_FLOO
 # Prepended to PYTHONPATH for the failing-rank run: once transformers.trainer is imported, rank 1's training step
 # raises after FAULT_STEP optimizer steps, in every attempt (a deterministic bug in one rank).
 FAULT_STEP = 4
-FAULT_HOOK = '''
+FAULT_HOOK = """
 import importlib.abc
 import importlib.machinery
 import os
@@ -65,7 +67,7 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
 
 
 sys.meta_path.insert(0, _PatchAfterImport())
-''' % (FAULT_STEP, FAULT_STEP)
+""" % (FAULT_STEP, FAULT_STEP)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +97,12 @@ def _rank_pid(run: Path, rank: int, training: bool = True, after_launcher: int |
     def found():
         launcher = _launcher_pid(run)
         beat = _beat(run, rank)
-        if not launcher or launcher == after_launcher or not beat.get("pid") or (training and beat.get("phase") == "start"):
+        if (
+            not launcher
+            or launcher == after_launcher
+            or not beat.get("pid")
+            or (training and beat.get("phase") == "start")
+        ):
             return None
         try:
             kids = {p.pid for p in psutil.Process(launcher).children()}
@@ -140,7 +147,8 @@ def _log(run: Path) -> str:
 
 
 def test_kill9_of_one_rank_twice_the_second_before_the_next_checkpoint_restarts_exactly(
-        write_recipe, tmp_path, ddp_reference):
+    write_recipe, tmp_path, ddp_reference
+):
     # The cadence is wall-clock (3 s) and the box's speed is not known: on a quiet box the 40 steps took about one
     # cadence, the first checkpoint was the final one and nothing was left to resume (a fresh-clone slow tier,
     # 2026-12-03: ProcessLookupError at the first SIGSTOP); on a loaded one a step took longer than a short cadence.
@@ -225,18 +233,29 @@ def test_a_rank_that_raises_at_the_same_step_every_time_stops_the_run_clearly(wr
     import subprocess
     import sys
 
-    res = subprocess.run([sys.executable, "-m", "launcher.cli", str(recipe), *DDP2], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "launcher.cli", str(recipe), *DDP2],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     run = tmp_path / "run"
-    wait_for(lambda: (lambda s: s["state"] not in ("running", "recovering") and not s["pid_alive"])(
-        status(run, tmp_path)), 300, "the run to end", 0.5)
+    wait_for(
+        lambda: (lambda s: s["state"] not in ("running", "recovering") and not s["pid_alive"])(status(run, tmp_path)),
+        300,
+        "the run to end",
+        0.5,
+    )
     state = read_state(run)
     assert state["state"] == "failed", state
     assert state["restarts"] == 1, state  # one restart, then the same traceback at the same step: a clear stop
     reason = state["reason"]
-    assert reason.startswith(f"rank 1 raised at step {FAULT_STEP}: RuntimeError: injected fault in rank 1 at step "
-                             f"{FAULT_STEP}"), reason
+    assert reason.startswith(
+        f"rank 1 raised at step {FAULT_STEP}: RuntimeError: injected fault in rank 1 at step {FAULT_STEP}"
+    ), reason
     assert "not restarting a crash that repeats" in reason
     assert state["last_end"]["kind"] == "exception" and state["last_end"]["rank"] == 1
     text = ftrun("status", run, cwd=tmp_path).stdout
@@ -244,7 +263,8 @@ def test_a_rank_that_raises_at_the_same_step_every_time_stops_the_run_clearly(wr
 
 
 def test_the_supervisor_killed_while_it_restarts_leaves_a_run_that_resumes_exactly(
-        write_recipe, tmp_path, ddp_reference):
+    write_recipe, tmp_path, ddp_reference
+):
     recipe, run = _start(write_recipe, tmp_path, max_restarts=3)
     pid = _rank_pid(run, 1)
     wait_for(lambda: _newest_checkpoint(run) > 0, 180, "a checkpoint", 0.05)

@@ -44,16 +44,19 @@ Root Cause (first observed failure):
 def _error_file(path, message: str, frames=("train.py", 10)) -> str:
     """What torch's ErrorHandler.record_exception writes."""
     tb = f'Traceback (most recent call last):\n  File "{frames[0]}", line {frames[1]}, in f\n{message}\n'
-    path.write_text(json.dumps({"message": {"message": message, "extraInfo": {"py_callstack": tb,
-                                                                             "timestamp": "1796201055"}}}))
+    path.write_text(
+        json.dumps({"message": {"message": message, "extraInfo": {"py_callstack": tb, "timestamp": "1796201055"}}})
+    )
     return str(path)
 
 
 def test_torchruns_report_gives_each_ranks_end_and_a_kill_is_the_cause_not_the_peers_error(tmp_path):
     f0 = _error_file(tmp_path / "e0.json", "RuntimeError: [pair.cc:537] Read error: Connection reset by peer.")
     ends = rank_ends.parse_report("earlier attempt: ChildFailedError ...\n" + REPORT.format(file0=f0))
-    assert [(e.rank, e.exit_code, e.signal, e.root_cause) for e in ends] == [(0, 1, None, False),
-                                                                            (1, -9, "SIGKILL", True)]
+    assert [(e.rank, e.exit_code, e.signal, e.root_cause) for e in ends] == [
+        (0, 1, None, False),
+        (1, -9, "SIGKILL", True),
+    ]
     assert ends[0].kind == "exception" and ends[0].peer_gone
     root = rank_ends.cause(ends)
     assert (root.rank, root.kind) == (1, "signal")
@@ -70,15 +73,24 @@ def test_a_peers_error_is_never_the_cause_even_when_torchrun_saw_it_first(tmp_pa
     assert rank_ends.cause(ends).rank == 1
 
 
-@pytest.mark.parametrize("message, kind", [
-    ("RuntimeError: injected fault in rank 1 at step 4", "exception"),
-    ("torch.AcceleratorError: CUDA error: an illegal memory access was encountered", "cuda"),
-    ("torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:3356, unhandled system error", "cuda"),
-])
+@pytest.mark.parametrize(
+    "message, kind",
+    [
+        ("RuntimeError: injected fault in rank 1 at step 4", "exception"),
+        ("torch.AcceleratorError: CUDA error: an illegal memory access was encountered", "cuda"),
+        (
+            "torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:3356, unhandled system error",
+            "cuda",
+        ),
+    ],
+)
 def test_a_ranks_exception_is_an_exception_or_a_cuda_nccl_error(tmp_path, message, kind):
     f1 = _error_file(tmp_path / "e1.json", message)
-    text = REPORT.format(file0="<N/A>").replace("exitcode  : -9 (pid: 15968)  (SIGKILL)", "exitcode  : 1 (pid: 15968)") \
+    text = (
+        REPORT.format(file0="<N/A>")
+        .replace("exitcode  : -9 (pid: 15968)  (SIGKILL)", "exitcode  : 1 (pid: 15968)")
         .replace("error_file: <N/A>\n  traceback : Signal", f"error_file: {f1}\n  traceback : Signal")
+    )
     ends = rank_ends.parse_report(text)
     root = rank_ends.cause(ends)
     assert (root.rank, root.kind, root.message) == (1, kind, message)
@@ -94,8 +106,10 @@ def test_the_same_traceback_has_the_same_signature_and_another_place_not(tmp_pat
     assert one.signature() == two.signature() != other.signature()
 
 
-@pytest.mark.parametrize("code, kind", [(-9, "signal"), (-15, "signal"), (-1, "signal"), (-11, "crash"),
-                                        (-6, "crash"), (77, "stopped"), (1, "crash")])
+@pytest.mark.parametrize(
+    "code, kind",
+    [(-9, "signal"), (-15, "signal"), (-1, "signal"), (-11, "crash"), (-6, "crash"), (77, "stopped"), (1, "crash")],
+)
 def test_a_single_workers_exit_code(code, kind):
     assert rank_ends.single(code, None)[0].kind == kind
 
@@ -118,8 +132,13 @@ def test_deadline_is_the_larger_of_factor_times_expected_and_the_floor_plus_the_
 
 
 def test_expected_phase_times_come_from_the_smoke_test_else_the_plan():
-    smoke = {"seconds_per_step": 0.4, "checkpoint_seconds": 12.0, "samples_seconds": 3.0, "eval_seconds": 30.0,
-             "startup_seconds": 40.0}
+    smoke = {
+        "seconds_per_step": 0.4,
+        "checkpoint_seconds": 12.0,
+        "samples_seconds": 3.0,
+        "eval_seconds": 30.0,
+        "startup_seconds": 40.0,
+    }
     e = deadlines.expected_seconds({}, smoke)
     assert e == {"start": 52.0, "step": 0.4, "hash": 12.0, "save": 12.0, "eval": 30.0, "export": 15.0}
     plan = {"estimate": {"hours": 1.0, "setup_hours": 0.1}, "total_steps": 1000}
@@ -127,8 +146,9 @@ def test_expected_phase_times_come_from_the_smoke_test_else_the_plan():
     assert e["step"] == pytest.approx(3.6) and e["start"] == pytest.approx(360) and e["save"] is None
     # the process group's backstop: twice the longest collective phase's deadline, so the watchdog acts first
     assert deadlines.process_group_timeout({}, smoke, floor=300) == 2 * (300 + 2)
-    assert deadlines.process_group_timeout({}, {**smoke, "checkpoint_seconds": 100.0}, floor=300) == \
-        2 * (10 * 103 + 2)  # the export: a save and the samples
+    assert deadlines.process_group_timeout({}, {**smoke, "checkpoint_seconds": 100.0}, floor=300) == 2 * (
+        10 * 103 + 2
+    )  # the export: a save and the samples
     assert deadlines.process_group_timeout({}, {}, floor=300) < 1800  # not the Trainer's default 30 min
 
 
@@ -158,7 +178,8 @@ def test_watchdog_blames_the_stopped_rank_once_any_rank_is_past_its_deadline():
     hang = watchdog.silent_rank(beats, [0, 1], now - 100, now, expected, 30)
     assert hang["rank"] == 0 and hang["behind"] == [0, 1] and hang["all_silent"]
     assert views.rank_end_text({"kind": "hang", "world": 2, **hang}) == (
-        "all 2 ranks silent for 40 s since step 35 (in a step; expected 0.4 s)")
+        "all 2 ranks silent for 40 s since step 35 (in a step; expected 0.4 s)"
+    )
     # four ranks, two of them behind the others: both named
     beats = {r: _beat(r, 35 if r % 2 else 34, "step", now - 40) for r in range(4)}
     hang = watchdog.silent_rank(beats, range(4), now - 100, now, expected, 30)
@@ -205,13 +226,21 @@ def test_heartbeat_files_round_trip_and_the_worker_throttles_its_writes(tmp_path
 
 
 def test_status_words_each_end_with_rank_step_and_what_follows():
-    hang = {"kind": "hang", "rank": 1, "world": 2, "silent_seconds": 240, "step": 35, "phase": "step",
-            "expected_seconds": 0.4}
+    hang = {
+        "kind": "hang",
+        "rank": 1,
+        "world": 2,
+        "silent_seconds": 240,
+        "step": 35,
+        "phase": "step",
+        "expected_seconds": 0.4,
+    }
     assert views.rank_end_text(hang) == "rank 1 silent for 4.0 min at step 35 (in a step; expected 0.4 s)"
     kill = {"kind": "signal", "rank": 1, "world": 2, "signal": "SIGKILL", "step": 12}
     assert views.restarted_reason(kill, 1, 3, 2) == (
         "rank 1 was killed by SIGKILL at step 12 (an interruption from outside, not a crash); restarted from the "
-        "newest verified checkpoint in 2s (restart 1 of max_restarts=3 per hour)")
+        "newest verified checkpoint in 2s (restart 1 of max_restarts=3 per hour)"
+    )
     boom = {"kind": "exception", "rank": 1, "world": 2, "step": 4, "message": "RuntimeError: boom"}
     assert views.repeated_crash_reason(boom).startswith("rank 1 raised at step 4: RuntimeError: boom, the same error")
     cuda = {"kind": "cuda", "rank": 0, "world": 2, "step": 9, "message": "CUDA error: unspecified launch failure"}
@@ -219,6 +248,7 @@ def test_status_words_each_end_with_rank_step_and_what_follows():
     single = {"kind": "signal", "rank": 0, "world": 1, "signal": "SIGKILL", "step": 3}
     assert views.restart_budget_reason(single, 3, 3).startswith(
         "the worker was killed by SIGKILL at step 3 (an interruption from outside, not a crash); not restarted: 3 "
-        "restart(s) in the last hour, the limit (max_restarts=3 per hour)")
+        "restart(s) in the last hour, the limit (max_restarts=3 per hour)"
+    )
     rows = watchdog.heartbeat_rows({1: _beat(1, 35, "save", 990.0)}, 1000.0)
     assert views.heartbeat_lines(rows) == ["  rank 1: step 35, saving a checkpoint, heartbeat 10 s ago"]

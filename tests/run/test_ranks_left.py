@@ -30,9 +30,16 @@ sys.stdin.readline()
 
 
 def _rank(procs: list, **env: str) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-c", RANK], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         env={k: v for k, v in {**os.environ, **env}.items()
-                              if k not in ("LOCAL_RANK", "RANK", "CUDA_VISIBLE_DEVICES") or k in env})
+    p = subprocess.Popen(
+        [sys.executable, "-c", RANK],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={
+            k: v
+            for k, v in {**os.environ, **env}.items()
+            if k not in ("LOCAL_RANK", "RANK", "CUDA_VISIBLE_DEVICES") or k in env
+        },
+    )
     procs.append(p)
     assert p.stdout.readline() == b"ready\n"  # SIGTERM is ignored from here on
     return p
@@ -63,8 +70,16 @@ def test_a_rank_that_stays_is_named_with_its_state_and_gpu(procs):
     started = time.monotonic()
     left = supervisor._ranks_left([psutil.Process(rank.pid)], 0.5)
     assert time.monotonic() - started >= 0.5
-    assert left == [{"pid": rank.pid, "process_state": "sleeping", "rank": "3", "local_rank": "1",
-                     "cuda_visible_devices": "4,5", "gpu": "5"}]
+    assert left == [
+        {
+            "pid": rank.pid,
+            "process_state": "sleeping",
+            "rank": "3",
+            "local_rank": "1",
+            "cuda_visible_devices": "4,5",
+            "gpu": "5",
+        }
+    ]
     assert rank.poll() is None  # only waited for: never signalled
 
 
@@ -93,10 +108,26 @@ def test_the_gpu_a_rank_uses_from_its_environment():
 
 
 def test_the_stop_names_pid_state_gpu_and_the_way_out():
-    ended = {"kind": "hang", "rank": 1, "world": 2, "step": 120, "phase": "step", "silent_seconds": 400,
-             "expected_seconds": 0.5}
-    left = [{"pid": 4242, "process_state": "disk-sleep", "rank": "1", "local_rank": "1",
-             "cuda_visible_devices": "0,1", "gpu": "1"}, {"pid": 4243, "process_state": "disk-sleep"}]
+    ended = {
+        "kind": "hang",
+        "rank": 1,
+        "world": 2,
+        "step": 120,
+        "phase": "step",
+        "silent_seconds": 400,
+        "expected_seconds": 0.5,
+    }
+    left = [
+        {
+            "pid": 4242,
+            "process_state": "disk-sleep",
+            "rank": "1",
+            "local_rank": "1",
+            "cuda_visible_devices": "0,1",
+            "gpu": "1",
+        },
+        {"pid": 4243, "process_state": "disk-sleep"},
+    ]
     text = views.ranks_left_reason(ended, left, 32.4)
     assert text.startswith("rank 1 silent for ")
     assert "not restarted: 2 process(es) of that attempt still alive 32 s after it ended: " in text
@@ -175,8 +206,16 @@ def test_a_rank_that_outlives_its_sigkill_stops_the_run_before_a_relaunch(tmp_pa
     state = json.loads((run / "state.json").read_text())
     assert state["state"] == "failed", state
     assert state["last_end"]["kind"] == "hang"
-    assert state["ranks_left"] == [{"pid": pid, "process_state": "sleeping", "rank": "1", "local_rank": "1",
-                                    "cuda_visible_devices": "6,7", "gpu": "7"}]
+    assert state["ranks_left"] == [
+        {
+            "pid": pid,
+            "process_state": "sleeping",
+            "rank": "1",
+            "local_rank": "1",
+            "cuda_visible_devices": "6,7",
+            "gpu": "7",
+        }
+    ]
     reason = state["reason"]
     assert "not restarted: 1 process(es) of that attempt still alive" in reason, reason
     assert f"pid {pid} (rank 1, GPU 7: LOCAL_RANK=1, CUDA_VISIBLE_DEVICES=6,7) in state sleeping" in reason

@@ -28,8 +28,14 @@ def test_a_restart_from_the_last_steps_checkpoint_writes_the_final_result_and_tr
     shutil.rmtree(run / "final")  # as if the worker had died between its last checkpoint and its final save
 
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
-    worker = subprocess.run([sys.executable, "-m", "launcher.worker.train", "--run-dir", str(run), "--mode", "full"],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    worker = subprocess.run(
+        [sys.executable, "-m", "launcher.worker.train", "--run-dir", str(run), "--mode", "full"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert worker.returncode == 0, worker.stdout[-3000:] + worker.stderr[-3000:]
     assert "is the last step (4) of the schedule: nothing left to train" in worker.stdout
     assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4]  # no step 5

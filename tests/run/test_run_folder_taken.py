@@ -18,8 +18,15 @@ from launcher.recipe import load_recipe
 from launcher.store.rundir import RunDir
 from launcher.store.state import RunLock, process_identity, set_state
 
-BASE = {"model": "Qwen/Qwen3-8B", "method": "qlora", "data": "/nowhere/absent.jsonl", "max_steps": 20, "learning_rate": 1e-4,
-        "lora": {"r": 16}, "output_dir": "run"}
+BASE = {
+    "model": "Qwen/Qwen3-8B",
+    "method": "qlora",
+    "data": "/nowhere/absent.jsonl",
+    "max_steps": 20,
+    "learning_rate": 1e-4,
+    "lora": {"r": 16},
+    "output_dir": "run",
+}
 
 
 def _recipe(path: Path, **fields) -> Path:
@@ -61,14 +68,18 @@ def busy(tmp_path):
     lock.release()
 
 
-@pytest.mark.parametrize("fields, overrides, named", [
-    ({"learning_rate": 2e-4}, [], ["learning_rate: run has 0.0001, recipe now says 0.0002"]),
-    ({}, ["lora.r=8", "max_steps=30"], ["lora.r: run has 16, recipe now says 8", "max_steps: run has 20"]),
-    ({"export": ["adapter", "gguf"]}, [], ["export: run has"]),
-    ({"trainer": {"lr_scheduler_type": "linear"}}, [], ["trainer.lr_scheduler_type: run has None"]),
-])
-def test_another_recipe_on_a_busy_run_is_busy_with_the_differences_named(busy, tmp_path, capsys, fields, overrides,
-                                                                           named):
+@pytest.mark.parametrize(
+    "fields, overrides, named",
+    [
+        ({"learning_rate": 2e-4}, [], ["learning_rate: run has 0.0001, recipe now says 0.0002"]),
+        ({}, ["lora.r=8", "max_steps=30"], ["lora.r: run has 16, recipe now says 8", "max_steps: run has 20"]),
+        ({"export": ["adapter", "gguf"]}, [], ["export: run has"]),
+        ({"trainer": {"lr_scheduler_type": "linear"}}, [], ["trainer.lr_scheduler_type: run has None"]),
+    ],
+)
+def test_another_recipe_on_a_busy_run_is_busy_with_the_differences_named(
+    busy, tmp_path, capsys, fields, overrides, named
+):
     before = _files(busy)
     second = _recipe(tmp_path / "second" / "r.yaml", output_dir=str(busy.root), **fields)
     rc, text = _launch(capsys, str(second), *overrides)
@@ -85,14 +96,19 @@ def test_the_same_recipe_on_a_busy_run_shows_it(busy, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("state", ["succeeded", "trained-not-exported"])
-@pytest.mark.parametrize("fields, overrides, named", [
-    ({"learning_rate": 3e-4}, [], ["learning_rate: run has 0.0001, recipe now says 0.0003"]),
-    ({}, ["seed=7"], ["seed: run has 42, recipe now says 7"]),
-    ({"method": "lora", "lora": {"r": 16, "alpha": 64}}, [],
-     ["method: run has 'qlora', recipe now says 'lora'", "lora.alpha: run has 16, recipe now says 64"]),
-])
-def test_another_recipe_on_a_finished_run_names_the_keys_that_differ(tmp_path, capsys, state, fields, overrides,
-                                                                      named):
+@pytest.mark.parametrize(
+    "fields, overrides, named",
+    [
+        ({"learning_rate": 3e-4}, [], ["learning_rate: run has 0.0001, recipe now says 0.0003"]),
+        ({}, ["seed=7"], ["seed: run has 42, recipe now says 7"]),
+        (
+            {"method": "lora", "lora": {"r": 16, "alpha": 64}},
+            [],
+            ["method: run has 'qlora', recipe now says 'lora'", "lora.alpha: run has 16, recipe now says 64"],
+        ),
+    ],
+)
+def test_another_recipe_on_a_finished_run_names_the_keys_that_differ(tmp_path, capsys, state, fields, overrides, named):
     run = _run(tmp_path, state)
     before = _files(run)
     second = _recipe(tmp_path / "second" / "r.yaml", output_dir=str(run.root), **fields)
@@ -121,11 +137,19 @@ def test_the_same_recipe_on_a_finished_run_says_so_and_exits_0(tmp_path, capsys)
 
 def test_the_smoke_tests_adjustments_are_the_runs_not_a_difference(tmp_path, capsys):
     run = _run(tmp_path, "succeeded")
-    adjusted = load_recipe(tmp_path / "first.yaml").model_copy(update={"micro_batch_size": 1,
-                                                                       "gradient_accumulation_steps": 8})
+    adjusted = load_recipe(tmp_path / "first.yaml").model_copy(
+        update={"micro_batch_size": 1, "gradient_accumulation_steps": 8}
+    )
     run.recipe.write_text(yaml.safe_dump(adjusted.snapshot(), sort_keys=False))
-    run.plan.write_text(json.dumps({"adjustments": [{"set": {"micro_batch_size": 1, "gradient_accumulation_steps": 8},
-                                                     "reason": "out of memory"}]}))
+    run.plan.write_text(
+        json.dumps(
+            {
+                "adjustments": [
+                    {"set": {"micro_batch_size": 1, "gradient_accumulation_steps": 8}, "reason": "out of memory"}
+                ]
+            }
+        )
+    )
     rc, text = _launch(capsys, str(tmp_path / "first.yaml"))
     assert rc == 0 and "this run has finished" in text, text
 
@@ -153,8 +177,14 @@ def test_two_recipes_of_one_name_share_runs_name_and_the_second_is_told(tmp_path
     assert rc == EXIT_BAD_INPUT and f"- data: run has '{tmp_path / 'a' / 'train.jsonl'}'" in text, text
 
 
-@pytest.mark.parametrize("overrides", [["smoke.enabled=false"], ["box=1xH100-80GB", "tokens=15M"],
-                                       ["resume=true", "auto_adjust=[]", "price_per_hour_eur=2.5"]])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["smoke.enabled=false"],
+        ["box=1xH100-80GB", "tokens=15M"],
+        ["resume=true", "auto_adjust=[]", "price_per_hour_eur=2.5"],
+    ],
+)
 def test_keys_that_only_decide_how_a_run_starts_are_no_difference(busy, tmp_path, capsys, overrides):
     rc, text = _launch(capsys, str(tmp_path / "first.yaml"), *overrides)
     assert rc == 0 and "already active" in text and "differs" not in text, text

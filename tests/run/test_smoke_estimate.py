@@ -7,15 +7,32 @@ from launcher.recipe import validate_recipe
 from launcher.run.smoke import estimate, export_seconds, memory_growth, step_seconds, training_tokens
 from launcher.run.views import format_smoke
 
-STATS = DataStats(examples=1000, total_tokens=100_000, mean_tokens=100.0, max_tokens=400, over_max_length=0,
-                  tokens_source="tokenizer", max_length=512)
+STATS = DataStats(
+    examples=1000,
+    total_tokens=100_000,
+    mean_tokens=100.0,
+    max_tokens=400,
+    over_max_length=0,
+    tokens_source="tokenizer",
+    max_length=512,
+)
 # (tokens, seconds) per measured step: 0.5 s per step plus 1 ms per token, exactly
 COSTS = [(t, 0.5 + 0.001 * t) for t in (800, 1200, 1600, 2000)]
 
 
 def _recipe(tmp_path, **fields):
-    return validate_recipe({"model": "a/b", "method": "lora", "data": "d.jsonl", "micro_batch_size": 4,
-                            "gradient_accumulation_steps": 2, **fields}, tmp_path, "r")
+    return validate_recipe(
+        {
+            "model": "a/b",
+            "method": "lora",
+            "data": "d.jsonl",
+            "micro_batch_size": 4,
+            "gradient_accumulation_steps": 2,
+            **fields,
+        },
+        tmp_path,
+        "r",
+    )
 
 
 def test_epochs_recipe_uses_the_fitted_per_step_and_per_token_costs(tmp_path):
@@ -23,16 +40,18 @@ def test_epochs_recipe_uses_the_fitted_per_step_and_per_token_costs(tmp_path):
     tokens = training_tokens(recipe, STATS, processes=1)
     assert tokens == 200_000
     steps = 2 * 125  # ceil(1000 / 8) per epoch
-    assert step_seconds({"tokens_per_second": 1000.0, "step_costs": COSTS}, tokens, recipe, STATS, 1) == \
-        pytest.approx(0.5 * steps + 0.001 * tokens)
+    assert step_seconds({"tokens_per_second": 1000.0, "step_costs": COSTS}, tokens, recipe, STATS, 1) == pytest.approx(
+        0.5 * steps + 0.001 * tokens
+    )
 
 
 def test_max_steps_recipe_counts_its_steps(tmp_path):
     recipe = _recipe(tmp_path, max_steps=50)
     tokens = training_tokens(recipe, STATS, processes=2)
     assert tokens == 50 * 16 * 100
-    assert step_seconds({"tokens_per_second": 1000.0, "step_costs": COSTS}, tokens, recipe, STATS, 2) == \
-        pytest.approx(0.5 * 50 + 0.001 * tokens)
+    assert step_seconds({"tokens_per_second": 1000.0, "step_costs": COSTS}, tokens, recipe, STATS, 2) == pytest.approx(
+        0.5 * 50 + 0.001 * tokens
+    )
 
 
 def test_too_few_steps_fall_back_to_the_plain_rate(tmp_path):
@@ -59,17 +78,21 @@ def test_export_time_counts_the_process_the_model_loads_and_the_bytes_written(tm
     # the adapter: one process, the base loaded once (with the adapter) for the checks
     assert export_seconds(MEASURED, _recipe(tmp_path, export=["adapter"]), params) == pytest.approx(6 + 2)
     # merged: the folder written in 16 bit and loaded back
-    assert export_seconds(MEASURED, _recipe(tmp_path, export=["adapter", "merged"]), params) == \
-        pytest.approx(6 + 2 * 2 + 2 * params / rate)
+    assert export_seconds(MEASURED, _recipe(tmp_path, export=["adapter", "merged"]), params) == pytest.approx(
+        6 + 2 * 2 + 2 * params / rate
+    )
     # gguf (implies merged): llama.cpp's converter in a process of its own, the file read back once in llama.cpp;
     # a quantized type (q4_k_m, the default) is written twice: the 16-bit conversion, then the quantized file
-    assert export_seconds(MEASURED, _recipe(tmp_path, export=["gguf"]), params) == \
-        pytest.approx(6 * 2 + 3 * 2 + (2 + 2 + 4.89 / 8) * params / rate)
-    assert export_seconds(MEASURED, _recipe(tmp_path, export=["gguf"], gguf_type="q8_0"), params) == \
-        pytest.approx(6 * 2 + 3 * 2 + (2 + 2 + 8.5 / 8) * params / rate)
+    assert export_seconds(MEASURED, _recipe(tmp_path, export=["gguf"]), params) == pytest.approx(
+        6 * 2 + 3 * 2 + (2 + 2 + 4.89 / 8) * params / rate
+    )
+    assert export_seconds(MEASURED, _recipe(tmp_path, export=["gguf"], gguf_type="q8_0"), params) == pytest.approx(
+        6 * 2 + 3 * 2 + (2 + 2 + 8.5 / 8) * params / rate
+    )
     # a 16-bit GGUF comes from the converter directly
-    assert export_seconds(MEASURED, _recipe(tmp_path, export=["gguf"], gguf_type="bf16"), params) == \
-        pytest.approx(6 * 2 + 3 * 2 + (2 + 2) * params / rate)
+    assert export_seconds(MEASURED, _recipe(tmp_path, export=["gguf"], gguf_type="bf16"), params) == pytest.approx(
+        6 * 2 + 3 * 2 + (2 + 2) * params / rate
+    )
     # a full fine-tune has no adapter; merged loads the trained model, then the written copy
     full = _recipe(tmp_path, method="full", export=["merged"])
     assert export_seconds(MEASURED, full, params) == pytest.approx(6 + 2 * 2 + 2 * params / rate)
@@ -81,8 +104,13 @@ def test_export_time_counts_the_process_the_model_loads_and_the_bytes_written(tm
 
 def test_the_estimate_adds_start_steps_saves_and_export_without_counting_step_one_twice(tmp_path):
     recipe = _recipe(tmp_path, epochs=1, export=["adapter"], checkpoint_every_minutes=15)
-    measured = {**MEASURED, "tokens_per_second": 1000.0, "step_costs": COSTS, "measured_seconds": 5.0,
-                "warmup_tokens": 3000}
+    measured = {
+        **MEASURED,
+        "tokens_per_second": 1000.0,
+        "step_costs": COSTS,
+        "measured_seconds": 5.0,
+        "warmup_tokens": 3000,
+    }
     parts = estimate(measured, wall=20.0, recipe=recipe, stats=STATS, processes=1, params=10_000_000)
     # the smoke's wall time less its measured steps, its timed save and step 1 as a step of 3000 tokens
     assert parts["startup_seconds"] == pytest.approx(20.0 - 5.0 - 1.0 - (0.5 + 0.001 * 3000))
@@ -98,21 +126,30 @@ def test_the_task_evaluation_after_training_is_priced_from_the_smokes_generation
     from launcher.run.smoke import task_eval_seconds
 
     steps = {**MEASURED, "tokens_per_second": 1000.0, "step_costs": COSTS, "measured_seconds": 5.0}
-    measured = {**steps, "generation_tokens_per_second": 50.0, "generation_prompts": 8, "generation_new_tokens": 200,
-                "generation_seconds": 4.0}
+    measured = {
+        **steps,
+        "generation_tokens_per_second": 50.0,
+        "generation_prompts": 8,
+        "generation_new_tokens": 200,
+        "generation_seconds": 4.0,
+    }
     adapter = _recipe(tmp_path, export=["adapter"])
     assert task_eval_seconds(measured, adapter, 100, base_scored=True) == pytest.approx(50.0)
-    assert task_eval_seconds(measured, _recipe(tmp_path, export=["adapter", "merged"]), 100, True) == pytest.approx(100.0)
+    assert task_eval_seconds(measured, _recipe(tmp_path, export=["adapter", "merged"]), 100, True) == pytest.approx(
+        100.0
+    )
     assert task_eval_seconds(measured, _recipe(tmp_path, export=["gguf"]), 100, True) == pytest.approx(150.0)
     assert task_eval_seconds(measured, adapter, 100, base_scored=False) == pytest.approx(150.0)
     assert task_eval_seconds(MEASURED, adapter, 100, True) == 0.0  # no generation measured: not guessed
-    parts = estimate(measured, wall=20.0, recipe=adapter, stats=STATS, processes=1, params=10_000_000,
-                     task_examples=100)
+    parts = estimate(
+        measured, wall=20.0, recipe=adapter, stats=STATS, processes=1, params=10_000_000, task_examples=100
+    )
     assert parts["task_eval_seconds"] == pytest.approx(50.0)
     assert parts["estimated_seconds"] == pytest.approx(sum(v for k, v in parts.items() if k != "estimated_seconds"))
     # the smoke's own generation is not start-up the full run pays again
-    assert parts["startup_seconds"] == pytest.approx(estimate(steps, 20.0, adapter, STATS, 1, 10_000_000)
-                                                     ["startup_seconds"] - 4.0)
+    assert parts["startup_seconds"] == pytest.approx(
+        estimate(steps, 20.0, adapter, STATS, 1, 10_000_000)["startup_seconds"] - 4.0
+    )
 
 
 def test_the_smoke_output_warns_where_its_peak_understates_the_run():
@@ -121,8 +158,15 @@ def test_the_smoke_output_warns_where_its_peak_understates_the_run():
 
     assert memory_growth("cpu", "qlora") == {"cause": "bitsandbytes-cpu-qlora", "factor": 2.0}
     assert memory_growth("cuda", "qlora") is None and memory_growth("cpu", "lora") is None
-    report = {"measured_steps": 7, "tokens_per_second": 1000.0, "peak_memory_gb": 0.9, "device": "cpu",
-              "training_tokens": 80000, "estimated_seconds": 90.0, "price_per_hour_eur": 0.0}
+    report = {
+        "measured_steps": 7,
+        "tokens_per_second": 1000.0,
+        "peak_memory_gb": 0.9,
+        "device": "cpu",
+        "training_tokens": 80000,
+        "estimated_seconds": 90.0,
+        "price_per_hour_eur": 0.0,
+    }
     assert "note:" not in format_smoke(report)
     grows = {**report, "memory_growth": memory_growth("cpu", "qlora")}
     assert "about 2x the peak of the first steps" in memory_note(grows)

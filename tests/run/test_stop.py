@@ -21,15 +21,24 @@ def _past_training(run_dir) -> bool:
 
 @pytest.mark.slow
 def test_a_stop_after_training_stops_and_the_same_command_finishes_the_evaluation(write_recipe, tmp_path):
-    recipe = write_recipe(max_steps=4, checkpoint_every_minutes=5,
-                          eval={"fraction": 0.1, "samples": 2, "task": {"examples": 12, "baseline": "skip"}})
+    recipe = write_recipe(
+        max_steps=4,
+        checkpoint_every_minutes=5,
+        eval={"fraction": 0.1, "samples": 2, "task": {"examples": 12, "baseline": "skip"}},
+    )
     res = ftrun(recipe, "smoke.enabled=false", cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     run = tmp_path / "run"
     st = freeze_worker(run, _past_training)  # training done, the final result not yet saved
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    stop = subprocess.Popen([sys.executable, "-m", "launcher.cli", "stop", str(run)], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stop = subprocess.Popen(
+        [sys.executable, "-m", "launcher.cli", "stop", str(run)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     time.sleep(3)  # the stop has signalled the supervisor, which forwards to the frozen worker
     os.kill(st["worker_pid"], signal.SIGCONT)
     out, err = stop.communicate(timeout=180)

@@ -20,12 +20,18 @@ from launcher.cli import main
 from launcher.run import facts, task_baseline, views
 from launcher.store.rundir import RunDir
 
-BASE = {"metric": "exact", "metric_reason": "the 40 references are 4 distinct short labels (at most 1 words): "
-        "accuracy after whitespace and case normalisation", "examples": 40, "shots": 3}
+BASE = {
+    "metric": "exact",
+    "metric_reason": "the 40 references are 4 distinct short labels (at most 1 words): "
+    "accuracy after whitespace and case normalisation",
+    "examples": 40,
+    "shots": 3,
+}
 
 
-def _run(tmp_path: Path, record: dict, *, final: dict | None = None, plan: dict | None = None,
-         state: str = "planned") -> RunDir:
+def _run(
+    tmp_path: Path, record: dict, *, final: dict | None = None, plan: dict | None = None, state: str = "planned"
+) -> RunDir:
     run = RunDir(tmp_path / "run")
     run.root.mkdir(parents=True)
     run.recipe.write_text(yaml.safe_dump({"model": "m", "data": "d.jsonl", "output_dir": str(run.root)}))
@@ -48,29 +54,43 @@ def test_a_base_model_wrong_in_one_case_of_five_pays_for_a_fine_tune(tmp_path):
     assert _verdict(tmp_path, record) == "base model with 3 examples: wrong in 2 of 5 (60% exact): fine-tuning pays"
 
 
-@pytest.mark.parametrize("metric, score, said", [
-    ("json", 0.55, "base model with 3 examples: fields wrong in 2 of 5 (55% field match): fine-tuning pays"),
-    ("text", 0.41, "base model with 3 examples: 41% chrF, below the 80% a prompt would need: fine-tuning pays"),
-])
+@pytest.mark.parametrize(
+    "metric, score, said",
+    [
+        ("json", 0.55, "base model with 3 examples: fields wrong in 2 of 5 (55% field match): fine-tuning pays"),
+        ("text", 0.41, "base model with 3 examples: 41% chrF, below the 80% a prompt would need: fine-tuning pays"),
+    ],
+)
 def test_each_metric_says_its_own_score(tmp_path, metric, score, said):
-    record = {**BASE, "metric": metric, "scores": {"base_zero_shot": 0.0, "base_few_shot": score},
-              "fine_tune_pays": True}
+    record = {
+        **BASE,
+        "metric": metric,
+        "scores": {"base_zero_shot": 0.0, "base_few_shot": score},
+        "fine_tune_pays": True,
+    }
     assert _verdict(tmp_path, record) == said
 
 
 def test_a_base_model_right_often_may_need_only_a_prompt_and_the_fine_tune_has_a_price(tmp_path):
     record = {**BASE, "scores": {"base_zero_shot": 0.7, "base_few_shot": 0.92}, "fine_tune_pays": False}
     plan = {"estimate": {"hours": 0.5, "cost_eur": 1.25}}
-    assert _verdict(tmp_path, record, plan=plan) == ("base model with 3 examples: right in 92%: a prompt with "
-                                                     "examples may be enough; fine-tuning would cost ~1.25 EUR")
+    assert _verdict(tmp_path, record, plan=plan) == (
+        "base model with 3 examples: right in 92%: a prompt with "
+        "examples may be enough; fine-tuning would cost ~1.25 EUR"
+    )
 
 
 def test_without_a_price_the_fine_tune_is_said_in_time(tmp_path):
-    record = {**BASE, "metric": "text", "scores": {"base_zero_shot": 0.8, "base_few_shot": 0.85},
-              "fine_tune_pays": False}
+    record = {
+        **BASE,
+        "metric": "text",
+        "scores": {"base_zero_shot": 0.8, "base_few_shot": 0.85},
+        "fine_tune_pays": False,
+    }
     verdict = _verdict(tmp_path, record, plan={"estimate": {"hours": 2.0, "cost_eur": None}})
-    assert verdict == ("base model with 3 examples: 85% chrF: a prompt with examples may be enough; "
-                       "fine-tuning would take ~2.0 h")
+    assert verdict == (
+        "base model with 3 examples: 85% chrF: a prompt with examples may be enough; fine-tuning would take ~2.0 h"
+    )
 
 
 def test_the_verdict_reads_the_base_models_better_prompt(tmp_path):
@@ -82,9 +102,13 @@ def test_the_verdict_reads_the_base_models_better_prompt(tmp_path):
     assert _verdict(tmp_path, record) == "base model zero-shot: right in 90%: a prompt may be enough"
     task = {"metric": "exact", "metric_reason": "labels", "prompts": [{}] * 20, "shots": [{}] * 3, "max_new_tokens": 8}
     for name, score in (("base_zero_shot", 0.9), ("base_few_shot", 0.15)):
-        out = task_eval.record(tmp_path, task, name, {"score": score, "details": {}, "seconds": 1.0, "new_tokens": 1,
-                                                     "tokens_per_s": 1.0})
-    assert out["fine_tune_pays"] is False and out["verdict"] == "base model zero-shot: right in 90%: a prompt may be enough"
+        out = task_eval.record(
+            tmp_path, task, name, {"score": score, "details": {}, "seconds": 1.0, "new_tokens": 1, "tokens_per_s": 1.0}
+        )
+    assert (
+        out["fine_tune_pays"] is False
+        and out["verdict"] == "base model zero-shot: right in 90%: a prompt may be enough"
+    )
 
 
 def test_no_shots_is_a_zero_shot_verdict(tmp_path):
@@ -94,18 +118,29 @@ def test_no_shots_is_a_zero_shot_verdict(tmp_path):
 
 def test_data_without_answers_is_not_applicable_and_too_few_names_the_fix(tmp_path):
     why = "no example has an answer to score: plain text has no reference answer"
-    assert _verdict(tmp_path / "a", {"not_applicable": why}) == \
-        f"the task evaluation does not apply to this data: {why}"
-    few = _verdict(tmp_path / "b", {"too_few": 4, "why": "only 4 held-out example(s) have an answer to score",
-                                    "fix": "hold out more: raise eval.fraction"})
-    assert few == ("too few examples to score the task: only 4 held-out example(s) have an answer to score; "
-                   "fix: hold out more: raise eval.fraction")
+    assert (
+        _verdict(tmp_path / "a", {"not_applicable": why}) == f"the task evaluation does not apply to this data: {why}"
+    )
+    few = _verdict(
+        tmp_path / "b",
+        {
+            "too_few": 4,
+            "why": "only 4 held-out example(s) have an answer to score",
+            "fix": "hold out more: raise eval.fraction",
+        },
+    )
+    assert few == (
+        "too few examples to score the task: only 4 held-out example(s) have an answer to score; "
+        "fix: hold out more: raise eval.fraction"
+    )
 
 
-FINISHED = {**BASE, "scores": {"base_zero_shot": 0.0, "base_few_shot": 0.35, "fine_tuned": 1.0, "merged": 0.975,
-                               "gguf-q4_k_m": 0.95},
-            "generation": {"fine_tuned": {"seconds": 2.0, "new_tokens": 240, "tokens_per_s": 120.0}},
-            "fine_tune_pays": True}
+FINISHED = {
+    **BASE,
+    "scores": {"base_zero_shot": 0.0, "base_few_shot": 0.35, "fine_tuned": 1.0, "merged": 0.975, "gguf-q4_k_m": 0.95},
+    "generation": {"fine_tuned": {"seconds": 2.0, "new_tokens": 240, "tokens_per_s": 120.0}},
+    "fine_tune_pays": True,
+}
 
 
 def test_answers_cut_by_a_setting_before_the_references_end_are_said_with_both_numbers(tmp_path):
@@ -116,8 +151,10 @@ def test_answers_cut_by_a_setting_before_the_references_end_are_said_with_both_n
     from launcher.data.task_examples import build_task
 
     long = " ".join(["word"] * 70)
-    examples = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"{long} {i}"}]}
-                for i in range(30)]
+    examples = [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"{long} {i}"}]}
+        for i in range(30)
+    ]
     settings = SimpleNamespace(examples=20, metric="auto", shots=0, max_new_tokens=None)
     task = build_task(examples, list(range(20)), list(range(20, 30)), settings, 42, max_new_tokens_cap=24)
     assert task["max_new_tokens"] == 24 and task["capped"]["key"] == "eval.max_new_tokens"
@@ -125,9 +162,11 @@ def test_answers_cut_by_a_setting_before_the_references_end_are_said_with_both_n
     assert needed > 200
     t = {**BASE, "metric": "text", "capped": task["capped"], "scores": {"base_zero_shot": 0.08}}
     text = views.format_task_eval(t)
-    assert (f"answers cut at 24 new tokens (eval.max_new_tokens) while the longest reference runs to about {needed} "
-            f"tokens: the scores are capped by that setting; eval.task.max_new_tokens: {needed} lets the answers "
-            "finish") in text, text
+    assert (
+        f"answers cut at 24 new tokens (eval.max_new_tokens) while the longest reference runs to about {needed} "
+        f"tokens: the scores are capped by that setting; eval.task.max_new_tokens: {needed} lets the answers "
+        "finish"
+    ) in text, text
     roomy = build_task(examples, list(range(20)), list(range(20, 30)), settings, 42, max_new_tokens_cap=1024)
     assert "capped" not in roomy
 
@@ -136,37 +175,62 @@ def test_a_step_from_a_parent_adapter_is_judged_against_it_with_the_noise_of_its
     """DPO from an SFT adapter (issue 46): the gain says whether it is within the noise of the n examples (two standard
     errors of the per-example differences), and the verdict speaks of this run's step, not of the base model."""
     same = [0.1, 0.3, 0.2, 0.4, 0.25] * 4
-    step = {**BASE, "metric": "text", "examples": 20, "starting_point": "the base model with the adapter of sft",
-            "scores": {"base_zero_shot": 0.20, "base_few_shot": 0.15, "fine_tuned": 0.19},
-            "metric_reason": "the 20 references are free text", "per_example": {
-                "base_zero_shot": same, "fine_tuned": [0.3, 0.1, 0.4, 0.2, 0.2] * 4}}
+    step = {
+        **BASE,
+        "metric": "text",
+        "examples": 20,
+        "starting_point": "the base model with the adapter of sft",
+        "scores": {"base_zero_shot": 0.20, "base_few_shot": 0.15, "fine_tuned": 0.19},
+        "metric_reason": "the 20 references are free text",
+        "per_example": {"base_zero_shot": same, "fine_tuned": [0.3, 0.1, 0.4, 0.2, 0.2] * 4},
+    }
     run = _run(tmp_path, step, final=step, state="succeeded")
     table = views.format_end_summary(facts.end_summary(run))
-    assert "gain      fine-tuned 19% against 20% for the parent adapter zero-shot (-1 point, within the ±8-point " \
-           "noise of 20 examples)" in table, table
+    assert (
+        "gain      fine-tuned 19% against 20% for the parent adapter zero-shot (-1 point, within the ±8-point "
+        "noise of 20 examples)" in table
+    ), table
     assert "verdict   this run against the parent adapter zero-shot: no measurable change on the task" in table
     assert "fine-tuning pays" not in table
-    better = {**step, "scores": {**step["scores"], "fine_tuned": 0.40},
-              "per_example": {"base_zero_shot": same,
-                              "fine_tuned": [x + 0.2 + (0.05 if i % 2 else -0.05) for i, x in enumerate(same)]}}
-    assert views.task_verdict(better) == ("this run against the parent adapter zero-shot: better on the task (40% "
-                                          "against 20% chrF, +20 points, beyond the ±2-point noise of 20 examples)")
+    better = {
+        **step,
+        "scores": {**step["scores"], "fine_tuned": 0.40},
+        "per_example": {
+            "base_zero_shot": same,
+            "fine_tuned": [x + 0.2 + (0.05 if i % 2 else -0.05) for i, x in enumerate(same)],
+        },
+    }
+    assert views.task_verdict(better) == (
+        "this run against the parent adapter zero-shot: better on the task (40% "
+        "against 20% chrF, +20 points, beyond the ±2-point noise of 20 examples)"
+    )
 
 
 def test_the_end_summary_and_status_show_one_table_of_the_scores(tmp_path, capsys, monkeypatch):
-    run = _run(tmp_path, {**BASE, "scores": {"base_zero_shot": 0.0, "base_few_shot": 0.35}}, final=FINISHED,
-               state="succeeded")
+    run = _run(
+        tmp_path, {**BASE, "scores": {"base_zero_shot": 0.0, "base_few_shot": 0.35}}, final=FINISHED, state="succeeded"
+    )
     text = views.format_end_summary(facts.end_summary(run))
-    table = text[text.index("  task "):]
+    table = text[text.index("  task ") :]
     rows = [line.split() for line in table.splitlines()]
     assert ["base", "model,", "zero-shot", "0%"] in rows and ["base", "model,", "3", "examples", "35%"] in rows
     assert ["merged", "98%"] in rows and ["gguf-q4_k_m", "95%"] in rows
     assert "fine-tuned               100%   (120 tokens/s generated)" in table
-    assert [line.split()[0] for line in table.splitlines()] == ["task", "base", "base", "fine-tuned", "merged",
-                                                               "gguf-q4_k_m", "gain", "verdict"]
+    assert [line.split()[0] for line in table.splitlines()] == [
+        "task",
+        "base",
+        "base",
+        "fine-tuned",
+        "merged",
+        "gguf-q4_k_m",
+        "gain",
+        "verdict",
+    ]
     assert "40 held-out examples, scored by exact: the 40 references are 4 distinct short labels" in table
-    assert ("gain      fine-tuned 100% against 35% for the base model with 3 examples (+65 points, one example of 40 "
-            "being worth 2)") in table
+    assert (
+        "gain      fine-tuned 100% against 35% for the base model with 3 examples (+65 points, one example of 40 "
+        "being worth 2)"
+    ) in table
     assert "verdict   base model with 3 examples: wrong in 3 of 5 (35% exact): fine-tuning pays" in table
     monkeypatch.chdir(tmp_path)
     assert main(["status", str(run.root)]) == 0
@@ -177,8 +241,11 @@ def test_the_end_summary_and_status_show_one_table_of_the_scores(tmp_path, capsy
 
 
 def test_the_summary_reads_the_base_scores_before_the_final_ones_exist(tmp_path):
-    run = _run(tmp_path, {**BASE, "scores": {"base_zero_shot": 0.5, "base_few_shot": 0.9},
-                          "fine_tune_pays": False}, state="stopped")
+    run = _run(
+        tmp_path,
+        {**BASE, "scores": {"base_zero_shot": 0.5, "base_few_shot": 0.9}, "fine_tune_pays": False},
+        state="stopped",
+    )
     text = views.format_end_summary(facts.end_summary(run))
     assert "verdict   base model with 3 examples: right in 90%: a prompt with examples may be enough" in text
     assert "fine-tuned" not in text and "gain" not in text
@@ -187,7 +254,7 @@ def test_the_summary_reads_the_base_scores_before_the_final_ones_exist(tmp_path)
 # ---------------------------------------------------------------------------------------------
 # The worker as a process: a stand-in script where the launcher's side is tested
 
-FAKE_WORKER = '''
+FAKE_WORKER = """
 import json, os, sys
 from pathlib import Path
 run = Path(sys.argv[sys.argv.index("--run-dir") + 1])
@@ -200,7 +267,7 @@ if record:
 if os.environ.get("FAKE_TASK_EVAL_RC", "0") == "2":
     print("[ftrun task eval] eval.task.shots=500: the training data holds only 40 examples", file=sys.stderr)
 sys.exit(int(os.environ.get("FAKE_TASK_EVAL_RC", "0")))
-'''
+"""
 
 
 @pytest.fixture
@@ -222,8 +289,11 @@ def fake_worker(tmp_path, monkeypatch):
     script = tmp_path / "fake_task_eval.py"
     script.write_text(FAKE_WORKER)
     calls = tmp_path / "calls.txt"
-    monkeypatch.setattr(task_baseline, "worker_argv",
-                        lambda run: [sys.executable, str(script), "--run-dir", str(run.root), "--phase", "base"])
+    monkeypatch.setattr(
+        task_baseline,
+        "worker_argv",
+        lambda run: [sys.executable, str(script), "--run-dir", str(run.root), "--phase", "base"],
+    )
     monkeypatch.setenv("FAKE_TASK_EVAL_CALLS", str(calls))
 
     class Fake:
@@ -245,8 +315,12 @@ def test_ftrun_baseline_json_prints_only_json_on_stdout(write_recipe, tmp_path, 
     assert main(["baseline", str(recipe), "--json"]) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out) == {
-        "metric": "exact", "examples": 40, "scores": {"base_zero_shot": 0.1, "base_few_shot": 0.6},
-        "verdict": "base model with 3 examples: wrong in 2 of 5 (60% exact): fine-tuning pays", "fine_tune_pays": True}
+        "metric": "exact",
+        "examples": 40,
+        "scores": {"base_zero_shot": 0.1, "base_few_shot": 0.6},
+        "verdict": "base model with 3 examples: wrong in 2 of 5 (60% exact): fine-tuning pays",
+        "fine_tune_pays": True,
+    }
     # the preparation's text and the worker's lines went to stderr
     assert "data:" in captured.err and "[ftrun task eval] base model: 40 prompts" in captured.err
     run = RunDir(tmp_path / "run")
@@ -269,16 +343,22 @@ def test_ftrun_baseline_on_data_it_does_not_apply_to_says_so_and_exits_0(write_r
 def test_ftrun_baseline_with_too_few_examples_says_the_fix(write_recipe, fake_worker, capsys):
     fake_worker.set({"too_few": 4, "why": "only 4 held-out example(s)", "fix": "raise eval.fraction"})
     assert main(["baseline", str(write_recipe())]) == 2
-    assert "task      too few examples to score the task: only 4 held-out example(s); fix: raise eval.fraction" \
+    assert (
+        "task      too few examples to score the task: only 4 held-out example(s); fix: raise eval.fraction"
         in capsys.readouterr().out
+    )
 
 
 def test_ftrun_baseline_bad_input_is_the_workers_one_line(write_recipe, fake_worker, capsys):
     fake_worker.set({}, rc=2)
     assert main(["baseline", str(write_recipe())]) == 2
     err = capsys.readouterr().err
-    assert "ftrun: usage error: the task evaluation refused its input: eval.task.shots=500: the training data holds " \
-           "only 40 examples" in err and "Traceback" not in err
+    assert (
+        "ftrun: usage error: the task evaluation refused its input: eval.task.shots=500: the training data holds "
+        "only 40 examples"
+        in err
+        and "Traceback" not in err
+    )
 
 
 def test_ftrun_baseline_with_the_task_eval_off_is_refused_before_anything(write_recipe, tmp_path, capsys):
@@ -295,9 +375,11 @@ def test_the_launch_step_says_its_failure_in_one_line_and_goes_on(tmp_path, fake
     said: list[str] = []
     fake_worker.set({}, rc=1)
     task_baseline.launch_baseline(run, recipe, {"num_processes": 1}, said.append)
-    assert said[-1] == ("task evaluation: the base model was not scored (its worker exited with code 1: base model: "
-                        "40 prompts, zero-shot and with 3 examples); the launch goes on without "
-                        "the verdict (`ftrun baseline RECIPE` tries again)")
+    assert said[-1] == (
+        "task evaluation: the base model was not scored (its worker exited with code 1: base model: "
+        "40 prompts, zero-shot and with 3 examples); the launch goes on without "
+        "the verdict (`ftrun baseline RECIPE` tries again)"
+    )
     fake_worker.set({**BASE, "scores": {"base_zero_shot": 0.5, "base_few_shot": 0.9}, "fine_tune_pays": False})
     task_baseline.launch_baseline(run, recipe, {"num_processes": 1}, said.append)
     assert "verdict   base model with 3 examples: right in 90%: a prompt with examples may be enough" in said[-1]
@@ -319,8 +401,10 @@ def test_a_resume_after_training_began_does_not_score_the_base_again(tmp_path, f
     assert said == [] and fake_worker.calls() == 0
 
 
-@pytest.mark.skipif(importlib.util.find_spec("launcher.worker.task_eval") is None,
-                    reason="launcher/worker/task_eval.py (the worker's scoring) is not written yet")
+@pytest.mark.skipif(
+    importlib.util.find_spec("launcher.worker.task_eval") is None,
+    reason="launcher/worker/task_eval.py (the worker's scoring) is not written yet",
+)
 def test_ftrun_baseline_json_with_the_real_worker(write_recipe, capsys):
     recipe = write_recipe(eval={"samples": 0, "fraction": 0.05, "task": {"examples": 12}})
     assert main(["baseline", str(recipe), "--json"]) == 0

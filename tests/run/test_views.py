@@ -85,7 +85,9 @@ def test_end_summary_of_a_finished_run(reference_run, tmp_path):
     text = views.format_end_summary(e)
     assert f"loss      {rows[0]['loss']:.4f} (step {rows[0]['step']}) -> {rows[-1]['loss']:.4f}" in text
     assert f"tokens    {rows[-1]['tokens_seen']:,}" in text
-    assert f"serve it  vllm serve {e['serve'].split()[2]} --enable-lora --lora-modules run={run.final / 'adapter'}" in text
+    assert (
+        f"serve it  vllm serve {e['serve'].split()[2]} --enable-lora --lora-modules run={run.final / 'adapter'}" in text
+    )
 
     # with an eval split (eval_loss rows) and the before/after samples
     with run.metrics.open("a") as fh:
@@ -105,29 +107,49 @@ def test_step_count_after_launch_is_the_full_runs(tmp_path):
     set_state(run, "smoking")
     set_state(run, "running")
     assert (facts.run_status(run)["step"], facts.run_status(run)["total_steps"]) == (0, 250)
-    (tmp_path / "worker.json").write_text(json.dumps({"mode": "full", "start_step": 0, "total_steps": 6,
-                                                      "started": time.time() - 3600}))  # a launch before this one
+    (tmp_path / "worker.json").write_text(
+        json.dumps({"mode": "full", "start_step": 0, "total_steps": 6, "started": time.time() - 3600})
+    )  # a launch before this one
     assert facts.run_status(run)["total_steps"] == 250
-    (tmp_path / "worker.json").write_text(json.dumps({"mode": "full", "start_step": 0, "total_steps": 240,
-                                                      "started": time.time() + 1}))
+    (tmp_path / "worker.json").write_text(
+        json.dumps({"mode": "full", "start_step": 0, "total_steps": 240, "started": time.time() + 1})
+    )
     assert facts.run_status(run)["total_steps"] == 240
 
 
 def test_time_and_money_beside_the_forecasts(tmp_path):
     now = time.time()
     history = [{"state": "smoking", "at": now - 4000}, {"state": "running", "at": now - 3600}]
-    s = {"state": "running", "run_dir": str(tmp_path), "step": 50, "total_steps": 100, "eta_seconds": 1800.0,
-         "loss": 1.5, "tokens_per_second": 1000, "smoke_estimated_seconds": 5400}
-    s.update(facts.time_and_money(s, history, {"price_per_hour_eur": 3.6, "estimate": {"hours": 2.0, "cost_eur": 7.2}},
-                                  {"estimated_seconds": 5400, "estimated_cost": 5.4}))
+    s = {
+        "state": "running",
+        "run_dir": str(tmp_path),
+        "step": 50,
+        "total_steps": 100,
+        "eta_seconds": 1800.0,
+        "loss": 1.5,
+        "tokens_per_second": 1000,
+        "smoke_estimated_seconds": 5400,
+    }
+    s.update(
+        facts.time_and_money(
+            s,
+            history,
+            {"price_per_hour_eur": 3.6, "estimate": {"hours": 2.0, "cost_eur": 7.2}},
+            {"estimated_seconds": 5400, "estimated_cost": 5.4},
+        )
+    )
     assert s["cost_so_far_eur"] == pytest.approx(4.0, abs=0.01) and s["cost_to_go_eur"] == 1.8
     text = views.format_status(s)
     assert "cost 4.00 EUR so far, 1.80 EUR to go at 3.60 EUR/h" in text
     assert "smoke test forecast 1.5 h / 5.40 EUR" in text and "plan forecast 2.0 h / 7.20 EUR" in text
     assert "resume re-plan" not in text
     # after a resume the plan was made again with the smoke test's speed: the first forecast stays, the new is labelled
-    resumed = {"price_per_hour_eur": 3.6, "estimate_as_planned": {"hours": 2.0, "cost_eur": 7.2},
-               "estimate": {"hours": 1.25, "cost_eur": 4.5}, "estimate_at_resume": {"hours": 1.25, "cost_eur": 4.5}}
+    resumed = {
+        "price_per_hour_eur": 3.6,
+        "estimate_as_planned": {"hours": 2.0, "cost_eur": 7.2},
+        "estimate": {"hours": 1.25, "cost_eur": 4.5},
+        "estimate_at_resume": {"hours": 1.25, "cost_eur": 4.5},
+    }
     s.update(facts.time_and_money(s, history, resumed, {"estimated_seconds": 5400, "estimated_cost": 5.4}))
     text = views.format_status(s)
     assert "plan forecast 2.0 h / 7.20 EUR; resume re-plan forecast 1.2 h / 4.50 EUR" in text, text
@@ -142,11 +164,13 @@ def test_watch_follows_a_live_run_to_its_summary(reference_run, tmp_path, live):
     rows = facts.metrics_rows(run.metrics)
     run.metrics.write_text(json.dumps(rows[0]) + "\n")
     lock = RunLock(run).acquire()
-    (run.root / "worker.json").write_text(json.dumps({"mode": "full", "start_step": 0, "total_steps": 30,
-                                                      "started": time.time() + 1}))
+    (run.root / "worker.json").write_text(
+        json.dumps({"mode": "full", "start_step": 0, "total_steps": 30, "started": time.time() + 1})
+    )
     set_state(run, "running", supervisor_pid=os.getpid(), supervisor_proc=process_identity(os.getpid()))
-    (run.root / "worker.json").write_text(json.dumps({"mode": "full", "start_step": 0, "total_steps": 30,
-                                                      "started": time.time()}))
+    (run.root / "worker.json").write_text(
+        json.dumps({"mode": "full", "start_step": 0, "total_steps": 30, "started": time.time()})
+    )
     ticks = iter(range(len(rows) + 5))  # a row appears per tick, then the state turns final
 
     def sleep(_seconds):
@@ -171,7 +195,10 @@ def test_watch_follows_a_live_run_to_its_summary(reference_run, tmp_path, live):
         plain = [line for line in text.splitlines() if line.startswith("[")]
         assert "\x1b[" not in text
         assert len(plain) == len(rows) + 1  # a line per logged step, and one for the final state
-        assert f"running  step {rows[0]['step']}/30  loss {rows[0]['loss']:.4f}" in plain[0] and "tokens/s  ETA" in plain[0]
+        assert (
+            f"running  step {rows[0]['step']}/30  loss {rows[0]['loss']:.4f}" in plain[0]
+            and "tokens/s  ETA" in plain[0]
+        )
 
 
 def test_after_a_resume_the_memory_line_keeps_the_passed_smoke_tests_measurement(reference_run, tmp_path):
@@ -182,15 +209,18 @@ def test_after_a_resume_the_memory_line_keeps_the_passed_smoke_tests_measurement
 
     run = _copy(reference_run, tmp_path / "run")
     plan = json.loads(run.plan.read_text())
-    (run.root / "smoke.json").write_text(json.dumps({"engine": plan["engine"], "num_processes": 1,
-                                                     "tokens_per_second": 900.0, "peak_memory_gb": 0.61}))
+    (run.root / "smoke.json").write_text(
+        json.dumps({"engine": plan["engine"], "num_processes": 1, "tokens_per_second": 900.0, "peak_memory_gb": 0.61})
+    )
     set_state(run, "stopped", reason="stopped by `ftrun stop`")
     recipe = load_recipe(run.recipe)
     *_, lock, _sha = _prepare(run, recipe, resuming=True, fresh=False)
     lock.release()
     s = facts.run_status(run)
     assert s["memory_source"] == "measured"
-    assert "measured by the smoke test" in views.format_status(s) and "no passed smoke test" not in views.format_status(s)
+    assert "measured by the smoke test" in views.format_status(s) and "no passed smoke test" not in views.format_status(
+        s
+    )
 
 
 def test_a_stopped_run_says_how_it_ended_once_with_the_exact_resume_command(tmp_path):
@@ -201,11 +231,17 @@ def test_a_stopped_run_says_how_it_ended_once_with_the_exact_resume_command(tmp_
     run.recipe.write_text("model: x\n")
     resume = commands.resume_command("recipes/my run.yaml", ["lora.r=8"], 20.0)
     assert resume == "ftrun 'recipes/my run.yaml' lora.r=8 --memory-limit 20GB"
-    ending = {"by": "signal", "signal": "SIGTERM", "step": 40, "checkpoint": "step-000040", "saved": True,
-              "grace_seconds": 120.0, "resume_command": resume}
+    ending = {
+        "by": "signal",
+        "signal": "SIGTERM",
+        "step": 40,
+        "checkpoint": "step-000040",
+        "saved": True,
+        "grace_seconds": 120.0,
+        "resume_command": resume,
+    }
     reason = views.ending_reason(ending)
-    assert reason == ("preempted (SIGTERM) at step 40 after a checkpoint (step-000040); "
-                      f"run `{resume}` to resume")
+    assert reason == (f"preempted (SIGTERM) at step 40 after a checkpoint (step-000040); run `{resume}` to resume")
     late = views.ending_reason({**ending, "by": "stop", "checkpoint": None, "saved": False, "resume_command": None})
     assert late.startswith("stopped by `ftrun stop` at step 40; the worker did not finish its checkpoint within 120s")
     assert late.endswith("run the same command to resume")
@@ -227,21 +263,37 @@ def test_mfu_beside_a_gpus_tokens_per_second_and_silent_on_a_cpu(tmp_path):
     from launcher.plan.plan import make_plan, model_flops_utilization
     from launcher.recipe import validate_recipe
 
-    recipe = validate_recipe({"model": "Qwen/Qwen3-8B", "method": "qlora", "data": "d.jsonl", "tokens": "15M",
-                              "max_length": 2048}, tmp_path, "r")
-    plan = make_plan(recipe, from_spec("1xRTX4090"), tokens=recipe.tokens, unsloth_available=True,
-                     allow_network=False).to_dict()
+    recipe = validate_recipe(
+        {"model": "Qwen/Qwen3-8B", "method": "qlora", "data": "d.jsonl", "tokens": "15M", "max_length": 2048},
+        tmp_path,
+        "r",
+    )
+    plan = make_plan(
+        recipe, from_spec("1xRTX4090"), tokens=recipe.tokens, unsloth_available=True, allow_network=False
+    ).to_dict()
     basis = plan["tokens"]
     assert basis["peak_tflops_per_gpu"] == 165 and basis["gpus_used"] == 1
     # LoRA: forward 2N + input gradients 2N, no recomputation counted (model FLOPs, not hardware FLOPs)
     assert 4 * 7e9 < basis["model_flops_per_token"] < 4 * 8.2e9
     mfu = model_flops_utilization(plan, 1000.0)
     assert mfu == pytest.approx(1000.0 * basis["model_flops_per_token"] / 165e12)
-    s = {"state": "running", "run_dir": str(tmp_path), "step": 5, "total_steps": 10, "loss": 1.5,
-         "tokens_per_second": 1000.0, "mfu": mfu}
+    s = {
+        "state": "running",
+        "run_dir": str(tmp_path),
+        "step": 5,
+        "total_steps": 10,
+        "loss": 1.5,
+        "tokens_per_second": 1000.0,
+        "mfu": mfu,
+    }
     assert f"1,000 tokens/s (MFU {mfu:.0%})" in views.format_status(s)
-    cpu = make_plan(validate_recipe({"model": "Qwen/Qwen3-8B", "method": "qlora", "data": "d.jsonl"}, tmp_path, "r"),
-                    from_spec("1xRTX4090"), tokens=1e6, unsloth_available=True, allow_network=False).to_dict()
+    cpu = make_plan(
+        validate_recipe({"model": "Qwen/Qwen3-8B", "method": "qlora", "data": "d.jsonl"}, tmp_path, "r"),
+        from_spec("1xRTX4090"),
+        tokens=1e6,
+        unsloth_available=True,
+        allow_network=False,
+    ).to_dict()
     cpu.update(device="cpu", tokens={})
     assert model_flops_utilization(cpu, 1000.0) is None
     assert "MFU" not in views.format_status({**s, "mfu": None})
@@ -263,8 +315,9 @@ def test_help_names_every_option_and_every_argument_says_what_it_is():
                 continue
             assert action.help, f"ftrun {name}: {action.dest} has no help"
             if action.option_strings and name != "llamacpp":
-                assert any(o in epilog for o in action.option_strings), \
+                assert any(o in epilog for o in action.option_strings), (
                     f"ftrun {name} {action.option_strings} is not in the top-level help"
+                )
     export = commands.choices["export"].format_help().replace("\n", " ")
     assert all(t in export for t in gguf_types.TYPES) and gguf_types.DEFAULT_TYPE in export
 
@@ -292,8 +345,14 @@ def test_stop_of_a_finished_run_says_it_ended(tmp_path, capsys):
 
 def test_a_finished_training_whose_export_runs_is_not_called_finished(tmp_path):
     """Run vs export (issue 23): state succeeded while the supervisor still exports reads as trained, export running."""
-    e = {"state": "succeeded", "step": 12, "total_steps": 12, "run_dir": str(tmp_path), "pid_alive": True,
-         "export": {"state": "running", "formats": ["adapter"]}}
+    e = {
+        "state": "succeeded",
+        "step": 12,
+        "total_steps": 12,
+        "run_dir": str(tmp_path),
+        "pid_alive": True,
+        "export": {"state": "running", "formats": ["adapter"]},
+    }
     head = views.format_end_summary(e).splitlines()[0]
     assert head.startswith("== run trained (its export is still running)")
     e["export"] = {"state": "succeeded", "formats": ["adapter"]}
@@ -304,8 +363,15 @@ def test_a_finished_training_whose_export_runs_is_not_called_finished(tmp_path):
 
 def test_the_status_loss_says_its_step_when_the_run_is_past_it():
     """logging_steps 5 and 48 steps: the last loss row is step 45's; status says so beside 48/48."""
-    s = {"state": "succeeded", "run_dir": "/r", "step": 48, "total_steps": 48, "loss": 4.2243, "loss_step": 45,
-         "tokens_per_second": 5694}
+    s = {
+        "state": "succeeded",
+        "run_dir": "/r",
+        "step": 48,
+        "total_steps": 48,
+        "loss": 4.2243,
+        "loss_step": 45,
+        "tokens_per_second": 5694,
+    }
     assert "  loss 4.2243 (step 45)   5,694 tokens/s" in views.format_status(s)
     s["loss_step"] = 48
     assert "  loss 4.2243   5,694 tokens/s" in views.format_status(s)
@@ -314,15 +380,25 @@ def test_the_status_loss_says_its_step_when_the_run_is_past_it():
 def test_the_stops_last_word_is_the_states():
     """`ftrun stop` words its outcome from the state the supervisor wrote (issue 46): a stop after training says
     what is left; one during the export, or one that came too late, does not say "stopped" over another state."""
-    after = {"by": "stop", "signal": "SIGTERM", "step": 12, "checkpoint": "step-000012", "saved": True,
-             "after_training": True, "left": ["the samples and the task evaluation", "the export"],
-             "resume_command": "ftrun r.yaml"}
+    after = {
+        "by": "stop",
+        "signal": "SIGTERM",
+        "step": 12,
+        "checkpoint": "step-000012",
+        "saved": True,
+        "after_training": True,
+        "left": ["the samples and the task evaluation", "the export"],
+        "resume_command": "ftrun r.yaml",
+    }
     reason = views.ending_reason(after)
-    assert reason == ("stopped by `ftrun stop` after training: the final result and its checkpoint (step-000012) are "
-                      "saved; not done yet: the samples and the task evaluation, then the export; run `ftrun r.yaml` "
-                      "to finish (no step is trained again)")
+    assert reason == (
+        "stopped by `ftrun stop` after training: the final result and its checkpoint (step-000012) are "
+        "saved; not done yet: the samples and the task evaluation, then the export; run `ftrun r.yaml` "
+        "to finish (no step is trained again)"
+    )
     assert views.stop_outcome({"state": "stopped", "ending": after, "reason": reason}).startswith(
-        "stopped after training: stopped by")
+        "stopped after training: stopped by"
+    )
     assert views.stop_outcome({"state": "stopped", "reason": "x"}) == "stopped"
     late = views.stop_outcome({"state": "succeeded", "reason": "training finished"})
     assert late == "the run ended succeeded before the stop took effect: training finished"
@@ -340,15 +416,31 @@ def test_a_dpo_summary_says_ties_as_ties_and_the_chosen_answers_reward(tmp_path)
     run.root.mkdir()
     run.recipe.write_text("model: x\n")
     set_state(run, "succeeded", reason="training finished")
-    rows = [{"step": 0, "eval_loss": 0.6931, "eval_rewards/margins": 0.0, "eval_rewards/accuracies": 0.0,
-             "eval_rewards/chosen": 0.0, "eval_rewards/rejected": 0.0},
-            {"step": 5, "loss": 0.3, "rewards/margins": 1.7, "rewards/accuracies": 0.8},
-            {"step": 48, "eval_loss": 0.01, "eval_rewards/margins": 10.2, "eval_rewards/accuracies": 1.0,
-             "eval_rewards/chosen": -1.42, "eval_rewards/rejected": -11.62}]
+    rows = [
+        {
+            "step": 0,
+            "eval_loss": 0.6931,
+            "eval_rewards/margins": 0.0,
+            "eval_rewards/accuracies": 0.0,
+            "eval_rewards/chosen": 0.0,
+            "eval_rewards/rejected": 0.0,
+        },
+        {"step": 5, "loss": 0.3, "rewards/margins": 1.7, "rewards/accuracies": 0.8},
+        {
+            "step": 48,
+            "eval_loss": 0.01,
+            "eval_rewards/margins": 10.2,
+            "eval_rewards/accuracies": 1.0,
+            "eval_rewards/chosen": -1.42,
+            "eval_rewards/rejected": -11.62,
+        },
+    ]
     run.metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
     text = views.format_end_summary(facts.end_summary(run))
-    assert ("rewards   held-out margin 0.000 (step 0) -> 10.200 (step 48); preference accuracy tied (margin 0: the "
-            "policy is its reference) -> 1.00") in text, text
+    assert (
+        "rewards   held-out margin 0.000 (step 0) -> 10.200 (step 48); preference accuracy tied (margin 0: the "
+        "policy is its reference) -> 1.00"
+    ) in text, text
     assert "chosen answers' reward 0.000 -> -1.420, rejected 0.000 -> -11.620; the chosen answers fell too" in text
     assert "accuracy 0.00" not in text
     first = views.format_status({**facts.run_status(run), "eval_margin": 0.0, "eval_accuracy": 0.0, "eval_step": 0})
@@ -357,10 +449,20 @@ def test_a_dpo_summary_says_ties_as_ties_and_the_chosen_answers_reward(tmp_path)
 
 def test_the_exports_sizes_say_what_each_counts():
     """Issue 46: the adapter's size is its weights file, the merged model's its whole folder; status says which."""
-    outs = views.export_outputs({"adapter": {"size": "65.2 KB", "bytes": 66764},
-                                 "merged": {"size": "1.1 MB", "bytes": 1153433}, "gguf": {"size": "0.6 MB"}})
+    outs = views.export_outputs(
+        {
+            "adapter": {"size": "65.2 KB", "bytes": 66764},
+            "merged": {"size": "1.1 MB", "bytes": 1153433},
+            "gguf": {"size": "0.6 MB"},
+        }
+    )
     assert outs == "adapter 65.2 KB weights file, merged 1.1 MB folder, gguf 0.6 MB file"
-    s = {"state": "succeeded", "run_dir": "r", "export": {"state": "succeeded", "formats": ["adapter", "merged"],
-                                                            "outputs": outs, "serving": "SERVING.md"}}
-    assert "export (adapter, merged): succeeded - adapter 65.2 KB weights file, merged 1.1 MB folder" in \
-        views.format_status(s)
+    s = {
+        "state": "succeeded",
+        "run_dir": "r",
+        "export": {"state": "succeeded", "formats": ["adapter", "merged"], "outputs": outs, "serving": "SERVING.md"},
+    }
+    assert (
+        "export (adapter, merged): succeeded - adapter 65.2 KB weights file, merged 1.1 MB folder"
+        in views.format_status(s)
+    )

@@ -41,11 +41,16 @@ def test_download_shows_size_progress_and_speed_then_the_cache_answers(hub, tiny
     lines: list[str] = []
     got = weights.fetch("org/tiny", found, lines.append, every=0.0)
     assert got["model_source"] == "hub" and got["download_bytes"] == found["bytes"] and got["download_seconds"] > 0
-    assert lines[0] == f"downloading org/tiny: {len(files)} files, {weights.format_bytes(found['bytes'])} into the " \
-                       "Hugging Face cache"
+    assert (
+        lines[0] == f"downloading org/tiny: {len(files)} files, {weights.format_bytes(found['bytes'])} into the "
+        "Hugging Face cache"
+    )
     progress = [line for line in lines if " of " in line]
     assert progress and all("/s" in line and "%" in line for line in progress)
-    assert progress[-1].startswith(f"downloading org/tiny: {weights.format_bytes(found['bytes'])} of") and "(100%)" in progress[-1]
+    assert (
+        progress[-1].startswith(f"downloading org/tiny: {weights.format_bytes(found['bytes'])} of")
+        and "(100%)" in progress[-1]
+    )
     assert lines[-1].startswith(f"downloaded org/tiny: {weights.format_bytes(found['bytes'])} in ")
 
     again = weights.check("org/tiny")  # a complete snapshot: no download, the worker reads it offline
@@ -86,12 +91,23 @@ def test_a_model_that_cannot_be_had_stops_before_the_smoke_test_and_again_the_sa
 @pytest.mark.slow
 def test_a_run_from_the_hub_downloads_before_the_smoke_test_and_records_the_time(hub, write_recipe, tmp_path):
     recipe = write_recipe(model="org/tiny", max_steps=4)
-    env = dict(os.environ, PYTHONPATH=str(REPO), HF_ENDPOINT=hub.url, HF_HUB_OFFLINE="0",
-               HF_HUB_CACHE=str(tmp_path / "hf-cache"))
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(REPO),
+        HF_ENDPOINT=hub.url,
+        HF_HUB_OFFLINE="0",
+        HF_HUB_CACHE=str(tmp_path / "hf-cache"),
+    )
 
     def ftrun_online(*args):
-        return subprocess.run([sys.executable, "-m", "launcher.cli", *map(str, args)], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=600)
+        return subprocess.run(
+            [sys.executable, "-m", "launcher.cli", *map(str, args)],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
 
     res = ftrun_online("smoke", recipe)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -118,13 +134,17 @@ def test_unsloth_qlora_checks_and_downloads_the_prequantized_repo_it_trains(hub,
     lora = validate_recipe({"model": "Qwen/Qwen3-8B", "method": "lora", "data": "d.jsonl"}, tmp_path, "r")
     assert pipeline.worker_model(lora, {"engine": "unsloth"}) == "Qwen/Qwen3-8B"  # LoRA trains the 16-bit weights
 
-    plan = {"engine": "unsloth", "weights": {"model": "unsloth/Qwen3-8B-bnb-4bit",
-                                             **weights.check("unsloth/Qwen3-8B-bnb-4bit")}}
+    plan = {
+        "engine": "unsloth",
+        "weights": {"model": "unsloth/Qwen3-8B-bnb-4bit", **weights.check("unsloth/Qwen3-8B-bnb-4bit")},
+    }
     run = RunDir(tmp_path / "run")
     run.root.mkdir()
     got = pipeline._download(run, recipe, {"source": "hub", "files": 99, "bytes": 10**10, "allow": ["*"]}, plan)
     assert got["model_source"] == "hub" and got["download_bytes"] == plan["weights"]["bytes"]
-    assert "downloading unsloth/Qwen3-8B-bnb-4bit" in run.log.read_text() and "Qwen/Qwen3-8B:" not in run.log.read_text()
+    assert (
+        "downloading unsloth/Qwen3-8B-bnb-4bit" in run.log.read_text() and "Qwen/Qwen3-8B:" not in run.log.read_text()
+    )
     assert weights.check("unsloth/Qwen3-8B-bnb-4bit")["source"] == "cache"  # the worker reads it offline
 
 

@@ -55,8 +55,14 @@ def gated_hash(monkeypatch):
 
 def test_parallel_hashing_gives_the_sequential_digests_and_verification_still_catches_a_flipped_byte(tmp_path):
     # around the read size (8 MiB), empty, small, nested: every way a file splits into reads
-    sizes = {"empty": 0, "one": 1, "small.json": 2047, "edge.bin": 8 << 20, "big.bin": (8 << 20) + 12345,
-             "sub/dir/shard-00001.safetensors": 3 << 20}
+    sizes = {
+        "empty": 0,
+        "one": 1,
+        "small.json": 2047,
+        "edge.bin": 8 << 20,
+        "big.bin": (8 << 20) + 12345,
+        "sub/dir/shard-00001.safetensors": 3 << 20,
+    }
     data = _files(tmp_path / "c", sizes)
     paths = [tmp_path / "c" / name for name in sizes]
     expected = [hashlib.sha256(data[name]).hexdigest() for name in sizes]
@@ -154,8 +160,13 @@ def test_kill9_during_background_hashing_leaves_no_checkpoint_and_the_older_one_
     _complete(root, 20)
     d = root / ckpt.step_dir_name(30)
     _files(d, {"adapter_model.safetensors": 1000})
-    proc = subprocess.Popen([sys.executable, str(_script(tmp_path, "h.py", _HASH_THEN_EXIT)), str(d), "60"],
-                            cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(_script(tmp_path, "h.py", _HASH_THEN_EXIT)), str(d), "60"],
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         for line in proc.stdout:  # until the manifest is being hashed: kill -9 then
             if line.strip() == "hashing":
@@ -176,9 +187,14 @@ def test_a_process_that_returns_while_hashing_still_writes_the_manifest_before_i
     d = tmp_path / ckpt.step_dir_name(30)
     _files(d, {"adapter_model.safetensors": 1000})
     t0 = time.monotonic()
-    res = subprocess.run([sys.executable, str(_script(tmp_path, "h.py", _HASH_THEN_EXIT)), str(d), "1.5"],
-                         cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True,
-                         timeout=60)
+    res = subprocess.run(
+        [sys.executable, str(_script(tmp_path, "h.py", _HASH_THEN_EXIT)), str(d), "1.5"],
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0, res.stderr
     assert "started" in res.stdout and time.monotonic() - t0 >= 1.5
     assert ckpt.verify(d)[0]
@@ -199,8 +215,7 @@ def _cadence(tmp_path, monkeypatch, mode: str):
 def _state(step: int, max_steps: int = 100):
     from transformers import TrainerState
 
-    return TrainerState(global_step=step, max_steps=max_steps, is_world_process_zero=True,
-                        is_local_process_zero=True)
+    return TrainerState(global_step=step, max_steps=max_steps, is_world_process_zero=True, is_local_process_zero=True)
 
 
 def test_the_save_returns_while_hashing_and_the_next_save_and_the_exit_wait_for_it(tmp_path, monkeypatch, gated_hash):
@@ -294,16 +309,38 @@ def test_one_process_verifies_and_the_other_takes_its_choice_never_an_earlier_la
     bad = _complete(root, 20)
     (bad / "optimizer.pt").write_bytes(os.urandom(5000))  # same size, other bytes: torn the way only a hash sees
     # an earlier launch with the same static rendezvous id chose step 20 (then valid); it must not be taken
-    ckpt.atomic_write_json(run / ckpt.CHOICE, {
-        "launch": {"TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_RESTART_COUNT": "0", "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": "29555", "WORLD_SIZE": "2"},
-        "written": time.time() - 5, "checkpoint": "step-000020", "step": 20,
-        "manifest_sha256": ckpt.sha256_file(bad / ckpt.MANIFEST), "skipped": []})
+    ckpt.atomic_write_json(
+        run / ckpt.CHOICE,
+        {
+            "launch": {
+                "TORCHELASTIC_RUN_ID": "none",
+                "TORCHELASTIC_RESTART_COUNT": "0",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": "29555",
+                "WORLD_SIZE": "2",
+            },
+            "written": time.time() - 5,
+            "checkpoint": "step-000020",
+            "step": 20,
+            "manifest_sha256": ckpt.sha256_file(bad / ckpt.MANIFEST),
+            "skipped": [],
+        },
+    )
     time.sleep(0.05)
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    res = subprocess.run([sys.executable, str(_script(tmp_path, "start.py", _LAUNCHER)),
-                          str(_script(tmp_path, "rank.py", _RANK)), str(run)],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(_script(tmp_path, "start.py", _LAUNCHER)),
+            str(_script(tmp_path, "rank.py", _RANK)),
+            str(run),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     (wrc, wout, werr), (vrc, vout, verr) = json.loads(res.stdout)
     assert vrc == 0 and wrc == 0, werr + verr
@@ -331,8 +368,9 @@ def test_a_waiter_gives_up_with_the_reason_and_never_takes_a_changed_checkpoint(
     (d / ckpt.MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(RuntimeError, match="changed after it was verified"):
         ckpt.await_choice(tmp_path / ckpt.CHOICE, root, launch, t - 1, timeout=1)
-    assert ckpt.choice_timeout(root, rate=1000.0, floor=1.0) == pytest.approx(1.0 + sum(
-        f["size"] for f in manifest["files"].values()) / 1000.0)
+    assert ckpt.choice_timeout(root, rate=1000.0, floor=1.0) == pytest.approx(
+        1.0 + sum(f["size"] for f in manifest["files"].values()) / 1000.0
+    )
 
 
 _TWO_RANKS = """
@@ -371,9 +409,22 @@ def test_no_rank_returns_before_rank_0s_background_manifest_and_resume_steps_mus
     d = tmp_path / ckpt.step_dir_name(40)
     _files(d, {"adapter_model.safetensors": 1000})
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          str(_script(tmp_path, "ranks.py", _TWO_RANKS)), str(d)],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(_script(tmp_path, "ranks.py", _TWO_RANKS)),
+            str(d),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     rows = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [(r["rank"], r["manifest_at_return"], r["same"]) for r in rows] == [(0, True, None), (1, True, None)]
@@ -384,21 +435,26 @@ def test_no_rank_returns_before_rank_0s_background_manifest_and_resume_steps_mus
 
 # --- the review's defects: who verifies and who deletes on each disk, failed manifests, the wait before a save ---
 
-@pytest.mark.parametrize("engine, nnodes, nproc, rank, local_rank, verifies", [
-    ("trl", 1, 1, 0, 0, True),
-    ("ddp", 1, 2, 0, 0, True),
-    ("ddp", 1, 2, 1, 1, False),
-    ("deepspeed", 1, 2, 1, 1, False),
-    ("ddp", 2, 2, 2, 0, True),  # DDP saves on each node: node 1's first process verifies its own disk
-    ("ddp", 2, 2, 3, 1, False),
-    # DeepSpeed never sets save_on_each_node: node 1 waited for a choice only node 0 wrote (on its own disk)
-    ("deepspeed", 2, 2, 2, 0, True),
-    ("deepspeed", 2, 2, 3, 1, False),
-    ("deepspeed", 2, 2, 0, 0, True),
-    ("fsdp", 3, 1, 2, 0, True),  # one process per node: every process verifies its disk
-])
-def test_each_nodes_first_process_verifies_its_disk_whatever_the_engine(engine, nnodes, nproc, rank, local_rank,
-                                                                       verifies):
+
+@pytest.mark.parametrize(
+    "engine, nnodes, nproc, rank, local_rank, verifies",
+    [
+        ("trl", 1, 1, 0, 0, True),
+        ("ddp", 1, 2, 0, 0, True),
+        ("ddp", 1, 2, 1, 1, False),
+        ("deepspeed", 1, 2, 1, 1, False),
+        ("ddp", 2, 2, 2, 0, True),  # DDP saves on each node: node 1's first process verifies its own disk
+        ("ddp", 2, 2, 3, 1, False),
+        # DeepSpeed never sets save_on_each_node: node 1 waited for a choice only node 0 wrote (on its own disk)
+        ("deepspeed", 2, 2, 2, 0, True),
+        ("deepspeed", 2, 2, 3, 1, False),
+        ("deepspeed", 2, 2, 0, 0, True),
+        ("fsdp", 3, 1, 2, 0, True),  # one process per node: every process verifies its disk
+    ],
+)
+def test_each_nodes_first_process_verifies_its_disk_whatever_the_engine(
+    engine, nnodes, nproc, rank, local_rank, verifies
+):
     from launcher.worker import checkpointing
 
     plan = {"engine": engine, "num_processes": nproc, **({"nodes": {"nnodes": nnodes}} if nnodes > 1 else {})}
@@ -483,8 +539,10 @@ def test_a_failed_background_manifest_stops_the_next_save_and_the_exit(tmp_path,
     if errno_name == "ENOSPC":
         assert checkpointing._finish(run, "cpu", 10, writer=True) == exits.EXIT_DISK_FULL
         info = json.loads(run.worker.read_text())
-        assert info["exit_code"] == exits.EXIT_DISK_FULL and "disk full while saving the checkpoint of step 10" \
-            in info["error"]
+        assert (
+            info["exit_code"] == exits.EXIT_DISK_FULL
+            and "disk full while saving the checkpoint of step 10" in info["error"]
+        )
         assert not (run.checkpoints / ckpt.step_dir_name(10)).exists()  # the unsealed folder, removed by its writer
     else:
         with pytest.raises(ckpt.ManifestFailed, match="Input/output error"):
@@ -505,8 +563,9 @@ def test_the_wait_for_the_previous_manifest_comes_before_the_save_on_every_rank(
     # no save due: no wait (training goes on beside the hashing)
     assert not cadence.on_step_end(args, _state(11), TrainerControl()).should_save and checkpointing._MANIFEST.pending
     decided = []
-    last = threading.Thread(target=lambda: decided.append(
-        cadence.on_step_end(args, _state(100, 100), TrainerControl())))
+    last = threading.Thread(
+        target=lambda: decided.append(cadence.on_step_end(args, _state(100, 100), TrainerControl()))
+    )
     last.start()
     time.sleep(0.5)
     assert last.is_alive() and not decided  # the save is decided, the previous manifest is awaited first
@@ -583,9 +642,24 @@ def test_a_hash_longer_than_the_process_group_timeout_is_awaited_in_short_collec
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          str(_script(tmp_path, "presave.py", _PRESAVE)), str(run), "2", "6"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(_script(tmp_path, "presave.py", _PRESAVE)),
+            str(run),
+            "2",
+            "6",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     rows = [json.loads((run / f"rank{r}.json").read_text()) for r in (0, 1)]
     for r in rows:
@@ -628,11 +702,24 @@ def test_a_worker_whose_checkpoint_manifest_fails_never_exits_as_stopped_or_fini
     script = _script(tmp_path, "worker.py", _FAILING_WORKER)
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     cases = {"stop": ("ENOSPC", "stop"), "end": ("EIO", "end")}
-    runs = {name: prepared_run(write_recipe(f"{name}.yaml", output_dir=str(tmp_path / name), max_steps=3,
-                                            checkpoint_every_minutes=10), "smoke.enabled=false")
-            for name in cases}
-    procs = {name: subprocess.Popen([sys.executable, str(script), str(runs[name]), *cases[name]], cwd=REPO, env=env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for name in cases}
+    runs = {
+        name: prepared_run(
+            write_recipe(f"{name}.yaml", output_dir=str(tmp_path / name), max_steps=3, checkpoint_every_minutes=10),
+            "smoke.enabled=false",
+        )
+        for name in cases
+    }
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, str(script), str(runs[name]), *cases[name]],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name in cases
+    }
     out = {name: (p.wait(300), *p.communicate()) for name, p in procs.items()}
 
     rc, stdout, stderr = out["stop"]
@@ -668,10 +755,26 @@ def test_a_stop_while_waiting_for_the_resume_choice_is_a_clean_stop(write_recipe
     from helpers import free_port, prepared_run
 
     run = prepared_run(write_recipe(max_steps=3), "engine=ddp", "num_processes=2", "smoke.enabled=false")
-    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", RANK="1", LOCAL_RANK="1",
-               WORLD_SIZE="2", TORCHELASTIC_RUN_ID="t", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    proc = subprocess.Popen([sys.executable, str(_script(tmp_path, "rank1.py", _WAITING_RANK)), str(run)], cwd=REPO,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(REPO),
+        HF_HUB_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+        RANK="1",
+        LOCAL_RANK="1",
+        WORLD_SIZE="2",
+        TORCHELASTIC_RUN_ID="t",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(_script(tmp_path, "rank1.py", _WAITING_RANK)), str(run)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         for line in proc.stdout:
             if line.strip() == "waiting for the resume choice":

@@ -94,28 +94,36 @@ def test_an_adapter_folder_with_only_tokenizer_files_names_the_missing_file(tmp_
     (folder / "tokenizer_config.json").write_text("{}")
     v = final.verify(tmp_path / "final", "lora", TARGETS, str(tmp_path / "no-such-base"))
     assert not v.ok
-    assert v.reason == ("final/adapter/adapter_config.json is missing "
-                        "(final/adapter holds only tokenizer.json, tokenizer_config.json)")
+    assert v.reason == (
+        "final/adapter/adapter_config.json is missing (final/adapter holds only tokenizer.json, tokenizer_config.json)"
+    )
     assert "does not exist" in final.verify(tmp_path / "nothing", "qlora", TARGETS, "x").reason
     (folder / final.ADAPTER_CONFIG).write_text(json.dumps({"r": R}))
     assert final.verify_adapter(folder, TARGETS).reason == "final/adapter/adapter_model.safetensors is missing"
 
 
-@pytest.mark.parametrize("damage, reason", [
-    (lambda p: p.write_bytes(b""), "adapter_model.safetensors is empty (0 bytes)"),
-    (lambda p: p.write_bytes(p.read_bytes()[:-10]), "adapter_model.safetensors is truncated"),
-    (lambda p: p.write_bytes(p.read_bytes()[:5]), "shorter than a safetensors header"),
-    (lambda p: p.write_bytes(p.read_bytes()[:40]), "its header says"),
-    (lambda p: p.write_bytes(p.read_bytes() + b"\0" * 4), "bytes after its last tensor"),
-    (lambda p: p.write_bytes(struct.pack("<Q", 4) + b"nope"), "its header is not JSON"),
-    (lambda p: write_safetensors(p, {}), "holds no tensors"),
-    (lambda p: write_safetensors(p, {"w": ("F32", [0, 4], b"")}), "1 empty tensor(s), e.g. w"),
-    (lambda p: write_safetensors(p, {"model.w": f32((2, 2))}), "holds no LoRA tensors"),
-    (lambda p: write_safetensors(p, {"x.q_proj.lora_A.weight": f32((R, HIDDEN))}), "has lora_A without its pair"),
-    (lambda p: write_safetensors(p, {"x.lora_A.weight": f32((R, HIDDEN)), "x.lora_B.weight": f32((HIDDEN, R + 1))}),
-     "do not share a rank"),
-    (lambda p: write_safetensors(p, {"x.lora_A.weight": ("F32", [R, HIDDEN], b"\0" * 4)}), "should take 128 bytes"),
-])
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (lambda p: p.write_bytes(b""), "adapter_model.safetensors is empty (0 bytes)"),
+        (lambda p: p.write_bytes(p.read_bytes()[:-10]), "adapter_model.safetensors is truncated"),
+        (lambda p: p.write_bytes(p.read_bytes()[:5]), "shorter than a safetensors header"),
+        (lambda p: p.write_bytes(p.read_bytes()[:40]), "its header says"),
+        (lambda p: p.write_bytes(p.read_bytes() + b"\0" * 4), "bytes after its last tensor"),
+        (lambda p: p.write_bytes(struct.pack("<Q", 4) + b"nope"), "its header is not JSON"),
+        (lambda p: write_safetensors(p, {}), "holds no tensors"),
+        (lambda p: write_safetensors(p, {"w": ("F32", [0, 4], b"")}), "1 empty tensor(s), e.g. w"),
+        (lambda p: write_safetensors(p, {"model.w": f32((2, 2))}), "holds no LoRA tensors"),
+        (lambda p: write_safetensors(p, {"x.q_proj.lora_A.weight": f32((R, HIDDEN))}), "has lora_A without its pair"),
+        (
+            lambda p: write_safetensors(
+                p, {"x.lora_A.weight": f32((R, HIDDEN)), "x.lora_B.weight": f32((HIDDEN, R + 1))}
+            ),
+            "do not share a rank",
+        ),
+        (lambda p: write_safetensors(p, {"x.lora_A.weight": ("F32", [R, HIDDEN], b"\0" * 4)}), "should take 128 bytes"),
+    ],
+)
 def test_damaged_adapter_files_fail_with_the_file_and_what_is_wrong(tmp_path, damage, reason):
     folder = adapter(tmp_path / "adapter")
     damage(folder / final.ADAPTER_WEIGHTS)
@@ -152,8 +160,9 @@ def _model(folder: Path, names=None, sharded=False, tie=True) -> Path:
         halves = {"model-00001-of-00002.safetensors": names[:3], "model-00002-of-00002.safetensors": names[3:]}
         for shard, keys in halves.items():
             write_safetensors(folder / shard, {k: f32(header[k]["shape"]) for k in keys})
-        (folder / final.MODEL_INDEX).write_text(json.dumps(
-            {"weight_map": {k: shard for shard, keys in halves.items() for k in keys}}))
+        (folder / final.MODEL_INDEX).write_text(
+            json.dumps({"weight_map": {k: shard for shard, keys in halves.items() for k in keys}})
+        )
         (folder / final.MODEL_WEIGHTS).unlink()
     (folder / final.MODEL_CONFIG).write_text(json.dumps({"tie_word_embeddings": tie}))
     return folder
@@ -184,8 +193,9 @@ def test_a_full_model_is_checked_against_the_base_weights(tmp_path):
     only_config = tmp_path / "cfg"
     only_config.mkdir()
     (only_config / final.MODEL_CONFIG).write_text("{}")
-    assert final.verify_model(only_config).reason == ("final/cfg has no weights: neither model.safetensors nor "
-                                                      "model.safetensors.index.json")
+    assert final.verify_model(only_config).reason == (
+        "final/cfg has no weights: neither model.safetensors nor model.safetensors.index.json"
+    )
     (only_config / final.MODEL_CONFIG).unlink()
     (only_config / "tokenizer.json").write_text("{}")
     assert "config.json is missing (final/cfg holds only tokenizer.json)" in final.verify_model(only_config).reason
@@ -212,7 +222,7 @@ def test_base_weights_come_from_a_local_folder_with_an_index_or_not_at_all(tmp_p
 # Loaded by every Python process of the run through PYTHONPATH; without the variable it does nothing. It
 # turns the FINAL save (Trainer.save_model called by the worker, not the checkpoints' internal calls) into a
 # no-op, the way Trainer.save_model behaves under FSDP with SHARDED_STATE_DICT.
-SITECUSTOMIZE = '''
+SITECUSTOMIZE = """
 import os
 import sys
 
@@ -247,7 +257,7 @@ if os.environ.get("FTRUN_TEST_FINAL_SAVE_WRITES_NOTHING") == "1":
             return spec
 
     sys.meta_path.insert(0, _PatchTrainer())
-'''
+"""
 
 
 @pytest.mark.slow
@@ -257,19 +267,31 @@ def test_a_run_whose_final_save_writes_nothing_fails_with_the_reason_and_resumes
     (inject / "sitecustomize.py").write_text(SITECUSTOMIZE)
     recipe = write_recipe(max_steps=4, export=["adapter"])
     run = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=f"{inject}{os.pathsep}{REPO}", HF_HUB_OFFLINE="1",
-               FTRUN_TEST_FINAL_SAVE_WRITES_NOTHING="1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=f"{inject}{os.pathsep}{REPO}",
+        HF_HUB_OFFLINE="1",
+        FTRUN_TEST_FINAL_SAVE_WRITES_NOTHING="1",
+    )
     t0 = time.monotonic()
-    res = subprocess.run([sys.executable, "-m", "launcher.cli", str(recipe), "--foreground", "smoke.enabled=false"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "launcher.cli", str(recipe), "--foreground", "smoke.enabled=false"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     t_fail = time.monotonic() - t0
     log = (run / "train.log").read_text() if (run / "train.log").is_file() else res.stdout + res.stderr
     assert "[test] final Trainer.save_model made a no-op" in log, log[-3000:]
     st = read_state(run)
     assert res.returncode != 0 and st["state"] == "failed", (st.get("reason"), log[-3000:])
     assert "succeeded" not in [h["state"] for h in st["history"]]
-    assert st["reason"].startswith("training finished but the final result is not usable: "
-                                   "final/adapter/adapter_config.json is missing (final/adapter holds only "), st
+    assert st["reason"].startswith(
+        "training finished but the final result is not usable: "
+        "final/adapter/adapter_config.json is missing (final/adapter holds only "
+    ), st
     assert st["final_check"]["ok"] is False
     assert "export" not in st and not (run / "final" / "export.json").exists()  # nothing was exported
     assert not (run / "final" / "adapter" / final.ADAPTER_WEIGHTS).exists()
@@ -278,11 +300,19 @@ def test_a_run_whose_final_save_writes_nothing_fails_with_the_reason_and_resumes
     # what the reason says to do: the same command resumes from the newest checkpoint and saves again
     del env["FTRUN_TEST_FINAL_SAVE_WRITES_NOTHING"]
     t0 = time.monotonic()
-    res = subprocess.run([sys.executable, "-m", "launcher.cli", str(recipe), "--foreground", "smoke.enabled=false"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "launcher.cli", str(recipe), "--foreground", "smoke.enabled=false"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     st = read_state(run)
     assert res.returncode == 0 and st["state"] == "succeeded", (st.get("reason"), res.stdout[-3000:])
     assert st["final_check"]["ok"] and st["final_check"]["lora_modules"] > 0
     assert st["export"]["state"] == "succeeded"
-    print(f"final save writing nothing: failed in {t_fail:.0f}s; resumed to a verified adapter in "
-          f"{time.monotonic() - t0:.0f}s ({st['final_check']['reason']})")
+    print(
+        f"final save writing nothing: failed in {t_fail:.0f}s; resumed to a verified adapter in "
+        f"{time.monotonic() - t0:.0f}s ({st['final_check']['reason']})"
+    )

@@ -79,5 +79,7 @@ def test_a_file_that_cannot_be_changed_is_reported_not_raised(tmp_path, monkeypa
     assert apply_umask(weights) == [f"{weights}: Operation not permitted"]
     said: list[str] = []
     share_results(final, said.append)
-    assert said == [f"could not set the umask's mode on {weights}: Operation not permitted; a server running as "
-                    "another user may not read it"]
+    assert said == [
+        f"could not set the umask's mode on {weights}: Operation not permitted; a server running as "
+        "another user may not read it"
+    ]

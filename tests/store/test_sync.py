@@ -15,8 +15,19 @@ import pytest
 import yaml
 
 from conftest import RESUME_FIELDS, recipe_file
-from helpers import (assert_same_run, free_port, freeze_worker, ftrun, has_checkpoint, logged_steps, metrics,
-                     read_state, status, wait_for, wait_until_ended)
+from helpers import (
+    assert_same_run,
+    free_port,
+    freeze_worker,
+    ftrun,
+    has_checkpoint,
+    logged_steps,
+    metrics,
+    read_state,
+    status,
+    wait_for,
+    wait_until_ended,
+)
 from launcher.store import checkpoint as ckpt
 from launcher.errors import RecipeError
 from launcher.recipe import load_recipe
@@ -29,15 +40,17 @@ def reference(reference_run) -> Path:
     return reference_run
 
 
-
 @pytest.fixture(scope="module")
 def ssh_alias(tmp_path_factory):
     """A real sshd on 127.0.0.1 with a throwaway key; yields (alias, env for rsync's ssh)."""
     sshd = shutil.which("sshd") or "/usr/sbin/sshd"
     if not Path(sshd).exists() or not shutil.which("rsync"):
-        # scripts/test.sh installs them where it can (root with apt-get); elsewhere these tests are skipped, never failed
-        pytest.skip("the rsync/SSH copy tests need Debian's openssh-server and rsync: "
-                    "apt-get install -y openssh-server rsync (scripts/test.sh does it when run as root)")
+        # scripts/test.sh installs them where it can (root with apt-get); elsewhere these tests are skipped, never
+        # failed
+        pytest.skip(
+            "the rsync/SSH copy tests need Debian's openssh-server and rsync: "
+            "apt-get install -y openssh-server rsync (scripts/test.sh does it when run as root)"
+        )
     d = tmp_path_factory.mktemp("sshd")
     for name in ("host_key", "client_key"):
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / name)], check=True)
@@ -46,13 +59,15 @@ def ssh_alias(tmp_path_factory):
     (d / "sshd_config").write_text(
         f"Port {port}\nListenAddress 127.0.0.1\nHostKey {d / 'host_key'}\nAuthorizedKeysFile {d / 'authorized_keys'}\n"
         "PasswordAuthentication no\nKbdInteractiveAuthentication no\nStrictModes no\nUsePAM no\n"
-        f"PidFile {d / 'sshd.pid'}\nPermitRootLogin prohibit-password\n")
+        f"PidFile {d / 'sshd.pid'}\nPermitRootLogin prohibit-password\n"
+    )
     Path("/run/sshd").mkdir(exist_ok=True)
     proc = subprocess.Popen([sshd, "-D", "-e", "-f", str(d / "sshd_config")], stderr=open(d / "sshd.log", "wb"))
     (d / "ssh_config").write_text(
         f"Host ftrun-test\n  HostName 127.0.0.1\n  Port {port}\n  User {os.environ.get('USER', 'root')}\n"
         f"  IdentityFile {d / 'client_key'}\n  IdentitiesOnly yes\n  StrictHostKeyChecking no\n"
-        "  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n  BatchMode yes\n")
+        "  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n  BatchMode yes\n"
+    )
     env = {"RSYNC_RSH": f"ssh -F {d / 'ssh_config'}"}
 
     def reachable():
@@ -73,10 +88,16 @@ def _running(pid: int) -> bool:
         return False
 
 
-def _machine_loss_then_resume_elsewhere(tmp_path: Path, tiny_model: Path, reference: Path, sync_to: str,
-                                        remote_ls, env: dict) -> None:
-    recipe = recipe_file(tmp_path / "r.yaml", tiny_model, output_dir=tmp_path / "run",
-                         sync={"to": sync_to, "every_seconds": 0.5}, **FIELDS)
+def _machine_loss_then_resume_elsewhere(
+    tmp_path: Path, tiny_model: Path, reference: Path, sync_to: str, remote_ls, env: dict
+) -> None:
+    recipe = recipe_file(
+        tmp_path / "r.yaml",
+        tiny_model,
+        output_dir=tmp_path / "run",
+        sync={"to": sync_to, "every_seconds": 0.5},
+        **FIELDS,
+    )
     run = tmp_path / "run"
     res = ftrun(recipe, "smoke.enabled=false", cwd=tmp_path, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -114,16 +135,18 @@ def _machine_loss_then_resume_elsewhere(tmp_path: Path, tiny_model: Path, refere
 def test_rsync_over_ssh_machine_loss_resume_on_fresh_box(tmp_path, tiny_model, reference, ssh_alias):
     alias, env = ssh_alias
     remote = tmp_path / "remote-box"  # the sshd runs here, so the remote path is local to look at
-    _machine_loss_then_resume_elsewhere(tmp_path, tiny_model, reference, f"{alias}:{remote}",
-                                        lambda rel: (remote / rel).is_file(), env)
+    _machine_loss_then_resume_elsewhere(
+        tmp_path, tiny_model, reference, f"{alias}:{remote}", lambda rel: (remote / rel).is_file(), env
+    )
 
 
 @pytest.mark.slow  # a long end-to-end run: the default tier stays under 6 minutes
 def test_fsspec_path_machine_loss_resume_and_no_secrets(tmp_path, tiny_model, reference):
     remote = tmp_path / "bucket" / "runs" / "r1"
     secret = "hf_SECRETtoken1234567890"
-    _machine_loss_then_resume_elsewhere(tmp_path, tiny_model, reference, str(remote),
-                                        lambda rel: (remote / rel).is_file(), {"HF_TOKEN": secret})
+    _machine_loss_then_resume_elsewhere(
+        tmp_path, tiny_model, reference, str(remote), lambda rel: (remote / rel).is_file(), {"HF_TOKEN": secret}
+    )
     for folder in (tmp_path / "run", remote):
         for p in folder.rglob("*"):
             if p.is_file():
@@ -140,8 +163,9 @@ def test_s3_machine_loss_resume_on_fresh_box(tmp_path, tiny_model, reference, s3
         fs.invalidate_cache()
         return fs.exists(f"{root}/{rel}")
 
-    _machine_loss_then_resume_elsewhere(tmp_path, tiny_model, reference, "s3://ftrun-test/runs/r1", remote_ls,
-                                        s3_endpoint)
+    _machine_loss_then_resume_elsewhere(
+        tmp_path, tiny_model, reference, "s3://ftrun-test/runs/r1", remote_ls, s3_endpoint
+    )
 
 
 def _checkpoint_with_a_multipart_file(root: Path, step: int, big: int) -> Path:
@@ -169,8 +193,10 @@ def test_s3_copy_is_verified_by_the_stores_checksums_without_reading_it_back(tmp
     assert s3_server.requests.object_reads() == [] and dest.read_back == {"files": 0, "bytes": 0}
     heads = [e for e in s3_server.requests.entries if e["method"] == "HEAD" and "/step-000010/" in e["path"]]
     assert len(heads) == 3  # one per file the manifest lists (retention's listing aside)
-    print(f"checkpoint of {sent} bytes: {len(s3_server.requests.entries)} requests, {len(heads)} HEAD, 0 GET, "
-          f"0 bytes read back (reading it back: {sent - (step_dir / 'manifest.json').stat().st_size} bytes)")
+    print(
+        f"checkpoint of {sent} bytes: {len(s3_server.requests.entries)} requests, {len(heads)} HEAD, 0 GET, "
+        f"0 bytes read back (reading it back: {sent - (step_dir / 'manifest.json').stat().st_size} bytes)"
+    )
 
     import boto3
 
@@ -182,11 +208,12 @@ def test_s3_copy_is_verified_by_the_stores_checksums_without_reading_it_back(tmp
     # what S3 computed of what it received: a multipart object's SHA-256 of its parts' SHA-256s, a small one's own
     head = s3.head_object(Bucket="ftrun-test", Key=key, ChecksumMode="ENABLED")
     data = (step_dir / "optimizer.pt").read_bytes()
-    parts = b"".join(hashlib.sha256(data[i:i + (5 << 20)]).digest() for i in range(0, len(data), 5 << 20))
+    parts = b"".join(hashlib.sha256(data[i : i + (5 << 20)]).digest() for i in range(0, len(data), 5 << 20))
     assert head["ChecksumSHA256"].split("-")[0] == base64.b64encode(hashlib.sha256(parts).digest()).decode()
     assert head["ETag"].strip('"').endswith("-3")
-    small = s3.head_object(Bucket="ftrun-test", Key=key.replace("optimizer.pt", "adapter_model.safetensors"),
-                           ChecksumMode="ENABLED")
+    small = s3.head_object(
+        Bucket="ftrun-test", Key=key.replace("optimizer.pt", "adapter_model.safetensors"), ChecksumMode="ENABLED"
+    )
     manifest = json.loads((step_dir / "manifest.json").read_text())
     assert base64.b64decode(small["ChecksumSHA256"]).hex() == manifest["files"]["adapter_model.safetensors"]["sha256"]
     # another process (`ftrun push` after a restart) computes the same digests from the local files
@@ -231,8 +258,11 @@ def test_s3_copy_changed_on_the_server_after_the_upload_does_not_verify(tmp_path
 
 def test_credentials_in_sync_url_are_refused(tmp_path):
     p = tmp_path / "r.yaml"
-    p.write_text(yaml.safe_dump({"model": "a/b", "method": "lora", "data": "d.jsonl",
-                                 "sync": {"to": "s3://KEY:SECRET@bucket/x"}}))
+    p.write_text(
+        yaml.safe_dump(
+            {"model": "a/b", "method": "lora", "data": "d.jsonl", "sync": {"to": "s3://KEY:SECRET@bucket/x"}}
+        )
+    )
     with pytest.raises(RecipeError, match="credentials do not belong in the recipe"):
         load_recipe(p)
 
@@ -319,14 +349,17 @@ def test_a_copy_that_completed_before_the_copier_was_killed_is_not_sent_again(tm
     assert json.loads((run.root / "sync.json").read_text())["sending"] == {"to": str(remote), "what": "step-000010"}
 
     sent: list[str] = []
-    monkeypatch.setattr(FsspecDestination, "put_file", lambda self, local, rel: (sent.append(rel), real_put(self, local, rel)))
+    monkeypatch.setattr(
+        FsspecDestination, "put_file", lambda self, local, rel: (sent.append(rel), real_put(self, local, rel))
+    )
     assert Syncer(run, str(remote), keep=2, log=lambda _: None).sync_once()
     ckpt_sent = sorted(r for r in sent if r.startswith("checkpoints/"))
     if killed.startswith("after"):
         assert ckpt_sent == []
     else:
-        assert ckpt_sent == [f"checkpoints/step-000010/{n}" for n in ("adapter_model.safetensors", ckpt.MANIFEST,
-                                                                       "optimizer.pt")]
+        assert ckpt_sent == [
+            f"checkpoints/step-000010/{n}" for n in ("adapter_model.safetensors", ckpt.MANIFEST, "optimizer.pt")
+        ]
     state = json.loads((run.root / "sync.json").read_text())
     assert state["synced_step"] == 10 and state["sending"] is None
     assert ckpt.verify(remote / "checkpoints" / "step-000010")[0]
@@ -358,8 +391,9 @@ def test_pull_skips_a_remote_checkpoint_whose_upload_did_not_finish(tmp_path):
 
 @pytest.mark.slow  # a long end-to-end run: the default tier stays under 6 minutes
 def test_sigterm_is_a_preemption_checkpoint_then_exact_resume(tmp_path, tiny_model, reference):
-    recipe = recipe_file(tmp_path / "r.yaml", tiny_model, output_dir=tmp_path / "run",
-                         **{**FIELDS, "checkpoint_every_minutes": 30})
+    recipe = recipe_file(
+        tmp_path / "r.yaml", tiny_model, output_dir=tmp_path / "run", **{**FIELDS, "checkpoint_every_minutes": 30}
+    )
     run = tmp_path / "run"
     assert ftrun(recipe, "smoke.enabled=false", cwd=tmp_path).returncode == 0
     st = freeze_worker(run, logged_steps(3))
@@ -411,8 +445,9 @@ def test_disk_full_during_a_save_keeps_the_older_checkpoint(tmp_path, tiny_model
 
 def test_unreachable_sync_destination_stops_before_anything_starts(tmp_path, tiny_model):
     env = {"RSYNC_RSH": "ssh -o BatchMode=yes -o ConnectTimeout=3 -p 1"}  # nothing listens on port 1
-    recipe = recipe_file(tmp_path / "r.yaml", tiny_model, output_dir=tmp_path / "run",
-                         sync={"to": "127.0.0.1:/nowhere"})
+    recipe = recipe_file(
+        tmp_path / "r.yaml", tiny_model, output_dir=tmp_path / "run", sync={"to": "127.0.0.1:/nowhere"}
+    )
     res = ftrun(recipe, cwd=tmp_path, env=env)
     assert res.returncode == 5, res.stdout + res.stderr
     assert "cannot look for an earlier copy of this run at sync.to=127.0.0.1:/nowhere" in res.stderr

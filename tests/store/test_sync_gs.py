@@ -33,10 +33,13 @@ def gcs_server(monkeypatch):
     server = emulator.create_server("127.0.0.1", 0, in_memory=True, default_bucket="ftrun-test")
     server.start()
     port = server._api._httpd.server_address[1]
-    env = {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}",
-           # gcsfs's experimental file system first asks the Storage Control API (gRPC) for the bucket's layout;
-           # the emulator has none, and each failed lookup costs a credential search
-           "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false", "FSSPEC_GCS_TOKEN": "anon"}
+    env = {
+        "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}",
+        # gcsfs's experimental file system first asks the Storage Control API (gRPC) for the bucket's layout;
+        # the emulator has none, and each failed lookup costs a credential search
+        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+        "FSSPEC_GCS_TOKEN": "anon",
+    }
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     gcsfs.GCSFileSystem.clear_instance_cache()  # a file system made for another test's port is not reused
@@ -99,5 +102,6 @@ def test_gs_machine_loss_resume_on_fresh_box(tmp_path, tiny_model, reference_run
         dest.invalidate_cache()
         return dest.exists(f"ftrun-test/runs/r1/{rel}")
 
-    _machine_loss_then_resume_elsewhere(tmp_path, tiny_model, reference_run, "gs://ftrun-test/runs/r1", remote_ls,
-                                        gcs_server.env)
+    _machine_loss_then_resume_elsewhere(
+        tmp_path, tiny_model, reference_run, "gs://ftrun-test/runs/r1", remote_ls, gcs_server.env
+    )

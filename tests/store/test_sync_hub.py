@@ -19,6 +19,7 @@ hf = pytest.importorskip("huggingface_hub")
 
 from fake_hub import LFS_ABOVE, FakeHub, hub_error  # noqa: E402 - after the importorskip
 
+
 @pytest.fixture
 def hub(tmp_path, monkeypatch):
     fake = FakeHub()
@@ -139,8 +140,17 @@ def test_a_fresh_box_fetches_a_run_lost_mid_run_from_the_hub(tmp_path, hub):
     set_state(old, "running", supervisor_pid=4242, worker_pid=4243)
     push_metadata(dest, old)
 
-    recipe = validate_recipe({"model": "a/b", "method": "lora", "data": "d.jsonl", "output_dir": str(tmp_path / "new-box"),
-                              "sync": {"to": "hf://me/runs/job"}}, tmp_path, "r")
+    recipe = validate_recipe(
+        {
+            "model": "a/b",
+            "method": "lora",
+            "data": "d.jsonl",
+            "output_dir": str(tmp_path / "new-box"),
+            "sync": {"to": "hf://me/runs/job"},
+        },
+        tmp_path,
+        "r",
+    )
     new = RunDir(tmp_path / "new-box")
     assert _pull_if_remote_run(new, recipe) is True
     assert sorted(p.name for p in new.checkpoints.iterdir()) == ["step-000020"]
@@ -154,6 +164,7 @@ def test_a_fresh_box_fetches_a_run_lost_mid_run_from_the_hub(tmp_path, hub):
 
 
 # --- the commit model, retention, rate limits -------------------------------------------------
+
 
 def _syncer(run: RunDir, url: str = "hf://me/runs/job", keep: int = 1, log=None):
     from launcher.store.sync import Syncer
@@ -176,10 +187,12 @@ def test_hub_each_checkpoint_is_one_commit_and_retention_frees_its_storage(tmp_p
         steps[step] = _run_with_checkpoint(run.root, step)
         assert syncer.sync_once()
         assert len(hub.commits_adding(f"job/checkpoints/step-{step:06d}/")) == 1
-    assert [c["message"] for c in hub.commits_adding("job/checkpoints/step-000030/")] == \
-        ["ftrun: checkpoints/step-000030"]
-    assert set(hub.commits_adding("job/checkpoints/step-000030/")[0]["added"]) >= \
-        {f"job/checkpoints/step-000030/{n}" for n in ("adapter_model.safetensors", "trainer_state.json", "manifest.json")}
+    assert [c["message"] for c in hub.commits_adding("job/checkpoints/step-000030/")] == [
+        "ftrun: checkpoints/step-000030"
+    ]
+    assert set(hub.commits_adding("job/checkpoints/step-000030/")[0]["added"]) >= {
+        f"job/checkpoints/step-000030/{n}" for n in ("adapter_model.safetensors", "trainer_state.json", "manifest.json")
+    }
     assert hub.ls("job/checkpoints") == ["step-000030"]
 
     # the deletion commit alone freed nothing: the history still referenced the deleted checkpoint's objects
@@ -198,8 +211,11 @@ def test_hub_metadata_goes_only_when_changed_and_together(tmp_path, hub):
     syncer = _syncer(run)
     assert syncer.sync_once()
     meta_commits = lambda: [c for c in hub.commits if c["message"].startswith("ftrun: run metadata")]
-    assert len(meta_commits()) == 1 and set(meta_commits()[0]["added"]) >= {"job/recipe.yaml", "job/metrics.jsonl",
-                                                                            "job/state.json"}
+    assert len(meta_commits()) == 1 and set(meta_commits()[0]["added"]) >= {
+        "job/recipe.yaml",
+        "job/metrics.jsonl",
+        "job/state.json",
+    }
     n = len(hub.calls)
     assert syncer.sync_once()
     assert len(hub.calls) == n  # nothing changed: not a single request
@@ -324,7 +340,7 @@ def test_hub_that_keeps_refusing_is_an_error_the_copier_reports(tmp_path, hub, m
 
 
 def test_hub_commit_limit_spent_for_the_hour_is_not_waited_for_here(tmp_path, hub, monkeypatch):
-    """"Retry in 43 minutes" (the commits-per-hour limit): no wait in the copier (a stop or the end of the run
+    """ "Retry in 43 minutes" (the commits-per-hour limit): no wait in the copier (a stop or the end of the run
     would be held for it); status shows when the next try is, and nothing goes to the Hub before then."""
     from launcher.store.sync import HubDestination, status_fields
 
@@ -352,8 +368,9 @@ def test_hub_retry_delay_follows_the_hub():
     assert hub_retry_delay({"Retry-After": "17"}, 1) == (17.0, "Retry-After")
     wait, source = hub_retry_delay({"retry-after": formatdate(time.time() + 90, usegmt=True)}, 1)
     assert source == "Retry-After" and 85 <= wait <= 91
-    assert hub_retry_delay({"RateLimit": '"api";r=0;t=55', "RateLimit-Policy": '"fixed window";"api";q=500;w=300'},
-                           1) == (55.0, "RateLimit")
+    assert hub_retry_delay(
+        {"RateLimit": '"api";r=0;t=55', "RateLimit-Policy": '"fixed window";"api";q=500;w=300'}, 1
+    ) == (55.0, "RateLimit")
     assert hub_retry_delay({"RateLimit": '"api";r=3;t=55'}, 2) == (4.0, "backoff")  # not spent: not the reason
     assert hub_retry_delay({}, 3) == (8.0, "backoff") and hub_retry_delay({}, 12) == (300.0, "backoff")
 
@@ -388,9 +405,11 @@ def test_hub_that_refuses_the_token_is_a_clear_error_before_anything_starts(tmp_
 
 # --- a real run -------------------------------------------------------------------------------
 
+
 @pytest.mark.slow
-def test_hub_machine_loss_during_a_429_burst_resumes_on_a_fresh_box_and_loses_nothing(tmp_path, tiny_model,
-                                                                                      reference_run):
+def test_hub_machine_loss_during_a_429_burst_resumes_on_a_fresh_box_and_loses_nothing(
+    tmp_path, tiny_model, reference_run
+):
     """`ftrun` with sync.to=hf://, the stand-in shared with the run's processes: the first checkpoint's commit
     meets three 429s (Retry-After: 4), `ftrun status` shows the wait; the machine is lost (supervisor and worker
     killed, the run folder deleted) once the checkpoint is off the box; the same command on a "new box" fetches
@@ -402,20 +421,44 @@ def test_hub_machine_loss_during_a_429_burst_resumes_on_a_fresh_box_and_loses_no
 
     from conftest import RESUME_FIELDS, recipe_file
     from fake_hub import install
-    from helpers import REPO, assert_same_run, freeze_worker, has_checkpoint, metrics, status, wait_for, \
-        wait_until_ended
+    from helpers import (
+        REPO,
+        assert_same_run,
+        freeze_worker,
+        has_checkpoint,
+        metrics,
+        status,
+        wait_for,
+        wait_until_ended,
+    )
 
     hub = FakeHub(tmp_path / "hub")
     hub.refuse("create_commit", 429, times=3, headers={"Retry-After": "4"}, message="checkpoints/")
-    env = dict(os.environ, PYTHONPATH=f"{install(tmp_path / 'inject')}{os.pathsep}{REPO}", HF_HUB_OFFLINE="1",
-               FTRUN_TEST_FAKE_HUB=str(tmp_path / "hub"), HF_TOKEN="hf_stand_in_token")
+    env = dict(
+        os.environ,
+        PYTHONPATH=f"{install(tmp_path / 'inject')}{os.pathsep}{REPO}",
+        HF_HUB_OFFLINE="1",
+        FTRUN_TEST_FAKE_HUB=str(tmp_path / "hub"),
+        HF_TOKEN="hf_stand_in_token",
+    )
     run = tmp_path / "run"
-    recipe = recipe_file(tmp_path / "r.yaml", tiny_model, output_dir=run,
-                         sync={"to": "hf://me/runs/job", "every_seconds": 0.5, "keep": 2}, **RESUME_FIELDS)
+    recipe = recipe_file(
+        tmp_path / "r.yaml",
+        tiny_model,
+        output_dir=run,
+        sync={"to": "hf://me/runs/job", "every_seconds": 0.5, "keep": 2},
+        **RESUME_FIELDS,
+    )
 
     def launch():
-        res = subprocess.run([sys.executable, "-m", "launcher.cli", str(recipe), "smoke.enabled=false"], cwd=tmp_path,
-                             env=env, capture_output=True, text=True, timeout=300)
+        res = subprocess.run(
+            [sys.executable, "-m", "launcher.cli", str(recipe), "smoke.enabled=false"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert res.returncode == 0, res.stdout + res.stderr
         return res
 
@@ -423,7 +466,7 @@ def test_hub_machine_loss_during_a_429_burst_resumes_on_a_fresh_box_and_loses_no
     launch()
     st = freeze_worker(run, has_checkpoint)  # the supervisor's copier goes on
     seen = wait_for(lambda: status(run, tmp_path)["sync_backoff"], 30, "status to show the wait for the Hub")
-    assert seen.startswith("429 to \"ftrun: checkpoints/step-") and "(Retry-After)" in seen, seen
+    assert seen.startswith('429 to "ftrun: checkpoints/step-') and "(Retry-After)" in seen, seen
 
     def synced():
         p = run / "sync.json"
@@ -452,16 +495,22 @@ def test_hub_machine_loss_during_a_429_burst_resumes_on_a_fresh_box_and_loses_no
     # checkpoint of each pass, so which one that is depends on the box's speed: 29 on a quiet box, 21 seen busy)
     kept = hub.ls("job/checkpoints")
     assert len(kept) <= 2 and kept[-1] == f"step-{RESUME_FIELDS['max_steps']:06d}", kept
-    assert kept == sorted(arrivals)[-len(kept):]
+    assert kept == sorted(arrivals)[-len(kept) :]
     # the squash freed every checkpoint no longer kept: no commit of the history references one (metadata files
     # committed after the last squash keep their older versions in the history: kilobytes, not checkpoints)
-    ckpt_lfs = {oid for c in hub.commits for path, (oid, lfs) in c["tree"].items()
-                if lfs and path.startswith("job/checkpoints/")}
+    ckpt_lfs = {
+        oid
+        for c in hub.commits
+        for path, (oid, lfs) in c["tree"].items()
+        if lfs and path.startswith("job/checkpoints/")
+    }
     assert len(hub.commits) < len(hub.made)
     assert ckpt_lfs <= {oid for path, (oid, lfs) in hub.head.items() if lfs and path.startswith("job/checkpoints/")}
     assert "job/final/adapter/adapter_model.safetensors" in hub.head
     assert hub.read("job/metrics.jsonl") == (run / "metrics.jsonl").read_bytes()
     s = status(run, tmp_path)
     assert s["offbox_checkpoint"] == f"step-{RESUME_FIELDS['max_steps']:06d}" and s["sync_backoff"] is None
-    print(f"hub machine loss with a 429 burst: {len(hub.made)} commits, {len(arrivals)} checkpoints off the box, "
-          f"{time.monotonic() - t0:.0f} s")
+    print(
+        f"hub machine loss with a 429 burst: {len(hub.made)} commits, {len(arrivals)} checkpoints off the box, "
+        f"{time.monotonic() - t0:.0f} s"
+    )

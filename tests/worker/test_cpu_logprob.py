@@ -18,12 +18,20 @@ def _model(lora: bool = True):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                      num_hidden_layers=2, vocab_size=VOCAB, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        vocab_size=VOCAB,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(cfg)
     if lora:
-        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
-                                                 init_lora_weights=False))
+        model = get_peft_model(
+            model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False)
+        )
     return model
 
 

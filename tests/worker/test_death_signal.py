@@ -37,7 +37,7 @@ def test_the_child_keeps_its_pid_runs_its_command_and_gets_the_signal_when_its_s
         child = subprocess.Popen(with_death_signal([sys.executable, "-c",
                                  "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(7)); "
                                  "print('ready', flush=True); time.sleep(120)"], signal.SIGTERM),
-                                 stdout=open({str(tmp_path / 'child.out')!r}, "w"))
+                                 stdout=open({str(tmp_path / "child.out")!r}, "w"))
         print(child.pid, flush=True)
         child.wait()
     """)

@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO-3 with CPU offload: the config written from the plan, the engine's own checks, and (slow tier) the real
+"""DeepSpeed ZeRO-3 with CPU offload: the config written from the plan, the engine's own checks, and (slow tier) the
+real
 worker on 2 gloo processes with the optimizer offloaded, against the same run without offload."""
 
 from __future__ import annotations
@@ -18,8 +19,14 @@ QUICK = ("smoke.enabled=false", "export=[]")
 
 
 def _plan(**fields) -> dict:
-    base = {"engine": "deepspeed", "device": "cuda", "num_processes": 8, "micro_batch_size": 1,
-            "gradient_accumulation_steps": 8, "model": {"hidden": 8192}}
+    base = {
+        "engine": "deepspeed",
+        "device": "cuda",
+        "num_processes": 8,
+        "micro_batch_size": 1,
+        "gradient_accumulation_steps": 8,
+        "model": {"hidden": 8192},
+    }
     base.update(fields)
     return base
 
@@ -36,8 +43,10 @@ def test_the_config_offloads_what_the_plan_says():
     assert z["offload_param"] == {"device": "none"}
     # DeepSpeed refuses a client optimizer under offload; with this section it builds DeepSpeedCPUAdam (AdamW mode)
     # and the Trainer fills the "auto" hyperparameters from its own arguments
-    assert opt["optimizer"] == {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                                            "weight_decay": "auto"}}
+    assert opt["optimizer"] == {
+        "type": "AdamW",
+        "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+    }
     assert "scheduler" not in opt  # the Trainer's scheduler drives DeepSpeed's optimizer
 
     both = ds.config(_plan(offload_optimizer=True, offload_params=True))["zero_optimization"]
@@ -61,8 +70,11 @@ def test_deepspeed_accepts_the_offload_config():
 
 def _engine(opt_dev: str, param_dev: str, optimizer: str):
     basic = type(optimizer, (), {})()
-    return SimpleNamespace(zero_offload_optimizer=lambda: SimpleNamespace(device=opt_dev),
-                           zero_offload_param=lambda: SimpleNamespace(device=param_dev), basic_optimizer=basic)
+    return SimpleNamespace(
+        zero_offload_optimizer=lambda: SimpleNamespace(device=opt_dev),
+        zero_offload_param=lambda: SimpleNamespace(device=param_dev),
+        basic_optimizer=basic,
+    )
 
 
 def test_the_worker_check_refuses_an_engine_that_does_not_offload_as_planned():
@@ -73,8 +85,9 @@ def test_the_worker_check_refuses_an_engine_that_does_not_offload_as_planned():
     assert not bad[0]["ok"] and "device none" in bad[0]["seen"]
     # offload the plan did not ask for
     assert not ds.offload_checks(_plan(), _engine("cpu", "none", "DeepSpeedCPUAdam"))[0]["ok"]
-    assert not ds.offload_checks(_plan(offload_optimizer=True, offload_params=True),
-                                 _engine("cpu", "none", "DeepSpeedCPUAdam"))[1]["ok"]
+    assert not ds.offload_checks(
+        _plan(offload_optimizer=True, offload_params=True), _engine("cpu", "none", "DeepSpeedCPUAdam")
+    )[1]["ok"]
 
 
 def _run(write_recipe, tmp_path: Path, name: str, *overrides: str, **fields) -> tuple[Path, float]:
@@ -88,11 +101,18 @@ def _run(write_recipe, tmp_path: Path, name: str, *overrides: str, **fields) -> 
 @pytest.mark.slow  # two gloo processes under torchrun, twice; DeepSpeedCPUAdam compiled on first use (~4 min here)
 def test_optimizer_offload_on_two_gloo_processes_follows_zero3_without_offload(write_recipe, tmp_path):
     pytest.importorskip("deepspeed")
-    fields = dict(method="full", max_steps=6, micro_batch_size=4, gradient_accumulation_steps=2,
-                  checkpoint_every_minutes=10, logging_steps=1)
+    fields = dict(
+        method="full",
+        max_steps=6,
+        micro_batch_size=4,
+        gradient_accumulation_steps=2,
+        checkpoint_every_minutes=10,
+        logging_steps=1,
+    )
     zero, t_zero = _run(write_recipe, tmp_path, "zero", "engine=deepspeed", "num_processes=2", **fields)
-    off, t_off = _run(write_recipe, tmp_path, "off", "engine=deepspeed", "num_processes=2", "offload=optimizer",
-                      **fields)
+    off, t_off = _run(
+        write_recipe, tmp_path, "off", "engine=deepspeed", "num_processes=2", "offload=optimizer", **fields
+    )
 
     plan = json.loads((off / "plan.json").read_text())
     assert plan["offload_optimizer"] and not plan["offload_params"]
@@ -112,5 +132,7 @@ def test_optimizer_offload_on_two_gloo_processes_follows_zero3_without_offload(w
     assert a[0]["loss"] == pytest.approx(b[0]["loss"], abs=1e-6)  # the same model and batch before any step
     assert max(diffs) < 2e-3, diffs  # the same AdamW, on the CPU in DeepSpeed's kernel instead of torch's
     assert b[-1]["loss"] < b[0]["loss"]
-    print(f"ZeRO-3 offload vs ZeRO-3: loss max |diff| {max(diffs):.2e} over {len(diffs)} steps "
-          f"({[round(r['loss'], 4) for r in b]}); wall {t_zero:.0f}s vs {t_off:.0f}s")
+    print(
+        f"ZeRO-3 offload vs ZeRO-3: loss max |diff| {max(diffs):.2e} over {len(diffs)} steps "
+        f"({[round(r['loss'], 4) for r in b]}); wall {t_zero:.0f}s vs {t_off:.0f}s"
+    )

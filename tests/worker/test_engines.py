@@ -14,8 +14,19 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import (REPO, ftrun, has_checkpoint, is_training, metrics, prepared_run, read_state, run_in_slices,
-                     status, wait_for, wait_until_ended)
+from helpers import (
+    REPO,
+    ftrun,
+    has_checkpoint,
+    is_training,
+    metrics,
+    prepared_run,
+    read_state,
+    run_in_slices,
+    status,
+    wait_for,
+    wait_until_ended,
+)
 
 from launcher.errors import PlanError
 from launcher.plan.hardware import from_spec
@@ -24,8 +35,14 @@ from launcher.recipe import validate_recipe
 
 # A quick run: no smoke test, no export (tested elsewhere), so the time goes to the engine.
 QUICK = ("smoke.enabled=false", "export=[]")
-DATA = SimpleNamespace(examples=400, total_tokens=400 * 120, mean_tokens=120.0, max_tokens=256,
-                       over_max_length=0, tokens_source="tokenizer")
+DATA = SimpleNamespace(
+    examples=400,
+    total_tokens=400 * 120,
+    mean_tokens=120.0,
+    max_tokens=256,
+    over_max_length=0,
+    tokens_source="tokenizer",
+)
 
 
 def cpu_box(cores=2):
@@ -33,21 +50,32 @@ def cpu_box(cores=2):
 
 
 def _plan(tmp_path, tiny_model, hw, **fields):
-    base = {"model": str(tiny_model), "method": "lora", "data": "d.jsonl", "max_length": 256,
-            "micro_batch_size": 8, "gradient_accumulation_steps": 1, "max_steps": 12}
+    base = {
+        "model": str(tiny_model),
+        "method": "lora",
+        "data": "d.jsonl",
+        "max_length": 256,
+        "micro_batch_size": 8,
+        "gradient_accumulation_steps": 1,
+        "max_steps": 12,
+    }
     base.update(fields)
     return make_plan(validate_recipe(base, tmp_path, "r"), hw, DATA, unsloth_available=False)
 
 
 # --- the plan honours a forced engine and process count, or refuses with the reason ----------------
 
-@pytest.mark.parametrize("fields, engine, n", [
-    ({"engine": "ddp"}, "ddp", 2),
-    ({"engine": "ddp", "num_processes": 2}, "ddp", 2),
-    ({"num_processes": 2}, "ddp", 2),  # auto with several processes means data parallel
-    ({}, "trl", 1),
-    ({"num_processes": 1}, "trl", 1),
-])
+
+@pytest.mark.parametrize(
+    "fields, engine, n",
+    [
+        ({"engine": "ddp"}, "ddp", 2),
+        ({"engine": "ddp", "num_processes": 2}, "ddp", 2),
+        ({"num_processes": 2}, "ddp", 2),  # auto with several processes means data parallel
+        ({}, "trl", 1),
+        ({"num_processes": 1}, "trl", 1),
+    ],
+)
 def test_cpu_plan_honours_engine_and_process_count(tmp_path, tiny_model, fields, engine, n):
     p = _plan(tmp_path, tiny_model, cpu_box(), **fields)
     assert (p.engine, p.num_processes, p.device) == (engine, n, "cpu")
@@ -55,24 +83,30 @@ def test_cpu_plan_honours_engine_and_process_count(tmp_path, tiny_model, fields,
         assert any("gloo processes" in r for r in p.reasons)
 
 
-@pytest.mark.parametrize("fields, why", [
-    ({"engine": "ddp", "num_processes": 3}, "3 gloo processes need at least 3 CPU cores, this box has 2"),
-    ({"engine": "ddp", "num_processes": 1}, "single-process training; use engine: trl"),
-    ({"engine": "trl", "num_processes": 2}, "engine: trl is one process"),
-    ({"engine": "fsdp"}, "silently becomes DDP"),
-    ({"engine": "unsloth"}, "Unsloth needs an NVIDIA GPU"),
-])
+@pytest.mark.parametrize(
+    "fields, why",
+    [
+        ({"engine": "ddp", "num_processes": 3}, "3 gloo processes need at least 3 CPU cores, this box has 2"),
+        ({"engine": "ddp", "num_processes": 1}, "single-process training; use engine: trl"),
+        ({"engine": "trl", "num_processes": 2}, "engine: trl is one process"),
+        ({"engine": "fsdp"}, "silently becomes DDP"),
+        ({"engine": "unsloth"}, "Unsloth needs an NVIDIA GPU"),
+    ],
+)
 def test_cpu_plan_refuses_impossible_engines_with_the_reason(tmp_path, tiny_model, fields, why):
     with pytest.raises(PlanError) as err:
         _plan(tmp_path, tiny_model, cpu_box(), **fields)
     assert why in err.value.message
 
 
-@pytest.mark.parametrize("box, fields, counts", [
-    (cpu_box(), {"num_processes": 8}, ("auto", "2")),
-    (cpu_box(), {"num_processes": 8, "engine": "ddp"}, ("auto", "2")),
-    (from_spec("4xH100-80GB"), {"num_processes": 8}, ("auto", "4")),
-])
+@pytest.mark.parametrize(
+    "box, fields, counts",
+    [
+        (cpu_box(), {"num_processes": 8}, ("auto", "2")),
+        (cpu_box(), {"num_processes": 8, "engine": "ddp"}, ("auto", "2")),
+        (from_spec("4xH100-80GB"), {"num_processes": 8}, ("auto", "4")),
+    ],
+)
 def test_a_process_count_refusal_advises_the_process_count(tmp_path, tiny_model, box, fields, counts):
     """The fix addresses the refusal's cause: num_processes, set to auto or to the box's count, each of which plans;
     nothing about method or batch (which fit only because they were tried with another process count), no empty
@@ -100,8 +134,14 @@ def test_cpu_plan_refuses_deepspeed_when_not_installed(tmp_path, tiny_model, mon
 
 
 def test_gpu_plan_honours_process_count_or_refuses(tmp_path):
-    llama = {"model": "meta-llama/Llama-3.1-8B", "method": "qlora", "max_length": 2048, "micro_batch_size": 1,
-             "gradient_accumulation_steps": 8, "max_steps": None}
+    llama = {
+        "model": "meta-llama/Llama-3.1-8B",
+        "method": "qlora",
+        "max_length": 2048,
+        "micro_batch_size": 1,
+        "gradient_accumulation_steps": 8,
+        "max_steps": None,
+    }
     p = _plan(tmp_path, "x", from_spec("4xH100-80GB"), **llama, engine="ddp", num_processes=2)
     assert (p.engine, p.num_processes) == ("ddp", 2)
     assert any("2 of the box's 4 cards stay idle" in r for r in p.reasons)
@@ -114,6 +154,7 @@ def test_gpu_plan_honours_process_count_or_refuses(tmp_path):
 
 
 # --- DDP end to end, recorded and verified ---------------------------------------------------------
+
 
 @pytest.mark.slow  # two gloo processes under torchrun: the multi-process tests are the slow tier's
 def test_ddp_two_gloo_processes_end_to_end(write_recipe, tmp_path):
@@ -130,8 +171,11 @@ def test_ddp_two_gloo_processes_end_to_end(write_recipe, tmp_path):
     v = st["verification"]
     assert v["ok"] and v["world_size"] == 2
     assert {c["check"]: c["ok"] for c in v["checks"]} == {
-        "world size": True, "process group timeout": True, "process group backend": True,
-        "model wrapped in DistributedDataParallel": True}
+        "world size": True,
+        "process group timeout": True,
+        "process group backend": True,
+        "model wrapped in DistributedDataParallel": True,
+    }
     s = status(run, tmp_path)
     assert s["state"] == "succeeded" and s["world_size"] == 2 and s["verification"]["ok"]
     text = ftrun("status", run, cwd=tmp_path).stdout
@@ -152,9 +196,27 @@ def test_plan_for_two_processes_launched_as_one_is_stopped_before_training(write
     # accelerate's `--cpu --num_processes 2` silently starts ONE process (STACK-FACTS): the worker refuses.
     run = prepared_run(write_recipe(max_steps=6), "engine=ddp", "num_processes=2")
     t0 = time.monotonic()
-    res = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
-                          "-m", "launcher.worker.train", "--run-dir", str(run), "--mode", "full"],
-                         cwd=REPO, env=_worker_env(), capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--cpu",
+            "--num_processes",
+            "2",
+            "-m",
+            "launcher.worker.train",
+            "--run-dir",
+            str(run),
+            "--mode",
+            "full",
+        ],
+        cwd=REPO,
+        env=_worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode != 0
     assert "the plan asks for 2 process(es) but 1 were started" in res.stderr
     assert not (run / "metrics.jsonl").exists()  # stopped before the first step
@@ -167,8 +229,14 @@ def test_plan_for_two_processes_launched_as_one_is_stopped_before_training(write
     plan["engine"] = "trl"  # launched as a single process, the plan still says 2
     (run / "plan.json").write_text(json.dumps(plan))
     (run / "worker.json").unlink()
-    res = subprocess.run([sys.executable, "-m", "launcher.run.supervisor", "--run-dir", str(run)],
-                         cwd=REPO, env=_worker_env(), capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "launcher.run.supervisor", "--run-dir", str(run)],
+        cwd=REPO,
+        env=_worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 5, res.stdout + res.stderr
     st = read_state(run)
     assert st["state"] == "failed" and "the plan asks for 2 process(es) but 1 were started" in st["reason"]
@@ -178,6 +246,7 @@ def test_plan_for_two_processes_launched_as_one_is_stopped_before_training(write
 
 
 # --- same trajectory, kill -9, resume across world sizes (slow: several multi-process runs) ---------
+
 
 def _run(write_recipe, tmp_path, name, *overrides, **fields):
     recipe = write_recipe(f"{name}.yaml", output_dir=str(tmp_path / name), **fields)
@@ -220,9 +289,11 @@ def test_ddp_two_processes_follow_the_single_process_trajectory(write_recipe, tm
     worst = max((ta[k] - tb[k]).abs().max().item() for k in ta)
     assert worst < 1e-4, worst
     assert any(not torch.equal(ta[k], torch.zeros_like(ta[k])) for k in ta)
-    print(f"loss max |diff| {max(diffs):.2e}, adapter max |diff| {worst:.2e}; "
-          f"step time 1 proc {_step_seconds(one):.3f}s, DDP-2 {_step_seconds(ddp):.3f}s; "
-          f"wall {t_one:.0f}s vs {t_ddp:.0f}s")
+    print(
+        f"loss max |diff| {max(diffs):.2e}, adapter max |diff| {worst:.2e}; "
+        f"step time 1 proc {_step_seconds(one):.3f}s, DDP-2 {_step_seconds(ddp):.3f}s; "
+        f"wall {t_one:.0f}s vs {t_ddp:.0f}s"
+    )
 
 
 def _kill_run_after_checkpoint(run: Path) -> None:
@@ -266,8 +337,9 @@ def test_lora_checkpoint_from_ddp2_resumes_on_one_process(write_recipe, tmp_path
     run = tmp_path / "run"
     _kill_run_after_checkpoint(run)
     wait_for(lambda: status(run, tmp_path)["state"] == "interrupted", 30, "state interrupted")
-    resumed_at = max(int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("step-*")
-                     if (p / "manifest.json").is_file())
+    resumed_at = max(
+        int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("step-*") if (p / "manifest.json").is_file()
+    )
     res = ftrun(recipe, "--foreground", *QUICK, cwd=tmp_path)  # engine auto: one process on this box
     assert res.returncode == 0, res.stdout + res.stderr
     log = (run / "train.log").read_text() + res.stdout  # --foreground: the worker prints to our stdout
@@ -279,19 +351,22 @@ def test_lora_checkpoint_from_ddp2_resumes_on_one_process(write_recipe, tmp_path
 
 # --- DeepSpeed ZeRO-3 ---------------------------------------------------------------------------------
 
+
 def test_deepspeed_config_is_generated_from_the_plan(write_recipe, tmp_path):
     from launcher.worker.engines import launch_command, trainer_fields
 
-    run = prepared_run(write_recipe(max_steps=6, gradient_accumulation_steps=3), "engine=ddp",
-                        "num_processes=2")
+    run = prepared_run(write_recipe(max_steps=6, gradient_accumulation_steps=3), "engine=ddp", "num_processes=2")
     plan = json.loads((run / "plan.json").read_text())
     plan["engine"] = "deepspeed"  # planned on a box without DeepSpeed too: only the file is checked here
     argv = launch_command(plan, run, "full")
     assert argv[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     cfg = json.loads((run / "deepspeed.json").read_text())
     assert cfg["zero_optimization"]["stage"] == 3
-    assert (cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"], cfg["train_batch_size"]) \
-        == (8, 3, 8 * 3 * 2)
+    assert (cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"], cfg["train_batch_size"]) == (
+        8,
+        3,
+        8 * 3 * 2,
+    )
     assert cfg["bf16"]["enabled"] == "auto"  # the worker's device decides, the Trainer fills it in
     assert trainer_fields(plan, run) == {"deepspeed": str(run / "deepspeed.json")}
     assert cfg["checkpoint"] == {"use_node_local_storage": False}
@@ -309,20 +384,26 @@ def test_deepspeed_config_is_generated_from_the_plan(write_recipe, tmp_path):
 def test_resume_across_world_sizes_is_allowed_for_trainer_checkpoints_and_refused_for_zero():
     from launcher.worker.engines import resume_compatibility
 
-    note, refused = resume_compatibility({"step": 20, "engine": "ddp", "world_size": 2},
-                                         {"engine": "trl", "num_processes": 1})
+    note, refused = resume_compatibility(
+        {"step": 20, "engine": "ddp", "world_size": 2}, {"engine": "trl", "num_processes": 1}
+    )
     assert not refused and "loads on any count" in note and "global batch" in note
-    assert resume_compatibility({"step": 20, "engine": "ddp", "world_size": 2},
-                                {"engine": "ddp", "num_processes": 2}) == ("", False)
-    note, refused = resume_compatibility({"step": 20, "engine": "deepspeed", "world_size": 2},
-                                         {"engine": "deepspeed", "num_processes": 4})
+    assert resume_compatibility(
+        {"step": 20, "engine": "ddp", "world_size": 2}, {"engine": "ddp", "num_processes": 2}
+    ) == ("", False)
+    note, refused = resume_compatibility(
+        {"step": 20, "engine": "deepspeed", "world_size": 2}, {"engine": "deepspeed", "num_processes": 4}
+    )
     assert refused and "does not load them on 4" in note and "engine=deepspeed num_processes=2" in note
-    note, refused = resume_compatibility({"step": 20, "engine": "ddp", "world_size": 2},
-                                         {"engine": "deepspeed", "num_processes": 2})
+    note, refused = resume_compatibility(
+        {"step": 20, "engine": "ddp", "world_size": 2}, {"engine": "deepspeed", "num_processes": 2}
+    )
     assert refused and "different layouts" in note
     # two nodes of one process each: the checkpoint's world of 2 is the same world
-    assert resume_compatibility({"step": 20, "engine": "deepspeed", "world_size": 2},
-                                {"engine": "deepspeed", "num_processes": 1, "nodes": {"nnodes": 2}}) == ("", False)
+    assert resume_compatibility(
+        {"step": 20, "engine": "deepspeed", "world_size": 2},
+        {"engine": "deepspeed", "num_processes": 1, "nodes": {"nnodes": 2}},
+    ) == ("", False)
 
 
 @pytest.mark.slow
@@ -340,8 +421,10 @@ def test_deepspeed_zero3_two_processes_follows_ddp(write_recipe, tmp_path):
     # the group DeepSpeed's init_distributed created has the plan's timeout, not DeepSpeed's 10 minutes
     from launcher.plan.deadlines import process_group_timeout
 
-    want = process_group_timeout(json.loads((zero / "plan.json").read_text()), json.loads((zero / "smoke.json").read_text())
-                                 if (zero / "smoke.json").is_file() else {})
+    want = process_group_timeout(
+        json.loads((zero / "plan.json").read_text()),
+        json.loads((zero / "smoke.json").read_text()) if (zero / "smoke.json").is_file() else {},
+    )
     timeout = next(c for c in v["checks"] if c["check"] == "process group timeout")
     assert timeout["ok"] and timeout["seen"] == f"{want:g} s (gloo), trainer ddp_timeout {want} s", timeout
     assert want != 600
@@ -354,11 +437,14 @@ def test_deepspeed_zero3_two_processes_follows_ddp(write_recipe, tmp_path):
     worst = max((ta[k] - tb[k].to(ta[k].dtype)).abs().max().item() for k in ta)
     assert worst < 1e-3, worst
     assert any(not torch.equal(ta[k], torch.zeros_like(ta[k])) for k in ta)
-    print(f"ZeRO-3 vs DDP: loss max |diff| {max(diffs):.2e}, adapter max |diff| {worst:.2e}; step time DDP "
-          f"{_step_seconds(ddp):.3f}s, ZeRO-3 {_step_seconds(zero):.3f}s; wall {t_ddp:.0f}s vs {t_zero:.0f}s")
+    print(
+        f"ZeRO-3 vs DDP: loss max |diff| {max(diffs):.2e}, adapter max |diff| {worst:.2e}; step time DDP "
+        f"{_step_seconds(ddp):.3f}s, ZeRO-3 {_step_seconds(zero):.3f}s; wall {t_ddp:.0f}s vs {t_zero:.0f}s"
+    )
 
 
 # --- FSDP2: sharding exercised for real with fully_shard; the accelerate/Trainer path caught on CPU ----
+
 
 def test_fsdp_accelerate_config_is_generated_from_the_plan(write_recipe, tmp_path):
     from accelerate.commands.config.config_args import load_config_from_file
@@ -381,8 +467,7 @@ def test_fsdp_accelerate_config_is_generated_from_the_plan(write_recipe, tmp_pat
 
 @pytest.mark.slow  # two gloo processes: the multi-process tests are the slow tier's
 @pytest.mark.parametrize("method", ["lora", "full"])
-def test_fully_shard_on_gloo_shards_the_worker_model_and_trains_like_unsharded(write_recipe, tmp_path, method,
-                                                                                request):
+def test_fully_shard_on_gloo_shards_the_worker_model_and_trains_like_unsharded(write_recipe, tmp_path, method, request):
     """...and the worker's FSDP final save (launcher.worker.engines.fsdp.save_full, each tensor gathered on every rank,
     written by rank 0) writes what the unsharded model's own save_pretrained writes; a whole model in the base's
     dtype (the full case fine-tunes a bf16 base in fp32, as FSDP2's upcast does on a GPU)."""
@@ -390,10 +475,30 @@ def test_fully_shard_on_gloo_shards_the_worker_model_and_trains_like_unsharded(w
     run = prepared_run(write_recipe(max_steps=6, method=method, **base), "engine=ddp", "num_processes=2")
     out, final_dir = tmp_path / "fsdp.json", tmp_path / "final"
     t0 = time.monotonic()
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          "-m", "launcher.worker.engines.fsdp", "--run-dir", str(run), "--steps", "4", "--out", str(out),
-                          "--final-dir", str(final_dir)],
-                         cwd=REPO, env=_worker_env(), capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "launcher.worker.engines.fsdp",
+            "--run-dir",
+            str(run),
+            "--steps",
+            "4",
+            "--out",
+            str(out),
+            "--final-dir",
+            str(final_dir),
+        ],
+        cwd=REPO,
+        env=_worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["ok"] and r["world_size"] == 2 and r["wrapped_layers"] == 2
@@ -410,18 +515,22 @@ def test_fully_shard_on_gloo_shards_the_worker_model_and_trains_like_unsharded(w
         assert f["trainable_tensors"] == f["tensors"] > 0 and f["max_abs_diff"] <= 1e-4
         assert f["gathered_frozen"] == []
         assert f["tensor_dtypes"] == ["float32"]  # PEFT's fp32 adapter weights, as trl writes them
-        assert {p.name for p in (final_dir / "sharded").iterdir()} >= {"adapter_config.json",
-                                                                        "adapter_model.safetensors"}
+        assert {p.name for p in (final_dir / "sharded").iterdir()} >= {
+            "adapter_config.json",
+            "adapter_model.safetensors",
+        }
     else:
         assert f["architectures"] == ["Qwen3ForCausalLM"] and f["tensors"] > 0
         # trained in fp32, written in the base's bf16, and config.json says so
         assert f["expected_dtype"] == "bfloat16" and f["tensor_dtypes"] == ["bfloat16"]
         assert f["config_dtype"] == "bfloat16" and f["dtype_ok"]
         assert f["values_unequal"] < f["values"] // 100  # most values round the same way in both trainings
-    print(f"fully_shard 2 ranks ({method}): {r['sharded']}/{r['parameters']} sharded, {r['local_values']:,} of "
-          f"{r['global_values']:,} values per rank, loss diff {r['max_loss_diff']:.1e}; final save: {f['tensors']} "
-          f"tensors in {f['tensor_dtypes']}, max |diff| {f['max_abs_diff']:.1e} ({f['values_unequal']} of "
-          f"{f['values']} values unequal), {f['verified']}; {time.monotonic() - t0:.0f}s")
+    print(
+        f"fully_shard 2 ranks ({method}): {r['sharded']}/{r['parameters']} sharded, {r['local_values']:,} of "
+        f"{r['global_values']:,} values per rank, loss diff {r['max_loss_diff']:.1e}; final save: {f['tensors']} "
+        f"tensors in {f['tensor_dtypes']}, max |diff| {f['max_abs_diff']:.1e} ({f['values_unequal']} of "
+        f"{f['values']} values unequal), {f['verified']}; {time.monotonic() - t0:.0f}s"
+    )
 
 
 @pytest.mark.slow
@@ -431,8 +540,14 @@ def test_fsdp_through_accelerate_on_cpu_is_caught_as_not_sharded(write_recipe, t
     plan = json.loads((run / "plan.json").read_text())
     plan["engine"] = "fsdp"  # the CPU plan refuses fsdp; this is what a plan made for GPUs would launch
     (run / "plan.json").write_text(json.dumps(plan))
-    res = subprocess.run([sys.executable, "-m", "launcher.run.supervisor", "--run-dir", str(run)],
-                         cwd=REPO, env=_worker_env(), capture_output=True, text=True, timeout=400)
+    res = subprocess.run(
+        [sys.executable, "-m", "launcher.run.supervisor", "--run-dir", str(run)],
+        cwd=REPO,
+        env=_worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert res.returncode == 5, res.stdout[-3000:] + res.stderr[-3000:]
     st = read_state(run)
     assert st["state"] == "failed" and st.get("restarts", 0) == 0
@@ -445,10 +560,15 @@ def test_fsdp_through_accelerate_on_cpu_is_caught_as_not_sharded(write_recipe, t
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not __import__("torch").cuda.is_available() or __import__("torch").cuda.device_count() < 2,
-                    reason="FSDP sharding through accelerate needs 2 or more CUDA GPUs")
+@pytest.mark.skipif(
+    not __import__("torch").cuda.is_available() or __import__("torch").cuda.device_count() < 2,
+    reason="FSDP sharding through accelerate needs 2 or more CUDA GPUs",
+)
 def test_fsdp_on_gpus_end_to_end_is_verified_sharded(write_recipe, tmp_path):
     res = ftrun(write_recipe(max_steps=6), "engine=fsdp", "num_processes=2", "--foreground", *QUICK, cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     v = read_state(tmp_path / "run")["verification"]
-    assert v["ok"] and {c["check"] for c in v["checks"]} >= {"parameters sharded", "model wrapped by FSDP2 (fully_shard)"}
+    assert v["ok"] and {c["check"] for c in v["checks"]} >= {
+        "parameters sharded",
+        "model wrapped by FSDP2 (fully_shard)",
+    }

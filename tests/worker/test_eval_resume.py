@@ -15,9 +15,14 @@ from helpers import freeze_worker, ftrun, metrics, status, wait_for, wait_until_
 
 pytestmark = pytest.mark.slow
 
-FIELDS = dict(max_steps=12, logging_steps=2, checkpoint_every_minutes=0.01, learning_rate=5e-3,
-              # an eval pass after every step: the steps of the passes do not depend on the machine's speed
-              eval={"fraction": 0.05, "every_minutes": 0.0001, "samples": 2, "max_new_tokens": 6})
+FIELDS = dict(
+    max_steps=12,
+    logging_steps=2,
+    checkpoint_every_minutes=0.01,
+    learning_rate=5e-3,
+    # an eval pass after every step: the steps of the passes do not depend on the machine's speed
+    eval={"fraction": 0.05, "every_minutes": 0.0001, "samples": 2, "max_new_tokens": 6},
+)
 QUICK = ("smoke.enabled=false",)  # the base model's answers then come from the full run's first start
 WALL_CLOCK = ("time", "tokens_per_second", "peak_memory_gb", "eval_seconds")
 
@@ -73,8 +78,12 @@ def test_ddp_evaluates_every_held_out_example_once(reference, write_recipe, tmp_
     # one example per eval batch: the Trainer's eval loss is the mean over examples of each batch's mean
     # (transformers trainer.py evaluation_loop, losses.repeat(batch_size)), so only with batches of one does it
     # not depend on how the examples are split into batches, over one process or two
-    fields = {**FIELDS, "max_steps": 4, "eval": {**FIELDS["eval"], "every_minutes": 30},
-              "trainer": {"per_device_eval_batch_size": 1}}
+    fields = {
+        **FIELDS,
+        "max_steps": 4,
+        "eval": {**FIELDS["eval"], "every_minutes": 30},
+        "trainer": {"per_device_eval_batch_size": 1},
+    }
     one = write_recipe("one.yaml", **{**fields, "output_dir": str(tmp_path / "one")})
     assert ftrun(one, "--foreground", *QUICK, cwd=tmp_path).returncode == 0
     recipe = write_recipe(**fields)
@@ -86,4 +95,6 @@ def test_ddp_evaluates_every_held_out_example_once(reference, write_recipe, tmp_
     # the base model on the same 20 examples, split over 2 processes and gathered without the padding repeats
     first = next(r for r in metrics(tmp_path / "one") if "eval_loss" in r)
     assert evals[0]["eval_loss"] == pytest.approx(first["eval_loss"], rel=1e-5)
-    assert [(r["index"], r["before"]) for r in _samples(run)] == [(r["index"], r["before"]) for r in _samples(reference)]
+    assert [(r["index"], r["before"]) for r in _samples(run)] == [
+        (r["index"], r["before"]) for r in _samples(reference)
+    ]

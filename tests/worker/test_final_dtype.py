@@ -37,6 +37,7 @@ def _trained_fp32(tiny_model_bf16):
 
 # --- the base model's dtype ------------------------------------------------------------------------------
 
+
 def _folder(tmp_path, config: dict | None, tensor_dtype=None):
     import torch
     from safetensors.torch import save_file
@@ -45,20 +46,26 @@ def _folder(tmp_path, config: dict | None, tensor_dtype=None):
     if config is not None:
         (tmp_path / "config.json").write_text(json.dumps(config))
     if tensor_dtype is not None:
-        save_file({"a.weight": torch.zeros(2, 2, dtype=tensor_dtype), "b.ids": torch.zeros(2, dtype=torch.int64)},
-                  str(tmp_path / "model.safetensors"))
+        save_file(
+            {"a.weight": torch.zeros(2, 2, dtype=tensor_dtype), "b.ids": torch.zeros(2, dtype=torch.int64)},
+            str(tmp_path / "model.safetensors"),
+        )
     return str(tmp_path)
 
 
 def test_base_dtype_is_read_from_config_then_weights(tmp_path):
     import torch
 
-    assert saving.base_dtype_name(_folder(tmp_path / "a", {"dtype": "bfloat16"}, torch.float32)) == \
-        ("bfloat16", "the base model's config.json")  # the config wins, as transformers' dtype="auto"
+    assert saving.base_dtype_name(_folder(tmp_path / "a", {"dtype": "bfloat16"}, torch.float32)) == (
+        "bfloat16",
+        "the base model's config.json",
+    )  # the config wins, as transformers' dtype="auto"
     assert saving.base_dtype_name(_folder(tmp_path / "b", {"torch_dtype": "float16"}))[0] == "float16"  # before v5
     assert saving.base_dtype_name(_folder(tmp_path / "c", {"text_config": {"dtype": "float32"}}))[0] == "float32"
-    assert saving.base_dtype_name(_folder(tmp_path / "d", {"model_type": "x"}, torch.float32)) == \
-        ("float32", "the base model's weights")  # a config without a dtype: the first floating tensor's
+    assert saving.base_dtype_name(_folder(tmp_path / "d", {"model_type": "x"}, torch.float32)) == (
+        "float32",
+        "the base model's weights",
+    )  # a config without a dtype: the first floating tensor's
     name, source = saving.base_dtype_name(_folder(tmp_path / "e", {"model_type": "x"}))
     assert name == "bfloat16" and source.startswith("assumed")
     assert saving.base_dtype_name("no-such-org/no-such-model")[0] == "bfloat16"  # not cached: no network
@@ -74,6 +81,7 @@ def test_final_dtype_is_for_whole_models_only(tiny_model_bf16, tiny_model):
 
 
 # --- the trl/ddp path: cast while saving ---------------------------------------------------------------
+
 
 def test_cast_state_dict_copies_each_tensor_once_onto_the_cpu(tmp_path):
     import torch
@@ -98,8 +106,9 @@ def test_trl_full_save_writes_the_base_dtype_and_reloads(tmp_path, tiny_model_bf
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     assert model.dtype == torch.float32  # the training model itself is not cast
     # the same tensors as the base (tied head written once), every value the trained one rounded to bf16
-    assert sorted(final.read_header(out / final.MODEL_WEIGHTS)) == \
-        sorted(final.read_header(tiny_model_bf16 / final.MODEL_WEIGHTS))
+    assert sorted(final.read_header(out / final.MODEL_WEIGHTS)) == sorted(
+        final.read_header(tiny_model_bf16 / final.MODEL_WEIGHTS)
+    )
     assert final.verify_model(out, final.base_weights(str(tiny_model_bf16))).ok
     loaded = AutoModelForCausalLM.from_pretrained(str(out))  # dtype "auto": what config.json says
     assert loaded.dtype == torch.bfloat16
@@ -109,6 +118,7 @@ def test_trl_full_save_writes_the_base_dtype_and_reloads(tmp_path, tiny_model_bf
 
 
 # --- the DeepSpeed path: its 16-bit gather writes the training dtype; recast file by file ----------------
+
 
 @pytest.mark.parametrize("sharded", [False, True])
 def test_recast_folder_rewrites_other_dtypes_file_by_file(tmp_path, tiny_model_bf16, sharded):
@@ -127,8 +137,10 @@ def test_recast_folder_rewrites_other_dtypes_file_by_file(tmp_path, tiny_model_b
     if sharded:  # the index's byte count follows the files
         index = json.loads((out / final.MODEL_INDEX).read_text())
         assert index["metadata"]["total_size"] == sum(
-            t["data_offsets"][1] - t["data_offsets"][0] for f in saving.weight_files(out)
-            for t in final.read_header(f).values())
+            t["data_offsets"][1] - t["data_offsets"][0]
+            for f in saving.weight_files(out)
+            for t in final.read_header(f).values()
+        )
     assert final.verify_model(out, final.base_weights(str(tiny_model_bf16))).ok
     loaded = AutoModelForCausalLM.from_pretrained(str(out))
     assert loaded.dtype == torch.bfloat16
@@ -139,6 +151,7 @@ def test_recast_folder_rewrites_other_dtypes_file_by_file(tmp_path, tiny_model_b
 
 
 # --- end to end: a full fine-tune of a bf16 base ends with final/model in bf16 ----------------------------
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("processes", [1, 2])
@@ -151,14 +164,19 @@ def test_full_finetune_of_a_bf16_base_ends_with_a_bf16_final_model(tmp_path, tin
 
     from conftest import recipe_file
 
-    recipe = recipe_file(tmp_path / "r.yaml", tiny_model_bf16, tmp_path / "run", method="full", max_steps=4,
-                         learning_rate=1e-3)
+    recipe = recipe_file(
+        tmp_path / "r.yaml", tiny_model_bf16, tmp_path / "run", method="full", max_steps=4, learning_rate=1e-3
+    )
     engine = ["engine=ddp", "num_processes=2"] if processes == 2 else []
     t0 = time.monotonic()
-    res = subprocess.run([sys.executable, "-m", "launcher.cli", str(recipe), "--foreground", "smoke.enabled=false",
-                          *engine], cwd=tmp_path, env={**__import__("os").environ, "PYTHONPATH": str(REPO),
-                                                       "HF_HUB_OFFLINE": "1"},
-                         capture_output=True, text=True, timeout=400)
+    res = subprocess.run(
+        [sys.executable, "-m", "launcher.cli", str(recipe), "--foreground", "smoke.enabled=false", *engine],
+        cwd=tmp_path,
+        env={**__import__("os").environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     run = tmp_path / "run"
     log = ((run / "train.log").read_text() if (run / "train.log").is_file() else "") + res.stdout + res.stderr
     st = read_state(run)
@@ -178,5 +196,7 @@ def test_full_finetune_of_a_bf16_base_ends_with_a_bf16_final_model(tmp_path, tin
     assert any(not torch.equal(written[k], base[k]) for k in written)  # trained, not the base copied
     loaded = AutoModelForCausalLM.from_pretrained(str(out))
     assert loaded.dtype == torch.bfloat16
-    print(f"full fine-tune, {processes} process(es): final/model in bf16, equal to the last checkpoint's fp32 "
-          f"weights rounded; {time.monotonic() - t0:.0f}s")
+    print(
+        f"full fine-tune, {processes} process(es): final/model in bf16, equal to the last checkpoint's fp32 "
+        f"weights rounded; {time.monotonic() - t0:.0f}s"
+    )

@@ -47,6 +47,7 @@ def qlora70(offload: bool, n: int = 2) -> tuple:
 
 # --- item 3: the load, counted ----------------------------------------------------------------
 
+
 def test_load_peak_and_ram_of_qlora_fsdp_follow_the_cpu_load_path():
     arch, w, est = qlora70(False)
     model_gb = sizing.nf4_model_bytes(arch) / GB
@@ -93,8 +94,15 @@ def test_parameter_offload_moves_the_shards_to_ram_and_costs_pcie_time():
 
 
 def test_pcie_generation_from_compute_capability():
-    assert [throughput.pcie_gb_s(cc) for cc in ((7, 5), (8, 0), (8, 9), (9, 0), (10, 0), (12, 0), None)] == \
-        [15.75, 31.5, 31.5, 63.0, 63.0, 63.0, 31.5]
+    assert [throughput.pcie_gb_s(cc) for cc in ((7, 5), (8, 0), (8, 9), (9, 0), (10, 0), (12, 0), None)] == [
+        15.75,
+        31.5,
+        31.5,
+        63.0,
+        63.0,
+        63.0,
+        31.5,
+    ]
 
 
 def test_deepspeed_qlora_counts_the_whole_4bit_model_on_every_card_at_load():
@@ -123,7 +131,8 @@ def test_70b_qlora_on_2x4090_plans_with_offload_and_states_the_ram_it_needs():
     # the estimate includes the transfers and one CPU quantization (all cores, not one pass per process)
     _, w, est = qlora70(True)
     assert p.tokens["tokens_per_second"] == pytest.approx(
-        throughput.tokens_per_second(from_catalog(LLAMA70), w, 165, "pcie", 16, 500, (8, 9)), rel=0.01)
+        throughput.tokens_per_second(from_catalog(LLAMA70), w, 165, "pcie", 16, 500, (8, 9)), rel=0.01
+    )
     load_s = throughput.load_seconds(from_catalog(LLAMA70), w, 16)
     assert load_s == pytest.approx(from_catalog(LLAMA70).linear_params / (throughput.CPU_NF4_PARAMS_PER_CORE_S * 16))
     assert p.estimate["hours"] == pytest.approx(15e6 / p.tokens["tokens_per_second"] / 3600 + load_s / 3600, rel=0.01)
@@ -202,19 +211,40 @@ def test_the_box_quantizes_once_and_reuses_the_copy_while_it_matches(tmp_path, t
     a = {n: p for n, p in mapped.named_parameters() if type(p).__name__ == "Params4bit"}
     b = {n: p for n, p in direct.named_parameters() if type(p).__name__ == "Params4bit"}
     # packed bytes in a bf16 storage: compared as bits (some patterns are NaN as bf16)
-    assert a and a.keys() == b.keys() and all(torch.equal(a[n].data.view(torch.int16), b[n].data.view(torch.int16))
-                                              for n in a)
+    assert (
+        a
+        and a.keys() == b.keys()
+        and all(torch.equal(a[n].data.view(torch.int16), b[n].data.view(torch.int16)) for n in a)
+    )
 
 
 def _torchrun(run: Path, out: Path, *args: str, env_extra: dict | None = None):
     """The harness under torchrun, its rendezvous on a port free now (helpers.free_port): a fixed one was shared
     with tests/store/test_checkpoint_hashing.py's rank, which may run at the same time."""
-    env = dict(os.environ, PYTHONPATH=f"{REPO}:{REPO / 'tests'}", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
-               **(env_extra or {}))
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          str(free_port()), str(REPO / "tests" / "fsdp_qlora_worker.py"), str(run), "bfloat16", str(out),
-                          *args],
-                         cwd=run.parent, env=env, capture_output=True, text=True, timeout=300)
+    env = dict(
+        os.environ, PYTHONPATH=f"{REPO}:{REPO / 'tests'}", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **(env_extra or {})
+    )
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            str(REPO / "tests" / "fsdp_qlora_worker.py"),
+            str(run),
+            "bfloat16",
+            str(out),
+            *args,
+        ],
+        cwd=run.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return json.loads(out.read_text()), res.stdout + res.stderr
 
@@ -258,8 +288,14 @@ def rss_model() -> Path:
     from conftest import _load_script
 
     return _load_script("make_tiny_model").build_tiny_model(
-        REPO / ".cache" / "tiny-model-rss", hidden=768, layers=8, heads=12, kv_heads=4, intermediate=2048,
-        dtype="bfloat16")
+        REPO / ".cache" / "tiny-model-rss",
+        hidden=768,
+        layers=8,
+        heads=12,
+        kv_heads=4,
+        intermediate=2048,
+        dtype="bfloat16",
+    )
 
 
 @pytest.mark.slow
@@ -292,12 +328,14 @@ def test_the_box_holds_one_4bit_copy_while_loading_not_one_per_rank(tmp_path, rs
     assert (new["sum_4bit"], new["sum_lora"]) == (old["sum_4bit"], old["sum_lora"])
     assert new["same_weights_on_every_rank"] and old["same_weights_on_every_rank"]
     o, n = old["rss_mb"], new["rss_mb"]
-    print(f"4-bit weights {four_bit:.1f} MB; anonymous RSS above each rank's baseline, MB: "
-          f"per-rank path: box peak {o['box_peak_anon']:.1f}, rank peaks {o['rank_peak_anon']}, after the load "
-          f"{o['rank_loaded_anon']}, sharded {o['rank_sharded_anon']}; "
-          f"once-per-box: box peak {n['box_peak_anon']:.1f}, rank peaks {n['rank_peak_anon']}, after the load "
-          f"{n['rank_loaded_anon']}, sharded {n['rank_sharded_anon']}; file-backed peaks {n['rank_peak_file']}; "
-          f"load seconds {old['load_seconds']} vs {new['load_seconds']}")
+    print(
+        f"4-bit weights {four_bit:.1f} MB; anonymous RSS above each rank's baseline, MB: "
+        f"per-rank path: box peak {o['box_peak_anon']:.1f}, rank peaks {o['rank_peak_anon']}, after the load "
+        f"{o['rank_loaded_anon']}, sharded {o['rank_sharded_anon']}; "
+        f"once-per-box: box peak {n['box_peak_anon']:.1f}, rank peaks {n['rank_peak_anon']}, after the load "
+        f"{n['rank_loaded_anon']}, sharded {n['rank_sharded_anon']}; file-backed peaks {n['rank_peak_file']}; "
+        f"load seconds {old['load_seconds']} vs {new['load_seconds']}"
+    )
     # before: each rank quantized its own copy
     assert min(o["rank_loaded_anon"]) > 0.9 * four_bit
     assert o["box_peak_anon"] > 2 * 0.9 * four_bit
@@ -319,9 +357,16 @@ def test_the_box_holds_one_4bit_copy_while_loading_not_one_per_rank(tmp_path, rs
 
 # --- item 8: full-8bit never runs on FSDP -----------------------------------------------------
 
+
 def _recipe(tmp_path, **fields):
-    base = {"model": LLAMA70, "method": "full-8bit", "data": "d.jsonl", "max_length": 2048,
-            "micro_batch_size": 1, "gradient_accumulation_steps": 8}
+    base = {
+        "model": LLAMA70,
+        "method": "full-8bit",
+        "data": "d.jsonl",
+        "max_length": 2048,
+        "micro_batch_size": 1,
+        "gradient_accumulation_steps": 8,
+    }
     base.update(fields)
     return validate_recipe(base, tmp_path, "r")
 
@@ -354,9 +399,18 @@ def test_deepspeed_counts_its_fp32_master_copy_for_full_8bit():
 def test_the_oom_shard_step_never_moves_full_8bit_onto_fsdp(tmp_path):
     from launcher.run.adjustments import next_adjustment, shard_blocker
 
-    r = validate_recipe({"model": "meta-llama/Llama-3.1-8B", "method": "full", "data": "d.jsonl",
-                         "micro_batch_size": 1, "gradient_accumulation_steps": 8,
-                         "auto_adjust": ["optimizer", "shard"]}, tmp_path, "r")
+    r = validate_recipe(
+        {
+            "model": "meta-llama/Llama-3.1-8B",
+            "method": "full",
+            "data": "d.jsonl",
+            "micro_batch_size": 1,
+            "gradient_accumulation_steps": 8,
+            "auto_adjust": ["optimizer", "shard"],
+        },
+        tmp_path,
+        "r",
+    )
     plan = {"engine": "trl", "num_processes": 1, "device": "cuda", "hardware": {"count": 4}}
     update, _ = next_adjustment(r, plan)
     assert update == {"method": "full-8bit"}  # the optimizer step first

@@ -72,5 +72,7 @@ def test_the_fused_heads_input_is_not_offloaded_and_the_rest_is_the_plans_count(
     assert sum(after) == plan, (after, plan)
     head_input = (ids.numel() - 2) * arch.hidden  # the shifted tokens' hidden states, saved by the head's function
     assert sum(before) - sum(after) >= head_input * 2, (before, after)
-    print(f"offloaded per micro-batch: {sum(after):,} B with ftrun's dispatcher = the plan's {plan:,} B; "
-          f"{sum(before):,} B with the fused head inside the offloaded region")
+    print(
+        f"offloaded per micro-batch: {sum(after):,} B with ftrun's dispatcher = the plan's {plan:,} B; "
+        f"{sum(before):,} B with the fused head inside the offloaded region"
+    )

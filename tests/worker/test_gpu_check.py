@@ -31,8 +31,9 @@ def test_finish_records_what_a_step_process_could_not(tmp_path, monkeypatch):
     monkeypatch.delenv("GPU_CHECK_STEPS", raising=False)
     out = tmp_path
     # killed by timeout(1) while running, after reporting a partial measurement
-    (out / "bench-full.json").write_text(json.dumps({"step": "bench-full", "status": "running",
-                                                     "started": time.time() - 3, "partial": {"predicted": 1}}))
+    (out / "bench-full.json").write_text(
+        json.dumps({"step": "bench-full", "status": "running", "started": time.time() - 3, "partial": {"predicted": 1}})
+    )
     line = runner.finish(out, "bench-full", 124, 150)
     data = json.loads((out / "bench-full.json").read_text())
     assert data["status"] == "timed out" and data["ok"] is False and data["partial"] == {"predicted": 1}
@@ -49,8 +50,13 @@ def test_finish_records_what_a_step_process_could_not(tmp_path, monkeypatch):
     summary = json.loads((out / "summary.json").read_text())
     by_name = {s["step"]: s["status"] for s in summary["steps"]}
     assert [s["step"] for s in summary["steps"]] == list(runner.STEPS)
-    assert by_name == {**{n: "pending" for n in runner.STEPS}, "bench-full": "timed out", "oom": "crashed",
-                       "device": "passed", "fsdp": "not run"}
+    assert by_name == {
+        **{n: "pending" for n in runner.STEPS},
+        "bench-full": "timed out",
+        "oom": "crashed",
+        "device": "passed",
+        "fsdp": "not run",
+    }
     assert summary["all_passed"] is False
 
 
@@ -86,15 +92,18 @@ def test_batch_layouts():
     # each example's first token is not predicted from the previous example (trl's padding-free collator)
     assert free["labels"].tolist() == [[-100, 6, 7, -100, 9, -100, 11, 12, 13]]
     assert "attention_mask" not in free
-    assert torch.equal(free["labels"][free["labels"] != -100],
-                       padded["labels"][:, 1:][padded["labels"][:, 1:] != -100])
+    assert torch.equal(free["labels"][free["labels"] != -100], padded["labels"][:, 1:][padded["labels"][:, 1:] != -100])
 
 
 @pytest.mark.slow
 def test_failed_and_hung_steps_are_recorded_and_the_next_step_runs(tmp_path):
     """Real steps: one killed by its timeout while building, then one passing, then one failing with its reason."""
-    env = _env(tmp_path, GPU_CHECK_STEPS="tiny-model,bench-lora,peak-memory",
-               GPU_CHECK_TIMEOUTS="tiny-model=1", GPU_CHECK_SHAPE="no-such-model")
+    env = _env(
+        tmp_path,
+        GPU_CHECK_STEPS="tiny-model,bench-lora,peak-memory",
+        GPU_CHECK_TIMEOUTS="tiny-model=1",
+        GPU_CHECK_SHAPE="no-such-model",
+    )
     proc = subprocess.run(["bash", str(SCRIPT), "--dry-run"], env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout
     assert proc.returncode == 1, out + proc.stderr
@@ -106,7 +115,11 @@ def test_failed_and_hung_steps_are_recorded_and_the_next_step_runs(tmp_path):
     results = tmp_path / "out"
     summary = json.loads((results / "summary.json").read_text())
     statuses = {s["step"]: s["status"] for s in summary["steps"]}
-    assert (statuses["tiny-model"], statuses["bench-lora"], statuses["peak-memory"]) == ("timed out", "failed", "passed")
+    assert (statuses["tiny-model"], statuses["bench-lora"], statuses["peak-memory"]) == (
+        "timed out",
+        "failed",
+        "passed",
+    )
     assert json.loads((results / "bench-lora.json").read_text())["traceback"]
     assert "2 step(s) failed" in out
 
@@ -116,9 +129,15 @@ def test_the_loss_head_step_compares_the_losses_and_skips_without_trls_kernel(tm
     (loss and gradients); without trl's kernel importable it is skipped with the carry it needs."""
     from launcher.worker.gpu_check import loss_head
 
-    ctx = common.Context(out=tmp_path, work=tmp_path, dry_run=True, device="cpu", shape="tiny", progress=lambda **k: None)
+    ctx = common.Context(
+        out=tmp_path, work=tmp_path, dry_run=True, device="cpu", shape="tiny", progress=lambda **k: None
+    )
     result = loss_head.step_loss_head(ctx)
-    assert result["ok"] is True and set(result["agree"]) == {"model's own loss", "trl fused LM head", "ftrun CPU kernel"}
+    assert result["ok"] is True and set(result["agree"]) == {
+        "model's own loss",
+        "trl fused LM head",
+        "ftrun CPU kernel",
+    }
     assert len({r["loss"] for r in result["runs"].values()}) == 1
     monkeypatch.setattr(loss_head, "_fused_kernel", lambda: None)
     skipped = loss_head.step_loss_head(ctx)

@@ -22,8 +22,17 @@ NEW = ("attention", "product-lora", "generation", "vs-trl", "resume-exact", "pro
 def _ctx(tmp_path: Path, **kw):
     from launcher.worker.gpu_check.common import Context
 
-    return Context(**{"out": tmp_path, "work": tmp_path, "dry_run": True, "device": "cpu", "shape": "tiny",
-                      "progress": lambda **k: None, **kw})
+    return Context(
+        **{
+            "out": tmp_path,
+            "work": tmp_path,
+            "dry_run": True,
+            "device": "cpu",
+            "shape": "tiny",
+            "progress": lambda **k: None,
+            **kw,
+        }
+    )
 
 
 def test_the_product_preset_is_one_calls_selection_in_the_scripts_order():
@@ -44,12 +53,30 @@ def test_a_run_directorys_speed_record(tmp_path):
     run = tmp_path / "run"
     (run / "final" / "task_eval").mkdir(parents=True)
     rows = [{"step": 0, "eval_loss": 7.0, "time": 99.0}] + [
-        {"step": s, "loss": 7.0 - s / 10, "tokens_seen": 100 * s, "time": 100.0 + 0.5 * s,
-         "peak_memory_gb": 0.5 + s / 100} for s in range(1, 7)]
+        {
+            "step": s,
+            "loss": 7.0 - s / 10,
+            "tokens_seen": 100 * s,
+            "time": 100.0 + 0.5 * s,
+            "peak_memory_gb": 0.5 + s / 100,
+        }
+        for s in range(1, 7)
+    ]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (run / "state.json").write_text(json.dumps({"state": "succeeded", "history": [
-        {"state": "planned", "at": 10.0}, {"state": "smoking", "at": 12.0}, {"state": "running", "at": 20.0},
-        {"state": "succeeded", "at": 50.0}], "export": {"seconds": 7.5}}))
+    (run / "state.json").write_text(
+        json.dumps(
+            {
+                "state": "succeeded",
+                "history": [
+                    {"state": "planned", "at": 10.0},
+                    {"state": "smoking", "at": 12.0},
+                    {"state": "running", "at": 20.0},
+                    {"state": "succeeded", "at": 50.0},
+                ],
+                "export": {"seconds": 7.5},
+            }
+        )
+    )
     (run / "smoke.json").write_text(json.dumps({"tokens_per_second": 612.0, "seconds_per_step": 0.3}))
     plan = {"tokens": {"estimated_tokens_per_second": 67188}, "micro_batch_size": 8}
     (run / "plan.json").write_text(json.dumps(plan))
@@ -57,12 +84,18 @@ def test_a_run_directorys_speed_record(tmp_path):
     answers = [{"index": i, "new_tokens": 24, "seconds": 0.5} for i in range(4)]
     (run / "final" / "task_eval" / "fine_tuned.jsonl").write_text("".join(json.dumps(a) + "\n" for a in answers))
     record = product.run_record(run, started=5.0)
-    assert record["phases_seconds"] == {"plan and data check": 5.0, "base-model task evaluation": 2.0,
-                                        "smoke test": 8.0, "training and task evaluation": 30.0, "export": 7.5}
+    assert record["phases_seconds"] == {
+        "plan and data check": 5.0,
+        "base-model task evaluation": 2.0,
+        "smoke test": 8.0,
+        "training and task evaluation": 30.0,
+        "export": 7.5,
+    }
     assert record["steps"] == [1, 2, 3, 4, 5, 6] and record["step_seconds"] == [0.5] * 5
     assert record["peak_memory_gb"] == 0.56 and record["sdpa_backends"] == {"cudnn": False}
-    assert record["generation"] == {"final/fine_tuned": {"answers": 4, "new_tokens": 96, "seconds": 2.0,
-                                                         "tokens_per_second": 48.0}}
+    assert record["generation"] == {
+        "final/fine_tuned": {"answers": 4, "new_tokens": 96, "seconds": 2.0, "tokens_per_second": 48.0}
+    }
     assert record["plan"]["tokens"]["estimated_tokens_per_second"] == 67188
     line = product.summary_line({**record, "exit": 0, "wall_seconds": 50.0})
     assert "6 steps, median 0.5 s/step" in line and "smoke 612.0 tok/s (plan 67188)" in line
@@ -93,8 +126,9 @@ def test_the_resume_comparison_says_exact_or_how_far(tmp_path):
     def run(name: str, losses: list[float], weight: float) -> Path:
         d = tmp_path / name
         (d / "final" / "adapter").mkdir(parents=True)
-        (d / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "loss": x, "grad_norm": 1.0}) + "\n"
-                                                 for i, x in enumerate(losses)))
+        (d / "metrics.jsonl").write_text(
+            "".join(json.dumps({"step": i + 1, "loss": x, "grad_norm": 1.0}) + "\n" for i, x in enumerate(losses))
+        )
         adapter = d / "final" / "adapter" / "adapter_model.safetensors"
         save_file({"a.lora_A.weight": torch.full((2, 2), weight)}, str(adapter))
         return d
@@ -137,8 +171,12 @@ def test_tokens_per_second_over_the_same_steps():
 
 def test_results_are_packed_into_one_tarball_beside_the_summary(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_CHECK_")}
-    env.update(OUT=str(tmp_path / "out"), GPU_CHECK_WORK=str(tmp_path / "work"), GPU_CHECK_BUDGET_S="5",
-               GPU_CHECK_STEPS="product")
+    env.update(
+        OUT=str(tmp_path / "out"),
+        GPU_CHECK_WORK=str(tmp_path / "work"),
+        GPU_CHECK_BUDGET_S="5",
+        GPU_CHECK_STEPS="product",
+    )
     proc = subprocess.run(["bash", str(SCRIPT), "--dry-run"], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stdout + proc.stderr  # out of time: not run is not passed
     out = tmp_path / "out"

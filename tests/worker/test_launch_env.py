@@ -19,8 +19,14 @@ from launcher.recipe import validate_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 
-DATA = SimpleNamespace(examples=10_000, total_tokens=5_000_000, mean_tokens=500.0, max_tokens=2048,
-                       over_max_length=0, tokens_source="tokenizer")
+DATA = SimpleNamespace(
+    examples=10_000,
+    total_tokens=5_000_000,
+    mean_tokens=500.0,
+    max_tokens=2048,
+    over_max_length=0,
+    tokens_source="tokenizer",
+)
 NCCL = ("NCCL_P2P_DISABLE", "NCCL_IB_DISABLE")
 
 
@@ -33,8 +39,17 @@ def _no_user_nccl(monkeypatch):
 def plan_json(tmp_path, spec: str, driver: str | None, engine: str = "ddp") -> dict:
     """plan.json as make_plan writes it, for a detected box of `spec` cards on `driver`."""
     hw = replace(from_spec(spec), source="detected", driver_version=driver)
-    recipe = validate_recipe({"model": "meta-llama/Llama-3.1-8B", "method": "qlora", "data": "d.jsonl",
-                              "max_length": 2048, "engine": engine}, tmp_path, "r")
+    recipe = validate_recipe(
+        {
+            "model": "meta-llama/Llama-3.1-8B",
+            "method": "qlora",
+            "data": "d.jsonl",
+            "max_length": 2048,
+            "engine": engine,
+        },
+        tmp_path,
+        "r",
+    )
     plan = make_plan(recipe, hw, DATA, unsloth_available=False).to_dict()
     assert plan["hardware"]["driver_version"] == driver  # what launch_env reads travels in plan.json
     return plan
@@ -54,8 +69,9 @@ def test_rtx4090_old_driver_single_process_too(tmp_path):
     assert all(launch_env(plan).get(k) == "1" for k in NCCL)
 
 
-@pytest.mark.parametrize("spec,driver", [("2xRTX4090", "550.40.07"), ("2xRTX4090", "565.57.01"),
-                                         ("2xH100-80GB", "535.129.03")])
+@pytest.mark.parametrize(
+    "spec,driver", [("2xRTX4090", "550.40.07"), ("2xRTX4090", "565.57.01"), ("2xH100-80GB", "535.129.03")]
+)
 def test_new_driver_or_other_card_leaves_nccl_alone(tmp_path, spec, driver):
     env = launch_env(plan_json(tmp_path, spec, driver))
     assert not set(NCCL) & set(env)
@@ -68,8 +84,7 @@ def test_users_own_setting_is_kept(tmp_path, monkeypatch):
 
 
 def test_cpu_plan_sets_no_nccl():
-    plan = {"device": "cpu", "num_processes": 2, "engine": "ddp",
-            "hardware": {"gpus": [], "driver_version": None}}
+    plan = {"device": "cpu", "num_processes": 2, "engine": "ddp", "hardware": {"gpus": [], "driver_version": None}}
     env = launch_env(plan)
     assert not set(NCCL) & set(env) and env["OMP_NUM_THREADS"]
 
@@ -81,28 +96,38 @@ def test_the_worker_keeps_known_notices_and_deprecations_out_of_the_log():
     it): the test proves the filter, not a library's wording, and a release that prints it again is caught too."""
     import subprocess
 
-    probe = ("import logging, warnings\n"
-             "{first}"
-             "import bitsandbytes\n"
-             "warnings.warn('gradient_checkpointing_enable is deprecated', FutureWarning)\n"
-             "ops = logging.getLogger('bitsandbytes.backends.cpu.ops')\n"
-             "ops.warning('Failed to load CPU gemm_4bit_forward from kernels-community: No module named kernels')\n"
-             "ops.warning('a real bitsandbytes warning')\n"
-             "logging.getLogger('DeepSpeed').warning('Setting accelerator to CPU')\n")
+    probe = (
+        "import logging, warnings\n"
+        "{first}"
+        "import bitsandbytes\n"
+        "warnings.warn('gradient_checkpointing_enable is deprecated', FutureWarning)\n"
+        "ops = logging.getLogger('bitsandbytes.backends.cpu.ops')\n"
+        "ops.warning('Failed to load CPU gemm_4bit_forward from kernels-community: No module named kernels')\n"
+        "ops.warning('a real bitsandbytes warning')\n"
+        "logging.getLogger('DeepSpeed').warning('Setting accelerator to CPU')\n"
+    )
     env = {**os.environ, "PYTHONWARNINGS": "default"}
-    bare = subprocess.run([sys.executable, "-c", probe.format(first="")], capture_output=True, text=True, env=env,
-                          cwd=REPO, timeout=120)
+    bare = subprocess.run(
+        [sys.executable, "-c", probe.format(first="")], capture_output=True, text=True, env=env, cwd=REPO, timeout=120
+    )
     assert bare.returncode == 0, bare.stderr
     assert "kernels-community" in bare.stderr and "FutureWarning" in bare.stderr  # what the filter is for
     assert "Setting accelerator to CPU" in bare.stderr
-    worker = subprocess.run([sys.executable, "-c", probe.format(first="import launcher.worker.train\n")],
-                            capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    worker = subprocess.run(
+        [sys.executable, "-c", probe.format(first="import launcher.worker.train\n")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=120,
+    )
     assert worker.returncode == 0, worker.stderr
     assert "kernels-community" not in worker.stderr and "FutureWarning" not in worker.stderr
     assert "Setting accelerator to CPU" not in worker.stderr and "a real bitsandbytes warning" in worker.stderr
 
 
 # --- one process, one card (issue 21 item 1) -------------------------------------------------------------------
+
 
 def _cuda_box(monkeypatch, cards: int) -> None:
     """torch.cuda as a box with `cards` GPUs answers, CUDA_VISIBLE_DEVICES applied the way CUDA applies it: the
@@ -150,8 +175,10 @@ def test_a_single_process_engine_sees_only_its_planned_card(tmp_path, monkeypatc
     assert _training_args(tmp_path, env, monkeypatch) == (1, 2)
 
 
-@pytest.mark.parametrize("visible,expected", [("2,3", "2"), ("GPU-8932f937,GPU-1c2b", "GPU-8932f937"),
-                                              ("3", None), ("MIG-4f1a", None), ("", None)])
+@pytest.mark.parametrize(
+    "visible,expected",
+    [("2,3", "2"), ("GPU-8932f937,GPU-1c2b", "GPU-8932f937"), ("3", None), ("MIG-4f1a", None), ("", None)],
+)
 def test_the_users_card_choice_is_narrowed_not_replaced(tmp_path, monkeypatch, visible, expected):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     plan = plan_json(tmp_path, "4xH100-80GB", "550.54.14", engine="trl")
@@ -182,6 +209,7 @@ def test_the_worker_refuses_a_single_process_trainer_that_counts_several_gpus(tm
 
 # --- CPU threads per process (issue 21 item 2) -----------------------------------------------------------------
 
+
 def test_gpu_ranks_get_their_share_of_the_cores_not_one_thread(tmp_path, monkeypatch):
     """torchrun would set OMP_NUM_THREADS=1 for each of 2+ ranks; the launch gives each cores / processes."""
     import launcher.plan.hardware as hardware
@@ -201,8 +229,10 @@ def test_torchrun_keeps_the_launchs_thread_count(tmp_path):
     probe = tmp_path / "probe.py"
     # one os.write per line, as in the port test below: print() under PYTHONUNBUFFERED=1 (CI) writes each piece
     # apart, and the two ranks' pieces interleaved in CI ("RANK 0" lost, 2026-12-03)
-    probe.write_text("import os, torch\nos.write(1, f\"RANK {os.environ['RANK']} {os.environ.get('OMP_NUM_THREADS')} "
-                     "{torch.get_num_threads()}\\n\".encode())\n")
+    probe.write_text(
+        "import os, torch\nos.write(1, f\"RANK {os.environ['RANK']} {os.environ.get('OMP_NUM_THREADS')} "
+        '{torch.get_num_threads()}\\n".encode())\n'
+    )
     base = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(probe)]
     bare = subprocess.run(cmd, capture_output=True, text=True, env=base, timeout=120)
@@ -216,6 +246,7 @@ def test_torchrun_keeps_the_launchs_thread_count(tmp_path):
 
 
 # --- FSDP's rendezvous port (issue 21 item 5) ------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_two_fsdp_launches_at_once_each_get_a_free_port(tmp_path):
@@ -236,15 +267,18 @@ def test_two_fsdp_launches_at_once_each_get_a_free_port(tmp_path):
     # its arguments, separators and newline one by one where stdout is unbuffered (PYTHONUNBUFFERED=1, as the
     # image and CI set it), and two ranks' pieces interleave ("PORT PORT43689 \n43689\n": 111 of 300 launches
     # in step on this box); a pipe write of under PIPE_BUF bytes is never split
-    probe.write_text("import os, torch.distributed as dist\n"
-                     "dist.init_process_group('gloo'); dist.barrier()\n"
-                     "os.write(1, f\"PORT {os.environ['MASTER_PORT']}\\n\".encode())\n"
-                     "dist.destroy_process_group()\n"
-                     "from launcher.worker.process import leave_rank\nleave_rank(0)\n")  # as the worker's ranks leave
+    probe.write_text(
+        "import os, torch.distributed as dist\n"
+        "dist.init_process_group('gloo'); dist.barrier()\n"
+        "os.write(1, f\"PORT {os.environ['MASTER_PORT']}\\n\".encode())\n"
+        "dist.destroy_process_group()\n"
+        "from launcher.worker.process import leave_rank\nleave_rank(0)\n"
+    )  # as the worker's ranks leave
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg), str(probe)]
-    jobs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-            for _ in range(2)]
+    jobs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for _ in range(2)
+    ]
     outs = [job.communicate(timeout=240)[0] for job in jobs]
     assert all(job.returncode == 0 for job in jobs), outs
     # whole lines: another process's unfinished stderr piece may come just before one, never inside it

@@ -38,14 +38,17 @@ class FakeCuda:
         self.current = int(index)
 
 
-@pytest.mark.parametrize("capability,expected", [
-    ((7, 5), torch.float16),   # T4
-    ((7, 0), torch.float16),   # V100
-    ((8, 0), torch.bfloat16),  # A100
-    ((8, 9), torch.bfloat16),  # L4 / L40S / RTX 4090
-    ((9, 0), torch.bfloat16),  # H100 / H200
-    ((12, 0), torch.bfloat16),  # RTX 5090 / B200-class
-])
+@pytest.mark.parametrize(
+    "capability,expected",
+    [
+        ((7, 5), torch.float16),  # T4
+        ((7, 0), torch.float16),  # V100
+        ((8, 0), torch.bfloat16),  # A100
+        ((8, 9), torch.bfloat16),  # L4 / L40S / RTX 4090
+        ((9, 0), torch.bfloat16),  # H100 / H200
+        ((12, 0), torch.bfloat16),  # RTX 5090 / B200-class
+    ],
+)
 def test_dtype_follows_compute_capability_not_emulated_bf16(monkeypatch, capability, expected):
     FakeCuda(1, capability).install(monkeypatch)
     device, dtype = loading.select_device()
@@ -80,15 +83,18 @@ def test_a_rank_beyond_the_visible_gpus_is_a_clear_error(monkeypatch):
         loading.select_device()
 
 
-@pytest.mark.parametrize("method,engine,expected", [
-    ("full", "trl", torch.float32),      # fp32 master weights under bf16 autocast
-    ("full", "ddp", torch.float32),
-    ("full", "fsdp", torch.bfloat16),    # FSDP2 upcasts trainable parameters itself (mixed precision policy)
-    ("full", "deepspeed", torch.bfloat16),  # DeepSpeed's bf16 optimizer keeps fp32 master partitions
-    ("full-8bit", "trl", torch.bfloat16),
-    ("lora", "ddp", torch.bfloat16),
-    ("qlora", "trl", torch.bfloat16),
-])
+@pytest.mark.parametrize(
+    "method,engine,expected",
+    [
+        ("full", "trl", torch.float32),  # fp32 master weights under bf16 autocast
+        ("full", "ddp", torch.float32),
+        ("full", "fsdp", torch.bfloat16),  # FSDP2 upcasts trainable parameters itself (mixed precision policy)
+        ("full", "deepspeed", torch.bfloat16),  # DeepSpeed's bf16 optimizer keeps fp32 master partitions
+        ("full-8bit", "trl", torch.bfloat16),
+        ("lora", "ddp", torch.bfloat16),
+        ("qlora", "trl", torch.bfloat16),
+    ],
+)
 def test_weights_dtype(method, engine, expected):
     assert loading.weights_dtype(method, engine, "cuda", torch.bfloat16) == expected
     assert loading.weights_dtype(method, engine, "cpu", torch.float32) == torch.float32
@@ -163,13 +169,18 @@ def test_qlora_keeps_the_16_bit_tensors_16_bit_as_the_plan_counts_them(tiny_mode
         model.train()
         other = [p for n, p in base.named_parameters() if type(p).__name__ != "Params4bit" and "lora_" not in n]
         saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t,
-                                                      lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t
+        ):
             out = base.model(input_ids=batch, output_hidden_states=True)  # the decoder: the layers' inputs
         out.last_hidden_state.float().sum().backward()
-        return {"other_params": sum(p.numel() for p in other), "other_dtypes": {str(p.dtype) for p in other},
-                "other_bytes": sum(p.numel() * p.element_size() for p in other),
-                "residual": str(out.hidden_states[1].dtype), "saved_bytes": sum(saved)}
+        return {
+            "other_params": sum(p.numel() for p in other),
+            "other_dtypes": {str(p.dtype) for p in other},
+            "other_bytes": sum(p.numel() * p.element_size() for p in other),
+            "residual": str(out.hidden_states[1].dtype),
+            "saved_bytes": sum(saved),
+        }
 
     for engine in ("trl", "fsdp", "deepspeed"):
         model, _ = loading.load_model_and_tokenizer(recipe, "cpu", torch.bfloat16, {"engine": engine})
@@ -179,16 +190,20 @@ def test_qlora_keeps_the_16_bit_tensors_16_bit_as_the_plan_counts_them(tiny_mode
     assert ours["other_params"] == arch.params - arch.linear_params  # what the plan counts at 2 B
     assert ours["other_bytes"] == 2 * ours["other_params"]
 
-    old = AutoModelForCausalLM.from_pretrained(str(tiny_model), **loading.load_kwargs(recipe, "cpu", torch.bfloat16,
-                                                                                        "trl"))
-    old = get_peft_model(prepare_model_for_kbit_training(old, use_gradient_checkpointing=False),
-                         LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear",
-                                    task_type="CAUSAL_LM"))
+    old = AutoModelForCausalLM.from_pretrained(
+        str(tiny_model), **loading.load_kwargs(recipe, "cpu", torch.bfloat16, "trl")
+    )
+    old = get_peft_model(
+        prepare_model_for_kbit_training(old, use_gradient_checkpointing=False),
+        LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"),
+    )
     theirs = measure(old)
     assert theirs["other_dtypes"] == {"torch.float32"} and theirs["residual"] == "torch.float32", theirs
     assert theirs["other_bytes"] == 2 * ours["other_bytes"]  # the upcast: +2 B per 16-bit parameter
     # each checkpointed layer's input (tokens x hidden) in fp32: 2 B more per value than the plan's bf16
     assert theirs["saved_bytes"] - ours["saved_bytes"] >= arch.layers * batch.numel() * arch.hidden * 2, (ours, theirs)
-    print(f"QLoRA bf16 tiny model: 16-bit tensors {ours['other_bytes']:,} B (upcast {theirs['other_bytes']:,}); "
-          f"a step's saved activations {ours['saved_bytes']:,} B (upcast {theirs['saved_bytes']:,}, "
-          f"x{theirs['saved_bytes'] / ours['saved_bytes']:.2f})")
+    print(
+        f"QLoRA bf16 tiny model: 16-bit tensors {ours['other_bytes']:,} B (upcast {theirs['other_bytes']:,}); "
+        f"a step's saved activations {ours['saved_bytes']:,} B (upcast {theirs['saved_bytes']:,}, "
+        f"x{theirs['saved_bytes'] / ours['saved_bytes']:.2f})"
+    )

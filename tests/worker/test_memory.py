@@ -3,7 +3,8 @@ ranks, the --memory-limit cap on each rank's own device.
 
 CUDA-only choices are tested with torch.cuda's queries replaced (this box has no GPU); the maximum over ranks
 runs for real in two gloo processes; the classification uses real exception objects of the classes torch raises,
-with the texts torch, NCCL and the CPU allocator produce (launcher/worker/memory.py's docstring says where each is from).
+with the texts torch, NCCL and the CPU allocator produce (launcher/worker/memory.py's docstring says where each is
+from).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import torch.distributed as dist
 from launcher.worker import memory
 from launcher.plan.sizing import GB
 
-NCCL_HEAD = ("NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3356, unhandled cuda error "
-             "(run with NCCL_DEBUG=INFO for details), NCCL version 2.26.2\n")
+NCCL_HEAD = (
+    "NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3356, unhandled cuda error "
+    "(run with NCCL_DEBUG=INFO for details), NCCL version 2.26.2\n"
+)
 
 
 def _accelerator_error(text: str, code: int) -> BaseException:
@@ -35,23 +38,30 @@ def _accelerator_error(text: str, code: int) -> BaseException:
 OUT_OF_MEMORY = {
     "caching allocator": torch.OutOfMemoryError(
         "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total capacity of 23.55 GiB of which "
-        "1.02 GiB is free. Including non-PyTorch memory, this process has 22.52 GiB memory in use."),
+        "1.02 GiB is free. Including non-PyTorch memory, this process has 22.52 GiB memory in use."
+    ),
     "CUDA runtime call": _accelerator_error(
         "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported at some other API call, "
-        "so the stacktrace below might be incorrect.\nFor debugging consider passing CUDA_LAUNCH_BLOCKING=1\n", 2),
+        "so the stacktrace below might be incorrect.\nFor debugging consider passing CUDA_LAUNCH_BLOCKING=1\n",
+        2,
+    ),
     "cuBLAS handle": RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
     "NCCL device buffer": dist.DistBackendError(
         NCCL_HEAD + "ncclUnhandledCudaError: Call to CUDA function failed.\nLast error:\n"
-        "Failed to CUDA calloc async 4 bytes"),
+        "Failed to CUDA calloc async 4 bytes"
+    ),
     "NCCL cuda failure": dist.DistBackendError(
-        NCCL_HEAD + "ncclUnhandledCudaError: Call to CUDA function failed.\nLast error:\nCuda failure 2 'out of memory'"),
+        NCCL_HEAD + "ncclUnhandledCudaError: Call to CUDA function failed.\nLast error:\nCuda failure 2 'out of memory'"
+    ),
     "NCCL host buffer": dist.DistBackendError(
         NCCL_HEAD.replace("unhandled cuda error", "unhandled system error") + "ncclSystemError: System call (e.g. "
-        "socket, malloc) or external library call failed or device error. \nLast error:\nFailed to malloc 8388608 bytes"),
+        "socket, malloc) or external library call failed or device error. \nLast error:\nFailed to malloc 8388608 bytes"
+    ),
     "Triton kernel": RuntimeError("Triton Error [CUDA]: out of memory"),
     "CPU allocator": RuntimeError(
         "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried to "
-        "allocate 1073741824 bytes. Error code 12 (Cannot allocate memory)"),
+        "allocate 1073741824 bytes. Error code 12 (Cannot allocate memory)"
+    ),
     "Python": MemoryError(),
 }
 
@@ -60,11 +70,15 @@ NOT_OUT_OF_MEMORY = {
     "device assert": _accelerator_error("CUDA error: device-side assert triggered\n", 710),
     "NCCL other CUDA failure": dist.DistBackendError(
         NCCL_HEAD + "ncclUnhandledCudaError: Call to CUDA function failed.\nLast error:\n"
-        "Cuda failure 800 'operation not permitted'"),
+        "Cuda failure 800 'operation not permitted'"
+    ),
     "NCCL without a last error": dist.DistBackendError(
-        NCCL_HEAD + "ncclUnhandledCudaError: Call to CUDA function failed."),
-    "NCCL peer gone": dist.DistBackendError(NCCL_HEAD + "ncclRemoteError: A call failed possibly due to a network "
-                                            "error or a remote process exiting prematurely."),
+        NCCL_HEAD + "ncclUnhandledCudaError: Call to CUDA function failed."
+    ),
+    "NCCL peer gone": dist.DistBackendError(
+        NCCL_HEAD + "ncclRemoteError: A call failed possibly due to a network "
+        "error or a remote process exiting prematurely."
+    ),
     "bitsandbytes cublasLt": RuntimeError("cublasLt ran into an error!\n\tshapeA=(4, 64), shapeB=(64, 64)"),
     "cuBLAS other status": RuntimeError("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx(...)`"),
     "devices": RuntimeError("Expected all tensors to be on the same device, but found at least two devices"),
@@ -108,8 +122,10 @@ def test_out_of_memory_is_found_down_the_chain_and_named_in_the_message():
 
     for make in (wrapped, during):
         assert memory.is_out_of_memory(_raised(make))
-    assert memory.out_of_memory_text(_raised(wrapped)) == \
-        "Cuda failure 2 'out of memory' [raised as: collective failed while preparing the model]"
+    assert (
+        memory.out_of_memory_text(_raised(wrapped))
+        == "Cuda failure 2 'out of memory' [raised as: collective failed while preparing the model]"
+    )
     # NCCL's first line says only "unhandled cuda error": the line that says out of memory comes first
     text = memory.out_of_memory_text(OUT_OF_MEMORY["NCCL device buffer"])
     assert text.startswith("Failed to CUDA calloc async 4 bytes [raised as: NCCL error in: ")
@@ -131,6 +147,7 @@ def test_out_of_memory_is_found_down_the_chain_and_named_in_the_message():
 
 # --- CUDA queries replaced: the arithmetic and the device each call is about --------------------------
 
+
 class _FakeCuda:
     """torch.cuda's memory queries, answering for one device and recording which device each call named."""
 
@@ -145,18 +162,23 @@ class _FakeCuda:
             def call(device=None, *args, **kwargs):
                 self.devices.append((name, kwargs.get("device", device)))
                 return result() if callable(result) else result
+
             return call
 
         monkeypatch.setattr(torch.cuda, "mem_get_info", record("mem_get_info", (v["free"], v["total"])))
         monkeypatch.setattr(torch.cuda, "memory_reserved", record("memory_reserved", v["reserved"]))
         monkeypatch.setattr(torch.cuda, "max_memory_reserved", record("max_memory_reserved", v["max_reserved"]))
         monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", record("reset_peak_memory_stats", None))
-        monkeypatch.setattr(torch.cuda, "get_device_properties",
-                            record("get_device_properties", type("Props", (), {"total_memory": v["total"]})))
+        monkeypatch.setattr(
+            torch.cuda,
+            "get_device_properties",
+            record("get_device_properties", type("Props", (), {"total_memory": v["total"]})),
+        )
         fractions = []
 
         def set_fraction(fraction, device=None):
             fractions.append((fraction, device))
+
         monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
         return fractions
 
@@ -199,7 +221,9 @@ def test_oom_peak_is_unknown_when_the_device_no_longer_answers(monkeypatch, caps
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", broken)
     assert memory.out_of_memory_peak_gb("cuda") is None
-    assert "peak memory not measurable after the failure: CUDA error: an illegal memory access" in capsys.readouterr().out
+    assert (
+        "peak memory not measurable after the failure: CUDA error: an illegal memory access" in capsys.readouterr().out
+    )
 
 
 def test_cpu_peak_is_the_resident_peak_and_the_oom_peak_counts_from_the_cap(monkeypatch):
@@ -213,6 +237,7 @@ def test_cpu_peak_is_the_resident_peak_and_the_oom_peak_counts_from_the_cap(monk
 
 
 # --- the maximum over ranks, two real gloo processes ---------------------------------------------------
+
 
 def _rank_peak(rank: int, world: int, init_file: str, out_dir: str, extra_mb: int) -> None:
     torch.set_num_threads(1)  # a forked child must not reuse the parent's OpenMP pool (as DataLoader workers do)
@@ -232,8 +257,10 @@ def test_peak_is_the_largest_over_ranks_with_two_gloo_processes(tmp_path):
     # forked: the ranks inherit the imported torch (a fresh interpreter would spend most of the test importing
     # it again); each still has its own process, memory and gloo connection
     ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_rank_peak, args=(rank, 2, str(tmp_path / "init"), str(tmp_path),
-                                                      300 if rank == 1 else 0)) for rank in range(2)]
+    procs = [
+        ctx.Process(target=_rank_peak, args=(rank, 2, str(tmp_path / "init"), str(tmp_path), 300 if rank == 1 else 0))
+        for rank in range(2)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -249,7 +276,7 @@ def test_peak_is_the_largest_over_ranks_with_two_gloo_processes(tmp_path):
 # Prepended to PYTHONPATH for these runs only: once transformers.trainer is imported, the Trainer's second
 # training step raises what NCCL's allocation failure raises on a GPU box (a DistBackendError, not an
 # OutOfMemoryError), in every worker process or only in the rank FTRUN_TEST_OOM_RANK names.
-NCCL_OOM_HOOK = '''
+NCCL_OOM_HOOK = """
 import importlib.abc
 import importlib.machinery
 import os
@@ -291,7 +318,7 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
 
 
 sys.meta_path.insert(0, _PatchAfterImport())
-''' % (NCCL_HEAD + "ncclUnhandledCudaError: Call to CUDA function failed.\nLast error:\nCuda failure 2 'out of memory'")
+""" % (NCCL_HEAD + "ncclUnhandledCudaError: Call to CUDA function failed.\nLast error:\nCuda failure 2 'out of memory'")
 
 
 @pytest.mark.slow
@@ -306,8 +333,14 @@ def test_nccl_out_of_memory_stops_the_smoke_test_and_the_run_as_out_of_memory_no
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(hook), str(REPO)]), HF_HUB_OFFLINE="1")
 
     def ftrun(*args, **extra_env):
-        return subprocess.run([sys.executable, "-m", "launcher.cli", *map(str, args)], cwd=tmp_path,
-                              env={**env, **extra_env}, capture_output=True, text=True, timeout=600)
+        return subprocess.run(
+            [sys.executable, "-m", "launcher.cli", *map(str, args)],
+            cwd=tmp_path,
+            env={**env, **extra_env},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
 
     # the smoke test: exit 78 and oom.json, so the pipeline treats it as out of memory (here with nothing to
     # adjust, it stops and lists the attempt) rather than as a worker crash
@@ -325,15 +358,16 @@ def test_nccl_out_of_memory_stops_the_smoke_test_and_the_run_as_out_of_memory_no
     assert res.returncode != 0, res.stdout + res.stderr
     state = json.loads((tmp_path / "run" / "state.json").read_text())
     assert state["state"] == "failed" and state.get("restarts", 0) == 0, state
-    assert state["reason"].startswith("out of memory at step 2 (peak ") and "Cuda failure 2 'out of memory'" in \
-        state["reason"]
+    assert (
+        state["reason"].startswith("out of memory at step 2 (peak ")
+        and "Cuda failure 2 'out of memory'" in state["reason"]
+    )
     assert "recovering" not in {h.get("state") for h in state["history"]}
 
     # two DDP processes, rank 1 runs out: torchrun exits 1 for any failed rank; the rank's recorded exit code
     # tells the supervisor it was out of memory, not a crash to restart
     recipe = write_recipe("ddp.yaml", output_dir=str(tmp_path / "ddp"), max_steps=6, max_restarts=2)
-    res = ftrun(recipe, "--foreground", "smoke.enabled=false", "engine=ddp", "num_processes=2",
-                FTRUN_TEST_OOM_RANK="1")
+    res = ftrun(recipe, "--foreground", "smoke.enabled=false", "engine=ddp", "num_processes=2", FTRUN_TEST_OOM_RANK="1")
     assert res.returncode != 0, res.stdout + res.stderr
     state = json.loads((tmp_path / "ddp" / "state.json").read_text())
     assert state["state"] == "failed" and state.get("restarts", 0) == 0, state
@@ -350,8 +384,9 @@ def test_a_new_attempt_does_not_inherit_the_last_attempts_exit_code(tmp_path):
     from launcher.store.rundir import RunDir
 
     run = RunDir(tmp_path)
-    run.worker.write_text(json.dumps({"pid": 1, "error": "out of GPU memory at step 3", "exit_code": 78,
-                                      "verification": {"ok": True}}))
+    run.worker.write_text(
+        json.dumps({"pid": 1, "error": "out of GPU memory at step 3", "exit_code": 78, "verification": {"ok": True}})
+    )
     assert supervisor._worker_exit_code(run) == 78
     supervisor._forget_worker_outcome(run)
     assert supervisor._worker_exit_code(run) is None

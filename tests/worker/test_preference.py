@@ -35,11 +35,16 @@ def _turn(role: str, text: str) -> dict:
 def test_the_three_preference_formats_become_one_form(tmp_path):
     from launcher.data.dataset import load_data
 
-    conversational = {"prompt": [_turn("user", "2+2?")], "chosen": [_turn("assistant", "4")],
-                      "rejected": [_turn("assistant", "5")]}
+    conversational = {
+        "prompt": [_turn("user", "2+2?")],
+        "chosen": [_turn("assistant", "4")],
+        "rejected": [_turn("assistant", "5")],
+    }
     standard = {"prompt": "2+2?", "chosen": "4", "rejected": "5"}
-    implicit = {"chosen": [_turn("system", "Be brief."), _turn("user", "2+2?"), _turn("assistant", "4")],
-                "rejected": [_turn("system", "Be brief."), _turn("user", "2+2?"), _turn("assistant", "5")]}
+    implicit = {
+        "chosen": [_turn("system", "Be brief."), _turn("user", "2+2?"), _turn("assistant", "4")],
+        "rejected": [_turn("system", "Be brief."), _turn("user", "2+2?"), _turn("assistant", "5")],
+    }
     got = {}
     for name, record in (("conv", conversational), ("std", standard), ("implicit", implicit)):
         data = load_data(_lines(tmp_path / f"{name}.jsonl", [record] * 3))
@@ -47,34 +52,64 @@ def test_the_three_preference_formats_become_one_form(tmp_path):
         got[name] = data.examples[0]
     assert got["conv"] == conversational and got["std"] == standard
     # the implicit prompt is what both conversations share, up to the first answer
-    assert got["implicit"] == {"prompt": implicit["chosen"][:2], "chosen": implicit["chosen"][2:],
-                               "rejected": implicit["rejected"][2:]}
+    assert got["implicit"] == {
+        "prompt": implicit["chosen"][:2],
+        "chosen": implicit["chosen"][2:],
+        "rejected": implicit["rejected"][2:],
+    }
     from launcher.data import formats
 
     # what the samples and the task evaluation score: the prompt and the chosen answer
     assert formats.conversation(got["conv"]) == conversational["prompt"] + conversational["chosen"]
 
 
-@pytest.mark.parametrize("bad, said", [
-    ({"prompt": "2+2?", "chosen": "4", "rejected": "4"}, "the same answer"),
-    ({"prompt": "2+2?", "chosen": "4", "rejected": " "}, "'rejected' is empty"),
-    ({"prompt": [_turn("user", "2+2?")], "chosen": [_turn("assistant", "")], "rejected": [_turn("assistant", "5")]},
-     "chosen[0] (assistant) has empty content"),
-    ({"prompt": [_turn("user", "2+2?")], "chosen": [_turn("assistant", "4")],
-      "rejected": [_turn("user", "again"), _turn("assistant", "5")]}, "the answer alone"),
-    ({"prompt": "2+2?", "chosen": [_turn("assistant", "4")], "rejected": "5"}, "all be strings"),
-    ({"chosen": [_turn("user", "a"), _turn("assistant", "4")], "rejected": [_turn("user", "b"), _turn("assistant", "5")]},
-     "share no first turn"),
-])
+@pytest.mark.parametrize(
+    "bad, said",
+    [
+        ({"prompt": "2+2?", "chosen": "4", "rejected": "4"}, "the same answer"),
+        ({"prompt": "2+2?", "chosen": "4", "rejected": " "}, "'rejected' is empty"),
+        (
+            {
+                "prompt": [_turn("user", "2+2?")],
+                "chosen": [_turn("assistant", "")],
+                "rejected": [_turn("assistant", "5")],
+            },
+            "chosen[0] (assistant) has empty content",
+        ),
+        (
+            {
+                "prompt": [_turn("user", "2+2?")],
+                "chosen": [_turn("assistant", "4")],
+                "rejected": [_turn("user", "again"), _turn("assistant", "5")],
+            },
+            "the answer alone",
+        ),
+        ({"prompt": "2+2?", "chosen": [_turn("assistant", "4")], "rejected": "5"}, "all be strings"),
+        (
+            {
+                "chosen": [_turn("user", "a"), _turn("assistant", "4")],
+                "rejected": [_turn("user", "b"), _turn("assistant", "5")],
+            },
+            "share no first turn",
+        ),
+    ],
+)
 def test_a_bad_pair_is_refused_with_its_line(tmp_path, bad, said):
     from launcher.data.dataset import load_data
     from launcher.errors import DataError
 
-    good = {"prompt": [_turn("user", "2+2?")], "chosen": [_turn("assistant", "4")], "rejected": [_turn("assistant", "5")]}
+    good = {
+        "prompt": [_turn("user", "2+2?")],
+        "chosen": [_turn("assistant", "4")],
+        "rejected": [_turn("assistant", "5")],
+    }
     if isinstance(bad.get("prompt"), str):
         good = {"prompt": "2+2?", "chosen": "4", "rejected": "5"}
     if "prompt" not in bad:
-        good = {"chosen": [_turn("user", "q"), _turn("assistant", "4")], "rejected": [_turn("user", "q"), _turn("assistant", "5")]}
+        good = {
+            "chosen": [_turn("user", "q"), _turn("assistant", "4")],
+            "rejected": [_turn("user", "q"), _turn("assistant", "5")],
+        }
     path = _lines(tmp_path / "pairs.jsonl", [good, good, bad, good])
     with pytest.raises(DataError) as err:
         load_data(path)
@@ -92,8 +127,14 @@ def test_pairs_from_the_hub_cache_a_mixture_and_eval_data(tmp_path, monkeypatch,
     from launcher.recipe import load_recipe
     from helpers import make_hub_cache
 
-    rows = [{"question": [_turn("user", f"Spell {w} backwards.")], "good": [_turn("assistant", w[::-1])],
-             "bad": [_turn("assistant", w)]} for w in ("chair", "lamp", "table", "green")]
+    rows = [
+        {
+            "question": [_turn("user", f"Spell {w} backwards.")],
+            "good": [_turn("assistant", w[::-1])],
+            "bad": [_turn("assistant", w)],
+        }
+        for w in ("chair", "lamp", "table", "green")
+    ]
     cache = make_hub_cache(tmp_path / "hf", "acme/prefs", rows)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
@@ -101,8 +142,14 @@ def test_pairs_from_the_hub_cache_a_mixture_and_eval_data(tmp_path, monkeypatch,
     data = load_data([hub, {"path": str(PAIRS), "weight": 0.05}])
     assert data.form == "preference" and data.sources[0]["format"] == "preference"
     assert len(data.examples) == 4 + 20 and data.examples[0]["chosen"][0]["content"] == "riahc"
-    recipe = load_recipe(write_recipe(objective="dpo", data=[hub, str(PAIRS)], max_length=512,
-                                      eval={"data": str(PAIRS), "samples": 0, "task": {"examples": 0}}))
+    recipe = load_recipe(
+        write_recipe(
+            objective="dpo",
+            data=[hub, str(PAIRS)],
+            max_length=512,
+            eval={"data": str(PAIRS), "samples": 0, "task": {"examples": 0}},
+        )
+    )
     examples, lengths, stats = data_stats(recipe)
     assert stats.examples == 404 and stats.loss_view["pairs"]["pairs"] == 404
     assert stats.loss_view["stats"]["examples"] == 808  # each pair's two sequences, checked as the loss sees them
@@ -125,30 +172,46 @@ def test_an_objective_refuses_data_it_does_not_train(write_recipe, tmp_path):
 # The recipe: keys that apply to the objective, init_from
 
 
-@pytest.mark.parametrize("fields, said", [
-    (dict(preference={"beta": 0.2}), "preference.beta does not apply to objective sft"),
-    (dict(objective="orpo", preference={"loss_type": "ipo"}), "preference.loss_type does not apply to objective orpo"),
-    (dict(objective="dpo", packing=True), "packing apply to objective sft"),
-    (dict(objective="orpo", padding_free=True), "padding_free apply to objective sft"),
-    (dict(objective="dpo", padding_free=True, assistant_only_loss=True), "assistant_only_loss, padding_free apply"),
-    (dict(objective="dpo", init_from="nowhere"), "does not exist"),
-    (dict(objective="dpo", method="full", init_from="adapter"), "init_from starts from an adapter"),
-    (dict(objective="dpo", init_from="."), "holds no adapter_config.json"),
-    (dict(objective="dpo", init_from="adapter", lora={"r": 32}), "lora.r 32 (the parent's: 8) would be ignored"),
-    # the default value given on purpose is ignored as well (issue 46): refused whatever its value
-    (dict(objective="dpo", init_from="adapter", lora={"r": 16}), "lora.r 16 (the parent's: 8) would be ignored"),
-    (dict(objective="dpo", init_from="adapter", lora={"target_modules": ["q_proj"]}),
-     "lora.target_modules ['q_proj'] (the parent's: ['q_proj', 'v_proj']) would be ignored"),
-    (dict(objective="dpo", init_from="adapter", model="Qwen/Qwen3-8B"), "was trained on"),
-])
+@pytest.mark.parametrize(
+    "fields, said",
+    [
+        (dict(preference={"beta": 0.2}), "preference.beta does not apply to objective sft"),
+        (
+            dict(objective="orpo", preference={"loss_type": "ipo"}),
+            "preference.loss_type does not apply to objective orpo",
+        ),
+        (dict(objective="dpo", packing=True), "packing apply to objective sft"),
+        (dict(objective="orpo", padding_free=True), "padding_free apply to objective sft"),
+        (dict(objective="dpo", padding_free=True, assistant_only_loss=True), "assistant_only_loss, padding_free apply"),
+        (dict(objective="dpo", init_from="nowhere"), "does not exist"),
+        (dict(objective="dpo", method="full", init_from="adapter"), "init_from starts from an adapter"),
+        (dict(objective="dpo", init_from="."), "holds no adapter_config.json"),
+        (dict(objective="dpo", init_from="adapter", lora={"r": 32}), "lora.r 32 (the parent's: 8) would be ignored"),
+        # the default value given on purpose is ignored as well (issue 46): refused whatever its value
+        (dict(objective="dpo", init_from="adapter", lora={"r": 16}), "lora.r 16 (the parent's: 8) would be ignored"),
+        (
+            dict(objective="dpo", init_from="adapter", lora={"target_modules": ["q_proj"]}),
+            "lora.target_modules ['q_proj'] (the parent's: ['q_proj', 'v_proj']) would be ignored",
+        ),
+        (dict(objective="dpo", init_from="adapter", model="Qwen/Qwen3-8B"), "was trained on"),
+    ],
+)
 def test_a_key_that_does_not_apply_is_refused(write_recipe, tmp_path, tiny_model, fields, said):
     from launcher.errors import RecipeError
     from launcher.recipe import load_recipe
 
     (tmp_path / "adapter").mkdir()
-    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(
-        {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "base_model_name_or_path": str(tiny_model),
-         "target_modules": ["v_proj", "q_proj"]}))
+    (tmp_path / "adapter" / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "r": 8,
+                "lora_alpha": 16,
+                "lora_dropout": 0.0,
+                "base_model_name_or_path": str(tiny_model),
+                "target_modules": ["v_proj", "q_proj"],
+            }
+        )
+    )
 
     with pytest.raises(RecipeError) as err:
         load_recipe(write_recipe(data=str(PAIRS), **fields))
@@ -163,9 +226,17 @@ def test_a_run_from_init_from_says_the_parents_rank_everywhere(write_recipe, tmp
     from launcher.store.rundir import RunDir
 
     (tmp_path / "adapter").mkdir()
-    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(
-        {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "base_model_name_or_path": str(tiny_model),
-         "target_modules": ["v_proj", "q_proj"]}))
+    (tmp_path / "adapter" / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "r": 8,
+                "lora_alpha": 16,
+                "lora_dropout": 0.0,
+                "base_model_name_or_path": str(tiny_model),
+                "target_modules": ["v_proj", "q_proj"],
+            }
+        )
+    )
     recipe = load_recipe(write_recipe(data=str(PAIRS), objective="dpo", init_from=str(tmp_path / "adapter")))
     assert (recipe.lora.r, recipe.lora.target_modules) == (8, ["q_proj", "v_proj"])
     run = RunDir(tmp_path / "run")
@@ -187,9 +258,12 @@ def test_padding_free_is_on_where_the_objective_honours_it(write_recipe, tmp_pat
     from launcher.worker.trainer_config import padding_free_collator
 
     seen = {}
-    for name, fields in {"sft": {}, "sft_off": dict(padding_free=False),
-                         "dpo": dict(objective="dpo", data=str(PAIRS)),
-                         "dpo_off": dict(objective="dpo", data=str(PAIRS), padding_free=False)}.items():
+    for name, fields in {
+        "sft": {},
+        "sft_off": dict(padding_free=False),
+        "dpo": dict(objective="dpo", data=str(PAIRS)),
+        "dpo_off": dict(objective="dpo", data=str(PAIRS), padding_free=False),
+    }.items():
         recipe = load_recipe(write_recipe(**fields))
         snapshot = tmp_path / f"{name}-snapshot.yaml"  # as launch writes the run's recipe.yaml
         snapshot.write_text(yaml.safe_dump(recipe.snapshot(), sort_keys=False))
@@ -207,11 +281,13 @@ def test_a_loss_type_the_installed_trl_lacks_is_refused_before_training(write_re
     assert {"sigmoid", "ipo", "hinge"} <= set(dpo_loss_types())
     check_trainer_fields(load_recipe(write_recipe(data=str(PAIRS), objective="dpo", preference={"loss_type": "ipo"})))
     with pytest.raises(RecipeError, match="did you mean 'sigmoid'"):
-        check_trainer_fields(load_recipe(write_recipe(data=str(PAIRS), objective="dpo",
-                                                      preference={"loss_type": "sigmod"})))
+        check_trainer_fields(
+            load_recipe(write_recipe(data=str(PAIRS), objective="dpo", preference={"loss_type": "sigmod"}))
+        )
     with pytest.raises(RecipeError, match="not a field of TRL's DPOConfig"):
-        check_trainer_fields(load_recipe(write_recipe(data=str(PAIRS), objective="dpo",
-                                                      trainer={"completion_only_loss": True})))
+        check_trainer_fields(
+            load_recipe(write_recipe(data=str(PAIRS), objective="dpo", trainer={"completion_only_loss": True}))
+        )
 
 
 def test_an_sft_recipe_keeps_its_trajectory_hash(write_recipe):
@@ -247,7 +323,9 @@ def test_the_plan_of_an_8b_qlora_dpo_job_on_one_4090_states_the_pairs_and_the_re
     # time: the same tokens twice, and a reference forward over each of them
     assert dpo.tokens["training_tokens"] == sft.tokens["training_tokens"]  # the data's own count (both sides)
     assert dpo.estimate["hours"] > sft.estimate["hours"]
-    assert "reference model" not in orpo.memory["breakdown_gb"] and "needs no reference model" in "\n".join(orpo.reasons)
+    assert "reference model" not in orpo.memory["breakdown_gb"] and "needs no reference model" in "\n".join(
+        orpo.reasons
+    )
     assert orpo.estimate["hours"] < dpo.estimate["hours"]
     # ORPO's loss reads the whole logits (trl's ORPOTrainer takes outputs.logits), DPO's the fused head: 2 sequences x
     # seq_len tokens x the vocabulary at 12 B (loss_head.LOGIT_BYTES_HF) against the head's tiles
@@ -256,15 +334,17 @@ def test_the_plan_of_an_8b_qlora_dpo_job_on_one_4090_states_the_pairs_and_the_re
 
     tokens = 2 * orpo.tokens["seq_len"]
     assert orpo.memory["breakdown_gb"]["logits and loss"] == pytest.approx(
-        tokens * orpo.model["vocab"] * loss_head.LOGIT_BYTES_HF / sizing.GB, rel=0.01)
+        tokens * orpo.model["vocab"] * loss_head.LOGIT_BYTES_HF / sizing.GB, rel=0.01
+    )
     assert orpo.memory["breakdown_gb"]["logits and loss"] > 5 * dpo.memory["breakdown_gb"]["logits and loss"]
     assert "loss: the model's whole logits (trl's ORPOTrainer takes them" in "\n".join(orpo.reasons)
     assert "fused LM head (trl's ORPOTrainer" not in "\n".join(orpo.reasons)
     assert "loss: TRL's fused LM head (trl's DPOTrainer" in "\n".join(dpo.reasons)
     assert "once, before the first step" in "\n".join(precomputed.reasons)
     assert any("learning_rate is the recipe's default" in n for n in dpo.notes)  # SFT's rate, TRL's named
-    assert not any("learning_rate" in n for n in article_plan(tmp_path, "1xRTX4090", objective="dpo",
-                                                             learning_rate=1e-5).notes)
+    assert not any(
+        "learning_rate" in n for n in article_plan(tmp_path, "1xRTX4090", objective="dpo", learning_rate=1e-5).notes
+    )
     full = article_plan(tmp_path, "8xH100-80GB", objective="dpo", method="full")
     assert full.memory["breakdown_gb"]["reference model"] > 0 and "frozen copy" in "\n".join(full.reasons)
 
@@ -272,8 +352,15 @@ def test_the_plan_of_an_8b_qlora_dpo_job_on_one_4090_states_the_pairs_and_the_re
 # ---------------------------------------------------------------------------------------------
 # End to end on the tiny model
 
-DPO = dict(objective="dpo", data=str(PAIRS), max_length=512, max_steps=24, learning_rate=2e-3, logging_steps=4,
-           eval={"fraction": 0.1, "every_minutes": 10, "samples": 0, "task": {"examples": 0}})
+DPO = dict(
+    objective="dpo",
+    data=str(PAIRS),
+    max_length=512,
+    max_steps=24,
+    learning_rate=2e-3,
+    logging_steps=4,
+    eval={"fraction": 0.1, "every_minutes": 10, "samples": 0, "task": {"examples": 0}},
+)
 QUICK = ("smoke.enabled=false",)
 
 
@@ -350,10 +437,13 @@ def test_dpo_kill9_then_resume_matches_the_uninterrupted_run(write_recipe, tmp_p
 def test_the_loss_plot_draws_the_margins_of_a_preference_run(tmp_path):
     from launcher.deliver.plots import plot_loss
 
-    rows = [{"step": s, "loss": 0.7 - s / 100, "learning_rate": 1e-3, "rewards/margins": s / 10,
-             "rewards/accuracies": 0.5} for s in range(1, 6)]
-    rows += [{"step": s, "eval_loss": 0.69, "eval_rewards/margins": s / 20, "eval_rewards/accuracies": 0.6}
-             for s in (0, 5)]
+    rows = [
+        {"step": s, "loss": 0.7 - s / 100, "learning_rate": 1e-3, "rewards/margins": s / 10, "rewards/accuracies": 0.5}
+        for s in range(1, 6)
+    ]
+    rows += [
+        {"step": s, "eval_loss": 0.69, "eval_rewards/margins": s / 20, "eval_rewards/accuracies": 0.6} for s in (0, 5)
+    ]
     path = _lines(tmp_path / "metrics.jsonl", rows)
     out = plot_loss(path, tmp_path / "loss.png")
     import matplotlib.image

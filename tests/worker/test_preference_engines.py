@@ -25,8 +25,14 @@ def test_orpo_trains_without_a_reference(write_recipe, tmp_path):
 
 @pytest.mark.slow
 def test_dpo_ddp_two_processes_follow_accumulation_two(write_recipe, tmp_path):
-    fields = dict(DPO, max_steps=6, micro_batch_size=4, checkpoint_every_minutes=10, logging_steps=1,
-                  eval={"samples": 0, "task": {"examples": 0}})
+    fields = dict(
+        DPO,
+        max_steps=6,
+        micro_batch_size=4,
+        checkpoint_every_minutes=10,
+        logging_steps=1,
+        eval={"samples": 0, "task": {"examples": 0}},
+    )
 
     one = _foreground(write_recipe, tmp_path, fields, "one", "gradient_accumulation_steps=2")
     ddp = _foreground(write_recipe, tmp_path, fields, "ddp", "engine=ddp", "num_processes=2")
@@ -42,8 +48,14 @@ def test_dpo_ddp_two_processes_follow_accumulation_two(write_recipe, tmp_path):
 def test_dpo_zero3_two_processes_follows_ddp(write_recipe, tmp_path):
     """DeepSpeed ZeRO-3 on 2 gloo processes: DPO with the adapter switched off as the reference, as DDP trains it."""
     pytest.importorskip("deepspeed")
-    fields = dict(DPO, max_steps=4, micro_batch_size=4, checkpoint_every_minutes=10, logging_steps=1,
-                  eval={"samples": 0, "task": {"examples": 0}})
+    fields = dict(
+        DPO,
+        max_steps=4,
+        micro_batch_size=4,
+        checkpoint_every_minutes=10,
+        logging_steps=1,
+        eval={"samples": 0, "task": {"examples": 0}},
+    )
 
     ddp = _foreground(write_recipe, tmp_path, fields, "ddp", "engine=ddp", "num_processes=2")
     zero = _foreground(write_recipe, tmp_path, fields, "zero", "engine=deepspeed", "num_processes=2")

@@ -17,8 +17,15 @@ LOG_EVERY = 5
 FIELDS = dict(max_steps=30, logging_steps=LOG_EVERY, checkpoint_every_minutes=0.0001, learning_rate=5e-3)
 QUICK = ("smoke.enabled=false", "export=[]")
 # Wall-clock values differ between any two runs; every other logged value is a function of the trajectory.
-WALL_CLOCK = ("time", "tokens_per_second", "peak_memory_gb", "train_runtime", "train_tokens_per_second",
-              "train_samples_per_second", "train_steps_per_second")
+WALL_CLOCK = (
+    "time",
+    "tokens_per_second",
+    "peak_memory_gb",
+    "train_runtime",
+    "train_tokens_per_second",
+    "train_samples_per_second",
+    "train_steps_per_second",
+)
 
 
 def _complete_steps(run: Path) -> list[int]:
@@ -65,6 +72,7 @@ def _interrupted(write_recipe, tmp_path: Path, *overrides: str, kill_group: bool
     assert ftrun(recipe, *QUICK, *overrides, cwd=tmp_path).returncode == 0
     run = tmp_path / "run"
     if kill_group:  # torchrun and every rank
+
         def frozen(r: Path) -> bool:
             st = read_state(r) if (r / "state.json").is_file() else {}
             if not st.get("supervisor_pid"):
@@ -160,23 +168,35 @@ def test_checkpoint_without_window_state_still_resumes_with_a_note(write_recipe,
 
 
 def _trainer_after_zeroing(step: int, world_size: int, rank: int):
-    """The attributes restore() reads and sets, as transformers' _inner_training_loop leaves them before on_train_begin."""
+    """The attributes restore() reads and sets, as transformers' _inner_training_loop leaves them before
+    on_train_begin."""
     from collections import defaultdict
     from types import SimpleNamespace
 
     import torch
 
-    return SimpleNamespace(_tr_loss=torch.tensor(0.0), _globalstep_last_logged=step, _total_loss_scalar=0.0,
-                           state=SimpleNamespace(global_step=step),
-                           args=SimpleNamespace(world_size=world_size, process_index=rank),
-                           _metrics={"train": defaultdict(list), "eval": defaultdict(list)}, _total_train_tokens=0)
+    return SimpleNamespace(
+        _tr_loss=torch.tensor(0.0),
+        _globalstep_last_logged=step,
+        _total_loss_scalar=0.0,
+        state=SimpleNamespace(global_step=step),
+        args=SimpleNamespace(world_size=world_size, process_index=rank),
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+        _total_train_tokens=0,
+    )
 
 
 def test_restore_puts_each_ranks_sum_back_or_says_why_not(tmp_path):
     from launcher.worker import window
 
-    saved = {"step": 7, "last_logged_step": 5, "loss_sums": [12.5, 11.25], "loss_dtype": "float32",
-             "trl_metrics": {"entropy": [1.5, 1.25], "num_tokens": [900]}, "trl_total_train_tokens": 900}
+    saved = {
+        "step": 7,
+        "last_logged_step": 5,
+        "loss_sums": [12.5, 11.25],
+        "loss_dtype": "float32",
+        "trl_metrics": {"entropy": [1.5, 1.25], "num_tokens": [900]},
+        "trl_total_train_tokens": 900,
+    }
     (tmp_path / window.WINDOW_FILE).write_text(json.dumps(saved))
 
     t = _trainer_after_zeroing(7, world_size=2, rank=1)

@@ -64,7 +64,9 @@ def test_a_rerun_answers_only_what_the_file_misses_and_scores_the_same(loaded, t
 
     model, tokenizer = loaded
     task = _task(tmp_path)
-    task["prompts"][0]["reference"] = task_eval.answer(model, tokenizer, task["prompts"][:1], 6, tmp_path / "x.jsonl")[0]["answer"]
+    task["prompts"][0]["reference"] = task_eval.answer(model, tokenizer, task["prompts"][:1], 6, tmp_path / "x.jsonl")[
+        0
+    ]["answer"]
     first = task_eval.score_model(model, tokenizer, tmp_path, task, "m", batch_size=4)
     assert first["score"] > 0
     path = tmp_path / "task_eval" / "m.jsonl"
@@ -72,7 +74,9 @@ def test_a_rerun_answers_only_what_the_file_misses_and_scores_the_same(loaded, t
     path.write_text("\n".join(lines[:6]) + "\n" + lines[6][:20])  # half kept, then a line cut by kill -9
     asked: list[int] = []
     real = task_eval.generate_batch
-    monkeypatch.setattr(task_eval, "generate_batch", lambda m, t, texts, *a, **k: asked.append(len(texts)) or real(m, t, texts, *a, **k))
+    monkeypatch.setattr(
+        task_eval, "generate_batch", lambda m, t, texts, *a, **k: asked.append(len(texts)) or real(m, t, texts, *a, **k)
+    )
     again = task_eval.score_model(model, tokenizer, tmp_path, task, "m", batch_size=4)
     assert sum(asked) == 6  # only the missing half
     assert (again["score"], again["details"], again["examples"]) == (first["score"], first["details"], 12)
@@ -124,9 +128,21 @@ def test_an_answer_ends_at_the_end_of_turn(loaded):
 def test_the_results_file_merges_names_and_says_the_rule(tmp_path):
     from launcher.worker import samples, task_eval
 
-    task = {"metric": "exact", "metric_reason": "labels", "prompts": [{"index": 0}] * 10, "shots": [{}] * 3,
-            "max_new_tokens": 8}
-    r = {"score": 0.4, "details": {"exact": 0.4}, "examples": 10, "seconds": 2.0, "new_tokens": 40, "tokens_per_s": 20.0}
+    task = {
+        "metric": "exact",
+        "metric_reason": "labels",
+        "prompts": [{"index": 0}] * 10,
+        "shots": [{}] * 3,
+        "max_new_tokens": 8,
+    }
+    r = {
+        "score": 0.4,
+        "details": {"exact": 0.4},
+        "examples": 10,
+        "seconds": 2.0,
+        "new_tokens": 40,
+        "tokens_per_s": 20.0,
+    }
     out = task_eval.record(tmp_path, task, "base_zero_shot", r)
     assert out["fine_tune_pays"] is None and out["examples"] == 10 and out["shots"] == 3
     task_eval.record(tmp_path, task, "base_few_shot", {**r, "score": 0.9})
@@ -143,8 +159,10 @@ def test_the_results_file_merges_names_and_says_the_rule(tmp_path):
     assert text.startswith("# Before and after") and text.count(samples.SCORES_HEADING) == 1
     assert "| base model, 3 examples in the prompt | 90.0% |" in text and "| fine-tuned | 100.0% |" in text
     gone = task_eval.record(tmp_path, {"not_applicable": "plain text has no reference"})
-    assert gone == {"not_applicable": "plain text has no reference",
-                    "verdict": "the task evaluation does not apply to this data: plain text has no reference"}
+    assert gone == {
+        "not_applicable": "plain text has no reference",
+        "verdict": "the task evaluation does not apply to this data: plain text has no reference",
+    }
     (tmp_path / "f2").mkdir()
     assert "Not scored: plain text" in samples.append_scores(tmp_path / "f2", gone).read_text()
 
@@ -181,9 +199,14 @@ def _run_dir(tmp_path: Path, tiny_model: Path, **eval_fields) -> Path:
 
 
 def _base(run: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launcher.worker.task_eval", "--run-dir", str(run), "--phase", "base"],
-                          cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1"),
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "launcher.worker.task_eval", "--run-dir", str(run), "--phase", "base"],
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_the_base_phase_scores_zero_and_few_shot(tmp_path, tiny_model):
@@ -191,12 +214,17 @@ def test_the_base_phase_scores_zero_and_few_shot(tmp_path, tiny_model):
     res = _base(run)
     assert res.returncode == 0, res.stdout + res.stderr
     lines = [line for line in res.stdout.splitlines() if line.startswith("[ftrun task eval] base_")]
-    assert [line.split(":")[0] for line in lines] == ["[ftrun task eval] base_zero_shot", "[ftrun task eval] base_few_shot"]
+    assert [line.split(":")[0] for line in lines] == [
+        "[ftrun task eval] base_zero_shot",
+        "[ftrun task eval] base_few_shot",
+    ]
     out = json.loads((run / "task_eval.json").read_text())
     assert out["metric"] == "exact" and out["examples"] == 12 and out["shots"] == 3
     assert set(out["scores"]) == {"base_zero_shot", "base_few_shot"} and out["fine_tune_pays"] is True  # random weights
     task = json.loads((run / "task.json").read_text())
-    assert len(task["prompts"]) == 12 and len((run / "task_eval" / "base_few_shot.jsonl").read_text().splitlines()) == 12
+    assert (
+        len(task["prompts"]) == 12 and len((run / "task_eval" / "base_few_shot.jsonl").read_text().splitlines()) == 12
+    )
 
 
 def test_the_base_phase_on_bad_input_exits_2_in_one_line(tmp_path, tiny_model):
@@ -205,8 +233,9 @@ def test_the_base_phase_on_bad_input_exits_2_in_one_line(tmp_path, tiny_model):
     run = _run_dir(tmp_path, tiny_model)
     (tmp_path / "t.jsonl").write_text('{"messages": [{"role": "user"}]}\n')
     res = _base(run)
-    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1 and "[ftrun task eval]" in res.stderr, \
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1 and "[ftrun task eval]" in res.stderr, (
         res.stderr
+    )
 
 
 def test_plain_text_is_not_scored_and_says_why(tmp_path, tiny_model):
@@ -224,9 +253,20 @@ def test_a_label_task_is_learned_and_scored_after_training(tmp_path, tiny_model)
     from conftest import recipe_file
 
     data = write_ticket_labels(tmp_path / "t.jsonl", 200)
-    recipe = recipe_file(tmp_path / "r.yaml", tiny_model, tmp_path / "run", data=str(data), max_steps=None, epochs=5,
-                         micro_batch_size=16, learning_rate=1e-2, assistant_only_loss=True, export=["adapter", "merged"],
-                         checkpoint_every_minutes=5, eval={"fraction": 0.1, "samples": 2, "every_minutes": 60})
+    recipe = recipe_file(
+        tmp_path / "r.yaml",
+        tiny_model,
+        tmp_path / "run",
+        data=str(data),
+        max_steps=None,
+        epochs=5,
+        micro_batch_size=16,
+        learning_rate=1e-2,
+        assistant_only_loss=True,
+        export=["adapter", "merged"],
+        checkpoint_every_minutes=5,
+        eval={"fraction": 0.1, "samples": 2, "every_minutes": 60},
+    )
     res = ftrun(recipe, "--foreground", cwd=tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     final = tmp_path / "run" / "final"
@@ -272,8 +312,15 @@ def test_a_kill_9_during_the_evaluation_after_training_resumes_it_with_the_same_
 
     data = write_ticket_labels(tmp_path / "t.jsonl", 120)
     run = tmp_path / "run"
-    recipe = recipe_file(tmp_path / "r.yaml", tiny_model, run, data=str(data), max_steps=6, micro_batch_size=8,
-                         eval={"fraction": 0.2, "samples": 0, "task": {"examples": 24, "baseline": "skip"}})
+    recipe = recipe_file(
+        tmp_path / "r.yaml",
+        tiny_model,
+        run,
+        data=str(data),
+        max_steps=6,
+        micro_batch_size=8,
+        eval={"fraction": 0.2, "samples": 0, "task": {"examples": 24, "baseline": "skip"}},
+    )
     res = ftrun(recipe, cwd=tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     answers = run / "task_eval" / "fine_tuned.jsonl"
@@ -286,7 +333,7 @@ def test_a_kill_9_during_the_evaluation_after_training_resumes_it_with_the_same_
     os.kill(st["worker_pid"], signal.SIGKILL)
     wait_until_ended(run, tmp_path)
     lines = answers.read_text().splitlines()
-    assert lines[:len(kept)] == kept and len(lines) == 24, (len(kept), len(lines))  # the kept ones not asked again
+    assert lines[: len(kept)] == kept and len(lines) == 24, (len(kept), len(lines))  # the kept ones not asked again
     assert len({json.loads(l)["index"] for l in lines}) == 24
     log = (run / "train.log").read_text()
     assert "nothing left to train" in log
@@ -297,11 +344,18 @@ def test_a_kill_9_during_the_evaluation_after_training_resumes_it_with_the_same_
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32),
-                                      str(run / "final" / "adapter"))
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32), str(run / "final" / "adapter")
+    )
     task = json.loads((run / "task.json").read_text())
-    fresh = task_eval.score_model(model, AutoTokenizer.from_pretrained(str(run / "final" / "adapter")), tmp_path / "again",
-                                  task, "fresh", write=False)
+    fresh = task_eval.score_model(
+        model,
+        AutoTokenizer.from_pretrained(str(run / "final" / "adapter")),
+        tmp_path / "again",
+        task,
+        "fresh",
+        write=False,
+    )
     assert fresh["score"] == out["scores"]["fine_tuned"], (fresh["score"], out["scores"])
 
 
@@ -318,13 +372,28 @@ def test_a_json_extraction_task_reports_parse_rate_and_field_match(tmp_path, tin
     rows = []
     for _ in range(100):
         n, a, c = rng.choice(names), rng.randint(20, 60), rng.choice(cities)
-        rows.append({"messages": [{"role": "user", "content": f"Extract the person: {n} is {a} and lives in {c}."},
-                                  {"role": "assistant", "content": json.dumps({"name": n, "age": a, "city": c})}]})
+        rows.append(
+            {
+                "messages": [
+                    {"role": "user", "content": f"Extract the person: {n} is {a} and lives in {c}."},
+                    {"role": "assistant", "content": json.dumps({"name": n, "age": a, "city": c})},
+                ]
+            }
+        )
     data = tmp_path / "people.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    recipe = recipe_file(tmp_path / "r.yaml", tiny_model, tmp_path / "run", data=str(data), max_steps=12,
-                         micro_batch_size=16, learning_rate=1e-2, assistant_only_loss=True, smoke={"enabled": False},
-                         eval={"fraction": 0.15, "samples": 0, "task": {"examples": 15}})
+    recipe = recipe_file(
+        tmp_path / "r.yaml",
+        tiny_model,
+        tmp_path / "run",
+        data=str(data),
+        max_steps=12,
+        micro_batch_size=16,
+        learning_rate=1e-2,
+        assistant_only_loss=True,
+        smoke={"enabled": False},
+        eval={"fraction": 0.15, "samples": 0, "task": {"examples": 15}},
+    )
     # the SDPA backends' override (launcher/plan/attention.py) reaches the worker, the base phase and the export
     res = ftrun(recipe, "--foreground", cwd=tmp_path, timeout=600, env={"FTRUN_SDPA_BACKENDS": "efficient,math"})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -348,8 +417,14 @@ def test_baseline_skip_scores_the_base_after_training_with_the_adapter_off(tmp_p
     comparison, the base scored with its adapter switched off, as docs/task_eval.md says."""
     from conftest import recipe_file
 
-    recipe = recipe_file(tmp_path / "r.yaml", tiny_model, tmp_path / "run", max_steps=4, checkpoint_every_minutes=5,
-                         eval={"fraction": 0.1, "samples": 0, "task": {"examples": 10, "baseline": "skip"}})
+    recipe = recipe_file(
+        tmp_path / "r.yaml",
+        tiny_model,
+        tmp_path / "run",
+        max_steps=4,
+        checkpoint_every_minutes=5,
+        eval={"fraction": 0.1, "samples": 0, "task": {"examples": 10, "baseline": "skip"}},
+    )
     res = ftrun(recipe, "--foreground", "smoke.enabled=false", cwd=tmp_path, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "scoring the base model before training" not in res.stdout

@@ -70,8 +70,16 @@ def test_loads_offline_with_auto_classes(model_dir):
 
     # ftrun's planner reads these straight from config.json.
     cfg = json.loads((model_dir / "config.json").read_text())
-    for key in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings"):
+    for key in (
+        "num_hidden_layers",
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "tie_word_embeddings",
+    ):
         assert key in cfg, key
     assert cfg["max_position_embeddings"] >= 4096
     assert cfg["head_dim"] * cfg["num_attention_heads"] == cfg["hidden_size"]

@@ -16,8 +16,18 @@ from launcher.worker import trackers
 from launcher.errors import RecipeError
 from launcher.recipe import validate_recipe
 
-TRACKER_ENV = ("WANDB_RUN_ID", "WANDB_RESUME", "WANDB_PROJECT", "WANDB_DIR", "WANDB_MODE", "MLFLOW_TRACKING_URI",
-               "MLFLOW_EXPERIMENT_NAME", "MLFLOW_RUN_ID", "MLFLOW_ALLOW_FILE_STORE", "TENSORBOARD_LOGGING_DIR")
+TRACKER_ENV = (
+    "WANDB_RUN_ID",
+    "WANDB_RESUME",
+    "WANDB_PROJECT",
+    "WANDB_DIR",
+    "WANDB_MODE",
+    "MLFLOW_TRACKING_URI",
+    "MLFLOW_EXPERIMENT_NAME",
+    "MLFLOW_RUN_ID",
+    "MLFLOW_ALLOW_FILE_STORE",
+    "TENSORBOARD_LOGGING_DIR",
+)
 
 
 @pytest.fixture
@@ -41,8 +51,9 @@ def test_report_to_defaults_to_tensorboard_and_refuses_unknown_trackers(tmp_path
         _recipe(tmp_path, trainer={"report_to": ["wandb"]})
 
 
-def test_absent_tracker_is_refused_at_plan_and_launch_with_the_install_line(tmp_path, write_recipe, monkeypatch,
-                                                                           capsys):
+def test_absent_tracker_is_refused_at_plan_and_launch_with_the_install_line(
+    tmp_path, write_recipe, monkeypatch, capsys
+):
     from launcher.cli import main
 
     monkeypatch.setattr(trackers, "_installed", lambda tracker: tracker == "tensorboard")
@@ -128,9 +139,14 @@ def test_names_set_by_the_user_are_kept(tmp_path, clean_env):
 # ---------------------------------------------------------------------------------------------
 # Real runs of the tiny model (slow tier)
 
+
 def _tracker_env(tmp_path: Path) -> dict[str, str]:
-    return {"WANDB_MODE": "offline", "MLFLOW_TRACKING_URI": f"file:{tmp_path / 'mlruns'}",
-            "TRACKIO_DIR": str(tmp_path / "trackio"), "WANDB_SILENT": "true"}
+    return {
+        "WANDB_MODE": "offline",
+        "MLFLOW_TRACKING_URI": f"file:{tmp_path / 'mlruns'}",
+        "TRACKIO_DIR": str(tmp_path / "trackio"),
+        "WANDB_SILENT": "true",
+    }
 
 
 def _mlflow_runs(tmp_path: Path) -> list[dict]:
@@ -139,7 +155,13 @@ def _mlflow_runs(tmp_path: Path) -> list[dict]:
     for meta in (tmp_path / "mlruns").glob("*/*/meta.yaml"):
         loss = meta.parent / "metrics" / "loss"
         steps = sorted(int(line.split()[2]) for line in loss.read_text().splitlines()) if loss.is_file() else []
-        out.append({"id": meta.parent.name, "steps": steps, "params": sorted(p.name for p in (meta.parent / "params").iterdir())})
+        out.append(
+            {
+                "id": meta.parent.name,
+                "steps": steps,
+                "params": sorted(p.name for p in (meta.parent / "params").iterdir()),
+            }
+        )
     return out
 
 
@@ -174,8 +196,11 @@ def _kill_rank_0_after_a_checkpoint(run: Path, max_steps: int, timeout: float = 
     while time.monotonic() < deadline:
         launcher = read_state(run).get("worker_pid") if (run / "state.json").is_file() else None
         try:
-            ranks = [p for p in psutil.Process(launcher).children() if "launcher.worker.train" in " ".join(p.cmdline())] \
-                if launcher else []
+            ranks = (
+                [p for p in psutil.Process(launcher).children() if "launcher.worker.train" in " ".join(p.cmdline())]
+                if launcher
+                else []
+            )
             if len(ranks) == 2:
                 for p in ranks:
                     p.suspend()
@@ -213,15 +238,26 @@ def test_trackers_continue_the_same_run_after_a_kill_9_and_only_rank_0_reports(t
     t0 = time.monotonic()
     run = tmp_path / "run"
     steps = 16  # steps left after the first checkpoint on a fast box too (8 were done before the kill landed once)
-    recipe = recipe_file(tmp_path / "r.yaml", tiny_model, output_dir=run, max_steps=steps, micro_batch_size=4,
-                         keep_checkpoints=1, engine="ddp", num_processes=2,
-                         report_to=["tensorboard", "wandb", "mlflow", "trackio"], smoke={"enabled": False})
+    recipe = recipe_file(
+        tmp_path / "r.yaml",
+        tiny_model,
+        output_dir=run,
+        max_steps=steps,
+        micro_batch_size=4,
+        keep_checkpoints=1,
+        engine="ddp",
+        num_processes=2,
+        report_to=["tensorboard", "wandb", "mlflow", "trackio"],
+        smoke={"enabled": False},
+    )
     res = ftrun(recipe, cwd=tmp_path, env=_tracker_env(tmp_path))
     assert res.returncode == 0, res.stdout + res.stderr
     _kill_rank_0_after_a_checkpoint(run, steps)
     wait_until_ended(run, tmp_path)
     log = (run / "train.log").read_text()
-    assert "from the newest verified checkpoint" in log and "resuming from step-" in log  # the supervisor's restart line
+    assert (
+        "from the newest verified checkpoint" in log and "resuming from step-" in log
+    )  # the supervisor's restart line
     ids = json.loads((run / "trackers.json").read_text())
 
     wandb = _wandb_runs(run)  # two launches, one run: `wandb sync` sends both folders to run <id>
@@ -253,9 +289,16 @@ def test_the_task_scores_are_summary_metrics_of_each_tracked_run(tmp_path, tiny_
     for package in ("wandb", "mlflow", "trackio"):
         pytest.importorskip(package)
     run = tmp_path / "run"
-    recipe = recipe_file(tmp_path / "r.yaml", tiny_model, output_dir=run, max_steps=4, export=["adapter", "merged"],
-                         report_to=["tensorboard", "wandb", "mlflow", "trackio"], smoke={"enabled": False},
-                         eval={"fraction": 0.05, "samples": 0, "task": {"examples": 10, "shots": 1}})
+    recipe = recipe_file(
+        tmp_path / "r.yaml",
+        tiny_model,
+        output_dir=run,
+        max_steps=4,
+        export=["adapter", "merged"],
+        report_to=["tensorboard", "wandb", "mlflow", "trackio"],
+        smoke={"enabled": False},
+        eval={"fraction": 0.05, "samples": 0, "task": {"examples": 10, "shots": 1}},
+    )
     res = ftrun(recipe, "--foreground", cwd=tmp_path, env=_tracker_env(tmp_path))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     scores = json.loads((run / "final" / "task_eval.json").read_text())["scores"]

@@ -14,8 +14,18 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import (REPO, freeze_worker, ftrun, has_checkpoint, metrics, prepared_run, read_state, status, wait_for,
-                     wait_until_ended)
+from helpers import (
+    REPO,
+    freeze_worker,
+    ftrun,
+    has_checkpoint,
+    metrics,
+    prepared_run,
+    read_state,
+    status,
+    wait_for,
+    wait_until_ended,
+)
 from launcher.errors import PlanError
 from launcher.plan.hardware import from_spec
 from launcher.plan.plan import make_plan
@@ -24,8 +34,14 @@ from launcher.recipe import validate_recipe
 HAVE_UNSLOTH = importlib.util.find_spec("unsloth") is not None
 needs_unsloth = pytest.mark.skipif(not HAVE_UNSLOTH, reason="Unsloth is not installed (scripts/test.sh --unsloth)")
 QUICK = ("smoke.enabled=false", "export=[]")
-DATA = SimpleNamespace(examples=400, total_tokens=400 * 120, mean_tokens=120.0, max_tokens=256,
-                       over_max_length=0, tokens_source="tokenizer")
+DATA = SimpleNamespace(
+    examples=400,
+    total_tokens=400 * 120,
+    mean_tokens=120.0,
+    max_tokens=256,
+    over_max_length=0,
+    tokens_source="tokenizer",
+)
 
 
 def cpu_box(cores=2):
@@ -33,20 +49,30 @@ def cpu_box(cores=2):
 
 
 def _plan(tmp_path, model, hw, unsloth, **fields):
-    base = {"model": str(model), "method": "lora", "data": "d.jsonl", "max_length": 256,
-            "micro_batch_size": 8, "gradient_accumulation_steps": 1, "max_steps": 12}
+    base = {
+        "model": str(model),
+        "method": "lora",
+        "data": "d.jsonl",
+        "max_length": 256,
+        "micro_batch_size": 8,
+        "gradient_accumulation_steps": 1,
+        "max_steps": 12,
+    }
     base.update(fields)
     return make_plan(validate_recipe(base, tmp_path, "r"), hw, DATA, unsloth_available=unsloth)
 
 
 # --- default tier: the plan ---------------------------------------------------------------------------
 
+
 def test_prequantized_repos_only_for_qlora_hub_ids(tiny_model):
     from launcher.plan.models import prequantized_repo
     from launcher.worker.engines.unsloth import plan_reason, target_modules
 
     assert prequantized_repo("Qwen/Qwen3-8B", "qlora") == "unsloth/Qwen3-8B-bnb-4bit"
-    assert prequantized_repo("meta-llama/Llama-3.1-8B-Instruct", "qlora") == "unsloth/Meta-Llama-3.1-8B-Instruct-bnb-4bit"
+    assert (
+        prequantized_repo("meta-llama/Llama-3.1-8B-Instruct", "qlora") == "unsloth/Meta-Llama-3.1-8B-Instruct-bnb-4bit"
+    )
     assert prequantized_repo("Qwen/Qwen3-8B", "lora") is None  # LoRA trains on the 16-bit weights
     assert prequantized_repo(str(tiny_model), "qlora") is None  # local folders load as they are
     assert prequantized_repo("someone/unknown-model", "qlora") is None
@@ -79,7 +105,9 @@ def test_engine_unsloth_is_refused_by_the_plan_when_not_installed(write_recipe, 
     res = ftrun("plan", write_recipe(), "engine=unsloth", cwd=tmp_path)
     assert res.returncode != 0
     out = res.stdout + res.stderr
-    assert "missing software" in out and "engine: unsloth needs Unsloth, which is not installed in this environment" in out, out
+    assert (
+        "missing software" in out and "engine: unsloth needs Unsloth, which is not installed in this environment" in out
+    ), out
     assert "transformers<=5.17" in out and "pip install 'ftrun[train,unsloth]'" in out  # why, and the fix
     assert not (tmp_path / "run" / "plan.json").exists()
 
@@ -92,8 +120,14 @@ def test_worker_never_falls_back_to_trl_when_the_plan_says_unsloth(write_recipe,
     plan["engine"] = "unsloth"
     (run / "plan.json").write_text(json.dumps(plan))
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
-    res = subprocess.run([sys.executable, "-m", "launcher.run.supervisor", "--run-dir", str(run)],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "launcher.run.supervisor", "--run-dir", str(run)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 5, res.stdout[-3000:] + res.stderr[-3000:]
     st = read_state(run)
     assert st["state"] == "failed" and st.get("restarts", 0) == 0
@@ -102,6 +136,7 @@ def test_worker_never_falls_back_to_trl_when_the_plan_says_unsloth(write_recipe,
 
 
 # --- unsloth tier: real training with Unsloth on the CPU ------------------------------------------------
+
 
 def _run(write_recipe, tmp_path, name, *overrides, **fields):
     recipe = write_recipe(f"{name}.yaml", output_dir=str(tmp_path / name), **fields)
@@ -182,8 +217,10 @@ def test_unsloth_kill9_then_resume(write_recipe, tmp_path):
     assert ta.keys() == tb.keys()
     dt = max((ta[k] - tb[k]).abs().max().item() for k in ta)
     resumed = log.split("resuming from step-")[1].split()[0]
-    print(f"unsloth kill -9 at step-{resumed} + resume vs uninterrupted: max loss difference {dl:.3g}, "
-          f"max adapter difference {dt:.3g}")
+    print(
+        f"unsloth kill -9 at step-{resumed} + resume vs uninterrupted: max loss difference {dl:.3g}, "
+        f"max adapter difference {dt:.3g}"
+    )
     assert dl == 0.0 and dt == 0.0, (dl, dt)
     assert all(torch.equal(ta[k], tb[k]) for k in ta)
 
@@ -196,7 +233,10 @@ def test_prequantized_names_are_unsloths_own():
 
     from launcher.plan.models import PREQUANTIZED
 
-    known = {name.lower() for table in (mapper.INT_TO_FLOAT_MAPPER, mapper.FLOAT_TO_INT_MAPPER) for name in
-             [*table.keys(), *[v for vs in table.values() for v in ([vs] if isinstance(vs, str) else vs)]]}
+    known = {
+        name.lower()
+        for table in (mapper.INT_TO_FLOAT_MAPPER, mapper.FLOAT_TO_INT_MAPPER)
+        for name in [*table.keys(), *[v for vs in table.values() for v in ([vs] if isinstance(vs, str) else vs)]]
+    }
     missing = [repo for repo in PREQUANTIZED.values() if repo.lower() not in known]
     assert not missing, missing

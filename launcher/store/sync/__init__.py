@@ -12,5 +12,15 @@ from launcher.store.sync.hub import HubDestination, git_blob_id, hub_retry_delay
 from launcher.store.sync.kinds import KINDS, destination  # noqa: F401
 from launcher.store.sync.object_store import FsspecDestination, SentDigests, s3_part_bytes  # noqa: F401
 from launcher.store.sync.rsync import RsyncDestination  # noqa: F401
-from launcher.store.sync.transfer import (METADATA, Syncer, backoff_fields, metadata_digests, pull,  # noqa: F401
-                                          push_checkpoint, push_final, push_metadata, remote_has_run, status_fields)
+from launcher.store.sync.transfer import (
+    METADATA,
+    Syncer,
+    backoff_fields,
+    metadata_digests,
+    pull,  # noqa: F401
+    push_checkpoint,
+    push_final,
+    push_metadata,
+    remote_has_run,
+    status_fields,
+)

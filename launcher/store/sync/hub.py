@@ -43,15 +43,17 @@ class HubDestination(Destination):
         from huggingface_hub import HfApi, get_token
 
         self.url = url.rstrip("/")
-        parts = self.url[len("hf://"):].split("/", 2)
+        parts = self.url[len("hf://") :].split("/", 2)
         if len(parts) < 2 or not all(parts[:2]):
             raise SyncError(f"sync.to={url} does not name a repo", fix="write hf://USER/REPO[/subfolder].")
         self.repo = f"{parts[0]}/{parts[1]}"
         self.prefix = parts[2] if len(parts) == 3 else ""
         if not get_token():
-            raise SyncError(f"sync.to={url} is a Hugging Face repo, but no Hugging Face token is set on this box",
-                            fix="run `hf auth login` (it stores the token where huggingface_hub finds it), or set "
-                            "HF_TOKEN to a token with write access; never put it in the recipe.")
+            raise SyncError(
+                f"sync.to={url} is a Hugging Face repo, but no Hugging Face token is set on this box",
+                fix="run `hf auth login` (it stores the token where huggingface_hub finds it), or set "
+                "HF_TOKEN to a token with write access; never put it in the recipe.",
+            )
         self.on_wait = on_wait
         self.api = HfApi()
         from huggingface_hub.errors import HfHubHTTPError
@@ -59,13 +61,17 @@ class HubDestination(Destination):
         try:
             self._retrying(f"create {self.repo}", lambda: self.api.create_repo(self.repo, private=True, exist_ok=True))
         except HfHubHTTPError as exc:
-            raise SyncError(f"the Hub refused to open or create the private repo {self.repo} "
-                            f"({exc.response.status_code}): {str(exc).strip().splitlines()[0][:300]}",
-                            fix="check that the token can write to that namespace (`hf auth whoami`; a "
-                            "fine-grained token needs write access to it).") from None
+            raise SyncError(
+                f"the Hub refused to open or create the private repo {self.repo} "
+                f"({exc.response.status_code}): {str(exc).strip().splitlines()[0][:300]}",
+                fix="check that the token can write to that namespace (`hf auth whoami`; a "
+                "fine-grained token needs write access to it).",
+            ) from None
         except Exception as exc:  # noqa: BLE001 - the network below huggingface_hub (httpx) has its own errors
-            raise SyncError(f"cannot reach the Hub for {self.url}: {type(exc).__name__}: {exc}",
-                            fix="check the network (and HF_ENDPOINT if set), then run the same command again.") from None
+            raise SyncError(
+                f"cannot reach the Hub for {self.url}: {type(exc).__name__}: {exc}",
+                fix="check the network (and HF_ENDPOINT if set), then run the same command again.",
+            ) from None
 
     def _p(self, rel: str) -> str:
         return f"{self.prefix}/{rel}".strip("/") if self.prefix else rel
@@ -88,10 +94,19 @@ class HubDestination(Destination):
                     raise
                 delay, source = hub_retry_delay(exc.response.headers, attempt)
                 gave_up = attempt == self.ATTEMPTS or delay > self.MAX_WAIT
-                self._tell({"status": status, "what": what, "attempt": attempt + 1, "of": self.ATTEMPTS,
-                            "wait_seconds": delay, "source": source, "until": time.time() + delay,
-                            "gave_up": gave_up,  # the Syncer sends nothing before `until`
-                            "message": str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""})
+                self._tell(
+                    {
+                        "status": status,
+                        "what": what,
+                        "attempt": attempt + 1,
+                        "of": self.ATTEMPTS,
+                        "wait_seconds": delay,
+                        "source": source,
+                        "until": time.time() + delay,
+                        "gave_up": gave_up,  # the Syncer sends nothing before `until`
+                        "message": str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "",
+                    }
+                )
                 if gave_up:
                     raise
                 self.sleep(delay)
@@ -111,8 +126,9 @@ class HubDestination(Destination):
     def _commit(self, operations: list, message: str, landed=None) -> None:
         # The same operation objects across retries: huggingface_hub skips what it already uploaded
         # (`_is_uploaded`, hf_api.preupload_lfs_files) and refuses only objects already committed.
-        self._retrying(message, lambda: self.api.create_commit(self.repo, operations, commit_message=message),
-                       landed=landed)
+        self._retrying(
+            message, lambda: self.api.create_commit(self.repo, operations, commit_message=message), landed=landed
+        )
 
     # -- Destination ------------------------------------------------------------------------
 
@@ -123,17 +139,24 @@ class HubDestination(Destination):
         if not files:
             return
         ops = [CommitOperationAdd(path_in_repo=self._p(rel), path_or_fileobj=str(local)) for local, rel in files]
-        self._commit(ops, message or f"ftrun: {', '.join(rel for _, rel in files[:3])}"
-                     + (f" and {len(files) - 3} more" if len(files) > 3 else ""),
-                     landed=lambda: self._holds(ops, [local for local, _ in files]))
+        self._commit(
+            ops,
+            message
+            or f"ftrun: {', '.join(rel for _, rel in files[:3])}"
+            + (f" and {len(files) - 3} more" if len(files) > 3 else ""),
+            landed=lambda: self._holds(ops, [local for local, _ in files]),
+        )
 
     def put_file(self, local: Path, rel: str) -> None:
         self.put_files([(local, rel)])
 
     def put_dir(self, local: Path, rel: str, last: str = ckpt.MANIFEST) -> None:
         # One commit with every file, the manifest among them: on the Hub the folder is complete or absent.
-        files = sorted(p for p in local.rglob("*") if p.is_file()
-                       and not any(part.startswith(HUB_TMP_PREFIX) for part in p.relative_to(local).parts))
+        files = sorted(
+            p
+            for p in local.rglob("*")
+            if p.is_file() and not any(part.startswith(HUB_TMP_PREFIX) for part in p.relative_to(local).parts)
+        )
         self.put_files([(p, f"{rel}/{p.relative_to(local).as_posix()}") for p in files], f"ftrun: {rel}")
 
     def _holds(self, ops: list, sent: list[Path]) -> bool:
@@ -156,8 +179,12 @@ class HubDestination(Destination):
         infos: dict[str, Any] = {}
         for chunk in chunk_iterable(paths, 500):  # the Hub takes 1,000 paths per call at most
             batch = list(chunk)
-            infos.update({i.path: i for i in self._retrying(
-                "read the file list", lambda: self.api.get_paths_info(self.repo, batch))})
+            infos.update(
+                {
+                    i.path: i
+                    for i in self._retrying("read the file list", lambda: self.api.get_paths_info(self.repo, batch))
+                }
+            )
         return infos
 
     def get_file(self, rel: str, local: Path) -> bool:
@@ -173,13 +200,16 @@ class HubDestination(Destination):
             except RemoteEntryNotFoundError:  # the Hub answered: not there
                 return False
             except LocalEntryNotFoundError as exc:  # the Hub did not answer: "missing" would start the run afresh
-                raise SyncError(f"cannot reach the Hub for {self.url}/{rel}: {exc}",
-                                fix="check the network and the token (`hf auth whoami`), then run the same "
-                                "command again.") from None
+                raise SyncError(
+                    f"cannot reach the Hub for {self.url}/{rel}: {exc}",
+                    fix="check the network and the token (`hf auth whoami`), then run the same command again.",
+                ) from None
             except HfHubHTTPError as exc:  # still refused after the retries: not "missing" either
-                raise SyncError(f"the Hub refused {self.url}/{rel}: {str(exc).strip().splitlines()[0][:300]}",
-                                fix="check the token's access to the repo (`hf auth whoami`); after a 429, wait "
-                                "and run the same command again.") from None
+                raise SyncError(
+                    f"the Hub refused {self.url}/{rel}: {str(exc).strip().splitlines()[0][:300]}",
+                    fix="check the token's access to the repo (`hf auth whoami`); after a 429, wait "
+                    "and run the same command again.",
+                ) from None
             os.replace(path, local)
             return True
         finally:
@@ -201,8 +231,10 @@ class HubDestination(Destination):
         from huggingface_hub.errors import RemoteEntryNotFoundError
 
         try:  # a generator: a missing folder raises while iterating, not at the call
-            entries = self._retrying(f"list {rel or '/'}", lambda: list(
-                self.api.list_repo_tree(self.repo, path_in_repo=self._p(rel) or None)))
+            entries = self._retrying(
+                f"list {rel or '/'}",
+                lambda: list(self.api.list_repo_tree(self.repo, path_in_repo=self._p(rel) or None)),
+            )
         except RemoteEntryNotFoundError:
             return []
         return [e.path.rsplit("/", 1)[-1] for e in entries if e.__class__.__name__ == "RepoFolder"]
@@ -225,10 +257,17 @@ class HubDestination(Destination):
             return
         ops = [CommitOperationDelete(path_in_repo=self._p(rel).rstrip("/") + "/", is_folder=True) for rel in rels]
         names = ", ".join(r.rsplit("/", 1)[-1] for r in rels)
-        self._commit(ops, f"ftrun: retention removes {names}",
-                     landed=lambda: not set(self._p(r) for r in rels) & set(self._paths_info([self._p(r) for r in rels])))
-        self._retrying("squash the history", lambda: self.api.super_squash_history(
-            self.repo, commit_message=f"ftrun: history squashed after removing {names}"))
+        self._commit(
+            ops,
+            f"ftrun: retention removes {names}",
+            landed=lambda: not set(self._p(r) for r in rels) & set(self._paths_info([self._p(r) for r in rels])),
+        )
+        self._retrying(
+            "squash the history",
+            lambda: self.api.super_squash_history(
+                self.repo, commit_message=f"ftrun: history squashed after removing {names}"
+            ),
+        )
 
     def verify_dir(self, rel: str, manifest: dict[str, Any], local: Optional[Path] = None) -> tuple[bool, str]:
         """From what the Hub lists, without downloading the copy: every file there with the manifest's size;
@@ -281,7 +320,7 @@ def hub_retry_delay(headers, attempt: int) -> tuple[float, str]:
     info = parse_ratelimit_headers(headers or {})
     if info is not None and info.remaining == 0:
         return float(info.reset_in_seconds), "RateLimit"
-    return min(2.0 ** attempt, 300.0), "backoff"
+    return min(2.0**attempt, 300.0), "backoff"
 
 
 def git_blob_id(path: Path) -> str:

@@ -34,8 +34,18 @@ class Kind:
 
 # The fsspec protocols ftrun copies to: filesystems and object stores that take writes and keep them (not http(s),
 # read-only in fsspec, nor memory://, gone with the process). Each needs its fsspec backend installed.
-FSSPEC_PROTOCOLS = {"file": None, "local": None, "s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs",
-                    "az": "adlfs", "abfs": "adlfs", "abfss": "adlfs", "sftp": "paramiko"}
+FSSPEC_PROTOCOLS = {
+    "file": None,
+    "local": None,
+    "s3": "s3fs",
+    "s3a": "s3fs",
+    "gs": "gcsfs",
+    "gcs": "gcsfs",
+    "az": "adlfs",
+    "abfs": "adlfs",
+    "abfss": "adlfs",
+    "sftp": "paramiko",
+}
 BUCKETS = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")
 
 
@@ -45,8 +55,11 @@ def _fsspec_problem(url: str) -> Optional[str]:
     protocol, rest = url.split("://", 1)
     if protocol not in FSSPEC_PROTOCOLS:
         others = [f for k in KINDS if k.problem is not _fsspec_problem for f in k.forms]  # the other kinds' forms
-        return (f"'{protocol}://' is not a destination ftrun copies to; it takes "
-                + ", ".join(f"{p}://" for p in FSSPEC_PROTOCOLS) + f", or {' or '.join(others)}")
+        return (
+            f"'{protocol}://' is not a destination ftrun copies to; it takes "
+            + ", ".join(f"{p}://" for p in FSSPEC_PROTOCOLS)
+            + f", or {' or '.join(others)}"
+        )
     if protocol in BUCKETS and not rest.split("/", 1)[0]:
         return f"{url} names no bucket: write {protocol}://BUCKET/PREFIX"
     if protocol == "sftp" and not rest.split("/", 1)[0]:
@@ -60,7 +73,7 @@ def _fsspec_problem(url: str) -> Optional[str]:
 
 
 def _hub_problem(url: str) -> Optional[str]:
-    parts = url[len("hf://"):].split("/", 2)
+    parts = url[len("hf://") :].split("/", 2)
     if len(parts) < 2 or not all(parts[:2]):
         return f"{url} names no repo: write hf://USER/REPO (or hf://USER/REPO/FOLDER)"
     return None
@@ -74,16 +87,33 @@ def _rsync_problem(url: str) -> Optional[str]:
 
 
 KINDS: tuple[Kind, ...] = (
-    Kind("hub", ("hf://user/repo",), "hf://user/repo", lambda url: url.startswith("hf://"),
-         "the Hub's own listing: LFS sha256 or git blob id and size per file, one commit per copy",
-         HubDestination, _hub_problem),
-    Kind("fsspec", ("s3://bucket/prefix", "gs://...", "file:///path", "an absolute path"), "s3://bucket/prefix",
-         lambda url: bool(_SCHEME.match(url)) or url.startswith("/"),
-         "S3's SHA-256 per object (per part), GCS's MD5; read back and hashed where a store has neither",
-         FsspecDestination, _fsspec_problem),
-    Kind("rsync", ("user@host:/path", "an SSH alias alias:/path"), "user@host:/path", lambda url: bool(_SCP_LIKE.match(url)),
-         "rsync --checksum against the folder sent: nothing may differ",
-         RsyncDestination, _rsync_problem),
+    Kind(
+        "hub",
+        ("hf://user/repo",),
+        "hf://user/repo",
+        lambda url: url.startswith("hf://"),
+        "the Hub's own listing: LFS sha256 or git blob id and size per file, one commit per copy",
+        HubDestination,
+        _hub_problem,
+    ),
+    Kind(
+        "fsspec",
+        ("s3://bucket/prefix", "gs://...", "file:///path", "an absolute path"),
+        "s3://bucket/prefix",
+        lambda url: bool(_SCHEME.match(url)) or url.startswith("/"),
+        "S3's SHA-256 per object (per part), GCS's MD5; read back and hashed where a store has neither",
+        FsspecDestination,
+        _fsspec_problem,
+    ),
+    Kind(
+        "rsync",
+        ("user@host:/path", "an SSH alias alias:/path"),
+        "user@host:/path",
+        lambda url: bool(_SCP_LIKE.match(url)),
+        "rsync --checksum against the folder sent: nothing may differ",
+        RsyncDestination,
+        _rsync_problem,
+    ),
 )
 
 
@@ -96,8 +126,10 @@ def kind_of(url: str) -> Kind:
     for kind in KINDS:
         if kind.matches(url):
             return kind
-    raise SyncError(f"sync.to={url!r} is not a destination ftrun knows",
-                    fix="use " + "; ".join(f"{' or '.join(k.forms)} ({k.name})" for k in KINDS) + ".")
+    raise SyncError(
+        f"sync.to={url!r} is not a destination ftrun knows",
+        fix="use " + "; ".join(f"{' or '.join(k.forms)} ({k.name})" for k in KINDS) + ".",
+    )
 
 
 def problem(url: str) -> Optional[str]:
@@ -107,8 +139,9 @@ def problem(url: str) -> Optional[str]:
     for kind in KINDS:
         if kind.matches(url):
             return kind.problem(url)
-    return f"{url!r} is not a destination ftrun knows: write " + "; ".join(f"{' or '.join(k.forms)} ({k.name})"
-                                                                         for k in KINDS)
+    return f"{url!r} is not a destination ftrun knows: write " + "; ".join(
+        f"{' or '.join(k.forms)} ({k.name})" for k in KINDS
+    )
 
 
 def destination(url: str) -> Destination:

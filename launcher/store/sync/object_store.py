@@ -32,8 +32,10 @@ class FsspecDestination(Destination):
         try:
             self.fs, self.root = fsspec.core.url_to_fs(self.url)
         except (ImportError, ValueError) as exc:
-            raise SyncError(f"cannot use sync.to={url}: {exc}",
-                            fix="install the fsspec backend for this URL (s3fs for s3://, gcsfs for gs://).") from None
+            raise SyncError(
+                f"cannot use sync.to={url}: {exc}",
+                fix="install the fsspec backend for this URL (s3fs for s3://, gcsfs for gs://).",
+            ) from None
         protocols = {self.fs.protocol} if isinstance(self.fs.protocol, str) else set(self.fs.protocol)
         self.store = "s3" if "s3" in protocols else "gs" if protocols & {"gs", "gcs"} else "other"
         self._sent: dict[str, SentDigests] = {}  # what put_file sent, by rel, until verify_dir checks it
@@ -75,8 +77,14 @@ class FsspecDestination(Destination):
                 sent.add_part(body)
                 # ChecksumAlgorithm names it (x-amz-sdk-checksum-algorithm), ChecksumSHA256 carries our digest:
                 # botocore sends a given checksum as is (httpchecksum.resolve_request_checksum_algorithm)
-                await self.fs._call_s3("put_object", Bucket=bucket, Key=key, Body=body, ChecksumAlgorithm="SHA256",
-                                       ChecksumSHA256=sent.parts[0][0])
+                await self.fs._call_s3(
+                    "put_object",
+                    Bucket=bucket,
+                    Key=key,
+                    Body=body,
+                    ChecksumAlgorithm="SHA256",
+                    ChecksumSHA256=sent.parts[0][0],
+                )
                 return sent.done(multipart=False)
             mpu = await self.fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key, ChecksumAlgorithm="SHA256")
             try:
@@ -85,15 +93,32 @@ class FsspecDestination(Destination):
                     first = len(sent.parts)
                     for chunk in chunks:
                         sent.add_part(chunk)
-                    outs = await asyncio.gather(*[
-                        self.fs._call_s3("upload_part", Bucket=bucket, Key=key, UploadId=mpu["UploadId"],
-                                         PartNumber=first + i + 1, Body=chunk, ChecksumAlgorithm="SHA256",
-                                         ChecksumSHA256=sent.parts[first + i][0])
-                        for i, chunk in enumerate(chunks)])
-                    done += [{"PartNumber": first + i + 1, "ETag": o["ETag"], "ChecksumSHA256": sent.parts[first + i][0]}
-                             for i, o in enumerate(outs)]
-                await self.fs._call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=mpu["UploadId"],
-                                       MultipartUpload={"Parts": done})
+                    outs = await asyncio.gather(
+                        *[
+                            self.fs._call_s3(
+                                "upload_part",
+                                Bucket=bucket,
+                                Key=key,
+                                UploadId=mpu["UploadId"],
+                                PartNumber=first + i + 1,
+                                Body=chunk,
+                                ChecksumAlgorithm="SHA256",
+                                ChecksumSHA256=sent.parts[first + i][0],
+                            )
+                            for i, chunk in enumerate(chunks)
+                        ]
+                    )
+                    done += [
+                        {"PartNumber": first + i + 1, "ETag": o["ETag"], "ChecksumSHA256": sent.parts[first + i][0]}
+                        for i, o in enumerate(outs)
+                    ]
+                await self.fs._call_s3(
+                    "complete_multipart_upload",
+                    Bucket=bucket,
+                    Key=key,
+                    UploadId=mpu["UploadId"],
+                    MultipartUpload={"Parts": done},
+                )
             except BaseException:
                 await self.fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=mpu["UploadId"])
                 raise
@@ -110,8 +135,11 @@ class FsspecDestination(Destination):
         self.fs.invalidate_cache()  # object stores cache listings; retention needs the current one
         if not self.fs.exists(self._p(rel)):
             return []
-        return [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(self._p(rel), detail=True)
-                if e.get("type") == "directory"]
+        return [
+            e["name"].rstrip("/").rsplit("/", 1)[-1]
+            for e in self.fs.ls(self._p(rel), detail=True)
+            if e.get("type") == "directory"
+        ]
 
     def remove_dir(self, rel: str) -> None:
         if self.fs.exists(self._p(rel)):
@@ -126,7 +154,10 @@ class FsspecDestination(Destination):
             path = f"{rel}/{name}"
             sent = self._sent.pop(path, None) or SentDigests.of_file(local / name, self.part_bytes, self.store == "s3")
             if sent.sha256 != want["sha256"]:
-                return False, f"{path} as sent does not match the manifest (the file changed on this box after its save)"
+                return (
+                    False,
+                    f"{path} as sent does not match the manifest (the file changed on this box after its save)",
+                )
             held = self._s3_held(path) if self.store == "s3" else self._gs_held(path)
             if held is None:
                 return False, f"{path} is missing off the box"
@@ -155,8 +186,12 @@ class FsspecDestination(Destination):
             if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
                 return None
             raise
-        return {"size": head["ContentLength"], "sha256": head.get("ChecksumSHA256"),
-                "etag": head.get("ETag", "").strip('"'), "kms": head.get("ServerSideEncryption") == "aws:kms"}
+        return {
+            "size": head["ContentLength"],
+            "sha256": head.get("ChecksumSHA256"),
+            "etag": head.get("ETag", "").strip('"'),
+            "kms": head.get("ServerSideEncryption") == "aws:kms",
+        }
 
     def _gs_held(self, rel: str) -> Optional[dict[str, Any]]:
         self.fs.invalidate_cache(self._p(rel))
@@ -196,16 +231,22 @@ class SentDigests:
     def add_part(self, data: bytes) -> None:
         self._sha256.update(data)
         self._md5.update(data)
-        self.parts.append((base64.b64encode(hashlib.sha256(data).digest()).decode(),
-                           hashlib.md5(data, usedforsecurity=False).digest()))
+        self.parts.append(
+            (
+                base64.b64encode(hashlib.sha256(data).digest()).decode(),
+                hashlib.md5(data, usedforsecurity=False).digest(),
+            )
+        )
 
     def done(self, multipart: bool) -> "SentDigests":
         self.sha256 = self._sha256.hexdigest()
         self.gs_md5 = base64.b64encode(self._md5.digest()).decode()
         if multipart:
             n = len(self.parts)
-            self.s3_checksum = base64.b64encode(hashlib.sha256(
-                b"".join(base64.b64decode(p) for p, _ in self.parts)).digest()).decode() + f"-{n}"
+            self.s3_checksum = (
+                base64.b64encode(hashlib.sha256(b"".join(base64.b64decode(p) for p, _ in self.parts)).digest()).decode()
+                + f"-{n}"
+            )
             self.etag = hashlib.md5(b"".join(m for _, m in self.parts), usedforsecurity=False).hexdigest() + f"-{n}"
         else:
             self.s3_checksum = self.parts[0][0] if self.parts else base64.b64encode(hashlib.sha256().digest()).decode()

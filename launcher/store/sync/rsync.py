@@ -20,8 +20,10 @@ class RsyncDestination(Destination):
     def __init__(self, url: str):
         self.url = url.rstrip("/")
         if shutil.which("rsync") is None:
-            raise SyncError("sync.to is an SSH destination but rsync is not installed on this box",
-                            fix="apt-get install -y rsync openssh-client (both ends need rsync).")
+            raise SyncError(
+                "sync.to is an SSH destination but rsync is not installed on this box",
+                fix="apt-get install -y rsync openssh-client (both ends need rsync).",
+            )
 
     def _rsync(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
         cmd = ["rsync"]
@@ -79,8 +81,9 @@ class RsyncDestination(Destination):
         parent, _, name = rel.rpartition("/")
         with tempfile.TemporaryDirectory() as empty:
             # Delete exactly one folder: sync an empty folder with a filter that only sees `name`.
-            res = self._rsync("-r", "--delete", f"--include=/{name}/***", "--exclude=*", f"{empty}/",
-                              self._remote(parent) + "/")
+            res = self._rsync(
+                "-r", "--delete", f"--include=/{name}/***", "--exclude=*", f"{empty}/", self._remote(parent) + "/"
+            )
         if res.returncode != 0:
             raise SyncError(f"cannot remove {self._remote(rel)}: {res.stderr.strip()[-300:]}")
 

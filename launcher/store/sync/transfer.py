@@ -29,6 +29,7 @@ METADATA = ("recipe.yaml", "plan.json", "smoke.json", "metrics.jsonl", "state.js
 # ---------------------------------------------------------------------------------------
 # Upload: the newest verified checkpoint, the metadata, the final result.
 
+
 def _sync_state(run: RunDir) -> dict[str, Any]:
     p = run.root / "sync.json"
     return json.loads(p.read_text()) if p.is_file() else {}
@@ -49,8 +50,9 @@ def already_copied(dest: Destination, rel: str, local: Path, manifest: dict[str,
     return dest.verify_dir(rel, manifest, local=local)[0]
 
 
-def push_checkpoint(dest: Destination, run: RunDir, step_dir: Path, keep: int, name: Optional[str] = None,
-                    maybe_there: bool = False) -> int:
+def push_checkpoint(
+    dest: Destination, run: RunDir, step_dir: Path, keep: int, name: Optional[str] = None, maybe_there: bool = False
+) -> int:
     """Copy a checkpoint and verify the copy, then apply the remote retention. `maybe_there`: an earlier copier
     began this copy and was stopped before it recorded the end; the copy off the box is checked first."""
     name = name or step_dir.name
@@ -87,10 +89,18 @@ def push_final(dest: Destination, run: RunDir, maybe_there: bool = False) -> Non
     if not run.final.is_dir():
         return
     for sub in sorted(p for p in run.final.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        files = sorted(p for p in sub.rglob("*") if p.is_file()
-                       and not any(part.startswith(HUB_TMP_PREFIX) for part in p.relative_to(sub).parts))
-        manifest = {"files": {f.relative_to(sub).as_posix(): {"size": f.stat().st_size, "sha256": ckpt.sha256_file(f)}
-                              for f in files if f.name != ckpt.MANIFEST}}
+        files = sorted(
+            p
+            for p in sub.rglob("*")
+            if p.is_file() and not any(part.startswith(HUB_TMP_PREFIX) for part in p.relative_to(sub).parts)
+        )
+        manifest = {
+            "files": {
+                f.relative_to(sub).as_posix(): {"size": f.stat().st_size, "sha256": ckpt.sha256_file(f)}
+                for f in files
+                if f.name != ckpt.MANIFEST
+            }
+        }
         ckpt.atomic_write_json(sub / ckpt.MANIFEST, {"step": -1, **manifest})
         if maybe_there and already_copied(dest, f"final/{sub.name}", sub, manifest):
             continue
@@ -126,8 +136,10 @@ class Syncer:
         retries = _sync_state(self.run).get("retries", 0) + 1
         _write_sync_state(self.run, backoff={**wait, "to": self.url}, retries=retries, to=self.url)
         then = "then tries again" if wait.get("gave_up") else f"then try {wait['attempt']} of {wait['of']}"
-        self.log(f"sync: {self.url} answered {wait['status']} to \"{wait['what']}\"; waiting {wait['wait_seconds']:.0f} s "
-                 f"({wait['source']}), {then}")
+        self.log(
+            f'sync: {self.url} answered {wait["status"]} to "{wait["what"]}"; waiting {wait["wait_seconds"]:.0f} s '
+            f"({wait['source']}), {then}"
+        )
 
     def sync_once(self, final: bool = False) -> bool:
         """Upload what is new; True when everything that exists locally is verified off the box."""
@@ -139,14 +151,15 @@ class Syncer:
             dest = self._destination()
             newest = next((p for p in ckpt.candidates(self.run.checkpoints) if (p / ckpt.MANIFEST).is_file()), None)
             pushed = False
-            if newest is not None and state.get("synced_step") != int(newest.name[len(ckpt.PREFIX):]):
+            if newest is not None and state.get("synced_step") != int(newest.name[len(ckpt.PREFIX) :]):
                 t0 = time.monotonic()
                 # `sending` names the copy under way: a copier killed before it recorded the end leaves it
                 maybe_there = state.get("sending") == {"to": self.url, "what": newest.name}
                 _write_sync_state(self.run, sending={"to": self.url, "what": newest.name})
                 step = self._push_snapshot(dest, newest, maybe_there)
-                _write_sync_state(self.run, synced_step=step, synced_at=time.time(), last_error=None, to=self.url,
-                                  sending=None)
+                _write_sync_state(
+                    self.run, synced_step=step, synced_at=time.time(), last_error=None, to=self.url, sending=None
+                )
                 self.log(f"copied {newest.name} to {self.url} and verified it ({time.monotonic() - t0:.1f} s)")
                 pushed = True
             if final:
@@ -154,8 +167,9 @@ class Syncer:
                 _write_sync_state(self.run, sending={"to": self.url, "what": "final"})
                 push_final(dest, self.run, maybe_there)
                 _write_sync_state(self.run, final_synced_at=time.time(), sending=None)
-            self._push_metadata(dest, throttle=not pushed and not final and self._thread is not None
-                                and not self._stop.is_set())
+            self._push_metadata(
+                dest, throttle=not pushed and not final and self._thread is not None and not self._stop.is_set()
+            )
             self.failures = 0
             return True
         except (FileNotFoundError, shutil.Error) as exc:  # retention removed it before the snapshot: take the newer one
@@ -163,8 +177,13 @@ class Syncer:
             return False
         except Exception as exc:  # never let a network problem end the training
             self.failures += 1
-            _write_sync_state(self.run, last_error=f"{type(exc).__name__}: {exc}"[:500], last_error_at=time.time(),
-                              failures=self.failures, to=self.url)
+            _write_sync_state(
+                self.run,
+                last_error=f"{type(exc).__name__}: {exc}"[:500],
+                last_error_at=time.time(),
+                failures=self.failures,
+                to=self.url,
+            )
             self.log(f"sync to {self.url} failed ({self.failures} in a row): {exc}")
             return False
 
@@ -199,7 +218,7 @@ class Syncer:
     def _loop(self, interval: float) -> None:
         while not self._stop.is_set():
             ok = self.sync_once()
-            delay = interval if ok else min(interval * 2 ** self.failures, 300)
+            delay = interval if ok else min(interval * 2**self.failures, 300)
             self._stop.wait(delay)
 
     def start(self, interval: float = 10.0) -> "Syncer":
@@ -218,12 +237,13 @@ class Syncer:
         for i in range(attempts):
             if self.sync_once(final=final):
                 return True
-            time.sleep(min(2 ** i, 15))
+            time.sleep(min(2**i, 15))
         return False
 
 
 # ---------------------------------------------------------------------------------------
 # Download: a fresh box gets the run back.
+
 
 def remote_has_run(url: str) -> bool:
     with tempfile.TemporaryDirectory() as tmp:
@@ -290,9 +310,13 @@ def backoff_fields(s: dict[str, Any]) -> dict[str, Any]:
     waiting = wait is not None and left is not None and left > 0
     return {
         # e.g. "429 to \"ftrun: checkpoints/step-000020\": try 2 of 6 in 28 s (Retry-After)"; None when not waiting
-        "sync_backoff": (f"{wait['status']} to \"{wait['what']}\": "
-                         + ("next try" if wait.get("gave_up") else f"try {wait['attempt']} of {wait['of']}")
-                         + f" in {left:.0f} s ({wait['source']})") if waiting else None,
+        "sync_backoff": (
+            f'{wait["status"]} to "{wait["what"]}": '
+            + ("next try" if wait.get("gave_up") else f"try {wait['attempt']} of {wait['of']}")
+            + f" in {left:.0f} s ({wait['source']})"
+        )
+        if waiting
+        else None,
         "sync_backoff_seconds": left if waiting else None,
         "sync_retries": s.get("retries", 0),  # waits before a retry since the run began
     }

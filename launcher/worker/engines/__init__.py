@@ -33,9 +33,16 @@ def _torchrun(n: int, plan: dict[str, Any] | None = None) -> list[str]:
     if nodes and int(nodes.get("nnodes", 1)) > 1:
         # Several boxes: static rendezvous at node 0's address; every node runs the same command
         # with its own --node-rank.
-        return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={int(nodes['nnodes'])}",
-                f"--node-rank={int(nodes['node_rank'])}", f"--master-addr={nodes['master_addr']}",
-                f"--master-port={int(nodes['master_port'])}", f"--nproc_per_node={n}"]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={int(nodes['nnodes'])}",
+            f"--node-rank={int(nodes['node_rank'])}",
+            f"--master-addr={nodes['master_addr']}",
+            f"--master-port={int(nodes['master_port'])}",
+            f"--nproc_per_node={n}",
+        ]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
 
 
@@ -78,7 +85,8 @@ def launch_env(plan: dict[str, Any], grace_seconds: float | None = None) -> dict
         # torch/distributed/run.py config_from_args: "Setting OMP_NUM_THREADS environment variable for each process
         # to be 1 in default"; accelerate 1.15 commands/launch.py _validate_launch_command takes
         # num_cpu_threads_per_process from OMP_NUM_THREADS, default 1 off CPU, and utils/launch.py
-        # prepare_multi_gpu_env exports it as OMP_NUM_THREADS to every rank), which leaves QLoRA+FSDP's CPU quantization of a 70B model on one thread per rank, about
+        # prepare_multi_gpu_env exports it as OMP_NUM_THREADS to every rank), which leaves QLoRA+FSDP's CPU quantization
+        # of a 70B model on one thread per rank, about
         # cores/n times slower than the plan (throughput.load_seconds counts threads_per_process x n). Unset, every
         # process would use every core on a CPU box: oversubscribed, about 10x slower.
         from launcher.plan.hardware import cpu_cores, threads_per_process
@@ -248,8 +256,11 @@ def group_timeout_check(want_s: int) -> dict[str, Any]:
             seen = group._get_backend(device).options._timeout.total_seconds()
         except (AttributeError, RuntimeError):
             continue
-        return {"check": "process group timeout", "ok": seen == want_s,
-                "seen": f"{seen:g} s ({dist.get_backend()}), trainer ddp_timeout {want_s} s"}
+        return {
+            "check": "process group timeout",
+            "ok": seen == want_s,
+            "seen": f"{seen:g} s ({dist.get_backend()}), trainer ddp_timeout {want_s} s",
+        }
     return {"check": "process group timeout", "ok": True, "seen": f"not readable on this backend (want {want_s} s)"}
 
 
@@ -257,8 +268,11 @@ def format_verification(v: dict[str, Any]) -> str:
     bad = [c for c in v["checks"] if not c["ok"]]
     if not bad:
         return f"engine {v['engine']} verified: " + "; ".join(f"{c['check']}: {c['seen']}" for c in v["checks"])
-    return (f"engine {v['engine']} NOT verified: " + "; ".join(f"{c['check']}: {c['seen']}" for c in bad)
-            + " - refusing to train with another engine than planned")
+    return (
+        f"engine {v['engine']} NOT verified: "
+        + "; ".join(f"{c['check']}: {c['seen']}" for c in bad)
+        + " - refusing to train with another engine than planned"
+    )
 
 
 def loading_context(plan: dict[str, Any], run_dir: Path | None):
@@ -282,19 +296,33 @@ def resume_compatibility(manifest: dict[str, Any], plan: dict[str, Any]) -> tupl
     where = f"checkpoint step {manifest.get('step')} was written by engine {old_engine} on {old_world} process(es)"
     if old_engine in PER_RANK_CHECKPOINTS or new_engine in PER_RANK_CHECKPOINTS:
         if old_engine == new_engine:
-            why = (f"DeepSpeed ZeRO partitions the optimizer states (and ZeRO-3 the weights) into one file per "
-                   f"process, and DeepSpeed does not load them on {new_world} process(es)")
+            why = (
+                f"DeepSpeed ZeRO partitions the optimizer states (and ZeRO-3 the weights) into one file per "
+                f"process, and DeepSpeed does not load them on {new_world} process(es)"
+            )
         else:
-            why = (f"a {old_engine} checkpoint and a {new_engine} checkpoint hold the optimizer state in different "
-                   "layouts (DeepSpeed's global_step folders vs the Trainer's optimizer.pt)")
-        return (f"{where}; this plan runs {new_engine} on {new_world}: {why}. Resume with engine={old_engine} "
-                f"num_processes={old_world}, or start over with --fresh (the adapter/weights of the checkpoint can be "
-                "kept by hand: DeepSpeed's zero_to_fp32.py converts the weights, not the optimizer)"), True
-    global_note = ("; each optimizer step now takes "
-                   f"{new_world}/{old_world} of the examples it took before, so the run continues with another global "
-                   "batch (same data order, not step-for-step the same trajectory)") if old_world != new_world else ""
-    return (f"{where}, resuming with {new_engine} on {new_world}: the Trainer's checkpoint (adapter or full weights, "
-            f"optimizer.pt, scheduler) holds the whole state, so it loads on any count{global_note}"), False
+            why = (
+                f"a {old_engine} checkpoint and a {new_engine} checkpoint hold the optimizer state in different "
+                "layouts (DeepSpeed's global_step folders vs the Trainer's optimizer.pt)"
+            )
+        return (
+            f"{where}; this plan runs {new_engine} on {new_world}: {why}. Resume with engine={old_engine} "
+            f"num_processes={old_world}, or start over with --fresh (the adapter/weights of the checkpoint can be "
+            "kept by hand: DeepSpeed's zero_to_fp32.py converts the weights, not the optimizer)"
+        ), True
+    global_note = (
+        (
+            "; each optimizer step now takes "
+            f"{new_world}/{old_world} of the examples it took before, so the run continues with another global "
+            "batch (same data order, not step-for-step the same trajectory)"
+        )
+        if old_world != new_world
+        else ""
+    )
+    return (
+        f"{where}, resuming with {new_engine} on {new_world}: the Trainer's checkpoint (adapter or full weights, "
+        f"optimizer.pt, scheduler) holds the whole state, so it loads on any count{global_note}"
+    ), False
 
 
 def worker_file(run_dir: Path, mode: str) -> Path:

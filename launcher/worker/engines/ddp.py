@@ -24,8 +24,11 @@ def checks(plan: dict[str, Any], trainer: Any) -> list[dict[str, Any]]:
     wrapped = trainer.model_wrapped
     return [
         {"check": "process group backend", "ok": ok, "seen": seen},
-        {"check": "model wrapped in DistributedDataParallel", "ok": isinstance(wrapped, DistributedDataParallel),
-         "seen": type(wrapped).__name__},
+        {
+            "check": "model wrapped in DistributedDataParallel",
+            "ok": isinstance(wrapped, DistributedDataParallel),
+            "seen": type(wrapped).__name__,
+        },
     ]
 
 
@@ -40,9 +43,17 @@ def single_checks(plan: dict[str, Any], trainer: Any) -> list[dict[str, Any]]:
     grouped = dist.is_available() and dist.is_initialized()
     n_gpu = int(trainer.args.n_gpu)
     want = 1 if plan.get("device") == "cuda" else 0
-    return [{"check": "single process", "ok": not grouped,
-             "seen": f"process group of {dist.get_world_size()}" if grouped else "no process group"},
-            {"check": "one device (no nn.DataParallel)", "ok": n_gpu == want,
-             "seen": f"n_gpu {n_gpu} (expected {want}; CUDA_VISIBLE_DEVICES="
-                     f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}), batch per step "
-                     f"{trainer.args.train_batch_size}"}]
+    return [
+        {
+            "check": "single process",
+            "ok": not grouped,
+            "seen": f"process group of {dist.get_world_size()}" if grouped else "no process group",
+        },
+        {
+            "check": "one device (no nn.DataParallel)",
+            "ok": n_gpu == want,
+            "seen": f"n_gpu {n_gpu} (expected {want}; CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}), batch per step "
+            f"{trainer.args.train_batch_size}",
+        },
+    ]

@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO-3: the JSON config generated from the plan, partitioned loading, and the checks that it really runs."""
+"""DeepSpeed ZeRO-3: the JSON config generated from the plan, partitioned loading, and the checks that it really
+runs."""
 
 from __future__ import annotations
 
@@ -17,12 +18,14 @@ CONFIG_NAME = ENGINES["deepspeed"].config_file  # the engine table, launcher/eng
 # states (_configure_basic_optimizer, get_optimizer_configuration); "auto" takes learning rate, betas, eps and weight
 # decay from the Trainer's arguments (trainer_config_process), and the Trainer's scheduler still drives it (no
 # "scheduler" section: deepspeed_optim_sched wraps the Trainer's own in a DummyScheduler).
-OFFLOAD_OPTIMIZER = {"optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                                               "weight_decay": "auto"}}}
+OFFLOAD_OPTIMIZER = {
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}
+}
 
 
 def config(plan: dict[str, Any]) -> dict[str, Any]:
-    """The ZeRO-3 config: batch shape and CPU offload from the plan; precision and clipping left to the Trainer ("auto").
+    """The ZeRO-3 config: batch shape and CPU offload from the plan; precision and clipping left to the Trainer
+    ("auto").
 
     The Trainer fills each "auto" from its own arguments and refuses a concrete value that
     disagrees with them, so the plan and the trainer cannot drift apart silently.
@@ -125,15 +128,19 @@ def checks(plan: dict[str, Any], trainer: Any) -> list[dict[str, Any]]:
     return [
         {"check": "model wrapped in a DeepSpeed engine", "ok": is_engine, "seen": name},
         {"check": "ZeRO stage 3", "ok": stage == 3, "seen": f"stage {stage}"},
-        {"check": "parameters partitioned", "ok": len(partitioned) > 0 and local < total,
-         "seen": f"{len(partitioned)} of {len(params)} tensors partitioned; this process holds {local:,} of "
-                 f"{total:,} values"},
+        {
+            "check": "parameters partitioned",
+            "ok": len(partitioned) > 0 and local < total,
+            "seen": f"{len(partitioned)} of {len(params)} tensors partitioned; this process holds {local:,} of "
+            f"{total:,} values",
+        },
     ] + offload_checks(plan, wrapped if is_engine else None)
 
 
 def offload_checks(plan: dict[str, Any], engine: Any) -> list[dict[str, Any]]:
     """The CPU offload the plan asked for is what the engine runs: optimizer offload with DeepSpeed's CPU Adam (the
-    client optimizer is not used: config's OFFLOAD_OPTIMIZER), parameter offload where planned, and neither elsewhere."""
+    client optimizer is not used: config's OFFLOAD_OPTIMIZER), parameter offload where planned, and neither
+    elsewhere."""
     want_opt = bool(plan.get("offload_optimizer"))
     want_param = want_opt and bool(plan.get("offload_params"))
     if engine is None:
@@ -145,8 +152,15 @@ def offload_checks(plan: dict[str, Any], engine: Any) -> list[dict[str, Any]]:
 
     opt_dev, param_dev = device(engine.zero_offload_optimizer()), device(engine.zero_offload_param())
     basic = type(getattr(engine, "basic_optimizer", None)).__name__
-    return [{"check": "optimizer offload " + ("to the CPU" if want_opt else "off"),
-             "ok": (opt_dev == "cpu") == want_opt and (basic == "DeepSpeedCPUAdam") == want_opt,
-             "seen": f"offload_optimizer device {opt_dev}, optimizer {basic}"},
-            {"check": "parameter offload " + ("to the CPU" if want_param else "off"),
-             "ok": (param_dev == "cpu") == want_param, "seen": f"offload_param device {param_dev}"}]
+    return [
+        {
+            "check": "optimizer offload " + ("to the CPU" if want_opt else "off"),
+            "ok": (opt_dev == "cpu") == want_opt and (basic == "DeepSpeedCPUAdam") == want_opt,
+            "seen": f"offload_optimizer device {opt_dev}, optimizer {basic}",
+        },
+        {
+            "check": "parameter offload " + ("to the CPU" if want_param else "off"),
+            "ok": (param_dev == "cpu") == want_param,
+            "seen": f"offload_param device {param_dev}",
+        },
+    ]

@@ -17,13 +17,16 @@ from typing import Any
 from launcher.methods import is_quantized
 from launcher.plan.models import LINEAR_MODULES, prequantized_repo  # the pre-quantized repositories: the plan's table
 
+
 def plan_reason(model: str, method: str) -> str | None:
     """The plan's line about where the weights come from (only when Unsloth's 4-bit repo replaces the id)."""
     repo = prequantized_repo(model, method)
     if repo is None:
         return None
-    return (f"weights: Unsloth's pre-quantized 4-bit repo {repo} instead of {model} (same model, NF4 weights "
-            "already quantized: about a quarter of the download, no quantization at load)")
+    return (
+        f"weights: Unsloth's pre-quantized 4-bit repo {repo} instead of {model} (same model, NF4 weights "
+        "already quantized: about a quarter of the download, no quantization at load)"
+    )
 
 
 def target_modules(targets: Any) -> list[str]:
@@ -48,12 +51,17 @@ def import_unsloth():
         text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:400]
         hint = ""
         if "torchvision" in text:
-            hint = (" - a torchvision built for another torch (Unsloth pulls a CUDA build); on a CPU box "
-                    "`pip uninstall -y torchvision`, on a GPU box install the torchvision matching torch")
+            hint = (
+                " - a torchvision built for another torch (Unsloth pulls a CUDA build); on a CPU box "
+                "`pip uninstall -y torchvision`, on a GPU box install the torchvision matching torch"
+            )
         raise UnslothUnavailable(f"the plan says engine unsloth but `import unsloth` failed: {text}{hint}") from exc
     if late:
-        print(f"[ftrun worker] warning: {', '.join(late)} imported before unsloth; Unsloth may not patch them fully",
-              file=sys.stderr, flush=True)
+        print(
+            f"[ftrun worker] warning: {', '.join(late)} imported before unsloth; Unsloth may not patch them fully",
+            file=sys.stderr,
+            flush=True,
+        )
     return sys.modules["unsloth"]
 
 
@@ -74,10 +82,7 @@ def load_model_and_tokenizer(recipe, device: str, dtype):
 
     source = prequantized_repo(recipe.model, recipe.method) or recipe.model
     model, tokenizer = FastLanguageModel.from_pretrained(
-        model_name=source,
-        max_seq_length=recipe.max_length,
-        load_in_4bit=is_quantized(recipe.method),
-        dtype=dtype,
+        model_name=source, max_seq_length=recipe.max_length, load_in_4bit=is_quantized(recipe.method), dtype=dtype
     )
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -14,10 +14,26 @@ from launcher.worker.gpu_check.common import Context, child_env, first_line, las
 # Qwen3-8B's attention (launcher/plan/models.py): 32 query heads, 8 key/value heads, head_dim 128; the dry run a
 # tiny GQA shape. Lengths: 8 distinct ones, none a multiple of another's plan, as a padding-free step's totals.
 SHAPES = {
-    "cuda": dict(heads=32, kv_heads=8, head_dim=128, batch=4, lengths=(517, 803, 1029, 1301, 1610, 1877, 2113, 2390),
-                 decode_batch=32, decode_keys=64, repeats=3),
-    "cpu": dict(heads=4, kv_heads=2, head_dim=32, batch=2, lengths=(17, 23, 31, 37, 41, 47, 53, 61),
-                decode_batch=4, decode_keys=8, repeats=2),
+    "cuda": dict(
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        batch=4,
+        lengths=(517, 803, 1029, 1301, 1610, 1877, 2113, 2390),
+        decode_batch=32,
+        decode_keys=64,
+        repeats=3,
+    ),
+    "cpu": dict(
+        heads=4,
+        kv_heads=2,
+        head_dim=32,
+        batch=2,
+        lengths=(17, 23, 31, 37, 41, 47, 53, 61),
+        decode_batch=4,
+        decode_keys=8,
+        repeats=2,
+    ),
 }
 BACKENDS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH", "default")
 CASES = ("causal", "padded", "padding-free")
@@ -133,8 +149,14 @@ def _decode_case(backend: str, s: dict[str, Any], device: str, dtype) -> dict[st
                 ms.append(timed(once))
             except (RuntimeError, NotImplementedError) as exc:
                 return {"supported": False, "error": first_line(exc), "at_keys": keys}
-    return {"supported": True, "tokens": len(ms), "total_ms": round(sum(ms), 2), "first_ms": ms[0],
-            "median_ms": sorted(ms)[len(ms) // 2], "max_ms": max(ms)}
+    return {
+        "supported": True,
+        "tokens": len(ms),
+        "total_ms": round(sum(ms), 2),
+        "first_ms": ms[0],
+        "median_ms": sorted(ms)[len(ms) // 2],
+        "max_ms": max(ms),
+    }
 
 
 def _varlen(s: dict[str, Any], device: str) -> dict[str, Any]:
@@ -163,8 +185,14 @@ def _varlen(s: dict[str, Any], device: str) -> dict[str, Any]:
         def once() -> None:
             flash_attn_varlen_func(q, k, v, cu, cu, max(parts), max(parts), causal=True).float().sum().backward()
 
-        rows.append({"length": length, "tokens": total, "first_ms": timed(once),
-                     "repeat_ms": min(timed(once) for _ in range(s["repeats"]))})
+        rows.append(
+            {
+                "length": length,
+                "tokens": total,
+                "first_ms": timed(once),
+                "repeat_ms": min(timed(once) for _ in range(s["repeats"])),
+            }
+        )
     return {"supported": True, "lengths": rows}
 
 
@@ -179,9 +207,15 @@ def attention_child(out: str) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     s = SHAPES[device]
-    result: dict[str, Any] = {"device": device, "dtype": str(dtype).replace("torch.", ""), "shape": s,
-                              "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(), "training": {},
-                              "decode": {}}
+    result: dict[str, Any] = {
+        "device": device,
+        "dtype": str(dtype).replace("torch.", ""),
+        "shape": s,
+        "torch": torch.__version__,
+        "cudnn": torch.backends.cudnn.version(),
+        "training": {},
+        "decode": {},
+    }
     only = os.environ.get("GPU_CHECK_ATTENTION_ONLY")  # the cache-debug run: one backend
     for backend in (only,) if only else BACKENDS:
         result["training"][backend] = {case: _train_case(case, backend, s, device, dtype) for case in CASES}
@@ -189,8 +223,11 @@ def attention_child(out: str) -> int:
     result["flash_attn_varlen"] = _varlen(s, device)
     # transformers' Hub kernels (attn_implementation="kernels-community/...") need the `kernels` package and the
     # kernel's download: a lent box has no network, so only a kernel already in its Hub cache could run
-    result["hub_kernel"] = {"skipped": "the kernels package is not installed" if importlib.util.find_spec("kernels")
-                            is None else "no network on the box to fetch a Hub kernel, and none is carried"}
+    result["hub_kernel"] = {
+        "skipped": "the kernels package is not installed"
+        if importlib.util.find_spec("kernels") is None
+        else "no network on the box to fetch a Hub kernel, and none is carried"
+    }
     with open(out, "w") as fh:
         json.dump(result, fh, indent=2)
     return 0
@@ -213,8 +250,13 @@ def step_attention(ctx: Context) -> dict[str, Any]:
     (the cache's hits and misses, if this torch prints them)."""
     budget = float(os.environ.get("GPU_CHECK_STEP_BUDGET", "120"))
     path = ctx.out / "attention.child.json"
-    proc = subprocess.run(module_cmd("attention-child", "--out", str(path)), env=child_env(), capture_output=True,
-                          text=True, timeout=budget * 0.7)
+    proc = subprocess.run(
+        module_cmd("attention-child", "--out", str(path)),
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=budget * 0.7,
+    )
     result = read_json(path)
     if proc.returncode != 0 or result is None:
         why = last_line(proc)
@@ -224,11 +266,20 @@ def step_attention(ctx: Context) -> dict[str, Any]:
     if ctx.device == "cuda":
         env = child_env(TORCH_CUDNN_SDPA_CACHE_DEBUG="1", GPU_CHECK_ATTENTION_ONLY="CUDNN_ATTENTION")
         try:
-            dbg = subprocess.run(module_cmd("attention-child", "--out", os.devnull), env=env, capture_output=True,
-                                 text=True, timeout=budget * 0.25)
+            dbg = subprocess.run(
+                module_cmd("attention-child", "--out", os.devnull),
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=budget * 0.25,
+            )
             lines = [x for x in (dbg.stdout + dbg.stderr).splitlines() if "cache" in x.lower() or "cudnn" in x.lower()]
-            debug = {"exit": dbg.returncode, "cache_lines": len(lines), "first_lines": lines[:20],
-                     "last_lines": lines[-10:]}
+            debug = {
+                "exit": dbg.returncode,
+                "cache_lines": len(lines),
+                "first_lines": lines[:20],
+                "last_lines": lines[-10:],
+            }
             if not lines:
                 debug["note"] = "this torch printed nothing for TORCH_CUDNN_SDPA_CACHE_DEBUG=1"
         except subprocess.TimeoutExpired:

@@ -25,8 +25,10 @@ def _plan_hardware(ctx: Context):
     entry = lookup(name)
     if entry is None:
         return None, f"detection saw no GPU ({'; '.join(hw.notes)}) and '{name}' is not in the catalog"
-    return (catalog_box(entry.name, torch.cuda.device_count()),
-            f"catalog {entry.name}: detection saw no GPU ({'; '.join(hw.notes)})")
+    return (
+        catalog_box(entry.name, torch.cuda.device_count()),
+        f"catalog {entry.name}: detection saw no GPU ({'; '.join(hw.notes)})",
+    )
 
 
 def predict(ctx: Context, arch, method: str, micro_batch: int, seq: int, fused: bool = True) -> dict[str, Any]:
@@ -42,37 +44,75 @@ def predict(ctx: Context, arch, method: str, micro_batch: int, seq: int, fused: 
     out: dict[str, Any] = {"hardware": source}
     if hw is None:
         return out
-    recipe = SimpleNamespace(model=arch.name, method=method, engine="trl", num_processes="auto", max_length=seq,
-                             packing=False, max_steps=None, epochs=1, micro_batch_size=micro_batch,
-                             gradient_accumulation_steps=1, gradient_checkpointing=True,
-                             lora=SimpleNamespace(r=16, target_modules="all-linear"), price_per_hour_eur=None,
-                             checkpoint_every_minutes=30)
+    recipe = SimpleNamespace(
+        model=arch.name,
+        method=method,
+        engine="trl",
+        num_processes="auto",
+        max_length=seq,
+        packing=False,
+        max_steps=None,
+        epochs=1,
+        micro_batch_size=micro_batch,
+        gradient_accumulation_steps=1,
+        gradient_checkpointing=True,
+        lora=SimpleNamespace(r=16, target_modules="all-linear"),
+        price_per_hour_eur=None,
+        checkpoint_every_minutes=30,
+    )
     # every example as long as the measured ones: the plan's seq_len and mean length are the bench's
-    stats = SimpleNamespace(examples=1000, mean_tokens=seq, max_tokens=seq, total_tokens=1000 * seq,
-                            tokens_source="tokenizer")
+    stats = SimpleNamespace(
+        examples=1000, mean_tokens=seq, max_tokens=seq, total_tokens=1000 * seq, tokens_source="tokenizer"
+    )
     try:
         plan = make_plan(recipe, hw, stats, arch=arch, unsloth_available=False)
-        out.update(fits=True, memory_gb=plan.memory["estimated_per_gpu_gb"],
-                   breakdown_gb=plan.memory["breakdown_gb"],
-                   tokens_per_second=plan.tokens["estimated_tokens_per_second"], engine=plan.engine)
+        out.update(
+            fits=True,
+            memory_gb=plan.memory["estimated_per_gpu_gb"],
+            breakdown_gb=plan.memory["breakdown_gb"],
+            tokens_per_second=plan.tokens["estimated_tokens_per_second"],
+            engine=plan.engine,
+        )
         if not fused:
             device = "cpu" if hw.is_cpu_only else "cuda"
-            est = sizing.memory(arch, sizing.Workload(method, seq, micro_batch, True, 16, "all-linear", "trl", 1,
-                                                      device, loss=sizing.LOSS_MATERIALIZED))
-            out.update(plan_memory_gb=out["memory_gb"], memory_gb=round(est.peak_gb, 1),
-                       breakdown_gb={k: round(v, 2) for k, v in est.breakdown_gb.items()})
+            est = sizing.memory(
+                arch,
+                sizing.Workload(
+                    method, seq, micro_batch, True, 16, "all-linear", "trl", 1, device, loss=sizing.LOSS_MATERIALIZED
+                ),
+            )
+            out.update(
+                plan_memory_gb=out["memory_gb"],
+                memory_gb=round(est.peak_gb, 1),
+                breakdown_gb={k: round(v, 2) for k, v in est.breakdown_gb.items()},
+            )
         out["loss"] = sizing.LOSS_FUSED if fused else sizing.LOSS_MATERIALIZED
     except FtrunError as exc:
         # the plan refuses: keep its reason, and the sizer's own figures for the comparison
         device = "cpu" if hw.is_cpu_only else "cuda"
-        w = sizing.Workload(method, seq, micro_batch, True, 16, "all-linear", "trl", 1, device,
-                            loss="" if fused else sizing.LOSS_MATERIALIZED)
+        w = sizing.Workload(
+            method,
+            seq,
+            micro_batch,
+            True,
+            16,
+            "all-linear",
+            "trl",
+            1,
+            device,
+            loss="" if fused else sizing.LOSS_MATERIALIZED,
+        )
         est = sizing.memory(arch, w)
         g = hw.gpu
-        out.update(fits=False, refusal=exc.message[:400], memory_gb=round(est.per_gpu_gb, 1),
-                   breakdown_gb={k: round(v, 2) for k, v in est.breakdown_gb.items()},
-                   tokens_per_second=round(throughput.tokens_per_second(arch, w, g.tflops_bf16 if g else None,
-                                                                    hw.interconnect, hw.cpu_count), 1))
+        out.update(
+            fits=False,
+            refusal=exc.message[:400],
+            memory_gb=round(est.per_gpu_gb, 1),
+            breakdown_gb={k: round(v, 2) for k, v in est.breakdown_gb.items()},
+            tokens_per_second=round(
+                throughput.tokens_per_second(arch, w, g.tflops_bf16 if g else None, hw.interconnect, hw.cpu_count), 1
+            ),
+        )
     return out
 
 
@@ -93,13 +133,18 @@ def _allocator(device: str) -> dict[str, Any]:
     import torch
 
     free, total = torch.cuda.mem_get_info()
-    return {"allocated_gb": in_gb(torch.cuda.memory_allocated()), "reserved_gb": in_gb(torch.cuda.memory_reserved()),
-            "max_allocated_gb": in_gb(torch.cuda.max_memory_allocated()),
-            "max_reserved_gb": in_gb(torch.cuda.max_memory_reserved()), "device_used_gb": in_gb(total - free)}
+    return {
+        "allocated_gb": in_gb(torch.cuda.memory_allocated()),
+        "reserved_gb": in_gb(torch.cuda.memory_reserved()),
+        "max_allocated_gb": in_gb(torch.cuda.max_memory_allocated()),
+        "max_reserved_gb": in_gb(torch.cuda.max_memory_reserved()),
+        "device_used_gb": in_gb(total - free),
+    }
 
 
-def _fixed_batches(vocab: int, micro_batch: int, seq: int, n: int, device: str,
-                   fused: bool = False) -> list[dict[str, Any]]:
+def _fixed_batches(
+    vocab: int, micro_batch: int, seq: int, n: int, device: str, fused: bool = False
+) -> list[dict[str, Any]]:
     import torch
 
     g = torch.Generator().manual_seed(1)
@@ -125,8 +170,13 @@ def _bench(ctx: Context, method: str) -> dict[str, Any]:
     # the worker's loss, TRL's fused LM head (trl 1.16 SFTTrainer: add_fused_lm_head, fused_lm_head=True), where trl
     # is installed; the lent box has no trl, so there the step measures the model's own loss and predicts that
     fused = _fused_head_importable()
-    result: dict[str, Any] = {"shape": arch.name, "params": arch.params, "method": method, "seq": cfg["seq"],
-                              "predicted": predict(ctx, arch, method, batch_sizes[0], cfg["seq"], fused)}
+    result: dict[str, Any] = {
+        "shape": arch.name,
+        "params": arch.params,
+        "method": method,
+        "seq": cfg["seq"],
+        "predicted": predict(ctx, arch, method, batch_sizes[0], cfg["seq"], fused),
+    }
     ctx.progress(**result)
     t0 = time.monotonic()
     model, device, dtype, attn = build_model(ctx, arch, method)
@@ -139,10 +189,15 @@ def _bench(ctx: Context, method: str) -> dict[str, Any]:
         add_fused_lm_head(base, outputs=FUSED_OUTPUTS)
         fused_head.install()
     built = sum(p.numel() for n, p in base.named_parameters() if "lora_" not in n)
-    result.update(device=device, dtype=str(dtype).replace("torch.", ""), attention=attn,
-                  build_seconds=round(time.monotonic() - t0, 1), built_params=built,
-                  weights_dtype=str(next(base.parameters()).dtype).replace("torch.", ""),
-                  after_build=_allocator(device))
+    result.update(
+        device=device,
+        dtype=str(dtype).replace("torch.", ""),
+        attention=attn,
+        build_seconds=round(time.monotonic() - t0, 1),
+        built_params=built,
+        weights_dtype=str(next(base.parameters()).dtype).replace("torch.", ""),
+        after_build=_allocator(device),
+    )
     ctx.progress(**result)
     attempts = []
     for mb in batch_sizes:
@@ -153,13 +208,17 @@ def _bench(ctx: Context, method: str) -> dict[str, Any]:
         params, opt = make_optimizer(model, device)
         failure = None
         try:
-            measured = measure(model, params, opt, batches, [mb * cfg["seq"]] * len(batches), cfg["warmup"],
-                               device, dtype)
+            measured = measure(
+                model, params, opt, batches, [mb * cfg["seq"]] * len(batches), cfg["warmup"], device, dtype
+            )
         except Exception as exc:  # noqa: BLE001 - only an out-of-memory is an answer here
             if not memory.is_out_of_memory(exc):
                 raise
-            failure = {"micro_batch": mb, "out_of_memory": memory.out_of_memory_text(exc)[:300],
-                       "peak_memory_gb_at_failure": memory.out_of_memory_peak_gb(device)}
+            failure = {
+                "micro_batch": mb,
+                "out_of_memory": memory.out_of_memory_text(exc)[:300],
+                "peak_memory_gb_at_failure": memory.out_of_memory_peak_gb(device),
+            }
         if failure is None:
             measured.update(micro_batch=mb, allocator=_allocator(device))
             attempts.append(measured)
@@ -177,19 +236,24 @@ def _bench(ctx: Context, method: str) -> dict[str, Any]:
     pred = result.get("predicted_fallback") if done and done["micro_batch"] != batch_sizes[0] else result["predicted"]
     result["measured"] = done
     if done:
-        result["memory_ratio"] = round(pred["memory_gb"] / done["peak_memory_gb"], 3) \
-            if pred.get("memory_gb") and done["peak_memory_gb"] else None
-        result["tps_ratio"] = round(pred["tokens_per_second"] / done["tokens_per_second"], 3) \
-            if pred.get("tokens_per_second") else None
+        result["memory_ratio"] = (
+            round(pred["memory_gb"] / done["peak_memory_gb"], 3)
+            if pred.get("memory_gb") and done["peak_memory_gb"]
+            else None
+        )
+        result["tps_ratio"] = (
+            round(pred["tokens_per_second"] / done["tokens_per_second"], 3) if pred.get("tokens_per_second") else None
+        )
     # a run that trained is the check (the loss is finite); the figures are what the step is for
     ok = done is not None and all(x == x and abs(x) < 1e4 for x in done["losses"]) and built == arch.params
     oom = "; ".join(f"mb {a['micro_batch']}: out of memory" for a in attempts if "out_of_memory" in a)
     if done:
-        line = (f"{arch.name} {method} mb {done['micro_batch']} x {cfg['seq']} ({pred.get('loss')}): memory predicted "
-                f"{pred.get('memory_gb')} GB{'' if pred.get('fits', True) else ' (plan refuses)'} measured "
-                f"{done['peak_memory_gb']:.1f} GB; tokens/s predicted {pred.get('tokens_per_second')} measured "
-                f"{done['tokens_per_second']:.0f} ({result['weights_dtype']} weights, {attn})"
-                + (f"; {oom}" if oom else ""))
+        line = (
+            f"{arch.name} {method} mb {done['micro_batch']} x {cfg['seq']} ({pred.get('loss')}): memory predicted "
+            f"{pred.get('memory_gb')} GB{'' if pred.get('fits', True) else ' (plan refuses)'} measured "
+            f"{done['peak_memory_gb']:.1f} GB; tokens/s predicted {pred.get('tokens_per_second')} measured "
+            f"{done['tokens_per_second']:.0f} ({result['weights_dtype']} weights, {attn})" + (f"; {oom}" if oom else "")
+        )
     else:
         line = f"{arch.name} {method}: {oom or 'no measurement'}"
     if built != arch.params:

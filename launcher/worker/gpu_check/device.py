@@ -12,8 +12,21 @@ def _packages() -> dict[str, Optional[str]]:
     from importlib import metadata
 
     out = {}
-    for name in ("torch", "transformers", "peft", "accelerate", "trl", "datasets", "bitsandbytes", "flash-attn",
-                 "nvidia-ml-py", "pydantic", "PyYAML", "safetensors", "psutil"):
+    for name in (
+        "torch",
+        "transformers",
+        "peft",
+        "accelerate",
+        "trl",
+        "datasets",
+        "bitsandbytes",
+        "flash-attn",
+        "nvidia-ml-py",
+        "pydantic",
+        "PyYAML",
+        "safetensors",
+        "psutil",
+    ):
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -40,12 +53,19 @@ def step_device(ctx: Context) -> dict[str, Any]:
             row: dict[str, Any] = {"local_rank": i, "device": device, "dtype": str(dtype).replace("torch.", "")}
             if device == "cuda":
                 cc = torch.cuda.get_device_capability(i)
-                row.update(name=torch.cuda.get_device_name(i), capability=list(cc), current=torch.cuda.current_device(),
-                           total_gb=in_gb(torch.cuda.get_device_properties(i).total_memory),
-                           bf16_supported_with_emulation=torch.cuda.is_bf16_supported(including_emulation=True),
-                           expected_dtype=str(compute_dtype(cc)).replace("torch.", ""))
-                row["ok"] = row["current"] == i and row["dtype"] == row["expected_dtype"] and \
-                    (row["dtype"] == "bfloat16") == (tuple(cc) >= (8, 0))
+                row.update(
+                    name=torch.cuda.get_device_name(i),
+                    capability=list(cc),
+                    current=torch.cuda.current_device(),
+                    total_gb=in_gb(torch.cuda.get_device_properties(i).total_memory),
+                    bf16_supported_with_emulation=torch.cuda.is_bf16_supported(including_emulation=True),
+                    expected_dtype=str(compute_dtype(cc)).replace("torch.", ""),
+                )
+                row["ok"] = (
+                    row["current"] == i
+                    and row["dtype"] == row["expected_dtype"]
+                    and (row["dtype"] == "bfloat16") == (tuple(cc) >= (8, 0))
+                )
             else:
                 row["expected_dtype"] = "float32"
                 row["ok"] = row["dtype"] == "float32"
@@ -56,19 +76,40 @@ def step_device(ctx: Context) -> dict[str, Any]:
         else:
             os.environ["LOCAL_RANK"] = saved
     hw = detect()
-    seen = {"describe": hw.describe(), "count": hw.count, "notes": list(hw.notes), "source": hw.source,
-            "gpus": [g.to_dict() for g in hw.gpus]}
+    seen = {
+        "describe": hw.describe(),
+        "count": hw.count,
+        "notes": list(hw.notes),
+        "source": hw.source,
+        "gpus": [g.to_dict() for g in hw.gpus],
+    }
     expected_device = ctx.device
     ok = all(r["ok"] for r in devices) and all(r["device"] == expected_device for r in devices)
     # the plan must see the GPUs torch sees (without nvidia-ml-py too: hardware.py falls back to torch.cuda)
     plan_ok = hw.count == count
     first = devices[0]
-    where = (f"{first['device']}:{first['local_rank']} {first.get('name', '')} cc {'.'.join(map(str, first['capability']))}"
-             if first["device"] == "cuda" else "cpu")
-    missing = [k for k in ("peft", "accelerate", "trl", "datasets", "bitsandbytes", "flash-attn", "nvidia-ml-py")
-               if packages.get(k) is None]
-    line = (f"{count} GPU(s); {where} -> {first['dtype']} (expected {first['expected_dtype']}); "
-            f"plan sees {hw.describe()}{'' if plan_ok else ' (MISMATCH)'}; not installed: {', '.join(missing) or '-'}")
-    return {"ok": ok and plan_ok, "expected_device": expected_device, "cuda_devices": count, "devices": devices,
-            "plan_hardware": seen, "plan_sees_gpus": plan_ok, "packages": packages,
-            "torch_cuda": torch.version.cuda, "line": line}
+    where = (
+        f"{first['device']}:{first['local_rank']} {first.get('name', '')} cc {'.'.join(map(str, first['capability']))}"
+        if first["device"] == "cuda"
+        else "cpu"
+    )
+    missing = [
+        k
+        for k in ("peft", "accelerate", "trl", "datasets", "bitsandbytes", "flash-attn", "nvidia-ml-py")
+        if packages.get(k) is None
+    ]
+    line = (
+        f"{count} GPU(s); {where} -> {first['dtype']} (expected {first['expected_dtype']}); "
+        f"plan sees {hw.describe()}{'' if plan_ok else ' (MISMATCH)'}; not installed: {', '.join(missing) or '-'}"
+    )
+    return {
+        "ok": ok and plan_ok,
+        "expected_device": expected_device,
+        "cuda_devices": count,
+        "devices": devices,
+        "plan_hardware": seen,
+        "plan_sees_gpus": plan_ok,
+        "packages": packages,
+        "torch_cuda": torch.version.cuda,
+        "line": line,
+    }

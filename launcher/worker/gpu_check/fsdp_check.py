@@ -53,12 +53,18 @@ def fsdp_child(model: Path, out_dir: Path, work: Path, device_name: str) -> int:
     opt.step()
     opt.zero_grad()
     result: dict[str, Any] = {
-        "device": device, "distributed_type": str(acc.distributed_type), "wrapper": type(wrapped).__name__,
-        "fsdp2_module": is_fsdp, "dtensor_parameters": dtensors, "parameters": len(params),
-        "optimizer_holds_model_parameters": optimizer_follows, "world_size": acc.num_processes,
+        "device": device,
+        "distributed_type": str(acc.distributed_type),
+        "wrapper": type(wrapped).__name__,
+        "fsdp2_module": is_fsdp,
+        "dtensor_parameters": dtensors,
+        "parameters": len(params),
+        "optimizer_holds_model_parameters": optimizer_follows,
+        "world_size": acc.num_processes,
         "loss": loss.item(),
         "load_kwargs": {k: str(v) for k, v in load_kwargs(recipe, device, dtype, "fsdp").items()},
-        **{f"report_{k}": v for k, v in fsdp.sharding_report(wrapped).items()}}
+        **{f"report_{k}": v for k, v in fsdp.sharding_report(wrapped).items()},
+    }
     final_dir = work / "fsdp-final"
     save_full = getattr(fsdp, "save_full", None)
     if save_full is None:
@@ -68,18 +74,25 @@ def fsdp_child(model: Path, out_dir: Path, work: Path, device_name: str) -> int:
         target = acc.unwrap_model(wrapped)
         trained = _trained_lora(target)  # every rank: gathering a DTensor is a collective
         gathered = save_full(target, final_dir, write=is_main_process())
-        result["final_save"] = {"gathered_tensors": len(gathered) if isinstance(gathered, (list, tuple)) else gathered,
-                                "sharded": fsdp.is_sharded(target)
-                                if hasattr(fsdp, "is_sharded") else None}
+        result["final_save"] = {
+            "gathered_tensors": len(gathered) if isinstance(gathered, (list, tuple)) else gathered,
+            "sharded": fsdp.is_sharded(target) if hasattr(fsdp, "is_sharded") else None,
+        }
         if is_main_process():
             result["final_save"].update(_reload_adapter(recipe, trained, final_dir))
     acc.wait_for_everyone()
     if is_main_process():
         on_gpu = is_fsdp and dtensors == len(params)
-        result["expected"] = ("FSDP2 module with DTensor parameters" if device == "cuda"
-                              else "not FSDP: accelerate on CPU falls back silently (the worker refuses this)")
-        result["ok"] = (on_gpu if device == "cuda" else not is_fsdp) and optimizer_follows \
+        result["expected"] = (
+            "FSDP2 module with DTensor parameters"
+            if device == "cuda"
+            else "not FSDP: accelerate on CPU falls back silently (the worker refuses this)"
+        )
+        result["ok"] = (
+            (on_gpu if device == "cuda" else not is_fsdp)
+            and optimizer_follows
             and result["final_save"].get("ok") is True
+        )
         write_json(out_dir / "fsdp-child.json", result)
     acc.end_training()
     return 0
@@ -115,8 +128,14 @@ def _reload_adapter(recipe, trained: dict[str, Any], final_dir: Path) -> dict[st
     same = sorted(a) == sorted(b) and len(a) > 0
     diff = max(((a[k] - b[k]).abs().max().item() for k in a), default=float("inf")) if same else float("inf")
     moved = any(v.abs().sum().item() > 0 for k, v in b.items() if "lora_B" in k)
-    out = {"adapter_files": sorted(p.name for p in final_dir.iterdir()), "tensors_saved": len(b),
-           "tensors_trained": len(a), "same_names": same, "reload_max_abs_diff": diff, "trained_values": moved}
+    out = {
+        "adapter_files": sorted(p.name for p in final_dir.iterdir()),
+        "tensors_saved": len(b),
+        "tensors_trained": len(a),
+        "same_names": same,
+        "reload_max_abs_diff": diff,
+        "trained_values": moved,
+    }
     verified = None
     try:
         from launcher.store import final
@@ -137,7 +156,11 @@ def step_fsdp(ctx: Context) -> dict[str, Any]:
     import subprocess
 
     if importlib.util.find_spec("accelerate") is None or importlib.util.find_spec("peft") is None:
-        return {"ok": None, "skipped": "accelerate or peft not installed", "line": "skipped: accelerate or peft missing"}
+        return {
+            "ok": None,
+            "skipped": "accelerate or peft not installed",
+            "line": "skipped: accelerate or peft missing",
+        }
     import yaml
 
     from launcher.worker.engines.fsdp import accelerate_config
@@ -148,20 +171,47 @@ def step_fsdp(ctx: Context) -> dict[str, Any]:
     child_out = ctx.out / "fsdp-child.json"
     child_out.unlink(missing_ok=True)
     env = child_env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_path),
-                           "--main_process_port", "29534", "-m", "launcher.worker.gpu_check", "fsdp-child",
-                           "--model", str(ctx.work / "tiny-model"), "--out", str(ctx.out), "--work", str(ctx.work),
-                           "--device", ctx.device],
-                          env=env, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(config_path),
+            "--main_process_port",
+            "29534",
+            "-m",
+            "launcher.worker.gpu_check",
+            "fsdp-child",
+            "--model",
+            str(ctx.work / "tiny-model"),
+            "--out",
+            str(ctx.out),
+            "--work",
+            str(ctx.work),
+            "--device",
+            ctx.device,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     (ctx.out / "fsdp-child.log").write_text(proc.stdout + proc.stderr)
     got = read_json(child_out)
     if got is None:
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
-        return {"ok": False, "exit": proc.returncode, "error": tail[0][:300],
-                "line": f"accelerate launch exit {proc.returncode}: {tail[0][:160]}"}
+        return {
+            "ok": False,
+            "exit": proc.returncode,
+            "error": tail[0][:300],
+            "line": f"accelerate launch exit {proc.returncode}: {tail[0][:160]}",
+        }
     save = got.get("final_save", {})
-    line = (f"{got['wrapper']} ({got['distributed_type']}), {got['dtensor_parameters']}/{got['parameters']} DTensor "
-            f"params, optimizer follows: {got['optimizer_holds_model_parameters']}, loss {got['loss']:.3f}; final "
-            f"save: {save.get('tensors_saved', '?')} adapter tensors, reload diff {save.get('reload_max_abs_diff', '?')}"
-            f", {save.get('verified') or save.get('error', '')}")
+    line = (
+        f"{got['wrapper']} ({got['distributed_type']}), {got['dtensor_parameters']}/{got['parameters']} DTensor "
+        f"params, optimizer follows: {got['optimizer_holds_model_parameters']}, loss {got['loss']:.3f}; final "
+        f"save: {save.get('tensors_saved', '?')} adapter tensors, reload diff {save.get('reload_max_abs_diff', '?')}"
+        f", {save.get('verified') or save.get('error', '')}"
+    )
     return {**got, "exit": proc.returncode, "line": line}

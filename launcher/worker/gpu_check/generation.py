@@ -20,8 +20,11 @@ VARIANTS = {"default": {}, "cudnn-on": {"FTRUN_SDPA_BACKENDS": "cudnn,flash,effi
 
 def prompts(count: int) -> list[dict[str, Any]]:
     """The demo data's conversations up to their last assistant turn, as task.json asks them."""
-    rows = [json.loads(x)["messages"] for x in (REPO / "recipes" / "data" / "tiny-chat.jsonl").read_text().splitlines()
-            if x.strip()]
+    rows = [
+        json.loads(x)["messages"]
+        for x in (REPO / "recipes" / "data" / "tiny-chat.jsonl").read_text().splitlines()
+        if x.strip()
+    ]
     out = []
     for i, messages in enumerate(rows[:count]):
         last = max(k for k, m in enumerate(messages) if m["role"] == "assistant")
@@ -33,8 +36,12 @@ def sdpa_flags() -> dict[str, bool]:
     import torch
 
     b = torch.backends.cuda
-    return {"cudnn": b.cudnn_sdp_enabled(), "flash": b.flash_sdp_enabled(), "efficient": b.mem_efficient_sdp_enabled(),
-            "math": b.math_sdp_enabled()}
+    return {
+        "cudnn": b.cudnn_sdp_enabled(),
+        "flash": b.flash_sdp_enabled(),
+        "efficient": b.mem_efficient_sdp_enabled(),
+        "math": b.math_sdp_enabled(),
+    }
 
 
 def generation_child(model_dir: Path, out: Path, force_cudnn: bool) -> int:
@@ -61,11 +68,27 @@ def generation_child(model_dir: Path, out: Path, force_cudnn: bool) -> int:
         rows = task_eval.answer(model, tokenizer, asked, MAX_NEW_TOKENS, path, write=False)
         seconds = time.perf_counter() - t0
         tokens = sum(r["new_tokens"] for r in rows)
-        passes.append({"prompts": len(rows), "new_tokens": tokens, "seconds": round(seconds, 3),
-                       "tokens_per_second": round(tokens / seconds, 1)})
-    out.write_text(json.dumps({"device": device, "dtype": str(dtype), "attn_implementation": attn,
-                               "batch": task_eval.BATCH.get(device), "sdpa_enabled": sdpa_flags() if device == "cuda"
-                               else None, "passes": passes}, indent=2))
+        passes.append(
+            {
+                "prompts": len(rows),
+                "new_tokens": tokens,
+                "seconds": round(seconds, 3),
+                "tokens_per_second": round(tokens / seconds, 1),
+            }
+        )
+    out.write_text(
+        json.dumps(
+            {
+                "device": device,
+                "dtype": str(dtype),
+                "attn_implementation": attn,
+                "batch": task_eval.BATCH.get(device),
+                "sdpa_enabled": sdpa_flags() if device == "cuda" else None,
+                "passes": passes,
+            },
+            indent=2,
+        )
+    )
     return 0
 
 
@@ -90,8 +113,13 @@ def step_generation(ctx: Context) -> dict[str, Any]:
         results[name] = got
     rates = {k: v["passes"][-1]["tokens_per_second"] for k, v in results.items() if "passes" in v}
     ok = "default" in rates
-    line = "; ".join(f"{k} {v:.0f} tok/s (first pass {results[k]['passes'][0]['tokens_per_second']:.0f})"
-                     for k, v in rates.items()) or f"failed: {results.get('default', {}).get('error')}"
+    line = (
+        "; ".join(
+            f"{k} {v:.0f} tok/s (first pass {results[k]['passes'][0]['tokens_per_second']:.0f})"
+            for k, v in rates.items()
+        )
+        or f"failed: {results.get('default', {}).get('error')}"
+    )
     if len(rates) == 2:
         results["default_over_cudnn"] = round(rates["default"] / rates["cudnn-on"], 2)
         line += f"; default/cudnn {results['default_over_cudnn']}x"

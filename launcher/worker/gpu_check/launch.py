@@ -24,13 +24,17 @@ print(json.dumps({{"n_gpu": args.n_gpu, "train_batch_size": args.train_batch_siz
 # One os.write per line: under PYTHONUNBUFFERED=1 (set above in scripts/gpu_check.sh) print() writes its pieces one
 # by one and two ranks' pieces interleave in the shared pipe (tests/worker/test_launch_env.py); a pipe write under
 # PIPE_BUF bytes is never split.
-_THREADS = ("import os, torch\nos.write(1, f\"RANK {os.environ['RANK']} {os.environ.get('OMP_NUM_THREADS')} "
-            "{torch.get_num_threads()}\\n\".encode())\n")
+_THREADS = (
+    "import os, torch\nos.write(1, f\"RANK {os.environ['RANK']} {os.environ.get('OMP_NUM_THREADS')} "
+    '{torch.get_num_threads()}\\n".encode())\n'
+)
 
 # Each probe that makes a process group ends through leave_rank (launcher/worker/process.py: no interpreter teardown).
-_PORT = ("import os, torch.distributed as dist\nfrom launcher.worker.process import leave_rank\n"
-         "dist.init_process_group('gloo'); dist.barrier()\n"
-         "os.write(1, f\"PORT {os.environ['MASTER_PORT']}\\n\".encode())\ndist.destroy_process_group()\nleave_rank(0)\n")
+_PORT = (
+    "import os, torch.distributed as dist\nfrom launcher.worker.process import leave_rank\n"
+    "dist.init_process_group('gloo'); dist.barrier()\n"
+    "os.write(1, f\"PORT {os.environ['MASTER_PORT']}\\n\".encode())\ndist.destroy_process_group()\nleave_rank(0)\n"
+)
 
 # The worker's order (launcher/worker/train.py): its own process group where a library would make one without the
 # trainer's timeout, then TrainingArguments' (accelerate's), then the check that reads the group's timeout back.
@@ -65,14 +69,18 @@ def _n_gpu(ctx: Context) -> dict[str, Any]:
     bare.pop("CUDA_VISIBLE_DEVICES", None) if ctx.device == "cuda" else None
     seen = {}
     for name, extra in (("without", {}), ("launched", env)):
-        done = subprocess.run([sys.executable, "-c", code], env={**bare, **extra}, capture_output=True, text=True,
-                              timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-c", code], env={**bare, **extra}, capture_output=True, text=True, timeout=120
+        )
         if done.returncode != 0:
             return {"ok": False, "error": (done.stderr.strip().splitlines() or ["no output"])[-1][:300]}
         seen[name] = _last_json(done.stdout)
     want = 1 if ctx.device == "cuda" else 0
-    return {"ok": seen["launched"]["n_gpu"] == want and seen["launched"]["train_batch_size"] == 2,
-            "cuda_visible_devices": env.get("CUDA_VISIBLE_DEVICES"), **seen}
+    return {
+        "ok": seen["launched"]["n_gpu"] == want and seen["launched"]["train_batch_size"] == 2,
+        "cuda_visible_devices": env.get("CUDA_VISIBLE_DEVICES"),
+        **seen,
+    }
 
 
 def _threads(ctx: Context) -> dict[str, Any]:
@@ -84,12 +92,21 @@ def _threads(ctx: Context) -> dict[str, Any]:
     probe.write_text(_THREADS)
     env = {k: v for k, v in child_env().items() if k != "OMP_NUM_THREADS"}
     env.update(launch_env({"device": ctx.device, "engine": "ddp", "num_processes": 2, "hardware": {"gpus": []}}))
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(probe)], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(probe)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     rows = sorted(m.split()[1:] for m in re.findall(r"RANK \d+ \S+ \d+\n", done.stdout))  # whole lines
     want = str(threads_per_process(cpu_cores(), 2))
-    return {"ok": done.returncode == 0 and rows == [["0", want, want], ["1", want, want]],
-            "cores": cpu_cores(), "expected_threads": int(want), "ranks": rows}
+    return {
+        "ok": done.returncode == 0 and rows == [["0", want, want], ["1", want, want]],
+        "cores": cpu_cores(),
+        "expected_threads": int(want),
+        "ranks": rows,
+    }
 
 
 def _ports(ctx: Context) -> dict[str, Any]:
@@ -104,14 +121,19 @@ def _ports(ctx: Context) -> dict[str, Any]:
     probe.write_text(_PORT)
     env = child_env(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # the rendezvous is the point, not the cards
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg), str(probe)]
-    jobs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-            for _ in range(2)]
+    jobs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for _ in range(2)
+    ]
     outs = [job.communicate(timeout=180)[0] for job in jobs]
     counts = [len(re.findall(r"PORT \d+\n", out)) for out in outs]
     ports = [sorted(set(re.findall(r"PORT (\d+)\n", out))) for out in outs]  # whole lines (one os.write each)
-    ok = all(job.returncode == 0 for job in jobs) and counts == [2, 2] and all(len(p) == 1 for p in ports) \
-        and ports[0] != ports[1] \
+    ok = (
+        all(job.returncode == 0 for job in jobs)
+        and counts == [2, 2]
+        and all(len(p) == 1 for p in ports)
+        and ports[0] != ports[1]
         and ["29500"] not in ports
+    )
     out = {"ok": ok, "ports": ports, "exits": [job.returncode for job in jobs]}
     if not ok:
         out["tail"] = [o.strip().splitlines()[-1:] for o in outs]
@@ -131,12 +153,21 @@ def _group_timeout(ctx: Context) -> dict[str, Any]:
         with socket.socket() as s:  # a port of its own each: the previous store's may still be in TIME_WAIT
             s.bind(("127.0.0.1", 0))
             port = str(s.getsockname()[1])
-        env = child_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                        MASTER_PORT=port)
-        done = subprocess.run([sys.executable, "-c", _GROUP.format(out=str(ctx.work / "group")), ctx.device, engine,
-                               "1234"], env=env, capture_output=True, text=True, timeout=120)
-        seen[engine] = (_last_json(done.stdout) if done.returncode == 0
-                        else {"ok": False, "seen": (done.stderr.strip().splitlines() or ["no output"])[-1][:300]})
+        env = child_env(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", _GROUP.format(out=str(ctx.work / "group")), ctx.device, engine, "1234"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        seen[engine] = (
+            _last_json(done.stdout)
+            if done.returncode == 0
+            else {"ok": False, "seen": (done.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+        )
     return {"ok": all(v["ok"] and "not readable" not in v["seen"] for v in seen.values()), **seen}
 
 
@@ -152,9 +183,16 @@ def step_launch_env(ctx: Context) -> dict[str, Any]:
     result["group_timeout"] = _group_timeout(ctx) if has("accelerate") else {"ok": None, "skipped": "accelerate"}
     oks = [part.get("ok") for part in result.values()]
     n, t, p = result["n_gpu"], result["threads"], result["ports"]
-    line = (f"single process: n_gpu {n.get('launched', {}).get('n_gpu', '?')} (without the launch's "
-            f"CUDA_VISIBLE_DEVICES: {n.get('without', {}).get('n_gpu', '?')}); threads per rank "
-            f"{[r[2] for r in t.get('ranks', [])]} of {t.get('cores')} cores; two FSDP launches on ports "
-            f"{p.get('ports', p.get('skipped'))}; process group timeout "
-            f"{ {k: v['seen'] for k, v in result['group_timeout'].items() if isinstance(v, dict)} or 'skipped'}")
-    return {**result, "ok": all(ok is not False for ok in oks), "line": line, "omp_env": os.environ.get("OMP_NUM_THREADS")}
+    line = (
+        f"single process: n_gpu {n.get('launched', {}).get('n_gpu', '?')} (without the launch's "
+        f"CUDA_VISIBLE_DEVICES: {n.get('without', {}).get('n_gpu', '?')}); threads per rank "
+        f"{[r[2] for r in t.get('ranks', [])]} of {t.get('cores')} cores; two FSDP launches on ports "
+        f"{p.get('ports', p.get('skipped'))}; process group timeout "
+        f"{ {k: v['seen'] for k, v in result['group_timeout'].items() if isinstance(v, dict)} or 'skipped' }"
+    )
+    return {
+        **result,
+        "ok": all(ok is not False for ok in oks),
+        "line": line,
+        "omp_env": os.environ.get("OMP_NUM_THREADS"),
+    }

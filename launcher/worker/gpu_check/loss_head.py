@@ -69,9 +69,12 @@ def step_loss_head(ctx: Context) -> dict[str, Any]:
 
     trl_kernel = _fused_kernel()
     if trl_kernel is None:
-        return {"ok": None, "skipped": "trl not importable (carry its wheel: FTRUN_DEVICE_WHEELS)",
-                "line": "skipped: trl's kernel not importable; pip download --no-deps trl==1.16.0 -d "
-                        ".cache/device-wheels and carry .cache/device-wheels"}
+        return {
+            "ok": None,
+            "skipped": "trl not importable (carry its wheel: FTRUN_DEVICE_WHEELS)",
+            "line": "skipped: trl's kernel not importable; pip download --no-deps trl==1.16.0 -d "
+            ".cache/device-wheels and carry .cache/device-wheels",
+        }
     arch = architecture(ctx)
     device = ctx.device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -87,18 +90,32 @@ def step_loss_head(ctx: Context) -> dict[str, Any]:
     grads = {name: r.pop("grad") for name, r in runs.items()}
     reference = runs["model's own loss"]
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4  # bf16 logits on the model's own path, fp32 accumulation in trl's
-    agree = {name: abs(r["loss"] - reference["loss"]) <= tol * max(1.0, abs(reference["loss"]))
-             and bool(torch.allclose(grads[name], grads["model's own loss"], rtol=10 * tol, atol=1e-3 * tol))
-             for name, r in runs.items()}
+    agree = {
+        name: abs(r["loss"] - reference["loss"]) <= tol * max(1.0, abs(reference["loss"]))
+        and bool(torch.allclose(grads[name], grads["model's own loss"], rtol=10 * tol, atol=1e-3 * tol))
+        for name, r in runs.items()
+    }
     w = sizing.Workload("lora", t, 1, True, 16, "all-linear", "trl", 1, device)
-    predicted = {"model's own loss": round(loss_head.whole_logits_bytes(t, arch.vocab, device) / sizing.GB, 3),
-                 "trl fused LM head": round(loss_head.fused_head_bytes(arch, w) / sizing.GB, 3)}
+    predicted = {
+        "model's own loss": round(loss_head.whole_logits_bytes(t, arch.vocab, device) / sizing.GB, 3),
+        "trl fused LM head": round(loss_head.fused_head_bytes(arch, w) / sizing.GB, 3),
+    }
     parts = []
     for name, r in runs.items():
         mem = f"{r['peak_above_gb']:.2f} GB (sized {predicted.get(name, '-')})" if "peak_above_gb" in r else "-"
         parts.append(f"{name}: {mem}, {r['seconds_per_step'] * 1e3:.1f} ms")
     ok = all(agree.values()) and all(r["loss"] == r["loss"] for r in runs.values())
-    return {"ok": ok, "shape": arch.name, "tokens": t, "vocab": arch.vocab, "hidden": arch.hidden,
-            "dtype": str(dtype).replace("torch.", ""), "runs": runs, "predicted_gb": predicted, "agree": agree,
-            "line": f"{arch.name}, {t:,} tokens x {arch.vocab:,}: " + "; ".join(parts)
-                    + ("" if ok else "; the losses or gradients differ")}
+    return {
+        "ok": ok,
+        "shape": arch.name,
+        "tokens": t,
+        "vocab": arch.vocab,
+        "hidden": arch.hidden,
+        "dtype": str(dtype).replace("torch.", ""),
+        "runs": runs,
+        "predicted_gb": predicted,
+        "agree": agree,
+        "line": f"{arch.name}, {t:,} tokens x {arch.vocab:,}: "
+        + "; ".join(parts)
+        + ("" if ok else "; the losses or gradients differ"),
+    }

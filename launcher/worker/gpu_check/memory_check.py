@@ -33,28 +33,47 @@ def step_peak_memory(ctx: Context) -> dict[str, Any]:
         free, total = torch.cuda.mem_get_info(idx)
         reserved, max_reserved = torch.cuda.memory_reserved(idx), torch.cuda.max_memory_reserved(idx)
         outside = total - free - reserved
-        r = {"device": device, "worker_peak_gb": round(peak, 3), "max_memory_reserved_gb": in_gb(max_reserved),
-             "max_memory_allocated_gb": in_gb(torch.cuda.max_memory_allocated(idx)),
-             "reserved_now_gb": in_gb(reserved), "device_used_gb_mem_get_info": in_gb(total - free),
-             "outside_allocator_gb": in_gb(outside), "used_before_first_tensor_gb": in_gb(total - free0),
-             "allocation_gb": in_gb(size), "over_ranks_gb": round(memory.peak_memory_over_ranks_gb(device), 3)}
+        r = {
+            "device": device,
+            "worker_peak_gb": round(peak, 3),
+            "max_memory_reserved_gb": in_gb(max_reserved),
+            "max_memory_allocated_gb": in_gb(torch.cuda.max_memory_allocated(idx)),
+            "reserved_now_gb": in_gb(reserved),
+            "device_used_gb_mem_get_info": in_gb(total - free),
+            "outside_allocator_gb": in_gb(outside),
+            "used_before_first_tensor_gb": in_gb(total - free0),
+            "allocation_gb": in_gb(size),
+            "over_ranks_gb": round(memory.peak_memory_over_ranks_gb(device), 3),
+        }
         # peak = allocator peak + outside (context, cuBLAS); sizing counts the context as CUDA_CONTEXT_GB
         from launcher.plan import sizing
 
         r["sizing_cuda_context_gb"] = sizing.CUDA_CONTEXT_GB
-        ok = (max_reserved >= size and outside > 0 and abs(peak * GB - (max_reserved + outside)) < 64e6
-              and peak * GB >= total - free and r["over_ranks_gb"] == round(peak, 3))
-        line = (f"worker peak {peak:.2f} GB = allocator peak {max_reserved / GB:.2f} + outside the allocator "
-                f"{outside / GB:.2f} (sizing counts {sizing.CUDA_CONTEXT_GB}); mem_get_info used {(total - free) / GB:.2f}")
+        ok = (
+            max_reserved >= size
+            and outside > 0
+            and abs(peak * GB - (max_reserved + outside)) < 64e6
+            and peak * GB >= total - free
+            and r["over_ranks_gb"] == round(peak, 3)
+        )
+        line = (
+            f"worker peak {peak:.2f} GB = allocator peak {max_reserved / GB:.2f} + outside the allocator "
+            f"{outside / GB:.2f} (sizing counts {sizing.CUDA_CONTEXT_GB}); mem_get_info used {(total - free) / GB:.2f}"
+        )
     else:
         before = memory.peak_memory_gb(device)
         x = torch.ones(size, dtype=torch.uint8)
         peak = memory.peak_memory_gb(device)
         del x
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB
-        r = {"device": device, "worker_peak_gb": round(peak, 3), "before_gb": round(before, 3),
-             "allocation_gb": in_gb(size), "ru_maxrss_gb": round(rss, 3),
-             "over_ranks_gb": round(memory.peak_memory_over_ranks_gb(device), 3)}
+        r = {
+            "device": device,
+            "worker_peak_gb": round(peak, 3),
+            "before_gb": round(before, 3),
+            "allocation_gb": in_gb(size),
+            "ru_maxrss_gb": round(rss, 3),
+            "over_ranks_gb": round(memory.peak_memory_over_ranks_gb(device), 3),
+        }
         ok = peak - before >= 0.9 * size / GB and abs(peak - rss) < 0.05
         line = f"worker peak {before:.2f} -> {peak:.2f} GB after touching {size / GB:.1f} GB (ru_maxrss)"
     return {"ok": ok, **r, "line": line}
@@ -76,9 +95,12 @@ def step_oom(ctx: Context) -> dict[str, Any]:
             fn()
             cases[name] = {"raised": None}
         except BaseException as exc:  # noqa: BLE001
-            cases[name] = {"raised": type(exc).__name__, "message": first_line(exc),
-                           "is_out_of_memory": memory.is_out_of_memory(exc),
-                           "text": memory.out_of_memory_text(exc)[:300]}
+            cases[name] = {
+                "raised": type(exc).__name__,
+                "message": first_line(exc),
+                "is_out_of_memory": memory.is_out_of_memory(exc),
+                "text": memory.out_of_memory_text(exc)[:300],
+            }
         ctx.progress(cases=cases)
 
     if device == "cuda":
@@ -100,7 +122,7 @@ def step_oom(ctx: Context) -> dict[str, Any]:
     else:
         import resource
 
-        attempt("allocator", lambda: torch.empty(2 ** 62, dtype=torch.uint8))
+        attempt("allocator", lambda: torch.empty(2**62, dtype=torch.uint8))
         import psutil
 
         soft, hard = resource.getrlimit(resource.RLIMIT_AS)
@@ -113,7 +135,11 @@ def step_oom(ctx: Context) -> dict[str, Any]:
     cublas = cases.get("cublas_at_full_device", {})
     if device == "cuda" and cublas.get("raised") is None:
         cublas["note"] = "not provoked: the matmul found memory outside the filled allocator"
-    line = "; ".join(f"{k}: {v['raised']} -> is_out_of_memory={v['is_out_of_memory']}" if v.get("raised")
-                     else f"{k}: {v.get('skipped') or v.get('note') or 'no error'}"
-                     for k, v in cases.items() if k != "filled")
+    line = "; ".join(
+        f"{k}: {v['raised']} -> is_out_of_memory={v['is_out_of_memory']}"
+        if v.get("raised")
+        else f"{k}: {v.get('skipped') or v.get('note') or 'no error'}"
+        for k, v in cases.items()
+        if k != "filled"
+    )
     return {"ok": ok, "device": device, "cases": cases, "line": line}

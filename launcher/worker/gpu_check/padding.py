@@ -14,8 +14,10 @@ def _examples(cfg: dict[str, Any], vocab: int) -> list[list[int]]:
 
     rng = random.Random(0)
     seq = cfg["seq"]
-    lengths = [min(seq, max(16, int(rng.lognormvariate(0, 0.7) * seq / 5)))
-               for _ in range(cfg["pad_examples"] * (cfg["pad_batches"] + 1))]
+    lengths = [
+        min(seq, max(16, int(rng.lognormvariate(0, 0.7) * seq / 5)))
+        for _ in range(cfg["pad_examples"] * (cfg["pad_batches"] + 1))
+    ]
     return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
 
 
@@ -27,8 +29,8 @@ def padded_batch(examples: list[list[int]], device: str) -> dict[str, Any]:
     ids = torch.zeros(len(examples), longest, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, e in enumerate(examples):
-        ids[i, :len(e)] = torch.tensor(e)
-        mask[i, :len(e)] = 1
+        ids[i, : len(e)] = torch.tensor(e)
+        mask[i, : len(e)] = 1
     labels = ids.masked_fill(mask == 0, -100)
     return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}
 
@@ -64,12 +66,18 @@ def _isolation(model, examples: list[list[int]], device: str, dtype) -> dict[str
         running = torch.arange(n, device=device).unsqueeze(0)
         crossed = model(input_ids=packed["input_ids"], position_ids=running).logits[0, -last:].float()
         # the control's positions differ too; compare with the example alone at those positions
-        alone_shifted = model(input_ids=torch.tensor([examples[-1]], device=device),
-                              position_ids=running[:, -last:]).logits[0].float()
+        alone_shifted = (
+            model(input_ids=torch.tensor([examples[-1]], device=device), position_ids=running[:, -last:])
+            .logits[0]
+            .float()
+        )
     diff = (inside - alone).abs().max().item()
     control = (crossed - alone_shifted).abs().max().item()
-    return {"packed_vs_alone_max_abs": round(diff, 6), "control_attention_crossing_max_abs": round(control, 6),
-            "isolated": diff < 0.1 * control}
+    return {
+        "packed_vs_alone_max_abs": round(diff, 6),
+        "control_attention_crossing_max_abs": round(control, 6),
+        "isolated": diff < 0.1 * control,
+    }
 
 
 def step_bench_padding(ctx: Context) -> dict[str, Any]:
@@ -90,11 +98,16 @@ def step_bench_padding(ctx: Context) -> dict[str, Any]:
     model, device, dtype, attn = build_model(ctx, arch, "lora")
     examples = _examples(cfg, arch.vocab)
     k = cfg["pad_examples"]
-    groups = [examples[i * k:(i + 1) * k] for i in range(cfg["pad_batches"] + 1)]
-    result: dict[str, Any] = {"shape": arch.name, "attention": attn, "device": device,
-                              "flash_attn_installed": importlib.util.find_spec("flash_attn") is not None,
-                              "examples_per_micro_batch": k, "max_length": cfg["seq"],
-                              "mean_length": round(sum(map(len, examples)) / len(examples), 1)}
+    groups = [examples[i * k : (i + 1) * k] for i in range(cfg["pad_batches"] + 1)]
+    result: dict[str, Any] = {
+        "shape": arch.name,
+        "attention": attn,
+        "device": device,
+        "flash_attn_installed": importlib.util.find_spec("flash_attn") is not None,
+        "examples_per_micro_batch": k,
+        "max_length": cfg["seq"],
+        "mean_length": round(sum(map(len, examples)) / len(examples), 1),
+    }
     result["isolation"] = _isolation(model, groups[0], device, dtype)
     ctx.progress(**result)
     real = [sum(map(len, g)) for g in groups]
@@ -116,9 +129,11 @@ def step_bench_padding(ctx: Context) -> dict[str, Any]:
     fill = sum(real) / sum(a["padded_tokens_per_micro_batch"])
     result["padded_fill"] = round(fill, 3)
     ok = result["isolation"]["isolated"] and all(x == x for x in a["losses"] + b["losses"])
-    line = (f"{arch.name} lora, {k} examples/micro-batch (mean {result['mean_length']:.0f} tokens, padded fill "
-            f"{fill:.0%}): padded {a['tokens_per_second']:.0f} tok/s {a['peak_memory_gb']:.1f} GB, padding-free "
-            f"{b['tokens_per_second']:.0f} tok/s {b['peak_memory_gb']:.1f} GB ({result['padding_free_speedup']:.2f}x) "
-            f"on {attn}; examples kept apart: {result['isolation']['isolated']}"
-            f"{'' if result['flash_attn_installed'] else '; flash-attn not installed'}")
+    line = (
+        f"{arch.name} lora, {k} examples/micro-batch (mean {result['mean_length']:.0f} tokens, padded fill "
+        f"{fill:.0%}): padded {a['tokens_per_second']:.0f} tok/s {a['peak_memory_gb']:.1f} GB, padding-free "
+        f"{b['tokens_per_second']:.0f} tok/s {b['peak_memory_gb']:.1f} GB ({result['padding_free_speedup']:.2f}x) "
+        f"on {attn}; examples kept apart: {result['isolation']['isolated']}"
+        f"{'' if result['flash_attn_installed'] else '; flash-attn not installed'}"
+    )
     return {"ok": ok, **result, "line": line}

@@ -8,8 +8,17 @@ from pathlib import Path
 from typing import Any
 
 from launcher.plan.sizing import GB
-from launcher.worker.gpu_check.common import (Context, child_env, first_line, has, in_gb, module_cmd, read_json,
-                                              worker_recipe, write_json)
+from launcher.worker.gpu_check.common import (
+    Context,
+    child_env,
+    first_line,
+    has,
+    in_gb,
+    module_cmd,
+    read_json,
+    worker_recipe,
+    write_json,
+)
 
 
 def place_child(model: Path, out: Path, load: bool) -> int:
@@ -22,8 +31,11 @@ def place_child(model: Path, out: Path, load: bool) -> int:
 
     die_with_parent()  # torchrun starts ranks in their own sessions: a step killed on timeout must take them along
     rank = local_rank()
-    result: dict[str, Any] = {"local_rank": rank, "rank": int(os.environ.get("RANK", "0")),
-                              "visible": torch.cuda.device_count() if torch.cuda.is_available() else 0}
+    result: dict[str, Any] = {
+        "local_rank": rank,
+        "rank": int(os.environ.get("RANK", "0")),
+        "visible": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+    }
     try:
         device, dtype = select_device()
     except RuntimeError as exc:
@@ -38,8 +50,9 @@ def place_child(model: Path, out: Path, load: bool) -> int:
         model_obj, _ = load_model_and_tokenizer(worker_recipe(model, "lora" if has("peft") else "full"), device, dtype)
         result["parameter_devices"] = sorted({str(p.device) for p in model_obj.parameters()})
         if device == "cuda":
-            result["allocated_gb_per_device"] = [in_gb(torch.cuda.memory_allocated(i))
-                                                 for i in range(torch.cuda.device_count())]
+            result["allocated_gb_per_device"] = [
+                in_gb(torch.cuda.memory_allocated(i)) for i in range(torch.cuda.device_count())
+            ]
     write_json(out, result)
     return 0
 
@@ -58,9 +71,13 @@ def step_placement(ctx: Context) -> dict[str, Any]:
     def child(name: str, local_rank: int, load: bool) -> dict[str, Any]:
         path = ctx.out / f"placement-{name}.json"
         path.unlink(missing_ok=True)
-        proc = subprocess.run(module_cmd("place-child", "--model", str(model), "--out", str(path),
-                                         *(["--load"] if load else [])),
-                              env=child_env(LOCAL_RANK=str(local_rank)), capture_output=True, text=True, timeout=240)
+        proc = subprocess.run(
+            module_cmd("place-child", "--model", str(model), "--out", str(path), *(["--load"] if load else [])),
+            env=child_env(LOCAL_RANK=str(local_rank)),
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
         got = read_json(path)
         if got is None:
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
@@ -69,9 +86,12 @@ def step_placement(ctx: Context) -> dict[str, Any]:
 
     r0 = child("rank0", 0, True)
     if ctx.device == "cuda":
-        r0["ok"] = r0.get("device") == "cuda" and r0.get("current_device") == 0 and \
-            r0.get("parameter_devices") == ["cuda:0"] and \
-            all(gb == 0 for gb in r0.get("allocated_gb_per_device", [0])[1:])
+        r0["ok"] = (
+            r0.get("device") == "cuda"
+            and r0.get("current_device") == 0
+            and r0.get("parameter_devices") == ["cuda:0"]
+            and all(gb == 0 for gb in r0.get("allocated_gb_per_device", [0])[1:])
+        )
     else:
         r0["ok"] = r0.get("device") == "cpu" and r0.get("parameter_devices") == ["cpu"]
     checks["local_rank_0"] = r0
@@ -80,8 +100,11 @@ def step_placement(ctx: Context) -> dict[str, Any]:
     beyond = child("beyond", max(count, 1), False)
     if ctx.device == "cuda":
         # loading.select_device: "LOCAL_RANK=<i> but this process sees <n> GPU(s) (CUDA_VISIBLE_DEVICES=...)"
-        beyond["ok"] = beyond.get("device") is None and f"LOCAL_RANK={count}" in beyond.get("error", "") \
+        beyond["ok"] = (
+            beyond.get("device") is None
+            and f"LOCAL_RANK={count}" in beyond.get("error", "")
             and f"sees {count} GPU" in beyond.get("error", "")
+        )
     else:
         beyond["ok"] = beyond.get("device") == "cpu"  # no GPU to exceed: the CPU, as for any rank
     checks["local_rank_beyond"] = beyond
@@ -90,24 +113,53 @@ def step_placement(ctx: Context) -> dict[str, Any]:
     if count >= 2:
         for r in range(2):
             (ctx.out / f"placement-torchrun-{r}.json").unlink(missing_ok=True)
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                               "--master_port", "29533", "-m", "launcher.worker.gpu_check", "place-child",
-                               "--model", str(model), "--out", str(ctx.out / "placement-torchrun-{rank}.json"),
-                               "--load"], env=child_env(), capture_output=True, text=True, timeout=240)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node",
+                "2",
+                "--master_port",
+                "29533",
+                "-m",
+                "launcher.worker.gpu_check",
+                "place-child",
+                "--model",
+                str(model),
+                "--out",
+                str(ctx.out / "placement-torchrun-{rank}.json"),
+                "--load",
+            ],
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
         ranks = [read_json(ctx.out / f"placement-torchrun-{r}.json") or {} for r in range(2)]
         ok = proc.returncode == 0 and all(
-            rk.get("parameter_devices") == [f"cuda:{r}"] and rk.get("current_device") == r and
-            all(gb == 0 for i, gb in enumerate(rk.get("allocated_gb_per_device", [])) if i != r)
-            for r, rk in enumerate(ranks))
+            rk.get("parameter_devices") == [f"cuda:{r}"]
+            and rk.get("current_device") == r
+            and all(gb == 0 for i, gb in enumerate(rk.get("allocated_gb_per_device", [])) if i != r)
+            for r, rk in enumerate(ranks)
+        )
         checks["torchrun_2_ranks"] = {"ok": ok, "ranks": ranks, "exit": proc.returncode}
     else:
         checks["torchrun_2_ranks"] = {"ok": None, "skipped": f"{count} GPU(s): two ranks need two GPUs"}
     ok = all(c["ok"] is not False for c in checks.values())
-    parts = [f"rank0 -> {','.join(r0.get('parameter_devices', [])) or r0.get('error', '?')}",
-             ("beyond -> " + (f"error '{beyond['error'][:60]}'" if beyond.get("error") else str(beyond.get("device"))))]
+    parts = [
+        f"rank0 -> {','.join(r0.get('parameter_devices', [])) or r0.get('error', '?')}",
+        ("beyond -> " + (f"error '{beyond['error'][:60]}'" if beyond.get("error") else str(beyond.get("device")))),
+    ]
     t = checks["torchrun_2_ranks"]
-    parts.append("2 ranks: " + ("skipped (one GPU)" if t["ok"] is None else
-                                ", ".join(",".join(rk.get("parameter_devices", ["?"])) for rk in t["ranks"])))
+    parts.append(
+        "2 ranks: "
+        + (
+            "skipped (one GPU)"
+            if t["ok"] is None
+            else ", ".join(",".join(rk.get("parameter_devices", ["?"])) for rk in t["ranks"])
+        )
+    )
     return {"ok": ok, "checks": checks, "line": "; ".join(parts)}
 
 
@@ -151,10 +203,16 @@ def step_memory_cap(ctx: Context) -> dict[str, Any]:
         result["beyond"] = first_line(exc)
         result["beyond_type"] = type(exc).__name__
         result["is_out_of_memory"] = memory.is_out_of_memory(exc)
-    ok = result["within_ok"] and caught is not None and result.get("is_out_of_memory") is True \
+    ok = (
+        result["within_ok"]
+        and caught is not None
+        and result.get("is_out_of_memory") is True
         and result.get("gpu0_uncapped", True)
+    )
     where = f"cuda:{result['capped_index']}" if device == "cuda" else "cpu"
-    line = (f"cap {limit_gb:g} GB on {where}: {within:g} GB ok, {beyond:g} GB -> {result.get('beyond_type', 'no error')}"
-            f" (is_out_of_memory={result.get('is_out_of_memory')})"
-            + (f"; cuda:0 uncapped={result['gpu0_uncapped']}" if "gpu0_uncapped" in result else ""))
+    line = (
+        f"cap {limit_gb:g} GB on {where}: {within:g} GB ok, {beyond:g} GB -> {result.get('beyond_type', 'no error')}"
+        f" (is_out_of_memory={result.get('is_out_of_memory')})"
+        + (f"; cuda:0 uncapped={result['gpu0_uncapped']}" if "gpu0_uncapped" in result else "")
+    )
     return {"ok": ok, **result, "line": line}

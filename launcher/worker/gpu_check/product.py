@@ -43,8 +43,15 @@ def cli(args: list[str], cwd: Path, timeout: float, log: Path, **env: str) -> tu
     """`python -m launcher.cli ARGS` as a user runs it: (exit code, seconds, its output), the output appended to
     `log` (a step's log in OUT). A run that outlives `timeout` is killed with its process group."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", *args], cwd=cwd, env=child_env(**env),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launcher.cli", *args],
+        cwd=cwd,
+        env=child_env(**env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -98,8 +105,11 @@ def generation_rate(run: Path) -> dict[str, Any]:
         seconds = sum(float(r.get("seconds", 0)) for r in rows)
         tokens = sum(int(r.get("new_tokens", 0)) for r in rows)
         rates[f"{path.parent.parent.name}/{path.stem}" if path.parent.parent != run else path.stem] = {
-            "answers": len(rows), "new_tokens": tokens, "seconds": round(seconds, 3),
-            "tokens_per_second": round(tokens / seconds, 1) if seconds else None}
+            "answers": len(rows),
+            "new_tokens": tokens,
+            "seconds": round(seconds, 3),
+            "tokens_per_second": round(tokens / seconds, 1) if seconds else None,
+        }
     return rates
 
 
@@ -109,8 +119,12 @@ def phases(run: Path, started: float) -> dict[str, Any]:
     export after it (the supervisor's, state.json export.seconds)."""
     state = read_json(run / "state.json") or {}
     marks = [("launch", started)] + [(h["state"], h["at"]) for h in state.get("history", [])]
-    named = {"planned": "plan and data check", "smoking": "base-model task evaluation",
-             "running": "smoke test", "succeeded": "training and task evaluation"}
+    named = {
+        "planned": "plan and data check",
+        "smoking": "base-model task evaluation",
+        "running": "smoke test",
+        "succeeded": "training and task evaluation",
+    }
     out = {}
     for (_, a), (state_b, b) in zip(marks, marks[1:]):
         out[named.get(state_b, f"until {state_b}")] = round(b - a, 1)
@@ -128,28 +142,51 @@ def run_record(run: Path, started: float) -> dict[str, Any]:
     state = read_json(run / "state.json") or {}
     rows = train_rows(run)
     per_step = step_seconds(rows)
-    tail = per_step[len(per_step) // 2:]  # the second half: past the first shapes' one-time costs
+    tail = per_step[len(per_step) // 2 :]  # the second half: past the first shapes' one-time costs
     peaks = [r["peak_memory_gb"] for r in rows if isinstance(r.get("peak_memory_gb"), (int, float))]
     return {
-        "state": state.get("state"), "ending": state.get("reason"),
+        "state": state.get("state"),
+        "ending": state.get("reason"),
         "phases_seconds": phases(run, started),
-        "plan": {"tokens": plan.get("tokens"), "micro_batch_size": plan.get("micro_batch_size"),
-                 "gradient_accumulation_steps": plan.get("gradient_accumulation_steps"), "device": plan.get("device"),
-                 "engine": plan.get("engine"), "cheapest_rental_tokens_per_second":
-                 (plan.get("cheapest_rental") or {}).get("tokens_per_second")},
-        "smoke": {k: smoke.get(k) for k in ("tokens_per_second", "seconds_per_step", "step_costs", "peak_memory_gb",
-                                            "planned_memory_gb", "generation_tokens_per_second", "import_seconds",
-                                            "load_seconds", "warmup_seconds", "train_seconds", "startup_seconds",
-                                            "export_seconds", "wall_seconds", "estimated_seconds")},
-        "steps": [r["step"] for r in rows], "losses": [round(r["loss"], 4) for r in rows],
+        "plan": {
+            "tokens": plan.get("tokens"),
+            "micro_batch_size": plan.get("micro_batch_size"),
+            "gradient_accumulation_steps": plan.get("gradient_accumulation_steps"),
+            "device": plan.get("device"),
+            "engine": plan.get("engine"),
+            "cheapest_rental_tokens_per_second": (plan.get("cheapest_rental") or {}).get("tokens_per_second"),
+        },
+        "smoke": {
+            k: smoke.get(k)
+            for k in (
+                "tokens_per_second",
+                "seconds_per_step",
+                "step_costs",
+                "peak_memory_gb",
+                "planned_memory_gb",
+                "generation_tokens_per_second",
+                "import_seconds",
+                "load_seconds",
+                "warmup_seconds",
+                "train_seconds",
+                "startup_seconds",
+                "export_seconds",
+                "wall_seconds",
+                "estimated_seconds",
+            )
+        },
+        "steps": [r["step"] for r in rows],
+        "losses": [round(r["loss"], 4) for r in rows],
         "step_seconds": per_step,
         "median_step_seconds_second_half": sorted(tail)[len(tail) // 2] if tail else None,
         "logged_tokens_per_second": [r.get("tokens_per_second") for r in rows],
         "peak_memory_gb": max(peaks) if peaks else None,
         "task_eval": read_json(run / "final" / "task_eval.json"),
         "generation": generation_rate(run),
-        "worker": worker, "sdpa_backends": worker.get("sdpa_backends"),
-        "final_check": state.get("final_check"), "export": state.get("export"),
+        "worker": worker,
+        "sdpa_backends": worker.get("sdpa_backends"),
+        "final_check": state.get("final_check"),
+        "export": state.get("export"),
     }
 
 
@@ -158,12 +195,26 @@ def run_demo(ctx: Context, name: str, recipe: Path, *overrides: str, timeout: fl
     run = ctx.work / "runs" / name
     log = ctx.out / f"{name}.cli.log"
     steps = STEPS[ctx.device]
-    args = [str(recipe), "--foreground", "--fresh", f"model={tiny_model(ctx)}", f"output_dir={run}",
-            f"max_steps={steps}", "logging_steps=1", *DRY_RUN[ctx.device], *overrides]
+    args = [
+        str(recipe),
+        "--foreground",
+        "--fresh",
+        f"model={tiny_model(ctx)}",
+        f"output_dir={run}",
+        f"max_steps={steps}",
+        "logging_steps=1",
+        *DRY_RUN[ctx.device],
+        *overrides,
+    ]
     started = time.time()
     code, seconds, out = cli(args, ctx.work, timeout, log)
-    record = {"command": "python -m launcher.cli " + " ".join(args), "exit": code, "wall_seconds": round(seconds, 1),
-              "run_dir": str(run), "log": log.name}
+    record = {
+        "command": "python -m launcher.cli " + " ".join(args),
+        "exit": code,
+        "wall_seconds": round(seconds, 1),
+        "run_dir": str(run),
+        "log": log.name,
+    }
     if run.is_dir():
         record.update(run_record(run, started))
     if code != 0:
@@ -178,11 +229,13 @@ def summary_line(record: dict[str, Any]) -> str:
     smoke = record.get("smoke") or {}
     plan = (record.get("plan") or {}).get("tokens") or {}
     gen = [g["tokens_per_second"] for g in (record.get("generation") or {}).values() if g.get("tokens_per_second")]
-    parts = [f"{len(record.get('steps') or [])} steps, median {record.get('median_step_seconds_second_half')} s/step",
-             f"smoke {smoke.get('tokens_per_second')} tok/s (plan {plan.get('estimated_tokens_per_second')})",
-             f"peak {record.get('peak_memory_gb')} GB",
-             f"generation {', '.join(f'{g:.0f}' for g in gen) or '-'} tok/s",
-             f"{record.get('wall_seconds')} s in all"]
+    parts = [
+        f"{len(record.get('steps') or [])} steps, median {record.get('median_step_seconds_second_half')} s/step",
+        f"smoke {smoke.get('tokens_per_second')} tok/s (plan {plan.get('estimated_tokens_per_second')})",
+        f"peak {record.get('peak_memory_gb')} GB",
+        f"generation {', '.join(f'{g:.0f}' for g in gen) or '-'} tok/s",
+        f"{record.get('wall_seconds')} s in all",
+    ]
     return "; ".join(parts)
 
 

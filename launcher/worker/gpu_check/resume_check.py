@@ -15,8 +15,16 @@ from launcher.worker.gpu_check.product import SFT_RECIPE, budget, cli, missing_p
 # A checkpoint after every step (the cadence is wall-clock; as tests/worker/test_resume_metrics.py does), no smoke
 # test, export, task evaluation or periodic eval pass (the start's and the end's remain): the trajectory alone.
 # 30 steps on the loan, 10 in the dry run.
-FIELDS = ("smoke.enabled=false", "export=[]", "eval.task.examples=0", "eval.samples=0", "eval.every_minutes=60",
-          "logging_steps=1", "checkpoint_every_minutes=0.0001", "learning_rate=5e-3")
+FIELDS = (
+    "smoke.enabled=false",
+    "export=[]",
+    "eval.task.examples=0",
+    "eval.samples=0",
+    "eval.every_minutes=60",
+    "logging_steps=1",
+    "checkpoint_every_minutes=0.0001",
+    "learning_rate=5e-3",
+)
 STEPS = {"cuda": 30, "cpu": 10}
 ENDED = ("succeeded", "failed", "stopped", "preempted", "interrupted", "smoke-failed")
 
@@ -62,8 +70,9 @@ def freeze_at(run: Path, until: Callable[[Path], bool], timeout: float) -> dict[
                 except ProcessLookupError:
                     pass
         time.sleep(0.05)
-    raise TimeoutError(f"no verified checkpoint before the run's end within {timeout:.0f} s "
-                       f"(state {_state(run).get('state')!r})")
+    raise TimeoutError(
+        f"no verified checkpoint before the run's end within {timeout:.0f} s (state {_state(run).get('state')!r})"
+    )
 
 
 def _wait_ended(run: Path, timeout: float) -> str:
@@ -99,11 +108,17 @@ def compare(a: Path, b: Path) -> dict[str, Any]:
     tb = load_file(str(b / "final" / "adapter" / "adapter_model.safetensors"))
     tensor = {k: float((ta[k].float() - tb[k].float()).abs().max()) for k in ta if k in tb}
     worst = max(tensor, key=tensor.get) if tensor else None
-    return {"steps_equal": same_steps, "steps": len(ra), "max_loss_difference": max(loss, default=None),
-            "max_grad_norm_difference": max(grad, default=None), "first_differing_step": first,
-            "same_tensor_names": ta.keys() == tb.keys(), "max_adapter_difference": tensor.get(worst),
-            "worst_tensor": worst,
-            "exact": same_steps and ta.keys() == tb.keys() and not any(loss) and not any(tensor.values())}
+    return {
+        "steps_equal": same_steps,
+        "steps": len(ra),
+        "max_loss_difference": max(loss, default=None),
+        "max_grad_norm_difference": max(grad, default=None),
+        "first_differing_step": first,
+        "same_tensor_names": ta.keys() == tb.keys(),
+        "max_adapter_difference": tensor.get(worst),
+        "worst_tensor": worst,
+        "exact": same_steps and ta.keys() == tb.keys() and not any(loss) and not any(tensor.values()),
+    }
 
 
 def step_resume_exact(ctx: Context) -> dict[str, Any]:
@@ -119,8 +134,13 @@ def step_resume_exact(ctx: Context) -> dict[str, Any]:
     t_end = time.monotonic() + total - 10
 
     def args(name: str) -> list[str]:
-        return [str(SFT_RECIPE), f"model={tiny_model(ctx)}", f"output_dir={ctx.work / 'runs' / name}",
-                f"max_steps={steps}", *FIELDS]
+        return [
+            str(SFT_RECIPE),
+            f"model={tiny_model(ctx)}",
+            f"output_dir={ctx.work / 'runs' / name}",
+            f"max_steps={steps}",
+            *FIELDS,
+        ]
 
     left = lambda: max(10.0, t_end - time.monotonic())  # noqa: E731
     runs = {}
@@ -150,9 +170,14 @@ def step_resume_exact(ctx: Context) -> dict[str, Any]:
     code, secs, out = cli(args("resume-killed"), ctx.work, left(), log)  # the same command, no --fresh
     resumed = "continuing" in out
     ended = _wait_ended(killed_run, left()) if code == 0 else f"relaunch exit {code}"
-    runs["killed"] = {"killed_after_checkpoint": at, "worker_pid": st.get("worker_pid"), "relaunch_exit": code,
-                      "relaunch_said_continuing": resumed, "ended": ended,
-                      "resumed_from": (read_json(killed_run / "worker.json") or {}).get("resumed_from")}
+    runs["killed"] = {
+        "killed_after_checkpoint": at,
+        "worker_pid": st.get("worker_pid"),
+        "relaunch_exit": code,
+        "relaunch_said_continuing": resumed,
+        "ended": ended,
+        "resumed_from": (read_json(killed_run / "worker.json") or {}).get("resumed_from"),
+    }
     ctx.progress(runs=runs)
     if ended != "succeeded":
         return {"ok": False, "runs": runs, "line": f"the relaunched run ended {ended!r}: {log.name}"}
@@ -167,15 +192,19 @@ def step_resume_exact(ctx: Context) -> dict[str, Any]:
     if diff["exact"]:
         why = "bitwise equal"
     elif control is not None and not control["exact"]:
-        why = ("two uninterrupted runs differ too (max loss difference "
-               f"{control['max_loss_difference']:.3g}): nondeterministic CUDA kernels (atomic adds in attention and "
-               "reduction backward passes, cuBLAS's split-K choices), not the resume")
+        why = (
+            "two uninterrupted runs differ too (max loss difference "
+            f"{control['max_loss_difference']:.3g}): nondeterministic CUDA kernels (atomic adds in attention and "
+            "reduction backward passes, cuBLAS's split-K choices), not the resume"
+        )
     elif control is not None:
         why = "two uninterrupted runs agree exactly, the resumed one does not: the resume itself differs"
     else:
         why = "not exact; no second uninterrupted run to tell the kernels' nondeterminism from the resume's"
     # on the CPU the resume is exact (tests/worker/test_resume_metrics.py): anything else is a failure there
     ok = diff["exact"] if ctx.device == "cpu" else diff["steps_equal"]
-    line = (f"killed after step {at}, resumed: max loss difference {diff['max_loss_difference']:.3g}, max adapter "
-            f"difference {diff['max_adapter_difference']:.3g} over {diff['steps']} steps; {why}")
+    line = (
+        f"killed after step {at}, resumed: max loss difference {diff['max_loss_difference']:.3g}, max adapter "
+        f"difference {diff['max_adapter_difference']:.3g} over {diff['steps']} steps; {why}"
+    )
     return {"ok": ok, **result, "why": why, "line": line}

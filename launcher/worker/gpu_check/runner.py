@@ -33,23 +33,67 @@ from launcher.worker.gpu_check.training import GPU_SHAPE
 # Execution order. The torch-only checks come first (seconds each), then the product itself on the tiny model and
 # the attention and generation costs (issue 43), the 8B measurements next (the figures the speed calibration is
 # fed), FSDP (a distributed launch: the likeliest to hang) and the trl-based bench last.
-STEPS = ("tiny-model", "device", "launch-env", "placement", "memory-cap", "peak-memory", "oom",
-         "loss-head", "attention", "product-lora", "generation", "vs-trl", "bench-lora", "bench-full",
-         "resume-exact", "product-dpo", "product-qlora", "bench-padding", "fsdp", "smoke-bench", "unsloth")
+STEPS = (
+    "tiny-model",
+    "device",
+    "launch-env",
+    "placement",
+    "memory-cap",
+    "peak-memory",
+    "oom",
+    "loss-head",
+    "attention",
+    "product-lora",
+    "generation",
+    "vs-trl",
+    "bench-lora",
+    "bench-full",
+    "resume-exact",
+    "product-dpo",
+    "product-qlora",
+    "bench-padding",
+    "fsdp",
+    "smoke-bench",
+    "unsloth",
+)
 # Named selections (GPU_CHECK_STEPS=product): what one call of at most 8 minutes on a lent GPU runs.
 PRESETS = {
-    "product": ("tiny-model", "attention", "product-lora", "generation", "vs-trl", "bench-lora", "bench-full",
-                "resume-exact", "product-dpo", "product-qlora"),
+    "product": (
+        "tiny-model",
+        "attention",
+        "product-lora",
+        "generation",
+        "vs-trl",
+        "bench-lora",
+        "bench-full",
+        "resume-exact",
+        "product-dpo",
+        "product-qlora",
+    ),
     "unsloth": ("tiny-model", "product-lora", "unsloth"),  # the second call: TRL 1.15 beside Unsloth, one stack
 }
 STEP_FUNCS: dict[str, Callable[[Context], dict[str, Any]]] = {
-    "tiny-model": step_tiny_model, "device": step_device, "launch-env": step_launch_env, "placement": step_placement,
-    "memory-cap": step_memory_cap, "peak-memory": step_peak_memory, "oom": step_oom,
-    "loss-head": step_loss_head, "bench-lora": step_bench_lora, "bench-full": step_bench_full, "bench-padding": step_bench_padding,
-    "fsdp": step_fsdp, "smoke-bench": step_smoke_bench,
-    "attention": step_attention, "product-lora": step_product_lora, "generation": step_generation,
-    "vs-trl": step_vs_trl, "resume-exact": step_resume_exact, "product-dpo": step_product_dpo,
-    "product-qlora": step_product_qlora, "unsloth": step_unsloth,
+    "tiny-model": step_tiny_model,
+    "device": step_device,
+    "launch-env": step_launch_env,
+    "placement": step_placement,
+    "memory-cap": step_memory_cap,
+    "peak-memory": step_peak_memory,
+    "oom": step_oom,
+    "loss-head": step_loss_head,
+    "bench-lora": step_bench_lora,
+    "bench-full": step_bench_full,
+    "bench-padding": step_bench_padding,
+    "fsdp": step_fsdp,
+    "smoke-bench": step_smoke_bench,
+    "attention": step_attention,
+    "product-lora": step_product_lora,
+    "generation": step_generation,
+    "vs-trl": step_vs_trl,
+    "resume-exact": step_resume_exact,
+    "product-dpo": step_product_dpo,
+    "product-qlora": step_product_qlora,
+    "unsloth": step_unsloth,
 }
 
 
@@ -59,8 +103,10 @@ def selected_steps(spec: str) -> list[str]:
     for item in (x.strip() for x in spec.split(",") if x.strip()):
         for name in PRESETS.get(item, (item,)):
             if name not in STEPS:
-                raise ValueError(f"GPU_CHECK_STEPS: {name!r} is no step or preset; steps: {', '.join(STEPS)}; "
-                                 f"presets: {', '.join(PRESETS)}")
+                raise ValueError(
+                    f"GPU_CHECK_STEPS: {name!r} is no step or preset; steps: {', '.join(STEPS)}; "
+                    f"presets: {', '.join(PRESETS)}"
+                )
             if name not in names:
                 names.append(name)
     return names
@@ -81,17 +127,29 @@ def run_step(name: str, ctx_args: dict[str, Any]) -> int:
     try:
         result = STEP_FUNCS[name](ctx)
     except Exception as exc:  # noqa: BLE001 - a failed step is a result, recorded with its reason
-        result = {"ok": False, "error": first_line(exc), "traceback": traceback.format_exc()[-3000:],
-                  "line": f"error: {first_line(exc)}"}
+        result = {
+            "ok": False,
+            "error": first_line(exc),
+            "traceback": traceback.format_exc()[-3000:],
+            "line": f"error: {first_line(exc)}",
+        }
         partial = (read_json(path) or {}).get("partial")
         if partial:
             result["partial"] = partial
     import resource
 
-    cpu = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
-              for f in ("ru_utime", "ru_stime"))
-    result = {**base, **result, "status": _status(result), "seconds": round(time.time() - started, 1),
-              "cpu_seconds": round(cpu, 1)}
+    cpu = sum(
+        getattr(resource.getrusage(who), f)
+        for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+        for f in ("ru_utime", "ru_stime")
+    )
+    result = {
+        **base,
+        **result,
+        "status": _status(result),
+        "seconds": round(time.time() - started, 1),
+        "cpu_seconds": round(cpu, 1),
+    }
     write_json(path, result)
     return 0 if result["ok"] is not False else 1
 
@@ -119,14 +177,26 @@ def finish(out: Path, name: str, rc: int, limit: Optional[float], not_run: Optio
             data.update(status="crashed")
         if data.get("partial"):
             why += f" (what it measured before is kept in {name}.json)"
-        data.update(ok=False, error=why, log_tail=tail, line=why, seconds=round(time.time() - data.get("started", time.time()), 1))
+        data.update(
+            ok=False,
+            error=why,
+            log_tail=tail,
+            line=why,
+            seconds=round(time.time() - data.get("started", time.time()), 1),
+        )
         write_json(path, data)
     elif rc != 0 and data.get("ok") is not False:
         data.update(ok=False, status="failed", error=f"exit {rc}", line=f"{data.get('line', '')} (exit {rc})")
         write_json(path, data)
     write_summary(out)
-    mark = {"passed": "ok", "failed": "FAIL", "skipped": "skip", "timed out": "TIMEOUT", "crashed": "CRASH",
-            "not run": "NOT RUN"}
+    mark = {
+        "passed": "ok",
+        "failed": "FAIL",
+        "skipped": "skip",
+        "timed out": "TIMEOUT",
+        "crashed": "CRASH",
+        "not run": "NOT RUN",
+    }
     secs = f" [{data['seconds']:.0f} s]" if isinstance(data.get("seconds"), (int, float)) else ""
     return f"{mark.get(data['status'], data['status']):>7} {name}: {data.get('line', '')}{secs}"
 
@@ -142,24 +212,38 @@ def write_summary(out: Path) -> dict[str, Any]:
         if data is None:
             steps.append({"step": name, "status": "pending"})
             continue
-        steps.append({"step": name, "status": data.get("status"), "ok": data.get("ok"),
-                      "seconds": data.get("seconds"), "line": data.get("line")})
+        steps.append(
+            {
+                "step": name,
+                "status": data.get("status"),
+                "ok": data.get("ok"),
+                "seconds": data.get("seconds"),
+                "line": data.get("line"),
+            }
+        )
     counts: dict[str, int] = {}
     for s in steps:
         counts[s["status"]] = counts.get(s["status"], 0) + 1
     started = float(os.environ.get("GPU_CHECK_STARTED", "0") or 0)
-    summary = {"mode": os.environ.get("GPU_CHECK_MODE", ""), "updated": time.time(),
-               "elapsed_seconds": round(time.time() - started, 1) if started else None,
-               "budget_seconds": float(os.environ.get("GPU_CHECK_BUDGET_S", "0") or 0) or None,
-               "counts": counts, "all_passed": all(s["status"] in ("passed", "skipped", "not selected") for s in steps),
-               "steps": steps}
+    summary = {
+        "mode": os.environ.get("GPU_CHECK_MODE", ""),
+        "updated": time.time(),
+        "elapsed_seconds": round(time.time() - started, 1) if started else None,
+        "budget_seconds": float(os.environ.get("GPU_CHECK_BUDGET_S", "0") or 0) or None,
+        "counts": counts,
+        "all_passed": all(s["status"] in ("passed", "skipped", "not selected") for s in steps),
+        "steps": steps,
+    }
     write_json(out / "summary.json", summary)
     return summary
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m launcher.worker.gpu_check", description=package.__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m launcher.worker.gpu_check",
+        description=package.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("step", help="run one step, writing OUT/NAME.json")
     s.add_argument("name", choices=STEPS)
@@ -198,8 +282,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ns = p.parse_args(argv)
     if ns.command == "select":
         try:
-            print("\n".join(selected_steps(os.environ.get("GPU_CHECK_STEPS", "") if ns.spec is None else ns.spec)
-                            or STEPS))
+            print(
+                "\n".join(
+                    selected_steps(os.environ.get("GPU_CHECK_STEPS", "") if ns.spec is None else ns.spec) or STEPS
+                )
+            )
         except ValueError as exc:
             print(exc, file=sys.stderr)
             return 2
@@ -215,8 +302,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         work = Path(os.environ.get("GPU_CHECK_WORK") or ns.out / "work")
         work.mkdir(parents=True, exist_ok=True)
         shape = os.environ.get("GPU_CHECK_SHAPE") or ("tiny" if ns.dry_run else GPU_SHAPE)
-        return run_step(ns.name, {"out": ns.out, "work": work, "dry_run": ns.dry_run,
-                                  "device": "cpu" if ns.dry_run else "cuda", "shape": shape})
+        return run_step(
+            ns.name,
+            {
+                "out": ns.out,
+                "work": work,
+                "dry_run": ns.dry_run,
+                "device": "cpu" if ns.dry_run else "cuda",
+                "shape": shape,
+            },
+        )
     if ns.command == "start":
         ns.out.mkdir(parents=True, exist_ok=True)
         for name in STEPS:

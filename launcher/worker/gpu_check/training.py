@@ -11,8 +11,17 @@ from launcher.worker.gpu_check.common import Context, worker_recipe
 # The shape measured on a GPU: a catalog entry of launcher/plan/models.py (GPU_CHECK_SHAPE picks another one).
 GPU_SHAPE = "qwen3-8b"
 # --dry-run: Qwen3-shaped (q/k norms), small enough for seconds per step on 2 cores.
-TINY_SHAPE = dict(layers=2, hidden=128, intermediate=384, heads=4, kv_heads=2, head_dim=32, vocab=4096,
-                  tied_embeddings=False, qk_norm=True)
+TINY_SHAPE = dict(
+    layers=2,
+    hidden=128,
+    intermediate=384,
+    heads=4,
+    kv_heads=2,
+    head_dim=32,
+    vocab=4096,
+    tied_embeddings=False,
+    qk_norm=True,
+)
 
 # Per-step settings, GPU / CPU. LoRA and full fine-tuning at the shapes a user runs (the plan's numbers for
 # them: bench JSON); full fine-tuning falls back to a micro-batch of 1 when 2 runs out of memory.
@@ -30,8 +39,10 @@ def architecture(ctx: Context):
         return Architecture(name="tiny (dry run)", source="gpu_check's dry-run shape", **TINY_SHAPE)
     arch = from_catalog(ctx.shape)
     if arch is None:
-        raise ValueError(f"GPU_CHECK_SHAPE={ctx.shape!r} is not in launcher/plan/models.py's catalog; use one of "
-                         f"{', '.join(catalog_names())}")
+        raise ValueError(
+            f"GPU_CHECK_SHAPE={ctx.shape!r} is not in launcher/plan/models.py's catalog; use one of "
+            f"{', '.join(catalog_names())}"
+        )
     if arch.qkv_bias or arch.experts > 1 or arch.norms_per_layer != 2:
         raise ValueError(f"shape {ctx.shape!r}: the bench builds Llama- and Qwen3-shaped models only")
     return arch
@@ -40,10 +51,18 @@ def architecture(ctx: Context):
 def _hf_config(arch):
     from transformers import LlamaConfig, Qwen3Config
 
-    common = dict(vocab_size=arch.vocab, hidden_size=arch.hidden, intermediate_size=arch.intermediate,
-                  num_hidden_layers=arch.layers, num_attention_heads=arch.heads, num_key_value_heads=arch.kv_heads,
-                  head_dim=arch.head_dim, tie_word_embeddings=arch.tied_embeddings, use_cache=False,
-                  max_position_embeddings=8192)
+    common = dict(
+        vocab_size=arch.vocab,
+        hidden_size=arch.hidden,
+        intermediate_size=arch.intermediate,
+        num_hidden_layers=arch.layers,
+        num_attention_heads=arch.heads,
+        num_key_value_heads=arch.kv_heads,
+        head_dim=arch.head_dim,
+        tie_word_embeddings=arch.tied_embeddings,
+        use_cache=False,
+        max_position_embeddings=8192,
+    )
     return Qwen3Config(**common) if arch.qk_norm else LlamaConfig(**common)
 
 
@@ -102,8 +121,9 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def measure(model, params, opt, batches: list[dict[str, Any]], tokens: list[int], warmup: int, device: str,
-            dtype) -> dict[str, Any]:
+def measure(
+    model, params, opt, batches: list[dict[str, Any]], tokens: list[int], warmup: int, device: str, dtype
+) -> dict[str, Any]:
     """Warm-up steps, then timed steps; real tokens per second over the timed ones and the worker's peak."""
     from launcher.worker import memory
 
@@ -117,9 +137,14 @@ def measure(model, params, opt, batches: list[dict[str, Any]], tokens: list[int]
     _sync(device)
     seconds = time.perf_counter() - t0
     counted = sum(tokens[warmup:])
-    return {"tokens_per_second": round(counted / seconds, 1), "timed_steps": len(batches) - warmup,
-            "timed_seconds": round(seconds, 3), "timed_tokens": counted, "losses": [round(x, 4) for x in losses],
-            "peak_memory_gb": round(memory.peak_memory_gb(device), 3)}
+    return {
+        "tokens_per_second": round(counted / seconds, 1),
+        "timed_steps": len(batches) - warmup,
+        "timed_seconds": round(seconds, 3),
+        "timed_tokens": counted,
+        "losses": [round(x, 4) for x in losses],
+        "peak_memory_gb": round(memory.peak_memory_gb(device), 3),
+    }
 
 
 def no_peft() -> dict[str, Any]:

@@ -8,8 +8,10 @@ from typing import Any
 from launcher.worker.gpu_check.common import Context, read_json
 from launcher.worker.gpu_check.product import SFT_RECIPE, _step
 
-SECOND_CALL = ("scripts/device_wheels.sh --unsloth, then the second call of docs/BENCHMARKS.md "
-               "(GPU_CHECK_STEPS=unsloth, carry .cache/device-wheels-unsloth)")
+SECOND_CALL = (
+    "scripts/device_wheels.sh --unsloth, then the second call of docs/BENCHMARKS.md "
+    "(GPU_CHECK_STEPS=unsloth, carry .cache/device-wheels-unsloth)"
+)
 
 
 def step_unsloth(ctx: Context) -> dict[str, Any]:

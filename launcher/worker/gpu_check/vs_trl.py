@@ -55,19 +55,34 @@ def rate(points: list[tuple[int, float, int]], warmup: int) -> dict[str, Any]:
     if len(timed) < 2:
         return {"tokens_per_second": None, "why": f"only {len(timed)} steps past the warm-up"}
     (s0, t0, n0), (s1, t1, n1) = timed[0], timed[-1]
-    return {"tokens_per_second": round((n1 - n0) / (t1 - t0), 1), "timed_steps": s1 - s0,
-            "timed_tokens": n1 - n0, "timed_seconds": round(t1 - t0, 3),
-            "step_seconds": [round(b[1] - a[1], 4) for a, b in zip(timed, timed[1:])]}
+    return {
+        "tokens_per_second": round((n1 - n0) / (t1 - t0), 1),
+        "timed_steps": s1 - s0,
+        "timed_tokens": n1 - n0,
+        "timed_seconds": round(t1 - t0, 3),
+        "step_seconds": [round(b[1] - a[1], 4) for a, b in zip(timed, timed[1:])],
+    }
 
 
 def _recipe(ctx: Context, model: Path, run: dict[str, int]) -> Path:
     path = ctx.work / "vs-trl.yaml"
-    lines = [f"model: {model}", "method: lora", f"data: {DATA}", "max_length: 512",
-             f"micro_batch_size: {run['micro_batch']}", "gradient_accumulation_steps: 1", f"max_steps: {run['steps']}",
-             f"learning_rate: {LEARNING_RATE}", f"lora: {{r: {LORA['r']}, alpha: {LORA['alpha']}}}", "logging_steps: 1",
-             "checkpoint_every_minutes: 60", "smoke: {enabled: false}", "export: []",
-             "eval: {every_minutes: 60, samples: 0, task: {examples: 0}}",
-             f"output_dir: {ctx.work / 'runs' / 'vs-trl'}"]
+    lines = [
+        f"model: {model}",
+        "method: lora",
+        f"data: {DATA}",
+        "max_length: 512",
+        f"micro_batch_size: {run['micro_batch']}",
+        "gradient_accumulation_steps: 1",
+        f"max_steps: {run['steps']}",
+        f"learning_rate: {LEARNING_RATE}",
+        f"lora: {{r: {LORA['r']}, alpha: {LORA['alpha']}}}",
+        "logging_steps: 1",
+        "checkpoint_every_minutes: 60",
+        "smoke: {enabled: false}",
+        "export: []",
+        "eval: {every_minutes: 60, samples: 0, task: {examples: 0}}",
+        f"output_dir: {ctx.work / 'runs' / 'vs-trl'}",
+    ]
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -97,24 +112,49 @@ def trl_child(model_dir: Path, settings: Path, out: Path, cudnn: bool) -> int:
             points.append((state.global_step, time.perf_counter(), int(state.num_input_tokens_seen)))
 
     rows = [json.loads(x) for x in DATA.read_text().splitlines() if x.strip()]
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if cuda else torch.float32,
-                                                 attn_implementation="sdpa")
-    config = SFTConfig(output_dir=str(out.parent / "vs-trl-plain"), per_device_train_batch_size=s["micro_batch"],
-                       gradient_accumulation_steps=s["accumulation"], max_steps=s["steps"],
-                       learning_rate=LEARNING_RATE, logging_steps=1, bf16=cuda, use_cpu=not cuda,
-                       padding_free=s["padding_free"], max_length=None if s["padding_free"] else s["max_length"],
-                       gradient_checkpointing=s["gradient_checkpointing"],
-                       gradient_checkpointing_kwargs={"use_reentrant": False}, save_strategy="no", report_to=[],
-                       include_num_input_tokens_seen="non_padding", seed=0, dataloader_num_workers=0)
-    trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list([{"messages": r["messages"]}
-                                                                                   for r in rows]),
-                         processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[Times()],
-                         peft_config=LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=0.0,
-                                                target_modules="all-linear", task_type="CAUSAL_LM"))
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.bfloat16 if cuda else torch.float32, attn_implementation="sdpa"
+    )
+    config = SFTConfig(
+        output_dir=str(out.parent / "vs-trl-plain"),
+        per_device_train_batch_size=s["micro_batch"],
+        gradient_accumulation_steps=s["accumulation"],
+        max_steps=s["steps"],
+        learning_rate=LEARNING_RATE,
+        logging_steps=1,
+        bf16=cuda,
+        use_cpu=not cuda,
+        padding_free=s["padding_free"],
+        max_length=None if s["padding_free"] else s["max_length"],
+        gradient_checkpointing=s["gradient_checkpointing"],
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        save_strategy="no",
+        report_to=[],
+        include_num_input_tokens_seen="non_padding",
+        seed=0,
+        dataloader_num_workers=0,
+    )
+    trainer = SFTTrainer(
+        model=model,
+        args=config,
+        train_dataset=Dataset.from_list([{"messages": r["messages"]} for r in rows]),
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+        callbacks=[Times()],
+        peft_config=LoraConfig(
+            r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+        ),
+    )
     trainer.train()
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-    flags = {"cudnn": torch.backends.cuda.cudnn_sdp_enabled(), "flash": torch.backends.cuda.flash_sdp_enabled(),
-             "efficient": torch.backends.cuda.mem_efficient_sdp_enabled()} if cuda else None
+    flags = (
+        {
+            "cudnn": torch.backends.cuda.cudnn_sdp_enabled(),
+            "flash": torch.backends.cuda.flash_sdp_enabled(),
+            "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
+        }
+        if cuda
+        else None
+    )
     out.write_text(json.dumps({"points": points, "peak_memory_gb": peak, "sdpa_enabled": flags}))
     return 0
 
@@ -129,8 +169,9 @@ def step_vs_trl(ctx: Context) -> dict[str, Any]:
     model = build_model(ctx)
     recipe = _recipe(ctx, model, run)
     run_dir = ctx.work / "runs" / "vs-trl"
-    code, secs, out = cli([str(recipe), "--foreground", "--fresh"], ctx.work, t_end - time.monotonic(),
-                          ctx.out / "vs-trl.cli.log")
+    code, secs, out = cli(
+        [str(recipe), "--foreground", "--fresh"], ctx.work, t_end - time.monotonic(), ctx.out / "vs-trl.cli.log"
+    )
     if code != 0:
         lines = [x for x in out.splitlines() if x.strip()]
         return {"ok": False, "line": f"ftrun failed (exit {code}): {lines[-1][:200] if lines else ''}"}
@@ -139,22 +180,32 @@ def step_vs_trl(ctx: Context) -> dict[str, Any]:
     import yaml
 
     resolved = yaml.safe_load((run_dir / "recipe.yaml").read_text())
-    settings = {"micro_batch": plan.get("micro_batch_size", run["micro_batch"]),
-                "accumulation": plan.get("gradient_accumulation_steps", 1), "steps": run["steps"],
-                "padding_free": bool(resolved.get("padding_free", True)), "max_length": resolved.get("max_length", 512),
-                "gradient_checkpointing": bool(resolved.get("gradient_checkpointing", True))}
+    settings = {
+        "micro_batch": plan.get("micro_batch_size", run["micro_batch"]),
+        "accumulation": plan.get("gradient_accumulation_steps", 1),
+        "steps": run["steps"],
+        "padding_free": bool(resolved.get("padding_free", True)),
+        "max_length": resolved.get("max_length", 512),
+        "gradient_checkpointing": bool(resolved.get("gradient_checkpointing", True)),
+    }
     worker = read_json(run_dir / "worker.json") or {}
     peak = max((r.get("peak_memory_gb") or 0 for r in rows), default=None)
-    sides: dict[str, Any] = {"ftrun": {**rate([(r["step"], r["time"], r["tokens_seen"]) for r in rows], run["warmup"]),
-                                       "wall_seconds": round(secs, 1), "sdpa_backends": worker.get("sdpa_backends"),
-                                       "peak_memory_gb": peak}}
+    sides: dict[str, Any] = {
+        "ftrun": {
+            **rate([(r["step"], r["time"], r["tokens_seen"]) for r in rows], run["warmup"]),
+            "wall_seconds": round(secs, 1),
+            "sdpa_backends": worker.get("sdpa_backends"),
+            "peak_memory_gb": peak,
+        }
+    }
     ctx.progress(settings=settings, sides=sides)
     (ctx.work / "vs-trl.settings.json").write_text(json.dumps(settings))
     variants = {"trl": True, "trl-cudnn-off": False} if ctx.device == "cuda" else {"trl": True}
     for name, cudnn in variants.items():
         path = ctx.work / f"{name}.points.json"
-        args = module_cmd("trl-child", "--model", str(model), "--settings", str(ctx.work / "vs-trl.settings.json"),
-                          "--out", str(path)) + ([] if cudnn else ["--no-cudnn"])
+        args = module_cmd(
+            "trl-child", "--model", str(model), "--settings", str(ctx.work / "vs-trl.settings.json"), "--out", str(path)
+        ) + ([] if cudnn else ["--no-cudnn"])
         t0 = time.perf_counter()
         left = t_end - time.monotonic()
         if left < 20:
@@ -166,16 +217,27 @@ def step_vs_trl(ctx: Context) -> dict[str, Any]:
         if proc.returncode != 0 or got is None:
             sides[name] = {"error": last_line(proc)}
             continue
-        sides[name] = {**rate([tuple(p) for p in got["points"]], run["warmup"]), "wall_seconds":
-                       round(time.perf_counter() - t0, 1), "peak_memory_gb": got["peak_memory_gb"],
-                       "sdpa_enabled": got["sdpa_enabled"]}
+        sides[name] = {
+            **rate([tuple(p) for p in got["points"]], run["warmup"]),
+            "wall_seconds": round(time.perf_counter() - t0, 1),
+            "peak_memory_gb": got["peak_memory_gb"],
+            "sdpa_enabled": got["sdpa_enabled"],
+        }
     said = {k: v.get("tokens_per_second") for k, v in sides.items()}
     ok = all(isinstance(v, (int, float)) for v in said.values())
     line = f"{SHAPE[ctx.device]}, micro-batch {settings['micro_batch']}: " + ", ".join(
-        f"{k} {v:,.0f} tok/s" if isinstance(v, (int, float)) else
-        f"{k} {sides[k].get('error') or sides[k].get('skipped') or sides[k].get('why')}" for k, v in said.items())
+        f"{k} {v:,.0f} tok/s"
+        if isinstance(v, (int, float))
+        else f"{k} {sides[k].get('error') or sides[k].get('skipped') or sides[k].get('why')}"
+        for k, v in said.items()
+    )
     if ok and said.get("trl"):
         line += f"; ftrun/trl {said['ftrun'] / said['trl']:.2f}x"
-    return {"ok": ok, "shape": SHAPE[ctx.device], "settings": settings, "sides": sides,
-            "counted": "Trainer num_input_tokens_seen (non_padding) over the same steps, warm-up excluded",
-            "line": line}
+    return {
+        "ok": ok,
+        "shape": SHAPE[ctx.device],
+        "settings": settings,
+        "sides": sides,
+        "counted": "Trainer num_input_tokens_seen (non_padding) over the same steps, warm-up excluded",
+        "line": line,
+    }
