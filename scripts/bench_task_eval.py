@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import subprocess
 import sys
@@ -74,7 +73,7 @@ def main() -> int:
                 f"{r['new_tokens'] / wall:7.0f} tokens/s, score {r['score']:.3f}"
             )
         few_t0 = time.monotonic()
-        few = task_eval.score_model(model, tok, Path(tmp), task, "few-shot", shots=True)
+        task_eval.score_model(model, tok, Path(tmp), task, "few-shot", shots=True)
         few_wall = time.monotonic() - few_t0
     b, o = rows["batched"], rows["one at a time"]
     print(

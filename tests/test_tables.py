@@ -279,7 +279,6 @@ def test_every_method_is_accepted_sized_planned_saved_and_named(name):
 
 
 def test_every_objective_names_a_trainer_and_configuration_of_the_installed_trl():
-    import trl
 
     from launcher.data import formats
     from launcher.methods import OBJECTIVES

@@ -351,12 +351,12 @@ def _export_models(
         merged = _to_export_dtype(load_model(str(inp.source), merge, loads), dtype)
         kind = "full:merged"
 
-    def write_merged(tmp: Path) -> None:
-        merged.save_pretrained(str(tmp), safe_serialization=True)
+    def write_merged(tmp: Path, model=merged) -> None:
+        model.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))
 
     _write_dir_atomically(merged_dir, write_merged)
-    del merged
+    del merged, write_merged  # the merged weights' memory goes back before the reload
     release()
     dtypes = _safetensors_dtypes(merged_dir)
     saved_cfg = json.loads((merged_dir / "config.json").read_text())

@@ -65,7 +65,6 @@ def _plan_command(
 ) -> int:
     import importlib.util
 
-    from launcher.plan import hardware as hw
     from launcher.plan import this_box
     from launcher.plan.plan import make_plan as plan_job
     from launcher.plan.text import format_plan

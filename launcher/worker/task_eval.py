@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 
 from launcher.data import task_metrics
 from launcher.data.task_examples import with_shots
-from launcher.data.task_verdict import BASE_FEW_SHOT, BASE_ZERO_SHOT, FINE_TUNED, base_score, verdict
+from launcher.data.task_verdict import BASE_FEW_SHOT, BASE_ZERO_SHOT, base_score, verdict
 from launcher.store.checkpoint import atomic_write_json
 from launcher.store.rundir import RunDir
 

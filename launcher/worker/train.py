@@ -177,15 +177,16 @@ def run_worker(run_dir: Path, mode: str) -> int:
             )
             return EXIT_BAD_WORLD
 
+    # imported here, all of them: the time from the process's start to now is the import cost the export after
+    # training pays again (smoke.py's ETA), trl's and datasets' (imported next) aside
     import peft  # noqa: F401
     import psutil
-    import torch
+    import torch  # noqa: F401
     from transformers import set_seed
 
-    # process start and the imports the export after training pays again (smoke.py's ETA): not trl, datasets
     import_seconds = time.time() - psutil.Process().create_time()
-    from datasets import Dataset
-    import trl
+    from datasets import Dataset  # noqa: F401
+    import trl  # noqa: F401
 
     from launcher.methods import trl_class
 

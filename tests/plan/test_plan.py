@@ -329,7 +329,6 @@ def test_the_plan_states_the_task_evaluations_time_and_cost_before_any_smoke_tes
     """On a catalog GPU: scorers x examples x max_new_tokens at the roofline rate of batched greedy decoding
     (weights read once a step, docs/BENCHMARKS.md section 7), with its cost; on a CPU the smoke test measures it."""
     from helpers import article_plan
-    from launcher.plan import sizing
     from launcher.plan import throughput
     from launcher.plan.hardware import catalog
     from launcher.plan.models import from_catalog

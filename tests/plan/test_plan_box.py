@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from launcher import cli
-from launcher.plan import hardware
 from launcher.plan import this_box
 from launcher.run import pipeline, plan_command
 from launcher.plan import sizing

@@ -7,7 +7,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from launcher.plan import sizing
 from launcher.plan import throughput
 from launcher.plan.hardware import Gpu, Hardware, catalog, from_spec
 from launcher.plan.plan import make_plan

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from helpers import stand_in_adapter
-from launcher.plan import hardware
 from launcher.plan import this_box
 from launcher.plan import plan as plan_mod
 from launcher.errors import PlanError

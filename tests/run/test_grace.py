@@ -11,7 +11,6 @@ at once (a box shutting down signals every process). Both must finish the checkp
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, assert_same_run, logged_steps, metrics, read_state, status, wait_for, wait_until_ended
+from helpers import REPO, assert_same_run, logged_steps, metrics, read_state, wait_for, wait_until_ended
 
 SLOW_SAVE_S = 35  # longer than torchrun's default shutdown timeout (30 s)
 GRACE_S = 90  # above 30 s, with room for a loaded machine (the default is 60)

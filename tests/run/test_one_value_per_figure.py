@@ -49,7 +49,6 @@ from __future__ import annotations
 import json
 import math
 import re
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest

@@ -151,7 +151,7 @@ def test_adapter_contents_are_checked_against_targets_base_and_values(tmp_path):
 
 
 def _model(folder: Path, names=None, sharded=False, tie=True) -> Path:
-    base = base_model(folder)
+    base_model(folder)
     if names is not None:
         write_safetensors(folder / final.MODEL_WEIGHTS, {n: f32((HIDDEN, HIDDEN)) for n in names})
     if sharded:  # an index and two shards, as save_pretrained writes a large model

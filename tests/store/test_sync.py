@@ -23,7 +23,6 @@ from helpers import (
     has_checkpoint,
     logged_steps,
     metrics,
-    read_state,
     status,
     wait_for,
     wait_until_ended,
@@ -325,7 +324,7 @@ def test_a_copy_that_completed_before_the_copier_was_killed_is_not_sent_again(tm
     from launcher.store.sync.object_store import FsspecDestination
 
     run = RunDir(tmp_path / "run")
-    step_dir = _fake_checkpoint(run.checkpoints, 10)
+    _fake_checkpoint(run.checkpoints, 10)
     remote = tmp_path / "remote"
     real_write, real_put = transfer._write_sync_state, FsspecDestination.put_file
 

@@ -210,7 +210,10 @@ def test_hub_metadata_goes_only_when_changed_and_together(tmp_path, hub):
     (run.root / "state.json").write_text('{"state": "running"}')
     syncer = _syncer(run)
     assert syncer.sync_once()
-    meta_commits = lambda: [c for c in hub.commits if c["message"].startswith("ftrun: run metadata")]
+
+    def meta_commits():
+        return [c for c in hub.commits if c["message"].startswith("ftrun: run metadata")]
+
     assert len(meta_commits()) == 1 and set(meta_commits()[0]["added"]) >= {
         "job/recipe.yaml",
         "job/metrics.jsonl",

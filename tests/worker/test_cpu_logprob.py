@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from launcher.plan import sizing
 from launcher.plan import loss_head
 from launcher.worker import cpu_logprob, fused_head
 

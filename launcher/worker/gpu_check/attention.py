@@ -99,7 +99,6 @@ def _timer(device: str) -> Callable[[Callable[[], None]], float]:
 
 def _train_case(case: str, backend: str, s: dict[str, Any], device: str, dtype) -> dict[str, Any]:
     """Forward and backward at each length: the first call's milliseconds and the best repeat's."""
-    import torch
     import torch.nn.functional as F
 
     timed = _timer(device)
@@ -108,7 +107,7 @@ def _train_case(case: str, backend: str, s: dict[str, Any], device: str, dtype) 
         q, k, v, mask, causal = _inputs(case, length, s, device, dtype)
         gqa = dict(enable_gqa=True) if k.shape[1] != q.shape[1] else {}
 
-        def once() -> None:
+        def once(q=q, k=k, v=v, mask=mask, causal=causal, gqa=gqa) -> None:
             with _context(backend):
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, **gqa)
             out.float().sum().backward()
@@ -119,7 +118,7 @@ def _train_case(case: str, backend: str, s: dict[str, Any], device: str, dtype) 
         except (RuntimeError, NotImplementedError) as exc:
             return {"supported": False, "error": first_line(exc), "at_length": length}
         rows.append({"length": length, "tokens": q.shape[0] * q.shape[2], "first_ms": first, "repeat_ms": repeat})
-        del q, k, v, mask
+        del q, k, v, mask, once
     ratio = sum(r["first_ms"] for r in rows) / max(1e-9, sum(r["repeat_ms"] for r in rows))
     return {"supported": True, "lengths": rows, "first_over_repeat": round(ratio, 2)}
 
