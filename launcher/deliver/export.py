@@ -23,6 +23,7 @@ from launcher.notices import quiet_known_notices
 quiet_known_notices()  # this process imports transformers and peft: their deprecation notices are not the user's
 
 from launcher.store.checkpoint import atomic_write_json, tree_bytes  # noqa: E402
+from launcher.data.task_verdict import FINE_TUNED
 from launcher.plan import gguf_readiness  # noqa: E402
 from launcher import export_formats, gguf_types, methods  # noqa: E402
 from launcher.errors import FtrunError, UsageError  # noqa: E402
@@ -479,7 +480,7 @@ def _score_export(inp: Inputs, task: dict[str, Any], name: str, result: dict[str
     trackers.log_scores(
         inp.run.root, [t for t in inp.recipe.report_to if t != "none"], {name: result["score"]}, step, say=_say
     )
-    tuned = results["scores"].get(task_eval.FINE_TUNED)
+    tuned = results["scores"].get(FINE_TUNED)
     _say(
         f"task eval: {name} {result['score']:.1%} {task['metric']} on {result['examples']} held-out examples"
         + (f" (fine-tuned {tuned:.1%})" if tuned is not None else "")

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from launcher.store import checkpoint as ckpt
+from launcher.data.task_verdict import BASE_FEW_SHOT, BASE_ZERO_SHOT, FINE_TUNED
 from launcher.store.rundir import RunDir
 from launcher.worker import samples, task_eval
 from launcher.worker.process import StopRequested, _rank, _say
@@ -225,7 +226,7 @@ def _score_after(
         # skip, or a failed baseline): the comparison costs two passes, not a second model. Not under init_from:
         # switched off, the parent adapter goes too, and its rows would score the base under the parent's name.
         if hasattr(model, "disable_adapter") and not recipe.init_from:
-            for name, shots in ((task_eval.BASE_ZERO_SHOT, False), (task_eval.BASE_FEW_SHOT, True)):
+            for name, shots in ((BASE_ZERO_SHOT, False), (BASE_FEW_SHOT, True)):
                 if name in scored:
                     continue
                 with model.disable_adapter():
@@ -241,7 +242,7 @@ def _score_after(
             tokenizer,
             run.root,
             task,
-            task_eval.FINE_TUNED,
+            FINE_TUNED,
             identity=f"{recipe.model} step {trainer.state.global_step}",
             **kw,
         )
@@ -254,7 +255,7 @@ def _score_after(
         return True
     if not writes:
         return True
-    results = task_eval.record(run.root, task, task_eval.FINE_TUNED, result)
+    results = task_eval.record(run.root, task, FINE_TUNED, result)
     path = publish_scores(run, results)
     from launcher.worker import trackers
 
@@ -263,7 +264,7 @@ def _score_after(
     )
     if logged:
         _say(f"task eval: the scores are summary metrics (task/...) of the tracked run in {', '.join(logged)}")
-    base = results["scores"].get(task_eval.BASE_ZERO_SHOT)
+    base = results["scores"].get(BASE_ZERO_SHOT)
     _say(
         f"task eval: fine-tuned {result['score']:.1%} {task['metric']} on {result['examples']} held-out examples"
         + (f" (base model zero-shot {base:.1%})" if base is not None else "")

@@ -193,6 +193,7 @@ def test_the_task_is_scored_on_every_export_the_served_gguf_included(qwen_run, t
     from launcher.data.dataset import load_data
     from launcher.recipe import load_recipe
     from launcher.store.checkpoint import atomic_write_json
+    from launcher.data.task_verdict import FINE_TUNED
     from launcher.worker import task_eval
 
     run = tmp_path / "run"
@@ -202,10 +203,7 @@ def test_the_task_is_scored_on_every_export_the_served_gguf_included(qwen_run, t
     task = build_task(examples, list(range(20)), list(range(20, len(examples))), recipe.eval.task, recipe.seed)
     atomic_write_json(run / "task.json", task)
     task_eval.record(
-        run,
-        task,
-        task_eval.FINE_TUNED,
-        {"score": 0.5, "details": {}, "seconds": 1.0, "new_tokens": 10, "tokens_per_s": 10.0},
+        run, task, FINE_TUNED, {"score": 0.5, "details": {}, "seconds": 1.0, "new_tokens": 10, "tokens_per_s": 10.0}
     )
     res = ftrun("export", run, cwd=tmp_path, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
