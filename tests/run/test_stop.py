@@ -14,6 +14,13 @@ import pytest
 from helpers import REPO, freeze_worker, ftrun, status, wait_until_ended
 
 
+def _pending(pid: int, signum: int) -> bool:
+    """`signum` waits on the process (a stopped one keeps it pending): /proc/PID/status's SigPnd and ShdPnd masks."""
+    with open(f"/proc/{pid}/status") as status_file:
+        masks = [int(line.split()[1], 16) for line in status_file if line.startswith(("SigPnd:", "ShdPnd:"))]
+    return any(mask & (1 << (int(signum) - 1)) for mask in masks)
+
+
 def _past_training(run_dir) -> bool:
     beat = run_dir / "heartbeats" / "rank-0.json"
     return beat.is_file() and json.loads(beat.read_text()).get("phase") == "export"
@@ -39,7 +46,12 @@ def test_a_stop_after_training_stops_and_the_same_command_finishes_the_evaluatio
         stderr=subprocess.PIPE,
         text=True,
     )
-    time.sleep(3)  # the stop has signalled the supervisor, which forwards to the frozen worker
+    # the stop signals the supervisor, which forwards SIGTERM to the frozen worker: it waits there, pending, until the
+    # worker runs again (a fixed wait raced a busy box: the worker ran on and wrote its samples first)
+    deadline = time.monotonic() + 120
+    while not _pending(st["worker_pid"], signal.SIGTERM):
+        assert time.monotonic() < deadline and stop.poll() is None, "the stop never reached the frozen worker"
+        time.sleep(0.05)
     os.kill(st["worker_pid"], signal.SIGCONT)
     out, err = stop.communicate(timeout=180)
     assert stop.returncode == 0, out + err
