@@ -101,6 +101,7 @@ step product-lora  120  300
 step generation     60  120
 step vs-trl        120  300
 step bench-lora    120  120
+step bench-lora-fast 120 120
 step bench-full    150  120
 step resume-exact  150  300
 step product-dpo   100  300

@@ -31,7 +31,9 @@ def _plan_hardware(ctx: Context):
     )
 
 
-def predict(ctx: Context, arch, method: str, micro_batch: int, seq: int, fused: bool = True) -> dict[str, Any]:
+def predict(
+    ctx: Context, arch, method: str, micro_batch: int, seq: int, fused: bool = True, checkpointing: bool = True
+) -> dict[str, Any]:
     """The plan's memory and tokens/s for this job on this box (engine trl: one process, the worker's path). `fused`:
     the step computes the loss with TRL's fused LM head as the worker does; without trl on the box it runs the
     model's own loss, and memory_gb is the sizer's figure for that loss (the plan's own is plan_memory_gb)."""
@@ -55,7 +57,7 @@ def predict(ctx: Context, arch, method: str, micro_batch: int, seq: int, fused: 
         epochs=1,
         micro_batch_size=micro_batch,
         gradient_accumulation_steps=1,
-        gradient_checkpointing=True,
+        gradient_checkpointing=checkpointing,
         lora=SimpleNamespace(r=16, target_modules="all-linear"),
         price_per_hour_eur=None,
         checkpoint_every_minutes=30,
@@ -155,7 +157,7 @@ def _fixed_batches(
     return out
 
 
-def _bench(ctx: Context, method: str) -> dict[str, Any]:
+def _bench(ctx: Context, method: str, checkpointing: bool = True, micro_batch: int | None = None) -> dict[str, Any]:
     import gc
 
     import torch
@@ -164,7 +166,7 @@ def _bench(ctx: Context, method: str) -> dict[str, Any]:
 
     cfg = BENCH[ctx.device]
     arch = architecture(ctx)
-    batch_sizes = [cfg[f"{method}_batch"]]
+    batch_sizes = [micro_batch or cfg[f"{method}_batch"]]
     if method == "full" and batch_sizes[0] > 1:
         batch_sizes.append(1)
     # the worker's loss, TRL's fused LM head (trl 1.16 SFTTrainer: add_fused_lm_head, fused_lm_head=True), where trl
@@ -175,11 +177,12 @@ def _bench(ctx: Context, method: str) -> dict[str, Any]:
         "params": arch.params,
         "method": method,
         "seq": cfg["seq"],
-        "predicted": predict(ctx, arch, method, batch_sizes[0], cfg["seq"], fused),
+        "gradient_checkpointing": checkpointing,
+        "predicted": predict(ctx, arch, method, batch_sizes[0], cfg["seq"], fused, checkpointing),
     }
     ctx.progress(**result)
     t0 = time.monotonic()
-    model, device, dtype, attn = build_model(ctx, arch, method)
+    model, device, dtype, attn = build_model(ctx, arch, method, checkpointing)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if fused:
         from trl.trainer.utils import add_fused_lm_head
@@ -202,7 +205,7 @@ def _bench(ctx: Context, method: str) -> dict[str, Any]:
     attempts = []
     for mb in batch_sizes:
         if mb != batch_sizes[0]:
-            result["predicted_fallback"] = predict(ctx, arch, method, mb, cfg["seq"], fused)
+            result["predicted_fallback"] = predict(ctx, arch, method, mb, cfg["seq"], fused, checkpointing)
         memory.reset_peak(device)
         batches = _fixed_batches(arch.vocab, mb, cfg["seq"], cfg["warmup"] + cfg["steps"], device, fused)
         params, opt = make_optimizer(model, device)
@@ -269,3 +272,25 @@ def step_bench_lora(ctx: Context) -> dict[str, Any]:
 def step_bench_full(ctx: Context) -> dict[str, Any]:
     """Full fine-tuning (fp32 master weights under bf16 autocast, fused AdamW) at the shape: predicted vs measured."""
     return _bench(ctx, "full")
+
+
+def step_bench_lora_fast(ctx: Context) -> dict[str, Any]:
+    """LoRA at the shape with what the plan chooses where the card has room (launcher/plan/speed.py): no gradient
+    checkpointing, twice the bench's micro-batch; predicted vs measured, and the model FLOPs utilisation (forward and
+    backward, no recomputation) against the card's dense bf16 peak (issue 43's target: 35% at 8B on an H200)."""
+    if not has("peft"):
+        return no_peft()
+    result = _bench(ctx, "lora", checkpointing=False, micro_batch=2 * BENCH[ctx.device]["lora_batch"])
+    done = result.get("measured")
+    if done and ctx.device == "cuda":
+        import torch
+
+        from launcher.plan import throughput
+        from launcher.plan.hardware import lookup
+
+        entry = lookup(torch.cuda.get_device_name(0))
+        if entry is not None:
+            flops = throughput.flops_per_token(architecture(ctx), "lora", BENCH["cuda"]["seq"], False)
+            result["mfu"] = round(done["tokens_per_second"] * flops / (entry.tflops_bf16 * 1e12), 3)
+            result["line"] += f"; MFU {result['mfu']:.1%} of {entry.tflops_bf16:g} TFLOP/s"
+    return result

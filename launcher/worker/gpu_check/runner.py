@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 
 import launcher.worker.gpu_check as package
 from launcher.worker.gpu_check.attention import attention_child, step_attention
-from launcher.worker.gpu_check.bench import step_bench_full, step_bench_lora
+from launcher.worker.gpu_check.bench import step_bench_full, step_bench_lora, step_bench_lora_fast
 from launcher.worker.gpu_check.common import Context, first_line, read_json, write_json
 from launcher.worker.gpu_check.device import step_device
 from launcher.worker.gpu_check.fsdp_check import fsdp_child, step_fsdp
@@ -47,6 +47,7 @@ STEPS = (
     "generation",
     "vs-trl",
     "bench-lora",
+    "bench-lora-fast",
     "bench-full",
     "resume-exact",
     "product-dpo",
@@ -65,6 +66,7 @@ PRESETS = {
         "generation",
         "vs-trl",
         "bench-lora",
+        "bench-lora-fast",
         "bench-full",
         "resume-exact",
         "product-dpo",
@@ -82,6 +84,7 @@ STEP_FUNCS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "oom": step_oom,
     "loss-head": step_loss_head,
     "bench-lora": step_bench_lora,
+    "bench-lora-fast": step_bench_lora_fast,
     "bench-full": step_bench_full,
     "bench-padding": step_bench_padding,
     "fsdp": step_fsdp,

@@ -66,7 +66,7 @@ def _hf_config(arch):
     return Qwen3Config(**common) if arch.qk_norm else LlamaConfig(**common)
 
 
-def build_model(ctx: Context, arch, method: str):
+def build_model(ctx: Context, arch, method: str, checkpointing: bool = True):
     """Random weights at the shape, built on the device (no download), stored and trained as the worker does:
     loading.weights_dtype (fp32 master weights for full fine-tuning on trl, the compute dtype for LoRA),
     loading.add_lora, non-reentrant gradient checkpointing, the attention kernel loading chooses."""
@@ -85,7 +85,8 @@ def build_model(ctx: Context, arch, method: str):
         model = AutoModelForCausalLM.from_config(config, dtype=loading.weights_dtype(method, "trl", device, dtype))
     if method == "lora":
         model = loading.add_lora(model, worker_recipe(Path(arch.name)))
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpointing:  # off: what the plan chooses where the card has room (launcher/plan/speed.py)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     return model, device, dtype, attn or getattr(model.config, "_attn_implementation", None) or "sdpa"
 
