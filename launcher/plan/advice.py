@@ -6,7 +6,8 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from launcher.plan.engine import Choice, choose, offload_words
+from launcher.plan.choice import Choice, offload_words
+from launcher.plan.engine import choose
 from launcher.plan.figures import _fmt_hours, _fmt_tokens
 from launcher.plan.hardware import Hardware, catalog, catalog_box
 from launcher.plan.job import Job

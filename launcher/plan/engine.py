@@ -7,96 +7,31 @@ card holds the job, with QLoRA's 4-bit shards offloaded to CPU RAM when even the
 
 from __future__ import annotations
 
-import importlib.util
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from launcher.engine_kinds import CPU_MULTI_PROCESS, SHARDING
 from launcher.methods import METHODS, OBJECTIVES, is_adapter, is_quantized
-from launcher.plan import links, sizing
+from launcher.plan import engine_software, links, sizing
 from launcher.plan import throughput
+from launcher.plan.choice import (
+    CPU_ADAM_NOTE,
+    OFFLOAD_FORCED,
+    SHARDING_ENGINES,
+    WORKDAY_HOURS,
+    Choice,
+    _fits,
+    _hours,
+    _tps,
+    offload_words,
+)
+from launcher.plan.cpu_engine import _choose_cpu, _choose_cpu_unsloth
+from launcher.plan.engine_software import UNSLOTH_FIX, UNSLOTH_MISSING, UNSLOTH_NOT_FOR
 from launcher.plan.figures import _fmt_hours
 from launcher.plan.hardware import Hardware
-from launcher.plan.job import Job, _steps_and_tokens
-from launcher.plan.sizing import Workload
+from launcher.plan.job import Job
 
-
-# The article: "more cards when a run on one card would take longer than a working day".
-WORKDAY_HOURS = 8.0
-# A CPU run longer than this is refused: CPU training is for tiny models and tests.
-CPU_MAX_HOURS = 24.0
-SHARDING_ENGINES = SHARDING  # the engine table, launcher/engine_kinds.py
-
-
-@dataclass
-class Choice:
-    fits: bool
-    engine: str
-    device: str
-    processes: int
-    estimate: sizing.MemoryEstimate | None
-    capacity_gb: float
-    reasons: list[str]
-    tokens_per_second: float = 0.0
-    hours: float | None = None
-    min_gpus: int = 1  # fewest cards that hold the job (sharding)
-    refusal: str = ""  # why it does not fit, when fits is False
-    offload_params: bool = False  # parameters in CPU RAM: FSDP's fsdp_offload_params, DeepSpeed's offload_param
-    offload_optimizer: bool = False  # DeepSpeed ZeRO-3 offload_optimizer: states and the optimizer step on the CPU
-    load_hours: float = 0.0  # loading before the first step, included in hours
-    missing: str = ""  # a package this machine lacks (never "does not fit": the fix is an install)
-    offload_activations: bool = False  # TRL's activation_offloading: saved layer inputs in CPU RAM
-
-
-# What a box named for planning (--gpus, the recipe's box:) runs: ftrun's Docker image, docker/requirements.txt.
-IMAGE_SOFTWARE = (
-    "ftrun's Docker image (docker/requirements.txt: DeepSpeed, bitsandbytes, llama.cpp; "
-    "docker/requirements-unsloth.txt: Unsloth)"
-)
-
-
-def _deepspeed_installed() -> bool:
-    return importlib.util.find_spec("deepspeed") is not None
-
-
-def _unsloth_installed() -> bool:
-    return importlib.util.find_spec("unsloth") is not None
-
-
-def software(hardware: Hardware, unsloth_available: bool | None) -> tuple[bool, str]:
-    """Whether Unsloth can be used, and the plan's line about the software it assumes."""
-    if unsloth_available is not None:
-        return unsloth_available, f"software: Unsloth {'available' if unsloth_available else 'not available'} (given)"
-    if not hardware.is_cpu_only and not hardware.is_this_machine:
-        return True, (
-            f"software: planned with {IMAGE_SOFTWARE}, what a rented box runs; not this machine's installation"
-        )
-    here = _unsloth_installed()
-    return here, ("software: as installed on this machine (Unsloth " + ("installed" if here else "not installed") + ")")
-
-
-def _fits(est: sizing.MemoryEstimate, capacity: float) -> bool:
-    """The card holds both the training step and the load (docs/sizing.md, "Loading")."""
-    return est.peak_gb <= capacity * sizing.USABLE_FRACTION
-
-
-def _tps(job: Job, w: Workload, hw: Hardware) -> float:
-    g = hw.gpu
-    return throughput.tokens_per_second(
-        job.arch,
-        w,
-        g.tflops_bf16 if g else None,
-        hw.interconnect,
-        hw.cpu_count,
-        mean_seq_len=int(job.mean_tokens / job.sequences),  # a pair: per sequence
-        compute_capability=g.compute_capability if g else None,
-    )
-
-
-def _hours(job: Job, w: Workload, hw: Hardware, processes: int) -> tuple[float, float | None]:
-    tps = _tps(job, w, hw)
-    _, training = _steps_and_tokens(job, processes)
-    load = throughput.load_seconds(job.arch, w, hw.cpu_count) / 3600
-    return tps, (throughput.hours(training, tps) + load if training else None)
+# plan.py reads these as engine.software and engine.IMAGE_SOFTWARE until its import names engine_software; then this
+# line goes.
+from launcher.plan.engine_software import IMAGE_SOFTWARE, software  # noqa: F401
 
 
 # bitsandbytes' 8-bit AdamW indexes its states by the parameter's local storage and has no DTensor support; an open
@@ -105,304 +40,11 @@ FULL_8BIT_FSDP = (
     "method full-8bit cannot run on FSDP: its 8-bit AdamW (bitsandbytes) has no support for the "
     "DTensor parameters FSDP2 shards into (illegal memory access reported under FSDP2)"
 )
-# The recipe's `offload:` values (launcher/recipe.py): auto adds DeepSpeed's CPU offload only when nothing else fits.
-OFFLOAD_FORCED = {"optimizer": (True, False), "optimizer+params": (True, True)}
-# DeepSpeedCPUAdam is a C++ op DeepSpeed compiles on its first use when the install did not build it (DS_BUILD_OPS=0).
-CPU_ADAM_NOTE = (
-    "DeepSpeed compiles its CPU Adam op (cpu_adam) with the C++ compiler on first use unless it was "
-    "installed prebuilt (DS_BUILD_CPU_ADAM=1): about 4 minutes on a 2-core box, once per machine"
-)
 
 
 def _idle(cards: int) -> str:
     """ "1 GPU stays idle", "3 GPUs stay idle"."""
     return "1 GPU stays idle" if cards == 1 else f"{cards} GPUs stay idle"
-
-
-def offload_words(optimizer: bool, params: bool) -> str:
-    """How the plan names DeepSpeed's CPU offload in its reasons and refusals."""
-    return (
-        (
-            "CPU offload of the optimizer and the parameters (offload_optimizer + offload_param)"
-            if params
-            else "CPU offload of the optimizer (offload_optimizer)"
-        )
-        if optimizer
-        else "no CPU offload"
-    )
-
-
-def _choose_cpu(
-    job: Job, hw: Hardware, forced: str, processes: int | None = None, nnodes: int = 1, offload: str = "auto"
-) -> Choice:
-    capacity = hw.ram_gb
-    reasons = [
-        f"CPU run: this box has no GPU ({hw.cpu_count} cores, {hw.ram_gb:.3g} GB RAM); "
-        "only sensible for tiny models and tests"
-    ]
-    if offload in OFFLOAD_FORCED and forced != "deepspeed":
-        return Choice(
-            False,
-            forced,
-            "cpu",
-            processes or 1,
-            None,
-            capacity,
-            reasons,
-            refusal=f"offload: {offload} is DeepSpeed ZeRO-3's CPU offload; on a CPU box it runs only with "
-            "engine: deepspeed (2 or more gloo processes)",
-        )
-    if forced in ("unsloth", "fsdp"):
-        why = {
-            "unsloth": "Unsloth needs an NVIDIA GPU",
-            # STACK-FACTS: accelerate/Trainer turn an FSDP2 config into plain DDP on CPU; running
-            # DDP under the FSDP name would be a silent fallback, so it is refused.
-            "fsdp": "FSDP through accelerate/the Trainer does not shard on CPU (it silently becomes DDP); "
-            "use engine: ddp or deepspeed for several CPU processes",
-        }[forced]
-        return Choice(
-            False, forced, "cpu", 1, None, capacity, reasons, refusal=f"engine: {forced} is impossible here: {why}"
-        )
-    if forced == "trl" and processes is not None and processes > 1:
-        return Choice(
-            False,
-            forced,
-            "cpu",
-            processes,
-            None,
-            capacity,
-            reasons,
-            refusal=f"engine: trl is one process, num_processes is {processes}; use engine: ddp",
-        )
-    if forced in CPU_MULTI_PROCESS or (forced == "auto" and processes is not None and processes > 1):
-        return _choose_cpu_multi(job, hw, "ddp" if forced == "auto" else forced, processes, reasons, nnodes, offload)
-    w = job.workload("trl", 1, "cpu")
-    est = sizing.memory(job.arch, w)
-    tps, hrs = _hours(job, w, hw, 1)
-    reasons.append("engine trl, one process on the CPU" + (" (forced by the recipe)" if forced == "trl" else ""))
-    if METHODS[job.method].bitsandbytes:
-        reasons.append(
-            f"{job.method} relies on bitsandbytes, whose CPU support is limited: the smoke test will tell; "
-            "method lora (or full) is the safe choice on CPU"
-        )
-    if est.per_gpu_gb > capacity * sizing.USABLE_RAM_FRACTION:
-        return Choice(
-            False,
-            "trl",
-            "cpu",
-            1,
-            est,
-            capacity,
-            reasons,
-            tps,
-            hrs,
-            refusal=f"needs {est.per_gpu_gb:.1f} GB of RAM, this box has {capacity:.0f} GB "
-            f"({sizing.USABLE_RAM_FRACTION:.0%} usable)",
-        )
-    if hrs is not None and hrs > CPU_MAX_HOURS:
-        return Choice(
-            False,
-            "trl",
-            "cpu",
-            1,
-            est,
-            capacity,
-            reasons,
-            tps,
-            hrs,
-            refusal=f"fits in RAM but would take about {_fmt_hours(hrs)} on {hw.cpu_count} CPU cores "
-            f"(more than {CPU_MAX_HOURS:.0f} h)",
-        )
-    reasons.append(f"memory: needs {est.per_gpu_gb:.1f} GB of {capacity:.0f} GB RAM")
-    return Choice(True, "trl", "cpu", 1, est, capacity, reasons, tps, hrs)
-
-
-def _choose_cpu_multi(
-    job: Job,
-    hw: Hardware,
-    engine: str,
-    processes: int | None,
-    reasons: list[str],
-    nnodes: int = 1,
-    offload: str = "auto",
-) -> Choice:
-    """Several gloo processes on one CPU box (DDP or DeepSpeed ZeRO-3): for tests and the trajectory checks."""
-    capacity = hw.ram_gb
-    n = processes if processes is not None else 2
-    if n * nnodes < 2:  # one process per node is fine when there are several nodes
-        return Choice(
-            False,
-            engine,
-            "cpu",
-            n,
-            None,
-            capacity,
-            reasons,
-            refusal=f"engine: {engine} with num_processes=1 is single-process training; use engine: trl",
-        )
-    if n > hw.cpu_count:
-        return Choice(
-            False,
-            engine,
-            "cpu",
-            n,
-            None,
-            capacity,
-            reasons,
-            refusal=f"{n} gloo processes need at least {n} CPU cores, this box has {hw.cpu_count}",
-        )
-    if engine == "deepspeed" and not _deepspeed_installed():
-        return Choice(
-            False,
-            engine,
-            "cpu",
-            n,
-            None,
-            capacity,
-            reasons,
-            missing="deepspeed",
-            refusal="engine: deepspeed needs DeepSpeed, which is not installed here: pip install "
-            "'ftrun[deepspeed]' (DS_BUILD_OPS=0 on a box without CUDA)",
-        )
-    w = job.workload("trl", 1, "cpu")
-    est = sizing.memory(job.arch, w)
-    # The processes share the box's cores, so the box's throughput is about one process's.
-    tps, hrs = _hours(job, w, hw, n)
-    src = "num_processes from the recipe" if processes is not None else "2 by default on CPU"
-    what = (
-        "each holds a full copy and trains on its own micro-batches; gradients are averaged over gloo"
-        if engine == "ddp"
-        else "ZeRO-3 partitions parameters, gradients and optimizer states; about 4x slower per step than DDP here"
-    )
-    reasons.append(f"engine {engine}, {n} gloo processes on the CPU ({src}): {what}")
-    opt_off, param_off = OFFLOAD_FORCED.get(offload, (False, False))
-    if opt_off:
-        # On a CPU the "offloaded" states stay in the same RAM: memory and time are sized as without it; the run
-        # exercises the offload path itself (DeepSpeedCPUAdam, the pinned CPU gradient buffers) for the test tier.
-        reasons.append(
-            f"{offload_words(opt_off, param_off)} forced by the recipe: on a CPU box the states stay in "
-            "the same RAM, so memory and time are as without it; the optimizer is DeepSpeedCPUAdam (fp32 "
-            f"AdamW) whatever the method; {CPU_ADAM_NOTE}"
-        )
-    total = est.per_gpu_gb * n
-    if total > capacity * sizing.USABLE_RAM_FRACTION:
-        return Choice(
-            False,
-            engine,
-            "cpu",
-            n,
-            est,
-            capacity,
-            reasons,
-            tps,
-            hrs,
-            refusal=f"{n} processes need {total:.1f} GB of RAM, this box has {capacity:.0f} GB",
-        )
-    reasons.append(f"memory: {n} x {est.per_gpu_gb:.1f} GB of {capacity:.0f} GB RAM")
-    return Choice(
-        True, engine, "cpu", n, est, capacity, reasons, tps, hrs, offload_params=param_off, offload_optimizer=opt_off
-    )
-
-
-def _choose_cpu_unsloth(job: Job, hw: Hardware, unsloth_ok: bool, processes: int | None) -> Choice:
-    """engine: unsloth forced on a CPU box: allowed only where Unsloth imports (its CPU path, for the test tier)."""
-    capacity = hw.ram_gb
-    reasons = [
-        f"CPU run: this box has no GPU ({hw.cpu_count} cores, {hw.ram_gb:.3g} GB RAM); "
-        "only sensible for tiny models and tests"
-    ]
-    if not is_adapter(job.method):
-        return Choice(
-            False,
-            "unsloth",
-            "cpu",
-            1,
-            None,
-            capacity,
-            reasons,
-            refusal=f"engine: unsloth trains LoRA/QLoRA only; method is {job.method}",
-        )
-    if not OBJECTIVES[job.objective].unsloth:
-        return Choice(
-            False,
-            "unsloth",
-            "cpu",
-            1,
-            None,
-            capacity,
-            reasons,
-            refusal=UNSLOTH_NOT_FOR.format(job.objective) + "; use engine: auto or trl",
-        )
-    if not unsloth_ok:
-        return Choice(
-            False,
-            "unsloth",
-            "cpu",
-            1,
-            None,
-            capacity,
-            reasons,
-            missing="unsloth",
-            refusal=UNSLOTH_MISSING + " (Unsloth needs an NVIDIA GPU for real runs; on a CPU it is allowed "
-            "only where it is installed, to test the engine)",
-        )
-    if processes is not None and processes > 1:
-        return Choice(
-            False,
-            "unsloth",
-            "cpu",
-            processes,
-            None,
-            capacity,
-            reasons,
-            refusal=f"engine: unsloth is one process, num_processes is {processes}; use engine: ddp",
-        )
-    # Unsloth's fused kernels are GPU kernels; on a CPU it runs its plain PyTorch path: sized as trl.
-    w = job.workload("trl", 1, "cpu")
-    est = sizing.memory(job.arch, w)
-    tps, hrs = _hours(job, w, hw, 1)
-    reasons.append(
-        "engine unsloth (forced by the recipe) on the CPU: Unsloth's CPU path (\"no GPU found, training "
-        'on CPU"), for testing the engine; its speed and memory gains need an NVIDIA GPU, so time and '
-        "memory are estimated as for trl"
-    )
-    if est.per_gpu_gb > capacity * sizing.USABLE_RAM_FRACTION:
-        return Choice(
-            False,
-            "unsloth",
-            "cpu",
-            1,
-            est,
-            capacity,
-            reasons,
-            tps,
-            hrs,
-            refusal=f"needs {est.per_gpu_gb:.1f} GB of RAM, this box has {capacity:.0f} GB",
-        )
-    reasons.append(f"memory: needs {est.per_gpu_gb:.1f} GB of {capacity:.0f} GB RAM")
-    return Choice(True, "unsloth", "cpu", 1, est, capacity, reasons, tps, hrs)
-
-
-# Unsloth pins older transformers/trl/datasets than ftrun's default stack: its own environment (docs/engines.md).
-UNSLOTH_FIX = (
-    "Unsloth pins transformers<=5.17, trl<=1.15 and datasets<5.0, so it lives in its own virtual environment: "
-    "python3 -m venv .venv-unsloth && .venv-unsloth/bin/pip install 'ftrun[train,unsloth]' (scripts/test.sh "
-    "--unsloth builds it here), then run ftrun from that environment; ftrun's Docker image has it as a second "
-    "environment (docker run --entrypoint ftrun-unsloth ...)"
-)
-UNSLOTH_MISSING = (
-    "engine: unsloth needs Unsloth, which is not installed in this environment. " + UNSLOTH_FIX + "; or set engine: trl"
-)
-
-
-# Unsloth patches TRL's DPO and ORPO trainers (PatchDPOTrainer), but ftrun's Unsloth engine loads, checkpoints and
-# resumes through its SFT path only (launcher/worker/engines/unsloth.py): a preference objective runs on TRL.
-UNSLOTH_NOT_FOR = (
-    "engine unsloth: ftrun runs Unsloth for objective "
-    + " and ".join(name for name, o in OBJECTIVES.items() if o.unsloth)
-    + " only, and this recipe's objective is {}: its trainer (TRL's) is not the one ftrun's Unsloth "
-    "engine loads, checkpoints and resumes"
-)
 
 
 def choose(
@@ -934,7 +576,12 @@ def choose_with_software(
                     "in this environment. " + UNSLOTH_FIX
                 ),
             )
-    if choice.fits and choice.engine == "deepspeed" and hw.is_this_machine and not _deepspeed_installed():
+    if (
+        choice.fits
+        and choice.engine == "deepspeed"
+        and hw.is_this_machine
+        and not engine_software._deepspeed_installed()
+    ):
         choice = replace(
             choice,
             fits=False,

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from launcher.plan import sizing
 from launcher.plan import throughput
-from launcher.plan.engine import Choice
+from launcher.plan.choice import Choice
 from launcher.plan.job import Job
 
 # The recipe keys the plan may choose when the recipe leaves them out (pydantic's model_fields_set).

@@ -103,7 +103,7 @@ def shard_blocker(recipe: Recipe, plan: dict[str, Any]) -> str:
 
 
 def _shard(recipe: Recipe, plan: dict[str, Any]) -> tuple[Optional[tuple[dict[str, Any], str]], str]:
-    from launcher.plan.engine import _deepspeed_installed
+    from launcher.plan.engine_software import _deepspeed_installed
 
     procs = int(plan.get("num_processes") or 1)
     m, g = recipe.micro_batch_size, recipe.gradient_accumulation_steps

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from launcher.errors import PlanError
-from launcher.plan import engine, links, sizing
+from launcher.plan import engine_software, links, sizing
 from launcher.plan import throughput
 from launcher.plan.hardware import catalog_box, from_spec
 from launcher.plan.models import from_catalog
@@ -139,7 +139,7 @@ def test_fsdp_refusal_names_one_fix_that_plans_no_circle():
 
 
 def test_a_box_that_cannot_hold_it_even_with_offload_gets_one_layouts_figures_and_a_fix_that_plans(monkeypatch):
-    monkeypatch.setattr(engine, "_deepspeed_installed", lambda: True)
+    monkeypatch.setattr(engine_software, "_deepspeed_installed", lambda: True)
     # the box in hand, whose RAM is read: the cards hold it with offload, the RAM does not
     small = replace(from_spec("8xH100-80GB"), ram_gb=512.0, source="detected")
     with pytest.raises(PlanError) as err:
@@ -166,7 +166,7 @@ def test_a_box_that_cannot_hold_it_even_with_offload_gets_one_layouts_figures_an
 
 def test_alternatives_only_offer_boxes_whose_assumed_ram_holds_the_offload(monkeypatch):
     # the rented box has the image's software; the check is about RAM, not about what this machine has installed
-    monkeypatch.setattr(engine, "_deepspeed_installed", lambda: True)
+    monkeypatch.setattr(engine_software, "_deepspeed_installed", lambda: True)
     p = make_plan(load_recipe(LLAMA_8BIT), from_spec("8xH100-80GB"), tokens=15e6)
     for a in p.alternatives:
         box = catalog_box(a["gpus"].split("x", 1)[1], int(a["gpus"].split("x", 1)[0]))

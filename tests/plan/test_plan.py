@@ -16,7 +16,7 @@ from launcher.plan.hardware import from_spec
 from launcher.plan.this_box import detect
 from launcher.plan.models import from_catalog
 from launcher.plan.advice import _box_rows
-from launcher.plan.engine import WORKDAY_HOURS
+from launcher.plan.choice import WORKDAY_HOURS
 from launcher.plan.job import _job
 from launcher.plan.plan import make_plan
 from launcher.plan.text import format_plan

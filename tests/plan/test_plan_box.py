@@ -14,7 +14,7 @@ from launcher.plan import this_box
 from launcher.run import pipeline, plan_command
 from launcher.plan import sizing
 from launcher.plan import plan as plan_mod
-from launcher.plan import engine as engine_mod
+from launcher.plan import engine_software
 from launcher.errors import MissingSoftware, PlanError, RecipeError
 from launcher.plan.hardware import Hardware, catalog, from_spec, lookup
 from launcher.plan.models import _weights_bytes, download_size, from_catalog
@@ -136,7 +136,7 @@ def test_without_data_or_tokens_it_plans_memory_and_says_how_to_give_them(tmp_pa
 
 
 def test_a_named_box_has_the_images_software(tmp_path, monkeypatch):
-    monkeypatch.setattr(engine_mod, "_unsloth_installed", lambda: False)
+    monkeypatch.setattr(engine_software, "_unsloth_installed", lambda: False)
     p = make_plan(recipe(tmp_path, engine="unsloth"), from_spec("RTX4090"), tokens=15e6)
     assert p.fits and p.engine == "unsloth" and any("Docker image" in r for r in p.reasons)
     auto = make_plan(recipe(tmp_path), from_spec("RTX4090"), tokens=15e6)
@@ -144,7 +144,7 @@ def test_a_named_box_has_the_images_software(tmp_path, monkeypatch):
 
 
 def test_this_machine_uses_what_is_installed_and_names_the_fix(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(engine_mod, "_unsloth_installed", lambda: False)
+    monkeypatch.setattr(engine_software, "_unsloth_installed", lambda: False)
     p = make_plan(recipe(tmp_path), detected("RTX4090"), tokens=15e6)
     assert p.engine == "trl" and any(
         "Unsloth not installed on this machine" in r and ".venv-unsloth" in r for r in p.reasons
@@ -162,19 +162,19 @@ def test_this_machine_uses_what_is_installed_and_names_the_fix(tmp_path, monkeyp
 def test_a_job_only_unsloth_fits_here_is_missing_software_not_too_big(tmp_path, monkeypatch):
     """Qwen3-32B QLoRA at 6k tokens on the RTX 4090 in hand: trl needs more than the card even with activation
     offloading, Unsloth less. Without Unsloth here the fix is its install (exit 2), not a bigger box (exit 3)."""
-    monkeypatch.setattr(engine_mod, "_unsloth_installed", lambda: False)
+    monkeypatch.setattr(engine_software, "_unsloth_installed", lambda: False)
     big = recipe(tmp_path, model="Qwen/Qwen3-32B", max_length=6144)
     assert make_plan(big, from_spec("1xRTX4090"), tokens=15e6).engine == "unsloth"  # a rented box has the image
     with pytest.raises(MissingSoftware) as err:
         make_plan(big, detected("RTX4090"), tokens=15e6)
     text = err.value.render()
     assert "fits this box only with Unsloth" in text and ".venv-unsloth" in text and "does not fit" not in text
-    monkeypatch.setattr(engine_mod, "_unsloth_installed", lambda: True)
+    monkeypatch.setattr(engine_software, "_unsloth_installed", lambda: True)
     assert make_plan(big, detected("RTX4090"), tokens=15e6).engine == "unsloth"
 
 
 def test_deepspeed_missing_here_is_missing_software(tmp_path, monkeypatch):
-    monkeypatch.setattr(engine_mod, "_deepspeed_installed", lambda: False)
+    monkeypatch.setattr(engine_software, "_deepspeed_installed", lambda: False)
     r = recipe(tmp_path, method="full", engine="deepspeed")
     assert make_plan(r, from_spec("4xH100-80GB"), tokens=15e6).engine == "deepspeed"  # the image has it
     with pytest.raises(MissingSoftware, match="pip install 'ftrun\\[deepspeed\\]'"):

@@ -110,9 +110,11 @@ def test_full_finetune_on_fsdp_is_refused_where_the_box_ram_cannot_hold_the_load
     assert rented.fits and any(f"with at least {need:.0f} GB of RAM" in r for r in rented.reasons)
     # the box in hand: its RAM is read, and too little is refused with the figure
     small = replace(hw, ram_gb=1024.0, source="detected")
-    from launcher.plan import engine
+    from launcher.plan import engine_software
 
-    monkeypatch.setattr(engine, "_deepspeed_installed", lambda: True)  # the box in hand has the image's software
+    monkeypatch.setattr(
+        engine_software, "_deepspeed_installed", lambda: True
+    )  # the box in hand has the image's software
     with pytest.raises(PlanError) as err:
         make_plan(recipe, small, tokens=15e6, unsloth_available=False)
     msg = err.value.message

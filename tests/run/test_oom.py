@@ -266,15 +266,15 @@ def test_the_stop_says_why_shard_was_not_tried(tmp_path):
 
 
 def test_cpu_shards_only_under_a_memory_limit(tmp_path, monkeypatch):
-    import launcher.plan.engine
+    import launcher.plan.engine_software
     from launcher.run.adjustments import shard_blocker
 
     r = make_recipe(tmp_path, method="full", micro_batch_size=1, gradient_accumulation_steps=4)
     cpu = {"engine": "trl", "num_processes": 1, "device": "cpu", "hardware": {"count": 0, "cpu_count": 2}}
     # The default tier runs without DeepSpeed (CI installs it for the slow tier only): say which case is tested.
-    monkeypatch.setattr(launcher.plan.engine, "_deepspeed_installed", lambda: False)
+    monkeypatch.setattr(launcher.plan.engine_software, "_deepspeed_installed", lambda: False)
     assert shard_blocker(r, {**cpu, "memory_limit_gb": 1.0}) == "DeepSpeed, which shards on CPU, is not installed"
-    monkeypatch.setattr(launcher.plan.engine, "_deepspeed_installed", lambda: True)
+    monkeypatch.setattr(launcher.plan.engine_software, "_deepspeed_installed", lambda: True)
     assert _walk(r, cpu)[1] == []  # the processes would share the same RAM: no help
     steps = _walk(r, {**cpu, "memory_limit_gb": 1.0})[1]
     assert [s[0] for s in steps] == [{"engine": "deepspeed", "num_processes": 2, "gradient_accumulation_steps": 2}]

@@ -125,9 +125,9 @@ def test_a_process_count_refusal_advises_the_process_count(tmp_path, tiny_model,
 
 
 def test_cpu_plan_refuses_deepspeed_when_not_installed(tmp_path, tiny_model, monkeypatch):
-    import launcher.plan.engine as engine_mod
+    from launcher.plan import engine_software
 
-    monkeypatch.setattr(engine_mod, "_deepspeed_installed", lambda: False)
+    monkeypatch.setattr(engine_software, "_deepspeed_installed", lambda: False)
     with pytest.raises(PlanError) as err:
         _plan(tmp_path, tiny_model, cpu_box(), engine="deepspeed")
     assert "pip install 'ftrun[deepspeed]'" in err.value.message
