@@ -11,7 +11,7 @@ under "Failures:" and "Root Cause (first observed failure):". A rank's Python ex
 errors/error_handler.py ErrorHandler.record_exception writes {"message": {"message", "extraInfo": {"py_callstack",
 "timestamp"}}} to TORCHELASTIC_ERROR_FILE, which torchrun sets per rank (api.py DefaultLogsSpecs.reify) and the
 worker fills through errors.record (launcher/worker/train.py _recorded); a signal leaves no error file.
-The supervisor copies torchrun's stderr through a pipe and keeps its tail for this (launcher/run/supervisor.py).
+The supervisor copies torchrun's stderr through a pipe and keeps its tail for this (launcher/run/attempt.py).
 """
 
 from __future__ import annotations

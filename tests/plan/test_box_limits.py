@@ -226,7 +226,7 @@ from pathlib import Path
 cg = Path(sys.argv[1])
 (cg / "cgroup.procs").write_text(str(os.getpid()))
 from launcher.plan import cgroup, hardware
-from launcher.run.supervisor import _host_oom
+from launcher.run.attempt import _host_oom
 before = cgroup.oom_kills()
 hog = subprocess.run([sys.executable, "-c", "b = bytearray(1536 * 2**20)"])
 print(json.dumps({"limit": cgroup.memory_limit_bytes(), "ram_gb": hardware._ram_gb(), "before": before,

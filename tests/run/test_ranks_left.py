@@ -18,7 +18,7 @@ import time
 import psutil
 import pytest
 
-from launcher.run import supervisor, views
+from launcher.run import rank_processes, supervisor, views
 
 # A rank that ignores SIGTERM, says it is ready, and ends when the test writes a line to it.
 RANK = """
@@ -58,7 +58,7 @@ def test_a_rank_that_ends_late_is_waited_for(procs):
         return False
 
     started = time.monotonic()
-    assert supervisor._ranks_left([psutil.Process(rank.pid)], 60, interrupted) == []
+    assert rank_processes._ranks_left([psutil.Process(rank.pid)], 60, interrupted) == []
     assert looked, "the wait returned while the rank was alive"
     assert time.monotonic() - started < 30  # it returned when the rank ended, not at the bound
     # the rank is a zombie until this test reaps it: gone for the wait (its memory and files are released)
@@ -68,7 +68,7 @@ def test_a_rank_that_ends_late_is_waited_for(procs):
 def test_a_rank_that_stays_is_named_with_its_state_and_gpu(procs):
     rank = _rank(procs, RANK="3", LOCAL_RANK="1", CUDA_VISIBLE_DEVICES="4,5")
     started = time.monotonic()
-    left = supervisor._ranks_left([psutil.Process(rank.pid)], 0.5)
+    left = rank_processes._ranks_left([psutil.Process(rank.pid)], 0.5)
     assert time.monotonic() - started >= 0.5
     assert left == [
         {
@@ -86,18 +86,18 @@ def test_a_rank_that_stays_is_named_with_its_state_and_gpu(procs):
 def test_the_wait_ends_at_a_stop_and_skips_ranks_already_gone(procs):
     rank = _rank(procs)
     started = time.monotonic()
-    assert supervisor._ranks_left([psutil.Process(rank.pid)], 60, lambda: True) == []
+    assert rank_processes._ranks_left([psutil.Process(rank.pid)], 60, lambda: True) == []
     assert time.monotonic() - started < 30
     gone = psutil.Process(rank.pid)
     rank.kill()
     rank.wait()  # reaped: its pid may be anyone's now, the handle (pid and start time) is not
     started = time.monotonic()
-    assert supervisor._ranks_left([gone], 60) == []
+    assert rank_processes._ranks_left([gone], 60) == []
     assert time.monotonic() - started < 30
 
 
 def test_the_gpu_a_rank_uses_from_its_environment():
-    gpu = supervisor._rank_gpu
+    gpu = rank_processes._rank_gpu
     assert gpu({"LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "4,5"}) == "5"
     assert gpu({"LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "GPU-aaa, GPU-bbb"}) == "GPU-bbb"
     assert gpu({"LOCAL_RANK": "2"}) == "2"  # every card visible: the index itself

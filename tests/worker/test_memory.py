@@ -380,14 +380,14 @@ def test_a_new_attempt_does_not_inherit_the_last_attempts_exit_code(tmp_path):
     previous one's is dropped, so a worker that dies before writing its own is restarted, not read as out of memory."""
     import json
 
-    from launcher.run import supervisor
+    from launcher.run import worker_outcome
     from launcher.store.rundir import RunDir
 
     run = RunDir(tmp_path)
     run.worker.write_text(
         json.dumps({"pid": 1, "error": "out of GPU memory at step 3", "exit_code": 78, "verification": {"ok": True}})
     )
-    assert supervisor._worker_exit_code(run) == 78
-    supervisor._forget_worker_outcome(run)
-    assert supervisor._worker_exit_code(run) is None
+    assert worker_outcome._worker_exit_code(run) == 78
+    worker_outcome._forget_worker_outcome(run)
+    assert worker_outcome._worker_exit_code(run) is None
     assert json.loads(run.worker.read_text()) == {"pid": 1, "verification": {"ok": True}}
