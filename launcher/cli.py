@@ -139,26 +139,26 @@ def _status(a) -> int:
 
 def _logs(a) -> int:
     from launcher.run.logs_command import logs_command
-    from launcher.run.pipeline import resolve_run
+    from launcher.run.run_dirs import resolve_run
 
     return logs_command(resolve_run(a.target, command="logs"), follow=a.follow)
 
 
 def _stop(a) -> int:
     from launcher.run.control import stop_command
-    from launcher.run.pipeline import resolve_run
+    from launcher.run.run_dirs import resolve_run
 
     return stop_command(resolve_run(a.target, command="stop"))
 
 
 def _pull(a) -> int:
-    from launcher.run.pipeline import pull_command
+    from launcher.run.sync_commands import pull_command
 
     return pull_command(a.recipe, a.overrides)
 
 
 def _push(a) -> int:
-    from launcher.run.pipeline import push_command
+    from launcher.run.sync_commands import push_command
 
     return push_command(a.target)
 
@@ -175,7 +175,7 @@ def _export_options(e: argparse.ArgumentParser) -> None:
 
 def _export(a) -> int:
     from launcher.deliver.export import export_command
-    from launcher.run.pipeline import resolve_run
+    from launcher.run.run_dirs import resolve_run
     from launcher.store.modes import share_results
 
     run = resolve_run(a.target, command="export")
@@ -187,7 +187,7 @@ def _export(a) -> int:
 
 def _publish(a) -> int:
     from launcher.deliver.publish import publish_command
-    from launcher.run.pipeline import resolve_run
+    from launcher.run.run_dirs import resolve_run
 
     return publish_command(resolve_run(a.target, command="publish"), to=a.to)
 

@@ -249,7 +249,7 @@ def prepared_run(recipe_path: Path, *overrides: str) -> Path:
     import yaml
 
     from launcher.data.stats import data_stats
-    from launcher.run.pipeline import make_plan as pipeline_plan
+    from launcher.run.prepare import make_plan as pipeline_plan
     from launcher.recipe import load_recipe
 
     recipe = load_recipe(recipe_path, list(overrides))

@@ -14,7 +14,8 @@ from typing import Any
 from launcher.errors import EXIT_BAD_INPUT, RecipeError, RunError, UsageError
 from launcher.recipe import Recipe, load_recipe
 from launcher.run import facts, views
-from launcher.run.pipeline import prepare_only, run_dir_of
+from launcher.run.pipeline import prepare_only
+from launcher.run.run_dirs import run_dir_of
 from launcher.run.task_baseline import EXIT_WORKER_BAD_INPUT, run_worker, settled, training_began
 from launcher.store.state import set_state
 

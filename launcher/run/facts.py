@@ -219,7 +219,7 @@ def time_and_money(
     price = plan.get("price_per_hour_eur")
     eta = s.get("eta_seconds")
     estimate = plan.get("estimate_as_planned") or plan.get("estimate") or {}  # what the printed plan said
-    at_resume = plan.get("estimate_at_resume") or {}  # the plan made again at the newest resume (pipeline.py)
+    at_resume = plan.get("estimate_at_resume") or {}  # the plan made again at the newest resume (prepare.py)
     return {
         "elapsed_seconds": round(used, 1),
         # what the forecasts are for: the full run after the smoke test (its restarts included)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from launcher.run.facts import end_summary, find_runs, run_row, run_status
-from launcher.run.pipeline import resolve_run
+from launcher.run.run_dirs import resolve_run
 from launcher.run.progress import watch
 from launcher.run.views import format_end_summary, format_runs, format_status
 from launcher.store.rundir import RUNS

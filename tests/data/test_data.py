@@ -459,7 +459,7 @@ def test_changed_data_or_eval_data_is_caught_at_the_launch_and_at_a_worker_resta
     (run.root / "data.json").write_text(json.dumps({"sha256": stats.sha256}))
     assert _data_changed(run, recipe, load_data(str(train), recipe.seed).sha256) is None
     held.write_text(held.read_text() + json.dumps({"text": "one more"}) + "\n")  # eval data edited during the run
-    assert data_stats(recipe)[2].sha256 != stats.sha256  # the launch refuses the resume (pipeline._prepare)
+    assert data_stats(recipe)[2].sha256 != stats.sha256  # the launch refuses the resume (prepare._prepare)
     why = _data_changed(run, recipe, load_data(str(train), recipe.seed).sha256)
     assert why and "the data changed since the launch checked it" in why and "--allow-changes" in why
 

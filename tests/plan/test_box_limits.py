@@ -156,16 +156,16 @@ DDP2 = {"device": "cuda", "engine": "ddp", "num_processes": 2}
 
 
 def test_a_small_dev_shm_refuses_a_multi_process_gpu_run(monkeypatch):
-    from launcher.run import pipeline
+    from launcher.run import prepare
 
     monkeypatch.setattr(hardware, "shared_memory_bytes", lambda path=hardware.SHM_PATH: 64 * 2**20)
     with pytest.raises(HardwareError) as err:
-        pipeline._check_shared_memory(DDP2)
+        prepare._check_shared_memory(DDP2)
     assert "/dev/shm holds only 64 MB" in err.value.message and "--ipc=host" in err.value.fix
-    pipeline._check_shared_memory({**DDP2, "engine": "trl", "num_processes": 1})  # one process: no NCCL peers
-    pipeline._check_shared_memory({**DDP2, "device": "cpu"})  # gloo on a CPU box: no NCCL
+    prepare._check_shared_memory({**DDP2, "engine": "trl", "num_processes": 1})  # one process: no NCCL peers
+    prepare._check_shared_memory({**DDP2, "device": "cpu"})  # gloo on a CPU box: no NCCL
     monkeypatch.setattr(hardware, "shared_memory_bytes", lambda path=hardware.SHM_PATH: 16 * GiB)
-    pipeline._check_shared_memory(DDP2)
+    prepare._check_shared_memory(DDP2)
 
 
 def test_a_replan_onto_several_processes_checks_dev_shm_before_it_launches(tmp_path, monkeypatch):
@@ -173,16 +173,16 @@ def test_a_replan_onto_several_processes_checks_dev_shm_before_it_launches(tmp_p
     box whose /dev/shm is Docker's 64 MB that job is refused with the first launch's message before it starts."""
     from helpers import ARTICLE_DATA, article_recipe
     from launcher.errors import SmokeOOM
-    from launcher.run import pipeline, smoke
+    from launcher.run import prepare, smoke, smoke_replan
     from launcher.store.rundir import RunDir
     from launcher.store.state import read_state
 
-    monkeypatch.setattr(pipeline, "hardware_for", lambda gpus=None: hardware.from_spec("2xH100"))
+    monkeypatch.setattr(prepare, "hardware_for", lambda gpus=None: hardware.from_spec("2xH100"))
     monkeypatch.setattr(hardware, "shared_memory_bytes", lambda path=hardware.SHM_PATH: 64 * 2**20)
     recipe = article_recipe(tmp_path, method="lora", micro_batch_size=1, gradient_accumulation_steps=8)
     # a job planned on one card (a run resumed on this box): the first launch has nothing to refuse
-    one = {**pipeline.make_plan(recipe, ARTICLE_DATA).to_dict(), "engine": "trl", "num_processes": 1}
-    pipeline._check_shared_memory(one)
+    one = {**prepare.make_plan(recipe, ARTICLE_DATA).to_dict(), "engine": "trl", "num_processes": 1}
+    prepare._check_shared_memory(one)
     launched = []
 
     def out_of_memory(run, recipe, plan_dict, *rest):
@@ -193,10 +193,10 @@ def test_a_replan_onto_several_processes_checks_dev_shm_before_it_launches(tmp_p
     run = RunDir(tmp_path / "run")
     run.root.mkdir()
     with pytest.raises(HardwareError) as err:
-        pipeline._smoke(run, recipe, one, [], [], ARTICLE_DATA)
+        smoke_replan._smoke(run, recipe, one, [], [], ARTICLE_DATA)
     assert launched == [("trl", 1)], launched  # the sharded job never started
     with pytest.raises(HardwareError) as direct:
-        pipeline._check_shared_memory({**one, "engine": "fsdp", "num_processes": 2})
+        prepare._check_shared_memory({**one, "engine": "fsdp", "num_processes": 2})
     assert (err.value.message, err.value.fix) == (direct.value.message, direct.value.fix)
     assert "/dev/shm holds only 64 MB" in err.value.message and "2 processes of engine fsdp" in err.value.message
     state = read_state(run)

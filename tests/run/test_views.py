@@ -204,7 +204,7 @@ def test_watch_follows_a_live_run_to_its_summary(reference_run, tmp_path, live):
 def test_after_a_resume_the_memory_line_keeps_the_passed_smoke_tests_measurement(reference_run, tmp_path):
     """A resume skips the smoke test; the plan made for it is calibrated by the smoke test that passed, so
     `status` does not say 'no passed smoke test'."""
-    from launcher.run.pipeline import _prepare
+    from launcher.run.prepare import _prepare
     from launcher.recipe import load_recipe
 
     run = _copy(reference_run, tmp_path / "run")

@@ -123,16 +123,16 @@ def test_a_run_from_the_hub_downloads_before_the_smoke_test_and_records_the_time
 def test_unsloth_qlora_checks_and_downloads_the_prequantized_repo_it_trains(hub, tiny_model, tmp_path):
     """Unsloth trains QLoRA on its pre-quantized 4-bit copy (engines/unsloth.py): that repository is the one
     checked and downloaded before the smoke test, not the 16-bit one of the recipe (about four times the size)."""
-    from launcher.run import pipeline
+    from launcher.run import prepare
     from launcher.recipe import validate_recipe
     from launcher.store.rundir import RunDir
 
     hub.repos["unsloth/Qwen3-8B-bnb-4bit"] = tiny_model  # the stand-in serves it; Qwen/Qwen3-8B it does not
     recipe = validate_recipe({"model": "Qwen/Qwen3-8B", "method": "qlora", "data": "d.jsonl"}, tmp_path, "r")
-    assert pipeline.worker_model(recipe, {"engine": "unsloth"}) == "unsloth/Qwen3-8B-bnb-4bit"
-    assert pipeline.worker_model(recipe, {"engine": "trl"}) == "Qwen/Qwen3-8B"  # trl quantizes the recipe's model
+    assert prepare.worker_model(recipe, {"engine": "unsloth"}) == "unsloth/Qwen3-8B-bnb-4bit"
+    assert prepare.worker_model(recipe, {"engine": "trl"}) == "Qwen/Qwen3-8B"  # trl quantizes the recipe's model
     lora = validate_recipe({"model": "Qwen/Qwen3-8B", "method": "lora", "data": "d.jsonl"}, tmp_path, "r")
-    assert pipeline.worker_model(lora, {"engine": "unsloth"}) == "Qwen/Qwen3-8B"  # LoRA trains the 16-bit weights
+    assert prepare.worker_model(lora, {"engine": "unsloth"}) == "Qwen/Qwen3-8B"  # LoRA trains the 16-bit weights
 
     plan = {
         "engine": "unsloth",
@@ -140,7 +140,7 @@ def test_unsloth_qlora_checks_and_downloads_the_prequantized_repo_it_trains(hub,
     }
     run = RunDir(tmp_path / "run")
     run.root.mkdir()
-    got = pipeline._download(run, recipe, {"source": "hub", "files": 99, "bytes": 10**10, "allow": ["*"]}, plan)
+    got = prepare._download(run, recipe, {"source": "hub", "files": 99, "bytes": 10**10, "allow": ["*"]}, plan)
     assert got["model_source"] == "hub" and got["download_bytes"] == plan["weights"]["bytes"]
     assert (
         "downloading unsloth/Qwen3-8B-bnb-4bit" in run.log.read_text() and "Qwen/Qwen3-8B:" not in run.log.read_text()
