@@ -5,8 +5,8 @@ the export's check (launcher/deliver/parity.py and gguf_export.py), the smoke te
 (launcher/run/smoke.py).
 
 This table says what a type is, not which files an export makes: that (one GGUF per run today, of the recipe's
-`gguf_type`) is launcher/deliver/export.py's `outputs["gguf"]`, read by deliver/serving.py, deliver/publish.py and
-run/smoke.py's export estimate.
+`gguf_type`) is launcher/deliver/export_models.py's `outputs["gguf"]`, read by deliver/serving.py, deliver/publish.py
+and run/smoke.py's export estimate.
 
 It sits at the root, beside the recipe, because the recipe (a root leaf every stage imports) validates against it;
 it imports nothing. A type added here without a tolerance fails to construct, and tests/test_tables.py walks every

@@ -381,12 +381,12 @@ def test_a_missing_tracker_is_refused_with_its_package(monkeypatch):
 
 
 def test_every_export_format_is_accepted_ordered_and_estimated():
-    from launcher.deliver import export
+    from launcher.deliver import export_inputs
     from launcher.export_formats import FORMATS, made
     from launcher.recipe import Recipe, validate_recipe
     from launcher.run.smoke import export_seconds
 
-    assert export.FORMATS == tuple(FORMATS)
+    assert export_inputs.FORMATS == tuple(FORMATS)
     for f in FORMATS.values():
         recipe = validate_recipe(
             {"model": "m", "data": "d.jsonl", "method": "lora", "export": [f.name]}, base_dir=REPO, default_name="t"

@@ -412,7 +412,7 @@ def test_qwen3_thinking_off_is_served_by_llama_server_with_the_switch(qwen_run, 
 def test_a_modelfile_with_a_wrong_stop_or_template_fails(qwen_run):
     """Ollama would not stop on a Modelfile whose only stop is another model's ("</s>"), and would render another
     prompt from a TEMPLATE without the end of turn: both fail the check."""
-    from launcher.deliver import export
+    from launcher.deliver import export_serving
     from launcher.deliver.messages import ExportError
     from launcher.deliver.served_prompt import ServedPrompt
     from launcher.recipe import load_recipe
@@ -421,18 +421,18 @@ def test_a_modelfile_with_a_wrong_stop_or_template_fails(qwen_run):
     text = (run / "final" / "gguf" / "Modelfile").read_text()
     g = {"path": str(run / "final" / "gguf" / "run-Q4_K_M.gguf")}
     served = ServedPrompt(load_recipe(run / "recipe.yaml"), run / "final" / "adapter", 3)
-    export._served_modelfile(served, g, text)  # the real one passes
+    export_serving._served_modelfile(served, g, text)  # the real one passes
     assert g["modelfile_served_prompt"]["identical"] == _checked(run) and g["modelfile_stops"]["ok"]
     wrong_stop = (
         "\n".join(l for l in text.splitlines() if not l.startswith("PARAMETER stop")) + '\nPARAMETER stop "</s>"\n'
     )
     with pytest.raises(ExportError, match=r"Ollama with this Modelfile \(PARAMETER stop\) does not stop on the token"):
-        export._served_modelfile(served, g, wrong_stop)
+        export_serving._served_modelfile(served, g, wrong_stop)
     stops = served.report["stops"]["ollama"]
     assert stops["ok"] is False and stops["stop"] == ["</s>"] and stops["end_of_turn_text"] == {"2": "<|im_end|>"}
     wrong_template = text.replace("{{ .Content }}<|im_end|>", "{{ .Content }}")
     with pytest.raises(ExportError, match=r"Ollama \(the Modelfile's TEMPLATE\) serves another prompt"):
-        export._served_modelfile(served, g, wrong_template)
+        export_serving._served_modelfile(served, g, wrong_template)
 
 
 @gguf_tier

@@ -442,7 +442,7 @@ def test_chatml_data_with_two_user_turns_is_ollama_identical_only_as_served_with
     from transformers import AutoTokenizer
 
     from launcher.deliver import go_template
-    from launcher.deliver.export import _served_by_ollama
+    from launcher.deliver.export_serving import _served_by_ollama
     from launcher.deliver.messages import ExportError, served_line
     from launcher.deliver.serving import modelfile
 
@@ -494,7 +494,7 @@ def test_ollama_is_not_counted_without_a_token_comparison(tmp_path):
     from test_ollama_template import QWEN2
     from transformers import AutoTokenizer
 
-    from launcher.deliver.export import _served_by_ollama
+    from launcher.deliver.export_serving import _served_by_ollama
     from launcher.deliver.messages import served_line
 
     sp, folder = _served_for(tmp_path, "qwen3", [_chat(q, "Paris.") for q in QUESTIONS], template=QWEN2)
