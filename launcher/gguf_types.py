@@ -1,8 +1,8 @@
 """The GGUF types ftrun writes: one table (TYPES) with each type's llama.cpp name and file type, its bits per weight
 and its parity tolerance. Everything else derives from it: the recipe's allowed `gguf_type` values and their
-description, `ftrun export --gguf`'s help, llama.cpp's converter and quantizer calls (launcher/deliver/llamacpp.py),
-the export's check (launcher/deliver/parity.py and gguf_export.py), the smoke test's disk and time estimate
-(launcher/run/smoke.py).
+description, `ftrun export --gguf`'s help, llama.cpp's converter and quantizer calls
+(launcher/deliver/llamacpp_steps.py), the export's check (launcher/deliver/parity.py and gguf_export.py), the smoke
+test's disk and time estimate (launcher/run/smoke.py).
 
 This table says what a type is, not which files an export makes: that (one GGUF per run today, of the recipe's
 `gguf_type`) is launcher/deliver/export_models.py's `outputs["gguf"]`, read by deliver/serving.py, deliver/publish.py

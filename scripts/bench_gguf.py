@@ -124,7 +124,7 @@ def reference(model_dir: Path, prompts_n: int = 3):
 def measure(model_dir: Path, name: str, types: list[str], out_dir: Path) -> list[dict]:
     """Every type from one 16-bit conversion; a failed check is measured and reported, not raised."""
     from launcher.deliver import gguf_export
-    from launcher.deliver import llamacpp
+    from launcher.deliver import llamacpp_steps
     from launcher.plan import gguf_readiness
 
     tok, prompts, ref = reference(model_dir)
@@ -132,7 +132,7 @@ def measure(model_dir: Path, name: str, types: list[str], out_dir: Path) -> list
     dtype = (gguf_export._safetensors_dtypes(model_dir) & {"BF16", "F16"} or {"BF16"}).pop().lower()
     sixteen = out_dir / f"{name}-{dtype.upper()}-intermediate.gguf"
     t0 = time.monotonic()
-    conv = llamacpp.convert(gguf_readiness.converter(), model_dir, sixteen, dtype)
+    conv = llamacpp_steps.convert(gguf_readiness.converter(), model_dir, sixteen, dtype)
     for t in types:
         try:
             res = gguf_export.gguf_output(model_dir, out_dir, name, t, prompts, ref, tok, intermediate=sixteen)

@@ -14,7 +14,7 @@ from launcher.store.rundir import RunDir
 
 
 FORMATS = tuple(export_formats.FORMATS)  # the recipe's `export:` values, in the order they are made
-# GGUF types: llama.cpp's converter writes f32/f16/bf16, its quantizer the rest from the 16-bit file (llamacpp.py).
+# GGUF types: llama.cpp's converter writes f32/f16/bf16, its quantizer the rest from the 16-bit one (llamacpp_steps.py).
 GGUF_TYPES = tuple(gguf_types.TYPES)
 
 

@@ -67,11 +67,11 @@ def _served_modelfile(served, gguf: dict[str, Any], text: str) -> None:
     the vocabulary says: Ollama's runner encodes with its special tokens), or llama-server's check where Ollama
     hands the messages to llama-server; and its PARAMETER stop values matched against the trained end-of-turn
     token's text."""
-    from launcher.deliver import llamacpp
+    from launcher.deliver import llamacpp_runtime
     from launcher.deliver.served_prompt import modelfile_parts
 
     template, stops = modelfile_parts(text)
-    vocab = llamacpp.Vocabulary(Path(gguf["path"]))
+    vocab = llamacpp_runtime.Vocabulary(Path(gguf["path"]))
     try:
         _served_by_ollama(served, gguf, template, vocab)
         pieces = {i: vocab.piece(i) for i in served.end_ids}

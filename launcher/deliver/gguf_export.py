@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from launcher import gguf_types
-from launcher.deliver import llamacpp
+from launcher.deliver import llamacpp_runtime, llamacpp_steps
 from launcher.plan import gguf_readiness
 from launcher.deliver.messages import ExportError, _say, human_size
 from launcher.deliver.parity import GREEDY_NEW_TOKENS, _check, compare
@@ -95,7 +95,7 @@ def gguf_output(
     """Convert the merged folder with llama.cpp's converter, quantize with its quantizer, read the file back in
     llama.cpp and compare it with the merged model's outputs (merged_out, computed by transformers).
 
-    The steps run one after the other, each streaming from disk in its own process (llamacpp.py); the 16-bit
+    The steps run one after the other, each streaming from disk in its own process (llamacpp_steps.py); the 16-bit
     GGUF a quantized type is made from is written beside the result and removed after (unless `intermediate`
     names one to reuse: tests quantize one conversion to several types).
 
@@ -104,7 +104,7 @@ def gguf_output(
     and one prompt is answered through llama-cpp-python's chat completion (serving_smoke).
 
     `task` (RUN/task.json): its held-out prompts answered greedily by the file as llama-server serves it
-    (llamacpp.task_answers), returned as out["task_answers"] for the task evaluation's score."""
+    (llamacpp_runtime.task_answers), returned as out["task_answers"] for the task evaluation's score."""
     conv = gguf_readiness.converter()
     kind = gguf_types.TYPES[gguf_type]
     gguf_dir.mkdir(parents=True, exist_ok=True)
@@ -115,7 +115,7 @@ def gguf_output(
     try:
         if kind.converter:
             _say(f"writing {fname} with llama.cpp's converter ({conv.source})")
-            steps["convert"] = llamacpp.convert(conv, merged_dir, tmp, kind.converter).to_dict()
+            steps["convert"] = llamacpp_steps.convert(conv, merged_dir, tmp, kind.converter).to_dict()
         else:
             sixteen = intermediate
             if sixteen is None or not sixteen.is_file():
@@ -125,12 +125,12 @@ def gguf_output(
                 _say(
                     f"converting the merged model to a {dtype.upper()} GGUF with llama.cpp's converter ({conv.source})"
                 )
-                steps["convert"] = llamacpp.convert(conv, merged_dir, sixteen, dtype).to_dict()
+                steps["convert"] = llamacpp_steps.convert(conv, merged_dir, sixteen, dtype).to_dict()
             _say(f"quantizing to {kind.name} with llama.cpp's quantizer")
-            steps["quantize"] = llamacpp.quantize(sixteen, tmp, gguf_type).to_dict()
+            steps["quantize"] = llamacpp_steps.quantize(sixteen, tmp, gguf_type).to_dict()
             if intermediate is None:
                 sixteen.unlink()
-    except llamacpp.StepFailed as exc:
+    except llamacpp_steps.StepFailed as exc:
         tmp.unlink(missing_ok=True)
         raise ExportError(
             str(exc),
@@ -138,7 +138,7 @@ def gguf_output(
             f"{merged_dir}` says whether this model is supported.",
         ) from None
     os.replace(tmp, path)
-    meta = llamacpp.metadata(path)
+    meta = llamacpp_runtime.metadata(path)
     _say(f"reading {fname} back in llama.cpp")
     t0 = time.monotonic()
     stop_ids = _stop_ids(merged_dir, tokenizer)
@@ -147,7 +147,7 @@ def gguf_output(
     # llama-cpp-python's chat completion takes no chat-template switches (Llama.create_chat_completion's fixed
     # arguments): with switches, its answer would not start from the trained prompt, so no serving smoke test
     smoke = _smoke_index(prompts, chat) if chat and not switches else None
-    run = llamacpp.run_gguf(
+    run = llamacpp_runtime.run_gguf(
         path,
         prompts,
         GREEDY_NEW_TOKENS,

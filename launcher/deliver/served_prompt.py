@@ -25,7 +25,7 @@ prompt is the trained context is found once (`kwargs`), and every runtime is tol
   chat request's default); with `--lora-modules` it takes the adapter folder's tokenizer when the folder has one
   (vllm/transformers_utils/tokenizer.py get_lora_tokenizer), else the base model's.
 - llama.cpp: the GGUF's embedded template, tokenized by the GGUF's vocabulary, both as llama-cpp-python's chat
-  completion does and as llama-server does (llamacpp.py chat_prompt, server_prompt; docs/evaluation.md has the
+  completion does and as llama-server does (llamacpp_runtime.py chat_prompt, server_prompt; docs/evaluation.md has the
   table of runtimes with the source lines).
 - Ollama: the template Ollama chooses for the GGUF and Modelfile (ollama_template.py: the Modelfile's TEMPLATE,
   the Go template it autodetects, or the GGUF's own through llama-server) rendered as Ollama renders a Go template

@@ -3,7 +3,8 @@ the model's architecture in the converter's table, and its tokenizer's split rul
 
 Owns where the pinned llama.cpp lives (PINNED, CONVERTER_HOME) and the converter's architecture table as ftrun ships
 it (llamacpp_architectures.json beside this file, written by `ftrun llamacpp architectures`), so that `ftrun plan`
-asks these as data, without the exporter. launcher/deliver/llamacpp.py installs, converts and quantizes.
+asks these as data, without the exporter. launcher/deliver/llamacpp.py installs, llamacpp_steps.py converts and
+quantizes.
 
 Only the standard library at module level: `ftrun plan` imports this module.
 """

@@ -269,7 +269,7 @@ def test_a_gguf_whose_embedded_template_differs_fails_with_the_first_differing_t
     from transformers import AutoTokenizer
 
     from launcher import gguf_types
-    from launcher.deliver import gguf_export, llamacpp
+    from launcher.deliver import gguf_export, llamacpp_runtime
     from launcher.deliver.messages import ExportError
     from launcher.deliver.parity import parity_prompts
     from launcher.deliver.served_prompt import ServedPrompt
@@ -293,7 +293,7 @@ def test_a_gguf_whose_embedded_template_differs_fails_with_the_first_differing_t
     served = ServedPrompt(recipe, run / "final" / "adapter", 3)
     prompts = parity_prompts(recipe, tok)
     for path, fails in ((good, False), (bad, True)):
-        r = llamacpp.run_gguf(path, prompts, 16, {0, 2}, chat=served.prompts)
+        r = llamacpp_runtime.run_gguf(path, prompts, 16, {0, 2}, chat=served.prompts)
         out = {"path": str(path)}
         if not fails:
             gguf_export._served_checks(served, r, out, {}, [], gguf_types.TYPES["q4_k_m"], None)
@@ -319,7 +319,7 @@ def test_a_gguf_whose_vocabulary_adds_eos_fails_in_llama_server_naming_the_eos(q
     from transformers import AutoTokenizer
 
     from launcher import gguf_types
-    from launcher.deliver import gguf_export, llamacpp
+    from launcher.deliver import gguf_export, llamacpp_runtime
     from launcher.deliver.messages import ExportError
     from launcher.deliver.parity import parity_prompts
     from launcher.deliver.served_prompt import ServedPrompt
@@ -330,7 +330,7 @@ def test_a_gguf_whose_vocabulary_adds_eos_fails_in_llama_server_naming_the_eos(q
     recipe = load_recipe(run / "recipe.yaml")
     served = ServedPrompt(recipe, run / "final" / "adapter", 3)
     prompts = parity_prompts(recipe, AutoTokenizer.from_pretrained(str(run / "final" / "merged")))
-    r = llamacpp.run_gguf(
+    r = llamacpp_runtime.run_gguf(
         path, prompts, 16, {0, 2}, chat=served.prompts, overrides={"tokenizer.ggml.add_eos_token": True}
     )
     assert r["adds"] == {"bos": False, "eos": True}
@@ -356,7 +356,7 @@ def test_qwen3_thinking_off_is_served_by_llama_server_with_the_switch(qwen_run, 
 
     from chat_templates import FAMILIES
     from launcher import gguf_types
-    from launcher.deliver import gguf_export, llamacpp
+    from launcher.deliver import gguf_export, llamacpp_runtime
     from launcher.deliver.parity import parity_prompts
     from launcher.deliver.served_prompt import ServedPrompt
     from launcher.recipe import load_recipe
@@ -390,7 +390,7 @@ def test_qwen3_thinking_off_is_served_by_llama_server_with_the_switch(qwen_run, 
     )
     assert res.returncode == 0, res.stderr[-2000:]
     tok = AutoTokenizer.from_pretrained(str(base))
-    r = llamacpp.run_gguf(
+    r = llamacpp_runtime.run_gguf(
         gguf,
         parity_prompts(recipe, tok, kwargs=served.kwargs),
         16,
@@ -493,7 +493,7 @@ def test_a_gguf_that_fails_its_check_leaves_the_run_trained_not_exported(qwen_ru
 @gguf_tier
 def test_tiny_llama31_converts_quantizes_and_matches_in_llama_cpp(llama_cpp_ready, tmp_path_factory):
     from launcher.deliver import gguf_export
-    from launcher.deliver import llamacpp
+    from launcher.deliver import llamacpp_runtime, llamacpp_steps
     from launcher.deliver.serving import modelfile
     from launcher.plan import gguf_readiness
 
@@ -505,7 +505,7 @@ def test_tiny_llama31_converts_quantizes_and_matches_in_llama_cpp(llama_cpp_read
     assert ready.ok and ready.facts["tokenizer"]["pre"] == "llama-bpe", ready.problems
     tok, prompts, ref = bench.reference(model)
     sixteen = out / "tiny-BF16.gguf"
-    llamacpp.convert(llama_cpp_ready, model, sixteen, "bf16")
+    llamacpp_steps.convert(llama_cpp_ready, model, sixteen, "bf16")
     results = {
         t: gguf_export.gguf_output(model, out / "gguf", "tiny", t, prompts, ref, tok, intermediate=sixteen)
         for t in ("q4_k_m", "q8_0")
@@ -516,7 +516,7 @@ def test_tiny_llama31_converts_quantizes_and_matches_in_llama_cpp(llama_cpp_read
         assert r["architecture"] == "llama" and r["tokenizer_pre"] == "llama-bpe"
         assert r["config_differences"] == [] and r["tokenizer_identical"] == "3/3"
         assert r["parity_vs_merged"]["ok"], r["parity_vs_merged"]
-    assert "rope_freqs.weight" in llamacpp.metadata(Path(q4["path"]))["tensor_names"]
+    assert "rope_freqs.weight" in llamacpp_runtime.metadata(Path(q4["path"]))["tensor_names"]
     assert q4["bytes"] < q8["bytes"] < sixteen.stat().st_size
     # a K-quant rounds more than Q8_0: its logits move further from the model's
     assert q4["parity_vs_merged"]["mean_kl"] > q8["parity_vs_merged"]["mean_kl"]

@@ -424,7 +424,7 @@ def test_every_shape_in_the_data_is_checked_and_ollamas_merge_drops_the_template
 
 
 class _Vocab:
-    """The GGUF's vocabulary as export.py reads it (llamacpp.Vocabulary), from the same tokenizer."""
+    """The GGUF's vocabulary as export.py reads it (llamacpp_runtime.Vocabulary), from the same tokenizer."""
 
     def __init__(self, tok):
         self.tok, self.llm = tok, type("Llm", (), {"metadata": {"tokenizer.chat_template": tok.chat_template}})

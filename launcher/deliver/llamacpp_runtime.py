@@ -1,0 +1,325 @@
+"""A GGUF read back in llama.cpp's runtime (llama-cpp-python): its metadata, its logits, its prompts, its answers.
+
+Only the standard library at module level.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+
+def metadata(path: Path) -> dict[str, Any]:
+    """The GGUF's architecture numbers, tokenizer, chat template and tensor types (the gguf package's reader)."""
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+
+    def f(key: str):
+        x = r.fields.get(key)
+        return None if x is None else x.contents()
+
+    arch = f("general.architecture")
+    counts: dict[str, int] = {}
+    for t in r.tensors:
+        counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    tokens = r.fields.get("tokenizer.ggml.tokens")
+    return {
+        "architecture": arch,
+        "file_type": f("general.file_type"),
+        "block_count": f(f"{arch}.block_count"),
+        "embedding_length": f(f"{arch}.embedding_length"),
+        "feed_forward_length": f(f"{arch}.feed_forward_length"),
+        "head_count": f(f"{arch}.attention.head_count"),
+        "head_count_kv": f(f"{arch}.attention.head_count_kv"),
+        "key_length": f(f"{arch}.attention.key_length"),
+        "rms_eps": f(f"{arch}.attention.layer_norm_rms_epsilon"),
+        "rope_freq_base": f(f"{arch}.rope.freq_base"),
+        "vocab_size": len(tokens.data) if tokens is not None else None,
+        "chat_template": f("tokenizer.chat_template"),
+        "tokenizer_pre": f("tokenizer.ggml.pre"),
+        "tokenizer_model": f("tokenizer.ggml.model"),
+        "eos_token_id": f("tokenizer.ggml.eos_token_id"),
+        "tensors": len(r.tensors),
+        "tensor_types": dict(sorted(counts.items())),
+        "tensor_names": [t.name for t in r.tensors],
+    }
+
+
+def _open(path: Path, n_ctx: int, threads: Optional[int] = None, overrides: Optional[dict[str, Any]] = None):
+    from llama_cpp import Llama
+
+    return Llama(
+        model_path=str(path),
+        n_ctx=n_ctx,
+        n_batch=n_ctx,
+        n_ubatch=n_ctx,
+        logits_all=True,
+        n_threads=threads or os.cpu_count(),
+        n_gpu_layers=0,
+        verbose=False,
+        seed=0,
+        kv_overrides=overrides or None,
+    )
+
+
+def run_prompts(
+    path: Path, prompts: list[dict[str, Any]], greedy_tokens: int, stop_ids: set[int], threads: Optional[int] = None
+) -> tuple[list[dict[str, Any]], list[bool]]:
+    """Per prompt, through llama.cpp: the next-token logits at every position of the text (teacher-forced) and
+    the greedy continuation of the prompt (argmax, stopping after an end token as transformers' generate does);
+    and whether llama.cpp tokenizes each text exactly as the model's tokenizer did."""
+    run = run_gguf(path, prompts, greedy_tokens, stop_ids, threads=threads)
+    return run["outputs"], run["same_tokens"]
+
+
+def run_gguf(
+    path: Path,
+    prompts: list[dict[str, Any]],
+    greedy_tokens: int,
+    stop_ids: set[int],
+    threads: Optional[int] = None,
+    to_end: bool = False,
+    chat: Optional[list[dict[str, Any]]] = None,
+    smoke: Optional[int] = None,
+    template_kwargs: Optional[dict[str, Any]] = None,
+    overrides: Optional[dict[str, Any]] = None,
+    task: Optional[dict[str, Any]] = None,
+) -> dict[str, Any]:
+    """run_prompts, and with one model load: with to_end, each greedy continuation runs on to its prompt's
+    `budget` (`continuation`; `greedy` stays its first greedy_tokens); `chat`: conversations ({messages, tools})
+    rendered and tokenized by the GGUF's own chat template as llama-cpp-python's chat completion does (chat_prompt)
+    and as llama-server does with `template_kwargs` (server_prompt); `smoke`: the index of the chat conversation
+    answered through the runtime's chat completion (chat_smoke), greedy_tokens long at most; `overrides`: GGUF
+    metadata as llama.cpp's --override-kv changes it (tests); `task` (RUN/task.json): its prompts answered
+    greedily as llama-server serves them (task_answers)."""
+    import numpy as np
+    import torch
+
+    budgets = [max(greedy_tokens, p.get("budget", 0)) if to_end else greedy_tokens for p in prompts]
+    n_ctx = max(max(len(p["ids"]), len(p["prompt_ids"]) + b) for p, b in zip(prompts, budgets)) + 8
+    if chat:
+        n_ctx = max(n_ctx, max(len(c["ids"]) for c in chat) + greedy_tokens + 8)
+    if task:
+        # every token but a special one covers at least a byte of the text: the prompt's bytes, and room for the
+        # template's own tokens, bound its length
+        n_ctx = max(
+            n_ctx,
+            max(
+                len(json.dumps(p.get("messages") or p.get("text"), ensure_ascii=False).encode())
+                for p in task["prompts"]
+            )
+            + 256
+            + task["max_new_tokens"],
+        )
+    llm = _open(path, n_ctx, threads, overrides)
+    outs, same_tokens = [], []
+    result: dict[str, Any] = {}
+    try:
+        for p, budget in zip(prompts, budgets):
+            ids = list(p["ids"])
+            same_tokens.append(llm.tokenize(p["text"].encode(), add_bos=False, special=True)[: len(ids)] == ids)
+            llm.reset()
+            llm.eval(ids)
+            logits = torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))
+            llm.reset()
+            llm.eval(list(p["prompt_ids"]))
+            tokens: list[int] = []
+            for _ in range(budget):
+                tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+                tokens.append(tok)
+                if tok in stop_ids:
+                    break
+                llm.eval([tok])
+            outs.append({"logits": logits, "greedy": tokens[:greedy_tokens], "continuation": tokens, "ids": ids})
+        if chat:
+            result["eog_ids"] = eog_ids(llm)
+            result["bos_eos"] = {"bos": llm.token_bos(), "eos": llm.token_eos()}
+            result["chat"] = [chat_prompt(llm, c["messages"], c.get("tools")) for c in chat]
+            result["server"] = [server_prompt(llm, c["messages"], c.get("tools"), template_kwargs) for c in chat]
+            result["adds"] = special_adds(llm)
+            if smoke is not None:
+                llm.reset()
+                result["smoke"] = chat_smoke(llm, chat[smoke]["messages"], chat[smoke].get("tools"), greedy_tokens)
+        if task:
+            result["task_answers"] = task_answers(llm, task)
+    finally:
+        llm.close() if hasattr(llm, "close") else None
+        del llm
+    result.update(outputs=outs, same_tokens=same_tokens)
+    return result
+
+
+class Vocabulary:
+    """The GGUF's tokenizer alone (llama.cpp loads the vocabulary, no weights): text to ids as a runtime that
+    serves the file tokenizes it, and an id's text piece."""
+
+    def __init__(self, path: Path):
+        from llama_cpp import Llama
+        from llama_cpp._utils import suppress_stdout_stderr
+
+        # a vocabulary-only context has no training length: llama.cpp's warning about it is not the user's
+        with suppress_stdout_stderr(disable=False):
+            self.llm = Llama(model_path=str(path), vocab_only=True, n_ctx=8, verbose=False)
+
+    def tokenize(self, text: str, add_special: bool) -> list[int]:
+        return list(self.llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=True))
+
+    def piece(self, token: int) -> str:
+        return self.llm.detokenize([token], special=True).decode("utf-8", "replace")
+
+    def close(self) -> None:
+        self.llm.close() if hasattr(self.llm, "close") else None
+
+
+def chat_prompt(llm, messages: list[dict[str, Any]], tools: Optional[list] = None) -> dict[str, Any]:
+    """The prompt llama-cpp-python's chat completion builds from the GGUF (llama.py __init__, llama_chat_format.py
+    chat_formatter_to_chat_completion_handler): the embedded tokenizer.chat_template through its Jinja2ChatFormatter
+    with the GGUF's own BOS/EOS token texts, tokenized by the GGUF's vocabulary (special tokens parsed, a BOS
+    added only when the formatter says the template did not add its own)."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    template = llm.metadata.get("tokenizer.chat_template")
+    if not template:
+        return {"text": None, "ids": None, "template": None}
+    eos, bos = llm.token_eos(), llm.token_bos()
+    formatter = Jinja2ChatFormatter(
+        template=template,
+        eos_token=llm._model.token_get_text(eos) if eos != -1 else "",
+        bos_token=llm._model.token_get_text(bos) if bos != -1 else "",
+        stop_token_ids=[eos],
+    )
+    res = formatter(messages=messages, tools=tools)
+    ids = llm.tokenize(res.prompt.encode("utf-8"), add_bos=not res.added_special, special=True)
+    return {"text": res.prompt, "ids": list(ids), "template": template}
+
+
+def task_answers(llm, task: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each task prompt answered greedily by the file as llama-server serves it: a chat prompt rendered and tokenized
+    as server_prompt does (with the task's chat-template switches), a plain-text one tokenized with the vocabulary's
+    specials as /completion does; generation stops at an end-of-generation token or max_new_tokens.
+    {"answer", "new_tokens", "seconds"} each, in the task's order."""
+    import time
+
+    import numpy as np
+
+    eog = set(eog_ids(llm))
+    out = []
+    for p in task["prompts"]:
+        t0 = time.monotonic()
+        if "messages" in p:
+            ids = server_prompt(llm, p["messages"], p.get("tools"), task.get("chat_template_kwargs"))["ids"]
+        else:
+            ids = list(llm.tokenize(p["text"].encode("utf-8"), add_bos=True, special=True))
+        ids = ids[-(llm.n_ctx() - task["max_new_tokens"] - 1) :]  # as a server truncates: the prompt's end kept
+        llm.reset()
+        llm.eval(ids)
+        tokens: list[int] = []
+        for _ in range(task["max_new_tokens"]):
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            tokens.append(tok)
+            if tok in eog:
+                break
+            llm.eval([tok])
+        text = llm.detokenize([t for t in tokens if t not in eog], special=False).decode("utf-8", "replace").strip()
+        out.append({"answer": text, "new_tokens": len(tokens), "seconds": round(time.monotonic() - t0, 4)})
+    return out
+
+
+def special_adds(llm) -> dict[str, bool]:
+    """Whether the GGUF's vocabulary adds BOS and EOS when a runtime tokenizes with its special tokens
+    (tokenizer.ggml.add_bos_token / add_eos_token, else the tokenizer type's default: src/llama-vocab.cpp)."""
+    import llama_cpp
+
+    vocab = llm._model.vocab
+    return {
+        "bos": bool(llama_cpp.llama_vocab_get_add_bos(vocab)),
+        "eos": bool(llama_cpp.llama_vocab_get_add_eos(vocab)),
+    }
+
+
+def server_prompt(
+    llm, messages: list[dict[str, Any]], tools: Optional[list] = None, template_kwargs: Optional[dict[str, Any]] = None
+) -> dict[str, Any]:
+    """The prompt llama-server builds for /v1/chat/completions from the GGUF (llama.cpp@0c1e57098, the commit
+    llama-cpp-python 0.3.36 vendors), which Ollama 0.30+ also uses for a GGUF without a Go template
+    (ollama llm/llama_server.go, server/routes.go usesOllamaRenderedChat):
+    - the embedded template is rendered with the vocabulary's BOS and EOS texts (common/chat.cpp
+      common_chat_templates_init, 830-833), `enable_thinking` on (server-context.cpp 1444-1445; --reasoning off or
+      --chat-template-kwargs change it) and the chat-template kwargs (chat.cpp 905-966);
+    - a leading BOS text is cut when the vocabulary adds BOS, a trailing EOS text when it adds EOS (chat.cpp
+      958-964);
+    - the text is tokenized with add_special and parse_special (server-context.cpp 4280, handle_completions_impl),
+      so the vocabulary's BOS and EOS are added (src/llama-vocab.cpp tokenize): a vocabulary that adds EOS ends
+      every chat prompt in EOS.
+    llama.cpp renders with its own C++ Jinja; here llama-cpp-python's Jinja2 environment stands in for it."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    template = llm.metadata.get("tokenizer.chat_template")
+    if not template:
+        return {"text": None, "ids": None, "template": None}
+    eos, bos = llm.token_eos(), llm.token_bos()
+    eos_text = llm._model.token_get_text(eos) if eos != -1 else ""
+    bos_text = llm._model.token_get_text(bos) if bos != -1 else ""
+    formatter = Jinja2ChatFormatter(template=template, eos_token=eos_text, bos_token=bos_text)
+    text = formatter(messages=messages, tools=tools, **{"enable_thinking": True, **(template_kwargs or {})}).prompt
+    adds = special_adds(llm)
+    if adds["bos"] and bos_text and text.startswith(bos_text):
+        text = text[len(bos_text) :]
+    if adds["eos"] and eos_text and text.endswith(eos_text):
+        text = text[: -len(eos_text)]
+    ids = llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)  # llama_tokenize(add_special, parse_special)
+    return {"text": text, "ids": list(ids), "template": template, "adds": adds}
+
+
+def eog_ids(llm) -> list[int]:
+    """Every token llama.cpp ends a generation on (its end-of-generation set: EOS, EOT and the end tokens it
+    recognises by their text, vendor/llama.cpp/src/llama-vocab.cpp)."""
+    import llama_cpp
+
+    vocab = llm._model.vocab
+    return [i for i in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, i)]
+
+
+def chat_smoke(llm, messages: list[dict[str, Any]], tools: Optional[list], max_tokens: int) -> dict[str, Any]:
+    """One chat completion through llama-cpp-python's own chat path (`Llama.create_chat_completion`: template,
+    tokenization, sampling, stop handling), greedy; the prompt and every token it generated (its end token
+    included) are read off the runtime's token generator, which the chat path drives."""
+    import time
+
+    seen: dict[str, Any] = {"prompt": None, "tokens": []}
+    generate = llm.generate
+
+    def recording(tokens, *args, **kwargs):
+        seen["prompt"] = list(tokens)
+        for tok in generate(tokens, *args, **kwargs):
+            seen["tokens"].append(int(tok))
+            yield tok
+
+    llm.generate = recording
+    try:
+        t0 = time.monotonic()
+        res = llm.create_chat_completion(
+            messages=messages,
+            tools=tools,
+            temperature=0.0,
+            max_tokens=max_tokens,
+            repeat_penalty=1.0,
+            presence_penalty=0.0,
+            frequency_penalty=0.0,
+            seed=0,
+        )
+        seconds = time.monotonic() - t0
+    finally:
+        del llm.generate
+    choice = res["choices"][0]
+    return {
+        "seconds": round(seconds, 3),
+        "prompt_ids": seen["prompt"],
+        "tokens": seen["tokens"],
+        "answer": choice["message"].get("content"),
+        "finish_reason": choice.get("finish_reason"),
+        "usage": res.get("usage"),
+    }
