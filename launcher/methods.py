@@ -141,7 +141,7 @@ class Objective:
     sequences_per_example: int  # sequences the forward pass runs per example (2 for a chosen/rejected pair)
     preference: bool  # preference tuning: it learns which of two answers is preferred (its `preference:` keys, rewards)
     reference_pass: bool  # a frozen reference model's log-probabilities are computed too (one more forward)
-    settings: tuple[str, ...]  # the recipe's `preference:` keys that apply (the others are refused)
+    settings: tuple[str, ...]  # the keys of its recipe section (`section`) that apply (the others are refused)
     logged: tuple[str, ...]  # the trainer's own logged metrics kept in metrics.jsonl (train rows; eval_ on eval rows)
     help: str  # what it is, for the recipe's help
     learning_rate: float  # the learning rate TRL's configuration defaults to, named when a recipe keeps SFT's
@@ -156,6 +156,10 @@ class Objective:
     refuses: tuple[str, ...] = ()  # the recipe's switches it cannot honour: each is refused when set true
     refuses_why: str = ""  # why, as the refusal says it
     unsloth: bool = False  # engine unsloth trains it (FastLanguageModel with its own patched TRL trainer)
+    section: str = "preference"  # the recipe section that holds its settings (launcher/recipe.py SECTIONS)
+    # It samples its own answers while training (num_generations per prompt, scored by the recipe's `reward:`), so the
+    # plan prices generation beside the steps and the data are prompts, their reference answers optional.
+    generates: bool = False
 
 
 # What the pair trainers cannot honour: they pad a pair's chosen and rejected rows side by side (trl 1.16
@@ -163,6 +167,22 @@ class Objective:
 # ORPOConfig has no such field), and train the answers after their prompt.
 _PAIRS_REFUSE = ("packing", "assistant_only_loss", "padding_free")
 _PAIRS_WHY = "it trains a pair's answers after their prompt, padded side by side (TRL's preference collator)"
+# What GRPO cannot honour: TRL's GRPOTrainer builds each batch from the answers it sampled (grpo_trainer.py
+# _generate_and_score_completions: prompt and completion ids padded side by side, the completion mask its own).
+_SAMPLES_REFUSE = ("packing", "assistant_only_loss", "padding_free")
+_SAMPLES_WHY = "it trains on answers it samples itself, batched by TRL's GRPOTrainer"
+# TRL's GRPO figures (grpo_trainer.py _generate_and_score_completions, _compute_loss): the rewards' mean and spread
+# over every sampled answer, the share of prompts whose answers all scored the same (nothing to learn from them), the
+# answers' length and the share cut by max_completion_length, the KL to the reference (grpo.beta > 0), the entropy.
+_SAMPLED = (
+    "reward",
+    "reward_std",
+    "frac_reward_zero_std",
+    "completions/mean_length",
+    "completions/clipped_ratio",
+    "kl",
+    "entropy",
+)
 # The recipe's default objective, and the one runs trained before objectives existed (their trajectory hash has none)
 DEFAULT_OBJECTIVE = "sft"
 
@@ -186,6 +206,7 @@ OBJECTIVES: dict[str, Objective] = {
             help="supervised fine-tuning on examples",
             learning_rate=2e-5,
             unsloth=True,
+            section="",
         ),
         Objective(
             "dpo",
@@ -220,6 +241,30 @@ OBJECTIVES: dict[str, Objective] = {
             whole_logits=True,
             refuses=_PAIRS_REFUSE,
             refuses_why=_PAIRS_WHY,
+        ),
+        Objective(
+            "grpo",
+            trainer="GRPOTrainer",
+            config="GRPOConfig",
+            module="trl",
+            forms=("chat", "prompt_completion", "prompt"),
+            # a micro-batch row is one prompt with one sampled answer: GRPOConfig's per_device_train_batch_size counts
+            # answers, num_generations of them per prompt (grpo_config.py __post_init__)
+            sequences_per_example=1,
+            preference=False,
+            reference_pass=False,  # grpo.beta > 0 adds one (launcher/plan/job.py reference_kind)
+            settings=("num_generations", "max_completion_length", "beta", "temperature", "generation"),
+            section="grpo",
+            logged=_SAMPLED,
+            help="GRPO: samples grpo.num_generations answers per prompt and learns from their rewards (reward: the "
+            "task metric against each prompt's reference, or your function)",
+            learning_rate=1e-6,
+            # grpo_trainer.py _get_per_token_logps_and_entropies: the completion's logits whole, for
+            # selective_log_softmax and the entropy
+            whole_logits=True,
+            refuses=_SAMPLES_REFUSE,
+            refuses_why=_SAMPLES_WHY,
+            generates=True,
         ),
     )
 }

@@ -141,6 +141,69 @@ class PreferenceSettings(_Strict):
     )
 
 
+class GrpoSettings(_Strict):
+    """GRPO's settings (objective grpo; launcher/methods.py OBJECTIVES names them): what TRL's GRPOConfig takes."""
+
+    num_generations: int = Field(
+        4,
+        ge=2,
+        description="Answers sampled per prompt; each is rewarded against its group's mean (TRL's num_generations, "
+        "at least 2). micro_batch_size x gradient_accumulation_steps x the GPUs counts answers and must be a "
+        "multiple of it.",
+    )
+    max_completion_length: int = Field(
+        256, gt=0, description="Longest sampled answer in tokens; longer ones are cut (and said: clipped_ratio)."
+    )
+    beta: float = Field(
+        0.0,
+        ge=0.0,
+        description="KL coefficient against the starting model (TRL's default 0: no reference kept; DeepSeek-R1 "
+        "used 0.001). Above 0: LoRA keeps the starting adapter as a frozen copy, full fine-tuning a frozen model.",
+    )
+    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature of the answers.")
+    generation: Literal["generate", "vllm"] = Field(
+        "generate",
+        description="generate: transformers' generate in the training process (every box); vllm: TRL's vLLM "
+        "colocate mode, faster at 8B and above, needs the vllm package and a GPU.",
+    )
+
+
+class RewardSpec(_Strict):
+    """One reward GRPO trains on: a task metric against each prompt's reference, or a function of yours."""
+
+    metric: Optional[Literal[(task_metrics.AUTO, *task_metrics.METRICS)]] = Field(
+        None,
+        description=f"A task metric scored against each prompt's reference answer ({', '.join(task_metrics.METRICS)};"
+        f" {task_metrics.AUTO}: the task evaluation's choice), with the task evaluation's own code.",
+    )
+    function: Optional[str] = Field(
+        None,
+        description="FILE.py:NAME, a function of yours called as NAME(prompts, completions, **columns) that returns "
+        "one float per completion (TRL's reward function); checked on one example at plan time.",
+    )
+    weight: float = Field(1.0, description="Its weight in the sum of rewards (TRL's reward_weights).")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "RewardSpec":
+        if (self.metric is None) == (self.function is None):
+            raise ValueError(
+                "a reward is either a metric (metric: exact) or a function (function: rewards.py:score): give one"
+            )
+        if self.function is not None:
+            file, _, name = self.function.rpartition(":")
+            if not file.endswith(".py") or not name.isidentifier():
+                raise ValueError(
+                    f"function {self.function!r} is not FILE.py:NAME; write it like rewards.py:score (the file "
+                    "relative to the recipe)"
+                )
+        return self
+
+    @property
+    def name(self) -> str:
+        """How the logs name it (TRL's rewards/<name>/mean)."""
+        return f"metric_{self.metric}" if self.metric else self.function.rpartition(":")[2]
+
+
 class SmokeSettings(_Strict):
     enabled: bool = Field(True, description="Run the smoke test before the full run.")
     fraction: float = Field(0.01, gt=0.0, le=1.0, description="Share of the examples the smoke test trains on.")
@@ -283,6 +346,10 @@ class PublishSettings(_Strict):
         return value
 
 
+# The recipe sections that hold an objective's settings (launcher/methods.py Objective.section), by key.
+SECTIONS: dict[str, type[_Strict]] = {"preference": PreferenceSettings, "grpo": GrpoSettings}
+
+
 class Recipe(_Strict):
     """One fine-tuning job. Field descriptions are the documentation (`ftrun explain` prints them)."""
 
@@ -292,6 +359,15 @@ class Recipe(_Strict):
     preference: PreferenceSettings = Field(
         default_factory=PreferenceSettings,
         description=f"Preference tuning's settings (objective {' or '.join(methods.preference_objectives())}).",
+    )
+    grpo: GrpoSettings = Field(
+        default_factory=GrpoSettings, description="GRPO's settings (objective grpo): sampling and the reference."
+    )
+    reward: Optional[list[RewardSpec]] = Field(
+        None,
+        description="GRPO's rewards (objective grpo): {metric: exact|json|text} scored against each prompt's "
+        "reference, {function: FILE.py:NAME}, or a list of them with weights. Left out: the task metric "
+        "(eval.task.metric, chosen from the references when auto).",
     )
     init_from: Optional[str] = Field(
         None,
@@ -441,6 +517,11 @@ class Recipe(_Strict):
             parent_adapter(value)  # an earlier run without its adapter, or a folder that is none: here, before the plan
         return value
 
+    @field_validator("reward", mode="before")
+    @classmethod
+    def _one_reward_is_a_list_of_one(cls, value: Any) -> Any:
+        return [value] if isinstance(value, dict) else value
+
     @field_validator("tokens", mode="before")
     @classmethod
     def _token_count(cls, value: Any) -> Any:
@@ -474,21 +555,29 @@ class Recipe(_Strict):
     @model_validator(mode="after")
     def _objective_keys(self) -> "Recipe":
         objective = methods.OBJECTIVES[self.objective]
-        # set to another value than the default: the run folder's recipe snapshot writes every key with its value
-        given = sorted(
-            k
-            for k, f in PreferenceSettings.model_fields.items()
-            if k not in objective.settings and getattr(self.preference, k) != f.default
-        )
-        if given:
-            where = "it applies to " + ", ".join(
-                o.name for o in methods.OBJECTIVES.values() if set(given) & set(o.settings)
+        for section, model in SECTIONS.items():
+            applies = objective.settings if objective.section == section else ()
+            # set to another value than the default: the run folder's recipe snapshot writes every key with its value
+            given = sorted(
+                k
+                for k, f in model.model_fields.items()
+                if k not in applies and getattr(getattr(self, section), k) != f.default
             )
+            if given:
+                where = "it applies to " + ", ".join(
+                    o.name for o in methods.OBJECTIVES.values() if o.section == section and set(given) & set(o.settings)
+                )
+                mine = ", ".join(f"{objective.section}.{k}" for k in objective.settings)
+                raise ValueError(
+                    f"{section}.{', {section}.'.join(given)} does not apply to objective {self.objective} "
+                    f"({where}; objective {self.objective} takes {mine or 'no preference: or grpo: keys'}); "
+                    "remove it, or set the objective it is for"
+                )
+        if self.reward is not None and not objective.generates:
+            takers = ", ".join(o.name for o in methods.OBJECTIVES.values() if o.generates)
             raise ValueError(
-                f"preference.{', preference.'.join(given)} does not apply to objective {self.objective} "
-                f"({where}; objective {self.objective} takes "
-                f"{', '.join('preference.' + k for k in objective.settings) or 'no preference: keys'}); "
-                "remove it, or set the objective it is for"
+                f"reward: applies to objective {takers}, which samples answers and scores them; objective "
+                f"{self.objective} learns from the data's own answers: remove reward:, or set objective: {takers}"
             )
         refused = sorted(k for k in objective.refuses if getattr(self, k))
         if refused:
@@ -584,6 +673,11 @@ class Recipe(_Strict):
     def name(self) -> str:
         return Path(self.output_dir or "run").name
 
+    @property
+    def rewards(self) -> list[RewardSpec]:
+        """GRPO's rewards as a list; left out, the task metric (eval.task.metric, auto: chosen from the references)."""
+        return list(self.reward) if self.reward is not None else [RewardSpec(metric=self.eval.task.metric)]
+
     def snapshot(self) -> dict[str, Any]:
         """The resolved recipe as plain data (what is written to the run directory)."""
         return self.model_dump(mode="json")
@@ -600,7 +694,12 @@ class Recipe(_Strict):
             out["eval.fraction"] = self.eval.fraction
         if self.objective != methods.DEFAULT_OBJECTIVE:  # absent: a run of an earlier ftrun resumes with its hash
             out["objective"] = self.objective
-            out["preference"] = {k: snap["preference"][k] for k in self.objective_row.settings}
+            if self.objective_row.section:
+                out[self.objective_row.section] = {
+                    k: snap[self.objective_row.section][k] for k in self.objective_row.settings
+                }
+            if self.objective_row.generates:
+                out["reward"] = [r.model_dump(mode="json") for r in self.rewards]
         if self.init_from is not None:  # the parent adapter's weights, not only its path
             out["init_from"] = _weights_sha256(parent_adapter(self.init_from))
         return out
@@ -837,6 +936,16 @@ def _resolve_data(value: Any, base_dir: Path) -> Any:
     return value
 
 
+def _resolve_reward(value: Any, base_dir: Path) -> Any:
+    """A reward function's FILE.py made absolute against the recipe's folder (FILE.py:NAME keeps its NAME)."""
+    if isinstance(value, list):
+        return [_resolve_reward(v, base_dir) for v in value]
+    if isinstance(value, dict) and isinstance(value.get("function"), str) and ":" in value["function"]:
+        file, _, name = value["function"].rpartition(":")
+        return {**value, "function": f"{(base_dir / Path(file).expanduser()).resolve()}:{name}"}
+    return value
+
+
 def _resolve_paths(raw: dict[str, Any], base_dir: Path, default_name: str) -> dict[str, Any]:
     out = dict(raw)
     if out.get("data") is not None:
@@ -851,6 +960,8 @@ def _resolve_paths(raw: dict[str, Any], base_dir: Path, default_name: str) -> di
             out["model"] = str(candidate.resolve())
     if isinstance(out.get("init_from"), str):
         out["init_from"] = str((base_dir / Path(out["init_from"]).expanduser()).resolve())
+    if out.get("reward"):
+        out["reward"] = _resolve_reward(out["reward"], base_dir)
     if out.get("output_dir") is None:
         out["output_dir"] = str((Path.cwd() / "runs" / default_name).resolve())
     elif isinstance(out.get("output_dir"), str):

@@ -41,4 +41,6 @@ PY
 echo
 echo "ftrun is installed in .venv: \`source .venv/bin/activate\` puts it on your PATH (or call .venv/bin/ftrun);"
 echo "then e.g. \`ftrun status runs/tiny-cpu\` or \`ftrun plan recipes/qwen3-8b-qlora.yaml\`;"
-echo "the second step, DPO on preference pairs from this run's adapter: \`ftrun recipes/tiny-cpu-dpo.yaml\`."
+echo "the second step, DPO on preference pairs from this run's adapter: \`ftrun recipes/tiny-cpu-dpo.yaml\`;"
+echo "the third, GRPO from it, rewarded by the task's own metric (chrF against each prompt's reference), ending with"
+echo "the task score before and after: \`ftrun recipes/tiny-cpu-grpo.yaml\`."

@@ -105,6 +105,7 @@ step bench-lora-fast 120 120
 step bench-full    150  120
 step resume-exact  150  300
 step product-dpo   100  300
+step product-grpo  100  300
 step product-qlora 100  480
 step bench-padding 120  120
 step fsdp          120  150

@@ -86,6 +86,7 @@ RECORDS = {
         "chosen": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}],
         "rejected": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "No."}],
     },
+    "prompt": {"prompt": [{"role": "user", "content": "Hi?"}], "reference": "Hello."},
 }
 
 
@@ -104,9 +105,8 @@ def test_every_data_format_is_detected_converted_and_accepted(name, tmp_path):
     assert formats.detect_one(record) == name  # the table's keys and order tell it apart from the others
     assert formats.detect([("line 1", record)]) == (name, None)
     example = formats.convert(record, name)
-    assert {"chat": "messages", "prompt_completion": "prompt", "text": "text", "preference": "chosen"}[
-        formats.form(name)
-    ] in example
+    assert formats.FORMS[formats.form(name)].marker in example
+    assert formats.example_form(example) == formats.form(name)
     recipe = validate_recipe(
         {"model": "Qwen/Qwen3-0.6B", "method": "lora", "data": {"path": "d.jsonl", "format": name}},
         base_dir=tmp_path,
@@ -279,6 +279,7 @@ def test_every_method_is_accepted_sized_planned_saved_and_named(name):
 
 
 def test_every_objective_names_a_trainer_and_configuration_of_the_installed_trl():
+    from launcher.recipe import SECTIONS
 
     from launcher.data import formats
     from launcher.methods import OBJECTIVES
@@ -291,8 +292,32 @@ def test_every_objective_names_a_trainer_and_configuration_of_the_installed_trl(
         assert callable(trl_class(o.name, "trainer")) and callable(trl_class(o.name, "config")), o
         assert set(o.forms) <= forms and o.sequences_per_example >= 1
         config = {f.name for f in __import__("dataclasses").fields(trl_class(o.name, "config"))}
-        assert {k for k in o.settings if k != "reference"} <= config  # the recipe's preference: keys it passes on
+        # the keys of its recipe section that it passes on (the reference's source and where answers are generated
+        # are ftrun's choices, made with other fields)
+        assert {k for k in o.settings if k not in ("reference", "generation")} <= config
+        assert o.section in ("", *SECTIONS) and bool(o.settings) == bool(o.section)
     assert {f for o in OBJECTIVES.values() for f in o.forms} == forms  # every form trains under some objective
+
+
+@pytest.mark.parametrize("name", list(__import__("launcher.methods").methods.OBJECTIVES))
+def test_every_objective_is_accepted_and_planned(name):
+    from launcher.methods import OBJECTIVES
+    from launcher.plan.hardware import from_spec
+    from launcher.plan.models import from_catalog
+    from launcher.plan.plan import plan_for
+    from launcher.recipe import Recipe, validate_recipe
+
+    recipe = validate_recipe(
+        {"model": "Qwen/Qwen3-0.6B", "data": "d.jsonl", "method": "lora", "objective": name},
+        base_dir=REPO,
+        default_name="t",
+    )
+    assert f"{name} ({OBJECTIVES[name].help})" in Recipe.model_fields["objective"].description
+    plan = plan_for(recipe, from_spec("1xH100-80GB"), tokens=1e6, arch=from_catalog("Qwen/Qwen3-0.6B"))
+    assert plan.fits and plan.to_dict()["engine"] == ("unsloth" if OBJECTIVES[name].unsloth else "trl")
+    why = "\n".join(plan.reasons)
+    assert ("generation:" in why) == OBJECTIVES[name].generates
+    assert ("generation" in plan.to_dict()["memory"]["breakdown_gb"]) == OBJECTIVES[name].generates
 
 
 # ---------------------------------------------------------------------------------------------

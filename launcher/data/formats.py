@@ -5,6 +5,9 @@ The canonical forms (what `SFTTrainer` takes, trl 1.16.0 `sft_trainer.py` `_prep
 - prompt_completion: {"prompt": ..., "completion": ...}, both strings (plain) or both message lists
   (conversational); TRL trains on the completion only (`completion_only_loss` defaults to it for this form);
 - text: {"text": "..."}, continued pre-training: no chat template, EOS appended, loss on every token;
+- prompt: {"prompt": ..., "reference": ...?}, a string or a message list (ending with a user or tool turn) that GRPO
+  answers itself (trl 1.16.0 `grpo_trainer.py` takes a "prompt" column and hands the others to the rewards), with the
+  reference answer a task-metric reward scores against, optional;
 - preference: {"prompt": ..., "chosen": ..., "rejected": ...}, all strings (standard) or all message lists
   (conversational: the prompt's turns, then the chosen and the rejected assistant turns), what `DPOTrainer` and
   `ORPOTrainer` take (trl 1.16.0 `dpo_trainer.py` `_prepare_dataset`); an implicit prompt (two whole conversations
@@ -52,11 +55,13 @@ class Format:
 SIDES = ("chosen", "rejected")
 PAIR_KEYS = ("prompt", *SIDES)
 
-# The canonical forms, in the order example_form tells them apart (a pair has a prompt too: it comes first).
+# The canonical forms, in the order example_form tells them apart (a pair and a prompt/completion example have a
+# prompt too: they come before the prompt alone).
 FORMS: dict[str, Form] = {
     "chat": Form("messages", ("messages",), "chat (the model's chat template)"),
     "preference": Form(SIDES[0], PAIR_KEYS, "preference pairs"),
-    "prompt_completion": Form("prompt", ("prompt", "completion"), "prompt/completion"),
+    "prompt_completion": Form("completion", ("prompt", "completion"), "prompt/completion"),
+    "prompt": Form("prompt", ("prompt", "reference"), "prompts (GRPO samples the answers)"),
     "text": Form("text", ("text",), "plain text (no chat template)"),
 }
 
@@ -350,6 +355,24 @@ def _prompt_completion(record: dict, other: Optional[str]) -> dict[str, Any]:
     )
 
 
+def _prompt_alone(record: dict, other: Optional[str]) -> dict[str, Any]:
+    if "prompt" not in record:
+        raise _missing(record, "prompt", "prompt", other)
+    prompt = _maybe_json(record["prompt"], "prompt")
+    if isinstance(prompt, str):
+        example: dict[str, Any] = {"prompt": _text(record, "prompt")}
+    else:
+        example = {"prompt": check_messages(prompt, "prompt", need_assistant=False)}
+        if example["prompt"][-1]["role"] == "assistant":
+            raise RecordProblem(
+                "the last turn of 'prompt' is the assistant's: the prompt ends where the sampled answer begins "
+                "(a user or tool turn)"
+            )
+    if record.get("reference") is not None:
+        example["reference"] = _text(record, "reference")
+    return example
+
+
 def _plain_text(record: dict, other: Optional[str]) -> dict[str, Any]:
     if "text" not in record:
         raise _missing(record, "text", "text", other)
@@ -498,6 +521,15 @@ FORMATS: dict[str, Format] = {
         _preference_implicit,
         native=False,
     ),
+    # last: a prompt/completion example and a pair have a prompt too
+    "prompt": Format(
+        "prompts (prompt, reference optional; objective grpo)",
+        "prompt",
+        ("prompt",),
+        '{"prompt": [{"role": "user", "content": "..."}], "reference": "..." (optional)} (or a string prompt)',
+        _prompt_alone,
+        native=True,
+    ),
 }
 
 
@@ -519,6 +551,14 @@ def conversation(example: Any) -> list[dict[str, Any]]:
         return example["messages"]
     if "chosen" in example:  # a pair: its prompt and the chosen answer (what the task evaluation scores)
         return conversation(sequences(example)[0])
+    if "prompt" in example and "completion" not in example:  # GRPO's prompt row: its reference as the answer
+        turns = (
+            example["prompt"]
+            if isinstance(example["prompt"], list)
+            else [{"role": "user", "content": example["prompt"]}]
+        )
+        reference = example.get("reference")
+        return turns + ([{"role": "assistant", "content": reference}] if reference is not None else [])
     if isinstance(example.get("prompt"), list):
         return example["prompt"] + example["completion"]
     if "prompt" in example:

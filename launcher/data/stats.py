@@ -9,6 +9,7 @@ from typing import Any
 from launcher import methods
 from launcher.data import formats
 from launcher.data import loss_view
+from launcher.data import rewards
 from launcher.data import split
 from launcher.data import task_examples
 from launcher.data.dataset import compute_stats, example_lengths, load_data
@@ -19,6 +20,8 @@ from launcher.errors import DataError, RecipeError
 def data_stats(recipe: Any):
     data = load_data(recipe.data, recipe.seed)
     objective_fits(recipe, data.form, "data")
+    if methods.OBJECTIVES[recipe.objective].generates:
+        return _prompt_stats(recipe, data)
     examples = data.examples
     lengths, source = example_lengths(examples, recipe.model, data.where)
     # the statistics (plan, ETA) count what trains: the eval split's held-out examples do not (launcher/data/split.py)
@@ -55,6 +58,45 @@ def data_stats(recipe: Any):
         objective_fits(recipe, load_data(recipe.eval.data, recipe.seed).form, "eval.data")
         # a resume on changed eval data is refused like one on changed training data
         stats = replace(stats, sha256=data_identity(stats.sha256, load_data(recipe.eval.data, recipe.seed).sha256))
+    return examples, lengths, stats
+
+
+def _prompt_stats(recipe: Any, data: Any):
+    """GRPO's data: prompts, each trained as its prompt with an answer it samples. Each counts its prompt's tokens
+    plus grpo.max_completion_length (the longest answer: an upper bound the smoke test measures). Refused here: a
+    prompt that leaves no room for that answer in max_length (TRL's GRPOTrainer does not truncate prompts), and
+    rewards that cannot score the data (launcher/data/rewards.py)."""
+    examples = data.examples
+    parts = split.for_recipe(examples, recipe)
+    train = parts.train
+    rewards.refusals(recipe, [examples[i] for i in train], [data.where[i] for i in train])
+    prompts = [rewards.prompt_and_reference(e) for e in examples]
+    as_text = [{"messages": p["prompt"]} if isinstance(p["prompt"], list) else {"text": p["prompt"]} for p in prompts]
+    prompt_lengths, source = example_lengths(as_text, recipe.model, data.where)
+    answer = recipe.grpo.max_completion_length
+    room = recipe.max_length - answer
+    longest = max(train, key=lambda i: prompt_lengths[i])
+    if prompt_lengths[longest] > room:
+        over = sum(prompt_lengths[i] > room for i in train)
+        raise DataError(
+            f"{data.where[longest]} is a prompt of {prompt_lengths[longest]:,} tokens, and max_length "
+            f"{recipe.max_length:,} leaves {room:,} beside grpo.max_completion_length {answer:,} ({over} of "
+            f"{len(train)} prompts are longer): TRL's GRPOTrainer does not cut prompts",
+            fix=f"raise max_length to at least {prompt_lengths[longest] + answer:,}, lower "
+            "grpo.max_completion_length, or shorten those prompts",
+        )
+    lengths = [n + answer for n in prompt_lengths]
+    stats = compute_stats([examples[i] for i in train], [lengths[i] for i in train], source, recipe.max_length, data)
+    stats = replace(stats, held_out=len(parts.held_out), held_out_lines=len(examples) - len(train))
+    problems = task_examples.refusals(
+        recipe.eval.task, examples, lengths, parts.held_out, train, recipe.max_length, recipe.seed, None
+    )
+    if problems:
+        raise RecipeError(
+            "the task evaluation cannot honour "
+            + ("these settings:\n- " + "\n- ".join(problems) if len(problems) > 1 else problems[0]),
+            fix="change or remove the eval.task keys named (docs/task_eval.md)",
+        )
     return examples, lengths, stats
 
 

@@ -18,10 +18,18 @@ MIN_EXAMPLES = 10  # fewer held-out examples than this give a score too coarse t
 def prompt_and_reference(example: Any) -> Optional[dict[str, Any]]:
     """{"messages": ..., "reference": ...} for a chat example: the turns before its last assistant turn, and that
     turn; a prompt/completion pair: the prompt ("text" when it is a plain string, answered without the chat
-    template, as it trained) and the completion; a preference pair: its prompt and the chosen answer. None for plain
-    text and examples without an assistant turn."""
+    template, as it trained) and the completion; a preference pair: its prompt and the chosen answer; a prompt row
+    (GRPO's) its prompt and its reference. None for plain text, examples without an assistant turn and prompt rows
+    without a reference."""
     if isinstance(example, dict) and "chosen" in example:
         example = formats.sequences(example)[0]
+    if isinstance(example, dict) and formats.example_form(example) == "prompt":
+        prompt, reference = example["prompt"], example.get("reference")
+        if reference is None:
+            return None
+        if isinstance(prompt, str):
+            return {"text": prompt, "messages": [{"role": "prompt", "content": prompt}], "reference": reference}
+        return {"messages": [dict(m) for m in prompt], "reference": reference}
     if isinstance(example, dict) and "prompt" in example and "completion" in example:
         prompt, completion = example["prompt"], example["completion"]
         if isinstance(prompt, str) and isinstance(completion, str):

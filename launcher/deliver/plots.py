@@ -1,5 +1,6 @@
-"""loss.png: training loss, eval loss and learning rate over steps (and, for a preference objective, the reward
-margin and the preference accuracy below them), drawn from a run's metrics.jsonl."""
+"""loss.png: training loss, eval loss and learning rate over steps (and below them, for a preference objective, the
+reward margin and the preference accuracy; for GRPO, the sampled answers' reward with its spread), drawn from a run's
+metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -37,9 +38,13 @@ def plot_loss(metrics: Path, out: Path, title: Optional[str] = None) -> Optional
     steps = [r["step"] for r in rows]
     margins = [r for r in rows if r.get("rewards/margins") is not None]
     held = read_metrics(metrics, "eval_rewards/margins")
+    sampled = [r for r in rows if r.get("reward") is not None]
     if margins or held:  # DPO/ORPO: a second panel, the margin chosen - rejected and the share of pairs ranked right
         fig, (ax, rax) = plt.subplots(2, 1, figsize=(8, 7), dpi=100, sharex=True, height_ratios=(3, 2))
         _rewards(rax, margins, held)
+    elif sampled:  # GRPO: a second panel, the sampled answers' reward, mean +- spread
+        fig, (ax, rax) = plt.subplots(2, 1, figsize=(8, 7), dpi=100, sharex=True, height_ratios=(3, 2))
+        _sampled_rewards(rax, sampled)
     else:
         fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
     ax.plot(steps, [r["loss"] for r in rows], color="tab:blue", label="training loss")
@@ -110,6 +115,26 @@ def _rewards(ax, margins: list[dict[str, Any]], held: list[dict[str, Any]]) -> N
         )
         ax2.set_ylim(0.0, 1.05)
         ax2.set_ylabel("preference accuracy", color="tab:olive")
+
+
+def _sampled_rewards(ax, rows: list[dict[str, Any]]) -> None:
+    """GRPO: the mean reward of each logged window's sampled answers, with their standard deviation as a band."""
+    steps = [r["step"] for r in rows]
+    mean = [r["reward"] for r in rows]
+    std = [r.get("reward_std") or 0.0 for r in rows]
+    ax.plot(steps, mean, color="tab:purple", label="reward of the sampled answers (mean)")
+    ax.fill_between(
+        steps,
+        [m - d for m, d in zip(mean, std)],
+        [m + d for m, d in zip(mean, std)],
+        color="tab:purple",
+        alpha=0.2,
+        label="+- their standard deviation",
+    )
+    ax.set_ylabel("reward")
+    ax.set_xlabel("optimizer step")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left")
 
 
 def refresh(run_root: Path) -> Optional[Path]:

@@ -29,10 +29,6 @@ from launcher.plan.figures import _fmt_hours
 from launcher.plan.hardware import Hardware
 from launcher.plan.job import Job
 
-# plan.py reads these as engine.software and engine.IMAGE_SOFTWARE until its import names engine_software; then this
-# line goes.
-from launcher.plan.engine_software import IMAGE_SOFTWARE, software  # noqa: F401
-
 
 # bitsandbytes' 8-bit AdamW indexes its states by the parameter's local storage and has no DTensor support; an open
 # bitsandbytes issue reports illegal memory accesses with it under FSDP2, whose parameters are DTensors.

@@ -38,6 +38,11 @@ class Job:
     sequences: int = 1  # rows per example in a micro-batch (a preference pair: 2); mean_tokens counts them all
     reference: str = ""  # DPO's reference (sizing.REFERENCES), "" without one
     objective: str = methods.DEFAULT_OBJECTIVE  # launcher/methods.py OBJECTIVES
+    # GRPO (an objective that generates): answers sampled per prompt, and the longest answer in tokens. `examples`
+    # then counts answers (prompts x answers_per_prompt), each a sequence of its prompt and its answer, as TRL's
+    # per_device_train_batch_size does.
+    answers_per_prompt: int = 1
+    completion_tokens: int = 0
 
     def workload(
         self,
@@ -68,6 +73,7 @@ class Job:
             sequences=self.sequences,
             reference=self.reference,
             loss=LOSS_MATERIALIZED if methods.OBJECTIVES[self.objective].whole_logits else "",
+            generation_batch=self.micro_batch * self.accumulation if self.answers_per_prompt > 1 else 0,
         )
 
 
@@ -110,11 +116,27 @@ def _job(
         notes.append("--tokens ignored: the data's own token count is used")
     if data_stats is None and tokens:
         notes.append(f"examples not known (data not read): steps assume {mean:.0f} tokens per example")
+    objective = methods.OBJECTIVES[getattr(recipe, "objective", methods.DEFAULT_OBJECTIVE)]
+    answers, completion = 1, 0
+    if objective.generates:
+        # each prompt trains as num_generations sequences (prompt + sampled answer); data_stats counted each at its
+        # longest answer (prompt + grpo.max_completion_length)
+        answers, completion = recipe.grpo.num_generations, recipe.grpo.max_completion_length
+        training = training * answers if training is not None and not tokens_given(data_stats, tokens) else training
+        if examples is not None:
+            source = source.replace(
+                f"{examples:,} examples x {mean:.0f} tokens",
+                f"{examples:,} prompts x {answers} sampled answers x {mean:.0f} tokens (prompt + at most {completion}"
+                " answer tokens)",
+            )
+            examples *= answers
+        else:
+            seq_len = min(max_length, seq_len + completion)
+            mean_seq = min(max_length, mean_seq + completion)
     r, targets = recipe.lora.r, recipe.lora.target_modules
     parent = _parent_lora(recipe)
     if parent:  # init_from: the parent adapter's own rank and modules train on
         r, targets = parent
-    objective = methods.OBJECTIVES[getattr(recipe, "objective", methods.DEFAULT_OBJECTIVE)]
     job = Job(
         arch,
         recipe.method,
@@ -135,13 +157,28 @@ def _job(
         objective.sequences_per_example,
         reference_kind(recipe),
         objective.name,
+        answers,
+        completion,
     )
     return job, notes
 
 
+def tokens_given(data_stats: Any, tokens: float | None) -> bool:
+    """The training tokens come from --tokens (the data not read): already every token that trains."""
+    return data_stats is None and bool(tokens)
+
+
 def reference_kind(recipe: Any) -> str:
-    """How the recipe's DPO reference comes (a key of sizing.REFERENCES), "" for an objective without one."""
+    """How the recipe's reference comes (a key of sizing.REFERENCES), "" for an objective without one: DPO's, and
+    GRPO's where its KL term (grpo.beta > 0) needs the starting model."""
     objective = methods.OBJECTIVES[getattr(recipe, "objective", methods.DEFAULT_OBJECTIVE)]
+    if objective.generates:
+        if not recipe.grpo.beta:
+            return ""
+        if not methods.is_adapter(recipe.method):
+            return "frozen copy"
+        # trl 1.16 grpo_trainer.py __init__: a PEFT model with beta != 0 gets a "ref" adapter, a copy of its own
+        return "parent copy"
     if not objective.reference_pass:
         return ""
     if recipe.preference.reference == "precomputed":

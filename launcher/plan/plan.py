@@ -17,6 +17,7 @@ from launcher.plan import packing
 from launcher.plan import sizing
 from launcher.plan import loss_head
 from launcher.plan import throughput
+from launcher.plan import sampling
 from launcher.plan import speed
 from launcher.errors import MissingSoftware, PlanError
 from launcher.methods import is_adapter
@@ -30,7 +31,9 @@ from launcher.plan.advice import (
     _refusal_options,
     cheapest_rental,
 )
-from launcher.plan.engine import SHARDING_ENGINES, WORKDAY_HOURS, Choice, choose
+from launcher.plan import engine_software
+from launcher.plan.choice import SHARDING_ENGINES, WORKDAY_HOURS, Choice
+from launcher.plan.engine import choose
 from launcher import export_formats
 from launcher import methods
 from launcher.plan.figures import UNIT, _fmt_hours, _fmt_tokens
@@ -241,7 +244,7 @@ def plan_for(
 ) -> Plan:
     """The plan, fitting or not (Plan.fits False: the memory needed, the reasons, the options in .refusal)."""
     arch = arch or load_architecture(recipe.model)
-    unsloth_ok, software = engine_choice.software(hardware, unsloth_available)
+    unsloth_ok, software = engine_software.software(hardware, unsloth_available)
     job, notes = _job(recipe, arch, data_stats, tokens, tokens_from)
     blocked = None
     try:  # each requested output can be made; a missing install is said after the plan, which it does not change
@@ -281,7 +284,7 @@ def plan_for(
         if choice.missing:
             options = [
                 f"install {choice.missing} on this machine (the fix is above), or plan for a rented box with "
-                f"--gpus, which assumes {engine_choice.IMAGE_SOFTWARE}"
+                f"--gpus, which assumes {engine_software.IMAGE_SOFTWARE}"
             ]
             if choice.missing == "unsloth" and forced == "auto":  # or change the recipe so that TRL fits here
                 options += _fixes_here(job, hardware, forced, unsloth_ok, workday_hours, offload, wanted, nnodes)
@@ -325,6 +328,7 @@ def plan_for(
     if sped:
         job, choice = sped.job, replace(sped.choice, reasons=sped.choice.reasons + sped.reasons)
         est = choice.estimate
+    sampling.check_batch(recipe, choice.processes)
     steps, training = _steps_and_tokens(job, choice.processes)
     # one value for every figure that shows it (the time's reason line and "Speed:" printed 1,587 and 1,586)
     tps = round(choice.tokens_per_second, 1)
@@ -337,11 +341,14 @@ def plan_for(
         measured = applied["measured"]
         notes += applied["notes"]
         tps = round(measured.get("tokens_per_second", tps), 1)
+    sampling_s = sampling.generation_seconds_per_step(job, arch, g if choice.device == "cuda" else None)
     if training is None:
         hrs = None
         reasons.append("time and cost unknown: " + _no_tokens_hint(recipe))
     else:
         hrs = throughput.hours(training, tps) + choice.load_hours  # loading that the smoke test does not measure
+        if sampling_s and "tokens_per_second" not in measured:  # a measured rate holds the sampling already
+            hrs += sampling_s * steps / 3600
     box_price, price_src = _price(recipe, hardware, price)
     if box_price is None:
         notes.append(
@@ -376,14 +383,17 @@ def plan_for(
         reasons.append(packed)
     reasons.append(_loss_reason(job, choice, est))
     reasons += _objective_reasons(recipe, job)
+    reasons += sampling.reasons(recipe, job, steps, sampling_s, "tokens_per_second" in measured)
     if hrs is not None:
         money = (
             f"cost at {box_price:.2f} EUR/h ({price_src}) = {cost:.2f} EUR"
             if cost is not None
             else "cost unknown (no price: --price EUR/h)"
         )
+        sampled = " + sampling" if sampling_s and "tokens_per_second" not in measured else ""
         reasons.append(
-            f"time: {training / 1e6:.2f}M training tokens / {tps:,.0f} tokens/s ({kind}) = {_fmt_hours(hrs)}; {money}"
+            f"time: {training / 1e6:.2f}M training tokens / {tps:,.0f} tokens/s ({kind}){sampled} = "
+            f"{_fmt_hours(hrs)}; {money}"
         )
     task_eval = _task_eval_time(recipe, data_stats, arch, g if choice.device == "cuda" else None, box_price)
     if task_eval:

@@ -128,6 +128,10 @@ class Workload:
     # DPO's reference log-probabilities come (REFERENCES; "" for none: SFT, ORPO).
     sequences: int = 1
     reference: str = ""
+    # GRPO (launcher/methods.py Objective.generates): answers this process samples at once before its micro-batches
+    # train on them (TRL's generation batch per device: micro_batch x gradient accumulation), each at most seq_len
+    # tokens with its prompt; 0 for an objective that does not generate.
+    generation_batch: int = 0
 
     @property
     def loss_kind(self) -> str:
@@ -359,7 +363,7 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
         copy_b = 4 if fp32_master else b16
         extra = P * copy_b / n if copy else (T * 4 / n if w.reference == "parent copy" else 0.0)
         terms["reference model"] = extra / GB
-        why["reference model"] = f"DPO's reference: {what}" + (
+        why["reference model"] = f"the reference: {what}" + (
             f", {_count(P)} params x {copy_b} B{shard}" if copy else ""
         )
         if per_step:
@@ -427,6 +431,15 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
             "its matmul, one weight at a time"
         )
     dynamic = terms["activations"] + terms["logits and loss"]
+    if w.generation_batch:
+        kv, why_kv = generation_bytes(arch, w, b16)
+        # generation runs under no_grad before the micro-batches' forward and backward (trl 1.16 grpo_trainer.py
+        # _prepare_inputs): its cache is freed when they start, so only its excess over their tensors adds to the peak
+        terms["generation"] = max(0.0, kv - dynamic * GB) / GB
+        why["generation"] = why_kv + (
+            f"; it is freed before the step's activations and logits ({dynamic:.2f} GB) exist, so only the excess "
+            "counts"
+        )
     if cpu:
         terms["runtime"] = CPU_RUNTIME_GB
         why["runtime"] = "Python, torch and tokenizer in the worker process"
@@ -472,6 +485,18 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
             "RAM while training"
         )
     return est
+
+
+def generation_bytes(arch: Arch, w: Workload, b16: int) -> tuple[float, str]:
+    """GRPO's sampling: the KV cache of the generation batch at its longest (transformers' DynamicCache: keys and
+    values of every layer, in the weights' dtype) and the last position's logits in fp32 (the sampler's softmax)."""
+    cache = w.generation_batch * w.seq_len * arch.layers * 2 * arch.kv_dim * b16
+    logits = w.generation_batch * arch.vocab * 4 * 2
+    return cache + logits, (
+        f"sampling {w.generation_batch} answers at once: their KV cache, {w.generation_batch} x {w.seq_len:,} tokens "
+        f"(prompt and answer) x {arch.layers} layers x 2 x {arch.kv_dim} x {b16} B = {cache / GB:.2f} GB, and each "
+        "step's last logits"
+    )
 
 
 # DeepSpeed ZeRO-3 optimizer offload, bytes per trainable parameter in the box's RAM (summed over the ranks, each holds

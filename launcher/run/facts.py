@@ -149,6 +149,9 @@ def run_status(run: RunDir) -> dict[str, Any]:
         "accuracy": last.get("rewards/accuracies"),
         "eval_margin": last_eval.get("eval_rewards/margins"),
         "eval_accuracy": last_eval.get("eval_rewards/accuracies"),
+        # GRPO's sampled answers (launcher/methods.py logged): their rewards' mean and spread in the last logged row
+        "reward": last.get("reward"),
+        "reward_std": last.get("reward_std"),
         "tokens_per_second": last.get("tokens_per_second"),
         "mfu": (model_flops_utilization(plan, last.get("tokens_per_second")) if plan.get("device") == "cuda" else None),
         "tokens_seen": last.get("tokens_seen"),
@@ -285,6 +288,21 @@ def _preference_first_last(evals: list[dict[str, Any]]) -> Optional[dict[str, An
     }
 
 
+def _rewards_first_last(train: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """GRPO's sampled answers' reward, mean and spread, at the first and the last logged step."""
+    rows = [r for r in train if r.get("reward") is not None]
+    if not rows:
+        return None
+    return {
+        "first": rows[0]["reward"],
+        "first_std": rows[0].get("reward_std"),
+        "step_first": rows[0]["step"],
+        "last": rows[-1]["reward"],
+        "last_std": rows[-1].get("reward_std"),
+        "step_last": rows[-1]["step"],
+    }
+
+
 def end_summary(run: RunDir) -> dict[str, Any]:
     """The finished run in numbers: loss first -> last (eval loss too when logged), tokens, wall time against
     the forecasts, cost at the box's price, the result and how to serve it."""
@@ -309,6 +327,7 @@ def end_summary(run: RunDir) -> dict[str, Any]:
         "eval_loss_last": evals[-1]["eval_loss"] if evals else None,
         # a preference objective: the held-out reward margin and preference accuracy, first eval pass -> last
         "preference": _preference_first_last(evals),
+        "rewards": _rewards_first_last(train),
         "tokens": tokens,
         "wall_seconds": s.get("run_seconds"),
         "box_seconds": s.get("elapsed_seconds"),

@@ -32,8 +32,9 @@ REASONS = {code: (e.what, e.fix) for code, e in WORKER_EXITS.items()}
 
 
 def training_tokens(recipe, stats: DataStats, processes: int) -> int:
-    """Tokens the full run trains on: the data's tokens times epochs, or max_steps worth of batches."""
-    per_epoch = stats.total_tokens
+    """Tokens the full run trains on: the data's tokens times epochs, or max_steps worth of batches (GRPO: each
+    prompt's tokens once per sampled answer; its batches count answers)."""
+    per_epoch = stats.total_tokens * _answers(recipe)
     if recipe.max_steps:
         global_batch = recipe.micro_batch_size * recipe.gradient_accumulation_steps * processes
         return int(recipe.max_steps * global_batch * stats.mean_tokens)  # max_steps overrides epochs, as in the Trainer
@@ -70,8 +71,13 @@ def step_seconds(measured: dict[str, Any], total_tokens: int, recipe, stats: Dat
         return fallback
     a, b = fit
     global_batch = recipe.micro_batch_size * recipe.gradient_accumulation_steps * processes
-    steps = recipe.max_steps or math.ceil(stats.examples / global_batch) * recipe.epochs
+    steps = recipe.max_steps or math.ceil(stats.examples * _answers(recipe) / global_batch) * recipe.epochs
     return a * steps + b * total_tokens
+
+
+def _answers(recipe) -> int:
+    """Sequences each example trains as in a batch: GRPO's sampled answers per prompt, else 1."""
+    return recipe.grpo.num_generations if recipe.objective_row.generates else 1
 
 
 def saves_seconds(one_save: float, train_seconds: float, recipe) -> float:
@@ -298,6 +304,9 @@ def run_smoke(
     mfu = model_flops_utilization(plan, tps) if measured.get("device") == "cuda" else None
     if mfu is not None:
         report["mfu"] = round(mfu, 3)  # docs/BENCHMARKS.md, "MFU"; silent on a CPU
+    if measured.get("sampling_seconds") is not None and measured.get("seconds"):
+        # GRPO: the share of the smoke's steps (step 1 included, as in the sampling's sum) spent sampling answers
+        report["sampling_share"] = round(min(1.0, measured["sampling_seconds"] / measured["seconds"]), 3)
     growth = memory_growth(measured.get("device"), recipe.method)
     if growth:
         report["memory_growth"] = growth
@@ -320,7 +329,15 @@ def _write_eval_request(run: RunDir, recipe, examples, lengths: list[int], parts
     else:
         held, pool, held_lengths = parts.held_out, examples, lengths
     cost: dict[str, Any] = {}
-    if held:
+    if held and recipe.objective_row.generates:
+        # GRPO has no eval loss (its own eval pass would sample answers too): the held-out prompts are the task
+        # evaluation's after training (launcher/worker/train.py passes no eval dataset)
+        print(
+            f"evaluation: {len(held)} held-out prompts ({len(held) / len(examples):.1%} of the data, a seeded draw "
+            "that never trains), scored by the task evaluation after training; no eval loss (GRPO samples its answers)",
+            flush=True,
+        )
+    elif held:
         subset = split.smoke_subset(held, recipe, processes)
         write_jsonl(run.smoke_work / "eval.jsonl", [pool[i] for i in subset])
         clip = recipe.max_length

@@ -87,6 +87,11 @@ def format_status(s: dict[str, Any], ending_follows: bool = False) -> str:
                 f"(step {s.get('eval_step')}, held-out pairs)"
             )
         lines.append("  rewards   " + "; ".join(parts))
+    if s.get("reward") is not None:
+        lines.append(
+            f"  reward    {s['reward']:.3f} +- {s.get('reward_std') or 0:.3f} (step {s.get('loss_step')}: the "
+            "sampled answers' mean and spread)"
+        )
     supervisor = (
         f"supervisor pid {s['pid']} ({'alive' if s.get('pid_alive') else 'not running'})"
         if s.get("pid")
@@ -226,6 +231,11 @@ def format_smoke(report: dict[str, Any]) -> str:
             if report.get("generation_tokens_per_second")
             else ""
         )
+        + (
+            f", {report['sampling_share']:.0%} of the steps' time sampling answers (GRPO)"
+            if report.get("sampling_share") is not None
+            else ""
+        )
         + "\n"
         f"full run: {report['training_tokens']:,} tokens -> about {format_duration(report['estimated_seconds'])}"
         + (f" ({split})" if split else "")
@@ -307,7 +317,7 @@ def ending_reason(e: dict[str, Any]) -> str:
     return head + where + late + "; " + resume + " to resume"
 
 
-# What each export's size counts (launcher/deliver/export.py, gguf_export.py): the adapter's is its weights file,
+# What each export's size counts (launcher/deliver/export_models.py, gguf_export.py): the adapter's is its weights file,
 # the merged and full models' their whole folder, a GGUF its one file
 SIZE_COVERS = {"adapter": "weights file", "merged": "folder", "model": "folder", "gguf": "file"}
 
@@ -525,6 +535,13 @@ def format_end_summary(e: dict[str, Any]) -> str:
         )
     if e.get("eval_loss_first") is not None:
         lines.append(f"  eval loss {e['eval_loss_first']:.4f} -> {e['eval_loss_last']:.4f}")
+    sampled = e.get("rewards")
+    if sampled:
+        lines.append(
+            f"  reward    {sampled['first']:.3f} +- {sampled['first_std'] or 0:.3f} (step {sampled['step_first']}) -> "
+            f"{sampled['last']:.3f} +- {sampled['last_std'] or 0:.3f} (step {sampled['step_last']}): the sampled "
+            "answers' mean and spread"
+        )
     pref = e.get("preference")
     if pref:
         lines.append(

@@ -327,9 +327,19 @@ def run_worker(run_dir: Path, mode: str) -> int:
     if mode == "full":
         examples = [examples[i] for i in split.for_recipe(examples, recipe).train]  # eval never trains
     if held_out and _rank() == 0:
-        _say(f"training on {len(examples)} examples, evaluating on {len(held_out)} held-out examples")
-    dataset = to_dataset(examples)
-    eval_dataset = to_dataset(held_out) if held_out else None
+        scored_by = "the task evaluation scores" if recipe.objective_row.generates else "evaluating on"
+        _say(f"training on {len(examples)} examples, {scored_by} {len(held_out)} held-out examples")
+    generates = recipe.objective_row.generates
+    if generates:
+        from launcher.worker import sampling
+
+        rows = sampling.prompt_rows(examples)
+        dataset = to_dataset(rows)
+        # GRPO's own eval pass would sample answers too: the task evaluation after training scores the held-out ones
+        eval_dataset = None
+    else:
+        dataset = to_dataset(examples)
+        eval_dataset = to_dataset(held_out) if held_out else None
     trainer = None
 
     def step() -> int:
@@ -398,14 +408,19 @@ def run_worker(run_dir: Path, mode: str) -> int:
 
         # checkpoints carry the logging window's sums: the logs after a resume equal an uninterrupted run's
         trainer_cls = carrying(Trainer, say=lambda line: print(f"[ftrun worker] {line}", flush=True))
+        if generates:  # GRPO: its rewards, and its sampling timed
+            trainer_cls = sampling.timed(trainer_cls)
+            own = sampling.trainer_arguments(recipe, rows)
+        else:
+            own = {"data_collator": padding_free_collator(recipe, tokenizer)}
         trainer = trainer_cls(
             model=model,
             args=args,
             train_dataset=dataset,
             eval_dataset=eval_dataset,
             processing_class=tokenizer,
-            data_collator=padding_free_collator(recipe, tokenizer),
             callbacks=[cadence, metrics, _engine_check(run, plan, mode, lambda: trainer), before],
+            **own,
         )
         from transformers.trainer_callback import PrinterCallback
 
@@ -417,7 +432,8 @@ def run_worker(run_dir: Path, mode: str) -> int:
         trainer.create_model_card = lambda *args, **kwargs: None
         trainer.add_callback(_tracked_recipe(run, recipe))  # last: after the trackers' own callbacks have started
         if _rank() == 0:
-            print(f"[ftrun worker] {_trained_tokens(examples, trainer.train_dataset)}", flush=True)
+            told = sampling.described(rows, recipe) if generates else _trained_tokens(examples, trainer.train_dataset)
+            print(f"[ftrun worker] {told}", flush=True)
         memory.reset_peak(device)
         try:
             trainer.train(resume_from_checkpoint=str(resume_from.path) if resume_from else None)
@@ -462,6 +478,8 @@ def run_worker(run_dir: Path, mode: str) -> int:
                     # the eval pass and the base model's answers: priced apart from the start-up
                     "eval_seconds": metrics.eval_seconds,
                     "samples_seconds": before.seconds,
+                    # GRPO: the steps' time spent sampling answers (inside the step times above)
+                    **({"sampling_seconds": round(trainer.sampling_seconds, 3)} if generates else {}),
                     **speed,
                 },
                 peak_gb=peak_gb,

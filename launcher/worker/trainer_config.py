@@ -81,6 +81,15 @@ def trainer_config(
             # resume loads the checkpoint: with the initial weights (the adapter off, the parent adapter's copy, or
             # the model itself for full fine-tuning), as the reference must be
             fields["precompute_ref_log_probs"] = recipe.preference.reference == "precomputed"
+    if objective.generates:
+        fields.update(grpo_fields(recipe))
+        # GRPOTrainer counts the prompt and answer tokens itself (grpo_trainer.py _generate: num_input_tokens_seen);
+        # the Trainer's own count looks for input_ids its batches do not have, and warns at every step
+        fields["include_num_input_tokens_seen"] = "no"
+    # what ftrun sets by default and this objective's configuration does not have (GRPOConfig: max_length, TRL's
+    # activation_offloading); the recipe's trainer: fields were checked against the configuration at plan time
+    known = {f.name for f in dataclasses.fields(Config)}
+    fields = {k: v for k, v in fields.items() if k in known}
     fields.update(eval_fields or {})  # launcher/data/split.py; trainer: may still set the eval batch and the like
     fields["ddp_timeout"] = process_group_seconds(recipe, run, mode)
     fields.update(recipe.trainer)
@@ -93,6 +102,22 @@ def trainer_config(
             flush=True,
         )
     return Config(**fields)
+
+
+def grpo_fields(recipe) -> dict[str, Any]:
+    """GRPOConfig's fields from the recipe's grpo: section and rewards (trl 1.16 grpo_config.py)."""
+    s = recipe.grpo
+    fields: dict[str, Any] = {
+        "num_generations": s.num_generations,
+        "max_completion_length": s.max_completion_length,
+        "beta": s.beta,
+        "temperature": s.temperature,
+        "reward_weights": [float(r.weight) for r in recipe.rewards],
+        "use_vllm": s.generation == "vllm",
+    }
+    if s.generation == "vllm":
+        fields["vllm_mode"] = "colocate"  # vLLM in the training process: no second server to start and watch
+    return fields
 
 
 def padding_free_collator(recipe, tokenizer):

@@ -18,7 +18,9 @@ from launcher.plan.sizing import GB
 
 RECIPES = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))
 HEADLINE = RECIPES[0].parent / "qwen3-8b-qlora.yaml"  # the design card's command: `ftrun recipes/qwen3-8b-qlora.yaml`
-ARTICLE = [p for p in RECIPES if p.name not in ("tiny-cpu.yaml", "tiny-cpu-dpo.yaml", HEADLINE.name)]
+ARTICLE = [
+    p for p in RECIPES if p.name not in ("tiny-cpu.yaml", "tiny-cpu-dpo.yaml", "tiny-cpu-grpo.yaml", HEADLINE.name)
+]
 # The plan is an estimate (docs/sizing.md); the article gives ranges and rounded figures.
 TIME_COST_REL = 0.20
 MEMORY_SLACK = 0.25  # below the low end or above the high end of the article's range
@@ -162,6 +164,20 @@ def test_tiny_dpo_recipe_needs_the_sft_demos_adapter_and_plans_on_a_cpu(tiny_mod
     p = plan_mod.make_plan(recipe, from_spec("cpu"), data_stats=stats)
     assert p.fits and p.device == "cpu" and p.engine == "trl" and p.total_steps > 0
     assert "reference model" in p.memory["breakdown_gb"] and "LoRA r=8" in p.memory["explanations"]["adapters"]
+
+
+def test_tiny_grpo_recipe_plans_its_sampling_on_a_cpu_from_the_sft_demos_adapter(tiny_model, tmp_path):
+    """recipes/tiny-cpu-grpo.yaml, the demo's third step: prompts with references, the task metric as the reward."""
+    from launcher.data.stats import data_stats
+
+    path = RECIPES[0].parent / "tiny-cpu-grpo.yaml"
+    stand_in_adapter(tmp_path / "runs" / "tiny-cpu", tiny_model)
+    recipe = load_recipe(path, [f"model={tiny_model}", f"init_from={tmp_path / 'runs' / 'tiny-cpu'}"])
+    _, _, stats = data_stats(recipe)
+    p = plan_mod.make_plan(recipe, from_spec("cpu"), data_stats=stats)
+    assert p.fits and p.engine == "trl" and p.total_steps == recipe.max_steps
+    assert "generation" in p.memory["breakdown_gb"]
+    assert any("each prompt is answered 4 times" in r for r in p.reasons)
 
 
 @pytest.mark.parametrize("path", ARTICLE, ids=lambda p: p.stem)

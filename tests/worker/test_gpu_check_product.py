@@ -16,7 +16,17 @@ from launcher.worker.gpu_check import attention, product, resume_check, runner, 
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
-NEW = ("attention", "product-lora", "generation", "vs-trl", "resume-exact", "product-dpo", "product-qlora", "unsloth")
+NEW = (
+    "attention",
+    "product-lora",
+    "generation",
+    "vs-trl",
+    "resume-exact",
+    "product-dpo",
+    "product-grpo",
+    "product-qlora",
+    "unsloth",
+)
 
 
 def _ctx(tmp_path: Path, **kw):
@@ -220,7 +230,7 @@ def _result(out: Path, name: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["product-lora", "product-qlora", "product-dpo"])
+@pytest.mark.parametrize("name", ["product-lora", "product-qlora", "product-dpo", "product-grpo"])
 def test_the_demo_recipe_through_the_cli_records_its_phases_and_speeds(dry_run, name):
     data = _result(dry_run, name)
     if data["status"] == "skipped":
@@ -254,3 +264,12 @@ def test_ftrun_and_plain_trl_side_by_side_and_the_other_cpu_steps(dry_run):
     training = att["training"]
     assert training["MATH"]["causal"]["supported"] and not training["CUDNN_ATTENTION"]["causal"]["supported"]
     assert _result(dry_run, "unsloth")["status"] == "skipped"
+
+
+@pytest.mark.slow
+def test_the_grpo_step_records_its_sampling_share_and_rewards(dry_run):
+    data = _result(dry_run, "product-grpo")
+    if data["status"] == "skipped":
+        pytest.skip(data["line"])
+    assert data["rewards"] and all(len(r) == 3 for r in data["rewards"])
+    assert 0 < data["sampling_share"] <= 1 and "sampling" in data["line"]

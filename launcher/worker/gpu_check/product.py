@@ -1,6 +1,6 @@
 """The product steps: the demo recipe end to end through `python -m launcher.cli` (plan, base-model task evaluation,
-smoke test, foreground run, task evaluation, adapter export) with LoRA, QLoRA and DPO from the LoRA run, and what
-each run directory says about its speed."""
+smoke test, foreground run, task evaluation, adapter export) with LoRA, QLoRA, and DPO and GRPO from the LoRA run,
+and what each run directory says about its speed (GRPO: the share of each step spent sampling answers)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from launcher.worker.gpu_check.common import REPO, Context, child_env, read_json
 RECIPES = REPO / "recipes"
 SFT_RECIPE = RECIPES / "tiny-cpu.yaml"
 DPO_RECIPE = RECIPES / "tiny-cpu-dpo.yaml"
+GRPO_RECIPE = RECIPES / "tiny-cpu-grpo.yaml"
 # What the CLI imports besides torch and transformers: the lent box gets them as wheels (scripts/device_wheels.sh).
 NEEDS = ("trl", "datasets", "pydantic", "peft")
 # The demo's 5 epochs are 240 steps: on the loan one epoch (48 steps) says the per-step cost as well; the dry run
@@ -265,3 +266,26 @@ def step_product_dpo(ctx: Context) -> dict[str, Any]:
         why = "product-lora's run has no final/adapter in this work folder (run product-lora first)"
         return {"ok": None, "skipped": why, "line": f"skipped: {why}"}
     return _step(ctx, "product-dpo", DPO_RECIPE, f"init_from={parent}")
+
+
+def step_product_grpo(ctx: Context) -> dict[str, Any]:
+    """The demo's third step (recipes/tiny-cpu-grpo.yaml): GRPO from product-lora's adapter, rewarded by the task
+    metric; the record adds the smoke test's sampling share and the rewards logged (docs/engines.md: what only a GPU
+    shows of GRPO is the speed of sampling with transformers' generate)."""
+    parent = ctx.work / "runs" / "product-lora"
+    if not (parent / "final" / "adapter").is_dir():
+        why = "product-lora's run has no final/adapter in this work folder (run product-lora first)"
+        return {"ok": None, "skipped": why, "line": f"skipped: {why}"}
+    result = _step(ctx, "product-grpo", GRPO_RECIPE, f"init_from={parent}")
+    run = ctx.work / "runs" / "product-grpo"
+    rows = []
+    if (run / "metrics.jsonl").is_file():
+        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rewards = [[r["step"], r["reward"], r.get("reward_std")] for r in rows if r.get("reward") is not None]
+    share = (result.get("smoke") or {}).get("sampling_share")
+    result.update({"rewards": rewards, "sampling_share": share})
+    if result.get("exit") == 0:
+        result["line"] += f"; sampling {share if share is None else f'{share:.0%}'} of the smoke steps" + (
+            f"; reward {rewards[0][1]:.3f} -> {rewards[-1][1]:.3f}" if rewards else ""
+        )
+    return result

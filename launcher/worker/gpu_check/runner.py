@@ -22,7 +22,7 @@ from launcher.worker.gpu_check.loss_head import step_loss_head
 from launcher.worker.gpu_check.memory_check import step_oom, step_peak_memory
 from launcher.worker.gpu_check.padding import step_bench_padding
 from launcher.worker.gpu_check.placement_check import place_child, step_memory_cap, step_placement
-from launcher.worker.gpu_check.product import step_product_dpo, step_product_lora, step_product_qlora
+from launcher.worker.gpu_check.product import step_product_dpo, step_product_grpo, step_product_lora, step_product_qlora
 from launcher.worker.gpu_check.resume_check import step_resume_exact
 from launcher.worker.gpu_check.smoke_check import step_smoke_bench
 from launcher.worker.gpu_check.tiny_model import step_tiny_model
@@ -51,6 +51,7 @@ STEPS = (
     "bench-full",
     "resume-exact",
     "product-dpo",
+    "product-grpo",
     "product-qlora",
     "bench-padding",
     "fsdp",
@@ -70,6 +71,7 @@ PRESETS = {
         "bench-full",
         "resume-exact",
         "product-dpo",
+        "product-grpo",
         "product-qlora",
     ),
     "unsloth": ("tiny-model", "product-lora", "unsloth"),  # the second call: TRL 1.15 beside Unsloth, one stack
@@ -95,6 +97,7 @@ STEP_FUNCS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "vs-trl": step_vs_trl,
     "resume-exact": step_resume_exact,
     "product-dpo": step_product_dpo,
+    "product-grpo": step_product_grpo,
     "product-qlora": step_product_qlora,
     "unsloth": step_unsloth,
 }

@@ -1,0 +1,53 @@
+"""GRPO's sampling in the worker: the prompts TRL's GRPOTrainer answers, its reward functions, and the time its
+generation takes (the smoke test reports it beside the steps' time).
+
+TRL's GRPOTrainer takes a "prompt" column and hands every other column to the rewards (trl 1.16 grpo_trainer.py
+`_calculate_rewards`): here "reference", what a task-metric reward scores against (launcher/data/rewards.py).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from launcher.data import rewards
+
+
+def prompt_rows(examples: list) -> list[dict[str, Any]]:
+    """Each example as GRPO's {"prompt", "reference"} row (the plan refused examples that leave no prompt)."""
+    return [rewards.prompt_and_reference(e) for e in examples]
+
+
+def trainer_arguments(recipe, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """GRPOTrainer's own arguments beside the configuration: the reward functions (their weights are in GRPOConfig's
+    reward_weights, launcher/worker/trainer_config.py grpo_fields)."""
+    funcs, _ = rewards.build(recipe, rows)
+    return {"reward_funcs": funcs}
+
+
+def timed(trainer_cls: type) -> type:
+    """`trainer_cls` (GRPOTrainer, or a subclass) that adds up the seconds its `_generate` takes (trl 1.16: the
+    sampling of one generation batch, transformers' generate or vLLM, before the rewards), in `sampling_seconds`."""
+
+    class TimedSampling(trainer_cls):
+        sampling_seconds = 0.0
+
+        def _generate(self, prompts):
+            start = time.perf_counter()
+            try:
+                return super()._generate(prompts)
+            finally:
+                self.sampling_seconds += time.perf_counter() - start
+
+    TimedSampling.__name__ = TimedSampling.__qualname__ = f"TimedSampling{trainer_cls.__name__}"
+    return TimedSampling
+
+
+def described(rows: list[dict[str, Any]], recipe) -> str:
+    """What the trainer takes, for the log (the SFT and preference runs say what TRL prepared)."""
+    with_ref = sum(r["reference"] is not None for r in rows)
+    g = recipe.grpo
+    return (
+        f"data as TRL takes it: {len(rows):,} prompts ({with_ref:,} with a reference), each answered "
+        f"{g.num_generations} times (at most {g.max_completion_length} tokens); the loss is on the sampled answers"
+    )
