@@ -12,6 +12,10 @@ from launcher.data.task_metrics import PAYS_BELOW, fine_tune_pays, word as metri
 # The score names of task_eval.json: the base model zero-shot and with the task's examples in its prompt, the trained
 # model (each export adds its own name: merged, gguf-q4_k_m)
 BASE_ZERO_SHOT, BASE_FEW_SHOT, FINE_TUNED = "base_zero_shot", "base_few_shot", "fine_tuned"
+# A run from a parent adapter (init_from): its base rows score the parent, where the run starts; this one scores the
+# base model without any adapter, zero-shot, so a chain (SFT, then DPO or GRPO) reads against the bare base too
+BARE_BASE = "bare_base_zero_shot"
+BARE_BASE_LABEL = "base model without the adapter, zero-shot"
 
 
 def pct(value: float) -> str:

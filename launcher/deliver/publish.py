@@ -325,7 +325,7 @@ def _task_eval_file(run: RunDir) -> Optional[Path]:
 
 def _task_eval_lines(run: RunDir) -> list[str]:
     """The card's scores table, from the task evaluation's record; nothing when it has no scores."""
-    from launcher.data.task_verdict import BASE_FEW_SHOT, BASE_ZERO_SHOT, FINE_TUNED
+    from launcher.data.task_verdict import BARE_BASE, BARE_BASE_LABEL, BASE_FEW_SHOT, BASE_ZERO_SHOT, FINE_TUNED
 
     path = _task_eval_file(run)
     record = json.loads(path.read_text()) if path else {}
@@ -334,11 +334,12 @@ def _task_eval_lines(run: RunDir) -> list[str]:
         return []
     shots = record.get("shots")
     names = {
+        BARE_BASE: BARE_BASE_LABEL,
         BASE_ZERO_SHOT: "base model, zero-shot",
         FINE_TUNED: "fine-tuned",
         BASE_FEW_SHOT: f"base model, {shots} examples in the prompt" if shots else "base model, few-shot",
     }
-    order = [n for n in (BASE_ZERO_SHOT, BASE_FEW_SHOT, FINE_TUNED) if n in scores] + [
+    order = [n for n in (BARE_BASE, BASE_ZERO_SHOT, BASE_FEW_SHOT, FINE_TUNED) if n in scores] + [
         n for n in scores if n not in names
     ]
     reason = f": {record['metric_reason']}" if record.get("metric_reason") else ""

@@ -14,6 +14,8 @@ from typing import Any, Optional
 from launcher.store.state import ENDED
 from launcher.data import task_metrics
 from launcher.data.task_verdict import (
+    BARE_BASE,
+    BARE_BASE_LABEL,
     BASE_FEW_SHOT,
     BASE_ZERO_SHOT,
     FINE_TUNED,
@@ -621,6 +623,8 @@ def task_label(name: str, shots: Optional[int], start: str = "base model") -> st
         return f"{start}, zero-shot"
     if name == BASE_FEW_SHOT:
         return f"{start}, {shots} examples" if shots else f"{start}, with examples"
+    if name == BARE_BASE:
+        return BARE_BASE_LABEL
     return "fine-tuned" if name == FINE_TUNED else name
 
 
@@ -635,8 +639,8 @@ def task_verdict(t: dict[str, Any]) -> str:
 def task_rows(t: dict[str, Any]) -> list[tuple[str, float, Optional[float]]]:
     """(label, score, generation tokens/s) for each score stored: the base model's two, fine-tuned, each export."""
     scores, speed = t.get("scores") or {}, t.get("generation") or {}
-    order = [n for n in (*BASE_SCORES, FINE_TUNED) if n in scores] + [
-        n for n in scores if n not in (*BASE_SCORES, FINE_TUNED)
+    order = [n for n in (BARE_BASE, *BASE_SCORES, FINE_TUNED) if n in scores] + [
+        n for n in scores if n not in (BARE_BASE, *BASE_SCORES, FINE_TUNED)
     ]
     start = start_name(t)  # init_from: the parent adapter, where the run starts
     return [

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from launcher.data import task_examples
-from launcher.data.task_verdict import start_name
+from launcher.data.task_verdict import BARE_BASE, BARE_BASE_LABEL, start_name
 
 BEFORE_FILE = "samples-before.json"  # in the run directory, and copied into each checkpoint
 MARKDOWN = "samples.md"  # in final/
@@ -185,6 +185,7 @@ def write_after(
 SCORES_HEADING = "## Task evaluation"
 # the rows of the scores' table, in this order (others, e.g. exports, after them)
 SCORE_ROWS = {
+    BARE_BASE: BARE_BASE_LABEL,
     "base_zero_shot": "base model, zero-shot",
     "base_few_shot": "base model, {shots} examples in the prompt",
     "fine_tuned": "fine-tuned",

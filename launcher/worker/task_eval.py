@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 
 from launcher.data import task_metrics
 from launcher.data.task_examples import with_shots
-from launcher.data.task_verdict import BASE_FEW_SHOT, BASE_ZERO_SHOT, base_score, verdict
+from launcher.data.task_verdict import BARE_BASE, BASE_FEW_SHOT, BASE_ZERO_SHOT, base_score, verdict
 from launcher.store.checkpoint import atomic_write_json
 from launcher.store.rundir import RunDir
 
@@ -354,9 +354,10 @@ def progress_line(name: str, task: dict[str, Any], result: dict[str, Any]) -> st
 # --- before training: the base model ---------------------------------------------------------------------------
 
 
-def load_base(recipe):
+def load_base(recipe, with_parent: bool = True):
     """The base model in 16-bit (bf16 on a GPU from compute capability 8.0, fp16 below, fp32 on the CPU) on this
-    process's device, whatever the method trains in (a 4-bit QLoRA base included), and its tokenizer."""
+    process's device, whatever the method trains in (a 4-bit QLoRA base included), and its tokenizer; under
+    init_from with the parent adapter merged in, unless `with_parent` is False."""
     from transformers import AutoModelForCausalLM
 
     from launcher.worker.loading import attention_implementation, device_map, load_tokenizer, select_device
@@ -367,7 +368,7 @@ def load_base(recipe):
     if attn is not None:
         kwargs["attn_implementation"] = attn
     model = AutoModelForCausalLM.from_pretrained(recipe.model, **kwargs)
-    if getattr(recipe, "init_from", None):
+    if with_parent and getattr(recipe, "init_from", None):
         # a run that continues an earlier run's adapter starts from that result, not from the bare base: its "base"
         # scores are the parent's (the comparison "did this step help?"), merged for generation
         from peft import PeftModel
@@ -426,6 +427,11 @@ def _base_phase(run_dir: Path, batch_size: Optional[int]) -> int:
         record(run.root, task)
         print(f"{PREFIX} not scored: {task.get('not_applicable') or task['why']}", flush=True)
         return 0
+    from transformers.utils import logging as transformers_logging
+
+    # no "Loading weights: 0%|" bar between the phase's own lines (as in the export, launcher/deliver/export.py): the
+    # next line says what loaded and how long it took
+    transformers_logging.disable_progress_bar()
     t0 = time.monotonic()
     model, tokenizer = load_base(recipe)
     parent = f" with the adapter of {Path(recipe.init_from).name} (init_from)" if recipe.init_from else ""
@@ -435,6 +441,13 @@ def _base_phase(run_dir: Path, batch_size: Optional[int]) -> int:
         flush=True,
     )
     score_base(run, recipe, task, model, tokenizer, say=lambda line: print(line, flush=True), batch_size=batch_size)
+    if recipe.init_from:
+        # the chain read against the bare base too: SFT's gain and this step's, one table (task_verdict.BARE_BASE)
+        del model
+        model, tokenizer = load_base(recipe, with_parent=False)
+        result = score_model(model, tokenizer, run.root, task, BARE_BASE, identity=recipe.model, batch_size=batch_size)
+        record(run.root, task, BARE_BASE, result)
+        print(progress_line(BARE_BASE, task, result), flush=True)
     return 0
 
 

@@ -204,7 +204,7 @@ TRAIN = dict(
     max_steps=24,
     logging_steps=4,
     checkpoint_every_minutes=10,
-    eval={"fraction": 0.05, "samples": 0, "max_new_tokens": 16, "task": {"baseline": "skip"}},
+    eval={"fraction": 0.05, "samples": 0, "max_new_tokens": 16},
 )
 
 
@@ -234,9 +234,11 @@ def test_grpo_from_an_sft_runs_adapter_raises_the_task_reward(grpo_run, sft_run,
     assert parent.keys() == child.keys() and any(not (parent[k] == child[k]).all() for k in parent)
     # the task evaluation of the result against its parent, on the held-out prompts
     scores = json.loads((grpo_run / "final" / "task_eval.json").read_text())["scores"]
-    assert "fine_tuned" in scores
+    # the parent (where GRPO starts), the bare base without any adapter, and the result
+    assert {"base_zero_shot", "base_few_shot", "bare_base_zero_shot", "fine_tuned"} <= set(scores)
     text = ftrun("status", grpo_run, cwd=tmp_path).stdout
     assert "reward " in text and "sampled answers' mean and spread" in text
+    assert "base model without the adapter, zero-shot" in text and "parent adapter, zero-shot" in text
     assert (grpo_run / "loss.png").stat().st_size > 0
 
 

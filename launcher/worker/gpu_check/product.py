@@ -166,6 +166,7 @@ def run_record(run: Path, started: float) -> dict[str, Any]:
                 "peak_memory_gb",
                 "planned_memory_gb",
                 "generation_tokens_per_second",
+                "sampling_share",  # GRPO: the share of the smoke steps spent sampling answers
                 "import_seconds",
                 "load_seconds",
                 "warmup_seconds",
