@@ -12,7 +12,8 @@ import sys
 from typing import Any
 
 from launcher.errors import EXIT_BAD_INPUT, RecipeError, RunError, UsageError
-from launcher.recipe import Recipe, load_recipe
+from launcher.recipe import Recipe
+from launcher.recipe_loading import load_recipe
 from launcher.run import facts, views
 from launcher.run.pipeline import prepare_only
 from launcher.run.run_dirs import run_dir_of

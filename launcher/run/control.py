@@ -71,7 +71,7 @@ def _phase(run: RunDir, data: dict[str, Any]) -> dict[str, Any]:
 
 def _grace_seconds(run: RunDir) -> float:
     try:
-        from launcher.recipe import load_recipe
+        from launcher.recipe_loading import load_recipe
 
         return float(load_recipe(run.recipe).grace_seconds)
     except Exception:  # a recipe that no longer loads must not keep a stop from ending workers

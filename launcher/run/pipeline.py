@@ -8,7 +8,8 @@ from typing import Any, Optional
 
 from launcher.store.checkpoint import newest_step_unverified
 from launcher.errors import BusyError, FtrunError, RecipeError, UsageError
-from launcher.recipe import Recipe, load_recipe
+from launcher.recipe import Recipe
+from launcher.recipe_loading import load_recipe
 from launcher.run import weights
 from launcher.store.rundir import RunDir
 from launcher.store.state import (

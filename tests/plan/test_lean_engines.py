@@ -14,7 +14,7 @@ from launcher.plan import throughput
 from launcher.plan.hardware import from_spec
 from launcher.plan.plan import make_plan
 from launcher.plan.text import format_plan
-from launcher.recipe import validate_recipe
+from launcher.recipe_loading import validate_recipe
 from launcher.worker.engines import trainer_fields
 
 DATA = SimpleNamespace(

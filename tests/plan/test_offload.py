@@ -16,7 +16,7 @@ from launcher.plan.hardware import catalog_box, from_spec
 from launcher.plan.models import from_catalog
 from launcher.plan.plan import make_plan
 from launcher.plan.sizing import GB, Workload
-from launcher.recipe import load_recipe
+from launcher.recipe_loading import load_recipe
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 LLAMA_8BIT = RECIPES / "llama-3.1-70b-full-8bit-8xh100.yaml"

@@ -21,7 +21,8 @@ from launcher.plan.models import _weights_bytes, download_size, from_catalog
 from launcher.plan.figures import UNIT
 from launcher.plan.plan import make_plan
 from launcher.plan.text import format_plan
-from launcher.recipe import TOKENS_MEANING, Recipe, _suggest, parse_token_count, validate_recipe
+from launcher.recipe import TOKENS_MEANING, Recipe, parse_token_count
+from launcher.recipe_loading import _suggest, validate_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 README_RECIPE = REPO / "recipes" / "qwen3-8b-qlora-rtx4090.yaml"
@@ -443,7 +444,7 @@ def test_alternatives_only_hold_the_job(tmp_path):
 def test_plan_checks_the_trainer_fields(tmp_path, no_gpu_here, capsys, monkeypatch):
     seen = []
 
-    def check(r):  # launcher.recipe.check_trainer_fields, called by plan (its own checks: tests/test_recipe.py)
+    def check(r):  # launcher.recipe_trainer.check_trainer_fields, called by plan (its own checks: tests/test_recipe.py)
         seen.append(dict(r.trainer))
         raise RecipeError("the recipe's trainer: section has unknown fields:\n- trainer.warmup_ratoi ...")
 

@@ -22,7 +22,7 @@ from launcher.errors import PlanError
 from launcher.plan.hardware import from_spec
 from launcher.plan.models import from_catalog, from_config
 from launcher.plan.plan import make_plan
-from launcher.recipe import load_recipe
+from launcher.recipe_loading import load_recipe
 from launcher.plan.sizing import GB, Workload
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"

@@ -367,7 +367,7 @@ def test_ftrun_baseline_with_the_task_eval_off_is_refused_before_anything(write_
 
 
 def test_the_launch_step_says_its_failure_in_one_line_and_goes_on(tmp_path, fake_worker, write_recipe):
-    from launcher.recipe import load_recipe
+    from launcher.recipe_loading import load_recipe
 
     recipe = load_recipe(write_recipe())
     run = RunDir(tmp_path / "run")
@@ -392,7 +392,7 @@ def test_the_launch_step_says_its_failure_in_one_line_and_goes_on(tmp_path, fake
 
 
 def test_a_resume_after_training_began_does_not_score_the_base_again(tmp_path, fake_worker, write_recipe):
-    from launcher.recipe import load_recipe
+    from launcher.recipe_loading import load_recipe
 
     run = _run(tmp_path, {}, state="running")
     run.task_eval.unlink()

@@ -205,7 +205,7 @@ def test_after_a_resume_the_memory_line_keeps_the_passed_smoke_tests_measurement
     """A resume skips the smoke test; the plan made for it is calibrated by the smoke test that passed, so
     `status` does not say 'no passed smoke test'."""
     from launcher.run.prepare import _prepare
-    from launcher.recipe import load_recipe
+    from launcher.recipe_loading import load_recipe
 
     run = _copy(reference_run, tmp_path / "run")
     plan = json.loads(run.plan.read_text())
@@ -261,7 +261,7 @@ def test_mfu_beside_a_gpus_tokens_per_second_and_silent_on_a_cpu(tmp_path):
     QLoRA, 1,000 tokens/s measured; the status line and the smoke test's line show it on a GPU only."""
     from launcher.plan.hardware import from_spec
     from launcher.plan.plan import make_plan, model_flops_utilization
-    from launcher.recipe import validate_recipe
+    from launcher.recipe_loading import validate_recipe
 
     recipe = validate_recipe(
         {"model": "Qwen/Qwen3-8B", "method": "qlora", "data": "d.jsonl", "tokens": "15M", "max_length": 2048},

@@ -31,7 +31,7 @@ from launcher.plan.hardware import from_spec
 from launcher.plan.models import from_catalog
 from launcher.plan.plan import make_plan
 from launcher.plan.text import format_plan
-from launcher.recipe import load_recipe, validate_recipe
+from launcher.recipe_loading import load_recipe, validate_recipe
 from launcher.plan.sizing import GB, Workload
 
 REPO = Path(__file__).resolve().parents[2]

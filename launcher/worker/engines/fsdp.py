@@ -245,7 +245,7 @@ def exercise(run_dir: Path, steps: int, out: Optional[Path], final_dir: Optional
     import torch
     import torch.distributed as dist
 
-    from launcher.recipe import load_recipe
+    from launcher.recipe_loading import load_recipe
     from launcher.worker.loading import load_model_and_tokenizer
 
     dist.init_process_group("gloo")
