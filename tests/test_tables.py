@@ -146,7 +146,7 @@ def _states():
 
 @pytest.mark.parametrize("state", _states())
 def test_every_run_state_is_recorded_and_shown(state, tmp_path):
-    from launcher.run import facts, views
+    from launcher.run import facts, summary_view, views
     from launcher.store.rundir import RunDir
     from launcher.store.state import ACTIVE, ENDED, STATES, TRAINED, read_state, set_state
 
@@ -160,8 +160,10 @@ def test_every_run_state_is_recorded_and_shown(state, tmp_path):
     text = views.format_status(s)
     assert state in text or (state in ACTIVE and s["state"] == "interrupted")  # no process holds this test's run
     if state in ENDED:
-        assert state in views.ENDING  # how its end is headed
-        assert views.format_end_summary(facts.end_summary(run)).startswith(f"== run {views.ENDING[state]}")
+        assert state in summary_view.ENDING  # how its end is headed
+        assert summary_view.format_end_summary(facts.end_summary(run)).startswith(
+            f"== run {summary_view.ENDING[state]}"
+        )
     assert not (set(ACTIVE) & set(ENDED)) and set(TRAINED) <= set(ENDED)
 
 
