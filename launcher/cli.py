@@ -397,8 +397,8 @@ def _parse_gb(text: Optional[str]) -> Optional[float]:
     if text is None:
         return None
     t = text.strip().lower().replace(" ", "")
-    # ftrun's one unit, GB = 2**30 bytes (sizing.GB), as nvidia-smi counts: 20GB and 20GiB are the same, 800MB is 800
-    # MiB
+    # ftrun's one unit, GB = 2**30 bytes (sizing_constants.GB), as nvidia-smi counts: 20GB and 20GiB are the same,
+    # 800MB is 800 MiB
     for unit, factor in (("gib", 1.0), ("gb", 1.0), ("g", 1.0), ("mib", 1 / 1024), ("mb", 1 / 1024), ("m", 1 / 1024)):
         if t.endswith(unit):
             t, scale = t[: -len(unit)], factor

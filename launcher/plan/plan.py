@@ -14,7 +14,7 @@ from typing import Any
 from launcher.plan import attention
 from launcher.plan import gguf_readiness
 from launcher.plan import packing
-from launcher.plan import sizing
+from launcher.plan import sizing, sizing_constants
 from launcher.plan import loss_head
 from launcher.plan import throughput
 from launcher.plan import sampling
@@ -478,7 +478,7 @@ def _loss_reason(job: Job, choice: Choice, est: Any) -> str:
         choice.offload_activations,
     )
     t, vocab = w.tokens_per_micro_batch, job.arch.vocab
-    whole = loss_head.whole_logits_bytes(t, vocab, choice.device) / sizing.GB
+    whole = loss_head.whole_logits_bytes(t, vocab, choice.device) / sizing_constants.GB
     if w.loss_kind == sizing.LOSS_UNSLOTH:
         return (
             f"loss: Unsloth's fused cross-entropy, in chunks with the gradient in place "
@@ -491,7 +491,7 @@ def _loss_reason(job: Job, choice: Choice, est: Any) -> str:
             f"{est.breakdown_gb.get('logits and loss', 0.0):.2f} GB for {t:,} tokens x {vocab:,} vocabulary "
             "(the logits, a copy for the loss, their gradient)"
         )
-    head = loss_head.fused_head_bytes(job.arch, w) / sizing.GB
+    head = loss_head.fused_head_bytes(job.arch, w) / sizing_constants.GB
     on = (
         "; on a CPU, a frozen head through ftrun's kernel, launcher/worker/cpu_logprob.py"
         if choice.device == "cpu" and is_adapter(job.method)
@@ -664,7 +664,9 @@ def _memory_dict(est: Any, choice: Choice, measured: dict[str, Any]) -> dict[str
         "total_gb": round(est.total_gb, 1),
         "capacity_gb": round(choice.capacity_gb, 1),
         "usable_gb": round(
-            choice.capacity_gb * (sizing.USABLE_FRACTION if choice.device == "cuda" else sizing.USABLE_RAM_FRACTION), 1
+            choice.capacity_gb
+            * (sizing_constants.USABLE_FRACTION if choice.device == "cuda" else sizing_constants.USABLE_RAM_FRACTION),
+            1,
         ),
         "breakdown_gb": {k: round(v, 2) for k, v in est.breakdown_gb.items()},
         "explanations": dict(est.explanations),

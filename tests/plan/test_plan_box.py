@@ -12,7 +12,7 @@ import pytest
 from launcher import cli
 from launcher.plan import this_box
 from launcher.run import pipeline, plan_command
-from launcher.plan import sizing
+from launcher.plan import sizing_constants
 from launcher.plan import plan as plan_mod
 from launcher.plan import engine_software
 from launcher.errors import MissingSoftware, PlanError, RecipeError
@@ -237,7 +237,7 @@ def test_json_when_nothing_fits(tmp_path, no_gpu_here, capsys):
     assert "does not fit" in d["refusal"]["message"] and d["refusal"]["options"] and d["reasons"]
     assert d["alternatives"] and d["units"].startswith("GB = 2**30")
     for a in d["alternatives"]:  # only boxes that hold it: never 2xRTX4090 for 564 GB
-        assert a["per_gpu_gb"] <= a["card_gb"] * sizing.USABLE_FRACTION
+        assert a["per_gpu_gb"] <= a["card_gb"] * sizing_constants.USABLE_FRACTION
     assert not any("RTX4090" in o for o in d["refusal"]["options"])
 
 
@@ -274,7 +274,7 @@ def test_card_sizes_as_people_know_them(name, size):
 
 
 def test_one_unit_said_once(tmp_path):
-    assert sizing.GB == 2**30
+    assert sizing_constants.GB == 2**30
     p = make_plan(recipe(tmp_path), from_spec("RTX4090"), tokens=15e6)
     text = format_plan(p)
     assert text.count("2**30") == 1 and p.to_dict()["units"] == UNIT
@@ -436,7 +436,9 @@ def test_alternatives_only_hold_the_job(tmp_path):
     with pytest.raises(PlanError) as err:
         make_plan(recipe(tmp_path, model="Qwen/Qwen2.5-32B", method="full"), from_spec("RTX4090"), tokens=15e6)
     p = err.value.plan
-    assert p.alternatives and all(a["per_gpu_gb"] <= a["card_gb"] * sizing.USABLE_FRACTION for a in p.alternatives)
+    assert p.alternatives and all(
+        a["per_gpu_gb"] <= a["card_gb"] * sizing_constants.USABLE_FRACTION for a in p.alternatives
+    )
     assert all(not math.isnan(a["per_gpu_gb"]) for a in p.alternatives)
     assert "2xRTX4090" not in err.value.fix
 

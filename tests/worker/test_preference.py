@@ -330,12 +330,12 @@ def test_the_plan_of_an_8b_qlora_dpo_job_on_one_4090_states_the_pairs_and_the_re
     assert orpo.estimate["hours"] < dpo.estimate["hours"]
     # ORPO's loss reads the whole logits (trl's ORPOTrainer takes outputs.logits), DPO's the fused head: 2 sequences x
     # seq_len tokens x the vocabulary at 12 B (loss_head.LOGIT_BYTES_HF) against the head's tiles
-    from launcher.plan import sizing
+    from launcher.plan import sizing_constants
     from launcher.plan import loss_head
 
     tokens = 2 * orpo.tokens["seq_len"]
     assert orpo.memory["breakdown_gb"]["logits and loss"] == pytest.approx(
-        tokens * orpo.model["vocab"] * loss_head.LOGIT_BYTES_HF / sizing.GB, rel=0.01
+        tokens * orpo.model["vocab"] * loss_head.LOGIT_BYTES_HF / sizing_constants.GB, rel=0.01
     )
     assert orpo.memory["breakdown_gb"]["logits and loss"] > 5 * dpo.memory["breakdown_gb"]["logits and loss"]
     assert "loss: the model's whole logits (trl's ORPOTrainer takes them" in "\n".join(orpo.reasons)
