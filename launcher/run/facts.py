@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from launcher.plan.plan import model_flops_utilization
+from launcher.plan.mfu import model_flops_utilization
 from launcher.run.commands import serve_command
 from launcher.run.views import rank_end_text
 from launcher.run.watchdog import heartbeat_rows

@@ -299,7 +299,7 @@ def run_smoke(
         "engine": plan.get("engine"),
         "num_processes": processes,
     }
-    from launcher.plan.plan import model_flops_utilization
+    from launcher.plan.mfu import model_flops_utilization
 
     mfu = model_flops_utilization(plan, tps) if measured.get("device") == "cuda" else None
     if mfu is not None:

@@ -260,7 +260,8 @@ def test_mfu_beside_a_gpus_tokens_per_second_and_silent_on_a_cpu(tmp_path):
     """Model FLOPs utilization from the plan's basis (docs/BENCHMARKS.md, "MFU"): a 1 x RTX 4090 plan of Qwen3-8B
     QLoRA, 1,000 tokens/s measured; the status line and the smoke test's line show it on a GPU only."""
     from launcher.plan.hardware import from_spec
-    from launcher.plan.plan import make_plan, model_flops_utilization
+    from launcher.plan.mfu import model_flops_utilization
+    from launcher.plan.plan import make_plan
     from launcher.recipe_loading import validate_recipe
 
     recipe = validate_recipe(
