@@ -36,7 +36,7 @@ def _gpu_names() -> str:
 
 
 def _smoke_share() -> str:
-    from launcher.recipe import SmokeSettings  # the smoke test's default sample, as its field says it
+    from launcher.recipe_sections import SmokeSettings  # the smoke test's default sample, as its field says it
 
     return f"{SmokeSettings.model_fields['fraction'].default:.0%}"
 
@@ -397,8 +397,8 @@ def _parse_gb(text: Optional[str]) -> Optional[float]:
     if text is None:
         return None
     t = text.strip().lower().replace(" ", "")
-    # ftrun's one unit, GB = 2**30 bytes (sizing.GB), as nvidia-smi counts: 20GB and 20GiB are the same, 800MB is 800
-    # MiB
+    # ftrun's one unit, GB = 2**30 bytes (sizing_constants.GB), as nvidia-smi counts: 20GB and 20GiB are the same,
+    # 800MB is 800 MiB
     for unit, factor in (("gib", 1.0), ("gb", 1.0), ("g", 1.0), ("mib", 1 / 1024), ("mb", 1 / 1024), ("m", 1 / 1024)):
         if t.endswith(unit):
             t, scale = t[: -len(unit)], factor
@@ -468,8 +468,8 @@ def split_command_line(argv: list[str]) -> tuple[list[str], list[str]]:
 
 def _recipe_and_overrides(argv: list[str], recipe: str, words: list[str]) -> tuple[str, list[str]]:
     """The recipe, and every other word that is not an option (the overrides and the words argparse left over) in
-    the order typed on `argv`: recipe.parse_overrides reads `max_steps 20` or `epochs = 1` as the user typed them and
-    refuses them by name. argparse's recipe is the first such word; when that is no file but a later one is
+    the order typed on `argv`: recipe_loading.parse_overrides reads `max_steps 20` or `epochs = 1` as the user typed
+    them and refuses them by name. argparse's recipe is the first such word; when that is no file but a later one is
     (`ftrun plan max_steps 20 r.yaml`), the file is the recipe and the first word is refused as a word."""
     left, ordered = [recipe, *words], []
     for word in argv[1:]:  # argv[0] is the command
@@ -498,7 +498,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         args, extra = parser.parse_known_args(argv)
         if hasattr(args, "overrides"):
             # words that are neither options nor key=value (`max_steps 20`, `lr:1e-4`) go to the overrides too, in
-            # the order typed, so that they are refused by name (recipe.parse_overrides) instead of dropped
+            # the order typed, so that they are refused by name (recipe_loading.parse_overrides) instead of dropped
             strays = list(args.overrides) + ([] if any(x.startswith("-") for x in extra) else extra)
             extra = [x for x in extra if x not in strays]
             args.recipe, args.overrides = _recipe_and_overrides(typed_argv, args.recipe, overrides + strays)

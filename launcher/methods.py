@@ -156,7 +156,7 @@ class Objective:
     refuses: tuple[str, ...] = ()  # the recipe's switches it cannot honour: each is refused when set true
     refuses_why: str = ""  # why, as the refusal says it
     unsloth: bool = False  # engine unsloth trains it (FastLanguageModel with its own patched TRL trainer)
-    section: str = "preference"  # the recipe section that holds its settings (launcher/recipe.py SECTIONS)
+    section: str = "preference"  # the recipe section that holds its settings (launcher/recipe_sections.py SECTIONS)
     # It samples its own answers while training (num_generations per prompt, scored by the recipe's `reward:`), so the
     # plan prices generation beside the steps and the data are prompts, their reference answers optional.
     generates: bool = False

@@ -78,7 +78,7 @@ def main(run_dir: str, dtype_name: str, out: str, path: str = "once-per-box", ch
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from launcher.recipe import load_recipe
+    from launcher.recipe_loading import load_recipe
     from launcher.worker.engines.fsdp import shard_worker_model
     from launcher.worker.loading import add_lora, load_kwargs, load_model_and_tokenizer
 

@@ -35,7 +35,7 @@ def article_recipe(tmp_path, **fields):
         "gradient_accumulation_steps": 8,
     }
     base.update(fields)
-    from launcher.recipe import validate_recipe
+    from launcher.recipe_loading import validate_recipe
 
     return validate_recipe(base, tmp_path, "r")
 
@@ -250,7 +250,7 @@ def prepared_run(recipe_path: Path, *overrides: str) -> Path:
 
     from launcher.data.stats import data_stats
     from launcher.run.prepare import make_plan as pipeline_plan
-    from launcher.recipe import load_recipe
+    from launcher.recipe_loading import load_recipe
 
     recipe = load_recipe(recipe_path, list(overrides))
     run = Path(recipe.output_dir)

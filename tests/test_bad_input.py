@@ -154,6 +154,6 @@ def test_a_key_written_twice_is_refused_with_both_lines(tmp_path, capsys, tiny_m
     # YAML's merge keys are not duplicates
     merged = tmp_path / "m.yaml"
     merged.write_text(f"base: &b {{r: 8}}\nmodel: {tiny_model}\nmethod: lora\ndata: {_data(tmp_path)}\n")
-    from launcher.recipe import _RecipeLoader
+    from launcher.recipe_loading import _RecipeLoader
 
     assert yaml.load("a: &x {k: 1}\nb:\n  <<: *x\n  j: 2\n", Loader=_RecipeLoader)["b"] == {"k": 1, "j": 2}

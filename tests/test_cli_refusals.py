@@ -13,7 +13,7 @@ import yaml
 from helpers import ftrun
 from launcher import cli
 from launcher.errors import UsageError
-from launcher.recipe import load_recipe, parse_overrides
+from launcher.recipe_loading import load_recipe, parse_overrides
 
 
 def _recipe(folder: Path, **fields) -> Path:

@@ -8,7 +8,7 @@ import yaml
 
 from launcher.errors import RecipeError, UsageError
 from helpers import stand_in_adapter
-from launcher.recipe import load_recipe, parse_overrides
+from launcher.recipe_loading import load_recipe, parse_overrides
 
 
 def _write(tmp_path: Path, data: dict, name="r.yaml") -> Path:

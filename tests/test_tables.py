@@ -32,7 +32,7 @@ def _gguf_types():
 def test_every_gguf_type_is_accepted_sized_checked_and_advised(name, tmp_path):
     from launcher import gguf_types
     from launcher.deliver import parity
-    from launcher.recipe import validate_recipe
+    from launcher.recipe_loading import validate_recipe
     from launcher.run.smoke import gguf_bytes_per_param
 
     t = gguf_types.TYPES[name]
@@ -99,7 +99,8 @@ def test_every_data_format_has_a_record_here():
 @pytest.mark.parametrize("name", list(RECORDS))
 def test_every_data_format_is_detected_converted_and_accepted(name, tmp_path):
     from launcher.data import formats
-    from launcher.recipe import DataSource, validate_recipe
+    from launcher.recipe_loading import validate_recipe
+    from launcher.recipe_sections import DataSource
 
     record = RECORDS[name]
     assert formats.detect_one(record) == name  # the table's keys and order tell it apart from the others
@@ -145,7 +146,7 @@ def _states():
 
 @pytest.mark.parametrize("state", _states())
 def test_every_run_state_is_recorded_and_shown(state, tmp_path):
-    from launcher.run import facts, views
+    from launcher.run import facts, summary_view, views
     from launcher.store.rundir import RunDir
     from launcher.store.state import ACTIVE, ENDED, STATES, TRAINED, read_state, set_state
 
@@ -159,8 +160,10 @@ def test_every_run_state_is_recorded_and_shown(state, tmp_path):
     text = views.format_status(s)
     assert state in text or (state in ACTIVE and s["state"] == "interrupted")  # no process holds this test's run
     if state in ENDED:
-        assert state in views.ENDING  # how its end is headed
-        assert views.format_end_summary(facts.end_summary(run)).startswith(f"== run {views.ENDING[state]}")
+        assert state in summary_view.ENDING  # how its end is headed
+        assert summary_view.format_end_summary(facts.end_summary(run)).startswith(
+            f"== run {summary_view.ENDING[state]}"
+        )
     assert not (set(ACTIVE) & set(ENDED)) and set(TRAINED) <= set(ENDED)
 
 
@@ -187,7 +190,7 @@ def _kinds():
 
 @pytest.mark.parametrize("name", _kinds())
 def test_every_copy_destination_is_chosen_by_its_example_and_named_in_the_recipe(name):
-    from launcher.recipe import SyncSettings
+    from launcher.recipe_sections import SyncSettings
     from launcher.store.sync.base import Destination
     from launcher.store.sync.kinds import KINDS, kind_of
 
@@ -226,7 +229,7 @@ def test_every_catalog_gpu_is_found_by_name_and_planned_for(name):
     from launcher.plan.hardware import catalog, from_spec
     from launcher.plan.models import from_catalog
     from launcher.plan.plan import plan_for
-    from launcher.recipe import validate_recipe
+    from launcher.recipe_loading import validate_recipe
 
     hw = from_spec(f"2x{name}")
     assert hw.count == 2 and hw.gpu.name == catalog()[name].name and hw.gpu.memory_gb > 0
@@ -255,7 +258,8 @@ def test_every_method_is_accepted_sized_planned_saved_and_named(name):
     from launcher.plan.hardware import from_spec
     from launcher.plan.models import from_catalog
     from launcher.plan.plan import plan_for
-    from launcher.recipe import Recipe, validate_recipe
+    from launcher.recipe import Recipe
+    from launcher.recipe_loading import validate_recipe
     from launcher.store import final
 
     m = METHODS[name]
@@ -279,7 +283,7 @@ def test_every_method_is_accepted_sized_planned_saved_and_named(name):
 
 
 def test_every_objective_names_a_trainer_and_configuration_of_the_installed_trl():
-    from launcher.recipe import SECTIONS
+    from launcher.recipe_sections import SECTIONS
 
     from launcher.data import formats
     from launcher.methods import OBJECTIVES
@@ -305,7 +309,8 @@ def test_every_objective_is_accepted_and_planned(name):
     from launcher.plan.hardware import from_spec
     from launcher.plan.models import from_catalog
     from launcher.plan.plan import plan_for
-    from launcher.recipe import Recipe, validate_recipe
+    from launcher.recipe import Recipe
+    from launcher.recipe_loading import validate_recipe
 
     recipe = validate_recipe(
         {"model": "Qwen/Qwen3-0.6B", "data": "d.jsonl", "method": "lora", "objective": name},
@@ -336,7 +341,8 @@ def test_every_engine_is_accepted_planned_and_launched_with_its_config_file(name
     from launcher.plan.hardware import from_spec
     from launcher.plan.models import from_catalog
     from launcher.plan.plan import plan_for
-    from launcher.recipe import Recipe, validate_recipe
+    from launcher.recipe import Recipe
+    from launcher.recipe_loading import validate_recipe
     from launcher.worker.engines import launch_command
 
     e = ENGINES[name]
@@ -369,7 +375,8 @@ def test_every_engine_is_accepted_planned_and_launched_with_its_config_file(name
 def test_every_tracker_is_accepted_and_installed_by_the_extra_or_with_training():
     import tomllib
 
-    from launcher.recipe import Recipe, validate_recipe
+    from launcher.recipe import Recipe
+    from launcher.recipe_loading import validate_recipe
     from launcher.tracker_kinds import TRACKERS
 
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
@@ -408,7 +415,8 @@ def test_a_missing_tracker_is_refused_with_its_package(monkeypatch):
 def test_every_export_format_is_accepted_ordered_and_estimated():
     from launcher.deliver import export_inputs
     from launcher.export_formats import FORMATS, made
-    from launcher.recipe import Recipe, validate_recipe
+    from launcher.recipe import Recipe
+    from launcher.recipe_loading import validate_recipe
     from launcher.run.smoke import export_seconds
 
     assert export_inputs.FORMATS == tuple(FORMATS)

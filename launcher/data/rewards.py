@@ -75,7 +75,8 @@ def metric_reward(metric: str) -> Callable[..., list[Optional[float]]]:
 
 
 def load_function(spec: str) -> Callable:
-    """The function FILE.py:NAME names (FILE absolute: launcher/recipe.py resolves it against the recipe's folder)."""
+    """The function FILE.py:NAME names (FILE absolute: launcher/recipe_loading.py resolves it against the recipe's
+    folder)."""
     file, _, name = spec.rpartition(":")
     path = Path(file)
     if not path.is_file():

@@ -148,7 +148,9 @@ def build_task(
         "shots": shots_for(examples, train, settings.shots, seed),
         "max_new_tokens": limit,
     }
-    if limit < needed:  # an answer as long as the reference is cut by a setting: the score says so (run/views.py)
+    if (
+        limit < needed
+    ):  # an answer as long as the reference is cut by a setting: the score says so (run/task_eval_view.py)
         task["capped"] = {
             "max_new_tokens": limit,
             "reference_tokens": needed,

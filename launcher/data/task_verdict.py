@@ -1,7 +1,7 @@
 """The reference article's verdict on the task evaluation's scores: does a fine-tune pay? A base model still wrong in
 one case out of five with examples in its prompt pays for one (task_metrics.PAYS_BELOW); one right more often may
 need only a prompt. final/task_eval.json stores the sentence (worker/task_eval.py record); the views add the
-fine-tune's forecast cost where they show it (run/views.py task_verdict)."""
+fine-tune's forecast cost where they show it (run/task_eval_view.py task_verdict)."""
 
 from __future__ import annotations
 

@@ -137,7 +137,7 @@ def _record_export(run: RunDir, formats: Optional[list[str]], started: float, in
 
 
 def inp_formats(run: RunDir) -> list[str]:
-    from launcher.recipe import load_recipe
+    from launcher.recipe_loading import load_recipe
 
     return list(getattr(load_recipe(run.recipe), "export", []))
 

@@ -30,7 +30,7 @@ class Inputs:
 
 def check_inputs(run_dir: Path, formats: Optional[list[str]] = None, gguf_type: Optional[str] = None) -> Inputs:
     """Everything that can be wrong before loading a model: one `FtrunError` with the fix."""
-    from launcher.recipe import load_recipe
+    from launcher.recipe_loading import load_recipe
 
     run = RunDir(Path(run_dir))
     if not run.exists():

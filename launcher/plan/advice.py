@@ -11,7 +11,7 @@ from launcher.plan.engine import choose
 from launcher.plan.figures import _fmt_hours, _fmt_tokens
 from launcher.plan.hardware import Hardware, catalog, catalog_box
 from launcher.plan.job import Job
-from launcher.plan.sizing import USABLE_RAM_FRACTION
+from launcher.plan.sizing_constants import USABLE_RAM_FRACTION
 
 
 # Box sizes the alternatives table and the refusal advice consider (the catalog lists 1, 2, 4, 8-card boxes).

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from launcher.engine_kinds import SHARDING
-from launcher.plan import sizing, throughput
+from launcher.plan import sizing, sizing_constants, throughput
 from launcher.plan.hardware import Hardware
 from launcher.plan.job import Job, _steps_and_tokens
 from launcher.plan.sizing import Workload
@@ -38,7 +38,7 @@ class Choice:
 
 def _fits(est: sizing.MemoryEstimate, capacity: float) -> bool:
     """The card holds both the training step and the load (docs/sizing.md, "Loading")."""
-    return est.peak_gb <= capacity * sizing.USABLE_FRACTION
+    return est.peak_gb <= capacity * sizing_constants.USABLE_FRACTION
 
 
 def _tps(job: Job, w: Workload, hw: Hardware) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from launcher.engine_kinds import CPU_MULTI_PROCESS
 from launcher.methods import METHODS, OBJECTIVES, is_adapter
-from launcher.plan import engine_software, sizing
+from launcher.plan import engine_software, sizing, sizing_constants
 from launcher.plan.choice import CPU_ADAM_NOTE, OFFLOAD_FORCED, Choice, _hours, offload_words
 from launcher.plan.engine_software import UNSLOTH_MISSING, UNSLOTH_NOT_FOR
 from launcher.plan.figures import _fmt_hours
@@ -69,7 +69,7 @@ def _choose_cpu(
             f"{job.method} relies on bitsandbytes, whose CPU support is limited: the smoke test will tell; "
             "method lora (or full) is the safe choice on CPU"
         )
-    if est.per_gpu_gb > capacity * sizing.USABLE_RAM_FRACTION:
+    if est.per_gpu_gb > capacity * sizing_constants.USABLE_RAM_FRACTION:
         return Choice(
             False,
             "trl",
@@ -81,7 +81,7 @@ def _choose_cpu(
             tps,
             hrs,
             refusal=f"needs {est.per_gpu_gb:.1f} GB of RAM, this box has {capacity:.0f} GB "
-            f"({sizing.USABLE_RAM_FRACTION:.0%} usable)",
+            f"({sizing_constants.USABLE_RAM_FRACTION:.0%} usable)",
         )
     if hrs is not None and hrs > CPU_MAX_HOURS:
         return Choice(
@@ -169,7 +169,7 @@ def _choose_cpu_multi(
             f"AdamW) whatever the method; {CPU_ADAM_NOTE}"
         )
     total = est.per_gpu_gb * n
-    if total > capacity * sizing.USABLE_RAM_FRACTION:
+    if total > capacity * sizing_constants.USABLE_RAM_FRACTION:
         return Choice(
             False,
             engine,
@@ -250,7 +250,7 @@ def _choose_cpu_unsloth(job: Job, hw: Hardware, unsloth_ok: bool, processes: int
         'on CPU"), for testing the engine; its speed and memory gains need an NVIDIA GPU, so time and '
         "memory are estimated as for trl"
     )
-    if est.per_gpu_gb > capacity * sizing.USABLE_RAM_FRACTION:
+    if est.per_gpu_gb > capacity * sizing_constants.USABLE_RAM_FRACTION:
         return Choice(
             False,
             "unsloth",

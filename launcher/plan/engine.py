@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from launcher.methods import METHODS, OBJECTIVES, is_adapter, is_quantized
-from launcher.plan import engine_software, links, sizing
+from launcher.plan import engine_software, links, sizing, sizing_constants
 from launcher.plan import throughput
 from launcher.plan.choice import (
     CPU_ADAM_NOTE,
@@ -255,7 +255,9 @@ def choose(
         # host-link time of moving them down and back every micro-batch (throughput.activation_offload_seconds).
         w_off = job.workload("trl", 1, "cuda", offload_activations=True)
         off = sizing.memory(job.arch, w_off)
-        ram_ok = off.offloaded_ram_gb + sizing.CPU_RUNTIME_GB <= hw.ram_gb * sizing.USABLE_RAM_FRACTION
+        ram_ok = (
+            off.offloaded_ram_gb + sizing_constants.CPU_RUNTIME_GB <= hw.ram_gb * sizing_constants.USABLE_RAM_FRACTION
+        )
         if _fits(off, cap) and ram_ok:
             tps_off, hrs_off = _hours(job, w_off, hw, 1)
             tps_plain = _tps(job, job.workload("trl", 1, "cuda"), hw)
@@ -297,7 +299,7 @@ def choose(
             cap,
             reasons,
             refusal=f"needs {one.per_gpu_gb:.1f} GB on one card, the card has {cap:.1f} GB "
-            f"({sizing.USABLE_FRACTION:.0%} usable), and the box has no second card to shard over",
+            f"({sizing_constants.USABLE_FRACTION:.0%} usable), and the box has no second card to shard over",
         )
     if METHODS[job.method].eight_bit_optimizer and shard_engine == "fsdp":
         return Choice(False, "fsdp", "cuda", n, None, cap, reasons, refusal=FULL_8BIT_FSDP)
@@ -357,8 +359,8 @@ def choose(
             + (f" ({est_all.load_explanation})" if est_all.load_peak_gb > est_all.per_gpu_gb else "")
             + f", the cards have {cap:.1f} GB",
         )
-    ram_usable = hw.ram_gb * sizing.USABLE_RAM_FRACTION
-    need_ram = est_all.host_ram_gb / sizing.USABLE_RAM_FRACTION
+    ram_usable = hw.ram_gb * sizing_constants.USABLE_RAM_FRACTION
+    need_ram = est_all.host_ram_gb / sizing_constants.USABLE_RAM_FRACTION
     ram_why = est_all.ram_explanation
     rent_note = None
     if est_all.host_ram_gb > ram_usable and not hw.is_this_machine:
@@ -367,7 +369,7 @@ def choose(
         # launch plans again with the RAM it reads (cgroup limit included) and refuses there if it falls short.
         what = "training with CPU offload" if est_all.train_ram_gb > est_all.load_ram_gb else "loading"
         rent_note = (
-            f"host RAM: {what} needs {est_all.host_ram_gb:.0f} GB ({sizing.USABLE_RAM_FRACTION:.0%} of a "
+            f"host RAM: {what} needs {est_all.host_ram_gb:.0f} GB ({sizing_constants.USABLE_RAM_FRACTION:.0%} of a "
             f"box with {need_ram:.0f} GB); rent {hw.count} x {hw.gpu.name} with at least {need_ram:.0f} GB of "
             f"RAM (this plan assumed {hw.ram_gb:.0f} GB for it)"
         )
@@ -392,7 +394,7 @@ def choose(
             offload_optimizer=offload_opt,
             refusal=f"the cards hold it{held} ({est_all.peak_gb:.1f} GB per card), but {phase} does not fit "
             f"the box's RAM: {ram_why}; this box has {hw.ram_gb:.0f} GB "
-            f"({sizing.USABLE_RAM_FRACTION:.0%} usable). A box with {need_ram:.0f} GB of RAM or more "
+            f"({sizing_constants.USABLE_RAM_FRACTION:.0%} usable). A box with {need_ram:.0f} GB of RAM or more "
             f"holds it (`ftrun plan` on that box reads its RAM)",
         )
     wn = job.workload(shard_engine, n, "cuda", offload, offload_opt)

@@ -18,7 +18,7 @@ import yaml
 
 from launcher.errors import HardwareError, UsageError
 from launcher.plan import cgroup, links
-from launcher.plan.sizing import GB
+from launcher.plan.sizing_constants import GB
 
 CATALOG_FILE = Path(__file__).with_name("gpus.yaml")
 USER_CATALOG_ENV = "FTRUN_GPUS"
@@ -28,7 +28,7 @@ USER_CATALOG_DEFAULT = Path("~/.config/ftrun/gpus.yaml")
 @dataclass(frozen=True)
 class Gpu:
     name: str  # catalog name when known (H100-80GB), else the NVML name
-    memory_gb: float  # total as CUDA sees it, in GB = 2**30 bytes (sizing.GB): 24.0 for an RTX 4090
+    memory_gb: float  # total as CUDA sees it, in GB = 2**30 bytes (sizing_constants.GB): 24.0 for an RTX 4090
     compute_capability: tuple[int, int] | None = None
     tflops_bf16: float | None = None  # dense bf16; None for a card the catalog does not know
     price_per_hour_eur: float | None = None

@@ -2,7 +2,8 @@
 with advice.
 
 It assembles the parts: the job (plan/job.py), the engine choice (plan/engine.py), the advice (plan/advice.py), the
-text (plan/text.py).
+task evaluation's forecast (plan/task_eval_forecast.py), the records plan.json holds (plan/plan_records.py, the MFU's
+basis: plan/mfu.py), the text (plan/text.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 from launcher.plan import attention
 from launcher.plan import gguf_readiness
 from launcher.plan import packing
-from launcher.plan import sizing
+from launcher.plan import sizing, sizing_constants
 from launcher.plan import loss_head
 from launcher.plan import throughput
 from launcher.plan import sampling
@@ -34,12 +35,14 @@ from launcher.plan.advice import (
 from launcher.plan import engine_software
 from launcher.plan.choice import SHARDING_ENGINES, WORKDAY_HOURS, Choice
 from launcher.plan.engine import choose
-from launcher import export_formats
 from launcher import methods
 from launcher.plan.figures import UNIT, _fmt_hours, _fmt_tokens
 from launcher.plan.hardware import Hardware
 from launcher.plan.job import Job, _job, _steps_and_tokens
+from launcher.plan.mfu import _mfu_basis
 from launcher.plan.models import Architecture, load_architecture
+from launcher.plan.plan_records import _apply_smoke, _gpus_dict, _memory_dict, _model_dict
+from launcher.plan.task_eval_forecast import _task_eval_note, _task_eval_time
 from launcher.recipe import TOKENS_MEANING
 
 
@@ -199,32 +202,6 @@ def _download(recipe: Any, arch: Architecture, engine: str, allow_network: bool)
             f"model={repo} to use it"
         )
     return got, lines
-
-
-def _times(n: int) -> str:
-    return "once" if n == 1 else f"{n} times"
-
-
-def _task_eval_note(recipe: Any, data_stats: Any) -> list[str]:
-    """What the task evaluation will generate (launcher/worker/task_eval.py): its examples, the answers each gets
-    (the base model zero-shot and with examples, the fine-tuned model, each exported model) and their longest
-    length; the smoke test measures the generation speed and forecasts its time (run/smoke.py task_eval_seconds)."""
-    task = getattr(getattr(recipe, "eval", None), "task", None)
-    if task is None or not task.examples:
-        return []
-    ev = recipe.eval
-    if ev.data:
-        held = f"up to {task.examples} examples of eval.data:"
-    elif ev.fraction:
-        held = f"the held-out examples ({ev.fraction:.0%} of the data, at most {task.examples}):"
-    else:
-        return ["task evaluation: nothing is held out (eval.fraction or eval.data), so nothing is scored"]
-    scorers = _task_eval_scorers(recipe)
-    longest = task.max_new_tokens or ev.max_new_tokens
-    return [
-        f"task evaluation: {held} each answered greedily {_times(len(scorers))} ({', '.join(scorers)}), "
-        f"up to {longest} new tokens each; the smoke test measures the generation speed and forecasts its time"
-    ]
 
 
 def plan_for(
@@ -478,7 +455,7 @@ def _loss_reason(job: Job, choice: Choice, est: Any) -> str:
         choice.offload_activations,
     )
     t, vocab = w.tokens_per_micro_batch, job.arch.vocab
-    whole = loss_head.whole_logits_bytes(t, vocab, choice.device) / sizing.GB
+    whole = loss_head.whole_logits_bytes(t, vocab, choice.device) / sizing_constants.GB
     if w.loss_kind == sizing.LOSS_UNSLOTH:
         return (
             f"loss: Unsloth's fused cross-entropy, in chunks with the gradient in place "
@@ -491,7 +468,7 @@ def _loss_reason(job: Job, choice: Choice, est: Any) -> str:
             f"{est.breakdown_gb.get('logits and loss', 0.0):.2f} GB for {t:,} tokens x {vocab:,} vocabulary "
             "(the logits, a copy for the loss, their gradient)"
         )
-    head = loss_head.fused_head_bytes(job.arch, w) / sizing.GB
+    head = loss_head.fused_head_bytes(job.arch, w) / sizing_constants.GB
     on = (
         "; on a CPU, a frozen head through ftrun's kernel, launcher/worker/cpu_logprob.py"
         if choice.device == "cpu" and is_adapter(job.method)
@@ -533,57 +510,6 @@ def _objective_reasons(recipe: Any, job: Job) -> list[str]:
     return lines
 
 
-def _task_eval_scorers(recipe: Any) -> list[str]:
-    """Who answers the task evaluation's prompts (launcher/worker/task_eval.py): the base model twice where the launch
-    scores it, the fine-tuned model, each exported model."""
-    task = recipe.eval.task
-    formats = set(recipe.export)
-    return (
-        (["base model zero-shot", f"with {task.shots} examples"] if task.baseline == "run" else [])
-        + ["fine-tuned"]
-        + (["merged"] if "merged" in export_formats.made(formats) else [])
-        + (["GGUF"] if "gguf" in formats else [])
-    )
-
-
-def _task_eval_time(
-    recipe: Any, data_stats: Any, arch: Architecture, gpu: Any, box_price: float | None
-) -> dict[str, Any] | None:
-    """The task evaluation's time and cost before any smoke test, on a GPU the catalog knows the bandwidth of
-    (throughput.generation_tokens_per_second): an upper bound, every answer at its max_new_tokens (a trained model stops
-    at its end of turn sooner); the smoke test then measures the run's own rate (run/smoke.py task_eval_seconds)."""
-    task = getattr(getattr(recipe, "eval", None), "task", None)
-    if task is None or not task.examples or gpu is None or not (recipe.eval.fraction or recipe.eval.data):
-        return None
-    tps = throughput.generation_tokens_per_second(arch, gpu.memory_bandwidth_gb_s, gpu.tflops_bf16)
-    if not tps:
-        return None
-    held = getattr(data_stats, "held_out", 0) if data_stats is not None else 0
-    examples = min(task.examples, held) if held else task.examples
-    longest = task.max_new_tokens or recipe.eval.max_new_tokens
-    scorers = _task_eval_scorers(recipe)
-    tokens = len(scorers) * examples * longest
-    seconds = tokens / tps
-    cost = seconds / 3600 * box_price if box_price is not None else None
-    reason = (
-        f"task evaluation: at most {len(scorers)} scorers x {examples} examples x {longest} new tokens = "
-        f"{tokens:,} tokens at ~{tps:,.0f} tokens/s (estimated: {gpu.name}'s "
-        f"{gpu.memory_bandwidth_gb_s:,.0f} GB/s read once per decode step, {throughput.GENERATION_BATCH['cuda']} "
-        f"prompts a step, at {throughput.GENERATION_EFFICIENCY:.0%} of that bound) = {_fmt_hours(seconds / 3600)}"
-        + (f", {cost:.2f} EUR" if cost is not None else "")
-        + "; the smoke test measures the run's own rate"
-    )
-    return {
-        "reason": reason,
-        "seconds": round(seconds, 1),
-        "cost_eur": round(cost, 2) if cost is not None else None,
-        "generation_tokens_per_second": round(tps, 1),
-        "new_tokens": tokens,
-        "scorers": scorers,
-        "examples": examples,
-    }
-
-
 def _learning_rate_note(recipe: Any) -> list[str]:
     """A preference objective left at the recipe's default learning rate, which is SFT's (LoRA): said, with TRL's."""
     objective = methods.OBJECTIVES[getattr(recipe, "objective", methods.DEFAULT_OBJECTIVE)]
@@ -604,96 +530,3 @@ def _no_tokens_hint(recipe: Any) -> str:
         f"the data file {recipe.data} is not on this machine and no token count was given: add `tokens: 15M` to "
         f"the recipe or pass --tokens 15M ({TOKENS_MEANING})"
     )
-
-
-def _mfu_basis(job: Job, choice: Choice, g: Any) -> dict[str, Any]:
-    """What model FLOPs utilization is computed from (docs/BENCHMARKS.md, "MFU"): the model's training FLOPs per
-    token without recomputation, at the data's mean length, and the dense 16-bit peak of one card (catalog); on a
-    GPU with a catalog rate only."""
-    if choice.device != "cuda" or g is None or not g.tflops_bf16:
-        return {}
-    flops = throughput.flops_per_token(
-        job.arch, job.method, max(1, round(job.mean_tokens)), gradient_checkpointing=False
-    )
-    return {"model_flops_per_token": round(flops), "peak_tflops_per_gpu": g.tflops_bf16, "gpus_used": choice.processes}
-
-
-def model_flops_utilization(plan: dict[str, Any], tokens_per_second: float | None) -> float | None:
-    """MFU of a measured rate: tokens/s x model FLOPs per token / (cards used x the card's dense 16-bit peak).
-    None on a CPU, for a card without a catalog rate, or without a rate."""
-    t = plan.get("tokens") or {}
-    if not tokens_per_second or not t.get("model_flops_per_token") or not t.get("peak_tflops_per_gpu"):
-        return None
-    return (
-        tokens_per_second
-        * t["model_flops_per_token"]
-        / (max(1, int(t.get("gpus_used") or 1)) * t["peak_tflops_per_gpu"] * 1e12)
-    )
-
-
-def _gpus_dict(hardware: Hardware, choice: Choice) -> dict[str, Any]:
-    g = hardware.gpu
-    return {
-        "name": g.name if g else "cpu",
-        "count": choice.processes if g else 0,
-        "memory_gb": round(g.memory_gb, 1) if g else round(hardware.ram_gb, 1),
-        "box_count": hardware.count,
-        "interconnect": hardware.interconnect,
-        "source": hardware.source,
-    }
-
-
-def _model_dict(arch: Architecture, est: Any) -> dict[str, Any]:
-    return {
-        "name": arch.name,
-        "params": arch.params,
-        "trainable_params": est.trainable_params if est else None,
-        "source": arch.source,
-        "layers": arch.layers,
-        "hidden": arch.hidden,
-        "vocab": arch.vocab,
-    }
-
-
-def _memory_dict(est: Any, choice: Choice, measured: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "unit": UNIT,
-        "per_gpu_gb": round(measured.get("peak_memory_gb", est.per_gpu_gb), 1),
-        "estimated_per_gpu_gb": round(est.per_gpu_gb, 1),
-        "peak_gb": round(est.peak_gb, 1),
-        "total_gb": round(est.total_gb, 1),
-        "capacity_gb": round(choice.capacity_gb, 1),
-        "usable_gb": round(
-            choice.capacity_gb * (sizing.USABLE_FRACTION if choice.device == "cuda" else sizing.USABLE_RAM_FRACTION), 1
-        ),
-        "breakdown_gb": {k: round(v, 2) for k, v in est.breakdown_gb.items()},
-        "explanations": dict(est.explanations),
-        "offloaded_ram_gb": round(est.offloaded_ram_gb, 1),
-        "offloaded_params_gb": round(est.offloaded_params_gb, 1),
-        "load_peak_gb": round(est.load_peak_gb, 1),
-        "load_ram_gb": round(est.load_ram_gb, 1),
-        "load_explanation": est.load_explanation,
-        "train_ram_gb": round(est.train_ram_gb, 1),
-        "offload_explanation": est.offload_explanation,
-        "source": "measured" if "peak_memory_gb" in measured else "estimated",
-    }
-
-
-def _apply_smoke(smoke: dict[str, Any], choice: Choice) -> dict[str, Any]:
-    measured: dict[str, Any] = {}
-    notes: list[str] = []
-    engine = smoke.get("engine")
-    procs = smoke.get("num_processes")
-    if (engine and engine != choice.engine) or (procs and int(procs) != choice.processes):
-        notes.append(
-            f"smoke test ran with engine {engine} x {procs} processes, the plan chose {choice.engine} x "
-            f"{choice.processes}: its measurements are not used"
-        )
-        return {"measured": measured, "notes": notes}
-    if smoke.get("tokens_per_second"):
-        measured["tokens_per_second"] = float(smoke["tokens_per_second"])
-    if smoke.get("peak_memory_gb"):
-        measured["peak_memory_gb"] = float(smoke["peak_memory_gb"])
-    if measured:
-        measured["source"] = "smoke test"
-    return {"measured": measured, "notes": notes}

@@ -1,8 +1,7 @@
-"""Pure sizing arithmetic: memory per device, and what loading and offload hold (no torch, no I/O); the speed, time and
-cost are launcher/plan/throughput.py's.
+"""Pure sizing arithmetic: the memory per device a workload needs, term by term, each term explained (no torch, no I/O).
 
-Units: one GB is 2**30 bytes (a GiB) everywhere in ftrun, the unit cards are sold and nvidia-smi counts in:
-an RTX 4090 is a 24 GB card (24,564 MiB), an H100 an 80 GB card (81,559 MiB = 79.6 GB). docs/sizing.md
+What loading holds is launcher/plan/loading_memory.py's, the constants (and the GB they count in)
+launcher/plan/sizing_constants.py's; the speed, time and cost are launcher/plan/throughput.py's. docs/sizing.md
 derives every constant and compares the totals with published measurements.
 """
 
@@ -13,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from launcher.engine_kinds import SHARDING
 from launcher.methods import METHODS, is_adapter, is_quantized
+from launcher.plan.loading_memory import _loading, embedding_unit_bytes, layer_unit_bytes
 from launcher.plan.loss_head import (
     FUSED_TOKEN_TILE,
     FUSED_VOCAB_TILE,
@@ -21,53 +21,27 @@ from launcher.plan.loss_head import (
     cpu_loss_chunk_tokens,
     fused_head_bytes,
 )
+from launcher.plan.sizing_constants import (
+    ADAPTER_BYTES,
+    CPU_RUNTIME_GB,
+    CUDA_CONTEXT_GB,
+    FRAGMENTATION,
+    GB,
+    GRADIENT_CHURN_BYTES,
+    LAYER_BACKWARD_FACTOR,
+    LOGIT_BYTES_UNSLOTH,
+    NCCL_GB,
+    NF4_BYTES,
+    UNSLOTH_LAYER_FACTOR,
+)
 
 if TYPE_CHECKING:  # for the annotations only: at run time this module imports nothing else
     from launcher.plan.models import Architecture as Arch
 
-GB = 2**30  # bytes in one GB as ftrun counts (GiB, as nvidia-smi and torch's memory counters)
 
-
-# --- bytes per parameter --------------------------------------------------------------------
-# NF4 with double quantization: 4 bits + 0.127 bits of constants per weight (QLoRA paper, sec. 3).
-NF4_BYTES = (4 + 0.127) / 8
-# Bytes per trained parameter: the method table (launcher/methods.py). LoRA adapters are kept in fp32 (PEFT
-# autocast_adapter_dtype): weight 4 + gradient 4 + AdamW m, v 8. Full fine-tuning, mixed precision AdamW: bf16 weight
-# 2 + bf16 gradient 2 + fp32 master 4 + m, v 8; 8-bit AdamW (bitsandbytes) on bf16 weights, no master copy: m, v 1
-# byte each.
-ADAPTER_BYTES = METHODS["lora"].trained_bytes
-# Gradients of a full fine-tune are freed and re-allocated every step between activations
-# (zero_grad(set_to_none=True)); the caching allocator keeps about half a gradient's size reserved
-# but unusable. This is what lifts the article's 6 B/param (8-bit) to the 7-8 its table implies.
-GRADIENT_CHURN_BYTES = 1.0
-
-# --- activations and logits -------------------------------------------------------------------
 # The LM head's loss: the model's whole logits, TRL's fused head or ftrun's CPU kernel (launcher/plan/loss_head.py
 # has what each holds); which one a workload computes:
 LOSS_FUSED, LOSS_MATERIALIZED, LOSS_UNSLOTH = "fused LM head", "materialized logits", "Unsloth fused cross-entropy"
-# Unsloth's fused cross-entropy works on chunks of the logits and writes the gradient in place: about an
-# eighth of the bf16 logits is alive at once (fitted on Unsloth's context-length table, docs/sizing.md).
-LOGIT_BYTES_UNSLOTH = 0.25
-# One recomputed layer during backward holds its activations plus their gradients (about half of them
-# alive at once): 1.5 x the layer's activations.
-LAYER_BACKWARD_FACTOR = 1.5
-# Unsloth's fused RMSNorm / SwiGLU / RoPE kernels save ~40% of the per-layer activations, and its
-# gradient checkpointing offloads the saved layer inputs to CPU RAM.
-UNSLOTH_LAYER_FACTOR = 0.6
-
-# --- runtime ---------------------------------------------------------------------------------
-CUDA_CONTEXT_GB = 0.6  # CUDA context, cuBLAS workspace, kernels (what nvidia-smi shows before any tensor)
-NCCL_GB = 0.5  # NCCL communicator buffers per process when several GPUs train together
-FRAGMENTATION = 0.05  # caching-allocator slack on the per-step tensors (activations, logits)
-CPU_RUNTIME_GB = 1.0  # Python, torch and the tokenizer in the worker process
-# Bytes per parameter of the weight being quantized that the CPU quantizer holds besides the 4-bit result: measured
-# 19 on the CPU (the quantizing process's sampled peak minus the model it keeps, on the model of
-# tests/worker/test_fsdp_qlora.py's RSS test, largest weight 1.6M parameters; docs/sizing.md, "Loading").
-QUANTIZE_TEMPORARY_BYTES = 20
-
-# Fraction of a card the plan may fill: the estimate's own error (docs/sizing.md: median ~10%) needs room.
-USABLE_FRACTION = 0.97  # the estimate already counts context, NCCL and allocator slack; keep 3% for its own error
-USABLE_RAM_FRACTION = 0.8  # leave the OS and the page cache their share
 
 
 # How DPO's reference log-probabilities come (trl 1.16 dpo_trainer.py: __init__ "Reference model", _compute_loss,
@@ -201,11 +175,6 @@ class MemoryEstimate:
 def _adamw_full(method: str) -> bool:
     """Every weight trained with a 32-bit AdamW (an fp32 master copy where the weights are 16-bit)."""
     return not METHODS[method].adapter and not METHODS[method].eight_bit_optimizer
-
-
-def _sixteen_bit_adapter(method: str) -> bool:
-    """Adapters on a 16-bit base: each process upcasts its own LoRA weights to fp32 while it loads."""
-    return METHODS[method].adapter and not METHODS[method].quantized
 
 
 def _count(n: float) -> str:
@@ -535,162 +504,6 @@ def _deepspeed_offload(
 
 # Terms that stay resident between steps (sharded under FSDP/ZeRO-3, offloadable to CPU RAM by FSDP).
 STATIC_TERMS = ("weights", "adapters", "gradients", "optimizer", "gradient churn")
-
-
-def nf4_model_bytes(arch: Arch) -> float:
-    """The whole model as QLoRA holds it: linear weights in NF4, embeddings, head and norms in 16 bits."""
-    return arch.linear_params * NF4_BYTES + (arch.params - arch.linear_params) * 2
-
-
-def layer_unit_bytes(arch: Arch, w: Workload) -> float:
-    """One decoder layer as FSDP gathers it (4-bit weights for QLoRA, 16-bit otherwise)."""
-    per_layer = (arch.params - arch.embedding_params * (1 if arch.tied_embeddings else 2)) / arch.layers
-    return per_layer * (NF4_BYTES if is_quantized(w.method) else (4 if w.device == "cpu" else 2))
-
-
-def embedding_unit_bytes(arch: Arch, w: Workload) -> float:
-    """The embedding (or the untied lm_head), always 16-bit on a GPU: accelerate shards it as a unit of its own."""
-    return arch.embedding_params * (4 if w.device == "cpu" else 2)
-
-
-def _loading(
-    arch: Arch, w: Workload, est: MemoryEstimate, static_sharded_gb: float, layer_b: float, embed_b: float
-) -> None:
-    """The load-time peak per card and the box's CPU RAM while loading, for the paths where loading, not the
-    training step, decides (docs/sizing.md, "Loading"). Other paths load below their training peak."""
-    n = w.num_gpus if w.sharded else 1
-    if n < 2 or w.device == "cpu":
-        return
-    if not is_quantized(w.method):
-        _loading_16bit(arch, w, est, n)
-        return
-    model_gb = nf4_model_bytes(arch) / GB
-    lora_gb = est.trainable_params * 4 / GB  # fp32 LoRA weights, added before the engine shards
-    if w.engine == "fsdp":
-        # launcher/worker/loading.py (quantized_once_per_box): the first process of the box loads and quantizes on the
-        # CPU, with all the box's cores, while the others wait; it saves the 4-bit model into the run directory, drops
-        # it. Then every process loads that file memory-mapped (Params4bit.from_prequantized keeps the file's pages:
-        # one copy in the page cache, shared and reclaimable, not counted as the 16-bit rule does) and holds its
-        # own fp32 LoRA; fully_shard moves one unit at a time to the card and keeps its shard (on the card, or in
-        # pinned RAM under offload, counted here: the box's shards together are one copy).
-        resident = 0.0 if w.offload_params else static_sharded_gb - _optimizer_free(est, n)
-        est.load_peak_gb = CUDA_CONTEXT_GB + resident + max(layer_b, embed_b) / GB
-        temp_gb = quantize_temporary_bytes(arch) / GB
-        quantizing = model_gb + temp_gb + n * CPU_RUNTIME_GB
-        offloaded = est.offloaded_params_gb  # with parameter offload: shards, gradients, optimizer states (pinned)
-        sharding = n * (lora_gb + CPU_RUNTIME_GB) + offloaded
-        est.load_ram_gb = max(quantizing, sharding)
-        est.load_explanation = (
-            f"one process quantizes the model once for the box on its CPU ({model_gb:.1f} GB in 4-bit + "
-            f"{temp_gb:.1f} GB of temporaries for its largest weight) and saves it into the run directory "
-            f"(.quantized/, {model_gb:.1f} GB of disk, reused on restart) while "
-            + ("the other waits" if n == 2 else f"the other {n - 1} wait")
-            + f"; then each of "
-            f"the {n} processes maps that file (one copy in the page cache, shared) and holds its fp32 LoRA "
-            f"({lora_gb:.1f} GB) + {CPU_RUNTIME_GB:.0f} GB of runtime"
-            + (
-                f", and the box the offloaded shards, gradients and optimizer states in pinned RAM ({offloaded:.1f} GB)"
-                if offloaded
-                else ""
-            )
-            + f": {est.load_ram_gb:.0f} GB of RAM at the peak ("
-            + ("quantizing" if quantizing >= sharding else "sharding")
-            + "; "
-            f"a box with {est.load_ram_gb / USABLE_RAM_FRACTION:.0f} GB or more holds it); each card holds "
-            + ("" if w.offload_params else "its shards and ")
-            + f"one unit whole while sharding ({max(layer_b, embed_b) / GB:.1f} GB): {est.load_peak_gb:.1f} GB"
-        )
-    elif w.engine == "deepspeed":
-        # transformers skips zero.Init for quantized models and bitsandbytes places the whole model on the
-        # current device (quantizer_bnb_4bit.update_device_map): every card holds all of it until ZeRO-3 partitions.
-        est.load_peak_gb = CUDA_CONTEXT_GB + model_gb + lora_gb
-        est.load_explanation = (
-            f"DeepSpeed + QLoRA loads the whole 4-bit model onto every card before ZeRO-3 "
-            f"partitions it: {est.load_peak_gb:.1f} GB per card"
-        )
-
-
-def quantize_temporary_bytes(arch: Arch) -> float:
-    """What quantizing the largest linear weight allocates besides its result: bitsandbytes 0.50's CPU quantizer
-    (backends/default/ops.py, quantize_4bit: an fp32 copy, the scaled and clamped values, the int32 bucket indices)
-    and the 16-bit weight read from the file, one weight at a time (transformers loads sequentially while it
-    quantizes: core_model_loading.py, has_on_the_fly_quantization)."""
-    largest = max(arch.hidden * arch.intermediate, arch.hidden * arch.q_dim)
-    return largest * QUANTIZE_TEMPORARY_BYTES
-
-
-def fused_expert_params(arch: Arch) -> int:
-    """MoE expert weights transformers 5 fuses while loading (conversion_mapping: one tensor per layer made from
-    the checkpoint's per-expert tensors): new memory in each process, not the file's mapped pages."""
-    return 3 * arch.hidden * arch.intermediate * arch.experts * arch.layers if arch.experts > 1 else 0
-
-
-def _loading_16bit(arch: Arch, w: Workload, est: MemoryEstimate, n: int) -> None:
-    """The box's RAM while FSDP or DeepSpeed load 16-bit weights (LoRA, full): what each process holds privately.
-
-    transformers 5.24 loads a checkpoint whose dtype is the requested one without copying it: the parameters
-    are views of the memory-mapped safetensors files (measured on CPU: a bf16 model loaded in bf16 adds its size
-    to the process's file-backed RSS and almost nothing to its anonymous RSS; tests/plan/test_sizing.py), so the N
-    processes of a box share one copy in the page cache, which the kernel can drop and re-read. What each
-    process adds on its own is counted:
-    - FSDP: with device_map=None and no process group yet, every rank loads the whole model onto its CPU
-      (transformers' is_fsdp_enabled needs an initialised process group, and even then changes only how missing
-      keys are handled: modeling_utils.py, _move_missing_keys_from_meta_to_device and _initialize_missing_keys);
-      accelerate moves the copies to the meta device only inside fsdp2_prepare_model, after it has upcast every
-      trainable parameter to fp32 on the CPU under mixed precision (accelerate 1.15 utils/fsdp_utils.py,
-      "Upcast to fp32 master weights") and taken the state dict it broadcasts from rank 0 (held until every
-      unit is loaded). So each process holds its trainable parameters in fp32: the whole model for full
-      fine-tuning (4 B/param), the LoRA weights for LoRA; and MoE experts fused while loading.
-    - DeepSpeed ZeRO-3: zero.Init creates each weight partitioned on the card (engines/deepspeed.py,
-      partitioned_loading), and rank 0 alone reads the checkpoint (memory-mapped: modeling_utils.py, the
-      is_deepspeed_zero3_enabled branch of the loading, map_location "meta" on the other ranks): no whole copy
-      per process; rank 0's box holds the fused MoE experts once.
-    """
-    lora_gb = est.trainable_params * 4 / GB if _sixteen_bit_adapter(w.method) else 0.0
-    fused_gb = fused_expert_params(arch) * 2 / GB
-    model_gb = arch.params * 2 / GB
-    if w.engine == "fsdp":
-        if _sixteen_bit_adapter(w.method):
-            own = lora_gb + fused_gb
-            what = f"its fp32 LoRA weights ({lora_gb:.1f} GB)" + (
-                f" and the MoE experts fused while loading ({fused_gb:.1f} GB)" if fused_gb else ""
-            )
-        else:
-            own = est.trainable_params * 4 / GB
-            what = (
-                f"the whole model upcast to fp32 ({own:.0f} GB: accelerate upcasts the trainable weights to "
-                f"fp32 master weights on the CPU before it shards them)"
-            )
-        est.load_ram_gb = n * (own + CPU_RUNTIME_GB)
-        est.load_explanation = (
-            f"each of the {n} processes loads the whole model onto its CPU before FSDP shards it (the "
-            f"{model_gb:.0f} GB of 16-bit weights stay in the page cache, shared) and holds {what} + "
-            f"{CPU_RUNTIME_GB:.0f} GB of runtime: {est.load_ram_gb:.0f} GB of RAM"
-            + (
-                "; engine: deepspeed loads partitioned (zero.Init) and holds no such copies"
-                if not _sixteen_bit_adapter(w.method)
-                else ""
-            )
-        )
-    elif w.engine == "deepspeed":
-        est.load_ram_gb = n * (lora_gb + CPU_RUNTIME_GB) + fused_gb
-        est.load_explanation = (
-            f"ZeRO-3 creates each weight partitioned on the cards (zero.Init) and rank 0 alone reads the "
-            f"checkpoint (the {model_gb:.0f} GB of 16-bit weights in the page cache)"
-            + (f", fusing the MoE experts ({fused_gb:.1f} GB)" if fused_gb else "")
-            + f": {est.load_ram_gb:.0f} GB of RAM for the {n} processes"
-        )
-
-
-def _optimizer_free(est: MemoryEstimate, n: int) -> float:
-    """Optimizer states and gradients do not exist yet while the model is being sharded."""
-    b = est.breakdown_gb
-    return (
-        b.get("adapters", 0.0) * 12 / 16
-        + b.get("gradients", 0.0)
-        + b.get("optimizer", 0.0)
-        + b.get("gradient churn", 0.0)
-    )
 
 
 def offloaded_activation_bytes(arch: Arch, tokens: int) -> float:

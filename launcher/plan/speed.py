@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from launcher.plan import sizing
+from launcher.plan import sizing_constants
 from launcher.plan import throughput
 from launcher.plan.choice import Choice
 from launcher.plan.job import Job
@@ -57,7 +57,11 @@ def _same_engine(a: Choice, b: Choice) -> bool:
 
 
 def _with_headroom(c: Choice) -> bool:
-    return c.fits and c.estimate is not None and c.estimate.peak_gb * HEADROOM <= c.capacity_gb * sizing.USABLE_FRACTION
+    return (
+        c.fits
+        and c.estimate is not None
+        and c.estimate.peak_gb * HEADROOM <= c.capacity_gb * sizing_constants.USABLE_FRACTION
+    )
 
 
 def faster(job: Job, choice: Choice, free: set[str], replan: Callable[[Job], Choice]) -> Faster | None:
@@ -84,8 +88,8 @@ def faster(job: Job, choice: Choice, free: set[str], replan: Callable[[Job], Cho
             reasons.append(
                 f"gradient checkpointing off (the recipe leaves it to the plan): {c.estimate.peak_gb:.1f} GB of "
                 f"{cap:.1f} GB per card with the activations kept, {HEADROOM:g}x of it within the "
-                f"{sizing.USABLE_FRACTION:.0%} the plan fills (headroom for the estimate's error); recomputing them "
-                f"would cost {with_ / without - 1:.0%} more time per token"
+                f"{sizing_constants.USABLE_FRACTION:.0%} the plan fills (headroom for the estimate's error); "
+                f"recomputing them would cost {with_ / without - 1:.0%} more time per token"
             )
     if {"micro_batch_size", "gradient_accumulation_steps"} <= free and job.accumulation > 1:
         per_step = job.micro_batch * job.accumulation  # examples per optimizer step and process: kept
@@ -98,8 +102,8 @@ def faster(job: Job, choice: Choice, free: set[str], replan: Callable[[Job], Cho
                     f"micro-batch {m} x accumulation {per_step // m} instead of {job.micro_batch} x "
                     f"{job.accumulation} (the recipe leaves both to the plan; the same {per_step} examples per "
                     f"optimizer step and process): {c.estimate.peak_gb:.1f} GB of {cap:.1f} GB per card, "
-                    f"{HEADROOM:g}x of it within the {sizing.USABLE_FRACTION:.0%} the plan fills; fewer, larger "
-                    f"micro-batches keep the card busier (the estimate counts only the "
+                    f"{HEADROOM:g}x of it within the {sizing_constants.USABLE_FRACTION:.0%} the plan fills; fewer, "
+                    f"larger micro-batches keep the card busier (the estimate counts only the "
                     f"{throughput.GPU_SECONDS_PER_MICRO_BATCH * 1000:.0f} ms fixed cost per micro-batch; the smoke "
                     f"test "
                     "measures the rest)"

@@ -15,7 +15,7 @@ from typing import Any
 from launcher.errors import HardwareError, UsageError
 from launcher.plan import links
 from launcher.plan.hardware import Gpu, Hardware, USER_CATALOG_ENV, _ram_gb, cpu_cores, from_spec, lookup
-from launcher.plan.sizing import GB
+from launcher.plan.sizing_constants import GB
 
 
 # Files the NVIDIA kernel driver creates: the torch fallback is tried only where one exists, so a

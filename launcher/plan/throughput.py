@@ -10,15 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from launcher.methods import METHODS, is_adapter, is_quantized
 from launcher.plan import links
-from launcher.plan.sizing import (
-    ADAPTER_BYTES,
-    GB,
-    GRADIENT_CHURN_BYTES,
-    MemoryEstimate,
-    Workload,
-    memory,
-    offloaded_activation_bytes,
-)
+from launcher.plan.sizing import MemoryEstimate, Workload, memory, offloaded_activation_bytes
+from launcher.plan.sizing_constants import ADAPTER_BYTES, GB, GRADIENT_CHURN_BYTES
 
 if TYPE_CHECKING:  # for the annotations only
     from launcher.plan.models import Architecture as Arch

@@ -1,7 +1,7 @@
 """`ftrun baseline RECIPE`: the base model scored on the task before any training (zero-shot, and with examples from
 the training data in its prompt), and the reference article's verdict: does a fine-tune pay? The run directory is
 prepared as `ftrun smoke` prepares it; the scoring is launcher/run/task_baseline.py's (the launch's own step before
-its smoke test); the words are launcher/run/views.py's.
+its smoke test); the words are launcher/run/task_eval_view.py's.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import sys
 from typing import Any
 
 from launcher.errors import EXIT_BAD_INPUT, RecipeError, RunError, UsageError
-from launcher.recipe import Recipe, load_recipe
-from launcher.run import facts, views
+from launcher.recipe import Recipe
+from launcher.recipe_loading import load_recipe
+from launcher.run import facts, task_eval_view
 from launcher.run.pipeline import prepare_only
 from launcher.run.run_dirs import run_dir_of
 from launcher.run.task_baseline import EXIT_WORKER_BAD_INPUT, run_worker, settled, training_began
@@ -30,8 +31,8 @@ def as_json(t: dict[str, Any]) -> dict[str, Any]:
     out = {
         "metric": t.get("metric"),
         "examples": t.get("examples"),
-        "scores": {n: scores.get(n) for n in views.BASE_SCORES},
-        "verdict": views.task_verdict(t),
+        "scores": {n: scores.get(n) for n in task_eval_view.BASE_SCORES},
+        "verdict": task_eval_view.task_verdict(t),
         "fine_tune_pays": t.get("fine_tune_pays"),
     }
     for key in ("not_applicable", "too_few", "fix"):
@@ -54,7 +55,7 @@ def baseline_command(recipe_path: str, overrides: list[str], json_out: bool = Fa
     if json_out:
         print(json.dumps(as_json(t), indent=2), flush=True)
     else:
-        _say(views.format_task_eval(t))
+        _say(task_eval_view.format_task_eval(t))
     return EXIT_BAD_INPUT if t.get("too_few") is not None else 0
 
 
@@ -84,12 +85,12 @@ def _score_base(recipe: Recipe) -> dict[str, Any]:
     t = facts.task_eval(run, base_only=True)
     if rc == EXIT_WORKER_BAD_INPUT:
         raise UsageError(
-            f"the task evaluation refused its input: {views.worker_line(last)}",
+            f"the task evaluation refused its input: {task_eval_view.worker_line(last)}",
             fix="change the recipe's eval.task settings or the data as the line says, and run it again.",
         )
     if rc != 0 or t is None:
         raise RunError(
-            views.baseline_failed(rc, last, launching=False),
+            task_eval_view.baseline_failed(rc, last, launching=False),
             fix=f"read the worker's lines above; `ftrun baseline` again resumes (answers are kept in "
             f"{run.root / 'task_eval'}).",
         )

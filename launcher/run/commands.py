@@ -15,7 +15,7 @@ def serve_command(run: RunDir, final: Optional[str]) -> Optional[str]:
     """The one command that serves the result (vLLM's OpenAI-compatible server); SERVING.md has the rest."""
     if not final:
         return None
-    from launcher.recipe import load_recipe
+    from launcher.recipe_loading import load_recipe
     from launcher.deliver.serving import served_name, template_switches, vllm_command
 
     try:

@@ -8,7 +8,8 @@ import time
 from typing import Any
 
 from launcher.run.facts import end_summary
-from launcher.run.views import STOPPED_PREFIXES, format_end_summary, stop_outcome, stop_waits_for
+from launcher.run.summary_view import format_end_summary
+from launcher.run.views import STOPPED_PREFIXES, stop_outcome, stop_waits_for
 from launcher.store import heartbeat_files
 from launcher.store.rundir import RunDir
 from launcher.store.state import ENDED, process_identity, read_state, run_holder, run_processes, same_process, set_state
@@ -71,7 +72,7 @@ def _phase(run: RunDir, data: dict[str, Any]) -> dict[str, Any]:
 
 def _grace_seconds(run: RunDir) -> float:
     try:
-        from launcher.recipe import load_recipe
+        from launcher.recipe_loading import load_recipe
 
         return float(load_recipe(run.recipe).grace_seconds)
     except Exception:  # a recipe that no longer loads must not keep a stop from ending workers

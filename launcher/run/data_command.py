@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from launcher.errors import UsageError
-from launcher.recipe import load_recipe
+from launcher.recipe_loading import load_recipe
 from launcher.run.data_view import data_line, format_loss_view, wants_color
 
 

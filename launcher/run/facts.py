@@ -4,7 +4,7 @@ Everything here reads the run directory's files (state.json, plan.json, smoke.js
 checkpoints/, final/; the copy's facts from sync.json come from launcher/store/sync/transfer.py `status_fields`)
 and never imports torch: `ftrun status` answers in a fraction of a second on a
 box that is busy training. The numbers come from one reading (`run_status`), so the text, the JSON, the live bar
-and the summary never disagree with each other; launcher/run/views.py words them.
+and the summary never disagree with each other; launcher/run/views.py and summary_view.py word them.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from launcher.plan.plan import model_flops_utilization
+from launcher.plan.mfu import model_flops_utilization
 from launcher.run.commands import serve_command
 from launcher.run.views import rank_end_text
 from launcher.run.watchdog import heartbeat_rows

@@ -8,7 +8,8 @@ from typing import Any, Optional
 
 from launcher.store.checkpoint import newest_step_unverified
 from launcher.errors import BusyError, FtrunError, RecipeError, UsageError
-from launcher.recipe import Recipe, load_recipe
+from launcher.recipe import Recipe
+from launcher.recipe_loading import load_recipe
 from launcher.run import weights
 from launcher.store.rundir import RunDir
 from launcher.store.state import (
@@ -21,7 +22,7 @@ from launcher.store.state import (
     run_holder,
     set_state,
 )
-from launcher.run import parent, progress, views
+from launcher.run import parent, progress, summary_view, views
 from launcher.run.commands import resume_command
 from launcher.run.facts import end_summary, run_status
 from launcher.run.prepare import _download, _prepare, _say, restarts_after_failed_smoke
@@ -195,7 +196,7 @@ def launch(
         with progress.attached(run):  # a live progress bar on a terminal
             code = supervise(run.root, lock.fd)
         _say(format_status(run_status(run), ending_follows=True))
-        _say(views.format_end_summary(end_summary(run)))
+        _say(summary_view.format_end_summary(end_summary(run)))
         return code
     pid = start_detached(run, lock.fd)
     # who holds the lock from now on, recorded before the launcher lets go of it (the supervisor records

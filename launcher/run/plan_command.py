@@ -8,7 +8,8 @@ from typing import Optional
 
 from launcher.data.stats import data_stats
 from launcher.errors import DataError, MissingSoftware, RecipeError
-from launcher.recipe import check_trainer_fields, load_recipe
+from launcher.recipe_loading import load_recipe
+from launcher.recipe_trainer import check_trainer_fields
 from launcher.run.adjustments import with_adjustments
 from launcher.run.data_view import data_line, format_loss_view, wants_color
 from launcher.store.rundir import RunDir

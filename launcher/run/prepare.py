@@ -12,7 +12,8 @@ import yaml
 from launcher.data.stats import data_record, data_stats
 from launcher.engine_kinds import MULTI_NODE
 from launcher.errors import HardwareError, RecipeError, UsageError
-from launcher.recipe import Recipe, check_trainer_fields
+from launcher.recipe import Recipe
+from launcher.recipe_trainer import check_trainer_fields
 from launcher.run import parent, weights
 from launcher.run.adjustments import with_plan_settings
 from launcher.run.data_view import data_label, data_line, format_loss_view, wants_color

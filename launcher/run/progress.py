@@ -10,7 +10,8 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional, TextIO
 
 from launcher.run.facts import end_summary, run_status
-from launcher.run.views import exporting, format_duration, format_end_summary, format_status
+from launcher.run.summary_view import exporting, format_end_summary
+from launcher.run.views import format_duration, format_status
 from launcher.store.rundir import RunDir
 from launcher.store.state import ACTIVE, ENDED, run_holder
 

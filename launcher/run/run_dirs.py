@@ -6,7 +6,8 @@ from pathlib import Path
 from typing import Optional
 
 from launcher.errors import UsageError
-from launcher.recipe import Recipe, load_recipe
+from launcher.recipe import Recipe
+from launcher.recipe_loading import load_recipe
 from launcher.store.rundir import RUNS, RunDir
 
 

@@ -1,7 +1,7 @@
 """The smoke test: train on a sample of the data (longest examples included), measure, extrapolate the full run.
 
 Its settings (the sample's fraction, 1% by default; the minimum steps; the time cap) are the recipe's `smoke:`
-(launcher/recipe.py, SmokeSettings). The fraction is chosen here, in `run_smoke`, and applied in two places: to
+(launcher/recipe_sections.py, SmokeSettings). The fraction is chosen here, in `run_smoke`, and applied in two places: to
 the training examples by launcher/data/dataset.py `smoke_sample`, and to the held-out eval examples by
 launcher/data/split.py `smoke_subset`. What the measurements mean for
 the user (the forecast, a memory note) is worded by launcher/run/views.py (format_smoke).
@@ -299,7 +299,7 @@ def run_smoke(
         "engine": plan.get("engine"),
         "num_processes": processes,
     }
-    from launcher.plan.plan import model_flops_utilization
+    from launcher.plan.mfu import model_flops_utilization
 
     mfu = model_flops_utilization(plan, tps) if measured.get("device") == "cuda" else None
     if mfu is not None:

@@ -11,7 +11,8 @@ from typing import Callable, Optional
 from launcher.run.facts import end_summary, find_runs, run_row, run_status
 from launcher.run.run_dirs import resolve_run
 from launcher.run.progress import watch
-from launcher.run.views import format_end_summary, format_runs, format_status
+from launcher.run.summary_view import format_end_summary
+from launcher.run.views import format_runs, format_status
 from launcher.store.rundir import RUNS
 from launcher.store.state import ACTIVE, ENDED
 

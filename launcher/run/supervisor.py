@@ -55,7 +55,7 @@ def _last_logged_step(run: RunDir) -> int:
 def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
     """The restart loop; returns the exit code of the run (0 succeeded)."""
     run = RunDir(run_dir)
-    from launcher.recipe import load_recipe
+    from launcher.recipe_loading import load_recipe
 
     recipe = load_recipe(run.recipe)
     plan = json.loads(run.plan.read_text())

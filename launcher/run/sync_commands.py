@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Optional
 
 from launcher.errors import RecipeError, UsageError
-from launcher.recipe import Recipe, load_recipe
+from launcher.recipe import Recipe
+from launcher.recipe_loading import load_recipe
 from launcher.run.facts import run_status
 from launcher.run.prepare import _say
 from launcher.run.run_dirs import resolve_run, run_dir_of

@@ -1,7 +1,8 @@
 """The task evaluation's base phase as the launcher runs it: the worker (launcher/worker/task_eval.py) as one process
 in the environment the smoke test's worker gets (worker/engines launch_env), before training. `ftrun baseline`
 (launcher/run/baseline_command.py) and the launch before its smoke test (`launch_baseline`, which never stops the
-run) call it; the worker writes RUN/task_eval.json, which the views word (launcher/run/views.py task_verdict).
+run) call it; the worker writes RUN/task_eval.json, which the views word (launcher/run/task_eval_view.py
+task_verdict).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 from typing import Any, Callable
 
 from launcher.recipe import Recipe
-from launcher.run import facts, views
+from launcher.run import facts, task_eval_view
 from launcher.store.checkpoint import newest_step_unverified
 from launcher.store.rundir import RunDir
 from launcher.store.state import read_state
@@ -62,7 +63,7 @@ def settled(run: RunDir) -> bool:
     return (
         bool(t.get("not_applicable"))
         or t.get("too_few") is not None
-        or any(scores.get(n) is not None for n in views.BASE_SCORES)
+        or any(scores.get(n) is not None for n in task_eval_view.BASE_SCORES)
     )
 
 
@@ -85,6 +86,10 @@ def launch_baseline(run: RunDir, recipe: Recipe, plan: dict[str, Any], say: Call
     try:
         rc, last = run_worker(run, plan, say)
         t = facts.task_eval(run, base_only=True)
-        say(views.format_task_eval(t) if rc == 0 and t else views.baseline_failed(rc, last, launching=True))
+        say(
+            task_eval_view.format_task_eval(t)
+            if rc == 0 and t
+            else task_eval_view.baseline_failed(rc, last, launching=True)
+        )
     except Exception as exc:  # announced, and the launch goes on: the verdict never stops a run
-        say(views.baseline_failed(None, f"{type(exc).__name__}: {exc}", launching=True))
+        say(task_eval_view.baseline_failed(None, f"{type(exc).__name__}: {exc}", launching=True))

@@ -1,8 +1,9 @@
-"""The wording of every text a user reads about a run: its status, the list of runs, the smoke test's report, its end.
+"""The wording of what a user reads about a run: its status, the list of runs, the smoke test's report, why it ended.
 
 Composed here from facts, never where the event happens: the facts read from the run directory
-(launcher/run/facts.py `run_status`, `end_summary`) and those the supervisor stores (how a run ended: stopped,
-preempted by the provider's SIGTERM, failed; the exact resume command), the smoke test's forecast and memory note.
+(launcher/run/facts.py `run_status`) and those the supervisor stores (how a run ended: stopped, preempted by the
+provider's SIGTERM, failed; the exact resume command), the smoke test's forecast and memory note. The summary a run's
+end prints is launcher/run/summary_view.py's, the task evaluation's scores launcher/run/task_eval_view.py's.
 Nothing here reads a file or imports torch.
 """
 
@@ -12,21 +13,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 from launcher.store.state import ENDED
-from launcher.data import task_metrics
-from launcher.data.task_verdict import (
-    BARE_BASE,
-    BARE_BASE_LABEL,
-    BASE_FEW_SHOT,
-    BASE_ZERO_SHOT,
-    FINE_TUNED,
-    base_score,
-    difference,
-    noise_words,
-    pct,
-    start_name,
-    verdict,
-)
-from launcher.worker.task_eval import PREFIX as TASK_EVAL_PREFIX
 
 
 def format_duration(seconds: Optional[float]) -> str:
@@ -65,7 +51,8 @@ def format_status(s: dict[str, Any], ending_follows: bool = False) -> str:
         )
         lines.append(
             f"  loss {s['loss']:.4f}{at}   {speed}"
-            f"   ETA {format_duration(s.get('eta_seconds'))}"
+            # an ended run has nothing left to wait for: no "ETA -"
+            + (f"   ETA {format_duration(s.get('eta_seconds'))}" if s["state"] not in ENDED else "")
             + (
                 f"   (smoke test forecast for the whole run: {format_duration(s['smoke_estimated_seconds'])})"
                 if s.get("smoke_estimated_seconds")
@@ -500,209 +487,5 @@ def heartbeat_lines(rows: list[dict[str, Any]]) -> list[str]:
     ]
 
 
-# How the end of a run is headed, for every state that ends one (store/state.py ENDED; tests/test_tables.py).
-ENDING = {
-    "succeeded": "finished",
-    "trained-not-exported": "finished (its export failed)",
-    "stopped": "stopped",
-    "preempted": "preempted",
-    "failed": "FAILED",
-    "failed-smoke": "smoke test FAILED",
-}
-
-
 def _summary_says_reason(s: dict[str, Any]) -> bool:
     return s["state"] != "succeeded"
-
-
-def exporting(s: dict[str, Any]) -> bool:
-    """The training finished and the supervisor is still exporting (state.json's export says running, and a live
-    supervisor holds the run: an export left running by a killed supervisor is not waited for)."""
-    return (s.get("export") or {}).get("state") == "running" and bool(s.get("pid_alive", True))
-
-
-def format_end_summary(e: dict[str, Any]) -> str:
-    """The lines a run's end prints (the foreground run, `ftrun status --watch`, `ftrun status` of a finished run)."""
-    head = ENDING.get(e["state"], e["state"])
-    if e["state"] == "succeeded" and exporting(e):
-        head = "trained (its export is still running)"  # not "finished" beside an export line that says running
-    step = f"step {e['step']}/{e['total_steps']}" if e.get("total_steps") else f"step {e.get('step') or 0}"
-    lines = [f"== run {head} at {step}: {e['run_dir']}"]
-    if _summary_says_reason(e) and e.get("reason"):
-        lines.append(f"  {e['reason']}")
-    if e.get("loss_first") is not None:
-        lines.append(
-            f"  loss      {e['loss_first']:.4f} (step {e['loss_first_step']}) -> {e['loss_last']:.4f} "
-            f"(step {e['loss_last_step']})"
-        )
-    if e.get("eval_loss_first") is not None:
-        lines.append(f"  eval loss {e['eval_loss_first']:.4f} -> {e['eval_loss_last']:.4f}")
-    sampled = e.get("rewards")
-    if sampled:
-        lines.append(
-            f"  reward    {sampled['first']:.3f} +- {sampled['first_std'] or 0:.3f} (step {sampled['step_first']}) -> "
-            f"{sampled['last']:.3f} +- {sampled['last_std'] or 0:.3f} (step {sampled['step_last']}): the sampled "
-            "answers' mean and spread"
-        )
-    pref = e.get("preference")
-    if pref:
-        lines.append(
-            f"  rewards   held-out margin {pref['margin_first']:.3f} (step {pref['step_first']}) -> "
-            f"{pref['margin_last']:.3f} (step {pref['step_last']}); preference accuracy "
-            f"{preference_accuracy(pref['accuracy_first'], pref['margin_first'])} -> "
-            f"{preference_accuracy(pref['accuracy_last'], pref['margin_last'])}"
-        )
-        if pref.get("chosen_first") is not None and pref.get("chosen_last") is not None:
-            fell = pref["chosen_last"] < pref["chosen_first"]
-            lines.append(
-                f"            chosen answers' reward {pref['chosen_first']:.3f} -> {pref['chosen_last']:.3f}, "
-                f"rejected {pref['rejected_first'] or 0:.3f} -> {pref['rejected_last'] or 0:.3f}"
-                + (
-                    "; the chosen answers fell too: less likely than under the reference (lower "
-                    "preference.beta or the learning rate if the task score fell)"
-                    if fell
-                    else ""
-                )
-            )
-    if e.get("tokens"):
-        # the count logged with the last loss: short of the run's own where the last step logged none (logging_steps)
-        logged = e.get("loss_last_step")
-        lines.append(
-            f"  tokens    {e['tokens']:,}"
-            + (f" (by step {logged}, the last logged one)" if logged and logged < (e.get("step") or 0) else "")
-        )
-    if e.get("wall_seconds"):
-        fc, what = e.get("forecast_seconds"), ""
-        step, total = e.get("step") or 0, e.get("total_steps") or 0
-        if fc and total and step < total:
-            # a run that ended early is compared with the forecast for the steps it ran, not the whole run's
-            fc, what = (fc * step / total if step else None), f" for {step} of {total} steps"
-        lines.append(
-            f"  time      {format_duration(e['wall_seconds'])} running"
-            + (
-                f" (the {e['forecast_source']} forecast{what} {format_duration(fc)}, "
-                f"{(e['wall_seconds'] - fc) / fc:+.0%})"
-                if fc
-                else ""
-            )
-            + (
-                f"; {format_duration(e['box_seconds'])} on the box with the smoke test"
-                if (e.get("box_seconds") or 0) > e["wall_seconds"] + 1
-                else ""
-            )
-        )
-    if e.get("price_per_hour_eur") is not None and e.get("cost_eur") is not None:
-        lines.append(f"  cost      {e['cost_eur']:.2f} EUR at {e['price_per_hour_eur']:.2f} EUR/h (the box time above)")
-    if e.get("result"):
-        lines.append(f"  result    {e['result']}")
-    if e.get("samples"):
-        lines.append(f"  samples   {e['samples']} (answers before and after the training)")
-    if e.get("task_eval"):
-        lines.append(format_task_eval(e["task_eval"]))
-    ex = e.get("export") or {}
-    if ex.get("state") == "succeeded" and ex.get("serving"):
-        lines.append(f"  serving   {ex['serving']}")
-    elif ex.get("state") == "failed":
-        lines.append(f"  export    failed: {ex.get('reason')}")
-    if e.get("serve"):
-        lines.append(f"  serve it  {e['serve']}")
-    return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------------
-# The task evaluation: the base model's scores before training, the fine-tuned model's and each export's after it
-# (facts.task_eval: RUN/task_eval.json, final/task_eval.json), and the reference article's verdict
-
-BASE_SCORES = (BASE_ZERO_SHOT, BASE_FEW_SHOT)
-
-
-def task_label(name: str, shots: Optional[int], start: str = "base model") -> str:
-    """A row of the scores table: the base model zero-shot, with its examples in the prompt, fine-tuned, an export.
-    `start`: what the "base" rows scored ("parent adapter" for a run with init_from)."""
-    if name == BASE_ZERO_SHOT:
-        return f"{start}, zero-shot"
-    if name == BASE_FEW_SHOT:
-        return f"{start}, {shots} examples" if shots else f"{start}, with examples"
-    if name == BARE_BASE:
-        return BARE_BASE_LABEL
-    return "fine-tuned" if name == FINE_TUNED else name
-
-
-def task_verdict(t: dict[str, Any]) -> str:
-    """The verdict (launcher/data/task_verdict.py) with the fine-tune's forecast cost, else its time, where a prompt
-    may be enough (facts.task_eval adds both)."""
-    cost, hours = t.get("fine_tune_cost_eur"), t.get("fine_tune_hours")
-    price = f"cost ~{cost:.2f} EUR" if cost else f"take ~{format_duration(hours * 3600)}" if hours else ""
-    return verdict(t, price)
-
-
-def task_rows(t: dict[str, Any]) -> list[tuple[str, float, Optional[float]]]:
-    """(label, score, generation tokens/s) for each score stored: the base model's two, fine-tuned, each export."""
-    scores, speed = t.get("scores") or {}, t.get("generation") or {}
-    order = [n for n in (BARE_BASE, *BASE_SCORES, FINE_TUNED) if n in scores] + [
-        n for n in scores if n not in (BARE_BASE, *BASE_SCORES, FINE_TUNED)
-    ]
-    start = start_name(t)  # init_from: the parent adapter, where the run starts
-    return [
-        (task_label(n, t.get("shots"), start), scores[n], (speed.get(n) or {}).get("tokens_per_s"))
-        for n in order
-        if scores[n] is not None
-    ]
-
-
-def format_task_eval(t: dict[str, Any]) -> str:
-    """The scores as one table with the metric and the verdict (the end summary, `ftrun status` of a finished run,
-    `ftrun baseline`, the launch before its smoke test)."""
-    verdict = task_verdict(t)
-    if t.get("not_applicable") or t.get("too_few") is not None:
-        return f"  task      {verdict}"
-    metric = t.get("metric")
-    word = task_metrics.word(metric)
-    lines = [
-        f"  task      {t.get('examples')} held-out examples, scored by {metric}"
-        + (f" ({word})" if word != metric else "")
-        + (f": {t['metric_reason']}" if t.get("metric_reason") else "")
-    ]
-    if t.get("starting_point"):
-        lines.append(f"            (the parent adapter rows: {t['starting_point']}, where this run starts)")
-    cap = t.get("capped")
-    if cap:  # the answers are cut by a setting before they can be as long as the references
-        lines.append(
-            f"            answers cut at {cap['max_new_tokens']} new tokens ({cap['key']}) while the longest "
-            f"reference runs to about {cap['reference_tokens']} tokens: the scores are capped by that "
-            f"setting; eval.task.max_new_tokens: {cap['reference_tokens']} lets the answers finish"
-        )
-    rows = task_rows(t)
-    width = max([len(label) for label, _, _ in rows] + [10])
-    for label, score, tps in rows:
-        lines.append(
-            f"            {label:<{width}}  {pct(score):>5}" + (f"   ({tps:,.0f} tokens/s generated)" if tps else "")
-        )
-    scores = t.get("scores") or {}
-    base, who = base_score(t)
-    diff = difference(t)
-    if diff is not None:
-        # the difference of the two percents shown, as a reader subtracts them (5% against 8%: -3, not -3.5 -> -4),
-        # and whether it is more than the n examples can tell apart
-        lines.append(
-            f"  gain      fine-tuned {pct(scores[FINE_TUNED])} against {pct(base)} for the {who} ({noise_words(diff)})"
-        )
-    lines.append(f"  verdict   {verdict}")
-    return "\n".join(lines)
-
-
-def worker_line(line: str) -> str:
-    """A line of the task evaluation's worker without its prefix."""
-    return line.strip().removeprefix(TASK_EVAL_PREFIX).strip()
-
-
-def baseline_failed(code: Optional[int], last: str, launching: bool) -> str:
-    """One line: the base model could not be scored (the worker's exit code and last line); the launch goes on."""
-    how = f"its worker exited with code {code}" if code is not None else "it could not run"
-    said = worker_line(last)
-    return (
-        f"task evaluation: the base model was not scored ({how}"
-        + (f": {said}" if said else "")
-        + ")"
-        + ("; the launch goes on without the verdict (`ftrun baseline RECIPE` tries again)" if launching else "")
-    )

@@ -27,7 +27,7 @@ PYTORCH_BIN = "*.bin"  # only for repositories without safetensors
 
 
 def is_hub_id(model: str) -> bool:
-    """`org/name` that is not a folder on this box (recipe.py resolves local paths to absolute ones)."""
+    """`org/name` that is not a folder on this box (recipe_loading.py resolves local paths to absolute ones)."""
     return not Path(model).expanduser().exists() and not model.startswith(("/", ".", "~")) and model.count("/") == 1
 
 

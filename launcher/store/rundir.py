@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-# where run directories go by default: <current folder>/runs/<recipe name> (recipe.py's output_dir), and where
-# `ftrun status` and the commands that take a run look for them when none is named
+# where run directories go by default: <current folder>/runs/<recipe name> (recipe_loading.py resolves output_dir), and
+# where `ftrun status` and the commands that take a run look for them when none is named
 RUNS = "runs"
 
 

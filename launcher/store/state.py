@@ -1,6 +1,7 @@
 """The run's state machine, written atomically to state.json, and the lock that makes one writer per run.
 
-Owns the table of run states (STATES, with which are active, ended, trained); launcher/run/views.py shows them.
+Owns the table of run states (STATES, with which are active, ended, trained); launcher/run/views.py shows them,
+launcher/run/summary_view.py heads each ended run.
 
     planned -> smoking -> running -> succeeded
                                        \\-> trained-not-exported (the training result is good, an export failed its
@@ -44,7 +45,8 @@ class State:
 
 
 # The run states (the diagram above): the one table; ACTIVE, ENDED and TRAINED derive from it, and what a user
-# reads about each is composed in launcher/run/views.py (tests/test_tables.py walks every state through it).
+# reads about each is composed in launcher/run/views.py and summary_view.py (tests/test_tables.py walks every state
+# through them).
 STATES: dict[str, State] = {
     "planned": State(),
     "smoking": State(active=True),

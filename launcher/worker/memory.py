@@ -42,7 +42,7 @@ import resource
 import sys
 from typing import Optional
 
-from launcher.plan.sizing import GB
+from launcher.plan.sizing_constants import GB
 
 # Texts of out-of-memory failures that arrive as a RuntimeError (AcceleratorError, DistBackendError or plain)
 # rather than as torch.OutOfMemoryError; where each comes from is in the module docstring.
@@ -127,7 +127,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def peak_memory_gb(device: str) -> float:
-    """This process's peak memory in GB (2**30 bytes, sizing.GB).
+    """This process's peak memory in GB (2**30 bytes, sizing_constants.GB).
 
     CUDA: the caching allocator's peak on this rank's GPU plus what the device holds outside the allocator
     now (CUDA context, library handles, NCCL buffers: total - free - reserved); a card runs out when the two

@@ -402,7 +402,7 @@ def score_base(
 def _base_phase(run_dir: Path, batch_size: Optional[int]) -> int:
     from launcher.data.dataset import load_data
     from launcher.errors import FtrunError
-    from launcher.recipe import load_recipe
+    from launcher.recipe_loading import load_recipe
     from launcher.worker.inputs import _data_spec
 
     run = RunDir(run_dir)

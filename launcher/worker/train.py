@@ -124,7 +124,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # an SSH logout is not a reason to stop
 
-    from launcher.recipe import load_recipe
+    from launcher.recipe_loading import load_recipe
 
     recipe = load_recipe(run.recipe)
     plan = json.loads(run.plan.read_text()) if run.plan.is_file() else {}

@@ -414,7 +414,7 @@ def test_smoke_sample_holds_one_batch_of_the_longest_and_a_random_rest():
 
 def test_recipe_data_is_a_path_a_hub_id_a_source_or_a_weighted_list(tmp_path, write_recipe):
     from launcher.errors import RecipeError
-    from launcher.recipe import load_recipe
+    from launcher.recipe_loading import load_recipe
 
     _write(tmp_path, [GOOD])
     (tmp_path / "acme" / "chats").mkdir(parents=True)  # a folder of that name here: local
@@ -441,7 +441,7 @@ def test_changed_data_or_eval_data_is_caught_at_the_launch_and_at_a_worker_resta
     """The run's data identity covers eval.data too; the worker compares what it reads with the launch's record
     (data.json), so a restart after a crash never trains on data edited in between."""
     from launcher.data.stats import data_stats
-    from launcher.recipe import validate_recipe
+    from launcher.recipe_loading import validate_recipe
     from launcher.store.rundir import RunDir
     from launcher.worker.inputs import _data_changed
 

@@ -48,7 +48,7 @@ def test_copies_of_an_example_are_held_out_or_trained_together(tmp_path):
 
 
 def _recipe(tmp_path, **fields):
-    from launcher.recipe import validate_recipe
+    from launcher.recipe_loading import validate_recipe
 
     raw = {"model": "/m", "method": "lora", "data": str(TINY_DATA), **fields}
     return validate_recipe(raw, tmp_path, "r")

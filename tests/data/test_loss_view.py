@@ -283,7 +283,7 @@ def test_the_data_line_says_how_many_train_and_how_many_are_held_out(tmp_path):
     says how many train and how many are held out, copies of a held-out example included (they leave training
     with it), so no count on the screen contradicts another."""
     from launcher.data.stats import data_stats
-    from launcher.recipe import load_recipe
+    from launcher.recipe_loading import load_recipe
     from launcher.run.data_view import data_line
 
     recipe = load_recipe(Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu.yaml")

@@ -285,7 +285,7 @@ def test_failed_export_leaves_the_run_trained_not_exported(tiny_model, tmp_path)
     from launcher.store.rundir import RunDir
     from launcher.store.state import read_state, set_state
     from launcher.run.after_training import _export
-    from launcher.recipe import load_recipe
+    from launcher.recipe_loading import load_recipe
 
     run = RunDir(tmp_path / "run")
     run.root.mkdir()

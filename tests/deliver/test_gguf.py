@@ -191,7 +191,7 @@ def test_the_task_is_scored_on_every_export_the_served_gguf_included(qwen_run, t
 
     from launcher.data.task_examples import build_task
     from launcher.data.dataset import load_data
-    from launcher.recipe import load_recipe
+    from launcher.recipe_loading import load_recipe
     from launcher.store.checkpoint import atomic_write_json
     from launcher.data.task_verdict import FINE_TUNED
     from launcher.worker import task_eval
@@ -273,7 +273,7 @@ def test_a_gguf_whose_embedded_template_differs_fails_with_the_first_differing_t
     from launcher.deliver.messages import ExportError
     from launcher.deliver.parity import parity_prompts
     from launcher.deliver.served_prompt import ServedPrompt
-    from launcher.recipe import load_recipe
+    from launcher.recipe_loading import load_recipe
 
     run = qwen_run["run"]
     good = run / "final" / "gguf" / "run-Q4_K_M.gguf"
@@ -323,7 +323,7 @@ def test_a_gguf_whose_vocabulary_adds_eos_fails_in_llama_server_naming_the_eos(q
     from launcher.deliver.messages import ExportError
     from launcher.deliver.parity import parity_prompts
     from launcher.deliver.served_prompt import ServedPrompt
-    from launcher.recipe import load_recipe
+    from launcher.recipe_loading import load_recipe
 
     run = qwen_run["run"]
     path = run / "final" / "gguf" / "run-Q4_K_M.gguf"
@@ -359,7 +359,7 @@ def test_qwen3_thinking_off_is_served_by_llama_server_with_the_switch(qwen_run, 
     from launcher.deliver import gguf_export, llamacpp_runtime
     from launcher.deliver.parity import parity_prompts
     from launcher.deliver.served_prompt import ServedPrompt
-    from launcher.recipe import load_recipe
+    from launcher.recipe_loading import load_recipe
 
     run = qwen_run["run"]
     qwen3 = FAMILIES["qwen3"].template
@@ -415,7 +415,7 @@ def test_a_modelfile_with_a_wrong_stop_or_template_fails(qwen_run):
     from launcher.deliver import export_serving
     from launcher.deliver.messages import ExportError
     from launcher.deliver.served_prompt import ServedPrompt
-    from launcher.recipe import load_recipe
+    from launcher.recipe_loading import load_recipe
 
     run = qwen_run["run"]
     text = (run / "final" / "gguf" / "Modelfile").read_text()

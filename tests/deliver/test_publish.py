@@ -15,7 +15,7 @@ import yaml
 
 from launcher.errors import RecipeError
 from launcher.deliver.publish import PublishError, after_export, publish_run
-from launcher.recipe import validate_recipe
+from launcher.recipe_loading import validate_recipe
 from launcher.store.rundir import RunDir
 
 hf = pytest.importorskip("huggingface_hub")

@@ -20,7 +20,7 @@ def served(tiny_model, tmp_path):
     from helpers import export_recipe
 
     from launcher.deliver.served_prompt import ServedPrompt
-    from launcher.recipe import load_recipe
+    from launcher.recipe_loading import load_recipe
 
     recipe = load_recipe(export_recipe(tmp_path / "r.yaml", tiny_model, tmp_path / "run", eval={"fraction": 0.05}))
     return ServedPrompt(recipe, tiny_model, 3)
@@ -89,7 +89,7 @@ def test_a_training_template_without_an_end_of_turn_teaches_no_stop(tiny_model, 
 
     from launcher.deliver.messages import ExportError
     from launcher.deliver.served_prompt import ServedPrompt
-    from launcher.recipe import load_recipe
+    from launcher.recipe_loading import load_recipe
 
     model = tmp_path / "model"
     shutil.copytree(tiny_model, model)
@@ -147,7 +147,7 @@ def test_plain_text_data_has_no_chat_prompt_to_check(tiny_model, tmp_path):
 
     from launcher.deliver.messages import served_line
     from launcher.deliver.served_prompt import ServedPrompt
-    from launcher.recipe import load_recipe
+    from launcher.recipe_loading import load_recipe
 
     data = tmp_path / "text.jsonl"
     data.write_text("".join(json.dumps({"text": f"line {i} of plain text"}) + "\n" for i in range(20)))
@@ -244,7 +244,7 @@ def _served_for(tmp_path, family: str, records: list, template=None, held=None):
     from helpers import export_recipe
 
     from launcher.deliver.served_prompt import ServedPrompt
-    from launcher.recipe import load_recipe
+    from launcher.recipe_loading import load_recipe
 
     folder = build_tokenizer(tmp_path / "tok", family, template=template)
     data = write_jsonl(tmp_path / "train.jsonl", records)

@@ -9,12 +9,12 @@ from types import SimpleNamespace
 import pytest
 
 from launcher.errors import PlanError
-from launcher.plan import sizing
+from launcher.plan import sizing, sizing_constants
 from launcher.plan import throughput
 from launcher.plan.hardware import from_spec
 from launcher.plan.plan import make_plan
 from launcher.plan.text import format_plan
-from launcher.recipe import validate_recipe
+from launcher.recipe_loading import validate_recipe
 from launcher.worker.engines import trainer_fields
 
 DATA = SimpleNamespace(
@@ -43,7 +43,7 @@ def test_offloading_chosen_only_where_one_card_needs_it(tmp_path):
     r = _recipe(tmp_path)
     plan = make_plan(r, _here("1xRTX4090"), DATA, unsloth_available=False)
     assert plan.engine == "trl" and plan.offload_activations and plan.to_dict()["offload_activations"] is True
-    assert plan.memory["per_gpu_gb"] <= 24 * sizing.USABLE_FRACTION
+    assert plan.memory["per_gpu_gb"] <= 24 * sizing_constants.USABLE_FRACTION
     text = "\n".join(plan.reasons)
     assert "activation offloading" in text and "saved layer inputs" in text and "of the speed without it" in text
     assert "activation offloading" in format_plan(plan)

@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 
 from launcher.errors import PlanError
-from launcher.plan import engine_software, links, sizing
+from launcher.plan import engine_software, links, sizing, sizing_constants
 from launcher.plan import throughput
 from launcher.plan.hardware import catalog_box, from_spec
 from launcher.plan.models import from_catalog
 from launcher.plan.plan import make_plan
-from launcher.plan.sizing import GB, Workload
-from launcher.recipe import load_recipe
+from launcher.plan.sizing import Workload
+from launcher.plan.sizing_constants import GB
+from launcher.recipe_loading import load_recipe
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 LLAMA_8BIT = RECIPES / "llama-3.1-70b-full-8bit-8xh100.yaml"
@@ -36,7 +37,7 @@ def test_optimizer_offload_moves_gradients_and_states_into_ram():
     assert plain.per_gpu_gb > 97 and off.per_gpu_gb < 35  # 8 x 80 GB: does not fit without, fits with
     # fp32 master 4 + fp32 gradient 4 + Adam m, v 8 + 16-bit gradient partition 2, whatever the recipe's optimizer
     assert off.offloaded_params_gb == pytest.approx(ARCH.params * 18 / GB)
-    assert off.train_ram_gb == pytest.approx(off.offloaded_params_gb + 8 * sizing.CPU_RUNTIME_GB)
+    assert off.train_ram_gb == pytest.approx(off.offloaded_params_gb + 8 * sizing_constants.CPU_RUNTIME_GB)
     assert off.host_ram_gb == off.train_ram_gb > off.load_ram_gb and off.ram_explanation == off.offload_explanation
     # the job in all: the cards' partitions and one card's step tensors, plus what lives in RAM
     static = off.breakdown_gb["weights"]
@@ -49,7 +50,9 @@ def test_optimizer_offload_moves_gradients_and_states_into_ram():
 def test_parameter_offload_moves_the_16bit_partitions_too():
     opt, both = sizing.memory(ARCH, ds(n=2)), sizing.memory(ARCH, ds(n=2, params=True))
     assert (
-        opt.per_gpu_gb > 79.65 * sizing.USABLE_FRACTION and "weights" not in both.breakdown_gb and both.per_gpu_gb < 20
+        opt.per_gpu_gb > 79.65 * sizing_constants.USABLE_FRACTION
+        and "weights" not in both.breakdown_gb
+        and both.per_gpu_gb < 20
     )
     assert both.offloaded_params_gb == pytest.approx(ARCH.params * 20 / GB)
     assert "16-bit parameter partitions" in both.offload_explanation

@@ -12,7 +12,7 @@ import pytest
 from launcher import cli
 from launcher.plan import this_box
 from launcher.run import pipeline, plan_command
-from launcher.plan import sizing
+from launcher.plan import sizing_constants
 from launcher.plan import plan as plan_mod
 from launcher.plan import engine_software
 from launcher.errors import MissingSoftware, PlanError, RecipeError
@@ -21,7 +21,8 @@ from launcher.plan.models import _weights_bytes, download_size, from_catalog
 from launcher.plan.figures import UNIT
 from launcher.plan.plan import make_plan
 from launcher.plan.text import format_plan
-from launcher.recipe import TOKENS_MEANING, Recipe, _suggest, parse_token_count, validate_recipe
+from launcher.recipe import TOKENS_MEANING, Recipe, parse_token_count
+from launcher.recipe_loading import _suggest, validate_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 README_RECIPE = REPO / "recipes" / "qwen3-8b-qlora-rtx4090.yaml"
@@ -236,7 +237,7 @@ def test_json_when_nothing_fits(tmp_path, no_gpu_here, capsys):
     assert "does not fit" in d["refusal"]["message"] and d["refusal"]["options"] and d["reasons"]
     assert d["alternatives"] and d["units"].startswith("GB = 2**30")
     for a in d["alternatives"]:  # only boxes that hold it: never 2xRTX4090 for 564 GB
-        assert a["per_gpu_gb"] <= a["card_gb"] * sizing.USABLE_FRACTION
+        assert a["per_gpu_gb"] <= a["card_gb"] * sizing_constants.USABLE_FRACTION
     assert not any("RTX4090" in o for o in d["refusal"]["options"])
 
 
@@ -273,7 +274,7 @@ def test_card_sizes_as_people_know_them(name, size):
 
 
 def test_one_unit_said_once(tmp_path):
-    assert sizing.GB == 2**30
+    assert sizing_constants.GB == 2**30
     p = make_plan(recipe(tmp_path), from_spec("RTX4090"), tokens=15e6)
     text = format_plan(p)
     assert text.count("2**30") == 1 and p.to_dict()["units"] == UNIT
@@ -435,7 +436,9 @@ def test_alternatives_only_hold_the_job(tmp_path):
     with pytest.raises(PlanError) as err:
         make_plan(recipe(tmp_path, model="Qwen/Qwen2.5-32B", method="full"), from_spec("RTX4090"), tokens=15e6)
     p = err.value.plan
-    assert p.alternatives and all(a["per_gpu_gb"] <= a["card_gb"] * sizing.USABLE_FRACTION for a in p.alternatives)
+    assert p.alternatives and all(
+        a["per_gpu_gb"] <= a["card_gb"] * sizing_constants.USABLE_FRACTION for a in p.alternatives
+    )
     assert all(not math.isnan(a["per_gpu_gb"]) for a in p.alternatives)
     assert "2xRTX4090" not in err.value.fix
 
@@ -443,7 +446,7 @@ def test_alternatives_only_hold_the_job(tmp_path):
 def test_plan_checks_the_trainer_fields(tmp_path, no_gpu_here, capsys, monkeypatch):
     seen = []
 
-    def check(r):  # launcher.recipe.check_trainer_fields, called by plan (its own checks: tests/test_recipe.py)
+    def check(r):  # launcher.recipe_trainer.check_trainer_fields, called by plan (its own checks: tests/test_recipe.py)
         seen.append(dict(r.trainer))
         raise RecipeError("the recipe's trainer: section has unknown fields:\n- trainer.warmup_ratoi ...")
 

@@ -11,7 +11,7 @@ from launcher.plan import throughput
 from launcher.plan.hardware import Gpu, Hardware, catalog, from_spec
 from launcher.plan.plan import make_plan
 from launcher.plan.text import format_plan
-from launcher.recipe import validate_recipe
+from launcher.recipe_loading import validate_recipe
 
 DATA = SimpleNamespace(
     examples=10_000,

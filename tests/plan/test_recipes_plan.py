@@ -13,8 +13,8 @@ from launcher.plan import this_box
 from launcher.plan import plan as plan_mod
 from launcher.errors import PlanError
 from launcher.plan.hardware import from_spec
-from launcher.recipe import load_recipe
-from launcher.plan.sizing import GB
+from launcher.recipe_loading import load_recipe
+from launcher.plan.sizing_constants import GB
 
 RECIPES = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))
 HEADLINE = RECIPES[0].parent / "qwen3-8b-qlora.yaml"  # the design card's command: `ftrun recipes/qwen3-8b-qlora.yaml`

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.plan import links, sizing
+from launcher.plan import links, sizing, sizing_constants
 from launcher.plan import loss_head
 from launcher.plan import throughput
 from launcher.plan.hardware import catalog, catalog_box
@@ -17,7 +17,7 @@ MODEL = {"8B": "meta-llama/Llama-3.1-8B", "32B": "Qwen/Qwen2.5-32B", "70B": "met
 # not fit).
 # The article's figures are bytes per parameter times billions of parameters ("70B x 2 B = 140 GB"): decimal GB,
 # converted here to ftrun's unit (GB = 2**30 bytes).
-ARTICLE_GB = 1e9 / sizing.GB
+ARTICLE_GB = 1e9 / sizing_constants.GB
 MEMORY_TABLE = [
     ("qlora", "8B", 10, 16, ["1xRTX4090"], None),
     ("qlora", "32B", 24, 32, ["1xL40S", "1xRTX5090"], "1xRTX4090"),
@@ -41,7 +41,7 @@ def _fits_box(arch, method, box, seq=2048, engine=None):
     gpu = catalog()[name]
     eng = engine or ("trl" if count == 1 else "fsdp")
     est = sizing.memory(arch, Workload(method, seq, 1, True, 16, "all-linear", eng, count, loss=PLAIN))
-    return est.per_gpu_gb <= gpu.memory_gb * sizing.USABLE_FRACTION
+    return est.per_gpu_gb <= gpu.memory_gb * sizing_constants.USABLE_FRACTION
 
 
 @pytest.mark.parametrize("method,size,low,high,boxes,too_small", MEMORY_TABLE)
@@ -79,11 +79,13 @@ def test_bytes_per_param_for_full_finetuning():
     arch = from_catalog(MODEL["8B"])
     full = sizing.memory(arch, Workload("full", 1, 1, True))
     b = full.breakdown_gb
-    per_param = (b["weights"] + b["gradients"] + b["optimizer"]) * sizing.GB / arch.params
+    per_param = (b["weights"] + b["gradients"] + b["optimizer"]) * sizing_constants.GB / arch.params
     assert per_param == pytest.approx(16)  # the article: ~16 bytes/param before activations
     eight = sizing.memory(arch, Workload("full-8bit", 1, 1, True)).breakdown_gb
     per_param8 = (
-        (eight["weights"] + eight["gradients"] + eight["optimizer"] + eight["gradient churn"]) * sizing.GB / arch.params
+        (eight["weights"] + eight["gradients"] + eight["optimizer"] + eight["gradient churn"])
+        * sizing_constants.GB
+        / arch.params
     )
     assert 6 <= per_param8 <= 8  # the article: 6-8 bytes with an 8-bit optimizer
 
@@ -91,7 +93,9 @@ def test_bytes_per_param_for_full_finetuning():
 def test_qlora_weights_are_about_half_a_byte_per_linear_param():
     arch = from_catalog(MODEL["70B"])
     w = sizing.memory(arch, Workload("qlora", 1, 1, True)).breakdown_gb["weights"]
-    assert 0.5 <= w * sizing.GB / arch.params <= 0.6  # the article: about 0.6 B/param; QLoRA paper: 4.127 bits
+    assert (
+        0.5 <= w * sizing_constants.GB / arch.params <= 0.6
+    )  # the article: about 0.6 B/param; QLoRA paper: 4.127 bits
 
 
 def test_gradient_checkpointing_and_packing_shape_activations():
@@ -106,7 +110,7 @@ def test_gradient_checkpointing_and_packing_shape_activations():
 def test_logits_term_is_vocab_times_tokens():
     arch = from_catalog("Qwen/Qwen3-8B")
     est = sizing.memory(arch, Workload("qlora", 4096, 1, True, loss=PLAIN))
-    assert est.breakdown_gb["logits and loss"] == pytest.approx(4096 * 151936 * 12 / sizing.GB)
+    assert est.breakdown_gb["logits and loss"] == pytest.approx(4096 * 151936 * 12 / sizing_constants.GB)
     fused = sizing.memory(arch, Workload("qlora", 4096, 1, True, engine="unsloth"))
     assert fused.breakdown_gb["logits and loss"] < est.breakdown_gb["logits and loss"] / 4
 
@@ -124,7 +128,7 @@ def test_trl_fused_head_holds_one_tile_not_the_logits():
     lean = sizing.memory(arch, w)
     assert plain.per_gpu_gb - lean.per_gpu_gb > 6.5  # the 7 GB of logits are gone
     no_gc = sizing.memory(arch, Workload("qlora", 4096, 1, False))
-    assert no_gc.breakdown_gb["logits and loss"] == pytest.approx(head / sizing.GB)
+    assert no_gc.breakdown_gb["logits and loss"] == pytest.approx(head / sizing_constants.GB)
     longer = loss_head.fused_head_bytes(arch, Workload("qlora", 32768, 1, True))
     assert longer - head == (32768 - 4096) * arch.hidden * 8  # the tile stays; only the per-token vectors grow
 
@@ -149,7 +153,7 @@ def test_sharding_divides_static_memory():
     assert sum(four.breakdown_gb[k] for k in static) == pytest.approx(
         sum(one.breakdown_gb[k] for k in static) / 4, rel=0.01
     )
-    assert one.breakdown_gb["weights"] == pytest.approx(arch.params * 4 / sizing.GB)
+    assert one.breakdown_gb["weights"] == pytest.approx(arch.params * 4 / sizing_constants.GB)
     assert "gathered shards" in four.breakdown_gb
     assert four.total_gb == pytest.approx(one.total_gb, rel=0.02)
 
@@ -188,7 +192,7 @@ def test_article_time_table(method, size, engine, box, tps, tokens, hours, cost)
     hw = catalog_box(name, int(count))
     arch = from_catalog(MODEL[size])
     off = Workload(method, ARTICLE_TOKENS, 2, False, 16, "all-linear", engine, int(count))
-    keep = sizing.memory(arch, off).peak_gb * HEADROOM > hw.gpu.memory_gb * sizing.USABLE_FRACTION
+    keep = sizing.memory(arch, off).peak_gb * HEADROOM > hw.gpu.memory_gb * sizing_constants.USABLE_FRACTION
     w = Workload(method, ARTICLE_TOKENS, 2, keep, 16, "all-linear", engine, int(count))
     got = throughput.tokens_per_second(arch, w, hw.gpu.tflops_bf16, hw.interconnect, mean_seq_len=ARTICLE_TOKENS)
     assert got == pytest.approx(used, rel=0.15) or lo <= got <= hi, f"{got:,.0f} tokens/s, article {lo:,}-{hi:,}"

@@ -1,6 +1,6 @@
 """The box's RAM while FSDP and DeepSpeed load 16-bit weights (LoRA, full fine-tuning): counted by the plan
-(sizing._loading_16bit) and refused with the reason and the RAM a box would need when the box cannot hold it.
-QLoRA on FSDP: one 4-bit copy per box (sizing._loading; measured in tests/worker/test_fsdp_qlora.py).
+(loading_memory._loading_16bit) and refused with the reason and the RAM a box would need when the box cannot hold it.
+QLoRA on FSDP: one 4-bit copy per box (loading_memory._loading; measured in tests/worker/test_fsdp_qlora.py).
 
 The rule rests on what transformers and accelerate do on the CPU, measured here with the real libraries: a
 16-bit checkpoint loaded in its own dtype is the memory-mapped file (page cache, shared by the processes of a
@@ -16,14 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from launcher.plan import sizing
+from launcher.plan import loading_memory, sizing, sizing_constants
 from launcher.plan import throughput
 from launcher.errors import PlanError
 from launcher.plan.hardware import from_spec
 from launcher.plan.models import from_catalog, from_config
 from launcher.plan.plan import make_plan
-from launcher.recipe import load_recipe
-from launcher.plan.sizing import GB, Workload
+from launcher.recipe_loading import load_recipe
+from launcher.plan.sizing import Workload
+from launcher.plan.sizing_constants import GB
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 LLAMA70 = "meta-llama/Llama-3.1-70B-Instruct"
@@ -51,7 +52,7 @@ def test_fsdp_full_holds_an_fp32_copy_per_process_while_loading():
     arch = from_catalog(LLAMA70)
     e = est(arch, "full", "fsdp", 8)
     # accelerate upcasts every trainable weight to fp32 on each rank's CPU before sharding: 4 B/param per process
-    assert e.load_ram_gb == pytest.approx(8 * (arch.params * 4 / GB + sizing.CPU_RUNTIME_GB))
+    assert e.load_ram_gb == pytest.approx(8 * (arch.params * 4 / GB + sizing_constants.CPU_RUNTIME_GB))
     assert 2050 < e.load_ram_gb < 2150  # 70.6B x 4 B = 263 GB per process, + 1 GB of runtime
     assert "each of the 8 processes loads the whole model" in e.load_explanation
     assert "upcast to fp32 (263 GB" in e.load_explanation
@@ -63,29 +64,31 @@ def test_fsdp_lora_shares_the_mapped_16bit_weights_and_holds_its_fp32_adapters()
     arch = from_catalog(LLAMA70)
     e = est(arch, "lora", "fsdp", 4)
     lora_gb = e.trainable_params * 4 / GB
-    assert e.load_ram_gb == pytest.approx(4 * (lora_gb + sizing.CPU_RUNTIME_GB))
+    assert e.load_ram_gb == pytest.approx(4 * (lora_gb + sizing_constants.CPU_RUNTIME_GB))
     assert e.load_ram_gb < 10  # not 4 x 131 GB: the 16-bit weights are the files' pages, shared by the processes
     assert "the 131 GB of 16-bit weights stay in the page cache, shared" in e.load_explanation
 
 
 def test_moe_experts_fused_while_loading_are_per_process():
     arch = from_config(QWEN3_30B_A3B, "qwen3-30b-a3b", "test")
-    fused = sizing.fused_expert_params(arch)
+    fused = loading_memory.fused_expert_params(arch)
     assert fused == 3 * 2048 * 768 * 128 * 48  # 29B of the 30.5B parameters
     e = est(arch, "lora", "fsdp", 4)
-    assert e.load_ram_gb == pytest.approx(4 * (e.trainable_params * 4 / GB + fused * 2 / GB + sizing.CPU_RUNTIME_GB))
+    assert e.load_ram_gb == pytest.approx(
+        4 * (e.trainable_params * 4 / GB + fused * 2 / GB + sizing_constants.CPU_RUNTIME_GB)
+    )
     assert "MoE experts fused while loading" in e.load_explanation
-    assert sizing.fused_expert_params(from_catalog(LLAMA70)) == 0  # dense: nothing fused
+    assert loading_memory.fused_expert_params(from_catalog(LLAMA70)) == 0  # dense: nothing fused
 
 
 def test_deepspeed_zero3_loads_partitioned_without_a_copy_per_process():
     arch = from_catalog(LLAMA70)
     full = est(arch, "full", "deepspeed", 8)
-    assert full.load_ram_gb == pytest.approx(8 * sizing.CPU_RUNTIME_GB)  # rank 0 reads the mapped checkpoint
+    assert full.load_ram_gb == pytest.approx(8 * sizing_constants.CPU_RUNTIME_GB)  # rank 0 reads the mapped checkpoint
     assert "zero.Init" in full.load_explanation and "rank 0 alone reads the checkpoint" in full.load_explanation
     moe = from_config(QWEN3_30B_A3B, "qwen3-30b-a3b", "test")
     assert est(moe, "full", "deepspeed", 8).load_ram_gb == pytest.approx(
-        8 * sizing.CPU_RUNTIME_GB + sizing.fused_expert_params(moe) * 2 / GB
+        8 * sizing_constants.CPU_RUNTIME_GB + loading_memory.fused_expert_params(moe) * 2 / GB
     )  # rank 0 fuses them once
 
 
@@ -106,7 +109,7 @@ def test_full_finetune_on_fsdp_is_refused_where_the_box_ram_cannot_hold_the_load
 
     # a box to rent: its RAM is an assumption, so the plan names the RAM it needs instead of refusing
     rented = make_plan(recipe, replace(hw, ram_gb=1024.0), tokens=15e6)
-    need = p.memory["load_ram_gb"] / sizing.USABLE_RAM_FRACTION
+    need = p.memory["load_ram_gb"] / sizing_constants.USABLE_RAM_FRACTION
     assert rented.fits and any(f"with at least {need:.0f} GB of RAM" in r for r in rented.reasons)
     # the box in hand: its RAM is read, and too little is refused with the figure
     small = replace(hw, ram_gb=1024.0, source="detected")
@@ -145,16 +148,16 @@ def test_qlora_fsdp_ram_is_one_4bit_copy_per_box_whatever_the_process_count():
     their runtime and fp32 LoRA, never another 4-bit copy."""
     arch, two = qlora_fsdp(2)
     _, eight = qlora_fsdp(8)
-    model_gb = sizing.nf4_model_bytes(arch) / GB
-    temp_gb = sizing.quantize_temporary_bytes(arch) / GB
-    assert two.load_ram_gb == pytest.approx(model_gb + temp_gb + 2 * sizing.CPU_RUNTIME_GB)
-    assert eight.load_ram_gb - two.load_ram_gb == pytest.approx(6 * sizing.CPU_RUNTIME_GB)
+    model_gb = loading_memory.nf4_model_bytes(arch) / GB
+    temp_gb = loading_memory.quantize_temporary_bytes(arch) / GB
+    assert two.load_ram_gb == pytest.approx(model_gb + temp_gb + 2 * sizing_constants.CPU_RUNTIME_GB)
+    assert eight.load_ram_gb - two.load_ram_gb == pytest.approx(6 * sizing_constants.CPU_RUNTIME_GB)
     assert eight.load_ram_gb < 1.5 * model_gb  # it was 8 x (model + LoRA + runtime) = 310 GB
     text = two.load_explanation
     assert "one process quantizes the model once for the box on its CPU (36.8 GB in 4-bit" in text
     assert "while the other waits" in text and "while the other 7 wait" in eight.load_explanation
     assert "maps that file (one copy in the page cache, shared)" in text
-    need = two.load_ram_gb / sizing.USABLE_RAM_FRACTION
+    need = two.load_ram_gb / sizing_constants.USABLE_RAM_FRACTION
     assert (
         f"{two.load_ram_gb:.0f} GB of RAM at the peak (quantizing; a box with {need:.0f} GB or more holds it)" in text
     )
@@ -164,11 +167,11 @@ def test_qlora_fsdp_with_offload_counts_the_pinned_shards_once():
     arch, on_card = qlora_fsdp(2)
     _, off = qlora_fsdp(2, offload=True)
     lora_gb = off.trainable_params * 4 / GB
-    sharding = off.offloaded_params_gb + 2 * (lora_gb + sizing.CPU_RUNTIME_GB)
+    sharding = off.offloaded_params_gb + 2 * (lora_gb + sizing_constants.CPU_RUNTIME_GB)
     assert off.load_ram_gb == pytest.approx(max(on_card.load_ram_gb, sharding))
     assert "(sharding; a box with" in off.load_explanation and "pinned RAM (39.9 GB)" in off.load_explanation
     # the pinned shards of all ranks together are one copy (+ LoRA gradients and AdamW states), not one per rank
-    assert off.offloaded_params_gb < 1.1 * sizing.nf4_model_bytes(arch) / GB
+    assert off.offloaded_params_gb < 1.1 * loading_memory.nf4_model_bytes(arch) / GB
 
 
 def test_qlora_fsdp_quantizes_once_with_every_core():
@@ -184,7 +187,7 @@ def test_qlora_fsdp_quantizes_once_with_every_core():
 def test_the_70b_qlora_row_plans_on_2x4090_and_names_the_ram():
     p = make_plan(load_recipe(RECIPES / "llama-3.1-70b-qlora-fsdp-2xrtx4090.yaml"), from_spec("2xRTX4090"), tokens=15e6)
     assert p.fits and p.engine == "fsdp" and p.offload_params
-    need = p.memory["load_ram_gb"] / sizing.USABLE_RAM_FRACTION
+    need = p.memory["load_ram_gb"] / sizing_constants.USABLE_RAM_FRACTION
     assert need < 96  # the catalog box's assumed RAM
     assert any(
         r.startswith("loading: one process quantizes") and f"a box with {need:.0f} GB or more" in r for r in p.reasons
@@ -229,9 +232,9 @@ print(json.dumps({"anon": loaded["RssAnon"] - before["RssAnon"], "mapped": loade
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_a_16bit_checkpoint_loads_mapped_and_the_fp32_upcast_is_private(tmp_path):
-    """What sizing._loading_16bit relies on (transformers 5.24, on the CPU as FSDP's ranks load): from_pretrained in
-    the checkpoint's own dtype with device_map=None maps the safetensors file (file-backed pages, which the
-    processes of a box share), and the upcast accelerate's fsdp2_prepare_model applies to trainable weights
+    """What loading_memory._loading_16bit relies on (transformers 5.24, on the CPU as FSDP's ranks load):
+    from_pretrained in the checkpoint's own dtype with device_map=None maps the safetensors file (file-backed pages,
+    which the processes of a box share), and the upcast accelerate's fsdp2_prepare_model applies to trainable weights
     allocates 4 B/param in each process. Measured in a fresh process, so no earlier allocation blurs it."""
     import json
     import os

@@ -7,7 +7,7 @@ import yaml
 
 from launcher.plan.hardware import catalog_box
 from launcher.plan.plan import make_plan
-from launcher.recipe import validate_recipe
+from launcher.recipe_loading import validate_recipe
 from launcher.run.adjustments import next_adjustment, with_adjustments, with_plan_settings
 from launcher.store.rundir import RunDir
 

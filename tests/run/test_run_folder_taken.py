@@ -14,7 +14,7 @@ import yaml
 from helpers import ftrun
 from launcher import cli
 from launcher.errors import EXIT_BAD_INPUT, EXIT_BUSY
-from launcher.recipe import load_recipe
+from launcher.recipe_loading import load_recipe
 from launcher.store.rundir import RunDir
 from launcher.store.state import RunLock, process_identity, set_state
 

@@ -3,7 +3,7 @@
 import pytest
 
 from launcher.data.dataset import DataStats
-from launcher.recipe import validate_recipe
+from launcher.recipe_loading import validate_recipe
 from launcher.run.smoke import estimate, export_seconds, memory_growth, step_seconds, training_tokens
 from launcher.run.views import format_smoke
 

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from launcher.cli import main
-from launcher.run import facts, task_baseline, views
+from launcher.run import facts, summary_view, task_baseline, task_eval_view
 from launcher.store.rundir import RunDir
 
 BASE = {
@@ -46,7 +46,7 @@ def _run(
 
 
 def _verdict(tmp_path: Path, record: dict, **kw) -> str:
-    return views.task_verdict(facts.task_eval(_run(tmp_path, record, **kw), base_only=True))
+    return task_eval_view.task_verdict(facts.task_eval(_run(tmp_path, record, **kw), base_only=True))
 
 
 def test_a_base_model_wrong_in_one_case_of_five_pays_for_a_fine_tune(tmp_path):
@@ -161,7 +161,7 @@ def test_answers_cut_by_a_setting_before_the_references_end_are_said_with_both_n
     needed = task["capped"]["reference_tokens"]
     assert needed > 200
     t = {**BASE, "metric": "text", "capped": task["capped"], "scores": {"base_zero_shot": 0.08}}
-    text = views.format_task_eval(t)
+    text = task_eval_view.format_task_eval(t)
     assert (
         f"answers cut at 24 new tokens (eval.max_new_tokens) while the longest reference runs to about {needed} "
         f"tokens: the scores are capped by that setting; eval.task.max_new_tokens: {needed} lets the answers "
@@ -185,7 +185,7 @@ def test_a_step_from_a_parent_adapter_is_judged_against_it_with_the_noise_of_its
         "per_example": {"base_zero_shot": same, "fine_tuned": [0.3, 0.1, 0.4, 0.2, 0.2] * 4},
     }
     run = _run(tmp_path, step, final=step, state="succeeded")
-    table = views.format_end_summary(facts.end_summary(run))
+    table = summary_view.format_end_summary(facts.end_summary(run))
     assert (
         "gain      fine-tuned 19% against 20% for the parent adapter zero-shot (-1 point, within the ±8-point "
         "noise of 20 examples)" in table
@@ -200,7 +200,7 @@ def test_a_step_from_a_parent_adapter_is_judged_against_it_with_the_noise_of_its
             "fine_tuned": [x + 0.2 + (0.05 if i % 2 else -0.05) for i, x in enumerate(same)],
         },
     }
-    assert views.task_verdict(better) == (
+    assert task_eval_view.task_verdict(better) == (
         "this run against the parent adapter zero-shot: better on the task (40% "
         "against 20% chrF, +20 points, beyond the ±2-point noise of 20 examples)"
     )
@@ -210,7 +210,7 @@ def test_the_end_summary_and_status_show_one_table_of_the_scores(tmp_path, capsy
     run = _run(
         tmp_path, {**BASE, "scores": {"base_zero_shot": 0.0, "base_few_shot": 0.35}}, final=FINISHED, state="succeeded"
     )
-    text = views.format_end_summary(facts.end_summary(run))
+    text = summary_view.format_end_summary(facts.end_summary(run))
     table = text[text.index("  task ") :]
     rows = [line.split() for line in table.splitlines()]
     assert ["base", "model,", "zero-shot", "0%"] in rows and ["base", "model,", "3", "examples", "35%"] in rows
@@ -246,7 +246,7 @@ def test_the_summary_reads_the_base_scores_before_the_final_ones_exist(tmp_path)
         {**BASE, "scores": {"base_zero_shot": 0.5, "base_few_shot": 0.9}, "fine_tune_pays": False},
         state="stopped",
     )
-    text = views.format_end_summary(facts.end_summary(run))
+    text = summary_view.format_end_summary(facts.end_summary(run))
     assert "verdict   base model with 3 examples: right in 90%: a prompt with examples may be enough" in text
     assert "fine-tuned" not in text and "gain" not in text
 
@@ -367,7 +367,7 @@ def test_ftrun_baseline_with_the_task_eval_off_is_refused_before_anything(write_
 
 
 def test_the_launch_step_says_its_failure_in_one_line_and_goes_on(tmp_path, fake_worker, write_recipe):
-    from launcher.recipe import load_recipe
+    from launcher.recipe_loading import load_recipe
 
     recipe = load_recipe(write_recipe())
     run = RunDir(tmp_path / "run")
@@ -392,7 +392,7 @@ def test_the_launch_step_says_its_failure_in_one_line_and_goes_on(tmp_path, fake
 
 
 def test_a_resume_after_training_began_does_not_score_the_base_again(tmp_path, fake_worker, write_recipe):
-    from launcher.recipe import load_recipe
+    from launcher.recipe_loading import load_recipe
 
     run = _run(tmp_path, {}, state="running")
     run.task_eval.unlink()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.run import commands, facts, progress, views
+from launcher.run import commands, facts, progress, summary_view, views
 from launcher.cli import _parser, main, split_command_line
 from launcher.store.rundir import RunDir
 from launcher.store.state import RunLock, process_identity, set_state
@@ -82,7 +82,7 @@ def test_end_summary_of_a_finished_run(reference_run, tmp_path):
     (run.final / "samples.md").unlink(missing_ok=True)
     assert facts.end_summary(run)["samples"] is None
     assert e["wall_seconds"] > 0
-    text = views.format_end_summary(e)
+    text = summary_view.format_end_summary(e)
     assert f"loss      {rows[0]['loss']:.4f} (step {rows[0]['step']}) -> {rows[-1]['loss']:.4f}" in text
     assert f"tokens    {rows[-1]['tokens_seen']:,}" in text
     assert (
@@ -93,7 +93,7 @@ def test_end_summary_of_a_finished_run(reference_run, tmp_path):
     with run.metrics.open("a") as fh:
         fh.write(json.dumps({"step": 10, "eval_loss": 5.5}) + "\n" + json.dumps({"step": 30, "eval_loss": 4.25}) + "\n")
     (run.final / "samples.md").write_text("# samples\n")
-    text = views.format_end_summary(facts.end_summary(run))
+    text = summary_view.format_end_summary(facts.end_summary(run))
     assert "eval loss 5.5000 -> 4.2500" in text and f"samples   {run.final / 'samples.md'}" in text
 
 
@@ -205,7 +205,7 @@ def test_after_a_resume_the_memory_line_keeps_the_passed_smoke_tests_measurement
     """A resume skips the smoke test; the plan made for it is calibrated by the smoke test that passed, so
     `status` does not say 'no passed smoke test'."""
     from launcher.run.prepare import _prepare
-    from launcher.recipe import load_recipe
+    from launcher.recipe_loading import load_recipe
 
     run = _copy(reference_run, tmp_path / "run")
     plan = json.loads(run.plan.read_text())
@@ -248,7 +248,7 @@ def test_a_stopped_run_says_how_it_ended_once_with_the_exact_resume_command(tmp_
     set_state(run, "preempted", reason=reason, ending=ending, resume_command=resume)
     s = facts.run_status(run)
     assert s["resume_command"] == resume and reason in views.format_status(s)
-    both = views.format_status(s, ending_follows=True) + "\n" + views.format_end_summary(facts.end_summary(run))
+    both = views.format_status(s, ending_follows=True) + "\n" + summary_view.format_end_summary(facts.end_summary(run))
     assert both.count(reason) == 1
     # a run whose processes are gone says the same command
     set_state(run, "running", reason="continuing", resume_command=resume)
@@ -260,8 +260,9 @@ def test_mfu_beside_a_gpus_tokens_per_second_and_silent_on_a_cpu(tmp_path):
     """Model FLOPs utilization from the plan's basis (docs/BENCHMARKS.md, "MFU"): a 1 x RTX 4090 plan of Qwen3-8B
     QLoRA, 1,000 tokens/s measured; the status line and the smoke test's line show it on a GPU only."""
     from launcher.plan.hardware import from_spec
-    from launcher.plan.plan import make_plan, model_flops_utilization
-    from launcher.recipe import validate_recipe
+    from launcher.plan.mfu import model_flops_utilization
+    from launcher.plan.plan import make_plan
+    from launcher.recipe_loading import validate_recipe
 
     recipe = validate_recipe(
         {"model": "Qwen/Qwen3-8B", "method": "qlora", "data": "d.jsonl", "tokens": "15M", "max_length": 2048},
@@ -353,12 +354,12 @@ def test_a_finished_training_whose_export_runs_is_not_called_finished(tmp_path):
         "pid_alive": True,
         "export": {"state": "running", "formats": ["adapter"]},
     }
-    head = views.format_end_summary(e).splitlines()[0]
+    head = summary_view.format_end_summary(e).splitlines()[0]
     assert head.startswith("== run trained (its export is still running)")
     e["export"] = {"state": "succeeded", "formats": ["adapter"]}
-    assert views.format_end_summary(e).startswith("== run finished at step 12/12")
+    assert summary_view.format_end_summary(e).startswith("== run finished at step 12/12")
     e.update(export={"state": "running"}, pid_alive=False)  # a killed supervisor's export is not waited for
-    assert views.format_end_summary(e).startswith("== run finished")
+    assert summary_view.format_end_summary(e).startswith("== run finished")
 
 
 def test_the_status_loss_says_its_step_when_the_run_is_past_it():
@@ -436,7 +437,7 @@ def test_a_dpo_summary_says_ties_as_ties_and_the_chosen_answers_reward(tmp_path)
         },
     ]
     run.metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    text = views.format_end_summary(facts.end_summary(run))
+    text = summary_view.format_end_summary(facts.end_summary(run))
     assert (
         "rewards   held-out margin 0.000 (step 0) -> 10.200 (step 48); preference accuracy tied (margin 0: the "
         "policy is its reference) -> 1.00"

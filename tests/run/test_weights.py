@@ -124,7 +124,7 @@ def test_unsloth_qlora_checks_and_downloads_the_prequantized_repo_it_trains(hub,
     """Unsloth trains QLoRA on its pre-quantized 4-bit copy (engines/unsloth.py): that repository is the one
     checked and downloaded before the smoke test, not the 16-bit one of the recipe (about four times the size)."""
     from launcher.run import prepare
-    from launcher.recipe import validate_recipe
+    from launcher.recipe_loading import validate_recipe
     from launcher.store.rundir import RunDir
 
     hub.repos["unsloth/Qwen3-8B-bnb-4bit"] = tiny_model  # the stand-in serves it; Qwen/Qwen3-8B it does not

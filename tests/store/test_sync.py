@@ -29,7 +29,7 @@ from helpers import (
 )
 from launcher.store import checkpoint as ckpt
 from launcher.errors import RecipeError
-from launcher.recipe import load_recipe
+from launcher.recipe_loading import load_recipe
 
 FIELDS = RESUME_FIELDS
 

@@ -129,7 +129,7 @@ def test_a_fresh_box_fetches_a_run_lost_mid_run_from_the_hub(tmp_path, hub):
     """The flow of `ftrun RECIPE` on a new box: the run is found, the newest verified checkpoint and the
     metadata come back (no final/ yet: the machine was lost mid-run), the lost box's pids are dropped."""
     from launcher.run.sync_commands import _pull_if_remote_run
-    from launcher.recipe import validate_recipe
+    from launcher.recipe_loading import validate_recipe
     from launcher.store.state import read_state, set_state
     from launcher.store.sync import destination, push_checkpoint, push_metadata
 

@@ -31,7 +31,7 @@ from helpers import (
 from launcher.errors import PlanError
 from launcher.plan.hardware import from_spec
 from launcher.plan.plan import make_plan
-from launcher.recipe import validate_recipe
+from launcher.recipe_loading import validate_recipe
 
 # A quick run: no smoke test, no export (tested elsewhere), so the time goes to the engine.
 QUICK = ("smoke.enabled=false", "export=[]")

@@ -24,15 +24,16 @@ from pathlib import Path
 import pytest
 
 from helpers import free_port
-from launcher.plan import sizing
+from launcher.plan import loading_memory, sizing, sizing_constants
 from launcher.plan import throughput
 from launcher.errors import PlanError
 from launcher.plan.hardware import from_spec
 from launcher.plan.models import from_catalog
 from launcher.plan.plan import make_plan
 from launcher.plan.text import format_plan
-from launcher.recipe import load_recipe, validate_recipe
-from launcher.plan.sizing import GB, Workload
+from launcher.recipe_loading import load_recipe, validate_recipe
+from launcher.plan.sizing import Workload
+from launcher.plan.sizing_constants import GB
 
 REPO = Path(__file__).resolve().parents[2]
 LLAMA70 = "meta-llama/Llama-3.1-70B-Instruct"
@@ -50,20 +51,20 @@ def qlora70(offload: bool, n: int = 2) -> tuple:
 
 def test_load_peak_and_ram_of_qlora_fsdp_follow_the_cpu_load_path():
     arch, w, est = qlora70(False)
-    model_gb = sizing.nf4_model_bytes(arch) / GB
+    model_gb = loading_memory.nf4_model_bytes(arch) / GB
     # 68.45B linear weights in NF4 + 2.1B embedding/head params in bf16: 39.5e9 bytes, 36.8 GB (GB = 2**30)
     assert 36.5 < model_gb < 37
     lora_gb = est.trainable_params * 4 / GB
     # one process quantizes the whole 4-bit model once for the box (+ its largest weight's temporaries), the
     # other waits; then both map the saved file and hold their fp32 LoRA: one copy in RAM, not one per rank
-    temp_gb = sizing.quantize_temporary_bytes(arch) / GB
+    temp_gb = loading_memory.quantize_temporary_bytes(arch) / GB
     assert temp_gb == pytest.approx(8192 * 28672 * 20 / GB)  # gate/up/down: the largest weights, 4.4 GB
-    assert est.load_ram_gb == pytest.approx(model_gb + temp_gb + 2 * sizing.CPU_RUNTIME_GB)
+    assert est.load_ram_gb == pytest.approx(model_gb + temp_gb + 2 * sizing_constants.CPU_RUNTIME_GB)
     assert est.load_ram_gb < model_gb + lora_gb + 7 < 2 * model_gb
     # on the card: its weight and LoRA shards + the largest unit whole (the 16-bit embedding), never the whole model
-    unit = max(sizing.layer_unit_bytes(arch, w), sizing.embedding_unit_bytes(arch, w)) / GB
+    unit = max(loading_memory.layer_unit_bytes(arch, w), loading_memory.embedding_unit_bytes(arch, w)) / GB
     shards = est.breakdown_gb["weights"] + est.breakdown_gb["adapters"] * 4 / 16
-    assert est.load_peak_gb == pytest.approx(sizing.CUDA_CONTEXT_GB + shards + unit)
+    assert est.load_peak_gb == pytest.approx(sizing_constants.CUDA_CONTEXT_GB + shards + unit)
     assert est.load_peak_gb < model_gb / 2 + 4 < model_gb  # half the model + one unit, not all of it
     assert est.peak_gb == est.per_gpu_gb  # training, not the load, decides here
 
@@ -78,9 +79,9 @@ def test_parameter_offload_moves_the_shards_to_ram_and_costs_pcie_time():
     # RAM while loading: the larger of the quantizing process's copy and, while sharding, the pinned shards (with
     # gradients and optimizer states: one copy for the box) next to each rank's LoRA and runtime
     lora_gb = est.trainable_params * 4 / GB
-    sharding = est.offloaded_params_gb + 2 * (lora_gb + sizing.CPU_RUNTIME_GB)
+    sharding = est.offloaded_params_gb + 2 * (lora_gb + sizing_constants.CPU_RUNTIME_GB)
     assert est.load_ram_gb == pytest.approx(max(on_card.load_ram_gb, sharding))
-    assert est.load_ram_gb < 1.2 * sizing.nf4_model_bytes(arch) / GB
+    assert est.load_ram_gb < 1.2 * loading_memory.nf4_model_bytes(arch) / GB
     assert est.load_peak_gb < 3  # one unit whole while sharding, nothing resident
     # host-link time: the card's weight shard up twice (forward, backward), the LoRA gradient shard down once
     link = throughput.pcie_gb_s((8, 9))
@@ -108,7 +109,7 @@ def test_pcie_generation_from_compute_capability():
 def test_deepspeed_qlora_counts_the_whole_4bit_model_on_every_card_at_load():
     arch = from_catalog(LLAMA70)
     est = sizing.memory(arch, Workload("qlora", 512, 1, True, 16, "all-linear", "deepspeed", 2, "cuda"))
-    assert est.load_peak_gb > sizing.nf4_model_bytes(arch) / GB
+    assert est.load_peak_gb > loading_memory.nf4_model_bytes(arch) / GB
     assert est.peak_gb == est.load_peak_gb  # the load, not the step, is the peak there
 
 
@@ -120,8 +121,10 @@ def test_70b_qlora_on_2x4090_plans_with_offload_and_states_the_ram_it_needs():
     p = make_plan(recipe, hw, tokens=15e6)
     assert p.fits and p.engine == "fsdp" and p.num_processes == 2 and p.offload_params
     assert p.memory["per_gpu_gb"] < 8 and p.memory["offloaded_params_gb"] > 36
-    assert 40 < p.memory["load_ram_gb"] < hw.ram_gb * sizing.USABLE_RAM_FRACTION and p.memory["load_peak_gb"] < 3
-    need = p.memory["load_ram_gb"] / sizing.USABLE_RAM_FRACTION
+    assert (
+        40 < p.memory["load_ram_gb"] < hw.ram_gb * sizing_constants.USABLE_RAM_FRACTION and p.memory["load_peak_gb"] < 3
+    )
+    need = p.memory["load_ram_gb"] / sizing_constants.USABLE_RAM_FRACTION
     loading = next(r for r in p.reasons if r.startswith("loading:"))
     assert "one process quantizes the model once for the box" in loading and "while the other waits" in loading
     assert f"a box with {need:.0f} GB or more holds it" in loading and "36.8 GB of disk" in loading

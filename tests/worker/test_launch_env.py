@@ -15,7 +15,7 @@ import pytest
 from launcher.worker.engines import launch_env
 from launcher.plan.hardware import from_spec
 from launcher.plan.plan import make_plan
-from launcher.recipe import validate_recipe
+from launcher.recipe_loading import validate_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from launcher.worker import memory
-from launcher.plan.sizing import GB
+from launcher.plan.sizing_constants import GB
 
 NCCL_HEAD = (
     "NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3356, unhandled cuda error "
@@ -185,7 +185,7 @@ class _FakeCuda:
 
 def test_cuda_peak_adds_what_lives_outside_the_allocator_on_this_ranks_gpu(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "3")
-    # an 80 GB card (GB = 2**30 bytes, sizing.GB): 50 GB free, the allocator holds 28 GB now and held 29.5 GB
+    # an 80 GB card (GB = 2**30 bytes, sizing_constants.GB): 50 GB free, the allocator holds 28 GB now and held 29.5 GB
     # at its peak; the other 2 GB in use are the CUDA context and NCCL's buffers
     fake = _FakeCuda(total=80 * GB, free=50 * GB, reserved=28 * GB, max_reserved=29.5 * GB)
     fake.install(monkeypatch)

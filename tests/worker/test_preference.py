@@ -124,7 +124,7 @@ def test_pairs_from_the_hub_cache_a_mixture_and_eval_data(tmp_path, monkeypatch,
 
     from launcher.data.dataset import load_data
     from launcher.data.stats import data_stats
-    from launcher.recipe import load_recipe
+    from launcher.recipe_loading import load_recipe
     from helpers import make_hub_cache
 
     rows = [
@@ -158,7 +158,7 @@ def test_pairs_from_the_hub_cache_a_mixture_and_eval_data(tmp_path, monkeypatch,
 def test_an_objective_refuses_data_it_does_not_train(write_recipe, tmp_path):
     from launcher.data.stats import data_stats
     from launcher.errors import DataError
-    from launcher.recipe import load_recipe
+    from launcher.recipe_loading import load_recipe
 
     with pytest.raises(DataError, match="chat data, which objective dpo does not train") as err:
         data_stats(load_recipe(write_recipe(objective="dpo")))  # the demo's chat data
@@ -198,7 +198,7 @@ def test_an_objective_refuses_data_it_does_not_train(write_recipe, tmp_path):
 )
 def test_a_key_that_does_not_apply_is_refused(write_recipe, tmp_path, tiny_model, fields, said):
     from launcher.errors import RecipeError
-    from launcher.recipe import load_recipe
+    from launcher.recipe_loading import load_recipe
 
     (tmp_path / "adapter").mkdir()
     (tmp_path / "adapter" / "adapter_config.json").write_text(
@@ -221,7 +221,7 @@ def test_a_key_that_does_not_apply_is_refused(write_recipe, tmp_path, tiny_model
 def test_a_run_from_init_from_says_the_parents_rank_everywhere(write_recipe, tmp_path, tiny_model):
     """Issue 46: one value, from the parent: the recipe resolves lora: to the parent adapter's settings, so the plan,
     the serving command (vLLM's --max-lora-rank) and the run's recipe.yaml say r=8, not the default 16."""
-    from launcher.recipe import load_recipe
+    from launcher.recipe_loading import load_recipe
     from launcher.run import commands
     from launcher.store.rundir import RunDir
 
@@ -254,7 +254,7 @@ def test_padding_free_is_on_where_the_objective_honours_it(write_recipe, tmp_pat
     objective's default (a finished run's recipe.yaml is compared key by key), and reads back to the same recipe."""
     import yaml
 
-    from launcher.recipe import load_recipe
+    from launcher.recipe_loading import load_recipe
     from launcher.worker.trainer_config import padding_free_collator
 
     seen = {}
@@ -276,7 +276,8 @@ def test_padding_free_is_on_where_the_objective_honours_it(write_recipe, tmp_pat
 
 def test_a_loss_type_the_installed_trl_lacks_is_refused_before_training(write_recipe):
     from launcher.errors import RecipeError
-    from launcher.recipe import check_trainer_fields, dpo_loss_types, load_recipe
+    from launcher.recipe_loading import load_recipe
+    from launcher.recipe_trainer import check_trainer_fields, dpo_loss_types
 
     assert {"sigmoid", "ipo", "hinge"} <= set(dpo_loss_types())
     check_trainer_fields(load_recipe(write_recipe(data=str(PAIRS), objective="dpo", preference={"loss_type": "ipo"})))
@@ -292,7 +293,7 @@ def test_a_loss_type_the_installed_trl_lacks_is_refused_before_training(write_re
 
 def test_an_sft_recipe_keeps_its_trajectory_hash(write_recipe):
     """Runs started before the objective key existed resume: an SFT recipe's trajectory has no new keys."""
-    from launcher.recipe import load_recipe
+    from launcher.recipe_loading import load_recipe
 
     recipe = load_recipe(write_recipe())
     assert not {"objective", "preference", "init_from"} & set(recipe.trajectory())
@@ -329,12 +330,12 @@ def test_the_plan_of_an_8b_qlora_dpo_job_on_one_4090_states_the_pairs_and_the_re
     assert orpo.estimate["hours"] < dpo.estimate["hours"]
     # ORPO's loss reads the whole logits (trl's ORPOTrainer takes outputs.logits), DPO's the fused head: 2 sequences x
     # seq_len tokens x the vocabulary at 12 B (loss_head.LOGIT_BYTES_HF) against the head's tiles
-    from launcher.plan import sizing
+    from launcher.plan import sizing_constants
     from launcher.plan import loss_head
 
     tokens = 2 * orpo.tokens["seq_len"]
     assert orpo.memory["breakdown_gb"]["logits and loss"] == pytest.approx(
-        tokens * orpo.model["vocab"] * loss_head.LOGIT_BYTES_HF / sizing.GB, rel=0.01
+        tokens * orpo.model["vocab"] * loss_head.LOGIT_BYTES_HF / sizing_constants.GB, rel=0.01
     )
     assert orpo.memory["breakdown_gb"]["logits and loss"] > 5 * dpo.memory["breakdown_gb"]["logits and loss"]
     assert "loss: the model's whole logits (trl's ORPOTrainer takes them" in "\n".join(orpo.reasons)

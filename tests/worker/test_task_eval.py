@@ -169,7 +169,7 @@ def test_the_results_file_merges_names_and_says_the_rule(tmp_path):
 
 def test_the_task_is_built_once_from_the_runs_split(tmp_path, write_recipe):
     from launcher.data import split
-    from launcher.recipe import load_recipe
+    from launcher.recipe_loading import load_recipe
     from launcher.store.rundir import RunDir
     from launcher.worker import task_eval
 

@@ -14,7 +14,7 @@ import pytest
 
 from launcher.worker import trackers
 from launcher.errors import RecipeError
-from launcher.recipe import validate_recipe
+from launcher.recipe_loading import validate_recipe
 
 TRACKER_ENV = (
     "WANDB_RUN_ID",

@@ -29,7 +29,7 @@ from helpers import (
 from launcher.errors import PlanError
 from launcher.plan.hardware import from_spec
 from launcher.plan.plan import make_plan
-from launcher.recipe import validate_recipe
+from launcher.recipe_loading import validate_recipe
 
 HAVE_UNSLOTH = importlib.util.find_spec("unsloth") is not None
 needs_unsloth = pytest.mark.skipif(not HAVE_UNSLOTH, reason="Unsloth is not installed (scripts/test.sh --unsloth)")

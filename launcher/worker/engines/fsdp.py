@@ -41,10 +41,10 @@ def accelerate_config(plan: dict[str, Any], activation_checkpointing: bool) -> d
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
             # 16-bit weights: every rank's model goes to the meta device, rank 0's state dict is broadcast shard by
             # shard (after every rank loaded the model on its CPU and upcast its trainable weights to fp32: the
-            # plan counts that RAM, sizing._loading_16bit). accelerate skips this for 4-bit weights
+            # plan counts that RAM, loading_memory._loading_16bit). accelerate skips this for 4-bit weights
             # (fsdp2_prepare_model: Params4bit lose their class on meta), so QLoRA is quantized once per box on the CPU
             # and every rank maps the saved copy (loading.fsdp_qlora_kwargs, quantized_once_per_box), and fully_shard
-            # moves one unit at a time to the card; the plan counts that load (sizing.py, _loading).
+            # moves one unit at a time to the card; the plan counts that load (loading_memory.py, _loading).
             "fsdp_cpu_ram_efficient_loading": True,
             # the plan's choice when the shards do not fit the cards (QLoRA 70B on 2 x 24 GB): shards, gradients and
             # optimizer states in pinned CPU RAM (FSDP2 CPUOffloadPolicy), the optimizer step on the CPU
@@ -245,7 +245,7 @@ def exercise(run_dir: Path, steps: int, out: Optional[Path], final_dir: Optional
     import torch
     import torch.distributed as dist
 
-    from launcher.recipe import load_recipe
+    from launcher.recipe_loading import load_recipe
     from launcher.worker.loading import load_model_and_tokenizer
 
     dist.init_process_group("gloo")

@@ -64,7 +64,7 @@ def step_loss_head(ctx: Context) -> dict[str, Any]:
     """The model's own loss against TRL's fused LM head at the shape: memory above the inputs, time, equal loss."""
     import torch
 
-    from launcher.plan import loss_head, sizing
+    from launcher.plan import loss_head, sizing, sizing_constants
     from launcher.worker import cpu_logprob
 
     trl_kernel = _fused_kernel()
@@ -97,8 +97,8 @@ def step_loss_head(ctx: Context) -> dict[str, Any]:
     }
     w = sizing.Workload("lora", t, 1, True, 16, "all-linear", "trl", 1, device)
     predicted = {
-        "model's own loss": round(loss_head.whole_logits_bytes(t, arch.vocab, device) / sizing.GB, 3),
-        "trl fused LM head": round(loss_head.fused_head_bytes(arch, w) / sizing.GB, 3),
+        "model's own loss": round(loss_head.whole_logits_bytes(t, arch.vocab, device) / sizing_constants.GB, 3),
+        "trl fused LM head": round(loss_head.fused_head_bytes(arch, w) / sizing_constants.GB, 3),
     }
     parts = []
     for name, r in runs.items():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from launcher.plan.sizing import GB
+from launcher.plan.sizing_constants import GB
 from launcher.worker.gpu_check.common import Context, first_line, in_gb
 
 
@@ -46,9 +46,9 @@ def step_peak_memory(ctx: Context) -> dict[str, Any]:
             "over_ranks_gb": round(memory.peak_memory_over_ranks_gb(device), 3),
         }
         # peak = allocator peak + outside (context, cuBLAS); sizing counts the context as CUDA_CONTEXT_GB
-        from launcher.plan import sizing
+        from launcher.plan import sizing_constants
 
-        r["sizing_cuda_context_gb"] = sizing.CUDA_CONTEXT_GB
+        r["sizing_cuda_context_gb"] = sizing_constants.CUDA_CONTEXT_GB
         ok = (
             max_reserved >= size
             and outside > 0
@@ -58,7 +58,8 @@ def step_peak_memory(ctx: Context) -> dict[str, Any]:
         )
         line = (
             f"worker peak {peak:.2f} GB = allocator peak {max_reserved / GB:.2f} + outside the allocator "
-            f"{outside / GB:.2f} (sizing counts {sizing.CUDA_CONTEXT_GB}); mem_get_info used {(total - free) / GB:.2f}"
+            f"{outside / GB:.2f} (sizing counts {sizing_constants.CUDA_CONTEXT_GB}); mem_get_info used "
+            f"{(total - free) / GB:.2f}"
         )
     else:
         before = memory.peak_memory_gb(device)

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from launcher.plan.sizing import GB
+from launcher.plan.sizing_constants import GB
 from launcher.worker.gpu_check.common import (
     Context,
     child_env,

@@ -1,0 +1,87 @@
+"""The task evaluation's forecast: the answers it generates, who gives them, their time before any smoke test."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from launcher import export_formats
+from launcher.plan import throughput
+from launcher.plan.figures import _fmt_hours
+from launcher.plan.models import Architecture
+
+
+def _times(n: int) -> str:
+    return "once" if n == 1 else f"{n} times"
+
+
+def _task_eval_note(recipe: Any, data_stats: Any) -> list[str]:
+    """What the task evaluation will generate (launcher/worker/task_eval.py): its examples, the answers each gets
+    (the base model zero-shot and with examples, the fine-tuned model, each exported model) and their longest
+    length; the smoke test measures the generation speed and forecasts its time (run/smoke.py task_eval_seconds)."""
+    task = getattr(getattr(recipe, "eval", None), "task", None)
+    if task is None or not task.examples:
+        return []
+    ev = recipe.eval
+    if ev.data:
+        held = f"up to {task.examples} examples of eval.data:"
+    elif ev.fraction:
+        held = f"the held-out examples ({ev.fraction:.0%} of the data, at most {task.examples}):"
+    else:
+        return ["task evaluation: nothing is held out (eval.fraction or eval.data), so nothing is scored"]
+    scorers = _task_eval_scorers(recipe)
+    longest = task.max_new_tokens or ev.max_new_tokens
+    return [
+        f"task evaluation: {held} each answered greedily {_times(len(scorers))} ({', '.join(scorers)}), "
+        f"up to {longest} new tokens each; the smoke test measures the generation speed and forecasts its time"
+    ]
+
+
+def _task_eval_scorers(recipe: Any) -> list[str]:
+    """Who answers the task evaluation's prompts (launcher/worker/task_eval.py): the base model twice where the launch
+    scores it, the fine-tuned model, each exported model."""
+    task = recipe.eval.task
+    formats = set(recipe.export)
+    return (
+        (["base model zero-shot", f"with {task.shots} examples"] if task.baseline == "run" else [])
+        + ["fine-tuned"]
+        + (["merged"] if "merged" in export_formats.made(formats) else [])
+        + (["GGUF"] if "gguf" in formats else [])
+    )
+
+
+def _task_eval_time(
+    recipe: Any, data_stats: Any, arch: Architecture, gpu: Any, box_price: float | None
+) -> dict[str, Any] | None:
+    """The task evaluation's time and cost before any smoke test, on a GPU the catalog knows the bandwidth of
+    (throughput.generation_tokens_per_second): an upper bound, every answer at its max_new_tokens (a trained model stops
+    at its end of turn sooner); the smoke test then measures the run's own rate (run/smoke.py task_eval_seconds)."""
+    task = getattr(getattr(recipe, "eval", None), "task", None)
+    if task is None or not task.examples or gpu is None or not (recipe.eval.fraction or recipe.eval.data):
+        return None
+    tps = throughput.generation_tokens_per_second(arch, gpu.memory_bandwidth_gb_s, gpu.tflops_bf16)
+    if not tps:
+        return None
+    held = getattr(data_stats, "held_out", 0) if data_stats is not None else 0
+    examples = min(task.examples, held) if held else task.examples
+    longest = task.max_new_tokens or recipe.eval.max_new_tokens
+    scorers = _task_eval_scorers(recipe)
+    tokens = len(scorers) * examples * longest
+    seconds = tokens / tps
+    cost = seconds / 3600 * box_price if box_price is not None else None
+    reason = (
+        f"task evaluation: at most {len(scorers)} scorers x {examples} examples x {longest} new tokens = "
+        f"{tokens:,} tokens at ~{tps:,.0f} tokens/s (estimated: {gpu.name}'s "
+        f"{gpu.memory_bandwidth_gb_s:,.0f} GB/s read once per decode step, {throughput.GENERATION_BATCH['cuda']} "
+        f"prompts a step, at {throughput.GENERATION_EFFICIENCY:.0%} of that bound) = {_fmt_hours(seconds / 3600)}"
+        + (f", {cost:.2f} EUR" if cost is not None else "")
+        + "; the smoke test measures the run's own rate"
+    )
+    return {
+        "reason": reason,
+        "seconds": round(seconds, 1),
+        "cost_eur": round(cost, 2) if cost is not None else None,
+        "generation_tokens_per_second": round(tps, 1),
+        "new_tokens": tokens,
+        "scorers": scorers,
+        "examples": examples,
+    }
