@@ -259,9 +259,8 @@ OBJECTIVES: dict[str, Objective] = {
             help="GRPO: samples grpo.num_generations answers per prompt and learns from their rewards (reward: the "
             "task metric against each prompt's reference, or your function)",
             learning_rate=1e-6,
-            # grpo_trainer.py _get_per_token_logps_and_entropies: the completion's logits whole, for
-            # selective_log_softmax and the entropy
-            whole_logits=True,
+            # its log-probabilities and entropy come from TRL's fused LM head, as SFT's and DPO's (grpo_trainer.py
+            # _get_per_token_logps_and_entropies: model(..., labels=..., fused_lm_head=True), the prompt's labels -100)
             refuses=_SAMPLES_REFUSE,
             refuses_why=_SAMPLES_WHY,
             generates=True,
