@@ -269,6 +269,11 @@ OBJECTIVES: dict[str, Objective] = {
 }
 
 
+def padding_free_objectives() -> tuple[str, ...]:
+    """The objectives that honour padding_free (the others refuse it), in table order."""
+    return tuple(name for name, o in OBJECTIVES.items() if "padding_free" not in o.refuses)
+
+
 def preference_objectives() -> tuple[str, ...]:
     """The objectives that tune on preferences, in table order."""
     return tuple(name for name, o in OBJECTIVES.items() if o.preference)

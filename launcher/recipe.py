@@ -16,6 +16,7 @@ from launcher import engine_kinds, export_formats, gguf_types, methods, model_fi
 from launcher.data import formats as data_formats
 from launcher.data import loss_view
 from launcher.data import sources as data_sources
+from launcher.data import task_metrics
 from launcher.errors import RecipeError
 from launcher.recipe_sections import (
     SECTIONS,
@@ -117,7 +118,8 @@ class Recipe(Strict):
     )
     reward: Optional[list[RewardSpec]] = Field(
         None,
-        description="GRPO's rewards (objective grpo): {metric: exact|json|text} scored against each prompt's "
+        description=f"GRPO's rewards (objective grpo): {{metric: {'|'.join(task_metrics.METRICS)}}} scored against "
+        "each prompt's "
         "reference, {function: FILE.py:NAME}, or a list of them with weights. Left out: the task metric "
         "(eval.task.metric, chosen from the references when auto).",
     )
@@ -153,7 +155,9 @@ class Recipe(Strict):
         validate_default=True,
         description="Concatenate each micro-batch into one row without padding (same examples, same loss; "
         "no compute spent on pad tokens). Off: rows padded to the batch's longest example, as plain TRL does. "
-        "Default: on for objective sft; dpo and orpo pad their pairs (trl 1.16's DPOTrainer turns padding_free off).",
+        f"Default: on for objective {' and '.join(methods.padding_free_objectives())}; "
+        f"{', '.join(o for o in methods.OBJECTIVES if o not in methods.padding_free_objectives())} pad their "
+        "rows side by side (trl 1.16's DPOTrainer turns padding_free off; GRPO batches its sampled answers).",
     )
     assistant_only_loss: bool = Field(
         False, description="Train only on assistant turns (needs {% generation %} markers in the chat template)."
@@ -176,7 +180,10 @@ class Recipe(Strict):
     resume: Union[Literal["auto"], bool] = Field(
         "auto", description="auto: continue if a checkpoint exists; true: fail if none; false: refuse to reuse a run."
     )
-    smoke: SmokeSettings = Field(default_factory=SmokeSettings, description="The 1%-of-data smoke test.")
+    smoke: SmokeSettings = Field(
+        default_factory=SmokeSettings,
+        description=f"The {SmokeSettings.model_fields['fraction'].default:.0%}-of-data smoke test.",
+    )
     engine: Engine = Field(
         engine_kinds.AUTO,
         description=f"{engine_kinds.AUTO} lets the plan choose; or force {', '.join(engine_kinds.ENGINES)}.",

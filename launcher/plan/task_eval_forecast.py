@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from launcher import export_formats
+from launcher.data.task_verdict import BARE_BASE_LABEL
 from launcher.plan import throughput
 from launcher.plan.figures import _fmt_hours
 from launcher.plan.models import Architecture
@@ -38,11 +39,13 @@ def _task_eval_note(recipe: Any, data_stats: Any) -> list[str]:
 
 def _task_eval_scorers(recipe: Any) -> list[str]:
     """Who answers the task evaluation's prompts (launcher/worker/task_eval.py): the base model twice where the launch
-    scores it, the fine-tuned model, each exported model."""
+    scores it (under init_from: the parent adapter twice and the bare base once), the fine-tuned model, each export."""
     task = recipe.eval.task
     formats = set(recipe.export)
+    start = "parent adapter" if getattr(recipe, "init_from", None) else "base model"
+    bare = [BARE_BASE_LABEL] if getattr(recipe, "init_from", None) else []
     return (
-        (["base model zero-shot", f"with {task.shots} examples"] if task.baseline == "run" else [])
+        (bare + [f"{start} zero-shot", f"with {task.shots} examples"] if task.baseline == "run" else [])
         + ["fine-tuned"]
         + (["merged"] if "merged" in export_formats.made(formats) else [])
         + (["GGUF"] if "gguf" in formats else [])
