@@ -45,15 +45,7 @@ def data_stats(recipe: Any):
         seen["pairs"] = pair_stats(trained_each)
     stats = replace(stats, loss_view=seen, held_out=len(parts.held_out), held_out_lines=len(examples) - len(train))
     eval_examples = split.load_eval_data(recipe) if recipe.eval.data else None  # a broken eval file stops here
-    problems = task_examples.refusals(
-        recipe.eval.task, examples, lengths, parts.held_out, train, recipe.max_length, recipe.seed, eval_examples
-    )
-    if problems:
-        raise RecipeError(
-            "the task evaluation cannot honour "
-            + ("these settings:\n- " + "\n- ".join(problems) if len(problems) > 1 else problems[0]),
-            fix="change or remove the eval.task keys named (docs/task_eval.md)",
-        )
+    _task_settings_fit(recipe, examples, lengths, parts, eval_examples)
     if recipe.eval.data:
         objective_fits(recipe, load_data(recipe.eval.data, recipe.seed).form, "eval.data")
         # a resume on changed eval data is refused like one on changed training data
@@ -88,8 +80,14 @@ def _prompt_stats(recipe: Any, data: Any):
     lengths = [n + answer for n in prompt_lengths]
     stats = compute_stats([examples[i] for i in train], [lengths[i] for i in train], source, recipe.max_length, data)
     stats = replace(stats, held_out=len(parts.held_out), held_out_lines=len(examples) - len(train))
+    _task_settings_fit(recipe, examples, lengths, parts, None)
+    return examples, lengths, stats
+
+
+def _task_settings_fit(recipe: Any, examples: list, lengths: list[int], parts: Any, eval_examples: Any) -> None:
+    """A RecipeError naming every eval.task setting the data cannot honour (task_examples.refusals)."""
     problems = task_examples.refusals(
-        recipe.eval.task, examples, lengths, parts.held_out, train, recipe.max_length, recipe.seed, None
+        recipe.eval.task, examples, lengths, parts.held_out, parts.train, recipe.max_length, recipe.seed, eval_examples
     )
     if problems:
         raise RecipeError(
@@ -97,7 +95,6 @@ def _prompt_stats(recipe: Any, data: Any):
             + ("these settings:\n- " + "\n- ".join(problems) if len(problems) > 1 else problems[0]),
             fix="change or remove the eval.task keys named (docs/task_eval.md)",
         )
-    return examples, lengths, stats
 
 
 def objective_fits(recipe: Any, form: str, key: str) -> None:
