@@ -2,7 +2,8 @@
 # Run the tests: default tier (CPU, under 6 minutes on 2 cores: 3 min 03 s on 2026-12-02, two workers); --slow adds multi-process and long tests; --all both;
 # --unsloth: the Unsloth engine tier, in its own environment .venv-unsloth (built on first use; --unsloth --build-only
 # builds it and stops);
-# --gguf: the GGUF export through llama.cpp (builds llama-cpp-python once, about 7 minutes).
+# --gguf: the GGUF export through llama.cpp (builds llama-cpp-python once, about 7 minutes; --gguf --build-only
+# builds it and stops).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
@@ -51,14 +52,25 @@ if [ "${1:-}" = "--gguf" ]; then
   # The GGUF tier: llama-cpp-python built from its source distribution (about 7 minutes on 2 cores, once; pip
   # keeps the wheel) without -march=native (a native build traps with "Illegal instruction" on VMs that report
   # AMX), and llama.cpp's converter copied from the same version (`ftrun llamacpp install`).
+  # --gguf --build-only builds the wheel into .cache/gguf-wheels and fetches the converter without touching .venv's
+  # packages, at the lowest priority: .ci/run runs it beside the slow tier, whose tests leave a core idle much of
+  # the time. The install below then takes the built wheel (pip prefers a wheel to the sdist of the same version).
   shift
-  if ! .venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('llama-cpp-python') != '0.3.36')" 2>/dev/null; then
-    echo "building llama-cpp-python 0.3.36 (about 7 minutes on 2 cores; log in .venv/pip.log) ..."
-    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \
-      .venv/bin/python -m pip install -q -c docker/requirements.txt -e ".[gguf]" >>.venv/pip.log 2>&1 || { tail -30 .venv/pip.log; exit 1; }
+  WHEELS=.cache/gguf-wheels
+  export CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+  have() { .venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('llama-cpp-python') != '0.3.36')" 2>/dev/null; }
+  if [ "${1:-}" = "--build-only" ]; then
+    if ! have && ! compgen -G "$WHEELS/llama_cpp_python-0.3.36-*.whl" >/dev/null; then
+      echo "building the llama-cpp-python 0.3.36 wheel (about 7 minutes on 2 cores) ..."
+      nice -n 19 .venv/bin/python -m pip wheel -q --no-deps -c docker/requirements.txt -w "$WHEELS" llama-cpp-python==0.3.36
+    fi
+  elif ! have; then
+    echo "installing llama-cpp-python 0.3.36 (built from source when $WHEELS has no wheel: about 7 minutes on 2 cores; log in .venv/pip.log) ..."
+    .venv/bin/python -m pip install -q --find-links "$WHEELS" -c docker/requirements.txt -e ".[gguf]" >>.venv/pip.log 2>&1 || { tail -30 .venv/pip.log; exit 1; }
   fi
   .venv/bin/python -c "from launcher.plan import gguf_readiness as l; c = l.converter(); raise SystemExit(c is None or c.version != l.PINNED)" \
-    || .venv/bin/ftrun llamacpp install
+    || nice -n 19 .venv/bin/ftrun llamacpp install
+  [ "${1:-}" = "--build-only" ] && exit 0
   exec .venv/bin/python -m pytest -m gguf "$@"
 fi
 # Two pytest workers (pytest-xdist), each taking whole test files (module fixtures such as a reference run are built
