@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from launcher.data import sources as data_sources
 from launcher.errors import RecipeError, UsageError
 from launcher.recipe import Recipe
+from launcher.store.rundir import RunDir
 
 
 def _all_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
@@ -239,15 +240,24 @@ def _resolve_paths(raw: dict[str, Any], base_dir: Path, default_name: str) -> di
         # "org/name" is a Hub id unless such a folder (or a file, refused by name then) exists next to the recipe.
         if _looks_local(model) or candidate.exists():
             out["model"] = str(candidate.resolve())
-    if isinstance(out.get("init_from"), str):
-        out["init_from"] = str((base_dir / Path(out["init_from"]).expanduser()).resolve())
     if out.get("reward"):
         out["reward"] = _resolve_reward(out["reward"], base_dir)
     if out.get("output_dir") is None:
         out["output_dir"] = str((Path.cwd() / "runs" / default_name).resolve())
     elif isinstance(out.get("output_dir"), str):
         out["output_dir"] = str((base_dir / Path(out["output_dir"]).expanduser()).resolve())
+    if isinstance(out.get("init_from"), str):
+        out["init_from"] = _parent_or_its_copy(str((base_dir / Path(out["init_from"]).expanduser()).resolve()), out)
     return out
+
+
+def _parent_or_its_copy(init_from: str, resolved: dict[str, Any]) -> str:
+    """The run at output_dir keeps its own copy of the parent adapter (launcher/run/parent.py): once the source is
+    gone (a parent run moved or deleted after this one started), its resume trains on from that copy."""
+    if Path(init_from).exists() or not isinstance(resolved.get("output_dir"), str):
+        return init_from
+    held = RunDir(Path(resolved["output_dir"])).pinned_parent()
+    return held["copy"] if held and held["init_from"] == init_from else init_from
 
 
 class _DuplicateKey(yaml.YAMLError):

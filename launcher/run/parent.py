@@ -8,10 +8,9 @@ resume with the user's recipe (init_from: the source) compares equal to the run'
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from launcher.errors import RecipeError
 from launcher.recipe import parent_adapter
@@ -19,24 +18,11 @@ from launcher.store.checkpoint import atomic_write_json
 from launcher.store.rundir import RunDir
 
 
-def _record(run: RunDir) -> Path:
-    return run.root / "parent.json"
-
-
-def pinned(run: RunDir) -> Optional[dict[str, Any]]:
-    """{"init_from": the recipe's source, "copy": the pinned folder} when this run pinned its parent, else None."""
-    path = _record(run)
-    if not path.is_file():
-        return None
-    info = json.loads(path.read_text())
-    return info if Path(info.get("copy", "")).is_dir() else None
-
-
 def pin(run: RunDir, init_from: str) -> str:
     """Copy the adapter `init_from` names into the run (once: a resume keeps the first copy); returns the copy's path,
     which the run's recipe.yaml gives as its init_from. A source removed while it is copied is a recipe error."""
-    held = pinned(run)
-    if held and held["init_from"] == init_from:
+    held = run.pinned_parent()
+    if held and init_from in (held["init_from"], held["copy"]):  # the copy itself: the source has gone since
         return held["copy"]
     source = parent_adapter(init_from)
     dest = run.root / "parent" / Path(init_from).name
@@ -53,13 +39,13 @@ def pin(run: RunDir, init_from: str) -> str:
         ) from None
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
-    atomic_write_json(_record(run), {"init_from": init_from, "source": str(source), "copy": str(dest)})
+    atomic_write_json(run.parent_record, {"init_from": init_from, "source": str(source), "copy": str(dest)})
     return str(dest)
 
 
 def as_given(run: RunDir, snapshot: dict[str, Any]) -> dict[str, Any]:
     """The run's recipe snapshot with init_from as the user's recipe gives it (the source, not the pinned copy)."""
-    held = pinned(run)
+    held = run.pinned_parent()
     if held and snapshot.get("init_from") == held["copy"]:
         return {**snapshot, "init_from": held["init_from"]}
     return snapshot

@@ -64,7 +64,7 @@ def _recipe_differences(run: RunDir, recipe: Recipe) -> dict[str, tuple[Any, Any
         old = parent.as_given(run, load_recipe(run.recipe).snapshot())
     except FtrunError:  # a recipe.yaml this ftrun cannot read: the run's own views say so; nothing to compare
         return {}
-    new = with_adjustments(run, recipe).snapshot()
+    new = parent.as_given(run, with_adjustments(run, recipe).snapshot())  # either may hold the pinned copy
     a, b = _flat(old), _flat(new)
     return {
         k: (a.get(k), b.get(k))

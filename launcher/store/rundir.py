@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Optional
 
 # where run directories go by default: <current folder>/runs/<recipe name> (recipe_loading.py resolves output_dir), and
 # where `ftrun status` and the commands that take a run look for them when none is named
@@ -76,3 +78,14 @@ class RunDir:
 
     def exists(self) -> bool:
         return self.recipe.is_file()
+
+    @property
+    def parent_record(self) -> Path:  # where the init_from adapter pinned into parent/ came from (run/parent.py)
+        return self.root / "parent.json"
+
+    def pinned_parent(self) -> Optional[dict[str, Any]]:
+        """{"init_from": the recipe's source, "copy": the pinned folder} when this run pinned its parent, else None."""
+        if not self.parent_record.is_file():
+            return None
+        info = json.loads(self.parent_record.read_text())
+        return info if Path(info.get("copy", "")).is_dir() else None

@@ -1,14 +1,37 @@
 """init_from at a checkpoint of another run: the run trains from its own copy of it, pinned at launch, whatever the
-parent's run deletes afterwards (its keep_checkpoints)."""
+parent's run deletes afterwards (its keep_checkpoints), and its resume trains on from that copy once the source is
+gone."""
 
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import yaml
 
-from helpers import ftrun, wait_until_ended
+from helpers import ftrun, stand_in_adapter, wait_until_ended
+from launcher.errors import RecipeError
+from launcher.recipe_loading import load_recipe
+from launcher.run import parent, pipeline
+from launcher.store.rundir import RunDir
+
+
+def test_a_resume_whose_parent_is_gone_trains_on_from_the_runs_copy(write_recipe, tmp_path):
+    source = stand_in_adapter(tmp_path / "sft")
+    path = write_recipe("child.yaml", output_dir=str(tmp_path / "child"), init_from=str(source), lora=None)
+    recipe = load_recipe(path)
+    run = RunDir(Path(recipe.output_dir))
+    run.root.mkdir()
+    snapshot = {**recipe.snapshot(), "init_from": parent.pin(run, recipe.init_from)}  # as the launch records it
+    run.recipe.write_text(yaml.safe_dump(snapshot, sort_keys=False))
+    shutil.rmtree(source)  # the parent run moved or deleted while this one was interrupted
+    again = load_recipe(path)
+    assert again.init_from == str(run.root / "parent" / "sft")
+    assert pipeline._recipe_differences(run, again) == {}  # the same command resumes, no "recipe differs"
+    assert parent.pin(run, again.init_from) == again.init_from and run.pinned_parent()["init_from"] == str(source)
+    with pytest.raises(RecipeError, match="does not exist"):  # a run without a copy still names the missing folder
+        load_recipe(path, [f"output_dir={tmp_path / 'other'}"])
 
 
 @pytest.mark.slow
@@ -32,3 +55,6 @@ def test_a_parent_checkpoint_deleted_after_the_launch_still_trains(write_recipe,
     assert copy == str(run / "parent" / checkpoint.name)
     text = ftrun("status", run, cwd=tmp_path).stdout
     assert "succeeded" in text and "exited with code" not in text, text
+    shutil.rmtree(tmp_path / "parent")  # the parent run itself deleted: the finished child is still shown
+    again = ftrun(child, cwd=tmp_path)
+    assert again.returncode == 0 and "does not exist" not in again.stdout + again.stderr, again.stdout + again.stderr
