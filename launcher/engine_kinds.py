@@ -95,7 +95,6 @@ AUTO = "auto"  # the recipe's default: the plan chooses
 
 
 def names(where) -> tuple[str, ...]:
-    """The engines whose row satisfies `where(row)`, in table order."""
     return tuple(name for name, e in ENGINES.items() if where(e))
 
 

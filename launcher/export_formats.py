@@ -29,7 +29,6 @@ FORMATS: dict[str, ExportFormat] = {
 
 
 def described() -> str:
-    """Every format with what it is, for the recipe's help."""
     return ", ".join(f"{f.name} ({f.what})" if f.what else f.name for f in FORMATS.values())
 
 

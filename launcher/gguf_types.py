@@ -85,12 +85,10 @@ def bytes_per_param(gguf_type: str) -> float:
 
 
 def listed(sep: str = ", ") -> str:
-    """The type names in the table's order, for help texts and error messages."""
     return sep.join(TYPES)
 
 
 def described() -> str:
-    """Each type with its note, for the recipe's field description."""
     return ", ".join(f"{k} ({t.note})" if t.note else k for k, t in TYPES.items())
 
 

@@ -1,7 +1,6 @@
 """The training methods and objectives as tables: one row a method (qlora, lora, full, full-8bit) and one row an
-objective (sft, dpo, orpo). Every question about a method or an objective asks these rows: the recipe's allowed values,
-the
-sizer's bytes, the engine choice, the loading, the export, the final result's check, the model card.
+objective (sft, dpo, orpo, grpo). Every question about a method or an objective asks these rows: the recipe's allowed
+values, the sizer's bytes, the engine choice, the loading, the export, the final result's check, the model card.
 
 A root leaf (like launcher/gguf_types.py): the recipe, plan/, worker/, store/ and deliver/ all ask it, and store/
 may import no stage above it.
@@ -52,9 +51,8 @@ METHODS: dict[str, Method] = {
     for m in (
         # MFU: measured on one H200 (Qwen3-8B, 4 x 1,024 tokens for LoRA, 2 x 1,024 for full, gradient checkpointing,
         # SDPA: 5,887 and 4,315 tokens/s at throughput.flops_per_token's count, recomputation included): 0.28 both;
-        # full-8bit
-        # runs the same matmuls. QLoRA has no measurement: LoRA's 0.28 x 0.32 / 0.34, the ratio the article's time table
-        # implied before (dequantizing every weight per pass). docs/sizing.md, "Time and cost".
+        # full-8bit runs the same matmuls. QLoRA has no measurement: LoRA's 0.28 x 0.32 / 0.34, the ratio the
+        # article's time table implied before (dequantizing every weight per pass). docs/sizing.md, "Time and cost".
         Method(
             "qlora",
             adapter=True,
@@ -114,12 +112,10 @@ METHODS: dict[str, Method] = {
 
 
 def described() -> str:
-    """Every method with what it is, for the recipe's help."""
     return ", ".join(f"{m.name} ({m.help})" for m in METHODS.values()) + "."
 
 
 def adapter_methods() -> tuple[str, ...]:
-    """The methods that train an adapter, in table order."""
     return tuple(name for name, m in METHODS.items() if m.adapter)
 
 
@@ -275,12 +271,10 @@ def padding_free_objectives() -> tuple[str, ...]:
 
 
 def preference_objectives() -> tuple[str, ...]:
-    """The objectives that tune on preferences, in table order."""
     return tuple(name for name, o in OBJECTIVES.items() if o.preference)
 
 
 def objectives_described() -> str:
-    """Every objective with what it is, for the recipe's help."""
     return ", ".join(f"{o.name} ({o.help})" for o in OBJECTIVES.values()) + "."
 
 

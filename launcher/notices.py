@@ -1,8 +1,7 @@
 """Notices the libraries print that say nothing about the run: kept out of the console and train.log.
 
 Called at the top of the processes that import the training libraries (launcher/worker/train.py,
-launcher/deliver/export.py),
-before those imports, so that a notice printed at import time is caught too.
+launcher/deliver/export.py), before those imports, so that a notice printed at import time is caught too.
 """
 
 from __future__ import annotations

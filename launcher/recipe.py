@@ -33,10 +33,10 @@ from launcher.recipe_sections import (
     SyncSettings,
 )
 
-Method = Literal[tuple(methods.METHODS)]  # the method table, launcher/methods.py
-ObjectiveName = Literal[tuple(methods.OBJECTIVES)]  # the objective table, launcher/methods.py
-Engine = Literal[(engine_kinds.AUTO, *engine_kinds.ENGINES)]  # the engine table, launcher/engine_kinds.py
-GgufType = Literal[tuple(gguf_types.TYPES)]  # the GGUF table, launcher/gguf_types.py
+Method = Literal[tuple(methods.METHODS)]
+ObjectiveName = Literal[tuple(methods.OBJECTIVES)]
+Engine = Literal[(engine_kinds.AUTO, *engine_kinds.ENGINES)]
+GgufType = Literal[tuple(gguf_types.TYPES)]
 
 # Settings the recipe owns at top level: passing them again under `trainer:` would make two
 # surfaces for one setting, so they are refused there with a pointer to the top-level key.
@@ -100,7 +100,7 @@ def parse_token_count(value: Any, where: str = "--tokens") -> int:
     return count
 
 
-Tracker = Literal[tuple(tracker_kinds.TRACKERS)]  # the tracker table, launcher/tracker_kinds.py
+Tracker = Literal[tuple(tracker_kinds.TRACKERS)]
 
 
 class Recipe(Strict):

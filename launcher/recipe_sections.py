@@ -12,7 +12,7 @@ from launcher.data import formats as data_formats
 from launcher.data import task_metrics
 from launcher.store.sync import kinds as sync_kinds
 
-ExportFormat = Literal[tuple(export_formats.FORMATS)]  # the export table, launcher/export_formats.py
+ExportFormat = Literal[tuple(export_formats.FORMATS)]
 
 
 class Strict(BaseModel):
@@ -132,7 +132,7 @@ class SmokeSettings(Strict):
     max_minutes: float = Field(15.0, gt=0, description="Stop the smoke test after this long and extrapolate.")
 
 
-DataFormat = Literal[tuple(data_formats.FORMATS)]  # the format table, launcher/data/formats.py
+DataFormat = Literal[tuple(data_formats.FORMATS)]
 
 
 class DataSource(Strict):

@@ -18,20 +18,17 @@ class Tracker:
     what: str  # for the recipe's help ("" where the name says it)
 
 
-# The tracker table: the recipe's `report_to` values, the install lines, pyproject.toml's `trackers` extra.
 TRACKERS: dict[str, Tracker] = {
     t.name: t
     for t in (
         Tracker("tensorboard", "tensorboard", "tensorboard", "event files in the run"),  # installed with ftrun[train]
         Tracker("wandb", "wandb", "wandb", ""),
-        Tracker(
-            "mlflow", "mlflow", "mlflow-skinny", ""
-        ),  # the client and its local file store, without the server and UI
+        # mlflow-skinny: the client and its local file store, without the server and UI
+        Tracker("mlflow", "mlflow", "mlflow-skinny", ""),
         Tracker("trackio", "trackio", "trackio", ""),
     )
 }
 
 
 def described() -> str:
-    """Every tracker with what it is, for the recipe's help."""
     return ", ".join(f"{t.name} ({t.what})" if t.what else t.name for t in TRACKERS.values())

@@ -2,9 +2,8 @@
 
 One version of llama.cpp does everything, so what is checked is what Ollama and llama.cpp run:
 - the runtime and the quantizer come from `llama-cpp-python` (PINNED, in launcher/plan/gguf_readiness.py), built
-  from its source distribution
-  (`pip install -e ".[gguf]"`, see docs/engines.md: build without -march=native); the quantizer is its
-  binding of `llama_model_quantize` (llama_cpp/llama_cpp.py), the same code as the `llama-quantize` tool;
+  from its source distribution (`pip install -e ".[gguf]"`, see docs/engines.md: build without -march=native); the
+  quantizer is its binding of `llama_model_quantize` (llama_cpp/llama_cpp.py), the same code as `llama-quantize`;
 - the converter is `convert_hf_to_gguf.py` with its `conversion/` package and its own `gguf-py`, taken from
   the `vendor/llama.cpp` folder of the same source distribution by `ftrun llamacpp install`
   (into CONVERTER_HOME) and run with that gguf-py, never with another version of the `gguf` package.

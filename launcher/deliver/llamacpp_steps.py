@@ -1,10 +1,9 @@
 """llama.cpp's converter or quantizer run on the export's files, each in its own process.
 
-Its own process measures the step's peak RSS and keeps a crash in C there. Memory: the converter maps the
+Its own process measures the step's peak RSS (into export.json) and keeps a crash in C there. The converter maps the
 safetensors files and writes one tensor at a time (its default lazy mode), and the quantizer maps the 16-bit GGUF
-and quantizes tensor by tensor in slabs of at most `max_buf_size` (vendor/llama.cpp/src/llama-quant.cpp); neither
-holds the model in RAM, and the two run one after the other, each in its own process whose peak RSS goes into
-export.json. The child processes enter through `python -m launcher.deliver.llamacpp convert|quantize`
+and quantizes tensor by tensor in slabs of at most `max_buf_size` (vendor/llama.cpp/src/llama-quant.cpp): neither
+holds the model in RAM. The child processes enter through `python -m launcher.deliver.llamacpp convert|quantize`
 (launcher/deliver/llamacpp.py main). Only the standard library at module level.
 """
 

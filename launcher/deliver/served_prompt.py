@@ -11,12 +11,11 @@ generation prompt differs from what precedes an assistant turn in its history (Q
 `enable_thinking=False`, a generation prompt ending in a space that the answer's first token swallows in
 training, a header written otherwise for the last turn) serves another prompt than the one trained.
 
-The tokenizer is the worker's (launcher/worker/loading.py load_tokenizer); with `assistant_only_loss` and a
-template without `{% generation %}` markers, the training template TRL swaps in. The prompts are the first held-out
-conversations and one of every other shape (the sequence of roles) found in the data, MAX_SHAPES in all. Where the
-model's template has chat-template switches (Qwen3's `enable_thinking`), the setting under which its generation
-prompt is the trained context is found once (`kwargs`), and every runtime is told to serve with it
-(SERVING.md); where none gives it, the export fails. Each runtime is then asked for the same prompts:
+The tokenizer and template are the training's (training_tokenizer, _training_template), the prompts the held-out
+conversations and one of every other shape (_choose). Where the model's template has chat-template switches
+(Qwen3's `enable_thinking`), the setting under which its generation prompt is the trained context is found once
+(`kwargs`), and every runtime is told to serve with it (SERVING.md); where none gives it, the export fails. Each
+runtime is then asked for the same prompts:
 - transformers and vLLM: the exported folder's tokenizer and chat template (tokenizer_config.json /
   chat_template.jinja), `apply_chat_template(..., tokenize=False, add_generation_prompt=True)` tokenized without
   special tokens. vLLM's chat endpoint does exactly this: it resolves the template with

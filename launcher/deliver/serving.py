@@ -115,12 +115,6 @@ def derive_pieces(tokenizer) -> Optional[dict[str, str]]:
     }
 
 
-def render_pieces(pieces: dict[str, str], messages: list[dict[str, str]]) -> str:
-    """What the Go template below renders for these messages (the same pieces, in Python)."""
-    out = [pieces[f"{m['role']}_pre"] + m["content"] + pieces[f"{m['role']}_post"] for m in messages]
-    return "".join(out) + pieces["generation"]
-
-
 def go_template(pieces: dict[str, str]) -> str:
     # One line, no {{- trim markers: a trim marker would eat the newlines that belong to the pieces.
     def branch(role: str) -> str:

@@ -1,13 +1,8 @@
-"""The trainer callbacks through which ftrun drives the Trainer's loop.
+"""The trainer callbacks through which ftrun drives the Trainer's loop: wall-clock checkpoints and evaluation, the
+save after SIGTERM, the metrics rows and log lines, the NaN guard, the smoke test's timing, the engine check.
 
-Wall-clock checkpoints and evaluation, the save after SIGTERM, the metrics rows and log lines, the NaN guard, the
-smoke test's timing, the check that the planned engine runs, the recipe into each tracked run.
-
-The metrics rows (the full run's metrics.jsonl, Metrics.on_log) hold per logged step: step, loss, learning_rate,
-grad_norm, epoch, tokens_seen, tokens_per_second, peak_memory_gb, time; each eval pass adds a row of its own
-(eval_loss, TRL's token accuracy and entropy, eval_seconds). `ftrun status` reads them in launcher/run/facts.py
-(`run_status`: loss, eval loss, tokens/s today) and words them in launcher/run/views.py (`format_status`): showing
-another value there needs no change here.
+`ftrun status` reads the metrics rows (Metrics.on_log, _log_eval) in launcher/run/facts.py and words them in
+launcher/run/views.py: showing another value there needs no change here.
 """
 
 from __future__ import annotations

@@ -41,7 +41,6 @@ def _out_of_memory(run: RunDir, mode: str, device: str, text: str, step: int) ->
 
 
 def _says_disk_full(exc: BaseException) -> bool:
-    """ENOSPC or EDQUOT anywhere in the exception's causes and contexts."""
     import errno
 
     seen: Optional[BaseException] = exc

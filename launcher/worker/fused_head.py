@@ -6,12 +6,11 @@ trl 1.16's SFTTrainer patches the model with add_fused_lm_head (trl/trainer/util
   a trainable or soft-capped head);
 - where the trainer offloads activations (`trainer: activation_offloading`, the plan's choice for one card:
   launcher/worker/engines/__init__.py trainer_fields), the call runs outside that offloading. TRL keeps the output head
-  out of it (trl/models/
-  activation_offloading.py, get_act_offloading_ctx_manager: a NoOpManager entered in lm_head's forward pre-hook):
-  offloading the head's input only to fetch it back at the very start of backward costs a round trip over PCIe for
-  nothing. The fused head never calls lm_head.forward (it reads lm_head.weight), so those hooks never fire and the
-  head's input (tokens x hidden) went to pinned RAM and back each micro-batch, beyond the plan's count
-  (launcher/plan/sizing.py offloaded_activation_bytes). Here the call runs under its own innermost
+  out of it (trl/models/activation_offloading.py, get_act_offloading_ctx_manager: a NoOpManager entered in lm_head's
+  forward pre-hook): offloading the head's input only to fetch it back at the very start of backward costs a round
+  trip over PCIe for nothing. The fused head never calls lm_head.forward (it reads lm_head.weight), so those hooks
+  never fire and the head's input (tokens x hidden) went to pinned RAM and back each micro-batch, beyond the plan's
+  count (launcher/plan/sizing.py offloaded_activation_bytes). Here the call runs under its own innermost
   saved_tensors_hooks pair that keeps tensors where they are, as TRL's NoOpManager does: only the most recently
   registered pair runs (torch.autograd.graph.saved_tensors_hooks). Only there: a saved tensor then reaches
   backward as a plain alias, and DeepSpeed ZeRO-3's own backward hooks need the parameter itself (a trainable

@@ -1,21 +1,12 @@
-"""Model loading in the worker: which device this rank uses, in which dtype, and how the base model is built.
+"""Model loading in the worker: this rank's device, the compute and weights dtypes, the quantization config and the
+attention kernel, then the model with LoRA. The worker, the FSDP exercise and the GPU check all call it, so what the
+GPU check proves is what the worker does; engine contexts (DeepSpeed's partitioned loading) and Unsloth's loader are
+passed in: this module imports no backend.
 
-One place decides, per engine and method, the device of this process (from LOCAL_RANK), the compute dtype
-(from the card's compute capability), the weights' dtype, the quantization config and the attention kernel,
-then loads the model and adds LoRA. The worker (`launcher/worker/train.py`), the FSDP exercise and the GPU check call
-it, so what the GPU check proves is what the worker does. Engine-specific contexts (DeepSpeed's partitioned
-loading) and Unsloth's own loader are chosen by the worker and passed in; this module imports no backend.
-QLoRA under FSDP is quantized once per box into the run directory, and every rank maps that copy
-(quantized_once_per_box).
-
-Sources relied on (installed versions: torch 2.13, transformers 5.24, peft 0.21, bitsandbytes 0.50,
-accelerate 1.15):
-- torch.cuda.is_bf16_supported(including_emulation=True) is True on any CUDA device whose bf16 tensors can be
-  created (emulated on T4/V100, compute capability 7.x): `torch/cuda/__init__.py`. The choice below reads the
-  compute capability instead: bf16 needs 8.0 (Ampere) for tensor-core speed.
-- transformers' `from_pretrained(device_map=None)` with a bitsandbytes config places the model on
-  `torch.cuda.current_device()` (`transformers/quantizers/quantizer_bnb_4bit.py`, update_device_map), which is
-  device 0 until `torch.cuda.set_device` is called: so the device is set from LOCAL_RANK before any load.
+Versions relied on: torch 2.13, transformers 5.24, peft 0.21, bitsandbytes 0.50, accelerate 1.15. transformers'
+`from_pretrained(device_map=None)` with a bitsandbytes config places the model on `torch.cuda.current_device()`
+(`transformers/quantizers/quantizer_bnb_4bit.py`, update_device_map), device 0 until `torch.cuda.set_device`: so
+the device is set from LOCAL_RANK before any load.
 """
 
 from __future__ import annotations
@@ -44,8 +35,8 @@ def compute_dtype(capability: Optional[tuple[int, int]]):
     """bf16 on compute capability 8.0+ (A100, L4/L40S, RTX 30/40/50, H100, ...), fp16 on 7.x (T4, V100) and
     below, fp32 on the CPU (capability None).
 
-    Not torch.cuda.is_bf16_supported(): it counts emulation, which makes a T4 or V100 train bf16 at a
-    fraction of its fp16 tensor-core speed. fp16 trains with the Trainer's loss scaling (fp16=True).
+    Not torch.cuda.is_bf16_supported(): it counts emulation (`torch/cuda/__init__.py`), which makes a T4 or V100
+    train bf16 at a fraction of its fp16 tensor-core speed. fp16 trains with the Trainer's loss scaling (fp16=True).
     """
     import torch
 
@@ -202,7 +193,6 @@ def fsdp_qlora_kwargs(method: str, engine: str) -> dict[str, Any]:
     return {}
 
 
-# QLoRA + FSDP: the 4-bit model is quantized once per box into the run directory, then every rank maps it.
 QUANTIZED_DIR = ".quantized"  # <run_dir>/.quantized/: box-local, never synced (store/sync copies checkpoints,
 QUANTIZED_MANIFEST = "ftrun_quantized.json"  # metadata and final/ only); written last: without it, no copy
 
@@ -218,12 +208,11 @@ def quantized_once_per_box(recipe, kwargs: dict[str, Any], run_dir) -> Optional[
 
     Why not each rank quantizing its own copy (the path before: N x the 4-bit model in the box's RAM, 2 x 36.8 GB
     for Llama-3.1-70B on 2 cards) or accelerate's rank-0 broadcast (skipped for Params4bit, fsdp_qlora_kwargs):
-    - the first rank of the box to take the lock (`_box_lock`: fcntl, released by the kernel if the rank dies)
-      loads and quantizes on the CPU, with all of the box's cores (the others wait idle), and writes the
-      quantized model with save_pretrained: bitsandbytes' Linear4bit._save_to_state_dict stores the packed
-      weight (in the quant storage dtype) and its quant state (QuantState.as_dict(packed=True)), and
-      config.json carries the quantization config; then it drops its copy. A folder whose manifest matches
-      (source files, quantization, dtype, library versions) is reused: a restart or resume does not quantize again;
+    - the first rank of the box to take the lock (`_box_lock`) quantizes on the CPU with all of the box's cores
+      (the others wait idle) and writes the quantized model with save_pretrained: bitsandbytes'
+      Linear4bit._save_to_state_dict stores the packed weight (in the quant storage dtype) and its quant state
+      (QuantState.as_dict(packed=True)), and config.json carries the quantization config. A folder whose manifest
+      matches (`_quantized_identity`) is reused: a restart or resume does not quantize again;
     - every rank then loads that folder: transformers loads a pre-quantized checkpoint with
       Bnb4bitDeserialize (integrations/bitsandbytes.py), which calls Params4bit.from_prequantized
       (bitsandbytes nn/modules.py): torch.Tensor._make_subclass(cls, data.to(device)) on the tensor read from

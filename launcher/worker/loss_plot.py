@@ -12,9 +12,8 @@ _PLOT: dict[str, Any] = {"child": None, "pending": False}
 
 
 def _redraw_loss_plot(run_root: Path, final: bool = False) -> None:
-    """loss.png in a child process: matplotlib's import and drawing never hold up a training step. While one
-    drawing runs, the next checkpoint's is skipped; at the end the last one is waited for (and made, if a
-    checkpoint came since it started), so the finished run's plot is complete."""
+    """While one drawing runs, the next checkpoint's is skipped; at the end the last one is waited for (and made, if
+    a checkpoint came since it started), so the finished run's plot is complete."""
     child = _PLOT["child"]
     if child is not None and child.poll() is None and not final:
         _PLOT["pending"] = True

@@ -1,15 +1,10 @@
 """The worker's memory: peak measurement, the --memory-limit cap, out-of-memory classification.
 
-Each rank measures and caps its own device: the GPU of its LOCAL_RANK (launcher/worker/loading.py makes it the current
-device at worker start; the index is still passed explicitly, so nothing here depends on that order), or the
-process's RAM on the CPU.
+Each rank measures and caps its own device: the GPU of its LOCAL_RANK, its index passed explicitly (torch 2.13
+set_per_process_memory_fraction(device=None) caps the *current* device, `torch/cuda/memory.py`), or the process's
+RAM on the CPU.
 
-Sources relied on (installed versions: torch 2.13, bitsandbytes 0.50; NCCL as bundled with torch's CUDA builds):
-- torch.cuda.max_memory_reserved / memory_reserved count only PyTorch's caching allocator; mem_get_info is
-  cudaMemGetInfo, the whole device (`torch/cuda/memory.py`). The CUDA context, cuBLAS/cuDNN handles and NCCL's
-  communicator buffers are allocated outside the caching allocator, so they show only in mem_get_info.
-- set_per_process_memory_fraction(fraction, device=None) caps the caching allocator of `device`, or of the
-  *current* device when None; allowed bytes = the device's total_memory * fraction (`torch/cuda/memory.py`).
+Sources relied on (torch 2.13, bitsandbytes 0.50; NCCL as bundled with torch's CUDA builds):
 - Failures that are out-of-memory without being torch.OutOfMemoryError (the caching allocator's
   "CUDA out of memory. Tried to allocate ..." is):
   * a CUDA runtime call that fails with cudaErrorMemoryAllocation: C10_CUDA_CHECK ->
@@ -130,9 +125,10 @@ def peak_memory_gb(device: str) -> float:
     """This process's peak memory in GB (2**30 bytes, sizing_constants.GB).
 
     CUDA: the caching allocator's peak on this rank's GPU plus what the device holds outside the allocator
-    now (CUDA context, library handles, NCCL buffers: total - free - reserved); a card runs out when the two
-    together exceed it. cudaMemGetInfo counts the whole device, so another process on the same GPU would be
-    counted too (the worker runs one rank per GPU). CPU: the peak resident set (ru_maxrss, KiB on Linux).
+    now (CUDA context, library handles, NCCL buffers: total - free - reserved; mem_get_info is cudaMemGetInfo,
+    the whole device, `torch/cuda/memory.py`); a card runs out when the two together exceed it. Another process
+    on the same GPU would be counted too (the worker runs one rank per GPU). CPU: the peak resident set
+    (ru_maxrss, KiB on Linux).
     """
     if device == "cuda":
         import torch
@@ -179,9 +175,9 @@ _CAPPED_BASE_RSS = [0]  # resident bytes when the CPU cap was set: an out-of-mem
 def cap_memory(device: str, limit_gb: float) -> None:
     """--memory-limit: plan for a smaller card than this one, or provoke a real OOM in tests.
 
-    CUDA: this rank's own GPU (LOCAL_RANK), never the default device; the caching allocator then fails for
-    real at the limit (torch.OutOfMemoryError). What lives outside the allocator (context, NCCL) is not
-    capped, as on a real card of that size it would count: peak_memory_gb reports it.
+    CUDA: the caching allocator then fails for real at the limit (torch.OutOfMemoryError). What lives outside
+    the allocator (context, NCCL) is not capped, as on a real card of that size it would count: peak_memory_gb
+    reports it.
     CPU: address space above what the imports already mapped, so torch's CPU allocator fails for real
     ("can't allocate memory") when the training needs more.
     """

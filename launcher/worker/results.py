@@ -195,9 +195,7 @@ def _score_after(
 ) -> bool:
     """The trained model's score on the task (task.json, built here from `examples`, the recipe's whole data, when
     no baseline built it) as "fine_tuned", merged into task_eval.json beside the base model's scores, then
-    final/task_eval.json and the scores' table in final/samples.md. A LoRA run whose base model was not scored
-    before training (eval.task.baseline: skip, or the baseline failed) scores it here with the adapter switched
-    off; a run from init_from cannot (its parent would be switched off too).
+    final/task_eval.json and the scores' table in final/samples.md.
     Under a sharding engine every rank generates (synced); rank 0 writes. A failure
     is said once and the run goes on: the result is saved already. `beat`: after each batch (the heartbeat).
     `stop()`: asked after each batch; true ends the scoring there (the answers so far are kept in task_eval/) and

@@ -151,7 +151,6 @@ def weight_files(folder: Path) -> list[Path]:
 
 
 def tensor_dtypes(folder: Path) -> set[str]:
-    """The safetensors dtype names (BF16, F32, ...) of the model's weight files."""
     from launcher.store.final import read_header
 
     return {t["dtype"] for f in weight_files(folder) for t in read_header(f).values()}

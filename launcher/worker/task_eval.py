@@ -5,9 +5,8 @@ Three files in the run directory (launcher/store/rundir.py names them):
 - task.json: what is asked (prompts, references, shots, metric and its reason, max_new_tokens), built once from
   the run's data and held-out split (`task_for_run`), so the base model, the fine-tuned model, each export and a
   resume all ask exactly the same;
-- task_eval/<name>.jsonl: one scorer's answers, {"index", "answer", "new_tokens", "seconds", "prompt"} a line (prompt:
-  a hash of the model's identity and the text it read), appended after each batch: a rerun after a crash or kill -9
-  answers only the examples missing there, and scores the same; a model trained further asks again;
+- task_eval/<name>.jsonl: one scorer's answers, appended after each batch: a rerun after a crash or kill -9 answers
+  only the examples missing there, and scores the same; a model trained further asks again;
 - task_eval.json: every scorer's score so far, merged name by name (`record`).
 
 `python -m launcher.worker.task_eval --run-dir RUN --phase base` scores the base model (16-bit) zero-shot and with

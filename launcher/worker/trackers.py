@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from launcher.errors import RecipeError
-from launcher.tracker_kinds import TRACKERS  # the tracker table
+from launcher.tracker_kinds import TRACKERS
 
 TRACKERS_FILE = "trackers.json"  # in the run directory, and carried by every checkpoint
 PROJECT = "ftrun"  # wandb project, MLflow experiment, Trackio project, unless the environment or recipe names one
@@ -262,9 +262,8 @@ def log_scores(
     """The task evaluation's scores (task/<name>: base_zero_shot, fine_tuned, merged, gguf-q4_k_m, ...) as summary
     metrics of the run's tracked runs, after training: each tracker's run is reopened by the ids in trackers.json
     (the trainer's integrations have ended theirs: MLflowCallback and TrackioCallback on_train_end), so the
-    export's process adds its scores to the same runs. W&B: the run's summary (wandb.init(id=..., resume="allow"));
-    MLflow: metrics of the same run (start_run(run_id)); Trackio: a log of the same run (init(resume="must"));
-    TensorBoard: scalars in RUN/tensorboard. A tracker that fails is said and skipped. Returns those logged to."""
+    export's process adds its scores to the same runs. A tracker that fails is said and skipped. Returns those
+    logged to."""
     ids = load_ids(run_root)
     metrics = {f"task/{name}": float(value) for name, value in scores.items() if value is not None}
     done: list[str] = []

@@ -97,9 +97,7 @@ def load_model_and_tokenizer(recipe, device: str, dtype, plan: Optional[dict] = 
     (inside DeepSpeed's partitioned loading for ZeRO-3)."""
     from launcher.worker import loading
 
-    if (plan or {}).get(
-        "engine"
-    ) == "unsloth":  # FastLanguageModel + its get_peft_model (launcher/worker/engines/unsloth.py)
+    if (plan or {}).get("engine") == "unsloth":
         from launcher.worker.engines import unsloth as unsloth_engine
 
         model, tokenizer, source = unsloth_engine.load_model_and_tokenizer(recipe, device, dtype)
@@ -190,7 +188,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
 
     from launcher.methods import trl_class
 
-    Trainer = trl_class(recipe.objective, "trainer")  # the objective's trainer (launcher/methods.py)
+    Trainer = trl_class(recipe.objective, "trainer")
 
     from launcher.worker.engines import create_process_group, trainer_fields
     from launcher.data.dataset import load_data, to_dataset
@@ -204,7 +202,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
         # context is outside the per-process fraction as well); every other group comes after the resume choice
         create_process_group(plan, device, group_timeout_s)
     if plan.get("memory_limit_gb"):
-        memory.cap_memory(device, float(plan["memory_limit_gb"]))  # this rank's own device
+        memory.cap_memory(device, float(plan["memory_limit_gb"]))
     planned_device = plan.get("device")
     if planned_device and planned_device != device:
         print(
@@ -408,7 +406,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
 
         # checkpoints carry the logging window's sums: the logs after a resume equal an uninterrupted run's
         trainer_cls = carrying(Trainer, say=lambda line: print(f"[ftrun worker] {line}", flush=True))
-        if generates:  # GRPO: its rewards, and its sampling timed
+        if generates:
             trainer_cls = sampling.timed(trainer_cls)
             own = sampling.trainer_arguments(recipe, rows)
         else:
@@ -486,7 +484,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
             )
         return 0
     if cadence.stopped_by_signal and trainer.state.global_step < trainer.state.max_steps:
-        code = _finish(run, device, step(), _writes_this_disk(plan, recipe, run))  # the checkpoint sealed, or why not
+        code = _finish(run, device, step(), _writes_this_disk(plan, recipe, run))
         if code == 0:
             print(
                 f"[ftrun worker] stopped at step {trainer.state.global_step} after {_Stop.signal_name}; "
@@ -506,7 +504,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
     if _rank() == 0:  # one drawer, as at the checkpoints
         _redraw_loss_plot(run.root, final=True)  # the last loss.png is complete when the worker ends
     BEAT.beat("hash")
-    code = _finish(run, device, step(), _writes_this_disk(plan, recipe, run))  # the last checkpoint complete at the end
+    code = _finish(run, device, step(), _writes_this_disk(plan, recipe, run))
     if code == 0:
         # after the last checkpoint is sealed: a crash or kill here resumes at the end (nothing to train again) and
         # the task eval answers only what its answers file misses

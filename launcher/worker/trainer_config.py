@@ -25,7 +25,7 @@ def trainer_config(
 ):
     import torch
 
-    Config = trl_class(recipe.objective, "config")  # the objective's configuration (launcher/methods.py)
+    Config = trl_class(recipe.objective, "config")
     objective = recipe.objective_row
 
     fields: dict[str, Any] = dict(
@@ -43,8 +43,8 @@ def trainer_config(
         logging_steps=recipe.logging_steps if mode == "full" else 1,
         save_strategy="no",  # ftrun saves by wall clock (callback), not every N steps
         save_only_model=False,
-        **_trackers(run, recipe, mode),  # report_to, and the run's name for the trackers (launcher/worker/trackers.py)
-        include_num_input_tokens_seen="non_padding",  # real tokens, not padding
+        **_trackers(run, recipe, mode),
+        include_num_input_tokens_seen="non_padding",
         use_cpu=device == "cpu",
         bf16=device == "cuda" and dtype == torch.bfloat16,
         fp16=device == "cuda" and dtype == torch.float16,
@@ -66,11 +66,10 @@ def trainer_config(
         # The smoke sample is written longest batch first: an out-of-memory shows in step 1.
         fields["train_sampling_strategy"] = "sequential"
     if METHODS[recipe.method].eight_bit_optimizer:
-        # 8-bit AdamW states (bitsandbytes): about 2 bytes/param of optimizer state instead of 8.
         fields["optim"] = "adamw_bnb_8bit"
     # Otherwise TRL's default (fused AdamW), which torch also runs on the CPU: the same optimizer a
     # plain TRL script gets.
-    for key, value in (engine_fields or {}).items():  # launcher/backends: what the engine needs
+    for key, value in (engine_fields or {}).items():
         fields[ac if key == "activation_checkpointing" else key] = value
     for key in objective.refuses:  # SFTConfig's switches an objective's configuration lacks (methods.Objective)
         fields.pop(key, None)
@@ -137,12 +136,10 @@ def padding_free_collator(recipe, tokenizer):
 
 
 def process_group_seconds(recipe, run: RunDir, mode: str) -> int:
-    """The process group's timeout in seconds, one value for every place that creates the group: SFTConfig's
-    ddp_timeout (accelerate's init_process_group) and DeepSpeed's own init_distributed, which runs first under
-    ZeRO-3 (launcher/worker/engines/deepspeed.py) and would otherwise set deepspeed/comm/constants.py's
-    default_pg_timeout, 10 minutes, which accelerate then keeps (it skips a group that already exists).
-    The recipe's trainer: ddp_timeout wins; the full run takes the plan's backstop; the smoke test
-    TrainingArguments' own default (1800 s in transformers 5.24)."""
+    """The process group's timeout in seconds, one value for every place that creates the group (SFTConfig's
+    ddp_timeout, and the groups engines.create_process_group makes in its place). The recipe's trainer: ddp_timeout
+    wins; the full run takes the plan's backstop; the smoke test TrainingArguments' own default (1800 s in
+    transformers 5.24)."""
     if "ddp_timeout" in recipe.trainer:
         return int(recipe.trainer["ddp_timeout"])
     if mode == "full":
@@ -155,7 +152,7 @@ def process_group_seconds(recipe, run: RunDir, mode: str) -> int:
 def _process_group_timeout(run: RunDir) -> int:
     """The process group's timeout from the plan and the smoke test (launcher/plan/deadlines.py), not the Trainer's
     1800 s: a backstop above the supervisor's watchdog, so a rank left waiting for a dead or hung peer ends by itself
-    when no supervisor is there to end it. The recipe's trainer: ddp_timeout still wins."""
+    when no supervisor is there to end it."""
     import json
 
     from launcher.plan.deadlines import process_group_timeout

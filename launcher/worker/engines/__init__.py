@@ -22,7 +22,6 @@ def _worker(run_dir: Path, mode: str) -> list[str]:
 
 
 def world_size(plan: dict[str, Any]) -> int:
-    """Processes in the whole job: per node times nodes."""
     return int(plan.get("num_processes", 1)) * int((plan.get("nodes") or {}).get("nnodes", 1))
 
 
@@ -60,17 +59,14 @@ def launch_command(plan: dict[str, Any], run_dir: Path, mode: str) -> list[str]:
             f"engine '{engine}' cannot be launched by this version of ftrun",
             fix=f"set engine: auto (or {' / '.join(ENGINES)}) in the recipe.",
         )
-    # The engine's config file (its name in launcher/engine_kinds.py), written by its module's write_config.
     cfg = importlib.import_module(f"{__name__}.{engine}").write_config(plan, run_dir) if kind.config_file else None
     if kind.launcher == "python":
         return [sys.executable, *_worker(run_dir, mode)]
     if kind.launcher == "torchrun":
-        # DeepSpeed: the Trainer drives it from the JSON config (SFTConfig.deepspeed); torchrun only starts the
-        # processes, the same way as for DDP.
         return [*_torchrun(n, plan), *_worker(run_dir, mode)]
     if kind.launcher == "accelerate":
         return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg), *_worker(run_dir, mode)]
-    raise AssertionError(f"launcher {kind.launcher!r} of engine {engine} has no command here")  # the table's rows
+    raise AssertionError(f"launcher {kind.launcher!r} of engine {engine} has no command here")
 
 
 def launch_env(plan: dict[str, Any], grace_seconds: float | None = None) -> dict[str, str]:

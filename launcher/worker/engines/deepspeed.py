@@ -10,7 +10,7 @@ from typing import Any
 
 from launcher.engine_kinds import ENGINES
 
-CONFIG_NAME = ENGINES["deepspeed"].config_file  # the engine table, launcher/engine_kinds.py
+CONFIG_NAME = ENGINES["deepspeed"].config_file
 # Under optimizer offload DeepSpeed refuses a client optimizer that is not its CPU Adam (runtime/engine.py,
 # _configure_optimizer: zero_force_ds_cpu_optimizer, on by default), and the Trainer would hand it its own (8-bit AdamW
 # for full-8bit: transformers integrations/deepspeed.py, deepspeed_optim_sched, when the config has no "optimizer").
@@ -25,11 +25,8 @@ OFFLOAD_OPTIMIZER = {
 
 def config(plan: dict[str, Any]) -> dict[str, Any]:
     """The ZeRO-3 config: batch shape and CPU offload from the plan; precision and clipping left to the Trainer
-    ("auto").
-
-    The Trainer fills each "auto" from its own arguments and refuses a concrete value that
-    disagrees with them, so the plan and the trainer cannot drift apart silently.
-    """
+    ("auto"), which fills each "auto" from its own arguments and refuses a concrete value that disagrees with them,
+    so the plan and the trainer cannot drift apart silently."""
     offload_optimizer = bool(plan.get("offload_optimizer"))
     offload_param = offload_optimizer and bool(plan.get("offload_params"))
     mb = int(plan["micro_batch_size"])

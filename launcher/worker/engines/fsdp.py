@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from launcher.engine_kinds import ENGINES
 
-CONFIG_NAME = ENGINES["fsdp"].config_file  # the engine table, launcher/engine_kinds.py
+CONFIG_NAME = ENGINES["fsdp"].config_file
 
 
 def accelerate_config(plan: dict[str, Any], activation_checkpointing: bool) -> dict[str, Any]:
@@ -58,7 +58,6 @@ def accelerate_config(plan: dict[str, Any], activation_checkpointing: bool) -> d
 
 
 def write_config(plan: dict[str, Any], run_dir: Path) -> Path:
-    """accelerate_fsdp.yaml in the run directory, from the plan."""
     import os
 
     import yaml
@@ -129,7 +128,6 @@ def _base(model):
 
 
 def is_sharded(model) -> bool:
-    """Whether fully_shard (FSDP2) wrapped this model or one of its modules."""
     from torch.distributed.fsdp import FSDPModule
 
     return any(isinstance(m, FSDPModule) for m in model.modules())
@@ -153,11 +151,9 @@ def save_full(model, out_dir: Path, write: bool, dtype=None) -> list[str]:
     model. Here `get_model_state_dict` with the default options returns the sharded state dict as it is
     (DTensors, no gather, no copy: torch 2.13 `torch/distributed/checkpoint/state_dict.py`,
     `_maybe_full_or_cpu_state_dict` returns it untouched) under the unwrapped model's own names (DCP drops
-    FSDP's and activation checkpointing's wrapper prefixes: `_get_fqns`); then every rank gathers each DTensor
-    in the same order (`DTensor.full_tensor`, a collective, on the mesh's device: shards offloaded to the CPU by
-    fsdp_offload_params are moved there first, as torch's own `_gather_state_dict` does in dtensor_func), and
-    the writing rank keeps a CPU copy in `dtype`; the full fp32 tensor is dropped before the next. Rank 0's RAM
-    peak is the model in `dtype` plus one tensor.
+    wrapper prefixes: `_get_fqns`); offloaded shards go to the mesh's device before `DTensor.full_tensor`, as
+    torch's own `_gather_state_dict` does in dtensor_func. Rank 0's RAM peak is the model in `dtype` plus one
+    tensor.
 
     For a PEFT model, `ignore_frozen_params=True` and the frozen-name filter below gather the trainable tensors
     only (the adapter), not the frozen base: a 70B base is never assembled to save a few hundred MB of LoRA
@@ -324,13 +320,8 @@ def exercise(run_dir: Path, steps: int, out: Optional[Path], final_dir: Optional
 
 
 def _final_save_check(model, reference, recipe, final_dir: Path, rank: int) -> dict[str, Any]:
-    """The worker's FSDP final save on the sharded model (every rank; rank 0 writes final_dir/sharded), the
-    unsharded copy saved by its own save_pretrained (final_dir/reference), then on rank 0: same tensor names and
-    shapes, values within 1e-4 (the two trainings differ by float rounding) of the unsharded model's cast to the
-    saved dtype (plus one rounding step of that dtype, where the two trainings' values straddle it), a whole
-    model written in the base model's dtype with config.json saying so (saving.final_dtype, as the worker's
-    _save_final), the folder reloads (PEFT onto a fresh base, or transformers) with exactly the sharded model's
-    values cast to that dtype, and passes the supervisor's verification (launcher/store/final.py)."""
+    """The worker's FSDP final save (every rank; rank 0 writes final_dir/sharded) against the unsharded copy's own
+    save_pretrained (final_dir/reference), checked on rank 0; the other ranks return only how much they gathered."""
     import torch
 
     from launcher.store import final

@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from launcher.methods import is_quantized
-from launcher.plan.models import LINEAR_MODULES, prequantized_repo  # the pre-quantized repositories: the plan's table
+from launcher.plan.models import LINEAR_MODULES, prequantized_repo
 
 
 def plan_reason(model: str, method: str) -> str | None:
@@ -46,7 +46,7 @@ def import_unsloth():
     """Import Unsloth before transformers/trl/peft (it patches them on import); raise with the reason if it fails."""
     late = [m for m in ("transformers", "trl", "peft") if m in sys.modules]
     try:
-        import unsloth  # noqa: F401  (patches transformers, trl and peft)
+        import unsloth  # noqa: F401
     except Exception as exc:  # ImportError, or e.g. a CUDA torchvision's "operator torchvision::nms does not exist"
         text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:400]
         hint = ""

@@ -9,9 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
-from launcher.plan.sizing_constants import (
-    GB,
-)  # ftrun's one memory unit, 2**30 bytes: what launcher/worker/memory.py reports in
+from launcher.plan.sizing_constants import GB  # 2**30 bytes: what launcher/worker/memory.py reports in
 
 # the repository root (this file is launcher/worker/gpu_check/common.py): scripts/, and the children's PYTHONPATH
 REPO = Path(__file__).resolve().parents[3]

@@ -13,7 +13,7 @@ from launcher.worker.gpu_check.common import Context, child_env, read_json, work
 
 def fsdp_child(model: Path, out_dir: Path, work: Path, device_name: str) -> int:
     """Under `accelerate launch --config_file <generated FSDP2 config>`: the worker's model and an optimizer
-    prepared together, one training step, then the worker's final save (backends/fsdp.save_full) and the
+    prepared together, one training step, then the worker's final save (engines/fsdp.save_full) and the
     adapter reloaded onto a fresh base with the trained values.
 
     accelerate 1.15 `Accelerator.prepare` refuses a model without its optimizer under FSDP2 ("a model and

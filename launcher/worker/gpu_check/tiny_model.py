@@ -8,7 +8,6 @@ from launcher.worker.gpu_check.common import REPO, Context
 
 
 def step_tiny_model(ctx: Context) -> dict[str, Any]:
-    """The tiny model (random weights, its own tokenizer) the loading steps use: built here, no download."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("make_tiny_model", REPO / "scripts" / "make_tiny_model.py")
