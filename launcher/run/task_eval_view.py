@@ -100,7 +100,6 @@ def format_task_eval(t: dict[str, Any]) -> str:
 
 
 def worker_line(line: str) -> str:
-    """A line of the task evaluation's worker without its prefix."""
     return line.strip().removeprefix(TASK_EVAL_PREFIX).strip()
 
 
