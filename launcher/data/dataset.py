@@ -1,9 +1,5 @@
 """A recipe's dataset, from `data:` to examples: every source read, every record converted, tokens counted with the
-model's own chat template, the template checked against what the records hold, the smoke sample drawn.
-
-`load_data(spec)` is the one entry point from a recipe's `data` (or `eval.data`) to examples; formats live in
-launcher/data/formats.py, sources (files, folders, saved and Hub datasets) in launcher/data/sources.py.
-"""
+model's own chat template, the template checked against what the records hold, the smoke sample drawn."""
 
 from __future__ import annotations
 
@@ -48,8 +44,6 @@ class DataStats:
 
 @dataclass
 class LoadedData:
-    """Converted examples (chat, prompt/completion or text: `form`), where each came from, and what was read."""
-
     examples: list[dict[str, Any]]
     where: list[str]  # "d.jsonl line 3" per example
     form: str  # a formats.FORMS name
@@ -218,13 +212,10 @@ def _convert_source(source: Source, rows: list[tuple[str, Any]]) -> tuple[list[d
 
 
 def load_examples(spec: Any) -> list[list[dict[str, Any]]]:
-    """Every example as a list of messages (prompt/completion: prompt then completion; text: one user message):
-    for callers that want conversations to prompt with (export parity, serving examples). Training reads
-    `load_data(spec).examples`."""
+    """Every example as a list of messages (formats.conversation). Training reads `load_data(spec).examples`."""
     return [formats.conversation(e) for e in load_data(spec).examples]
 
 
-# ---------------------------------------------------------------------------------------
 # Token counting without torch: the model's tokenizer (launcher/data/tokenizer.py) and its chat template
 # (jinja2), rendered the way transformers renders it, so `ftrun plan` stays light.
 
@@ -287,12 +278,8 @@ def _template_env():
 
 
 def token_counter(model: str) -> tuple[Optional[Callable[[Any], int]], str]:
-    """A function counting an example's tokens as TRL tokenizes it, and where it came from.
-
-    Chat and conversational prompt/completion examples go through the chat template; plain text and plain
-    prompt/completion through the tokenizer alone (with its special tokens) plus the EOS TRL appends.
-    Returns (None, reason) when no local tokenizer is found: callers then estimate from characters and say so.
-    """
+    """A function counting an example's tokens as TRL tokenizes it, and where it came from; (None, reason) when no
+    local tokenizer is found: callers then estimate from characters and say so."""
     renderer, source = _renderer(model)
     if renderer is None or renderer[0] is None:
         return None, source

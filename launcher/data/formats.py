@@ -15,11 +15,8 @@ The canonical forms (what `SFTTrainer` takes, trl 1.16.0 `sft_trainer.py` `_prep
 
 Alpaca and ShareGPT records become chat. A problem with a record is a `RecordProblem` naming the field.
 
-Owns two tables. FORMS, the canonical forms: the key that marks a converted example of each, its dataset columns and
-how a user reads it. FORMATS, the formats records come in: each one's description, its form, the keys that identify
-it (in detection order), the example line an error shows and its converter. The recipe's `format:` values, the
-detection, the "expected one of" text, the bad-record advice and the dataset's columns derive from them;
-tests/test_tables.py walks every entry.
+The recipe's `format:` values, the detection, the "expected one of" text, the bad-record advice and the dataset's
+columns derive from the two tables FORMS and FORMATS; tests/test_tables.py walks every entry.
 """
 
 from __future__ import annotations
@@ -33,8 +30,6 @@ from launcher.errors import json_problem
 
 @dataclass(frozen=True)
 class Form:
-    """A canonical form: what TRL's trainers take."""
-
     marker: str  # the key a converted example of this form has (example_form reads them in FORMS' order)
     columns: tuple[str, ...]  # the dataset columns it trains from (dataset.py to_dataset)
     reads_as: str  # how a user reads it
@@ -118,7 +113,6 @@ def listed(last: str = ", ") -> str:
 
 
 def detect_one(record: Any) -> Optional[str]:
-    """The format one record looks like, or None."""
     if not isinstance(record, dict):
         return None
     return next((name for name, f in FORMATS.items() if all(k in record for k in f.keys)), None)
@@ -465,7 +459,6 @@ def _preference_implicit(record: dict, other: Optional[str]) -> dict[str, Any]:
     return _preference(record, other)
 
 
-# In detection order: a record is in the first format whose keys it has all of.
 FORMATS: dict[str, Format] = {
     "messages": Format(
         "chat messages (role/content)",

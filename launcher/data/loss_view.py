@@ -2,17 +2,10 @@
 and the checks that refuse data which would train nothing, never teach the model to stop, or lose its answers to
 max_length, before any GPU time.
 
-The tokens and labels follow trl 1.16.0 `SFTTrainer._prepare_dataset` (trl/trainer/sft_trainer.py) step by step:
-the chat template (TRL's training template with {% generation %} markers swapped in for assistant_only_loss,
-trl/chat_template_utils.py get_training_chat_template), `return_assistant_tokens_mask` as transformers 5.24 computes
-it from the generation blocks' characters (tokenization_utils_base.py apply_chat_template), the completion mask of
-prompt/completion data from the common prefix, the EOS appended to plain text, `build_labels`, truncation to
-max_length; and the collator: the first token of every sequence is never a target. It runs without torch
-(`ftrun plan` stays light): the tokenizer as transformers reads it (launcher/data/tokenizer.py) and jinja2, as the
-token counts do (launcher/data/dataset.py). tests/data/test_loss_view.py holds it token for token to TRL's own prepared
-dataset
-(`SFTTrainer._prepare_dataset`) on each chat template family, so a TRL or transformers upgrade that masks
-differently fails there.
+The tokens and labels follow trl 1.16.0 `SFTTrainer._prepare_dataset` (trl/trainer/sft_trainer.py) step by step, and
+its collator, without torch (`ftrun plan` stays light): the tokenizer as transformers reads it
+(launcher/data/tokenizer.py) and jinja2. tests/data/test_loss_view.py holds it token for token to TRL's own prepared
+dataset on each chat template family, so a TRL or transformers upgrade that masks differently fails there.
 """
 
 from __future__ import annotations
@@ -116,7 +109,6 @@ class LossView:
         self.compiled = _template_env().from_string(self.template) if self.template else None
         self.eot = self._end_of_turn()
 
-    # -- the template TRL trains with --------------------------------------------------------------------------
     def _training_template(self, template: str) -> str:
         """TRL swaps in its training template (with {% generation %} markers) for assistant_only_loss when the
         model's has none, for the templates it knows (an exact match, get_training_chat_template); else it fails."""
@@ -162,7 +154,6 @@ class LossView:
     def stop_ids(self) -> set[int]:
         return {self.added[t] for t in (self.eot, self.eos) if t in self.added}
 
-    # -- one example -------------------------------------------------------------------------------------------
     def _render(self, messages, tools, generation_prompt: bool) -> tuple[str, list[tuple[int, int]]]:
         from launcher.data.dataset import render_tracked
 
@@ -308,7 +299,6 @@ def _assistant_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]
     return mask
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # The check of every example, and the record a run keeps (data.json "loss_view", data_example.txt)
 
 
@@ -484,9 +474,6 @@ def _refuse_cut(view: LossView, where, marks: list[Marked]) -> None:
         f"max_length_may_cut={len(bad) / len(marks):.2f} (they train without their end).",
     )
 
-
-# ---------------------------------------------------------------------------------------------------------------
-# The marked text: highlighted on a terminal, in brackets elsewhere
 
 TRAINED_STYLE, CONTEXT_STYLE, RESET = "\x1b[1;32m", "\x1b[2m", "\x1b[0m"
 

@@ -5,9 +5,8 @@ TRL calls a reward function as `f(prompts=..., completions=..., completion_ids=.
 log_extra=..., log_metric=...)` and takes one float (or None) per completion (trl 1.16 grpo_trainer.py
 `_calculate_rewards`); `columns` are the dataset's other columns, here `reference`. A metric reward scores each
 sampled answer against its prompt's reference with the task evaluation's own scorer (launcher/data/task_metrics.py),
-so what the run is rewarded for is what its task score measures. A function of the user's is loaded from its file
-and called once on one example here, before any GPU time: an import error, an exception, a wrong length or a value
-that is not a number is refused with the function's name and what it did.
+so what the run is rewarded for is what its task score measures. A function of the user's is called once here, before
+any GPU time (`refusals`).
 
 Pure (no torch): the plan and the worker both build them.
 """

@@ -39,7 +39,6 @@ FULL_8BIT_FSDP = (
 
 
 def _idle(cards: int) -> str:
-    """ "1 GPU stays idle", "3 GPUs stay idle"."""
     return "1 GPU stays idle" if cards == 1 else f"{cards} GPUs stay idle"
 
 
@@ -54,12 +53,10 @@ def choose(
     in_hand: bool = True,
     offload: str = "auto",
 ) -> Choice:
-    """The engine and card count for this box. `in_hand`: the box is the one being planned, billed whole, so
-    its cards are used (DDP) whenever that is faster than one card; otherwise (choosing a box to rent) the
-    article's rules: one card if it fits, DDP when one card takes longer than a working day. Sharding when
-    no card holds the job, with DeepSpeed's CPU offload of a full fine-tune's optimizer (then its parameters) when
-    even the shards do not fit; otherwise refuse. `processes` (recipe num_processes) is honoured or refused;
-    `offload` (the recipe's): auto, none (never offload), or forced (OFFLOAD_FORCED)."""
+    """`in_hand`: the box is the one being planned, billed whole, so its cards are used (DDP) whenever that is
+    faster than one card; otherwise (choosing a box to rent) the article's rules. `processes` (recipe
+    num_processes) is honoured or refused; `offload` (the recipe's): auto, none (never offload), or forced
+    (OFFLOAD_FORCED)."""
     if hw.is_cpu_only and forced == "unsloth":
         return _choose_cpu_unsloth(job, hw, unsloth_ok, processes)
     if hw.is_cpu_only:
@@ -73,7 +70,6 @@ def choose(
     cc_ok = g.compute_capability is None or g.compute_capability >= (7, 0)
     reasons: list[str] = []
 
-    # Forced engines that cannot work here are refused before anything is sized.
     if forced == "unsloth" and not OBJECTIVES[job.objective].unsloth:
         return Choice(
             False,

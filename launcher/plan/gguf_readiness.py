@@ -2,11 +2,7 @@
 the model's architecture in the converter's table, and its tokenizer's split rule.
 
 Owns where the pinned llama.cpp lives (PINNED, CONVERTER_HOME) and the converter's architecture table as ftrun ships
-it (llamacpp_architectures.json beside this file, written by `ftrun llamacpp architectures`), so that `ftrun plan`
-asks these as data, without the exporter. launcher/deliver/llamacpp.py installs, llamacpp_steps.py converts and
-quantizes.
-
-Only the standard library at module level: `ftrun plan` imports this module.
+it (ARCHITECTURES_FILE). Only the standard library at module level: `ftrun plan` imports this module.
 """
 
 from __future__ import annotations
@@ -29,10 +25,6 @@ CONVERTER_HOME = Path(os.environ.get("FTRUN_CACHE", Path.home() / ".cache" / "ft
 STAMP = "ftrun-llamacpp.json"
 BUILD_FLAGS = "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
 INSTALL_HINT = f'CMAKE_ARGS="{BUILD_FLAGS}" pip install --no-binary {DIST} "{DIST}=={PINNED}" && ftrun llamacpp install'
-
-
-# ---------------------------------------------------------------------------------------------
-# Where things are
 
 
 @dataclass
@@ -87,10 +79,7 @@ def installed_gguf_version() -> Optional[str]:
         return None
 
 
-# ---------------------------------------------------------------------------------------------
 # What the converter supports, read from its source (no torch: `ftrun plan` runs this)
-
-
 def supported_architectures(folder: Path) -> dict[str, str]:
     """HF architecture class -> converter module, from conversion/__init__.py's TEXT_MODEL_MAP (the table its
     get_model_class looks names up in), or from the @ModelBase.register(...) calls of an older single-file one."""
@@ -189,7 +178,6 @@ def readiness(model: str, gguf_type: str, this_box: bool = True) -> Readiness:
         gguf_py=conv.gguf_py if conv else None,
         gguf_package=installed_gguf_version(),
     )
-    # a box planned by name runs ftrun's Docker image, which has llama-cpp-python and the converter (docker/)
     where = "this box" if this_box else "the box that exports (ftrun's Docker image has it)"
     if have is None:
         (r.missing if this_box else r.notes).append(

@@ -1,9 +1,8 @@
 """A box as the plan sees it (GPUs, interconnect, CPU, RAM), a `--gpus` spec or a catalog entry made into one, and the
 box's CPU cores and RAM as the OS and its cgroup give them; what this machine's GPUs are is launcher/plan/this_box.py's.
 
-Owns the GPU catalog: launcher/plan/gpus.yaml (memory, bf16 TFLOP/s, interconnect, price, NVML names per card),
-updated entry by entry from the user's FTRUN_GPUS or ~/.config/ftrun/gpus.yaml. Adding a card to the catalog is an
-entry in that file; everything that names, sizes or prices a card reads it through `catalog()` (tests/test_tables.py).
+Owns the GPU catalog, launcher/plan/gpus.yaml: adding a card is an entry in that file; everything that names, sizes or
+prices a card reads it through `catalog()` (tests/test_tables.py).
 """
 
 from __future__ import annotations
@@ -100,10 +99,6 @@ class Hardware:
             "notes": list(self.notes),
             "driver_version": self.driver_version,
         }
-
-
-# ---------------------------------------------------------------------------------------------
-# Catalog
 
 
 @dataclass(frozen=True)
@@ -217,9 +212,6 @@ def lookup(name: str) -> CatalogGpu | None:
     return None
 
 
-# ---------------------------------------------------------------------------------------------
-# --gpus SPEC
-
 _SPEC = re.compile(r"^\s*(?:(\d+)\s*[x×*]\s*)?([A-Za-z0-9][A-Za-z0-9 _.\-]*?)\s*$")
 
 
@@ -255,10 +247,6 @@ def catalog_box(name: str, count: int) -> Hardware:
         ram_gb=max(32.0, 2 * entry.memory_gb * count),
         source=f"catalog {count}x{name}",
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# Detection
 
 
 def _host_ram_gb() -> float:

@@ -40,7 +40,6 @@ class Architecture:
     experts_per_token: int = 1
     source: str = ""  # where the numbers came from, shown in the plan
 
-    # -- shapes --------------------------------------------------------------------------------
     @property
     def q_dim(self) -> int:
         return self.heads * self.head_dim
@@ -62,7 +61,6 @@ class Architecture:
             "down_proj": (i, h),
         }
 
-    # -- parameter counts ----------------------------------------------------------------------
     @property
     def embedding_params(self) -> int:
         return self.vocab * self.hidden
@@ -137,10 +135,6 @@ class Architecture:
         return d
 
 
-# ---------------------------------------------------------------------------------------------
-# Reading a config.json
-
-
 def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     # Multimodal checkpoints (Gemma 3 4B+, Llama 3.2 Vision) nest the language model's config.
     text = cfg.get("text_config")
@@ -193,7 +187,6 @@ def from_config(cfg: dict[str, Any], name: str, source: str) -> Architecture:
     )
 
 
-# ---------------------------------------------------------------------------------------------
 # Built-in catalog: the real config.json values of popular models, so planning works offline.
 # Keys are normalised names (see `catalog_key`); one entry covers base, instruct and 4-bit re-uploads.
 
@@ -255,7 +248,6 @@ CATALOG: dict[str, dict[str, Any]] = {
     "gemma-3-27b": _a(62, 5376, 21504, 32, 16, 128, 262208, True, **_GEMMA3),
 }
 
-# Aliases for names that differ only in spelling from a catalog key.
 _ALIASES = {"mistral-7b": "mistral-7b-v0.3", "llama-3.1-8b-base": "llama-3.1-8b"}
 
 # Name parts that mark a variant with the same architecture (instruct tunes, 4-bit re-uploads, dates).
@@ -291,10 +283,6 @@ def from_catalog(model: str) -> Architecture | None:
     if values is None:
         return None
     return Architecture(name=model, source=f"built-in catalog ({key})", **values)
-
-
-# ---------------------------------------------------------------------------------------------
-# Local directory, HF cache, Hub
 
 
 def _read_config(path: Path) -> dict[str, Any]:
@@ -368,7 +356,6 @@ def _unknown_model(model: str, why: str) -> ModelError:
 
 
 def load_architecture(model: str, allow_network: bool = True) -> Architecture:
-    """Local dir -> HF cache -> built-in catalog -> Hub (config.json only, when online)."""
     path = Path(model).expanduser()
     if path.is_dir():
         cfg = path / "config.json"
@@ -413,9 +400,7 @@ def with_name(arch: Architecture, name: str) -> Architecture:
     return replace(arch, name=name)
 
 
-# ---------------------------------------------------------------------------------------------
-# Download size: what a run fetches before its first step
-
+# Download size: what a run fetches before its first step.
 # The bandwidth the plan assumes for the download from the Hub to a rented box (100 MB/s = 800 Mbit/s: what
 # datacenter boxes typically get from the Hub's CDN; a home line is often a tenth of it).
 DOWNLOAD_MB_S = 100.0
@@ -427,8 +412,6 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 @dataclass(frozen=True)
 class Download:
-    """The weights a run fetches: from which repository, how many bytes, and where the figure came from."""
-
     repo: str
     bytes: int | None
     source: str  # "Hub metadata", "estimated from the architecture (offline: ...)", "local folder", "cached"

@@ -1,10 +1,5 @@
 """(Recipe, Hardware, DataStats) -> Plan: engine, processes, memory, tokens, time, cost, each with its reason; refuses
-with advice.
-
-It assembles the parts: the job (plan/job.py), the engine choice (plan/engine.py), the advice (plan/advice.py), the
-task evaluation's forecast (plan/task_eval_forecast.py), the records plan.json holds (plan/plan_records.py, the MFU's
-basis: plan/mfu.py), the text (plan/text.py).
-"""
+with advice."""
 
 from __future__ import annotations
 
@@ -354,7 +349,6 @@ def plan_for(
     attention_line = attention.reason(choice.device, attn)
     if attention_line:
         reasons.append(attention_line)
-    # packing keeps each example to itself on the attention the worker will load, or the plan refuses it
     packed = packing.decision(recipe, choice.engine, attn)
     if packed:
         reasons.append(packed)

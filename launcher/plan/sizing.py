@@ -229,7 +229,6 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
     # split as weight 4 + gradient 4 + AdamW m, v 8. FSDP and DeepSpeed keep the bf16 + master layout.
     fp32_master = not cpu and _adamw_full(w.method) and w.engine not in SHARDING
 
-    # Weights
     if is_quantized(w.method):
         other = P - arch.linear_params  # embeddings, lm_head, norms stay 16-bit
         terms["weights"] = (arch.linear_params * NF4_BYTES + other * b16) / n / GB
@@ -277,7 +276,6 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
                 "allocator keeps ~half their size reserved but unusable (1 B/param)"
             )
 
-    # Activations
     lora = is_adapter(w.method) and not unsloth
     layer = layer_activation_bytes_per_token(arch, fp32=cpu, lora_targets=w.lora_targets if lora else None)
     offload = 0.0
@@ -371,7 +369,6 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
             else "(logits, fp32 copy for the loss, its gradient)"
         )
 
-    # Sharding: the unit being computed is gathered whole (plus the next one prefetched).
     if n > 1:
         # Units: one decoder layer (4-bit for QLoRA) or the embedding / lm_head (always 16-bit); the layer
         # being computed and the one prefetched are whole on every card, next to the sharded rest.

@@ -12,7 +12,6 @@ from launcher.methods import METHODS
 GB = 2**30  # bytes in one GB as ftrun counts (GiB, as nvidia-smi and torch's memory counters)
 
 
-# --- bytes per parameter --------------------------------------------------------------------
 # NF4 with double quantization: 4 bits + 0.127 bits of constants per weight (QLoRA paper, sec. 3).
 NF4_BYTES = (4 + 0.127) / 8
 # Bytes per trained parameter: the method table (launcher/methods.py). LoRA adapters are kept in fp32 (PEFT
@@ -25,7 +24,6 @@ ADAPTER_BYTES = METHODS["lora"].trained_bytes
 # but unusable. This is what lifts the article's 6 B/param (8-bit) to the 7-8 its table implies.
 GRADIENT_CHURN_BYTES = 1.0
 
-# --- activations and logits -------------------------------------------------------------------
 # Unsloth's fused cross-entropy works on chunks of the logits and writes the gradient in place: about an
 # eighth of the bf16 logits is alive at once (fitted on Unsloth's context-length table, docs/sizing.md).
 LOGIT_BYTES_UNSLOTH = 0.25
@@ -36,7 +34,6 @@ LAYER_BACKWARD_FACTOR = 1.5
 # gradient checkpointing offloads the saved layer inputs to CPU RAM.
 UNSLOTH_LAYER_FACTOR = 0.6
 
-# --- runtime ---------------------------------------------------------------------------------
 CUDA_CONTEXT_GB = 0.6  # CUDA context, cuBLAS workspace, kernels (what nvidia-smi shows before any tensor)
 NCCL_GB = 0.5  # NCCL communicator buffers per process when several GPUs train together
 FRAGMENTATION = 0.05  # caching-allocator slack on the per-step tensors (activations, logits)

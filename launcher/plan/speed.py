@@ -3,9 +3,8 @@
 Where the recipe leaves `gradient_checkpointing` out, a job whose activations all fit is trained without recomputing
 them; where it leaves both `micro_batch_size` and `gradient_accumulation_steps` out, the micro-batch grows and the
 accumulation shrinks by the same factor. The examples per optimizer step (micro-batch x accumulation x processes),
-their order and the loss stay the same, so does the trajectory. Each setting is taken only with headroom for the
-memory estimate's error, on a GPU, without any offload; an out of memory in the smoke test undoes it (auto_adjust's
-the plan's own settings first). docs/sizing.md, "Using the card".
+their order and the loss stay the same, so does the trajectory. Only on a GPU, without any offload (HEADROOM says
+how much room). docs/sizing.md, "Using the card".
 """
 
 from __future__ import annotations

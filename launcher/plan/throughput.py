@@ -5,8 +5,7 @@ torch, no I/O). Memory is launcher/plan/sizing.py's; docs/sizing.md, "Time and c
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from launcher.methods import METHODS, is_adapter, is_quantized
 from launcher.plan import links
@@ -228,11 +227,3 @@ def hours(training_tokens: float, tokens_per_sec: float) -> float:
 
 def cost_eur(hours_: float, price_per_hour: float) -> float:
     return hours_ * price_per_hour
-
-
-@dataclass(frozen=True)
-class Estimate:
-    tokens_per_second: float
-    hours: float | None
-    cost_eur: float | None
-    details: dict[str, Any] = field(default_factory=dict)

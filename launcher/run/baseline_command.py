@@ -1,7 +1,6 @@
 """`ftrun baseline RECIPE`: the base model scored on the task before any training (zero-shot, and with examples from
-the training data in its prompt), and the reference article's verdict: does a fine-tune pay? The run directory is
-prepared as `ftrun smoke` prepares it; the scoring is launcher/run/task_baseline.py's (the launch's own step before
-its smoke test); the words are launcher/run/task_eval_view.py's.
+the training data in its prompt), and the reference article's verdict: does a fine-tune pay? The scoring is
+launcher/run/task_baseline.py's (the launch's own step before its smoke test).
 """
 
 from __future__ import annotations

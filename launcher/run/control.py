@@ -28,12 +28,9 @@ def stop_command(run: RunDir) -> int:
 def stop(run: RunDir, timeout: float = 120.0, say=lambda line: None) -> str:
     """SIGTERM the run's verified supervisor (which forwards to the worker) and wait until it exits.
 
-    Only a supervisor that holds the run's lock and is the recorded process (pid, start time, boot) is
-    signalled; a pid in state.json alone is never enough (after a reboot it names someone else). The
-    signal goes to the supervisor itself, not to its process group: it forwards SIGTERM to a single
-    worker or straight to the ranks, because torchrun and accelerate launch SIGKILL their ranks a fixed
-    time after they forward a signal (see forward in supervisor.supervise). Workers left without a supervisor are
-    ended (end_orphans); otherwise nothing is touched.
+    Only the recorded supervisor that holds the run's lock is signalled (a pid alone never is: store/state.py), and
+    itself, not its process group: it forwards SIGTERM to a single worker or straight to the ranks (forward in
+    supervisor.supervise). Workers left without a supervisor are ended (end_orphans); otherwise nothing is touched.
     """
     data = read_state(run)
     holder = run_holder(run, data)
@@ -97,10 +94,9 @@ def end_orphans(run: RunDir, wait_seconds: float, log=print) -> list[int]:
 
     Found by their command line (`launcher.worker.train --run-dir <this run>`, a torchrun included), so every
     process signalled is a worker of this run; each is checked again (start time) right before each signal.
-    SIGTERM goes to the workers that are not the parent of another (the ranks, not their launcher, as the
-    supervisor does). SIGKILL goes to the process group of the run's supervisor when a worker still sits in
-    it: that group was the supervisor's own session (start_new_session), and a group id is not reused while
-    a member lives, so the group holds this run's processes only; any other worker is killed by its pid.
+    SIGKILL goes to the process group of the run's supervisor when a worker still sits in it: that group was the
+    supervisor's own session (start_new_session), and a group id is not reused while a member lives, so the group
+    holds this run's processes only; any other worker is killed by its pid.
     Call only when no verified supervisor or launcher holds the run (run_holder is None).
     """
     procs = run_processes(run)

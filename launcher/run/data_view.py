@@ -13,8 +13,7 @@ def data_label(stats) -> str:
 
 def data_line(stats) -> str:
     """'Alpaca (instruction/input/output) format, 10,000 examples, converted to chat; 1,234,567 tokens (tokenizer)';
-    with
-    an eval split, how many of the examples train (the tokens are theirs) and how many are held out."""
+    with an eval split, how many of the examples train (the tokens are theirs) and how many are held out."""
     held, lines = getattr(stats, "held_out", 0), getattr(stats, "held_out_lines", 0)
     copies = lines - held
     trains = (

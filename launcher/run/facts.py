@@ -1,10 +1,7 @@
 """Reads a run's facts from its run directory: its status (`run_status`), the list of runs, the end summary's numbers.
 
-Everything here reads the run directory's files (state.json, plan.json, smoke.json, worker.json, metrics.jsonl,
-checkpoints/, final/; the copy's facts from sync.json come from launcher/store/sync/transfer.py `status_fields`)
-and never imports torch: `ftrun status` answers in a fraction of a second on a
-box that is busy training. The numbers come from one reading (`run_status`), so the text, the JSON, the live bar
-and the summary never disagree with each other; launcher/run/views.py and summary_view.py word them.
+Never imports torch: `ftrun status` answers in a fraction of a second on a box that is busy training. The numbers come
+from one reading (`run_status`), so the text, the JSON, the live bar and the summary never disagree with each other.
 """
 
 from __future__ import annotations
@@ -173,7 +170,6 @@ def run_status(run: RunDir) -> dict[str, Any]:
         "resume_command": data.get("resume_command"),
         "final": final,
         "log": str(run.log),
-        # the engine as planned, how it was launched, and what the worker verified (launcher/backends)
         "engine": plan.get("engine"),
         "num_processes": plan.get("num_processes"),
         "launch_argv": data.get("launch_argv"),
@@ -325,7 +321,6 @@ def end_summary(run: RunDir) -> dict[str, Any]:
         "loss_last_step": train[-1]["step"] if train else None,
         "eval_loss_first": evals[0]["eval_loss"] if evals else None,
         "eval_loss_last": evals[-1]["eval_loss"] if evals else None,
-        # a preference objective: the held-out reward margin and preference accuracy, first eval pass -> last
         "preference": _preference_first_last(evals),
         "rewards": _rewards_first_last(train),
         "tokens": tokens,

@@ -193,7 +193,7 @@ def launch(
         set_state(
             run, "running", supervisor_pid=_pid(), supervisor_proc=process_identity(_pid()), resume_command=resume
         )
-        with progress.attached(run):  # a live progress bar on a terminal
+        with progress.attached(run):
             code = supervise(run.root, lock.fd)
         _say(format_status(run_status(run), ending_follows=True))
         _say(summary_view.format_end_summary(end_summary(run)))

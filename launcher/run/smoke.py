@@ -1,10 +1,7 @@
 """The smoke test: train on a sample of the data (longest examples included), measure, extrapolate the full run.
 
-Its settings (the sample's fraction, 1% by default; the minimum steps; the time cap) are the recipe's `smoke:`
-(launcher/recipe_sections.py, SmokeSettings). The fraction is chosen here, in `run_smoke`, and applied in two places: to
-the training examples by launcher/data/dataset.py `smoke_sample`, and to the held-out eval examples by
-launcher/data/split.py `smoke_subset`. What the measurements mean for
-the user (the forecast, a memory note) is worded by launcher/run/views.py (format_smoke).
+Its settings are the recipe's `smoke:` (SmokeSettings); the fraction applies to the training examples
+(dataset.smoke_sample) and to the held-out ones (split.smoke_subset). launcher/run/views.py words the report.
 """
 
 from __future__ import annotations
@@ -27,7 +24,6 @@ from launcher import export_formats, methods
 from launcher.errors import WORKER_EXITS, SmokeError, SmokeOOM
 from launcher.store.rundir import RunDir
 
-# What a failed smoke worker's exit code means and its fix (launcher/errors.py WORKER_EXITS)
 REASONS = {code: (e.what, e.fix) for code, e in WORKER_EXITS.items()}
 
 

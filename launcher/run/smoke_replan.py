@@ -18,10 +18,8 @@ from launcher.store.state import set_state
 def _smoke(
     run: RunDir, recipe: Recipe, plan_dict, examples, lengths, stats, download: Optional[dict[str, Any]] = None
 ) -> tuple[Recipe, dict[str, Any]]:
-    """The smoke test; after an out-of-memory, re-plan with the cheapest allowed change and try again.
-
-    Returns the recipe as adjusted (the full run trains with it) and the calibrated plan record.
-    """
+    """The smoke test; after an out-of-memory, re-plan with the cheapest allowed change and try again. Returns the
+    recipe as adjusted (the full run trains with it) and the calibrated plan record."""
     from launcher.errors import PlanError, SmokeError, SmokeOOM
     from launcher.run.smoke import run_smoke
     from launcher.run.views import format_smoke
@@ -104,7 +102,6 @@ def _smoke(
         report = {**report, **download}
         atomic_write_json(run.smoke, report)
     _say(format_smoke(report))
-    # Plan, then calibrate: the measured throughput and memory replace the estimates.
     calibrated = make_plan(recipe, stats, smoke=report, nnodes=(plan_dict.get("nodes") or {}).get("nnodes", 1))
     record = _plan_record(calibrated, plan_dict.get("memory_limit_gb"), adjustments, plan_dict.get("nodes"))
     record["speed"] = plan_dict.get("speed")  # the plan's choice and its reasons, which the recipe now holds

@@ -1,8 +1,4 @@
-"""The end-of-run summary: the lines a run's end prints, headed by how it ended.
-
-Shown by the foreground run, `ftrun status --watch`, `ftrun status` of a finished run and `ftrun stop`; composed from
-the facts launcher/run/facts.py `end_summary` reads. The wording while a run lives is launcher/run/views.py's.
-"""
+"""The end-of-run summary: the lines a run's end prints, headed by how it ended (from facts.py `end_summary`)."""
 
 from __future__ import annotations
 

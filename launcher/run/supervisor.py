@@ -354,7 +354,7 @@ def start_detached(run: RunDir, lock_fd: int) -> int:
         stdin=subprocess.DEVNULL,
         stdout=log,
         stderr=subprocess.STDOUT,
-        start_new_session=True,  # own session: no controlling terminal, no SIGHUP at logout
+        start_new_session=True,
         pass_fds=(lock_fd,),
         cwd=str(Path(__file__).resolve().parents[2]),
     )

@@ -1,8 +1,6 @@
 """The task evaluation's base phase as the launcher runs it: the worker (launcher/worker/task_eval.py) as one process
-in the environment the smoke test's worker gets (worker/engines launch_env), before training. `ftrun baseline`
-(launcher/run/baseline_command.py) and the launch before its smoke test (`launch_baseline`, which never stops the
-run) call it; the worker writes RUN/task_eval.json, which the views word (launcher/run/task_eval_view.py
-task_verdict).
+in the environment the smoke test's worker gets (worker/engines launch_env), before training; it writes
+RUN/task_eval.json.
 """
 
 from __future__ import annotations

@@ -1,9 +1,4 @@
-"""The task evaluation's wording: its scores as one table with the metric, the gain, the reference article's verdict.
-
-The base model's scores before training, the fine-tuned model's and each export's after it (facts.task_eval:
-RUN/task_eval.json, final/task_eval.json), for the end summary, `ftrun status` of a finished run, `ftrun baseline`
-and the launch before its smoke test.
-"""
+"""The task evaluation's wording: its scores as one table with the metric, the gain, the reference article's verdict."""
 
 from __future__ import annotations
 
@@ -105,7 +100,6 @@ def format_task_eval(t: dict[str, Any]) -> str:
 
 
 def worker_line(line: str) -> str:
-    """A line of the task evaluation's worker without its prefix."""
     return line.strip().removeprefix(TASK_EVAL_PREFIX).strip()
 
 

@@ -1,10 +1,7 @@
 """The wording of what a user reads about a run: its status, the list of runs, the smoke test's report, why it ended.
 
-Composed here from facts, never where the event happens: the facts read from the run directory
-(launcher/run/facts.py `run_status`) and those the supervisor stores (how a run ended: stopped, preempted by the
-provider's SIGTERM, failed; the exact resume command), the smoke test's forecast and memory note. The summary a run's
-end prints is launcher/run/summary_view.py's, the task evaluation's scores launcher/run/task_eval_view.py's.
-Nothing here reads a file or imports torch.
+Composed here from facts (launcher/run/facts.py `run_status`, and those the supervisor stores), never where the event
+happens. Nothing here reads a file or imports torch.
 """
 
 from __future__ import annotations
@@ -93,7 +90,6 @@ def format_status(s: dict[str, Any], ending_follows: bool = False) -> str:
         + (f"; launcher pid {s['launcher_pid']} is planning / smoke-testing" if s.get("launcher_pid") else "")
     )
     if s.get("elapsed_seconds"):
-        # the actual beside the forecasts: time used + time to go, against what the smoke test and the plan said
         eta = s.get("eta_seconds")
         actual = f"{format_duration(s['elapsed_seconds'])} {'in all' if s.get('state') in ENDED else 'so far'}" + (
             f" + {format_duration(eta)} to go" if eta is not None else ""
@@ -256,10 +252,6 @@ def memory_note(report: dict[str, Any]) -> Optional[str]:
     return report.get("memory_note")
 
 
-# ---------------------------------------------------------------------------------------------
-# Several runs
-
-
 def format_runs(rows: list[dict[str, Any]]) -> str:
     """`ftrun status` with several runs under ./runs: one line each."""
     width = max([len(r["name"]) for r in rows] + [3])
@@ -273,12 +265,7 @@ def format_runs(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------------------------------
-# The end of a run
-
-
 def format_background_start(run_dir: Path, pid: int, resume: str) -> str:
-    """What the launch prints when the training goes to the background."""
     return (
         f"training started in the background (pid {pid}); it keeps running after you log out.\n"
         f"  watch:  ftrun status {run_dir}   |   ftrun logs -f {run_dir}\n"

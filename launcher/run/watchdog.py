@@ -2,8 +2,7 @@
 
 Every rank replaces its heartbeat file as it works (launcher/worker/heartbeat.py); a rank that stops making progress
 (a hung GPU, a stuck collective, a stopped process) goes silent, and its peers go silent with it at their next
-collective. The deadlines are launcher/plan/deadlines.py's; the supervisor ends the attempt and restarts it
-(launcher/run/attempt.py, launcher/run/supervisor.py), views word the facts returned here (launcher/run/views.py).
+collective. The deadlines are launcher/plan/deadlines.py's.
 """
 
 from __future__ import annotations

@@ -284,7 +284,6 @@ def newest_verified(
     return None, skipped
 
 
-# ---------------------------------------------------------------------------------------
 # Verify once per disk: one process hashes, the others of the same launch take its choice.
 
 

@@ -70,7 +70,6 @@ class Verdict:
 
 
 def kind(method: str) -> str:
-    """LoRA and QLoRA runs end with an adapter, full fine-tuning with the whole model."""
     return ADAPTER if methods.is_adapter(method) else MODEL
 
 
@@ -177,9 +176,6 @@ def _all_zero(file: Path, header: dict[str, dict[str, Any]], names: list[str]) -
     return True
 
 
-# --- the base model's own weight names, where a copy is on this machine --------------------------------
-
-
 def base_weights(model: str) -> Optional[dict[str, list[int]]]:
     """{name: shape} of the base model's safetensors (a local folder or the Hugging Face cache), else None."""
     files: list[Path] = []
@@ -211,8 +207,6 @@ def base_weights(model: str) -> Optional[dict[str, list[int]]]:
         return None
     return out
 
-
-# --- the adapter ---------------------------------------------------------------------------------------
 
 _LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 _PEFT_PREFIX = "base_model.model."
@@ -334,9 +328,6 @@ def verify_adapter(
         "cross_check": cross,
     }
     return Verdict(True, f"{where}: {len(pairs)} LoRA modules (r={details['rank']}), finite; {cross}", details)
-
-
-# --- the whole model -----------------------------------------------------------------------------------
 
 
 def verify_model(folder: Path, base: Optional[dict[str, list[int]]] = None) -> Verdict:

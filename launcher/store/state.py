@@ -1,8 +1,5 @@
 """The run's state machine, written atomically to state.json, and the lock that makes one writer per run.
 
-Owns the table of run states (STATES, with which are active, ended, trained); launcher/run/views.py shows them,
-launcher/run/summary_view.py heads each ended run.
-
     planned -> smoking -> running -> succeeded
                                        \\-> trained-not-exported (the training result is good, an export failed its
                                            check: `ftrun export RUN_DIR` retries, and success makes it succeeded)

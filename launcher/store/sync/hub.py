@@ -20,14 +20,11 @@ HUB_TMP_PREFIX = ".hf-get-"  # HubDestination.get_file's download folder beside 
 class HubDestination(Destination):
     """A private Hugging Face repo, changed only through commits (HfApi.create_commit), each all or nothing.
 
-    A checkpoint is one commit holding all its files, the manifest with them; retention deletes old
-    checkpoints in one commit and then squashes the branch's history (HfApi.super_squash_history), since
-    the large files of a deleted folder stay in the history, and count against the storage, until no
-    commit references them. The token is huggingface_hub's own (`HF_TOKEN`, else the one `hf auth login`
-    stored): HfApi reads it through huggingface_hub.get_token at each request.
+    A checkpoint is one commit holding all its files, the manifest with them; retention squashes the history
+    (remove_dirs). The token is huggingface_hub's own (`HF_TOKEN`, else the one `hf auth login` stored): HfApi
+    reads it through huggingface_hub.get_token at each request.
 
-    The Hub limits requests and commits per hour: a 429 (and a 408 or 5xx) is retried here after the time
-    the Hub asks for (Retry-After, or the RateLimit header's reset), else with an exponential backoff;
+    The Hub limits requests and commits per hour: a 429 (and a 408 or 5xx) is retried here (hub_retry_delay);
     `on_wait` hears about each wait (the Syncer records it for `ftrun status`)."""
 
     RETRY_STATUSES = (408, 429, 500, 502, 503, 504)
@@ -75,8 +72,6 @@ class HubDestination(Destination):
 
     def _p(self, rel: str) -> str:
         return f"{self.prefix}/{rel}".strip("/") if self.prefix else rel
-
-    # -- every request through one retry policy -------------------------------------------
 
     def _retrying(self, what: str, call, landed=None):
         """`call()`, again after a 429/408/5xx; `landed()` (for commits) says whether a commit whose answer was
@@ -129,8 +124,6 @@ class HubDestination(Destination):
         self._retrying(
             message, lambda: self.api.create_commit(self.repo, operations, commit_message=message), landed=landed
         )
-
-    # -- Destination ------------------------------------------------------------------------
 
     def put_files(self, files: list[tuple[Path, str]], message: str = "") -> None:
         """All `files` ((local, rel) pairs) in one commit."""

@@ -145,5 +145,4 @@ def problem(url: str) -> Optional[str]:
 
 
 def destination(url: str) -> Destination:
-    """The Destination for `url` (launcher/store/sync/base.py is the interface)."""
     return kind_of(url).cls(url)

@@ -1,9 +1,5 @@
 """Copying a run off the box and back: the newest verified checkpoint, the metadata and the final result go up
-(the Syncer thread of the supervisor, with retries); a fresh box pulls them down, each verified.
-
-`push_checkpoint` also prunes the copies off the box to the recipe's `sync.keep`; the checkpoints on the box are
-pruned by launcher/store/checkpoint.py `retain` (`keep_checkpoints`). `status_fields` gives `ftrun status` the
-copy's facts from sync.json (read by launcher/run/facts.py)."""
+(the Syncer thread of the supervisor, with retries); a fresh box pulls them down, each verified."""
 
 from __future__ import annotations
 
@@ -24,10 +20,6 @@ from launcher.store.sync.hub import HUB_TMP_PREFIX, HubDestination
 from launcher.store.sync.kinds import destination
 
 METADATA = ("recipe.yaml", "plan.json", "smoke.json", "metrics.jsonl", "state.json", "worker.json", "train.log")
-
-
-# ---------------------------------------------------------------------------------------
-# Upload: the newest verified checkpoint, the metadata, the final result.
 
 
 def _sync_state(run: RunDir) -> dict[str, Any]:
@@ -70,7 +62,6 @@ def push_checkpoint(
 
 
 def metadata_digests(run: RunDir) -> dict[str, str]:
-    """{name: sha256} of the run's metadata files present now."""
     return {name: ckpt.sha256_file(run.root / name) for name in METADATA if (run.root / name).is_file()}
 
 
@@ -239,10 +230,6 @@ class Syncer:
                 return True
             time.sleep(min(2**i, 15))
         return False
-
-
-# ---------------------------------------------------------------------------------------
-# Download: a fresh box gets the run back.
 
 
 def remote_has_run(url: str) -> bool:
