@@ -122,18 +122,21 @@ def export_seconds(measured: dict[str, Any], recipe, params: int) -> float:
 
 def task_eval_seconds(measured: dict[str, Any], recipe, examples: int, base_scored: bool) -> float:
     """The task evaluation after training (launcher/worker/task_eval.py), from the smoke test's generation of one
-    batch of its prompts (generation_tokens_per_second, the new tokens an answer took): `examples` prompts answered
-    by the fine-tuned model and by each exported model (merged folder, GGUF), and by the base model twice more
-    (zero-shot, with examples) where a LoRA run's baseline has not scored it yet."""
-    tps, asked = measured.get("generation_tokens_per_second"), measured.get("generation_prompts")
-    if not tps or not asked or not examples:
+    batch of its prompts: `examples` prompts, in batches of that size, answered by the fine-tuned model and by each
+    exported model (merged folder, GGUF), and by the base model twice more (zero-shot, with examples) where a LoRA
+    run's baseline has not scored it yet. An upper bound, as the plan's forecast is: a batch decodes until its
+    longest answer ends, and a trained model may answer to the cap (max_new_tokens) where the smoke's barely
+    trained one stopped sooner (the demo's forecast ran 3-10 times low when priced from the smoke's answers)."""
+    seconds, asked = measured.get("generation_seconds"), measured.get("generation_prompts")
+    if not seconds or not asked or not examples:
         return 0.0
-    per_answer = float(measured.get("generation_new_tokens") or 0) / float(asked)
+    longest, cap = measured.get("generation_longest"), measured.get("generation_max_new_tokens")
+    per_batch = float(seconds) * (float(cap) / float(longest) if longest and cap and cap > longest else 1.0)
     formats = set(recipe.export)
     scorers = 1 + ("merged" in export_formats.made(formats)) + ("gguf" in formats)
     if not base_scored and methods.is_adapter(recipe.method) and not recipe.init_from:  # results.py _score_after
         scorers += 2
-    return scorers * examples * per_answer / float(tps)
+    return scorers * math.ceil(examples / int(asked)) * per_batch
 
 
 def estimate(

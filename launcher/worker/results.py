@@ -98,6 +98,8 @@ def generation_speed(run: RunDir, recipe, trainer, tokenizer, examples: list, sh
         "generation_seconds": round(seconds, 3),
         "generation_prompts": len(rows),
         "generation_new_tokens": new,
+        "generation_longest": max(int(r["new_tokens"]) for r in rows),  # the batch decodes until this one ends
+        "generation_max_new_tokens": max_new,
         "generation_tokens_per_second": round(new / seconds, 1) if seconds > 0 else None,
     }
 

@@ -121,8 +121,9 @@ def test_the_estimate_adds_start_steps_saves_and_export_without_counting_step_on
 
 
 def test_the_task_evaluation_after_training_is_priced_from_the_smokes_generation(tmp_path):
-    """One batch of 8 task prompts took 4 s for 200 new tokens (50 tokens/s, 25 a prompt): 100 examples cost 50 s a
-    scorer; the fine-tuned model and each exported model score, the base model twice more where no baseline ran."""
+    """One batch of 8 task prompts took 4 s, its longest answer at the cap: 100 examples are 13 batches, 52 s a
+    scorer; the fine-tuned model and each exported model score, the base model twice more where no baseline ran.
+    A batch whose longest answer stopped at half the cap is priced at the cap: a trained model may answer longer."""
     from launcher.run.smoke import task_eval_seconds
 
     steps = {**MEASURED, "tokens_per_second": 1000.0, "step_costs": COSTS, "measured_seconds": 5.0}
@@ -132,19 +133,22 @@ def test_the_task_evaluation_after_training_is_priced_from_the_smokes_generation
         "generation_prompts": 8,
         "generation_new_tokens": 200,
         "generation_seconds": 4.0,
+        "generation_longest": 32,
+        "generation_max_new_tokens": 32,
     }
     adapter = _recipe(tmp_path, export=["adapter"])
-    assert task_eval_seconds(measured, adapter, 100, base_scored=True) == pytest.approx(50.0)
+    assert task_eval_seconds(measured, adapter, 100, base_scored=True) == pytest.approx(52.0)
     assert task_eval_seconds(measured, _recipe(tmp_path, export=["adapter", "merged"]), 100, True) == pytest.approx(
-        100.0
+        104.0
     )
-    assert task_eval_seconds(measured, _recipe(tmp_path, export=["gguf"]), 100, True) == pytest.approx(150.0)
-    assert task_eval_seconds(measured, adapter, 100, base_scored=False) == pytest.approx(150.0)
+    assert task_eval_seconds(measured, _recipe(tmp_path, export=["gguf"]), 100, True) == pytest.approx(156.0)
+    assert task_eval_seconds(measured, adapter, 100, base_scored=False) == pytest.approx(156.0)
+    assert task_eval_seconds({**measured, "generation_longest": 16}, adapter, 100, True) == pytest.approx(104.0)
     assert task_eval_seconds(MEASURED, adapter, 100, True) == 0.0  # no generation measured: not guessed
     parts = estimate(
         measured, wall=20.0, recipe=adapter, stats=STATS, processes=1, params=10_000_000, task_examples=100
     )
-    assert parts["task_eval_seconds"] == pytest.approx(50.0)
+    assert parts["task_eval_seconds"] == pytest.approx(52.0)
     assert parts["estimated_seconds"] == pytest.approx(sum(v for k, v in parts.items() if k != "estimated_seconds"))
     # the smoke's own generation is not start-up the full run pays again
     assert parts["startup_seconds"] == pytest.approx(
