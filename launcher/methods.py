@@ -6,7 +6,6 @@ A root leaf (like launcher/gguf_types.py): the recipe, plan/, worker/, store/ an
 may import no stage above it.
 
     METHODS["qlora"].adapter        # True: LoRA adapters on a frozen base
-    adapter_methods()               # ('qlora', 'lora')
     OBJECTIVES["sft"].trainer       # 'SFTTrainer'
     OBJECTIVES["dpo"].reference_pass  # True: a frozen reference's log-probabilities beside the policy's
 """
@@ -113,10 +112,6 @@ METHODS: dict[str, Method] = {
 
 def described() -> str:
     return ", ".join(f"{m.name} ({m.help})" for m in METHODS.values()) + "."
-
-
-def adapter_methods() -> tuple[str, ...]:
-    return tuple(name for name, m in METHODS.items() if m.adapter)
 
 
 def is_adapter(method: str) -> bool:

@@ -65,16 +65,6 @@ def _open(path: Path, n_ctx: int, threads: Optional[int] = None, overrides: Opti
     )
 
 
-def run_prompts(
-    path: Path, prompts: list[dict[str, Any]], greedy_tokens: int, stop_ids: set[int], threads: Optional[int] = None
-) -> tuple[list[dict[str, Any]], list[bool]]:
-    """Per prompt, through llama.cpp: the next-token logits at every position of the text (teacher-forced) and
-    the greedy continuation of the prompt (argmax, stopping after an end token as transformers' generate does);
-    and whether llama.cpp tokenizes each text exactly as the model's tokenizer did."""
-    run = run_gguf(path, prompts, greedy_tokens, stop_ids, threads=threads)
-    return run["outputs"], run["same_tokens"]
-
-
 def run_gguf(
     path: Path,
     prompts: list[dict[str, Any]],
@@ -88,7 +78,10 @@ def run_gguf(
     overrides: Optional[dict[str, Any]] = None,
     task: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
-    """run_prompts, and with one model load: with to_end, each greedy continuation runs on to its prompt's
+    """Per prompt, through llama.cpp with one model load: the next-token logits at every position of the text
+    (teacher-forced), the greedy continuation of the prompt (argmax, stopping after an end token as transformers'
+    generate does) and whether llama.cpp tokenizes each text exactly as the model's tokenizer did; with to_end,
+    each greedy continuation runs on to its prompt's
     `budget` (`continuation`; `greedy` stays its first greedy_tokens); `chat`: conversations ({messages, tools})
     rendered and tokenized by the GGUF's own chat template as llama-cpp-python's chat completion does (chat_prompt)
     and as llama-server does with `template_kwargs` (server_prompt); `smoke`: the index of the chat conversation

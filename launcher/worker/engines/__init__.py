@@ -176,10 +176,6 @@ def trainer_fields(plan: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     return {}
 
 
-class EngineMismatch(RuntimeError):
-    """The engine running is not the engine planned (wrong world size, DDP instead of FSDP, ...)."""
-
-
 def verify(plan: dict[str, Any], trainer: Any) -> dict[str, Any]:
     """After the trainer wrapped the model, before the first step: is this the planned engine?
 
