@@ -24,7 +24,7 @@ ROOT_MAY_IMPORT = {
     "cli": set(MAY_IMPORT),
     "recipe": {"data"},
     "recipe_sections": {"data", "store"},
-    "recipe_loading": {"data"},
+    "recipe_loading": {"data", "store"},
 }
 
 
