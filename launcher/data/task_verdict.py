@@ -112,8 +112,8 @@ def verdict(t: dict[str, Any], price: str = "") -> str:
                 )
             )
         return f"the {start_name(t)} has not been scored yet"
-    diff = difference(t) if t.get("starting_point") else None
-    if diff is not None:  # a step from a parent adapter (init_from) is judged against where it started
+    diff = difference(t)
+    if diff is not None and t.get("starting_point"):  # a step from a parent adapter is judged against where it started
         metric = t.get("metric")
         word = metric_word(metric) or "score"
         change = "no measurable change" if diff["within"] else "better" if diff["gain"] > 0 else "worse"
@@ -127,10 +127,19 @@ def verdict(t: dict[str, Any], price: str = "") -> str:
     if pays:
         fifths = max(1, round(5 * (1 - score)))
         if metric == "exact":
-            return f"{who}: wrong in {fifths} of 5 ({pct(score)} exact): fine-tuning pays"
-        if metric == "json":
-            return f"{who}: fields wrong in {fifths} of 5 ({pct(score)} field match): fine-tuning pays"
-        return f"{who}: {pct(score)} {word}, below the {pct(PAYS_BELOW)} a prompt would need: fine-tuning pays"
+            said = f"{who}: wrong in {fifths} of 5 ({pct(score)} exact)"
+        elif metric == "json":
+            said = f"{who}: fields wrong in {fifths} of 5 ({pct(score)} field match)"
+        else:
+            said = f"{who}: {pct(score)} {word}, below the {pct(PAYS_BELOW)} a prompt would need"
+        onward = "training on from it" if t.get("starting_point") else "fine-tuning"
+        if diff is not None and (diff["within"] or diff["gain"] < 0):  # after training: the run did not deliver it
+            change = "no measurable change" if diff["within"] else "worse"
+            return (
+                f"{said}, so {onward} should pay; this run did not: {change} on the task "
+                f"({pct(t['scores'][FINE_TUNED])} against {pct(score)} {word}, {noise_words(diff)})"
+            )
+        return f"{said}: {onward} pays"
     said = f"right in {pct(score)}" if metric == "exact" else f"{pct(score)} {word}"
     prompt = "a prompt with examples" if not who.endswith("zero-shot") else "a prompt"
     return f"{who}: {said}: {prompt} may be enough" + (f"; fine-tuning would {price}" if price else "")

@@ -206,6 +206,31 @@ def test_a_step_from_a_parent_adapter_is_judged_against_it_with_the_noise_of_its
     )
 
 
+def test_a_fine_tune_that_did_not_beat_the_base_is_not_told_that_fine_tuning_pays(tmp_path):
+    """Issue 46: an SFT run scored 2% against the base's 8% (beyond the noise) ended "fine-tuning pays". After
+    training the verdict says the base's shortfall and that this run did not deliver; a run that did keeps it."""
+    from launcher.data import task_verdict
+
+    text = {"metric": "text", "examples": 20, "shots": 0}
+    worse = {
+        **text,
+        "scores": {"base_zero_shot": 0.08, "fine_tuned": 0.02},
+        "per_example": {"base_zero_shot": [0.08 + 0.01 * (i % 3) for i in range(20)], "fine_tuned": [0.02] * 20},
+    }
+    said = task_verdict.verdict(worse)
+    assert said.startswith("base model zero-shot: 8% chrF, below the 80% a prompt would need, so fine-tuning should")
+    assert "this run did not: worse on the task (2% against 8% chrF, -6 points, beyond the" in said
+    assert "fine-tuning pays" not in said
+    same = {**worse, "scores": {"base_zero_shot": 0.08, "fine_tuned": 0.09}, "per_example": {}}
+    assert "this run did not: no measurable change on the task (9% against 8% chrF, +1 point" in (
+        task_verdict.verdict(same)
+    )
+    before = {**text, "scores": {"base_zero_shot": 0.08}}
+    assert task_verdict.verdict(before).endswith("a prompt would need: fine-tuning pays")
+    parent = {**before, "starting_point": "the base model with the adapter of sft"}
+    assert task_verdict.verdict(parent).endswith("a prompt would need: training on from it pays")
+
+
 def test_the_end_summary_and_status_show_one_table_of_the_scores(tmp_path, capsys, monkeypatch):
     run = _run(
         tmp_path, {**BASE, "scores": {"base_zero_shot": 0.0, "base_few_shot": 0.35}}, final=FINISHED, state="succeeded"
