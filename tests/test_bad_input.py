@@ -66,12 +66,12 @@ CASES = [
     (
         "task shots over the training",
         {"data": "DISTINCT", "eval": {"fraction": 0.3, "samples": 0, "task": {"shots": 100}}},
-        ["eval.task.shots 100", "the largest that fits is 28"],
+        ["eval.task.shots 100", "hold 28 with an answer", "the largest that fits is 5 (more run the longest task"],
     ),
     (
         "task shots over max_length",
         {"data": "DISTINCT", "eval": {"fraction": 0.3, "samples": 0, "task": {"shots": 20}}},
-        ["eval.task.shots 20", "over max_length 128", "the largest that fits is"],
+        ["eval.task.shots 20", "over max_length 128", "the largest that fits is 5 "],
     ),
 ]
 
@@ -133,6 +133,17 @@ def test_a_mistake_is_refused_before_anything_runs_naming_the_culprit(case_recip
     # every file the user had is as it was; the launch refused before it made a run folder
     assert {p: p.read_bytes() for p in files} == files
     assert (command == "plan") == run.exists() and (command == "launch" or sorted(run.iterdir()) == [run / "notes.txt"])
+
+
+def test_the_largest_shots_that_fit_is_a_value_the_plan_accepts(case_recipe, capsys):
+    """Issue 46: shots 999 was advised "the largest that fits is 379" (the training examples' count), and 379 was then
+    refused for max_length: the advice is the largest count whose own draw fits, and the plan takes it."""
+    distinct = {"data": "DISTINCT", "eval": {"fraction": 0.3, "samples": 0}}
+    for shots, code in ((6, 2), (5, 0), (999, 2)):
+        recipe, _ = case_recipe({**distinct, "eval": {**distinct["eval"], "task": {"shots": shots}}})
+        assert main(["plan", str(recipe)]) == code, capsys.readouterr()
+        said = capsys.readouterr()
+        assert code == 0 or "the largest that fits is 5" in said.out + said.err
 
 
 def test_a_key_written_twice_is_refused_with_both_lines(tmp_path, capsys, tiny_model):

@@ -204,24 +204,30 @@ def refusals(
             )
     if settings.shots != defaults.shots and settings.shots:
         drawn = shots_for(examples, train, settings.shots, seed)
+        longest = max(lengths[p["index"]] for p in prompts) if prompts and not eval_examples else None
+
+        def fits(k: int) -> bool:  # the longest task prompt (the whole example) after k drawn examples
+            return (
+                longest is None
+                or longest + sum(lengths[s["index"]] for s in shots_for(examples, train, k, seed)) <= max_length
+            )
+
+        # the largest count whose own draw fits (each count draws its own examples): a binary search over the draws
+        low, high = 0, len(drawn)
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if fits(mid) else (low, mid - 1)
         if len(drawn) < settings.shots:
             out.append(
                 f"eval.task.shots {settings.shots}: the training examples hold {len(drawn)} with an answer "
-                f"to place before a prompt; the largest that fits is {len(drawn)}"
+                f"to place before a prompt; the largest that fits is {low}"
+                + (f" (more run the longest task prompt over max_length {max_length:,})" if low < len(drawn) else "")
             )
-        elif prompts and not eval_examples:
-            longest = max(lengths[p["index"]] for p in prompts)  # the whole example: the prompt and its answer
-            used, fits = longest, 0
-            for shot in drawn:
-                used += lengths[shot["index"]]
-                if used > max_length:
-                    break
-                fits += 1
-            if fits < settings.shots:
-                total = longest + sum(lengths[s["index"]] for s in drawn)
-                out.append(
-                    f"eval.task.shots {settings.shots}: the longest task prompt with {settings.shots} "
-                    f"training examples before it comes to about {total:,} tokens, over max_length "
-                    f"{max_length:,}; the largest that fits is {fits} (or raise max_length)"
-                )
+        elif low < settings.shots:
+            total = longest + sum(lengths[s["index"]] for s in drawn)
+            out.append(
+                f"eval.task.shots {settings.shots}: the longest task prompt with {settings.shots} "
+                f"training examples before it comes to about {total:,} tokens, over max_length "
+                f"{max_length:,}; the largest that fits is {low} (or raise max_length)"
+            )
     return out
