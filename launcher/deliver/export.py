@@ -24,7 +24,7 @@ from launcher.errors import FtrunError  # noqa: E402
 from launcher.store.rundir import RunDir  # noqa: E402
 from launcher.deliver.export_inputs import GGUF_TYPES, Inputs, _model_config, check_inputs  # noqa: E402
 from launcher.deliver.export_models import _export_models  # noqa: E402
-from launcher.deliver.messages import ExportError, _say, served_line  # noqa: E402
+from launcher.deliver.messages import SIZE_COVERS, ExportError, _say, export_outputs, served_line  # noqa: E402
 from launcher.deliver.parity import PARITY_PROMPTS, parity_prompts  # noqa: E402
 from launcher.deliver.placement import (  # noqa: E402
     Loads,
@@ -165,10 +165,10 @@ def export_command(run: RunDir, merged: bool = False, gguf: Optional[str] = None
         raise
     finally:
         lock.release()
-    outs = ", ".join(f"{k} {v.get('size', '')}".strip() for k, v in report["outputs"].items())
+    outs = export_outputs(report["outputs"])
     _record_export(run, formats, started, {"state": "succeeded", "outputs": outs, "serving": report.get("serving")})
     for key, out in report["outputs"].items():
-        print(f"{key:8} {out['size']:>9}  {out['path']}")
+        print(f"{key:8} {out['size']:>9}  {out['path']} ({SIZE_COVERS.get(key, 'file')})")
     print(f"checks   {run.final / 'export.json'}\nserving  {report.get('serving')}")
     return 0
 

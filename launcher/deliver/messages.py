@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from launcher.errors import EXIT_RUN_FAILED, FtrunError
 
@@ -27,6 +28,20 @@ def human_size(n: float) -> str:
 
 
 SERVING_RUNTIMES = ("vLLM", "llama-server", "llama.cpp", "Ollama")  # llama.cpp: llama-cpp-python's chat completion
+
+
+# What each export's size counts (export_models.py, gguf_export.py): the adapter's is its weights file,
+# the merged and full models' their whole folder, a GGUF its one file
+SIZE_COVERS = {"adapter": "weights file", "merged": "folder", "model": "folder", "gguf": "file"}
+
+
+def export_outputs(outputs: dict[str, Any]) -> str:
+    """The export's outputs with their sizes, each saying what it counts: "adapter 1.2 MB weights file, merged 2.1 GB
+    folder" (state.json's export holds it, `ftrun status` shows it)."""
+    return ", ".join(
+        f"{k} {v.get('size', '')}" + (f" {SIZE_COVERS[k]}" if k in SIZE_COVERS and v.get("size") else "")
+        for k, v in outputs.items()
+    )
 
 
 def served_line(report: dict) -> str:

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from launcher.deliver import messages
 from launcher.run import views
 from launcher.run.supervisor_log import _log
 from launcher.store.checkpoint import newest_step_unverified, step_dir_name
@@ -85,7 +86,7 @@ def _export(recipe, run: RunDir, child: dict) -> str:
     share_results(run.final, _log)  # what the export wrote, as readable as the rest of the run
     report = json.loads(report_path.read_text()) if report_path.is_file() else {}
     if rc == 0 and report.get("ok"):
-        outs = views.export_outputs(report.get("outputs", {}))
+        outs = messages.export_outputs(report.get("outputs", {}))
         info = {"state": "succeeded", "outputs": outs, "serving": report.get("serving")}
         _log(f"export finished: {outs}; serving commands in {report.get('serving')}")
     else:

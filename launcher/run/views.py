@@ -293,20 +293,6 @@ def ending_reason(e: dict[str, Any]) -> str:
     return head + where + late + "; " + resume + " to resume"
 
 
-# What each export's size counts (launcher/deliver/export_models.py, gguf_export.py): the adapter's is its weights file,
-# the merged and full models' their whole folder, a GGUF its one file
-SIZE_COVERS = {"adapter": "weights file", "merged": "folder", "model": "folder", "gguf": "file"}
-
-
-def export_outputs(outputs: dict[str, Any]) -> str:
-    """The export's outputs with their sizes, each saying what it counts: "adapter 1.2 MB weights file, merged 2.1 GB
-    folder" (the supervisor stores it in state.json's export, `ftrun status` shows it)."""
-    return ", ".join(
-        f"{k} {v.get('size', '')}" + (f" {SIZE_COVERS[k]}" if k in SIZE_COVERS and v.get("size") else "")
-        for k, v in outputs.items()
-    )
-
-
 def preference_accuracy(accuracy: Optional[float], margin: Optional[float]) -> str:
     """The share of held-out pairs ranked right; every pair tied (margin 0: the policy is still its reference, as at
     step 0) is said as ties, not 0.00: trl 1.16 dpo_trainer.py counts a pair right only when chosen > rejected."""

@@ -139,6 +139,11 @@ def test_qwen3s_template_is_served_with_thinking_off_and_serving_md_says_so(expo
     serving = (run / "final" / "SERVING.md").read_text()
     assert serving.count("--default-chat-template-kwargs '{\"enable_thinking\": false}'") == 2  # adapter, merged
     assert "**Serve with the chat-template switch" in serving
+    # issue 46: the manual export's lines and the status say what each size counts, as the supervisor's export does
+    sizes = [line for line in res.stdout.splitlines() if line.split()[:1] in (["adapter"], ["merged"])]
+    assert any(line.endswith("(weights file)") for line in sizes) and any(line.endswith("(folder)") for line in sizes)
+    status = ftrun("status", run, cwd=tmp_path).stdout
+    assert "weights file, merged " in status and " folder" in status, status
 
 
 def yaml_model(recipe: Path) -> str:

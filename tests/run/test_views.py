@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from launcher.deliver import messages
 from launcher.run import commands, facts, progress, summary_view, views
 from launcher.cli import _parser, main, split_command_line
 from launcher.store.rundir import RunDir
@@ -450,7 +451,7 @@ def test_a_dpo_summary_says_ties_as_ties_and_the_chosen_answers_reward(tmp_path)
 
 def test_the_exports_sizes_say_what_each_counts():
     """Issue 46: the adapter's size is its weights file, the merged model's its whole folder; status says which."""
-    outs = views.export_outputs(
+    outs = messages.export_outputs(
         {
             "adapter": {"size": "65.2 KB", "bytes": 66764},
             "merged": {"size": "1.1 MB", "bytes": 1153433},
