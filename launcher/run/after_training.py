@@ -89,6 +89,13 @@ def _export(recipe, run: RunDir, child: dict) -> str:
         outs = messages.export_outputs(report.get("outputs", {}))
         info = {"state": "succeeded", "outputs": outs, "serving": report.get("serving")}
         _log(f"export finished: {outs}; serving commands in {report.get('serving')}")
+    elif rc is not None and rc < 0 and read_state(run).get("stop_requested"):  # the user's stop, not a failure
+        info = {
+            "state": "stopped",
+            "reason": f"stopped by `ftrun stop` before it finished; the same command or `ftrun export {run.root}` "
+            "makes it",
+        }
+        _log("export stopped by `ftrun stop`; the trained result is intact")
     else:
         if rc is not None:
             err = report.get("error") or (
@@ -103,6 +110,7 @@ def _export(recipe, run: RunDir, child: dict) -> str:
         state,
         export=info,
         **({} if state == "succeeded" else {"reason": f"trained, not exported: {info['reason']}"}),
+        **({"stop_requested": False} if info["state"] == "stopped" else {}),
     )
     return state
 

@@ -130,6 +130,11 @@ def launch(
                 + "add --fresh to train this recipe from the start (the finished run is "
                 "kept, renamed), or set another output_dir (output_dir=runs/NAME, or in the recipe) to keep both.",
             )
+        if state == "trained-not-exported" and (read_state(run).get("export") or {}).get("state") == "stopped":
+            _say(f"this run has finished training, and `ftrun stop` ended its export: making it now ({run.root})")
+            from launcher.deliver.export import export_command
+
+            return export_command(run)
         if state in TRAINED:
             _say(f"this run has finished: {run.root}")
             _say(format_status(run_status(run)))

@@ -28,6 +28,8 @@ def exporting(s: dict[str, Any]) -> bool:
 def format_end_summary(e: dict[str, Any]) -> str:
     """The lines a run's end prints (the foreground run, `ftrun status --watch`, `ftrun status` of a finished run)."""
     head = ENDING.get(e["state"], e["state"])
+    if e["state"] == "trained-not-exported" and (e.get("export") or {}).get("state") == "stopped":
+        head = "finished (its export stopped by `ftrun stop`)"
     if e["state"] == "succeeded" and exporting(e):
         head = "trained (its export is still running)"  # not "finished" beside an export line that says running
     step = f"step {e['step']}/{e['total_steps']}" if e.get("total_steps") else f"step {e.get('step') or 0}"

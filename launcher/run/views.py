@@ -306,7 +306,7 @@ def stop_waits_for(p: dict[str, Any], grace_seconds: float) -> str:
     if p["phase"] == "export":
         return (
             "training is complete and the export is running: ending the export; the trained result stays, "
-            "and `ftrun export` makes the export later"
+            "and the same command (or `ftrun export`) makes the export later"
         )
     if p["phase"] == "after training":
         return (

@@ -12,6 +12,8 @@ import time
 import pytest
 
 from helpers import REPO, freeze_worker, ftrun, status, wait_until_ended
+from launcher.store.rundir import RunDir
+from launcher.store.state import read_state, set_state
 
 
 def _pending(pid: int, signum: int) -> bool:
@@ -71,3 +73,30 @@ def test_a_stop_after_training_stops_and_the_same_command_finishes_the_evaluatio
     assert (run / "final" / "samples.md").is_file()
     log = (run / "train.log").read_text()
     assert "nothing left to train" in log
+
+
+def test_a_stop_during_the_export_is_a_stop_and_the_same_command_makes_the_export(write_recipe, tmp_path, monkeypatch):
+    """Issue 46: a stop during the export was recorded as "export failed ... killed by signal SIGTERM" and headed
+    "finished (its export failed)", and the same command only pointed to `ftrun export`. The export process here
+    really dies of the SIGTERM the stop forwards; the record says stopped, and the same command makes the export."""
+    from launcher.recipe_loading import load_recipe
+    from launcher.run import after_training, pipeline, summary_view
+    from launcher.run.facts import end_summary
+
+    recipe_path = write_recipe(max_steps=2, export=["adapter"])
+    recipe = load_recipe(recipe_path)
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    run.recipe.write_text(recipe_path.read_text())
+    set_state(run, "succeeded", stop_requested=True)  # training done; `ftrun stop` asked while the export runs
+    real = subprocess.Popen
+    dies = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"]
+    monkeypatch.setattr(after_training.subprocess, "Popen", lambda cmd, **kw: real(dies, **kw))
+    assert after_training._export(recipe, run, {}) == "trained-not-exported"
+    state = read_state(run)
+    assert state["export"]["state"] == "stopped" and not state["stop_requested"], state
+    assert "stopped by `ftrun stop`" in state["reason"] and "SIGTERM" not in state["reason"]
+    assert "== run finished (its export stopped by `ftrun stop`)" in summary_view.format_end_summary(end_summary(run))
+    made = []
+    monkeypatch.setattr("launcher.deliver.export.export_command", lambda r: made.append(r.root) or 0)
+    assert pipeline.launch(str(recipe_path), []) == 0 and made == [run.root]
