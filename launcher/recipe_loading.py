@@ -79,7 +79,8 @@ def _format_errors(err: ValidationError, source: str) -> RecipeError:
             value = e.get("input")
             shown = repr(value) if not isinstance(value, dict) else "{...}"
             msg = e["msg"].removeprefix("Value error, ")
-            lines.append(f"- '{loc or '(top level)'}' = {shown}: {msg}")
+            # a check across keys (a model validator) has no key of its own: its message names the keys
+            lines.append(f"- '{loc}' = {shown}: {msg}" if loc else f"- {msg}")
     n = len(lines)
     return RecipeError(
         f"{source} has {n} problem{'s' if n > 1 else ''}:\n" + "\n".join(lines),
