@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from launcher import export_formats
+from launcher import export_formats, methods
 from launcher.data.task_verdict import BARE_BASE_LABEL
 from launcher.plan import throughput
 from launcher.plan.figures import _fmt_hours
@@ -39,13 +39,20 @@ def _task_eval_note(recipe: Any, data_stats: Any) -> list[str]:
 
 def _task_eval_scorers(recipe: Any) -> list[str]:
     """Who answers the task evaluation's prompts (launcher/worker/task_eval.py): the base model twice where the launch
-    scores it (under init_from: the parent adapter twice and the bare base once), the fine-tuned model, each export."""
+    scores it (under init_from: the parent adapter twice and the bare base once), or after training with the adapter
+    switched off where the baseline is skipped (results.py _score_after), the fine-tuned model, each export."""
     task = recipe.eval.task
     formats = set(recipe.export)
     start = "parent adapter" if getattr(recipe, "init_from", None) else "base model"
     bare = [BARE_BASE_LABEL] if getattr(recipe, "init_from", None) else []
+    if task.baseline == "run":
+        base = bare + [f"{start} zero-shot", f"with {task.shots} examples"]
+    elif methods.is_adapter(recipe.method) and not getattr(recipe, "init_from", None):
+        base = [f"{start} zero-shot (after training, the adapter switched off)", f"with {task.shots} examples"]
+    else:
+        base = []
     return (
-        (bare + [f"{start} zero-shot", f"with {task.shots} examples"] if task.baseline == "run" else [])
+        base
         + ["fine-tuned"]
         + (["merged"] if "merged" in export_formats.made(formats) else [])
         + (["GGUF"] if "gguf" in formats else [])

@@ -347,3 +347,21 @@ def test_the_plan_states_the_task_evaluations_time_and_cost_before_any_smoke_tes
         2 * tps
     )
     assert article_plan(tmp_path, "1xH100-80GB").estimate["task_eval"] is None  # nothing held out, nothing scored
+
+
+def test_the_task_evaluations_answers_count_the_base_scored_after_training_where_the_baseline_is_skipped():
+    """Issue 46: with eval.task.baseline: skip a LoRA run scores the base after training with the adapter switched
+    off; the plan's note said "answered greedily once (fine-tuned)" and its forecast left those answers out."""
+    from types import SimpleNamespace
+
+    from launcher.plan.task_eval_forecast import _task_eval_scorers
+
+    def recipe(baseline: str, method: str = "lora", init_from=None):
+        task = SimpleNamespace(baseline=baseline, shots=3)
+        return SimpleNamespace(eval=SimpleNamespace(task=task), export=["adapter"], method=method, init_from=init_from)
+
+    assert _task_eval_scorers(recipe("run")) == ["base model zero-shot", "with 3 examples", "fine-tuned"]
+    skipped = _task_eval_scorers(recipe("skip"))
+    assert len(skipped) == 3 and "adapter switched off" in skipped[0] and skipped[-1] == "fine-tuned"
+    assert _task_eval_scorers(recipe("skip", method="full")) == ["fine-tuned"]  # no adapter to switch off
+    assert _task_eval_scorers(recipe("skip", init_from="runs/sft")) == ["fine-tuned"]  # the parent cannot be
