@@ -249,7 +249,13 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
                 recipe,
                 stopping["signal"] or "SIGTERM",
                 end,
-                ["the samples and the task evaluation"] + (["the export"] if recipe.export else []),
+                # the samples are written before the task evaluation: done when the stop came after them
+                [
+                    "the task evaluation"
+                    if (run.final / "samples.md").is_file()
+                    else "the samples and the task evaluation"
+                ]
+                + (["the export"] if recipe.export else []),
             )
         if stopping["signal"] or rc == train.EXIT_STOPPED:
             requested = read_state(run).get("stop_requested")
