@@ -77,7 +77,7 @@ fi
 # once): the tests wait on processes as much as they compute (CPU 61% busy over a serial slow tier on 2 cores,
 # 2026-12-02), and the default tier halves (6 min 51 s serial, 3 min 03 s with two). FTRUN_TEST_WORKERS=0 runs
 # serially; a later -n on the command line wins.
-PAR=(-n "${FTRUN_TEST_WORKERS:-2}" --dist loadfile)
+PAR=(-n "${FTRUN_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)  # files in tests/conftest.py LONGEST_FIRST order
 # The code's format and lint first (pyproject.toml [tool.ruff]): seconds, and a failure says the file and line.
 lint() { .venv/bin/ruff format --check --quiet launcher tests scripts && .venv/bin/ruff check --quiet launcher tests scripts; }
 case "${1:-}" in

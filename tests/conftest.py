@@ -17,6 +17,34 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 
+# The test files that take longest, longest first (the slow tier's --durations on 2 cores, docs/BENCHMARKS.md "CI's
+# tiers"). scripts/test.sh gives each pytest worker whole files in collection order (--dist loadfile,
+# --no-loadscope-reorder): started first, a long file runs beside the many short ones instead of alone at the end.
+# The other files follow, most tests first (xdist's own order). Only the order changes.
+LONGEST_FIRST = (
+    "tests/worker/test_gpu_check_product.py",
+    "tests/run/test_kill_series.py",
+    "tests/test_bench_scripts.py",
+    "tests/run/test_one_value_per_figure.py",
+    "tests/worker/test_engines.py",
+    "tests/run/test_rank_down.py",
+    "tests/worker/test_preference.py",
+    "tests/worker/test_deepspeed_offload.py",
+    "tests/worker/test_task_eval.py",
+    "tests/run/test_stop.py",
+    "tests/worker/test_grpo.py",
+)
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected: the counts are of the tests that run
+def pytest_collection_modifyitems(config, items):
+    files = [item.nodeid.split("::")[0] for item in items]
+    count = {f: files.count(f) for f in set(files)}
+    rank = {f: i for i, f in enumerate(LONGEST_FIRST)}
+    order = {id(item): (rank.get(f, len(rank)), -count[f], f) for item, f in zip(items, files)}
+    items.sort(key=lambda item: order[id(item)])  # stable: a file's own tests keep their order
+
+
 def _load_script(name: str):
     spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
