@@ -208,8 +208,8 @@ def dry_run(tmp_path_factory) -> Path:
     where the tests below read what each new step recorded."""
     tmp = tmp_path_factory.mktemp("gpu-check-product")
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_CHECK_")}
-    env.update(OUT=str(tmp / "out"), GPU_CHECK_WORK=str(tmp / "work"), GPU_CHECK_BUDGET_S="1500")
-    proc = subprocess.run(["bash", str(SCRIPT), "--dry-run"], env=env, capture_output=True, text=True, timeout=1700)
+    env.update(OUT=str(tmp / "out"), GPU_CHECK_WORK=str(tmp / "work"), GPU_CHECK_BUDGET_S="1800")
+    proc = subprocess.run(["bash", str(SCRIPT), "--dry-run"], env=env, capture_output=True, text=True, timeout=2000)
     (tmp / "out" / "stdout.txt").write_text(proc.stdout + proc.stderr)
     (tmp / "out" / "rc.txt").write_text(str(proc.returncode))
     return tmp / "out"
