@@ -17,22 +17,25 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 
-# The test files that take longest, longest first (the slow tier's --durations on 2 cores, docs/BENCHMARKS.md "CI's
-# tiers"). scripts/test.sh gives each pytest worker whole files in collection order (--dist loadfile,
-# --no-loadscope-reorder): started first, a long file runs beside the many short ones instead of alone at the end.
-# The other files follow, most tests first (xdist's own order). Only the order changes.
+# The test files that take longest, longest first (their tests' durations summed over the slow tier on 2 cores,
+# 2026-12-05: docs/BENCHMARKS.md "CI's tiers"). scripts/test.sh gives each pytest worker whole files in collection
+# order (--dist loadfile, --no-loadscope-reorder): started first, a long file runs beside the many short ones instead
+# of alone at the end. The other files follow, most tests first (xdist's own order). Only the order changes.
 LONGEST_FIRST = (
     "tests/worker/test_gpu_check_product.py",
-    "tests/run/test_kill_series.py",
-    "tests/test_bench_scripts.py",
-    "tests/run/test_one_value_per_figure.py",
     "tests/worker/test_engines.py",
-    "tests/run/test_rank_down.py",
+    "tests/store/test_sync.py",
     "tests/worker/test_preference.py",
-    "tests/worker/test_deepspeed_offload.py",
-    "tests/worker/test_task_eval.py",
-    "tests/run/test_stop.py",
+    "tests/run/test_oom.py",
+    "tests/run/test_rank_down.py",
+    "tests/worker/test_resume_metrics.py",
     "tests/worker/test_grpo.py",
+    "tests/test_bench_scripts.py",
+    "tests/run/test_pipeline.py",
+    "tests/run/test_kill_series.py",
+    "tests/run/test_one_value_per_figure.py",
+    "tests/worker/test_task_eval.py",
+    "tests/worker/test_trackers.py",
 )
 
 
