@@ -5,8 +5,11 @@ error (issue 46: a Hub dataset's plan ended in "ModuleNotFoundError: No module n
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+
+import pytest
 
 from conftest import REPO
 
@@ -48,21 +51,16 @@ print(json.dumps(out))
 """
 
 
-def test_every_shipped_recipe_plans_without_the_training_stack(tmp_path, tiny_model):
+def _recipes(tiny_model) -> list[list[str]]:
     # the demo's recipes name the model scripts/demo.sh builds (.cache/tiny-model, absent on a fresh clone): the
     # tests' own build of it stands in
-    recipes = [
+    return [
         [str(p), *([f"model={tiny_model}"] if "cache/tiny-model" in p.read_text() else [])]
         for p in sorted((REPO / "recipes").glob("*.yaml"))
     ]
-    res = subprocess.run(
-        [sys.executable, "-c", SCRIPT, json.dumps(ABSENT), json.dumps(recipes)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
-    )
+
+
+def _each_recipe_planned_or_refused_in_a_paragraph(res: subprocess.CompletedProcess) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
     said = json.loads(res.stdout.splitlines()[-1])
     for recipe, (code, text) in said.items():
@@ -72,3 +70,53 @@ def test_every_shipped_recipe_plans_without_the_training_stack(tmp_path, tiny_mo
             continue
         assert code == 0, (recipe, text[-2000:])
         assert "Plan: " in text, (recipe, text[-1000:])
+
+
+def test_every_shipped_recipe_plans_without_the_training_stack(tmp_path, tiny_model):
+    res = subprocess.run(
+        [sys.executable, "-c", SCRIPT, json.dumps(ABSENT), json.dumps(_recipes(tiny_model))],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+    )
+    _each_recipe_planned_or_refused_in_a_paragraph(res)
+
+
+@pytest.mark.slow
+def test_a_fresh_venv_with_the_base_dependencies_only_plans_every_shipped_recipe(tmp_path, tiny_model):
+    """The same, in a new virtual environment where `pip install ftrun` (no extras) put only pyproject.toml's
+    dependencies and what they pull: no module of the training stack can be there, blocked or not."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    py = str(venv / "bin" / "python")
+    src = tmp_path / "src"  # what the package is made of, so that the build writes nothing into the checkout
+    shutil.copytree(REPO / "launcher", src / "launcher", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    install = subprocess.run(
+        [py, "-m", "pip", "install", "-q", str(src)], capture_output=True, text=True, timeout=900, cwd=tmp_path
+    )
+    assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-2000:]
+    present = subprocess.run(
+        [
+            py,
+            "-c",
+            "import importlib.util as u, json, sys; print(json.dumps([m for m in sys.argv[1:] if u.find_spec(m)]))",
+            *ABSENT,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert json.loads(present.stdout) == [], present.stdout + present.stderr
+    res = subprocess.run(
+        [py, "-c", SCRIPT, "[]", json.dumps(_recipes(tiny_model))],
+        cwd=tmp_path,  # the installed copy, not the checkout's
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+    )
+    _each_recipe_planned_or_refused_in_a_paragraph(res)
