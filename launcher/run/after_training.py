@@ -89,7 +89,7 @@ def _export(recipe, run: RunDir, child: dict) -> str:
         outs = messages.export_outputs(report.get("outputs", {}))
         info = {"state": "succeeded", "outputs": outs, "serving": report.get("serving")}
         _log(f"export finished: {outs}; serving commands in {report.get('serving')}")
-    elif rc is not None and rc < 0 and read_state(run).get("stop_requested"):  # the user's stop, not a failure
+    elif rc is not None and rc != 0 and read_state(run).get("stop_requested"):  # the user's stop, not a failure
         info = {
             "state": "stopped",
             "reason": f"stopped by `ftrun stop` before it finished; the same command or `ftrun export {run.root}` "
