@@ -34,14 +34,6 @@ from launcher.run.views import format_status
 from launcher.run.adjustments import with_adjustments, with_plan_settings
 
 
-def _diff_trajectory(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    return [
-        f"- {k}: run has {old.get(k)!r}, recipe now says {new.get(k)!r}"
-        for k in sorted(set(old) | set(new))
-        if old.get(k) != new.get(k)
-    ]
-
-
 def _flat(snap: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in snap.items():
@@ -65,12 +57,11 @@ def _recipe_differences(run: RunDir, recipe: Recipe) -> dict[str, tuple[Any, Any
     except FtrunError:  # a recipe.yaml this ftrun cannot read: the run's own views say so; nothing to compare
         return {}
     new = parent.as_given(run, with_adjustments(run, recipe).snapshot())  # either may hold the pinned copy
-    a, b = _flat(old), _flat(new)
-    return {
-        k: (a.get(k), b.get(k))
-        for k in sorted(set(a) | set(b))
-        if a.get(k) != b.get(k) and k.split(".")[0] not in STARTING_ONLY
-    }
+    return {k: v for k, v in _differences(_flat(old), _flat(new)).items() if k.split(".")[0] not in STARTING_ONLY}
+
+
+def _differences(a: dict[str, Any], b: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
 
 
 def _listed(differs: dict[str, tuple[Any, Any]]) -> str:
@@ -286,17 +277,17 @@ def _end_orphans(run: RunDir, recipe: Recipe) -> None:
 
 def _check_same_trajectory(run: RunDir, recipe: Recipe, allow_changes: bool = False) -> None:
     old = load_recipe(run.recipe)
-    diffs = _diff_trajectory(old.trajectory(), recipe.trajectory())
+    diffs = _listed(_differences(old.trajectory(), recipe.trajectory()))
     if diffs and not allow_changes:
         raise RecipeError(
-            f"the recipe differs from the run in {run.root} in settings that change the training:\n" + "\n".join(diffs),
+            f"the recipe differs from the run in {run.root} in settings that change the training:\n" + diffs,
             fix="restore those values to resume, add --allow-changes to continue from the checkpoint anyway, add "
             "--fresh to start a new run (the old one is kept, renamed), or set another output_dir.",
         )
     if diffs:
         _say(
             "--allow-changes: continuing from the existing checkpoints with a changed recipe:\n"
-            + "\n".join(diffs)
+            + diffs
             + "\n(the optimizer and scheduler state come from the checkpoint; the trajectory is no longer the original "
             "one)"
         )
