@@ -487,6 +487,15 @@ def parent_adapter(init_from: str) -> Path:
     )
 
 
+def has_adapter(init_from: str) -> bool:
+    """Whether parent_adapter finds an adapter where `init_from` points."""
+    try:
+        parent_adapter(init_from)
+    except ValueError:
+        return False
+    return True
+
+
 def _weights_sha256(folder: Path) -> str:
     h = hashlib.sha256()
     for f in sorted(folder.glob("adapter_model.*")):

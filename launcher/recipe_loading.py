@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from launcher.data import sources as data_sources
 from launcher.errors import RecipeError, UsageError
-from launcher.recipe import Recipe, parent_adapter
+from launcher.recipe import Recipe, has_adapter
 from launcher.store.rundir import RunDir
 
 
@@ -255,13 +255,8 @@ def _resolve_paths(raw: dict[str, Any], base_dir: Path, default_name: str) -> di
 def _parent_or_its_copy(init_from: str, resolved: dict[str, Any]) -> str:
     """The run at output_dir keeps its own copy of the parent adapter (launcher/run/parent.py): once the source is
     gone or holds no adapter (a parent run moved or deleted after this one started), its resume trains on from it."""
-    if not isinstance(resolved.get("output_dir"), str):
+    if not isinstance(resolved.get("output_dir"), str) or has_adapter(init_from):
         return init_from
-    try:
-        parent_adapter(init_from)
-        return init_from
-    except ValueError:  # no adapter there (any more): the recipe check words it unless the run holds a copy
-        pass
     held = RunDir(Path(resolved["output_dir"])).pinned_parent()
     return held["copy"] if held and held["init_from"] == init_from else init_from
 

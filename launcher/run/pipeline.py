@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from launcher.store.checkpoint import newest_step_unverified
 from launcher.errors import BusyError, FtrunError, RecipeError, UsageError
-from launcher.recipe import Recipe
+from launcher.recipe import Recipe, has_adapter
 from launcher.recipe_loading import load_recipe
 from launcher.run import weights
 from launcher.store.rundir import RunDir
@@ -86,6 +86,12 @@ def launch(
         _pull_if_remote_run(run, recipe)
     if run.exists():
         _end_orphans(run, recipe)
+        held = run.pinned_parent()
+        if held and recipe.init_from == held["copy"] and not has_adapter(held["init_from"]):  # said, never silent
+            _say(
+                f"init_from: {held['init_from']} holds no adapter any more; this run trains on from the copy it "
+                f"took at its launch, {held['copy']}"
+            )
     if run.exists() and not fresh:
         holder = run_holder(run)
         differs = _recipe_differences(run, recipe) if holder or effective_state(run) in TRAINED else {}

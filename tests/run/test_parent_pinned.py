@@ -58,3 +58,4 @@ def test_a_parent_checkpoint_deleted_after_the_launch_still_trains(write_recipe,
     shutil.rmtree(tmp_path / "parent")  # the parent run itself deleted: the finished child is still shown
     again = ftrun(child, cwd=tmp_path)
     assert again.returncode == 0 and "does not exist" not in again.stdout + again.stderr, again.stdout + again.stderr
+    assert "holds no adapter any more; this run trains on from the copy it took at its launch" in again.stdout
