@@ -78,10 +78,13 @@ fi
 # 2026-12-02), and the default tier halves (6 min 51 s serial, 3 min 03 s with two). FTRUN_TEST_WORKERS=0 runs
 # serially; a later -n on the command line wins.
 PAR=(-n "${FTRUN_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)  # files in tests/conftest.py LONGEST_FIRST order
+# The slow tier's tests mostly wait on the processes they start (a run's workers, torchrun's ranks), so a third
+# worker fills the cores they leave idle.
+SLOW_PAR=(-n "${FTRUN_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder)
 # The code's format and lint first (pyproject.toml [tool.ruff]): seconds, and a failure says the file and line.
 lint() { .venv/bin/ruff format --check --quiet launcher tests scripts && .venv/bin/ruff check --quiet launcher tests scripts; }
 case "${1:-}" in
-  --slow) shift; exec .venv/bin/python -m pytest "${PAR[@]}" -m "slow and not gpu and not unsloth" "$@" ;;
+  --slow) shift; exec .venv/bin/python -m pytest "${SLOW_PAR[@]}" -m "slow and not gpu and not unsloth" "$@" ;;
   --all)  shift; lint; exec .venv/bin/python -m pytest "${PAR[@]}" -m "not gpu and not unsloth and not gguf" "$@" ;;
   *)      lint; exec .venv/bin/python -m pytest "${PAR[@]}" "$@" ;;
 esac

@@ -66,6 +66,17 @@ def status(run_dir: Path, cwd: Path) -> dict:
     return json.loads(res.stdout)
 
 
+def polled_status(run_dir: Path) -> dict:
+    """What `ftrun status RUN --json` prints (the same function, launcher.run.facts.run_status), read in this
+    process: for waiting on a state. A CLI process per poll costs half a second of CPU (its imports), so a test
+    polling it twice a second spent half a core waiting, beside the run it waited on (2026-12-05). A test then
+    reads the state it waited for through the CLI once."""
+    from launcher.run.facts import run_status
+    from launcher.store.rundir import RunDir
+
+    return run_status(RunDir(run_dir))
+
+
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -139,7 +150,7 @@ def wait_until_ended(run_dir: Path, cwd: Path, timeout: float = 240) -> dict:
     # ended: a final state, and the supervisor gone (it copies the result off the box after training)
     wait_for(
         lambda: (lambda s: s["state"] not in ("running", "recovering", "smoking", "planned") and not s["pid_alive"])(
-            status(run_dir, cwd)
+            polled_status(run_dir)
         ),
         timeout,
         "the run to end",

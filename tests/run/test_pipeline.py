@@ -17,6 +17,7 @@ from helpers import (
     has_checkpoint,
     logged_steps,
     metrics,
+    polled_status,
     status,
     wait_for,
     wait_until_ended,
@@ -76,7 +77,7 @@ def test_detached_kill9_after_checkpoint_then_same_command_resumes_exactly(write
     st = freeze_worker(run, has_checkpoint)
     os.kill(st["supervisor_pid"], signal.SIGKILL)
     os.kill(st["worker_pid"], signal.SIGKILL)
-    wait_for(lambda: status(run, tmp_path)["state"] == "interrupted", 20, "state interrupted")
+    wait_for(lambda: polled_status(run)["state"] == "interrupted", 20, "state interrupted")
 
     res = ftrun(recipe, cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import assert_same_run, ftrun, read_state, run_in_slices, status, wait_for, wait_until_ended
+from helpers import assert_same_run, ftrun, polled_status, read_state, run_in_slices, status, wait_for, wait_until_ended
 
 pytestmark = pytest.mark.slow
 
@@ -244,7 +244,7 @@ def test_a_rank_that_raises_at_the_same_step_every_time_stops_the_run_clearly(wr
     assert res.returncode == 0, res.stdout + res.stderr
     run = tmp_path / "run"
     wait_for(
-        lambda: (lambda s: s["state"] not in ("running", "recovering") and not s["pid_alive"])(status(run, tmp_path)),
+        lambda: (lambda s: s["state"] not in ("running", "recovering") and not s["pid_alive"])(polled_status(run)),
         300,
         "the run to end",
         0.5,
@@ -273,7 +273,7 @@ def test_the_supervisor_killed_while_it_restarts_leaves_a_run_that_resumes_exact
     # the restart's backoff: the supervisor has recorded `recovering` and sleeps before it launches again
     wait_for(lambda: read_state(run).get("state") == "recovering", 60, "the supervisor to recover", 0.02)
     os.kill(supervisor, signal.SIGKILL)
-    wait_for(lambda: status(run, tmp_path)["state"] == "interrupted", 30, "state interrupted")
+    wait_for(lambda: polled_status(run)["state"] == "interrupted", 30, "state interrupted")
     import psutil
 
     left = [p for p in psutil.process_iter(["cmdline"]) if str(run) in " ".join(p.info["cmdline"] or [])]

@@ -23,6 +23,7 @@ from helpers import (
     has_checkpoint,
     logged_steps,
     metrics,
+    polled_status,
     status,
     wait_for,
     wait_until_ended,
@@ -399,7 +400,7 @@ def test_sigterm_is_a_preemption_checkpoint_then_exact_resume(tmp_path, tiny_mod
     t0 = time.monotonic()
     os.kill(st["supervisor_pid"], signal.SIGTERM)  # a provider's stop notice
     os.kill(st["worker_pid"], signal.SIGCONT)
-    wait_for(lambda: status(run, tmp_path)["state"] == "preempted", 60, "state preempted")
+    wait_for(lambda: polled_status(run)["state"] == "preempted", 60, "state preempted")
     s = status(run, tmp_path)
     assert time.monotonic() - t0 < 60  # within the default grace period
     assert s["last_checkpoint"] and int(s["last_checkpoint"].split("-")[1]) >= 3  # saved on SIGTERM, not by cadence
@@ -429,7 +430,7 @@ def test_disk_full_during_a_save_keeps_the_older_checkpoint(tmp_path, tiny_model
         with open(disk / "filler", "wb") as fh:
             fh.write(b"\0" * max(free - 256 * 1024, 0))
         os.kill(st["worker_pid"], signal.SIGCONT)
-        wait_for(lambda: status(run, tmp_path)["state"] not in ("running", "recovering"), 120, "the run to stop")
+        wait_for(lambda: polled_status(run)["state"] not in ("running", "recovering"), 120, "the run to stop")
         s = status(run, tmp_path)
         assert s["state"] == "failed" and "disk full while saving the checkpoint" in s["reason"], s
         assert "MB free" in s["reason"] and "partial save was removed" in s["reason"]

@@ -20,6 +20,7 @@ from helpers import (
     has_checkpoint,
     is_training,
     metrics,
+    polled_status,
     prepared_run,
     read_state,
     run_in_slices,
@@ -315,7 +316,7 @@ def test_ddp_kill9_then_resume_is_exact(write_recipe, tmp_path):
     assert ftrun(recipe, "engine=ddp", "num_processes=2", *QUICK, cwd=tmp_path).returncode == 0
     run = tmp_path / "run"
     _kill_run_after_checkpoint(run)
-    wait_for(lambda: status(run, tmp_path)["state"] == "interrupted", 30, "state interrupted")
+    wait_for(lambda: polled_status(run)["state"] == "interrupted", 30, "state interrupted")
     res = ftrun(recipe, "engine=ddp", "num_processes=2", *QUICK, cwd=tmp_path)
     assert res.returncode == 0 and "continuing" in res.stdout, res.stdout + res.stderr
     wait_until_ended(run, tmp_path)
@@ -336,7 +337,7 @@ def test_lora_checkpoint_from_ddp2_resumes_on_one_process(write_recipe, tmp_path
     assert ftrun(recipe, "engine=ddp", "num_processes=2", *QUICK, cwd=tmp_path).returncode == 0
     run = tmp_path / "run"
     _kill_run_after_checkpoint(run)
-    wait_for(lambda: status(run, tmp_path)["state"] == "interrupted", 30, "state interrupted")
+    wait_for(lambda: polled_status(run)["state"] == "interrupted", 30, "state interrupted")
     resumed_at = max(
         int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("step-*") if (p / "manifest.json").is_file()
     )

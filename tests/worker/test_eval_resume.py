@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import freeze_worker, ftrun, metrics, status, wait_for, wait_until_ended
+from helpers import freeze_worker, ftrun, metrics, polled_status, wait_for, wait_until_ended
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +58,7 @@ def test_kill9_and_resume_then_every_eval_value_and_the_samples_match(reference,
     before = (run / "samples-before.json").read_text()  # written before step 1
     os.kill(st["supervisor_pid"], signal.SIGKILL)
     os.kill(st["worker_pid"], signal.SIGKILL)
-    wait_for(lambda: status(run, tmp_path)["state"] == "interrupted", 30, "state interrupted")
+    wait_for(lambda: polled_status(run)["state"] == "interrupted", 30, "state interrupted")
     assert not (run / "final").exists()
 
     res = ftrun(recipe, *QUICK, cwd=tmp_path)

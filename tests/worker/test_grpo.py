@@ -12,7 +12,16 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from helpers import adapter_tensors, article_plan, freeze_worker, ftrun, metrics, status, wait_for, wait_until_ended
+from helpers import (
+    adapter_tensors,
+    article_plan,
+    freeze_worker,
+    ftrun,
+    metrics,
+    polled_status,
+    wait_for,
+    wait_until_ended,
+)
 
 PROMPTS = REPO / "recipes" / "data" / "tiny-prompts.jsonl"
 SAID = ("time", "tokens_per_second", "peak_memory_gb", "eval_seconds")  # wall-clock values
@@ -255,7 +264,7 @@ def test_grpo_kill9_then_resume_matches_the_uninterrupted_run(write_recipe, tmp_
     st = freeze_worker(run, past_a_checkpoint, timeout=300)
     os.kill(st["supervisor_pid"], signal.SIGKILL)
     os.kill(st["worker_pid"], signal.SIGKILL)
-    wait_for(lambda: status(run, tmp_path)["state"] == "interrupted", 30, "state interrupted")
+    wait_for(lambda: polled_status(run)["state"] == "interrupted", 30, "state interrupted")
     res = ftrun(recipe, *QUICK, cwd=tmp_path)
     assert res.returncode == 0 and "continuing" in res.stdout, res.stdout + res.stderr
     wait_until_ended(run, tmp_path, timeout=400)

@@ -13,7 +13,16 @@ import pytest
 import yaml
 
 from conftest import REPO
-from helpers import adapter_tensors, article_plan, freeze_worker, ftrun, metrics, status, wait_for, wait_until_ended
+from helpers import (
+    adapter_tensors,
+    article_plan,
+    freeze_worker,
+    ftrun,
+    metrics,
+    polled_status,
+    wait_for,
+    wait_until_ended,
+)
 
 PAIRS = REPO / "recipes" / "data" / "tiny-pref.jsonl"
 SAID = ("time", "tokens_per_second", "peak_memory_gb", "eval_seconds")  # wall-clock values
@@ -425,7 +434,7 @@ def test_dpo_kill9_then_resume_matches_the_uninterrupted_run(write_recipe, tmp_p
     st = freeze_worker(run, past_a_checkpoint, timeout=240)
     os.kill(st["supervisor_pid"], signal.SIGKILL)
     os.kill(st["worker_pid"], signal.SIGKILL)
-    wait_for(lambda: status(run, tmp_path)["state"] == "interrupted", 30, "state interrupted")
+    wait_for(lambda: polled_status(run)["state"] == "interrupted", 30, "state interrupted")
     res = ftrun(recipe, *QUICK, cwd=tmp_path)
     assert res.returncode == 0 and "continuing" in res.stdout, res.stdout + res.stderr
     wait_until_ended(run, tmp_path)

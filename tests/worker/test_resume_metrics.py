@@ -9,7 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from helpers import adapter_tensors, freeze_worker, ftrun, metrics, read_state, status, wait_for, wait_until_ended
+from helpers import (
+    adapter_tensors,
+    freeze_worker,
+    ftrun,
+    metrics,
+    polled_status,
+    read_state,
+    wait_for,
+    wait_until_ended,
+)
 
 LOG_EVERY = 5
 # A checkpoint after every step (the cadence is wall-clock): a 0.6 s cadence on a busy box saved only at logged steps
@@ -92,7 +101,7 @@ def _interrupted(write_recipe, tmp_path: Path, *overrides: str, kill_group: bool
         os.kill(st["worker_pid"], signal.SIGKILL)
     assert not (run / "final").exists(), "the run finished before it could be interrupted"
     resume_at = _complete_steps(run)[-1]
-    wait_for(lambda: status(run, tmp_path)["state"] == "interrupted", 30, "state interrupted")
+    wait_for(lambda: polled_status(run)["state"] == "interrupted", 30, "state interrupted")
     return run, resume_at, recipe
 
 

@@ -20,9 +20,9 @@ from helpers import (
     ftrun,
     has_checkpoint,
     metrics,
+    polled_status,
     prepared_run,
     read_state,
-    status,
     wait_for,
     wait_until_ended,
 )
@@ -202,7 +202,7 @@ def test_unsloth_kill9_then_resume(write_recipe, tmp_path):
     assert not (run / "final").exists()
     os.kill(st["supervisor_pid"], signal.SIGKILL)
     os.kill(st["worker_pid"], signal.SIGKILL)
-    wait_for(lambda: status(run, tmp_path)["state"] == "interrupted", 30, "state interrupted")
+    wait_for(lambda: polled_status(run)["state"] == "interrupted", 30, "state interrupted")
     res = ftrun(recipe, "engine=unsloth", *QUICK, cwd=tmp_path)
     assert res.returncode == 0 and "continuing" in res.stdout, res.stdout + res.stderr
     wait_until_ended(run, tmp_path, timeout=400)
