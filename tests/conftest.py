@@ -120,9 +120,12 @@ RESUME_FIELDS = dict(max_steps=30, checkpoint_every_minutes=0.01, learning_rate=
 def uninterrupted_run(tmp_path_factory, tiny_model: Path, name: str, fields: dict, *overrides: str) -> Path:
     """One foreground run of the tiny model with `fields` and `overrides`, start to end: what an interrupted run's
     losses and adapter are compared with. Returns its run directory."""
+    return _train(tmp_path_factory.mktemp(name), tiny_model, fields, *overrides)
+
+
+def _train(d: Path, tiny_model: Path, fields: dict, *overrides: str) -> Path:
     from helpers import ftrun
 
-    d = tmp_path_factory.mktemp(name)
     recipe = recipe_file(d / "ref.yaml", tiny_model, output_dir=d / "run", **fields)
     res = ftrun(recipe, "--foreground", *overrides, cwd=d)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -131,7 +134,24 @@ def uninterrupted_run(tmp_path_factory, tiny_model: Path, name: str, fields: dic
 
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory, tiny_model) -> Path:
-    return uninterrupted_run(tmp_path_factory, tiny_model, "reference", RESUME_FIELDS, "smoke.enabled=false")
+    """Read by test files on every pytest worker: trained once for all of them, by the first that asks, under a file
+    lock in the folder the workers' temporary folders share (pytest-xdist's documented way to share a session
+    fixture); a session fixture alone is built once per worker."""
+    import shutil
+
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    d, done = root / "reference", root / "reference.done"
+    with FileLock(str(root / "reference.lock")):
+        if not done.is_file():
+            shutil.rmtree(d, ignore_errors=True)  # a worker's build that failed part way
+            d.mkdir()
+            _train(d, tiny_model, RESUME_FIELDS, "smoke.enabled=false")
+            done.touch()
+    return d / "run"
 
 
 # A local S3 endpoint for the copies off the box (tests/store/test_sync.py, tests/run/test_kill_series.py).

@@ -115,39 +115,11 @@ class Plan:
         }
 
 
-def make_plan(
-    recipe: Any,
-    hardware: Hardware,
-    data_stats: Any = None,
-    tokens: float | None = None,
-    unsloth_available: bool | None = None,
-    smoke: dict[str, Any] | None = None,
-    workday_hours: float = WORKDAY_HOURS,
-    arch: Architecture | None = None,
-    nnodes: int = 1,
-    price: float | None = None,
-    box_reason: str | None = None,
-    allow_network: bool = True,
-    tokens_from: str = "--tokens",
-) -> Plan:
-    """Size the recipe's job for this box. When nothing fits: PlanError (concrete options in .fix, the whole
-    no-fit plan in .plan); when it needs software this machine lacks: MissingSoftware (the install in .fix; the plan in
-    .plan, which fits where only an output's software is missing: Plan.blocked)."""
-    plan = plan_for(
-        recipe,
-        hardware,
-        data_stats,
-        tokens,
-        unsloth_available,
-        smoke,
-        workday_hours,
-        arch,
-        nnodes,
-        price,
-        box_reason,
-        allow_network,
-        tokens_from,
-    )
+def make_plan(recipe: Any, hardware: Hardware, *args: Any, **kwargs: Any) -> Plan:
+    """plan_for's plan (the same arguments), raised when it does not fit: PlanError (concrete options in .fix, the
+    whole no-fit plan in .plan); when it needs software this machine lacks: MissingSoftware (the install in .fix; the
+    plan in .plan, which fits where only an output's software is missing: Plan.blocked)."""
+    plan = plan_for(recipe, hardware, *args, **kwargs)
     if not plan.fits:
         missing = plan.refusal.get("missing")
         err_type = MissingSoftware if missing else PlanError

@@ -220,6 +220,14 @@ def _matches(module: str, targets: list[str]) -> bool:
     return any(module == t or module.endswith("." + t) for t in targets)
 
 
+def _missing(folder: Path, name: str) -> Verdict:
+    where = f"final/{folder.name}"
+    present = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    if present:
+        return Verdict(False, f"{where}/{name} is missing ({where} holds only {', '.join(present)})")
+    return Verdict(False, f"{where}/{name} is missing ({where} {'is empty' if folder.is_dir() else 'does not exist'})")
+
+
 def verify_adapter(
     folder: Path, target_modules: Union[str, list[str]], base: Optional[dict[str, list[int]]] = None
 ) -> Verdict:
@@ -230,18 +238,7 @@ def verify_adapter(
     where = f"final/{folder.name}"
     cfg_path = folder / ADAPTER_CONFIG
     if not cfg_path.is_file():
-        present = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
-        return Verdict(
-            False,
-            f"{where}/{ADAPTER_CONFIG} is missing"
-            + (
-                f" ({where} holds only {', '.join(present)})"
-                if present
-                else f" ({where} does not exist)"
-                if not folder.is_dir()
-                else f" ({where} is empty)"
-            ),
-        )
+        return _missing(folder, ADAPTER_CONFIG)
     try:
         cfg = json.loads(cfg_path.read_text())
     except ValueError:
@@ -336,18 +333,7 @@ def verify_model(folder: Path, base: Optional[dict[str, list[int]]] = None) -> V
     folder = Path(folder)
     where = f"final/{folder.name}"
     if not (folder / MODEL_CONFIG).is_file():
-        present = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
-        return Verdict(
-            False,
-            f"{where}/{MODEL_CONFIG} is missing"
-            + (
-                f" ({where} holds only {', '.join(present)})"
-                if present
-                else f" ({where} does not exist)"
-                if not folder.is_dir()
-                else f" ({where} is empty)"
-            ),
-        )
+        return _missing(folder, MODEL_CONFIG)
     try:
         config = json.loads((folder / MODEL_CONFIG).read_text())
     except ValueError:

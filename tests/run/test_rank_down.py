@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import assert_same_run, ftrun, polled_status, read_state, run_in_slices, status, wait_for, wait_until_ended
+from helpers import assert_same_run, ftrun, polled_status, read_state, run_in_slices, wait_for, wait_until_ended
 
 pytestmark = pytest.mark.slow
 
