@@ -25,17 +25,11 @@ def _choose_cpu(
         "only sensible for tiny models and tests"
     ]
     if offload in OFFLOAD_FORCED and forced != "deepspeed":
-        return Choice(
-            False,
-            forced,
-            "cpu",
-            processes or 1,
-            None,
-            capacity,
-            reasons,
-            refusal=f"offload: {offload} is DeepSpeed ZeRO-3's CPU offload; on a CPU box it runs only with "
-            "engine: deepspeed (2 or more gloo processes)",
+        why = (
+            f"offload: {offload} is DeepSpeed ZeRO-3's CPU offload; on a CPU box it runs only with "
+            "engine: deepspeed (2 or more gloo processes)"
         )
+        return Choice(False, forced, "cpu", processes or 1, None, capacity, reasons, refusal=why)
     if forced in ("unsloth", "fsdp"):
         why = {
             "unsloth": "Unsloth needs an NVIDIA GPU",
@@ -48,16 +42,8 @@ def _choose_cpu(
             False, forced, "cpu", 1, None, capacity, reasons, refusal=f"engine: {forced} is impossible here: {why}"
         )
     if forced == "trl" and processes is not None and processes > 1:
-        return Choice(
-            False,
-            forced,
-            "cpu",
-            processes,
-            None,
-            capacity,
-            reasons,
-            refusal=f"engine: trl is one process, num_processes is {processes}; use engine: ddp",
-        )
+        why = f"engine: trl is one process, num_processes is {processes}; use engine: ddp"
+        return Choice(False, forced, "cpu", processes, None, capacity, reasons, refusal=why)
     if forced in CPU_MULTI_PROCESS or (forced == "auto" and processes is not None and processes > 1):
         return _choose_cpu_multi(job, hw, "ddp" if forced == "auto" else forced, processes, reasons, nnodes, offload)
     w = job.workload("trl", 1, "cpu")
@@ -70,33 +56,17 @@ def _choose_cpu(
             "method lora (or full) is the safe choice on CPU"
         )
     if est.per_gpu_gb > capacity * sizing_constants.USABLE_RAM_FRACTION:
-        return Choice(
-            False,
-            "trl",
-            "cpu",
-            1,
-            est,
-            capacity,
-            reasons,
-            tps,
-            hrs,
-            refusal=f"needs {est.per_gpu_gb:.1f} GB of RAM, this box has {capacity:.0f} GB "
-            f"({sizing_constants.USABLE_RAM_FRACTION:.0%} usable)",
+        why = (
+            f"needs {est.per_gpu_gb:.1f} GB of RAM, this box has {capacity:.0f} GB "
+            f"({sizing_constants.USABLE_RAM_FRACTION:.0%} usable)"
         )
+        return Choice(False, "trl", "cpu", 1, est, capacity, reasons, tps, hrs, refusal=why)
     if hrs is not None and hrs > CPU_MAX_HOURS:
-        return Choice(
-            False,
-            "trl",
-            "cpu",
-            1,
-            est,
-            capacity,
-            reasons,
-            tps,
-            hrs,
-            refusal=f"fits in RAM but would take about {_fmt_hours(hrs)} on {hw.cpu_count} CPU cores "
-            f"(more than {CPU_MAX_HOURS:.0f} h)",
+        why = (
+            f"fits in RAM but would take about {_fmt_hours(hrs)} on {hw.cpu_count} CPU cores "
+            f"(more than {CPU_MAX_HOURS:.0f} h)"
         )
+        return Choice(False, "trl", "cpu", 1, est, capacity, reasons, tps, hrs, refusal=why)
     reasons.append(f"memory: needs {est.per_gpu_gb:.1f} GB of {capacity:.0f} GB RAM")
     return Choice(True, "trl", "cpu", 1, est, capacity, reasons, tps, hrs)
 
@@ -114,40 +84,17 @@ def _choose_cpu_multi(
     capacity = hw.ram_gb
     n = processes if processes is not None else 2
     if n * nnodes < 2:  # one process per node is fine when there are several nodes
-        return Choice(
-            False,
-            engine,
-            "cpu",
-            n,
-            None,
-            capacity,
-            reasons,
-            refusal=f"engine: {engine} with num_processes=1 is single-process training; use engine: trl",
-        )
+        why = f"engine: {engine} with num_processes=1 is single-process training; use engine: trl"
+        return Choice(False, engine, "cpu", n, None, capacity, reasons, refusal=why)
     if n > hw.cpu_count:
-        return Choice(
-            False,
-            engine,
-            "cpu",
-            n,
-            None,
-            capacity,
-            reasons,
-            refusal=f"{n} gloo processes need at least {n} CPU cores, this box has {hw.cpu_count}",
-        )
+        why = f"{n} gloo processes need at least {n} CPU cores, this box has {hw.cpu_count}"
+        return Choice(False, engine, "cpu", n, None, capacity, reasons, refusal=why)
     if engine == "deepspeed" and not engine_software._deepspeed_installed():
-        return Choice(
-            False,
-            engine,
-            "cpu",
-            n,
-            None,
-            capacity,
-            reasons,
-            missing="deepspeed",
-            refusal="engine: deepspeed needs DeepSpeed, which is not installed here: pip install "
-            "'ftrun[deepspeed]' (DS_BUILD_OPS=0 on a box without CUDA)",
+        why = (
+            "engine: deepspeed needs DeepSpeed, which is not installed here: pip install "
+            "'ftrun[deepspeed]' (DS_BUILD_OPS=0 on a box without CUDA)"
         )
+        return Choice(False, engine, "cpu", n, None, capacity, reasons, missing="deepspeed", refusal=why)
     w = job.workload("trl", 1, "cpu")
     est = sizing.memory(job.arch, w)
     # The processes share the box's cores, so the box's throughput is about one process's.
@@ -170,18 +117,8 @@ def _choose_cpu_multi(
         )
     total = est.per_gpu_gb * n
     if total > capacity * sizing_constants.USABLE_RAM_FRACTION:
-        return Choice(
-            False,
-            engine,
-            "cpu",
-            n,
-            est,
-            capacity,
-            reasons,
-            tps,
-            hrs,
-            refusal=f"{n} processes need {total:.1f} GB of RAM, this box has {capacity:.0f} GB",
-        )
+        why = f"{n} processes need {total:.1f} GB of RAM, this box has {capacity:.0f} GB"
+        return Choice(False, engine, "cpu", n, est, capacity, reasons, tps, hrs, refusal=why)
     reasons.append(f"memory: {n} x {est.per_gpu_gb:.1f} GB of {capacity:.0f} GB RAM")
     return Choice(
         True, engine, "cpu", n, est, capacity, reasons, tps, hrs, offload_params=param_off, offload_optimizer=opt_off
@@ -196,51 +133,20 @@ def _choose_cpu_unsloth(job: Job, hw: Hardware, unsloth_ok: bool, processes: int
         "only sensible for tiny models and tests"
     ]
     if not is_adapter(job.method):
-        return Choice(
-            False,
-            "unsloth",
-            "cpu",
-            1,
-            None,
-            capacity,
-            reasons,
-            refusal=f"engine: unsloth trains LoRA/QLoRA only; method is {job.method}",
-        )
+        why = f"engine: unsloth trains LoRA/QLoRA only; method is {job.method}"
+        return Choice(False, "unsloth", "cpu", 1, None, capacity, reasons, refusal=why)
     if not OBJECTIVES[job.objective].unsloth:
-        return Choice(
-            False,
-            "unsloth",
-            "cpu",
-            1,
-            None,
-            capacity,
-            reasons,
-            refusal=UNSLOTH_NOT_FOR.format(job.objective) + "; use engine: auto or trl",
-        )
+        why = UNSLOTH_NOT_FOR.format(job.objective) + "; use engine: auto or trl"
+        return Choice(False, "unsloth", "cpu", 1, None, capacity, reasons, refusal=why)
     if not unsloth_ok:
-        return Choice(
-            False,
-            "unsloth",
-            "cpu",
-            1,
-            None,
-            capacity,
-            reasons,
-            missing="unsloth",
-            refusal=UNSLOTH_MISSING + " (Unsloth needs an NVIDIA GPU for real runs; on a CPU it is allowed "
-            "only where it is installed, to test the engine)",
+        why = (
+            UNSLOTH_MISSING + " (Unsloth needs an NVIDIA GPU for real runs; on a CPU it is allowed "
+            "only where it is installed, to test the engine)"
         )
+        return Choice(False, "unsloth", "cpu", 1, None, capacity, reasons, missing="unsloth", refusal=why)
     if processes is not None and processes > 1:
-        return Choice(
-            False,
-            "unsloth",
-            "cpu",
-            processes,
-            None,
-            capacity,
-            reasons,
-            refusal=f"engine: unsloth is one process, num_processes is {processes}; use engine: ddp",
-        )
+        why = f"engine: unsloth is one process, num_processes is {processes}; use engine: ddp"
+        return Choice(False, "unsloth", "cpu", processes, None, capacity, reasons, refusal=why)
     # Unsloth's fused kernels are GPU kernels; on a CPU it runs its plain PyTorch path: sized as trl.
     w = job.workload("trl", 1, "cpu")
     est = sizing.memory(job.arch, w)
@@ -251,17 +157,7 @@ def _choose_cpu_unsloth(job: Job, hw: Hardware, unsloth_ok: bool, processes: int
         "memory are estimated as for trl"
     )
     if est.per_gpu_gb > capacity * sizing_constants.USABLE_RAM_FRACTION:
-        return Choice(
-            False,
-            "unsloth",
-            "cpu",
-            1,
-            est,
-            capacity,
-            reasons,
-            tps,
-            hrs,
-            refusal=f"needs {est.per_gpu_gb:.1f} GB of RAM, this box has {capacity:.0f} GB",
-        )
+        why = f"needs {est.per_gpu_gb:.1f} GB of RAM, this box has {capacity:.0f} GB"
+        return Choice(False, "unsloth", "cpu", 1, est, capacity, reasons, tps, hrs, refusal=why)
     reasons.append(f"memory: needs {est.per_gpu_gb:.1f} GB of {capacity:.0f} GB RAM")
     return Choice(True, "unsloth", "cpu", 1, est, capacity, reasons, tps, hrs)

@@ -71,39 +71,14 @@ def choose(
     reasons: list[str] = []
 
     if forced == "unsloth" and not OBJECTIVES[job.objective].unsloth:
-        return Choice(
-            False,
-            "unsloth",
-            "cuda",
-            1,
-            None,
-            cap,
-            [],
-            refusal=UNSLOTH_NOT_FOR.format(job.objective) + "; use engine: auto or trl",
-        )
+        why = UNSLOTH_NOT_FOR.format(job.objective) + "; use engine: auto or trl"
+        return Choice(False, "unsloth", "cuda", 1, None, cap, [], refusal=why)
     if forced == "unsloth" and not lora:
-        return Choice(
-            False,
-            "unsloth",
-            "cuda",
-            1,
-            None,
-            cap,
-            [],
-            refusal=f"engine: unsloth trains LoRA/QLoRA only; method is {job.method}",
-        )
+        why = f"engine: unsloth trains LoRA/QLoRA only; method is {job.method}"
+        return Choice(False, "unsloth", "cuda", 1, None, cap, [], refusal=why)
     if forced == "unsloth" and not unsloth_ok:
-        return Choice(
-            False,
-            "unsloth",
-            "cuda",
-            1,
-            None,
-            cap,
-            [],
-            missing="unsloth",
-            refusal=UNSLOTH_MISSING + " (Unsloth also needs a GPU of compute capability 7.0 or newer)",
-        )
+        why = UNSLOTH_MISSING + " (Unsloth also needs a GPU of compute capability 7.0 or newer)"
+        return Choice(False, "unsloth", "cuda", 1, None, cap, [], missing="unsloth", refusal=why)
     if forced in ("ddp", *SHARDING_ENGINES) and n * nnodes < 2:
         what = "DDP copies the model to every card to train on more data at once"
         if forced in SHARDING_ENGINES:
@@ -114,31 +89,16 @@ def choose(
             if _fits(two, cap)
             else ""
         )
-        return Choice(
-            False,
-            forced,
-            "cuda",
-            1,
-            None,
-            cap,
-            [],
-            refusal=f"engine: {forced} needs 2 or more GPUs and "
-            f"this box has one ({what}); use engine: auto or trl{bigger}",
-        )
+        why = f"engine: {forced} needs 2 or more GPUs and this box has one ({what}); use engine: auto or trl{bigger}"
+        return Choice(False, forced, "cuda", 1, None, cap, [], refusal=why)
     force_offload = offload in OFFLOAD_FORCED
     if force_offload and (forced not in ("auto", "deepspeed") or n * nnodes < 2):
-        return Choice(
-            False,
-            forced if forced != "auto" else "deepspeed",
-            "cuda",
-            n,
-            None,
-            cap,
-            [],
-            refusal=f"offload: {offload} is DeepSpeed ZeRO-3's CPU offload: it needs engine: deepspeed (or "
+        why = (
+            f"offload: {offload} is DeepSpeed ZeRO-3's CPU offload: it needs engine: deepspeed (or "
             f"auto) and 2 or more GPUs; this box has {n}, the engine is {forced}. Set offload: auto "
-            "to let the plan add it only when nothing else fits",
+            "to let the plan add it only when nothing else fits"
         )
+        return Choice(False, forced if forced != "auto" else "deepspeed", "cuda", n, None, cap, [], refusal=why)
 
     single_engine = "trl"
     if forced in ("unsloth", "trl"):
@@ -202,16 +162,8 @@ def choose(
                     f"card ({tps1:,.0f} tokens/s): staying on one card"
                 )
             if forced == "ddp":
-                return Choice(
-                    False,
-                    "ddp",
-                    "cuda",
-                    n,
-                    est,
-                    cap,
-                    reasons,
-                    refusal=f"engine: ddp needs {est.per_gpu_gb:.1f} GB per card, the cards have {cap:.1f} GB",
-                )
+                why = f"engine: ddp needs {est.per_gpu_gb:.1f} GB per card, the cards have {cap:.1f} GB"
+                return Choice(False, "ddp", "cuda", n, est, cap, reasons, refusal=why)
         engine_reason = {
             "unsloth": "engine unsloth: LoRA/QLoRA on one card with Unsloth (fastest, least memory)"
             + (
@@ -269,34 +221,22 @@ def choose(
             return Choice(True, "trl", "cuda", 1, off, cap, reasons, tps_off, hrs_off, offload_activations=True)
 
     if forced in ("unsloth", "trl", "ddp"):
-        return Choice(
-            False,
-            forced,
-            "cuda",
-            n if forced == "ddp" else 1,
-            one,
-            cap,
-            reasons,
-            refusal=f"engine: {forced} keeps the whole job on each card: needs {one.per_gpu_gb:.1f} GB, "
-            f"the card has {cap:.1f} GB",
+        why = (
+            f"engine: {forced} keeps the whole job on each card: needs {one.per_gpu_gb:.1f} GB, "
+            f"the card has {cap:.1f} GB"
         )
+        return Choice(False, forced, "cuda", n if forced == "ddp" else 1, one, cap, reasons, refusal=why)
 
     # No single card holds it: shard. full-8bit shards with DeepSpeed: its 8-bit AdamW cannot take FSDP2's DTensors,
     # and ZeRO-3 hands the optimizer plain tensors (keeping fp32 master partitions, 4 B/param more).
     to_deepspeed = forced == "auto" and (METHODS[job.method].eight_bit_optimizer or force_offload)
     shard_engine = "deepspeed" if forced == "deepspeed" or to_deepspeed else "fsdp"
     if n < 2:
-        return Choice(
-            False,
-            single_engine,
-            "cuda",
-            1,
-            one,
-            cap,
-            reasons,
-            refusal=f"needs {one.per_gpu_gb:.1f} GB on one card, the card has {cap:.1f} GB "
-            f"({sizing_constants.USABLE_FRACTION:.0%} usable), and the box has no second card to shard over",
+        why = (
+            f"needs {one.per_gpu_gb:.1f} GB on one card, the card has {cap:.1f} GB "
+            f"({sizing_constants.USABLE_FRACTION:.0%} usable), and the box has no second card to shard over"
         )
+        return Choice(False, single_engine, "cuda", 1, one, cap, reasons, refusal=why)
     if METHODS[job.method].eight_bit_optimizer and shard_engine == "fsdp":
         return Choice(False, "fsdp", "cuda", n, None, cap, reasons, refusal=FULL_8BIT_FSDP)
 
@@ -340,6 +280,12 @@ def choose(
             if offload
             else ""
         )
+        why = (
+            f"needs {est_all.total_gb:.0f} GB in all; sharded over all {n} cards{held} it still "
+            f"needs {est_all.peak_gb:.1f} GB per card"
+            + (f" ({est_all.load_explanation})" if est_all.load_peak_gb > est_all.per_gpu_gb else "")
+            + f", the cards have {cap:.1f} GB"
+        )
         return Choice(
             False,
             shard_engine,
@@ -350,10 +296,7 @@ def choose(
             reasons,
             offload_params=offload,
             offload_optimizer=offload_opt,
-            refusal=f"needs {est_all.total_gb:.0f} GB in all; sharded over all {n} cards{held} it still "
-            f"needs {est_all.peak_gb:.1f} GB per card"
-            + (f" ({est_all.load_explanation})" if est_all.load_peak_gb > est_all.per_gpu_gb else "")
-            + f", the cards have {cap:.1f} GB",
+            refusal=why,
         )
     ram_usable = hw.ram_gb * sizing_constants.USABLE_RAM_FRACTION
     need_ram = est_all.host_ram_gb / sizing_constants.USABLE_RAM_FRACTION
@@ -501,31 +444,15 @@ def _choose_gpu_count(
 ) -> Choice:
     """The engine choice on `processes` of the box's cards; refused when the rules need another count."""
     if processes > hw.count:
-        return Choice(
-            False,
-            forced,
-            "cuda",
-            processes,
-            None,
-            hw.gpu.memory_gb,
-            [],
-            refusal=f"num_processes={processes} needs {processes} GPUs, this box has {hw.count}",
-        )
+        why = f"num_processes={processes} needs {processes} GPUs, this box has {hw.count}"
+        return Choice(False, forced, "cuda", processes, None, hw.gpu.memory_gb, [], refusal=why)
     used = replace(hw, gpus=hw.gpus[:processes])
     c = choose(job, used, forced, unsloth_ok, workday_hours, in_hand=in_hand, offload=offload)
     if c.fits and c.processes != processes and forced == "auto" and processes > 1:
         c = choose(job, used, "ddp", unsloth_ok, workday_hours, in_hand=in_hand)  # a count > 1 asks for several
     if c.fits and c.processes != processes:
-        return Choice(
-            False,
-            c.engine,
-            "cuda",
-            processes,
-            c.estimate,
-            c.capacity_gb,
-            c.reasons,
-            refusal=f"num_processes={processes}: engine {c.engine} runs {c.processes} process(es) here",
-        )
+        why = f"num_processes={processes}: engine {c.engine} runs {c.processes} process(es) here"
+        return Choice(False, c.engine, "cuda", processes, c.estimate, c.capacity_gb, c.reasons, refusal=why)
     if c.fits:
         idle = hw.count - processes
         c.reasons.append(
