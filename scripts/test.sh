@@ -7,6 +7,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
+# OpenMP threads that wait for work sleep instead of spinning (libgomp's OMP_WAIT_POLICY, which torch's CPU build
+# uses): the tests run several training processes at once on 2 cores, and spinning threads burnt the cores the others
+# needed. A 30-step test run beside a loaded box: 19 s of CPU and 40-57 s of wall time passive, 49-81 s of CPU and
+# 131-267 s spinning (2026-12-05). Numerics do not change: only how idle threads wait.
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 if [ "${1:-}" = "--unsloth" ]; then
   # The Unsloth tier runs in its own environment, .venv-unsloth, the image's /opt/ftrun-unsloth: Unsloth caps
   # transformers, trl and datasets below .venv's stack (docs/engines.md). Every package the image's environment has

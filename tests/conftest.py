@@ -15,6 +15,8 @@ TINY_DATA = REPO / "recipes" / "data" / "tiny-chat.jsonl"
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+# idle OpenMP threads sleep rather than spin: several training processes share the cores (scripts/test.sh says why)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 # The test files that take longest, longest first (their tests' durations summed over the slow tier on 2 cores,
