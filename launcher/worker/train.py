@@ -190,7 +190,9 @@ def run_worker(run_dir: Path, mode: str) -> int:
 
     Trainer = trl_class(recipe.objective, "trainer")
 
-    from launcher.worker.engines import create_process_group, trainer_fields
+    from launcher.worker.engines import create_process_group, skip_deepspeed_unwrapping, trainer_fields
+
+    skip_deepspeed_unwrapping(plan.get("engine", "trl"))
     from launcher.data.dataset import load_data, to_dataset
 
     from launcher.worker.loading import local_rank, sdpa_state, select_device

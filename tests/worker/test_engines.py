@@ -382,6 +382,39 @@ def test_deepspeed_config_is_generated_from_the_plan(write_recipe, tmp_path):
     assert trainer_fields(plan, run) == {"deepspeed": str(run / "deepspeed.json"), "save_on_each_node": True}
 
 
+@pytest.mark.slow  # DeepSpeed is installed for the slow tier (.ci/run), after the default tier
+def test_a_run_on_another_engine_does_not_import_deepspeed_to_unwrap_its_model(tiny_model):
+    """TRL's trainers ask accelerate whether the model is a PEFT model inside a DeepSpeedEngine; a run on another
+    engine answers without importing DeepSpeed, a DeepSpeed run keeps accelerate's own check."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("DeepSpeed is not installed here: nothing to leave unimported")
+    probe = (
+        "import sys\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "from peft import LoraConfig, get_peft_model\n"
+        "from accelerate.utils import is_peft_model\n"
+        "from launcher.worker.engines import skip_deepspeed_unwrapping\n"
+        "skip_deepspeed_unwrapping(sys.argv[2])\n"
+        "base = AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
+        "model = get_peft_model(base, LoraConfig(target_modules='all-linear'))\n"
+        "print(is_peft_model(model), 'deepspeed' in sys.modules)\n"
+    )
+    seen = {}
+    for engine in ("trl", "deepspeed"):
+        res = subprocess.run(
+            [sys.executable, "-c", probe, str(tiny_model), engine],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=dict(os.environ, PYTHONPATH=str(REPO)),
+        )
+        assert res.returncode == 0, res.stderr[-2000:]
+        seen[engine] = res.stdout.split()[-2:]
+    assert seen == {"trl": ["True", "False"], "deepspeed": ["True", "True"]}
+
+
 def test_resume_across_world_sizes_is_allowed_for_trainer_checkpoints_and_refused_for_zero():
     from launcher.worker.engines import resume_compatibility
 
