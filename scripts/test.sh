@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run the tests: default tier (CPU, under 6 minutes on 2 cores: 3 min 03 s on 2026-12-02, two workers); --slow adds multi-process and long tests; --all both;
+# Run the tests: default tier (CPU, under 6 minutes on 2 cores: 3 min 04 s for 1,107 tests on 2026-12-05, two workers); --slow adds multi-process and long tests; --all both;
 # --unsloth: the Unsloth engine tier, in its own environment .venv-unsloth (built on first use; --unsloth --build-only
 # builds it and stops);
 # --gguf: the GGUF export through llama.cpp (builds llama-cpp-python once, about 7 minutes; --gguf --build-only
@@ -83,8 +83,8 @@ fi
 # 2026-12-02), and the default tier halves (6 min 51 s serial, 3 min 03 s with two). FTRUN_TEST_WORKERS=0 runs
 # serially; a later -n on the command line wins.
 PAR=(-n "${FTRUN_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)  # files in tests/conftest.py LONGEST_FIRST order
-# The slow tier's tests mostly wait on the processes they start (a run's workers, torchrun's ranks), so a third
-# worker fills the cores they leave idle.
+# The slow tier's tests wait on the processes they start (a run's workers, torchrun's ranks): with a third worker the
+# 2 cores are busy throughout (0% idle, 2026-12-05; docs/BENCHMARKS.md "Where CI's time went").
 SLOW_PAR=(-n "${FTRUN_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder)
 # The code's format and lint first (pyproject.toml [tool.ruff]): seconds, and a failure says the file and line.
 lint() { .venv/bin/ruff format --check --quiet launcher tests scripts && .venv/bin/ruff check --quiet launcher tests scripts; }
