@@ -69,8 +69,8 @@ def status(run_dir: Path, cwd: Path) -> dict:
 def polled_status(run_dir: Path) -> dict:
     """What `ftrun status RUN --json` prints (the same function, launcher.run.facts.run_status), read in this
     process: for waiting on a state. A CLI process per poll costs half a second of CPU (its imports), so a test
-    polling it twice a second spent half a core waiting, beside the run it waited on (2026-12-05). A test then
-    reads the state it waited for through the CLI once."""
+    polling it twice a second spent half a core waiting, beside the run it waited on (2026-12-05). wait_until_ended
+    reads the end it waited for through the CLI once."""
     from launcher.run.facts import run_status
     from launcher.store.rundir import RunDir
 

@@ -193,6 +193,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
     from launcher.worker.engines import create_process_group, skip_deepspeed_unwrapping, trainer_fields
 
     skip_deepspeed_unwrapping(plan.get("engine", "trl"))
+
     from launcher.data.dataset import load_data, to_dataset
 
     from launcher.worker.loading import local_rank, sdpa_state, select_device
