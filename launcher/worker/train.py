@@ -175,6 +175,10 @@ def run_worker(run_dir: Path, mode: str) -> int:
             )
             return EXIT_BAD_WORLD
 
+    from launcher.worker.unused_libraries import keep_out, skip_deepspeed_unwrapping, unused
+
+    engine = plan.get("engine", "trl")
+    keep_out(unused(recipe, engine))  # before the libraries below import them
     # imported here, all of them: the time from the process's start to now is the import cost the export after
     # training pays again (smoke.py's ETA), trl's and datasets' (imported next) aside
     import peft  # noqa: F401
@@ -189,10 +193,9 @@ def run_worker(run_dir: Path, mode: str) -> int:
     from launcher.methods import trl_class
 
     Trainer = trl_class(recipe.objective, "trainer")
+    skip_deepspeed_unwrapping(engine)
 
-    from launcher.worker.engines import create_process_group, skip_deepspeed_unwrapping, trainer_fields
-
-    skip_deepspeed_unwrapping(plan.get("engine", "trl"))
+    from launcher.worker.engines import create_process_group, trainer_fields
 
     from launcher.data.dataset import load_data, to_dataset
 

@@ -395,7 +395,7 @@ def test_a_run_on_another_engine_does_not_import_deepspeed_to_unwrap_its_model(t
         "from transformers import AutoModelForCausalLM\n"
         "from peft import LoraConfig, get_peft_model\n"
         "from accelerate.utils import is_peft_model\n"
-        "from launcher.worker.engines import skip_deepspeed_unwrapping\n"
+        "from launcher.worker.unused_libraries import skip_deepspeed_unwrapping\n"
         "skip_deepspeed_unwrapping(sys.argv[2])\n"
         "base = AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
         "model = get_peft_model(base, LoraConfig(target_modules='all-linear'))\n"

@@ -383,16 +383,3 @@ def die_with_parent(sig: "int | None" = None) -> None:
         return
     PR_SET_PDEATHSIG = 1
     libc.prctl(PR_SET_PDEATHSIG, int(sig or _signal.SIGKILL), 0, 0, 0)
-
-
-def skip_deepspeed_unwrapping(engine: str) -> None:
-    """A run on another engine never holds a DeepSpeedEngine, so accelerate's check for one is answered here without
-    importing DeepSpeed. accelerate 1.15 utils/other.py extract_model_from_parallel, which TRL 1.16's trainers call
-    at their start (through accelerate.utils.is_peft_model), imports DeepSpeed wherever it is installed only to test
-    isinstance against DeepSpeedEngine: 1.1 s of CPU per process (MLflow comes with it, through DeepSpeed's
-    autotuner), measured 2026-12-05. That module's own name is the only one replaced; it is not read elsewhere."""
-    if engine == "deepspeed":
-        return
-    import accelerate.utils.other
-
-    accelerate.utils.other.is_deepspeed_available = lambda: False
