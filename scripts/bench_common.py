@@ -23,6 +23,7 @@ FTRUN = [PYTHON, "-m", "launcher.cli"]
 # Qwen3-shaped, random weights, built locally. "m" (~10M parameters) is the default: large enough that
 # compute, not Python overhead, dominates a step on 2 cores, small enough for a bench in minutes.
 MODEL_SIZES = {
+    "xs": dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128),  # the tests' tiny model's shape
     "s": dict(hidden=192, layers=4, heads=6, kv_heads=2, intermediate=512),  # ~1.8M
     "m": dict(hidden=384, layers=6, heads=6, kv_heads=2, intermediate=1024),  # ~9.8M
     "l": dict(hidden=512, layers=8, heads=8, kv_heads=2, intermediate=1408),  # ~22M

@@ -40,12 +40,15 @@ def test_tokens_per_second_excludes_warmup():
 @pytest.mark.slow
 def test_throughput_quick_output(tmp_path):
     """--quick runs end to end and prints the ratios (96 examples: 6 steps, 3 logged rows, the fewest that leave
-    two after the warm-up; about 100 s on 2 cores, most of it four processes importing the stack)."""
+    two after the warm-up) on the smallest bench model, the tests' tiny model's shape: 89 s on 2 quiet cores against
+    160 s with --quick's own size s (2026-12-05), most of that the plain script's bf16 autocast on a CPU."""
     out = subprocess.run(
         [
             sys.executable,
             str(REPO / "scripts" / "bench_throughput.py"),
             "--quick",
+            "--size",
+            "xs",
             "--examples",
             "96",
             "--json",
