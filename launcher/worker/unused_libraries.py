@@ -7,7 +7,8 @@ libraries the run never calls:
 - bitsandbytes: PEFT 0.21 imports it with itself wherever it is installed (peft/helpers.py, `import bitsandbytes as
   bnb` under try), and bitsandbytes 0.50 imports torch's inductor with it (backends/default/ops.py): 2.3 s of the
   10.2 s of CPU that peft, TRL's trainers and datasets take to import, measured 2026-12-05 on the CPU box. A run
-  calls it only for a 4-bit base (qlora), an 8-bit optimizer (full-8bit), a checkpoint saved quantized, or on the
+  calls it only for a 4-bit base (qlora), an 8-bit optimizer (full-8bit, or one `trainer:` passes to TRL, as
+  `optim: paged_adamw_8bit`: a run with a `trainer:` section keeps it), a checkpoint saved quantized, or on the
   Unsloth engine (which imports it itself); every other run imports the libraries without it (`keep_out`).
   With wandb below, a whole tiny LoRA run (`ftrun --foreground`, its CLI and plot included) fell from 13.2 to 11.0 s
   of CPU, three runs each.
@@ -31,7 +32,12 @@ def unused(recipe, engine: str) -> tuple[str, ...]:
     from launcher.methods import METHODS
 
     names = []
-    if engine != "unsloth" and not METHODS[recipe.method].bitsandbytes and not _saved_quantized(recipe.model):
+    if (
+        engine != "unsloth"
+        and not METHODS[recipe.method].bitsandbytes
+        and not recipe.trainer  # TRL settings passed through may name one of its optimizers (optim: paged_adamw_8bit)
+        and not _saved_quantized(recipe.model)
+    ):
         names.append("bitsandbytes")
     if "wandb" not in recipe.report_to:
         names.append("wandb")

@@ -1,6 +1,6 @@
 """launcher/worker/unused_libraries.py: the libraries a run has installed but never calls stay out of its imports
-(bitsandbytes outside qlora, full-8bit, a quantized checkpoint and Unsloth; wandb where report_to does not name it);
-the real worker checked by the import profile Python writes for it (PYTHONPROFILEIMPORTTIME)."""
+(bitsandbytes outside qlora, full-8bit, a trainer: section, a quantized checkpoint and Unsloth; wandb where report_to
+does not name it); the real worker checked by the import profile Python writes for it (PYTHONPROFILEIMPORTTIME)."""
 
 from __future__ import annotations
 
@@ -29,8 +29,12 @@ def test_bitsandbytes_is_left_out_only_where_nothing_calls_it(tiny_model, method
     assert unused(_recipe(tiny_model, method), engine) == (*expected, "wandb")
 
 
-def _recipe(model, method="lora", report_to=("tensorboard",)):
-    return SimpleNamespace(model=str(model), method=method, report_to=list(report_to))
+def _recipe(model, method="lora", report_to=("tensorboard",), trainer=None):
+    return SimpleNamespace(model=str(model), method=method, report_to=list(report_to), trainer=trainer or {})
+
+
+def test_a_trainer_section_keeps_bitsandbytes_for_the_optimizers_it_may_name(tiny_model):
+    assert unused(_recipe(tiny_model, trainer={"optim": "paged_adamw_8bit"}), "trl") == ("wandb",)
 
 
 def test_wandb_is_left_out_unless_report_to_names_it(tiny_model):
