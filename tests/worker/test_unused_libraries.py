@@ -54,10 +54,17 @@ def test_a_checkpoint_saved_quantized_or_not_read_keeps_bitsandbytes(tmp_path, t
     assert unused(_recipe(tmp_path / "not-there"), "trl") == ("wandb",)
 
 
-def test_a_lora_run_trains_without_importing_bitsandbytes_or_wandb(write_recipe, tmp_path):
+# wandb comes with the trackers extra, which .ci/run installs for the slow tier only: there the same run checks it
+@pytest.mark.parametrize("tier", ["default", pytest.param("slow", marks=pytest.mark.slow)])
+def test_a_lora_run_trains_without_importing_bitsandbytes_or_wandb(write_recipe, tmp_path, tier):
     """The whole worker, start to end: PEFT imports bitsandbytes at its import and again when it wraps the layers
     (get_peft_model's dispatchers), TRL wandb with its trainers; none of it happens, and the run trains. Every module
     Python imports for the worker is in its import profile, so a module of either there would be one it loaded."""
+    import importlib.util
+
+    assert importlib.util.find_spec("bitsandbytes"), "bitsandbytes is one of ftrun's dependencies (pyproject.toml)"
+    if tier == "slow" and not importlib.util.find_spec("wandb"):
+        pytest.skip("wandb is not installed here (the trackers extra): nothing to leave unimported")
     recipe = write_recipe(max_steps=2)
     res = ftrun(recipe, "--foreground", "smoke.enabled=false", cwd=tmp_path, env={"PYTHONPROFILEIMPORTTIME": "1"})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
