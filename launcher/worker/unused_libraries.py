@@ -22,7 +22,6 @@ libraries the run never calls:
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Iterable
 
@@ -47,15 +46,10 @@ def unused(recipe, engine: str) -> tuple[str, ...]:
 def _saved_quantized(model: str) -> bool:
     """The checkpoint's config.json names a quantization (bitsandbytes' 4-bit of a `-bnb-4bit` repository, say),
     which transformers loads through that library; a config not found or not read here counts as quantized."""
-    from launcher.model_files import local_file
+    from launcher.worker.saving import _read_config
 
-    path = local_file(model, "config.json")
-    if path is None:
-        return True
-    try:
-        return "quantization_config" in json.loads(path.read_text())
-    except (OSError, ValueError):
-        return True
+    config = _read_config(model)
+    return config is None or "quantization_config" in config
 
 
 def keep_out(names: Iterable[str]) -> None:
