@@ -51,37 +51,51 @@ print(json.dumps(out))
 """
 
 
-def _recipes(tiny_model) -> list[list[str]]:
+def _recipes(tiny_model, absent_parent) -> list[list[str]]:
     # the demo's recipes name the model scripts/demo.sh builds (.cache/tiny-model, absent on a fresh clone): the
-    # tests' own build of it stands in
-    return [
-        [str(p), *([f"model={tiny_model}"] if "cache/tiny-model" in p.read_text() else [])]
-        for p in sorted((REPO / "recipes").glob("*.yaml"))
-    ]
+    # tests' own build of it stands in. The DPO and GRPO steps start from the SFT demo's run (init_from:
+    # ../runs/tiny-cpu), which exists only after scripts/demo.sh: they name a parent run that is absent wherever the
+    # tests run, so that the outcome is the same on a fresh clone and after the demo (README's two commands in its order)
+    out = []
+    for p in sorted((REPO / "recipes").glob("*.yaml")):
+        text = p.read_text()
+        out.append(
+            [
+                str(p),
+                *([f"model={tiny_model}"] if "cache/tiny-model" in text else []),
+                *([f"init_from={absent_parent}"] if p.name in PARENT_RUN_STEPS else []),
+            ]
+        )
+    return out
 
 
-def _each_recipe_planned_or_refused_in_a_paragraph(res: subprocess.CompletedProcess) -> None:
+# the demo's steps that start from the SFT demo's run
+PARENT_RUN_STEPS = ("tiny-cpu-dpo.yaml", "tiny-cpu-grpo.yaml")
+
+
+def _each_recipe_planned_or_refused_in_a_paragraph(res: subprocess.CompletedProcess, absent_parent) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
     said = json.loads(res.stdout.splitlines()[-1])
     for recipe, (code, text) in said.items():
         assert "internal error" not in text and "Traceback" not in text, (recipe, text[-2000:])
-        if recipe.endswith(("tiny-cpu-dpo.yaml", "tiny-cpu-grpo.yaml")):  # their parent is the SFT demo's run, absent
-            assert code == 2 and "init_from" in text, (recipe, text[-2000:])
+        if recipe.endswith(PARENT_RUN_STEPS):  # their parent run is absent: refused, naming init_from and the path
+            assert code == 2 and "init_from" in text and str(absent_parent) in text, (recipe, text[-2000:])
             continue
         assert code == 0, (recipe, text[-2000:])
         assert "Plan: " in text, (recipe, text[-1000:])
 
 
 def test_every_shipped_recipe_plans_without_the_training_stack(tmp_path, tiny_model):
+    absent_parent = tmp_path / "runs" / "tiny-cpu"
     res = subprocess.run(
-        [sys.executable, "-c", SCRIPT, json.dumps(ABSENT), json.dumps(_recipes(tiny_model))],
+        [sys.executable, "-c", SCRIPT, json.dumps(ABSENT), json.dumps(_recipes(tiny_model, absent_parent))],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=600,
         env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
     )
-    _each_recipe_planned_or_refused_in_a_paragraph(res)
+    _each_recipe_planned_or_refused_in_a_paragraph(res, absent_parent)
 
 
 @pytest.mark.slow
@@ -111,12 +125,13 @@ def test_a_fresh_venv_with_the_base_dependencies_only_plans_every_shipped_recipe
         timeout=60,
     )
     assert json.loads(present.stdout) == [], present.stdout + present.stderr
+    absent_parent = tmp_path / "runs" / "tiny-cpu"
     res = subprocess.run(
-        [py, "-c", SCRIPT, "[]", json.dumps(_recipes(tiny_model))],
+        [py, "-c", SCRIPT, "[]", json.dumps(_recipes(tiny_model, absent_parent))],
         cwd=tmp_path,  # the installed copy, not the checkout's
         capture_output=True,
         text=True,
         timeout=600,
         env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
     )
-    _each_recipe_planned_or_refused_in_a_paragraph(res)
+    _each_recipe_planned_or_refused_in_a_paragraph(res, absent_parent)
