@@ -43,6 +43,17 @@ class Job:
     # per_device_train_batch_size does.
     answers_per_prompt: int = 1
     completion_tokens: int = 0
+    # Padding-free rows: the micro-batch as one row of its examples (the recipe's padding_free, or packing); and
+    # whether attention over such a row carries a dense L x L mask (SDPA without a variable-length kernel: the plan
+    # decides it from the box, launcher/plan/attention.py dense_mask).
+    padding_free: bool = False
+    dense_mask: bool = False
+
+    @property
+    def rows_hold_several_examples(self) -> bool:
+        """A padding-free micro-batch of one example is one plain causal row (transformers finds no packed sequence
+        in it: masking_utils.py find_packed_sequence_indices); packed rows hold several from one example up."""
+        return self.padding_free and (self.packing or self.micro_batch * self.sequences > 1)
 
     def workload(
         self,
@@ -74,6 +85,7 @@ class Job:
             reference=self.reference,
             loss=LOSS_MATERIALIZED if methods.OBJECTIVES[self.objective].whole_logits else "",
             generation_batch=self.micro_batch * self.accumulation if self.answers_per_prompt > 1 else 0,
+            dense_mask=self.dense_mask and engine != "unsloth" and self.rows_hold_several_examples,
         )
 
 
@@ -159,6 +171,7 @@ def _job(
         objective.name,
         answers,
         completion,
+        padding_free=bool(getattr(recipe, "padding_free", False)) or bool(recipe.packing),
     )
     return job, notes
 

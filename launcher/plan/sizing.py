@@ -106,6 +106,10 @@ class Workload:
     # train on them (TRL's generation batch per device: micro_batch x gradient accumulation), each at most seq_len
     # tokens with its prompt; 0 for an objective that does not generate.
     generation_batch: int = 0
+    # Attention over the micro-batch's one padding-free row carries a dense L x L mask, L its tokens (SDPA without a
+    # variable-length kernel: launcher/plan/attention.py dense_mask); dense_mask_bytes and
+    # throughput.flops_per_token count it.
+    dense_mask: bool = False
 
     @property
     def loss_kind(self) -> str:
@@ -213,6 +217,24 @@ def layer_activation_bytes_per_token(arch: Arch, fp32: bool = False, lora_target
     return elems * (4 if fp32 else 2) + (0 if fp32 else norm_fp32)
 
 
+# SDPA turns a boolean mask into an additive one in the query's dtype for each call (aten's
+# convert_boolean_attn_mask), and the memory-efficient kernel saves it for its backward (its attn_bias): 2 B per
+# element in bf16 on a GPU, kept by every layer without gradient checkpointing and by the recomputed one with it. On
+# the CPU the math kernel adds it to the scores (fp32, not saved); the scores themselves are in the activations.
+MASK_BIAS_BYTES = {"cuda": 2, "cpu": 4}
+
+
+def dense_mask_bytes(arch: Arch, w: Workload) -> float:
+    """Bytes the dense mask of a padding-free row holds at the step's peak: transformers' boolean (1, 1, L, L) mask
+    (masking_utils.py sdpa_mask, 1 B per element, alive for the whole step: the checkpointed layers keep it as an
+    input) and the additive bias of each layer that keeps one (MASK_BIAS_BYTES); 0 without a dense mask."""
+    if not w.dense_mask:
+        return 0.0
+    row = w.tokens_per_micro_batch
+    kept = arch.layers if w.device != "cpu" and not w.gradient_checkpointing else 1
+    return row**2 * (1 + MASK_BIAS_BYTES["cpu" if w.device == "cpu" else "cuda"] * kept)
+
+
 def memory(arch: Arch, w: Workload) -> MemoryEstimate:
     """Peak memory per device for one training step, as a breakdown whose terms are explained."""
     cpu = w.device == "cpu"
@@ -305,16 +327,18 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
             f"({layer / 1e3:.0f} KB/token/layer) for {t:,} tokens per micro-batch"
         )
     if cpu:
-        # The CPU attention path (math SDPA) materialises the score matrix: heads x s^2 fp32, twice for backward.
-        terms["activations"] += (
-            2
-            * w.micro_batch
-            * w.sequences
-            * arch.heads
-            * w.seq_len**2
-            * 4
-            * (1 if w.gradient_checkpointing else arch.layers)
-            / GB
+        # The CPU attention path (math SDPA) materialises the score matrix: heads x s^2 fp32, twice for backward; a
+        # padding-free row with a dense mask is one row of all the micro-batch's tokens.
+        rows, s = (1, t) if w.dense_mask else (w.micro_batch * w.sequences, w.seq_len)
+        terms["activations"] += 2 * rows * arch.heads * s**2 * 4 * (1 if w.gradient_checkpointing else arch.layers) / GB
+    if w.dense_mask:
+        terms["attention mask"] = dense_mask_bytes(arch, w) / GB
+        kept = arch.layers if not cpu and not w.gradient_checkpointing else 1
+        why["attention mask"] = (
+            f"SDPA's dense mask over the padding-free row of {t:,} tokens (no variable-length kernel here): "
+            f"{t:,}^2 x 1 B boolean + {t:,}^2 x {MASK_BIAS_BYTES['cpu' if cpu else 'cuda']} B additive bias kept by "
+            f"{kept} layer{'s' if kept > 1 else ''}"
+            + (" (the memory-efficient kernel saves it for its backward)" if not cpu else "")
         )
     if w.sequences > 1:
         why["activations"] += (
@@ -396,7 +420,7 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
             f"the largest 4-bit weight ({_count(largest)} params) dequantized to 16 bits for "
             "its matmul, one weight at a time"
         )
-    dynamic = terms["activations"] + terms["logits and loss"]
+    dynamic = terms["activations"] + terms["logits and loss"] + terms.get("attention mask", 0.0)
     if w.generation_batch:
         kv, why_kv = generation_bytes(arch, w, b16)
         # generation runs under no_grad before the micro-batches' forward and backward (trl 1.16 grpo_trainer.py

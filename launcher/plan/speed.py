@@ -81,8 +81,10 @@ def faster(job: Job, choice: Choice, free: set[str], replan: Callable[[Job], Cho
         cand = replace(job, gradient_checkpointing=False)
         c = replan(cand)
         if _same_engine(c, choice) and _with_headroom(c):
-            with_ = throughput.flops_per_token(job.arch, job.method, job.seq_len, True, bool(job.reference))
-            without = throughput.flops_per_token(job.arch, job.method, job.seq_len, False, bool(job.reference))
+            w = job.workload(choice.engine, choice.processes, choice.device)
+            row = throughput.dense_row(w, job.seq_len)
+            with_ = throughput.flops_per_token(job.arch, job.method, job.seq_len, True, bool(job.reference), row)
+            without = throughput.flops_per_token(job.arch, job.method, job.seq_len, False, bool(job.reference), row)
             best, update["gradient_checkpointing"] = (cand, c), False
             reasons.append(
                 f"gradient checkpointing off (the recipe leaves it to the plan): {c.estimate.peak_gb:.1f} GB of "
@@ -90,7 +92,15 @@ def faster(job: Job, choice: Choice, free: set[str], replan: Callable[[Job], Cho
                 f"{sizing_constants.USABLE_FRACTION:.0%} the plan fills (headroom for the estimate's error); "
                 f"recomputing them would cost {with_ / without - 1:.0%} more time per token"
             )
-    if {"micro_batch_size", "gradient_accumulation_steps"} <= free and job.accumulation > 1:
+    quadratic = job.padding_free and job.dense_mask and choice.engine != "unsloth"
+    if {"micro_batch_size", "gradient_accumulation_steps"} <= free and job.accumulation > 1 and quadratic:
+        reasons.append(
+            f"micro-batch kept at {job.micro_batch} x accumulation {job.accumulation} (the recipe leaves both to "
+            "the plan): padding-free rows here carry SDPA's dense L x L mask over the micro-batch's tokens (no "
+            "variable-length kernel), so a larger micro-batch costs the square of its tokens in attention and mask "
+            "memory, not less time"
+        )
+    elif {"micro_batch_size", "gradient_accumulation_steps"} <= free and job.accumulation > 1:
         per_step = job.micro_batch * job.accumulation  # examples per optimizer step and process: kept
         for m in sorted((m for m in range(job.micro_batch + 1, per_step + 1) if per_step % m == 0), reverse=True):
             cand = replace(best[0], micro_batch=m, accumulation=per_step // m)
@@ -110,7 +120,7 @@ def faster(job: Job, choice: Choice, free: set[str], replan: Callable[[Job], Cho
                 best = (cand, c)
                 break
     if not update:
-        return None
+        return None if not reasons else Faster(best[0], best[1], update, reasons)
     reasons.append(
         "an out of memory in the smoke test first undoes these (back to the recipe's values); setting the "
         "keys in the recipe keeps them as given"
@@ -121,7 +131,7 @@ def faster(job: Job, choice: Choice, free: set[str], replan: Callable[[Job], Cho
 def record(job: Job, sped: Faster | None) -> dict[str, Any] | None:
     """plan.json's `speed`: what the plan set, the recipe's values it replaced (what an out of memory goes back to),
     and why; None when it set nothing."""
-    if sped is None:
+    if sped is None or not sped.update:
         return None
     was = {
         "gradient_checkpointing": job.gradient_checkpointing,
