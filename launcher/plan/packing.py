@@ -26,6 +26,9 @@ ATTENTION = {
     "flash_attention_2": "variable-length kernels over the examples' boundaries (cu_seq_lens from the collator or the "
     "position ids: transformers modeling_flash_attention_utils.py _flash_attention_forward)",
     "flash_attention_3": "variable-length kernels, as flash_attention_2",
+    "ftrun_varlen": "torch's FlashAttention-2 varlen kernel over the examples' boundaries (cu_seq_lens from TRL's "
+    "collator: launcher/worker/varlen.py; checked on CPU with a per-example reference for the kernel, "
+    "tests/worker/test_varlen.py)",
     "flash_attention_4": "variable-length kernels, as flash_attention_2",
 }
 # What attention implementations outside ATTENTION get: transformers builds no mask for them

@@ -112,15 +112,60 @@ def _flash_attn_2_installed() -> bool:
 
 def attention_implementation(device: str, dtype) -> Optional[str]:
     """The attn_implementation to pass (launcher/plan/attention.py implementation, the plan's own rule), or None for
-    transformers' default, SDPA."""
+    transformers' default, SDPA. torch's varlen kernel (attention.VARLEN) is registered with transformers here, in
+    the process that loads the model (launcher/worker/varlen.py register)."""
     import torch
 
     from launcher.plan import attention
+    from launcher.worker import varlen
 
     if device != "cuda":
         return None
-    chosen = attention.implementation(device, dtype == torch.bfloat16, _flash_attn_2_installed())
+    flash = _flash_attn_2_installed()
+    chosen = attention.implementation(
+        device, dtype == torch.bfloat16, flash, not flash and varlen.available(device, dtype)
+    )
+    if chosen == attention.VARLEN:
+        varlen.register()
     return None if chosen == "sdpa" else chosen
+
+
+def attention_facts(device: str, dtype, model=None, engine: str = "trl") -> dict[str, Any]:
+    """What runs attention in this process, for worker.json and the log: the implementation the model was loaded
+    with (or, before the load, will be: the same rule), the kernel of padded, padding-free and decode batches,
+    torch's release, and a line saying it. Unsloth's loader brings its own attention."""
+    import torch
+
+    from launcher.plan import attention
+    from launcher.worker import varlen
+
+    if engine == "unsloth":
+        line = "attention: Unsloth's own (its loader patches the model's attention)"
+        return {"implementation": "unsloth", "kernels": None, "torch": torch.__version__, "why": None, "line": line}
+    loaded = varlen.ran(model) if model is not None else None
+    attn = loaded or attention_implementation(device, dtype) or "sdpa"
+    sdpa = "SDPA (flash attention unmasked, the memory-efficient kernel with a mask)" if device == "cuda" else "SDPA"
+    if attn == attention.FLASH:
+        kernels = {"padded": attention.KERNEL_NAMES[attn], "padding_free": attention.KERNEL_NAMES[attn]}
+    elif attn == attention.VARLEN:
+        kernels = {"padded": sdpa, "padding_free": attention.KERNEL_NAMES[attn]}
+    else:
+        kernels = {"padded": sdpa, "padding_free": f"{sdpa} with a dense L x L mask over the row"}
+    kernels["decode"] = kernels["padded"] if attn != attention.FLASH else attention.KERNEL_NAMES[attn]
+    if device == "cuda" and attn == "sdpa":
+        why = (
+            "FlashAttention-2 needs compute capability 8.0"
+            if dtype != torch.bfloat16
+            else f"flash-attn 2 is not installed and torch {torch.__version__} has no usable varlen_attn "
+            f"({'.'.join(map(str, attention.VARLEN_MIN_TORCH))} or newer, with flash attention built in)"
+        )
+    else:
+        why = ""
+    line = (
+        f"attention: {attn}; padding-free rows on {kernels['padding_free']}, padded batches on {kernels['padded']}, "
+        f"decode on {kernels['decode']}" + (f" ({why})" if why else "")
+    )
+    return {"implementation": attn, "kernels": kernels, "torch": torch.__version__, "why": why or None, "line": line}
 
 
 def apply_sdpa_backends() -> dict[str, Any]:
@@ -464,19 +509,8 @@ def load_model_and_tokenizer(recipe, device: str, dtype, plan: Optional[dict] = 
         model = add_lora(model, recipe)
     if is_main_process():
         print("[ftrun worker] " + describe_model(model), flush=True)
-        if device == "cuda" and "attn_implementation" not in kwargs:  # the fallback is said, once
-            import torch
-
-            why = (
-                "FlashAttention-2 needs compute capability 8.0"
-                if dtype != torch.bfloat16
-                else "flash-attn 2 is not installed"
-            )
-            print(
-                f"[ftrun worker] attention: transformers' default (SDPA), not flash_attention_2: {why}; "
-                "padding-free batches then carry a dense mask",
-                flush=True,
-            )
+        if device == "cuda":  # the kernel that runs, said once
+            print(f"[ftrun worker] {attention_facts(device, dtype, model)['line']}", flush=True)
     return model, tokenizer
 
 

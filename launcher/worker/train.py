@@ -199,7 +199,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
 
     from launcher.data.dataset import load_data, to_dataset
 
-    from launcher.worker.loading import local_rank, sdpa_state, select_device
+    from launcher.worker.loading import attention_facts, local_rank, sdpa_state, select_device
 
     device, dtype = select_device()  # this rank's own GPU (LOCAL_RANK), before anything touches CUDA
     group_timeout_s = process_group_seconds(recipe, run, mode)
@@ -292,6 +292,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
             "started": time.time(),
             "resumed_from": resume_from.path.name if resume_from else None,
             "sdpa_backends": sdpa_state(),
+            "attention": attention_facts(device, dtype, engine=plan.get("engine", "trl")),
         }
         ckpt.atomic_write_json(run.worker if mode == "full" else run.smoke_work / "worker.json", info)
         if resume_from:

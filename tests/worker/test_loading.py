@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from launcher.plan import attention
 from launcher.worker import loading
 
 
@@ -122,7 +123,27 @@ def test_flash_attention_only_where_flash_attn_2_is_installed_on_a_bf16_card(mon
     assert loading.attention_implementation("cuda", torch.float32) is None
     assert loading.attention_implementation("cpu", torch.float32) is None
     monkeypatch.setattr(loading, "_flash_attn_2_installed", lambda: False)
+    # without flash-attn: torch's own varlen kernel where torch has flash attention built in (a CUDA build; the one
+    # device query stood in for here), registered with transformers by the call
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: False)
     assert loading.attention_implementation("cuda", torch.bfloat16) is None
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+    assert loading.attention_implementation("cuda", torch.bfloat16) == attention.VARLEN
+    assert loading.attention_implementation("cuda", torch.float16) is None
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    assert attention.VARLEN in AttentionInterface._global_mapping
+    assert attention.VARLEN in AttentionMaskInterface._global_mapping
+    facts = loading.attention_facts("cuda", torch.bfloat16)
+    assert facts["implementation"] == attention.VARLEN and "varlen_attn" in facts["kernels"]["padding_free"]
+    assert facts["kernels"]["padded"].startswith("SDPA") and facts["kernels"]["decode"] == facts["kernels"]["padded"]
+    assert "ftrun_varlen" in facts["line"] and facts["why"] is None
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: False)
+    facts = loading.attention_facts("cuda", torch.bfloat16)
+    assert facts["implementation"] == "sdpa" and "dense L x L mask" in facts["kernels"]["padding_free"]
+    assert "flash-attn 2 is not installed" in facts["why"] and torch.__version__ in facts["why"]
+    assert loading.attention_facts("cuda", torch.bfloat16, engine="unsloth")["implementation"] == "unsloth"
 
 
 def test_flash_attn_2_test_is_transformers_own():
