@@ -154,7 +154,7 @@ def reason(
         return (
             f"attention: {VARLEN}: padding-free rows on the FlashAttention-2 varlen kernel of {torch_label} "
             "(torch.nn.attention.varlen.varlen_attn, fed the collator's cu_seq_lens: each example attends to itself, "
-            f"no L x L mask; flash-attn not installed); padded batches and generation: {sdpa}"
+            f"no L x L mask; flash-attn not installed); padded batches and generation through {sdpa}"
         )
     if padding_free_rows:
         return f"attention: {sdpa}; {dense}: {why_not_varlen or 'no variable-length kernel here'}"
