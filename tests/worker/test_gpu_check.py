@@ -93,6 +93,58 @@ def test_batch_layouts():
     assert free["labels"].tolist() == [[-100, 6, 7, -100, 9, -100, 11, 12, 13]]
     assert "attention_mask" not in free
     assert torch.equal(free["labels"][free["labels"] != -100], padded["labels"][:, 1:][padded["labels"][:, 1:] != -100])
+    assert free["cu_seq_lens_q"].tolist() == [0, 3, 5, 9] and free["max_length_q"] == 4
+    # the same layout as trl's own padding-free collator, boundaries included (what the worker trains with)
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    trl = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)([{"input_ids": e} for e in examples])
+    for key, value in free.items():
+        assert (
+            (torch.equal(value, trl[key]) and value.dtype == trl[key].dtype)
+            if torch.is_tensor(value)
+            else (value == trl[key])
+        ), key
+    dense = padding.dense_batch(examples, "cpu")
+    assert set(dense) == {"input_ids", "position_ids", "labels"}
+    fixed = padding.fixed_batch(examples, "cpu")
+    assert fixed["input_ids"].shape == (3, 3) and "attention_mask" not in fixed  # the mean length, no mask
+
+
+def test_the_padding_step_measures_each_kernel_against_the_fixed_shape(tmp_path, monkeypatch):
+    """The bench-padding step as the dry run runs it (CPU, tiny shape): every case but the GPU-only varlen kernel
+    measured at the bench's micro-batch and at speed.py's choice, checkpointing on and off; the cases' first losses
+    agree, the examples stay apart; a case the sizer says the card cannot hold is skipped before it starts."""
+    pytest.importorskip("peft")
+    from launcher.worker.gpu_check.common import Context
+
+    seen = []
+    ctx = Context(
+        out=tmp_path, work=tmp_path, dry_run=True, device="cpu", shape="tiny", progress=lambda **k: seen.append(k)
+    )
+    result = padding.step_bench_padding(ctx)
+    assert result["ok"], result["line"]
+    assert (
+        result["micro_batches"] == [4, 2] and result["speed_choice"]["micro_batch"] == 2
+    )  # the CPU keeps the recipe's
+    cases = result["cases"]
+    assert len(cases) == 4 * 2 * 2 and seen  # progress after each case
+    for key, case in cases.items():
+        if case["kernel"] == "varlen":
+            assert "CUDA" in case["skipped"]
+            continue
+        assert case["tokens_per_second"] > 0 and case["predicted_gb"] > 0, key
+        if case["kernel"] != "fixed":
+            assert case["of_fixed"] > 0
+    assert result["isolation"]["isolated"] and result["first_losses_agree"]
+    # the dense case on the padding-free row: SDPA; its sizer figure counts the mask
+    assert cases["dense mb4 ckpt"]["implementation"] == "sdpa"
+    assert cases["dense mb4 no-ckpt"]["predicted_gb"] >= cases["fixed mb4 no-ckpt"]["predicted_gb"]
+    assert "mb4 ckpt: varlen skipped, dense" in result["line"]
+
+    # a card too small for every case: each is skipped before it starts
+    monkeypatch.setattr(padding, "_capacity_gb", lambda device: 0.01)
+    small = padding.step_bench_padding(ctx)
+    assert all("skipped" in c for c in small["cases"].values())
 
 
 @pytest.mark.slow

@@ -191,6 +191,7 @@ def run_record(run: Path, started: float) -> dict[str, Any]:
         "generation": generation_rate(run),
         "worker": worker,
         "sdpa_backends": worker.get("sdpa_backends"),
+        "attention": worker.get("attention"),  # the kernel of padded, padding-free and decode batches
         "final_check": state.get("final_check"),
         "export": state.get("export"),
     }

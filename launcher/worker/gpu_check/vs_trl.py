@@ -195,6 +195,7 @@ def step_vs_trl(ctx: Context) -> dict[str, Any]:
             **rate([(r["step"], r["time"], r["tokens_seen"]) for r in rows], run["warmup"]),
             "wall_seconds": round(secs, 1),
             "sdpa_backends": worker.get("sdpa_backends"),
+            "attention": worker.get("attention"),
             "peak_memory_gb": peak,
         }
     }
