@@ -4,7 +4,8 @@ Where the recipe leaves `gradient_checkpointing` out, a job whose activations al
 them; where it leaves both `micro_batch_size` and `gradient_accumulation_steps` out, the micro-batch grows and the
 accumulation shrinks by the same factor. The examples per optimizer step (micro-batch x accumulation x processes),
 their order and the loss stay the same, so does the trajectory. Only on a GPU, without any offload (HEADROOM says
-how much room). docs/sizing.md, "Using the card".
+how much room), and never into a quadratic cost: where padding-free rows carry SDPA's dense mask (no variable-length
+kernel on the box: launcher/plan/attention.py), the micro-batch stays the recipe's. docs/sizing.md, "Using the card".
 """
 
 from __future__ import annotations
