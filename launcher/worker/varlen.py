@@ -144,7 +144,9 @@ def attention_forward(
         bounds is not None
         and usable_signature(params)
         and query.shape[0] == 1
-        and query.shape[2] == key.shape[2] == int(bounds[0][-1])  # the whole row, no cache in front of it
+        # the whole row, no cache in front of it (not read from cu_seq_lens: on the GPU that would wait for the card
+        # in every layer, the device-to-host sync TRL computes the boundaries on the CPU to avoid)
+        and query.shape[2] == key.shape[2]
         and not dropout  # varlen_attn has no dropout
         and sliding_window is None
         and softcap is None
@@ -173,7 +175,9 @@ def _varlen(module, query, key, value, scaling, bounds, params):
     import torch
 
     cu_q, cu_k, max_q, max_k = bounds
-    q, k, v = (x.transpose(1, 2)[0] for x in (query, key, value))  # (L, heads, D): the layout before the transpose
+    # (L, heads, D), one copy each as transformers' own flash path makes (modeling_flash_attention_utils.py
+    # _prepare_from_posids: .contiguous()): the kernel reads rows and heads by stride, the copy keeps that plain
+    q, k, v = (x.transpose(1, 2)[0].contiguous() for x in (query, key, value))
     extra: dict[str, Any] = {"scale": scaling, "window_size": (-1, 0)}  # (-1, 0): causal inside each example
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" in params:
