@@ -157,3 +157,11 @@ def test_the_cpu_plan_counts_the_dense_mask_of_a_padding_free_row(tmp_path):
     )
     assert "attention mask" not in padded.memory["breakdown_gb"]
     assert padded.memory["breakdown_gb"]["activations"] < p.memory["breakdown_gb"]["activations"]
+
+
+def test_flash_attn_where_installed_comes_first(tmp_path, this_h200, monkeypatch):
+    box = this_h200("2.10.0")
+    monkeypatch.setattr(attention, "flash_attn_installed", lambda: True)
+    p = make_plan(_recipe(tmp_path), box, tokens=15_000_000)
+    assert _line(p).startswith(f"attention: {attention.FLASH}") and "attention mask" not in p.memory["breakdown_gb"]
+    assert p.micro_batch_size > 2  # nothing quadratic to keep it from growing

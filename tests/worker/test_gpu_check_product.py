@@ -90,7 +90,10 @@ def test_a_run_directorys_speed_record(tmp_path):
     (run / "smoke.json").write_text(json.dumps({"tokens_per_second": 612.0, "seconds_per_step": 0.3}))
     plan = {"tokens": {"estimated_tokens_per_second": 67188}, "micro_batch_size": 8}
     (run / "plan.json").write_text(json.dumps(plan))
-    (run / "worker.json").write_text(json.dumps({"device": "cuda", "sdpa_backends": {"cudnn": False}}))
+    attention = {"implementation": "ftrun_varlen", "kernels": {"padding_free": "torch's varlen_attn"}}
+    (run / "worker.json").write_text(
+        json.dumps({"device": "cuda", "sdpa_backends": {"cudnn": False}, "attention": attention})
+    )
     answers = [{"index": i, "new_tokens": 24, "seconds": 0.5} for i in range(4)]
     (run / "final" / "task_eval" / "fine_tuned.jsonl").write_text("".join(json.dumps(a) + "\n" for a in answers))
     record = product.run_record(run, started=5.0)
@@ -103,6 +106,7 @@ def test_a_run_directorys_speed_record(tmp_path):
     }
     assert record["steps"] == [1, 2, 3, 4, 5, 6] and record["step_seconds"] == [0.5] * 5
     assert record["peak_memory_gb"] == 0.56 and record["sdpa_backends"] == {"cudnn": False}
+    assert record["attention"] == attention  # the kernel the run's worker recorded
     assert record["generation"] == {
         "final/fine_tuned": {"answers": 4, "new_tokens": 96, "seconds": 2.0, "tokens_per_second": 48.0}
     }
