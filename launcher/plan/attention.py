@@ -128,8 +128,8 @@ def reason(
     without padding-free rows (its SDPA has no cuDNN backend and no varlen kernel)."""
     backends, source = sdpa_backends(environ)  # a bad override is refused on any box, before anything trains
     dense = (
-        "padding-free rows carry a dense L x L mask over the micro-batch's tokens (SDPA's memory-efficient kernel; "
-        "the plan counts its L^2 FLOPs and memory and does not raise the micro-batch)"
+        "padding-free rows carry a dense L x L mask over the micro-batch's tokens (the kernel computes the whole "
+        "L x L block; the plan counts its L^2 FLOPs and memory and does not raise the micro-batch)"
     )
     if device != "cuda":
         return f"attention: SDPA on the CPU; {dense}" if padding_free_rows else None

@@ -218,9 +218,10 @@ def layer_activation_bytes_per_token(arch: Arch, fp32: bool = False, lora_target
 
 
 # SDPA turns a boolean mask into an additive one in the query's dtype for each call (aten's
-# convert_boolean_attn_mask), and the memory-efficient kernel saves it for its backward (its attn_bias): 2 B per
-# element in bf16 on a GPU, kept by every layer without gradient checkpointing and by the recomputed one with it. On
-# the CPU the math kernel adds it to the scores (fp32, not saved); the scores themselves are in the activations.
+# convert_boolean_attn_mask), and the kernel saves it for its backward: the memory-efficient kernel's attn_bias on a
+# GPU (2 B per element in bf16), the CPU flash kernel's attn_mask (_scaled_dot_product_flash_attention_for_cpu and its
+# backward, which torch 2.13 picks on the CPU with a mask too; fp32, 4 B). Every layer keeps one without gradient
+# checkpointing, the recomputed layer with it.
 MASK_BIAS_BYTES = {"cuda": 2, "cpu": 4}
 
 
@@ -231,7 +232,7 @@ def dense_mask_bytes(arch: Arch, w: Workload) -> float:
     if not w.dense_mask:
         return 0.0
     row = w.tokens_per_micro_batch
-    kept = arch.layers if w.device != "cpu" and not w.gradient_checkpointing else 1
+    kept = 1 if w.gradient_checkpointing else arch.layers
     return row**2 * (1 + MASK_BIAS_BYTES["cpu" if w.device == "cpu" else "cuda"] * kept)
 
 
@@ -327,18 +328,24 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
             f"({layer / 1e3:.0f} KB/token/layer) for {t:,} tokens per micro-batch"
         )
     if cpu:
-        # The CPU attention path (math SDPA) materialises the score matrix: heads x s^2 fp32, twice for backward; a
-        # padding-free row with a dense mask is one row of all the micro-batch's tokens.
-        rows, s = (1, t) if w.dense_mask else (w.micro_batch * w.sequences, w.seq_len)
-        terms["activations"] += 2 * rows * arch.heads * s**2 * 4 * (1 if w.gradient_checkpointing else arch.layers) / GB
+        # The CPU attention path (math SDPA) materialises the score matrix: heads x s^2 fp32, twice for backward.
+        terms["activations"] += (
+            2
+            * w.micro_batch
+            * w.sequences
+            * arch.heads
+            * w.seq_len**2
+            * 4
+            * (1 if w.gradient_checkpointing else arch.layers)
+            / GB
+        )
     if w.dense_mask:
         terms["attention mask"] = dense_mask_bytes(arch, w) / GB
-        kept = arch.layers if not cpu and not w.gradient_checkpointing else 1
+        kept = 1 if w.gradient_checkpointing else arch.layers
         why["attention mask"] = (
             f"SDPA's dense mask over the padding-free row of {t:,} tokens (no variable-length kernel here): "
-            f"{t:,}^2 x 1 B boolean + {t:,}^2 x {MASK_BIAS_BYTES['cpu' if cpu else 'cuda']} B additive bias kept by "
-            f"{kept} layer{'s' if kept > 1 else ''}"
-            + (" (the memory-efficient kernel saves it for its backward)" if not cpu else "")
+            f"{t:,}^2 x 1 B boolean + {t:,}^2 x {MASK_BIAS_BYTES['cpu' if cpu else 'cuda']} B additive mask saved "
+            f"for the backward by {kept} layer{'s' if kept > 1 else ''}"
         )
     if w.sequences > 1:
         why["activations"] += (
