@@ -51,7 +51,8 @@ def _reference(
             "dtype": cu_seq_q.dtype,
         }
     )
-    assert torch.equal(cu_seq_q, cu_seq_k) and tuple(window_size) == (-1, 0)
+    # a tuple: varlen_attn tests `window_size == (-1, 0)` for causality (a list would run non-causal)
+    assert torch.equal(cu_seq_q, cu_seq_k) and window_size == (-1, 0) and isinstance(window_size, tuple)
     out = []
     for a, b in zip(cu_seq_q[:-1].tolist(), cu_seq_q[1:].tolist()):
         q, k, v = (x[a:b].transpose(0, 1) for x in (query, key, value))
