@@ -153,8 +153,9 @@ def attention_forward(
         and getattr(module, "is_causal", True)
         and query.shape[-1] <= MAX_HEAD_DIM
         and query.shape[-1] % 8 == 0
+        and _kernel_dtype(query) is not None
     ):
-        return _varlen(module, query, key, value, scaling, bounds, params), None
+        return _varlen(query, key, value, scaling, bounds, params), None
     if isinstance(attention_mask, DeferredMask):
         attention_mask = attention_mask.build()
     return sdpa_attention_forward(
@@ -171,13 +172,27 @@ def attention_forward(
     )
 
 
-def _varlen(module, query, key, value, scaling, bounds, params):
+def _kernel_dtype(query):
+    """The dtype the kernel runs in: on a GPU autocast's (the Trainer trains under bf16 autocast; Qwen3's q/k norms
+    return fp32 where the weights are fp32 master weights, and SDPA, on autocast's lower-precision list, would cast
+    them the same way), else the query's own, and None where that is not bf16 or fp16 (FlashAttention-2 has no
+    fp32): such a call goes to SDPA. On the CPU (the tests' reference kernel) the query's own."""
+    import torch
+
+    if not query.is_cuda:
+        return query.dtype
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else query.dtype
+    return dtype if dtype in (torch.bfloat16, torch.float16) else None
+
+
+def _varlen(query, key, value, scaling, bounds, params):
     import torch
 
     cu_q, cu_k, max_q, max_k = bounds
+    dtype = _kernel_dtype(query)
     # (L, heads, D), one copy each as transformers' own flash path makes (modeling_flash_attention_utils.py
     # _prepare_from_posids: .contiguous()): the kernel reads rows and heads by stride, the copy keeps that plain
-    q, k, v = (x.transpose(1, 2)[0].contiguous() for x in (query, key, value))
+    q, k, v = (x.transpose(1, 2)[0].to(dtype).contiguous() for x in (query, key, value))
     extra: dict[str, Any] = {"scale": scaling, "window_size": (-1, 0)}  # (-1, 0): causal inside each example
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" in params:
