@@ -87,18 +87,20 @@ def _torch_2_11_signature(
     #179468)."""
 
 
-@pytest.fixture(params=["installed", "2.11"])
+@pytest.fixture
 def kernel(request, monkeypatch):
-    """The reference in place of varlen_attn, with the signature of this torch (2.13: enable_gqa) or of 2.11."""
+    """The reference in place of varlen_attn, with the signature of this torch (2.13: enable_gqa; the default) or of
+    2.11 (indirect parametrization)."""
     from torch.nn.attention import varlen as torch_varlen
 
+    flavour = getattr(request, "param", "installed")
     calls: list[dict] = []
     reference = functools.partial(_reference, calls)
-    model = torch_varlen.varlen_attn if request.param == "installed" else _torch_2_11_signature
+    model = torch_varlen.varlen_attn if flavour == "installed" else _torch_2_11_signature
     stub = functools.wraps(model)(lambda *a, **k: reference(*a, **k))
     assert inspect.signature(stub) == inspect.signature(model)
     monkeypatch.setattr(torch_varlen, "varlen_attn", stub)
-    return request.param, calls
+    return flavour, calls
 
 
 @pytest.fixture
@@ -150,6 +152,7 @@ def _step(model, batch):
     return out, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.parametrize("kernel", ["installed", "2.11"], indirect=True)
 def test_padding_free_rows_on_the_varlen_kernel_equal_the_padded_batch(tiny_model, kernel, mask_builds):
     flavour, calls = kernel
     model, _ = _models(tiny_model)
@@ -233,3 +236,24 @@ def test_available_only_on_a_bf16_card_with_a_usable_signature():
     assert not varlen.usable_signature(frozenset({"query", "is_causal", "return_aux"}))  # torch 2.10
     assert not varlen.usable_signature(None)
     assert varlen.usable_signature(varlen.kernel_parameters())  # this torch (2.13)
+
+
+def test_the_gpu_checks_kernel_switch_reaches_a_built_peft_model(tiny_model, kernel):
+    """bench-padding switches one built model between the kernels (padding._set_kernel): transformers reads the
+    implementation at every forward, through PEFT's wrapper too."""
+    from launcher.worker.gpu_check import padding
+    from launcher.worker.gpu_check.common import worker_recipe
+    from launcher.worker.loading import add_lora
+
+    _, sdpa = _models(tiny_model)
+    model = add_lora(sdpa, worker_recipe(tiny_model))
+    free, _ = _batches()
+    with torch.no_grad():
+        model(**free, use_cache=False)
+        assert kernel[1] == []
+        padding._set_kernel(model, VARLEN)
+        model(**free, use_cache=False)
+        assert len(kernel[1]) == model.config.num_hidden_layers
+        padding._set_kernel(model, "sdpa")
+        model(**free, use_cache=False)
+    assert len(kernel[1]) == model.config.num_hidden_layers
