@@ -195,7 +195,8 @@ def trainable_params(arch: Arch, w: Workload) -> int:
 
 
 def layer_activation_bytes_per_token(arch: Arch, fp32: bool = False, lora_targets: Any = None) -> float:
-    """Tensors one decoder layer saves for backward, per token (flash / SDPA attention: no s^2 term).
+    """Tensors one decoder layer saves for backward, per token (flash / SDPA attention: no s^2 term; SDPA's dense mask
+    over a padding-free row is dense_mask_bytes).
 
     Trained weights (full fine-tuning): every linear saves its input. Attention: norm input and output, q, k, v after
     RoPE, attention output (o_proj input). MLP: norm input and output, gate, up, act(gate), act(gate) * up (down_proj
