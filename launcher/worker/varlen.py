@@ -23,7 +23,9 @@ varlen_attn's signature changed between releases (read for each; CPU tests stub 
 - torch 2.11: `*, return_aux, scale, window_size`; causal is window_size=(-1, 0) (pytorch/pytorch#172238 and
   #172245, merged 2026-01-21, before 2.11's branch cut); the backward is registered on the custom op
   (_varlen_attn.register_autograd(_backward, ...), calling aten._flash_attention_backward); no `enable_gqa`, so the
-  key/value heads are repeated to the query heads here, as transformers' SDPA path does (repeat_kv);
+  key/value heads are repeated to the query heads here, as transformers' SDPA path does (repeat_kv). Read from a
+  pytorch/pytorch snapshot of varlen.py between those PRs and #179468 (the v2.11.0 tag could not be fetched);
+  what runs is decided by the installed signature, not by the version;
 - torch 2.12 and 2.13: `enable_gqa` as well (pytorch/pytorch#179468, 2026-04-06; 2.13's
   torch/nn/attention/varlen.py), which lets the kernel share each key/value head without the copy.
 """
