@@ -6,6 +6,7 @@ import math
 from dataclasses import replace
 from typing import Any
 
+from launcher.plan import attention
 from launcher.plan.choice import Choice, offload_words
 from launcher.plan.engine import choose
 from launcher.plan.figures import _fmt_hours, _fmt_tokens
@@ -24,8 +25,10 @@ def _box_rows(job: Job, forced: str, unsloth_ok: bool, workday_hours: float) -> 
     for name, entry in catalog().items():
         for count in BOX_SIZES:
             hw = catalog_box(name, count)
+            # each box with its own attention kernel: a rented box runs ftrun's image (launcher/plan/attention.py)
+            kernel = attention.box_kernels(hw)["implementation"]
             c = choose(
-                job,
+                replace(job, dense_mask=attention.dense_mask(kernel, "trl", job.padding_free)),
                 hw,
                 forced="auto" if forced == "auto" else forced,
                 unsloth_ok=unsloth_ok,

@@ -33,7 +33,7 @@ import importlib.metadata
 import importlib.util
 import os
 import re
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 from launcher.errors import UsageError
 
@@ -89,6 +89,27 @@ def implementation(device: str, bf16: bool, flash_attn_installed: bool, torch_va
         if torch_varlen:
             return VARLEN
     return "sdpa"
+
+
+def box_kernels(hardware: Any) -> dict[str, Any]:
+    """What decides the attention kernel on a box (launcher/plan/hardware.py Hardware): flash-attn installed, torch's
+    release (as the Why line names it) and whether it has the varlen kernel, and the implementation a training step
+    loads with. This machine's installation where the box is this machine (or a CPU); ftrun's image for a rented box
+    named with --gpus or box: (engine_software.IMAGE_SOFTWARE: no flash-attn, a torch with varlen_attn)."""
+    from launcher.plan.throughput import training_precision
+
+    here = hardware.is_cpu_only or hardware.is_this_machine
+    flash = flash_attn_installed() if here else False
+    release = torch_version() if here else None
+    varlen = torch_has_varlen(release)
+    device = "cpu" if hardware.is_cpu_only else "cuda"
+    bf16 = training_precision(device, None if hardware.gpu is None else hardware.gpu.compute_capability) == "bf16"
+    return {
+        "flash_attn": flash,
+        "torch": torch_label(release),
+        "torch_varlen": varlen,
+        "implementation": implementation(device, bf16, flash, varlen),
+    }
 
 
 def dense_mask(attn: str, engine: str, padding_free_rows: bool) -> bool:

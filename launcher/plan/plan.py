@@ -135,25 +135,6 @@ def make_plan(recipe: Any, hardware: Hardware, *args: Any, **kwargs: Any) -> Pla
     return plan
 
 
-def _attention_kernels(hardware: Hardware) -> dict[str, Any]:
-    """What decides the attention kernel on the box planned: flash-attn installed, torch's release and whether it has
-    the varlen kernel (launcher/plan/attention.py), and the implementation a training step loads with. This machine's
-    installation where the box is this machine (or a CPU); ftrun's image for a rented box named with --gpus or box:
-    (engine_software.IMAGE_SOFTWARE: no flash-attn, a torch with varlen_attn)."""
-    here = hardware.is_cpu_only or hardware.is_this_machine
-    flash = attention.flash_attn_installed() if here else False
-    release = attention.torch_version() if here else None
-    varlen = attention.torch_has_varlen(release)
-    device = "cpu" if hardware.is_cpu_only else "cuda"
-    bf16 = throughput.training_precision(device, None if hardware.gpu is None else hardware.gpu.compute_capability)
-    return {
-        "flash_attn": flash,
-        "torch": attention.torch_label(release),
-        "torch_varlen": varlen,
-        "implementation": attention.implementation(device, bf16 == "bf16", flash, varlen),
-    }
-
-
 def _price(recipe: Any, hardware: Hardware, price: float | None) -> tuple[float | None, str]:
     if price is not None:
         return price, "--price"
@@ -208,7 +189,7 @@ def plan_for(
     arch = arch or load_architecture(recipe.model)
     unsloth_ok, software = engine_software.software(hardware, unsloth_available)
     job, notes = _job(recipe, arch, data_stats, tokens, tokens_from)
-    kernels = _attention_kernels(hardware)
+    kernels = attention.box_kernels(hardware)
     job = replace(job, dense_mask=attention.dense_mask(kernels["implementation"], "trl", job.padding_free))
     blocked = None
     try:  # each requested output can be made; a missing install is said after the plan, which it does not change

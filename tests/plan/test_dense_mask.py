@@ -166,3 +166,15 @@ def test_flash_attn_where_installed_comes_first(tmp_path, this_h200, monkeypatch
     p = make_plan(_recipe(tmp_path), box, tokens=15_000_000)
     assert _line(p).startswith(f"attention: {attention.FLASH}") and "attention mask" not in p.memory["breakdown_gb"]
     assert p.micro_batch_size > 2  # nothing quadratic to keep it from growing
+
+
+def test_each_box_has_its_own_kernel(this_h200, monkeypatch):
+    """This machine's software where the box is this machine, ftrun's image for a rented one (the alternatives the
+    plan lists are each priced with their own)."""
+    assert attention.box_kernels(this_h200("2.10.0"))["implementation"] == "sdpa"
+    assert attention.box_kernels(this_h200("2.11.0"))["implementation"] == attention.VARLEN
+    monkeypatch.setattr(attention, "torch_version", lambda: "2.10.0")
+    rented = attention.box_kernels(catalog_box("H200", 1))
+    assert rented["implementation"] == attention.VARLEN and rented["torch"] == "the torch of ftrun's image"
+    assert attention.box_kernels(catalog_box("T4", 1))["implementation"] == "sdpa"  # fp16: no FlashAttention-2
+    assert attention.box_kernels(from_spec("cpu"))["implementation"] == "sdpa"
