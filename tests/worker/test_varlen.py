@@ -257,3 +257,38 @@ def test_the_gpu_checks_kernel_switch_reaches_a_built_peft_model(tiny_model, ker
         padding._set_kernel(model, "sdpa")
         model(**free, use_cache=False)
     assert len(kernel[1]) == model.config.num_hidden_layers
+
+
+def test_trls_trainer_hands_the_boundaries_down_to_the_kernel(tiny_model, kernel, tmp_path):
+    """One step of TRL's SFTTrainer with the worker's padding-free collator (trainer_config.padding_free_collator):
+    compute_loss passes the collator's cu_seq_lens through the Trainer to every layer's kernel call."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    from launcher.worker.trainer_config import padding_free_collator
+
+    model, _ = _models(tiny_model)
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    recipe = type("R", (), {"padding_free": True, "packing": False})()
+    args = SFTConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=1,
+        report_to=[],
+        use_cpu=True,
+        logging_strategy="no",
+        save_strategy="no",
+        dataset_text_field="text",
+    )
+    data = Dataset.from_list([{"text": " ".join(["word"] * n)} for n in (5, 9, 3, 7)])
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=data,
+        processing_class=tokenizer,
+        data_collator=padding_free_collator(recipe, tokenizer),
+    )
+    trainer.train()
+    calls = kernel[1]
+    assert len(calls) >= model.config.num_hidden_layers and len(calls[0]["cu"]) == 5  # 4 examples, their bounds
