@@ -117,6 +117,10 @@ def test_the_padding_step_measures_each_kernel_against_the_fixed_shape(tmp_path,
     pytest.importorskip("peft")
     from launcher.worker.gpu_check.common import Context
 
+    from launcher.worker.gpu_check import training
+
+    # the dry run's settings with one timed step per case instead of two (this test's time; the dry run keeps them)
+    monkeypatch.setitem(training.BENCH, "cpu", {**training.BENCH["cpu"], "pad_batches": 1})
     seen = []
     ctx = Context(
         out=tmp_path, work=tmp_path, dry_run=True, device="cpu", shape="tiny", progress=lambda **k: seen.append(k)
@@ -141,10 +145,23 @@ def test_the_padding_step_measures_each_kernel_against_the_fixed_shape(tmp_path,
     assert cases["dense mb4 no-ckpt"]["predicted_gb"] >= cases["fixed mb4 no-ckpt"]["predicted_gb"]
     assert "mb4 ckpt: varlen skipped, dense" in result["line"]
 
-    # a card too small for every case: each is skipped before it starts
-    monkeypatch.setattr(padding, "_capacity_gb", lambda device: 0.01)
+    # a card the sizer says holds only the dense cases: the others are skipped before they start; a kernel that
+    # fails (here: token ids past the vocabulary) is recorded per case and fails the step, the next case still runs
+    monkeypatch.setattr(padding, "_capacity_gb", lambda device: 1.0)
+    monkeypatch.setattr(padding, "_predicted_gb", lambda arch, kernel, *a: 0.5 if kernel == "dense" else 2.0)
+    broken = padding.dense_batch
+    monkeypatch.setitem(
+        padding.BATCHES,
+        "dense",
+        lambda g, device: {**broken(g, device), "input_ids": broken(g, device)["input_ids"] + 10**6},
+    )
     small = padding.step_bench_padding(ctx)
-    assert all("skipped" in c for c in small["cases"].values())
+    assert not small["ok"] and "failed: IndexError" in small["line"]
+    for key, case in small["cases"].items():
+        if case["kernel"] == "dense":
+            assert case["failed"] and case["error"].startswith("IndexError"), key
+        else:
+            assert "skipped" in case and "tokens_per_second" not in case, key
 
 
 @pytest.mark.slow

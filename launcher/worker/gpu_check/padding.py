@@ -277,7 +277,10 @@ def step_bench_padding(ctx: Context) -> dict[str, Any]:
         "cases": {},
     }
     _set_kernel(model, attention.VARLEN if varlen_here else chosen)
-    result["isolation"] = _isolation(model, examples[:first], device, dtype)
+    try:  # a kernel that fails here fails its cases below too, each with its own error; the others still measure
+        result["isolation"] = _isolation(model, examples[:first], device, dtype)
+    except Exception as exc:  # noqa: BLE001 (recorded: the step's JSON says what failed)
+        result["isolation"] = {"isolated": False, "error": first_line(exc)}
     ctx.progress(**result)
     start = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     capacity = _capacity_gb(device)
@@ -320,6 +323,8 @@ def step_bench_padding(ctx: Context) -> dict[str, Any]:
                         case["attention_kernels"] = _profile_kernels(model, batches[0], device, dtype)
                 except torch.cuda.OutOfMemoryError as exc:
                     case["error"] = f"out of memory: {first_line(exc)}"
+                except Exception as exc:  # noqa: BLE001 (a kernel that refuses: recorded, the next case runs)
+                    case["error"], case["failed"] = first_line(exc), True
                 case["tokens_per_micro_batch"] = [int(b["input_ids"].numel()) for b in batches]
                 del opt, params, batches
                 ctx.progress(**result)
@@ -355,15 +360,17 @@ def _summary(result: dict[str, Any], device: str) -> dict[str, Any]:
                 elif "skipped" in c:
                     shown.append(f"{k} skipped")
                 elif "error" in c:
-                    shown.append(f"{k} OOM")
+                    shown.append(f"{k} {'failed' if c.get('failed') else 'OOM'}")
             parts.append(f"mb{mb} {ckpt}: " + ", ".join(shown))
     result["first_losses_agree"] = agree
     finite = all(x == x for c in cases.values() for x in c.get("losses", []))
-    ok = result["isolation"]["isolated"] and agree and finite
+    failed = [k for k, c in cases.items() if c.get("failed")]
+    ok = result["isolation"]["isolated"] and agree and finite and not failed
     line = (
         f"{result['shape']} lora, mean {result['mean_length']:.0f} tokens, tok/s (share of the fixed shape) and peak: "
         + "; ".join(parts)
         + f"; speed.py's micro-batch {result['speed_choice']['micro_batch']}; examples kept apart: "
         f"{result['isolation']['isolated']}; first losses agree: {agree}"
+        + (f"; failed: {cases[failed[0]]['error']}" if failed else "")
     )
     return {"ok": ok, **result, "line": line}
