@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 from launcher.errors import WORKER_EXITS
 from launcher.plan.cgroup import oom_kills
+from launcher.plan.sampling import uses_vllm
 from launcher.run import build_locks, rank_ends, views
 from launcher.run.after_training import _export, _on_finish, _stopped_after_training, _verify_final
 from launcher.run.attempt import WATCHDOG_GRACE_S, _host_oom, _rank_ends, _Tail, _wait_watching
@@ -126,7 +127,7 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
     restart_times: list[float] = []  # the restart budget: max_restarts within any RESTART_WINDOW_S
     last_exception: Optional[tuple[Optional[str], Optional[int]]] = None  # (signature, step) of the last traceback
     multi = plan.get("engine") in MULTI_PROCESS
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **launch_env(plan, recipe.grace_seconds))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **launch_env(plan, recipe.grace_seconds, vllm=uses_vllm(recipe)))
     error_file = run.heartbeats / "error-rank-0.json"  # a single worker's traceback (worker/train.py _recorded)
     if not multi:
         env["TORCHELASTIC_ERROR_FILE"] = str(error_file)
