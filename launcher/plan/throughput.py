@@ -240,7 +240,9 @@ def decode_kernels(arch: Arch, lora_modules: int = 0, batch: int = 1) -> int:
     layer = norms * DECODE_KERNELS_PER_NORM + DECODE_KERNELS_PER_ATTENTION
     layer += lora_modules * DECODE_KERNELS_PER_LORA_MODULE
     if arch.experts > 1:
-        layer += DECODE_KERNELS_PER_ROUTER + min(arch.experts, batch * arch.experts_per_token) * DECODE_KERNELS_PER_EXPERT
+        layer += (
+            DECODE_KERNELS_PER_ROUTER + min(arch.experts, batch * arch.experts_per_token) * DECODE_KERNELS_PER_EXPERT
+        )
     else:
         layer += DECODE_KERNELS_PER_MLP
     return arch.layers * layer + DECODE_KERNELS_PER_STEP

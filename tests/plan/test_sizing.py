@@ -192,7 +192,10 @@ def test_article_time_table(method, size, engine, box, tps, tokens, hours, cost)
     hw = catalog_box(name, int(count))
     arch = from_catalog(MODEL[size])
     off = Workload(method, ARTICLE_TOKENS, 2, False, 16, "all-linear", engine, int(count))
-    keep = sizing.memory(arch, off).peak_gb * HEADROOM_NO_CHECKPOINTING > hw.gpu.memory_gb * sizing_constants.USABLE_FRACTION
+    keep = (
+        sizing.memory(arch, off).peak_gb * HEADROOM_NO_CHECKPOINTING
+        > hw.gpu.memory_gb * sizing_constants.USABLE_FRACTION
+    )
     w = Workload(method, ARTICLE_TOKENS, 2, keep, 16, "all-linear", engine, int(count))
     got = throughput.tokens_per_second(arch, w, hw.gpu.tflops_bf16, hw.interconnect, mean_seq_len=ARTICLE_TOKENS)
     assert got == pytest.approx(used, rel=0.15) or lo <= got <= hi, f"{got:,.0f} tokens/s, article {lo:,}-{hi:,}"
