@@ -1,0 +1,148 @@
+"""An out of memory in the middle of a run (launcher/run/oom_restart.py): where the plan chose the faster setting, the
+supervisor undoes it and restarts from the last checkpoint on the same trajectory, and `ftrun status` says so; where
+the recipe chose it, the run stops with the error and its fix. The worker's out of memory is raised by the test-only
+FTRUN_TEST_OOM_AT_STEP (launcher/worker/callbacks.py), as a card whose kept activations do not fit: only while the
+run trains without gradient checkpointing."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import yaml
+
+from conftest import RESUME_FIELDS
+from helpers import assert_same_run, ftrun, read_state, status
+from launcher.recipe_loading import load_recipe, validate_recipe
+from launcher.run.adjustments import with_adjustments
+from launcher.run.oom_restart import undo_step
+from launcher.run.views import oom_fatal_reason, oom_restart_line
+from launcher.store.rundir import RunDir
+
+OOM_AT = 14
+
+
+def _as_a_gpu_plan_chose(run) -> None:
+    """plan.json and recipe.yaml as a launch on a GPU with room writes them (launcher/plan/speed.py: checkpointing off
+    for a recipe that leaves it out); the CPU plan keeps the recipe's values, so the test sets what a GPU's would."""
+    plan = json.loads((run / "plan.json").read_text())
+    plan["speed"] = {
+        "set": {"gradient_checkpointing": False},
+        "from": {"gradient_checkpointing": True},
+        "reasons": ["gradient checkpointing off (the recipe leaves it to the plan)"],
+    }
+    (run / "plan.json").write_text(json.dumps(plan))
+    text = (run / "recipe.yaml").read_text()
+    assert "gradient_checkpointing: true" in text
+    (run / "recipe.yaml").write_text(text.replace("gradient_checkpointing: true", "gradient_checkpointing: false"))
+
+
+@pytest.mark.slow  # two runs of the tiny model and a smoke test: the default tier stays under 6 minutes
+def test_an_oom_after_the_plans_checkpointing_off_restarts_with_it_on_on_the_same_trajectory(
+    write_recipe, tmp_path, reference_run
+):
+    recipe = write_recipe(**RESUME_FIELDS)  # gradient_checkpointing left to the plan, as reference_run's
+    smoke = ftrun("smoke", recipe, cwd=tmp_path)
+    assert smoke.returncode == 0, smoke.stdout + smoke.stderr
+    run = tmp_path / "run"
+    _as_a_gpu_plan_chose(run)
+
+    res = ftrun(recipe, "--foreground", cwd=tmp_path, env={"FTRUN_TEST_OOM_AT_STEP": str(OOM_AT)})
+    assert res.returncode == 0, res.stdout + res.stderr
+    log = (run / "train.log").read_text()
+    assert f"out of memory at step {OOM_AT}" in log and "Traceback" not in log
+    resumed = re.search(r"resuming from step-(\d+)", log)
+    assert resumed, log[-3000:]
+    n = int(resumed.group(1))
+    assert 0 < n < OOM_AT
+
+    # the state: restarted once, not against max_restarts; the checkpoints before the undo stay this run's
+    state = read_state(run)
+    assert state["state"] == "succeeded" and state["restarts"] == 1
+    assert state["last_end"] == {"kind": "out-of-memory", "step": OOM_AT, "world": 1}
+    plan = json.loads((run / "plan.json").read_text())
+    [adj] = plan["adjustments"]
+    assert adj["set"] == {"gradient_checkpointing": True}
+    assert adj["mid_run"]["oom_step"] == OOM_AT and adj["mid_run"]["resumes_from_step"] == n
+    assert yaml.safe_load((run / "recipe.yaml").read_text())["gradient_checkpointing"] is True
+
+    # status says it
+    text = ftrun("status", run, cwd=tmp_path).stdout
+    line = f"restarted at step {n} with activation checkpointing on after an out-of-memory at step {OOM_AT}"
+    assert line in text, text
+    assert status(run, tmp_path)["oom_restarts"][0]["set"] == {"gradient_checkpointing": True}
+
+    # exact: every loss and the final adapter equal the uninterrupted run's (checkpointing on or off changes no value)
+    assert_same_run(reference_run, run)
+
+    # the planner's change is not the user's: the same command finds the finished run, not a changed recipe ...
+    again = ftrun(recipe, cwd=tmp_path)
+    assert again.returncode == 0 and "this run has finished" in again.stdout, again.stdout + again.stderr
+    # ... and a resume of it would compare as the same trajectory (pipeline's check, as an interrupted run meets it)
+    from launcher.run.pipeline import _check_same_trajectory
+
+    _check_same_trajectory(RunDir(run), with_adjustments(RunDir(run), load_recipe(recipe)))
+
+
+@pytest.mark.slow  # a run of the tiny model up to its out of memory
+def test_an_oom_of_the_recipes_own_setting_stays_fatal_with_its_fix(write_recipe, tmp_path):
+    recipe = write_recipe(**{**RESUME_FIELDS, "gradient_checkpointing": False})  # the user's choice
+    res = ftrun(recipe, "--foreground", "smoke.enabled=false", cwd=tmp_path, env={"FTRUN_TEST_OOM_AT_STEP": "3"})
+    assert res.returncode == 5, res.stdout + res.stderr
+    state = read_state(tmp_path / "run")
+    assert state["state"] == "failed" and state.get("restarts", 0) == 0
+    assert state["reason"].startswith("out of memory at step 3 (peak ")
+    assert "lower micro_batch_size (raise gradient_accumulation_steps" in state["reason"]
+    assert "Traceback" not in res.stderr
+
+
+# --- the decision and its words, without processes --------------------------------------------------------------
+
+
+def _recipe(tmp_path, **keys):
+    base = {"model": "Qwen/Qwen3-8B", "method": "lora", "data": "train.jsonl", "output_dir": str(tmp_path / "run")}
+    return validate_recipe({**base, **keys}, tmp_path, "r", source="test")
+
+
+SPEED = {
+    "set": {"gradient_checkpointing": False, "micro_batch_size": 8, "gradient_accumulation_steps": 1},
+    "from": {"gradient_checkpointing": True, "micro_batch_size": 2, "gradient_accumulation_steps": 4},
+}
+
+
+def test_the_plans_settings_are_undone_checkpointing_first_then_the_micro_batch_then_none(tmp_path):
+    plan = {"speed": SPEED}
+    chosen = _recipe(tmp_path, gradient_checkpointing=False, micro_batch_size=8, gradient_accumulation_steps=1)
+    assert undo_step(chosen, plan) == {"gradient_checkpointing": True}
+    on = chosen.model_copy(update={"gradient_checkpointing": True})
+    assert undo_step(on, plan) == {"micro_batch_size": 2, "gradient_accumulation_steps": 4}  # the same 8 a step
+    back = on.model_copy(update={"micro_batch_size": 2, "gradient_accumulation_steps": 4})
+    assert undo_step(back, plan) is None  # the recipe's own values ran out: fatal
+    # the recipe's own checkpointing off (the plan chose nothing) is never undone
+    assert undo_step(_recipe(tmp_path, gradient_checkpointing=False), {}) is None
+    assert undo_step(_recipe(tmp_path, gradient_checkpointing=False), {"speed": None}) is None
+
+
+def test_the_words_status_and_the_stop_use():
+    fact = {
+        "set": {"gradient_checkpointing": True},
+        "from": {"gradient_checkpointing": False},
+        "oom_step": 412,
+        "resumes_from_step": 400,
+    }
+    assert oom_restart_line(fact).startswith(
+        "restarted at step 400 with activation checkpointing on after an out-of-memory at step 412"
+    )
+    batch = {
+        "set": {"micro_batch_size": 2, "gradient_accumulation_steps": 4},
+        "from": {"micro_batch_size": 8, "gradient_accumulation_steps": 1},
+        "oom_step": 9,
+        "resumes_from_step": None,
+    }
+    assert oom_restart_line(batch).startswith(
+        "restarted from the start with micro-batch 2 x accumulation 4 (the recipe's) after an out-of-memory at step 9"
+    )
+    stop = oom_fatal_reason("out of GPU memory at step 500 (peak 78.10 GB): CUDA out of memory", "lower it", [fact])
+    assert stop.startswith("out of GPU memory at step 500 (peak 78.10 GB): CUDA out of memory; lower it. The plan's")
+    assert "already undone: restarted at step 400 with activation checkpointing on" in stop
