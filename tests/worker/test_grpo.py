@@ -191,6 +191,13 @@ def test_the_plan_of_an_8b_grpo_job_names_the_sampling_in_memory_and_time(tmp_pa
     # 2,760 kernels: near the review's ~30-50 ms for HF's eager decode at 8B on an H100 (issue 55), far above the
     # memory roofline's 9.8 ms the plan used to price
     assert 25 <= step_ms <= 50
+    # vLLM replays CUDA graphs: its step is the memory roofline's
+    vllm = article_plan(
+        tmp_path, "1xH100-80GB", objective="grpo", method="lora", grpo={"num_generations": 8, "generation": "vllm"}
+    )
+    line = next(r for r in vllm.reasons if r.startswith("sampling time:"))
+    assert "bound by reading the weights and the KV cache once a step" in line
+    assert float(re.search(r"([\d.]+) ms a decode step", line).group(1)) < step_ms / 2
     assert "each prompt is answered 8 times" in why
     kl = article_plan(
         tmp_path, "1xH100-80GB", objective="grpo", method="full", model="Qwen/Qwen3-0.6B", grpo={"beta": 0.04}
