@@ -31,17 +31,6 @@ class TrainingComplete(Exception):
     """Raised at the start of training when the checkpoint resumed from is the schedule's last step."""
 
 
-# Test-only: FTRUN_TEST_OOM_AT_STEP=N raises torch.OutOfMemoryError as optimizer step N of a full run begins, when the
-# run trains without gradient checkpointing: how tests/run/test_oom_mid_run.py makes a CPU run fail mid-run as a card
-# whose kept activations do not fit (launcher/run/oom_restart.py). Never set outside the tests.
-TEST_OOM_ENV = "FTRUN_TEST_OOM_AT_STEP"
-
-
-def _test_oom_step() -> Optional[int]:
-    value = os.environ.get(TEST_OOM_ENV)
-    return int(value) if value else None
-
-
 def build_callbacks(
     run: RunDir,
     recipe,
@@ -90,13 +79,6 @@ def build_callbacks(
             # step: tests/run/test_rank_down.py)
             self.last_save = time.monotonic()
             BEAT.beat("step", state.global_step)
-
-        def on_step_begin(self, args, state, control, **kw):
-            if mode == "full" and not recipe.gradient_checkpointing and state.global_step + 1 == _test_oom_step():
-                raise torch.OutOfMemoryError(
-                    f"CUDA out of memory. Tried to allocate 2.00 GiB ({TEST_OOM_ENV}={state.global_step + 1}: a test's "
-                    "stand-in for activations that do not fit)"
-                )
 
         def on_step_end(self, args, state, control, **kw):
             BEAT.beat("step", state.global_step)  # the watchdog's view of this rank (launcher/run/watchdog.py)

@@ -1,18 +1,22 @@
 """An out of memory in the middle of a run (launcher/run/oom_restart.py): where the plan chose the faster setting, the
 supervisor undoes it and restarts from the last checkpoint on the same trajectory, and `ftrun status` says so; where
-the recipe chose it, the run stops with the error and its fix. The worker's out of memory is raised by the test-only
-FTRUN_TEST_OOM_AT_STEP (launcher/worker/callbacks.py), as a card whose kept activations do not fit: only while the
-run trains without gradient checkpointing."""
+the recipe chose it, the run stops with the error and its fix. The worker's out of memory is raised by a hook these
+tests put on PYTHONPATH (as tests/worker/test_memory.py does): the Trainer's training step raises
+torch.OutOfMemoryError as step FTRUN_TEST_OOM_AT_STEP begins while the run trains without gradient checkpointing, as
+a card whose kept activations do not fit."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import yaml
 
-from conftest import RESUME_FIELDS
+from conftest import REPO, RESUME_FIELDS
 from helpers import assert_same_run, ftrun, read_state, status
 from launcher.recipe_loading import load_recipe, validate_recipe
 from launcher.run.adjustments import with_adjustments
@@ -21,6 +25,70 @@ from launcher.run.views import oom_fatal_reason, oom_restart_line
 from launcher.store.rundir import RunDir
 
 OOM_AT = 14
+
+# sitecustomize.py for the runs' processes: once transformers.trainer is imported, its training step raises what the
+# caching allocator raises on a card, at step FTRUN_TEST_OOM_AT_STEP, only without activation checkpointing
+OOM_HOOK = """
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+
+
+def _patch(module):
+    original = module.Trainer.training_step
+
+    def training_step(self, *args, **kwargs):
+        at = int(os.environ.get("FTRUN_TEST_OOM_AT_STEP") or 0)
+        checkpointing = getattr(self.args, "activation_checkpointing", None)
+        if checkpointing is None:
+            checkpointing = self.args.gradient_checkpointing
+        if not checkpointing and self.state.global_step + 1 == at:
+            import torch
+
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory. Tried to allocate 2.00 GiB (the test's stand-in at step {at})"
+            )
+        return original(self, *args, **kwargs)
+
+    module.Trainer.training_step = training_step
+
+
+class _PatchAfterImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "transformers.trainer":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None:
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_then_patch(module):
+            exec_module(module)
+            _patch(module)
+
+        spec.loader.exec_module = exec_then_patch
+        return spec
+
+
+sys.meta_path.insert(0, _PatchAfterImport())
+"""
+
+
+def _ftrun_oom(tmp_path, step: int, *args) -> subprocess.CompletedProcess:
+    """`ftrun ARGS` whose worker runs out of memory at `step` without checkpointing (helpers.ftrun, with the hook's
+    folder first on PYTHONPATH)."""
+    hook = tmp_path / "hook"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(OOM_HOOK)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(hook), str(REPO)]),
+        HF_HUB_OFFLINE="1",
+        FTRUN_TEST_OOM_AT_STEP=str(step),
+    )
+    cmd = [sys.executable, "-m", "launcher.cli", *map(str, args)]
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
 
 
 def _as_a_gpu_plan_chose(run) -> None:
@@ -48,7 +116,7 @@ def test_an_oom_after_the_plans_checkpointing_off_restarts_with_it_on_on_the_sam
     run = tmp_path / "run"
     _as_a_gpu_plan_chose(run)
 
-    res = ftrun(recipe, "--foreground", cwd=tmp_path, env={"FTRUN_TEST_OOM_AT_STEP": str(OOM_AT)})
+    res = _ftrun_oom(tmp_path, OOM_AT, recipe, "--foreground")
     assert res.returncode == 0, res.stdout + res.stderr
     log = (run / "train.log").read_text()
     assert f"out of memory at step {OOM_AT}" in log and "Traceback" not in log
@@ -88,7 +156,7 @@ def test_an_oom_after_the_plans_checkpointing_off_restarts_with_it_on_on_the_sam
 @pytest.mark.slow  # a run of the tiny model up to its out of memory
 def test_an_oom_of_the_recipes_own_setting_stays_fatal_with_its_fix(write_recipe, tmp_path):
     recipe = write_recipe(**{**RESUME_FIELDS, "gradient_checkpointing": False})  # the user's choice
-    res = ftrun(recipe, "--foreground", "smoke.enabled=false", cwd=tmp_path, env={"FTRUN_TEST_OOM_AT_STEP": "3"})
+    res = _ftrun_oom(tmp_path, 3, recipe, "--foreground", "smoke.enabled=false")
     assert res.returncode == 5, res.stdout + res.stderr
     state = read_state(tmp_path / "run")
     assert state["state"] == "failed" and state.get("restarts", 0) == 0
