@@ -413,7 +413,7 @@ def _undone_words(fact: dict[str, Any]) -> tuple[str, str]:
     if "gradient_checkpointing" in now:
         return "activation checkpointing on", "checkpointing off"
     return (
-        f"micro-batch {now['micro_batch_size']} x accumulation {now['gradient_accumulation_steps']} (the recipe's)",
+        f"the recipe's micro-batch {now['micro_batch_size']} x accumulation {now['gradient_accumulation_steps']}",
         f"micro-batch {was['micro_batch_size']} x accumulation {was['gradient_accumulation_steps']}",
     )
 

@@ -27,7 +27,8 @@ from launcher.store.rundir import RunDir
 OOM_AT = 14
 
 # sitecustomize.py for the runs' processes: once transformers.trainer is imported, its training step raises what the
-# caching allocator raises on a card, at step FTRUN_TEST_OOM_AT_STEP, only without activation checkpointing
+# caching allocator raises on a card, at step FTRUN_TEST_OOM_AT_STEP, only without activation checkpointing (or, with
+# FTRUN_TEST_OOM_ABOVE_MICRO_BATCH, only with a larger micro-batch)
 OOM_HOOK = """
 import importlib.abc
 import importlib.machinery
@@ -40,10 +41,12 @@ def _patch(module):
 
     def training_step(self, *args, **kwargs):
         at = int(os.environ.get("FTRUN_TEST_OOM_AT_STEP") or 0)
+        above = os.environ.get("FTRUN_TEST_OOM_ABOVE_MICRO_BATCH")
         checkpointing = getattr(self.args, "activation_checkpointing", None)
         if checkpointing is None:
             checkpointing = self.args.gradient_checkpointing
-        if not checkpointing and self.state.global_step + 1 == at:
+        too_much = self.args.per_device_train_batch_size > int(above) if above else not checkpointing
+        if too_much and self.state.global_step + 1 == at:
             import torch
 
             raise torch.OutOfMemoryError(
@@ -75,7 +78,7 @@ sys.meta_path.insert(0, _PatchAfterImport())
 """
 
 
-def _ftrun_oom(tmp_path, step: int, *args) -> subprocess.CompletedProcess:
+def _ftrun_oom(tmp_path, step: int, *args, **extra: str) -> subprocess.CompletedProcess:
     """`ftrun ARGS` whose worker runs out of memory at `step` without checkpointing (helpers.ftrun, with the hook's
     folder first on PYTHONPATH)."""
     hook = tmp_path / "hook"
@@ -86,6 +89,7 @@ def _ftrun_oom(tmp_path, step: int, *args) -> subprocess.CompletedProcess:
         PYTHONPATH=os.pathsep.join([str(hook), str(REPO)]),
         HF_HUB_OFFLINE="1",
         FTRUN_TEST_OOM_AT_STEP=str(step),
+        **extra,
     )
     cmd = [sys.executable, "-m", "launcher.cli", *map(str, args)]
     return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
@@ -165,6 +169,47 @@ def test_an_oom_of_the_recipes_own_setting_stays_fatal_with_its_fix(write_recipe
     assert "Traceback" not in res.stderr
 
 
+@pytest.mark.slow  # a smoke test and a run of the tiny model
+def test_an_oom_after_the_plans_larger_micro_batch_restarts_with_the_recipes_and_the_same_examples(
+    write_recipe, tmp_path, reference_run
+):
+    """The plan's micro-batch 8 x accumulation 1 (the reference run's shape) runs out; the recipe's 2 x 4 takes over
+    from the last checkpoint: the same 8 examples per optimizer step, so the steps before it are the reference's bit
+    for bit and the ones after equal it up to the summation order of the accumulated micro-batches."""
+    import torch
+
+    from helpers import adapter_tensors, metrics
+
+    recipe = write_recipe(**RESUME_FIELDS, micro_batch_size=None, gradient_accumulation_steps=None)  # 2 x 4
+    smoke = ftrun("smoke", recipe, cwd=tmp_path)
+    assert smoke.returncode == 0, smoke.stdout + smoke.stderr
+    run = tmp_path / "run"
+    plan = json.loads((run / "plan.json").read_text())
+    assert (plan["micro_batch_size"], plan["gradient_accumulation_steps"]) == (2, 4)
+    wide = {"micro_batch_size": 8, "gradient_accumulation_steps": 1}
+    plan.update(speed={"set": wide, "from": {"micro_batch_size": 2, "gradient_accumulation_steps": 4}}, **wide)
+    (run / "plan.json").write_text(json.dumps(plan))
+    chosen = {**yaml.safe_load((run / "recipe.yaml").read_text()), **wide}
+    (run / "recipe.yaml").write_text(yaml.safe_dump(chosen, sort_keys=False))
+
+    res = _ftrun_oom(tmp_path, OOM_AT, recipe, "--foreground", FTRUN_TEST_OOM_ABOVE_MICRO_BATCH="2")
+    assert res.returncode == 0, res.stdout + res.stderr
+    n = int(re.search(r"resuming from step-(\d+)", (run / "train.log").read_text()).group(1))
+    text = ftrun("status", run, cwd=tmp_path).stdout
+    assert (
+        f"restarted at step {n} with the recipe's micro-batch 2 x accumulation 4 after an out-of-memory at step "
+        f"{OOM_AT} (the plan had chosen micro-batch 8 x accumulation 1 for speed" in text
+    ), text
+    assert json.loads((run / "plan.json").read_text())["micro_batch_size"] == 2
+    ref, got = metrics(reference_run), metrics(run)
+    assert [r["step"] for r in ref] == [r["step"] for r in got]
+    assert [r["loss"] for r in ref[:n]] == [r["loss"] for r in got[:n]]
+    for a, b in zip(ref[n:], got[n:]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (a, b)
+    ta, tb = adapter_tensors(reference_run), adapter_tensors(run)
+    assert all(torch.allclose(ta[k], tb[k], rtol=1e-3, atol=1e-5) for k in ta)
+
+
 # --- the decision and its words, without processes --------------------------------------------------------------
 
 
@@ -209,7 +254,7 @@ def test_the_words_status_and_the_stop_use():
         "resumes_from_step": None,
     }
     assert oom_restart_line(batch).startswith(
-        "restarted from the start with micro-batch 2 x accumulation 4 (the recipe's) after an out-of-memory at step 9"
+        "restarted from the start with the recipe's micro-batch 2 x accumulation 4 after an out-of-memory at step 9"
     )
     stop = oom_fatal_reason("out of GPU memory at step 500 (peak 78.10 GB): CUDA out of memory", "lower it", [fact])
     assert stop.startswith("out of GPU memory at step 500 (peak 78.10 GB): CUDA out of memory; lower it. The plan's")
