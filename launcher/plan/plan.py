@@ -285,7 +285,9 @@ def plan_for(
         measured = applied["measured"]
         notes += applied["notes"]
         tps = round(measured.get("tokens_per_second", tps), 1)
-    decode = sampling.decode_step(job, arch, g if choice.device == "cuda" else None, sampling.eager(recipe))
+    decode = sampling.decode_step(
+        job, arch, g if choice.device == "cuda" else None, eager=not sampling.uses_vllm(recipe)
+    )
     sampling_s = sampling.generation_seconds_per_step(job, decode)
     if training is None:
         hrs = None

@@ -51,11 +51,6 @@ def uses_vllm(recipe: Any) -> bool:
     return generates(recipe) and recipe.grpo.generation == "vllm"
 
 
-def eager(recipe: Any) -> bool:
-    """Whether the answers come from transformers' eager generate (every operation launched from Python), not vLLM."""
-    return not uses_vllm(recipe)
-
-
 def decode_step(job: Any, arch: Any, gpu: Any, eager: bool = True) -> Optional[tuple[float, str]]:
     """One decode step of the generation batch (micro-batch x accumulation answers, TRL's steps_per_generation) on a
     GPU the catalog knows the bandwidth of, and what bounds it (throughput.decode_step_seconds); None without answers,
