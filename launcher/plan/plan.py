@@ -286,7 +286,10 @@ def plan_for(
         measured = applied["measured"]
         notes += applied["notes"]
         tps = round(measured.get("tokens_per_second", tps), 1)
-    sampling_s = sampling.generation_seconds_per_step(job, arch, g if choice.device == "cuda" else None)
+    decode = sampling.decode_step(
+        job, arch, g if choice.device == "cuda" else None, eager=not sampling.uses_vllm(recipe)
+    )
+    sampling_s = sampling.generation_seconds_per_step(job, decode)
     if training is None:
         hrs = None
         reasons.append("time and cost unknown: " + _no_tokens_hint(recipe))
@@ -332,7 +335,7 @@ def plan_for(
         reasons.append(packed)
     reasons.append(_loss_reason(job, choice, est))
     reasons += _objective_reasons(recipe, job)
-    reasons += sampling.reasons(recipe, job, steps, sampling_s, "tokens_per_second" in measured)
+    reasons += sampling.reasons(recipe, job, steps, sampling_s, "tokens_per_second" in measured, decode)
     if hrs is not None:
         money = (
             f"cost at {box_price:.2f} EUR/h ({price_src}) = {cost:.2f} EUR"

@@ -4,9 +4,11 @@ each step, and the Why lines that say both.
 Each optimizer step of TRL's GRPOTrainer first samples the answers its micro-batches train on (trl 1.16
 grpo_trainer.py `_prepare_inputs`: one generation batch of per_device_train_batch_size x steps_per_generation answers
 per process, steps_per_generation defaulting to gradient_accumulation_steps), then trains on them. The training
-tokens/s of the plan's speed model count the forward and backward; generation is priced here from the decode
-roofline (launcher/plan/throughput.py generation_tokens_per_second), each answer at its longest. The smoke test runs
-real steps, generation inside, so a measured tokens/s already holds both.
+tokens/s of the plan's speed model count the forward and backward; generation is priced here per decode step
+(launcher/plan/throughput.py decode_step_seconds): transformers' generate on the training model, the LoRA adapters
+unmerged, launches every operation of every layer and adapter from Python, and below ~30B parameters that, not the
+memory roofline, sets the step's time. Each answer is counted at its longest. The smoke test runs real steps,
+generation inside, so a measured tokens/s already holds both and replaces this forecast.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from launcher import methods
 from launcher.errors import RecipeError
 from launcher.plan import throughput
 from launcher.plan.figures import _fmt_hours
+from launcher.plan.sizing_constants import EAGER_OP_SECONDS
 
 
 def generates(recipe: Any) -> bool:
@@ -43,19 +46,49 @@ def check_batch(recipe: Any, processes: int) -> None:
         )
 
 
-def generation_seconds_per_step(job: Any, arch: Any, gpu: Any) -> Optional[float]:
-    """Seconds one optimizer step spends sampling on a GPU the catalog knows the bandwidth of (every answer at
-    grpo.max_completion_length: an upper bound); None on a CPU or an unknown card (the smoke test measures it)."""
-    if not job.completion_tokens or gpu is None:
-        return None
-    batch = job.micro_batch * job.accumulation
-    tps = throughput.generation_tokens_per_second(arch, gpu.memory_bandwidth_gb_s, gpu.tflops_bf16, batch=batch)
-    if not tps:
-        return None
-    return batch * job.completion_tokens / tps
+def uses_vllm(recipe: Any) -> bool:
+    """Whether the run samples answers with vLLM (grpo.generation vllm) rather than transformers' eager generate."""
+    return generates(recipe) and recipe.grpo.generation == "vllm"
 
 
-def reasons(recipe: Any, job: Any, steps: int, per_step: Optional[float], measured: bool) -> list[str]:
+def decode_step(job: Any, arch: Any, gpu: Any, eager: bool = True) -> Optional[tuple[float, str]]:
+    """One decode step of the generation batch (micro-batch x accumulation answers, TRL's steps_per_generation) on a
+    GPU the catalog knows the bandwidth of, and what bounds it (throughput.decode_step_seconds); None without answers,
+    on a CPU or on an unknown card (the smoke test measures it). The cache is counted at its mean length over the
+    answer: the prompt and half the answer. `eager` False (grpo.generation vllm): vLLM replays CUDA graphs, no launch
+    floor."""
+    if not job.completion_tokens or gpu is None or not gpu.memory_bandwidth_gb_s:
+        return None
+    return throughput.decode_step_seconds(
+        arch,
+        gpu.memory_bandwidth_gb_s,
+        gpu.tflops_bf16,
+        batch=job.micro_batch * job.accumulation,
+        context=max(0, job.seq_len - job.completion_tokens) + job.completion_tokens // 2,
+        lora_modules=_lora_modules(job),
+        launches=eager,
+    )
+
+
+def _lora_modules(job: Any) -> int:
+    """The adapted linears per layer, each one unmerged module in the decode (0 for full fine-tuning)."""
+    return len(job.arch.resolve_targets(job.lora_targets)) if methods.is_adapter(job.method) else 0
+
+
+def generation_seconds_per_step(job: Any, decode: Optional[tuple[float, str]]) -> Optional[float]:
+    """Seconds one optimizer step spends sampling: every answer at grpo.max_completion_length (an upper bound), one
+    decode step per token; None where decode_step is."""
+    return None if decode is None else decode[0] * job.completion_tokens
+
+
+def reasons(
+    recipe: Any,
+    job: Any,
+    steps: int,
+    per_step: Optional[float],
+    measured: bool,
+    decode: Optional[tuple[float, str]] = None,
+) -> list[str]:
     """What GRPO changes in the plan: the answers per prompt, where they are generated, what their time costs."""
     if not generates(recipe):
         return []
@@ -77,10 +110,19 @@ def reasons(recipe: Any, job: Any, steps: int, per_step: Optional[float], measur
     if measured:
         lines.append("sampling time: inside the smoke test's measured steps (tokens/s counts generation and training)")
     elif per_step is not None:
+        step_s, bound = decode or (per_step / s.max_completion_length, "")
+        why = {
+            "launch": f"bound by launching {throughput.decode_kernels(job.arch, _lora_modules(job), batch):,} "
+            f"kernels a step from Python at {EAGER_OP_SECONDS * 1e6:g} us each, transformers' eager generate"
+            + (f" with {_lora_modules(job)} unmerged LoRA modules a layer" if _lora_modules(job) else ""),
+            "memory": "bound by reading the weights and the KV cache once a step",
+            "compute": "bound by the batch's matrix products",
+        }.get(bound)
         lines.append(
-            f"sampling time: {batch} answers x {s.max_completion_length} tokens per step at the decode roofline = "
-            f"{per_step:.1f} s a step, {_fmt_hours(per_step * steps / 3600)} over {steps:,} steps (every answer at "
-            "its longest; the smoke test measures it)"
+            f"sampling time: {batch} answers x {s.max_completion_length} tokens per step, {step_s * 1000:.1f} ms a "
+            f"decode step{f' ({why})' if why else ''} = {per_step:.1f} s a step, "
+            f"{_fmt_hours(per_step * steps / 3600)} over {steps:,} steps (every answer at its longest; the smoke "
+            "test measures it)"
         )
     else:
         lines.append("sampling time: not estimated on this device; the smoke test measures it with the steps")

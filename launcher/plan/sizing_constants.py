@@ -39,6 +39,15 @@ NCCL_GB = 0.5  # NCCL communicator buffers per process when several GPUs train t
 FRAGMENTATION = 0.05  # caching-allocator slack on the per-step tensors (activations, logits)
 CPU_RUNTIME_GB = 1.0  # Python, torch and the tokenizer in the worker process
 
+# Host time per kernel of an eager PyTorch forward on a GPU box: Python (the module call, transformers' and peft's code
+# around the op), torch's dispatcher and the CUDA launch; what bounds transformers' generate below ~30B parameters
+# (throughput.decode_step_seconds). An assumption, not yet measured on a GPU: 10 us is what the review's 30-50 ms per
+# Qwen3-8B LoRA decode step on an H100 (issue 55) implies at the ~3,700 kernels such a step launches (8-14 us). On this
+# project's 2-core development VM a tiny model's decode step took 16 us per operation in fp32 (compute included,
+# docs/sizing.md "Sampling"). The GPU check's product-grpo step (its sampling share) is what calibrates it; for the
+# run itself the smoke test's measured tokens/s, which holds the sampling, replaces the forecast.
+EAGER_OP_SECONDS = 10e-6
+
 # Fraction of a card the plan may fill: the estimate's own error (docs/sizing.md: median ~10%) needs room.
 USABLE_FRACTION = 0.97  # the estimate already counts context, NCCL and allocator slack; keep 3% for its own error
 USABLE_RAM_FRACTION = 0.8  # leave the OS and the page cache their share

@@ -59,6 +59,23 @@ def _task_eval_scorers(recipe: Any) -> list[str]:
     )
 
 
+def _bound(arch: Architecture, gpu: Any) -> str:
+    """What sets the speed of the evaluation's decode step (throughput.decode_step_seconds), in words."""
+    batch = throughput.GENERATION_BATCH["cuda"]
+    bound = throughput.decode_step_seconds(arch, gpu.memory_bandwidth_gb_s, gpu.tflops_bf16, batch)[1]
+    if bound == "launch":
+        return (
+            f"bound by launching its {throughput.decode_kernels(arch, 0, batch):,} kernels from Python at "
+            f"{throughput.EAGER_OP_SECONDS * 1e6:g} us each, transformers' eager generate"
+        )
+    if bound == "memory":
+        return (
+            f"bound by reading the weights once at {throughput.GENERATION_EFFICIENCY:.0%} of {gpu.name}'s "
+            f"{gpu.memory_bandwidth_gb_s:,.0f} GB/s"
+        )
+    return f"bound by {gpu.name}'s {gpu.tflops_bf16:g} TFLOP/s"
+
+
 def _task_eval_time(
     recipe: Any, data_stats: Any, arch: Architecture, gpu: Any, box_price: float | None
 ) -> dict[str, Any] | None:
@@ -80,9 +97,8 @@ def _task_eval_time(
     cost = seconds / 3600 * box_price if box_price is not None else None
     reason = (
         f"task evaluation: at most {len(scorers)} scorers x {examples} examples x {longest} new tokens = "
-        f"{tokens:,} tokens at ~{tps:,.0f} tokens/s (estimated: {gpu.name}'s "
-        f"{gpu.memory_bandwidth_gb_s:,.0f} GB/s read once per decode step, {throughput.GENERATION_BATCH['cuda']} "
-        f"prompts a step, at {throughput.GENERATION_EFFICIENCY:.0%} of that bound) = {_fmt_hours(seconds / 3600)}"
+        f"{tokens:,} tokens at ~{tps:,.0f} tokens/s (estimated: {throughput.GENERATION_BATCH['cuda']} prompts a "
+        f"decode step, {_bound(arch, gpu)}) = {_fmt_hours(seconds / 3600)}"
         + (f", {cost:.2f} EUR" if cost is not None else "")
         + "; the smoke test measures the run's own rate"
     )

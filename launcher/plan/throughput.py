@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from launcher.methods import METHODS, is_adapter, is_quantized
 from launcher.plan import links
 from launcher.plan.sizing import MemoryEstimate, Workload, memory, offloaded_activation_bytes
-from launcher.plan.sizing_constants import ADAPTER_BYTES, GB, GRADIENT_CHURN_BYTES
+from launcher.plan.sizing_constants import ADAPTER_BYTES, EAGER_OP_SECONDS, GB, GRADIENT_CHURN_BYTES
 
 if TYPE_CHECKING:  # for the annotations only
     from launcher.plan.models import Architecture as Arch
@@ -218,27 +218,85 @@ def tokens_per_second(
     return speed
 
 
-# --- the task evaluation's generation (launcher/worker/task_eval.py) ------------------------------------------
+# --- generation: the task evaluation's answers (launcher/worker/task_eval.py), GRPO's sampling (plan/sampling.py) ----
 # Prompts answered per generate call: a CPU gains little past a few (and pads more), a GPU fills up with more.
 GENERATION_BATCH = {"cpu": 8, "cuda": 32}
-# A greedy decode step reads every weight once: it takes at least the model's 16-bit bytes over the card's memory
-# bandwidth, and a batch of prompts shares the step. transformers' generate reaches a fraction of that bound at
-# batch 32 (its per-step Python and kernel launches): half, an assumption no GPU has measured yet (docs/BENCHMARKS.md
-# section 7); the smoke test measures the run's own rate and the forecast uses that.
+# A greedy decode step reads every weight once: it takes at least the model's 16-bit bytes (and the KV cache's) over
+# the card's memory bandwidth, and a batch of prompts shares the step. The bandwidth-bound kernels reach about half of
+# the datasheet figure at these sizes: an assumption no GPU has measured yet (docs/BENCHMARKS.md section 7).
 GENERATION_EFFICIENCY = 0.5
+# transformers' generate runs the model eagerly: every operation is a kernel launched from Python, one after the
+# other, and below ~30B parameters a decode step takes longer to launch than the card takes to run it. Kernels of one
+# decode step, counted in the pinned sources for bf16 weights, SDPA and a padding mask (transformers 5.24
+# models/qwen3/modeling_qwen3.py, models/llama/modeling_llama.py, integrations/sdpa_attention.py, cache_utils.py
+# DynamicLayer.update), and checked with torch.profiler on the tiny Qwen3 in bf16 (docs/sizing.md "Sampling": 56 a
+# layer on the CPU, where SDPA takes the grouped K/V itself and the output needs no copy; 6 per LoRA module; 35 a step
+# outside the layers, before the sampling):
+# - an RMSNorm: to(fp32), pow, mean, add eps, rsqrt, mul, to(bf16), mul by the weight;
+DECODE_KERNELS_PER_NORM = 8
+# - attention and the residuals: q, k, v and o, RoPE on q and k (mul, neg, cat, mul, add each), the cache's two cats,
+#   K/V repeated for the mask (two copies), SDPA and the output's transpose, the two residual adds;
+DECODE_KERNELS_PER_ATTENTION = 22
+# - the MLP: gate, up and down, SiLU and the gate's mul;
+DECODE_KERNELS_PER_MLP = 5
+# - one unmerged LoRA module (peft 0.21 tuners/lora/layer.py Linear.forward): the input cast to the adapter's fp32,
+#   A, B, the scaling, the add, the cast back (lora.dropout > 0 adds one more, left out: its default is 0);
+DECODE_KERNELS_PER_LORA_MODULE = 6
+# - one MoE expert a step routes tokens to (a mask, an index, the gate, up and down linears, SiLU, mul, the weighted
+#   index_add), and the router's linear, softmax, top-k and normalisation once per layer;
+DECODE_KERNELS_PER_EXPERT = 9
+DECODE_KERNELS_PER_ROUTER = 5
+# - once per step: the embedding, the rotary table, the 4-D mask from the 2-D one, the final norm, the LM head on the
+#   last position, the sampling (temperature, softmax, multinomial), the finished-sequence bookkeeping and the cats of
+#   the ids and the mask (transformers 5.24 generation/utils.py _sample).
+DECODE_KERNELS_PER_STEP = 40
+
+
+def decode_kernels(arch: Arch, lora_modules: int = 0, batch: int = 1) -> int:
+    """Kernels one eager decode step launches (the DECODE_KERNELS_* counts): per layer its norms, its attention and
+    MLP, its LoRA modules, its experts hit (MoE: at most every expert, at least the batch's picks), plus the step's
+    own. `lora_modules`: the adapted linears per layer (0: merged or none)."""
+    norms = arch.norms_per_layer + (2 if arch.qk_norm else 0)
+    layer = norms * DECODE_KERNELS_PER_NORM + DECODE_KERNELS_PER_ATTENTION
+    layer += lora_modules * DECODE_KERNELS_PER_LORA_MODULE
+    if arch.experts > 1:
+        layer += (
+            DECODE_KERNELS_PER_ROUTER + min(arch.experts, batch * arch.experts_per_token) * DECODE_KERNELS_PER_EXPERT
+        )
+    else:
+        layer += DECODE_KERNELS_PER_MLP
+    return arch.layers * layer + DECODE_KERNELS_PER_STEP
+
+
+def decode_step_seconds(
+    arch: Arch,
+    bandwidth_gb_s: float,
+    tflops_bf16: float | None,
+    batch: int,
+    context: int = 0,
+    lora_modules: int = 0,
+    launches: bool = True,
+) -> tuple[float, str]:
+    """One batched decode step on one card and what bounds it: ("launch", "memory" or "compute"). The slowest of
+    the launches (decode_kernels x sizing_constants.EAGER_OP_SECONDS), the memory roofline (the 16-bit weights and
+    the batch's KV cache at `context` tokens read once, at GENERATION_EFFICIENCY of the bandwidth) and the compute
+    (2 x active parameters per prompt). `launches` False: an engine that replays CUDA graphs (vLLM), no launch
+    floor."""
+    kv = batch * context * arch.layers * 2 * arch.kv_dim * 2
+    read = (arch.params * 2 + kv) / (bandwidth_gb_s * 1e9 * GENERATION_EFFICIENCY)
+    compute = batch * 2 * arch.active_params / ((tflops_bf16 or UNKNOWN_GPU_TFLOPS) * 1e12 * GENERATION_EFFICIENCY)
+    launch = decode_kernels(arch, lora_modules, batch) * EAGER_OP_SECONDS if launches else 0.0
+    return max((launch, "launch"), (read, "memory"), (compute, "compute"))
 
 
 def generation_tokens_per_second(
     arch: Arch, bandwidth_gb_s: float | None, tflops_bf16: float | None, batch: int = GENERATION_BATCH["cuda"]
 ) -> float | None:
-    """New tokens per second of batched greedy generation on one card, from the roofline: each decode step reads
-    the 16-bit weights once (memory bound) or computes 2 x active parameters per prompt (compute bound), whichever
-    is slower, at GENERATION_EFFICIENCY of it. None without the card's bandwidth (a card the catalog lacks, MIG)."""
+    """New tokens per second of batched greedy generation on one card (decode_step_seconds, a merged model, the
+    cache left out: the answers are short). None without the card's bandwidth (a card the catalog lacks, MIG)."""
     if not bandwidth_gb_s:
         return None
-    read = arch.params * 2 / (bandwidth_gb_s * 1e9)
-    compute = batch * 2 * arch.active_params / ((tflops_bf16 or UNKNOWN_GPU_TFLOPS) * 1e12)
-    return batch * GENERATION_EFFICIENCY / max(read, compute)
+    return batch / decode_step_seconds(arch, bandwidth_gb_s, tflops_bf16, batch)[0]
 
 
 def hours(training_tokens: float, tokens_per_sec: float) -> float:

@@ -182,7 +182,9 @@ def run_status(run: RunDir) -> dict[str, Any]:
         "memory_gb": memory.get("per_gpu_gb"),
         "memory_source": memory.get("source"),
         "estimated_memory_gb": memory.get("estimated_per_gpu_gb"),
-        "adjustments": [a.get("reason") for a in plan.get("adjustments", [])],
+        "adjustments": [a.get("reason") for a in plan.get("adjustments", []) if not a.get("mid_run")],
+        # an out of memory mid-run that undid the plan's faster setting (launcher/run/oom_restart.py)
+        "oom_restarts": [a["mid_run"] for a in plan.get("adjustments", []) if a.get("mid_run")],
         # the watchdog's view (launcher/run/watchdog.py): each rank's last heartbeat while a multi-process run trains,
         # and how the last attempt that was restarted ended
         "heartbeats": (

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from launcher.data import split
 from launcher.worker import train
+from launcher.plan.sampling import uses_vllm
 from launcher.worker.engines import failed_verification, launch_command, launch_env, worker_file
 from launcher.store.checkpoint import atomic_write_json
 from launcher.data.dataset import DataStats, smoke_sample, write_jsonl
@@ -233,7 +234,7 @@ def run_smoke(
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **launch_env(plan)},
+            env={**os.environ, **launch_env(plan, vllm=uses_vllm(recipe))},
         )
         try:
             rc = proc.wait()

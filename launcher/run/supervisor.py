@@ -21,7 +21,8 @@ from typing import Any, Optional
 
 from launcher.errors import WORKER_EXITS
 from launcher.plan.cgroup import oom_kills
-from launcher.run import build_locks, rank_ends, views
+from launcher.plan.sampling import uses_vllm
+from launcher.run import build_locks, oom_restart, rank_ends, views
 from launcher.run.after_training import _export, _on_finish, _stopped_after_training, _verify_final
 from launcher.run.attempt import WATCHDOG_GRACE_S, _host_oom, _rank_ends, _Tail, _wait_watching
 from launcher.run.rank_processes import _ranks, _ranks_left
@@ -126,7 +127,7 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
     restart_times: list[float] = []  # the restart budget: max_restarts within any RESTART_WINDOW_S
     last_exception: Optional[tuple[Optional[str], Optional[int]]] = None  # (signature, step) of the last traceback
     multi = plan.get("engine") in MULTI_PROCESS
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **launch_env(plan, recipe.grace_seconds))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **launch_env(plan, recipe.grace_seconds, vllm=uses_vllm(recipe)))
     error_file = run.heartbeats / "error-rank-0.json"  # a single worker's traceback (worker/train.py _recorded)
     if not multi:
         env["TORCHELASTIC_ERROR_FILE"] = str(error_file)
@@ -285,6 +286,40 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
                 stop_requested=False,
                 ending=ending,
             )
+        if rc == train.EXIT_OOM:
+            # the plan's own faster setting (checkpointing off, a larger micro-batch) ran out: undone, and the run goes
+            # on from its last checkpoint on the same trajectory; an out of memory of the recipe's settings stops it
+            undone = oom_restart.undo_after_oom(run, _worker_fact(run, "out_of_memory") or {})
+            if undone is None:
+                error = _worker_error(run) or WORKER_EXITS[rc].what
+                done = oom_restart.mid_run_undos(json.loads(run.plan.read_text()))
+                return end("failed", views.oom_fatal_reason(error, WORKER_EXITS[rc].fix, done), 5)
+            recipe, plan = load_recipe(run.recipe), json.loads(run.plan.read_text())
+            restarts += 1
+            why = views.oom_restart_reason(undone)
+            ended = {"kind": "out-of-memory", "step": undone["oom_step"], "world": int(plan.get("num_processes") or 1)}
+            _record(
+                run,
+                "recovering",
+                worker_pid=None,
+                restarts=restarts,
+                last_end=ended,
+                reason=why,
+                accepted_recipe_hashes=oom_restart.accepted_hashes(read_state(run), undone),
+            )
+            _log(why)
+            # the ended attempt's GPU memory must be free before the next one loads (as after a crash, below)
+            left = _ranks_left(
+                ranks, min(recipe.grace_seconds, WATCHDOG_GRACE_S), lambda: stopping["signal"] is not None
+            )
+            if stopping["signal"]:
+                _record(run, "stopped", reason=f"stopped by {stopping['signal']} while recovering")
+                return train.EXIT_STOPPED
+            if left:
+                return end(
+                    "failed", views.ranks_left_reason(ended, left, time.monotonic() - ended_at), 5, ranks_left=left
+                )
+            continue
         if rc in FATAL:
             return end("failed", _worker_error(run) or FATAL[rc], 5)
         # How the attempt ended, by rank (docs/engines.md, "One rank down"): a rank silent past its deadline (the

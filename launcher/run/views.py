@@ -138,6 +138,8 @@ def format_status(s: dict[str, Any], ending_follows: bool = False) -> str:
         )
     for reason in s.get("adjustments") or []:
         lines.append(f"  adjusted after out of memory: {reason}")
+    for fact in s.get("oom_restarts") or []:
+        lines.append(f"  {oom_restart_line(fact)}")
     lines.extend(heartbeat_lines(s.get("heartbeats") or []))
     if s.get("last_restart") and s["state"] in ("running", "succeeded", "trained-not-exported"):
         lines.append(f"  last restart: {s['last_restart']}; restarted")
@@ -389,6 +391,8 @@ def rank_end_text(e: dict[str, Any]) -> str:
         return f"{who} was stopped by a signal{at} after saving a checkpoint (an interruption)"
     if kind == "cuda":
         return f"CUDA/NCCL error on {who}{at}: {e.get('message')}"
+    if kind == "out-of-memory":  # the plan's faster setting undone (launcher/run/oom_restart.py)
+        return f"{who} ran out of memory{at}"
     if kind == "exception":
         return f"{who} raised{at}: {e.get('message')}"
     how = f"signal {e['signal']}" if e.get("signal") else f"exit code {e.get('exit_code')}"
@@ -400,6 +404,48 @@ def restarted_reason(e: dict[str, Any], used: int, limit: int, delay: float) -> 
         f"{rank_end_text(e)}; restarted from the newest verified checkpoint in {delay:g}s "
         f"(restart {used} of max_restarts={limit} per hour)"
     )
+
+
+def _undone_words(fact: dict[str, Any]) -> tuple[str, str]:
+    """(what the run trains with now, what the plan had chosen) for an out of memory mid-run that undid the plan's
+    setting (launcher/run/oom_restart.py)."""
+    now, was = fact["set"], fact["from"]
+    if "gradient_checkpointing" in now:
+        return "activation checkpointing on", "checkpointing off"
+    return (
+        f"the recipe's micro-batch {now['micro_batch_size']} x accumulation {now['gradient_accumulation_steps']}",
+        f"micro-batch {was['micro_batch_size']} x accumulation {was['gradient_accumulation_steps']}",
+    )
+
+
+def oom_restart_line(fact: dict[str, Any]) -> str:
+    """`ftrun status`'s line for an out of memory mid-run that the plan's own setting caused."""
+    now, was = _undone_words(fact)
+    where = fact.get("resumes_from_step")
+    return (
+        f"restarted at step {where} with {now}" if where is not None else f"restarted from the start with {now}"
+    ) + (
+        f" after an out-of-memory at step {fact.get('oom_step')} (the plan had chosen {was} for speed; the same "
+        "trajectory, the recipe unchanged)"
+    )
+
+
+def oom_restart_reason(fact: dict[str, Any]) -> str:
+    """The state's reason and the log's line while the supervisor restarts after such an out of memory."""
+    now, was = _undone_words(fact)
+    peak = f" (peak {fact['peak_memory_gb']:g} GB)" if fact.get("peak_memory_gb") is not None else ""
+    where = fact.get("resumes_from_step")
+    return (
+        f"out of memory at step {fact.get('oom_step')}{peak} with {was}, the plan's choice for speed: restarting "
+        + (f"from step {where}" if where is not None else "from the start")
+        + f" with {now} (the same trajectory; not counted against max_restarts)"
+    )
+
+
+def oom_fatal_reason(error: str, fix: str, undone: list[dict[str, Any]]) -> str:
+    """Why an out of memory stopped the run: the worker's error, the fix, and what of the plan's was undone before."""
+    before = "; ".join(oom_restart_line(f) for f in undone)
+    return f"{error}; {fix}" + (f". The plan's faster settings were already undone: {before}" if before else "")
 
 
 def repeated_crash_reason(e: dict[str, Any]) -> str:

@@ -29,8 +29,8 @@ def _forget_worker_outcome(run: RunDir) -> None:
     from launcher.store.checkpoint import atomic_write_json
 
     info = json.loads(run.worker.read_text())
-    if {"exit_code", "error", "stopped_after_training"} & set(info):
-        for key in ("exit_code", "error", "stopped_after_training"):
+    if {"exit_code", "error", "stopped_after_training", "out_of_memory"} & set(info):
+        for key in ("exit_code", "error", "stopped_after_training", "out_of_memory"):
             info.pop(key, None)
         atomic_write_json(run.worker, info)
 

@@ -36,7 +36,10 @@ def _out_of_memory(run: RunDir, mode: str, device: str, text: str, step: int) ->
             },
         )
     else:  # any rank, for the same reason; worker.json is written atomically
-        _record_error(run, message, EXIT_OOM)
+        # the step as a fact too: the supervisor restarts with the plan's faster settings undone and says where
+        # (launcher/run/oom_restart.py)
+        oom = {"step": step + 1, "peak_memory_gb": None if peak is None else round(peak, 3), "rank": _rank()}
+        _record_error(run, message, EXIT_OOM, out_of_memory=oom)
     return EXIT_OOM
 
 
@@ -63,9 +66,10 @@ def _is_disk_full(exc: BaseException, where: Path) -> bool:
     return shutil.disk_usage(where).free < max(64 * 1024 * 1024, 2 * last)
 
 
-def _record_error(run: RunDir, message: str, exit_code: Optional[int] = None) -> None:
+def _record_error(run: RunDir, message: str, exit_code: Optional[int] = None, **facts) -> None:
     info = json.loads(run.worker.read_text()) if run.worker.is_file() else {}
     info["error"] = message
+    info.update(facts)
     if exit_code is not None:  # torchrun reports any rank's exit as 1: the supervisor reads the real one here
         info["exit_code"] = exit_code
     try:

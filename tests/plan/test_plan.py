@@ -342,9 +342,14 @@ def test_the_plan_states_the_task_evaluations_time_and_cost_before_any_smoke_tes
     assert t["generation_tokens_per_second"] == round(tps, 1)
     assert t["seconds"] == round(t["new_tokens"] / tps, 1) and t["cost_eur"] == round(t["seconds"] / 3600 * 3.9, 2)
     assert any(r.startswith("task evaluation: at most 4 scorers x 200 examples") for r in plan.reasons)
-    # twice the bandwidth, twice the rate while the step stays memory bound
-    assert throughput.generation_tokens_per_second(from_catalog("meta-llama/Llama-3.1-8B"), 6700, 989) == pytest.approx(
-        2 * tps
+    # an 8B model's eager decode step is bound by its launches: more bandwidth buys nothing
+    small, large = from_catalog("meta-llama/Llama-3.1-8B"), from_catalog("meta-llama/Llama-3.1-70B")
+    assert throughput.decode_step_seconds(small, 3350, 989, 32)[1] == "launch"
+    assert throughput.generation_tokens_per_second(small, 6700, 989) == tps
+    # a 70B model's is bound by reading its weights: twice the bandwidth, twice the rate
+    assert throughput.decode_step_seconds(large, 3350, 989, 32)[1] == "memory"
+    assert throughput.generation_tokens_per_second(large, 6700, 989) == pytest.approx(
+        2 * throughput.generation_tokens_per_second(large, 3350, 989)
     )
     assert article_plan(tmp_path, "1xH100-80GB").estimate["task_eval"] is None  # nothing held out, nothing scored
 

@@ -185,14 +185,17 @@ def test_article_time_table(method, size, engine, box, tps, tokens, hours, cost)
     """The article's job as ftrun plans it: gradient checkpointing off where the card holds the activations with the
     plan's headroom (launcher/plan/speed.py), the speed calibrated on the H200. Within 15% of the article's used value,
     or where the measurement-calibrated speed leaves that, inside the article's range (docs/sizing.md)."""
-    from launcher.plan.speed import HEADROOM
+    from launcher.plan.speed import HEADROOM_NO_CHECKPOINTING
 
     used, lo, hi = tps
     count, name = box.split("x", 1)
     hw = catalog_box(name, int(count))
     arch = from_catalog(MODEL[size])
     off = Workload(method, ARTICLE_TOKENS, 2, False, 16, "all-linear", engine, int(count))
-    keep = sizing.memory(arch, off).peak_gb * HEADROOM > hw.gpu.memory_gb * sizing_constants.USABLE_FRACTION
+    keep = (
+        sizing.memory(arch, off).peak_gb * HEADROOM_NO_CHECKPOINTING
+        > hw.gpu.memory_gb * sizing_constants.USABLE_FRACTION
+    )
     w = Workload(method, ARTICLE_TOKENS, 2, keep, 16, "all-linear", engine, int(count))
     got = throughput.tokens_per_second(arch, w, hw.gpu.tflops_bf16, hw.interconnect, mean_seq_len=ARTICLE_TOKENS)
     assert got == pytest.approx(used, rel=0.15) or lo <= got <= hi, f"{got:,.0f} tokens/s, article {lo:,}-{hi:,}"

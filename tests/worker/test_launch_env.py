@@ -286,3 +286,46 @@ def test_two_fsdp_launches_at_once_each_get_a_free_port(tmp_path):
     assert [len(re.findall(r"PORT \d+\n", out)) for out in outs] == [2, 2], outs
     assert all(len(p) == 1 for p in ports), outs  # both ranks of a job agree
     assert ports[0] != ports[1] and "29500" not in ports[0] | ports[1]
+
+
+# --- torch's allocator: expandable segments on a GPU (issue 55) ------------------------------------------------
+
+ALLOCATOR = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
+
+
+def _allocator_settings(env: dict) -> str:
+    """What torch's allocator configuration reads in a process started with `env` (c10's AllocatorConfig, the same
+    parse on the CPU build as on CUDA's)."""
+    import subprocess
+
+    code = "import torch; print(torch._C._accelerator_getAllocatorSettings())"
+    clean = {k: v for k, v in os.environ.items() if k not in ALLOCATOR}
+    out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
+def test_a_gpu_worker_gets_expandable_segments_that_torch_reads(tmp_path, monkeypatch):
+    for var in ALLOCATOR:
+        monkeypatch.delenv(var, raising=False)
+    plan = plan_json(tmp_path, "1xH100-80GB", "550.54.14", engine="trl")
+    env = launch_env(plan)
+    assert env["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
+    assert _allocator_settings(env) == "expandable_segments:True"
+    assert not any(v in launch_env({"device": "cpu", "engine": "trl", "num_processes": 1}) for v in ALLOCATOR)
+    # vLLM's sleep mode refuses expandable segments: a run that samples with vLLM leaves the allocator alone
+    assert not any(v in launch_env(plan, vllm=True) for v in ALLOCATOR)
+
+
+@pytest.mark.parametrize("var", ALLOCATOR[:2])
+def test_the_users_allocator_setting_is_kept_under_either_name(tmp_path, monkeypatch, var):
+    """torch 2.13 reads PYTORCH_CUDA_ALLOC_CONF before PYTORCH_ALLOC_CONF: a value ftrun added under the other name
+    would override the user's in one torch or the other, so ftrun adds none."""
+    for other in ALLOCATOR:
+        monkeypatch.delenv(other, raising=False)
+    monkeypatch.setenv(var, "max_split_size_mb:64")
+    env = launch_env(plan_json(tmp_path, "1xH100-80GB", "550.54.14", engine="trl"))
+    assert not any(v in env for v in ALLOCATOR)
+    assert _allocator_settings({var: "max_split_size_mb:64", **env}) == "max_split_size_mb:64"
+    # the reason: with both names set, torch 2.13 takes the CUDA one
+    both = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64", "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+    assert _allocator_settings(both) == "max_split_size_mb:64"

@@ -69,12 +69,29 @@ def launch_command(plan: dict[str, Any], run_dir: Path, mode: str) -> list[str]:
     raise AssertionError(f"launcher {kind.launcher!r} of engine {engine} has no command here")
 
 
-def launch_env(plan: dict[str, Any], grace_seconds: float | None = None) -> dict[str, str]:
+# torch's caching-allocator settings, by every name torch reads them from. torch 2.13 reads the first of
+# PYTORCH_CUDA_ALLOC_CONF, PYTORCH_HIP_ALLOC_CONF, PYTORCH_ALLOC_CONF that is set (c10/cuda/CUDAAllocatorConfig.h
+# CUDAAllocatorConfig::instance, the strings in libc10.so); torch 2.9-2.11 read PYTORCH_ALLOC_CONF first and the CUDA
+# name as its deprecated alias (c10/core/AllocatorConfig.cpp AcceleratorAllocatorConfig::instance,
+# C10_ALLOCATOR_CONFIG_PARSE_ENV). Both read PYTORCH_ALLOC_CONF, and with any of the three set its value is the user's.
+ALLOCATOR_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
+# Segments that grow in place (cuMemMap) instead of a new cudaMalloc per size: a micro-batch of a new length reuses
+# the address range the last one freed, so variable-length steps do not strand cached blocks (the H200's padding step
+# reserved 29.9 GB where 23.3 were sized: docs/sizing.md, "Padding-free micro-batches"), which is what torch's own
+# out-of-memory message recommends.
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+
+def launch_env(plan: dict[str, Any], grace_seconds: float | None = None, vllm: bool = False) -> dict[str, str]:
     """Environment for the launched worker(s): CPU threads split between processes; a single-process engine
-    shown only its own card; NCCL's P2P and InfiniBand off on RTX 40-series cards with an old driver. A variable
-    the user set is kept."""
+    shown only its own card; NCCL's P2P and InfiniBand off on RTX 40-series cards with an old driver; torch's
+    allocator with expandable segments on a GPU. A variable the user set is kept. `vllm`: the run generates with
+    vLLM, whose sleep mode's memory pool refuses expandable segments (vllm/device_allocator/cumem.py CuMemAllocator
+    asserts it; pytorch issue 147851): left to vLLM."""
     n = int(plan.get("num_processes", 1))
     env: dict[str, str] = {}
+    if plan.get("device") == "cuda" and not vllm and not any(v in os.environ for v in ALLOCATOR_ENV):
+        env["PYTORCH_ALLOC_CONF"] = EXPANDABLE_SEGMENTS
     if n > 1 and "OMP_NUM_THREADS" not in os.environ:
         # The box's cores shared out between its processes, on CPU and on GPU boxes alike. torchrun and
         # accelerate launch set OMP_NUM_THREADS=1 for 2+ processes when it is unset (torch 2.13
