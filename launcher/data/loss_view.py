@@ -342,6 +342,10 @@ def check(
     _refuse_empty(view, examples, where, marks)
     _refuse_no_stop(view, where, marks, stops)
     _refuse_cut(view, where, marks)
+    from launcher.data import served_check
+
+    # the prompt a chat endpoint renders against the one trained, as the export checks it after training
+    served = served_check.check(view, examples, where)
     lengths = [m.length for m in marks]
     kept = sum(len(m.ids) for m in marks)
     trained = sum(sum(m.trained) for m in marks)
@@ -362,6 +366,7 @@ def check(
     empty = sum(m.empty for m in marks)
     return {
         "examples": shown,
+        **({"served_prompt": served} if served else {}),
         "end_of_turn": view.eot,
         "mode": _mode(view, examples[0]),
         "stats": {

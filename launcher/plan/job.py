@@ -43,6 +43,7 @@ class Job:
     # per_device_train_batch_size does.
     answers_per_prompt: int = 1
     completion_tokens: int = 0
+    kl_forward: bool = False  # KTO: each example's KL sequence, forward only (methods.Objective.kl_forward)
 
     def workload(
         self,
@@ -74,6 +75,7 @@ class Job:
             reference=self.reference,
             loss=LOSS_MATERIALIZED if methods.OBJECTIVES[self.objective].whole_logits else "",
             generation_batch=self.micro_batch * self.accumulation if self.answers_per_prompt > 1 else 0,
+            kl_forward=self.kl_forward,
         )
 
 
@@ -159,6 +161,7 @@ def _job(
         objective.name,
         answers,
         completion,
+        objective.kl_forward,
     )
     return job, notes
 

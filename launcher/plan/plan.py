@@ -325,7 +325,7 @@ def plan_for(
     if packed:
         reasons.append(packed)
     reasons.append(_loss_reason(job, choice, est))
-    reasons += _objective_reasons(recipe, job)
+    reasons += _objective_reasons(recipe, job, data_stats)
     reasons += sampling.reasons(recipe, job, steps, sampling_s, "tokens_per_second" in measured)
     if hrs is not None:
         money = (
@@ -447,10 +447,38 @@ def _loss_reason(job: Job, choice: Choice, est: Any) -> str:
     )
 
 
-def _objective_reasons(recipe: Any, job: Job) -> list[str]:
-    """What a preference objective changes in the plan: two sequences per example, the reference, the parent run."""
+def _objective_reasons(recipe: Any, job: Job, data_stats: Any = None) -> list[str]:
+    """What a preference objective changes in the plan: two sequences per example, KTO's KL sequence and its classes,
+    the reference, the parent run."""
     objective = methods.OBJECTIVES[getattr(recipe, "objective", methods.DEFAULT_OBJECTIVE)]
     lines = []
+    if objective.kl_forward:
+        through = "the policy and the reference" if job.reference and sizing.REFERENCES[job.reference][1] else (
+            "the policy (the reference's log-probabilities of it are precomputed)" if job.reference else "the policy"
+        )
+        lines.append(
+            f"objective {objective.name} (trl's {objective.trainer}): each example is one answer marked desirable or "
+            f"undesirable, trained after its prompt; its KL sequence (the prompt with the answer of the micro-batch's "
+            f"previous example, KTO's estimate of the policy's KL to the reference) runs forward without a gradient "
+            f"through {through}: a micro-batch of {job.micro_batch} examples runs {job.micro_batch} sequences with "
+            f"a gradient and {job.micro_batch} KL sequences; the data is shuffled once with the recipe's seed, then "
+            "read in order (TRL's sequential sampler keeps each micro-batch's KL pairs)"
+        )
+        labels = getattr(data_stats, "labels", None)
+        if labels:
+            low, high = labels["desirable_weight_range"]
+            ulow, uhigh = labels["undesirable_weight_range"]
+            lines.append(
+                f"classes: {labels['desirable']:,} desirable and {labels['undesirable']:,} undesirable answers, "
+                f"preference.desirable_weight {labels['desirable_weight']:g} and undesirable_weight "
+                f"{labels['undesirable_weight']:g}: the desirable side weighs {labels['ratio']:.2f} times the "
+                + (
+                    "undesirable one, within the 1 to 1.33 TRL recommends"
+                    if labels["in_range"]
+                    else f"undesirable one, outside the 1 to 1.33 TRL recommends (it warns): desirable_weight "
+                    f"{low:g} to {high:g}, or undesirable_weight {ulow:g} to {uhigh:g}, would be inside"
+                )
+            )
     if objective.sequences_per_example > 1:
         lines.append(
             f"objective {objective.name} (trl's {objective.trainer}): each example is a pair, {job.sequences} "

@@ -81,8 +81,12 @@ def faster(job: Job, choice: Choice, free: set[str], replan: Callable[[Job], Cho
         cand = replace(job, gradient_checkpointing=False)
         c = replan(cand)
         if _same_engine(c, choice) and _with_headroom(c):
-            with_ = throughput.flops_per_token(job.arch, job.method, job.seq_len, True, bool(job.reference))
-            without = throughput.flops_per_token(job.arch, job.method, job.seq_len, False, bool(job.reference))
+            with_ = throughput.flops_per_token(
+                job.arch, job.method, job.seq_len, True, bool(job.reference), job.kl_forward
+            )
+            without = throughput.flops_per_token(
+                job.arch, job.method, job.seq_len, False, bool(job.reference), job.kl_forward
+            )
             best, update["gradient_checkpointing"] = (cand, c), False
             reasons.append(
                 f"gradient checkpointing off (the recipe leaves it to the plan): {c.estimate.peak_gb:.1f} GB of "

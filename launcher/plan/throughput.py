@@ -148,16 +148,24 @@ def training_precision(device: str, compute_capability: tuple[int, int] | list[i
 
 
 def flops_per_token(
-    arch: Arch, method: str, seq_len: int, gradient_checkpointing: bool, reference_forward: bool = False
+    arch: Arch,
+    method: str,
+    seq_len: int,
+    gradient_checkpointing: bool,
+    reference_forward: bool = False,
+    kl_forward: bool = False,
 ) -> float:
     """Training FLOPs per token: forward 2 x matmul params + causal attention; backward 2x forward for full
     (input and weight gradients), 1x for LoRA (input gradients only); recomputation adds one forward, and so does
-    DPO's reference pass (the same tokens through the frozen reference, without gradients)."""
+    DPO's reference pass (the same tokens through the frozen reference, without gradients). KTO's KL sequence (as
+    long as an example on average: the same answers, rotated) adds a forward through the policy, and one through the
+    reference where it has one."""
     matmul = arch.active_params - arch.embedding_params + (arch.embedding_params if arch.tied_embeddings else 0)
     attention = 2 * arch.layers * arch.q_dim * seq_len  # QK^T and AV, 2 FLOPs per MAC, causal halves the context
     forward = 2 * matmul + attention
     backward = forward if is_adapter(method) else 2 * forward
-    return forward + backward + (forward if gradient_checkpointing else 0) + (forward if reference_forward else 0)
+    kl = forward * (1 + reference_forward) if kl_forward else 0
+    return forward + backward + (forward if gradient_checkpointing else 0) + (forward if reference_forward else 0) + kl
 
 
 def tokens_per_second(
@@ -173,7 +181,9 @@ def tokens_per_second(
     micro-batch, not overlapped with compute: docs/sizing.md, "Parameter offload")."""
     seq = mean_seq_len or w.seq_len
     # DPO's reference: a forward of every token, each step or once before training (the same count in one epoch)
-    flops = flops_per_token(arch, w.method, seq, w.gradient_checkpointing, reference_forward=bool(w.reference))
+    flops = flops_per_token(
+        arch, w.method, seq, w.gradient_checkpointing, reference_forward=bool(w.reference), kl_forward=w.kl_forward
+    )
     if w.device == "cpu":
         tokens = w.micro_batch * w.sequences * seq
         seconds = tokens * flops / (cpu_count * CPU_FLOPS_PER_CORE) + CPU_SECONDS_PER_MICRO_BATCH
