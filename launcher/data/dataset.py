@@ -38,6 +38,8 @@ class DataStats:
     held_out: int = 0  # distinct examples held out for evaluation (eval.fraction)
     held_out_lines: int = 0  # the data's examples that do not train for it: the held-out ones and their copies
     labels: Optional[dict] = None  # unpaired answers (objective kto): the training split's classes and their weights
+    all_tokens: int = 0  # sum of the examples' tokens before max_length: what a truncation leaves out is the rest
+    splits: bool = False  # packing splits a sequence longer than max_length into pieces (bfd_split): none is cut
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -459,13 +461,21 @@ def _characters(ex: dict[str, Any]) -> int:
 
 
 def compute_stats(
-    examples: list[Any], lengths: list[int], source: str, max_length: int, data: Optional[LoadedData] = None
+    examples: list[Any],
+    lengths: list[int],
+    source: str,
+    max_length: int,
+    data: Optional[LoadedData] = None,
+    splits: bool = False,
 ) -> DataStats:
     """Token statistics of `examples` (those that train); `data` adds what was read (description, sources). A
-    preference pair's tokens are its two sequences' (each at most max_length)."""
+    preference pair's tokens are its two sequences' (each at most max_length). `splits`: packing cuts a longer
+    sequence into pieces of max_length (TRL's packing_strategy bfd_split or wrapped), so every token trains."""
     limits = [max_length * len(formats.sequences(ex)) if isinstance(ex, dict) else max_length for ex in examples]
-    clipped = [min(n, limit) for n, limit in zip(lengths, limits)]
+    clipped = list(lengths) if splits else [min(n, limit) for n, limit in zip(lengths, limits)]
     return DataStats(
+        all_tokens=sum(lengths),
+        splits=splits,
         examples=len(examples),
         total_tokens=sum(clipped),
         mean_tokens=round(sum(clipped) / len(clipped), 1),

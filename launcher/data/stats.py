@@ -27,7 +27,9 @@ def data_stats(recipe: Any):
     # the statistics (plan, ETA) count what trains: the eval split's held-out examples do not (launcher/data/split.py)
     parts = split.for_recipe(examples, recipe)
     train = parts.train
-    stats = compute_stats([examples[i] for i in train], [lengths[i] for i in train], source, recipe.max_length, data)
+    stats = compute_stats(
+        [examples[i] for i in train], [lengths[i] for i in train], source, recipe.max_length, data, _splits(recipe)
+    )
     # what the loss sees, every training example marked as TRL masks it; a DataError refuses data that would train
     # nothing, never teach the model to stop, or lose its answers to max_length (launcher/data/loss_view.py)
     seen = loss_view.check(
@@ -53,6 +55,12 @@ def data_stats(recipe: Any):
         # a resume on changed eval data is refused like one on changed training data
         stats = replace(stats, sha256=data_identity(stats.sha256, load_data(recipe.eval.data, recipe.seed).sha256))
     return examples, lengths, stats
+
+
+def _splits(recipe: Any) -> bool:
+    """Packing that splits a sequence longer than max_length into pieces instead of cutting it (trl 1.16 data_utils.py
+    pack_dataset: bfd_split requeues the overflow, wrapped cuts the stream anywhere; bfd truncates each sequence)."""
+    return bool(recipe.packing) and recipe.trainer.get("packing_strategy", "bfd") in ("bfd_split", "wrapped")
 
 
 def _prompt_stats(recipe: Any, data: Any):

@@ -15,7 +15,7 @@ from launcher.plan import loss_head
 from launcher.plan import throughput
 from launcher.plan import sampling
 from launcher.plan import speed
-from launcher.errors import MissingSoftware, PlanError
+from launcher.errors import MissingSoftware, PlanError, RecipeError
 from launcher.methods import is_adapter
 from launcher.plan import engine as engine_choice
 from launcher.plan.advice import (
@@ -190,6 +190,7 @@ def plan_for(
     arch = arch or load_architecture(recipe.model)
     unsloth_ok, software = engine_software.software(hardware, unsloth_available)
     job, notes = _job(recipe, arch, data_stats, tokens, tokens_from)
+    notes += _positions_note(recipe, arch)
     blocked = None
     try:  # each requested output can be made; a missing install is said after the plan, which it does not change
         notes += gguf_readiness.plan_check(recipe, this_box=hardware.source == "detected")
@@ -502,6 +503,41 @@ def _objective_reasons(recipe: Any, job: Job, data_stats: Any = None) -> list[st
             f"r={job.lora_r} as it was trained, trains on"
         )
     return lines
+
+
+def _positions_note(recipe: Any, arch: Architecture) -> list[str]:
+    """max_length against the positions the model's RoPE covers (config.json max_position_embeddings): beyond them a
+    RecipeError (the model has never seen those positions, and vLLM refuses a --max-model-len past them), unless the
+    config's RoPE scaling extends them, which is said with its type and factor."""
+    limit, max_length = arch.max_positions, recipe.max_length
+    if not limit or max_length <= limit:
+        return []
+    scaling = arch.rope_scaling
+    if scaling is not None:
+        kind, factor, original = scaling
+        reach = int((original or limit) * factor) if factor else None
+        if reach is None or max_length <= reach:
+            return [
+                f"max_length {max_length:,} is beyond the model's max_position_embeddings {limit:,}; its config's RoPE "
+                f"scaling ({kind}"
+                + (f", factor {factor:g} over {original or limit:,} positions: up to {reach:,}" if reach else "")
+                + ") is what the positions past it rely on: the model trains and is served with that scaling "
+                "(vLLM reads it from config.json)"
+            ]
+        raise RecipeError(
+            f"max_length {max_length:,} is beyond what {recipe.model}'s RoPE covers even with its config's scaling "
+            f"({kind}, factor {factor:g} over {original or limit:,} positions: {reach:,})",
+            fix=f"set max_length: {reach} or less (longer examples are cut "
+            "there; plain text can be packed with splitting: packing: true, trainer: {packing_strategy: bfd_split})",
+        )
+    raise RecipeError(
+        f"max_length {max_length:,} is beyond {recipe.model}'s max_position_embeddings {limit:,} (config.json), and "
+        "its config has no RoPE scaling: the model has never seen positions past it, and vLLM refuses a "
+        "--max-model-len beyond it",
+        fix=f"set max_length: {limit} or less (longer examples are cut there, or packed with splitting for plain "
+        "text: packing: true, trainer: {packing_strategy: bfd_split}); or train a model with a longer context, or "
+        "one whose config.json sets rope_scaling (YaRN) to extend it",
+    )
 
 
 def _learning_rate_note(recipe: Any) -> list[str]:

@@ -32,9 +32,21 @@ def data_line(stats) -> str:
     )
     return (
         f"{stats.description}{trains}; {stats.total_tokens:,} tokens per epoch ({stats.tokens_source}"
-        + (f", {stats.over_max_length} over max_length {stats.max_length}: truncated" if stats.over_max_length else "")
+        + (_over(stats) if stats.over_max_length else "")
         + ")"
     )
+
+
+def _over(stats) -> str:
+    """What happens to the examples longer than max_length, with the tokens kept of all."""
+    all_tokens = getattr(stats, "all_tokens", 0)
+    if getattr(stats, "splits", False):
+        return (
+            f", {stats.over_max_length:,} over max_length {stats.max_length}: packing splits them into pieces, "
+            f"all {all_tokens:,} tokens kept"
+        )
+    kept = f", {stats.total_tokens:,} of {all_tokens:,} tokens kept" if all_tokens else ""
+    return f", {stats.over_max_length:,} over max_length {stats.max_length}: truncated{kept}"
 
 
 def wants_color(stream: Optional[TextIO] = None) -> bool:
