@@ -367,7 +367,8 @@ def check(
     return {
         "examples": shown,
         **({"served_prompt": served} if served else {}),
-        "end_of_turn": view.eot,
+        # plain text and plain prompt/completion end with the EOS TRL appends (add_eos), not the template's end of turn
+        "end_of_turn": view.eos if not any(formats.conversational(ex) for ex in examples) else view.eot,
         "mode": _mode(view, examples[0]),
         "stats": {
             "examples": n,
