@@ -482,7 +482,7 @@ def _refuse_cut(view: LossView, where, marks: list[Marked], texts: bool = False)
             "long document's start alone",
             fix=f"pack with splitting: packing: true and trainer: {{packing_strategy: bfd_split}} (TRL cuts each "
             f"document into pieces of max_length and packs them: all {total:,} tokens train, no document loses its "
-            f"end); or raise max_length ({max(lengths):,} keeps every document whole); or allow the cuts with "
+            f"end); or raise max_length ({max(lengths)} keeps every document whole); or allow the cuts with "
             f"max_length_may_cut={len(bad) / len(marks):.2f} (each keeps its first {s.max_length} tokens only).",
         )
     raise DataError(
