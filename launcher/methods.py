@@ -1,6 +1,6 @@
 """The training methods and objectives as tables: one row a method (qlora, lora, full, full-8bit) and one row an
-objective (sft, dpo, orpo, kto, grpo). Every question about a method or an objective asks these rows: the recipe's allowed
-values, the sizer's bytes, the engine choice, the loading, the export, the final result's check, the model card.
+objective (sft, dpo, orpo, kto, grpo). Every question about a method or an objective asks these rows: the recipe's
+allowed values, the sizer's bytes, the engine choice, the loading, the export, the final result's check, the model card.
 
 A root leaf (like launcher/gguf_types.py): the recipe, plan/, worker/, store/ and deliver/ all ask it, and store/
 may import no stage above it.

@@ -454,8 +454,14 @@ def _objective_reasons(recipe: Any, job: Job, data_stats: Any = None) -> list[st
     objective = methods.OBJECTIVES[getattr(recipe, "objective", methods.DEFAULT_OBJECTIVE)]
     lines = []
     if objective.kl_forward:
-        through = "the policy and the reference" if job.reference and sizing.REFERENCES[job.reference][1] else (
-            "the policy (the reference's log-probabilities of it are precomputed)" if job.reference else "the policy"
+        through = (
+            "the policy and the reference"
+            if job.reference and sizing.REFERENCES[job.reference][1]
+            else (
+                "the policy (the reference's log-probabilities of it are precomputed)"
+                if job.reference
+                else "the policy"
+            )
         )
         lines.append(
             f"objective {objective.name} (trl's {objective.trainer}): each example is one answer marked desirable or "

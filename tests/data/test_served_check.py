@@ -83,7 +83,9 @@ def test_multi_turn_tool_data_serves_the_trained_prompt_with_qwen25_and_qwen3(to
     for aol in (False, True):
         seen = _check(tokenizers["qwen2_5"], [multi] * 2, aol)["served_prompt"]
         assert seen["identical"] == "1/1", seen
-    assert "TRL's training template" in _check(tokenizers["qwen2_5"], [multi], True)["served_prompt"]["training_template"]
+    assert (
+        "TRL's training template" in _check(tokenizers["qwen2_5"], [multi], True)["served_prompt"]["training_template"]
+    )
     # Qwen3 with its own template: served with enable_thinking=false, the switch the export finds too
     seen = _check(tokenizers["qwen3"], [multi], False)["served_prompt"]
     assert seen["identical"] == "1/1" and seen["chat_template_kwargs"] == {"enable_thinking": False}
@@ -106,7 +108,9 @@ def test_qwen3s_training_template_on_multi_turn_tool_data_is_refused_before_trai
         _check(tokenizers["qwen3"], [single, multi, multi], True)
     text = str(err.value)
     assert "the served prompt would differ from the trained one: tools.jsonl line" in text
-    assert "'<think>' in front of the answer" in text and "assistant_only_loss trains with TRL's training template" in text
+    assert (
+        "'<think>' in front of the answer" in text and "assistant_only_loss trains with TRL's training template" in text
+    )
     assert "identical 0/2 shapes" in text and "the export would refuse the result after training" in text
     assert "set assistant_only_loss: false" in err.value.fix and "prompt/completion" in err.value.fix
 

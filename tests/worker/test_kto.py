@@ -52,7 +52,10 @@ def test_unpaired_answers_conversational_and_plain_become_one_form(tmp_path, unp
     plain = load_data(
         _lines(
             tmp_path / "plain.jsonl",
-            [{"prompt": "2+2?", "completion": "4", "label": True}, {"prompt": "2+2?", "completion": "5", "label": False}],
+            [
+                {"prompt": "2+2?", "completion": "4", "label": True},
+                {"prompt": "2+2?", "completion": "5", "label": False},
+            ],
         )
     )
     assert plain.form == "unpaired" and plain.examples[1] == {"prompt": "2+2?", "completion": "5", "label": False}
@@ -152,6 +155,19 @@ def test_the_weights_apply_to_kto_alone_and_reach_ktoconfig(write_recipe, tmp_pa
     # its KL pairs are built within micro-batches read in order (KTOConfig's own default), not reshuffled by the trainer
     assert type(config).__dataclass_fields__["train_sampling_strategy"].default == "sequential"
     assert config.train_sampling_strategy == "sequential" and config.per_device_train_batch_size == 8
+
+
+def test_another_data_order_is_refused_before_the_model_loads(write_recipe, unpaired):
+    from launcher.errors import RecipeError
+    from launcher.recipe_loading import load_recipe
+    from launcher.recipe_trainer import check_trainer_fields
+
+    recipe = load_recipe(
+        write_recipe(data=str(unpaired), objective="kto", trainer={"train_sampling_strategy": "random"})
+    )
+    with pytest.raises(RecipeError, match="reads the data in order .sequential. and refuses any other order"):
+        check_trainer_fields(recipe)
+    check_trainer_fields(load_recipe(write_recipe(data=str(unpaired), objective="kto", trainer={"warmup_steps": 2})))
 
 
 def test_an_out_of_memory_replan_keeps_two_examples_per_micro_batch(write_recipe, unpaired):
