@@ -45,10 +45,9 @@ def tokenizers(tmp_path_factory) -> dict[str, Path]:
 
 
 def _model(tmp_path: Path, tiny_model: Path, tokenizer: Path) -> Path:
-    """The tiny model's config with another family's tokenizer and template: a model folder `ftrun plan` reads."""
+    """The tiny model with another family's tokenizer and template (its ids fit the model's 1,024 entries)."""
     folder = tmp_path / f"model-{tokenizer.name}"
-    folder.mkdir()
-    shutil.copy(tiny_model / "config.json", folder / "config.json")
+    shutil.copytree(tiny_model, folder, ignore=shutil.ignore_patterns("tokenizer*", "chat_template*", "special_*"))
     for f in tokenizer.iterdir():
         shutil.copy(f, folder / f.name)
     return folder
@@ -130,9 +129,12 @@ def test_the_plan_refuses_qwen3_tool_data_with_assistant_only_loss(tmp_path, tin
     assert res.returncode == 2, res.stdout + res.stderr
     assert "data error: the served prompt would differ from the trained one" in res.stderr
     assert "Fix: train with the template that serves" in res.stderr and "Traceback" not in res.stderr
-    ok = recipe_file(tmp_path / "ok.yaml", model, tmp_path / "run", data=str(data), max_length=1024)
-    res = ftrun("plan", ok, cwd=tmp_path)
-    assert res.returncode == 0, res.stdout + res.stderr
+    # the model's own template (no assistant_only_loss): the same data passes the check, served with the switch
+    from launcher.data.stats import data_stats
+    from launcher.recipe_loading import load_recipe
+
+    ok = load_recipe(recipe_file(tmp_path / "ok.yaml", model, tmp_path / "run", data=str(data), max_length=1024))
+    assert data_stats(ok)[2].loss_view["served_prompt"]["chat_template_kwargs"] == {"enable_thinking": False}
 
 
 def test_a_foreground_run_whose_export_failed_exits_5(tmp_path):
@@ -171,3 +173,32 @@ def test_the_exports_refusal_points_to_training_with_the_served_template():
             served.compare("vllm", "vLLM", [[1, 2, 4]])
         assert said in err.value.fix and "report it if it repeats" not in err.value.fix
         assert "identical 0/1" in str(err.value)
+
+
+@pytest.mark.slow
+def test_qwen25_tool_data_trains_answers_only_and_serves_the_trained_prompt(tmp_path, tiny_model, tokenizers):
+    """Done when of issue 59: the tool-calling set trains on Qwen2.5's template with answers-only loss, and its
+    export's served prompt equals the trained one; the plan's check and the export's agree."""
+    from helpers import ftrun
+    from conftest import recipe_file
+
+    data = tmp_path / "tools.jsonl"
+    data.write_text("".join(json.dumps(_sharegpt(turns=1 + i % 2)) + "\n" for i in range(24)))
+    model = _model(tmp_path, tiny_model, tokenizers["qwen2_5"])
+    recipe = recipe_file(
+        tmp_path / "r.yaml",
+        model,
+        tmp_path / "run",
+        data=str(data),
+        assistant_only_loss=True,
+        max_length=1024,
+        micro_batch_size=4,
+        max_steps=4,
+        export=["adapter"],
+    )
+    res = ftrun(recipe, "--foreground", "smoke.enabled=false", cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    planned = json.loads((tmp_path / "run" / "data.json").read_text())["loss_view"]["served_prompt"]
+    assert planned["identical"] == "2/2" and "TRL's training template" in planned["training_template"]
+    served = json.loads((tmp_path / "run" / "final" / "export.json").read_text())["served_prompt"]
+    assert served["ok"] and all(r["ok"] for r in served["runtimes"].values()), served
