@@ -555,9 +555,10 @@ def _learning_rate_note(recipe: Any) -> list[str]:
     default = type(recipe).model_fields["learning_rate"].default
     return [
         f"learning_rate is the recipe's default {default:g}, a LoRA SFT rate; TRL's {objective.config} defaults to "
-        f"{objective.learning_rate:g} for {objective.name}, and DPO with LoRA usually trains at 5e-6 to 5e-5: set "
-        "learning_rate: in the recipe (the rewards in `ftrun status` show a rate too high as a margin that "
-        "swings and an accuracy that falls)"
+        f"{objective.learning_rate:g} for {objective.name}"
+        + (", and DPO with LoRA usually trains at 5e-6 to 5e-5" if objective.name == "dpo" else "")
+        + ": set learning_rate: in the recipe (the rewards in `ftrun status` show a rate too high as a margin that "
+        + ("swings and a KL estimate that grows)" if objective.kl_forward else "swings and an accuracy that falls)")
     ]
 
 

@@ -30,8 +30,10 @@ def data_line(stats) -> str:
         if held
         else ""
     )
+    labels = getattr(stats, "labels", None)  # KTO's unpaired answers: the training split's classes
+    classes = f"; {labels['desirable']:,} desirable and {labels['undesirable']:,} undesirable answers" if labels else ""
     return (
-        f"{stats.description}{trains}; {stats.total_tokens:,} tokens per epoch ({stats.tokens_source}"
+        f"{stats.description}{trains}{classes}; {stats.total_tokens:,} tokens per epoch ({stats.tokens_source}"
         + (_over(stats) if stats.over_max_length else "")
         + ")"
     )

@@ -201,6 +201,13 @@ def test_the_classes_are_stated_and_refused_far_from_trls_weights(write_recipe, 
 
     labels = _classes(write_recipe, tmp_path, 60, 60)
     assert (labels["desirable"], labels["undesirable"], labels["ratio"], labels["in_range"]) == (60, 60, 1.0, True)
+    from launcher.run.data_view import data_line
+    from types import SimpleNamespace as Stats
+
+    line = data_line(
+        Stats(description="d", examples=120, total_tokens=900, tokens_source="t", over_max_length=0, labels=labels)
+    )
+    assert "; 60 desirable and 60 undesirable answers; 900 tokens per epoch" in line  # the plan's and `ftrun data`'s
     # 80 desirable against 40: 2.0 with TRL's default weights, outside its 1 to 4/3 but not far: stated with the fit
     labels = _classes(write_recipe, tmp_path, 80, 40)
     assert labels["ratio"] == 2.0 and not labels["in_range"]
