@@ -111,17 +111,24 @@ def check(view, examples: list[dict[str, Any]], where: list[str]) -> Optional[di
     tok = LightTokenizer(view)
     swapped = view.template != view.template_source
     training = view.template if swapped else None
-    prompts = []
+    prompts, unrendered = [], []
     for conv, tools, w in chosen:
         last = max((i for i, m in enumerate(conv) if m["role"] == "assistant"), default=len(conv))
         prompt = conv[:last] or conv[:1]
         kw = {"tools": tools, "chat_template": training}
-        ctx = trained_context(tok, conv, last, kw) if last < len(conv) else None
-        if ctx is None:  # the answer not written verbatim: the training template's generation prompt, as the export
-            ids = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, **kw)
-        else:
-            ids = ctx["ids"]
+        try:
+            ctx = trained_context(tok, conv, last, kw) if last < len(conv) else None
+            if ctx is None:  # the answer not written verbatim: the training template's generation prompt, as the export
+                ids = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, **kw)
+            else:
+                ids = ctx["ids"]
+            generation_ids(tok, prompt, tools, {})  # the served side renders this prompt at all
+        except Exception:  # noqa: BLE001 - a template that refuses the prompt alone (raise_exception): said, not checked
+            unrendered.append(w)
+            continue
         prompts.append({"messages": prompt, "tools": tools, "ids": list(ids), "where": w, "shape": shape(conv)})
+    if not prompts:
+        return {"shapes": 0, "not_rendered": unrendered}
     kwargs = switches(tok, [(p["messages"], p["tools"], p["ids"]) for p in prompts])
     served = [generation_ids(tok, p["messages"], p["tools"], kwargs) for p in prompts]
     diffs = [(p, s) for p, s in zip(prompts, served) if s != p["ids"]]
@@ -166,6 +173,7 @@ def check(view, examples: list[dict[str, Any]], where: list[str]) -> Optional[di
         "identical": f"{len(prompts)}/{len(prompts)}",
         "training_template": "TRL's training template (assistant_only_loss)" if swapped else "the model's own",
         **({"chat_template_kwargs": kwargs} if kwargs else {}),
+        **({"not_rendered": unrendered} if unrendered else {}),
     }
 
 
