@@ -171,7 +171,7 @@ def check(view, examples: list[dict[str, Any]], where: list[str]) -> Optional[di
     return {
         "shapes": len(prompts),
         "identical": f"{len(prompts)}/{len(prompts)}",
-        "training_template": "TRL's training template (assistant_only_loss)" if swapped else "the model's own",
+        "training_template": "TRL's training template (assistant_only_loss)" if swapped else "the model's own template",
         **({"chat_template_kwargs": kwargs} if kwargs else {}),
         **({"not_rendered": unrendered} if unrendered else {}),
     }

@@ -75,6 +75,15 @@ def format_loss_view(record: Optional[dict[str, Any]], color: bool = False, stat
         lines.append(f"--- {where}: {ex['trained']} of {ex['tokens']} tokens trained")
         lines.append(render_segments(ex["segments"], color=color).rstrip("\n"))
     lines.append("---")
+    served = record.get("served_prompt")
+    if served and served.get("shapes"):  # launcher/data/served_check.py: the export's comparison, before training
+        kwargs = served.get("chat_template_kwargs")
+        lines.append(
+            f"served prompt = trained prompt: {served['identical']} conversation shapes, trained with "
+            f"{served['training_template']}"
+            + (f", served with {', '.join(f'{k}={v}' for k, v in kwargs.items())}" if kwargs else "")
+            + " (the model's own template as vLLM and llama.cpp render it; the export checks each runtime again)"
+        )
     if statistics:
         cap = s.get("max_length")
         lines.append(

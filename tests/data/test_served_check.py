@@ -134,7 +134,14 @@ def test_the_plan_refuses_qwen3_tool_data_with_assistant_only_loss(tmp_path, tin
     from launcher.recipe_loading import load_recipe
 
     ok = load_recipe(recipe_file(tmp_path / "ok.yaml", model, tmp_path / "run", data=str(data), max_length=1024))
-    assert data_stats(ok)[2].loss_view["served_prompt"]["chat_template_kwargs"] == {"enable_thinking": False}
+    seen = data_stats(ok)[2].loss_view
+    assert seen["served_prompt"]["chat_template_kwargs"] == {"enable_thinking": False}
+    from launcher.run.data_view import format_loss_view
+
+    assert (
+        "served prompt = trained prompt: 1/1 conversation shapes, trained with the model's own template, served with "
+        "enable_thinking=False" in format_loss_view(seen)
+    )
 
 
 def test_a_foreground_run_whose_export_failed_exits_5(tmp_path):
