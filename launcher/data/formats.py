@@ -391,6 +391,8 @@ def _unpaired(record: dict, other: Optional[str]) -> dict[str, Any]:
         if key not in record:
             raise _missing(record, key, "unpaired", other)
     label = record[LABEL]
+    if isinstance(label, str) and label.strip() in ("true", "false"):
+        label = label.strip() == "true"  # a CSV cell holds the JSON value as text, as _maybe_json reads lists
     if not isinstance(label, bool):
         raise RecordProblem(
             f"'{LABEL}' must be true (a desirable answer) or false (an undesirable one), found {label!r}"

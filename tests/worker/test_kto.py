@@ -60,6 +60,10 @@ def test_unpaired_answers_conversational_and_plain_become_one_form(tmp_path, unp
     )
     assert plain.form == "unpaired" and plain.examples[1] == {"prompt": "2+2?", "completion": "5", "label": False}
     assert "objective kto" in plain.describe()
+    # a CSV cell holds the label as JSON text
+    csv = tmp_path / "kto.csv"
+    csv.write_text("prompt,completion,label\n2+2?,4,true\n2+2?,5,false\n")
+    assert [e["label"] for e in load_data(csv).examples] == [True, False]
     # TRL batches the label as a bool column (DataCollatorForUnpairedPreference: torch.tensor of the labels)
     assert str(to_dataset(plain.examples).features["label"]) == "Value('bool')"
 
@@ -67,7 +71,7 @@ def test_unpaired_answers_conversational_and_plain_become_one_form(tmp_path, unp
 @pytest.mark.parametrize(
     "bad, said",
     [
-        ({"prompt": "2+2?", "completion": "5", "label": "false"}, "'label' must be true (a desirable answer) or false"),
+        ({"prompt": "2+2?", "completion": "5", "label": "no"}, "'label' must be true (a desirable answer) or false"),
         ({"prompt": "2+2?", "completion": "5", "label": 0}, "found 0"),
         (
             {
