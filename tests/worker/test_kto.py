@@ -327,6 +327,19 @@ def test_kto_trains_the_tiny_model_apart_from_its_undesirable_answers(kto_run, t
 
 
 @pytest.mark.slow
+def test_the_smoke_test_measures_kto_on_its_longest_examples(write_recipe, tmp_path, unpaired):
+    """`ftrun smoke`: the smoke sample (the longest examples first, read in order as KTOTrainer reads) trains its
+    measured steps, with each micro-batch's KL sequences, and the smoke test's figures replace the sizer's."""
+    recipe = write_recipe(**dict(_kto(unpaired), smoke={"min_steps": 3}))
+    res = ftrun("smoke", recipe, cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    smoke = json.loads((tmp_path / "run" / "smoke.json").read_text())
+    assert smoke["measured_steps"] >= 2 and smoke["tokens_per_second"] > 0 and smoke["peak_memory_gb"] > 0, smoke
+    log = (tmp_path / "run" / "smoke" / "smoke.log").read_text()
+    assert "data as TRL prepared it: unpaired answers" in log and "each with its KL sequence" in log, log[-2000:]
+
+
+@pytest.mark.slow
 def test_kto_kill9_then_resume_matches_the_uninterrupted_run(write_recipe, tmp_path, kto_run, unpaired):
     recipe = write_recipe(**dict(_kto(unpaired), max_restarts=0, checkpoint_every_minutes=0.0001))
     assert ftrun(recipe, *QUICK, cwd=tmp_path).returncode == 0
