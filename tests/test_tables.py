@@ -83,6 +83,10 @@ RECORDS = {
     "text": {"text": "Hello."},
     "preference": {"prompt": "Hi?", "chosen": "Hello.", "rejected": "Go away."},
     "unpaired": {"prompt": "Hi?", "completion": "Go away.", "label": False},
+    "unpaired_messages": {
+        "messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Go away."}],
+        "label": False,
+    },
     "preference_implicit": {
         "chosen": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}],
         "rejected": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "No."}],

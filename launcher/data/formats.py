@@ -14,8 +14,9 @@ The canonical forms (what `SFTTrainer` takes, trl 1.16.0 `sft_trainer.py` `_prep
   that share their first turns) is split where they part, as TRL's `extract_prompt` does;
 - unpaired: {"prompt": ..., "completion": ..., "label": true|false}, one answer marked desirable (true) or
   undesirable (false), strings or message lists like prompt/completion: what `KTOTrainer` takes (trl 1.16.0
-  `kto_trainer.py`, TRL's unpaired preference type). A `label` is honoured by objective kto alone: under any other
-  objective, and on a record of another format, it is refused, never dropped.
+  `kto_trainer.py`, TRL's unpaired preference type); a conversation with a label is one too, its last turn (the
+  assistant's) the answer. A `label` is honoured by objective kto alone: under any other objective, and on a record
+  of another format, it is refused, never dropped.
 
 Alpaca and ShareGPT records become chat. A problem with a record is a `RecordProblem` naming the field.
 
@@ -410,6 +411,23 @@ def _unpaired(record: dict, other: Optional[str]) -> dict[str, Any]:
     return {**example, LABEL: label}
 
 
+def _unpaired_messages(record: dict, other: Optional[str]) -> dict[str, Any]:
+    """A conversation with its label: its last turn, the assistant's, is the answer the label marks; the turns before
+    it are the prompt (TRL's unpaired type takes them apart so)."""
+    for key in ("messages", LABEL):
+        if key not in record:
+            raise _missing(record, key, "unpaired_messages", other)
+    msgs = check_messages(record["messages"], "messages")
+    if msgs[-1]["role"] != "assistant" or len(msgs) < 2:
+        raise RecordProblem(
+            f"'{LABEL}' marks the conversation's answer, its last turn, which must be the assistant's after at least "
+            f"one turn of prompt (found {', '.join(m['role'] for m in msgs)}); end each conversation with the answer "
+            "the label marks"
+        )
+    rest = {k: v for k, v in record.items() if k != "messages"}
+    return _unpaired({**rest, "prompt": msgs[:-1], "completion": msgs[-1:]}, other)
+
+
 def _pair_check(chosen: Any, rejected: Any) -> None:
     if chosen == rejected:
         raise RecordProblem(
@@ -497,6 +515,16 @@ def _preference_implicit(record: dict, other: Optional[str]) -> dict[str, Any]:
 
 
 FORMATS: dict[str, Format] = {
+    # before messages: a conversation with a label is one unpaired answer (objective kto), not a chat example
+    "unpaired_messages": Format(
+        "unpaired preference as conversations (messages/label; objective kto)",
+        "unpaired",
+        ("messages", LABEL),
+        '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}], "label": '
+        "false} (the last turn, the assistant's, is the answer the label marks)",
+        _unpaired_messages,
+        native=False,
+    ),
     "messages": Format(
         "chat messages (role/content)",
         "chat",

@@ -109,12 +109,24 @@ def test_a_label_is_refused_not_dropped_where_kto_does_not_train(write_recipe, t
     assert "set objective: kto" in err.value.fix
     with pytest.raises(DataError, match="unpaired data, which objective dpo does not train"):
         data_stats(load_recipe(write_recipe(data=str(unpaired), objective="dpo")))
-    chat = {"messages": [_turn("user", "2+2?"), _turn("assistant", "5")], "label": False}
+    chat = {"messages": [_turn("user", "2+2?"), _turn("assistant", "4")]}
+    labelled = dict(chat, label=False)
     with pytest.raises(DataError) as err:
-        load_data(_lines(tmp_path / "chat.jsonl", [chat]))
+        load_data(_lines(tmp_path / "chat.jsonl", [chat] * 30 + [labelled]))  # a chat file, one record labelled
     text = str(err.value)
-    assert "chat.jsonl line 1" in text and "'label' (False) marks an answer desirable or undesirable" in text
+    assert "chat.jsonl line 31" in text and "'label' (False) marks an answer desirable or undesirable" in text
     assert "set objective: kto, or remove 'label'" in text
+    # conversations that all carry a label are unpaired answers: their last turn is the answer the label marks
+    data = load_data(_lines(tmp_path / "labelled.jsonl", [dict(chat, label=True), labelled]))
+    assert data.form == "unpaired" and data.examples[1] == {
+        "prompt": [_turn("user", "2+2?")],
+        "completion": [_turn("assistant", "4")],
+        "label": False,
+    }
+    with pytest.raises(DataError, match="unpaired data, which objective sft does not train"):
+        data_stats(load_recipe(write_recipe(data=str(tmp_path / "labelled.jsonl"))))
+    with pytest.raises(DataError, match="which must be the assistant's after at least one turn of prompt"):
+        load_data(_lines(tmp_path / "ends.jsonl", [dict(messages=chat["messages"] + [_turn("user", "?")], label=True)]))
     with pytest.raises(DataError, match="chat data, which objective kto does not train"):
         data_stats(load_recipe(write_recipe(objective="kto")))  # the demo's chat data
 
