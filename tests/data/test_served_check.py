@@ -209,3 +209,25 @@ def test_qwen25_tool_data_trains_answers_only_and_serves_the_trained_prompt(tmp_
     assert planned["identical"] == "2/2" and "TRL's training template" in planned["training_template"]
     served = json.loads((tmp_path / "run" / "final" / "export.json").read_text())["served_prompt"]
     assert served["ok"] and all(r["ok"] for r in served["runtimes"].values()), served
+
+
+@pytest.mark.slow
+def test_the_foreground_launch_exits_5_when_the_export_fails(write_recipe, monkeypatch, capsys):
+    """The whole foreground path (the CLI, the launch, the supervisor in this process, a real worker): an export that
+    fails leaves the run trained-not-exported and the command exits 5, not 0. The export is replaced by one that
+    fails as a differing served prompt does (its state and reason), the training is real."""
+    from launcher.cli import main
+    from launcher.run import supervisor
+    from launcher.store.state import read_state, set_state
+
+    def failing_export(recipe, run, child):
+        reason = "vLLM serves another prompt than the training saw; retry with `ftrun export`"
+        set_state(run, "trained-not-exported", export={"state": "failed", "reason": reason})
+        return "trained-not-exported"
+
+    monkeypatch.setattr(supervisor, "_export", failing_export)
+    recipe = write_recipe(max_steps=2, export=["adapter"])
+    assert main([str(recipe), "--foreground", "smoke.enabled=false"]) == 5, capsys.readouterr()
+    from launcher.store.rundir import RunDir
+
+    assert read_state(RunDir(recipe.parent / "run"))["state"] == "trained-not-exported"
