@@ -268,6 +268,8 @@ def test_the_plan_of_an_8b_qlora_kto_job_states_the_kl_sequences_the_classes_and
     assert "a micro-batch of 2 examples runs 2 sequences with a gradient and 2 KL sequences" in text
     assert "8,000 desirable and 2,000 undesirable answers" in text and "undesirable_weight 3 to 4" in text
     assert "reference: the base model with the LoRA adapter switched off" in text
+    loss = next(r for r in kto.reasons if r.startswith("loss:"))
+    assert "TRL's fused LM head (trl's KTOTrainer" in loss and "the entropy is still logged" in loss
     # memory: one sequence with a gradient per example, as SFT (the KL and reference forwards keep no activations)
     assert kto.memory["breakdown_gb"]["activations"] == pytest.approx(sft.memory["breakdown_gb"]["activations"])
     assert "KL sequence" in kto.memory["explanations"]["activations"]
