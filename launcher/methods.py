@@ -1,6 +1,6 @@
 """The training methods and objectives as tables: one row a method (qlora, lora, full, full-8bit) and one row an
-objective (sft, dpo, orpo, grpo). Every question about a method or an objective asks these rows: the recipe's allowed
-values, the sizer's bytes, the engine choice, the loading, the export, the final result's check, the model card.
+objective (sft, dpo, orpo, kto, grpo). Every question about a method or an objective asks these rows: the recipe's
+allowed values, the sizer's bytes, the engine choice, the loading, the export, the final result's check, the model card.
 
 A root leaf (like launcher/gguf_types.py): the recipe, plan/, worker/, store/ and deliver/ all ask it, and store/
 may import no stage above it.
@@ -151,6 +151,14 @@ class Objective:
     # It samples its own answers while training (num_generations per prompt, scored by the recipe's `reward:`), so the
     # plan prices generation beside the steps and the data are prompts, their reference answers optional.
     generates: bool = False
+    # Each example's answer also runs after another example's prompt, without a gradient, through the policy and
+    # (where there is one) the reference: KTO's per-step estimate of the policy's KL to the reference (trl 1.16
+    # kto_trainer.py _prepare_dataset add_kl_completion_ids rotates the answers by one within each micro-batch;
+    # _compute_kl_logps runs them). The plan prices those forwards; the micro-batch needs at least two examples.
+    kl_forward: bool = False
+    # The smallest micro-batch it trains (KTOTrainer.__init__ refuses per_device_train_batch_size 1 with its KL term:
+    # the mismatched answer would be the example's own); the recipe and the out-of-memory re-plan keep to it.
+    min_micro_batch: int = 1
 
 
 # What the pair trainers cannot honour: they pad a pair's chosen and rejected rows side by side (trl 1.16
@@ -179,6 +187,9 @@ DEFAULT_OBJECTIVE = "sft"
 
 # TRL's reward metrics for a pair (dpo_trainer.py DPOTrainer._compute_loss, orpo_trainer.py get_batch_loss_metrics)
 _REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
+# KTO's (trl 1.16 kto_trainer.py KTOTrainer._compute_loss): the desirable ("chosen") and undesirable ("rejected")
+# answers' mean reward, their difference where a micro-batch holds both, the batch's KL estimate, the log-probabilities
+_UNPAIRED_REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "kl", "logps/chosen", "logps/rejected")
 
 OBJECTIVES: dict[str, Objective] = {
     o.name: o
@@ -232,6 +243,24 @@ OBJECTIVES: dict[str, Objective] = {
             whole_logits=True,
             refuses=_PAIRS_REFUSE,
             refuses_why=_PAIRS_WHY,
+        ),
+        Objective(
+            "kto",
+            trainer="KTOTrainer",
+            config="KTOConfig",
+            module="trl",
+            forms=("unpaired",),
+            sequences_per_example=1,
+            preference=True,
+            reference_pass=True,
+            settings=("beta", "desirable_weight", "undesirable_weight", "reference"),
+            logged=_UNPAIRED_REWARDS,
+            help="KTO on unpaired answers, each marked desirable or undesirable (label), against a frozen reference",
+            learning_rate=1e-6,
+            refuses=_PAIRS_REFUSE,
+            refuses_why="it trains each answer after its prompt, padded (TRL's unpaired preference collator)",
+            kl_forward=True,
+            min_micro_batch=2,
         ),
         Objective(
             "grpo",

@@ -338,6 +338,13 @@ class Recipe(Strict):
                 f"reward: applies to objective {takers}, which samples answers and scores them; objective "
                 f"{self.objective} learns from the data's own answers: remove reward:, or set objective: {takers}"
             )
+        if self.micro_batch_size < objective.min_micro_batch:
+            raise ValueError(
+                f"micro_batch_size {self.micro_batch_size} is below {objective.min_micro_batch}, the smallest "
+                f"objective {self.objective} trains: trl's {objective.trainer} estimates the KL term from each "
+                "example's prompt with another example's answer in the same micro-batch; set micro_batch_size: "
+                f"{objective.min_micro_batch} or more (lower gradient_accumulation_steps to keep the effective batch)"
+            )
         refused = sorted(k for k in objective.refuses if getattr(self, k))
         if refused:
             takers = ", ".join(o.name for o in methods.OBJECTIVES.values() if not set(refused) & set(o.refuses))

@@ -45,7 +45,7 @@ class PreferenceSettings(Strict):
     beta: float = Field(
         0.1,
         gt=0,
-        description="dpo: how far the policy may move from the reference (TRL's beta; "
+        description="dpo, kto: how far the policy may move from the reference (TRL's beta; "
         "higher stays closer); orpo: the weight of the odds-ratio term (ORPO's lambda).",
     )
     loss_type: str = Field(
@@ -53,9 +53,19 @@ class PreferenceSettings(Strict):
         description="dpo: TRL's DPO loss (sigmoid is the DPO paper's; ipo, hinge, "
         "robust, ... as the installed trl names them).",
     )
+    desirable_weight: float = Field(
+        1.0,
+        gt=0,
+        description="kto: the weight of the desirable answers' loss (TRL's desirable_weight); with unequal classes "
+        "TRL recommends desirable_weight x desirable answers / (undesirable_weight x undesirable answers) between 1 "
+        "and 4/3 (the KTO paper's Eq. 8), which the plan checks.",
+    )
+    undesirable_weight: float = Field(
+        1.0, gt=0, description="kto: the weight of the undesirable answers' loss (TRL's undesirable_weight)."
+    )
     reference: Literal["auto", "precomputed"] = Field(
         "auto",
-        description="dpo: the reference's log-probabilities. auto: computed beside each step (LoRA: the base "
+        description="dpo, kto: the reference's log-probabilities. auto: computed beside each step (LoRA: the base "
         "with the adapter switched off, or the parent adapter's frozen copy under init_from, no second model; full: a "
         "frozen copy of the model); precomputed: computed once over the data before training (one forward per "
         "example, no reference model kept in memory).",

@@ -26,6 +26,16 @@ def check_trainer_fields(recipe: Recipe) -> None:
                 "computes" + (f" (did you mean '{near}'?)" if near else ""),
                 fix=f"use one of: {', '.join(losses)} (sigmoid is the DPO paper's loss).",
             )
+    strategy = recipe.trainer.get("train_sampling_strategy", "sequential")
+    if objective.kl_forward and strategy != "sequential" and recipe.trainer.get("loss_type") != "apo_zero_unpaired":
+        # trl 1.16 kto_trainer.py KTOTrainer.__init__ raises it after the model loaded: refused here, before
+        raise RecipeError(
+            f"trainer.train_sampling_strategy {strategy!r}: objective {recipe.objective}'s KL term pairs each prompt "
+            f"with another answer of its micro-batch when the data is prepared, so trl's {objective.trainer} reads "
+            "the data in order (sequential) and refuses any other order",
+            fix="remove trainer.train_sampling_strategy (ftrun shuffles the examples once with the recipe's seed "
+            "before they are read in order)",
+        )
     if not recipe.trainer:
         return
     import dataclasses

@@ -5,6 +5,11 @@ turn (the prompt), that turn as it is (chosen), and the same answer with a chatt
 of a few drawn with a fixed seed. The tiny demo model learns within a minute on a CPU to prefer the answer that
 stops, so the reward margin visibly rises. Run:
 python scripts/make_preference_data.py recipes/data/tiny-chat.jsonl recipes/data/tiny-pref.jsonl
+
+With --unpaired, KTO's unpaired answers instead (TRL's unpaired preference format): each pair's prompt twice, once
+with the chosen answer marked desirable (label true) and once with the rejected one marked undesirable (label false),
+in a seeded order (the tests build theirs so, from the shipped chat data):
+python scripts/make_preference_data.py --unpaired recipes/data/tiny-chat.jsonl OUT.jsonl
 """
 
 from __future__ import annotations
@@ -38,12 +43,24 @@ def pairs(conversations: list[list[dict]], seed: int = 7) -> list[dict]:
     return out
 
 
-def main(src: str, dst: str) -> None:
+def unpaired(conversations: list[list[dict]], seed: int = 7) -> list[dict]:
+    """Each pair as two unpaired answers (as trl's unpair_preference_dataset splits one), shuffled with `seed`."""
+    rows = [
+        {"prompt": pair["prompt"], "completion": pair[side], "label": side == "chosen"}
+        for pair in pairs(conversations, seed)
+        for side in ("chosen", "rejected")
+    ]
+    random.Random(seed).shuffle(rows)
+    return rows
+
+
+def main(src: str, dst: str, unpair: bool = False) -> None:
     rows = [json.loads(line)["messages"] for line in Path(src).read_text().splitlines() if line.strip()]
     with Path(dst).open("w", encoding="utf-8") as fh:
-        for pair in pairs(rows):
-            fh.write(json.dumps(pair, ensure_ascii=False) + "\n")
+        for record in unpaired(rows) if unpair else pairs(rows):
+            fh.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    args = [a for a in sys.argv[1:] if a != "--unpaired"]
+    main(args[0], args[1], unpair="--unpaired" in sys.argv[1:])

@@ -2,10 +2,11 @@
 tokenizer trained on a few lines, the family's real Jinja chat template and its special tokens. For the data check
 (tests/data/test_loss_view.py) and the served-prompt checks of the export.
 
-The templates are the families' own: Qwen3 (ChatML with thinking), Llama 3.1 (with tools), Gemma (no system role)
-as trl 1.16 ships them for its identity comparison (trl/chat_templates/: the exact strings of the Hub repositories,
-so TRL swaps in its training templates for them as it does for the real models); Mistral 7B Instruct v0.1's
-[INST] template as its tokenizer_config.json holds it; and a base model with no template (EOS only).
+The templates are the families' own: Qwen3 (ChatML with thinking), Qwen2.5 (ChatML with tools), Llama 3.1 (with
+tools), Gemma (no system role) as trl 1.16 ships them for its identity comparison (trl/chat_templates/: the exact
+strings of the Hub repositories, so TRL swaps in its training templates for them as it does for the real models);
+Mistral 7B Instruct v0.1's [INST] template as its tokenizer_config.json holds it; and a base model with no template
+(EOS only).
 
     folder = build_tokenizer(tmp_path / "tok", "llama3")     # tokenizer.json, tokenizer_config.json,
     chat_template.jinja
@@ -64,6 +65,18 @@ FAMILIES = {
         "<|endoftext|>",
         "<|im_end|>",
         added=("<think>", "</think>", "<tool_call>", "</tool_call>"),
+        tools=True,
+        broken={"<|im_end|>": ""},
+    ),
+    "qwen2_5": Family(
+        "qwen2_5",
+        _trl_template("qwen2_5"),
+        ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+        None,
+        "<|im_end|>",
+        "<|endoftext|>",
+        "<|im_end|>",
+        added=("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"),
         tools=True,
         broken={"<|im_end|>": ""},
     ),

@@ -47,6 +47,9 @@ CASES = [
     ("per-turn weight 0", {"data": "WEIGHTED"}, ["line 41", "weight is 0", "cannot honour"]),
     ("unknown message key", {"data": "EXTRA_KEY"}, ["line 41", "'loss_mask'", "does not read"]),
     ("cut share", {"max_length_may_cut": 2}, ["max_length_may_cut"]),
+    # issue 59: a KTO label under SFT, trained on as a target before; a max_length past the model's positions
+    ("label on a chat record", {"data": "LABELLED"}, ["line 41", "'label' (False)", "set objective: kto"]),
+    ("max_length past the positions", {"max_length": 6500}, ["max_length 6,500", "max_position_embeddings 4,096"]),
     # task settings the data cannot honour (issue 46): the key, the value, the largest that fits
     (
         "task metric json on labels",
@@ -106,6 +109,11 @@ def case_recipe(tmp_path, tiny_model):
             ]
             change["data"] = str(tmp_path / "distinct.jsonl")
             Path(change["data"]).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        elif change.get("data") == "LABELLED":  # KTO's mark on a chat record
+            change["data"] = str(tmp_path / "labelled.jsonl")
+            Path(change["data"]).write_text(
+                "".join(json.dumps(r) + "\n" for r in [CHAT] * 40 + [{**CHAT, "label": False}])
+            )
         elif change.get("data") == "EXTRA_KEY":
             change["data"] = str(_data(tmp_path, {"role": "assistant", "content": "Paris.", "loss_mask": [1]}))
         path = tmp_path / "r.yaml"

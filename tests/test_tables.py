@@ -82,6 +82,11 @@ RECORDS = {
     "alpaca": {"instruction": "Greet.", "input": "", "output": "Hello."},
     "text": {"text": "Hello."},
     "preference": {"prompt": "Hi?", "chosen": "Hello.", "rejected": "Go away."},
+    "unpaired": {"prompt": "Hi?", "completion": "Go away.", "label": False},
+    "unpaired_messages": {
+        "messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Go away."}],
+        "label": False,
+    },
     "preference_implicit": {
         "chosen": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}],
         "rejected": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "No."}],

@@ -37,6 +37,9 @@ class DataStats:
     loss_view: Optional[dict] = None  # what the loss sees (launcher/data/loss_view.py); None without a tokenizer
     held_out: int = 0  # distinct examples held out for evaluation (eval.fraction)
     held_out_lines: int = 0  # the data's examples that do not train for it: the held-out ones and their copies
+    labels: Optional[dict] = None  # unpaired answers (objective kto): the training split's classes and their weights
+    all_tokens: int = 0  # sum of the examples' tokens before max_length: what a truncation leaves out is the rest
+    splits: bool = False  # packing splits a sequence longer than max_length into pieces (bfd_split): none is cut
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -129,12 +132,12 @@ def identity(data_sha256: str, eval_sha256: Optional[str] = None) -> str:
 
 def _form_key(example: dict[str, Any]) -> str:
     f = formats.example_form(example)
-    return f + ("/conversational" if f == "prompt_completion" and formats.conversational(example) else "")
+    return f + ("/conversational" if f in ("prompt_completion", "unpaired") and formats.conversational(example) else "")
 
 
 def _kind_name(key: str) -> str:
     form, _, conversational = key.partition("/")
-    if form != "prompt_completion":
+    if form not in ("prompt_completion", "unpaired"):
         return key
     return (
         f"conversational {formats.FORMS[form].reads_as} (messages)"
@@ -322,7 +325,16 @@ def _renderer(model: str):
 
 # What a chat template may leave out, and the example without it: identical renderings mean it was dropped.
 def _without_tool_calls(ex):
-    return _map_messages(ex, lambda m: {k: v for k, v in m.items() if k != "tool_calls"} if "tool_calls" in m else m)
+    # a turn that only calls tools has content None (formats.py: a ShareGPT function_call turn): without its calls it
+    # is an empty answer, which every template renders (Qwen2.5's concatenates the content, and None would fail)
+    return _map_messages(
+        ex,
+        lambda m: (
+            {**{k: v for k, v in m.items() if k != "tool_calls"}, "content": m.get("content") or ""}
+            if "tool_calls" in m
+            else m
+        ),
+    )
 
 
 def _without_tool_role(ex):
@@ -449,13 +461,21 @@ def _characters(ex: dict[str, Any]) -> int:
 
 
 def compute_stats(
-    examples: list[Any], lengths: list[int], source: str, max_length: int, data: Optional[LoadedData] = None
+    examples: list[Any],
+    lengths: list[int],
+    source: str,
+    max_length: int,
+    data: Optional[LoadedData] = None,
+    splits: bool = False,
 ) -> DataStats:
     """Token statistics of `examples` (those that train); `data` adds what was read (description, sources). A
-    preference pair's tokens are its two sequences' (each at most max_length)."""
+    preference pair's tokens are its two sequences' (each at most max_length). `splits`: packing cuts a longer
+    sequence into pieces of max_length (TRL's packing_strategy bfd_split or wrapped), so every token trains."""
     limits = [max_length * len(formats.sequences(ex)) if isinstance(ex, dict) else max_length for ex in examples]
-    clipped = [min(n, limit) for n, limit in zip(lengths, limits)]
+    clipped = list(lengths) if splits else [min(n, limit) for n, limit in zip(lengths, limits)]
     return DataStats(
+        all_tokens=sum(lengths),
+        splits=splits,
         examples=len(examples),
         total_tokens=sum(clipped),
         mean_tokens=round(sum(clipped) / len(clipped), 1),
@@ -507,7 +527,8 @@ def to_dataset(examples: list[Any]):
     first = rows[0]
     for key in dict.fromkeys(k for f in formats.FORMS.values() for k in f.columns):
         if key in first:
-            columns[key] = List(Json()) if isinstance(first[key], list) else Value("string")
+            kind = "bool" if isinstance(first[key], bool) else "string"  # KTO's label: a bool, as TRL batches it
+            columns[key] = List(Json()) if isinstance(first[key], list) else Value(kind)
     if has_tools:
         columns["tools"] = Value("string")
         for r in rows:

@@ -11,7 +11,12 @@ The canonical forms (what `SFTTrainer` takes, trl 1.16.0 `sft_trainer.py` `_prep
 - preference: {"prompt": ..., "chosen": ..., "rejected": ...}, all strings (standard) or all message lists
   (conversational: the prompt's turns, then the chosen and the rejected assistant turns), what `DPOTrainer` and
   `ORPOTrainer` take (trl 1.16.0 `dpo_trainer.py` `_prepare_dataset`); an implicit prompt (two whole conversations
-  that share their first turns) is split where they part, as TRL's `extract_prompt` does.
+  that share their first turns) is split where they part, as TRL's `extract_prompt` does;
+- unpaired: {"prompt": ..., "completion": ..., "label": true|false}, one answer marked desirable (true) or
+  undesirable (false), strings or message lists like prompt/completion: what `KTOTrainer` takes (trl 1.16.0
+  `kto_trainer.py`, TRL's unpaired preference type); a conversation with a label is one too, its last turn (the
+  assistant's) the answer. A `label` is honoured by objective kto alone: under any other objective, and on a record
+  of another format, it is refused, never dropped.
 
 Alpaca and ShareGPT records become chat. A problem with a record is a `RecordProblem` naming the field.
 
@@ -49,12 +54,15 @@ class Format:
 # rows, then the rejected ones), and the keys of a pair.
 SIDES = ("chosen", "rejected")
 PAIR_KEYS = ("prompt", *SIDES)
+# An unpaired answer's mark: true desirable, false undesirable (TRL's unpaired preference "label" column)
+LABEL = "label"
 
 # The canonical forms, in the order example_form tells them apart (a pair and a prompt/completion example have a
 # prompt too: they come before the prompt alone).
 FORMS: dict[str, Form] = {
     "chat": Form("messages", ("messages",), "chat (the model's chat template)"),
     "preference": Form(SIDES[0], PAIR_KEYS, "preference pairs"),
+    "unpaired": Form(LABEL, ("prompt", "completion", LABEL), "unpaired answers marked desirable or undesirable"),
     "prompt_completion": Form("completion", ("prompt", "completion"), "prompt/completion"),
     "prompt": Form("prompt", ("prompt", "reference"), "prompts (GRPO samples the answers)"),
     "text": Form("text", ("text",), "plain text (no chat template)"),
@@ -149,6 +157,12 @@ def convert(record: Any, fmt: str) -> dict[str, Any]:
     if not isinstance(record, dict):
         raise RecordProblem(f"expected a JSON object, found {type(record).__name__}")
     other = detect_one(record)
+    if LABEL in record and FORMATS[fmt].form != "unpaired":
+        raise RecordProblem(
+            f"'{LABEL}' ({record[LABEL]!r}) marks an answer desirable or undesirable, which only objective kto "
+            f"trains, on {describe('unpaired')} records; a key that is not honoured is refused, not dropped in "
+            f"silence: write the record as {example('unpaired')} and set objective: kto, or remove '{LABEL}'"
+        )
     return FORMATS[fmt].convert(record, other)
 
 
@@ -373,6 +387,47 @@ def _plain_text(record: dict, other: Optional[str]) -> dict[str, Any]:
     return {"text": _text(record, "text")}
 
 
+def _unpaired(record: dict, other: Optional[str]) -> dict[str, Any]:
+    for key in ("prompt", "completion", LABEL):
+        if key not in record:
+            raise _missing(record, key, "unpaired", other)
+    label = record[LABEL]
+    if isinstance(label, str) and label.strip() in ("true", "false"):
+        label = label.strip() == "true"  # a CSV cell holds the JSON value as text, as _maybe_json reads lists
+    if not isinstance(label, bool):
+        raise RecordProblem(
+            f"'{LABEL}' must be true (a desirable answer) or false (an undesirable one), found {label!r}"
+            + (" (a string)" if isinstance(label, str) else "")
+        )
+    prompt, completion = _maybe_json(record["prompt"], "prompt"), _maybe_json(record["completion"], "completion")
+    example = _prompt_completion({**record, "prompt": prompt, "completion": completion}, other)
+    if isinstance(prompt, list):
+        _answer(completion, "completion")
+        if example["prompt"][-1]["role"] == "assistant":
+            raise RecordProblem(
+                "the last turn of 'prompt' is the assistant's: the prompt ends where the answer begins (a user or "
+                "tool turn)"
+            )
+    return {**example, LABEL: label}
+
+
+def _unpaired_messages(record: dict, other: Optional[str]) -> dict[str, Any]:
+    """A conversation with its label: its last turn, the assistant's, is the answer the label marks; the turns before
+    it are the prompt (TRL's unpaired type takes them apart so)."""
+    for key in ("messages", LABEL):
+        if key not in record:
+            raise _missing(record, key, "unpaired_messages", other)
+    msgs = check_messages(record["messages"], "messages")
+    if msgs[-1]["role"] != "assistant" or len(msgs) < 2:
+        raise RecordProblem(
+            f"'{LABEL}' marks the conversation's answer, its last turn, which must be the assistant's after at least "
+            f"one turn of prompt (found {', '.join(m['role'] for m in msgs)}); end each conversation with the answer "
+            "the label marks"
+        )
+    rest = {k: v for k, v in record.items() if k != "messages"}
+    return _unpaired({**rest, "prompt": msgs[:-1], "completion": msgs[-1:]}, other)
+
+
 def _pair_check(chosen: Any, rejected: Any) -> None:
     if chosen == rejected:
         raise RecordProblem(
@@ -460,6 +515,16 @@ def _preference_implicit(record: dict, other: Optional[str]) -> dict[str, Any]:
 
 
 FORMATS: dict[str, Format] = {
+    # before messages: a conversation with a label is one unpaired answer (objective kto), not a chat example
+    "unpaired_messages": Format(
+        "unpaired preference as conversations (messages/label; objective kto)",
+        "unpaired",
+        ("messages", LABEL),
+        '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}], "label": '
+        "false} (the last turn, the assistant's, is the answer the label marks)",
+        _unpaired_messages,
+        native=False,
+    ),
     "messages": Format(
         "chat messages (role/content)",
         "chat",
@@ -475,6 +540,16 @@ FORMATS: dict[str, Format] = {
         '{"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}]}',
         _sharegpt,
         native=False,
+    ),
+    # before prompt/completion: an unpaired answer is a prompt/completion record with its label
+    "unpaired": Format(
+        "unpaired preference (prompt/completion/label; objective kto)",
+        "unpaired",
+        ("prompt", "completion", LABEL),
+        '{"prompt": [{"role": "user", "content": "..."}], "completion": [{"role": "assistant", "content": "..."}], '
+        '"label": true} (false for an undesirable answer; or two strings)',
+        _unpaired,
+        native=True,
     ),
     "prompt_completion": Format(
         "prompt/completion",

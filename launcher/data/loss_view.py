@@ -341,7 +341,11 @@ def check(
     stops = view.stop_ids()
     _refuse_empty(view, examples, where, marks)
     _refuse_no_stop(view, where, marks, stops)
-    _refuse_cut(view, where, marks)
+    _refuse_cut(view, where, marks, texts=all("text" in ex for ex in examples))
+    from launcher.data import served_check
+
+    # the prompt a chat endpoint renders against the one trained, as the export checks it after training
+    served = served_check.check(view, examples, where)
     lengths = [m.length for m in marks]
     kept = sum(len(m.ids) for m in marks)
     trained = sum(sum(m.trained) for m in marks)
@@ -362,7 +366,9 @@ def check(
     empty = sum(m.empty for m in marks)
     return {
         "examples": shown,
-        "end_of_turn": view.eot,
+        **({"served_prompt": served} if served else {}),
+        # plain text and plain prompt/completion end with the EOS TRL appends (add_eos), not the template's end of turn
+        "end_of_turn": view.eos if not any(formats.conversational(ex) for ex in examples) else view.eot,
         "mode": _mode(view, examples[0]),
         "stats": {
             "examples": n,
@@ -457,13 +463,28 @@ def _refuse_no_stop(view: LossView, where, marks: list[Marked], stops: set[int])
             )
 
 
-def _refuse_cut(view: LossView, where, marks: list[Marked]) -> None:
+def _refuse_cut(view: LossView, where, marks: list[Marked], texts: bool = False) -> None:
+    """Too many trained parts cut by max_length; `texts`: the data is plain text (continued pre-training)."""
     s = view.settings
     bad = [i for i, m in enumerate(marks) if m.cut]
     if len(bad) <= s.may_cut * len(marks):
         return
     lengths = [m.length for m in marks]
     i = bad[0]
+    kept, total = sum(len(m.ids) for m in marks), sum(lengths)
+    if texts:
+        # plain text: every token is trained, and a document cut at max_length loses its rest; packing with splitting
+        # keeps it (trl 1.16 data_utils.py pack_dataset "bfd_split": the overflow is requeued as its own piece)
+        raise DataError(
+            f"{where[i]}: max_length {s.max_length} cuts {len(bad)} of {len(marks)} documents "
+            f"({len(bad) / len(marks):.1%}, more than max_length_may_cut={s.may_cut:g} allows); this one has "
+            f"{marks[i].length:,} tokens: training would keep {kept:,} of the data's {total:,} tokens, each "
+            "long document's start alone",
+            fix=f"pack with splitting: packing: true and trainer: {{packing_strategy: bfd_split}} (TRL cuts each "
+            f"document into pieces of max_length and packs them: all {total:,} tokens train, no document loses its "
+            f"end); or raise max_length ({max(lengths)} keeps every document whole); or allow the cuts with "
+            f"max_length_may_cut={len(bad) / len(marks):.2f} (each keeps its first {s.max_length} tokens only).",
+        )
     raise DataError(
         f"{where[i]}: max_length {s.max_length} cuts the trained part of {len(bad)} of {len(marks)} examples "
         f"({len(bad) / len(marks):.1%}, more than max_length_may_cut={s.may_cut:g} allows); this one "

@@ -27,7 +27,9 @@ def data_stats(recipe: Any):
     # the statistics (plan, ETA) count what trains: the eval split's held-out examples do not (launcher/data/split.py)
     parts = split.for_recipe(examples, recipe)
     train = parts.train
-    stats = compute_stats([examples[i] for i in train], [lengths[i] for i in train], source, recipe.max_length, data)
+    stats = compute_stats(
+        [examples[i] for i in train], [lengths[i] for i in train], source, recipe.max_length, data, _splits(recipe)
+    )
     # what the loss sees, every training example marked as TRL masks it; a DataError refuses data that would train
     # nothing, never teach the model to stop, or lose its answers to max_length (launcher/data/loss_view.py)
     seen = loss_view.check(
@@ -44,6 +46,8 @@ def data_stats(recipe: Any):
     if seen and any(isinstance(ex, dict) and "chosen" in ex for ex in examples):
         seen["pairs"] = pair_stats(trained_each)
     stats = replace(stats, loss_view=seen, held_out=len(parts.held_out), held_out_lines=len(examples) - len(train))
+    if data.form == "unpaired":
+        stats = replace(stats, labels=class_balance(recipe, [examples[i] for i in train]))
     eval_examples = split.load_eval_data(recipe) if recipe.eval.data else None  # a broken eval file stops here
     _task_settings_fit(recipe, examples, lengths, parts, eval_examples)
     if recipe.eval.data:
@@ -51,6 +55,12 @@ def data_stats(recipe: Any):
         # a resume on changed eval data is refused like one on changed training data
         stats = replace(stats, sha256=data_identity(stats.sha256, load_data(recipe.eval.data, recipe.seed).sha256))
     return examples, lengths, stats
+
+
+def _splits(recipe: Any) -> bool:
+    """Packing that splits a sequence longer than max_length into pieces instead of cutting it (trl 1.16 data_utils.py
+    pack_dataset: bfd_split requeues the overflow, wrapped cuts the stream anywhere; bfd truncates each sequence)."""
+    return bool(recipe.packing) and recipe.trainer.get("packing_strategy", "bfd") in ("bfd_split", "wrapped")
 
 
 def _prompt_stats(recipe: Any, data: Any):
@@ -146,6 +156,54 @@ def pair_stats(trained: list[int]) -> dict[str, Any]:
     }
 
 
+# KTO's class balance (trl 1.16 kto_trainer.py _prepare_dataset, after the KTO paper's Eq. 8): desirable_weight x
+# desirable answers over undesirable_weight x undesirable answers belongs in [1, 4/3], where TRL is silent. Off by
+# more than FAR_OFF beyond either end, the plan refuses (TRL only warns, in the log, after the model loaded).
+BALANCE_RANGE = (1.0, 4 / 3)
+FAR_OFF = 1.5
+
+
+def class_balance(recipe: Any, examples: list[dict[str, Any]]) -> dict[str, Any]:
+    """The training split's desirable and undesirable answers with the recipe's weights, and the ratio TRL checks;
+    a DataError where a class is missing or the ratio is far from TRL's range, naming the weights that fit."""
+    desirable = sum(1 for ex in examples if ex.get(formats.LABEL) is True)
+    undesirable = len(examples) - desirable
+    dw, uw = recipe.preference.desirable_weight, recipe.preference.undesirable_weight
+    if not desirable or not undesirable:
+        missing = "undesirable (label: false)" if desirable else "desirable (label: true)"
+        raise DataError(
+            f"the training data holds no {missing} answers ({desirable:,} desirable, {undesirable:,} undesirable): "
+            "KTO learns from both, each against the other class and the KL estimate",
+            fix="add answers of the missing class; answers that are all desirable train with objective: sft "
+            "(as prompt/completion records without a label)",
+        )
+    ratio = dw * desirable / (uw * undesirable)
+    low, high = BALANCE_RANGE
+    d_range = (low * uw * undesirable / desirable, high * uw * undesirable / desirable)
+    u_range = (dw * desirable / (high * undesirable), dw * desirable / (low * undesirable))
+    record = {
+        "desirable": desirable,
+        "undesirable": undesirable,
+        "desirable_weight": dw,
+        "undesirable_weight": uw,
+        "ratio": round(ratio, 4),
+        "in_range": low - 1e-9 <= ratio <= high + 1e-9,
+        "desirable_weight_range": [round(x, 2) for x in d_range],
+        "undesirable_weight_range": [round(x, 2) for x in u_range],
+    }
+    if ratio < low / FAR_OFF or ratio > high * FAR_OFF:
+        raise DataError(
+            f"the training data holds {desirable:,} desirable and {undesirable:,} undesirable answers, and with "
+            f"preference.desirable_weight {dw:g} and undesirable_weight {uw:g} the desirable side weighs {ratio:.2f} "
+            f"times the undesirable one, far from the {low:g} to {high:.2f} TRL recommends for KTO (trl's "
+            "KTOTrainer only warns, after the model loaded): one class would drown the other",
+            fix=f"set preference.desirable_weight between {d_range[0]:.2f} and {d_range[1]:.2f}, or "
+            f"preference.undesirable_weight between {u_range[0]:.2f} and {u_range[1]:.2f} (one of them, not both), "
+            "or balance the classes in the data",
+        )
+    return record
+
+
 def data_record(stats) -> dict[str, Any]:
     """data.json in the run: the resolved data (sources with their sha256 or revision, format, count, tokens)."""
     return {
@@ -158,4 +216,5 @@ def data_record(stats) -> dict[str, Any]:
         "max_tokens": stats.max_tokens,
         "tokens_source": stats.tokens_source,
         **({"loss_view": stats.loss_view} if stats.loss_view else {}),
+        **({"labels": stats.labels} if stats.labels else {}),
     }

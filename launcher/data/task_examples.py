@@ -23,6 +23,8 @@ def prompt_and_reference(example: Any) -> Optional[dict[str, Any]]:
     without a reference."""
     if isinstance(example, dict) and "chosen" in example:
         example = formats.sequences(example)[0]
+    if isinstance(example, dict) and example.get(formats.LABEL) is False:
+        return None  # an undesirable answer (KTO's unpaired data) is no reference to score against
     if isinstance(example, dict) and formats.example_form(example) == "prompt":
         prompt, reference = example["prompt"], example.get("reference")
         if reference is None:

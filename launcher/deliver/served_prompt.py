@@ -289,12 +289,27 @@ class ServedPrompt:
                 f"{p['from']}, roles {p['shape']}): at token {d['position']} it has {got} where training had "
                 f"{self._wanted(d, p)}, after {d['context']!r}; identical {entry['identical']}"
                 + (f" (served with {json.dumps(self.kwargs)})" if self.kwargs else ""),
-                fix=fix
-                or "do not serve this output as it is: the model would answer a prompt it was never trained "
-                "on. The template or tokenizer that runtime reads is not the one training used (see "
-                "final/export.json served_prompt); re-export from the run, and report it if it repeats.",
+                fix=fix or self._fix(),
             )
         return entry
+
+    def _fix(self) -> str:
+        """What to do when a runtime's prompt differs: the training is what has to change (a re-export renders the same
+        template again), towards the template that serves; `ftrun plan` checks the same before training
+        (launcher/data/served_check.py)."""
+        head = "do not serve this output as it is: the model would answer a prompt it was never trained on. "
+        if self.report.get("training_template"):
+            return head + (
+                "It trained with TRL's training template (assistant_only_loss), which writes the turns before an "
+                "answer otherwise than the model's own template that every runtime serves: train again with the "
+                "served template (assistant_only_loss: false, or the conversations as prompt/completion records, "
+                "whose completion TRL trains alone with the model's own template)."
+            )
+        return head + (
+            "The model's chat template renders its generation prompt otherwise than what it writes before an answer "
+            "(see final/export.json served_prompt): change the template (chat_template.jinja in the model folder) "
+            "so they agree, or train a model whose template does, then train again."
+        )
 
     def checked(self, name: str) -> None:
         if name not in self.report["checked"]:

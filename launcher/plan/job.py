@@ -48,6 +48,7 @@ class Job:
     # decides it from the box, launcher/plan/attention.py dense_mask).
     padding_free: bool = False
     dense_mask: bool = False
+    kl_forward: bool = False  # KTO: each example's KL sequence, forward only (methods.Objective.kl_forward)
 
     @property
     def rows_hold_several_examples(self) -> bool:
@@ -86,6 +87,7 @@ class Job:
             loss=LOSS_MATERIALIZED if methods.OBJECTIVES[self.objective].whole_logits else "",
             generation_batch=self.micro_batch * self.accumulation if self.answers_per_prompt > 1 else 0,
             dense_mask=self.dense_mask and engine != "unsloth" and self.rows_hold_several_examples,
+            kl_forward=self.kl_forward,
         )
 
 
@@ -172,6 +174,7 @@ def _job(
         answers,
         completion,
         padding_free=bool(getattr(recipe, "padding_free", False)) or bool(recipe.packing),
+        kl_forward=objective.kl_forward,
     )
     return job, notes
 

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from launcher.model_files import cached_file, not_a_model
-from typing import Any
+from typing import Any, Optional
 
 from launcher.errors import ModelError
 from launcher.methods import is_quantized
@@ -39,6 +39,10 @@ class Architecture:
     experts: int = 1  # mixture-of-experts: experts per layer (1 = dense)
     experts_per_token: int = 1
     source: str = ""  # where the numbers came from, shown in the plan
+    # the positions its RoPE was trained for (config.json max_position_embeddings; None: the catalog, unknown), and
+    # the config's RoPE scaling where it has one: (rope_type, factor, original_max_position_embeddings or None)
+    max_positions: Optional[int] = None
+    rope_scaling: Optional[tuple] = None
 
     @property
     def q_dim(self) -> int:
@@ -184,7 +188,23 @@ def from_config(cfg: dict[str, Any], name: str, source: str) -> Architecture:
         experts=experts,
         experts_per_token=int(c.get("num_experts_per_tok") or 1),
         source=source,
+        max_positions=int(c["max_position_embeddings"]) if c.get("max_position_embeddings") else None,
+        rope_scaling=_rope_scaling(c),
     )
+
+
+def _rope_scaling(c: dict[str, Any]) -> Optional[tuple]:
+    """(rope_type, factor, original_max_position_embeddings) of a config's RoPE scaling (transformers 5's
+    rope_parameters, or the older rope_scaling), None for plain RoPE ("default") or none."""
+    rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        return None
+    kind = rope.get("rope_type") or rope.get("type")
+    if not kind or kind == "default":
+        return None
+    factor = rope.get("factor")
+    original = rope.get("original_max_position_embeddings")
+    return (str(kind), float(factor) if factor else None, int(original) if original else None)
 
 
 # Built-in catalog: the real config.json values of popular models, so planning works offline.

@@ -14,7 +14,7 @@ from launcher.plan import loss_head
 from launcher.plan import throughput
 from launcher.plan import sampling
 from launcher.plan import speed
-from launcher.errors import MissingSoftware, PlanError
+from launcher.errors import MissingSoftware, PlanError, RecipeError
 from launcher.methods import is_adapter
 from launcher.plan import engine as engine_choice
 from launcher.plan.advice import (
@@ -191,6 +191,7 @@ def plan_for(
     job, notes = _job(recipe, arch, data_stats, tokens, tokens_from)
     kernels = attention.box_kernels(hardware)
     job = replace(job, dense_mask=attention.dense_mask(kernels["implementation"], "trl", job.padding_free))
+    notes += _positions_note(recipe, arch)
     blocked = None
     try:  # each requested output can be made; a missing install is said after the plan, which it does not change
         notes += gguf_readiness.plan_check(recipe, this_box=hardware.source == "detected")
@@ -334,7 +335,7 @@ def plan_for(
     if packed:
         reasons.append(packed)
     reasons.append(_loss_reason(job, choice, est))
-    reasons += _objective_reasons(recipe, job)
+    reasons += _objective_reasons(recipe, job, data_stats)
     reasons += sampling.reasons(recipe, job, steps, sampling_s, "tokens_per_second" in measured, decode)
     if hrs is not None:
         money = (
@@ -451,15 +452,52 @@ def _loss_reason(job: Job, choice: Choice, est: Any) -> str:
     )
     return (
         f"loss: TRL's fused LM head (trl's {trainer}{on}): the {t:,} x {vocab:,} logits of a micro-batch are never "
-        f"whole, {head:.2f} GB at its peak instead of {whole:.1f} GB for the model's own loss; token accuracy "
-        "and entropy are still logged (computed in the same pass)"
+        f"whole, {head:.2f} GB at its peak instead of {whole:.1f} GB for the model's own loss; "
+        # KTO's head returns log-probabilities, entropy and mean logits, no top-1 (trl 1.16 kto_trainer.py
+        # add_fused_lm_head(outputs=("log_probs", "entropy", "mean_logits")))
+        + ("the entropy is" if methods.OBJECTIVES[job.objective].kl_forward else "token accuracy and entropy are")
+        + " still logged (computed in the same pass)"
     )
 
 
-def _objective_reasons(recipe: Any, job: Job) -> list[str]:
-    """What a preference objective changes in the plan: two sequences per example, the reference, the parent run."""
+def _objective_reasons(recipe: Any, job: Job, data_stats: Any = None) -> list[str]:
+    """What a preference objective changes in the plan: two sequences per example, KTO's KL sequence and its classes,
+    the reference, the parent run."""
     objective = methods.OBJECTIVES[getattr(recipe, "objective", methods.DEFAULT_OBJECTIVE)]
     lines = []
+    if objective.kl_forward:
+        through = (
+            "the policy and the reference"
+            if job.reference and sizing.REFERENCES[job.reference][1]
+            else (
+                "the policy (the reference's log-probabilities of it are precomputed)"
+                if job.reference
+                else "the policy"
+            )
+        )
+        lines.append(
+            f"objective {objective.name} (trl's {objective.trainer}): each example is one answer marked desirable or "
+            f"undesirable, trained after its prompt; its KL sequence (the prompt with the answer of the micro-batch's "
+            f"previous example, KTO's estimate of the policy's KL to the reference) runs forward without a gradient "
+            f"through {through}: a micro-batch of {job.micro_batch} examples runs {job.micro_batch} sequences with "
+            f"a gradient and {job.micro_batch} KL sequences; the data is shuffled once with the recipe's seed, then "
+            "read in order (TRL's sequential sampler keeps each micro-batch's KL pairs)"
+        )
+        labels = getattr(data_stats, "labels", None)
+        if labels:
+            low, high = labels["desirable_weight_range"]
+            ulow, uhigh = labels["undesirable_weight_range"]
+            lines.append(
+                f"classes: {labels['desirable']:,} desirable and {labels['undesirable']:,} undesirable answers, "
+                f"preference.desirable_weight {labels['desirable_weight']:g} and undesirable_weight "
+                f"{labels['undesirable_weight']:g}: the desirable side weighs {labels['ratio']:.2f} times the "
+                + (
+                    "undesirable one, within the 1 to 1.33 TRL recommends"
+                    if labels["in_range"]
+                    else f"undesirable one, outside the 1 to 1.33 TRL recommends (it warns): desirable_weight "
+                    f"{low:g} to {high:g}, or undesirable_weight {ulow:g} to {uhigh:g}, would be inside"
+                )
+            )
     if objective.sequences_per_example > 1:
         lines.append(
             f"objective {objective.name} (trl's {objective.trainer}): each example is a pair, {job.sequences} "
@@ -485,6 +523,41 @@ def _objective_reasons(recipe: Any, job: Job) -> list[str]:
     return lines
 
 
+def _positions_note(recipe: Any, arch: Architecture) -> list[str]:
+    """max_length against the positions the model's RoPE covers (config.json max_position_embeddings): beyond them a
+    RecipeError (the model has never seen those positions, and vLLM refuses a --max-model-len past them), unless the
+    config's RoPE scaling extends them, which is said with its type and factor."""
+    limit, max_length = arch.max_positions, recipe.max_length
+    if not limit or max_length <= limit:
+        return []
+    scaling = arch.rope_scaling
+    if scaling is not None:
+        kind, factor, original = scaling
+        reach = int((original or limit) * factor) if factor else None
+        if reach is None or max_length <= reach:
+            return [
+                f"max_length {max_length:,} is beyond the model's max_position_embeddings {limit:,}; its config's RoPE "
+                f"scaling ({kind}"
+                + (f", factor {factor:g} over {original or limit:,} positions: up to {reach:,}" if reach else "")
+                + ") is what the positions past it rely on: the model trains and is served with that scaling "
+                "(vLLM reads it from config.json)"
+            ]
+        raise RecipeError(
+            f"max_length {max_length:,} is beyond what {recipe.model}'s RoPE covers even with its config's scaling "
+            f"({kind}, factor {factor:g} over {original or limit:,} positions: {reach:,})",
+            fix=f"set max_length: {reach} or less (longer examples are cut "
+            "there; plain text can be packed with splitting: packing: true, trainer: {packing_strategy: bfd_split})",
+        )
+    raise RecipeError(
+        f"max_length {max_length:,} is beyond {recipe.model}'s max_position_embeddings {limit:,} (config.json), and "
+        "its config has no RoPE scaling: the model has never seen positions past it, and vLLM refuses a "
+        "--max-model-len beyond it",
+        fix=f"set max_length: {limit} or less (longer examples are cut there, or packed with splitting for plain "
+        "text: packing: true, trainer: {packing_strategy: bfd_split}); or train a model with a longer context, or "
+        "one whose config.json sets rope_scaling (YaRN) to extend it",
+    )
+
+
 def _learning_rate_note(recipe: Any) -> list[str]:
     """A preference objective left at the recipe's default learning rate, which is SFT's (LoRA): said, with TRL's."""
     objective = methods.OBJECTIVES[getattr(recipe, "objective", methods.DEFAULT_OBJECTIVE)]
@@ -494,9 +567,10 @@ def _learning_rate_note(recipe: Any) -> list[str]:
     default = type(recipe).model_fields["learning_rate"].default
     return [
         f"learning_rate is the recipe's default {default:g}, a LoRA SFT rate; TRL's {objective.config} defaults to "
-        f"{objective.learning_rate:g} for {objective.name}, and DPO with LoRA usually trains at 5e-6 to 5e-5: set "
-        "learning_rate: in the recipe (the rewards in `ftrun status` show a rate too high as a margin that "
-        "swings and an accuracy that falls)"
+        f"{objective.learning_rate:g} for {objective.name}"
+        + (", and DPO with LoRA usually trains at 5e-6 to 5e-5" if objective.name == "dpo" else "")
+        + ": set learning_rate: in the recipe (the rewards in `ftrun status` show a rate too high as a margin that "
+        + ("swings and a KL estimate that grows)" if objective.kl_forward else "swings and an accuracy that falls)")
     ]
 
 

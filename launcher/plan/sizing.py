@@ -110,6 +110,9 @@ class Workload:
     # variable-length kernel: launcher/plan/attention.py dense_mask); dense_mask_bytes and
     # throughput.flops_per_token count it.
     dense_mask: bool = False
+    # KTO (launcher/methods.py Objective.kl_forward): each example's KL sequence (its prompt with another example's
+    # answer) runs forward without a gradient through the policy, and through the reference where it runs each step.
+    kl_forward: bool = False
 
     @property
     def loss_kind(self) -> str:
@@ -352,6 +355,13 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
         why["activations"] += (
             f" ({w.micro_batch} pairs x {w.sequences} sequences: each prompt with its chosen and "
             f"its rejected answer, padded to the longest, {w.seq_len:,} tokens)"
+        )
+    if w.kl_forward:
+        # trl 1.16 kto_trainer.py _compute_kl_logps: under torch.no_grad, before the policy's own forward; one layer's
+        # activations at a time, below the backward's recomputed layer that the peak counts
+        why["activations"] += (
+            "; each example's KL sequence (its prompt with another example's answer, KTO's KL estimate) runs "
+            "forward without a gradient: no activations kept, inside the backward's peak"
         )
     if w.reference:
         what, per_step = REFERENCES[w.reference]

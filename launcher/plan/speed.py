@@ -98,8 +98,12 @@ def faster(job: Job, choice: Choice, free: set[str], replan: Callable[[Job], Cho
         if _same_engine(c, choice) and _with_headroom(c, cand):
             w = job.workload(choice.engine, choice.processes, choice.device)
             row = throughput.dense_row(w, job.seq_len)
-            with_ = throughput.flops_per_token(job.arch, job.method, job.seq_len, True, bool(job.reference), row)
-            without = throughput.flops_per_token(job.arch, job.method, job.seq_len, False, bool(job.reference), row)
+            with_ = throughput.flops_per_token(
+                job.arch, job.method, job.seq_len, True, bool(job.reference), row, job.kl_forward
+            )
+            without = throughput.flops_per_token(
+                job.arch, job.method, job.seq_len, False, bool(job.reference), row, job.kl_forward
+            )
             best, update["gradient_checkpointing"] = (cand, c), False
             reasons.append(
                 f"gradient checkpointing off (the recipe leaves it to the plan): {c.estimate.peak_gb:.1f} GB of "

@@ -154,6 +154,7 @@ def flops_per_token(
     gradient_checkpointing: bool,
     reference_forward: bool = False,
     dense_row: int = 0,
+    kl_forward: bool = False,
 ) -> float:
     """Training FLOPs per token: forward 2 x matmul params + causal attention; backward 2x forward for full
     (input and weight gradients), 1x for LoRA (input gradients only); recomputation adds one forward, and so does
@@ -161,7 +162,10 @@ def flops_per_token(
 
     `dense_row`: the tokens of a padding-free row whose attention carries a dense mask (0: none). SDPA's
     memory-efficient kernel then computes every query against every key of the row, masked or not (no causal
-    skipping, no example boundaries): 4 x q_dim x row per token and layer instead of 2 x q_dim x seq_len."""
+    skipping, no example boundaries): 4 x q_dim x row per token and layer instead of 2 x q_dim x seq_len.
+
+    KTO's KL sequence (as long as an example on average: the same answers, rotated) adds a forward through the
+    policy, and one through the reference where it has one."""
     matmul = arch.active_params - arch.embedding_params + (arch.embedding_params if arch.tied_embeddings else 0)
     if dense_row:
         attention = 4 * arch.layers * arch.q_dim * dense_row  # QK^T and AV over the whole row
@@ -169,7 +173,8 @@ def flops_per_token(
         attention = 2 * arch.layers * arch.q_dim * seq_len  # QK^T and AV, 2 FLOPs per MAC, causal halves the context
     forward = 2 * matmul + attention
     backward = forward if is_adapter(method) else 2 * forward
-    return forward + backward + (forward if gradient_checkpointing else 0) + (forward if reference_forward else 0)
+    kl = forward * (1 + reference_forward) if kl_forward else 0
+    return forward + backward + (forward if gradient_checkpointing else 0) + (forward if reference_forward else 0) + kl
 
 
 def dense_row(w: Workload, seq: int) -> int:
@@ -192,7 +197,13 @@ def tokens_per_second(
     seq = mean_seq_len or w.seq_len
     # DPO's reference: a forward of every token, each step or once before training (the same count in one epoch)
     flops = flops_per_token(
-        arch, w.method, seq, w.gradient_checkpointing, reference_forward=bool(w.reference), dense_row=dense_row(w, seq)
+        arch,
+        w.method,
+        seq,
+        w.gradient_checkpointing,
+        reference_forward=bool(w.reference),
+        dense_row=dense_row(w, seq),
+        kl_forward=w.kl_forward,
     )
     if w.device == "cpu":
         tokens = w.micro_batch * w.sequences * seq

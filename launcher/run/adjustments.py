@@ -68,8 +68,8 @@ def next_adjustment(recipe: Recipe, plan: dict[str, Any]) -> Optional[tuple[dict
         return undo
     allowed = recipe.auto_adjust
     m, g = recipe.micro_batch_size, recipe.gradient_accumulation_steps
-    if "batch" in allowed and m > 1:
-        m2 = m // 2 if m % 2 == 0 else 1
+    m2 = m // 2 if m % 2 == 0 else 1
+    if "batch" in allowed and m > 1 and m2 >= recipe.objective_row.min_micro_batch:  # KTO's KL term: 2 at least
         g2 = g * m // m2  # the effective batch stays the same, so does the training
         return (
             {"micro_batch_size": m2, "gradient_accumulation_steps": g2},

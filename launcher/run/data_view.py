@@ -30,11 +30,25 @@ def data_line(stats) -> str:
         if held
         else ""
     )
+    labels = getattr(stats, "labels", None)  # KTO's unpaired answers: the training split's classes
+    classes = f"; {labels['desirable']:,} desirable and {labels['undesirable']:,} undesirable answers" if labels else ""
     return (
-        f"{stats.description}{trains}; {stats.total_tokens:,} tokens per epoch ({stats.tokens_source}"
-        + (f", {stats.over_max_length} over max_length {stats.max_length}: truncated" if stats.over_max_length else "")
+        f"{stats.description}{trains}{classes}; {stats.total_tokens:,} tokens per epoch ({stats.tokens_source}"
+        + (_over(stats) if stats.over_max_length else "")
         + ")"
     )
+
+
+def _over(stats) -> str:
+    """What happens to the examples longer than max_length, with the tokens kept of all."""
+    all_tokens = getattr(stats, "all_tokens", 0)
+    if getattr(stats, "splits", False):
+        return (
+            f", {stats.over_max_length:,} over max_length {stats.max_length}: packing splits them into pieces, "
+            f"all {all_tokens:,} tokens kept"
+        )
+    kept = f", {stats.total_tokens:,} of {all_tokens:,} tokens kept" if all_tokens else ""
+    return f", {stats.over_max_length:,} over max_length {stats.max_length}: truncated{kept}"
 
 
 def wants_color(stream: Optional[TextIO] = None) -> bool:
@@ -61,6 +75,15 @@ def format_loss_view(record: Optional[dict[str, Any]], color: bool = False, stat
         lines.append(f"--- {where}: {ex['trained']} of {ex['tokens']} tokens trained")
         lines.append(render_segments(ex["segments"], color=color).rstrip("\n"))
     lines.append("---")
+    served = record.get("served_prompt")
+    if served and served.get("shapes"):  # launcher/data/served_check.py: the export's comparison, before training
+        kwargs = served.get("chat_template_kwargs")
+        lines.append(
+            f"served prompt = trained prompt: {served['identical']} conversation shapes, trained with "
+            f"{served['training_template']}"
+            + (f", served with {', '.join(f'{k}={v}' for k, v in kwargs.items())}" if kwargs else "")
+            + " (the model's own template as vLLM and llama.cpp render it; the export checks each runtime again)"
+        )
     if statistics:
         cap = s.get("max_length")
         lines.append(

@@ -146,6 +146,8 @@ def run_status(run: RunDir) -> dict[str, Any]:
         "accuracy": last.get("rewards/accuracies"),
         "eval_margin": last_eval.get("eval_rewards/margins"),
         "eval_accuracy": last_eval.get("eval_rewards/accuracies"),
+        # KTO's (unpaired answers: no accuracy): its KL estimate against the reference, the last training row's
+        "kl": last.get("kl"),
         # GRPO's sampled answers (launcher/methods.py logged): their rewards' mean and spread in the last logged row
         "reward": last.get("reward"),
         "reward_std": last.get("reward_std"),

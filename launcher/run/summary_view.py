@@ -52,19 +52,26 @@ def format_end_summary(e: dict[str, Any]) -> str:
         )
     pref = e.get("preference")
     if pref:
+        # KTO logs no accuracy (its answers are unpaired): the margin is desirable minus undesirable answers' reward
+        paired = pref["accuracy_first"] is not None or pref["accuracy_last"] is not None
+        chosen, rejected = ("chosen", "rejected") if paired else ("desirable", "undesirable")
         lines.append(
             f"  rewards   held-out margin {pref['margin_first']:.3f} (step {pref['step_first']}) -> "
-            f"{pref['margin_last']:.3f} (step {pref['step_last']}); preference accuracy "
-            f"{preference_accuracy(pref['accuracy_first'], pref['margin_first'])} -> "
-            f"{preference_accuracy(pref['accuracy_last'], pref['margin_last'])}"
+            f"{pref['margin_last']:.3f} (step {pref['step_last']})"
+            + (
+                f"; preference accuracy {preference_accuracy(pref['accuracy_first'], pref['margin_first'])} -> "
+                f"{preference_accuracy(pref['accuracy_last'], pref['margin_last'])}"
+                if paired
+                else " (desirable minus undesirable answers)"
+            )
         )
         if pref.get("chosen_first") is not None and pref.get("chosen_last") is not None:
             fell = pref["chosen_last"] < pref["chosen_first"]
             lines.append(
-                f"            chosen answers' reward {pref['chosen_first']:.3f} -> {pref['chosen_last']:.3f}, "
-                f"rejected {pref['rejected_first'] or 0:.3f} -> {pref['rejected_last'] or 0:.3f}"
+                f"            {chosen} answers' reward {pref['chosen_first']:.3f} -> {pref['chosen_last']:.3f}, "
+                f"{rejected} {pref['rejected_first'] or 0:.3f} -> {pref['rejected_last'] or 0:.3f}"
                 + (
-                    "; the chosen answers fell too: less likely than under the reference (lower "
+                    f"; the {chosen} answers fell too: less likely than under the reference (lower "
                     "preference.beta or the learning rate if the task score fell)"
                     if fell
                     else ""

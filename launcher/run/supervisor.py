@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from launcher.errors import WORKER_EXITS
+from launcher.errors import EXIT_RUN_FAILED, WORKER_EXITS
 from launcher.plan.cgroup import oom_kills
 from launcher.plan.sampling import uses_vllm
 from launcher.run import build_locks, oom_restart, rank_ends, views
@@ -51,6 +51,15 @@ def _last_logged_step(run: RunDir) -> int:
     from launcher.store.state import last_metrics
 
     return int(last_metrics(run.metrics).get("step", 0))
+
+
+def _exported_code(run: RunDir, state: str) -> int:
+    """The run's exit after training (what `--foreground` exits with): 0 when its outputs passed the export's checks
+    (or it has none); 5 when the run is trained-not-exported because an output failed them (the served prompt among
+    them: the README's exit 5), the stop's code when `ftrun stop` ended the export."""
+    if state != "trained-not-exported":
+        return 0
+    return train.EXIT_STOPPED if (read_state(run).get("export") or {}).get("state") == "stopped" else EXIT_RUN_FAILED
 
 
 def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
@@ -239,11 +248,11 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
                         reason="training finished, but the copy off the box failed: "
                         "see sync.json; `ftrun push` retries",
                     )
-                    return 0
+                    return _exported_code(run, done)
                 _record(run, done, reason=f"training finished; result verified at {recipe.sync.to}")
                 syncer.sync_once()  # the state file itself, saying so
             _on_finish(recipe, run)
-            return 0
+            return _exported_code(run, done)
         if (stopping["signal"] or rc == train.EXIT_STOPPED) and _worker_fact(run, "stopped_after_training"):
             return _stopped_after_training(
                 run,

@@ -61,16 +61,25 @@ def format_status(s: dict[str, Any], ending_follows: bool = False) -> str:
     if s.get("margin") is not None or s.get("eval_margin") is not None:
         # a preference objective: reward margin chosen - rejected, and the share of pairs the model ranks right
         parts = []
+        # KTO's unpaired answers: the margin is the desirable answers' mean reward minus the undesirable ones', no
+        # pair is ranked (no accuracy), and the KL estimate its loss is measured against is logged instead
+        unpaired = s.get("kl") is not None and s.get("accuracy") is None
         if s.get("margin") is not None:
             parts.append(
-                f"margin {s['margin']:.3f}, accuracy {s.get('accuracy') or 0:.2f} (step {s.get('loss_step')}, "
-                "training pairs)"
+                f"margin {s['margin']:.3f}, "
+                + (f"KL {s['kl']:.3f}" if unpaired else f"accuracy {s.get('accuracy') or 0:.2f}")
+                + f" (step {s.get('loss_step')}, training {'answers' if unpaired else 'pairs'})"
             )
         if s.get("eval_margin") is not None:
             parts.append(
-                f"margin {s['eval_margin']:.3f}, preference accuracy "
-                f"{preference_accuracy(s.get('eval_accuracy'), s['eval_margin'])} "
-                f"(step {s.get('eval_step')}, held-out pairs)"
+                f"margin {s['eval_margin']:.3f}"
+                + (
+                    " (held-out answers, desirable minus undesirable"
+                    if unpaired
+                    else f", preference accuracy {preference_accuracy(s.get('eval_accuracy'), s['eval_margin'])} "
+                    "(held-out pairs"
+                )
+                + f", step {s.get('eval_step')})"
             )
         lines.append("  rewards   " + "; ".join(parts))
     if s.get("reward") is not None:

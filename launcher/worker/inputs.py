@@ -101,6 +101,17 @@ def _trained_tokens(examples: list, prepared, sample: int = 2000) -> str:
             f"with the chosen and with the rejected answer); loss on the answers' {answers:,} of {total:,} tokens "
             f"({answers / max(total, 1):.1%}{first})"
         )
+    if example_form(examples[0]) == "unpaired":
+        # KTO keeps prompt_ids, completion_ids and KL_completion_ids (trl 1.16 kto_trainer.py tokenize_fn and
+        # add_kl_completion_ids); the loss is on the answers, the KL sequences run without a gradient
+        prompt = sum(len(x) for x in rows["prompt_ids"])
+        answers = sum(len(x) for x in rows["completion_ids"])
+        desirable = sum(bool(x) for x in prepared["label"])
+        return (
+            f"data as TRL prepared it: unpaired answers, {len(prepared):,} examples ({desirable:,} desirable, "
+            f"{len(prepared) - desirable:,} undesirable), each with its KL sequence; loss on the answers' {answers:,} "
+            f"of {prompt + answers:,} tokens ({answers / max(prompt + answers, 1):.1%}{first})"
+        )
     form = FORMS[example_form(examples[0])].reads_as
     ids = rows["input_ids"]
     # what the loss is computed on: trl 1.16 keeps the masks as columns (assistant_masks with assistant_only_loss,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import signal
 import sys
@@ -331,6 +332,11 @@ def run_worker(run_dir: Path, mode: str) -> int:
     held_out, prompts = _eval_and_prompts(run, recipe, mode, examples)
     if mode == "full":
         examples = [examples[i] for i in split.for_recipe(examples, recipe).train]  # eval never trains
+        if recipe.objective_row.kl_forward:
+            # KTOConfig reads the data in order (train_sampling_strategy "sequential": its KL pairs are built within
+            # each micro-batch when the data is prepared, trl 1.16 kto_trainer.py _prepare_dataset), so a file that
+            # lists its desirable answers first would train them first: shuffled here once, with the recipe's seed
+            random.Random(f"ftrun-kto-{recipe.seed}").shuffle(examples)
     if held_out and _rank() == 0:
         scored_by = "the task evaluation scores" if recipe.objective_row.generates else "evaluating on"
         _say(f"training on {len(examples)} examples, {scored_by} {len(held_out)} held-out examples")

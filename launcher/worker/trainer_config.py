@@ -74,7 +74,8 @@ def trainer_config(
     for key in objective.refuses:  # SFTConfig's switches an objective's configuration lacks (methods.Objective)
         fields.pop(key, None)
     if objective.preference:
-        fields.update({k: getattr(recipe.preference, k) for k in objective.settings if k in ("beta", "loss_type")})
+        passed = ("beta", "loss_type", "desirable_weight", "undesirable_weight")  # the DPOConfig/KTOConfig fields
+        fields.update({k: getattr(recipe.preference, k) for k in objective.settings if k in passed})
         if "reference" in objective.settings:
             # trl 1.16 dpo_trainer.py: precompute_ref_log_probs runs the reference over the data in __init__, before a
             # resume loads the checkpoint: with the initial weights (the adapter off, the parent adapter's copy, or
