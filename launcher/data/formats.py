@@ -152,7 +152,8 @@ def convert(record: Any, fmt: str) -> dict[str, Any]:
     """The canonical example for one record of format `fmt`; `RecordProblem` naming the field otherwise."""
     if not isinstance(record, dict):
         raise RecordProblem(f"expected a JSON object, found {type(record).__name__}")
-    check_top_keys(record, fmt)
+    if all(k in record for k in FORMATS[fmt].keys):  # else the converter names the missing key, and what it looks like
+        check_top_keys(record, fmt)
     other = detect_one(record)
     return FORMATS[fmt].convert(record, other)
 
