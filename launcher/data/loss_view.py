@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -39,7 +39,7 @@ class Settings:
     """The trainer fields that decide what the loss sees, from the recipe (defaults as trl 1.16 SFTConfig)."""
 
     max_length: Optional[int]
-    assistant_only_loss: bool = False
+    assistant_only_loss: Optional[bool] = False  # None: left out, resolved by check() (resolve_answers_only)
     completion_only_loss: Optional[bool] = None  # None: prompt/completion data train the completion only
     packing: bool = False
     packing_strategy: str = "bfd"
@@ -308,6 +308,52 @@ def percentile(values: list[int], q: float) -> int:
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)] if ordered else 0
 
 
+# What the loss trains when the recipe leaves assistant_only_loss out: the answers, as the tools users come from train
+# by default (LLaMA-Factory train_on_prompt: false, Axolotl train_on_inputs: false, Unsloth's
+# train_on_responses_only), where the chat template can mark them; else the whole conversation, and the plan says why.
+ANSWERS_ONLY_WHY = (
+    "the default where the chat template marks the answers, as LLaMA-Factory (train_on_prompt: false) and Axolotl "
+    "(train_on_inputs: false) train; assistant_only_loss: false trains the whole conversation"
+)
+
+
+def resolve_answers_only(model: str, settings: Settings, examples: list[Any]) -> tuple[Settings, str]:
+    """The settings with assistant_only_loss left out (None) resolved, and why: on for chat data (messages) whose
+    template marks the answers ({% generation %} blocks, or TRL's training template for it) with the end-of-turn
+    token inside them; off otherwise (prompt/completion data train the completion only, plain text every token,
+    without assistant_only_loss), with the reason."""
+    if settings.assistant_only_loss is not None:
+        return settings, ""
+    off = replace(settings, assistant_only_loss=False)
+    chat = [e for e in examples if isinstance(e, list) or (isinstance(e, dict) and "messages" in e)]
+    if not chat:
+        return off, ""
+    if settings.packing:
+        return off, "packing: true, which ftrun does not combine with answers-only loss"
+    on = replace(settings, assistant_only_loss=True)
+    try:
+        view = LossView(model, on)
+    except LookupError as exc:
+        return off, f"the model's tokenizer is not on this machine to check its chat template ({exc})"
+    except DataError:
+        return off, (
+            f"the chat template of {model} has no {{% generation %}} markers and TRL has no training template for it, "
+            "so the answers cannot be told from the prompt"
+        )
+    stops = view.stop_ids()
+    probe = [{"messages": e} if isinstance(e, list) else e for e in chat[:1]]
+    try:
+        marked = view.mark(probe[0])
+    except Exception:  # the template refuses the record: the check that follows names it
+        return on, ANSWERS_ONLY_WHY
+    if not marked.cut and any(marked.ids[end] not in stops for end in marked.ends):
+        return off, (
+            f"the {{% generation %}} blocks of the chat template of {model} leave the end-of-turn token "
+            f"{view.eot or view.eos} out, so answers-only loss would never teach the model to stop"
+        )
+    return on, ANSWERS_ONLY_WHY
+
+
 def check(
     model: str,
     settings: Settings,
@@ -318,8 +364,10 @@ def check(
 ) -> Optional[dict[str, Any]]:
     """Every example marked; a DataError (the example that shows it, its place, the fix) when too many train
     nothing, when a trained turn does not end with the end-of-turn token, or when max_length cuts too many
-    answers. Returns the record the run keeps (one marked example per source, the statistics), or None when the
-    model's tokenizer is not on this machine."""
+    answers. Returns the record the run keeps (one marked example per source, the statistics, and
+    `assistant_only_loss` as resolved where the recipe left it out), or None when the model's tokenizer is not on
+    this machine."""
+    settings, why = resolve_answers_only(model, settings, examples)
     try:
         view = LossView(model, settings)
     except LookupError:
@@ -363,7 +411,8 @@ def check(
     return {
         "examples": shown,
         "end_of_turn": view.eot,
-        "mode": _mode(view, examples[0]),
+        "mode": _mode(view, examples[0], why),
+        "assistant_only_loss": bool(settings.assistant_only_loss),
         "stats": {
             "examples": n,
             "tokens": kept,
@@ -382,13 +431,16 @@ def check(
     }
 
 
-def _mode(view: LossView, example: dict[str, Any]) -> str:
+def _mode(view: LossView, example: dict[str, Any], why: str = "") -> str:
+    """What the loss trains, and why (`why`: how a left-out assistant_only_loss was resolved)."""
     if view.settings.assistant_only_loss:
-        return "assistant turns only (assistant_only_loss)"
+        return f"assistant turns only ({why or 'assistant_only_loss'})"
     if "prompt" in example and view.settings.completion_only_loss is not False:
         return "the completion only"
     if "text" in example:
         return "every token (plain text)"
+    if why:
+        return f"the whole conversation (assistant_only_loss left out, and answers-only loss cannot be had: {why})"
     return "the whole conversation (assistant_only_loss: false)"
 
 

@@ -15,7 +15,7 @@ from launcher.errors import HardwareError, RecipeError, UsageError
 from launcher.recipe import Recipe
 from launcher.recipe_trainer import check_trainer_fields
 from launcher.run import parent, weights
-from launcher.run.adjustments import with_plan_settings
+from launcher.run.adjustments import with_loss_resolved, with_plan_settings
 from launcher.run.data_view import data_label, data_line, format_loss_view, wants_color
 from launcher.store.checkpoint import atomic_write_json, newest_step_unverified
 from launcher.store.rundir import RunDir
@@ -68,6 +68,7 @@ def _prepare(
     check_trainer_fields(recipe)
     check_trackers_installed(recipe, launching=True)  # report_to: refused with the fix before any GPU time
     examples, lengths, stats = data_stats(recipe)
+    recipe = with_loss_resolved(recipe, stats.loss_view)  # recipe.yaml and the worker train what the data check said
     data_sha = stats.sha256
     restart = resuming and restarts_after_failed_smoke(run)
     if restart:
