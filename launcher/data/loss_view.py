@@ -322,6 +322,15 @@ def resolve_answers_only(model: str, settings: Settings, examples: list[Any]) ->
     template marks the answers ({% generation %} blocks, or TRL's training template for it) with the end-of-turn
     token inside them; off otherwise (prompt/completion data train the completion only, plain text every token,
     without assistant_only_loss), with the reason."""
+    if settings.assistant_only_loss:
+        plain = next((e for e in examples if isinstance(e, dict) and not formats.conversational(e)), None)
+        if plain is not None:  # trl 1.16 SFTTrainer.__init__ raises on it, after the model has loaded
+            raise DataError(
+                f"assistant_only_loss: true, and the data is {formats.FORMS[formats.example_form(plain)].reads_as} "
+                "without a chat template: TRL marks the assistant turns of conversations only",
+                fix="remove assistant_only_loss (plain prompt/completion data train the completion, plain text every "
+                "token), or give the data as chat messages.",
+            )
     if settings.assistant_only_loss is not None:
         return settings, ""
     off = replace(settings, assistant_only_loss=False)

@@ -348,3 +348,10 @@ def test_a_run_begun_under_the_old_default_resumes_with_what_it_recorded(tmp_pat
     assert with_loss_resolved(left_out, {"assistant_only_loss": True}).assistant_only_loss is True
     assert with_loss_resolved(left_out, None).assistant_only_loss is False
     assert with_adjustments(run, recipe(assistant_only_loss=True)).assistant_only_loss is True
+
+
+def test_assistant_only_loss_on_plain_data_is_refused_before_training(tokenizers):
+    # trl 1.16 raises on it in SFTTrainer.__init__, after the model has loaded
+    with pytest.raises(DataError) as err:
+        _check(tokenizers["qwen3"], [{"text": "Once upon a time."}], assistant_only_loss=True)
+    assert "TRL marks the assistant turns of conversations only" in str(err.value)
