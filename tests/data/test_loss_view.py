@@ -270,7 +270,7 @@ def test_ftrun_data_shows_the_example_and_the_statistics(write_recipe, capsys):
 def test_a_refused_launch_exits_2_and_touches_nothing(write_recipe, tmp_path, capsys):
     from launcher.cli import main
 
-    recipe = write_recipe(max_length=64, assistant_only_loss=False)  # cuts most of the tiny data's answers
+    recipe = write_recipe(max_length=64)  # cuts most of the tiny data's answers
     assert main([str(recipe)]) == 2
     err = capsys.readouterr().err
     assert "ftrun: data error: tiny-chat.jsonl line " in err and "max_length 64 cuts the trained part" in err
