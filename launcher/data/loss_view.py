@@ -317,7 +317,9 @@ ANSWERS_ONLY_WHY = (
 )
 
 
-def resolve_answers_only(model: str, settings: Settings, examples: list[Any]) -> tuple[Settings, str]:
+def resolve_answers_only(
+    model: str, settings: Settings, examples: list[Any], where: Optional[list[str]] = None
+) -> tuple[Settings, str]:
     """The settings with assistant_only_loss left out (None) resolved, and why: on for chat data (messages) whose
     template marks the answers ({% generation %} blocks, or TRL's training template for it) with the end-of-turn
     token inside them; off otherwise (prompt/completion data train the completion only, plain text every token,
@@ -334,6 +336,8 @@ def resolve_answers_only(model: str, settings: Settings, examples: list[Any]) ->
     if settings.assistant_only_loss is not None:
         return settings, ""
     off = replace(settings, assistant_only_loss=False)
+    where = where or [f"example {i + 1}" for i in range(len(examples))]
+    places = [w for e, w in zip(examples, where) if isinstance(e, list) or (isinstance(e, dict) and "messages" in e)]
     chat = [e for e in examples if isinstance(e, list) or (isinstance(e, dict) and "messages" in e)]
     if not chat:
         return off, ""
@@ -349,8 +353,17 @@ def resolve_answers_only(model: str, settings: Settings, examples: list[Any]) ->
             f"the chat template of {model} has no {{% generation %}} markers and TRL has no training template for it, "
             "so the answers cannot be told from the prompt"
         )
+    chat = [{"messages": e} if isinstance(e, list) else e for e in chat]
+    if view.template != view.template_source:
+        differs = _swapped_template_differs(view, chat)
+        if differs is not None:
+            return off, (
+                f"TRL's training template for {model} renders {places[differs]} otherwise than the model's own template "
+                "(the one it is served with: trl 1.16's qwen3_training.jinja writes a thinking block into every earlier "
+                "answer, for one), so the model would learn from prompts it is never asked"
+            )
     stops = view.stop_ids()
-    probe = [{"messages": e} if isinstance(e, list) else e for e in chat[:1]]
+    probe = chat[:1]
     try:
         marked = view.mark(probe[0])
     except Exception:  # the template refuses the record: the check that follows names it
@@ -361,6 +374,25 @@ def resolve_answers_only(model: str, settings: Settings, examples: list[Any]) ->
             f"{view.eot or view.eos} out, so answers-only loss would never teach the model to stop"
         )
     return on, ANSWERS_ONLY_WHY
+
+
+def _swapped_template_differs(view: LossView, chat: list[dict[str, Any]]) -> Optional[int]:
+    """The index of the first conversation that TRL's training template (swapped in for answers-only loss) renders
+    otherwise than the model's own template, or None: trl 1.16's qwen3_training.jinja writes the thinking block into
+    every assistant turn where Qwen3's own keeps it for the last (trl/chat_templates/README.md)."""
+    from launcher.data.dataset import _template_env
+
+    own = _template_env().from_string(view.template_source)
+    for i, ex in enumerate(chat):
+        msgs = [{k: v for k, v in m.items() if v is not None} for m in ex["messages"]]
+        try:
+            a = own.render(messages=msgs, tools=ex.get("tools"), add_generation_prompt=False, **view.special)
+            b = view.compiled.render(messages=msgs, tools=ex.get("tools"), add_generation_prompt=False, **view.special)
+        except Exception:  # a record the template refuses: the check that follows names it
+            continue
+        if a != b:
+            return i
+    return None
 
 
 def check(
@@ -376,7 +408,7 @@ def check(
     answers. Returns the record the run keeps (one marked example per source, the statistics, and
     `assistant_only_loss` as resolved where the recipe left it out), or None when the model's tokenizer is not on
     this machine."""
-    settings, why = resolve_answers_only(model, settings, examples)
+    settings, why = resolve_answers_only(model, settings, examples, where)
     try:
         view = LossView(model, settings)
     except LookupError:

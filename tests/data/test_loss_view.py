@@ -300,11 +300,11 @@ def test_the_data_line_says_how_many_train_and_how_many_are_held_out(tmp_path):
 
 
 def test_left_out_the_answers_train_where_the_template_marks_them(tokenizers):
-    seen = _check(tokenizers["qwen3"], [_example("qwen3", turns=2)], assistant_only_loss=None)
+    seen = _check(tokenizers["qwen3"], [_example("qwen3")], assistant_only_loss=None)
     assert seen["assistant_only_loss"] is True
     assert seen["mode"].startswith("assistant turns only (the default where the chat template marks the answers")
     assert "LLaMA-Factory (train_on_prompt: false)" in seen["mode"]
-    whole = _check(tokenizers["qwen3"], [_example("qwen3", turns=2)], assistant_only_loss=False)
+    whole = _check(tokenizers["qwen3"], [_example("qwen3")], assistant_only_loss=False)
     assert seen["stats"]["trained_tokens"] < whole["stats"]["trained_tokens"]
     assert whole["mode"] == "the whole conversation (assistant_only_loss: false)" and not whole["assistant_only_loss"]
 
@@ -316,6 +316,11 @@ def test_left_out_the_whole_conversation_trains_where_the_template_cannot_mark_a
     assert seen["assistant_only_loss"] is False
     assert "the whole conversation (assistant_only_loss left out, and answers-only loss cannot be had: " in seen["mode"]
     assert "has no {% generation %} markers and TRL has no training template for it" in seen["mode"]
+    # Qwen3 multi-turn: TRL's training template writes a thinking block into the earlier answers, which the model's
+    # own (served) template leaves out: the whole conversation, said, rather than prompts the model is never asked
+    multi = _check(tokenizers["qwen3"], [_example("qwen3"), _example("qwen3", turns=2)], assistant_only_loss=None)
+    assert multi["assistant_only_loss"] is False
+    assert "TRL's training template for" in multi["mode"] and "renders d.jsonl line 2 otherwise" in multi["mode"]
     # prompt/completion data train the completion either way; packing keeps the whole conversation
     pc = _check(tokenizers["qwen3"], [_prompt_completion("qwen3", "2+2?", "4")], assistant_only_loss=None)
     assert pc["mode"] == "the completion only" and pc["assistant_only_loss"] is False
