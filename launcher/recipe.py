@@ -132,7 +132,8 @@ class Recipe(Strict):
         description=f"The training data: a file ({', '.join(data_sources.EXTENSIONS)}), a folder of them, a Hub "
         f"dataset "
         "(org/name), a {path, split, subset, columns, format, weight, ignore} mapping (LLaMA-Factory: {path: "
-        "dataset_info.json, dataset: NAME}; Axolotl: {path, type, field mappings}), or a list of those mixed by weight. "
+        "dataset_info.json, dataset: NAME}; Axolotl: {path, type, field mappings}), or a list of those mixed by "
+        "weight. "
         f"Formats (detected): {'; '.join(f.description for f in data_formats.FORMATS.values())} (docs/data.md)."
     )
     max_length: int = Field(2048, gt=0, description="Tokens per example; longer ones are truncated.")

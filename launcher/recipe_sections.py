@@ -172,8 +172,9 @@ class DataSource(Strict):
     # Axolotl's field mappings for type:, spelt as Axolotl spells them (launcher/data/axolotl.py OPTION_DEFAULTS)
     field_messages: Optional[str] = Field(None, description="Axolotl (type chat_template): the record's messages key.")
     message_property_mappings: Optional[dict[str, str]] = Field(
-        None, description="Axolotl (type chat_template): message property -> the message's key, e.g. {role: from, "
-        "content: value}."
+        None,
+        description="Axolotl (type chat_template): message property -> the message's key, e.g. {role: from, "
+        "content: value}.",
     )
     message_field_role: Optional[str] = Field(None, description="Axolotl (older): the message's role key.")
     message_field_content: Optional[str] = Field(None, description="Axolotl (older): the message's content key.")
@@ -183,12 +184,18 @@ class DataSource(Strict):
     roles_to_train: Optional[list[str]] = Field(
         None, description="Axolotl: only [assistant] (answers-only loss; assistant_only_loss: false trains every turn)."
     )
-    train_on_eos: Optional[str] = Field(None, description="Axolotl: only turn (each answer's end-of-turn token trains).")
+    train_on_eos: Optional[str] = Field(
+        None, description="Axolotl: only turn (each answer's end-of-turn token trains)."
+    )
     field_system: Optional[str] = Field(None, description="Axolotl (type chat_template): the record's system key.")
     field_tools: Optional[str] = Field(None, description="Axolotl (type chat_template): the record's tool schemas key.")
-    drop_system_message: Optional[bool] = Field(None, description="Axolotl (type chat_template): drop a first system turn.")
+    drop_system_message: Optional[bool] = Field(
+        None, description="Axolotl (type chat_template): drop a first system turn."
+    )
     field: Optional[str] = Field(None, description="Axolotl (type completion): the record's text key.")
-    field_chosen: Optional[str] = Field(None, description="Axolotl (type chat_template.default): the chosen answer's key.")
+    field_chosen: Optional[str] = Field(
+        None, description="Axolotl (type chat_template.default): the chosen answer's key."
+    )
     field_rejected: Optional[str] = Field(
         None, description="Axolotl (type chat_template.default): the rejected answer's key."
     )

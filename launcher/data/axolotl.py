@@ -32,13 +32,21 @@ ALPACA_SYSTEM = (
     "Below is an instruction that describes a task, paired with an input that provides further context. Write a "
     "response that appropriately completes the request."
 )
-ALPACA_SYSTEM_NO_INPUT = "Below is an instruction that describes a task. Write a response that appropriately completes the request."
+ALPACA_SYSTEM_NO_INPUT = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request."
+)
 ALPACA_TURN = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 ALPACA_TURN_NO_INPUT = "### Instruction:\n{instruction}\n\n### Response:\n"
 
 # chat_template's default role names (ChatTemplatePrompter: roles left out)
-DEFAULT_ROLES = {"human": "user", "user": "user", "assistant": "assistant", "gpt": "assistant", "system": "system",
-                 "tool": "tool"}
+DEFAULT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "system": "system",
+    "tool": "tool",
+}
 
 # A data entry's Axolotl keys (recipe_sections.DataSource) and the types that read them; defaults as Axolotl's.
 OPTION_DEFAULTS: dict[str, Any] = {
@@ -77,7 +85,11 @@ def _string(record: dict, key: str, required: bool = True) -> str:
 
 def _alpaca(record: dict, o: dict) -> tuple[str, dict[str, Any]]:
     formats.check_top_keys(record, "", ("instruction", "input", "output"), "Axolotl's type alpaca")
-    instruction, extra, output = _string(record, "instruction"), _string(record, "input", False), _string(record, "output")
+    instruction, extra, output = (
+        _string(record, "instruction"),
+        _string(record, "input", False),
+        _string(record, "output"),
+    )
     if extra:
         prompt = f"{ALPACA_SYSTEM}\n\n" + ALPACA_TURN.format(instruction=instruction, input=extra)
     else:
@@ -99,7 +111,7 @@ def _input_output(record: dict, o: dict) -> tuple[str, dict[str, Any]]:
     parts: list[tuple[str, bool]] = []
     for i, seg in enumerate(segments):
         if not isinstance(seg, dict) or not isinstance(seg.get("text"), str) or not isinstance(seg.get("label"), bool):
-            raise RecordProblem(f"segments[{i}] must be {{\"text\": \"...\", \"label\": true or false}}")
+            raise RecordProblem(f'segments[{i}] must be {{"text": "...", "label": true or false}}')
         extra = sorted(k for k in seg if k not in ("text", "label"))
         if extra:
             raise RecordProblem(f"segments[{i}] has {', '.join(map(repr, extra))}, which Axolotl does not read")
@@ -211,8 +223,10 @@ def _dpo(prompt_keys: tuple[str, ...], answers: str) -> Callable[[dict, dict], t
 def _second(record: dict, key: str) -> str:
     msgs = formats._maybe_json(record.get(key), key)
     if not isinstance(msgs, list) or len(msgs) < 2 or not isinstance(msgs[1], dict):
-        raise RecordProblem(f"'{key}' must be a conversation [user message, assistant message] (this type reads its "
-                            "second message's content)")
+        raise RecordProblem(
+            f"'{key}' must be a conversation [user message, assistant message] (this type reads its "
+            "second message's content)"
+        )
     content = msgs[1].get("content")
     if not isinstance(content, str):
         raise RecordProblem(f"'{key}'[1].content must be a string, found {type(content).__name__}")
@@ -248,8 +262,16 @@ def _dpo_chat_template(record: dict, o: dict) -> tuple[str, dict[str, Any]]:
 
 
 _CHAT_OPTIONS = (
-    "field_messages", "message_property_mappings", "message_field_role", "message_field_content", "roles",
-    "roles_to_train", "train_on_eos", "field_system", "field_tools", "drop_system_message",
+    "field_messages",
+    "message_property_mappings",
+    "message_field_role",
+    "message_field_content",
+    "roles",
+    "roles_to_train",
+    "train_on_eos",
+    "field_system",
+    "field_tools",
+    "drop_system_message",
 )
 _DPO_PAIRS = '{"prompt": [...], "chosen": "...", "rejected": "..."}'
 TYPES: dict[str, Type] = {
@@ -259,7 +281,9 @@ TYPES: dict[str, Type] = {
         _alpaca,
         '{"instruction": "...", "input": "..." (optional), "output": "..."}',
     ),
-    "completion": Type("Axolotl completion (raw text, every token trained)", ("field",), _completion, '{"text": "..."}'),
+    "completion": Type(
+        "Axolotl completion (raw text, every token trained)", ("field",), _completion, '{"text": "..."}'
+    ),
     "input_output": Type(
         "Axolotl input_output (the labelled segments trained)",
         (),
@@ -274,8 +298,15 @@ TYPES: dict[str, Type] = {
     ),
     "chat_template.default": Type(
         "Axolotl DPO chat_template.default (prompt messages, chosen and rejected)",
-        ("field_messages", "message_property_mappings", "message_field_role", "message_field_content", "roles",
-         "field_chosen", "field_rejected"),
+        (
+            "field_messages",
+            "message_property_mappings",
+            "message_field_role",
+            "message_field_content",
+            "roles",
+            "field_chosen",
+            "field_rejected",
+        ),
         _dpo_chat_template,
         '{"messages": [{"role": "user", "content": "..."}], "chosen": {"role": "assistant", "content": "..."}, '
         '"rejected": {"role": "assistant", "content": "..."}}',
@@ -332,9 +363,11 @@ def type_problem(name: str, given: dict[str, Any]) -> Optional[str]:
     t = TYPES[name]
     extra = [k for k in given if k not in t.options]
     if extra:
-        return f"{', '.join(extra)}: type {name} does not read {'it' if len(extra) == 1 else 'them'} (it reads " + (
-            ", ".join(t.options) or "no field mappings"
-        ) + ")"
+        return (
+            f"{', '.join(extra)}: type {name} does not read {'it' if len(extra) == 1 else 'them'} (it reads "
+            + (", ".join(t.options) or "no field mappings")
+            + ")"
+        )
     roles_to_train = given.get("roles_to_train", OPTION_DEFAULTS["roles_to_train"])
     if roles_to_train != ["assistant"]:
         return (

@@ -165,8 +165,7 @@ TOP_KEY_MEANINGS = {
     "unpaired data reads it, no other",
     "kto_tag": "LLaMA-Factory's KTO label: read through the dataset_info.json entry (data: {path: dataset_info.json, "
     "dataset: NAME}) whose columns name it kto_tag",
-    "chosen": "the preferred answer of a preference pair: objective dpo or orpo reads it, with 'prompt' and "
-    "'rejected'",
+    "chosen": "the preferred answer of a preference pair: objective dpo or orpo reads it, with 'prompt' and 'rejected'",
     "rejected": "the dispreferred answer of a preference pair: objective dpo or orpo reads it, with 'prompt' and "
     "'chosen'",
     "images": "images: ftrun trains text models only",
@@ -334,8 +333,8 @@ def sharegpt_messages(turns: list, field: str) -> list[dict[str, Any]]:
         if unread:
             raise RecordProblem(
                 f"{where} has {', '.join(repr(k) for k in unread)}, which ftrun does not read in a ShareGPT turn (it "
-                "reads from, value, and a training switch: weight, train); a key that is not honoured is refused, not dropped in silence: remove it, or "
-                "move what it says into the value"
+                "reads from, value, and a training switch: weight, train); a key that is not honoured is refused, "
+                "not dropped in silence: remove it, or move what it says into the value"
             )
         who, value = t.get("from"), t.get("value")
         role = SHAREGPT_ROLES.get(str(who).lower()) if who is not None else None
@@ -541,8 +540,7 @@ def _sharegpt_pair(record: dict, other: Optional[str]) -> dict[str, Any]:
             turn = turn[0]
         if not isinstance(turn, dict):
             raise RecordProblem(
-                f"'{side}' must be one turn object ({{\"from\": \"gpt\", \"value\": \"...\"}}), found "
-                f"{type(turn).__name__}"
+                f'\'{side}\' must be one turn object ({{"from": "gpt", "value": "..."}}), found {type(turn).__name__}'
             )
         answers[side] = sharegpt_messages([turn], side)
     pair = {"prompt": head + sharegpt_messages(turns, "conversations"), **answers}

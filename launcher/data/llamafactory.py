@@ -117,7 +117,9 @@ def read_entry(info: Path, name: str) -> Entry:
         raise DataError(f"{path} is not valid JSON: {json_problem(exc)}", fix="fix the file.") from None
     if not isinstance(doc, dict) or name not in doc:
         known = ", ".join(sorted(doc)) if isinstance(doc, dict) else "none"
-        raise DataError(f"{path} defines no dataset '{name}' (it defines: {known})", fix="name one of them as dataset:.")
+        raise DataError(
+            f"{path} defines no dataset '{name}' (it defines: {known})", fix="name one of them as dataset:."
+        )
     attr = doc[name]
     if not isinstance(attr, dict):
         raise DataError(f"{label}: the entry is a {type(attr).__name__}, not an object", fix="fix the entry.")
@@ -153,7 +155,9 @@ def read_entry(info: Path, name: str) -> Entry:
             tags[key] = tag
     ranking = bool(attr.get("ranking", False))
     if ranking and not (columns.get("chosen") and columns.get("rejected")):
-        problems.append("ranking: true needs columns.chosen and columns.rejected (the record's keys of the two answers)")
+        problems.append(
+            "ranking: true needs columns.chosen and columns.rejected (the record's keys of the two answers)"
+        )
     if ranking and columns.get("kto_tag"):
         problems.append("ranking: true and columns.kto_tag: a pair or an unpaired example, not both")
     where = next((attr[k] for k in WHERE if k in attr), None)

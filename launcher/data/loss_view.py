@@ -358,9 +358,9 @@ def resolve_answers_only(
         differs = _swapped_template_differs(view, chat)
         if differs is not None:
             return off, (
-                f"TRL's training template for {model} renders {places[differs]} otherwise than the model's own template "
-                "(the one it is served with: trl 1.16's qwen3_training.jinja writes a thinking block into every earlier "
-                "answer, for one), so the model would learn from prompts it is never asked"
+                f"TRL's training template for {model} renders {places[differs]} otherwise than the model's own "
+                "template (the one it is served with: trl 1.16's qwen3_training.jinja writes a thinking block into "
+                "every earlier answer, for one), so the model would learn from prompts it is never asked"
             )
     stops = view.stop_ids()
     probe = chat[:1]

@@ -107,8 +107,15 @@ def _layout(source: Source) -> Source:
 
         others = [k for k, v in (("format", source.format), ("columns", source.columns), ("type", source.type)) if v]
         if others or source.split != "train" or source.subset or source.revision:
-            others += [k for k, v in (("split", source.split != "train"), ("subset", source.subset),
-                                      ("revision", source.revision)) if v]
+            others += [
+                k
+                for k, v in (
+                    ("split", source.split != "train"),
+                    ("subset", source.subset),
+                    ("revision", source.revision),
+                )
+                if v
+            ]
             raise DataError(
                 f"data entry {source.path} (dataset: {source.dataset}): {', '.join(others)} beside dataset:; the "
                 "dataset_info.json entry says where the data is and how it reads",
@@ -190,7 +197,11 @@ def read(source: Source) -> Records:
     else:
         rows, identity = _read_hub(source)
     if source.dataset is not None:  # the mapping is part of what trains: a changed entry is changed data
-        identity["dataset_info"] = {"file": source.info, "dataset": source.dataset, "sha256": sha256_file(Path(source.info))}
+        identity["dataset_info"] = {
+            "file": source.info,
+            "dataset": source.dataset,
+            "sha256": sha256_file(Path(source.info)),
+        }
     return Records(_without_ignored(_renamed(rows, source), source), identity)
 
 

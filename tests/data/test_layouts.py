@@ -41,7 +41,10 @@ LF_FILES = {
         {
             "conversations": [
                 {"from": "human", "value": "A password of 12 characters, please."},
-                {"from": "function_call", "value": json.dumps({"name": "generate_password", "arguments": {"length": 12}})},
+                {
+                    "from": "function_call",
+                    "value": json.dumps({"name": "generate_password", "arguments": {"length": 12}}),
+                },
                 {"from": "observation", "value": json.dumps({"password": "aB3$dE6&gH9*"})},
                 {"from": "gpt", "value": "Here it is: aB3$dE6&gH9*"},
             ],
@@ -57,14 +60,8 @@ LF_FILES = {
     ],
     "dpo_alpaca_demo.json": [{"instruction": "Add the numbers.", "input": "2+2", "chosen": "4", "rejected": "5"}],
     "kto_demo.json": [
-        {
-            "messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "5"}],
-            "label": False,
-        },
-        {
-            "messages": [{"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6"}],
-            "label": True,
-        },
+        {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "5"}], "label": False},
+        {"messages": [{"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6"}], "label": True},
     ],
 }
 LF_INFO = {
@@ -238,7 +235,9 @@ def test_a_label_beside_sft_data_is_refused_not_trained(tmp_path):
 
 
 def test_llamafactory_entries_it_cannot_read_are_refused_with_the_fix(lf_dir):
-    assert "columns.images: ftrun trains text models only" in str(_refusal({"path": str(lf_dir), "dataset": "mllm_demo"}))
+    assert "columns.images: ftrun trains text models only" in str(
+        _refusal({"path": str(lf_dir), "dataset": "mllm_demo"})
+    )
     err = _refusal({"path": str(lf_dir), "dataset": "modelscope_only"})
     assert "ms_hub_url: ftrun reads local files and Hugging Face Hub datasets" in str(err)
     err = _refusal({"path": str(lf_dir), "dataset": "nope"})
@@ -274,7 +273,11 @@ def _axolotl(tmp_path, records, **entry):
 
 
 def test_axolotl_alpaca_is_its_alpaca_prompt_text_with_the_output_trained(tmp_path):
-    data = _axolotl(tmp_path, [{"instruction": "Add.", "input": "2+2", "output": "4"}, {"instruction": "Hi.", "output": "Hi."}], type="alpaca")
+    data = _axolotl(
+        tmp_path,
+        [{"instruction": "Add.", "input": "2+2", "output": "4"}, {"instruction": "Hi.", "output": "Hi."}],
+        type="alpaca",
+    )
     first, second = data.examples
     # prompters.py AlpacaPrompter, instruct style
     assert first == {
@@ -314,11 +317,12 @@ def test_axolotl_chat_template_with_its_field_mappings(tmp_path):
         ("assistant", "6"),
     ]
     # the older spelling, and the default role names (human/user, gpt/assistant)
-    old = dict(type="chat_template", field_messages="conversations", message_field_role="from", message_field_content="value")
-    assert _axolotl(tmp_path, [{"conversations": records[0]["conversations"][:3]}], **old).examples[0]["messages"][2] == {
-        "role": "assistant",
-        "content": "4",
-    }
+    old = dict(
+        type="chat_template", field_messages="conversations", message_field_role="from", message_field_content="value"
+    )
+    assert _axolotl(tmp_path, [{"conversations": records[0]["conversations"][:3]}], **old).examples[0]["messages"][
+        2
+    ] == {"role": "assistant", "content": "4"}
     # a name the roles do not map is refused, with where to map it
     (tmp_path / "ax.jsonl").write_text(json.dumps(records[0]) + "\n")
     err = _refusal({"path": str(tmp_path / "ax.jsonl"), **old})
@@ -345,7 +349,12 @@ def test_axolotl_completion_reads_its_field(tmp_path):
 @pytest.mark.parametrize(
     "kind, record, system, user",
     [
-        ("chatml.intel", {"system": "Be brief.", "question": "2+2?", "chosen": "4", "rejected": "5"}, "Be brief.", "2+2?"),
+        (
+            "chatml.intel",
+            {"system": "Be brief.", "question": "2+2?", "chosen": "4", "rejected": "5"},
+            "Be brief.",
+            "2+2?",
+        ),
         ("chatml.prompt_pairs", {"prompt": "2+2?", "chosen": "4", "rejected": "5"}, None, "2+2?"),
         ("llama3.icr", {"input": "2+2?", "chosen": "4", "rejected": "5"}, None, "2+2?"),
         (
@@ -393,9 +402,14 @@ def test_axolotl_dpo_types_are_preference_pairs(tmp_path, kind, record, system, 
 
 def test_axolotl_types_and_keys_ftrun_reads_otherwise_are_refused_with_the_mapping(tmp_path):
     path = tmp_path / "ax.jsonl"
-    path.write_text(json.dumps({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}) + "\n")
+    path.write_text(
+        json.dumps({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}) + "\n"
+    )
     err = _refusal({"path": str(path), "type": "sharegpt"})
-    assert "type: chat_template, field_messages: conversations, message_property_mappings: {role: from, content: value}" in str(err)
+    assert (
+        "type: chat_template, field_messages: conversations, message_property_mappings: {role: from, content: value}"
+        in str(err)
+    )
     err = _refusal({"path": str(path), "type": "chat_template", "roles_to_train": ["user", "assistant"]})
     assert "set assistant_only_loss: false to train every turn" in str(err)
     err = _refusal({"path": str(path), "type": "completion", "field_messages": "conversations"})
@@ -405,7 +419,10 @@ def test_axolotl_types_and_keys_ftrun_reads_otherwise_are_refused_with_the_mappi
     err = _refusal({"path": str(path), "type": "chatml.nonesuch"})
     assert "not one of Axolotl's DPO types ftrun reads (chatml.default, chatml.intel" in str(err)
     # a message key the mapping does not read: refused, never dropped
-    path.write_text(json.dumps({"messages": [{"role": "user", "content": "q", "weight": 0}, {"role": "assistant", "content": "a"}]}) + "\n")
+    path.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "q", "weight": 0}, {"role": "assistant", "content": "a"}]})
+        + "\n"
+    )
     err = _refusal({"path": str(path), "type": "chat_template"})
     assert "messages[0] has 'weight', which the mapping does not read" in str(err)
 
@@ -435,3 +452,36 @@ def test_a_recipe_takes_an_axolotl_entry_as_axolotl_writes_it(tmp_path):
     data = load_data(recipe.data)
     assert data.examples[0]["messages"] == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
     assert data.sources[0]["type"] == "chat_template"
+
+
+def test_llamafactory_openai_formatting_keeps_tool_calls_and_tool_results(tmp_path):
+    calls = [{"type": "function", "function": {"name": "lights", "arguments": {"room": "kitchen"}}}]
+    record = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Lights on."},
+            {"role": "assistant", "content": "", "tool_calls": calls},
+            {"role": "tool", "content": "ok"},
+            {"role": "tool", "content": "ok too"},
+            {"role": "assistant", "content": "Done."},
+        ]
+    }
+    (tmp_path / "oai.json").write_text(json.dumps([record]))
+    tags = {
+        "role_tag": "role",
+        "content_tag": "content",
+        "user_tag": "user",
+        "assistant_tag": "assistant",
+        "observation_tag": "tool",
+        "system_tag": "system",
+    }
+    info = {"oai": {"file_name": "oai.json", "formatting": "openai", "columns": {"messages": "messages"}, "tags": tags}}
+    (tmp_path / "dataset_info.json").write_text(json.dumps(info))
+    (ex,) = load_data({"path": str(tmp_path), "dataset": "oai"}).examples
+    assert [m["role"] for m in ex["messages"]] == ["system", "user", "assistant", "tool", "tool", "assistant"]
+    assert ex["messages"][2]["tool_calls"] == calls
+    # a bad record shows the entry's own layout as the example to follow
+    (tmp_path / "oai.json").write_text(json.dumps([{"messages": [{"role": "user", "content": "hi"}]}]))
+    err = _refusal({"path": str(tmp_path), "dataset": "oai"})
+    assert "ends with a user or observation turn" in str(err)
+    assert '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}' in err.fix

@@ -65,7 +65,9 @@ def test_llamafactory_sharegpt_ranking_entry_trains_under_dpo(tmp_path, tiny_mod
     )
     assert "LLaMA-Factory sharegpt (ranking), dataset_info.json entry 'dpo_demo', 64 examples" in out
     record = json.loads((run / "data.json").read_text())
-    assert record["sources"][0]["format"] == "preference" and record["sources"][0]["dataset_info"]["dataset"] == "dpo_demo"
+    assert (
+        record["sources"][0]["format"] == "preference" and record["sources"][0]["dataset_info"]["dataset"] == "dpo_demo"
+    )
 
 
 def test_axolotl_chat_template_entry_trains_the_answers_only_by_default(tmp_path, tiny_model):

@@ -337,7 +337,9 @@ def test_a_run_begun_under_the_old_default_resumes_with_what_it_recorded(tmp_pat
 
     def recipe(**more):
         return validate_recipe(
-            {"model": "Qwen/Qwen3-0.6B", "method": "lora", "data": "d.jsonl", **more}, base_dir=tmp_path, default_name="t"
+            {"model": "Qwen/Qwen3-0.6B", "method": "lora", "data": "d.jsonl", **more},
+            base_dir=tmp_path,
+            default_name="t",
         )
 
     left_out = recipe()
