@@ -102,6 +102,8 @@ def _source(item: dict[str, Any]) -> Source:
 def _layout(source: Source) -> Source:
     """A data entry in another tool's layout, checked (and a LLaMA-Factory entry resolved to its data) before any
     record is read."""
+    if source.dataset is not None and source.info is not None:
+        return source  # resolved already (the worker reads the recipe's sources again)
     if source.dataset is not None:
         from launcher.data import llamafactory
 
@@ -122,8 +124,6 @@ def _layout(source: Source) -> Source:
                 fix="set them in the dataset_info.json entry (file_name or hf_hub_url, split, subset, formatting, "
                 "columns, tags), or read the data file itself without dataset: (docs/data.md).",
             )
-        if source.info is not None:  # resolved already (the worker reads the recipe's sources again)
-            return source
         entry = llamafactory.read_entry(Path(source.path).expanduser(), source.dataset)
         return replace(source, path=entry.path, info=entry.info, split=entry.split, subset=entry.subset)
     if source.type is not None:
