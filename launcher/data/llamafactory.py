@@ -91,7 +91,7 @@ class Entry:
                 else [f'"{c["response"]}": "..."'] + ([f'"{c["kto_tag"]}": true'] if c.get("kto_tag") else [])
             )
             return "{" + ", ".join([*(f'"{k}": "..."' for k in keys), *answers]) + "}"
-        t = self.tags
+        t = {**{k: k.removesuffix("_tag") for k in DEFAULT_TAGS}, **self.tags}
         turn = '{"%s": "%%s", "%s": "..."}' % (t["role_tag"], t["content_tag"])
         first = turn % t["user_tag"]
         if self.ranking:
@@ -134,10 +134,11 @@ def read_entry(info: Path, name: str) -> Entry:
     if formatting not in FORMATTINGS:
         problems.append(f"formatting {formatting!r}: one of {', '.join(FORMATTINGS)}")
         formatting = "alpaca"
-    columns = dict(DEFAULT_COLUMNS[formatting])
+    # DatasetAttr.join: an entry that has columns (tags) reads those alone, the defaults of the others unset
     given = attr.get("columns") or {}
-    tags = dict(DEFAULT_TAGS)
+    columns = {} if "columns" in attr else dict(DEFAULT_COLUMNS[formatting])
     given_tags = attr.get("tags") or {}
+    tags = {} if "tags" in attr else dict(DEFAULT_TAGS)
     if not isinstance(given, dict) or not isinstance(given_tags, dict):
         problems.append("columns and tags are objects ({name: column})")
         given, given_tags = {}, {}
@@ -153,6 +154,10 @@ def read_entry(info: Path, name: str) -> Entry:
             problems.append(f"tags.{key}: LLaMA-Factory has no such tag (it has {', '.join(DEFAULT_TAGS)})")
         else:
             tags[key] = tag
+    if formatting != "alpaca" and not columns.get("messages"):
+        problems.append(f"formatting {formatting} needs columns.messages (the record's key of the conversation)")
+    if formatting != "alpaca" and not (tags.get("role_tag") and tags.get("content_tag")):
+        problems.append("tags without role_tag and content_tag: the keys of a turn's role and text")
     ranking = bool(attr.get("ranking", False))
     if ranking and not (columns.get("chosen") and columns.get("rejected")):
         problems.append(
@@ -275,17 +280,13 @@ def _alpaca_prompt(record: dict, c: dict[str, str], system: Optional[str]) -> li
     return msgs
 
 
-def _turns(entry: Entry, turns: list, key: str) -> list[dict[str, Any]]:
+def _turns(entry: Entry, turns: list, key: str, after: str = "system") -> list[dict[str, Any]]:
     """The turns as messages, their roles by the entry's tags, in LLaMA-Factory's order (a system turn first, then
     user or observation and assistant or function_call by turns)."""
     t = entry.tags
-    by_tag = {
-        t["user_tag"]: "user",
-        t["assistant_tag"]: "assistant",
-        t["observation_tag"]: "observation",
-        t["function_tag"]: "function",
-        t["system_tag"]: "system",
-    }
+    names = {"user_tag": "user", "assistant_tag": "assistant", "observation_tag": "observation"}
+    names.update({"function_tag": "function", "system_tag": "system"})
+    by_tag = {t[tag]: role for tag, role in names.items() if t.get(tag)}
     out: list[dict[str, Any]] = []
     for i, turn in enumerate(turns):
         where = f"{key}[{i}]"
@@ -293,9 +294,16 @@ def _turns(entry: Entry, turns: list, key: str) -> list[dict[str, Any]]:
             raise formats.RecordProblem(f"{where} is not an object")
         role = by_tag.get(turn.get(t["role_tag"]))
         if role is None:
+            unset = [tag for tag in names if not t.get(tag)]
             raise formats.RecordProblem(
                 f"{where}.{t['role_tag']} is {turn.get(t['role_tag'])!r}; the entry's tags name "
-                + ", ".join(f"{k}: {v}" for k, v in by_tag.items())
+                + ", ".join(f"{names[tag]}: {t[tag]}" for tag in names if t.get(tag))
+                + (
+                    f" (its tags leave {', '.join(unset)} unset: LLaMA-Factory skips such a record; add the tag, e.g. "
+                    f'"{unset[-1]}": "{names[unset[-1]]}")'
+                    if unset
+                    else ""
+                )
             )
         extra = [k for k in turn if k not in (t["role_tag"], t["content_tag"])]
         calls = turn.get("tool_calls") if entry.formatting == "openai" else None
@@ -308,9 +316,9 @@ def _turns(entry: Entry, turns: list, key: str) -> list[dict[str, Any]]:
                 + (", tool_calls" if entry.formatting == "openai" else "")
                 + "); a key that is not honoured is refused, not dropped in silence: remove it"
             )
-        if role == "system" and i > 0:
+        if role == "system" and (i > 0 or after != "system"):
             raise formats.RecordProblem(f"{where} is a system turn: LLaMA-Factory reads one, the first")
-        prev = out[-1]["role"] if out else "system"
+        prev = out[-1]["role"] if out else after
         if role != "system":
             expected = ("user", "observation") if prev in ("system", "assistant") else ("assistant", "function")
             # OpenAI's layout: several tool results in a row (LLaMA-Factory joins them into one observation)
@@ -336,8 +344,7 @@ def _answer_turn(entry: Entry, record: dict, key: str) -> list[dict[str, Any]]:
             f"'{key}' must be one turn object ({entry.tags['role_tag']}, {entry.tags['content_tag']}), found "
             f"{type(turn).__name__}"
         )
-    msgs = _turns(entry, [{entry.tags["role_tag"]: entry.tags["user_tag"], entry.tags["content_tag"]: "."}, turn], key)
-    return msgs[1:]
+    return _turns(entry, [turn], key, after="user")  # the answer to the prompt: the assistant's or a function_call
 
 
 def _pair(entry, prompt, chosen, rejected, tools) -> tuple[str, dict[str, Any]]:

@@ -485,3 +485,19 @@ def test_llamafactory_openai_formatting_keeps_tool_calls_and_tool_results(tmp_pa
     err = _refusal({"path": str(tmp_path), "dataset": "oai"})
     assert "ends with a user or observation turn" in str(err)
     assert '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}' in err.fix
+
+
+def test_llamafactory_columns_and_tags_given_are_the_only_ones_read(lf_dir):
+    """DatasetAttr.join: an entry with columns reads those alone (orca_pairs' columns have no query: its input is not
+    read); with tags, an unnamed tag is unset (kto_en_demo's tags have no system_tag)."""
+    info = json.loads((lf_dir / "dataset_info.json").read_text())
+    info["no_query"] = {"file_name": "alpaca_demo.json", "columns": {"prompt": "instruction", "response": "output"}}
+    (lf_dir / "dataset_info.json").write_text(json.dumps(info))
+    err = _refusal({"path": str(lf_dir), "dataset": "no_query", "ignore": ["system", "history"]})
+    assert "'input' at the top of the record, which the dataset_info.json entry 'no_query' does not read" in str(err)
+    kto = json.loads((lf_dir / "kto_demo.json").read_text())
+    kto[0]["messages"].insert(0, {"role": "system", "content": "Be brief."})
+    (lf_dir / "kto_demo.json").write_text(json.dumps(kto))
+    err = _refusal({"path": str(lf_dir), "dataset": "kto_demo"})
+    assert "messages[0].role is 'system'; the entry's tags name user: user, assistant: assistant" in str(err)
+    assert 'add the tag, e.g. "system_tag": "system"' in str(err)
