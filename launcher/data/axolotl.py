@@ -153,14 +153,21 @@ def _properties(o: dict) -> dict[str, str]:
 
 
 def _message(m: Any, where: str, props: dict[str, str], roles: dict[str, str]) -> dict[str, Any]:
+    """One message as Axolotl's transform_message makes it: the mapped properties, the role through `roles`, the
+    unmapped keys a chat template reads kept (tool_calls, tool_call_id, name, reasoning: ftrun's data check then
+    refuses a template that leaves them out, where Axolotl drops them), tool-call arguments written as JSON text
+    decoded."""
     if not isinstance(m, dict):
         raise RecordProblem(f"{where} is not an object")
-    unread = sorted(k for k in m if k not in props.values())
+    mapped = set(props.values())
+    unread = sorted(
+        k for k in m if k not in mapped and k not in formats.KEPT_FIELDS and k not in formats.TRAINING_SWITCHES
+    )
     if unread:
         raise RecordProblem(
             f"{where} has {', '.join(map(repr, unread))}, which the mapping does not read (message_property_mappings "
-            f"reads {', '.join(f'{p}: {k}' for p, k in props.items())}); a key that is not honoured is refused, not "
-            "dropped in silence: map it (message_property_mappings: {tool_calls: tool_calls}) or remove it"
+            f"reads {', '.join(f'{p}: {k}' for p, k in props.items())}, and {', '.join(formats.KEPT_FIELDS)} as they "
+            "are); a key that is not honoured is refused, not dropped in silence: map it or remove it"
         )
     name = m.get(props["role"])
     role = roles.get(name)
@@ -169,7 +176,12 @@ def _message(m: Any, where: str, props: dict[str, str], roles: dict[str, str]) -
             f"{where}.{props['role']} is {name!r}; roles: names {', '.join(sorted(roles))} (add it under roles:)"
         )
     out = {prop: m[key] for prop, key in props.items() if key in m}
+    out.update({k: m[k] for k in m if k not in mapped and m[k] is not None})
     out["role"] = role
+    for i, call in enumerate(out.get("tool_calls") or []):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            fn["arguments"] = formats._maybe_json(fn["arguments"], f"{where}.tool_calls[{i}].function.arguments")
     return out
 
 

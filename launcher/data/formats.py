@@ -269,7 +269,7 @@ def check_messages(msgs: Any, field: str, need_assistant: bool = True) -> list[d
         for key in TRAINING_SWITCHES:
             if key in m and not (role == "assistant" and m[key] in (1, True)):
                 raise RecordProblem(
-                    f"{where}.{key} is {m[key]!r} on {'an' if role[0] in 'aeiou' else 'a'} {role} turn: a per-turn "
+                    f"{where}.{key} is {m[key]!r} on {'an' if role == 'assistant' else 'a'} {role} turn: a per-turn "
                     "training switch ftrun cannot honour "
                     "(it trains every assistant turn alike, and no other turn); remove the turns not to train on "
                     f"(or end the conversation before them), or drop '{key}' where the turn should train"

@@ -420,11 +420,20 @@ def test_axolotl_types_and_keys_ftrun_reads_otherwise_are_refused_with_the_mappi
     assert "not one of Axolotl's DPO types ftrun reads (chatml.default, chatml.intel" in str(err)
     # a message key the mapping does not read: refused, never dropped
     path.write_text(
+        json.dumps(
+            {"messages": [{"role": "user", "content": "q", "mood": "calm"}, {"role": "assistant", "content": "a"}]}
+        )
+        + "\n"
+    )
+    err = _refusal({"path": str(path), "type": "chat_template"})
+    assert "messages[0] has 'mood', which the mapping does not read" in str(err)
+    # a turn switched off (Axolotl's per-turn training) is refused by ftrun's own rule, with its line
+    path.write_text(
         json.dumps({"messages": [{"role": "user", "content": "q", "weight": 0}, {"role": "assistant", "content": "a"}]})
         + "\n"
     )
     err = _refusal({"path": str(path), "type": "chat_template"})
-    assert "messages[0] has 'weight', which the mapping does not read" in str(err)
+    assert "messages[0].weight is 0 on a user turn: a per-turn training switch ftrun cannot honour" in str(err)
 
 
 def test_a_recipe_takes_an_axolotl_entry_as_axolotl_writes_it(tmp_path):
@@ -501,3 +510,22 @@ def test_llamafactory_columns_and_tags_given_are_the_only_ones_read(lf_dir):
     err = _refusal({"path": str(lf_dir), "dataset": "kto_demo"})
     assert "messages[0].role is 'system'; the entry's tags name user: user, assistant: assistant" in str(err)
     assert 'add the tag, e.g. "system_tag": "system"' in str(err)
+
+
+def test_axolotl_chat_template_keeps_tool_calls_and_decodes_their_json_arguments(tmp_path):
+    record = {
+        "messages": [
+            {"role": "user", "content": "Lights on."},
+            {
+                "role": "assistant",
+                "tool_calls": [{"type": "function", "function": {"name": "lights", "arguments": '{"room": "hall"}'}}],
+            },
+            {"role": "tool", "name": "lights", "content": "ok"},
+            {"role": "assistant", "content": "Done."},
+        ],
+        "tools": [{"type": "function", "function": {"name": "lights", "parameters": {"type": "object"}}}],
+    }
+    (ex,) = _axolotl(tmp_path, [record], type="chat_template").examples
+    assert ex["messages"][1]["tool_calls"][0]["function"]["arguments"] == {"room": "hall"}
+    assert ex["messages"][2] == {"role": "tool", "content": "ok", "name": "lights"}
+    assert ex["tools"] == record["tools"]
