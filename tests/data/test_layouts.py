@@ -8,6 +8,7 @@ Axolotl docs/dataset-formats/)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -529,3 +530,16 @@ def test_axolotl_chat_template_keeps_tool_calls_and_decodes_their_json_arguments
     assert ex["messages"][1]["tool_calls"][0]["function"]["arguments"] == {"room": "hall"}
     assert ex["messages"][2] == {"role": "tool", "content": "ok", "name": "lights"}
     assert ex["tools"] == record["tools"]
+
+
+def test_every_axolotl_type_and_key_is_a_data_entry_key_and_documented():
+    from launcher.data import axolotl
+    from launcher.recipe_sections import DataSource
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "data.md").read_text()
+    assert set(axolotl.OPTION_DEFAULTS) <= set(DataSource.model_fields)
+    for name, t in axolotl.TYPES.items():
+        assert set(t.options) <= set(axolotl.OPTION_DEFAULTS), name
+        assert name.split(".")[0] in docs and t.example and t.description, name
+    for key in (*axolotl.OPTION_DEFAULTS, *llamafactory.COLUMNS, *llamafactory.DEFAULT_TAGS, *llamafactory.ENTRY_KEYS):
+        assert re.search(rf"`{key}[`:]", docs), key
