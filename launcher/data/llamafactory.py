@@ -79,6 +79,8 @@ class Entry:
 
     def describe(self) -> str:
         kind = " (kto)" if "kto_tag" in self.columns else " (ranking)" if self.ranking else ""
+        if self.formatting == "alpaca" and not self.ranking and "response" not in self.columns:
+            kind = " (pre-training text)"
         return f"LLaMA-Factory {self.formatting}{kind}, dataset_info.json entry '{self.name}'"
 
     def example(self) -> str:
@@ -88,7 +90,9 @@ class Entry:
             answers = (
                 [f'"{c["chosen"]}": "...", "{c["rejected"]}": "..."']
                 if self.ranking
-                else [f'"{c["response"]}": "..."'] + ([f'"{c["kto_tag"]}": true'] if c.get("kto_tag") else [])
+                else [
+                    f'"{c[k]}": ' + ("true" if k == "kto_tag" else '"..."') for k in ("response", "kto_tag") if c.get(k)
+                ]
             )
             return "{" + ", ".join([*(f'"{k}": "..."' for k in keys), *answers]) + "}"
         t = {**{k: k.removesuffix("_tag") for k in DEFAULT_TAGS}, **self.tags}
@@ -97,7 +101,8 @@ class Entry:
         if self.ranking:
             answer = turn % t["assistant_tag"]
             return f'{{"{c["messages"]}": [{first}], "{c["chosen"]}": {answer}, "{c["rejected"]}": {answer}}}'
-        return f'{{"{c["messages"]}": [{first}, {turn % t["assistant_tag"]}]}}'
+        label = f', "{c["kto_tag"]}": true' if c.get("kto_tag") else ""
+        return f'{{"{c["messages"]}": [{first}, {turn % t["assistant_tag"]}]{label}}}'
 
 
 def read_entry(info: Path, name: str) -> Entry:
@@ -163,6 +168,8 @@ def read_entry(info: Path, name: str) -> Entry:
         problems.append(
             "ranking: true needs columns.chosen and columns.rejected (the record's keys of the two answers)"
         )
+    if formatting == "alpaca" and columns.get("kto_tag") and not columns.get("response"):
+        problems.append("columns.kto_tag needs columns.response (the answer it marks)")
     if ranking and columns.get("kto_tag"):
         problems.append("ranking: true and columns.kto_tag: a pair or an unpaired example, not both")
     where = next((attr[k] for k in WHERE if k in attr), None)
@@ -194,6 +201,11 @@ def convert(entry: Entry, record: dict) -> tuple[str, dict[str, Any]]:
     system = _system_column(record, c)
     tools = record.get(c["tools"]) if c.get("tools") else None
     if entry.formatting == "alpaca":
+        if not c.get("response") and not entry.ranking:
+            # no response column: LLaMA-Factory's unsupervised example, its prompt the document of a pre-training
+            # run (stage pt, c4_demo's {"prompt": "text"}): plain text, every token trained
+            formats.check_top_keys(record, "", [c[k] for k in ("prompt", "query") if c.get(k)], entry.describe())
+            return "text", {"text": _alpaca_prompt(record, c, None)[-1]["content"]}
         prompt = _alpaca_prompt(record, c, system)
         if c.get("kto_tag"):
             return _unpaired(entry, record, prompt, [{"role": "assistant", "content": _string(record, c["response"])}])

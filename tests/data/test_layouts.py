@@ -60,6 +60,7 @@ LF_FILES = {
         }
     ],
     "dpo_alpaca_demo.json": [{"instruction": "Add the numbers.", "input": "2+2", "chosen": "4", "rejected": "5"}],
+    "c4_demo.json": [{"text": "Once upon a time."}, {"text": "The end."}],
     "kto_demo.json": [
         {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "5"}], "label": False},
         {"messages": [{"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6"}], "label": True},
@@ -100,6 +101,7 @@ LF_INFO = {
         "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"},
     },
     "mllm_demo": {"file_name": "alpaca_demo.json", "columns": {"images": "images"}},
+    "c4_demo": {"file_name": "c4_demo.json", "columns": {"prompt": "text"}},
     "modelscope_only": {"ms_hub_url": "llamafactory/alpaca_en"},
 }
 
@@ -143,6 +145,13 @@ def test_llamafactory_alpaca_with_system_and_history_reads_as_llamafactory_reads
     assert load_data({"path": str(lf_dir), "dataset": "alpaca_demo"}).examples == data.examples
     # what the run records and a resume compares: the entry too, not only the data file
     assert data.sources[0]["dataset_info"]["dataset"] == "alpaca_demo"
+
+
+def test_llamafactory_pretraining_entry_without_a_response_column_is_plain_text(lf_dir):
+    # LLaMA-Factory's c4_demo: an alpaca entry whose one column is the prompt, the document of stage pt
+    data = _entry(lf_dir, "c4_demo")
+    assert data.examples == [{"text": "Once upon a time."}, {"text": "The end."}] and data.form == "text"
+    assert "LLaMA-Factory alpaca (pre-training text)" in data.describe()
 
 
 def test_llamafactory_keys_its_entry_does_not_name_are_refused_not_dropped(lf_dir):
