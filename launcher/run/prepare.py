@@ -68,6 +68,11 @@ def _prepare(
     check_trainer_fields(recipe)
     check_trackers_installed(recipe, launching=True)  # report_to: refused with the fix before any GPU time
     examples, lengths, stats = data_stats(recipe)
+    if recipe.assistant_only_loss is None and not stats.loss_view:  # said, never a silent fallback
+        _say(
+            "assistant_only_loss left out: the whole conversation trains (the model's tokenizer is not on this machine "
+            "to check whether its chat template can mark the answers)"
+        )
     recipe = with_loss_resolved(recipe, stats.loss_view)  # recipe.yaml and the worker train what the data check said
     data_sha = stats.sha256
     restart = resuming and restarts_after_failed_smoke(run)
