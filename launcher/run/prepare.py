@@ -68,7 +68,8 @@ def _prepare(
     check_trainer_fields(recipe)
     check_trackers_installed(recipe, launching=True)  # report_to: refused with the fix before any GPU time
     examples, lengths, stats = data_stats(recipe)
-    if recipe.assistant_only_loss is None and not stats.loss_view:  # said, never a silent fallback
+    answers_only = "assistant_only_loss" not in recipe.objective_row.refuses  # sft: the objective could take it
+    if recipe.assistant_only_loss is None and answers_only and not stats.loss_view:  # said, never a silent fallback
         _say(
             "assistant_only_loss left out: the whole conversation trains (the model's tokenizer is not on this machine "
             "to check whether its chat template can mark the answers)"
