@@ -230,7 +230,9 @@ def _tools(record: dict) -> Optional[list]:
     # in the form chat templates read, {"type": "function", "function": {...}} (transformers' get_json_schema; what
     # LLaMA-Factory's own tool formatters wrap it in before rendering)
     return [
-        {"type": "function", "function": t} if isinstance(t, dict) and "name" in t and "function" not in t else t
+        {"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
+        if isinstance(t, dict) and "name" in t and "function" not in t
+        else t
         for t in tools
     ]
 
