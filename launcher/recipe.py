@@ -131,7 +131,9 @@ class Recipe(Strict):
     data: Union[str, DataSource, list[Union[str, DataSource]]] = Field(
         description=f"The training data: a file ({', '.join(data_sources.EXTENSIONS)}), a folder of them, a Hub "
         f"dataset "
-        "(org/name), a {path, split, subset, columns, format, weight} mapping, or a list of those mixed by weight. "
+        "(org/name), a {path, split, subset, columns, format, weight, ignore} mapping (LLaMA-Factory: {path: "
+        "dataset_info.json, dataset: NAME}; Axolotl: {path, type, field mappings}), or a list of those mixed by "
+        "weight. "
         f"Formats (detected): {'; '.join(f.description for f in data_formats.FORMATS.values())} (docs/data.md)."
     )
     max_length: int = Field(2048, gt=0, description="Tokens per example; longer ones are truncated.")
@@ -159,8 +161,14 @@ class Recipe(Strict):
         f"{', '.join(o for o in methods.OBJECTIVES if o not in methods.padding_free_objectives())} pad their "
         "rows side by side (trl 1.16's DPOTrainer turns padding_free off; GRPO batches its sampled answers).",
     )
-    assistant_only_loss: bool = Field(
-        False, description="Train only on assistant turns (needs {% generation %} markers in the chat template)."
+    assistant_only_loss: Optional[bool] = Field(
+        None,
+        description="Train only on the assistant turns of chat data. Left out: on where the chat template marks them "
+        "({% generation %} markers, or TRL's training template for it) and the objective trains chat data, as "
+        "LLaMA-Factory's train_on_prompt: false and Axolotl's train_on_inputs: false do; else the whole conversation; "
+        "the plan says which and why, and the run records it (a resume keeps it). false: the whole conversation; "
+        "true: the assistant turns, or refused where the template cannot mark them. Prompt/completion data train "
+        "the completion either way (trainer.completion_only_loss: false trains the prompt too).",
     )
     seed: int = Field(42, description="Seed for weights init of LoRA, data order and dropout.")
     output_dir: Optional[str] = Field(

@@ -41,6 +41,10 @@ KEY_ALIASES = {
     "max_seq_length": "max_length",
     "base_model": "model",
     "dataset": "data",
+    "datasets": "data",  # Axolotl
+    "sequence_len": "max_length",  # Axolotl
+    "cutoff_len": "max_length",  # LLaMA-Factory
+    "dataset_dir": "data",  # LLaMA-Factory: data: {path: DATASET_DIR/dataset_info.json, dataset: NAME}
 }
 # "Did you mean" only for close spellings: difflib's ratio 2*matches/(len a + len b); 'lr' vs 'lora' is 0.67,
 # 'learnig_rate' vs 'learning_rate' 0.96, 'max_len' vs 'max_length' 0.82.

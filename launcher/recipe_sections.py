@@ -162,6 +162,53 @@ class DataSource(Strict):
         None, description=f"{data_formats.listed(' or ')}; default: detected from the first records."
     )
     weight: float = Field(1.0, gt=0, description="Times each example is used in the mix (0.5: a seeded half).")
+    ignore: list[str] = Field(
+        default_factory=list,
+        description="Keys at the top of each record to leave out (an id, a source name): any other key a format does "
+        "not read is refused, never dropped in silence; the plan names those left out.",
+    )
+    dataset: Optional[str] = Field(
+        None,
+        description="LLaMA-Factory: the dataset_info.json entry to read, as its `dataset:` names it; path: is then "
+        "that dataset_info.json (or its folder, LLaMA-Factory's dataset_dir). The entry's file_name or hf_hub_url, "
+        "formatting, ranking, columns and tags are read as LLaMA-Factory reads them.",
+    )
+    type: Optional[str] = Field(
+        None,
+        description="Axolotl: the dataset type (alpaca, completion, input_output, chat_template, chatml.intel, "
+        "llama3.prompt_pairs, ..., launcher/data/axolotl.py), read as Axolotl reads it, with its field mappings "
+        "below.",
+    )
+    # Axolotl's field mappings for type:, spelt as Axolotl spells them (launcher/data/axolotl.py OPTION_DEFAULTS)
+    field_messages: Optional[str] = Field(None, description="Axolotl (type chat_template): the record's messages key.")
+    message_property_mappings: Optional[dict[str, str]] = Field(
+        None,
+        description="Axolotl (type chat_template): message property -> the message's key, e.g. {role: from, "
+        "content: value}.",
+    )
+    message_field_role: Optional[str] = Field(None, description="Axolotl (older): the message's role key.")
+    message_field_content: Optional[str] = Field(None, description="Axolotl (older): the message's content key.")
+    roles: Optional[dict[str, list[str]]] = Field(
+        None, description="Axolotl (type chat_template): role -> the names the data gives it, e.g. {assistant: [gpt]}."
+    )
+    roles_to_train: Optional[list[str]] = Field(
+        None, description="Axolotl: only [assistant] (answers-only loss; assistant_only_loss: false trains every turn)."
+    )
+    train_on_eos: Optional[str] = Field(
+        None, description="Axolotl: only turn (each answer's end-of-turn token trains)."
+    )
+    field_system: Optional[str] = Field(None, description="Axolotl (type chat_template): the record's system key.")
+    field_tools: Optional[str] = Field(None, description="Axolotl (type chat_template): the record's tool schemas key.")
+    drop_system_message: Optional[bool] = Field(
+        None, description="Axolotl (type chat_template): drop a first system turn."
+    )
+    field: Optional[str] = Field(None, description="Axolotl (type completion): the record's text key.")
+    field_chosen: Optional[str] = Field(
+        None, description="Axolotl (type chat_template.default): the chosen answer's key."
+    )
+    field_rejected: Optional[str] = Field(
+        None, description="Axolotl (type chat_template.default): the rejected answer's key."
+    )
 
 
 class SyncSettings(Strict):

@@ -94,6 +94,10 @@ def recipe_file(path: Path, tiny_model: Path, output_dir: Path, **fields) -> Pat
         # the same for the before/after answers (tests/test_eval*.py ask for them) and the scored task evaluation
         # (tests/worker/test_task_eval.py, tests/run/test_task_baseline.py ask for it)
         "eval": {"samples": 0, "task": {"examples": 0}},
+        # the whole conversation, as these tests were written for: at max_length 256 the answers of the tiny data's
+        # long prompts are cut away, which the answers-only default refuses (tests/data/test_loss_view.py and
+        # tests/data/test_layouts*.py test that default)
+        "assistant_only_loss": False,
     }
     for key, value in fields.items():
         if value is None:

@@ -294,6 +294,7 @@ def export_recipe(path: Path, model: Path, out: Path, **fields) -> Path:
         "method": "lora",
         "data": str(REPO / "recipes" / "data" / "tiny-chat.jsonl"),
         "max_length": 256,
+        "assistant_only_loss": False,  # as tests/conftest.py recipe_file: the tests' data at max_length 256
         "micro_batch_size": 8,
         "gradient_accumulation_steps": 1,
         "max_steps": 8,

@@ -92,6 +92,12 @@ RECORDS = {
         "rejected": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "No."}],
     },
     "prompt": {"prompt": [{"role": "user", "content": "Hi?"}], "reference": "Hello."},
+    "sharegpt_preference": {
+        "conversations": [{"from": "human", "value": "Hi?"}],
+        "chosen": {"from": "gpt", "value": "Hello."},
+        "rejected": {"from": "gpt", "value": "Go away."},
+    },
+    "alpaca_preference": {"instruction": "Greet.", "input": "", "chosen": "Hello.", "rejected": "Go away."},
 }
 
 

@@ -56,13 +56,18 @@ class LoadedData:
 
     def describe(self) -> str:
         fmts = sorted({s["format"] for s in self.sources})
-        what = ", ".join(formats.describe(f) for f in fmts)
+        layouts = sorted({s["layout"] for s in self.sources if s.get("layout")})
+        what = ", ".join(layouts + [formats.describe(f) for f in fmts if not layouts])
         converted = (
-            "" if all(formats.FORMATS[f].native for f in fmts) else f", converted to {self.form.replace('_', '/')}"
+            ""
+            if all(formats.FORMATS[f].native for f in fmts) and not layouts
+            else f", converted to {self.form.replace('_', '/')}"
         )
+        ignored = sorted({k for s in self.sources for k in s.get("ignore", ())})
+        converted += f" (left out as the recipe's ignore: says: {', '.join(ignored)})" if ignored else ""
         many = f" from {len(self.sources)} sources" if len(self.sources) > 1 else ""
         n = len(self.examples)
-        return f"{what} format, {n:,} example{'' if n == 1 else 's'}{many}{converted}"
+        return f"{what}{'' if layouts else ' format'}, {n:,} example{'' if n == 1 else 's'}{many}{converted}"
 
 
 def load_data(spec: Any, seed: int = 42) -> LoadedData:
@@ -83,7 +88,7 @@ def load_data(spec: Any, seed: int = 42) -> LoadedData:
     single_file_sha = None
     for i, source in enumerate(sources):
         got = read(source)
-        ex, wh, fmt = _convert_source(source, got.rows)
+        ex, wh, fmt, layout = _convert_source(source, got.rows)
         forms.add(_form_key(ex[0]))
         reps = _repeat(len(ex), source.weight, random.Random(f"ftrun-data-{seed}-{i}"))
         examples += [ex[j] for j in reps]
@@ -96,11 +101,15 @@ def load_data(spec: Any, seed: int = 42) -> LoadedData:
                 "examples": len(ex),
                 "weight": source.weight,
                 **({"columns": dict(source.columns)} if source.columns else {}),
+                **({"ignore": list(source.ignore)} if source.ignore else {}),
+                **({"type": source.type, "options": dict(source.options)} if source.type else {}),
+                **({"layout": layout} if layout else {}),
             }
         )
         if "revision" in got.identity:  # a Hub dataset: its content too (a revision may be unknown offline)
             records[-1]["content_sha256"] = _content_hash(ex)
-        if len(sources) == 1 and source.local and Path(source.path).is_file() and source.weight == 1:
+        plain = source.dataset is None and source.type is None  # another tool's mapping is part of the identity
+        if len(sources) == 1 and source.local and Path(source.path).is_file() and source.weight == 1 and plain:
             single_file_sha = got.identity["sha256"]
     if len(forms) > 1:
         raise DataError(
@@ -160,12 +169,17 @@ def _repeat(n: int, weight: float, rng: random.Random) -> list[int]:
     return [j for _ in range(whole) for j in range(n)] + sorted(rng.sample(range(n), extra))
 
 
-def _convert_source(source: Source, rows: list[tuple[str, Any]]) -> tuple[list[dict], list[str], str]:
+def _convert_source(source: Source, rows: list[tuple[str, Any]]) -> tuple[list[dict], list[str], str, Optional[str]]:
+    """A source's records as examples, with where each came from, the ftrun format they are read as, and the other
+    tool's layout they were written in (None for ftrun's own formats)."""
     label = source.label()
     if not rows:
         raise DataError(f"{label} holds no records", fix="add examples, one record per line (or row).")
+    layout = _layout(source)
     fmt = source.format
-    if fmt is None:
+    if layout is not None:
+        fmt = None
+    elif fmt is None:
         fmt, why = formats.detect((w, r) for w, r in rows[: formats.DETECT_LINES] if not isinstance(r, NotJson))
         if fmt is None:
             if why == "no records":
@@ -173,7 +187,9 @@ def _convert_source(source: Source, rows: list[tuple[str, Any]]) -> tuple[list[d
             raise DataError(
                 f"{label}: cannot tell its format: {why}",
                 fix="convert the data to one of the formats in docs/data.md, or name the format and map "
-                "the columns in the recipe: data: {path: ..., format: alpaca, columns: {output: answer}}.",
+                "the columns in the recipe: data: {path: ..., format: alpaca, columns: {output: answer}}; data "
+                "written for LLaMA-Factory or Axolotl reads with its dataset_info.json entry or its type: "
+                "(docs/data.md, Coming from LLaMA-Factory / Axolotl).",
             )
     elif fmt not in formats.FORMATS:
         raise DataError(f"{label}: unknown format '{fmt}'", fix=f"use one of: {', '.join(formats.FORMATS)}.")
@@ -185,7 +201,14 @@ def _convert_source(source: Source, rows: list[tuple[str, Any]]) -> tuple[list[d
         try:
             if isinstance(rec, NotJson):
                 raise formats.RecordProblem(str(rec))
-            ex = formats.convert(rec, fmt)
+            if layout is not None:
+                if not isinstance(rec, dict):
+                    raise formats.RecordProblem(f"expected a JSON object, found {type(rec).__name__}")
+                rec_fmt, rec = layout[1](rec)
+                ex = formats.FORMATS[rec_fmt].convert(rec, None)  # the layout checked the record's keys
+                fmt = fmt or rec_fmt
+            else:
+                ex = formats.convert(rec, fmt)
             k = _form_key(ex)
             if kind is not None and k != kind:
                 raise formats.RecordProblem(
@@ -206,12 +229,31 @@ def _convert_source(source: Source, rows: list[tuple[str, Any]]) -> tuple[list[d
             lines.append(f"- {shown}{more}: {problem}")
         if len(problems) > MAX_REPORTED:
             lines.append(f"- ... and {len(problems) - MAX_REPORTED} other problems")
+        read_as = layout[0] if layout else formats.describe(fmt)
+        detected = "" if source.format or layout else ", detected from its first lines"
         raise DataError(
-            f"{label} ({formats.describe(fmt)}{'' if source.format else ', detected from its first lines'}) has "
-            f"{n_bad} bad record{'s' if n_bad > 1 else ''} of {len(rows)}:\n" + "\n".join(lines),
-            fix=f"each record must be like: {formats.example(fmt)} ; fix or remove these records (docs/data.md).",
+            f"{label} ({read_as}{detected}) has {n_bad} bad record{'s' if n_bad > 1 else ''} of {len(rows)}:\n"
+            + "\n".join(lines),
+            fix=f"each record must be like: {layout[2] if layout else formats.example(fmt)} ; fix or remove these "
+            "records (docs/data.md).",
         )
-    return examples, where, fmt
+    return examples, where, fmt, layout[0] if layout else None
+
+
+def _layout(source: Source) -> Optional[tuple[str, Callable[[dict], tuple[str, dict]], str]]:
+    """Another tool's layout a source is written in: (how it reads, a record -> (ftrun format, record), one record as
+    the bad-record advice shows it), or None."""
+    if source.dataset is not None:
+        from launcher.data import llamafactory
+
+        entry = llamafactory.read_entry(Path(source.info or source.path), source.dataset)
+        return entry.describe(), lambda rec: llamafactory.convert(entry, rec), entry.example()
+    if source.type is not None:
+        from launcher.data import axolotl
+
+        t = axolotl.TYPES[source.type]
+        return t.description, lambda rec: axolotl.convert(source.type, source.options, rec), t.example
+    return None
 
 
 def load_examples(spec: Any) -> list[list[dict[str, Any]]]:

@@ -48,6 +48,10 @@ class Format:
     example: str  # one record, as the bad-record advice shows it
     convert: Callable[[dict, Optional[str]], dict[str, Any]]  # a record to its form (a RecordProblem if it cannot)
     native: bool  # its records already are its form (nothing is renamed, split or assembled)
+    reads: tuple[str, ...] = ()  # the keys at the top of a record it honours besides `keys` (check_top_keys)
+
+    def honoured(self) -> tuple[str, ...]:
+        return (*self.keys, *self.reads)
 
 
 # A preference pair's two answers, in the order TRL batches them (dpo_trainer.py DataCollatorForPreference: the chosen
@@ -156,6 +160,8 @@ def convert(record: Any, fmt: str) -> dict[str, Any]:
     """The canonical example for one record of format `fmt`; `RecordProblem` naming the field otherwise."""
     if not isinstance(record, dict):
         raise RecordProblem(f"expected a JSON object, found {type(record).__name__}")
+    if all(k in record for k in FORMATS[fmt].keys):  # else the converter names the missing key, and what it looks like
+        check_top_keys(record, fmt)
     other = detect_one(record)
     if LABEL in record and FORMATS[fmt].form != "unpaired":
         raise RecordProblem(
@@ -164,6 +170,41 @@ def convert(record: Any, fmt: str) -> dict[str, Any]:
             f"silence: write the record as {example('unpaired')} and set objective: kto, or remove '{LABEL}'"
         )
     return FORMATS[fmt].convert(record, other)
+
+
+# Keys at the top of a record whose meaning ftrun knows and a format may not honour: what the refusal says besides
+# the general fix. A key with no entry here is refused all the same (a key that is not honoured is never dropped).
+TOP_KEY_MEANINGS = {
+    "label": "an unpaired preference label (KTO's desirable/undesirable): a preference objective that trains "
+    "unpaired data reads it, no other",
+    "kto_tag": "LLaMA-Factory's KTO label: read through the dataset_info.json entry (data: {path: dataset_info.json, "
+    "dataset: NAME}) whose columns name it kto_tag",
+    "chosen": "the preferred answer of a preference pair: objective dpo or orpo reads it, with 'prompt' and 'rejected'",
+    "rejected": "the dispreferred answer of a preference pair: objective dpo or orpo reads it, with 'prompt' and "
+    "'chosen'",
+    "images": "images: ftrun trains text models only",
+    "videos": "videos: ftrun trains text models only",
+    "audios": "audio: ftrun trains text models only",
+    "weight": "a per-example weight: ftrun trains every example alike (a source's weight: repeats its examples)",
+    "segments": "Axolotl's input_output segments: read with type: input_output in the data entry",
+}
+
+
+def check_top_keys(record: dict, fmt: str, honoured: Optional[Iterable[str]] = None, how: str = "") -> None:
+    """A RecordProblem naming each key at the top of `record` that format `fmt` (or the keys `honoured`, read `how`)
+    does not read: a key that is not honoured is refused, not dropped in silence. An empty value (None, "") holds
+    nothing to drop: a column that a CSV, parquet or Hub dataset has for other rows."""
+    known = tuple(honoured) if honoured is not None else FORMATS[fmt].honoured()
+    unknown = sorted(k for k, v in record.items() if k not in known and v not in (None, ""))
+    if not unknown:
+        return
+    meanings = "".join(f"; '{k}' is {TOP_KEY_MEANINGS[k]}" for k in unknown if k in TOP_KEY_MEANINGS)
+    raise RecordProblem(
+        f"{', '.join(repr(k) for k in unknown)} at the top of the record, which {how or describe(fmt)} does not read "
+        f"(it reads {', '.join(known)}){meanings}; a key that is not honoured is refused, not dropped in silence: "
+        "remove it, map it to a field the format reads (columns: in the data entry; a dataset_info.json entry's "
+        "columns), or name it under ignore: in the data entry to leave it out (the plan says so)"
+    )
 
 
 def _missing(record: dict, key: str, fmt: str, other: Optional[str]) -> RecordProblem:
@@ -199,7 +240,15 @@ def _tools(record: dict) -> Optional[list]:
         return None
     if not isinstance(tools, list):
         raise RecordProblem(f"'tools' must be a list of tool schemas, found {type(tools).__name__}")
-    return tools
+    # a bare function schema ({"name", "description", "parameters"}, as LLaMA-Factory's and Glaive's data write it)
+    # in the form chat templates read, {"type": "function", "function": {...}} (transformers' get_json_schema; what
+    # LLaMA-Factory's own tool formatters wrap it in before rendering)
+    return [
+        {"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
+        if isinstance(t, dict) and "name" in t and "function" not in t
+        else t
+        for t in tools
+    ]
 
 
 def check_messages(msgs: Any, field: str, need_assistant: bool = True) -> list[dict[str, Any]]:
@@ -236,7 +285,7 @@ def check_messages(msgs: Any, field: str, need_assistant: bool = True) -> list[d
         for key in TRAINING_SWITCHES:
             if key in m and not (role == "assistant" and m[key] in (1, True)):
                 raise RecordProblem(
-                    f"{where}.{key} is {m[key]!r} on {'an' if role[0] in 'aeiou' else 'a'} {role} turn: a per-turn "
+                    f"{where}.{key} is {m[key]!r} on {'an' if role == 'assistant' else 'a'} {role} turn: a per-turn "
                     "training switch ftrun cannot honour "
                     "(it trains every assistant turn alike, and no other turn); remove the turns not to train on "
                     f"(or end the conversation before them), or drop '{key}' where the turn should train"
@@ -280,13 +329,29 @@ def _sharegpt(record: dict, other: Optional[str]) -> dict[str, Any]:
     system = record.get("system")
     if isinstance(system, str) and system.strip():
         msgs.append({"role": "system", "content": system})
+    msgs += sharegpt_messages(turns, "conversations")
+    return _chat(record, check_messages(msgs, "conversations"))
+
+
+def sharegpt_messages(turns: list, field: str) -> list[dict[str, Any]]:
+    """ShareGPT turns ({from, value}; role/content written under the ShareGPT key read as they are) as messages:
+    the roles mapped (SHAREGPT_ROLES), a function_call turn as the assistant's tool_calls. Not yet checked
+    (check_messages does that)."""
+    msgs: list[dict[str, Any]] = []
     for i, t in enumerate(turns):
-        where = f"conversations[{i}]"
+        where = f"{field}[{i}]"
         if not isinstance(t, dict):
             raise RecordProblem(f"{where} is not an object")
         if "role" in t and "from" not in t:  # role/content under the ShareGPT key
             msgs.append(t)
             continue
+        unread = sorted(k for k in t if k not in ("from", "value", *TRAINING_SWITCHES))
+        if unread:
+            raise RecordProblem(
+                f"{where} has {', '.join(repr(k) for k in unread)}, which ftrun does not read in a ShareGPT turn (it "
+                "reads from, value, and a training switch: weight, train); a key that is not honoured is refused, "
+                "not dropped in silence: remove it, or move what it says into the value"
+            )
         who, value = t.get("from"), t.get("value")
         role = SHAREGPT_ROLES.get(str(who).lower()) if who is not None else None
         if role is None:
@@ -312,8 +377,8 @@ def _sharegpt(record: dict, other: Optional[str]) -> dict[str, Any]:
                 }
             )
             continue
-        msgs.append({"role": role, "content": value})
-    return _chat(record, check_messages(msgs, "conversations"))
+        msgs.append({"role": role, "content": value, **{k: t[k] for k in TRAINING_SWITCHES if k in t}})
+    return msgs
 
 
 def _alpaca(record: dict, other: Optional[str]) -> dict[str, Any]:
@@ -338,7 +403,7 @@ def _alpaca(record: dict, other: Optional[str]) -> dict[str, Any]:
         {"role": "user", "content": f"{instruction}\n\n{extra}" if extra.strip() else instruction},
         {"role": "assistant", "content": output},
     ]
-    return {"messages": msgs}
+    return _chat(record, msgs)
 
 
 def _prompt_completion(record: dict, other: Optional[str]) -> dict[str, Any]:
@@ -514,6 +579,46 @@ def _preference_implicit(record: dict, other: Optional[str]) -> dict[str, Any]:
     return _preference(record, other)
 
 
+def _sharegpt_pair(record: dict, other: Optional[str]) -> dict[str, Any]:
+    """LLaMA-Factory's ranking data in the ShareGPT layout: the prompt's turns under 'conversations', each answer one
+    turn object ({"from": "gpt", "value": ...}, or a function_call) under 'chosen' and 'rejected'."""
+    for key in ("conversations", *SIDES):
+        if key not in record:
+            raise _missing(record, key, "sharegpt_preference", other)
+    turns = _maybe_json(record["conversations"], "conversations")
+    if not isinstance(turns, list) or not turns:
+        raise RecordProblem("'conversations' must be a non-empty list of {from, value} objects (the prompt)")
+    system = record.get("system")
+    head = [{"role": "system", "content": system}] if isinstance(system, str) and system.strip() else []
+    answers = {}
+    for side in SIDES:
+        turn = _maybe_json(record[side], side)
+        if isinstance(turn, list) and len(turn) == 1:
+            turn = turn[0]
+        if not isinstance(turn, dict):
+            raise RecordProblem(
+                f'\'{side}\' must be one turn object ({{"from": "gpt", "value": "..."}}), found {type(turn).__name__}'
+            )
+        answers[side] = sharegpt_messages([turn], side)
+    pair = {"prompt": head + sharegpt_messages(turns, "conversations"), **answers}
+    return _preference({**pair, **({"tools": record["tools"]} if "tools" in record else {})}, other)
+
+
+def _alpaca_pair(record: dict, other: Optional[str]) -> dict[str, Any]:
+    """LLaMA-Factory's ranking data in the Alpaca layout: instruction, input, system and history as an Alpaca
+    record's, the two answers as strings under 'chosen' and 'rejected'."""
+    for key in ("instruction", *SIDES):
+        if key not in record:
+            raise _missing(record, key, "alpaca_preference", other)
+    msgs = _alpaca({**{k: v for k, v in record.items() if k not in SIDES}, "output": "-"}, other)["messages"][:-1]
+    answers = {}
+    for side in SIDES:
+        if not isinstance(record[side], str):
+            raise RecordProblem(f"'{side}' must be a string (the answer), found {type(record[side]).__name__}")
+        answers[side] = [{"role": "assistant", "content": _text(record, side)}]
+    return _preference({"prompt": msgs, **answers, **({"tools": record["tools"]} if "tools" in record else {})}, other)
+
+
 FORMATS: dict[str, Format] = {
     # before messages: a conversation with a label is one unpaired answer (objective kto), not a chat example
     "unpaired_messages": Format(
@@ -532,6 +637,18 @@ FORMATS: dict[str, Format] = {
         '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}',
         _messages,
         native=True,
+        reads=("tools",),
+    ),
+    # before sharegpt: the prompt's conversation with the pair's two answers beside it (LLaMA-Factory's ranking data)
+    "sharegpt_preference": Format(
+        "ShareGPT preference pairs (conversations + chosen/rejected turns)",
+        "preference",
+        ("conversations", *SIDES),
+        '{"conversations": [{"from": "human", "value": "..."}], "chosen": {"from": "gpt", "value": "..."}, '
+        '"rejected": {"from": "gpt", "value": "..."}}',
+        _sharegpt_pair,
+        native=False,
+        reads=("system", "tools"),
     ),
     "sharegpt": Format(
         "ShareGPT conversations (from/value)",
@@ -540,6 +657,7 @@ FORMATS: dict[str, Format] = {
         '{"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}]}',
         _sharegpt,
         native=False,
+        reads=("system", "tools"),
     ),
     # before prompt/completion: an unpaired answer is a prompt/completion record with its label
     "unpaired": Format(
@@ -558,6 +676,7 @@ FORMATS: dict[str, Format] = {
         '{"prompt": "...", "completion": "..."} (or both lists of messages)',
         _prompt_completion,
         native=True,
+        reads=("tools",),
     ),
     "alpaca": Format(
         "Alpaca (instruction/input/output)",
@@ -566,6 +685,17 @@ FORMATS: dict[str, Format] = {
         '{"instruction": "...", "input": "" (optional), "output": "...", "system": "..." (optional)}',
         _alpaca,
         native=False,
+        reads=("input", "system", "history", "tools"),
+    ),
+    # before preference_implicit (chosen + rejected alone): LLaMA-Factory's ranking data in the Alpaca layout
+    "alpaca_preference": Format(
+        "Alpaca preference pairs (instruction/input + chosen/rejected)",
+        "preference",
+        ("instruction", *SIDES),
+        '{"instruction": "...", "input": "" (optional), "chosen": "...", "rejected": "..."}',
+        _alpaca_pair,
+        native=False,
+        reads=("input", "system", "history", "tools"),
     ),
     "text": Format(
         "plain text (continued pre-training)", "text", ("text",), '{"text": "..."}', _plain_text, native=True
@@ -578,6 +708,7 @@ FORMATS: dict[str, Format] = {
         '"content": "..."}], "rejected": [{"role": "assistant", "content": "..."}]} (or three strings)',
         _preference,
         native=True,
+        reads=("tools",),
     ),
     "preference_implicit": Format(
         "preference pairs with an implicit prompt (chosen/rejected conversations)",
@@ -588,6 +719,7 @@ FORMATS: dict[str, Format] = {
         '"content": "..."}]}',
         _preference_implicit,
         native=False,
+        reads=("tools",),
     ),
     # last: a prompt/completion example and a pair have a prompt too
     "prompt": Format(
@@ -597,6 +729,7 @@ FORMATS: dict[str, Format] = {
         '{"prompt": [{"role": "user", "content": "..."}], "reference": "..." (optional)} (or a string prompt)',
         _prompt_alone,
         native=True,
+        reads=("reference",),
     ),
 }
 

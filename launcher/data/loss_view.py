@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -39,7 +39,7 @@ class Settings:
     """The trainer fields that decide what the loss sees, from the recipe (defaults as trl 1.16 SFTConfig)."""
 
     max_length: Optional[int]
-    assistant_only_loss: bool = False
+    assistant_only_loss: Optional[bool] = False  # None: left out, resolved by check() (resolve_answers_only)
     completion_only_loss: Optional[bool] = None  # None: prompt/completion data train the completion only
     packing: bool = False
     packing_strategy: str = "bfd"
@@ -308,6 +308,93 @@ def percentile(values: list[int], q: float) -> int:
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)] if ordered else 0
 
 
+# What the loss trains when the recipe leaves assistant_only_loss out: the answers, as the tools users come from train
+# by default (LLaMA-Factory train_on_prompt: false, Axolotl train_on_inputs: false, Unsloth's
+# train_on_responses_only), where the chat template can mark them; else the whole conversation, and the plan says why.
+ANSWERS_ONLY_WHY = (
+    "the default where the chat template marks the answers, as LLaMA-Factory (train_on_prompt: false) and Axolotl "
+    "(train_on_inputs: false) train; assistant_only_loss: false trains the whole conversation"
+)
+
+
+def resolve_answers_only(
+    model: str, settings: Settings, examples: list[Any], where: Optional[list[str]] = None
+) -> tuple[Settings, str]:
+    """The settings with assistant_only_loss left out (None) resolved, and why: on for chat data (messages) whose
+    template marks the answers ({% generation %} blocks, or TRL's training template for it) with the end-of-turn
+    token inside them; off otherwise (prompt/completion data train the completion only, plain text every token,
+    without assistant_only_loss), with the reason."""
+    if settings.assistant_only_loss:
+        plain = next((e for e in examples if isinstance(e, dict) and not formats.conversational(e)), None)
+        if plain is not None:  # trl 1.16 SFTTrainer.__init__ raises on it, after the model has loaded
+            raise DataError(
+                f"assistant_only_loss: true, and the data is {formats.FORMS[formats.example_form(plain)].reads_as} "
+                "without a chat template: TRL marks the assistant turns of conversations only",
+                fix="remove assistant_only_loss (plain prompt/completion data train the completion, plain text every "
+                "token), or give the data as chat messages.",
+            )
+    if settings.assistant_only_loss is not None:
+        return settings, ""
+    off = replace(settings, assistant_only_loss=False)
+    where = where or [f"example {i + 1}" for i in range(len(examples))]
+    places = [w for e, w in zip(examples, where) if isinstance(e, list) or (isinstance(e, dict) and "messages" in e)]
+    chat = [e for e in examples if isinstance(e, list) or (isinstance(e, dict) and "messages" in e)]
+    if not chat:
+        return off, ""
+    if settings.packing:
+        return off, "packing: true, which ftrun does not combine with answers-only loss"
+    on = replace(settings, assistant_only_loss=True)
+    try:
+        view = LossView(model, on)
+    except LookupError as exc:
+        return off, f"the model's tokenizer is not on this machine to check its chat template ({exc})"
+    except DataError:
+        return off, (
+            f"the chat template of {model} has no {{% generation %}} markers and TRL has no training template for it, "
+            "so the answers cannot be told from the prompt"
+        )
+    chat = [{"messages": e} if isinstance(e, list) else e for e in chat]
+    if view.template != view.template_source:
+        differs = _swapped_template_differs(view, chat)
+        if differs is not None:
+            return off, (
+                f"TRL's training template for {model} renders {places[differs]} otherwise than the model's own "
+                "template (the one it is served with: trl 1.16's qwen3_training.jinja writes a thinking block into "
+                "every earlier answer, for one), so the model would learn from prompts it is never asked"
+            )
+    stops = view.stop_ids()
+    probe = chat[:1]
+    try:
+        marked = view.mark(probe[0])
+    except Exception:  # the template refuses the record: the check that follows names it
+        return on, ANSWERS_ONLY_WHY
+    if not marked.cut and any(marked.ids[end] not in stops for end in marked.ends):
+        return off, (
+            f"the {{% generation %}} blocks of the chat template of {model} leave the end-of-turn token "
+            f"{view.eot or view.eos} out, so answers-only loss would never teach the model to stop"
+        )
+    return on, ANSWERS_ONLY_WHY
+
+
+def _swapped_template_differs(view: LossView, chat: list[dict[str, Any]]) -> Optional[int]:
+    """The index of the first conversation that TRL's training template (swapped in for answers-only loss) renders
+    otherwise than the model's own template, or None: trl 1.16's qwen3_training.jinja writes the thinking block into
+    every assistant turn where Qwen3's own keeps it for the last (trl/chat_templates/README.md)."""
+    from launcher.data.dataset import _template_env
+
+    own = _template_env().from_string(view.template_source)
+    for i, ex in enumerate(chat):
+        msgs = [{k: v for k, v in m.items() if v is not None} for m in ex["messages"]]
+        try:
+            a = own.render(messages=msgs, tools=ex.get("tools"), add_generation_prompt=False, **view.special)
+            b = view.compiled.render(messages=msgs, tools=ex.get("tools"), add_generation_prompt=False, **view.special)
+        except Exception:  # a record the template refuses: the check that follows names it
+            continue
+        if a != b:
+            return i
+    return None
+
+
 def check(
     model: str,
     settings: Settings,
@@ -318,8 +405,10 @@ def check(
 ) -> Optional[dict[str, Any]]:
     """Every example marked; a DataError (the example that shows it, its place, the fix) when too many train
     nothing, when a trained turn does not end with the end-of-turn token, or when max_length cuts too many
-    answers. Returns the record the run keeps (one marked example per source, the statistics), or None when the
-    model's tokenizer is not on this machine."""
+    answers. Returns the record the run keeps (one marked example per source, the statistics, and
+    `assistant_only_loss` as resolved where the recipe left it out), or None when the model's tokenizer is not on
+    this machine."""
+    settings, why = resolve_answers_only(model, settings, examples, where)
     try:
         view = LossView(model, settings)
     except LookupError:
@@ -369,7 +458,8 @@ def check(
         **({"served_prompt": served} if served else {}),
         # plain text and plain prompt/completion end with the EOS TRL appends (add_eos), not the template's end of turn
         "end_of_turn": view.eos if not any(formats.conversational(ex) for ex in examples) else view.eot,
-        "mode": _mode(view, examples[0]),
+        "mode": _mode(view, examples[0], why),
+        "assistant_only_loss": bool(settings.assistant_only_loss),
         "stats": {
             "examples": n,
             "tokens": kept,
@@ -388,13 +478,16 @@ def check(
     }
 
 
-def _mode(view: LossView, example: dict[str, Any]) -> str:
+def _mode(view: LossView, example: dict[str, Any], why: str = "") -> str:
+    """What the loss trains, and why (`why`: how a left-out assistant_only_loss was resolved)."""
     if view.settings.assistant_only_loss:
-        return "assistant turns only (assistant_only_loss)"
+        return f"assistant turns only ({why or 'assistant_only_loss'})"
     if "prompt" in example and view.settings.completion_only_loss is not False:
         return "the completion only"
     if "text" in example:
         return "every token (plain text)"
+    if why:
+        return f"the whole conversation (assistant_only_loss left out, and answers-only loss cannot be had: {why})"
     return "the whole conversation (assistant_only_loss: false)"
 
 

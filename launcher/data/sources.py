@@ -34,6 +34,11 @@ class Source:
     columns: dict[str, str] = field(default_factory=dict)  # canonical field -> the source's column
     format: Optional[str] = None  # named in the recipe; else detected from the first records
     weight: float = 1.0
+    ignore: tuple[str, ...] = ()  # keys at the top of a record left out, as the recipe says (the plan names them)
+    dataset: Optional[str] = None  # LLaMA-Factory: the entry of the dataset_info.json that `info` is
+    info: Optional[str] = None  # LLaMA-Factory: that dataset_info.json (path is then the entry's data)
+    type: Optional[str] = None  # Axolotl: the dataset type (launcher/data/axolotl.py TYPES)
+    options: dict[str, Any] = field(default_factory=dict)  # Axolotl: the entry's field mappings for its type
 
     @property
     def local(self) -> bool:
@@ -64,7 +69,7 @@ def sources_of(spec: Any) -> list[Source]:
         elif isinstance(item, (str, Path)):
             out.append(Source(path=str(item)))
         elif isinstance(item, dict):
-            out.append(Source(**{k: v for k, v in item.items() if v is not None}))
+            out.append(_layout(_source(item)))
         else:
             raise DataError(
                 f"data entry {item!r} is neither a path nor a {{path: ...}} mapping",
@@ -75,6 +80,65 @@ def sources_of(spec: Any) -> list[Source]:
     for source in out:
         _only_options_that_apply(source)
     return out
+
+
+def _source(item: dict[str, Any]) -> Source:
+    """A {path: ...} mapping (the recipe's DataSource dumped) as a Source: Axolotl's field mappings gathered."""
+    from launcher.data.axolotl import OPTION_DEFAULTS
+
+    given = {k: v for k, v in item.items() if v is not None and v != {} and v != []}
+    options = {k: given.pop(k) for k in list(given) if k in OPTION_DEFAULTS}
+    if "ignore" in given:
+        given["ignore"] = tuple(given["ignore"])
+    if options and not given.get("type"):
+        raise DataError(
+            f"data entry {given.get('path')}: {', '.join(options)} {'is' if len(options) == 1 else 'are'} Axolotl's "
+            "field mappings, read with its type:",
+            fix="add the Axolotl type they belong to (type: chat_template, ...), or remove them.",
+        )
+    return Source(**given, options=options)
+
+
+def _layout(source: Source) -> Source:
+    """A data entry in another tool's layout, checked (and a LLaMA-Factory entry resolved to its data) before any
+    record is read."""
+    if source.dataset is not None and source.info is not None:
+        return source  # resolved already (the worker reads the recipe's sources again)
+    if source.dataset is not None:
+        from launcher.data import llamafactory
+
+        others = [k for k, v in (("format", source.format), ("columns", source.columns), ("type", source.type)) if v]
+        if others or source.split != "train" or source.subset or source.revision:
+            others += [
+                k
+                for k, v in (
+                    ("split", source.split != "train"),
+                    ("subset", source.subset),
+                    ("revision", source.revision),
+                )
+                if v
+            ]
+            raise DataError(
+                f"data entry {source.path} (dataset: {source.dataset}): {', '.join(others)} beside dataset:; the "
+                "dataset_info.json entry says where the data is and how it reads",
+                fix="set them in the dataset_info.json entry (file_name or hf_hub_url, split, subset, formatting, "
+                "columns, tags), or read the data file itself without dataset: (docs/data.md).",
+            )
+        entry = llamafactory.read_entry(Path(source.path).expanduser(), source.dataset)
+        return replace(source, path=entry.path, info=entry.info, split=entry.split, subset=entry.subset)
+    if source.type is not None:
+        from launcher.data import axolotl
+
+        others = [k for k, v in (("format", source.format), ("columns", source.columns)) if v]
+        problem = axolotl.type_problem(source.type, source.options) or (
+            f"{', '.join(others)} beside type: (the type's own field mappings say how it reads)" if others else None
+        )
+        if problem:
+            raise DataError(
+                f"data entry {source.path}: {problem}",
+                fix="change the data entry as it says (docs/data.md, Coming from LLaMA-Factory / Axolotl).",
+            )
+    return source
 
 
 def _only_options_that_apply(source: Source) -> None:
@@ -132,7 +196,21 @@ def read(source: Source) -> Records:
             rows, identity = list(_read_file(path, path.name)), {"source": str(path), "sha256": sha256_file(path)}
     else:
         rows, identity = _read_hub(source)
-    return Records(_renamed(rows, source), identity)
+    if source.dataset is not None:  # the mapping is part of what trains: a changed entry is changed data
+        identity["dataset_info"] = {
+            "file": source.info,
+            "dataset": source.dataset,
+            "sha256": sha256_file(Path(source.info)),
+        }
+    return Records(_without_ignored(_renamed(rows, source), source), identity)
+
+
+def _without_ignored(rows: list[tuple[str, Any]], source: Source) -> list[tuple[str, Any]]:
+    """The recipe's ignore: keys left out of each record (the plan's data line names them)."""
+    if not source.ignore:
+        return rows
+    drop = set(source.ignore)
+    return [(w, {k: v for k, v in r.items() if k not in drop} if isinstance(r, dict) else r) for w, r in rows]
 
 
 def _renamed(rows: list[tuple[str, Any]], source: Source) -> list[tuple[str, Any]]:

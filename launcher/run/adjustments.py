@@ -28,7 +28,7 @@ def with_adjustments(run: RunDir, recipe: Recipe) -> Recipe:
     chose them when the run began; a resume keeps them, on any box), then the smoke test's recorded out-of-memory
     adjustments."""
     update: dict[str, Any] = {}
-    left = left_to_plan(recipe)
+    left = left_to_plan(recipe) | left_to_data(recipe)
     if left and run.recipe.is_file():
         try:
             recorded = yaml.safe_load(run.recipe.read_text()) or {}
@@ -39,6 +39,21 @@ def with_adjustments(run: RunDir, recipe: Recipe) -> Recipe:
         for adj in json.loads(run.plan.read_text()).get("adjustments", []):
             update.update(adj["set"])
     return recipe.model_copy(update=update) if update else recipe
+
+
+def left_to_data(recipe: Recipe) -> set[str]:
+    """The keys the recipe leaves to the data check: assistant_only_loss left out is resolved from the chat template
+    (launcher/data/loss_view.py resolve_answers_only) and recorded in the run's recipe.yaml; a resume trains with the
+    recorded value, so a run begun when the whole conversation was the default resumes as it began."""
+    return {"assistant_only_loss"} if recipe.assistant_only_loss is None else set()
+
+
+def with_loss_resolved(recipe: Recipe, loss_view: Optional[dict[str, Any]]) -> Recipe:
+    """The recipe with assistant_only_loss as the data check resolved it where the recipe left it out (the whole
+    conversation where no loss view could be made: no tokenizer to check the template with)."""
+    if recipe.assistant_only_loss is not None:
+        return recipe
+    return recipe.model_copy(update={"assistant_only_loss": bool((loss_view or {}).get("assistant_only_loss"))})
 
 
 def undo_plan_settings(recipe: Recipe, plan: dict[str, Any]) -> Optional[tuple[dict[str, Any], str]]:

@@ -31,7 +31,7 @@ from launcher.run.smoke_replan import _smoke
 from launcher.run.sync_commands import _pull_if_remote_run
 from launcher.run.task_baseline import launch_baseline
 from launcher.run.views import format_status
-from launcher.run.adjustments import with_adjustments, with_plan_settings
+from launcher.run.adjustments import with_adjustments, with_loss_resolved, with_plan_settings
 
 
 def _flat(snap: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -168,6 +168,7 @@ def launch(
         run, recipe, resuming=resuming, fresh=fresh, memory_limit=memory_limit, allow_changes=allow_changes, nodes=nodes
     )
     recipe = with_plan_settings(recipe, plan.to_dict())  # as _prepare wrote it into recipe.yaml (a new choice only)
+    recipe = with_loss_resolved(recipe, stats.loss_view)
     download = _download(run, recipe, found, plan_dict)
     ckpt_step = newest_step_unverified(run.checkpoints)
     smoke_ok = run.smoke.is_file()
@@ -232,6 +233,7 @@ def prepare_only(recipe: Recipe, purpose: str, memory_limit: Optional[float] = N
         _say(f"note: {missed}")
     prepared = _prepare(run, recipe, resuming=exists, fresh=False, memory_limit=memory_limit)
     recipe = with_plan_settings(recipe, prepared[3].to_dict())  # as _prepare wrote it into recipe.yaml
+    recipe = with_loss_resolved(recipe, prepared[2].loss_view)
     lock = prepared[5]
     try:
         set_state(run, "planned", **_launcher(), data_sha256=prepared[6], reason=purpose)

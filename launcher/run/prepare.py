@@ -15,7 +15,7 @@ from launcher.errors import HardwareError, RecipeError, UsageError
 from launcher.recipe import Recipe
 from launcher.recipe_trainer import check_trainer_fields
 from launcher.run import parent, weights
-from launcher.run.adjustments import with_plan_settings
+from launcher.run.adjustments import with_loss_resolved, with_plan_settings
 from launcher.run.data_view import data_label, data_line, format_loss_view, wants_color
 from launcher.store.checkpoint import atomic_write_json, newest_step_unverified
 from launcher.store.rundir import RunDir
@@ -68,6 +68,13 @@ def _prepare(
     check_trainer_fields(recipe)
     check_trackers_installed(recipe, launching=True)  # report_to: refused with the fix before any GPU time
     examples, lengths, stats = data_stats(recipe)
+    answers_only = "assistant_only_loss" not in recipe.objective_row.refuses  # sft: the objective could take it
+    if recipe.assistant_only_loss is None and answers_only and not stats.loss_view:  # said, never a silent fallback
+        _say(
+            "assistant_only_loss left out: the whole conversation trains (the model's tokenizer is not on this machine "
+            "to check whether its chat template can mark the answers)"
+        )
+    recipe = with_loss_resolved(recipe, stats.loss_view)  # recipe.yaml and the worker train what the data check said
     data_sha = stats.sha256
     restart = resuming and restarts_after_failed_smoke(run)
     if restart:

@@ -37,7 +37,7 @@ def trainer_config(
         max_steps=max_steps if max_steps else -1,
         learning_rate=recipe.learning_rate,
         packing=recipe.packing,
-        assistant_only_loss=recipe.assistant_only_loss,
+        assistant_only_loss=bool(recipe.assistant_only_loss),  # recipe.yaml holds it resolved (run/prepare.py)
         seed=recipe.seed,
         data_seed=recipe.seed,
         logging_steps=recipe.logging_steps if mode == "full" else 1,

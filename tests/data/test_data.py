@@ -122,12 +122,14 @@ def test_sharegpt_tool_turns_and_role_names(tmp_path):
     (ex,) = load_data(_write(tmp_path, [rec])).examples
     assert [m["role"] for m in ex["messages"]] == ["system", "user", "assistant", "tool", "assistant"]
     assert ex["messages"][2]["tool_calls"][0]["function"] == {"name": "lights", "arguments": {"on": True}}
-    assert ex["tools"] == [{"name": "lights"}]
+    # a bare function schema (LLaMA-Factory's, Glaive's) in the form templates and servers read
+    assert ex["tools"] == [{"type": "function", "function": {"name": "lights"}}]
 
 
 def test_chat_lines_keep_tool_calls_the_tool_role_and_reasoning(tmp_path):
     (ex,) = load_data(_write(tmp_path, [{**TOOL_CHAT, "tools": [{"name": "lights"}]}])).examples
-    assert ex["messages"] == TOOL_CHAT["messages"] and ex["tools"] == [{"name": "lights"}]
+    assert ex["messages"] == TOOL_CHAT["messages"]
+    assert ex["tools"] == [{"type": "function", "function": {"name": "lights"}}]
     # and they reach the trainer as they are: no None-filled keys on the other turns
     row = to_dataset([ex, GOOD])[1]
     assert row["messages"] == GOOD["messages"]

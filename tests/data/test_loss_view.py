@@ -294,3 +294,71 @@ def test_the_data_line_says_how_many_train_and_how_many_are_held_out(tmp_path):
     extra = stats.held_out_lines - stats.held_out
     assert (f"and {extra} cop" in line) == (extra > 0), line
     assert f"{stats.total_tokens:,} tokens per epoch" in line
+
+
+# What the loss trains when the recipe leaves assistant_only_loss out: the answers, where the template can mark them
+
+
+def test_left_out_the_answers_train_where_the_template_marks_them(tokenizers):
+    seen = _check(tokenizers["qwen3"], [_example("qwen3")], assistant_only_loss=None)
+    assert seen["assistant_only_loss"] is True
+    assert seen["mode"].startswith("assistant turns only (the default where the chat template marks the answers")
+    assert "LLaMA-Factory (train_on_prompt: false)" in seen["mode"]
+    whole = _check(tokenizers["qwen3"], [_example("qwen3")], assistant_only_loss=False)
+    assert seen["stats"]["trained_tokens"] < whole["stats"]["trained_tokens"]
+    assert whole["mode"] == "the whole conversation (assistant_only_loss: false)" and not whole["assistant_only_loss"]
+
+
+def test_left_out_the_whole_conversation_trains_where_the_template_cannot_mark_answers_and_says_why(tokenizers):
+    # Mistral v0.1's template has no {% generation %} blocks and TRL has no training template for it: with
+    # assistant_only_loss: true that is refused (test above); left out, the whole conversation trains, said
+    seen = _check(tokenizers["mistral"], [_example("mistral")], assistant_only_loss=None)
+    assert seen["assistant_only_loss"] is False
+    assert "the whole conversation (assistant_only_loss left out, and answers-only loss cannot be had: " in seen["mode"]
+    assert "has no {% generation %} markers and TRL has no training template for it" in seen["mode"]
+    # Qwen3 multi-turn: TRL's training template writes a thinking block into the earlier answers, which the model's
+    # own (served) template leaves out: the whole conversation, said, rather than prompts the model is never asked
+    multi = _check(tokenizers["qwen3"], [_example("qwen3"), _example("qwen3", turns=2)], assistant_only_loss=None)
+    assert multi["assistant_only_loss"] is False
+    assert "TRL's training template for" in multi["mode"] and "renders d.jsonl line 2 otherwise" in multi["mode"]
+    # prompt/completion data train the completion either way; packing keeps the whole conversation
+    pc = _check(tokenizers["qwen3"], [_prompt_completion("qwen3", "2+2?", "4")], assistant_only_loss=None)
+    assert pc["mode"] == "the completion only" and pc["assistant_only_loss"] is False
+    packed = _check(tokenizers["qwen3"], [_example("qwen3")], assistant_only_loss=None, packing=True)
+    assert "packing: true" in packed["mode"] and packed["assistant_only_loss"] is False
+
+
+def test_a_run_begun_under_the_old_default_resumes_with_what_it_recorded(tmp_path):
+    import yaml
+
+    from launcher.recipe_loading import validate_recipe
+    from launcher.run.adjustments import with_adjustments, with_loss_resolved
+    from launcher.store.rundir import RunDir
+
+    def recipe(**more):
+        return validate_recipe(
+            {"model": "Qwen/Qwen3-0.6B", "method": "lora", "data": "d.jsonl", **more},
+            base_dir=tmp_path,
+            default_name="t",
+        )
+
+    left_out = recipe()
+    assert left_out.assistant_only_loss is None
+    # a run begun when the whole conversation was the default: its recipe.yaml holds assistant_only_loss: false
+    old = recipe(assistant_only_loss=False)
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    run.recipe.write_text(yaml.safe_dump(old.snapshot()))
+    resumed = with_adjustments(run, left_out)
+    assert resumed.assistant_only_loss is False and resumed.trajectory_hash() == old.trajectory_hash()
+    # a new run records what the data check resolved; a key the recipe gives wins over both
+    assert with_loss_resolved(left_out, {"assistant_only_loss": True}).assistant_only_loss is True
+    assert with_loss_resolved(left_out, None).assistant_only_loss is False
+    assert with_adjustments(run, recipe(assistant_only_loss=True)).assistant_only_loss is True
+
+
+def test_assistant_only_loss_on_plain_data_is_refused_before_training(tokenizers):
+    # trl 1.16 raises on it in SFTTrainer.__init__, after the model has loaded
+    with pytest.raises(DataError) as err:
+        _check(tokenizers["qwen3"], [{"text": "Once upon a time."}], assistant_only_loss=True)
+    assert "TRL marks the assistant turns of conversations only" in str(err.value)
