@@ -55,7 +55,7 @@ def _recipes(tiny_model, absent_parent) -> list[list[str]]:
     # the demo's recipes name the model scripts/demo.sh builds (.cache/tiny-model, absent on a fresh clone): the
     # tests' own build of it stands in. The DPO and GRPO steps start from the SFT demo's run (init_from:
     # ../runs/tiny-cpu), which exists only after scripts/demo.sh: they name a parent run that is absent wherever the
-    # tests run, so that the outcome is the same on a fresh clone and after the demo (README's two commands in its order)
+    # tests run, so that the outcome is the same on a fresh clone and after the demo (README's two commands, in order)
     out = []
     for p in sorted((REPO / "recipes").glob("*.yaml")):
         text = p.read_text()
