@@ -30,9 +30,11 @@ from launcher.worker.gpu_check.unsloth_check import step_unsloth
 from launcher.worker.gpu_check.vs_trl import step_vs_trl, trl_child
 from launcher.worker.gpu_check.training import GPU_SHAPE
 
-# Execution order. The torch-only checks come first (seconds each), then the product itself on the tiny model and
-# the attention and generation costs (issue 43), the 8B measurements next (the figures the speed calibration is
-# fed), FSDP (a distributed launch: the likeliest to hang) and the trl-based bench last.
+# Execution order: the torch-only checks first (seconds each, not in the product preset), then what one call on a lent
+# GPU must answer (issue 55), in the product preset's order: ftrun itself on the tiny model (LoRA with its CPU
+# comparison, GRPO from it), the attention kernels and generation's speed, the 8B padding-free step against the fixed
+# shape, the exact resume, DPO and QLoRA; then what the preset leaves out, FSDP (a distributed launch: the likeliest
+# to hang) and the trl-based benches last.
 STEPS = (
     "tiny-model",
     "device",
@@ -42,37 +44,65 @@ STEPS = (
     "peak-memory",
     "oom",
     "loss-head",
-    "attention",
     "product-lora",
+    "product-grpo",
+    "attention",
     "generation",
-    "vs-trl",
-    "bench-lora",
-    "bench-lora-fast",
-    "bench-full",
+    "bench-padding",
     "resume-exact",
     "product-dpo",
-    "product-grpo",
     "product-qlora",
-    "bench-padding",
+    "bench-lora",
+    "vs-trl",
+    "bench-lora-fast",
+    "bench-full",
     "fsdp",
     "smoke-bench",
     "unsloth",
 )
-# Named selections (GPU_CHECK_STEPS=product): what one call of at most 8 minutes on a lent GPU runs.
+# Each step's timeout in seconds, on a GPU and in the dry run (CPU): the most it may take; the script gives it less
+# where the budget left, less what the later steps are estimated to need (preflight.py), says so.
+TIMEOUTS = {
+    "tiny-model": (60, 90),
+    "device": (45, 60),
+    "launch-env": (90, 150),
+    "placement": (90, 120),
+    "memory-cap": (45, 60),
+    "peak-memory": (45, 60),
+    "oom": (60, 60),
+    "loss-head": (60, 90),
+    "product-lora": (150, 300),
+    "product-grpo": (120, 300),
+    "attention": (90, 150),
+    "generation": (75, 120),
+    "bench-padding": (150, 180),
+    "resume-exact": (150, 300),
+    "product-dpo": (100, 300),
+    "product-qlora": (110, 480),
+    "bench-lora": (90, 120),
+    "vs-trl": (120, 300),
+    "bench-lora-fast": (120, 120),
+    "bench-full": (150, 120),
+    "fsdp": (120, 150),
+    "smoke-bench": (300, 300),
+    "unsloth": (200, 60),
+}
+# Named selections (GPU_CHECK_STEPS=product): what one call of 540 s on a lent GPU runs, in STEPS's order; the
+# numbers issue 55's "Done when" names come from product-lora (the demo's step, GPU against 2 CPU cores),
+# generation (tokens/s), bench-padding (padding-free 8B against the fixed shape), resume-exact (exact on CUDA) and
+# bench-lora (the plan's tokens/s on a card it was not calibrated on), each its JSON's "decides".
 PRESETS = {
     "product": (
         "tiny-model",
-        "attention",
         "product-lora",
+        "product-grpo",
+        "attention",
         "generation",
-        "vs-trl",
-        "bench-lora",
-        "bench-lora-fast",
-        "bench-full",
+        "bench-padding",
         "resume-exact",
         "product-dpo",
-        "product-grpo",
         "product-qlora",
+        "bench-lora",
     ),
     "unsloth": ("tiny-model", "product-lora", "unsloth"),  # the second call: TRL 1.15 beside Unsloth, one stack
 }
@@ -104,7 +134,8 @@ STEP_FUNCS: dict[str, Callable[[Context], dict[str, Any]]] = {
 
 
 def selected_steps(spec: str) -> list[str]:
-    """GPU_CHECK_STEPS: step names and preset names (PRESETS), comma-separated; empty: every step."""
+    """GPU_CHECK_STEPS: step names and preset names (PRESETS), comma-separated, in the order they run; empty: none
+    named (every step runs)."""
     names: list[str] = []
     for item in (x.strip() for x in spec.split(",") if x.strip()):
         for name in PRESETS.get(item, (item,)):
@@ -115,7 +146,15 @@ def selected_steps(spec: str) -> list[str]:
                 )
             if name not in names:
                 names.append(name)
-    return names
+    return sorted(names, key=STEPS.index)  # run in STEPS's order, whatever order the list names them in
+
+
+def record_skip(out: Path, name: str, why: str, **extra: Any) -> None:
+    """A step left out before it started because this box cannot run it (the preflight: its memory, its imports)."""
+    write_json(
+        out / f"{name}.json",
+        {"step": name, "status": "skipped", "ok": None, "skipped": why, "line": f"skipped: {why}", **extra},
+    )
 
 
 def _status(result: dict[str, Any]) -> str:
@@ -209,6 +248,9 @@ def finish(out: Path, name: str, rc: int, limit: Optional[float], not_run: Optio
 
 def write_summary(out: Path) -> dict[str, Any]:
     steps = []
+    decides: dict[str, Any] = {}
+    pre = read_json(out / "preflight.json") or {}
+    estimates = {k: v.get("estimate_seconds") for k, v in (pre.get("steps") or {}).items()}
     selected = selected_steps(os.environ.get("GPU_CHECK_STEPS", ""))
     for name in STEPS:
         data = read_json(out / f"{name}.json")
@@ -224,9 +266,12 @@ def write_summary(out: Path) -> dict[str, Any]:
                 "status": data.get("status"),
                 "ok": data.get("ok"),
                 "seconds": data.get("seconds"),
+                "estimated_seconds": estimates.get(name),
                 "line": data.get("line"),
             }
         )
+        for key, verdict in (data.get("decides") or {}).items():
+            decides[key] = {"step": name, **verdict}
     counts: dict[str, int] = {}
     for s in steps:
         counts[s["status"]] = counts.get(s["status"], 0) + 1
@@ -238,10 +283,62 @@ def write_summary(out: Path) -> dict[str, Any]:
         "budget_seconds": float(os.environ.get("GPU_CHECK_BUDGET_S", "0") or 0) or None,
         "counts": counts,
         "all_passed": all(s["status"] in ("passed", "skipped", "not selected") for s in steps),
+        "decides": decides,
         "steps": steps,
     }
     write_json(out / "summary.json", summary)
     return summary
+
+
+def _context_args(out: Path, dry_run: bool) -> dict[str, Any]:
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(os.environ.get("GPU_CHECK_WORK") or out / "work")
+    work.mkdir(parents=True, exist_ok=True)
+    shape = os.environ.get("GPU_CHECK_SHAPE") or ("tiny" if dry_run else GPU_SHAPE)
+    return {"out": out, "work": work, "dry_run": dry_run, "device": "cpu" if dry_run else "cuda", "shape": shape}
+
+
+def _preflight(out: Path, dry_run: bool) -> int:
+    """`preflight`: the steps to run, each with its timeout and estimate, after preflight.run skipped the rest."""
+    from launcher.worker.gpu_check import preflight
+
+    ctx = Context(progress=lambda **kw: None, **_context_args(out, dry_run))
+    try:
+        names = selected_steps(os.environ.get("GPU_CHECK_STEPS", "")) or list(STEPS)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    column = 1 if dry_run else 0
+    rows = preflight.run(ctx, names, {n: TIMEOUTS[n][column] for n in names}, preflight.env_budget())
+    write_summary(out)
+    for name, limit, floor in rows:
+        print(name, limit, floor)
+    return 0
+
+
+def report(out: Path) -> str:
+    """What the call decides: each "decides" entry the steps recorded (summary.json), met or not, and the steps
+    that would have recorded one but did not finish."""
+    summary = write_summary(out)
+    lines = ["gpu_check decides:"]
+    mark = {True: "MET", False: "NOT MET", None: "-"}
+    for key, v in summary["decides"].items():
+        lines.append(f"  {mark[v.get('met')]:>7} {key} ({v['step']}): {v.get('says')}; target {v.get('target')}")
+    said = {v["step"] for v in summary["decides"].values()}
+    for s in summary["steps"]:
+        if s["step"] in DECIDING and s["step"] not in said and s["status"] != "not selected":
+            lines.append(f"  {'MISSING':>7} {DECIDING[s['step']]} ({s['step']}, {s['status']}): {s.get('line')}")
+    return "\n".join(lines)
+
+
+# The steps whose JSON carries a "decides" entry for issue 55's "Done when", and what it decides.
+DECIDING = {
+    "product-lora": "demo-step",
+    "generation": "generation",
+    "bench-padding": "padding-free",
+    "resume-exact": "resume",
+    "bench-lora": "plan-tokens-per-second",
+}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -283,6 +380,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     t.add_argument("--settings", type=Path, required=True)
     t.add_argument("--out", type=Path, required=True)
     t.add_argument("--no-cudnn", action="store_true")
+    pf = sub.add_parser(
+        "preflight",
+        help="measure the box, record the steps it cannot hold as skipped, print each step's estimate (stderr) and "
+        "the steps to run as 'NAME LIMIT FLOOR' lines (stdout)",
+    )
+    pf.add_argument("--out", type=Path, required=True)
+    pf.add_argument("--dry-run", action="store_true")
+    bx = sub.add_parser("box-child", help=argparse.SUPPRESS)
+    bx.add_argument("--device", choices=("cuda", "cpu"), required=True)
+    bx.add_argument("--modules", default="")
+    rp = sub.add_parser("report", help="print what the call decides (each step's 'decides') from OUT's results")
+    rp.add_argument("--out", type=Path, required=True)
     sel = sub.add_parser("select", help="print the steps GPU_CHECK_STEPS selects (presets expanded), one a line")
     sel.add_argument("spec", nargs="?", default=None)
     ns = p.parse_args(argv)
@@ -304,20 +413,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     if ns.command == "trl-child":
         return trl_child(ns.model, ns.settings, ns.out, not ns.no_cudnn)
     if ns.command == "step":
-        ns.out.mkdir(parents=True, exist_ok=True)
-        work = Path(os.environ.get("GPU_CHECK_WORK") or ns.out / "work")
-        work.mkdir(parents=True, exist_ok=True)
-        shape = os.environ.get("GPU_CHECK_SHAPE") or ("tiny" if ns.dry_run else GPU_SHAPE)
-        return run_step(
-            ns.name,
-            {
-                "out": ns.out,
-                "work": work,
-                "dry_run": ns.dry_run,
-                "device": "cpu" if ns.dry_run else "cuda",
-                "shape": shape,
-            },
-        )
+        return run_step(ns.name, _context_args(ns.out, ns.dry_run))
+    if ns.command == "preflight":
+        return _preflight(ns.out, ns.dry_run)
+    if ns.command == "box-child":
+        from launcher.worker.gpu_check.preflight import box_child
+
+        return box_child(ns.device, [m for m in ns.modules.split(",") if m])
+    if ns.command == "report":
+        print(report(ns.out), flush=True)
+        return 0
     if ns.command == "start":
         ns.out.mkdir(parents=True, exist_ok=True)
         for name in STEPS:
