@@ -49,6 +49,12 @@ if [ "$MODE" = gpu ] && compgen -G "$WHEELS/*.whl" >/dev/null; then
   fi
 fi
 if [ "$MODE" = dry-run ]; then
+  # the carried set, where one is here, installed as the box will install it (into a temporary folder)
+  if compgen -G "$WHEELS/*.whl" >/dev/null; then
+    bash scripts/device_wheels.sh --check "$WHEELS" || echo "gpu_check: the call's wheels in $WHEELS would not install" >&2
+  else
+    echo "gpu_check: no wheels in $WHEELS to try (scripts/device_wheels.sh makes the call's set)"
+  fi
   export CUDA_VISIBLE_DEVICES=""  # CPU expectations even where a GPU is present
   export GPU_CHECK_BUDGET_S=${GPU_CHECK_BUDGET_S:-1800}  # the product steps train through the CLI: minutes each
 else

@@ -464,6 +464,7 @@ def test_each_preset_steps_estimate_comes_from_its_own_sizing(tmp_path):
 
 def test_the_report_says_what_the_call_decides(tmp_path, monkeypatch):
     monkeypatch.setenv("GPU_CHECK_STEPS", "product")
+    monkeypatch.setenv("GPU_CHECK_MODE", "gpu")
     out = tmp_path
     runner.write_summary(out)
     verdict = {"value": 900.0, "target": ">= 740 tokens/s", "met": True, "says": "generation 900 tokens/s"}
@@ -487,3 +488,33 @@ def test_the_report_says_what_the_call_decides(tmp_path, monkeypatch):
     assert "MISSING plan-tokens-per-second (bench-lora, skipped): skipped: needs 200 GB" in text
     summary = json.loads((out / "summary.json").read_text())
     assert summary["decides"]["generation"]["step"] == "generation"
+
+
+def _wheel(folder: Path, name: str, version: str) -> None:
+    """A minimal pure-Python wheel (METADATA, WHEEL, RECORD and one module)."""
+    import zipfile
+
+    info = f"{name}-{version}.dist-info"
+    files = {
+        f"{name}/__init__.py": f"VERSION = {version!r}\n",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    files[f"{info}/RECORD"] = "".join(f"{k},,\n" for k in files) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(folder / f"{name}-{version}-py3-none-any.whl", "w") as z:
+        for k, v in files.items():
+            z.writestr(k, v)
+
+
+def test_the_calls_wheels_are_tried_as_the_box_installs_them(tmp_path):
+    """`device_wheels.sh --check DIR` (which the dry run runs where the call's wheel folder exists) installs them with
+    pip install --target for the box's Python 3.12 on manylinux: one version of each passes, two of one fail."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _wheel(wheels, "ftrun_probe", "1.0")
+    script = REPO / "scripts" / "device_wheels.sh"
+    ok = subprocess.run(["bash", str(script), "--check", str(wheels)], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "install with pip install --target" in ok.stdout, ok.stdout + ok.stderr
+    _wheel(wheels, "ftrun_probe", "2.0")
+    two = subprocess.run(["bash", str(script), "--check", str(wheels)], capture_output=True, text=True, timeout=120)
+    assert two.returncode == 1 and "do not install together" in two.stderr, two.stdout + two.stderr

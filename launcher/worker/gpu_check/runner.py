@@ -324,6 +324,9 @@ def report(out: Path) -> str:
     mark = {True: "MET", False: "NOT MET", None: "-"}
     for key, v in summary["decides"].items():
         lines.append(f"  {mark[v.get('met')]:>7} {key} ({v['step']}): {v.get('says')}; target {v.get('target')}")
+    if summary["mode"] == "dry-run":  # the targets are a GPU's: the dry run shows the path, not the figures
+        lines.append("  (dry run: the targets are a GPU's; the steps' lines above are the CPU's figures)")
+        return "\n".join(lines)
     said = {v["step"] for v in summary["decides"].values()}
     for s in summary["steps"]:
         if s["step"] in DECIDING and s["step"] not in said and s["status"] != "not selected":
