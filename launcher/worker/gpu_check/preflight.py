@@ -246,14 +246,16 @@ def memory_verdict(est: Estimate, box: dict[str, Any]) -> Optional[str]:
     need = est.memory_gb * (speed.HEADROOM if est.memory_rule == "speed" else 1.0)
     if need <= usable:
         return None
-    rule = (
-        f"x {speed.HEADROOM:g} headroom (launcher/plan/speed.py's own rule for what it chooses)"
-        if est.memory_rule == "speed"
-        else "(the sizer's figure)"
-    )
+    if est.memory_rule == "speed":
+        said = (
+            f"{need:.1f} GB ({est.memory_gb:.1f} GB x {speed.HEADROOM:g}, launcher/plan/speed.py's headroom for what it "
+            "chooses)"
+        )
+    else:
+        said = f"{need:.1f} GB (the sizer's figure)"
     return (
-        f"needs {est.memory_gb:.1f} GB {rule}, more than the {usable:.1f} GB the plan fills of this "
-        f"{box.get('gpu')}'s {total:.1f} GB ({sizing_constants.USABLE_FRACTION:.0%})"
+        f"needs {said}, more than the {usable:.1f} GB the plan fills of this {box.get('gpu')}'s {total:.1f} GB "
+        f"({sizing_constants.USABLE_FRACTION:.0%})"
     )
 
 
