@@ -247,10 +247,8 @@ def memory_verdict(est: Estimate, box: dict[str, Any]) -> Optional[str]:
     if need <= usable:
         return None
     if est.memory_rule == "speed":
-        said = (
-            f"{need:.1f} GB ({est.memory_gb:.1f} GB x {speed.HEADROOM:g}, launcher/plan/speed.py's headroom for what it "
-            "chooses)"
-        )
+        headroom = f"{est.memory_gb:.1f} GB x {speed.HEADROOM:g}"
+        said = f"{need:.1f} GB ({headroom}, launcher/plan/speed.py's headroom for what it chooses)"
     else:
         said = f"{need:.1f} GB (the sizer's figure)"
     return (
