@@ -340,8 +340,10 @@ def test_ftrun_and_plain_trl_side_by_side_and_the_other_cpu_steps(dry_run):
     gen = _result(dry_run, "generation")
     assert gen["variants"]["default"]["passes"][-1]["tokens_per_second"] > 0
     att = _result(dry_run, "attention")
-    training = att["training"]
-    assert training["MATH"]["causal"]["supported"] and not training["CUDNN_ATTENTION"]["causal"]["supported"]
+    cases = att["cases"]
+    assert set(cases) == set(attention.cases()) and att["policy"]["cudnn"] is False  # ftrun's policy, in the child
+    assert cases["MATH/causal"]["supported"] and not cases["CUDNN_ATTENTION/causal"]["supported"]
+    assert cases["default/padded"]["profile"]["backends"] and cases["default/decode"]["supported"]
     assert _result(dry_run, "unsloth")["status"] == "skipped"
 
 
@@ -366,9 +368,9 @@ def test_resume_exact_ends_the_detached_runs_processes_when_it_is_stopped(tmp_pa
     step = tmp_path / "step.py"
     # the step: a 'supervisor' in a new session (as `ftrun RECIPE` detaches it) with a 'worker' child, recorded in
     # state.json as the run records them; then it waits inside resume_check's guard until it is sent SIGTERM
-    worker = "import time; time.sleep(120)  # launcher.worker.train"
+    worker = f"import time; time.sleep(120)  # launcher.worker.train --run-dir {run}"
     supervisor = (
-        "import subprocess, sys, time  # launcher.run.supervisor\n"
+        f"import subprocess, sys, time  # launcher.run.supervisor --run-dir {run}\n"
         f"w = subprocess.Popen([sys.executable, '-c', {worker!r}])\n"
         "print(w.pid, flush=True)\n"
         "time.sleep(120)\n"
@@ -399,9 +401,15 @@ def test_resume_exact_ends_the_detached_runs_processes_when_it_is_stopped(tmp_pa
     while (_alive(state["supervisor_pid"]) or _alive(state["worker_pid"])) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(state["supervisor_pid"]) and not _alive(state["worker_pid"])
-    # a pid that is not ftrun's (recycled) is left alone
-    (run / "state.json").write_text(json.dumps({"supervisor_pid": os.getpid()}))
-    assert resume_check.end_detached([run]) == []
+    # a pid that is not this run's (recycled: another program's, or another run's ftrun process) is left alone
+    other = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)  # launcher.worker.train --run-dir /elsewhere"],
+        start_new_session=True,
+    )
+    (run / "state.json").write_text(json.dumps({"supervisor_pid": os.getpid(), "worker_pid": other.pid}))
+    assert resume_check.end_detached([run]) == [] and _alive(other.pid)
+    other.kill()
+    other.wait()
 
 
 def _bench_ctx(tmp_path, monkeypatch, card: str):

@@ -94,12 +94,14 @@ def _wait_ended(run: Path, timeout: float) -> str:
     raise TimeoutError(f"the resumed run did not end within {timeout:.0f} s (state {_state(run).get('state')!r})")
 
 
-def _launcher_process(pid: Any) -> bool:
-    """A live process of ftrun's (its command line names a launcher module): never a recycled pid of another's."""
+def _runs_process(pid: Any, run: Path) -> bool:
+    """A live process of this run's (its command line names a launcher module and the run's directory, as the
+    supervisor's and the worker's `--run-dir` do): never a recycled pid of another program's or another run's."""
     try:
-        return isinstance(pid, int) and pid > 0 and b"launcher." in Path(f"/proc/{pid}/cmdline").read_bytes()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes() if isinstance(pid, int) and pid > 0 else b""
     except OSError:
         return False
+    return b"launcher." in cmdline and os.fsencode(str(run)) in cmdline
 
 
 def end_detached(runs: list[Path]) -> list[int]:
@@ -112,7 +114,7 @@ def end_detached(runs: list[Path]) -> list[int]:
         st = _state(run)
         for role in ("supervisor_pid", "worker_pid"):
             pid = st.get(role)
-            if not _launcher_process(pid):
+            if not _runs_process(pid, run):
                 continue
             try:
                 group = os.getpgid(pid)
