@@ -75,9 +75,10 @@ PLAN=$("$PY" -m launcher.worker.gpu_check preflight --out "$OUT" ${DRY[@]+"${DRY
 mapfile -t ROWS <<<"$PLAN"
 [ -z "$PLAN" ] && ROWS=()
 
-# step NAME LIMIT RESERVE: run it under timeout(1) (which kills its whole process group, children included) for at
-# most LIMIT seconds, and no more than what is left of the budget less RESERVE (the later steps' estimates), though
-# never less than its own estimate FLOOR where the budget has it; then record and print its result.
+# step NAME LIMIT FLOOR RESERVE: run it under timeout(1) (which kills its whole process group, children included)
+# for at most LIMIT seconds, and no more than what is left of the budget less RESERVE (the later steps' estimates),
+# though never less than its own estimate FLOOR and a half where the budget has it (the steps run in the order of
+# what matters: a step cut for a later one's sake would lose both); then record and print its result.
 FAILED=0
 step() {
   local name=$1 limit=$2 floor=$3 reserve=$4
@@ -90,7 +91,7 @@ step() {
     return 0
   fi
   [ "$left" -lt "$limit" ] && limit=$left
-  local share=$((left - reserve)) want=$((floor * 5 / 4 + 5))  # its estimate, and a quarter more, at least
+  local share=$((left - reserve)) want=$((floor * 3 / 2 + 10))  # its estimate and a half, at least
   [ "$want" -gt "$limit" ] && want=$limit
   if [ "$share" -lt "$limit" ]; then
     limit=$share

@@ -194,7 +194,7 @@ def estimate(ctx: Context, name: str, box: dict[str, Any]) -> Estimate:
             from launcher.plan import throughput
 
             cpu = throughput.CPU_SECONDS_PER_MICRO_BATCH
-            smoke = product.smoke_steps("cpu", name)
+            smoke = product.smoke_steps("cuda", name)  # cpu_reference passes no overrides: the recipe's own
             est.add(
                 smoke * cpu,
                 f"the smoke test on {product.CPU_CORES} CPU cores: {smoke} steps x {cpu:g} s "

@@ -61,7 +61,8 @@ STEPS = (
     "unsloth",
 )
 # Each step's timeout in seconds, on a GPU and in the dry run (CPU): the most it may take; the script gives it less
-# where the budget left, less what the later steps are estimated to need (preflight.py), says so.
+# where the budget left, less what the later steps are estimated to need (preflight.py), says so, though never less
+# than its own estimate and a half (scripts/gpu_check.sh: an earlier step matters more than a later one).
 TIMEOUTS = {
     "tiny-model": (60, 90),
     "device": (45, 60),
@@ -71,14 +72,14 @@ TIMEOUTS = {
     "peak-memory": (45, 60),
     "oom": (60, 60),
     "loss-head": (60, 90),
-    "product-lora": (150, 300),
-    "product-grpo": (120, 300),
-    "attention": (90, 150),
-    "generation": (75, 120),
+    "product-lora": (200, 300),
+    "product-grpo": (150, 300),
+    "attention": (120, 150),
+    "generation": (90, 120),
     "bench-padding": (150, 180),
-    "resume-exact": (150, 300),
-    "product-dpo": (100, 300),
-    "product-qlora": (110, 480),
+    "resume-exact": (180, 300),
+    "product-dpo": (120, 300),
+    "product-qlora": (150, 480),
     "bench-lora": (90, 120),
     "vs-trl": (120, 300),
     "bench-lora-fast": (120, 120),
