@@ -526,3 +526,34 @@ def test_the_calls_wheels_are_tried_as_the_box_installs_them(tmp_path):
     _wheel(wheels, "ftrun_probe", "2.0")
     two = subprocess.run(["bash", str(script), "--check", str(wheels)], capture_output=True, text=True, timeout=120)
     assert two.returncode == 1 and "do not install together" in two.stderr, two.stdout + two.stderr
+
+
+def test_a_product_run_ends_with_its_step(tmp_path, monkeypatch):
+    """The CLI runs in a session of its own (out of reach of the step's timeout(1)); when the step is ended (runner
+    turns timeout's SIGTERM into SystemExit), the CLI's process group, a foreground run's worker with it, is
+    killed, so nothing holds the GPU for the next step."""
+    import signal
+
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/bash\nsleep 60 &\necho $! > {tmp_path / 'worker.pid'}\nsleep 60\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(product.sys, "executable", str(fake))
+
+    def stop(signum, frame):
+        raise SystemExit(124)
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(2)
+    try:
+        with pytest.raises(SystemExit):
+            product.cli(["recipe.yaml"], tmp_path, timeout=30, log=tmp_path / "cli.log")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    worker = int((tmp_path / "worker.pid").read_text())
+    import time
+
+    deadline = time.monotonic() + 5
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(worker)

@@ -133,15 +133,28 @@ def cli(
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        import signal
-
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill_session(proc)
         out, _ = proc.communicate()
         out += f"\n[gpu_check] killed after {timeout:.0f} s"
+    except BaseException:  # the step itself is ended (its timeout's SIGTERM: runner.run_step): the run goes with it
+        _kill_session(proc)
+        raise
     seconds = time.perf_counter() - t0
     with log.open("a") as fh:
         fh.write(f"$ ftrun {' '.join(args)}  (exit {proc.returncode}, {seconds:.1f} s)\n{out}\n")
     return proc.returncode, seconds, out
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL the CLI's process group (its own session: the step's timeout(1) does not reach it), and with it the
+    run's worker, which a foreground run starts in that group (a detached run's supervisor leads a session of its
+    own: resume_check.end_detached)."""
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def tiny_model(ctx: Context) -> Path:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 import traceback
@@ -158,6 +159,10 @@ def record_skip(out: Path, name: str, why: str, **extra: Any) -> None:
     )
 
 
+def _terminated(signum, frame) -> None:  # noqa: ARG001 - a signal handler's signature
+    raise SystemExit(124)
+
+
 def _status(result: dict[str, Any]) -> str:
     return {True: "passed", False: "failed", None: "skipped"}[result.get("ok")]
 
@@ -170,6 +175,9 @@ def run_step(name: str, ctx_args: dict[str, Any]) -> int:
     base = {"step": name, "status": "running", "started": started, "mode": "dry-run" if ctx_args["dry_run"] else "gpu"}
     write_json(path, base)
     ctx = Context(progress=lambda **kw: write_json(path, {**base, "partial": kw}), **ctx_args)
+    # timeout(1) ends a step with SIGTERM (scripts/gpu_check.sh): as an exception it unwinds the step, whose cleanups
+    # end what it started in sessions of their own (product.cli, attention.run_children, resume_check)
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         result = STEP_FUNCS[name](ctx)
     except Exception as exc:  # noqa: BLE001 - a failed step is a result, recorded with its reason
