@@ -55,10 +55,10 @@ def test_the_product_preset_is_one_calls_selection_in_issue_55s_order():
         "attention",
         "generation",
         "bench-padding",
+        "bench-lora",
         "resume-exact",
         "product-dpo",
         "product-qlora",
-        "bench-lora",
     ]
     assert set(NEW) - {"unsloth", "vs-trl"} <= set(steps)
     # presets and names mix, each step once, always in STEPS's order

@@ -34,8 +34,8 @@ from launcher.worker.gpu_check.training import GPU_SHAPE
 # Execution order: the torch-only checks first (seconds each, not in the product preset), then what one call on a lent
 # GPU must answer (issue 55), in the product preset's order: ftrun itself on the tiny model (LoRA with its CPU
 # comparison, GRPO from it), the attention kernels and generation's speed, the 8B padding-free step against the fixed
-# shape, the exact resume, DPO and QLoRA; then what the preset leaves out, FSDP (a distributed launch: the likeliest
-# to hang) and the trl-based benches last.
+# shape and the plan's tokens/s at the calibration's shape, the exact resume, DPO and QLoRA; then what the preset
+# leaves out, FSDP (a distributed launch: the likeliest to hang) and the trl-based benches last.
 STEPS = (
     "tiny-model",
     "device",
@@ -50,10 +50,10 @@ STEPS = (
     "attention",
     "generation",
     "bench-padding",
+    "bench-lora",
     "resume-exact",
     "product-dpo",
     "product-qlora",
-    "bench-lora",
     "vs-trl",
     "bench-lora-fast",
     "bench-full",
@@ -101,10 +101,10 @@ PRESETS = {
         "attention",
         "generation",
         "bench-padding",
+        "bench-lora",
         "resume-exact",
         "product-dpo",
         "product-qlora",
-        "bench-lora",
     ),
     "unsloth": ("tiny-model", "product-lora", "unsloth"),  # the second call: TRL 1.15 beside Unsloth, one stack
 }
@@ -339,7 +339,9 @@ def report(out: Path) -> str:
     said = {v["step"] for v in summary["decides"].values()}
     for s in summary["steps"]:
         if s["step"] in DECIDING and s["step"] not in said and s["status"] != "not selected":
-            lines.append(f"  {'MISSING':>7} {DECIDING[s['step']]} ({s['step']}, {s['status']}): {s.get('line')}")
+            lines.append(
+                f"  {'MISSING':>7} {DECIDING[s['step']]} ({s['step']}, {s['status']}): {s.get('line') or 'no result'}"
+            )
     return "\n".join(lines)
 
 
