@@ -76,9 +76,9 @@ mapfile -t ROWS <<<"$PLAN"
 [ -z "$PLAN" ] && ROWS=()
 
 # step NAME LIMIT FLOOR RESERVE: run it under timeout(1) (which kills its whole process group, children included)
-# for at most LIMIT seconds, and no more than what is left of the budget less RESERVE (the later steps' estimates),
-# though never less than its own estimate FLOOR and a half where the budget has it (the steps run in the order of
-# what matters: a step cut for a later one's sake would lose both); then record and print its result.
+# for at most LIMIT seconds, and on a GPU no more than what is left of the budget less RESERVE (the later steps'
+# estimates), though never less than its own estimate FLOOR and a half (runner.py step_limit); then record and print
+# its result. The dry run (CI, a budget of its own) gives each step its timeout, as long as the budget lasts.
 FAILED=0
 step() {
   local name=$1 limit=$2 floor=$3 reserve=$4
@@ -90,13 +90,8 @@ step() {
     FAILED=$((FAILED + 1))  # not run is not passed
     return 0
   fi
-  [ "$left" -lt "$limit" ] && limit=$left
-  local share=$((left - reserve)) want=$((floor * 3 / 2 + 10))  # its estimate and a half, at least
-  [ "$want" -gt "$limit" ] && want=$limit
-  if [ "$share" -lt "$limit" ]; then
-    limit=$share
-    [ "$limit" -lt "$want" ] && limit=$want
-  fi
+  [ "$MODE" = dry-run ] && [ "${GPU_CHECK_RESERVE:-0}" != 1 ] && reserve=0
+  limit=$("$PY" -m launcher.worker.gpu_check limit "$name" "$limit" "$floor" "$left" "$reserve") || limit=$left
   local rc=0
   GPU_CHECK_STEP_BUDGET=$limit timeout -k 10 "$limit" "$PY" -m launcher.worker.gpu_check step "$name" \
     --out "$OUT" ${DRY[@]+"${DRY[@]}"} >"$OUT/$name.log" 2>&1 || rc=$?

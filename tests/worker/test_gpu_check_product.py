@@ -557,3 +557,16 @@ def test_a_product_run_ends_with_its_step(tmp_path, monkeypatch):
     while _alive(worker) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(worker)
+
+
+def test_a_steps_seconds_keep_the_later_steps_estimates_but_never_starve_it():
+    # room for everything: its timeout
+    assert runner.step_limit(120, 40, 500, 200) == (120, "")
+    # the later steps' estimates are kept out of what is left ...
+    limit, why = runner.step_limit(120, 40, 300, 220)
+    assert limit == 80 and "220 s kept for the later steps' estimates" in why
+    # ... but never below its own estimate and a half: the earlier step matters more
+    assert runner.step_limit(120, 40, 300, 290)[0] == 70
+    # nor above what is left, or its timeout
+    assert runner.step_limit(120, 200, 50, 0) == (50, "")
+    assert runner.step_limit(1, 29, 500, 400)[0] == 1  # GPU_CHECK_TIMEOUTS=NAME=1 holds

@@ -159,6 +159,19 @@ def record_skip(out: Path, name: str, why: str, **extra: Any) -> None:
     )
 
 
+def step_limit(timeout: int, floor: int, left: int, reserve: int) -> tuple[int, str]:
+    """A step's seconds: its timeout, no more than what is left of the budget less `reserve` (the later steps'
+    estimates), though never less than its own estimate `floor` and a half where the budget has it (the steps run
+    in the order of what matters: a step cut for a later one's sake would lose both). With why, where it is cut."""
+    limit = min(timeout, left)
+    want = min(floor * 3 // 2 + 10, limit)
+    share = left - reserve
+    if share >= limit:
+        return limit, ""
+    got = max(share, want)
+    return got, f"{got} s of its {timeout}: {left} s left, {reserve} s kept for the later steps' estimates"
+
+
 def _terminated(signum, frame) -> None:  # noqa: ARG001 - a signal handler's signature
     raise SystemExit(124)
 
@@ -406,6 +419,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     bx.add_argument("--modules", default="")
     rp = sub.add_parser("report", help="print what the call decides (each step's 'decides') from OUT's results")
     rp.add_argument("--out", type=Path, required=True)
+    lim = sub.add_parser("limit", help="print a step's seconds: TIMEOUT FLOOR LEFT RESERVE (step_limit)")
+    lim.add_argument("name", choices=STEPS)
+    lim.add_argument("numbers", type=int, nargs=4)
     sel = sub.add_parser("select", help="print the steps GPU_CHECK_STEPS selects (presets expanded), one a line")
     sel.add_argument("spec", nargs="?", default=None)
     ns = p.parse_args(argv)
@@ -430,6 +446,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         return run_step(ns.name, _context_args(ns.out, ns.dry_run))
     if ns.command == "preflight":
         return _preflight(ns.out, ns.dry_run)
+    if ns.command == "limit":
+        limit, why = step_limit(*ns.numbers)
+        if why:
+            print(f"gpu_check: {ns.name} gets {why}", file=sys.stderr, flush=True)
+        print(limit)
+        return 0
     if ns.command == "box-child":
         from launcher.worker.gpu_check.preflight import box_child
 
