@@ -570,3 +570,4 @@ def test_a_steps_seconds_keep_the_later_steps_estimates_but_never_starve_it():
     # nor above what is left, or its timeout
     assert runner.step_limit(120, 200, 50, 0) == (50, "")
     assert runner.step_limit(1, 29, 500, 400)[0] == 1  # GPU_CHECK_TIMEOUTS=NAME=1 holds
+    assert runner.step_limit(60, 60, 64, 71) == (60, "")  # its estimate and a half is all of it: nothing cut

@@ -169,6 +169,8 @@ def step_limit(timeout: int, floor: int, left: int, reserve: int) -> tuple[int, 
     if share >= limit:
         return limit, ""
     got = max(share, want)
+    if got >= limit:
+        return limit, ""
     return got, f"{got} s of its {timeout}: {left} s left, {reserve} s kept for the later steps' estimates"
 
 
