@@ -229,6 +229,18 @@ def _varlen_call(fn, q, k, v, cu, longest: int):
     return fn(q, k, v, cu, cu, longest, longest, **kw)
 
 
+def _forward_alone(fn, q, k, v, cu, longest: int) -> str:
+    """Where forward and backward failed: whether the forward alone runs (then the backward pass is what fails)."""
+    import torch
+
+    try:
+        with torch.no_grad():
+            _varlen_call(fn, q, k, v, cu, longest)
+    except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
+        return f"fails too: {first_line(exc)}"
+    return "runs: the backward pass is what fails"
+
+
 def _train_case(backend: str, kind: str, lengths: list[int], s: dict[str, Any], device: str, dtype) -> dict[str, Any]:
     """Forward and backward at each length: the first call's milliseconds and the best repeat's; the profile of a
     repeat at the longest length."""
@@ -275,7 +287,10 @@ def _train_case(backend: str, kind: str, lengths: list[int], s: dict[str, Any], 
             first = timed(once)
             repeat = min(timed(once) for _ in range(s["repeats"]))
         except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
-            return {"supported": False, "error": first_line(exc), "at_length": length}
+            refused = {"supported": False, "error": first_line(exc), "at_length": length}
+            if backend == "varlen":  # issue 55: does this torch's varlen kernel have its backward pass?
+                refused["forward_alone"] = _forward_alone(fn, q, k, v, cu, max(parts))
+            return refused
         rows.append({"length": length, "tokens": tokens, "first_ms": first, "repeat_ms": repeat})
     ratio = sum(r["first_ms"] for r in rows) / max(1e-9, sum(r["repeat_ms"] for r in rows))
     assert once is not None
