@@ -88,11 +88,12 @@ class Estimate:
         self.parts.append(f"{seconds:.0f} s {what}")
 
 
-def measure_box(device: str, names: list[str], timeout: float = 120) -> dict[str, Any]:
-    """A child process that imports what the steps `names` need, one module at a time, and starts CUDA: each import's
-    seconds and error, the card's name and memory, and the process's whole wall time (what a step's process start
-    is priced at)."""
-    modules = sorted({m for name in names for m in NEEDS.get(name, ())})
+# What a step's process imports, as most do (the worker, the task evaluation, the checks' children): the second,
+# warm run of the box's child imports these, and its wall time is what a process start is priced at.
+PROCESS_IMPORTS = ("transformers", "peft", "trl", "datasets")
+
+
+def _box_run(device: str, modules: list[str], timeout: float) -> dict[str, Any]:
     cmd = module_cmd("box-child", "--device", device, "--modules", ",".join(modules))
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout)
@@ -102,9 +103,24 @@ def measure_box(device: str, names: list[str], timeout: float = 120) -> dict[str
         tail = (proc.stderr or proc.stdout).strip().splitlines()
         raise RuntimeError(f"the box's import check failed: {tail[-1] if tail else f'exit {proc.returncode}'}")
     box = json.loads(lines[-1][len("PREFLIGHT ") :])
-    # a process start: the interpreter, every import a step makes and the CUDA context, the first time on this box
-    # (an upper bound: a later process finds the files in the page cache, and most import less)
-    box["process_seconds"] = round(wall, 2)
+    box["wall_seconds"] = round(wall, 2)
+    return box
+
+
+def measure_box(device: str, names: list[str], timeout: float = 120) -> dict[str, Any]:
+    """Two child processes. The first imports what the steps `names` need, one module at a time, and starts CUDA:
+    each import's seconds and error, the card's name and memory (and the disk reads paid once for every later
+    process). The second, warm, imports what a step's process does (PROCESS_IMPORTS, those that import here) and
+    starts CUDA: its wall time is what a process start is priced at."""
+    modules = sorted({m for name in names for m in NEEDS.get(name, ())})
+    box = _box_run(device, modules, timeout)
+    usual = [m for m in PROCESS_IMPORTS if m in modules and not box["imports"].get(m, [0, "absent"])[1]]
+    warm = _box_run(device, usual, timeout)
+    box.update(
+        cold_process_seconds=box["wall_seconds"],
+        process_seconds=warm["wall_seconds"],
+        process_imports=["torch", *usual],
+    )
     return box
 
 
@@ -302,10 +318,11 @@ def run(ctx: Context, names: list[str], timeouts: dict[str, int], budget: float)
 def _print(report: dict[str, Any], box: dict[str, Any], budget: float) -> None:
     say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731 - stdout carries the step list
     gpu = f"{box.get('gpu')} ({box.get('gpu_total_gb')} GB, {box.get('gpu_free_gb')} free)" if box.get("gpu") else "CPU"
+    cuda = " and the CUDA context" if box.get("gpu") else ""
     say(
         f"gpu_check preflight: {gpu}, torch {box.get('torch')}; a process start {box.get('process_seconds')} s "
-        f"(every step's imports{' and the CUDA context' if box.get('gpu') else ''}, the first time on this box); the "
-        f"preflight took {report['seconds']} s"
+        f"({', '.join(box.get('process_imports') or [])}{cuda}; the first, with every step's imports, "
+        f"{box.get('cold_process_seconds')} s); the preflight took {report['seconds']} s"
     )
     for name, e in report["steps"].items():
         state = f"SKIP: {e['skipped']}" if e.get("skipped") else f"~{e['estimate_seconds']:.0f} s"
