@@ -571,3 +571,16 @@ def test_a_steps_seconds_keep_the_later_steps_estimates_but_never_starve_it():
     assert runner.step_limit(120, 200, 50, 0) == (50, "")
     assert runner.step_limit(1, 29, 500, 400)[0] == 1  # GPU_CHECK_TIMEOUTS=NAME=1 holds
     assert runner.step_limit(60, 60, 64, 71) == (60, "")  # its estimate and a half is all of it: nothing cut
+
+
+def test_a_preflight_that_cannot_measure_the_box_still_lists_every_step(tmp_path, monkeypatch):
+    from launcher.worker.gpu_check import preflight
+
+    def broken(device, names, timeout=120):
+        raise RuntimeError("the box's import check failed: Segmentation fault")
+
+    monkeypatch.setattr(preflight, "measure_box", broken)
+    rows = preflight.run(_ctx(tmp_path), ["tiny-model", "device"], {"tiny-model": 90, "device": 60}, 100)
+    assert [r[0] for r in rows] == ["tiny-model", "device"]
+    report = json.loads((tmp_path / "preflight.json").read_text())
+    assert "Segmentation fault" in report["box"]["error"]

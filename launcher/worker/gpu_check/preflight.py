@@ -279,7 +279,11 @@ def run(ctx: Context, names: list[str], timeouts: dict[str, int], budget: float)
     from launcher.worker.gpu_check import runner
 
     t0 = time.perf_counter()
-    box = measure_box(ctx.device, names)
+    try:
+        box = measure_box(ctx.device, names)
+    except Exception as exc:  # noqa: BLE001 - the steps still run, on their timeouts, each saying what fails
+        box = {"error": first_line(exc), "imports": {}}
+        print(f"gpu_check preflight: the box could not be measured ({box['error']})", file=sys.stderr, flush=True)
     report: dict[str, Any] = {"box": box, "budget_seconds": budget, "steps": {}}
     rows, total = [], 0.0
     for name in names:
