@@ -45,18 +45,30 @@ def _ctx(tmp_path: Path, **kw):
     )
 
 
-def test_the_product_preset_is_one_calls_selection_in_the_scripts_order():
+def test_the_product_preset_is_one_calls_selection_in_issue_55s_order():
     steps = runner.selected_steps("product")
-    assert steps[0] == "tiny-model" and {"bench-lora", "bench-full"} <= set(steps)
-    assert set(NEW) - {"unsloth"} <= set(steps)
-    # presets and names mix, each step once
-    assert runner.selected_steps("product,device,tiny-model").count("tiny-model") == 1
+    # what one call must answer first, then the 8B padding step, then what the loan can spare (issue 55)
+    assert steps == [
+        "tiny-model",
+        "product-lora",
+        "product-grpo",
+        "attention",
+        "generation",
+        "bench-padding",
+        "bench-lora",
+        "resume-exact",
+        "product-dpo",
+        "product-qlora",
+    ]
+    assert set(NEW) - {"unsloth", "vs-trl"} <= set(steps)
+    # presets and names mix, each step once, always in STEPS's order
+    assert runner.selected_steps("device,product,tiny-model").count("tiny-model") == 1
+    assert runner.selected_steps("generation,device") == ["device", "generation"]
     with pytest.raises(ValueError, match="'nope' is no step or preset"):
         runner.selected_steps("device,nope")
-    # the script runs the steps in runner.STEPS's order, each with its GPU and dry-run timeouts
-    listed = [line.split()[1] for line in SCRIPT.read_text().splitlines() if line.startswith("step ")]
-    assert listed == list(runner.STEPS)
-    assert set(runner.STEP_FUNCS) == set(runner.STEPS)
+    assert set(runner.STEP_FUNCS) == set(runner.STEPS) == set(runner.TIMEOUTS)
+    # every step that decides one of issue 55's numbers is in the preset
+    assert set(runner.DECIDING) <= set(steps)
 
 
 def test_a_run_directorys_speed_record(tmp_path):
@@ -156,23 +168,87 @@ def test_the_resume_comparison_says_exact_or_how_far(tmp_path):
 
 
 def test_attention_cases_on_the_cpu():
-    """Each mask case's layout as transformers hands it to SDPA, timed; a backend the CPU lacks is "not supported"
-    with torch's own first line, not a crash."""
+    """Each mask case's layout as transformers hands it to SDPA, timed, with the ops the profiler saw; a backend the
+    CPU lacks is "not supported" with torch's own first line, not a crash; decode from a prompt, not from one key."""
     torch = pytest.importorskip("torch")
-    s = {**attention.SHAPES["cpu"], "lengths": (9, 13), "decode_keys": 3}
+    s = {**attention.SHAPES["cpu"], "lengths": (9, 13), "new_tokens": 3}
     q, k, v, mask, causal = attention._inputs("padding-free", 9, s, "cpu", torch.float32)
     assert q.shape == (1, s["heads"], 9 * s["batch"], s["head_dim"]) and k.shape[1] == s["heads"] and not causal
     # block-diagonal: no token sees another example's, and each sees its own earlier tokens
     assert mask.shape == (1, 1, 18, 18) and not mask[0, 0, 9, 0] and mask[0, 0, 8, 0] and not mask[0, 0, 0, 1]
     q, k, v, mask, causal = attention._inputs("causal", 9, s, "cpu", torch.float32)
     assert mask is None and causal and k.shape[1] == s["kv_heads"]  # GQA through enable_gqa, as without a mask
-    math = attention._train_case("padded", "MATH", s, "cpu", torch.float32)
+    math = attention._train_case("MATH", "padded", [9, 13], s, "cpu", torch.float32)
     assert math["supported"] and [r["length"] for r in math["lengths"]] == [9, 13]
     assert all(r["first_ms"] > 0 and r["repeat_ms"] > 0 for r in math["lengths"])
-    refused = attention._train_case("causal", "CUDNN_ATTENTION", s, "cpu", torch.float32)
+    assert math["profile"]["backends"] == ["math"]  # the profiler names the op that ran
+    default = attention._train_case("default", "padded", [9], s, "cpu", torch.float32)
+    assert default["supported"] and default["profile"]["backends"]
+    refused = attention._train_case("CUDNN_ATTENTION", "causal", [9], s, "cpu", torch.float32)
     assert refused["supported"] is False and refused["error"].startswith("RuntimeError: ")
-    decode = attention._decode_case("default", s, "cpu", torch.float32)
-    assert decode["supported"] and decode["tokens"] == 3
+    varlen = attention._train_case("varlen", "padding-free", [9], s, "cpu", torch.float32)
+    assert varlen["supported"] is False and "CUDA" in varlen["error"] + "varlen"
+    decode = attention._decode_case("MATH", 0, s, "cpu", torch.float32)
+    assert decode["supported"] and decode["tokens"] == 3 and decode["prompt_lengths"][0] > 1
+    assert decode["profile"]["backends"] == ["math"]
+
+
+def test_attention_order_and_lengths():
+    """'default' first, cuDNN last; no two cases share a sequence length (a per-shape cache finds nothing warm)."""
+    names = attention.cases()
+    assert names[0].startswith("default/") and names[-1].startswith("CUDNN_ATTENTION/")
+    assert "varlen/padding-free" in names and "varlen/padded" not in names
+    for device in ("cuda", "cpu"):
+        s = attention.SHAPES[device]
+        seen = [n for i, name in enumerate(names) if not name.endswith("/decode") for n in attention.case_lengths(s, i)]
+        assert len(seen) == len(set(seen))
+        prompts = [tuple(attention._prompt_lengths(s, i)) for i, n in enumerate(names) if n.endswith("/decode")]
+        assert len(prompts) == len(set(prompts)) and min(min(p) for p in prompts) > 1
+
+
+def test_the_attention_step_times_out_one_case_and_goes_on(tmp_path):
+    """A case past its own timeout is recorded as timed out, its child's process group killed, and a new child
+    runs the cases after it; a case a child dies in is recorded as crashed; each case's entry is written when it
+    ends."""
+    import sys
+
+    path = tmp_path / "attention.child.json"
+    names = attention.cases()
+    fake = tmp_path / "child.py"
+    fake.write_text(
+        "import json, os, subprocess, sys, time\n"
+        f"path, names = {str(path)!r}, {names!r}\n"
+        "data = json.load(open(path)) if os.path.exists(path) else {}\n"
+        "data.setdefault('device', 'cpu'); data.setdefault('cases', {})\n"
+        "def write():\n"
+        "    open(path + '.tmp', 'w').write(json.dumps(data)); os.replace(path + '.tmp', path)\n"
+        "for name in names:\n"
+        "    if name in data['cases']: continue\n"
+        "    data['running'] = {'case': name, 'started': time.time()}; write()\n"
+        "    if name == names[1]:\n"
+        "        grandchild = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"        open({str(tmp_path / 'grandchild')!r}, 'w').write(str(grandchild.pid))\n"
+        "        time.sleep(60)\n"
+        "    if name == names[2]: os._exit(3)\n"
+        "    data['cases'][name] = {'supported': True}; data.pop('running'); write()\n"
+    )
+    attention.run_children(path, budget=60, case_timeout=2, cmd=[sys.executable, str(fake)])
+    cases = json.loads(path.read_text())["cases"]
+    assert set(cases) == set(names)
+    assert cases[names[0]] == {"supported": True}
+    assert cases[names[1]]["timed_out"] and cases[names[1]]["seconds"] >= 2
+    assert cases[names[2]]["crashed"]
+    assert all(cases[n] == {"supported": True} for n in names[3:])
+    pid = int((tmp_path / "grandchild").read_text())
+    assert not _alive(pid)  # the stuck case's child went with its process group
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 def test_tokens_per_second_over_the_same_steps():
@@ -189,17 +265,20 @@ def test_results_are_packed_into_one_tarball_beside_the_summary(tmp_path):
         OUT=str(tmp_path / "out"),
         GPU_CHECK_WORK=str(tmp_path / "work"),
         GPU_CHECK_BUDGET_S="5",
-        GPU_CHECK_STEPS="product",
+        GPU_CHECK_STEPS="device,attention",  # steps that import nothing beyond torch: a short preflight
     )
     proc = subprocess.run(["bash", str(SCRIPT), "--dry-run"], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stdout + proc.stderr  # out of time: not run is not passed
     out = tmp_path / "out"
     with tarfile.open(out / "gpu_check.tar.gz") as tar:
         names = set(tar.getnames())
-    assert {f"{n}.json" for n in runner.selected_steps("product")} <= names and "summary.json" not in names
+    assert {"device.json", "attention.json", "preflight.json"} <= names and "summary.json" not in names
     summary = json.loads((out / "summary.json").read_text())
-    assert {s["step"]: s["status"] for s in summary["steps"]}["product-lora"] == "not run"
-    assert (out / "product-lora.json").is_file()  # kept on the CPU; a GPU run leaves the two files alone
+    assert {s["step"]: s["status"] for s in summary["steps"]}["attention"] == "not run"
+    assert (out / "attention.json").is_file()  # kept on the CPU; a GPU run leaves the two files alone
+    # the preflight printed each step's estimate first, and the report what the call decides
+    assert "gpu_check preflight: CPU" in proc.stderr and "  attention  " in proc.stderr
+    assert "gpu_check decides:" in proc.stdout
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,8 +344,10 @@ def test_ftrun_and_plain_trl_side_by_side_and_the_other_cpu_steps(dry_run):
     gen = _result(dry_run, "generation")
     assert gen["variants"]["default"]["passes"][-1]["tokens_per_second"] > 0
     att = _result(dry_run, "attention")
-    training = att["training"]
-    assert training["MATH"]["causal"]["supported"] and not training["CUDNN_ATTENTION"]["causal"]["supported"]
+    cases = att["cases"]
+    assert set(cases) == set(attention.cases()) and att["policy"]["cudnn"] is False  # ftrun's policy, in the child
+    assert cases["MATH/causal"]["supported"] and not cases["CUDNN_ATTENTION/causal"]["supported"]
+    assert cases["default/padded"]["profile"]["backends"] and cases["default/decode"]["supported"]
     assert _result(dry_run, "unsloth")["status"] == "skipped"
 
 
@@ -277,3 +358,233 @@ def test_the_grpo_step_records_its_sampling_share_and_rewards(dry_run):
         pytest.skip(data["line"])
     assert data["rewards"] and all(len(r) == 3 for r in data["rewards"])
     assert 0 < data["sampling_share"] <= 1 and "sampling" in data["line"]
+
+
+def test_resume_exact_ends_the_detached_runs_processes_when_it_is_stopped(tmp_path):
+    """The step's timeout(1) sends SIGTERM to the step's process group; the detached supervisor leads a session of
+    its own, out of that reach: the step ends the supervisor's and the worker's process groups itself."""
+    import signal
+    import sys
+    import time
+
+    run = tmp_path / "run"
+    run.mkdir()
+    step = tmp_path / "step.py"
+    # the step: a 'supervisor' in a new session (as `ftrun RECIPE` detaches it) with a 'worker' child, recorded in
+    # state.json as the run records them; then it waits inside resume_check's guard until it is sent SIGTERM
+    worker = f"import time; time.sleep(120)  # launcher.worker.train --run-dir {run}"
+    supervisor = (
+        f"import subprocess, sys, time  # launcher.run.supervisor --run-dir {run}\n"
+        f"w = subprocess.Popen([sys.executable, '-c', {worker!r}])\n"
+        "print(w.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    step.write_text(
+        "import json, subprocess, sys, time\n"
+        "from pathlib import Path\n"
+        "from launcher.worker.gpu_check import resume_check\n"
+        f"run = Path({str(run)!r})\n"
+        f"sup = subprocess.Popen([sys.executable, '-c', {supervisor!r}], start_new_session=True,\n"
+        "                       stdout=subprocess.PIPE, text=True)\n"
+        "worker = int(sup.stdout.readline())\n"
+        "state = {'state': 'running', 'supervisor_pid': sup.pid, 'worker_pid': worker}\n"
+        "(run / 'state.json').write_text(json.dumps(state))\n"
+        "with resume_check.detached_guard([run]):\n"
+        "    print('ready', flush=True)\n"
+        "    time.sleep(120)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(step)], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
+    assert proc.stdout.readline().strip() == "ready"
+    state = json.loads((run / "state.json").read_text())
+    assert _alive(state["supervisor_pid"]) and _alive(state["worker_pid"])
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 124
+    deadline = time.monotonic() + 10
+    while (_alive(state["supervisor_pid"]) or _alive(state["worker_pid"])) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(state["supervisor_pid"]) and not _alive(state["worker_pid"])
+    # a pid that is not this run's (recycled: another program's, or another run's ftrun process) is left alone
+    other = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)  # launcher.worker.train --run-dir /elsewhere"],
+        start_new_session=True,
+    )
+    (run / "state.json").write_text(json.dumps({"supervisor_pid": os.getpid(), "worker_pid": other.pid}))
+    assert resume_check.end_detached([run]) == [] and _alive(other.pid)
+    other.kill()
+    other.wait()
+
+
+def _bench_ctx(tmp_path, monkeypatch, card: str):
+    from launcher.plan.hardware import catalog_box
+    from launcher.worker.gpu_check import bench
+
+    monkeypatch.setattr(bench, "_plan_hardware", lambda ctx: (catalog_box(card, 1), f"catalog {card}"))
+    monkeypatch.setattr(bench, "_fused_head_importable", lambda: True)
+    return _ctx(tmp_path, device="cuda", shape="qwen3-8b", dry_run=False)
+
+
+def test_the_preflight_skips_what_an_80_gb_card_cannot_hold(tmp_path, monkeypatch):
+    """bench-full (~131 GB) does not fit an H100's 79.6 GB; bench-lora-fast is held to speed.py's own headroom;
+    bench-lora fits. The reasons give the sizer's figure and the card's; an H200 holds bench-lora-fast."""
+    from launcher.plan import speed
+    from launcher.worker.gpu_check import preflight
+
+    ctx = _bench_ctx(tmp_path, monkeypatch, "H100-80GB")
+    box = {"gpu": "NVIDIA H100 80GB HBM3", "gpu_total_gb": 79.65, "process_seconds": 10.0}
+    full = preflight.estimate(ctx, "bench-full", box)
+    assert full.memory_gb > 100
+    assert "needs" in preflight.memory_verdict(full, box) and "79.7 GB" in preflight.memory_verdict(full, box)
+    fast = preflight.estimate(ctx, "bench-lora-fast", box)
+    assert fast.memory_rule == "speed" and fast.memory_gb < 79.65 * 0.97 < fast.memory_gb * speed.HEADROOM
+    assert "headroom" in preflight.memory_verdict(fast, box)
+    lora = preflight.estimate(ctx, "bench-lora", box)
+    assert preflight.memory_verdict(lora, box) is None
+    # the time: a process start and the bench's tokens at the plan's tokens/s, each part saying where it comes from
+    assert lora.seconds > 10 and any("plan's" in p and "tokens/s" in p for p in lora.parts)
+    h200 = {**box, "gpu": "NVIDIA H200", "gpu_total_gb": 140.4}
+    assert (
+        preflight.memory_verdict(
+            preflight.estimate(_bench_ctx(tmp_path, monkeypatch, "H200"), "bench-lora-fast", h200), h200
+        )
+        is None
+    )
+
+
+def test_each_preset_steps_estimate_comes_from_its_own_sizing(tmp_path):
+    from launcher.worker.gpu_check import preflight
+
+    box = {"process_seconds": 10.0}
+    for device in ("cuda", "cpu"):
+        ctx = _ctx(tmp_path, device=device)
+        for name in runner.selected_steps("product"):
+            if name.startswith("bench-"):
+                continue  # sized at the 8B shape: the test above
+            est = preflight.estimate(ctx, name, box)
+            assert est.parts and est.seconds >= 10 or name == "bench-padding", (name, est)
+            assert all(" s " in p for p in est.parts)
+    # GRPO samples: a prefill and a call per completion token each step, beside the task evaluation's calls (one
+    # batch of its 28 held-out prompts, 1 + 24 calls; on a GPU no base-model evaluation)
+    steps, calls, why = product.planned_calls("cuda", "product-grpo")
+    assert steps == 3 + product.STEPS["cuda"] and calls == steps * 17 + 25 and "sampling" in why
+    # product-lora on a GPU: the pipeline's five processes, the step's own, and the CPU comparison's two
+    assert product.processes("cuda", "product-lora") == 8 and product.processes("cuda", "product-dpo") == 4
+    cuda = preflight.estimate(_ctx(tmp_path, device="cuda"), "attention", box)
+    assert any("cuDNN" in p for p in cuda.parts)
+
+
+def test_the_report_says_what_the_call_decides(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPU_CHECK_STEPS", "product")
+    monkeypatch.setenv("GPU_CHECK_MODE", "gpu")
+    out = tmp_path
+    runner.write_summary(out)
+    verdict = {"value": 900.0, "target": ">= 740 tokens/s", "met": True, "says": "generation 900 tokens/s"}
+    (out / "generation.json").write_text(
+        json.dumps(
+            {"step": "generation", "status": "passed", "ok": True, "line": "x", "decides": {"generation": verdict}}
+        )
+    )
+    no = {"value": {"exact": False}, "target": "bitwise", "met": False, "says": "resume on cuda: not exact"}
+    (out / "resume-exact.json").write_text(
+        json.dumps({"step": "resume-exact", "status": "passed", "ok": True, "line": "y", "decides": {"resume": no}})
+    )
+    (out / "bench-padding.json").write_text(
+        json.dumps({"step": "bench-padding", "status": "timed out", "ok": False, "line": "timed out after 150 s"})
+    )
+    runner.record_skip(out, "bench-lora", "needs 200 GB")
+    text = runner.report(out)
+    assert "    MET generation (generation): generation 900 tokens/s; target >= 740 tokens/s" in text
+    assert "NOT MET resume (resume-exact)" in text
+    assert "MISSING padding-free (bench-padding, timed out): timed out after 150 s" in text
+    assert "MISSING plan-tokens-per-second (bench-lora, skipped): skipped: needs 200 GB" in text
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["decides"]["generation"]["step"] == "generation"
+
+
+def _wheel(folder: Path, name: str, version: str) -> None:
+    """A minimal pure-Python wheel (METADATA, WHEEL, RECORD and one module)."""
+    import zipfile
+
+    info = f"{name}-{version}.dist-info"
+    files = {
+        f"{name}/__init__.py": f"VERSION = {version!r}\n",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    files[f"{info}/RECORD"] = "".join(f"{k},,\n" for k in files) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(folder / f"{name}-{version}-py3-none-any.whl", "w") as z:
+        for k, v in files.items():
+            z.writestr(k, v)
+
+
+def test_the_calls_wheels_are_tried_as_the_box_installs_them(tmp_path):
+    """`device_wheels.sh --check DIR` (which the dry run runs where the call's wheel folder exists) installs them with
+    pip install --target for the box's Python 3.12 on manylinux: one version of each passes, two of one fail."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _wheel(wheels, "ftrun_probe", "1.0")
+    script = REPO / "scripts" / "device_wheels.sh"
+    ok = subprocess.run(["bash", str(script), "--check", str(wheels)], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "install with pip install --target" in ok.stdout, ok.stdout + ok.stderr
+    _wheel(wheels, "ftrun_probe", "2.0")
+    two = subprocess.run(["bash", str(script), "--check", str(wheels)], capture_output=True, text=True, timeout=120)
+    assert two.returncode == 1 and "do not install together" in two.stderr, two.stdout + two.stderr
+
+
+def test_a_product_run_ends_with_its_step(tmp_path, monkeypatch):
+    """The CLI runs in a session of its own (out of reach of the step's timeout(1)); when the step is ended (runner
+    turns timeout's SIGTERM into SystemExit), the CLI's process group, a foreground run's worker with it, is
+    killed, so nothing holds the GPU for the next step."""
+    import signal
+
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/bash\nsleep 60 &\necho $! > {tmp_path / 'worker.pid'}\nsleep 60\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(product.sys, "executable", str(fake))
+
+    def stop(signum, frame):
+        raise SystemExit(124)
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(2)
+    try:
+        with pytest.raises(SystemExit):
+            product.cli(["recipe.yaml"], tmp_path, timeout=30, log=tmp_path / "cli.log")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    worker = int((tmp_path / "worker.pid").read_text())
+    import time
+
+    deadline = time.monotonic() + 5
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(worker)
+
+
+def test_a_steps_seconds_keep_the_later_steps_estimates_but_never_starve_it():
+    # room for everything: its timeout
+    assert runner.step_limit(120, 40, 500, 200) == (120, "")
+    # the later steps' estimates are kept out of what is left ...
+    limit, why = runner.step_limit(120, 40, 300, 220)
+    assert limit == 80 and "220 s kept for the later steps' estimates" in why
+    # ... but never below its own estimate and a half: the earlier step matters more
+    assert runner.step_limit(120, 40, 300, 290)[0] == 70
+    # nor above what is left, or its timeout
+    assert runner.step_limit(120, 200, 50, 0) == (50, "")
+    assert runner.step_limit(1, 29, 500, 400)[0] == 1  # GPU_CHECK_TIMEOUTS=NAME=1 holds
+    assert runner.step_limit(60, 60, 64, 71) == (60, "")  # its estimate and a half is all of it: nothing cut
+
+
+def test_a_preflight_that_cannot_measure_the_box_still_lists_every_step(tmp_path, monkeypatch):
+    from launcher.worker.gpu_check import preflight
+
+    def broken(device, names, timeout=120):
+        raise RuntimeError("the box's import check failed: Segmentation fault")
+
+    monkeypatch.setattr(preflight, "measure_box", broken)
+    rows = preflight.run(_ctx(tmp_path), ["tiny-model", "device"], {"tiny-model": 90, "device": 60}, 100)
+    assert [r[0] for r in rows] == ["tiny-model", "device"]
+    report = json.loads((tmp_path / "preflight.json").read_text())
+    assert "Segmentation fault" in report["box"]["error"]

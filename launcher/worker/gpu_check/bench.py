@@ -10,6 +10,25 @@ from launcher.worker.gpu_check.common import FUSED_OUTPUTS, Context, has, in_gb
 from launcher.worker.gpu_check.training import BENCH, architecture, build_model, make_optimizer, measure, no_peft
 
 
+# Each bench step's (method, gradient checkpointing, micro-batch) on a device: what it trains and what the preflight
+# sizes before it starts (bench-full: micro-batch 1, the least it falls back to).
+STEP_SHAPES = {
+    "bench-lora": lambda device: ("lora", True, BENCH[device]["lora_batch"]),
+    "bench-lora-fast": lambda device: ("lora", False, 2 * BENCH[device]["lora_batch"]),
+    "bench-full": lambda device: ("full", True, 1),
+}
+# The card the plan's MFU was calibrated on (launcher/methods.py, docs/sizing.md "Calibration"): bench-lora on any
+# other card is issue 55's test of the plan's tokens/s on a card it was not calibrated on.
+CALIBRATED_ON = "H200"
+TOKENS_PER_SECOND_TOLERANCE = 0.10
+
+
+def memory_rule(name: str) -> str:
+    """How the preflight holds the step's sizer figure against the card: bench-lora-fast is what speed.py chooses
+    where the card has room, so it is held to speed.py's own rule (HEADROOM); the others to the plan's fit."""
+    return "speed" if name == "bench-lora-fast" else "fits"
+
+
 def _plan_hardware(ctx: Context):
     """What the plan sizes for: this box as detected; where detection sees no GPU on a CUDA box, the catalog
     entry of torch's device name (and the step says so)."""
@@ -265,8 +284,38 @@ def _bench(ctx: Context, method: str, checkpointing: bool = True, micro_batch: i
 
 
 def step_bench_lora(ctx: Context) -> dict[str, Any]:
-    """LoRA (r=16, all linear layers) at the shape: the plan's prediction against the measured peak and tokens/s."""
-    return _bench(ctx, "lora") if has("peft") else no_peft()
+    """LoRA (r=16, all linear layers) at the shape: the plan's prediction against the measured peak and tokens/s;
+    on a card other than the calibration's, whether the plan's tokens/s holds there (issue 55)."""
+    if not has("peft"):
+        return no_peft()
+    result = _bench(ctx, "lora")
+    done, pred = result.get("measured"), result.get("predicted") or {}
+    if done and pred.get("tokens_per_second") and ctx.device == "cuda":
+        import torch
+
+        from launcher.plan.hardware import lookup
+
+        name = torch.cuda.get_device_name(0)
+        entry = lookup(name)
+        card = entry.name if entry else name
+        error = pred["tokens_per_second"] / done["tokens_per_second"] - 1
+        calibrated = card == CALIBRATED_ON
+        result["decides"] = {
+            "plan-tokens-per-second": {
+                "value": {
+                    "predicted": pred["tokens_per_second"],
+                    "measured": done["tokens_per_second"],
+                    "error": round(error, 3),
+                    "card": card,
+                    "calibrated_on_this_card": calibrated,
+                },
+                "target": f"within {TOKENS_PER_SECOND_TOLERANCE:.0%} on a card other than the {CALIBRATED_ON}",
+                "met": None if calibrated else abs(error) <= TOKENS_PER_SECOND_TOLERANCE,
+                "says": f"plan {pred['tokens_per_second']:,.0f} vs measured {done['tokens_per_second']:,.0f} tokens/s "
+                f"({error:+.1%}) on the {card}" + (", the calibration's own card: not the test" if calibrated else ""),
+            }
+        }
+    return result
 
 
 def step_bench_full(ctx: Context) -> dict[str, Any]:
@@ -280,7 +329,8 @@ def step_bench_lora_fast(ctx: Context) -> dict[str, Any]:
     backward, no recomputation) against the card's dense bf16 peak (issue 43's target: 35% at 8B on an H200)."""
     if not has("peft"):
         return no_peft()
-    result = _bench(ctx, "lora", checkpointing=False, micro_batch=2 * BENCH[ctx.device]["lora_batch"])
+    _, checkpointing, micro_batch = STEP_SHAPES["bench-lora-fast"](ctx.device)
+    result = _bench(ctx, "lora", checkpointing=checkpointing, micro_batch=micro_batch)
     done = result.get("measured")
     if done and ctx.device == "cuda":
         import torch

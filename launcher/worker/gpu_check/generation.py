@@ -16,6 +16,21 @@ from launcher.worker.gpu_check.product import tiny_model
 PROMPTS = {"cuda": 64, "cpu": 16}  # two batches of the task evaluation's size (launcher/plan/sizing.py)
 MAX_NEW_TOKENS = 24  # the demo recipe's eval.max_new_tokens
 VARIANTS = {"default": {}, "cudnn-on": {"FTRUN_SDPA_BACKENDS": "cudnn,flash,efficient,math"}}
+# Issue 55's target: ten times the 74 tokens/s the first H200 loan's task evaluation generated (docs/engines.md).
+FIRST_LOAN_TOKENS_PER_SECOND = 74.0
+TARGET_FACTOR = 10
+
+
+def decode_calls(device: str) -> int:
+    """Prefill and decode calls the step makes (for its estimate, preflight.py): per variant run, two passes over
+    the prompts in batches of the task evaluation's size, each batch a prefill and a call per new token."""
+    import math
+
+    from launcher.plan import throughput
+
+    variants = len(VARIANTS) if device == "cuda" else 1
+    batches = math.ceil(PROMPTS[device] / throughput.GENERATION_BATCH[device])
+    return variants * 2 * batches * (1 + MAX_NEW_TOKENS)
 
 
 def prompts(count: int) -> list[dict[str, Any]]:
@@ -126,4 +141,17 @@ def step_generation(ctx: Context) -> dict[str, Any]:
     if len(rates) == 2:
         results["default_over_cudnn"] = round(rates["default"] / rates["cudnn-on"], 2)
         line += f"; default/cudnn {results['default_over_cudnn']}x"
-    return {"ok": ok, "variants": results, "line": line}
+    out: dict[str, Any] = {"ok": ok, "variants": results, "line": line}
+    if ok and ctx.device == "cuda":
+        target = FIRST_LOAN_TOKENS_PER_SECOND * TARGET_FACTOR
+        out["decides"] = {
+            "generation": {
+                "value": rates["default"],
+                "target": f">= {target:.0f} tokens/s ({TARGET_FACTOR}x the first loan's "
+                f"{FIRST_LOAN_TOKENS_PER_SECOND:.0f})",
+                "met": rates["default"] >= target,
+                "says": f"generation {rates['default']:.0f} tokens/s (steady pass, the worker's backends) against "
+                f"{target:.0f}",
+            }
+        }
+    return out

@@ -31,6 +31,75 @@ DRY_RUN = {
     "cuda": (),
     "cpu": ("eval.task.examples=10", "smoke.min_steps=3", "eval.every_minutes=60", "eval.task.baseline=skip"),
 }
+# On a GPU the runs after product-lora leave out what product-lora already measured, to fit one call: the base
+# model's task evaluation (a process of its own) and, for DPO and GRPO, the export (a process of its own; the same
+# adapter export product-lora times). QLoRA keeps its export: merging into a 4-bit base is its own path.
+GPU_TRIMS = {
+    "product-grpo": ("eval.task.baseline=skip", "export=[]"),
+    "product-dpo": ("eval.task.baseline=skip", "export=[]"),
+    "product-qlora": ("eval.task.baseline=skip",),
+}
+RECIPE_OF = {
+    "product-lora": SFT_RECIPE,
+    "product-qlora": SFT_RECIPE,
+    "product-dpo": DPO_RECIPE,
+    "product-grpo": GRPO_RECIPE,
+}
+
+
+def overrides(device: str, name: str) -> tuple[str, ...]:
+    """The fields a product run sets beyond the recipe, on this device."""
+    return DRY_RUN[device] if device == "cpu" else GPU_TRIMS.get(name, ())
+
+
+def processes(device: str, name: str) -> int:
+    """Python processes the run starts: the step's, the CLI's (plan and data check), the base model's task
+    evaluation (launcher/run/task_baseline.py), the smoke test's worker, the run's worker and the export
+    (launcher/run/after_training.py), less the phases its overrides leave out."""
+    fields = overrides(device, name)
+    cpu_side = 2 if device == "cuda" and name == "product-lora" else 0  # cpu_reference: the CLI and its smoke worker
+    return 6 - ("eval.task.baseline=skip" in fields) - ("export=[]" in fields) + cpu_side
+
+
+def _recipe(name: str) -> dict[str, Any]:
+    import yaml
+
+    return yaml.safe_load(RECIPE_OF[name].read_text())
+
+
+def smoke_steps(device: str, name: str) -> int:
+    """The smoke test's steps: its min_steps from the recipe or the device's overrides."""
+    fields = dict(x.split("=", 1) for x in overrides(device, name))
+    return int(fields.get("smoke.min_steps", _recipe(name)["smoke"]["min_steps"]))
+
+
+def planned_calls(device: str, name: str) -> tuple[int, int, str]:
+    """(training steps, generate calls, how they were counted) of the run, from its recipe and overrides: the
+    smoke test's and the run's steps; GRPO's sampling (each step a prefill and a decode call per completion token)
+    and the task evaluations' prefill and decode calls per batch of prompts (launcher/plan/throughput.py
+    GENERATION_BATCH). For the estimate of the step's seconds (preflight.py)."""
+    import math
+
+    from launcher.plan import throughput
+
+    recipe = _recipe(name)
+    fields = dict(x.split("=", 1) for x in overrides(device, name))
+    steps = smoke_steps(device, name) + STEPS[device]
+    per_step = 0
+    if recipe.get("objective") == "grpo":
+        per_step = 1 + int(recipe["grpo"]["max_completion_length"])
+    data = RECIPES / recipe["data"]
+    examples = sum(1 for x in data.read_text().splitlines() if x.strip())
+    held_out = int(fields.get("eval.task.examples", 0)) or max(1, round(examples * recipe["eval"]["fraction"]))
+    evaluations = 1 + ("eval.task.baseline=skip" not in overrides(device, name))
+    batches = math.ceil(held_out / throughput.GENERATION_BATCH[device])
+    decode = evaluations * batches * (1 + int(recipe["eval"]["max_new_tokens"]))
+    calls = steps * per_step + decode
+    why = (f"sampling: {steps} steps x {per_step}, " if per_step else "") + (
+        f"{evaluations} task evaluation(s) of {held_out} prompts: {batches} batch(es) x "
+        f"{1 + int(recipe['eval']['max_new_tokens'])}"
+    )
+    return steps, calls, why
 
 
 def missing_packages(extra: tuple[str, ...] = ()) -> Optional[dict[str, Any]]:
@@ -44,9 +113,12 @@ def missing_packages(extra: tuple[str, ...] = ()) -> Optional[dict[str, Any]]:
     return {"ok": None, "skipped": why, "line": f"skipped: {why}"}
 
 
-def cli(args: list[str], cwd: Path, timeout: float, log: Path, **env: str) -> tuple[int, float, str]:
+def cli(
+    args: list[str], cwd: Path, timeout: float, log: Path, cpus: Optional[set[int]] = None, **env: str
+) -> tuple[int, float, str]:
     """`python -m launcher.cli ARGS` as a user runs it: (exit code, seconds, its output), the output appended to
-    `log` (a step's log in OUT). A run that outlives `timeout` is killed with its process group."""
+    `log` (a step's log in OUT). A run that outlives `timeout` is killed with its process group. `cpus`: the cores
+    it and its children may use (sched_setaffinity, which ftrun's CPU count reads: launcher/plan/hardware.py)."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         [sys.executable, "-m", "launcher.cli", *args],
@@ -56,19 +128,33 @@ def cli(args: list[str], cwd: Path, timeout: float, log: Path, **env: str) -> tu
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
     )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        import signal
-
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill_session(proc)
         out, _ = proc.communicate()
         out += f"\n[gpu_check] killed after {timeout:.0f} s"
+    except BaseException:  # the step itself is ended (its timeout's SIGTERM: runner.run_step): the run goes with it
+        _kill_session(proc)
+        raise
     seconds = time.perf_counter() - t0
     with log.open("a") as fh:
         fh.write(f"$ ftrun {' '.join(args)}  (exit {proc.returncode}, {seconds:.1f} s)\n{out}\n")
     return proc.returncode, seconds, out
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL the CLI's process group (its own session: the step's timeout(1) does not reach it), and with it the
+    run's worker, which a foreground run starts in that group (a detached run's supervisor leads a session of its
+    own: resume_check.end_detached)."""
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def tiny_model(ctx: Context) -> Path:
@@ -197,7 +283,7 @@ def run_record(run: Path, started: float) -> dict[str, Any]:
     }
 
 
-def run_demo(ctx: Context, name: str, recipe: Path, *overrides: str, timeout: float) -> dict[str, Any]:
+def run_demo(ctx: Context, name: str, recipe: Path, *extra: str, timeout: float) -> dict[str, Any]:
     """`ftrun RECIPE --foreground model=... output_dir=...` in the work folder, and its record."""
     run = ctx.work / "runs" / name
     log = ctx.out / f"{name}.cli.log"
@@ -210,8 +296,8 @@ def run_demo(ctx: Context, name: str, recipe: Path, *overrides: str, timeout: fl
         f"output_dir={run}",
         f"max_steps={steps}",
         "logging_steps=1",
-        *DRY_RUN[ctx.device],
-        *overrides,
+        *overrides(ctx.device, name),
+        *extra,
     ]
     started = time.time()
     code, seconds, out = cli(args, ctx.work, timeout, log)
@@ -246,18 +332,88 @@ def summary_line(record: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
-def _step(ctx: Context, name: str, recipe: Path, *overrides: str, needs: tuple[str, ...] = ()) -> dict[str, Any]:
+def _step(
+    ctx: Context, name: str, recipe: Path, *extra: str, needs: tuple[str, ...] = (), reserve: float = 0.0
+) -> dict[str, Any]:
+    """Run the recipe through the CLI within the step's budget, less `reserve` seconds kept for what follows where
+    the budget has them (the run comes first: it gets three quarters of the budget at least)."""
     skipped = missing_packages(needs)
     if skipped:
         return skipped
-    record = run_demo(ctx, name, recipe, *overrides, timeout=budget(300) - 10)
+    total = budget(300) - 10
+    record = run_demo(ctx, name, recipe, *extra, timeout=max(30.0, total - reserve, 0.75 * total))
     ok = record.get("exit") == 0 and record.get("state") == "succeeded" and bool(record.get("steps"))
     return {"ok": ok, **record, "line": summary_line(record)}
 
 
+# The CPU side of "the demo's step on the GPU against 2 CPU cores" (issue 55): the demo's smoke test on 2 of the
+# box's cores, CUDA hidden, after the GPU run; its seconds per step against the GPU run's smoke test and steps.
+CPU_CORES = 2
+CPU_RESERVE_S = 40.0  # of product-lora's budget, kept for it: two process starts and 6 smoke steps on 2 cores
+
+
+def cpu_reference(ctx: Context, timeout: float) -> dict[str, Any]:
+    """`ftrun smoke recipes/tiny-cpu.yaml` with CUDA hidden, on CPU_CORES cores of this box: the smoke test's
+    seconds per step as the demo runs on a 2-core machine."""
+    cores = sorted(os.sched_getaffinity(0))[:CPU_CORES]
+    run = ctx.work / "runs" / "product-lora-cpu"
+    log = ctx.out / "product-lora.cli.log"
+    args = ["smoke", str(SFT_RECIPE), f"model={tiny_model(ctx)}", f"output_dir={run}"]
+    code, seconds, out = cli(args, ctx.work, timeout, log, cpus=set(cores), CUDA_VISIBLE_DEVICES="")
+    smoke = read_json(run / "smoke.json") or {}
+    record = {
+        "command": "python -m launcher.cli " + " ".join(args),
+        "cores": cores,
+        "exit": code,
+        "wall_seconds": round(seconds, 1),
+        "seconds_per_step": smoke.get("seconds_per_step"),
+        "tokens_per_second": smoke.get("tokens_per_second"),
+        "device": (read_json(run / "worker.json") or {}).get("device") or smoke.get("device"),
+    }
+    if code != 0:
+        lines = [x for x in out.strip().splitlines() if x.strip()]
+        record["error"] = lines[-1][:300] if lines else f"exit {code}"
+    return record
+
+
+def demo_step_verdict(gpu: dict[str, Any], cpu: dict[str, Any]) -> dict[str, Any]:
+    """Issue 55's "the demo's step faster on the GPU than on 2 CPU cores": the smoke tests' seconds per step side
+    by side (the same recipe, steps and batches), and the GPU run's median step beside them."""
+    g = (gpu.get("smoke") or {}).get("seconds_per_step")
+    c = cpu.get("seconds_per_step")
+    met = None if not (g and c) else g < c
+    return {
+        "value": {
+            "gpu_smoke_seconds_per_step": g,
+            "cpu_smoke_seconds_per_step": c,
+            "gpu_run_median_step_seconds": gpu.get("median_step_seconds_second_half"),
+        },
+        "target": f"the GPU's smoke step faster than {CPU_CORES} CPU cores'",
+        "met": met,
+        "says": f"demo step: GPU {g} s vs {CPU_CORES} CPU cores {c} s (smoke tests; the GPU run's median "
+        f"{gpu.get('median_step_seconds_second_half')} s)",
+    }
+
+
 def step_product_lora(ctx: Context) -> dict[str, Any]:
-    """The demo recipe with LoRA, as the demo runs it (recipes/tiny-cpu.yaml)."""
-    return _step(ctx, "product-lora", SFT_RECIPE)
+    """The demo recipe with LoRA, as the demo runs it (recipes/tiny-cpu.yaml); on a GPU, then the same recipe's
+    smoke test on 2 CPU cores of the box, the other side of the demo step's comparison."""
+    ctx_started = time.monotonic()
+    result = _step(ctx, "product-lora", SFT_RECIPE, reserve=CPU_RESERVE_S if ctx.device == "cuda" else 0.0)
+    if ctx.device != "cuda" or result.get("exit") != 0:
+        return result
+    ctx.progress(**result)  # the run's record stays in the step's JSON if the comparison is cut short
+    left = budget(300) - 15 - (time.monotonic() - ctx_started)
+    if left < 15:
+        cpu = {"skipped": f"{left:.0f} s of the step's budget left for it"}
+    else:
+        started = time.monotonic()
+        cpu = cpu_reference(ctx, left)
+        cpu["seconds"] = round(time.monotonic() - started, 1)
+    verdict = demo_step_verdict(result, cpu)
+    result.update(cpu_reference=cpu, decides={"demo-step": verdict})
+    result["line"] += f"; {verdict['says']}"
+    return result
 
 
 def step_product_qlora(ctx: Context) -> dict[str, Any]:

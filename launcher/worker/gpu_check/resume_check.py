@@ -3,11 +3,12 @@ launched again with the same command, against an uninterrupted run: per-step los
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from launcher.worker.gpu_check.common import Context, read_json
 from launcher.worker.gpu_check.product import SFT_RECIPE, budget, cli, missing_packages, tiny_model, train_rows
@@ -25,7 +26,13 @@ FIELDS = (
     "checkpoint_every_minutes=0.0001",
     "learning_rate=5e-3",
 )
-STEPS = {"cuda": 30, "cpu": 10}
+STEPS = {"cuda": 16, "cpu": 10}
+# For the estimate (preflight.py): Python processes it starts (its own; the reference run's CLI and worker; the
+# detached launch's CLI, supervisor and worker; the relaunch's the same), and the runs' steps in trained-step units
+# (the reference's, the killed run's up to its checkpoint and the resumed rest). A second uninterrupted run, only
+# where the resume is not exact, adds two processes and a run.
+PROCESSES = 8
+RUNS = 2
 ENDED = ("succeeded", "failed", "stopped", "preempted", "interrupted", "smoke-failed")
 
 
@@ -87,6 +94,64 @@ def _wait_ended(run: Path, timeout: float) -> str:
     raise TimeoutError(f"the resumed run did not end within {timeout:.0f} s (state {_state(run).get('state')!r})")
 
 
+def _runs_process(pid: Any, run: Path) -> bool:
+    """A live process of this run's (its command line names a launcher module and the run's directory, as the
+    supervisor's and the worker's `--run-dir` do): never a recycled pid of another program's or another run's."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes() if isinstance(pid, int) and pid > 0 else b""
+    except OSError:
+        return False
+    return b"launcher." in cmdline and os.fsencode(str(run)) in cmdline
+
+
+def end_detached(runs: list[Path]) -> list[int]:
+    """SIGKILL the process groups of the runs' supervisors and workers (a detached run's supervisor leads a session
+    of its own, which the step's timeout(1) does not reach): nothing of the step keeps the GPU after it. Returns the
+    groups killed."""
+    own = os.getpgid(0)
+    groups: list[int] = []
+    for run in runs:
+        st = _state(run)
+        for role in ("supervisor_pid", "worker_pid"):
+            pid = st.get(role)
+            if not _runs_process(pid, run):
+                continue
+            try:
+                group = os.getpgid(pid)
+            except ProcessLookupError:
+                continue
+            targets = [group] if group != own else []
+            for target in targets:
+                if target not in groups:
+                    try:
+                        os.killpg(target, signal.SIGKILL)
+                        groups.append(target)
+                    except ProcessLookupError:
+                        pass
+            if group == own:  # in the step's own group: the process alone (its group is the step's)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    return groups
+
+
+@contextlib.contextmanager
+def detached_guard(runs: list[Path]) -> Iterator[None]:
+    """Whatever ends the block (its end, an exception, the step's timeout: timeout(1) sends SIGTERM first), the
+    runs' detached processes are ended with it."""
+
+    def on_term(signum, frame):  # noqa: ARG001 - the signal handler's signature
+        raise SystemExit(124)
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        end_detached(runs)
+
+
 def _proc_state(pid: int) -> bytes:
     try:
         return Path(f"/proc/{pid}/stat").read_bytes().split(b")")[-1][:3]
@@ -121,35 +186,15 @@ def compare(a: Path, b: Path) -> dict[str, Any]:
     }
 
 
-def step_resume_exact(ctx: Context) -> dict[str, Any]:
-    """Reference run (foreground, uninterrupted); the same run detached, its worker frozen after the first verified
-    checkpoint, supervisor and worker killed with SIGKILL, launched again with the same command; on a GPU a second
-    uninterrupted run too, which tells the kernels' own run-to-run difference from the resume's."""
-    skipped = missing_packages()
-    if skipped:
-        return skipped
-    total = budget(240)
-    steps = STEPS[ctx.device]
-    log = ctx.out / "resume-exact.cli.log"
-    t_end = time.monotonic() + total - 10
-
-    def args(name: str) -> list[str]:
-        return [
-            str(SFT_RECIPE),
-            f"model={tiny_model(ctx)}",
-            f"output_dir={ctx.work / 'runs' / name}",
-            f"max_steps={steps}",
-            *FIELDS,
-        ]
-
-    left = lambda: max(10.0, t_end - time.monotonic())  # noqa: E731
+def _runs(ctx: Context, args, log: Path, killed_run: Path, steps: int, left) -> dict[str, Any]:
+    """The reference, the killed and the relaunched run (and a second uninterrupted one where the resume differs):
+    {"result", "at"}, or a failed step's result (with "line")."""
     runs = {}
     code, secs, _ = cli(args("resume-reference") + ["--foreground", "--fresh"], ctx.work, left(), log)
     runs["reference"] = {"exit": code, "seconds": round(secs, 1)}
     if code != 0:
         return {"ok": False, "runs": runs, "line": f"the uninterrupted run failed (exit {code}): {log.name}"}
     ctx.progress(runs=runs)
-    killed_run = ctx.work / "runs" / "resume-killed"
     code, secs, _ = cli(args("resume-killed") + ["--fresh"], ctx.work, left(), log)  # detached: returns at once
     if code != 0:
         return {"ok": False, "runs": runs, "line": f"the detached launch failed (exit {code}): {log.name}"}
@@ -182,11 +227,43 @@ def step_resume_exact(ctx: Context) -> dict[str, Any]:
     if ended != "succeeded":
         return {"ok": False, "runs": runs, "line": f"the relaunched run ended {ended!r}: {log.name}"}
     result = {"runs": runs, "resume": compare(ctx.work / "runs" / "resume-reference", killed_run)}
-    if ctx.device == "cuda" and left() > 40:
+    # the kernels' own run-to-run difference, needed only to explain a resume that is not exact
+    if ctx.device == "cuda" and not result["resume"]["exact"] and left() > 40:
         code, secs, _ = cli(args("resume-control") + ["--foreground", "--fresh"], ctx.work, left(), log)
         runs["control"] = {"exit": code, "seconds": round(secs, 1)}
         if code == 0:
             result["control"] = compare(ctx.work / "runs" / "resume-reference", ctx.work / "runs" / "resume-control")
+    return {"result": result, "at": at}
+
+
+def step_resume_exact(ctx: Context) -> dict[str, Any]:
+    """Reference run (foreground, uninterrupted); the same run detached, its worker frozen after the first verified
+    checkpoint, supervisor and worker killed with SIGKILL, launched again with the same command; on a GPU a second
+    uninterrupted run too, which tells the kernels' own run-to-run difference from the resume's."""
+    skipped = missing_packages()
+    if skipped:
+        return skipped
+    total = budget(240)
+    steps = STEPS[ctx.device]
+    log = ctx.out / "resume-exact.cli.log"
+    t_end = time.monotonic() + total - 10
+
+    def args(name: str) -> list[str]:
+        return [
+            str(SFT_RECIPE),
+            f"model={tiny_model(ctx)}",
+            f"output_dir={ctx.work / 'runs' / name}",
+            f"max_steps={steps}",
+            *FIELDS,
+        ]
+
+    left = lambda: max(10.0, t_end - time.monotonic())  # noqa: E731
+    killed_run = ctx.work / "runs" / "resume-killed"
+    with detached_guard([killed_run]):
+        outcome = _runs(ctx, args, log, killed_run, steps, left)
+    if "line" in outcome:
+        return outcome
+    result, at = outcome["result"], outcome["at"]
     diff = result["resume"]
     control = result.get("control")
     if diff["exact"]:
@@ -207,4 +284,17 @@ def step_resume_exact(ctx: Context) -> dict[str, Any]:
         f"killed after step {at}, resumed: max loss difference {diff['max_loss_difference']:.3g}, max adapter "
         f"difference {diff['max_adapter_difference']:.3g} over {diff['steps']} steps; {why}"
     )
-    return {"ok": ok, **result, "why": why, "line": line}
+    decides = {
+        "resume": {
+            "value": {
+                "exact": diff["exact"],
+                "max_loss_difference": diff["max_loss_difference"],
+                "max_adapter_difference": diff["max_adapter_difference"],
+                "device": ctx.device,
+            },
+            "target": f"a killed and relaunched run bitwise equal to an uninterrupted one on {ctx.device}",
+            "met": diff["exact"],
+            "says": f"resume on {ctx.device}: {why} (killed after step {at} of {diff['steps']})",
+        }
+    }
+    return {"ok": ok, **result, "why": why, "decides": decides, "line": line}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 import traceback
@@ -30,9 +31,11 @@ from launcher.worker.gpu_check.unsloth_check import step_unsloth
 from launcher.worker.gpu_check.vs_trl import step_vs_trl, trl_child
 from launcher.worker.gpu_check.training import GPU_SHAPE
 
-# Execution order. The torch-only checks come first (seconds each), then the product itself on the tiny model and
-# the attention and generation costs (issue 43), the 8B measurements next (the figures the speed calibration is
-# fed), FSDP (a distributed launch: the likeliest to hang) and the trl-based bench last.
+# Execution order: the torch-only checks first (seconds each, not in the product preset), then what one call on a lent
+# GPU must answer (issue 55), in the product preset's order: ftrun itself on the tiny model (LoRA with its CPU
+# comparison, GRPO from it), the attention kernels and generation's speed, the 8B padding-free step against the fixed
+# shape and the plan's tokens/s at the calibration's shape, the exact resume, DPO and QLoRA; then what the preset
+# leaves out, FSDP (a distributed launch: the likeliest to hang) and the trl-based benches last.
 STEPS = (
     "tiny-model",
     "device",
@@ -42,36 +45,65 @@ STEPS = (
     "peak-memory",
     "oom",
     "loss-head",
-    "attention",
     "product-lora",
+    "product-grpo",
+    "attention",
     "generation",
-    "vs-trl",
+    "bench-padding",
     "bench-lora",
-    "bench-lora-fast",
-    "bench-full",
     "resume-exact",
     "product-dpo",
-    "product-grpo",
     "product-qlora",
-    "bench-padding",
+    "vs-trl",
+    "bench-lora-fast",
+    "bench-full",
     "fsdp",
     "smoke-bench",
     "unsloth",
 )
-# Named selections (GPU_CHECK_STEPS=product): what one call of at most 8 minutes on a lent GPU runs.
+# Each step's timeout in seconds, on a GPU and in the dry run (CPU): the most it may take; the script gives it less
+# where the budget left, less what the later steps are estimated to need (preflight.py), says so, though never less
+# than its own estimate and a half (scripts/gpu_check.sh: an earlier step matters more than a later one).
+TIMEOUTS = {
+    "tiny-model": (60, 90),
+    "device": (45, 60),
+    "launch-env": (90, 150),
+    "placement": (90, 120),
+    "memory-cap": (45, 60),
+    "peak-memory": (45, 60),
+    "oom": (60, 60),
+    "loss-head": (60, 90),
+    "product-lora": (200, 300),
+    "product-grpo": (150, 300),
+    "attention": (120, 150),
+    "generation": (90, 120),
+    "bench-padding": (150, 180),
+    "resume-exact": (180, 300),
+    "product-dpo": (120, 300),
+    "product-qlora": (150, 480),
+    "bench-lora": (90, 120),
+    "vs-trl": (120, 300),
+    "bench-lora-fast": (120, 120),
+    "bench-full": (150, 120),
+    "fsdp": (120, 150),
+    "smoke-bench": (300, 300),
+    "unsloth": (200, 60),
+}
+# Named selections (GPU_CHECK_STEPS=product): what one call of 540 s on a lent GPU runs, in STEPS's order; the
+# numbers issue 55's "Done when" names come from product-lora (the demo's step, GPU against 2 CPU cores),
+# generation (tokens/s), bench-padding (padding-free 8B against the fixed shape), resume-exact (exact on CUDA) and
+# bench-lora (the plan's tokens/s on a card it was not calibrated on), each its JSON's "decides".
 PRESETS = {
     "product": (
         "tiny-model",
-        "attention",
         "product-lora",
+        "product-grpo",
+        "attention",
         "generation",
-        "vs-trl",
+        "bench-padding",
         "bench-lora",
-        "bench-lora-fast",
-        "bench-full",
         "resume-exact",
         "product-dpo",
-        "product-grpo",
         "product-qlora",
     ),
     "unsloth": ("tiny-model", "product-lora", "unsloth"),  # the second call: TRL 1.15 beside Unsloth, one stack
@@ -104,7 +136,8 @@ STEP_FUNCS: dict[str, Callable[[Context], dict[str, Any]]] = {
 
 
 def selected_steps(spec: str) -> list[str]:
-    """GPU_CHECK_STEPS: step names and preset names (PRESETS), comma-separated; empty: every step."""
+    """GPU_CHECK_STEPS: step names and preset names (PRESETS), comma-separated, in the order they run; empty: none
+    named (every step runs)."""
     names: list[str] = []
     for item in (x.strip() for x in spec.split(",") if x.strip()):
         for name in PRESETS.get(item, (item,)):
@@ -115,7 +148,34 @@ def selected_steps(spec: str) -> list[str]:
                 )
             if name not in names:
                 names.append(name)
-    return names
+    return sorted(names, key=STEPS.index)  # run in STEPS's order, whatever order the list names them in
+
+
+def record_skip(out: Path, name: str, why: str, **extra: Any) -> None:
+    """A step left out before it started because this box cannot run it (the preflight: its memory, its imports)."""
+    write_json(
+        out / f"{name}.json",
+        {"step": name, "status": "skipped", "ok": None, "skipped": why, "line": f"skipped: {why}", **extra},
+    )
+
+
+def step_limit(timeout: int, floor: int, left: int, reserve: int) -> tuple[int, str]:
+    """A step's seconds: its timeout, no more than what is left of the budget less `reserve` (the later steps'
+    estimates), though never less than its own estimate `floor` and a half where the budget has it (the steps run
+    in the order of what matters: a step cut for a later one's sake would lose both). With why, where it is cut."""
+    limit = min(timeout, left)
+    want = min(floor * 3 // 2 + 10, limit)
+    share = left - reserve
+    if share >= limit:
+        return limit, ""
+    got = max(share, want)
+    if got >= limit:
+        return limit, ""
+    return got, f"{got} s of its {timeout}: {left} s left, {reserve} s kept for the later steps' estimates"
+
+
+def _terminated(signum, frame) -> None:  # noqa: ARG001 - a signal handler's signature
+    raise SystemExit(124)
 
 
 def _status(result: dict[str, Any]) -> str:
@@ -130,6 +190,9 @@ def run_step(name: str, ctx_args: dict[str, Any]) -> int:
     base = {"step": name, "status": "running", "started": started, "mode": "dry-run" if ctx_args["dry_run"] else "gpu"}
     write_json(path, base)
     ctx = Context(progress=lambda **kw: write_json(path, {**base, "partial": kw}), **ctx_args)
+    # timeout(1) ends a step with SIGTERM (scripts/gpu_check.sh): as an exception it unwinds the step, whose cleanups
+    # end what it started in sessions of their own (product.cli, attention.run_children, resume_check)
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         result = STEP_FUNCS[name](ctx)
     except Exception as exc:  # noqa: BLE001 - a failed step is a result, recorded with its reason
@@ -209,6 +272,9 @@ def finish(out: Path, name: str, rc: int, limit: Optional[float], not_run: Optio
 
 def write_summary(out: Path) -> dict[str, Any]:
     steps = []
+    decides: dict[str, Any] = {}
+    pre = read_json(out / "preflight.json") or {}
+    estimates = {k: v.get("estimate_seconds") for k, v in (pre.get("steps") or {}).items()}
     selected = selected_steps(os.environ.get("GPU_CHECK_STEPS", ""))
     for name in STEPS:
         data = read_json(out / f"{name}.json")
@@ -224,9 +290,12 @@ def write_summary(out: Path) -> dict[str, Any]:
                 "status": data.get("status"),
                 "ok": data.get("ok"),
                 "seconds": data.get("seconds"),
+                "estimated_seconds": estimates.get(name),
                 "line": data.get("line"),
             }
         )
+        for key, verdict in (data.get("decides") or {}).items():
+            decides[key] = {"step": name, **verdict}
     counts: dict[str, int] = {}
     for s in steps:
         counts[s["status"]] = counts.get(s["status"], 0) + 1
@@ -238,10 +307,67 @@ def write_summary(out: Path) -> dict[str, Any]:
         "budget_seconds": float(os.environ.get("GPU_CHECK_BUDGET_S", "0") or 0) or None,
         "counts": counts,
         "all_passed": all(s["status"] in ("passed", "skipped", "not selected") for s in steps),
+        "decides": decides,
         "steps": steps,
     }
     write_json(out / "summary.json", summary)
     return summary
+
+
+def _context_args(out: Path, dry_run: bool) -> dict[str, Any]:
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(os.environ.get("GPU_CHECK_WORK") or out / "work")
+    work.mkdir(parents=True, exist_ok=True)
+    shape = os.environ.get("GPU_CHECK_SHAPE") or ("tiny" if dry_run else GPU_SHAPE)
+    return {"out": out, "work": work, "dry_run": dry_run, "device": "cpu" if dry_run else "cuda", "shape": shape}
+
+
+def _preflight(out: Path, dry_run: bool) -> int:
+    """`preflight`: the steps to run, each with its timeout and estimate, after preflight.run skipped the rest."""
+    from launcher.worker.gpu_check import preflight
+
+    ctx = Context(progress=lambda **kw: None, **_context_args(out, dry_run))
+    try:
+        names = selected_steps(os.environ.get("GPU_CHECK_STEPS", "")) or list(STEPS)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    column = 1 if dry_run else 0
+    rows = preflight.run(ctx, names, {n: TIMEOUTS[n][column] for n in names}, preflight.env_budget())
+    write_summary(out)
+    for name, limit, floor in rows:
+        print(name, limit, floor)
+    return 0
+
+
+def report(out: Path) -> str:
+    """What the call decides: each "decides" entry the steps recorded (summary.json), met or not, and the steps
+    that would have recorded one but did not finish."""
+    summary = write_summary(out)
+    lines = ["gpu_check decides:"]
+    mark = {True: "MET", False: "NOT MET", None: "-"}
+    for key, v in summary["decides"].items():
+        lines.append(f"  {mark[v.get('met')]:>7} {key} ({v['step']}): {v.get('says')}; target {v.get('target')}")
+    if summary["mode"] == "dry-run":  # the targets are a GPU's: the dry run shows the path, not the figures
+        lines.append("  (dry run: the targets are a GPU's; the steps' lines above are the CPU's figures)")
+        return "\n".join(lines)
+    said = {v["step"] for v in summary["decides"].values()}
+    for s in summary["steps"]:
+        if s["step"] in DECIDING and s["step"] not in said and s["status"] != "not selected":
+            lines.append(
+                f"  {'MISSING':>7} {DECIDING[s['step']]} ({s['step']}, {s['status']}): {s.get('line') or 'no result'}"
+            )
+    return "\n".join(lines)
+
+
+# The steps whose JSON carries a "decides" entry for issue 55's "Done when", and what it decides.
+DECIDING = {
+    "product-lora": "demo-step",
+    "generation": "generation",
+    "bench-padding": "padding-free",
+    "resume-exact": "resume",
+    "bench-lora": "plan-tokens-per-second",
+}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -283,6 +409,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     t.add_argument("--settings", type=Path, required=True)
     t.add_argument("--out", type=Path, required=True)
     t.add_argument("--no-cudnn", action="store_true")
+    pf = sub.add_parser(
+        "preflight",
+        help="measure the box, record the steps it cannot hold as skipped, print each step's estimate (stderr) and "
+        "the steps to run as 'NAME LIMIT FLOOR' lines (stdout)",
+    )
+    pf.add_argument("--out", type=Path, required=True)
+    pf.add_argument("--dry-run", action="store_true")
+    bx = sub.add_parser("box-child", help=argparse.SUPPRESS)
+    bx.add_argument("--device", choices=("cuda", "cpu"), required=True)
+    bx.add_argument("--modules", default="")
+    rp = sub.add_parser("report", help="print what the call decides (each step's 'decides') from OUT's results")
+    rp.add_argument("--out", type=Path, required=True)
+    lim = sub.add_parser("limit", help="print a step's seconds: TIMEOUT FLOOR LEFT RESERVE (step_limit)")
+    lim.add_argument("name", choices=STEPS)
+    lim.add_argument("numbers", type=int, nargs=4)
     sel = sub.add_parser("select", help="print the steps GPU_CHECK_STEPS selects (presets expanded), one a line")
     sel.add_argument("spec", nargs="?", default=None)
     ns = p.parse_args(argv)
@@ -304,20 +445,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     if ns.command == "trl-child":
         return trl_child(ns.model, ns.settings, ns.out, not ns.no_cudnn)
     if ns.command == "step":
-        ns.out.mkdir(parents=True, exist_ok=True)
-        work = Path(os.environ.get("GPU_CHECK_WORK") or ns.out / "work")
-        work.mkdir(parents=True, exist_ok=True)
-        shape = os.environ.get("GPU_CHECK_SHAPE") or ("tiny" if ns.dry_run else GPU_SHAPE)
-        return run_step(
-            ns.name,
-            {
-                "out": ns.out,
-                "work": work,
-                "dry_run": ns.dry_run,
-                "device": "cpu" if ns.dry_run else "cuda",
-                "shape": shape,
-            },
-        )
+        return run_step(ns.name, _context_args(ns.out, ns.dry_run))
+    if ns.command == "preflight":
+        return _preflight(ns.out, ns.dry_run)
+    if ns.command == "limit":
+        limit, why = step_limit(*ns.numbers)
+        if why:
+            print(f"gpu_check: {ns.name} gets {why}", file=sys.stderr, flush=True)
+        print(limit)
+        return 0
+    if ns.command == "box-child":
+        from launcher.worker.gpu_check.preflight import box_child
+
+        return box_child(ns.device, [m for m in ns.modules.split(",") if m])
+    if ns.command == "report":
+        print(report(ns.out), flush=True)
+        return 0
     if ns.command == "start":
         ns.out.mkdir(parents=True, exist_ok=True)
         for name in STEPS:

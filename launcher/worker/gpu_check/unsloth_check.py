@@ -14,6 +14,23 @@ SECOND_CALL = (
 )
 
 
+def attention_path() -> dict[str, Any]:
+    """Which attention Unsloth's models run here: its xformers path where xformers imports (the image has xformers
+    0.0.35, docker/requirements-unsloth.txt; scripts/device_wheels.sh --unsloth carries it), else SDPA, which with
+    a padding mask takes enable_gqa and the memory-efficient or MATH kernel (cuDNN off by ftrun's policy)."""
+    import importlib.util
+
+    if importlib.util.find_spec("xformers") is None:
+        return {"xformers": None, "says": "SDPA (xformers is not installed: not the image's path)"}
+    try:
+        import xformers
+
+        version = xformers.__version__
+    except Exception as exc:  # noqa: BLE001 - an xformers that does not import is the answer
+        return {"xformers": None, "error": str(exc)[:300], "says": f"SDPA (xformers does not import: {exc})"[:300]}
+    return {"xformers": version, "says": f"xformers {version}, as in the image"}
+
+
 def step_unsloth(ctx: Context) -> dict[str, Any]:
     import importlib.util
 
@@ -26,6 +43,8 @@ def step_unsloth(ctx: Context) -> dict[str, Any]:
         why = "the dry run: Unsloth is measured on a GPU (the unsloth test tier runs it on a CPU)"
         return {"ok": None, "skipped": why, "line": f"skipped: {why}"}
     result = _step(ctx, "unsloth", SFT_RECIPE, "engine=unsloth")
+    result["attention_path"] = attention_path()
+    result["line"] += f"; attention: {result['attention_path']['says']}"
     trl = read_json(ctx.out / "product-lora.json") or {}
     ours = (result.get("smoke") or {}).get("tokens_per_second")
     theirs = (trl.get("smoke") or {}).get("tokens_per_second")
