@@ -5,7 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from launcher.run.task_eval_view import format_task_eval
-from launcher.run.views import _summary_says_reason, format_duration, preference_accuracy
+from launcher.run.views import (
+    _mean_spread,
+    _summary_says_reason,
+    format_duration,
+    preference_accuracy,
+    reward_warnings,
+)
 
 
 # How the end of a run is headed, for every state that ends one (store/state.py ENDED; tests/test_tables.py).
@@ -48,8 +54,17 @@ def format_end_summary(e: dict[str, Any]) -> str:
         lines.append(
             f"  reward    {sampled['first']:.3f} +- {sampled['first_std'] or 0:.3f} (step {sampled['step_first']}) -> "
             f"{sampled['last']:.3f} +- {sampled['last_std'] or 0:.3f} (step {sampled['step_last']}): the sampled "
-            "answers' mean and spread"
+            "answers' mean and spread" + (", the weighted sum of:" if len(sampled.get("parts") or []) > 1 else "")
         )
+        parts = sampled.get("parts") or []
+        if len(parts) > 1:
+            width = max(len(p["name"]) for p in parts)
+            lines.extend(
+                f"            {p['name']:<{width}}  {_mean_spread(p['first'], p['first_std'])} -> "
+                f"{_mean_spread(p['last'], p['last_std'])}"
+                for p in parts
+            )
+        lines.extend(reward_warnings(sampled.get("flat") or [], sampled.get("no_variance")))
     pref = e.get("preference")
     if pref:
         lines.append(

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from launcher.errors import WORKER_EXITS
+from launcher.errors import EXIT_NOTHING_LEARNED, WORKER_EXITS
 from launcher.plan.cgroup import oom_kills
 from launcher.run import build_locks, rank_ends, views
 from launcher.run.after_training import _export, _on_finish, _stopped_after_training, _verify_final
@@ -50,6 +50,27 @@ def _last_logged_step(run: RunDir) -> int:
     from launcher.store.state import last_metrics
 
     return int(last_metrics(run.metrics).get("step", 0))
+
+
+def _learned_nothing(recipe, run: RunDir) -> Optional[dict[str, Any]]:
+    """The facts of a GRPO run that had nothing to learn from: at every logged step no prompt's answers differed in
+    reward (frac_reward_zero_std 1.0: every advantage 0, the loss 0), with each reward's value; None otherwise."""
+    from launcher.run.facts import metrics_rows, reward_facts
+
+    if not recipe.objective_row.generates:
+        return None
+    train_rows = [r for r in metrics_rows(run.metrics) if r.get("loss") is not None]
+    facts = reward_facts(train_rows)
+    nv = facts.get("no_variance")
+    if not nv or not nv["whole_run"]:
+        return None
+    return {
+        "logged_steps": nv["rows"],
+        "step": train_rows[-1]["step"],
+        "rewards": [{"name": p["name"], "mean": p["mean"]} for p in facts["parts"]]
+        or [{"name": "reward", "mean": train_rows[-1].get("reward")}],
+        "resume_command": read_state(run).get("resume_command"),
+    }
 
 
 def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
@@ -205,6 +226,17 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
         if rc == 0:
             checked = _verify_final(recipe, run, plan)
             if checked is not None and not checked.ok:
+                learned_nothing = _learned_nothing(recipe, run) if checked.details.get("untrained") else None
+                if learned_nothing is not None:
+                    # the untrained adapter is what training made, not a save that lost it: GRPO had no reward
+                    # variance to learn from, and a resume would do the same
+                    return end(
+                        "failed",
+                        views.nothing_learned_reason(learned_nothing),
+                        EXIT_NOTHING_LEARNED,
+                        final_check={"ok": False, "reason": checked.reason},
+                        ending={"by": "no-reward-variance", **learned_nothing},
+                    )
                 # exit 0 without a usable result (a save that wrote nothing) is a failure, and nothing is exported
                 return end(
                     "failed",

@@ -13,6 +13,7 @@ from launcher.data.task_verdict import (
     FINE_TUNED,
     base_score,
     difference,
+    exact_pair,
     noise_words,
     pct,
     start_name,
@@ -82,9 +83,14 @@ def format_task_eval(t: dict[str, Any]) -> str:
         )
     rows = task_rows(t)
     width = max([len(label) for label, _, _ in rows] + [10])
+    beside = t.get("exact_beside") or {}  # single-word or numeric references: exact match beside the metric
+    labels = {task_label(n, t.get("shots"), start_name(t)): n for n in (t.get("scores") or {})}
     for label, score, tps in rows:
+        exact = beside.get(labels.get(label, ""))
         lines.append(
-            f"            {label:<{width}}  {pct(score):>5}" + (f"   ({tps:,.0f} tokens/s generated)" if tps else "")
+            f"            {label:<{width}}  {pct(score):>5}"
+            + (f"  exact {pct(exact):>4}" if exact is not None else "")
+            + (f"   ({tps:,.0f} tokens/s generated)" if tps else "")
         )
     scores = t.get("scores") or {}
     base, who = base_score(t)
@@ -92,8 +98,10 @@ def format_task_eval(t: dict[str, Any]) -> str:
     if diff is not None:
         # the difference of the two percents shown, as a reader subtracts them (5% against 8%: -3, not -3.5 -> -4),
         # and whether it is more than the n examples can tell apart
+        pair = exact_pair(t)
         lines.append(
             f"  gain      fine-tuned {pct(scores[FINE_TUNED])} against {pct(base)} for the {who} ({noise_words(diff)})"
+            + (f"; exact {pct(pair[1])} against {pct(pair[0])}" if pair else "")
         )
     lines.append(f"  verdict   {verdict}")
     return "\n".join(lines)

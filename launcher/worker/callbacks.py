@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from launcher import methods
 from launcher.store import checkpoint as ckpt
 from launcher.store.rundir import RunDir
 from launcher.worker import memory
@@ -232,21 +233,47 @@ def build_callbacks(
             }
             # the objective's own figures (DPO's rewards/chosen ... rewards/accuracies: launcher/methods.py logged)
             row.update({k: float(logs[k]) for k in recipe.objective_row.logged if logs.get(k) is not None})
+            # GRPO: each reward function's mean and spread apart (TRL's rewards/<name>/mean, /std: methods.py)
+            row.update({k: float(v) for k, v in logs.items() if methods.is_reward_part(k) and v is not None})
             self.t_last, self.tokens_last = now, tokens
-            margin = (
-                f" margin {row['rewards/margins']:.3f} acc {row['rewards/accuracies']:.2f}"
-                if "rewards/margins" in row and "rewards/accuracies" in row
-                else ""
-            )
             _emit(
                 run,
                 mode,
                 state,
                 row,
-                f"loss {loss:.4f} lr {row['learning_rate']:.2e} {row['tokens_per_second']:.0f} tok/s{margin}",
+                f"loss {loss:.4f} lr {row['learning_rate']:.2e} {row['tokens_per_second']:.0f} tok/s"
+                + _objective_words(row),
             )
 
     return Cadence(), Metrics()
+
+
+def _objective_words(row: dict[str, Any]) -> str:
+    """The step line's objective figures: DPO's margin and accuracy; GRPO's reward with its spread, each reward's
+    apart where there are several, and the share of prompts whose answers all scored the same."""
+    if "rewards/margins" in row and "rewards/accuracies" in row:
+        return f" margin {row['rewards/margins']:.3f} acc {row['rewards/accuracies']:.2f}"
+    if row.get("reward") is None:
+        return ""
+    parts = methods.reward_parts(row)
+    return (
+        f" reward {row['reward']:.3f} +- {row.get('reward_std') or 0:.3f}"
+        + (
+            " ("
+            + ", ".join(
+                f"{name} {p['mean'] if p['mean'] is not None else float('nan'):.3f} +- {p['std'] or 0:.3f}"
+                for name, p in parts.items()
+            )
+            + ")"
+            if len(parts) > 1
+            else ""
+        )
+        + (
+            f", {row['frac_reward_zero_std']:.0%} of prompts without reward variance"
+            if row.get("frac_reward_zero_std")
+            else ""
+        )
+    )
 
 
 def _log_eval(run: RunDir, mode: str, state, logs: dict[str, Any], logged: tuple[str, ...] = ()) -> None:

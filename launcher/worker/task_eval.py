@@ -333,6 +333,12 @@ def record(
         results["generation"][name] = {
             k: result[k] for k in ("seconds", "new_tokens", "tokens_per_s", "sdpa_backends") if k in result
         }
+    if task["metric"] != "exact" and task_metrics.single_tokens([p["reference"] for p in task["prompts"]]):
+        # single-word or numeric references under another metric (chrF, json): exact match beside it, each scorer's,
+        # so a chrF gain of shared characters ("2." against "12") is not read as right answers (task_verdict)
+        results["exact_beside"] = {
+            n: d["exact"] for n, d in results["details"].items() if isinstance(d, dict) and d.get("exact") is not None
+        }
     best, _ = base_score(results)  # the base model's better prompt (data/task_verdict.py)
     results["fine_tune_pays"] = (
         task_metrics.fine_tune_pays(best) if results["scores"].get(BASE_FEW_SHOT) is not None else None
