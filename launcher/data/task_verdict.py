@@ -16,6 +16,29 @@ BASE_ZERO_SHOT, BASE_FEW_SHOT, FINE_TUNED = "base_zero_shot", "base_few_shot", "
 # base model without any adapter, zero-shot, so a chain (SFT, then DPO or GRPO) reads against the bare base too
 BARE_BASE = "bare_base_zero_shot"
 BARE_BASE_LABEL = "base model without the adapter, zero-shot"
+# ... and its starting point's rows are named for it: the parent adapter, zero-shot and with examples. task_eval.json
+# files written before 2026-12-06 call them base_zero_shot and base_few_shot beside a starting_point: read as these.
+PARENT_ZERO_SHOT, PARENT_FEW_SHOT = "parent_zero_shot", "parent_few_shot"
+_AS_PARENT = {BASE_ZERO_SHOT: PARENT_ZERO_SHOT, BASE_FEW_SHOT: PARENT_FEW_SHOT}
+
+
+def stored_name(t: dict[str, Any], name: str) -> str:
+    """The name task_eval.json keeps a score under: a run from a parent adapter (its task's or results'
+    starting_point) scores the parent where another scores the base model, and names it so."""
+    return _AS_PARENT.get(name, name) if t.get("starting_point") else name
+
+
+def start_keys(t: dict[str, Any]) -> tuple[str, str]:
+    """The names of the starting point's zero-shot and few-shot scores in `t`: the parent's (init_from), under their
+    old base_ names in a file written before they had their own, else the base model's."""
+    if not t.get("starting_point"):
+        return BASE_ZERO_SHOT, BASE_FEW_SHOT
+    scores = t.get("scores") or {}
+    if PARENT_ZERO_SHOT not in scores and PARENT_FEW_SHOT not in scores and (
+        BASE_ZERO_SHOT in scores or BASE_FEW_SHOT in scores
+    ):
+        return BASE_ZERO_SHOT, BASE_FEW_SHOT
+    return PARENT_ZERO_SHOT, PARENT_FEW_SHOT
 
 
 def pct(value: float) -> str:
@@ -33,8 +56,9 @@ def base_score(t: dict[str, Any]) -> tuple[Optional[float], str]:
     in it (the article's "good prompt with a few examples") or without (a model the examples confuse, or one
     already trained on the task, answers better without them); with examples where both score the same."""
     scores, shots = t.get("scores") or {}, t.get("shots")
-    few = scores.get(BASE_FEW_SHOT) if shots != 0 else None
-    zero = scores.get(BASE_ZERO_SHOT)
+    zero_key, few_key = start_keys(t)
+    few = scores.get(few_key) if shots != 0 else None
+    zero = scores.get(zero_key)
     start = start_name(t)
     if few is not None and (zero is None or few >= zero):
         return few, f"{start} with {shots} examples" if shots else f"{start} with examples"
@@ -42,13 +66,15 @@ def base_score(t: dict[str, Any]) -> tuple[Optional[float], str]:
 
 
 def base_key(t: dict[str, Any]) -> Optional[str]:
-    """The score name base_score reads (BASE_FEW_SHOT or BASE_ZERO_SHOT), None when neither is scored."""
+    """The score name base_score reads (the starting point's few-shot or zero-shot: start_keys), None when neither is
+    scored."""
     scores, shots = t.get("scores") or {}, t.get("shots")
-    few = scores.get(BASE_FEW_SHOT) if shots != 0 else None
-    zero = scores.get(BASE_ZERO_SHOT)
+    zero_key, few_key = start_keys(t)
+    few = scores.get(few_key) if shots != 0 else None
+    zero = scores.get(zero_key)
     if few is not None and (zero is None or few >= zero):
-        return BASE_FEW_SHOT
-    return BASE_ZERO_SHOT if zero is not None else None
+        return few_key
+    return zero_key if zero is not None else None
 
 
 def difference(t: dict[str, Any]) -> Optional[dict[str, Any]]:
@@ -91,14 +117,14 @@ def exact_pair(t: dict[str, Any]) -> Optional[tuple[float, float]]:
 
 def _judged(t: dict[str, Any], diff: dict[str, Any], word: str) -> tuple[str, str]:
     """(the change in words, what follows the scores): better, worse or no measurable change by the metric, and where
-    exact match is shown beside it, "no better on exact match" when that stayed (a chrF gain of shared characters)."""
+    exact match is shown beside it, "no better" when that stayed (a chrF gain of shared characters)."""
     change = "no measurable change" if diff["within"] else "better" if diff["gain"] > 0 else "worse"
     pair = exact_pair(t)
     if pair is None:
         return change, ""
     said = f"; exact {pct(pair[0])} -> {pct(pair[1])}"
     if change == "better" and pair[1] <= pair[0]:
-        return "no better on exact match", said + f": the {word} gain is credit for shared characters, not right answers"
+        return "no better", said + f": the {word} gain is credit for shared characters, not right answers"
     return change, said
 
 

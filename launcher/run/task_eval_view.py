@@ -11,6 +11,8 @@ from launcher.data.task_verdict import (
     BASE_FEW_SHOT,
     BASE_ZERO_SHOT,
     FINE_TUNED,
+    PARENT_FEW_SHOT,
+    PARENT_ZERO_SHOT,
     base_score,
     difference,
     exact_pair,
@@ -22,15 +24,15 @@ from launcher.data.task_verdict import (
 from launcher.run.views import format_duration
 from launcher.worker.task_eval import PREFIX as TASK_EVAL_PREFIX
 
-BASE_SCORES = (BASE_ZERO_SHOT, BASE_FEW_SHOT)
+BASE_SCORES = (BASE_ZERO_SHOT, BASE_FEW_SHOT, PARENT_ZERO_SHOT, PARENT_FEW_SHOT)
 
 
 def task_label(name: str, shots: Optional[int], start: str = "base model") -> str:
-    """A row of the scores table: the base model zero-shot, with its examples in the prompt, fine-tuned, an export.
-    `start`: what the "base" rows scored ("parent adapter" for a run with init_from)."""
-    if name == BASE_ZERO_SHOT:
+    """A row of the scores table: the base model (or the parent adapter) zero-shot, with its examples in the prompt,
+    fine-tuned, an export. `start`: what the "base" rows scored ("parent adapter" for a run with init_from)."""
+    if name in (BASE_ZERO_SHOT, PARENT_ZERO_SHOT):
         return f"{start}, zero-shot"
-    if name == BASE_FEW_SHOT:
+    if name in (BASE_FEW_SHOT, PARENT_FEW_SHOT):
         return f"{start}, {shots} examples" if shots else f"{start}, with examples"
     if name == BARE_BASE:
         return BARE_BASE_LABEL
