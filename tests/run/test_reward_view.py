@@ -192,3 +192,36 @@ def test_a_run_whose_rewards_never_varied_ends_as_nothing_learned_not_as_a_faile
     run.metrics.write_text("")
     _write_rows(run, [_trl_logs(s, {"metric_exact": (0.1, 0.3)}, {"metric_exact": 1.0}, 0.9) for s in STEPS], capsys)
     assert _learned_nothing(grpo, run) is None
+
+
+@pytest.mark.slow
+def test_grpo_whose_rewards_never_vary_ends_nothing_learned_with_exit_7(write_recipe, tmp_path):
+    """End to end on the random tiny model: exact match on the demo's sentence references scores every sampled answer
+    0, so no prompt's answers differ, every advantage is 0 and every lora_B stays at its initial zero. The run ends
+    failed with exit 7 and why, not exit 5 with "run the same command to resume"; status and the summary say it."""
+    from helpers import ftrun, read_state
+
+    from launcher.errors import EXIT_NOTHING_LEARNED
+
+    recipe = write_recipe(
+        objective="grpo",
+        data=str(Path(__file__).resolve().parents[2] / "recipes" / "data" / "tiny-prompts.jsonl"),
+        grpo={"num_generations": 4, "max_completion_length": 8},
+        reward={"metric": "exact"},
+        micro_batch_size=8,
+        max_steps=4,
+        logging_steps=2,
+        checkpoint_every_minutes=10,
+    )
+    res = ftrun(recipe, "--foreground", "smoke.enabled=false", cwd=tmp_path)
+    out = res.stdout + res.stderr
+    assert res.returncode == EXIT_NOTHING_LEARNED, out[-3000:]
+    st = read_state(tmp_path / "run")
+    assert st["state"] == "failed" and st["ending"]["by"] == "no-reward-variance", st
+    assert st["reason"].startswith("nothing was learned: at all 2 logged steps up to step 4 no prompt's sampled answers")
+    assert "metric_exact 0.000 on average" in st["reason"] and "resuming will not help" in st["reason"]
+    assert "run the same command to resume" not in out
+    assert "== run FAILED at step 4/4" in out and "warning   reward metric_exact never varied" in out
+    assert "no prompt's answers differed in reward (frac_reward_zero_std 1.0) at any logged step" in out
+    status = ftrun("status", tmp_path / "run", cwd=tmp_path).stdout
+    assert "nothing was learned" in status and "reward metric_exact never varied" in status
