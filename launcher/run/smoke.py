@@ -104,6 +104,13 @@ def sampled_step_seconds(measured: dict[str, Any]) -> Optional[float]:
     return step
 
 
+def examples_per_step(recipe, processes: int) -> int:
+    """The examples one optimizer step takes, all processes together: GRPO's batch counts answers, num_generations
+    of them per prompt (a step of 16 answers is 4 prompts). Counted as 16, the smoke test drew four steps' worth of
+    the longest prompts for its first step, and its measured steps were none of the full run's usual ones."""
+    return recipe.micro_batch_size * recipe.gradient_accumulation_steps * processes // _answers(recipe)
+
+
 def _answers(recipe) -> int:
     """Sequences each example trains as in a batch: GRPO's sampled answers per prompt, else 1."""
     return recipe.grpo.num_generations if recipe.objective_row.generates else 1
@@ -232,7 +239,7 @@ def run_smoke(
     from launcher.worker.engines import world_size
 
     processes = world_size(plan)  # all nodes' processes share the global batch
-    global_batch = recipe.micro_batch_size * recipe.gradient_accumulation_steps * processes
+    global_batch = examples_per_step(recipe, processes)
     parts = split.for_recipe(examples, recipe)  # held-out examples never train, here neither
     drawn = smoke_sample(
         [lengths[i] for i in parts.train],

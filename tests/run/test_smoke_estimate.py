@@ -4,7 +4,14 @@ import pytest
 
 from launcher.data.dataset import DataStats
 from launcher.recipe_loading import validate_recipe
-from launcher.run.smoke import estimate, export_seconds, memory_growth, step_seconds, training_tokens
+from launcher.run.smoke import (
+    estimate,
+    examples_per_step,
+    export_seconds,
+    memory_growth,
+    step_seconds,
+    training_tokens,
+)
 from launcher.run.views import format_smoke
 
 STATS = DataStats(
@@ -209,3 +216,12 @@ def test_grpo_prices_a_step_as_a_step_not_by_its_tokens(tmp_path):
     assert step_seconds(at_cap, tokens, recipe, stats, 1) == pytest.approx(120 * 0.30)
     # SFT keeps its fit on tokens
     assert step_seconds(noisy, tokens, _recipe(tmp_path, max_steps=120), stats, 1) != pytest.approx(120 * 0.30)
+
+
+def test_the_smoke_draws_a_grpo_step_as_its_prompts_not_its_answers(tmp_path):
+    """A GRPO step of 16 answers is 4 prompts (num_generations 4): the smoke's sample, its longest first step and its
+    step count are counted in prompts (launcher/run/smoke.py run_smoke)."""
+    grpo = _recipe(tmp_path, objective="grpo", grpo={"num_generations": 4}, micro_batch_size=16,
+                   gradient_accumulation_steps=1)
+    assert examples_per_step(grpo, 1) == 4 and examples_per_step(grpo, 2) == 8
+    assert examples_per_step(_recipe(tmp_path), 1) == 8  # SFT: micro 4 x accumulation 2
