@@ -225,3 +225,26 @@ def test_grpo_whose_rewards_never_vary_ends_nothing_learned_with_exit_7(write_re
     assert "no prompt's answers differed in reward (frac_reward_zero_std 1.0) at any logged step" in out
     status = ftrun("status", tmp_path / "run", cwd=tmp_path).stdout
     assert "nothing was learned" in status and "reward metric_exact never varied" in status
+
+
+def test_status_time_after_a_kill_9_counts_up_to_the_runs_last_sign_of_life(tmp_path):
+    """A supervisor killed by kill -9 leaves state.json saying running; status reads it as interrupted and counted
+    the last interval (44 s of running) as nothing: 51 s became 7 s. It now ends where the run last did something:
+    its log's, its metrics' or its state's last write, however long after the crash status is asked."""
+    import os
+
+    from launcher.store.checkpoint import atomic_write_json
+
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    now = time.time()
+    history = [{"state": "planned", "at": now - 60}, {"state": "smoking", "at": now - 58},
+               {"state": "running", "at": now - 51}]
+    atomic_write_json(run.state, {"state": "running", "history": history, "updated_at": now - 51,
+                                  "supervisor_pid": 999999})
+    run.log.write_text("[ftrun worker] step 40/120 ...\n")
+    os.utime(run.log, (now - 7, now - 7))  # the worker's last line, 7 s ago: then it died with its supervisor
+    s = facts.run_status(run)
+    assert s["state"] == "interrupted"
+    assert s["elapsed_seconds"] == pytest.approx(51, abs=1.5) and s["run_seconds"] == pytest.approx(44, abs=1.5), s
+    assert "time 51 s so far" in views.format_status(s)  # before: 7 s, the smoke test's alone
