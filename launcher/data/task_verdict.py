@@ -34,8 +34,10 @@ def start_keys(t: dict[str, Any]) -> tuple[str, str]:
     if not t.get("starting_point"):
         return BASE_ZERO_SHOT, BASE_FEW_SHOT
     scores = t.get("scores") or {}
-    if PARENT_ZERO_SHOT not in scores and PARENT_FEW_SHOT not in scores and (
-        BASE_ZERO_SHOT in scores or BASE_FEW_SHOT in scores
+    if (
+        PARENT_ZERO_SHOT not in scores
+        and PARENT_FEW_SHOT not in scores
+        and (BASE_ZERO_SHOT in scores or BASE_FEW_SHOT in scores)
     ):
         return BASE_ZERO_SHOT, BASE_FEW_SHOT
     return PARENT_ZERO_SHOT, PARENT_FEW_SHOT

@@ -128,7 +128,12 @@ def _sampled_rewards(ax, rows: list[dict[str, Any]]) -> None:
     std = [r.get("reward_std") or 0.0 for r in rows]
     names = list(reward_parts(rows[-1]))
     several = len(names) > 1
-    ax.plot(steps, mean, color="tab:purple", label="reward of the sampled answers (mean" + (", weighted sum)" if several else ")"))
+    ax.plot(
+        steps,
+        mean,
+        color="tab:purple",
+        label="reward of the sampled answers (mean" + (", weighted sum)" if several else ")"),
+    )
     ax.fill_between(
         steps,
         [m - d for m, d in zip(mean, std)],
@@ -154,11 +159,7 @@ def _sampled_rewards(ax, rows: list[dict[str, Any]]) -> None:
                 label=f"{name}" + (" (never varied)" if flat else ""),
             )
             ax.fill_between(
-                [g[0] for g in got],
-                [g[1] - g[2] for g in got],
-                [g[1] + g[2] for g in got],
-                color=colour,
-                alpha=0.1,
+                [g[0] for g in got], [g[1] - g[2] for g in got], [g[1] + g[2] for g in got], color=colour, alpha=0.1
             )
     ax.set_ylabel("reward")
     ax.set_xlabel("optimizer step")

@@ -352,9 +352,7 @@ def _task_eval_lines(run: RunDir) -> list[str]:
         PARENT_FEW_SHOT: f"parent adapter, {shots} examples in the prompt" if shots else "parent adapter, few-shot",
     }
     starts = (BASE_ZERO_SHOT, BASE_FEW_SHOT, PARENT_ZERO_SHOT, PARENT_FEW_SHOT)
-    order = [n for n in (BARE_BASE, *starts, FINE_TUNED) if n in scores] + [
-        n for n in scores if n not in names
-    ]
+    order = [n for n in (BARE_BASE, *starts, FINE_TUNED) if n in scores] + [n for n in scores if n not in names]
     reason = f": {record['metric_reason']}" if record.get("metric_reason") else ""
     lines = [
         "## Task evaluation",

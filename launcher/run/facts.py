@@ -69,6 +69,17 @@ def _trailing(rows: list[dict[str, Any]], holds) -> Optional[int]:
     return start
 
 
+def _part(row: dict[str, Any], name: str, which: str, apart: bool) -> Optional[float]:
+    """One reward's mean or std in a row (`apart`), else the weighted sum's (reward, reward_std)."""
+    if apart:
+        return (methods.reward_parts(row).get(name) or {}).get(which)
+    return row.get("reward" if which == "mean" else "reward_std")
+
+
+def _flat(spread: Optional[float]) -> bool:
+    return spread is not None and abs(spread) < _ZERO
+
+
 def reward_facts(train: list[dict[str, Any]]) -> dict[str, Any]:
     """GRPO's rewards in the training rows: each reward's mean and spread in the last logged row ("parts"), the
     rewards that stopped varying ("flat": each with its value, the step since which, whether over the whole run), and
@@ -80,31 +91,21 @@ def reward_facts(train: list[dict[str, Any]]) -> dict[str, Any]:
     last = rows[-1]
     parts = methods.reward_parts(last)
     flat = []
-    for name in parts or {"reward": None}:
-        if parts:
-            def spread(r, name=name):
-                return (methods.reward_parts(r).get(name) or {}).get("std")
-
-            def mean(r, name=name):
-                return (methods.reward_parts(r).get(name) or {}).get("mean")
-        else:  # the sum (old rows)
-            def spread(r):
-                return r.get("reward_std")
-
-            def mean(r):
-                return r.get("reward")
-        start = _trailing(rows, lambda r: spread(r) is not None and abs(spread(r)) < _ZERO)
+    for name in parts or ["reward"]:
+        start = _trailing(rows, lambda r, name=name: _flat(_part(r, name, "std", bool(parts))))
         if start is not None:
             flat.append(
                 {
                     "name": name,
-                    "value": mean(last),
+                    "value": _part(last, name, "mean", bool(parts)),
                     "since_step": rows[start]["step"],
                     "rows": len(rows) - start,
                     "whole_run": start == 0,
                 }
             )
-    start = _trailing(rows, lambda r: r.get("frac_reward_zero_std") is not None and r["frac_reward_zero_std"] >= 1 - _ZERO)
+    start = _trailing(
+        rows, lambda r: r.get("frac_reward_zero_std") is not None and r["frac_reward_zero_std"] >= 1 - _ZERO
+    )
     return {
         "parts": [{"name": n, **p} for n, p in parts.items()],
         "flat": flat,
@@ -361,7 +362,11 @@ def run_row(run: RunDir) -> dict[str, Any]:
         "loss": s["loss"],
         # what tells the run's progress: GRPO's reward, a preference objective's margin, else the loss
         "figure": next(
-            ((name, s[key]) for name, key in (("reward", "reward"), ("margin", "margin"), ("loss", "loss")) if s.get(key) is not None),
+            (
+                (name, s[key])
+                for name, key in (("reward", "reward"), ("margin", "margin"), ("loss", "loss"))
+                if s.get(key) is not None
+            ),
             None,
         ),
         "age_seconds": round(time.time() - max(times), 1) if times else None,

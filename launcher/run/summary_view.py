@@ -5,13 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from launcher.run.task_eval_view import format_task_eval
-from launcher.run.views import (
-    _mean_spread,
-    _summary_says_reason,
-    format_duration,
-    preference_accuracy,
-    reward_warnings,
-)
+from launcher.run.views import _mean_spread, _summary_says_reason, format_duration, preference_accuracy, reward_warnings
 
 
 # How the end of a run is headed, for every state that ends one (store/state.py ENDED; tests/test_tables.py).

@@ -224,8 +224,11 @@ def reward_warnings(flat: list[dict[str, Any]], no_variance: Optional[dict[str, 
         lines.append(
             f"  warning   {who} {when}; it gives GRPO nothing to learn from"
             # the other rewards still vary: this one adds only a constant to every answer's
-            + ("" if no_variance else " (check that it can score the answers this model gives, give it partial "
-               "credit, or remove it)")
+            + (
+                ""
+                if no_variance
+                else " (check that it can score the answers this model gives, give it partial credit, or remove it)"
+            )
         )
     nv = no_variance
     if nv:
@@ -327,7 +330,13 @@ def format_runs(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         step = f"{r['step']}/{r['total_steps']}" if r.get("total_steps") else str(r.get("step") or 0)
         figure = r.get("figure") or (("loss", r["loss"]) if r.get("loss") is not None else None)
-        said = "-" if figure is None else f"{figure[0]} {figure[1]:.4f}" if figure[0] == "loss" else f"{figure[0]} {figure[1]:.3f}"
+        said = (
+            "-"
+            if figure is None
+            else f"{figure[0]} {figure[1]:.4f}"
+            if figure[0] == "loss"
+            else f"{figure[0]} {figure[1]:.3f}"
+        )
         age = format_duration(r["age_seconds"]) + " ago" if r.get("age_seconds") is not None else "-"
         lines.append(f"{r['name']:<{width}}  {r['state']:<12}  {step:>13}  {said:>14}  {age:>9}")
     lines.append("details: ftrun status RUN_DIR (e.g. ftrun status runs/" + rows[0]["name"] + ")")

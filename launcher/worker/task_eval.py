@@ -316,7 +316,11 @@ def record(
         old = {}  # a statement written before, or another task: start over
     if task.get("starting_point"):  # a file written before the parent's rows had their own names: renamed here
         old = {
-            k: ({stored_name(task, n): v for n, v in old[k].items()} if isinstance(old.get(k), dict) and k in _BY_NAME else old[k])
+            k: (
+                {stored_name(task, n): v for n, v in old[k].items()}
+                if isinstance(old.get(k), dict) and k in _BY_NAME
+                else old[k]
+            )
             for k in old
         }
     results = {
@@ -349,7 +353,9 @@ def record(
         }
     best, _ = base_score(results)  # the base model's better prompt (data/task_verdict.py)
     results["fine_tune_pays"] = (
-        task_metrics.fine_tune_pays(best) if results["scores"].get(stored_name(task, BASE_FEW_SHOT)) is not None else None
+        task_metrics.fine_tune_pays(best)
+        if results["scores"].get(stored_name(task, BASE_FEW_SHOT)) is not None
+        else None
     )
     results["verdict"] = verdict(results)
     atomic_write_json(path, results)

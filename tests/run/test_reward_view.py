@@ -49,13 +49,18 @@ def _write_rows(run: RunDir, windows: list[dict], capsys) -> list[str]:
     from launcher.worker.callbacks import build_callbacks
 
     recipe = SimpleNamespace(
-        checkpoint_every_minutes=10.0, eval=SimpleNamespace(every_minutes=10.0), objective_row=methods.OBJECTIVES["grpo"]
+        checkpoint_every_minutes=10.0,
+        eval=SimpleNamespace(every_minutes=10.0),
+        objective_row=methods.OBJECTIVES["grpo"],
     )
     _, metrics_cb = build_callbacks(run, recipe, "full", "cpu", {}, None)
     metrics_cb.t_last = time.monotonic()
     for step, logs in zip(STEPS, windows):
         state = SimpleNamespace(
-            global_step=step, max_steps=STEPS[-1], num_input_tokens_seen=int(logs["num_tokens"]), epoch=logs["epoch"],
+            global_step=step,
+            max_steps=STEPS[-1],
+            num_input_tokens_seen=int(logs["num_tokens"]),
+            epoch=logs["epoch"],
             is_world_process_zero=True,
         )
         metrics_cb.on_log(None, state, None, logs=dict(logs))
@@ -127,7 +132,9 @@ def test_a_reward_that_stopped_varying_is_named_with_the_step_since(tmp_path, ca
     assert "reward 1.000 +- 0.000, 100% of prompts without reward variance" in lines[-1]
     assert "(metric_text" not in lines[-1]  # one reward: the sum is it
     status = views.format_status(facts.run_status(run))
-    assert "reward metric_text has not varied since step 10: 1.000 for every answer at the last 5 logged steps" in status
+    assert (
+        "reward metric_text has not varied since step 10: 1.000 for every answer at the last 5 logged steps" in status
+    )
     assert "no prompt's answers differed in reward (frac_reward_zero_std 1.0) since step 10" in status
     assert "more answers per prompt (grpo.num_generations) or a higher grpo.temperature" in status
 
@@ -178,7 +185,11 @@ def test_a_run_whose_rewards_never_varied_ends_as_nothing_learned_not_as_a_faile
     _write_rows(run, [_trl_logs(s, {"metric_exact": (0.0, 0.0)}, {"metric_exact": 1.0}, 1.0) for s in STEPS], capsys)
     grpo = SimpleNamespace(objective_row=methods.OBJECTIVES["grpo"])
     found = _learned_nothing(grpo, run)
-    assert found["logged_steps"] == 6 and found["step"] == 30 and found["rewards"] == [{"name": "metric_exact", "mean": 0.0}]
+    assert (
+        found["logged_steps"] == 6
+        and found["step"] == 30
+        and found["rewards"] == [{"name": "metric_exact", "mean": 0.0}]
+    )
     reason = views.nothing_learned_reason(found)
     assert reason.startswith(
         "nothing was learned: at all 6 logged steps up to step 30 no prompt's sampled answers differed in reward "
@@ -218,7 +229,9 @@ def test_grpo_whose_rewards_never_vary_ends_nothing_learned_with_exit_7(write_re
     assert res.returncode == EXIT_NOTHING_LEARNED, out[-3000:]
     st = read_state(tmp_path / "run")
     assert st["state"] == "failed" and st["ending"]["by"] == "no-reward-variance", st
-    assert st["reason"].startswith("nothing was learned: at all 2 logged steps up to step 4 no prompt's sampled answers")
+    assert st["reason"].startswith(
+        "nothing was learned: at all 2 logged steps up to step 4 no prompt's sampled answers"
+    )
     assert "metric_exact 0.000 on average" in st["reason"] and "resuming will not help" in st["reason"]
     assert "run the same command to resume" not in out
     assert "== run FAILED at step 4/4" in out and "warning   reward metric_exact never varied" in out
@@ -238,10 +251,14 @@ def test_status_time_after_a_kill_9_counts_up_to_the_runs_last_sign_of_life(tmp_
     run = RunDir(tmp_path / "run")
     run.root.mkdir()
     now = time.time()
-    history = [{"state": "planned", "at": now - 60}, {"state": "smoking", "at": now - 58},
-               {"state": "running", "at": now - 51}]
-    atomic_write_json(run.state, {"state": "running", "history": history, "updated_at": now - 51,
-                                  "supervisor_pid": 999999})
+    history = [
+        {"state": "planned", "at": now - 60},
+        {"state": "smoking", "at": now - 58},
+        {"state": "running", "at": now - 51},
+    ]
+    atomic_write_json(
+        run.state, {"state": "running", "history": history, "updated_at": now - 51, "supervisor_pid": 999999}
+    )
     run.log.write_text("[ftrun worker] step 40/120 ...\n")
     os.utime(run.log, (now - 7, now - 7))  # the worker's last line, 7 s ago: then it died with its supervisor
     s = facts.run_status(run)

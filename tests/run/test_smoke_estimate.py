@@ -4,14 +4,7 @@ import pytest
 
 from launcher.data.dataset import DataStats
 from launcher.recipe_loading import validate_recipe
-from launcher.run.smoke import (
-    estimate,
-    examples_per_step,
-    export_seconds,
-    memory_growth,
-    step_seconds,
-    training_tokens,
-)
+from launcher.run.smoke import estimate, examples_per_step, export_seconds, memory_growth, step_seconds, training_tokens
 from launcher.run.views import format_smoke
 
 STATS = DataStats(
@@ -198,8 +191,13 @@ def test_grpo_prices_a_step_as_a_step_not_by_its_tokens(tmp_path):
         max_steps=120,
     )
     stats = DataStats(
-        examples=256, total_tokens=15_448, mean_tokens=60.3, max_tokens=200, over_max_length=0,
-        tokens_source="tokenizer", max_length=512,
+        examples=256,
+        total_tokens=15_448,
+        mean_tokens=60.3,
+        max_tokens=200,
+        over_max_length=0,
+        tokens_source="tokenizer",
+        max_length=512,
     )
     measured = {"tokens_per_second": 5654.7, "step_costs": [[1980, 0.3906], [1353, 0.1988]]}
     tokens = training_tokens(recipe, stats, processes=1)
@@ -210,7 +208,13 @@ def test_grpo_prices_a_step_as_a_step_not_by_its_tokens(tmp_path):
     assert step_seconds(noisy, tokens, recipe, stats, 1) == pytest.approx(120 * 0.30)
     # answers that ended sooner than the cap in the smoke may reach it as the model learns: the sampling part of a
     # step (half of it here) priced at the cap, 16 tokens against the smoke's longest of 8: 0.30 * (1 + 0.5 * 1)
-    grown = {**noisy, "sampling_seconds": 1.0, "seconds": 2.0, "sampling_longest": [8, 8, 8], "max_completion_length": 16}
+    grown = {
+        **noisy,
+        "sampling_seconds": 1.0,
+        "seconds": 2.0,
+        "sampling_longest": [8, 8, 8],
+        "max_completion_length": 16,
+    }
     assert step_seconds(grown, tokens, recipe, stats, 1) == pytest.approx(120 * 0.45)
     at_cap = {**grown, "sampling_longest": [16, 16, 16]}
     assert step_seconds(at_cap, tokens, recipe, stats, 1) == pytest.approx(120 * 0.30)
@@ -221,7 +225,8 @@ def test_grpo_prices_a_step_as_a_step_not_by_its_tokens(tmp_path):
 def test_the_smoke_draws_a_grpo_step_as_its_prompts_not_its_answers(tmp_path):
     """A GRPO step of 16 answers is 4 prompts (num_generations 4): the smoke's sample, its longest first step and its
     step count are counted in prompts (launcher/run/smoke.py run_smoke)."""
-    grpo = _recipe(tmp_path, objective="grpo", grpo={"num_generations": 4}, micro_batch_size=16,
-                   gradient_accumulation_steps=1)
+    grpo = _recipe(
+        tmp_path, objective="grpo", grpo={"num_generations": 4}, micro_batch_size=16, gradient_accumulation_steps=1
+    )
     assert examples_per_step(grpo, 1) == 4 and examples_per_step(grpo, 2) == 8
     assert examples_per_step(_recipe(tmp_path), 1) == 8  # SFT: micro 4 x accumulation 2

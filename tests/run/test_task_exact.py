@@ -51,7 +51,10 @@ def test_a_chrf_gain_while_exact_stayed_is_not_called_better(tmp_path):
     t = task_eval.record(tmp_path, task, "fine_tuned", after)
     saved = json.loads((tmp_path / "task_eval.json").read_text())
     # the parent adapter's rows are named for it (init_from), the old name read still (task_verdict.start_keys)
-    assert saved["exact_beside"] == {"parent_zero_shot": 0.0, "fine_tuned": 0.0} and "base_zero_shot" not in saved["scores"]
+    assert (
+        saved["exact_beside"] == {"parent_zero_shot": 0.0, "fine_tuned": 0.0}
+        and "base_zero_shot" not in saved["scores"]
+    )
 
     said = task_verdict.verdict(t)
     assert ": better on the task" not in said, said
