@@ -261,7 +261,7 @@ def _objective_words(row: dict[str, Any]) -> str:
         + (
             " ("
             + ", ".join(
-                f"{name} {p['mean'] if p['mean'] is not None else float('nan'):.3f} +- {p['std'] or 0:.3f}"
+                (f"{name} {p['mean']:.3f} +- {p['std'] or 0:.3f}" if p["mean"] is not None else f"{name} none scored")
                 for name, p in parts.items()
             )
             + ")"
