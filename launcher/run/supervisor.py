@@ -69,7 +69,6 @@ def _learned_nothing(recipe, run: RunDir) -> Optional[dict[str, Any]]:
         "step": train_rows[-1]["step"],
         "rewards": [{"name": p["name"], "mean": p["mean"]} for p in facts["parts"]]
         or [{"name": "reward", "mean": train_rows[-1].get("reward")}],
-        "resume_command": read_state(run).get("resume_command"),
     }
 
 
