@@ -275,6 +275,14 @@ def format_smoke(report: dict[str, Any]) -> str:
         )
     ]
     note = memory_note(report)
+    tied = report.get("frac_reward_zero_std") or []
+    if tied and all(v >= 1 - 1e-9 for v in tied):  # GRPO: said before the full run, not a stop (sparse rewards start)
+        said = (
+            f"in all {len(tied)} steps of the smoke test no prompt's answers differed in reward (frac_reward_zero_std "
+            "1.0): every advantage was 0 and nothing was learned; a sparse reward may start to vary later, but if it "
+            f"does not, the full run learns nothing. Fix: {REWARD_SIGNAL_FIX}"
+        )
+        note = f"{note}\nnote: {said}" if note else said
     split = ", ".join(f"{name} {format_duration(sec)}" for name, sec in parts if sec and sec >= 0.5)
     return (
         f"smoke test: {report['measured_steps']} measured steps, {report['tokens_per_second']:,.0f} tokens/s"

@@ -186,6 +186,8 @@ def build_callbacks(
             self.tokens_last = 0
             self.step_times: list[tuple[int, float, int]] = []  # (step, monotonic, tokens seen)
             self.eval_seconds: Optional[float] = None  # the last eval pass (the smoke's is priced for the ETA)
+            # GRPO: each logged step's share of prompts whose answers all scored the same (the smoke test's note)
+            self.zero_std: list[float] = []
 
         def on_train_begin(self, args, state, control, **kw):
             if state.is_world_process_zero and kw.get("optimizer") is not None:
@@ -235,6 +237,8 @@ def build_callbacks(
             row.update({k: float(logs[k]) for k in recipe.objective_row.logged if logs.get(k) is not None})
             # GRPO: each reward function's mean and spread apart (TRL's rewards/<name>/mean, /std: methods.py)
             row.update({k: float(v) for k, v in logs.items() if methods.is_reward_part(k) and v is not None})
+            if row.get("frac_reward_zero_std") is not None:
+                self.zero_std.append(row["frac_reward_zero_std"])
             self.t_last, self.tokens_last = now, tokens
             _emit(
                 run,

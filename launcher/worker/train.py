@@ -489,6 +489,8 @@ def run_worker(run_dir: Path, mode: str) -> int:
                             # each generate call's longest answer, and the cap the full run's may grow to
                             "sampling_longest": trainer.sampling_longest,
                             "max_completion_length": recipe.grpo.max_completion_length,
+                            # each step's share of prompts whose answers all scored the same (logged every step here)
+                            "frac_reward_zero_std": metrics.zero_std,
                         }
                         if generates
                         else {}

@@ -208,8 +208,9 @@ def test_a_run_whose_rewards_never_varied_ends_as_nothing_learned_not_as_a_faile
 @pytest.mark.slow
 def test_grpo_whose_rewards_never_vary_ends_nothing_learned_with_exit_7(write_recipe, tmp_path):
     """End to end on the random tiny model: exact match on the demo's sentence references scores every sampled answer
-    0, so no prompt's answers differ, every advantage is 0 and every lora_B stays at its initial zero. The run ends
-    failed with exit 7 and why, not exit 5 with "run the same command to resume"; status and the summary say it."""
+    0, so no prompt's answers differ, every advantage is 0 and every lora_B stays at its initial zero. The smoke test
+    notes it first; the run ends failed with exit 7 and why, not exit 5 with "run the same command to resume"; status
+    and the summary say it."""
     from helpers import ftrun, read_state
 
     from launcher.errors import EXIT_NOTHING_LEARNED
@@ -224,9 +225,11 @@ def test_grpo_whose_rewards_never_vary_ends_nothing_learned_with_exit_7(write_re
         logging_steps=2,
         checkpoint_every_minutes=10,
     )
-    res = ftrun(recipe, "--foreground", "smoke.enabled=false", cwd=tmp_path)
+    res = ftrun(recipe, "--foreground", cwd=tmp_path)
     out = res.stdout + res.stderr
     assert res.returncode == EXIT_NOTHING_LEARNED, out[-3000:]
+    # said first by the smoke test, before the full run (a note: a sparse reward may start to vary later)
+    assert "note: in all 3 steps of the smoke test no prompt's answers differed in reward" in out, out[-3000:]
     st = read_state(tmp_path / "run")
     assert st["state"] == "failed" and st["ending"]["by"] == "no-reward-variance", st
     assert st["reason"].startswith(

@@ -230,3 +230,26 @@ def test_the_smoke_draws_a_grpo_step_as_its_prompts_not_its_answers(tmp_path):
     )
     assert examples_per_step(grpo, 1) == 4 and examples_per_step(grpo, 2) == 8
     assert examples_per_step(_recipe(tmp_path), 1) == 8  # SFT: micro 4 x accumulation 2
+
+
+def test_the_smoke_output_notes_grpo_rewards_that_never_varied_in_its_steps():
+    """Before the full run: a smoke test in which no prompt's answers differed in reward at any step (exact match on a
+    model that never answers right) learned nothing, and so will the full run unless the reward starts to vary."""
+    report = {
+        "measured_steps": 5,
+        "tokens_per_second": 1000.0,
+        "peak_memory_gb": 0.7,
+        "device": "cpu",
+        "training_tokens": 80000,
+        "estimated_seconds": 60.0,
+        "price_per_hour_eur": 0.0,
+        "sampling_share": 0.4,
+    }
+    tied = format_smoke({**report, "frac_reward_zero_std": [1.0] * 6})
+    assert tied.splitlines()[-1].startswith(
+        "note: in all 6 steps of the smoke test no prompt's answers differed in reward (frac_reward_zero_std 1.0): "
+        "every advantage was 0 and nothing was learned"
+    ), tied
+    assert "more answers per prompt (grpo.num_generations)" in tied
+    assert "note:" not in format_smoke({**report, "frac_reward_zero_std": [1.0, 0.75, 1.0, 1.0, 1.0, 1.0]})
+    assert "note:" not in format_smoke(report)  # SFT, or a smoke.json written before
