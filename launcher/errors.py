@@ -17,6 +17,9 @@ EXIT_DOES_NOT_FIT = 3  # the plan finds no way to run the job on this box
 EXIT_SMOKE_FAILED = 4
 EXIT_RUN_FAILED = 5
 EXIT_BUSY = 6  # another ftrun owns the run directory
+# the run trained to its end and learned nothing: GRPO whose rewards never varied among a prompt's answers (every
+# advantage 0); a resume would do the same, the recipe's rewards or sampling must change
+EXIT_NOTHING_LEARNED = 7
 
 # The worker's own exit codes (launcher/worker/exits.py), read by the supervisor and the smoke test.
 EXIT_STOPPED = 77  # stopped by SIGTERM/SIGINT after saving a checkpoint (preemption, `ftrun stop`)

@@ -13,7 +13,7 @@ may import no stage above it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 
 @dataclass(frozen=True)
@@ -182,6 +182,31 @@ _SAMPLED = (
     "kl",
     "entropy",
 )
+# TRL's figures of each reward function apart (grpo_trainer.py _generate_and_score_completions): rewards/<name>/mean
+# and rewards/<name>/std over every sampled answer, <name> the function's __name__ (trl/trainer/utils.py
+# get_callable_name; a task metric's is metric_<metric>, launcher/data/rewards.py metric_reward). The worker keeps them
+# in metrics.jsonl as TRL names them; `reward_parts` reads them back.
+_PER_REWARD = ("rewards/", "/mean", "/std")
+
+
+def is_reward_part(key: str) -> bool:
+    """Whether a logged key is one reward's mean or spread (rewards/<name>/mean, /std), not DPO's rewards/margins."""
+    prefix, mean, std = _PER_REWARD
+    return key.startswith(prefix) and (key.endswith(mean) or key.endswith(std)) and key.count("/") >= 2
+
+
+def reward_parts(row: dict[str, Any]) -> dict[str, dict[str, Optional[float]]]:
+    """Each reward's {"mean", "std"} in a logged row, by name, in the row's order (empty for a row without them)."""
+    prefix, mean, std = _PER_REWARD
+    out: dict[str, dict[str, Optional[float]]] = {}
+    for key, value in row.items():
+        if not is_reward_part(key):
+            continue
+        name, _, which = key[len(prefix) :].rpartition("/")
+        out.setdefault(name, {"mean": None, "std": None})[which] = value
+    return out
+
+
 # The recipe's default objective, and the one runs trained before objectives existed (their trajectory hash has none)
 DEFAULT_OBJECTIVE = "sft"
 

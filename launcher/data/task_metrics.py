@@ -128,11 +128,35 @@ def choose(references: list[str]) -> tuple[str, str]:
             f"word{'' if longest == 1 else 's'}): "
             "accuracy after whitespace and case normalisation"
         )
+    if n and single_tokens(references):
+        # a number or a one-word label is right or wrong: chrF would credit "2." against "12" for the characters
+        # they share (a GRPO run rewarded by chrF on sums learned to answer "2." to everything: 0% -> 12% chrF,
+        # 0% -> 0% exact)
+        numbers = all(_is_number(r) for r in references)
+        return "exact", (
+            f"the {n} references are single {'numbers' if numbers else 'words'} ({len(labels)} distinct): "
+            "right or wrong, accuracy after whitespace and case normalisation (chrF would credit shared characters)"
+        )
     return "text", (
         f"the {n} references are free text ({len(labels)} distinct, up to {longest} "
         f"word{'' if longest == 1 else 's'}): chrF, "
         "plus exact match"
     )
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(str(text).strip().rstrip(".").replace(",", ""))
+    except ValueError:
+        return False
+    return True
+
+
+def single_tokens(references: list[str]) -> bool:
+    """Every reference one word or number (a trailing full stop allowed): a label or a numeric answer, where exact
+    match is what tells right from wrong (`choose` picks it; beside another metric, task_eval.json and the summary show
+    it too)."""
+    return bool(references) and all(len(str(r).split()) == 1 for r in references)
 
 
 def _exact(answers: list[str], references: list[str]) -> list[float]:

@@ -16,6 +16,31 @@ BASE_ZERO_SHOT, BASE_FEW_SHOT, FINE_TUNED = "base_zero_shot", "base_few_shot", "
 # base model without any adapter, zero-shot, so a chain (SFT, then DPO or GRPO) reads against the bare base too
 BARE_BASE = "bare_base_zero_shot"
 BARE_BASE_LABEL = "base model without the adapter, zero-shot"
+# ... and its starting point's rows are named for it: the parent adapter, zero-shot and with examples. task_eval.json
+# files written before 2026-12-06 call them base_zero_shot and base_few_shot beside a starting_point: read as these.
+PARENT_ZERO_SHOT, PARENT_FEW_SHOT = "parent_zero_shot", "parent_few_shot"
+_AS_PARENT = {BASE_ZERO_SHOT: PARENT_ZERO_SHOT, BASE_FEW_SHOT: PARENT_FEW_SHOT}
+
+
+def stored_name(t: dict[str, Any], name: str) -> str:
+    """The name task_eval.json keeps a score under: a run from a parent adapter (its task's or results'
+    starting_point) scores the parent where another scores the base model, and names it so."""
+    return _AS_PARENT.get(name, name) if t.get("starting_point") else name
+
+
+def start_keys(t: dict[str, Any]) -> tuple[str, str]:
+    """The names of the starting point's zero-shot and few-shot scores in `t`: the parent's (init_from), under their
+    old base_ names in a file written before they had their own, else the base model's."""
+    if not t.get("starting_point"):
+        return BASE_ZERO_SHOT, BASE_FEW_SHOT
+    scores = t.get("scores") or {}
+    if (
+        PARENT_ZERO_SHOT not in scores
+        and PARENT_FEW_SHOT not in scores
+        and (BASE_ZERO_SHOT in scores or BASE_FEW_SHOT in scores)
+    ):
+        return BASE_ZERO_SHOT, BASE_FEW_SHOT
+    return PARENT_ZERO_SHOT, PARENT_FEW_SHOT
 
 
 def pct(value: float) -> str:
@@ -33,8 +58,9 @@ def base_score(t: dict[str, Any]) -> tuple[Optional[float], str]:
     in it (the article's "good prompt with a few examples") or without (a model the examples confuse, or one
     already trained on the task, answers better without them); with examples where both score the same."""
     scores, shots = t.get("scores") or {}, t.get("shots")
-    few = scores.get(BASE_FEW_SHOT) if shots != 0 else None
-    zero = scores.get(BASE_ZERO_SHOT)
+    zero_key, few_key = start_keys(t)
+    few = scores.get(few_key) if shots != 0 else None
+    zero = scores.get(zero_key)
     start = start_name(t)
     if few is not None and (zero is None or few >= zero):
         return few, f"{start} with {shots} examples" if shots else f"{start} with examples"
@@ -42,13 +68,15 @@ def base_score(t: dict[str, Any]) -> tuple[Optional[float], str]:
 
 
 def base_key(t: dict[str, Any]) -> Optional[str]:
-    """The score name base_score reads (BASE_FEW_SHOT or BASE_ZERO_SHOT), None when neither is scored."""
+    """The score name base_score reads (the starting point's few-shot or zero-shot: start_keys), None when neither is
+    scored."""
     scores, shots = t.get("scores") or {}, t.get("shots")
-    few = scores.get(BASE_FEW_SHOT) if shots != 0 else None
-    zero = scores.get(BASE_ZERO_SHOT)
+    zero_key, few_key = start_keys(t)
+    few = scores.get(few_key) if shots != 0 else None
+    zero = scores.get(zero_key)
     if few is not None and (zero is None or few >= zero):
-        return BASE_FEW_SHOT
-    return BASE_ZERO_SHOT if zero is not None else None
+        return few_key
+    return zero_key if zero is not None else None
 
 
 def difference(t: dict[str, Any]) -> Optional[dict[str, Any]]:
@@ -61,9 +89,10 @@ def difference(t: dict[str, Any]) -> Optional[dict[str, Any]]:
     gain = int(pct(scores[FINE_TUNED]).rstrip("%")) - int(pct(scores[key]).rstrip("%"))
     mine, theirs = ((t.get("per_example") or {}).get(k) for k in (FINE_TUNED, key))
     n = int(t.get("examples") or len(mine or []) or 0)
-    noise = None
+    noise, unchanged = None, False
     if mine and theirs and len(mine) == len(theirs) and len(mine) > 1:
         d = [a - b for a, b in zip(mine, theirs)]
+        unchanged = all(abs(x) < 1e-9 for x in d)
         mean = sum(d) / len(d)
         spread = (sum((x - mean) ** 2 for x in d) / (len(d) - 1)) ** 0.5
         noise = 100 * 2 * spread / len(d) ** 0.5
@@ -75,7 +104,30 @@ def difference(t: dict[str, Any]) -> Optional[dict[str, Any]]:
         "within": noise is not None and abs(gain) <= noise,
         "n": n,
         "paired": bool(mine and theirs),
+        "unchanged": unchanged,  # every example scored as before: no noise to speak of
     }
+
+
+def exact_pair(t: dict[str, Any]) -> Optional[tuple[float, float]]:
+    """(the base score's exact match, the fine-tuned one's) where task_eval.json shows exact beside another metric
+    (single-word or numeric references: worker/task_eval.py record); None otherwise."""
+    beside, key = t.get("exact_beside") or {}, base_key(t)
+    if key is None or beside.get(key) is None or beside.get(FINE_TUNED) is None:
+        return None
+    return beside[key], beside[FINE_TUNED]
+
+
+def _judged(t: dict[str, Any], diff: dict[str, Any], word: str) -> tuple[str, str]:
+    """(the change in words, what follows the scores): better, worse or no measurable change by the metric, and where
+    exact match is shown beside it, "no better" when that stayed (a chrF gain of shared characters)."""
+    change = "no measurable change" if diff["within"] else "better" if diff["gain"] > 0 else "worse"
+    pair = exact_pair(t)
+    if pair is None:
+        return change, ""
+    said = f"; exact {pct(pair[0])} -> {pct(pair[1])}"
+    if change == "better" and pair[1] <= pair[0]:
+        return "no better", said + f": the {word} gain is credit for shared characters, not right answers"
+    return change, said
 
 
 def noise_words(diff: dict[str, Any]) -> str:
@@ -86,8 +138,12 @@ def noise_words(diff: dict[str, Any]) -> str:
         return said
     if not diff.get("paired"):
         return said + f", one example of {diff['n']} being worth {diff['noise']:.0f}"
+    if diff.get("unchanged"):
+        return said + f": each of the {diff['n']} examples scored as before"
     where = "within" if diff["within"] else "beyond"
-    return said + f", {where} the ±{diff['noise']:.0f}-point noise of {diff['n']} examples"
+    # a noise under half a point is said with its decimal: "±0-point noise" reads as none
+    noise = f"{diff['noise']:.0f}" if diff["noise"] >= 0.5 else f"{diff['noise']:.1f}"
+    return said + f", {where} the ±{noise}-point noise of {diff['n']} examples"
 
 
 def verdict(t: dict[str, Any], price: str = "") -> str:
@@ -116,10 +172,10 @@ def verdict(t: dict[str, Any], price: str = "") -> str:
     if diff is not None and t.get("starting_point"):  # a step from a parent adapter is judged against where it started
         metric = t.get("metric")
         word = metric_word(metric) or "score"
-        change = "no measurable change" if diff["within"] else "better" if diff["gain"] > 0 else "worse"
+        change, exact = _judged(t, diff, word)
         return (
             f"this run against the {who}: {change} on the task ({pct(t['scores'][FINE_TUNED])} against "
-            f"{pct(score)} {word}, {noise_words(diff)})"
+            f"{pct(score)} {word}, {noise_words(diff)}{exact})"
         )
     metric = t.get("metric")
     word = metric_word(metric) or "score"
@@ -133,11 +189,11 @@ def verdict(t: dict[str, Any], price: str = "") -> str:
         else:
             said = f"{who}: {pct(score)} {word}, below the {pct(PAYS_BELOW)} a prompt would need"
         onward = "training on from it" if t.get("starting_point") else "fine-tuning"
-        if diff is not None and (diff["within"] or diff["gain"] < 0):  # after training: the run did not deliver it
-            change = "no measurable change" if diff["within"] else "worse"
+        change, exact = _judged(t, diff, word) if diff is not None else ("", "")
+        if diff is not None and change != "better":  # after training: the run did not deliver it
             return (
                 f"{said}, so {onward} should pay; this run did not: {change} on the task "
-                f"({pct(t['scores'][FINE_TUNED])} against {pct(score)} {word}, {noise_words(diff)})"
+                f"({pct(t['scores'][FINE_TUNED])} against {pct(score)} {word}, {noise_words(diff)}{exact})"
             )
         return f"{said}: {onward} pays"
     said = f"right in {pct(score)}" if metric == "exact" else f"{pct(score)} {word}"

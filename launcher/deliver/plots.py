@@ -118,11 +118,22 @@ def _rewards(ax, margins: list[dict[str, Any]], held: list[dict[str, Any]]) -> N
 
 
 def _sampled_rewards(ax, rows: list[dict[str, Any]]) -> None:
-    """GRPO: the mean reward of each logged window's sampled answers, with their standard deviation as a band."""
+    """GRPO: the mean reward of each logged window's sampled answers, with their standard deviation as a band; with
+    several rewards, each one's mean and spread too (TRL's rewards/<name>/mean, /std), a reward that never varied
+    marked so in its label."""
+    from launcher.methods import reward_parts
+
     steps = [r["step"] for r in rows]
     mean = [r["reward"] for r in rows]
     std = [r.get("reward_std") or 0.0 for r in rows]
-    ax.plot(steps, mean, color="tab:purple", label="reward of the sampled answers (mean)")
+    names = list(reward_parts(rows[-1]))
+    several = len(names) > 1
+    ax.plot(
+        steps,
+        mean,
+        color="tab:purple",
+        label="reward of the sampled answers (mean" + (", weighted sum)" if several else ")"),
+    )
     ax.fill_between(
         steps,
         [m - d for m, d in zip(mean, std)],
@@ -131,6 +142,25 @@ def _sampled_rewards(ax, rows: list[dict[str, Any]]) -> None:
         alpha=0.2,
         label="+- their standard deviation",
     )
+    if several:
+        colours = ("tab:blue", "tab:green", "tab:red", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray")
+        for k, name in enumerate(names):
+            got = [(r["step"], reward_parts(r).get(name) or {}) for r in rows]
+            got = [(step, p["mean"], p.get("std") or 0.0) for step, p in got if p.get("mean") is not None]
+            if not got:
+                continue
+            flat = all(abs(d) < 1e-9 for _, _, d in got)
+            colour = colours[k % len(colours)]
+            ax.plot(
+                [g[0] for g in got],
+                [g[1] for g in got],
+                color=colour,
+                linestyle="--",
+                label=f"{name}" + (" (never varied)" if flat else ""),
+            )
+            ax.fill_between(
+                [g[0] for g in got], [g[1] - g[2] for g in got], [g[1] + g[2] for g in got], color=colour, alpha=0.1
+            )
     ax.set_ylabel("reward")
     ax.set_xlabel("optimizer step")
     ax.grid(alpha=0.3)

@@ -17,6 +17,7 @@ from launcher.run import facts, task_eval_view
 from launcher.run.pipeline import prepare_only
 from launcher.run.run_dirs import run_dir_of
 from launcher.run.task_baseline import EXIT_WORKER_BAD_INPUT, run_worker, settled, training_began
+from launcher.data.task_verdict import start_keys
 from launcher.store.state import set_state
 
 
@@ -25,12 +26,13 @@ def _say(line: str) -> None:
 
 
 def as_json(t: dict[str, Any]) -> dict[str, Any]:
-    """`ftrun baseline --json`: the metric, the examples, the base model's two scores, the verdict."""
+    """`ftrun baseline --json`: the metric, the examples, the starting point's two scores (the base model's, or
+    the parent adapter's under init_from: start_keys), the verdict."""
     scores = t.get("scores") or {}
     out = {
         "metric": t.get("metric"),
         "examples": t.get("examples"),
-        "scores": {n: scores.get(n) for n in task_eval_view.BASE_SCORES},
+        "scores": {n: scores.get(n) for n in task_eval_view.BASE_SCORES if n in scores or n in start_keys(t)},
         "verdict": task_eval_view.task_verdict(t),
         "fine_tune_pays": t.get("fine_tune_pays"),
     }

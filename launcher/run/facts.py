@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from launcher import methods
 from launcher.plan.mfu import model_flops_utilization
 from launcher.run.commands import serve_command
 from launcher.run.views import rank_end_text
@@ -49,6 +50,71 @@ def metrics_rows(path: Path) -> list[dict[str, Any]]:
         except ValueError:
             continue
     return rows
+
+
+# A reward whose spread was 0 in each of this many logged rows in a row, up to the last, has stopped varying (fewer
+# rows logged: all of them). TRL logs each reward's spread over every sampled answer of the logging window.
+FLAT_WINDOW = 5
+_ZERO = 1e-9
+
+
+def _trailing(rows: list[dict[str, Any]], holds) -> Optional[int]:
+    """The index where the stretch of rows for which `holds` is true up to the last row begins; None if the last
+    row breaks it, or the stretch is shorter than FLAT_WINDOW while more rows were logged."""
+    start = len(rows)
+    while start > 0 and holds(rows[start - 1]):
+        start -= 1
+    if start == len(rows) or len(rows) - start < min(FLAT_WINDOW, len(rows)):
+        return None
+    return start
+
+
+def _part(row: dict[str, Any], name: str, which: str, apart: bool) -> Optional[float]:
+    """One reward's mean or std in a row (`apart`), else the weighted sum's (reward, reward_std)."""
+    if apart:
+        return (methods.reward_parts(row).get(name) or {}).get(which)
+    return row.get("reward" if which == "mean" else "reward_std")
+
+
+def _flat(spread: Optional[float]) -> bool:
+    return spread is not None and abs(spread) < _ZERO
+
+
+def reward_facts(train: list[dict[str, Any]]) -> dict[str, Any]:
+    """GRPO's rewards in the training rows: each reward's mean and spread in the last logged row ("parts"), the
+    rewards that stopped varying ("flat": each with its value, the step since which, whether over the whole run), and
+    whether no prompt's answers differed in reward ("no_variance": frac_reward_zero_std 1.0, nothing to learn from).
+    Rows written before each reward was kept apart have only the weighted sum: it stands for them."""
+    rows = [r for r in train if r.get("reward") is not None]
+    if not rows:
+        return {}
+    last = rows[-1]
+    parts = methods.reward_parts(last)
+    flat = []
+    for name in parts or ["reward"]:
+        start = _trailing(rows, lambda r, name=name: _flat(_part(r, name, "std", bool(parts))))
+        if start is not None:
+            flat.append(
+                {
+                    "name": name,
+                    "value": _part(last, name, "mean", bool(parts)),
+                    "since_step": rows[start]["step"],
+                    "rows": len(rows) - start,
+                    "whole_run": start == 0,
+                }
+            )
+    start = _trailing(
+        rows, lambda r: r.get("frac_reward_zero_std") is not None and r["frac_reward_zero_std"] >= 1 - _ZERO
+    )
+    return {
+        "parts": [{"name": n, **p} for n, p in parts.items()],
+        "flat": flat,
+        "no_variance": (
+            {"since_step": rows[start]["step"], "rows": len(rows) - start, "whole_run": start == 0}
+            if start is not None
+            else None
+        ),
+    }
 
 
 def _box_seconds(
@@ -151,6 +217,8 @@ def run_status(run: RunDir) -> dict[str, Any]:
         # GRPO's sampled answers (launcher/methods.py logged): their rewards' mean and spread in the last logged row
         "reward": last.get("reward"),
         "reward_std": last.get("reward_std"),
+        # each reward apart, and those that stopped varying (reward_facts: every logged row is read for it)
+        **(_reward_status(run) if last.get("reward") is not None else {}),
         "tokens_per_second": last.get("tokens_per_second"),
         "mfu": (model_flops_utilization(plan, last.get("tokens_per_second")) if plan.get("device") == "cuda" else None),
         "tokens_seen": last.get("tokens_seen"),
@@ -198,7 +266,7 @@ def run_status(run: RunDir) -> dict[str, Any]:
         "task_eval": task_eval(run),
         **sync_status_fields(run),
     }
-    s.update(time_and_money(s, data.get("history", []), plan, smoke))
+    s.update(time_and_money(s, data.get("history", []), plan, smoke, _last_sign_of_life(run, data, last, holder)))
     if state in ENDED:
         s["phase_seconds"] = _phases(data.get("history", []), data.get("export"))
         trained = [r for r in metrics_rows(run.metrics) if "loss" in r and r.get("time")]
@@ -214,11 +282,42 @@ def run_status(run: RunDir) -> dict[str, Any]:
     return s
 
 
+def _reward_status(run: RunDir) -> dict[str, Any]:
+    facts = reward_facts([r for r in metrics_rows(run.metrics) if r.get("loss") is not None])
+    return {
+        "reward_parts": facts.get("parts") or [],
+        "flat_rewards": facts.get("flat") or [],
+        "no_reward_variance": facts.get("no_variance"),
+    }
+
+
+def _last_sign_of_life(run: RunDir, data: dict[str, Any], last: dict[str, Any], holder: Any) -> Optional[float]:
+    """When a run whose processes are gone (kill -9, a crash, a lost box: state interrupted) last did something: the
+    newest of its state's update, its last logged row, its log's and its newest checkpoint's writes. None for any
+    other state (a live run runs on to now, an ended one ended at its last state)."""
+    if data.get("state") not in ACTIVE or holder is not None:
+        return None
+    seen = [data.get("updated_at"), last.get("time")]
+    for path in (run.log, run.metrics, run.worker):
+        try:
+            seen.append(path.stat().st_mtime)
+        except OSError:
+            pass
+    return max((float(t) for t in seen if t), default=None)
+
+
 def time_and_money(
-    s: dict[str, Any], history: list[dict[str, Any]], plan: dict[str, Any], smoke: dict[str, Any]
+    s: dict[str, Any],
+    history: list[dict[str, Any]],
+    plan: dict[str, Any],
+    smoke: dict[str, Any],
+    died_at: Optional[float] = None,
 ) -> dict[str, Any]:
-    """Box time and euros so far and to go, beside what the smoke test and the plan forecast."""
-    used = _box_seconds(history, s["state"] in ACTIVE)
+    """Box time and euros so far and to go, beside what the smoke test and the plan forecast. `died_at`: a run whose
+    processes are gone (state interrupted) counts its last interval up to then, not to its start (facts after a
+    kill -9 showed 44 s, then 7 s)."""
+    live = s["state"] in ACTIVE or died_at is not None
+    used = _box_seconds(history, live, until=died_at)
     price = plan.get("price_per_hour_eur")
     eta = s.get("eta_seconds")
     estimate = plan.get("estimate_as_planned") or plan.get("estimate") or {}  # what the printed plan said
@@ -226,7 +325,7 @@ def time_and_money(
     return {
         "elapsed_seconds": round(used, 1),
         # what the forecasts are for: the full run after the smoke test (its restarts included)
-        "run_seconds": round(_box_seconds(history, s["state"] in ACTIVE, ("running", "recovering")), 1),
+        "run_seconds": round(_box_seconds(history, live, ("running", "recovering"), until=died_at), 1),
         "price_per_hour_eur": price,
         "cost_so_far_eur": round(used / 3600 * price, 2) if price is not None else None,
         "cost_to_go_eur": round(eta / 3600 * price, 2) if price is not None and eta is not None else None,
@@ -265,6 +364,15 @@ def run_row(run: RunDir) -> dict[str, Any]:
         "step": s["step"],
         "total_steps": s["total_steps"],
         "loss": s["loss"],
+        # what tells the run's progress: GRPO's reward, a preference objective's margin, else the loss
+        "figure": next(
+            (
+                (name, s[key])
+                for name, key in (("reward", "reward"), ("margin", "margin"), ("loss", "loss"))
+                if s.get(key) is not None
+            ),
+            None,
+        ),
         "age_seconds": round(time.time() - max(times), 1) if times else None,
     }
 
@@ -293,6 +401,7 @@ def _rewards_first_last(train: list[dict[str, Any]]) -> Optional[dict[str, Any]]
     rows = [r for r in train if r.get("reward") is not None]
     if not rows:
         return None
+    first_parts, facts = methods.reward_parts(rows[0]), reward_facts(rows)
     return {
         "first": rows[0]["reward"],
         "first_std": rows[0].get("reward_std"),
@@ -300,6 +409,19 @@ def _rewards_first_last(train: list[dict[str, Any]]) -> Optional[dict[str, Any]]
         "last": rows[-1]["reward"],
         "last_std": rows[-1].get("reward_std"),
         "step_last": rows[-1]["step"],
+        # each reward apart, first -> last logged row
+        "parts": [
+            {
+                "name": p["name"],
+                "first": (first_parts.get(p["name"]) or {}).get("mean"),
+                "first_std": (first_parts.get(p["name"]) or {}).get("std"),
+                "last": p["mean"],
+                "last_std": p["std"],
+            }
+            for p in facts["parts"]
+        ],
+        "flat": facts["flat"],
+        "no_variance": facts["no_variance"],
     }
 
 

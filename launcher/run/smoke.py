@@ -62,14 +62,54 @@ def step_seconds(measured: dict[str, Any], total_tokens: int, recipe, stats: Dat
     fuller ones (measured: ETA -30% on CPU when the sample held many long examples). Falls back to
     tokens / (tokens/s) when the fit is not usable.
     """
+    if recipe.objective_row.generates:
+        per_step = sampled_step_seconds(measured)
+        if per_step is not None:
+            return per_step * _full_steps(recipe, stats, processes)
     fallback = total_tokens / measured["tokens_per_second"]
     fit = step_fit(measured)
     if fit is None:
         return fallback
     a, b = fit
+    return a * _full_steps(recipe, stats, processes) + b * total_tokens
+
+
+def _full_steps(recipe, stats: DataStats, processes: int) -> int:
+    """The full run's optimizer steps: max_steps, else the data's batches per epoch times epochs (GRPO's batch counts
+    answers, num_generations per prompt)."""
     global_batch = recipe.micro_batch_size * recipe.gradient_accumulation_steps * processes
-    steps = recipe.max_steps or math.ceil(stats.examples * _answers(recipe) / global_batch) * recipe.epochs
-    return a * steps + b * total_tokens
+    return recipe.max_steps or math.ceil(stats.examples * _answers(recipe) / global_batch) * recipe.epochs
+
+
+def sampled_step_seconds(measured: dict[str, Any]) -> Optional[float]:
+    """GRPO: one full-run step's seconds from the smoke's measured steps, None without them.
+
+    A GRPO step samples the same number of answers whatever its prompts' length, decoding token by token until the
+    batch's longest answer ends, then trains on them: its cost is per step, not per token. Priced by tokens, the
+    demo's forecast came out -74% to +265% (the smoke's steps hold the longest prompts, so more tokens per second
+    than the full run's). The median of the measured steps (a short smoke has two or three, and one slowed by another
+    process on a busy box would otherwise count for all), with its sampling part priced at the longest answer the full
+    run may reach (grpo.max_completion_length) where the smoke's answers ended sooner: a model that learns from its
+    rewards often answers longer (the demo's answers grew from 10 to 15 of 16 tokens)."""
+    costs = sorted(c[1] for c in measured.get("step_costs") or [])
+    if not costs:
+        return None
+    mid = len(costs) // 2
+    step = costs[mid] if len(costs) % 2 else (costs[mid - 1] + costs[mid]) / 2
+    longest, cap = measured.get("sampling_longest") or [], measured.get("max_completion_length")
+    sampled, total = measured.get("sampling_seconds"), measured.get("seconds")
+    if longest and cap and sampled and total:
+        share = min(1.0, float(sampled) / float(total))  # of the steps' time, step 1 included as in the sum
+        grown = float(cap) / max(1.0, sum(longest) / len(longest))
+        step *= 1.0 + share * max(0.0, grown - 1.0)
+    return step
+
+
+def examples_per_step(recipe, processes: int) -> int:
+    """The examples one optimizer step takes, all processes together: GRPO's batch counts answers, num_generations
+    of them per prompt (a step of 16 answers is 4 prompts). Counted as 16, the smoke test drew four steps' worth of
+    the longest prompts for its first step, and its measured steps were none of the full run's usual ones."""
+    return recipe.micro_batch_size * recipe.gradient_accumulation_steps * processes // _answers(recipe)
 
 
 def _answers(recipe) -> int:
@@ -162,6 +202,8 @@ def estimate(
         # only what step 1 took beyond a step of its tokens (lazy initialisation, first allocations) is start-up
         fit, first = step_fit(measured), float(measured["warmup_tokens"])
         step1 = fit[0] + fit[1] * first if fit else first / float(measured["tokens_per_second"])
+        if recipe.objective_row.generates and measured.get("step_costs"):  # GRPO: a step costs a step
+            step1 = sorted(c[1] for c in measured["step_costs"])[len(measured["step_costs"]) // 2]
         startup = max(0.0, startup - step1)
     # the smoke's eval pass and the base model's answers are in its wall time: priced apart (the full run has
     # its own number of eval passes, and answers the same prompts once, after training)
@@ -198,7 +240,7 @@ def run_smoke(
     from launcher.worker.engines import world_size
 
     processes = world_size(plan)  # all nodes' processes share the global batch
-    global_batch = recipe.micro_batch_size * recipe.gradient_accumulation_steps * processes
+    global_batch = examples_per_step(recipe, processes)
     parts = split.for_recipe(examples, recipe)  # held-out examples never train, here neither
     drawn = smoke_sample(
         [lengths[i] for i in parts.train],

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from launcher.run.task_eval_view import format_task_eval
-from launcher.run.views import _summary_says_reason, format_duration, preference_accuracy
+from launcher.run.views import _mean_spread, _summary_says_reason, format_duration, preference_accuracy, reward_warnings
 
 
 # How the end of a run is headed, for every state that ends one (store/state.py ENDED; tests/test_tables.py).
@@ -48,8 +48,17 @@ def format_end_summary(e: dict[str, Any]) -> str:
         lines.append(
             f"  reward    {sampled['first']:.3f} +- {sampled['first_std'] or 0:.3f} (step {sampled['step_first']}) -> "
             f"{sampled['last']:.3f} +- {sampled['last_std'] or 0:.3f} (step {sampled['step_last']}): the sampled "
-            "answers' mean and spread"
+            "answers' mean and spread" + (", the weighted sum of:" if len(sampled.get("parts") or []) > 1 else "")
         )
+        parts = sampled.get("parts") or []
+        if len(parts) > 1:
+            width = max(len(p["name"]) for p in parts)
+            lines.extend(
+                f"            {p['name']:<{width}}  {_mean_spread(p['first'], p['first_std'])} -> "
+                f"{_mean_spread(p['last'], p['last_std'])}"
+                for p in parts
+            )
+        lines.extend(reward_warnings(sampled.get("flat") or [], sampled.get("no_variance")))
     pref = e.get("preference")
     if pref:
         # KTO logs no accuracy (its answers are unpaired): the margin is desirable minus undesirable answers' reward
@@ -90,11 +99,15 @@ def format_end_summary(e: dict[str, Any]) -> str:
         if fc and total and step < total:
             # a run that ended early is compared with the forecast for the steps it ran, not the whole run's
             fc, what = (fc * step / total if step else None), f" for {step} of {total} steps"
+        # the smoke test's forecast counts the export, which runs after the state leaves `running`: its own seconds
+        # are added to compare like with like (the demo's GRPO step read -19% where it was -6%)
+        export = (e.get("export") or {}).get("seconds") if e.get("forecast_source") == "smoke test" else None
+        actual = e["wall_seconds"] + (export or 0.0)
         lines.append(
             f"  time      {format_duration(e['wall_seconds'])} running"
+            + (f" + {format_duration(export)} export" if export else "")
             + (
-                f" (the {e['forecast_source']} forecast{what} {format_duration(fc)}, "
-                f"{(e['wall_seconds'] - fc) / fc:+.0%})"
+                f" (the {e['forecast_source']} forecast{what} {format_duration(fc)}, {(actual - fc) / fc:+.0%})"
                 if fc
                 else ""
             )

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from launcher.errors import EXIT_RUN_FAILED, WORKER_EXITS
+from launcher.errors import EXIT_NOTHING_LEARNED, EXIT_RUN_FAILED, WORKER_EXITS
 from launcher.plan.cgroup import oom_kills
 from launcher.plan.sampling import uses_vllm
 from launcher.run import build_locks, oom_restart, rank_ends, views
@@ -60,6 +60,26 @@ def _exported_code(run: RunDir, state: str) -> int:
     if state != "trained-not-exported":
         return 0
     return train.EXIT_STOPPED if (read_state(run).get("export") or {}).get("state") == "stopped" else EXIT_RUN_FAILED
+
+
+def _learned_nothing(recipe, run: RunDir) -> Optional[dict[str, Any]]:
+    """The facts of a GRPO run that had nothing to learn from: at every logged step no prompt's answers differed in
+    reward (frac_reward_zero_std 1.0: every advantage 0, the loss 0), with each reward's value; None otherwise."""
+    from launcher.run.facts import metrics_rows, reward_facts
+
+    if not recipe.objective_row.generates:
+        return None
+    train_rows = [r for r in metrics_rows(run.metrics) if r.get("loss") is not None]
+    facts = reward_facts(train_rows)
+    nv = facts.get("no_variance")
+    if not nv or not nv["whole_run"]:
+        return None
+    return {
+        "logged_steps": nv["rows"],
+        "step": train_rows[-1]["step"],
+        "rewards": [{"name": p["name"], "mean": p["mean"]} for p in facts["parts"]]
+        or [{"name": "reward", "mean": train_rows[-1].get("reward")}],
+    }
 
 
 def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
@@ -215,6 +235,17 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
         if rc == 0:
             checked = _verify_final(recipe, run, plan)
             if checked is not None and not checked.ok:
+                learned_nothing = _learned_nothing(recipe, run) if checked.details.get("untrained") else None
+                if learned_nothing is not None:
+                    # the untrained adapter is what training made, not a save that lost it: GRPO had no reward
+                    # variance to learn from, and a resume would do the same
+                    return end(
+                        "failed",
+                        views.nothing_learned_reason(learned_nothing),
+                        EXIT_NOTHING_LEARNED,
+                        final_check={"ok": False, "reason": checked.reason},
+                        ending={"by": "no-reward-variance", **learned_nothing},
+                    )
                 # exit 0 without a usable result (a save that wrote nothing) is a failure, and nothing is exported
                 return end(
                     "failed",

@@ -11,8 +11,11 @@ from launcher.data.task_verdict import (
     BASE_FEW_SHOT,
     BASE_ZERO_SHOT,
     FINE_TUNED,
+    PARENT_FEW_SHOT,
+    PARENT_ZERO_SHOT,
     base_score,
     difference,
+    exact_pair,
     noise_words,
     pct,
     start_name,
@@ -21,15 +24,15 @@ from launcher.data.task_verdict import (
 from launcher.run.views import format_duration
 from launcher.worker.task_eval import PREFIX as TASK_EVAL_PREFIX
 
-BASE_SCORES = (BASE_ZERO_SHOT, BASE_FEW_SHOT)
+BASE_SCORES = (BASE_ZERO_SHOT, BASE_FEW_SHOT, PARENT_ZERO_SHOT, PARENT_FEW_SHOT)
 
 
 def task_label(name: str, shots: Optional[int], start: str = "base model") -> str:
-    """A row of the scores table: the base model zero-shot, with its examples in the prompt, fine-tuned, an export.
-    `start`: what the "base" rows scored ("parent adapter" for a run with init_from)."""
-    if name == BASE_ZERO_SHOT:
+    """A row of the scores table: the base model (or the parent adapter) zero-shot, with its examples in the prompt,
+    fine-tuned, an export. `start`: what the "base" rows scored ("parent adapter" for a run with init_from)."""
+    if name in (BASE_ZERO_SHOT, PARENT_ZERO_SHOT):
         return f"{start}, zero-shot"
-    if name == BASE_FEW_SHOT:
+    if name in (BASE_FEW_SHOT, PARENT_FEW_SHOT):
         return f"{start}, {shots} examples" if shots else f"{start}, with examples"
     if name == BARE_BASE:
         return BARE_BASE_LABEL
@@ -82,9 +85,14 @@ def format_task_eval(t: dict[str, Any]) -> str:
         )
     rows = task_rows(t)
     width = max([len(label) for label, _, _ in rows] + [10])
+    beside = t.get("exact_beside") or {}  # single-word or numeric references: exact match beside the metric
+    labels = {task_label(n, t.get("shots"), start_name(t)): n for n in (t.get("scores") or {})}
     for label, score, tps in rows:
+        exact = beside.get(labels.get(label, ""))
         lines.append(
-            f"            {label:<{width}}  {pct(score):>5}" + (f"   ({tps:,.0f} tokens/s generated)" if tps else "")
+            f"            {label:<{width}}  {pct(score):>5}"
+            + (f"  exact {pct(exact):>4}" if exact is not None else "")
+            + (f"   ({tps:,.0f} tokens/s generated)" if tps else "")
         )
     scores = t.get("scores") or {}
     base, who = base_score(t)
@@ -92,8 +100,10 @@ def format_task_eval(t: dict[str, Any]) -> str:
     if diff is not None:
         # the difference of the two percents shown, as a reader subtracts them (5% against 8%: -3, not -3.5 -> -4),
         # and whether it is more than the n examples can tell apart
+        pair = exact_pair(t)
         lines.append(
             f"  gain      fine-tuned {pct(scores[FINE_TUNED])} against {pct(base)} for the {who} ({noise_words(diff)})"
+            + (f"; exact {pct(pair[1])} against {pct(pair[0])}" if pair else "")
         )
     lines.append(f"  verdict   {verdict}")
     return "\n".join(lines)

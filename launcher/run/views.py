@@ -83,10 +83,15 @@ def format_status(s: dict[str, Any], ending_follows: bool = False) -> str:
             )
         lines.append("  rewards   " + "; ".join(parts))
     if s.get("reward") is not None:
+        parts = s.get("reward_parts") or []
         lines.append(
             f"  reward    {s['reward']:.3f} +- {s.get('reward_std') or 0:.3f} (step {s.get('loss_step')}: the "
-            "sampled answers' mean and spread)"
+            "sampled answers' mean and spread" + (", the weighted sum of:" if len(parts) > 1 else "") + ")"
         )
+        if len(parts) > 1:
+            width = max(len(p["name"]) for p in parts)
+            lines.extend(f"            {p['name']:<{width}}  {_mean_spread(p['mean'], p['std'])}" for p in parts)
+        lines.extend(reward_warnings(s.get("flat_rewards") or [], s.get("no_reward_variance")))
     supervisor = (
         f"supervisor pid {s['pid']} ({'alive' if s.get('pid_alive') else 'not running'})"
         if s.get("pid")
@@ -201,6 +206,71 @@ def format_status(s: dict[str, Any], ending_follows: bool = False) -> str:
     return "\n".join(lines)
 
 
+def _mean_spread(mean: Optional[float], std: Optional[float]) -> str:
+    """ "0.182 +- 0.050"; a reward that scored no answer of the window (TRL logs None) says so."""
+    return "no answer scored" if mean is None else f"{mean:.3f} +- {std or 0:.3f}"
+
+
+# What gives GRPO something to learn from, said where a reward stopped varying
+REWARD_SIGNAL_FIX = (
+    "a reward with signal on these prompts (partial credit: metric: text, or a function that scores closeness or "
+    "format), more answers per prompt (grpo.num_generations) or a higher grpo.temperature, so that a prompt's "
+    "answers differ"
+)
+
+
+def reward_warnings(flat: list[dict[str, Any]], no_variance: Optional[dict[str, Any]]) -> list[str]:
+    """GRPO: each reward that stopped varying, named (launcher/run/facts.py reward_facts), and the prompts' answers
+    that all scored the same: the status and the end summary say them."""
+    lines = []
+    for f in flat:
+        value = "no answer scored" if f.get("value") is None else f"{f['value']:.3f}"
+        who = "the reward (the sum)" if f["name"] == "reward" else f"reward {f['name']}"
+        when = (
+            f"never varied: {value} for every answer at all {f['rows']} logged step{'s' if f['rows'] != 1 else ''}"
+            if f["whole_run"]
+            else f"has not varied since step {f['since_step']}: {value} for every answer at the last {f['rows']} "
+            "logged steps"
+        )
+        lines.append(
+            f"  warning   {who} {when}; it gives GRPO nothing to learn from"
+            # the other rewards still vary: this one adds only a constant to every answer's
+            + (
+                ""
+                if no_variance
+                else " (check that it can score the answers this model gives, give it partial credit, or remove it)"
+            )
+        )
+    nv = no_variance
+    if nv:
+        lines.append(
+            "  warning   no prompt's answers differed in reward (frac_reward_zero_std 1.0) "
+            + (
+                "at any logged step: every advantage was 0, so nothing was learned"
+                if nv["whole_run"]
+                else f"since step {nv['since_step']}: every advantage is 0, nothing is learned"
+            )
+            + f"; fix: {REWARD_SIGNAL_FIX}"
+        )
+    return lines
+
+
+def nothing_learned_reason(f: dict[str, Any]) -> str:
+    """Why a GRPO run that trained to its end failed: its rewards never varied, so it learned nothing (the supervisor's
+    facts, state.json "ending"); not a failed save, and not for a resume."""
+    scored = ", ".join(
+        f"{r['name']} {'scored no answer' if r['mean'] is None else format(r['mean'], '.3f')}" for r in f["rewards"]
+    )
+    return (
+        f"nothing was learned: at all {f['logged_steps']} logged steps up to step {f['step']} no prompt's sampled "
+        f"answers differed in reward (frac_reward_zero_std 1.0; {scored} on average), so every advantage was 0, the "
+        "loss 0, and the adapter is still its untrained initialisation (every lora_B zero). The save is not at fault "
+        "and resuming will not help: the same rewards score the same. Fix: "
+        + REWARD_SIGNAL_FIX
+        + "; then start afresh (`--fresh`)"
+    )
+
+
 def format_smoke(report: dict[str, Any]) -> str:
     """The smoke test's measurements and the full run's forecast in parts; the model's download, when there was one."""
     parts = [
@@ -216,6 +286,14 @@ def format_smoke(report: dict[str, Any]) -> str:
         )
     ]
     note = memory_note(report)
+    tied = report.get("frac_reward_zero_std") or []
+    if tied and all(v >= 1 - 1e-9 for v in tied):  # GRPO: said before the full run, not a stop (sparse rewards start)
+        said = (
+            f"in all {len(tied)} steps of the smoke test no prompt's answers differed in reward (frac_reward_zero_std "
+            "1.0): every advantage was 0 and nothing was learned; a sparse reward may start to vary later, but if it "
+            f"does not, the full run learns nothing. Fix: {REWARD_SIGNAL_FIX}"
+        )
+        note = f"{note}\nnote: {said}" if note else said
     split = ", ".join(f"{name} {format_duration(sec)}" for name, sec in parts if sec and sec >= 0.5)
     return (
         f"smoke test: {report['measured_steps']} measured steps, {report['tokens_per_second']:,.0f} tokens/s"
@@ -266,12 +344,20 @@ def memory_note(report: dict[str, Any]) -> Optional[str]:
 def format_runs(rows: list[dict[str, Any]]) -> str:
     """`ftrun status` with several runs under ./runs: one line each."""
     width = max([len(r["name"]) for r in rows] + [3])
-    lines = [f"{'run':<{width}}  {'state':<12}  {'step':>13}  {'loss':>8}  {'age':>9}"]
+    # the last logged figure that tells each run's progress: SFT's loss, GRPO's reward, DPO's margin (facts.run_row)
+    lines = [f"{'run':<{width}}  {'state':<12}  {'step':>13}  {'last logged':>14}  {'age':>9}"]
     for r in rows:
         step = f"{r['step']}/{r['total_steps']}" if r.get("total_steps") else str(r.get("step") or 0)
-        loss = f"{r['loss']:.4f}" if r.get("loss") is not None else "-"
+        figure = r.get("figure") or (("loss", r["loss"]) if r.get("loss") is not None else None)
+        said = (
+            "-"
+            if figure is None
+            else f"{figure[0]} {figure[1]:.4f}"
+            if figure[0] == "loss"
+            else f"{figure[0]} {figure[1]:.3f}"
+        )
         age = format_duration(r["age_seconds"]) + " ago" if r.get("age_seconds") is not None else "-"
-        lines.append(f"{r['name']:<{width}}  {r['state']:<12}  {step:>13}  {loss:>8}  {age:>9}")
+        lines.append(f"{r['name']:<{width}}  {r['state']:<12}  {step:>13}  {said:>14}  {age:>9}")
     lines.append("details: ftrun status RUN_DIR (e.g. ftrun status runs/" + rows[0]["name"] + ")")
     return "\n".join(lines)
 

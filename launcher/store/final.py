@@ -313,6 +313,8 @@ def verify_adapter(
             False,
             f"{where}/{ADAPTER_WEIGHTS}: every lora_B is zero, the untrained initialisation "
             "(the trained values were not saved)",
+            # the supervisor tells a run that learned nothing (GRPO without reward variance) from a failed save
+            {"untrained": True},
         )
     r = sorted({ab["A"][0] for ab in pairs.values()})
     details = {

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from launcher import methods
 from launcher.store import checkpoint as ckpt
 from launcher.store.rundir import RunDir
 from launcher.worker import memory
@@ -185,6 +186,8 @@ def build_callbacks(
             self.tokens_last = 0
             self.step_times: list[tuple[int, float, int]] = []  # (step, monotonic, tokens seen)
             self.eval_seconds: Optional[float] = None  # the last eval pass (the smoke's is priced for the ETA)
+            # GRPO: each logged step's share of prompts whose answers all scored the same (the smoke test's note)
+            self.zero_std: list[float] = []
 
         def on_train_begin(self, args, state, control, **kw):
             if state.is_world_process_zero and kw.get("optimizer") is not None:
@@ -232,21 +235,49 @@ def build_callbacks(
             }
             # the objective's own figures (DPO's rewards/chosen ... rewards/accuracies: launcher/methods.py logged)
             row.update({k: float(logs[k]) for k in recipe.objective_row.logged if logs.get(k) is not None})
+            # GRPO: each reward function's mean and spread apart (TRL's rewards/<name>/mean, /std: methods.py)
+            row.update({k: float(v) for k, v in logs.items() if methods.is_reward_part(k) and v is not None})
+            if row.get("frac_reward_zero_std") is not None:
+                self.zero_std.append(row["frac_reward_zero_std"])
             self.t_last, self.tokens_last = now, tokens
-            margin = (
-                f" margin {row['rewards/margins']:.3f} acc {row['rewards/accuracies']:.2f}"
-                if "rewards/margins" in row and "rewards/accuracies" in row
-                else ""
-            )
             _emit(
                 run,
                 mode,
                 state,
                 row,
-                f"loss {loss:.4f} lr {row['learning_rate']:.2e} {row['tokens_per_second']:.0f} tok/s{margin}",
+                f"loss {loss:.4f} lr {row['learning_rate']:.2e} {row['tokens_per_second']:.0f} tok/s"
+                + _objective_words(row),
             )
 
     return Cadence(), Metrics()
+
+
+def _objective_words(row: dict[str, Any]) -> str:
+    """The step line's objective figures: DPO's margin and accuracy; GRPO's reward with its spread, each reward's
+    apart where there are several, and the share of prompts whose answers all scored the same."""
+    if "rewards/margins" in row and "rewards/accuracies" in row:
+        return f" margin {row['rewards/margins']:.3f} acc {row['rewards/accuracies']:.2f}"
+    if row.get("reward") is None:
+        return ""
+    parts = methods.reward_parts(row)
+    return (
+        f" reward {row['reward']:.3f} +- {row.get('reward_std') or 0:.3f}"
+        + (
+            " ("
+            + ", ".join(
+                (f"{name} {p['mean']:.3f} +- {p['std'] or 0:.3f}" if p["mean"] is not None else f"{name} none scored")
+                for name, p in parts.items()
+            )
+            + ")"
+            if len(parts) > 1
+            else ""
+        )
+        + (
+            f", {row['frac_reward_zero_std']:.0%} of prompts without reward variance"
+            if row.get("frac_reward_zero_std")
+            else ""
+        )
+    )
 
 
 def _log_eval(run: RunDir, mode: str, state, logs: dict[str, Any], logged: tuple[str, ...] = ()) -> None:

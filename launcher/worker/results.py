@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from launcher.store import checkpoint as ckpt
-from launcher.data.task_verdict import BASE_FEW_SHOT, BASE_ZERO_SHOT, FINE_TUNED, start_name
+from launcher.data.task_verdict import BASE_FEW_SHOT, BASE_ZERO_SHOT, FINE_TUNED, start_keys, start_name
 from launcher.store.rundir import RunDir
 from launcher.worker import samples, task_eval
 from launcher.worker.process import StopRequested, _rank, _say
@@ -264,7 +264,7 @@ def _score_after(
     )
     if logged:
         _say(f"task eval: the scores are summary metrics (task/...) of the tracked run in {', '.join(logged)}")
-    base = results["scores"].get(BASE_ZERO_SHOT)
+    base = results["scores"].get(start_keys(results)[0])  # the parent's under init_from
     _say(
         f"task eval: fine-tuned {result['score']:.1%} {task['metric']} on {result['examples']} held-out examples"
         + (f" ({start_name(results)} zero-shot {base:.1%})" if base is not None else "")

@@ -188,6 +188,8 @@ SCORE_ROWS = {
     BARE_BASE: BARE_BASE_LABEL,
     "base_zero_shot": "base model, zero-shot",
     "base_few_shot": "base model, {shots} examples in the prompt",
+    "parent_zero_shot": "parent adapter, zero-shot",
+    "parent_few_shot": "parent adapter, {shots} examples in the prompt",
     "fine_tuned": "fine-tuned",
 }
 
@@ -210,7 +212,7 @@ def scores_table(results: dict[str, Any]) -> list[str]:
     ]
     for n in names:
         label = SCORE_ROWS.get(n, n).format(shots=results.get("shots"))
-        if n in ("base_zero_shot", "base_few_shot"):  # init_from: the parent adapter's scores (task_verdict)
+        if n in ("base_zero_shot", "base_few_shot"):  # init_from, written before parent_: the parent's (task_verdict)
             label = label.replace("base model", start_name(results))
         sub = ", ".join(f"{k} {v:.1%}" for k, v in (details.get(n) or {}).items())
         tps = (speed.get(n) or {}).get("tokens_per_s")

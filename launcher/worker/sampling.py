@@ -27,17 +27,23 @@ def trainer_arguments(recipe, rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def timed(trainer_cls: type) -> type:
     """`trainer_cls` (GRPOTrainer, or a subclass) that adds up the seconds its `_generate` takes (trl 1.16: the
-    sampling of one generation batch, transformers' generate or vLLM, before the rewards), in `sampling_seconds`."""
+    sampling of one generation batch, transformers' generate or vLLM, before the rewards), in `sampling_seconds`, and
+    the longest answer of each call in `sampling_longest` (its second value, completion_ids: a batch decodes token by
+    token until its longest answer ends, so that is what one call costs; the smoke test prices the full run's sampling
+    with it, launcher/run/smoke.py sampled_step_seconds)."""
 
     class TimedSampling(trainer_cls):
         sampling_seconds = 0.0
+        sampling_longest: list[int] = []
 
         def _generate(self, prompts):
             start = time.perf_counter()
             try:
-                return super()._generate(prompts)
+                out = super()._generate(prompts)
             finally:
                 self.sampling_seconds += time.perf_counter() - start
+            self.sampling_longest = [*self.sampling_longest, max((len(c) for c in out[1]), default=0)]
+            return out
 
     TimedSampling.__name__ = TimedSampling.__qualname__ = f"TimedSampling{trainer_cls.__name__}"
     return TimedSampling

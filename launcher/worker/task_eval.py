@@ -26,13 +26,15 @@ from typing import Any, Callable, Optional
 
 from launcher.data import task_metrics
 from launcher.data.task_examples import with_shots
-from launcher.data.task_verdict import BARE_BASE, BASE_FEW_SHOT, BASE_ZERO_SHOT, base_score, verdict
+from launcher.data.task_verdict import BARE_BASE, BASE_FEW_SHOT, BASE_ZERO_SHOT, base_score, stored_name, verdict
 from launcher.store.checkpoint import atomic_write_json
 from launcher.store.rundir import RunDir
 
 from launcher.plan.throughput import GENERATION_BATCH as BATCH  # prompts per generate call, by device (one home)
 
 PREFIX = "[ftrun task eval]"
+# task_eval.json's fields keyed by score name
+_BY_NAME = ("scores", "details", "generation", "per_example", "exact_beside")
 
 
 def enabled(recipe) -> bool:
@@ -304,6 +306,7 @@ def record(
     """task_eval.json with `name`'s result merged in (or only the task's statement when it cannot be scored), written
     atomically; returns it. fine_tune_pays: the article's rule on base_few_shot, null until that is scored."""
     path = RunDir(Path(run_root)).task_eval
+    name = stored_name(task, name) if name is not None else None  # init_from: the parent's rows named for it
     if not scores(task):
         statement = {k: v for k, v in task.items() if k in ("not_applicable", "too_few", "why", "fix")}
         atomic_write_json(path, {**statement, "verdict": verdict(statement)})
@@ -311,6 +314,15 @@ def record(
     old = read_results(run_root) or {}
     if "scores" not in old or old.get("metric") != task["metric"]:
         old = {}  # a statement written before, or another task: start over
+    if task.get("starting_point"):  # a file written before the parent's rows had their own names: renamed here
+        old = {
+            k: (
+                {stored_name(task, n): v for n, v in old[k].items()}
+                if isinstance(old.get(k), dict) and k in _BY_NAME
+                else old[k]
+            )
+            for k in old
+        }
     results = {
         "metric": task["metric"],
         "metric_reason": task["metric_reason"],
@@ -333,9 +345,17 @@ def record(
         results["generation"][name] = {
             k: result[k] for k in ("seconds", "new_tokens", "tokens_per_s", "sdpa_backends") if k in result
         }
+    if task["metric"] != "exact" and task_metrics.single_tokens([p["reference"] for p in task["prompts"]]):
+        # single-word or numeric references under another metric (chrF, json): exact match beside it, each scorer's,
+        # so a chrF gain of shared characters ("2." against "12") is not read as right answers (task_verdict)
+        results["exact_beside"] = {
+            n: d["exact"] for n, d in results["details"].items() if isinstance(d, dict) and d.get("exact") is not None
+        }
     best, _ = base_score(results)  # the base model's better prompt (data/task_verdict.py)
     results["fine_tune_pays"] = (
-        task_metrics.fine_tune_pays(best) if results["scores"].get(BASE_FEW_SHOT) is not None else None
+        task_metrics.fine_tune_pays(best)
+        if results["scores"].get(stored_name(task, BASE_FEW_SHOT)) is not None
+        else None
     )
     results["verdict"] = verdict(results)
     atomic_write_json(path, results)
@@ -387,14 +407,15 @@ def score_base(
     say: Callable[[str], None] = print,
     batch_size: Optional[int] = None,
 ) -> dict[str, Any]:
-    """base_zero_shot and base_few_shot (the task's shots before each prompt) into task_eval.json; returns it."""
+    """base_zero_shot and base_few_shot (the task's shots before each prompt) into task_eval.json, named
+    parent_zero_shot and parent_few_shot where the run starts from a parent adapter (record); returns it."""
     results: dict[str, Any] = {}
     for name, shots in ((BASE_ZERO_SHOT, False), (BASE_FEW_SHOT, True)):
         result = score_model(
             model, tokenizer, run.root, task, name, shots=shots, identity=recipe.model, batch_size=batch_size
         )
         results = record(run.root, task, name, result)
-        say(progress_line(name, task, result))
+        say(progress_line(stored_name(task, name), task, result))
     return results
 
 

@@ -490,7 +490,18 @@ def run_worker(run_dir: Path, mode: str) -> int:
                     "eval_seconds": metrics.eval_seconds,
                     "samples_seconds": before.seconds,
                     # GRPO: the steps' time spent sampling answers (inside the step times above)
-                    **({"sampling_seconds": round(trainer.sampling_seconds, 3)} if generates else {}),
+                    **(
+                        {
+                            "sampling_seconds": round(trainer.sampling_seconds, 3),
+                            # each generate call's longest answer, and the cap the full run's may grow to
+                            "sampling_longest": trainer.sampling_longest,
+                            "max_completion_length": recipe.grpo.max_completion_length,
+                            # each step's share of prompts whose answers all scored the same (logged every step here)
+                            "frac_reward_zero_std": metrics.zero_std,
+                        }
+                        if generates
+                        else {}
+                    ),
                     **speed,
                 },
                 peak_gb=peak_gb,

@@ -65,6 +65,10 @@ def trainer_config(
     if mode == "smoke" and any(f.name == "train_sampling_strategy" for f in dataclasses.fields(Config)):
         # The smoke sample is written longest batch first: an out-of-memory shows in step 1.
         fields["train_sampling_strategy"] = "sequential"
+    if mode == "smoke" and any(f.name == "shuffle_dataset" for f in dataclasses.fields(Config)):
+        # GRPO's sampler ignores the strategy above: trl 1.16 grpo_trainer.py _get_train_sampler builds a
+        # RepeatSampler with shuffle=args.shuffle_dataset (True by default)
+        fields["shuffle_dataset"] = False
     if METHODS[recipe.method].eight_bit_optimizer:
         fields["optim"] = "adamw_bnb_8bit"
     # Otherwise TRL's default (fused AdamW), which torch also runs on the CPU: the same optimizer a

@@ -414,14 +414,18 @@ def test_time_and_cost_forecasts(demo):
     assert grab(r"\(smoke test forecast for the whole run: (.+?)\)", demo.status, "the status")[0] == smoke_said
     smoke_status, smoke_cost = grab(r"\(smoke test forecast (.+?) / ([\d.]+) EUR", demo.status, "the status")
     assert smoke_status == smoke_said and smoke_cost == f"{demo.smoke['estimated_cost']:.2f}"
-    running, source, forecast, pct, box = grab(
-        r"^  time\s+(.+?) running \(the (smoke test|plan) forecast (.+?), ([+-]\d+)%\)(?:; (.+?) on the box)?",
+    running, export, source, forecast, pct, box = grab(
+        r"^  time\s+(.+?) running(?: \+ (.+?) export)? \(the (smoke test|plan) forecast (.+?), ([+-]\d+)%\)"
+        r"(?:; (.+?) on the box)?",
         demo.summary,
         "the summary",
     )
     assert source == "smoke test" and forecast == smoke_said
-    # the percentage is the two durations' (each printed rounded)
+    # the percentage is the two durations' (each printed rounded): the time running and the export's, which the smoke
+    # test's forecast counts too
     (rlo, rhi), (flo, fhi) = duration(running), duration(forecast)
+    if export:
+        rlo, rhi = rlo + duration(export)[0], rhi + duration(export)[1]
     assert (rlo - fhi) / fhi * 100 - 0.5 <= int(pct) <= (rhi - flo) / flo * 100 + 0.5, (running, forecast, pct)
     # the status's "in all" says each phase it covers (issue 46); the summary's box time is its smoke test and
     # training (each printed rounded)

@@ -4,7 +4,7 @@ import pytest
 
 from launcher.data.dataset import DataStats
 from launcher.recipe_loading import validate_recipe
-from launcher.run.smoke import estimate, export_seconds, memory_growth, step_seconds, training_tokens
+from launcher.run.smoke import estimate, examples_per_step, export_seconds, memory_growth, step_seconds, training_tokens
 from launcher.run.views import format_smoke
 
 STATS = DataStats(
@@ -175,3 +175,81 @@ def test_the_smoke_output_warns_where_its_peak_understates_the_run():
     grows = {**report, "memory_growth": memory_growth("cpu", "qlora")}
     assert "about 2x the peak of the first steps" in memory_note(grows)
     assert format_smoke(grows).splitlines()[-1] == "note: " + memory_note(grows)
+
+
+def test_grpo_prices_a_step_as_a_step_not_by_its_tokens(tmp_path):
+    """GRPO samples the same number of answers every step, token by token until the batch's longest answer ends,
+    whatever its prompts' length: the demo's smoke steps held the longest prompts (1,980 and 1,353 tokens a step
+    against the full run's 980), so priced by tokens/s its 120 steps came out at 20 s where they took a step's time
+    each. Figures of the demo's smoke test (recipes/tiny-cpu-grpo.yaml, 2026-12-06)."""
+    recipe = _recipe(
+        tmp_path,
+        objective="grpo",
+        grpo={"num_generations": 4, "max_completion_length": 16},
+        micro_batch_size=16,
+        gradient_accumulation_steps=1,
+        max_steps=120,
+    )
+    stats = DataStats(
+        examples=256,
+        total_tokens=15_448,
+        mean_tokens=60.3,
+        max_tokens=200,
+        over_max_length=0,
+        tokens_source="tokenizer",
+        max_length=512,
+    )
+    measured = {"tokens_per_second": 5654.7, "step_costs": [[1980, 0.3906], [1353, 0.1988]]}
+    tokens = training_tokens(recipe, stats, processes=1)
+    assert tokens / measured["tokens_per_second"] == pytest.approx(20.5, abs=0.1)  # what it said before
+    assert step_seconds(measured, tokens, recipe, stats, 1) == pytest.approx(120 * (0.3906 + 0.1988) / 2)
+    # a step slowed by another process on a busy box counts once, not for every step: the median
+    noisy = {**measured, "step_costs": [[1500, 0.30], [1400, 0.29], [1450, 1.9], [1300, 0.31], [1350, 0.30]]}
+    assert step_seconds(noisy, tokens, recipe, stats, 1) == pytest.approx(120 * 0.30)
+    # answers that ended sooner than the cap in the smoke may reach it as the model learns: the sampling part of a
+    # step (half of it here) priced at the cap, 16 tokens against the smoke's longest of 8: 0.30 * (1 + 0.5 * 1)
+    grown = {
+        **noisy,
+        "sampling_seconds": 1.0,
+        "seconds": 2.0,
+        "sampling_longest": [8, 8, 8],
+        "max_completion_length": 16,
+    }
+    assert step_seconds(grown, tokens, recipe, stats, 1) == pytest.approx(120 * 0.45)
+    at_cap = {**grown, "sampling_longest": [16, 16, 16]}
+    assert step_seconds(at_cap, tokens, recipe, stats, 1) == pytest.approx(120 * 0.30)
+    # SFT keeps its fit on tokens
+    assert step_seconds(noisy, tokens, _recipe(tmp_path, max_steps=120), stats, 1) != pytest.approx(120 * 0.30)
+
+
+def test_the_smoke_draws_a_grpo_step_as_its_prompts_not_its_answers(tmp_path):
+    """A GRPO step of 16 answers is 4 prompts (num_generations 4): the smoke's sample, its longest first step and its
+    step count are counted in prompts (launcher/run/smoke.py run_smoke)."""
+    grpo = _recipe(
+        tmp_path, objective="grpo", grpo={"num_generations": 4}, micro_batch_size=16, gradient_accumulation_steps=1
+    )
+    assert examples_per_step(grpo, 1) == 4 and examples_per_step(grpo, 2) == 8
+    assert examples_per_step(_recipe(tmp_path), 1) == 8  # SFT: micro 4 x accumulation 2
+
+
+def test_the_smoke_output_notes_grpo_rewards_that_never_varied_in_its_steps():
+    """Before the full run: a smoke test in which no prompt's answers differed in reward at any step (exact match on a
+    model that never answers right) learned nothing, and so will the full run unless the reward starts to vary."""
+    report = {
+        "measured_steps": 5,
+        "tokens_per_second": 1000.0,
+        "peak_memory_gb": 0.7,
+        "device": "cpu",
+        "training_tokens": 80000,
+        "estimated_seconds": 60.0,
+        "price_per_hour_eur": 0.0,
+        "sampling_share": 0.4,
+    }
+    tied = format_smoke({**report, "frac_reward_zero_std": [1.0] * 6})
+    assert tied.splitlines()[-1].startswith(
+        "note: in all 6 steps of the smoke test no prompt's answers differed in reward (frac_reward_zero_std 1.0): "
+        "every advantage was 0 and nothing was learned"
+    ), tied
+    assert "more answers per prompt (grpo.num_generations)" in tied
+    assert "note:" not in format_smoke({**report, "frac_reward_zero_std": [1.0, 0.75, 1.0, 1.0, 1.0, 1.0]})
+    assert "note:" not in format_smoke(report)  # SFT, or a smoke.json written before

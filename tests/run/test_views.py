@@ -66,7 +66,8 @@ def test_status_lists_every_run_under_runs(reference_run, tmp_path, monkeypatch,
     out = capsys.readouterr().out.splitlines()
     rows = {line.split()[0]: line.split() for line in out[1:-1]}
     last = facts.metrics_rows(done.metrics)[-1]
-    assert rows["done"][1:4] == ["succeeded", f"{last['step']}/{last['step']}", f"{last['loss']:.4f}"]
+    # the last logged figure, named: an SFT run's loss (GRPO's reward, DPO's margin: tests/run/test_reward_view.py)
+    assert rows["done"][1:5] == ["succeeded", f"{last['step']}/{last['step']}", "loss", f"{last['loss']:.4f}"]
     assert rows["early"][1] == "stopped" and rows["early"][-1] == "ago"
     assert main(["status", "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)

@@ -259,7 +259,7 @@ def test_grpo_from_an_sft_runs_adapter_raises_the_task_reward(grpo_run, sft_run,
     # the task evaluation of the result against its parent, on the held-out prompts
     scores = json.loads((grpo_run / "final" / "task_eval.json").read_text())["scores"]
     # the parent (where GRPO starts), the bare base without any adapter, and the result
-    assert {"base_zero_shot", "base_few_shot", "bare_base_zero_shot", "fine_tuned"} <= set(scores)
+    assert {"parent_zero_shot", "parent_few_shot", "bare_base_zero_shot", "fine_tuned"} <= set(scores)
     text = ftrun("status", grpo_run, cwd=tmp_path).stdout
     assert "reward " in text and "sampled answers' mean and spread" in text
     assert "base model without the adapter, zero-shot" in text and "parent adapter, zero-shot" in text
