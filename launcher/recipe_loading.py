@@ -220,12 +220,19 @@ def _resolve_data(value: Any, base_dir: Path) -> Any:
 
 
 def _resolve_reward(value: Any, base_dir: Path) -> Any:
-    """A reward function's FILE.py made absolute against the recipe's folder (FILE.py:NAME keeps its NAME)."""
+    """A reward function's FILE.py made absolute against the recipe's folder (FILE.py:NAME keeps its NAME). A
+    MODULE:NAME stays as it is, and so does a relative FILE.py not found there: it may be a file of an installed
+    package as the package lays it out (trl/rewards/accuracy_rewards.py; launcher/data/rewards.py load_function)."""
     if isinstance(value, list):
         return [_resolve_reward(v, base_dir) for v in value]
     if isinstance(value, dict) and isinstance(value.get("function"), str) and ":" in value["function"]:
         file, _, name = value["function"].rpartition(":")
-        return {**value, "function": f"{(base_dir / Path(file).expanduser()).resolve()}:{name}"}
+        if not file.endswith(".py"):
+            return value
+        found = (base_dir / Path(file).expanduser()).resolve()
+        if not found.exists() and not Path(file).expanduser().is_absolute():
+            return value
+        return {**value, "function": f"{found}:{name}"}
     return value
 
 

@@ -60,6 +60,24 @@ FORMS: dict[str, Form] = {
     "text": Form("text", ("text",), "plain text (no chat template)"),
 }
 
+# The keys of a converted example (every form's columns, a chat's tools). Any other key of an example is a column of
+# its record kept for GRPO's rewards (launcher/data/dataset.py load_data `columns`), which TRL hands them by name.
+EXAMPLE_KEYS = tuple(dict.fromkeys(k for f in FORMS.values() for k in (f.marker, *f.columns))) + ("tools",)
+# What the formats read from a record besides their detection keys (alpaca's input, system and history; ShareGPT's
+# system): not kept as columns of their own.
+READ_KEYS = ("input", "system", "history", "conversations", "instruction", "output")
+
+
+def other_columns(example: dict[str, Any]) -> dict[str, Any]:
+    """The record's columns an example keeps besides its form's own keys (the data's `answer`, `id`, ...)."""
+    return {k: v for k, v in example.items() if k not in EXAMPLE_KEYS}
+
+
+def canonical(example: Any) -> Any:
+    """The example without the columns kept beside it: what it trains on, for comparisons of examples."""
+    return {k: v for k, v in example.items() if k in EXAMPLE_KEYS} if isinstance(example, dict) else example
+
+
 ROLES = ("system", "user", "assistant", "tool")
 # Message fields kept besides role and content: tool calls, tool results, reasoning. The chat template decides
 # whether it renders them; launcher/data/dataset.py checks that it does for every record that has them.

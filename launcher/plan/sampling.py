@@ -43,6 +43,25 @@ def check_batch(recipe: Any, processes: int) -> None:
         )
 
 
+def software_check(recipe: Any, this_box: bool) -> None:
+    """`generation: vllm` on the box that trains needs the vllm package (TRL 1.16 grpo_trainer.py imports it when
+    use_vllm is set, after the model loaded): MissingSoftware before any training, as a GGUF export without
+    llama.cpp. A plan for a rented box says it in its Why lines instead (`reasons`)."""
+    if not generates(recipe) or recipe.grpo.generation != "vllm" or not this_box:
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        from launcher.errors import MissingSoftware
+
+        raise MissingSoftware(
+            "grpo.generation: vllm needs the vllm package on this box, and it is not installed (TRL's GRPOTrainer "
+            "would fail to import it after the model loaded)",
+            fix="pip install vllm (a version TRL 1.16 supports, on a box with a GPU), or set grpo.generation: "
+            "generate (transformers' generate, no vLLM needed)",
+        )
+
+
 def generation_seconds_per_step(job: Any, arch: Any, gpu: Any) -> Optional[float]:
     """Seconds one optimizer step spends sampling on a GPU the catalog knows the bandwidth of (every answer at
     grpo.max_completion_length: an upper bound); None on a CPU or an unknown card (the smoke test measures it)."""
@@ -55,8 +74,11 @@ def generation_seconds_per_step(job: Any, arch: Any, gpu: Any) -> Optional[float
     return batch * job.completion_tokens / tps
 
 
-def reasons(recipe: Any, job: Any, steps: int, per_step: Optional[float], measured: bool) -> list[str]:
-    """What GRPO changes in the plan: the answers per prompt, where they are generated, what their time costs."""
+def reasons(
+    recipe: Any, job: Any, steps: int, per_step: Optional[float], measured: bool, data_stats: Any = None
+) -> list[str]:
+    """What GRPO changes in the plan: the answers per prompt, their longest length and where it comes from, what the
+    probe of each reward found (launcher/data/rewards.py), where the answers are generated, what their time costs."""
     if not generates(recipe):
         return []
     s = recipe.grpo
@@ -67,6 +89,10 @@ def reasons(recipe: Any, job: Any, steps: int, per_step: Optional[float], measur
         + " + ".join(_reward_words(r) for r in recipe.rewards)
         + f"; a step samples {batch} answers ({batch // s.num_generations} prompts) per process, then trains on them"
     ]
+    sized = getattr(data_stats, "completion_length", None)
+    if sized and sized["why"] != "the recipe's":
+        lines.append(f"grpo.max_completion_length {sized['tokens']}: {sized['why']}")
+    lines += [f"probed {line}" for line in getattr(data_stats, "rewards", None) or ()]
     if s.generation == "vllm":
         lines.append(
             "generation: vllm (TRL's colocate mode: vLLM shares the card with training); the vllm package must be "

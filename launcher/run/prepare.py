@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import yaml
 
-from launcher.data.stats import data_record, data_stats
+from launcher.data.stats import data_record, data_stats, with_data_defaults
 from launcher.engine_kinds import MULTI_NODE
 from launcher.errors import HardwareError, RecipeError, UsageError
 from launcher.recipe import Recipe
@@ -68,6 +68,7 @@ def _prepare(
     check_trainer_fields(recipe)
     check_trackers_installed(recipe, launching=True)  # report_to: refused with the fix before any GPU time
     examples, lengths, stats = data_stats(recipe)
+    recipe = with_data_defaults(recipe, stats)  # what the data sized (GRPO's answer length): recipe.yaml records it
     data_sha = stats.sha256
     restart = resuming and restarts_after_failed_smoke(run)
     if restart:
