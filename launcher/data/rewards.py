@@ -540,7 +540,7 @@ class Probe:
                 fix=f"choose a metric that fits the references ({task_metrics.described()}; auto chooses from the "
                 "references), or a reward function of yours",
             )
-        return f"{self.label}: tells the reference from a wrong answer (probed on {self._what()})"
+        return f"{self.label}: tells the reference from a wrong answer (on {self._what()})"
 
     def check_function(self) -> str:
         values = self.values()
@@ -566,7 +566,7 @@ class Probe:
             )
         source = "reference" if self.right == "reference" else f"column {self.right!r}"
         if self._tells(values):
-            return f"{self.label}: tells the right answer (the {source}) from a wrong one (probed on {self._what()})"
+            return f"{self.label}: tells the right answer (the {source}) from a wrong one (on {self._what()})"
         return (
             f"{self.label}: scores the right answer (the {source}) like a wrong one on {self._what()}, but not "
             "every answer alike: it shapes the answers (their form or length), it does not check them"

@@ -72,8 +72,10 @@ def _prompt_stats(recipe: Any, data: Any):
     answer = sized["tokens"]
     if answer >= recipe.max_length:
         raise RecipeError(
-            f"grpo.max_completion_length {answer:,} is not below max_length {recipe.max_length:,}: the sampled answer "
-            "alone fills a whole sequence, and no prompt fits beside it",
+            f"grpo.max_completion_length {answer:,}"
+            + ("" if sized["why"] == "the recipe's" else f" ({sized['why']})")
+            + f" is not below max_length {recipe.max_length:,}: the sampled answer alone fills a whole sequence, "
+            "and no prompt fits beside it",
             fix=f"lower grpo.max_completion_length below {recipe.max_length:,} (the longest prompt of the data is "
             f"{prompt_lengths[longest]:,} tokens, {data.where[longest]}), or raise max_length to at least "
             f"{prompt_lengths[longest] + answer:,}",

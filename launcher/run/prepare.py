@@ -135,7 +135,7 @@ def _prepare(
     _say(f"data: {data_line(stats)}")
     if stats.loss_view:  # the example as the loss sees it, kept with plain brackets (ftrun data RECIPE shows it again)
         (run.root / "data_example.txt").write_text(format_loss_view(stats.loss_view, statistics=True) + "\n")
-    _say(format_loss_view(stats.loss_view, color=wants_color()))
+    _say(format_loss_view(stats.loss_view, color=wants_color(), sampled=recipe.objective_row.generates))
     _say(format_plan(plan))
     if memory_limit:
         _say(f"memory limited to {round(memory_limit, 2):g} GB per worker (--memory-limit)")
