@@ -42,6 +42,18 @@ def make_plan(
     return _make_plan(recipe, hardware_for(gpus), data_stats=stats, tokens=tokens, smoke=smoke, nnodes=nnodes)
 
 
+def as_written(run: RunDir, recipe: Recipe, stats: Any, plan: Any) -> Recipe:
+    """The recipe as _prepare wrote it into recipe.yaml, for the rest of the launch (the base model's scoring, the
+    smoke test and its replan, which writes recipe.yaml again): the settings the data sized, the plan's faster ones,
+    and init_from as the run's pinned copy of its parent (launcher/run/parent.py), never the source again: a parent
+    still training deletes its older checkpoints (keep_checkpoints) while this launch goes on."""
+    recipe = with_plan_settings(with_data_defaults(recipe, stats), plan.to_dict())
+    held = run.pinned_parent()
+    if recipe.init_from is not None and held and recipe.init_from in (held["init_from"], held["copy"]):
+        recipe = recipe.model_copy(update={"init_from": held["copy"]})
+    return recipe
+
+
 def _archive(run: RunDir) -> Path:
     dest = run.root.with_name(f"{run.root.name}.{time.strftime('%Y%m%d-%H%M%S')}")
     run.root.rename(dest)
