@@ -73,7 +73,11 @@ class GrpoSettings(Strict):
         "multiple of it.",
     )
     max_completion_length: int = Field(
-        256, gt=0, description="Longest sampled answer in tokens; longer ones are cut (and said: clipped_ratio)."
+        256,
+        gt=0,
+        description="Longest sampled answer in tokens; longer ones are cut (and said: clipped_ratio). Left out, where "
+        "every reward is a metric and the data has references: twice the longest reference, at least 16 (the plan "
+        "says so); else 256.",
     )
     beta: float = Field(
         0.0,
