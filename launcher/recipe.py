@@ -101,6 +101,7 @@ OBJECTIVE_TRAINER_KEYS: dict[str, dict[str, str]] = {
         "reward_weights": "reward: [{..., weight: W}] (each reward's weight)",
         "use_vllm": "grpo.generation (vllm)",
         "vllm_mode": "grpo.generation (vllm: ftrun runs TRL's colocate mode)",
+        "remove_unused_columns": "(kept false by ftrun: the rewards read the data's columns by name)",
     },
 }
 

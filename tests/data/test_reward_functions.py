@@ -216,3 +216,42 @@ def test_a_data_column_named_like_an_argument_trl_passes_is_refused(write_recipe
     data = _answers(tmp_path, trainer_state="x")
     said = _refused(_plan(write_recipe, tmp_path, data, {"function": "trl.rewards:think_format_reward"}))
     assert "the data has a column 'trainer_state'" in said and "rename the column" in said
+
+
+@pytest.mark.slow
+def test_a_newcomers_arithmetic_task_trains_with_its_own_and_trls_rewards(write_recipe, tmp_path):
+    """The issue's newcomer: prompts with an `answer` and a `solution` column, an Unsloth-notebook reward and TRL's
+    own accuracy_reward (where math_verify is installed, as TRL's extra installs it), trained on the tiny model; the
+    worker's rewards get the columns (the Unsloth one writes what it was given)."""
+    from launcher.data.tokenizer import _installed
+
+    seen = tmp_path / "seen.txt"
+    (tmp_path / "rewards.py").write_text(
+        UNSLOTH
+        + "\n\ndef logged_correctness(prompts, completions, answer, **kwargs):\n"
+        + f"    with open({str(seen)!r}, 'a') as fh:\n"
+        + "        fh.write(' '.join(answer) + '\\n')\n"
+        + "    return correctness_reward_func(prompts, completions, answer, **kwargs)\n"
+        # a shaping reward: the random tiny model's answers are never right, and groups that all score the same
+        # train nothing (every lora_B stays zero)
+        + "\n\ndef brevity(completions, **kwargs):\n"
+        + "    return [-len(c[0]['content']) / 10 for c in completions]\n"
+    )
+    data = _data(
+        tmp_path, [{"prompt": [{"role": "user", "content": q}], "answer": a, "solution": a} for q, a in QUESTIONS * 2]
+    )
+    rewards = [{"function": "rewards.py:logged_correctness"}, {"function": "rewards.py:brevity", "weight": 0.1}]
+    if _installed("math_verify"):
+        rewards.append({"function": "trl.rewards:accuracy_reward", "weight": 0.5})
+    recipe = write_recipe(
+        objective="grpo",
+        data=str(data),
+        reward=rewards,
+        grpo={"num_generations": 4, "max_completion_length": 8},
+        micro_batch_size=8,
+        max_steps=2,
+    )
+    res = ftrun(recipe, "--foreground", "smoke.enabled=false", cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    got = seen.read_text().split()
+    assert got and set(got) <= {a for _, a in QUESTIONS}, got  # the data's answers, as TRL passed them
