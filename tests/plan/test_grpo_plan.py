@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from helpers import ftrun
 
@@ -70,14 +71,25 @@ def test_with_a_reward_function_the_default_answer_length_stays_and_the_plan_say
     assert "at most 256 tokens" in why and "a reward function of yours may want answers longer" in why
 
 
-def test_the_launch_records_the_sized_answer_length_for_the_worker(write_recipe, tmp_path):
-    from launcher.data.stats import data_stats, with_data_defaults
+def test_the_launch_records_the_sized_answer_length_and_the_same_command_resumes(write_recipe, tmp_path):
     from launcher.recipe_loading import load_recipe
+    from launcher.run import pipeline
+    from launcher.run.adjustments import with_adjustments
+    from launcher.run.prepare import _prepare, as_written
+    from launcher.store.rundir import RunDir
 
-    recipe = load_recipe(write_recipe(objective="grpo", data=str(_tickets(tmp_path)), reward={"metric": "exact"}))
-    _, _, stats = data_stats(recipe)
-    sized = with_data_defaults(recipe, stats)
-    assert sized.grpo.max_completion_length == 16 and sized.snapshot()["grpo"]["max_completion_length"] == 16
+    path = write_recipe(objective="grpo", data=str(_tickets(tmp_path)), reward={"metric": "exact"})
+    recipe = load_recipe(path)
+    run = RunDir(tmp_path / "run")
+    _, _, stats, plan, _, lock, _ = _prepare(run, recipe, resuming=False, fresh=False)
+    lock.release()
+    assert yaml.safe_load(run.recipe.read_text())["grpo"]["max_completion_length"] == 16  # what the worker reads
+    assert as_written(run, recipe, stats, plan).grpo.max_completion_length == 16  # the smoke test's replan
+    # the same command again (a resume): the run's sized length, no "the recipe differs"
+    again = with_adjustments(run, load_recipe(path))
+    assert again.grpo.max_completion_length == 16
+    assert pipeline._recipe_differences(run, load_recipe(path)) == {}
+    pipeline._check_same_trajectory(run, again)
 
 
 def test_what_the_loss_sees_under_grpo_is_the_sampled_answers_not_a_missing_tokenizer(write_recipe, tmp_path):
