@@ -7,16 +7,15 @@ given on the command line resolve against the working directory.
 
 from __future__ import annotations
 
-import difflib
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
 from launcher.data import sources as data_sources
-from launcher.errors import RecipeError, UsageError
+from launcher.errors import SUGGEST_CUTOFF, RecipeError, UsageError, close_name  # noqa: F401 (imported from here)
 from launcher.recipe import Recipe, has_adapter
 from launcher.store.rundir import RunDir
 
@@ -42,15 +41,6 @@ KEY_ALIASES = {
     "base_model": "model",
     "dataset": "data",
 }
-# "Did you mean" only for close spellings: difflib's ratio 2*matches/(len a + len b); 'lr' vs 'lora' is 0.67,
-# 'learnig_rate' vs 'learning_rate' 0.96, 'max_len' vs 'max_length' 0.82.
-SUGGEST_CUTOFF = 0.75
-
-
-def close_name(name: str, options: list[str]) -> Optional[str]:
-    """The option a misspelt name most likely meant, or None when none is close."""
-    near = difflib.get_close_matches(name, options, n=1, cutoff=SUGGEST_CUTOFF)
-    return near[0] if near else None
 
 
 def _suggest(loc: str) -> str:

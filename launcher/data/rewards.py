@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 
 from launcher.data import formats, task_examples, task_metrics
 from launcher.errors import RecipeError
-from launcher.recipe_loading import close_name
+from launcher.errors import close_name
 
 # What TRL's GRPOTrainer passes every reward function besides the data's columns (trl 1.16 grpo_trainer.py
 # `_calculate_rewards`); a data column of one of these names would be passed twice.
