@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from launcher.data import sources as data_sources
-from launcher.errors import SUGGEST_CUTOFF, RecipeError, UsageError, close_name  # noqa: F401 (imported from here)
+from launcher.errors import RecipeError, UsageError, close_name
 from launcher.recipe import Recipe, has_adapter
 from launcher.store.rundir import RunDir
 
