@@ -38,6 +38,34 @@ def _plan(write_recipe, tmp_path, data: Path, reward, **fields):
     return ftrun("plan", recipe, cwd=tmp_path)
 
 
+def _recipe(write_recipe, data: Path, reward):
+    from launcher.recipe_loading import load_recipe
+
+    return load_recipe(
+        write_recipe(
+            objective="grpo", data=str(data), reward=reward, grpo={"num_generations": 4, "max_completion_length": 16}
+        )
+    )
+
+
+def _probed(write_recipe, data: Path, reward) -> str:
+    """The plan's data check in this process: its probe lines, as the plan's Why lines show them (`ftrun plan`
+    prints them: the CLI tests here)."""
+    from launcher.data.stats import data_stats
+
+    return " ".join(" ".join(data_stats(_recipe(write_recipe, data, reward))[2].rewards).split())
+
+
+def _refusal(write_recipe, data: Path, reward) -> str:
+    """The plan's data check's RecipeError in this process, its message and fix as one paragraph."""
+    from launcher.data.stats import data_stats
+    from launcher.errors import RecipeError
+
+    with pytest.raises(RecipeError) as refused:
+        data_stats(_recipe(write_recipe, data, reward))
+    return " ".join(f"{refused.value.message} Fix: {refused.value.fix}".split())
+
+
 def _ok(res) -> str:
     assert res.returncode == 0, res.stdout + res.stderr
     return res.stdout
@@ -67,7 +95,10 @@ def correctness_reward_func(prompts, completions, answer, **kwargs) -> list[floa
 def test_an_unsloth_reward_gets_the_datas_answer_column_and_is_probed_with_it(write_recipe, tmp_path):
     (tmp_path / "rewards.py").write_text(UNSLOTH)
     out = _ok(_plan(write_recipe, tmp_path, _answers(tmp_path), {"function": "rewards.py:correctness_reward_func"}))
-    assert "correctness_reward_func: tells the right answer (the column 'answer') from a wrong one" in out
+    assert (
+        "probed reward function rewards.py:correctness_reward_func: tells the right answer (the column 'answer') "
+        "from a wrong one" in " ".join(out.split())
+    )
 
 
 def test_the_workers_rows_carry_every_column_through_the_smoke_sample_and_the_dataset(tmp_path):
@@ -116,7 +147,7 @@ def test_a_column_the_data_lacks_is_named_with_the_columns_it_has_and_the_fix_wo
 
 def test_trls_own_reward_by_module_path_plans_and_the_plan_says_it_shapes_the_answers(write_recipe, tmp_path):
     data = _data(tmp_path, [{"prompt": [{"role": "user", "content": q}], "reference": a} for q, a in QUESTIONS])
-    out = _ok(_plan(write_recipe, tmp_path, data, {"function": "trl.rewards:think_format_reward"}))
+    out = _probed(write_recipe, data, {"function": "trl.rewards:think_format_reward"})
     assert "think_format_reward: scores the right answer (the reference) like a wrong one" in out
     assert "it shapes the answers" in out
 
@@ -127,27 +158,24 @@ def test_a_file_inside_an_installed_package_is_imported_as_its_module(write_reci
     from launcher.data.tokenizer import _installed
 
     data = _data(tmp_path, [{"prompt": [{"role": "user", "content": q}], "solution": a} for q, a in QUESTIONS])
-    res = _plan(write_recipe, tmp_path, data, {"function": "trl/rewards/accuracy_rewards.py:accuracy_reward"})
+    reward = {"function": "trl/rewards/accuracy_rewards.py:accuracy_reward"}
     if _installed("math_verify"):
-        assert "accuracy_reward: tells the right answer (the column 'solution')" in _ok(res)
+        assert "accuracy_reward: tells the right answer (the column 'solution')" in _probed(write_recipe, data, reward)
     else:  # TRL's own ImportError, and the install that fixes it
-        said = _refused(res)
+        said = _refusal(write_recipe, data, reward)
         assert "relative import" not in said and "math_verify" in said
         assert "pip install math-verify" in said
 
 
 def test_a_reward_factory_is_told_to_be_called_and_the_fix_it_gives_works(write_recipe, tmp_path):
-    said = _refused(
-        _plan(write_recipe, tmp_path, _answers(tmp_path), {"function": "trl.rewards:get_repetition_penalty_reward"})
-    )
+    said = _refusal(write_recipe, _answers(tmp_path), {"function": "trl.rewards:get_repetition_penalty_reward"})
     assert "makes a reward function rather than being one" in said
     assert "from trl.rewards import get_repetition_penalty_reward" in said
     # the fix as given: a file of the user's names the function the factory makes
     (tmp_path / "my_rewards.py").write_text(
         "from trl.rewards import get_repetition_penalty_reward\npenalty = get_repetition_penalty_reward()\n"
     )
-    out = _ok(_plan(write_recipe, tmp_path, _answers(tmp_path), {"function": "my_rewards.py:penalty"}))
-    assert "my_rewards.py:penalty" in out
+    assert "my_rewards.py:penalty: " in _probed(write_recipe, _answers(tmp_path), {"function": "my_rewards.py:penalty"})
 
 
 @pytest.mark.parametrize(
@@ -178,7 +206,7 @@ def test_a_reward_factory_is_told_to_be_called_and_the_fix_it_gives_works(write_
 )
 def test_a_reward_that_trl_would_train_on_to_no_effect_is_refused_at_plan_time(write_recipe, tmp_path, body, said):
     (tmp_path / "rewards.py").write_text(body)
-    got = _refused(_plan(write_recipe, tmp_path, _answers(tmp_path), {"function": "rewards.py:score"}))
+    got = _refusal(write_recipe, _answers(tmp_path), {"function": "rewards.py:score"})
     assert said in got and "rewards.py:score" in got, got
 
 
@@ -188,7 +216,7 @@ def test_a_numpy_array_of_floats_is_taken_as_trl_takes_it(write_recipe, tmp_path
         "def score(prompts, completions, answer, **kw):\n"
         "    return np.array([float(c[0]['content'].strip() == a) for c, a in zip(completions, answer)])\n"
     )
-    out = _ok(_plan(write_recipe, tmp_path, _answers(tmp_path), {"function": "rewards.py:score"}))
+    out = _probed(write_recipe, _answers(tmp_path), {"function": "rewards.py:score"})
     assert "score: tells the right answer (the column 'answer') from a wrong one" in out
 
 
@@ -207,14 +235,14 @@ def test_without_a_right_answer_the_plan_says_what_was_not_probed(write_recipe, 
         "def brevity(prompts, completions, **kw):\n    return [-len(c[0]['content']) / 100 for c in completions]\n"
     )
     data = _data(tmp_path, [{"prompt": [{"role": "user", "content": q}]} for q, _ in QUESTIONS])
-    out = " ".join(_ok(_plan(write_recipe, tmp_path, data, {"function": "rewards.py:brevity"})).split())
+    out = _probed(write_recipe, data, {"function": "rewards.py:brevity"})
     assert "brevity: runs and returns finite numbers that vary on 4 prompts of the data" in out
     assert "whether it tells a right answer from a wrong one was not probed: the data has no reference" in out
 
 
 def test_a_data_column_named_like_an_argument_trl_passes_is_refused(write_recipe, tmp_path):
     data = _answers(tmp_path, trainer_state="x")
-    said = _refused(_plan(write_recipe, tmp_path, data, {"function": "trl.rewards:think_format_reward"}))
+    said = _refusal(write_recipe, data, {"function": "trl.rewards:think_format_reward"})
     assert "the data has a column 'trainer_state'" in said and "rename the column" in said
 
 
