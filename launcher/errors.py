@@ -7,7 +7,9 @@ launcher/run/supervisor.py read them from here.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
+from typing import Optional
 
 # Exit codes, documented in the README; scripts rely on them.
 EXIT_OK = 0
@@ -202,3 +204,14 @@ def json_problem(exc, lines: bool = True) -> str:
     if exc.msg.startswith("Unterminated string"):
         return f"the string that starts at {where(pos)} never ends (its closing quote is missing)"
     return f"{exc.msg.removesuffix(' at')} at {where(pos)}"
+
+
+# "Did you mean" only for close spellings: difflib's ratio 2*matches/(len a + len b); 'lr' vs 'lora' is 0.67,
+# 'learnig_rate' vs 'learning_rate' 0.96, 'max_len' vs 'max_length' 0.82.
+SUGGEST_CUTOFF = 0.75
+
+
+def close_name(name: str, options: list[str]) -> Optional[str]:
+    """The option a misspelt name most likely meant, or None when none is close."""
+    near = difflib.get_close_matches(name, options, n=1, cutoff=SUGGEST_CUTOFF)
+    return near[0] if near else None

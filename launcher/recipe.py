@@ -38,8 +38,12 @@ ObjectiveName = Literal[tuple(methods.OBJECTIVES)]
 Engine = Literal[(engine_kinds.AUTO, *engine_kinds.ENGINES)]
 GgufType = Literal[tuple(gguf_types.TYPES)]
 
-# Settings the recipe owns at top level: passing them again under `trainer:` would make two
-# surfaces for one setting, so they are refused there with a pointer to the top-level key.
+# The TRL configuration fields ftrun sets itself (launcher/worker/trainer_config.py), each with the recipe key to use
+# instead (or why it is not configured): passing one again under `trainer:` would make two surfaces for one setting,
+# the later one winning in silence (`trainer: {num_generations: 8}` planned as 4, trained as 8), so each is refused
+# there with its key. The one table: Recipe._trainer_keys_not_owned reads it, tests/test_recipe.py walks it against
+# the fields trainer_config sets for every objective. OBJECTIVE_TRAINER_KEYS: those set for one objective only (SFT
+# leaves SFTConfig's loss_type to trainer:, DPO sets DPOConfig's from preference.loss_type).
 OWNED_TRAINER_KEYS = {
     "output_dir": "output_dir",
     "max_length": "max_length",
@@ -49,6 +53,11 @@ OWNED_TRAINER_KEYS = {
     "max_steps": "max_steps",
     "learning_rate": "learning_rate",
     "gradient_checkpointing": "gradient_checkpointing",
+    # transformers 5.24 renamed it (training_args.py __post_init__: the old names are aliases of the new)
+    "activation_checkpointing": "gradient_checkpointing",
+    "gradient_checkpointing_kwargs": "(set by ftrun: non-reentrant checkpointing, which LoRA and FSDP need)",
+    "activation_checkpointing_kwargs": "(set by ftrun: non-reentrant checkpointing, which LoRA and FSDP need)",
+    "include_num_input_tokens_seen": "(set by ftrun: the tokens each step trained, which its speed and ETA read)",
     "packing": "packing",
     "padding_free": "padding_free",
     "assistant_only_loss": "assistant_only_loss",
@@ -75,6 +84,31 @@ OWNED_TRAINER_KEYS = {
     "metrics.jsonl)",
     "metric_for_best_model": "(not supported: the final model is the last step's; eval loss per pass in metrics.jsonl)",
 }
+OBJECTIVE_TRAINER_KEYS: dict[str, dict[str, str]] = {
+    "dpo": {
+        "beta": "preference.beta",
+        "loss_type": "preference.loss_type",
+        "precompute_ref_log_probs": "preference.reference (precomputed)",
+    },
+    "orpo": {"beta": "preference.beta"},
+    # trl 1.16 grpo_config.py: the plan checks the batch against num_generations and sizes the answers' memory and
+    # time from max_completion_length; reward_weights must match the rewards one for one
+    "grpo": {
+        "num_generations": "grpo.num_generations",
+        "max_completion_length": "grpo.max_completion_length",
+        "temperature": "grpo.temperature",
+        "beta": "grpo.beta",
+        "reward_weights": "reward: [{..., weight: W}] (each reward's weight)",
+        "use_vllm": "grpo.generation (vllm)",
+        "vllm_mode": "grpo.generation (vllm: ftrun runs TRL's colocate mode)",
+        "remove_unused_columns": "(kept false by ftrun: the rewards read the data's columns by name)",
+    },
+}
+
+
+def owned_trainer_key(key: str, objective: Optional[str]) -> Optional[str]:
+    """The recipe key that sets the TRL field `key` for `objective` (None: trainer: may set it)."""
+    return OWNED_TRAINER_KEYS.get(key) or OBJECTIVE_TRAINER_KEYS.get(objective or "", {}).get(key)
 
 
 # One definition of a token count for planning, used by the recipe's `tokens:`, `ftrun plan --tokens` and the plan.
@@ -312,11 +346,15 @@ class Recipe(Strict):
 
     @field_validator("trainer")
     @classmethod
-    def _trainer_keys_not_owned(cls, value: dict[str, Any]) -> dict[str, Any]:
-        owned = [k for k in value if k in OWNED_TRAINER_KEYS]
+    def _trainer_keys_not_owned(cls, value: dict[str, Any], info) -> dict[str, Any]:
+        objective = info.data.get("objective")
+        owned = [(k, use) for k in value if (use := owned_trainer_key(k, objective))]
         if owned:
-            hints = ", ".join(f"trainer.{k} -> {OWNED_TRAINER_KEYS[k]}" for k in owned)
-            raise ValueError(f"set these through the recipe's own keys, not trainer: ({hints})")
+            hints = ", ".join(f"trainer.{k} -> {use}" for k, use in owned)
+            raise ValueError(
+                f"set these through the recipe's own keys, not trainer: ({hints}); ftrun sets them in TRL's "
+                "configuration itself, and its plan counts on them"
+            )
         return value
 
     @model_validator(mode="after")

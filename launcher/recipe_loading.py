@@ -7,16 +7,15 @@ given on the command line resolve against the working directory.
 
 from __future__ import annotations
 
-import difflib
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
 from launcher.data import sources as data_sources
-from launcher.errors import RecipeError, UsageError
+from launcher.errors import RecipeError, UsageError, close_name
 from launcher.recipe import Recipe, has_adapter
 from launcher.store.rundir import RunDir
 
@@ -46,15 +45,6 @@ KEY_ALIASES = {
     "cutoff_len": "max_length",  # LLaMA-Factory
     "dataset_dir": "data",  # LLaMA-Factory: data: {path: DATASET_DIR/dataset_info.json, dataset: NAME}
 }
-# "Did you mean" only for close spellings: difflib's ratio 2*matches/(len a + len b); 'lr' vs 'lora' is 0.67,
-# 'learnig_rate' vs 'learning_rate' 0.96, 'max_len' vs 'max_length' 0.82.
-SUGGEST_CUTOFF = 0.75
-
-
-def close_name(name: str, options: list[str]) -> Optional[str]:
-    """The option a misspelt name most likely meant, or None when none is close."""
-    near = difflib.get_close_matches(name, options, n=1, cutoff=SUGGEST_CUTOFF)
-    return near[0] if near else None
 
 
 def _suggest(loc: str) -> str:
@@ -224,12 +214,19 @@ def _resolve_data(value: Any, base_dir: Path) -> Any:
 
 
 def _resolve_reward(value: Any, base_dir: Path) -> Any:
-    """A reward function's FILE.py made absolute against the recipe's folder (FILE.py:NAME keeps its NAME)."""
+    """A reward function's FILE.py made absolute against the recipe's folder (FILE.py:NAME keeps its NAME). A
+    MODULE:NAME stays as it is, and so does a relative FILE.py not found there: it may be a file of an installed
+    package as the package lays it out (trl/rewards/accuracy_rewards.py; launcher/data/rewards.py load_function)."""
     if isinstance(value, list):
         return [_resolve_reward(v, base_dir) for v in value]
     if isinstance(value, dict) and isinstance(value.get("function"), str) and ":" in value["function"]:
         file, _, name = value["function"].rpartition(":")
-        return {**value, "function": f"{(base_dir / Path(file).expanduser()).resolve()}:{name}"}
+        if not file.endswith(".py"):
+            return value
+        found = (base_dir / Path(file).expanduser()).resolve()
+        if not found.exists() and not Path(file).expanduser().is_absolute():
+            return value
+        return {**value, "function": f"{found}:{name}"}
     return value
 
 

@@ -83,7 +83,11 @@ class GrpoSettings(Strict):
         "multiple of it.",
     )
     max_completion_length: int = Field(
-        256, gt=0, description="Longest sampled answer in tokens; longer ones are cut (and said: clipped_ratio)."
+        256,
+        gt=0,
+        description="Longest sampled answer in tokens; longer ones are cut (and said: clipped_ratio). Left out, where "
+        "every reward is a metric and the data has references: twice the longest reference, at least 16 (the plan "
+        "says so); else 256.",
     )
     beta: float = Field(
         0.0,
@@ -109,8 +113,10 @@ class RewardSpec(Strict):
     )
     function: Optional[str] = Field(
         None,
-        description="FILE.py:NAME, a function of yours called as NAME(prompts, completions, **columns) that returns "
-        "one float per completion (TRL's reward function); checked on one example at plan time.",
+        description="FILE.py:NAME (a file of yours, relative to the recipe) or MODULE:NAME (an installed module's: "
+        "trl.rewards:think_format_reward), a function called as NAME(prompts, completions, **columns) that returns "
+        "one float per completion (TRL's reward function; columns: the reference and every other column of the "
+        "data, by name); probed on a few prompts of the data at plan time.",
     )
     weight: float = Field(1.0, description="Its weight in the sum of rewards (TRL's reward_weights).")
 
@@ -121,11 +127,13 @@ class RewardSpec(Strict):
                 "a reward is either a metric (metric: exact) or a function (function: rewards.py:score): give one"
             )
         if self.function is not None:
-            file, _, name = self.function.rpartition(":")
-            if not file.endswith(".py") or not name.isidentifier():
+            target, _, name = self.function.rpartition(":")
+            module = target and all(part.isidentifier() for part in target.split("."))
+            if not (target.endswith(".py") or module) or not name.isidentifier():
                 raise ValueError(
-                    f"function {self.function!r} is not FILE.py:NAME; write it like rewards.py:score (the file "
-                    "relative to the recipe)"
+                    f"function {self.function!r} is neither FILE.py:NAME nor MODULE:NAME; write it like "
+                    "rewards.py:score (the file relative to the recipe) or trl.rewards:think_format_reward (an "
+                    "installed module)"
                 )
         return self
 

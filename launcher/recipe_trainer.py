@@ -7,9 +7,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from launcher import methods
-from launcher.errors import RecipeError
+from launcher.errors import RecipeError, close_name
 from launcher.recipe import Recipe
-from launcher.recipe_loading import close_name
 
 
 def check_trainer_fields(recipe: Recipe) -> None:

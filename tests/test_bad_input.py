@@ -38,6 +38,17 @@ CASES = [
     ),
     ("bool as a word", {"trainer": {"torch_compile": "yes"}}, ["trainer.torch_compile", "'yes' is not true or false"]),
     ("number as a word", {"trainer": {"neftune_noise_alpha": "high"}}, ["trainer.neftune_noise_alpha", "'high'"]),
+    # TRL fields ftrun sets itself (issue 58): one table, the recipe key named
+    (
+        "trl field ftrun sets",
+        {"objective": "grpo", "reward": {"metric": "text"}, "trainer": {"num_generations": 8}},
+        ["trainer.num_generations -> grpo.num_generations"],
+    ),
+    (
+        "alias of an owned field",
+        {"trainer": {"activation_checkpointing": False}},
+        ["trainer.activation_checkpointing -> gradient_checkpointing"],
+    ),
     ("sync scheme", {"sync": {"to": "s4://bucket/runs"}}, ["sync.to", "'s4://' is not a destination"]),
     ("sync without bucket", {"sync": {"to": "s3:///runs"}}, ["sync.to", "names no bucket"]),
     ("sync read-only", {"sync": {"to": "https://example.com/runs"}}, ["sync.to", "'https://'"]),

@@ -61,6 +61,75 @@ def test_trainer_keys_owned_by_recipe_are_refused(tmp_path):
         load_recipe(_write(tmp_path, {**BASE, "trainer": {"num_train_epochs": 2}}))
 
 
+@pytest.mark.parametrize(
+    "objective, key, use",
+    [
+        ("grpo", "num_generations", "grpo.num_generations"),
+        ("grpo", "max_completion_length", "grpo.max_completion_length"),
+        ("grpo", "temperature", "grpo.temperature"),
+        ("grpo", "beta", "grpo.beta"),
+        ("grpo", "use_vllm", "grpo.generation"),
+        ("grpo", "reward_weights", "each reward's weight"),
+        ("dpo", "loss_type", "preference.loss_type"),
+        ("sft", "activation_checkpointing", "gradient_checkpointing"),  # transformers 5.24's name for it
+        ("grpo", "activation_checkpointing", "gradient_checkpointing"),
+    ],
+)
+def test_a_trl_field_ftrun_sets_is_refused_under_trainer_with_the_recipe_key(tmp_path, objective, key, use):
+    recipe = {**BASE, "method": "lora", "objective": objective, "trainer": {key: 1}}
+    with pytest.raises(RecipeError) as err:
+        load_recipe(_write(tmp_path, recipe))
+    assert f"trainer.{key} -> " in err.value.message and use in err.value.message
+
+
+def test_a_trl_field_another_objective_owns_stays_the_users(tmp_path):
+    """SFTConfig's loss_type (nll, dft) is not ftrun's: DPO's is (preference.loss_type)."""
+    assert load_recipe(_write(tmp_path, {**BASE, "trainer": {"loss_type": "dft"}})).trainer == {"loss_type": "dft"}
+
+
+# Fields trainer_config sets that trainer: may still change: they shape no plan figure nor the trajectory
+LEFT_TO_TRAINER = {
+    "dataloader_num_workers",  # data loading processes (0: the examples are in memory)
+    "disable_tqdm",  # TRL's progress bar (ftrun prints its own step lines)
+    "save_only_model",  # ftrun saves its checkpoints itself (save_strategy "no", owned)
+    "ddp_timeout",  # the process group's timeout: trainer.ddp_timeout wins on purpose (process_group_seconds)
+    "run_name",  # a tracker's run name (launcher/worker/trackers.py reads trainer.run_name)
+    "project",
+}
+
+
+@pytest.mark.parametrize("objective", ["sft", "dpo", "orpo", "grpo"])
+def test_every_field_ftrun_sets_in_trls_configuration_is_in_the_owned_table(tmp_path, monkeypatch, objective):
+    """The one table (launcher/recipe.py OWNED_TRAINER_KEYS, OBJECTIVE_TRAINER_KEYS) walked against what
+    launcher/worker/trainer_config.py passes TRL's configuration for each objective."""
+    import torch
+
+    from launcher.methods import trl_class
+    from launcher.recipe import owned_trainer_key
+    from launcher.store.rundir import RunDir
+    from launcher.worker import trainer_config as tc
+
+    real = trl_class(objective, "config")
+    passed: dict = {}
+
+    class Capture(real):  # the configuration's own fields (trainer_config keeps those), its arguments captured
+        def __new__(cls, **fields):
+            passed.update(fields)
+            return None
+
+    monkeypatch.setattr(tc, "trl_class", lambda objective, what: Capture)
+    data = tmp_path / "d.jsonl"
+    data.write_text("")
+    recipe = load_recipe(
+        _write(tmp_path, {**BASE, "method": "lora", "objective": objective, "output_dir": str(tmp_path / "run")})
+    )
+    (tmp_path / "run").mkdir()
+    tc.trainer_config(recipe, RunDir(tmp_path / "run"), "full", "cpu", torch.float32, 10, tmp_path / "out")
+    assert passed, "trainer_config passed TRL's configuration nothing"
+    unowned = sorted(k for k in passed if not owned_trainer_key(k, objective) and k not in LEFT_TO_TRAINER)
+    assert not unowned, f"fields ftrun sets for {objective} that trainer: could set again: {unowned}"
+
+
 def test_overrides_take_precedence_over_recipe(tmp_path):
     p = _write(tmp_path, {**BASE, "max_steps": 100, "lora": {"r": 32, "alpha": 64}})
     r = load_recipe(p, ["max_steps=20", "lora.r=8", "smoke.enabled=false", "learning_rate=1e-5"])

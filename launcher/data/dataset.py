@@ -40,6 +40,8 @@ class DataStats:
     labels: Optional[dict] = None  # unpaired answers (objective kto): the training split's classes and their weights
     all_tokens: int = 0  # sum of the examples' tokens before max_length: what a truncation leaves out is the rest
     splits: bool = False  # packing splits a sequence longer than max_length into pieces (bfd_split): none is cut
+    rewards: tuple = ()  # GRPO: what the plan's probe of each reward found (launcher/data/rewards.py refusals)
+    completion_length: Optional[dict] = None  # GRPO: grpo.max_completion_length, and where it came from
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -70,7 +72,7 @@ class LoadedData:
         return f"{what}{'' if layouts else ' format'}, {n:,} example{'' if n == 1 else 's'}{many}{converted}"
 
 
-def load_data(spec: Any, seed: int = 42) -> LoadedData:
+def load_data(spec: Any, seed: int = 42, columns: bool = False) -> LoadedData:
     """The recipe's `data` (or `eval.data`) as training examples: the one way from a data spec to examples.
 
     `spec`: a path (file or folder), a Hub id, a {path, split, subset, revision, columns, format, weight} mapping
@@ -78,6 +80,8 @@ def load_data(spec: Any, seed: int = 42) -> LoadedData:
     times, a fractional part drawn with `seed`). Every record is converted to the form TRL trains
     (launcher/data/formats.py); a `DataError` names the bad records (file and line, the field), a mixed-format or
     empty source, or sources of different forms. Token statistics: `example_lengths` + `compute_stats`.
+    `columns`: each example keeps its record's other columns beside its form's keys (formats.other_columns), for an
+    objective that samples: TRL's GRPOTrainer hands them to the rewards by name.
     """
     sources = sources_of(spec)
     examples: list[dict[str, Any]] = []
@@ -88,7 +92,7 @@ def load_data(spec: Any, seed: int = 42) -> LoadedData:
     single_file_sha = None
     for i, source in enumerate(sources):
         got = read(source)
-        ex, wh, fmt, layout = _convert_source(source, got.rows)
+        ex, wh, fmt, layout = _convert_source(source, got.rows, columns)
         forms.add(_form_key(ex[0]))
         reps = _repeat(len(ex), source.weight, random.Random(f"ftrun-data-{seed}-{i}"))
         examples += [ex[j] for j in reps]
@@ -107,7 +111,7 @@ def load_data(spec: Any, seed: int = 42) -> LoadedData:
             }
         )
         if "revision" in got.identity:  # a Hub dataset: its content too (a revision may be unknown offline)
-            records[-1]["content_sha256"] = _content_hash(ex)
+            records[-1]["content_sha256"] = _content_hash([formats.canonical(e) for e in ex])
         plain = source.dataset is None and source.type is None  # another tool's mapping is part of the identity
         if len(sources) == 1 and source.local and Path(source.path).is_file() and source.weight == 1 and plain:
             single_file_sha = got.identity["sha256"]
@@ -169,9 +173,12 @@ def _repeat(n: int, weight: float, rng: random.Random) -> list[int]:
     return [j for _ in range(whole) for j in range(n)] + sorted(rng.sample(range(n), extra))
 
 
-def _convert_source(source: Source, rows: list[tuple[str, Any]]) -> tuple[list[dict], list[str], str, Optional[str]]:
+def _convert_source(
+    source: Source, rows: list[tuple[str, Any]], columns: bool = False
+) -> tuple[list[dict], list[str], str, Optional[str]]:
     """A source's records as examples, with where each came from, the ftrun format they are read as, and the other
-    tool's layout they were written in (None for ftrun's own formats)."""
+    tool's layout they were written in (None for ftrun's own formats). `columns`: each example keeps its record's
+    other columns (GRPO's rewards read them by name)."""
     label = source.label()
     if not rows:
         raise DataError(f"{label} holds no records", fix="add examples, one record per line (or row).")
@@ -208,7 +215,11 @@ def _convert_source(source: Source, rows: list[tuple[str, Any]]) -> tuple[list[d
                 ex = formats.FORMATS[rec_fmt].convert(rec, None)  # the layout checked the record's keys
                 fmt = fmt or rec_fmt
             else:
-                ex = formats.convert(rec, fmt)
+                rec_fmt = fmt
+                ex = formats.convert(rec, fmt, columns)
+            if columns:  # the record's other columns, for the rewards (not those its format read)
+                read = (*formats.EXAMPLE_KEYS, *formats.READ_KEYS, *formats.FORMATS[rec_fmt].keys)
+                ex = {**ex, **{k: v for k, v in rec.items() if k not in read}}
             k = _form_key(ex)
             if kind is not None and k != kind:
                 raise formats.RecordProblem(
@@ -571,6 +582,11 @@ def to_dataset(examples: list[Any]):
         if key in first:
             kind = "bool" if isinstance(first[key], bool) else "string"  # KTO's label: a bool, as TRL batches it
             columns[key] = List(Json()) if isinstance(first[key], list) else Value(kind)
+    for key in first:  # a record's other columns kept for GRPO's rewards (load_data `columns`), each value as it was
+        if key not in columns and key != "tools":
+            columns[key] = Json()
+            for r in rows:  # JSON text, which Json() stores as is: a string "5" would be read back as the number 5
+                r[key] = None if r.get(key) is None else json.dumps(r[key], ensure_ascii=False)
     if has_tools:
         columns["tools"] = Value("string")
         for r in rows:

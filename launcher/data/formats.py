@@ -72,6 +72,24 @@ FORMS: dict[str, Form] = {
     "text": Form("text", ("text",), "plain text (no chat template)"),
 }
 
+# The keys of a converted example (every form's columns, a chat's tools). Any other key of an example is a column of
+# its record kept for GRPO's rewards (launcher/data/dataset.py load_data `columns`), which TRL hands them by name.
+EXAMPLE_KEYS = tuple(dict.fromkeys(k for f in FORMS.values() for k in (f.marker, *f.columns))) + ("tools",)
+# What the formats read from a record besides their detection keys (alpaca's input, system and history; ShareGPT's
+# system): not kept as columns of their own.
+READ_KEYS = ("input", "system", "history", "conversations", "instruction", "output")
+
+
+def other_columns(example: dict[str, Any]) -> dict[str, Any]:
+    """The record's columns an example keeps besides its form's own keys (the data's `answer`, `id`, ...)."""
+    return {k: v for k, v in example.items() if k not in EXAMPLE_KEYS}
+
+
+def canonical(example: Any) -> Any:
+    """The example without the columns kept beside it: what it trains on, for comparisons of examples."""
+    return {k: v for k, v in example.items() if k in EXAMPLE_KEYS} if isinstance(example, dict) else example
+
+
 ROLES = ("system", "user", "assistant", "tool")
 # Message fields kept besides role and content: tool calls, tool results, reasoning. The chat template decides
 # whether it renders them; launcher/data/dataset.py checks that it does for every record that has them.
@@ -156,14 +174,16 @@ def detect(first: Iterable[tuple[str, Any]]) -> tuple[Optional[str], Optional[st
     return None, f"{where} is in no known format (keys: {keys or 'none'}); expected one of: {expected}"
 
 
-def convert(record: Any, fmt: str) -> dict[str, Any]:
-    """The canonical example for one record of format `fmt`; `RecordProblem` naming the field otherwise."""
+def convert(record: Any, fmt: str, columns: bool = False) -> dict[str, Any]:
+    """The canonical example for one record of format `fmt`; `RecordProblem` naming the field otherwise. `columns`:
+    the record's other keys are honoured as columns (GRPO passes every column to the reward functions by name, as
+    TRL does: launcher/data/dataset.py load_data), so none is refused as dropped, a `label` among them."""
     if not isinstance(record, dict):
         raise RecordProblem(f"expected a JSON object, found {type(record).__name__}")
-    if all(k in record for k in FORMATS[fmt].keys):  # else the converter names the missing key, and what it looks like
+    if all(k in record for k in FORMATS[fmt].keys) and not columns:  # else the converter names the missing key
         check_top_keys(record, fmt)
     other = detect_one(record)
-    if LABEL in record and FORMATS[fmt].form != "unpaired":
+    if LABEL in record and FORMATS[fmt].form != "unpaired" and not columns:
         raise RecordProblem(
             f"'{LABEL}' ({record[LABEL]!r}) marks an answer desirable or undesirable, which only objective kto "
             f"trains, on {describe('unpaired')} records; a key that is not honoured is refused, not dropped in "

@@ -1,26 +1,45 @@
-"""GRPO's rewards: each of the recipe's `reward:` entries as the function TRL's GRPOTrainer calls, and the check that
+"""GRPO's rewards: each of the recipe's `reward:` entries as the function TRL's GRPOTrainer calls, and the probe that
 refuses one at plan time.
 
 TRL calls a reward function as `f(prompts=..., completions=..., completion_ids=..., **columns, trainer_state=...,
 log_extra=..., log_metric=...)` and takes one float (or None) per completion (trl 1.16 grpo_trainer.py
-`_calculate_rewards`); `columns` are the dataset's other columns, here `reference`. A metric reward scores each
-sampled answer against its prompt's reference with the task evaluation's own scorer (launcher/data/task_metrics.py),
-so what the run is rewarded for is what its task score measures. A function of the user's is called once here, before
-any GPU time (`refusals`).
+`_calculate_rewards`: every dataset column but "prompt", "completion" and "completion_ids", one value per completion).
+Here the columns are `reference` (what a metric reward scores against) and every other column of the data's records
+(launcher/data/dataset.py keeps them for an objective that samples). A metric reward scores each sampled answer against
+its prompt's reference with the task evaluation's own scorer (launcher/data/task_metrics.py), so what the run is
+rewarded for is what its task score measures. A function is named FILE.py:NAME (a file of the user's, or one inside an
+installed package, imported as its module) or MODULE:NAME (`trl.rewards:think_format_reward`).
+
+Every reward is probed before any GPU time (`refusals`, with launcher/data/reward_probe.py): called as TRL calls it on a
+few prompts of the data, each answered with its right answer (the reference, or the column the function reads), a wrong
+one and an empty one, each plain, boxed, after a <think> block and in <answer> tags. Refused: a function that cannot be
+loaded, takes a column the data does not have, raises, returns the wrong number of values, something that is not a
+number, or a value that is not finite (one infinite reward makes its group's advantages NaN in TRL); a reward that
+scores every probe answer alike (it has nothing to teach); a metric that scores the right answer like a wrong one. What
+was probed is said in the plan.
 
 Pure (no torch): the plan and the worker both build them.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
-import numbers
+import inspect
+import site
 import sys
+import sysconfig
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from launcher.data import formats, task_examples, task_metrics
+from launcher.data.reward_probe import Probe
 from launcher.errors import RecipeError
+from launcher.errors import close_name
+
+# What TRL's GRPOTrainer passes every reward function besides the data's columns (trl 1.16 grpo_trainer.py
+# `_calculate_rewards`); a data column of one of these names would be passed twice.
+TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
 
 
 def prompt_and_reference(example: dict[str, Any]) -> Optional[dict[str, Any]]:
@@ -37,6 +56,22 @@ def prompt_and_reference(example: dict[str, Any]) -> Optional[dict[str, Any]]:
     if isinstance(messages, list) and messages and messages[-1].get("role") != "assistant":
         return {"prompt": messages, "reference": None}
     return None
+
+
+def prompt_row(example: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """GRPO's dataset row for an example: its prompt, its reference and the record's other columns, which TRL hands
+    the rewards by name (None when nothing is left to prompt with)."""
+    pr = prompt_and_reference(example)
+    if pr is None:
+        return None
+    return {**pr, **formats.other_columns(example)}
+
+
+def prompt_rows(examples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every example as its GRPO row, each with every column (None where its record had none, as a dataset has)."""
+    rows = [prompt_row(e) for e in examples]
+    names = list(dict.fromkeys(k for r in rows if r for k in r))
+    return [{k: r.get(k) for k in names} for r in rows]
 
 
 def answer_text(completion: Any) -> str:
@@ -73,15 +108,92 @@ def metric_reward(metric: str) -> Callable[..., list[Optional[float]]]:
     return reward
 
 
+def is_module_path(target: str) -> bool:
+    """MODULE:NAME's MODULE (dotted names, `trl.rewards`), as against a FILE.py."""
+    return not target.endswith(".py") and all(part.isidentifier() for part in target.split("."))
+
+
 def load_function(spec: str) -> Callable:
-    """The function FILE.py:NAME names (FILE absolute: launcher/recipe_loading.py resolves it against the recipe's
-    folder)."""
-    file, _, name = spec.rpartition(":")
-    path = Path(file)
-    if not path.is_file():
+    """The function FILE.py:NAME or MODULE:NAME names. FILE is absolute where it was found beside the recipe
+    (launcher/recipe_loading.py resolves it); a file inside an installed package (site-packages/trl/rewards/x.py, or
+    trl/rewards/x.py as the package lays it out) is imported as its module, so its relative imports work."""
+    target, _, name = spec.rpartition(":")
+    module_name = target if is_module_path(target) else _package_module(Path(target))
+    if module_name is not None:
+        module = _import_module(spec, module_name)
+        where = f"module {module_name}"
+    else:
+        module, where = _import_file(spec, Path(target)), Path(target).name
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+        if hasattr(module, "__all__"):  # a package that imports lazily (trl.rewards): what it exports
+            found = sorted(module.__all__) or found
+        near = close_name(name, found)
         raise RecipeError(
-            f"reward function {spec}: the file {path} does not exist",
-            fix="give the reward's file relative to the recipe's folder, as FILE.py:NAME",
+            f"reward function {spec}: {where} has no function {name!r}"
+            + (f" (did you mean '{near}'?)" if near else "")
+            + (f" (it defines {', '.join(found[:8])})" if found and not near else ""),
+            fix=f"name a function {where} defines, as {target}:NAME",
+        )
+    return fn
+
+
+def _site_folders() -> list[Path]:
+    """Where installed packages live: site-packages (system, user, the virtual environment's)."""
+    folders = list(site.getsitepackages()) + [site.getusersitepackages()]
+    folders += [sysconfig.get_paths()[k] for k in ("purelib", "platlib")]
+    return [Path(f).resolve() for f in dict.fromkeys(folders) if f and Path(f).is_dir()]
+
+
+def _package_module(path: Path) -> Optional[str]:
+    """The module name of a .py file inside an installed package (each folder down to it holds an __init__.py):
+    an absolute path under site-packages, or a relative one as the package lays it out (trl/rewards/x.py). None for a
+    file of the user's."""
+    if path.is_absolute():
+        resolved = path.resolve()
+        for folder in _site_folders():
+            if resolved.is_relative_to(folder):
+                parts = resolved.relative_to(folder).with_suffix("").parts
+                inside = all((folder.joinpath(*parts[:k]) / "__init__.py").is_file() for k in range(1, len(parts)))
+                return ".".join(parts) if len(parts) > 1 and inside else None
+        return None
+    parts = path.with_suffix("").parts
+    if len(parts) < 2 or not all(p.isidentifier() for p in parts):
+        return None
+    dotted = ".".join(parts)
+    try:
+        found = importlib.util.find_spec(parts[0]) is not None and importlib.util.find_spec(dotted) is not None
+    except (ImportError, ValueError):
+        found = False
+    return dotted if found else None
+
+
+def _import_module(spec: str, module_name: str) -> Any:
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or module_name
+        raise RecipeError(
+            f"reward function {spec}: no module {missing!r} is installed where ftrun runs",
+            fix=f"install the package that provides {missing} into ftrun's environment (pip install ...; the box "
+            "that trains needs it too), or give a file of yours as FILE.py:NAME (relative to the recipe's folder)",
+        ) from None
+    except Exception as exc:  # the module's own import error, named
+        raise RecipeError(
+            f"reward function {spec}: importing {module_name} raised {type(exc).__name__}: {exc}",
+            fix=f"check that `python -c 'import {module_name}'` runs where ftrun runs (the installed versions)",
+        ) from None
+
+
+def _import_file(spec: str, path: Path) -> Any:
+    if not path.is_absolute() or not path.is_file():  # a relative one was not found beside the recipe
+        where = "in the recipe's folder" if not path.is_absolute() else ""
+        raise RecipeError(
+            f"reward function {spec}: the file {path} does not exist{' ' + where if where else ''}, nor is it a file "
+            "of an installed package",
+            fix="give the reward's file relative to the recipe's folder, as FILE.py:NAME, or an installed module's "
+            "function as MODULE:NAME (trl.rewards:think_format_reward)",
         )
     module_name = f"ftrun_reward_{path.stem}"
     loader = importlib.util.spec_from_file_location(module_name, path)
@@ -89,20 +201,23 @@ def load_function(spec: str) -> Callable:
     sys.modules[module_name] = module  # dataclasses and pickling look their module up by name
     try:
         loader.loader.exec_module(module)
+    except ImportError as exc:
+        relative = "relative import" in str(exc)
+        raise RecipeError(
+            f"reward function {spec}: importing {path.name} raised {type(exc).__name__}: {exc}",
+            fix=(
+                f"{path.name} imports relative to a package: import from the package by name instead (from "
+                "mypackage.x import y), or name the function by its module (MODULE:NAME)"
+                if relative
+                else f"install what {path.name} imports into ftrun's environment (the box that trains needs it too)"
+            ),
+        ) from None
     except Exception as exc:  # the user's module: any error it raises is theirs to fix, named here
         raise RecipeError(
             f"reward function {spec}: importing {path.name} raised {type(exc).__name__}: {exc}",
             fix=f"fix {path.name} so that `python {path}` runs without error",
         ) from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise RecipeError(
-            f"reward function {spec}: {path.name} has no function {name!r}"
-            + (f" (it defines {', '.join(found[:8])})" if found else ""),
-            fix="name a function the file defines, as FILE.py:NAME",
-        )
-    return fn
+    return module
 
 
 def build(recipe: Any, examples: list[dict[str, Any]]) -> tuple[list[Callable], list[float]]:
@@ -115,77 +230,125 @@ def build(recipe: Any, examples: list[dict[str, Any]]) -> tuple[list[Callable], 
     return funcs, [float(r.weight) for r in recipe.rewards]
 
 
-def refusals(recipe: Any, examples: list[dict[str, Any]], where: list[str]) -> None:
-    """A RecipeError for rewards that cannot score this data: a metric on rows without a reference (the first such
-    line named), a function that cannot be loaded, raises, returns the wrong number of values or something that is
-    not a number when called on the first prompt with two answers (its reference and an empty one)."""
-    prompts = [prompt_and_reference(e) for e in examples]
-    for k, p in enumerate(prompts):
+def refusals(recipe: Any, examples: list[dict[str, Any]], where: list[str]) -> list[str]:
+    """A RecipeError for rewards that cannot score this data (the module docstring lists them); otherwise what was
+    probed, one line per reward, for the plan."""
+    rows = [prompt_row(e) for e in examples]
+    for k, p in enumerate(rows):
         if p is None:
             raise RecipeError(
                 f"{where[k]} leaves nothing to prompt with for objective {recipe.objective} (a conversation that "
                 "ends with its only assistant turn and has no turn before it)",
                 fix="give each example a user turn before the answer, or a prompt row: " + formats.example("prompt"),
             )
+    rows = prompt_rows(examples)
+    columns = [k for k in rows[0] if k != "prompt"]
+    clash = [c for c in columns if c in TRL_ARGUMENTS]
+    if clash:
+        raise RecipeError(
+            f"the data has a column {clash[0]!r}, the name of an argument TRL's GRPOTrainer passes every reward "
+            "function itself: the two would collide",
+            fix=f"rename the column {clash[0]!r} in the data (data: {{path: ..., columns: {{...}}}} maps names)",
+        )
+    lines = []
     for i, spec in enumerate(recipe.rewards):
         key = f"reward[{i}]" if recipe.reward is not None and len(recipe.rewards) > 1 else "reward"
         if spec.metric:
-            missing = next((k for k, p in enumerate(prompts) if p["reference"] is None), None)
+            missing = next((k for k, p in enumerate(rows) if p["reference"] is None), None)
             if missing is not None:
-                n = sum(p["reference"] is None for p in prompts)
+                n = sum(p["reference"] is None for p in rows)
                 raise RecipeError(
                     f"{key} is the task metric{'' if spec.metric == task_metrics.AUTO else ' ' + spec.metric}, "
                     f"which scores each answer against its prompt's reference, and {where[missing]} has none "
-                    f"({n} of {len(prompts)} prompts without one)",
+                    f"({n} of {len(rows)} prompts without one)",
                     fix="give those rows a reference (a prompt row's \"reference\", a chat example's last assistant "
                     "turn), or reward them with a function of yours (reward: {function: FILE.py:NAME})",
                 )
-            continue
-        _probe(spec.function, key, prompts[0])
+            metric = resolved_metric(spec.metric, [r["reference"] for r in rows])
+            label = f"{key} (the task metric {metric})"
+            probe = Probe(metric_reward(metric), label, "reference", rows, where, recipe.model)
+            lines.append(probe.check_metric(metric))
+        else:
+            fn = load_function(spec.function)
+            label = f"{key} function {spec.function.rpartition('/')[2]}"
+            read = _signature_fits(fn, label, columns, rows[0])
+            right = "reference" if any(r["reference"] is not None for r in rows) else None
+            named = [c for c in read if c != "reference" and any(r.get(c) is not None for r in rows)]
+            if named:  # the column it reads is where it finds the right answer (Unsloth's `answer`, TRL's `solution`)
+                right = named[0]
+            lines.append(Probe(fn, label, right, rows, where, recipe.model).check_function())
+    return lines
 
 
-def _probe(spec: str, key: str, example: dict[str, Any]) -> None:
-    fn = load_function(spec)
-    prompt, reference = example["prompt"], example["reference"]
-    answers = [reference or "a sampled answer", ""]
-    if isinstance(prompt, list):
-        completions: list[Any] = [[{"role": "assistant", "content": a}] for a in answers]
-    else:
-        completions = answers
-    columns = {"reference": [reference] * 2}
+def _signature_fits(fn: Callable, label: str, columns: list[str], row: dict[str, Any]) -> list[str]:
+    """The data columns `fn` names among its parameters; a RecipeError where TRL's call cannot bind: a parameter no
+    column fills, or an argument TRL passes that it takes no parameter (nor **kwargs) for."""
     try:
-        values = fn(
-            prompts=[prompt] * 2,
-            completions=completions,
-            completion_ids=[[], []],
-            trainer_state=None,
-            log_extra=lambda *a, **k: None,
-            log_metric=lambda *a, **k: None,
-            **columns,
-        )
-    except Exception as exc:  # the user's code: whatever it raises is refused with its words
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: the call itself tells
+        return []
+    passed = set(TRL_ARGUMENTS) | set(columns)
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
+    named = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    missing = [
+        p.name
+        for p in params
+        if p.default is p.empty
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY, p.POSITIONAL_ONLY)
+        and (p.name not in passed or p.kind is p.POSITIONAL_ONLY)
+    ]
+    shown = ", ".join(columns) if columns else "none"
+    if missing and "completions" not in named and not var_kw:
+        _factory_refusal(fn, label)
+    if missing:
+        name = missing[0]
+        near = close_name(name, columns + list(TRL_ARGUMENTS))
+        example = formats.example("prompt").split("}")[0].rstrip()
         raise RecipeError(
-            f"{key} function {spec} raised {type(exc).__name__}: {exc} when called on the first prompt with two "
-            "answers, as TRL's GRPOTrainer calls it: f(prompts=[...], completions=[...], completion_ids=[...], "
-            "reference=[...], trainer_state=..., log_extra=..., log_metric=...)",
-            fix="accept those keyword arguments (add **kwargs) and return one float per completion",
-        ) from None
-    bad = None
-    if not isinstance(values, (list, tuple)):
-        bad = f"returned {type(values).__name__} {str(values)[:60]}, not a list"
-    elif len(values) != 2:
-        bad = f"returned {len(values)} values for 2 completions"
+            f"{label} takes {name!r}, which the data has no column of: TRL's GRPOTrainer passes each column of the "
+            f"data by its name, and this data's are {shown} (beside {', '.join(TRL_ARGUMENTS)})",
+            fix=(f"rename the parameter {name!r} to {near!r}, or " if near else "")
+            + f'add a "{name}" to each record of the data beside its prompt ({example}, "{name}": ...}}), or give '
+            f"the parameter a default",
+        )
+    if not var_kw:
+        extra = [k for k in list(TRL_ARGUMENTS) + columns if k not in named]
+        if "completions" not in named and "completion_ids" not in named:
+            _factory_refusal(fn, label)
+        if extra:
+            raise RecipeError(
+                f"{label} takes no {', '.join(extra)}, which TRL's GRPOTrainer passes every reward function "
+                f"({', '.join(TRL_ARGUMENTS)}, and each column of the data by name: {shown})",
+                fix="add **kwargs to its parameters: def f(prompts, completions, **kwargs)",
+            )
+    return [n for n in named if n in columns]
+
+
+def _factory_refusal(fn: Callable, label: str) -> None:
+    """A RecipeError for a function that makes a reward function rather than being one (TRL's
+    get_repetition_penalty_reward, get_cosine_scaled_reward): it takes no completions, and its result is callable."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+        product = fn() if all(p.default is not p.empty for p in params) else None
+    except Exception:  # whatever it raises, it is no factory this can call without arguments
+        product = None
+    name = getattr(fn, "__name__", "make_reward")
+    returns = getattr(inspect.signature(fn).return_annotation, "__name__", "")
+    if (
+        not callable(product)
+        and "Callable" not in str(inspect.signature(fn).return_annotation)
+        and returns != "Callable"
+    ):
+        return
+    module = getattr(fn, "__module__", "") or ""
+    if module.startswith("ftrun_reward_"):
+        source = f"from the file it is in (say rewards.py, then: from rewards import {name})"
     else:
-        wrong = [v for v in values if not _is_number(v)]
-        if wrong:
-            bad = f"returned {wrong[0]!r} ({type(wrong[0]).__name__}), not a number"
-    if bad:
-        raise RecipeError(
-            f"{key} function {spec} {bad} (called on the first prompt with two answers)",
-            fix="return a list with one float per completion (None for one that cannot be scored)",
-        )
-
-
-def _is_number(value: Any) -> bool:
-    """A float TRL can put in its reward tensor: a real number (numpy's too) or None, not a bool or a string."""
-    return value is None or (isinstance(value, numbers.Real) and not isinstance(value, bool))
+        source = f"from {module.rsplit('.', 1)[0] if module.startswith('trl.rewards.') else module} import {name}"
+    params = str(inspect.signature(fn))
+    raise RecipeError(
+        f"{label} makes a reward function rather than being one: {name}{params} returns the function TRL calls "
+        "(it takes no completions itself)",
+        fix=f"call it in a file of yours and name what it returns: in my_rewards.py, `{source}` then "
+        f"`penalty = {name}()` (with the arguments you want), and give reward: {{function: my_rewards.py:penalty}}",
+    )

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from launcher.data import formats
+
 
 @dataclass(frozen=True)
 class Split:
@@ -40,7 +42,11 @@ def for_recipe(examples: list, recipe) -> Split:
     if not recipe.eval.fraction:
         return Split(list(range(len(examples))), [])
     first: dict[str, int] = {}  # example -> its number among the distinct examples
-    group = [first.setdefault(json.dumps(e, sort_keys=True, ensure_ascii=False), len(first)) for e in examples]
+    # the same example with other columns beside it (an id: data/dataset.py load_data `columns`) is still a copy
+    group = [
+        first.setdefault(json.dumps(formats.canonical(e), sort_keys=True, ensure_ascii=False), len(first))
+        for e in examples
+    ]
     parts = split(len(first), recipe.eval.fraction, recipe.seed)
     held = set(parts.held_out)
     first_copy = {g: i for i, g in reversed(list(enumerate(group)))}  # each distinct example's first index

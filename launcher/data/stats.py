@@ -4,7 +4,7 @@ out."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, Optional
 
 from launcher import methods
 from launcher.data import formats
@@ -18,7 +18,8 @@ from launcher.errors import DataError, RecipeError
 
 
 def data_stats(recipe: Any):
-    data = load_data(recipe.data, recipe.seed)
+    # an objective that samples keeps each record's other columns: its rewards read them (launcher/data/rewards.py)
+    data = load_data(recipe.data, recipe.seed, columns=methods.OBJECTIVES[recipe.objective].generates)
     objective_fits(recipe, data.form, "data")
     if methods.OBJECTIVES[recipe.objective].generates:
         return _prompt_stats(recipe, data)
@@ -65,33 +66,112 @@ def _splits(recipe: Any) -> bool:
 
 def _prompt_stats(recipe: Any, data: Any):
     """GRPO's data: prompts, each trained as its prompt with an answer it samples. Each counts its prompt's tokens
-    plus grpo.max_completion_length (the longest answer: an upper bound the smoke test measures). Refused here: a
-    prompt that leaves no room for that answer in max_length (TRL's GRPOTrainer does not truncate prompts), and
-    rewards that cannot score the data (launcher/data/rewards.py)."""
+    plus grpo.max_completion_length (the longest answer: an upper bound the smoke test measures; left out of the
+    recipe, sized from the references: `completion_length`). Refused here: a max_completion_length that leaves no
+    room for a prompt, a prompt that leaves no room for that answer in max_length (TRL's GRPOTrainer does not truncate
+    prompts), and rewards that cannot score the data (launcher/data/rewards.py, whose probe lines the plan shows)."""
     examples = data.examples
     parts = split.for_recipe(examples, recipe)
     train = parts.train
-    rewards.refusals(recipe, [examples[i] for i in train], [data.where[i] for i in train])
+    probed = rewards.refusals(recipe, [examples[i] for i in train], [data.where[i] for i in train])
     prompts = [rewards.prompt_and_reference(e) for e in examples]
     as_text = [{"messages": p["prompt"]} if isinstance(p["prompt"], list) else {"text": p["prompt"]} for p in prompts]
     prompt_lengths, source = example_lengths(as_text, recipe.model, data.where)
-    answer = recipe.grpo.max_completion_length
-    room = recipe.max_length - answer
     longest = max(train, key=lambda i: prompt_lengths[i])
+    sized = completion_length(recipe, [prompts[i]["reference"] for i in train], prompt_lengths[longest])
+    answer = sized["tokens"]
+    if answer >= recipe.max_length:
+        raise RecipeError(
+            f"grpo.max_completion_length {answer:,}"
+            + ("" if sized["why"] == "the recipe's" else f" ({sized['why']})")
+            + f" is not below max_length {recipe.max_length:,}: the sampled answer alone fills a whole sequence, "
+            "and no prompt fits beside it",
+            fix=f"lower grpo.max_completion_length below {recipe.max_length:,} (the longest prompt of the data is "
+            f"{prompt_lengths[longest]:,} tokens, {data.where[longest]}), or raise max_length to at least "
+            f"{prompt_lengths[longest] + answer:,}",
+        )
+    room = recipe.max_length - answer
     if prompt_lengths[longest] > room:
         over = sum(prompt_lengths[i] > room for i in train)
         raise DataError(
             f"{data.where[longest]} is a prompt of {prompt_lengths[longest]:,} tokens, and max_length "
-            f"{recipe.max_length:,} leaves {room:,} beside grpo.max_completion_length {answer:,} ({over} of "
-            f"{len(train)} prompts are longer): TRL's GRPOTrainer does not cut prompts",
+            f"{recipe.max_length:,} leaves {room:,} beside grpo.max_completion_length {answer:,}"
+            + (f" ({sized['why']})" if sized["derived"] else "")
+            + f" ({over} of {len(train)} prompts are longer): TRL's GRPOTrainer does not cut prompts",
             fix=f"raise max_length to at least {prompt_lengths[longest] + answer:,}, lower "
             "grpo.max_completion_length, or shorten those prompts",
         )
     lengths = [n + answer for n in prompt_lengths]
     stats = compute_stats([examples[i] for i in train], [lengths[i] for i in train], source, recipe.max_length, data)
-    stats = replace(stats, held_out=len(parts.held_out), held_out_lines=len(examples) - len(train))
+    stats = replace(
+        stats,
+        held_out=len(parts.held_out),
+        held_out_lines=len(examples) - len(train),
+        rewards=tuple(probed),
+        completion_length=sized,
+    )
     _task_settings_fit(recipe, examples, lengths, parts, None)
     return examples, lengths, stats
+
+
+# A completion length sized from the references: twice the longest reference (with its end-of-text token), at least
+# this many tokens, rounded up to a multiple of 8
+SHORTEST_COMPLETION = 16
+
+
+def completion_length(recipe: Any, references: list[Optional[str]], longest_prompt: int) -> dict[str, Any]:
+    """grpo.max_completion_length as the run samples with it: {"tokens", "derived", "why"}. The recipe's own value;
+    left out, where every reward is a task metric and the data has references, twice the longest reference (the
+    answers a metric rewards look like the references: the label task's answers fit in 8 tokens, where the default
+    256 samples and trains up to 256), within the room max_length leaves beside the longest prompt; else the
+    default, and why."""
+    s = recipe.grpo
+    if "max_completion_length" in s.model_fields_set:
+        return {"tokens": s.max_completion_length, "derived": False, "why": "the recipe's"}
+    refs = [r for r in references if r is not None]
+    if not refs:
+        why = "the default: the data has no references to size the answers from"
+        return {"tokens": s.max_completion_length, "derived": False, "why": why}
+    if any(r.function for r in recipe.rewards):
+        why = (
+            "the default: a reward function of yours may want answers longer than the references (a reasoning "
+            "before the answer); set grpo.max_completion_length to size them"
+        )
+        return {"tokens": s.max_completion_length, "derived": False, "why": why}
+    tokens, counted = _reference_tokens(recipe.model, refs)
+    longest = max(tokens) + 1  # its end-of-text token, which ends the sampled answer
+    sized = max(SHORTEST_COMPLETION, -(-2 * longest // 8) * 8)
+    room = recipe.max_length - longest_prompt
+    if sized > room >= longest:
+        sized = room
+    why = (
+        f"sized from the references: the longest is {longest - 1:,} {counted} (+1 for the end of text), twice that"
+        + (f", at least {SHORTEST_COMPLETION}" if sized == SHORTEST_COMPLETION else "")
+        + (f", within the {room:,} tokens max_length leaves beside the longest prompt" if sized == room else "")
+        + f"; the default {s.max_completion_length} where the recipe leaves it out and nothing sizes it"
+    )
+    return {"tokens": sized, "derived": True, "why": why}
+
+
+def _reference_tokens(model: str, references: list[str]) -> tuple[list[int], str]:
+    """Each reference's tokens with the model's tokenizer where this machine has it, else estimated from its
+    characters (4 to a token), and which."""
+    from launcher.data.tokenizer import read_tokenizer, tokenizer_dir
+
+    folder, _ = tokenizer_dir(model)
+    read = read_tokenizer(folder) if folder is not None else None
+    if read is None:
+        return [len(r) // 4 + 1 for r in references], "tokens (estimated from its characters: no tokenizer here)"
+    return [len(read.tokenizer.encode(r, add_special_tokens=False).ids) for r in references], "tokens"
+
+
+def with_data_defaults(recipe: Any, stats: Any) -> Any:
+    """The recipe with the settings its data sized where it left them out (grpo.max_completion_length from the
+    references): what the plan sizes, recipe.yaml records and the worker samples with."""
+    sized = getattr(stats, "completion_length", None)
+    if not sized or not sized["derived"] or sized["tokens"] == recipe.grpo.max_completion_length:
+        return recipe
+    return recipe.model_copy(update={"grpo": recipe.grpo.model_copy(update={"max_completion_length": sized["tokens"]})})
 
 
 def _task_settings_fit(recipe: Any, examples: list, lengths: list[int], parts: Any, eval_examples: Any) -> None:

@@ -195,6 +195,7 @@ def plan_for(
     blocked = None
     try:  # each requested output can be made; a missing install is said after the plan, which it does not change
         notes += gguf_readiness.plan_check(recipe, this_box=hardware.source == "detected")
+        sampling.software_check(recipe, this_box=hardware.source == "detected")  # generation: vllm
     except MissingSoftware as exc:
         blocked = {"message": exc.message, "fix": exc.fix}
     notes += _task_eval_note(recipe, data_stats)
@@ -336,7 +337,9 @@ def plan_for(
         reasons.append(packed)
     reasons.append(_loss_reason(job, choice, est))
     reasons += _objective_reasons(recipe, job, data_stats)
-    reasons += sampling.reasons(recipe, job, steps, sampling_s, "tokens_per_second" in measured, decode)
+    reasons += sampling.reasons(
+        recipe, job, steps, sampling_s, "tokens_per_second" in measured, decode=decode, data_stats=data_stats
+    )
     if hrs is not None:
         money = (
             f"cost at {box_price:.2f} EUR/h ({price_src}) = {cost:.2f} EUR"

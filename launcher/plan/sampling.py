@@ -46,6 +46,25 @@ def check_batch(recipe: Any, processes: int) -> None:
         )
 
 
+def software_check(recipe: Any, this_box: bool) -> None:
+    """`generation: vllm` on the box that trains needs the vllm package (TRL 1.16 grpo_trainer.py imports it when
+    use_vllm is set, after the model loaded): MissingSoftware before any training, as a GGUF export without
+    llama.cpp. A plan for a rented box says it in its Why lines instead (`reasons`)."""
+    if not generates(recipe) or recipe.grpo.generation != "vllm" or not this_box:
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        from launcher.errors import MissingSoftware
+
+        raise MissingSoftware(
+            "grpo.generation: vllm needs the vllm package on this box, and it is not installed (TRL's GRPOTrainer "
+            "would fail to import it after the model loaded)",
+            fix="pip install vllm (a version TRL 1.16 supports, on a box with a GPU), or set grpo.generation: "
+            "generate (transformers' generate, no vLLM needed)",
+        )
+
+
 def uses_vllm(recipe: Any) -> bool:
     """Whether the run samples answers with vLLM (grpo.generation vllm) rather than transformers' eager generate."""
     return generates(recipe) and recipe.grpo.generation == "vllm"
@@ -88,8 +107,10 @@ def reasons(
     per_step: Optional[float],
     measured: bool,
     decode: Optional[tuple[float, str]] = None,
+    data_stats: Any = None,
 ) -> list[str]:
-    """What GRPO changes in the plan: the answers per prompt, where they are generated, what their time costs."""
+    """What GRPO changes in the plan: the answers per prompt, their longest length and where it comes from, what the
+    probe of each reward found (launcher/data/rewards.py), where the answers are generated, what their time costs."""
     if not generates(recipe):
         return []
     s = recipe.grpo
@@ -100,6 +121,10 @@ def reasons(
         + " + ".join(_reward_words(r) for r in recipe.rewards)
         + f"; a step samples {batch} answers ({batch // s.num_generations} prompts) per process, then trains on them"
     ]
+    sized = getattr(data_stats, "completion_length", None)
+    if sized and sized["why"] != "the recipe's":
+        lines.append(f"grpo.max_completion_length {sized['tokens']}: {sized['why']}")
+    lines += [f"probed {line}" for line in getattr(data_stats, "rewards", None) or ()]
     if s.generation == "vllm":
         lines.append(
             "generation: vllm (TRL's colocate mode: vLLM shares the card with training); the vllm package must be "

@@ -25,16 +25,21 @@ def with_plan_settings(recipe: Recipe, plan: dict[str, Any]) -> Recipe:
 
 def with_adjustments(run: RunDir, recipe: Recipe) -> Recipe:
     """The recipe as the run trains it: the keys it leaves to the plan as the run's recipe.yaml holds them (the plan
-    chose them when the run began; a resume keeps them, on any box), then the smoke test's recorded out-of-memory
-    adjustments."""
+    chose them when the run began; a resume keeps them, on any box), GRPO's answer length where the data sized it,
+    then the smoke test's recorded out-of-memory adjustments."""
     update: dict[str, Any] = {}
     left = left_to_plan(recipe) | left_to_data(recipe)
-    if left and run.recipe.is_file():
+    sized = recipe.objective_row.generates and "max_completion_length" not in recipe.grpo.model_fields_set
+    if (left or sized) and run.recipe.is_file():
         try:
             recorded = yaml.safe_load(run.recipe.read_text()) or {}
         except yaml.YAMLError:  # a recipe.yaml this ftrun cannot read: the run's own views say so
             recorded = {}
-        update.update({k: recorded[k] for k in left if isinstance(recorded, dict) and k in recorded})
+        recorded = recorded if isinstance(recorded, dict) else {}
+        update.update({k: recorded[k] for k in left if k in recorded})
+        answer = (recorded.get("grpo") or {}).get("max_completion_length") if sized else None
+        if isinstance(answer, int):  # sized from the references at the launch (launcher/data/stats.py): kept
+            update["grpo"] = recipe.grpo.model_copy(update={"max_completion_length": answer})
     if run.plan.is_file():
         for adj in json.loads(run.plan.read_text()).get("adjustments", []):
             update.update(adj["set"])

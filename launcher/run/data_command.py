@@ -33,5 +33,5 @@ def data_command(recipe_path: str, overrides: list[str]) -> int:
         )
     if line:
         print(f"data: {line}")
-    print(format_loss_view(record, color=wants_color(), statistics=True))
+    print(format_loss_view(record, color=wants_color(), statistics=True, sampled=recipe.objective_row.generates))
     return 0

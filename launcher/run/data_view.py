@@ -57,11 +57,19 @@ def wants_color(stream: Optional[TextIO] = None) -> bool:
     return bool(getattr(stream, "isatty", lambda: False)()) and not os.environ.get("NO_COLOR")
 
 
-def format_loss_view(record: Optional[dict[str, Any]], color: bool = False, statistics: bool = False) -> str:
+def format_loss_view(
+    record: Optional[dict[str, Any]], color: bool = False, statistics: bool = False, sampled: bool = False
+) -> str:
     """What the loss sees (data.json "loss_view", launcher/data/loss_view.py): one example per source with its
-    trained tokens marked (highlighted on a terminal, in [[...]] elsewhere); `statistics`: the dataset's figures."""
+    trained tokens marked (highlighted on a terminal, in [[...]] elsewhere); `statistics`: the dataset's figures.
+    `sampled`: the objective trains on answers it samples (GRPO), which no example of the data holds."""
     from launcher.data.loss_view import CLOSE, OPEN, TRAINED_STYLE, RESET, render_segments
 
+    if not record and sampled:
+        return (
+            "what the loss sees: the answers GRPO samples for each prompt while it trains (the data holds the prompts "
+            "and their references; no answer of the data trains)"
+        )
     if not record:
         return "what the loss sees: not shown (the model's tokenizer is not on this machine)"
     s = record["stats"]

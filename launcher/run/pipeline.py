@@ -25,13 +25,13 @@ from launcher.store.state import (
 from launcher.run import parent, progress, summary_view, views
 from launcher.run.commands import resume_command
 from launcher.run.facts import end_summary, run_status
-from launcher.run.prepare import _download, _prepare, _say, restarts_after_failed_smoke
+from launcher.run.prepare import _download, _prepare, _say, as_written, restarts_after_failed_smoke
 from launcher.run.run_dirs import run_dir_of
 from launcher.run.smoke_replan import _smoke
 from launcher.run.sync_commands import _pull_if_remote_run
 from launcher.run.task_baseline import launch_baseline
 from launcher.run.views import format_status
-from launcher.run.adjustments import with_adjustments, with_loss_resolved, with_plan_settings
+from launcher.run.adjustments import with_adjustments
 
 
 def _flat(snap: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -167,8 +167,7 @@ def launch(
     examples, lengths, stats, plan, plan_dict, lock, data_sha = _prepare(
         run, recipe, resuming=resuming, fresh=fresh, memory_limit=memory_limit, allow_changes=allow_changes, nodes=nodes
     )
-    recipe = with_plan_settings(recipe, plan.to_dict())  # as _prepare wrote it into recipe.yaml (a new choice only)
-    recipe = with_loss_resolved(recipe, stats.loss_view)
+    recipe = as_written(run, recipe, stats, plan)  # as _prepare wrote it into recipe.yaml: its parent the pinned copy
     download = _download(run, recipe, found, plan_dict)
     ckpt_step = newest_step_unverified(run.checkpoints)
     smoke_ok = run.smoke.is_file()
@@ -232,8 +231,7 @@ def prepare_only(recipe: Recipe, purpose: str, memory_limit: Optional[float] = N
     if missed:
         _say(f"note: {missed}")
     prepared = _prepare(run, recipe, resuming=exists, fresh=False, memory_limit=memory_limit)
-    recipe = with_plan_settings(recipe, prepared[3].to_dict())  # as _prepare wrote it into recipe.yaml
-    recipe = with_loss_resolved(recipe, prepared[2].loss_view)
+    recipe = as_written(run, recipe, prepared[2], prepared[3])  # as _prepare wrote it into recipe.yaml
     lock = prepared[5]
     try:
         set_state(run, "planned", **_launcher(), data_sha256=prepared[6], reason=purpose)

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from launcher.data.stats import data_stats
+from launcher.data.stats import data_stats, with_data_defaults
 from launcher.errors import DataError, MissingSoftware, RecipeError
 from launcher.recipe_loading import load_recipe
 from launcher.recipe_trainer import check_trainer_fields
@@ -103,6 +103,7 @@ def _plan_command(
         if not missing:
             try:
                 _, _, stats = data_stats(recipe)
+                recipe = with_data_defaults(recipe, stats)  # what the data sized (GRPO's answer length)
             except DataError as exc:
                 # A Hub dataset this machine cannot reach (no network, not cached) plans like a missing local file;
                 # the launch reads it and refuses with the same paragraph when the box cannot reach it either.

@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import yaml
 
-from launcher.data.stats import data_record, data_stats
+from launcher.data.stats import data_record, data_stats, with_data_defaults
 from launcher.engine_kinds import MULTI_NODE
 from launcher.errors import HardwareError, RecipeError, UsageError
 from launcher.recipe import Recipe
@@ -40,6 +40,20 @@ def make_plan(
     from launcher.plan.plan import make_plan as _make_plan
 
     return _make_plan(recipe, hardware_for(gpus), data_stats=stats, tokens=tokens, smoke=smoke, nnodes=nnodes)
+
+
+def as_written(run: RunDir, recipe: Recipe, stats: Any, plan: Any) -> Recipe:
+    """The recipe as _prepare wrote it into recipe.yaml, for the rest of the launch (the base model's scoring, the
+    smoke test and its replan, which writes recipe.yaml again): the settings the data sized or resolved
+    (assistant_only_loss), the plan's faster ones, and init_from as the run's pinned copy of its parent
+    (launcher/run/parent.py), never the source again: a parent still training deletes its older checkpoints
+    (keep_checkpoints) while this launch goes on."""
+    recipe = with_loss_resolved(with_data_defaults(recipe, stats), stats.loss_view)
+    recipe = with_plan_settings(recipe, plan.to_dict())
+    held = run.pinned_parent()
+    if recipe.init_from is not None and held and recipe.init_from in (held["init_from"], held["copy"]):
+        recipe = recipe.model_copy(update={"init_from": held["copy"]})
+    return recipe
 
 
 def _archive(run: RunDir) -> Path:
@@ -75,6 +89,7 @@ def _prepare(
             "to check whether its chat template can mark the answers)"
         )
     recipe = with_loss_resolved(recipe, stats.loss_view)  # recipe.yaml and the worker train what the data check said
+    recipe = with_data_defaults(recipe, stats)  # what the data sized (GRPO's answer length): recipe.yaml records it
     data_sha = stats.sha256
     restart = resuming and restarts_after_failed_smoke(run)
     if restart:
@@ -141,7 +156,7 @@ def _prepare(
     _say(f"data: {data_line(stats)}")
     if stats.loss_view:  # the example as the loss sees it, kept with plain brackets (ftrun data RECIPE shows it again)
         (run.root / "data_example.txt").write_text(format_loss_view(stats.loss_view, statistics=True) + "\n")
-    _say(format_loss_view(stats.loss_view, color=wants_color()))
+    _say(format_loss_view(stats.loss_view, color=wants_color(), sampled=recipe.objective_row.generates))
     _say(format_plan(plan))
     if memory_limit:
         _say(f"memory limited to {round(memory_limit, 2):g} GB per worker (--memory-limit)")

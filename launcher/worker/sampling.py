@@ -2,7 +2,8 @@
 generation takes (the smoke test reports it beside the steps' time).
 
 TRL's GRPOTrainer takes a "prompt" column and hands every other column to the rewards (trl 1.16 grpo_trainer.py
-`_calculate_rewards`): here "reference", what a task-metric reward scores against (launcher/data/rewards.py).
+`_calculate_rewards`): here "reference", what a task-metric reward scores against, and the data's other columns
+(launcher/data/rewards.py).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from launcher.data import rewards
 
 
 def prompt_rows(examples: list) -> list[dict[str, Any]]:
-    """Each example as GRPO's {"prompt", "reference"} row (the plan refused examples that leave no prompt)."""
-    return [rewards.prompt_and_reference(e) for e in examples]
+    """Each example as GRPO's {"prompt", "reference", ...} row, with every other column of its record (the plan
+    refused examples that leave no prompt)."""
+    return rewards.prompt_rows(examples)
 
 
 def trainer_arguments(recipe, rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -428,6 +428,11 @@ def _base_phase(run_dir: Path, batch_size: Optional[int]) -> int:
     run = RunDir(run_dir)
     try:
         recipe = load_recipe(run.recipe)
+        from launcher.notices import quiet_scoring_notices
+        from launcher.worker.unused_libraries import keep_out, unused_when_scoring
+
+        keep_out(unused_when_scoring(recipe))  # before transformers and PEFT are imported
+        quiet_scoring_notices()
         if not enabled(recipe):
             print(f"{PREFIX} off (eval.task.examples is 0)", flush=True)
             return 0

@@ -320,7 +320,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
     set_seed(recipe.seed)
     # the smoke sample as the launcher wrote it (canonical lines), or the recipe's data read again: the launcher
     # checked it and recorded its sha256 (data.json), and refuses a resume on changed data
-    loaded = load_data(data_path, recipe.seed)
+    loaded = load_data(data_path, recipe.seed, columns=recipe.objective_row.generates)  # GRPO's rewards read them
     examples = loaded.examples
     if mode == "full":
         changed = _data_changed(run, recipe, loaded.sha256)  # a restart after a crash reads the data again

@@ -118,6 +118,8 @@ def grpo_fields(recipe) -> dict[str, Any]:
         "temperature": s.temperature,
         "reward_weights": [float(r.weight) for r in recipe.rewards],
         "use_vllm": s.generation == "vllm",
+        # TRL's default, stated: the data's columns reach the rewards (launcher/data/rewards.py)
+        "remove_unused_columns": False,
     }
     if s.generation == "vllm":
         fields["vllm_mode"] = "colocate"  # vLLM in the training process: no second server to start and watch

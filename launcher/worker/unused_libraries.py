@@ -43,6 +43,14 @@ def unused(recipe, engine: str) -> tuple[str, ...]:
     return tuple(names)
 
 
+def unused_when_scoring(recipe) -> tuple[str, ...]:
+    """The libraries the base model's scoring before training never calls (launcher/worker/task_eval.py base phase):
+    it loads the base in 16 bits whatever the method, the parent adapter merged into it, and reports to no tracker.
+    bitsandbytes, which PEFT would import with itself (and whose CPU backend prints its missing `kernels` package on
+    every `ftrun baseline`), only for a checkpoint saved quantized."""
+    return tuple(n for n in ("bitsandbytes", "wandb") if n != "bitsandbytes" or not _saved_quantized(recipe.model))
+
+
 def _saved_quantized(model: str) -> bool:
     """The checkpoint's config.json names a quantization (bitsandbytes' 4-bit of a `-bnb-4bit` repository, say),
     which transformers loads through that library; a config not found or not read here counts as quantized."""

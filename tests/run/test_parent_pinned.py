@@ -59,3 +59,25 @@ def test_a_parent_checkpoint_deleted_after_the_launch_still_trains(write_recipe,
     again = ftrun(child, cwd=tmp_path)
     assert again.returncode == 0 and "does not exist" not in again.stdout + again.stderr, again.stdout + again.stderr
     assert "holds no adapter any more; this run trains on from the copy it took at its launch" in again.stdout
+
+
+def test_a_parent_checkpoint_deleted_during_the_launch_is_read_from_the_copy(write_recipe, tmp_path):
+    """The parent still trains, and its keep_checkpoints deletes the checkpoint this run starts from between the pin
+    (launcher/run/prepare.py _prepare) and the rest of the launch (the base model's scoring, the smoke test's replan,
+    which writes recipe.yaml again): the launch goes on with the run's copy, not "internal error: ValueError: ...
+    step-000022 does not exist"."""
+    from launcher.run.prepare import _prepare, as_written, make_plan
+
+    source = stand_in_adapter(tmp_path / "parent" / "checkpoints" / "step-000022")
+    path = write_recipe("child.yaml", output_dir=str(tmp_path / "child"), init_from=str(source), lora=None)
+    recipe = load_recipe(path)
+    run = RunDir(Path(recipe.output_dir))
+    examples, lengths, stats, plan, plan_dict, lock, sha = _prepare(run, recipe, resuming=False, fresh=False)
+    lock.release()
+    shutil.rmtree(source)  # the parent's retention, while this launch goes on
+    with pytest.raises(ValueError, match="step-000022 does not exist"):
+        make_plan(recipe, stats)  # the recipe as loaded names the source
+    written = as_written(run, recipe, stats, plan)
+    assert written.init_from == str(run.root / "parent" / "step-000022")
+    assert make_plan(written, stats).to_dict()["fits"]  # the smoke test's replan
+    assert yaml.safe_load(run.recipe.read_text())["init_from"] == written.snapshot()["init_from"]

@@ -97,7 +97,7 @@ def test_a_metric_reward_scores_each_answer_with_the_task_evaluations_scorer():
         (dict(objective="sft", grpo=None), "reward: applies to objective grpo"),
         (dict(grpo={"num_generations": 1}), "grpo.num_generations"),
         (dict(reward={"metric": "exact", "function": "r.py:f"}), "either a metric"),
-        (dict(reward={"function": "rewards"}), "is not FILE.py:NAME"),
+        (dict(reward={"function": "rewards"}), "is neither FILE.py:NAME nor MODULE:NAME"),
         (dict(reward=[{"metric": "bleu"}]), "reward.0.metric"),
         (dict(preference={"beta": 0.3}), "preference.beta does not apply to objective grpo"),
         (dict(packing=True), "packing apply to objective sft"),
@@ -133,9 +133,9 @@ def test_a_metric_reward_on_prompts_without_references_is_refused_with_the_line(
     "body, said",
     [
         ("def score(prompts, completions, **kw):\n    raise KeyError('answer')\n", "raised KeyError: 'answer'"),
-        ("def score(prompts, completions, **kw):\n    return [1.0]\n", "returned 1 values for 2 completions"),
-        ("def score(prompts, completions, **kw):\n    return ['good', 'bad']\n", "returned 'good' (str), not a number"),
-        ("def score(prompts, completions):\n    return [0.0, 0.0]\n", "unexpected keyword argument"),
+        ("def score(prompts, completions, **kw):\n    return [1.0]\n", "returned 1 values for "),
+        ("def score(prompts, completions, **kw):\n    return ['good'] * len(completions)\n", "returned 'good' (str)"),
+        ("def score(prompts, completions):\n    return [0.0, 0.0]\n", "takes no completion_ids, trainer_state"),
         ("import not_a_module\n", "importing rewards.py raised ModuleNotFoundError"),
         (
             "def other(prompts, completions, **kw):\n    return [0.0, 0.0]\n",

@@ -73,3 +73,37 @@ def test_a_lora_run_trains_without_importing_bitsandbytes_or_wandb(write_recipe,
     assert "peft.tuners.lora.model" in imported and "trl.trainer.base_trainer" in imported  # the profile is there
     assert not [m for m in imported if m.startswith(("bitsandbytes.", "peft.tuners.lora.bnb", "wandb."))]
     assert "[ftrun worker] step 2/2" in log
+
+
+def test_the_base_models_scoring_leaves_bitsandbytes_out_whatever_the_method(tiny_model, tmp_path):
+    """It loads the base in 16 bits (launcher/worker/task_eval.py load_base), a QLoRA recipe's too."""
+    from launcher.worker.unused_libraries import unused_when_scoring
+
+    assert unused_when_scoring(_recipe(tiny_model, "qlora")) == ("bitsandbytes", "wandb")
+    assert unused_when_scoring(_recipe(tmp_path / "not-there", "lora")) == ("wandb",)  # not read: kept
+
+
+@pytest.mark.slow
+def test_the_base_models_scoring_from_a_parent_adapter_prints_no_library_notice(write_recipe, reference_run):
+    """`ftrun baseline` under init_from: the base phase (launcher/worker/task_eval.py) loads the base and merges the
+    parent adapter with PEFT, which imported bitsandbytes ("Failed to load CPU gemm_4bit_forward ... 'kernels'") and
+    read transformers' deprecated is_gradient_checkpointing (a FutureWarning) on every run. The phase's own start,
+    in a process of its own as the launch runs it, up to the loaded model."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    recipe = write_recipe(init_from=str(reference_run))
+    script = (
+        "import sys, warnings; warnings.simplefilter('default');"
+        "from launcher.recipe_loading import load_recipe; from launcher.notices import quiet_scoring_notices;"
+        "from launcher.worker.unused_libraries import keep_out, unused_when_scoring;"
+        f"recipe = load_recipe({str(recipe)!r}); keep_out(unused_when_scoring(recipe)); quiet_scoring_notices();"
+        "from launcher.worker.task_eval import load_base; load_base(recipe);"
+        "print('bitsandbytes' in sys.modules and sys.modules['bitsandbytes'] is not None)"
+    )
+    res = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().endswith("False")  # never imported
+    assert "kernels" not in res.stderr and "FutureWarning" not in res.stderr, res.stderr

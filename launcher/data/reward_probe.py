@@ -1,0 +1,286 @@
+"""The plan-time probe of one GRPO reward (launcher/data/rewards.py refusals): called as TRL's GRPOTrainer calls it on
+a few prompts of the data, each answered with its right answer (the reference, or the column the function reads), a
+wrong one and an empty one, each plain, boxed, after a <think> block and in <answer> tags. Its refusals (what TRL
+would crash on or train on to no effect) and its line for the plan.
+
+Pure (no torch): the plan runs it.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from launcher.data import task_metrics
+from launcher.errors import RecipeError
+
+# The prompts a function is probed on (the first ones with different right answers)
+PROBE_PROMPTS = 4
+# Each right and wrong answer is probed as these texts: as it is, and as reasoning models and TRL's and Unsloth's
+# reward functions expect it (a boxed answer: trl.rewards accuracy_reward; a <think> block: think_format_reward; the
+# <reasoning>/<answer> tags of Unsloth's GRPO notebooks)
+DRESSINGS = (
+    "{}",
+    "The answer is {}.",
+    "The answer is $\\boxed{{{}}}$.",
+    "<think>\nLet me work it out.\n</think>\n{}",
+    "<reasoning>\nLet me work it out.\n</reasoning>\n<answer>\n{}\n</answer>\n",
+)
+
+
+@dataclass
+class Probe:
+    """One reward called as TRL calls it on the first prompts of the data, each with its right answer (the column
+    `right` holds it; None: no right answer is known), a wrong one and an empty one, in each of DRESSINGS."""
+
+    fn: Callable
+    label: str
+    right: Optional[str]
+    rows: list[dict[str, Any]]
+    where: list[str]
+    model: str
+
+    def __post_init__(self) -> None:
+        known = [k for k, r in enumerate(self.rows) if self.right and r.get(self.right) is not None]
+        picked, seen = [], set()
+        for k in known:  # different right answers first: a wrong answer is easy to tell then
+            if str(self.rows[k][self.right]) not in seen:
+                picked.append(k)
+                seen.add(str(self.rows[k][self.right]))
+        picked += [k for k in known if k not in picked]
+        self.picked = (picked or list(range(len(self.rows))))[:PROBE_PROMPTS]
+        self.rights = {k: str(self.rows[k][self.right]) for k in self.picked if k in known}
+        others = list(
+            dict.fromkeys(str(r[self.right]) for r in self.rows if self.right and r.get(self.right) is not None)
+        )
+        self.answers: list[tuple[int, str, str]] = []  # (row, what it is, text)
+        for k in self.picked:
+            right = self.rights.get(k)
+            if right is None:
+                self.answers += [(k, "an answer", d.format("4")) for d in DRESSINGS]
+            else:
+                wrong = _wrong(right, others)
+                self.answers += [(k, "right", d.format(right)) for d in DRESSINGS]
+                self.answers += [(k, "wrong", d.format(wrong)) for d in DRESSINGS]
+            self.answers.append((k, "empty", ""))
+
+    def call(self, subset: Optional[list[int]] = None) -> list[Any]:
+        """The reward's values for the answers (their indices in `subset`), as TRL's GRPOTrainer asks them."""
+        chosen = [self.answers[j] for j in (subset if subset is not None else range(len(self.answers)))]
+        prompts = [self.rows[k]["prompt"] for k, _, _ in chosen]
+        conversational = isinstance(prompts[0], list)
+        completions = [[{"role": "assistant", "content": t}] if conversational else t for _, _, t in chosen]
+        columns = {c: [self.rows[k][c] for k, _, _ in chosen] for c in self.rows[0] if c != "prompt"}
+        return self.fn(
+            prompts=prompts,
+            completions=completions,
+            completion_ids=[_token_ids(self.model, t) for _, _, t in chosen],
+            trainer_state=None,
+            log_extra=lambda *a, **k: None,
+            log_metric=lambda *a, **k: None,
+            **columns,
+        )
+
+    def values(self) -> list[Optional[float]]:
+        """Each answer's value; a RecipeError where the reward raises or returns what TRL cannot use."""
+        n = len(self.answers)
+        asked = f"{len(self.picked)} prompt{'s' if len(self.picked) > 1 else ''} of the data with {n} answers"
+        try:
+            values = self.call()
+        except Exception as exc:  # the user's code: whatever it raises is refused with its words
+            raise self._raised(exc, asked) from None
+        if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):  # a numpy array (TRL takes it too)
+            values = values.tolist()
+        bad = None
+        if not isinstance(values, (list, tuple)):
+            bad = f"returned {type(values).__name__} {str(values)[:60]}, not a list"
+        elif len(values) != n:
+            bad = f"returned {len(values)} values for {n} completions"
+        else:
+            wrong = [v for v in values if not _is_number(v)]
+            if wrong:
+                bad = f"returned {wrong[0]!r} ({type(wrong[0]).__name__}), not a number"
+        if bad:
+            raise RecipeError(
+                f"{self.label} {bad} (called on {asked}, as TRL's GRPOTrainer calls it)",
+                fix="return a list with one float per completion (None for one that cannot be scored)",
+            )
+        values = [None if v is None else float(v) for v in values]
+        for (k, what, text), v in zip(self.answers, values):
+            if v is not None and not math.isfinite(v):
+                raise RecipeError(
+                    f"{self.label} returned {v} for {_answer_words(what, text)} to the prompt of {self.where[k]}: "
+                    "TRL's GRPOTrainer subtracts each group's mean reward, and one infinite or NaN reward makes every "
+                    "advantage of its group NaN",
+                    fix="return a finite number for every answer (clamp it, or return 0.0 for an empty answer; None "
+                    "for one that cannot be scored)",
+                )
+        return values
+
+    def _raised(self, exc: Exception, asked: str) -> RecipeError:
+        """The refusal for a reward that raised, naming the answer that makes it raise where one alone does."""
+        culprit = None
+        for j in range(len(self.answers)):
+            try:
+                self.call([j])
+            except Exception:  # this answer alone makes it raise
+                culprit = j
+                break
+        k, what, text = self.answers[culprit] if culprit is not None else self.answers[0]
+        on = (
+            f"for {_answer_words(what, text)} to the prompt of {self.where[k]}"
+            if culprit is not None
+            else f"when called on {asked}"
+        )
+        message = f"{self.label} raised {type(exc).__name__}: {exc} {on}, as TRL's GRPOTrainer calls it"
+        if isinstance(exc, ImportError):
+            return RecipeError(
+                message,
+                fix="install what it names into ftrun's environment, here and on the box that trains (TRL's "
+                "accuracy_reward: pip install math-verify)",
+            )
+        if not isinstance(self.rows[k]["prompt"], list):
+            as_chat = [[{"role": "assistant", "content": t}] for _, _, t in self.answers[:1]]
+            try:
+                self.fn(
+                    prompts=[[{"role": "user", "content": "?"}]],
+                    completions=as_chat,
+                    completion_ids=[[]],
+                    trainer_state=None,
+                    log_extra=lambda *a, **k: None,
+                    log_metric=lambda *a, **k: None,
+                    **{c: [self.rows[k][c]] for c in self.rows[0] if c != "prompt"},
+                )
+            except Exception:  # it fails on message lists too: the generic fix below
+                pass
+            else:
+                return RecipeError(
+                    message + '; it reads each completion as a list of messages (completion[0]["content"]), which '
+                    "TRL passes only for prompts that are message lists, and this data's prompts are plain text",
+                    fix='give the prompts as message lists ({"prompt": [{"role": "user", "content": "..."}]}), or '
+                    "a reward that reads plain-text completions",
+                )
+        return RecipeError(
+            message, fix="fix the function so that it returns a number (or None) for every answer, an empty one too"
+        )
+
+    def _scores(self, values: list[Optional[float]]) -> dict[int, dict[str, list[Optional[float]]]]:
+        out: dict[int, dict[str, list[Optional[float]]]] = {}
+        for (k, what, _), v in zip(self.answers, values):
+            out.setdefault(k, {}).setdefault(what, []).append(v)
+        return out
+
+    def _tells(self, values: list[Optional[float]]) -> bool:
+        """Some right answer scores differently from the wrong one in the same dressing."""
+        return any(
+            r is not None and w is not None and r != w
+            for s in self._scores(values).values()
+            for r, w in zip(s.get("right", []), s.get("wrong", []))
+        )
+
+    def _what(self) -> str:
+        n, places = len(self.picked), _places([self.where[k] for k in self.picked])
+        return (
+            f"{n} prompt{'s' if n > 1 else ''} of the data ({places}), each with "
+            + ("its right answer, a wrong one and an empty one" if self.rights else "an answer and an empty one")
+            + ", plain, boxed, after a <think> block and in <answer> tags"
+        )
+
+    def check_metric(self, metric: str) -> str:
+        values = self.values()
+        if not self._tells(values):
+            k = self.picked[0]
+            right = self.rights[k]
+            wrong = _wrong(right, list(self.rights.values()))
+            got = next(v for (j, what, _), v in zip(self.answers, values) if j == k and what == "right")
+            raise RecipeError(
+                f"{self.label} scores the reference answer like a wrong one on every probe: on {self._what()}, it "
+                f"gave {right!r} (the reference of {self.where[k]}) and {wrong!r} the same {got}: every group's "
+                "answers would score alike, and GRPO learns nothing from a group without differences",
+                fix=f"choose a metric that fits the references ({task_metrics.described()}; auto chooses from the "
+                "references), or a reward function of yours",
+            )
+        return f"{self.label}: tells the reference from a wrong answer (on {self._what()})"
+
+    def check_function(self) -> str:
+        values = self.values()
+        numbers_ = {v for v in values if v is not None}
+        if len(numbers_) <= 1:
+            said = f"{next(iter(numbers_))}" if numbers_ else "None (TRL leaves the answer out)"
+            raise RecipeError(
+                f"{self.label} returned {said} for every answer on {self._what()}: a reward that scores every answer "
+                "alike gives GRPO nothing to learn from (its advantages are all 0)",
+                fix="make it score a good answer above a bad one (check the column it compares with and how it "
+                "reads the completions: "
+                + (
+                    "message lists, [{'role': 'assistant', 'content': ...}]"
+                    if isinstance(self.rows[0]["prompt"], list)
+                    else "plain strings"
+                )
+                + ")",
+            )
+        if not self.rights:
+            return (
+                f"{self.label}: runs and returns finite numbers that vary on {self._what()}; whether it tells a right "
+                "answer from a wrong one was not probed: the data has no reference and it reads no column of it"
+            )
+        source = "reference" if self.right == "reference" else f"column {self.right!r}"
+        if self._tells(values):
+            return f"{self.label}: tells the right answer (the {source}) from a wrong one (on {self._what()})"
+        return (
+            f"{self.label}: scores the right answer (the {source}) like a wrong one on {self._what()}, but not "
+            "every answer alike: it shapes the answers (their form or length), it does not check them"
+        )
+
+
+def _wrong(right: str, others: list[str]) -> str:
+    """A wrong answer for `right`: the next number for a number, another prompt's different right answer, or a text
+    that answers nothing."""
+    try:
+        number = float(right.strip().replace(",", ""))
+    except ValueError:
+        number = None
+    if number is not None and math.isfinite(number):
+        return str(int(number) + 1) if number.is_integer() else f"{number + 1:g}"
+    different = [o for o in others if task_metrics.normalise(o) != task_metrics.normalise(right)]
+    return different[0] if different else "I do not know."
+
+
+def _places(where: list[str]) -> str:
+    """ "d.jsonl lines 1, 2, 3" for ["d.jsonl line 1", "d.jsonl line 2", "d.jsonl line 3"]; otherwise each in full."""
+    heads = {w.rpartition(" line ")[0] for w in where}
+    if len(heads) == 1 and all(" line " in w for w in where) and len(where) > 1:
+        return f"{heads.pop()} lines " + ", ".join(w.rpartition(" line ")[2] for w in where)
+    return ", ".join(where)
+
+
+def _answer_words(what: str, text: str) -> str:
+    shown = repr(text[:60]) + ("..." if len(text) > 60 else "")
+    if what == "empty":
+        return "the empty answer ''"
+    return f"the {what} answer {shown}" if what in ("right", "wrong") else f"the answer {shown}"
+
+
+_ENCODERS: dict[str, Any] = {}
+
+
+def _token_ids(model: str, text: str) -> list[int]:
+    """The answer's token ids as TRL passes them (completion_ids): the model's own tokenizer where this machine has
+    it, else one id per character (the probe needs ids of the answer's length, not the model's)."""
+    if model not in _ENCODERS:
+        from launcher.data.tokenizer import read_tokenizer, tokenizer_dir
+
+        folder, _ = tokenizer_dir(model)
+        read = read_tokenizer(folder) if folder is not None else None
+        _ENCODERS[model] = read.tokenizer if read is not None else None
+    encoder = _ENCODERS[model]
+    if encoder is None:
+        return [ord(c) for c in text]
+    return list(encoder.encode(text, add_special_tokens=False).ids)
+
+
+def _is_number(value: Any) -> bool:
+    """A float TRL can put in its reward tensor: a real number (numpy's too) or None, not a bool or a string."""
+    return value is None or (isinstance(value, numbers.Real) and not isinstance(value, bool))
