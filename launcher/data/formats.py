@@ -180,15 +180,15 @@ def convert(record: Any, fmt: str, columns: bool = False) -> dict[str, Any]:
     TRL does: launcher/data/dataset.py load_data), so none is refused as dropped, a `label` among them."""
     if not isinstance(record, dict):
         raise RecordProblem(f"expected a JSON object, found {type(record).__name__}")
-    if all(k in record for k in FORMATS[fmt].keys) and not columns:  # else the converter names the missing key
-        check_top_keys(record, fmt)
-    other = detect_one(record)
-    if LABEL in record and FORMATS[fmt].form != "unpaired" and not columns:
+    if LABEL in record and FORMATS[fmt].form != "unpaired" and not columns:  # KTO's label: its own refusal first
         raise RecordProblem(
             f"'{LABEL}' ({record[LABEL]!r}) marks an answer desirable or undesirable, which only objective kto "
             f"trains, on {describe('unpaired')} records; a key that is not honoured is refused, not dropped in "
             f"silence: write the record as {example('unpaired')} and set objective: kto, or remove '{LABEL}'"
         )
+    if all(k in record for k in FORMATS[fmt].keys) and not columns:  # else the converter names the missing key
+        check_top_keys(record, fmt)
+    other = detect_one(record)
     return FORMATS[fmt].convert(record, other)
 
 

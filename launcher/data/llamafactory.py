@@ -385,4 +385,5 @@ def _unpaired(entry: Entry, record: dict, prompt, completion) -> tuple[str, dict
 def unpaired_format() -> Optional[str]:
     """The format of TRL's unpaired preference data ({prompt, completion, label}, what KTOTrainer takes), where this
     ftrun has one (formats.FORMATS)."""
-    return next((n for n, f in formats.FORMATS.items() if "label" in f.keys), None)
+    want = {"prompt", "completion", "label"}
+    return next((n for n, f in formats.FORMATS.items() if set(f.keys) == want), None)

@@ -224,24 +224,35 @@ def test_llamafactory_kto_tag_is_the_unpaired_label_never_an_sft_target(lf_dir):
 
     from launcher.data.stats import objective_fits
 
-    fmt = llamafactory.unpaired_format()
-    if fmt is None:  # no objective trains unpaired data: refused, the undesirable answer never trained
-        err = _refusal({"path": str(lf_dir), "dataset": "kto_demo"})
-        assert "'label' marks this answer undesirable (LLaMA-Factory's kto_tag)" in str(err)
-        return
+    assert llamafactory.unpaired_format() == "unpaired"  # TRL's {prompt, completion, label}, objective kto
     data = _entry(lf_dir, "kto_demo")
     assert [e["label"] for e in data.examples] == [False, True]
     assert data.examples[0]["completion"] == [{"role": "assistant", "content": "5"}]
-    with pytest.raises(DataError):
+    with pytest.raises(DataError, match="unpaired data, which objective sft does not train") as err:
         objective_fits(SimpleNamespace(objective="sft"), data.form, "data")
+    assert "set objective: kto" in err.value.fix
 
 
 def test_a_label_beside_sft_data_is_refused_not_trained(tmp_path):
+    from types import SimpleNamespace
+
+    from launcher.data.dataset import load_data
+    from launcher.data.stats import objective_fits
+
+    # a conversation that carries a label is an unpaired answer: objective kto trains it, SFT refuses it
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps(LF_FILES["kto_demo.json"][0]) + "\n")
+    data = load_data(str(path))
+    assert data.examples[0]["label"] is False
+    with pytest.raises(DataError, match="unpaired data, which objective sft does not train") as err:
+        objective_fits(SimpleNamespace(objective="sft"), data.form, "data")
+    assert "set objective: kto" in err.value.fix
+    # one labelled record among chat records is refused by its line, never trained as a target (a record past the
+    # lines the detection reads: tests/worker/test_kto.py)
+    chat = {"messages": LF_FILES["kto_demo.json"][1]["messages"]}
+    path.write_text(json.dumps(chat) + "\n" + json.dumps(chat) + "\n" + json.dumps(LF_FILES["kto_demo.json"][0]) + "\n")
     err = _refusal(str(path))
-    assert "'label' at the top of the record, which chat messages (role/content) does not read" in str(err)
-    assert "unpaired preference label" in str(err)
+    assert "mixed formats" in str(err) and "d.jsonl line 3" in str(err) and "objective kto" in str(err)
 
 
 def test_llamafactory_entries_it_cannot_read_are_refused_with_the_fix(lf_dir):

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from helpers import ftrun
+from launcher.errors import DataError
 
 # An arithmetic task as a newcomer writes it: conversational prompts and an `answer` column (Unsloth's GSM8K
 # notebook maps its data so), no reference
@@ -113,8 +114,11 @@ def test_the_workers_rows_carry_every_column_through_the_smoke_sample_and_the_da
     dataset = to_dataset(rows)
     assert dataset[0]["answer"] == "5" and dataset[0]["id"] == 7 and dataset[0]["reference"] is None
     assert set(dataset.column_names) == {"prompt", "reference", "answer", "id"}
-    # an objective that does not sample trains on its form's keys alone, as before
-    assert set(load_data(data).examples[0]) == {"prompt"}
+    # an objective that does not sample refuses the other columns (a key that is not honoured is never dropped in
+    # silence) and trains on its form's keys alone where ignore: leaves them out
+    with pytest.raises(DataError, match="'answer', 'id' at the top of the record"):
+        load_data(data)
+    assert set(load_data({"path": str(data), "ignore": ["answer", "id"]}).examples[0]) == {"prompt"}
 
 
 def test_chat_data_keeps_its_other_columns_for_the_rewards_and_splits_as_before(tmp_path):
@@ -131,7 +135,8 @@ def test_chat_data_keeps_its_other_columns_for_the_rewards_and_splits_as_before(
     assert row["reference"] == "5" and row["answer"] == "5" and row["n"] == 0
     recipe = SimpleNamespace(eval=SimpleNamespace(fraction=0.2), seed=42)
     # the copies of a question are held out together whatever their other columns say (n differs)
-    assert for_recipe(load_data(data, columns=True).examples, recipe) == for_recipe(load_data(data).examples, recipe)
+    plain = load_data({"path": str(data), "ignore": ["answer", "n"]}).examples  # as an objective that does not sample
+    assert for_recipe(load_data(data, columns=True).examples, recipe) == for_recipe(plain, recipe)
 
 
 def test_a_column_the_data_lacks_is_named_with_the_columns_it_has_and_the_fix_works(write_recipe, tmp_path):

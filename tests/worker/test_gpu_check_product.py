@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.worker.gpu_check import attention, product, resume_check, runner, vs_trl
+from launcher.worker.gpu_check import attention, common, product, resume_check, runner, vs_trl
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
@@ -467,7 +467,8 @@ def test_each_preset_steps_estimate_comes_from_its_own_sizing(tmp_path):
     # GRPO samples: a prefill and a call per completion token each step, beside the task evaluation's calls (one
     # batch of its 28 held-out prompts, 1 + 24 calls; on a GPU no base-model evaluation)
     steps, calls, why = product.planned_calls("cuda", "product-grpo")
-    assert steps == 3 + product.STEPS["cuda"] and calls == steps * 17 + 25 and "sampling" in why
+    smoke = product.smoke_steps("cuda", "product-grpo")  # the demo GRPO recipe's smoke.min_steps
+    assert smoke >= 1 and steps == smoke + product.STEPS["cuda"] and calls == steps * 17 + 25 and "sampling" in why
     # product-lora on a GPU: the pipeline's five processes, the step's own, and the CPU comparison's two
     assert product.processes("cuda", "product-lora") == 8 and product.processes("cuda", "product-dpo") == 4
     cuda = preflight.estimate(_ctx(tmp_path, device="cuda"), "attention", box)
@@ -492,7 +493,7 @@ def test_the_report_says_what_the_call_decides(tmp_path, monkeypatch):
     (out / "bench-padding.json").write_text(
         json.dumps({"step": "bench-padding", "status": "timed out", "ok": False, "line": "timed out after 150 s"})
     )
-    runner.record_skip(out, "bench-lora", "needs 200 GB")
+    common.record_skip(out, "bench-lora", "needs 200 GB")
     text = runner.report(out)
     assert "    MET generation (generation): generation 900 tokens/s; target >= 740 tokens/s" in text
     assert "NOT MET resume (resume-exact)" in text

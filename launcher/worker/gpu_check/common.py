@@ -74,3 +74,11 @@ def last_line(proc) -> str:
 def child_env(**extra: str) -> dict[str, str]:
     path = os.environ.get("PYTHONPATH", "")
     return {**os.environ, "PYTHONPATH": str(REPO) + (os.pathsep + path if path else ""), **extra}
+
+
+def record_skip(out: Path, name: str, why: str, **extra: Any) -> None:
+    """A step left out before it started because this box cannot run it (the preflight: its memory, its imports)."""
+    write_json(
+        out / f"{name}.json",
+        {"step": name, "status": "skipped", "ok": None, "skipped": why, "line": f"skipped: {why}", **extra},
+    )

@@ -18,7 +18,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from launcher.worker.gpu_check.common import GB, Context, child_env, first_line, module_cmd, read_json, write_json
+from launcher.worker.gpu_check.common import (
+    GB,
+    Context,
+    child_env,
+    first_line,
+    module_cmd,
+    read_json,
+    record_skip,
+    write_json,
+)
 
 # What each step imports beyond torch (module names): a step whose needs do not import is skipped before it starts,
 # with the import's own error. The product steps run `python -m launcher.cli`: the CLI, worker, task evaluation
@@ -192,8 +201,9 @@ def _bench_estimate(ctx: Context, name: str, est: Estimate) -> None:
     est.memory_rule = bench.memory_rule(name)
 
 
-def estimate(ctx: Context, name: str, box: dict[str, Any]) -> Estimate:
-    """The seconds the step will take on this box, each part with its source (module docstring)."""
+def estimate(ctx: Context, name: str, box: dict[str, Any], step_module: Optional[str] = None) -> Estimate:
+    """The seconds the step will take on this box, each part with its source (module docstring); `step_module`: the
+    module of the step's function (runner.STEP_FUNCS), whose own `estimate_seconds` prices a step named nowhere here."""
     from launcher.worker.gpu_check import attention, generation, product, resume_check
 
     est = Estimate(0.0)
@@ -235,18 +245,16 @@ def estimate(ctx: Context, name: str, box: dict[str, Any]) -> Estimate:
     elif name in ("bench-lora", "bench-lora-fast", "bench-full"):
         _bench_estimate(ctx, name, est)
     elif name != "tiny-model":  # the tiny model: its process start (a tokenizer trained on the demo data, seconds)
-        own = _own_estimate(ctx, name)
+        own = _own_estimate(ctx, step_module)
         if own is None:  # no sizing of its own to price: the most it may take
             return Estimate(0.0, [], None)
         est.add(own[0], own[1])
     return est
 
 
-def _own_estimate(ctx: Context, name: str) -> Optional[tuple[float, str]]:
+def _own_estimate(ctx: Context, step_module: Optional[str]) -> Optional[tuple[float, str]]:
     """A step module's own `estimate_seconds(ctx) -> (seconds, source)`, where it has one."""
-    from launcher.worker.gpu_check import runner
-
-    module = sys.modules.get(runner.STEP_FUNCS[name].__module__)
+    module = sys.modules.get(step_module) if step_module else None
     fn = getattr(module, "estimate_seconds", None)
     return fn(ctx) if fn else None
 
@@ -273,11 +281,16 @@ def memory_verdict(est: Estimate, box: dict[str, Any]) -> Optional[str]:
     )
 
 
-def run(ctx: Context, names: list[str], timeouts: dict[str, int], budget: float) -> list[tuple[str, int, int]]:
+def run(
+    ctx: Context,
+    names: list[str],
+    timeouts: dict[str, int],
+    budget: float,
+    step_modules: Optional[dict[str, str]] = None,
+) -> list[tuple[str, int, int]]:
     """Measure the box, skip what it cannot hold or import, print the estimates; returns (name, limit, floor) for
-    the steps to run, in order: `limit` the step's own timeout, `floor` its estimate (what later steps reserve)."""
-    from launcher.worker.gpu_check import runner
-
+    the steps to run, in order: `limit` the step's own timeout, `floor` its estimate (what later steps reserve).
+    `step_modules`: each step's module (the runner's, which imports this one: passed, not imported back)."""
     t0 = time.perf_counter()
     try:
         box = measure_box(ctx.device, names)
@@ -295,7 +308,7 @@ def run(ctx: Context, names: list[str], timeouts: dict[str, int], budget: float)
         if hard:
             skip = "does not import here: " + "; ".join(f"{m} ({e})" for m, e in hard.items())
         try:
-            est = estimate(ctx, name, box)
+            est = estimate(ctx, name, box, (step_modules or {}).get(name))
         except Exception as exc:  # noqa: BLE001 - an estimate that fails is said; the step still runs
             est = Estimate(float(timeouts[name]), [f"{timeouts[name]} s: its timeout (the estimate failed: {exc})"])
         if not est.parts or est.seconds <= 0:
@@ -307,7 +320,7 @@ def run(ctx: Context, names: list[str], timeouts: dict[str, int], budget: float)
             entry["note"] = "will say skipped: " + ", ".join(sorted(failed))
         if skip:
             entry["skipped"] = skip
-            runner.record_skip(ctx.out, name, skip, estimate=entry)
+            record_skip(ctx.out, name, skip, estimate=entry)
         else:
             total += est.seconds
             rows.append((name, timeouts[name], int(round(est.seconds))))

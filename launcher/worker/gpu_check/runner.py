@@ -151,14 +151,6 @@ def selected_steps(spec: str) -> list[str]:
     return sorted(names, key=STEPS.index)  # run in STEPS's order, whatever order the list names them in
 
 
-def record_skip(out: Path, name: str, why: str, **extra: Any) -> None:
-    """A step left out before it started because this box cannot run it (the preflight: its memory, its imports)."""
-    write_json(
-        out / f"{name}.json",
-        {"step": name, "status": "skipped", "ok": None, "skipped": why, "line": f"skipped: {why}", **extra},
-    )
-
-
 def step_limit(timeout: int, floor: int, left: int, reserve: int) -> tuple[int, str]:
     """A step's seconds: its timeout, no more than what is left of the budget less `reserve` (the later steps'
     estimates), though never less than its own estimate `floor` and a half where the budget has it (the steps run
@@ -333,7 +325,8 @@ def _preflight(out: Path, dry_run: bool) -> int:
         print(exc, file=sys.stderr)
         return 2
     column = 1 if dry_run else 0
-    rows = preflight.run(ctx, names, {n: TIMEOUTS[n][column] for n in names}, preflight.env_budget())
+    modules = {n: STEP_FUNCS[n].__module__ for n in names}
+    rows = preflight.run(ctx, names, {n: TIMEOUTS[n][column] for n in names}, preflight.env_budget(), modules)
     write_summary(out)
     for name, limit, floor in rows:
         print(name, limit, floor)
