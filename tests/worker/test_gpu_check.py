@@ -211,3 +211,49 @@ def test_the_loss_head_step_compares_the_losses_and_skips_without_trls_kernel(tm
     monkeypatch.setattr(loss_head, "_fused_kernel", lambda: None)
     skipped = loss_head.step_loss_head(ctx)
     assert skipped["ok"] is None and ".cache/device-wheels" in skipped["line"]
+
+
+def test_bench_padding_decides_the_padding_free_share_on_a_gpu_from_its_worst_case():
+    """The call's report reads bench-padding's `decides` (runner.DECIDING): the kernel a padding-free run uses on the
+    box (varlen where it is there), its worst share of the fixed shape; nothing decided on a CPU."""
+    from launcher.worker.gpu_check import padding
+
+    def case(kernel, mb, ckpt, tps):
+        return {
+            "kernel": kernel,
+            "micro_batch": mb,
+            "checkpointing": ckpt,
+            "tokens_per_second": tps,
+            "peak_memory_gb": 1.0,
+            "losses": [2.0],
+        }
+
+    def result(varlen):
+        cases = {}
+        for mb, ckpt, fixed, vl, dense in ((8, True, 1000.0, 900.0, 600.0), (8, False, 1200.0, 960.0, 700.0)):
+            key = "ckpt" if ckpt else "no-ckpt"
+            cases[f"fixed mb{mb} {key}"] = case("fixed", mb, ckpt, fixed)
+            cases[f"dense mb{mb} {key}"] = case("dense", mb, ckpt, dense)
+            if varlen:
+                cases[f"varlen mb{mb} {key}"] = case("varlen", mb, ckpt, vl)
+        return {
+            "shape": "8b",
+            "mean_length": 500,
+            "micro_batches": [8],
+            "speed_choice": {"micro_batch": 8},
+            "isolation": {"isolated": True},
+            "varlen_available": varlen,
+            "cases": cases,
+            "kernels": {
+                "varlen": "ftrun_varlen" if varlen else None,
+                "dense": "sdpa",
+                "padded": "sdpa",
+                "fixed": "sdpa",
+            },
+        }
+
+    got = padding._summary(result(True), "cuda")["decides"]["padding-free"]
+    assert got["value"] == 0.8 and got["met"] is False and "varlen mb8 no-ckpt" in got["says"]
+    dense = padding._summary(result(False), "cuda")["decides"]["padding-free"]
+    assert dense["value"] == round(700 / 1200, 3) and "sdpa" in dense["says"]
+    assert "decides" not in padding._summary(result(True), "cpu")

@@ -29,6 +29,9 @@ from launcher.worker.gpu_check.training import BENCH, architecture, build_model,
 KERNELS = ("varlen", "dense", "padded", "fixed")
 # first losses of the cases on the same batch and weights: bf16 on a GPU (different summation orders), fp32 on a CPU
 LOSS_AGREEMENT = {"cuda": 0.05, "cpu": 1e-4}
+# issue 55's target for padding-free steps: this share of the fixed shape's tokens/s at the same micro-batch and
+# checkpointing (the kernel the worker would use: varlen where the box has it, else SDPA's dense mask)
+PADDING_FREE_TARGET = 0.85
 # CUDA kernel names of attention in a profile: FlashAttention-2 (torch's flash kernels, flash-attn's), the
 # memory-efficient (cutlass fmha) kernel, cuDNN's, the math path's softmax
 ATTENTION_KERNEL = ("flash", "fmha", "attention", "cudnn", "softmax", "efficient")
@@ -373,4 +376,25 @@ def _summary(result: dict[str, Any], device: str) -> dict[str, Any]:
         f"{result['isolation']['isolated']}; first losses agree: {agree}"
         + (f"; failed: {cases[failed[0]]['error']}" if failed else "")
     )
-    return {"ok": ok, **result, "line": line}
+    out = {"ok": ok, **result, "line": line}
+    verdict = _padding_free_verdict(result) if device == "cuda" else None
+    if verdict:
+        out["decides"] = {"padding-free": verdict}
+    return out
+
+
+def _padding_free_verdict(result: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """What the step decides (runner.DECIDING): the padding-free kernel's worst share of the fixed shape's tokens/s
+    over the micro-batches and checkpointing it measured; None where no such case measured."""
+    kernel = "varlen" if result.get("varlen_available") else "dense"
+    shares = {k: c["of_fixed"] for k, c in result["cases"].items() if c["kernel"] == kernel and "of_fixed" in c}
+    if not shares:
+        return None
+    worst = min(shares, key=shares.get)
+    return {
+        "value": shares[worst],
+        "target": f">= {PADDING_FREE_TARGET:.0%} of the fixed shape's tokens/s",
+        "met": shares[worst] >= PADDING_FREE_TARGET,
+        "says": f"padding-free ({result['kernels'][kernel]}) at {shares[worst]:.0%} of the fixed shape at worst "
+        f"({worst}); " + ", ".join(f"{k} {v:.0%}" for k, v in shares.items()),
+    }
