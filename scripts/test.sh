@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run the tests: default tier (CPU, under 6 minutes on 2 cores: 3 min 04 s for 1,107 tests on 2026-12-05, two workers); --slow adds multi-process and long tests; --all both;
+# Run the tests: default tier (CPU, under 6 minutes on 2 cores: 4 min 29 s for 1,291 tests on 2026-12-06, a fresh clone after the demo, two workers); --slow adds multi-process and long tests; --all both;
 # --unsloth: the Unsloth engine tier, in its own environment .venv-unsloth (built on first use; --unsloth --build-only
 # builds it and stops);
 # --gguf: the GGUF export through llama.cpp (builds llama-cpp-python once, about 7 minutes; --gguf --build-only
