@@ -368,11 +368,11 @@ def _task_eval_lines(run: RunDir) -> list[str]:
 
 
 def _public_recipe(recipe) -> dict[str, Any]:
-    """The recipe as published: local paths shortened to their last part (a box's folders say nothing to a reader),
-    without sync: and on_finish:."""
-    snap = recipe.snapshot()
-    for key in ("sync", "on_finish"):  # where this box copies to and how it is stopped: not the model's business
-        snap.pop(key, None)
+    """The recipe as published: without its secret fields (launcher/recipe_sections.py Secret) and sync: (where this
+    box copies to: not the model's business), local paths shortened to their last part (a box's folders say nothing
+    to a reader)."""
+    snap = recipe.public_snapshot()
+    snap.pop("sync", None)
     for key in ("model", "output_dir"):
         if isinstance(snap.get(key), str) and snap[key].startswith("/"):
             snap[key] = Path(snap[key]).name
