@@ -28,9 +28,11 @@ from launcher.recipe_sections import (
     PreferenceSettings,
     PublishSettings,
     RewardSpec,
+    Secret,
     SmokeSettings,
     Strict,
     SyncSettings,
+    secret_keys,
 )
 
 Method = Literal[tuple(methods.METHODS)]
@@ -83,6 +85,8 @@ OWNED_TRAINER_KEYS = {
     "load_best_model_at_end": "(not supported: the final model is the last step's; eval loss per pass in "
     "metrics.jsonl)",
     "metric_for_best_model": "(not supported: the final model is the last step's; eval loss per pass in metrics.jsonl)",
+    # a token in the recipe would travel with its snapshot (the run directory, the off-box copy)
+    "hub_token": "(HF_TOKEN in the environment, or `hf auth login`: a token does not belong in the recipe)",
 }
 OBJECTIVE_TRAINER_KEYS: dict[str, dict[str, str]] = {
     "dpo": {
@@ -211,7 +215,9 @@ class Recipe(Strict):
     checkpoint_every_minutes: float = Field(
         20.0, gt=0, description="Wall-clock checkpoint cadence (the article: every 15-30 minutes)."
     )
-    keep_checkpoints: int = Field(2, ge=1, description="Local checkpoints kept; older ones are deleted.")
+    keep_checkpoints: int = Field(
+        2, ge=1, description="Checkpoints kept on the box, the newest; older ones are deleted (off the box: sync.keep)."
+    )
     logging_steps: int = Field(10, gt=0, description="Log loss and throughput every N optimizer steps.")
     max_restarts: int = Field(
         3,
@@ -273,7 +279,7 @@ class Recipe(Strict):
         gt=0,
         description="After SIGTERM (preemption, `ftrun stop`): time to checkpoint before the worker is killed.",
     )
-    on_finish: list[list[str]] = Field(
+    on_finish: Secret[list[list[str]]] = Field(
         default_factory=list,
         description="Commands (argument lists) run after the final result is verified off the box, e.g. stopping the "
         "server.",
@@ -494,6 +500,27 @@ class Recipe(Strict):
         """The resolved recipe as plain data (what is written to the run directory)."""
         return self.model_dump(mode="json")
 
+    def public_snapshot(self) -> dict[str, Any]:
+        """The snapshot without the fields marked Secret (what publish and the trackers get)."""
+        snap = self.snapshot()
+        for key in secret_keys(Recipe):
+            *section, name = key.split(".")
+            owner = snap
+            for part in section:
+                owner = owner.get(part) or {}
+            owner.pop(name, None)
+        return snap
+
+    def redact(self, text: str) -> str:
+        """`text` with every string held by a field marked Secret replaced by <secret> (what a log line may say)."""
+        for key in secret_keys(Recipe):
+            value = self
+            for part in key.split("."):
+                value = getattr(value, part)
+            for leaf in sorted(_strings(value), key=len, reverse=True):
+                text = text.replace(leaf, "<secret>")
+        return text
+
     def trajectory(self) -> dict[str, Any]:
         """The settings that decide the training trajectory; a resume must not change them."""
         keep = (
@@ -547,6 +574,12 @@ def has_adapter(init_from: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _strings(value: Any) -> list[str]:
+    if isinstance(value, (list, tuple)):
+        return [s for v in value for s in _strings(v)]
+    return [value] if isinstance(value, str) and value else []
 
 
 def _weights_sha256(folder: Path) -> str:

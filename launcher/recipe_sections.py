@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import re
-from typing import Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, TypeVar, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from launcher import export_formats
 from launcher.data import formats as data_formats
+from launcher.data import rewards
 from launcher.data import task_metrics
 from launcher.store.sync import kinds as sync_kinds
 
@@ -17,6 +18,23 @@ ExportFormat = Literal[tuple(export_formats.FORMATS)]
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# The mark of a recipe field whose value stays in the run directory: publish, the trackers' config and the logs leave
+# it out (Recipe.public_snapshot, Recipe.redact). One word at the declaration: `on_finish: Secret[list[list[str]]]`.
+SECRET = "secret"
+Secret = Annotated[TypeVar("T"), SECRET]
+
+
+def secret_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """The dotted keys of `model`'s fields marked Secret, its sections' included."""
+    keys = []
+    for name, field in model.model_fields.items():
+        if SECRET in field.metadata:
+            keys.append(prefix + name)
+        elif isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            keys += secret_keys(field.annotation, f"{prefix}{name}.")
+    return keys
 
 
 class LoraSettings(Strict):
@@ -103,44 +121,41 @@ class GrpoSettings(Strict):
     )
 
 
-class RewardSpec(Strict):
-    """One reward GRPO trains on: a task metric against each prompt's reference, or a function of yours."""
-
-    metric: Optional[Literal[(task_metrics.AUTO, *task_metrics.METRICS)]] = Field(
-        None,
-        description=f"A task metric scored against each prompt's reference answer ({', '.join(task_metrics.METRICS)};"
-        f" {task_metrics.AUTO}: the task evaluation's choice), with the task evaluation's own code.",
-    )
-    function: Optional[str] = Field(
-        None,
-        description="FILE.py:NAME (a file of yours, relative to the recipe) or MODULE:NAME (an installed module's: "
-        "trl.rewards:think_format_reward), a function called as NAME(prompts, completions, **columns) that returns "
-        "one float per completion (TRL's reward function; columns: the reference and every other column of the "
-        "data, by name); probed on a few prompts of the data at plan time.",
-    )
-    weight: float = Field(1.0, description="Its weight in the sum of rewards (TRL's reward_weights).")
+class _Reward(Strict):
+    """One reward GRPO trains on, of one kind of launcher/data/rewards.py KINDS (its fields, one per kind, come from
+    there): a task metric against each prompt's reference, or a function of yours."""
 
     @model_validator(mode="after")
-    def _one_source(self) -> "RewardSpec":
-        if (self.metric is None) == (self.function is None):
-            raise ValueError(
-                "a reward is either a metric (metric: exact) or a function (function: rewards.py:score): give one"
-            )
-        if self.function is not None:
-            target, _, name = self.function.rpartition(":")
-            module = target and all(part.isidentifier() for part in target.split("."))
-            if not (target.endswith(".py") or module) or not name.isidentifier():
-                raise ValueError(
-                    f"function {self.function!r} is neither FILE.py:NAME nor MODULE:NAME; write it like "
-                    "rewards.py:score (the file relative to the recipe) or trl.rewards:think_format_reward (an "
-                    "installed module)"
-                )
+    def _one_source(self) -> "_Reward":
+        given = [k for k in rewards.KINDS.values() if getattr(self, k.key) is not None]
+        if len(given) != 1:
+            kinds = " or ".join(f"a {k.key} ({k.key}: {k.example})" for k in rewards.KINDS.values())
+            raise ValueError(f"a reward is either {kinds}: give one")
+        wrong = given[0].form(getattr(self, given[0].key))
+        if wrong:
+            raise ValueError(wrong)
         return self
+
+    @property
+    def kind(self) -> rewards.RewardKind:
+        return next(k for k in rewards.KINDS.values() if getattr(self, k.key) is not None)
+
+    @property
+    def value(self) -> Any:
+        return getattr(self, self.kind.key)
 
     @property
     def name(self) -> str:
         """How the logs name it (TRL's rewards/<name>/mean)."""
-        return f"metric_{self.metric}" if self.metric else self.function.rpartition(":")[2]
+        return self.kind.name(self.value)
+
+
+RewardSpec = create_model(
+    "RewardSpec",
+    __base__=_Reward,
+    **{k.key: (Optional[k.annotation], Field(None, description=k.scores)) for k in rewards.KINDS.values()},
+    weight=(float, Field(1.0, description="Its weight in the sum of rewards (TRL's reward_weights).")),
+)
 
 
 class SmokeSettings(Strict):
@@ -221,7 +236,7 @@ class DataSource(Strict):
 
 class SyncSettings(Strict):
     to: Optional[str] = Field(None, description=f"Where checkpoints are copied: {sync_kinds.forms()}.")
-    keep: int = Field(3, ge=1, description="Checkpoints kept off the box (plus the final result).")
+    keep: int = Field(3, ge=1, description="Checkpoints kept at sync.to, and the final (on the box: keep_checkpoints).")
     every_seconds: float = Field(10.0, gt=0, description="How often the background copier looks for a new checkpoint.")
 
     @field_validator("to")

@@ -147,3 +147,15 @@ def test_the_tests_mirror_the_folders():
     folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
     tests = {p.name for p in (REPO / "tests").iterdir() if p.is_dir() and not p.name.startswith((".", "_"))}
     assert folders <= tests, f"launcher folders without a tests folder: {sorted(folders - tests)}"
+
+
+def test_a_command_reads_its_run_once():
+    """state.json is read by store/state.py, whose RunSnapshot each command takes at its start and passes down; the
+    supervisor and the steps after training (launcher/run/supervisor.py, after_training.py) read it where they wait on
+    a change. Any other module asks the snapshot it is given."""
+    readers = {
+        str(p.relative_to(PACKAGE))
+        for p in PACKAGE.rglob("*.py")
+        if "read_state(" in p.read_text().replace("def read_state(", "")
+    }
+    assert readers <= {"store/state.py", "run/supervisor.py", "run/after_training.py"}, readers

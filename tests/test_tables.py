@@ -495,3 +495,62 @@ def test_the_sizing_docs_method_rows_hold_the_tables_bytes():
     for m in METHODS.values():
         row = next(line for line in text.splitlines() if line.startswith(f"| `{m.name}` |"))
         assert f"| {m.weight_bytes} + {m.gradient_bytes} + {m.optimizer_bytes} = {m.trained_bytes} | {m.mfu} |" in row
+
+
+# ---------------------------------------------------------------------------------------------
+# GRPO's reward kinds (launcher/data/rewards.py KINDS): each one's value in the recipe, and what the walk needs beside
+# it (a reward function's file). A kind added to the table without a row here fails the first test.
+REWARD_VALUES = {
+    "metric": ("exact", None),
+    "function": (
+        "rewards.py:score",
+        "def score(prompts, completions, reference, **kwargs):\n"
+        "    return [float(c[0]['content'].strip() == r) for c, r in zip(completions, reference)]\n",
+    ),
+}
+
+
+def test_every_reward_kind_has_a_value_here():
+    from launcher.data.rewards import KINDS
+    from launcher.recipe_sections import RewardSpec
+
+    assert set(REWARD_VALUES) == set(KINDS)
+    assert [k for k in RewardSpec.model_fields if k != "weight"] == list(KINDS)
+
+
+@pytest.mark.parametrize("key", list(REWARD_VALUES))
+def test_every_reward_kind_is_accepted_probed_built_and_worded(key, write_recipe, tmp_path):
+    from launcher.data import rewards
+    from launcher.data.dataset import load_data
+    from launcher.data.stats import data_stats
+    from launcher.plan.sampling import _reward_words
+    from launcher.recipe_loading import load_recipe
+
+    value, source = REWARD_VALUES[key]
+    if source:
+        (tmp_path / value.split(":")[0]).write_text(source)
+    data = tmp_path / "math.jsonl"
+    pairs = [(f"What is {a} plus {b}?", str(a + b)) for a, b in [(2, 3), (4, 4), (7, 5), (9, 1), (6, 8), (3, 3)] * 4]
+    rows = [{"prompt": [{"role": "user", "content": q}], "reference": a} for q, a in pairs]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = load_recipe(
+        write_recipe(
+            objective="grpo",
+            data=str(data),
+            reward={key: value, "weight": 2},
+            grpo={"num_generations": 4, "max_completion_length": 16},
+        )
+    )
+    spec = recipe.rewards[0]
+    kind = rewards.KINDS[key]
+    assert spec.kind is kind and spec.value.endswith(value) and spec.name == kind.name(value)  # FILE.py resolved
+    probed = data_stats(recipe)[2].rewards  # the plan's probe of the data
+    assert len(probed) == 1 and probed[0].startswith("reward ")
+    assert _reward_words(spec) == f"2 x {kind.words(spec.value)}"
+    funcs, weights = rewards.build(recipe, rewards.prompt_rows(load_data(data, columns=True).examples))
+    scores = funcs[0](
+        prompts=["What is 2 plus 3?"] * 2,
+        completions=[[{"role": "assistant", "content": "5"}], [{"role": "assistant", "content": "7"}]],
+        reference=["5", "5"],
+    )
+    assert weights == [2.0] and scores[0] > scores[1]

@@ -29,8 +29,9 @@ import inspect
 import site
 import sys
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Literal, Optional
 
 from launcher.data import formats, task_examples, task_metrics
 from launcher.data.reward_probe import Probe
@@ -223,10 +224,7 @@ def _import_file(spec: str, path: Path) -> Any:
 def build(recipe: Any, examples: list[dict[str, Any]]) -> tuple[list[Callable], list[float]]:
     """The recipe's rewards as TRL's reward_funcs and reward_weights (GRPO's prompts in `examples`)."""
     references = [e.get("reference") for e in examples]
-    funcs = [
-        load_function(r.function) if r.function else metric_reward(resolved_metric(r.metric, references))
-        for r in recipe.rewards
-    ]
+    funcs = [r.kind.scorer(r.value, references) for r in recipe.rewards]
     return funcs, [float(r.weight) for r in recipe.rewards]
 
 
@@ -253,30 +251,7 @@ def refusals(recipe: Any, examples: list[dict[str, Any]], where: list[str]) -> l
     lines = []
     for i, spec in enumerate(recipe.rewards):
         key = f"reward[{i}]" if recipe.reward is not None and len(recipe.rewards) > 1 else "reward"
-        if spec.metric:
-            missing = next((k for k, p in enumerate(rows) if p["reference"] is None), None)
-            if missing is not None:
-                n = sum(p["reference"] is None for p in rows)
-                raise RecipeError(
-                    f"{key} is the task metric{'' if spec.metric == task_metrics.AUTO else ' ' + spec.metric}, "
-                    f"which scores each answer against its prompt's reference, and {where[missing]} has none "
-                    f"({n} of {len(rows)} prompts without one)",
-                    fix="give those rows a reference (a prompt row's \"reference\", a chat example's last assistant "
-                    "turn), or reward them with a function of yours (reward: {function: FILE.py:NAME})",
-                )
-            metric = resolved_metric(spec.metric, [r["reference"] for r in rows])
-            label = f"{key} (the task metric {metric})"
-            probe = Probe(metric_reward(metric), label, "reference", rows, where, recipe.model)
-            lines.append(probe.check_metric(metric))
-        else:
-            fn = load_function(spec.function)
-            label = f"{key} function {spec.function.rpartition('/')[2]}"
-            read = _signature_fits(fn, label, columns, rows[0])
-            right = "reference" if any(r["reference"] is not None for r in rows) else None
-            named = [c for c in read if c != "reference" and any(r.get(c) is not None for r in rows)]
-            if named:  # the column it reads is where it finds the right answer (Unsloth's `answer`, TRL's `solution`)
-                right = named[0]
-            lines.append(Probe(fn, label, right, rows, where, recipe.model).check_function())
+        lines.append(spec.kind.probe(spec.value, key, rows, where, recipe, columns))
     return lines
 
 
@@ -352,3 +327,95 @@ def _factory_refusal(fn: Callable, label: str) -> None:
         fix=f"call it in a file of yours and name what it returns: in my_rewards.py, `{source}` then "
         f"`penalty = {name}()` (with the arguments you want), and give reward: {{function: my_rewards.py:penalty}}",
     )
+
+
+def _probe_metric(metric: str, key: str, rows: list[dict], where: list[str], recipe: Any, columns: list[str]) -> str:
+    missing = next((k for k, p in enumerate(rows) if p["reference"] is None), None)
+    if missing is not None:
+        n = sum(p["reference"] is None for p in rows)
+        raise RecipeError(
+            f"{key} is the task metric{'' if metric == task_metrics.AUTO else ' ' + metric}, "
+            f"which scores each answer against its prompt's reference, and {where[missing]} has none "
+            f"({n} of {len(rows)} prompts without one)",
+            fix="give those rows a reference (a prompt row's \"reference\", a chat example's last assistant "
+            "turn), or reward them with a function of yours (reward: {function: FILE.py:NAME})",
+        )
+    metric = resolved_metric(metric, [r["reference"] for r in rows])
+    label = f"{key} (the task metric {metric})"
+    return Probe(metric_reward(metric), label, "reference", rows, where, recipe.model).check_metric(metric)
+
+
+def _probe_function(spec: str, key: str, rows: list[dict], where: list[str], recipe: Any, columns: list[str]) -> str:
+    fn = load_function(spec)
+    label = f"{key} function {spec.rpartition('/')[2]}"
+    read = _signature_fits(fn, label, columns, rows[0])
+    right = "reference" if any(r["reference"] is not None for r in rows) else None
+    named = [c for c in read if c != "reference" and any(r.get(c) is not None for r in rows)]
+    if named:  # the column it reads is where it finds the right answer (Unsloth's `answer`, TRL's `solution`)
+        right = named[0]
+    return Probe(fn, label, right, rows, where, recipe.model).check_function()
+
+
+def _function_form(spec: str) -> Optional[str]:
+    target, _, name = spec.rpartition(":")
+    if (target.endswith(".py") or (target and is_module_path(target))) and name.isidentifier():
+        return None
+    return (
+        f"function {spec!r} is neither FILE.py:NAME nor MODULE:NAME; write it like rewards.py:score (the file "
+        "relative to the recipe) or trl.rewards:think_format_reward (an installed module)"
+    )
+
+
+@dataclass(frozen=True)
+class RewardKind:
+    """One kind of reward: the recipe key that names it (reward: {KEY: VALUE}) and what ftrun does with its value."""
+
+    key: str
+    annotation: Any  # what the recipe takes as its value
+    example: str  # one value, for the recipe's errors
+    scores: str  # what it scores, with what it needs from the data: the recipe's help
+    reads_reference: bool  # it scores against each prompt's reference (the answers' length is sized from them)
+    form: Callable[[str], Optional[str]]  # what is wrong with a value the annotation takes (None: nothing)
+    name: Callable[[str], str]  # TRL's log name (rewards/<name>/mean)
+    words: Callable[[str], str]  # how the plan names it
+    scorer: Callable[[str, list], Callable]  # TRL's reward function, from the value and the prompts' references
+    probe: Callable[..., str]  # the plan's probe on the data: a RecipeError, or the line saying what was probed
+
+
+# The reward kinds; the recipe's RewardSpec (launcher/recipe_sections.py), `build`, `refusals` and the plan's words
+# (launcher/plan/sampling.py) derive from it, and tests/data/test_rewards.py walks every row.
+KINDS: dict[str, RewardKind] = {
+    k.key: k
+    for k in (
+        RewardKind(
+            "metric",
+            Literal[(task_metrics.AUTO, *task_metrics.METRICS)],
+            "exact",
+            f"A task metric scored against each prompt's reference answer, which the data must give "
+            f"({', '.join(task_metrics.METRICS)}; {task_metrics.AUTO}: the task evaluation's choice), with the task "
+            "evaluation's own code.",
+            True,
+            lambda value: None,
+            lambda value: f"metric_{value}",
+            lambda value: f"the task metric {value}",
+            lambda value, references: metric_reward(resolved_metric(value, references)),
+            _probe_metric,
+        ),
+        RewardKind(
+            "function",
+            str,
+            "rewards.py:score",
+            "FILE.py:NAME (a file of yours, relative to the recipe) or MODULE:NAME (an installed module's: "
+            "trl.rewards:think_format_reward), a function called as NAME(prompts, completions, **columns) that "
+            "returns one float per completion (TRL's reward function; columns: the reference and every other column "
+            "of the data, by name: each parameter it names must be one); probed on a few prompts of the data at plan "
+            "time.",
+            False,
+            _function_form,
+            lambda value: value.rpartition(":")[2],
+            lambda value: value.rpartition("/")[2],
+            lambda value, references: load_function(value),
+            _probe_function,
+        ),
+    )
+}

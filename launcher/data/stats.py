@@ -132,7 +132,7 @@ def completion_length(recipe: Any, references: list[Optional[str]], longest_prom
     if not refs:
         why = "the default: the data has no references to size the answers from"
         return {"tokens": s.max_completion_length, "derived": False, "why": why}
-    if any(r.function for r in recipe.rewards):
+    if not all(r.kind.reads_reference for r in recipe.rewards):
         why = (
             "the default: a reward function of yours may want answers longer than the references (a reasoning "
             "before the answer); set grpo.max_completion_length to size them"

@@ -119,12 +119,14 @@ def _export(inp: Inputs, report: dict[str, Any]) -> None:
     _say(served_line(report))
 
 
-def _record_export(run: RunDir, formats: Optional[list[str]], started: float, info: dict[str, Any]) -> None:
+def _record_export(
+    run: RunDir, state: dict[str, Any], formats: Optional[list[str]], started: float, info: dict[str, Any]
+) -> None:
     """A finished run's state after `ftrun export`: succeeded when the export passed its checks, else
-    trained-not-exported (the training result is good; the export is not)."""
-    from launcher.store.state import TRAINED, read_state, set_state
+    trained-not-exported (the training result is good; the export is not). `state`: as read under the lock."""
+    from launcher.store.state import TRAINED, set_state
 
-    if read_state(run).get("state") not in TRAINED:
+    if state.get("state") not in TRAINED:
         return
     info.update(formats=list(formats or inp_formats(run)), seconds=round(time.time() - started, 1))
     ok = info["state"] == "succeeded"
@@ -145,19 +147,20 @@ def inp_formats(run: RunDir) -> list[str]:
 def export_command(run: RunDir, merged: bool = False, gguf: Optional[str] = None) -> int:
     """`ftrun export`: the recipe's export list, or adapter plus what the flags ask for; prints where things went.
     `run`: the run directory the command line named (launcher/cli.py resolves it)."""
-    from launcher.store.state import RunLock
+    from launcher.store.state import RunLock, RunSnapshot
 
     formats = None
     if merged or gguf:
         formats = ["adapter", "merged"] + (["gguf"] if gguf else [])
     check_inputs(run.root, formats, gguf)  # bad input fails here, before the lock and the heavy imports
     lock = RunLock(run).acquire()  # the supervisor holds it while training or exporting
-    started = time.time()
+    started, state = time.time(), RunSnapshot(run).state  # no other writer while the lock is held
     try:
         report = export_run(run.root, formats, gguf)
     except FtrunError as exc:
         _record_export(
             run,
+            state,
             formats,
             started,
             {"state": "failed", "reason": exc.message.splitlines()[0] + f"; retry with `ftrun export {run.root}`"},
@@ -166,7 +169,9 @@ def export_command(run: RunDir, merged: bool = False, gguf: Optional[str] = None
     finally:
         lock.release()
     outs = export_outputs(report["outputs"])
-    _record_export(run, formats, started, {"state": "succeeded", "outputs": outs, "serving": report.get("serving")})
+    _record_export(
+        run, state, formats, started, {"state": "succeeded", "outputs": outs, "serving": report.get("serving")}
+    )
     for key, out in report["outputs"].items():
         print(f"{key:8} {out['size']:>9}  {out['path']} ({SIZE_COVERS.get(key, 'file')})")
     print(f"checks   {run.final / 'export.json'}\nserving  {report.get('serving')}")

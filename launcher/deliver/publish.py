@@ -52,11 +52,10 @@ def _load(run: RunDir) -> tuple[Any, dict[str, Any]]:
     return recipe, report
 
 
-def verified_outputs(run: RunDir, recipe, report: dict[str, Any], what: list[str]) -> dict[str, Path]:
+def verified_outputs(run: RunDir, recipe, report: dict[str, Any], what: list[str], state: dict) -> dict[str, Path]:
     """{output: folder or file} of each output to publish, each one the export wrote and checked and unchanged
     since (its size as export.json recorded it); a PublishError naming what is missing otherwise."""
     from launcher.store.checkpoint import tree_bytes
-    from launcher.store.state import read_state
 
     if not report.get("ok"):
         why = report.get("error") or ("final/export.json is missing" if not report else "failed")
@@ -64,7 +63,6 @@ def verified_outputs(run: RunDir, recipe, report: dict[str, Any], what: list[str
             f"the export did not pass its checks ({str(why).splitlines()[0]}): nothing was published",
             fix=f"run `ftrun export {run.root}` (it checks again), then `ftrun publish {run.root}`.",
         )
-    state = read_state(run)
     if not (state.get("final_check") or {}).get("ok"):
         raise PublishError(
             f"{run.root} has no verified final result (state {state.get('state', 'unknown')}): nothing was published",
@@ -368,11 +366,11 @@ def _task_eval_lines(run: RunDir) -> list[str]:
 
 
 def _public_recipe(recipe) -> dict[str, Any]:
-    """The recipe as published: local paths shortened to their last part (a box's folders say nothing to a reader),
-    without sync: and on_finish:."""
-    snap = recipe.snapshot()
-    for key in ("sync", "on_finish"):  # where this box copies to and how it is stopped: not the model's business
-        snap.pop(key, None)
+    """The recipe as published: without its secret fields (launcher/recipe_sections.py Secret) and sync: (where this
+    box copies to: not the model's business), local paths shortened to their last part (a box's folders say nothing
+    to a reader)."""
+    snap = recipe.public_snapshot()
+    snap.pop("sync", None)
     for key in ("model", "output_dir"):
         if isinstance(snap.get(key), str) and snap[key].startswith("/"):
             snap[key] = Path(snap[key]).name
@@ -384,11 +382,17 @@ def _public_recipe(recipe) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 
 
-def publish_run(run_root: Path, to: Optional[str] = None, say: Callable[[str], None] = print) -> dict[str, Any]:
-    """Push the run's verified outputs and the card to `to` (default: the recipe's publish.to); the record of it."""
+def publish_run(
+    run_root: Path, to: Optional[str] = None, say: Callable[[str], None] = print, state: Optional[dict] = None
+) -> dict[str, Any]:
+    """Push the run's verified outputs and the card to `to` (default: the recipe's publish.to); the record of it.
+    `state`: the run's, as the command read it (else read here)."""
     from huggingface_hub import get_token
 
+    from launcher.store.state import RunSnapshot
+
     run = RunDir(Path(run_root))
+    state = RunSnapshot(run).state if state is None else state
     recipe, report = _load(run)
     url = to or recipe.publish.to
     if not url:
@@ -398,7 +402,7 @@ def publish_run(run_root: Path, to: Optional[str] = None, say: Callable[[str], N
             "recipe, or give the repo: `ftrun publish RUN --to hf://USER/REPO`.",
         )
     repo = repo_of(url)
-    outputs = verified_outputs(run, recipe, report, list(recipe.publish.what))
+    outputs = verified_outputs(run, recipe, report, list(recipe.publish.what), state)
     if not get_token():
         raise PublishError(
             f"publish.to={url} is a Hugging Face repo, but no Hugging Face token is set on this box: "
@@ -469,38 +473,40 @@ def _push(
 def after_export(recipe, run: RunDir, log: Callable[[str], None]) -> None:
     """The supervisor's step after the export: publish when the recipe asks, the outcome in state.json's
     `publish`; a failure never changes the run's own state (the trained result is intact)."""
-    from launcher.store.state import read_state, set_state
+    from launcher.store.state import RunSnapshot, set_state
 
     if not recipe.publish.to:
         return
-    if (read_state(run).get("final_check") or {}).get("ok") is None:
+    state = RunSnapshot(run).state  # the supervisor's, after the export: nothing else writes it while this publishes
+    if (state.get("final_check") or {}).get("ok") is None:
         return  # a node other than the first of a multi-node run: node 0 writes, exports and publishes the result
     try:
-        record = publish_run(run.root, say=log)
+        record = publish_run(run.root, say=log, state=state)
     except FtrunError as exc:
         record = {"state": "failed", "reason": exc.message, "retry": f"ftrun publish {run.root}"}
         log(f"publish: {exc.message}")
-    set_state(run, read_state(run).get("state", "succeeded"), publish=record)
+    set_state(run, state.get("state", "succeeded"), publish=record)
 
 
 def publish_command(run: RunDir, to: Optional[str] = None) -> int:
     """`ftrun publish [RUN]`: the same step by hand (after a failed one, or with another repo). The command line
     resolves the run (launcher/cli.py): the supervisor imports this module, so it imports nothing above it."""
-    from launcher.store.state import RunLock, read_state, set_state
+    from launcher.store.state import RunLock, RunSnapshot, set_state
 
     lock = RunLock(run).acquire()  # not while the supervisor trains, exports or publishes
     try:
+        state = RunSnapshot(run).state  # read under the lock: no other writer until it is released
         try:
-            record = publish_run(run.root, to=to, say=print)
+            record = publish_run(run.root, to=to, say=print, state=state)
         except FtrunError as exc:
-            if read_state(run).get("state"):
+            if state.get("state"):
                 set_state(
                     run,
-                    read_state(run)["state"],
+                    state["state"],
                     publish={"state": "failed", "reason": exc.message, "retry": f"ftrun publish {run.root}"},
                 )
             raise
-        set_state(run, read_state(run).get("state", "succeeded"), publish=record)
+        set_state(run, state.get("state", "succeeded"), publish=record)
     finally:
         lock.release()
     return 0

@@ -155,7 +155,4 @@ def reasons(
 
 
 def _reward_words(spec: Any) -> str:
-    weight = "" if spec.weight == 1 else f"{spec.weight:g} x "
-    if spec.function:
-        return f"{weight}{spec.function.rpartition('/')[2]}"
-    return f"{weight}the task metric {spec.metric}"
+    return f"{'' if spec.weight == 1 else f'{spec.weight:g} x '}{spec.kind.words(spec.value)}"

@@ -118,10 +118,10 @@ def _export(recipe, run: RunDir, child: dict) -> str:
 def _on_finish(recipe, run: RunDir) -> None:
     """The recipe's on_finish commands (argument lists, no shell), after the result is safe off the box."""
     for argv in recipe.on_finish:
-        _log("on_finish: " + " ".join(argv))
+        _log(recipe.redact("on_finish: " + " ".join(argv)))
         try:
             res = subprocess.run(argv, stdin=subprocess.DEVNULL, timeout=600)
             if res.returncode != 0:
                 _log(f"on_finish command exited with {res.returncode}")
         except (OSError, subprocess.TimeoutExpired) as exc:
-            _log(f"on_finish command failed: {exc}")
+            _log(recipe.redact(f"on_finish command failed: {exc}"))

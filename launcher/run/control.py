@@ -5,14 +5,21 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Any
+from typing import Any, Optional
 
 from launcher.run.facts import end_summary
 from launcher.run.summary_view import format_end_summary
 from launcher.run.views import STOPPED_PREFIXES, stop_outcome, stop_waits_for
-from launcher.store import heartbeat_files
 from launcher.store.rundir import RunDir
-from launcher.store.state import ENDED, process_identity, read_state, run_holder, run_processes, same_process, set_state
+from launcher.store.state import (
+    ENDED,
+    RunSnapshot,
+    process_identity,
+    run_holder,
+    run_processes,
+    same_process,
+    set_state,
+)
 
 
 def stop_command(run: RunDir) -> int:
@@ -32,10 +39,11 @@ def stop(run: RunDir, timeout: float = 120.0, say=lambda line: None) -> str:
     itself, not its process group: it forwards SIGTERM to a single worker or straight to the ranks (forward in
     supervisor.supervise). Workers left without a supervisor are ended (end_orphans); otherwise nothing is touched.
     """
-    data = read_state(run)
+    snap = RunSnapshot(run)
+    data = snap.state
     holder = run_holder(run, data)
     if holder is None:
-        ended = end_orphans(run, _grace_seconds(run) + 15, log=print)
+        ended = end_orphans(run, _grace_seconds(run) + 15, log=print, data=data)
         if ended:
             return f"the supervisor was gone; ended its orphaned worker process(es) {', '.join(map(str, ended))}"
         state = data.get("state")
@@ -48,21 +56,21 @@ def stop(run: RunDir, timeout: float = 120.0, say=lambda line: None) -> str:
             f"{data.get('state', 'planned')}); interrupt it with Ctrl-C where it runs, or wait and stop the run"
         )
     set_state(run, data.get("state", "running"), stop_requested=True)  # `stopped`, not `preempted`
-    say(stop_waits_for(_phase(run, data), _grace_seconds(run)))
+    say(stop_waits_for(_phase(snap), _grace_seconds(run)))
     _signal_verified(holder, signal.SIGTERM)
     deadline = time.monotonic() + timeout
     while same_process(holder) and time.monotonic() < deadline:
         time.sleep(0.2)
     if same_process(holder):
         return "still stopping"
-    return stop_outcome(read_state(run))
+    return stop_outcome(RunSnapshot(run).state)  # what the supervisor wrote as it ended: read again
 
 
-def _phase(run: RunDir, data: dict[str, Any]) -> dict[str, Any]:
+def _phase(snap: RunSnapshot) -> dict[str, Any]:
     """What the run does as the stop comes: exporting (state.json's export), past training (rank 0's heartbeat
     phase `export`: the final save, samples and task evaluation), or training; with its step."""
-    beat = heartbeat_files.read_all(run).get(0) or {}
-    if (data.get("export") or {}).get("state") == "running":
+    beat = snap.heartbeats.get(0) or {}
+    if (snap.state.get("export") or {}).get("state") == "running":
         return {"phase": "export", "step": beat.get("step")}
     return {"phase": "after training" if beat.get("phase") == "export" else "training", "step": beat.get("step")}
 
@@ -87,7 +95,7 @@ def _signal_verified(proc: dict[str, Any], sig: int) -> bool:
         return False
 
 
-def end_orphans(run: RunDir, wait_seconds: float, log=print) -> list[int]:
+def end_orphans(run: RunDir, wait_seconds: float, log=print, data: Optional[dict[str, Any]] = None) -> list[int]:
     """Workers still training into the run without a supervisor (it was killed hard): SIGTERM, so they save a
     checkpoint and exit, then SIGKILL whatever is left after wait_seconds (callers: grace_seconds + 15 s).
     Returns their pids.
@@ -97,7 +105,8 @@ def end_orphans(run: RunDir, wait_seconds: float, log=print) -> list[int]:
     SIGKILL goes to the process group of the run's supervisor when a worker still sits in it: that group was the
     supervisor's own session (start_new_session), and a group id is not reused while a member lives, so the group
     holds this run's processes only; any other worker is killed by its pid.
-    Call only when no verified supervisor or launcher holds the run (run_holder is None).
+    Call only when no verified supervisor or launcher holds the run (run_holder is None); `data`: its state as the
+    caller read it.
     """
     procs = run_processes(run)
     if not procs:
@@ -131,7 +140,7 @@ def end_orphans(run: RunDir, wait_seconds: float, log=print) -> list[int]:
             f"{run.root}: killing worker process(es) {', '.join(str(p['pid']) for p in left)} (no exit after "
             f"{wait_seconds:g} s)"
         )
-        sup = read_state(run).get("supervisor_proc") or {}
+        sup = (RunSnapshot(run).state if data is None else data).get("supervisor_proc") or {}
         same_boot = sup.get("boot") == (process_identity(os.getpid()) or {}).get("boot")
         group = sup.get("pgid") if same_boot and sup.get("pgid") == sup.get("pid") else None
         for p in left:

@@ -18,25 +18,18 @@ from launcher.run.views import rank_end_text
 from launcher.run.watchdog import heartbeat_rows
 from launcher.store import final as final_result
 from launcher.store.checkpoint import newest_step_unverified, step_dir_name
-from launcher.store.heartbeat_files import read_all as read_heartbeats
 from launcher.store.rundir import RunDir
 from launcher.store.state import (
     ACTIVE,
     ENDED,
+    RunSnapshot,
     is_locked,
     last_metrics,
-    read_state,
+    read_json,
     run_holder,
     run_processes,
     same_process,
 )
-
-
-def _json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, ValueError):  # a file being replaced right now reads as absent; the next refresh has it
-        return {}
 
 
 def metrics_rows(path: Path) -> list[dict[str, Any]]:
@@ -144,35 +137,33 @@ def _phases(history: list[dict[str, Any]], export: Optional[dict[str, Any]]) -> 
     return {k: round(v, 1) for k, v in out.items() if v > 0}
 
 
-def task_eval(run: RunDir, base_only: bool = False) -> dict[str, Any] | None:
+def task_eval(run: RunDir, base_only: bool = False, snap: Optional[RunSnapshot] = None) -> dict[str, Any] | None:
     """The task evaluation's facts (launcher/worker/task_eval.py): final/task_eval.json after training, else (or with
     `base_only`) the base model's RUN/task_eval.json, with what the verdict weighs against it: the fine-tune's
     forecast time and cost (the smoke test's, else the plan's). None when neither file exists."""
     paths = [run.task_eval] if base_only else [run.final / run.task_eval.name, run.task_eval]
     found = next((p for p in paths if p.is_file()), None)
-    record = _json(found) if found else {}
+    record = read_json(found) if found else {}
     if not record:
         return None
-    plan, smoke = _json(run.plan), _json(run.smoke)
+    snap = snap or RunSnapshot(run)
+    plan, smoke = snap.plan, snap.smoke
     estimate = plan.get("estimate") or {}
     hours = smoke.get("estimated_hours") if smoke.get("estimated_hours") is not None else estimate.get("hours")
     cost = smoke.get("estimated_cost") if smoke.get("price_per_hour_eur") else estimate.get("cost_eur")
     return {**record, "file": str(found), "fine_tune_hours": hours, "fine_tune_cost_eur": cost}
 
 
-def run_status(run: RunDir) -> dict[str, Any]:
-    """What `ftrun status --json` prints: one reading of the run's files (no torch)."""
+def run_status(run: RunDir, snap: Optional[RunSnapshot] = None) -> dict[str, Any]:
+    """What `ftrun status --json` prints: one reading of the run's files (no torch), the command's `snap` if given."""
     from launcher.store.sync import status_fields as sync_status_fields
 
-    data = read_state(run)
+    snap = snap or RunSnapshot(run)
+    data, plan, smoke, last, last_eval = snap.state, snap.plan, snap.smoke, snap.last, snap.last_eval
     holder = run_holder(run, data)
     # workers still training into the run with no supervisor over them (it was killed hard)
     orphans = [] if holder else [p["pid"] for p in run_processes(run)]
-    worker = _json(run.worker)
-    plan = _json(run.plan)
-    smoke = _json(run.smoke)
-    last = last_metrics(run.metrics, "loss")  # the training rows; eval passes have rows of their own
-    last_eval = last_metrics(run.metrics, "eval_loss")
+    worker = read_json(run.worker)
     ckpt_step = newest_step_unverified(run.checkpoints)
     state = data.get("state", "none")
     if state in ACTIVE and holder is None:
@@ -258,12 +249,12 @@ def run_status(run: RunDir) -> dict[str, Any]:
         # the watchdog's view (launcher/run/watchdog.py): each rank's last heartbeat while a multi-process run trains,
         # and how the last attempt that was restarted ended
         "heartbeats": (
-            heartbeat_rows(read_heartbeats(run), time.time())
+            heartbeat_rows(snap.heartbeats, time.time())
             if state in ("running", "recovering") and (plan.get("num_processes") or 1) > 1
             else []
         ),
         "last_restart": rank_end_text(data["last_end"]) if data.get("last_end") else None,
-        "task_eval": task_eval(run),
+        "task_eval": task_eval(run, snap=snap),
         **sync_status_fields(run),
     }
     s.update(time_and_money(s, data.get("history", []), plan, smoke, _last_sign_of_life(run, data, last, holder)))
@@ -425,10 +416,10 @@ def _rewards_first_last(train: list[dict[str, Any]]) -> Optional[dict[str, Any]]
     }
 
 
-def end_summary(run: RunDir) -> dict[str, Any]:
+def end_summary(run: RunDir, snap: Optional[RunSnapshot] = None) -> dict[str, Any]:
     """The finished run in numbers: loss first -> last (eval loss too when logged), tokens, wall time against
     the forecasts, cost at the box's price, the result and how to serve it."""
-    s = run_status(run)
+    s = run_status(run, snap)
     rows = metrics_rows(run.metrics)
     train = [r for r in rows if r.get("loss") is not None]
     evals = [r for r in rows if r.get("eval_loss") is not None]

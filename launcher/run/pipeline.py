@@ -14,11 +14,11 @@ from launcher.run import weights
 from launcher.store.rundir import RunDir
 from launcher.store.state import (
     TRAINED,
+    RunSnapshot,
     busy_error,
     effective_state,
     is_locked,
     process_identity,
-    read_state,
     run_holder,
     set_state,
 )
@@ -84,8 +84,9 @@ def launch(
     resuming = False
     if not run.exists() and not fresh and recipe.sync.to and recipe.resume is not False:
         _pull_if_remote_run(run, recipe)
+    snap = RunSnapshot(run)  # the run as this launch found it, passed down (a new run: empty)
     if run.exists():
-        _end_orphans(run, recipe)
+        _end_orphans(run, recipe, snap.state)
         held = run.pinned_parent()
         if held and recipe.init_from == held["copy"] and not has_adapter(held["init_from"]):  # said, never silent
             _say(
@@ -104,7 +105,7 @@ def launch(
                 f"{run.root}`).",
             )
         if holder:
-            s = run_status(run)
+            s = run_status(run, snap)
             _say(
                 f"a run is already active in {run.root} ({holder['role']} pid {holder['pid']}); "
                 "not starting a second one:"
@@ -127,21 +128,21 @@ def launch(
                 + "add --fresh to train this recipe from the start (the finished run is "
                 "kept, renamed), or set another output_dir (output_dir=runs/NAME, or in the recipe) to keep both.",
             )
-        if state == "trained-not-exported" and (read_state(run).get("export") or {}).get("state") == "stopped":
+        if state == "trained-not-exported" and (snap.state.get("export") or {}).get("state") == "stopped":
             _say(f"this run has finished training, and `ftrun stop` ended its export: making it now ({run.root})")
             from launcher.deliver.export import export_command
 
             return export_command(run)
         if state in TRAINED:
             _say(f"this run has finished: {run.root}")
-            _say(format_status(run_status(run)))
+            _say(format_status(run_status(run, snap)))
             if state == "trained-not-exported":
                 _say(f"Its export failed its check: `ftrun export {run.root}` retries it (see final/export.json).")
             _say("To train again from the start, add --fresh (the finished run is kept, renamed).")
             return 0
-        if not restarts_after_failed_smoke(run):
+        if not restarts_after_failed_smoke(run, snap.state):
             recipe = with_adjustments(run, recipe)
-            _check_same_trajectory(run, recipe, allow_changes)
+            _check_same_trajectory(run, recipe, allow_changes, snap.state)
         if recipe.resume is False:
             raise RecipeError(
                 f"{run.root} already holds a run and the recipe says resume: false",
@@ -165,7 +166,14 @@ def launch(
         _say(f"note: {missed}")
 
     examples, lengths, stats, plan, plan_dict, lock, data_sha = _prepare(
-        run, recipe, resuming=resuming, fresh=fresh, memory_limit=memory_limit, allow_changes=allow_changes, nodes=nodes
+        run,
+        recipe,
+        resuming=resuming,
+        fresh=fresh,
+        memory_limit=memory_limit,
+        allow_changes=allow_changes,
+        nodes=nodes,
+        state=snap.state,
     )
     recipe = as_written(run, recipe, stats, plan)  # as _prepare wrote it into recipe.yaml: its parent the pinned copy
     download = _download(run, recipe, found, plan_dict)
@@ -182,7 +190,7 @@ def launch(
     else:
         set_state(run, "planned", **_launcher(), data_sha256=data_sha, reason="new run")
     # the base model's task score and the verdict (does fine-tuning pay?), before the smoke test; said, never a stop
-    launch_baseline(run, recipe, plan_dict, _say)
+    launch_baseline(run, recipe, plan_dict, _say, snap.state)
 
     # a resume with a checkpoint, or after a passed smoke test, skips it: it was measured on this trajectory
     if recipe.smoke.enabled and not (resuming and (smoke_ok or ckpt_step is not None)):
@@ -214,13 +222,13 @@ def prepare_only(recipe: Recipe, purpose: str, memory_limit: Optional[float] = N
     makes them, the model in the cache; state `planned` with `purpose` as its reason. Returns the recipe (with the
     run's adjustments), the run, _prepare's tuple and the download's record; the caller releases the lock."""
     run = run_dir_of(recipe)
-    exists = run.exists()
+    exists, state = run.exists(), RunSnapshot(run).state
     if exists:
         if is_locked(run):
             raise UsageError(f"a run is active in {run.root}", fix=f"watch it with `ftrun status {run.root}`.")
-        if not restarts_after_failed_smoke(run):
+        if not restarts_after_failed_smoke(run, state):
             recipe = with_adjustments(run, recipe)
-            _check_same_trajectory(run, recipe)
+            _check_same_trajectory(run, recipe, state=state)
     elif run.root.exists() and any(run.root.iterdir()):
         raise UsageError(
             f"output_dir {run.root} exists and holds files that are not an ftrun run",
@@ -230,7 +238,7 @@ def prepare_only(recipe: Recipe, purpose: str, memory_limit: Optional[float] = N
     missed = weights.fetch_tokenizer(recipe.model, found)  # the data check renders with the model's chat template
     if missed:
         _say(f"note: {missed}")
-    prepared = _prepare(run, recipe, resuming=exists, fresh=False, memory_limit=memory_limit)
+    prepared = _prepare(run, recipe, resuming=exists, fresh=False, memory_limit=memory_limit, state=state)
     recipe = as_written(run, recipe, prepared[2], prepared[3])  # as _prepare wrote it into recipe.yaml
     lock = prepared[5]
     try:
@@ -265,14 +273,14 @@ def _launcher() -> dict[str, Any]:
     return {"launcher_pid": _pid(), "launcher_proc": process_identity(_pid())}
 
 
-def _end_orphans(run: RunDir, recipe: Recipe) -> None:
+def _end_orphans(run: RunDir, recipe: Recipe, state: dict[str, Any]) -> None:
     """Workers left training into the run by a supervisor or launcher killed hard are ended (after a checkpoint)
     before anything else starts: never two trainings in one directory. A live, verified run is left alone."""
-    if run_holder(run) is not None:
+    if run_holder(run, state) is not None:
         return
     from launcher.run.control import end_orphans
 
-    if end_orphans(run, recipe.grace_seconds + 15, log=_say):
+    if end_orphans(run, recipe.grace_seconds + 15, log=_say, data=state):
         # A worker counts as gone once its main thread is (a zombie); the kernel releases its descriptors, the
         # run's lock among them, only when its last thread has exited: give that a moment before the lock is read.
         deadline = time.monotonic() + 15
@@ -281,7 +289,11 @@ def _end_orphans(run: RunDir, recipe: Recipe) -> None:
         _say(f"{run.root}: the orphaned worker(s) have exited")
 
 
-def _check_same_trajectory(run: RunDir, recipe: Recipe, allow_changes: bool = False) -> None:
+def _check_same_trajectory(
+    run: RunDir, recipe: Recipe, allow_changes: bool = False, state: Optional[dict[str, Any]] = None
+) -> None:
+    """Refuse a recipe that changes the run's trajectory, or record the change allowed; `state`: as the command read
+    it (else read here)."""
     old = load_recipe(run.recipe)
     diffs = _listed(_differences(old.trajectory(), recipe.trajectory()))
     if diffs and not allow_changes:
@@ -297,9 +309,9 @@ def _check_same_trajectory(run: RunDir, recipe: Recipe, allow_changes: bool = Fa
             + "\n(the optimizer and scheduler state come from the checkpoint; the trajectory is no longer the original "
             "one)"
         )
-        accepted = read_state(run).get("accepted_recipe_hashes", [])
+        state = RunSnapshot(run).state if state is None else state
         set_state(
             run,
-            read_state(run).get("state", "planned"),
-            accepted_recipe_hashes=sorted(set(accepted) | {old.trajectory_hash()}),
+            state.get("state", "planned"),
+            accepted_recipe_hashes=sorted(set(state.get("accepted_recipe_hashes", [])) | {old.trajectory_hash()}),
         )

@@ -19,7 +19,7 @@ from launcher.run.adjustments import with_loss_resolved, with_plan_settings
 from launcher.run.data_view import data_label, data_line, format_loss_view, wants_color
 from launcher.store.checkpoint import atomic_write_json, newest_step_unverified
 from launcher.store.rundir import RunDir
-from launcher.store.state import RunLock, is_locked, read_state
+from launcher.store.state import RunLock, RunSnapshot, is_locked
 from launcher.worker.trackers import check_installed as check_trackers_installed
 
 
@@ -62,10 +62,10 @@ def _archive(run: RunDir) -> Path:
     return dest
 
 
-def restarts_after_failed_smoke(run: RunDir) -> bool:
+def restarts_after_failed_smoke(run: RunDir, state: dict[str, Any]) -> bool:
     """A run whose smoke test found nothing that fits trained nothing: it starts again from the recipe as it is
-    now (no adjustments re-applied, no trajectory or data check, the smoke test run again)."""
-    return read_state(run).get("state") == "failed-smoke" and newest_step_unverified(run.checkpoints) is None
+    now (no adjustments re-applied, no trajectory or data check, the smoke test run again). `state`: as read."""
+    return state.get("state") == "failed-smoke" and newest_step_unverified(run.checkpoints) is None
 
 
 def _prepare(
@@ -77,8 +77,10 @@ def _prepare(
     memory_limit: Optional[float] = None,
     allow_changes: bool = False,
     nodes: Optional[dict[str, Any]] = None,
+    state: Optional[dict[str, Any]] = None,
 ):
-    """Check everything (trainer fields, data, plan) before touching the run directory; then lock and write."""
+    """Check everything (trainer fields, data, plan) before touching the run directory; then lock and write. `state`:
+    the run's, as the command read it (else read here)."""
     check_trainer_fields(recipe)
     check_trackers_installed(recipe, launching=True)  # report_to: refused with the fix before any GPU time
     examples, lengths, stats = data_stats(recipe)
@@ -91,12 +93,13 @@ def _prepare(
     recipe = with_loss_resolved(recipe, stats.loss_view)  # recipe.yaml and the worker train what the data check said
     recipe = with_data_defaults(recipe, stats)  # what the data sized (GRPO's answer length): recipe.yaml records it
     data_sha = stats.sha256
-    restart = resuming and restarts_after_failed_smoke(run)
+    state = RunSnapshot(run).state if state is None else state
+    restart = resuming and restarts_after_failed_smoke(run, state)
     if restart:
-        why = read_state(run).get("reason") or "it did not pass"
+        why = state.get("reason") or "it did not pass"
         _say(f"the last smoke test in {run.root} failed ({why}): starting again from the recipe")
     if resuming and not restart:
-        old_sha = read_state(run).get("data_sha256")
+        old_sha = state.get("data_sha256")
         if old_sha and old_sha != data_sha and allow_changes:
             _say(f"--allow-changes: the data ({data_label(stats)}) changed since this run started; continuing anyway")
         elif old_sha and old_sha != data_sha:

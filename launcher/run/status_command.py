@@ -14,7 +14,7 @@ from launcher.run.progress import watch
 from launcher.run.summary_view import format_end_summary
 from launcher.run.views import format_runs, format_status
 from launcher.store.rundir import RUNS
-from launcher.store.state import ACTIVE, ENDED
+from launcher.store.state import ACTIVE, ENDED, RunSnapshot
 
 
 def status_command(
@@ -38,14 +38,15 @@ def status_command(
     if watching and not as_json:
         watch(run)
         return 0
-    while True:
-        s = run_status(run)
+    while True:  # each pass reads the run once: the state, files and rows it shows, and then its summary
+        snap = RunSnapshot(run)
+        s = run_status(run, snap)
         if as_json:
             print(json.dumps(s, indent=2), flush=True)
         else:
             print(format_status(s, ending_follows=s["state"] in ENDED), flush=True)
             if s["state"] in ENDED:
-                print(format_end_summary(end_summary(run)), flush=True)
+                print(format_end_summary(end_summary(run, snap)), flush=True)
         if not watching or s["state"] not in ACTIVE:
             return 0
         sleep(2)

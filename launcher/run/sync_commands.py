@@ -12,7 +12,7 @@ from launcher.run.prepare import _say
 from launcher.run.run_dirs import resolve_run, run_dir_of
 from launcher.run.views import format_status
 from launcher.store.rundir import RunDir
-from launcher.store.state import RunLock, read_state, set_state
+from launcher.store.state import RunLock, RunSnapshot, set_state
 from launcher.store.sync import kinds as sync_kinds
 
 
@@ -43,7 +43,7 @@ def _pull_if_remote_run(run: RunDir, recipe: Recipe) -> bool:
     try:
         step = pull(recipe.sync.to, run, log=_say)
         # The pids in the fetched state belong to the lost box.
-        data = read_state(run)
+        data = RunSnapshot(run).state  # as the pull fetched it
         if data:
             set_state(
                 run,

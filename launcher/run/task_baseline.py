@@ -8,13 +8,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from launcher.recipe import Recipe
 from launcher.run import facts, task_eval_view
 from launcher.store.checkpoint import newest_step_unverified
 from launcher.store.rundir import RunDir
-from launcher.store.state import read_state
+from launcher.store.state import RunSnapshot
 
 WORKER_MODULE = "launcher.worker.task_eval"
 EXIT_WORKER_BAD_INPUT = 2  # the worker's one-line refusal of its input (the module's contract)
@@ -65,18 +65,20 @@ def settled(run: RunDir) -> bool:
     )
 
 
-def training_began(run: RunDir) -> bool:
+def training_began(run: RunDir, state: Optional[dict[str, Any]] = None) -> bool:
     """The run has trained (a checkpoint, or a past move into `running`): the base model's moment has passed, and a
-    resume never scores it again."""
-    return newest_step_unverified(run.checkpoints) is not None or any(
-        h.get("state") == "running" for h in read_state(run).get("history", [])
-    )
+    resume never scores it again. `state`: as the command read it (else read here)."""
+    history = (RunSnapshot(run).state if state is None else state).get("history", [])
+    return newest_step_unverified(run.checkpoints) is not None or any(h.get("state") == "running" for h in history)
 
 
-def launch_baseline(run: RunDir, recipe: Recipe, plan: dict[str, Any], say: Callable[[str], None]) -> None:
+def launch_baseline(
+    run: RunDir, recipe: Recipe, plan: dict[str, Any], say: Callable[[str], None], state: Optional[dict] = None
+) -> None:
     """The launch's baseline before its smoke test (eval.task.baseline: run): the verdict, or one line saying why
     there is none; it never stops the run."""
-    if recipe.eval.task.examples <= 0 or recipe.eval.task.baseline != "run" or settled(run) or training_began(run):
+    task = recipe.eval.task
+    if task.examples <= 0 or task.baseline != "run" or settled(run) or training_began(run, state):
         return
     if (plan.get("nodes") or {}).get("node_rank", 0) != 0:
         return  # the first node scores it; the others would answer the same prompts again

@@ -26,9 +26,11 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Optional
 
+from launcher.store import heartbeat_files
 from launcher.store.checkpoint import atomic_write_json
 from launcher.errors import BusyError
 from launcher.store.rundir import RunDir
@@ -325,3 +327,40 @@ def last_metrics(path: Path, key: Optional[str] = None) -> dict[str, Any]:
             if block >= size:
                 return {}
             block *= 8
+
+
+class RunSnapshot:
+    """A run as one command reads it: state.json at its start, then plan.json, smoke.json, each rank's heartbeat and
+    the last logged rows, each read once where the command first asks (a command that only checks the state reads
+    nothing else). Passed down to the pieces of the command; taken again only where the command waits on a change."""
+
+    def __init__(self, run: RunDir):
+        self.run = run
+        self.state: dict[str, Any] = read_state(run)
+
+    @cached_property
+    def plan(self) -> dict[str, Any]:
+        return read_json(self.run.plan)
+
+    @cached_property
+    def smoke(self) -> dict[str, Any]:
+        return read_json(self.run.smoke)
+
+    @cached_property
+    def heartbeats(self) -> dict[int, dict[str, Any]]:
+        return heartbeat_files.read_all(self.run)
+
+    @cached_property
+    def last(self) -> dict[str, Any]:
+        return last_metrics(self.run.metrics, "loss")  # the training rows; eval passes have rows of their own
+
+    @cached_property
+    def last_eval(self) -> dict[str, Any]:
+        return last_metrics(self.run.metrics, "eval_loss")
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):  # a file being replaced right now reads as absent; the next refresh has it
+        return {}

@@ -176,11 +176,12 @@ def prepare(run_root: Path, recipe, mode: str, rank: int) -> tuple[list[str], di
 
 
 def recipe_callback(run_root: Path, recipe):
-    """A callback after the integrations' own: the recipe goes into each tracked run's config (the trainer's
-    arguments and the model config are there already), MLflow's run id into trackers.json, one line each."""
+    """A callback after the integrations' own: the recipe without its secret fields goes into each tracked run's
+    config (the trainer's arguments and the model config are there already), MLflow's run id into trackers.json, one
+    line each."""
     from transformers import TrainerCallback
 
-    snapshot = recipe.snapshot()
+    snapshot = recipe.public_snapshot()
 
     class TrackedRecipe(TrainerCallback):
         def on_train_begin(self, args, state, control, **kw):
