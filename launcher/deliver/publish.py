@@ -369,9 +369,10 @@ def _task_eval_lines(run: RunDir) -> list[str]:
 
 def _public_recipe(recipe) -> dict[str, Any]:
     """The recipe as published: local paths shortened to their last part (a box's folders say nothing to a reader),
-    without sync: and on_finish:."""
+    without sync:, on_finish: and notify:."""
     snap = recipe.snapshot()
-    for key in ("sync", "on_finish"):  # where this box copies to and how it is stopped: not the model's business
+    # where this box copies to and how it is stopped: not the model's business; notify holds tokens (a secret)
+    for key in ("sync", "on_finish", "notify"):
         snap.pop(key, None)
     for key in ("model", "output_dir"):
         if isinstance(snap.get(key), str) and snap[key].startswith("/"):

@@ -8,7 +8,9 @@ import yaml
 
 from launcher.errors import HardwareError
 from launcher.recipe import Recipe
+from launcher.run import notify
 from launcher.run.adjustments import next_adjustment, shard_blocker
+from launcher.run.ending import Ending, leave
 from launcher.run.prepare import _check_shared_memory, _plan_record, _say, make_plan
 from launcher.store.checkpoint import atomic_write_json
 from launcher.store.rundir import RunDir
@@ -53,7 +55,6 @@ def _smoke(
                     + ". Attempts:\n"
                     + "\n".join(f"- {a}" for a in attempts)
                 )
-                set_state(run, "failed-smoke", reason=reason.splitlines()[0])
                 raise SmokeError(
                     reason,
                     fix=f"lower max_length (now {recipe.max_length}), allow more in auto_adjust "
@@ -70,7 +71,6 @@ def _smoke(
                 try:
                     replanned = make_plan(recipe, stats)
                 except PlanError as exc:
-                    set_state(run, "failed-smoke", reason=f"re-planning after out of memory failed: {exc.message}")
                     raise SmokeError(
                         f"the smoke test ran out of memory; re-planning for {text} failed: {exc.message}."
                         " Attempts:\n" + "\n".join(f"- {a}" for a in attempts),
@@ -82,26 +82,23 @@ def _smoke(
                 _say(f"re-planned: engine {replanned.engine}, {replanned.num_processes} processes")
                 # one card's job sharded over the idle ones (FSDP, ZeRO-3) now needs NCCL between processes: the
                 # first launch checked /dev/shm only for the job it planned then
-                try:
-                    _check_shared_memory(plan_dict)
-                except HardwareError as exc:
-                    set_state(run, "failed-smoke", reason=exc.message)
-                    raise
+                _check_shared_memory(plan_dict)
             run.recipe.write_text(
                 "# resolved by ftrun: defaults < recipe < command line < OOM adjustments (plan.json)\n"
                 + yaml.safe_dump(recipe.snapshot(), sort_keys=False)
             )
             atomic_write_json(run.plan, plan_dict)
-        except SmokeError as exc:
-            set_state(run, "failed-smoke", reason=exc.message.splitlines()[0])
+        except (SmokeError, HardwareError) as exc:  # the run's end, through its one door (launcher/run/ending.py)
+            leave(run, recipe, Ending("failed-smoke", exc.message.splitlines()[0], exc.exit_code), log=_say)
             raise
         except KeyboardInterrupt:
-            set_state(run, "failed-smoke", reason="smoke test interrupted (Ctrl-C)")
+            leave(run, recipe, Ending("failed-smoke", "smoke test interrupted (Ctrl-C)", 130), log=_say)
             raise
     if download:  # the download's time beside the forecast's parts (already spent: the full run reads the cache)
         report = {**report, **download}
         atomic_write_json(run.smoke, report)
     _say(format_smoke(report))
+    notify.send(recipe.notify, f"ftrun: smoke test passed: {run.root.name}", format_smoke(report), _say)
     calibrated = make_plan(recipe, stats, smoke=report, nnodes=(plan_dict.get("nodes") or {}).get("nnodes", 1))
     record = _plan_record(calibrated, plan_dict.get("memory_limit_gb"), adjustments, plan_dict.get("nodes"))
     record["speed"] = plan_dict.get("speed")  # the plan's choice and its reasons, which the recipe now holds

@@ -181,6 +181,7 @@ def recipe_callback(run_root: Path, recipe):
     from transformers import TrainerCallback
 
     snapshot = recipe.snapshot()
+    snapshot.pop("notify", None)  # its URLs hold tokens: a secret, never a tracker's config
 
     class TrackedRecipe(TrainerCallback):
         def on_train_begin(self, args, state, control, **kw):
