@@ -118,3 +118,17 @@ def test_the_published_recipe_and_the_tracker_config_leave_notify_out(write_reci
 
     recipe = load_recipe(write_recipe(notify=["json://127.0.0.1/secret-token"]))
     assert recipe.notify and "notify" not in _public_recipe(recipe)
+
+
+@pytest.mark.slow
+def test_a_real_run_tells_its_passed_smoke_test_and_its_end(write_recipe, inbox, capsys):
+    """The whole foreground path (the CLI, the smoke test, the supervisor in this process, a real worker): one
+    message when the smoke test passed, with the forecast, and one at the end, with the loss; no log names the URL."""
+    from launcher.cli import main
+
+    url, messages = inbox
+    recipe = write_recipe(max_steps=4, notify=[url])
+    assert main([str(recipe), "--foreground"]) == 0
+    assert [m["title"].split(":")[1].strip() for m in messages] == ["smoke test passed", "run finished"], messages
+    assert "full run:" in messages[0]["message"] and "loss" in messages[1]["message"]
+    assert "127.0.0.1" not in capsys.readouterr().out + (recipe.parent / "run" / "train.log").read_text()
