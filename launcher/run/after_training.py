@@ -113,4 +113,3 @@ def _export(recipe, run: RunDir, child: dict) -> str:
         **({"stop_requested": False} if info["state"] == "stopped" else {}),
     )
     return state
-

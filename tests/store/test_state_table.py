@@ -36,7 +36,9 @@ def test_every_transition_the_product_makes_is_in_the_table(tmp_path, path):
     run = RunDir(tmp_path)
     for state in path:
         set_state(run, state, reason=f"to {state}")
-    assert [h["state"] for h in read_state(run)["history"]] == [s for i, s in enumerate(path) if s != path[i - 1] or i == 0]
+    assert [h["state"] for h in read_state(run)["history"]] == [
+        s for i, s in enumerate(path) if s != path[i - 1] or i == 0
+    ]
 
 
 @pytest.mark.parametrize("was,to", [("failed", "running"), ("succeeded", "failed"), ("planned", "stopped")])
@@ -57,4 +59,6 @@ def test_every_state_allows_only_states_of_the_table():
 def test_the_architecture_doc_shows_the_table_as_it_is():
     rows = ["| state | entered by | allows next |", "|---|---|---|"]
     rows += [f"| `{n}` | {r.entered} | {', '.join(f'`{x}`' for x in r.next)} |" for n, r in STATES.items()]
-    assert "\n".join(rows) in DOC.read_text(), "docs/architecture.md's run-state table differs from STATES:\n" + "\n".join(rows)
+    assert "\n".join(rows) in DOC.read_text(), (
+        "docs/architecture.md's run-state table differs from STATES:\n" + "\n".join(rows)
+    )
