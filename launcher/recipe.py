@@ -284,6 +284,13 @@ class Recipe(Strict):
         description="Commands (argument lists) run after the final result is verified off the box, e.g. stopping the "
         "server.",
     )
+    notify: Secret[list[str]] = Field(
+        default_factory=list,
+        description="Apprise URLs told when the smoke test passes (forecast, cost) and when the run ends, however it "
+        "ends (state, reason, steps, loss, task score, time, cost, where the result is): slack://, discord://, "
+        "tgram://, ntfy://, mailtos://, json:// and the rest of https://appriseit.com/services/. Secret: never "
+        "logged, published or sent to a tracker.",
+    )
     export: list[ExportFormat] = Field(
         default_factory=lambda: ["adapter"],
         description=f"Outputs made after training, each reloaded and checked: {export_formats.described()}.",

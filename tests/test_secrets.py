@@ -56,8 +56,8 @@ def test_a_secret_field_reaches_neither_publish_nor_the_trackers_nor_the_logs(
     write_recipe, tmp_path, monkeypatch, capsys
 ):
     from launcher.deliver import publish
-    from launcher.run import after_training
-    from launcher.store.rundir import RunDir
+    from launcher.run import ending
+    from launcher.run.supervisor_log import _log
     from launcher.worker import trackers
 
     path, recipe, markers = _secret_recipe(write_recipe, tmp_path)
@@ -69,7 +69,7 @@ def test_a_secret_field_reaches_neither_publish_nor_the_trackers_nor_the_logs(
     callback.on_train_begin(
         SimpleNamespace(report_to=["tensorboard"]), SimpleNamespace(is_world_process_zero=True), None
     )
-    after_training._on_finish(recipe, RunDir(tmp_path / "run"))  # a command named by a secret: it fails, and says so
+    ending._on_finish(recipe, _log)  # a command named by a secret: it fails, and says so
     logged = capsys.readouterr().out
     assert "on_finish" in logged and "<secret>" in logged
     for key, marker in markers.items():

@@ -1,4 +1,4 @@
-"""The supervisor's steps once training ended: the final result checked, the exports made, on_finish run."""
+"""The supervisor's steps once training ended: the final result checked, the exports made (on_finish: ending.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from launcher.deliver import messages
 from launcher.run import views
+from launcher.run.ending import Ending
 from launcher.run.supervisor_log import _log
 from launcher.store.checkpoint import newest_step_unverified, step_dir_name
 from launcher.store.modes import share_results
@@ -32,7 +33,7 @@ def _verify_final(recipe, run: RunDir, plan: dict[str, Any]):
     return final.verify(run.final, recipe.method, recipe.lora.target_modules, recipe.model)
 
 
-def _stopped_after_training(run: RunDir, recipe, signal_name: str, end: Callable[..., int], left: list[str]) -> int:
+def _stopped_after_training(run: RunDir, recipe, signal_name: str, left: list[str]) -> Ending:
     """A stop (or a provider's signal) after the final result and the last checkpoint were saved: the run is stopped,
     not succeeded, and a resume lands at the end, doing only what `left` names."""
     requested = read_state(run).get("stop_requested")
@@ -48,12 +49,11 @@ def _stopped_after_training(run: RunDir, recipe, signal_name: str, end: Callable
         "grace_seconds": recipe.grace_seconds,
         "resume_command": read_state(run).get("resume_command"),
     }
-    return end(
+    return Ending(
         "stopped" if requested else "preempted",
         views.ending_reason(ending),
         train.EXIT_STOPPED,
-        stop_requested=False,
-        ending=ending,
+        {"stop_requested": False, "ending": ending},
     )
 
 
@@ -113,15 +113,3 @@ def _export(recipe, run: RunDir, child: dict) -> str:
         **({"stop_requested": False} if info["state"] == "stopped" else {}),
     )
     return state
-
-
-def _on_finish(recipe, run: RunDir) -> None:
-    """The recipe's on_finish commands (argument lists, no shell), after the result is safe off the box."""
-    for argv in recipe.on_finish:
-        _log(recipe.redact("on_finish: " + " ".join(argv)))
-        try:
-            res = subprocess.run(argv, stdin=subprocess.DEVNULL, timeout=600)
-            if res.returncode != 0:
-                _log(f"on_finish command exited with {res.returncode}")
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            _log(recipe.redact(f"on_finish command failed: {exc}"))

@@ -23,7 +23,8 @@ from launcher.errors import EXIT_NOTHING_LEARNED, EXIT_RUN_FAILED, WORKER_EXITS
 from launcher.plan.cgroup import oom_kills
 from launcher.plan.sampling import uses_vllm
 from launcher.run import build_locks, oom_restart, rank_ends, views
-from launcher.run.after_training import _export, _on_finish, _stopped_after_training, _verify_final
+from launcher.run.after_training import _export, _stopped_after_training, _verify_final
+from launcher.run.ending import Ending, _record, leave
 from launcher.run.attempt import WATCHDOG_GRACE_S, _host_oom, _rank_ends, _Tail, _wait_watching
 from launcher.run.rank_processes import _ranks, _ranks_left
 from launcher.run.supervisor_log import _log
@@ -33,18 +34,10 @@ from launcher.worker import train
 from launcher.worker.engines import MULTI_PROCESS, failed_verification, launch_command, launch_env, with_death_signal
 from launcher.store.checkpoint import newest_step_unverified, step_dir_name
 from launcher.store.rundir import RunDir
-from launcher.store.state import process_identity, read_state, set_state
+from launcher.store.state import process_identity, read_state
 
 # Worker exits that a restart cannot fix: report them instead of looping (launcher/errors.py WORKER_EXITS).
 FATAL = {code: e.reason for code, e in WORKER_EXITS.items() if not e.restart}
-
-
-def _record(run: RunDir, state: str, **fields) -> None:
-    """set_state, but a full disk must not kill the supervisor: it says so in the log and carries on."""
-    try:
-        set_state(run, state, **fields)
-    except OSError as exc:
-        _log(f"could not write state.json ({exc.strerror}); the run's state is {state}: {fields.get('reason', '')}")
 
 
 def _last_logged_step(run: RunDir) -> int:
@@ -83,11 +76,24 @@ def _learned_nothing(recipe, run: RunDir) -> Optional[dict[str, Any]]:
 
 
 def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
-    """The restart loop; returns the exit code of the run (0 succeeded)."""
+    """The detached run from its first attempt to its end; returns the exit code of the run (0 succeeded). Every
+    ending leaves through one door (launcher/run/ending.py), the copy off the box made there."""
     run = RunDir(run_dir)
     from launcher.recipe_loading import load_recipe
 
     recipe = load_recipe(run.recipe)
+    syncer = None
+    if recipe.sync.to:
+        from launcher.store.sync import Syncer
+
+        syncer = Syncer(run, recipe.sync.to, recipe.sync.keep, log=_log).start(recipe.sync.every_seconds)
+    return leave(run, recipe, _attempts(run, recipe, lock_fd), syncer)
+
+
+def _attempts(run: RunDir, recipe, lock_fd: Optional[int]) -> Ending:
+    """The restart loop: the worker started again after each end a restart can fix; returns how the run ended."""
+    from launcher.recipe_loading import load_recipe
+
     plan = json.loads(run.plan.read_text())
     # proc: the process running now (worker, launcher or export); launcher: proc when it starts ranks.
     child: dict[str, Optional[subprocess.Popen]] = {"proc": None, "launcher": None}
@@ -136,20 +142,6 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
     signal.signal(signal.SIGTERM, forward_then_enforce_grace)
     signal.signal(signal.SIGINT, forward_then_enforce_grace)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-
-    syncer = None
-    if recipe.sync.to:
-        from launcher.store.sync import Syncer
-
-        syncer = Syncer(run, recipe.sync.to, recipe.sync.keep, log=_log).start(recipe.sync.every_seconds)
-
-    def end(state: str, why: str, code: int, **fields) -> int:
-        """A final state other than success: what exists goes off the box first, then the state says why."""
-        if syncer:
-            syncer.finish(final=False)
-        _record(run, state, worker_pid=None, reason=why, **fields)
-        _log(why)
-        return code
 
     restarts = 0
     crash_steps: list[int] = []
@@ -218,7 +210,7 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
                 "ram_needed_gb": (plan.get("memory") or {}).get("load_ram_gb") or None,
                 "ram_gb": (plan.get("hardware") or {}).get("ram_gb"),
             }
-            return end("failed", views.host_oom_reason(facts), 5, ending={"by": "host-oom", **facts})
+            return Ending("failed", views.host_oom_reason(facts), 5, {"ending": {"by": "host-oom", **facts}})
         if rc != 0 and failed_verification(run.worker):
             rc = train.EXIT_BAD_WORLD  # torchrun reports any failed worker as 1; the worker said why
         if rc not in (0, *FATAL) and _worker_exit_code(run) in FATAL:
@@ -231,7 +223,7 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
             )
         if rc == 0 and stopping["signal"] and recipe.export and getattr(_verify_final(recipe, run, plan), "ok", 0):
             # the stop came as the worker finished: what training made is whole; the export waits for the resume
-            return _stopped_after_training(run, recipe, stopping["signal"], end, ["the export"])
+            return _stopped_after_training(run, recipe, stopping["signal"], ["the export"])
         if rc == 0:
             checked = _verify_final(recipe, run, plan)
             if checked is not None and not checked.ok:
@@ -239,21 +231,23 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
                 if learned_nothing is not None:
                     # the untrained adapter is what training made, not a save that lost it: GRPO had no reward
                     # variance to learn from, and a resume would do the same
-                    return end(
+                    return Ending(
                         "failed",
                         views.nothing_learned_reason(learned_nothing),
                         EXIT_NOTHING_LEARNED,
-                        final_check={"ok": False, "reason": checked.reason},
-                        ending={"by": "no-reward-variance", **learned_nothing},
+                        {
+                            "final_check": {"ok": False, "reason": checked.reason},
+                            "ending": {"by": "no-reward-variance", **learned_nothing},
+                        },
                     )
                 # exit 0 without a usable result (a save that wrote nothing) is a failure, and nothing is exported
-                return end(
+                return Ending(
                     "failed",
                     f"training finished but the final result is not usable: {checked.reason}; "
                     "the checkpoints are intact: run the same command to resume from the newest one, which "
                     "saves the final result again",
                     5,
-                    final_check={"ok": False, "reason": checked.reason},
+                    {"final_check": {"ok": False, "reason": checked.reason}},
                 )
             _record(
                 run,
@@ -270,26 +264,12 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
             from launcher.deliver.publish import after_export
 
             after_export(recipe, run, _log)
-            if syncer:
-                _record(run, done, reason=f"training finished; copying the result to {recipe.sync.to}")
-                if not syncer.finish(final=True):
-                    _record(
-                        run,
-                        done,
-                        reason="training finished, but the copy off the box failed: "
-                        "see sync.json; `ftrun push` retries",
-                    )
-                    return _exported_code(run, done)
-                _record(run, done, reason=f"training finished; result verified at {recipe.sync.to}")
-                syncer.sync_once()  # the state file itself, saying so
-            _on_finish(recipe, run)
-            return _exported_code(run, done)
+            return Ending(done, None, _exported_code(run, done))
         if (stopping["signal"] or rc == train.EXIT_STOPPED) and _worker_fact(run, "stopped_after_training"):
             return _stopped_after_training(
                 run,
                 recipe,
                 stopping["signal"] or "SIGTERM",
-                end,
                 # the samples are written before the task evaluation: done when the stop came after them
                 [
                     "the task evaluation"
@@ -319,12 +299,11 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
                 "grace_seconds": recipe.grace_seconds,
                 "resume_command": read_state(run).get("resume_command"),
             }
-            return end(
+            return Ending(
                 "stopped" if requested else "preempted",
                 views.ending_reason(ending),
                 train.EXIT_STOPPED,
-                stop_requested=False,
-                ending=ending,
+                {"stop_requested": False, "ending": ending},
             )
         if rc == train.EXIT_OOM:
             # the plan's own faster setting (checkpointing off, a larger micro-batch) ran out: undone, and the run goes
@@ -333,7 +312,7 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
             if undone is None:
                 error = _worker_error(run) or WORKER_EXITS[rc].what
                 done = oom_restart.mid_run_undos(json.loads(run.plan.read_text()))
-                return end("failed", views.oom_fatal_reason(error, WORKER_EXITS[rc].fix, done), 5)
+                return Ending("failed", views.oom_fatal_reason(error, WORKER_EXITS[rc].fix, done), 5)
             recipe, plan = load_recipe(run.recipe), json.loads(run.plan.read_text())
             restarts += 1
             why = views.oom_restart_reason(undone)
@@ -353,15 +332,13 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
                 ranks, min(recipe.grace_seconds, WATCHDOG_GRACE_S), lambda: stopping["signal"] is not None
             )
             if stopping["signal"]:
-                _record(run, "stopped", reason=f"stopped by {stopping['signal']} while recovering")
-                return train.EXIT_STOPPED
+                return Ending("stopped", f"stopped by {stopping['signal']} while recovering", train.EXIT_STOPPED)
             if left:
-                return end(
-                    "failed", views.ranks_left_reason(ended, left, time.monotonic() - ended_at), 5, ranks_left=left
-                )
+                why = views.ranks_left_reason(ended, left, time.monotonic() - ended_at)
+                return Ending("failed", why, 5, {"ranks_left": left})
             continue
         if rc in FATAL:
-            return end("failed", _worker_error(run) or FATAL[rc], 5)
+            return Ending("failed", _worker_error(run) or FATAL[rc], 5)
         # How the attempt ended, by rank (docs/engines.md, "One rank down"): a rank silent past its deadline (the
         # watchdog ended the attempt), else the cause among the ranks' ends: a signal from outside is an
         # interruption, a traceback that repeats at the same step is a deterministic crash, a CUDA/NCCL error is
@@ -380,18 +357,17 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
         step = ended["step"]
         if ended["kind"] == "exception" and root is not None:
             if last_exception == (root.signature(), step):
-                return end("failed", views.repeated_crash_reason(ended), 5, last_end=ended)
+                return Ending("failed", views.repeated_crash_reason(ended), 5, {"last_end": ended})
             last_exception = (root.signature(), step)
         if ended["kind"] == "crash":
             if crash_steps and crash_steps[-1] == step:
-                return end("failed", views.repeated_crash_reason(ended), 5, last_end=ended)
+                return Ending("failed", views.repeated_crash_reason(ended), 5, {"last_end": ended})
             crash_steps.append(step)
         now = time.time()
         restart_times = [t for t in restart_times if now - t < RESTART_WINDOW_S]
         if len(restart_times) >= recipe.max_restarts:
-            return end(
-                "failed", views.restart_budget_reason(ended, len(restart_times), recipe.max_restarts), 5, last_end=ended
-            )
+            why = views.restart_budget_reason(ended, len(restart_times), recipe.max_restarts)
+            return Ending("failed", why, 5, {"last_end": ended})
         restart_times.append(now)
         restarts += 1
         delay = min(2 ** len(restart_times), 60)
@@ -400,8 +376,7 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
         _log(why)
         for _ in range(delay * 10):
             if stopping["signal"]:
-                _record(run, "stopped", reason=f"stopped by {stopping['signal']} while recovering")
-                return train.EXIT_STOPPED
+                return Ending("stopped", f"stopped by {stopping['signal']} while recovering", train.EXIT_STOPPED)
             time.sleep(0.1)
         # A rank of the ended attempt still alive keeps its GPU memory, and the next attempt would run out of memory
         # loading (exit 78, fatal, blamed on micro_batch_size). One stuck in the GPU driver (state disk-sleep)
@@ -412,16 +387,10 @@ def supervise(run_dir: Path, lock_fd: Optional[int] = None) -> int:
         # but stuck in the kernel, and no restart can use its GPU until it is gone.
         left = _ranks_left(ranks, min(recipe.grace_seconds, WATCHDOG_GRACE_S), lambda: stopping["signal"] is not None)
         if stopping["signal"]:
-            _record(run, "stopped", reason=f"stopped by {stopping['signal']} while recovering")
-            return train.EXIT_STOPPED
+            return Ending("stopped", f"stopped by {stopping['signal']} while recovering", train.EXIT_STOPPED)
         if left:
-            return end(
-                "failed",
-                views.ranks_left_reason(ended, left, time.monotonic() - ended_at),
-                5,
-                last_end=ended,
-                ranks_left=left,
-            )
+            why = views.ranks_left_reason(ended, left, time.monotonic() - ended_at)
+            return Ending("failed", why, 5, {"last_end": ended, "ranks_left": left})
 
 
 RESTART_WINDOW_S = 3600.0  # recipe.max_restarts counts the restarts within any hour

@@ -1,13 +1,9 @@
 """The run's state machine, written atomically to state.json, and the lock that makes one writer per run.
 
-    planned -> smoking -> running -> succeeded
-                                       \\-> trained-not-exported (the training result is good, an export failed its
-                                           check: `ftrun export RUN_DIR` retries, and success makes it succeeded)
-                  |          |  \\-> stopped      (`ftrun stop`: checkpoint saved and copied off the box)
-                  |          |  \\-> preempted    (SIGTERM from the provider: the same, within grace_seconds)
-                  |          |  \\-> recovering -> running   (worker crashed, restarted from its checkpoint)
-                  v          v
-           failed-smoke   failed               (crash limit reached, NaN, OOM, bad world size)
+STATES below is the one table of a run's states: how each is entered and by whom, and the states it allows next;
+`set_state` is the only writer of state.json's state, and refuses a transition the table does not hold
+(docs/architecture.md shows the table; tests/store/test_state_table.py keeps the two equal and walks every
+transition the product makes). Every ending is written through launcher/run/ending.py.
 
 A run whose state says smoking/running/recovering but whose supervisor is gone reads as
 `interrupted` (machine crash, kill -9): `ftrun RECIPE` resumes it.
@@ -32,31 +28,67 @@ from typing import Any, Optional
 
 from launcher.store import heartbeat_files
 from launcher.store.checkpoint import atomic_write_json
-from launcher.errors import BusyError
+from launcher.errors import BusyError, FtrunError
 from launcher.store.rundir import RunDir
 
 
 @dataclass(frozen=True)
 class State:
+    entered: str  # how the state is entered, by which command or process
+    next: tuple[str, ...]  # the states it allows next (and itself: a write of new facts that keeps the state)
     active: bool = False  # a process of the run is working (a run whose holder is gone reads as interrupted)
     ended: bool = False  # nothing more happens until the user acts
     trained: bool = False  # the training finished with a verified result
 
 
-# The run states (the diagram above): the one table; ACTIVE, ENDED and TRAINED derive from it, and what a user
-# reads about each is composed in launcher/run/views.py and summary_view.py (tests/test_tables.py walks every state
-# through them).
+# A run directory without state.json: the launch writes `planned` first; one written by hand (a test's fixture, a
+# state.json restored from elsewhere) may start in any state. The table governs every change after the first.
+# An interrupted run (an active state whose holder is gone: a machine crash, kill -9) and every ended one that did
+# not train to the end is resumed by the launch, which writes `planned` first.
+_RESUMED = "planned"
+
+# The run states: the one table; ACTIVE, ENDED and TRAINED derive from it, and what a user reads about each is
+# composed in launcher/run/views.py and summary_view.py (tests/test_tables.py walks every state through them).
 STATES: dict[str, State] = {
-    "planned": State(),
-    "smoking": State(active=True),
-    "running": State(active=True),
-    "recovering": State(active=True),
-    "succeeded": State(ended=True, trained=True),
-    "stopped": State(ended=True),
-    "preempted": State(ended=True),
-    "failed": State(ended=True),
-    "failed-smoke": State(ended=True),
-    "trained-not-exported": State(ended=True, trained=True),
+    "planned": State(
+        "`ftrun RECIPE` (a new run, or a resume), `ftrun smoke` and `ftrun baseline`, once the plan is written",
+        ("smoking", "running"),
+    ),
+    "smoking": State(
+        "the launch, as its smoke test starts",
+        ("running", "failed-smoke", _RESUMED),  # planned: also `ftrun smoke` once its smoke test passed
+        active=True,
+    ),
+    "running": State(
+        "the launch, handing over to the supervisor; the supervisor at each attempt",
+        ("recovering", "succeeded", "failed", "stopped", "preempted", _RESUMED),
+        active=True,
+    ),
+    "recovering": State(
+        "the supervisor, after a crash or an out of memory that a restart from the checkpoint may fix",
+        ("running", "failed", "stopped", _RESUMED),
+        active=True,
+    ),
+    "succeeded": State(
+        "the supervisor, once the final result passed its check (its export follows); `ftrun export` after a retry",
+        ("trained-not-exported", _RESUMED),  # a resume: an export killed with its supervisor is made again
+        ended=True,
+        trained=True,
+    ),
+    "stopped": State("the supervisor, after `ftrun stop` (also while recovering)", (_RESUMED,), ended=True),
+    "preempted": State("the supervisor, after a SIGTERM from outside (the provider)", (_RESUMED,), ended=True),
+    "failed": State(
+        "the supervisor: a crash repeated or over max_restarts, an out of memory, NaN, an unusable result",
+        (_RESUMED,),
+        ended=True,
+    ),
+    "failed-smoke": State("the launch, when its smoke test failed or was interrupted", (_RESUMED,), ended=True),
+    "trained-not-exported": State(
+        "the supervisor or `ftrun export`, when an export failed its check or `ftrun stop` ended it",
+        ("succeeded",),  # `ftrun export` (or the same command, after a stopped export) made it
+        ended=True,
+        trained=True,
+    ),
 }
 ACTIVE = tuple(k for k, s in STATES.items() if s.active)
 ENDED = tuple(k for k, s in STATES.items() if s.ended)
@@ -69,9 +101,20 @@ def read_state(run: RunDir) -> dict[str, Any]:
     return json.loads(run.state.read_text())
 
 
+class TransitionError(FtrunError):
+    """A write of state.json that the table (STATES) does not allow: a bug in ftrun, never the user's input."""
+
+
 def set_state(run: RunDir, state: str, **fields: Any) -> dict[str, Any]:
-    assert state in STATES, state
+    """The only writer of a run's state: the transition checked against STATES, then state.json written whole."""
     data = read_state(run)
+    was = data.get("state")
+    if was in STATES and state != was and state not in STATES[was].next:
+        raise TransitionError(
+            f"internal error: {run.root}'s state cannot go from {was or 'no state'} to {state}: the run-state table "
+            "(launcher/store/state.py STATES) holds no such transition; state.json is left as it was",
+            fix="report this as a bug with the run's state.json (its history) and train.log.",
+        )
     now = time.time()
     history = data.get("history", [])
     if data.get("state") != state:

@@ -169,6 +169,7 @@ def test_watch_follows_a_live_run_to_its_summary(reference_run, tmp_path, live):
     (run.root / "worker.json").write_text(
         json.dumps({"mode": "full", "start_step": 0, "total_steps": 30, "started": time.time() + 1})
     )
+    set_state(run, "planned")  # the copied run is trained: resumed as the launch does (store/state.py STATES)
     set_state(run, "running", supervisor_pid=os.getpid(), supervisor_proc=process_identity(os.getpid()))
     (run.root / "worker.json").write_text(
         json.dumps({"mode": "full", "start_step": 0, "total_steps": 30, "started": time.time()})
@@ -214,6 +215,8 @@ def test_after_a_resume_the_memory_line_keeps_the_passed_smoke_tests_measurement
     (run.root / "smoke.json").write_text(
         json.dumps({"engine": plan["engine"], "num_processes": 1, "tokens_per_second": 900.0, "peak_memory_gb": 0.61})
     )
+    for state in ("planned", "running"):  # the copied run is trained: it ends stopped by the table's path
+        set_state(run, state)
     set_state(run, "stopped", reason="stopped by `ftrun stop`")
     recipe = load_recipe(run.recipe)
     *_, lock, _sha = _prepare(run, recipe, resuming=True, fresh=False)
@@ -253,6 +256,7 @@ def test_a_stopped_run_says_how_it_ended_once_with_the_exact_resume_command(tmp_
     both = views.format_status(s, ending_follows=True) + "\n" + summary_view.format_end_summary(facts.end_summary(run))
     assert both.count(reason) == 1
     # a run whose processes are gone says the same command
+    set_state(run, "planned", reason="continuing")  # a resume: planned first (store/state.py STATES)
     set_state(run, "running", reason="continuing", resume_command=resume)
     s = facts.run_status(run)
     assert s["state"] == "interrupted" and f"`{resume}` to resume" in views.format_status(s)

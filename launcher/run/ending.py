@@ -1,0 +1,79 @@
+"""A run's one door out: every ending, from the smoke test to the export, leaves through `leave` with its state and
+reason, and what every end needs happens there, once.
+
+The endings: succeeded, trained-not-exported (an export failed its check); failed (a crash limit, NaN, an unusable
+result, out of memory), failed-smoke; stopped, preempted, stopped while recovering. `leave` writes the state and the
+reason, makes the last copy off the box (the final result's when training finished), says the reason in the log,
+sends the end summary to the recipe's notify: URLs, and runs on_finish once a trained result is safe off the box
+(it may stop the box, so it comes last). The trackers are closed by the worker that holds them, when its training
+ends (launcher/worker/trackers.py).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from launcher.run import notify
+from launcher.run.facts import end_summary
+from launcher.run.summary_view import ENDING, format_end_summary
+from launcher.run.supervisor_log import _log
+from launcher.store.rundir import RunDir
+from launcher.store.state import TRAINED, set_state
+
+
+@dataclass
+class Ending:
+    """How a run ended: its state, why (None where the state holds it already: a trained run's export wrote it),
+    the command's exit code, and more facts for state.json."""
+
+    state: str
+    reason: Optional[str]
+    code: int
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+def _record(run: RunDir, state: str, log: Callable[[str], None] = _log, **fields) -> None:
+    """set_state, but a full disk must not kill the supervisor: it says so in the log and carries on."""
+    try:
+        set_state(run, state, **fields)
+    except OSError as exc:
+        log(f"could not write state.json ({exc.strerror}); the run's state is {state}: {fields.get('reason', '')}")
+
+
+def leave(run: RunDir, recipe, ending: Ending, syncer=None, log: Callable[[str], None] = _log) -> int:
+    """The end of a run, however it came: returns the command's exit code."""
+    safe = True  # the result is where on_finish may rely on it
+    if ending.state in TRAINED:
+        if syncer:
+            _record(run, ending.state, log, reason=f"training finished; copying the result to {recipe.sync.to}")
+            safe = syncer.finish(final=True)
+            if safe:
+                _record(run, ending.state, log, reason=f"training finished; result verified at {recipe.sync.to}")
+                syncer.sync_once()  # the state file itself, saying so
+            else:
+                why = "training finished, but the copy off the box failed: see sync.json; `ftrun push` retries"
+                _record(run, ending.state, log, reason=why)
+    else:
+        if syncer:
+            syncer.finish(final=False)  # what exists goes off the box first, then the state says why
+        _record(run, ending.state, log, worker_pid=None, reason=ending.reason, **ending.fields)
+        log(ending.reason)
+    summary = end_summary(run)
+    notify.send(recipe.notify, f"ftrun: run {ENDING[ending.state]}: {run.root.name}", format_end_summary(summary), log)
+    if ending.state in TRAINED and safe:
+        _on_finish(recipe, log)
+    return ending.code
+
+
+def _on_finish(recipe, log: Callable[[str], None]) -> None:
+    """The recipe's on_finish commands (argument lists, no shell), after the result is safe off the box."""
+    for argv in recipe.on_finish:
+        log(recipe.redact("on_finish: " + " ".join(argv)))
+        try:
+            res = subprocess.run(argv, stdin=subprocess.DEVNULL, timeout=600)
+            if res.returncode != 0:
+                log(f"on_finish command exited with {res.returncode}")
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            log(recipe.redact(f"on_finish command failed: {exc}"))

@@ -1,0 +1,134 @@
+"""Every ending through one door (launcher/run/ending.py), told to the recipe's notify: URLs through Apprise's json://
+form, against a local HTTP server; the URLs refused at plan time when Apprise cannot parse them, and never published."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+
+from launcher.errors import RecipeError, SmokeError
+from launcher.recipe_loading import load_recipe
+from launcher.run import ending, notify, smoke_replan, supervisor
+from launcher.run.ending import Ending
+from launcher.store.rundir import RunDir
+from launcher.store.state import read_state, set_state
+
+
+@pytest.fixture
+def inbox():
+    """A local HTTP server keeping each JSON body posted to it; yields (url, messages)."""
+    messages: list[dict] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            messages.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"json://127.0.0.1:{server.server_port}/hook", messages
+    server.shutdown()
+
+
+def _run(write_recipe, url, state="running"):
+    recipe_path = write_recipe(notify=[url, "json://127.0.0.1:9/nobody-listens"])
+    run = RunDir(recipe_path.parent / "run")
+    run.root.mkdir()
+    run.recipe.write_text(recipe_path.read_text())
+    run.plan.write_text(json.dumps({"total_steps": 12}))
+    set_state(run, "planned")
+    if state != "planned":
+        set_state(run, state)
+    return run, load_recipe(run.recipe)
+
+
+ENDINGS = [
+    ("failed", "the worker crashed 3 times at step 4", 5),
+    ("failed", "out of memory at step 7 with the recipe's own settings", 5),
+    ("stopped", "stopped by `ftrun stop` at step 5 after a checkpoint (step-000005)", 77),
+    ("preempted", "preempted (SIGTERM) at step 5 after a checkpoint (step-000005)", 77),
+    ("stopped", "stopped by SIGTERM while recovering", 77),
+]
+
+
+@pytest.mark.parametrize("state,reason,code", ENDINGS)
+def test_every_ending_of_the_supervisor_leaves_through_the_door_and_is_told(
+    write_recipe, inbox, monkeypatch, capsys, state, reason, code
+):
+    url, messages = inbox
+    run, _recipe = _run(write_recipe, url)
+    monkeypatch.setattr(supervisor, "_attempts", lambda *a: Ending(state, reason, code))
+    assert supervisor.supervise(run.root) == code
+    assert read_state(run)["state"] == state and read_state(run)["reason"] == reason
+    assert len(messages) == 1 and reason in messages[0]["message"], messages
+    assert run.root.name in messages[0]["title"]
+    said = capsys.readouterr().out.splitlines()  # the supervisor's log (train.log)
+    # the unreachable URL is logged by its place, never by its text, and changes nothing
+    assert any(line.endswith("notify[0]: sent") for line in said), said
+    assert any("notify[1]: not sent" in line for line in said), said
+    assert not any("127.0.0.1" in line for line in said), said
+
+
+def test_a_trained_run_is_told_with_its_summary_and_an_export_that_failed(write_recipe, inbox, monkeypatch):
+    url, messages = inbox
+    run, recipe = _run(write_recipe, url)
+    with run.metrics.open("w") as fh:
+        for step, loss in ((1, 2.5), (12, 1.25)):
+            fh.write(json.dumps({"step": step, "loss": loss}) + "\n")
+    set_state(run, "succeeded", reason="training finished")
+    assert ending.leave(run, recipe, Ending("succeeded", None, 0), log=lambda _: None) == 0
+    set_state(run, "trained-not-exported", reason="trained, not exported: the GGUF failed its check")
+    assert ending.leave(run, recipe, Ending("trained-not-exported", None, 5), log=lambda _: None) == 5
+    assert [m["title"].split(":")[1].strip() for m in messages] == ["run finished", "run finished (its export failed)"]
+    assert "loss      2.5000 (step 1) -> 1.2500 (step 12)" in messages[0]["message"]
+    assert "the GGUF failed its check" in messages[1]["message"]
+
+
+def test_a_smoke_test_that_fails_before_the_supervisor_leaves_through_the_door(write_recipe, inbox, monkeypatch):
+    url, messages = inbox
+    run, recipe = _run(write_recipe, url, state="planned")
+
+    def fails(*args, **kw):
+        raise SmokeError("the smoke test's loss was NaN at step 2", fix="lower the learning rate")
+
+    monkeypatch.setattr("launcher.run.smoke.run_smoke", fails)
+    with pytest.raises(SmokeError):
+        smoke_replan._smoke(run, recipe, {}, [], [], None)
+    assert read_state(run)["state"] == "failed-smoke"
+    assert len(messages) == 1 and "smoke test FAILED" in messages[0]["message"], messages
+    assert "loss was NaN" in messages[0]["message"]
+
+
+def test_a_url_apprise_cannot_parse_is_refused_by_its_place(tmp_path):
+    notify.check([])  # nothing to check: apprise not even imported
+    with pytest.raises(RecipeError) as err:
+        notify.check(["json://127.0.0.1/ok", "nosuchservice://token"])
+    assert "notify[1] = 'nosuchservice://token'" in err.value.message and "notify[1]" in err.value.fix
+
+
+def test_the_published_recipe_and_the_tracker_config_leave_notify_out(write_recipe):
+    from launcher.deliver.publish import _public_recipe
+
+    recipe = load_recipe(write_recipe(notify=["json://127.0.0.1/secret-token"]))
+    assert recipe.notify and "notify" not in _public_recipe(recipe)
+
+
+@pytest.mark.slow
+def test_a_real_run_tells_its_passed_smoke_test_and_its_end(write_recipe, inbox, capsys):
+    """The whole foreground path (the CLI, the smoke test, the supervisor in this process, a real worker): one
+    message when the smoke test passed, with the forecast, and one at the end, with the loss; no log names the URL."""
+    from launcher.cli import main
+
+    url, messages = inbox
+    recipe = write_recipe(max_steps=4, notify=[url])
+    assert main([str(recipe), "--foreground"]) == 0
+    assert [m["title"].split(":")[1].strip() for m in messages] == ["smoke test passed", "run finished"], messages
+    assert "full run:" in messages[0]["message"] and "loss" in messages[1]["message"]
+    assert "127.0.0.1" not in capsys.readouterr().out + (recipe.parent / "run" / "train.log").read_text()
