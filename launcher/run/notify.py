@@ -32,8 +32,10 @@ def check(urls: list[str]) -> None:
     apprise = _apprise()
     for i, url in enumerate(urls):
         if not apprise.Apprise().add(url):
+            # the scheme only: the rest of the URL may hold the very token that is wrong
+            shown = f"{url.split('://', 1)[0]}://..." if "://" in url else "a text without a scheme://"
             raise RecipeError(
-                f"notify[{i}] = {url!r} is not a notification URL Apprise can send to (an unknown scheme, or a "
+                f"notify[{i}] ({shown}) is not a notification URL Apprise can send to (an unknown scheme, or a "
                 "token, channel or address missing from it)",
                 fix=f"correct notify[{i}] in the recipe as Apprise's page for the service shows it, e.g. "
                 "slack://TokenA/TokenB/TokenC/#channel, discord://WebhookID/WebhookToken, tgram://BotToken/ChatID, "
