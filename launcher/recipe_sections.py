@@ -119,12 +119,25 @@ class RewardSpec(Strict):
         "data, by name); probed on a few prompts of the data at plan time.",
     )
     weight: float = Field(1.0, description="Its weight in the sum of rewards (TRL's reward_weights).")
+    scores: Literal["answer", "form"] = Field(
+        "answer",
+        description="answer: it rewards right answers; the plan probes it with each probe prompt's right answer and a "
+        "wrong one of the same form (same length, case and punctuation) and refuses it where both score alike (no "
+        "signal: json on numbers, a length reward, a function that checks nothing). form: it rewards the answers' "
+        "form (a format, think tags, length: trl.rewards:think_format_reward), which is probed only to vary; at "
+        "least one reward of the recipe must score the answer.",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> "RewardSpec":
         if (self.metric is None) == (self.function is None):
             raise ValueError(
                 "a reward is either a metric (metric: exact) or a function (function: rewards.py:score): give one"
+            )
+        if self.metric is not None and self.scores == "form":
+            raise ValueError(
+                f"metric: {self.metric} scores each answer against its reference, which is scores: answer; remove "
+                "scores: form, or name a function of yours that rewards the form (function: rewards.py:NAME)"
             )
         if self.function is not None:
             target, _, name = self.function.rpartition(":")
