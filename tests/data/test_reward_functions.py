@@ -298,9 +298,25 @@ def test_a_newcomers_arithmetic_task_trains_with_its_own_and_trls_rewards(write_
     data = _data(
         tmp_path, [{"prompt": [{"role": "user", "content": q}], "answer": a, "solution": a} for q, a in QUESTIONS * 2]
     )
-    rewards = [{"function": "rewards.py:logged_correctness"}, {"function": "rewards.py:brevity", "weight": 0.1}]
+    rewards = [
+        {"function": "rewards.py:logged_correctness"},
+        {"function": "rewards.py:brevity", "weight": 0.1, "scores": "form"},
+    ]
+    names = ["logged_correctness", "brevity"]
     if _installed("math_verify"):
         rewards.append({"function": "trl.rewards:accuracy_reward", "weight": 0.5})
+        names.append("accuracy_reward")
+    else:  # what the newcomer sees without it: the plan names the package and the install line
+        plan = ftrun(
+            "plan",
+            write_recipe(
+                name="acc.yaml", objective="grpo", data=str(data), reward={"function": "trl.rewards:accuracy_reward"}
+            ),
+            cwd=tmp_path,
+        )
+        said = " ".join(plan.stderr.split())
+        assert plan.returncode == 2 and "Traceback" not in plan.stderr, plan.stdout + plan.stderr
+        assert "math_verify" in said and "pip install math-verify" in said, said
     recipe = write_recipe(
         objective="grpo",
         data=str(data),
@@ -313,3 +329,12 @@ def test_a_newcomers_arithmetic_task_trains_with_its_own_and_trls_rewards(write_
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     got = seen.read_text().split()
     assert got and set(got) <= {a for _, a in QUESTIONS}, got  # the data's answers, as TRL passed them
+    # each reward shown apart: metrics.jsonl, train.log's step lines and `ftrun status`
+    run = tmp_path / "run"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    steps = [line for line in (run / "train.log").read_text().splitlines() if "] step " in line and " reward " in line]
+    status = ftrun("status", run, cwd=tmp_path).stdout
+    for name in names:
+        assert all(f"rewards/{name}/mean" in r for r in rows), (name, rows)
+        assert steps and all(f"{name} " in line for line in steps), (name, steps)
+        assert f"            {name} " in status, (name, status)
