@@ -545,7 +545,8 @@ class Recipe(Strict):
                     k: snap[self.objective_row.section][k] for k in self.objective_row.settings
                 }
             if self.objective_row.generates:
-                out["reward"] = [r.model_dump(mode="json") for r in self.rewards]
+                # scores: (answer or form) is what the plan checks, not what trains: a run of an earlier ftrun resumes
+                out["reward"] = [r.model_dump(mode="json", exclude={"scores"}) for r in self.rewards]
         if self.init_from is not None:  # the parent adapter's weights, not only its path
             out["init_from"] = _weights_sha256(parent_adapter(self.init_from))
         return out

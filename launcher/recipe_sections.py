@@ -134,6 +134,12 @@ class _Reward(Strict):
         wrong = given[0].form(getattr(self, given[0].key))
         if wrong:
             raise ValueError(wrong)
+        if self.scores == "form" and given[0].reads_reference:
+            raise ValueError(
+                f"{given[0].key}: {getattr(self, given[0].key)} scores each answer against its reference, which is "
+                "scores: answer; remove scores: form, or name a function of yours that rewards the form (function: "
+                "rewards.py:NAME)"
+            )
         return self
 
     @property
@@ -155,6 +161,17 @@ RewardSpec = create_model(
     __base__=_Reward,
     **{k.key: (Optional[k.annotation], Field(None, description=k.scores)) for k in rewards.KINDS.values()},
     weight=(float, Field(1.0, description="Its weight in the sum of rewards (TRL's reward_weights).")),
+    scores=(
+        Literal["answer", "form"],
+        Field(
+            "answer",
+            description="answer: it rewards right answers; the plan probes it with each probe prompt's right answer "
+            "and a wrong one of the same form (same length, case and punctuation) and refuses it where both score "
+            "alike (no signal: json on numbers, a length reward, a function that checks nothing). form: it rewards "
+            "the answers' form (a format, think tags, length: trl.rewards:think_format_reward), which is probed only "
+            "to vary; at least one reward of the recipe must score the answer.",
+        ),
+    ),
 )
 
 

@@ -1,7 +1,14 @@
 """The plan-time probe of one GRPO reward (launcher/data/rewards.py refusals): called as TRL's GRPOTrainer calls it on
 a few prompts of the data, each answered with its right answer (the reference, or the column the function reads), a
-wrong one and an empty one, each plain, boxed, after a <think> block and in <answer> tags. Its refusals (what TRL
+wrong answer of the same form (the right one with each letter and digit moved one on: same length, case, spacing and
+punctuation) and an empty one, each plain, boxed, after a <think> block and in <answer> tags. Its refusals (what TRL
 would crash on or train on to no effect) and its line for the plan.
+
+The no-signal rule: a reward that scores the right answers no higher than the wrong ones of the same form cannot tell
+them apart, and GRPO would learn the form at best; it is refused unless the recipe says it scores the form
+(`scores: form` on that reward: a format, length or think-tag reward such as TRL's think_format_reward). A form
+reward must still vary across the probe's answers. Whether the base model's own samples ever score above 0 is not
+probed: sparse rewards are normal.
 
 Pure (no torch): the plan runs it.
 """
@@ -10,6 +17,8 @@ from __future__ import annotations
 
 import math
 import numbers
+import random
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -56,14 +65,14 @@ class Probe:
             dict.fromkeys(str(r[self.right]) for r in self.rows if self.right and r.get(self.right) is not None)
         )
         self.answers: list[tuple[int, str, str]] = []  # (row, what it is, text)
+        self.wrong = {k: _wrong(right, others) for k, right in self.rights.items()}
         for k in self.picked:
             right = self.rights.get(k)
             if right is None:
                 self.answers += [(k, "an answer", d.format("4")) for d in DRESSINGS]
             else:
-                wrong = _wrong(right, others)
                 self.answers += [(k, "right", d.format(right)) for d in DRESSINGS]
-                self.answers += [(k, "wrong", d.format(wrong)) for d in DRESSINGS]
+                self.answers += [(k, "wrong", d.format(self.wrong[k])) for d in DRESSINGS]
             self.answers.append((k, "empty", ""))
 
     def call(self, subset: Optional[list[int]] = None) -> list[Any]:
@@ -73,15 +82,16 @@ class Probe:
         conversational = isinstance(prompts[0], list)
         completions = [[{"role": "assistant", "content": t}] if conversational else t for _, _, t in chosen]
         columns = {c: [self.rows[k][c] for k, _, _ in chosen] for c in self.rows[0] if c != "prompt"}
-        return self.fn(
-            prompts=prompts,
-            completions=completions,
-            completion_ids=[_token_ids(self.model, t) for _, _, t in chosen],
-            trainer_state=None,
-            log_extra=lambda *a, **k: None,
-            log_metric=lambda *a, **k: None,
-            **columns,
-        )
+        with _seeded():  # a reward that draws random numbers probes the same way at every plan
+            return self.fn(
+                prompts=prompts,
+                completions=completions,
+                completion_ids=[_token_ids(self.model, t) for _, _, t in chosen],
+                trainer_state=None,
+                log_extra=lambda *a, **k: None,
+                log_metric=lambda *a, **k: None,
+                **columns,
+            )
 
     def values(self) -> list[Optional[float]]:
         """Each answer's value; a RecipeError where the reward raises or returns what TRL cannot use."""
@@ -172,81 +182,156 @@ class Probe:
             out.setdefault(k, {}).setdefault(what, []).append(v)
         return out
 
-    def _tells(self, values: list[Optional[float]]) -> bool:
-        """Some right answer scores differently from the wrong one in the same dressing."""
-        return any(
-            r is not None and w is not None and r != w
+    def _duel(self, values: list[Optional[float]]) -> tuple[int, int]:
+        """(wins, losses): the pairs of a right answer and the wrong one of the same form, to the same prompt in the
+        same dressing, in which the right one scored higher, and lower (a None on either side counts for neither)."""
+        pairs = [
+            (r, w)
             for s in self._scores(values).values()
             for r, w in zip(s.get("right", []), s.get("wrong", []))
-        )
+            if r is not None and w is not None
+        ]
+        return sum(r > w for r, w in pairs), sum(r < w for r, w in pairs)
 
     def _what(self) -> str:
         n, places = len(self.picked), _places([self.where[k] for k in self.picked])
         return (
             f"{n} prompt{'s' if n > 1 else ''} of the data ({places}), each with "
-            + ("its right answer, a wrong one and an empty one" if self.rights else "an answer and an empty one")
+            + (
+                "its right answer, a wrong one of the same form and an empty one"
+                if self.rights
+                else "an answer and an empty one"
+            )
             + ", plain, boxed, after a <think> block and in <answer> tags"
         )
 
-    def check_metric(self, metric: str) -> str:
-        values = self.values()
-        if not self._tells(values):
-            k = self.picked[0]
-            right = self.rights[k]
-            wrong = _wrong(right, list(self.rights.values()))
-            got = next(v for (j, what, _), v in zip(self.answers, values) if j == k and what == "right")
-            raise RecipeError(
-                f"{self.label} scores the reference answer like a wrong one on every probe: on {self._what()}, it "
-                f"gave {right!r} (the reference of {self.where[k]}) and {wrong!r} the same {got}: every group's "
-                "answers would score alike, and GRPO learns nothing from a group without differences",
-                fix=f"choose a metric that fits the references ({task_metrics.described()}; auto chooses from the "
-                "references), or a reward function of yours",
+    def _shown(self, values: list[Optional[float]]) -> str:
+        """Each probe prompt's right and wrong answer with its mean score over the dressings: "line 1: '5' 0.2 and
+        '6' 0.2"."""
+        scores = self._scores(values)
+        parts = []
+        for k in self.picked:
+            right = self.rights.get(k)
+            if right is None:
+                continue
+            means = [_mean(scores[k].get(what, [])) for what in ("right", "wrong")]
+            parts.append(
+                f"{_short(self.where[k])}: {right!r} {_number(means[0])} and {self.wrong[k]!r} {_number(means[1])}"
             )
-        return f"{self.label}: tells the reference from a wrong answer (on {self._what()})"
+        return "; ".join(parts)
 
-    def check_function(self) -> str:
+    def check(self, form: bool, fix: str, alike_fix: str) -> str:
+        """The plan's line for this reward, or a RecipeError: it raises or returns what TRL cannot use (values); it
+        scores every answer alike; it does not score the right answers above the wrong ones of the same form, unless
+        `form` (the recipe's `scores: form`: it scores the answers' form, not whether they are right). `fix`: what to
+        change where it cannot tell them apart (a metric's, a function's); `alike_fix`: where it scores every answer
+        alike."""
         values = self.values()
         numbers_ = {v for v in values if v is not None}
         if len(numbers_) <= 1:
             said = f"{next(iter(numbers_))}" if numbers_ else "None (TRL leaves the answer out)"
+            shown = f" ({self._shown(values)}: each the mean over its {len(DRESSINGS)} forms)" if self.rights else ""
             raise RecipeError(
-                f"{self.label} returned {said} for every answer on {self._what()}: a reward that scores every answer "
-                "alike gives GRPO nothing to learn from (its advantages are all 0)",
-                fix="make it score a good answer above a bad one (check the column it compares with and how it "
-                "reads the completions: "
-                + (
-                    "message lists, [{'role': 'assistant', 'content': ...}]"
-                    if isinstance(self.rows[0]["prompt"], list)
-                    else "plain strings"
-                )
-                + ")",
+                f"{self.label} returned {said} for every answer on {self._what()}{shown}: a reward that scores every "
+                "answer alike gives GRPO nothing to learn from (its advantages are all 0)",
+                fix=alike_fix,
             )
+        said_form = "it scores the answers' form (scores: form)"
         if not self.rights:
             return (
-                f"{self.label}: runs and returns finite numbers that vary on {self._what()}; whether it tells a right "
-                "answer from a wrong one was not probed: the data has no reference and it reads no column of it"
+                f"{self.label}: runs and returns finite numbers that vary on {self._what()}"
+                + (
+                    f"; {said_form}"
+                    if form
+                    else "; whether it tells a right answer from a wrong one was not probed: the data has no reference "
+                    "and it reads no column of it"
+                )
             )
         source = "reference" if self.right == "reference" else f"column {self.right!r}"
-        if self._tells(values):
-            return f"{self.label}: tells the right answer (the {source}) from a wrong one (on {self._what()})"
-        return (
-            f"{self.label}: scores the right answer (the {source}) like a wrong one on {self._what()}, but not "
-            "every answer alike: it shapes the answers (their form or length), it does not check them"
+        wins, losses = self._duel(values)
+        pairs = sum(len(s.get("right", [])) for s in self._scores(values).values())
+        if wins > losses:
+            return (
+                f"{self.label}: tells the right answer (the {source}) from a wrong one (on {self._what()}; right "
+                f"above wrong in {wins} of {pairs} pairs" + (f", below in {losses}" if losses else "") + ")"
+                + (f"; {said_form}" if form else "")
+            )
+        if form:
+            return (
+                f"{self.label}: {said_form}: a right answer (the {source}) and a wrong one of the same form score "
+                f"alike, answers of other forms differ (on {self._what()})"
+            )
+        if losses > wins:
+            what = (
+                f"scores the wrong answers above the right ones (the {source}): below in {losses} of {pairs} pairs of "
+                f"a right answer and a wrong one of the same form, above in {wins}"
+            )
+            why = "GRPO makes the higher-scored answers more likely, so it would teach wrong answers"
+            fix = "return a higher value for a better answer (negate a penalty or a distance)"
+        else:
+            what = (
+                f"scores the right answer (the {source}) like a wrong one of the same form"
+                + (f" (above in {wins} of {pairs} pairs, below in as many)" if wins else "")
+            )
+            why = (
+                "it has no signal: in a group whose answers differ only in being right or wrong, every answer would "
+                "score alike, and GRPO learns nothing from it about the answer"
+            )
+        raise RecipeError(
+            f"{self.label} {what}, on {self._what()} ({self._shown(values)}: each the mean over its "
+            f"{len(DRESSINGS)} forms): {why}",
+            fix=fix,
         )
 
 
 def _wrong(right: str, others: list[str]) -> str:
-    """A wrong answer for `right`: the next number for a number, another prompt's different right answer, or a text
-    that answers nothing."""
-    try:
-        number = float(right.strip().replace(",", ""))
-    except ValueError:
-        number = None
-    if number is not None and math.isfinite(number):
-        return str(int(number) + 1) if number.is_integer() else f"{number + 1:g}"
+    """A wrong answer of the same form as `right`: each letter and digit moved one on (Paris -> Qbsjt, 5 -> 6, 19 -> 20),
+    so a reward that reads only the answer's length, case, spacing or punctuation scores both alike; where `right` has
+    no letter or digit, another prompt's different right answer, or a text that answers nothing."""
+    moved = "".join(_next_char(c) for c in right)
+    if task_metrics.normalise(moved) != task_metrics.normalise(right):
+        return moved
     different = [o for o in others if task_metrics.normalise(o) != task_metrics.normalise(right)]
     return different[0] if different else "I do not know."
 
+
+def _next_char(c: str) -> str:
+    """The letter or digit after `c` in its own range (z -> a, Z -> A, 9 -> 0); anything else as it is."""
+    for first, last in (("a", "z"), ("A", "Z"), ("0", "9")):
+        if first <= c <= last:
+            return first if c == last else chr(ord(c) + 1)
+    return c
+
+
+def _mean(values: list[Optional[float]]) -> Optional[float]:
+    scored = [v for v in values if v is not None]
+    return sum(scored) / len(scored) if scored else None
+
+
+def _number(value: Optional[float]) -> str:
+    return "None" if value is None else f"{value:.3g}"
+
+
+def _short(where: str) -> str:
+    """ "line 3" for "data/math.jsonl line 3" (the probe's places are named in full once, before)."""
+    return "line " + where.rpartition(" line ")[2] if " line " in where else where
+
+
+class _seeded:
+    """Python's and numpy's random generators seeded for one call of the reward, and put back after it."""
+
+    def __enter__(self) -> None:
+        self.state = random.getstate()
+        random.seed(0)
+        numpy = sys.modules.get("numpy")
+        self.numpy = numpy.random.get_state() if numpy is not None else None
+        if numpy is not None:
+            numpy.random.seed(0)
+
+    def __exit__(self, *exc: Any) -> None:
+        random.setstate(self.state)
+        if self.numpy is not None:
+            sys.modules["numpy"].random.set_state(self.numpy)
 
 def _places(where: list[str]) -> str:
     """ "d.jsonl lines 1, 2, 3" for ["d.jsonl line 1", "d.jsonl line 2", "d.jsonl line 3"]; otherwise each in full."""

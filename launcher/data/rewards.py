@@ -12,11 +12,12 @@ installed package, imported as its module) or MODULE:NAME (`trl.rewards:think_fo
 
 Every reward is probed before any GPU time (`refusals`, with launcher/data/reward_probe.py): called as TRL calls it on a
 few prompts of the data, each answered with its right answer (the reference, or the column the function reads), a wrong
-one and an empty one, each plain, boxed, after a <think> block and in <answer> tags. Refused: a function that cannot be
-loaded, takes a column the data does not have, raises, returns the wrong number of values, something that is not a
-number, or a value that is not finite (one infinite reward makes its group's advantages NaN in TRL); a reward that
-scores every probe answer alike (it has nothing to teach); a metric that scores the right answer like a wrong one. What
-was probed is said in the plan.
+one of the same form and an empty one, each plain, boxed, after a <think> block and in <answer> tags. Refused: a
+function that cannot be loaded, takes a column the data does not have, raises, returns the wrong number of values,
+something that is not a number, or a value that is not finite (one infinite reward makes its group's advantages NaN in
+TRL); a reward that scores every probe answer alike (it has nothing to teach); a reward, metric or function, that does
+not score the right answers above the wrong ones (no signal, or the sign turned round), unless the recipe says it
+scores the form (`scores: form`); a recipe whose every reward scores the form. What was probed is said in the plan.
 
 Pure (no torch): the plan and the worker both build them.
 """
@@ -251,7 +252,15 @@ def refusals(recipe: Any, examples: list[dict[str, Any]], where: list[str]) -> l
     lines = []
     for i, spec in enumerate(recipe.rewards):
         key = f"reward[{i}]" if recipe.reward is not None and len(recipe.rewards) > 1 else "reward"
-        lines.append(spec.kind.probe(spec.value, key, rows, where, recipe, columns))
+        lines.append(spec.kind.probe(spec.value, key, rows, where, recipe, columns, spec.scores == "form"))
+    if all(spec.scores == "form" for spec in recipe.rewards):
+        keys = [f"reward[{i}]" for i in range(len(recipe.rewards))] if len(recipe.rewards) > 1 else ["reward"]
+        raise RecipeError(
+            f"every reward of the recipe says scores: form ({', '.join(keys)}): nothing rewards a right answer, and "
+            "GRPO would learn the form alone",
+            fix="add a reward that checks the answer (reward: [{metric: auto}, ...] against the references, or a "
+            "function of yours that compares with a column of the data), or remove scores: form from one that does",
+        )
     return lines
 
 
@@ -329,7 +338,9 @@ def _factory_refusal(fn: Callable, label: str) -> None:
     )
 
 
-def _probe_metric(metric: str, key: str, rows: list[dict], where: list[str], recipe: Any, columns: list[str]) -> str:
+def _probe_metric(
+    metric: str, key: str, rows: list[dict], where: list[str], recipe: Any, columns: list[str], form: bool
+) -> str:
     missing = next((k for k, p in enumerate(rows) if p["reference"] is None), None)
     if missing is not None:
         n = sum(p["reference"] is None for p in rows)
@@ -342,10 +353,16 @@ def _probe_metric(metric: str, key: str, rows: list[dict], where: list[str], rec
         )
     metric = resolved_metric(metric, [r["reference"] for r in rows])
     label = f"{key} (the task metric {metric})"
-    return Probe(metric_reward(metric), label, "reference", rows, where, recipe.model).check_metric(metric)
+    fix = (
+        f"choose a metric that fits the references ({task_metrics.described()}; auto chooses from the references), "
+        "or a reward function of yours"
+    )
+    return Probe(metric_reward(metric), label, "reference", rows, where, recipe.model).check(form, fix, fix)
 
 
-def _probe_function(spec: str, key: str, rows: list[dict], where: list[str], recipe: Any, columns: list[str]) -> str:
+def _probe_function(
+    spec: str, key: str, rows: list[dict], where: list[str], recipe: Any, columns: list[str], form: bool
+) -> str:
     fn = load_function(spec)
     label = f"{key} function {spec.rpartition('/')[2]}"
     read = _signature_fits(fn, label, columns, rows[0])
@@ -353,7 +370,23 @@ def _probe_function(spec: str, key: str, rows: list[dict], where: list[str], rec
     named = [c for c in read if c != "reference" and any(r.get(c) is not None for r in rows)]
     if named:  # the column it reads is where it finds the right answer (Unsloth's `answer`, TRL's `solution`)
         right = named[0]
-    return Probe(fn, label, right, rows, where, recipe.model).check_function()
+    reads = (
+        "message lists, [{'role': 'assistant', 'content': ...}]" if isinstance(rows[0]["prompt"], list) else "plain strings"
+    )
+    if form:
+        fix = alike = f"make it score answers of a different form differently (it reads the completions as {reads})"
+    else:
+        fix = (
+            f"if it rewards the answers' form (a format, tags, length) rather than right answers, say so: scores: form "
+            f"under {key} (and keep a reward that checks the answer beside it); if it should check the answer, make it "
+            f"score the right one above a wrong one (check the column it compares with and how it reads the "
+            f"completions: {reads})"
+        )
+        alike = (
+            "make it score a good answer above a bad one (check the column it compares with and how it reads the "
+            f"completions: {reads})"
+        )
+    return Probe(fn, label, right, rows, where, recipe.model).check(form, fix, alike)
 
 
 def _function_form(spec: str) -> Optional[str]:

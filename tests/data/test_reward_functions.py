@@ -150,11 +150,36 @@ def test_a_column_the_data_lacks_is_named_with_the_columns_it_has_and_the_fix_wo
     _ok(_plan(write_recipe, tmp_path, _answers(tmp_path), {"function": "rewards.py:correctness_reward_func"}))
 
 
-def test_trls_own_reward_by_module_path_plans_and_the_plan_says_it_shapes_the_answers(write_recipe, tmp_path):
+def test_trls_form_reward_is_refused_alone_and_plans_as_a_form_reward_beside_an_answer_reward(write_recipe, tmp_path):
+    """The no-signal rule: trl.rewards:think_format_reward scores a right answer and a wrong one of the same form alike
+    (1.0 after a <think> block, 0.0 otherwise): refused with the probe's scores and the recipe key that says it scores
+    the form; said so beside a reward that checks the answer, it plans. Every reward a form reward is refused."""
     data = _data(tmp_path, [{"prompt": [{"role": "user", "content": q}], "reference": a} for q, a in QUESTIONS])
-    out = _probed(write_recipe, data, {"function": "trl.rewards:think_format_reward"})
-    assert "think_format_reward: scores the right answer (the reference) like a wrong one" in out
-    assert "it shapes the answers" in out
+    said = _refusal(write_recipe, data, {"function": "trl.rewards:think_format_reward"})
+    assert "think_format_reward scores the right answer (the reference) like a wrong one of the same form" in said
+    assert "(line 1: '5' 0.2 and '6' 0.2; line 2: '8' 0.2 and '9' 0.2; line 3: '12' 0.2 and '23' 0.2;" in said
+    assert "it has no signal" in said and "say so: scores: form under reward" in said
+    # the fix as said, beside a reward that checks the answer
+    form = {"function": "trl.rewards:think_format_reward", "scores": "form"}
+    out = _probed(write_recipe, data, [{"metric": "exact"}, form])
+    assert "reward[1] function trl.rewards:think_format_reward: it scores the answers' form (scores: form)" in out
+    assert "reward[0] (the task metric exact): tells the right answer (the reference) from a wrong one" in out
+    said = _refusal(write_recipe, data, [form])
+    assert "every reward of the recipe says scores: form (reward): nothing rewards a right answer" in said
+
+
+def test_a_reward_that_reads_only_the_answers_form_is_refused_unless_it_says_so(write_recipe, tmp_path):
+    """A length reward varies, so the rule of 'it varies at all' let it pass as a check of the answer: the right sum
+    and a wrong one of its length score alike."""
+    (tmp_path / "rewards.py").write_text(
+        "def brevity(prompts, completions, **kw):\n    return [-len(c[0]['content']) / 100 for c in completions]\n"
+    )
+    data = _data(tmp_path, [{"prompt": [{"role": "user", "content": q}], "reference": a} for q, a in QUESTIONS])
+    said = _refusal(write_recipe, data, {"function": "rewards.py:brevity"})
+    assert "rewards.py:brevity scores the right answer (the reference) like a wrong one of the same form" in said
+    assert "(line 1: '5' -0.294 and '6' -0.294;" in said
+    out = _probed(write_recipe, data, [{"metric": "exact"}, {"function": "rewards.py:brevity", "scores": "form"}])
+    assert "rewards.py:brevity: it scores the answers' form (scores: form)" in out
 
 
 def test_a_file_inside_an_installed_package_is_imported_as_its_module(write_recipe, tmp_path):
@@ -228,11 +253,11 @@ def test_a_numpy_array_of_floats_is_taken_as_trl_takes_it(write_recipe, tmp_path
 def test_a_metric_that_cannot_tell_a_right_answer_from_a_wrong_one_is_refused(write_recipe, tmp_path):
     data = _data(tmp_path, [{"prompt": [{"role": "user", "content": q}], "reference": a} for q, a in QUESTIONS])
     said = _refused(_plan(write_recipe, tmp_path, data, {"metric": "json"}))
-    assert "reward (the task metric json) scores the reference answer like a wrong one on every probe" in said
-    assert "'5' (the reference of math.jsonl line 1) and '6' the same 0.0" in said
-    assert "GRPO learns nothing" in said
+    assert "reward (the task metric json) returned 0.0 for every answer on 4 prompts of the data" in said
+    assert "(line 1: '5' 0 and '6' 0; line 2: '8' 0 and '9' 0;" in said
+    assert "gives GRPO nothing to learn from" in said
     out = _ok(_plan(write_recipe, tmp_path, data, {"metric": "exact"}))
-    assert "probed reward (the task metric exact): tells the reference from a wrong answer" in out
+    assert "probed reward (the task metric exact): tells the right answer (the reference) from a wrong one" in out
 
 
 def test_without_a_right_answer_the_plan_says_what_was_not_probed(write_recipe, tmp_path):
@@ -273,9 +298,25 @@ def test_a_newcomers_arithmetic_task_trains_with_its_own_and_trls_rewards(write_
     data = _data(
         tmp_path, [{"prompt": [{"role": "user", "content": q}], "answer": a, "solution": a} for q, a in QUESTIONS * 2]
     )
-    rewards = [{"function": "rewards.py:logged_correctness"}, {"function": "rewards.py:brevity", "weight": 0.1}]
+    rewards = [
+        {"function": "rewards.py:logged_correctness"},
+        {"function": "rewards.py:brevity", "weight": 0.1, "scores": "form"},
+    ]
+    names = ["logged_correctness", "brevity"]
     if _installed("math_verify"):
         rewards.append({"function": "trl.rewards:accuracy_reward", "weight": 0.5})
+        names.append("accuracy_reward")
+    else:  # what the newcomer sees without it: the plan names the package and the install line
+        plan = ftrun(
+            "plan",
+            write_recipe(
+                name="acc.yaml", objective="grpo", data=str(data), reward={"function": "trl.rewards:accuracy_reward"}
+            ),
+            cwd=tmp_path,
+        )
+        said = " ".join(plan.stderr.split())
+        assert plan.returncode == 2 and "Traceback" not in plan.stderr, plan.stdout + plan.stderr
+        assert "math_verify" in said and "pip install math-verify" in said, said
     recipe = write_recipe(
         objective="grpo",
         data=str(data),
@@ -288,3 +329,12 @@ def test_a_newcomers_arithmetic_task_trains_with_its_own_and_trls_rewards(write_
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     got = seen.read_text().split()
     assert got and set(got) <= {a for _, a in QUESTIONS}, got  # the data's answers, as TRL passed them
+    # each reward shown apart: metrics.jsonl, train.log's step lines and `ftrun status`
+    run = tmp_path / "run"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    steps = [line for line in (run / "train.log").read_text().splitlines() if "] step " in line and " reward " in line]
+    status = ftrun("status", run, cwd=tmp_path).stdout
+    for name in names:
+        assert all(f"rewards/{name}/mean" in r for r in rows), (name, rows)
+        assert steps and all(f"{name} " in line for line in steps), (name, steps)
+        assert f"            {name} " in status, (name, status)

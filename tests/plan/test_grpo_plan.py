@@ -65,7 +65,9 @@ def test_with_a_reward_function_the_default_answer_length_stays_and_the_plan_say
     (tmp_path / "rewards.py").write_text(
         "def short(prompts, completions, **kw):\n    return [-len(c[0]['content']) / 50 for c in completions]\n"
     )
-    res = _plan(write_recipe, tmp_path, "--json", reward={"function": "rewards.py:short"}, max_length=512)
+    # a length reward scores the answers' form (scores: form), beside the labels' own metric
+    rewards = [{"metric": "exact"}, {"function": "rewards.py:short", "scores": "form"}]
+    res = _plan(write_recipe, tmp_path, "--json", reward=rewards, max_length=512)
     assert res.returncode == 0, res.stdout + res.stderr
     why = "\n".join(json.loads(res.stdout)["reasons"])
     assert "at most 256 tokens" in why and "a reward function of yours may want answers longer" in why

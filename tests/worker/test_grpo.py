@@ -159,7 +159,7 @@ def test_a_reward_function_that_works_plans_beside_a_weighted_metric(write_recip
     res = _plan(
         write_recipe,
         tmp_path,
-        reward=[{"metric": "text"}, {"function": "rewards.py:short", "weight": 0.5}],
+        reward=[{"metric": "text"}, {"function": "rewards.py:short", "weight": 0.5, "scores": "form"}],
         max_steps=None,
         epochs=1,
     )
