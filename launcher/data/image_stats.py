@@ -98,14 +98,20 @@ def image_stats(recipe: Any):
     parts = split.for_recipe(data.examples, recipe)
     train = parts.train
     # "tokenizer": counted with the model's own tokenizer and template (the DataStats.tokens_source values)
-    stats = compute_stats([data.examples[i] for i in train], [lengths[i] for i in train], "tokenizer", recipe.max_length)
+    stats = compute_stats(
+        [data.examples[i] for i in train], [lengths[i] for i in train], "tokenizer", recipe.max_length
+    )
     longest = max(train, key=lambda i: lengths[i])
     image_tokens = [sum(per_image[i]) for i in train]
     facts = {
         "images": sum(len(per_image[i]) for i in train),
         "image_tokens": sum(image_tokens),
         "most_image_tokens": max(image_tokens),
-        "longest_example": {"where": data.where[longest], "tokens": lengths[longest], "image_tokens": sum(per_image[longest])},
+        "longest_example": {
+            "where": data.where[longest],
+            "tokens": lengths[longest],
+            "image_tokens": sum(per_image[longest]),
+        },
         "rule": rule.describe(),
         "patches_longest": sum(rule.patches(w, h) for w, h in data.sizes[longest]),
     }

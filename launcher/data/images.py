@@ -104,8 +104,8 @@ def _parts(content: Any, where: str) -> list[dict[str, Any]]:
             parts.append(dict(p))
         else:
             raise _Problem(
-                f"{where}.content[{j}] is not a text part {{\"type\": \"text\", \"text\": ...}} or an image part "
-                f"{{\"type\": \"image\", \"image\": PATH}} (found {json.dumps(p)[:80]})"
+                f'{where}.content[{j}] is not a text part {{"type": "text", "text": ...}} or an image part '
+                f'{{"type": "image", "image": PATH}} (found {json.dumps(p)[:80]})'
             )
     return parts
 
@@ -138,7 +138,9 @@ def normalize(record: Any, base: Path) -> tuple[dict[str, Any], list[Path]]:
             if p["type"] != IMAGE_PART:
                 continue
             if m.get("role") == "assistant":
-                raise _Problem(f"messages[{i}] (assistant) holds an image: the model reads images, it does not write them")
+                raise _Problem(
+                    f"messages[{i}] (assistant) holds an image: the model reads images, it does not write them"
+                )
             if p.get(IMAGE_PART) is not None:
                 inline.append(_resolve(p[IMAGE_PART], base, f"messages[{i}].content[{j}].image"))
             else:
@@ -148,7 +150,7 @@ def normalize(record: Any, base: Path) -> tuple[dict[str, Any], list[Path]]:
     if inline and column:
         raise _Problem(
             f"the record has image paths in its turns and an '{'images' if 'images' in record else 'image'}' column "
-            "too: write the images one way, as parts with their paths or as the column with {\"type\": \"image\"} "
+            'too: write the images one way, as parts with their paths or as the column with {"type": "image"} '
             "placeholders"
         )
     paths = inline or [_resolve(v, base, f"images[{k}]") for k, v in enumerate(column or [])]
@@ -161,12 +163,12 @@ def normalize(record: Any, base: Path) -> tuple[dict[str, Any], list[Path]]:
         raise _Problem(
             f"{placeholders} image placeholder{'s' if placeholders != 1 else ''} in the turns and {len(paths)} "
             f"image{'s' if len(paths) != 1 else ''} in the '{'images' if 'images' in record else 'image'}' column: "
-            "each {\"type\": \"image\"} part takes the next image in order, so their counts must be equal"
+            'each {"type": "image"} part takes the next image in order, so their counts must be equal'
         )
     elif not column and placeholders:
         raise _Problem(
             f"{placeholders} image part{'s' if placeholders != 1 else ''} without a path and no 'images' column: "
-            "give each image part its file ({\"type\": \"image\", \"image\": \"photo.png\"}) or add the column"
+            'give each image part its file ({"type": "image", "image": "photo.png"}) or add the column'
         )
     # the turns' roles, order and keys are checked as any chat's (formats.py), on a text-only copy
     text_only = [

@@ -10,7 +10,9 @@ device.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
+
+from launcher.methods import is_adapter
 
 # Model types whose vision tower this module counts (config.json model_type).
 COUNTED = ("qwen2_5_vl",)
@@ -74,6 +76,6 @@ def notes(arch: Any, recipe: Any, stats: Any) -> list[str]:
             "vision tower (frozen under LoRA: its activations are not kept for the backward pass; a GPU run measures "
             "the peak)"
         )
-    if getattr(recipe, "method", "") in ("lora", "qlora"):
+    if is_adapter(getattr(recipe, "method", "")):
         lines.append(WITH_TOWER if getattr(recipe.lora, "vision_tower", False) else LANGUAGE_MODEL_ONLY)
     return lines
