@@ -205,7 +205,10 @@ def _build(out: Path, data: Path, spec: dict) -> None:
         eos_token_id=[ids[IM_END], ids[ENDOFTEXT]], pad_token_id=ids[ENDOFTEXT], bos_token_id=None
     )
     image_processor = Qwen2VLImageProcessorPil(
-        patch_size=14, merge_size=2, temporal_patch_size=2, size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
+        patch_size=14,
+        merge_size=2,
+        temporal_patch_size=2,
+        size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
     )
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
