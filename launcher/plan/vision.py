@@ -17,8 +17,8 @@ from launcher.methods import is_adapter
 # Model types whose vision tower this module counts (config.json model_type).
 COUNTED = ("qwen2_5_vl",)
 
-# LoRA's reach, as the recipe's lora.vision_tower chooses it; vLLM loads LoRA on the language model only and ignores
-# (with a warning) adapter weights on the vision blocks (issue 57), so an adapter that reaches the tower is served merged.
+# LoRA's reach, as the recipe's lora.vision_tower chooses it. vLLM loads LoRA on the language model only and ignores
+# (with a warning) adapter weights on the vision blocks (issue 57): an adapter that reaches the tower is served merged.
 LANGUAGE_MODEL_ONLY = (
     "LoRA adapts the language model only (the vision tower and its projector stay frozen): vLLM serves this adapter "
     "as LoRA (--enable-lora)"

@@ -160,7 +160,8 @@ def train(recipe: Any, say: Callable[[str], None] = print) -> dict[str, Any]:
     seconds = time.monotonic() - started
     losses = [r for r in trainer.state.log_history if "loss" in r]
     say(
-        f"trained {trainer.state.global_step} steps in {seconds:.0f} s: loss {losses[0]['loss']:.3f} -> {losses[-1]['loss']:.3f}"
+        f"trained {trainer.state.global_step} steps in {seconds:.0f} s: "
+        f"loss {losses[0]['loss']:.3f} -> {losses[-1]['loss']:.3f}"
     )
     after = score(model, processor, held, max_new) if held else None
     if after:
