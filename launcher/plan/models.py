@@ -19,6 +19,8 @@ from launcher.plan import vision
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 LINEAR_MODULES = ATTENTION_MODULES + MLP_MODULES
+# Model types whose attention carries a bias on q, k and v (Qwen2/2.5 and the Qwen2-VL family's language models)
+QKV_BIAS_TYPES = ("qwen2", "qwen2_moe", "qwen2_vl_text", "qwen2_5_vl_text")
 
 
 @dataclass(frozen=True)
@@ -188,7 +190,7 @@ def from_config(cfg: dict[str, Any], name: str, source: str) -> Architecture:
         head_dim=int(c.get("head_dim") or hidden // heads),
         vocab=int(c["vocab_size"]),
         tied_embeddings=bool(tied),
-        qkv_bias=bool(c.get("attention_bias", model_type in ("qwen2", "qwen2_moe", "qwen2_vl_text", "qwen2_5_vl_text"))),
+        qkv_bias=bool(c.get("attention_bias", model_type in QKV_BIAS_TYPES)),
         qk_norm=model_type.startswith(("qwen3", "gemma3")),
         norms_per_layer=4 if model_type.startswith(("gemma2", "gemma3")) else 2,
         experts=experts,
