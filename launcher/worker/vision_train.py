@@ -7,7 +7,8 @@ is the task evaluation's own (launcher/data/task_metrics.py). trl 1.16 takes ima
 ProcessorMixin (sft_trainer.py: `_is_vlm`) and a dataset with an `images` column (`_is_vision_dataset`), collated on
 the fly by DataCollatorForVisionLanguageModeling (`remove_unused_columns` must stay off so the images reach it, as
 the collator's docstring says). Run: `python -m launcher.worker.vision_train RECIPE.yaml`; it writes the adapter
-and the processor files to OUTPUT_DIR/final/adapter and the scores to OUTPUT_DIR/final/task_eval.json.
+and the processor files to OUTPUT_DIR/final/adapter, the merged model with them to final/merged, and the
+scores to OUTPUT_DIR/final/task_eval.json.
 """
 
 from __future__ import annotations
@@ -169,6 +170,11 @@ def train(recipe: Any, say: Callable[[str], None] = print) -> dict[str, Any]:
     final = out / "final"
     model.save_pretrained(final / "adapter")
     _save_processor_files(recipe.model, final / "adapter")  # as the model folder has them (no torchvision needed)
+    if is_adapter(recipe.method):
+        # the merged model with its processor files: what a server loads where the adapter reaches the vision tower
+        # (vLLM serves LoRA on the language model only), and what llama.cpp's converter would read
+        model.merge_and_unload().save_pretrained(final / "merged")
+        _save_processor_files(recipe.model, final / "merged")
     result = {
         "steps": trainer.state.global_step,
         "train_seconds": round(seconds, 1),

@@ -63,3 +63,17 @@ def test_the_tiny_vision_model_learns_the_colour_and_its_task_score_rises(tmp_pa
     adapter = tmp_path / "run" / "final" / "adapter"
     assert (adapter / "adapter_model.safetensors").is_file() and (adapter / "preprocessor_config.json").is_file()
     assert (adapter / "chat_template.jinja").is_file()
+    # the merged model with its processor files answers the held-out images as the trained adapter did
+    from transformers import AutoModelForImageTextToText
+
+    from launcher.data import split
+    from launcher.data.image_stats import image_stats
+    from launcher.worker.processor import load_processor
+    from launcher.worker.vision_train import answers
+
+    merged = tmp_path / "run" / "final" / "merged"
+    assert (merged / "preprocessor_config.json").is_file() and not list(merged.glob("adapter_*"))
+    model = AutoModelForImageTextToText.from_pretrained(merged)
+    examples, _, _ = image_stats(recipe)
+    held = [examples[i] for i in split.for_recipe(examples, recipe).held_out]
+    assert answers(model, load_processor(merged, say=lambda _: None), held, 4) == result["after"]["answers"]
