@@ -68,9 +68,10 @@ def check_recipe(recipe: Any) -> None:
 
 def image_stats(recipe: Any):
     """(examples, lengths, DataStats) of image data, as stats.data_stats returns them for text."""
-    folder, why = tokenizer_dir(recipe.model)
+    folder, why = tokenizer_dir(recipe.model)  # None without transformers too: the model's own folder is read then
+    folder = folder or (Path(recipe.model) if Path(recipe.model).is_dir() else None)
     if vision_config(recipe.model) is None:
-        if folder is None and not Path(recipe.model).is_dir():
+        if folder is None:
             raise DataError(
                 f"the data holds images, and the model {recipe.model} is not on this machine ({why}): its vision "
                 "tower and image processor cannot be read to count the image tokens",
@@ -87,19 +88,19 @@ def image_stats(recipe: Any):
         )
     data = image_data.load_images(recipe.data)
     _refuse_oversized(data, rule, recipe.max_length)
-    counter, source = token_counter(recipe.model)
-    if counter is None:
-        raise DataError(
-            f"image data needs the model's chat template to place the images: {source}",
-            fix="use a model folder with its tokenizer and chat template.",
-        )
+    counter, _ = token_counter(recipe.model)
     per_image = [[rule.tokens(w, h) for w, h in sizes] for sizes in data.sizes]
-    lengths = [counter(ex) - len(n) + sum(n) for ex, n in zip(data.examples, per_image)]
+    if counter is not None:  # each image part renders as one placeholder, widened to the image's tokens
+        lengths = [counter(ex) - len(n) + sum(n) for ex, n in zip(data.examples, per_image)]
+        source = "tokenizer"
+    else:  # a light install (no transformers): the text estimated as the text data's is (4 characters a token)
+        lengths = [_characters(ex) + sum(n) for ex, n in zip(data.examples, per_image)]
+        source = "characters"
     parts = split.for_recipe(data.examples, recipe)
     train = parts.train
     # "tokenizer": counted with the model's own tokenizer and template (the DataStats.tokens_source values)
     stats = compute_stats(
-        [data.examples[i] for i in train], [lengths[i] for i in train], "tokenizer", recipe.max_length
+        [data.examples[i] for i in train], [lengths[i] for i in train], source, recipe.max_length
     )
     longest = max(train, key=lambda i: lengths[i])
     image_tokens = [sum(per_image[i]) for i in train]
@@ -125,6 +126,12 @@ def image_stats(recipe: Any):
         images=facts,
     )
     return data.examples, lengths, stats
+
+
+def _characters(example: dict[str, Any]) -> int:
+    """The text of an example in tokens, estimated as launcher/data/dataset.py does without a tokenizer."""
+    text = sum(len(p.get("text", "")) for m in example["messages"] for p in m["content"] if isinstance(p, dict))
+    return text // 4 + 4 * len(example["messages"])
 
 
 def _refuse_oversized(data: image_data.ImageData, rule: ImageRule, max_length: int) -> None:

@@ -63,7 +63,8 @@ def record_has_images(record: Any) -> bool:
         return False
     if any(record.get(k) for k in IMAGE_KEYS):
         return True
-    for m in record.get("messages") or []:
+    messages = record.get("messages")
+    for m in messages if isinstance(messages, list) else []:  # a malformed record is the format check's to name
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == IMAGE_PART for p in content):
             return True
