@@ -151,6 +151,10 @@ class Objective:
     # It samples its own answers while training (num_generations per prompt, scored by the recipe's `reward:`), so the
     # plan prices generation beside the steps and the data are prompts, their reference answers optional.
     generates: bool = False
+    # It trains on conversations with images (a vision-language model's processor beside the tokenizer): trl 1.16's
+    # SFTTrainer does (sft_trainer.py DataCollatorForVisionLanguageModeling); ftrun's image data path
+    # (launcher/data/images.py) is built for it alone so far, and refuses image data under the others.
+    images: bool = False
     # Each example's answer also runs after another example's prompt, without a gradient, through the policy and
     # (where there is one) the reference: KTO's per-step estimate of the policy's KL to the reference (trl 1.16
     # kto_trainer.py _prepare_dataset add_kl_completion_ids rotates the answers by one within each micro-batch;
@@ -225,6 +229,7 @@ OBJECTIVES: dict[str, Objective] = {
             config="SFTConfig",
             module="trl",
             forms=("chat", "prompt_completion", "text"),
+            images=True,
             sequences_per_example=1,
             preference=False,
             reference_pass=False,

@@ -44,6 +44,11 @@ class LoraSettings(Strict):
     target_modules: Union[Literal["all-linear"], list[str]] = Field(
         "all-linear", description="'all-linear' or a list such as [q_proj, v_proj]."
     )
+    vision_tower: bool = Field(
+        False,
+        description="A vision-language model: adapt the vision tower's linear layers too. Off: the language model "
+        "only, which vLLM serves as LoRA; on: the adapter is served merged (launcher/plan/vision.py).",
+    )
 
     @field_validator("target_modules")
     @classmethod

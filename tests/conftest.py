@@ -67,6 +67,14 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_vlm() -> Path:
+    """A tiny Qwen2.5-VL-shaped model + its processor files, built locally (cached across test runs in .cache/)."""
+    out = REPO / ".cache" / "tiny-vlm-tests"
+    _load_script("make_tiny_vlm").build_tiny_vlm(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_model_bf16() -> Path:
     """The tiny model saved in bfloat16 (config.json says so), like a published model: what a full fine-tune's
     final/model must come back in."""

@@ -51,7 +51,7 @@ print(json.dumps(out))
 """
 
 
-def _recipes(tiny_model, absent_parent) -> list[list[str]]:
+def _recipes(tiny_model, absent_parent, tiny_vlm) -> list[list[str]]:
     # the demo's recipes name the model scripts/demo.sh builds (.cache/tiny-model, absent on a fresh clone): the
     # tests' own build of it stands in. The DPO and GRPO steps start from the SFT demo's run (init_from:
     # ../runs/tiny-cpu), which exists only after scripts/demo.sh: they name a parent run that is absent wherever the
@@ -63,6 +63,7 @@ def _recipes(tiny_model, absent_parent) -> list[list[str]]:
             [
                 str(p),
                 *([f"model={tiny_model}"] if "cache/tiny-model" in text else []),
+                *([f"model={tiny_vlm}"] if "cache/tiny-vlm" in text else []),
                 *([f"init_from={absent_parent}"] if p.name in PARENT_RUN_STEPS else []),
             ]
         )
@@ -85,10 +86,10 @@ def _each_recipe_planned_or_refused_in_a_paragraph(res: subprocess.CompletedProc
         assert "Plan: " in text, (recipe, text[-1000:])
 
 
-def test_every_shipped_recipe_plans_without_the_training_stack(tmp_path, tiny_model):
+def test_every_shipped_recipe_plans_without_the_training_stack(tmp_path, tiny_model, tiny_vlm):
     absent_parent = tmp_path / "runs" / "tiny-cpu"
     res = subprocess.run(
-        [sys.executable, "-c", SCRIPT, json.dumps(ABSENT), json.dumps(_recipes(tiny_model, absent_parent))],
+        [sys.executable, "-c", SCRIPT, json.dumps(ABSENT), json.dumps(_recipes(tiny_model, absent_parent, tiny_vlm))],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -99,7 +100,7 @@ def test_every_shipped_recipe_plans_without_the_training_stack(tmp_path, tiny_mo
 
 
 @pytest.mark.slow
-def test_a_fresh_venv_with_the_base_dependencies_only_plans_every_shipped_recipe(tmp_path, tiny_model):
+def test_a_fresh_venv_with_the_base_dependencies_only_plans_every_shipped_recipe(tmp_path, tiny_model, tiny_vlm):
     """The same, in a new virtual environment where `pip install ftrun` (no extras) put only pyproject.toml's
     dependencies and what they pull: no module of the training stack can be there, blocked or not."""
     venv = tmp_path / "venv"
@@ -127,7 +128,7 @@ def test_a_fresh_venv_with_the_base_dependencies_only_plans_every_shipped_recipe
     assert json.loads(present.stdout) == [], present.stdout + present.stderr
     absent_parent = tmp_path / "runs" / "tiny-cpu"
     res = subprocess.run(
-        [py, "-c", SCRIPT, "[]", json.dumps(_recipes(tiny_model, absent_parent))],
+        [py, "-c", SCRIPT, "[]", json.dumps(_recipes(tiny_model, absent_parent, tiny_vlm))],
         cwd=tmp_path,  # the installed copy, not the checkout's
         capture_output=True,
         text=True,

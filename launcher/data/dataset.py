@@ -42,6 +42,7 @@ class DataStats:
     splits: bool = False  # packing splits a sequence longer than max_length into pieces (bfd_split): none is cut
     rewards: tuple = ()  # GRPO: what the plan's probe of each reward found (launcher/data/rewards.py refusals)
     completion_length: Optional[dict] = None  # GRPO: grpo.max_completion_length, and where it came from
+    images: Optional[dict] = None  # image data: images, their tokens, the longest example (data/image_stats.py)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -72,9 +72,10 @@ FORMS: dict[str, Form] = {
     "text": Form("text", ("text",), "plain text (no chat template)"),
 }
 
-# The keys of a converted example (every form's columns, a chat's tools). Any other key of an example is a column of
+# The keys of a converted example (every form's columns, a chat's tools, the image paths of TRL's vision layout:
+# launcher/data/images.py). Any other key of an example is a column of
 # its record kept for GRPO's rewards (launcher/data/dataset.py load_data `columns`), which TRL hands them by name.
-EXAMPLE_KEYS = tuple(dict.fromkeys(k for f in FORMS.values() for k in (f.marker, *f.columns))) + ("tools",)
+EXAMPLE_KEYS = tuple(dict.fromkeys(k for f in FORMS.values() for k in (f.marker, *f.columns))) + ("tools", "images")
 # What the formats read from a record besides their detection keys (alpaca's input, system and history; ShareGPT's
 # system): not kept as columns of their own.
 READ_KEYS = ("input", "system", "history", "conversations", "instruction", "output")

@@ -8,16 +8,20 @@ from typing import Any, Optional
 
 from launcher import methods
 from launcher.data import formats
+from launcher.data import images
 from launcher.data import loss_view
 from launcher.data import rewards
 from launcher.data import split
 from launcher.data import task_examples
+from launcher.data.image_stats import image_stats
 from launcher.data.dataset import compute_stats, example_lengths, load_data
 from launcher.data.dataset import identity as data_identity
 from launcher.errors import DataError, RecipeError
 
 
 def data_stats(recipe: Any):
+    if images.data_has_images(recipe.data):  # conversations with images: their own reading and sizing
+        return image_stats(recipe)
     # an objective that samples keeps each record's other columns: its rewards read them (launcher/data/rewards.py)
     data = load_data(recipe.data, recipe.seed, columns=methods.OBJECTIVES[recipe.objective].generates)
     objective_fits(recipe, data.form, "data")
@@ -168,6 +172,8 @@ def _reference_tokens(model: str, references: list[str]) -> tuple[list[int], str
 def with_data_defaults(recipe: Any, stats: Any) -> Any:
     """The recipe with the settings its data sized where it left them out (grpo.max_completion_length from the
     references): what the plan sizes, recipe.yaml records and the worker samples with."""
+    if getattr(stats, "images", None) and recipe.padding_free:  # left to its default: image data trains padded
+        recipe = recipe.model_copy(update={"padding_free": False})
     sized = getattr(stats, "completion_length", None)
     if not sized or not sized["derived"] or sized["tokens"] == recipe.grpo.max_completion_length:
         return recipe

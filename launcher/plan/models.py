@@ -13,11 +13,14 @@ from typing import Any, Optional
 
 from launcher.errors import ModelError
 from launcher.methods import is_quantized
+from launcher.plan import vision
 
 # Module names that LoRA can target in a Llama-shaped decoder layer, with (d_in, d_out) from the architecture.
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 LINEAR_MODULES = ATTENTION_MODULES + MLP_MODULES
+# Model types whose attention carries a bias on q, k and v (Qwen2/2.5 and the Qwen2-VL family's language models)
+QKV_BIAS_TYPES = ("qwen2", "qwen2_moe", "qwen2_vl_text", "qwen2_5_vl_text")
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,10 @@ class Architecture:
     # the config's RoPE scaling where it has one: (rope_type, factor, original_max_position_embeddings or None)
     max_positions: Optional[int] = None
     rope_scaling: Optional[tuple] = None
+    # a vision-language model: its config's model_type ("" for a text model) and the vision tower's and projector's
+    # parameters, part of `params` (launcher/plan/vision.py counts them; 0 where it cannot)
+    vision_tower: str = ""
+    vision_params: int = 0
 
     @property
     def q_dim(self) -> int:
@@ -101,7 +108,8 @@ class Architecture:
     @property
     def params(self) -> int:
         per_layer = self.attention_params_per_layer + self.mlp_params_per_layer + self.norms_per_layer * self.hidden
-        return self.embedding_params + self.lm_head_params + self.layers * per_layer + self.hidden
+        text = self.embedding_params + self.lm_head_params + self.layers * per_layer + self.hidden
+        return text + self.vision_params
 
     @property
     def active_params(self) -> int:
@@ -182,7 +190,7 @@ def from_config(cfg: dict[str, Any], name: str, source: str) -> Architecture:
         head_dim=int(c.get("head_dim") or hidden // heads),
         vocab=int(c["vocab_size"]),
         tied_embeddings=bool(tied),
-        qkv_bias=bool(c.get("attention_bias", model_type in ("qwen2", "qwen2_moe"))),
+        qkv_bias=bool(c.get("attention_bias", model_type in QKV_BIAS_TYPES)),
         qk_norm=model_type.startswith(("qwen3", "gemma3")),
         norms_per_layer=4 if model_type.startswith(("gemma2", "gemma3")) else 2,
         experts=experts,
@@ -190,6 +198,8 @@ def from_config(cfg: dict[str, Any], name: str, source: str) -> Architecture:
         source=source,
         max_positions=int(c["max_position_embeddings"]) if c.get("max_position_embeddings") else None,
         rope_scaling=_rope_scaling(c),
+        vision_tower=str(cfg.get("model_type", "")) if isinstance(cfg.get("vision_config"), dict) else "",
+        vision_params=vision.tower_params(cfg),
     )
 
 

@@ -14,6 +14,7 @@ from launcher.plan import loss_head
 from launcher.plan import throughput
 from launcher.plan import sampling
 from launcher.plan import speed
+from launcher.plan import vision
 from launcher.errors import MissingSoftware, PlanError, RecipeError
 from launcher.methods import is_adapter
 from launcher.plan import engine as engine_choice
@@ -198,6 +199,7 @@ def plan_for(
         sampling.software_check(recipe, this_box=hardware.source == "detected")  # generation: vllm
     except MissingSoftware as exc:
         blocked = {"message": exc.message, "fix": exc.fix}
+    notes += vision.notes(arch, recipe, data_stats)  # a vision-language model: its tower, images, LoRA's reach
     notes += _task_eval_note(recipe, data_stats)
     notes += _learning_rate_note(recipe)
     forced = recipe.engine

@@ -19,7 +19,9 @@ from launcher.plan.sizing_constants import GB
 RECIPES = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))
 HEADLINE = RECIPES[0].parent / "qwen3-8b-qlora.yaml"  # the design card's command: `ftrun recipes/qwen3-8b-qlora.yaml`
 ARTICLE = [
-    p for p in RECIPES if p.name not in ("tiny-cpu.yaml", "tiny-cpu-dpo.yaml", "tiny-cpu-grpo.yaml", HEADLINE.name)
+    p
+    for p in RECIPES
+    if p.name not in ("tiny-cpu.yaml", "tiny-cpu-dpo.yaml", "tiny-cpu-grpo.yaml", "tiny-cpu-vision.yaml", HEADLINE.name)
 ]
 # The plan is an estimate (docs/sizing.md); the article gives ranges and rounded figures.
 TIME_COST_REL = 0.20
@@ -137,6 +139,20 @@ def test_recipe_plans_as_its_header_says(path, no_gpu_here):
             f"({tps_lo:,.0f}-{tps_hi:,.0f})"
         )
         assert p.estimate["cost_eur"] == pytest.approx(p.estimate["hours"] * p.price_per_hour_eur, rel=0.01)
+
+
+def test_tiny_cpu_vision_recipe_plans_on_a_cpu(tiny_vlm):
+    """recipes/tiny-cpu-vision.yaml: image data on the tiny vision-language model, the tower and the images planned."""
+    from launcher.data.stats import data_stats, with_data_defaults
+
+    path = RECIPES[0].parent / "tiny-cpu-vision.yaml"
+    recipe = load_recipe(path, [f"model={tiny_vlm}"])
+    assert "CPU" in header(path)["box_line"] and recipe.box is None
+    _, _, stats = data_stats(recipe)
+    recipe = with_data_defaults(recipe, stats)
+    p = plan_mod.make_plan(recipe, from_spec("cpu"), data_stats=stats)
+    assert p.fits and p.device == "cpu" and p.total_steps > 0 and not recipe.padding_free
+    assert stats.images["images"] == 128 and any("vision tower and projector" in n for n in p.notes)
 
 
 def test_tiny_cpu_recipe_plans_on_a_cpu(tiny_model):

@@ -1,0 +1,156 @@
+"""The statistics of image data that the plan and the run use, and its refusals at plan time: image data for a model
+without a vision tower or under an objective that takes none, an image whose tokens alone fill max_length, and the
+batch layouts the model's position ids do not allow.
+
+An example's tokens are its text as the model's chat template renders it (each image part one placeholder token, as
+Qwen's templates write <|vision_start|><|image_pad|><|vision_end|>) with each placeholder widened to the image's
+own token count (launcher/data/image_tokens.py): what the processor hands the model (tests/data/test_image_data.py
+compares the two on the tiny model).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Optional
+
+from launcher import methods
+from launcher.data import images as image_data
+from launcher.data import split
+from launcher.data.dataset import compute_stats, token_counter
+from launcher.data.image_tokens import ImageRule, read_rule
+from launcher.data.tokenizer import tokenizer_dir
+from launcher.errors import DataError, RecipeError
+
+# Why packing and padding-free rows are refused: M-RoPE gives image tokens (time, height, width) positions, computed
+# per row from the image grids (modeling_qwen2_5_vl.py get_rope_index), which transformers does not restart inside a
+# packed row; trl 1.16 refuses both for vision data (sft_trainer.py: "Packing is not supported for vision datasets").
+MROPE_WHY = (
+    "the model's M-RoPE position ids (time, height, width for each image token) are computed per row from its "
+    "image grids and do not restart inside a packed row; TRL's SFTTrainer refuses both for image data"
+)
+
+
+def vision_config(model: str) -> Optional[dict[str, Any]]:
+    """The model's vision_config (config.json), or None for a model without a vision tower or not on this machine."""
+    folder, _ = tokenizer_dir(model)
+    path = (folder or Path(model)) / "config.json"
+    if not path.is_file():
+        return None
+    cfg = json.loads(path.read_text())
+    vision = cfg.get("vision_config")
+    return vision if isinstance(vision, dict) else None
+
+
+def check_recipe(recipe: Any) -> None:
+    """The recipe's settings that image data cannot train with, refused before anything is read."""
+    objective = methods.OBJECTIVES[recipe.objective]
+    if not objective.images:
+        takes = ", ".join(o.name for o in methods.OBJECTIVES.values() if o.images)
+        raise DataError(
+            f"the data holds images (first at {image_data.first_image_record(recipe.data)}), but objective "
+            f"{recipe.objective} takes none in ftrun yet",
+            fix=f"use objective {takes} for image data, or remove the images from the data.",
+        )
+    if recipe.packing:
+        raise RecipeError(
+            f"packing: true with image data: {MROPE_WHY}",
+            fix="remove packing: true (each example trains in its own padded row).",
+        )
+    # refused where the recipe asks for it; left to its default (on for sft), with_data_defaults turns it off
+    if recipe.padding_free and "padding_free" in recipe.model_fields_set:
+        raise RecipeError(
+            f"padding_free: true with image data: {MROPE_WHY}",
+            fix="remove padding_free (image data trains in padded rows).",
+        )
+
+
+def image_stats(recipe: Any):
+    """(examples, lengths, DataStats) of image data, as stats.data_stats returns them for text."""
+    folder, why = tokenizer_dir(recipe.model)  # None without transformers too: the model's own folder is read then
+    folder = folder or (Path(recipe.model) if Path(recipe.model).is_dir() else None)
+    if vision_config(recipe.model) is None:
+        if folder is None:
+            raise DataError(
+                f"the data holds images, and the model {recipe.model} is not on this machine ({why}): its vision "
+                "tower and image processor cannot be read to count the image tokens",
+                fix="download the model first (hf download MODEL), or point model at its folder.",
+            )
+        image_data.refuse_text_model(recipe.model, recipe.data)
+    check_recipe(recipe)
+    rule = read_rule(folder)
+    if rule is None:
+        raise DataError(
+            f"the model {recipe.model} has a vision tower but no preprocessor_config.json in {folder}: the image "
+            "processor that sizes each image is missing",
+            fix="copy the model's processor files (preprocessor_config.json, chat_template) beside its weights.",
+        )
+    data = image_data.load_images(recipe.data)
+    _refuse_oversized(data, rule, recipe.max_length)
+    counter, _ = token_counter(recipe.model)
+    per_image = [[rule.tokens(w, h) for w, h in sizes] for sizes in data.sizes]
+    if counter is not None:  # each image part renders as one placeholder, widened to the image's tokens
+        lengths = [counter(ex) - len(n) + sum(n) for ex, n in zip(data.examples, per_image)]
+        source = "tokenizer"
+    else:  # a light install (no transformers): the text estimated as the text data's is (4 characters a token)
+        lengths = [_characters(ex) + sum(n) for ex, n in zip(data.examples, per_image)]
+        source = "characters"
+    parts = split.for_recipe(data.examples, recipe)
+    train = parts.train
+    # "tokenizer": counted with the model's own tokenizer and template (the DataStats.tokens_source values)
+    stats = compute_stats(
+        [data.examples[i] for i in train], [lengths[i] for i in train], source, recipe.max_length
+    )
+    longest = max(train, key=lambda i: lengths[i])
+    image_tokens = [sum(per_image[i]) for i in train]
+    facts = {
+        "images": sum(len(per_image[i]) for i in train),
+        "image_tokens": sum(image_tokens),
+        "most_image_tokens": max(image_tokens),
+        "longest_example": {
+            "where": data.where[longest],
+            "tokens": lengths[longest],
+            "image_tokens": sum(per_image[longest]),
+        },
+        "rule": rule.describe(),
+        "patches_longest": sum(rule.patches(w, h) for w, h in data.sizes[longest]),
+    }
+    stats = replace(
+        stats,
+        description=data.describe(),
+        sources=tuple(data.sources),
+        sha256=data.sha256,
+        held_out=len(parts.held_out),
+        held_out_lines=len(data.examples) - len(train),
+        images=facts,
+    )
+    return data.examples, lengths, stats
+
+
+def _characters(example: dict[str, Any]) -> int:
+    """The text of an example in tokens, estimated as launcher/data/dataset.py does without a tokenizer."""
+    text = sum(len(p.get("text", "")) for m in example["messages"] for p in m["content"] if isinstance(p, dict))
+    return text // 4 + 4 * len(example["messages"])
+
+
+def _refuse_oversized(data: image_data.ImageData, rule: ImageRule, max_length: int) -> None:
+    """An image whose tokens alone reach max_length leaves no room for the text (and TRL's truncation would cut
+    through its placeholders, which the model refuses): every such image, with its line and path."""
+    over = []
+    for where, example, sizes in zip(data.where, data.examples, data.sizes):
+        for path, (w, h) in zip(example["images"], sizes):
+            n = rule.tokens(w, h)
+            if n >= max_length:
+                over.append((where, path, w, h, n))
+    if not over:
+        return
+    shown = "; ".join(f"{w}: {p} ({iw} x {ih} pixels, {n:,} image tokens)" for w, p, iw, ih, n in over[:4])
+    more = f" and {len(over) - 4} more" if len(over) > 4 else ""
+    most = max(n for *_, n in over)
+    raise DataError(
+        f"{len(over)} image{'s' if len(over) > 1 else ''} alone reach max_length {max_length:,}: {shown}{more} "
+        f"(the processor's rule: {rule.describe()})",
+        fix=f"raise max_length above {most:,} plus the text, or shrink those images (at most {rule.max_pixels:,} "
+        "pixels become the most tokens; a smaller image becomes fewer).",
+    )

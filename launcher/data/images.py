@@ -1,0 +1,274 @@
+"""Image data: conversations whose turns hold images, read into TRL's vision layout with every image opened and
+measured before any training.
+
+Two layouts are read, as the chat templates and TRL take them:
+- image parts in a turn's content: {"role": "user", "content": [{"type": "image", "image": PATH}, {"type": "text",
+  "text": "..."}]};
+- an `images` column (or a single `image`) beside `messages`, whose turns hold {"type": "image"} placeholders, one
+  per image in order; with no placeholder at all the images go before the first user turn's text, as trl 1.16
+  places them (data_utils.py prepare_multimodal_messages).
+
+Either becomes TRL's vision layout (what sft_trainer.py DataCollatorForVisionLanguageModeling takes): every turn's
+content a list of {"type": "text"} and {"type": "image"} parts, and `images` the absolute paths in placeholder order.
+Relative paths resolve against the data file's folder. Each image is decoded in full (PIL `load`), so a truncated
+file is found here, and its size kept for the image-token count (launcher/data/image_tokens.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from launcher.data import formats
+from launcher.data.sources import Source, read, sources_of
+from launcher.errors import DataError
+
+IMAGE_KEYS = ("images", "image")  # the columns beside `messages` that hold a record's images (TRL's names)
+IMAGE_PART = "image"
+TEXT_PART = "text"
+MAX_REPORTED = 8
+# what a record's image part reads as in the text-only copy the chat checks see (formats.convert)
+_STANDIN = "[image]"
+
+
+@dataclass
+class ImageData:
+    """The image data set: examples in TRL's vision layout, where each came from, and each example's image sizes."""
+
+    examples: list[dict[str, Any]]
+    where: list[str]
+    sizes: list[list[tuple[int, int]]]  # per example, per image: (width, height) in pixels
+    sha256: str  # the data files' and the images' bytes: what a resume compares
+    sources: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def images(self) -> int:
+        return sum(len(s) for s in self.sizes)
+
+    def describe(self) -> str:
+        n, k = len(self.examples), self.images
+        distinct = len({p for e in self.examples for p in e["images"]})
+        return (
+            f"chat with images, {n:,} example{'' if n == 1 else 's'}, {k:,} image{'' if k == 1 else 's'} "
+            f"({distinct:,} distinct files, each opened and measured)"
+        )
+
+
+def record_has_images(record: Any) -> bool:
+    """Whether a record holds an image: an `images`/`image` column, or an image part in a turn's content."""
+    if not isinstance(record, dict):
+        return False
+    if any(record.get(k) for k in IMAGE_KEYS):
+        return True
+    messages = record.get("messages")
+    for m in messages if isinstance(messages, list) else []:  # a malformed record is the format check's to name
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == IMAGE_PART for p in content):
+            return True
+    return False
+
+
+def data_has_images(spec: Any) -> bool:
+    """Whether the recipe's data holds images (any record of a local source); Hub sources are not read here."""
+    for source in sources_of(spec):
+        if not source.local or not Path(source.path).expanduser().exists():
+            continue
+        if any(record_has_images(r) for _, r in read(source).rows):
+            return True
+    return False
+
+
+class _Problem(Exception):
+    pass
+
+
+def _base_dir(source: Source) -> Path:
+    path = Path(source.path).expanduser().resolve()
+    return path if path.is_dir() else path.parent
+
+
+def _parts(content: Any, where: str) -> list[dict[str, Any]]:
+    """A turn's content as parts: a string is one text part; a list is checked part by part."""
+    if isinstance(content, str):
+        return [{"type": TEXT_PART, "text": content}]
+    if not isinstance(content, list) or not content:
+        raise _Problem(f"{where}.content must be a string or a non-empty list of text and image parts")
+    parts = []
+    for j, p in enumerate(content):
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind == TEXT_PART and isinstance(p.get(TEXT_PART), str):
+            parts.append({"type": TEXT_PART, "text": p[TEXT_PART]})
+        elif kind == IMAGE_PART:
+            parts.append(dict(p))
+        else:
+            raise _Problem(
+                f'{where}.content[{j}] is not a text part {{"type": "text", "text": ...}} or an image part '
+                f'{{"type": "image", "image": PATH}} (found {json.dumps(p)[:80]})'
+            )
+    return parts
+
+
+def _resolve(value: Any, base: Path, where: str) -> Path:
+    if not isinstance(value, str) or not value.strip():
+        raise _Problem(f"{where} must be an image file path, found {json.dumps(value)[:80]}")
+    if value.startswith(("http://", "https://")):
+        raise _Problem(
+            f"{where} is a URL ({value}): images are read from local files, so that each is opened and counted "
+            "before any GPU time; download them beside the data and write their paths"
+        )
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else (base / path)
+
+
+def normalize(record: Any, base: Path) -> tuple[dict[str, Any], list[Path]]:
+    """A record as TRL's vision layout (paths still unopened), or a _Problem naming the field."""
+    if not isinstance(record, dict) or not isinstance(record.get("messages"), list):
+        raise _Problem("an image record needs a 'messages' list of {role, content} turns")
+    column = record.get("images") if "images" in record else record.get("image")
+    if column is not None and not isinstance(column, list):
+        column = [column]
+    messages, inline, placeholders = [], [], 0
+    for i, m in enumerate(record["messages"]):
+        if not isinstance(m, dict):
+            raise _Problem(f"messages[{i}] must be a {{role, content}} object")
+        parts = _parts(m.get("content"), f"messages[{i}]")
+        for j, p in enumerate(parts):
+            if p["type"] != IMAGE_PART:
+                continue
+            if m.get("role") == "assistant":
+                raise _Problem(
+                    f"messages[{i}] (assistant) holds an image: the model reads images, it does not write them"
+                )
+            if p.get(IMAGE_PART) is not None:
+                inline.append(_resolve(p[IMAGE_PART], base, f"messages[{i}].content[{j}].image"))
+            else:
+                placeholders += 1
+            parts[j] = {"type": IMAGE_PART}
+        messages.append({**{k: v for k, v in m.items() if k != "content"}, "content": parts})
+    if inline and column:
+        raise _Problem(
+            f"the record has image paths in its turns and an '{'images' if 'images' in record else 'image'}' column "
+            'too: write the images one way, as parts with their paths or as the column with {"type": "image"} '
+            "placeholders"
+        )
+    paths = inline or [_resolve(v, base, f"images[{k}]") for k, v in enumerate(column or [])]
+    if column and placeholders == 0:  # TRL's rule: the images go before the first user turn's text
+        first_user = next((m for m in messages if m.get("role") == "user"), None)
+        if first_user is None:
+            raise _Problem("the record has images but no user turn to put them in")
+        first_user["content"] = [{"type": IMAGE_PART} for _ in paths] + first_user["content"]
+    elif column and placeholders != len(paths):
+        raise _Problem(
+            f"{placeholders} image placeholder{'s' if placeholders != 1 else ''} in the turns and {len(paths)} "
+            f"image{'s' if len(paths) != 1 else ''} in the '{'images' if 'images' in record else 'image'}' column: "
+            'each {"type": "image"} part takes the next image in order, so their counts must be equal'
+        )
+    elif not column and placeholders:
+        raise _Problem(
+            f"{placeholders} image part{'s' if placeholders != 1 else ''} without a path and no 'images' column: "
+            'give each image part its file ({"type": "image", "image": "photo.png"}) or add the column'
+        )
+    # the turns' roles, order and keys are checked as any chat's (formats.py), on a text-only copy
+    text_only = [
+        {**m, "content": " ".join(p["text"] if p["type"] == TEXT_PART else _STANDIN for p in m["content"])}
+        for m in messages
+    ]
+    rest = {k: v for k, v in record.items() if k not in ("messages", *IMAGE_KEYS)}
+    try:
+        formats.convert({**rest, "messages": text_only}, "messages")
+    except formats.RecordProblem as exc:
+        raise _Problem(str(exc)) from None
+    return {"messages": messages, "images": [str(p) for p in paths]}, paths
+
+
+def measure(path: Path) -> tuple[int, int]:
+    """(width, height) of an image decoded in full; _Problem if it is missing or does not decode."""
+    from PIL import Image
+
+    if not path.is_file():
+        raise _Problem(f"image {path} does not exist")
+    try:
+        with Image.open(path) as im:
+            im.load()  # decodes every pixel: a truncated or corrupt file fails here, not in a training step
+            return im.size
+    except Exception as exc:  # PIL raises UnidentifiedImageError, OSError, SyntaxError or ValueError by format
+        raise _Problem(f"image {path} does not decode as an image ({type(exc).__name__}: {exc})") from None
+
+
+def load_images(spec: Any) -> ImageData:
+    """The recipe's image data, every record normalized and every image opened; a DataError lists every bad record
+    (file and line, the field or the image path, the fix) at once."""
+    examples, where, sizes, problems = [], [], [], []
+    digest = hashlib.sha256()
+    records = []
+    seen: dict[Path, Any] = {}
+    for source in sources_of(spec):
+        if not source.local:
+            raise DataError(
+                f"{source.label()}: image data is read from local files in this version (a Hub dataset with an "
+                "Image feature is not read yet)",
+                fix="save the dataset's images and a JSONL beside them (docs/data.md, Images), and point data at it.",
+            )
+        got = read(source)
+        base = _base_dir(source)
+        records.append({**got.identity, "format": "chat with images", "examples": len(got.rows)})
+        for w, rec in got.rows:
+            try:
+                example, paths = normalize(rec, base)
+                measured = []
+                for p in paths:
+                    key = p.resolve()
+                    if key not in seen:
+                        try:
+                            seen[key] = measure(key)
+                            digest.update(str(key).encode() + hashlib.sha256(key.read_bytes()).digest())
+                        except _Problem as exc:
+                            seen[key] = exc
+                    if isinstance(seen[key], _Problem):
+                        raise seen[key]
+                    measured.append(seen[key])
+            except _Problem as exc:
+                problems.append(f"- {w}: {exc}")
+                continue
+            examples.append(example)
+            where.append(w)
+            sizes.append(measured)
+            digest.update(json.dumps(example, sort_keys=True).encode())
+    if problems:
+        shown = problems[:MAX_REPORTED] + (
+            [f"- ... and {len(problems) - MAX_REPORTED} more"] if len(problems) > MAX_REPORTED else []
+        )
+        raise DataError(
+            f"the image data has {len(problems)} bad record{'s' if len(problems) > 1 else ''}:\n" + "\n".join(shown),
+            fix="each record must be like: "
+            '{"messages": [{"role": "user", "content": [{"type": "image", "image": "photo.png"}, {"type": "text", '
+            '"text": "..."}]}, {"role": "assistant", "content": "..."}]} (paths relative to the data file), or '
+            'messages with {"type": "image"} placeholders and an "images" column; fix or remove these records '
+            "(docs/data.md, Images).",
+        )
+    if not examples:
+        raise DataError("the image data holds no records", fix="add examples, one record per line.")
+    return ImageData(examples, where, sizes, digest.hexdigest(), records)
+
+
+def refuse_text_model(model: str, spec: Any) -> None:
+    """Image data for a model without a vision tower: a DataError naming the model, the data and the fix."""
+    raise DataError(
+        f"the data ({', '.join(s.path for s in sources_of(spec))}) holds images, but the model {model} has no vision "
+        "tower (its config.json has no vision_config): it cannot read them",
+        fix="train a vision-language model (Qwen2.5-VL, Qwen3-VL, Gemma 3 4B+, ...), or remove the images from the "
+        "data.",
+    )
+
+
+def first_image_record(spec: Any) -> Optional[str]:
+    """Where the first record with an image is ("d.jsonl line 3"), for refusals that name one."""
+    for source in sources_of(spec):
+        if source.local and Path(source.path).expanduser().exists():
+            for w, r in read(source).rows:
+                if record_has_images(r):
+                    return w
+    return None
