@@ -99,9 +99,7 @@ def image_stats(recipe: Any):
     parts = split.for_recipe(data.examples, recipe)
     train = parts.train
     # "tokenizer": counted with the model's own tokenizer and template (the DataStats.tokens_source values)
-    stats = compute_stats(
-        [data.examples[i] for i in train], [lengths[i] for i in train], source, recipe.max_length
-    )
+    stats = compute_stats([data.examples[i] for i in train], [lengths[i] for i in train], source, recipe.max_length)
     longest = max(train, key=lambda i: lengths[i])
     image_tokens = [sum(per_image[i]) for i in train]
     facts = {

@@ -238,14 +238,11 @@ class Probe:
             )
         said_form = "it scores the answers' form (scores: form)"
         if not self.rights:
-            return (
-                f"{self.label}: runs and returns finite numbers that vary on {self._what()}"
-                + (
-                    f"; {said_form}"
-                    if form
-                    else "; whether it tells a right answer from a wrong one was not probed: the data has no reference "
-                    "and it reads no column of it"
-                )
+            return f"{self.label}: runs and returns finite numbers that vary on {self._what()}" + (
+                f"; {said_form}"
+                if form
+                else "; whether it tells a right answer from a wrong one was not probed: the data has no reference "
+                "and it reads no column of it"
             )
         source = "reference" if self.right == "reference" else f"column {self.right!r}"
         wins, losses = self._duel(values)
@@ -253,7 +250,9 @@ class Probe:
         if wins > losses:
             return (
                 f"{self.label}: tells the right answer (the {source}) from a wrong one (on {self._what()}; right "
-                f"above wrong in {wins} of {pairs} pairs" + (f", below in {losses}" if losses else "") + ")"
+                f"above wrong in {wins} of {pairs} pairs"
+                + (f", below in {losses}" if losses else "")
+                + ")"
                 + (f"; {said_form}" if form else "")
             )
         if form:
@@ -269,9 +268,8 @@ class Probe:
             why = "GRPO makes the higher-scored answers more likely, so it would teach wrong answers"
             fix = "return a higher value for a better answer (negate a penalty or a distance)"
         else:
-            what = (
-                f"scores the right answer (the {source}) like a wrong one of the same form"
-                + (f" (above in {wins} of {pairs} pairs, below in as many)" if wins else "")
+            what = f"scores the right answer (the {source}) like a wrong one of the same form" + (
+                f" (above in {wins} of {pairs} pairs, below in as many)" if wins else ""
             )
             why = (
                 "it has no signal: in a group whose answers differ only in being right or wrong, every answer would "
@@ -285,9 +283,9 @@ class Probe:
 
 
 def _wrong(right: str, others: list[str]) -> str:
-    """A wrong answer of the same form as `right`: each letter and digit moved one on (Paris -> Qbsjt, 5 -> 6, 19 -> 20),
-    so a reward that reads only the answer's length, case, spacing or punctuation scores both alike; where `right` has
-    no letter or digit, another prompt's different right answer, or a text that answers nothing."""
+    """A wrong answer of the same form as `right`: each letter and digit moved one on (Paris -> Qbsjt, 5 -> 6,
+    19 -> 20), so a reward that reads only the answer's length, case, spacing or punctuation scores both alike; where
+    `right` has no letter or digit, another prompt's different right answer, or a text that answers nothing."""
     moved = "".join(_next_char(c) for c in right)
     if task_metrics.normalise(moved) != task_metrics.normalise(right):
         return moved
@@ -332,6 +330,7 @@ class _seeded:
         random.setstate(self.state)
         if self.numpy is not None:
             sys.modules["numpy"].random.set_state(self.numpy)
+
 
 def _places(where: list[str]) -> str:
     """ "d.jsonl lines 1, 2, 3" for ["d.jsonl line 1", "d.jsonl line 2", "d.jsonl line 3"]; otherwise each in full."""

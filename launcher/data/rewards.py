@@ -371,7 +371,9 @@ def _probe_function(
     if named:  # the column it reads is where it finds the right answer (Unsloth's `answer`, TRL's `solution`)
         right = named[0]
     reads = (
-        "message lists, [{'role': 'assistant', 'content': ...}]" if isinstance(rows[0]["prompt"], list) else "plain strings"
+        "message lists, [{'role': 'assistant', 'content': ...}]"
+        if isinstance(rows[0]["prompt"], list)
+        else "plain strings"
     )
     if form:
         fix = alike = f"make it score answers of a different form differently (it reads the completions as {reads})"

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import yaml
@@ -67,7 +66,8 @@ CASES = [
     ("a single float", {"reward": {"function": "rewards.py:score"}}, "one_float", None, 2,
      ["rewards.py:score returned float 1.0, not a list", "one float per completion"]),
     ("num_generations does not divide", {"grpo": {"num_generations": 3, "max_completion_length": 16}}, None, None, 2,
-     ["grpo.num_generations 3 does not divide", "micro_batch_size 8", "set gradient_accumulation_steps to a multiple of 3"]),
+     ["grpo.num_generations 3 does not divide", "micro_batch_size 8",
+      "set gradient_accumulation_steps to a multiple of 3"]),
     ("references missing", {"reward": {"metric": "exact"}}, None, _rows(reference=False), 2,
      ["reward is the task metric exact", "math.jsonl line 1 has none", "give those rows a reference"]),
     ("misspelled grpo key", {"grpo": {"num_generation": 4}}, None, None, 2,
@@ -130,7 +130,8 @@ CASES = [
     ("a form reward beside an answer reward (accepted)",
      {"reward": [{"function": "rewards.py:correctness_reward_func"},
                  {"function": "trl.rewards:think_format_reward", "scores": "form", "weight": 0.5}]}, "unsloth", None,
-     0, ["think_format_reward: it scores the answers' form (scores: form): a right answer (the reference) and a wrong one of the same form score alike",
+     0, ["think_format_reward: it scores the answers' form (scores: form): a right answer (the reference) and a "
+         "wrong one of the same form score alike",
          "correctness_reward_func: tells the right answer (the column 'answer')"]),
     ("a metric that is 0 on the base model's answers (accepted)", {"reward": {"metric": "exact"}}, None, None, 0,
      ["probed reward (the task metric exact): tells the right answer (the reference) from a wrong one"]),
@@ -144,7 +145,8 @@ if importlib.util.find_spec("vllm") is None:
 if importlib.util.find_spec("math_verify") is None:
     CASES.append(
         ("accuracy_reward without math_verify", {"reward": {"function": "trl.rewards:accuracy_reward"}}, None,
-         [{**r, "solution": r["answer"]} for r in _rows()], 2, ["accuracy_reward raised ImportError", "math_verify", "pip install math-verify"])
+         [{**r, "solution": r["answer"]} for r in _rows()], 2,
+         ["accuracy_reward raised ImportError", "math_verify", "pip install math-verify"])
     )  # fmt: skip
 
 
