@@ -49,6 +49,10 @@ class Job:
     padding_free: bool = False
     dense_mask: bool = False
     kl_forward: bool = False  # KTO: each example's KL sequence, forward only (methods.Objective.kl_forward)
+    # a vision-language model (launcher/plan/vision.py): LoRA on the tower too, and the patches the tower runs on in
+    # the largest micro-batch (the longest example's images, micro_batch of them)
+    lora_vision: bool = False
+    vision_patches: int = 0
 
     @property
     def rows_hold_several_examples(self) -> bool:
@@ -88,6 +92,8 @@ class Job:
             generation_batch=self.micro_batch * self.accumulation if self.answers_per_prompt > 1 else 0,
             dense_mask=self.dense_mask and engine != "unsloth" and self.rows_hold_several_examples,
             kl_forward=self.kl_forward,
+            lora_vision=self.lora_vision,
+            vision_patches=self.vision_patches,
         )
 
 
@@ -175,6 +181,9 @@ def _job(
         completion,
         padding_free=bool(getattr(recipe, "padding_free", False)) or bool(recipe.packing),
         kl_forward=objective.kl_forward,
+        lora_vision=bool(getattr(recipe.lora, "vision_tower", False)),
+        vision_patches=recipe.micro_batch_size
+        * int((getattr(data_stats, "images", None) or {}).get("patches_longest", 0)),
     )
     return job, notes
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from launcher.methods import METHODS, is_quantized
+from launcher.plan import vision
 from launcher.plan.sizing_constants import CPU_RUNTIME_GB, CUDA_CONTEXT_GB, GB, NF4_BYTES, USABLE_RAM_FRACTION
 
 if TYPE_CHECKING:  # for the annotations only: at run time this module imports nothing else
@@ -26,8 +27,10 @@ def _sixteen_bit_adapter(method: str) -> bool:
 
 
 def nf4_model_bytes(arch: Arch) -> float:
-    """The whole model as QLoRA holds it: linear weights in NF4, embeddings, head and norms in 16 bits."""
-    return arch.linear_params * NF4_BYTES + (arch.params - arch.linear_params) * 2
+    """The whole model as QLoRA holds it: linear weights in NF4 (a vision tower's too: vision.quantized_params),
+    embeddings, head and norms in 16 bits."""
+    four_bit = arch.linear_params + vision.quantized_params(arch)
+    return four_bit * NF4_BYTES + (arch.params - four_bit) * 2
 
 
 def layer_unit_bytes(arch: Arch, w: Any) -> float:

@@ -20,7 +20,14 @@ ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 LINEAR_MODULES = ATTENTION_MODULES + MLP_MODULES
 # Model types whose attention carries a bias on q, k and v (Qwen2/2.5 and the Qwen2-VL family's language models)
-QKV_BIAS_TYPES = ("qwen2", "qwen2_moe", "qwen2_vl_text", "qwen2_5_vl_text")
+QKV_BIAS_TYPES = (
+    "qwen2",
+    "qwen2_moe",
+    "qwen2_vl_text",
+    "qwen2_5_vl_text",
+    "qwen2_vl",
+    "qwen2_5_vl",
+)  # flat VL configs too
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,8 @@ class Architecture:
     # parameters, part of `params` (launcher/plan/vision.py counts them; 0 where it cannot)
     vision_tower: str = ""
     vision_params: int = 0
+    # the tower's linear layers, (leaf, d_in, d_out, count): what QLoRA quantizes and LoRA reaches there (vision.py)
+    vision_linears: tuple = ()
 
     @property
     def q_dim(self) -> int:
@@ -200,6 +209,7 @@ def from_config(cfg: dict[str, Any], name: str, source: str) -> Architecture:
         rope_scaling=_rope_scaling(c),
         vision_tower=str(cfg.get("model_type", "")) if isinstance(cfg.get("vision_config"), dict) else "",
         vision_params=vision.tower_params(cfg),
+        vision_linears=vision.tower_linears(cfg),
     )
 
 

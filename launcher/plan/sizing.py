@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from launcher.engine_kinds import SHARDING
 from launcher.methods import METHODS, is_adapter, is_quantized
+from launcher.plan import vision
 from launcher.plan.loading_memory import _loading, embedding_unit_bytes, layer_unit_bytes
 from launcher.plan.loss_head import (
     FUSED_TOKEN_TILE,
@@ -113,6 +114,10 @@ class Workload:
     # KTO (launcher/methods.py Objective.kl_forward): each example's KL sequence (its prompt with another example's
     # answer) runs forward without a gradient through the policy, and through the reference where it runs each step.
     kl_forward: bool = False
+    # A vision-language model (launcher/plan/vision.py): LoRA on the vision tower too (lora.vision_tower), and the
+    # patches the tower runs on in the largest micro-batch (its longest example's images, micro_batch of them).
+    lora_vision: bool = False
+    vision_patches: int = 0
 
     @property
     def loss_kind(self) -> str:
@@ -193,7 +198,8 @@ def _count(n: float) -> str:
 
 def trainable_params(arch: Arch, w: Workload) -> int:
     if is_adapter(w.method):
-        return arch.lora_params(w.lora_r, w.lora_targets)
+        tower = vision.lora_params(arch, w.lora_r, w.lora_targets) if w.lora_vision else 0
+        return arch.lora_params(w.lora_r, w.lora_targets) + tower
     return arch.params
 
 
@@ -257,10 +263,13 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
     fp32_master = not cpu and _adamw_full(w.method) and w.engine not in SHARDING
 
     if is_quantized(w.method):
-        other = P - arch.linear_params  # embeddings, lm_head, norms stay 16-bit
-        terms["weights"] = (arch.linear_params * NF4_BYTES + other * b16) / n / GB
+        # the decoder's linear weights and a vision tower's (transformers' 4-bit loading quantizes both: vision.py)
+        four_bit = arch.linear_params + vision.quantized_params(arch)
+        other = P - four_bit  # embeddings, lm_head, norms stay 16-bit
+        terms["weights"] = (four_bit * NF4_BYTES + other * b16) / n / GB
+        tower = " (the vision tower's included)" if arch.vision_linears else ""
         why["weights"] = (
-            f"{_count(arch.linear_params)} linear weights in NF4 ({NF4_BYTES:.3f} B/param with "
+            f"{_count(four_bit)} linear weights{tower} in NF4 ({NF4_BYTES:.3f} B/param with "
             f"quantization constants) + {_count(other)} embedding/head/norm params in "
             f"{'fp32' if cpu else 'bf16'}{shard}"
         )
@@ -330,6 +339,16 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
         why["activations"] = (
             f"no gradient checkpointing: all {arch.layers} layers keep their activations "
             f"({layer / 1e3:.0f} KB/token/layer) for {t:,} tokens per micro-batch"
+        )
+    tower = vision.activation_bytes(
+        arch, w.vision_patches, w.gradient_checkpointing, trains=not is_adapter(w.method) or w.lora_vision
+    )
+    if tower:
+        terms["activations"] += tower / GB
+        why["activations"] += (
+            f"; the vision tower over {w.vision_patches:,} patches: "
+            + ("each block's input kept, one block recomputed" if w.gradient_checkpointing else "every block's tensors")
+            + f" ({tower / GB:.2f} GB)"
         )
     if cpu:
         # The CPU attention path (math SDPA) materialises the score matrix: heads x s^2 fp32, twice for backward.

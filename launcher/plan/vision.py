@@ -13,9 +13,44 @@ from __future__ import annotations
 from typing import Any
 
 from launcher.methods import is_adapter
+from launcher.plan.sizing_constants import LAYER_BACKWARD_FACTOR
 
 # Model types whose vision tower this module counts (config.json model_type).
 COUNTED = ("qwen2_5_vl",)
+
+# Qwen2.5-VL-7B-Instruct's config.json, the values the plan reads (the language model at the top level, the vision
+# tower in vision_config) and the placeholder token ids: the 7B shape that docs/sizing.md compares with a published
+# measurement (tests/plan/test_vision_plan.py) and that the GPU check builds with random weights (gpu_check's vision
+# step: launcher/worker/gpu_check/vision_check.py).
+QWEN25_VL_7B: dict[str, Any] = {
+    "model_type": "qwen2_5_vl",
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152064,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 128000,
+    "rope_theta": 1000000.0,
+    "mrope_section": [16, 24, 24],
+    "image_token_id": 151655,
+    "video_token_id": 151656,
+    "vision_start_token_id": 151652,
+    "vision_end_token_id": 151653,
+    "vision_config": {
+        "depth": 32,
+        "hidden_size": 1280,
+        "intermediate_size": 3420,
+        "num_heads": 16,
+        "out_hidden_size": 3584,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 112,
+        "fullatt_block_indexes": [7, 15, 23, 31],
+    },
+}
 
 # LoRA's reach, as the recipe's lora.vision_tower chooses it. vLLM loads LoRA on the language model only and ignores
 # (with a warning) adapter weights on the vision blocks (issue 57): an adapter that reaches the tower is served merged.
@@ -50,6 +85,65 @@ def tower_params(cfg: dict[str, Any]) -> int:
     return embed + depth * block + merger
 
 
+def tower_linears(cfg: dict[str, Any]) -> tuple[tuple[str, int, int, int], ...]:
+    """The tower's linear layers as (leaf name, d_in, d_out, count), in the modules of transformers 5.24's
+    Qwen2.5-VL (modeling_qwen2_5_vl.py: each block's attn.qkv and attn.proj, mlp.gate_proj, up_proj and down_proj;
+    the merger's mlp.0 and mlp.2); () for a model whose tower this module does not count. What 4-bit loading
+    quantizes (quantized_params) and LoRA reaches (lora_params) are counted from these."""
+    v = cfg.get("vision_config")
+    if not counted(cfg):
+        return ()
+    h = int(v.get("hidden_size", 3584))
+    i = int(v.get("intermediate_size", 3420))
+    depth = int(v.get("depth", 32))
+    wide = h * int(v.get("spatial_merge_size", 2)) ** 2
+    out = int(v.get("out_hidden_size", 3584))
+    blocks = [("qkv", h, 3 * h), ("proj", h, h), ("gate_proj", h, i), ("up_proj", h, i), ("down_proj", i, h)]
+    return tuple((leaf, a, b, depth) for leaf, a, b in blocks) + (("0", wide, wide, 1), ("2", wide, out, 1))
+
+
+def quantized_params(arch: Any) -> int:
+    """The tower's weights that QLoRA's 4-bit loading quantizes: every linear layer's. transformers 5.24's
+    bitsandbytes quantizer converts every nn.Linear but the modules get_keys_to_not_convert names (quantizers/base.py:
+    tied weights, the last module, the output embeddings: the LM head), so the tower's and the merger's linear layers
+    load in NF4 (launcher/worker/loading.py quantization_config names no others); the patch embedding (a Conv3d),
+    norms and biases stay 16-bit. Unsloth's pre-quantized Qwen2.5-VL repositories quantize the blocks as well."""
+    return sum(a * b * n for _, a, b, n in getattr(arch, "vision_linears", ()))
+
+
+def lora_params(arch: Any, r: int, targets: Any) -> int:
+    """LoRA's parameters in the tower where the recipe adapts it (lora.vision_tower), by the worker's rule
+    (launcher/worker/vision_train.py lora_targets): with all-linear every linear layer of the tower and the
+    merger, with a list of names the attention's qkv and proj (and any leaf the list names)."""
+    total = 0
+    for leaf, a, b, n in getattr(arch, "vision_linears", ()):
+        if targets == "all-linear" or leaf in ("qkv", "proj") or leaf in targets:
+            total += r * (a + b) * n
+    return total
+
+
+def activation_bytes(arch: Any, patches: int, checkpointing: bool, trains: bool) -> float:
+    """What the tower keeps for the backward pass over `patches` patches (one micro-batch's images), bf16.
+
+    transformers 5.24's enable_input_require_grads hooks every sub-model's input embeddings, and the tower's is its
+    patch embedding (modeling_qwen2_5_vl.py: _input_embed_layer = "patch_embed"): under gradient checkpointing
+    (launcher/worker/loading.py add_lora calls it, trl's SFTTrainer too) the frozen tower's output requires a
+    gradient, so its blocks are checkpointed like the decoder's (Qwen2_5_VLVisionBlock is a
+    GradientCheckpointingLayer): each block's input is saved and one block is recomputed in the backward. Without
+    checkpointing a frozen tower runs without a graph (nothing kept) and a trained one keeps every block's tensors.
+    A block keeps, per patch: two fp32 RMSNorm inputs, q, k, v and the attention output, gate, up and act(gate), and
+    a 16-bit copy of each LoRA-adapted layer's input."""
+    linears = {leaf: (a, b) for leaf, a, b, _ in getattr(arch, "vision_linears", ())}
+    if not patches or "qkv" not in linears or not (checkpointing or trains):
+        return 0.0
+    h, i = linears["qkv"][0], linears["gate_proj"][1]
+    depth = next(n for leaf, _, _, n in arch.vision_linears if leaf == "qkv")
+    block = 2 * 4 * h + 2 * 4 * h + 2 * 3 * i + (2 * (4 * h + i) if trains else 0)
+    if checkpointing:
+        return patches * (depth * h * 2 + LAYER_BACKWARD_FACTOR * block)
+    return patches * depth * block
+
+
 def counted(cfg: dict[str, Any]) -> bool:
     return isinstance(cfg.get("vision_config"), dict) and cfg.get("model_type") in COUNTED
 
@@ -73,8 +167,8 @@ def notes(arch: Any, recipe: Any, stats: Any) -> list[str]:
             f"images: {facts['images']:,} in the training examples, {facts['image_tokens']:,} image tokens "
             f"({facts['rule']}); the longest example, {longest['where']}, is {longest['tokens']:,} tokens of which "
             f"{longest['image_tokens']:,} image tokens; its images are {facts['patches_longest']:,} patches in the "
-            "vision tower (frozen under LoRA: its activations are not kept for the backward pass; a GPU run measures "
-            "the peak)"
+            "vision tower (under gradient checkpointing each tower block's input is kept for the backward pass, "
+            "frozen or not: the memory counts them; a GPU run measures the peak)"
         )
     if is_adapter(getattr(recipe, "method", "")):
         lines.append(WITH_TOWER if getattr(recipe.lora, "vision_tower", False) else LANGUAGE_MODEL_ONLY)

@@ -589,3 +589,15 @@ def test_a_preflight_that_cannot_measure_the_box_still_lists_every_step(tmp_path
     assert [r[0] for r in rows] == ["tiny-model", "device"]
     report = json.loads((tmp_path / "preflight.json").read_text())
     assert "Segmentation fault" in report["box"]["error"]
+
+
+@pytest.mark.slow
+def test_the_vision_step_trains_the_tiny_vlm_and_runs_the_7b_code_on_the_tiny_config(dry_run):
+    data = _result(dry_run, "vision")
+    if data["status"] == "skipped":
+        pytest.skip(data["line"])
+    tiny = data["tiny"]
+    assert tiny["device"] == "cpu" and tiny["loss_falls"] and tiny["images"] > 0
+    assert data["shape"]["name"] == "tiny VLM (dry run)" and data["shape"]["peak_memory_gb"] > 0
+    assert data["plan"]["memory_gb"] > 0 and "decides" not in data  # the verdicts are a GPU's
+    assert "needs a GPU" in data["line"]

@@ -28,6 +28,7 @@ from launcher.worker.gpu_check.resume_check import step_resume_exact
 from launcher.worker.gpu_check.smoke_check import step_smoke_bench
 from launcher.worker.gpu_check.tiny_model import step_tiny_model
 from launcher.worker.gpu_check.unsloth_check import step_unsloth
+from launcher.worker.gpu_check.vision_check import step_vision
 from launcher.worker.gpu_check.vs_trl import step_vs_trl, trl_child
 from launcher.worker.gpu_check.training import GPU_SHAPE
 
@@ -54,6 +55,7 @@ STEPS = (
     "resume-exact",
     "product-dpo",
     "product-qlora",
+    "vision",
     "vs-trl",
     "bench-lora-fast",
     "bench-full",
@@ -81,6 +83,7 @@ TIMEOUTS = {
     "resume-exact": (180, 300),
     "product-dpo": (120, 300),
     "product-qlora": (150, 480),
+    "vision": (240, 120),
     "bench-lora": (90, 120),
     "vs-trl": (120, 300),
     "bench-lora-fast": (120, 120),
@@ -107,6 +110,7 @@ PRESETS = {
         "product-qlora",
     ),
     "unsloth": ("tiny-model", "product-lora", "unsloth"),  # the second call: TRL 1.15 beside Unsloth, one stack
+    "vision": ("vision",),  # issue 57: the tiny VLM on the card, the 7B shape's memory and tokens/s against the plan
 }
 STEP_FUNCS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "tiny-model": step_tiny_model,
@@ -132,6 +136,7 @@ STEP_FUNCS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "product-grpo": step_product_grpo,
     "product-qlora": step_product_qlora,
     "unsloth": step_unsloth,
+    "vision": step_vision,
 }
 
 
