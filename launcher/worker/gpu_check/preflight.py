@@ -65,7 +65,8 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "bench-padding": ("transformers", "peft"),
     "loss-head": ("transformers", "trl"),
     "fsdp": ("transformers", "accelerate", "peft"),
-    "vision": ("transformers", "peft", "trl", "PIL"),  # vision_check.py: the processor's images, trl's collator
+    # vision_check.py: the processor's images (PIL), its chat template (jinja2), trl's collator (which imports datasets)
+    "vision": ("transformers", "peft", "trl", "datasets", "PIL", "jinja2", "yaml"),
 }
 # Modules whose absence makes a step say "skipped" rather than fail (it checks them itself and says which wheels).
 OPTIONAL = {"trl", "datasets", "pydantic", "peft", "bitsandbytes", "unsloth", "accelerate"}
