@@ -340,7 +340,8 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
             f"no gradient checkpointing: all {arch.layers} layers keep their activations "
             f"({layer / 1e3:.0f} KB/token/layer) for {t:,} tokens per micro-batch"
         )
-    tower = vision.activation_bytes(
+    # counted in bf16; the CPU worker trains in fp32 (b16 = 4): twice the bytes
+    tower = (b16 / 2) * vision.activation_bytes(
         arch, w.vision_patches, w.gradient_checkpointing, trains=not is_adapter(w.method) or w.lora_vision
     )
     if tower:

@@ -100,7 +100,7 @@ UNSLOTH_TRAINABLE = 51_521_536
 TOLERANCE = 0.15  # issue 57: "the plan's 7B memory within 15% of the cited measurement"
 
 
-def _plan_7b(tmp_path, tokens: int, patches: int, **fields):
+def _plan_7b(tmp_path, tokens: int, patches: int, gpus: str = "T4", **fields):
     from types import SimpleNamespace
 
     from launcher.plan.hardware import from_spec
@@ -130,7 +130,7 @@ def _plan_7b(tmp_path, tokens: int, patches: int, **fields):
             "patches_longest": patches,
         },
     )
-    return make_plan(recipe, from_spec("T4"), stats, unsloth_available=True)
+    return make_plan(recipe, from_spec(gpus), stats, unsloth_available=True)
 
 
 def test_the_7b_qlora_memory_is_within_15_percent_of_unsloths_published_peak(tmp_path):
@@ -181,3 +181,39 @@ def test_the_7b_qlora_weights_count_the_towers_linear_layers_in_4_bit(tmp_path):
     want = (four_bit * NF4_BYTES + (arch.params - four_bit) * 2) / GB
     assert qlora.memory["breakdown_gb"]["weights"] == round(want, 2)
     assert "the vision tower's included" in qlora.memory["explanations"]["weights"]
+
+
+def test_the_towers_activations_follow_checkpointing_and_what_trains(tmp_path):
+    """Under gradient checkpointing each tower block keeps its input and one block is recomputed, frozen or not
+    (transformers 5.24's enable_input_require_grads hooks the patch embedding); without it a frozen tower keeps
+    nothing and a trained one every block's tensors. The plan runs micro_batch x the longest example's patches."""
+    from launcher.plan import sizing, vision
+    from launcher.plan.models import from_config
+    from launcher.plan.sizing_constants import GB, LAYER_BACKWARD_FACTOR
+
+    arch = from_config(QWEN25_VL_7B, "7b", "test")
+    h, i, depth, patches = 1280, 3420, 32, 8464  # 1,288 x 1,288 pixels: 92 x 92 patches
+    frozen_block = 2 * 4 * h + 2 * 4 * h + 2 * 3 * i
+    assert vision.activation_bytes(arch, patches, True, False) == patches * (
+        depth * h * 2 + LAYER_BACKWARD_FACTOR * frozen_block
+    )
+    assert vision.activation_bytes(arch, patches, False, False) == 0.0
+    assert vision.activation_bytes(arch, patches, False, True) == patches * depth * (frozen_block + 2 * (4 * h + i))
+    base = sizing.Workload("lora", 2048, 1)
+    with_images = sizing.Workload("lora", 2048, 1, vision_patches=patches)
+    grown = (
+        sizing.memory(arch, with_images).breakdown_gb["activations"]
+        - sizing.memory(arch, base).breakdown_gb["activations"]
+    )
+    assert abs(grown - vision.activation_bytes(arch, patches, True, False) / GB) < 1e-9
+    plan = _plan_7b(
+        tmp_path,
+        1024,
+        patches,
+        "H100-80GB",
+        method="lora",
+        engine="trl",
+        micro_batch_size=2,
+        gradient_checkpointing=True,
+    )
+    assert f"the vision tower over {2 * patches:,} patches" in plan.memory["explanations"]["activations"]
