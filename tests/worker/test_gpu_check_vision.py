@@ -60,6 +60,8 @@ def test_the_image_batch_has_the_processors_layout():
     assert row.count(QWEN25_VL_7B["image_token_id"]) == 256
     start = row.index(QWEN25_VL_7B["vision_start_token_id"])
     assert row[start + 257] == QWEN25_VL_7B["vision_end_token_id"]
+    # the image tokens marked as the processor marks them, without which transformers computes no M-RoPE positions
+    assert b["mm_token_type_ids"].sum(dim=1).tolist() == [256, 256]
     with pytest.raises(ValueError, match="no room for text"):
         vision_check.image_batch(QWEN25_VL_7B, 448, 200, 1, "cpu", torch.bfloat16)
 

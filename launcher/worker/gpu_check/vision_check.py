@@ -104,6 +104,7 @@ def train_tiny(ctx: Context) -> dict[str, Any]:
         "dtype": str(dtype).replace("torch.", ""),
         "loaded": said,
         "images": int(batch["image_grid_thw"].shape[0]),
+        "inputs": sorted(batch),  # what the collator handed the model (mm_token_type_ids: M-RoPE's 3-D positions)
         "pixel_values": list(batch["pixel_values"].shape),
         "loss_falls": falls,
         **run,
@@ -161,7 +162,8 @@ def _tiny_shape(path: Path) -> dict[str, Any]:
 def image_batch(cfg: dict[str, Any], side: int, tokens: int, rows: int, device: str, dtype) -> dict[str, Any]:
     """`rows` rows of `tokens` tokens, each one square image of `side` pixels (random pixel values) amid random text:
     the processor's layout (<|vision_start|>, one <|image_pad|> per merged patch, <|vision_end|>; pixel_values as
-    patches x channels * temporal * patch^2; image_grid_thw), labels as TRL's collator makes them."""
+    patches x channels * temporal * patch^2; image_grid_thw; mm_token_type_ids), labels as TRL's collator makes
+    them."""
     import torch
 
     v = cfg["vision_config"]
@@ -188,10 +190,14 @@ def image_batch(cfg: dict[str, Any], side: int, tokens: int, rows: int, device: 
         )
         ids.append(row)
     input_ids = torch.stack(ids)
+    # text 0, image 1, as the processor returns them (processing_qwen2_5_vl.py return_mm_token_type_ids): without
+    # them transformers computes no M-RoPE positions (modeling_qwen2_5_vl.py compute_3d_position_ids)
+    types = (input_ids == cfg["image_token_id"]).int()
     pixels = torch.randn(rows * patches, v.get("in_channels", 3) * temporal * patch * patch, generator=g)
     return {
         "input_ids": input_ids.to(device),
         "attention_mask": torch.ones_like(input_ids).to(device),
+        "mm_token_type_ids": types.to(device),
         "labels": input_ids.clone().to(device),
         "pixel_values": pixels.to(device=device, dtype=dtype),
         "image_grid_thw": torch.tensor([[1, grid, grid]] * rows).to(device),
@@ -346,10 +352,13 @@ def step_vision(ctx: Context) -> dict[str, Any]:
         why = f"{', '.join(missing)} not installed (scripts/device_wheels.sh's wheels, carried as .cache/device-wheels)"
         return {"ok": None, "skipped": why, "line": f"skipped: {why}"}
     result: dict[str, Any] = {}
-    tiny = train_tiny(ctx)
+    try:  # each part on its own: the 7B measurement stands where the tiny model fails, and the other way round
+        tiny = train_tiny(ctx)
+    except Exception as exc:  # noqa: BLE001 - recorded with its reason
+        tiny = {"error": first_line(exc), "device": ctx.device}
     result["tiny"] = tiny
     ctx.progress(**result)
-    cfg = _QWEN25_VL_7B() if ctx.device == "cuda" else _tiny_shape(Path(tiny["model"]))
+    cfg = _QWEN25_VL_7B() if ctx.device == "cuda" else _tiny_shape(tiny_vlm(ctx))
     try:
         shape = train_shape(ctx, cfg)
     except Exception as exc:  # noqa: BLE001 - out of memory included: recorded with the plan's figure beside it
@@ -357,10 +366,13 @@ def step_vision(ctx: Context) -> dict[str, Any]:
     result["shape"] = {"name": "Qwen2.5-VL-7B" if ctx.device == "cuda" else "tiny VLM (dry run)", **shape}
     if "error" not in shape:
         result["plan"] = plan_figures(ctx, cfg, shape)
-    ok = tiny["loss_falls"] and "error" not in shape
+    ok = bool(tiny.get("loss_falls")) and "error" not in shape
     line = (
-        f"tiny VLM on {tiny['device']}: loss {tiny['losses'][0]:.3f} -> {tiny['losses'][-1]:.3f}, "
-        f"{tiny['tokens_per_second']:,.0f} tokens/s, peak {tiny['peak_memory_gb']} GB"
+        f"tiny VLM on {tiny['device']}: {tiny['error']}"
+        if "error" in tiny
+        else f"tiny VLM on {tiny['device']}: loss {tiny['losses'][0]:.3f} -> {tiny['losses'][-1]:.3f}"
+        + ("" if tiny["loss_falls"] else " (did not fall)")
+        + f", {tiny['tokens_per_second']:,.0f} tokens/s, peak {tiny['peak_memory_gb']} GB"
     )
     if "error" in shape:
         line += f"; {result['shape']['name']}: {shape['error']}"
