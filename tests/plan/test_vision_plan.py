@@ -8,6 +8,8 @@ import math
 import struct
 from pathlib import Path
 
+import pytest
+
 from launcher.data.stats import data_stats
 from launcher.plan.models import load_architecture
 from launcher.plan.vision import LANGUAGE_MODEL_ONLY, QWEN25_VL_7B, WITH_TOWER, notes, tower_params
@@ -217,3 +219,36 @@ def test_the_towers_activations_follow_checkpointing_and_what_trains(tmp_path):
         gradient_checkpointing=True,
     )
     assert f"the vision tower over {2 * patches:,} patches" in plan.memory["explanations"]["activations"]
+
+
+# Published (a round figure in a comment, not a printed peak): ms-swift's examples/train/multimodal/caption.sh
+# (github.com/modelscope/ms-swift), "# 22GiB": Qwen2.5-VL-7B-Instruct (Qwen2-VL-7B when the figure was written,
+# 2024-12), LoRA r=8 alpha 32 all-linear on the language model, tower and aligner frozen, batch 1, max_length 2048,
+# MAX_PIXELS 1,003,520, COCO 2014 captions (640 x 480 images: 391 image tokens, about 440 tokens a row), ms-swift's
+# default gradient checkpointing, bf16; ms-swift logs max_memory_reserved.
+SWIFT_LORA_GB = 22.0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="docs/sizing.md: the plan for caption.sh's settings is 16.2 GB with ftrun's fused LM head (17.0 with the "
+    "model's own loss, as ms-swift computes it) without the CUDA context, 0.74-0.77 of ms-swift's round 22 GiB; the "
+    "5 GB beyond its terms is no activation term of a 440-token row. The GPU check's vision step measures the 7B "
+    "LoRA peak. Strict: an unexpected pass fails the suite, and this becomes a plain test",
+)
+def test_the_7b_lora_memory_against_ms_swifts_caption_example(tmp_path):
+    from launcher.plan.sizing_constants import CUDA_CONTEXT_GB
+
+    plan = _plan_7b(
+        tmp_path,
+        440,
+        1564,
+        "A100-80GB",
+        method="lora",
+        engine="trl",
+        micro_batch_size=1,
+        gradient_checkpointing=True,
+        lora={"r": 8, "alpha": 32, "target_modules": "all-linear"},
+    )
+    allocator = sum(plan.memory["breakdown_gb"].values()) - CUDA_CONTEXT_GB
+    assert abs(allocator / SWIFT_LORA_GB - 1) <= TOLERANCE, plan.memory["breakdown_gb"]
