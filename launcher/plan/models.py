@@ -19,15 +19,9 @@ from launcher.plan import vision
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 LINEAR_MODULES = ATTENTION_MODULES + MLP_MODULES
-# Model types whose attention carries a bias on q, k and v (Qwen2/2.5 and the Qwen2-VL family's language models)
-QKV_BIAS_TYPES = (
-    "qwen2",
-    "qwen2_moe",
-    "qwen2_vl_text",
-    "qwen2_5_vl_text",
-    "qwen2_vl",
-    "qwen2_5_vl",
-)  # flat VL configs too
+# Model types whose attention carries a bias on q, k and v (Qwen2/2.5 and the Qwen2-VL family's language models: the
+# nested text_config's type, or the flat config.json's, as Qwen2.5-VL-7B-Instruct publishes it)
+QKV_BIAS_TYPES = ("qwen2", "qwen2_moe", "qwen2_vl_text", "qwen2_5_vl_text", "qwen2_vl", "qwen2_5_vl")
 
 
 @dataclass(frozen=True)

@@ -267,9 +267,9 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
         four_bit = arch.linear_params + vision.quantized_params(arch)
         other = P - four_bit  # embeddings, lm_head, norms stay 16-bit
         terms["weights"] = (four_bit * NF4_BYTES + other * b16) / n / GB
-        tower = " (the vision tower's included)" if arch.vision_linears else ""
+        with_tower = " (the vision tower's included)" if arch.vision_linears else ""
         why["weights"] = (
-            f"{_count(four_bit)} linear weights{tower} in NF4 ({NF4_BYTES:.3f} B/param with "
+            f"{_count(four_bit)} linear weights{with_tower} in NF4 ({NF4_BYTES:.3f} B/param with "
             f"quantization constants) + {_count(other)} embedding/head/norm params in "
             f"{'fp32' if cpu else 'bf16'}{shard}"
         )
