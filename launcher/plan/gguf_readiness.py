@@ -235,6 +235,12 @@ def shipped_projectors() -> dict[str, str]:
     return json.loads(ARCHITECTURES_FILE.read_text())["mmproj_architectures"]
 
 
+# The attention window llama.cpp's mtmd gives a Qwen2.5-VL vision tower when the projector GGUF names none
+# (vendor/llama.cpp/tools/mtmd/clip.cpp: `hparams.attn_window_size > 0 ? hparams.attn_window_size : 112`): the
+# published models' vision_config.window_size.
+LLAMACPP_QWEN25VL_WINDOW = 112
+
+
 def projector_problem(model: str) -> Optional[str]:
     """Why llama.cpp's converter cannot write this vision-language model's projector GGUF (`--mmproj`), or None
     (a text model, a model whose config is not on this box, or a projector it converts). The installed converter's
@@ -262,6 +268,14 @@ def projector_problem(model: str) -> Optional[str]:
                 f"{where} cannot convert the vision projector of {arch!r} with a vision tower of depth {depth}: it "
                 "maps the merger's visual.merger.mlp.2 only for a tower of 3 blocks or more (gguf-py "
                 "tensor_mapping.py, block ids below the tower's depth)"
+            )
+        window = cfg["vision_config"].get("window_size", LLAMACPP_QWEN25VL_WINDOW)
+        if cfg.get("model_type") == "qwen2_5_vl" and window != LLAMACPP_QWEN25VL_WINDOW:
+            return (
+                f"llama.cpp would run the vision tower of this {arch!r} with other attention windows than training "
+                f"did: the pinned converter writes no window size for qwen2.5vl (conversion/qwenvl.py), and "
+                f"llama.cpp's mtmd then uses {LLAMACPP_QWEN25VL_WINDOW} pixels (tools/mtmd/clip.cpp, "
+                f"attn_window_size default) where the model's vision_config.window_size is {window}"
             )
         return None
     return (

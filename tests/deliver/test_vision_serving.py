@@ -48,6 +48,15 @@ def test_projector_of_a_two_block_tower_refused_with_the_converters_reason(tiny_
     assert why is not None and "visual.merger.mlp.2" in why and "depth 2" in why
 
 
+def test_projector_refused_where_llama_cpp_would_use_other_attention_windows(tmp_path):
+    model = _model(tmp_path, "Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl")
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["vision_config"]["window_size"] = 56
+    (model / "config.json").write_text(json.dumps(cfg))
+    why = gguf_readiness.projector_problem(str(model))
+    assert why is not None and "uses 112 pixels" in why and "window_size is 56" in why
+
+
 def test_projector_accepted_for_qwen2_5_vl_and_ignored_for_text_models(tmp_path):
     qwen25 = _model(tmp_path, "Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl", depth=32)
     assert gguf_readiness.projector_problem(str(qwen25)) is None
