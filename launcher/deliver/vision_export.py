@@ -165,6 +165,8 @@ def export_vision(inp, report: dict[str, Any]) -> None:
         architecture=(cfg.get("architectures") or [""])[0],
         bounds=bounds,
     )
+    if gg.get("parity_through", "").startswith("the text GGUF alone"):
+        cmds["notes"].append(f"the GGUF pair was not checked with images: {gg['parity_through']}")
     report["serving_commands"] = cmds
     (final / "SERVING.md").write_text(f"# Serving {inp.run.root.name}\n\n" + vision_serving.serving_text(cmds))
     report["serving"] = str(final / "SERVING.md")

@@ -173,3 +173,22 @@ def test_export_refuses_a_tower_the_converter_cannot_map(tiny_vlm):
     with pytest.raises(UsageError) as exc:
         check_gguf(str(tiny_vlm), "f16")
     assert "visual.merger.mlp.2" in exc.value.message
+
+
+def test_a_build_without_mtmd_checks_the_text_gguf_on_text_only_prompts(vision_run, monkeypatch, tmp_path):
+    from launcher.deliver import vision_gguf
+
+    monkeypatch.setattr(vision_gguf, "mtmd_missing", lambda: "llama-cpp-python 0.3.x has no libmtmd binding (test)")
+    ex = vision_gguf.held_out(
+        __import__("launcher.recipe_loading", fromlist=["load_recipe"]).load_recipe(vision_run / "recipe.yaml"), 2
+    )
+    out = vision_gguf.vision_gguf_output(vision_run / "final" / "merged", tmp_path, "t", "f32", ex, 3)
+    assert out["parity_through"].startswith("the text GGUF alone on text-only prompts (llama-cpp-python 0.3.x")
+    assert "without libmtmd" in out["runtime"]
+    p = out["parity_vs_merged"]
+    assert (
+        p["prompts"] == 2
+        and p["prompt_identical"] == "2/2"
+        and p["image_tokens"][0] == {"transformers": [], "llama_cpp": []}
+    )
+    assert p["first_token_max_abs_logit_diff"] < 0.05
