@@ -159,6 +159,11 @@ def main(argv: Optional[list[str]] = None, prog: str = "ftrun llamacpp") -> int:
         return 0
     if ns.cmd == "check":
         r = readiness(ns.model, ns.type)
+        from launcher.plan.gguf_readiness import projector_problem
+
+        projector = projector_problem(ns.model)  # a vision-language model's mmproj
+        if projector:
+            r.problems.append(projector)
         print(json.dumps({"ok": r.ok, "problems": r.problems, "notes": r.notes, "facts": r.facts}, indent=1))
         return 0 if r.ok else 2
     if ns.cmd == "convert":
