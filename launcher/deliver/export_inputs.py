@@ -91,6 +91,9 @@ def _model_config(recipe_model: str, source: Path, is_adapter: bool) -> dict[str
 def check_gguf(model: str, gguf_type: str) -> gguf_readiness.Readiness:
     """The GGUF can be made here (llama.cpp installed, architecture and tokenizer supported), else one error."""
     ready = gguf_readiness.readiness(model, gguf_type)
+    projector = gguf_readiness.projector_problem(model)  # a vision-language model's mmproj
+    if projector:
+        ready.problems.append(projector)
     if not ready.ok:
         raise UsageError(
             "a GGUF of this model cannot be made here: " + "; ".join(ready.all_problems),

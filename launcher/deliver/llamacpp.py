@@ -123,6 +123,7 @@ def main(argv: Optional[list[str]] = None, prog: str = "ftrun llamacpp") -> int:
     )
     for a in ("--converter", "--model", "--outfile", "--outtype"):
         p.add_argument(a, required=True)
+    p.add_argument("--mmproj", action="store_true", help="the vision projector of a vision-language model")
     p = sub.add_parser(
         "quantize", help="quantize a 16-bit GGUF to a smaller type (the export runs it as a child process)"
     )
@@ -147,6 +148,7 @@ def main(argv: Optional[list[str]] = None, prog: str = "ftrun llamacpp") -> int:
                     "llama_cpp_python": conv.version,
                     "gguf_py": conv.gguf_py,
                     "architectures": supported_architectures(conv.folder),
+                    "mmproj_architectures": supported_architectures(conv.folder, "MMPROJ_MODEL_MAP"),
                 },
                 indent=1,
                 sort_keys=True,
@@ -157,6 +159,11 @@ def main(argv: Optional[list[str]] = None, prog: str = "ftrun llamacpp") -> int:
         return 0
     if ns.cmd == "check":
         r = readiness(ns.model, ns.type)
+        from launcher.plan.gguf_readiness import projector_problem
+
+        projector = projector_problem(ns.model)  # a vision-language model's mmproj
+        if projector:
+            r.problems.append(projector)
         print(json.dumps({"ok": r.ok, "problems": r.problems, "notes": r.notes, "facts": r.facts}, indent=1))
         return 0 if r.ok else 2
     if ns.cmd == "convert":

@@ -62,8 +62,10 @@ def _run_step(args: list[str], what: str) -> Step:
     return Step(seconds, extra.pop("peak_rss_bytes", None), out[-2500:], extra)
 
 
-def convert(conv: Converter, model_dir: Path, out: Path, outtype: str) -> Step:
-    """convert_hf_to_gguf.py on a merged 16-bit folder (outtype f32/f16/bf16/q8_0)."""
+def convert(conv: Converter, model_dir: Path, out: Path, outtype: str, mmproj: bool = False) -> Step:
+    """convert_hf_to_gguf.py on a merged 16-bit folder (outtype f32/f16/bf16/q8_0); with mmproj, its vision
+    projector instead of its language model (the converter's `--mmproj`: conversion/__init__.py MMPROJ_MODEL_MAP
+    picks the class, e.g. conversion/qwenvl.py Qwen2VLVisionModel, which keeps only the `visual.` tensors)."""
     return _run_step(
         [
             "convert",
@@ -75,8 +77,9 @@ def convert(conv: Converter, model_dir: Path, out: Path, outtype: str) -> Step:
             str(out),
             "--outtype",
             outtype,
-        ],
-        "llama.cpp's converter",
+        ]
+        + (["--mmproj"] if mmproj else []),
+        "llama.cpp's converter" + (" (--mmproj)" if mmproj else ""),
     )
 
 
@@ -144,6 +147,8 @@ def _convert_main(ns) -> int:
     import convert_hf_to_gguf
 
     sys.argv = ["convert_hf_to_gguf.py", ns.model, "--outfile", ns.outfile, "--outtype", ns.outtype]
+    if getattr(ns, "mmproj", False):
+        sys.argv.append("--mmproj")
     convert_hf_to_gguf.main()
     print(
         "FTRUN_RESULT "

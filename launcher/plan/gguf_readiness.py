@@ -80,15 +80,18 @@ def installed_gguf_version() -> Optional[str]:
 
 
 # What the converter supports, read from its source (no torch: `ftrun plan` runs this)
-def supported_architectures(folder: Path) -> dict[str, str]:
+def supported_architectures(folder: Path, table: str = "TEXT_MODEL_MAP") -> dict[str, str]:
     """HF architecture class -> converter module, from conversion/__init__.py's TEXT_MODEL_MAP (the table its
-    get_model_class looks names up in), or from the @ModelBase.register(...) calls of an older single-file one."""
+    get_model_class looks names up in; MMPROJ_MODEL_MAP for `--mmproj`, the projector of a vision-language model),
+    or from the @ModelBase.register(...) calls of an older single-file one."""
     init = folder / "conversion" / "__init__.py"
     if init.is_file():
         for node in ast.walk(ast.parse(init.read_text())):
             target = getattr(node, "target", None) or (getattr(node, "targets", None) or [None])[0]
-            if isinstance(node, (ast.Assign, ast.AnnAssign)) and getattr(target, "id", None) == "TEXT_MODEL_MAP":
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and getattr(target, "id", None) == table:
                 return {k.value: v.value for k, v in zip(node.value.keys, node.value.values)}
+        if table != "TEXT_MODEL_MAP":
+            return {}
     text = (folder / "convert_hf_to_gguf.py").read_text()
     names = re.findall(r"@ModelBase\.register\(([^)]*)\)", text)
     return {n: "convert_hf_to_gguf" for group in names for n in re.findall(r'"([^"]+)"', group)}
@@ -227,6 +230,61 @@ def shipped_architectures() -> dict[str, str]:
     return json.loads(ARCHITECTURES_FILE.read_text())["architectures"]
 
 
+def shipped_projectors() -> dict[str, str]:
+    """The converter's MMPROJ_MODEL_MAP as ftrun ships it: the architectures whose projector `--mmproj` converts."""
+    return json.loads(ARCHITECTURES_FILE.read_text())["mmproj_architectures"]
+
+
+# The attention window llama.cpp's mtmd gives a Qwen2.5-VL vision tower when the projector GGUF names none
+# (vendor/llama.cpp/tools/mtmd/clip.cpp: `hparams.attn_window_size > 0 ? hparams.attn_window_size : 112`): the
+# published models' vision_config.window_size.
+LLAMACPP_QWEN25VL_WINDOW = 112
+
+
+def projector_problem(model: str) -> Optional[str]:
+    """Why llama.cpp's converter cannot write this vision-language model's projector GGUF (`--mmproj`), or None
+    (a text model, a model whose config is not on this box, or a projector it converts). The installed converter's
+    table where there is one, else the table ftrun ships (the pinned version's)."""
+    config = _model_file(model, "config.json")
+    if config is None:
+        return None
+    cfg = json.loads(config.read_text())
+    if not isinstance(cfg.get("vision_config"), dict):
+        return None
+    arch = (cfg.get("architectures") or [None])[0]
+    conv = converter()
+    table = supported_architectures(conv.folder, "MMPROJ_MODEL_MAP") if conv else shipped_projectors()
+    where = (
+        f"llama.cpp's converter ({conv.source})" if conv else f"{DIST} {PINNED}'s converter ({ARCHITECTURES_FILE.name})"
+    )
+    if arch in table:
+        depth = int(cfg["vision_config"].get("depth", 32))
+        if cfg.get("model_type") in ("qwen2_vl", "qwen2_5_vl") and depth < 3:
+            # The converter names projector tensors through gguf-py's map for `block_count` = the tower's depth
+            # (conversion/base.py MmprojModel: get_tensor_name_map(MODEL_ARCH.MMPROJ, self.block_count)); the
+            # merger's second linear layer, visual.merger.mlp.2, is V_MMPROJ "visual.merger.mlp.{bid}"
+            # (gguf-py/gguf/tensor_mapping.py), mapped only for bid < block_count: "Can not map tensor".
+            return (
+                f"{where} cannot convert the vision projector of {arch!r} with a vision tower of depth {depth}: it "
+                "maps the merger's visual.merger.mlp.2 only for a tower of 3 blocks or more (gguf-py "
+                "tensor_mapping.py, block ids below the tower's depth)"
+            )
+        window = cfg["vision_config"].get("window_size", LLAMACPP_QWEN25VL_WINDOW)
+        if cfg.get("model_type") == "qwen2_5_vl" and window != LLAMACPP_QWEN25VL_WINDOW:
+            return (
+                f"llama.cpp would run the vision tower of this {arch!r} with other attention windows than training "
+                f"did: the pinned converter writes no window size for qwen2.5vl (conversion/qwenvl.py), and "
+                f"llama.cpp's mtmd then uses {LLAMACPP_QWEN25VL_WINDOW} pixels (tools/mtmd/clip.cpp, "
+                f"attn_window_size default) where the model's vision_config.window_size is {window}"
+            )
+        return None
+    return (
+        f"{where} cannot convert the vision projector (mmproj) of architecture {arch!r}: it is not in the "
+        f"converter's MMPROJ_MODEL_MAP ({len(table)} architectures, e.g. "
+        f"{', '.join(sorted(a for a in table if 'VL' in a)[:5])}); the text GGUF alone would not see images"
+    )
+
+
 def _check_architecture(model: str, archs: dict[str, str], source: str, r: Readiness) -> bool:
     """Whether the model's architecture (its config.json, where that is on this box) is in the table; a problem
     when it is not. False also when the config is not here (noted: checked where it is)."""
@@ -256,6 +314,9 @@ def plan_check(recipe: Any, this_box: bool) -> list[str]:
 
     gguf_type = getattr(recipe, "gguf_type", DEFAULT_TYPE)
     r = readiness(recipe.model, gguf_type, this_box=this_box)
+    projector = projector_problem(recipe.model)
+    if projector:
+        r.problems.append(projector)
     if r.problems:
         raise RecipeError(
             f"export: gguf ({gguf_type}) cannot be made for {recipe.model}: " + "; ".join(r.problems),

@@ -1,0 +1,554 @@
+"""A vision-language model's GGUF export: the text GGUF and the projector GGUF (`mmproj`) written by llama.cpp's own
+converter from the merged folder, read back through llama.cpp's multimodal path (mtmd) and held to the merged model
+in transformers on the held-out images.
+
+The converter: the pinned llama-cpp-python 0.3.36's convert_hf_to_gguf.py (installed by `ftrun llamacpp install`),
+run twice on the merged folder: once for the language model (conversion/qwenvl.py Qwen2VLModel, architecture
+qwen2vl) and once with `--mmproj` for the vision tower and its merger (Qwen2VLVisionModel: projector type
+qwen2.5vl_merger, only the `visual.` tensors, the Conv3d patch embedding split into two Conv2d). Which architectures
+have a projector conversion is the converter's MMPROJ_MODEL_MAP (launcher/plan/gguf_readiness.py projector_problem
+refuses the others at plan time).
+
+The runtime: llama-cpp-python 0.3.36 ships libmtmd and its ctypes binding (llama_cpp/mtmd_cpp.py). Each held-out
+prompt is rendered as llama-server renders a chat with an image: the GGUF's own chat template with each image part
+replaced by mtmd's media marker (tools/server: an image_url part becomes the marker text), tokenized by
+mtmd_tokenize (which wraps each image in <|vision_start|> ... <|vision_end|> for the Qwen2-VL family, mtmd.cpp) and
+evaluated by mtmd_helper_eval_chunks (M-RoPE positions for the image, mtmd-helper.cpp). The prompt's tokens, with each
+image chunk written as its count of <|image_pad|> tokens, must equal what the processor hands the model; the
+next-token logits after the prompt and the greedy answers are compared with the merged model's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from launcher import gguf_types
+from launcher.deliver import llamacpp_runtime, llamacpp_steps
+from launcher.deliver.messages import ExportError, _say, human_size
+from launcher.deliver.vision_serving import LLAMACPP_IMAGE_TOKENS, ImageBounds, processor_bounds
+from launcher.plan import gguf_readiness
+
+# The image part of a message as the data and the chat templates write it (launcher/data/images.py)
+IMAGE_PART = "image"
+
+
+def convert_pair(merged_dir: Path, gguf_dir: Path, name: str, gguf_type: str) -> dict[str, Any]:
+    """The text GGUF (the recipe's type: converted, or converted to 16 bit and quantized) and the projector GGUF
+    (in the merged weights' own precision: f32 for float32 weights, else f16; llama.cpp does not quantize it)."""
+    from launcher.deliver.gguf_export import SIXTEEN_BIT, _safetensors_dtypes
+
+    conv = gguf_readiness.converter()
+    kind = gguf_types.TYPES[gguf_type]
+    gguf_dir.mkdir(parents=True, exist_ok=True)
+    text = gguf_dir / f"{name}-{kind.name}.gguf"
+    dtypes = _safetensors_dtypes(merged_dir)
+    proj_type = "f32" if dtypes == {"F32"} else "f16"
+    mmproj = gguf_dir / f"mmproj-{name}-{proj_type.upper()}.gguf"
+    steps: dict[str, Any] = {}
+    tmp = gguf_dir / f".{text.name}.tmp"
+    try:
+        if kind.converter:
+            _say(f"writing {text.name} with llama.cpp's converter ({conv.source})")
+            steps["convert"] = llamacpp_steps.convert(conv, merged_dir, tmp, kind.converter).to_dict()
+        else:
+            own = (dtypes & SIXTEEN_BIT or {"F32" if dtypes == {"F32"} else "BF16"}).pop().lower()
+            sixteen = gguf_dir / f".{name}-{own.upper()}.tmp.gguf"
+            _say(f"converting the language model to a {own.upper()} GGUF with llama.cpp's converter ({conv.source})")
+            steps["convert"] = llamacpp_steps.convert(conv, merged_dir, sixteen, own).to_dict()
+            _say(f"quantizing to {kind.name} with llama.cpp's quantizer")
+            steps["quantize"] = llamacpp_steps.quantize(sixteen, tmp, gguf_type).to_dict()
+            sixteen.unlink()
+        os.replace(tmp, text)
+        _say(f"writing the vision projector {mmproj.name} with llama.cpp's converter (--mmproj)")
+        ptmp = gguf_dir / f".{mmproj.name}.tmp"
+        steps["convert_mmproj"] = llamacpp_steps.convert(conv, merged_dir, ptmp, proj_type, mmproj=True).to_dict()
+        os.replace(ptmp, mmproj)
+    except llamacpp_steps.StepFailed as exc:
+        for f in gguf_dir.glob(".*.tmp*"):
+            f.unlink()
+        raise ExportError(
+            str(exc),
+            fix=f"the lines above are llama.cpp's; `ftrun llamacpp check {merged_dir}` says whether this model is "
+            "supported.",
+        ) from None
+    return {"text": text, "mmproj": mmproj, "projector_type": proj_type, "steps": steps, "source": conv.source}
+
+
+def projector_metadata(path: Path) -> dict[str, Any]:
+    """What the projector GGUF declares (the gguf package's reader)."""
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+
+    def f(key: str):
+        x = r.fields.get(key)
+        return None if x is None else x.contents()
+
+    return {
+        "architecture": f("general.architecture"),
+        "projector_type": f("clip.projector_type") or f("clip.vision.projector_type"),
+        "projection_dim": f("clip.vision.projection_dim"),
+        "block_count": f("clip.vision.block_count"),
+        "patch_size": f("clip.vision.patch_size"),
+        "tensors": len(r.tensors),
+    }
+
+
+def mtmd_missing() -> Optional[str]:
+    """Why the installed llama.cpp runtime has no multimodal path, or None: llama-cpp-python 0.3.36 ships libmtmd
+    and its binding llama_cpp/mtmd_cpp.py (loading it loads the library); an older or custom build may lack both."""
+    try:
+        import llama_cpp.mtmd_cpp as mtmd
+
+        mtmd.mtmd_default_marker()
+    except (ImportError, OSError, AttributeError) as exc:
+        return (
+            f"llama-cpp-python {gguf_readiness.runtime_version()} has no libmtmd binding ({type(exc).__name__}: {exc})"
+        )
+    return None
+
+
+def text_only(examples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The held-out prompts without their images: what the text GGUF alone can be held to."""
+    out = []
+    for ex in examples:
+        msgs = [{**m, "content": [p for p in _parts(m) if p.get("type") != IMAGE_PART]} for m in ex["messages"]]
+        out.append({"messages": msgs, "images": []})
+    return out
+
+
+def _prompt(example: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str], str]:
+    """The turns before the last assistant turn, the images they hold (in order), and that turn's text."""
+    msgs = example["messages"]
+    prompt, last = msgs[:-1], msgs[-1]
+    n = sum(1 for m in prompt for p in _parts(m) if p.get("type") == IMAGE_PART)
+    content = last["content"]
+    reference = content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
+    return prompt, list(example["images"][:n]), reference
+
+
+def _parts(message: dict[str, Any]) -> list[dict[str, Any]]:
+    c = message["content"]
+    return [{"type": "text", "text": c}] if isinstance(c, str) else c
+
+
+def transformers_side(
+    merged_dir: Path, examples: list[dict[str, Any]], max_new: int, say: Callable[[str], None] = _say
+) -> list[dict[str, Any]]:
+    """Per held-out example, through the merged folder as vLLM loads it (its processor files): the prompt ids the
+    processor builds (images widened to their tokens), the image tokens of each image, the next-token logits after
+    the prompt and the greedy answer (transformers' generate, do_sample off)."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+    from trl.data_utils import prepare_multimodal_messages
+
+    from launcher.worker.processor import load_processor
+
+    processor = load_processor(merged_dir, say=say)
+    model = AutoModelForImageTextToText.from_pretrained(str(merged_dir), dtype=torch.float32).eval()
+    pad = model.config.image_token_id
+    eos = model.generation_config.eos_token_id
+    out = []
+    for ex in examples:
+        prompt, images, _ = _prompt(ex)
+        msgs = prepare_multimodal_messages(prompt, images=images)
+        inputs = processor.apply_chat_template(
+            [msgs], tokenize=True, return_dict=True, return_tensors="pt", add_generation_prompt=True
+        )
+        ids = inputs["input_ids"][0].tolist()
+        with torch.no_grad():
+            logits = model(**inputs).logits[0, -1].float()
+            gen = model.generate(**inputs, max_new_tokens=max_new, do_sample=False, eos_token_id=eos)
+        grid = inputs.get("image_grid_thw")
+        merge = processor.image_processor.merge_size
+        per_image = [int(t * h * w) // merge**2 for t, h, w in grid.tolist()] if grid is not None else []
+        out.append(
+            {
+                "ids": ids,
+                "image_tokens": per_image,
+                "logits": logits,
+                "greedy": gen[0, len(ids) :].tolist(),
+                "answer": processor.tokenizer.decode(gen[0, len(ids) :], skip_special_tokens=True).strip(),
+                "pad_id": pad,
+            }
+        )
+    del model
+    return out
+
+
+def _server_text(llm, prompt: list[dict[str, Any]], marker: str) -> str:
+    """The prompt text llama-server renders for a chat whose user turns hold images: the GGUF's own template
+    (llamacpp_runtime.server_prompt's rendering) with each image part given as the media marker's text."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    msgs = [
+        {**m, "content": [{"type": "text", "text": marker} if p.get("type") == IMAGE_PART else p for p in _parts(m)]}
+        for m in prompt
+    ]
+    template = llm.metadata.get("tokenizer.chat_template")
+    eos, bos = llm.token_eos(), llm.token_bos()
+    formatter = Jinja2ChatFormatter(
+        template=template,
+        eos_token=llm._model.token_get_text(eos) if eos != -1 else "",
+        bos_token=llm._model.token_get_text(bos) if bos != -1 else "",
+    )
+    text = formatter(messages=msgs).prompt
+    bos_text = llm._model.token_get_text(bos) if bos != -1 else ""
+    if llamacpp_runtime.special_adds(llm)["bos"] and bos_text and text.startswith(bos_text):
+        text = text[len(bos_text) :]
+    return text
+
+
+def mtmd_side(
+    text_gguf: Path,
+    mmproj: Path,
+    examples: list[dict[str, Any]],
+    max_new: int,
+    bounds: Optional[ImageBounds],
+    pad_id: int,
+    threads: Optional[int] = None,
+) -> dict[str, Any]:
+    """Per held-out example, through llama.cpp's multimodal path (libmtmd through llama_cpp/mtmd_cpp.py): the prompt
+    as llama-server builds it (each image chunk written as its count of `pad_id`), the image tokens of each image, the
+    next-token logits after the prompt and the greedy answer (argmax, stopping after an end-of-generation token).
+    `bounds`: the processor's image-token bounds, given to mtmd as --image-min-tokens/--image-max-tokens do."""
+    import numpy as np
+    import torch
+    import llama_cpp
+    import llama_cpp.mtmd_cpp as mtmd
+    from llama_cpp import Llama
+    from llama_cpp._utils import suppress_stdout_stderr
+
+    n_ctx = 4096
+    with suppress_stdout_stderr(disable=False):
+        llm = Llama(
+            model_path=str(text_gguf),
+            n_ctx=n_ctx,
+            n_batch=512,
+            n_ubatch=512,
+            logits_all=True,
+            n_threads=threads or os.cpu_count(),
+            n_gpu_layers=0,
+            verbose=False,
+            seed=0,
+        )
+        params = mtmd.mtmd_context_params_default()
+        params.use_gpu = False
+        params.print_timings = False
+        params.warmup = False
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.n_threads = threads or os.cpu_count() or 1
+        if bounds is not None:
+            params.image_min_tokens = bounds.min_tokens
+            params.image_max_tokens = bounds.max_tokens
+        ctx = mtmd.mtmd_init_from_file(str(mmproj).encode(), llm.model, params)
+    if not ctx:
+        llm.close()
+        raise ExportError(
+            f"llama.cpp's mtmd could not load {mmproj.name} with {text_gguf.name}",
+            fix="report this with export.json; the pair cannot be served by llama-server --mmproj.",
+        )
+    eog = set(llamacpp_runtime.eog_ids(llm))
+    marker = mtmd.mtmd_default_marker().decode()
+    n_vocab = llm.n_vocab()
+    out = []
+    try:
+        for ex in examples:
+            prompt, images, _ = _prompt(ex)
+            text = _server_text(llm, prompt, marker)
+            bitmaps = []
+            chunks = mtmd.mtmd_input_chunks_init()
+            t0 = time.monotonic()
+            try:
+                for path in images:
+                    bm = mtmd.mtmd_helper_bitmap_init_from_file(ctx, str(path).encode(), False)
+                    if not bm:
+                        raise ExportError(f"llama.cpp's mtmd could not read the image {path}", fix="report this.")
+                    bitmaps.append(bm)
+                raw = text.encode("utf-8")
+                inp = mtmd.mtmd_input_text()
+                inp.text, inp.text_len, inp.add_special, inp.parse_special = raw, len(raw), True, True
+                arr = (mtmd.mtmd_bitmap_p_ctypes * len(bitmaps))(*bitmaps)
+                with suppress_stdout_stderr(disable=False):
+                    rc = mtmd.mtmd_tokenize(ctx, chunks, ctypes.byref(inp), arr, len(bitmaps))
+                if rc != 0:
+                    raise ExportError(
+                        f"llama.cpp's mtmd_tokenize failed ({rc}): {len(images)} image(s), "
+                        f"{text.count(marker)} marker(s) in the rendered prompt",
+                        fix="the GGUF's chat template does not place one image per image part; report this.",
+                    )
+                ids: list[int] = []
+                per_image: list[int] = []
+                for i in range(mtmd.mtmd_input_chunks_size(chunks)):
+                    chunk = mtmd.mtmd_input_chunks_get(chunks, i)
+                    if mtmd.mtmd_input_chunk_get_type(chunk) == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
+                        n = ctypes.c_size_t()
+                        ptr = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
+                        ids += [int(ptr[j]) for j in range(n.value)]
+                    else:
+                        k = int(mtmd.mtmd_input_chunk_get_n_tokens(chunk))
+                        per_image.append(k)
+                        ids += [pad_id] * k
+                llm.reset()
+                llm._ctx.kv_cache_clear()
+                n_past = llama_cpp.llama_pos(0)
+                with suppress_stdout_stderr(disable=False):  # mtmd's per-chunk log lines are not the user's
+                    rc = mtmd.mtmd_helper_eval_chunks(
+                        ctx, llm.ctx, chunks, 0, 0, llm.n_batch, True, ctypes.byref(n_past)
+                    )
+                if rc != 0:
+                    raise ExportError(f"llama.cpp's mtmd_helper_eval_chunks failed ({rc})", fix="report this.")
+                first = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,)).copy()
+            finally:
+                mtmd.mtmd_input_chunks_free(chunks)
+                for bm in bitmaps:
+                    mtmd.mtmd_bitmap_free(bm)
+            # the text after the image continues at mtmd's position (an image advances M-RoPE by its grid's larger
+            # side, not by its token count), which Llama.eval takes from n_tokens
+            llm.n_tokens = n_past.value
+            tokens: list[int] = []
+            row = first
+            for _ in range(max_new):
+                tok = int(np.argmax(row))
+                tokens.append(tok)
+                if tok in eog:
+                    break
+                llm.eval([tok])
+                row = llm.scores[llm.n_tokens - 1]
+            out.append(
+                {
+                    "ids": ids,
+                    "image_tokens": per_image,
+                    "logits": torch.from_numpy(first.astype(np.float32)),
+                    "greedy": tokens,
+                    "answer": llm.detokenize([t for t in tokens if t not in eog]).decode("utf-8", "replace").strip(),
+                    "seconds": round(time.monotonic() - t0, 3),
+                    "text": text,
+                }
+            )
+    finally:
+        mtmd.mtmd_free(ctx)
+        llm.close()
+    return {"outputs": out, "eog_ids": sorted(eog)}
+
+
+def text_side(text_gguf: Path, examples: list[dict[str, Any]], max_new: int, threads: Optional[int] = None):
+    """The text GGUF alone on image-free prompts (what runs where the llama.cpp build has no mtmd): the prompt as
+    llama-server renders and tokenizes it (llamacpp_runtime.server_prompt), the next-token logits, the greedy answer."""
+    import numpy as np
+    import torch
+
+    llm = llamacpp_runtime._open(text_gguf, 4096, threads)
+    eog = set(llamacpp_runtime.eog_ids(llm))
+    out = []
+    try:
+        for ex in examples:
+            prompt, _, _ = _prompt(ex)
+            ids = llamacpp_runtime.server_prompt(llm, prompt)["ids"]
+            t0 = time.monotonic()
+            llm.reset()
+            llm.eval(ids)
+            first = np.array(llm.scores[len(ids) - 1], dtype=np.float32)
+            tokens: list[int] = []
+            row = first
+            for _ in range(max_new):
+                tok = int(np.argmax(row))
+                tokens.append(tok)
+                if tok in eog:
+                    break
+                llm.eval([tok])
+                row = llm.scores[llm.n_tokens - 1]
+            answer = llm.detokenize([t for t in tokens if t not in eog]).decode("utf-8", "replace").strip()
+            out.append(
+                {
+                    "ids": list(ids),
+                    "image_tokens": [],
+                    "logits": torch.from_numpy(first),
+                    "greedy": tokens,
+                    "answer": answer,
+                    "seconds": round(time.monotonic() - t0, 3),
+                }
+            )
+    finally:
+        llm.close()
+    return {"outputs": out, "eog_ids": sorted(eog)}
+
+
+def _until_end(tokens: list[int], ends: set[int]) -> list[int]:
+    out = []
+    for t in tokens:
+        out.append(t)
+        if t in ends:
+            break
+    return out
+
+
+def compare(ref: list[dict[str, Any]], got: list[dict[str, Any]], eog: set[int]) -> dict[str, Any]:
+    """The served prompts, the first answer token's distribution and the greedy answers of the two sides."""
+    import torch
+
+    kls, top1, diffs, same_prompt, same_images, same_answer, decisive = [], [], [], [], [], [], []
+    for r, g in zip(ref, got):
+        same_prompt.append(r["ids"] == g["ids"])
+        same_images.append(r["image_tokens"] == g["image_tokens"])
+        p = torch.log_softmax(r["logits"].double(), -1)
+        q = torch.log_softmax(g["logits"].double(), -1)
+        kls.append(float((p.exp() * (p - q)).sum()))
+        top1.append(int(r["logits"].argmax()) == int(g["logits"].argmax()))
+        diffs.append(float((r["logits"] - g["logits"]).abs().max()))
+        # a first answer token is decided where the merged model's choice leads its runner-up by more than the two
+        # sides' largest logit difference: there, no computing difference of this size can change the choice
+        two = r["logits"].topk(2).values
+        decisive.append(float(two[0] - two[1]) > diffs[-1])
+        same_answer.append(_until_end(r["greedy"], eog) == _until_end(g["greedy"], eog))
+    n = max(1, len(ref))
+    decided = [t for t, d in zip(top1, decisive) if d]
+    return {
+        "prompts": len(ref),
+        "prompt_identical": f"{sum(same_prompt)}/{len(ref)}",
+        "image_tokens_identical": f"{sum(same_images)}/{len(ref)}",
+        "image_tokens": [{"transformers": r["image_tokens"], "llama_cpp": g["image_tokens"]} for r, g in zip(ref, got)],
+        "first_token_mean_kl": sum(kls) / n,
+        "first_token_top1_agreement": sum(top1) / n,
+        "first_token_decided": f"{len(decided)}/{len(ref)}",
+        "first_token_top1_agreement_where_decided": sum(decided) / len(decided) if decided else None,
+        "first_token_max_abs_logit_diff": max(diffs, default=0.0),
+        "greedy_identical": sum(same_answer) / n,
+        "_same_prompt": same_prompt,
+    }
+
+
+def held_out(recipe: Any, limit: int) -> list[dict[str, Any]]:
+    """The held-out examples with their images, as training split them (the task score's examples)."""
+    from launcher.data import split
+    from launcher.data.image_stats import image_stats
+
+    examples, _, _ = image_stats(recipe)
+    parts = split.for_recipe(examples, recipe)
+    return [examples[i] for i in parts.held_out][:limit]
+
+
+def bounds_of(merged_dir: Path) -> Optional[ImageBounds]:
+    from launcher.data.image_tokens import read_rule
+
+    rule = read_rule(merged_dir)
+    if rule is None:
+        return None
+    return processor_bounds(rule.min_pixels, rule.max_pixels, rule.patch_size, rule.merge_size)
+
+
+def vision_gguf_output(
+    merged_dir: Path,
+    gguf_dir: Path,
+    name: str,
+    gguf_type: str,
+    examples: list[dict[str, Any]],
+    max_new: int = 8,
+    reference: Optional[list[dict[str, Any]]] = None,
+) -> dict[str, Any]:
+    """Convert the merged vision-language folder to the text GGUF + mmproj, read both back through mtmd and hold
+    them to the merged model: the served prompt (text tokens and image placeholders) must be the processor's, and
+    the first-token distribution and greedy answers within the GGUF type's tolerance. export.json's outputs.gguf."""
+    cfg = json.loads((merged_dir / "config.json").read_text())
+    model_type = cfg.get("model_type", "")
+    files = convert_pair(merged_dir, gguf_dir, name, gguf_type)
+    text, mmproj = files["text"], files["mmproj"]
+    meta, pmeta = llamacpp_runtime.metadata(text), projector_metadata(mmproj)
+    bounds = bounds_of(merged_dir)
+    missing = mtmd_missing()
+    if missing:
+        # no multimodal path in this build: the text GGUF is held to the merged model on the prompts without their
+        # images, and the pair is not checked (export.json and SERVING.md say so)
+        _say(f"{missing}: the projector is written but not checked; the text GGUF is checked on text-only prompts")
+        examples, reference = text_only(examples), None
+    ref = reference if reference is not None else transformers_side(merged_dir, examples, max_new)
+    pad = ref[0]["pad_id"] if ref else int(cfg.get("image_token_id", -1))
+    if missing:
+        run = text_side(text, examples, max_new)
+    else:
+        _say(
+            f"answering {len(examples)} held-out image prompts through llama.cpp's mtmd with {text.name} + "
+            f"{mmproj.name}"
+        )
+        run = mtmd_side(text, mmproj, examples, max_new, bounds, pad)
+    eog = set(run["eog_ids"])
+    result = compare(ref, run["outputs"], eog)
+    same_prompt = result.pop("_same_prompt")
+    kind = gguf_types.TYPES[gguf_type]
+    tol = kind.tolerance
+    default = LLAMACPP_IMAGE_TOKENS.get(model_type)
+    out = {
+        "path": str(text),
+        "mmproj": str(mmproj),
+        "type": kind.name,
+        "projector_type": files["projector_type"].upper(),
+        "bytes": text.stat().st_size,
+        "size": human_size(text.stat().st_size),
+        "mmproj_bytes": mmproj.stat().st_size,
+        "mmproj_size": human_size(mmproj.stat().st_size),
+        "written_by": f"llama.cpp {files['source']} (convert_hf_to_gguf.py, then --mmproj)",
+        "steps": files["steps"],
+        "architecture": meta["architecture"],
+        "projector": pmeta,
+        "chat_template_included": bool(meta.get("chat_template")),
+        "runtime": f"llama-cpp-python {gguf_readiness.runtime_version()} "
+        + ("without libmtmd: the text GGUF only" if missing else "with libmtmd (llama_cpp/mtmd_cpp.py)"),
+        "parity_through": f"the text GGUF alone on text-only prompts ({missing})"
+        if missing
+        else "mtmd, with the images",
+        "image_token_bounds": {
+            "processor": None if bounds is None else [bounds.min_tokens, bounds.max_tokens],
+            "llama_cpp_default": list(default) if default else None,
+            "given_to_mtmd": bounds is not None,
+        },
+        "parity_vs_merged": {**result, "tolerance": tol.as_dict()},
+        "answers": [
+            {"transformers": r["answer"], "llama_cpp": g["answer"], "seconds": g["seconds"]}
+            for r, g in zip(ref, run["outputs"])
+        ],
+        "answer_texts": [g["answer"] for g in run["outputs"]],
+    }
+    _say(
+        f"GGUF {out['size']} {text.name} + projector {out['mmproj_size']} {mmproj.name}: served prompt identical "
+        f"{result['prompt_identical']}, image tokens identical {result['image_tokens_identical']}, first-token "
+        f"top-1 agreement {result['first_token_top1_agreement']:.3f}, greedy answers identical "
+        f"{result['greedy_identical']:.3f}"
+    )
+    problems = []
+    if not all(same_prompt):
+        i = same_prompt.index(False)
+        r, g = ref[i]["ids"], run["outputs"][i]["ids"]
+        at = next((k for k, (a, b) in enumerate(zip(r + [None], g + [None])) if a != b), 0)
+        problems.append(
+            f"llama-server's prompt for held-out image prompt {i + 1} is not the one the processor built: it differs "
+            f"at token {at} (image tokens per image: llama.cpp {run['outputs'][i]['image_tokens']}, transformers "
+            f"{ref[i]['image_tokens']})"
+        )
+    if result["first_token_mean_kl"] > tol.max_kl:
+        problems.append(
+            f"the first answer token's distribution differs: mean KL {result['first_token_mean_kl']:.3g} "
+            f"(bound {tol.max_kl})"
+        )
+    decided = result["first_token_top1_agreement_where_decided"]
+    if decided is not None and decided < tol.min_top1:
+        problems.append(
+            f"where the merged model's first answer token is decided ({result['first_token_decided']} prompts), "
+            f"llama.cpp picks the same one in {decided:.3f} (floor {tol.min_top1})"
+        )
+    if problems:
+        out["error"] = "; ".join(problems)
+        from launcher.deliver.gguf_export import _GgufFailed
+
+        raise _GgufFailed(
+            ExportError(
+                f"the GGUF pair {text.name} + {mmproj.name} (through llama.cpp's mtmd): " + out["error"],
+                fix="do not serve this pair; export.json (outputs.gguf) has the numbers.",
+            ),
+            out,
+        )
+    return out

@@ -1,0 +1,151 @@
+"""How a fine-tuned vision-language model is served: the image tokens each server inserts, the commands (vLLM,
+llama.cpp's llama-server and llama-mtmd-cli, Ollama), and which of them this architecture has, said per architecture.
+
+Only the standard library at module level: `ftrun plan` and the default-tier tests read it.
+
+Image tokens. transformers' processor sizes an image by the model's preprocessor_config.json (min and max pixels;
+launcher/data/image_tokens.py ImageRule), and vLLM calls the same processor, so vLLM inserts what training saw.
+llama.cpp does not read preprocessor_config.json: the pinned converter (llama-cpp-python 0.3.36,
+conversion/qwenvl.py Qwen2VLVisionModel and conversion/base.py MmprojModel.set_gguf_parameters) writes the patch
+size, the image mean and std, but no pixel bounds, and llama.cpp's mtmd sets its own for the Qwen2-VL family
+(vendor/llama.cpp/tools/mtmd/clip.cpp, `case PROJECTOR_TYPE_QWEN25VL:` `hparams.set_limit_image_tokens(8, 4096)`),
+overridden by `--image-min-tokens`/`--image-max-tokens` (common/arg.cpp) or mtmd_context_params.image_min_tokens.
+Its resize is the same arithmetic as transformers' smart_resize (tools/mtmd/mtmd-image.cpp calc_size_preserved_ratio,
+used by mtmd_image_preprocessor_dyn_size), so with the bounds set to the processor's, both count the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+from dataclasses import dataclass
+from typing import Any, Optional
+
+# llama.cpp's own image-token bounds per model type (config.json model_type), from the pinned clip.cpp; a model type
+# not listed here has no known bounds, and the served-prompt check then measures llama.cpp's count only (gguf tier).
+LLAMACPP_IMAGE_TOKENS = {"qwen2_vl": (8, 4096), "qwen2_5_vl": (8, 4096), "qwen3_vl": (8, 4096)}
+
+# Ollama, per architecture (config.json architectures[0]). Ollama's `ollama create` converts a safetensors folder of
+# these architectures into its own single-file GGUF (vision tower inside) run by its own engine: ollama/ollama
+# convert/convert.go LoadModelMetadata (Qwen2_5_VLForConditionalGeneration -> convert_qwen25vl.go, general.architecture
+# "qwen25vl"). The llama.cpp text GGUF + mmproj pair is not what its engine runs for these: Ollama's own runner took
+# external projectors only for clip and mllama (ollama PR #10162), and two FROM lines for an architecture on its own
+# engine fail to load (ollama issue #14730). An architecture not listed: not said to be served by Ollama.
+OLLAMA = {
+    "Qwen2_5_VLForConditionalGeneration": (
+        "ollama create from the merged folder (Ollama converts Qwen2_5_VLForConditionalGeneration itself, "
+        "ollama/ollama convert/convert.go, into its own qwen25vl format with the vision tower inside); not the "
+        "llama.cpp GGUF + mmproj pair, which its engine does not load for this architecture (ollama issue #14730)"
+    ),
+    "Qwen3VLForConditionalGeneration": (
+        "ollama create from the merged folder (convert/convert.go converts Qwen3VLForConditionalGeneration)"
+    ),
+    "Gemma3ForConditionalGeneration": (
+        "ollama create from the merged folder (convert/convert.go converts Gemma3ForConditionalGeneration)"
+    ),
+    "MllamaForConditionalGeneration": (
+        "ollama create from the merged folder (convert/convert.go converts MllamaForConditionalGeneration)"
+    ),
+}
+OLLAMA_NOT = (
+    "Ollama: {arch} is not in the architectures `ollama create` converts (ollama/ollama convert/convert.go "
+    "LoadModelMetadata); serve with vLLM or llama-server"
+)
+
+
+@dataclass(frozen=True)
+class ImageBounds:
+    """How many tokens an image may become in a server: the processor's bounds, in tokens of one merged patch."""
+
+    min_tokens: int
+    max_tokens: int
+    exact: bool  # the processor's min/max pixels are whole multiples of one token's area: the counts agree exactly
+
+
+def processor_bounds(min_pixels: int, max_pixels: int, patch: int, merge: int) -> ImageBounds:
+    """The processor's pixel bounds as llama.cpp's token bounds (it multiplies them back by one token's area,
+    clip-model.h set_limit_image_tokens)."""
+    area = (patch * merge) ** 2
+    lo, hi = math.ceil(min_pixels / area), max(1, math.floor(max_pixels / area))
+    return ImageBounds(lo, hi, min_pixels % area == 0 and max_pixels % area == 0)
+
+
+def llamacpp_flags(model_type: str, bounds: ImageBounds) -> list[str]:
+    """The llama-server / llama-mtmd-cli flags that make llama.cpp size images as the processor does: none where its
+    own bounds for this model type are already the processor's."""
+    own = LLAMACPP_IMAGE_TOKENS.get(model_type)
+    if own == (bounds.min_tokens, bounds.max_tokens):
+        return []
+    return ["--image-min-tokens", str(bounds.min_tokens), "--image-max-tokens", str(bounds.max_tokens)]
+
+
+def limit_mm(images: int) -> str:
+    """vLLM's --limit-mm-per-prompt value: JSON, as vLLM's MultiModalConfig.limit_per_prompt takes it
+    (docs.vllm.ai vllm/config/multimodal.py: `{"image": 16, "video": 2}`); video 0 since the data holds none."""
+    return json.dumps({"image": max(1, images), "video": 0}, separators=(",", ":"))
+
+
+def commands(
+    *,
+    merged: Optional[str],
+    base: str,
+    adapter: Optional[str],
+    lora_servable: bool,
+    lora_why: str,
+    name: str,
+    max_images: int,
+    max_len: int,
+    text_gguf: Optional[str],
+    mmproj: Optional[str],
+    model_type: str,
+    architecture: str,
+    bounds: Optional[ImageBounds],
+) -> dict[str, Any]:
+    """Every serving command of a vision-language export, and per server why it is offered or not."""
+    q = shlex.quote
+    limit = limit_mm(max_images)
+    out: dict[str, Any] = {"limit_mm_per_prompt": json.loads(limit), "notes": []}
+    if merged:
+        out["vllm"] = (
+            f"vllm serve {q(merged)} --served-model-name {q(name)} --max-model-len {max_len} "
+            f"--limit-mm-per-prompt {q(limit)}"
+        )
+    if adapter and lora_servable:
+        out["vllm_lora"] = (
+            f"vllm serve {q(base)} --enable-lora --lora-modules {q(f'{name}={adapter}')} "
+            f"--max-model-len {max_len} --limit-mm-per-prompt {q(limit)}"
+        )
+    elif adapter:
+        out["notes"].append(f"no vLLM LoRA command: {lora_why}")
+    if text_gguf and mmproj:
+        flags = " ".join(llamacpp_flags(model_type, bounds)) if bounds else ""
+        tail = f" {flags}" if flags else ""
+        out["llama_server"] = f"llama-server -m {q(text_gguf)} --mmproj {q(mmproj)} --jinja -c {max_len}{tail}"
+        out["llama_mtmd_cli"] = (
+            f"llama-mtmd-cli -m {q(text_gguf)} --mmproj {q(mmproj)} --image IMAGE.png -p 'PROMPT' --temp 0{tail}"
+        )
+        if flags:
+            out["notes"].append(
+                f"llama.cpp sizes {model_type} images between {LLAMACPP_IMAGE_TOKENS.get(model_type)} tokens by "
+                f"default (clip.cpp); {flags} give it the processor's bounds, so it inserts the tokens training saw"
+                + ("" if bounds is None or bounds.exact else " (the processor's pixel bounds are not whole tokens)")
+            )
+    out["ollama"] = OLLAMA.get(architecture) or OLLAMA_NOT.format(arch=architecture)
+    return out
+
+
+def serving_text(cmds: dict[str, Any]) -> str:
+    """SERVING.md's section for a vision-language export."""
+    lines = ["## Vision-language model", ""]
+    for key, title in (
+        ("vllm", "vLLM (the merged model, its processor files beside it)"),
+        ("vllm_lora", "vLLM with the adapter as LoRA (it adapts the language model only)"),
+        ("llama_server", "llama-server (the text GGUF and its projector)"),
+        ("llama_mtmd_cli", "llama-mtmd-cli (one image, one prompt)"),
+    ):
+        if key in cmds:
+            lines += [f"{title}:", "", "```", cmds[key], "```", ""]
+    lines.append(f"Ollama: {cmds['ollama']}")
+    lines += [f"- {n}" for n in cmds["notes"]]
+    return "\n".join(lines) + "\n"
