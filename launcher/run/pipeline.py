@@ -19,8 +19,8 @@ from launcher.store.state import (
     effective_state,
     is_locked,
     process_identity,
+    move,
     run_holder,
-    set_state,
 )
 from launcher.run import parent, progress, summary_view, views
 from launcher.run.commands import resume_command
@@ -130,7 +130,7 @@ def launch(
             )
         if state == "trained-not-exported" and (snap.state.get("export") or {}).get("state") == "stopped":
             _say(f"this run has finished training, and `ftrun stop` ended its export: making it now ({run.root})")
-            from launcher.deliver.export import export_command
+            from launcher.run.after_training import export_command
 
             return export_command(run)
         if state in TRAINED:
@@ -185,10 +185,10 @@ def launch(
             if ckpt_step is not None
             else "from the start: no checkpoint was written yet"
         )
-        set_state(run, "planned", **_launcher(), data_sha256=data_sha, reason=f"continuing {where}")
+        move(run, "plan", **_launcher(), data_sha256=data_sha, reason=f"continuing {where}")
         _say(f"continuing {run.root} {where}")
     else:
-        set_state(run, "planned", **_launcher(), data_sha256=data_sha, reason="new run")
+        move(run, "plan", **_launcher(), data_sha256=data_sha, reason="new run")
     # the base model's task score and the verdict (does fine-tuning pay?), before the smoke test; said, never a stop
     launch_baseline(run, recipe, plan_dict, _say, snap.state)
 
@@ -200,9 +200,7 @@ def launch(
 
     resume = resume_command(recipe_path, overrides, memory_limit, nodes)  # stored: every view of it can say it
     if foreground:
-        set_state(
-            run, "running", supervisor_pid=_pid(), supervisor_proc=process_identity(_pid()), resume_command=resume
-        )
+        move(run, "run", supervisor_pid=_pid(), supervisor_proc=process_identity(_pid()), resume_command=resume)
         with progress.attached(run):
             code = supervise(run.root, lock.fd)
         _say(format_status(run_status(run), ending_follows=True))
@@ -211,7 +209,7 @@ def launch(
     pid = start_detached(run, lock.fd)
     # who holds the lock from now on, recorded before the launcher lets go of it (the supervisor records
     # itself too): pid and start time, so that no later process with the same pid passes for it
-    set_state(run, "running", supervisor_pid=pid, supervisor_proc=process_identity(pid), resume_command=resume)
+    move(run, "run", supervisor_pid=pid, supervisor_proc=process_identity(pid), resume_command=resume)
     lock.release()  # the supervisor holds the same lock through the inherited descriptor
     _say(views.format_background_start(run.root, pid, resume))
     return 0
@@ -242,7 +240,7 @@ def prepare_only(recipe: Recipe, purpose: str, memory_limit: Optional[float] = N
     recipe = as_written(run, recipe, prepared[2], prepared[3])  # as _prepare wrote it into recipe.yaml
     lock = prepared[5]
     try:
-        set_state(run, "planned", **_launcher(), data_sha256=prepared[6], reason=purpose)
+        move(run, "plan", **_launcher(), data_sha256=prepared[6], reason=purpose)
         download = _download(run, recipe, found, prepared[4])
     except BaseException:
         lock.release()
@@ -256,7 +254,7 @@ def smoke_only(recipe_path: str, overrides: list[str], memory_limit: Optional[fl
     examples, lengths, stats, _plan, plan_dict, lock, _sha = prepared
     try:
         _smoke(run, recipe, plan_dict, examples, lengths, stats, download)
-        set_state(run, "planned", reason="smoke test passed; `ftrun RECIPE` starts the run")
+        move(run, "plan", reason="smoke test passed; `ftrun RECIPE` starts the run")
     finally:
         lock.release()
     return 0
@@ -310,8 +308,8 @@ def _check_same_trajectory(
             "one)"
         )
         state = RunSnapshot(run).state if state is None else state
-        set_state(
+        move(
             run,
-            state.get("state", "planned"),
+            "note",
             accepted_recipe_hashes=sorted(set(state.get("accepted_recipe_hashes", [])) | {old.trajectory_hash()}),
         )

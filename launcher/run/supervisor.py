@@ -183,7 +183,7 @@ def _attempts(run: RunDir, recipe, lock_fd: Optional[int]) -> Ending:
         child["launcher"] = proc if plan.get("engine") in MULTI_PROCESS else None
         _record(
             run,
-            "running",
+            "run",
             supervisor_pid=os.getpid(),
             supervisor_proc=process_identity(os.getpid()),
             worker_pid=proc.pid,
@@ -216,11 +216,7 @@ def _attempts(run: RunDir, recipe, lock_fd: Optional[int]) -> Ending:
         if rc not in (0, *FATAL) and _worker_exit_code(run) in FATAL:
             rc = _worker_exit_code(run)  # a rank's out of memory arrives from torchrun as 1: not a crash to restart
         if run.worker.is_file() and "verification" in json.loads(run.worker.read_text()):
-            _record(
-                run,
-                read_state(run).get("state", "running"),
-                verification=json.loads(run.worker.read_text())["verification"],
-            )
+            _record(run, "note", verification=json.loads(run.worker.read_text())["verification"])
         if rc == 0 and stopping["signal"] and recipe.export and getattr(_verify_final(recipe, run, plan), "ok", 0):
             # the stop came as the worker finished: what training made is whole; the export waits for the resume
             return _stopped_after_training(run, recipe, stopping["signal"], ["the export"])
@@ -251,7 +247,7 @@ def _attempts(run: RunDir, recipe, lock_fd: Optional[int]) -> Ending:
                 )
             _record(
                 run,
-                "succeeded",
+                "trained",
                 worker_pid=None,
                 reason="training finished",
                 final_check={"ok": True, "reason": checked.reason, **checked.details}
@@ -319,7 +315,7 @@ def _attempts(run: RunDir, recipe, lock_fd: Optional[int]) -> Ending:
             ended = {"kind": "out-of-memory", "step": undone["oom_step"], "world": int(plan.get("num_processes") or 1)}
             _record(
                 run,
-                "recovering",
+                "recover",
                 worker_pid=None,
                 restarts=restarts,
                 last_end=ended,
@@ -372,7 +368,7 @@ def _attempts(run: RunDir, recipe, lock_fd: Optional[int]) -> Ending:
         restarts += 1
         delay = min(2 ** len(restart_times), 60)
         why = views.restarted_reason(ended, len(restart_times), recipe.max_restarts, delay)
-        _record(run, "recovering", worker_pid=None, restarts=restarts, last_end=ended, reason=why)
+        _record(run, "recover", worker_pid=None, restarts=restarts, last_end=ended, reason=why)
         _log(why)
         for _ in range(delay * 10):
             if stopping["signal"]:
