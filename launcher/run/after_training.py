@@ -37,24 +37,28 @@ def _verify_final(recipe, run: RunDir, plan: dict[str, Any]):
 def _stopped_after_training(run: RunDir, recipe, signal_name: str, left: list[str]) -> Ending:
     """A stop (or a provider's signal) after the final result and the last checkpoint were saved: the run is stopped,
     not succeeded, and a resume lands at the end, doing only what `left` names."""
-    requested = read_state(run).get("stop_requested")
     newest = newest_step_unverified(run.checkpoints)
+    return _stop_ending(run, recipe, signal_name, newest, True, after_training=True, left=left)
+
+
+def _stop_ending(run: RunDir, recipe, signal_name: str, step, saved: bool, **facts) -> Ending:
+    """`ftrun stop`'s end (stopped) or a signal's from outside (preempted), with the worker's checkpoint at `step`
+    saved or not: the facts go into state.json's `ending`, views.ending_reason words them."""
+    state = read_state(run)
+    requested = state.get("stop_requested")
     ending = {
         "by": "stop" if requested else "signal",
         "signal": signal_name,
-        "step": newest,
-        "checkpoint": step_dir_name(newest) if newest is not None else None,
-        "saved": True,
-        "after_training": True,
-        "left": left,
+        "step": step,
+        "checkpoint": step_dir_name(step) if saved and step is not None else None,
+        "saved": bool(saved),
+        **facts,
         "grace_seconds": recipe.grace_seconds,
-        "resume_command": read_state(run).get("resume_command"),
+        "resume_command": state.get("resume_command"),
     }
+    reason = views.ending_reason(ending)
     return Ending(
-        "stopped" if requested else "preempted",
-        views.ending_reason(ending),
-        train.EXIT_STOPPED,
-        {"stop_requested": False, "ending": ending},
+        "stopped" if requested else "preempted", reason, train.EXIT_STOPPED, {"stop_requested": False, "ending": ending}
     )
 
 

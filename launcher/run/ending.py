@@ -24,7 +24,7 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from launcher.run import notify
+from launcher import notify
 from launcher.run.facts import end_summary
 from launcher.run.summary_view import ENDING, format_end_summary
 from launcher.run.supervisor_log import _log

@@ -150,21 +150,13 @@ def launch(
             )
         resuming = True
     elif run.root.exists() and not run.exists() and any(run.root.iterdir()):
-        raise UsageError(
-            f"output_dir {run.root} exists and holds files that are not an ftrun run",
-            fix="choose another output_dir (recipe or `output_dir=...`); ftrun never writes into a folder it did not "
-            "create.",
-        )
+        raise _not_a_run(run)
     if recipe.resume is True and not resuming:
         raise RecipeError(
             f"resume: true but {run.root} holds no run to resume",
             fix="set resume: auto to start a new run when there is none.",
         )
-    found = weights.check(recipe.model)  # before the run directory is touched: a failure leaves nothing behind
-    missed = weights.fetch_tokenizer(recipe.model, found)  # the data check renders with the model's chat template
-    if missed:
-        _say(f"note: {missed}")
-
+    found = _model_found(recipe)
     examples, lengths, stats, plan, plan_dict, lock, data_sha = _prepare(
         run,
         recipe,
@@ -228,14 +220,8 @@ def prepare_only(recipe: Recipe, purpose: str, memory_limit: Optional[float] = N
             recipe = with_adjustments(run, recipe)
             _check_same_trajectory(run, recipe, state=state)
     elif run.root.exists() and any(run.root.iterdir()):
-        raise UsageError(
-            f"output_dir {run.root} exists and holds files that are not an ftrun run",
-            fix="choose another output_dir; ftrun never writes into a folder it did not create.",
-        )
-    found = weights.check(recipe.model)  # before the run directory is touched: a failure leaves nothing behind
-    missed = weights.fetch_tokenizer(recipe.model, found)  # the data check renders with the model's chat template
-    if missed:
-        _say(f"note: {missed}")
+        raise _not_a_run(run)
+    found = _model_found(recipe)
     prepared = _prepare(run, recipe, resuming=exists, fresh=False, memory_limit=memory_limit, state=state)
     recipe = as_written(run, recipe, prepared[2], prepared[3])  # as _prepare wrote it into recipe.yaml
     lock = prepared[5]
@@ -246,6 +232,24 @@ def prepare_only(recipe: Recipe, purpose: str, memory_limit: Optional[float] = N
         lock.release()
         raise
     return recipe, run, prepared, download
+
+
+def _not_a_run(run: RunDir) -> UsageError:
+    return UsageError(
+        f"output_dir {run.root} exists and holds files that are not an ftrun run",
+        fix="choose another output_dir (recipe or `output_dir=...`); ftrun never writes into a folder it did not "
+        "create.",
+    )
+
+
+def _model_found(recipe: Recipe) -> dict[str, Any]:
+    """The model's weights found (or where they will come from), before the run directory is touched: a failure
+    leaves nothing behind; its tokenizer fetched, as the data check renders with the model's chat template."""
+    found = weights.check(recipe.model)
+    missed = weights.fetch_tokenizer(recipe.model, found)
+    if missed:
+        _say(f"note: {missed}")
+    return found
 
 
 def smoke_only(recipe_path: str, overrides: list[str], memory_limit: Optional[float] = None) -> int:

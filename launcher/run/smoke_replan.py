@@ -8,7 +8,7 @@ import yaml
 
 from launcher.errors import HardwareError
 from launcher.recipe import Recipe
-from launcher.run import notify
+from launcher import notify
 from launcher.run.adjustments import next_adjustment, shard_blocker
 from launcher.run.ending import Ending, leave
 from launcher.run.prepare import _check_shared_memory, _plan_record, _say, make_plan

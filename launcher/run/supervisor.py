@@ -23,7 +23,7 @@ from launcher.errors import EXIT_NOTHING_LEARNED, EXIT_RUN_FAILED, WORKER_EXITS
 from launcher.plan.cgroup import oom_kills
 from launcher.plan.sampling import uses_vllm
 from launcher.run import build_locks, oom_restart, rank_ends, views
-from launcher.run.after_training import _export, _stopped_after_training, _verify_final
+from launcher.run.after_training import _export, _stop_ending, _stopped_after_training, _verify_final
 from launcher.run.ending import Ending, _record, leave
 from launcher.run.attempt import WATCHDOG_GRACE_S, _host_oom, _rank_ends, _Tail, _wait_watching
 from launcher.run.rank_processes import _ranks, _ranks_left
@@ -32,7 +32,7 @@ from launcher.run.worker_outcome import _forget_worker_outcome, _worker_error, _
 from launcher.store import heartbeat_files
 from launcher.worker import train
 from launcher.worker.engines import MULTI_PROCESS, failed_verification, launch_command, launch_env, with_death_signal
-from launcher.store.checkpoint import newest_step_unverified, step_dir_name
+from launcher.store.checkpoint import newest_step_unverified
 from launcher.store.rundir import RunDir
 from launcher.store.state import process_identity, read_state
 
@@ -275,7 +275,6 @@ def _attempts(run: RunDir, recipe, lock_fd: Optional[int]) -> Ending:
                 + (["the export"] if recipe.export else []),
             )
         if stopping["signal"] or rc == train.EXIT_STOPPED:
-            requested = read_state(run).get("stop_requested")
             # A launcher exits 1 when its ranks exit EXIT_STOPPED: a checkpoint sealed after the
             # signal says the same.
             newest = newest_step_unverified(run.checkpoints)
@@ -284,23 +283,9 @@ def _attempts(run: RunDir, recipe, lock_fd: Optional[int]) -> Ending:
                 and newest is not None
                 and (stopping["checkpoint_before"] is None or newest > stopping["checkpoint_before"])
             )
-            # the facts of the ending (the step of the checkpoint it wrote: the last logged step may be a few steps
-            # older); what a user reads of them is composed by views.ending_reason
-            ending = {
-                "by": "stop" if requested else "signal",
-                "signal": stopping["signal"] or "SIGTERM",
-                "step": newest if saved and newest is not None else _last_logged_step(run),
-                "checkpoint": step_dir_name(newest) if saved and newest is not None else None,
-                "saved": bool(saved),
-                "grace_seconds": recipe.grace_seconds,
-                "resume_command": read_state(run).get("resume_command"),
-            }
-            return Ending(
-                "stopped" if requested else "preempted",
-                views.ending_reason(ending),
-                train.EXIT_STOPPED,
-                {"stop_requested": False, "ending": ending},
-            )
+            # the step of the checkpoint it wrote: the last logged step may be a few steps older
+            step = newest if saved and newest is not None else _last_logged_step(run)
+            return _stop_ending(run, recipe, stopping["signal"] or "SIGTERM", step, saved)
         if rc == train.EXIT_OOM:
             # the plan's own faster setting (checkpointing off, a larger micro-batch) ran out: undone, and the run goes
             # on from its last checkpoint on the same trajectory; an out of memory of the recipe's settings stops it

@@ -11,7 +11,8 @@ import pytest
 
 from launcher.errors import RecipeError, SmokeError
 from launcher.recipe_loading import load_recipe
-from launcher.run import ending, notify, smoke_replan, supervisor
+from launcher import notify
+from launcher.run import ending, smoke_replan, supervisor
 from launcher.run.ending import Ending
 from launcher.store.rundir import RunDir
 from launcher.store.state import move, read_state, set_state
@@ -164,6 +165,16 @@ def test_a_url_apprise_cannot_parse_is_refused_by_its_place(tmp_path):
         notify.check(["json://127.0.0.1/ok", "nosuchservice://token"])
     assert "notify[1] (nosuchservice://...)" in err.value.message and "notify[1]" in err.value.fix
     assert "//token" not in err.value.message  # the rest of a URL may be a secret: the error names the scheme
+
+
+@pytest.mark.parametrize("notify_value", [["json://127.0.0.1/ok", "nosuchservice://s3cr3t"], "ntfy://s3cr3t"])
+def test_a_recipe_with_a_bad_notify_is_refused_as_it_loads_with_its_other_errors_and_no_url(write_recipe, notify_value):
+    """Every command loads the recipe first: `ftrun plan` and the launch refuse it before any GPU time, all its
+    problems at once, and neither Apprise's refusal nor a wrong type shows the value (a Secret field)."""
+    with pytest.raises(RecipeError) as err:
+        load_recipe(write_recipe(notify=notify_value, learning_rate="fast"))
+    text = err.value.message + err.value.fix
+    assert "'notify' = <secret>" in text and "learning_rate" in text and "s3cr3t" not in text, text
 
 
 def test_the_published_recipe_and_the_tracker_config_leave_notify_out(write_recipe):
