@@ -141,29 +141,29 @@ def export_command(run: RunDir, merged: bool = False, gguf: Optional[str] = None
     recipe = load_recipe(run.recipe)
     lock = RunLock(run).acquire()  # the supervisor holds it while training or exporting
     started, trained = time.time(), RunSnapshot(run).state.get("state") in TRAINED  # no other writer under the lock
+
+    def end(info: dict[str, Any], code: int) -> None:  # under the lock; the copier: the export's files go off the box
+        if trained:
+            from launcher.store.sync import Syncer
+
+            syncer = Syncer(run, recipe.sync.to, recipe.sync.keep, log=print) if recipe.sync.to else None
+            state = _record_export(run, formats or recipe.export, started, info)
+            leave(run, recipe, Ending(state, None, code), syncer, print, on_finish=False)
+
     try:
         report = export_run(run.root, formats, gguf)
     except FtrunError as exc:
-        if trained:
-            why = exc.message.splitlines()[0] + f"; retry with `ftrun export {run.root}`"
-            state = _record_export(run, formats or recipe.export, started, {"state": "failed", "reason": why})
-            leave(run, recipe, Ending(state, None, exc.exit_code), _syncer(run, recipe), print, on_finish=False)
+        end(
+            {"state": "failed", "reason": f"{exc.message.splitlines()[0]}; retry with `ftrun export {run.root}`"},
+            exc.exit_code,
+        )
         raise
+    else:
+        outs = messages.export_outputs(report["outputs"])
+        end({"state": "succeeded", "outputs": outs, "serving": report.get("serving")}, 0)
     finally:
         lock.release()
-    outs = messages.export_outputs(report["outputs"])
-    if trained:
-        info = {"state": "succeeded", "outputs": outs, "serving": report.get("serving")}
-        state = _record_export(run, formats or recipe.export, started, info)
-        leave(run, recipe, Ending(state, None, 0), _syncer(run, recipe), print, on_finish=False)
     for key, out in report["outputs"].items():
         print(f"{key:8} {out['size']:>9}  {out['path']} ({messages.SIZE_COVERS.get(key, 'file')})")
     print(f"checks   {run.final / 'export.json'}\nserving  {report.get('serving')}")
     return 0
-
-
-def _syncer(run: RunDir, recipe):
-    """The copier of a command's own end (the supervisor's has ended): the export's files go off the box too."""
-    from launcher.store.sync import Syncer
-
-    return Syncer(run, recipe.sync.to, recipe.sync.keep, log=print) if recipe.sync.to else None

@@ -74,13 +74,7 @@ def _score_base(recipe: Recipe) -> dict[str, Any]:
     lock = prepared[5]
     try:
         rc, last = run_worker(run, prepared[4], _say)
-        move(
-            run,
-            "plan",
-            reason="task baseline scored; `ftrun RECIPE` starts the run"
-            if rc == 0
-            else "task baseline failed; `ftrun RECIPE` starts the run",
-        )
+        move(run, "plan", reason=f"task baseline {'scored' if rc == 0 else 'failed'}; `ftrun RECIPE` starts the run")
     finally:
         lock.release()
     t = facts.task_eval(run, base_only=True)

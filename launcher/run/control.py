@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -137,10 +138,8 @@ def end_orphans(run: RunDir, wait_seconds: float, log=print, data: Optional[dict
         group = sup.get("pgid") if same_boot and sup.get("pgid") == sup.get("pid") else None
         for p in left:
             if group and p["pgid"] == group and p["sid"] == group and same_process(p) and group != os.getpgrp():
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(group, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
             _signal_verified(p, signal.SIGKILL)
         deadline = time.monotonic() + 10
         while any(same_process(p) for p in left) and time.monotonic() < deadline:

@@ -9,13 +9,11 @@ in the log, sends the end summary to the recipe's notify: URLs, and runs on_fini
 the box (it may stop the box, so it comes last; a command's own end, `ftrun export`, leaves it out: it ran when the
 supervisor ended).
 
-The trackers are not closed here but by the worker that holds them, as its training ends (the trainer's integrations
-on_train_end; launcher/worker/trackers.py): their clients live in the worker's process, beside torch, and the
-supervisor imports neither. A worker killed by -9 leaves its tracked run open, and that is what a resume needs: the
-next worker, the supervisor's restart or `ftrun RECIPE`'s resume, reopens the same tracked run by the ids in
-trackers.json and logs on into it; closing it here would mark as finished a run that is about to continue. The cost:
-a run that ends for good right after such a kill leaves its tracked run open (W&B marks a run whose process stopped
-sending heartbeats as crashed; MLflow shows it running); state.json and this door's notification say how it ended.
+The trackers are closed by the worker that holds them (the trainer's integrations, on_train_end), not here: their
+clients live in its process, and a worker killed by -9 leaves its tracked run open for the next worker, the restart's
+or the resume's, to reopen by the ids in trackers.json and log on into (launcher/worker/trackers.py); closing it here
+would finish a run about to continue. A run that ends for good right after such a kill leaves it open (W&B marks it
+crashed once its heartbeats stop, MLflow shows it running): state.json and this door's notification say the end.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ exists."""
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Optional
 
@@ -192,7 +193,9 @@ def launch(
 
     resume = resume_command(recipe_path, overrides, memory_limit, nodes)  # stored: every view of it can say it
     if foreground:
-        move(run, "run", supervisor_pid=_pid(), supervisor_proc=process_identity(_pid()), resume_command=resume)
+        move(
+            run, "run", supervisor_pid=os.getpid(), supervisor_proc=process_identity(os.getpid()), resume_command=resume
+        )
         with progress.attached(run):
             code = supervise(run.root, lock.fd)
         _say(format_status(run_status(run), ending_follows=True))
@@ -264,15 +267,9 @@ def smoke_only(recipe_path: str, overrides: list[str], memory_limit: Optional[fl
     return 0
 
 
-def _pid() -> int:
-    import os
-
-    return os.getpid()
-
-
 def _launcher() -> dict[str, Any]:
     """state.json fields naming this launcher while it holds the run's lock (plan, smoke test)."""
-    return {"launcher_pid": _pid(), "launcher_proc": process_identity(_pid())}
+    return {"launcher_pid": os.getpid(), "launcher_proc": process_identity(os.getpid())}
 
 
 def _end_orphans(run: RunDir, recipe: Recipe, state: dict[str, Any]) -> None:
@@ -312,8 +309,5 @@ def _check_same_trajectory(
             "one)"
         )
         state = RunSnapshot(run).state if state is None else state
-        move(
-            run,
-            "note",
-            accepted_recipe_hashes=sorted(set(state.get("accepted_recipe_hashes", [])) | {old.trajectory_hash()}),
-        )
+        hashes = set(state.get("accepted_recipe_hashes", [])) | {old.trajectory_hash()}
+        move(run, "note", accepted_recipe_hashes=sorted(hashes))

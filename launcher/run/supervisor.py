@@ -9,6 +9,7 @@ the terminal's session) never reaches it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -114,10 +115,8 @@ def _attempts(run: RunDir, recipe, lock_fd: Optional[int]) -> Ending:
             # made it configurable; launch_env sets it where it exists). The ranks save together and
             # exit together after the save's last barrier, the launcher then ends on its own.
             for pid in (_ranks(proc) if proc is child["launcher"] else []) or [proc.pid]:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
 
     def forward_then_enforce_grace(signum, frame):
         forward(signum, frame)
@@ -130,10 +129,8 @@ def _attempts(run: RunDir, recipe, lock_fd: Optional[int]) -> Ending:
                     stopping["killed"] = True
                     # the ranks die with their launcher (PR_SET_PDEATHSIG), but not only through it
                     for pid in (_ranks(proc) if proc is child["launcher"] else []) + [proc.pid]:
-                        try:
+                        with contextlib.suppress(ProcessLookupError):
                             os.kill(pid, signal.SIGKILL)
-                        except ProcessLookupError:
-                            pass
 
             timer = threading.Timer(recipe.grace_seconds, enforce)
             timer.daemon = True

@@ -47,7 +47,7 @@ class State:
 # not train to the end is resumed by the launch, which writes `planned` first.
 _RESUMED = "planned"
 
-# The run states: the one table; ACTIVE, ENDED and TRAINED derive from it, how each is entered from MOVES, and what a
+# The run states: the one table; ACTIVE, ENDED and TRAINED derive from it, the moves into each from MOVES, and what a
 # user reads about each is composed in launcher/run/views.py and summary_view.py (tests/test_tables.py walks every
 # state through them).
 STATES: dict[str, State] = {
@@ -113,11 +113,6 @@ MOVES: dict[str, Move] = {
 }
 
 
-def entered_by(state: str) -> list[str]:
-    """The moves that write `state` (the doc's table shows them beside each state)."""
-    return [name for name, m in MOVES.items() if state in m.to]
-
-
 def read_state(run: RunDir) -> dict[str, Any]:
     if not run.state.is_file():
         return {}
@@ -125,7 +120,13 @@ def read_state(run: RunDir) -> dict[str, Any]:
 
 
 class TransitionError(FtrunError):
-    """A write of state.json that the table (STATES) does not allow: a bug in ftrun, never the user's input."""
+    """A write of state.json that the tables (STATES, MOVES) do not allow: a bug in ftrun, never the user's input."""
+
+    def __init__(self, what: str):
+        super().__init__(
+            f"internal error: {what} (launcher/store/state.py); state.json is left as it was",
+            fix="report this as a bug with the run's state.json (its history) and train.log.",
+        )
 
 
 def set_state(run: RunDir, state: str, **fields: Any) -> dict[str, Any]:
@@ -134,11 +135,7 @@ def set_state(run: RunDir, state: str, **fields: Any) -> dict[str, Any]:
     data = read_state(run)
     was = data.get("state")
     if was in STATES and state != was and state not in STATES[was].next:
-        raise TransitionError(
-            f"internal error: {run.root}'s state cannot go from {was or 'no state'} to {state}: the run-state table "
-            "(launcher/store/state.py STATES) holds no such transition; state.json is left as it was",
-            fix="report this as a bug with the run's state.json (its history) and train.log.",
-        )
+        raise TransitionError(f"{run.root}'s state cannot go from {was} to {state}: STATES holds no such transition")
     now = time.time()
     history = data.get("history", [])
     if data.get("state") != state:
@@ -157,9 +154,7 @@ def move(run: RunDir, name: str, to: Optional[str] = None, **fields: Any) -> dic
     to = to or (allowed[0] if len(allowed) == 1 else None)
     if to not in allowed:
         raise TransitionError(
-            f"internal error: the run-state move {name} cannot write {to} (it writes {', '.join(allowed)}: "
-            "launcher/store/state.py MOVES); state.json is left as it was",
-            fix="report this as a bug with the run's state.json (its history) and train.log.",
+            f"the run-state move {name} cannot write {to}: its row in MOVES writes {', '.join(allowed)}"
         )
     return set_state(run, to, **fields)
 

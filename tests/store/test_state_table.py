@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from launcher.store.rundir import RunDir
-from launcher.store.state import MOVES, STATES, TransitionError, entered_by, move, read_state, set_state
+from launcher.store.state import MOVES, STATES, TransitionError, move, read_state, set_state
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 
@@ -42,6 +42,11 @@ PATHS = [
     ("plan", "run", "end:stopped", "note"),  # stopped after the final result was saved; a fetched run's pids cleared
     ("plan", "plan", "smoke", "run"),  # `ftrun baseline` first
 ]
+
+
+def entered_by(state: str) -> list[str]:
+    """The moves that write `state` (the doc's table shows them beside each state)."""
+    return [name for name, m in MOVES.items() if state in m.to]
 
 
 @pytest.mark.parametrize("path", PATHS, ids=["-".join(p) for p in PATHS])
