@@ -174,7 +174,7 @@ def _export_options(e: argparse.ArgumentParser) -> None:
 
 
 def _export(a) -> int:
-    from launcher.deliver.export import export_command
+    from launcher.run.after_training import export_command
     from launcher.run.run_dirs import resolve_run
     from launcher.store.modes import share_results
 

@@ -12,7 +12,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, Field, PositiveInt, field_validator, model_validator
 
-from launcher import engine_kinds, export_formats, gguf_types, methods, model_files, tracker_kinds
+from launcher import engine_kinds, export_formats, gguf_types, methods, model_files, notify, tracker_kinds
 from launcher.data import formats as data_formats
 from launcher.data import loss_view
 from launcher.data import sources as data_sources
@@ -322,6 +322,15 @@ class Recipe(Strict):
         wrong = model_files.not_a_model(value)  # a GGUF above all: refused here, before any download or GPU time
         if wrong:
             raise ValueError(f"{wrong[0].removeprefix(f'model {value} is ')}; {wrong[1]}")
+        return value
+
+    @field_validator("notify")
+    @classmethod
+    def _notify_urls_apprise_sends_to(cls, value: list[str]) -> list[str]:
+        try:  # before any plan or GPU time, for every command; the error names a URL by its place, never its text
+            notify.check(value)
+        except RecipeError as exc:
+            raise ValueError(f"{exc.message}; {exc.fix}") from None
         return value
 
     @field_validator("init_from")

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 from launcher.data import sources as data_sources
 from launcher.errors import RecipeError, UsageError, close_name
 from launcher.recipe import Recipe, has_adapter
+from launcher.recipe_sections import secret_keys
 from launcher.store.rundir import RunDir
 
 
@@ -71,7 +72,8 @@ def _format_errors(err: ValidationError, source: str) -> RecipeError:
             lines.append(f"- '{loc}' is required" + (f": {doc}" if doc else ""))
         else:
             value = e.get("input")
-            shown = repr(value) if not isinstance(value, dict) else "{...}"
+            secret = any(loc == k or loc.startswith(f"{k}.") for k in secret_keys(Recipe))  # a token, a password
+            shown = "<secret>" if secret else repr(value) if not isinstance(value, dict) else "{...}"
             msg = e["msg"].removeprefix("Value error, ")
             # a check across keys (a model validator) has no key of its own: its message names the keys
             lines.append(f"- '{loc}' = {shown}: {msg}" if loc else f"- {msg}")

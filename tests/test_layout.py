@@ -159,3 +159,22 @@ def test_a_command_reads_its_run_once():
         if "read_state(" in p.read_text().replace("def read_state(", "")
     }
     assert readers <= {"store/state.py", "run/supervisor.py", "run/after_training.py"}, readers
+
+
+def test_state_is_written_by_one_module_through_its_table():
+    """store/state.py's set_state is the one writer of state.json; the product calls it through `move`, naming a row of
+    MOVES (who makes which write), and every row is made somewhere: a reader finds every write in the table."""
+    import re
+
+    from launcher.store.state import MOVES
+
+    # (?<!\.): numpy.random.set_state, which the reward probe calls to restore the generators, is not this one
+    calls = re.compile(r"(?<![.\w])set_state\(")
+    writers = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if calls.search(p.read_text())}
+    assert writers == {"store/state.py"}, writers
+    made = {
+        name
+        for p in PACKAGE.rglob("*.py")
+        for name in re.findall(r"(?:\bmove|\b_record)\(\s*run,\s*\"([a-z-]+)\"", p.read_text())
+    }
+    assert made == set(MOVES), f"moves made but not in MOVES: {made - set(MOVES)}; rows never made: {set(MOVES) - made}"

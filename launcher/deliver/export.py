@@ -1,8 +1,8 @@
 """Export a finished run: adapter, merged 16-bit model, GGUF, serving commands; every output reloaded and checked.
 
 Run as `python -m launcher.deliver.export --run-dir DIR [--formats adapter,merged,gguf] [--gguf-type q8_0]` (the
-supervisor does, after a successful run) or through `ftrun export`. Writes into the run's `final/`:
-`merged/` (safetensors + tokenizer + chat template), `gguf/<name>-<TYPE>.gguf` + `Modelfile`,
+supervisor does, after a successful run) or through `ftrun export` (launcher/run/after_training.py). Writes into
+the run's `final/`: `merged/` (safetensors + tokenizer + chat template), `gguf/<name>-<TYPE>.gguf` + `Modelfile`,
 `SERVING.md`, and `export.json` with the parity numbers. An output outside its tolerance fails loudly.
 """
 
@@ -24,7 +24,7 @@ from launcher.errors import FtrunError  # noqa: E402
 from launcher.store.rundir import RunDir  # noqa: E402
 from launcher.deliver.export_inputs import GGUF_TYPES, Inputs, _model_config, check_inputs  # noqa: E402
 from launcher.deliver.export_models import _export_models  # noqa: E402
-from launcher.deliver.messages import SIZE_COVERS, ExportError, _say, export_outputs, served_line  # noqa: E402
+from launcher.deliver.messages import ExportError, _say, served_line  # noqa: E402
 from launcher.deliver.parity import PARITY_PROMPTS, parity_prompts  # noqa: E402
 from launcher.deliver.placement import (  # noqa: E402
     Loads,
@@ -123,65 +123,6 @@ def _export(inp: Inputs, report: dict[str, Any]) -> None:
     finally:
         report["placement"]["loads"] = loads.log
     _say(served_line(report))
-
-
-def _record_export(
-    run: RunDir, state: dict[str, Any], formats: Optional[list[str]], started: float, info: dict[str, Any]
-) -> None:
-    """A finished run's state after `ftrun export`: succeeded when the export passed its checks, else
-    trained-not-exported (the training result is good; the export is not). `state`: as read under the lock."""
-    from launcher.store.state import TRAINED, set_state
-
-    if state.get("state") not in TRAINED:
-        return
-    info.update(formats=list(formats or inp_formats(run)), seconds=round(time.time() - started, 1))
-    ok = info["state"] == "succeeded"
-    set_state(
-        run,
-        "succeeded" if ok else "trained-not-exported",
-        export=info,
-        reason="training finished" if ok else f"trained, not exported: {info['reason']}",
-    )
-
-
-def inp_formats(run: RunDir) -> list[str]:
-    from launcher.recipe_loading import load_recipe
-
-    return list(getattr(load_recipe(run.recipe), "export", []))
-
-
-def export_command(run: RunDir, merged: bool = False, gguf: Optional[str] = None) -> int:
-    """`ftrun export`: the recipe's export list, or adapter plus what the flags ask for; prints where things went.
-    `run`: the run directory the command line named (launcher/cli.py resolves it)."""
-    from launcher.store.state import RunLock, RunSnapshot
-
-    formats = None
-    if merged or gguf:
-        formats = ["adapter", "merged"] + (["gguf"] if gguf else [])
-    check_inputs(run.root, formats, gguf)  # bad input fails here, before the lock and the heavy imports
-    lock = RunLock(run).acquire()  # the supervisor holds it while training or exporting
-    started, state = time.time(), RunSnapshot(run).state  # no other writer while the lock is held
-    try:
-        report = export_run(run.root, formats, gguf)
-    except FtrunError as exc:
-        _record_export(
-            run,
-            state,
-            formats,
-            started,
-            {"state": "failed", "reason": exc.message.splitlines()[0] + f"; retry with `ftrun export {run.root}`"},
-        )
-        raise
-    finally:
-        lock.release()
-    outs = export_outputs(report["outputs"])
-    _record_export(
-        run, state, formats, started, {"state": "succeeded", "outputs": outs, "serving": report.get("serving")}
-    )
-    for key, out in report["outputs"].items():
-        print(f"{key:8} {out['size']:>9}  {out['path']} ({SIZE_COVERS.get(key, 'file')})")
-    print(f"checks   {run.final / 'export.json'}\nserving  {report.get('serving')}")
-    return 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -473,7 +473,7 @@ def _push(
 def after_export(recipe, run: RunDir, log: Callable[[str], None]) -> None:
     """The supervisor's step after the export: publish when the recipe asks, the outcome in state.json's
     `publish`; a failure never changes the run's own state (the trained result is intact)."""
-    from launcher.store.state import RunSnapshot, set_state
+    from launcher.store.state import RunSnapshot, move
 
     if not recipe.publish.to:
         return
@@ -485,13 +485,13 @@ def after_export(recipe, run: RunDir, log: Callable[[str], None]) -> None:
     except FtrunError as exc:
         record = {"state": "failed", "reason": exc.message, "retry": f"ftrun publish {run.root}"}
         log(f"publish: {exc.message}")
-    set_state(run, state.get("state", "succeeded"), publish=record)
+    move(run, "note", publish=record)
 
 
 def publish_command(run: RunDir, to: Optional[str] = None) -> int:
     """`ftrun publish [RUN]`: the same step by hand (after a failed one, or with another repo). The command line
     resolves the run (launcher/cli.py): the supervisor imports this module, so it imports nothing above it."""
-    from launcher.store.state import RunLock, RunSnapshot, set_state
+    from launcher.store.state import RunLock, RunSnapshot, move
 
     lock = RunLock(run).acquire()  # not while the supervisor trains, exports or publishes
     try:
@@ -500,13 +500,13 @@ def publish_command(run: RunDir, to: Optional[str] = None) -> int:
             record = publish_run(run.root, to=to, say=print, state=state)
         except FtrunError as exc:
             if state.get("state"):
-                set_state(
+                move(
                     run,
-                    state["state"],
+                    "note",
                     publish={"state": "failed", "reason": exc.message, "retry": f"ftrun publish {run.root}"},
                 )
             raise
-        set_state(run, state.get("state", "succeeded"), publish=record)
+        move(run, "note", publish=record)
     finally:
         lock.release()
     return 0

@@ -1,4 +1,5 @@
-"""The supervisor's steps once training ended: the final result checked, the exports made (on_finish: ending.py)."""
+"""The steps once training ended: the final result checked, the exports made by the supervisor or by `ftrun export`
+(each ending through launcher/run/ending.py, where on_finish runs)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from launcher.deliver import messages
 from launcher.run import views
-from launcher.run.ending import Ending
+from launcher.run.ending import Ending, leave
 from launcher.run.supervisor_log import _log
 from launcher.store.checkpoint import newest_step_unverified, step_dir_name
 from launcher.store.modes import share_results
 from launcher.store.rundir import RunDir
-from launcher.store.state import read_state, set_state
+from launcher.store.state import TRAINED, RunLock, RunSnapshot, move, read_state
 from launcher.worker import train
 
 
@@ -36,24 +37,28 @@ def _verify_final(recipe, run: RunDir, plan: dict[str, Any]):
 def _stopped_after_training(run: RunDir, recipe, signal_name: str, left: list[str]) -> Ending:
     """A stop (or a provider's signal) after the final result and the last checkpoint were saved: the run is stopped,
     not succeeded, and a resume lands at the end, doing only what `left` names."""
-    requested = read_state(run).get("stop_requested")
     newest = newest_step_unverified(run.checkpoints)
+    return _stop_ending(run, recipe, signal_name, newest, True, after_training=True, left=left)
+
+
+def _stop_ending(run: RunDir, recipe, signal_name: str, step, saved: bool, **facts) -> Ending:
+    """`ftrun stop`'s end (stopped) or a signal's from outside (preempted), with the worker's checkpoint at `step`
+    saved or not: the facts go into state.json's `ending`, views.ending_reason words them."""
+    state = read_state(run)
+    requested = state.get("stop_requested")
     ending = {
         "by": "stop" if requested else "signal",
         "signal": signal_name,
-        "step": newest,
-        "checkpoint": step_dir_name(newest) if newest is not None else None,
-        "saved": True,
-        "after_training": True,
-        "left": left,
+        "step": step,
+        "checkpoint": step_dir_name(step) if saved and step is not None else None,
+        "saved": bool(saved),
+        **facts,
         "grace_seconds": recipe.grace_seconds,
-        "resume_command": read_state(run).get("resume_command"),
+        "resume_command": state.get("resume_command"),
     }
+    reason = views.ending_reason(ending)
     return Ending(
-        "stopped" if requested else "preempted",
-        views.ending_reason(ending),
-        train.EXIT_STOPPED,
-        {"stop_requested": False, "ending": ending},
+        "stopped" if requested else "preempted", reason, train.EXIT_STOPPED, {"stop_requested": False, "ending": ending}
     )
 
 
@@ -67,7 +72,7 @@ def _export(recipe, run: RunDir, child: dict) -> str:
         return "succeeded"
     _log("exporting: " + ", ".join(recipe.export))
     started = time.time()
-    set_state(run, "succeeded", export={"state": "running", "formats": list(recipe.export), "started": started})
+    move(run, "export", "succeeded", export={"state": "running", "formats": list(recipe.export), "started": started})
     cmd = [sys.executable, "-m", "launcher.deliver.export", "--run-dir", str(run.root)]
     report_path = run.final / "export.json"
     report_path.unlink(missing_ok=True)  # a stale report must not speak for this export
@@ -103,13 +108,62 @@ def _export(recipe, run: RunDir, child: dict) -> str:
             )
         info = {"state": "failed", "reason": f"{err.splitlines()[0]}; retry with `ftrun export {run.root}`"}
         _log(f"export failed: {err}; the trained result is intact")
-    info.update(formats=list(recipe.export), seconds=round(time.time() - started, 1))
+    return _record_export(run, recipe.export, started, info)
+
+
+def _record_export(run: RunDir, formats: list[str], started: float, info: dict[str, Any]) -> str:
+    """The export's outcome in state.json: succeeded when it passed its checks, else trained-not-exported (the training
+    result is good; the export is not); returns the state."""
+    info.update(formats=list(formats), seconds=round(time.time() - started, 1))
     state = "succeeded" if info["state"] == "succeeded" else "trained-not-exported"
-    set_state(
+    move(
         run,
+        "export",
         state,
         export=info,
-        **({} if state == "succeeded" else {"reason": f"trained, not exported: {info['reason']}"}),
+        reason="training finished" if state == "succeeded" else f"trained, not exported: {info['reason']}",
         **({"stop_requested": False} if info["state"] == "stopped" else {}),
     )
     return state
+
+
+def export_command(run: RunDir, merged: bool = False, gguf: Optional[str] = None) -> int:
+    """`ftrun export`: the recipe's export list, or adapter plus what the flags ask for; prints where things went. A
+    trained run's new outcome leaves through the door (a failure too: its notification, the copy off the box; not
+    on_finish, which ran when the supervisor ended). `run`: the run directory the command line named."""
+    from launcher.deliver.export import export_run
+    from launcher.deliver.export_inputs import check_inputs
+    from launcher.errors import FtrunError
+    from launcher.recipe_loading import load_recipe
+
+    formats = ["adapter", "merged"] + (["gguf"] if gguf else []) if merged or gguf else None
+    check_inputs(run.root, formats, gguf)  # bad input fails here, before the lock and the heavy imports
+    recipe = load_recipe(run.recipe)
+    lock = RunLock(run).acquire()  # the supervisor holds it while training or exporting
+    started, trained = time.time(), RunSnapshot(run).state.get("state") in TRAINED  # no other writer under the lock
+
+    def end(info: dict[str, Any], code: int) -> None:  # under the lock; the copier: the export's files go off the box
+        if trained:
+            from launcher.store.sync import Syncer
+
+            syncer = Syncer(run, recipe.sync.to, recipe.sync.keep, log=print) if recipe.sync.to else None
+            state = _record_export(run, formats or recipe.export, started, info)
+            leave(run, recipe, Ending(state, None, code), syncer, print, on_finish=False)
+
+    try:
+        report = export_run(run.root, formats, gguf)
+    except FtrunError as exc:
+        end(
+            {"state": "failed", "reason": f"{exc.message.splitlines()[0]}; retry with `ftrun export {run.root}`"},
+            exc.exit_code,
+        )
+        raise
+    else:
+        outs = messages.export_outputs(report["outputs"])
+        end({"state": "succeeded", "outputs": outs, "serving": report.get("serving")}, 0)
+    finally:
+        lock.release()
+    for key, out in report["outputs"].items():
+        print(f"{key:8} {out['size']:>9}  {out['path']} ({messages.SIZE_COVERS.get(key, 'file')})")
+    print(f"checks   {run.final / 'export.json'}\nserving  {report.get('serving')}")
+    return 0

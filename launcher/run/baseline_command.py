@@ -18,7 +18,7 @@ from launcher.run.pipeline import prepare_only
 from launcher.run.run_dirs import run_dir_of
 from launcher.run.task_baseline import EXIT_WORKER_BAD_INPUT, run_worker, settled, training_began
 from launcher.data.task_verdict import start_keys
-from launcher.store.state import set_state
+from launcher.store.state import move
 
 
 def _say(line: str) -> None:
@@ -74,13 +74,7 @@ def _score_base(recipe: Recipe) -> dict[str, Any]:
     lock = prepared[5]
     try:
         rc, last = run_worker(run, prepared[4], _say)
-        set_state(
-            run,
-            "planned",
-            reason="task baseline scored; `ftrun RECIPE` starts the run"
-            if rc == 0
-            else "task baseline failed; `ftrun RECIPE` starts the run",
-        )
+        move(run, "plan", reason=f"task baseline {'scored' if rc == 0 else 'failed'}; `ftrun RECIPE` starts the run")
     finally:
         lock.release()
     t = facts.task_eval(run, base_only=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -11,15 +12,7 @@ from launcher.run.facts import end_summary
 from launcher.run.summary_view import format_end_summary
 from launcher.run.views import STOPPED_PREFIXES, stop_outcome, stop_waits_for
 from launcher.store.rundir import RunDir
-from launcher.store.state import (
-    ENDED,
-    RunSnapshot,
-    process_identity,
-    run_holder,
-    run_processes,
-    same_process,
-    set_state,
-)
+from launcher.store.state import ENDED, RunSnapshot, move, process_identity, run_holder, run_processes, same_process
 
 
 def stop_command(run: RunDir) -> int:
@@ -55,7 +48,7 @@ def stop(run: RunDir, timeout: float = 120.0, say=lambda line: None) -> str:
             f"not stopped: pid {holder['pid']} is still planning or smoke-testing this run (state "
             f"{data.get('state', 'planned')}); interrupt it with Ctrl-C where it runs, or wait and stop the run"
         )
-    set_state(run, data.get("state", "running"), stop_requested=True)  # `stopped`, not `preempted`
+    move(run, "note", stop_requested=True)  # `stopped`, not `preempted`
     say(stop_waits_for(_phase(snap), _grace_seconds(run)))
     _signal_verified(holder, signal.SIGTERM)
     deadline = time.monotonic() + timeout
@@ -145,10 +138,8 @@ def end_orphans(run: RunDir, wait_seconds: float, log=print, data: Optional[dict
         group = sup.get("pgid") if same_boot and sup.get("pgid") == sup.get("pid") else None
         for p in left:
             if group and p["pgid"] == group and p["sid"] == group and same_process(p) and group != os.getpgrp():
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(group, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
             _signal_verified(p, signal.SIGKILL)
         deadline = time.monotonic() + 10
         while any(same_process(p) for p in left) and time.monotonic() < deadline:

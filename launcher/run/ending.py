@@ -1,12 +1,19 @@
 """A run's one door out: every ending, from the smoke test to the export, leaves through `leave` with its state and
 reason, and what every end needs happens there, once.
 
-The endings: succeeded, trained-not-exported (an export failed its check); failed (a crash limit, NaN, an unusable
-result, out of memory), failed-smoke; stopped, preempted, stopped while recovering. `leave` writes the state and the
-reason, makes the last copy off the box (the final result's when training finished), says the reason in the log,
-sends the end summary to the recipe's notify: URLs, and runs on_finish once a trained result is safe off the box
-(it may stop the box, so it comes last). The trackers are closed by the worker that holds them, when its training
-ends (launcher/worker/trackers.py).
+The endings: succeeded, trained-not-exported (an export failed its check, the supervisor's or `ftrun export`'s);
+failed (a crash limit, NaN, an unusable result, out of memory), failed-smoke; stopped, preempted, stopped while
+recovering. `leave` writes the state and the reason (the move `end`: launcher/store/state.py MOVES; a trained run's
+export wrote its own), makes the last copy off the box (the final result's when training finished), says the reason
+in the log, sends the end summary to the recipe's notify: URLs, and runs on_finish once a trained result is safe off
+the box (it may stop the box, so it comes last; a command's own end, `ftrun export`, leaves it out: it ran when the
+supervisor ended).
+
+The trackers are closed by the worker that holds them (the trainer's integrations, on_train_end), not here: their
+clients live in its process, and a worker killed by -9 leaves its tracked run open for the next worker, the restart's
+or the resume's, to reopen by the ids in trackers.json and log on into (launcher/worker/trackers.py); closing it here
+would finish a run about to continue. A run that ends for good right after such a kill leaves it open (W&B marks it
+crashed once its heartbeats stop, MLflow shows it running): state.json and this door's notification say the end.
 """
 
 from __future__ import annotations
@@ -15,12 +22,12 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from launcher.run import notify
+from launcher import notify
 from launcher.run.facts import end_summary
 from launcher.run.summary_view import ENDING, format_end_summary
 from launcher.run.supervisor_log import _log
 from launcher.store.rundir import RunDir
-from launcher.store.state import TRAINED, set_state
+from launcher.store.state import TRAINED, move
 
 
 @dataclass
@@ -34,35 +41,38 @@ class Ending:
     fields: dict[str, Any] = field(default_factory=dict)
 
 
-def _record(run: RunDir, state: str, log: Callable[[str], None] = _log, **fields) -> None:
-    """set_state, but a full disk must not kill the supervisor: it says so in the log and carries on."""
+def _record(run: RunDir, name: str, to: Optional[str] = None, log: Callable[[str], None] = _log, **fields) -> None:
+    """A move of the run's state (launcher/store/state.py MOVES), but a full disk must not kill the supervisor: it
+    says so in the log and carries on."""
     try:
-        set_state(run, state, **fields)
+        move(run, name, to, **fields)
     except OSError as exc:
-        log(f"could not write state.json ({exc.strerror}); the run's state is {state}: {fields.get('reason', '')}")
+        log(f"could not write state.json ({exc.strerror}); the run's state is {to or name}: {fields.get('reason', '')}")
 
 
-def leave(run: RunDir, recipe, ending: Ending, syncer=None, log: Callable[[str], None] = _log) -> int:
+def leave(
+    run: RunDir, recipe, ending: Ending, syncer=None, log: Callable[[str], None] = _log, on_finish: bool = True
+) -> int:
     """The end of a run, however it came: returns the command's exit code."""
     safe = True  # the result is where on_finish may rely on it
     if ending.state in TRAINED:
         if syncer:
-            _record(run, ending.state, log, reason=f"training finished; copying the result to {recipe.sync.to}")
+            _record(run, "end", ending.state, log, reason=f"training finished; copying the result to {recipe.sync.to}")
             safe = syncer.finish(final=True)
             if safe:
-                _record(run, ending.state, log, reason=f"training finished; result verified at {recipe.sync.to}")
+                _record(run, "end", ending.state, log, reason=f"training finished; result verified at {recipe.sync.to}")
                 syncer.sync_once()  # the state file itself, saying so
             else:
                 why = "training finished, but the copy off the box failed: see sync.json; `ftrun push` retries"
-                _record(run, ending.state, log, reason=why)
+                _record(run, "end", ending.state, log, reason=why)
     else:
         if syncer:
             syncer.finish(final=False)  # what exists goes off the box first, then the state says why
-        _record(run, ending.state, log, worker_pid=None, reason=ending.reason, **ending.fields)
+        _record(run, "end", ending.state, log, worker_pid=None, reason=ending.reason, **ending.fields)
         log(ending.reason)
     summary = end_summary(run)
     notify.send(recipe.notify, f"ftrun: run {ENDING[ending.state]}: {run.root.name}", format_end_summary(summary), log)
-    if ending.state in TRAINED and safe:
+    if ending.state in TRAINED and safe and on_finish:
         _on_finish(recipe, log)
     return ending.code
 

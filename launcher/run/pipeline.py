@@ -3,6 +3,7 @@ exists."""
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Optional
 
@@ -19,8 +20,8 @@ from launcher.store.state import (
     effective_state,
     is_locked,
     process_identity,
+    move,
     run_holder,
-    set_state,
 )
 from launcher.run import parent, progress, summary_view, views
 from launcher.run.commands import resume_command
@@ -130,7 +131,7 @@ def launch(
             )
         if state == "trained-not-exported" and (snap.state.get("export") or {}).get("state") == "stopped":
             _say(f"this run has finished training, and `ftrun stop` ended its export: making it now ({run.root})")
-            from launcher.deliver.export import export_command
+            from launcher.run.after_training import export_command
 
             return export_command(run)
         if state in TRAINED:
@@ -150,21 +151,13 @@ def launch(
             )
         resuming = True
     elif run.root.exists() and not run.exists() and any(run.root.iterdir()):
-        raise UsageError(
-            f"output_dir {run.root} exists and holds files that are not an ftrun run",
-            fix="choose another output_dir (recipe or `output_dir=...`); ftrun never writes into a folder it did not "
-            "create.",
-        )
+        raise _not_a_run(run)
     if recipe.resume is True and not resuming:
         raise RecipeError(
             f"resume: true but {run.root} holds no run to resume",
             fix="set resume: auto to start a new run when there is none.",
         )
-    found = weights.check(recipe.model)  # before the run directory is touched: a failure leaves nothing behind
-    missed = weights.fetch_tokenizer(recipe.model, found)  # the data check renders with the model's chat template
-    if missed:
-        _say(f"note: {missed}")
-
+    found = _model_found(recipe)
     examples, lengths, stats, plan, plan_dict, lock, data_sha = _prepare(
         run,
         recipe,
@@ -185,10 +178,10 @@ def launch(
             if ckpt_step is not None
             else "from the start: no checkpoint was written yet"
         )
-        set_state(run, "planned", **_launcher(), data_sha256=data_sha, reason=f"continuing {where}")
+        move(run, "plan", **_launcher(), data_sha256=data_sha, reason=f"continuing {where}")
         _say(f"continuing {run.root} {where}")
     else:
-        set_state(run, "planned", **_launcher(), data_sha256=data_sha, reason="new run")
+        move(run, "plan", **_launcher(), data_sha256=data_sha, reason="new run")
     # the base model's task score and the verdict (does fine-tuning pay?), before the smoke test; said, never a stop
     launch_baseline(run, recipe, plan_dict, _say, snap.state)
 
@@ -200,8 +193,8 @@ def launch(
 
     resume = resume_command(recipe_path, overrides, memory_limit, nodes)  # stored: every view of it can say it
     if foreground:
-        set_state(
-            run, "running", supervisor_pid=_pid(), supervisor_proc=process_identity(_pid()), resume_command=resume
+        move(
+            run, "run", supervisor_pid=os.getpid(), supervisor_proc=process_identity(os.getpid()), resume_command=resume
         )
         with progress.attached(run):
             code = supervise(run.root, lock.fd)
@@ -211,7 +204,7 @@ def launch(
     pid = start_detached(run, lock.fd)
     # who holds the lock from now on, recorded before the launcher lets go of it (the supervisor records
     # itself too): pid and start time, so that no later process with the same pid passes for it
-    set_state(run, "running", supervisor_pid=pid, supervisor_proc=process_identity(pid), resume_command=resume)
+    move(run, "run", supervisor_pid=pid, supervisor_proc=process_identity(pid), resume_command=resume)
     lock.release()  # the supervisor holds the same lock through the inherited descriptor
     _say(views.format_background_start(run.root, pid, resume))
     return 0
@@ -230,24 +223,36 @@ def prepare_only(recipe: Recipe, purpose: str, memory_limit: Optional[float] = N
             recipe = with_adjustments(run, recipe)
             _check_same_trajectory(run, recipe, state=state)
     elif run.root.exists() and any(run.root.iterdir()):
-        raise UsageError(
-            f"output_dir {run.root} exists and holds files that are not an ftrun run",
-            fix="choose another output_dir; ftrun never writes into a folder it did not create.",
-        )
-    found = weights.check(recipe.model)  # before the run directory is touched: a failure leaves nothing behind
-    missed = weights.fetch_tokenizer(recipe.model, found)  # the data check renders with the model's chat template
-    if missed:
-        _say(f"note: {missed}")
+        raise _not_a_run(run)
+    found = _model_found(recipe)
     prepared = _prepare(run, recipe, resuming=exists, fresh=False, memory_limit=memory_limit, state=state)
     recipe = as_written(run, recipe, prepared[2], prepared[3])  # as _prepare wrote it into recipe.yaml
     lock = prepared[5]
     try:
-        set_state(run, "planned", **_launcher(), data_sha256=prepared[6], reason=purpose)
+        move(run, "plan", **_launcher(), data_sha256=prepared[6], reason=purpose)
         download = _download(run, recipe, found, prepared[4])
     except BaseException:
         lock.release()
         raise
     return recipe, run, prepared, download
+
+
+def _not_a_run(run: RunDir) -> UsageError:
+    return UsageError(
+        f"output_dir {run.root} exists and holds files that are not an ftrun run",
+        fix="choose another output_dir (recipe or `output_dir=...`); ftrun never writes into a folder it did not "
+        "create.",
+    )
+
+
+def _model_found(recipe: Recipe) -> dict[str, Any]:
+    """The model's weights found (or where they will come from), before the run directory is touched: a failure
+    leaves nothing behind; its tokenizer fetched, as the data check renders with the model's chat template."""
+    found = weights.check(recipe.model)
+    missed = weights.fetch_tokenizer(recipe.model, found)
+    if missed:
+        _say(f"note: {missed}")
+    return found
 
 
 def smoke_only(recipe_path: str, overrides: list[str], memory_limit: Optional[float] = None) -> int:
@@ -256,21 +261,15 @@ def smoke_only(recipe_path: str, overrides: list[str], memory_limit: Optional[fl
     examples, lengths, stats, _plan, plan_dict, lock, _sha = prepared
     try:
         _smoke(run, recipe, plan_dict, examples, lengths, stats, download)
-        set_state(run, "planned", reason="smoke test passed; `ftrun RECIPE` starts the run")
+        move(run, "plan", reason="smoke test passed; `ftrun RECIPE` starts the run")
     finally:
         lock.release()
     return 0
 
 
-def _pid() -> int:
-    import os
-
-    return os.getpid()
-
-
 def _launcher() -> dict[str, Any]:
     """state.json fields naming this launcher while it holds the run's lock (plan, smoke test)."""
-    return {"launcher_pid": _pid(), "launcher_proc": process_identity(_pid())}
+    return {"launcher_pid": os.getpid(), "launcher_proc": process_identity(os.getpid())}
 
 
 def _end_orphans(run: RunDir, recipe: Recipe, state: dict[str, Any]) -> None:
@@ -310,8 +309,5 @@ def _check_same_trajectory(
             "one)"
         )
         state = RunSnapshot(run).state if state is None else state
-        set_state(
-            run,
-            state.get("state", "planned"),
-            accepted_recipe_hashes=sorted(set(state.get("accepted_recipe_hashes", [])) | {old.trajectory_hash()}),
-        )
+        hashes = set(state.get("accepted_recipe_hashes", [])) | {old.trajectory_hash()}
+        move(run, "note", accepted_recipe_hashes=sorted(hashes))

@@ -10,7 +10,6 @@ from launcher.data.stats import data_stats, with_data_defaults
 from launcher.errors import DataError, MissingSoftware, RecipeError
 from launcher.recipe_loading import load_recipe
 from launcher.recipe_trainer import check_trainer_fields
-from launcher.run import notify
 from launcher.run.adjustments import with_adjustments
 from launcher.run.data_view import data_line, format_loss_view, wants_color
 from launcher.store.rundir import RunDir
@@ -74,7 +73,6 @@ def _plan_command(
 
     recipe = load_recipe(recipe_path, overrides)
     check_trackers_installed(recipe)
-    notify.check(recipe.notify)  # a URL Apprise cannot parse: refused before any GPU time
     notes = []
     if recipe.sync.to and recipe.sync.to.startswith("hf://"):
         from huggingface_hub import get_token

@@ -14,7 +14,7 @@ from launcher.engine_kinds import MULTI_NODE
 from launcher.errors import HardwareError, RecipeError, UsageError
 from launcher.recipe import Recipe
 from launcher.recipe_trainer import check_trainer_fields
-from launcher.run import notify, parent, weights
+from launcher.run import parent, weights
 from launcher.run.adjustments import with_loss_resolved, with_plan_settings
 from launcher.run.data_view import data_label, data_line, format_loss_view, wants_color
 from launcher.store.checkpoint import atomic_write_json, newest_step_unverified
@@ -83,7 +83,6 @@ def _prepare(
     the run's, as the command read it (else read here)."""
     check_trainer_fields(recipe)
     check_trackers_installed(recipe, launching=True)  # report_to: refused with the fix before any GPU time
-    notify.check(recipe.notify)  # a URL Apprise cannot parse, likewise
     examples, lengths, stats = data_stats(recipe)
     if stats.images:  # planned and checked above; the detached run's worker trains text alone so far (issue 57)
         raise RecipeError(

@@ -8,13 +8,13 @@ import yaml
 
 from launcher.errors import HardwareError
 from launcher.recipe import Recipe
-from launcher.run import notify
+from launcher import notify
 from launcher.run.adjustments import next_adjustment, shard_blocker
 from launcher.run.ending import Ending, leave
 from launcher.run.prepare import _check_shared_memory, _plan_record, _say, make_plan
 from launcher.store.checkpoint import atomic_write_json
 from launcher.store.rundir import RunDir
-from launcher.store.state import set_state
+from launcher.store.state import move
 
 
 def _smoke(
@@ -26,7 +26,7 @@ def _smoke(
     from launcher.run.smoke import run_smoke
     from launcher.run.views import format_smoke
 
-    set_state(run, "smoking")
+    move(run, "smoke")
     attempts: list[str] = []
     adjustments = list(plan_dict.get("adjustments", []))
     try:  # an error raised in the loop's own handler (SmokeOOM) is caught here too

@@ -9,6 +9,7 @@ the terminal's session) never reaches it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -23,7 +24,7 @@ from launcher.errors import EXIT_NOTHING_LEARNED, EXIT_RUN_FAILED, WORKER_EXITS
 from launcher.plan.cgroup import oom_kills
 from launcher.plan.sampling import uses_vllm
 from launcher.run import build_locks, oom_restart, rank_ends, views
-from launcher.run.after_training import _export, _stopped_after_training, _verify_final
+from launcher.run.after_training import _export, _stop_ending, _stopped_after_training, _verify_final
 from launcher.run.ending import Ending, _record, leave
 from launcher.run.attempt import WATCHDOG_GRACE_S, _host_oom, _rank_ends, _Tail, _wait_watching
 from launcher.run.rank_processes import _ranks, _ranks_left
@@ -32,7 +33,7 @@ from launcher.run.worker_outcome import _forget_worker_outcome, _worker_error, _
 from launcher.store import heartbeat_files
 from launcher.worker import train
 from launcher.worker.engines import MULTI_PROCESS, failed_verification, launch_command, launch_env, with_death_signal
-from launcher.store.checkpoint import newest_step_unverified, step_dir_name
+from launcher.store.checkpoint import newest_step_unverified
 from launcher.store.rundir import RunDir
 from launcher.store.state import process_identity, read_state
 
@@ -114,10 +115,8 @@ def _attempts(run: RunDir, recipe, lock_fd: Optional[int]) -> Ending:
             # made it configurable; launch_env sets it where it exists). The ranks save together and
             # exit together after the save's last barrier, the launcher then ends on its own.
             for pid in (_ranks(proc) if proc is child["launcher"] else []) or [proc.pid]:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
 
     def forward_then_enforce_grace(signum, frame):
         forward(signum, frame)
@@ -130,10 +129,8 @@ def _attempts(run: RunDir, recipe, lock_fd: Optional[int]) -> Ending:
                     stopping["killed"] = True
                     # the ranks die with their launcher (PR_SET_PDEATHSIG), but not only through it
                     for pid in (_ranks(proc) if proc is child["launcher"] else []) + [proc.pid]:
-                        try:
+                        with contextlib.suppress(ProcessLookupError):
                             os.kill(pid, signal.SIGKILL)
-                        except ProcessLookupError:
-                            pass
 
             timer = threading.Timer(recipe.grace_seconds, enforce)
             timer.daemon = True
@@ -183,7 +180,7 @@ def _attempts(run: RunDir, recipe, lock_fd: Optional[int]) -> Ending:
         child["launcher"] = proc if plan.get("engine") in MULTI_PROCESS else None
         _record(
             run,
-            "running",
+            "run",
             supervisor_pid=os.getpid(),
             supervisor_proc=process_identity(os.getpid()),
             worker_pid=proc.pid,
@@ -216,11 +213,7 @@ def _attempts(run: RunDir, recipe, lock_fd: Optional[int]) -> Ending:
         if rc not in (0, *FATAL) and _worker_exit_code(run) in FATAL:
             rc = _worker_exit_code(run)  # a rank's out of memory arrives from torchrun as 1: not a crash to restart
         if run.worker.is_file() and "verification" in json.loads(run.worker.read_text()):
-            _record(
-                run,
-                read_state(run).get("state", "running"),
-                verification=json.loads(run.worker.read_text())["verification"],
-            )
+            _record(run, "note", verification=json.loads(run.worker.read_text())["verification"])
         if rc == 0 and stopping["signal"] and recipe.export and getattr(_verify_final(recipe, run, plan), "ok", 0):
             # the stop came as the worker finished: what training made is whole; the export waits for the resume
             return _stopped_after_training(run, recipe, stopping["signal"], ["the export"])
@@ -251,7 +244,7 @@ def _attempts(run: RunDir, recipe, lock_fd: Optional[int]) -> Ending:
                 )
             _record(
                 run,
-                "succeeded",
+                "trained",
                 worker_pid=None,
                 reason="training finished",
                 final_check={"ok": True, "reason": checked.reason, **checked.details}
@@ -279,7 +272,6 @@ def _attempts(run: RunDir, recipe, lock_fd: Optional[int]) -> Ending:
                 + (["the export"] if recipe.export else []),
             )
         if stopping["signal"] or rc == train.EXIT_STOPPED:
-            requested = read_state(run).get("stop_requested")
             # A launcher exits 1 when its ranks exit EXIT_STOPPED: a checkpoint sealed after the
             # signal says the same.
             newest = newest_step_unverified(run.checkpoints)
@@ -288,23 +280,9 @@ def _attempts(run: RunDir, recipe, lock_fd: Optional[int]) -> Ending:
                 and newest is not None
                 and (stopping["checkpoint_before"] is None or newest > stopping["checkpoint_before"])
             )
-            # the facts of the ending (the step of the checkpoint it wrote: the last logged step may be a few steps
-            # older); what a user reads of them is composed by views.ending_reason
-            ending = {
-                "by": "stop" if requested else "signal",
-                "signal": stopping["signal"] or "SIGTERM",
-                "step": newest if saved and newest is not None else _last_logged_step(run),
-                "checkpoint": step_dir_name(newest) if saved and newest is not None else None,
-                "saved": bool(saved),
-                "grace_seconds": recipe.grace_seconds,
-                "resume_command": read_state(run).get("resume_command"),
-            }
-            return Ending(
-                "stopped" if requested else "preempted",
-                views.ending_reason(ending),
-                train.EXIT_STOPPED,
-                {"stop_requested": False, "ending": ending},
-            )
+            # the step of the checkpoint it wrote: the last logged step may be a few steps older
+            step = newest if saved and newest is not None else _last_logged_step(run)
+            return _stop_ending(run, recipe, stopping["signal"] or "SIGTERM", step, saved)
         if rc == train.EXIT_OOM:
             # the plan's own faster setting (checkpointing off, a larger micro-batch) ran out: undone, and the run goes
             # on from its last checkpoint on the same trajectory; an out of memory of the recipe's settings stops it
@@ -319,7 +297,7 @@ def _attempts(run: RunDir, recipe, lock_fd: Optional[int]) -> Ending:
             ended = {"kind": "out-of-memory", "step": undone["oom_step"], "world": int(plan.get("num_processes") or 1)}
             _record(
                 run,
-                "recovering",
+                "recover",
                 worker_pid=None,
                 restarts=restarts,
                 last_end=ended,
@@ -372,7 +350,7 @@ def _attempts(run: RunDir, recipe, lock_fd: Optional[int]) -> Ending:
         restarts += 1
         delay = min(2 ** len(restart_times), 60)
         why = views.restarted_reason(ended, len(restart_times), recipe.max_restarts, delay)
-        _record(run, "recovering", worker_pid=None, restarts=restarts, last_end=ended, reason=why)
+        _record(run, "recover", worker_pid=None, restarts=restarts, last_end=ended, reason=why)
         _log(why)
         for _ in range(delay * 10):
             if stopping["signal"]:

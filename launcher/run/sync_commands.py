@@ -12,7 +12,7 @@ from launcher.run.prepare import _say
 from launcher.run.run_dirs import resolve_run, run_dir_of
 from launcher.run.views import format_status
 from launcher.store.rundir import RunDir
-from launcher.store.state import RunLock, RunSnapshot, set_state
+from launcher.store.state import RunLock, RunSnapshot, move
 from launcher.store.sync import kinds as sync_kinds
 
 
@@ -45,16 +45,9 @@ def _pull_if_remote_run(run: RunDir, recipe: Recipe) -> bool:
         # The pids in the fetched state belong to the lost box.
         data = RunSnapshot(run).state  # as the pull fetched it
         if data:
-            set_state(
-                run,
-                data.get("state", "planned"),
-                supervisor_pid=None,
-                worker_pid=None,
-                supervisor_proc=None,
-                worker_proc=None,
-                launcher_proc=None,
-                reason=f"fetched from {recipe.sync.to}" + (f" at step {step}" if step is not None else ""),
-            )
+            lost = ("supervisor_pid", "worker_pid", "supervisor_proc", "worker_proc", "launcher_proc")
+            fetched = f"fetched from {recipe.sync.to}" + (f" at step {step}" if step is not None else "")
+            move(run, "note", **dict.fromkeys(lost), reason=fetched)
     finally:
         lock.release()
     return True

@@ -1,9 +1,10 @@
 """The run's state machine, written atomically to state.json, and the lock that makes one writer per run.
 
-STATES below is the one table of a run's states: how each is entered and by whom, and the states it allows next;
-`set_state` is the only writer of state.json's state, and refuses a transition the table does not hold
-(docs/architecture.md shows the table; tests/store/test_state_table.py keeps the two equal and walks every
-transition the product makes). Every ending is written through launcher/run/ending.py.
+STATES below is the one table of a run's states and the states each allows next; MOVES names every write the
+product makes, who makes it and which states it may write. `move` is how the product writes state.json (a row of
+MOVES, checked, then `set_state`, the one writer, which refuses a transition STATES does not hold). No other module
+calls `set_state` (tests/test_layout.py); docs/architecture.md shows both tables, tests/store/test_state_table.py
+keeps them equal and walks every transition the product makes. Every ending is written through launcher/run/ending.py.
 
 A run whose state says smoking/running/recovering but whose supervisor is gone reads as
 `interrupted` (machine crash, kill -9): `ftrun RECIPE` resumes it.
@@ -34,7 +35,6 @@ from launcher.store.rundir import RunDir
 
 @dataclass(frozen=True)
 class State:
-    entered: str  # how the state is entered, by which command or process
     next: tuple[str, ...]  # the states it allows next (and itself: a write of new facts that keeps the state)
     active: bool = False  # a process of the run is working (a run whose holder is gone reads as interrupted)
     ended: bool = False  # nothing more happens until the user acts
@@ -47,52 +47,70 @@ class State:
 # not train to the end is resumed by the launch, which writes `planned` first.
 _RESUMED = "planned"
 
-# The run states: the one table; ACTIVE, ENDED and TRAINED derive from it, and what a user reads about each is
-# composed in launcher/run/views.py and summary_view.py (tests/test_tables.py walks every state through them).
+# The run states: the one table; ACTIVE, ENDED and TRAINED derive from it, the moves into each from MOVES, and what a
+# user reads about each is composed in launcher/run/views.py and summary_view.py (tests/test_tables.py walks every
+# state through them).
 STATES: dict[str, State] = {
-    "planned": State(
-        "`ftrun RECIPE` (a new run, or a resume), `ftrun smoke` and `ftrun baseline`, once the plan is written",
-        ("smoking", "running"),
-    ),
-    "smoking": State(
-        "the launch, as its smoke test starts",
-        ("running", "failed-smoke", _RESUMED),  # planned: also `ftrun smoke` once its smoke test passed
-        active=True,
-    ),
-    "running": State(
-        "the launch, handing over to the supervisor; the supervisor at each attempt",
-        ("recovering", "succeeded", "failed", "stopped", "preempted", _RESUMED),
-        active=True,
-    ),
-    "recovering": State(
-        "the supervisor, after a crash or an out of memory that a restart from the checkpoint may fix",
-        ("running", "failed", "stopped", _RESUMED),
-        active=True,
-    ),
-    "succeeded": State(
-        "the supervisor, once the final result passed its check (its export follows); `ftrun export` after a retry",
-        ("trained-not-exported", _RESUMED),  # a resume: an export killed with its supervisor is made again
-        ended=True,
-        trained=True,
-    ),
-    "stopped": State("the supervisor, after `ftrun stop` (also while recovering)", (_RESUMED,), ended=True),
-    "preempted": State("the supervisor, after a SIGTERM from outside (the provider)", (_RESUMED,), ended=True),
-    "failed": State(
-        "the supervisor: a crash repeated or over max_restarts, an out of memory, NaN, an unusable result",
-        (_RESUMED,),
-        ended=True,
-    ),
-    "failed-smoke": State("the launch, when its smoke test failed or was interrupted", (_RESUMED,), ended=True),
-    "trained-not-exported": State(
-        "the supervisor or `ftrun export`, when an export failed its check or `ftrun stop` ended it",
-        ("succeeded",),  # `ftrun export` (or the same command, after a stopped export) made it
-        ended=True,
-        trained=True,
-    ),
+    "planned": State(("smoking", "running")),
+    "smoking": State(("running", "failed-smoke", _RESUMED), active=True),  # planned: `ftrun smoke` once it passed
+    "running": State(("recovering", "succeeded", "failed", "stopped", "preempted", _RESUMED), active=True),
+    "recovering": State(("running", "failed", "stopped", _RESUMED), active=True),
+    # a resume: an export killed with its supervisor is made again
+    "succeeded": State(("trained-not-exported", _RESUMED), ended=True, trained=True),
+    "stopped": State((_RESUMED,), ended=True),
+    "preempted": State((_RESUMED,), ended=True),
+    "failed": State((_RESUMED,), ended=True),
+    "failed-smoke": State((_RESUMED,), ended=True),
+    # `ftrun export` (or the same command, after a stopped export) made it
+    "trained-not-exported": State(("succeeded",), ended=True, trained=True),
 }
 ACTIVE = tuple(k for k, s in STATES.items() if s.active)
 ENDED = tuple(k for k, s in STATES.items() if s.ended)
 TRAINED = tuple(k for k, s in STATES.items() if s.trained)
+
+
+@dataclass(frozen=True)
+class Move:
+    to: tuple[str, ...]  # the states it may write; none: it keeps the state and records new facts
+    by: str  # the command or process that makes it, and its module
+
+
+# Every write of state.json the product makes, by name: `move(run, NAME, ...)`.
+MOVES: dict[str, Move] = {
+    "plan": Move(
+        ("planned",),
+        "`ftrun RECIPE` (a new run or a resume), `ftrun smoke` and `ftrun baseline` once the plan is written, and the "
+        "last two as they end (run/pipeline.py, run/baseline_command.py)",
+    ),
+    "smoke": Move(("smoking",), "the launch, as its smoke test starts (run/smoke_replan.py)"),
+    "run": Move(
+        ("running",),
+        "the launch, handing over to the supervisor (run/pipeline.py); the supervisor at each attempt "
+        "(run/supervisor.py)",
+    ),
+    "recover": Move(
+        ("recovering",), "the supervisor, after a crash or an out of memory that a restart from the checkpoint may fix"
+    ),
+    "trained": Move(("succeeded",), "the supervisor, once the final result passed its check (its export follows)"),
+    "export": Move(
+        ("succeeded", "trained-not-exported"),
+        "the supervisor's export and `ftrun export` (both run/after_training.py): its record as it starts, then its "
+        "outcome (an export that failed its check or that `ftrun stop` ended leaves the run trained-not-exported)",
+    ),
+    "end": Move(
+        ENDED,
+        "every ending, through the one door (run/ending.py `leave`): the supervisor's (stopped after `ftrun stop`, "
+        "also while recovering; preempted after a SIGTERM from outside; failed: a crash repeated or over "
+        "max_restarts, out of memory, NaN, an unusable result; a trained run once its export ended), the launch's "
+        "failed or interrupted smoke test (run/smoke_replan.py), `ftrun export`'s outcome",
+    ),
+    "note": Move(
+        (),
+        "facts that keep the state: `ftrun stop`'s request (run/control.py), the publish record (deliver/publish.py), "
+        "a fetched run's cleared pids (run/sync_commands.py), an accepted recipe change (run/pipeline.py), the "
+        "worker's verification (run/supervisor.py)",
+    ),
+}
 
 
 def read_state(run: RunDir) -> dict[str, Any]:
@@ -102,19 +120,22 @@ def read_state(run: RunDir) -> dict[str, Any]:
 
 
 class TransitionError(FtrunError):
-    """A write of state.json that the table (STATES) does not allow: a bug in ftrun, never the user's input."""
+    """A write of state.json that the tables (STATES, MOVES) do not allow: a bug in ftrun, never the user's input."""
+
+    def __init__(self, what: str):
+        super().__init__(
+            f"internal error: {what} (launcher/store/state.py); state.json is left as it was",
+            fix="report this as a bug with the run's state.json (its history) and train.log.",
+        )
 
 
 def set_state(run: RunDir, state: str, **fields: Any) -> dict[str, Any]:
-    """The only writer of a run's state: the transition checked against STATES, then state.json written whole."""
+    """The only writer of a run's state: the transition checked against STATES, then state.json written whole. The
+    product calls it through `move`; a test's fixture may call it to put a run in any state."""
     data = read_state(run)
     was = data.get("state")
     if was in STATES and state != was and state not in STATES[was].next:
-        raise TransitionError(
-            f"internal error: {run.root}'s state cannot go from {was or 'no state'} to {state}: the run-state table "
-            "(launcher/store/state.py STATES) holds no such transition; state.json is left as it was",
-            fix="report this as a bug with the run's state.json (its history) and train.log.",
-        )
+        raise TransitionError(f"{run.root}'s state cannot go from {was} to {state}: STATES holds no such transition")
     now = time.time()
     history = data.get("history", [])
     if data.get("state") != state:
@@ -123,6 +144,19 @@ def set_state(run: RunDir, state: str, **fields: Any) -> dict[str, Any]:
     data.update(state=state, updated_at=now, history=history[-50:])
     atomic_write_json(run.state, data)
     return data
+
+
+def move(run: RunDir, name: str, to: Optional[str] = None, **fields: Any) -> dict[str, Any]:
+    """The row `name` of MOVES made: `to` one of the states it may write (needed where it may write more than one);
+    a move that keeps the state writes its facts into the run's current state."""
+    row = MOVES[name]
+    allowed = row.to or (read_state(run).get("state", _RESUMED),)  # a note keeps the state it finds
+    to = to or (allowed[0] if len(allowed) == 1 else None)
+    if to not in allowed:
+        raise TransitionError(
+            f"the run-state move {name} cannot write {to}: its row in MOVES writes {', '.join(allowed)}"
+        )
+    return set_state(run, to, **fields)
 
 
 def pid_alive(pid: Optional[int]) -> bool:

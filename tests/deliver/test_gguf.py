@@ -465,6 +465,7 @@ def test_f32_serving_smoke_answers_the_merged_models_greedy_continuation(qwen_ru
 def test_a_gguf_that_fails_its_check_leaves_the_run_trained_not_exported(qwen_run, monkeypatch):
     """A check that fails (here: a bound no file can meet) is in export.json, status and state."""
     from launcher.deliver import export, parity
+    from launcher.run.after_training import export_command
     from launcher.store.rundir import RunDir
 
     run = qwen_run["run"]
@@ -473,7 +474,7 @@ def test_a_gguf_that_fails_its_check_leaves_the_run_trained_not_exported(qwen_ru
     )
     monkeypatch.chdir(qwen_run["cwd"])
     with pytest.raises(export.ExportError, match=r"does not match its reference.*top-1 agreement"):
-        export.export_command(RunDir(Path(run).resolve()), gguf="q8_0")
+        export_command(RunDir(Path(run).resolve()), gguf="q8_0")
     rep = _report(run)
     assert rep["ok"] is False and rep["outputs"]["gguf"]["parity_vs_merged"]["ok"] is False
     assert (

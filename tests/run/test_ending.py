@@ -11,10 +11,11 @@ import pytest
 
 from launcher.errors import RecipeError, SmokeError
 from launcher.recipe_loading import load_recipe
-from launcher.run import ending, notify, smoke_replan, supervisor
+from launcher import notify
+from launcher.run import ending, smoke_replan, supervisor
 from launcher.run.ending import Ending
 from launcher.store.rundir import RunDir
-from launcher.store.state import read_state, set_state
+from launcher.store.state import move, read_state, set_state
 
 
 @pytest.fixture
@@ -91,6 +92,58 @@ def test_a_trained_run_is_told_with_its_summary_and_an_export_that_failed(write_
     assert "the GGUF failed its check" in messages[1]["message"]
 
 
+def test_a_trained_run_that_the_supervisor_ends_leaves_through_the_door(write_recipe, inbox, monkeypatch):
+    """The supervisor's trained endings: its export wrote the state (the move `export`), the door tells it."""
+    url, messages = inbox
+    run, _recipe = _run(write_recipe, url)
+    move(run, "trained", reason="training finished")
+
+    def exported(*args):
+        move(run, "export", "trained-not-exported", reason="trained, not exported: the merge ran out of memory")
+        return Ending("trained-not-exported", None, 5)
+
+    monkeypatch.setattr(supervisor, "_attempts", exported)
+    assert supervisor.supervise(run.root) == 5
+    assert read_state(run)["state"] == "trained-not-exported"
+    assert messages[0]["title"].endswith("run finished (its export failed): run"), messages
+    assert "the merge ran out of memory" in messages[0]["message"]
+
+
+def test_ftrun_export_by_hand_leaves_through_the_door_failed_or_passed(write_recipe, inbox, monkeypatch, tmp_path):
+    """`ftrun export` on a trained run: a failure is told, recorded, and raised as before; a pass afterwards is told
+    too; on_finish, which ran as the supervisor ended, is not run again (it may stop the box the user works on)."""
+    from launcher.deliver import export_inputs
+    from launcher.deliver.messages import ExportError
+    from launcher.run.after_training import export_command
+
+    url, messages = inbox
+    touched = tmp_path / "on_finish-ran"
+    recipe_path = write_recipe(notify=[url], on_finish=[["touch", str(touched)]])
+    run = RunDir(recipe_path.parent / "run")
+    run.root.mkdir()
+    run.recipe.write_text(recipe_path.read_text())
+    for name, to in (("plan", None), ("run", None), ("trained", None), ("export", "trained-not-exported")):
+        move(run, name, to, reason=name)
+    monkeypatch.setattr(export_inputs, "check_inputs", lambda *a: None)
+
+    def fails(*args):
+        raise ExportError("the GGUF does not match its reference: top-1 agreement 0.41", fix="see export.json")
+
+    monkeypatch.setattr("launcher.deliver.export.export_run", fails)
+    with pytest.raises(ExportError):
+        export_command(run, gguf="q8_0")
+    state = read_state(run)
+    assert state["state"] == "trained-not-exported" and state["export"]["state"] == "failed", state
+    assert len(messages) == 1 and messages[0]["title"].endswith("run finished (its export failed): run"), messages
+    assert "top-1 agreement 0.41" in messages[0]["message"]
+
+    monkeypatch.setattr("launcher.deliver.export.export_run", lambda *a: {"outputs": {}, "serving": "SERVING.md"})
+    assert export_command(run) == 0
+    assert read_state(run)["state"] == "succeeded" and read_state(run)["export"]["state"] == "succeeded"
+    assert len(messages) == 2 and messages[1]["title"].endswith("run finished: run"), messages
+    assert not touched.exists()
+
+
 def test_a_smoke_test_that_fails_before_the_supervisor_leaves_through_the_door(write_recipe, inbox, monkeypatch):
     url, messages = inbox
     run, recipe = _run(write_recipe, url, state="planned")
@@ -112,6 +165,16 @@ def test_a_url_apprise_cannot_parse_is_refused_by_its_place(tmp_path):
         notify.check(["json://127.0.0.1/ok", "nosuchservice://token"])
     assert "notify[1] (nosuchservice://...)" in err.value.message and "notify[1]" in err.value.fix
     assert "//token" not in err.value.message  # the rest of a URL may be a secret: the error names the scheme
+
+
+@pytest.mark.parametrize("notify_value", [["json://127.0.0.1/ok", "nosuchservice://s3cr3t"], "ntfy://s3cr3t"])
+def test_a_recipe_with_a_bad_notify_is_refused_as_it_loads_with_its_other_errors_and_no_url(write_recipe, notify_value):
+    """Every command loads the recipe first: `ftrun plan` and the launch refuse it before any GPU time, all its
+    problems at once, and neither Apprise's refusal nor a wrong type shows the value (a Secret field)."""
+    with pytest.raises(RecipeError) as err:
+        load_recipe(write_recipe(notify=notify_value, learning_rate="fast"))
+    text = err.value.message + err.value.fix
+    assert "'notify' = <secret>" in text and "learning_rate" in text and "s3cr3t" not in text, text
 
 
 def test_the_published_recipe_and_the_tracker_config_leave_notify_out(write_recipe):

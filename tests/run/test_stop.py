@@ -109,5 +109,5 @@ def test_a_stop_during_the_export_is_a_stop_and_the_same_command_makes_the_expor
     assert "stopped by `ftrun stop`" in state["reason"] and "SIGTERM" not in state["reason"]
     assert "== run finished (its export stopped by `ftrun stop`)" in summary_view.format_end_summary(end_summary(run))
     made = []
-    monkeypatch.setattr("launcher.deliver.export.export_command", lambda r: made.append(r.root) or 0)
+    monkeypatch.setattr("launcher.run.after_training.export_command", lambda r: made.append(r.root) or 0)
     assert pipeline.launch(str(recipe_path), []) == 0 and made == [run.root]

@@ -1,6 +1,8 @@
 """Notifications: the recipe's `notify:` URLs, sent through Apprise (Slack, Discord, Telegram, ntfy, email and more,
 one URL syntax each: https://appriseit.com/services/). The URLs hold tokens and passwords: no log line, error or
-record names one by its text, only by its place (notify[i]); Apprise's own log, which may quote a URL, is silenced."""
+record names one by its text, only by its place (notify[i]); Apprise's own log, which may quote a URL, is silenced.
+A root leaf: the recipe checks the URLs as it loads (launcher/recipe.py), the run's end sends them the end summary
+(launcher/run/ending.py)."""
 
 from __future__ import annotations
 
@@ -25,10 +27,11 @@ def _apprise():
 
 
 def check(urls: list[str]) -> None:
-    """Plan time: every URL one Apprise can send to. apprise 2.3.0 `Apprise.add` returns False for a URL it cannot
-    parse, an unknown scheme or a plugin that refuses its arguments (apprise/apprise.py instantiate returns None)."""
+    """As the recipe loads, before any plan or GPU time: every URL one Apprise can send to. apprise 2.3.0
+    `Apprise.add` returns False for a URL it cannot parse, an unknown scheme or a plugin that refuses its arguments
+    (apprise/apprise.py instantiate returns None)."""
     if not urls:
-        return  # apprise stays unimported: `ftrun plan` is light
+        return  # apprise stays unimported: a recipe without notify: loads light
     apprise = _apprise()
     for i, url in enumerate(urls):
         if not apprise.Apprise().add(url):
