@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from launcher.data import formats as formats
+from launcher.data import images
 from launcher.data.sources import NotJson, Source, read, sources_of
 from launcher.data.tokenizer import read_tokenizer, tokenizer_dir
 from launcher.errors import DataError
@@ -84,6 +85,9 @@ def load_data(spec: Any, seed: int = 42, columns: bool = False) -> LoadedData:
     `columns`: each example keeps its record's other columns beside its form's keys (formats.other_columns), for an
     objective that samples: TRL's GRPOTrainer hands them to the rewards by name.
     """
+    if images.data_has_images(spec):  # conversations with images: every image opened and measured (data/images.py)
+        data = images.load_images(spec)
+        return LoadedData(data.examples, data.where, "messages", data.sources, data.sha256, [0] * len(data.examples))
     sources = sources_of(spec)
     examples: list[dict[str, Any]] = []
     where: list[str] = []
