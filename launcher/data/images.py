@@ -267,8 +267,9 @@ def load_images(spec: Any) -> ImageData:
 def refuse_text_model(model: str, spec: Any) -> None:
     """Image data for a model without a vision tower: a DataError naming the model, the data and the fix."""
     raise DataError(
-        f"the data ({', '.join(s.path for s in sources_of(spec))}) holds images, but the model {model} has no vision "
-        "tower (its config.json has no vision_config): it cannot read them",
+        f"the data ({', '.join(s.path for s in sources_of(spec))}) holds images (first at "
+        f"{first_image_record(spec)}), but the model {model} has no vision tower (its config.json has no "
+        "vision_config): it cannot read them",
         fix="train a vision-language model (Qwen2.5-VL, Qwen3-VL, Gemma 3 4B+, ...), or remove the images from the "
         "data.",
     )
