@@ -28,7 +28,7 @@ TRAIN = dict(
     assistant_only_loss=None,
 )
 QUICK = ("smoke.enabled=false",)
-WALL_CLOCK = ("time", "tokens_per_second", "peak_memory_gb", "train_runtime")
+WALL_CLOCK = ("time", "tokens_per_second", "peak_memory_gb", "train_runtime", "eval_seconds")
 
 
 @pytest.mark.parametrize("tower", [False, True])
