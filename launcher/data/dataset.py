@@ -85,9 +85,6 @@ def load_data(spec: Any, seed: int = 42, columns: bool = False) -> LoadedData:
     `columns`: each example keeps its record's other columns beside its form's keys (formats.other_columns), for an
     objective that samples: TRL's GRPOTrainer hands them to the rewards by name.
     """
-    if images.data_has_images(spec):  # conversations with images: every image opened and measured (data/images.py)
-        data = images.load_images(spec)
-        return LoadedData(data.examples, data.where, "messages", data.sources, data.sha256, [0] * len(data.examples))
     sources = sources_of(spec)
     examples: list[dict[str, Any]] = []
     where: list[str] = []
@@ -97,6 +94,11 @@ def load_data(spec: Any, seed: int = 42, columns: bool = False) -> LoadedData:
     single_file_sha = None
     for i, source in enumerate(sources):
         got = read(source)
+        if any(images.record_has_images(r) for _, r in got.rows):
+            # conversations with images: read in TRL's vision layout, every image opened and measured (data/images.py)
+            data = images.load_images(spec)
+            form = formats.example_form(data.examples[0])  # chat
+            return LoadedData(data.examples, data.where, form, data.sources, data.sha256, [0] * len(data.examples))
         ex, wh, fmt, layout = _convert_source(source, got.rows, columns)
         forms.add(_form_key(ex[0]))
         reps = _repeat(len(ex), source.weight, random.Random(f"ftrun-data-{seed}-{i}"))
