@@ -225,3 +225,15 @@ def test_ftrun_refuses_each_bad_input_before_any_training_with_the_line_and_the_
     for part in named:
         assert part in said, part
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "smoke").exists()
+
+
+def test_the_loss_view_shows_each_image_as_one_marker_with_its_token_count(tmp_path, tiny_vlm):
+    data = _data(tmp_path, n=3)
+    _, lengths, stats = data_stats(_recipe(tmp_path, tiny_vlm, data, max_length=64))
+    tokens = read_rule(tiny_vlm).tokens(56, 84)
+    assert tokens > 1
+    shown = "".join(text for text, _ in stats.loss_view["examples"][0]["segments"])
+    assert f"[image: {tokens:,} tokens]" in shown and "<|image_pad|>" not in shown
+    # the view counts the rows as the processor widens them: each image its tokens, not one placeholder
+    assert stats.loss_view["examples"][0]["tokens"] == lengths[0]
+    assert stats.loss_view["stats"]["image_tokens"] == tokens * stats.examples
