@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The demo: install, build the tiny model, run `ftrun recipes/tiny-cpu.yaml` (CPU, about a minute), show the result.
+# The demo: install, build the tiny model, run `ftrun recipes/tiny-cpu.yaml` (CPU, about a minute), show the result;
+# then the vision step, `ftrun recipes/tiny-cpu-vision.yaml` on a tiny vision-language model, ending with its task score.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -39,8 +40,29 @@ sys.exit(0 if last["loss"] < first["loss"] and evals[-1]["eval_loss"] < evals[0]
          and (run / "final" / "samples.md").is_file() and report.get("served_prompt", {}).get("ok") else 1)
 PY
 echo
+echo "== the fourth step: a vision-language model on the same rails (ftrun recipes/tiny-cpu-vision.yaml) =="
+# a tiny random Qwen2.5-VL learns the colour of the square in small synthetic images; plan, smoke test, detached run,
+# checkpoints and the task score with the images in the prompt, as for text
+.venv/bin/python scripts/make_tiny_vlm.py .cache/tiny-vlm
+VISION=runs/tiny-cpu-vision
+.venv/bin/ftrun recipes/tiny-cpu-vision.yaml --fresh
+.venv/bin/ftrun logs -f "$VISION" | grep --line-buffered -E "step [0-9]+/|final|supervisor|task eval" || true
+.venv/bin/python - "$VISION" <<'PY'
+import json, sys
+from pathlib import Path
+run = Path(sys.argv[1])
+result = json.loads((run / "task_eval.json").read_text())
+scores, task = result["scores"], json.loads((run / "task.json").read_text())
+before, after = scores.get("base_zero_shot"), scores.get("fine_tuned")
+print(f"task score ({task['metric']} on {len(task['prompts'])} held-out images): "
+      f"before {before:.0%} (base model) -> after {after:.0%} (fine-tuned)")
+adapter = run / "final" / "adapter"
+print(f"adapter with the processor files: {adapter} ({', '.join(sorted(p.name for p in adapter.glob('pre*.json')))})")
+sys.exit(0 if after is not None and before is not None and after > before else 1)
+PY
+echo
 echo "ftrun is installed in .venv: \`source .venv/bin/activate\` puts it on your PATH (or call .venv/bin/ftrun);"
 echo "then e.g. \`ftrun status runs/tiny-cpu\` or \`ftrun plan recipes/qwen3-8b-qlora.yaml\`;"
 echo "the second step, DPO on preference pairs from this run's adapter: \`ftrun recipes/tiny-cpu-dpo.yaml\`;"
 echo "the third, GRPO from it, rewarded by the task's own metric (chrF against each prompt's reference), ending with"
-echo "the task score before and after: \`ftrun recipes/tiny-cpu-grpo.yaml\`."
+echo "the task score before and after: \`ftrun recipes/tiny-cpu-grpo.yaml\`; the fourth, a vision-language model, ran above."

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from launcher.data import formats as formats
+from launcher.data import images
 from launcher.data.sources import NotJson, Source, read, sources_of
 from launcher.data.tokenizer import read_tokenizer, tokenizer_dir
 from launcher.errors import DataError
@@ -93,6 +94,11 @@ def load_data(spec: Any, seed: int = 42, columns: bool = False) -> LoadedData:
     single_file_sha = None
     for i, source in enumerate(sources):
         got = read(source)
+        if any(images.record_has_images(r) for _, r in got.rows):
+            # conversations with images: read in TRL's vision layout, every image opened and measured (data/images.py)
+            data = images.load_images(spec)
+            form = formats.example_form(data.examples[0])  # chat
+            return LoadedData(data.examples, data.where, form, data.sources, data.sha256, [0] * len(data.examples))
         ex, wh, fmt, layout = _convert_source(source, got.rows, columns)
         forms.add(_form_key(ex[0]))
         reps = _repeat(len(ex), source.weight, random.Random(f"ftrun-data-{seed}-{i}"))

@@ -203,9 +203,10 @@ TOP_KEY_MEANINGS = {
     "chosen": "the preferred answer of a preference pair: objective dpo or orpo reads it, with 'prompt' and 'rejected'",
     "rejected": "the dispreferred answer of a preference pair: objective dpo or orpo reads it, with 'prompt' and "
     "'chosen'",
-    "images": "images: ftrun trains text models only",
-    "videos": "videos: ftrun trains text models only",
-    "audios": "audio: ftrun trains text models only",
+    "images": "images: a chat record's images, read as image data where the record holds one (docs/data.md, Images); "
+    "an empty list holds none",
+    "videos": "videos: ftrun trains text and images, no videos",
+    "audios": "audio: ftrun trains text and images, no audio",
     "weight": "a per-example weight: ftrun trains every example alike (a source's weight: repeats its examples)",
     "segments": "Axolotl's input_output segments: read with type: input_output in the data entry",
 }

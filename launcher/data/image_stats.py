@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from launcher import methods
 from launcher.data import images as image_data
+from launcher.data import loss_view
 from launcher.data import split
 from launcher.data.dataset import compute_stats, token_counter
 from launcher.data.image_tokens import ImageRule, read_rule
@@ -114,8 +115,17 @@ def image_stats(recipe: Any):
         "rule": rule.describe(),
         "patches_longest": sum(rule.patches(w, h) for w, h in data.sizes[longest]),
     }
+    seen = loss_view.check(
+        recipe.model, loss_view.Settings.of(recipe), [data.examples[i] for i in train], [data.where[i] for i in train]
+    )
+    if seen:
+        seen.pop("trained_each", None)
+        seen = _with_image_markers(seen, folder, {data.where[i]: per_image[i] for i in train})
+        widened = [lengths[i] for i in train]  # the lengths with each image's tokens (the view's own count one each)
+        seen["stats"].update({f"p{q}": loss_view.percentile(widened, q) for q in (50, 90, 99)}, max=max(widened))
     stats = replace(
         stats,
+        loss_view=seen,
         description=data.describe(),
         sources=tuple(data.sources),
         sha256=data.sha256,
@@ -152,3 +162,41 @@ def _refuse_oversized(data: image_data.ImageData, rule: ImageRule, max_length: i
         fix=f"raise max_length above {most:,} plus the text, or shrink those images (at most {rule.max_pixels:,} "
         "pixels become the most tokens; a smaller image becomes fewer).",
     )
+
+
+def _with_image_markers(seen: dict[str, Any], folder: Path, per_image: dict[str, list[int]]) -> dict[str, Any]:
+    """The loss view of image data as the processor widens it: the chat template writes each image as one
+    placeholder token (Qwen's <|image_pad|>, config.json image_token_id) and the processor repeats it once per image
+    token (processing_qwen2_5_vl.py replace_image_token); the shown example gets one marker per image with its
+    token count, and the statistics count the widened rows (the image tokens train where the whole conversation
+    does: trl 1.16's vision collator masks only padding and, with assistant_only_loss, the other turns)."""
+    from launcher.data.tokenizer import read_tokenizer
+
+    cfg = json.loads((folder / "config.json").read_text())
+    token_id = cfg.get("image_token_id")
+    read = read_tokenizer(folder) if token_id is not None else None
+    token = read.tokenizer.id_to_token(int(token_id)) if read is not None else None
+    if not token:
+        return seen
+    for shown in seen["examples"]:
+        counts = iter(per_image.get(shown["where"], []))
+        segments = []
+        for text, trained in shown["segments"]:
+            parts = text.split(token)
+            widened = parts[0]
+            for rest in parts[1:]:
+                n = next(counts, None)
+                widened += (f"[image: {n:,} tokens]" if n is not None else token) + rest
+                if n is not None:
+                    shown["tokens"] += n - 1
+                    shown["trained"] += (n - 1) if trained else 0
+            segments.append([widened, trained])
+        shown["segments"] = segments
+    extra = sum(n - 1 for counts in per_image.values() for n in counts)
+    stats = seen["stats"]
+    stats["tokens"] += extra
+    if not seen.get("assistant_only_loss"):
+        stats["trained_tokens"] += extra
+    stats["trained_share"] = round(stats["trained_tokens"] / stats["tokens"], 4) if stats["tokens"] else 0.0
+    stats["image_tokens"] = extra + sum(len(c) for c in per_image.values())
+    return seen

@@ -147,6 +147,12 @@ def normalize(record: Any, base: Path) -> tuple[dict[str, Any], list[Path]]:
             else:
                 placeholders += 1
             parts[j] = {"type": IMAGE_PART}
+        if m.get("role") != "user" and all(p["type"] == TEXT_PART for p in parts):
+            # a turn without images keeps its text as a string: what the task evaluation takes as a reference, and
+            # what trl 1.16 wraps itself (data_utils.py prepare_multimodal_messages); a user turn stays a list of
+            # parts, since trl puts an image column's images into the first user turn whose content is a string
+            messages.append({**m, "content": "".join(p["text"] for p in parts)})
+            continue
         messages.append({**{k: v for k, v in m.items() if k != "content"}, "content": parts})
     if inline and column:
         raise _Problem(
@@ -172,16 +178,20 @@ def normalize(record: Any, base: Path) -> tuple[dict[str, Any], list[Path]]:
             'give each image part its file ({"type": "image", "image": "photo.png"}) or add the column'
         )
     # the turns' roles, order and keys are checked as any chat's (formats.py), on a text-only copy
-    text_only = [
-        {**m, "content": " ".join(p["text"] if p["type"] == TEXT_PART else _STANDIN for p in m["content"])}
-        for m in messages
-    ]
+    text_only = [{**m, "content": text_of(m["content"])} for m in messages]
     rest = {k: v for k, v in record.items() if k not in ("messages", *IMAGE_KEYS)}
     try:
         formats.convert({**rest, "messages": text_only}, "messages")
     except formats.RecordProblem as exc:
         raise _Problem(str(exc)) from None
     return {"messages": messages, "images": [str(p) for p in paths]}, paths
+
+
+def text_of(content: Any) -> str:
+    """A turn's content as text, each image part one stand-in ("[image]")."""
+    if isinstance(content, str):
+        return content
+    return " ".join(p["text"] if p["type"] == TEXT_PART else _STANDIN for p in content)
 
 
 def measure(path: Path) -> tuple[int, int]:
@@ -257,8 +267,9 @@ def load_images(spec: Any) -> ImageData:
 def refuse_text_model(model: str, spec: Any) -> None:
     """Image data for a model without a vision tower: a DataError naming the model, the data and the fix."""
     raise DataError(
-        f"the data ({', '.join(s.path for s in sources_of(spec))}) holds images, but the model {model} has no vision "
-        "tower (its config.json has no vision_config): it cannot read them",
+        f"the data ({', '.join(s.path for s in sources_of(spec))}) holds images (first at "
+        f"{first_image_record(spec)}), but the model {model} has no vision tower (its config.json has no "
+        "vision_config): it cannot read them",
         fix="train a vision-language model (Qwen2.5-VL, Qwen3-VL, Gemma 3 4B+, ...), or remove the images from the "
         "data.",
     )

@@ -149,7 +149,10 @@ def read_entry(info: Path, name: str) -> Entry:
         given, given_tags = {}, {}
     for key, column in given.items():
         if key in MEDIA_COLUMNS:
-            problems.append(f"columns.{key}: ftrun trains text models only; remove it (and the records' {column})")
+            problems.append(
+                f"columns.{key}: ftrun reads images in its own chat layout (docs/data.md, Images), not through "
+                f"LLaMA-Factory's {key} column, and no videos or audio; remove it (and the records' {column})"
+            )
         elif key not in COLUMNS:
             problems.append(f"columns.{key}: LLaMA-Factory has no such column (it has {', '.join(COLUMNS)})")
         else:

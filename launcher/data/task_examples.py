@@ -46,7 +46,11 @@ def prompt_and_reference(example: Any) -> Optional[dict[str, Any]]:
     )
     if not last or not isinstance(messages[last].get("content"), str):
         return None  # no assistant turn, or nothing before it to prompt with
-    return {"messages": [dict(m) for m in messages[:last]], "reference": messages[last]["content"]}
+    prompt = {"messages": [dict(m) for m in messages[:last]], "reference": messages[last]["content"]}
+    if isinstance(example, dict) and example.get("images"):
+        # image data (launcher/data/images.py): every image sits in a turn before the answer, so the prompt has all
+        prompt["images"] = list(example["images"])
+    return prompt
 
 
 def pick(examples: list, pool: list[int], n: int, seed: int, salt: str = "task") -> list[dict[str, Any]]:
@@ -93,7 +97,11 @@ def with_shots(prompt: dict[str, Any], shots: list[dict[str, Any]]) -> dict[str,
             continue
         turns += [m for m in s["messages"] if m.get("role") != "system"]
         turns.append({"role": "assistant", "content": s["reference"]})
-    return {**prompt, "messages": system + turns + msgs[len(system) :]}
+    shown = {**prompt, "messages": system + turns + msgs[len(system) :]}
+    pictures = [p for s in shots if "text" not in s for p in s.get("images", [])] + list(prompt.get("images", []))
+    if pictures:  # image data: the shots' images come first, in the order their placeholders do
+        shown["images"] = pictures
+    return shown
 
 
 def shots_for(examples: list, train: list[int], k: int, seed: int) -> list[dict[str, Any]]:

@@ -8,6 +8,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from launcher.worker.loading import reads_images
+from launcher.worker.processor import save_processor_files
 from launcher.deliver.export_inputs import Inputs
 from launcher.deliver.export_scores import _score_export, _scored, _task
 from launcher.deliver.export_serving import _served_folder, _serving
@@ -144,6 +146,8 @@ def _export_models(
     def write_merged(tmp: Path, model=merged) -> None:
         model.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))
+        if reads_images(inp.recipe.model):  # a vision-language model is served with its processor's files
+            save_processor_files(inp.recipe.model, tmp)
 
     _write_dir_atomically(merged_dir, write_merged)
     del merged, write_merged  # the merged weights' memory goes back before the reload
@@ -162,6 +166,7 @@ def _export_models(
         from transformers import AutoTokenizer
 
         from launcher.worker import task_eval
+        from launcher.worker.processor import load_processor
 
         stamp = (merged_dir / "config.json").stat().st_mtime_ns
         _score_export(
@@ -170,7 +175,10 @@ def _export_models(
             "merged",
             task_eval.score_model(
                 reloaded,
-                AutoTokenizer.from_pretrained(str(merged_dir)),
+                # a vision-language model answers with the images in the prompt, read by its processor
+                load_processor(merged_dir, say=lambda _: None)
+                if reads_images(str(merged_dir))
+                else AutoTokenizer.from_pretrained(str(merged_dir)),
                 inp.run.root,
                 task,
                 "merged",

@@ -142,7 +142,7 @@ def model_outputs(
                     repetition_penalty=1.0,
                     no_repeat_ngram_size=0,
                     min_new_tokens=0,
-                    pad_token_id=model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0,
+                    pad_token_id=eos if isinstance(eos := model.config.get_text_config().eos_token_id, int) else 0,
                 )
                 tokens = gen[0, pid.shape[1] :].tolist()
             results.append(

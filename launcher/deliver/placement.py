@@ -173,10 +173,12 @@ def _itemsize(dtype) -> int:
 def parameter_count(path: str) -> int:
     """Parameters of the model at path (local folder or cached Hub id), counted on the meta device (no weights)."""
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from launcher.worker.loading import model_class  # a vision-language model: image-text-to-text, tower included
 
     with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        model = model_class(path).from_config(AutoConfig.from_pretrained(path))
     # Made on the meta device the model's tied embeddings are two tensors (transformers 5.24): tied as loaded,
     # parameters() counts them once, as the worker's count and the model's files do (a tiny Qwen3: 139,648, not 205,184)
     model.tie_weights()
@@ -211,12 +213,10 @@ class Loads:
 def load_model(path: str, placement: Placement, loads: Loads, **kwargs):
     """A model loaded in place and in its compute dtype, never quantized (a merge into 4-bit weights loses the
     adapter's precision), never moved afterwards (see the sources above)."""
-    from transformers import AutoModelForCausalLM
-
-    from launcher.worker.loading import apply_sdpa_backends
+    from launcher.worker.loading import apply_sdpa_backends, model_class
 
     apply_sdpa_backends()  # the parity check's generation takes the worker's attention backends
-    model = AutoModelForCausalLM.from_pretrained(path, **{**placement.load_kwargs(), **kwargs})
+    model = model_class(path).from_pretrained(path, **{**placement.load_kwargs(), **kwargs})
     loads.record(path, placement, model)
     if (
         getattr(model, "is_loaded_in_4bit", False)

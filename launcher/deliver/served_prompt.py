@@ -54,9 +54,12 @@ def training_tokenizer(recipe, saved: Path):
     """(the worker's tokenizer, where it came from): the base model's, as the worker loads it; the run's saved
     copy when the base is not on this box (a Hub id not in the cache)."""
     from launcher.worker.loading import load_tokenizer
+    from launcher.worker.processor import text_tokenizer
 
     try:
-        return load_tokenizer(recipe), f"the base model's tokenizer ({recipe.model}), as the worker loads it"
+        # a vision-language model's processor: its tokenizer renders the prompts, one placeholder token per image
+        tokenizer = text_tokenizer(load_tokenizer(recipe))
+        return tokenizer, f"the base model's tokenizer ({recipe.model}), as the worker loads it"
     except (OSError, ValueError):
         from transformers import AutoTokenizer
 

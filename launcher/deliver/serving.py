@@ -327,6 +327,10 @@ def render(
     name = served_name(run.root)
     convs = load_examples(recipe.data)[:3]
     question = next((m["content"] for m in convs[0] if m["role"] == "user"), "Hello") if convs else "Hello"
+    if not isinstance(question, str):  # a turn with images (launcher/data/images.py): its text, each image a stand-in
+        from launcher.data.images import text_of
+
+        question = text_of(question)
     q = shlex.quote
     switches = template_switches(report)
     parts = [

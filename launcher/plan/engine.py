@@ -38,6 +38,14 @@ FULL_8BIT_FSDP = (
 )
 
 
+# ftrun's Unsloth engine loads FastLanguageModel (launcher/worker/engines/unsloth.py); Unsloth's vision path is its
+# own class (FastVisionModel) with its own collator, which no ftrun run has trained on a GPU yet (docs/engines.md)
+UNSLOTH_NOT_VISION = (
+    "engine unsloth: ftrun loads Unsloth's FastLanguageModel, not its vision path (FastVisionModel), so a "
+    "vision-language model trains with TRL's SFTTrainer and its processor"
+)
+
+
 def _idle(cards: int) -> str:
     return "1 GPU stays idle" if cards == 1 else f"{cards} GPUs stay idle"
 
@@ -57,6 +65,12 @@ def choose(
     faster than one card; otherwise (choosing a box to rent) the article's rules. `processes` (recipe
     num_processes) is honoured or refused; `offload` (the recipe's): auto, none (never offload), or forced
     (OFFLOAD_FORCED)."""
+    vision = bool(getattr(job.arch, "vision_tower", ""))
+    if forced == "unsloth" and vision:
+        device, cap = ("cpu", hw.ram_gb) if hw.is_cpu_only else ("cuda", hw.gpu.memory_gb)
+        return Choice(
+            False, "unsloth", device, 1, None, cap, [], refusal=UNSLOTH_NOT_VISION + "; use engine: auto or trl"
+        )
     if hw.is_cpu_only and forced == "unsloth":
         return _choose_cpu_unsloth(job, hw, unsloth_ok, processes)
     if hw.is_cpu_only:
@@ -103,6 +117,8 @@ def choose(
     single_engine = "trl"
     if forced in ("unsloth", "trl"):
         single_engine = forced
+    elif forced == "auto" and lora and unsloth_ok and cc_ok and vision:
+        reasons.append(UNSLOTH_NOT_VISION + ": TRL on one GPU")
     elif forced == "auto" and lora and unsloth_ok and cc_ok and OBJECTIVES[job.objective].unsloth:
         single_engine = "unsloth"
     elif forced == "auto" and lora and unsloth_ok and cc_ok:
@@ -110,7 +126,7 @@ def choose(
 
     one = sizing.memory(job.arch, job.workload(single_engine, 1, "cuda"))
     fits_one = _fits(one, cap)
-    if forced == "auto" and lora and not unsloth_ok and OBJECTIVES[job.objective].unsloth:
+    if forced == "auto" and lora and not unsloth_ok and OBJECTIVES[job.objective].unsloth and not vision:
         reasons.append(
             "Unsloth not installed on this machine: TRL on one GPU (Unsloth would need less memory and run "
             "~1.4x faster; " + UNSLOTH_FIX + ")"

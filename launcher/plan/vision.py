@@ -113,7 +113,7 @@ def quantized_params(arch: Any) -> int:
 
 def lora_params(arch: Any, r: int, targets: Any) -> int:
     """LoRA's parameters in the tower where the recipe adapts it (lora.vision_tower), by the worker's rule
-    (launcher/worker/vision_train.py lora_targets): with all-linear every linear layer of the tower and the
+    (launcher/worker/loading.py vision_targets): with all-linear every linear layer of the tower and the
     merger, with a list of names the attention's qkv and proj (and any leaf the list names)."""
     total = 0
     for leaf, a, b, n in getattr(arch, "vision_linears", ()):

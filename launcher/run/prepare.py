@@ -84,13 +84,6 @@ def _prepare(
     check_trainer_fields(recipe)
     check_trackers_installed(recipe, launching=True)  # report_to: refused with the fix before any GPU time
     examples, lengths, stats = data_stats(recipe)
-    if stats.images:  # planned and checked above; the detached run's worker trains text alone so far (issue 57)
-        raise RecipeError(
-            "the data holds images: `ftrun plan` plans it, but the detached run (smoke test, checkpoints, resume, "
-            "export) does not train image data yet",
-            fix="train it in one process with `python -m launcher.worker.vision_train RECIPE.yaml` "
-            "(the task score before and after, the adapter with the processor files, docs/data.md Images).",
-        )
     answers_only = "assistant_only_loss" not in recipe.objective_row.refuses  # sft: the objective could take it
     if recipe.assistant_only_loss is None and answers_only and not stats.loss_view:  # said, never a silent fallback
         _say(

@@ -215,9 +215,27 @@ _PEFT_PREFIX = "base_model.model."
 _EXPERTS = re.compile(r"\.experts\.")
 
 
-def _matches(module: str, targets: list[str]) -> bool:
-    # PEFT's rule for a list of names: the module's name is a target or ends with "." + a target
+def _matches(module: str, targets: Union[str, list[str]]) -> bool:
+    # PEFT's rule for a list of names: the module's name is a target or ends with "." + a target; a string is a
+    # regular expression the whole name must match (peft 0.21 tuners_utils.py check_target_module_exists:
+    # re.fullmatch), as a vision-language model's adapter names the language model's layers (worker/loading.py)
+    if isinstance(targets, str):
+        name = module[len(_PEFT_PREFIX) :] if module.startswith(_PEFT_PREFIX) else module
+        return re.fullmatch(targets, name) is not None
     return any(module == t or module.endswith("." + t) for t in targets)
+
+
+# A vision-language checkpoint's weight names as transformers loads them, where PEFT's names come from: transformers
+# 5.24 conversion_mapping.py "Qwen2VLForConditionalGeneration" (Qwen2.5-VL's files keep `model.layers.N` and
+# `visual.`; the loaded model has `model.language_model.layers.N` and `model.visual.`). Applied only to an adapter
+# whose targets are a regular expression, as the worker writes them for a vision-language model alone.
+_LOADED_NAMES = ((r"^visual", "model.visual"), (r"^model(?!\.(language_model|visual))", "model.language_model"))
+
+
+def _loaded_name(name: str) -> str:
+    for pattern, target in _LOADED_NAMES:
+        name = re.sub(pattern, target, name)
+    return name
 
 
 def _missing(folder: Path, name: str) -> Verdict:
@@ -270,11 +288,15 @@ def verify_adapter(
             return Verdict(
                 False, f"{where}/{ADAPTER_WEIGHTS}: {module} lora_A {ab['A']} and lora_B {ab['B']} do not share a rank"
             )
-    # "all-linear" is resolved by PEFT into the modules it adapted, recorded in the adapter's config
-    targets = (
-        list(target_modules) if isinstance(target_modules, (list, tuple)) else list(cfg.get("target_modules") or [])
-    )
-    missing = [t for t in targets if not any(_matches(m, [t]) for m in pairs)]
+    recorded = cfg.get("target_modules") or []
+    if isinstance(recorded, str):  # PEFT's regular expression: the modules the worker chose, by their full names
+        targets: Union[str, list[str]] = recorded
+    else:  # "all-linear" is resolved by PEFT into the modules it adapted, recorded in the adapter's config
+        targets = list(target_modules) if isinstance(target_modules, (list, tuple)) else list(recorded)
+    if isinstance(targets, str):  # a regular expression: it must have adapted something
+        missing = [] if any(_matches(m, targets) for m in pairs) else [targets]
+    else:
+        missing = [t for t in targets if not any(_matches(m, [t]) for m in pairs)]
     if missing:
         return Verdict(
             False,
@@ -282,6 +304,8 @@ def verify_adapter(
             f"{', '.join(missing)} (it adapts {len(pairs)} module(s))",
         )
     cross = "base model's weight names not found on this machine: not cross-checked"
+    if base is not None and isinstance(targets, str):
+        base = {_loaded_name(k): v for k, v in base.items()}
     if base is not None:
         names = {m[len(_PEFT_PREFIX) :] if m.startswith(_PEFT_PREFIX) else m for m in pairs}
         unknown = sorted(n for n in names if f"{n}.weight" not in base)

@@ -81,6 +81,15 @@ def _trained_tokens(examples: list, prepared, sample: int = 2000) -> str:
     them, no chat template; prompt/completion: the completion), read from the prepared dataset's labels."""
     from launcher.data.formats import FORMS, example_form
 
+    if examples and examples[0].get("images") is not None:
+        # trl 1.16 leaves image data unprepared (sft_trainer.py _skip_prepare_dataset for a vision dataset): its
+        # collator renders and tokenizes each batch with its images (DataCollatorForVisionLanguageModeling)
+        count = sum(len(e["images"]) for e in examples)
+        return (
+            f"data as TRL takes it: chat with images, {len(prepared):,} examples, {count:,} images; each batch "
+            "rendered, its images read and tokenized by the model's processor as it trains (the plan counted the "
+            "image tokens)"
+        )
     rows = prepared.select(range(min(sample, len(prepared))))
     first = f", first {len(rows):,} pairs" if len(rows) < len(prepared) else ""
     if example_form(examples[0]) == "preference":

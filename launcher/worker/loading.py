@@ -436,13 +436,75 @@ def load_kwargs(recipe, device: str, dtype, engine: str) -> dict[str, Any]:
     return kwargs
 
 
+def reads_images(model: str) -> bool:
+    """Whether the model has a vision tower (config.json vision_config): it trains with its processor, loaded as
+    image-text-to-text (launcher/data/image_stats.py vision_config, the plan's reading of the same file)."""
+    from launcher.data.image_stats import vision_config
+
+    return vision_config(model) is not None
+
+
+def model_class(model: str):
+    """The transformers class that loads the model: image-text-to-text for a vision-language model (transformers
+    5.24 maps qwen2_5_vl to Qwen2_5_VLForConditionalGeneration, which holds the vision tower), else causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if reads_images(model) else AutoModelForCausalLM
+
+
 def load_tokenizer(recipe):
+    """The model's tokenizer, or a vision-language model's processor (its tokenizer inside, as .tokenizer)."""
     from transformers import AutoTokenizer
 
+    if reads_images(recipe.model):
+        from launcher.worker.processor import load_processor
+
+        processor = load_processor(recipe.model, say=lambda line: print(f"[ftrun worker] {line}", flush=True))
+        if processor.tokenizer.pad_token is None:
+            processor.tokenizer.pad_token = processor.tokenizer.eos_token
+        return processor
     tokenizer = AutoTokenizer.from_pretrained(recipe.model)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+# A vision-language model's language model and vision tower, by their module paths in transformers 5.24's Qwen2-VL
+# family (Qwen2_5_VLForConditionalGeneration: model.language_model.layers.N.self_attn.q_proj; the tower model.visual,
+# its blocks' attention `qkv` and `proj`); PEFT matches a string target_modules as a full regular expression (peft
+# tuners_utils.py check_target_module_exists).
+LANGUAGE_MODEL = "language_model"
+VISION_TOWER = "visual"
+
+
+def lora_targets(model, recipe):
+    """The recipe's lora.target_modules for a text model; for a vision-language model a regular expression over
+    module names: those layers in the language model only (what vLLM serves as LoRA), unless lora.vision_tower asks
+    for the tower's blocks too (launcher/plan/vision.py says what each means for serving)."""
+    if not reads_images(recipe.model):
+        return recipe.lora.target_modules
+    return vision_targets(model, recipe.lora)
+
+
+def vision_targets(model, lora) -> str:
+    """`lora_targets` of a vision-language model, from the model's modules and the recipe's lora: section."""
+    import re
+
+    import torch
+
+    wanted = lora.target_modules
+    tower = bool(getattr(lora, "vision_tower", False))
+    parts = [LANGUAGE_MODEL] + ([VISION_TOWER] if tower else [])
+    names = []
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or not re.search(rf"(^|\.)({'|'.join(parts)})\.", name):
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        if wanted == "all-linear" or leaf in wanted or (tower and leaf in ("qkv", "proj")):
+            names.append(re.escape(name))
+    if not names:
+        raise ValueError(f"no linear layer of the model matches lora.target_modules {wanted}")
+    return "^(" + "|".join(names) + ")$"
 
 
 def add_lora(model, recipe):
@@ -478,7 +540,7 @@ def add_lora(model, recipe):
             r=lora.r,
             lora_alpha=lora.alpha,
             lora_dropout=lora.dropout,
-            target_modules=lora.target_modules,
+            target_modules=lora_targets(model, recipe),
             task_type="CAUSAL_LM",
         ),
     )
@@ -492,8 +554,6 @@ def load_model_and_tokenizer(recipe, device: str, dtype, plan: Optional[dict] = 
     """
     import contextlib
 
-    from transformers import AutoModelForCausalLM
-
     engine = (plan or {}).get("engine", "trl")
     tokenizer = load_tokenizer(recipe)
     kwargs = load_kwargs(recipe, device, dtype, engine)
@@ -504,11 +564,14 @@ def load_model_and_tokenizer(recipe, device: str, dtype, plan: Optional[dict] = 
             # its config.json carries the quantization config: passing ours again only earns a warning
             source, kwargs = str(quantized), {k: v for k, v in kwargs.items() if k != "quantization_config"}
     with context if context is not None else contextlib.nullcontext():
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        model = model_class(recipe.model).from_pretrained(source, **kwargs)
     if is_adapter(recipe.method):
         model = add_lora(model, recipe)
     if is_main_process():
         print("[ftrun worker] " + describe_model(model), flush=True)
+        if reads_images(recipe.model) and is_adapter(recipe.method):
+            tower = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and f".{VISION_TOWER}." in n)
+            print(f"[ftrun worker] LoRA: {tower:,} trainable parameters in the vision tower", flush=True)
         if device == "cuda":  # the kernel that runs, said once
             print(f"[ftrun worker] {attention_facts(device, dtype, model)['line']}", flush=True)
     return model, tokenizer

@@ -35,10 +35,19 @@ def _without_video(cls):
     (processing_utils.py check_argument_for_proper_class), and a None video processor has none."""
 
     class WithoutVideo(cls):
+        source_dir: Optional[Path] = None  # the model folder it was built from (load_processor)
+
         def check_argument_for_proper_class(self, argument_name, argument):
             if argument is None and argument_name == VIDEO_ATTRIBUTE:
                 return None
             return super().check_argument_for_proper_class(argument_name, argument)
+
+        def save_pretrained(self, save_directory, *args, **kwargs):
+            """The model folder's processor files, as they are: ProcessorMixin.save_pretrained saves every
+            sub-processor and fails on the missing video processor (processing_utils.py: `attribute._auto_class`),
+            and the Trainer calls it at every checkpoint (trainer.py _save: processing_class.save_pretrained)."""
+            save_processor_files(self.source_dir, save_directory)
+            return []
 
     WithoutVideo.__name__ = cls.__name__  # what TRL and the logs name
     WithoutVideo.__qualname__ = cls.__qualname__
@@ -51,7 +60,9 @@ def load_processor(model_dir, say=print):
     import transformers
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 
-    model_dir = Path(model_dir)
+    from launcher.data.tokenizer import tokenizer_dir
+
+    model_dir = tokenizer_dir(str(model_dir))[0] or Path(model_dir)  # a Hub id: its folder in the cache
     cls_name = processor_class_name(model_dir)
     cls = getattr(transformers, cls_name, None) if cls_name else None
     needs_video = cls is not None and VIDEO_ATTRIBUTE in cls.get_attributes()
@@ -63,12 +74,14 @@ def load_processor(model_dir, say=print):
     )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     image_processor = AutoImageProcessor.from_pretrained(model_dir)
-    return _without_video(cls)(
+    processor = _without_video(cls)(
         image_processor=image_processor,
         tokenizer=tokenizer,
         video_processor=None,
         chat_template=_chat_template(model_dir, tokenizer),
     )
+    processor.source_dir = model_dir
+    return processor
 
 
 def _chat_template(model_dir: Path, tokenizer: Any) -> Optional[str]:
@@ -77,3 +90,54 @@ def _chat_template(model_dir: Path, tokenizer: Any) -> Optional[str]:
     if path.is_file():
         return path.read_text(encoding="utf-8")
     return getattr(tokenizer, "chat_template", None)
+
+
+def text_tokenizer(tokenizer_or_processor: Any) -> Any:
+    """The tokenizer itself: a processor's (`.tokenizer`), or the argument where it is a tokenizer."""
+    from transformers import ProcessorMixin
+
+    return (
+        tokenizer_or_processor.tokenizer
+        if isinstance(tokenizer_or_processor, ProcessorMixin)
+        else tokenizer_or_processor
+    )
+
+
+def encode(tokenizer_or_processor: Any, texts: list[str], images: Optional[list[list[str]]], **kwargs: Any) -> Any:
+    """Rendered prompts as model inputs: with `images` (each text's image files, in placeholder order) the processor
+    widens each placeholder to its image's tokens and adds the pixel values and grids, as training's collator does
+    (trl 1.16 DataCollatorForVisionLanguageModeling calls the processor the same way); else the tokenizer alone.
+    Images are read with transformers' load_image, what apply_chat_template reads a path with during training."""
+    if not images or not any(images):
+        return text_tokenizer(tokenizer_or_processor)(texts, **kwargs)
+    from transformers.image_utils import load_image
+
+    return tokenizer_or_processor(text=texts, images=[[load_image(p) for p in row] for row in images], **kwargs)
+
+
+# The processor's files as the model folder has them: what a server loads beside the adapter or the merged weights.
+PROCESSOR_FILES = (
+    "preprocessor_config.json",
+    "processor_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "video_preprocessor_config.json",
+)
+
+
+def save_processor_files(model_dir, dest) -> None:
+    """The model folder's processor files copied into `dest`, as they are: saving the processor object itself would
+    need the video processor it was built without (load_processor)."""
+    import shutil
+
+    from launcher.data.tokenizer import tokenizer_dir
+
+    model_dir = tokenizer_dir(str(model_dir))[0] or Path(model_dir)  # a Hub id: its folder in the cache
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in PROCESSOR_FILES:
+        if (Path(model_dir) / name).is_file():
+            shutil.copyfile(Path(model_dir) / name, dest / name)

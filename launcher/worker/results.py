@@ -143,7 +143,7 @@ def _save_final(run: RunDir, trainer, tokenizer, recipe) -> None:
         # DPO from a parent adapter (init_from): PEFT saves every adapter, and trl's DPOTrainer added "ref", the parent
         # adapter's frozen copy it takes the reference's log-probabilities from; the result is the trained one alone
         shutil.rmtree(tmp / "ref")
-    tokenizer.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))  # or a vision-language model's processor: its files (worker/processor.py)
     dst = run.final / name
     if dst.exists():
         shutil.rmtree(dst)

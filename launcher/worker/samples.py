@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from launcher.data import task_examples
+from launcher.data.images import text_of
 from launcher.data.task_verdict import BARE_BASE, BARE_BASE_LABEL, start_name
 
 BEFORE_FILE = "samples-before.json"  # in the run directory, and copied into each checkpoint
@@ -41,6 +42,9 @@ def generate(model, tokenizer, prompts: list[dict[str, Any]], max_new_tokens: in
     `synced`: every process calls this with the same prompts (ZeRO-3, FSDP gather weights in each forward)."""
     import torch
 
+    from launcher.worker.processor import encode, text_tokenizer
+
+    processor, tokenizer = tokenizer, text_tokenizer(tokenizer)  # a vision-language model's processor reads images
     device = getattr(model, "device", None) or next(model.parameters()).device
     was_training = model.training
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
@@ -52,9 +56,10 @@ def generate(model, tokenizer, prompts: list[dict[str, Any]], max_new_tokens: in
                 text = (
                     p["text"]
                     if "text" in p
-                    else tokenizer.apply_chat_template(p["messages"], tokenize=False, add_generation_prompt=True)
+                    else processor.apply_chat_template(p["messages"], tokenize=False, add_generation_prompt=True)
                 )
-                enc = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(device)
+                pictures = [p["images"]] if p.get("images") else None
+                enc = encode(processor, [text], pictures, return_tensors="pt", add_special_tokens=False).to(device)
                 out = model.generate(
                     **enc,
                     max_new_tokens=max_new_tokens,
@@ -169,7 +174,7 @@ def write_after(
     ]
     for k, r in enumerate(rows, start=1):
         lines += [f"## {k}. example {r['index'] + 1} of {r.get('file') or 'the data'}", "", "**Prompt**", ""]
-        lines += _quote("\n\n".join(f"[{m['role']}] {m['content']}" for m in r["messages"]))
+        lines += _quote("\n\n".join(f"[{m['role']}] {text_of(m['content'])}" for m in r["messages"]))
         lines += ["", "**Reference**", ""] + _quote(r["reference"])
         lines += ["", f"**Before** ({start})", ""] + (
             _quote(r["before"]) if r["before"] is not None else ["_(not recorded)_"]

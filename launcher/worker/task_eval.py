@@ -72,7 +72,9 @@ def task_for_run(run: RunDir, recipe, examples: list, write: bool = True, tokeni
     if tokenizer is not None and scores(task):
         from launcher.data.chat_prompt import task_switches
 
-        switched = task_switches(tokenizer, task["prompts"])
+        from launcher.worker.processor import text_tokenizer
+
+        switched = task_switches(text_tokenizer(tokenizer), task["prompts"])  # the template's text, not the images
         if switched:
             task["chat_template_kwargs"] = switched
     if getattr(recipe, "init_from", None):
@@ -106,12 +108,21 @@ def prompt_text(tokenizer, prompt: dict[str, Any], template_kwargs: Optional[dic
 
 
 def generate_batch(
-    model, tokenizer, texts: list[str], max_new_tokens: int, synced: bool = False
+    model,
+    tokenizer,
+    texts: list[str],
+    max_new_tokens: int,
+    synced: bool = False,
+    images: Optional[list[list[str]]] = None,
 ) -> list[tuple[str, int]]:
     """(answer, new tokens up to and including its end) for each text: one greedy, left-padded generate call.
+    `images`: each text's image files, read in with the model's processor (`tokenizer` is then the processor).
     The caller forks the RNG and sets eval mode (`answer`)."""
     import torch
 
+    from launcher.worker.processor import encode, text_tokenizer
+
+    processor, tokenizer = tokenizer, text_tokenizer(tokenizer)
     device = getattr(model, "device", None) or next(model.parameters()).device
     eos = _eos_ids(model, tokenizer)
     side, pad_token = tokenizer.padding_side, tokenizer.pad_token
@@ -119,7 +130,8 @@ def generate_batch(
     if pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # masked out: any token pads
     try:
-        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+        enc = encode(processor, texts, images, return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = enc.to(device)
         pad = tokenizer.pad_token_id
     finally:
         tokenizer.padding_side = side
@@ -204,7 +216,10 @@ def answer(
     import torch
 
     texts = {int(p["index"]): prompt_text(tokenizer, p, template_kwargs) for p in prompts}
-    asked = {i: hashlib.sha256(f"{identity}\0{t}".encode()).hexdigest()[:16] for i, t in texts.items()}
+    pictures = {int(p["index"]): list(p.get("images") or []) for p in prompts}  # image data: each prompt's files
+    asked = {
+        i: hashlib.sha256("\0".join([identity, t, *pictures[i]]).encode()).hexdigest()[:16] for i, t in texts.items()
+    }
     kept = {i: r for i, r in read_answers(path).items() if asked.get(i) == r.get("prompt")}
     missing = [i for i in texts if i not in kept]
     if missing:
@@ -221,7 +236,14 @@ def answer(
                 for start in range(0, len(order), size):
                     batch = order[start : start + size]
                     t0 = time.monotonic()
-                    got = generate_batch(model, tokenizer, [texts[i] for i in batch], max_new_tokens, synced)
+                    got = generate_batch(
+                        model,
+                        tokenizer,
+                        [texts[i] for i in batch],
+                        max_new_tokens,
+                        synced,
+                        images=[pictures[i] for i in batch] if any(pictures[i] for i in batch) else None,
+                    )
                     share = (time.monotonic() - t0) / len(batch)
                     rows = [
                         {"index": i, "answer": a, "new_tokens": n, "seconds": round(share, 4), "prompt": asked[i]}
@@ -377,16 +399,14 @@ def load_base(recipe, with_parent: bool = True):
     """The base model in 16-bit (bf16 on a GPU from compute capability 8.0, fp16 below, fp32 on the CPU) on this
     process's device, whatever the method trains in (a 4-bit QLoRA base included), and its tokenizer; under
     init_from with the parent adapter merged in, unless `with_parent` is False."""
-    from transformers import AutoModelForCausalLM
-
-    from launcher.worker.loading import attention_implementation, device_map, load_tokenizer, select_device
+    from launcher.worker.loading import attention_implementation, device_map, load_tokenizer, model_class, select_device
 
     device, dtype = select_device()
     kwargs: dict[str, Any] = {"dtype": dtype, "device_map": device_map(device, "trl")}
     attn = attention_implementation(device, dtype)
     if attn is not None:
         kwargs["attn_implementation"] = attn
-    model = AutoModelForCausalLM.from_pretrained(recipe.model, **kwargs)
+    model = model_class(recipe.model).from_pretrained(recipe.model, **kwargs)
     if with_parent and getattr(recipe, "init_from", None):
         # a run that continues an earlier run's adapter starts from that result, not from the bare base: its "base"
         # scores are the parent's (the comparison "did this step help?"), merged for generation

@@ -135,7 +135,8 @@ def padding_free_collator(recipe, tokenizer):
     compute on pad tokens is gone: on data with a long tail, most of a padded batch is padding. With packing,
     TRL's BFD packing is padding-free already.
     """
-    if not recipe.padding_free or recipe.packing:
+    if not recipe.padding_free or recipe.packing or not hasattr(tokenizer, "pad_token_id"):
+        # (a processor: image data trains in padded rows through trl's vision collator, launcher/data/image_stats.py)
         return None  # TRL's own collator: padded rows, or BFD packing's; a preference trainer's pairs side by side
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 

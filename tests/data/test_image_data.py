@@ -173,3 +173,67 @@ def test_each_example_counts_the_tokens_the_processor_hands_the_model(tmp_path, 
         out = processor.apply_chat_template([msgs], tokenize=True, return_dict=True)
         assert len(out["input_ids"][0]) == n
     assert stats.images["images"] == 3 and stats.images["longest_example"]["where"].endswith("line 2")
+
+
+def _bad_inputs(tmp_path: Path, case: str, tiny_model: Path, tiny_vlm: Path) -> tuple[Path, dict, list[str]]:
+    """(data, recipe fields, what the refusal must name) of each bad input the issue lists."""
+    data = _data(tmp_path, n=3, **{"2": (112, 112)})
+    img = tmp_path / "data" / "img"
+    if case == "missing image":
+        _write(data, [_chat("img/0.png"), _chat("img/nope.png")])
+        return data, {}, ["d.jsonl line 2", str(img / "nope.png"), "does not exist"]
+    if case == "does not decode":
+        (img / "1.png").write_bytes((img / "1.png").read_bytes()[:60])
+        return data, {}, ["d.jsonl line 2", str(img / "1.png"), "does not decode"]
+    if case == "markers and images":
+        two = {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}]}
+        two["messages"].append({"role": "assistant", "content": "red."})
+        two["images"] = ["img/0.png", "img/1.png"]
+        _write(data, [_chat("img/0.png"), two])
+        return data, {}, ["d.jsonl line 2", "1 image placeholder in the turns and 2 images"]
+    if case == "no vision tower":
+        return data, {"model": str(tiny_model)}, ["d.jsonl line 1", str(data), "no vision tower"]
+    if case == "objective takes none":
+        return data, {"objective": "dpo"}, ["d.jsonl line 1", "objective dpo takes none"]
+    assert case == "tokens over max_length"
+    return data, {"max_length": 16}, ["d.jsonl line 3", str(img / "2.png"), "16 image tokens"]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing image",
+        "does not decode",
+        "markers and images",
+        "no vision tower",
+        "objective takes none",
+        "tokens over max_length",
+    ],
+)
+def test_ftrun_refuses_each_bad_input_before_any_training_with_the_line_and_the_path(
+    tmp_path, tiny_model, tiny_vlm, case, capsys
+):
+    from launcher import cli
+
+    data, fields, named = _bad_inputs(tmp_path, case, tiny_model, tiny_vlm)
+    recipe = recipe_file(tmp_path / "r.yaml", tiny_vlm, tmp_path / "run", data=str(data), **fields)
+    rc = cli.main([str(recipe)])  # the launch itself, not only the plan
+    out = capsys.readouterr()
+    said = " ".join((out.out + out.err).split())  # the error paragraph is wrapped to the terminal's width
+    assert rc == 2, said
+    assert "Traceback" not in said
+    for part in named:
+        assert part in said, part
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "smoke").exists()
+
+
+def test_the_loss_view_shows_each_image_as_one_marker_with_its_token_count(tmp_path, tiny_vlm):
+    data = _data(tmp_path, n=3)
+    _, lengths, stats = data_stats(_recipe(tmp_path, tiny_vlm, data, max_length=64))
+    tokens = read_rule(tiny_vlm).tokens(56, 84)
+    assert tokens > 1
+    shown = "".join(text for text, _ in stats.loss_view["examples"][0]["segments"])
+    assert f"[image: {tokens:,} tokens]" in shown and "<|image_pad|>" not in shown
+    # the view counts the rows as the processor widens them: each image its tokens, not one placeholder
+    assert stats.loss_view["examples"][0]["tokens"] == lengths[0]
+    assert stats.loss_view["stats"]["image_tokens"] == tokens * stats.examples

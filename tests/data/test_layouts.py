@@ -256,7 +256,7 @@ def test_a_label_beside_sft_data_is_refused_not_trained(tmp_path):
 
 
 def test_llamafactory_entries_it_cannot_read_are_refused_with_the_fix(lf_dir):
-    assert "columns.images: ftrun trains text models only" in str(
+    assert "columns.images: ftrun reads images in its own chat layout" in str(
         _refusal({"path": str(lf_dir), "dataset": "mllm_demo"})
     )
     err = _refusal({"path": str(lf_dir), "dataset": "modelscope_only"})

@@ -147,7 +147,7 @@ def test_the_7b_qlora_memory_is_within_15_percent_of_unsloths_published_peak(tmp
 
     arch = from_config(QWEN25_VL_7B, "7b", "test")
     # the tower's LoRA counted: Unsloth's own count, plus the patch merger's two layers (ftrun's worker adapts them
-    # under all-linear, launcher/worker/vision_train.py lora_targets; Unsloth leaves the merger out)
+    # under all-linear, launcher/worker/loading.py vision_targets; Unsloth leaves the merger out)
     trainable = arch.lora_params(16, "all-linear") + vision.lora_params(arch, 16, "all-linear")
     assert trainable == UNSLOTH_TRAINABLE + 16 * ((5120 + 5120) + (5120 + 3584))
     for tokens, patches in ((128, 200), (256, 400), (512, 1600)):

@@ -2,12 +2,12 @@
 and a 7B-shaped Qwen2.5-VL (random weights, built from its config on the card, no download) trained with LoRA on an
 image batch: its peak memory and tokens/s against the plan's.
 
-The tiny part loads as `python -m launcher.worker.vision_train RECIPE` loads (vision_train.load: the processor, the
-model, LoRA on the language model by vision_train.lora_targets) and collates as its SFTTrainer does (trl's
+The tiny part loads as the worker loads (launcher/worker/loading.py: the processor by load_tokenizer, the model by
+model_class, LoRA on the language model by add_lora) and collates as its SFTTrainer does (trl's
 DataCollatorForVisionLanguageModeling over launcher/data/images.py's rows); the steps are the benches' plain torch loop
-(training.py: bf16 autocast on a GPU, gradient clipping, AdamW), because vision_train trains on the CPU only
-(SFTConfig use_cpu=True) and `ftrun RECIPE` refuses image data on main (launcher/run/prepare.py). Once the normal
-worker path takes images, this part runs `ftrun RECIPE` through product.cli as the product steps do.
+(training.py: bf16 autocast on a GPU, gradient clipping, AdamW), so its tokens/s and peak are the model's, not the
+launcher's. `ftrun recipes/tiny-cpu-vision.yaml` itself (smoke test, detached run, resume) is not a step of this
+check yet: on a CPU it is the demo's fourth step and tests/worker/test_vision_worker.py.
 
 The 7B part needs a GPU (16.6 GB of bf16 weights); the dry run runs the same code on the tiny model's config on the
 CPU, and says so. Its "decides": the measured peak against the plan's memory (within 15%, issue 57's tolerance for
@@ -74,20 +74,23 @@ def _device(ctx: Context):
 
 
 def train_tiny(ctx: Context) -> dict[str, Any]:
-    """The tiny model loaded and adapted as vision_train does, a batch collated as its SFTTrainer does, trained on
+    """The tiny model loaded and adapted as the worker does, a batch collated as its SFTTrainer does, trained on
     the device: the loss of the repeated batch, tokens/s and the peak."""
     import torch
     from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
-    from launcher.worker import memory, vision_train
+    from launcher.worker import loading, memory
     from launcher.worker.gpu_check.training import measure
 
     shape = SHAPES[ctx.device]
     device, dtype = _device(ctx)
     path = tiny_vlm(ctx)
-    recipe = SimpleNamespace(model=str(path), method="lora", lora=_lora())
-    said: list[str] = []
-    model, processor = vision_train.load(recipe, said.append)
+    recipe = SimpleNamespace(model=str(path), method="lora", lora=_lora(), gradient_checkpointing=False)
+    processor = loading.load_tokenizer(recipe)
+    model = loading.add_lora(
+        loading.model_class(recipe.model).from_pretrained(recipe.model, dtype=torch.float32), recipe
+    )
+    said = [loading.describe_model(model)]
     model.to(device)
     model.train()
     batch = DataCollatorForVisionLanguageModeling(processor)(_rows(shape["tiny_batch"]))
@@ -208,13 +211,13 @@ def image_batch(cfg: dict[str, Any], side: int, tokens: int, rows: int, device: 
 
 def train_shape(ctx: Context, cfg: dict[str, Any]) -> dict[str, Any]:
     """The shape `cfg` with random weights built on the device in the worker's dtype, LoRA on its language model
-    (vision_train.lora_targets, r=16 all-linear), non-reentrant gradient checkpointing with input gradients enabled
+    (loading.vision_targets, r=16 all-linear), non-reentrant gradient checkpointing with input gradients enabled
     (launcher/worker/loading.py add_lora), trained on an image batch: tokens/s and the worker's peak."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from launcher.worker import memory, vision_train
+    from launcher.worker import loading, memory
     from launcher.worker.gpu_check.training import make_optimizer, measure
 
     shape = SHAPES[ctx.device]
@@ -227,10 +230,11 @@ def train_shape(ctx: Context, cfg: dict[str, Any]) -> dict[str, Any]:
     with torch.device(device):
         model = Qwen2_5_VLForConditionalGeneration._from_config(_hf_config(cfg), dtype=dtype)
     built = time.perf_counter() - t0
-    recipe = SimpleNamespace(lora=_lora(r=16))
     model = get_peft_model(
         model,
-        LoraConfig(r=16, lora_alpha=16, target_modules=vision_train.lora_targets(model, recipe), task_type="CAUSAL_LM"),
+        LoraConfig(
+            r=16, lora_alpha=16, target_modules=loading.vision_targets(model, _lora(r=16)), task_type="CAUSAL_LM"
+        ),
     )
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
