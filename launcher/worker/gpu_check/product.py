@@ -24,10 +24,11 @@ NEEDS = ("trl", "datasets", "pydantic", "peft")
 # trains 4, enough for a median of the second half's step times and GRPO's rewards row by row (it shows the path,
 # not the figures). logging_steps=1 gives metrics.jsonl a row per step.
 STEPS = {"cuda": 48, "cpu": 4}
-# The dry run keeps every phase but trims each: the task evaluation asks 10 prompts (the fewest it scores) instead
-# of the 20 held out, the smoke test trains 3 steps, no eval pass between the start's and the end's, and the base
-# model is scored in the worker after training instead of in a process of its own before it (under init_from not at
-# all). On 2 busy cores a base-model pass took a minute and QLoRA's smoke test (quantization on the CPU) 141 s.
+# The dry run trims each phase (and leaves out the exports CPU_TRIMS names): the task evaluation asks 10 prompts (the
+# fewest it scores) instead of the 20 held out, the smoke test trains 3 steps, no eval pass between the start's and
+# the end's, and the base model is scored in the worker after training instead of in a process of its own before it
+# (under init_from not at all). On 2 busy cores a base-model pass took a minute and QLoRA's smoke test (quantization
+# on the CPU) 141 s.
 DRY_RUN = {
     "cuda": (),
     "cpu": ("eval.task.examples=10", "smoke.min_steps=3", "eval.every_minutes=60", "eval.task.baseline=skip"),
