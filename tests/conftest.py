@@ -146,11 +146,10 @@ def _train(d: Path, tiny_model: Path, fields: dict, *overrides: str) -> Path:
     return d / "run"
 
 
-@pytest.fixture(scope="session")
-def reference_run(tmp_path_factory, tiny_model) -> Path:
-    """Read by test files on every pytest worker: trained once for all of them, by the first that asks, under a file
-    lock in the folder the workers' temporary folders share (pytest-xdist's documented way to share a session
-    fixture); a session fixture alone is built once per worker."""
+def _trained_once(tmp_path_factory, tiny_model: Path, name: str, fields: dict, *overrides: str) -> Path:
+    """A run read by test files on every pytest worker: trained once for all of them, by the first that asks, under a
+    file lock in the folder the workers' temporary folders share (pytest-xdist's documented way to share a session
+    fixture); a session fixture alone is built once per worker. Returns its run directory."""
     import shutil
 
     from filelock import FileLock
@@ -158,14 +157,31 @@ def reference_run(tmp_path_factory, tiny_model) -> Path:
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent
-    d, done = root / "reference", root / "reference.done"
-    with FileLock(str(root / "reference.lock")):
+    d, done = root / name, root / f"{name}.done"
+    with FileLock(str(root / f"{name}.lock")):
         if not done.is_file():
             shutil.rmtree(d, ignore_errors=True)  # a worker's build that failed part way
             d.mkdir()
-            _train(d, tiny_model, RESUME_FIELDS, "smoke.enabled=false")
+            _train(d, tiny_model, fields, *overrides)
             done.touch()
     return d / "run"
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory, tiny_model) -> Path:
+    """The uninterrupted run that interrupted runs are compared with, on every worker (_trained_once)."""
+    return _trained_once(tmp_path_factory, tiny_model, "reference", RESUME_FIELDS, "smoke.enabled=false")
+
+
+@pytest.fixture(scope="session")
+def sft_parent(tmp_path_factory, tiny_model) -> Path:
+    """The parent that DPO and GRPO train from (tests/worker/test_preference.py, tests/worker/test_grpo.py): LoRA SFT
+    on the demo's chat data, what recipes/tiny-cpu-dpo.yaml and tiny-cpu-grpo.yaml start from; 60 steps at 2e-2, so
+    that GRPO's sampled answers score above nothing. Trained once for both files (_trained_once); each run pins its
+    own copy of the parent (launcher/run/parent.py), so neither changes it for the other."""
+    return _trained_once(
+        tmp_path_factory, tiny_model, "sft-parent", dict(max_steps=60, learning_rate=2e-2), "smoke.enabled=false"
+    )
 
 
 # A local S3 endpoint for the copies off the box (tests/store/test_sync.py, tests/run/test_kill_series.py).

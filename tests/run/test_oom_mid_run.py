@@ -95,6 +95,18 @@ def _ftrun_oom(tmp_path, step: int, *args, **extra: str) -> subprocess.Completed
     return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
 
 
+def _planned(recipe) -> None:
+    """The run directory as the launch plans it (plan.json, recipe.yaml, state planned), no process started: the
+    first half of `ftrun smoke` (launcher/run/pipeline.py prepare_only), in this process. These tests edit the plan
+    before the run trains; a whole `ftrun smoke` ran a smoke test no assertion reads (the file's slow tests: 107.1
+    CPU s with it, 73.6 without, 2026-12-06), and the recipes turn the smoke test off (as reference_run trains:
+    smoke.enabled=false), so the launch trains at once."""
+    from launcher.run.pipeline import prepare_only
+
+    prepared = prepare_only(load_recipe(recipe), "planned by the test")[2]
+    prepared[5].release()  # the run's lock, which the launch takes next
+
+
 def _as_a_gpu_plan_chose(run) -> None:
     """plan.json and recipe.yaml as a launch on a GPU with room writes them (launcher/plan/speed.py: checkpointing off
     for a recipe that leaves it out); the CPU plan keeps the recipe's values, so the test sets what a GPU's would."""
@@ -110,13 +122,13 @@ def _as_a_gpu_plan_chose(run) -> None:
     (run / "recipe.yaml").write_text(text.replace("gradient_checkpointing: true", "gradient_checkpointing: false"))
 
 
-@pytest.mark.slow  # two runs of the tiny model and a smoke test: the default tier stays under 6 minutes
+@pytest.mark.slow  # two runs of the tiny model: the default tier stays under 6 minutes
 def test_an_oom_after_the_plans_checkpointing_off_restarts_with_it_on_on_the_same_trajectory(
     write_recipe, tmp_path, reference_run
 ):
-    recipe = write_recipe(**RESUME_FIELDS)  # gradient_checkpointing left to the plan, as reference_run's
-    smoke = ftrun("smoke", recipe, cwd=tmp_path)
-    assert smoke.returncode == 0, smoke.stdout + smoke.stderr
+    # gradient_checkpointing left to the plan, as reference_run's
+    recipe = write_recipe(**RESUME_FIELDS, smoke={"enabled": False})
+    _planned(recipe)
     run = tmp_path / "run"
     _as_a_gpu_plan_chose(run)
 
@@ -169,7 +181,7 @@ def test_an_oom_of_the_recipes_own_setting_stays_fatal_with_its_fix(write_recipe
     assert "Traceback" not in res.stderr
 
 
-@pytest.mark.slow  # a smoke test and a run of the tiny model
+@pytest.mark.slow  # a run of the tiny model, restarted
 def test_an_oom_after_the_plans_larger_micro_batch_restarts_with_the_recipes_and_the_same_examples(
     write_recipe, tmp_path, reference_run
 ):
@@ -180,9 +192,10 @@ def test_an_oom_after_the_plans_larger_micro_batch_restarts_with_the_recipes_and
 
     from helpers import adapter_tensors, metrics
 
-    recipe = write_recipe(**RESUME_FIELDS, micro_batch_size=None, gradient_accumulation_steps=None)  # 2 x 4
-    smoke = ftrun("smoke", recipe, cwd=tmp_path)
-    assert smoke.returncode == 0, smoke.stdout + smoke.stderr
+    recipe = write_recipe(  # 2 x 4
+        **RESUME_FIELDS, micro_batch_size=None, gradient_accumulation_steps=None, smoke={"enabled": False}
+    )
+    _planned(recipe)
     run = tmp_path / "run"
     plan = json.loads((run / "plan.json").read_text())
     assert (plan["micro_batch_size"], plan["gradient_accumulation_steps"]) == (2, 4)

@@ -233,11 +233,10 @@ TRAIN = dict(
 
 
 @pytest.fixture(scope="module")
-def sft_run(tmp_path_factory, tiny_model) -> Path:
-    """The parent: LoRA SFT on the demo's chat data (what recipes/tiny-cpu-grpo.yaml starts from)."""
-    from conftest import uninterrupted_run
-
-    return uninterrupted_run(tmp_path_factory, tiny_model, "grpo-sft", dict(max_steps=60, learning_rate=2e-2), *QUICK)
+def sft_run(sft_parent) -> Path:
+    """The parent: LoRA SFT on the demo's chat data, shared with the other preference and GRPO tests (conftest
+    sft_parent: one run for both files)."""
+    return sft_parent
 
 
 @pytest.fixture(scope="module")

@@ -221,28 +221,41 @@ def test_gpu_ranks_get_their_share_of_the_cores_not_one_thread(tmp_path, monkeyp
     assert "OMP_NUM_THREADS" not in launch_env(plan)  # the user's own setting reaches the ranks unchanged
 
 
+def _probe_ctx(tmp_path, device: str):
+    """The GPU check's context for its launch-env probes (launcher/worker/gpu_check/launch.py), which the slow tier
+    runs here rather than in the dry run (scripts/gpu_check.sh --dry-run skips them on the CPU, saying so)."""
+    from launcher.worker.gpu_check.common import Context
+
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    return Context(out=tmp_path, work=work, dry_run=False, device=device, shape="tiny", progress=lambda **kw: None)
+
+
 @pytest.mark.slow
 def test_torchrun_keeps_the_launchs_thread_count(tmp_path):
-    """Real torchrun, 2 gloo-free ranks: each rank reports the OMP_NUM_THREADS it got and torch's thread count."""
+    """Real torchrun, 2 gloo-free ranks: each rank reports the OMP_NUM_THREADS it got and torch's thread count;
+    launched with a GPU plan's environment through the GPU check's own probe (gpu_check/launch.py _threads, the code
+    the launch-env step runs on a GPU box)."""
     import subprocess
 
+    from launcher.plan.hardware import cpu_cores, threads_per_process
+    from launcher.worker.gpu_check import launch
+
     probe = tmp_path / "probe.py"
-    # one os.write per line, as in the port test below: print() under PYTHONUNBUFFERED=1 (CI) writes each piece
-    # apart, and the two ranks' pieces interleaved in CI ("RANK 0" lost, 2026-12-03)
-    probe.write_text(
-        "import os, torch\nos.write(1, f\"RANK {os.environ['RANK']} {os.environ.get('OMP_NUM_THREADS')} "
-        '{torch.get_num_threads()}\\n".encode())\n'
-    )
+    # one os.write per line (launch._THREADS): print() under PYTHONUNBUFFERED=1 (CI) writes each piece apart, and
+    # the two ranks' pieces interleaved in CI ("RANK 0" lost, 2026-12-03)
+    probe.write_text(launch._THREADS)
     base = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(probe)]
     bare = subprocess.run(cmd, capture_output=True, text=True, env=base, timeout=120)
+    assert bare.returncode == 0, bare.stderr
+    rows = sorted(m.split()[1:] for m in re.findall(r"RANK \d+ \S+ \d+\n", bare.stdout))  # whole lines
+    assert rows == [["0", "1", "1"], ["1", "1", "1"]]  # torchrun's default
     env = launch_env({"device": "cuda", "engine": "ddp", "num_processes": 2, "hardware": {"gpus": []}})
-    launched = subprocess.run(cmd, capture_output=True, text=True, env={**base, **env}, timeout=120)
-    assert bare.returncode == 0 and launched.returncode == 0, bare.stderr + launched.stderr
-    rows = lambda out: sorted(m.split()[1:] for m in re.findall(r"RANK \d+ \S+ \d+\n", out))  # noqa: E731 - whole lines
-    assert rows(bare.stdout) == [["0", "1", "1"], ["1", "1", "1"]]  # torchrun's default
-    want = env["OMP_NUM_THREADS"]
-    assert rows(launched.stdout) == [["0", want, want], ["1", want, want]]
+    want = str(threads_per_process(cpu_cores(), 2))
+    assert env["OMP_NUM_THREADS"] == want  # the launch's share of the cores
+    launched = launch._threads(_probe_ctx(tmp_path, "cuda"))  # torchrun with launch_env's environment
+    assert launched["ok"] and launched["ranks"] == [["0", want, want], ["1", want, want]], launched
 
 
 # --- FSDP's rendezvous port (issue 21 item 5) ------------------------------------------------------------------
@@ -253,39 +266,17 @@ def test_two_fsdp_launches_at_once_each_get_a_free_port(tmp_path):
     """The generated accelerate config, launched twice at the same moment by real `accelerate launch`: each job
     rendezvouses (gloo) on a free port of its own, never the default 29500. (accelerate 1.15 moves off 29500 only
     when it is taken at the moment it checks, utils/launch.py prepare_multi_gpu_env; two launches at once both
-    find it free, and the second fails with "address already in use".)"""
-    import subprocess
+    find it free, and the second fails with "address already in use".) Through the GPU check's own probe
+    (gpu_check/launch.py _ports, the code the launch-env step runs on a GPU box): the probe writes one line per rank
+    with one os.write, since print() under PYTHONUNBUFFERED=1 interleaved two ranks' pieces ("PORT PORT43689
+    \n43689\n": 111 of 300 launches in step on this box), and its ranks leave as the worker's do (leave_rank)."""
+    from launcher.worker.gpu_check import launch
 
-    import yaml
-
-    from launcher.worker.engines.fsdp import accelerate_config
-
-    cfg = tmp_path / "accelerate_fsdp.yaml"
-    cfg.write_text(yaml.safe_dump(accelerate_config({"num_processes": 2, "device": "cpu"}, False)))
-    probe = tmp_path / "probe.py"
-    # one os.write per line: the two ranks leave the barrier together and share the job's pipe. print() writes
-    # its arguments, separators and newline one by one where stdout is unbuffered (PYTHONUNBUFFERED=1, as the
-    # image and CI set it), and two ranks' pieces interleave ("PORT PORT43689 \n43689\n": 111 of 300 launches
-    # in step on this box); a pipe write of under PIPE_BUF bytes is never split
-    probe.write_text(
-        "import os, torch.distributed as dist\n"
-        "dist.init_process_group('gloo'); dist.barrier()\n"
-        "os.write(1, f\"PORT {os.environ['MASTER_PORT']}\\n\".encode())\n"
-        "dist.destroy_process_group()\n"
-        "from launcher.worker.process import leave_rank\nleave_rank(0)\n"
-    )  # as the worker's ranks leave
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg), str(probe)]
-    jobs = [
-        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for _ in range(2)
-    ]
-    outs = [job.communicate(timeout=240)[0] for job in jobs]
-    assert all(job.returncode == 0 for job in jobs), outs
-    # whole lines: another process's unfinished stderr piece may come just before one, never inside it
-    ports = [set(re.findall(r"PORT (\d+)\n", out)) for out in outs]
-    assert [len(re.findall(r"PORT \d+\n", out)) for out in outs] == [2, 2], outs
-    assert all(len(p) == 1 for p in ports), outs  # both ranks of a job agree
-    assert ports[0] != ports[1] and "29500" not in ports[0] | ports[1]
+    got = launch._ports(_probe_ctx(tmp_path, "cpu"))
+    assert got["ok"] and got["exits"] == [0, 0], got
+    # whole lines, both ranks of a job agreeing: one port per job, two different ones, neither the default
+    [a], [b] = got["ports"]
+    assert a != b and "29500" not in (a, b), got
 
 
 # --- torch's allocator: expandable segments on a GPU (issue 55) ------------------------------------------------

@@ -387,11 +387,10 @@ def _train_rows(run: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def sft_run(tmp_path_factory, tiny_model) -> Path:
-    """The parent: LoRA SFT on the demo's chat data (what recipes/tiny-cpu-dpo.yaml starts from)."""
-    from conftest import uninterrupted_run
-
-    return uninterrupted_run(tmp_path_factory, tiny_model, "pref-sft", dict(max_steps=20), *QUICK)
+def sft_run(sft_parent) -> Path:
+    """The parent: LoRA SFT on the demo's chat data, shared with the other preference and GRPO tests (conftest
+    sft_parent: one run for both files)."""
+    return sft_parent
 
 
 @pytest.fixture(scope="module")

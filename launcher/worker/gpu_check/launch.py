@@ -171,23 +171,52 @@ def _group_timeout(ctx: Context) -> dict[str, Any]:
     return {"ok": all(v["ok"] and "not readable" not in v["seen"] for v in seen.values()), **seen}
 
 
+# On the CPU the slow tier runs these two probes themselves (tests/worker/test_launch_env.py
+# test_torchrun_keeps_the_launchs_thread_count: _threads with a GPU plan's environment, and
+# test_two_fsdp_launches_at_once_each_get_a_free_port: _ports); the dry run would launch the same torchrun ranks and
+# accelerate jobs again (the step: 34.7 CPU s with them, 21.1 without, 2026-12-06). A GPU runs both.
+IN_THE_SLOW_TIER = (
+    "on the CPU the slow tier runs this probe (tests/worker/test_launch_env.py, {test}); the GPU runs it here"
+)
+
+
 def step_launch_env(ctx: Context) -> dict[str, Any]:
     if not has("transformers"):
         return {"ok": None, "skipped": "transformers not installed", "line": "skipped: transformers missing"}
     result: dict[str, Any] = {"n_gpu": _n_gpu(ctx)}
     ctx.progress(**result)
-    result["threads"] = _threads(ctx)
+    if ctx.dry_run:
+        why = IN_THE_SLOW_TIER.format(test="test_torchrun_keeps_the_launchs_thread_count")
+        result["threads"] = {"ok": None, "skipped": why}
+    else:
+        result["threads"] = _threads(ctx)
     ctx.progress(**result)
-    result["ports"] = _ports(ctx) if has("accelerate") and has("yaml") else {"ok": None, "skipped": "accelerate"}
+    if ctx.dry_run:
+        why = IN_THE_SLOW_TIER.format(test="test_two_fsdp_launches_at_once_each_get_a_free_port")
+        result["ports"] = {"ok": None, "skipped": why}
+    elif has("accelerate") and has("yaml"):
+        result["ports"] = _ports(ctx)
+    else:
+        result["ports"] = {"ok": None, "skipped": "accelerate"}
     ctx.progress(**result)
     result["group_timeout"] = _group_timeout(ctx) if has("accelerate") else {"ok": None, "skipped": "accelerate"}
     oks = [part.get("ok") for part in result.values()]
     n, t, p = result["n_gpu"], result["threads"], result["ports"]
+    threads = (
+        f"threads per rank {[r[2] for r in t.get('ranks', [])]} of {t.get('cores')} cores"
+        if "skipped" not in t
+        else "threads per rank: in the slow tier"
+    )
+    ports = (
+        f"two FSDP launches on ports {p['ports']}"
+        if "ports" in p
+        else "two FSDP launches: in the slow tier"
+        if ctx.dry_run
+        else f"two FSDP launches: skipped ({p.get('skipped')})"
+    )
     line = (
         f"single process: n_gpu {n.get('launched', {}).get('n_gpu', '?')} (without the launch's "
-        f"CUDA_VISIBLE_DEVICES: {n.get('without', {}).get('n_gpu', '?')}); threads per rank "
-        f"{[r[2] for r in t.get('ranks', [])]} of {t.get('cores')} cores; two FSDP launches on ports "
-        f"{p.get('ports', p.get('skipped'))}; process group timeout "
+        f"CUDA_VISIBLE_DEVICES: {n.get('without', {}).get('n_gpu', '?')}); {threads}; {ports}; process group timeout "
         f"{ {k: v['seen'] for k, v in result['group_timeout'].items() if isinstance(v, dict)} or 'skipped' }"
     )
     return {
