@@ -349,6 +349,12 @@ def run_smoke(
     if measured.get("sampling_seconds") is not None and measured.get("seconds"):
         # GRPO: the share of the smoke's steps (step 1 included, as in the sampling's sum) spent sampling answers
         report["sampling_share"] = round(min(1.0, measured["sampling_seconds"] / measured["seconds"]), 3)
+    cores = int((plan.get("hardware") or {}).get("cpu_count") or 0)
+    if measured.get("device") == "cpu" and cores:
+        # the box's 1-minute load at the smoke's end: on a CPU box others use, the steps' time follows it (the demo's
+        # GRPO step measured 0.5-1.1 s a step at a load of 8-13 on 2 cores, its full runs 0.3-0.45 s), and so does
+        # the forecast: launcher/run/views.py load_note says so
+        report["load_average"], report["cpu_cores"] = round(os.getloadavg()[0], 2), cores
     growth = memory_growth(measured.get("device"), recipe.method)
     if growth:
         report["memory_growth"] = growth

@@ -285,7 +285,7 @@ def format_smoke(report: dict[str, Any]) -> str:
             ("export", "export_seconds"),
         )
     ]
-    note = memory_note(report)
+    note = "\nnote: ".join(n for n in (memory_note(report), load_note(report)) if n) or None
     tied = report.get("frac_reward_zero_std") or []
     if tied and all(v >= 1 - 1e-9 for v in tied):  # GRPO: said before the full run, not a stop (sparse rewards start)
         said = (
@@ -325,6 +325,19 @@ def format_smoke(report: dict[str, Any]) -> str:
             else ""
         )
         + (f"\nnote: {note}" if note else "")
+    )
+
+
+def load_note(report: dict[str, Any]) -> Optional[str]:
+    """Where other processes kept the CPU box's cores busy while the smoke test measured (smoke.json load_average
+    above cpu_cores): its steps' time, and so the forecast, holds only while the load stays as it was."""
+    load, cores = report.get("load_average"), report.get("cpu_cores")
+    if load is None or not cores or load <= cores:
+        return None
+    return (
+        f"other processes kept this box busy while the smoke test measured (load {load:.1f} on {cores} cores): "
+        "its steps' time, and so the forecast, holds while the load stays as it was; a quieter box runs faster, "
+        "a busier one slower"
     )
 
 

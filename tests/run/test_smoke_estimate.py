@@ -253,3 +253,27 @@ def test_the_smoke_output_notes_grpo_rewards_that_never_varied_in_its_steps():
     assert "more answers per prompt (grpo.num_generations)" in tied
     assert "note:" not in format_smoke({**report, "frac_reward_zero_std": [1.0, 0.75, 1.0, 1.0, 1.0, 1.0]})
     assert "note:" not in format_smoke(report)  # SFT, or a smoke.json written before
+
+
+def test_the_smoke_output_says_when_a_busy_cpu_box_set_the_steps_time():
+    """On a CPU box others load, the smoke's steps run at the box's load of the moment (the demo's GRPO step: 0.5-1.1 s
+    a step at a load of 8-13 on 2 cores): the forecast is said to hold only while the load stays."""
+    report = {
+        "measured_steps": 5,
+        "tokens_per_second": 1000.0,
+        "peak_memory_gb": 0.6,
+        "device": "cpu",
+        "training_tokens": 80000,
+        "estimated_seconds": 120.0,
+        "price_per_hour_eur": 0.0,
+        "cpu_cores": 2,
+    }
+    busy = format_smoke({**report, "load_average": 11.34})
+    assert busy.splitlines()[-1] == (
+        "note: other processes kept this box busy while the smoke test measured (load 11.3 on 2 cores): its steps' "
+        "time, and so the forecast, holds while the load stays as it was; a quieter box runs faster, a busier one "
+        "slower"
+    )
+    assert "note:" not in format_smoke({**report, "load_average": 1.5})  # the cores were its own
+    both = format_smoke({**report, "load_average": 4.0, "memory_growth": memory_growth("cpu", "qlora")})
+    assert both.count("\nnote: ") == 2 and "load 4.0 on 2 cores" in both.splitlines()[-1]

@@ -450,3 +450,29 @@ def test_the_launch_says_the_verdict_before_the_smoke_test(write_recipe, tmp_pat
     assert verdict < out.index("smoke test:")
     assert out.count("  task      ") == 2  # before the smoke test, and in the end summary
     assert main([str(recipe)]) == 0 and fake_worker.calls() == 1  # finished: nothing runs again
+
+
+def test_fresh_scores_the_base_again_though_the_run_it_moved_aside_had_trained(
+    tmp_path, fake_worker, write_recipe, monkeypatch, capsys
+):
+    # `ftrun RECIPE --fresh` over a finished run: the history read before the move (a past `running`) is not the new
+    # run's, whose verdict needs its own baseline (the demo's GRPO step said "the parent adapter was not scored")
+    from launcher.run import pipeline
+
+    recipe = write_recipe()
+    old = _run(tmp_path, {}, state="succeeded")
+    old.state.write_text(json.dumps({"state": "succeeded", "history": [{"state": "running"}, {"state": "succeeded"}]}))
+    old.task_eval.unlink()
+
+    class Smoked(Exception):
+        pass
+
+    def no_smoke(*args, **kwargs):
+        raise Smoked
+
+    monkeypatch.setattr(pipeline, "_smoke", no_smoke)
+    main([str(recipe), "--fresh"])  # stops where the smoke test would start
+    out = capsys.readouterr().out
+    assert "--fresh: the previous run was moved to" in out
+    assert fake_worker.calls() == 1
+    assert "verdict   base model with 3 examples: wrong in 2 of 5 (60% exact): fine-tuning pays" in out

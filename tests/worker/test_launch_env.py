@@ -320,3 +320,15 @@ def test_the_users_allocator_setting_is_kept_under_either_name(tmp_path, monkeyp
     # the reason: with both names set, torch 2.13 takes the CUDA one
     both = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64", "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
     assert _allocator_settings(both) == "max_split_size_mb:64"
+
+
+def test_a_cpu_worker_s_openmp_threads_sleep_while_they_wait_and_a_users_policy_is_kept(tmp_path, monkeypatch):
+    """Spinning OpenMP threads on a shared CPU box made the demo's GRPO steps 5-20x slower whenever other processes
+    ran, and the smoke test's forecast followed the box's load (launcher/worker/engines CPU_WAIT_POLICY)."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)  # tests/conftest.py sets it for the tests' own processes
+    cpu = {"device": "cpu", "engine": "trl", "num_processes": 1}
+    assert launch_env(cpu)["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert launch_env({**cpu, "num_processes": 2, "engine": "ddp"})["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert "OMP_WAIT_POLICY" not in launch_env(plan_json(tmp_path, "1xH100-80GB", "550.54.14", engine="trl"))
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert "OMP_WAIT_POLICY" not in launch_env(cpu)  # the user's own, inherited unchanged

@@ -80,6 +80,14 @@ ALLOCATOR_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_A
 # reserved 29.9 GB where 23.3 were sized: docs/sizing.md, "Padding-free micro-batches"), which is what torch's own
 # out-of-memory message recommends.
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
+# A CPU worker's OpenMP threads sleep while they wait for work rather than spin (libgomp's OMP_WAIT_POLICY, which
+# torch's CPU build reads). Spinning, torch's threads on a box whose cores other processes also use wait on a thread
+# the kernel descheduled: the tiny model's 16 answers of 16 tokens (transformers' generate) took 1.2-4.8 s with 2
+# threads at a load of 6 on 2 cores, 0.22-0.38 s passive and 0.16-0.30 s on one thread (2026-12-06). The smoke test
+# then priced the demo's GRPO step at 0.13-4.5 s where its full runs took 0.37-1.1 s (scripts/grpo_eta.py): forecasts
+# of -87% and +407%; passive, -51% to +16% at loads of 8-13.
+# Numerics do not change (the tests have run passive since docs/BENCHMARKS.md, "OpenMP threads spun").
+CPU_WAIT_ENV, CPU_WAIT_POLICY = "OMP_WAIT_POLICY", "PASSIVE"
 
 
 def launch_env(plan: dict[str, Any], grace_seconds: float | None = None, vllm: bool = False) -> dict[str, str]:
@@ -92,6 +100,8 @@ def launch_env(plan: dict[str, Any], grace_seconds: float | None = None, vllm: b
     env: dict[str, str] = {}
     if plan.get("device") == "cuda" and not vllm and not any(v in os.environ for v in ALLOCATOR_ENV):
         env["PYTORCH_ALLOC_CONF"] = EXPANDABLE_SEGMENTS
+    if plan.get("device") == "cpu" and CPU_WAIT_ENV not in os.environ:
+        env[CPU_WAIT_ENV] = CPU_WAIT_POLICY
     if n > 1 and "OMP_NUM_THREADS" not in os.environ:
         # The box's cores shared out between its processes, on CPU and on GPU boxes alike. torchrun and
         # accelerate launch set OMP_NUM_THREADS=1 for 2+ processes when it is unset (torch 2.13
