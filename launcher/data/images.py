@@ -8,6 +8,20 @@ Two layouts are read, as the chat templates and TRL take them:
   per image in order; with no placeholder at all the images go before the first user turn's text, as trl 1.16
   places them (data_utils.py prepare_multimodal_messages).
 
+- an `image` (or `images`) column beside text columns and no `messages`, as Hub datasets with images are laid out
+  (unsloth/LaTeX_OCR: image, text; HuggingFaceM4/ChartQA: image, query, label): the question column (`prompt`,
+  `question` or `query`) becomes the user turn after the image, the answer column (`completion`, `answer` or `text`)
+  the assistant turn, as Unsloth's vision notebook and TRL's vision examples build the conversation; `columns:` in
+  the data entry maps other names (columns: {answer: label}).
+
+An image is a file path, or the value of Hugging Face datasets' Image feature as parquet shards, `save_to_disk` and
+the Hub store it: a struct {"bytes": binary, "path": string} (datasets 5.2.0 features/image.py: `Image.pa_type =
+pa.struct({"bytes": pa.binary(), "path": pa.string()})`; `encode_example` keeps the bytes, or the path alone for a
+local file, and `decode_example` reads the bytes where they are, else the path). `Dataset.to_list` and
+pyarrow's `to_pylist` hand that struct over undecoded (arrow_dataset.py to_list: query_table(...).to_pylist()).
+Image bytes are written once to a content-addressed file under FTRUN_CACHE (~/.cache/ftrun)/images, so the run reads
+the same bytes as a path, as it reads any image file.
+
 Either becomes TRL's vision layout (what sft_trainer.py DataCollatorForVisionLanguageModeling takes): every turn's
 content a list of {"type": "text"} and {"type": "image"} parts, and `images` the absolute paths in placeholder order.
 Relative paths resolve against the data file's folder. Each image is decoded in full (PIL `load`), so a truncated
@@ -18,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -30,6 +45,11 @@ IMAGE_KEYS = ("images", "image")  # the columns beside `messages` that hold a re
 IMAGE_PART = "image"
 TEXT_PART = "text"
 MAX_REPORTED = 8
+# the question and answer columns of a Hub-style image record (an image column, no messages), in the order tried
+PROMPT_COLUMNS = ("prompt", "question", "query")
+ANSWER_COLUMNS = ("completion", "answer", "text")
+# the keys of Hugging Face datasets' Image feature as stored (datasets features/image.py Image.pa_type)
+STORED_KEYS = {"bytes", "path"}
 # what a record's image part reads as in the text-only copy the chat checks see (formats.convert)
 _STANDIN = "[image]"
 
@@ -72,9 +92,10 @@ def record_has_images(record: Any) -> bool:
 
 
 def data_has_images(spec: Any) -> bool:
-    """Whether the recipe's data holds images (any record of a local source); Hub sources are not read here."""
+    """Whether the recipe's data holds images (any record of a source: a Hub dataset is read from the HF cache, as
+    the text data's reading would read it next)."""
     for source in sources_of(spec):
-        if not source.local or not Path(source.path).expanduser().exists():
+        if source.local and not Path(source.path).expanduser().exists():
             continue
         if any(record_has_images(r) for _, r in read(source).rows):
             return True
@@ -85,9 +106,31 @@ class _Problem(Exception):
     pass
 
 
-def _base_dir(source: Source) -> Path:
+def _base_dir(source: Source) -> Optional[Path]:
+    """The folder relative image paths resolve against: the data file's; none for a Hub dataset."""
+    if not source.local:
+        return None
     path = Path(source.path).expanduser().resolve()
     return path if path.is_dir() else path.parent
+
+
+def cache_dir() -> Path:
+    """Where image bytes stored in the data are written as files: FTRUN_CACHE (else ~/.cache/ftrun), images/."""
+    return Path(os.environ.get("FTRUN_CACHE", Path.home() / ".cache" / "ftrun")) / "images"
+
+
+def _stored(data: bytes, name: Optional[str]) -> Path:
+    """Image bytes as a file named by their sha256 (the original name's suffix kept), written once, atomically."""
+    suffix = Path(name).suffix.lower() if name else ""
+    suffix = suffix if suffix[1:].isalnum() and len(suffix) <= 6 else ""
+    folder = cache_dir()
+    path = folder / f"{hashlib.sha256(data).hexdigest()}{suffix}"
+    if not path.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    return path
 
 
 def _parts(content: Any, where: str) -> list[dict[str, Any]]:
@@ -111,23 +154,59 @@ def _parts(content: Any, where: str) -> list[dict[str, Any]]:
     return parts
 
 
-def _resolve(value: Any, base: Path, where: str) -> Path:
+def _resolve(value: Any, base: Optional[Path], where: str, labels: dict[Path, str]) -> Path:
+    """An image value as a local file: a path (relative to `base`), or an Image feature's stored struct whose bytes
+    are written to the cache (`labels` then says where they came from, for the error if they do not decode)."""
+    if isinstance(value, dict) and value and set(value) <= STORED_KEYS:
+        data, name = value.get("bytes"), value.get("path")
+        if isinstance(data, (bytes, bytearray)) and data:
+            path = _stored(bytes(data), name if isinstance(name, str) else None)
+            labels[path] = f"{where} (image bytes{f' of {name}' if isinstance(name, str) and name else ''})"
+            return path
+        if data is None and isinstance(name, str) and name.strip():
+            value = name  # the Image feature keeps only the path of a local file (features/image.py encode_example)
+        else:
+            raise _Problem(
+                f'{where} is an image struct {{"bytes", "path"}} with neither image bytes nor a path '
+                f"(found {_shown(value)}): the row holds no image"
+            )
     if not isinstance(value, str) or not value.strip():
-        raise _Problem(f"{where} must be an image file path, found {json.dumps(value)[:80]}")
-    if value.startswith(("http://", "https://")):
+        raise _Problem(f"{where} must be an image file path or image bytes, found {_shown(value)}")
+    if value.startswith(("http://", "https://", "hf://")):
         raise _Problem(
-            f"{where} is a URL ({value}): images are read from local files, so that each is opened and counted "
-            "before any GPU time; download them beside the data and write their paths"
+            f"{where} is a URL ({value}): images are read from local files or from the bytes stored in the data, so "
+            "that each is opened and counted before any GPU time and a resume reads the same bytes; download them "
+            "beside the data and write their paths (docs/data.md, Images)"
         )
     path = Path(value).expanduser()
-    return path if path.is_absolute() else (base / path)
+    if path.is_absolute():
+        return path
+    if base is None:
+        raise _Problem(
+            f"{where} is a relative path ({value}) in a Hub dataset, which has no folder to read it from: the "
+            "dataset must store the image bytes (an Image feature) or absolute paths"
+        )
+    return base / path
 
 
-def normalize(record: Any, base: Path) -> tuple[dict[str, Any], list[Path]]:
-    """A record as TRL's vision layout (paths still unopened), or a _Problem naming the field."""
+def _shown(value: Any) -> str:
+    return json.dumps(value, default=lambda v: f"<{len(v)} bytes>" if isinstance(v, (bytes, bytearray)) else str(v))[
+        :80
+    ]
+
+
+def normalize(
+    record: Any, base: Optional[Path], labels: Optional[dict[Path, str]] = None
+) -> tuple[dict[str, Any], list[Path]]:
+    """A record as TRL's vision layout (paths still unopened, image bytes written to the cache), or a _Problem
+    naming the field. `labels`: filled with where each image written from bytes came from."""
+    labels = {} if labels is None else labels
+    if isinstance(record, dict) and "messages" not in record and any(k in record for k in IMAGE_KEYS):
+        record = _as_chat(record)
     if not isinstance(record, dict) or not isinstance(record.get("messages"), list):
         raise _Problem("an image record needs a 'messages' list of {role, content} turns")
-    column = record.get("images") if "images" in record else record.get("image")
+    key = "images" if "images" in record else "image"
+    column = record.get(key)
     if column is not None and not isinstance(column, list):
         column = [column]
     messages, inline, placeholders = [], [], 0
@@ -143,7 +222,7 @@ def normalize(record: Any, base: Path) -> tuple[dict[str, Any], list[Path]]:
                     f"messages[{i}] (assistant) holds an image: the model reads images, it does not write them"
                 )
             if p.get(IMAGE_PART) is not None:
-                inline.append(_resolve(p[IMAGE_PART], base, f"messages[{i}].content[{j}].image"))
+                inline.append(_resolve(p[IMAGE_PART], base, f"messages[{i}].content[{j}].image", labels))
             else:
                 placeholders += 1
             parts[j] = {"type": IMAGE_PART}
@@ -160,7 +239,10 @@ def normalize(record: Any, base: Path) -> tuple[dict[str, Any], list[Path]]:
             'too: write the images one way, as parts with their paths or as the column with {"type": "image"} '
             "placeholders"
         )
-    paths = inline or [_resolve(v, base, f"images[{k}]") for k, v in enumerate(column or [])]
+    many = isinstance(record.get(key), list)
+    paths = inline or [
+        _resolve(v, base, f"column {key}" + (f"[{k}]" if many else ""), labels) for k, v in enumerate(column or [])
+    ]
     if column and placeholders == 0:  # TRL's rule: the images go before the first user turn's text
         first_user = next((m for m in messages if m.get("role") == "user"), None)
         if first_user is None:
@@ -187,6 +269,48 @@ def normalize(record: Any, base: Path) -> tuple[dict[str, Any], list[Path]]:
     return {"messages": messages, "images": [str(p) for p in paths]}, paths
 
 
+def _as_chat(record: dict[str, Any]) -> dict[str, Any]:
+    """A Hub-style image record (an image column beside a question and an answer column) as a chat: the user turn
+    the question (the image goes before it, TRL's rule), the assistant turn the answer; the record's other columns
+    stay, for the format check to name."""
+
+    def one(names: tuple[str, ...], what: str) -> Optional[str]:
+        found = [n for n in names if record.get(n) not in (None, "")]
+        if len(found) > 1:
+            raise _Problem(
+                f"the columns {', '.join(found)} could each be the {what}: map one with columns: in the data entry "
+                f"(columns: {{{names[0]}: {found[0]}}}) and leave out the other with ignore:"
+            )
+        return found[0] if found else None
+
+    key = "images" if "images" in record else "image"
+    if record[key] in (None, []):
+        raise _Problem(f"column {key} is empty (null): the row holds no image; remove the row or give it its image")
+    answer = one(ANSWER_COLUMNS, "answer")
+    if answer is None:
+        keys = ", ".join(sorted(record))
+        raise _Problem(
+            f"an image record without 'messages' needs an answer column ({', '.join(ANSWER_COLUMNS)}; keys present: "
+            f"{keys}): map the source's answer column with columns: in the data entry, e.g. columns: {{answer: "
+            "label}, or write the record as messages"
+        )
+    question = one(PROMPT_COLUMNS, "question")
+    value = record[answer]
+    if isinstance(value, list) and len(value) == 1:  # ChartQA's label: a list of one answer
+        value = value[0]
+    if not isinstance(value, str):
+        raise _Problem(f"column {answer} (the answer) must be text, found {_shown(value)}")
+    text = record[question] if question else ""
+    if not isinstance(text, str):
+        raise _Problem(f"column {question} (the question) must be text, found {_shown(text)}")
+    n = len(record[key]) if isinstance(record[key], list) else 1
+    # one placeholder per image, before the question (TRL's rule for an image column: data_utils.py
+    # prepare_multimodal_messages); an OCR record (unsloth/LaTeX_OCR) has no question: the image is the user turn
+    user = [{"type": IMAGE_PART} for _ in range(n)] + ([{"type": TEXT_PART, "text": text}] if text else [])
+    rest = {k: v for k, v in record.items() if k not in (answer, question)}
+    return {**rest, "messages": [{"role": "user", "content": user}, {"role": "assistant", "content": value}]}
+
+
 def text_of(content: Any) -> str:
     """A turn's content as text, each image part one stand-in ("[image]")."""
     if isinstance(content, str):
@@ -194,12 +318,19 @@ def text_of(content: Any) -> str:
     return " ".join(p["text"] if p["type"] == TEXT_PART else _STANDIN for p in content)
 
 
-def measure(path: Path) -> tuple[int, int]:
-    """(width, height) of an image decoded in full; _Problem if it is missing or does not decode."""
+def measure(path: Path, label: Optional[str] = None) -> tuple[int, int]:
+    """(width, height) of an image decoded in full; _Problem if it is missing or does not decode (`label`: where
+    image bytes written to the cache came from, named instead of the cache file)."""
     from PIL import Image
 
     if not path.is_file():
         raise _Problem(f"image {path} does not exist")
+    if label is not None:
+        try:
+            return measure(path)
+        except _Problem as exc:
+            reason = str(exc).split(" does not decode as an image ", 1)[-1]
+            raise _Problem(f"{label} does not decode as an image {reason}") from None
     try:
         with Image.open(path) as im:
             im.load()  # decodes every pixel: a truncated or corrupt file fails here, not in a training step
@@ -216,24 +347,21 @@ def load_images(spec: Any) -> ImageData:
     records = []
     seen: dict[Path, Any] = {}
     for source in sources_of(spec):
-        if not source.local:
-            raise DataError(
-                f"{source.label()}: image data is read from local files in this version (a Hub dataset with an "
-                "Image feature is not read yet)",
-                fix="save the dataset's images and a JSONL beside them (docs/data.md, Images), and point data at it.",
-            )
         got = read(source)
         base = _base_dir(source)
         records.append({**got.identity, "format": "chat with images", "examples": len(got.rows)})
         for w, rec in got.rows:
             try:
-                example, paths = normalize(rec, base)
+                labels: dict[Path, str] = {}
+                example, paths = normalize(rec, base, labels)
                 measured = []
                 for p in paths:
                     key = p.resolve()
+                    if key in seen and isinstance(seen[key], _Problem) and p in labels:
+                        seen.pop(key)  # bad bytes seen in another row: named again with this row's column
                     if key not in seen:
                         try:
-                            seen[key] = measure(key)
+                            seen[key] = measure(key, labels.get(p))
                             digest.update(str(key).encode() + hashlib.sha256(key.read_bytes()).digest())
                         except _Problem as exc:
                             seen[key] = exc
@@ -256,7 +384,8 @@ def load_images(spec: Any) -> ImageData:
             fix="each record must be like: "
             '{"messages": [{"role": "user", "content": [{"type": "image", "image": "photo.png"}, {"type": "text", '
             '"text": "..."}]}, {"role": "assistant", "content": "..."}]} (paths relative to the data file), or '
-            'messages with {"type": "image"} placeholders and an "images" column; fix or remove these records '
+            'messages with {"type": "image"} placeholders and an "images" column, or an image column (a path or '
+            "an Image feature's bytes) beside question and answer columns; fix or remove these records "
             "(docs/data.md, Images).",
         )
     if not examples:
@@ -278,7 +407,7 @@ def refuse_text_model(model: str, spec: Any) -> None:
 def first_image_record(spec: Any) -> Optional[str]:
     """Where the first record with an image is ("d.jsonl line 3"), for refusals that name one."""
     for source in sources_of(spec):
-        if source.local and Path(source.path).expanduser().exists():
+        if not source.local or Path(source.path).expanduser().exists():
             for w, r in read(source).rows:
                 if record_has_images(r):
                     return w
