@@ -151,9 +151,11 @@ class Objective:
     # It samples its own answers while training (num_generations per prompt, scored by the recipe's `reward:`), so the
     # plan prices generation beside the steps and the data are prompts, their reference answers optional.
     generates: bool = False
-    # It trains on conversations with images (a vision-language model's processor beside the tokenizer): trl 1.16's
-    # SFTTrainer does (sft_trainer.py DataCollatorForVisionLanguageModeling); ftrun's image data path
-    # (launcher/data/images.py) is built for it alone so far, and refuses image data under the others.
+    # It trains on data with images (a vision-language model's processor beside the tokenizer): trl 1.16's
+    # SFTTrainer on conversations (sft_trainer.py DataCollatorForVisionLanguageModeling) and DPOTrainer on preference
+    # pairs whose prompt holds the images (dpo_trainer.py DataCollatorForVisionPreference, chosen when the dataset has
+    # an "image"/"images" key, `_is_vision_dataset`); ftrun's image data path (launcher/data/images.py) reads both.
+    # ORPO (trl.experimental.orpo), KTO and GRPO are refused with image data: ftrun does not read images for them.
     images: bool = False
     # Each example's answer also runs after another example's prompt, without a gradient, through the policy and
     # (where there is one) the reference: KTO's per-step estimate of the policy's KL to the reference (trl 1.16
@@ -253,6 +255,7 @@ OBJECTIVES: dict[str, Objective] = {
             logged=_REWARDS,
             help="Direct Preference Optimization on chosen/rejected pairs, against a frozen reference",
             learning_rate=1e-6,
+            images=True,
             refuses=_PAIRS_REFUSE,
             refuses_why=_PAIRS_WHY,
         ),

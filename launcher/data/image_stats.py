@@ -18,6 +18,7 @@ from typing import Any, Optional
 from launcher import methods
 from launcher.data import images as image_data
 from launcher.data import loss_view
+from launcher.data import formats
 from launcher.data import split
 from launcher.data.dataset import compute_stats, token_counter
 from launcher.data.image_tokens import ImageRule, read_rule
@@ -88,14 +89,22 @@ def image_stats(recipe: Any):
             fix="copy the model's processor files (preprocessor_config.json, chat_template) beside its weights.",
         )
     data = image_data.load_images(recipe.data)
+    _fits_objective(recipe, data)
     _refuse_oversized(data, rule, recipe.max_length)
     counter, _ = token_counter(recipe.model)
     per_image = [[rule.tokens(w, h) for w, h in sizes] for sizes in data.sizes]
-    if counter is not None:  # each image part renders as one placeholder, widened to the image's tokens
-        lengths = [counter(ex) - len(n) + sum(n) for ex, n in zip(data.examples, per_image)]
+    # each image part renders as one placeholder, widened to the image's tokens; a preference pair trains as two
+    # sequences (the prompt, with its images, before each answer: formats.sides), its tokens both sequences'
+    if counter is not None:
+        lengths = [
+            sum(counter(seq) - len(n) + sum(n) for seq in formats.sequences(ex))
+            for ex, n in zip(data.examples, per_image)
+        ]
         source = "tokenizer"
     else:  # a light install (no transformers): the text estimated as the text data's is (4 characters a token)
-        lengths = [_characters(ex) + sum(n) for ex, n in zip(data.examples, per_image)]
+        lengths = [
+            sum(_characters(seq) + sum(n) for seq in formats.sequences(ex)) for ex, n in zip(data.examples, per_image)
+        ]
         source = "characters"
     parts = split.for_recipe(data.examples, recipe)
     train = parts.train
@@ -115,8 +124,16 @@ def image_stats(recipe: Any):
         "rule": rule.describe(),
         "patches_longest": sum(rule.patches(w, h) for w, h in data.sizes[longest]),
     }
-    seen = loss_view.check(
-        recipe.model, loss_view.Settings.of(recipe), [data.examples[i] for i in train], [data.where[i] for i in train]
+    # the loss view shows conversations (a preference pair's loss is on its answers, as for text pairs)
+    seen = (
+        None
+        if data.pairs
+        else loss_view.check(
+            recipe.model,
+            loss_view.Settings.of(recipe),
+            [data.examples[i] for i in train],
+            [data.where[i] for i in train],
+        )
     )
     if seen:
         seen.pop("trained_each", None)
@@ -137,9 +154,34 @@ def image_stats(recipe: Any):
 
 
 def _characters(example: dict[str, Any]) -> int:
-    """The text of an example in tokens, estimated as launcher/data/dataset.py does without a tokenizer."""
-    text = sum(len(p.get("text", "")) for m in example["messages"] for p in m["content"] if isinstance(p, dict))
-    return text // 4 + 4 * len(example["messages"])
+    """The text of an example (or one side of a pair) in tokens, estimated as launcher/data/dataset.py does without a
+    tokenizer."""
+    turns = example["messages"] if "messages" in example else example["prompt"] + example["completion"]
+    text = sum(len(image_data.text_of(m["content"])) for m in turns)
+    return text // 4 + 4 * len(turns)
+
+
+def _fits_objective(recipe: Any, data: image_data.ImageData) -> None:
+    """Conversations train under sft, preference pairs under dpo (the objectives that take images): the other way
+    round is refused with the first record; so is DPO's precomputed reference, which trl 1.16 refuses for image data
+    (dpo_trainer.py: "precompute_ref_log_probs=True is not supported for vision datasets")."""
+    objective = methods.OBJECTIVES[recipe.objective]
+    wants_pairs = "preference" in objective.forms
+    if data.pairs != wants_pairs:
+        what = "preference pairs (prompt, chosen, rejected)" if data.pairs else "conversations"
+        takes = [o.name for o in methods.OBJECTIVES.values() if o.images and ("preference" in o.forms) == data.pairs]
+        raise DataError(
+            f"the image data holds {what} (first at {data.where[0]}), and objective {recipe.objective} trains "
+            f"{'preference pairs' if wants_pairs else 'examples, not pairs'}",
+            fix=f"use objective {', '.join(takes)} for this data, or give the data the objective's form "
+            "(docs/data.md, Images).",
+        )
+    if data.pairs and getattr(recipe.preference, "reference", None) == "precomputed":
+        raise RecipeError(
+            "preference.reference: precomputed with image data: trl 1.16's DPOTrainer runs no reference pass over "
+            "image data ahead (dpo_trainer.py refuses precompute_ref_log_probs for vision datasets)",
+            fix="remove preference.reference: precomputed (the reference runs beside each step).",
+        )
 
 
 def _refuse_oversized(data: image_data.ImageData, rule: ImageRule, max_length: int) -> None:

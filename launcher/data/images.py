@@ -65,6 +65,11 @@ class ImageData:
     sources: list[dict[str, Any]] = field(default_factory=list)
 
     @property
+    def pairs(self) -> bool:
+        """Whether the examples are preference pairs (prompt, chosen, rejected), not conversations."""
+        return bool(self.examples) and "chosen" in self.examples[0]
+
+    @property
     def images(self) -> int:
         return sum(len(s) for s in self.sizes)
 
@@ -72,7 +77,8 @@ class ImageData:
         n, k = len(self.examples), self.images
         distinct = len({p for e in self.examples for p in e["images"]})
         return (
-            f"chat with images, {n:,} example{'' if n == 1 else 's'}, {k:,} image{'' if k == 1 else 's'} "
+            f"{'preference pairs' if self.pairs else 'chat'} with images, {n:,} example{'' if n == 1 else 's'}, "
+            f"{k:,} image{'' if k == 1 else 's'} "
             f"({distinct:,} distinct files, each opened and measured)"
         )
 
@@ -83,8 +89,8 @@ def record_has_images(record: Any) -> bool:
         return False
     if any(record.get(k) for k in IMAGE_KEYS):
         return True
-    messages = record.get("messages")
-    for m in messages if isinstance(messages, list) else []:  # a malformed record is the format check's to name
+    turns = [m for k in ("messages", "prompt") if isinstance(record.get(k), list) for m in record[k]]
+    for m in turns:  # a malformed record is the format check's to name
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == IMAGE_PART for p in content):
             return True
@@ -269,6 +275,44 @@ def normalize(
     return {"messages": messages, "images": [str(p) for p in paths]}, paths
 
 
+def is_pair(record: Any) -> bool:
+    """A preference pair: a prompt and a chosen and a rejected answer (TRL's preference columns)."""
+    return isinstance(record, dict) and "chosen" in record and "rejected" in record
+
+
+def normalize_pair(
+    record: dict[str, Any], base: Optional[Path], labels: Optional[dict[Path, str]] = None
+) -> tuple[dict[str, Any], list[Path]]:
+    """An image preference pair as trl 1.16's DPOTrainer takes it (dpo_trainer.py DataCollatorForVisionPreference:
+    `prompt` a conversation whose user turn holds the image placeholders, `chosen` and `rejected` one assistant turn
+    each, `images` the files in placeholder order), or a _Problem naming the field. The prompt is a string or a list
+    of turns, with image parts or an `images`/`image` column, read as a chat's turns are (`normalize`)."""
+    answers = {}
+    for side in ("chosen", "rejected"):
+        value = record[side]
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], dict):
+            if value[0].get("role") != "assistant":
+                raise _Problem(f"{side}[0] must be the assistant's turn, found role {value[0].get('role')!r}")
+            value = value[0].get("content")
+            value = text_of(_parts(value, f"{side}[0]")) if isinstance(value, list) else value
+        if not isinstance(value, str) or not value.strip():
+            raise _Problem(f"{side} must be the answer's text or one assistant turn, found {_shown(value)}")
+        answers[side] = value
+    prompt = record.get("prompt")
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    if not isinstance(prompt, list) or not prompt:
+        raise _Problem(f"prompt must be the question's text or a list of turns, found {_shown(prompt)}")
+    rest = {k: v for k, v in record.items() if k not in ("prompt", "chosen", "rejected")}
+    chat = {**rest, "messages": [*prompt, {"role": "assistant", "content": answers["chosen"]}]}
+    example, paths = normalize(chat, base, labels)
+    turns = example["messages"][:-1]
+    if not turns or turns[-1].get("role") != "user":
+        raise _Problem("the prompt must end with the user's turn that the answers reply to")
+    pair = {"prompt": turns, **{k: [{"role": "assistant", "content": v}] for k, v in answers.items()}}
+    return {**pair, "images": example["images"]}, paths
+
+
 def _as_chat(record: dict[str, Any]) -> dict[str, Any]:
     """A Hub-style image record (an image column beside a question and an answer column) as a chat: the user turn
     the question (the image goes before it, TRL's rule), the assistant turn the answer; the record's other columns
@@ -346,14 +390,22 @@ def load_images(spec: Any) -> ImageData:
     digest = hashlib.sha256()
     records = []
     seen: dict[Path, Any] = {}
+    pairs: Optional[bool] = None  # preference pairs (DPO) or conversations: the first record says
     for source in sources_of(spec):
         got = read(source)
         base = _base_dir(source)
-        records.append({**got.identity, "format": "chat with images", "examples": len(got.rows)})
+        records.append({**got.identity, "format": "images", "examples": len(got.rows)})
         for w, rec in got.rows:
             try:
                 labels: dict[Path, str] = {}
-                example, paths = normalize(rec, base, labels)
+                if pairs is None:
+                    pairs = is_pair(rec)
+                if is_pair(rec) != pairs:
+                    raise _Problem(
+                        f"a {'preference pair' if is_pair(rec) else 'conversation'} among "
+                        f"{'preference pairs' if pairs else 'conversations'}: one kind of record per data set"
+                    )
+                example, paths = (normalize_pair if pairs else normalize)(rec, base, labels)
                 measured = []
                 for p in paths:
                     key = p.resolve()
@@ -390,6 +442,8 @@ def load_images(spec: Any) -> ImageData:
         )
     if not examples:
         raise DataError("the image data holds no records", fix="add examples, one record per line.")
+    for r in records:
+        r["format"] = f"{'preference pairs' if pairs else 'chat'} with images"
     return ImageData(examples, where, sizes, digest.hexdigest(), records)
 
 

@@ -116,10 +116,10 @@ def test_image_data_for_a_model_without_a_vision_tower_is_refused(tmp_path, tiny
 
 
 def test_image_data_under_an_objective_that_takes_none_is_refused(tmp_path, tiny_vlm):
-    recipe = _recipe(tmp_path, tiny_vlm, _data(tmp_path), objective="dpo")
+    recipe = _recipe(tmp_path, tiny_vlm, _data(tmp_path), objective="orpo")
     with pytest.raises(DataError) as exc:
         data_stats(recipe)
-    assert "objective dpo takes none" in exc.value.message and "d.jsonl line 1" in exc.value.message
+    assert "objective orpo takes none" in exc.value.message and "d.jsonl line 1" in exc.value.message
     assert "sft" in exc.value.fix
 
 
@@ -194,7 +194,7 @@ def _bad_inputs(tmp_path: Path, case: str, tiny_model: Path, tiny_vlm: Path) -> 
     if case == "no vision tower":
         return data, {"model": str(tiny_model)}, ["d.jsonl line 1", str(data), "no vision tower"]
     if case == "objective takes none":
-        return data, {"objective": "dpo"}, ["d.jsonl line 1", "objective dpo takes none"]
+        return data, {"objective": "orpo"}, ["d.jsonl line 1", "objective orpo takes none"]
     assert case == "tokens over max_length"
     return data, {"max_length": 16}, ["d.jsonl line 3", str(img / "2.png"), "16 image tokens"]
 

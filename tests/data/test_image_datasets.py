@@ -221,3 +221,105 @@ def test_a_hub_dataset_with_an_image_feature_reads_through_the_hf_cache_and_plan
     _, lengths, stats = data_stats(recipe)
     assert stats.images["images"] == stats.examples and stats.images["image_tokens"] > stats.examples
     assert stats.images["longest_example"]["where"].startswith("acme/squares row ")
+
+
+def _pairs(images_column: bool = True) -> list[dict]:
+    """Image preference pairs: the prompt a question about the image, chosen the square's colour, rejected another."""
+    rows = []
+    for k, (p, a) in enumerate(zip(IMAGES, ANSWERS)):
+        wrong = ANSWERS[(k + 1) % len(ANSWERS)]
+        if images_column:  # RLAIF-V's layout: a string prompt and an images column (TRL puts them before the text)
+            rows.append(
+                {"images": [_stored(p)], "prompt": "What colour is the square?", "chosen": a, "rejected": wrong}
+            )
+        else:
+            user = [{"type": "image", "image": str(p)}, {"type": "text", "text": "What colour is the square?"}]
+            rows.append({"prompt": [{"role": "user", "content": user}], "chosen": a, "rejected": wrong})
+    return rows
+
+
+def test_image_preference_pairs_read_as_trl_s_dpo_trainer_takes_them(tmp_path):
+    import datasets
+
+    ds = datasets.Dataset.from_list(_pairs()).cast_column("images", datasets.List(datasets.Image()))
+    ds.to_parquet(str(tmp_path / "pairs.parquet"))
+    got = load_images(tmp_path / "pairs.parquet")
+    assert got.pairs and got.describe().startswith("preference pairs with images, 4 examples, 4 images")
+    # dpo_trainer.py DataCollatorForVisionPreference: a conversational prompt with the image placeholders, one
+    # assistant turn per answer, the images in placeholder order
+    assert got.examples[0] == {
+        "prompt": [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the square?"}]}
+        ],
+        "chosen": [{"role": "assistant", "content": "red."}],
+        "rejected": [{"role": "assistant", "content": "green."}],
+        "images": got.examples[0]["images"],
+    }
+    assert Path(got.examples[0]["images"][0]).read_bytes() == IMAGES[0].read_bytes()
+    inline = tmp_path / "pairs.jsonl"
+    inline.write_text("".join(__import__("json").dumps(r) + "\n" for r in _pairs(images_column=False)))
+    assert [e["prompt"] for e in load_images(inline).examples] == [e["prompt"] for e in got.examples]
+
+
+@pytest.mark.parametrize(
+    "objective, pairs, said",
+    [
+        ("dpo", False, "holds conversations (first at d.jsonl line 1), and objective dpo trains preference pairs"),
+        ("sft", True, "holds preference pairs (prompt, chosen, rejected) (first at d.jsonl line 1), and objective sft"),
+    ],
+)
+def test_image_data_of_the_other_form_is_refused_under_each_objective(tmp_path, tiny_vlm, objective, pairs, said):
+    import json
+
+    rows = (
+        _pairs(images_column=False)
+        if pairs
+        else [
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "image", "image": str(p)}, {"type": "text", "text": "?"}]},
+                    {"role": "assistant", "content": a},
+                ]
+            }
+            for p, a in zip(IMAGES, ANSWERS)
+        ]
+    )
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = load_recipe(
+        recipe_file(tmp_path / "r.yaml", tiny_vlm, tmp_path / "run", data=str(data), objective=objective)
+    )
+    with pytest.raises(DataError) as exc:
+        data_stats(recipe)
+    assert said in exc.value.message
+    assert ("dpo" if pairs else "sft") in exc.value.fix
+
+
+def test_image_pairs_plan_with_both_sequences_counted_and_a_precomputed_reference_refused(tmp_path, tiny_vlm):
+    import json
+
+    from launcher.errors import RecipeError
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _pairs(images_column=False)))
+    recipe = load_recipe(recipe_file(tmp_path / "r.yaml", tiny_vlm, tmp_path / "run", data=str(data), objective="dpo"))
+    examples, lengths, stats = data_stats(recipe)
+    from launcher.data.image_tokens import read_rule
+
+    rule = read_rule(tiny_vlm)
+    # each pair trains as two sequences, the prompt and its image before each answer: both hold the image's tokens
+    assert all(n > 2 * rule.tokens(*_size(p)) for n, p in zip(lengths, IMAGES))
+    assert stats.description.startswith("preference pairs with images")
+    pre = load_recipe(
+        recipe_file(
+            tmp_path / "p.yaml",
+            tiny_vlm,
+            tmp_path / "run2",
+            data=str(data),
+            objective="dpo",
+            preference={"reference": "precomputed"},
+        )
+    )
+    with pytest.raises(RecipeError) as exc:
+        data_stats(pre)
+    assert "precompute_ref_log_probs" in exc.value.message
