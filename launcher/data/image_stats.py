@@ -111,7 +111,9 @@ def image_stats(recipe: Any):
     # "tokenizer": counted with the model's own tokenizer and template (the DataStats.tokens_source values)
     stats = compute_stats([data.examples[i] for i in train], [lengths[i] for i in train], source, recipe.max_length)
     longest = max(train, key=lambda i: lengths[i])
-    image_tokens = [sum(per_image[i]) for i in train]
+    # a pair's prompt, with its images, runs once per answer (trl 1.16 DataCollatorForVisionPreference: `images * 2`)
+    runs = [len(formats.sequences(ex)) for ex in data.examples]
+    image_tokens = [sum(per_image[i]) * runs[i] for i in train]
     facts = {
         "images": sum(len(per_image[i]) for i in train),
         "image_tokens": sum(image_tokens),
@@ -119,10 +121,10 @@ def image_stats(recipe: Any):
         "longest_example": {
             "where": data.where[longest],
             "tokens": lengths[longest],
-            "image_tokens": sum(per_image[longest]),
+            "image_tokens": sum(per_image[longest]) * runs[longest],
         },
         "rule": rule.describe(),
-        "patches_longest": sum(rule.patches(w, h) for w, h in data.sizes[longest]),
+        "patches_longest": sum(rule.patches(w, h) for w, h in data.sizes[longest]) * runs[longest],
     }
     # the loss view shows conversations (a preference pair's loss is on its answers, as for text pairs)
     seen = (

@@ -310,6 +310,11 @@ def test_image_pairs_plan_with_both_sequences_counted_and_a_precomputed_referenc
     # each pair trains as two sequences, the prompt and its image before each answer: both hold the image's tokens
     assert all(n > 2 * rule.tokens(*_size(p)) for n, p in zip(lengths, IMAGES))
     assert stats.description.startswith("preference pairs with images")
+    # the tower sees each pair's image twice (once per answer): the plan's image tokens and patches say so
+    longest = max(range(len(lengths)), key=lambda i: lengths[i])
+    w, h = _size(IMAGES[longest])
+    assert stats.images["longest_example"]["image_tokens"] == 2 * rule.tokens(w, h)
+    assert stats.images["patches_longest"] == 2 * rule.patches(w, h)
     pre = load_recipe(
         recipe_file(
             tmp_path / "p.yaml",
