@@ -5,6 +5,7 @@ images (recipes/data/tiny-vision)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -257,7 +258,7 @@ def test_image_preference_pairs_read_as_trl_s_dpo_trainer_takes_them(tmp_path):
     }
     assert Path(got.examples[0]["images"][0]).read_bytes() == IMAGES[0].read_bytes()
     inline = tmp_path / "pairs.jsonl"
-    inline.write_text("".join(__import__("json").dumps(r) + "\n" for r in _pairs(images_column=False)))
+    inline.write_text("".join(json.dumps(r) + "\n" for r in _pairs(images_column=False)))
     assert [e["prompt"] for e in load_images(inline).examples] == [e["prompt"] for e in got.examples]
 
 
@@ -296,8 +297,6 @@ def test_image_data_of_the_other_form_is_refused_under_each_objective(tmp_path, 
 
 
 def test_image_pairs_plan_with_both_sequences_counted_and_a_precomputed_reference_refused(tmp_path, tiny_vlm):
-    import json
-
     from launcher.errors import RecipeError
 
     data = tmp_path / "d.jsonl"
