@@ -270,8 +270,6 @@ def test_image_preference_pairs_read_as_trl_s_dpo_trainer_takes_them(tmp_path):
     ],
 )
 def test_image_data_of_the_other_form_is_refused_under_each_objective(tmp_path, tiny_vlm, objective, pairs, said):
-    import json
-
     rows = (
         _pairs(images_column=False)
         if pairs
