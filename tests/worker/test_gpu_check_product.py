@@ -11,6 +11,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+import yaml
 
 from launcher.worker.gpu_check import attention, common, product, resume_check, runner, vs_trl
 
@@ -467,11 +468,20 @@ def test_each_preset_steps_estimate_comes_from_its_own_sizing(tmp_path):
             est = preflight.estimate(ctx, name, box)
             assert est.parts and est.seconds >= 10 or name == "bench-padding", (name, est)
             assert all(" s " in p for p in est.parts)
-    # GRPO samples: a prefill and a call per completion token each step, beside the task evaluation's calls (one
-    # batch of its 28 held-out prompts, 1 + 24 calls; on a GPU no base-model evaluation)
+    # GRPO samples: a prefill and a call per completion token each step, beside the task evaluation's calls (a
+    # prefill and one call per new token for each batch of 32 held-out prompts; on a GPU no base-model evaluation),
+    # counted here from the demo GRPO recipe itself
+    import math
+
+    recipe = yaml.safe_load((REPO / "recipes" / "tiny-cpu-grpo.yaml").read_text())
+    rows = (REPO / "recipes" / recipe["data"]).read_text().split("\n")
+    held_out = round(sum(1 for r in rows if r.strip()) * recipe["eval"]["fraction"])
+    per_step = 1 + recipe["grpo"]["max_completion_length"]
+    per_eval = math.ceil(held_out / 32) * (1 + recipe["eval"]["max_new_tokens"])
     steps, calls, why = product.planned_calls("cuda", "product-grpo")
     smoke = product.smoke_steps("cuda", "product-grpo")  # the demo GRPO recipe's smoke.min_steps
-    assert smoke >= 1 and steps == smoke + product.STEPS["cuda"] and calls == steps * 17 + 25 and "sampling" in why
+    assert smoke >= 1 and steps == smoke + product.STEPS["cuda"] and "sampling" in why
+    assert calls == steps * per_step + per_eval, (calls, steps, per_step, per_eval)
     # product-lora on a GPU: the pipeline's five processes, the step's own, and the CPU comparison's two
     assert product.processes("cuda", "product-lora") == 8 and product.processes("cuda", "product-dpo") == 4
     # the dry run leaves out what the loan leaves out of DPO and GRPO (their export), and keeps what it keeps
