@@ -4,9 +4,9 @@
     .venv/bin/python scripts/grpo_eta.py runs/tiny-cpu-grpo ...                    # reads finished runs
 
 The runs are launched as the README launches them (`ftrun RECIPE`: a detached run, followed here until it ends);
-`--busy N` keeps N CPU-bound processes running in this script's session while each launch plans and smoke-tests, as a
-build or a test suite started from the same shell would (the smoke worker runs in a session of its own, as the run
-does: launcher/run/smoke.py start_worker).
+`--busy N` keeps N CPU-bound processes running in this script's session from each launch to its run's end, as a build
+or a test suite started from the same shell would: the detached run has a session of its own, and so has the smoke
+worker (launcher/run/smoke.py start_worker); before 2026-12-06 the smoke worker shared this session's CPU share.
 
 Per run: the box's 1-minute load average at the start and the end (os.getloadavg; only for the runs it started),
 the forecast and the time it is compared with in the end summary (running + export), their ratio; then the parts:
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=0, help="run the recipe this many times first")
     ap.add_argument("--seeds", default="", help="comma-separated seeds, one per repeat (the recipe's own if empty)")
     ap.add_argument("--recipe", type=Path, default=RECIPE)
-    ap.add_argument("--busy", type=int, default=0, help="CPU-bound processes in this session during each launch")
+    ap.add_argument("--busy", type=int, default=0, help="CPU-bound processes in this session during each run")
     args = ap.parse_args(argv)
     seeds = [s for s in args.seeds.split(",") if s]
     done: list[tuple[Path, tuple | None]] = [(r.resolve(), None) for r in args.runs]
@@ -132,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         busy = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(args.busy)]
         try:
             rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+            if rc == 0:
+                _until_ended(out)
         finally:
             for p in busy:
                 p.kill()
@@ -139,7 +141,6 @@ def main(argv: list[str] | None = None) -> int:
         if rc != 0:
             print(f"{out}: ftrun exited {rc} (see {out}/train.log)", file=sys.stderr)
             continue
-        _until_ended(out)
         done.append((out, (start, os.getloadavg()[0])))
     if not done:
         ap.error("give run directories or --repeat N")

@@ -5,6 +5,7 @@ and it ends with its launcher, whichever way the launcher ends."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -99,10 +100,22 @@ def test_a_smoke_worker_in_its_own_session_ends_when_its_launcher_is_killed(tmp_
         cwd=Path(__file__).resolve().parents[2],
     )
     worker = psutil.Process(int(launcher.stdout.readline()))
-    assert worker.is_running() and os.getsid(worker.pid) == worker.pid
-    launcher.send_signal(signal.SIGKILL)
-    launcher.wait(timeout=30)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE:
-        time.sleep(0.1)
-    assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
+    try:
+        assert worker.is_running() and os.getsid(worker.pid) == worker.pid
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _alive(worker):
+            time.sleep(0.1)
+        assert not _alive(worker)
+    finally:  # nothing left behind when an assertion failed
+        for p in (launcher, worker):
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                p.kill()
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
