@@ -378,9 +378,10 @@ def start_worker(
     On Linux with autogroup scheduling (CONFIG_SCHED_AUTOGROUP, /proc/sys/kernel/sched_autogroup_enabled, the default
     of most desktop and server kernels) CFS shares the cores between sessions first, then between the processes of a
     session. Started in the launching shell's session, the smoke worker shared that session's share with whatever else
-    ran there, while the detached run had a share of its own: with one busy process beside `ftrun` in the same shell,
-    the demo's GRPO steps took 0.63-0.80 s in the smoke test and 0.2-0.36 s in the run (2026-12-06, load 3-4 on 2
-    cores), and the forecast was twice the run's time. Its own session also keeps the terminal's Ctrl-C to the
+    ran there, while the detached run had a share of its own: with one busy process beside `ftrun` in the same shell
+    until the run's end (scripts/grpo_eta.py --busy 1, 2026-12-06, load 3-5 on 2 cores), the demo's GRPO steps took
+    0.59-0.61 s in the smoke test and 0.29-0.37 s in the run, forecast -29% and -33%; in a session of its own
+    0.30-0.37 s against 0.24-0.29 s, -15%, -9% and +8%. Its own session also keeps the terminal's Ctrl-C to the
     launcher, which ends the worker (run_smoke), and a launcher that dies any other way takes the worker with it
     (engines.with_death_signal, as the supervisor's worker)."""
     death = signal.SIGKILL if plan.get("engine") in MULTI_PROCESS else signal.SIGTERM  # as supervisor.py's
