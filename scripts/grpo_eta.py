@@ -1,7 +1,12 @@
 """The smoke test's forecast of a GRPO run against the run's time, side by side (the demo's third step by default).
 
-    .venv/bin/python scripts/grpo_eta.py --repeat 3 [--seeds 1,2,3]   # runs recipes/tiny-cpu-grpo.yaml, then reads
-    .venv/bin/python scripts/grpo_eta.py runs/tiny-cpu-grpo ...         # reads finished runs
+    .venv/bin/python scripts/grpo_eta.py --repeat 3 [--seeds 1,2,3] [--busy 1]   # runs recipes/tiny-cpu-grpo.yaml
+    .venv/bin/python scripts/grpo_eta.py runs/tiny-cpu-grpo ...                    # reads finished runs
+
+The runs are launched as the README launches them (`ftrun RECIPE`: a detached run, followed here until it ends);
+`--busy N` keeps N CPU-bound processes running in this script's session from each launch to its run's end, as a build
+or a test suite started from the same shell would: the detached run has a session of its own, and so has the smoke
+worker (launcher/run/smoke.py start_worker); before 2026-12-06 the smoke worker shared this session's CPU share.
 
 Per run: the box's 1-minute load average at the start and the end (os.getloadavg; only for the runs it started),
 the forecast and the time it is compared with in the end summary (running + export), their ratio; then the parts:
@@ -65,6 +70,17 @@ def measure(run: Path) -> dict:
     }
 
 
+BUSY = "while True: pass"  # one core's worth of work, until killed
+
+
+def _until_ended(run: Path) -> None:
+    """Wait until the detached run has ended, its export included (as `ftrun status --watch` waits)."""
+    from launcher.run import progress
+    from launcher.store.rundir import RunDir
+
+    progress.watch(RunDir(run), out=open(os.devnull, "w"), live=False)
+
+
 def _f(v, fmt: str = "{:.2f}") -> str:
     return "-" if v is None else fmt.format(v)
 
@@ -102,17 +118,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=0, help="run the recipe this many times first")
     ap.add_argument("--seeds", default="", help="comma-separated seeds, one per repeat (the recipe's own if empty)")
     ap.add_argument("--recipe", type=Path, default=RECIPE)
+    ap.add_argument("--busy", type=int, default=0, help="CPU-bound processes in this session during each run")
     args = ap.parse_args(argv)
     seeds = [s for s in args.seeds.split(",") if s]
     done: list[tuple[Path, tuple | None]] = [(r.resolve(), None) for r in args.runs]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     for i in range(args.repeat):
         out = ROOT / "runs" / f"grpo-eta-{time.strftime('%H%M%S')}-{i}"
-        cmd = [sys.executable, "-m", "launcher.cli", str(args.recipe), f"output_dir={out}", "--foreground"]
+        cmd = [sys.executable, "-m", "launcher.cli", str(args.recipe), f"output_dir={out}"]
         if i < len(seeds):
             cmd.append(f"seed={seeds[i]}")
         start = os.getloadavg()[0]
-        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+        busy = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(args.busy)]
+        try:
+            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+            if rc == 0:
+                _until_ended(out)
+        finally:
+            for p in busy:
+                p.kill()
+                p.wait()
         if rc != 0:
             print(f"{out}: ftrun exited {rc} (see {out}/train.log)", file=sys.stderr)
             continue

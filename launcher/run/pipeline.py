@@ -188,7 +188,8 @@ def launch(
 
     # a resume with a checkpoint, or after a passed smoke test, skips it: it was measured on this trajectory
     if recipe.smoke.enabled and not (resuming and (smoke_ok or ckpt_step is not None)):
-        recipe, plan_dict = _smoke(run, recipe, plan_dict, examples, lengths, stats, download)
+        # measured in the session the run's worker will have: its own (detached), or this one (--foreground)
+        recipe, plan_dict = _smoke(run, recipe, plan_dict, examples, lengths, stats, download, not foreground)
 
     from launcher.run.supervisor import start_detached, supervise
 

@@ -18,10 +18,18 @@ from launcher.store.state import move
 
 
 def _smoke(
-    run: RunDir, recipe: Recipe, plan_dict, examples, lengths, stats, download: Optional[dict[str, Any]] = None
+    run: RunDir,
+    recipe: Recipe,
+    plan_dict,
+    examples,
+    lengths,
+    stats,
+    download: Optional[dict[str, Any]] = None,
+    own_session: bool = True,
 ) -> tuple[Recipe, dict[str, Any]]:
     """The smoke test; after an out-of-memory, re-plan with the cheapest allowed change and try again. Returns the
-    recipe as adjusted (the full run trains with it) and the calibrated plan record."""
+    recipe as adjusted (the full run trains with it) and the calibrated plan record. `own_session`: the run will be
+    detached (launcher/run/smoke.py start_worker)."""
     from launcher.errors import PlanError, SmokeError, SmokeOOM
     from launcher.run.smoke import run_smoke
     from launcher.run.views import format_smoke
@@ -32,7 +40,7 @@ def _smoke(
     try:  # an error raised in the loop's own handler (SmokeOOM) is caught here too
         while True:
             try:
-                report = run_smoke(run, recipe, plan_dict, examples, lengths, stats)
+                report = run_smoke(run, recipe, plan_dict, examples, lengths, stats, own_session)
                 break
             except SmokeOOM as exc:
                 peak = f"peak {exc.peak_memory_gb:.2f} GB" if exc.peak_memory_gb is not None else "peak unknown"
