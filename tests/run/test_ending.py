@@ -112,6 +112,7 @@ def test_a_trained_run_that_the_supervisor_ends_leaves_through_the_door(write_re
 def test_ftrun_export_by_hand_leaves_through_the_door_failed_or_passed(write_recipe, inbox, monkeypatch, tmp_path):
     """`ftrun export` on a trained run: a failure is told, recorded, and raised as before; a pass afterwards is told
     too; on_finish, which ran as the supervisor ended, is not run again (it may stop the box the user works on)."""
+    import launcher.deliver.export  # noqa: F401  imported before the patch below: it binds check_inputs by name
     from launcher.deliver import export_inputs
     from launcher.deliver.messages import ExportError
     from launcher.run.after_training import export_command
