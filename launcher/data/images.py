@@ -277,7 +277,7 @@ def normalize(
 
 def is_pair(record: Any) -> bool:
     """A preference pair: a prompt and a chosen and a rejected answer (TRL's preference columns)."""
-    return isinstance(record, dict) and "chosen" in record and "rejected" in record
+    return isinstance(record, dict) and all(side in record for side in formats.SIDES)
 
 
 def normalize_pair(
@@ -288,7 +288,7 @@ def normalize_pair(
     each, `images` the files in placeholder order), or a _Problem naming the field. The prompt is a string or a list
     of turns, with image parts or an `images`/`image` column, read as a chat's turns are (`normalize`)."""
     answers = {}
-    for side in ("chosen", "rejected"):
+    for side in formats.SIDES:
         value = record[side]
         if isinstance(value, list) and len(value) == 1 and isinstance(value[0], dict):
             if value[0].get("role") != "assistant":
@@ -303,7 +303,7 @@ def normalize_pair(
         prompt = [{"role": "user", "content": prompt}]
     if not isinstance(prompt, list) or not prompt:
         raise _Problem(f"prompt must be the question's text or a list of turns, found {_shown(prompt)}")
-    rest = {k: v for k, v in record.items() if k not in ("prompt", "chosen", "rejected")}
+    rest = {k: v for k, v in record.items() if k not in ("prompt", *formats.SIDES)}
     chat = {**rest, "messages": [*prompt, {"role": "assistant", "content": answers["chosen"]}]}
     example, paths = normalize(chat, base, labels)
     turns = example["messages"][:-1]

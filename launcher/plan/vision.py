@@ -52,6 +52,10 @@ QWEN25_VL_7B: dict[str, Any] = {
     },
 }
 
+# The tower blocks' attention layers (modeling_qwen2_5_vl.py Qwen2_5_VLVisionAttention: `qkv`, `proj`): what LoRA on the
+# tower adapts beside the recipe's target_modules (the plan counts them, launcher/worker/loading.py targets them).
+TOWER_ATTENTION = ("qkv", "proj")
+
 # LoRA's reach, as the recipe's lora.vision_tower chooses it. vLLM loads LoRA on the language model only and ignores
 # (with a warning) adapter weights on the vision blocks (issue 57): an adapter that reaches the tower is served merged.
 LANGUAGE_MODEL_ONLY = (
@@ -117,7 +121,7 @@ def lora_params(arch: Any, r: int, targets: Any) -> int:
     merger, with a list of names the attention's qkv and proj (and any leaf the list names)."""
     total = 0
     for leaf, a, b, n in getattr(arch, "vision_linears", ()):
-        if targets == "all-linear" or leaf in ("qkv", "proj") or leaf in targets:
+        if targets == "all-linear" or leaf in TOWER_ATTENTION or leaf in targets:
             total += r * (a + b) * n
     return total
 
@@ -170,6 +174,10 @@ def notes(arch: Any, recipe: Any, stats: Any) -> list[str]:
             "vision tower (under gradient checkpointing each tower block's input is kept for the backward pass, "
             "frozen or not: the memory counts them; a GPU run measures the peak)"
         )
+        from launcher.data.image_stats import MROPE_WHY
+
+        # stats.with_data_defaults turns the padding_free default off for image data (an explicit true is refused)
+        lines.append(f"image data trains in padded rows, not padding-free ones: {MROPE_WHY}")
     if is_adapter(getattr(recipe, "method", "")):
         lines.append(WITH_TOWER if getattr(recipe.lora, "vision_tower", False) else LANGUAGE_MODEL_ONLY)
     return lines

@@ -492,6 +492,8 @@ def vision_targets(model, lora) -> str:
 
     import torch
 
+    from launcher.plan.vision import TOWER_ATTENTION
+
     wanted = lora.target_modules
     tower = bool(getattr(lora, "vision_tower", False))
     parts = [LANGUAGE_MODEL] + ([VISION_TOWER] if tower else [])
@@ -500,7 +502,7 @@ def vision_targets(model, lora) -> str:
         if not isinstance(module, torch.nn.Linear) or not re.search(rf"(^|\.)({'|'.join(parts)})\.", name):
             continue
         leaf = name.rsplit(".", 1)[-1]
-        if wanted == "all-linear" or leaf in wanted or (tower and leaf in ("qkv", "proj")):
+        if wanted == "all-linear" or leaf in wanted or (tower and leaf in TOWER_ATTENTION):
             names.append(re.escape(name))
     if not names:
         raise ValueError(f"no linear layer of the model matches lora.target_modules {wanted}")
