@@ -311,15 +311,7 @@ def mtmd_side(
             # the text after the image continues at mtmd's position (an image advances M-RoPE by its grid's larger
             # side, not by its token count), which Llama.eval takes from n_tokens
             llm.n_tokens = n_past.value
-            tokens: list[int] = []
-            row = first
-            for _ in range(max_new):
-                tok = int(np.argmax(row))
-                tokens.append(tok)
-                if tok in eog:
-                    break
-                llm.eval([tok])
-                row = llm.scores[llm.n_tokens - 1]
+            tokens = _greedy(llm, first, max_new, eog)
             out.append(
                 {
                     "ids": ids,
@@ -354,15 +346,7 @@ def text_side(text_gguf: Path, examples: list[dict[str, Any]], max_new: int, thr
             llm.reset()
             llm.eval(ids)
             first = np.array(llm.scores[len(ids) - 1], dtype=np.float32)
-            tokens: list[int] = []
-            row = first
-            for _ in range(max_new):
-                tok = int(np.argmax(row))
-                tokens.append(tok)
-                if tok in eog:
-                    break
-                llm.eval([tok])
-                row = llm.scores[llm.n_tokens - 1]
+            tokens = _greedy(llm, first, max_new, eog)
             answer = llm.detokenize([t for t in tokens if t not in eog]).decode("utf-8", "replace").strip()
             out.append(
                 {
@@ -552,3 +536,20 @@ def vision_gguf_output(
             out,
         )
     return out
+
+
+def _greedy(llm, first, max_new: int, eog: set[int]) -> list[int]:
+    """The greedy answer from the prompt's next-token logits `first`: argmax, each token evaluated in turn, up to
+    `max_new` tokens or an end-of-generation token (kept, as transformers' generate keeps it)."""
+    import numpy as np
+
+    tokens: list[int] = []
+    row = first
+    for _ in range(max_new):
+        tok = int(np.argmax(row))
+        tokens.append(tok)
+        if tok in eog:
+            break
+        llm.eval([tok])
+        row = llm.scores[llm.n_tokens - 1]
+    return tokens
