@@ -5,7 +5,7 @@
 # (as seen on the lent H200, and listed in the device's KINDS.md); each wheel's Requires-Dist was read (printed
 # below) so that nothing else is missing there. gpu_check.sh installs them with
 # `pip install --no-index --no-deps --target`, and its preflight imports every module a selected step needs on the box
-# before the first step (launcher/worker/gpu_check/preflight.py NEEDS), naming what does not import.
+# before the first step (gpu_check/preflight.py NEEDS), naming what does not import.
 #   scripts/device_wheels.sh [DIR]             the first call's set, DIR defaults to .cache/device-wheels (ignored)
 #   scripts/device_wheels.sh --unsloth [DIR]   the second call's, DIR defaults to .cache/device-wheels-unsloth
 #                                              (Unsloth 2026.10.9 pins trl<=1.15 and datasets<5: a set of its own)
@@ -73,7 +73,7 @@ WHEELS=(
 # typeguard), structlog, json5, nest-asyncio; diffusers and hf_transfer are named but not imported for training.
 # xformers 0.0.35 as the image has it (docker/requirements-unsloth.txt; 3.3 MB, py39-none, torch>=2.10): Unsloth's
 # attention takes its xformers path where it imports, and without it SDPA with a dense mask and enable_gqa, which
-# lands on the MATH kernel with cuDNN off; the unsloth step records which (launcher/worker/gpu_check/unsloth_check.py).
+# lands on the MATH kernel with cuDNN off; the unsloth step records which (gpu_check/unsloth_check.py).
 if [ "$SET" = unsloth ]; then
   WHEELS=(
     unsloth==2026.10.9 unsloth-zoo==2026.10.9 trl==1.15.0 datasets==4.8.5 dill==0.4.1 multiprocess==0.70.19

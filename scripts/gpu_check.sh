@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks for one short GPU loan (launcher/worker/gpu_check/): device and dtype, per-rank placement, the
+# GPU checks for one short GPU loan (gpu_check/): device and dtype, per-rank placement, the
 # memory cap, peak memory, out-of-memory classification, the LM head's loss (the model's own against TRL's fused head),
 # predicted vs measured memory and tokens/s for LoRA and
 # full fine-tuning at an 8B shape (random weights, no download), padded vs padding-free, FSDP2 with the final save;
@@ -66,12 +66,12 @@ else
   fi
 fi
 DEADLINE=$((GPU_CHECK_STARTED + GPU_CHECK_BUDGET_S))
-"$PY" -m launcher.worker.gpu_check start --out "$OUT" || exit 2
+"$PY" -m gpu_check start --out "$OUT" || exit 2
 echo "gpu_check $MODE: results in $OUT, budget ${GPU_CHECK_BUDGET_S} s"
-# The preflight (launcher/worker/gpu_check/preflight.py): what this box has, the steps it cannot hold (recorded as
+# The preflight (gpu_check/preflight.py): what this box has, the steps it cannot hold (recorded as
 # skipped before they start) and each step's estimate, printed; then the steps to run, one "NAME LIMIT FLOOR" a line
 # in the order they run (GPU_CHECK_STEPS may name presets: runner.py PRESETS).
-PLAN=$("$PY" -m launcher.worker.gpu_check preflight --out "$OUT" ${DRY[@]+"${DRY[@]}"}) || exit 2
+PLAN=$("$PY" -m gpu_check preflight --out "$OUT" ${DRY[@]+"${DRY[@]}"}) || exit 2
 mapfile -t ROWS <<<"$PLAN"
 [ -z "$PLAN" ] && ROWS=()
 
@@ -86,16 +86,16 @@ step() {
   for pair in ${spec//,/ }; do [ "${pair%%=*}" = "$name" ] && limit=${pair#*=}; done
   local left=$((DEADLINE - $(date +%s)))
   if [ "$left" -lt 15 ]; then
-    "$PY" -m launcher.worker.gpu_check finish "$name" --out "$OUT" --not-run "out of time (budget ${GPU_CHECK_BUDGET_S} s)"
+    "$PY" -m gpu_check finish "$name" --out "$OUT" --not-run "out of time (budget ${GPU_CHECK_BUDGET_S} s)"
     FAILED=$((FAILED + 1))  # not run is not passed
     return 0
   fi
   [ "$MODE" = dry-run ] && [ "${GPU_CHECK_RESERVE:-0}" != 1 ] && reserve=0
-  limit=$("$PY" -m launcher.worker.gpu_check limit "$name" "$limit" "$floor" "$left" "$reserve") || limit=$left
+  limit=$("$PY" -m gpu_check limit "$name" "$limit" "$floor" "$left" "$reserve") || limit=$left
   local rc=0
-  GPU_CHECK_STEP_BUDGET=$limit timeout -k 10 "$limit" "$PY" -m launcher.worker.gpu_check step "$name" \
+  GPU_CHECK_STEP_BUDGET=$limit timeout -k 10 "$limit" "$PY" -m gpu_check step "$name" \
     --out "$OUT" ${DRY[@]+"${DRY[@]}"} >"$OUT/$name.log" 2>&1 || rc=$?
-  "$PY" -m launcher.worker.gpu_check finish "$name" --out "$OUT" --rc "$rc" --limit "$limit" || rc=1
+  "$PY" -m gpu_check finish "$name" --out "$OUT" --rc "$rc" --limit "$limit" || rc=1
   [ "$rc" -ne 0 ] && FAILED=$((FAILED + 1))
   return 0
 }
@@ -106,7 +106,7 @@ for i in "${!ROWS[@]}"; do
   for later in "${ROWS[@]:$((i + 1))}"; do reserve=$((reserve + ${later##* })); done
   step "$name" "$limit" "$floor" "$reserve"
 done
-"$PY" -m launcher.worker.gpu_check report --out "$OUT"
+"$PY" -m gpu_check report --out "$OUT"
 echo "gpu_check $MODE: $FAILED step(s) failed in $(( $(date +%s) - GPU_CHECK_STARTED )) s; summary: $OUT/summary.json"
 # A call brings back at most 8 files: every step's JSON and log go into one tarball beside summary.json. On a GPU
 # the packed files are removed, so that the two are what comes back; a call cut short leaves them unpacked.

@@ -87,7 +87,7 @@ PAR=(-n "${FTRUN_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)  # fi
 # 2 cores are busy throughout (0% idle, 2026-12-05; docs/BENCHMARKS.md "Where CI's time went").
 SLOW_PAR=(-n "${FTRUN_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder)
 # The code's format and lint first (pyproject.toml [tool.ruff]): seconds, and a failure says the file and line.
-lint() { .venv/bin/ruff format --check --quiet launcher tests scripts && .venv/bin/ruff check --quiet launcher tests scripts; }
+lint() { .venv/bin/ruff format --check --quiet launcher gpu_check tests scripts && .venv/bin/ruff check --quiet launcher gpu_check tests scripts; }
 case "${1:-}" in
   --slow) shift; exec .venv/bin/python -m pytest "${SLOW_PAR[@]}" -m "slow and not gpu and not unsloth" "$@" ;;
   --all)  shift; lint; exec .venv/bin/python -m pytest "${PAR[@]}" -m "not gpu and not unsloth and not gguf" "$@" ;;

@@ -21,7 +21,7 @@ COUNTED = ("qwen2_5_vl",)
 # Qwen2.5-VL-7B-Instruct's config.json, the values the plan reads (the language model at the top level, the vision
 # tower in vision_config) and the placeholder token ids: the 7B shape that docs/sizing.md compares with a published
 # measurement (tests/plan/test_vision_plan.py) and that the GPU check builds with random weights (gpu_check's vision
-# step: launcher/worker/gpu_check/vision_check.py).
+# step: gpu_check/vision_check.py).
 QWEN25_VL_7B: dict[str, Any] = {
     "model_type": "qwen2_5_vl",
     "hidden_size": 3584,

@@ -208,7 +208,7 @@ def test_article_time_table(method, size, engine, box, tps, tokens, hours, cost)
 
 
 def test_bench_shapes_within_ten_percent_of_the_h200():
-    """The plan's tokens/s for the H200 bench shapes (launcher/worker/gpu_check/bench.py predict: Qwen3-8B, trl, SDPA,
+    """The plan's tokens/s for the H200 bench shapes (gpu_check/bench.py predict: Qwen3-8B, trl, SDPA,
     gradient checkpointing, 1,024-token rows, every key given) against what the H200 measured."""
     from types import SimpleNamespace
 

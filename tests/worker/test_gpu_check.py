@@ -1,4 +1,4 @@
-"""scripts/gpu_check.sh and launcher/worker/gpu_check/: a step that fails, crashes, hangs or is left out for
+"""scripts/gpu_check.sh and gpu_check/: a step that fails, crashes, hangs or is left out for
 lack of time is recorded with its reason and the next step runs; the summary is rewritten after every step; the
 padded and padding-free micro-batches have the worker's layout.
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.worker.gpu_check import common, padding, runner
+from gpu_check import common, padding, runner
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
@@ -63,7 +63,7 @@ def test_finish_records_what_a_step_process_could_not(tmp_path, monkeypatch):
 def test_children_find_the_repository_and_the_module():
     """The children (place-child, fsdp-child) run the package as a module, with the repository on PYTHONPATH."""
     assert common.REPO == REPO and (common.REPO / "scripts" / "make_tiny_model.py").is_file()
-    assert common.module_cmd("place-child")[1:] == ["-m", "launcher.worker.gpu_check", "place-child"]
+    assert common.module_cmd("place-child")[1:] == ["-m", "gpu_check", "place-child"]
     assert common.child_env()["PYTHONPATH"].split(os.pathsep)[0] == str(REPO)
 
 
@@ -115,9 +115,9 @@ def test_the_padding_step_measures_each_kernel_against_the_fixed_shape(tmp_path,
     measured at the bench's micro-batch and at speed.py's choice, checkpointing on and off; the cases' first losses
     agree, the examples stay apart; a case the sizer says the card cannot hold is skipped before it starts."""
     pytest.importorskip("peft")
-    from launcher.worker.gpu_check.common import Context
+    from gpu_check.common import Context
 
-    from launcher.worker.gpu_check import training
+    from gpu_check import training
 
     # the dry run's settings with one timed step per case instead of two (this test's time; the dry run keeps them)
     monkeypatch.setitem(training.BENCH, "cpu", {**training.BENCH["cpu"], "pad_batches": 1})
@@ -196,7 +196,7 @@ def test_failed_and_hung_steps_are_recorded_and_the_next_step_runs(tmp_path):
 def test_the_loss_head_step_compares_the_losses_and_skips_without_trls_kernel(tmp_path, monkeypatch):
     """The loss-head step on the dry run's shape: the model's own loss, trl's fused head and ftrun's CPU kernel agree
     (loss and gradients); without trl's kernel importable it is skipped with the carry it needs."""
-    from launcher.worker.gpu_check import loss_head
+    from gpu_check import loss_head
 
     ctx = common.Context(
         out=tmp_path, work=tmp_path, dry_run=True, device="cpu", shape="tiny", progress=lambda **k: None
@@ -216,7 +216,7 @@ def test_the_loss_head_step_compares_the_losses_and_skips_without_trls_kernel(tm
 def test_bench_padding_decides_the_padding_free_share_on_a_gpu_from_its_worst_case():
     """The call's report reads bench-padding's `decides` (runner.DECIDING): the kernel a padding-free run uses on the
     box (varlen where it is there), its worst share of the fixed shape; nothing decided on a CPU."""
-    from launcher.worker.gpu_check import padding
+    from gpu_check import padding
 
     def case(kernel, mb, ckpt, tps):
         return {

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launcher.worker.gpu_check import attention, common, product, resume_check, runner, vs_trl
+from gpu_check import attention, common, product, resume_check, runner, vs_trl
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
@@ -31,7 +31,7 @@ NEW = (
 
 
 def _ctx(tmp_path: Path, **kw):
-    from launcher.worker.gpu_check.common import Context
+    from gpu_check.common import Context
 
     return Context(
         **{
@@ -139,7 +139,7 @@ def test_steps_without_their_packages_or_their_parent_run_say_skipped(tmp_path, 
     monkeypatch.setattr(importlib.util, "find_spec", real)
     dpo = product.step_product_dpo(_ctx(tmp_path))
     assert dpo["ok"] is None and "run product-lora first" in dpo["line"]
-    from launcher.worker.gpu_check import unsloth_check
+    from gpu_check import unsloth_check
 
     if importlib.util.find_spec("unsloth") is None:
         skipped = unsloth_check.step_unsloth(_ctx(tmp_path))
@@ -386,7 +386,7 @@ def test_resume_exact_ends_the_detached_runs_processes_when_it_is_stopped(tmp_pa
     step.write_text(
         "import json, subprocess, sys, time\n"
         "from pathlib import Path\n"
-        "from launcher.worker.gpu_check import resume_check\n"
+        "from gpu_check import resume_check\n"
         f"run = Path({str(run)!r})\n"
         f"sup = subprocess.Popen([sys.executable, '-c', {supervisor!r}], start_new_session=True,\n"
         "                       stdout=subprocess.PIPE, text=True)\n"
@@ -422,7 +422,7 @@ def test_resume_exact_ends_the_detached_runs_processes_when_it_is_stopped(tmp_pa
 
 def _bench_ctx(tmp_path, monkeypatch, card: str):
     from launcher.plan.hardware import catalog_box
-    from launcher.worker.gpu_check import bench
+    from gpu_check import bench
 
     monkeypatch.setattr(bench, "_plan_hardware", lambda ctx: (catalog_box(card, 1), f"catalog {card}"))
     monkeypatch.setattr(bench, "_fused_head_importable", lambda: True)
@@ -433,7 +433,7 @@ def test_the_preflight_skips_what_an_80_gb_card_cannot_hold(tmp_path, monkeypatc
     """bench-full (~131 GB) does not fit an H100's 79.6 GB; bench-lora-fast is held to speed.py's own headroom;
     bench-lora fits. The reasons give the sizer's figure and the card's; an H200 holds bench-lora-fast."""
     from launcher.plan import speed
-    from launcher.worker.gpu_check import preflight
+    from gpu_check import preflight
 
     ctx = _bench_ctx(tmp_path, monkeypatch, "H100-80GB")
     box = {"gpu": "NVIDIA H100 80GB HBM3", "gpu_total_gb": 79.65, "process_seconds": 10.0}
@@ -457,7 +457,7 @@ def test_the_preflight_skips_what_an_80_gb_card_cannot_hold(tmp_path, monkeypatc
 
 
 def test_each_preset_steps_estimate_comes_from_its_own_sizing(tmp_path):
-    from launcher.worker.gpu_check import preflight
+    from gpu_check import preflight
 
     box = {"process_seconds": 10.0}
     for device in ("cuda", "cpu"):
@@ -600,7 +600,7 @@ def test_a_steps_seconds_keep_the_later_steps_estimates_but_never_starve_it():
 
 
 def test_a_preflight_that_cannot_measure_the_box_still_lists_every_step(tmp_path, monkeypatch):
-    from launcher.worker.gpu_check import preflight
+    from gpu_check import preflight
 
     def broken(device, names, timeout=120):
         raise RuntimeError("the box's import check failed: Segmentation fault")

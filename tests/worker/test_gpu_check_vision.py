@@ -1,4 +1,4 @@
-"""The GPU check's vision step (launcher/worker/gpu_check/vision_check.py): registered and priced like every step,
+"""The GPU check's vision step (gpu_check/vision_check.py): registered and priced like every step,
 the 7B shape it builds on the card is the one the plan sizes, its image batch has the processor's layout, and its
 verdicts read the plan's figures. The step itself runs on the CPU in the slow tier's dry run
 (tests/worker/test_gpu_check_product.py)."""
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from launcher.plan.vision import QWEN25_VL_7B
-from launcher.worker.gpu_check import preflight, runner, vision_check
-from launcher.worker.gpu_check.common import Context
+from gpu_check import preflight, runner, vision_check
+from gpu_check.common import Context
 
 
 def _ctx(tmp_path: Path, device: str = "cpu") -> Context:

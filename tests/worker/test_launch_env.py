@@ -222,9 +222,9 @@ def test_gpu_ranks_get_their_share_of_the_cores_not_one_thread(tmp_path, monkeyp
 
 
 def _probe_ctx(tmp_path, device: str):
-    """The GPU check's context for its launch-env probes (launcher/worker/gpu_check/launch.py), which the slow tier
+    """The GPU check's context for its launch-env probes (gpu_check/launch.py), which the slow tier
     runs here rather than in the dry run (scripts/gpu_check.sh --dry-run skips them on the CPU, saying so)."""
-    from launcher.worker.gpu_check.common import Context
+    from gpu_check.common import Context
 
     work = tmp_path / "work"
     work.mkdir(exist_ok=True)
@@ -239,7 +239,7 @@ def test_torchrun_keeps_the_launchs_thread_count(tmp_path):
     import subprocess
 
     from launcher.plan.hardware import cpu_cores, threads_per_process
-    from launcher.worker.gpu_check import launch
+    from gpu_check import launch
 
     probe = tmp_path / "probe.py"
     # one os.write per line (launch._THREADS): print() under PYTHONUNBUFFERED=1 (CI) writes each piece apart, and
@@ -270,7 +270,7 @@ def test_two_fsdp_launches_at_once_each_get_a_free_port(tmp_path):
     (gpu_check/launch.py _ports, the code the launch-env step runs on a GPU box): the probe writes one line per rank
     with one os.write, since print() under PYTHONUNBUFFERED=1 interleaved two ranks' pieces ("PORT PORT43689
     \n43689\n": 111 of 300 launches in step on this box), and its ranks leave as the worker's do (leave_rank)."""
-    from launcher.worker.gpu_check import launch
+    from gpu_check import launch
 
     got = launch._ports(_probe_ctx(tmp_path, "cpu"))
     assert got["ok"] and got["exits"] == [0, 0], got

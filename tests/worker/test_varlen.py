@@ -241,8 +241,8 @@ def test_available_only_on_a_bf16_card_with_a_usable_signature():
 def test_the_gpu_checks_kernel_switch_reaches_a_built_peft_model(tiny_model, kernel):
     """bench-padding switches one built model between the kernels (padding._set_kernel): transformers reads the
     implementation at every forward, through PEFT's wrapper too."""
-    from launcher.worker.gpu_check import padding
-    from launcher.worker.gpu_check.common import worker_recipe
+    from gpu_check import padding
+    from gpu_check.common import worker_recipe
     from launcher.worker.loading import add_lora
 
     _, sdpa = _models(tiny_model)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from launcher.worker.gpu_check.common import Context, in_gb
+from gpu_check.common import Context, in_gb
 
 
 def _packages() -> dict[str, Optional[str]]:

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from typing import Any
 
-from launcher.worker.gpu_check.common import Context, child_env, has
+from gpu_check.common import Context, child_env, has
 
 _N_GPU = """
 import json, torch

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from launcher.worker.gpu_check.common import REPO, Context, child_env, read_json
+from gpu_check.common import REPO, Context, child_env, read_json
 
 RECIPES = REPO / "recipes"
 SFT_RECIPE = RECIPES / "tiny-cpu.yaml"
@@ -169,7 +169,7 @@ def tiny_model(ctx: Context) -> Path:
     """The tiny-model step's model, built here when that step was not run in this OUT/work."""
     path = ctx.work / "tiny-model"
     if not (path / "config.json").is_file():
-        from launcher.worker.gpu_check.tiny_model import step_tiny_model
+        from gpu_check.tiny_model import step_tiny_model
 
         step_tiny_model(ctx)
     return path

@@ -6,8 +6,8 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from launcher.worker.gpu_check.common import FUSED_OUTPUTS, Context, has, in_gb
-from launcher.worker.gpu_check.training import BENCH, architecture, build_model, make_optimizer, measure, no_peft
+from gpu_check.common import FUSED_OUTPUTS, Context, has, in_gb
+from gpu_check.training import BENCH, architecture, build_model, make_optimizer, measure, no_peft
 
 
 # Each bench step's (method, gradient checkpointing, micro-batch) on a device: what it trains and what the preflight

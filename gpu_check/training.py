@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from launcher.worker.gpu_check.common import Context, worker_recipe
+from gpu_check.common import Context, worker_recipe
 
 # The shape measured on a GPU: a catalog entry of launcher/plan/models.py (GPU_CHECK_SHAPE picks another one).
 GPU_SHAPE = "qwen3-8b"

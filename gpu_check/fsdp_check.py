@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.engine_kinds import ENGINES
-from launcher.worker.gpu_check.common import Context, child_env, read_json, worker_recipe, write_json
+from gpu_check.common import Context, child_env, read_json, worker_recipe, write_json
 
 
 def fsdp_child(model: Path, out_dir: Path, work: Path, device_name: str) -> int:
@@ -181,7 +181,7 @@ def step_fsdp(ctx: Context) -> dict[str, Any]:
             "--main_process_port",
             "29534",
             "-m",
-            "launcher.worker.gpu_check",
+            "gpu_check",
             "fsdp-child",
             "--model",
             str(ctx.work / "tiny-model"),

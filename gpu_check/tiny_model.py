@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from launcher.worker.gpu_check.common import REPO, Context
+from gpu_check.common import REPO, Context
 
 
 def step_tiny_model(ctx: Context) -> dict[str, Any]:

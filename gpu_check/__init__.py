@@ -1,7 +1,7 @@
 """The checks a GPU box runs on itself (scripts/gpu_check.sh): device and dtype, per-rank placement, the memory cap,
 peak memory, out-of-memory classification, predicted vs measured memory and tokens/s at an 8B shape, FSDP2.
 
-One step per process (`python -m launcher.worker.gpu_check step NAME --out DIR`): a step that crashes, hangs
+One step per process (`python -m gpu_check step NAME --out DIR`): a step that crashes, hangs
 or fills the GPU takes nothing else down, and its JSON (DIR/NAME.json) is written when it starts, as it
 progresses and when it ends. `finish NAME` (no torch import) then records a step its process left unfinished
 (timed out, killed, crashed), rewrites DIR/summary.json and prints the step's one-line result.

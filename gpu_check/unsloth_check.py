@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from launcher.worker.gpu_check.common import Context, read_json
-from launcher.worker.gpu_check.product import SFT_RECIPE, _step
+from gpu_check.common import Context, read_json
+from gpu_check.product import SFT_RECIPE, _step
 
 SECOND_CALL = (
     "scripts/device_wheels.sh --unsloth, then the second call of docs/BENCHMARKS.md "

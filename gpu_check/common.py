@@ -11,8 +11,8 @@ from typing import Any, Callable, Optional
 
 from launcher.plan.sizing_constants import GB  # 2**30 bytes: what launcher/worker/memory.py reports in
 
-# the repository root (this file is launcher/worker/gpu_check/common.py): scripts/, and the children's PYTHONPATH
-REPO = Path(__file__).resolve().parents[3]
+# the repository root (this file is gpu_check/common.py): scripts/, and the children's PYTHONPATH
+REPO = Path(__file__).resolve().parents[1]
 # The fused LM head's outputs as trl 1.16's SFTTrainer asks for them (the loss, its entropy and token accuracy
 # metrics): what the benches and the loss-head check run it with.
 FUSED_OUTPUTS = ("log_probs", "entropy", "is_top1")
@@ -62,7 +62,7 @@ def worker_recipe(model: Path, method: str = "lora") -> SimpleNamespace:
 
 
 def module_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "launcher.worker.gpu_check", *args]
+    return [sys.executable, "-m", "gpu_check", *args]
 
 
 def last_line(proc) -> str:

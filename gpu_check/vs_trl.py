@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from launcher.worker.gpu_check.common import REPO, Context, child_env, last_line, module_cmd, read_json
-from launcher.worker.gpu_check.product import budget, cli, missing_packages, tiny_model, train_rows
+from gpu_check.common import REPO, Context, child_env, last_line, module_cmd, read_json
+from gpu_check.product import budget, cli, missing_packages, tiny_model, train_rows
 
 SHAPE = {"cuda": "qwen3-0.6b", "cpu": "tiny"}
 # Steps, the untimed first ones (the first shapes' one-time costs and the optimizer's state), micro-batch.
@@ -29,7 +29,7 @@ def build_model(ctx: Context) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from launcher.worker.gpu_check.training import _hf_config, architecture
+    from gpu_check.training import _hf_config, architecture
 
     target = ctx.work / f"vs-trl-{SHAPE[ctx.device]}"
     if (target / "config.json").is_file():

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.plan.sizing_constants import GB
-from launcher.worker.gpu_check.common import (
+from gpu_check.common import (
     Context,
     child_env,
     first_line,
@@ -123,7 +123,7 @@ def step_placement(ctx: Context) -> dict[str, Any]:
                 "--master_port",
                 "29533",
                 "-m",
-                "launcher.worker.gpu_check",
+                "gpu_check",
                 "place-child",
                 "--model",
                 str(model),

@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from launcher.worker.gpu_check.common import Context, read_json
-from launcher.worker.gpu_check.product import SFT_RECIPE, budget, cli, missing_packages, tiny_model, train_rows
+from gpu_check.common import Context, read_json
+from gpu_check.product import SFT_RECIPE, budget, cli, missing_packages, tiny_model, train_rows
 
 # A checkpoint after every step (the cadence is wall-clock; as tests/worker/test_resume_metrics.py does), no smoke
 # test, export, task evaluation or periodic eval pass (the start's and the end's remain): the trajectory alone.

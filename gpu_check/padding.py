@@ -23,8 +23,8 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from launcher.worker.gpu_check.common import Context, first_line, has
-from launcher.worker.gpu_check.training import BENCH, architecture, build_model, make_optimizer, measure, no_peft
+from gpu_check.common import Context, first_line, has
+from gpu_check.training import BENCH, architecture, build_model, make_optimizer, measure, no_peft
 
 KERNELS = ("varlen", "dense", "padded", "fixed")
 # first losses of the cases on the same batch and weights: bf16 on a GPU (different summation orders), fp32 on a CPU
@@ -150,7 +150,7 @@ def _speed_choice(ctx: Context, arch, examples: list[list[int]], dense: bool) ->
     from launcher.plan.engine import choose
     from launcher.plan.job import Job
     from launcher.recipe import Recipe
-    from launcher.worker.gpu_check.bench import _plan_hardware
+    from gpu_check.bench import _plan_hardware
 
     micro = Recipe.model_fields["micro_batch_size"].default
     accumulation = Recipe.model_fields["gradient_accumulation_steps"].default

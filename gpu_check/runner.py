@@ -11,26 +11,26 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import launcher.worker.gpu_check as package
-from launcher.worker.gpu_check.attention import attention_child, step_attention
-from launcher.worker.gpu_check.bench import step_bench_full, step_bench_lora, step_bench_lora_fast
-from launcher.worker.gpu_check.common import Context, first_line, read_json, write_json
-from launcher.worker.gpu_check.device import step_device
-from launcher.worker.gpu_check.fsdp_check import fsdp_child, step_fsdp
-from launcher.worker.gpu_check.generation import generation_child, step_generation
-from launcher.worker.gpu_check.launch import step_launch_env
-from launcher.worker.gpu_check.loss_head import step_loss_head
-from launcher.worker.gpu_check.memory_check import step_oom, step_peak_memory
-from launcher.worker.gpu_check.padding import step_bench_padding
-from launcher.worker.gpu_check.placement_check import place_child, step_memory_cap, step_placement
-from launcher.worker.gpu_check.product import step_product_dpo, step_product_grpo, step_product_lora, step_product_qlora
-from launcher.worker.gpu_check.resume_check import step_resume_exact
-from launcher.worker.gpu_check.smoke_check import step_smoke_bench
-from launcher.worker.gpu_check.tiny_model import step_tiny_model
-from launcher.worker.gpu_check.unsloth_check import step_unsloth
-from launcher.worker.gpu_check.vision_check import step_vision
-from launcher.worker.gpu_check.vs_trl import step_vs_trl, trl_child
-from launcher.worker.gpu_check.training import GPU_SHAPE
+import gpu_check as package
+from gpu_check.attention import attention_child, step_attention
+from gpu_check.bench import step_bench_full, step_bench_lora, step_bench_lora_fast
+from gpu_check.common import Context, first_line, read_json, write_json
+from gpu_check.device import step_device
+from gpu_check.fsdp_check import fsdp_child, step_fsdp
+from gpu_check.generation import generation_child, step_generation
+from gpu_check.launch import step_launch_env
+from gpu_check.loss_head import step_loss_head
+from gpu_check.memory_check import step_oom, step_peak_memory
+from gpu_check.padding import step_bench_padding
+from gpu_check.placement_check import place_child, step_memory_cap, step_placement
+from gpu_check.product import step_product_dpo, step_product_grpo, step_product_lora, step_product_qlora
+from gpu_check.resume_check import step_resume_exact
+from gpu_check.smoke_check import step_smoke_bench
+from gpu_check.tiny_model import step_tiny_model
+from gpu_check.unsloth_check import step_unsloth
+from gpu_check.vision_check import step_vision
+from gpu_check.vs_trl import step_vs_trl, trl_child
+from gpu_check.training import GPU_SHAPE
 
 # Execution order: the torch-only checks first (seconds each, not in the product preset), then what one call on a lent
 # GPU must answer (issue 55), in the product preset's order: ftrun itself on the tiny model (LoRA with its CPU
@@ -321,7 +321,7 @@ def _context_args(out: Path, dry_run: bool) -> dict[str, Any]:
 
 def _preflight(out: Path, dry_run: bool) -> int:
     """`preflight`: the steps to run, each with its timeout and estimate, after preflight.run skipped the rest."""
-    from launcher.worker.gpu_check import preflight
+    from gpu_check import preflight
 
     ctx = Context(progress=lambda **kw: None, **_context_args(out, dry_run))
     try:
@@ -370,9 +370,7 @@ DECIDING = {
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m launcher.worker.gpu_check",
-        description=package.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="python -m gpu_check", description=package.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("step", help="run one step, writing OUT/NAME.json")
@@ -453,7 +451,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(limit)
         return 0
     if ns.command == "box-child":
-        from launcher.worker.gpu_check.preflight import box_child
+        from gpu_check.preflight import box_child
 
         return box_child(ns.device, [m for m in ns.modules.split(",") if m])
     if ns.command == "report":

@@ -22,7 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from launcher.worker.gpu_check.common import REPO, Context, first_line, has
+from gpu_check.common import REPO, Context, first_line, has
 
 DATA = REPO / "recipes" / "data" / "tiny-vision.jsonl"
 # recipes/tiny-cpu-vision.yaml's LoRA and learning rate: what moves the tiny model's loss in a few steps
@@ -80,7 +80,7 @@ def train_tiny(ctx: Context) -> dict[str, Any]:
     from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
     from launcher.worker import loading, memory
-    from launcher.worker.gpu_check.training import measure
+    from gpu_check.training import measure
 
     shape = SHAPES[ctx.device]
     device, dtype = _device(ctx)
@@ -218,7 +218,7 @@ def train_shape(ctx: Context, cfg: dict[str, Any]) -> dict[str, Any]:
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from launcher.worker import loading, memory
-    from launcher.worker.gpu_check.training import make_optimizer, measure
+    from gpu_check.training import make_optimizer, measure
 
     shape = SHAPES[ctx.device]
     device, dtype = _device(ctx)
@@ -266,7 +266,7 @@ def plan_figures(ctx: Context, cfg: dict[str, Any], measured: dict[str, Any]) ->
     from launcher.plan import sizing
     from launcher.plan.models import from_config
     from launcher.plan.plan import make_plan
-    from launcher.worker.gpu_check.bench import _plan_hardware
+    from gpu_check.bench import _plan_hardware
 
     arch = from_config(cfg, "Qwen2.5-VL-7B shape" if ctx.device == "cuda" else "tiny VLM shape", "vision_check")
     seq, mb, patches = measured["tokens_per_row"], measured["micro_batch"], measured["patches"]

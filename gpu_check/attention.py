@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from launcher.worker.gpu_check.common import Context, child_env, first_line, module_cmd, read_json, write_json
+from gpu_check.common import Context, child_env, first_line, module_cmd, read_json, write_json
 
 # Qwen3-8B's attention (launcher/plan/models.py): 32 query heads, 8 key/value heads, head_dim 128; the dry run a
 # tiny GQA shape. `lengths`: the base lengths, each case adds its own offset (case_lengths), none a multiple of

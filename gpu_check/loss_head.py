@@ -15,8 +15,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from launcher.worker.gpu_check.common import FUSED_OUTPUTS, Context, in_gb
-from launcher.worker.gpu_check.training import architecture
+from gpu_check.common import FUSED_OUTPUTS, Context, in_gb
+from gpu_check.training import architecture
 
 TOKENS = {"cuda": 4096, "cpu": 256}
 STEPS = 3

@@ -6,7 +6,7 @@ import os
 import sys
 from typing import Any
 
-from launcher.worker.gpu_check.common import REPO, Context, child_env, read_json
+from gpu_check.common import REPO, Context, child_env, read_json
 
 
 def step_smoke_bench(ctx: Context) -> dict[str, Any]:

@@ -10,8 +10,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from launcher.worker.gpu_check.common import REPO, Context, child_env, last_line, module_cmd, read_json
-from launcher.worker.gpu_check.product import tiny_model
+from gpu_check.common import REPO, Context, child_env, last_line, module_cmd, read_json
+from gpu_check.product import tiny_model
 
 PROMPTS = {"cuda": 64, "cpu": 16}  # two batches of the task evaluation's size (launcher/plan/sizing.py)
 MAX_NEW_TOKENS = 24  # the demo recipe's eval.max_new_tokens

@@ -18,16 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from launcher.worker.gpu_check.common import (
-    GB,
-    Context,
-    child_env,
-    first_line,
-    module_cmd,
-    read_json,
-    record_skip,
-    write_json,
-)
+from gpu_check.common import GB, Context, child_env, first_line, module_cmd, read_json, record_skip, write_json
 
 # What each step imports beyond torch (module names): a step whose needs do not import is skipped before it starts,
 # with the import's own error. The product steps run `python -m launcher.cli`: the CLI, worker, task evaluation
@@ -74,7 +65,7 @@ OPTIONAL = {"trl", "datasets", "pydantic", "peft", "bitsandbytes", "unsloth", "a
 
 def processes(name: str, device: str) -> int:
     """Python processes the step starts, its own included (counted from its code)."""
-    from launcher.worker.gpu_check import product, resume_check
+    from gpu_check import product, resume_check
 
     if name.startswith("product-"):
         return product.processes(device, name)
@@ -187,8 +178,8 @@ def _plan_rates(ctx: Context) -> dict[str, Any]:
 
 def _bench_estimate(ctx: Context, name: str, est: Estimate) -> None:
     """The 8B benches: the sizer's memory and the plan's tokens/s for the step's own shape and micro-batch."""
-    from launcher.worker.gpu_check import bench
-    from launcher.worker.gpu_check.training import BENCH, architecture
+    from gpu_check import bench
+    from gpu_check.training import BENCH, architecture
 
     cfg = BENCH[ctx.device]
     arch = architecture(ctx)
@@ -206,7 +197,7 @@ def _bench_estimate(ctx: Context, name: str, est: Estimate) -> None:
 def estimate(ctx: Context, name: str, box: dict[str, Any], step_module: Optional[str] = None) -> Estimate:
     """The seconds the step will take on this box, each part with its source (module docstring); `step_module`: the
     module of the step's function (runner.STEP_FUNCS), whose own `estimate_seconds` prices a step named nowhere here."""
-    from launcher.worker.gpu_check import attention, generation, product, resume_check
+    from gpu_check import attention, generation, product, resume_check
 
     est = Estimate(0.0)
     n = processes(name, ctx.device)

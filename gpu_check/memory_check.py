@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from launcher.plan.sizing_constants import GB
-from launcher.worker.gpu_check.common import Context, first_line, in_gb
+from gpu_check.common import Context, first_line, in_gb
 
 
 def step_peak_memory(ctx: Context) -> dict[str, Any]:

@@ -1,8 +1,0 @@
-"""`python -m launcher.worker.gpu_check`: what scripts/gpu_check.sh and the checks' child processes run."""
-
-import sys
-
-from launcher.worker.gpu_check.runner import main
-
-if __name__ == "__main__":
-    sys.exit(main())
