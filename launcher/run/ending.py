@@ -27,7 +27,7 @@ from launcher.run.facts import end_summary
 from launcher.run.summary_view import ENDING, format_end_summary
 from launcher.run.supervisor_log import _log
 from launcher.store.rundir import RunDir
-from launcher.store.state import TRAINED, move
+from launcher.store.state import TRAINED, RunSnapshot, move
 
 
 @dataclass
@@ -57,13 +57,15 @@ def leave(
     safe = True  # the result is where on_finish may rely on it
     if ending.state in TRAINED:
         if syncer:
-            _record(run, "end", ending.state, log, reason=f"training finished; copying the result to {recipe.sync.to}")
+            # the export's reason stays (trained, not exported: why); the copy's progress is added to it
+            kept = ending.reason or RunSnapshot(run).state.get("reason") or "training finished"
+            _record(run, "end", ending.state, log, reason=f"{kept}; copying the result to {recipe.sync.to}")
             safe = syncer.finish(final=True)
             if safe:
-                _record(run, "end", ending.state, log, reason=f"training finished; result verified at {recipe.sync.to}")
+                _record(run, "end", ending.state, log, reason=f"{kept}; result verified at {recipe.sync.to}")
                 syncer.sync_once()  # the state file itself, saying so
             else:
-                why = "training finished, but the copy off the box failed: see sync.json; `ftrun push` retries"
+                why = f"{kept}, but the copy off the box failed: see sync.json; `ftrun push` retries"
                 _record(run, "end", ending.state, log, reason=why)
     else:
         if syncer:

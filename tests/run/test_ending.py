@@ -92,6 +92,33 @@ def test_a_trained_run_is_told_with_its_summary_and_an_export_that_failed(write_
     assert "the GGUF failed its check" in messages[1]["message"]
 
 
+def test_the_final_copy_off_the_box_keeps_the_exports_reason(write_recipe, inbox, tmp_path):
+    """With sync.to, the door adds the copy's progress to the state's reason; a run trained, not exported, still
+    says why its export failed (the reason the supervisor's export, or `ftrun export`, wrote)."""
+    from launcher.store.sync import Syncer
+
+    url, messages = inbox
+    offbox = tmp_path / "offbox"
+    recipe_path = write_recipe(notify=[url], sync={"to": str(offbox)})
+    run = RunDir(recipe_path.parent / "run")
+    run.root.mkdir()
+    run.recipe.write_text(recipe_path.read_text())
+    run.plan.write_text(json.dumps({"total_steps": 12}))
+    recipe = load_recipe(run.recipe)
+    set_state(run, "planned")
+    set_state(run, "running")
+    move(run, "trained", reason="training finished")
+    why = "trained, not exported: the GGUF failed its check"
+    move(run, "export", "trained-not-exported", reason=why)
+    syncer = Syncer(run, str(offbox), keep=2, log=lambda _: None)
+    assert ending.leave(run, recipe, Ending("trained-not-exported", None, 5), syncer, log=lambda _: None) == 5
+    state = read_state(run)
+    assert state["state"] == "trained-not-exported"
+    assert state["reason"] == f"{why}; result verified at {offbox}", state
+    assert json.loads((offbox / "state.json").read_text())["reason"] == state["reason"]  # the copy says so too
+    assert "the GGUF failed its check" in messages[0]["message"]
+
+
 def test_a_trained_run_that_the_supervisor_ends_leaves_through_the_door(write_recipe, inbox, monkeypatch):
     """The supervisor's trained endings: its export wrote the state (the move `export`), the door tells it."""
     url, messages = inbox
