@@ -45,6 +45,7 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "product-grpo": CLI_NEEDS,
     "product-dpo": CLI_NEEDS,
     "product-qlora": (*CLI_NEEDS, "bitsandbytes"),
+    "product-vision": (*CLI_NEEDS, "PIL"),
     "resume-exact": CLI_NEEDS,
     "vs-trl": CLI_NEEDS,
     "unsloth": (*CLI_NEEDS, "unsloth"),

@@ -18,6 +18,7 @@ RECIPES = REPO / "recipes"
 SFT_RECIPE = RECIPES / "tiny-cpu.yaml"
 DPO_RECIPE = RECIPES / "tiny-cpu-dpo.yaml"
 GRPO_RECIPE = RECIPES / "tiny-cpu-grpo.yaml"
+VISION_RECIPE = RECIPES / "tiny-cpu-vision.yaml"
 # What the CLI imports besides torch and transformers: the lent box gets them as wheels (scripts/device_wheels.sh).
 NEEDS = ("trl", "datasets", "pydantic", "peft")
 # The demo's 5 epochs are 240 steps: on the loan one epoch (48 steps) says the per-step cost as well; the dry run
@@ -46,12 +47,18 @@ GPU_TRIMS = {
 # the same recipe in the slow tier (adapter and merged, export.json checked figure by figure): the dry run leaves it
 # out too. product-qlora keeps its export (the 4-bit base's parity loads), the one export of the dry run, so
 # run_record's export fields are read on the CPU as on a GPU.
-CPU_TRIMS = {"product-lora": ("export=[]",), "product-grpo": ("export=[]",), "product-dpo": ("export=[]",)}
+CPU_TRIMS = {
+    "product-lora": ("export=[]",),
+    "product-grpo": ("export=[]",),
+    "product-dpo": ("export=[]",),
+    "product-vision": ("export=[]",),  # the demo's fourth step exports it on the CPU (scripts/demo.sh)
+}
 RECIPE_OF = {
     "product-lora": SFT_RECIPE,
     "product-qlora": SFT_RECIPE,
     "product-dpo": DPO_RECIPE,
     "product-grpo": GRPO_RECIPE,
+    "product-vision": VISION_RECIPE,
 }
 
 
@@ -291,8 +298,11 @@ def run_record(run: Path, started: float) -> dict[str, Any]:
     }
 
 
-def run_demo(ctx: Context, name: str, recipe: Path, *extra: str, timeout: float) -> dict[str, Any]:
-    """`ftrun RECIPE --foreground model=... output_dir=...` in the work folder, and its record."""
+def run_demo(
+    ctx: Context, name: str, recipe: Path, *extra: str, timeout: float, model: Optional[Path] = None
+) -> dict[str, Any]:
+    """`ftrun RECIPE --foreground model=... output_dir=...` in the work folder, and its record; `model`: the tiny
+    model by default."""
     run = ctx.work / "runs" / name
     log = ctx.out / f"{name}.cli.log"
     steps = STEPS[ctx.device]
@@ -300,7 +310,7 @@ def run_demo(ctx: Context, name: str, recipe: Path, *extra: str, timeout: float)
         str(recipe),
         "--foreground",
         "--fresh",
-        f"model={tiny_model(ctx)}",
+        f"model={model or tiny_model(ctx)}",
         f"output_dir={run}",
         f"max_steps={steps}",
         "logging_steps=1",
@@ -341,7 +351,13 @@ def summary_line(record: dict[str, Any]) -> str:
 
 
 def _step(
-    ctx: Context, name: str, recipe: Path, *extra: str, needs: tuple[str, ...] = (), reserve: float = 0.0
+    ctx: Context,
+    name: str,
+    recipe: Path,
+    *extra: str,
+    needs: tuple[str, ...] = (),
+    reserve: float = 0.0,
+    model: Optional[Path] = None,
 ) -> dict[str, Any]:
     """Run the recipe through the CLI within the step's budget, less `reserve` seconds kept for what follows where
     the budget has them (the run comes first: it gets three quarters of the budget at least)."""
@@ -349,7 +365,8 @@ def _step(
     if skipped:
         return skipped
     total = budget(300) - 10
-    record = run_demo(ctx, name, recipe, *extra, timeout=max(30.0, total - reserve, 0.75 * total))
+    timeout = max(30.0, total - reserve, 0.75 * total)
+    record = run_demo(ctx, name, recipe, *extra, timeout=timeout, model=model)
     ok = record.get("exit") == 0 and record.get("state") == "succeeded" and bool(record.get("steps"))
     return {"ok": ok, **record, "line": summary_line(record)}
 
@@ -458,4 +475,22 @@ def step_product_grpo(ctx: Context) -> dict[str, Any]:
         result["line"] += f"; sampling {share if share is None else f'{share:.0%}'} of the smoke steps" + (
             f"; reward {rewards[0][1]:.3f} -> {rewards[-1][1]:.3f}" if rewards else ""
         )
+    return result
+
+
+def step_product_vision(ctx: Context) -> dict[str, Any]:
+    """The demo's fourth step (recipes/tiny-cpu-vision.yaml) on the device: `ftrun` itself on the tiny
+    vision-language model (scripts/make_tiny_vlm.py, built in the work folder), through the plan with the tower and
+    each image's tokens, the smoke test, the run, the task score with the images in the prompt and, on a GPU, the
+    export with the processor files; the record adds the task score before and after."""
+    from gpu_check.vision_check import tiny_vlm
+
+    skipped = missing_packages(("PIL",))
+    if skipped:
+        return skipped
+    result = _step(ctx, "product-vision", VISION_RECIPE, model=tiny_vlm(ctx))
+    task = result.get("task_eval") or {}
+    if result.get("exit") == 0 and task.get("scores"):
+        said = ", ".join(f"{k} {v:.0%}" for k, v in task["scores"].items() if isinstance(v, (int, float)))
+        result["line"] += f"; task score ({task.get('metric')}) {said}"
     return result

@@ -23,7 +23,13 @@ from gpu_check.loss_head import step_loss_head
 from gpu_check.memory_check import step_oom, step_peak_memory
 from gpu_check.padding import step_bench_padding
 from gpu_check.placement_check import place_child, step_memory_cap, step_placement
-from gpu_check.product import step_product_dpo, step_product_grpo, step_product_lora, step_product_qlora
+from gpu_check.product import (
+    step_product_dpo,
+    step_product_grpo,
+    step_product_lora,
+    step_product_qlora,
+    step_product_vision,
+)
 from gpu_check.resume_check import step_resume_exact
 from gpu_check.smoke_check import step_smoke_bench
 from gpu_check.tiny_model import step_tiny_model
@@ -55,6 +61,7 @@ STEPS = (
     "resume-exact",
     "product-dpo",
     "product-qlora",
+    "product-vision",
     "vision",
     "vs-trl",
     "bench-lora-fast",
@@ -83,6 +90,7 @@ TIMEOUTS = {
     "resume-exact": (180, 300),
     "product-dpo": (120, 300),
     "product-qlora": (150, 480),
+    "product-vision": (150, 300),
     "vision": (240, 120),
     "bench-lora": (90, 120),
     "vs-trl": (120, 300),
@@ -110,7 +118,9 @@ PRESETS = {
         "product-qlora",
     ),
     "unsloth": ("tiny-model", "product-lora", "unsloth"),  # the second call: TRL 1.15 beside Unsloth, one stack
-    "vision": ("vision",),  # issue 57: the tiny VLM on the card, the 7B shape's memory and tokens/s against the plan
+    # issue 57: `ftrun recipes/tiny-cpu-vision.yaml` on the card; the tiny VLM's steps and the 7B shape's memory and
+    # tokens/s against the plan
+    "vision": ("product-vision", "vision"),
 }
 STEP_FUNCS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "tiny-model": step_tiny_model,
@@ -135,6 +145,7 @@ STEP_FUNCS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "product-dpo": step_product_dpo,
     "product-grpo": step_product_grpo,
     "product-qlora": step_product_qlora,
+    "product-vision": step_product_vision,
     "unsloth": step_unsloth,
     "vision": step_vision,
 }

@@ -6,8 +6,8 @@ The tiny part loads as the worker loads (launcher/worker/loading.py: the process
 model_class, LoRA on the language model by add_lora) and collates as its SFTTrainer does (trl's
 DataCollatorForVisionLanguageModeling over launcher/data/images.py's rows); the steps are the benches' plain torch loop
 (training.py: bf16 autocast on a GPU, gradient clipping, AdamW), so its tokens/s and peak are the model's, not the
-launcher's. `ftrun recipes/tiny-cpu-vision.yaml` itself (smoke test, detached run, resume) is not a step of this
-check yet: on a CPU it is the demo's fourth step and tests/worker/test_vision_worker.py.
+launcher's. `ftrun recipes/tiny-cpu-vision.yaml` itself is the step before this one, product-vision
+(gpu_check/product.py); the kill -9 resume of a vision run is tests/worker/test_vision_worker.py's, on the CPU.
 
 The 7B part needs a GPU (16.6 GB of bf16 weights); the dry run runs the same code on the tiny model's config on the
 CPU, and says so. Its "decides": the measured peak against the plan's memory (within 15%, issue 57's tolerance for

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from launcher.plan.vision import QWEN25_VL_7B
-from gpu_check import preflight, runner, vision_check
+from gpu_check import preflight, product, runner, vision_check
 from gpu_check.common import Context
 
 
@@ -22,7 +22,13 @@ def _ctx(tmp_path: Path, device: str = "cpu") -> Context:
 
 def test_the_step_is_registered_with_its_timeout_preset_imports_and_estimate(tmp_path):
     assert "vision" in runner.STEPS and runner.STEP_FUNCS["vision"] is vision_check.step_vision
-    assert set(runner.TIMEOUTS["vision"]) and runner.selected_steps("vision") == ["vision"]
+    assert set(runner.TIMEOUTS["vision"]) and runner.selected_steps("vision") == ["product-vision", "vision"]
+    # `ftrun recipes/tiny-cpu-vision.yaml` itself, on the tiny VLM, as the product steps run the demo's recipes
+    assert runner.STEP_FUNCS["product-vision"] is product.step_product_vision
+    assert (
+        product.RECIPE_OF["product-vision"].name == "tiny-cpu-vision.yaml"
+        and "PIL" in preflight.NEEDS["product-vision"]
+    )
     assert {"trl", "PIL", "peft"} <= set(preflight.NEEDS["vision"])
     box = {"process_seconds": 10.0}
     for device in ("cpu", "cuda"):
