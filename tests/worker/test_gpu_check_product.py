@@ -314,7 +314,7 @@ def _result(out: Path, name: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["product-lora", "product-qlora", "product-dpo", "product-grpo"])
+@pytest.mark.parametrize("name", ["product-lora", "product-qlora", "product-dpo", "product-grpo", "product-vision"])
 def test_the_demo_recipe_through_the_cli_records_its_phases_and_speeds(dry_run, name):
     data = _result(dry_run, name)
     if data["status"] == "skipped":
@@ -327,6 +327,8 @@ def test_the_demo_recipe_through_the_cli_records_its_phases_and_speeds(dry_run, 
         assert "export" not in data["phases_seconds"] and not (data["export"] or {}).get("state"), data["export"]
     else:  # QLoRA's adapter export, timed as on the GPU
         assert data["export"]["state"] == "succeeded" and "export" in data["phases_seconds"]
+    if name == "product-vision":  # the tiny VLM's run, scored with the images in the prompt
+        assert "tiny-vlm" in data["command"] and data["task_eval"]["scores"] and "task score (exact)" in data["line"]
 
 
 @pytest.mark.slow
