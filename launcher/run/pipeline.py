@@ -184,7 +184,7 @@ def launch(
         move(run, "plan", **_launcher(), data_sha256=data_sha, reason="new run")
     # the base model's task score and the verdict (does fine-tuning pay?), before the smoke test; said, never a stop
     # --fresh moved the run this launch found aside: its history (a past `running`) is not this run's
-    launch_baseline(run, recipe, plan_dict, _say, None if fresh else snap.state)
+    launch_baseline(run, recipe, plan_dict, _say, None if fresh else snap.state, not foreground)
 
     # a resume with a checkpoint, or after a passed smoke test, skips it: it was measured on this trajectory
     if recipe.smoke.enabled and not (resuming and (smoke_ok or ckpt_step is not None)):

@@ -25,21 +25,29 @@ def worker_argv(run: RunDir) -> list[str]:
     return [sys.executable, "-m", WORKER_MODULE, "--run-dir", str(run.root), "--phase", "base"]
 
 
-def run_worker(run: RunDir, plan: dict[str, Any], say: Callable[[str], None]) -> tuple[int, str]:
-    """Run the worker's base phase in the foreground, each of its lines through `say`; (exit code, its last line)."""
-    from launcher.worker.engines import launch_env
+def run_worker(
+    run: RunDir, plan: dict[str, Any], say: Callable[[str], None], own_session: bool = False
+) -> tuple[int, str]:
+    """Run the worker's base phase in the foreground, each of its lines through `say`; (exit code, its last line).
+    `own_session`: in a session of its own, as the detached run's worker and the smoke test's are (its answers'
+    speed is measured where the run's task evaluation will run: launcher/run/smoke.py start_worker says why), ending
+    with the launcher however it ends."""
+    import signal
+
+    from launcher.worker.engines import launch_env, with_death_signal
 
     # one process, whatever the training's engine: its threads are not shared out with other ranks
     env = {**os.environ, **launch_env({**plan, "num_processes": 1})}
     last = ""
     proc = subprocess.Popen(
-        worker_argv(run),
+        with_death_signal(worker_argv(run), signal.SIGTERM) if own_session else worker_argv(run),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env=env,
         text=True,
         errors="replace",
+        start_new_session=own_session,
     )
     try:
         for line in proc.stdout:
@@ -73,10 +81,15 @@ def training_began(run: RunDir, state: Optional[dict[str, Any]] = None) -> bool:
 
 
 def launch_baseline(
-    run: RunDir, recipe: Recipe, plan: dict[str, Any], say: Callable[[str], None], state: Optional[dict] = None
+    run: RunDir,
+    recipe: Recipe,
+    plan: dict[str, Any],
+    say: Callable[[str], None],
+    state: Optional[dict] = None,
+    own_session: bool = False,
 ) -> None:
     """The launch's baseline before its smoke test (eval.task.baseline: run): the verdict, or one line saying why
-    there is none; it never stops the run."""
+    there is none; it never stops the run. `own_session`: the run will be detached (run_worker)."""
     task = recipe.eval.task
     if task.examples <= 0 or task.baseline != "run" or settled(run) or training_began(run, state):
         return
@@ -84,7 +97,7 @@ def launch_baseline(
         return  # the first node scores it; the others would answer the same prompts again
     say("task evaluation: scoring the base model before training (eval.task.baseline: run; skip turns it off)")
     try:
-        rc, last = run_worker(run, plan, say)
+        rc, last = run_worker(run, plan, say, own_session)
         t = facts.task_eval(run, base_only=True)
         say(
             task_eval_view.format_task_eval(t)

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from launcher.run import smoke, smoke_replan
+from launcher.run import smoke, smoke_replan, task_baseline
 from launcher.store.rundir import RunDir
 
 AUTOGROUP = Path("/proc/sys/kernel/sched_autogroup_enabled")
@@ -60,6 +60,19 @@ def test_under_foreground_the_smoke_worker_shares_the_launchers_session_as_the_r
     child = _probe(tmp_path, own_session=False)
     assert child["sid"] == os.getsid(0)
     assert child["autogroup"] == _own_autogroup()
+
+
+@pytest.mark.parametrize("own_session", [True, False])
+def test_the_base_models_task_evaluation_runs_in_the_session_the_smoke_worker_gets(tmp_path, monkeypatch, own_session):
+    # the launch's baseline (launcher/run/task_baseline.py run_worker) before the smoke test: its answers are timed
+    # where the run's task evaluation will run, as the smoke worker's steps are
+    out = tmp_path / "child.json"
+    monkeypatch.setattr(task_baseline, "worker_argv", lambda run: [sys.executable, "-c", PROBE, str(out)])
+    said: list[str] = []
+    rc, _ = task_baseline.run_worker(RunDir(tmp_path / "run"), {"num_processes": 1}, said.append, own_session)
+    assert rc == 0, said
+    child = json.loads(out.read_text())
+    assert (child["sid"] == child["pid"] != os.getsid(0)) if own_session else child["sid"] == os.getsid(0)
 
 
 def test_the_launch_passes_the_runs_session_to_the_smoke_test(tmp_path, monkeypatch):
