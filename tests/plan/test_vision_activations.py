@@ -15,7 +15,7 @@ from launcher.plan.sizing_constants import LAYER_BACKWARD_FACTOR
 
 H, I, HEADS, DEPTH = 320, 855, 4, 4
 HEAD_DIM = H // HEADS
-GRIDS = ((1, 16, 16), (1, 32, 32))  # 256 and 1,024 patches: 8 x 8-patch windows and one full-attention block
+GRIDS = ((1, 16, 16), (1, 16, 32))  # 256 and 512 patches: 8 x 8-patch windows and one full-attention block
 # The rotary tables (cos and sin, head_dim fp32 values each a patch) are computed once and shared by every block: the
 # plan leaves them out (640 B a patch, 0.7% of what the 7B's checkpointed tower keeps); the count here does too.
 ROTARY = 2 * HEAD_DIM * 4
@@ -77,8 +77,9 @@ def _saved_per_patch(run) -> float:
 
 
 def _whole_tower(lora: bool):
+    tower = _tower(lora)
+
     def run(grid):
-        tower = _tower(lora)
         pixels, thw = _pixels(grid)
         return tower, (pixels.shape[0], lambda: tower(pixels, grid_thw=thw))
 
