@@ -240,7 +240,8 @@ SWIFT_LORA_GB = 22.0
     strict=True,
     reason="docs/sizing.md: the plan for caption.sh's settings is 16.2 GB with ftrun's fused LM head (17.0 with the "
     "model's own loss, as ms-swift computes it) without the CUDA context, 0.74-0.77 of the 22 GiB. That figure is a"
-    " reserved high-water mark written for another job (Qwen2-VL-7B on OK-VQA, 2024-12-05) and never re-measured; "
+    " reserved high-water mark written for another job (Qwen2-VL-7B on OK-VQA, 2024-12-05) and kept since through "
+    "four changes of settings; "
     "in the ms-swift 3.0 / transformers 4.47 run it came from the frozen tower kept nothing (its "
     "enable_input_require_grads raised NotImplementedError, which ms-swift swallows), and ms-swift's same-day text "
     "figure for the same language model (tuners/lora/train.sh, 17.2 GiB at ~100-token rows) is itself 1.17 x the "
