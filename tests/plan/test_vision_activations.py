@@ -20,7 +20,6 @@ GRIDS = ((1, 16, 16), (1, 16, 32))  # 256 and 512 patches: 8 x 8-patch windows a
 # plan leaves them out (640 B a patch, 0.7% of what the 7B's checkpointed tower keeps); the count here does too.
 ROTARY = 2 * HEAD_DIM * 4
 
-
 VISION = {"depth": DEPTH, "hidden_size": H, "intermediate_size": I, "num_heads": HEADS, "out_hidden_size": 256}
 VISION["fullatt_block_indexes"] = [DEPTH - 1]
 
@@ -103,7 +102,7 @@ def _kept_after_checkpointed_forward(grid) -> tuple[int, int]:
     from torch.profiler import ProfilerActivity, profile
 
     tower = _tower(False)
-    tower.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    tower.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     tower.enable_input_require_grads()
     pixels, thw = _pixels(grid)
     with (
@@ -122,7 +121,6 @@ def test_a_trained_tower_without_checkpointing_keeps_what_the_plan_counts():
     assert vision.activation_bytes(_arch(), 1, False, True) == pytest.approx(measured, rel=0.03)
 
 
-@pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_a_checkpointed_frozen_tower_keeps_what_the_plan_counts():
     """The frozen tower under gradient checkpointing with its patch embedding hooked (enable_input_require_grads, as
     launcher/worker/loading.py add_lora and trl's SFTTrainer call it; non-reentrant, as the worker's trainer runs it):
