@@ -349,6 +349,7 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
         why["activations"] += (
             f"; the vision tower over {w.vision_patches:,} patches: "
             + ("each block's input kept, one block recomputed" if w.gradient_checkpointing else "every block's tensors")
+            + " and the merger's"
             + f" ({tower / GB:.2f} GB)"
         )
     if cpu:

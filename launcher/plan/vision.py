@@ -136,16 +136,20 @@ def activation_bytes(arch: Any, patches: int, checkpointing: bool, trains: bool)
     GradientCheckpointingLayer): each block's input is saved and one block is recomputed in the backward. Without
     checkpointing a frozen tower runs without a graph (nothing kept) and a trained one keeps every block's tensors.
     A block keeps, per patch: two fp32 RMSNorm inputs, q, k, v and the attention output, gate, up and act(gate), and
-    a 16-bit copy of each LoRA-adapted layer's input."""
+    a 16-bit copy of each LoRA-adapted layer's input. Outside the blocks: the patch merger (not checkpointed) its fp32
+    RMSNorm input and its GELU's input (and its two linear layers' inputs where the tower trains), and under
+    checkpointing the patch embedding's output, the leaf that enable_input_require_grads makes (its AccumulateGrad
+    node holds it). tests/plan/test_vision_activations.py measures these on the CPU."""
     linears = {leaf: (a, b) for leaf, a, b, _ in getattr(arch, "vision_linears", ())}
     if not patches or "qkv" not in linears or not (checkpointing or trains):
         return 0.0
     h, i = linears["qkv"][0], linears["gate_proj"][1]
     depth = next(n for leaf, _, _, n in arch.vision_linears if leaf == "qkv")
     block = 2 * 4 * h + 2 * 4 * h + 2 * 3 * i + (2 * (4 * h + i) if trains else 0)
+    merger = 4 * h + 2 * h + (2 * 2 * h if trains else 0)
     if checkpointing:
-        return patches * (depth * h * 2 + LAYER_BACKWARD_FACTOR * block)
-    return patches * depth * block
+        return patches * (depth * h * 2 + 2 * h + merger + LAYER_BACKWARD_FACTOR * block)
+    return patches * (depth * block + merger)
 
 
 def counted(cfg: dict[str, Any]) -> bool:
