@@ -30,10 +30,12 @@ from launcher.errors import PlanError
 from launcher.plan.hardware import from_spec
 from launcher.plan.plan import make_plan
 from launcher.recipe_loading import validate_recipe
+from tests.conftest import recipe_file
 
 HAVE_UNSLOTH = importlib.util.find_spec("unsloth") is not None
 needs_unsloth = pytest.mark.skipif(not HAVE_UNSLOTH, reason="Unsloth is not installed (scripts/test.sh --unsloth)")
 QUICK = ("smoke.enabled=false", "export=[]")
+VISION_DATA = REPO / "recipes" / "data" / "tiny-vision.jsonl"
 DATA = SimpleNamespace(
     examples=400,
     total_tokens=400 * 120,
@@ -98,6 +100,47 @@ def test_cpu_plan_auto_never_picks_unsloth_but_allows_it_forced_where_installed(
     with pytest.raises(PlanError) as err:
         _plan(tmp_path, tiny_model, cpu_box(), True, engine="unsloth", method="full")
     assert "LoRA/QLoRA only" in err.value.message
+
+
+def test_gpu_plan_picks_unsloths_vision_path_where_installed_sized_with_trls_terms(tmp_path):
+    """A vision-language model on one GPU: Unsloth's vision path where it is installed, its memory and speed TRL's
+    (for a text model Unsloth's own terms make them differ); TRL where it is missing; a preference objective on TRL."""
+    from launcher.plan.vision import QWEN25_VL_7B
+
+    model = tmp_path / "qwen2.5-vl-7b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(QWEN25_VL_7B))
+    hw, fields = from_spec("1xL40S"), dict(method="qlora", max_length=2048)
+    u, t = _plan(tmp_path, model, hw, True, **fields), _plan(tmp_path, model, hw, True, engine="trl", **fields)
+    assert (u.engine, u.device, u.num_processes, t.engine) == ("unsloth", "cuda", 1, "trl")
+    said = next(r for r in u.reasons if r.startswith("engine unsloth"))
+    assert "Unsloth's vision path" in said and "estimated from TRL's terms" in said and "fastest" not in said
+    assert u.memory == t.memory and u.estimate == t.estimate
+    text_u, text_t = (_plan(tmp_path, "Qwen/Qwen3-8B", hw, True, engine=e, **fields) for e in ("unsloth", "trl"))
+    assert text_u.memory["per_gpu_gb"] < text_t.memory["per_gpu_gb"]  # text: Unsloth's own terms
+    missing = _plan(tmp_path, model, hw, False, **fields)
+    assert missing.engine == "trl" and any("Unsloth's vision path would train" in r for r in missing.reasons)
+    with pytest.raises(PlanError) as err:
+        _plan(tmp_path, model, hw, True, engine="unsloth", objective="dpo", **fields)
+    assert "engine unsloth: ftrun runs Unsloth for objective" in err.value.message
+
+
+def test_cpu_plan_refuses_unsloths_vision_path_it_has_no_cpu_backend_for(tmp_path, tiny_vlm):
+    from launcher.plan.cpu_engine import UNSLOTH_VISION_CPU
+
+    for installed in (True, False):
+        with pytest.raises(PlanError) as err:
+            _plan(tmp_path, tiny_vlm, cpu_box(), installed, engine="unsloth")
+        assert UNSLOTH_VISION_CPU in err.value.message
+    assert _plan(tmp_path, tiny_vlm, cpu_box(), True).engine == "trl"
+
+
+def test_image_data_packing_is_refused_for_engine_unsloth_as_for_trl(tmp_path, tiny_vlm):
+    recipe = recipe_file(tmp_path / "v.yaml", tiny_vlm, tmp_path / "run", data=str(VISION_DATA), max_length=64)
+    res = ftrun("plan", recipe, "engine=unsloth", "packing=true", cwd=tmp_path)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0 and "packing: true with image data" in out and "M-RoPE" in out, out[-3000:]
+    assert "Traceback" not in out
 
 
 @pytest.mark.skipif(HAVE_UNSLOTH, reason="checks the refusal where Unsloth is missing")

@@ -75,12 +75,17 @@ def version() -> str:
 
 
 def load_model_and_tokenizer(recipe, device: str, dtype):
-    """FastLanguageModel.from_pretrained (4-bit for qlora) + get_peft_model; returns (model, tokenizer, source)."""
+    """FastLanguageModel.from_pretrained (4-bit for qlora) + get_peft_model, or FastVisionModel's for a model with
+    a vision tower (its processor as the tokenizer); returns (model, tokenizer, source)."""
     if "unsloth" not in sys.modules:
         import_unsloth()
-    from unsloth import FastLanguageModel
+    from launcher.worker.loading import reads_images
 
     source = prequantized_repo(recipe.model, recipe.method) or recipe.model
+    if reads_images(recipe.model):
+        return (*_load_vision(recipe, source, dtype), source)
+    from unsloth import FastLanguageModel
+
     model, tokenizer = FastLanguageModel.from_pretrained(
         model_name=source, max_seq_length=recipe.max_length, load_in_4bit=is_quantized(recipe.method), dtype=dtype
     )
@@ -98,6 +103,77 @@ def load_model_and_tokenizer(recipe, device: str, dtype):
         random_state=recipe.seed,
     )
     return model, tokenizer, source
+
+
+def _load_vision(recipe, source: str, dtype):
+    """Unsloth's vision path, as its source (Unsloth 2026.10.9) has it: unsloth/models/loader.py FastVisionModel is
+    FastModel, whose from_pretrained returns the model and its processor; unsloth/models/vision.py
+    FastBaseModel.get_peft_model takes vision_peft_arguments, FastBaseModel.for_training sets checkpointing and the
+    training mode. Unsloth's CPU backend has no such path (unsloth/_cpu_init.py FastVisionModel.from_pretrained
+    raises NotImplementedError), so the plan refuses it on a CPU (launcher/plan/cpu_engine.py UNSLOTH_VISION_CPU)."""
+    from unsloth import FastVisionModel
+
+    model, processor = FastVisionModel.from_pretrained(
+        model_name=source,
+        max_seq_length=recipe.max_length,
+        load_in_4bit=is_quantized(recipe.method),
+        dtype=dtype,
+        use_gradient_checkpointing="unsloth" if recipe.gradient_checkpointing else False,
+    )
+    if processor.tokenizer.pad_token is None:
+        processor.tokenizer.pad_token = processor.tokenizer.eos_token
+    model = FastVisionModel.get_peft_model(model, **vision_peft_arguments(model, recipe))
+    return FastVisionModel.for_training(model), processor
+
+
+def vision_peft_arguments(model, recipe) -> dict[str, Any]:
+    """FastVisionModel.get_peft_model's arguments for the recipe's lora: section. Its switches say what LoRA reaches:
+    the language model always, the vision tower where lora.vision_tower asks for it (launcher/plan/vision.py
+    TOWER_ATTENTION). The modules themselves are the regular expression engine trl adapts
+    (loading.vision_targets): get_peft_model hands a str to PEFT as it is (only a list goes through
+    unsloth_zoo/peft_utils.py get_peft_regex, which, given the tower, leaves its patch merger out where ftrun adapts
+    and the plan counts it), so both engines train, and the plan counts and serves, the same adapter."""
+    from launcher.worker.loading import vision_targets
+
+    lora = recipe.lora
+    return dict(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        bias="none",
+        finetune_vision_layers=bool(lora.vision_tower),
+        finetune_language_layers=True,
+        target_modules=vision_targets(model, lora),
+        use_gradient_checkpointing="unsloth" if recipe.gradient_checkpointing else False,
+        random_state=recipe.seed,
+    )
+
+
+# The turns' openings in a ChatML template (Qwen's: <|im_start|>user / assistant), as Unsloth's Qwen2-VL notebooks
+# pass them to UnslothVisionDataCollator(train_on_responses_only=True)
+CHATML_PARTS = {"instruction_part": "<|im_start|>user\n", "response_part": "<|im_start|>assistant\n"}
+
+
+def vision_collator(model, processor, recipe, collator_class=None):
+    """The batches of Unsloth's vision path: UnslothVisionDataCollator (unsloth/trainer.py, over
+    unsloth_zoo/vision_utils.py's), which renders each conversation, reads its `images` (paths decoded by
+    _load_column_images) and masks padding and the image tokens out of the labels. resize="max" keeps each image's
+    size, so its tokens are the ones the plan counted (the default "min" shrinks images to the tower's image_size);
+    truncation at max_length as engine trl. assistant_only_loss: its train_on_responses_only with the template's
+    turn openings (ChatML's; another template is refused here). `collator_class`: the zoo's base class, for the tests
+    on a CPU, where unsloth.trainer's is a stub that raises."""
+    if collator_class is None:
+        from unsloth.trainer import UnslothVisionDataCollator as collator_class
+    kwargs: dict[str, Any] = {"max_seq_length": recipe.max_length, "resize": "max"}
+    if recipe.assistant_only_loss:
+        turns = [{"role": r, "content": [{"type": "text", "text": r}]} for r in ("user", "assistant")]
+        if not all(p in processor.apply_chat_template(turns, tokenize=False) for p in CHATML_PARTS.values()):
+            raise ValueError(
+                "assistant_only_loss: true with engine unsloth needs a ChatML chat template (<|im_start|>assistant): "
+                "Unsloth's vision collator finds the answers by their turn openings; set engine: trl"
+            )
+        kwargs.update(train_on_responses_only=True, **CHATML_PARTS)
+    return collator_class(model, processor, **kwargs)
 
 
 def patched_modules(model) -> list[str]:
@@ -127,6 +203,8 @@ def markers(model, trainer=None) -> list[str]:
     attached = getattr(getattr(model, "for_training", None), "__func__", None)
     if "FastCPUModel" in getattr(attached, "__qualname__", ""):
         found.append("FastCPUModel methods")
+    if getattr(getattr(model, "push_to_hub", None), "__name__", "") == "unsloth_push_to_hub":  # GPU: unsloth/save.py
+        found.append("Unsloth's saving methods (patch_saving_functions)")
     if trainer is not None and getattr(type(trainer).compute_loss, "_unsloth_cpu", False):
         found.append("SFTTrainer.compute_loss patched by Unsloth (CPU)")
     return found
