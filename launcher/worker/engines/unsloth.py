@@ -106,11 +106,9 @@ def load_model_and_tokenizer(recipe, device: str, dtype):
 
 
 def _load_vision(recipe, source: str, dtype):
-    """Unsloth's vision path, as its source (Unsloth 2026.10.9) has it: unsloth/models/loader.py FastVisionModel is
-    FastModel, whose from_pretrained returns the model and its processor; unsloth/models/vision.py
-    FastBaseModel.get_peft_model takes vision_peft_arguments, FastBaseModel.for_training sets checkpointing and the
-    training mode. Unsloth's CPU backend has no such path (unsloth/_cpu_init.py FastVisionModel.from_pretrained
-    raises NotImplementedError), so the plan refuses it on a CPU (launcher/plan/cpu_engine.py UNSLOTH_VISION_CPU)."""
+    """Unsloth 2026.10.9's vision path: FastVisionModel (unsloth/models/loader.py: FastModel) returns the model and
+    its processor; get_peft_model and for_training are unsloth/models/vision.py FastBaseModel's. Its CPU backend has
+    none (unsloth/_cpu_init.py raises NotImplementedError): the plan refuses it there (UNSLOTH_VISION_CPU)."""
     from unsloth import FastVisionModel
 
     model, processor = FastVisionModel.from_pretrained(
@@ -127,12 +125,11 @@ def _load_vision(recipe, source: str, dtype):
 
 
 def vision_peft_arguments(model, recipe) -> dict[str, Any]:
-    """FastVisionModel.get_peft_model's arguments for the recipe's lora: section. Its switches say what LoRA reaches:
-    the language model always, the vision tower where lora.vision_tower asks for it (launcher/plan/vision.py
-    TOWER_ATTENTION). The modules themselves are the regular expression engine trl adapts
-    (loading.vision_targets): get_peft_model hands a str to PEFT as it is (only a list goes through
-    unsloth_zoo/peft_utils.py get_peft_regex, which, given the tower, leaves its patch merger out where ftrun adapts
-    and the plan counts it), so both engines train, and the plan counts and serves, the same adapter."""
+    """get_peft_model's arguments for the recipe's lora: section: the switches say what LoRA reaches (the language
+    model; the tower where lora.vision_tower asks), the modules are engine trl's regular expression
+    (loading.vision_targets), which get_peft_model hands to PEFT as it is. Unsloth's switches alone
+    (unsloth_zoo/peft_utils.py get_peft_regex) leave the tower's patch merger out, which ftrun adapts and the plan
+    counts: so both engines train, count and serve the same adapter."""
     from launcher.worker.loading import vision_targets
 
     lora = recipe.lora
@@ -155,13 +152,10 @@ CHATML_PARTS = {"instruction_part": "<|im_start|>user\n", "response_part": "<|im
 
 
 def vision_collator(model, processor, recipe, collator_class=None):
-    """The batches of Unsloth's vision path: UnslothVisionDataCollator (unsloth/trainer.py, over
-    unsloth_zoo/vision_utils.py's), which renders each conversation, reads its `images` (paths decoded by
-    _load_column_images) and masks padding and the image tokens out of the labels. resize="max" keeps each image's
-    size, so its tokens are the ones the plan counted (the default "min" shrinks images to the tower's image_size);
-    truncation at max_length as engine trl. assistant_only_loss: its train_on_responses_only with the template's
-    turn openings (ChatML's; another template is refused here). `collator_class`: the zoo's base class, for the tests
-    on a CPU, where unsloth.trainer's is a stub that raises."""
+    """UnslothVisionDataCollator (unsloth/trainer.py, over unsloth_zoo/vision_utils.py's): it renders each
+    conversation, decodes its `images` paths and masks padding and image tokens out of the labels. resize="max"
+    keeps each image's size, so its tokens are the plan's (the default "min" shrinks images); assistant_only_loss:
+    its train_on_responses_only with ChatML's turn openings. `collator_class`: the zoo's, for the tests on a CPU."""
     if collator_class is None:
         from unsloth.trainer import UnslothVisionDataCollator as collator_class
     kwargs: dict[str, Any] = {"max_seq_length": recipe.max_length, "resize": "max"}
