@@ -428,7 +428,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
             if plan.get("engine") == "unsloth" and reads_images(recipe.model):
                 from launcher.worker.engines.unsloth import vision_collator
 
-                own = {"data_collator": vision_collator(model, tokenizer, recipe)}
+                own = {"data_collator": vision_collator(model, tokenizer, recipe, args)}
         trainer = trainer_cls(
             model=model,
             args=args,

@@ -151,11 +151,12 @@ def vision_peft_arguments(model, recipe) -> dict[str, Any]:
 CHATML_PARTS = {"instruction_part": "<|im_start|>user\n", "response_part": "<|im_start|>assistant\n"}
 
 
-def vision_collator(model, processor, recipe, collator_class=None):
+def vision_collator(model, processor, recipe, args, collator_class=None):
     """UnslothVisionDataCollator (unsloth/trainer.py, over unsloth_zoo/vision_utils.py's): it renders each
     conversation, decodes its `images` paths and masks padding and image tokens out of the labels. resize="max"
     keeps each image's size, so its tokens are the plan's (the default "min" shrinks images); assistant_only_loss:
-    its train_on_responses_only with ChatML's turn openings. `collator_class`: the zoo's, for the tests on a CPU."""
+    its train_on_responses_only with ChatML's turn openings, so the trainer's `args` leave it off (trl 1.15 refuses
+    it for image data below transformers 5.18: sft_trainer.py). `collator_class`: the zoo's, for the tests on a CPU."""
     if collator_class is None:
         from unsloth.trainer import UnslothVisionDataCollator as collator_class
     kwargs: dict[str, Any] = {"max_seq_length": recipe.max_length, "resize": "max"}
@@ -167,6 +168,7 @@ def vision_collator(model, processor, recipe, collator_class=None):
                 "Unsloth's vision collator finds the answers by their turn openings; set engine: trl"
             )
         kwargs.update(train_on_responses_only=True, **CHATML_PARTS)
+        args.assistant_only_loss = False
     return collator_class(model, processor, **kwargs)
 
 
