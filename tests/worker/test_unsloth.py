@@ -116,6 +116,7 @@ def test_gpu_plan_picks_unsloths_vision_path_where_installed_sized_with_trls_ter
     said = next(r for r in u.reasons if r.startswith("engine unsloth"))
     assert "Unsloth's vision path" in said and "estimated from TRL's terms" in said and "fastest" not in said
     assert u.memory == t.memory and u.estimate == t.estimate
+    assert any(r.startswith("loss (Unsloth's vision path, estimated as TRL's): TRL's fused") for r in u.reasons)
     text_u, text_t = (_plan(tmp_path, "Qwen/Qwen3-8B", hw, True, engine=e, **fields) for e in ("unsloth", "trl"))
     assert text_u.memory["per_gpu_gb"] < text_t.memory["per_gpu_gb"]  # text: Unsloth's own terms
     missing = _plan(tmp_path, model, hw, False, **fields)
