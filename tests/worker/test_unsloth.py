@@ -136,6 +136,32 @@ def test_cpu_plan_refuses_unsloths_vision_path_it_has_no_cpu_backend_for(tmp_pat
     assert _plan(tmp_path, tiny_vlm, cpu_box(), True).engine == "trl"
 
 
+@pytest.mark.parametrize("tower", [False, True])
+def test_unsloths_vision_lora_reaches_the_layers_engine_trl_adapts(tmp_path, tiny_vlm, tower):
+    """FastVisionModel.get_peft_model's arguments (launcher/worker/engines/unsloth.py) adapt exactly the layers the
+    TRL path's LoRA does, the ones the plan counts: the language model, the tower too where the recipe asks."""
+    import re
+
+    from launcher.recipe_loading import load_recipe
+    from launcher.worker.engines.unsloth import vision_peft_arguments
+    from launcher.worker.loading import add_lora, model_class
+
+    lora = {"r": 8, "alpha": 16, "vision_tower": tower, "target_modules": ["q_proj", "v_proj"]}
+    recipe = load_recipe(recipe_file(tmp_path / "r.yaml", tiny_vlm, tmp_path / "run", data=str(VISION_DATA), lora=lora))
+    model = model_class(recipe.model).from_pretrained(recipe.model)
+    args = vision_peft_arguments(model, recipe)
+    assert (args["finetune_vision_layers"], args["finetune_language_layers"], args["bias"]) == (tower, True, "none")
+    assert (args["r"], args["lora_alpha"], args["lora_dropout"]) == (8, 16, recipe.lora.dropout)
+    assert args["use_gradient_checkpointing"] == ("unsloth" if recipe.gradient_checkpointing else False)
+    ours = {n for n, _ in model.named_modules() if re.fullmatch(args["target_modules"], n)}
+    trl = {
+        n.rsplit(".lora_A", 1)[0].removeprefix("base_model.model.")
+        for n, _ in add_lora(model, recipe).named_parameters()
+        if ".lora_A." in n
+    }
+    assert ours == trl and any(".visual." in n for n in ours) == tower
+
+
 def test_image_data_packing_is_refused_for_engine_unsloth_as_for_trl(tmp_path, tiny_vlm):
     recipe = recipe_file(tmp_path / "v.yaml", tiny_vlm, tmp_path / "run", data=str(VISION_DATA), max_length=64)
     res = ftrun("plan", recipe, "engine=unsloth", "packing=true", cwd=tmp_path)
