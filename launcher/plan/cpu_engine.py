@@ -12,6 +12,13 @@ from launcher.plan.hardware import Hardware
 from launcher.plan.job import Job
 
 
+# Unsloth's CPU backend (unsloth/_cpu_init.py, Unsloth 2026.10.9): FastVisionModel.from_pretrained and its
+# UnslothVisionDataCollator raise NotImplementedError (tests/worker/test_unsloth.py checks the installed one)
+UNSLOTH_VISION_CPU = (
+    "engine: unsloth with a vision-language model needs a GPU: Unsloth's CPU backend has no vision path "
+    '(FastVisionModel: "vision / audio models are not supported on the CPU backend yet"); use engine: auto or trl '
+    "on this box"
+)
 # A CPU run longer than this is refused: CPU training is for tiny models and tests.
 CPU_MAX_HOURS = 24.0
 
@@ -138,6 +145,8 @@ def _choose_cpu_unsloth(job: Job, hw: Hardware, unsloth_ok: bool, processes: int
     if not OBJECTIVES[job.objective].unsloth:
         why = UNSLOTH_NOT_FOR.format(job.objective) + "; use engine: auto or trl"
         return Choice(False, "unsloth", "cpu", 1, None, capacity, reasons, refusal=why)
+    if job.arch.vision_tower:
+        return Choice(False, "unsloth", "cpu", 1, None, capacity, reasons, refusal=UNSLOTH_VISION_CPU)
     if not unsloth_ok:
         why = (
             UNSLOTH_MISSING + " (Unsloth needs an NVIDIA GPU for real runs; on a CPU it is allowed "

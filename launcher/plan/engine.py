@@ -38,11 +38,12 @@ FULL_8BIT_FSDP = (
 )
 
 
-# ftrun's Unsloth engine loads FastLanguageModel (launcher/worker/engines/unsloth.py); Unsloth's vision path is its
-# own class (FastVisionModel) with its own collator, which no ftrun run has trained on a GPU yet (docs/engines.md)
-UNSLOTH_NOT_VISION = (
-    "engine unsloth: ftrun loads Unsloth's FastLanguageModel, not its vision path (FastVisionModel), so a "
-    "vision-language model trains with TRL's SFTTrainer and its processor"
+# Unsloth's vision path (launcher/worker/engines/unsloth.py: FastVisionModel, UnslothVisionDataCollator) is sized with
+# TRL's terms (Job.workload): no ftrun run has measured what Unsloth saves on a vision-language model
+UNSLOTH_VISION_SIZED = (
+    "Unsloth's vision path (FastVisionModel, UnslothVisionDataCollator): memory and time are estimated from TRL's "
+    "terms, as for engine trl (Unsloth's savings on a vision-language model are not measured by ftrun yet); its "
+    "collator leaves the image tokens out of the loss, with the padding"
 )
 
 
@@ -66,11 +67,6 @@ def choose(
     num_processes) is honoured or refused; `offload` (the recipe's): auto, none (never offload), or forced
     (OFFLOAD_FORCED)."""
     vision = bool(getattr(job.arch, "vision_tower", ""))
-    if forced == "unsloth" and vision:
-        device, cap = ("cpu", hw.ram_gb) if hw.is_cpu_only else ("cuda", hw.gpu.memory_gb)
-        return Choice(
-            False, "unsloth", device, 1, None, cap, [], refusal=UNSLOTH_NOT_VISION + "; use engine: auto or trl"
-        )
     if hw.is_cpu_only and forced == "unsloth":
         return _choose_cpu_unsloth(job, hw, unsloth_ok, processes)
     if hw.is_cpu_only:
@@ -117,8 +113,6 @@ def choose(
     single_engine = "trl"
     if forced in ("unsloth", "trl"):
         single_engine = forced
-    elif forced == "auto" and lora and unsloth_ok and cc_ok and vision:
-        reasons.append(UNSLOTH_NOT_VISION + ": TRL on one GPU")
     elif forced == "auto" and lora and unsloth_ok and cc_ok and OBJECTIVES[job.objective].unsloth:
         single_engine = "unsloth"
     elif forced == "auto" and lora and unsloth_ok and cc_ok:
@@ -126,11 +120,13 @@ def choose(
 
     one = sizing.memory(job.arch, job.workload(single_engine, 1, "cuda"))
     fits_one = _fits(one, cap)
-    if forced == "auto" and lora and not unsloth_ok and OBJECTIVES[job.objective].unsloth and not vision:
-        reasons.append(
-            "Unsloth not installed on this machine: TRL on one GPU (Unsloth would need less memory and run "
-            "~1.4x faster; " + UNSLOTH_FIX + ")"
+    if forced == "auto" and lora and not unsloth_ok and OBJECTIVES[job.objective].unsloth:
+        gain = (
+            "with it Unsloth's vision path would train"
+            if vision
+            else "Unsloth would need less memory and run ~1.4x faster"
         )
+        reasons.append(f"Unsloth not installed on this machine: TRL on one GPU ({gain}; " + UNSLOTH_FIX + ")")
 
     if fits_one and forced in ("auto", "unsloth", "trl", "ddp") and not force_offload:
         w1 = job.workload(single_engine, 1, "cuda")
@@ -181,7 +177,8 @@ def choose(
                 why = f"engine: ddp needs {est.per_gpu_gb:.1f} GB per card, the cards have {cap:.1f} GB"
                 return Choice(False, "ddp", "cuda", n, est, cap, reasons, refusal=why)
         engine_reason = {
-            "unsloth": "engine unsloth: LoRA/QLoRA on one card with Unsloth (fastest, least memory)"
+            "unsloth": "engine unsloth: LoRA/QLoRA on one card with Unsloth"
+            + ("; " + UNSLOTH_VISION_SIZED if vision else " (fastest, least memory)")
             + (
                 ""
                 if hw.is_this_machine

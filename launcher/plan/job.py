@@ -71,7 +71,9 @@ class Job:
     ) -> Workload:
         """`offload`: parameters in CPU RAM (FSDP's fsdp_offload_params, DeepSpeed's offload_param);
         `offload_optimizer`: DeepSpeed's optimizer offload (docs/sizing.md, "CPU offload"); `offload_activations`:
-        TRL's activation_offloading (also when the recipe's trainer: section sets it)."""
+        TRL's activation_offloading (also when the recipe's trainer: section sets it). Unsloth's vision path is sized
+        with TRL's terms (plan/engine.py UNSLOTH_VISION_SIZED)."""
+        engine = "trl" if engine == "unsloth" and self.arch.vision_tower else engine
         return Workload(
             self.method,
             self.seq_len,

@@ -455,9 +455,10 @@ def _loss_reason(job: Job, choice: Choice, est: Any) -> str:
         if choice.device == "cpu" and is_adapter(job.method)
         else ""
     )
+    as_trl = " (Unsloth's vision path, estimated as TRL's)" if choice.engine == "unsloth" else ""
     return (
-        f"loss: TRL's fused LM head (trl's {trainer}{on}): the {t:,} x {vocab:,} logits of a micro-batch are never "
-        f"whole, {head:.2f} GB at its peak instead of {whole:.1f} GB for the model's own loss; "
+        f"loss{as_trl}: TRL's fused LM head (trl's {trainer}{on}): the {t:,} x {vocab:,} logits of a micro-batch "
+        f"are never whole, {head:.2f} GB at its peak instead of {whole:.1f} GB for the model's own loss; "
         # KTO's head returns log-probabilities, entropy and mean logits, no top-1 (trl 1.16 kto_trainer.py
         # add_fused_lm_head(outputs=("log_probs", "entropy", "mean_logits")))
         + ("the entropy is" if methods.OBJECTIVES[job.objective].kl_forward else "token accuracy and entropy are")

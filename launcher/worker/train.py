@@ -103,7 +103,8 @@ def load_model_and_tokenizer(recipe, device: str, dtype, plan: Optional[dict] = 
 
         model, tokenizer, source = unsloth_engine.load_model_and_tokenizer(recipe, device, dtype)
         print(
-            f"[ftrun worker] engine unsloth {unsloth_engine.version()}: FastLanguageModel loaded {source}"
+            f"[ftrun worker] engine unsloth {unsloth_engine.version()}: "
+            f"{'FastVisionModel' if loading.reads_images(recipe.model) else 'FastLanguageModel'} loaded {source}"
             f"{' in 4 bit' if recipe.method == 'qlora' else ''}; "
             f"{'; '.join(unsloth_engine.markers(model)) or 'no Unsloth marks'}",
             flush=True,
@@ -200,7 +201,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
 
     from launcher.data.dataset import load_data, to_dataset
 
-    from launcher.worker.loading import attention_facts, local_rank, sdpa_state, select_device
+    from launcher.worker.loading import attention_facts, local_rank, reads_images, sdpa_state, select_device
 
     device, dtype = select_device()  # this rank's own GPU (LOCAL_RANK), before anything touches CUDA
     group_timeout_s = process_group_seconds(recipe, run, mode)
@@ -424,6 +425,10 @@ def run_worker(run_dir: Path, mode: str) -> int:
             own = sampling.trainer_arguments(recipe, rows)
         else:
             own = {"data_collator": padding_free_collator(recipe, tokenizer)}
+            if plan.get("engine") == "unsloth" and reads_images(recipe.model):
+                from launcher.worker.engines.unsloth import vision_collator
+
+                own = {"data_collator": vision_collator(model, tokenizer, recipe, args)}
         trainer = trainer_cls(
             model=model,
             args=args,

@@ -30,10 +30,12 @@ from launcher.errors import PlanError
 from launcher.plan.hardware import from_spec
 from launcher.plan.plan import make_plan
 from launcher.recipe_loading import validate_recipe
+from tests.conftest import recipe_file
 
 HAVE_UNSLOTH = importlib.util.find_spec("unsloth") is not None
 needs_unsloth = pytest.mark.skipif(not HAVE_UNSLOTH, reason="Unsloth is not installed (scripts/test.sh --unsloth)")
 QUICK = ("smoke.enabled=false", "export=[]")
+VISION_DATA = REPO / "recipes" / "data" / "tiny-vision.jsonl"
 DATA = SimpleNamespace(
     examples=400,
     total_tokens=400 * 120,
@@ -98,6 +100,74 @@ def test_cpu_plan_auto_never_picks_unsloth_but_allows_it_forced_where_installed(
     with pytest.raises(PlanError) as err:
         _plan(tmp_path, tiny_model, cpu_box(), True, engine="unsloth", method="full")
     assert "LoRA/QLoRA only" in err.value.message
+
+
+def test_gpu_plan_picks_unsloths_vision_path_where_installed_sized_with_trls_terms(tmp_path):
+    """A vision-language model on one GPU: Unsloth's vision path where it is installed, its memory and speed TRL's
+    (for a text model Unsloth's own terms make them differ); TRL where it is missing; a preference objective on TRL."""
+    from launcher.plan.vision import QWEN25_VL_7B
+
+    model = tmp_path / "qwen2.5-vl-7b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(QWEN25_VL_7B))
+    hw, fields = from_spec("1xL40S"), dict(method="qlora", max_length=2048)
+    u, t = _plan(tmp_path, model, hw, True, **fields), _plan(tmp_path, model, hw, True, engine="trl", **fields)
+    assert (u.engine, u.device, u.num_processes, t.engine) == ("unsloth", "cuda", 1, "trl")
+    said = next(r for r in u.reasons if r.startswith("engine unsloth"))
+    assert "Unsloth's vision path" in said and "estimated from TRL's terms" in said and "fastest" not in said
+    assert u.memory == t.memory and u.estimate == t.estimate
+    assert any(r.startswith("loss (Unsloth's vision path, estimated as TRL's): TRL's fused") for r in u.reasons)
+    text_u, text_t = (_plan(tmp_path, "Qwen/Qwen3-8B", hw, True, engine=e, **fields) for e in ("unsloth", "trl"))
+    assert text_u.memory["per_gpu_gb"] < text_t.memory["per_gpu_gb"]  # text: Unsloth's own terms
+    missing = _plan(tmp_path, model, hw, False, **fields)
+    assert missing.engine == "trl" and any("Unsloth's vision path would train" in r for r in missing.reasons)
+    with pytest.raises(PlanError) as err:
+        _plan(tmp_path, model, hw, True, engine="unsloth", objective="dpo", **fields)
+    assert "engine unsloth: ftrun runs Unsloth for objective" in err.value.message
+
+
+def test_cpu_plan_refuses_unsloths_vision_path_it_has_no_cpu_backend_for(tmp_path, tiny_vlm):
+    from launcher.plan.cpu_engine import UNSLOTH_VISION_CPU
+
+    for installed in (True, False):
+        with pytest.raises(PlanError) as err:
+            _plan(tmp_path, tiny_vlm, cpu_box(), installed, engine="unsloth")
+        assert UNSLOTH_VISION_CPU in err.value.message
+    assert _plan(tmp_path, tiny_vlm, cpu_box(), True).engine == "trl"
+
+
+@pytest.mark.parametrize("tower", [False, True])
+def test_unsloths_vision_lora_reaches_the_layers_engine_trl_adapts(tmp_path, tiny_vlm, tower):
+    """FastVisionModel.get_peft_model's arguments (launcher/worker/engines/unsloth.py) adapt exactly the layers the
+    TRL path's LoRA does, the ones the plan counts: the language model, the tower too where the recipe asks."""
+    import re
+
+    from launcher.recipe_loading import load_recipe
+    from launcher.worker.engines.unsloth import vision_peft_arguments
+    from launcher.worker.loading import add_lora, model_class
+
+    lora = {"r": 8, "alpha": 16, "vision_tower": tower, "target_modules": ["q_proj", "v_proj"]}
+    recipe = load_recipe(recipe_file(tmp_path / "r.yaml", tiny_vlm, tmp_path / "run", data=str(VISION_DATA), lora=lora))
+    model = model_class(recipe.model).from_pretrained(recipe.model)
+    args = vision_peft_arguments(model, recipe)
+    assert (args["finetune_vision_layers"], args["finetune_language_layers"], args["bias"]) == (tower, True, "none")
+    assert (args["r"], args["lora_alpha"], args["lora_dropout"]) == (8, 16, recipe.lora.dropout)
+    assert args["use_gradient_checkpointing"] == ("unsloth" if recipe.gradient_checkpointing else False)
+    ours = {n for n, _ in model.named_modules() if re.fullmatch(args["target_modules"], n)}
+    trl = {
+        n.rsplit(".lora_A", 1)[0].removeprefix("base_model.model.")
+        for n, _ in add_lora(model, recipe).named_parameters()
+        if ".lora_A." in n
+    }
+    assert ours == trl and any(".visual." in n for n in ours) == tower
+
+
+def test_image_data_packing_is_refused_for_engine_unsloth_as_for_trl(tmp_path, tiny_vlm):
+    recipe = recipe_file(tmp_path / "v.yaml", tiny_vlm, tmp_path / "run", data=str(VISION_DATA), max_length=64)
+    res = ftrun("plan", recipe, "engine=unsloth", "packing=true", cwd=tmp_path)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0 and "packing: true with image data" in out and "M-RoPE" in out, out[-3000:]
+    assert "Traceback" not in out
 
 
 @pytest.mark.skipif(HAVE_UNSLOTH, reason="checks the refusal where Unsloth is missing")
@@ -240,3 +310,150 @@ def test_prequantized_names_are_unsloths_own():
     }
     missing = [repo for repo in PREQUANTIZED.values() if repo.lower() not in known]
     assert not missing, missing
+
+
+# --- unsloth tier: Unsloth's vision path, all that a CPU can run of it ---------------------------------------------
+
+
+@pytest.mark.unsloth
+@needs_unsloth
+def test_unsloths_cpu_backend_has_no_vision_path_and_the_plan_says_so(tmp_path, tiny_vlm):
+    """Why engine unsloth does not train the tiny vision model here: the installed Unsloth's CPU backend
+    (unsloth/_cpu_init.py) raises in FastVisionModel.from_pretrained and in UnslothVisionDataCollator. A release that
+    trains vision on a CPU fails this test: then lift the plan's refusal (UNSLOTH_VISION_CPU) and train it here."""
+    import unsloth
+
+    from launcher.plan.cpu_engine import UNSLOTH_VISION_CPU
+
+    assert unsloth.DEVICE_TYPE == "cpu"
+    with pytest.raises(NotImplementedError, match="vision / audio models are not supported on the CPU backend"):
+        unsloth.FastVisionModel.from_pretrained(model_name=str(tiny_vlm))
+    from unsloth.trainer import UnslothVisionDataCollator
+
+    with pytest.raises(NotImplementedError, match="not supported on the CPU backend"):
+        UnslothVisionDataCollator(None, None)
+    recipe = recipe_file(tmp_path / "v.yaml", tiny_vlm, tmp_path / "run", data=str(VISION_DATA), max_length=64)
+    res = ftrun("plan", recipe, "engine=unsloth", cwd=tmp_path)
+    out = " ".join((res.stdout + res.stderr).split())
+    assert res.returncode != 0 and UNSLOTH_VISION_CPU in out and "Traceback" not in out, out[-3000:]
+
+
+def _tiny_vlm_processor(folder: Path):
+    """The tiny model's processor as transformers 5.17 (Unsloth's pin) builds it without torchvision: its
+    AutoImageProcessor needs torchvision there, so the PIL image processor is named (on a GPU box, with torchvision,
+    FastVisionModel.from_pretrained returns the AutoProcessor)."""
+    from transformers import AutoTokenizer, Qwen2_5_VLProcessor, Qwen2VLImageProcessorPil
+
+    from launcher.worker.processor import _chat_template, _without_video
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return _without_video(Qwen2_5_VLProcessor)(
+        image_processor=Qwen2VLImageProcessorPil.from_pretrained(folder),
+        tokenizer=tokenizer,
+        video_processor=None,
+        chat_template=_chat_template(folder, tokenizer),
+    )
+
+
+@pytest.mark.unsloth
+@needs_unsloth
+def test_the_recipe_maps_onto_unsloths_vision_arguments_and_collator_on_real_batches(tmp_path, tiny_vlm):
+    """Everything of the vision path short of FastVisionModel's training step, with the installed Unsloth:
+    - get_peft_model's arguments: the same layers as engine trl adapts; Unsloth's own switches
+      (unsloth_zoo get_peft_regex) pick the same language-model layers, and with the tower all its layers but the
+      patch merger's two, which ftrun adapts and the plan counts (hence the explicit regular expression);
+    - UnslothVisionDataCollator (the zoo's class, which unsloth.trainer's extends on a GPU) on the demo's images:
+      the rows and pixels TRL's vision collator makes, each image's tokens as the plan counts them, the padding and
+      the image tokens out of the labels; with assistant_only_loss only the answer; through trl's SFTTrainer
+      dataloader, and one forward and backward of the adapted model on it."""
+    import re
+
+    import unsloth  # noqa: F401  (first, as in the worker)
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from PIL import Image
+    from trl import SFTConfig, SFTTrainer
+    from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
+    from unsloth_zoo.peft_utils import get_peft_regex
+    from unsloth_zoo.vision_utils import UnslothVisionDataCollator
+
+    from launcher.data.dataset import load_data, to_dataset
+    from launcher.data.image_tokens import read_rule
+    from launcher.recipe_loading import load_recipe
+    from launcher.worker.engines.unsloth import vision_collator, vision_peft_arguments
+    from launcher.worker.loading import model_class
+
+    def linears(model, regex):
+        return {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and re.fullmatch(regex, n)}
+
+    for tower in (True, False):  # the language-model-only model stays for the batches below
+        recipe = load_recipe(
+            recipe_file(
+                tmp_path / f"{tower}.yaml",
+                tiny_vlm,
+                tmp_path / "run",
+                data=str(VISION_DATA),
+                max_length=64,
+                lora={"r": 8, "alpha": 16, "vision_tower": tower},
+            )
+        )
+        model = model_class(recipe.model).from_pretrained(recipe.model)
+        args = vision_peft_arguments(model, recipe)
+        assert (args["finetune_vision_layers"], args["finetune_language_layers"]) == (tower, True)
+        assert (args["r"], args["lora_alpha"], args["random_state"]) == (8, 16, recipe.seed)
+        ours = linears(model, args["target_modules"])
+        switches = {k: v for k, v in args.items() if k.startswith("finetune_")}
+        theirs = linears(
+            model, get_peft_regex(model, finetune_attention_modules=True, finetune_mlp_modules=True, **switches)
+        )
+        assert ours and all(".language_model." in n or (tower and ".visual." in n) for n in ours)
+        assert any(".visual." in n for n in ours) == tower
+        assert ours - theirs == ({"model.visual.merger.mlp.0", "model.visual.merger.mlp.2"} if tower else set())
+        assert theirs <= ours
+
+    processor = _tiny_vlm_processor(tiny_vlm)
+    examples = load_data(VISION_DATA, recipe.seed).examples[:6]
+    config = SFTConfig(
+        output_dir=str(tmp_path / "out"), max_length=64, per_device_train_batch_size=6, use_cpu=True, report_to=[]
+    )
+    batch = vision_collator(model, processor, recipe, config, UnslothVisionDataCollator)(examples)
+    trl_batch = DataCollatorForVisionLanguageModeling(processor, max_length=recipe.max_length)(
+        [{**e, "images": [Image.open(p) for p in e["images"]]} for e in examples]
+    )
+    assert torch.equal(batch["input_ids"], trl_batch["input_ids"])
+    assert torch.equal(batch["pixel_values"], trl_batch["pixel_values"])
+    image_token = model.config.image_token_id
+    rule = read_rule(tiny_vlm)
+    for row, example in zip(batch["input_ids"], examples):
+        (path,) = example["images"]
+        assert int((row == image_token).sum()) == rule.tokens(*Image.open(path).size)  # resize="max"
+    tokenizer = processor.tokenizer
+    labels, ids = batch["labels"], batch["input_ids"]
+    assert not (labels[ids == image_token] != -100).any() and not (labels[ids == tokenizer.pad_token_id] != -100).any()
+    assert ((trl_batch["labels"] != -100) & (labels == -100) & (ids != image_token)).sum() > 0  # vision markers too
+    answer = examples[0]["messages"][-1]["content"]
+    assert answer in tokenizer.decode([t for t in labels[0].tolist() if t != -100])  # the whole conversation
+
+    # assistant_only_loss: the collator's train_on_responses_only, the trainer's own setting off (trl 1.15 refuses
+    # it for image data under transformers 5.17)
+    adapted = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=args["target_modules"]))
+    config.assistant_only_loss = True
+    answers_only = recipe.model_copy(update={"assistant_only_loss": True})
+    collator = vision_collator(adapted, processor, answers_only, config, UnslothVisionDataCollator)
+    assert config.assistant_only_loss is False
+    trainer = SFTTrainer(
+        model=adapted,
+        args=config,
+        train_dataset=to_dataset(examples),
+        processing_class=processor,
+        data_collator=collator,
+    )
+    fed = next(iter(trainer.get_train_dataloader()))
+    assert fed["pixel_values"].shape[0] == batch["pixel_values"].shape[0]
+    answers = {e["messages"][-1]["content"] + "<|im_end|>" for e in examples}
+    assert {tokenizer.decode([t for t in row.tolist() if t != -100]).strip() for row in fed["labels"]} <= answers
+    loss = adapted(**fed).loss
+    loss.backward()
+    grads = [p.grad for n, p in adapted.named_parameters() if "lora_B" in n]
+    assert torch.isfinite(loss) and grads and all(g is not None and g.abs().sum() > 0 for g in grads)
+    print(f"Unsloth's vision collator: {len(examples)} examples, loss {loss.item():.3f} on its batch (plain forward)")

@@ -75,12 +75,17 @@ def version() -> str:
 
 
 def load_model_and_tokenizer(recipe, device: str, dtype):
-    """FastLanguageModel.from_pretrained (4-bit for qlora) + get_peft_model; returns (model, tokenizer, source)."""
+    """FastLanguageModel.from_pretrained (4-bit for qlora) + get_peft_model, or FastVisionModel's for a model with
+    a vision tower (its processor as the tokenizer); returns (model, tokenizer, source)."""
     if "unsloth" not in sys.modules:
         import_unsloth()
-    from unsloth import FastLanguageModel
+    from launcher.worker.loading import reads_images
 
     source = prequantized_repo(recipe.model, recipe.method) or recipe.model
+    if reads_images(recipe.model):
+        return (*_load_vision(recipe, source, dtype), source)
+    from unsloth import FastLanguageModel
+
     model, tokenizer = FastLanguageModel.from_pretrained(
         model_name=source, max_seq_length=recipe.max_length, load_in_4bit=is_quantized(recipe.method), dtype=dtype
     )
@@ -98,6 +103,73 @@ def load_model_and_tokenizer(recipe, device: str, dtype):
         random_state=recipe.seed,
     )
     return model, tokenizer, source
+
+
+def _load_vision(recipe, source: str, dtype):
+    """Unsloth 2026.10.9's vision path: FastVisionModel (unsloth/models/loader.py: FastModel) returns the model and
+    its processor; get_peft_model and for_training are unsloth/models/vision.py FastBaseModel's. Its CPU backend has
+    none (unsloth/_cpu_init.py raises NotImplementedError): the plan refuses it there (UNSLOTH_VISION_CPU)."""
+    from unsloth import FastVisionModel
+
+    model, processor = FastVisionModel.from_pretrained(
+        model_name=source,
+        max_seq_length=recipe.max_length,
+        load_in_4bit=is_quantized(recipe.method),
+        dtype=dtype,
+        use_gradient_checkpointing="unsloth" if recipe.gradient_checkpointing else False,
+    )
+    if processor.tokenizer.pad_token is None:
+        processor.tokenizer.pad_token = processor.tokenizer.eos_token
+    model = FastVisionModel.get_peft_model(model, **vision_peft_arguments(model, recipe))
+    return FastVisionModel.for_training(model), processor
+
+
+def vision_peft_arguments(model, recipe) -> dict[str, Any]:
+    """get_peft_model's arguments for the recipe's lora: section: the switches say what LoRA reaches (the language
+    model; the tower where lora.vision_tower asks), the modules are engine trl's regular expression
+    (loading.vision_targets), which get_peft_model hands to PEFT as it is. Unsloth's switches alone
+    (unsloth_zoo/peft_utils.py get_peft_regex) leave the tower's patch merger out, which ftrun adapts and the plan
+    counts: so both engines train, count and serve the same adapter."""
+    from launcher.worker.loading import vision_targets
+
+    lora = recipe.lora
+    return dict(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        bias="none",
+        finetune_vision_layers=bool(lora.vision_tower),
+        finetune_language_layers=True,
+        target_modules=vision_targets(model, lora),
+        use_gradient_checkpointing="unsloth" if recipe.gradient_checkpointing else False,
+        random_state=recipe.seed,
+    )
+
+
+# The turns' openings in a ChatML template (Qwen's: <|im_start|>user / assistant), as Unsloth's Qwen2-VL notebooks
+# pass them to UnslothVisionDataCollator(train_on_responses_only=True)
+CHATML_PARTS = {"instruction_part": "<|im_start|>user\n", "response_part": "<|im_start|>assistant\n"}
+
+
+def vision_collator(model, processor, recipe, args, collator_class=None):
+    """UnslothVisionDataCollator (unsloth/trainer.py, over unsloth_zoo/vision_utils.py's): it renders each
+    conversation, decodes its `images` paths and masks padding and image tokens out of the labels. resize="max"
+    keeps each image's size, so its tokens are the plan's (the default "min" shrinks images); assistant_only_loss:
+    its train_on_responses_only with ChatML's turn openings, so the trainer's `args` leave it off (trl 1.15 refuses
+    it for image data below transformers 5.18: sft_trainer.py). `collator_class`: the zoo's, for the tests on a CPU."""
+    if collator_class is None:
+        from unsloth.trainer import UnslothVisionDataCollator as collator_class
+    kwargs: dict[str, Any] = {"max_seq_length": recipe.max_length, "resize": "max"}
+    if recipe.assistant_only_loss:
+        turns = [{"role": r, "content": [{"type": "text", "text": r}]} for r in ("user", "assistant")]
+        if not all(p in processor.apply_chat_template(turns, tokenize=False) for p in CHATML_PARTS.values()):
+            raise ValueError(
+                "assistant_only_loss: true with engine unsloth needs a ChatML chat template (<|im_start|>assistant): "
+                "Unsloth's vision collator finds the answers by their turn openings; set engine: trl"
+            )
+        kwargs.update(train_on_responses_only=True, **CHATML_PARTS)
+        args.assistant_only_loss = False
+    return collator_class(model, processor, **kwargs)
 
 
 def patched_modules(model) -> list[str]:
@@ -127,6 +199,8 @@ def markers(model, trainer=None) -> list[str]:
     attached = getattr(getattr(model, "for_training", None), "__func__", None)
     if "FastCPUModel" in getattr(attached, "__qualname__", ""):
         found.append("FastCPUModel methods")
+    if getattr(getattr(model, "push_to_hub", None), "__name__", "") == "unsloth_push_to_hub":  # GPU: unsloth/save.py
+        found.append("Unsloth's saving methods (patch_saving_functions)")
     if trainer is not None and getattr(type(trainer).compute_loss, "_unsloth_cpu", False):
         found.append("SFTTrainer.compute_loss patched by Unsloth (CPU)")
     return found
