@@ -40,6 +40,12 @@ FULL_8BIT_FSDP = (
 
 # Unsloth's vision path (launcher/worker/engines/unsloth.py: FastVisionModel, UnslothVisionDataCollator) is sized with
 # TRL's terms (Job.workload): no ftrun run has measured what Unsloth saves on a vision-language model
+# engine auto keeps TRL for a vision-language model: Unsloth's vision path is written from its source but no GPU has
+# run it in ftrun's checks yet (Unsloth's CPU backend has none: docs/engines.md), so it is the recipe's choice
+UNSLOTH_VISION_OPT_IN = (
+    "TRL on one GPU: Unsloth's vision path (engine: unsloth) has not been run on a GPU by ftrun's checks yet, so "
+    "engine auto keeps TRL's SFTTrainer with the processor for a vision-language model"
+)
 UNSLOTH_VISION_SIZED = (
     "Unsloth's vision path (FastVisionModel, UnslothVisionDataCollator): memory and time are estimated from TRL's "
     "terms, as for engine trl (Unsloth's savings on a vision-language model are not measured by ftrun yet); its "
@@ -113,6 +119,8 @@ def choose(
     single_engine = "trl"
     if forced in ("unsloth", "trl"):
         single_engine = forced
+    elif forced == "auto" and lora and unsloth_ok and cc_ok and vision and OBJECTIVES[job.objective].unsloth:
+        reasons.append(UNSLOTH_VISION_OPT_IN)
     elif forced == "auto" and lora and unsloth_ok and cc_ok and OBJECTIVES[job.objective].unsloth:
         single_engine = "unsloth"
     elif forced == "auto" and lora and unsloth_ok and cc_ok:
@@ -120,13 +128,11 @@ def choose(
 
     one = sizing.memory(job.arch, job.workload(single_engine, 1, "cuda"))
     fits_one = _fits(one, cap)
-    if forced == "auto" and lora and not unsloth_ok and OBJECTIVES[job.objective].unsloth:
-        gain = (
-            "with it Unsloth's vision path would train"
-            if vision
-            else "Unsloth would need less memory and run ~1.4x faster"
+    if forced == "auto" and lora and not unsloth_ok and OBJECTIVES[job.objective].unsloth and not vision:
+        reasons.append(
+            "Unsloth not installed on this machine: TRL on one GPU (Unsloth would need less memory and run "
+            "~1.4x faster; " + UNSLOTH_FIX + ")"
         )
-        reasons.append(f"Unsloth not installed on this machine: TRL on one GPU ({gain}; " + UNSLOTH_FIX + ")")
 
     if fits_one and forced in ("auto", "unsloth", "trl", "ddp") and not force_offload:
         w1 = job.workload(single_engine, 1, "cuda")

@@ -102,17 +102,19 @@ def test_cpu_plan_auto_never_picks_unsloth_but_allows_it_forced_where_installed(
     assert "LoRA/QLoRA only" in err.value.message
 
 
-def test_gpu_plan_picks_unsloths_vision_path_where_installed_sized_with_trls_terms(tmp_path):
-    """A vision-language model on one GPU: Unsloth's vision path where it is installed, its memory and speed TRL's
-    (for a text model Unsloth's own terms make them differ); TRL where it is missing; a preference objective on TRL."""
+def test_gpu_plan_takes_unsloths_vision_path_when_asked_sized_with_trls_terms(tmp_path):
+    """A vision-language model on one GPU: Unsloth's vision path with engine: unsloth, its memory and speed TRL's
+    (for a text model Unsloth's own terms make them differ); engine auto keeps TRL, saying why (no GPU has run the
+    vision path in ftrun's checks yet); a preference objective is refused for Unsloth."""
     from launcher.plan.vision import QWEN25_VL_7B
 
     model = tmp_path / "qwen2.5-vl-7b"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(QWEN25_VL_7B))
     hw, fields = from_spec("1xL40S"), dict(method="qlora", max_length=2048)
-    u, t = _plan(tmp_path, model, hw, True, **fields), _plan(tmp_path, model, hw, True, engine="trl", **fields)
+    u, t = _plan(tmp_path, model, hw, True, engine="unsloth", **fields), _plan(tmp_path, model, hw, True, **fields)
     assert (u.engine, u.device, u.num_processes, t.engine) == ("unsloth", "cuda", 1, "trl")
+    assert any("Unsloth's vision path (engine: unsloth) has not been run on a GPU" in r for r in t.reasons)
     said = next(r for r in u.reasons if r.startswith("engine unsloth"))
     assert "Unsloth's vision path" in said and "estimated from TRL's terms" in said and "fastest" not in said
     assert u.memory == t.memory and u.estimate == t.estimate
@@ -120,7 +122,7 @@ def test_gpu_plan_picks_unsloths_vision_path_where_installed_sized_with_trls_ter
     text_u, text_t = (_plan(tmp_path, "Qwen/Qwen3-8B", hw, True, engine=e, **fields) for e in ("unsloth", "trl"))
     assert text_u.memory["per_gpu_gb"] < text_t.memory["per_gpu_gb"]  # text: Unsloth's own terms
     missing = _plan(tmp_path, model, hw, False, **fields)
-    assert missing.engine == "trl" and any("Unsloth's vision path would train" in r for r in missing.reasons)
+    assert missing.engine == "trl" and not any("Unsloth not installed" in r for r in missing.reasons)
     with pytest.raises(PlanError) as err:
         _plan(tmp_path, model, hw, True, engine="unsloth", objective="dpo", **fields)
     assert "engine unsloth: ftrun runs Unsloth for objective" in err.value.message
