@@ -49,6 +49,7 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "resume-exact": CLI_NEEDS,
     "vs-trl": CLI_NEEDS,
     "unsloth": (*CLI_NEEDS, "unsloth"),
+    "unsloth-vision": (*CLI_NEEDS, "unsloth", "PIL", "torchvision"),
     "generation": ("transformers", "sacrebleu", "pydantic", "yaml", "jinja2"),
     "attention": (),
     "bench-lora": ("transformers", "peft"),

@@ -33,7 +33,7 @@ from gpu_check.product import (
 from gpu_check.resume_check import step_resume_exact
 from gpu_check.smoke_check import step_smoke_bench
 from gpu_check.tiny_model import step_tiny_model
-from gpu_check.unsloth_check import step_unsloth
+from gpu_check.unsloth_check import step_unsloth, step_unsloth_vision
 from gpu_check.vision_check import step_vision
 from gpu_check.vs_trl import step_vs_trl, trl_child
 from gpu_check.training import GPU_SHAPE
@@ -69,6 +69,7 @@ STEPS = (
     "fsdp",
     "smoke-bench",
     "unsloth",
+    "unsloth-vision",
 )
 # Each step's timeout in seconds, on a GPU and in the dry run (CPU): the most it may take; the script gives it less
 # where the budget left, less what the later steps are estimated to need (preflight.py), says so, though never less
@@ -99,6 +100,7 @@ TIMEOUTS = {
     "fsdp": (120, 150),
     "smoke-bench": (300, 300),
     "unsloth": (200, 60),
+    "unsloth-vision": (150, 60),
 }
 # Named selections (GPU_CHECK_STEPS=product): what one call of 540 s on a lent GPU runs, in STEPS's order; the
 # numbers issue 55's "Done when" names come from product-lora (the demo's step, GPU against 2 CPU cores),
@@ -117,7 +119,8 @@ PRESETS = {
         "product-dpo",
         "product-qlora",
     ),
-    "unsloth": ("tiny-model", "product-lora", "unsloth"),  # the second call: TRL 1.15 beside Unsloth, one stack
+    # the second call: TRL 1.15 beside Unsloth, one stack; the vision path beside TRL's on the tiny VLM
+    "unsloth": ("tiny-model", "product-lora", "unsloth", "product-vision", "unsloth-vision"),
     # issue 57: `ftrun recipes/tiny-cpu-vision.yaml` on the card; the tiny VLM's steps and the 7B shape's memory and
     # tokens/s against the plan
     "vision": ("product-vision", "vision"),
@@ -147,6 +150,7 @@ STEP_FUNCS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "product-qlora": step_product_qlora,
     "product-vision": step_product_vision,
     "unsloth": step_unsloth,
+    "unsloth-vision": step_unsloth_vision,
     "vision": step_vision,
 }
 
