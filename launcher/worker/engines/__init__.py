@@ -188,7 +188,8 @@ def trainer_fields(plan: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         # Every LoRA/full parameter takes part in each forward: the unused-parameter search the Trainer turns on by
         # default costs an extra graph traversal per step. Not so for a vision tower that trains: a micro-batch
         # without images never calls it, and DDP waits for its gradients' all-reduce on the other ranks forever
-        # (2 gloo processes hung at step 0 on data mixing text-only examples, 2026-12-06).
+        # (2 gloo processes hung at step 0 on data mixing text-only examples, 2026-12-06); trl 1.16 turns the search
+        # on for a vision model left at None (dpo_trainer.py), which this field would otherwise override.
         fields: dict[str, Any] = {"ddp_find_unused_parameters": _tower_trains(run_dir)}
         if world_size(plan) > int(plan.get("num_processes", 1)):
             # Each box has its own disk: every node keeps its own checkpoints, so any node can resume.
