@@ -231,9 +231,10 @@ def _parameter_names(model) -> tuple[dict[str, str], set[str]]:
 
 def exercise(run_dir: Path, steps: int, out: Optional[Path], final_dir: Optional[Path] = None) -> int:
     """Under torchrun: shard the worker's own model (recipe in run_dir) with fully_shard over gloo, train `steps`
-    steps on fixed batches split between the ranks, and compare with an unsharded copy trained on the whole
-    batch in the same process. With `final_dir`, also run the worker's final save (`save_full`) on the sharded
-    model and compare what it wrote with the unsharded copy's own save_pretrained (see `_final_save_check`).
+    steps on fixed batches split between the ranks (`_fixed_batches`: images for a vision-language model), and
+    compare with an unsharded copy trained on every rank's batch in the same process. With `final_dir`, also run
+    the worker's final save (`save_full`) on the sharded model and compare what it wrote with the unsharded copy's
+    own save_pretrained (see `_final_save_check`).
     Writes the result as JSON (rank 0); exit 0 only when sharded and equal."""
     import copy
     import os
