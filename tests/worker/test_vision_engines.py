@@ -247,3 +247,27 @@ def test_fully_shard_wraps_the_vision_blocks_and_trains_on_images_like_unsharded
         str(final_dir / "sharded" / "adapter_model.safetensors")
     )
     assert any(".visual." in k for k in saved) == tower
+
+
+def test_accelerates_fsdp2_wrap_from_the_generated_config_takes_the_vision_blocks_as_the_exercise_does(tiny_vlm):
+    """On GPUs accelerate wraps (fsdp2_prepare_auto_wrap_policy over the PEFT model's _no_split_modules); on CPU the
+    exercise does (shard_worker_model): the same units, the vision blocks among them."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    from launcher.worker.engines.fsdp import accelerate_config
+
+    fsdp = accelerate_config({"num_processes": 2, "device": "cuda"}, True)["fsdp_config"]
+    model = get_peft_model(
+        AutoModelForImageTextToText.from_pretrained(str(tiny_vlm)), LoraConfig(target_modules=["q_proj"])
+    )
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=fsdp["fsdp_version"], auto_wrap_policy=fsdp["fsdp_auto_wrap_policy"].lower()
+    )
+    policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    units = [type(m).__name__ for m in model.modules() if policy(m)]
+    assert sorted(units) == ["Qwen2_5_VLDecoderLayer"] * 2 + ["Qwen2_5_VLVisionBlock"] * 2
+    names = set(model.get_base_model()._no_split_modules)  # what shard_worker_model wraps
+    assert [type(m).__name__ for m in model.modules() if type(m).__name__ in names] == units
