@@ -213,14 +213,12 @@ def test_ddp_trains_a_vision_tower_that_a_micro_batch_without_images_skips(tmp_p
 
 
 @pytest.mark.slow  # two gloo processes
-@pytest.mark.parametrize("tower", [False, True])
-def test_fully_shard_wraps_the_vision_blocks_and_trains_on_images_like_unsharded(tmp_path, tiny_vlm, tower):
-    recipe = recipe_file(
-        tmp_path / "r.yaml",
-        tiny_vlm,
-        tmp_path / "run",
-        **{**TRAIN, "lora": {"r": 8, "alpha": 16, "vision_tower": tower}},
-    )
+@pytest.mark.parametrize("method, tower", [("lora", False), ("lora", True), ("qlora", True)])
+def test_fully_shard_wraps_the_vision_blocks_and_trains_on_images_like_unsharded(tmp_path, tiny_vlm, method, tower):
+    """LoRA on the language model (the tower frozen in its own units), on the tower too, and QLoRA, whose 4-bit
+    tower (bitsandbytes quantizes its linear layers as well) shards like the decoder layers."""
+    lora = {"r": 8, "alpha": 16, "vision_tower": tower}
+    recipe = recipe_file(tmp_path / "r.yaml", tiny_vlm, tmp_path / "run", **{**TRAIN, "method": method, "lora": lora})
     run = prepared_run(recipe, *DDP)
     out, final_dir = tmp_path / "fsdp.json", tmp_path / "final"
     res = subprocess.run(
@@ -243,9 +241,9 @@ def test_fully_shard_wraps_the_vision_blocks_and_trains_on_images_like_unsharded
     assert r["max_loss_diff"] < 1e-4 and r["losses_sharded"][-1] < r["losses_sharded"][0] - 1.0
     f = r["final_save"]
     assert f["ok"] and f["verified_ok"] and f["trained_values"] and f["gathered_frozen"] == [], f
-    saved = __import__("safetensors.torch", fromlist=["load_file"]).load_file(
-        str(final_dir / "sharded" / "adapter_model.safetensors")
-    )
+    from safetensors.torch import load_file
+
+    saved = load_file(str(final_dir / "sharded" / "adapter_model.safetensors"))
     assert any(".visual." in k for k in saved) == tower
 
 
