@@ -125,6 +125,9 @@ def image_stats(recipe: Any):
         },
         "rule": rule.describe(),
         "patches_longest": sum(rule.patches(w, h) for w, h in data.sizes[longest]) * runs[longest],
+        # held-out examples too: the evaluation's micro-batches run on every rank as well (plan/vision.py)
+        "without_images": sum(not sizes for sizes in data.sizes),
+        "first_without_image": next((data.where[i] for i, sizes in enumerate(data.sizes) if not sizes), None),
     }
     # the loss view shows conversations (a preference pair's loss is on its answers, as for text pairs)
     seen = (

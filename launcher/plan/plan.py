@@ -208,6 +208,8 @@ def plan_for(
     choice = engine_choice.choose_with_software(
         job, hardware, forced, unsloth_ok, workday_hours, processes=wanted, nnodes=nnodes, offload=offload
     )
+    if choice.fits:
+        vision.refuse_sharded_without_images(choice.engine, forced, data_stats)
     rows = _box_rows(job, forced if forced in ("auto", *SHARDING_ENGINES) else "auto", True, workday_hours)
     alternatives = _pick_alternatives(rows)
     g = hardware.gpu

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from launcher.errors import RecipeError
 from launcher.methods import is_adapter
 from launcher.plan.sizing_constants import LAYER_BACKWARD_FACTOR
 
@@ -185,3 +186,24 @@ def notes(arch: Any, recipe: Any, stats: Any) -> list[str]:
     if is_adapter(getattr(recipe, "method", "")):
         lines.append(WITH_TOWER if getattr(recipe.lora, "vision_tower", False) else LANGUAGE_MODEL_ONLY)
     return lines
+
+
+def refuse_sharded_without_images(engine: str, forced: str, stats: Any) -> None:
+    """FSDP on image data in which some examples hold no image: refused. FSDP2 shards each vision block (the model's
+    _no_split_modules name Qwen2_5_VLDecoderLayer and Qwen2_5_VLVisionBlock, transformers 5.24
+    modeling_qwen2_5_vl.py; accelerate 1.15 fsdp2_prepare_auto_wrap_policy wraps those classes) and every rank
+    all-gathers each block in turn; Qwen2_5_VLModel.forward runs the tower only where pixel_values is not None, so a
+    rank whose micro-batch holds no image sends its next gather against another rank's tower gather. On 2 gloo
+    processes (engines/fsdp.py exercise) gloo aborted: "Is there a distributed collective mismatch"."""
+    facts = (getattr(stats, "images", None) if stats is not None else None) or {}
+    if engine != "fsdp" or not facts.get("without_images"):
+        return
+    why = "engine: fsdp in the recipe" if forced == "fsdp" else "the plan's engine fsdp (no card holds the job alone)"
+    raise RecipeError(
+        f"{why} with image data in which {facts['without_images']:,} example(s) hold no image (the first at "
+        f"{facts['first_without_image']}): FSDP shards each vision-tower block and every process gathers it in "
+        "step, but a micro-batch without images skips the tower on its process, so the processes' collectives no "
+        "longer match and the run aborts or hangs",
+        fix="give every example an image (or train the text-only examples in a run of their own), or use "
+        "engine: ddp on cards that each hold the model, whose unused-parameter search covers a skipped tower.",
+    )

@@ -459,7 +459,10 @@ def load_tokenizer(recipe):
     if reads_images(recipe.model):
         from launcher.worker.processor import load_processor
 
-        processor = load_processor(recipe.model, say=lambda line: print(f"[ftrun worker] {line}", flush=True))
+        # every rank builds its own processor (its collator renders its own batches); rank 0 says the fallback
+        processor = load_processor(
+            recipe.model, say=lambda line: is_main_process() and print(f"[ftrun worker] {line}", flush=True)
+        )
         if processor.tokenizer.pad_token is None:
             processor.tokenizer.pad_token = processor.tokenizer.eos_token
         return processor

@@ -185,9 +185,12 @@ def trainer_fields(plan: dict[str, Any], run_dir: Path) -> dict[str, Any]:
             return {"deepspeed": str(path), "save_on_each_node": True}
         return {"deepspeed": str(path)}
     if engine == "ddp":
-        # Every LoRA/full parameter takes part in each forward: the unused-parameter search the
-        # Trainer turns on by default costs an extra graph traversal per step.
-        fields: dict[str, Any] = {"ddp_find_unused_parameters": False}
+        # Every LoRA/full parameter takes part in each forward: the unused-parameter search the Trainer turns on by
+        # default costs an extra graph traversal per step. Not so for a vision tower that trains: a micro-batch
+        # without images never calls it, and DDP waits for its gradients' all-reduce on the other ranks forever
+        # (2 gloo processes hung at step 0 on data mixing text-only examples, 2026-12-06); trl 1.16 turns the search
+        # on for a vision model left at None (dpo_trainer.py), which this field would otherwise override.
+        fields: dict[str, Any] = {"ddp_find_unused_parameters": _tower_trains(run_dir)}
         if world_size(plan) > int(plan.get("num_processes", 1)):
             # Each box has its own disk: every node keeps its own checkpoints, so any node can resume.
             fields["save_on_each_node"] = True
@@ -201,6 +204,20 @@ def trainer_fields(plan: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         # every forward in trl's OffloadActivations (sft_trainer.py: maybe_activation_offload_context)
         return {"activation_offloading": True}
     return {}
+
+
+def _tower_trains(run_dir: Path) -> bool:
+    """Whether the run's recipe trains a vision tower: a vision-language model fine-tuned whole, or with
+    lora.vision_tower."""
+    import yaml
+
+    from launcher.methods import is_adapter
+    from launcher.worker.loading import reads_images
+
+    recipe = yaml.safe_load((Path(run_dir) / "recipe.yaml").read_text()) or {}
+    if not reads_images(str(recipe.get("model", ""))):
+        return False
+    return not is_adapter(recipe.get("method", "lora")) or bool((recipe.get("lora") or {}).get("vision_tower"))
 
 
 def verify(plan: dict[str, Any], trainer: Any) -> dict[str, Any]:

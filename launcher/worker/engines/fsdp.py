@@ -231,9 +231,10 @@ def _parameter_names(model) -> tuple[dict[str, str], set[str]]:
 
 def exercise(run_dir: Path, steps: int, out: Optional[Path], final_dir: Optional[Path] = None) -> int:
     """Under torchrun: shard the worker's own model (recipe in run_dir) with fully_shard over gloo, train `steps`
-    steps on fixed batches split between the ranks, and compare with an unsharded copy trained on the whole
-    batch in the same process. With `final_dir`, also run the worker's final save (`save_full`) on the sharded
-    model and compare what it wrote with the unsharded copy's own save_pretrained (see `_final_save_check`).
+    steps on fixed batches split between the ranks (`_fixed_batches`: images for a vision-language model), and
+    compare with an unsharded copy trained on every rank's batch in the same process. With `final_dir`, also run
+    the worker's final save (`save_full`) on the sharded model and compare what it wrote with the unsharded copy's
+    own save_pretrained (see `_final_save_check`).
     Writes the result as JSON (rank 0); exit 0 only when sharded and equal."""
     import copy
     import os
@@ -248,36 +249,32 @@ def exercise(run_dir: Path, steps: int, out: Optional[Path], final_dir: Optional
     rank, world = dist.get_rank(), dist.get_world_size()
     recipe = load_recipe(Path(run_dir) / "recipe.yaml")
     torch.manual_seed(recipe.seed)
-    model, _ = load_model_and_tokenizer(recipe, "cpu", torch.float32)
+    model, tokenizer = load_model_and_tokenizer(recipe, "cpu", torch.float32)
     if hasattr(model, "config"):
         model.config.use_cache = False
     reference = copy.deepcopy(model)  # the same initial weights (LoRA included), never sharded
     layers = shard_worker_model(model)
     report = sharding_report(model)
 
-    gen = torch.Generator().manual_seed(recipe.seed)
-    vocab = int(_base(model).config.vocab_size)
-    per_rank, seq = 2, 32
-    # equal-length sequences: each rank's mean loss has the same weight, so averaged gradients are the whole
-    # batch's. One batch, repeated: random tokens are learnable only by memorising, and the loss must fall.
-    batch = torch.randint(0, vocab, (per_rank * world, seq), generator=gen)
-    batches = [batch] * steps
+    per_rank = 2
+    slices = _fixed_batches(recipe, tokenizer, model, per_rank, world)
 
     def opt(m):
         return torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=recipe.learning_rate, foreach=False)
 
     o_shard, o_ref = opt(model), opt(reference)
     sharded_losses, ref_losses = [], []
-    for ids in batches:
-        mine = ids[rank * per_rank : (rank + 1) * per_rank]
-        loss = model(input_ids=mine, labels=mine).loss
+    for _ in range(steps):  # one batch, repeated: the loss must fall
+        loss = model(**slices[rank]).loss
         loss.backward()
         o_shard.step()
         o_shard.zero_grad()
         t = loss.detach().clone()
         dist.all_reduce(t)
         sharded_losses.append(t.item() / world)
-        ref = reference(input_ids=ids, labels=ids).loss
+        # the mean of the ranks' mean losses: the gradient FSDP's reduce-scatter averages (rows of unequal length,
+        # as images make them, included)
+        ref = sum(reference(**s).loss for s in slices) / world
         ref.backward()
         o_ref.step()
         o_ref.zero_grad()
@@ -293,6 +290,8 @@ def exercise(run_dir: Path, steps: int, out: Optional[Path], final_dir: Optional
         "ok": ok,
         "world_size": world,
         "wrapped_layers": len(layers),
+        "wrapped_classes": sorted({type(m).__name__.removeprefix("FSDP") for m in layers}),
+        "images": int(sum(len(s.get("image_grid_thw", ())) for s in slices)),
         **report,
         "losses_sharded": sharded_losses,
         "losses_unsharded": ref_losses,
@@ -317,6 +316,27 @@ def exercise(run_dir: Path, steps: int, out: Optional[Path], final_dir: Optional
     dist.barrier()
     dist.destroy_process_group()
     return 0 if ok else 1
+
+
+def _fixed_batches(recipe, tokenizer, model, per_rank: int, world: int) -> list[dict]:
+    """Each rank's fixed micro-batch: a vision-language model's first examples of the recipe's data, rendered with
+    their images by TRL's collator and the model's processor as training does (trl 1.16 sft_trainer.py
+    DataCollatorForVisionLanguageModeling); a text model's random tokens, learnable only by memorising."""
+    import torch
+
+    from launcher.worker.loading import reads_images
+
+    if reads_images(recipe.model):
+        from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
+
+        from launcher.data.dataset import load_data
+
+        examples = load_data(recipe.data, recipe.seed).examples[: per_rank * world]
+        collate = DataCollatorForVisionLanguageModeling(tokenizer, max_length=recipe.max_length)
+        return [collate(examples[r * per_rank : (r + 1) * per_rank]) for r in range(world)]
+    gen = torch.Generator().manual_seed(recipe.seed)
+    ids = torch.randint(0, int(_base(model).config.vocab_size), (per_rank * world, 32), generator=gen)
+    return [{"input_ids": x, "labels": x} for x in ids.split(per_rank)]
 
 
 def _final_save_check(model, reference, recipe, final_dir: Path, rank: int) -> dict[str, Any]:
@@ -361,16 +381,16 @@ def _final_save_check(model, reference, recipe, final_dir: Path, rank: int) -> d
         unequal = sum(int((d > 0).sum()) for d in diffs.values())
         count = sum(d.numel() for d in diffs.values())
 
-    from transformers import AutoModelForCausalLM
+    from launcher.worker.loading import model_class
 
     if kind == final.ADAPTER:
         from peft import PeftModel
 
-        base = AutoModelForCausalLM.from_pretrained(recipe.model, dtype=torch.float32)
+        base = model_class(recipe.model).from_pretrained(recipe.model, dtype=torch.float32)
         loaded = PeftModel.from_pretrained(base, str(sharded_dir))
         mine = {k: v for k, v in loaded.named_parameters() if "lora_" in k}
     else:
-        loaded = AutoModelForCausalLM.from_pretrained(str(sharded_dir), dtype=torch.float32)
+        loaded = model_class(recipe.model).from_pretrained(str(sharded_dir), dtype=torch.float32)
         mine = dict(loaded.named_parameters())
     # what was written and reloads is exactly what the sharded model holds, cast to the saved dtype (the save adds
     # no other error)
