@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 from launcher import gguf_types
 from launcher.deliver import llamacpp_runtime, llamacpp_steps
 from launcher.deliver.messages import ExportError, _say, human_size
-from launcher.deliver.vision_serving import LLAMACPP_IMAGE_TOKENS, ImageBounds, processor_bounds
+from launcher.deliver.vision_serving import LLAMACPP_IMAGE_TOKENS, ImageBounds, bounds_of
 from launcher.plan import gguf_readiness
 
 # The image part of a message as the data and the chat templates write it (launcher/data/images.py)
@@ -407,37 +407,35 @@ def compare(ref: list[dict[str, Any]], got: list[dict[str, Any]], eog: set[int])
     }
 
 
-def held_out(recipe: Any, limit: int) -> list[dict[str, Any]]:
-    """The held-out examples with their images, as training split them (the task score's examples)."""
+def held_out(recipe: Any, task: Optional[dict[str, Any]] = None) -> tuple[list[dict[str, Any]], int]:
+    """(the held-out image prompts the pair is checked on, the new tokens an answer may take): the task's prompts
+    (RUN/task.json: the pair's answers are then the GGUF's task score), else the first held-out examples as training
+    split them (eval.task.examples, 16 at most by default)."""
+    if task is not None:
+        return [
+            {"messages": p["messages"] + [{"role": "assistant", "content": p["reference"]}], "images": p["images"]}
+            for p in task["prompts"]
+        ], task["max_new_tokens"]
     from launcher.data import split
     from launcher.data.image_stats import image_stats
 
     examples, _, _ = image_stats(recipe)
-    parts = split.for_recipe(examples, recipe)
-    return [examples[i] for i in parts.held_out][:limit]
-
-
-def bounds_of(merged_dir: Path) -> Optional[ImageBounds]:
-    from launcher.data.image_tokens import read_rule
-
-    rule = read_rule(merged_dir)
-    if rule is None:
-        return None
-    return processor_bounds(rule.min_pixels, rule.max_pixels, rule.patch_size, rule.merge_size)
+    held = [examples[i] for i in split.for_recipe(examples, recipe).held_out]
+    if not held:
+        raise ExportError(
+            "the recipe holds out no examples: the GGUF pair cannot be held to the merged model on images",
+            fix="set eval.fraction (e.g. 0.1) so that some images are held out, then export again.",
+        )
+    return held[: recipe.eval.task.examples or 16], recipe.eval.max_new_tokens or 16
 
 
 def vision_gguf_output(
-    merged_dir: Path,
-    gguf_dir: Path,
-    name: str,
-    gguf_type: str,
-    examples: list[dict[str, Any]],
-    max_new: int = 8,
-    reference: Optional[list[dict[str, Any]]] = None,
+    merged_dir: Path, gguf_dir: Path, name: str, gguf_type: str, examples: list[dict[str, Any]], max_new: int = 8
 ) -> dict[str, Any]:
     """Convert the merged vision-language folder to the text GGUF + mmproj, read both back through mtmd and hold
     them to the merged model: the served prompt (text tokens and image placeholders) must be the processor's, and
-    the first-token distribution and greedy answers within the GGUF type's tolerance. export.json's outputs.gguf."""
+    the first-token distribution and greedy answers within the GGUF type's tolerance. export.json's outputs.gguf,
+    with each example's answer through the pair in out["task_answers"] (as gguf_export.gguf_output gives them)."""
     cfg = json.loads((merged_dir / "config.json").read_text())
     model_type = cfg.get("model_type", "")
     files = convert_pair(merged_dir, gguf_dir, name, gguf_type)
@@ -449,8 +447,8 @@ def vision_gguf_output(
         # no multimodal path in this build: the text GGUF is held to the merged model on the prompts without their
         # images, and the pair is not checked (export.json and SERVING.md say so)
         _say(f"{missing}: the projector is written but not checked; the text GGUF is checked on text-only prompts")
-        examples, reference = text_only(examples), None
-    ref = reference if reference is not None else transformers_side(merged_dir, examples, max_new)
+        examples = text_only(examples)
+    ref = transformers_side(merged_dir, examples, max_new)
     pad = ref[0]["pad_id"] if ref else int(cfg.get("image_token_id", -1))
     if missing:
         run = text_side(text, examples, max_new)
@@ -495,7 +493,9 @@ def vision_gguf_output(
             {"transformers": r["answer"], "llama_cpp": g["answer"], "seconds": g["seconds"]}
             for r, g in zip(ref, run["outputs"])
         ],
-        "answer_texts": [g["answer"] for g in run["outputs"]],
+        "task_answers": [
+            {"answer": g["answer"], "new_tokens": len(g["greedy"]), "seconds": g["seconds"]} for g in run["outputs"]
+        ],
     }
     _say(
         f"GGUF {out['size']} {text.name} + projector {out['mmproj_size']} {mmproj.name}: served prompt identical "
