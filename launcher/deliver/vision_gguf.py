@@ -38,45 +38,23 @@ IMAGE_PART = "image"
 
 
 def convert_pair(merged_dir: Path, gguf_dir: Path, name: str, gguf_type: str) -> dict[str, Any]:
-    """The text GGUF (the recipe's type: converted, or converted to 16 bit and quantized) and the projector GGUF
-    (in the merged weights' own precision: f32 for float32 weights, else f16; llama.cpp does not quantize it)."""
-    from launcher.deliver.gguf_export import SIXTEEN_BIT, _safetensors_dtypes
+    """The text GGUF (gguf_export.write_gguf: the recipe's type) and the projector GGUF in F16 (the merged folder is
+    16-bit, export_models.py checks; llama.cpp does not quantize a projector)."""
+    from launcher.deliver.gguf_export import conversion_failed, write_gguf
 
-    conv = gguf_readiness.converter()
-    kind = gguf_types.TYPES[gguf_type]
-    gguf_dir.mkdir(parents=True, exist_ok=True)
-    text = gguf_dir / f"{name}-{kind.name}.gguf"
-    dtypes = _safetensors_dtypes(merged_dir)
-    proj_type = "f32" if dtypes == {"F32"} else "f16"
-    mmproj = gguf_dir / f"mmproj-{name}-{proj_type.upper()}.gguf"
     steps: dict[str, Any] = {}
-    tmp = gguf_dir / f".{text.name}.tmp"
+    text = write_gguf(merged_dir, gguf_dir, name, gguf_type, steps)
+    conv = gguf_readiness.converter()
+    mmproj = gguf_dir / f"mmproj-{name}-F16.gguf"
+    _say(f"writing the vision projector {mmproj.name} with llama.cpp's converter (--mmproj)")
+    tmp = gguf_dir / f".{mmproj.name}.tmp"
     try:
-        if kind.converter:
-            _say(f"writing {text.name} with llama.cpp's converter ({conv.source})")
-            steps["convert"] = llamacpp_steps.convert(conv, merged_dir, tmp, kind.converter).to_dict()
-        else:
-            own = (dtypes & SIXTEEN_BIT or {"F32" if dtypes == {"F32"} else "BF16"}).pop().lower()
-            sixteen = gguf_dir / f".{name}-{own.upper()}.tmp.gguf"
-            _say(f"converting the language model to a {own.upper()} GGUF with llama.cpp's converter ({conv.source})")
-            steps["convert"] = llamacpp_steps.convert(conv, merged_dir, sixteen, own).to_dict()
-            _say(f"quantizing to {kind.name} with llama.cpp's quantizer")
-            steps["quantize"] = llamacpp_steps.quantize(sixteen, tmp, gguf_type).to_dict()
-            sixteen.unlink()
-        os.replace(tmp, text)
-        _say(f"writing the vision projector {mmproj.name} with llama.cpp's converter (--mmproj)")
-        ptmp = gguf_dir / f".{mmproj.name}.tmp"
-        steps["convert_mmproj"] = llamacpp_steps.convert(conv, merged_dir, ptmp, proj_type, mmproj=True).to_dict()
-        os.replace(ptmp, mmproj)
+        steps["convert_mmproj"] = llamacpp_steps.convert(conv, merged_dir, tmp, "f16", mmproj=True).to_dict()
     except llamacpp_steps.StepFailed as exc:
-        for f in gguf_dir.glob(".*.tmp*"):
-            f.unlink()
-        raise ExportError(
-            str(exc),
-            fix=f"the lines above are llama.cpp's; `ftrun llamacpp check {merged_dir}` says whether this model is "
-            "supported.",
-        ) from None
-    return {"text": text, "mmproj": mmproj, "projector_type": proj_type, "steps": steps, "source": conv.source}
+        tmp.unlink(missing_ok=True)
+        raise conversion_failed(exc, merged_dir) from None
+    os.replace(tmp, mmproj)
+    return {"text": text, "mmproj": mmproj, "projector_type": "f16", "steps": steps, "source": conv.source}
 
 
 def projector_metadata(path: Path) -> dict[str, Any]:
@@ -408,25 +386,17 @@ def compare(ref: list[dict[str, Any]], got: list[dict[str, Any]], eog: set[int])
 
 
 def held_out(recipe: Any, task: Optional[dict[str, Any]] = None) -> tuple[list[dict[str, Any]], int]:
-    """(the held-out image prompts the pair is checked on, the new tokens an answer may take): the task's prompts
-    (RUN/task.json: the pair's answers are then the GGUF's task score), else the first held-out examples as training
-    split them (eval.task.examples, 16 at most by default)."""
+    """(the image prompts the pair is checked on, the new tokens an answer may take): the task's prompts (RUN/task.json:
+    the pair's answers are then the GGUF's task score), else the parity checks' examples (parity.held_out_examples:
+    held out, or the training data where the recipe holds nothing out), eval.task.examples of them (16 by default)."""
     if task is not None:
         return [
             {"messages": p["messages"] + [{"role": "assistant", "content": p["reference"]}], "images": p["images"]}
             for p in task["prompts"]
         ], task["max_new_tokens"]
-    from launcher.data import split
-    from launcher.data.image_stats import image_stats
+    from launcher.deliver.parity import held_out_examples
 
-    examples, _, _ = image_stats(recipe)
-    held = [examples[i] for i in split.for_recipe(examples, recipe).held_out]
-    if not held:
-        raise ExportError(
-            "the recipe holds out no examples: the GGUF pair cannot be held to the merged model on images",
-            fix="set eval.fraction (e.g. 0.1) so that some images are held out, then export again.",
-        )
-    return held[: recipe.eval.task.examples or 16], recipe.eval.max_new_tokens or 16
+    return held_out_examples(recipe)[0][: recipe.eval.task.examples or 16], recipe.eval.max_new_tokens or 16
 
 
 def vision_gguf_output(

@@ -452,14 +452,15 @@ def model_class(model: str):
     return AutoModelForImageTextToText if reads_images(model) else AutoModelForCausalLM
 
 
-def load_tokenizer(recipe):
-    """The model's tokenizer, or a vision-language model's processor (its tokenizer inside, as .tokenizer)."""
+def load_tokenizer(recipe, say=lambda line: print(f"[ftrun worker] {line}", flush=True)):
+    """The model's tokenizer, or a vision-language model's processor (its tokenizer inside, as .tokenizer; how it
+    was built said through `say`)."""
     from transformers import AutoTokenizer
 
     if reads_images(recipe.model):
         from launcher.worker.processor import load_processor
 
-        processor = load_processor(recipe.model, say=lambda line: print(f"[ftrun worker] {line}", flush=True))
+        processor = load_processor(recipe.model, say=say)
         if processor.tokenizer.pad_token is None:
             processor.tokenizer.pad_token = processor.tokenizer.eos_token
         return processor

@@ -60,7 +60,7 @@ def vision_run(tmp_path_factory):
         "output_dir": str(run),
         "export": ["adapter", "merged", "gguf"],
         "gguf_type": "f32",
-        "eval": {"fraction": 0.2, "max_new_tokens": 4, "task": {"examples": 4}},
+        "eval": {"fraction": 0.2, "max_new_tokens": 4, "task": {"examples": 10}},  # the fewest a task scores
         "smoke": {"enabled": False},
     }
     (run / "recipe.yaml").write_text(yaml.safe_dump(recipe))
@@ -101,7 +101,7 @@ def test_parity_through_mtmd_on_the_held_out_images(exported):
     _, report = exported
     parity = report["outputs"]["gguf"]["parity_vs_merged"]
     n = report["held_out_image_prompts"]
-    assert n == 4 and parity["prompts"] == n
+    assert n == 10 and parity["prompts"] == n  # the task's prompts
     # llama-server's prompt, each image chunk as its count of <|image_pad|>, is the processor's, token for token
     assert parity["prompt_identical"] == f"{n}/{n}" and parity["image_tokens_identical"] == f"{n}/{n}"
     # an F32 pair holds the merged float32 weights: where the merged model's first token is decided (leads its
