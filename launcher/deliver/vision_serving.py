@@ -158,13 +158,12 @@ def serving_md(run, recipe, report: dict[str, Any]) -> str:
     """SERVING.md of a vision-language export, from what export.json holds (its commands: report["serving_commands"]);
     vLLM takes as many images a prompt as the data's largest example holds."""
     from launcher.data.images import load_images
+    from launcher.model_files import local_file
 
     max_images = max((len(e["images"]) for e in load_images(recipe.data).examples), default=1)
     outputs = report["outputs"]
     merged = (outputs.get("merged") or outputs.get("model") or {}).get("path")
     adapter = outputs.get("adapter") or {}
-    from launcher.model_files import local_file
-
     config = local_file(merged or recipe.model, "config.json")  # an adapter's: its base model's
     cfg = json.loads(config.read_text()) if config else {}
     gg = outputs.get("gguf") or {}
