@@ -225,6 +225,7 @@ def _export_models(
                 outputs["gguf"] = vision_gguf.vision_gguf_output(
                     merged_dir, final / "gguf", inp.run.root.name, inp.gguf_type, examples, max_new
                 )
+                vision_gguf.served_checks(served, outputs["gguf"])
             else:
                 outputs["gguf"] = gguf_output(
                     merged_dir,

@@ -25,7 +25,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from launcher import gguf_types
 from launcher.deliver import llamacpp_runtime, llamacpp_steps
@@ -115,9 +115,7 @@ def _parts(message: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"type": "text", "text": c}] if isinstance(c, str) else c
 
 
-def transformers_side(
-    merged_dir: Path, examples: list[dict[str, Any]], max_new: int, say: Callable[[str], None] = _say
-) -> list[dict[str, Any]]:
+def transformers_side(merged_dir: Path, examples: list[dict[str, Any]], max_new: int) -> list[dict[str, Any]]:
     """Per held-out example, through the merged folder as vLLM loads it (its processor files): the prompt ids the
     processor builds (images widened to their tokens), the image tokens of each image, the next-token logits after
     the prompt and the greedy answer (transformers' generate, do_sample off)."""
@@ -127,7 +125,7 @@ def transformers_side(
 
     from launcher.worker.processor import load_processor
 
-    processor = load_processor(merged_dir, say=say)
+    processor = load_processor(merged_dir, say=lambda _: None)  # how it is built: said once, by the served prompt
     model = AutoModelForImageTextToText.from_pretrained(str(merged_dir), dtype=torch.float32).eval()
     pad = model.config.image_token_id
     eos = model.generation_config.eos_token_id
@@ -506,6 +504,21 @@ def vision_gguf_output(
             out,
         )
     return out
+
+
+def served_checks(served, gguf: dict[str, Any]) -> None:
+    """The pair's served-prompt check in the export's served-prompt record (served_prompt.ServedPrompt): llama-server's
+    prompt with the images, held to the processor's ids above, and why the other runtimes are not checked."""
+    served.report["runtimes"]["llama_server"] = {
+        "runtime": f"llama-server --mmproj (through {gguf['parity_through']})",
+        "ok": True,
+        "identical": gguf["parity_vs_merged"]["prompt_identical"],
+    }
+    served.checked("llama-server")
+    served.report["not_checked"] = {
+        "llama.cpp": "llama-cpp-python's vision chat handlers render their own template, not the GGUF's",
+        "Ollama": "Ollama serves this model from the merged folder with its own engine, not run here",
+    }
 
 
 def _greedy(llm, first, max_new: int, eog: set[int]) -> list[int]:
