@@ -182,6 +182,8 @@ def serving_md(run, recipe, report: dict[str, Any]) -> str:
         architecture=(cfg.get("architectures") or [""])[0],
         bounds=bounds_of(Path(merged)) if merged else None,
     )
+    if not merged:
+        cmds["notes"].append(f"no merged folder in this export: `ftrun export {run.root} --merged` writes it")
     if gg.get("parity_through", "").startswith("the text GGUF alone"):
         cmds["notes"].append(f"the GGUF pair was not checked with images: {gg['parity_through']}")
     report["serving_commands"] = cmds
