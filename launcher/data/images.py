@@ -77,7 +77,8 @@ class ImageData:
         n, k = len(self.examples), self.images
         distinct = len({p for e in self.examples for p in e["images"]})
         return (
-            f"{'preference pairs' if self.pairs else 'chat'} with images, {n:,} example{'' if n == 1 else 's'}, "
+            f"{'preference pairs' if self.pairs else 'chat'} with images, {n:,} {'pair' if self.pairs else 'example'}"
+            f"{'' if n == 1 else 's'}, "
             f"{k:,} image{'' if k == 1 else 's'} "
             f"({distinct:,} distinct files, each opened and measured)"
         )

@@ -48,13 +48,9 @@ def export_run(run_dir: Path, formats: Optional[list[str]] = None, gguf_type: Op
         os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
         if Path(inp.recipe.model).is_dir():
             os.environ["HF_HUB_OFFLINE"] = "1"
-        from launcher.deliver.vision_export import export_vision, is_vision_model
-
-        # a model with a vision tower: its processor, the projector GGUF and image prompts (vision_export.py)
-        if is_vision_model(inp.recipe.model if inp.is_adapter else str(inp.source)):
-            export_vision(inp, report)
-        else:
-            _export(inp, report)
+        if inp.vision:  # a model with a vision tower: its processor's files, the projector GGUF, image prompts
+            report["vision"] = True
+        _export(inp, report)
         report["ok"] = True
     except FtrunError as exc:
         report["error"] = exc.message

@@ -26,6 +26,7 @@ class Inputs:
     is_adapter: bool
     formats: tuple[str, ...]
     gguf_type: str
+    vision: bool  # a vision-language model (config.json vision_config): the processor's files, images in its checks
 
 
 def check_inputs(run_dir: Path, formats: Optional[list[str]] = None, gguf_type: Optional[str] = None) -> Inputs:
@@ -75,10 +76,12 @@ def check_inputs(run_dir: Path, formats: Optional[list[str]] = None, gguf_type: 
                 else "resume the run with `ftrun RECIPE` until it finishes, then export."
             ),
         )
+    model = recipe.model if is_adapter else str(source)
     if "gguf" in formats:
-        check_gguf(recipe.model if is_adapter else str(source), gguf_type)
-    order = export_formats.made(formats)
-    return Inputs(run, recipe, source, is_adapter, order, gguf_type)
+        check_gguf(model, gguf_type)
+    from launcher.worker.loading import reads_images
+
+    return Inputs(run, recipe, source, is_adapter, export_formats.made(formats), gguf_type, reads_images(model))
 
 
 def _model_config(recipe_model: str, source: Path, is_adapter: bool) -> dict[str, Any]:

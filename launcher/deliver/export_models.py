@@ -8,8 +8,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from launcher.worker.loading import reads_images
-from launcher.worker.processor import save_processor_files
+from launcher.worker.processor import PROCESSOR_FILES, save_processor_files
 from launcher.deliver.export_inputs import Inputs
 from launcher.deliver.export_scores import _score_export, _scored, _task
 from launcher.deliver.export_serving import _served_folder, _serving
@@ -146,8 +145,13 @@ def _export_models(
     def write_merged(tmp: Path, model=merged) -> None:
         model.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))
-        if reads_images(inp.recipe.model):  # a vision-language model is served with its processor's files
+        if inp.vision:  # served with its processor's files: vLLM and llama.cpp's converter size images by them
             save_processor_files(inp.recipe.model, tmp)
+            if not (tmp / "preprocessor_config.json").is_file():
+                raise ExportError(
+                    f"{inp.recipe.model} has no preprocessor_config.json: a server would not know how to size images",
+                    fix=f"copy the processor files of {inp.recipe.model} beside its weights, then export again.",
+                )
 
     _write_dir_atomically(merged_dir, write_merged)
     del merged, write_merged  # the merged weights' memory goes back before the reload
@@ -177,7 +181,7 @@ def _export_models(
                 reloaded,
                 # a vision-language model answers with the images in the prompt, read by its processor
                 load_processor(merged_dir, say=lambda _: None)
-                if reads_images(str(merged_dir))
+                if inp.vision
                 else AutoTokenizer.from_pretrained(str(merged_dir)),
                 inp.run.root,
                 task,
@@ -196,6 +200,8 @@ def _export_models(
         "tensor_dtypes": sorted(dtypes),
         "parity_vs_" + ("base_plus_adapter" if inp.is_adapter else "full_model"): result,
     }
+    if inp.vision:
+        outputs["merged"]["processor_files"] = sorted(n for n in PROCESSOR_FILES if (merged_dir / n).is_file())
     _say(
         f"merged model {human_size(size)} in {merged_dir}: top-1 agreement {result['top1_agreement']:.4f}, "
         f"max |dlogit| {result['max_abs_logit_diff']:.3g}, greedy identical {result['greedy_identical']}"
@@ -211,18 +217,28 @@ def _export_models(
 
     if "gguf" in inp.formats:
         try:
-            outputs["gguf"] = gguf_output(
-                merged_dir,
-                final / "gguf",
-                inp.run.root.name,
-                inp.gguf_type,
-                prompts,
-                merged_out,
-                tokenizer,
-                parity.dtype,
-                served=served,
-                task=task,
-            )
+            if inp.vision:  # the text GGUF and its projector, held to the merged model on held-out images
+                from launcher.deliver import vision_gguf
+
+                examples, max_new = vision_gguf.held_out(inp.recipe, task)
+                report["held_out_image_prompts"] = len(examples)
+                outputs["gguf"] = vision_gguf.vision_gguf_output(
+                    merged_dir, final / "gguf", inp.run.root.name, inp.gguf_type, examples, max_new
+                )
+                vision_gguf.served_checks(served, outputs["gguf"])
+            else:
+                outputs["gguf"] = gguf_output(
+                    merged_dir,
+                    final / "gguf",
+                    inp.run.root.name,
+                    inp.gguf_type,
+                    prompts,
+                    merged_out,
+                    tokenizer,
+                    parity.dtype,
+                    served=served,
+                    task=task,
+                )
         except _GgufFailed as exc:
             outputs["gguf"] = exc.output  # the numbers of the failed check go into export.json
             raise

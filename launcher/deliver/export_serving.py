@@ -14,7 +14,14 @@ from launcher.deliver.messages import _say
 def _served_folder(served, output: dict[str, Any], key: str, tokenizer, config_from: str) -> None:
     """An exported folder as vLLM serves it: its chat template renders the held-out prompts to the trained ids,
     and vLLM's stops (the tokenizer's eos and generation_config.json's eos_token_id of `config_from`: the base
-    model for an adapter, vllm/sampling_params.py update_from_generation_config) hold the trained end of turn."""
+    model for an adapter, vllm/sampling_params.py update_from_generation_config) hold the trained end of turn. A
+    vision-language adapter: what it adapts, which vLLM serves as LoRA only where it is the language model alone."""
+    from launcher.worker.loading import reads_images
+
+    if key == "adapter" and reads_images(config_from):
+        from launcher.deliver.vision_serving import lora_reach
+
+        output.update(lora_reach(Path(output["path"])))
     if not served.chat:
         return
     label = {
@@ -43,12 +50,15 @@ def _served_folder(served, output: dict[str, Any], key: str, tokenizer, config_f
 
 
 def _serving(inp: Inputs, report: dict[str, Any], tokenizer, served=None) -> None:
-    from launcher.deliver import serving
+    from launcher.deliver import serving, vision_serving
 
     merged_dir = inp.run.final / "merged"
     eos_ids = _stop_ids(merged_dir, tokenizer) if "merged" in report["outputs"] else None
     prompts = [p["messages"] for p in served.prompts] if served is not None and served.chat else None
-    text, modelfile = serving.render(inp.run, inp.recipe, report, tokenizer, eos_ids=eos_ids, prompts=prompts)
+    if inp.vision:  # each server's command with its images (vllm --limit-mm-per-prompt, llama-server --mmproj)
+        text, modelfile = vision_serving.serving_md(inp.run, inp.recipe, report), None
+    else:
+        text, modelfile = serving.render(inp.run, inp.recipe, report, tokenizer, eos_ids=eos_ids, prompts=prompts)
     (inp.run.final / "SERVING.md").write_text(text)
     report["serving"] = str(inp.run.final / "SERVING.md")
     if modelfile is not None:

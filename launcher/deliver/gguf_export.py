@@ -79,6 +79,49 @@ def _stop_ids(merged_dir: Path, tokenizer) -> set[int]:
     return ids or ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
 
 
+def write_gguf(
+    merged_dir: Path, gguf_dir: Path, name: str, gguf_type: str, steps: dict[str, Any], intermediate=None
+) -> Path:
+    """gguf_dir/NAME-TYPE.gguf from the merged folder: llama.cpp's converter writes the type, or the merged weights'
+    own 16-bit type (so the conversion rounds nothing) that its quantizer then quantizes; each step into `steps`."""
+    conv = gguf_readiness.converter()
+    kind = gguf_types.TYPES[gguf_type]
+    gguf_dir.mkdir(parents=True, exist_ok=True)
+    path = gguf_dir / f"{name}-{kind.name}.gguf"
+    tmp, sixteen = gguf_dir / f".{path.name}.tmp", intermediate
+    try:
+        if kind.converter:
+            _say(f"writing {path.name} with llama.cpp's converter ({conv.source})")
+            steps["convert"] = llamacpp_steps.convert(conv, merged_dir, tmp, kind.converter).to_dict()
+        else:
+            if sixteen is None or not sixteen.is_file():
+                dtype = (_safetensors_dtypes(merged_dir) & SIXTEEN_BIT or {"BF16"}).pop().lower()
+                sixteen = gguf_dir / f".{name}-{dtype.upper()}.tmp.gguf"
+                _say(
+                    f"converting the merged model to a {dtype.upper()} GGUF with llama.cpp's converter ({conv.source})"
+                )
+                steps["convert"] = llamacpp_steps.convert(conv, merged_dir, sixteen, dtype).to_dict()
+            _say(f"quantizing to {kind.name} with llama.cpp's quantizer")
+            steps["quantize"] = llamacpp_steps.quantize(sixteen, tmp, gguf_type).to_dict()
+            if intermediate is None:
+                sixteen.unlink()
+    except llamacpp_steps.StepFailed as exc:
+        for f in (tmp, sixteen if intermediate is None else None):
+            if f is not None:
+                f.unlink(missing_ok=True)
+        raise conversion_failed(exc, merged_dir) from None
+    os.replace(tmp, path)
+    return path
+
+
+def conversion_failed(exc: Exception, merged_dir: Path) -> ExportError:
+    return ExportError(
+        str(exc),
+        fix="the lines above are llama.cpp's; `ftrun llamacpp check "
+        f"{merged_dir}` says whether this model is supported.",
+    )
+
+
 def gguf_output(
     merged_dir: Path,
     gguf_dir: Path,
@@ -107,37 +150,9 @@ def gguf_output(
     (llamacpp_runtime.task_answers), returned as out["task_answers"] for the task evaluation's score."""
     conv = gguf_readiness.converter()
     kind = gguf_types.TYPES[gguf_type]
-    gguf_dir.mkdir(parents=True, exist_ok=True)
-    fname = f"{name}-{kind.name}.gguf"
-    path = gguf_dir / fname
-    tmp = gguf_dir / f".{fname}.tmp"
     steps: dict[str, Any] = {}
-    try:
-        if kind.converter:
-            _say(f"writing {fname} with llama.cpp's converter ({conv.source})")
-            steps["convert"] = llamacpp_steps.convert(conv, merged_dir, tmp, kind.converter).to_dict()
-        else:
-            sixteen = intermediate
-            if sixteen is None or not sixteen.is_file():
-                # the merged model's own 16-bit type, so the conversion itself rounds nothing
-                dtype = (_safetensors_dtypes(merged_dir) & SIXTEEN_BIT or {"BF16"}).pop().lower()
-                sixteen = gguf_dir / f".{name}-{dtype.upper()}.tmp.gguf"
-                _say(
-                    f"converting the merged model to a {dtype.upper()} GGUF with llama.cpp's converter ({conv.source})"
-                )
-                steps["convert"] = llamacpp_steps.convert(conv, merged_dir, sixteen, dtype).to_dict()
-            _say(f"quantizing to {kind.name} with llama.cpp's quantizer")
-            steps["quantize"] = llamacpp_steps.quantize(sixteen, tmp, gguf_type).to_dict()
-            if intermediate is None:
-                sixteen.unlink()
-    except llamacpp_steps.StepFailed as exc:
-        tmp.unlink(missing_ok=True)
-        raise ExportError(
-            str(exc),
-            fix="the lines above are llama.cpp's; `python -m launcher.deliver.llamacpp check "
-            f"{merged_dir}` says whether this model is supported.",
-        ) from None
-    os.replace(tmp, path)
+    path = write_gguf(merged_dir, gguf_dir, name, gguf_type, steps, intermediate)
+    fname = path.name
     meta = llamacpp_runtime.metadata(path)
     _say(f"reading {fname} back in llama.cpp")
     t0 = time.monotonic()

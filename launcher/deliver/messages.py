@@ -70,6 +70,7 @@ def served_line(report: dict) -> str:
         else "llama-cpp-python's chat completion takes no chat-template switches",
         "Ollama": "no GGUF in this export",
     }
+    why.update(sp.get("not_checked") or {})  # a vision-language GGUF pair's (vision_gguf.served_checks)
     ollama = sp.get("runtimes", {}).get("ollama") or {}
     if ollama.get("not_checked"):  # a GGUF whose Ollama template ftrun does not model
         why["Ollama"] = ollama["not_checked"]

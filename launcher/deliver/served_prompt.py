@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from launcher.data.chat_prompt import generation_ids, shape, switches, trained_context
-from launcher.deliver.messages import ExportError
+from launcher.deliver.messages import ExportError, _say
 
 CONTEXT_TOKENS = 8  # tokens shown before the first difference
 MAX_SHAPES = 24  # conversation shapes (sequences of roles) checked, the most frequent first
@@ -58,7 +58,7 @@ def training_tokenizer(recipe, saved: Path):
 
     try:
         # a vision-language model's processor: its tokenizer renders the prompts, one placeholder token per image
-        tokenizer = text_tokenizer(load_tokenizer(recipe))
+        tokenizer = text_tokenizer(load_tokenizer(recipe, say=_say))
         return tokenizer, f"the base model's tokenizer ({recipe.model}), as the worker loads it"
     except (OSError, ValueError):
         from transformers import AutoTokenizer

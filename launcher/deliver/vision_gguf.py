@@ -25,12 +25,12 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from launcher import gguf_types
 from launcher.deliver import llamacpp_runtime, llamacpp_steps
 from launcher.deliver.messages import ExportError, _say, human_size
-from launcher.deliver.vision_serving import LLAMACPP_IMAGE_TOKENS, ImageBounds, processor_bounds
+from launcher.deliver.vision_serving import LLAMACPP_IMAGE_TOKENS, ImageBounds, bounds_of
 from launcher.plan import gguf_readiness
 
 # The image part of a message as the data and the chat templates write it (launcher/data/images.py)
@@ -38,45 +38,23 @@ IMAGE_PART = "image"
 
 
 def convert_pair(merged_dir: Path, gguf_dir: Path, name: str, gguf_type: str) -> dict[str, Any]:
-    """The text GGUF (the recipe's type: converted, or converted to 16 bit and quantized) and the projector GGUF
-    (in the merged weights' own precision: f32 for float32 weights, else f16; llama.cpp does not quantize it)."""
-    from launcher.deliver.gguf_export import SIXTEEN_BIT, _safetensors_dtypes
+    """The text GGUF (gguf_export.write_gguf: the recipe's type) and the projector GGUF in F16 (the merged folder is
+    16-bit, export_models.py checks; llama.cpp does not quantize a projector)."""
+    from launcher.deliver.gguf_export import conversion_failed, write_gguf
 
-    conv = gguf_readiness.converter()
-    kind = gguf_types.TYPES[gguf_type]
-    gguf_dir.mkdir(parents=True, exist_ok=True)
-    text = gguf_dir / f"{name}-{kind.name}.gguf"
-    dtypes = _safetensors_dtypes(merged_dir)
-    proj_type = "f32" if dtypes == {"F32"} else "f16"
-    mmproj = gguf_dir / f"mmproj-{name}-{proj_type.upper()}.gguf"
     steps: dict[str, Any] = {}
-    tmp = gguf_dir / f".{text.name}.tmp"
+    text = write_gguf(merged_dir, gguf_dir, name, gguf_type, steps)
+    conv = gguf_readiness.converter()
+    mmproj = gguf_dir / f"mmproj-{name}-F16.gguf"
+    _say(f"writing the vision projector {mmproj.name} with llama.cpp's converter (--mmproj)")
+    tmp = gguf_dir / f".{mmproj.name}.tmp"
     try:
-        if kind.converter:
-            _say(f"writing {text.name} with llama.cpp's converter ({conv.source})")
-            steps["convert"] = llamacpp_steps.convert(conv, merged_dir, tmp, kind.converter).to_dict()
-        else:
-            own = (dtypes & SIXTEEN_BIT or {"F32" if dtypes == {"F32"} else "BF16"}).pop().lower()
-            sixteen = gguf_dir / f".{name}-{own.upper()}.tmp.gguf"
-            _say(f"converting the language model to a {own.upper()} GGUF with llama.cpp's converter ({conv.source})")
-            steps["convert"] = llamacpp_steps.convert(conv, merged_dir, sixteen, own).to_dict()
-            _say(f"quantizing to {kind.name} with llama.cpp's quantizer")
-            steps["quantize"] = llamacpp_steps.quantize(sixteen, tmp, gguf_type).to_dict()
-            sixteen.unlink()
-        os.replace(tmp, text)
-        _say(f"writing the vision projector {mmproj.name} with llama.cpp's converter (--mmproj)")
-        ptmp = gguf_dir / f".{mmproj.name}.tmp"
-        steps["convert_mmproj"] = llamacpp_steps.convert(conv, merged_dir, ptmp, proj_type, mmproj=True).to_dict()
-        os.replace(ptmp, mmproj)
+        steps["convert_mmproj"] = llamacpp_steps.convert(conv, merged_dir, tmp, "f16", mmproj=True).to_dict()
     except llamacpp_steps.StepFailed as exc:
-        for f in gguf_dir.glob(".*.tmp*"):
-            f.unlink()
-        raise ExportError(
-            str(exc),
-            fix=f"the lines above are llama.cpp's; `ftrun llamacpp check {merged_dir}` says whether this model is "
-            "supported.",
-        ) from None
-    return {"text": text, "mmproj": mmproj, "projector_type": proj_type, "steps": steps, "source": conv.source}
+        tmp.unlink(missing_ok=True)
+        raise conversion_failed(exc, merged_dir) from None
+    os.replace(tmp, mmproj)
+    return {"text": text, "mmproj": mmproj, "projector_type": "f16", "steps": steps, "source": conv.source}
 
 
 def projector_metadata(path: Path) -> dict[str, Any]:
@@ -137,9 +115,7 @@ def _parts(message: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"type": "text", "text": c}] if isinstance(c, str) else c
 
 
-def transformers_side(
-    merged_dir: Path, examples: list[dict[str, Any]], max_new: int, say: Callable[[str], None] = _say
-) -> list[dict[str, Any]]:
+def transformers_side(merged_dir: Path, examples: list[dict[str, Any]], max_new: int) -> list[dict[str, Any]]:
     """Per held-out example, through the merged folder as vLLM loads it (its processor files): the prompt ids the
     processor builds (images widened to their tokens), the image tokens of each image, the next-token logits after
     the prompt and the greedy answer (transformers' generate, do_sample off)."""
@@ -149,7 +125,7 @@ def transformers_side(
 
     from launcher.worker.processor import load_processor
 
-    processor = load_processor(merged_dir, say=say)
+    processor = load_processor(merged_dir, say=lambda _: None)  # how it is built: said once, by the served prompt
     model = AutoModelForImageTextToText.from_pretrained(str(merged_dir), dtype=torch.float32).eval()
     pad = model.config.image_token_id
     eos = model.generation_config.eos_token_id
@@ -407,37 +383,27 @@ def compare(ref: list[dict[str, Any]], got: list[dict[str, Any]], eog: set[int])
     }
 
 
-def held_out(recipe: Any, limit: int) -> list[dict[str, Any]]:
-    """The held-out examples with their images, as training split them (the task score's examples)."""
-    from launcher.data import split
-    from launcher.data.image_stats import image_stats
+def held_out(recipe: Any, task: Optional[dict[str, Any]] = None) -> tuple[list[dict[str, Any]], int]:
+    """(the image prompts the pair is checked on, the new tokens an answer may take): the task's prompts (RUN/task.json:
+    the pair's answers are then the GGUF's task score), else the parity checks' examples (parity.held_out_examples:
+    held out, or the training data where the recipe holds nothing out), eval.task.examples of them (16 by default)."""
+    if task is not None:
+        return [
+            {"messages": p["messages"] + [{"role": "assistant", "content": p["reference"]}], "images": p["images"]}
+            for p in task["prompts"]
+        ], task["max_new_tokens"]
+    from launcher.deliver.parity import held_out_examples
 
-    examples, _, _ = image_stats(recipe)
-    parts = split.for_recipe(examples, recipe)
-    return [examples[i] for i in parts.held_out][:limit]
-
-
-def bounds_of(merged_dir: Path) -> Optional[ImageBounds]:
-    from launcher.data.image_tokens import read_rule
-
-    rule = read_rule(merged_dir)
-    if rule is None:
-        return None
-    return processor_bounds(rule.min_pixels, rule.max_pixels, rule.patch_size, rule.merge_size)
+    return held_out_examples(recipe)[0][: recipe.eval.task.examples or 16], recipe.eval.max_new_tokens or 16
 
 
 def vision_gguf_output(
-    merged_dir: Path,
-    gguf_dir: Path,
-    name: str,
-    gguf_type: str,
-    examples: list[dict[str, Any]],
-    max_new: int = 8,
-    reference: Optional[list[dict[str, Any]]] = None,
+    merged_dir: Path, gguf_dir: Path, name: str, gguf_type: str, examples: list[dict[str, Any]], max_new: int = 8
 ) -> dict[str, Any]:
     """Convert the merged vision-language folder to the text GGUF + mmproj, read both back through mtmd and hold
     them to the merged model: the served prompt (text tokens and image placeholders) must be the processor's, and
-    the first-token distribution and greedy answers within the GGUF type's tolerance. export.json's outputs.gguf."""
+    the first-token distribution and greedy answers within the GGUF type's tolerance. export.json's outputs.gguf,
+    with each example's answer through the pair in out["task_answers"] (as gguf_export.gguf_output gives them)."""
     cfg = json.loads((merged_dir / "config.json").read_text())
     model_type = cfg.get("model_type", "")
     files = convert_pair(merged_dir, gguf_dir, name, gguf_type)
@@ -449,8 +415,8 @@ def vision_gguf_output(
         # no multimodal path in this build: the text GGUF is held to the merged model on the prompts without their
         # images, and the pair is not checked (export.json and SERVING.md say so)
         _say(f"{missing}: the projector is written but not checked; the text GGUF is checked on text-only prompts")
-        examples, reference = text_only(examples), None
-    ref = reference if reference is not None else transformers_side(merged_dir, examples, max_new)
+        examples = text_only(examples)
+    ref = transformers_side(merged_dir, examples, max_new)
     pad = ref[0]["pad_id"] if ref else int(cfg.get("image_token_id", -1))
     if missing:
         run = text_side(text, examples, max_new)
@@ -495,7 +461,9 @@ def vision_gguf_output(
             {"transformers": r["answer"], "llama_cpp": g["answer"], "seconds": g["seconds"]}
             for r, g in zip(ref, run["outputs"])
         ],
-        "answer_texts": [g["answer"] for g in run["outputs"]],
+        "task_answers": [
+            {"answer": g["answer"], "new_tokens": len(g["greedy"]), "seconds": g["seconds"]} for g in run["outputs"]
+        ],
     }
     _say(
         f"GGUF {out['size']} {text.name} + projector {out['mmproj_size']} {mmproj.name}: served prompt identical "
@@ -536,6 +504,21 @@ def vision_gguf_output(
             out,
         )
     return out
+
+
+def served_checks(served, gguf: dict[str, Any]) -> None:
+    """The pair's served-prompt check in the export's served-prompt record (served_prompt.ServedPrompt): llama-server's
+    prompt with the images, held to the processor's ids above, and why the other runtimes are not checked."""
+    served.report["runtimes"]["llama_server"] = {
+        "runtime": f"llama-server --mmproj (through {gguf['parity_through']})",
+        "ok": True,
+        "identical": gguf["parity_vs_merged"]["prompt_identical"],
+    }
+    served.checked("llama-server")
+    served.report["not_checked"] = {
+        "llama.cpp": "llama-cpp-python's vision chat handlers render their own template, not the GGUF's",
+        "Ollama": "Ollama serves this model from the merged folder with its own engine, not run here",
+    }
 
 
 def _greedy(llm, first, max_new: int, eog: set[int]) -> list[int]:

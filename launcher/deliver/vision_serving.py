@@ -20,6 +20,7 @@ import json
 import math
 import shlex
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 # llama.cpp's own image-token bounds per model type (config.json model_type), from the pinned clip.cpp; a model type
@@ -49,7 +50,7 @@ OLLAMA = {
     ),
 }
 OLLAMA_NOT = (
-    "Ollama: {arch} is not in the architectures `ollama create` converts (ollama/ollama convert/convert.go "
+    "{arch} is not in the architectures `ollama create` converts (ollama/ollama convert/convert.go "
     "LoadModelMetadata); serve with vLLM or llama-server"
 )
 
@@ -71,6 +72,14 @@ def processor_bounds(min_pixels: int, max_pixels: int, patch: int, merge: int) -
     return ImageBounds(lo, hi, min_pixels % area == 0 and max_pixels % area == 0)
 
 
+def bounds_of(model_dir: Path) -> Optional[ImageBounds]:
+    """The processor's bounds of a model folder (its preprocessor_config.json), None where it has none."""
+    from launcher.data.image_tokens import read_rule
+
+    rule = read_rule(model_dir)
+    return rule and processor_bounds(rule.min_pixels, rule.max_pixels, rule.patch_size, rule.merge_size)
+
+
 def llamacpp_flags(model_type: str, bounds: ImageBounds) -> list[str]:
     """The llama-server / llama-mtmd-cli flags that make llama.cpp size images as the processor does: none where its
     own bounds for this model type are already the processor's."""
@@ -84,6 +93,16 @@ def limit_mm(images: int) -> str:
     """vLLM's --limit-mm-per-prompt value: JSON, as vLLM's MultiModalConfig.limit_per_prompt takes it
     (docs.vllm.ai vllm/config/multimodal.py: `{"image": 16, "video": 2}`); video 0 since the data holds none."""
     return json.dumps({"image": max(1, images), "video": 0}, separators=(",", ":"))
+
+
+def lora_reach(adapter_dir: Path) -> dict[str, Any]:
+    """What the adapter adapts, read from its adapter_config.json, and whether vLLM serves it as LoRA: vLLM applies
+    LoRA to the language model only (launcher/plan/vision.py words both)."""
+    from launcher.plan.vision import LANGUAGE_MODEL_ONLY, WITH_TOWER
+
+    targets = json.loads((Path(adapter_dir) / "adapter_config.json").read_text()).get("target_modules") or []
+    tower = "visual" in (targets if isinstance(targets, str) else " ".join(targets))
+    return {"lora_reach": WITH_TOWER if tower else LANGUAGE_MODEL_ONLY, "served_by_vllm_as_lora": not tower}
 
 
 def commands(
@@ -133,6 +152,42 @@ def commands(
             )
     out["ollama"] = OLLAMA.get(architecture) or OLLAMA_NOT.format(arch=architecture)
     return out
+
+
+def serving_md(run, recipe, report: dict[str, Any]) -> str:
+    """SERVING.md of a vision-language export, from what export.json holds (its commands: report["serving_commands"]);
+    vLLM takes as many images a prompt as the data's largest example holds."""
+    from launcher.data.images import load_images
+    from launcher.model_files import local_file
+
+    max_images = max((len(e["images"]) for e in load_images(recipe.data).examples), default=1)
+    outputs = report["outputs"]
+    merged = (outputs.get("merged") or outputs.get("model") or {}).get("path")
+    adapter = outputs.get("adapter") or {}
+    config = local_file(merged or recipe.model, "config.json")  # an adapter's: its base model's
+    cfg = json.loads(config.read_text()) if config else {}
+    gg = outputs.get("gguf") or {}
+    cmds = commands(
+        merged=merged,
+        base=recipe.model,
+        adapter=adapter.get("path"),
+        lora_servable=adapter.get("served_by_vllm_as_lora", False),
+        lora_why=adapter.get("lora_reach", "a full fine-tune has no adapter"),
+        name=run.root.name,
+        max_images=max_images,
+        max_len=recipe.max_length,
+        text_gguf=gg.get("path"),
+        mmproj=gg.get("mmproj"),
+        model_type=cfg.get("model_type", ""),
+        architecture=(cfg.get("architectures") or [""])[0],
+        bounds=bounds_of(Path(merged)) if merged else None,
+    )
+    if not merged:
+        cmds["notes"].append(f"no merged folder in this export: `ftrun export {run.root} --merged` writes it")
+    if gg.get("parity_through", "").startswith("the text GGUF alone"):
+        cmds["notes"].append(f"the GGUF pair was not checked with images: {gg['parity_through']}")
+    report["serving_commands"] = cmds
+    return f"# Serving {run.root.name}\n\n" + serving_text(cmds)
 
 
 def serving_text(cmds: dict[str, Any]) -> str:

@@ -82,13 +82,22 @@ def _trained_tokens(examples: list, prepared, sample: int = 2000) -> str:
     from launcher.data.formats import FORMS, example_form
 
     if examples and examples[0].get("images") is not None:
-        # trl 1.16 leaves image data unprepared (sft_trainer.py _skip_prepare_dataset for a vision dataset): its
-        # collator renders and tokenizes each batch with its images (DataCollatorForVisionLanguageModeling)
+        # trl 1.16 leaves image data unprepared (sft_trainer.py _skip_prepare_dataset, dpo_trainer.py
+        # skip_prepare_dataset for a vision dataset): its collator renders and tokenizes each batch with its images
+        # (DataCollatorForVisionLanguageModeling; DataCollatorForVisionPreference, the prompt before both answers)
         count = sum(len(e["images"]) for e in examples)
+        what, unit, each = (
+            (
+                "preference pairs with images",
+                "pairs",
+                " (its prompt and images before the chosen and the rejected answer)",
+            )
+            if example_form(examples[0]) == "preference"
+            else ("chat with images", "examples", "")
+        )
         return (
-            f"data as TRL takes it: chat with images, {len(prepared):,} examples, {count:,} images; each batch "
-            "rendered, its images read and tokenized by the model's processor as it trains (the plan counted the "
-            "image tokens)"
+            f"data as TRL takes it: {what}, {len(prepared):,} {unit}, {count:,} images; each batch rendered{each}, its "
+            "images read and tokenized by the model's processor as it trains (the plan counted the image tokens)"
         )
     rows = prepared.select(range(min(sample, len(prepared))))
     first = f", first {len(rows):,} pairs" if len(rows) < len(prepared) else ""

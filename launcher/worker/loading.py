@@ -452,17 +452,20 @@ def model_class(model: str):
     return AutoModelForImageTextToText if reads_images(model) else AutoModelForCausalLM
 
 
-def load_tokenizer(recipe):
-    """The model's tokenizer, or a vision-language model's processor (its tokenizer inside, as .tokenizer)."""
+def _worker_line(line: str) -> None:
+    print(f"[ftrun worker] {line}", flush=True)
+
+
+def load_tokenizer(recipe, say=None):
+    """The model's tokenizer, or a vision-language model's processor (its tokenizer inside, as .tokenizer; how it
+    was built said through `say`, by default the worker's line on rank 0)."""
     from transformers import AutoTokenizer
 
     if reads_images(recipe.model):
         from launcher.worker.processor import load_processor
 
         # every rank builds its own processor (its collator renders its own batches); rank 0 says the fallback
-        processor = load_processor(
-            recipe.model, say=lambda line: is_main_process() and print(f"[ftrun worker] {line}", flush=True)
-        )
+        processor = load_processor(recipe.model, say=say or (lambda line: is_main_process() and _worker_line(line)))
         if processor.tokenizer.pad_token is None:
             processor.tokenizer.pad_token = processor.tokenizer.eos_token
         return processor

@@ -245,7 +245,7 @@ def test_image_preference_pairs_read_as_trl_s_dpo_trainer_takes_them(tmp_path):
     ds = datasets.Dataset.from_list(_pairs()).cast_column("images", datasets.List(datasets.Image()))
     ds.to_parquet(str(tmp_path / "pairs.parquet"))
     got = load_images(tmp_path / "pairs.parquet")
-    assert got.pairs and got.describe().startswith("preference pairs with images, 4 examples, 4 images")
+    assert got.pairs and got.describe().startswith("preference pairs with images, 4 pairs, 4 images")
     # dpo_trainer.py DataCollatorForVisionPreference: a conversational prompt with the image placeholders, one
     # assistant turn per answer, the images in placeholder order
     assert got.examples[0] == {

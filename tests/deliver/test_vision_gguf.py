@@ -4,8 +4,8 @@ llama-cpp-python 0.3.36) and held to the merged model on the held-out images.
 
 The run is built directly, not trained: the tiny Qwen2.5-VL of scripts/make_tiny_vlm.py with a 3-block vision tower
 (the converter cannot map a 2-block tower's merger, launcher/plan/gguf_readiness.py projector_problem) and a LoRA on
-its language model with non-zero weights, saved as final/adapter and merged into final/merged with the processor
-files: the layout vision training writes, through the same export code.
+its language model with non-zero weights, saved as final/adapter with the processor files, and the run's task.json:
+the layout vision training writes, exported through the same code as a text model's.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def vision_run(tmp_path_factory):
     sys.path.insert(0, str(REPO / "scripts"))
     from make_tiny_vlm import build_tiny_vlm
 
-    from launcher.deliver.vision_export import copy_processor_files
+    from launcher.worker.processor import save_processor_files
 
     built = build_tiny_vlm(REPO / ".cache" / "tiny-vlm3-tests", vision_layers=3)
     # llama.cpp runs a Qwen2.5-VL tower with 112-pixel attention windows (the published models'); the tiny model's
@@ -50,9 +50,7 @@ def vision_run(tmp_path_factory):
     )
     model = get_peft_model(model, config)
     model.save_pretrained(final / "adapter")
-    copy_processor_files(tiny, final / "adapter")
-    model.merge_and_unload().save_pretrained(final / "merged")
-    copy_processor_files(tiny, final / "merged")
+    save_processor_files(tiny, final / "adapter")
     recipe = {
         "model": str(tiny),
         "method": "lora",
@@ -62,10 +60,17 @@ def vision_run(tmp_path_factory):
         "output_dir": str(run),
         "export": ["adapter", "merged", "gguf"],
         "gguf_type": "f32",
-        "eval": {"fraction": 0.2, "max_new_tokens": 4, "task": {"examples": 4}},
+        "eval": {"fraction": 0.2, "max_new_tokens": 4, "task": {"examples": 10}},  # the fewest a task scores
         "smoke": {"enabled": False},
     }
     (run / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    from launcher.data.dataset import load_data
+    from launcher.recipe_loading import load_recipe
+    from launcher.store.rundir import RunDir
+    from launcher.worker.task_eval import task_for_run
+
+    loaded = load_recipe(run / "recipe.yaml")
+    task_for_run(RunDir(run), loaded, load_data(loaded.data, loaded.seed).examples)  # the task training writes
     return run
 
 
@@ -80,6 +85,7 @@ def exported(vision_run):
 def test_text_gguf_and_projector_written_by_llama_cpps_converter(exported):
     run, report = exported
     gguf = report["outputs"]["gguf"]
+    assert "preprocessor_config.json" in report["outputs"]["merged"]["processor_files"]
     assert Path(gguf["path"]).is_file() and Path(gguf["mmproj"]).is_file()
     assert Path(gguf["mmproj"]).name.startswith("mmproj-")
     assert gguf["architecture"] == "qwen2vl"
@@ -95,15 +101,16 @@ def test_parity_through_mtmd_on_the_held_out_images(exported):
     _, report = exported
     parity = report["outputs"]["gguf"]["parity_vs_merged"]
     n = report["held_out_image_prompts"]
-    assert n == 4 and parity["prompts"] == n
+    assert n == 10 and parity["prompts"] == n  # the task's prompts
     # llama-server's prompt, each image chunk as its count of <|image_pad|>, is the processor's, token for token
     assert parity["prompt_identical"] == f"{n}/{n}" and parity["image_tokens_identical"] == f"{n}/{n}"
     # an F32 pair holds the merged float32 weights: where the merged model's first token is decided (leads its
     # runner-up by more than the two sides' logit difference), llama.cpp picks it; the distributions stay close
     assert parity["first_token_top1_agreement_where_decided"] == 1.0
     assert parity["first_token_mean_kl"] < 5e-4 and parity["first_token_max_abs_logit_diff"] < 0.5
-    scores = report["task_scores"]
-    assert scores["held_out"] == n and 0.0 <= scores["gguf-f32"] <= 1.0
+    # the pair answered the task's prompts: its score beside the merged model's in the run's task_eval.json
+    scores = json.loads((exported[0] / "task_eval.json").read_text())["scores"]
+    assert 0.0 <= scores["gguf-f32"] <= 1.0 and 0.0 <= scores["merged"] <= 1.0
     assert report["outputs"]["gguf"]["image_token_bounds"] == {
         "processor": [4, 16],
         "llama_cpp_default": [8, 4096],
@@ -123,7 +130,7 @@ def test_serving_md_has_each_servers_command(exported):
     assert report["outputs"]["adapter"]["served_by_vllm_as_lora"] is True
 
 
-def test_llama_cpps_own_image_bounds_change_the_served_prompt(vision_run, tmp_path):
+def test_llama_cpps_own_image_bounds_change_the_served_prompt(vision_run, exported, tmp_path):
     """Without the processor's bounds, llama.cpp sizes a 56 x 56 image to its own minimum of 8 tokens where the
     processor makes 4: the served-prompt check sees the difference (and the export gives mtmd the bounds)."""
     from PIL import Image
@@ -132,7 +139,7 @@ def test_llama_cpps_own_image_bounds_change_the_served_prompt(vision_run, tmp_pa
 
     merged, gguf = vision_run / "final" / "merged", vision_run / "final" / "gguf"
     exported_files = sorted(gguf.glob("*.gguf"))
-    assert exported_files, "the export test's files"
+    assert exported_files, "the export's files"
     text = next(f for f in exported_files if not f.name.startswith("mmproj-"))
     mmproj = next(f for f in exported_files if f.name.startswith("mmproj-"))
     img = tmp_path / "small.png"
@@ -175,14 +182,14 @@ def test_export_refuses_a_tower_the_converter_cannot_map(tiny_vlm):
     assert "visual.merger.mlp.2" in exc.value.message
 
 
-def test_a_build_without_mtmd_checks_the_text_gguf_on_text_only_prompts(vision_run, monkeypatch, tmp_path):
+def test_a_build_without_mtmd_checks_the_text_gguf_on_text_only_prompts(vision_run, exported, monkeypatch, tmp_path):
     from launcher.deliver import vision_gguf
 
     monkeypatch.setattr(vision_gguf, "mtmd_missing", lambda: "llama-cpp-python 0.3.x has no libmtmd binding (test)")
-    ex = vision_gguf.held_out(
-        __import__("launcher.recipe_loading", fromlist=["load_recipe"]).load_recipe(vision_run / "recipe.yaml"), 2
-    )
-    out = vision_gguf.vision_gguf_output(vision_run / "final" / "merged", tmp_path, "t", "f32", ex, 3)
+    from launcher.recipe_loading import load_recipe
+
+    ex, _ = vision_gguf.held_out(load_recipe(vision_run / "recipe.yaml"))
+    out = vision_gguf.vision_gguf_output(vision_run / "final" / "merged", tmp_path, "t", "f32", ex[:2], 3)
     assert out["parity_through"].startswith("the text GGUF alone on text-only prompts (llama-cpp-python 0.3.x")
     assert "without libmtmd" in out["runtime"]
     p = out["parity_vs_merged"]

@@ -14,7 +14,6 @@ from types import SimpleNamespace
 import pytest
 
 from launcher.deliver import vision_serving as vs
-from launcher.deliver.vision_export import copy_processor_files, lora_reach
 from launcher.errors import RecipeError
 from launcher.plan import gguf_readiness
 from launcher.plan.vision import LANGUAGE_MODEL_ONLY, WITH_TOWER
@@ -148,7 +147,7 @@ def test_ollama_said_per_architecture():
     assert "ollama create from the merged folder" in _commands()["ollama"]
     assert "not the llama.cpp GGUF + mmproj pair" in _commands()["ollama"]
     other = _commands(architecture="PaliGemmaForConditionalGeneration")["ollama"]
-    assert other.startswith("Ollama: PaliGemmaForConditionalGeneration is not in the architectures")
+    assert other.startswith("PaliGemmaForConditionalGeneration is not in the architectures")
     text = vs.serving_text(_commands())
     assert "--mmproj" in text and "--limit-mm-per-prompt" in text and "Ollama: ollama create" in text
 
@@ -159,16 +158,19 @@ def test_lora_reach_read_from_the_adapter(tmp_path):
     (lm / "adapter_config.json").write_text(
         json.dumps({"target_modules": "^(model\\.language_model\\.layers\\.0\\.self_attn\\.q_proj)$"})
     )
-    assert lora_reach(lm) == (True, LANGUAGE_MODEL_ONLY)
+    assert vs.lora_reach(lm) == {"lora_reach": LANGUAGE_MODEL_ONLY, "served_by_vllm_as_lora": True}
     tower = tmp_path / "tower"
     tower.mkdir()
     (tower / "adapter_config.json").write_text(
         json.dumps({"target_modules": ["model.visual.blocks.0.attn.qkv", "q_proj"]})
     )
-    assert lora_reach(tower) == (False, WITH_TOWER)
+    assert vs.lora_reach(tower) == {"lora_reach": WITH_TOWER, "served_by_vllm_as_lora": False}
 
 
 def test_processor_files_copied_beside_merged_weights(tiny_vlm, tmp_path):
-    got = copy_processor_files(tiny_vlm, tmp_path)
-    assert "preprocessor_config.json" in got and "chat_template.jinja" in got and "tokenizer.json" in got
+    from launcher.worker.processor import save_processor_files
+
+    save_processor_files(tiny_vlm, tmp_path)
+    got = {f.name for f in tmp_path.iterdir()}
+    assert {"preprocessor_config.json", "chat_template.jinja", "tokenizer.json"} <= got
     assert "config.json" not in got and not (tmp_path / "model.safetensors").exists()

@@ -54,7 +54,7 @@ def test_dpo_on_image_pairs_trains_the_margin_up_and_the_loss_down(tmp_path, tin
     res = ftrun(recipe, "--foreground", "smoke.enabled=false", cwd=tmp_path, timeout=600)
     said = res.stdout + res.stderr
     assert res.returncode == 0, said[-3000:]
-    assert "preference pairs with images, 64 examples, 64 images" in said
+    assert "preference pairs with images, 64 pairs, 64 images" in said
     rows = [r for r in metrics(tmp_path / "run") if "rewards/margins" in r]
     assert len(rows) == 4
     first, last = rows[0], rows[-2:]
