@@ -191,10 +191,7 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _merge(out[k], v)
-        else:
-            out[k] = v
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
 
 
@@ -216,9 +213,8 @@ def _resolve_data(value: Any, base_dir: Path) -> Any:
 
 
 def _resolve_reward(value: Any, base_dir: Path) -> Any:
-    """A reward function's FILE.py made absolute against the recipe's folder (FILE.py:NAME keeps its NAME). A
-    MODULE:NAME stays as it is, and so does a relative FILE.py not found there: it may be a file of an installed
-    package as the package lays it out (trl/rewards/accuracy_rewards.py; launcher/data/rewards.py load_function)."""
+    """A reward function's FILE.py:NAME made absolute against the recipe's folder; a MODULE:NAME, or a relative FILE.py
+    not found there (an installed package's file: launcher/data/rewards.py load_function), stays as it is."""
     if isinstance(value, list):
         return [_resolve_reward(v, base_dir) for v in value]
     if isinstance(value, dict) and isinstance(value.get("function"), str) and ":" in value["function"]:
@@ -256,8 +252,7 @@ def _resolve_paths(raw: dict[str, Any], base_dir: Path, default_name: str) -> di
 
 
 def _parent_or_its_copy(init_from: str, resolved: dict[str, Any]) -> str:
-    """The run at output_dir keeps its own copy of the parent adapter (launcher/run/parent.py): once the source is
-    gone or holds no adapter (a parent run moved or deleted after this one started), its resume trains on from it."""
+    """The run at output_dir's own copy of the parent adapter (launcher/run/parent.py) once the source holds none."""
     if not isinstance(resolved.get("output_dir"), str) or has_adapter(init_from):
         return init_from
     held = RunDir(Path(resolved["output_dir"])).pinned_parent()
@@ -271,9 +266,8 @@ class _DuplicateKey(yaml.YAMLError):
 
 
 class _RecipeLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, refusing a mapping that names a key twice (YAML leaves it to the loader, and PyYAML's
-    own keeps the last one in silence): checked in construct_mapping, the hook PyYAML builds every mapping with,
-    before merge keys (<<) are flattened into it."""
+    """PyYAML's safe loader, refusing a mapping that names a key twice (PyYAML keeps the last in silence): checked in
+    construct_mapping, before merge keys (<<) are flattened into it."""
 
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):
@@ -290,9 +284,8 @@ class _RecipeLoader(yaml.SafeLoader):
 
 
 def _command_line_paths(over: dict[str, Any]) -> dict[str, Any]:
-    """The paths of the command line's overrides (output_dir=, data=, eval.data=, model=) against the working
-    directory, as a shell user expects of every path typed there; the recipe file's own paths resolve against its
-    folder afterwards (_resolve_paths), which leaves these, absolute by then, as they are."""
+    """The paths of the command line's overrides resolved against the working directory (absolute by then, the
+    recipe's own resolution leaves them as they are)."""
     resolved = _resolve_paths(over, Path.cwd(), default_name="")
     return {k: v if v is None else resolved[k] for k, v in over.items()}  # `output_dir=` keeps meaning the default
 

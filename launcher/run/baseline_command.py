@@ -1,7 +1,5 @@
-"""`ftrun baseline RECIPE`: the base model scored on the task before any training (zero-shot, and with examples from
-the training data in its prompt), and the reference article's verdict: does a fine-tune pay? The scoring is
-launcher/run/task_baseline.py's (the launch's own step before its smoke test).
-"""
+"""`ftrun baseline RECIPE`: the base model scored on the task before any training (launcher/run/task_baseline.py),
+and the reference article's verdict: does a fine-tune pay?"""
 
 from __future__ import annotations
 
@@ -26,8 +24,7 @@ def _say(line: str) -> None:
 
 
 def as_json(t: dict[str, Any]) -> dict[str, Any]:
-    """`ftrun baseline --json`: the metric, the examples, the starting point's two scores (the base model's, or
-    the parent adapter's under init_from: start_keys), the verdict."""
+    """`ftrun baseline --json`: the metric, the examples, the starting point's two scores, the verdict."""
     scores = t.get("scores") or {}
     out = {
         "metric": t.get("metric"),

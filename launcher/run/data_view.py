@@ -60,9 +60,8 @@ def wants_color(stream: Optional[TextIO] = None) -> bool:
 def format_loss_view(
     record: Optional[dict[str, Any]], color: bool = False, statistics: bool = False, sampled: bool = False
 ) -> str:
-    """What the loss sees (data.json "loss_view", launcher/data/loss_view.py): one example per source with its
-    trained tokens marked (highlighted on a terminal, in [[...]] elsewhere); `statistics`: the dataset's figures.
-    `sampled`: the objective trains on answers it samples (GRPO), which no example of the data holds."""
+    """What the loss sees (data.json "loss_view"): one example per source, trained tokens marked; `statistics`: the
+    dataset's figures; `sampled`: the objective trains on answers it samples (GRPO)."""
     from launcher.data.loss_view import CLOSE, OPEN, TRAINED_STYLE, RESET, render_segments
 
     if not record and sampled:

@@ -45,8 +45,7 @@ def _flat(snap: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-# Keys that only decide how a run starts (its smoke test and what an out of memory there may change, whether to
-# resume) or what the plan assumes (box, tokens, price): nothing to a run in progress or finished, never a difference.
+# Keys that only decide how a run starts or what the plan assumes: never a difference to a run that exists
 STARTING_ONLY = ("smoke", "auto_adjust", "resume", "box", "tokens", "price_per_hour_eur")
 
 
@@ -182,8 +181,7 @@ def launch(
         _say(f"continuing {run.root} {where}")
     else:
         move(run, "plan", **_launcher(), data_sha256=data_sha, reason="new run")
-    # the base model's task score and the verdict (does fine-tuning pay?), before the smoke test; said, never a stop
-    # --fresh moved the run this launch found aside: its history (a past `running`) is not this run's
+    # the base model's task score and the verdict, before the smoke test; said, never a stop (--fresh: no history)
     launch_baseline(run, recipe, plan_dict, _say, None if fresh else snap.state, not foreground)
 
     # a resume with a checkpoint, or after a passed smoke test, skips it: it was measured on this trajectory
@@ -204,8 +202,7 @@ def launch(
         _say(summary_view.format_end_summary(end_summary(run)))
         return code
     pid = start_detached(run, lock.fd)
-    # who holds the lock from now on, recorded before the launcher lets go of it (the supervisor records
-    # itself too): pid and start time, so that no later process with the same pid passes for it
+    # who holds the lock from now on, recorded (pid and start time) before the launcher lets go of it
     move(run, "run", supervisor_pid=pid, supervisor_proc=process_identity(pid), resume_command=resume)
     lock.release()  # the supervisor holds the same lock through the inherited descriptor
     _say(views.format_background_start(run.root, pid, resume))
@@ -282,8 +279,7 @@ def _end_orphans(run: RunDir, recipe: Recipe, state: dict[str, Any]) -> None:
     from launcher.run.control import end_orphans
 
     if end_orphans(run, recipe.grace_seconds + 15, log=_say, data=state):
-        # A worker counts as gone once its main thread is (a zombie); the kernel releases its descriptors, the
-        # run's lock among them, only when its last thread has exited: give that a moment before the lock is read.
+        # the kernel releases a zombie's descriptors (the run's lock) only when its last thread exits: a moment
         deadline = time.monotonic() + 15
         while is_locked(run) and time.monotonic() < deadline:
             time.sleep(0.2)

@@ -44,10 +44,8 @@ def plan_command(
 
 
 def _ask_the_hub_once(recipe, sources, read_data: bool) -> Optional[str]:
-    """Why the Hub did not answer one short request, when the plan would ask it (a model that is not a local
-    folder, a Hub dataset it reads); the process is then offline, so no later request waits on retries
-    (launcher/hub_access.py). None when it answered, or when nothing would ask it or it is off by setting: the
-    plan's own lines say so then."""
+    """Why the Hub did not answer one short request, when the plan would ask it (then offline: launcher/hub_access.py);
+    None when it answered, nothing would ask it, or it is off by setting."""
     from launcher import hub_access
 
     asks = not Path(recipe.model).expanduser().is_dir() or (read_data and not all(s.local for s in sources))
@@ -105,8 +103,7 @@ def _plan_command(
                 _, _, stats = data_stats(recipe)
                 recipe = with_data_defaults(recipe, stats)  # what the data sized (GRPO's answer length)
             except DataError as exc:
-                # A Hub dataset this machine cannot reach (no network, not cached) plans like a missing local file;
-                # the launch reads it and refuses with the same paragraph when the box cannot reach it either.
+                # a Hub dataset this machine cannot reach plans like a missing local file
                 if recipe.tokens is None or all(s.local for s in sources):
                     raise
                 count = recipe.tokens

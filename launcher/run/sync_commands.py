@@ -24,8 +24,7 @@ def _pull_if_remote_run(run: RunDir, recipe: Recipe) -> bool:
     try:
         found = remote_has_run(recipe.sync.to)
     except SyncError as exc:
-        # A run that cannot reach its off-box copy must not start blind: it might overwrite nothing, or
-        # it might be the resume of a lost box whose checkpoints sit there.
+        # a run that cannot reach its off-box copy must not start blind: it may be a lost box's resume
         raise SyncError(
             f"cannot look for an earlier copy of this run at sync.to={recipe.sync.to}: {exc.message}",
             fix="check that the destination is reachable from this box (for SSH: `ssh HOST true` with "
@@ -42,8 +41,7 @@ def _pull_if_remote_run(run: RunDir, recipe: Recipe) -> bool:
     lock = RunLock(run).acquire()
     try:
         step = pull(recipe.sync.to, run, log=_say)
-        # The pids in the fetched state belong to the lost box.
-        data = RunSnapshot(run).state  # as the pull fetched it
+        data = RunSnapshot(run).state  # as fetched: its pids belong to the lost box
         if data:
             lost = ("supervisor_pid", "worker_pid", "supervisor_proc", "worker_proc", "launcher_proc")
             fetched = f"fetched from {recipe.sync.to}" + (f" at step {step}" if step is not None else "")
