@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, Field, PositiveInt, field_validator, model_validator
+from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from launcher import engine_kinds, export_formats, gguf_types, methods, model_files, notify, tracker_kinds
 from launcher.data import formats as data_formats
@@ -32,6 +32,8 @@ from launcher.recipe_sections import (
     SmokeSettings,
     Strict,
     SyncSettings,
+    fields,
+    is_section,
     secret_keys,
 )
 
@@ -305,8 +307,7 @@ class Recipe(Strict):
     )
     trainer: dict[str, Any] = Field(
         default_factory=dict,
-        description="Extra fields of the objective's TRL "
-        "configuration, checked against it and passed through: "
+        description="Extra fields of the objective's TRL configuration, checked against it and passed through: "
         + ", ".join(f"{o.config} ({o.name})" for o in methods.OBJECTIVES.values())
         + ".",
     )
@@ -601,15 +602,8 @@ def _weights_sha256(folder: Path) -> str:
 def explain() -> str:
     """Every recipe key with its default and documentation."""
     rows = []
-
-    def walk(model: type[BaseModel], prefix: str) -> None:
-        for name, field in model.model_fields.items():
-            ann = field.annotation
-            if isinstance(ann, type) and issubclass(ann, BaseModel):
-                walk(ann, prefix + name + ".")
-                continue
+    for key, field in fields(Recipe):
+        if not is_section(field):
             default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
-            rows.append(f"{prefix + name:32} {default:14} {field.description or ''}")
-
-    walk(Recipe, "")
+            rows.append(f"{key:32} {default:14} {field.description or ''}")
     return "\n".join(rows)

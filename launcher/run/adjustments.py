@@ -1,6 +1,5 @@
-"""The recipe changes an out of memory in the smoke test leads to, cheapest first: the plan's own faster settings
-undone, then batch, checkpointing, optimizer, method, shard (recipe `auto_adjust`), and the recipe as a run trains it
-with the plan's settings and those changes applied."""
+"""The recipe changes an out of memory in the smoke test leads to, cheapest first (the plan's own faster settings,
+then `auto_adjust`), and the recipe as a run trains it with the plan's settings and those changes applied."""
 
 from __future__ import annotations
 
@@ -58,8 +57,7 @@ def with_loss_resolved(recipe: Recipe, loss_view: Optional[dict[str, Any]]) -> R
 
 
 def undo_plan_settings(recipe: Recipe, plan: dict[str, Any]) -> Optional[tuple[dict[str, Any], str]]:
-    """Back to the recipe's own values where the plan chose faster ones that are still in force, or None. The plan
-    sized those values to fit with the usual margin; its faster ones only with headroom for its error."""
+    """Back to the recipe's own values where the plan chose faster ones that are still in force, or None."""
     speed = plan.get("speed") or {}
     chosen, was = speed.get("set") or {}, speed.get("from") or {}
     if not chosen or any(getattr(recipe, k) != v for k, v in chosen.items()):

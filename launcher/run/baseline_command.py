@@ -13,14 +13,11 @@ from launcher.recipe import Recipe
 from launcher.recipe_loading import load_recipe
 from launcher.run import facts, task_eval_view
 from launcher.run.pipeline import prepare_only
+from launcher.run.prepare import _say
 from launcher.run.run_dirs import run_dir_of
 from launcher.run.task_baseline import EXIT_WORKER_BAD_INPUT, run_worker, settled, training_began
 from launcher.data.task_verdict import start_keys
 from launcher.store.state import move
-
-
-def _say(line: str) -> None:
-    print(line, flush=True)
 
 
 def as_json(t: dict[str, Any]) -> dict[str, Any]:

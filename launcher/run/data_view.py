@@ -95,8 +95,7 @@ def format_loss_view(
         cap = s.get("max_length")
         lines.append(
             f"{'sequences' if record.get('pairs') else 'examples'} {s['examples']:,}; tokens {s['tokens']:,} (after "
-            f"max_length {cap}); trained "
-            f"{s['trained_tokens']:,} ({s['trained_share']:.1%})"
+            f"max_length {cap}); trained {s['trained_tokens']:,} ({s['trained_share']:.1%})"
         )
         lines.append(f"length in tokens: p50 {s['p50']:,}, p90 {s['p90']:,}, p99 {s['p99']:,}, max {s['max']:,}")
         n = max(s["examples"], 1)

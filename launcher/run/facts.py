@@ -178,10 +178,9 @@ def run_status(run: RunDir, snap: Optional[RunSnapshot] = None) -> dict[str, Any
         started, done_since = worker.get("started"), step - start_step
         if started and done_since > 0:
             eta = round((time.time() - started) / done_since * (total - step), 1)
-    final = None
-    for name in (final_result.ADAPTER, final_result.MODEL):
-        if (run.final / name).is_dir():
-            final = str(run.final / name)
+    final = next(
+        (str(run.final / n) for n in (final_result.MODEL, final_result.ADAPTER) if (run.final / n).is_dir()), None
+    )
     memory = plan.get("memory") or {}
     s = {
         "run_dir": str(run.root),

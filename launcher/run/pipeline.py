@@ -100,9 +100,8 @@ def launch(
             raise BusyError(
                 f"{run.root} is busy: a run is in progress there ({holder['role']} pid {holder['pid']}), and this "
                 f"recipe differs from it:\n" + _listed(differs),
-                fix=f"set another output_dir to train this recipe beside it (output_dir=runs/NAME, or in the "
-                f"recipe), or wait for the run to end (`ftrun status {run.root}`), or stop it (`ftrun stop "
-                f"{run.root}`).",
+                fix=f"set another output_dir to train this recipe beside it (output_dir=runs/NAME, or in the recipe), "
+                f"or wait for the run to end (`ftrun status {run.root}`), or stop it (`ftrun stop {run.root}`).",
             )
         if holder:
             s = run_status(run, snap)
@@ -210,9 +209,8 @@ def launch(
 
 
 def prepare_only(recipe: Recipe, purpose: str, memory_limit: Optional[float] = None):
-    """A step before the run (`ftrun smoke`, `ftrun baseline`): checks, plan, lock and recipe.yaml as the launch
-    makes them, the model in the cache; state `planned` with `purpose` as its reason. Returns the recipe (with the
-    run's adjustments), the run, _prepare's tuple and the download's record; the caller releases the lock."""
+    """A step before the run (`ftrun smoke`, `ftrun baseline`): everything the launch does before its smoke test.
+    Returns the recipe, the run, _prepare's tuple and the download's record; the caller releases the lock."""
     run = run_dir_of(recipe)
     exists, state = run.exists(), RunSnapshot(run).state
     if exists:
@@ -245,8 +243,7 @@ def _not_a_run(run: RunDir) -> UsageError:
 
 
 def _model_found(recipe: Recipe) -> dict[str, Any]:
-    """The model's weights found (or where they will come from), before the run directory is touched: a failure
-    leaves nothing behind; its tokenizer fetched, as the data check renders with the model's chat template."""
+    """The model's weights found (before the run directory is touched) and its tokenizer fetched for the data check."""
     found = weights.check(recipe.model)
     missed = weights.fetch_tokenizer(recipe.model, found)
     if missed:
@@ -272,8 +269,7 @@ def _launcher() -> dict[str, Any]:
 
 
 def _end_orphans(run: RunDir, recipe: Recipe, state: dict[str, Any]) -> None:
-    """Workers left training into the run by a supervisor or launcher killed hard are ended (after a checkpoint)
-    before anything else starts: never two trainings in one directory. A live, verified run is left alone."""
+    """Workers left training into the run without a supervisor are ended before anything else starts."""
     if run_holder(run, state) is not None:
         return
     from launcher.run.control import end_orphans

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 from launcher.data.stats import data_stats, with_data_defaults
-from launcher.errors import DataError, MissingSoftware, RecipeError
+from launcher.errors import DataError, FtrunError, MissingSoftware, PlanError, RecipeError
 from launcher.recipe_loading import load_recipe
 from launcher.recipe_trainer import check_trainer_fields
 from launcher.run.adjustments import with_adjustments
@@ -27,8 +27,6 @@ def plan_command(
     """`ftrun plan`: size the job for --gpus, else this machine's GPUs, else the recipe's box:, else this CPU
     machine; exit 0 when it fits. With --json, stdout is JSON whatever happens: the plan, the plan that does
     not fit (fits: false, with its reasons and options), or {"fits": null, "error": ...}."""
-    from launcher.errors import FtrunError, PlanError
-
     try:
         return _plan_command(recipe_path, overrides, gpus, tokens, as_json, price)
     except PlanError as exc:

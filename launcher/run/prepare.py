@@ -104,8 +104,7 @@ def _prepare(
                 f"the data ({data_label(stats)}) changed since this run started (sha256 {old_sha[:12]}... -> "
                 f"{data_sha[:12]}...)",
                 fix="restore the original data, add --allow-changes to continue on the new data, or add --fresh to "
-                "start "
-                "a new run on it (the old run is kept).",
+                "start a new run on it (the old run is kept).",
             )
     # a resume skips the smoke test: its passed measurements calibrate the plan again (memory, throughput)
     smoke = json.loads(run.smoke.read_text()) if resuming and not restart and run.smoke.is_file() else None

@@ -26,9 +26,10 @@ from launcher.worker.engines import (
     launch_env,
     with_death_signal,
     worker_file,
+    world_size,
 )
 from launcher.store.checkpoint import atomic_write_json
-from launcher.data.dataset import DataStats, smoke_sample, write_jsonl
+from launcher.data.dataset import DataStats, example_lengths, smoke_sample, write_jsonl
 from launcher import export_formats, methods
 from launcher.errors import WORKER_EXITS, SmokeError, SmokeOOM
 from launcher.store.rundir import RunDir
@@ -37,8 +38,7 @@ REASONS = {code: (e.what, e.fix) for code, e in WORKER_EXITS.items()}
 
 
 def training_tokens(recipe, stats: DataStats, processes: int) -> int:
-    """Tokens the full run trains on: the data's tokens times epochs, or max_steps worth of batches (GRPO: each
-    prompt's tokens once per sampled answer; its batches count answers)."""
+    """Tokens the full run trains on: the data's (GRPO: once per answer) times epochs, or max_steps of batches."""
     per_epoch = stats.total_tokens * _answers(recipe)
     if recipe.max_steps:
         global_batch = recipe.micro_batch_size * recipe.gradient_accumulation_steps * processes
@@ -80,8 +80,7 @@ def step_seconds(measured: dict[str, Any], total_tokens: int, recipe, stats: Dat
 
 
 def _full_steps(recipe, stats: DataStats, processes: int) -> int:
-    """The full run's optimizer steps: max_steps, else the data's batches per epoch times epochs (GRPO's batch counts
-    answers, num_generations per prompt)."""
+    """The full run's optimizer steps: max_steps, else the data's batches per epoch times epochs."""
     global_batch = recipe.micro_batch_size * recipe.gradient_accumulation_steps * processes
     return recipe.max_steps or math.ceil(stats.examples * _answers(recipe) / global_batch) * recipe.epochs
 
@@ -120,8 +119,7 @@ def _measured(measured: dict[str, Any], key: str) -> float:
 
 
 def saves_seconds(one_save: float, train_seconds: float, recipe) -> float:
-    """The full run's checkpoint time: one every interval, one at the end, and the final model save
-    (about one more), each as long as the save the smoke test timed."""
+    """The full run's checkpoint time: one every interval, one at the end and the final model, each as timed."""
     every = recipe.checkpoint_every_minutes * 60.0
     return one_save * (math.floor(train_seconds / every) + 2)
 
@@ -137,9 +135,8 @@ def gguf_bytes_per_param(gguf_type: str) -> float:
 
 
 def export_seconds(measured: dict[str, Any], recipe, params: int) -> float:
-    """The exports after training (launcher/deliver/export.py, in their own process), from what the smoke measured:
-    the process start and imports once, one model load per load the export and its checks make, and the
-    bytes written (merged 16-bit, GGUF) at the disk rate of the smoke's timed checkpoint save."""
+    """The exports after training (launcher/deliver/export.py): its imports, one model load per load it makes, and
+    the bytes written at the disk rate of the smoke's timed checkpoint save."""
     formats = set(recipe.export)
     if not formats:
         return 0.0
@@ -159,11 +156,9 @@ def export_seconds(measured: dict[str, Any], recipe, params: int) -> float:
 
 
 def task_eval_seconds(measured: dict[str, Any], recipe, examples: int, base_scored: bool) -> float:
-    """The task evaluation after training (launcher/worker/task_eval.py), from the smoke test's generation of one
-    batch of its prompts: `examples` prompts, in batches of that size, answered by the fine-tuned model and by each
-    exported model (merged folder, GGUF), and by the base model twice more (zero-shot, with examples) where a LoRA
-    run's baseline has not scored it yet. An upper bound: answers priced at the cap (max_new_tokens), where a trained
-    model may answer though the smoke's stopped sooner."""
+    """The task evaluation after training (launcher/worker/task_eval.py) from the smoke's timed batch of prompts:
+    `examples` prompts for the fine-tuned model, each export, and the base model twice where not scored yet. An
+    upper bound: answers priced at the cap (max_new_tokens)."""
     seconds, asked = measured.get("generation_seconds"), measured.get("generation_prompts")
     if not seconds or not asked or not examples:
         return 0.0
@@ -227,8 +222,6 @@ def run_smoke(
 ) -> dict[str, Any]:
     """Run the worker on the sample in the foreground; write and return smoke.json, or raise SmokeError.
     `own_session`: as the full run's worker will run (start_worker)."""
-    from launcher.worker.engines import world_size
-
     processes = world_size(plan)  # all nodes' processes share the global batch
     global_batch = examples_per_step(recipe, processes)
     parts = split.for_recipe(examples, recipe)  # held-out examples never train, here neither
@@ -368,7 +361,6 @@ def _write_eval_request(run: RunDir, recipe, examples, lengths: list[int], parts
     run's sample prompts (smoke/prompts.json, unless the base model answered them already). Returns the token
     counts that scale the measured pass to the full run's (launcher/data/split.py)."""
     from launcher.worker import samples
-    from launcher.data.dataset import example_lengths
 
     if recipe.eval.data:
         held_examples = split.load_eval_data(recipe)

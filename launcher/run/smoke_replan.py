@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 import yaml
 
-from launcher.errors import HardwareError
+from launcher.errors import HardwareError, PlanError, SmokeError, SmokeOOM
 from launcher.recipe import Recipe
 from launcher import notify
 from launcher.run.adjustments import next_adjustment, shard_blocker
@@ -29,7 +29,6 @@ def _smoke(
 ) -> tuple[Recipe, dict[str, Any]]:
     """The smoke test; after an out-of-memory, re-plan with the cheapest allowed change and try again. Returns the
     adjusted recipe and the calibrated plan record. `own_session`: smoke.py start_worker."""
-    from launcher.errors import PlanError, SmokeError, SmokeOOM
     from launcher.run.smoke import run_smoke
     from launcher.run.views import format_smoke
 

@@ -31,17 +31,15 @@ from launcher.run.worker_outcome import _forget_worker_outcome, _worker_error, _
 from launcher.store import heartbeat_files
 from launcher.worker import train
 from launcher.worker.engines import MULTI_PROCESS, failed_verification, launch_command, launch_env, with_death_signal
-from launcher.store.checkpoint import newest_step_unverified
+from launcher.store.checkpoint import atomic_write_json, newest_step_unverified
 from launcher.store.rundir import RunDir
-from launcher.store.state import process_identity, read_state
+from launcher.store.state import last_metrics, process_identity, read_state
 
 # Worker exits that a restart cannot fix: report them instead of looping (launcher/errors.py WORKER_EXITS).
 FATAL = {code: e.reason for code, e in WORKER_EXITS.items() if not e.restart}
 
 
 def _last_logged_step(run: RunDir) -> int:
-    from launcher.store.state import last_metrics
-
     return int(last_metrics(run.metrics).get("step", 0))
 
 
@@ -163,8 +161,6 @@ def _attempts(run: RunDir, recipe, lock_fd: Optional[int]) -> Ending:
         cmd = launch_command(plan, run.root, "full")
         _log("starting worker: " + " ".join(cmd))
         if plan.get("launch_argv") != cmd:
-            from launcher.store.checkpoint import atomic_write_json
-
             plan["launch_argv"] = cmd  # plan.json records how the plan was launched (an argument list)
             atomic_write_json(run.plan, plan)
         _forget_worker_outcome(run)
