@@ -289,8 +289,8 @@ def format_smoke(report: dict[str, Any]) -> str:
         note = f"{note}\nnote: {said}" if note else said
     split = ", ".join(f"{name} {format_duration(sec)}" for name, sec in parts if sec and sec >= 0.5)
     return (
-        f"smoke test: {report['measured_steps']} measured steps, {report['tokens_per_second']:,.0f} "
-        f"tokens/s{_mfu(report.get('mfu'))}, peak memory {report['peak_memory_gb']:.2f} GB ({report['device']})"
+        f"smoke test: {report['measured_steps']} measured steps, {report['tokens_per_second']:,.0f} tokens/s"
+        f"{_mfu(report.get('mfu'))}, peak memory {report['peak_memory_gb']:.2f} GB ({report['device']})"
         + (
             f", answers generated at {report['generation_tokens_per_second']:,.0f} tokens/s (a batch of "
             f"{report['generation_prompts']} task prompts)"
@@ -368,9 +368,10 @@ def format_runs(rows: list[dict[str, Any]]) -> str:
 
 def format_background_start(run_dir: Path, pid: int, resume: str) -> str:
     return (
-        f"training started in the background (pid {pid}); it keeps running after you log out.\n  watch:  ftrun status "
-        f"{run_dir}   |   ftrun logs -f {run_dir}\n  stop:   ftrun stop {run_dir}      (saves a checkpoint first)\n  "
-        f"resume: {resume}   (after a crash or on a new box)"
+        f"training started in the background (pid {pid}); it keeps running after you log out.\n"
+        f"  watch:  ftrun status {run_dir}   |   ftrun logs -f {run_dir}\n"
+        f"  stop:   ftrun stop {run_dir}      (saves a checkpoint first)\n"
+        f"  resume: {resume}   (after a crash or on a new box)"
     )
 
 
