@@ -1,8 +1,7 @@
 """The `ftrun` command line: parse, call one stage, print. No logic lives here.
 
-`COMMANDS` is the one list of subcommands: each row's name, what follows it, what it does, its options and the stage
-it calls. The usage text (`ftrun --help`), the parser, the dispatch and the commands that take key=value overrides
-are built from it. `--debug`, anywhere on the line, shows tracebacks instead of one-paragraph errors.
+`COMMANDS` is the one list of subcommands; the usage text, the parser and the dispatch are built from it. `--debug`,
+anywhere on the line, shows tracebacks instead of one-paragraph errors.
 """
 
 from __future__ import annotations
@@ -453,10 +452,8 @@ def _nodes(a) -> Optional[dict]:
 
 
 def split_command_line(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(arguments for argparse, key=value overrides): `ftrun RECIPE ...` is `ftrun run RECIPE ...`, and options
-    and overrides may stand before or after the recipe (`ftrun plan --gpus 4xH100-80GB r.yaml lora.r=8`,
-    `ftrun --memory-limit 20GB r.yaml`). argparse cannot interleave a list of positionals with options, so the
-    overrides (words with '=' that are not options) are taken out first and handed over after parsing."""
+    """(arguments for argparse, key=value overrides): `ftrun RECIPE ...` is `ftrun run RECIPE ...`; the overrides are
+    taken out first, as argparse cannot interleave a list of positionals with options."""
     argv = list(argv)
     if argv and argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
         argv.insert(0, "run")
@@ -467,10 +464,8 @@ def split_command_line(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def _recipe_and_overrides(argv: list[str], recipe: str, words: list[str]) -> tuple[str, list[str]]:
-    """The recipe, and every other word that is not an option (the overrides and the words argparse left over) in
-    the order typed on `argv`: recipe_loading.parse_overrides reads `max_steps 20` or `epochs = 1` as the user typed
-    them and refuses them by name. argparse's recipe is the first such word; when that is no file but a later one is
-    (`ftrun plan max_steps 20 r.yaml`), the file is the recipe and the first word is refused as a word."""
+    """The recipe, and every other word that is not an option in the order typed (for parse_overrides to refuse by
+    name); when argparse's recipe is no file but a later word is (`ftrun plan max_steps 20 r.yaml`), that is it."""
     left, ordered = [recipe, *words], []
     for word in argv[1:]:  # argv[0] is the command
         if word in left:

@@ -1,9 +1,6 @@
 """The training engines as a table: one row an engine (trl, unsloth, ddp, fsdp, deepspeed), with how it starts its
 processes, the config file it writes into the run directory, and what it does with the weights and checkpoints.
-The recipe's `engine:` values, the plan's engine choice (launcher/plan/engine.py), the launch
-(launcher/worker/engines/: one module per engine), the supervisor and the resume check ask it.
-
-A root leaf (like launcher/gguf_types.py): the recipe and plan/ ask it, and plan/ may not import worker/.
+A root leaf: the recipe, the plan's choice and the launch (launcher/worker/engines/) ask it.
 """
 
 from __future__ import annotations
@@ -19,7 +16,6 @@ class EngineKind:
     config_file: Optional[str]  # written into the run directory from the plan (data, not code), or None
     shards: bool  # shards or partitions the weights itself: loads without a device map, no fp32 master copy
     per_rank_checkpoints: bool  # its checkpoints hold state split per process: resumed only on the same count
-    adapters_only: bool  # trains LoRA/QLoRA only
     cpu_processes: bool  # runs several gloo processes on a CPU (FSDP through accelerate does not shard there)
     multi_node: bool  # trains over several boxes (--nnodes), each a complete set of processes
     what: str  # for the recipe's help
@@ -38,7 +34,6 @@ ENGINES: dict[str, EngineKind] = {
             None,
             shards=False,
             per_rank_checkpoints=False,
-            adapters_only=True,
             cpu_processes=False,
             multi_node=False,
             what="Unsloth's kernels, one GPU",
@@ -49,7 +44,6 @@ ENGINES: dict[str, EngineKind] = {
             None,
             shards=False,
             per_rank_checkpoints=False,
-            adapters_only=False,
             cpu_processes=False,
             multi_node=False,
             what="TRL, one process",
@@ -60,7 +54,6 @@ ENGINES: dict[str, EngineKind] = {
             None,
             shards=False,
             per_rank_checkpoints=False,
-            adapters_only=False,
             cpu_processes=True,
             multi_node=True,
             what="a whole copy per GPU",
@@ -72,7 +65,6 @@ ENGINES: dict[str, EngineKind] = {
             "accelerate_fsdp.yaml",
             shards=True,
             per_rank_checkpoints=False,
-            adapters_only=False,
             cpu_processes=False,
             multi_node=False,
             what="FSDP2 shards over the GPUs",
@@ -84,7 +76,6 @@ ENGINES: dict[str, EngineKind] = {
             "deepspeed.json",
             shards=True,
             per_rank_checkpoints=True,
-            adapters_only=False,
             cpu_processes=True,
             multi_node=True,
             what="ZeRO-3, with CPU offload",

@@ -1,8 +1,6 @@
 """Errors a user can act on: each carries what went wrong, where, and the fix to suggest.
 
-Owns the table of the worker's failure exits (WORKER_EXITS: each code's wording, its fix, whether the supervisor
-restarts the worker after it); launcher/worker/exits.py exits with these codes, launcher/run/smoke.py and
-launcher/run/supervisor.py read them from here.
+Owns the table of the worker's failure exits (WORKER_EXITS); launcher/worker/exits.py exits with these codes.
 """
 
 from __future__ import annotations
@@ -12,16 +10,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 # Exit codes, documented in the README; scripts rely on them.
-EXIT_OK = 0
 EXIT_INTERNAL = 1
 EXIT_BAD_INPUT = 2  # recipe, data, command line
 EXIT_DOES_NOT_FIT = 3  # the plan finds no way to run the job on this box
 EXIT_SMOKE_FAILED = 4
 EXIT_RUN_FAILED = 5
 EXIT_BUSY = 6  # another ftrun owns the run directory
-# the run trained to its end and learned nothing: GRPO whose rewards never varied among a prompt's answers (every
-# advantage 0); a resume would do the same, the recipe's rewards or sampling must change
-EXIT_NOTHING_LEARNED = 7
+EXIT_NOTHING_LEARNED = 7  # GRPO trained to its end, its rewards never varied: a resume would do the same
 
 # The worker's own exit codes (launcher/worker/exits.py), read by the supervisor and the smoke test.
 EXIT_STOPPED = 77  # stopped by SIGTERM/SIGINT after saving a checkpoint (preemption, `ftrun stop`)
@@ -44,8 +39,7 @@ class WorkerExit:
         return f"{self.what}; {self.fix}"
 
 
-# Each failure exit of a worker, once: the smoke test's error (launcher/run/smoke.py REASONS) and the supervisor's
-# reason for stopping a run a restart cannot fix (launcher/run/supervisor.py FATAL) are read from it.
+# Each failure exit of a worker, once (launcher/run/smoke.py REASONS, launcher/run/supervisor.py FATAL)
 WORKER_EXITS = {
     EXIT_OOM: WorkerExit(
         "out of GPU memory",
@@ -172,10 +166,8 @@ _CONTROL = {"\t": ("a tab", "\\t"), "\n": ("a line break", "\\n"), "\r": ("a car
 
 
 def json_problem(exc, lines: bool = True) -> str:
-    """A json.JSONDecodeError in words, its place said once: Python's own message ends some problems with "at"
-    ("Invalid control character at", "Unterminated string starting at"), which a message that adds "at column N"
-    doubles. A broken string is placed where it starts (the opening quote), the point a reader looks for; `lines`:
-    name the line too (a whole JSON file; one JSONL line is already named by its caller)."""
+    """A json.JSONDecodeError in words, its place said once (Python's message may end in "at"); a broken string is
+    placed where it starts. `lines`: name the line too (a whole JSON file; a JSONL line's caller names it)."""
     doc, pos = exc.doc or "", exc.pos
 
     def where(p: int) -> str:
@@ -206,8 +198,7 @@ def json_problem(exc, lines: bool = True) -> str:
     return f"{exc.msg.removesuffix(' at')} at {where(pos)}"
 
 
-# "Did you mean" only for close spellings: difflib's ratio 2*matches/(len a + len b); 'lr' vs 'lora' is 0.67,
-# 'learnig_rate' vs 'learning_rate' 0.96, 'max_len' vs 'max_length' 0.82.
+# "Did you mean" only for close spellings (difflib's ratio): 'lr' vs 'lora' 0.67, 'max_len' vs 'max_length' 0.82
 SUGGEST_CUTOFF = 0.75
 
 

@@ -1,8 +1,5 @@
 """The export formats as a table: one row a format (adapter, merged, gguf), in the order the export makes them, with
-what each needs made first. The recipe's `export:` and `publish.what:` values, `ftrun export`'s choices, the export's
-order and the smoke test's export estimate ask it.
-
-A root leaf (like launcher/gguf_types.py): the recipe validates against it, and run/ and deliver/ both ask it.
+what each needs made first. A root leaf: the recipe, run/ and deliver/ ask it.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """The GGUF types ftrun writes: one table (TYPES) with each type's llama.cpp name and file type, its bits per weight
-and its parity tolerance. Everything else derives from it: the recipe's allowed `gguf_type` values and their
-description, `ftrun export --gguf`'s help, llama.cpp's converter and quantizer calls
-(launcher/deliver/llamacpp_steps.py), the export's check (launcher/deliver/parity.py and gguf_export.py), the smoke
-test's disk and time estimate (launcher/run/smoke.py).
-
-This table says what a type is, not which files an export makes: that (one GGUF per run today, of the recipe's
-`gguf_type`) is launcher/deliver/export_models.py's `outputs["gguf"]`, read by deliver/serving.py, deliver/publish.py
-and run/smoke.py's export estimate.
-
-It sits at the root, beside the recipe, because the recipe (a root leaf every stage imports) validates against it;
-it imports nothing. A type added here without a tolerance fails to construct, and tests/test_tables.py walks every
-type through the code that uses it.
+and its parity tolerance; the recipe's values, the export's calls and checks and the smoke test's estimate derive from
+it. What a type is, not which files an export makes (launcher/deliver/export_models.py). A root leaf: imports nothing.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 
@@ -29,12 +19,7 @@ class Tolerance:
     min_greedy: float  # share of 16-token greedy continuations that repeat exactly
 
     def as_dict(self) -> dict[str, float]:
-        return {
-            "max_kl": self.max_kl,
-            "min_top1": self.min_top1,
-            "max_ppl": self.max_ppl,
-            "min_greedy": self.min_greedy,
-        }
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -48,26 +33,12 @@ class GgufType:
     note: str = ""  # what the recipe's description says of it
 
 
-# K-quants work in blocks of 256 values along a row (QK_K): a tensor whose rows are not a multiple of 256 long falls
-# back, tensor by tensor, to a 32-block type (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0; llama-quant.cpp
-# tensor_type_fallback); export.json lists the tensor types that came out.
-#
-# The tolerances: a GGUF is read back in llama.cpp (the runtime Ollama uses) and compared with the merged model in
-# transformers. llama.cpp computes in its own way even for a 16-bit file (activations rounded to the weights' type
-# in its CPU matrix products, other kernels), and each quantization type rounds more: the tolerances widen with
-# fewer bits. How they were chosen (docs/BENCHMARKS.md section 5 has both sets of numbers): each type's bounds sit
-# above two measurements, with room: (a) llama.cpp's own scoreboard for LLaMA 3 8B in the pinned version
-# (vendor/llama.cpp/tools/perplexity/README.md of llama-cpp-python 0.3.36: mean KL divergence against FP16 q8_0
-# 0.0014, q6_K 0.0055, q5_K_M 0.011, q4_K_M 0.031; same top token 97.7% / 96.0% / - / 91.9%; perplexity +0.04% /
-# +0.35% / +0.9% / +2.8%), at about four times its KL; (b) scripts/bench_gguf.py on the two tiny models of
-# tests/deliver/test_gguf.py (a Qwen3 of hidden size 64 whose rows are too short for K-quants, and a Llama 3.1-style
-# model of hidden size 256 with real Q4_K/Q5_K/Q6_K tensors), at about 1.5 times the worst value there.
-# The mean KL divergence is the main bound: a broken conversion (a wrong rope, a tensor mapped wrong, another
-# tokenizer) is off by whole nats. Top-1 agreement is a loose floor: random-initialised tiny models have flat
-# next-token distributions with many near ties, so a 4-bit quant flips half their top tokens (measured 0.46 for
-# Q4_K_M) where a real model keeps about 92%; chance is 1/vocabulary. Greedy continuations of 16 tokens drift
-# apart at some token for any quantized type (first divergence is recorded), so only 16-bit and f32 files must
-# reproduce them.
+# K-quants need rows a multiple of 256 long (QK_K), else fall back tensor by tensor to a 32-block type
+# (llama-quant.cpp tensor_type_fallback); export.json lists the tensor types that came out.
+# The tolerances (docs/BENCHMARKS.md section 5, both measurements): about four times llama.cpp's own KL scoreboard for
+# LLaMA 3 8B (vendor/llama.cpp/tools/perplexity/README.md, llama-cpp-python 0.3.36) and 1.5 times the worst of
+# scripts/bench_gguf.py's tiny models. Mean KL is the main bound (a broken conversion is off by whole nats); top-1 a
+# loose floor (tiny random models have near ties); greedy continuations must repeat for 16-bit and f32 files only.
 TYPES: dict[str, GgufType] = {
     "q4_k_m": GgufType("Q4_K_M", 15, 4.89, Tolerance(0.2, 0.35, 0.10, 0.0), note="Ollama's default, about 0.3 of f16"),
     "q5_k_m": GgufType("Q5_K_M", 17, 5.70, Tolerance(0.06, 0.50, 0.06, 0.0)),

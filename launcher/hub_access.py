@@ -1,15 +1,10 @@
 """Whether this process asks the Hugging Face Hub, and why not: offline by setting, or the Hub not answering.
 
-A plan asks the Hub one short question first (`probe`) and, when that gets no answer, keeps every library off the
-network for the rest of the process (`go_offline`). Without it a plan waits about 25 s on a machine without a
-network: huggingface_hub 2.4.0's hf_hub_download, which datasets.load_dataset calls for a Hub dataset's README.md
-(datasets 5.2.0 load.py `dataset_module_factory`), follows a failed metadata request with "No local file found.
-Retrying.." and a second `_get_metadata_or_catch_error(..., etag_timeout=_ETAG_RETRY_TIMEOUT (60 s),
-retry_on_errors=True)` (file_download.py `_hf_hub_download_to_cache_dir`), which `_http_backoff_base`
-(utils/_http.py) repeats up to max_retries=5 times, waiting 1, 2, 4, 8 and 8 s. No setting of huggingface_hub
-changes those retries; its offline mode skips them: `constants.is_offline_mode()` is read at each request
-(utils/_http.py `hf_request_event_hook`) and datasets reads `datasets.config.HF_HUB_OFFLINE` at each load
-(datasets utils/file_utils.py `_raise_if_offline_mode_is_enabled`), both set from HF_HUB_OFFLINE at import.
+A plan asks the Hub one short question first (`probe`); with no answer, every library stays off the network for the
+rest of the process (`go_offline`). Else a plan waits about 25 s without a network: huggingface_hub 2.4.0
+file_download.py `_hf_hub_download_to_cache_dir` retries a failed metadata request with backoff (utils/_http.py
+`_http_backoff_base`, 1+2+4+8+8 s), which only offline mode skips (utils/_http.py `hf_request_event_hook`; datasets
+5.2.0 utils/file_utils.py `_raise_if_offline_mode_is_enabled`), both read from HF_HUB_OFFLINE at import.
 """
 
 from __future__ import annotations
@@ -42,9 +37,8 @@ def offline_reason() -> Optional[str]:
 
 
 def probe(timeout: float = PROBE_SECONDS) -> Optional[str]:
-    """One HEAD request to the Hub's endpoint. None when anything answers (any HTTP status: the Hub is there, and
-    the real request says what it thinks); otherwise the reason, and the process goes offline (`go_offline`).
-    Asks nothing when the process is offline already, and returns that reason."""
+    """One HEAD request to the Hub's endpoint: None when anything answers (any HTTP status); otherwise the reason,
+    and the process goes offline. Offline already: that reason, nothing asked."""
     already = offline_reason()
     if already:
         return already
@@ -62,8 +56,7 @@ def probe(timeout: float = PROBE_SECONDS) -> Optional[str]:
 
 
 def go_offline(why: str) -> None:
-    """Every later Hub request of this process fails at once instead of retrying, and `offline_reason` says why:
-    HF_HUB_OFFLINE for the libraries not imported yet, their own switches for those imported already."""
+    """Every later Hub request of this process fails at once: HF_HUB_OFFLINE, and the imported libraries' switches."""
     global _unanswered
     _unanswered = why
     os.environ["HF_HUB_OFFLINE"] = "1"

@@ -1,13 +1,5 @@
 """The training methods and objectives as tables: one row a method (qlora, lora, full, full-8bit) and one row an
-objective (sft, dpo, orpo, kto, grpo). Every question about a method or an objective asks these rows: the recipe's
-allowed values, the sizer's bytes, the engine choice, the loading, the export, the final result's check, the model card.
-
-A root leaf (like launcher/gguf_types.py): the recipe, plan/, worker/, store/ and deliver/ all ask it, and store/
-may import no stage above it.
-
-    METHODS["qlora"].adapter        # True: LoRA adapters on a frozen base
-    OBJECTIVES["sft"].trainer       # 'SFTTrainer'
-    OBJECTIVES["dpo"].reference_pass  # True: a frozen reference's log-probabilities beside the policy's
+objective (sft, dpo, orpo, kto, grpo); every question about one asks these rows. A root leaf: every stage asks it.
 """
 
 from __future__ import annotations
@@ -22,9 +14,8 @@ class Method:
     adapter: bool  # trains LoRA adapters on a frozen base (saved as an adapter); else every weight (a whole model)
     quantized: bool  # the frozen base is loaded in 4-bit NF4 (bitsandbytes) on a GPU
     eight_bit_optimizer: bool  # AdamW's m and v in 8 bits (bitsandbytes' adamw_8bit)
-    # Bytes per trained parameter on a GPU in bf16 (the sizer's table, docs/sizing.md): an adapter parameter holds an
-    # fp32 weight, gradient and AdamW m and v; a fully trained one a bf16 weight and gradient, and either fp32 master
-    # weights + AdamW m and v (12 B) or 8-bit m and v (2 B).
+    # Bytes per trained parameter on a GPU in bf16 (docs/sizing.md): adapter fp32 weight, gradient, AdamW m and v;
+    # full bf16 weight and gradient, fp32 master + m and v (12 B) or 8-bit m and v (2 B)
     weight_bytes: int
     gradient_bytes: int
     optimizer_bytes: int
@@ -48,10 +39,8 @@ class Method:
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
-        # MFU: measured on one H200 (Qwen3-8B, 4 x 1,024 tokens for LoRA, 2 x 1,024 for full, gradient checkpointing,
-        # SDPA: 5,887 and 4,315 tokens/s at throughput.flops_per_token's count, recomputation included): 0.28 both;
-        # full-8bit runs the same matmuls. QLoRA has no measurement: LoRA's 0.28 x 0.32 / 0.34, the ratio the
-        # article's time table implied before (dequantizing every weight per pass). docs/sizing.md, "Time and cost".
+        # MFU: 0.28 measured on one H200 (Qwen3-8B, LoRA and full); QLoRA unmeasured, LoRA's x 0.32 / 0.34 from the
+        # article's time table (docs/sizing.md, "Time and cost")
         Method(
             "qlora",
             adapter=True,
@@ -136,49 +125,35 @@ class Objective:
     logged: tuple[str, ...]  # the trainer's own logged metrics kept in metrics.jsonl (train rows; eval_ on eval rows)
     help: str  # what it is, for the recipe's help
     learning_rate: float  # the learning rate TRL's configuration defaults to, named when a recipe keeps SFT's
-    # The trainer renders conversational data with datasets.map into the same columns (ORPO: maybe_apply_chat_template),
-    # which keep ftrun's Json column types and so stay lists: the worker renders them first with TRL's own function.
+    # the trainer's own chat rendering (ORPO: maybe_apply_chat_template) keeps ftrun's Json columns as lists: the
+    # worker renders them first with TRL's function
     templated_by_worker: bool = False
-    # Its loss reads the model's whole logits (tokens x vocabulary), where SFT and DPO call TRL's fused LM head (the
-    # logits never whole): trl 1.16 experimental/orpo/orpo_trainer.py concatenated_forward takes `outputs.logits`, a
-    # shifted copy of the chosen half for its cross-entropy and selective_log_softmax over all of them. The plan counts
-    # them (launcher/plan/sizing.py LOSS_MATERIALIZED).
+    # its loss reads the whole logits, not TRL's fused LM head (trl 1.16 experimental/orpo/orpo_trainer.py
+    # concatenated_forward); the plan counts them (launcher/plan/sizing.py LOSS_MATERIALIZED)
     whole_logits: bool = False
     refuses: tuple[str, ...] = ()  # the recipe's switches it cannot honour: each is refused when set true
     refuses_why: str = ""  # why, as the refusal says it
     unsloth: bool = False  # engine unsloth trains it (FastLanguageModel with its own patched TRL trainer)
     section: str = "preference"  # the recipe section that holds its settings (launcher/recipe_sections.py SECTIONS)
-    # It samples its own answers while training (num_generations per prompt, scored by the recipe's `reward:`), so the
-    # plan prices generation beside the steps and the data are prompts, their reference answers optional.
+    # it samples its own answers while training (scored by `reward:`): the data are prompts, generation is priced
     generates: bool = False
-    # It trains on data with images (a vision-language model's processor beside the tokenizer): trl 1.16's
-    # SFTTrainer on conversations (sft_trainer.py DataCollatorForVisionLanguageModeling) and DPOTrainer on preference
-    # pairs whose prompt holds the images (dpo_trainer.py DataCollatorForVisionPreference, chosen when the dataset has
-    # an "image"/"images" key, `_is_vision_dataset`); ftrun's image data path (launcher/data/images.py) reads both.
-    # ORPO (trl.experimental.orpo), KTO and GRPO are refused with image data: ftrun does not read images for them.
+    # it trains on data with images (launcher/data/images.py): trl 1.16 sft_trainer.py
+    # DataCollatorForVisionLanguageModeling, dpo_trainer.py DataCollatorForVisionPreference (`_is_vision_dataset`)
     images: bool = False
-    # Each example's answer also runs after another example's prompt, without a gradient, through the policy and
-    # (where there is one) the reference: KTO's per-step estimate of the policy's KL to the reference (trl 1.16
-    # kto_trainer.py _prepare_dataset add_kl_completion_ids rotates the answers by one within each micro-batch;
-    # _compute_kl_logps runs them). The plan prices those forwards; the micro-batch needs at least two examples.
+    # each answer also runs after another example's prompt, without a gradient: KTO's KL estimate (trl 1.16
+    # kto_trainer.py add_kl_completion_ids, _compute_kl_logps); the plan prices those forwards
     kl_forward: bool = False
-    # The smallest micro-batch it trains (KTOTrainer.__init__ refuses per_device_train_batch_size 1 with its KL term:
-    # the mismatched answer would be the example's own); the recipe and the out-of-memory re-plan keep to it.
+    # the smallest micro-batch it trains (KTOTrainer.__init__ refuses 1 with its KL term)
     min_micro_batch: int = 1
 
 
-# What the pair trainers cannot honour: they pad a pair's chosen and rejected rows side by side (trl 1.16
-# dpo_trainer.py DPOTrainer.__init__ warns that padding_free=True "is temporarily unavailable" and sets it False;
-# ORPOConfig has no such field), and train the answers after their prompt.
+# What the pair trainers cannot honour (trl 1.16 dpo_trainer.py DPOTrainer.__init__ turns padding_free off)
 _PAIRS_REFUSE = ("packing", "assistant_only_loss", "padding_free")
 _PAIRS_WHY = "it trains a pair's answers after their prompt, padded side by side (TRL's preference collator)"
-# What GRPO cannot honour: TRL's GRPOTrainer builds each batch from the answers it sampled (grpo_trainer.py
-# _generate_and_score_completions: prompt and completion ids padded side by side, the completion mask its own).
+# What GRPO cannot honour: it batches its sampled answers (grpo_trainer.py _generate_and_score_completions)
 _SAMPLES_REFUSE = ("packing", "assistant_only_loss", "padding_free")
 _SAMPLES_WHY = "it trains on answers it samples itself, batched by TRL's GRPOTrainer"
-# TRL's GRPO figures (grpo_trainer.py _generate_and_score_completions, _compute_loss): the rewards' mean and spread
-# over every sampled answer, the share of prompts whose answers all scored the same (nothing to learn from them), the
-# answers' length and the share cut by max_completion_length, the KL to the reference (grpo.beta > 0), the entropy.
+# TRL's GRPO figures (grpo_trainer.py _generate_and_score_completions, _compute_loss)
 _SAMPLED = (
     "reward",
     "reward_std",
@@ -188,10 +163,8 @@ _SAMPLED = (
     "kl",
     "entropy",
 )
-# TRL's figures of each reward function apart (grpo_trainer.py _generate_and_score_completions): rewards/<name>/mean
-# and rewards/<name>/std over every sampled answer, <name> the function's __name__ (trl/trainer/utils.py
-# get_callable_name; a task metric's is metric_<metric>, launcher/data/rewards.py metric_reward). The worker keeps them
-# in metrics.jsonl as TRL names them; `reward_parts` reads them back.
+# Each reward apart: rewards/<name>/mean and /std, <name> the function's __name__ (trl/trainer/utils.py
+# get_callable_name; launcher/data/rewards.py metric_reward)
 _PER_REWARD = ("rewards/", "/mean", "/std")
 
 
@@ -218,8 +191,7 @@ DEFAULT_OBJECTIVE = "sft"
 
 # TRL's reward metrics for a pair (dpo_trainer.py DPOTrainer._compute_loss, orpo_trainer.py get_batch_loss_metrics)
 _REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
-# KTO's (trl 1.16 kto_trainer.py KTOTrainer._compute_loss): the desirable ("chosen") and undesirable ("rejected")
-# answers' mean reward, their difference where a micro-batch holds both, the batch's KL estimate, the log-probabilities
+# KTO's (trl 1.16 kto_trainer.py KTOTrainer._compute_loss): "chosen" desirable, "rejected" undesirable
 _UNPAIRED_REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "kl", "logps/chosen", "logps/rejected")
 
 OBJECTIVES: dict[str, Objective] = {
@@ -301,8 +273,7 @@ OBJECTIVES: dict[str, Objective] = {
             config="GRPOConfig",
             module="trl",
             forms=("chat", "prompt_completion", "prompt"),
-            # a micro-batch row is one prompt with one sampled answer: GRPOConfig's per_device_train_batch_size counts
-            # answers, num_generations of them per prompt (grpo_config.py __post_init__)
+            # a micro-batch row is one sampled answer (grpo_config.py __post_init__)
             sequences_per_example=1,
             preference=False,
             reference_pass=False,  # grpo.beta > 0 adds one (launcher/plan/job.py reference_kind)
@@ -312,8 +283,7 @@ OBJECTIVES: dict[str, Objective] = {
             help="GRPO: samples grpo.num_generations answers per prompt and learns from their rewards (reward: the "
             "task metric against each prompt's reference, or your function)",
             learning_rate=1e-6,
-            # its log-probabilities and entropy come from TRL's fused LM head, as SFT's and DPO's (grpo_trainer.py
-            # _get_per_token_logps_and_entropies: model(..., labels=..., fused_lm_head=True), the prompt's labels -100)
+            # its log-probabilities come from TRL's fused LM head (grpo_trainer.py _get_per_token_logps_and_entropies)
             refuses=_SAMPLES_REFUSE,
             refuses_why=_SAMPLES_WHY,
             generates=True,

@@ -1,8 +1,4 @@
-"""Where a base model's files are on this machine: its local folder, or the Hugging Face cache (never a download).
-
-One lookup for every stage that reads a model's config, tokenizer or weights without loading it (the plan's
-architecture, the data check's tokenizer, the final result's check, llama.cpp's readiness, the worker's dtype).
-"""
+"""Where a base model's files are on this machine: its local folder, or the Hugging Face cache (never a download)."""
 
 from __future__ import annotations
 
@@ -11,9 +7,7 @@ from typing import Optional
 
 
 def cached_file(model: str, filename: str) -> Optional[Path]:
-    """A file of a Hub model in the local Hugging Face cache (no download), where huggingface_hub itself looks:
-    HF_HUB_CACHE, else HF_HOME/hub, else XDG_CACHE_HOME/huggingface/hub (huggingface_hub.constants), the
-    snapshot refs/main points at (try_to_load_from_cache)."""
+    """A file of a Hub model in the local Hugging Face cache, as huggingface_hub's try_to_load_from_cache finds it."""
     try:
         from huggingface_hub import try_to_load_from_cache
     except ImportError:
@@ -35,9 +29,7 @@ def local_file(model: str, name: str) -> Optional[Path]:
 
 
 def not_a_model(model: str) -> Optional[tuple[str, str]]:
-    """Why `model` (a local path) cannot be the base model because it is a file, a GGUF above all: (what, fix).
-    None for a folder, a Hub id or a path that is not there (the plan says that). Read at the recipe's load and by
-    the plan, so that the user hears what ftrun needs, not that a folder is missing."""
+    """Why `model` cannot be the base model because it is a file, a GGUF above all: (what, fix); None otherwise."""
     path = Path(model).expanduser()
     if path.suffix.lower() == ".gguf":  # by its name, there or not: a GGUF is never trainable
         return (

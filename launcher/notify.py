@@ -1,8 +1,6 @@
 """Notifications: the recipe's `notify:` URLs, sent through Apprise (Slack, Discord, Telegram, ntfy, email and more,
-one URL syntax each: https://appriseit.com/services/). The URLs hold tokens and passwords: no log line, error or
-record names one by its text, only by its place (notify[i]); Apprise's own log, which may quote a URL, is silenced.
-A root leaf: the recipe checks the URLs as it loads (launcher/recipe.py), the run's end sends them the end summary
-(launcher/run/ending.py)."""
+one URL syntax each: https://appriseit.com/services/). The URLs hold secrets: named only by place (notify[i]), and
+Apprise's own log, which may quote one, is silenced. A root leaf."""
 
 from __future__ import annotations
 
@@ -17,8 +15,7 @@ SEND_TIMEOUT_S = 30  # one service's whole call (apprise.Apprise.notify `timeout
 def _apprise():
     import apprise
 
-    # apprise/logger.py logs to the "apprise" logger, URLs included in some errors (url_to_dict: "Unparseable URL ...");
-    # without a handler Python's last resort would print them to stderr, which is train.log under the supervisor
+    # apprise/logger.py quotes URLs in some errors (url_to_dict); without a handler they would reach stderr
     quiet = logging.getLogger("apprise")  # apprise/logger.py LOGGER_NAME
     quiet.propagate = False
     if not quiet.handlers:
@@ -27,9 +24,7 @@ def _apprise():
 
 
 def check(urls: list[str]) -> None:
-    """As the recipe loads, before any plan or GPU time: every URL one Apprise can send to. apprise 2.3.0
-    `Apprise.add` returns False for a URL it cannot parse, an unknown scheme or a plugin that refuses its arguments
-    (apprise/apprise.py instantiate returns None)."""
+    """As the recipe loads: every URL one Apprise can send to (apprise 2.3.0 `Apprise.add` is False otherwise)."""
     if not urls:
         return  # apprise stays unimported: a recipe without notify: loads light
     apprise = _apprise()
@@ -47,8 +42,7 @@ def check(urls: list[str]) -> None:
 
 
 def send(urls: list[str], title: str, body: str, log: Callable[[str], None]) -> None:
-    """One message to every URL. A failed send is logged, by the URL's place, and never raises: the run's outcome is
-    already decided when it is told."""
+    """One message to every URL; a failed send is logged by the URL's place, never raised."""
     if not urls:
         return
     try:

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, Field, PositiveInt, field_validator, model_validator
+from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from launcher import engine_kinds, export_formats, gguf_types, methods, model_files, notify, tracker_kinds
 from launcher.data import formats as data_formats
@@ -32,6 +32,8 @@ from launcher.recipe_sections import (
     SmokeSettings,
     Strict,
     SyncSettings,
+    fields,
+    is_section,
     secret_keys,
 )
 
@@ -41,11 +43,8 @@ Engine = Literal[(engine_kinds.AUTO, *engine_kinds.ENGINES)]
 GgufType = Literal[tuple(gguf_types.TYPES)]
 
 # The TRL configuration fields ftrun sets itself (launcher/worker/trainer_config.py), each with the recipe key to use
-# instead (or why it is not configured): passing one again under `trainer:` would make two surfaces for one setting,
-# the later one winning in silence (`trainer: {num_generations: 8}` planned as 4, trained as 8), so each is refused
-# there with its key. The one table: Recipe._trainer_keys_not_owned reads it, tests/test_recipe.py walks it against
-# the fields trainer_config sets for every objective. OBJECTIVE_TRAINER_KEYS: those set for one objective only (SFT
-# leaves SFTConfig's loss_type to trainer:, DPO sets DPOConfig's from preference.loss_type).
+# instead (or why it is not configured): refused under `trainer:`, where the later one would win in silence.
+# OBJECTIVE_TRAINER_KEYS: those set for one objective only.
 OWNED_TRAINER_KEYS = {
     "output_dir": "output_dir",
     "max_length": "max_length",
@@ -80,8 +79,7 @@ OWNED_TRAINER_KEYS = {
     "eval_steps": "eval.every_minutes",
     "eval_on_start": "eval (it evaluates at the start)",
     "eval_delay": "eval.every_minutes",
-    # ftrun saves by wall clock and keeps the newest checkpoints: a "best" one by eval loss is not kept apart, so
-    # these would do nothing (the eval loss of every pass is in metrics.jsonl, beside each checkpoint's step)
+    # ftrun keeps the newest checkpoints, not a "best" one by eval loss
     "load_best_model_at_end": "(not supported: the final model is the last step's; eval loss per pass in "
     "metrics.jsonl)",
     "metric_for_best_model": "(not supported: the final model is the last step's; eval loss per pass in metrics.jsonl)",
@@ -95,8 +93,7 @@ OBJECTIVE_TRAINER_KEYS: dict[str, dict[str, str]] = {
         "precompute_ref_log_probs": "preference.reference (precomputed)",
     },
     "orpo": {"beta": "preference.beta"},
-    # trl 1.16 grpo_config.py: the plan checks the batch against num_generations and sizes the answers' memory and
-    # time from max_completion_length; reward_weights must match the rewards one for one
+    # trl 1.16 grpo_config.py: the plan checks and sizes these; reward_weights must match the rewards one for one
     "grpo": {
         "num_generations": "grpo.num_generations",
         "max_completion_length": "grpo.max_completion_length",
@@ -310,8 +307,7 @@ class Recipe(Strict):
     )
     trainer: dict[str, Any] = Field(
         default_factory=dict,
-        description="Extra fields of the objective's TRL "
-        "configuration, checked against it and passed through: "
+        description="Extra fields of the objective's TRL configuration, checked against it and passed through: "
         + ", ".join(f"{o.config} ({o.name})" for o in methods.OBJECTIVES.values())
         + ".",
     )
@@ -358,9 +354,8 @@ class Recipe(Strict):
     @field_validator("padding_free")
     @classmethod
     def _padding_free_where_the_trainer_honours_it(cls, value: Optional[bool], info) -> Optional[bool]:
-        """Left out: on for sft, off where a preference trainer pads its chosen and rejected rows side by side (a
-        given true is refused there, _objective_keys). Resolved here, so the run's recipe.yaml holds a bool, as it
-        did when true was the default for every objective."""
+        """Left out: on where the objective honours it, else off (a given true is refused: _objective_keys); resolved
+        here, so recipe.yaml holds a bool."""
         objective = methods.OBJECTIVES.get(info.data.get("objective"))
         if value is None and objective is not None:  # no objective: its own error says so
             return "padding_free" not in objective.refuses
@@ -431,10 +426,8 @@ class Recipe(Strict):
         return self
 
     def _fits_the_parent(self) -> None:
-        """The parent adapter was trained on this recipe's base model, and it brings its own lora: settings: a lora:
-        key the recipe gives is refused unless it is the parent's (it would be ignored), whatever its value; the
-        recipe then holds the parent's values, so the plan, the serving commands and the run's recipe.yaml say one
-        rank, the parent's."""
+        """The parent adapter was trained on this recipe's base model and brings its own lora: settings: a lora: key
+        given otherwise is refused (it would be ignored), and the recipe then holds the parent's values."""
         folder = parent_adapter(self.init_from)
         config = json.loads((folder / "adapter_config.json").read_text())
         base = config.get("base_model_name_or_path")
@@ -566,8 +559,8 @@ class Recipe(Strict):
 
 
 def parent_adapter(init_from: str) -> Path:
-    """The adapter folder `init_from` names: a run directory's final/adapter, or an adapter folder itself. ValueError
-    saying what is there otherwise (the recipe check words it)."""
+    """The adapter folder `init_from` names: a run directory's final/adapter, or an adapter folder itself; ValueError
+    saying what is there otherwise."""
     path = Path(init_from)
     for folder in (path / "final" / "adapter", path):
         if (folder / "adapter_config.json").is_file():
@@ -609,15 +602,8 @@ def _weights_sha256(folder: Path) -> str:
 def explain() -> str:
     """Every recipe key with its default and documentation."""
     rows = []
-
-    def walk(model: type[BaseModel], prefix: str) -> None:
-        for name, field in model.model_fields.items():
-            ann = field.annotation
-            if isinstance(ann, type) and issubclass(ann, BaseModel):
-                walk(ann, prefix + name + ".")
-                continue
+    for key, field in fields(Recipe):
+        if not is_section(field):
             default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
-            rows.append(f"{prefix + name:32} {default:14} {field.description or ''}")
-
-    walk(Recipe, "")
+            rows.append(f"{key:32} {default:14} {field.description or ''}")
     return "\n".join(rows)

@@ -1,8 +1,6 @@
 """A recipe file read into a `Recipe`: its YAML (each key once), `key=value` overrides, every error at once.
-
-Precedence, lowest first: the defaults (launcher/recipe.py) < the recipe file < `key=value` on the command line.
-Relative paths (`data`, `output_dir`, a local `model` directory) resolve against the recipe's folder; the same keys
-given on the command line resolve against the working directory.
+Precedence, lowest first: the defaults < the recipe file < `key=value`. Relative paths resolve against the recipe's
+folder, those given on the command line against the working directory.
 """
 
 from __future__ import annotations
@@ -12,23 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from launcher.data import sources as data_sources
 from launcher.errors import RecipeError, UsageError, close_name
 from launcher.recipe import Recipe, has_adapter
-from launcher.recipe_sections import secret_keys
+from launcher.recipe_sections import fields, secret_keys
 from launcher.store.rundir import RunDir
-
-
-def _all_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
-    keys = []
-    for name, field in model.model_fields.items():
-        keys.append(prefix + name)
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            keys.extend(_all_keys(ann, prefix + name + "."))
-    return keys
 
 
 # Names people bring from other tools, for keys whose spelling is not close to ftrun's.
@@ -49,7 +37,7 @@ KEY_ALIASES = {
 
 
 def _suggest(loc: str) -> str:
-    options = _all_keys(Recipe)
+    options = [key for key, _ in fields(Recipe)]
     if KEY_ALIASES.get(loc) in options:
         return f" (did you mean '{KEY_ALIASES[loc]}'?)"
     close = close_name(loc, options)
@@ -68,7 +56,8 @@ def _format_errors(err: ValidationError, source: str) -> RecipeError:
         if e["type"] == "extra_forbidden":
             lines.append(f"- unknown key '{loc}'{_suggest(loc)}")
         elif e["type"] == "missing":
-            doc = _field_doc(loc)
+            doc = dict(fields(Recipe)).get(loc)
+            doc = doc.description if doc is not None else ""
             lines.append(f"- '{loc}' is required" + (f": {doc}" if doc else ""))
         else:
             value = e.get("input")
@@ -82,22 +71,6 @@ def _format_errors(err: ValidationError, source: str) -> RecipeError:
         f"{source} has {n} problem{'s' if n > 1 else ''}:\n" + "\n".join(lines),
         fix="correct the keys above in the recipe (or the key=value arguments); `ftrun explain` lists every key.",
     )
-
-
-def _field_doc(loc: str) -> str:
-    model: type[BaseModel] = Recipe
-    parts = loc.split(".")
-    for i, part in enumerate(parts):
-        field = model.model_fields.get(part)
-        if field is None:
-            return ""
-        if i == len(parts) - 1:
-            return field.description or ""
-        ann = field.annotation
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
-            return ""
-        model = ann
-    return ""
 
 
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*")
@@ -165,8 +138,7 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
                 f"{unread[0][2:].replace(': ', f' {head}: ', 1)}"
                 if len(unread) == 1
                 else f"{len(unread)} parts of the command line are neither options nor key=value overrides (ftrun "
-                f"would have "
-                f"run without them):\n" + "\n".join(unread)
+                f"would have run without them):\n" + "\n".join(unread)
             ),
             fix="write each override as key=value, no spaces around '=' (quote a value with spaces: key='a b'); "
             "`ftrun explain` lists the keys.",
@@ -191,10 +163,7 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _merge(out[k], v)
-        else:
-            out[k] = v
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
 
 
@@ -216,9 +185,8 @@ def _resolve_data(value: Any, base_dir: Path) -> Any:
 
 
 def _resolve_reward(value: Any, base_dir: Path) -> Any:
-    """A reward function's FILE.py made absolute against the recipe's folder (FILE.py:NAME keeps its NAME). A
-    MODULE:NAME stays as it is, and so does a relative FILE.py not found there: it may be a file of an installed
-    package as the package lays it out (trl/rewards/accuracy_rewards.py; launcher/data/rewards.py load_function)."""
+    """A reward function's FILE.py:NAME made absolute against the recipe's folder; a MODULE:NAME, or a relative FILE.py
+    not found there (an installed package's file: launcher/data/rewards.py load_function), stays as it is."""
     if isinstance(value, list):
         return [_resolve_reward(v, base_dir) for v in value]
     if isinstance(value, dict) and isinstance(value.get("function"), str) and ":" in value["function"]:
@@ -256,8 +224,7 @@ def _resolve_paths(raw: dict[str, Any], base_dir: Path, default_name: str) -> di
 
 
 def _parent_or_its_copy(init_from: str, resolved: dict[str, Any]) -> str:
-    """The run at output_dir keeps its own copy of the parent adapter (launcher/run/parent.py): once the source is
-    gone or holds no adapter (a parent run moved or deleted after this one started), its resume trains on from it."""
+    """The run at output_dir's own copy of the parent adapter (launcher/run/parent.py) once the source holds none."""
     if not isinstance(resolved.get("output_dir"), str) or has_adapter(init_from):
         return init_from
     held = RunDir(Path(resolved["output_dir"])).pinned_parent()
@@ -271,9 +238,8 @@ class _DuplicateKey(yaml.YAMLError):
 
 
 class _RecipeLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, refusing a mapping that names a key twice (YAML leaves it to the loader, and PyYAML's
-    own keeps the last one in silence): checked in construct_mapping, the hook PyYAML builds every mapping with,
-    before merge keys (<<) are flattened into it."""
+    """PyYAML's safe loader, refusing a mapping that names a key twice (PyYAML keeps the last in silence): checked in
+    construct_mapping, before merge keys (<<) are flattened into it."""
 
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):
@@ -290,9 +256,8 @@ class _RecipeLoader(yaml.SafeLoader):
 
 
 def _command_line_paths(over: dict[str, Any]) -> dict[str, Any]:
-    """The paths of the command line's overrides (output_dir=, data=, eval.data=, model=) against the working
-    directory, as a shell user expects of every path typed there; the recipe file's own paths resolve against its
-    folder afterwards (_resolve_paths), which leaves these, absolute by then, as they are."""
+    """The paths of the command line's overrides resolved against the working directory (absolute by then, the
+    recipe's own resolution leaves them as they are)."""
     resolved = _resolve_paths(over, Path.cwd(), default_name="")
     return {k: v if v is None else resolved[k] for k, v in over.items()}  # `output_dir=` keeps meaning the default
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, Optional, TypeVar, Union
+from typing import Annotated, Any, Iterator, Literal, Optional, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
@@ -26,15 +26,21 @@ SECRET = "secret"
 Secret = Annotated[TypeVar("T"), SECRET]
 
 
-def secret_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
-    """The dotted keys of `model`'s fields marked Secret, its sections' included."""
-    keys = []
+def fields(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """Every field of `model` by its dotted key (lora.r), each section's own key before its fields'."""
     for name, field in model.model_fields.items():
-        if SECRET in field.metadata:
-            keys.append(prefix + name)
-        elif isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
-            keys += secret_keys(field.annotation, f"{prefix}{name}.")
-    return keys
+        yield prefix + name, field
+        if is_section(field):
+            yield from fields(field.annotation, f"{prefix}{name}.")
+
+
+def is_section(field: Any) -> bool:
+    return isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+
+
+def secret_keys(model: type[BaseModel]) -> list[str]:
+    """The dotted keys of `model`'s fields marked Secret, its sections' included."""
+    return [key for key, field in fields(model) if SECRET in field.metadata]
 
 
 class LoraSettings(Strict):
@@ -221,8 +227,7 @@ class DataSource(Strict):
     type: Optional[str] = Field(
         None,
         description="Axolotl: the dataset type (alpaca, completion, input_output, chat_template, chatml.intel, "
-        "llama3.prompt_pairs, ..., launcher/data/axolotl.py), read as Axolotl reads it, with its field mappings "
-        "below.",
+        "llama3.prompt_pairs, ..., launcher/data/axolotl.py), read as Axolotl reads it, with its field mappings below.",
     )
     # Axolotl's field mappings for type:, spelt as Axolotl spells them (launcher/data/axolotl.py OPTION_DEFAULTS)
     field_messages: Optional[str] = Field(None, description="Axolotl (type chat_template): the record's messages key.")
@@ -291,9 +296,8 @@ class TaskSettings(Strict):
     shots: int = Field(
         3,
         ge=0,
-        description="Training examples placed before each prompt, as earlier turns, for the "
-        "base model's few-shot score (the reference article's first question: is a prompt with "
-        "examples enough?).",
+        description="Training examples placed before each prompt, as earlier turns, for the base model's few-shot "
+        "score (the reference article's first question: is a prompt with examples enough?).",
     )
     baseline: Literal["run", "skip"] = Field(
         "run",

@@ -1,8 +1,6 @@
 """The experiment trackers as a table: one row a tracker (tensorboard, wandb, mlflow, trackio), with what is imported
-and what pip installs. The recipe's `report_to` values, the install lines of launcher/worker/trackers.py (which sets
-up each tracker in the worker) and pyproject.toml's `trackers` extra (tests/test_tables.py checks it) derive from it.
-
-A root leaf (like launcher/gguf_types.py): the recipe validates against it, and worker/ imports the recipe.
+and what pip installs: the recipe's `report_to`, launcher/worker/trackers.py and pyproject.toml's `trackers` extra
+derive from it. A root leaf.
 """
 
 from __future__ import annotations

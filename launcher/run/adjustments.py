@@ -1,6 +1,5 @@
-"""The recipe changes an out of memory in the smoke test leads to, cheapest first: the plan's own faster settings
-undone, then batch, checkpointing, optimizer, method, shard (recipe `auto_adjust`), and the recipe as a run trains it
-with the plan's settings and those changes applied."""
+"""The recipe changes an out of memory in the smoke test leads to, cheapest first (the plan's own faster settings,
+then `auto_adjust`), and the recipe as a run trains it with the plan's settings and those changes applied."""
 
 from __future__ import annotations
 
@@ -17,16 +16,14 @@ from launcher.store.rundir import RunDir
 
 
 def with_plan_settings(recipe: Recipe, plan: dict[str, Any]) -> Recipe:
-    """The recipe with the faster settings its plan chose for the keys it leaves out (plan.json `speed`,
-    launcher/plan/speed.py): what recipe.yaml records and the worker trains with."""
+    """The recipe with the faster settings its plan chose for the keys it leaves out (plan.json `speed`)."""
     chosen = (plan.get("speed") or {}).get("set") or {}
     return recipe.model_copy(update=chosen) if chosen else recipe
 
 
 def with_adjustments(run: RunDir, recipe: Recipe) -> Recipe:
-    """The recipe as the run trains it: the keys it leaves to the plan as the run's recipe.yaml holds them (the plan
-    chose them when the run began; a resume keeps them, on any box), GRPO's answer length where the data sized it,
-    then the smoke test's recorded out-of-memory adjustments."""
+    """The recipe as the run trains it: the keys left to the plan and GRPO's answer length as the run's recipe.yaml
+    holds them (a resume keeps them, on any box), then the smoke test's out-of-memory adjustments."""
     update: dict[str, Any] = {}
     left = left_to_plan(recipe) | left_to_data(recipe)
     sized = recipe.objective_row.generates and "max_completion_length" not in recipe.grpo.model_fields_set
@@ -47,36 +44,29 @@ def with_adjustments(run: RunDir, recipe: Recipe) -> Recipe:
 
 
 def left_to_data(recipe: Recipe) -> set[str]:
-    """The keys the recipe leaves to the data check: assistant_only_loss left out is resolved from the chat template
-    (launcher/data/loss_view.py resolve_answers_only) and recorded in the run's recipe.yaml; a resume trains with the
-    recorded value, so a run begun when the whole conversation was the default resumes as it began."""
+    """The keys the recipe leaves to the data check (assistant_only_loss, launcher/data/loss_view.py
+    resolve_answers_only): a resume trains with the value recorded in recipe.yaml."""
     return {"assistant_only_loss"} if recipe.assistant_only_loss is None else set()
 
 
 def with_loss_resolved(recipe: Recipe, loss_view: Optional[dict[str, Any]]) -> Recipe:
-    """The recipe with assistant_only_loss as the data check resolved it where the recipe left it out (the whole
-    conversation where no loss view could be made: no tokenizer to check the template with)."""
+    """The recipe with assistant_only_loss as the data check resolved it where left out (off without a loss view)."""
     if recipe.assistant_only_loss is not None:
         return recipe
     return recipe.model_copy(update={"assistant_only_loss": bool((loss_view or {}).get("assistant_only_loss"))})
 
 
 def undo_plan_settings(recipe: Recipe, plan: dict[str, Any]) -> Optional[tuple[dict[str, Any], str]]:
-    """Back to the recipe's own values where the plan chose faster ones that are still in force, or None. The plan
-    sized those values to fit with the usual margin; its faster ones only with headroom for its error."""
+    """Back to the recipe's own values where the plan chose faster ones that are still in force, or None."""
     speed = plan.get("speed") or {}
     chosen, was = speed.get("set") or {}, speed.get("from") or {}
     if not chosen or any(getattr(recipe, k) != v for k, v in chosen.items()):
         return None
     back = {k: v for k, v in was.items() if getattr(recipe, k) != v}
-    return (
-        (
-            back,
-            "the plan's faster settings undone: "
-            + ", ".join(f"{k} {getattr(recipe, k)} -> {v}" for k, v in back.items()),
-        )
-        if back
-        else None
+    if not back:
+        return None
+    return back, "the plan's faster settings undone: " + ", ".join(
+        f"{k} {getattr(recipe, k)} -> {v}" for k, v in back.items()
     )
 
 
@@ -106,14 +96,10 @@ def next_adjustment(recipe: Recipe, plan: dict[str, Any]) -> Optional[tuple[dict
 
 
 def shard_adjustment(recipe: Recipe, plan: dict[str, Any]) -> Optional[tuple[dict[str, Any], str]]:
-    """The `shard` step after an out-of-memory (the issue's step 4): more processes, each holding a shard.
-
-    On a GPU box: FSDP over all its cards (or the most that divide the effective batch), as the plan
-    shards a job no card holds; DDP becomes FSDP on the same cards. On CPU only under --memory-limit,
-    where the cap stands in for a card per worker: 2 gloo processes with DeepSpeed ZeRO-3 (FSDP does not
-    shard on CPU, STACK-FACTS). An engine or process count the recipe chose, and several nodes, are left
-    alone. None when there is nothing to shard over; shard_blocker() says why.
-    """
+    """The `shard` step after an out-of-memory: on a GPU box FSDP over all its cards (or the most that divide the
+    effective batch), DDP becoming FSDP; on CPU only under --memory-limit, DeepSpeed ZeRO-3 processes (FSDP does not
+    shard on CPU). Never over an engine or process count the recipe chose, or several nodes. None when there is
+    nothing to shard over; shard_blocker() says why."""
     return _shard(recipe, plan)[0]
 
 

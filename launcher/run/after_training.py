@@ -24,8 +24,7 @@ from launcher.worker import train
 
 
 def _verify_final(recipe, run: RunDir, plan: dict[str, Any]):
-    """The final adapter or model checked from its files (launcher/store/final.py), or None on a node other than the
-    first of a multi-node run: its rank 0 is the one that writes final/."""
+    """The final adapter or model checked from its files (store/final.py); None on a node other than the first."""
     from launcher.store import final
 
     if int((plan.get("nodes") or {}).get("node_rank", 0)) != 0:
@@ -35,15 +34,13 @@ def _verify_final(recipe, run: RunDir, plan: dict[str, Any]):
 
 
 def _stopped_after_training(run: RunDir, recipe, signal_name: str, left: list[str]) -> Ending:
-    """A stop (or a provider's signal) after the final result and the last checkpoint were saved: the run is stopped,
-    not succeeded, and a resume lands at the end, doing only what `left` names."""
+    """A stop after the final result and checkpoint were saved: stopped, and a resume does only what `left` names."""
     newest = newest_step_unverified(run.checkpoints)
     return _stop_ending(run, recipe, signal_name, newest, True, after_training=True, left=left)
 
 
 def _stop_ending(run: RunDir, recipe, signal_name: str, step, saved: bool, **facts) -> Ending:
-    """`ftrun stop`'s end (stopped) or a signal's from outside (preempted), with the worker's checkpoint at `step`
-    saved or not: the facts go into state.json's `ending`, views.ending_reason words them."""
+    """`ftrun stop`'s end (stopped) or an outside signal's (preempted): facts into state.json's `ending`."""
     state = read_state(run)
     requested = state.get("stop_requested")
     ending = {
@@ -63,11 +60,8 @@ def _stop_ending(run: RunDir, recipe, signal_name: str, step, saved: bool, **fac
 
 
 def _export(recipe, run: RunDir, child: dict) -> str:
-    """The recipe's exports in their own process (torch stays out of the supervisor); returns the run's state.
-
-    A failed export never undoes the training: the state says trained-not-exported (not succeeded), with
-    export.state failed and the reason; `ftrun export RUN_DIR` retries.
-    """
+    """The recipe's exports in their own process (no torch in the supervisor); returns the run's state. A failed
+    export leaves the run trained-not-exported, for `ftrun export RUN_DIR` to retry."""
     if not recipe.export:
         return "succeeded"
     _log("exporting: " + ", ".join(recipe.export))
@@ -112,8 +106,7 @@ def _export(recipe, run: RunDir, child: dict) -> str:
 
 
 def _record_export(run: RunDir, formats: list[str], started: float, info: dict[str, Any]) -> str:
-    """The export's outcome in state.json: succeeded when it passed its checks, else trained-not-exported (the training
-    result is good; the export is not); returns the state."""
+    """The export's outcome in state.json (succeeded, else trained-not-exported); returns the state."""
     info.update(formats=list(formats), seconds=round(time.time() - started, 1))
     state = "succeeded" if info["state"] == "succeeded" else "trained-not-exported"
     move(
@@ -129,8 +122,7 @@ def _record_export(run: RunDir, formats: list[str], started: float, info: dict[s
 
 def export_command(run: RunDir, merged: bool = False, gguf: Optional[str] = None) -> int:
     """`ftrun export`: the recipe's export list, or adapter plus what the flags ask for; prints where things went. A
-    trained run's new outcome leaves through the door (a failure too: its notification, the copy off the box; not
-    on_finish, which ran when the supervisor ended). `run`: the run directory the command line named."""
+    trained run's new outcome leaves through ending.leave (without on_finish, which ran when the supervisor ended)."""
     from launcher.deliver.export import export_run
     from launcher.deliver.export_inputs import check_inputs
     from launcher.errors import FtrunError

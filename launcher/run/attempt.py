@@ -25,8 +25,8 @@ TAIL_BYTES = 256 * 1024  # torchrun's stderr kept for its report of how each ran
 
 
 class _Tail:
-    """A launcher's stderr copied through to the supervisor's own (train.log, or the terminal in the foreground) as
-    it comes, its last TAIL_BYTES kept: torchrun's report of each rank's end is the last thing it prints."""
+    """A launcher's stderr copied through to the supervisor's, its last TAIL_BYTES kept (torchrun's report of each
+    rank's end is the last thing it prints)."""
 
     def __init__(self, stream) -> None:
         self.kept = bytearray()
@@ -84,10 +84,9 @@ def _wait_watching(
     multi: bool,
     grace_seconds: float,
 ) -> tuple[int, Optional[dict], list]:
-    """Wait for the worker (or launcher) to exit, reading the ranks' heartbeats every WATCH_INTERVAL_S. A rank
-    silent past its phase's deadline (launcher/plan/deadlines.py) ends the attempt: SIGTERM to the ranks, SIGKILL to
-    them and the launcher after a short grace. Returns the exit code, the silent rank's facts (None if none) and
-    psutil handles of the launcher's ranks, taken while it lived (its children are re-parented once it exits)."""
+    """Wait for the worker (or launcher) to exit; a rank silent past its phase's deadline (launcher/plan/deadlines.py)
+    ends the attempt (_end_attempt). Returns the exit code, the silent rank's facts (or None) and psutil handles of the
+    launcher's ranks, taken while it lived."""
     smoke = _json_or_empty(run.smoke)
     expected, floor = deadlines.expected_seconds(plan, smoke), deadlines.floor_seconds()
     ranks = watchdog.local_ranks(plan) if multi else [0]
@@ -114,9 +113,8 @@ def _wait_watching(
 
 
 def _host_oom(kills_before: Optional[int]) -> Optional[dict[str, Any]]:
-    """The cgroup's OOM kills since the worker started, where the kernel counts them (launcher/plan/cgroup.py);
-    None when it killed nothing or does not say. The cgroup's count covers every process in it: the supervisor,
-    its worker and torchrun's ranks share the supervisor's cgroup."""
+    """The cgroup's OOM kills since the worker started (the supervisor's cgroup holds its ranks too); None when none
+    or the kernel does not say."""
     after = oom_kills()
     if kills_before is None or after is None or after <= kills_before:
         return None

@@ -1,7 +1,5 @@
-"""`ftrun baseline RECIPE`: the base model scored on the task before any training (zero-shot, and with examples from
-the training data in its prompt), and the reference article's verdict: does a fine-tune pay? The scoring is
-launcher/run/task_baseline.py's (the launch's own step before its smoke test).
-"""
+"""`ftrun baseline RECIPE`: the base model scored on the task before any training (launcher/run/task_baseline.py),
+and the reference article's verdict: does a fine-tune pay?"""
 
 from __future__ import annotations
 
@@ -15,19 +13,15 @@ from launcher.recipe import Recipe
 from launcher.recipe_loading import load_recipe
 from launcher.run import facts, task_eval_view
 from launcher.run.pipeline import prepare_only
+from launcher.run.prepare import _say
 from launcher.run.run_dirs import run_dir_of
 from launcher.run.task_baseline import EXIT_WORKER_BAD_INPUT, run_worker, settled, training_began
 from launcher.data.task_verdict import start_keys
 from launcher.store.state import move
 
 
-def _say(line: str) -> None:
-    print(line, flush=True)
-
-
 def as_json(t: dict[str, Any]) -> dict[str, Any]:
-    """`ftrun baseline --json`: the metric, the examples, the starting point's two scores (the base model's, or
-    the parent adapter's under init_from: start_keys), the verdict."""
+    """`ftrun baseline --json`: the metric, the examples, the starting point's two scores, the verdict."""
     scores = t.get("scores") or {}
     out = {
         "metric": t.get("metric"),

@@ -1,16 +1,10 @@
 """Stale locks of torch's extension builds, which would make the next attempt wait forever.
 
-DeepSpeed compiles its ops the first time a process needs them (DeepSpeedCPUAdam for an offloaded optimizer, the
-shared-memory communication op on a CPU): deepspeed/ops/op_builder/builder.py jit_load calls torch's
-cpp_extension.load, which takes a lock file in the op's build folder for the build (torch 2.13
-utils/cpp_extension.py _jit_compile: FileBaton(build_directory/"lock")) and removes it after. A process killed
-while it holds it (a kill -9, the watchdog's SIGKILL, a preemption) leaves the file, and every later process that
-needs the op waits for it without end (utils/file_baton.py FileBaton.wait: it polls for the file to vanish). The
-attempt then looks silent at start-up to the watchdog, is restarted, and waits again.
-
-Before each attempt the supervisor removes a lock that nothing can still hold (clear_stale): older than
-STALE_AFTER_S, and no process working in its folder (the build's ninja and compiler run there, torch's
-_run_ninja_build: cwd=build_directory). A build under way, of this run or of another job on the box, keeps its lock.
+DeepSpeed JIT-compiles its ops (deepspeed ops/op_builder/builder.py jit_load) under a lock file in the op's build
+folder (torch 2.13 utils/cpp_extension.py _jit_compile: FileBaton(build_directory/"lock")); a process killed while it
+holds it leaves the file, and every later one waits for it forever (utils/file_baton.py FileBaton.wait). Before each
+attempt the supervisor removes a lock older than STALE_AFTER_S with no process working in its folder (ninja runs with
+cwd=build_directory): a build under way keeps its lock.
 """
 
 from __future__ import annotations
@@ -20,15 +14,13 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-# A holder writes its build file and starts ninja in the folder within a second or two of taking the lock; a lock
-# older than this with nothing working in its folder is left by a process that is gone.
+# A holder starts ninja in the folder within seconds of taking the lock
 STALE_AFTER_S = 60.0
 
 
 def roots() -> list[Path]:
-    """Where torch builds extensions: TORCH_EXTENSIONS_DIR (each op's folder right below it), else the user cache's
-    torch_extensions (a folder per Python and accelerator, then the op's: cpp_extension.py _get_build_directory,
-    get_default_build_root with torch/_appdirs.py user_cache_dir: XDG_CACHE_HOME or ~/.cache)."""
+    """Where torch builds extensions: TORCH_EXTENSIONS_DIR, else the user cache's torch_extensions
+    (cpp_extension.py get_default_build_root, torch/_appdirs.py user_cache_dir)."""
     own = os.environ.get("TORCH_EXTENSIONS_DIR")
     if own:
         return [Path(own)]
@@ -43,8 +35,7 @@ def _locks(root: Path) -> list[Path]:
 
 
 def _busy_folders() -> set[Path]:
-    """The working folders of this box's processes that can be read: the user's own (a build folder is in the
-    user's cache, written by the user's processes; another user's cwd is not readable without privileges)."""
+    """The working folders of this box's processes that can be read (the user's own, whose cache holds the builds)."""
     import psutil
 
     folders: set[Path] = set()

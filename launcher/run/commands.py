@@ -1,5 +1,4 @@
-"""Builds the commands a user is shown to type: the exact resume command (stored at launch), the one serving the
-result."""
+"""Builds the commands a user is shown to type: the exact resume command (stored at launch), the serving one."""
 
 from __future__ import annotations
 
@@ -49,15 +48,6 @@ def resume_command(
     words = [recipe_path, *overrides]
     if memory_limit:
         words += ["--memory-limit", f"{memory_limit:g}GB"]
-    if nodes:
-        words += [
-            "--nnodes",
-            str(nodes["nnodes"]),
-            "--node-rank",
-            str(nodes["node_rank"]),
-            "--master-addr",
-            str(nodes["master_addr"]),
-            "--master-port",
-            str(nodes["master_port"]),
-        ]
+    for key in ("nnodes", "node_rank", "master_addr", "master_port") if nodes else ():
+        words += [f"--{key.replace('_', '-')}", str(nodes[key])]
     return " ".join(["ftrun", *(shlex.quote(x) for x in words)])

@@ -16,8 +16,7 @@ from launcher.store.state import ENDED, RunSnapshot, move, process_identity, run
 
 
 def stop_command(run: RunDir) -> int:
-    """`ftrun stop`: say at once what the stop waits for, stop the run, say how it ended (from the state the
-    supervisor wrote, so the word and `ftrun status` agree), and the run's summary once it ended."""
+    """`ftrun stop`: say what the stop waits for, stop the run, say how it ended (as `ftrun status` does) and sum up."""
     outcome = stop(run, say=lambda line: print(f"{run.root}: {line}", flush=True))
     print(f"{run.root}: {outcome}")
     if outcome == "stopped" or outcome.startswith(STOPPED_PREFIXES):
@@ -26,11 +25,8 @@ def stop_command(run: RunDir) -> int:
 
 
 def stop(run: RunDir, timeout: float = 120.0, say=lambda line: None) -> str:
-    """SIGTERM the run's verified supervisor (which forwards to the worker) and wait until it exits.
-
-    Only the recorded supervisor that holds the run's lock is signalled (a pid alone never is: store/state.py), and
-    itself, not its process group: it forwards SIGTERM to a single worker or straight to the ranks (forward in
-    supervisor.supervise). Workers left without a supervisor are ended (end_orphans); otherwise nothing is touched.
+    """SIGTERM the run's verified supervisor (not its group: it forwards to the worker or the ranks) and wait until it
+    exits; workers left without a supervisor are ended (end_orphans). A pid alone is never signalled (store/state.py).
     """
     snap = RunSnapshot(run)
     data = snap.state
@@ -60,8 +56,7 @@ def stop(run: RunDir, timeout: float = 120.0, say=lambda line: None) -> str:
 
 
 def _phase(snap: RunSnapshot) -> dict[str, Any]:
-    """What the run does as the stop comes: exporting (state.json's export), past training (rank 0's heartbeat
-    phase `export`: the final save, samples and task evaluation), or training; with its step."""
+    """What the run does as the stop comes: export, after training (rank 0's heartbeat phase), or training."""
     beat = snap.heartbeats.get(0) or {}
     if (snap.state.get("export") or {}).get("state") == "running":
         return {"phase": "export", "step": beat.get("step")}
@@ -89,25 +84,15 @@ def _signal_verified(proc: dict[str, Any], sig: int) -> bool:
 
 
 def end_orphans(run: RunDir, wait_seconds: float, log=print, data: Optional[dict[str, Any]] = None) -> list[int]:
-    """Workers still training into the run without a supervisor (it was killed hard): SIGTERM, so they save a
-    checkpoint and exit, then SIGKILL whatever is left after wait_seconds (callers: grace_seconds + 15 s).
-    Returns their pids.
-
-    Found by their command line (`launcher.worker.train --run-dir <this run>`, a torchrun included), so every
-    process signalled is a worker of this run; each is checked again (start time) right before each signal.
-    SIGKILL goes to the process group of the run's supervisor when a worker still sits in it: that group was the
-    supervisor's own session (start_new_session), and a group id is not reused while a member lives, so the group
-    holds this run's processes only; any other worker is killed by its pid.
-    Call only when no verified supervisor or launcher holds the run (run_holder is None); `data`: its state as the
-    caller read it.
-    """
+    """Workers still training into the run without a supervisor: SIGTERM (they save and exit), SIGKILL what is left
+    after wait_seconds; returns their pids. Found by their command line, each checked again (start time) before each
+    signal; SIGKILL also goes to the dead supervisor's own session's group while a worker sits in it (a group id is
+    not reused while a member lives). Only when run_holder is None; `data`: the state as the caller read it."""
     procs = run_processes(run)
     if not procs:
         return []
     pids = [p["pid"] for p in procs]
-    # The launchers (torchrun, accelerate launch) carry the worker's arguments too; the ranks are signalled, not
-    # them. Told apart by their command, not by being a parent: a worker forking a helper (the loss plot) is
-    # for a moment the parent of a process with its own command line.
+    # launchers carry the worker's arguments too: told apart by their command (a worker may fork a helper), not asked
     launchers = {
         p["pid"] for p in procs if any(a in ("torch.distributed.run", "accelerate.commands.launch") for a in p["argv"])
     }

@@ -60,9 +60,8 @@ def wants_color(stream: Optional[TextIO] = None) -> bool:
 def format_loss_view(
     record: Optional[dict[str, Any]], color: bool = False, statistics: bool = False, sampled: bool = False
 ) -> str:
-    """What the loss sees (data.json "loss_view", launcher/data/loss_view.py): one example per source with its
-    trained tokens marked (highlighted on a terminal, in [[...]] elsewhere); `statistics`: the dataset's figures.
-    `sampled`: the objective trains on answers it samples (GRPO), which no example of the data holds."""
+    """What the loss sees (data.json "loss_view"): one example per source, trained tokens marked; `statistics`: the
+    dataset's figures; `sampled`: the objective trains on answers it samples (GRPO)."""
     from launcher.data.loss_view import CLOSE, OPEN, TRAINED_STYLE, RESET, render_segments
 
     if not record and sampled:
@@ -96,8 +95,7 @@ def format_loss_view(
         cap = s.get("max_length")
         lines.append(
             f"{'sequences' if record.get('pairs') else 'examples'} {s['examples']:,}; tokens {s['tokens']:,} (after "
-            f"max_length {cap}); trained "
-            f"{s['trained_tokens']:,} ({s['trained_share']:.1%})"
+            f"max_length {cap}); trained {s['trained_tokens']:,} ({s['trained_share']:.1%})"
         )
         lines.append(f"length in tokens: p50 {s['p50']:,}, p90 {s['p90']:,}, p99 {s['p99']:,}, max {s['max']:,}")
         n = max(s["examples"], 1)

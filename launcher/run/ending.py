@@ -1,19 +1,9 @@
-"""A run's one door out: every ending, from the smoke test to the export, leaves through `leave` with its state and
-reason, and what every end needs happens there, once.
+"""A run's one door out: every ending leaves through `leave`, which writes the state and reason (the move `end`,
+launcher/store/state.py MOVES), makes the last copy off the box, logs the reason, notifies, and runs on_finish last,
+once a trained result is safe off the box (it may stop the box; `ftrun export` leaves it out).
 
-The endings: succeeded, trained-not-exported (an export failed its check, the supervisor's or `ftrun export`'s);
-failed (a crash limit, NaN, an unusable result, out of memory), failed-smoke; stopped, preempted, stopped while
-recovering. `leave` writes the state and the reason (the move `end`: launcher/store/state.py MOVES; a trained run's
-export wrote its own), makes the last copy off the box (the final result's when training finished), says the reason
-in the log, sends the end summary to the recipe's notify: URLs, and runs on_finish once a trained result is safe off
-the box (it may stop the box, so it comes last; a command's own end, `ftrun export`, leaves it out: it ran when the
-supervisor ended).
-
-The trackers are closed by the worker that holds them (the trainer's integrations, on_train_end), not here: their
-clients live in its process, and a worker killed by -9 leaves its tracked run open for the next worker, the restart's
-or the resume's, to reopen by the ids in trackers.json and log on into (launcher/worker/trackers.py); closing it here
-would finish a run about to continue. A run that ends for good right after such a kill leaves it open (W&B marks it
-crashed once its heartbeats stop, MLflow shows it running): state.json and this door's notification say the end.
+The trackers are closed by the worker that holds them, not here: a worker killed by -9 leaves its tracked run open for
+the next worker to reopen (launcher/worker/trackers.py).
 """
 
 from __future__ import annotations
@@ -32,8 +22,7 @@ from launcher.store.state import TRAINED, RunSnapshot, move
 
 @dataclass
 class Ending:
-    """How a run ended: its state, why (None where the state holds it already: a trained run's export wrote it),
-    the command's exit code, and more facts for state.json."""
+    """How a run ended: its state, why (None where the state holds it), the exit code, more facts for state.json."""
 
     state: str
     reason: Optional[str]
@@ -42,8 +31,7 @@ class Ending:
 
 
 def _record(run: RunDir, name: str, to: Optional[str] = None, log: Callable[[str], None] = _log, **fields) -> None:
-    """A move of the run's state (launcher/store/state.py MOVES), but a full disk must not kill the supervisor: it
-    says so in the log and carries on."""
+    """A move of the run's state, but a full disk must not kill the supervisor: it says so in the log."""
     try:
         move(run, name, to, **fields)
     except OSError as exc:

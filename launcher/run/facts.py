@@ -1,7 +1,6 @@
 """Reads a run's facts from its run directory: its status (`run_status`), the list of runs, the end summary's numbers.
 
-Never imports torch: `ftrun status` answers in a fraction of a second on a box that is busy training. The numbers come
-from one reading (`run_status`), so the text, the JSON, the live bar and the summary never disagree with each other.
+Never imports torch (`ftrun status` must answer fast on a busy box); one reading, so text, JSON and summary agree.
 """
 
 from __future__ import annotations
@@ -45,8 +44,7 @@ def metrics_rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-# A reward whose spread was 0 in each of this many logged rows in a row, up to the last, has stopped varying (fewer
-# rows logged: all of them). TRL logs each reward's spread over every sampled answer of the logging window.
+# A reward whose spread was 0 in this many logged rows in a row, up to the last, has stopped varying (fewer rows: all)
 FLAT_WINDOW = 5
 _ZERO = 1e-9
 
@@ -74,10 +72,9 @@ def _flat(spread: Optional[float]) -> bool:
 
 
 def reward_facts(train: list[dict[str, Any]]) -> dict[str, Any]:
-    """GRPO's rewards in the training rows: each reward's mean and spread in the last logged row ("parts"), the
-    rewards that stopped varying ("flat": each with its value, the step since which, whether over the whole run), and
-    whether no prompt's answers differed in reward ("no_variance": frac_reward_zero_std 1.0, nothing to learn from).
-    Rows written before each reward was kept apart have only the weighted sum: it stands for them."""
+    """GRPO's rewards in the training rows: each reward's mean and spread in the last row ("parts"), those that
+    stopped varying ("flat"), and whether no prompt's answers differed in reward ("no_variance"). Rows without the
+    rewards apart have only the weighted sum: it stands for them."""
     rows = [r for r in train if r.get("reward") is not None]
     if not rows:
         return {}
@@ -125,9 +122,7 @@ def _box_seconds(
 
 
 def _phases(history: list[dict[str, Any]], export: Optional[dict[str, Any]]) -> dict[str, float]:
-    """An ended run's time by phase, as `ftrun status` says what "in all" covers: the launch's plan check and base
-    model's task score (state planned, from the moment state.json was first written), the smoke test, training with
-    its evaluations and the task evaluation after it (running, recovering), the export (its own seconds)."""
+    """An ended run's time by phase (what `ftrun status`'s "in all" covers), by the states each spent."""
     out = {
         "plan and baseline": _box_seconds(history, False, ("planned",)),
         "smoke test": _box_seconds(history, False, ("smoking",)),
@@ -168,8 +163,7 @@ def run_status(run: RunDir, snap: Optional[RunSnapshot] = None) -> dict[str, Any
     state = data.get("state", "none")
     if state in ACTIVE and holder is None:
         state = "interrupted"  # state.effective_state, from the same reading
-    # worker.json describes the full run's worker; one written by another mode (an older smoke test's) or before
-    # the full run's worker has started says nothing about this run's steps: the plan's count stands then
+    # a worker.json of another mode, or older than the full run's launch, says nothing of its steps: the plan's counts
     full_worker = worker.get("mode") == "full" and (worker.get("started") or 0) >= _last_moved_to_running(data)
     start_step = worker.get("start_step", 0) if full_worker else 0
     # a checkpoint is progress too (a run shorter than logging_steps logs no step)
@@ -184,10 +178,9 @@ def run_status(run: RunDir, snap: Optional[RunSnapshot] = None) -> dict[str, Any
         started, done_since = worker.get("started"), step - start_step
         if started and done_since > 0:
             eta = round((time.time() - started) / done_since * (total - step), 1)
-    final = None
-    for name in (final_result.ADAPTER, final_result.MODEL):
-        if (run.final / name).is_dir():
-            final = str(run.final / name)
+    final = next(
+        (str(run.final / n) for n in (final_result.MODEL, final_result.ADAPTER) if (run.final / n).is_dir()), None
+    )
     memory = plan.get("memory") or {}
     s = {
         "run_dir": str(run.root),
@@ -198,17 +191,16 @@ def run_status(run: RunDir, snap: Optional[RunSnapshot] = None) -> dict[str, Any
         "loss_step": last.get("step"),  # the logged row the loss and tokens/s come from (logging_steps)
         "eval_loss": last_eval.get("eval_loss"),
         "eval_step": last_eval.get("step"),
-        # a preference objective's rewards (launcher/methods.py logged): the last training row's, the last eval pass's
+        # a preference objective's rewards (methods.py logged), the last training row's and eval pass's
         "margin": last.get("rewards/margins"),
         "accuracy": last.get("rewards/accuracies"),
         "eval_margin": last_eval.get("eval_rewards/margins"),
         "eval_accuracy": last_eval.get("eval_rewards/accuracies"),
         # KTO's (unpaired answers: no accuracy): its KL estimate against the reference, the last training row's
         "kl": last.get("kl"),
-        # GRPO's sampled answers (launcher/methods.py logged): their rewards' mean and spread in the last logged row
+        # GRPO's sampled answers' reward, mean and spread in the last row; then each apart, and those gone flat
         "reward": last.get("reward"),
         "reward_std": last.get("reward_std"),
-        # each reward apart, and those that stopped varying (reward_facts: every logged row is read for it)
         **(_reward_status(run) if last.get("reward") is not None else {}),
         "tokens_per_second": last.get("tokens_per_second"),
         "mfu": (model_flops_utilization(plan, last.get("tokens_per_second")) if plan.get("device") == "cuda" else None),
@@ -216,11 +208,9 @@ def run_status(run: RunDir, snap: Optional[RunSnapshot] = None) -> dict[str, Any
         "eta_seconds": eta,
         "updated_at": data.get("updated_at"),
         "pid": data.get("supervisor_pid"),
-        # alive: the run's lock is held and this pid is the process recorded with it (start time, boot)
         "pid_alive": bool(holder) and holder["role"] == "supervisor",
         "launcher_pid": holder["pid"] if holder and holder["role"] == "launcher" else None,
         "worker_pid": data.get("worker_pid"),
-        # the worker holds the run's lock too (inherited): the same test as the supervisor's
         "worker_alive": same_process(data.get("worker_proc")) and is_locked(run),
         "orphan_worker_pids": orphans,
         "restarts": data.get("restarts", 0),
@@ -246,8 +236,7 @@ def run_status(run: RunDir, snap: Optional[RunSnapshot] = None) -> dict[str, Any
         "adjustments": [a.get("reason") for a in plan.get("adjustments", []) if not a.get("mid_run")],
         # an out of memory mid-run that undid the plan's faster setting (launcher/run/oom_restart.py)
         "oom_restarts": [a["mid_run"] for a in plan.get("adjustments", []) if a.get("mid_run")],
-        # the watchdog's view (launcher/run/watchdog.py): each rank's last heartbeat while a multi-process run trains,
-        # and how the last attempt that was restarted ended
+        # each rank's last heartbeat while a multi-process run trains (watchdog.py)
         "heartbeats": (
             heartbeat_rows(snap.heartbeats, time.time())
             if state in ("running", "recovering") and (plan.get("num_processes") or 1) > 1
@@ -261,8 +250,7 @@ def run_status(run: RunDir, snap: Optional[RunSnapshot] = None) -> dict[str, Any
     if state in ENDED:
         s["phase_seconds"] = _phases(data.get("history", []), data.get("export"))
         trained = [r for r in metrics_rows(run.metrics) if "loss" in r and r.get("time")]
-        # a finished run's speed is its average, not the last logging window's: the tokens trained over the time
-        # spent training (model loads, evaluations and checkpoints included; the task evaluation after it not)
+        # a finished run's speed: tokens over the time spent training (loads, evaluations, checkpoints included)
         wall = (
             _box_seconds(data.get("history", []), False, ("running", "recovering"), until=trained[-1]["time"])
             if trained
@@ -283,9 +271,8 @@ def _reward_status(run: RunDir) -> dict[str, Any]:
 
 
 def _last_sign_of_life(run: RunDir, data: dict[str, Any], last: dict[str, Any], holder: Any) -> Optional[float]:
-    """When a run whose processes are gone (kill -9, a crash, a lost box: state interrupted) last did something: the
-    newest of its state's update, its last logged row, its log's and its newest checkpoint's writes. None for any
-    other state (a live run runs on to now, an ended one ended at its last state)."""
+    """When an interrupted run (its processes gone) last did something: the newest of its state's update, its last
+    logged row, its files' writes. None for any other state."""
     if data.get("state") not in ACTIVE or holder is not None:
         return None
     seen = [data.get("updated_at"), last.get("time")]
@@ -304,9 +291,8 @@ def time_and_money(
     smoke: dict[str, Any],
     died_at: Optional[float] = None,
 ) -> dict[str, Any]:
-    """Box time and euros so far and to go, beside what the smoke test and the plan forecast. `died_at`: a run whose
-    processes are gone (state interrupted) counts its last interval up to then, not to its start (facts after a
-    kill -9 showed 44 s, then 7 s)."""
+    """Box time and euros so far and to go, beside what the smoke test and the plan forecast. `died_at`: an
+    interrupted run counts its last interval up to then."""
     live = s["state"] in ACTIVE or died_at is not None
     used = _box_seconds(history, live, until=died_at)
     price = plan.get("price_per_hour_eur")
@@ -372,18 +358,12 @@ def _preference_first_last(evals: list[dict[str, Any]]) -> Optional[dict[str, An
     rows = [r for r in evals if r.get("eval_rewards/margins") is not None]
     if not rows:
         return None
+    # chosen and rejected apart: a margin that rises while the chosen answers' reward falls lowers their likelihood
+    keys = {"margin": "margins", "accuracy": "accuracies", "step": None, "chosen": "chosen", "rejected": "rejected"}
     return {
-        "margin_first": rows[0]["eval_rewards/margins"],
-        "margin_last": rows[-1]["eval_rewards/margins"],
-        "accuracy_first": rows[0].get("eval_rewards/accuracies"),
-        "accuracy_last": rows[-1].get("eval_rewards/accuracies"),
-        "step_first": rows[0]["step"],
-        "step_last": rows[-1]["step"],
-        # the rewards apart: a margin that rises while the chosen answers' reward falls lowers their likelihood too
-        "chosen_first": rows[0].get("eval_rewards/chosen"),
-        "chosen_last": rows[-1].get("eval_rewards/chosen"),
-        "rejected_first": rows[0].get("eval_rewards/rejected"),
-        "rejected_last": rows[-1].get("eval_rewards/rejected"),
+        f"{name}_{end}": row["step"] if key is None else row.get(f"eval_rewards/{key}")
+        for name, key in keys.items()
+        for end, row in (("first", rows[0]), ("last", rows[-1]))
     }
 
 
@@ -426,7 +406,7 @@ def end_summary(run: RunDir, snap: Optional[RunSnapshot] = None) -> dict[str, An
     tokens = max((int(r.get("tokens_seen") or 0) for r in rows), default=0) or None
     forecast = s.get("smoke_estimated_seconds") or s.get("plan_estimated_seconds")
     samples = run.final / "samples.md"
-    out = {
+    return {
         "run_dir": s["run_dir"],
         "state": s["state"],
         "reason": s.get("reason"),
@@ -454,4 +434,3 @@ def end_summary(run: RunDir, snap: Optional[RunSnapshot] = None) -> dict[str, An
         "pid_alive": s.get("pid_alive"),
         "task_eval": s.get("task_eval"),
     }
-    return out

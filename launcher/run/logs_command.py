@@ -23,9 +23,7 @@ def logs_command(run: RunDir, follow: bool = False) -> int:
                 sys.stdout.write(line)
                 sys.stdout.flush()
                 continue
-            # followed while a verified process holds the run: the launcher (plan, smoke test), then the
-            # supervisor, which outlives the training (export, the last copy off the box); a stale pid in
-            # state.json (a restarted box) ends it at once
+            # followed while a verified process (launcher, then supervisor) holds the run
             if run_holder(run) is None:
                 sys.stdout.write(fh.read())  # what was written just before the end
                 sys.stdout.flush()

@@ -1,14 +1,7 @@
 """An out of memory in the middle of a run whose plan chose faster settings (launcher/plan/speed.py): the choice undone
 in the run's recipe.yaml and plan.json, the run restarted from its last checkpoint on the same trajectory.
-
-The plan turns gradient checkpointing off, or raises the micro-batch, only for keys the recipe leaves to it and only
-with headroom for its estimate's error; the smoke test's few steps may still miss the data's longest micro-batch, or
-the allocator's fragmentation after hours. Undoing either keeps the trajectory: recomputing activations changes no
-value, and the recipe's own micro-batch comes back with the accumulation that keeps the examples of each optimizer
-step. So it is the planner's decision, not a changed recipe: the checkpoints written before it stay this run's (their
-trajectory hash is accepted, as state.json's accepted_recipe_hashes), and a later `ftrun RECIPE` resumes without
---allow-changes (the change is one of plan.json's adjustments, which a resume applies: launcher/run/adjustments.py
-with_adjustments). An out of memory with nothing of the plan's left to undo stays fatal.
+The earlier checkpoints' trajectory hash is accepted, and a resume applies the change as one of plan.json's adjustments
+(docs/engines.md, "Out of memory mid-run and the allocator"). Nothing of the plan's left to undo: it stays fatal.
 """
 
 from __future__ import annotations
@@ -28,10 +21,8 @@ BATCH = ("micro_batch_size", "gradient_accumulation_steps")
 
 
 def undo_step(recipe: Recipe, plan: dict[str, Any]) -> Optional[dict[str, Any]]:
-    """The plan's faster setting an out of memory mid-run undoes, cheapest in time first: gradient checkpointing back
-    on (the micro-batch kept: recomputing costs one forward, a smaller micro-batch more steps), then the recipe's own
-    micro-batch and accumulation. None when neither is the plan's and still in force: the recipe's own settings ran
-    out of memory."""
+    """The plan's faster setting an out of memory mid-run undoes, cheapest first: gradient checkpointing back on, then
+    the recipe's own micro-batch and accumulation. None when neither is the plan's and still in force."""
     speed = plan.get("speed") or {}
     chosen, was = speed.get("set") or {}, speed.get("from") or {}
     if chosen.get("gradient_checkpointing") is False and not recipe.gradient_checkpointing:
@@ -46,10 +37,8 @@ def undo_step(recipe: Recipe, plan: dict[str, Any]) -> Optional[dict[str, Any]]:
 
 
 def undo_after_oom(run: RunDir, oom: dict[str, Any]) -> Optional[dict[str, Any]]:
-    """After a worker's out of memory (worker.json's `out_of_memory`: the step, the peak): undo the plan's next faster
-    setting in recipe.yaml and plan.json, for the worker the supervisor starts next. Returns the facts (what was set,
-    the values it replaced, the step of the out of memory, the checkpoint the run resumes from, the trajectory hash
-    of the checkpoints before it), or None when the plan chose nothing left to undo."""
+    """After a worker's out of memory (worker.json's `out_of_memory`): undo the plan's next faster setting in
+    recipe.yaml and plan.json for the next worker. Returns the facts, or None with nothing left to undo."""
     recipe = load_recipe(run.recipe)
     plan = json.loads(run.plan.read_text())
     update = undo_step(recipe, plan)
@@ -77,8 +66,7 @@ def undo_after_oom(run: RunDir, oom: dict[str, Any]) -> Optional[dict[str, Any]]
 
 
 def accepted_hashes(state: dict[str, Any], fact: dict[str, Any]) -> list[str]:
-    """state.json's accepted_recipe_hashes with the trajectory hash of the checkpoints written before the undo: the
-    worker resumes only from checkpoints of an accepted hash (launcher/worker/train.py)."""
+    """state.json's accepted_recipe_hashes with the trajectory hash of the checkpoints written before the undo."""
     return sorted(set(state.get("accepted_recipe_hashes", [])) | {fact["trajectory_hash_before"]})
 
 

@@ -1,9 +1,7 @@
 """The init_from adapter pinned into the run directory at launch: what was planned is what trains.
 
-An earlier run's checkpoint is a moving target while that run trains: its keep_checkpoints deletes older ones, and
-its final/adapter is written again when it finishes. The run copies the parent adapter once, into
-RUN/parent/<name of the source>/, and its recipe.yaml names the copy; parent.json records where it came from, so a
-resume with the user's recipe (init_from: the source) compares equal to the run's own.
+A parent still training deletes and rewrites its adapters: the run copies it once into RUN/parent/<source name>/, and
+parent.json records the source, so the user's recipe compares equal to the run's own on resume.
 """
 
 from __future__ import annotations
@@ -19,8 +17,7 @@ from launcher.store.rundir import RunDir
 
 
 def pin(run: RunDir, init_from: str) -> str:
-    """Copy the adapter `init_from` names into the run (once: a resume keeps the first copy); returns the copy's path,
-    which the run's recipe.yaml gives as its init_from. A source removed while it is copied is a recipe error."""
+    """Copy the adapter `init_from` names into the run (once); returns the copy's path, recipe.yaml's init_from."""
     held = run.pinned_parent()
     if held and init_from in (held["init_from"], held["copy"]):  # the copy itself: the source has gone since
         return held["copy"]

@@ -45,8 +45,7 @@ def _flat(snap: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-# Keys that only decide how a run starts (its smoke test and what an out of memory there may change, whether to
-# resume) or what the plan assumes (box, tokens, price): nothing to a run in progress or finished, never a difference.
+# Keys that only decide how a run starts or what the plan assumes: never a difference to a run that exists
 STARTING_ONLY = ("smoke", "auto_adjust", "resume", "box", "tokens", "price_per_hour_eur")
 
 
@@ -101,9 +100,8 @@ def launch(
             raise BusyError(
                 f"{run.root} is busy: a run is in progress there ({holder['role']} pid {holder['pid']}), and this "
                 f"recipe differs from it:\n" + _listed(differs),
-                fix=f"set another output_dir to train this recipe beside it (output_dir=runs/NAME, or in the "
-                f"recipe), or wait for the run to end (`ftrun status {run.root}`), or stop it (`ftrun stop "
-                f"{run.root}`).",
+                fix=f"set another output_dir to train this recipe beside it (output_dir=runs/NAME, or in the recipe), "
+                f"or wait for the run to end (`ftrun status {run.root}`), or stop it (`ftrun stop {run.root}`).",
             )
         if holder:
             s = run_status(run, snap)
@@ -182,8 +180,7 @@ def launch(
         _say(f"continuing {run.root} {where}")
     else:
         move(run, "plan", **_launcher(), data_sha256=data_sha, reason="new run")
-    # the base model's task score and the verdict (does fine-tuning pay?), before the smoke test; said, never a stop
-    # --fresh moved the run this launch found aside: its history (a past `running`) is not this run's
+    # the base model's task score and the verdict, before the smoke test; said, never a stop (--fresh: no history)
     launch_baseline(run, recipe, plan_dict, _say, None if fresh else snap.state, not foreground)
 
     # a resume with a checkpoint, or after a passed smoke test, skips it: it was measured on this trajectory
@@ -204,8 +201,7 @@ def launch(
         _say(summary_view.format_end_summary(end_summary(run)))
         return code
     pid = start_detached(run, lock.fd)
-    # who holds the lock from now on, recorded before the launcher lets go of it (the supervisor records
-    # itself too): pid and start time, so that no later process with the same pid passes for it
+    # who holds the lock from now on, recorded (pid and start time) before the launcher lets go of it
     move(run, "run", supervisor_pid=pid, supervisor_proc=process_identity(pid), resume_command=resume)
     lock.release()  # the supervisor holds the same lock through the inherited descriptor
     _say(views.format_background_start(run.root, pid, resume))
@@ -213,9 +209,8 @@ def launch(
 
 
 def prepare_only(recipe: Recipe, purpose: str, memory_limit: Optional[float] = None):
-    """A step before the run (`ftrun smoke`, `ftrun baseline`): checks, plan, lock and recipe.yaml as the launch
-    makes them, the model in the cache; state `planned` with `purpose` as its reason. Returns the recipe (with the
-    run's adjustments), the run, _prepare's tuple and the download's record; the caller releases the lock."""
+    """A step before the run (`ftrun smoke`, `ftrun baseline`): everything the launch does before its smoke test.
+    Returns the recipe, the run, _prepare's tuple and the download's record; the caller releases the lock."""
     run = run_dir_of(recipe)
     exists, state = run.exists(), RunSnapshot(run).state
     if exists:
@@ -248,8 +243,7 @@ def _not_a_run(run: RunDir) -> UsageError:
 
 
 def _model_found(recipe: Recipe) -> dict[str, Any]:
-    """The model's weights found (or where they will come from), before the run directory is touched: a failure
-    leaves nothing behind; its tokenizer fetched, as the data check renders with the model's chat template."""
+    """The model's weights found (before the run directory is touched) and its tokenizer fetched for the data check."""
     found = weights.check(recipe.model)
     missed = weights.fetch_tokenizer(recipe.model, found)
     if missed:
@@ -275,15 +269,13 @@ def _launcher() -> dict[str, Any]:
 
 
 def _end_orphans(run: RunDir, recipe: Recipe, state: dict[str, Any]) -> None:
-    """Workers left training into the run by a supervisor or launcher killed hard are ended (after a checkpoint)
-    before anything else starts: never two trainings in one directory. A live, verified run is left alone."""
+    """Workers left training into the run without a supervisor are ended before anything else starts."""
     if run_holder(run, state) is not None:
         return
     from launcher.run.control import end_orphans
 
     if end_orphans(run, recipe.grace_seconds + 15, log=_say, data=state):
-        # A worker counts as gone once its main thread is (a zombie); the kernel releases its descriptors, the
-        # run's lock among them, only when its last thread has exited: give that a moment before the lock is read.
+        # the kernel releases a zombie's descriptors (the run's lock) only when its last thread exits: a moment
         deadline = time.monotonic() + 15
         while is_locked(run) and time.monotonic() < deadline:
             time.sleep(0.2)

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 from launcher.data.stats import data_stats, with_data_defaults
-from launcher.errors import DataError, MissingSoftware, RecipeError
+from launcher.errors import DataError, FtrunError, MissingSoftware, PlanError, RecipeError
 from launcher.recipe_loading import load_recipe
 from launcher.recipe_trainer import check_trainer_fields
 from launcher.run.adjustments import with_adjustments
@@ -27,8 +27,6 @@ def plan_command(
     """`ftrun plan`: size the job for --gpus, else this machine's GPUs, else the recipe's box:, else this CPU
     machine; exit 0 when it fits. With --json, stdout is JSON whatever happens: the plan, the plan that does
     not fit (fits: false, with its reasons and options), or {"fits": null, "error": ...}."""
-    from launcher.errors import FtrunError, PlanError
-
     try:
         return _plan_command(recipe_path, overrides, gpus, tokens, as_json, price)
     except PlanError as exc:
@@ -44,10 +42,8 @@ def plan_command(
 
 
 def _ask_the_hub_once(recipe, sources, read_data: bool) -> Optional[str]:
-    """Why the Hub did not answer one short request, when the plan would ask it (a model that is not a local
-    folder, a Hub dataset it reads); the process is then offline, so no later request waits on retries
-    (launcher/hub_access.py). None when it answered, or when nothing would ask it or it is off by setting: the
-    plan's own lines say so then."""
+    """Why the Hub did not answer one short request, when the plan would ask it (then offline: launcher/hub_access.py);
+    None when it answered, nothing would ask it, or it is off by setting."""
     from launcher import hub_access
 
     asks = not Path(recipe.model).expanduser().is_dir() or (read_data and not all(s.local for s in sources))
@@ -105,8 +101,7 @@ def _plan_command(
                 _, _, stats = data_stats(recipe)
                 recipe = with_data_defaults(recipe, stats)  # what the data sized (GRPO's answer length)
             except DataError as exc:
-                # A Hub dataset this machine cannot reach (no network, not cached) plans like a missing local file;
-                # the launch reads it and refuses with the same paragraph when the box cannot reach it either.
+                # a Hub dataset this machine cannot reach plans like a missing local file
                 if recipe.tokens is None or all(s.local for s in sources):
                     raise
                 count = recipe.tokens

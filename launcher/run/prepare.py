@@ -43,11 +43,8 @@ def make_plan(
 
 
 def as_written(run: RunDir, recipe: Recipe, stats: Any, plan: Any) -> Recipe:
-    """The recipe as _prepare wrote it into recipe.yaml, for the rest of the launch (the base model's scoring, the
-    smoke test and its replan, which writes recipe.yaml again): the settings the data sized or resolved
-    (assistant_only_loss), the plan's faster ones, and init_from as the run's pinned copy of its parent
-    (launcher/run/parent.py), never the source again: a parent still training deletes its older checkpoints
-    (keep_checkpoints) while this launch goes on."""
+    """The recipe as _prepare wrote it into recipe.yaml, for the rest of the launch: what the data sized or resolved,
+    the plan's faster settings, and init_from as the run's pinned copy of its parent (launcher/run/parent.py)."""
     recipe = with_loss_resolved(with_data_defaults(recipe, stats), stats.loss_view)
     recipe = with_plan_settings(recipe, plan.to_dict())
     held = run.pinned_parent()
@@ -63,8 +60,8 @@ def _archive(run: RunDir) -> Path:
 
 
 def restarts_after_failed_smoke(run: RunDir, state: dict[str, Any]) -> bool:
-    """A run whose smoke test found nothing that fits trained nothing: it starts again from the recipe as it is
-    now (no adjustments re-applied, no trajectory or data check, the smoke test run again). `state`: as read."""
+    """A run whose smoke test found nothing that fits trained nothing: it starts again from the recipe as it is now
+    (no adjustments re-applied, no trajectory or data check)."""
     return state.get("state") == "failed-smoke" and newest_step_unverified(run.checkpoints) is None
 
 
@@ -107,16 +104,14 @@ def _prepare(
                 f"the data ({data_label(stats)}) changed since this run started (sha256 {old_sha[:12]}... -> "
                 f"{data_sha[:12]}...)",
                 fix="restore the original data, add --allow-changes to continue on the new data, or add --fresh to "
-                "start "
-                "a new run on it (the old run is kept).",
+                "start a new run on it (the old run is kept).",
             )
     # a resume skips the smoke test: its passed measurements calibrate the plan again (memory, throughput)
     smoke = json.loads(run.smoke.read_text()) if resuming and not restart and run.smoke.is_file() else None
     plan = make_plan(recipe, stats, smoke=smoke, nnodes=(nodes or {}).get("nnodes", 1))
     recipe = with_plan_settings(recipe, plan.to_dict())  # recipe.yaml and the worker train with the plan's choice
     _check_shared_memory(plan.to_dict())
-    # the repository the planned engine loads, when it is not the recipe's model (Unsloth's pre-quantized QLoRA):
-    # checked here, before the run directory is touched, and downloaded before the smoke test in its place
+    # the repository the planned engine loads where it is not the recipe's model (Unsloth's pre-quantized QLoRA)
     loads = worker_model(recipe, plan.to_dict())
     worker_weights = {"model": loads, **weights.check(loads)} if loads != recipe.model else None
     if nodes and plan.to_dict().get("engine") not in MULTI_NODE:
@@ -205,8 +200,8 @@ def _plan_record(
 
 
 def worker_model(recipe: Recipe, plan: dict[str, Any]) -> str:
-    """The model the worker loads: the recipe's, except where Unsloth trains QLoRA on its pre-quantized 4-bit
-    copy (launcher/worker/engines/unsloth.py load_model_and_tokenizer), about a quarter of the download."""
+    """The model the worker loads: the recipe's, or Unsloth's pre-quantized 4-bit copy for its QLoRA
+    (launcher/worker/engines/unsloth.py load_model_and_tokenizer)."""
     if plan.get("engine") == "unsloth":
         from launcher.plan.models import prequantized_repo
 
@@ -215,9 +210,8 @@ def worker_model(recipe: Recipe, plan: dict[str, Any]) -> str:
 
 
 def _download(run: RunDir, recipe: Recipe, found: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
-    """The weights the worker loads into the cache before the smoke test, the progress on the console and in
-    train.log. The recipe's own model, when another repository trains (plan["weights"]), is fetched by the export
-    that merges onto it, if one does."""
+    """The weights the worker loads into the cache before the smoke test, progress on the console and in train.log
+    (the recipe's own model, where another repository trains, is left to the export that merges onto it)."""
 
     def say(line: str) -> None:
         _say(line)

@@ -104,11 +104,8 @@ def watch(
 
 @contextmanager
 def attached(run: RunDir, out: TextIO = sys.stdout, interval: float = 2.0) -> Iterator[None]:
-    """The foreground run (`ftrun RECIPE --foreground`): the output of this process and of its children (supervisor,
-    worker, export), which write to the file descriptors 1 and 2 they inherit, goes to train.log as a detached run's
-    does (`ftrun logs` reads it afterwards), and to where it went before. Those descriptors point at pipes for the
-    while; on a terminal their lines scroll above a live progress bar, elsewhere they pass through unchanged (the
-    worker's own lines, step, loss, tokens/s, are the plain progress)."""
+    """`ftrun RECIPE --foreground`: file descriptors 1 and 2, inherited by the children, become pipes whose lines go
+    to train.log (as a detached run's) and to where they went before, above a live progress bar on a terminal."""
     live = out.isatty()
     sys.stdout.flush()
     sys.stderr.flush()

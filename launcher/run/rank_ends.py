@@ -1,17 +1,13 @@
 """How each rank of an attempt ended, and which end is the cause: killed by a signal, a Python exception, a CUDA or
 NCCL error, or a crash without a traceback. Read from torchrun's own per-rank record, not its total exit code.
 
-torchrun (and accelerate launch, which runs the same elastic agent in-process) exits 1 whenever any rank failed.
-Its per-rank record is what it prints when it gives up: torch 2.13 elastic/multiprocessing/api.py
-SubprocessContext._poll collects every rank's exit code (a signal as its negative number) into a ProcessFailure,
-the survivors' too after it closes them with SIGTERM (`_capture_process_failures` after `close`), and
-elastic/multiprocessing/errors/__init__.py ChildFailedError.format_msg prints each one with
-_FAILURE_FORMAT_TEMPLATE ("rank : 1 (local_rank: 1)", "exitcode : -9 (pid: 123) (SIGKILL)", "error_file: ...")
-under "Failures:" and "Root Cause (first observed failure):". A rank's Python exception is in its error file:
-errors/error_handler.py ErrorHandler.record_exception writes {"message": {"message", "extraInfo": {"py_callstack",
-"timestamp"}}} to TORCHELASTIC_ERROR_FILE, which torchrun sets per rank (api.py DefaultLogsSpecs.reify) and the
-worker fills through errors.record (launcher/worker/train.py _recorded); a signal leaves no error file.
-The supervisor copies torchrun's stderr through a pipe and keeps its tail for this (launcher/run/attempt.py).
+torchrun (and accelerate launch, the same elastic agent) exits 1 whenever any rank failed; its per-rank record is in
+its stderr (the tail kept by launcher/run/attempt.py). torch 2.13: elastic/multiprocessing/api.py
+SubprocessContext._poll collects every rank's exit code (survivors' too, after SIGTERM), and errors/__init__.py
+ChildFailedError.format_msg prints each with _FAILURE_FORMAT_TEMPLATE under "Root Cause (first observed failure)". A
+rank's exception is in its TORCHELASTIC_ERROR_FILE (errors/error_handler.py ErrorHandler.record_exception:
+{"message": {"message", "extraInfo": {"py_callstack"}}}, filled through launcher/worker/train.py _recorded); a signal
+leaves none.
 """
 
 from __future__ import annotations
@@ -25,11 +21,9 @@ from typing import Any, Optional
 
 from launcher.worker.exits import EXIT_STOPPED
 
-# Signals that come from outside (a person, the OOM killer without a cgroup count, a container runtime, a preempted
-# process): an interruption. A fault signal (SIGSEGV, SIGABRT, SIGBUS, SIGILL, SIGFPE) is a crash in native code.
+# Signals from outside (a person, a runtime, a preemption): an interruption; a fault signal (SIGSEGV, ...) is a crash
 EXTERNAL_SIGNALS = ("SIGKILL", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGPIPE", "SIGXCPU")
-# A survivor's error once its peer is gone: gloo's transport (gloo/transport/tcp/pair.cc "Connection reset by peer",
-# "Connection closed by peer"), NCCL's abort after a peer's death. Never the cause while another end is known.
+# A survivor's error once its peer is gone (gloo/transport/tcp/pair.cc, NCCL's abort): never the cause of the others
 PEER_GONE = (
     "connection reset by peer",
     "connection closed by peer",
@@ -98,8 +92,7 @@ class RankEnd:
         return bool(self.message) and any(m in self.message.lower() for m in PEER_GONE)
 
     def signature(self) -> Optional[str]:
-        """The same exception at the same place: its last line and the traceback's frames (file, line), without
-        addresses or pids that differ from one run to the next."""
+        """The same exception at the same place: its last line and frames, without addresses or pids."""
         if not self.message:
             return None
         frames = re.findall(r'File "([^"]+)", line (\d+)', self.traceback or "")
@@ -162,10 +155,9 @@ def single(exit_code: int, error_file: Optional[Path]) -> list[RankEnd]:
 
 
 def cause(ends: list[RankEnd]) -> Optional[RankEnd]:
-    """The end that caused the others. A survivor's error once its peer died (PEER_GONE) and a SIGTERM (torchrun's
-    close of the survivors, api.py SubprocessContext._close) are consequences while another end is known, and so
-    is an exit that says nothing (no signal, no traceback); among the rest, torchrun's root cause (the earliest, by
-    whole seconds), else a signal from outside before an exception."""
+    """The end that caused the others. PEER_GONE errors, SIGTERMs (torchrun closing the survivors) and exits that
+    say nothing are consequences while another end is known; among the rest, torchrun's root cause, else a signal
+    from outside before an exception."""
     if not ends:
         return None
     rest = [e for e in ends if not e.peer_gone] or ends

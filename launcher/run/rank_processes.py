@@ -10,8 +10,7 @@ from typing import Any, Callable, Optional
 
 
 RANK_GONE_POLL_S = 0.1  # how often the ranks of an ended attempt are looked at while the supervisor waits for them
-# Reading a process's environment (/proc/PID/environ) takes its memory map's lock (Linux fs/proc/base.c environ_read,
-# access_remote_vm), which a process stuck in the kernel may hold: the supervisor reads it aside, this long at most.
+# /proc/PID/environ takes the memory map's lock (Linux fs/proc/base.c environ_read), which a stuck process may hold
 ENVIRON_READ_S = 2.0
 
 
@@ -25,10 +24,8 @@ def _process_state(pid: int) -> Optional[str]:
 
 
 def _end_attempt(proc: subprocess.Popen, multi: bool, grace: float) -> list:
-    """SIGTERM to the ranks (or the single worker), then SIGKILL to them and the launcher after `grace` seconds in a
-    timer thread. A hung rank cannot save (its peers wait for it in the save's collectives), so what remains is
-    the newest verified checkpoint; psutil's handles make sure a pid reused meanwhile is never signalled. Returns
-    the launcher's ranks' handles ([] for a single worker: the supervisor's wait reaps it)."""
+    """SIGTERM to the ranks (or the single worker), SIGKILL to them and the launcher after `grace` seconds (psutil
+    handles: a reused pid is never signalled). Returns the ranks' handles ([] for a single worker)."""
     import psutil
 
     try:
@@ -57,12 +54,9 @@ def _end_attempt(proc: subprocess.Popen, multi: bool, grace: float) -> list:
 
 
 def _ranks_left(procs: list, bound_s: float, interrupted: Callable[[], bool] = lambda: False) -> list[dict[str, Any]]:
-    """The processes among `procs` (psutil handles) still alive after up to `bound_s` seconds, each with its facts
-    (_rank_facts); [] when every one is gone, or as soon as `interrupted()` holds.
-
-    A zombie counts as gone: the kernel unmapped its memory and closed its files, the GPU's device files included,
-    before it became one (Linux kernel/exit.c do_exit: exit_mm and exit_files before exit_notify). is_running
-    compares the start time too (psutil/__init__.py Process.is_running): a pid reused meanwhile is not the rank."""
+    """The processes among `procs` (psutil handles) still alive after up to `bound_s` seconds, with _rank_facts; []
+    when all are gone or once `interrupted()`. A zombie is gone: its memory and files are released first (Linux
+    kernel/exit.c do_exit); is_running compares the start time (psutil Process.is_running)."""
     import psutil
 
     def alive(p) -> bool:
@@ -82,9 +76,8 @@ def _ranks_left(procs: list, bound_s: float, interrupted: Callable[[], bool] = l
 
 
 def _rank_facts(p) -> dict[str, Any]:
-    """pid, psutil's process state ("disk-sleep": uninterruptible, in the kernel) and, where its environment is
-    readable, its RANK, LOCAL_RANK, CUDA_VISIBLE_DEVICES and the GPU they name (_rank_gpu). The environment is the
-    one the process started with (psutil environ(), /proc/PID/environ): torchrun sets LOCAL_RANK there."""
+    """pid, psutil's process state and, where its starting environment is readable, RANK, LOCAL_RANK,
+    CUDA_VISIBLE_DEVICES and the GPU they name."""
     import psutil
 
     facts: dict[str, Any] = {"pid": p.pid}
@@ -114,9 +107,7 @@ def _rank_facts(p) -> dict[str, Any]:
 
 
 def _rank_gpu(env: dict[str, str]) -> Optional[str]:
-    """The GPU a rank uses, as CUDA_VISIBLE_DEVICES names it: its entry LOCAL_RANK (loading.select_device makes
-    cuda:LOCAL_RANK current), LOCAL_RANK itself where nothing hides cards, the one entry of a one-card list; None
-    where the environment does not say."""
+    """The GPU a rank uses (cuda:LOCAL_RANK, loading.select_device) as CUDA_VISIBLE_DEVICES names it; None unsaid."""
     visible = env.get("CUDA_VISIBLE_DEVICES")
     entries = [e.strip() for e in visible.split(",")] if visible else []
     try:
@@ -131,18 +122,13 @@ def _rank_gpu(env: dict[str, str]) -> Optional[str]:
 
 
 def _ranks(launcher: subprocess.Popen) -> list[int]:
-    """The pids of a launcher's ranks: its direct children.
-
-    torch 2.13 elastic/multiprocessing/subprocess_handler/subprocess_handler.py SubprocessHandler._popen
-    starts each rank as a child of the agent, which is torchrun itself or, for accelerate launch, the
-    launch process (commands/launch.py multi_gpu_launcher runs torch.distributed.run in-process); a
-    numactl wrapper (NUMA binding on GPU boxes) execs into the rank and keeps its pid.
-    """
+    """The pids of a launcher's ranks: its direct children (torch 2.13 subprocess_handler.py
+    SubprocessHandler._popen; accelerate launch runs the agent in-process; numactl execs into the rank)."""
     return [p.pid for p in _rank_handles(launcher)]
 
 
 def _rank_handles(launcher: subprocess.Popen) -> list:
-    """psutil handles of a launcher's ranks (_ranks); [] once it has exited."""
+    """psutil handles of a launcher's ranks; [] once it has exited."""
     import psutil
 
     try:

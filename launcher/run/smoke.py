@@ -26,9 +26,10 @@ from launcher.worker.engines import (
     launch_env,
     with_death_signal,
     worker_file,
+    world_size,
 )
 from launcher.store.checkpoint import atomic_write_json
-from launcher.data.dataset import DataStats, smoke_sample, write_jsonl
+from launcher.data.dataset import DataStats, example_lengths, smoke_sample, write_jsonl
 from launcher import export_formats, methods
 from launcher.errors import WORKER_EXITS, SmokeError, SmokeOOM
 from launcher.store.rundir import RunDir
@@ -37,8 +38,7 @@ REASONS = {code: (e.what, e.fix) for code, e in WORKER_EXITS.items()}
 
 
 def training_tokens(recipe, stats: DataStats, processes: int) -> int:
-    """Tokens the full run trains on: the data's tokens times epochs, or max_steps worth of batches (GRPO: each
-    prompt's tokens once per sampled answer; its batches count answers)."""
+    """Tokens the full run trains on: the data's (GRPO: once per answer) times epochs, or max_steps of batches."""
     per_epoch = stats.total_tokens * _answers(recipe)
     if recipe.max_steps:
         global_batch = recipe.micro_batch_size * recipe.gradient_accumulation_steps * processes
@@ -64,12 +64,9 @@ def step_fit(measured: dict[str, Any]) -> tuple[float, float] | None:
 
 
 def step_seconds(measured: dict[str, Any], total_tokens: int, recipe, stats: DataStats, processes: int) -> float:
-    """Seconds of the full run's steps: a per-step cost plus a per-token cost, fitted on the smoke's steps.
-
-    A plain tokens/s credits steps with fewer tokens than the smoke's with the per-token overhead of
-    fuller ones (measured: ETA -30% on CPU when the sample held many long examples). Falls back to
-    tokens / (tokens/s) when the fit is not usable.
-    """
+    """Seconds of the full run's steps: a per-step plus a per-token cost fitted on the smoke's steps (a plain
+    tokens/s is biased by the sample's long examples: docs/BENCHMARKS.md, "Smoke-test ETA accuracy"); tokens /
+    (tokens/s) when the fit is not usable."""
     if recipe.objective_row.generates:
         per_step = sampled_step_seconds(measured)
         if per_step is not None:
@@ -83,22 +80,15 @@ def step_seconds(measured: dict[str, Any], total_tokens: int, recipe, stats: Dat
 
 
 def _full_steps(recipe, stats: DataStats, processes: int) -> int:
-    """The full run's optimizer steps: max_steps, else the data's batches per epoch times epochs (GRPO's batch counts
-    answers, num_generations per prompt)."""
+    """The full run's optimizer steps: max_steps, else the data's batches per epoch times epochs."""
     global_batch = recipe.micro_batch_size * recipe.gradient_accumulation_steps * processes
     return recipe.max_steps or math.ceil(stats.examples * _answers(recipe) / global_batch) * recipe.epochs
 
 
 def sampled_step_seconds(measured: dict[str, Any]) -> Optional[float]:
-    """GRPO: one full-run step's seconds from the smoke's measured steps, None without them.
-
-    A GRPO step samples the same number of answers whatever its prompts' length, decoding token by token until the
-    batch's longest answer ends, then trains on them: its cost is per step, not per token. Priced by tokens, the
-    demo's forecast came out -74% to +265% (the smoke's steps hold the longest prompts, so more tokens per second
-    than the full run's). The median of the measured steps (a short smoke has two or three, and one slowed by another
-    process on a busy box would otherwise count for all), with its sampling part priced at the longest answer the full
-    run may reach (grpo.max_completion_length) where the smoke's answers ended sooner: a model that learns from its
-    rewards often answers longer (the demo's answers grew from 10 to 15 of 16 tokens)."""
+    """GRPO: one full-run step's seconds, None without measured steps. A GRPO step's cost is per step, not per
+    token: the median of the smoke's steps, its sampling part priced at grpo.max_completion_length where the smoke's
+    answers ended sooner (docs/BENCHMARKS.md, "Smoke-test ETA accuracy")."""
     costs = sorted(c[1] for c in measured.get("step_costs") or [])
     if not costs:
         return None
@@ -115,8 +105,7 @@ def sampled_step_seconds(measured: dict[str, Any]) -> Optional[float]:
 
 def examples_per_step(recipe, processes: int) -> int:
     """The examples one optimizer step takes, all processes together: GRPO's batch counts answers, num_generations
-    of them per prompt (a step of 16 answers is 4 prompts). Counted as 16, the smoke test drew four steps' worth of
-    the longest prompts for its first step, and its measured steps were none of the full run's usual ones."""
+    of them per prompt (a step of 16 answers is 4 prompts)."""
     return recipe.micro_batch_size * recipe.gradient_accumulation_steps * processes // _answers(recipe)
 
 
@@ -125,9 +114,12 @@ def _answers(recipe) -> int:
     return recipe.grpo.num_generations if recipe.objective_row.generates else 1
 
 
+def _measured(measured: dict[str, Any], key: str) -> float:
+    return float(measured.get(key) or 0.0)
+
+
 def saves_seconds(one_save: float, train_seconds: float, recipe) -> float:
-    """The full run's checkpoint time: one every interval, one at the end, and the final model save
-    (about one more), each as long as the save the smoke test timed."""
+    """The full run's checkpoint time: one every interval, one at the end and the final model, each as timed."""
     every = recipe.checkpoint_every_minutes * 60.0
     return one_save * (math.floor(train_seconds / every) + 2)
 
@@ -143,39 +135,30 @@ def gguf_bytes_per_param(gguf_type: str) -> float:
 
 
 def export_seconds(measured: dict[str, Any], recipe, params: int) -> float:
-    """The exports after training (launcher/deliver/export.py, in their own process), from what the smoke measured:
-    the process start and imports once, one model load per load the export and its checks make, and the
-    bytes written (merged 16-bit, GGUF) at the disk rate of the smoke's timed checkpoint save."""
+    """The exports after training (launcher/deliver/export.py): its imports, one model load per load it makes, and
+    the bytes written at the disk rate of the smoke's timed checkpoint save."""
     formats = set(recipe.export)
     if not formats:
         return 0.0
     merged = "merged" in export_formats.made(formats)
     lora = methods.is_adapter(recipe.method)
-    # adapter: the base (+ adapter); merged: the 16-bit reference for a full fine-tune, then the written
-    # folder reloaded; gguf: the merged model once more and the GGUF file
-    # gguf: llama.cpp's converter is a process of its own (the same imports), the file is read back once in
-    # llama.cpp, and a quantized type is written twice: the 16-bit conversion, then the quantized file
+    # loads: adapter the base; merged a full fine-tune's 16-bit reference, then the folder; gguf the file read back.
+    # gguf: llama.cpp's converter imports again, and a quantized type is written twice (16-bit, then quantized)
     gguf = "gguf" in formats
     loads = (1 if lora else 0) + ((1 if lora else 2) if merged else 0) + (1 if gguf else 0)
     written = (2.0 * params if merged else 0.0) + (gguf_bytes_per_param(recipe.gguf_type) * params if gguf else 0.0)
-    seconds = float(measured.get("import_seconds") or 0.0) * (2 if gguf else 1) + loads * float(
-        measured.get("load_seconds") or 0.0
-    )
+    seconds = _measured(measured, "import_seconds") * (2 if gguf else 1) + loads * _measured(measured, "load_seconds")
     save_bytes, save_seconds = measured.get("checkpoint_bytes"), measured.get("checkpoint_seconds")
-    # a save of less than MIN_RATE_BYTES (a LoRA checkpoint) is mostly fixed cost: its rate would
-    # overstate the writing of a merged model many times its size, so the bytes are then left out
+    # a save under MIN_RATE_BYTES (a LoRA checkpoint) is mostly fixed cost: its rate says nothing of a merged model's
     if written and save_bytes and save_seconds and float(save_bytes) >= MIN_RATE_BYTES:
         seconds += written / (float(save_bytes) / float(save_seconds))
     return seconds
 
 
 def task_eval_seconds(measured: dict[str, Any], recipe, examples: int, base_scored: bool) -> float:
-    """The task evaluation after training (launcher/worker/task_eval.py), from the smoke test's generation of one
-    batch of its prompts: `examples` prompts, in batches of that size, answered by the fine-tuned model and by each
-    exported model (merged folder, GGUF), and by the base model twice more (zero-shot, with examples) where a LoRA
-    run's baseline has not scored it yet. An upper bound, as the plan's forecast is: a batch decodes until its
-    longest answer ends, and a trained model may answer to the cap (max_new_tokens) where the smoke's barely
-    trained one stopped sooner (the demo's forecast ran 3-10 times low when priced from the smoke's answers)."""
+    """The task evaluation after training (launcher/worker/task_eval.py) from the smoke's timed batch of prompts:
+    `examples` prompts for the fine-tuned model, each export, and the base model twice where not scored yet. An
+    upper bound: answers priced at the cap (max_new_tokens)."""
     seconds, asked = measured.get("generation_seconds"), measured.get("generation_prompts")
     if not seconds or not asked or not examples:
         return 0.0
@@ -200,28 +183,21 @@ def estimate(
 ) -> dict[str, float]:
     """The full run's wall time in parts, from the smoke worker's measurements and its wall time `wall`;
     `task_examples`: the prompts the task evaluation will ask after training (task_eval_seconds)."""
-    # The full run pays the same fixed start as the smoke worker (process start, imports, model load, data
-    # preparation, the warm-up of step 1): the smoke's wall time minus its measured steps. Without it the
-    # ETA of a short run is far too low (measured: -35% for a 5-minute run on CPU, docs/BENCHMARKS.md).
-    save = float(measured.get("checkpoint_seconds") or 0.0)
-    startup = max(0.0, wall - float(measured.get("measured_seconds") or 0.0) - save)
+    # The full run pays the smoke worker's fixed start (imports, model load, data, step 1's warm-up): its wall time
+    # minus its measured steps (docs/BENCHMARKS.md, "Smoke-test ETA accuracy")
+    save = _measured(measured, "checkpoint_seconds")
+    startup = max(0.0, wall - _measured(measured, "measured_seconds") - save)
     if measured.get("warmup_tokens"):
-        # step 1 is in the wall time too, but the full run's steps are all counted by the step estimate:
-        # only what step 1 took beyond a step of its tokens (lazy initialisation, first allocations) is start-up
+        # only what step 1 took beyond a step of its tokens is start-up: the step estimate counts every step
         fit, first = step_fit(measured), float(measured["warmup_tokens"])
         step1 = fit[0] + fit[1] * first if fit else first / float(measured["tokens_per_second"])
         if recipe.objective_row.generates and measured.get("step_costs"):  # GRPO: a step costs a step
             step1 = sorted(c[1] for c in measured["step_costs"])[len(measured["step_costs"]) // 2]
         startup = max(0.0, startup - step1)
-    # the smoke's eval pass and the base model's answers are in its wall time: priced apart (the full run has
-    # its own number of eval passes, and answers the same prompts once, after training)
-    samples = float(measured.get("samples_seconds") or 0.0)
+    # the smoke's eval pass and the base model's answers are priced apart (the full run has its own number of them)
+    samples = _measured(measured, "samples_seconds")
     startup = max(
-        0.0,
-        startup
-        - float(measured.get("eval_seconds") or 0.0)
-        - samples
-        - float(measured.get("generation_seconds") or 0.0),
+        0.0, startup - _measured(measured, "eval_seconds") - samples - _measured(measured, "generation_seconds")
     )
     total_tokens = training_tokens(recipe, stats, processes)
     train = step_seconds(measured, total_tokens, recipe, stats, processes)
@@ -245,10 +221,7 @@ def run_smoke(
     run: RunDir, recipe, plan: dict[str, Any], examples, lengths: list[int], stats: DataStats, own_session: bool = True
 ) -> dict[str, Any]:
     """Run the worker on the sample in the foreground; write and return smoke.json, or raise SmokeError.
-    `own_session`: the full run's worker will run in a session of its own (the detached run; start_worker), not in
-    the launcher's (`--foreground`, where the launcher supervises)."""
-    from launcher.worker.engines import world_size
-
+    `own_session`: as the full run's worker will run (start_worker)."""
     processes = world_size(plan)  # all nodes' processes share the global batch
     global_batch = examples_per_step(recipe, processes)
     parts = split.for_recipe(examples, recipe)  # held-out examples never train, here neither
@@ -263,8 +236,7 @@ def run_smoke(
     shutil.rmtree(run.smoke_work, ignore_errors=True)
     run.smoke_work.mkdir(parents=True)
     eval_cost = _write_eval_request(run, recipe, examples, lengths, parts, processes)
-    # The worker reads the sample in order: the longest batch first, so an out-of-memory shows in
-    # step 1 (seconds, not hours); the rest in a seeded random order for a fair throughput.
+    # the longest batch first, so an out-of-memory shows in step 1; the rest seeded random, for a fair throughput
     by_length = sorted(idx, key=lambda i: (-lengths[i], i))
     first, rest = by_length[:global_batch], by_length[global_batch:]
     random.Random(recipe.seed).shuffle(rest)
@@ -356,9 +328,7 @@ def run_smoke(
         report["sampling_share"] = round(min(1.0, measured["sampling_seconds"] / measured["seconds"]), 3)
     cores = int((plan.get("hardware") or {}).get("cpu_count") or 0)
     if measured.get("device") == "cpu" and cores:
-        # the box's 1-minute load at the smoke's end: on a CPU box others use, the steps' time follows it (the demo's
-        # GRPO step measured 0.5-1.1 s a step at a load of 8-13 on 2 cores, its full runs 0.3-0.45 s), and so does
-        # the forecast: launcher/run/views.py load_note says so
+        # the box's 1-minute load: on a shared CPU box the steps' time, and so the forecast, follow it (views.load_note)
         report["load_average"], report["cpu_cores"] = round(os.getloadavg()[0], 2), cores
     growth = memory_growth(measured.get("device"), recipe.method)
     if growth:
@@ -372,18 +342,9 @@ def start_worker(
     cmd: list[str], plan: dict[str, Any], log, env: dict[str, str], own_session: bool = True
 ) -> subprocess.Popen:
     """The smoke worker, started as the full run's worker will be: in a session of its own where the run is detached
-    (the supervisor's, supervisor.start_detached), in the launcher's where `--foreground` supervises from it; so that
-    the kernel shares the CPU out to it as it will to the run's.
-
-    On Linux with autogroup scheduling (CONFIG_SCHED_AUTOGROUP, /proc/sys/kernel/sched_autogroup_enabled, the default
-    of most desktop and server kernels) CFS shares the cores between sessions first, then between the processes of a
-    session. Started in the launching shell's session, the smoke worker shared that session's share with whatever else
-    ran there, while the detached run had a share of its own: with one busy process beside `ftrun` in the same shell
-    until the run's end (scripts/grpo_eta.py --busy 1, 2026-12-06, load 3-5 on 2 cores), the demo's GRPO steps took
-    0.59-0.61 s in the smoke test and 0.29-0.37 s in the run, forecast -29% and -33%; in a session of its own
-    0.30-0.37 s against 0.24-0.29 s, -15%, -9% and +8%. Its own session also keeps the terminal's Ctrl-C to the
-    launcher, which ends the worker (run_smoke), and a launcher that dies any other way takes the worker with it
-    (engines.with_death_signal, as the supervisor's worker)."""
+    (supervisor.start_detached), in the launcher's under `--foreground`, so that Linux's autogroup scheduling shares
+    the CPU out to it as to the run's (docs/engines.md, "GRPO"). Ctrl-C reaches the launcher, which ends the
+    worker (run_smoke); a launcher that dies otherwise takes it along (engines.with_death_signal)."""
     death = signal.SIGKILL if plan.get("engine") in MULTI_PROCESS else signal.SIGTERM  # as supervisor.py's
     return subprocess.Popen(
         with_death_signal(cmd, death),
@@ -400,7 +361,6 @@ def _write_eval_request(run: RunDir, recipe, examples, lengths: list[int], parts
     run's sample prompts (smoke/prompts.json, unless the base model answered them already). Returns the token
     counts that scale the measured pass to the full run's (launcher/data/split.py)."""
     from launcher.worker import samples
-    from launcher.data.dataset import example_lengths
 
     if recipe.eval.data:
         held_examples = split.load_eval_data(recipe)
@@ -410,8 +370,7 @@ def _write_eval_request(run: RunDir, recipe, examples, lengths: list[int], parts
         held, pool, held_lengths = parts.held_out, examples, lengths
     cost: dict[str, Any] = {}
     if held and recipe.objective_row.generates:
-        # GRPO has no eval loss (its own eval pass would sample answers too): the held-out prompts are the task
-        # evaluation's after training (launcher/worker/train.py passes no eval dataset)
+        # GRPO has no eval loss: the held-out prompts are the task evaluation's (worker/train.py passes no eval set)
         print(
             f"evaluation: {len(held)} held-out prompts ({len(held) / len(examples):.1%} of the data, a seeded draw "
             "that never trains), scored by the task evaluation after training; no eval loss (GRPO samples its answers)",
@@ -451,11 +410,9 @@ def _write_eval_request(run: RunDir, recipe, examples, lengths: list[int], parts
 
 
 def memory_growth(device: Optional[str], method: str) -> Optional[dict[str, Any]]:
-    """Where the smoke test's peak is known to understate the full run's (measured, docs/BENCHMARKS.md): the cause
-    and the factor, stored in smoke.json; launcher/run/views.py (memory_note) words it."""
+    """Where the smoke test's peak understates the full run's: the cause and factor for smoke.json (views.memory_note
+    words it). bitsandbytes' CPU QLoRA: 0.94 -> 1.81 GB over 60 steps (docs/BENCHMARKS.md, "Why QLoRA under-predicts
+    on CPU")."""
     if device == "cpu" and methods.is_quantized(method):
-        # bitsandbytes' CPU path holds more memory step after step while the live tensors stay the same:
-        # over a 60-step run, peak RSS from 0.94 GB in the first steps (where the smoke test measures) to
-        # 1.81 GB; LoRA on the same data stays flat.
         return {"cause": "bitsandbytes-cpu-qlora", "factor": 2.0}
     return None

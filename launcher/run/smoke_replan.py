@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 import yaml
 
-from launcher.errors import HardwareError
+from launcher.errors import HardwareError, PlanError, SmokeError, SmokeOOM
 from launcher.recipe import Recipe
 from launcher import notify
 from launcher.run.adjustments import next_adjustment, shard_blocker
@@ -28,9 +28,7 @@ def _smoke(
     own_session: bool = True,
 ) -> tuple[Recipe, dict[str, Any]]:
     """The smoke test; after an out-of-memory, re-plan with the cheapest allowed change and try again. Returns the
-    recipe as adjusted (the full run trains with it) and the calibrated plan record. `own_session`: the run will be
-    detached (launcher/run/smoke.py start_worker)."""
-    from launcher.errors import PlanError, SmokeError, SmokeOOM
+    adjusted recipe and the calibrated plan record. `own_session`: smoke.py start_worker."""
     from launcher.run.smoke import run_smoke
     from launcher.run.views import format_smoke
 
@@ -89,8 +87,7 @@ def _smoke(
                         replanned, plan_dict.get("memory_limit_gb"), adjustments, plan_dict.get("nodes")
                     )
                     _say(f"re-planned: engine {replanned.engine}, {replanned.num_processes} processes")
-                    # one card's job sharded over the idle ones (FSDP, ZeRO-3) now needs NCCL between processes: the
-                    # first launch checked /dev/shm only for the job it planned then
+                    # a job now sharded over several processes needs NCCL's /dev/shm
                     _check_shared_memory(plan_dict)
                 run.recipe.write_text(
                     "# resolved by ftrun: defaults < recipe < command line < OOM adjustments (plan.json)\n"
@@ -111,8 +108,7 @@ def _smoke(
     calibrated = make_plan(recipe, stats, smoke=report, nnodes=(plan_dict.get("nodes") or {}).get("nnodes", 1))
     record = _plan_record(calibrated, plan_dict.get("memory_limit_gb"), adjustments, plan_dict.get("nodes"))
     record["speed"] = plan_dict.get("speed")  # the plan's choice and its reasons, which the recipe now holds
-    # the forecast the user was shown before the smoke test ("Time:" of the printed plan): `ftrun status` compares
-    # with that one as "plan forecast", the calibrated estimate being the smoke test's own forecast again
+    # the forecast the printed plan showed: `ftrun status`'s "plan forecast"
     record["estimate_as_planned"] = plan_dict.get("estimate_as_planned") or plan_dict.get("estimate")
     atomic_write_json(run.plan, record)
     return recipe, record

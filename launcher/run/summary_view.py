@@ -20,8 +20,7 @@ ENDING = {
 
 
 def exporting(s: dict[str, Any]) -> bool:
-    """The training finished and the supervisor is still exporting (state.json's export says running, and a live
-    supervisor holds the run: an export left running by a killed supervisor is not waited for)."""
+    """The training finished and a live supervisor is still exporting."""
     return (s.get("export") or {}).get("state") == "running" and bool(s.get("pid_alive", True))
 
 
@@ -99,8 +98,7 @@ def format_end_summary(e: dict[str, Any]) -> str:
         if fc and total and step < total:
             # a run that ended early is compared with the forecast for the steps it ran, not the whole run's
             fc, what = (fc * step / total if step else None), f" for {step} of {total} steps"
-        # the smoke test's forecast counts the export, which runs after the state leaves `running`: its own seconds
-        # are added to compare like with like (the demo's GRPO step read -19% where it was -6%)
+        # the smoke test's forecast counts the export, which runs after `running`: its seconds are added
         export = (e.get("export") or {}).get("seconds") if e.get("forecast_source") == "smoke test" else None
         actual = e["wall_seconds"] + (export or 0.0)
         lines.append(

@@ -1,9 +1,7 @@
 """Runs the full training detached from the terminal, restarts a crashed worker within limits, stops it on request.
 
-The supervisor is light (no torch): it starts the worker (one process, or a launcher of several),
-waits, classifies the exit, and writes the state. Started by `ftrun RECIPE` in its own session
-(`start_new_session`), stdin from /dev/null and output to train.log, so an SSH logout (SIGHUP to
-the terminal's session) never reaches it.
+No torch: it starts the worker (or a launcher of several), waits, classifies the exit, writes the state. Started in
+its own session with output to train.log, so an SSH logout's SIGHUP never reaches it.
 """
 
 from __future__ import annotations
@@ -33,32 +31,29 @@ from launcher.run.worker_outcome import _forget_worker_outcome, _worker_error, _
 from launcher.store import heartbeat_files
 from launcher.worker import train
 from launcher.worker.engines import MULTI_PROCESS, failed_verification, launch_command, launch_env, with_death_signal
-from launcher.store.checkpoint import newest_step_unverified
+from launcher.store.checkpoint import atomic_write_json, newest_step_unverified
 from launcher.store.rundir import RunDir
-from launcher.store.state import process_identity, read_state
+from launcher.store.state import last_metrics, process_identity, read_state
 
 # Worker exits that a restart cannot fix: report them instead of looping (launcher/errors.py WORKER_EXITS).
 FATAL = {code: e.reason for code, e in WORKER_EXITS.items() if not e.restart}
 
 
 def _last_logged_step(run: RunDir) -> int:
-    from launcher.store.state import last_metrics
-
     return int(last_metrics(run.metrics).get("step", 0))
 
 
 def _exported_code(run: RunDir, state: str) -> int:
-    """The run's exit after training (what `--foreground` exits with): 0 when its outputs passed the export's checks
-    (or it has none); 5 when the run is trained-not-exported because an output failed them (the served prompt among
-    them: the README's exit 5), the stop's code when `ftrun stop` ended the export."""
+    """The run's exit after training: 0 when its outputs passed the export's checks (or it has none), the stop's code
+    when `ftrun stop` ended the export, else 5 (trained-not-exported: an output failed them)."""
     if state != "trained-not-exported":
         return 0
     return train.EXIT_STOPPED if (read_state(run).get("export") or {}).get("state") == "stopped" else EXIT_RUN_FAILED
 
 
 def _learned_nothing(recipe, run: RunDir) -> Optional[dict[str, Any]]:
-    """The facts of a GRPO run that had nothing to learn from: at every logged step no prompt's answers differed in
-    reward (frac_reward_zero_std 1.0: every advantage 0, the loss 0), with each reward's value; None otherwise."""
+    """The facts of a GRPO run whose prompts' answers never differed in reward at any logged step (nothing to learn
+    from), with each reward's value; None otherwise."""
     from launcher.run.facts import metrics_rows, reward_facts
 
     if not recipe.objective_row.generates:
@@ -109,11 +104,9 @@ def _attempts(run: RunDir, recipe, lock_fd: Optional[int]) -> Ending:
             _log(f"{stopping['signal']}: asking the worker to checkpoint and stop")
             if first:
                 stopping["checkpoint_before"] = newest_step_unverified(run.checkpoints)
-            # Under a launcher the ranks are signalled themselves, not the launcher: torchrun and
-            # accelerate launch SIGKILL their ranks a fixed time after they forward a signal, 30 s
-            # unless told otherwise, and before torch 2.12 they cannot be told (pytorch PR #172596
-            # made it configurable; launch_env sets it where it exists). The ranks save together and
-            # exit together after the save's last barrier, the launcher then ends on its own.
+            # Under a launcher the ranks are signalled, not the launcher: torchrun and accelerate launch SIGKILL
+            # their ranks 30 s after forwarding a signal, configurable only since torch 2.12 (pytorch PR #172596;
+            # launch_env sets it there). The ranks save and exit together; the launcher then ends on its own.
             for pid in (_ranks(proc) if proc is child["launcher"] else []) or [proc.pid]:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGTERM)
@@ -122,8 +115,7 @@ def _attempts(run: RunDir, recipe, lock_fd: Optional[int]) -> Ending:
         forward(signum, frame)
         proc = child["proc"]
         if proc is not None:
-            # A provider's notice gives limited time: a worker still busy after grace_seconds is
-            # killed; the newest periodic checkpoint is what remains.
+            # a worker still busy after grace_seconds is killed; the newest periodic checkpoint remains
             def enforce():
                 if proc.poll() is None:
                     stopping["killed"] = True
@@ -140,6 +132,22 @@ def _attempts(run: RunDir, recipe, lock_fd: Optional[int]) -> Ending:
     signal.signal(signal.SIGINT, forward_then_enforce_grace)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
+    def ranks_gone(ended: dict[str, Any], ended_at: float, ranks, facts: dict[str, Any]) -> Optional[Ending]:
+        """The ended attempt's ranks given time to go before a restart: a rank still alive keeps its GPU memory, and
+        the next attempt would run out of memory loading. One stuck in the GPU driver (disk-sleep) survives SIGKILL
+        and torchrun abandons it (torch 2.13 distributed/elastic/multiprocessing/api.py SubprocessContext._close):
+        after min(grace_seconds, WATCHDOG_GRACE_S), _wait_watching's grace, it is stuck, and the run fails."""
+        left = _ranks_left(ranks, min(recipe.grace_seconds, WATCHDOG_GRACE_S), lambda: stopping["signal"] is not None)
+        if stopping["signal"]:
+            return _stopped_recovering()
+        if left:
+            why = views.ranks_left_reason(ended, left, time.monotonic() - ended_at)
+            return Ending("failed", why, 5, {**facts, "ranks_left": left})
+        return None
+
+    def _stopped_recovering() -> Ending:
+        return Ending("stopped", f"stopped by {stopping['signal']} while recovering", train.EXIT_STOPPED)
+
     restarts = 0
     crash_steps: list[int] = []
     restart_times: list[float] = []  # the restart budget: max_restarts within any RESTART_WINDOW_S
@@ -153,8 +161,6 @@ def _attempts(run: RunDir, recipe, lock_fd: Optional[int]) -> Ending:
         cmd = launch_command(plan, run.root, "full")
         _log("starting worker: " + " ".join(cmd))
         if plan.get("launch_argv") != cmd:
-            from launcher.store.checkpoint import atomic_write_json
-
             plan["launch_argv"] = cmd  # plan.json records how the plan was launched (an argument list)
             atomic_write_json(run.plan, plan)
         _forget_worker_outcome(run)
@@ -162,9 +168,7 @@ def _attempts(run: RunDir, recipe, lock_fd: Optional[int]) -> Ending:
         run.heartbeats.mkdir(parents=True, exist_ok=True)
         build_locks.clear_stale(_log)  # a lock left by a rank killed mid-build would hold this attempt forever
         launched_at = time.time()
-        # a launcher (torchrun) outliving the supervisor keeps its ranks training: it is killed with it; a single
-        # worker outliving it would train on unsupervised: it gets SIGTERM, saves a checkpoint and exits (the next
-        # launch resumes from it). Asked for after the exec, not in a preexec_fn (engines.with_death_signal)
+        # when the supervisor dies, a launcher is killed with it; a single worker gets SIGTERM and saves a checkpoint
         death = signal.SIGKILL if plan.get("engine") in MULTI_PROCESS else signal.SIGTERM
         proc = subprocess.Popen(
             with_death_signal(cmd, death),
@@ -199,8 +203,7 @@ def _attempts(run: RunDir, recipe, lock_fd: Optional[int]) -> Ending:
         ends = _rank_ends(run, rc, tail, error_file, multi)
         host_oom = _host_oom(kills_before) if rc != 0 and not stopping["signal"] else None
         if host_oom is not None:
-            # A worker (or one rank: torchrun then exits 1) killed by the kernel for host memory: a restart loads the
-            # same model into the same RAM and is killed again.
+            # killed by the kernel for host memory: a restart loads the same model into the same RAM
             facts = {
                 **host_oom,
                 "step": _last_logged_step(run),
@@ -272,8 +275,7 @@ def _attempts(run: RunDir, recipe, lock_fd: Optional[int]) -> Ending:
                 + (["the export"] if recipe.export else []),
             )
         if stopping["signal"] or rc == train.EXIT_STOPPED:
-            # A launcher exits 1 when its ranks exit EXIT_STOPPED: a checkpoint sealed after the
-            # signal says the same.
+            # a launcher exits 1 when its ranks exit EXIT_STOPPED: a checkpoint sealed after the signal says the same
             newest = newest_step_unverified(run.checkpoints)
             saved = rc == train.EXIT_STOPPED or (
                 not stopping["killed"]
@@ -284,8 +286,7 @@ def _attempts(run: RunDir, recipe, lock_fd: Optional[int]) -> Ending:
             step = newest if saved and newest is not None else _last_logged_step(run)
             return _stop_ending(run, recipe, stopping["signal"] or "SIGTERM", step, saved)
         if rc == train.EXIT_OOM:
-            # the plan's own faster setting (checkpointing off, a larger micro-batch) ran out: undone, and the run goes
-            # on from its last checkpoint on the same trajectory; an out of memory of the recipe's settings stops it
+            # the plan's own faster setting is undone and the run goes on; one of the recipe's settings stops it
             undone = oom_restart.undo_after_oom(run, _worker_fact(run, "out_of_memory") or {})
             if undone is None:
                 error = _worker_error(run) or WORKER_EXITS[rc].what
@@ -305,22 +306,14 @@ def _attempts(run: RunDir, recipe, lock_fd: Optional[int]) -> Ending:
                 accepted_recipe_hashes=oom_restart.accepted_hashes(read_state(run), undone),
             )
             _log(why)
-            # the ended attempt's GPU memory must be free before the next one loads (as after a crash, below)
-            left = _ranks_left(
-                ranks, min(recipe.grace_seconds, WATCHDOG_GRACE_S), lambda: stopping["signal"] is not None
-            )
-            if stopping["signal"]:
-                return Ending("stopped", f"stopped by {stopping['signal']} while recovering", train.EXIT_STOPPED)
-            if left:
-                why = views.ranks_left_reason(ended, left, time.monotonic() - ended_at)
-                return Ending("failed", why, 5, {"ranks_left": left})
+            ending = ranks_gone(ended, ended_at, ranks, {})
+            if ending is not None:
+                return ending
             continue
         if rc in FATAL:
             return Ending("failed", _worker_error(run) or FATAL[rc], 5)
-        # How the attempt ended, by rank (docs/engines.md, "One rank down"): a rank silent past its deadline (the
-        # watchdog ended the attempt), else the cause among the ranks' ends: a signal from outside is an
-        # interruption, a traceback that repeats at the same step is a deterministic crash, a CUDA/NCCL error is
-        # announced and restarted, a crash without a traceback that repeats at the same step stops too.
+        # How the attempt ended, by rank (docs/engines.md, "One rank down"): a hang, else the cause among the ranks'
+        # ends; a crash (with or without a traceback) that repeats at the same step is not restarted
         root = rank_ends.cause(ends)
         ended = (
             {"kind": "hang", **hang}
@@ -354,21 +347,11 @@ def _attempts(run: RunDir, recipe, lock_fd: Optional[int]) -> Ending:
         _log(why)
         for _ in range(delay * 10):
             if stopping["signal"]:
-                return Ending("stopped", f"stopped by {stopping['signal']} while recovering", train.EXIT_STOPPED)
+                return _stopped_recovering()
             time.sleep(0.1)
-        # A rank of the ended attempt still alive keeps its GPU memory, and the next attempt would run out of memory
-        # loading (exit 78, fatal, blamed on micro_batch_size). One stuck in the GPU driver (state disk-sleep)
-        # survives SIGKILL, and torchrun leaves it behind: torch 2.13 distributed/elastic/multiprocessing/api.py
-        # SubprocessContext._close waits a bounded time after its SIGKILL, then abandons the rank and exits. The
-        # ranks get min(grace_seconds, WATCHDOG_GRACE_S) more after the backoff, the grace a silent attempt gets
-        # between SIGTERM and SIGKILL (_wait_watching): a process SIGKILL has not ended by then is not slow to exit
-        # but stuck in the kernel, and no restart can use its GPU until it is gone.
-        left = _ranks_left(ranks, min(recipe.grace_seconds, WATCHDOG_GRACE_S), lambda: stopping["signal"] is not None)
-        if stopping["signal"]:
-            return Ending("stopped", f"stopped by {stopping['signal']} while recovering", train.EXIT_STOPPED)
-        if left:
-            why = views.ranks_left_reason(ended, left, time.monotonic() - ended_at)
-            return Ending("failed", why, 5, {"last_end": ended, "ranks_left": left})
+        ending = ranks_gone(ended, ended_at, ranks, {"last_end": ended})
+        if ending is not None:
+            return ending
 
 
 RESTART_WINDOW_S = 3600.0  # recipe.max_restarts counts the restarts within any hour

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from launcher.errors import RecipeError, UsageError
+from launcher.errors import RecipeError, SyncError, UsageError
 from launcher.recipe import Recipe
 from launcher.recipe_loading import load_recipe
 from launcher.run.facts import run_status
@@ -13,19 +13,16 @@ from launcher.run.run_dirs import resolve_run, run_dir_of
 from launcher.run.views import format_status
 from launcher.store.rundir import RunDir
 from launcher.store.state import RunLock, RunSnapshot, move
+from launcher.store.sync import Syncer, pull, remote_has_run
 from launcher.store.sync import kinds as sync_kinds
 
 
 def _pull_if_remote_run(run: RunDir, recipe: Recipe) -> bool:
     """A fresh box with an empty output_dir: fetch the run from `sync.to` when it holds one."""
-    from launcher.errors import SyncError
-    from launcher.store.sync import pull, remote_has_run
-
     try:
         found = remote_has_run(recipe.sync.to)
     except SyncError as exc:
-        # A run that cannot reach its off-box copy must not start blind: it might overwrite nothing, or
-        # it might be the resume of a lost box whose checkpoints sit there.
+        # a run that cannot reach its off-box copy must not start blind: it may be a lost box's resume
         raise SyncError(
             f"cannot look for an earlier copy of this run at sync.to={recipe.sync.to}: {exc.message}",
             fix="check that the destination is reachable from this box (for SSH: `ssh HOST true` with "
@@ -42,8 +39,7 @@ def _pull_if_remote_run(run: RunDir, recipe: Recipe) -> bool:
     lock = RunLock(run).acquire()
     try:
         step = pull(recipe.sync.to, run, log=_say)
-        # The pids in the fetched state belong to the lost box.
-        data = RunSnapshot(run).state  # as the pull fetched it
+        data = RunSnapshot(run).state  # as fetched: its pids belong to the lost box
         if data:
             lost = ("supervisor_pid", "worker_pid", "supervisor_proc", "worker_proc", "launcher_proc")
             fetched = f"fetched from {recipe.sync.to}" + (f" at step {step}" if step is not None else "")
@@ -78,8 +74,6 @@ def pull_command(recipe_path: str, overrides: list[str]) -> int:
 
 def push_command(target: Optional[str]) -> int:
     """`ftrun push RUN`: copy the newest checkpoint, the final result and the metadata off the box now."""
-    from launcher.store.sync import Syncer
-
     run = resolve_run(target)
     recipe = load_recipe(run.recipe)
     if not recipe.sync.to:

@@ -1,7 +1,5 @@
-"""The task evaluation's base phase as the launcher runs it: the worker (launcher/worker/task_eval.py) as one process
-in the environment the smoke test's worker gets (worker/engines launch_env), before training; it writes
-RUN/task_eval.json.
-"""
+"""The task evaluation's base phase before training: launcher/worker/task_eval.py as one process, writing
+RUN/task_eval.json."""
 
 from __future__ import annotations
 
@@ -29,9 +27,7 @@ def run_worker(
     run: RunDir, plan: dict[str, Any], say: Callable[[str], None], own_session: bool = False
 ) -> tuple[int, str]:
     """Run the worker's base phase in the foreground, each of its lines through `say`; (exit code, its last line).
-    `own_session`: in a session of its own, as the detached run's worker and the smoke test's are (its answers'
-    speed is measured where the run's task evaluation will run: launcher/run/smoke.py start_worker says why), ending
-    with the launcher however it ends."""
+    `own_session`: as the detached run's worker (launcher/run/smoke.py start_worker)."""
     import signal
 
     from launcher.worker.engines import launch_env, with_death_signal
@@ -74,8 +70,7 @@ def settled(run: RunDir) -> bool:
 
 
 def training_began(run: RunDir, state: Optional[dict[str, Any]] = None) -> bool:
-    """The run has trained (a checkpoint, or a past move into `running`): the base model's moment has passed, and a
-    resume never scores it again. `state`: as the command read it (else read here)."""
+    """The run has trained (a checkpoint, or a past `running`): a resume never scores the base model again."""
     history = (RunSnapshot(run).state if state is None else state).get("history", [])
     return newest_step_unverified(run.checkpoints) is not None or any(h.get("state") == "running" for h in history)
 
@@ -88,8 +83,8 @@ def launch_baseline(
     state: Optional[dict] = None,
     own_session: bool = False,
 ) -> None:
-    """The launch's baseline before its smoke test (eval.task.baseline: run): the verdict, or one line saying why
-    there is none; it never stops the run. `own_session`: the run will be detached (run_worker)."""
+    """The launch's baseline before its smoke test (eval.task.baseline: run): the verdict, or why there is none;
+    never a stop."""
     task = recipe.eval.task
     if task.examples <= 0 or task.baseline != "run" or settled(run) or training_began(run, state):
         return

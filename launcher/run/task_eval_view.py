@@ -28,8 +28,7 @@ BASE_SCORES = (BASE_ZERO_SHOT, BASE_FEW_SHOT, PARENT_ZERO_SHOT, PARENT_FEW_SHOT)
 
 
 def task_label(name: str, shots: Optional[int], start: str = "base model") -> str:
-    """A row of the scores table: the base model (or the parent adapter) zero-shot, with its examples in the prompt,
-    fine-tuned, an export. `start`: what the "base" rows scored ("parent adapter" for a run with init_from)."""
+    """A row of the scores table; `start`: what the "base" rows scored ("parent adapter" for a run with init_from)."""
     if name in (BASE_ZERO_SHOT, PARENT_ZERO_SHOT):
         return f"{start}, zero-shot"
     if name in (BASE_FEW_SHOT, PARENT_FEW_SHOT):
@@ -98,8 +97,7 @@ def format_task_eval(t: dict[str, Any]) -> str:
     base, who = base_score(t)
     diff = difference(t)
     if diff is not None:
-        # the difference of the two percents shown, as a reader subtracts them (5% against 8%: -3, not -3.5 -> -4),
-        # and whether it is more than the n examples can tell apart
+        # the difference of the two percents shown, and whether the n examples can tell it apart
         pair = exact_pair(t)
         lines.append(
             f"  gain      fine-tuned {pct(scores[FINE_TUNED])} against {pct(base)} for the {who} ({noise_words(diff)})"

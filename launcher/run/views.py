@@ -1,7 +1,5 @@
 """The wording of what a user reads about a run: its status, the list of runs, the smoke test's report, why it ended.
-
-Composed here from facts (launcher/run/facts.py `run_status`, and those the supervisor stores), never where the event
-happens. Nothing here reads a file or imports torch.
+Composed from facts (launcher/run/facts.py, and those the supervisor stores); nothing here reads a file.
 """
 
 from __future__ import annotations
@@ -61,8 +59,7 @@ def format_status(s: dict[str, Any], ending_follows: bool = False) -> str:
     if s.get("margin") is not None or s.get("eval_margin") is not None:
         # a preference objective: reward margin chosen - rejected, and the share of pairs the model ranks right
         parts = []
-        # KTO's unpaired answers: the margin is the desirable answers' mean reward minus the undesirable ones', no
-        # pair is ranked (no accuracy), and the KL estimate its loss is measured against is logged instead
+        # KTO's unpaired answers: the margin is desirable minus undesirable, no accuracy, its KL estimate instead
         unpaired = s.get("kl") is not None and s.get("accuracy") is None
         if s.get("margin") is not None:
             parts.append(
@@ -173,9 +170,7 @@ def format_status(s: dict[str, Any], ending_follows: bool = False) -> str:
             + f" at {s['sync_to']}"
             + (f"   last error: {s['sync_error']}" if s.get("sync_error") else "")
         )
-        if s.get(
-            "sync_backoff"
-        ):  # the destination asked to wait (a 429 or 5xx): launcher/store/sync/transfer.py backoff_fields
+        if s.get("sync_backoff"):  # the destination asked to wait: store/sync/transfer.py backoff_fields
             lines.append(f"  waiting for {s['sync_to']}: {s['sync_backoff']}")
     # the end summary printed after it (ending_follows) says why a run ended other than by succeeding: not twice
     if s.get("reason") and s["state"] not in ("running",) and not (ending_follows and _summary_says_reason(s)):
@@ -220,8 +215,7 @@ REWARD_SIGNAL_FIX = (
 
 
 def reward_warnings(flat: list[dict[str, Any]], no_variance: Optional[dict[str, Any]]) -> list[str]:
-    """GRPO: each reward that stopped varying, named (launcher/run/facts.py reward_facts), and the prompts' answers
-    that all scored the same: the status and the end summary say them."""
+    """GRPO: each reward that stopped varying (facts.reward_facts), and prompts whose answers all scored the same."""
     lines = []
     for f in flat:
         value = "no answer scored" if f.get("value") is None else f"{f['value']:.3f}"
@@ -256,8 +250,7 @@ def reward_warnings(flat: list[dict[str, Any]], no_variance: Optional[dict[str, 
 
 
 def nothing_learned_reason(f: dict[str, Any]) -> str:
-    """Why a GRPO run that trained to its end failed: its rewards never varied, so it learned nothing (the supervisor's
-    facts, state.json "ending"); not a failed save, and not for a resume."""
+    """Why a GRPO run that trained to its end failed: its rewards never varied (state.json "ending")."""
     scored = ", ".join(
         f"{r['name']} {'scored no answer' if r['mean'] is None else format(r['mean'], '.3f')}" for r in f["rewards"]
     )
@@ -297,8 +290,7 @@ def format_smoke(report: dict[str, Any]) -> str:
     split = ", ".join(f"{name} {format_duration(sec)}" for name, sec in parts if sec and sec >= 0.5)
     return (
         f"smoke test: {report['measured_steps']} measured steps, {report['tokens_per_second']:,.0f} tokens/s"
-        f"{_mfu(report.get('mfu'))}, "
-        f"peak memory {report['peak_memory_gb']:.2f} GB ({report['device']})"
+        f"{_mfu(report.get('mfu'))}, peak memory {report['peak_memory_gb']:.2f} GB ({report['device']})"
         + (
             f", answers generated at {report['generation_tokens_per_second']:,.0f} tokens/s (a batch of "
             f"{report['generation_prompts']} task prompts)"
@@ -329,8 +321,7 @@ def format_smoke(report: dict[str, Any]) -> str:
 
 
 def load_note(report: dict[str, Any]) -> Optional[str]:
-    """Where other processes kept the CPU box's cores busy while the smoke test measured (smoke.json load_average
-    above cpu_cores): its steps' time, and so the forecast, holds only while the load stays as it was."""
+    """Where other processes kept the CPU box's cores busy while the smoke test measured (load above the cores)."""
     load, cores = report.get("load_average"), report.get("cpu_cores")
     if load is None or not cores or load <= cores:
         return None
@@ -342,8 +333,8 @@ def load_note(report: dict[str, Any]) -> Optional[str]:
 
 
 def memory_note(report: dict[str, Any]) -> Optional[str]:
-    """The smoke test's warning where its peak understates the full run's (smoke.py memory_growth); a smoke.json
-    written before 2026-12-02 carries the note's text itself."""
+    """The smoke test's warning where its peak understates the full run's (smoke.py memory_growth); an older
+    smoke.json carries the note's text itself."""
     growth = report.get("memory_growth")
     if growth and growth.get("cause") == "bitsandbytes-cpu-qlora":
         return (
@@ -404,8 +395,8 @@ def ending_reason(e: dict[str, Any]) -> str:
 
 
 def preference_accuracy(accuracy: Optional[float], margin: Optional[float]) -> str:
-    """The share of held-out pairs ranked right; every pair tied (margin 0: the policy is still its reference, as at
-    step 0) is said as ties, not 0.00: trl 1.16 dpo_trainer.py counts a pair right only when chosen > rejected."""
+    """The share of held-out pairs ranked right; all tied (margin 0) said as ties, not 0.00 (trl 1.16 dpo_trainer.py
+    counts a pair right only when chosen > rejected)."""
     if not accuracy and margin is not None and abs(margin) < 1e-9:
         return "tied (margin 0: the policy is its reference)"
     return f"{accuracy or 0:.2f}"
@@ -475,8 +466,7 @@ def _short_seconds(seconds: Optional[float]) -> str:
 
 
 def rank_end_text(e: dict[str, Any]) -> str:
-    """How one attempt of a run ended, from the supervisor's facts (state.json "last_end"; launcher/run/rank_ends.py,
-    launcher/run/watchdog.py): which rank, how, at which step."""
+    """How one attempt of a run ended (state.json "last_end"): which rank, how, at which step."""
     from launcher.store.heartbeat_files import PHASES
 
     who = f"rank {e['rank']}" if e.get("rank") is not None and e.get("world", 2) > 1 else "the worker"
@@ -515,8 +505,7 @@ def restarted_reason(e: dict[str, Any], used: int, limit: int, delay: float) -> 
 
 
 def _undone_words(fact: dict[str, Any]) -> tuple[str, str]:
-    """(what the run trains with now, what the plan had chosen) for an out of memory mid-run that undid the plan's
-    setting (launcher/run/oom_restart.py)."""
+    """(what the run trains with now, what the plan had chosen) after oom_restart.py undid the plan's setting."""
     now, was = fact["set"], fact["from"]
     if "gradient_checkpointing" in now:
         return "activation checkpointing on", "checkpointing off"
@@ -571,8 +560,7 @@ def restart_budget_reason(e: dict[str, Any], used: int, limit: int) -> str:
 
 
 def ranks_left_reason(e: dict[str, Any], left: list[dict[str, Any]], waited_s: float) -> str:
-    """Why a run stopped instead of restarting: processes of the ended attempt outlived it (supervisor.py
-    _ranks_left: pid, process state, and RANK, LOCAL_RANK, CUDA_VISIBLE_DEVICES, GPU where readable)."""
+    """Why a run stopped instead of restarting: processes of the ended attempt outlived it (rank_processes.py)."""
 
     def one(r: dict[str, Any]) -> str:
         said = [f"rank {r['rank']}"] if r.get("rank") is not None else []

@@ -1,8 +1,5 @@
-"""The supervisor's progress watchdog: which rank has been silent past its phase's deadline, from the heartbeats.
-
-Every rank replaces its heartbeat file as it works (launcher/worker/heartbeat.py); a rank that stops making progress
-(a hung GPU, a stuck collective, a stopped process) goes silent, and its peers go silent with it at their next
-collective. The deadlines are launcher/plan/deadlines.py's.
+"""The supervisor's progress watchdog: which rank has been silent past its deadline (launcher/plan/deadlines.py),
+from the heartbeats (launcher/worker/heartbeat.py); a stuck rank's peers go silent with it at their next collective.
 """
 
 from __future__ import annotations
@@ -31,14 +28,10 @@ def silent_rank(
     floor: float,
     process_state: Callable[[int], Optional[str]] = lambda pid: None,
 ) -> Optional[dict[str, Any]]:
-    """The facts of the rank to blame when any rank is silent past its deadline, else None.
-
-    A rank without a heartbeat yet counts as starting since the launch. When one rank is overdue, every rank
-    silent for over half its own deadline is a suspect (a peer waiting in a collective goes silent too); the one
-    blamed is a stopped or stuck process first, then the one at the lowest step, then the longest silent.
-    "behind" lists the ranks that explain it: the stuck ones, else those at the lowest step. During an NCCL or GPU
-    hang every rank blocks at the next collective at the same step, and the heartbeats (at most every
-    HEARTBEAT_SECONDS) cannot tell who blocked first: "all_silent" says so, rather than naming one rank at random."""
+    """The facts of the rank to blame when any rank is silent past its deadline, else None. Once one is overdue,
+    every rank silent over half its deadline is a suspect; blamed: a stuck process first, then the lowest step, then
+    the longest silent. "behind": the stuck ones, else those at the lowest step; "all_silent": every rank blocked at
+    the same step (an NCCL or GPU hang), where the heartbeats cannot tell who blocked first."""
     suspects, overdue, watched = [], False, 0
     for rank in ranks:
         beat = beats.get(rank) or {}

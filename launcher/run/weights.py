@@ -1,11 +1,9 @@
 """The base model's files on this box before any GPU time: a local folder, the Hugging Face cache, or a download
 from the Hub with its size, progress and speed; a clear error when none of these can be had.
 
-Everything goes through huggingface_hub's own functions (the installed 2.3.0's `_snapshot_download.py`,
-`hf_api.py`): `snapshot_download(local_files_only=True)` finds a complete cached snapshot (it checks the cached
-file listing, so an interrupted download does not count), `HfApi.auth_check` tells a missing repository from a
-gated one without downloading, `HfApi.model_info(files_metadata=True)` gives the sizes, and `snapshot_download`
-downloads into the same cache the worker's `from_pretrained` reads.
+Through huggingface_hub 2.3.0's own functions (`_snapshot_download.py`, `hf_api.py`): snapshot_download
+(local_files_only=True) finds a complete cached snapshot, HfApi.auth_check tells a missing repository from a gated one,
+model_info(files_metadata=True) gives the sizes, snapshot_download fills the cache from_pretrained reads.
 """
 
 from __future__ import annotations
@@ -19,8 +17,7 @@ from typing import Any, Callable, Optional
 
 from launcher.errors import ModelError
 
-# What from_pretrained reads for a causal LM and its tokenizer; not the original/*.pth checkpoints, ONNX or GGUF
-# copies some repositories carry beside the safetensors (the weights twice or thrice over).
+# What from_pretrained reads for a causal LM and its tokenizer; not the weights' other copies (original/, ONNX, GGUF)
 ALLOW = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja", "*.py"]
 IGNORE = ["original/*", "*/original/*", "onnx/*", "*.gguf"]
 PYTORCH_BIN = "*.bin"  # only for repositories without safetensors
@@ -59,8 +56,7 @@ def cached(model: str) -> Optional[str]:
         )
     except LocalEntryNotFoundError:  # not cached, or cached in part (IncompleteSnapshotError is a subclass)
         return None
-    # snapshot_download knows a snapshot is partial only from a cached file listing; files fetched one by one
-    # (the tokenizer before the data check, fetch_tokenizer) leave none, so the weights are looked for too
+    # files fetched one by one (fetch_tokenizer) leave no cached listing to tell a partial snapshot: weights looked for
     return path if _has_weights(Path(path)) else None
 
 
@@ -84,9 +80,8 @@ def _unavailable(model: str, why: str, fix: str) -> ModelError:
 
 
 def check(model: str) -> dict[str, Any]:
-    """Can the worker load this model? Answers before the run directory is touched, so a failure here leaves
-    nothing behind and the same command, once fixed, starts cleanly. Returns {"source": local|cache|hub, ...}
-    with the bytes to download for the Hub; raises ModelError (exit 2) with the reason and the fix."""
+    """Can the worker load this model? Asked before the run directory is touched. Returns {"source":
+    local|cache|hub, ...} with the bytes to download for the Hub; raises ModelError (exit 2) otherwise."""
     if not is_hub_id(model):
         return {"source": "local", "path": model}
     path = cached(model)
@@ -166,11 +161,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 
 def fetch_tokenizer(model: str, found: dict[str, Any]) -> Optional[str]:
-    """A Hub model's tokenizer files into the cache before the data check, so that the token counts and the check
-    that the chat template renders tool calls and reasoning use the real template on a model's first run too
-    (the weights come later, in `fetch`). hf_hub_download of the main branch, as `fetch` downloads it: a download
-    by commit hash would write no refs/main, and try_to_load_from_cache (launcher/plan/models.py) would not find it.
-    Returns what to tell the user when the files could not be had, else None."""
+    """A Hub model's tokenizer files into the cache before the data check, so that it uses the real chat template on
+    a first run too. The main branch, as `fetch`: by commit hash no refs/main is written, which
+    try_to_load_from_cache (launcher/plan/models.py) needs. Returns what to tell the user on failure, else None."""
     if found.get("source") != "hub" or not found.get("tokenizer_files"):
         return None
     from huggingface_hub import hf_hub_download
@@ -197,8 +190,7 @@ def _wanted(files: list[tuple[str, int]]) -> list[tuple[str, int]]:
 
 
 class _Meter:
-    """Bytes written by snapshot_download, reported as lines (size, share, speed, time left) at most every
-    `every` seconds and at the end; the terminal keeps huggingface_hub's own bar."""
+    """Bytes written by snapshot_download, reported as lines at most every `every` seconds and at the end."""
 
     def __init__(self, model: str, total: int, say: Callable[[str], None], every: float):
         self.model, self.total, self.say, self.every = model, total, say, every
@@ -223,9 +215,8 @@ class _Meter:
 
 
 def _bar_class(meter: _Meter, on_terminal: bool):
-    """A tqdm for snapshot_download's tqdm_class: its bars draw on a terminal only (no carriage-return redraws in
-    a log), and the byte bars feed the meter. snapshot_download 2.3.0 makes two byte bars (unit "B": the bytes
-    written, and for Xet the bytes transferred) and one bar of files; the meter counts the written bytes."""
+    """A tqdm for snapshot_download's tqdm_class: it draws on a terminal only, and the bar of written bytes feeds
+    the meter (snapshot_download 2.3.0 also makes a "Downloading" byte bar for Xet and a bar of files)."""
     from tqdm.auto import tqdm
 
     class Bar(tqdm):
@@ -243,8 +234,7 @@ def _bar_class(meter: _Meter, on_terminal: bool):
 
 
 def fetch(model: str, found: dict[str, Any], say: Callable[[str], None], every: float = 5.0) -> dict[str, Any]:
-    """The model into the Hugging Face cache (nothing to do for a local folder or a cached snapshot). Returns
-    what smoke.json records: the source, the bytes and the seconds the download took."""
+    """The model into the Hugging Face cache; returns what smoke.json records (source, bytes, seconds)."""
     if found["source"] != "hub":
         return {"model_source": found["source"], "download_bytes": 0, "download_seconds": 0.0}
     from huggingface_hub import snapshot_download

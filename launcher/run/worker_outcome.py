@@ -22,27 +22,20 @@ def _worker_fact(run: RunDir, key: str) -> Any:
 
 
 def _forget_worker_outcome(run: RunDir) -> None:
-    """Before each attempt: the last attempt's error and exit code must not speak for a worker that dies before
-    it writes its own worker.json (a crash would otherwise be read as the previous out of memory, not restarted)."""
+    """Before each attempt: the last attempt's outcome must not speak for a worker that dies before writing its own."""
     if not run.worker.is_file():
         return
     from launcher.store.checkpoint import atomic_write_json
 
-    info = json.loads(run.worker.read_text())
-    if {"exit_code", "error", "stopped_after_training", "out_of_memory"} & set(info):
-        for key in ("exit_code", "error", "stopped_after_training", "out_of_memory"):
-            info.pop(key, None)
-        atomic_write_json(run.worker, info)
+    info, keys = json.loads(run.worker.read_text()), ("exit_code", "error", "stopped_after_training", "out_of_memory")
+    if set(keys) & set(info):
+        atomic_write_json(run.worker, {k: v for k, v in info.items() if k not in keys})
 
 
 def _worker_exit_code(run: RunDir) -> Optional[int]:
     """The exit code a rank recorded in worker.json with its error (exits._record_error), if any."""
-    if not run.worker.is_file():
-        return None
-    return json.loads(run.worker.read_text()).get("exit_code")
+    return _worker_fact(run, "exit_code")
 
 
 def _worker_error(run: RunDir) -> Optional[str]:
-    if not run.worker.is_file():
-        return None
-    return json.loads(run.worker.read_text()).get("error")
+    return _worker_fact(run, "error")
