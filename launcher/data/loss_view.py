@@ -1,11 +1,8 @@
-"""What the loss sees: each example tokenized and masked as the trainer does it, with the trained tokens marked,
-and the checks that refuse data which would train nothing, never teach the model to stop, or lose its answers to
-max_length, before any GPU time.
+"""What the loss sees: each example tokenized and masked as the trainer does it, and the checks that refuse data
+which would train nothing, never teach the model to stop, or lose its answers to max_length, before any GPU time.
 
-The tokens and labels follow trl 1.16.0 `SFTTrainer._prepare_dataset` (trl/trainer/sft_trainer.py) step by step, and
-its collator, without torch (`ftrun plan` stays light): the tokenizer as transformers reads it
-(launcher/data/tokenizer.py) and jinja2. tests/data/test_loss_view.py holds it token for token to TRL's own prepared
-dataset on each chat template family, so a TRL or transformers upgrade that masks differently fails there.
+Follows trl 1.16.0 `SFTTrainer._prepare_dataset` (trl/trainer/sft_trainer.py) and its collator without torch;
+tests/data/test_loss_view.py holds it token for token to TRL's own prepared dataset on each chat template family.
 """
 
 from __future__ import annotations
@@ -19,16 +16,12 @@ from typing import Any, Optional
 from launcher.data import formats
 from launcher.errors import DataError
 
-# Examples whose labels keep no token at all (TRL 1.16 drops them silently after truncation): up to this share
-# passes with a note (a few over-long prompts), above it the data check refuses. Such a share of empty examples
-# means the masking or max_length removes what the data was meant to teach, not a stray record.
+# Examples whose labels keep no token (TRL 1.16 drops them silently): above this share the data check refuses.
 EMPTY_SHARE_LIMIT = 0.01
-# Examples whose trained part max_length cuts (the answer loses its end, and its end-of-turn token): up to this
-# share passes (max_length at the data's 95th percentile is a usual way to keep the long tail out of memory; the
-# test data's max_length 256 cuts 3.8%), above it, one answer in twenty or more trains without its end, and the
-# data check refuses and names the length that keeps them. The default of the recipe's max_length_may_cut.
+# Examples whose trained part max_length cuts: above this share the data check refuses (max_length at the data's
+# p95 is usual; the test data's max_length 256 cuts 3.8%). The default of the recipe's max_length_may_cut.
 CUT_SHARE_LIMIT = 0.05
-# The example shown: at most this many characters of it, the middle elided (the demo and `ftrun plan` stay compact).
+# The example shown: at most this many characters, the middle elided.
 SHOWN_CHARS = 900
 PROBE_QUESTION, PROBE_ANSWER = "ftrun probe question", "ftrun probe answer"
 OPEN, CLOSE = "[[", "]]"  # a trained span, as plain text (a pipe, data_example.txt)
@@ -110,8 +103,8 @@ class LossView:
         self.eot = self._end_of_turn()
 
     def _training_template(self, template: str) -> str:
-        """TRL swaps in its training template (with {% generation %} markers) for assistant_only_loss when the
-        model's has none, for the templates it knows (an exact match, get_training_chat_template); else it fails."""
+        """TRL's training template for assistant_only_loss where the model's has no {% generation %} markers
+        (get_training_chat_template: an exact match); else a DataError."""
         if not self.settings.assistant_only_loss or "generation" in _statements(template):
             return template
         folder = _trl_templates()
@@ -128,8 +121,7 @@ class LossView:
         )
 
     def _end_of_turn(self) -> Optional[str]:
-        """The token that ends an assistant turn: the first special token the template writes after an answer's
-        text (<|im_end|>, <|eot_id|>, <end_of_turn>, </s>); without a template, the EOS TRL appends."""
+        """The first special token the template writes after an answer (<|im_end|>, ...); else the EOS TRL appends."""
         if self.compiled is None:
             return self.eos
         for messages in (
@@ -218,8 +210,8 @@ class LossView:
         return marked
 
     def _completion_mask(self, prompt_ids: list[int], ids: list[int]) -> list[list[int]]:
-        """prompt/completion: trained from where the prompt alone and the whole example diverge (common_prefix_length);
-        applied when completion_only_loss is on (None: on, for prompt/completion data)."""
+        """Trained from where the prompt alone and the whole example diverge (common_prefix_length), unless
+        completion_only_loss is false."""
         if self.settings.completion_only_loss is False:
             return []
         n = 0
@@ -228,9 +220,8 @@ class LossView:
         return [[0] * n + [1] * (len(ids) - n)]
 
     def _pieces(self, text: str, ids: list[int], offsets: list[tuple[int, int]]) -> list[str]:
-        """Each token's text: its characters in the rendered text, so the pieces read as the text; a token with no
-        characters of its own (a BOS the tokenizer adds, a byte of a character another token also covers) shows its
-        own form only when it is special."""
+        """Each token's characters in the rendered text; a token with none of its own (an added BOS, a byte of a
+        shared character) shows its own form only when it is special."""
         pieces, seen = [], offsets[0][0] if offsets else 0
         for tid, (start, end) in zip(ids, offsets):
             if end <= seen or start == end:
@@ -241,9 +232,8 @@ class LossView:
         return pieces
 
     def _run_ends(self, example: dict[str, Any], m: Marked) -> list[int]:
-        """The trained runs that must end a turn, each as the index of its last non-blank token: every run where
-        only assistant turns or completions train; the last run where the whole conversation trains and it ends
-        with the assistant."""
+        """The index of the last non-blank token of each trained run that must end a turn: every run where only
+        answers train; else the last, where the conversation ends with the assistant."""
         runs, start = [], None
         for i, t in enumerate(m.trained + [False]):
             if t and start is None:
@@ -259,13 +249,8 @@ class LossView:
             if msgs is not None and msgs[-1].get("role") != "assistant":
                 return []
             runs = runs[-1:]
-        ends = []
-        for a, b in runs:
-            last = next(
-                (i for i in range(b - 1, a - 1, -1) if m.pieces[i].strip() or m.ids[i] in self.added_ids), b - 1
-            )
-            ends.append(last)
-        return ends
+        blank = [not (p.strip() or i in self.added_ids) for p, i in zip(m.pieces, m.ids)]
+        return [next((i for i in range(b - 1, a - 1, -1) if not blank[i]), b - 1) for a, b in runs]
 
 
 def _statements(template: str) -> set[str]:
@@ -285,8 +270,8 @@ def _trl_templates() -> Optional[Path]:
 
 
 def _assistant_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
-    """transformers 5.24 apply_chat_template(return_assistant_tokens_mask=True): every token overlapping a
-    {% generation %} block's characters."""
+    """Every token overlapping a {% generation %} block's characters (transformers 5.24 apply_chat_template,
+    return_assistant_tokens_mask=True)."""
     mask = [0] * len(offsets)
     k = 0
     for i, (start, end) in enumerate(offsets):
@@ -299,18 +284,14 @@ def _assistant_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]
     return mask
 
 
-# The check of every example, and the record a run keeps (data.json "loss_view", data_example.txt)
-
-
 def percentile(values: list[int], q: float) -> int:
     """The nearest-rank percentile: the smallest value with at least q% of the values at or below it."""
     ordered = sorted(values)
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)] if ordered else 0
 
 
-# What the loss trains when the recipe leaves assistant_only_loss out: the answers, as the tools users come from train
-# by default (LLaMA-Factory train_on_prompt: false, Axolotl train_on_inputs: false, Unsloth's
-# train_on_responses_only), where the chat template can mark them; else the whole conversation, and the plan says why.
+# Where the recipe leaves assistant_only_loss out, the answers train when the template can mark them (as
+# LLaMA-Factory, Axolotl and Unsloth default to); else the whole conversation, and the plan says why.
 ANSWERS_ONLY_WHY = (
     "the default where the chat template marks the answers, as LLaMA-Factory (train_on_prompt: false) and Axolotl "
     "(train_on_inputs: false) train; assistant_only_loss: false trains the whole conversation"
@@ -320,10 +301,8 @@ ANSWERS_ONLY_WHY = (
 def resolve_answers_only(
     model: str, settings: Settings, examples: list[Any], where: Optional[list[str]] = None
 ) -> tuple[Settings, str]:
-    """The settings with assistant_only_loss left out (None) resolved, and why: on for chat data (messages) whose
-    template marks the answers ({% generation %} blocks, or TRL's training template for it) with the end-of-turn
-    token inside them; off otherwise (prompt/completion data train the completion only, plain text every token,
-    without assistant_only_loss), with the reason."""
+    """The settings with a left-out assistant_only_loss resolved, and why: on for chat data whose template marks
+    the answers with the end-of-turn token inside them; off otherwise."""
     if settings.assistant_only_loss:
         plain = next((e for e in examples if isinstance(e, dict) and not formats.conversational(e)), None)
         if plain is not None:  # trl 1.16 SFTTrainer.__init__ raises on it, after the model has loaded
@@ -377,9 +356,8 @@ def resolve_answers_only(
 
 
 def _swapped_template_differs(view: LossView, chat: list[dict[str, Any]]) -> Optional[int]:
-    """The index of the first conversation that TRL's training template (swapped in for answers-only loss) renders
-    otherwise than the model's own template, or None: trl 1.16's qwen3_training.jinja writes the thinking block into
-    every assistant turn where Qwen3's own keeps it for the last (trl/chat_templates/README.md)."""
+    """The index of the first conversation that TRL's swapped-in training template renders otherwise than the
+    model's own, or None (trl 1.16 qwen3_training.jinja: thinking in every turn; trl/chat_templates/README.md)."""
     from launcher.data.dataset import _template_env
 
     own = _template_env().from_string(view.template_source)
@@ -403,11 +381,10 @@ def check(
     origin: Optional[list[int]] = None,
     sources: Optional[list[str]] = None,
 ) -> Optional[dict[str, Any]]:
-    """Every example marked; a DataError (the example that shows it, its place, the fix) when too many train
-    nothing, when a trained turn does not end with the end-of-turn token, or when max_length cuts too many
-    answers. Returns the record the run keeps (one marked example per source, the statistics, and
-    `assistant_only_loss` as resolved where the recipe left it out), or None when the model's tokenizer is not on
-    this machine."""
+    """Every example marked; a DataError when too many train nothing, a trained turn does not end with the
+    end-of-turn token, or max_length cuts too many answers. Returns the record the run keeps (data.json
+    "loss_view": an example per source, the statistics, the resolved assistant_only_loss), or None without the
+    model's tokenizer on this machine."""
     settings, why = resolve_answers_only(model, settings, examples, where)
     try:
         view = LossView(model, settings)
@@ -440,9 +417,7 @@ def check(
     trained = sum(sum(m.trained) for m in marks)
     shown = []
     for k in sorted(set(origin)):
-        i = next((j for j in range(n) if origin[j] == k and not marks[j].empty), None)
-        if i is None:
-            i = origin.index(k)
+        i = next((j for j in range(n) if origin[j] == k and not marks[j].empty), origin.index(k))
         shown.append(
             {
                 "where": where[i],
@@ -566,8 +541,7 @@ def _refuse_cut(view: LossView, where, marks: list[Marked], texts: bool = False)
     i = bad[0]
     kept, total = sum(len(m.ids) for m in marks), sum(lengths)
     if texts:
-        # plain text: every token is trained, and a document cut at max_length loses its rest; packing with splitting
-        # keeps it (trl 1.16 data_utils.py pack_dataset "bfd_split": the overflow is requeued as its own piece)
+        # packing with splitting keeps a cut document's rest (trl 1.16 data_utils.py pack_dataset "bfd_split")
         raise DataError(
             f"{where[i]}: max_length {s.max_length} cuts {len(bad)} of {len(marks)} documents "
             f"({len(bad) / len(marks):.1%}, more than max_length_may_cut={s.may_cut:g} allows); this one has "
@@ -593,8 +567,8 @@ TRAINED_STYLE, CONTEXT_STYLE, RESET = "\x1b[1;32m", "\x1b[2m", "\x1b[0m"
 
 
 def render_segments(segments, color: bool = False, limit: Optional[int] = SHOWN_CHARS) -> str:
-    """[(text, trained), ...] as one text: trained spans in [[...]] (or bold green on a terminal, the rest dim);
-    longer than `limit` characters, the middle is elided."""
+    """[(text, trained), ...] as one text: trained spans in [[...]] (bold green on a terminal); the middle elided
+    beyond `limit` characters."""
     segments = [(str(t), bool(tr)) for t, tr in segments]
     total = sum(len(t) for t, _ in segments)
     if limit and total > limit:
