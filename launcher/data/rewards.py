@@ -3,7 +3,7 @@ refuses one at plan time.
 
 How TRL calls a reward: docs/engines.md, "GRPO (issue 45)" (trl 1.16 grpo_trainer.py `_calculate_rewards`); the
 columns are `reference` and every other column of the data's records. A metric reward scores with the task
-evaluation's own scorer (task_metrics.py). A function is FILE.py:NAME or MODULE:NAME (`trl.rewards:think_format_reward`).
+evaluation's own scorer (task_metrics.py). A function is FILE.py:NAME or MODULE:NAME (trl.rewards:NAME).
 
 Every reward is probed before any GPU time (`refusals`, reward_probe.py) on a few prompts answered right, wrong and
 empty, in several forms. Refused: a function that cannot be loaded, takes a column the data lacks, raises, returns the

@@ -9,6 +9,7 @@ neither torch nor a GPU; numpy reads the tensor bytes to find inf/NaN.
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 from dataclasses import dataclass, field
@@ -26,27 +27,10 @@ MODEL_WEIGHTS = "model.safetensors"
 MODEL_INDEX = "model.safetensors.index.json"
 
 # Bytes per element of the safetensors dtypes; packed 4-bit types are left out of the size check.
-_ITEMSIZE = {
-    "F64": 8,
-    "F32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U64": 8,
-    "U32": 4,
-    "U16": 2,
-    "U8": 1,
-    "BOOL": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "F8_E8M0": 1,
-}
-# A float is inf or NaN exactly when its exponent bits are all ones: (unsigned view, mask). Read this way,
-# bf16 needs no float conversion (numpy has no bf16). F8_E4M3 ("fn") has no inf; its NaN is every bit but the
-# sign set.
+_ITEMSIZE = {f"{t}{bits}": bits // 8 for t in "IU" for bits in (8, 16, 32, 64)}
+_ITEMSIZE.update({"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1})
+# A float is inf or NaN exactly when its exponent bits are all ones: (unsigned view, mask), so bf16 needs no numpy
+# float type. F8_E4M3 ("fn") has no inf; its NaN is every bit but the sign set.
 _NON_FINITE = {
     "F64": ("<u8", 0x7FF0000000000000),
     "F32": ("<u4", 0x7F800000),
@@ -109,9 +93,7 @@ def read_header(file: Path) -> dict[str, dict[str, Any]]:
             shape = [int(d) for d in t["shape"]]
         except (KeyError, TypeError, ValueError):
             raise ArtifactError(f"{file.name}: tensor {name} has no valid dtype/shape/data_offsets") from None
-        numel = 1
-        for d in shape:
-            numel *= d
+        numel = math.prod(shape)
         item = _ITEMSIZE.get(t.get("dtype"))
         if item is not None and stop - begin != numel * item:
             raise ArtifactError(
@@ -179,23 +161,19 @@ def _all_zero(file: Path, header: dict[str, dict[str, Any]], names: list[str]) -
 def base_weights(model: str) -> Optional[dict[str, list[int]]]:
     """{name: shape} of the base model's safetensors (a local folder or the Hugging Face cache), else None."""
     files: list[Path] = []
-
-    def local(name: str) -> Optional[Path]:
-        return local_file(model, name)
-
-    index = local(MODEL_INDEX)
+    index = local_file(model, MODEL_INDEX)
     if index is not None:
         try:
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (ValueError, KeyError, OSError):
             return None
         for shard in shards:
-            p = local(shard)
+            p = local_file(model, shard)
             if p is None:
                 return None
             files.append(p)
     else:
-        single = local(MODEL_WEIGHTS)
+        single = local_file(model, MODEL_WEIGHTS)
         if single is None:
             return None
         files.append(single)
@@ -210,25 +188,22 @@ def base_weights(model: str) -> Optional[dict[str, list[int]]]:
 
 _LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 _PEFT_PREFIX = "base_model.model."
-# MoE experts fused into one parameter (transformers 5) are not Linear modules: PEFT adapts none of them even
-# when the checkpoint names them with a target's name (mlp.experts.0.gate_proj.weight).
+# MoE experts fused into one parameter (transformers 5) are not Linear modules: PEFT adapts none of them.
 _EXPERTS = re.compile(r"\.experts\.")
 
 
 def _matches(module: str, targets: Union[str, list[str]]) -> bool:
-    # PEFT's rule for a list of names: the module's name is a target or ends with "." + a target; a string is a
-    # regular expression the whole name must match (peft 0.21 tuners_utils.py check_target_module_exists:
-    # re.fullmatch), as a vision-language model's adapter names the language model's layers (worker/loading.py)
+    # PEFT's rule (peft 0.21 tuners_utils.py check_target_module_exists): a list names a module or its last parts;
+    # a string is a regular expression the whole name must match (a vision-language model's, worker/loading.py)
     if isinstance(targets, str):
         name = module[len(_PEFT_PREFIX) :] if module.startswith(_PEFT_PREFIX) else module
         return re.fullmatch(targets, name) is not None
     return any(module == t or module.endswith("." + t) for t in targets)
 
 
-# A vision-language checkpoint's weight names as transformers loads them, where PEFT's names come from: transformers
-# 5.24 conversion_mapping.py "Qwen2VLForConditionalGeneration" (Qwen2.5-VL's files keep `model.layers.N` and
-# `visual.`; the loaded model has `model.language_model.layers.N` and `model.visual.`). Applied only to an adapter
-# whose targets are a regular expression, as the worker writes them for a vision-language model alone.
+# A vision-language checkpoint's weight names as transformers loads them, where PEFT's names come from (transformers
+# 5.24 conversion_mapping.py "Qwen2VLForConditionalGeneration"); applied only to an adapter whose targets are a
+# regular expression, as the worker writes them for a vision-language model alone.
 _LOADED_NAMES = ((r"^visual", "model.visual"), (r"^model(?!\.(language_model|visual))", "model.language_model"))
 
 
