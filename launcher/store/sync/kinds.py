@@ -34,18 +34,8 @@ class Kind:
 
 # The fsspec protocols ftrun copies to: filesystems and object stores that take writes and keep them (not http(s),
 # read-only in fsspec, nor memory://, gone with the process). Each needs its fsspec backend installed.
-FSSPEC_PROTOCOLS = {
-    "file": None,
-    "local": None,
-    "s3": "s3fs",
-    "s3a": "s3fs",
-    "gs": "gcsfs",
-    "gcs": "gcsfs",
-    "az": "adlfs",
-    "abfs": "adlfs",
-    "abfss": "adlfs",
-    "sftp": "paramiko",
-}
+FSSPEC_PROTOCOLS = {"file": None, "local": None, "s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}
+FSSPEC_PROTOCOLS.update(az="adlfs", abfs="adlfs", abfss="adlfs", sftp="paramiko")
 BUCKETS = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")
 
 
@@ -133,9 +123,8 @@ def kind_of(url: str) -> Kind:
 
 
 def problem(url: str) -> Optional[str]:
-    """What is wrong with a sync.to value before anything is copied (no network): a form no kind takes, a
-    protocol ftrun does not copy to, no bucket, repo or folder named, a backend not installed. None when it
-    looks usable; credentials and reachability are checked when the run opens the destination."""
+    """What is wrong with a sync.to value before anything is copied (no network), or None; credentials and
+    reachability are checked when the run opens the destination."""
     for kind in KINDS:
         if kind.matches(url):
             return kind.problem(url)

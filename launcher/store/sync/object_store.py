@@ -1,6 +1,5 @@
-"""Copies through fsspec (sync.to: every protocol in launcher/store/sync/kinds.py FSSPEC_PROTOCOLS: s3://, gs://,
-az://, sftp://, file:///path, /abs/path): object stores prove each copy by their own checksums, other stores are
-read back."""
+"""Copies through fsspec (sync.to: kinds.py FSSPEC_PROTOCOLS): object stores prove each copy by their own
+checksums, other stores are read back."""
 
 from __future__ import annotations
 
@@ -14,14 +13,8 @@ from launcher.store.sync.base import Destination
 
 
 class FsspecDestination(Destination):
-    """fsspec: s3:// (s3fs), gs:// (gcsfs), a local or mounted path, any other fsspec URL.
-
-    Each copy is proven by what the store offers, without reading it back (docs/sync.md, "S3 and gs://"):
-    S3 gets every object with its SHA-256 (x-amz-checksum-sha256; a multipart upload one per part), checks
-    it on receipt, keeps it and returns it to a HEAD; GCS computes each object's MD5 on receipt (md5Hash),
-    which gcsfs checks after the upload and a metadata request returns later. A store that returns neither
-    (an S3-compatible one without checksums, a local or mounted path) is read back and hashed.
-    """
+    """fsspec: s3:// (s3fs), gs:// (gcsfs), a local or mounted path, any other fsspec URL. Each copy is proven by
+    the store's own checksum (S3's SHA-256, GCS's MD5: docs/sync.md, "S3 and gs://"), else read back and hashed."""
 
     part_bytes: Optional[int] = None  # multipart upload part size; None: s3_part_bytes
 
@@ -53,18 +46,16 @@ class FsspecDestination(Destination):
             return
         self.fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
         if self.store == "gs":
-            # gcsfs computes the MD5 of what it sends and compares it with the md5Hash GCS computed of what it
-            # received (gcsfs/checkers.py MD5Checker, called at the end of _put_file)
+            # gcsfs checks the MD5 it sent against GCS's md5Hash (gcsfs/checkers.py MD5Checker, in _put_file)
             self.fs.put_file(str(local), target, consistency="md5")
             self._sent[rel] = SentDigests.of_file(local)
         else:
             self.fs.put_file(str(local), target)
 
     async def _s3_put(self, local: Path, target: str) -> "SentDigests":
-        """Upload with SHA-256 checksums, in one PUT or, from twice the part size on (s3fs's own rule,
-        S3FileSystem._put_file), as a multipart upload with a checksum per part: s3fs passes no checksum
-        with its parts, and S3 can only keep a SHA-256 of a multipart object from its parts' SHA-256s
-        (a "composite" checksum, the SHA-256 of the parts' digests, with -N for N parts)."""
+        """Upload with SHA-256 checksums, in one PUT or, from twice the part size on (s3fs's rule,
+        S3FileSystem._put_file), as a multipart upload with a checksum per part (s3fs passes none with its parts,
+        and S3 keeps a multipart object's SHA-256 only as a composite of its parts')."""
         import asyncio
 
         bucket, key, _ = self.fs.split_path(target)
@@ -75,7 +66,6 @@ class FsspecDestination(Destination):
             if size < 2 * part:
                 body = fh.read()
                 sent.add_part(body)
-                # ChecksumAlgorithm names it (x-amz-sdk-checksum-algorithm), ChecksumSHA256 carries our digest:
                 # botocore sends a given checksum as is (httpchecksum.resolve_request_checksum_algorithm)
                 await self.fs._call_s3(
                     "put_object",
@@ -212,15 +202,14 @@ class FsspecDestination(Destination):
 
 
 def s3_part_bytes(size: int) -> int:
-    """The part size of a multipart upload: s3fs's rule (s3fs.core.calculate_chunksize): 50 MiB, larger where a
-    file would need more than S3's 10,000 parts."""
+    """The part size of a multipart upload, s3fs's rule (s3fs.core.calculate_chunksize): 50 MiB, or more than
+    S3's 10,000 parts would need."""
     return max(50 << 20, -(-size // 10_000))
 
 
 class SentDigests:
-    """The digests of a file as uploaded: its sha256 (for the manifest), and what the store will report of it
-    if it holds those bytes: S3's SHA-256 checksum (whole file, or composite of the parts: base64 of the
-    SHA-256 of the parts' digests, '-N') and ETag (MD5, or the MD5 of the parts' MD5s, '-N'), GCS's md5Hash."""
+    """The digests of a file as uploaded: its sha256, and what the store will report of those bytes: S3's SHA-256
+    (whole, or composite of the parts, '-N') and ETag (MD5, or of the parts' MD5s, '-N'), GCS's md5Hash."""
 
     def __init__(self, size: int):
         self.size = size
@@ -255,8 +244,7 @@ class SentDigests:
 
     @classmethod
     def of_file(cls, path: Path, part_bytes: Optional[int] = None, s3: bool = False) -> "SentDigests":
-        """The same digests computed from the local file (a file sent by an earlier process), read in the parts
-        an S3 upload of it uses."""
+        """The same digests from the local file (sent by an earlier process), in the parts an S3 upload uses."""
         size = path.stat().st_size
         part = (part_bytes or s3_part_bytes(size)) if s3 else 0
         multipart = s3 and size >= 2 * part
@@ -277,8 +265,7 @@ class SentDigests:
     def matches(self, held: dict[str, Any]) -> Optional[bool]:
         """Whether the store holds these bytes, by its own checksum; None when it reports none we can compare."""
         if held.get("sha256"):  # S3 computed it on receipt (and checked ours): decisive either way
-            # a multipart object's comes with "-N" (N parts) from S3, without it from some S3-compatible stores;
-            # base64 has no "-", and a composite checksum never equals a whole-file one by accident
+            # "-N" (N parts) from S3, not from some S3-compatible stores; base64 has no "-"
             return held["sha256"].split("-")[0] == self.s3_checksum.split("-")[0]
         if held.get("md5"):  # GCS's md5Hash of the object
             return held["md5"] == self.gs_md5
