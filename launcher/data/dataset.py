@@ -127,15 +127,8 @@ def load_data(spec: Any, seed: int = 42, columns: bool = False) -> LoadedData:
         )
     if not examples:
         raise DataError("the data weights leave no examples", fix="raise the weights (1 takes every example once).")
-    blob = json.dumps(records, sort_keys=True, default=str).encode()
-    return LoadedData(
-        examples,
-        where,
-        formats.example_form(examples[0]),
-        records,
-        single_file_sha or hashlib.sha256(blob).hexdigest(),
-        origin,
-    )
+    sha = single_file_sha or hashlib.sha256(json.dumps(records, sort_keys=True, default=str).encode()).hexdigest()
+    return LoadedData(examples, where, formats.example_form(examples[0]), records, sha, origin)
 
 
 def identity(data_sha256: str, eval_sha256: Optional[str] = None) -> str:

@@ -90,15 +90,12 @@ class LossView:
         read = read_tokenizer(folder) if folder else None
         if read is None:
             raise LookupError(why or f"{folder} has no tokenizer.json")
-        template = read.template
         self.model, self.settings = model, settings
-        self.tokenizer = read.tokenizer
-        self.special = read.special
-        self.added = read.added
+        self.tokenizer, self.special, self.added = read.tokenizer, read.special, read.added
         self.added_ids = set(self.added.values())
         self.eos = settings.eos_token or self.special.get("eos_token")
-        self.template_source = template
-        self.template = self._training_template(template) if template else None
+        self.template_source = read.template
+        self.template = self._training_template(read.template) if read.template else None
         self.compiled = _template_env().from_string(self.template) if self.template else None
         self.eot = self._end_of_turn()
 
@@ -124,14 +121,8 @@ class LossView:
         """The first special token the template writes after an answer (<|im_end|>, ...); else the EOS TRL appends."""
         if self.compiled is None:
             return self.eos
-        for messages in (
-            [{"role": "user", "content": PROBE_QUESTION}, {"role": "assistant", "content": PROBE_ANSWER}],
-            [
-                {"role": "system", "content": "s"},
-                {"role": "user", "content": PROBE_QUESTION},
-                {"role": "assistant", "content": PROBE_ANSWER},
-            ],
-        ):
+        probe = [{"role": "user", "content": PROBE_QUESTION}, {"role": "assistant", "content": PROBE_ANSWER}]
+        for messages in (probe, [{"role": "system", "content": "s"}, *probe]):
             try:
                 text = self._render(messages, None, False)[0]
             except Exception:  # a template that wants another shape of conversation: the next probe

@@ -229,6 +229,7 @@ def verify_adapter(
     (`base`), every adapted module exists in the base and every targeted base module is adapted."""
     folder = Path(folder)
     where = f"final/{folder.name}"
+    weights = f"{where}/{ADAPTER_WEIGHTS}"
     cfg_path = folder / ADAPTER_CONFIG
     if not cfg_path.is_file():
         return _missing(folder, ADAPTER_CONFIG)
@@ -241,10 +242,10 @@ def verify_adapter(
     except ArtifactError as exc:
         return Verdict(False, f"{where}/{exc}")
     if not header:
-        return Verdict(False, f"{where}/{ADAPTER_WEIGHTS} holds no tensors")
+        return Verdict(False, f"{weights} holds no tensors")
     empty = [k for k, t in header.items() if 0 in t["shape"]]
     if empty:
-        return Verdict(False, f"{where}/{ADAPTER_WEIGHTS}: {len(empty)} empty tensor(s), e.g. {empty[0]}")
+        return Verdict(False, f"{weights}: {len(empty)} empty tensor(s), e.g. {empty[0]}")
     pairs: dict[str, dict[str, list[int]]] = {}
     for name, t in header.items():
         m = _LORA.match(name)
@@ -252,17 +253,13 @@ def verify_adapter(
             pairs.setdefault(m["module"], {})[m["ab"]] = list(t["shape"])
     if not pairs:
         return Verdict(
-            False,
-            f"{where}/{ADAPTER_WEIGHTS} holds no LoRA tensors (lora_A/lora_B); its tensors: "
-            + ", ".join(sorted(header)[:3]),
+            False, f"{weights} holds no LoRA tensors (lora_A/lora_B); its tensors: " + ", ".join(sorted(header)[:3])
         )
     for module, ab in pairs.items():
         if set(ab) != {"A", "B"}:
-            return Verdict(False, f"{where}/{ADAPTER_WEIGHTS}: {module} has lora_{''.join(ab)} without its pair")
+            return Verdict(False, f"{weights}: {module} has lora_{''.join(ab)} without its pair")
         if len(ab["A"]) != 2 or len(ab["B"]) != 2 or ab["A"][0] != ab["B"][1]:
-            return Verdict(
-                False, f"{where}/{ADAPTER_WEIGHTS}: {module} lora_A {ab['A']} and lora_B {ab['B']} do not share a rank"
-            )
+            return Verdict(False, f"{weights}: {module} lora_A {ab['A']} and lora_B {ab['B']} do not share a rank")
     recorded = cfg.get("target_modules") or []
     if isinstance(recorded, str):  # PEFT's regular expression: the modules the worker chose, by their full names
         targets: Union[str, list[str]] = recorded
@@ -273,11 +270,8 @@ def verify_adapter(
     else:
         missing = [t for t in targets if not any(_matches(m, [t]) for m in pairs)]
     if missing:
-        return Verdict(
-            False,
-            f"{where}/{ADAPTER_WEIGHTS} has no LoRA tensors for target module(s) "
-            f"{', '.join(missing)} (it adapts {len(pairs)} module(s))",
-        )
+        missing_words = f"{', '.join(missing)} (it adapts {len(pairs)} module(s))"
+        return Verdict(False, f"{weights} has no LoRA tensors for target module(s) {missing_words}")
     cross = "base model's weight names not found on this machine: not cross-checked"
     if base is not None and isinstance(targets, str):
         base = {_loaded_name(k): v for k, v in base.items()}
@@ -292,26 +286,20 @@ def verify_adapter(
         uncovered = sorted(targeted - names)
         if unknown:
             return Verdict(
-                False,
-                f"{where}/{ADAPTER_WEIGHTS} adapts {len(unknown)} module(s) the base model does "
-                f"not have, e.g. {unknown[0]}",
+                False, f"{weights} adapts {len(unknown)} module(s) the base model does not have, e.g. {unknown[0]}"
             )
         if uncovered:
-            return Verdict(
-                False,
-                f"{where}/{ADAPTER_WEIGHTS} adapts {len(targeted) - len(uncovered)} of the base "
-                f"model's {len(targeted)} target modules; missing e.g. {uncovered[0]}",
-            )
+            adapted = f"{len(targeted) - len(uncovered)} of the base model's {len(targeted)} target modules"
+            return Verdict(False, f"{weights} adapts {adapted}; missing e.g. {uncovered[0]}")
         cross = f"all {len(targeted)} targeted modules of the base model adapted"
     bad = non_finite(folder / ADAPTER_WEIGHTS, header)
     if bad:
-        return Verdict(False, f"{where}/{ADAPTER_WEIGHTS}: {len(bad)} tensor(s) hold inf/NaN, e.g. {bad[0]}")
+        return Verdict(False, f"{weights}: {len(bad)} tensor(s) hold inf/NaN, e.g. {bad[0]}")
     b_names = [f"{m}.lora_B.weight" for m in pairs]
     if _all_zero(folder / ADAPTER_WEIGHTS, header, b_names):
         return Verdict(
             False,
-            f"{where}/{ADAPTER_WEIGHTS}: every lora_B is zero, the untrained initialisation "
-            "(the trained values were not saved)",
+            f"{weights}: every lora_B is zero, the untrained initialisation (the trained values were not saved)",
             # the supervisor tells a run that learned nothing (GRPO without reward variance) from a failed save
             {"untrained": True},
         )

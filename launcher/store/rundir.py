@@ -7,8 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-# where run directories go by default: <current folder>/runs/<recipe name> (recipe_loading.py resolves output_dir), and
-# where `ftrun status` and the commands that take a run look for them when none is named
+# where run directories go by default (<current folder>/runs/<recipe name>), and where commands look for them
 RUNS = "runs"
 
 

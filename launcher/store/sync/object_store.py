@@ -4,6 +4,7 @@ checksums, other stores are read back."""
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 from pathlib import Path
 from typing import Any, Optional
@@ -62,55 +63,36 @@ class FsspecDestination(Destination):
         size = local.stat().st_size
         part = self.part_bytes or s3_part_bytes(size)
         sent = SentDigests(size)
+        s3 = functools.partial(self.fs._call_s3, Bucket=bucket, Key=key)
+        summed = functools.partial(s3, ChecksumAlgorithm="SHA256")
         with local.open("rb") as fh:
             if size < 2 * part:
                 body = fh.read()
                 sent.add_part(body)
                 # botocore sends a given checksum as is (httpchecksum.resolve_request_checksum_algorithm)
-                await self.fs._call_s3(
-                    "put_object",
-                    Bucket=bucket,
-                    Key=key,
-                    Body=body,
-                    ChecksumAlgorithm="SHA256",
-                    ChecksumSHA256=sent.parts[0][0],
-                )
+                await summed("put_object", Body=body, ChecksumSHA256=sent.parts[0][0])
                 return sent.done(multipart=False)
-            mpu = await self.fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key, ChecksumAlgorithm="SHA256")
+            upload = (await summed("create_multipart_upload"))["UploadId"]
             try:
                 done: list[dict[str, Any]] = []
                 while chunks := [c for c in (fh.read(part) for _ in range(self.fs.max_concurrency)) if c]:
                     first = len(sent.parts)
                     for chunk in chunks:
                         sent.add_part(chunk)
+                    numbered = [(first + i + 1, chunk, sent.parts[first + i][0]) for i, chunk in enumerate(chunks)]
                     outs = await asyncio.gather(
                         *[
-                            self.fs._call_s3(
-                                "upload_part",
-                                Bucket=bucket,
-                                Key=key,
-                                UploadId=mpu["UploadId"],
-                                PartNumber=first + i + 1,
-                                Body=chunk,
-                                ChecksumAlgorithm="SHA256",
-                                ChecksumSHA256=sent.parts[first + i][0],
-                            )
-                            for i, chunk in enumerate(chunks)
+                            summed("upload_part", UploadId=upload, PartNumber=n, Body=chunk, ChecksumSHA256=sha)
+                            for n, chunk, sha in numbered
                         ]
                     )
                     done += [
-                        {"PartNumber": first + i + 1, "ETag": o["ETag"], "ChecksumSHA256": sent.parts[first + i][0]}
-                        for i, o in enumerate(outs)
+                        {"PartNumber": n, "ETag": o["ETag"], "ChecksumSHA256": sha}
+                        for (n, _, sha), o in zip(numbered, outs)
                     ]
-                await self.fs._call_s3(
-                    "complete_multipart_upload",
-                    Bucket=bucket,
-                    Key=key,
-                    UploadId=mpu["UploadId"],
-                    MultipartUpload={"Parts": done},
-                )
+                await s3("complete_multipart_upload", UploadId=upload, MultipartUpload={"Parts": done})
             except BaseException:
-                await self.fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=mpu["UploadId"])
+                await s3("abort_multipart_upload", UploadId=upload)
                 raise
         return sent.done(multipart=True)
 
