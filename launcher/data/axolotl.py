@@ -8,6 +8,7 @@ model's chat template, the one it is served with.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -55,13 +56,7 @@ class Type:
     example: str
 
 
-def _string(record: dict, key: str, required: bool = True) -> str:
-    value = record.get(key)
-    if value is None and not required:
-        return ""
-    if not isinstance(value, str):
-        raise RecordProblem(f"'{key}' must be a string, found {type(value).__name__}")
-    return value
+_string = functools.partial(formats._text, blank_ok=True)  # Axolotl reads an empty string as it is
 
 
 def _alpaca(record: dict, o: dict) -> tuple[str, dict[str, Any]]:

@@ -367,60 +367,43 @@ def _renderer(model: str):
 
 
 # What a chat template may leave out, and the example without it: identical renderings mean it was dropped.
-def _without_tool_calls(ex):
+def _without_tool_calls(m: dict[str, Any]) -> dict[str, Any]:
     # a turn that only calls tools has content None: without its calls, "" (Qwen2.5's template fails on None)
-    return _map_messages(
-        ex,
-        lambda m: (
-            {**{k: v for k, v in m.items() if k != "tool_calls"}, "content": m.get("content") or ""}
-            if "tool_calls" in m
-            else m
-        ),
-    )
+    if "tool_calls" not in m:
+        return m
+    return {**{k: v for k, v in m.items() if k != "tool_calls"}, "content": m.get("content") or ""}
 
 
-def _without_tool_role(ex):
-    return _filter_messages(ex, lambda m: m["role"] != "tool")
+def _each_message(edit: Callable[[dict], Optional[dict]]) -> Callable[[dict], dict]:
+    """An example -> the example with `edit` applied to each of its messages (a None leaves the message out)."""
 
+    def apply(ex: dict[str, Any]) -> dict[str, Any]:
+        keys = ("messages",) if "messages" in ex else ("prompt", "completion")
+        return {**ex, **{k: [e for e in map(edit, ex[k]) if e is not None] for k in keys}}
 
-def _without_reasoning(ex):
-    return _map_messages(ex, lambda m: {k: v for k, v in m.items() if k not in formats.REASONING_FIELDS})
+    return apply
 
 
 FEATURES = (
-    ("tool_calls", lambda ex: any("tool_calls" in m for m in _msgs(ex)), _without_tool_calls),
-    ("the tool role", lambda ex: any(m["role"] == "tool" for m in _msgs(ex)), _without_tool_role),
+    ("tool_calls", lambda ex: any("tool_calls" in m for m in _msgs(ex)), _each_message(_without_tool_calls)),
+    (
+        "the tool role",
+        lambda ex: any(m["role"] == "tool" for m in _msgs(ex)),
+        _each_message(lambda m: None if m["role"] == "tool" else m),
+    ),
     (
         "reasoning content",
         lambda ex: any(k in m for m in _msgs(ex) for k in formats.REASONING_FIELDS),
-        _without_reasoning,
+        _each_message(lambda m: {k: v for k, v in m.items() if k not in formats.REASONING_FIELDS}),
     ),
     ("tools (the tool schemas)", lambda ex: bool(ex.get("tools")), lambda ex: {**ex, "tools": None}),
 )
 
 
 def _msgs(ex: dict[str, Any]) -> list[dict[str, Any]]:
-    return (
-        ex["messages"]
-        if "messages" in ex
-        else (ex["prompt"] + ex["completion"] if isinstance(ex.get("prompt"), list) else [])
-    )
-
-
-def _map_messages(ex, fn):
     if "messages" in ex:
-        return {**ex, "messages": [fn(m) for m in ex["messages"]]}
-    return {**ex, "prompt": [fn(m) for m in ex["prompt"]], "completion": [fn(m) for m in ex["completion"]]}
-
-
-def _filter_messages(ex, keep):
-    if "messages" in ex:
-        return {**ex, "messages": [m for m in ex["messages"] if keep(m)]}
-    return {
-        **ex,
-        "prompt": [m for m in ex["prompt"] if keep(m)],
-        "completion": [m for m in ex["completion"] if keep(m)],
-    }
+        return ex["messages"]
+    return ex["prompt"] + ex["completion"] if isinstance(ex.get("prompt"), list) else []
 
 
 def example_lengths(examples: list[Any], model: str, where: Optional[list[str]] = None) -> tuple[list[int], str]:

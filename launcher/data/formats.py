@@ -208,13 +208,14 @@ def _require(record: dict, keys: Iterable[str], fmt: str, other: Optional[str]) 
             raise RecordProblem(f"no '{key}' key (keys present: {present}){looks}")
 
 
-def _text(record: dict, key: str, required: bool = True) -> str:
+def _text(record: dict, key: str, required: bool = True, blank_ok: bool = False) -> str:
+    """The string under `key` ("" where it is missing and not `required`); a RecordProblem otherwise."""
     value = record.get(key)
     if value is None and not required:
         return ""
     if not isinstance(value, str):
         raise RecordProblem(f"'{key}' must be a string, found {type(value).__name__}")
-    if required and not value.strip():
+    if required and not blank_ok and not value.strip():
         raise RecordProblem(f"'{key}' is empty")
     return value
 

@@ -9,6 +9,7 @@ with its line, as it does every key the entry's columns do not name.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -232,11 +233,7 @@ def convert(entry: Entry, record: dict) -> tuple[str, dict[str, Any]]:
     return "messages", _with_tools({"messages": head + msgs}, tools)
 
 
-def _string(record: dict, key: str) -> str:
-    value = record.get(key)
-    if not isinstance(value, str):
-        raise formats.RecordProblem(f"'{key}' must be a string, found {type(value).__name__}")
-    return value
+_string = functools.partial(formats._text, blank_ok=True)
 
 
 def _system_column(record: dict, c: dict[str, str]) -> Optional[str]:
