@@ -50,9 +50,7 @@ def prompt_and_reference(example: dict[str, Any]) -> Optional[dict[str, Any]]:
 def prompt_row(example: dict[str, Any]) -> Optional[dict[str, Any]]:
     """GRPO's dataset row for an example: its prompt, its reference and the record's other columns (or None)."""
     pr = prompt_and_reference(example)
-    if pr is None:
-        return None
-    return {**pr, **formats.other_columns(example)}
+    return None if pr is None else {**pr, **formats.other_columns(example)}
 
 
 def prompt_rows(examples: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -83,12 +81,10 @@ def metric_reward(metric: str) -> Callable[..., list[Optional[float]]]:
         refs = reference if reference is not None else [None] * len(completions)
         out: list[Optional[float]] = [None] * len(completions)
         scored = [k for k, r in enumerate(refs) if r is not None]
-        if scored:
-            per = task_metrics.score(metric, [answer_text(completions[k]) for k in scored], [refs[k] for k in scored])[
-                "per_example"
-            ]
-            for k, value in zip(scored, per):
-                out[k] = float(value)
+        answers = [answer_text(completions[k]) for k in scored]
+        per = task_metrics.score(metric, answers, [refs[k] for k in scored])["per_example"] if scored else []
+        for k, value in zip(scored, per):
+            out[k] = float(value)
         return out
 
     reward.__name__ = f"metric_{metric}"  # TRL's log names: rewards/metric_exact/mean
@@ -106,8 +102,7 @@ def load_function(spec: str) -> Callable:
     target, _, name = spec.rpartition(":")
     module_name = target if is_module_path(target) else _package_module(Path(target))
     if module_name is not None:
-        module = _import_module(spec, module_name)
-        where = f"module {module_name}"
+        module, where = _import_module(spec, module_name), f"module {module_name}"
     else:
         module, where = _import_file(spec, Path(target)), Path(target).name
     fn = getattr(module, name, None)
@@ -297,11 +292,11 @@ def _factory_refusal(fn: Callable, label: str) -> None:
     except Exception:  # whatever it raises, it is no factory this can call without arguments
         product = None
     name = getattr(fn, "__name__", "make_reward")
-    returns = getattr(inspect.signature(fn).return_annotation, "__name__", "")
+    annotation = inspect.signature(fn).return_annotation
     if (
         not callable(product)
-        and "Callable" not in str(inspect.signature(fn).return_annotation)
-        and returns != "Callable"
+        and "Callable" not in str(annotation)
+        and getattr(annotation, "__name__", "") != "Callable"
     ):
         return
     module = getattr(fn, "__module__", "") or ""
@@ -349,11 +344,8 @@ def _probe_function(
     named = [c for c in read if c != "reference" and any(r.get(c) is not None for r in rows)]
     # the column it reads is where it finds the right answer (Unsloth's `answer`, TRL's `solution`)
     right = named[0] if named else "reference" if any(r["reference"] is not None for r in rows) else None
-    reads = (
-        "message lists, [{'role': 'assistant', 'content': ...}]"
-        if isinstance(rows[0]["prompt"], list)
-        else "plain strings"
-    )
+    conversational = isinstance(rows[0]["prompt"], list)
+    reads = "message lists, [{'role': 'assistant', 'content': ...}]" if conversational else "plain strings"
     if form:
         fix = alike = f"make it score answers of a different form differently (it reads the completions as {reads})"
     else:
