@@ -17,8 +17,7 @@ TEMPLATE_SWITCHES = {"enable_thinking": (False, True)}
 
 
 def shape(conv: list[dict[str, Any]]) -> str:
-    """A conversation's prompt shape: its roles up to the last assistant turn ("system,user,user"); an assistant
-    turn that calls tools is "assistant(tool call)"."""
+    """A conversation's roles up to the last assistant turn ("system,user,assistant(tool call),tool")."""
     last = max((i for i, m in enumerate(conv) if m["role"] == "assistant"), default=len(conv))
     return ",".join(
         m["role"] + ("(tool call)" if m["role"] == "assistant" and m.get("tool_calls") else "")
@@ -55,8 +54,7 @@ def trained_context(tokenizer, conv: list[dict[str, Any]], last: int, kw: dict[s
 
 
 def generation_ids(tokenizer, messages: list[dict[str, Any]], tools: Optional[list], kw: dict[str, Any]) -> list[int]:
-    """A chat endpoint's prompt through a transformers tokenizer: rendered with the generation prompt, then
-    tokenized without special tokens (vLLM's default)."""
+    """A chat endpoint's prompt: rendered with the generation prompt, tokenized without special tokens (vLLM)."""
     text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True, **kw)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 

@@ -132,8 +132,7 @@ def load_data(spec: Any, seed: int = 42, columns: bool = False) -> LoadedData:
 
 
 def identity(data_sha256: str, eval_sha256: Optional[str] = None) -> str:
-    """What a run trains and evaluates on, as one sha256 (state.json data_sha256, data.json): the training data's
-    own (LoadedData.sha256), combined with eval.data's where the recipe has one."""
+    """What a run trains and evaluates on as one sha256: the training data's, combined with eval.data's."""
     if not eval_sha256:
         return data_sha256
     return hashlib.sha256(f"{data_sha256}+eval.data:{eval_sha256}".encode()).hexdigest()
@@ -247,8 +246,7 @@ def _convert_source(
 
 
 def _layout(source: Source) -> Optional[tuple[str, Callable[[dict], tuple[str, dict]], str]]:
-    """Another tool's layout a source is written in: (how it reads, record -> (format, record), an example record),
-    or None."""
+    """Another tool's layout of a source: (how it reads, record -> (format, record), an example), or None."""
     if source.dataset is not None:
         from launcher.data import llamafactory
 
@@ -324,8 +322,7 @@ def _template_env():
 
 
 def token_counter(model: str) -> tuple[Optional[Callable[[Any], int]], str]:
-    """A function counting an example's tokens as TRL tokenizes it, and where it came from; (None, reason) without
-    a local tokenizer."""
+    """A function counting an example's tokens as TRL does, and its source; (None, why) without a local tokenizer."""
     renderer, source = _renderer(model)
     if renderer is None or renderer[0] is None:
         return None, source

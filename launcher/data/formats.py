@@ -712,8 +712,7 @@ def conversational(example: dict[str, Any]) -> bool:
 
 
 def conversation(example: Any) -> list[dict[str, Any]]:
-    """An example as a list of messages, for callers that want prompts (export parity, serving examples, samples):
-    a prompt/completion pair is the prompt then the completion, plain text one user message."""
+    """An example as a list of messages: a prompt then its answer, plain text as one user message."""
     if isinstance(example, list):
         return example
     if "messages" in example:
@@ -736,8 +735,7 @@ def conversation(example: Any) -> list[dict[str, Any]]:
 
 
 def sides(example: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """A preference pair's two sequences as prompt/completion examples, each named by its side (SIDES): the prompt
-    with the chosen answer, then with the rejected one (TRL tokenizes each so and trains both in one batch)."""
+    """A pair's two sequences as prompt/completion examples named by their side (SIDES), as TRL trains both."""
     extra = {"tools": example["tools"]} if example.get("tools") else {}
     return [(side, {"prompt": example["prompt"], "completion": example[side], **extra}) for side in SIDES]
 

@@ -69,8 +69,7 @@ class ImageRule:
 
 
 def read_rule(model_dir: Path) -> Optional[ImageRule]:
-    """The image rule of a local model folder, or None without an image processor config; a DataError for a
-    processor this module does not know."""
+    """The image rule of a local model folder (None without one; a DataError for a processor not known here)."""
     path = Path(model_dir) / "preprocessor_config.json"
     if not path.is_file():
         return None

@@ -201,8 +201,7 @@ class LossView:
         return marked
 
     def _completion_mask(self, prompt_ids: list[int], ids: list[int]) -> list[list[int]]:
-        """Trained from where the prompt alone and the whole example diverge (common_prefix_length), unless
-        completion_only_loss is false."""
+        """Trained from where the prompt and the whole example diverge, unless completion_only_loss is false."""
         if self.settings.completion_only_loss is False:
             return []
         n = 0
@@ -261,8 +260,7 @@ def _trl_templates() -> Optional[Path]:
 
 
 def _assistant_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
-    """Every token overlapping a {% generation %} block's characters (transformers 5.24 apply_chat_template,
-    return_assistant_tokens_mask=True)."""
+    """Every token overlapping a {% generation %} block (transformers 5.24 return_assistant_tokens_mask)."""
     mask = [0] * len(offsets)
     k = 0
     for i, (start, end) in enumerate(offsets):
@@ -558,8 +556,7 @@ TRAINED_STYLE, CONTEXT_STYLE, RESET = "\x1b[1;32m", "\x1b[2m", "\x1b[0m"
 
 
 def render_segments(segments, color: bool = False, limit: Optional[int] = SHOWN_CHARS) -> str:
-    """[(text, trained), ...] as one text: trained spans in [[...]] (bold green on a terminal); the middle elided
-    beyond `limit` characters."""
+    """[(text, trained), ...] as one text, trained spans in [[...]] (bold green on a terminal), the middle elided."""
     segments = [(str(t), bool(tr)) for t, tr in segments]
     total = sum(len(t) for t, _ in segments)
     if limit and total > limit:

@@ -169,8 +169,7 @@ class Probe:
         return out
 
     def _duel(self, values: list[Optional[float]]) -> tuple[int, int]:
-        """(wins, losses): the pairs of a right and a wrong answer to the same prompt in the same dressing in which the
-        right one scored higher, and lower (a None on either side counts for neither)."""
+        """(wins, losses): right-and-wrong pairs (same prompt and dressing) where the right one scored higher, lower."""
         pairs = [
             (r, w)
             for s in self._scores(values).values()

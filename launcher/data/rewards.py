@@ -128,8 +128,7 @@ def _site_folders() -> list[Path]:
 
 
 def _package_module(path: Path) -> Optional[str]:
-    """The module name of a .py file inside an installed package (absolute under site-packages, or relative as
-    trl/rewards/x.py); None for a file of the user's."""
+    """The module name of a .py file inside an installed package; None for a file of the user's."""
     if path.is_absolute():
         resolved = path.resolve()
         for folder in _site_folders():

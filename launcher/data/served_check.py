@@ -91,8 +91,7 @@ def _chosen(examples: list[dict[str, Any]], where: list[str]) -> list[tuple[list
 
 
 def check(view, examples: list[dict[str, Any]], where: list[str]) -> Optional[dict]:
-    """The served prompt of each shape against the trained one (`view`: the data check's LossView). A DataError at
-    the first that differs; else what was checked; None for data without a chat."""
+    """The served prompt of each shape against the trained one: a DataError at the first that differs."""
     if view.compiled is None:
         return None
     chosen = _chosen(examples, where)

@@ -22,8 +22,7 @@ class Split:
 
 
 def split(n: int, fraction: Optional[float], seed: int) -> Split:
-    """Seeded and independent of anything but (n, fraction, seed): the same examples at every start and resume.
-    At least one example is held out, and at least one trains."""
+    """A seeded split, the same at every start and resume; at least one example held out, at least one trains."""
     if not fraction or n < 2:
         return Split(list(range(n)), [])
     k = min(n - 1, max(1, round(fraction * n)))
@@ -69,8 +68,7 @@ def load_eval_data(recipe) -> list:
 
 
 def smoke_subset(held_out: list[int], recipe, processes: int) -> list[int]:
-    """The held-out examples the smoke test evaluates: the smoke fraction of them, at least two eval batches over
-    all processes, a seeded draw."""
+    """The held-out examples the smoke test evaluates (its fraction, at least two eval batches), a seeded draw."""
     want = max(2 * recipe.micro_batch_size * processes, math.ceil(recipe.smoke.fraction * len(held_out)))
     if want >= len(held_out):
         return list(held_out)

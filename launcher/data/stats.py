@@ -62,8 +62,7 @@ def data_stats(recipe: Any):
 
 
 def _splits(recipe: Any) -> bool:
-    """Packing that splits a sequence longer than max_length instead of cutting it (trl 1.16 data_utils.py
-    pack_dataset: bfd_split and wrapped; bfd truncates)."""
+    """Packing that splits a sequence over max_length rather than cut it (trl 1.16 pack_dataset: bfd_split, wrapped)."""
     return bool(recipe.packing) and recipe.trainer.get("packing_strategy", "bfd") in ("bfd_split", "wrapped")
 
 
@@ -163,8 +162,7 @@ def _reference_tokens(model: str, references: list[str]) -> tuple[list[int], str
 
 
 def with_data_defaults(recipe: Any, stats: Any) -> Any:
-    """The recipe with the settings its data sized where it left them out: what the plan, recipe.yaml and the worker
-    use."""
+    """The recipe with the settings its data sized where it left them out (plan, recipe.yaml, worker)."""
     if getattr(stats, "images", None) and recipe.padding_free:  # left to its default: image data trains padded
         recipe = recipe.model_copy(update={"padding_free": False})
     sized = getattr(stats, "completion_length", None)
@@ -220,8 +218,7 @@ def _sequences(examples: list[Any], where: list[str], origin: list[int], sources
 
 
 def pair_stats(trained: list[int]) -> dict[str, Any]:
-    """The pairs' figures from each sequence's trained tokens (chosen, rejected, ...): the answers' mean lengths and
-    the share whose chosen answer is the longer (DPO's length bias)."""
+    """The pairs' mean answer lengths and the share whose chosen answer is longer (DPO's length bias)."""
     chosen, rejected = trained[0::2], trained[1::2]
     n = max(len(chosen), 1)
     return {

@@ -56,8 +56,7 @@ def base_score(t: dict[str, Any]) -> tuple[Optional[float], str]:
 
 
 def base_key(t: dict[str, Any]) -> Optional[str]:
-    """The score name base_score reads: the starting point's few-shot one where it scores at least the zero-shot
-    one, else the zero-shot one; None when neither is scored."""
+    """The score name base_score reads: few-shot where it scores at least the zero-shot one; None if neither is."""
     scores, shots = t.get("scores") or {}, t.get("shots")
     zero_key, few_key = start_keys(t)
     few = scores.get(few_key) if shots != 0 else None
@@ -133,8 +132,7 @@ def noise_words(diff: dict[str, Any]) -> str:
 
 
 def verdict(t: dict[str, Any], price: str = "") -> str:
-    """The verdict from task_eval.json's fields `t`; `price`: what the fine-tune would cost ("~0.42 EUR"), said
-    where a prompt may be enough."""
+    """The verdict from task_eval.json's fields `t`; `price`: the fine-tune's cost, said where a prompt may do."""
     if t.get("not_applicable"):
         return f"the task evaluation does not apply to this data: {t['not_applicable']}"
     if t.get("too_few") is not None:

@@ -50,8 +50,7 @@ def hash_workers() -> int:
 
 
 def sha256_files(paths: list[Path], workers: Optional[int] = None, fsync: bool = False) -> list[str]:
-    """sha256 of each file (in the order given), several files at once, the largest first; `fsync` flushes each
-    file after hashing it."""
+    """sha256 of each file (in the order given), several at once, the largest first; `fsync`: flush each after."""
     workers = max(1, min(workers or hash_workers(), len(paths) or 1))
 
     def one(path: Path) -> str:
@@ -202,8 +201,7 @@ class BackgroundManifest:
         return True
 
     def check(self) -> None:
-        """After wait(): raise ManifestFailed when the last manifest was not written (retention runs only after a
-        manifest, so saves would pile up)."""
+        """After wait(): raise ManifestFailed when the last manifest was not written (else saves pile up)."""
         if self.exception is not None and not self.pending:
             raise ManifestFailed(f"the checkpoint's manifest could not be written ({self.error})") from self.exception
 

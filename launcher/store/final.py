@@ -62,8 +62,7 @@ def path(final_root: Path, method: str) -> Path:
 
 
 def read_header(file: Path) -> dict[str, dict[str, Any]]:
-    """The tensors of a safetensors file, {name: {dtype, shape, data_offsets}}, after checking that the file is
-    complete: its size is exactly what the header promises, and every tensor's bytes match its shape."""
+    """The tensors of a safetensors file, after checking that its size and each tensor's bytes are as promised."""
     file = Path(file)
     if not file.is_file():
         raise ArtifactError(f"{file.name} is missing")

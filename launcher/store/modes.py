@@ -26,16 +26,14 @@ def umask() -> int:
 
 
 def wanted_mode(current: int, is_dir: bool, mask: int) -> int:
-    """The mode a file or folder created now would have (0o777 for a folder or an executable, else 0o666, less the
-    umask)."""
+    """The mode a path created now would have (0o777 for a folder or an executable, else 0o666, less the umask)."""
     if is_dir or current & 0o111:
         return 0o777 & ~mask
     return 0o666 & ~mask
 
 
 def apply_umask(root: Path) -> list[str]:
-    """`root` and everything below it given the mode `wanted_mode` says (symbolic links are left as they are).
-    Returns one line for each path whose mode could not be changed (a file system without chmod), for the caller."""
+    """`root` and all below it given `wanted_mode`; one line for each path whose mode could not be changed."""
     root = Path(root)
     if not root.exists():
         return []

@@ -255,8 +255,7 @@ ROLE_MODULES = {
 
 
 def run_processes(run: RunDir, roles: tuple[str, ...] = ("train",)) -> list[dict[str, Any]]:
-    """Processes on this box whose command line runs a role's module with `--run-dir <this run>`, each with its
-    identity and argv (another pid namespace's are not visible: the lock still covers them)."""
+    """The processes on this box running a role's module with `--run-dir <this run>`, with identity and argv."""
     root = os.path.realpath(run.root)
     modules = {m for r in roles for m in ROLE_MODULES[r]}
     found = []
@@ -393,8 +392,7 @@ def last_metrics(path: Path, key: Optional[str] = None) -> dict[str, Any]:
 
 
 class RunSnapshot:
-    """A run as one command reads it: state.json at its start, the other files each read once where first asked.
-    Taken again only where the command waits on a change."""
+    """A run as one command reads it: state.json at its start, each other file once where first asked."""
 
     def __init__(self, run: RunDir):
         self.run = run

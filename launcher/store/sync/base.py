@@ -51,8 +51,7 @@ class Destination:
                 raise SyncError(f"{self.url}/{rel}/{name} disappeared while fetching it")
 
     def verify_dir(self, rel: str, manifest: dict[str, Any], local: Optional[Path] = None) -> tuple[bool, str]:
-        """Whether the copy at `rel` holds the manifest's files (`local`: the folder that was sent, where a
-        destination can compare without reading the copy back)."""
+        """Whether the copy at `rel` holds the manifest's files (`local`: the folder sent, to compare against)."""
         for name, info in manifest["files"].items():
             digest = self.read_bytes_sha256(f"{rel}/{name}")
             if digest is None:

@@ -142,8 +142,7 @@ class HubDestination(Destination):
         self.put_files(files, f"ftrun: {rel}")
 
     def _holds(self, ops: list, sent: list[Path]) -> bool:
-        """Whether the branch holds these additions as sent: an LFS file under its sha256, a small one under its
-        git blob id."""
+        """Whether the branch holds these additions as sent (LFS sha256, or git blob id)."""
         infos = self._paths_info([op.path_in_repo for op in ops])
         for op, local in zip(ops, sent):
             info = infos.get(op.path_in_repo)

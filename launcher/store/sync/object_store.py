@@ -184,8 +184,7 @@ class FsspecDestination(Destination):
 
 
 def s3_part_bytes(size: int) -> int:
-    """The part size of a multipart upload, s3fs's rule (s3fs.core.calculate_chunksize): 50 MiB, or more than
-    S3's 10,000 parts would need."""
+    """The part size of a multipart upload (s3fs.core.calculate_chunksize): 50 MiB, or S3's 10,000 parts."""
     return max(50 << 20, -(-size // 10_000))
 
 

@@ -44,8 +44,7 @@ def already_copied(dest: Destination, rel: str, local: Path, manifest: dict[str,
 def push_checkpoint(
     dest: Destination, run: RunDir, step_dir: Path, keep: int, name: Optional[str] = None, maybe_there: bool = False
 ) -> int:
-    """Copy a checkpoint and verify the copy, then apply the remote retention. `maybe_there`: an earlier copier
-    began this copy; the copy off the box is checked first."""
+    """Copy a checkpoint, verify the copy, apply the remote retention (`maybe_there`: check the copy first)."""
     name = name or step_dir.name
     manifest = json.loads((step_dir / ckpt.MANIFEST).read_text())
     rel = f"checkpoints/{name}"
@@ -172,8 +171,7 @@ class Syncer:
             return False
 
     def _push_metadata(self, dest: Destination, throttle: bool) -> None:
-        """The metadata files that changed since they last went off the box; with `throttle`, at most every
-        `metadata_every` seconds of the destination's (the Hub's commits are rate limited)."""
+        """The changed metadata files; with `throttle`, at most every `metadata_every` seconds (Hub commit limits)."""
         state = _sync_state(self.run)
         sent = state.get("metadata_sent") or {}
         sent = (sent.get("sha256") or {}) if sent.get("to") == self.url else {}
