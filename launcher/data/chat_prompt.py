@@ -25,10 +25,6 @@ def shape(conv: list[dict[str, Any]]) -> str:
     )
 
 
-def _common_prefix(a: str, b: str) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 def trained_context(tokenizer, conv: list[dict[str, Any]], last: int, kw: dict[str, Any]) -> Optional[dict[str, Any]]:
     """What the training sequence holds in front of the last answer: its tokens before the answer's first character
     ("ids"), the answer's first token ("next"; "merged": it begins inside the text before, as ` 16` after
@@ -41,7 +37,7 @@ def trained_context(tokenizer, conv: list[dict[str, Any]], last: int, kw: dict[s
         return None
     # the answer comes after the history: search from where the text stops being the history's own rendering
     history = tokenizer.apply_chat_template(conv[:last], tokenize=False, **kw) if last else ""
-    lo = _common_prefix(history, text)
+    lo = next((i for i, (x, y) in enumerate(zip(history, text)) if x != y), min(len(history), len(text)))
     at = next((i for i in (text.find(c, lo) for c in (answer, answer.strip())) if i >= 0), -1)
     if at < 0:
         return None

@@ -183,7 +183,8 @@ def convert(entry: Entry, record: dict) -> tuple[str, dict[str, Any]]:
     """One record as LLaMA-Factory reads it: (ftrun's format, the record in it); a RecordProblem naming the key."""
     c = entry.columns
     formats.check_top_keys(record, "", c.values(), f"the dataset_info.json entry '{entry.name}'")
-    system = _system_column(record, c)
+    has_system = c.get("system") and record.get(c["system"]) not in (None, "")
+    system = _string(record, c["system"]) if has_system else None
     tools = record.get(c["tools"]) if c.get("tools") else None
     if entry.formatting == "alpaca":
         if not c.get("response") and not entry.ranking:
@@ -234,12 +235,6 @@ def convert(entry: Entry, record: dict) -> tuple[str, dict[str, Any]]:
 
 
 _string = functools.partial(formats._text, blank_ok=True)
-
-
-def _system_column(record: dict, c: dict[str, str]) -> Optional[str]:
-    if not c.get("system") or record.get(c["system"]) in (None, ""):
-        return None
-    return _string(record, c["system"])
 
 
 def _with_tools(example: dict[str, Any], tools: Any) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -102,7 +103,8 @@ class LossView:
     def _training_template(self, template: str) -> str:
         """TRL's training template for assistant_only_loss where the model's has no {% generation %} markers
         (get_training_chat_template: an exact match); else a DataError."""
-        if not self.settings.assistant_only_loss or "generation" in _statements(template):
+        # the statement keywords the template uses ({% generation %} -> 'generation')
+        if not self.settings.assistant_only_loss or "generation" in re.findall(r"{%-?\s*(\w+)", template):
             return template
         folder = _trl_templates()
         if folder is not None:
@@ -241,13 +243,6 @@ class LossView:
             runs = runs[-1:]
         blank = [not (p.strip() or i in self.added_ids) for p, i in zip(m.pieces, m.ids)]
         return [next((i for i in range(b - 1, a - 1, -1) if not blank[i]), b - 1) for a, b in runs]
-
-
-def _statements(template: str) -> set[str]:
-    """The statement keywords a Jinja template uses ({% generation %} -> 'generation')."""
-    import re
-
-    return set(re.findall(r"{%-?\s*(\w+)", template))
 
 
 def _trl_templates() -> Optional[Path]:

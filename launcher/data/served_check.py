@@ -14,7 +14,7 @@ from collections import Counter
 from typing import Any, Optional
 
 from launcher.data import formats
-from launcher.data.chat_prompt import generation_ids, shape, switches, trained_context
+from launcher.data.chat_prompt import TEMPLATE_SWITCHES, generation_ids, shape, switches, trained_context
 from launcher.errors import DataError
 
 # conversation shapes checked, the most frequent first (the export checks as many: served_prompt.py MAX_SHAPES)
@@ -142,11 +142,11 @@ def check(view, examples: list[dict[str, Any]], where: list[str]) -> Optional[di
             )
         else:
             why = "the model's template renders its generation prompt otherwise than the turns before an answer"
+            names = [k for k in TEMPLATE_SWITCHES if k in (tok.chat_template or "")]
             fix = (
                 "serve and train with one rendering: change the model's chat template (chat_template.jinja in the "
                 "model folder) so its generation prompt is what it writes before an assistant turn, or train a model "
-                "whose template does"
-                + (f" (tried the template's switches: {', '.join(_switch_names(tok))})" if _switch_names(tok) else "")
+                "whose template does" + (f" (tried the template's switches: {', '.join(names)})" if names else "")
             )
         raise DataError(
             f"the served prompt would differ from the trained one: {p['where']} (roles {p['shape']}): the model's "
@@ -164,9 +164,3 @@ def check(view, examples: list[dict[str, Any]], where: list[str]) -> Optional[di
         **({"chat_template_kwargs": kwargs} if kwargs else {}),
         **({"not_rendered": unrendered} if unrendered else {}),
     }
-
-
-def _switch_names(tok: LightTokenizer) -> list[str]:
-    from launcher.data.chat_prompt import TEMPLATE_SWITCHES
-
-    return [k for k in TEMPLATE_SWITCHES if k in (tok.chat_template or "")]

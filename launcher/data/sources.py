@@ -348,10 +348,5 @@ def _read_hub(source: Source) -> tuple[list[tuple[str, Any]], dict[str, Any]]:
     # the cache folder of a Hub dataset is named by the commit it was downloaded at
     folders = [Path(f["filename"]).parent.name for f in getattr(ds, "cache_files", None) or []]
     revision = next((name for name in folders if re.fullmatch(r"[0-9a-f]{40}", name)), None)
-    identity = {
-        "source": source.path,
-        "split": source.split,
-        "subset": source.subset,
-        "revision": revision or source.revision,
-    }
+    identity = dict(source=source.path, split=source.split, subset=source.subset, revision=revision or source.revision)
     return [(f"{source.path} row {i}", rec) for i, rec in enumerate(ds.to_list(), start=1)], identity

@@ -152,10 +152,6 @@ def single_tokens(references: list[str]) -> bool:
     return bool(references) and all(len(str(r).split()) == 1 for r in references)
 
 
-def _exact(answers: list[str], references: list[str]) -> list[float]:
-    return [float(normalise(a) == normalise(r)) for a, r in zip(answers, references)]
-
-
 def score(metric: str, answers: list[str], references: list[str]) -> dict[str, Any]:
     """{"score": the primary metric in [0, 1], "details": sub-metrics, "per_example": each example's score}."""
     if metric not in METRICS:
@@ -165,7 +161,8 @@ def score(metric: str, answers: list[str], references: list[str]) -> dict[str, A
     n = len(references)
     if n == 0:
         return {"score": 0.0, "details": {}, "per_example": []}
-    return METRICS[metric].scorer(answers, references, _exact(answers, references))
+    exact = [float(normalise(a) == normalise(r)) for a, r in zip(answers, references)]
+    return METRICS[metric].scorer(answers, references, exact)
 
 
 def fine_tune_pays(few_shot: float) -> bool:
