@@ -355,19 +355,13 @@ def sharegpt_messages(turns: list, field: str) -> list[dict[str, Any]]:
                 call = json.loads(value)
             except json.JSONDecodeError as exc:
                 raise RecordProblem(f"{where}.value (a function_call) is not JSON ({exc.msg})") from None
-            calls = call if isinstance(call, list) else [call]
-            msgs.append(
-                {
-                    "role": "assistant",
-                    "content": None,
-                    "tool_calls": [
-                        {"type": "function", "function": {"name": c.get("name"), "arguments": c.get("arguments", {})}}
-                        if isinstance(c, dict)
-                        else c
-                        for c in calls
-                    ],
-                }
-            )
+            calls = [
+                {"type": "function", "function": {"name": c.get("name"), "arguments": c.get("arguments", {})}}
+                if isinstance(c, dict)
+                else c
+                for c in (call if isinstance(call, list) else [call])
+            ]
+            msgs.append({"role": "assistant", "content": None, "tool_calls": calls})
             continue
         msgs.append({"role": role, "content": value, **{k: t[k] for k in TRAINING_SWITCHES if k in t}})
     return msgs
@@ -540,13 +534,8 @@ def _preference_implicit(record: dict, other: Optional[str]) -> dict[str, Any]:
         )
     while shared and chosen[shared - 1]["role"] == "assistant":
         shared -= 1  # the answers begin with the first assistant turn after the shared prompt
-    record = {
-        "prompt": chosen[:shared],
-        "chosen": chosen[shared:],
-        "rejected": rejected[shared:],
-        **_kept_tools(record),
-    }
-    return _preference(record, other)
+    pair = {"prompt": chosen[:shared], "chosen": chosen[shared:], "rejected": rejected[shared:]}
+    return _preference({**pair, **_kept_tools(record)}, other)
 
 
 def _kept_tools(record: dict) -> dict[str, Any]:
@@ -720,11 +709,8 @@ def conversation(example: Any) -> list[dict[str, Any]]:
     if "chosen" in example:  # a pair: its prompt and the chosen answer (what the task evaluation scores)
         return conversation(sequences(example)[0])
     if "prompt" in example and "completion" not in example:  # GRPO's prompt row: its reference as the answer
-        turns = (
-            example["prompt"]
-            if isinstance(example["prompt"], list)
-            else [{"role": "user", "content": example["prompt"]}]
-        )
+        prompt = example["prompt"]
+        turns = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         reference = example.get("reference")
         return turns + ([{"role": "assistant", "content": reference}] if reference is not None else [])
     if isinstance(example.get("prompt"), list):
@@ -742,6 +728,4 @@ def sides(example: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 
 def sequences(example: dict[str, Any]) -> list[dict[str, Any]]:
     """The sequences one example trains as: a preference pair's two (sides), any other example its own one."""
-    if "chosen" not in example:
-        return [example]
-    return [seq for _, seq in sides(example)]
+    return [seq for _, seq in sides(example)] if "chosen" in example else [example]

@@ -173,16 +173,13 @@ class LossView:
             if "text" in example:
                 text = example["text"] if example["text"].endswith(eos) else example["text"] + eos
             else:
-                completion = (
-                    example["completion"] if example["completion"].endswith(eos) else example["completion"] + eos
-                )
-                text = example["prompt"] + completion
+                completion = example["completion"]
+                text = example["prompt"] + (completion if completion.endswith(eos) else completion + eos)
             enc = self.tokenizer.encode(text, add_special_tokens=True)
             ids, offsets = enc.ids, enc.offsets
             if "prompt" in example:
-                masks += self._completion_mask(
-                    self.tokenizer.encode(example["prompt"], add_special_tokens=True).ids, ids
-                )
+                prompt_ids = self.tokenizer.encode(example["prompt"], add_special_tokens=True).ids
+                masks += self._completion_mask(prompt_ids, ids)
         labelled = [all(m[i] for m in masks) for i in range(len(ids))]  # build_labels: every applicable mask
         unmasked = not any(labelled)
         length = len(ids)
@@ -325,13 +322,11 @@ def resolve_answers_only(
                 "template (the one it is served with: trl 1.16's qwen3_training.jinja writes a thinking block into "
                 "every earlier answer, for one), so the model would learn from prompts it is never asked"
             )
-    stops = view.stop_ids()
-    probe = chat[:1]
     try:
-        marked = view.mark(probe[0])
+        marked = view.mark(chat[0])
     except Exception:  # the template refuses the record: the check that follows names it
         return on, ANSWERS_ONLY_WHY
-    if not marked.cut and any(marked.ids[end] not in stops for end in marked.ends):
+    if not marked.cut and any(marked.ids[end] not in view.stop_ids() for end in marked.ends):
         return off, (
             f"the {{% generation %}} blocks of the chat template of {model} leave the end-of-turn token "
             f"{view.eot or view.eos} out, so answers-only loss would never teach the model to stop"
@@ -388,9 +383,8 @@ def check(
                 fix="check that the model's chat template supports what this record holds.",
             ) from None
     n = len(marks)
-    stops = view.stop_ids()
     _refuse_empty(view, examples, where, marks)
-    _refuse_no_stop(view, where, marks, stops)
+    _refuse_no_stop(view, where, marks, view.stop_ids())
     _refuse_cut(view, where, marks, texts=all("text" in ex for ex in examples))
     from launcher.data import served_check
 
@@ -411,7 +405,6 @@ def check(
                 "segments": [[text, t] for text, t in marks[i].segments()],
             }
         )
-    empty = sum(m.empty for m in marks)
     return {
         "examples": shown,
         **({"served_prompt": served} if served else {}),
@@ -424,14 +417,12 @@ def check(
             "tokens": kept,
             "trained_tokens": trained,
             "trained_share": round(trained / kept, 4) if kept else 0.0,
-            "p50": percentile(lengths, 50),
-            "p90": percentile(lengths, 90),
-            "p99": percentile(lengths, 99),
+            **{f"p{q}": percentile(lengths, q) for q in (50, 90, 99)},
             "max": max(lengths) if lengths else 0,
             "max_length": settings.max_length,
             "truncated": sum(1 for x in lengths if settings.max_length and x > settings.max_length),
             "cut": sum(m.cut for m in marks),
-            "empty": empty,
+            "empty": sum(m.empty for m in marks),
         },
         "trained_each": [sum(m.trained) for m in marks],  # per example, for the caller's own figures (not kept)
     }
