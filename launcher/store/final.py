@@ -1,9 +1,7 @@
 """The final result of a run: its layout (final/adapter or final/model) and its verification.
 
-A run is `succeeded` only when its final result is there and usable: the supervisor calls `verify` after the
-worker exits 0 and before it records success, for every engine. The check reads files only (JSON and the
-safetensors layout: an 8-byte little-endian header length, a JSON header, then the tensor bytes), so it needs
-neither torch nor a GPU; numpy reads the tensor bytes to find inf/NaN.
+A run is `succeeded` only when the supervisor's `verify` passed after the worker exited 0. The check reads files only
+(JSON, the safetensors layout: an 8-byte header length, a JSON header, the tensor bytes): no torch, no GPU.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """The run's state machine, written atomically to state.json, and the lock that makes one writer per run.
 
-STATES below is the one table of a run's states and the states each allows next; MOVES names every write the
-product makes, who makes it and which states it may write. `move` is how the product writes state.json (a row of
-MOVES, checked, then `set_state`, the one writer, which refuses a transition STATES does not hold). No other module
-calls `set_state` (tests/test_layout.py); docs/architecture.md shows both tables, tests/store/test_state_table.py
-keeps them equal and walks every transition the product makes. Every ending is written through launcher/run/ending.py.
+STATES is the one table of a run's states and what each allows next; MOVES names every write the product makes and
+who makes it. `move` makes a MOVES row through `set_state`, the one writer (tests/test_layout.py), which refuses a
+transition STATES does not hold; docs/architecture.md shows both tables (tests/store/test_state_table.py).
 
-An active run whose supervisor is gone reads as `interrupted` (machine crash, kill -9): `ftrun RECIPE` resumes it.
-Liveness never rests on a pid alone (after a reboot or in a container it is someone else's): a run is live when its
-lock is held and the process recorded as holding it is the same: same pid, start time (/proc/<pid>/stat field 22)
-and boot. Nothing is signalled before that check.
+An active run whose supervisor is gone reads as `interrupted`: `ftrun RECIPE` resumes it. Liveness never rests on a
+pid alone: the lock is held and the recorded holder is the same process (pid, start time, boot).
 """
 
 from __future__ import annotations
@@ -107,9 +103,7 @@ MOVES: dict[str, Move] = {
 
 
 def read_state(run: RunDir) -> dict[str, Any]:
-    if not run.state.is_file():
-        return {}
-    return json.loads(run.state.read_text())
+    return json.loads(run.state.read_text()) if run.state.is_file() else {}
 
 
 class TransitionError(FtrunError):

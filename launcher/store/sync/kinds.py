@@ -1,7 +1,6 @@
 """The copy destinations ftrun knows: one table (KINDS), in the order a `sync.to` value is matched against it.
 
-Each kind has the forms a user writes, how its copies are proven, and the module with its Destination. The recipe's
-`sync.to` description, the refusal of a value no kind takes, and the launch's advice derive from this table;
+The recipe's `sync.to` description, the refusal of a value no kind takes, and the launch's advice derive from it;
 tests/test_tables.py walks every kind through `destination`.
 """
 
