@@ -43,17 +43,13 @@ class Probe:
 
     def __post_init__(self) -> None:
         known = [k for k, r in enumerate(self.rows) if self.right and r.get(self.right) is not None]
-        picked, seen = [], set()
-        for k in known:  # different right answers first: a wrong answer is easy to tell then
-            if str(self.rows[k][self.right]) not in seen:
-                picked.append(k)
-                seen.add(str(self.rows[k][self.right]))
-        picked += [k for k in known if k not in picked]
+        first: dict[str, int] = {}  # each distinct right answer's first row: these first, a wrong answer is easy then
+        for k in known:
+            first.setdefault(str(self.rows[k][self.right]), k)
+        picked = list(first.values()) + [k for k in known if k not in first.values()]
         self.picked = (picked or list(range(len(self.rows))))[:PROBE_PROMPTS]
         self.rights = {k: str(self.rows[k][self.right]) for k in self.picked if k in known}
-        others = list(
-            dict.fromkeys(str(r[self.right]) for r in self.rows if self.right and r.get(self.right) is not None)
-        )
+        others = list(first)
         self.answers: list[tuple[int, str, str]] = []  # (row, what it is, text)
         self.wrong = {k: _wrong(right, others) for k, right in self.rights.items()}
         for k in self.picked:

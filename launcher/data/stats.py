@@ -32,26 +32,18 @@ def data_stats(recipe: Any):
     # the statistics (plan, ETA) count what trains: the eval split's held-out examples do not (launcher/data/split.py)
     parts = split.for_recipe(examples, recipe)
     train = parts.train
-    stats = compute_stats(
-        [examples[i] for i in train], [lengths[i] for i in train], source, recipe.max_length, data, _splits(recipe)
-    )
+    trains = [examples[i] for i in train]
+    stats = compute_stats(trains, [lengths[i] for i in train], source, recipe.max_length, data, _splits(recipe))
     # what the loss sees, every training example marked as TRL masks it (a DataError: loss_view.py)
-    seen = loss_view.check(
-        recipe.model,
-        loss_view.Settings.of(recipe),
-        *_sequences(
-            [examples[i] for i in train],
-            [data.where[i] for i in train],
-            [data.origin[i] for i in train] if data.origin else [0] * len(train),
-            [str(s.get("source")) for s in data.sources],
-        ),
-    )
+    origin = [data.origin[i] for i in train] if data.origin else [0] * len(train)
+    sequences = _sequences(trains, [data.where[i] for i in train], origin, [str(s.get("source")) for s in data.sources])
+    seen = loss_view.check(recipe.model, loss_view.Settings.of(recipe), *sequences)
     trained_each = seen.pop("trained_each", None) if seen else None
     if seen and any(isinstance(ex, dict) and "chosen" in ex for ex in examples):
         seen["pairs"] = pair_stats(trained_each)
     stats = replace(stats, loss_view=seen, held_out=len(parts.held_out), held_out_lines=len(examples) - len(train))
     if data.form == "unpaired":
-        stats = replace(stats, labels=class_balance(recipe, [examples[i] for i in train]))
+        stats = replace(stats, labels=class_balance(recipe, trains))
     eval_examples = split.load_eval_data(recipe) if recipe.eval.data else None  # a broken eval file stops here
     _task_settings_fit(recipe, examples, lengths, parts, eval_examples)
     if recipe.eval.data:

@@ -119,10 +119,10 @@ def choose(references: list[str]) -> tuple[str, str]:
         return "json", f"all {n} references parse as JSON objects: parse rate, keys and field-level exact match"
     labels = {normalise(r) for r in references}
     longest = max((len(r.split()) for r in references), default=0)
+    words = f"{longest} word{'' if longest == 1 else 's'}"
     if n and longest <= LABEL_MAX_WORDS and len(labels) <= min(LABEL_MAX_DISTINCT, max(2, n // 2)):
         return "exact", (
-            f"the {n} references are {len(labels)} distinct short labels (at most {longest} "
-            f"word{'' if longest == 1 else 's'}): "
+            f"the {n} references are {len(labels)} distinct short labels (at most {words}): "
             "accuracy after whitespace and case normalisation"
         )
     if n and single_tokens(references):
@@ -132,11 +132,7 @@ def choose(references: list[str]) -> tuple[str, str]:
             f"the {n} references are single {'numbers' if numbers else 'words'} ({len(labels)} distinct): "
             "right or wrong, accuracy after whitespace and case normalisation (chrF would credit shared characters)"
         )
-    return "text", (
-        f"the {n} references are free text ({len(labels)} distinct, up to {longest} "
-        f"word{'' if longest == 1 else 's'}): chrF, "
-        "plus exact match"
-    )
+    return "text", f"the {n} references are free text ({len(labels)} distinct, up to {words}): chrF, plus exact match"
 
 
 def _is_number(text: str) -> bool:
