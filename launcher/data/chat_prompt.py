@@ -26,9 +26,8 @@ def shape(conv: list[dict[str, Any]]) -> str:
 
 
 def trained_context(tokenizer, conv: list[dict[str, Any]], last: int, kw: dict[str, Any]) -> Optional[dict[str, Any]]:
-    """What the training sequence holds in front of the last answer: its tokens before the answer's first character
-    ("ids"), the answer's first token ("next"; "merged": it begins inside the text before, as ` 16` after
-    `ASSISTANT:`). None when the template does not write the answer verbatim."""
+    """The training sequence's tokens before the last answer's first character ("ids"), the answer's first token
+    ("next"; "merged": it begins inside the text before, as ` 16` after `ASSISTANT:`); None if not written verbatim."""
     full = conv[: last + 1]
     text = tokenizer.apply_chat_template(full, tokenize=False, **kw)
     ids = list(tokenizer.apply_chat_template(full, tokenize=True, return_dict=True, **kw)["input_ids"])

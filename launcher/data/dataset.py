@@ -76,11 +76,8 @@ class LoadedData:
 
 def load_data(spec: Any, seed: int = 42, columns: bool = False) -> LoadedData:
     """The recipe's `data` (or `eval.data`) as training examples: the one way from a data spec to examples.
-
-    `spec`: a path, a Hub id, a data mapping (or DataSource), or a list of them (mixed by weight, a fractional part
-    drawn with `seed`). A `DataError` names the bad records, a mixed-format or empty source, or sources of different
-    forms. `columns`: each example keeps its record's other columns (GRPO's rewards read them by name).
-    """
+    `spec`: a path, a Hub id, a data mapping, or a list of them (mixed by weight, drawn with `seed`); a DataError names
+    the bad records. `columns`: each example keeps its record's other columns (GRPO's rewards read them by name)."""
     sources = sources_of(spec)
     examples: list[dict[str, Any]] = []
     where: list[str] = []
@@ -494,9 +491,8 @@ def compute_stats(
 
 
 def smoke_sample(lengths: list[int], fraction: float, min_examples: int, seed: int, longest: int = 1) -> list[int]:
-    """Indices of the smoke sample: `fraction` of the data, at least `min_examples`, the `longest` longest in (peak
-    memory is the longest batch's); the rest a seeded draw, so the measured steps have the data's usual lengths
-    (more long examples biased the ETA by -12% to +21% on CPU)."""
+    """Indices of the smoke sample: `fraction` of the data, at least `min_examples`, the `longest` longest in; the rest
+    a seeded draw, so the measured steps have the data's usual lengths (long ones biased the ETA -12% to +21%, CPU)."""
     n = len(lengths)
     want = min(n, max(math.ceil(fraction * n), min_examples))
     by_length = sorted(range(n), key=lambda i: (-lengths[i], i))
@@ -514,9 +510,8 @@ def write_jsonl(path: Path, examples: list[Any]) -> None:
 
 
 def to_dataset(examples: list[Any]):
-    """A `datasets.Dataset` for the objective's trainer. Message lists are `Json` values (datasets 5.2.0,
-    features/features.py): Arrow would give every message the union of all messages' keys and refuse tool-call
-    arguments of different shapes. Tool schemas go as JSON text, which TRL's tokenize_fn decodes (sft_trainer.py)."""
+    """A `datasets.Dataset` for the trainer: message lists as `Json` values (datasets 5.2.0, features/features.py: Arrow
+    would unify the messages' keys), tool schemas as JSON text, which TRL's tokenize_fn decodes (sft_trainer.py)."""
     from datasets import Dataset, Features, Json, List, Value
 
     rows = [{"messages": ex} if isinstance(ex, list) else dict(ex) for ex in examples]

@@ -326,9 +326,8 @@ def _system_turn(record: dict) -> list[dict[str, Any]]:
 
 
 def sharegpt_messages(turns: list, field: str) -> list[dict[str, Any]]:
-    """ShareGPT turns ({from, value}; role/content written under the ShareGPT key read as they are) as messages:
-    the roles mapped (SHAREGPT_ROLES), a function_call turn as the assistant's tool_calls. Not yet checked
-    (check_messages does that)."""
+    """ShareGPT turns ({from, value}; role/content ones as they are) as messages, not yet checked: the roles mapped
+    (SHAREGPT_ROLES), a function_call turn as the assistant's tool_calls."""
     msgs: list[dict[str, Any]] = []
     for i, t in enumerate(turns):
         where = f"{field}[{i}]"

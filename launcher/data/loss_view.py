@@ -360,10 +360,8 @@ def check(
     origin: Optional[list[int]] = None,
     sources: Optional[list[str]] = None,
 ) -> Optional[dict[str, Any]]:
-    """Every example marked; a DataError when too many train nothing, a trained turn does not end with the
-    end-of-turn token, or max_length cuts too many answers. Returns the record the run keeps (data.json
-    "loss_view": an example per source, the statistics, the resolved assistant_only_loss), or None without the
-    model's tokenizer on this machine."""
+    """Every example marked; a DataError where too many train nothing, miss the end-of-turn token or are cut. The
+    record the run keeps (data.json "loss_view"), or None without the model's tokenizer on this machine."""
     settings, why = resolve_answers_only(model, settings, examples, where)
     try:
         view = LossView(model, settings)

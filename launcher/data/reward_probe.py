@@ -201,9 +201,8 @@ class Probe:
         return "; ".join(parts)
 
     def check(self, form: bool, fix: str, alike_fix: str) -> str:
-        """The plan's line for this reward, or a RecipeError (the module docstring's refusals; `form`: the recipe's
-        `scores: form`). `fix`: the advice where it cannot tell right from wrong; `alike_fix`: where it scores every
-        answer alike."""
+        """The plan's line for this reward, or a RecipeError (module docstring; `form`: the recipe's `scores: form`),
+        with `fix` where it cannot tell right from wrong and `alike_fix` where it scores every answer alike."""
         values = self.values()
         numbers_ = {v for v in values if v is not None}
         if len(numbers_) <= 1:

@@ -31,9 +31,8 @@ def split(n: int, fraction: Optional[float], seed: int) -> Split:
 
 
 def for_recipe(examples: list, recipe) -> Split:
-    """The recipe's split of its examples: identical examples (a weight 2, a repeated line) are held out or trained
-    together; the draw is over the distinct examples in order of first appearance (with no duplicates, exactly
-    `split(len(examples), ...)`); the eval pass uses one copy of each held-out example."""
+    """The recipe's split: identical examples held out or trained together, the draw over the distinct ones (with no
+    duplicates, exactly `split(len(examples), ...)`); the eval pass uses one copy of each held-out example."""
     if not recipe.eval.fraction:
         return Split(list(range(len(examples))), [])
     first: dict[str, int] = {}  # example -> its number among the distinct examples

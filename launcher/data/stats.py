@@ -59,9 +59,8 @@ def _splits(recipe: Any) -> bool:
 
 
 def _prompt_stats(recipe: Any, data: Any):
-    """GRPO's data: each prompt counts its tokens plus grpo.max_completion_length (`completion_length`). Refused: a
-    completion length or a prompt that leaves no room for the other in max_length (TRL does not truncate prompts),
-    and rewards that cannot score the data (rewards.py `refusals`, whose probe lines the plan shows)."""
+    """GRPO's data: each prompt counts its tokens plus grpo.max_completion_length. Refused: lengths that leave no room
+    in max_length (TRL does not truncate prompts), and rewards that cannot score the data (rewards.py `refusals`)."""
     examples = data.examples
     parts = split.for_recipe(examples, recipe)
     train = parts.train
@@ -111,9 +110,8 @@ SHORTEST_COMPLETION = 16
 
 
 def completion_length(recipe: Any, references: list[Optional[str]], longest_prompt: int) -> dict[str, Any]:
-    """grpo.max_completion_length as the run samples with it: {"tokens", "derived", "why"}. The recipe's own value;
-    left out, where every reward is a task metric and the data has references, twice the longest reference (rounded
-    up to a multiple of 8) within the room max_length leaves beside the longest prompt; else the default, and why."""
+    """grpo.max_completion_length as the run samples with it: {"tokens", "derived", "why"}: the recipe's; else, with
+    task-metric rewards and references, twice the longest reference within max_length's room; else the default."""
     s = recipe.grpo
     if "max_completion_length" in s.model_fields_set:
         return {"tokens": s.max_completion_length, "derived": False, "why": "the recipe's"}

@@ -16,9 +16,8 @@ MIN_EXAMPLES = 10  # fewer held-out examples than this give a score too coarse t
 
 
 def prompt_and_reference(example: Any) -> Optional[dict[str, Any]]:
-    """{"messages": ..., "reference": ...}: the turns before the last answer (a pair's chosen one, a completion, a
-    prompt row's reference), and that answer; "text" too where the prompt is a plain string (answered without the
-    chat template, as it trained). None where there is no such answer."""
+    """{"messages": ..., "reference": ...}: the turns before the last answer (a pair's chosen, a completion, a prompt
+    row's reference) and that answer; "text" too for a plain-string prompt. None where there is no such answer."""
     if isinstance(example, dict) and "chosen" in example:
         example = formats.sequences(example)[0]
     if isinstance(example, dict) and example.get(formats.LABEL) is False:
@@ -110,9 +109,8 @@ def build_task(
     eval_examples: Optional[list] = None,
     max_new_tokens_cap: int = 128,
 ) -> dict[str, Any]:
-    """What the task evaluation asks, as data (stored in the run so every scorer asks the same): {"metric",
-    "metric_reason", "prompts", "shots", "max_new_tokens"}; or {"not_applicable": why} / {"too_few": n, ...}.
-    `settings`: the recipe's eval.task; `eval_examples`: eval.data's examples, all held out."""
+    """What the task evaluation asks, stored in the run so every scorer asks the same ({"metric", "prompts", "shots",
+    ...}, or {"not_applicable"} / {"too_few"}). `eval_examples`: eval.data's examples, all held out."""
     from launcher.data import task_metrics
 
     pool_examples, pool = (eval_examples, list(range(len(eval_examples)))) if eval_examples else (examples, held_out)
@@ -166,9 +164,8 @@ def refusals(
     seed: int,
     eval_examples: Optional[list] = None,
 ) -> list[str]:
-    """The eval.task settings this data cannot honour, each naming the key, the value and the largest that fits (the
-    plan refuses them). Only values other than the defaults are refused: a default adapts. `lengths`: each example's
-    tokens, for the shots against max_length."""
+    """The eval.task settings other than their defaults that this data cannot honour, each with the largest value
+    that fits (the plan refuses them). `lengths`: each example's tokens, for the shots against max_length."""
     from launcher.data import task_metrics
 
     if not settings.examples:

@@ -67,9 +67,8 @@ def base_key(t: dict[str, Any]) -> Optional[str]:
 
 
 def difference(t: dict[str, Any]) -> Optional[dict[str, Any]]:
-    """The fine-tuned score against the one the verdict reads: {"gain" (points, as shown), "noise" (two standard
-    errors of the per-example differences), "within" (|gain| inside the noise), "n", ...}; None until both are
-    scored."""
+    """The fine-tuned score against the verdict's: {"gain" (points, as shown), "noise" (two standard errors of the
+    per-example differences), "within" (|gain| inside the noise), "n", ...}; None until both are scored."""
     scores, key = t.get("scores") or {}, base_key(t)
     if key is None or scores.get(FINE_TUNED) is None:
         return None

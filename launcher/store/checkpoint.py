@@ -139,11 +139,8 @@ class ChoiceCancelled(RuntimeError):
 
 
 class BackgroundManifest:
-    """The manifest of the newest checkpoint, hashed and written by a background thread while training goes on.
-
-    Until it is written the folder is not a checkpoint (resume, sync and retention ignore it; a kill leaves it to be
-    removed as incomplete). The owner waits for it before the next checkpoint and before the process exits.
-    """
+    """The newest checkpoint's manifest, hashed and written by a background thread while training goes on; until
+    then the folder is no checkpoint. The owner waits for it before the next checkpoint and before it exits."""
 
     def __init__(self, log: Callable[[str], None] = print):
         self.log = log

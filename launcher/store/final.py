@@ -221,9 +221,8 @@ def _missing(folder: Path, name: str) -> Verdict:
 def verify_adapter(
     folder: Path, target_modules: Union[str, list[str]], base: Optional[dict[str, list[int]]] = None
 ) -> Verdict:
-    """adapter_config.json and adapter_model.safetensors: LoRA A/B pairs for every target module, ranks that
-    agree, no empty or non-finite tensor, not the untrained initialisation; with the base model's weight names
-    (`base`), every adapted module exists in the base and every targeted base module is adapted."""
+    """The adapter's config and weights: LoRA A/B pairs for every target module, ranks that agree, finite, trained;
+    with the base model's weight names (`base`), every adapted module in the base and every targeted one adapted."""
     folder = Path(folder)
     where = f"final/{folder.name}"
     weights = f"{where}/{ADAPTER_WEIGHTS}"

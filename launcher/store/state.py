@@ -225,9 +225,8 @@ def same_process(record: Optional[dict[str, Any]]) -> bool:
 
 
 def run_holder(run: RunDir, data: Optional[dict[str, Any]] = None) -> Optional[dict[str, Any]]:
-    """The live process that drives the run (its supervisor, or the launcher while it plans and smoke-tests), with
-    "role"; None when no verified process holds the run's lock. A supervisor found by its command line counts too:
-    state.json may not name it yet."""
+    """The live process that drives the run (supervisor, or launcher while it plans), with "role"; None when no
+    verified process holds the lock. A supervisor found by its command line counts too (state.json may lag)."""
     if not is_locked(run):
         return None
     data = read_state(run) if data is None else data

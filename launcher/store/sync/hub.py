@@ -18,9 +18,8 @@ HUB_TMP_PREFIX = ".hf-get-"  # HubDestination.get_file's download folder beside 
 
 
 class HubDestination(Destination):
-    """A private Hugging Face repo, changed only through commits (HfApi.create_commit), each all or nothing: a
-    checkpoint is one commit, retention squashes the history (docs/sync.md, "Hugging Face Hub"). The token is
-    huggingface_hub's own. A 429, 408 or 5xx is retried here (hub_retry_delay); `on_wait` hears of each wait."""
+    """A private Hugging Face repo, changed only through commits, each all or nothing (docs/sync.md, "Hugging Face
+    Hub"). A 429, 408 or 5xx is retried here (hub_retry_delay); `on_wait` hears of each wait."""
 
     RETRY_STATUSES = (408, 429, 500, 502, 503, 504)
     ATTEMPTS = 6  # then the error goes to the Syncer, which tries again on its own, slower cadence
@@ -243,9 +242,8 @@ class HubDestination(Destination):
         )
 
     def verify_dir(self, rel: str, manifest: dict[str, Any], local: Optional[Path] = None) -> tuple[bool, str]:
-        """From what the Hub lists, without downloading: every file with the manifest's size; a large file under the
-        manifest's sha256 (its LFS oid), a small one under the git blob id of the sent file (which matches the
-        manifest) or, without it, downloaded and hashed."""
+        """From what the Hub lists, without downloading: each file's size; a large file's LFS oid against the manifest's
+        sha256, a small one's git blob id against the sent file's (else downloaded and hashed)."""
         names = list(manifest["files"])
         infos = self._paths_info([self._p(f"{rel}/{n}") for n in names])
         for name in names:

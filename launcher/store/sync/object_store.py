@@ -54,9 +54,8 @@ class FsspecDestination(Destination):
             self.fs.put_file(str(local), target)
 
     async def _s3_put(self, local: Path, target: str) -> "SentDigests":
-        """Upload with SHA-256 checksums, in one PUT or, from twice the part size on (s3fs's rule,
-        S3FileSystem._put_file), as a multipart upload with a checksum per part (s3fs passes none with its parts,
-        and S3 keeps a multipart object's SHA-256 only as a composite of its parts')."""
+        """Upload with SHA-256 checksums: one PUT, or from twice the part size on (S3FileSystem._put_file) a
+        multipart upload with a checksum per part (s3fs sends none, and S3 composes a multipart SHA-256 from them)."""
         import asyncio
 
         bucket, key, _ = self.fs.split_path(target)
