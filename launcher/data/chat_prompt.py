@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-# chat-template switches a template may read, and the values tried when its default does not give the trained
-# context (Qwen3's enable_thinking=false writes the empty think block its history has)
+# chat-template switches a template may read, and the values tried where its default does not give the trained context
 TEMPLATE_SWITCHES = {"enable_thinking": (False, True)}
 
 

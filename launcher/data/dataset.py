@@ -262,9 +262,7 @@ def load_examples(spec: Any) -> list[list[dict[str, Any]]]:
     return [formats.conversation(e) for e in load_data(spec).examples]
 
 
-# Token counting without torch: the model's tokenizer and its chat template rendered as transformers does.
-# While `render_tracked` renders: (the blocks so far, each {% generation %} block's character span), as
-# transformers 5.24 AssistantTracker keeps them (utils/chat_template_utils.py).
+# While `render_tracked` renders: (the blocks so far, the generation spans), as transformers 5.24 AssistantTracker
 _TRACKING: ContextVar = ContextVar("ftrun_generation_tracking", default=None)
 
 

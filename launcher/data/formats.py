@@ -56,8 +56,7 @@ FORMS: dict[str, Form] = {
     "text": Form("text", ("text",), "plain text (no chat template)"),
 }
 
-# The keys of a converted example (forms' columns, tools, images). Any other key is a column kept for GRPO's
-# rewards (dataset.py load_data `columns`).
+# The keys of a converted example; any other is a column kept for GRPO's rewards (dataset.py load_data `columns`)
 EXAMPLE_KEYS = tuple(dict.fromkeys(k for f in FORMS.values() for k in (f.marker, *f.columns))) + ("tools", "images")
 # What the formats read besides their detection keys: not kept as columns of their own.
 READ_KEYS = ("input", "system", "history", "conversations", "instruction", "output")
@@ -80,8 +79,7 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # Per-turn training switches (OpenAI's "weight", Axolotl's message_field_training "train"): ftrun trains every
 # assistant turn alike, so a turn switched on is accepted and one switched off is refused.
 TRAINING_SWITCHES = ("weight", "train", "training")
-# ShareGPT's role names as Axolotl, LLaMA-Factory and FastChat write them.
-# (a function_call turn's value is the call as JSON: it becomes the assistant's tool_calls)
+# ShareGPT's role names as Axolotl, LLaMA-Factory and FastChat write them
 SHAREGPT_ROLES = {
     **dict.fromkeys(("human", "user"), "user"),
     **dict.fromkeys(("gpt", "assistant", "model", "chatgpt", "bard", "bing", "function_call"), "assistant"),
@@ -162,8 +160,7 @@ def convert(record: Any, fmt: str, columns: bool = False) -> dict[str, Any]:
     return FORMATS[fmt].convert(record, other)
 
 
-# Keys at the top of a record that a format may not honour, with what the refusal says of them (any other is refused
-# all the same).
+# What the refusal of a key at the top of a record says of it (a key not here is refused all the same)
 TOP_KEY_MEANINGS = {
     "label": "an unpaired preference label (KTO's desirable/undesirable): a preference objective that trains "
     "unpaired data reads it, no other",

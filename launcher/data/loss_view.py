@@ -19,8 +19,7 @@ from launcher.errors import DataError
 
 # Examples whose labels keep no token (TRL 1.16 drops them silently): above this share the data check refuses.
 EMPTY_SHARE_LIMIT = 0.01
-# Examples whose trained part max_length cuts: above this share the data check refuses (max_length at the data's
-# p95 is usual; the test data's max_length 256 cuts 3.8%). The default of the recipe's max_length_may_cut.
+# The default of max_length_may_cut: the share of cut answers the data check allows (the test data's 256 cuts 3.8%)
 CUT_SHARE_LIMIT = 0.05
 # The example shown: at most this many characters, the middle elided.
 SHOWN_CHARS = 900
@@ -271,8 +270,7 @@ def percentile(values: list[int], q: float) -> int:
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)] if ordered else 0
 
 
-# Where the recipe leaves assistant_only_loss out, the answers train when the template can mark them (as
-# LLaMA-Factory, Axolotl and Unsloth default to); else the whole conversation, and the plan says why.
+# A left-out assistant_only_loss trains the answers where the template can mark them, as the other tools default to
 ANSWERS_ONLY_WHY = (
     "the default where the chat template marks the answers, as LLaMA-Factory (train_on_prompt: false) and Axolotl "
     "(train_on_inputs: false) train; assistant_only_loss: false trains the whole conversation"

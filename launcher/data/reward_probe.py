@@ -19,8 +19,7 @@ from launcher.errors import RecipeError
 
 # The prompts a function is probed on (the first ones with different right answers)
 PROBE_PROMPTS = 4
-# Each answer as it is and as reward functions expect it (trl.rewards accuracy_reward's boxed answer,
-# think_format_reward's <think> block, the <reasoning>/<answer> tags of Unsloth's GRPO notebooks)
+# Each answer as it is and as reward functions expect it (trl.rewards, Unsloth's GRPO notebooks)
 DRESSINGS = (
     "{}",
     "The answer is {}.",

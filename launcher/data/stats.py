@@ -219,8 +219,7 @@ def pair_stats(trained: list[int]) -> dict[str, Any]:
     }
 
 
-# KTO's class balance (trl 1.16 kto_trainer.py _prepare_dataset; docs/data.md, "KTO's classes"); off by more than
-# FAR_OFF beyond either end, the plan refuses.
+# KTO's class balance (trl 1.16 kto_trainer.py _prepare_dataset; docs/data.md, "KTO's classes") and the refusal's
 BALANCE_RANGE = (1.0, 4 / 3)
 FAR_OFF = 1.5
 

@@ -13,8 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-# The reference article: "if the format or style is still wrong in one case out of five, a fine-tune pays":
-# a base model with examples in its prompt scoring below this pays for a fine-tune.
+# The reference article: "still wrong in one case out of five" (with examples in the prompt): a fine-tune pays
 PAYS_BELOW = 0.8
 # Labels: at most this many words each, and few distinct ones (a class, a category, a yes/no).
 LABEL_MAX_WORDS = 4

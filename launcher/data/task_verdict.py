@@ -9,8 +9,7 @@ from typing import Any, Optional
 
 from launcher.data.task_metrics import PAYS_BELOW, fine_tune_pays, word as metric_word
 
-# The score names of task_eval.json: the base model zero-shot and with the task's examples in its prompt, the trained
-# model (each export adds its own name: merged, gguf-q4_k_m)
+# The score names of task_eval.json (each export adds its own: merged, gguf-q4_k_m)
 BASE_ZERO_SHOT, BASE_FEW_SHOT, FINE_TUNED = "base_zero_shot", "base_few_shot", "fine_tuned"
 # A run from a parent adapter (init_from) scores the parent where another scores the base; this row scores the base
 # model without any adapter, so a chain (SFT, then DPO or GRPO) reads against the bare base too

@@ -56,11 +56,8 @@ def sha256_files(paths: list[Path], workers: Optional[int] = None, fsync: bool =
     def one(path: Path) -> str:
         digest = sha256_file(path)
         if fsync:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            with path.open("rb") as fh:
+                os.fsync(fh.fileno())
         return digest
 
     if workers == 1:

@@ -239,8 +239,7 @@ def run_holder(run: RunDir, data: Optional[dict[str, Any]] = None) -> Optional[d
     return None
 
 
-# The module each role of a run runs as (`python -m MODULE --run-dir RUN`); the second, the flat layout's name before
-# 2026-12-02, so that an upgrade never leaves a worker training unseen beside a new one.
+# The module each role runs as (`python -m MODULE --run-dir RUN`), and its name before 2026-12-02 (an upgrade's)
 ROLE_MODULES = {
     "train": ("launcher.worker.train", "launcher.train"),
     "supervisor": ("launcher.run.supervisor", "launcher.supervisor"),

@@ -31,8 +31,7 @@ class Kind:
     problem: Callable[[str], Optional[str]]  # what a value of this kind lacks, checked when the recipe loads
 
 
-# The fsspec protocols ftrun copies to: filesystems and object stores that take writes and keep them (not http(s),
-# read-only in fsspec, nor memory://, gone with the process). Each needs its fsspec backend installed.
+# The fsspec protocols ftrun copies to (stores that take writes and keep them), each with its backend package
 FSSPEC_PROTOCOLS = {"file": None, "local": None, "s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}
 FSSPEC_PROTOCOLS.update(az="adlfs", abfs="adlfs", abfss="adlfs", sftp="paramiko")
 BUCKETS = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")
