@@ -192,19 +192,15 @@ def convert(entry: Entry, record: dict) -> tuple[str, dict[str, Any]]:
             formats.check_top_keys(record, "", [c[k] for k in ("prompt", "query") if c.get(k)], entry.describe())
             return "text", {"text": _alpaca_prompt(record, c, None)[-1]["content"]}
         prompt = _alpaca_prompt(record, c, system)
+
+        def answer(column: str) -> list[dict[str, Any]]:
+            return [{"role": "assistant", "content": _string(record, c[column])}]
+
         if c.get("kto_tag"):
-            return _unpaired(entry, record, prompt, [{"role": "assistant", "content": _string(record, c["response"])}])
+            return _unpaired(entry, record, prompt, answer("response"))
         if entry.ranking:
-            return _pair(
-                entry,
-                prompt,
-                [{"role": "assistant", "content": _string(record, c["chosen"])}],
-                [{"role": "assistant", "content": _string(record, c["rejected"])}],
-                tools,
-            )
-        return "messages", _with_tools(
-            {"messages": prompt + [{"role": "assistant", "content": _string(record, c["response"])}]}, tools
-        )
+            return _pair(entry, prompt, answer("chosen"), answer("rejected"), tools)
+        return "messages", _with_tools({"messages": prompt + answer("response")}, tools)
     turns = formats._maybe_json(record.get(c["messages"]), c["messages"])
     if not isinstance(turns, list) or not turns:
         raise formats.RecordProblem(f"'{c['messages']}' must be a non-empty list of turns")

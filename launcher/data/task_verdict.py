@@ -140,24 +140,22 @@ def verdict(t: dict[str, Any], price: str = "") -> str:
     score, who = base_score(t)
     if score is None:
         if (t.get("scores") or {}).get(FINE_TUNED) is not None:  # after training, and nothing to compare with
+            cannot = " (an adapter from init_from cannot be switched off to score it after)"
             return (
                 f"the {start_name(t)} was not scored, so there is no comparison: set eval.task.baseline: run to "
-                "score it before training"
-                + (
-                    " (an adapter from init_from cannot be switched off to score it after)"
-                    if t.get("starting_point")
-                    else ""
-                )
+                f"score it before training{cannot if t.get('starting_point') else ''}"
             )
         return f"the {start_name(t)} has not been scored yet"
     diff, metric = difference(t), t.get("metric")
     word = metric_word(metric) or "score"
+    change, exact = _judged(t, diff, word) if diff is not None else ("", "")
+    versus = (
+        f"{change} on the task ({pct(t['scores'][FINE_TUNED])} against {pct(score)} {word}, {noise_words(diff)}{exact})"
+        if diff is not None
+        else ""
+    )
     if diff is not None and t.get("starting_point"):  # a step from a parent adapter is judged against where it started
-        change, exact = _judged(t, diff, word)
-        return (
-            f"this run against the {who}: {change} on the task ({pct(t['scores'][FINE_TUNED])} against "
-            f"{pct(score)} {word}, {noise_words(diff)}{exact})"
-        )
+        return f"this run against the {who}: {versus}"
     pays = t["fine_tune_pays"] if t.get("fine_tune_pays") is not None else fine_tune_pays(score)
     if pays:
         fifths = max(1, round(5 * (1 - score)))
@@ -168,12 +166,8 @@ def verdict(t: dict[str, Any], price: str = "") -> str:
         else:
             said = f"{who}: {pct(score)} {word}, below the {pct(PAYS_BELOW)} a prompt would need"
         onward = "training on from it" if t.get("starting_point") else "fine-tuning"
-        change, exact = _judged(t, diff, word) if diff is not None else ("", "")
         if diff is not None and change != "better":  # after training: the run did not deliver it
-            return (
-                f"{said}, so {onward} should pay; this run did not: {change} on the task "
-                f"({pct(t['scores'][FINE_TUNED])} against {pct(score)} {word}, {noise_words(diff)}{exact})"
-            )
+            return f"{said}, so {onward} should pay; this run did not: {versus}"
         return f"{said}: {onward} pays"
     said = f"right in {pct(score)}" if metric == "exact" else f"{pct(score)} {word}"
     prompt = "a prompt with examples" if not who.endswith("zero-shot") else "a prompt"

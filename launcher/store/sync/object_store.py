@@ -187,6 +187,10 @@ def s3_part_bytes(size: int) -> int:
     return max(50 << 20, -(-size // 10_000))
 
 
+def _b64(digest: bytes) -> str:
+    return base64.b64encode(digest).decode()
+
+
 class SentDigests:
     """The digests of a file as uploaded: its sha256, and what the store will report of those bytes: S3's SHA-256
     (whole, or composite of the parts, '-N') and ETag (MD5, or of the parts' MD5s, '-N'), GCS's md5Hash."""
@@ -200,25 +204,19 @@ class SentDigests:
     def add_part(self, data: bytes) -> None:
         self._sha256.update(data)
         self._md5.update(data)
-        self.parts.append(
-            (
-                base64.b64encode(hashlib.sha256(data).digest()).decode(),
-                hashlib.md5(data, usedforsecurity=False).digest(),
-            )
-        )
+        self.parts.append((_b64(hashlib.sha256(data).digest()), hashlib.md5(data, usedforsecurity=False).digest()))
 
     def done(self, multipart: bool) -> "SentDigests":
         self.sha256 = self._sha256.hexdigest()
-        self.gs_md5 = base64.b64encode(self._md5.digest()).decode()
+        self.gs_md5 = _b64(self._md5.digest())
         if multipart:
             n = len(self.parts)
             self.s3_checksum = (
-                base64.b64encode(hashlib.sha256(b"".join(base64.b64decode(p) for p, _ in self.parts)).digest()).decode()
-                + f"-{n}"
+                _b64(hashlib.sha256(b"".join(base64.b64decode(p) for p, _ in self.parts)).digest()) + f"-{n}"
             )
             self.etag = hashlib.md5(b"".join(m for _, m in self.parts), usedforsecurity=False).hexdigest() + f"-{n}"
         else:
-            self.s3_checksum = self.parts[0][0] if self.parts else base64.b64encode(hashlib.sha256().digest()).decode()
+            self.s3_checksum = self.parts[0][0] if self.parts else _b64(hashlib.sha256().digest())
             self.etag = self._md5.hexdigest()
         return self
 
@@ -236,7 +234,7 @@ class SentDigests:
                     whole_sha.update(chunk)
                     whole_md5.update(chunk)
                 sent._sha256, sent._md5 = whole_sha, whole_md5
-                sent.parts = [(base64.b64encode(whole_sha.digest()).decode(), whole_md5.digest())]
+                sent.parts = [(_b64(whole_sha.digest()), whole_md5.digest())]
             else:
                 for chunk in iter(lambda: fh.read(part), b""):
                     sent.add_part(chunk)
