@@ -235,9 +235,7 @@ def _dpo_chat_template(record: dict, o: dict) -> tuple[str, dict[str, Any]]:
 
     def answer(k: str) -> list[dict[str, Any]]:
         raw = formats._maybe_json(record.get(k), k)
-        if isinstance(raw, str):
-            return [{"role": "assistant", "content": raw}]
-        return [_message(raw, k, props, roles)]
+        return [{"role": "assistant", "content": raw}] if isinstance(raw, str) else [_message(raw, k, props, roles)]
 
     return "preference", {"prompt": prompt, "chosen": answer(ck), "rejected": answer(rk)}
 

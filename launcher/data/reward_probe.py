@@ -334,9 +334,7 @@ def _token_ids(model: str, text: str) -> list[int]:
         read = read_tokenizer(folder) if folder is not None else None
         _ENCODERS[model] = read.tokenizer if read is not None else None
     encoder = _ENCODERS[model]
-    if encoder is None:
-        return [ord(c) for c in text]
-    return list(encoder.encode(text, add_special_tokens=False).ids)
+    return [ord(c) for c in text] if encoder is None else list(encoder.encode(text, add_special_tokens=False).ids)
 
 
 def _is_number(value: Any) -> bool:

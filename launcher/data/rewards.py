@@ -69,9 +69,7 @@ def answer_text(completion: Any) -> str:
 
 def resolved_metric(metric: str, references: list[Optional[str]]) -> str:
     """`auto` as the task evaluation chooses it from the references (task_metrics.choose); a named metric as is."""
-    if metric != task_metrics.AUTO:
-        return metric
-    return task_metrics.choose([r for r in references if r is not None])[0]
+    return metric if metric != task_metrics.AUTO else task_metrics.choose([r for r in references if r is not None])[0]
 
 
 def metric_reward(metric: str) -> Callable[..., list[Optional[float]]]:

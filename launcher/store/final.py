@@ -393,6 +393,4 @@ def verify(final_root: Path, method: str, target_modules: Union[str, list[str]],
     """The run's final result as its recipe expects it (adapter or model), checked from its files."""
     base = base_weights(base_model)
     folder = path(final_root, method)
-    if kind(method) == ADAPTER:
-        return verify_adapter(folder, target_modules, base)
-    return verify_model(folder, base)
+    return verify_adapter(folder, target_modules, base) if kind(method) == ADAPTER else verify_model(folder, base)

@@ -68,10 +68,7 @@ def _hub_problem(url: str) -> Optional[str]:
 
 
 def _rsync_problem(url: str) -> Optional[str]:
-    path = url.split(":", 1)[1]
-    if not path:
-        return f"{url} names no folder on the host: write user@host:/path"
-    return None
+    return None if url.split(":", 1)[1] else f"{url} names no folder on the host: write user@host:/path"
 
 
 KINDS: tuple[Kind, ...] = (

@@ -160,12 +160,9 @@ class Syncer:
             return False
         except Exception as exc:  # never let a network problem end the training
             self.failures += 1
+            error = f"{type(exc).__name__}: {exc}"[:500]
             _write_sync_state(
-                self.run,
-                last_error=f"{type(exc).__name__}: {exc}"[:500],
-                last_error_at=time.time(),
-                failures=self.failures,
-                to=self.url,
+                self.run, last_error=error, last_error_at=time.time(), failures=self.failures, to=self.url
             )
             self.log(f"sync to {self.url} failed ({self.failures} in a row): {exc}")
             return False
