@@ -186,14 +186,10 @@ def process_identity(pid: Optional[int]) -> Optional[dict[str, Any]]:
     fields = stat.rsplit(")", 1)[1].split()  # fields[0] is field 3 (state)
     if fields[0] in ("Z", "X", "x"):
         return None
-    return {
-        "pid": int(pid),
-        "start": int(fields[19]),
-        "boot": _boot_id(),
-        "pgid": int(fields[2]),
-        "sid": int(fields[3]),
-        "ppid": int(fields[1]),
-    }
+    start = int(fields[19])  # clock ticks since boot (field 22)
+    return dict(
+        pid=int(pid), start=start, boot=_boot_id(), pgid=int(fields[2]), sid=int(fields[3]), ppid=int(fields[1])
+    )
 
 
 def _identity_psutil(pid: int) -> Optional[dict[str, Any]]:
@@ -204,14 +200,8 @@ def _identity_psutil(pid: int) -> Optional[dict[str, Any]]:
         p = psutil.Process(pid)
         if p.status() == psutil.STATUS_ZOMBIE:
             return None
-        return {
-            "pid": int(pid),
-            "start": round(p.create_time() * 100),
-            "boot": "",
-            "pgid": os.getpgid(pid),
-            "sid": os.getsid(pid),
-            "ppid": p.ppid(),
-        }
+        start = round(p.create_time() * 100)
+        return dict(pid=int(pid), start=start, boot="", pgid=os.getpgid(pid), sid=os.getsid(pid), ppid=p.ppid())
     except (psutil.Error, OSError):
         return None
 
