@@ -224,11 +224,7 @@ def _convert_source(
         examples.append(ex)
         where.append(w)
     if n_bad:
-        lines = []
-        for problem, places in list(problems.items())[:MAX_REPORTED]:
-            shown = ", ".join(places[:LOCATIONS_PER_PROBLEM])
-            more = f" and {len(places) - LOCATIONS_PER_PROBLEM} more" if len(places) > LOCATIONS_PER_PROBLEM else ""
-            lines.append(f"- {shown}{more}: {problem}")
+        lines = [f"- {_some(places)}: {problem}" for problem, places in list(problems.items())[:MAX_REPORTED]]
         if len(problems) > MAX_REPORTED:
             lines.append(f"- ... and {len(problems) - MAX_REPORTED} other problems")
         read_as = layout[0] if layout else formats.describe(fmt)
@@ -240,6 +236,12 @@ def _convert_source(
             "records (docs/data.md).",
         )
     return examples, where, fmt, layout[0] if layout else None
+
+
+def _some(places: list[str]) -> str:
+    """The first LOCATIONS_PER_PROBLEM places, and how many more there are."""
+    more = len(places) - LOCATIONS_PER_PROBLEM
+    return ", ".join(places[:LOCATIONS_PER_PROBLEM]) + (f" and {more} more" if more > 0 else "")
 
 
 def _layout(source: Source) -> Optional[tuple[str, Callable[[dict], tuple[str, dict]], str]]:
@@ -440,12 +442,7 @@ def example_lengths(examples: list[Any], model: str, where: Optional[list[str]] 
     if dropped:
         raise DataError(
             f"the chat template of {model} does not render what these records hold, so training would silently "
-            "drop it:\n"
-            + "\n".join(
-                f"- {name}: {', '.join(places[:LOCATIONS_PER_PROBLEM])}"
-                + (f" and {len(places) - LOCATIONS_PER_PROBLEM} more" if len(places) > LOCATIONS_PER_PROBLEM else "")
-                for name, places in dropped.items()
-            ),
+            "drop it:\n" + "\n".join(f"- {name}: {_some(places)}" for name, places in dropped.items()),
             fix="train a model whose chat template renders them (Qwen3, Llama 3.1+ and most tool-calling models do), "
             "or remove those fields from these records.",
         )
