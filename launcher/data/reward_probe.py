@@ -127,11 +127,9 @@ class Probe:
                 culprit = j
                 break
         k, what, text = self.answers[culprit] if culprit is not None else self.answers[0]
-        on = (
-            f"for {_answer_words(what, text)} to the prompt of {self.where[k]}"
-            if culprit is not None
-            else f"when called on {asked}"
-        )
+        on = f"when called on {asked}"
+        if culprit is not None:
+            on = f"for {_answer_words(what, text)} to the prompt of {self.where[k]}"
         message = f"{self.label} raised {type(exc).__name__}: {exc} {on}, as TRL's GRPOTrainer calls it"
         if isinstance(exc, ImportError):
             return RecipeError(

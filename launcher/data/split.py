@@ -37,10 +37,8 @@ def for_recipe(examples: list, recipe) -> Split:
         return Split(list(range(len(examples))), [])
     first: dict[str, int] = {}  # example -> its number among the distinct examples
     # the same example with other columns beside it (an id) is still a copy
-    group = [
-        first.setdefault(json.dumps(formats.canonical(e), sort_keys=True, ensure_ascii=False), len(first))
-        for e in examples
-    ]
+    keys = [json.dumps(formats.canonical(e), sort_keys=True, ensure_ascii=False) for e in examples]
+    group = [first.setdefault(key, len(first)) for key in keys]
     parts = split(len(first), recipe.eval.fraction, recipe.seed)
     held = set(parts.held_out)
     first_copy = {g: i for i, g in reversed(list(enumerate(group)))}  # each distinct example's first index

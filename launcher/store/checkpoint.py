@@ -114,11 +114,8 @@ def write_manifest(ckpt: Path, step: int, meta: dict[str, Any], workers: Optiona
     """List every file with size and sha256, then write manifest.json last: its presence marks completeness."""
     # the weights as readable as the rest (safetensors writes them 0600, store/modes.py)
     apply_umask(ckpt)
-    paths = [
-        p
-        for p in sorted(ckpt.rglob("*"))
-        if p.is_file() and p.name != MANIFEST and not p.name.startswith(f".{MANIFEST}")
-    ]
+    files = (p for p in sorted(ckpt.rglob("*")) if p.is_file())
+    paths = [p for p in files if p.name != MANIFEST and not p.name.startswith(f".{MANIFEST}")]
     # each data file is fsynced before the manifest claims it
     digests = sha256_files(paths, workers, fsync=True)
     files = {p.relative_to(ckpt).as_posix(): {"size": p.stat().st_size, "sha256": d} for p, d in zip(paths, digests)}

@@ -159,12 +159,8 @@ class HubDestination(Destination):
         infos: dict[str, Any] = {}
         for chunk in chunk_iterable(paths, 500):  # the Hub takes 1,000 paths per call at most
             batch = list(chunk)
-            infos.update(
-                {
-                    i.path: i
-                    for i in self._retrying("read the file list", lambda: self.api.get_paths_info(self.repo, batch))
-                }
-            )
+            found = self._retrying("read the file list", lambda: self.api.get_paths_info(self.repo, batch))
+            infos.update({i.path: i for i in found})
         return infos
 
     def get_file(self, rel: str, local: Path) -> bool:
