@@ -62,11 +62,8 @@ class LoadedData:
         fmts = sorted({s["format"] for s in self.sources})
         layouts = sorted({s["layout"] for s in self.sources if s.get("layout")})
         what = ", ".join(layouts + [formats.describe(f) for f in fmts if not layouts])
-        converted = (
-            ""
-            if all(formats.FORMATS[f].native for f in fmts) and not layouts
-            else f", converted to {self.form.replace('_', '/')}"
-        )
+        native = all(formats.FORMATS[f].native for f in fmts) and not layouts
+        converted = "" if native else f", converted to {self.form.replace('_', '/')}"
         ignored = sorted({k for s in self.sources for k in s.get("ignore", ())})
         converted += f" (left out as the recipe's ignore: says: {', '.join(ignored)})" if ignored else ""
         many = f" from {len(self.sources)} sources" if len(self.sources) > 1 else ""
@@ -144,11 +141,8 @@ def _kind_name(key: str) -> str:
     form, _, conversational = key.partition("/")
     if form not in ("prompt_completion", "unpaired"):
         return key
-    return (
-        f"conversational {formats.FORMS[form].reads_as} (messages)"
-        if conversational
-        else f"plain {formats.FORMS[form].reads_as} (strings)"
-    )
+    reads = formats.FORMS[form].reads_as
+    return f"conversational {reads} (messages)" if conversational else f"plain {reads} (strings)"
 
 
 def _content_hash(examples: list[dict[str, Any]]) -> str:

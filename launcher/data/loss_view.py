@@ -185,11 +185,8 @@ class LossView:
         keep = slice(0, length)
         if s.max_length is not None and length > s.max_length and (not s.packing or s.packing_strategy == "bfd"):
             # _prepare_dataset truncates (keep_start or keep_end); BFD packing truncates each sequence the same way
-            keep = (
-                slice(length - s.max_length, length)
-                if s.truncation_mode == "keep_end" and not s.packing
-                else slice(0, s.max_length)
-            )
+            keep_end = s.truncation_mode == "keep_end" and not s.packing
+            keep = slice(length - s.max_length, length) if keep_end else slice(0, s.max_length)
         cut = any(labelled[: keep.start]) or any(labelled[keep.stop :])
         ids, offsets, labelled = ids[keep], offsets[keep], labelled[keep]
         trained = [t and i > 0 for i, t in enumerate(labelled)]  # the first token of a sequence is never a target
@@ -543,11 +540,8 @@ def render_segments(segments, color: bool = False, limit: Optional[int] = SHOWN_
     total = sum(len(t) for t, _ in segments)
     if limit and total > limit:
         head, tail = limit * 2 // 3, limit // 3
-        segments = (
-            _slice(segments, 0, head)
-            + [(f" ... ({total - head - tail:,} characters) ... ", None)]
-            + _slice(segments, total - tail, total)
-        )
+        middle = [(f" ... ({total - head - tail:,} characters) ... ", None)]
+        segments = _slice(segments, 0, head) + middle + _slice(segments, total - tail, total)
     out = []
     for text, trained in segments:
         if trained is None:

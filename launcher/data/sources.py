@@ -284,11 +284,8 @@ def _is_saved_dataset(path: Path) -> bool:
 
 
 def _read_folder(path: Path, source: Source) -> tuple[list[tuple[str, Any]], dict[str, Any]]:
-    files = sorted(
-        p
-        for p in path.rglob("*")
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
-    )
+    files = sorted(p for p in path.rglob("*") if p.is_file())
+    files = [p for p in files if not any(part.startswith(".") for part in p.relative_to(path).parts)]
     digest = hashlib.sha256()
     for p in files:
         digest.update(f"{p.relative_to(path)}\0{sha256_file(p)}\n".encode())

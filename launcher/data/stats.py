@@ -94,13 +94,8 @@ def _prompt_stats(recipe: Any, data: Any):
         )
     lengths = [n + answer for n in prompt_lengths]
     stats = compute_stats([examples[i] for i in train], [lengths[i] for i in train], source, recipe.max_length, data)
-    stats = replace(
-        stats,
-        held_out=len(parts.held_out),
-        held_out_lines=len(examples) - len(train),
-        rewards=tuple(probed),
-        completion_length=sized,
-    )
+    held = dict(held_out=len(parts.held_out), held_out_lines=len(examples) - len(train))
+    stats = replace(stats, **held, rewards=tuple(probed), completion_length=sized)
     _task_settings_fit(recipe, examples, lengths, parts, None)
     return examples, lengths, stats
 

@@ -60,10 +60,8 @@ def read_tokenizer(model_dir: Path) -> Optional[ModelTokenizer]:
     if not tok_json.is_file():
         return None
     # read once per version of the files (the data check reads it twice; an edited file is read anew)
-    versions = tuple(
-        _version(model_dir / n)
-        for n in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
-    )
+    names = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+    versions = tuple(_version(model_dir / n) for n in names)
     return _read(model_dir.resolve(), versions)
 
 

@@ -205,9 +205,9 @@ class HubDestination(Destination):
         from huggingface_hub.errors import RemoteEntryNotFoundError
 
         try:  # a generator: a missing folder raises while iterating, not at the call
+            folder = self._p(rel) or None
             entries = self._retrying(
-                f"list {rel or '/'}",
-                lambda: list(self.api.list_repo_tree(self.repo, path_in_repo=self._p(rel) or None)),
+                f"list {rel or '/'}", lambda: list(self.api.list_repo_tree(self.repo, path_in_repo=folder))
             )
         except RemoteEntryNotFoundError:
             return []

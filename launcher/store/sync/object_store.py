@@ -106,11 +106,8 @@ class FsspecDestination(Destination):
         self.fs.invalidate_cache()  # object stores cache listings; retention needs the current one
         if not self.fs.exists(self._p(rel)):
             return []
-        return [
-            e["name"].rstrip("/").rsplit("/", 1)[-1]
-            for e in self.fs.ls(self._p(rel), detail=True)
-            if e.get("type") == "directory"
-        ]
+        entries = self.fs.ls(self._p(rel), detail=True)
+        return [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory"]
 
     def remove_dir(self, rel: str) -> None:
         if self.fs.exists(self._p(rel)):
