@@ -274,11 +274,8 @@ def verify_adapter(
     if base is not None:
         names = {m[len(_PEFT_PREFIX) :] if m.startswith(_PEFT_PREFIX) else m for m in pairs}
         unknown = sorted(n for n in names if f"{n}.weight" not in base)
-        targeted = {
-            k[: -len(".weight")]
-            for k in base
-            if k.endswith(".weight") and not _EXPERTS.search(k) and _matches(k[: -len(".weight")], targets)
-        }
+        linear = [k[: -len(".weight")] for k in base if k.endswith(".weight") and not _EXPERTS.search(k)]
+        targeted = {k for k in linear if _matches(k, targets)}
         uncovered = sorted(targeted - names)
         if unknown:
             return Verdict(

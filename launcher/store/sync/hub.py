@@ -225,17 +225,12 @@ class HubDestination(Destination):
             return
         ops = [CommitOperationDelete(path_in_repo=self._p(rel).rstrip("/") + "/", is_folder=True) for rel in rels]
         names = ", ".join(r.rsplit("/", 1)[-1] for r in rels)
+        paths = [self._p(r) for r in rels]
         self._commit(
-            ops,
-            f"ftrun: retention removes {names}",
-            landed=lambda: not set(self._p(r) for r in rels) & set(self._paths_info([self._p(r) for r in rels])),
+            ops, f"ftrun: retention removes {names}", landed=lambda: not set(paths) & set(self._paths_info(paths))
         )
-        self._retrying(
-            "squash the history",
-            lambda: self.api.super_squash_history(
-                self.repo, commit_message=f"ftrun: history squashed after removing {names}"
-            ),
-        )
+        squashed = f"ftrun: history squashed after removing {names}"
+        self._retrying("squash the history", lambda: self.api.super_squash_history(self.repo, commit_message=squashed))
 
     def verify_dir(self, rel: str, manifest: dict[str, Any], local: Optional[Path] = None) -> tuple[bool, str]:
         """From what the Hub lists, without downloading: each file's size; a large file's LFS oid against the manifest's
