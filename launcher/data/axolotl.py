@@ -130,9 +130,7 @@ def _message(m: Any, where: str, props: dict[str, str], roles: dict[str, str]) -
     if not isinstance(m, dict):
         raise RecordProblem(f"{where} is not an object")
     mapped = set(props.values())
-    unread = sorted(
-        k for k in m if k not in mapped and k not in formats.KEPT_FIELDS and k not in formats.TRAINING_SWITCHES
-    )
+    unread = sorted(k for k in m if k not in (*mapped, *formats.KEPT_FIELDS, *formats.TRAINING_SWITCHES))
     if unread:
         raise RecordProblem(
             f"{where} has {', '.join(map(repr, unread))}, which the mapping does not read (message_property_mappings "

@@ -248,9 +248,8 @@ def verify_adapter(
         if m:
             pairs.setdefault(m["module"], {})[m["ab"]] = list(t["shape"])
     if not pairs:
-        return Verdict(
-            False, f"{weights} holds no LoRA tensors (lora_A/lora_B); its tensors: " + ", ".join(sorted(header)[:3])
-        )
+        shown = ", ".join(sorted(header)[:3])
+        return Verdict(False, f"{weights} holds no LoRA tensors (lora_A/lora_B); its tensors: {shown}")
     for module, ab in pairs.items():
         if set(ab) != {"A", "B"}:
             return Verdict(False, f"{weights}: {module} has lora_{''.join(ab)} without its pair")

@@ -150,9 +150,8 @@ class Syncer:
                 _write_sync_state(self.run, sending={"to": self.url, "what": "final"})
                 push_final(dest, self.run, maybe_there)
                 _write_sync_state(self.run, final_synced_at=time.time(), sending=None)
-            self._push_metadata(
-                dest, throttle=not pushed and not final and self._thread is not None and not self._stop.is_set()
-            )
+            background = self._thread is not None and not self._stop.is_set()
+            self._push_metadata(dest, throttle=not pushed and not final and background)
             self.failures = 0
             return True
         except (FileNotFoundError, shutil.Error) as exc:  # retention removed it before the snapshot: take the newer one
