@@ -1,25 +1,14 @@
 """Axolotl's dataset types (a data entry's `type:` and its field mappings): each record read as Axolotl reads it, as
 a record of one of ftrun's formats (launcher/data/formats.py), or the type refused with the mapping to write.
 
-As Axolotl defines them (axolotl-ai-cloud/axolotl docs/dataset-formats/, src/axolotl/prompt_strategies/):
-- `alpaca`: Axolotl's own Alpaca prompt text (prompters.py AlpacaPrompter, the instruct style: a fixed system line,
-  "### Instruction:", "### Input:", "### Response:"), no chat template; the output trains, with the EOS after it:
-  plain prompt/completion, as TRL trains it.
-- `completion`: raw text from `field` (default text), every token trained: plain text.
-- `input_output`: `segments` of {text, label}; the labelled segments train. TRL trains one completion after one
-  prompt, so the unlabelled segments must all come first: prompt/completion; all labelled: text; otherwise refused.
-- `chat_template`: a conversation under `field_messages` (default messages), each message's role and content under
-  `message_property_mappings` (or the older message_field_role / message_field_content), role names through `roles`,
-  a system text under `field_system`, the tool schemas under `field_tools`; the assistant turns train
-  (roles_to_train: [assistant], train_on_eos: turn, the defaults): chat messages under answers-only loss.
-- DPO: `chatml.*` and `llama3.*` (default, intel, prompt_pairs, ultra, argilla_chat, icr: the prompt, system and
-  answer keys each reads) and `chat_template.default` (field_messages, field_chosen, field_rejected): conversational
-  preference pairs. Axolotl writes those prompts as ChatML or Llama 3 text itself; ftrun renders them with the
-  model's chat template, the one it is served with: the same text on a ChatML (Qwen) or Llama 3 model.
+As Axolotl defines them (axolotl docs/dataset-formats/, src/axolotl/prompt_strategies/); each type and what it
+trains as: docs/data.md, "Axolotl". DPO prompts Axolotl writes as ChatML or Llama 3 text ftrun renders with the
+model's chat template, the one it is served with.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -39,14 +28,7 @@ ALPACA_TURN = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Res
 ALPACA_TURN_NO_INPUT = "### Instruction:\n{instruction}\n\n### Response:\n"
 
 # chat_template's default role names (ChatTemplatePrompter: roles left out)
-DEFAULT_ROLES = {
-    "human": "user",
-    "user": "user",
-    "assistant": "assistant",
-    "gpt": "assistant",
-    "system": "system",
-    "tool": "tool",
-}
+DEFAULT_ROLES = dict(human="user", user="user", assistant="assistant", gpt="assistant", system="system", tool="tool")
 
 # A data entry's Axolotl keys (recipe_sections.DataSource) and the types that read them; defaults as Axolotl's.
 OPTION_DEFAULTS: dict[str, Any] = {
@@ -74,22 +56,13 @@ class Type:
     example: str
 
 
-def _string(record: dict, key: str, required: bool = True) -> str:
-    value = record.get(key)
-    if value is None and not required:
-        return ""
-    if not isinstance(value, str):
-        raise RecordProblem(f"'{key}' must be a string, found {type(value).__name__}")
-    return value
+_string = functools.partial(formats._text, blank_ok=True)  # Axolotl reads an empty string as it is
 
 
 def _alpaca(record: dict, o: dict) -> tuple[str, dict[str, Any]]:
     formats.check_top_keys(record, "", ("instruction", "input", "output"), "Axolotl's type alpaca")
-    instruction, extra, output = (
-        _string(record, "instruction"),
-        _string(record, "input", False),
-        _string(record, "output"),
-    )
+    instruction, output = _string(record, "instruction"), _string(record, "output")
+    extra = _string(record, "input", False)
     if extra:
         prompt = f"{ALPACA_SYSTEM}\n\n" + ALPACA_TURN.format(instruction=instruction, input=extra)
     else:
@@ -144,8 +117,7 @@ def _role_map(o: dict) -> dict[str, str]:
 
 
 def _properties(o: dict) -> dict[str, str]:
-    """The message's key for each property the template reads: message_property_mappings, else the older
-    message_field_role / message_field_content."""
+    """The message's key for each property: message_property_mappings, else message_field_role / _content."""
     mapped = dict(o.get("message_property_mappings") or {})
     mapped.setdefault("role", o["message_field_role"])
     mapped.setdefault("content", o["message_field_content"])
@@ -154,15 +126,11 @@ def _properties(o: dict) -> dict[str, str]:
 
 def _message(m: Any, where: str, props: dict[str, str], roles: dict[str, str]) -> dict[str, Any]:
     """One message as Axolotl's transform_message makes it: the mapped properties, the role through `roles`, the
-    unmapped keys a chat template reads kept (tool_calls, tool_call_id, name, reasoning: ftrun's data check then
-    refuses a template that leaves them out, where Axolotl drops them), tool-call arguments written as JSON text
-    decoded."""
+    KEPT_FIELDS kept (the data check refuses a template that drops them), tool-call arguments decoded from JSON."""
     if not isinstance(m, dict):
         raise RecordProblem(f"{where} is not an object")
     mapped = set(props.values())
-    unread = sorted(
-        k for k in m if k not in mapped and k not in formats.KEPT_FIELDS and k not in formats.TRAINING_SWITCHES
-    )
+    unread = sorted(k for k in m if k not in (*mapped, *formats.KEPT_FIELDS, *formats.TRAINING_SWITCHES))
     if unread:
         raise RecordProblem(
             f"{where} has {', '.join(map(repr, unread))}, which the mapping does not read (message_property_mappings "
@@ -206,9 +174,8 @@ def _chat_template(record: dict, o: dict) -> tuple[str, dict[str, Any]]:
 
 
 def _dpo(prompt_keys: tuple[str, ...], answers: str) -> Callable[[dict, dict], tuple[str, dict[str, Any]]]:
-    """An Axolotl chatml.* / llama3.* DPO type: the user text from the first of `prompt_keys` the record has, an
-    optional system; the answers as strings (`answers` "strings"), or the second message of each side ("second"),
-    the user text then from chosen's first message where prompt_keys is empty (argilla_chat)."""
+    """An Axolotl chatml.* / llama3.* DPO type: the user text from the first of `prompt_keys` (else chosen's first
+    message), an optional system; the answers as "strings", or each side's "second" message."""
 
     def convert(record: dict, o: dict) -> tuple[str, dict[str, Any]]:
         chosen_key = "chosen" if "chosen" in record or answers != "strings" else "chosen_response"
@@ -266,25 +233,12 @@ def _dpo_chat_template(record: dict, o: dict) -> tuple[str, dict[str, Any]]:
 
     def answer(k: str) -> list[dict[str, Any]]:
         raw = formats._maybe_json(record.get(k), k)
-        if isinstance(raw, str):
-            return [{"role": "assistant", "content": raw}]
-        return [_message(raw, k, props, roles)]
+        return [{"role": "assistant", "content": raw}] if isinstance(raw, str) else [_message(raw, k, props, roles)]
 
     return "preference", {"prompt": prompt, "chosen": answer(ck), "rejected": answer(rk)}
 
 
-_CHAT_OPTIONS = (
-    "field_messages",
-    "message_property_mappings",
-    "message_field_role",
-    "message_field_content",
-    "roles",
-    "roles_to_train",
-    "train_on_eos",
-    "field_system",
-    "field_tools",
-    "drop_system_message",
-)
+_CHAT_OPTIONS = tuple(OPTION_DEFAULTS)[:10]  # field_messages ... drop_system_message
 _DPO_PAIRS = '{"prompt": [...], "chosen": "...", "rejected": "..."}'
 TYPES: dict[str, Type] = {
     "alpaca": Type(
@@ -310,15 +264,7 @@ TYPES: dict[str, Type] = {
     ),
     "chat_template.default": Type(
         "Axolotl DPO chat_template.default (prompt messages, chosen and rejected)",
-        (
-            "field_messages",
-            "message_property_mappings",
-            "message_field_role",
-            "message_field_content",
-            "roles",
-            "field_chosen",
-            "field_rejected",
-        ),
+        (*_CHAT_OPTIONS[:5], "field_chosen", "field_rejected"),
         _dpo_chat_template,
         '{"messages": [{"role": "user", "content": "..."}], "chosen": {"role": "assistant", "content": "..."}, '
         '"rejected": {"role": "assistant", "content": "..."}}',
@@ -359,8 +305,7 @@ REFUSED = {
 
 
 def type_problem(name: str, given: dict[str, Any]) -> Optional[str]:
-    """Why the data entry's type: and Axolotl keys cannot be read as Axolotl reads them (the mapping to write), or
-    None."""
+    """Why the entry's type: and Axolotl keys cannot be read as Axolotl reads them (the mapping to write), or None."""
     if name in REFUSED:
         return f"type: {name}: {REFUSED[name]}"
     if name not in TYPES:

@@ -1,29 +1,22 @@
 """What a chat model learned to continue from: the tokens in front of an answer in the training sequence, and the
 chat-template switches (Qwen3's `enable_thinking`) under which a template's generation prompt is those tokens.
 
-TRL renders a `messages` conversation whole, once, with no generation prompt (trl 1.16 trainer/sft_trainer.py
-tokenize_fn, the language-modeling case: `apply_chat_template(messages, tokenize=True, return_dict=True)` through
-data_utils.py _tokenize), and a conversational prompt/completion pair as prompt + completion the same way. A
-template whose generation prompt differs from what precedes an assistant turn in its history (Qwen3's empty think
-block written only with `enable_thinking=false`, a generation prompt ending in a space that the answer's first
-token swallows in training, a header written otherwise for the last turn) asks another prompt than the one trained.
-The export's served-prompt checks (launcher/deliver/served_prompt.py) and the task evaluation's prompts
-(launcher/worker/task_eval.py) both ask with the switches found here.
+TRL renders a conversation whole, with no generation prompt (trl 1.16 sft_trainer.py tokenize_fn), so a template
+whose generation prompt differs from what precedes an assistant turn in its history (Qwen3's empty think block, a
+trailing space the answer's first token swallows) asks another prompt than the one trained. The export's served-prompt
+checks (deliver/served_prompt.py) and the task evaluation (worker/task_eval.py) ask with the switches found here.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
-# chat-template switches a template may read, and the values tried when its default does not give the trained
-# context (Qwen3's chat template: the generation prompt of enable_thinking=false is the empty think block that its
-# history writes before an answer without reasoning)
+# chat-template switches a template may read, and the values tried where its default does not give the trained context
 TEMPLATE_SWITCHES = {"enable_thinking": (False, True)}
 
 
 def shape(conv: list[dict[str, Any]]) -> str:
-    """A conversation's prompt shape: its roles up to the last assistant turn ("system,user,user"); an assistant
-    turn that calls tools is "assistant(tool call)"."""
+    """A conversation's roles up to the last assistant turn ("system,user,assistant(tool call),tool")."""
     last = max((i for i, m in enumerate(conv) if m["role"] == "assistant"), default=len(conv))
     return ",".join(
         m["role"] + ("(tool call)" if m["role"] == "assistant" and m.get("tool_calls") else "")
@@ -31,15 +24,9 @@ def shape(conv: list[dict[str, Any]]) -> str:
     )
 
 
-def _common_prefix(a: str, b: str) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 def trained_context(tokenizer, conv: list[dict[str, Any]], last: int, kw: dict[str, Any]) -> Optional[dict[str, Any]]:
-    """What the training sequence holds in front of the last answer: its whole tokens before the answer's first
-    character ("ids"), and the answer's first token ("next", with "merged": it begins inside the text before the
-    answer, as ` 16` after `ASSISTANT:`). None when the template does not write the answer verbatim or its
-    tokenization cannot be read back to characters."""
+    """The training sequence's tokens before the last answer's first character ("ids"), the answer's first token
+    ("next"; "merged": it begins inside the text before, as ` 16` after `ASSISTANT:`); None if not written verbatim."""
     full = conv[: last + 1]
     text = tokenizer.apply_chat_template(full, tokenize=False, **kw)
     ids = list(tokenizer.apply_chat_template(full, tokenize=True, return_dict=True, **kw)["input_ids"])
@@ -48,7 +35,7 @@ def trained_context(tokenizer, conv: list[dict[str, Any]], last: int, kw: dict[s
         return None
     # the answer comes after the history: search from where the text stops being the history's own rendering
     history = tokenizer.apply_chat_template(conv[:last], tokenize=False, **kw) if last else ""
-    lo = _common_prefix(history, text)
+    lo = next((i for i, (x, y) in enumerate(zip(history, text)) if x != y), min(len(history), len(text)))
     at = next((i for i in (text.find(c, lo) for c in (answer, answer.strip())) if i >= 0), -1)
     if at < 0:
         return None
@@ -61,16 +48,14 @@ def trained_context(tokenizer, conv: list[dict[str, Any]], last: int, kw: dict[s
 
 
 def generation_ids(tokenizer, messages: list[dict[str, Any]], tools: Optional[list], kw: dict[str, Any]) -> list[int]:
-    """A chat endpoint's prompt through a transformers tokenizer: rendered with the generation prompt, then
-    tokenized without special tokens (vLLM's default)."""
+    """A chat endpoint's prompt: rendered with the generation prompt, tokenized without special tokens (vLLM)."""
     text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True, **kw)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def switches(tokenizer, prompts: list[tuple[list[dict[str, Any]], Optional[list], list[int]]]) -> dict[str, Any]:
     """The chat-template switches under which the tokenizer's own template renders every (messages, tools, trained
-    ids) prompt as trained: none when its default does, else the first setting that does (Qwen3 trained on answers
-    without reasoning: enable_thinking=false). {} when none does: a comparison then shows where it differs."""
+    ids) prompt as trained: {} when its default does (or when none does), else the first setting that does."""
     own = tokenizer.chat_template or ""
     tried = [{}] + [{k: v} for k, values in TEMPLATE_SWITCHES.items() if k in own for v in values]
     for kw in tried:
@@ -80,9 +65,8 @@ def switches(tokenizer, prompts: list[tuple[list[dict[str, Any]], Optional[list]
 
 
 def task_switches(tokenizer, prompts: list[dict[str, Any]]) -> dict[str, Any]:
-    """The switches for the task evaluation's prompts ({"messages", "reference"} each, launcher/data/task_examples.py):
-    each conversation with its reference as the answer, as the training saw it. {} for plain-text prompts, a
-    tokenizer without a chat template, or answers the template does not write verbatim."""
+    """The switches for the task evaluation's prompts, each with its reference as the answer ({} for plain-text
+    prompts, a tokenizer without a chat template, or answers the template does not write verbatim)."""
     if not getattr(tokenizer, "chat_template", None):
         return {}
     found = []

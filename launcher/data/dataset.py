@@ -62,11 +62,8 @@ class LoadedData:
         fmts = sorted({s["format"] for s in self.sources})
         layouts = sorted({s["layout"] for s in self.sources if s.get("layout")})
         what = ", ".join(layouts + [formats.describe(f) for f in fmts if not layouts])
-        converted = (
-            ""
-            if all(formats.FORMATS[f].native for f in fmts) and not layouts
-            else f", converted to {self.form.replace('_', '/')}"
-        )
+        native = all(formats.FORMATS[f].native for f in fmts) and not layouts
+        converted = "" if native else f", converted to {self.form.replace('_', '/')}"
         ignored = sorted({k for s in self.sources for k in s.get("ignore", ())})
         converted += f" (left out as the recipe's ignore: says: {', '.join(ignored)})" if ignored else ""
         many = f" from {len(self.sources)} sources" if len(self.sources) > 1 else ""
@@ -76,15 +73,8 @@ class LoadedData:
 
 def load_data(spec: Any, seed: int = 42, columns: bool = False) -> LoadedData:
     """The recipe's `data` (or `eval.data`) as training examples: the one way from a data spec to examples.
-
-    `spec`: a path (file or folder), a Hub id, a {path, split, subset, revision, columns, format, weight} mapping
-    (or the recipe's DataSource), or a list of them (mixed by weight: each source's examples repeated `weight`
-    times, a fractional part drawn with `seed`). Every record is converted to the form TRL trains
-    (launcher/data/formats.py); a `DataError` names the bad records (file and line, the field), a mixed-format or
-    empty source, or sources of different forms. Token statistics: `example_lengths` + `compute_stats`.
-    `columns`: each example keeps its record's other columns beside its form's keys (formats.other_columns), for an
-    objective that samples: TRL's GRPOTrainer hands them to the rewards by name.
-    """
+    `spec`: a path, a Hub id, a data mapping, or a list of them (mixed by weight, drawn with `seed`); a DataError names
+    the bad records. `columns`: each example keeps its record's other columns (GRPO's rewards read them by name)."""
     sources = sources_of(spec)
     examples: list[dict[str, Any]] = []
     where: list[str] = []
@@ -95,7 +85,7 @@ def load_data(spec: Any, seed: int = 42, columns: bool = False) -> LoadedData:
     for i, source in enumerate(sources):
         got = read(source)
         if any(images.record_has_images(r) for _, r in got.rows):
-            # conversations with images: read in TRL's vision layout, every image opened and measured (data/images.py)
+            # conversations with images: TRL's vision layout (data/images.py)
             data = images.load_images(spec)
             form = formats.example_form(data.examples[0])  # chat
             return LoadedData(data.examples, data.where, form, data.sources, data.sha256, [0] * len(data.examples))
@@ -131,20 +121,12 @@ def load_data(spec: Any, seed: int = 42, columns: bool = False) -> LoadedData:
         )
     if not examples:
         raise DataError("the data weights leave no examples", fix="raise the weights (1 takes every example once).")
-    blob = json.dumps(records, sort_keys=True, default=str).encode()
-    return LoadedData(
-        examples,
-        where,
-        formats.example_form(examples[0]),
-        records,
-        single_file_sha or hashlib.sha256(blob).hexdigest(),
-        origin,
-    )
+    sha = single_file_sha or hashlib.sha256(json.dumps(records, sort_keys=True, default=str).encode()).hexdigest()
+    return LoadedData(examples, where, formats.example_form(examples[0]), records, sha, origin)
 
 
 def identity(data_sha256: str, eval_sha256: Optional[str] = None) -> str:
-    """What a run trains and evaluates on, as one sha256 (state.json data_sha256, data.json): the training data's
-    own (LoadedData.sha256), combined with eval.data's where the recipe has one."""
+    """What a run trains and evaluates on as one sha256: the training data's, combined with eval.data's."""
     if not eval_sha256:
         return data_sha256
     return hashlib.sha256(f"{data_sha256}+eval.data:{eval_sha256}".encode()).hexdigest()
@@ -159,11 +141,8 @@ def _kind_name(key: str) -> str:
     form, _, conversational = key.partition("/")
     if form not in ("prompt_completion", "unpaired"):
         return key
-    return (
-        f"conversational {formats.FORMS[form].reads_as} (messages)"
-        if conversational
-        else f"plain {formats.FORMS[form].reads_as} (strings)"
-    )
+    reads = formats.FORMS[form].reads_as
+    return f"conversational {reads} (messages)" if conversational else f"plain {reads} (strings)"
 
 
 def _content_hash(examples: list[dict[str, Any]]) -> str:
@@ -183,9 +162,8 @@ def _repeat(n: int, weight: float, rng: random.Random) -> list[int]:
 def _convert_source(
     source: Source, rows: list[tuple[str, Any]], columns: bool = False
 ) -> tuple[list[dict], list[str], str, Optional[str]]:
-    """A source's records as examples, with where each came from, the ftrun format they are read as, and the other
-    tool's layout they were written in (None for ftrun's own formats). `columns`: each example keeps its record's
-    other columns (GRPO's rewards read them by name)."""
+    """A source's records as examples, where each came from, the ftrun format they are read as, and the other
+    tool's layout they were written in (None for ftrun's own formats)."""
     label = source.label()
     if not rows:
         raise DataError(f"{label} holds no records", fix="add examples, one record per line (or row).")
@@ -240,11 +218,7 @@ def _convert_source(
         examples.append(ex)
         where.append(w)
     if n_bad:
-        lines = []
-        for problem, places in list(problems.items())[:MAX_REPORTED]:
-            shown = ", ".join(places[:LOCATIONS_PER_PROBLEM])
-            more = f" and {len(places) - LOCATIONS_PER_PROBLEM} more" if len(places) > LOCATIONS_PER_PROBLEM else ""
-            lines.append(f"- {shown}{more}: {problem}")
+        lines = [f"- {_some(places)}: {problem}" for problem, places in list(problems.items())[:MAX_REPORTED]]
         if len(problems) > MAX_REPORTED:
             lines.append(f"- ... and {len(problems) - MAX_REPORTED} other problems")
         read_as = layout[0] if layout else formats.describe(fmt)
@@ -258,9 +232,14 @@ def _convert_source(
     return examples, where, fmt, layout[0] if layout else None
 
 
+def _some(places: list[str]) -> str:
+    """The first LOCATIONS_PER_PROBLEM places, and how many more there are."""
+    more = len(places) - LOCATIONS_PER_PROBLEM
+    return ", ".join(places[:LOCATIONS_PER_PROBLEM]) + (f" and {more} more" if more > 0 else "")
+
+
 def _layout(source: Source) -> Optional[tuple[str, Callable[[dict], tuple[str, dict]], str]]:
-    """Another tool's layout a source is written in: (how it reads, a record -> (ftrun format, record), one record as
-    the bad-record advice shows it), or None."""
+    """Another tool's layout of a source: (how it reads, record -> (format, record), an example), or None."""
     if source.dataset is not None:
         from launcher.data import llamafactory
 
@@ -279,18 +258,12 @@ def load_examples(spec: Any) -> list[list[dict[str, Any]]]:
     return [formats.conversation(e) for e in load_data(spec).examples]
 
 
-# Token counting without torch: the model's tokenizer (launcher/data/tokenizer.py) and its chat template
-# (jinja2), rendered the way transformers renders it, so `ftrun plan` stays light.
-
-# While `render_tracked` renders: (the blocks rendered so far, the (start, end) characters of each
-# {% generation %} block), as transformers' AssistantTracker keeps them (transformers 5.24,
-# utils/chat_template_utils.py) for `return_assistant_tokens_mask`.
+# While `render_tracked` renders: (the blocks so far, the generation spans), as transformers 5.24 AssistantTracker
 _TRACKING: ContextVar = ContextVar("ftrun_generation_tracking", default=None)
 
 
 def render_tracked(compiled, **variables) -> tuple[str, list[tuple[int, int]]]:
-    """A compiled chat template rendered, with the character spans of its {% generation %} blocks (what
-    assistant_only_loss trains), rendered block by block as transformers renders them."""
+    """A compiled chat template rendered, with the character spans of its {% generation %} blocks."""
     blocks: list[str] = []
     spans: list[tuple[int, int]] = []
     token = _TRACKING.set((blocks, spans))
@@ -308,8 +281,7 @@ def _template_env():
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class _Generation(Extension):
-        # transformers' {% generation %} marks assistant text for assistant-only loss; for
-        # counting tokens it renders its body unchanged.
+        # transformers' {% generation %} marks assistant text; it renders its body unchanged
         tags = {"generation"}
 
         def parse(self, parser):
@@ -341,8 +313,7 @@ def _template_env():
 
 
 def token_counter(model: str) -> tuple[Optional[Callable[[Any], int]], str]:
-    """A function counting an example's tokens as TRL tokenizes it, and where it came from; (None, reason) when no
-    local tokenizer is found: callers then estimate from characters and say so."""
+    """A function counting an example's tokens as TRL does, and its source; (None, why) without a local tokenizer."""
     renderer, source = _renderer(model)
     if renderer is None or renderer[0] is None:
         return None, source
@@ -384,89 +355,55 @@ def _renderer(model: str):
 
 
 # What a chat template may leave out, and the example without it: identical renderings mean it was dropped.
-def _without_tool_calls(ex):
-    # a turn that only calls tools has content None (formats.py: a ShareGPT function_call turn): without its calls it
-    # is an empty answer, which every template renders (Qwen2.5's concatenates the content, and None would fail)
-    return _map_messages(
-        ex,
-        lambda m: (
-            {**{k: v for k, v in m.items() if k != "tool_calls"}, "content": m.get("content") or ""}
-            if "tool_calls" in m
-            else m
-        ),
-    )
+def _without_tool_calls(m: dict[str, Any]) -> dict[str, Any]:
+    # a turn that only calls tools has content None: without its calls, "" (Qwen2.5's template fails on None)
+    if "tool_calls" not in m:
+        return m
+    return {**{k: v for k, v in m.items() if k != "tool_calls"}, "content": m.get("content") or ""}
 
 
-def _without_tool_role(ex):
-    return _filter_messages(ex, lambda m: m["role"] != "tool")
+def _each_message(edit: Callable[[dict], Optional[dict]]) -> Callable[[dict], dict]:
+    """An example -> the example with `edit` applied to each of its messages (a None leaves the message out)."""
 
+    def apply(ex: dict[str, Any]) -> dict[str, Any]:
+        keys = ("messages",) if "messages" in ex else ("prompt", "completion")
+        return {**ex, **{k: [e for e in map(edit, ex[k]) if e is not None] for k in keys}}
 
-def _without_reasoning(ex):
-    return _map_messages(ex, lambda m: {k: v for k, v in m.items() if k not in formats.REASONING_FIELDS})
-
-
-def _without_tools(ex):
-    return {k: v for k, v in ex.items() if k != "tools"}
+    return apply
 
 
 FEATURES = (
-    ("tool_calls", lambda ex: any("tool_calls" in m for m in _msgs(ex)), _without_tool_calls),
-    ("the tool role", lambda ex: any(m["role"] == "tool" for m in _msgs(ex)), _without_tool_role),
+    ("tool_calls", lambda ex: any("tool_calls" in m for m in _msgs(ex)), _each_message(_without_tool_calls)),
+    (
+        "the tool role",
+        lambda ex: any(m["role"] == "tool" for m in _msgs(ex)),
+        _each_message(lambda m: None if m["role"] == "tool" else m),
+    ),
     (
         "reasoning content",
         lambda ex: any(k in m for m in _msgs(ex) for k in formats.REASONING_FIELDS),
-        _without_reasoning,
+        _each_message(lambda m: {k: v for k, v in m.items() if k not in formats.REASONING_FIELDS}),
     ),
-    ("tools (the tool schemas)", lambda ex: bool(ex.get("tools")), _without_tools),
+    ("tools (the tool schemas)", lambda ex: bool(ex.get("tools")), lambda ex: {**ex, "tools": None}),
 )
 
 
 def _msgs(ex: dict[str, Any]) -> list[dict[str, Any]]:
-    return (
-        ex["messages"]
-        if "messages" in ex
-        else (ex["prompt"] + ex["completion"] if isinstance(ex.get("prompt"), list) else [])
-    )
-
-
-def _map_messages(ex, fn):
     if "messages" in ex:
-        return {**ex, "messages": [fn(m) for m in ex["messages"]]}
-    return {**ex, "prompt": [fn(m) for m in ex["prompt"]], "completion": [fn(m) for m in ex["completion"]]}
-
-
-def _filter_messages(ex, keep):
-    if "messages" in ex:
-        return {**ex, "messages": [m for m in ex["messages"] if keep(m)]}
-    return {
-        **ex,
-        "prompt": [m for m in ex["prompt"] if keep(m)],
-        "completion": [m for m in ex["completion"] if keep(m)],
-    }
+        return ex["messages"]
+    return ex["prompt"] + ex["completion"] if isinstance(ex.get("prompt"), list) else []
 
 
 def example_lengths(examples: list[Any], model: str, where: Optional[list[str]] = None) -> tuple[list[int], str]:
     """Tokens per example (as TRL tokenizes it) and "tokenizer", or an estimate from characters and "characters".
-
-    With the model's tokenizer at hand, records holding tool calls, the tool role, reasoning content or tool
-    schemas are rendered with and without them: a template that leaves them out (or fails on them) is a
-    DataError naming the records, before any GPU time.
-    """
+    A template that leaves out (or fails on) the FEATURES a record holds is a DataError naming the records."""
     examples = [{"messages": e} if isinstance(e, list) else e for e in examples]
     where = where or [f"example {i + 1}" for i in range(len(examples))]
     if any(formats.example_form(ex) == "preference" for ex in examples):
         # a pair trains as two sequences, the prompt with each answer: its tokens are both (the forward runs both)
-        flat, owner, places = [], [], []
-        for i, ex in enumerate(examples):
-            for side, seq in formats.sides(ex):
-                flat.append(seq)
-                owner.append(i)
-                places.append(f"{where[i]} ({side})")
-        counts, source = example_lengths(flat, model, places)
-        lengths = [0] * len(examples)
-        for i, n in zip(owner, counts):
-            lengths[i] += n
-        return lengths, source
+        flat = [(f"{where[i]} ({side})", seq) for i, ex in enumerate(examples) for side, seq in formats.sides(ex)]
+        counts, source = example_lengths([s for _, s in flat], model, [w for w, _ in flat])
+        return [a + b for a, b in zip(counts[::2], counts[1::2])], source
     renderer, _ = _renderer(model)
     if renderer is not None and renderer[0] is None and not any(formats.conversational(ex) for ex in examples):
         encode = renderer[1]
@@ -474,8 +411,7 @@ def example_lengths(examples: list[Any], model: str, where: Optional[list[str]] 
             len(encode(ex["text"] if "text" in ex else ex["prompt"] + ex["completion"], True)) + 1 for ex in examples
         ], "tokenizer"
     if renderer is None or renderer[0] is None:
-        # About 4 characters per token for English text with today's BPE vocabularies, plus a few
-        # template tokens per turn.
+        # about 4 characters per token (English, today's BPE vocabularies), plus a few template tokens per turn
         return [_characters(ex) for ex in examples], "characters"
     counter, _ = token_counter(model)
     render = renderer[0]
@@ -500,12 +436,7 @@ def example_lengths(examples: list[Any], model: str, where: Optional[list[str]] 
     if dropped:
         raise DataError(
             f"the chat template of {model} does not render what these records hold, so training would silently "
-            "drop it:\n"
-            + "\n".join(
-                f"- {name}: {', '.join(places[:LOCATIONS_PER_PROBLEM])}"
-                + (f" and {len(places) - LOCATIONS_PER_PROBLEM} more" if len(places) > LOCATIONS_PER_PROBLEM else "")
-                for name, places in dropped.items()
-            ),
+            "drop it:\n" + "\n".join(f"- {name}: {_some(places)}" for name, places in dropped.items()),
             fix="train a model whose chat template renders them (Qwen3, Llama 3.1+ and most tool-calling models do), "
             "or remove those fields from these records.",
         )
@@ -528,9 +459,8 @@ def compute_stats(
     data: Optional[LoadedData] = None,
     splits: bool = False,
 ) -> DataStats:
-    """Token statistics of `examples` (those that train); `data` adds what was read (description, sources). A
-    preference pair's tokens are its two sequences' (each at most max_length). `splits`: packing cuts a longer
-    sequence into pieces of max_length (TRL's packing_strategy bfd_split or wrapped), so every token trains."""
+    """Token statistics of `examples` (those that train); `data` adds what was read. A pair's tokens are its two
+    sequences'. `splits`: packing cuts a longer sequence into pieces (bfd_split or wrapped), so every token trains."""
     limits = [max_length * len(formats.sequences(ex)) if isinstance(ex, dict) else max_length for ex in examples]
     clipped = list(lengths) if splits else [min(n, limit) for n, limit in zip(lengths, limits)]
     return DataStats(
@@ -550,13 +480,8 @@ def compute_stats(
 
 
 def smoke_sample(lengths: list[int], fraction: float, min_examples: int, seed: int, longest: int = 1) -> list[int]:
-    """Indices of the smoke sample: `fraction` of the data, at least `min_examples`, the `longest` longest in.
-
-    Peak memory is set by the longest batch, so the longest examples (one global batch: the smoke test's
-    first step) are always in; the rest is a seeded random draw so the measured steps have the data's usual
-    lengths. (More long examples in the measured steps biased the ETA: attention costs more per token on
-    long sequences, measured -12% to +21% on CPU.)
-    """
+    """Indices of the smoke sample: `fraction` of the data, at least `min_examples`, the `longest` longest in; the rest
+    a seeded draw, so the measured steps have the data's usual lengths (long ones biased the ETA -12% to +21%, CPU)."""
     n = len(lengths)
     want = min(n, max(math.ceil(fraction * n), min_examples))
     by_length = sorted(range(n), key=lambda i: (-lengths[i], i))
@@ -574,11 +499,8 @@ def write_jsonl(path: Path, examples: list[Any]) -> None:
 
 
 def to_dataset(examples: list[Any]):
-    """A `datasets.Dataset` for the objective's trainer (SFTTrainer, DPOTrainer, ORPOTrainer). Messages, prompts and
-    completions are stored as `Json` values
-    (datasets 5.2.0, features/features.py): Arrow would otherwise give every message the union of all messages'
-    keys (tool_calls: None on each turn, which templates test with `is defined`) and refuse tool-call arguments
-    of different shapes. Tool schemas go as JSON text, which TRL's tokenize_fn decodes (sft_trainer.py)."""
+    """A `datasets.Dataset` for the trainer: message lists as `Json` values (datasets 5.2.0, features/features.py: Arrow
+    would unify the messages' keys), tool schemas as JSON text, which TRL's tokenize_fn decodes (sft_trainer.py)."""
     from datasets import Dataset, Features, Json, List, Value
 
     rows = [{"messages": ex} if isinstance(ex, list) else dict(ex) for ex in examples]

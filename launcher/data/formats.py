@@ -1,23 +1,9 @@
 """Dataset formats: detect a source's format from its first records and convert each record to the form TRL trains.
 
-The canonical forms (what `SFTTrainer` takes, trl 1.16.0 `sft_trainer.py` `_prepare_dataset`):
-- chat: {"messages": [...], "tools": [...]?}, a conversation rendered with the model's chat template;
-- prompt_completion: {"prompt": ..., "completion": ...}, both strings (plain) or both message lists
-  (conversational); TRL trains on the completion only (`completion_only_loss` defaults to it for this form);
-- text: {"text": "..."}, continued pre-training: no chat template, EOS appended, loss on every token;
-- prompt: {"prompt": ..., "reference": ...?}, a string or a message list (ending with a user or tool turn) that GRPO
-  answers itself (trl 1.16.0 `grpo_trainer.py` takes a "prompt" column and hands the others to the rewards), with the
-  reference answer a task-metric reward scores against, optional;
-- preference: {"prompt": ..., "chosen": ..., "rejected": ...}, all strings (standard) or all message lists
-  (conversational: the prompt's turns, then the chosen and the rejected assistant turns), what `DPOTrainer` and
-  `ORPOTrainer` take (trl 1.16.0 `dpo_trainer.py` `_prepare_dataset`); an implicit prompt (two whole conversations
-  that share their first turns) is split where they part, as TRL's `extract_prompt` does;
-- unpaired: {"prompt": ..., "completion": ..., "label": true|false}, one answer marked desirable (true) or
-  undesirable (false), strings or message lists like prompt/completion: what `KTOTrainer` takes (trl 1.16.0
-  `kto_trainer.py`, TRL's unpaired preference type); a conversation with a label is one too, its last turn (the
-  assistant's) the answer. A `label` is honoured by objective kto alone: under any other objective, and on a record
-  of another format, it is refused, never dropped.
-
+The canonical forms (FORMS; docs/data.md, "Formats"): chat and prompt_completion and text as `SFTTrainer` takes
+them (trl 1.16.0 `sft_trainer.py` `_prepare_dataset`), prompt as GRPO (`grpo_trainer.py`), preference as
+`DPOTrainer`/`ORPOTrainer` (`dpo_trainer.py` `_prepare_dataset`; an implicit prompt split as `extract_prompt` does),
+unpaired as `KTOTrainer` (`kto_trainer.py`). A `label` is honoured by objective kto alone, refused elsewhere.
 Alpaca and ShareGPT records become chat. A problem with a record is a `RecordProblem` naming the field.
 
 The recipe's `format:` values, the detection, the "expected one of" text, the bad-record advice and the dataset's
@@ -54,15 +40,13 @@ class Format:
         return (*self.keys, *self.reads)
 
 
-# A preference pair's two answers, in the order TRL batches them (dpo_trainer.py DataCollatorForPreference: the chosen
-# rows, then the rejected ones), and the keys of a pair.
+# A pair's two answers in the order TRL batches them (dpo_trainer.py DataCollatorForPreference), and a pair's keys.
 SIDES = ("chosen", "rejected")
 PAIR_KEYS = ("prompt", *SIDES)
 # An unpaired answer's mark: true desirable, false undesirable (TRL's unpaired preference "label" column)
 LABEL = "label"
 
-# The canonical forms, in the order example_form tells them apart (a pair and a prompt/completion example have a
-# prompt too: they come before the prompt alone).
+# In the order example_form tells them apart (a pair and a prompt/completion have a prompt too: before prompt).
 FORMS: dict[str, Form] = {
     "chat": Form("messages", ("messages",), "chat (the model's chat template)"),
     "preference": Form(SIDES[0], PAIR_KEYS, "preference pairs"),
@@ -72,12 +56,9 @@ FORMS: dict[str, Form] = {
     "text": Form("text", ("text",), "plain text (no chat template)"),
 }
 
-# The keys of a converted example (every form's columns, a chat's tools, the image paths of TRL's vision layout:
-# launcher/data/images.py). Any other key of an example is a column of
-# its record kept for GRPO's rewards (launcher/data/dataset.py load_data `columns`), which TRL hands them by name.
+# The keys of a converted example; any other is a column kept for GRPO's rewards (dataset.py load_data `columns`)
 EXAMPLE_KEYS = tuple(dict.fromkeys(k for f in FORMS.values() for k in (f.marker, *f.columns))) + ("tools", "images")
-# What the formats read from a record besides their detection keys (alpaca's input, system and history; ShareGPT's
-# system): not kept as columns of their own.
+# What the formats read besides their detection keys: not kept as columns of their own.
 READ_KEYS = ("input", "system", "history", "conversations", "instruction", "output")
 
 
@@ -92,31 +73,18 @@ def canonical(example: Any) -> Any:
 
 
 ROLES = ("system", "user", "assistant", "tool")
-# Message fields kept besides role and content: tool calls, tool results, reasoning. The chat template decides
-# whether it renders them; launcher/data/dataset.py checks that it does for every record that has them.
+# Message fields kept besides role and content; dataset.py checks that the chat template renders them.
 KEPT_FIELDS = ("tool_calls", "tool_call_id", "name", "reasoning_content", "thinking", "reasoning")
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-# Per-turn training switches some formats carry (OpenAI's fine-tuning format and Axolotl's chat_template datasets:
-# "weight": 0 on an assistant turn means "do not train on it"; Axolotl's message_field_training "train"). ftrun
-# trains every assistant turn alike, so a turn switched on is what it does anyway; a turn switched off cannot be
-# honoured and is refused with its line, never trained in silence.
+# Per-turn training switches (OpenAI's "weight", Axolotl's message_field_training "train"): ftrun trains every
+# assistant turn alike, so a turn switched on is accepted and one switched off is refused.
 TRAINING_SWITCHES = ("weight", "train", "training")
-# ShareGPT's role names as Axolotl, LLaMA-Factory and FastChat write them.
+# ShareGPT's role names as Axolotl, LLaMA-Factory and FastChat write them
 SHAREGPT_ROLES = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "model": "assistant",
-    "chatgpt": "assistant",
-    "bard": "assistant",
-    "bing": "assistant",
-    "system": "system",
-    "tool": "tool",
-    "observation": "tool",
-    "function_response": "tool",
-    "ipython": "tool",
-    "function_call": "assistant",  # its value is the call as JSON: becomes the assistant's tool_calls
+    **dict.fromkeys(("human", "user"), "user"),
+    **dict.fromkeys(("gpt", "assistant", "model", "chatgpt", "bard", "bing", "function_call"), "assistant"),
+    **dict.fromkeys(("system",), "system"),
+    **dict.fromkeys(("tool", "observation", "function_response", "ipython"), "tool"),
 }
 DETECT_LINES = 20  # records read to detect a source's format
 
@@ -177,8 +145,7 @@ def detect(first: Iterable[tuple[str, Any]]) -> tuple[Optional[str], Optional[st
 
 def convert(record: Any, fmt: str, columns: bool = False) -> dict[str, Any]:
     """The canonical example for one record of format `fmt`; `RecordProblem` naming the field otherwise. `columns`:
-    the record's other keys are honoured as columns (GRPO passes every column to the reward functions by name, as
-    TRL does: launcher/data/dataset.py load_data), so none is refused as dropped, a `label` among them."""
+    the record's other keys are kept as columns (GRPO's rewards get them by name), so none is refused."""
     if not isinstance(record, dict):
         raise RecordProblem(f"expected a JSON object, found {type(record).__name__}")
     if LABEL in record and FORMATS[fmt].form != "unpaired" and not columns:  # KTO's label: its own refusal first
@@ -193,8 +160,7 @@ def convert(record: Any, fmt: str, columns: bool = False) -> dict[str, Any]:
     return FORMATS[fmt].convert(record, other)
 
 
-# Keys at the top of a record whose meaning ftrun knows and a format may not honour: what the refusal says besides
-# the general fix. A key with no entry here is refused all the same (a key that is not honoured is never dropped).
+# What the refusal of a key at the top of a record says of it (a key not here is refused all the same)
 TOP_KEY_MEANINGS = {
     "label": "an unpaired preference label (KTO's desirable/undesirable): a preference objective that trains "
     "unpaired data reads it, no other",
@@ -214,8 +180,7 @@ TOP_KEY_MEANINGS = {
 
 def check_top_keys(record: dict, fmt: str, honoured: Optional[Iterable[str]] = None, how: str = "") -> None:
     """A RecordProblem naming each key at the top of `record` that format `fmt` (or the keys `honoured`, read `how`)
-    does not read: a key that is not honoured is refused, not dropped in silence. An empty value (None, "") holds
-    nothing to drop: a column that a CSV, parquet or Hub dataset has for other rows."""
+    does not read. An empty value (None, "") holds nothing to drop (a CSV column other rows fill)."""
     known = tuple(honoured) if honoured is not None else FORMATS[fmt].honoured()
     unknown = sorted(k for k, v in record.items() if k not in known and v not in (None, ""))
     if not unknown:
@@ -229,19 +194,25 @@ def check_top_keys(record: dict, fmt: str, honoured: Optional[Iterable[str]] = N
     )
 
 
-def _missing(record: dict, key: str, fmt: str, other: Optional[str]) -> RecordProblem:
-    keys = ", ".join(sorted(record)) or "none"
-    looks = f"; this record looks like {describe(other)}: one format per source" if other and other != fmt else ""
-    return RecordProblem(f"no '{key}' key (keys present: {keys}){looks}")
+def _require(record: dict, keys: Iterable[str], fmt: str, other: Optional[str]) -> None:
+    """A RecordProblem naming the first of `keys` that `record` lacks (and the format it looks like instead)."""
+    for key in keys:
+        if key not in record:
+            present = ", ".join(sorted(record)) or "none"
+            looks = (
+                f"; this record looks like {describe(other)}: one format per source" if other and other != fmt else ""
+            )
+            raise RecordProblem(f"no '{key}' key (keys present: {present}){looks}")
 
 
-def _text(record: dict, key: str, required: bool = True) -> str:
+def _text(record: dict, key: str, required: bool = True, blank_ok: bool = False) -> str:
+    """The string under `key` ("" where it is missing and not `required`); a RecordProblem otherwise."""
     value = record.get(key)
     if value is None and not required:
         return ""
     if not isinstance(value, str):
         raise RecordProblem(f"'{key}' must be a string, found {type(value).__name__}")
-    if required and not value.strip():
+    if required and not blank_ok and not value.strip():
         raise RecordProblem(f"'{key}' is empty")
     return value
 
@@ -256,21 +227,22 @@ def _maybe_json(value: Any, field: str) -> Any:
     return value
 
 
-def _tools(record: dict) -> Optional[list]:
+def _tool_list(record: dict) -> dict[str, list]:
+    """{"tools": [...]} where the record has tools, else {}."""
     tools = _maybe_json(record.get("tools"), "tools")
     if tools in (None, "", []):
-        return None
+        return {}
     if not isinstance(tools, list):
         raise RecordProblem(f"'tools' must be a list of tool schemas, found {type(tools).__name__}")
-    # a bare function schema ({"name", "description", "parameters"}, as LLaMA-Factory's and Glaive's data write it)
-    # in the form chat templates read, {"type": "function", "function": {...}} (transformers' get_json_schema; what
-    # LLaMA-Factory's own tool formatters wrap it in before rendering)
-    return [
-        {"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
-        if isinstance(t, dict) and "name" in t and "function" not in t
-        else t
-        for t in tools
-    ]
+    # a bare function schema (LLaMA-Factory's, Glaive's) wrapped as chat templates read it (get_json_schema's form)
+    return {
+        "tools": [
+            {"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
+            if isinstance(t, dict) and "name" in t and "function" not in t
+            else t
+            for t in tools
+        ]
+    }
 
 
 def check_messages(msgs: Any, field: str, need_assistant: bool = True) -> list[dict[str, Any]]:
@@ -328,37 +300,31 @@ def check_messages(msgs: Any, field: str, need_assistant: bool = True) -> list[d
 
 
 def _chat(record: dict, messages: list[dict[str, Any]]) -> dict[str, Any]:
-    example: dict[str, Any] = {"messages": messages}
-    tools = _tools(record)
-    if tools:
-        example["tools"] = tools
-    return example
+    return {"messages": messages, **_tool_list(record)}
 
 
 def _messages(record: dict, other: Optional[str]) -> dict[str, Any]:
-    if "messages" not in record:
-        raise _missing(record, "messages", "messages", other)
+    _require(record, ("messages",), "messages", other)
     return _chat(record, check_messages(record["messages"], "messages"))
 
 
 def _sharegpt(record: dict, other: Optional[str]) -> dict[str, Any]:
-    if "conversations" not in record:
-        raise _missing(record, "conversations", "sharegpt", other)
+    _require(record, ("conversations",), "sharegpt", other)
     turns = _maybe_json(record["conversations"], "conversations")
     if not isinstance(turns, list) or not turns:
         raise RecordProblem("'conversations' must be a non-empty list of {from, value} objects")
-    msgs: list[dict[str, Any]] = []
-    system = record.get("system")
-    if isinstance(system, str) and system.strip():
-        msgs.append({"role": "system", "content": system})
-    msgs += sharegpt_messages(turns, "conversations")
+    msgs = _system_turn(record) + sharegpt_messages(turns, "conversations")
     return _chat(record, check_messages(msgs, "conversations"))
 
 
+def _system_turn(record: dict) -> list[dict[str, Any]]:
+    system = record.get("system")
+    return [{"role": "system", "content": system}] if isinstance(system, str) and system.strip() else []
+
+
 def sharegpt_messages(turns: list, field: str) -> list[dict[str, Any]]:
-    """ShareGPT turns ({from, value}; role/content written under the ShareGPT key read as they are) as messages:
-    the roles mapped (SHAREGPT_ROLES), a function_call turn as the assistant's tool_calls. Not yet checked
-    (check_messages does that)."""
+    """ShareGPT turns ({from, value}; role/content ones as they are) as messages, not yet checked: the roles mapped
+    (SHAREGPT_ROLES), a function_call turn as the assistant's tool_calls."""
     msgs: list[dict[str, Any]] = []
     for i, t in enumerate(turns):
         where = f"{field}[{i}]"
@@ -385,28 +351,20 @@ def sharegpt_messages(turns: list, field: str) -> list[dict[str, Any]]:
                 call = json.loads(value)
             except json.JSONDecodeError as exc:
                 raise RecordProblem(f"{where}.value (a function_call) is not JSON ({exc.msg})") from None
-            calls = call if isinstance(call, list) else [call]
-            msgs.append(
-                {
-                    "role": "assistant",
-                    "content": None,
-                    "tool_calls": [
-                        {"type": "function", "function": {"name": c.get("name"), "arguments": c.get("arguments", {})}}
-                        if isinstance(c, dict)
-                        else c
-                        for c in calls
-                    ],
-                }
-            )
+            calls = [
+                {"type": "function", "function": {"name": c.get("name"), "arguments": c.get("arguments", {})}}
+                if isinstance(c, dict)
+                else c
+                for c in (call if isinstance(call, list) else [call])
+            ]
+            msgs.append({"role": "assistant", "content": None, "tool_calls": calls})
             continue
         msgs.append({"role": role, "content": value, **{k: t[k] for k in TRAINING_SWITCHES if k in t}})
     return msgs
 
 
 def _alpaca(record: dict, other: Optional[str]) -> dict[str, Any]:
-    for key in ("instruction", "output"):
-        if key not in record:
-            raise _missing(record, key, "alpaca", other)
+    _require(record, ("instruction", "output"), "alpaca", other)
     instruction = _text(record, "instruction")
     extra = _text(record, "input", required=False)
     output = _text(record, "output")
@@ -429,9 +387,7 @@ def _alpaca(record: dict, other: Optional[str]) -> dict[str, Any]:
 
 
 def _prompt_completion(record: dict, other: Optional[str]) -> dict[str, Any]:
-    for key in ("prompt", "completion"):
-        if key not in record:
-            raise _missing(record, key, "prompt_completion", other)
+    _require(record, ("prompt", "completion"), "prompt_completion", other)
     prompt, completion = record["prompt"], record["completion"]
     if isinstance(prompt, str) and isinstance(completion, str):
         return {"prompt": _text(record, "prompt"), "completion": _text(record, "completion")}
@@ -440,9 +396,7 @@ def _prompt_completion(record: dict, other: Optional[str]) -> dict[str, Any]:
             "prompt": check_messages(prompt, "prompt", need_assistant=False),
             "completion": check_messages(completion, "completion"),
         }
-        tools = _tools(record)
-        if tools:
-            example["tools"] = tools
+        example.update(_tool_list(record))
         return example
     raise RecordProblem(
         f"'prompt' and 'completion' must both be strings (plain) or both lists of messages "
@@ -451,8 +405,7 @@ def _prompt_completion(record: dict, other: Optional[str]) -> dict[str, Any]:
 
 
 def _prompt_alone(record: dict, other: Optional[str]) -> dict[str, Any]:
-    if "prompt" not in record:
-        raise _missing(record, "prompt", "prompt", other)
+    _require(record, ("prompt",), "prompt", other)
     prompt = _maybe_json(record["prompt"], "prompt")
     if isinstance(prompt, str):
         example: dict[str, Any] = {"prompt": _text(record, "prompt")}
@@ -469,15 +422,12 @@ def _prompt_alone(record: dict, other: Optional[str]) -> dict[str, Any]:
 
 
 def _plain_text(record: dict, other: Optional[str]) -> dict[str, Any]:
-    if "text" not in record:
-        raise _missing(record, "text", "text", other)
+    _require(record, ("text",), "text", other)
     return {"text": _text(record, "text")}
 
 
 def _unpaired(record: dict, other: Optional[str]) -> dict[str, Any]:
-    for key in ("prompt", "completion", LABEL):
-        if key not in record:
-            raise _missing(record, key, "unpaired", other)
+    _require(record, ("prompt", "completion", LABEL), "unpaired", other)
     label = record[LABEL]
     if isinstance(label, str) and label.strip() in ("true", "false"):
         label = label.strip() == "true"  # a CSV cell holds the JSON value as text, as _maybe_json reads lists
@@ -501,9 +451,7 @@ def _unpaired(record: dict, other: Optional[str]) -> dict[str, Any]:
 def _unpaired_messages(record: dict, other: Optional[str]) -> dict[str, Any]:
     """A conversation with its label: its last turn, the assistant's, is the answer the label marks; the turns before
     it are the prompt (TRL's unpaired type takes them apart so)."""
-    for key in ("messages", LABEL):
-        if key not in record:
-            raise _missing(record, key, "unpaired_messages", other)
+    _require(record, ("messages", LABEL), "unpaired_messages", other)
     msgs = check_messages(record["messages"], "messages")
     if msgs[-1]["role"] != "assistant" or len(msgs) < 2:
         raise RecordProblem(
@@ -524,16 +472,10 @@ def _pair_check(chosen: Any, rejected: Any) -> None:
 
 
 def _preference(record: dict, other: Optional[str]) -> dict[str, Any]:
-    for key in PAIR_KEYS:
-        if key not in record:
-            raise _missing(record, key, "preference", other)
+    _require(record, PAIR_KEYS, "preference", other)
     prompt, chosen, rejected = (_maybe_json(record[k], k) for k in PAIR_KEYS)
     if all(isinstance(v, str) for v in (prompt, chosen, rejected)):
-        example = {
-            "prompt": _text(record, "prompt"),
-            "chosen": _text(record, "chosen"),
-            "rejected": _text(record, "rejected"),
-        }
+        example = {k: _text(record, k) for k in PAIR_KEYS}
     elif all(isinstance(v, list) for v in (prompt, chosen, rejected)):
         example = {
             "prompt": check_messages(prompt, "prompt", need_assistant=False),
@@ -545,9 +487,7 @@ def _preference(record: dict, other: Optional[str]) -> dict[str, Any]:
                 "the last turn of 'prompt' is the assistant's: the prompt ends where the chosen and "
                 "the rejected answers begin (a user or tool turn)"
             )
-        tools = _tools(record)
-        if tools:
-            example["tools"] = tools
+        example.update(_tool_list(record))
     else:
         raise RecordProblem(
             "'prompt', 'chosen' and 'rejected' must all be strings (standard) or all lists of "
@@ -569,9 +509,7 @@ def _answer(msgs: Any, field: str) -> list[dict[str, Any]]:
 
 
 def _preference_implicit(record: dict, other: Optional[str]) -> dict[str, Any]:
-    for key in SIDES:
-        if key not in record:
-            raise _missing(record, key, "preference_implicit", other)
+    _require(record, SIDES, "preference_implicit", other)
     chosen, rejected = _maybe_json(record["chosen"], "chosen"), _maybe_json(record["rejected"], "rejected")
     if not (isinstance(chosen, list) and isinstance(rejected, list)):
         raise RecordProblem(
@@ -592,26 +530,21 @@ def _preference_implicit(record: dict, other: Optional[str]) -> dict[str, Any]:
         )
     while shared and chosen[shared - 1]["role"] == "assistant":
         shared -= 1  # the answers begin with the first assistant turn after the shared prompt
-    record = {
-        "prompt": chosen[:shared],
-        "chosen": chosen[shared:],
-        "rejected": rejected[shared:],
-        **({"tools": record["tools"]} if "tools" in record else {}),
-    }
-    return _preference(record, other)
+    pair = {"prompt": chosen[:shared], "chosen": chosen[shared:], "rejected": rejected[shared:]}
+    return _preference({**pair, **_kept_tools(record)}, other)
+
+
+def _kept_tools(record: dict) -> dict[str, Any]:
+    return {"tools": record["tools"]} if "tools" in record else {}
 
 
 def _sharegpt_pair(record: dict, other: Optional[str]) -> dict[str, Any]:
     """LLaMA-Factory's ranking data in the ShareGPT layout: the prompt's turns under 'conversations', each answer one
     turn object ({"from": "gpt", "value": ...}, or a function_call) under 'chosen' and 'rejected'."""
-    for key in ("conversations", *SIDES):
-        if key not in record:
-            raise _missing(record, key, "sharegpt_preference", other)
+    _require(record, ("conversations", *SIDES), "sharegpt_preference", other)
     turns = _maybe_json(record["conversations"], "conversations")
     if not isinstance(turns, list) or not turns:
         raise RecordProblem("'conversations' must be a non-empty list of {from, value} objects (the prompt)")
-    system = record.get("system")
-    head = [{"role": "system", "content": system}] if isinstance(system, str) and system.strip() else []
     answers = {}
     for side in SIDES:
         turn = _maybe_json(record[side], side)
@@ -622,23 +555,21 @@ def _sharegpt_pair(record: dict, other: Optional[str]) -> dict[str, Any]:
                 f'\'{side}\' must be one turn object ({{"from": "gpt", "value": "..."}}), found {type(turn).__name__}'
             )
         answers[side] = sharegpt_messages([turn], side)
-    pair = {"prompt": head + sharegpt_messages(turns, "conversations"), **answers}
-    return _preference({**pair, **({"tools": record["tools"]} if "tools" in record else {})}, other)
+    pair = {"prompt": _system_turn(record) + sharegpt_messages(turns, "conversations"), **answers}
+    return _preference({**pair, **_kept_tools(record)}, other)
 
 
 def _alpaca_pair(record: dict, other: Optional[str]) -> dict[str, Any]:
     """LLaMA-Factory's ranking data in the Alpaca layout: instruction, input, system and history as an Alpaca
     record's, the two answers as strings under 'chosen' and 'rejected'."""
-    for key in ("instruction", *SIDES):
-        if key not in record:
-            raise _missing(record, key, "alpaca_preference", other)
+    _require(record, ("instruction", *SIDES), "alpaca_preference", other)
     msgs = _alpaca({**{k: v for k, v in record.items() if k not in SIDES}, "output": "-"}, other)["messages"][:-1]
     answers = {}
     for side in SIDES:
         if not isinstance(record[side], str):
             raise RecordProblem(f"'{side}' must be a string (the answer), found {type(record[side]).__name__}")
         answers[side] = [{"role": "assistant", "content": _text(record, side)}]
-    return _preference({"prompt": msgs, **answers, **({"tools": record["tools"]} if "tools" in record else {})}, other)
+    return _preference({"prompt": msgs, **answers, **_kept_tools(record)}, other)
 
 
 FORMATS: dict[str, Format] = {
@@ -766,8 +697,7 @@ def conversational(example: dict[str, Any]) -> bool:
 
 
 def conversation(example: Any) -> list[dict[str, Any]]:
-    """An example as a list of messages, for callers that want prompts (export parity, serving examples, samples):
-    a prompt/completion pair is the prompt then the completion, plain text one user message."""
+    """An example as a list of messages: a prompt then its answer, plain text as one user message."""
     if isinstance(example, list):
         return example
     if "messages" in example:
@@ -775,11 +705,8 @@ def conversation(example: Any) -> list[dict[str, Any]]:
     if "chosen" in example:  # a pair: its prompt and the chosen answer (what the task evaluation scores)
         return conversation(sequences(example)[0])
     if "prompt" in example and "completion" not in example:  # GRPO's prompt row: its reference as the answer
-        turns = (
-            example["prompt"]
-            if isinstance(example["prompt"], list)
-            else [{"role": "user", "content": example["prompt"]}]
-        )
+        prompt = example["prompt"]
+        turns = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         reference = example.get("reference")
         return turns + ([{"role": "assistant", "content": reference}] if reference is not None else [])
     if isinstance(example.get("prompt"), list):
@@ -790,14 +717,11 @@ def conversation(example: Any) -> list[dict[str, Any]]:
 
 
 def sides(example: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """A preference pair's two sequences as prompt/completion examples, each named by its side (SIDES): the prompt
-    with the chosen answer, then with the rejected one (TRL tokenizes each so and trains both in one batch)."""
+    """A pair's two sequences as prompt/completion examples named by their side (SIDES), as TRL trains both."""
     extra = {"tools": example["tools"]} if example.get("tools") else {}
     return [(side, {"prompt": example["prompt"], "completion": example[side], **extra}) for side in SIDES]
 
 
 def sequences(example: dict[str, Any]) -> list[dict[str, Any]]:
     """The sequences one example trains as: a preference pair's two (sides), any other example its own one."""
-    if "chosen" not in example:
-        return [example]
-    return [seq for _, seq in sides(example)]
+    return [seq for _, seq in sides(example)] if "chosen" in example else [example]

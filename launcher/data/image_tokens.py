@@ -1,12 +1,10 @@
 """How many tokens an image becomes: the model's image processor's own rule, applied to the image's real size,
 without importing transformers' image processors (they import torch: about 8 s here, and `ftrun plan` stays light).
 
-The rule is transformers 5.24's, read in models/qwen2_vl/image_processing_pil_qwen2_vl.py (`smart_resize` and
-`get_number_of_image_patches`, which vLLM also calls to count placeholders): the image is resized so that each side
-is a multiple of patch_size x merge_size and its area lies within [min_pixels, max_pixels] (size.shortest_edge and
-size.longest_edge in preprocessor_config.json), keeping the aspect ratio; it is cut into patch_size squares, and
-every merge_size x merge_size of them become one placeholder token (processing_qwen2_5_vl.py replace_image_token).
-tests/data/test_image_tokens.py checks this copy against the installed processor's `_get_num_multimodal_tokens`.
+The rule is transformers 5.24's, models/qwen2_vl/image_processing_pil_qwen2_vl.py (`smart_resize`,
+`get_number_of_image_patches`): resized to multiples of patch_size x merge_size within [min_pixels, max_pixels],
+cut into patches, every merge_size x merge_size of them one placeholder (processing_qwen2_5_vl.py). Checked against
+the installed processor's `_get_num_multimodal_tokens` (tests/data/test_image_tokens.py).
 """
 
 from __future__ import annotations
@@ -71,8 +69,7 @@ class ImageRule:
 
 
 def read_rule(model_dir: Path) -> Optional[ImageRule]:
-    """The image rule of a local model folder, or None where it has no image processor config. A processor this
-    module does not know is a DataError: its token count would be a guess."""
+    """The image rule of a local model folder (None without one; a DataError for a processor not known here)."""
     path = Path(model_dir) / "preprocessor_config.json"
     if not path.is_file():
         return None

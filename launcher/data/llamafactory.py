@@ -1,19 +1,15 @@
 """LLaMA-Factory's datasets: an entry of its dataset_info.json (where the data is, its formatting, columns and tags)
 and each record read as LLaMA-Factory reads it, as a record of one of ftrun's formats (launcher/data/formats.py).
 
-As LLaMA-Factory defines them (hiyouga/LLaMA-Factory src/llamafactory/data/parser.py `DatasetAttr`, converter.py
-`AlpacaDatasetConverter`, `SharegptDatasetConverter`, `OpenAIDatasetConverter`): alpaca records put the user turn
-together as "instruction\\ninput", with `history` ([[question, answer], ...]) and `system` where the entry's columns
-name them; sharegpt turns alternate user/observation and assistant/function_call, a system turn first or a system
-column; `ranking: true` makes the last turn a pair (alpaca: chosen and rejected strings; sharegpt: chosen and
-rejected turn objects); a `kto_tag` column marks an unpaired example desirable (true) or undesirable (false).
-Where LLaMA-Factory skips a record with a warning (turns out of order) or reads a column silently as something else
-(a ranking pair without both answers, a kto_tag that is no boolean), ftrun refuses the record with its line. Every
-key of a record that the entry's columns do not name is refused too (formats.check_top_keys).
+As LLaMA-Factory defines them (src/llamafactory/data/parser.py `DatasetAttr`, converter.py `AlpacaDatasetConverter`,
+`SharegptDatasetConverter`, `OpenAIDatasetConverter`); what each reads as: docs/data.md, "LLaMA-Factory". Where
+LLaMA-Factory skips a record with a warning or reads a column silently as something else, ftrun refuses the record
+with its line, as it does every key the entry's columns do not name.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,15 +28,8 @@ DEFAULT_COLUMNS = {
     "sharegpt": {"messages": "conversations"},
     "openai": {"messages": "conversations"},
 }
-DEFAULT_TAGS = {
-    "role_tag": "from",
-    "content_tag": "value",
-    "user_tag": "human",
-    "assistant_tag": "gpt",
-    "observation_tag": "observation",
-    "function_tag": "function_call",
-    "system_tag": "system",
-}
+DEFAULT_TAGS = dict(role_tag="from", content_tag="value", user_tag="human", assistant_tag="gpt")
+DEFAULT_TAGS.update(observation_tag="observation", function_tag="function_call", system_tag="system")
 # the entry's keys ftrun reads; where the data lies (one of these)
 WHERE = ("file_name", "hf_hub_url")
 ENTRY_KEYS = (*WHERE, "formatting", "ranking", "subset", "split", "columns", "tags")
@@ -54,13 +43,7 @@ ENTRY_REFUSED = {
     "num_samples": "give weight: in the recipe's data entry instead (0.5 draws a seeded half, 2 takes each twice)",
 }
 # LLaMA-Factory's roles (data_utils.py Role) as ftrun's ShareGPT role names (formats.SHAREGPT_ROLES)
-AS_SHAREGPT = {
-    "user": "human",
-    "assistant": "gpt",
-    "observation": "observation",
-    "function": "function_call",
-    "system": "system",
-}
+AS_SHAREGPT = dict(user="human", assistant="gpt", observation="observation", function="function_call", system="system")
 
 
 @dataclass(frozen=True)
@@ -106,8 +89,7 @@ class Entry:
 
 
 def read_entry(info: Path, name: str) -> Entry:
-    """The entry `name` of the dataset_info.json at `info` (or in the folder `info`); a DataError naming the file,
-    the entry and the key otherwise."""
+    """The entry `name` of the dataset_info.json at `info` (or in the folder `info`); a DataError naming the key."""
     path = info / INFO_FILE if info.is_dir() else info
     label = f"{path} (data entry dataset: {name})"
     if not path.is_file():
@@ -201,30 +183,25 @@ def convert(entry: Entry, record: dict) -> tuple[str, dict[str, Any]]:
     """One record as LLaMA-Factory reads it: (ftrun's format, the record in it); a RecordProblem naming the key."""
     c = entry.columns
     formats.check_top_keys(record, "", c.values(), f"the dataset_info.json entry '{entry.name}'")
-    system = _system_column(record, c)
+    has_system = c.get("system") and record.get(c["system"]) not in (None, "")
+    system = _string(record, c["system"]) if has_system else None
     tools = record.get(c["tools"]) if c.get("tools") else None
     if entry.formatting == "alpaca":
         if not c.get("response") and not entry.ranking:
-            # no response column: LLaMA-Factory's unsupervised example, its prompt the document of a pre-training
-            # run (stage pt, c4_demo's {"prompt": "text"}): plain text, every token trained
+            # no response column: LLaMA-Factory's pre-training document (stage pt, c4_demo): plain text
             formats.check_top_keys(record, "", [c[k] for k in ("prompt", "query") if c.get(k)], entry.describe())
             return "text", {"text": _alpaca_prompt(record, c, None)[-1]["content"]}
         prompt = _alpaca_prompt(record, c, system)
+
+        def answer(column: str) -> list[dict[str, Any]]:
+            return [{"role": "assistant", "content": _string(record, c[column])}]
+
         if c.get("kto_tag"):
-            return _unpaired(entry, record, prompt, [{"role": "assistant", "content": _string(record, c["response"])}])
+            return _unpaired(entry, record, prompt, answer("response"))
         if entry.ranking:
-            return _pair(
-                entry,
-                prompt,
-                [{"role": "assistant", "content": _string(record, c["chosen"])}],
-                [{"role": "assistant", "content": _string(record, c["rejected"])}],
-                tools,
-            )
-        return "messages", _with_tools(
-            {"messages": prompt + [{"role": "assistant", "content": _string(record, c["response"])}]}, tools
-        )
-    turns = record.get(c["messages"])
-    turns = formats._maybe_json(turns, c["messages"])
+            return _pair(entry, prompt, answer("chosen"), answer("rejected"), tools)
+        return "messages", _with_tools({"messages": prompt + answer("response")}, tools)
+    turns = formats._maybe_json(record.get(c["messages"]), c["messages"])
     if not isinstance(turns, list) or not turns:
         raise formats.RecordProblem(f"'{c['messages']}' must be a non-empty list of turns")
     msgs = _turns(entry, turns, c["messages"])
@@ -253,17 +230,7 @@ def convert(entry: Entry, record: dict) -> tuple[str, dict[str, Any]]:
     return "messages", _with_tools({"messages": head + msgs}, tools)
 
 
-def _string(record: dict, key: str) -> str:
-    value = record.get(key)
-    if not isinstance(value, str):
-        raise formats.RecordProblem(f"'{key}' must be a string, found {type(value).__name__}")
-    return value
-
-
-def _system_column(record: dict, c: dict[str, str]) -> Optional[str]:
-    if not c.get("system") or record.get(c["system"]) in (None, ""):
-        return None
-    return _string(record, c["system"])
+_string = functools.partial(formats._text, blank_ok=True)
 
 
 def _with_tools(example: dict[str, Any], tools: Any) -> dict[str, Any]:
@@ -296,8 +263,7 @@ def _alpaca_prompt(record: dict, c: dict[str, str], system: Optional[str]) -> li
 
 
 def _turns(entry: Entry, turns: list, key: str, after: str = "system") -> list[dict[str, Any]]:
-    """The turns as messages, their roles by the entry's tags, in LLaMA-Factory's order (a system turn first, then
-    user or observation and assistant or function_call by turns)."""
+    """The turns as messages, their roles by the entry's tags, in LLaMA-Factory's order."""
     t = entry.tags
     names = {"user_tag": "user", "assistant_tag": "assistant", "observation_tag": "observation"}
     names.update({"function_tag": "function", "system_tag": "system"})
@@ -386,7 +352,6 @@ def _unpaired(entry: Entry, record: dict, prompt, completion) -> tuple[str, dict
 
 
 def unpaired_format() -> Optional[str]:
-    """The format of TRL's unpaired preference data ({prompt, completion, label}, what KTOTrainer takes), where this
-    ftrun has one (formats.FORMATS)."""
+    """The format of TRL's unpaired preference data ({prompt, completion, label}), where formats.FORMATS has one."""
     want = {"prompt", "completion", "label"}
     return next((n for n, f in formats.FORMATS.items() if set(f.keys) == want), None)

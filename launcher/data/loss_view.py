@@ -1,17 +1,15 @@
-"""What the loss sees: each example tokenized and masked as the trainer does it, with the trained tokens marked,
-and the checks that refuse data which would train nothing, never teach the model to stop, or lose its answers to
-max_length, before any GPU time.
+"""What the loss sees: each example tokenized and masked as the trainer does it, and the checks that refuse data
+which would train nothing, never teach the model to stop, or lose its answers to max_length, before any GPU time.
 
-The tokens and labels follow trl 1.16.0 `SFTTrainer._prepare_dataset` (trl/trainer/sft_trainer.py) step by step, and
-its collator, without torch (`ftrun plan` stays light): the tokenizer as transformers reads it
-(launcher/data/tokenizer.py) and jinja2. tests/data/test_loss_view.py holds it token for token to TRL's own prepared
-dataset on each chat template family, so a TRL or transformers upgrade that masks differently fails there.
+Follows trl 1.16.0 `SFTTrainer._prepare_dataset` (trl/trainer/sft_trainer.py) and its collator without torch;
+tests/data/test_loss_view.py holds it token for token to TRL's own prepared dataset on each chat template family.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -19,16 +17,11 @@ from typing import Any, Optional
 from launcher.data import formats
 from launcher.errors import DataError
 
-# Examples whose labels keep no token at all (TRL 1.16 drops them silently after truncation): up to this share
-# passes with a note (a few over-long prompts), above it the data check refuses. Such a share of empty examples
-# means the masking or max_length removes what the data was meant to teach, not a stray record.
+# Examples whose labels keep no token (TRL 1.16 drops them silently): above this share the data check refuses.
 EMPTY_SHARE_LIMIT = 0.01
-# Examples whose trained part max_length cuts (the answer loses its end, and its end-of-turn token): up to this
-# share passes (max_length at the data's 95th percentile is a usual way to keep the long tail out of memory; the
-# test data's max_length 256 cuts 3.8%), above it, one answer in twenty or more trains without its end, and the
-# data check refuses and names the length that keeps them. The default of the recipe's max_length_may_cut.
+# The default of max_length_may_cut: the share of cut answers the data check allows (the test data's 256 cuts 3.8%)
 CUT_SHARE_LIMIT = 0.05
-# The example shown: at most this many characters of it, the middle elided (the demo and `ftrun plan` stay compact).
+# The example shown: at most this many characters, the middle elided.
 SHOWN_CHARS = 900
 PROBE_QUESTION, PROBE_ANSWER = "ftrun probe question", "ftrun probe answer"
 OPEN, CLOSE = "[[", "]]"  # a trained span, as plain text (a pipe, data_example.txt)
@@ -97,22 +90,20 @@ class LossView:
         read = read_tokenizer(folder) if folder else None
         if read is None:
             raise LookupError(why or f"{folder} has no tokenizer.json")
-        template = read.template
         self.model, self.settings = model, settings
-        self.tokenizer = read.tokenizer
-        self.special = read.special
-        self.added = read.added
+        self.tokenizer, self.special, self.added = read.tokenizer, read.special, read.added
         self.added_ids = set(self.added.values())
         self.eos = settings.eos_token or self.special.get("eos_token")
-        self.template_source = template
-        self.template = self._training_template(template) if template else None
+        self.template_source = read.template
+        self.template = self._training_template(read.template) if read.template else None
         self.compiled = _template_env().from_string(self.template) if self.template else None
         self.eot = self._end_of_turn()
 
     def _training_template(self, template: str) -> str:
-        """TRL swaps in its training template (with {% generation %} markers) for assistant_only_loss when the
-        model's has none, for the templates it knows (an exact match, get_training_chat_template); else it fails."""
-        if not self.settings.assistant_only_loss or "generation" in _statements(template):
+        """TRL's training template for assistant_only_loss where the model's has no {% generation %} markers
+        (get_training_chat_template: an exact match); else a DataError."""
+        # the statement keywords the template uses ({% generation %} -> 'generation')
+        if not self.settings.assistant_only_loss or "generation" in re.findall(r"{%-?\s*(\w+)", template):
             return template
         folder = _trl_templates()
         if folder is not None:
@@ -128,18 +119,11 @@ class LossView:
         )
 
     def _end_of_turn(self) -> Optional[str]:
-        """The token that ends an assistant turn: the first special token the template writes after an answer's
-        text (<|im_end|>, <|eot_id|>, <end_of_turn>, </s>); without a template, the EOS TRL appends."""
+        """The first special token the template writes after an answer (<|im_end|>, ...); else the EOS TRL appends."""
         if self.compiled is None:
             return self.eos
-        for messages in (
-            [{"role": "user", "content": PROBE_QUESTION}, {"role": "assistant", "content": PROBE_ANSWER}],
-            [
-                {"role": "system", "content": "s"},
-                {"role": "user", "content": PROBE_QUESTION},
-                {"role": "assistant", "content": PROBE_ANSWER},
-            ],
-        ):
+        probe = [{"role": "user", "content": PROBE_QUESTION}, {"role": "assistant", "content": PROBE_ANSWER}]
+        for messages in (probe, [{"role": "system", "content": "s"}, *probe]):
             try:
                 text = self._render(messages, None, False)[0]
             except Exception:  # a template that wants another shape of conversation: the next probe
@@ -188,27 +172,21 @@ class LossView:
             if "text" in example:
                 text = example["text"] if example["text"].endswith(eos) else example["text"] + eos
             else:
-                completion = (
-                    example["completion"] if example["completion"].endswith(eos) else example["completion"] + eos
-                )
-                text = example["prompt"] + completion
+                completion = example["completion"]
+                text = example["prompt"] + (completion if completion.endswith(eos) else completion + eos)
             enc = self.tokenizer.encode(text, add_special_tokens=True)
             ids, offsets = enc.ids, enc.offsets
             if "prompt" in example:
-                masks += self._completion_mask(
-                    self.tokenizer.encode(example["prompt"], add_special_tokens=True).ids, ids
-                )
+                prompt_ids = self.tokenizer.encode(example["prompt"], add_special_tokens=True).ids
+                masks += self._completion_mask(prompt_ids, ids)
         labelled = [all(m[i] for m in masks) for i in range(len(ids))]  # build_labels: every applicable mask
         unmasked = not any(labelled)
         length = len(ids)
         keep = slice(0, length)
         if s.max_length is not None and length > s.max_length and (not s.packing or s.packing_strategy == "bfd"):
             # _prepare_dataset truncates (keep_start or keep_end); BFD packing truncates each sequence the same way
-            keep = (
-                slice(length - s.max_length, length)
-                if s.truncation_mode == "keep_end" and not s.packing
-                else slice(0, s.max_length)
-            )
+            keep_end = s.truncation_mode == "keep_end" and not s.packing
+            keep = slice(length - s.max_length, length) if keep_end else slice(0, s.max_length)
         cut = any(labelled[: keep.start]) or any(labelled[keep.stop :])
         ids, offsets, labelled = ids[keep], offsets[keep], labelled[keep]
         trained = [t and i > 0 for i, t in enumerate(labelled)]  # the first token of a sequence is never a target
@@ -218,8 +196,7 @@ class LossView:
         return marked
 
     def _completion_mask(self, prompt_ids: list[int], ids: list[int]) -> list[list[int]]:
-        """prompt/completion: trained from where the prompt alone and the whole example diverge (common_prefix_length);
-        applied when completion_only_loss is on (None: on, for prompt/completion data)."""
+        """Trained from where the prompt and the whole example diverge, unless completion_only_loss is false."""
         if self.settings.completion_only_loss is False:
             return []
         n = 0
@@ -228,9 +205,8 @@ class LossView:
         return [[0] * n + [1] * (len(ids) - n)]
 
     def _pieces(self, text: str, ids: list[int], offsets: list[tuple[int, int]]) -> list[str]:
-        """Each token's text: its characters in the rendered text, so the pieces read as the text; a token with no
-        characters of its own (a BOS the tokenizer adds, a byte of a character another token also covers) shows its
-        own form only when it is special."""
+        """Each token's characters in the rendered text; a token with none of its own (an added BOS, a byte of a
+        shared character) shows its own form only when it is special."""
         pieces, seen = [], offsets[0][0] if offsets else 0
         for tid, (start, end) in zip(ids, offsets):
             if end <= seen or start == end:
@@ -241,9 +217,8 @@ class LossView:
         return pieces
 
     def _run_ends(self, example: dict[str, Any], m: Marked) -> list[int]:
-        """The trained runs that must end a turn, each as the index of its last non-blank token: every run where
-        only assistant turns or completions train; the last run where the whole conversation trains and it ends
-        with the assistant."""
+        """The index of the last non-blank token of each trained run that must end a turn: every run where only
+        answers train; else the last, where the conversation ends with the assistant."""
         runs, start = [], None
         for i, t in enumerate(m.trained + [False]):
             if t and start is None:
@@ -259,20 +234,8 @@ class LossView:
             if msgs is not None and msgs[-1].get("role") != "assistant":
                 return []
             runs = runs[-1:]
-        ends = []
-        for a, b in runs:
-            last = next(
-                (i for i in range(b - 1, a - 1, -1) if m.pieces[i].strip() or m.ids[i] in self.added_ids), b - 1
-            )
-            ends.append(last)
-        return ends
-
-
-def _statements(template: str) -> set[str]:
-    """The statement keywords a Jinja template uses ({% generation %} -> 'generation')."""
-    import re
-
-    return set(re.findall(r"{%-?\s*(\w+)", template))
+        blank = [not (p.strip() or i in self.added_ids) for p, i in zip(m.pieces, m.ids)]
+        return [next((i for i in range(b - 1, a - 1, -1) if not blank[i]), b - 1) for a, b in runs]
 
 
 def _trl_templates() -> Optional[Path]:
@@ -285,8 +248,7 @@ def _trl_templates() -> Optional[Path]:
 
 
 def _assistant_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
-    """transformers 5.24 apply_chat_template(return_assistant_tokens_mask=True): every token overlapping a
-    {% generation %} block's characters."""
+    """Every token overlapping a {% generation %} block (transformers 5.24 return_assistant_tokens_mask)."""
     mask = [0] * len(offsets)
     k = 0
     for i, (start, end) in enumerate(offsets):
@@ -299,18 +261,13 @@ def _assistant_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]
     return mask
 
 
-# The check of every example, and the record a run keeps (data.json "loss_view", data_example.txt)
-
-
 def percentile(values: list[int], q: float) -> int:
     """The nearest-rank percentile: the smallest value with at least q% of the values at or below it."""
     ordered = sorted(values)
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)] if ordered else 0
 
 
-# What the loss trains when the recipe leaves assistant_only_loss out: the answers, as the tools users come from train
-# by default (LLaMA-Factory train_on_prompt: false, Axolotl train_on_inputs: false, Unsloth's
-# train_on_responses_only), where the chat template can mark them; else the whole conversation, and the plan says why.
+# A left-out assistant_only_loss trains the answers where the template can mark them, as the other tools default to
 ANSWERS_ONLY_WHY = (
     "the default where the chat template marks the answers, as LLaMA-Factory (train_on_prompt: false) and Axolotl "
     "(train_on_inputs: false) train; assistant_only_loss: false trains the whole conversation"
@@ -320,10 +277,8 @@ ANSWERS_ONLY_WHY = (
 def resolve_answers_only(
     model: str, settings: Settings, examples: list[Any], where: Optional[list[str]] = None
 ) -> tuple[Settings, str]:
-    """The settings with assistant_only_loss left out (None) resolved, and why: on for chat data (messages) whose
-    template marks the answers ({% generation %} blocks, or TRL's training template for it) with the end-of-turn
-    token inside them; off otherwise (prompt/completion data train the completion only, plain text every token,
-    without assistant_only_loss), with the reason."""
+    """The settings with a left-out assistant_only_loss resolved, and why: on for chat data whose template marks
+    the answers with the end-of-turn token inside them; off otherwise."""
     if settings.assistant_only_loss:
         plain = next((e for e in examples if isinstance(e, dict) and not formats.conversational(e)), None)
         if plain is not None:  # trl 1.16 SFTTrainer.__init__ raises on it, after the model has loaded
@@ -362,13 +317,11 @@ def resolve_answers_only(
                 "template (the one it is served with: trl 1.16's qwen3_training.jinja writes a thinking block into "
                 "every earlier answer, for one), so the model would learn from prompts it is never asked"
             )
-    stops = view.stop_ids()
-    probe = chat[:1]
     try:
-        marked = view.mark(probe[0])
+        marked = view.mark(chat[0])
     except Exception:  # the template refuses the record: the check that follows names it
         return on, ANSWERS_ONLY_WHY
-    if not marked.cut and any(marked.ids[end] not in stops for end in marked.ends):
+    if not marked.cut and any(marked.ids[end] not in view.stop_ids() for end in marked.ends):
         return off, (
             f"the {{% generation %}} blocks of the chat template of {model} leave the end-of-turn token "
             f"{view.eot or view.eos} out, so answers-only loss would never teach the model to stop"
@@ -377,9 +330,8 @@ def resolve_answers_only(
 
 
 def _swapped_template_differs(view: LossView, chat: list[dict[str, Any]]) -> Optional[int]:
-    """The index of the first conversation that TRL's training template (swapped in for answers-only loss) renders
-    otherwise than the model's own template, or None: trl 1.16's qwen3_training.jinja writes the thinking block into
-    every assistant turn where Qwen3's own keeps it for the last (trl/chat_templates/README.md)."""
+    """The index of the first conversation that TRL's swapped-in training template renders otherwise than the
+    model's own, or None (trl 1.16 qwen3_training.jinja: thinking in every turn; trl/chat_templates/README.md)."""
     from launcher.data.dataset import _template_env
 
     own = _template_env().from_string(view.template_source)
@@ -403,11 +355,8 @@ def check(
     origin: Optional[list[int]] = None,
     sources: Optional[list[str]] = None,
 ) -> Optional[dict[str, Any]]:
-    """Every example marked; a DataError (the example that shows it, its place, the fix) when too many train
-    nothing, when a trained turn does not end with the end-of-turn token, or when max_length cuts too many
-    answers. Returns the record the run keeps (one marked example per source, the statistics, and
-    `assistant_only_loss` as resolved where the recipe left it out), or None when the model's tokenizer is not on
-    this machine."""
+    """Every example marked; a DataError where too many train nothing, miss the end-of-turn token or are cut. The
+    record the run keeps (data.json "loss_view"), or None without the model's tokenizer on this machine."""
     settings, why = resolve_answers_only(model, settings, examples, where)
     try:
         view = LossView(model, settings)
@@ -427,9 +376,8 @@ def check(
                 fix="check that the model's chat template supports what this record holds.",
             ) from None
     n = len(marks)
-    stops = view.stop_ids()
     _refuse_empty(view, examples, where, marks)
-    _refuse_no_stop(view, where, marks, stops)
+    _refuse_no_stop(view, where, marks, view.stop_ids())
     _refuse_cut(view, where, marks, texts=all("text" in ex for ex in examples))
     from launcher.data import served_check
 
@@ -440,9 +388,7 @@ def check(
     trained = sum(sum(m.trained) for m in marks)
     shown = []
     for k in sorted(set(origin)):
-        i = next((j for j in range(n) if origin[j] == k and not marks[j].empty), None)
-        if i is None:
-            i = origin.index(k)
+        i = next((j for j in range(n) if origin[j] == k and not marks[j].empty), origin.index(k))
         shown.append(
             {
                 "where": where[i],
@@ -452,7 +398,6 @@ def check(
                 "segments": [[text, t] for text, t in marks[i].segments()],
             }
         )
-    empty = sum(m.empty for m in marks)
     return {
         "examples": shown,
         **({"served_prompt": served} if served else {}),
@@ -465,14 +410,12 @@ def check(
             "tokens": kept,
             "trained_tokens": trained,
             "trained_share": round(trained / kept, 4) if kept else 0.0,
-            "p50": percentile(lengths, 50),
-            "p90": percentile(lengths, 90),
-            "p99": percentile(lengths, 99),
+            **{f"p{q}": percentile(lengths, q) for q in (50, 90, 99)},
             "max": max(lengths) if lengths else 0,
             "max_length": settings.max_length,
             "truncated": sum(1 for x in lengths if settings.max_length and x > settings.max_length),
             "cut": sum(m.cut for m in marks),
-            "empty": empty,
+            "empty": sum(m.empty for m in marks),
         },
         "trained_each": [sum(m.trained) for m in marks],  # per example, for the caller's own figures (not kept)
     }
@@ -566,8 +509,7 @@ def _refuse_cut(view: LossView, where, marks: list[Marked], texts: bool = False)
     i = bad[0]
     kept, total = sum(len(m.ids) for m in marks), sum(lengths)
     if texts:
-        # plain text: every token is trained, and a document cut at max_length loses its rest; packing with splitting
-        # keeps it (trl 1.16 data_utils.py pack_dataset "bfd_split": the overflow is requeued as its own piece)
+        # packing with splitting keeps a cut document's rest (trl 1.16 data_utils.py pack_dataset "bfd_split")
         raise DataError(
             f"{where[i]}: max_length {s.max_length} cuts {len(bad)} of {len(marks)} documents "
             f"({len(bad) / len(marks):.1%}, more than max_length_may_cut={s.may_cut:g} allows); this one has "
@@ -593,17 +535,13 @@ TRAINED_STYLE, CONTEXT_STYLE, RESET = "\x1b[1;32m", "\x1b[2m", "\x1b[0m"
 
 
 def render_segments(segments, color: bool = False, limit: Optional[int] = SHOWN_CHARS) -> str:
-    """[(text, trained), ...] as one text: trained spans in [[...]] (or bold green on a terminal, the rest dim);
-    longer than `limit` characters, the middle is elided."""
+    """[(text, trained), ...] as one text, trained spans in [[...]] (bold green on a terminal), the middle elided."""
     segments = [(str(t), bool(tr)) for t, tr in segments]
     total = sum(len(t) for t, _ in segments)
     if limit and total > limit:
         head, tail = limit * 2 // 3, limit // 3
-        segments = (
-            _slice(segments, 0, head)
-            + [(f" ... ({total - head - tail:,} characters) ... ", None)]
-            + _slice(segments, total - tail, total)
-        )
+        middle = [(f" ... ({total - head - tail:,} characters) ... ", None)]
+        segments = _slice(segments, 0, head) + middle + _slice(segments, total - tail, total)
     out = []
     for text, trained in segments:
         if trained is None:

@@ -1,16 +1,8 @@
-"""The plan-time probe of one GRPO reward (launcher/data/rewards.py refusals): called as TRL's GRPOTrainer calls it on
-a few prompts of the data, each answered with its right answer (the reference, or the column the function reads), a
-wrong answer of the same form (the right one with each letter and digit moved one on: same length, case, spacing and
-punctuation) and an empty one, each plain, boxed, after a <think> block and in <answer> tags. Its refusals (what TRL
-would crash on or train on to no effect) and its line for the plan.
-
-The no-signal rule: a reward that scores the right answers no higher than the wrong ones of the same form cannot tell
-them apart, and GRPO would learn the form at best; it is refused unless the recipe says it scores the form
-(`scores: form` on that reward: a format, length or think-tag reward such as TRL's think_format_reward). A form
-reward must still vary across the probe's answers. Whether the base model's own samples ever score above 0 is not
-probed: sparse rewards are normal.
-
-Pure (no torch): the plan runs it.
+"""The plan-time probe of one GRPO reward (rewards.py `refusals`): called as TRL's GRPOTrainer calls it on a few
+prompts of the data, each answered right, wrong in the same form (`_wrong`) and empty, in each of DRESSINGS; its
+refusals and its line for the plan. A reward that scores the right answers no higher than the wrong ones is refused
+unless the recipe says it scores the form (`scores: form`); a form reward must still vary. Sparse rewards are normal:
+whether the base model's own samples score above 0 is not probed. Pure (no torch).
 """
 
 from __future__ import annotations
@@ -27,9 +19,7 @@ from launcher.errors import RecipeError
 
 # The prompts a function is probed on (the first ones with different right answers)
 PROBE_PROMPTS = 4
-# Each right and wrong answer is probed as these texts: as it is, and as reasoning models and TRL's and Unsloth's
-# reward functions expect it (a boxed answer: trl.rewards accuracy_reward; a <think> block: think_format_reward; the
-# <reasoning>/<answer> tags of Unsloth's GRPO notebooks)
+# Each answer as it is and as reward functions expect it (trl.rewards, Unsloth's GRPO notebooks)
 DRESSINGS = (
     "{}",
     "The answer is {}.",
@@ -41,8 +31,7 @@ DRESSINGS = (
 
 @dataclass
 class Probe:
-    """One reward called as TRL calls it on the first prompts of the data, each with its right answer (the column
-    `right` holds it; None: no right answer is known), a wrong one and an empty one, in each of DRESSINGS."""
+    """One reward on the first prompts of the data; the column `right` holds the right answer (None: not known)."""
 
     fn: Callable
     label: str
@@ -53,17 +42,13 @@ class Probe:
 
     def __post_init__(self) -> None:
         known = [k for k, r in enumerate(self.rows) if self.right and r.get(self.right) is not None]
-        picked, seen = [], set()
-        for k in known:  # different right answers first: a wrong answer is easy to tell then
-            if str(self.rows[k][self.right]) not in seen:
-                picked.append(k)
-                seen.add(str(self.rows[k][self.right]))
-        picked += [k for k in known if k not in picked]
+        first: dict[str, int] = {}  # each distinct right answer's first row: these first, a wrong answer is easy then
+        for k in known:
+            first.setdefault(str(self.rows[k][self.right]), k)
+        picked = list(first.values()) + [k for k in known if k not in first.values()]
         self.picked = (picked or list(range(len(self.rows))))[:PROBE_PROMPTS]
         self.rights = {k: str(self.rows[k][self.right]) for k in self.picked if k in known}
-        others = list(
-            dict.fromkeys(str(r[self.right]) for r in self.rows if self.right and r.get(self.right) is not None)
-        )
+        others = list(first)
         self.answers: list[tuple[int, str, str]] = []  # (row, what it is, text)
         self.wrong = {k: _wrong(right, others) for k, right in self.rights.items()}
         for k in self.picked:
@@ -83,15 +68,18 @@ class Probe:
         completions = [[{"role": "assistant", "content": t}] if conversational else t for _, _, t in chosen]
         columns = {c: [self.rows[k][c] for k, _, _ in chosen] for c in self.rows[0] if c != "prompt"}
         with _seeded():  # a reward that draws random numbers probes the same way at every plan
-            return self.fn(
-                prompts=prompts,
-                completions=completions,
-                completion_ids=[_token_ids(self.model, t) for _, _, t in chosen],
-                trainer_state=None,
-                log_extra=lambda *a, **k: None,
-                log_metric=lambda *a, **k: None,
-                **columns,
-            )
+            return self._trl_call(prompts, completions, [_token_ids(self.model, t) for _, _, t in chosen], columns)
+
+    def _trl_call(self, prompts: list, completions: list, ids: list, columns: dict[str, list]) -> Any:
+        return self.fn(
+            prompts=prompts,
+            completions=completions,
+            completion_ids=ids,
+            trainer_state=None,
+            log_extra=lambda *a, **k: None,
+            log_metric=lambda *a, **k: None,
+            **columns,
+        )
 
     def values(self) -> list[Optional[float]]:
         """Each answer's value; a RecipeError where the reward raises or returns what TRL cannot use."""
@@ -139,11 +127,9 @@ class Probe:
                 culprit = j
                 break
         k, what, text = self.answers[culprit] if culprit is not None else self.answers[0]
-        on = (
-            f"for {_answer_words(what, text)} to the prompt of {self.where[k]}"
-            if culprit is not None
-            else f"when called on {asked}"
-        )
+        on = f"when called on {asked}"
+        if culprit is not None:
+            on = f"for {_answer_words(what, text)} to the prompt of {self.where[k]}"
         message = f"{self.label} raised {type(exc).__name__}: {exc} {on}, as TRL's GRPOTrainer calls it"
         if isinstance(exc, ImportError):
             return RecipeError(
@@ -154,15 +140,8 @@ class Probe:
         if not isinstance(self.rows[k]["prompt"], list):
             as_chat = [[{"role": "assistant", "content": t}] for _, _, t in self.answers[:1]]
             try:
-                self.fn(
-                    prompts=[[{"role": "user", "content": "?"}]],
-                    completions=as_chat,
-                    completion_ids=[[]],
-                    trainer_state=None,
-                    log_extra=lambda *a, **k: None,
-                    log_metric=lambda *a, **k: None,
-                    **{c: [self.rows[k][c]] for c in self.rows[0] if c != "prompt"},
-                )
+                columns = {c: [self.rows[k][c]] for c in self.rows[0] if c != "prompt"}
+                self._trl_call([[{"role": "user", "content": "?"}]], as_chat, [[]], columns)
             except Exception:  # it fails on message lists too: the generic fix below
                 pass
             else:
@@ -183,8 +162,7 @@ class Probe:
         return out
 
     def _duel(self, values: list[Optional[float]]) -> tuple[int, int]:
-        """(wins, losses): the pairs of a right answer and the wrong one of the same form, to the same prompt in the
-        same dressing, in which the right one scored higher, and lower (a None on either side counts for neither)."""
+        """(wins, losses): right-and-wrong pairs (same prompt and dressing) where the right one scored higher, lower."""
         pairs = [
             (r, w)
             for s in self._scores(values).values()
@@ -206,8 +184,7 @@ class Probe:
         )
 
     def _shown(self, values: list[Optional[float]]) -> str:
-        """Each probe prompt's right and wrong answer with its mean score over the dressings: "line 1: '5' 0.2 and
-        '6' 0.2"."""
+        """Each probe prompt's right and wrong answer with its mean score: "line 1: '5' 0.2 and '6' 0.2"."""
         scores = self._scores(values)
         parts = []
         for k in self.picked:
@@ -221,11 +198,8 @@ class Probe:
         return "; ".join(parts)
 
     def check(self, form: bool, fix: str, alike_fix: str) -> str:
-        """The plan's line for this reward, or a RecipeError: it raises or returns what TRL cannot use (values); it
-        scores every answer alike; it does not score the right answers above the wrong ones of the same form, unless
-        `form` (the recipe's `scores: form`: it scores the answers' form, not whether they are right). `fix`: what to
-        change where it cannot tell them apart (a metric's, a function's); `alike_fix`: where it scores every answer
-        alike."""
+        """The plan's line for this reward, or a RecipeError (module docstring; `form`: the recipe's `scores: form`),
+        with `fix` where it cannot tell right from wrong and `alike_fix` where it scores every answer alike."""
         values = self.values()
         numbers_ = {v for v in values if v is not None}
         if len(numbers_) <= 1:
@@ -283,9 +257,8 @@ class Probe:
 
 
 def _wrong(right: str, others: list[str]) -> str:
-    """A wrong answer of the same form as `right`: each letter and digit moved one on (Paris -> Qbsjt, 5 -> 6,
-    19 -> 20), so a reward that reads only the answer's length, case, spacing or punctuation scores both alike; where
-    `right` has no letter or digit, another prompt's different right answer, or a text that answers nothing."""
+    """A wrong answer of the same form as `right`: each letter and digit moved one on (Paris -> Qbsjt, 19 -> 20),
+    so a reward that reads only the form scores both alike; else another prompt's different right answer."""
     moved = "".join(_next_char(c) for c in right)
     if task_metrics.normalise(moved) != task_metrics.normalise(right):
         return moved
@@ -351,8 +324,7 @@ _ENCODERS: dict[str, Any] = {}
 
 
 def _token_ids(model: str, text: str) -> list[int]:
-    """The answer's token ids as TRL passes them (completion_ids): the model's own tokenizer where this machine has
-    it, else one id per character (the probe needs ids of the answer's length, not the model's)."""
+    """The answer's completion_ids: the model's own tokenizer where this machine has it, else one id per character."""
     if model not in _ENCODERS:
         from launcher.data.tokenizer import read_tokenizer, tokenizer_dir
 
@@ -360,9 +332,7 @@ def _token_ids(model: str, text: str) -> list[int]:
         read = read_tokenizer(folder) if folder is not None else None
         _ENCODERS[model] = read.tokenizer if read is not None else None
     encoder = _ENCODERS[model]
-    if encoder is None:
-        return [ord(c) for c in text]
-    return list(encoder.encode(text, add_special_tokens=False).ids)
+    return [ord(c) for c in text] if encoder is None else list(encoder.encode(text, add_special_tokens=False).ids)
 
 
 def _is_number(value: Any) -> bool:

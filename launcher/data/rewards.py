@@ -1,25 +1,15 @@
 """GRPO's rewards: each of the recipe's `reward:` entries as the function TRL's GRPOTrainer calls, and the probe that
 refuses one at plan time.
 
-TRL calls a reward function as `f(prompts=..., completions=..., completion_ids=..., **columns, trainer_state=...,
-log_extra=..., log_metric=...)` and takes one float (or None) per completion (trl 1.16 grpo_trainer.py
-`_calculate_rewards`: every dataset column but "prompt", "completion" and "completion_ids", one value per completion).
-Here the columns are `reference` (what a metric reward scores against) and every other column of the data's records
-(launcher/data/dataset.py keeps them for an objective that samples). A metric reward scores each sampled answer against
-its prompt's reference with the task evaluation's own scorer (launcher/data/task_metrics.py), so what the run is
-rewarded for is what its task score measures. A function is named FILE.py:NAME (a file of the user's, or one inside an
-installed package, imported as its module) or MODULE:NAME (`trl.rewards:think_format_reward`).
+How TRL calls a reward: docs/engines.md, "GRPO (issue 45)" (trl 1.16 grpo_trainer.py `_calculate_rewards`); the
+columns are `reference` and every other column of the data's records. A metric reward scores with the task
+evaluation's own scorer (task_metrics.py). A function is FILE.py:NAME or MODULE:NAME (trl.rewards:NAME).
 
-Every reward is probed before any GPU time (`refusals`, with launcher/data/reward_probe.py): called as TRL calls it on a
-few prompts of the data, each answered with its right answer (the reference, or the column the function reads), a wrong
-one of the same form and an empty one, each plain, boxed, after a <think> block and in <answer> tags. Refused: a
-function that cannot be loaded, takes a column the data does not have, raises, returns the wrong number of values,
-something that is not a number, or a value that is not finite (one infinite reward makes its group's advantages NaN in
-TRL); a reward that scores every probe answer alike (it has nothing to teach); a reward, metric or function, that does
-not score the right answers above the wrong ones (no signal, or the sign turned round), unless the recipe says it
-scores the form (`scores: form`); a recipe whose every reward scores the form. What was probed is said in the plan.
-
-Pure (no torch): the plan and the worker both build them.
+Every reward is probed before any GPU time (`refusals`, reward_probe.py) on a few prompts answered right, wrong and
+empty, in several forms. Refused: a function that cannot be loaded, takes a column the data lacks, raises, returns the
+wrong count, a non-number or a non-finite value (NaN advantages in TRL); a reward that scores every probe alike; one
+that does not score the right answers above the wrong ones, unless `scores: form`; a recipe whose every reward scores
+the form. Pure (no torch): the plan and the worker both build them.
 """
 
 from __future__ import annotations
@@ -39,16 +29,13 @@ from launcher.data.reward_probe import Probe
 from launcher.errors import RecipeError
 from launcher.errors import close_name
 
-# What TRL's GRPOTrainer passes every reward function besides the data's columns (trl 1.16 grpo_trainer.py
-# `_calculate_rewards`); a data column of one of these names would be passed twice.
+# What TRL's GRPOTrainer passes every reward function besides the data's columns (`_calculate_rewards`).
 TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
 
 
 def prompt_and_reference(example: dict[str, Any]) -> Optional[dict[str, Any]]:
-    """{"prompt": ..., "reference": ...} for GRPO from an example of a form it trains (launcher/methods.py grpo
-    forms): a prompt row as it is, a chat example's turns before its last assistant turn with that turn as the
-    reference (a chat without one: its turns, no reference), a prompt/completion pair's prompt with the completion
-    as the reference. None when nothing is left to prompt with."""
+    """{"prompt": ..., "reference": ...} for GRPO from an example: a prompt row as it is, else the turns before the
+    last answer with that answer as the reference (a chat without one: no reference). None when nothing is left."""
     if "prompt" in example and "completion" not in example:
         return {"prompt": example["prompt"], "reference": example.get("reference")}
     pr = task_examples.prompt_and_reference(example)
@@ -61,12 +48,9 @@ def prompt_and_reference(example: dict[str, Any]) -> Optional[dict[str, Any]]:
 
 
 def prompt_row(example: dict[str, Any]) -> Optional[dict[str, Any]]:
-    """GRPO's dataset row for an example: its prompt, its reference and the record's other columns, which TRL hands
-    the rewards by name (None when nothing is left to prompt with)."""
+    """GRPO's dataset row for an example: its prompt, its reference and the record's other columns (or None)."""
     pr = prompt_and_reference(example)
-    if pr is None:
-        return None
-    return {**pr, **formats.other_columns(example)}
+    return None if pr is None else {**pr, **formats.other_columns(example)}
 
 
 def prompt_rows(examples: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -85,25 +69,20 @@ def answer_text(completion: Any) -> str:
 
 def resolved_metric(metric: str, references: list[Optional[str]]) -> str:
     """`auto` as the task evaluation chooses it from the references (task_metrics.choose); a named metric as is."""
-    if metric != task_metrics.AUTO:
-        return metric
-    return task_metrics.choose([r for r in references if r is not None])[0]
+    return metric if metric != task_metrics.AUTO else task_metrics.choose([r for r in references if r is not None])[0]
 
 
 def metric_reward(metric: str) -> Callable[..., list[Optional[float]]]:
-    """TRL's reward function for a task metric: each answer's own score against its reference (None where a row has
-    no reference; TRL counts it as NaN and leaves it out of the means)."""
+    """TRL's reward function for a task metric: each answer's score against its reference (None without one)."""
 
     def reward(prompts, completions, reference=None, **_):
         refs = reference if reference is not None else [None] * len(completions)
         out: list[Optional[float]] = [None] * len(completions)
         scored = [k for k, r in enumerate(refs) if r is not None]
-        if scored:
-            per = task_metrics.score(metric, [answer_text(completions[k]) for k in scored], [refs[k] for k in scored])[
-                "per_example"
-            ]
-            for k, value in zip(scored, per):
-                out[k] = float(value)
+        answers = [answer_text(completions[k]) for k in scored]
+        per = task_metrics.score(metric, answers, [refs[k] for k in scored])["per_example"] if scored else []
+        for k, value in zip(scored, per):
+            out[k] = float(value)
         return out
 
     reward.__name__ = f"metric_{metric}"  # TRL's log names: rewards/metric_exact/mean
@@ -116,14 +95,12 @@ def is_module_path(target: str) -> bool:
 
 
 def load_function(spec: str) -> Callable:
-    """The function FILE.py:NAME or MODULE:NAME names. FILE is absolute where it was found beside the recipe
-    (launcher/recipe_loading.py resolves it); a file inside an installed package (site-packages/trl/rewards/x.py, or
-    trl/rewards/x.py as the package lays it out) is imported as its module, so its relative imports work."""
+    """The function FILE.py:NAME or MODULE:NAME names (FILE made absolute by recipe_loading.py); a file inside an
+    installed package is imported as its module, so its relative imports work."""
     target, _, name = spec.rpartition(":")
     module_name = target if is_module_path(target) else _package_module(Path(target))
     if module_name is not None:
-        module = _import_module(spec, module_name)
-        where = f"module {module_name}"
+        module, where = _import_module(spec, module_name), f"module {module_name}"
     else:
         module, where = _import_file(spec, Path(target)), Path(target).name
     fn = getattr(module, name, None)
@@ -149,9 +126,7 @@ def _site_folders() -> list[Path]:
 
 
 def _package_module(path: Path) -> Optional[str]:
-    """The module name of a .py file inside an installed package (each folder down to it holds an __init__.py):
-    an absolute path under site-packages, or a relative one as the package lays it out (trl/rewards/x.py). None for a
-    file of the user's."""
+    """The module name of a .py file inside an installed package; None for a file of the user's."""
     if path.is_absolute():
         resolved = path.resolve()
         for folder in _site_folders():
@@ -230,8 +205,7 @@ def build(recipe: Any, examples: list[dict[str, Any]]) -> tuple[list[Callable], 
 
 
 def refusals(recipe: Any, examples: list[dict[str, Any]], where: list[str]) -> list[str]:
-    """A RecipeError for rewards that cannot score this data (the module docstring lists them); otherwise what was
-    probed, one line per reward, for the plan."""
+    """A RecipeError for rewards that cannot score this data (module docstring); else the plan's probe lines."""
     rows = [prompt_row(e) for e in examples]
     for k, p in enumerate(rows):
         if p is None:
@@ -265,8 +239,7 @@ def refusals(recipe: Any, examples: list[dict[str, Any]], where: list[str]) -> l
 
 
 def _signature_fits(fn: Callable, label: str, columns: list[str], row: dict[str, Any]) -> list[str]:
-    """The data columns `fn` names among its parameters; a RecipeError where TRL's call cannot bind: a parameter no
-    column fills, or an argument TRL passes that it takes no parameter (nor **kwargs) for."""
+    """The data columns `fn` names among its parameters; a RecipeError where TRL's call cannot bind."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # a builtin without a signature: the call itself tells
@@ -309,19 +282,18 @@ def _signature_fits(fn: Callable, label: str, columns: list[str], row: dict[str,
 
 
 def _factory_refusal(fn: Callable, label: str) -> None:
-    """A RecipeError for a function that makes a reward function rather than being one (TRL's
-    get_repetition_penalty_reward, get_cosine_scaled_reward): it takes no completions, and its result is callable."""
+    """A RecipeError for a function that makes a reward function (TRL's get_cosine_scaled_reward, ...)."""
     try:
         params = inspect.signature(fn).parameters.values()
         product = fn() if all(p.default is not p.empty for p in params) else None
     except Exception:  # whatever it raises, it is no factory this can call without arguments
         product = None
     name = getattr(fn, "__name__", "make_reward")
-    returns = getattr(inspect.signature(fn).return_annotation, "__name__", "")
+    annotation = inspect.signature(fn).return_annotation
     if (
         not callable(product)
-        and "Callable" not in str(inspect.signature(fn).return_annotation)
-        and returns != "Callable"
+        and "Callable" not in str(annotation)
+        and getattr(annotation, "__name__", "") != "Callable"
     ):
         return
     module = getattr(fn, "__module__", "") or ""
@@ -366,15 +338,11 @@ def _probe_function(
     fn = load_function(spec)
     label = f"{key} function {spec.rpartition('/')[2]}"
     read = _signature_fits(fn, label, columns, rows[0])
-    right = "reference" if any(r["reference"] is not None for r in rows) else None
     named = [c for c in read if c != "reference" and any(r.get(c) is not None for r in rows)]
-    if named:  # the column it reads is where it finds the right answer (Unsloth's `answer`, TRL's `solution`)
-        right = named[0]
-    reads = (
-        "message lists, [{'role': 'assistant', 'content': ...}]"
-        if isinstance(rows[0]["prompt"], list)
-        else "plain strings"
-    )
+    # the column it reads is where it finds the right answer (Unsloth's `answer`, TRL's `solution`)
+    right = named[0] if named else "reference" if any(r["reference"] is not None for r in rows) else None
+    conversational = isinstance(rows[0]["prompt"], list)
+    reads = "message lists, [{'role': 'assistant', 'content': ...}]" if conversational else "plain strings"
     if form:
         fix = alike = f"make it score answers of a different form differently (it reads the completions as {reads})"
     else:
@@ -403,7 +371,7 @@ def _function_form(spec: str) -> Optional[str]:
 
 @dataclass(frozen=True)
 class RewardKind:
-    """One kind of reward: the recipe key that names it (reward: {KEY: VALUE}) and what ftrun does with its value."""
+    """One kind of reward: the recipe key that names it (reward: {KEY: VALUE}) and what ftrun does with it."""
 
     key: str
     annotation: Any  # what the recipe takes as its value
@@ -417,8 +385,7 @@ class RewardKind:
     probe: Callable[..., str]  # the plan's probe on the data: a RecipeError, or the line saying what was probed
 
 
-# The reward kinds; the recipe's RewardSpec (launcher/recipe_sections.py), `build`, `refusals` and the plan's words
-# (launcher/plan/sampling.py) derive from it, and tests/data/test_rewards.py walks every row.
+# The recipe's RewardSpec, `build`, `refusals` and the plan's words derive from it; tests/data/test_rewards.py walks it.
 KINDS: dict[str, RewardKind] = {
     k.key: k
     for k in (

@@ -1,16 +1,10 @@
 """The served prompt checked before training: for one conversation of each shape in the data, the tokens the training
 puts in front of the last answer against the prompt a chat endpoint renders for the same turns, as the export checks
-them after training (launcher/deliver/served_prompt.py), with the same functions (launcher/data/chat_prompt.py).
+them after training (docs/evaluation.md, "After the export"), with the same functions (chat_prompt.py).
 
-The training side is the template TRL trains with: the model's own, or TRL's training template where
-assistant_only_loss swaps it in (trl 1.16 sft_trainer.py, get_training_chat_template; launcher/data/loss_view.py
-finds it the same way). The serving side is the model's own template with the chat-template switches found for it
-(Qwen3's enable_thinking), what transformers and vLLM render from the exported folder and what llama.cpp and Ollama
-take from the GGUF's embedded copy of it. Both are rendered with jinja2 and the model's tokenizers file, as
-transformers renders them (tokenize=True: the rendered text encoded without special tokens), so `ftrun plan` stays
-light. A prompt that differs is a DataError before any GPU time, naming the record, the first differing token and
-the fix: TRL's training template writes earlier assistant turns otherwise than the served template (Qwen3's empty
-think blocks), so the fix is to train with the served template.
+The training side is the template TRL trains with (the model's own, or TRL's training template: loss_view.py); the
+serving side the model's own with its chat-template switches. Both rendered with jinja2 and tokenizer.json, as
+transformers renders them. A prompt that differs is a DataError before any GPU time.
 """
 
 from __future__ import annotations
@@ -20,7 +14,7 @@ from collections import Counter
 from typing import Any, Optional
 
 from launcher.data import formats
-from launcher.data.chat_prompt import generation_ids, shape, switches, trained_context
+from launcher.data.chat_prompt import TEMPLATE_SWITCHES, generation_ids, shape, switches, trained_context
 from launcher.errors import DataError
 
 # conversation shapes checked, the most frequent first (the export checks as many: served_prompt.py MAX_SHAPES)
@@ -29,10 +23,8 @@ CONTEXT_TOKENS = 8  # tokens shown before the first difference
 
 
 class LightTokenizer:
-    """The two calls of a transformers tokenizer the served-prompt functions make (apply_chat_template and
-    __call__ with offsets), answered from the model's tokenizer.json and chat template without transformers: the
-    template rendered as transformers 5.24 renders it (None-valued message keys dropped, the special tokens map as
-    variables), tokenized without special tokens."""
+    """The two calls of a transformers tokenizer the served-prompt functions make (apply_chat_template, __call__),
+    answered without transformers, rendered as transformers 5.24 renders (None-valued keys dropped)."""
 
     def __init__(self, view):
         from launcher.data.dataset import _template_env
@@ -83,8 +75,7 @@ class LightTokenizer:
 
 
 def _chosen(examples: list[dict[str, Any]], where: list[str]) -> list[tuple[list[dict], Any, str]]:
-    """One conversation of each shape (its roles up to the last assistant turn), the most frequent first: (turns,
-    tools, where)."""
+    """One conversation of each shape, the most frequent first: (turns, tools, where)."""
     convs = []
     for ex, w in zip(examples, where):
         if not formats.conversational(ex):
@@ -100,9 +91,7 @@ def _chosen(examples: list[dict[str, Any]], where: list[str]) -> list[tuple[list
 
 
 def check(view, examples: list[dict[str, Any]], where: list[str]) -> Optional[dict]:
-    """The served prompt of each shape against the trained one (`view`: the data check's LossView, which holds the
-    model's tokenizer, its template and the one TRL trains with). A DataError at the first prompt that differs;
-    otherwise what was checked (the switches the runtimes serve with among it), None for data without a chat."""
+    """The served prompt of each shape against the trained one: a DataError at the first that differs."""
     if view.compiled is None:
         return None
     chosen = _chosen(examples, where)
@@ -153,11 +142,11 @@ def check(view, examples: list[dict[str, Any]], where: list[str]) -> Optional[di
             )
         else:
             why = "the model's template renders its generation prompt otherwise than the turns before an answer"
+            names = [k for k in TEMPLATE_SWITCHES if k in (tok.chat_template or "")]
             fix = (
                 "serve and train with one rendering: change the model's chat template (chat_template.jinja in the "
                 "model folder) so its generation prompt is what it writes before an assistant turn, or train a model "
-                "whose template does"
-                + (f" (tried the template's switches: {', '.join(_switch_names(tok))})" if _switch_names(tok) else "")
+                "whose template does" + (f" (tried the template's switches: {', '.join(names)})" if names else "")
             )
         raise DataError(
             f"the served prompt would differ from the trained one: {p['where']} (roles {p['shape']}): the model's "
@@ -175,9 +164,3 @@ def check(view, examples: list[dict[str, Any]], where: list[str]) -> Optional[di
         **({"chat_template_kwargs": kwargs} if kwargs else {}),
         **({"not_rendered": unrendered} if unrendered else {}),
     }
-
-
-def _switch_names(tok: LightTokenizer) -> list[str]:
-    from launcher.data.chat_prompt import TEMPLATE_SWITCHES
-
-    return [k for k in TEMPLATE_SWITCHES if k in (tok.chat_template or "")]

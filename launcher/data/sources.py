@@ -1,10 +1,8 @@
 """Data sources: the records of a local file, a folder of them, a dataset saved with `datasets`, or a Hub dataset.
 
-Each source yields (where, record) pairs, `where` naming the file and line (or row) for error messages, and an
-identity: what the run records and a resume compares (a local file's sha256, a Hub dataset's revision).
-Hub datasets go through `datasets.load_dataset` (datasets 5.2.0, load.py `dataset_module_factory`): it reads the
-HF cache (HF_DATASETS_CACHE, HF_HOME) and, offline (HF_HUB_OFFLINE=1) or when the Hub cannot be reached, falls
-back to the cached copy (`CachedDatasetModuleFactory`); neither gives a `ConnectionError`.
+Each source yields (where, record) pairs and an identity a resume compares (a file's sha256, a Hub revision). Hub
+datasets go through `datasets.load_dataset`, which falls back to the HF cache offline (datasets 5.2.0, load.py
+`CachedDatasetModuleFactory`).
 """
 
 from __future__ import annotations
@@ -100,24 +98,16 @@ def _source(item: dict[str, Any]) -> Source:
 
 
 def _layout(source: Source) -> Source:
-    """A data entry in another tool's layout, checked (and a LLaMA-Factory entry resolved to its data) before any
-    record is read."""
+    """A data entry in another tool's layout, checked (a LLaMA-Factory entry resolved) before any record is read."""
     if source.dataset is not None and source.info is not None:
         return source  # resolved already (the worker reads the recipe's sources again)
     if source.dataset is not None:
         from launcher.data import llamafactory
 
-        others = [k for k, v in (("format", source.format), ("columns", source.columns), ("type", source.type)) if v]
-        if others or source.split != "train" or source.subset or source.revision:
-            others += [
-                k
-                for k, v in (
-                    ("split", source.split != "train"),
-                    ("subset", source.subset),
-                    ("revision", source.revision),
-                )
-                if v
-            ]
+        given = (("format", source.format), ("columns", source.columns), ("type", source.type))
+        given += (("split", source.split != "train"), ("subset", source.subset), ("revision", source.revision))
+        others = [k for k, v in given if v]
+        if others:
             raise DataError(
                 f"data entry {source.path} (dataset: {source.dataset}): {', '.join(others)} beside dataset:; the "
                 "dataset_info.json entry says where the data is and how it reads",
@@ -142,9 +132,7 @@ def _layout(source: Source) -> Source:
 
 
 def _only_options_that_apply(source: Source) -> None:
-    """A Hub-only option on a local source would be ignored and the source read whole: refused, naming both. A
-    local file or folder of files has no splits, subsets or revisions; a dataset saved with `datasets` has splits
-    (a DatasetDict) but no subsets or revisions."""
+    """A Hub-only option on a local source (which it would ignore) refused; a saved dataset takes split alone."""
     if not source.local:
         return
     path = Path(source.path)
@@ -164,8 +152,7 @@ def _only_options_that_apply(source: Source) -> None:
 
 
 def pinned(spec: Any, recorded: list[dict[str, Any]]) -> list[Source]:
-    """The sources of `spec` with each Hub dataset at the revision recorded when the launcher read it (data.json's
-    sources, in the same order), so the worker trains on the commit that was checked and hashed."""
+    """The sources of `spec` with each Hub dataset at the revision data.json recorded (the commit that was checked)."""
     sources = sources_of(spec)
     if len(recorded) != len(sources):
         return sources
@@ -197,11 +184,8 @@ def read(source: Source) -> Records:
     else:
         rows, identity = _read_hub(source)
     if source.dataset is not None:  # the mapping is part of what trains: a changed entry is changed data
-        identity["dataset_info"] = {
-            "file": source.info,
-            "dataset": source.dataset,
-            "sha256": sha256_file(Path(source.info)),
-        }
+        identity["dataset_info"] = {"file": source.info, "dataset": source.dataset}
+        identity["dataset_info"]["sha256"] = sha256_file(Path(source.info))
     return Records(_without_ignored(_renamed(rows, source), source), identity)
 
 
@@ -300,11 +284,8 @@ def _is_saved_dataset(path: Path) -> bool:
 
 
 def _read_folder(path: Path, source: Source) -> tuple[list[tuple[str, Any]], dict[str, Any]]:
-    files = sorted(
-        p
-        for p in path.rglob("*")
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
-    )
+    files = sorted(p for p in path.rglob("*") if p.is_file())
+    files = [p for p in files if not any(part.startswith(".") for part in p.relative_to(path).parts)]
     digest = hashlib.sha256()
     for p in files:
         digest.update(f"{p.relative_to(path)}\0{sha256_file(p)}\n".encode())
@@ -361,17 +342,8 @@ def _read_hub(source: Source) -> tuple[list[tuple[str, Any]], dict[str, Any]]:
         raise DataError(
             f"{source.label()} could not be loaded: {exc}", fix="check split: and subset: against the dataset's page."
         ) from None
-    revision = None
-    for f in getattr(ds, "cache_files", None) or []:
-        # the cache folder of a Hub dataset is named by the commit it was downloaded at
-        name = Path(f["filename"]).parent.name
-        if re.fullmatch(r"[0-9a-f]{40}", name):
-            revision = name
-            break
-    identity = {
-        "source": source.path,
-        "split": source.split,
-        "subset": source.subset,
-        "revision": revision or source.revision,
-    }
+    # the cache folder of a Hub dataset is named by the commit it was downloaded at
+    folders = [Path(f["filename"]).parent.name for f in getattr(ds, "cache_files", None) or []]
+    revision = next((name for name in folders if re.fullmatch(r"[0-9a-f]{40}", name)), None)
+    identity = dict(source=source.path, split=source.split, subset=source.subset, revision=revision or source.revision)
     return [(f"{source.path} row {i}", rec) for i, rec in enumerate(ds.to_list(), start=1)], identity

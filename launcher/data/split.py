@@ -1,9 +1,6 @@
 """The validation split: which examples are held out (seeded, the same at every resume), and the eval pass's cost.
 
-`eval: {fraction: 0.02}` holds out a seeded draw of the data: those examples never train (not in the smoke test,
-not in the full run) and the eval loss is measured on them; `eval: {data: FILE}` evaluates on another file and
-trains on all of `data`. The worker evaluates by wall clock (`eval.every_minutes`), at the start and at the end;
-the smoke test runs one pass on a share of the held-out examples so the ETA counts the full run's passes.
+How the eval settings hold out and evaluate: docs/evaluation.md, "The validation split".
 """
 
 from __future__ import annotations
@@ -25,8 +22,7 @@ class Split:
 
 
 def split(n: int, fraction: Optional[float], seed: int) -> Split:
-    """Seeded and independent of anything but (n, fraction, seed): the same examples at every start and resume.
-    At least one example is held out, and at least one trains."""
+    """A seeded split, the same at every start and resume; at least one example held out, at least one trains."""
     if not fraction or n < 2:
         return Split(list(range(n)), [])
     k = min(n - 1, max(1, round(fraction * n)))
@@ -35,18 +31,14 @@ def split(n: int, fraction: Optional[float], seed: int) -> Split:
 
 
 def for_recipe(examples: list, recipe) -> Split:
-    """The recipe's split of its examples. Identical examples are held out or trained together: a source mixed
-    with weight 2 (launcher/data/dataset.py repeats its examples) or a line that occurs twice would otherwise train the
-    very example it is evaluated on. The draw is over the distinct examples in order of first appearance (with
-    no duplicates, exactly `split(len(examples), ...)`); the eval pass uses one copy of each held-out example."""
+    """The recipe's split: identical examples held out or trained together, the draw over the distinct ones (with no
+    duplicates, exactly `split(len(examples), ...)`); the eval pass uses one copy of each held-out example."""
     if not recipe.eval.fraction:
         return Split(list(range(len(examples))), [])
     first: dict[str, int] = {}  # example -> its number among the distinct examples
-    # the same example with other columns beside it (an id: data/dataset.py load_data `columns`) is still a copy
-    group = [
-        first.setdefault(json.dumps(formats.canonical(e), sort_keys=True, ensure_ascii=False), len(first))
-        for e in examples
-    ]
+    # the same example with other columns beside it (an id) is still a copy
+    keys = [json.dumps(formats.canonical(e), sort_keys=True, ensure_ascii=False) for e in examples]
+    group = [first.setdefault(key, len(first)) for key in keys]
     parts = split(len(first), recipe.eval.fraction, recipe.seed)
     held = set(parts.held_out)
     first_copy = {g: i for i, g in reversed(list(enumerate(group)))}  # each distinct example's first index
@@ -73,8 +65,7 @@ def load_eval_data(recipe) -> list:
 
 
 def smoke_subset(held_out: list[int], recipe, processes: int) -> list[int]:
-    """The held-out examples the smoke test evaluates: the smoke fraction of them, at least two eval batches
-    over all processes (a pass has a fixed cost per batch), a seeded draw."""
+    """The held-out examples the smoke test evaluates (its fraction, at least two eval batches), a seeded draw."""
     want = max(2 * recipe.micro_batch_size * processes, math.ceil(recipe.smoke.fraction * len(held_out)))
     if want >= len(held_out):
         return list(held_out)
@@ -87,8 +78,7 @@ def passes(train_seconds: float, recipe) -> int:
 
 
 def eval_seconds(measured: dict[str, Any], train_seconds: float, recipe) -> float:
-    """The full run's evaluation time, scaled from the smoke's pass by tokens: the held-out set's tokens
-    (eval_full_tokens) over the tokens the smoke evaluated (eval_tokens)."""
+    """The full run's evaluation time, scaled from the smoke's pass by eval_full_tokens / eval_tokens."""
     seconds, tokens, full = (measured.get(k) for k in ("eval_seconds", "eval_tokens", "eval_full_tokens"))
     if not seconds or not tokens or not full:
         return 0.0
@@ -96,9 +86,8 @@ def eval_seconds(measured: dict[str, Any], train_seconds: float, recipe) -> floa
 
 
 def trainer_fields(recipe, evaluates: bool, first_start: bool) -> dict[str, Any]:
-    """SFTConfig fields for the evaluation: ftrun asks for each pass itself (launcher/worker/callbacks.py's cadence), so
-    the Trainer's own strategy stays off; the eval batch is the training micro-batch (it fits: no gradients are kept).
-    The full run's first start evaluates the base model (eval_on_start; a resume does not again)."""
+    """SFTConfig fields for the evaluation: ftrun asks for each pass itself (worker/callbacks.py), the eval batch is
+    the training micro-batch, and the full run's first start evaluates the base model (eval_on_start)."""
     if not evaluates:
         return {}
     return {"eval_strategy": "no", "per_device_eval_batch_size": recipe.micro_batch_size, "eval_on_start": first_start}

@@ -32,27 +32,18 @@ def data_stats(recipe: Any):
     # the statistics (plan, ETA) count what trains: the eval split's held-out examples do not (launcher/data/split.py)
     parts = split.for_recipe(examples, recipe)
     train = parts.train
-    stats = compute_stats(
-        [examples[i] for i in train], [lengths[i] for i in train], source, recipe.max_length, data, _splits(recipe)
-    )
-    # what the loss sees, every training example marked as TRL masks it; a DataError refuses data that would train
-    # nothing, never teach the model to stop, or lose its answers to max_length (launcher/data/loss_view.py)
-    seen = loss_view.check(
-        recipe.model,
-        loss_view.Settings.of(recipe),
-        *_sequences(
-            [examples[i] for i in train],
-            [data.where[i] for i in train],
-            [data.origin[i] for i in train] if data.origin else [0] * len(train),
-            [str(s.get("source")) for s in data.sources],
-        ),
-    )
+    trains = [examples[i] for i in train]
+    stats = compute_stats(trains, [lengths[i] for i in train], source, recipe.max_length, data, _splits(recipe))
+    # what the loss sees, every training example marked as TRL masks it (a DataError: loss_view.py)
+    origin = [data.origin[i] for i in train] if data.origin else [0] * len(train)
+    sequences = _sequences(trains, [data.where[i] for i in train], origin, [str(s.get("source")) for s in data.sources])
+    seen = loss_view.check(recipe.model, loss_view.Settings.of(recipe), *sequences)
     trained_each = seen.pop("trained_each", None) if seen else None
     if seen and any(isinstance(ex, dict) and "chosen" in ex for ex in examples):
         seen["pairs"] = pair_stats(trained_each)
     stats = replace(stats, loss_view=seen, held_out=len(parts.held_out), held_out_lines=len(examples) - len(train))
     if data.form == "unpaired":
-        stats = replace(stats, labels=class_balance(recipe, [examples[i] for i in train]))
+        stats = replace(stats, labels=class_balance(recipe, trains))
     eval_examples = split.load_eval_data(recipe) if recipe.eval.data else None  # a broken eval file stops here
     _task_settings_fit(recipe, examples, lengths, parts, eval_examples)
     if recipe.eval.data:
@@ -63,17 +54,13 @@ def data_stats(recipe: Any):
 
 
 def _splits(recipe: Any) -> bool:
-    """Packing that splits a sequence longer than max_length into pieces instead of cutting it (trl 1.16 data_utils.py
-    pack_dataset: bfd_split requeues the overflow, wrapped cuts the stream anywhere; bfd truncates each sequence)."""
+    """Packing that splits a sequence over max_length rather than cut it (trl 1.16 pack_dataset: bfd_split, wrapped)."""
     return bool(recipe.packing) and recipe.trainer.get("packing_strategy", "bfd") in ("bfd_split", "wrapped")
 
 
 def _prompt_stats(recipe: Any, data: Any):
-    """GRPO's data: prompts, each trained as its prompt with an answer it samples. Each counts its prompt's tokens
-    plus grpo.max_completion_length (the longest answer: an upper bound the smoke test measures; left out of the
-    recipe, sized from the references: `completion_length`). Refused here: a max_completion_length that leaves no
-    room for a prompt, a prompt that leaves no room for that answer in max_length (TRL's GRPOTrainer does not truncate
-    prompts), and rewards that cannot score the data (launcher/data/rewards.py, whose probe lines the plan shows)."""
+    """GRPO's data: each prompt counts its tokens plus grpo.max_completion_length. Refused: lengths that leave no room
+    in max_length (TRL does not truncate prompts), and rewards that cannot score the data (rewards.py `refusals`)."""
     examples = data.examples
     parts = split.for_recipe(examples, recipe)
     train = parts.train
@@ -107,28 +94,19 @@ def _prompt_stats(recipe: Any, data: Any):
         )
     lengths = [n + answer for n in prompt_lengths]
     stats = compute_stats([examples[i] for i in train], [lengths[i] for i in train], source, recipe.max_length, data)
-    stats = replace(
-        stats,
-        held_out=len(parts.held_out),
-        held_out_lines=len(examples) - len(train),
-        rewards=tuple(probed),
-        completion_length=sized,
-    )
+    held = dict(held_out=len(parts.held_out), held_out_lines=len(examples) - len(train))
+    stats = replace(stats, **held, rewards=tuple(probed), completion_length=sized)
     _task_settings_fit(recipe, examples, lengths, parts, None)
     return examples, lengths, stats
 
 
-# A completion length sized from the references: twice the longest reference (with its end-of-text token), at least
-# this many tokens, rounded up to a multiple of 8
+# A completion length sized from the references is at least this many tokens
 SHORTEST_COMPLETION = 16
 
 
 def completion_length(recipe: Any, references: list[Optional[str]], longest_prompt: int) -> dict[str, Any]:
-    """grpo.max_completion_length as the run samples with it: {"tokens", "derived", "why"}. The recipe's own value;
-    left out, where every reward is a task metric and the data has references, twice the longest reference (the
-    answers a metric rewards look like the references: the label task's answers fit in 8 tokens, where the default
-    256 samples and trains up to 256), within the room max_length leaves beside the longest prompt; else the
-    default, and why."""
+    """grpo.max_completion_length as the run samples with it: {"tokens", "derived", "why"}: the recipe's; else, with
+    task-metric rewards and references, twice the longest reference within max_length's room; else the default."""
     s = recipe.grpo
     if "max_completion_length" in s.model_fields_set:
         return {"tokens": s.max_completion_length, "derived": False, "why": "the recipe's"}
@@ -158,8 +136,7 @@ def completion_length(recipe: Any, references: list[Optional[str]], longest_prom
 
 
 def _reference_tokens(model: str, references: list[str]) -> tuple[list[int], str]:
-    """Each reference's tokens with the model's tokenizer where this machine has it, else estimated from its
-    characters (4 to a token), and which."""
+    """Each reference's tokens with the model's tokenizer, else estimated (4 characters to a token), and which."""
     from launcher.data.tokenizer import read_tokenizer, tokenizer_dir
 
     folder, _ = tokenizer_dir(model)
@@ -170,8 +147,7 @@ def _reference_tokens(model: str, references: list[str]) -> tuple[list[int], str
 
 
 def with_data_defaults(recipe: Any, stats: Any) -> Any:
-    """The recipe with the settings its data sized where it left them out (grpo.max_completion_length from the
-    references): what the plan sizes, recipe.yaml records and the worker samples with."""
+    """The recipe with the settings its data sized where it left them out (plan, recipe.yaml, worker)."""
     if getattr(stats, "images", None) and recipe.padding_free:  # left to its default: image data trains padded
         recipe = recipe.model_copy(update={"padding_free": False})
     sized = getattr(stats, "completion_length", None)
@@ -194,8 +170,7 @@ def _task_settings_fit(recipe: Any, examples: list, lengths: list[int], parts: A
 
 
 def objective_fits(recipe: Any, form: str, key: str) -> None:
-    """A DataError when the recipe's objective does not train data of this form (SFT examples under DPO, pairs
-    under SFT), naming both and the formats that would fit."""
+    """A DataError when the recipe's objective does not train data of this form, naming the formats that would fit."""
     objective = methods.OBJECTIVES[recipe.objective]
     if form in objective.forms:
         return
@@ -215,8 +190,7 @@ def objective_fits(recipe: Any, form: str, key: str) -> None:
 
 
 def _sequences(examples: list[Any], where: list[str], origin: list[int], sources: list[str]):
-    """The examples as the sequences that train (formats.sequences): a preference pair is its prompt with the chosen
-    answer and with the rejected one, each checked as the loss sees it and shown side by side (one "source" each)."""
+    """The examples as the sequences that train (formats.sequences), each side of a pair one "source" of its own."""
     if not any(isinstance(ex, dict) and "chosen" in ex for ex in examples):
         return examples, where, origin, sources
     flat, places, kinds = [], [], []
@@ -229,9 +203,7 @@ def _sequences(examples: list[Any], where: list[str], origin: list[int], sources
 
 
 def pair_stats(trained: list[int]) -> dict[str, Any]:
-    """The pairs' figures from each sequence's trained tokens (chosen, rejected, chosen, ...): the answers' mean
-    lengths and the share of pairs whose chosen answer is the longer one (DPO's known length bias: a set where the
-    chosen answer is nearly always the longer teaches length as much as quality)."""
+    """The pairs' mean answer lengths and the share whose chosen answer is longer (DPO's length bias)."""
     chosen, rejected = trained[0::2], trained[1::2]
     n = max(len(chosen), 1)
     return {
@@ -242,16 +214,14 @@ def pair_stats(trained: list[int]) -> dict[str, Any]:
     }
 
 
-# KTO's class balance (trl 1.16 kto_trainer.py _prepare_dataset, after the KTO paper's Eq. 8): desirable_weight x
-# desirable answers over undesirable_weight x undesirable answers belongs in [1, 4/3], where TRL is silent. Off by
-# more than FAR_OFF beyond either end, the plan refuses (TRL only warns, in the log, after the model loaded).
+# KTO's class balance (trl 1.16 kto_trainer.py _prepare_dataset; docs/data.md, "KTO's classes") and the refusal's
 BALANCE_RANGE = (1.0, 4 / 3)
 FAR_OFF = 1.5
 
 
 def class_balance(recipe: Any, examples: list[dict[str, Any]]) -> dict[str, Any]:
-    """The training split's desirable and undesirable answers with the recipe's weights, and the ratio TRL checks;
-    a DataError where a class is missing or the ratio is far from TRL's range, naming the weights that fit."""
+    """The training split's classes with the recipe's weights and the ratio TRL checks; a DataError where a class is
+    missing or the ratio is far off, naming the weights that fit."""
     desirable = sum(1 for ex in examples if ex.get(formats.LABEL) is True)
     undesirable = len(examples) - desirable
     dw, uw = recipe.preference.desirable_weight, recipe.preference.undesirable_weight

@@ -16,11 +16,8 @@ MIN_EXAMPLES = 10  # fewer held-out examples than this give a score too coarse t
 
 
 def prompt_and_reference(example: Any) -> Optional[dict[str, Any]]:
-    """{"messages": ..., "reference": ...} for a chat example: the turns before its last assistant turn, and that
-    turn; a prompt/completion pair: the prompt ("text" when it is a plain string, answered without the chat
-    template, as it trained) and the completion; a preference pair: its prompt and the chosen answer; a prompt row
-    (GRPO's) its prompt and its reference. None for plain text, examples without an assistant turn and prompt rows
-    without a reference."""
+    """{"messages": ..., "reference": ...}: the turns before the last answer (a pair's chosen, a completion, a prompt
+    row's reference) and that answer; "text" too for a plain-string prompt. None where there is no such answer."""
     if isinstance(example, dict) and "chosen" in example:
         example = formats.sequences(example)[0]
     if isinstance(example, dict) and example.get(formats.LABEL) is False:
@@ -80,23 +77,17 @@ def not_applicable(examples: list) -> Optional[str]:
 
 
 def with_shots(prompt: dict[str, Any], shots: list[dict[str, Any]]) -> dict[str, Any]:
-    """The prompt with the shots before it as earlier turns of the same conversation (a system turn stays first);
-    plain-text prompts get the shots as text before them, each prompt followed by its answer."""
+    """The prompt with the shots before it as earlier turns (a system turn stays first), or as text before it."""
     if "text" in prompt:
-        lead = "".join(s["text"] + s["reference"] + "\n\n" for s in shots if "text" in s)
-        return {
-            **prompt,
-            "text": lead + prompt["text"],
-            "messages": [{"role": "prompt", "content": lead + prompt["text"]}],
-        }
+        text = "".join(s["text"] + s["reference"] + "\n\n" for s in shots if "text" in s) + prompt["text"]
+        return {**prompt, "text": text, "messages": [{"role": "prompt", "content": text}]}
     msgs = prompt["messages"]
     system = [m for m in msgs[:1] if m.get("role") == "system"]
     turns: list[dict[str, Any]] = []
     for s in shots:
-        if "text" in s:
-            continue
-        turns += [m for m in s["messages"] if m.get("role") != "system"]
-        turns.append({"role": "assistant", "content": s["reference"]})
+        if "text" not in s:
+            turns += [m for m in s["messages"] if m.get("role") != "system"]
+            turns.append({"role": "assistant", "content": s["reference"]})
     shown = {**prompt, "messages": system + turns + msgs[len(system) :]}
     pictures = [p for s in shots if "text" not in s for p in s.get("images", [])] + list(prompt.get("images", []))
     if pictures:  # image data: the shots' images come first, in the order their placeholders do
@@ -118,12 +109,8 @@ def build_task(
     eval_examples: Optional[list] = None,
     max_new_tokens_cap: int = 128,
 ) -> dict[str, Any]:
-    """What the task evaluation asks, as data (stored in the run directory so every scorer asks the same):
-    {"metric", "metric_reason", "prompts": [{"index", "messages" or "text", "reference"}], "shots": [...],
-    "max_new_tokens"}; or {"not_applicable": why} / {"too_few": n, "why": ...} when it cannot score.
-
-    `settings`: the recipe's eval.task; `eval_examples`: a separate eval file (eval.data) whose examples are all
-    held out, else the held-out indices of `examples`."""
+    """What the task evaluation asks, stored in the run so every scorer asks the same ({"metric", "prompts", "shots",
+    ...}, or {"not_applicable"} / {"too_few"}). `eval_examples`: eval.data's examples, all held out."""
     from launcher.data import task_metrics
 
     pool_examples, pool = (eval_examples, list(range(len(eval_examples)))) if eval_examples else (examples, held_out)
@@ -158,9 +145,7 @@ def build_task(
         "shots": shots_for(examples, train, settings.shots, seed),
         "max_new_tokens": limit,
     }
-    if (
-        limit < needed
-    ):  # an answer as long as the reference is cut by a setting: the score says so (run/task_eval_view.py)
+    if limit < needed:  # an answer as long as the reference is cut: the score says so (run/task_eval_view.py)
         task["capped"] = {
             "max_new_tokens": limit,
             "reference_tokens": needed,
@@ -179,10 +164,8 @@ def refusals(
     seed: int,
     eval_examples: Optional[list] = None,
 ) -> list[str]:
-    """The eval.task settings this data cannot honour, each naming the key, the value, what the data holds and the
-    largest value that fits; the plan refuses them (launcher/data/stats.py) before anything trains. Only values given
-    other than their defaults are refused: a default adapts (examples is a cap; the verdict says "too few").
-    `lengths`: each example's tokens (the plan's count), used for the shots against max_length."""
+    """The eval.task settings other than their defaults that this data cannot honour, each with the largest value
+    that fits (the plan refuses them). `lengths`: each example's tokens, for the shots against max_length."""
     from launcher.data import task_metrics
 
     if not settings.examples:

@@ -1,8 +1,7 @@
 """The task evaluation's metrics as a table: exact (short labels), json (structured answers), text (free text, chrF),
 the choice among them from the references with its reason, the scores, and the reference article's verdict rule.
 
-Pure (no torch): `ftrun baseline`, the worker after training and the export score answers here. chrF comes from
-sacrebleu (2.6.0: `sacrebleu.metrics.CHRF`, corpus level, 0-100 scaled to a fraction here), not a copy of it.
+Pure (no torch). chrF comes from sacrebleu (2.6.0 `sacrebleu.metrics.CHRF`, corpus level, scaled to a fraction).
 
     metric, reason = choose(references)       # ('exact', '4 distinct short labels ...')
     score(metric, answers, references)        # {'score': 0.75, 'details': {...}, 'per_example': [...]}
@@ -14,8 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-# The reference article: "if the format or style is still wrong in one case out of five, a fine-tune pays":
-# a base model with examples in its prompt scoring below this pays for a fine-tune.
+# The reference article: "still wrong in one case out of five" (with examples in the prompt): a fine-tune pays
 PAYS_BELOW = 0.8
 # Labels: at most this many words each, and few distinct ones (a class, a category, a yes/no).
 LABEL_MAX_WORDS = 4
@@ -43,10 +41,8 @@ def _json_score(answers: list[str], references: list[str], exact: list[float]) -
     for got, ref_text in zip(parsed, references):
         ref = _json_object(ref_text) or {}
         keys.append(float(got is not None and set(ref) <= set(got)))
-        if not ref:
-            fields.append(float(got == ref))
-        else:
-            fields.append(sum(1.0 for k, v in ref.items() if got is not None and k in got and got[k] == v) / len(ref))
+        matched = sum(1.0 for k, v in ref.items() if got is not None and k in got and got[k] == v)
+        fields.append(matched / len(ref) if ref else float(got == ref))
     details = {
         "parses": sum(p is not None for p in parsed) / n,
         "has_keys": sum(keys) / n,
@@ -122,26 +118,20 @@ def choose(references: list[str]) -> tuple[str, str]:
         return "json", f"all {n} references parse as JSON objects: parse rate, keys and field-level exact match"
     labels = {normalise(r) for r in references}
     longest = max((len(r.split()) for r in references), default=0)
+    words = f"{longest} word{'' if longest == 1 else 's'}"
     if n and longest <= LABEL_MAX_WORDS and len(labels) <= min(LABEL_MAX_DISTINCT, max(2, n // 2)):
         return "exact", (
-            f"the {n} references are {len(labels)} distinct short labels (at most {longest} "
-            f"word{'' if longest == 1 else 's'}): "
+            f"the {n} references are {len(labels)} distinct short labels (at most {words}): "
             "accuracy after whitespace and case normalisation"
         )
     if n and single_tokens(references):
-        # a number or a one-word label is right or wrong: chrF would credit "2." against "12" for the characters
-        # they share (a GRPO run rewarded by chrF on sums learned to answer "2." to everything: 0% -> 12% chrF,
-        # 0% -> 0% exact)
+        # a number or a one-word label is right or wrong: chrF would credit shared characters (docs/task_eval.md)
         numbers = all(_is_number(r) for r in references)
         return "exact", (
             f"the {n} references are single {'numbers' if numbers else 'words'} ({len(labels)} distinct): "
             "right or wrong, accuracy after whitespace and case normalisation (chrF would credit shared characters)"
         )
-    return "text", (
-        f"the {n} references are free text ({len(labels)} distinct, up to {longest} "
-        f"word{'' if longest == 1 else 's'}): chrF, "
-        "plus exact match"
-    )
+    return "text", f"the {n} references are free text ({len(labels)} distinct, up to {words}): chrF, plus exact match"
 
 
 def _is_number(text: str) -> bool:
@@ -153,19 +143,12 @@ def _is_number(text: str) -> bool:
 
 
 def single_tokens(references: list[str]) -> bool:
-    """Every reference one word or number (a trailing full stop allowed): a label or a numeric answer, where exact
-    match is what tells right from wrong (`choose` picks it; beside another metric, task_eval.json and the summary show
-    it too)."""
+    """Every reference one word or number: where exact match tells right from wrong (shown beside another metric)."""
     return bool(references) and all(len(str(r).split()) == 1 for r in references)
 
 
-def _exact(answers: list[str], references: list[str]) -> list[float]:
-    return [float(normalise(a) == normalise(r)) for a, r in zip(answers, references)]
-
-
 def score(metric: str, answers: list[str], references: list[str]) -> dict[str, Any]:
-    """{"score": the primary metric in [0, 1], "details": sub-metrics, "per_example": each example's primary score
-    (chrF: each answer's own chrF)}."""
+    """{"score": the primary metric in [0, 1], "details": sub-metrics, "per_example": each example's score}."""
     if metric not in METRICS:
         raise ValueError(f"unknown metric {metric!r}; one of {', '.join(METRICS)}")
     if len(answers) != len(references):
@@ -173,7 +156,8 @@ def score(metric: str, answers: list[str], references: list[str]) -> dict[str, A
     n = len(references)
     if n == 0:
         return {"score": 0.0, "details": {}, "per_example": []}
-    return METRICS[metric].scorer(answers, references, _exact(answers, references))
+    exact = [float(normalise(a) == normalise(r)) for a, r in zip(answers, references)]
+    return METRICS[metric].scorer(answers, references, exact)
 
 
 def fine_tune_pays(few_shot: float) -> bool:

@@ -9,38 +9,30 @@ from typing import Any, Optional
 
 from launcher.data.task_metrics import PAYS_BELOW, fine_tune_pays, word as metric_word
 
-# The score names of task_eval.json: the base model zero-shot and with the task's examples in its prompt, the trained
-# model (each export adds its own name: merged, gguf-q4_k_m)
+# The score names of task_eval.json (each export adds its own: merged, gguf-q4_k_m)
 BASE_ZERO_SHOT, BASE_FEW_SHOT, FINE_TUNED = "base_zero_shot", "base_few_shot", "fine_tuned"
-# A run from a parent adapter (init_from): its base rows score the parent, where the run starts; this one scores the
-# base model without any adapter, zero-shot, so a chain (SFT, then DPO or GRPO) reads against the bare base too
+# A run from a parent adapter (init_from) scores the parent where another scores the base; this row scores the base
+# model without any adapter, so a chain (SFT, then DPO or GRPO) reads against the bare base too
 BARE_BASE = "bare_base_zero_shot"
 BARE_BASE_LABEL = "base model without the adapter, zero-shot"
-# ... and its starting point's rows are named for it: the parent adapter, zero-shot and with examples. task_eval.json
-# files written before 2026-12-06 call them base_zero_shot and base_few_shot beside a starting_point: read as these.
+# ... and the parent's rows (files written before 2026-12-06 call them base_* beside a starting_point: start_keys)
 PARENT_ZERO_SHOT, PARENT_FEW_SHOT = "parent_zero_shot", "parent_few_shot"
 _AS_PARENT = {BASE_ZERO_SHOT: PARENT_ZERO_SHOT, BASE_FEW_SHOT: PARENT_FEW_SHOT}
 
 
 def stored_name(t: dict[str, Any], name: str) -> str:
-    """The name task_eval.json keeps a score under: a run from a parent adapter (its task's or results'
-    starting_point) scores the parent where another scores the base model, and names it so."""
+    """The name task_eval.json keeps a score under (a run from a parent adapter names the parent's rows so)."""
     return _AS_PARENT.get(name, name) if t.get("starting_point") else name
 
 
 def start_keys(t: dict[str, Any]) -> tuple[str, str]:
     """The names of the starting point's zero-shot and few-shot scores in `t`: the parent's (init_from), under their
     old base_ names in a file written before they had their own, else the base model's."""
-    if not t.get("starting_point"):
-        return BASE_ZERO_SHOT, BASE_FEW_SHOT
-    scores = t.get("scores") or {}
-    if (
-        PARENT_ZERO_SHOT not in scores
-        and PARENT_FEW_SHOT not in scores
-        and (BASE_ZERO_SHOT in scores or BASE_FEW_SHOT in scores)
-    ):
-        return BASE_ZERO_SHOT, BASE_FEW_SHOT
-    return PARENT_ZERO_SHOT, PARENT_FEW_SHOT
+    scores = (t.get("scores") or {}).keys()
+    old = not scores & {PARENT_ZERO_SHOT, PARENT_FEW_SHOT} and scores & {BASE_ZERO_SHOT, BASE_FEW_SHOT}
+    if t.get("starting_point") and not old:
+        return PARENT_ZERO_SHOT, PARENT_FEW_SHOT
+    return BASE_ZERO_SHOT, BASE_FEW_SHOT
 
 
 def pct(value: float) -> str:
@@ -48,28 +40,22 @@ def pct(value: float) -> str:
 
 
 def start_name(t: dict[str, Any]) -> str:
-    """What the "base" scores scored: the base model, or for a run that continues an earlier run's adapter
-    (init_from: task_eval.json's starting_point) that parent adapter, where the run starts."""
+    """What the "base" scores scored: the base model, or the parent adapter a run from init_from starts from."""
     return "parent adapter" if t.get("starting_point") else "base model"
 
 
 def base_score(t: dict[str, Any]) -> tuple[Optional[float], str]:
-    """The score the verdict reads, and how to name it: the base model's best prompt of the two tried, with examples
-    in it (the article's "good prompt with a few examples") or without (a model the examples confuse, or one
-    already trained on the task, answers better without them); with examples where both score the same."""
-    scores, shots = t.get("scores") or {}, t.get("shots")
-    zero_key, few_key = start_keys(t)
-    few = scores.get(few_key) if shots != 0 else None
-    zero = scores.get(zero_key)
-    start = start_name(t)
-    if few is not None and (zero is None or few >= zero):
-        return few, f"{start} with {shots} examples" if shots else f"{start} with examples"
-    return zero, f"{start} zero-shot"
+    """The score the verdict reads, and how to name it: the base model's better prompt of the two tried (base_key),
+    with examples (the article's "good prompt with a few examples") or without."""
+    key, start, shots = base_key(t), start_name(t), t.get("shots")
+    score = (t.get("scores") or {}).get(key) if key else None
+    if key is not None and key == start_keys(t)[1]:
+        return score, f"{start} with {shots} examples" if shots else f"{start} with examples"
+    return score, f"{start} zero-shot"
 
 
 def base_key(t: dict[str, Any]) -> Optional[str]:
-    """The score name base_score reads (the starting point's few-shot or zero-shot: start_keys), None when neither is
-    scored."""
+    """The score name base_score reads: few-shot where it scores at least the zero-shot one; None if neither is."""
     scores, shots = t.get("scores") or {}, t.get("shots")
     zero_key, few_key = start_keys(t)
     few = scores.get(few_key) if shots != 0 else None
@@ -80,9 +66,8 @@ def base_key(t: dict[str, Any]) -> Optional[str]:
 
 
 def difference(t: dict[str, Any]) -> Optional[dict[str, Any]]:
-    """The fine-tuned score against the one the verdict reads: {"gain" (points, as a reader subtracts the two
-    percents shown), "noise" (points: two standard errors of the per-example differences on the same examples,
-    None without them), "within" (|gain| inside the noise), "n"}; None until both are scored."""
+    """The fine-tuned score against the verdict's: {"gain" (points, as shown), "noise" (two standard errors of the
+    per-example differences), "within" (|gain| inside the noise), "n", ...}; None until both are scored."""
     scores, key = t.get("scores") or {}, base_key(t)
     if key is None or scores.get(FINE_TUNED) is None:
         return None
@@ -109,8 +94,7 @@ def difference(t: dict[str, Any]) -> Optional[dict[str, Any]]:
 
 
 def exact_pair(t: dict[str, Any]) -> Optional[tuple[float, float]]:
-    """(the base score's exact match, the fine-tuned one's) where task_eval.json shows exact beside another metric
-    (single-word or numeric references: worker/task_eval.py record); None otherwise."""
+    """(the base score's exact match, the fine-tuned one's) where task_eval.json shows exact beside another metric."""
     beside, key = t.get("exact_beside") or {}, base_key(t)
     if key is None or beside.get(key) is None or beside.get(FINE_TUNED) is None:
         return None
@@ -118,8 +102,8 @@ def exact_pair(t: dict[str, Any]) -> Optional[tuple[float, float]]:
 
 
 def _judged(t: dict[str, Any], diff: dict[str, Any], word: str) -> tuple[str, str]:
-    """(the change in words, what follows the scores): better, worse or no measurable change by the metric, and where
-    exact match is shown beside it, "no better" when that stayed (a chrF gain of shared characters)."""
+    """(the change in words, what follows the scores): better, worse or no measurable change; "no better" where the
+    exact match beside it stayed (a chrF gain of shared characters)."""
     change = "no measurable change" if diff["within"] else "better" if diff["gain"] > 0 else "worse"
     pair = exact_pair(t)
     if pair is None:
@@ -131,8 +115,7 @@ def _judged(t: dict[str, Any], diff: dict[str, Any], word: str) -> tuple[str, st
 
 
 def noise_words(diff: dict[str, Any]) -> str:
-    """ "-1 point, within the ±6-point noise of 20 examples" (or beyond it); without per-example scores, what one
-    example is worth."""
+    """ "-1 point, within the ±6-point noise of 20 examples" (or beyond it, or what one example is worth)."""
     said = f"{diff['gain']:+d} point{'' if abs(diff['gain']) == 1 else 's'}"
     if diff.get("noise") is None:
         return said
@@ -147,8 +130,7 @@ def noise_words(diff: dict[str, Any]) -> str:
 
 
 def verdict(t: dict[str, Any], price: str = "") -> str:
-    """The verdict from task_eval.json's fields `t`; `price`: what the fine-tune would cost ("~0.42 EUR"), said
-    where a prompt may be enough. Not applicable and too few examples are said with why (and the fix)."""
+    """The verdict from task_eval.json's fields `t`; `price`: the fine-tune's cost, said where a prompt may do."""
     if t.get("not_applicable"):
         return f"the task evaluation does not apply to this data: {t['not_applicable']}"
     if t.get("too_few") is not None:
@@ -158,27 +140,22 @@ def verdict(t: dict[str, Any], price: str = "") -> str:
     score, who = base_score(t)
     if score is None:
         if (t.get("scores") or {}).get(FINE_TUNED) is not None:  # after training, and nothing to compare with
+            cannot = " (an adapter from init_from cannot be switched off to score it after)"
             return (
                 f"the {start_name(t)} was not scored, so there is no comparison: set eval.task.baseline: run to "
-                "score it before training"
-                + (
-                    " (an adapter from init_from cannot be switched off to score it after)"
-                    if t.get("starting_point")
-                    else ""
-                )
+                f"score it before training{cannot if t.get('starting_point') else ''}"
             )
         return f"the {start_name(t)} has not been scored yet"
-    diff = difference(t)
-    if diff is not None and t.get("starting_point"):  # a step from a parent adapter is judged against where it started
-        metric = t.get("metric")
-        word = metric_word(metric) or "score"
-        change, exact = _judged(t, diff, word)
-        return (
-            f"this run against the {who}: {change} on the task ({pct(t['scores'][FINE_TUNED])} against "
-            f"{pct(score)} {word}, {noise_words(diff)}{exact})"
-        )
-    metric = t.get("metric")
+    diff, metric = difference(t), t.get("metric")
     word = metric_word(metric) or "score"
+    change, exact = _judged(t, diff, word) if diff is not None else ("", "")
+    versus = (
+        f"{change} on the task ({pct(t['scores'][FINE_TUNED])} against {pct(score)} {word}, {noise_words(diff)}{exact})"
+        if diff is not None
+        else ""
+    )
+    if diff is not None and t.get("starting_point"):  # a step from a parent adapter is judged against where it started
+        return f"this run against the {who}: {versus}"
     pays = t["fine_tune_pays"] if t.get("fine_tune_pays") is not None else fine_tune_pays(score)
     if pays:
         fifths = max(1, round(5 * (1 - score)))
@@ -189,12 +166,8 @@ def verdict(t: dict[str, Any], price: str = "") -> str:
         else:
             said = f"{who}: {pct(score)} {word}, below the {pct(PAYS_BELOW)} a prompt would need"
         onward = "training on from it" if t.get("starting_point") else "fine-tuning"
-        change, exact = _judged(t, diff, word) if diff is not None else ("", "")
         if diff is not None and change != "better":  # after training: the run did not deliver it
-            return (
-                f"{said}, so {onward} should pay; this run did not: {change} on the task "
-                f"({pct(t['scores'][FINE_TUNED])} against {pct(score)} {word}, {noise_words(diff)}{exact})"
-            )
+            return f"{said}, so {onward} should pay; this run did not: {versus}"
         return f"{said}: {onward} pays"
     said = f"right in {pct(score)}" if metric == "exact" else f"{pct(score)} {word}"
     prompt = "a prompt with examples" if not who.endswith("zero-shot") else "a prompt"

@@ -1,13 +1,10 @@
 """The base model's tokenizer as training reads it, without torch: its folder on this machine, the tokenizer that
 encodes, the special tokens a chat template sees, and the chat template.
 
-transformers reads the files (`PreTrainedTokenizerFast.from_pretrained`, which imports no torch), so every key of a
-published `tokenizer_config.json` means what it means in training. Special tokens may be strings or AddedToken
-objects; the template sees exactly `special_tokens_map` (transformers 5.24, tokenization_utils_base.py
-`apply_chat_template`: `template_kwargs = {**self.special_tokens_map, **kwargs}`). `add_bos_token` and
-`add_eos_token` (Mistral, Gemma, Llama 2 as published) are settings, never tokens, and with a tokenizer.json at
-hand transformers drops them (`from_pretrained`: `init_kwargs.pop("add_bos_token", None)` where a tokenizer_file
-resolves): tokenizer.json's post-processor decides what encoding adds, here as in training.
+transformers reads the files (`PreTrainedTokenizerFast.from_pretrained`, which imports no torch), so every key of
+`tokenizer_config.json` means what it means in training; the template sees exactly `special_tokens_map`
+(transformers 5.24, tokenization_utils_base.py `apply_chat_template`), and tokenizer.json's post-processor decides
+what encoding adds (`from_pretrained` drops add_bos_token/add_eos_token where a tokenizer_file resolves).
 """
 
 from __future__ import annotations
@@ -39,8 +36,7 @@ def _installed(name: str) -> bool:
 
 
 def tokenizer_dir(model: str) -> tuple[Optional[Path], str]:
-    """The folder holding the model's tokenizer on this machine (the model's own folder or the Hugging Face
-    cache), or (None, why not)."""
+    """The folder holding the model's tokenizer on this machine (its own or the HF cache), or (None, why not)."""
     if not _installed("transformers"):  # a light install: the plan estimates, and says why
         return None, (
             "transformers, which reads the model's tokenizer and chat template as training does, is not "
@@ -63,12 +59,9 @@ def read_tokenizer(model_dir: Path) -> Optional[ModelTokenizer]:
     tok_json = model_dir / "tokenizer.json"
     if not tok_json.is_file():
         return None
-    # The data check reads it for the token counts and again for what the loss sees: read once per version of
-    # the files (an edited tokenizer_config.json or chat template is read anew).
-    versions = tuple(
-        _version(model_dir / n)
-        for n in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
-    )
+    # read once per version of the files (the data check reads it twice; an edited file is read anew)
+    names = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+    versions = tuple(_version(model_dir / n) for n in names)
     return _read(model_dir.resolve(), versions)
 
 
@@ -92,12 +85,10 @@ def _read(model_dir: Path, versions: tuple) -> ModelTokenizer:
         loaded = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
     finally:
         hf_logging.set_verbosity(verbosity)
-    template = None
     jinja_file = model_dir / "chat_template.jinja"
+    template = loaded.chat_template if isinstance(loaded.chat_template, str) else None
     if jinja_file.is_file():
         template = jinja_file.read_text(encoding="utf-8")
-    elif isinstance(loaded.chat_template, str):
-        template = loaded.chat_template
     raw = json.loads(tok_json.read_text(encoding="utf-8"))
     return ModelTokenizer(
         folder=model_dir,

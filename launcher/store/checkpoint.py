@@ -45,34 +45,24 @@ def hash_file(path: Path, h: Any) -> str:
 
 
 def hash_workers() -> int:
-    """Threads for hashing: one per core, at most 16 (past that the disk, not the CPU, is the limit). The affinity,
-    not a cgroup quota (launcher/plan/hardware.py cpu_cores): store/ imports no stage above it, and threads past a
-    quota only take turns at a disk-bound job."""
+    """Threads for hashing: one per core of the affinity, at most 16 (past that the disk is the limit)."""
     return max(1, min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
 def sha256_files(paths: list[Path], workers: Optional[int] = None, fsync: bool = False) -> list[str]:
-    """sha256 of each file (in the order given), several files at once, the largest first.
-
-    SHA-256 of one file is sequential, so the parallelism is across files; a checkpoint is many files
-    (weight shards, per-rank optimizer and RNG states). `fsync` flushes each file after hashing it.
-    """
+    """sha256 of each file (in the order given), several at once, the largest first; `fsync`: flush each after."""
     workers = max(1, min(workers or hash_workers(), len(paths) or 1))
 
     def one(path: Path) -> str:
         digest = sha256_file(path)
         if fsync:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            with path.open("rb") as fh:
+                os.fsync(fh.fileno())
         return digest
 
     if workers == 1:
         return [one(p) for p in paths]
-    # Plain threads, not concurrent.futures: its pools refuse work once the interpreter begins to exit, and
-    # a background manifest still being written then must finish.
+    # Plain threads: concurrent.futures refuses work once the interpreter exits, and a background manifest must finish
     queue = iter(sorted(range(len(paths)), key=lambda i: paths[i].stat().st_size, reverse=True))
     digests: list[Optional[str]] = [None] * len(paths)
     failed: list[BaseException] = []
@@ -122,14 +112,10 @@ def atomic_write_json(path: Path, data: Any) -> None:
 
 def write_manifest(ckpt: Path, step: int, meta: dict[str, Any], workers: Optional[int] = None) -> dict[str, Any]:
     """List every file with size and sha256, then write manifest.json last: its presence marks completeness."""
-    # the weights as readable as the rest (safetensors writes them 0600, store/modes.py); a file system without
-    # chmod leaves them as they are, which a resume by the same user does not mind
+    # the weights as readable as the rest (safetensors writes them 0600, store/modes.py)
     apply_umask(ckpt)
-    paths = [
-        p
-        for p in sorted(ckpt.rglob("*"))
-        if p.is_file() and p.name != MANIFEST and not p.name.startswith(f".{MANIFEST}")
-    ]
+    files = (p for p in sorted(ckpt.rglob("*")) if p.is_file())
+    paths = [p for p in files if p.name != MANIFEST and not p.name.startswith(f".{MANIFEST}")]
     # each data file is fsynced before the manifest claims it
     digests = sha256_files(paths, workers, fsync=True)
     files = {p.relative_to(ckpt).as_posix(): {"size": p.stat().st_size, "sha256": d} for p, d in zip(paths, digests)}
@@ -139,8 +125,7 @@ def write_manifest(ckpt: Path, step: int, meta: dict[str, Any], workers: Optiona
 
 
 class ManifestFailed(RuntimeError):
-    """A checkpoint's manifest was not written, so that checkpoint does not exist; the cause is the writer's error
-    (an OSError with ENOSPC/EDQUOT when the disk is full)."""
+    """A checkpoint's manifest was not written, so that checkpoint does not exist (the cause: the writer's error)."""
 
 
 class ChoiceCancelled(RuntimeError):
@@ -148,15 +133,8 @@ class ChoiceCancelled(RuntimeError):
 
 
 class BackgroundManifest:
-    """The manifest of the newest checkpoint, hashed and written by a background thread.
-
-    Hashing a large checkpoint (a 70B full fine-tune's is about 1 TB) inside the save would hold every
-    rank at the barrier; instead training goes on while a thread hashes (several files at once) and writes
-    manifest.json last. Until then the folder is not a checkpoint: resume, sync and retention ignore it,
-    and a kill leaves it without manifest, removed as incomplete at the next start. The owner waits for it
-    before the next checkpoint and before the process exits. The threads keep the worker's priority: the
-    next save waits for them, so a lower one would only move time from the hashing into that wait.
-    """
+    """The newest checkpoint's manifest, hashed and written by a background thread while training goes on; until
+    then the folder is no checkpoint. The owner waits for it before the next checkpoint and before it exits."""
 
     def __init__(self, log: Callable[[str], None] = print):
         self.log = log
@@ -214,11 +192,7 @@ class BackgroundManifest:
         return True
 
     def check(self) -> None:
-        """After wait(): raise ManifestFailed (from the writer's error) when the last manifest was not written.
-
-        Logging it is not enough: retention runs only after a manifest, so saves would pile up until the disk
-        is full, and a stop would report a checkpoint that does not exist.
-        """
+        """After wait(): raise ManifestFailed when the last manifest was not written (else saves pile up)."""
         if self.exception is not None and not self.pending:
             raise ManifestFailed(f"the checkpoint's manifest could not be written ({self.error})") from self.exception
 
@@ -264,11 +238,9 @@ def candidates(ckpt_root: Path) -> list[Path]:
     """Checkpoint folders, newest step first."""
     if not ckpt_root.is_dir():
         return []
-    found = []
-    for p in ckpt_root.iterdir():
-        if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX) :].isdigit():
-            found.append((int(p.name[len(PREFIX) :]), p))
-    return [p for _, p in sorted(found, reverse=True)]
+    found = [p for p in ckpt_root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)]
+    found = [p for p in found if p.name[len(PREFIX) :].isdigit()]
+    return sorted(found, key=lambda p: (int(p.name[len(PREFIX) :]), p), reverse=True)
 
 
 def newest_verified(
@@ -312,11 +284,8 @@ def await_choice(
     cancelled: Callable[[], bool] = lambda: False,
     poll: float = 0.2,
 ) -> Optional[Verified]:
-    """The checkpoint the verifier of this launch chose (None: start fresh), without hashing the files again.
-
-    A choice counts when it names this launch and was written after `not_before` (the launcher's start):
-    a file left by an earlier launch, even one with the same rendezvous id, is never taken.
-    """
+    """The checkpoint the verifier of this launch chose (None: start fresh), without hashing the files again; a
+    choice counts when it names this launch and was written after `not_before` (the launcher's start)."""
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -344,8 +313,7 @@ def await_choice(
 
 
 def choice_timeout(ckpt_root: Path, rate: float = 50e6, floor: float = 600.0) -> float:
-    """How long a waiter gives the verifier: its imports, then every complete checkpoint hashed at a slow
-    disk's `rate` (bytes/s), from the manifests' sizes (no hashing, a few stats)."""
+    """How long a waiter gives the verifier: `floor`, then every complete checkpoint hashed at `rate` (bytes/s)."""
     total = 0
     for p in candidates(ckpt_root):
         try:
@@ -380,8 +348,6 @@ def remove_incomplete(ckpt_root: Path) -> list[str]:
 def retain(ckpt_root: Path, keep: int) -> list[str]:
     """Keep the newest `keep` complete checkpoints; delete older ones (never the newest complete one)."""
     complete = [p for p in candidates(ckpt_root) if (p / MANIFEST).is_file()]
-    removed = []
     for p in complete[keep:]:
         shutil.rmtree(p, ignore_errors=True)
-        removed.append(p.name)
-    return removed
+    return [p.name for p in complete[keep:]]

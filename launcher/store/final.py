@@ -1,14 +1,13 @@
 """The final result of a run: its layout (final/adapter or final/model) and its verification.
 
-A run is `succeeded` only when its final result is there and usable: the supervisor calls `verify` after the
-worker exits 0 and before it records success, for every engine. The check reads files only (JSON and the
-safetensors layout: an 8-byte little-endian header length, a JSON header, then the tensor bytes), so it needs
-neither torch nor a GPU; numpy reads the tensor bytes to find inf/NaN.
+A run is `succeeded` only when the supervisor's `verify` passed after the worker exited 0. The check reads files only
+(JSON, the safetensors layout: an 8-byte header length, a JSON header, the tensor bytes): no torch, no GPU.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 from dataclasses import dataclass, field
@@ -26,27 +25,10 @@ MODEL_WEIGHTS = "model.safetensors"
 MODEL_INDEX = "model.safetensors.index.json"
 
 # Bytes per element of the safetensors dtypes; packed 4-bit types are left out of the size check.
-_ITEMSIZE = {
-    "F64": 8,
-    "F32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U64": 8,
-    "U32": 4,
-    "U16": 2,
-    "U8": 1,
-    "BOOL": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "F8_E8M0": 1,
-}
-# A float is inf or NaN exactly when its exponent bits are all ones: (unsigned view, mask). Read this way,
-# bf16 needs no float conversion (numpy has no bf16). F8_E4M3 ("fn") has no inf; its NaN is every bit but the
-# sign set.
+_ITEMSIZE = {f"{t}{bits}": bits // 8 for t in "IU" for bits in (8, 16, 32, 64)}
+_ITEMSIZE.update({"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1})
+# A float is inf or NaN exactly when its exponent bits are all ones: (unsigned view, mask), so bf16 needs no numpy
+# float type. F8_E4M3 ("fn") has no inf; its NaN is every bit but the sign set.
 _NON_FINITE = {
     "F64": ("<u8", 0x7FF0000000000000),
     "F32": ("<u4", 0x7F800000),
@@ -78,8 +60,7 @@ def path(final_root: Path, method: str) -> Path:
 
 
 def read_header(file: Path) -> dict[str, dict[str, Any]]:
-    """The tensors of a safetensors file, {name: {dtype, shape, data_offsets}}, after checking that the file is
-    complete: its size is exactly what the header promises, and every tensor's bytes match its shape."""
+    """The tensors of a safetensors file, after checking that its size and each tensor's bytes are as promised."""
     file = Path(file)
     if not file.is_file():
         raise ArtifactError(f"{file.name} is missing")
@@ -109,9 +90,7 @@ def read_header(file: Path) -> dict[str, dict[str, Any]]:
             shape = [int(d) for d in t["shape"]]
         except (KeyError, TypeError, ValueError):
             raise ArtifactError(f"{file.name}: tensor {name} has no valid dtype/shape/data_offsets") from None
-        numel = 1
-        for d in shape:
-            numel *= d
+        numel = math.prod(shape)
         item = _ITEMSIZE.get(t.get("dtype"))
         if item is not None and stop - begin != numel * item:
             raise ArtifactError(
@@ -179,23 +158,19 @@ def _all_zero(file: Path, header: dict[str, dict[str, Any]], names: list[str]) -
 def base_weights(model: str) -> Optional[dict[str, list[int]]]:
     """{name: shape} of the base model's safetensors (a local folder or the Hugging Face cache), else None."""
     files: list[Path] = []
-
-    def local(name: str) -> Optional[Path]:
-        return local_file(model, name)
-
-    index = local(MODEL_INDEX)
+    index = local_file(model, MODEL_INDEX)
     if index is not None:
         try:
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (ValueError, KeyError, OSError):
             return None
         for shard in shards:
-            p = local(shard)
+            p = local_file(model, shard)
             if p is None:
                 return None
             files.append(p)
     else:
-        single = local(MODEL_WEIGHTS)
+        single = local_file(model, MODEL_WEIGHTS)
         if single is None:
             return None
         files.append(single)
@@ -210,25 +185,22 @@ def base_weights(model: str) -> Optional[dict[str, list[int]]]:
 
 _LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 _PEFT_PREFIX = "base_model.model."
-# MoE experts fused into one parameter (transformers 5) are not Linear modules: PEFT adapts none of them even
-# when the checkpoint names them with a target's name (mlp.experts.0.gate_proj.weight).
+# MoE experts fused into one parameter (transformers 5) are not Linear modules: PEFT adapts none of them.
 _EXPERTS = re.compile(r"\.experts\.")
 
 
 def _matches(module: str, targets: Union[str, list[str]]) -> bool:
-    # PEFT's rule for a list of names: the module's name is a target or ends with "." + a target; a string is a
-    # regular expression the whole name must match (peft 0.21 tuners_utils.py check_target_module_exists:
-    # re.fullmatch), as a vision-language model's adapter names the language model's layers (worker/loading.py)
+    # PEFT's rule (peft 0.21 tuners_utils.py check_target_module_exists): a list names a module or its last parts;
+    # a string is a regular expression the whole name must match (a vision-language model's, worker/loading.py)
     if isinstance(targets, str):
         name = module[len(_PEFT_PREFIX) :] if module.startswith(_PEFT_PREFIX) else module
         return re.fullmatch(targets, name) is not None
     return any(module == t or module.endswith("." + t) for t in targets)
 
 
-# A vision-language checkpoint's weight names as transformers loads them, where PEFT's names come from: transformers
-# 5.24 conversion_mapping.py "Qwen2VLForConditionalGeneration" (Qwen2.5-VL's files keep `model.layers.N` and
-# `visual.`; the loaded model has `model.language_model.layers.N` and `model.visual.`). Applied only to an adapter
-# whose targets are a regular expression, as the worker writes them for a vision-language model alone.
+# A vision-language checkpoint's weight names as transformers loads them, where PEFT's names come from (transformers
+# 5.24 conversion_mapping.py "Qwen2VLForConditionalGeneration"); applied only to an adapter whose targets are a
+# regular expression, as the worker writes them for a vision-language model alone.
 _LOADED_NAMES = ((r"^visual", "model.visual"), (r"^model(?!\.(language_model|visual))", "model.language_model"))
 
 
@@ -249,11 +221,11 @@ def _missing(folder: Path, name: str) -> Verdict:
 def verify_adapter(
     folder: Path, target_modules: Union[str, list[str]], base: Optional[dict[str, list[int]]] = None
 ) -> Verdict:
-    """adapter_config.json and adapter_model.safetensors: LoRA A/B pairs for every target module, ranks that
-    agree, no empty or non-finite tensor, not the untrained initialisation; with the base model's weight names
-    (`base`), every adapted module exists in the base and every targeted base module is adapted."""
+    """The adapter's config and weights: LoRA A/B pairs for every target module, ranks that agree, finite, trained;
+    with the base model's weight names (`base`), every adapted module in the base and every targeted one adapted."""
     folder = Path(folder)
     where = f"final/{folder.name}"
+    weights = f"{where}/{ADAPTER_WEIGHTS}"
     cfg_path = folder / ADAPTER_CONFIG
     if not cfg_path.is_file():
         return _missing(folder, ADAPTER_CONFIG)
@@ -266,28 +238,23 @@ def verify_adapter(
     except ArtifactError as exc:
         return Verdict(False, f"{where}/{exc}")
     if not header:
-        return Verdict(False, f"{where}/{ADAPTER_WEIGHTS} holds no tensors")
+        return Verdict(False, f"{weights} holds no tensors")
     empty = [k for k, t in header.items() if 0 in t["shape"]]
     if empty:
-        return Verdict(False, f"{where}/{ADAPTER_WEIGHTS}: {len(empty)} empty tensor(s), e.g. {empty[0]}")
+        return Verdict(False, f"{weights}: {len(empty)} empty tensor(s), e.g. {empty[0]}")
     pairs: dict[str, dict[str, list[int]]] = {}
     for name, t in header.items():
         m = _LORA.match(name)
         if m:
             pairs.setdefault(m["module"], {})[m["ab"]] = list(t["shape"])
     if not pairs:
-        return Verdict(
-            False,
-            f"{where}/{ADAPTER_WEIGHTS} holds no LoRA tensors (lora_A/lora_B); its tensors: "
-            + ", ".join(sorted(header)[:3]),
-        )
+        shown = ", ".join(sorted(header)[:3])
+        return Verdict(False, f"{weights} holds no LoRA tensors (lora_A/lora_B); its tensors: {shown}")
     for module, ab in pairs.items():
         if set(ab) != {"A", "B"}:
-            return Verdict(False, f"{where}/{ADAPTER_WEIGHTS}: {module} has lora_{''.join(ab)} without its pair")
+            return Verdict(False, f"{weights}: {module} has lora_{''.join(ab)} without its pair")
         if len(ab["A"]) != 2 or len(ab["B"]) != 2 or ab["A"][0] != ab["B"][1]:
-            return Verdict(
-                False, f"{where}/{ADAPTER_WEIGHTS}: {module} lora_A {ab['A']} and lora_B {ab['B']} do not share a rank"
-            )
+            return Verdict(False, f"{weights}: {module} lora_A {ab['A']} and lora_B {ab['B']} do not share a rank")
     recorded = cfg.get("target_modules") or []
     if isinstance(recorded, str):  # PEFT's regular expression: the modules the worker chose, by their full names
         targets: Union[str, list[str]] = recorded
@@ -298,45 +265,33 @@ def verify_adapter(
     else:
         missing = [t for t in targets if not any(_matches(m, [t]) for m in pairs)]
     if missing:
-        return Verdict(
-            False,
-            f"{where}/{ADAPTER_WEIGHTS} has no LoRA tensors for target module(s) "
-            f"{', '.join(missing)} (it adapts {len(pairs)} module(s))",
-        )
+        missing_words = f"{', '.join(missing)} (it adapts {len(pairs)} module(s))"
+        return Verdict(False, f"{weights} has no LoRA tensors for target module(s) {missing_words}")
     cross = "base model's weight names not found on this machine: not cross-checked"
     if base is not None and isinstance(targets, str):
         base = {_loaded_name(k): v for k, v in base.items()}
     if base is not None:
         names = {m[len(_PEFT_PREFIX) :] if m.startswith(_PEFT_PREFIX) else m for m in pairs}
         unknown = sorted(n for n in names if f"{n}.weight" not in base)
-        targeted = {
-            k[: -len(".weight")]
-            for k in base
-            if k.endswith(".weight") and not _EXPERTS.search(k) and _matches(k[: -len(".weight")], targets)
-        }
+        linear = [k[: -len(".weight")] for k in base if k.endswith(".weight") and not _EXPERTS.search(k)]
+        targeted = {k for k in linear if _matches(k, targets)}
         uncovered = sorted(targeted - names)
         if unknown:
             return Verdict(
-                False,
-                f"{where}/{ADAPTER_WEIGHTS} adapts {len(unknown)} module(s) the base model does "
-                f"not have, e.g. {unknown[0]}",
+                False, f"{weights} adapts {len(unknown)} module(s) the base model does not have, e.g. {unknown[0]}"
             )
         if uncovered:
-            return Verdict(
-                False,
-                f"{where}/{ADAPTER_WEIGHTS} adapts {len(targeted) - len(uncovered)} of the base "
-                f"model's {len(targeted)} target modules; missing e.g. {uncovered[0]}",
-            )
+            adapted = f"{len(targeted) - len(uncovered)} of the base model's {len(targeted)} target modules"
+            return Verdict(False, f"{weights} adapts {adapted}; missing e.g. {uncovered[0]}")
         cross = f"all {len(targeted)} targeted modules of the base model adapted"
     bad = non_finite(folder / ADAPTER_WEIGHTS, header)
     if bad:
-        return Verdict(False, f"{where}/{ADAPTER_WEIGHTS}: {len(bad)} tensor(s) hold inf/NaN, e.g. {bad[0]}")
+        return Verdict(False, f"{weights}: {len(bad)} tensor(s) hold inf/NaN, e.g. {bad[0]}")
     b_names = [f"{m}.lora_B.weight" for m in pairs]
     if _all_zero(folder / ADAPTER_WEIGHTS, header, b_names):
         return Verdict(
             False,
-            f"{where}/{ADAPTER_WEIGHTS}: every lora_B is zero, the untrained initialisation "
-            "(the trained values were not saved)",
+            f"{weights}: every lora_B is zero, the untrained initialisation (the trained values were not saved)",
             # the supervisor tells a run that learned nothing (GRPO without reward variance) from a failed save
             {"untrained": True},
         )
@@ -434,6 +389,4 @@ def verify(final_root: Path, method: str, target_modules: Union[str, list[str]],
     """The run's final result as its recipe expects it (adapter or model), checked from its files."""
     base = base_weights(base_model)
     folder = path(final_root, method)
-    if kind(method) == ADAPTER:
-        return verify_adapter(folder, target_modules, base)
-    return verify_model(folder, base)
+    return verify_adapter(folder, target_modules, base) if kind(method) == ADAPTER else verify_model(folder, base)

@@ -1,8 +1,7 @@
 """Each rank's heartbeat in the run directory: its step and phase, one small file per rank, replaced atomically.
 
-The worker writes it (launcher/worker/heartbeat.py), the supervisor's watchdog and `ftrun status` read it
-(launcher/run/watchdog.py, launcher/run/facts.py). A file is `heartbeats/rank-<RANK>.json`:
-{"rank", "pid", "step" (optimizer steps done), "phase" (a PHASES key), "phase_started", "time"} (wall clock).
+The worker writes it (worker/heartbeat.py), the watchdog and `ftrun status` read it. `heartbeats/rank-<RANK>.json`:
+{"rank", "pid", "step" (optimizer steps done), "phase" (a PHASES key), "phase_started", "time"}.
 """
 
 from __future__ import annotations
@@ -32,8 +31,7 @@ def path(run: RunDir, rank: int) -> Path:
 
 
 def write(run: RunDir, rank: int, fields: dict[str, Any]) -> None:
-    """Write-then-rename, not fsynced: a reader sees a whole file; after a crash of the box a stale one is harmless
-    (the supervisor clears the folder before each launch)."""
+    """Write-then-rename, not fsynced (the supervisor clears the folder before each launch)."""
     target = path(run, rank)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")

@@ -1,19 +1,11 @@
 """The run's state machine, written atomically to state.json, and the lock that makes one writer per run.
 
-STATES below is the one table of a run's states and the states each allows next; MOVES names every write the
-product makes, who makes it and which states it may write. `move` is how the product writes state.json (a row of
-MOVES, checked, then `set_state`, the one writer, which refuses a transition STATES does not hold). No other module
-calls `set_state` (tests/test_layout.py); docs/architecture.md shows both tables, tests/store/test_state_table.py
-keeps them equal and walks every transition the product makes. Every ending is written through launcher/run/ending.py.
+STATES is the one table of a run's states and what each allows next; MOVES names every write the product makes and
+who makes it. `move` makes a MOVES row through `set_state`, the one writer (tests/test_layout.py), which refuses a
+transition STATES does not hold; docs/architecture.md shows both tables (tests/store/test_state_table.py).
 
-A run whose state says smoking/running/recovering but whose supervisor is gone reads as
-`interrupted` (machine crash, kill -9): `ftrun RECIPE` resumes it.
-
-Liveness never rests on a pid alone: after a reboot (a stopped and restarted rental keeps its volume)
-or in a container the pid in state.json belongs to someone else. A run is live when its lock is held
-(the flock dies with its last holder) and the process recorded as holding it is the same process: same
-pid, same start time (clock ticks since boot, /proc/<pid>/stat field 22), same boot. Nothing is
-signalled before that check.
+An active run whose supervisor is gone reads as `interrupted`: `ftrun RECIPE` resumes it. Liveness never rests on a
+pid alone: the lock is held and the recorded holder is the same process (pid, start time, boot).
 """
 
 from __future__ import annotations
@@ -41,15 +33,12 @@ class State:
     trained: bool = False  # the training finished with a verified result
 
 
-# A run directory without state.json: the launch writes `planned` first; one written by hand (a test's fixture, a
-# state.json restored from elsewhere) may start in any state. The table governs every change after the first.
-# An interrupted run (an active state whose holder is gone: a machine crash, kill -9) and every ended one that did
-# not train to the end is resumed by the launch, which writes `planned` first.
+# The launch writes `planned` first, for a new run and a resume (an interrupted run, or an ended one that did not
+# train to the end); a state.json written by hand may start in any state. The table governs every change after.
 _RESUMED = "planned"
 
-# The run states: the one table; ACTIVE, ENDED and TRAINED derive from it, the moves into each from MOVES, and what a
-# user reads about each is composed in launcher/run/views.py and summary_view.py (tests/test_tables.py walks every
-# state through them).
+# The run states: the one table; ACTIVE, ENDED and TRAINED derive from it; what a user reads about each is composed
+# in launcher/run/views.py and summary_view.py (tests/test_tables.py walks every state through them).
 STATES: dict[str, State] = {
     "planned": State(("smoking", "running")),
     "smoking": State(("running", "failed-smoke", _RESUMED), active=True),  # planned: `ftrun smoke` once it passed
@@ -114,9 +103,7 @@ MOVES: dict[str, Move] = {
 
 
 def read_state(run: RunDir) -> dict[str, Any]:
-    if not run.state.is_file():
-        return {}
-    return json.loads(run.state.read_text())
+    return json.loads(run.state.read_text()) if run.state.is_file() else {}
 
 
 class TransitionError(FtrunError):
@@ -184,8 +171,8 @@ def _boot_id() -> str:
 
 
 def process_identity(pid: Optional[int]) -> Optional[dict[str, Any]]:
-    """What tells this process apart from a later one given the same pid: its start time and the boot, plus its
-    process group and session; None when no such process runs (a zombie counts as gone: it holds no lock)."""
+    """What tells this process apart from a later one with the same pid (start time, boot), plus its process group
+    and session; None when no such process runs (a zombie counts as gone)."""
     if not pid:
         return None
     try:
@@ -199,14 +186,10 @@ def process_identity(pid: Optional[int]) -> Optional[dict[str, Any]]:
     fields = stat.rsplit(")", 1)[1].split()  # fields[0] is field 3 (state)
     if fields[0] in ("Z", "X", "x"):
         return None
-    return {
-        "pid": int(pid),
-        "start": int(fields[19]),
-        "boot": _boot_id(),
-        "pgid": int(fields[2]),
-        "sid": int(fields[3]),
-        "ppid": int(fields[1]),
-    }
+    start = int(fields[19])  # clock ticks since boot (field 22)
+    return dict(
+        pid=int(pid), start=start, boot=_boot_id(), pgid=int(fields[2]), sid=int(fields[3]), ppid=int(fields[1])
+    )
 
 
 def _identity_psutil(pid: int) -> Optional[dict[str, Any]]:
@@ -217,14 +200,8 @@ def _identity_psutil(pid: int) -> Optional[dict[str, Any]]:
         p = psutil.Process(pid)
         if p.status() == psutil.STATUS_ZOMBIE:
             return None
-        return {
-            "pid": int(pid),
-            "start": round(p.create_time() * 100),
-            "boot": "",
-            "pgid": os.getpgid(pid),
-            "sid": os.getsid(pid),
-            "ppid": p.ppid(),
-        }
+        start = round(p.create_time() * 100)
+        return dict(pid=int(pid), start=start, boot="", pgid=os.getpgid(pid), sid=os.getsid(pid), ppid=p.ppid())
     except (psutil.Error, OSError):
         return None
 
@@ -238,12 +215,8 @@ def same_process(record: Optional[dict[str, Any]]) -> bool:
 
 
 def run_holder(run: RunDir, data: Optional[dict[str, Any]] = None) -> Optional[dict[str, Any]]:
-    """The live process that drives the run: its supervisor (or the launcher while it plans and smoke-tests),
-    with "role"; None when no verified process holds the run's lock.
-
-    The lock says someone holds the run; the recorded identity says who. A supervisor found by its command
-    line (`launcher.run.supervisor --run-dir <this run>`) counts too: state.json may not name it yet.
-    """
+    """The live process that drives the run (supervisor, or launcher while it plans), with "role"; None when no
+    verified process holds the lock. A supervisor found by its command line counts too (state.json may lag)."""
     if not is_locked(run):
         return None
     data = read_state(run) if data is None else data
@@ -256,9 +229,7 @@ def run_holder(run: RunDir, data: Optional[dict[str, Any]] = None) -> Optional[d
     return None
 
 
-# The module each role of a run runs as (`python -m MODULE --run-dir RUN`), found in a process's command line. The
-# flat layout's names come second: processes an ftrun from before the stage folders (2026-12-02) started on this
-# box are found too, so that an upgrade never leaves a worker training unseen beside a new one.
+# The module each role runs as (`python -m MODULE --run-dir RUN`), and its name before 2026-12-02 (an upgrade's)
 ROLE_MODULES = {
     "train": ("launcher.worker.train", "launcher.train"),
     "supervisor": ("launcher.run.supervisor", "launcher.supervisor"),
@@ -266,9 +237,7 @@ ROLE_MODULES = {
 
 
 def run_processes(run: RunDir, roles: tuple[str, ...] = ("train",)) -> list[dict[str, Any]]:
-    """Processes on this box whose command line runs `launcher.<role> --run-dir <this run>` (a worker, a
-    launcher of ranks, a supervisor), each with its identity and argv. Processes in another pid namespace
-    (another container on the same volume) are not visible: the lock still covers them."""
+    """The processes on this box running a role's module with `--run-dir <this run>`, with identity and argv."""
     root = os.path.realpath(run.root)
     modules = {m for r in roles for m in ROLE_MODULES[r]}
     found = []
@@ -365,8 +334,7 @@ def busy_error(run: RunDir) -> BusyError:
 
 
 def is_locked(run: RunDir) -> bool:
-    """Someone holds the run's lock. Probed with a shared, non-blocking flock on a read-only descriptor: it
-    fails only against the holders' exclusive lock, two probes never collide, and it is released at once."""
+    """Someone holds the run's lock (probed with a shared, non-blocking flock: two probes never collide)."""
     try:
         fd = os.open(run.lock, os.O_RDONLY)
     except FileNotFoundError:
@@ -381,8 +349,7 @@ def is_locked(run: RunDir) -> bool:
 
 
 def last_metrics(path: Path, key: Optional[str] = None) -> dict[str, Any]:
-    """The newest row of metrics.jsonl (with `key`, the newest row that has it: eval rows and training rows
-    alternate), read from the file's end in growing blocks (a long run's file is not read whole)."""
+    """The newest row of metrics.jsonl (with `key`, the newest that has it), read from the end in growing blocks."""
     if not path.is_file():
         return {}
     with path.open("rb") as fh:
@@ -407,9 +374,7 @@ def last_metrics(path: Path, key: Optional[str] = None) -> dict[str, Any]:
 
 
 class RunSnapshot:
-    """A run as one command reads it: state.json at its start, then plan.json, smoke.json, each rank's heartbeat and
-    the last logged rows, each read once where the command first asks (a command that only checks the state reads
-    nothing else). Passed down to the pieces of the command; taken again only where the command waits on a change."""
+    """A run as one command reads it: state.json at its start, each other file once where first asked."""
 
     def __init__(self, run: RunDir):
         self.run = run

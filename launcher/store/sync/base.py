@@ -3,6 +3,7 @@ files, list and remove folders, and prove a copied folder against its manifest."
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -19,7 +20,12 @@ class Destination:
     def get_file(self, rel: str, local: Path) -> bool: ...
     def list_dirs(self, rel: str) -> list[str]: ...
     def remove_dir(self, rel: str) -> None: ...
-    def read_bytes_sha256(self, rel: str) -> Optional[str]: ...
+
+    def read_bytes_sha256(self, rel: str) -> Optional[str]:
+        """The sha256 of the copy's file at `rel` (None where there is none), downloaded to hash it."""
+        with tempfile.TemporaryDirectory() as tmp:
+            target = Path(tmp) / "f"
+            return ckpt.sha256_file(target) if self.get_file(rel, target) else None
 
     def put_dir(self, local: Path, rel: str, last: str = ckpt.MANIFEST) -> None:
         """Every file of `local`, the `last` one at the end: its presence marks the copy complete."""
@@ -45,8 +51,7 @@ class Destination:
                 raise SyncError(f"{self.url}/{rel}/{name} disappeared while fetching it")
 
     def verify_dir(self, rel: str, manifest: dict[str, Any], local: Optional[Path] = None) -> tuple[bool, str]:
-        """Whether the copy at `rel` holds the manifest's files (`local`: the folder that was sent, where a
-        destination can compare without reading the copy back)."""
+        """Whether the copy at `rel` holds the manifest's files (`local`: the folder sent, to compare against)."""
         for name, info in manifest["files"].items():
             digest = self.read_bytes_sha256(f"{rel}/{name}")
             if digest is None:

@@ -18,20 +18,13 @@ HUB_TMP_PREFIX = ".hf-get-"  # HubDestination.get_file's download folder beside 
 
 
 class HubDestination(Destination):
-    """A private Hugging Face repo, changed only through commits (HfApi.create_commit), each all or nothing.
-
-    A checkpoint is one commit holding all its files, the manifest with them; retention squashes the history
-    (remove_dirs). The token is huggingface_hub's own (`HF_TOKEN`, else the one `hf auth login` stored): HfApi
-    reads it through huggingface_hub.get_token at each request.
-
-    The Hub limits requests and commits per hour: a 429 (and a 408 or 5xx) is retried here (hub_retry_delay);
-    `on_wait` hears about each wait (the Syncer records it for `ftrun status`)."""
+    """A private Hugging Face repo, changed only through commits, each all or nothing (docs/sync.md, "Hugging Face
+    Hub"). A 429, 408 or 5xx is retried here (hub_retry_delay); `on_wait` hears of each wait."""
 
     RETRY_STATUSES = (408, 429, 500, 502, 503, 504)
     ATTEMPTS = 6  # then the error goes to the Syncer, which tries again on its own, slower cadence
-    # The longest wait spent here, in seconds (the API's rate limit windows are 5 minutes: a reset within a
-    # minute is common). A longer one (the commit limit, per hour) goes to the Syncer with the time the Hub
-    # named: it sends nothing before then, and the supervisor is never held for it (Syncer.stop joins).
+    # The longest wait spent here, in seconds; a longer one (the hourly commit limit) goes to the Syncer with the time
+    # the Hub named, so the supervisor is never held for it.
     MAX_WAIT = 60.0
     metadata_every = 300.0  # seconds between metadata commits while training (commits are rate limited)
     sleep = staticmethod(time.sleep)
@@ -74,8 +67,8 @@ class HubDestination(Destination):
         return f"{self.prefix}/{rel}".strip("/") if self.prefix else rel
 
     def _retrying(self, what: str, call, landed=None):
-        """`call()`, again after a 429/408/5xx; `landed()` (for commits) says whether a commit whose answer was
-        lost to a 5xx is on the Hub after all, so that a retry never makes it twice."""
+        """`call()`, again after a 429/408/5xx; `landed()` says whether a commit whose answer was lost to a 5xx is on
+        the Hub after all, so that a retry never makes it twice."""
         from huggingface_hub.errors import HfHubHTTPError
 
         for attempt in range(1, self.ATTEMPTS + 1):
@@ -119,8 +112,7 @@ class HubDestination(Destination):
             self.on_wait(wait)
 
     def _commit(self, operations: list, message: str, landed=None) -> None:
-        # The same operation objects across retries: huggingface_hub skips what it already uploaded
-        # (`_is_uploaded`, hf_api.preupload_lfs_files) and refuses only objects already committed.
+        # the same operation objects across retries: huggingface_hub skips what it already uploaded (`_is_uploaded`)
         self._retrying(
             message, lambda: self.api.create_commit(self.repo, operations, commit_message=message), landed=landed
         )
@@ -145,16 +137,11 @@ class HubDestination(Destination):
 
     def put_dir(self, local: Path, rel: str, last: str = ckpt.MANIFEST) -> None:
         # One commit with every file, the manifest among them: on the Hub the folder is complete or absent.
-        files = sorted(
-            p
-            for p in local.rglob("*")
-            if p.is_file() and not any(part.startswith(HUB_TMP_PREFIX) for part in p.relative_to(local).parts)
-        )
-        self.put_files([(p, f"{rel}/{p.relative_to(local).as_posix()}") for p in files], f"ftrun: {rel}")
+        files = [(p, f"{rel}/{p.relative_to(local).as_posix()}") for p in tree_files(local)]
+        self.put_files(files, f"ftrun: {rel}")
 
     def _holds(self, ops: list, sent: list[Path]) -> bool:
-        """Whether the branch holds these additions as sent: an LFS file under the sha256 huggingface_hub
-        computed of it (read only now, after a lost answer), a small one under the git blob id of the file."""
+        """Whether the branch holds these additions as sent (LFS sha256, or git blob id)."""
         infos = self._paths_info([op.path_in_repo for op in ops])
         for op, local in zip(ops, sent):
             info = infos.get(op.path_in_repo)
@@ -172,19 +159,14 @@ class HubDestination(Destination):
         infos: dict[str, Any] = {}
         for chunk in chunk_iterable(paths, 500):  # the Hub takes 1,000 paths per call at most
             batch = list(chunk)
-            infos.update(
-                {
-                    i.path: i
-                    for i in self._retrying("read the file list", lambda: self.api.get_paths_info(self.repo, batch))
-                }
-            )
+            found = self._retrying("read the file list", lambda: self.api.get_paths_info(self.repo, batch))
+            infos.update({i.path: i for i in found})
         return infos
 
     def get_file(self, rel: str, local: Path) -> bool:
         from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RemoteEntryNotFoundError
 
-        # Straight into a folder beside the target, not through the Hub cache (HF_HUB_CACHE): a
-        # checkpoint fetched through the cache would sit on the box's disk twice.
+        # straight into a folder beside the target, not through the Hub cache (it would sit on the disk twice)
         local.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=HUB_TMP_PREFIX, dir=local.parent))
         try:
@@ -214,8 +196,7 @@ class HubDestination(Destination):
         try:
             return self.api.hf_hub_download(self.repo, self._p(rel), local_dir=str(folder))
         except LocalEntryNotFoundError as exc:
-            # hf_hub_download reports a Hub that answered 429 or 5xx as "not found locally" (file_download.py,
-            # _raise_on_head_call_error): the answer itself decides whether to wait and retry
+            # a 429 or 5xx comes as "not found locally" (file_download.py _raise_on_head_call_error): retried as such
             if isinstance(exc.__cause__, HfHubHTTPError):
                 raise exc.__cause__ from None
             raise
@@ -224,9 +205,9 @@ class HubDestination(Destination):
         from huggingface_hub.errors import RemoteEntryNotFoundError
 
         try:  # a generator: a missing folder raises while iterating, not at the call
+            folder = self._p(rel) or None
             entries = self._retrying(
-                f"list {rel or '/'}",
-                lambda: list(self.api.list_repo_tree(self.repo, path_in_repo=self._p(rel) or None)),
+                f"list {rel or '/'}", lambda: list(self.api.list_repo_tree(self.repo, path_in_repo=folder))
             )
         except RemoteEntryNotFoundError:
             return []
@@ -236,38 +217,24 @@ class HubDestination(Destination):
         self.remove_dirs([rel])
 
     def remove_dirs(self, rels: list[str]) -> None:
-        """One commit deleting the folders, then the history squashed so their large files are freed.
-
-        Deleting a folder only removes its pointers from the newest commit; the LFS/Xet objects stay
-        referenced by the history and keep counting against the repo's storage. Squashing the branch into one
-        commit leaves them unreferenced, and the Hub frees unreferenced objects. The price: the branch's
-        earlier commits are gone (every folder's, not only these). The alternative,
-        HfApi.permanently_delete_lfs_files, keeps the history but deletes objects by hash, and a newer
-        checkpoint with an identical file (a frozen part, a tokenizer) shares that object."""
+        """One commit deleting the folders, then the history squashed so their large files are freed (why squash,
+        not permanently_delete_lfs_files: docs/sync.md, "Retention frees storage")."""
         from huggingface_hub import CommitOperationDelete
 
         if not rels:
             return
         ops = [CommitOperationDelete(path_in_repo=self._p(rel).rstrip("/") + "/", is_folder=True) for rel in rels]
         names = ", ".join(r.rsplit("/", 1)[-1] for r in rels)
+        paths = [self._p(r) for r in rels]
         self._commit(
-            ops,
-            f"ftrun: retention removes {names}",
-            landed=lambda: not set(self._p(r) for r in rels) & set(self._paths_info([self._p(r) for r in rels])),
+            ops, f"ftrun: retention removes {names}", landed=lambda: not set(paths) & set(self._paths_info(paths))
         )
-        self._retrying(
-            "squash the history",
-            lambda: self.api.super_squash_history(
-                self.repo, commit_message=f"ftrun: history squashed after removing {names}"
-            ),
-        )
+        squashed = f"ftrun: history squashed after removing {names}"
+        self._retrying("squash the history", lambda: self.api.super_squash_history(self.repo, commit_message=squashed))
 
     def verify_dir(self, rel: str, manifest: dict[str, Any], local: Optional[Path] = None) -> tuple[bool, str]:
-        """From what the Hub lists, without downloading the copy: every file there with the manifest's size;
-        a large (LFS/Xet) file listed under the manifest's sha256 (the LFS oid, which huggingface_hub computes
-        from the file it sends and under which the Hub stores the object); a small file with the git blob id
-        the Hub computed of what it received, against the id of the sent file, which must itself match the
-        manifest."""
+        """From what the Hub lists, without downloading: each file's size; a large file's LFS oid against the manifest's
+        sha256, a small one's git blob id against the sent file's (else downloaded and hashed)."""
         names = list(manifest["files"])
         infos = self._paths_info([self._p(f"{rel}/{n}") for n in names])
         for name in names:
@@ -286,16 +253,10 @@ class HubDestination(Destination):
                 return False, f"{rel}/{name} differs from the manifest off the box"
         return True, ""
 
-    def read_bytes_sha256(self, rel: str) -> Optional[str]:
-        with tempfile.TemporaryDirectory() as tmp:
-            target = Path(tmp) / "f"
-            return ckpt.sha256_file(target) if self.get_file(rel, target) else None
-
 
 def hub_retry_delay(headers, attempt: int) -> tuple[float, str]:
-    """Seconds to wait before the next try, and why: the Hub's Retry-After (seconds or an HTTP date), else its
-    RateLimit header's reset when the window is spent (huggingface_hub.utils.parse_ratelimit_headers), else
-    2, 4, 8 ... seconds (at most 5 minutes)."""
+    """Seconds to wait before the next try, and why: Retry-After, else the spent RateLimit window's reset
+    (parse_ratelimit_headers), else 2, 4, 8 ... seconds (at most 5 minutes)."""
     from email.utils import parsedate_to_datetime
 
     from huggingface_hub.utils import parse_ratelimit_headers
@@ -314,6 +275,12 @@ def hub_retry_delay(headers, attempt: int) -> tuple[float, str]:
     if info is not None and info.remaining == 0:
         return float(info.reset_in_seconds), "RateLimit"
     return min(2.0**attempt, 300.0), "backoff"
+
+
+def tree_files(folder: Path) -> list[Path]:
+    """The files below `folder`, sorted, without get_file's download folders."""
+    files = (p for p in folder.rglob("*") if p.is_file())
+    return sorted(p for p in files if not any(s.startswith(HUB_TMP_PREFIX) for s in p.relative_to(folder).parts))
 
 
 def git_blob_id(path: Path) -> str:

@@ -1,7 +1,6 @@
 """The copy destinations ftrun knows: one table (KINDS), in the order a `sync.to` value is matched against it.
 
-Each kind has the forms a user writes, how its copies are proven, and the module with its Destination. The recipe's
-`sync.to` description, the refusal of a value no kind takes, and the launch's advice derive from this table;
+The recipe's `sync.to` description, the refusal of a value no kind takes, and the launch's advice derive from it;
 tests/test_tables.py walks every kind through `destination`.
 """
 
@@ -32,20 +31,9 @@ class Kind:
     problem: Callable[[str], Optional[str]]  # what a value of this kind lacks, checked when the recipe loads
 
 
-# The fsspec protocols ftrun copies to: filesystems and object stores that take writes and keep them (not http(s),
-# read-only in fsspec, nor memory://, gone with the process). Each needs its fsspec backend installed.
-FSSPEC_PROTOCOLS = {
-    "file": None,
-    "local": None,
-    "s3": "s3fs",
-    "s3a": "s3fs",
-    "gs": "gcsfs",
-    "gcs": "gcsfs",
-    "az": "adlfs",
-    "abfs": "adlfs",
-    "abfss": "adlfs",
-    "sftp": "paramiko",
-}
+# The fsspec protocols ftrun copies to (stores that take writes and keep them), each with its backend package
+FSSPEC_PROTOCOLS = {"file": None, "local": None, "s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}
+FSSPEC_PROTOCOLS.update(az="adlfs", abfs="adlfs", abfss="adlfs", sftp="paramiko")
 BUCKETS = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")
 
 
@@ -80,10 +68,7 @@ def _hub_problem(url: str) -> Optional[str]:
 
 
 def _rsync_problem(url: str) -> Optional[str]:
-    path = url.split(":", 1)[1]
-    if not path:
-        return f"{url} names no folder on the host: write user@host:/path"
-    return None
+    return None if url.split(":", 1)[1] else f"{url} names no folder on the host: write user@host:/path"
 
 
 KINDS: tuple[Kind, ...] = (
@@ -133,9 +118,8 @@ def kind_of(url: str) -> Kind:
 
 
 def problem(url: str) -> Optional[str]:
-    """What is wrong with a sync.to value before anything is copied (no network): a form no kind takes, a
-    protocol ftrun does not copy to, no bucket, repo or folder named, a backend not installed. None when it
-    looks usable; credentials and reachability are checked when the run opens the destination."""
+    """What is wrong with a sync.to value before anything is copied (no network), or None; credentials and
+    reachability are checked when the run opens the destination."""
     for kind in KINDS:
         if kind.matches(url):
             return kind.problem(url)

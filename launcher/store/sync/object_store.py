@@ -1,10 +1,10 @@
-"""Copies through fsspec (sync.to: every protocol in launcher/store/sync/kinds.py FSSPEC_PROTOCOLS: s3://, gs://,
-az://, sftp://, file:///path, /abs/path): object stores prove each copy by their own checksums, other stores are
-read back."""
+"""Copies through fsspec (sync.to: kinds.py FSSPEC_PROTOCOLS): object stores prove each copy by their own
+checksums, other stores are read back."""
 
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 from pathlib import Path
 from typing import Any, Optional
@@ -14,14 +14,8 @@ from launcher.store.sync.base import Destination
 
 
 class FsspecDestination(Destination):
-    """fsspec: s3:// (s3fs), gs:// (gcsfs), a local or mounted path, any other fsspec URL.
-
-    Each copy is proven by what the store offers, without reading it back (docs/sync.md, "S3 and gs://"):
-    S3 gets every object with its SHA-256 (x-amz-checksum-sha256; a multipart upload one per part), checks
-    it on receipt, keeps it and returns it to a HEAD; GCS computes each object's MD5 on receipt (md5Hash),
-    which gcsfs checks after the upload and a metadata request returns later. A store that returns neither
-    (an S3-compatible one without checksums, a local or mounted path) is read back and hashed.
-    """
+    """fsspec: s3:// (s3fs), gs:// (gcsfs), a local or mounted path, any other fsspec URL. Each copy is proven by
+    the store's own checksum (S3's SHA-256, GCS's MD5: docs/sync.md, "S3 and gs://"), else read back and hashed."""
 
     part_bytes: Optional[int] = None  # multipart upload part size; None: s3_part_bytes
 
@@ -53,74 +47,51 @@ class FsspecDestination(Destination):
             return
         self.fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
         if self.store == "gs":
-            # gcsfs computes the MD5 of what it sends and compares it with the md5Hash GCS computed of what it
-            # received (gcsfs/checkers.py MD5Checker, called at the end of _put_file)
+            # gcsfs checks the MD5 it sent against GCS's md5Hash (gcsfs/checkers.py MD5Checker, in _put_file)
             self.fs.put_file(str(local), target, consistency="md5")
             self._sent[rel] = SentDigests.of_file(local)
         else:
             self.fs.put_file(str(local), target)
 
     async def _s3_put(self, local: Path, target: str) -> "SentDigests":
-        """Upload with SHA-256 checksums, in one PUT or, from twice the part size on (s3fs's own rule,
-        S3FileSystem._put_file), as a multipart upload with a checksum per part: s3fs passes no checksum
-        with its parts, and S3 can only keep a SHA-256 of a multipart object from its parts' SHA-256s
-        (a "composite" checksum, the SHA-256 of the parts' digests, with -N for N parts)."""
+        """Upload with SHA-256 checksums: one PUT, or from twice the part size on (S3FileSystem._put_file) a
+        multipart upload with a checksum per part (s3fs sends none, and S3 composes a multipart SHA-256 from them)."""
         import asyncio
 
         bucket, key, _ = self.fs.split_path(target)
         size = local.stat().st_size
         part = self.part_bytes or s3_part_bytes(size)
         sent = SentDigests(size)
+        s3 = functools.partial(self.fs._call_s3, Bucket=bucket, Key=key)
+        summed = functools.partial(s3, ChecksumAlgorithm="SHA256")
         with local.open("rb") as fh:
             if size < 2 * part:
                 body = fh.read()
                 sent.add_part(body)
-                # ChecksumAlgorithm names it (x-amz-sdk-checksum-algorithm), ChecksumSHA256 carries our digest:
                 # botocore sends a given checksum as is (httpchecksum.resolve_request_checksum_algorithm)
-                await self.fs._call_s3(
-                    "put_object",
-                    Bucket=bucket,
-                    Key=key,
-                    Body=body,
-                    ChecksumAlgorithm="SHA256",
-                    ChecksumSHA256=sent.parts[0][0],
-                )
+                await summed("put_object", Body=body, ChecksumSHA256=sent.parts[0][0])
                 return sent.done(multipart=False)
-            mpu = await self.fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key, ChecksumAlgorithm="SHA256")
+            upload = (await summed("create_multipart_upload"))["UploadId"]
             try:
                 done: list[dict[str, Any]] = []
                 while chunks := [c for c in (fh.read(part) for _ in range(self.fs.max_concurrency)) if c]:
                     first = len(sent.parts)
                     for chunk in chunks:
                         sent.add_part(chunk)
+                    numbered = [(first + i + 1, chunk, sent.parts[first + i][0]) for i, chunk in enumerate(chunks)]
                     outs = await asyncio.gather(
                         *[
-                            self.fs._call_s3(
-                                "upload_part",
-                                Bucket=bucket,
-                                Key=key,
-                                UploadId=mpu["UploadId"],
-                                PartNumber=first + i + 1,
-                                Body=chunk,
-                                ChecksumAlgorithm="SHA256",
-                                ChecksumSHA256=sent.parts[first + i][0],
-                            )
-                            for i, chunk in enumerate(chunks)
+                            summed("upload_part", UploadId=upload, PartNumber=n, Body=chunk, ChecksumSHA256=sha)
+                            for n, chunk, sha in numbered
                         ]
                     )
                     done += [
-                        {"PartNumber": first + i + 1, "ETag": o["ETag"], "ChecksumSHA256": sent.parts[first + i][0]}
-                        for i, o in enumerate(outs)
+                        {"PartNumber": n, "ETag": o["ETag"], "ChecksumSHA256": sha}
+                        for (n, _, sha), o in zip(numbered, outs)
                     ]
-                await self.fs._call_s3(
-                    "complete_multipart_upload",
-                    Bucket=bucket,
-                    Key=key,
-                    UploadId=mpu["UploadId"],
-                    MultipartUpload={"Parts": done},
-                )
+                await s3("complete_multipart_upload", UploadId=upload, MultipartUpload={"Parts": done})
             except BaseException:
-                await self.fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=mpu["UploadId"])
+                await s3("abort_multipart_upload", UploadId=upload)
                 raise
         return sent.done(multipart=True)
 
@@ -135,11 +106,8 @@ class FsspecDestination(Destination):
         self.fs.invalidate_cache()  # object stores cache listings; retention needs the current one
         if not self.fs.exists(self._p(rel)):
             return []
-        return [
-            e["name"].rstrip("/").rsplit("/", 1)[-1]
-            for e in self.fs.ls(self._p(rel), detail=True)
-            if e.get("type") == "directory"
-        ]
+        entries = self.fs.ls(self._p(rel), detail=True)
+        return [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory"]
 
     def remove_dir(self, rel: str) -> None:
         if self.fs.exists(self._p(rel)):
@@ -212,15 +180,17 @@ class FsspecDestination(Destination):
 
 
 def s3_part_bytes(size: int) -> int:
-    """The part size of a multipart upload: s3fs's rule (s3fs.core.calculate_chunksize): 50 MiB, larger where a
-    file would need more than S3's 10,000 parts."""
+    """The part size of a multipart upload (s3fs.core.calculate_chunksize): 50 MiB, or S3's 10,000 parts."""
     return max(50 << 20, -(-size // 10_000))
 
 
+def _b64(digest: bytes) -> str:
+    return base64.b64encode(digest).decode()
+
+
 class SentDigests:
-    """The digests of a file as uploaded: its sha256 (for the manifest), and what the store will report of it
-    if it holds those bytes: S3's SHA-256 checksum (whole file, or composite of the parts: base64 of the
-    SHA-256 of the parts' digests, '-N') and ETag (MD5, or the MD5 of the parts' MD5s, '-N'), GCS's md5Hash."""
+    """The digests of a file as uploaded: its sha256, and what the store will report of those bytes: S3's SHA-256
+    (whole, or composite of the parts, '-N') and ETag (MD5, or of the parts' MD5s, '-N'), GCS's md5Hash."""
 
     def __init__(self, size: int):
         self.size = size
@@ -231,32 +201,25 @@ class SentDigests:
     def add_part(self, data: bytes) -> None:
         self._sha256.update(data)
         self._md5.update(data)
-        self.parts.append(
-            (
-                base64.b64encode(hashlib.sha256(data).digest()).decode(),
-                hashlib.md5(data, usedforsecurity=False).digest(),
-            )
-        )
+        self.parts.append((_b64(hashlib.sha256(data).digest()), hashlib.md5(data, usedforsecurity=False).digest()))
 
     def done(self, multipart: bool) -> "SentDigests":
         self.sha256 = self._sha256.hexdigest()
-        self.gs_md5 = base64.b64encode(self._md5.digest()).decode()
+        self.gs_md5 = _b64(self._md5.digest())
         if multipart:
             n = len(self.parts)
             self.s3_checksum = (
-                base64.b64encode(hashlib.sha256(b"".join(base64.b64decode(p) for p, _ in self.parts)).digest()).decode()
-                + f"-{n}"
+                _b64(hashlib.sha256(b"".join(base64.b64decode(p) for p, _ in self.parts)).digest()) + f"-{n}"
             )
             self.etag = hashlib.md5(b"".join(m for _, m in self.parts), usedforsecurity=False).hexdigest() + f"-{n}"
         else:
-            self.s3_checksum = self.parts[0][0] if self.parts else base64.b64encode(hashlib.sha256().digest()).decode()
+            self.s3_checksum = self.parts[0][0] if self.parts else _b64(hashlib.sha256().digest())
             self.etag = self._md5.hexdigest()
         return self
 
     @classmethod
     def of_file(cls, path: Path, part_bytes: Optional[int] = None, s3: bool = False) -> "SentDigests":
-        """The same digests computed from the local file (a file sent by an earlier process), read in the parts
-        an S3 upload of it uses."""
+        """The same digests from the local file (sent by an earlier process), in the parts an S3 upload uses."""
         size = path.stat().st_size
         part = (part_bytes or s3_part_bytes(size)) if s3 else 0
         multipart = s3 and size >= 2 * part
@@ -268,7 +231,7 @@ class SentDigests:
                     whole_sha.update(chunk)
                     whole_md5.update(chunk)
                 sent._sha256, sent._md5 = whole_sha, whole_md5
-                sent.parts = [(base64.b64encode(whole_sha.digest()).decode(), whole_md5.digest())]
+                sent.parts = [(_b64(whole_sha.digest()), whole_md5.digest())]
             else:
                 for chunk in iter(lambda: fh.read(part), b""):
                     sent.add_part(chunk)
@@ -277,8 +240,7 @@ class SentDigests:
     def matches(self, held: dict[str, Any]) -> Optional[bool]:
         """Whether the store holds these bytes, by its own checksum; None when it reports none we can compare."""
         if held.get("sha256"):  # S3 computed it on receipt (and checked ours): decisive either way
-            # a multipart object's comes with "-N" (N parts) from S3, without it from some S3-compatible stores;
-            # base64 has no "-", and a composite checksum never equals a whole-file one by accident
+            # "-N" (N parts) from S3, not from some S3-compatible stores; base64 has no "-"
             return held["sha256"].split("-")[0] == self.s3_checksum.split("-")[0]
         if held.get("md5"):  # GCS's md5Hash of the object
             return held["md5"] == self.gs_md5

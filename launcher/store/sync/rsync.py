@@ -70,12 +70,8 @@ class RsyncDestination(Destination):
             if "No such file" in res.stderr or "change_dir" in res.stderr:
                 return []
             raise SyncError(f"cannot list {self._remote(rel)}: {res.stderr.strip()[-300:]}")
-        names = []
-        for line in res.stdout.splitlines():
-            parts = line.split(None, 4)
-            if len(parts) == 5 and line.startswith("d") and parts[4] not in (".", ".."):
-                names.append(parts[4])
-        return names
+        rows = [line.split(None, 4) for line in res.stdout.splitlines() if line.startswith("d")]
+        return [parts[4] for parts in rows if len(parts) == 5 and parts[4] not in (".", "..")]
 
     def remove_dir(self, rel: str) -> None:
         parent, _, name = rel.rpartition("/")
@@ -96,10 +92,3 @@ class RsyncDestination(Destination):
             return False, res.stderr.strip()[-300:]
         changed = [l for l in res.stdout.splitlines() if l and not l.startswith(".d")]
         return (not changed), ("differs off the box: " + "; ".join(changed[:3]) if changed else "")
-
-    def read_bytes_sha256(self, rel: str) -> Optional[str]:
-        with tempfile.TemporaryDirectory() as tmp:
-            target = Path(tmp) / "f"
-            if not self.get_file(rel, target):
-                return None
-            return ckpt.sha256_file(target)

@@ -16,7 +16,7 @@ from launcher.errors import SyncError
 from launcher.store import checkpoint as ckpt
 from launcher.store.rundir import RunDir
 from launcher.store.sync.base import Destination
-from launcher.store.sync.hub import HUB_TMP_PREFIX, HubDestination
+from launcher.store.sync.hub import HubDestination, tree_files
 from launcher.store.sync.kinds import destination
 
 METADATA = ("recipe.yaml", "plan.json", "smoke.json", "metrics.jsonl", "state.json", "worker.json", "train.log")
@@ -35,8 +35,7 @@ def _write_sync_state(run: RunDir, **fields: Any) -> dict[str, Any]:
 
 
 def already_copied(dest: Destination, rel: str, local: Path, manifest: dict[str, Any]) -> bool:
-    """Whether `rel` off the box already holds `local` as sent, its manifest (sent last) the same bytes: a copier
-    killed after the copy completed, before it recorded it, does not send the checkpoint again."""
+    """Whether `rel` off the box already holds `local` as sent (a copier killed before it recorded the end)."""
     if dest.read_bytes_sha256(f"{rel}/{ckpt.MANIFEST}") != ckpt.sha256_file(local / ckpt.MANIFEST):
         return False
     return dest.verify_dir(rel, manifest, local=local)[0]
@@ -45,8 +44,7 @@ def already_copied(dest: Destination, rel: str, local: Path, manifest: dict[str,
 def push_checkpoint(
     dest: Destination, run: RunDir, step_dir: Path, keep: int, name: Optional[str] = None, maybe_there: bool = False
 ) -> int:
-    """Copy a checkpoint and verify the copy, then apply the remote retention. `maybe_there`: an earlier copier
-    began this copy and was stopped before it recorded the end; the copy off the box is checked first."""
+    """Copy a checkpoint, verify the copy, apply the remote retention (`maybe_there`: check the copy first)."""
     name = name or step_dir.name
     manifest = json.loads((step_dir / ckpt.MANIFEST).read_text())
     rel = f"checkpoints/{name}"
@@ -66,8 +64,7 @@ def metadata_digests(run: RunDir) -> dict[str, str]:
 
 
 def push_metadata(dest: Destination, run: RunDir, sent: Optional[dict[str, str]] = None) -> dict[str, str]:
-    """The metadata files that differ from `sent` (all when None), together (one commit on the Hub);
-    returns the digests now off the box."""
+    """The metadata files that differ from `sent` (all when None), together; returns the digests now off the box."""
     now = metadata_digests(run)
     changed = [n for n in now if (sent or {}).get(n) != now[n]]
     dest.put_files([(run.root / n, n) for n in changed], "ftrun: run metadata (" + ", ".join(changed) + ")")
@@ -75,16 +72,11 @@ def push_metadata(dest: Destination, run: RunDir, sent: Optional[dict[str, str]]
 
 
 def push_final(dest: Destination, run: RunDir, maybe_there: bool = False) -> None:
-    """Each folder of final/ with its manifest, then final/'s files. `maybe_there`: an earlier copier began
-    this and was stopped before it recorded the end; a folder already copied whole is not sent again."""
+    """Each folder of final/ with its manifest, then final/'s files. `maybe_there`: as push_checkpoint's."""
     if not run.final.is_dir():
         return
     for sub in sorted(p for p in run.final.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        files = sorted(
-            p
-            for p in sub.rglob("*")
-            if p.is_file() and not any(part.startswith(HUB_TMP_PREFIX) for part in p.relative_to(sub).parts)
-        )
+        files = tree_files(sub)
         manifest = {
             "files": {
                 f.relative_to(sub).as_posix(): {"size": f.stat().st_size, "sha256": ckpt.sha256_file(f)}
@@ -158,9 +150,8 @@ class Syncer:
                 _write_sync_state(self.run, sending={"to": self.url, "what": "final"})
                 push_final(dest, self.run, maybe_there)
                 _write_sync_state(self.run, final_synced_at=time.time(), sending=None)
-            self._push_metadata(
-                dest, throttle=not pushed and not final and self._thread is not None and not self._stop.is_set()
-            )
+            background = self._thread is not None and not self._stop.is_set()
+            self._push_metadata(dest, throttle=not pushed and not final and background)
             self.failures = 0
             return True
         except (FileNotFoundError, shutil.Error) as exc:  # retention removed it before the snapshot: take the newer one
@@ -168,20 +159,15 @@ class Syncer:
             return False
         except Exception as exc:  # never let a network problem end the training
             self.failures += 1
+            error = f"{type(exc).__name__}: {exc}"[:500]
             _write_sync_state(
-                self.run,
-                last_error=f"{type(exc).__name__}: {exc}"[:500],
-                last_error_at=time.time(),
-                failures=self.failures,
-                to=self.url,
+                self.run, last_error=error, last_error_at=time.time(), failures=self.failures, to=self.url
             )
             self.log(f"sync to {self.url} failed ({self.failures} in a row): {exc}")
             return False
 
     def _push_metadata(self, dest: Destination, throttle: bool) -> None:
-        """The metadata files that changed since they last went off the box, together. While training, a
-        destination whose writes are rate limited (the Hub's commits) gets them at most every
-        `metadata_every` seconds, and always with a new checkpoint and at the end."""
+        """The changed metadata files; with `throttle`, at most every `metadata_every` seconds (Hub commit limits)."""
         state = _sync_state(self.run)
         sent = state.get("metadata_sent") or {}
         sent = (sent.get("sha256") or {}) if sent.get("to") == self.url else {}
@@ -193,11 +179,9 @@ class Syncer:
             _write_sync_state(self.run, metadata_sent={"to": self.url, "sha256": now}, metadata_at=time.time())
 
     def _push_snapshot(self, dest: Destination, step_dir: Path, maybe_there: bool = False) -> int:
-        # Local retention may delete this checkpoint while it uploads (a new one arrived): copy
-        # from a hard-linked snapshot, which costs no space and outlives the deletion.
+        # a hard-linked snapshot outlives local retention's deletion; one copier at a time, so any other snapshot
+        # is a killed copier's leftover, which would pin its checkpoint's disk space
         snap = self.run.checkpoints / f".sync-{step_dir.name}"
-        # A snapshot left by a copier killed mid-upload would pin its checkpoint's disk space (hard links) once
-        # retention deletes the checkpoint: one copier at a time, so any snapshot here is such a leftover.
         for stale in self.run.checkpoints.glob(".sync-*"):
             shutil.rmtree(stale, ignore_errors=True)
         try:
