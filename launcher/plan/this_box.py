@@ -18,8 +18,7 @@ from launcher.plan.hardware import Gpu, Hardware, USER_CATALOG_ENV, _ram_gb, cpu
 from launcher.plan.sizing_constants import GB
 
 
-# Files the NVIDIA kernel driver creates: the torch fallback is tried only where one exists, so a
-# CPU box never pays for importing torch during `ftrun plan`.
+# Files the NVIDIA kernel driver creates: the torch fallback runs only where one exists (a CPU box never imports torch).
 NVIDIA_DRIVER_FILES = ("/proc/driver/nvidia/version", "/dev/nvidiactl")
 # The kernel module's version is the driver version; read when NVML cannot say it.
 DRIVER_VERSION_FILES = ("/sys/module/nvidia/version", "/proc/driver/nvidia/version")
@@ -51,13 +50,9 @@ def _text(value: Any) -> str:
 
 
 def _nvml_devices(pynvml: Any) -> tuple[list[_Device], str | None, list[str]]:
-    """Every device CUDA could enumerate, in NVML order, the driver version, and notes.
-
-    A GPU in MIG mode contributes its MIG instances instead of itself: CUDA cannot run on the parent
-    of a MIG-enabled GPU, only on an instance, which has a slice of the memory. Raises
-    pynvml.NVMLError when there is no driver. Function names as in nvidia-ml-py 13 (pynvml.py):
-    nvmlDeviceGetMigMode -> [current, pending], nvmlDeviceGetMaxMigDeviceCount,
-    nvmlDeviceGetMigDeviceHandleByIndex (NVML_ERROR_NOT_FOUND for an empty slot).
+    """Every device CUDA could enumerate, in NVML order, the driver version, and notes; a GPU in MIG mode contributes
+    its instances instead (CUDA runs only on those). Raises pynvml.NVMLError without a driver. nvidia-ml-py 13
+    pynvml.py: nvmlDeviceGetMigMode -> [current, pending], nvmlDeviceGetMigDeviceHandleByIndex (NOT_FOUND: empty slot).
     """
     pynvml.nvmlInit()
     notes: list[str] = []
@@ -76,15 +71,8 @@ def _nvml_devices(pynvml: Any) -> tuple[list[_Device], str | None, list[str]]:
             except pynvml.NVMLError:
                 cc = None
             if not _mig_enabled(pynvml, handle):
-                devices.append(
-                    _Device(
-                        uuid,
-                        name,
-                        int(pynvml.nvmlDeviceGetMemoryInfo(handle).total),
-                        cc,
-                        nvlink=_has_active_nvlink(pynvml, handle),
-                    )
-                )
+                memory = int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
+                devices.append(_Device(uuid, name, memory, cc, nvlink=_has_active_nvlink(pynvml, handle)))
                 continue
             instances = []
             for slot in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
@@ -138,8 +126,7 @@ def _has_active_nvlink(pynvml: Any, handle: Any) -> bool:
         try:
             if pynvml.nvmlDeviceGetNvLinkState(handle, link) == pynvml.NVML_FEATURE_ENABLED:
                 return True
-        except pynvml.NVMLError:
-            # Consumer cards and unused link slots answer NOT_SUPPORTED / INVALID_ARGUMENT: no NVLink there.
+        except pynvml.NVMLError:  # consumer cards and unused link slots: no NVLink there
             continue
     return False
 
@@ -162,8 +149,7 @@ def _match_visible(entry: str, devices: list[_Device]) -> _Device | None:
             and d.mig_ids == (int(legacy.group(2)), int(legacy.group(3)))
         ]
     else:
-        # CUDA accepts a unique prefix of a UUID ("GPU-8932f937"). A MIG-enabled card named by its GPU
-        # UUID stands for its instances.
+        # CUDA accepts a unique prefix of a UUID; a MIG-enabled card named by its GPU UUID stands for its instances.
         found = [d for d in devices if d.uuid and d.uuid.lower().startswith(low)]
         if not found and low.startswith("gpu-"):
             found = [d for d in devices if d.is_mig and (d.parent_uuid or "").lower().startswith(low)][:1]
@@ -171,8 +157,7 @@ def _match_visible(entry: str, devices: list[_Device]) -> _Device | None:
 
 
 def _cuda_view(devices: list[_Device], visible: str | None) -> tuple[list[_Device], list[str]]:
-    """What a CUDA process on this box enumerates: NVML lists every card, CUDA honours
-    CUDA_VISIBLE_DEVICES (indices or UUIDs) and gives a process only one MIG instance."""
+    """What a CUDA process here enumerates: CUDA_VISIBLE_DEVICES applied, and one MIG instance at most."""
     notes: list[str] = []
     chosen = list(devices)
     if visible is not None:
@@ -192,9 +177,8 @@ def _cuda_view(devices: list[_Device], visible: str | None) -> tuple[list[_Devic
                 chosen.append(device)
     migs = [d for d in chosen if d.is_mig]
     if len(migs) > 1:
-        # MIG user guide, "CUDA Device Enumeration": with CUDA 11/R450 and CUDA 12/R525 a CUDA process
-        # enumerates a single MIG instance however many are visible (pytorch/pytorch#130181), so
-        # torchrun's ranks cannot each take one: the job plans for the first.
+        # MIG user guide, "CUDA Device Enumeration": a process enumerates a single MIG instance however many are
+        # visible (pytorch/pytorch#130181), so torchrun's ranks cannot each take one: the job plans for the first.
         notes.append(
             f"{len(migs)} MIG instances are visible, but a CUDA process can use only one: planning for "
             f"{migs[0].uuid or migs[0].name}; run one job per MIG instance, each with its own "
@@ -253,8 +237,7 @@ def _driver_version_from_os() -> str | None:
             text = Path(path).read_text()
         except OSError:
             continue
-        # /sys/module/nvidia/version: "550.54.14"; /proc/driver/nvidia/version: "NVRM version: NVIDIA UNIX
-        # x86_64 Kernel Module  550.54.14  Thu Feb 22 ..."
+        # "550.54.14", or "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.14  Thu Feb 22 ..."
         m = re.search(r"\b(\d{3,}\.\d+(?:\.\d+)?)\b", text)
         if m:
             return m.group(1)
@@ -265,9 +248,8 @@ def _nvidia_driver_present() -> bool:
     return any(Path(p).exists() for p in NVIDIA_DRIVER_FILES)
 
 
-# Runs in a child process: torch initialises CUDA there, not in ftrun's own process (which stays
-# light and holds no CUDA context on a card the training will need). torch sees what the worker
-# will see: CUDA_VISIBLE_DEVICES and MIG are applied by CUDA itself.
+# Runs in a child process, so ftrun's own holds no CUDA context on a card the training needs; it sees what the worker
+# will (CUDA applies CUDA_VISIBLE_DEVICES and MIG).
 _TORCH_PROBE = """
 import json, torch
 out = []
@@ -304,40 +286,23 @@ def _detect_with_torch(cpu: int, ram: float, why: str) -> Hardware:
     import importlib.util
 
     if not _nvidia_driver_present():
-        return Hardware(
-            (),
-            links.NONE,
-            cpu,
-            ram,
-            "detected",
-            (f"{why}, and no NVIDIA driver is loaded on this box: CPU only; plan for a GPU box with --gpus",),
+        return _cpu_only(
+            cpu, ram, f"{why}, and no NVIDIA driver is loaded on this box: CPU only; plan for a GPU box with --gpus"
         )
     if importlib.util.find_spec("torch") is None:
-        return Hardware(
-            (),
-            links.NONE,
-            cpu,
-            ram,
-            "detected",
-            (f"{why}, and torch is not installed to ask instead: CPU only; install ftrun[gpu] (nvidia-ml-py)",),
+        return _cpu_only(
+            cpu, ram, f"{why}, and torch is not installed to ask instead: CPU only; install ftrun[gpu] (nvidia-ml-py)"
         )
     try:
         found = _torch_devices()
     except HardwareError as exc:
-        return Hardware(
-            (), links.NONE, cpu, ram, "detected", (f"{why}, and {exc.args[0] if exc.args else exc}: CPU only",)
-        )
+        return _cpu_only(cpu, ram, f"{why}, and {exc.args[0] if exc.args else exc}: CPU only")
     if not found:
-        return Hardware(
-            (),
-            links.NONE,
+        return _cpu_only(
             cpu,
             ram,
-            "detected",
-            (
-                f"{why}, and torch.cuda sees no device (CUDA_VISIBLE_DEVICES, or a driver that does not "
-                "match torch's CUDA): CPU only",
-            ),
+            f"{why}, and torch.cuda sees no device (CUDA_VISIBLE_DEVICES, or a driver that does not "
+            "match torch's CUDA): CPU only",
         )
     notes: list[str] = []
     gpus = tuple(_gpu(d["name"], int(d["total_memory"]), (int(d["major"]), int(d["minor"])), notes) for d in found)
@@ -357,6 +322,10 @@ def _detect_with_torch(cpu: int, ram: float, why: str) -> Hardware:
     return Hardware(gpus, interconnect, cpu, ram, "detected", tuple(notes), _driver_version_from_os())
 
 
+def _cpu_only(cpu: int, ram: float, note: str) -> Hardware:
+    return Hardware((), links.NONE, cpu, ram, "detected", (note,))
+
+
 def detect() -> Hardware:
     """This box: GPUs as a CUDA process here will see them (NVML, else torch.cuda in a child process),
     CPU and RAM via the OS, capped by the container's cgroup limits (launcher/plan/cgroup.py). No GPU or no
@@ -371,7 +340,7 @@ def detect() -> Hardware:
 def _detect_devices(cpu: int, ram: float) -> Hardware:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() in ("", "-1"):
-        return Hardware((), links.NONE, cpu, ram, "detected", ("CUDA_VISIBLE_DEVICES hides all GPUs: CPU only",))
+        return _cpu_only(cpu, ram, "CUDA_VISIBLE_DEVICES hides all GPUs: CPU only")
     try:
         import pynvml  # nvidia-ml-py; imported here so `import launcher.plan.hardware` stays light
     except ImportError:
