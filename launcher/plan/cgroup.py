@@ -1,19 +1,10 @@
-"""The container's own limits: the memory and CPU a cgroup gives this process, and its OOM-kill count.
+"""The container's own limits: the memory and CPU a cgroup gives this process (inside a container psutil and
+os.cpu_count() show the host's), and its OOM-kill count (the supervisor's sign that the kernel killed for memory).
 
-Inside a container psutil and /proc/meminfo show the host's RAM and os.cpu_count() the host's cores; the kernel
-enforces the cgroup's limits instead: a process group above `memory.max` is OOM-killed whatever the host has
-free. The plan sizes host RAM and CPU threads with the smaller of the two; the supervisor reads the OOM-kill
-count to tell a worker the kernel killed for memory from one killed by a person or a preemption.
-
-Read from the kernel's files (Documentation/admin-guide/cgroup-v2.rst, cgroup-v1/memory.rst):
-- cgroup v2 (the unified hierarchy, Docker's default since 20.10 on current distributions): `memory.max`
-  ("max" or bytes), `cpu.max` ("$MAX $PERIOD", "max" = no quota), `memory.events` ("oom_kill N");
-- cgroup v1: `memory.limit_in_bytes` (a huge value, about 2**63, means none), `cpu.cfs_quota_us` /
-  `cpu.cfs_period_us` (-1 = none), `memory.oom_control` ("oom_kill N", kernels 4.13+).
-The process's cgroup path comes from /proc/self/cgroup and the mount points from /proc/self/mountinfo. A limit
-set on an ancestor binds too, so every level from the process's own cgroup up to the mount's root is read
-and the smallest limit wins. With a cgroup namespace (Docker's default on v2) the process's path is "/" and
-the container's own limits are at the mount's root.
+Read from the kernel's files (Documentation/admin-guide/cgroup-v2.rst, cgroup-v1/memory.rst): v2 `memory.max`,
+`cpu.max`, `memory.events`; v1 `memory.limit_in_bytes`, `cpu.cfs_quota_us` / `cpu.cfs_period_us`,
+`memory.oom_control`. Every level from the process's cgroup (/proc/self/cgroup) up to the mount's root
+(/proc/self/mountinfo) is read, and the smallest limit wins.
 """
 
 from __future__ import annotations
@@ -22,8 +13,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-# cgroup v1 writes PAGE_COUNTER_MAX (2**63 - 1 rounded down to a page) for "no limit"; anything above 2**60
-# bytes is no limit on any real box.
+# cgroup v1 writes PAGE_COUNTER_MAX (about 2**63) for "no limit"
 _UNLIMITED = 1 << 60
 
 
@@ -148,8 +138,7 @@ def cpu_limit(root: Path = Path("/")) -> int | None:
 
 
 def oom_kills(root: Path = Path("/")) -> int | None:
-    """How many processes the kernel has OOM-killed in this process's cgroup (its own level: where the run's
-    processes live); None where the kernel does not say (no memory controller, a kernel before 4.13)."""
+    """How many processes the kernel has OOM-killed in this process's own cgroup; None where the kernel does not say."""
     found = _hierarchy(root, "memory")
     if found is None:
         return None
@@ -166,8 +155,8 @@ def oom_kills(root: Path = Path("/")) -> int | None:
 
 
 def memory_headroom_bytes(root: Path = Path("/")) -> int | None:
-    """What the cgroup lets its processes still allocate: the limit less what they use now (page cache included,
-    which the kernel reclaims before it OOM-kills, so this is a floor); None where no limit is set."""
+    """What the cgroup lets its processes still allocate: the limit less what they use now (page cache included: a
+    floor); None where no limit is set."""
     limit = memory_limit_bytes(root)
     found = _hierarchy(root, "memory")
     if limit is None or found is None:
