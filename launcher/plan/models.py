@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -137,11 +137,6 @@ class Architecture:
                 fix=f"use 'all-linear' or names from {', '.join(LINEAR_MODULES)}.",
             )
         return names
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["params"] = self.params
-        return d
 
 
 def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -292,11 +287,6 @@ def _read_config(path: Path) -> dict[str, Any]:
         raise ModelError(f"cannot read {path}: {exc}", fix="check that the file is a valid config.json.") from None
 
 
-def _from_cache(model: str) -> Architecture | None:
-    cfg = cached_file(model, "config.json")
-    return from_config(_read_config(cfg), model, f"Hugging Face cache ({cfg})") if cfg else None
-
-
 def _offline() -> str | None:
     """Why the Hub is not asked (offline by setting, or it did not answer the plan's probe), else None."""
     from launcher import hub_access
@@ -374,7 +364,8 @@ def load_architecture(model: str, allow_network: bool = True) -> Architecture:
             fix="check the path (a recipe's relative paths resolve against its folder, a model= on the "
             "command line against the working directory).",
         )
-    known = _from_cache(model) or from_catalog(model)
+    cfg = cached_file(model, "config.json")
+    known = from_config(_read_config(cfg), model, f"Hugging Face cache ({cfg})") if cfg else from_catalog(model)
     if known is not None:
         return known
     offline = _offline()

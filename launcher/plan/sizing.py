@@ -150,22 +150,6 @@ class MemoryEstimate:
         """What a card must hold: the training step's peak or the load's, whichever is larger."""
         return max(self.per_gpu_gb, self.load_peak_gb)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "per_gpu_gb": round(self.per_gpu_gb, 1),
-            "total_gb": round(self.total_gb, 1),
-            "breakdown_gb": {k: round(v, 2) for k, v in self.breakdown_gb.items()},
-            "explanations": dict(self.explanations),
-            "trainable_params": self.trainable_params,
-            "offloaded_ram_gb": round(self.offloaded_ram_gb, 1),
-            "load_peak_gb": round(self.load_peak_gb, 1),
-            "load_ram_gb": round(self.load_ram_gb, 1),
-            "load_explanation": self.load_explanation,
-            "offloaded_params_gb": round(self.offloaded_params_gb, 1),
-            "train_ram_gb": round(self.train_ram_gb, 1),
-            "offload_explanation": self.offload_explanation,
-        }
-
 
 def _adamw_full(method: str) -> bool:
     """Every weight trained with a 32-bit AdamW (an fp32 master copy where the weights are 16-bit)."""

@@ -11,10 +11,6 @@ from launcher.plan.figures import _fmt_hours
 from launcher.plan.models import Architecture
 
 
-def _times(n: int) -> str:
-    return "once" if n == 1 else f"{n} times"
-
-
 def _task_eval_note(recipe: Any, data_stats: Any) -> list[str]:
     """What the task evaluation will generate (launcher/worker/task_eval.py): its examples, who answers each and the
     answers' longest length."""
@@ -30,8 +26,9 @@ def _task_eval_note(recipe: Any, data_stats: Any) -> list[str]:
         return ["task evaluation: nothing is held out (eval.fraction or eval.data), so nothing is scored"]
     scorers = _task_eval_scorers(recipe)
     longest = task.max_new_tokens or ev.max_new_tokens
+    times = "once" if len(scorers) == 1 else f"{len(scorers)} times"
     return [
-        f"task evaluation: {held} each answered greedily {_times(len(scorers))} ({', '.join(scorers)}), "
+        f"task evaluation: {held} each answered greedily {times} ({', '.join(scorers)}), "
         f"up to {longest} new tokens each; the smoke test measures the generation speed and forecasts its time"
     ]
 

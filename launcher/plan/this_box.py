@@ -244,10 +244,6 @@ def _driver_version_from_os() -> str | None:
     return None
 
 
-def _nvidia_driver_present() -> bool:
-    return any(Path(p).exists() for p in NVIDIA_DRIVER_FILES)
-
-
 # Runs in a child process, so ftrun's own holds no CUDA context on a card the training needs; it sees what the worker
 # will (CUDA applies CUDA_VISIBLE_DEVICES and MIG).
 _TORCH_PROBE = """
@@ -285,7 +281,7 @@ def _detect_with_torch(cpu: int, ram: float, why: str) -> Hardware:
     """NVML is missing or failed: ask torch.cuda, and say so."""
     import importlib.util
 
-    if not _nvidia_driver_present():
+    if not any(Path(p).exists() for p in NVIDIA_DRIVER_FILES):
         return _cpu_only(
             cpu, ram, f"{why}, and no NVIDIA driver is loaded on this box: CPU only; plan for a GPU box with --gpus"
         )
