@@ -129,9 +129,8 @@ def reasons(
         }.get(bound)
         lines.append(
             f"sampling time: {batch} answers x {s.max_completion_length} tokens per step, {step_s * 1000:.1f} ms a "
-            f"decode step{f' ({why})' if why else ''} = {per_step:.1f} s a step, "
-            f"{_fmt_hours(per_step * steps / 3600)} over {steps:,} steps (every answer at its longest; the smoke "
-            "test measures it)"
+            f"decode step{f' ({why})' if why else ''} = {per_step:.1f} s a step, {_fmt_hours(per_step * steps / 3600)} "
+            f"over {steps:,} steps (every answer at its longest; the smoke test measures it)"
         )
     else:
         lines.append("sampling time: not estimated on this device; the smoke test measures it with the steps")

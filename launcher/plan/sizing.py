@@ -225,9 +225,8 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
         terms["weights"] = (four_bit * NF4_BYTES + other * b16) / n / GB
         with_tower = " (the vision tower's included)" if arch.vision_linears else ""
         why["weights"] = (
-            f"{_count(four_bit)} linear weights{with_tower} in NF4 ({NF4_BYTES:.3f} B/param with "
-            f"quantization constants) + {_count(other)} embedding/head/norm params in "
-            f"{'fp32' if cpu else 'bf16'}{shard}"
+            f"{_count(four_bit)} linear weights{with_tower} in NF4 ({NF4_BYTES:.3f} B/param with quantization "
+            f"constants) + {_count(other)} embedding/head/norm params in {'fp32' if cpu else 'bf16'}{shard}"
         )
     elif fp32_master:
         terms["weights"] = P * 4 / GB

@@ -101,13 +101,12 @@ def faster(job: Job, choice: Choice, free: set[str], replan: Callable[[Job], Cho
             if _same_engine(c, choice) and _with_headroom(c, cand):
                 update.update(micro_batch_size=m, gradient_accumulation_steps=per_step // m)
                 reasons.append(
-                    f"micro-batch {m} x accumulation {per_step // m} instead of {job.micro_batch} x "
-                    f"{job.accumulation} (the recipe leaves both to the plan; the same {per_step} examples per "
-                    f"optimizer step and process): {c.estimate.peak_gb:.1f} GB of {cap:.1f} GB per card, "
-                    f"{headroom(cand):g}x of it within the {sizing_constants.USABLE_FRACTION:.0%} the plan fills; "
-                    f"fewer, larger micro-batches keep the card busier (the estimate counts only the "
-                    f"{throughput.GPU_SECONDS_PER_MICRO_BATCH * 1000:.0f} ms fixed cost per micro-batch; the smoke "
-                    "test measures the rest)"
+                    f"micro-batch {m} x accumulation {per_step // m} instead of {job.micro_batch} x {job.accumulation} "
+                    f"(the recipe leaves both to the plan; the same {per_step} examples per optimizer step and "
+                    f"process): {c.estimate.peak_gb:.1f} GB of {cap:.1f} GB per card, {headroom(cand):g}x of it within "
+                    f"the {sizing_constants.USABLE_FRACTION:.0%} the plan fills; fewer, larger micro-batches keep the "
+                    f"card busier (the estimate counts only the {throughput.GPU_SECONDS_PER_MICRO_BATCH * 1000:.0f} ms "
+                    "fixed cost per micro-batch; the smoke test measures the rest)"
                 )
                 best = (cand, c)
                 break

@@ -221,8 +221,7 @@ def _gpu(
     card = entry.name if entry else parent_name
     tflops = entry.tflops_bf16 * slices / MIG_COMPUTE_SLICES if entry and slices else None
     notes.append(
-        f"{card} is split by MIG: planning for one MIG instance ({profile or 'profile unknown'}, "
-        f"{memory:.1f} GB"
+        f"{card} is split by MIG: planning for one MIG instance ({profile or 'profile unknown'}, {memory:.1f} GB"
         + (f", {slices} of {MIG_COMPUTE_SLICES} compute slices" if tflops else ", its compute share unknown")
         + "), not the whole card; a MIG instance's price depends on the provider: set price_per_hour_eur"
     )
