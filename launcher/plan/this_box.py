@@ -56,44 +56,44 @@ def _nvml_devices(pynvml: Any) -> tuple[list[_Device], str | None, list[str]]:
     """
     pynvml.nvmlInit()
     notes: list[str] = []
-    try:
-        try:
-            driver = _text(pynvml.nvmlSystemGetDriverVersion()).strip() or None
+
+    def ask(call: Any, *args: Any, default: Any = None) -> Any:
+        try:  # NOT_SUPPORTED (a card without MIG or NVLink), NOT_FOUND (an empty MIG slot), ...
+            return call(*args)
         except pynvml.NVMLError:
-            driver = _driver_version_from_os()
+            return default
+
+    try:
+        raw = ask(pynvml.nvmlSystemGetDriverVersion)
+        driver = (_text(raw).strip() or None) if raw is not None else _driver_version_from_os()
         devices: list[_Device] = []
         for i in range(pynvml.nvmlDeviceGetCount()):
             handle = pynvml.nvmlDeviceGetHandleByIndex(i)
             name = _text(pynvml.nvmlDeviceGetName(handle))
-            uuid = _nvml_uuid(pynvml, handle)
-            try:
-                cc = tuple(pynvml.nvmlDeviceGetCudaComputeCapability(handle))
-            except pynvml.NVMLError:
-                cc = None
-            if not _mig_enabled(pynvml, handle):
+            uuid = _text(ask(pynvml.nvmlDeviceGetUUID, handle, default=""))
+            cc = ask(lambda: tuple(pynvml.nvmlDeviceGetCudaComputeCapability(handle)))
+            if ask(pynvml.nvmlDeviceGetMigMode, handle, default=[None])[0] != pynvml.NVML_DEVICE_MIG_ENABLE:
                 memory = int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
                 devices.append(_Device(uuid, name, memory, cc, nvlink=_has_active_nvlink(pynvml, handle)))
                 continue
             instances = []
             for slot in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
-                try:
-                    mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
-                except pynvml.NVMLError:
-                    continue  # an empty slot: no instance created there
-                try:
-                    ids = (int(pynvml.nvmlDeviceGetGpuInstanceId(mig)), int(pynvml.nvmlDeviceGetComputeInstanceId(mig)))
-                except pynvml.NVMLError:
-                    ids = None
-                instances.append(
-                    _Device(
-                        _nvml_uuid(pynvml, mig),
-                        _text(pynvml.nvmlDeviceGetName(mig)),
-                        int(pynvml.nvmlDeviceGetMemoryInfo(mig).total),
-                        cc,
-                        parent_name=name,
-                        parent_uuid=uuid,
-                        mig_ids=ids,
+                mig = ask(pynvml.nvmlDeviceGetMigDeviceHandleByIndex, handle, slot)
+                if mig is None:
+                    continue
+                ids = ask(
+                    lambda: (
+                        int(pynvml.nvmlDeviceGetGpuInstanceId(mig)),
+                        int(pynvml.nvmlDeviceGetComputeInstanceId(mig)),
                     )
+                )
+                mig_uuid, mig_name = (
+                    _text(ask(pynvml.nvmlDeviceGetUUID, mig, default="")),
+                    _text(pynvml.nvmlDeviceGetName(mig)),
+                )
+                memory = int(pynvml.nvmlDeviceGetMemoryInfo(mig).total)
+                instances.append(
+                    _Device(mig_uuid, mig_name, memory, cc, parent_name=name, parent_uuid=uuid, mig_ids=ids)
                 )
             if not instances:
                 notes.append(
@@ -104,21 +104,6 @@ def _nvml_devices(pynvml: Any) -> tuple[list[_Device], str | None, list[str]]:
         return devices, driver, notes
     finally:
         pynvml.nvmlShutdown()
-
-
-def _nvml_uuid(pynvml: Any, handle: Any) -> str:
-    try:
-        return _text(pynvml.nvmlDeviceGetUUID(handle))
-    except pynvml.NVMLError:
-        return ""
-
-
-def _mig_enabled(pynvml: Any, handle: Any) -> bool:
-    try:
-        current = pynvml.nvmlDeviceGetMigMode(handle)[0]
-    except pynvml.NVMLError:
-        return False  # NOT_SUPPORTED: a card without MIG (consumer cards, V100, L40S, ...)
-    return current == pynvml.NVML_DEVICE_MIG_ENABLE
 
 
 def _has_active_nvlink(pynvml: Any, handle: Any) -> bool:
