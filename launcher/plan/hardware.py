@@ -6,6 +6,7 @@ prices a card reads it through `catalog()` (tests/test_tables.py).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import asdict, dataclass, field
@@ -63,9 +64,7 @@ class Hardware:
     @property
     def gpu(self) -> Gpu | None:
         """The card (boxes are homogeneous in practice; with mixed cards, the smallest decides)."""
-        if not self.gpus:
-            return None
-        return min(self.gpus, key=lambda g: g.memory_gb)
+        return min(self.gpus, key=lambda g: g.memory_gb) if self.gpus else None
 
     @property
     def price_per_hour_eur(self) -> float | None:
@@ -147,24 +146,17 @@ def _parse_catalog(raw: Any, source: str) -> dict[str, CatalogGpu]:
     return out
 
 
-_catalog_cache: dict[str, CatalogGpu] | None = None
-
-
+@functools.cache
 def catalog() -> dict[str, CatalogGpu]:
     """The built-in catalog, updated entry by entry from the user's YAML (FTRUN_GPUS or ~/.config/ftrun/gpus.yaml)."""
-    global _catalog_cache
-    if _catalog_cache is None:
-        merged = _parse_catalog(yaml.safe_load(CATALOG_FILE.read_text()), str(CATALOG_FILE))
-        user = Path(os.environ.get(USER_CATALOG_ENV) or USER_CATALOG_DEFAULT).expanduser()
-        if user.is_file():
-            merged.update(_parse_catalog(yaml.safe_load(user.read_text()), str(user)))
-        _catalog_cache = merged
-    return _catalog_cache
+    merged = _parse_catalog(yaml.safe_load(CATALOG_FILE.read_text()), str(CATALOG_FILE))
+    user = Path(os.environ.get(USER_CATALOG_ENV) or USER_CATALOG_DEFAULT).expanduser()
+    if user.is_file():
+        merged.update(_parse_catalog(yaml.safe_load(user.read_text()), str(user)))
+    return merged
 
 
-def reset_catalog_cache() -> None:
-    global _catalog_cache
-    _catalog_cache = None
+reset_catalog_cache = catalog.cache_clear
 
 
 def _norm(name: str) -> str:
@@ -236,8 +228,7 @@ def _host_ram_gb() -> float:
     try:
         import psutil
     except ImportError:  # psutil is a dependency; without it, read the POSIX counters
-        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        return pages / GB
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / GB
     return psutil.virtual_memory().total / GB
 
 
