@@ -158,38 +158,29 @@ def readiness(model: str, gguf_type: str, this_box: bool = True) -> Readiness:
         return r
     have = runtime_version()
     conv = converter()
-    r.facts.update(
-        runtime=have,
-        converter=str(conv.folder) if conv else None,
-        converter_version=conv.version if conv else None,
-        gguf_py=conv.gguf_py if conv else None,
-        gguf_package=runtime_version("gguf"),
-    )
+    folder, version, gguf_py = (str(conv.folder), conv.version, conv.gguf_py) if conv else (None, None, None)
+    r.facts.update(runtime=have, converter=folder, converter_version=version, gguf_py=gguf_py)
+    r.facts["gguf_package"] = runtime_version("gguf")
     where = "this box" if this_box else "the box that exports (ftrun's Docker image has it)"
+    lacking = r.missing if this_box else r.notes
     if have is None:
-        (r.missing if this_box else r.notes).append(
-            f"{DIST} (llama.cpp's runtime and quantizer) is not installed on {where}: {INSTALL_HINT}"
-        )
+        lacking.append(f"{DIST} (llama.cpp's runtime and quantizer) is not installed on {where}: {INSTALL_HINT}")
     elif have != PINNED:
         r.notes.append(f"{DIST} {have} is installed; ftrun is tested with {PINNED}")
     if conv is None:
-        (r.missing if this_box else r.notes).append(
+        lacking.append(
             f"llama.cpp's converter is not installed on {where}: `ftrun llamacpp install` copies "
             f"convert_hf_to_gguf.py from the {DIST} {PINNED} source distribution"
         )
         # the architecture is still checked against the shipped table (the tokenizer needs the converter's code)
-        _check_architecture(
-            model,
-            shipped_architectures(),
-            f"{DIST} {PINNED}'s converter (its table as ftrun ships it, {ARCHITECTURES_FILE.name})",
-            r,
-        )
+        shipped = f"{DIST} {PINNED}'s converter (its table as ftrun ships it, {ARCHITECTURES_FILE.name})"
+        _check_architecture(model, shipped_architectures(), shipped, r)
         return r
     import importlib.util
 
     if importlib.util.find_spec("sentencepiece") is None:
         # conversion/base.py imports it before it looks for a tokenizer.model, so every model needs it
-        (r.missing if this_box else r.notes).append(
+        lacking.append(
             "llama.cpp's converter needs the sentencepiece package (pip install sentencepiece, part of ftrun's "
             "gguf extra)"
         )

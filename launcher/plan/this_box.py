@@ -362,14 +362,3 @@ def for_plan(gpus: str | None, box: str | None) -> tuple[Hardware, str]:
             f"the recipe's box: {box} (this machine has no GPU; --gpus plans for another box)",
         )
     return here, "this machine (no GPU detected, and the recipe names no box:; --gpus plans for a GPU box)"
-
-
-def main() -> None:  # pragma: no cover - `python -m launcher.plan.this_box` prints what the box has
-    hw = detect()
-    print(hw.describe() + (f", driver {hw.driver_version}" if hw.driver_version else ""))
-    for note in hw.notes:
-        print("note:", note, file=sys.stderr)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    main()
