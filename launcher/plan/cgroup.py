@@ -98,10 +98,7 @@ def _hierarchy(root: Path, controller: str) -> tuple[int, list[Path]] | None:
 
 def memory_limit_bytes(root: Path = Path("/")) -> int | None:
     """The smallest memory limit on this process's cgroup or its ancestors; None where none is set or readable."""
-    found = _hierarchy(root, "memory")
-    if found is None:
-        return None
-    version, dirs = found
+    version, dirs = _hierarchy(root, "memory") or (0, [])
     limits = []
     for d in dirs:
         text = _read(d / ("memory.max" if version == 2 else "memory.limit_in_bytes"))
@@ -117,10 +114,7 @@ def memory_limit_bytes(root: Path = Path("/")) -> int | None:
 
 def cpu_limit(root: Path = Path("/")) -> int | None:
     """The CPU quota as whole cores (rounded up), the smallest over the hierarchy; None where no quota is set."""
-    found = _hierarchy(root, "cpu")
-    if found is None:
-        return None
-    version, dirs = found
+    version, dirs = _hierarchy(root, "cpu") or (0, [])
     cores = []
     for d in dirs:
         if version == 2:
@@ -139,10 +133,9 @@ def cpu_limit(root: Path = Path("/")) -> int | None:
 
 def oom_kills(root: Path = Path("/")) -> int | None:
     """How many processes the kernel has OOM-killed in this process's own cgroup; None where the kernel does not say."""
-    found = _hierarchy(root, "memory")
-    if found is None:
+    version, dirs = _hierarchy(root, "memory") or (0, [])
+    if not dirs:
         return None
-    version, dirs = found
     text = _read(dirs[0] / ("memory.events" if version == 2 else "memory.oom_control"))
     for line in (text or "").splitlines():
         key, _, value = line.partition(" ")
@@ -158,10 +151,9 @@ def memory_headroom_bytes(root: Path = Path("/")) -> int | None:
     """What the cgroup lets its processes still allocate: the limit less what they use now (page cache included: a
     floor); None where no limit is set."""
     limit = memory_limit_bytes(root)
-    found = _hierarchy(root, "memory")
-    if limit is None or found is None:
+    version, dirs = _hierarchy(root, "memory") or (0, [])
+    if limit is None or not dirs:
         return None
-    version, dirs = found
     used = _read(dirs[0] / ("memory.current" if version == 2 else "memory.usage_in_bytes"))
     try:
         return max(0, limit - int(used or "0"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -164,14 +164,9 @@ def from_config(cfg: dict[str, Any], name: str, source: str) -> Architecture:
     heads = int(c["num_attention_heads"])
     experts = int(c.get("num_experts") or c.get("num_local_experts") or 1)
     # MoE configs give the per-expert width separately; dense ones only intermediate_size.
-    intermediate = int(
-        c.get("moe_intermediate_size")
-        if experts > 1 and c.get("moe_intermediate_size")
-        else c.get("intermediate_size", 4 * hidden)
-    )
-    tied = c.get("tie_word_embeddings")
-    if tied is None:  # transformers' PretrainedConfig default
-        tied = True
+    moe = c.get("moe_intermediate_size") if experts > 1 else None
+    intermediate = int(moe or c.get("intermediate_size", 4 * hidden))
+    tied = c.get("tie_word_embeddings")  # None: True, transformers' PretrainedConfig default
     return Architecture(
         name=name,
         layers=int(c["num_hidden_layers"]),
@@ -181,7 +176,7 @@ def from_config(cfg: dict[str, Any], name: str, source: str) -> Architecture:
         kv_heads=int(c.get("num_key_value_heads") or heads),
         head_dim=int(c.get("head_dim") or hidden // heads),
         vocab=int(c["vocab_size"]),
-        tied_embeddings=bool(tied),
+        tied_embeddings=tied is None or bool(tied),
         qkv_bias=bool(c.get("attention_bias", model_type in QKV_BIAS_TYPES)),
         qk_norm=model_type.startswith(("qwen3", "gemma3")),
         norms_per_layer=4 if model_type.startswith(("gemma2", "gemma3")) else 2,
@@ -200,9 +195,7 @@ def _rope_scaling(c: dict[str, Any]) -> Optional[tuple]:
     """(rope_type, factor, original_max_position_embeddings) of a config's RoPE scaling (transformers 5's
     rope_parameters, or the older rope_scaling), None for plain RoPE ("default") or none."""
     rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
-    if not isinstance(rope, dict):
-        return None
-    kind = rope.get("rope_type") or rope.get("type")
+    kind = (rope.get("rope_type") or rope.get("type")) if isinstance(rope, dict) else None
     if not kind or kind == "default":
         return None
     factor = rope.get("factor")
@@ -382,10 +375,6 @@ def load_architecture(model: str, allow_network: bool = True) -> Architecture:
 
 def catalog_names() -> list[str]:
     return sorted(CATALOG)
-
-
-def with_name(arch: Architecture, name: str) -> Architecture:
-    return replace(arch, name=name)
 
 
 # Download size: what a run fetches before its first step, at what datacenter boxes typically get from the Hub's CDN.
