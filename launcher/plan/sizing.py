@@ -269,11 +269,10 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
 
     lora = is_adapter(w.method) and not unsloth
     layer = layer_activation_bytes_per_token(arch, fp32=cpu, lora_targets=w.lora_targets if lora else None)
-    offload = 0.0
-    live = 0.0
+    offload = live = 0.0
+    factor = UNSLOTH_LAYER_FACTOR if unsloth else 1.0
     if w.gradient_checkpointing:
         checkpoints = arch.layers * t * arch.hidden * b16
-        factor = UNSLOTH_LAYER_FACTOR if unsloth else 1.0
         live = LAYER_BACKWARD_FACTOR * factor * layer * t
         offloaded_by = (
             "Unsloth" if unsloth else "TRL's activation offloading" if w.offload_activations and not cpu else ""
@@ -289,7 +288,6 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
             f"one layer recomputed ({layer / 1e3:.0f} KB/token) for {t:,} tokens per micro-batch"
         )
     else:
-        factor = UNSLOTH_LAYER_FACTOR if unsloth else 1.0
         terms["activations"] = (arch.layers * layer * factor * t) / GB
         why["activations"] = (
             f"no gradient checkpointing: all {arch.layers} layers keep their activations "

@@ -47,24 +47,18 @@ def headroom(job: Job) -> float:
 
 
 def _with_headroom(c: Choice, job: Job) -> bool:
-    return (
-        c.fits
-        and c.estimate is not None
-        and c.estimate.peak_gb * headroom(job) <= c.capacity_gb * sizing_constants.USABLE_FRACTION
-    )
+    usable = c.capacity_gb * sizing_constants.USABLE_FRACTION
+    return c.fits and c.estimate is not None and c.estimate.peak_gb * headroom(job) <= usable
 
 
 def faster(job: Job, choice: Choice, free: set[str], replan: Callable[[Job], Choice]) -> Faster | None:
     """The faster settings this box's memory allows for the keys in `free`, or None. `replan` sizes a job on the same
     box with the same engine rules (launcher/plan/engine.py choose); a setting that changes the engine, the process
     count or an offload is not taken."""
-    if (
-        not (choice.fits and choice.device == "cuda" and choice.estimate is not None)
-        or choice.offload_params
-        or choice.offload_optimizer
-        or choice.offload_activations
-        or job.offload_activations
-    ):
+    offloads = (
+        choice.offload_params or choice.offload_optimizer or choice.offload_activations or job.offload_activations
+    )
+    if offloads or not (choice.fits and choice.device == "cuda" and choice.estimate is not None):
         return None
     best, update, reasons = (job, choice), {}, []
     cap = choice.capacity_gb
