@@ -194,14 +194,7 @@ def _gpu(
                 f"GPU '{name}' is not in the catalog: no price or TFLOP/s known, time is estimated "
                 f"from its memory class; add it to {USER_CATALOG_ENV}"
             )
-        return Gpu(
-            entry.name if entry else name,
-            memory,
-            cc,
-            entry.tflops_bf16 if entry else None,
-            entry.price_per_hour_eur if entry else None,
-            entry.memory_bandwidth_gb_s if entry else None,
-        )
+        return replace(entry.gpu(), memory_gb=memory, compute_capability=cc) if entry else Gpu(name, memory, cc)
     profile, slices = _mig_profile(name)
     card = entry.name if entry else parent_name
     tflops = entry.tflops_bf16 * slices / MIG_COMPUTE_SLICES if entry and slices else None
