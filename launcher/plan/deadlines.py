@@ -9,8 +9,7 @@ import math
 import os
 from typing import Any, Mapping, Optional
 
-# A rank is silent too long after WATCHDOG_FACTOR x its phase's expected time, never before the floor (a loaded box,
-# slow storage, a first step that compiles); FLOOR_ENV lowers it (docs/engines.md, "One rank down").
+# A rank is silent too long after WATCHDOG_FACTOR x its phase's expected time and the floor (docs/engines.md).
 WATCHDOG_FACTOR = 10.0
 WATCHDOG_FLOOR_S = 300.0
 FLOOR_ENV = "FTRUN_WATCHDOG_FLOOR_S"

@@ -46,8 +46,7 @@ UNSLOTH_MISSING = (
 )
 
 
-# Unsloth patches TRL's DPO and ORPO trainers (PatchDPOTrainer), but ftrun's Unsloth engine loads, checkpoints and
-# resumes through its SFT path only (launcher/worker/engines/unsloth.py): a preference objective runs on TRL.
+# ftrun's Unsloth engine loads, checkpoints and resumes through its SFT path only (launcher/worker/engines/unsloth.py)
 UNSLOTH_NOT_FOR = (
     "engine unsloth: ftrun runs Unsloth for objective "
     + " and ".join(name for name, o in OBJECTIVES.items() if o.unsloth)

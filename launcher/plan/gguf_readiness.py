@@ -103,8 +103,7 @@ def known_pre_tokenizers(folder: Path) -> tuple[str, dict[str, str]]:
     return chktxt, known
 
 
-# The split rules (pre-tokenizer regexes) llama.cpp implements under these names (llama-vocab.cpp): a byte-level BPE
-# tokenizer whose hash llama.cpp does not list is named by its split rule, and the export checks the tokenization.
+# The split rules llama.cpp implements under these names (llama-vocab.cpp), for a tokenizer whose hash it does not list
 _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -194,8 +193,7 @@ def readiness(model: str, gguf_type: str, this_box: bool = True) -> Readiness:
     return r
 
 
-# The pinned converter's TEXT_MODEL_MAP (and MMPROJ_MODEL_MAP), shipped so that `ftrun plan` without llama.cpp still
-# refuses an architecture it cannot convert. Written by `ftrun llamacpp architectures`; tests/deliver/test_gguf.py.
+# The pinned converter's tables, for `ftrun plan` without llama.cpp; written by `ftrun llamacpp architectures`.
 ARCHITECTURES_FILE = Path(__file__).with_name("llamacpp_architectures.json")
 
 
@@ -208,8 +206,7 @@ def shipped_projectors() -> dict[str, str]:
     return json.loads(ARCHITECTURES_FILE.read_text())["mmproj_architectures"]
 
 
-# The attention window llama.cpp's mtmd gives a Qwen2.5-VL vision tower when the projector GGUF names none
-# (tools/mtmd/clip.cpp: `hparams.attn_window_size > 0 ? hparams.attn_window_size : 112`).
+# The attention window llama.cpp's mtmd gives a Qwen2.5-VL tower when its GGUF names none (tools/mtmd/clip.cpp)
 LLAMACPP_QWEN25VL_WINDOW = 112
 
 

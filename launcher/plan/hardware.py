@@ -267,8 +267,7 @@ def threads_per_process(cores: int, processes: int) -> int:
     return max(1, cores // max(1, processes))
 
 
-# NCCL keeps its shared-memory buffers in /dev/shm, 64 MB in Docker by default: it fails at the first collective.
-# NCCL's troubleshooting guide, "Docker": --shm-size=1g at least.
+# NCCL's buffers in /dev/shm (Docker: 64 MB); NCCL's troubleshooting guide, "Docker": --shm-size=1g at least.
 MIN_SHM_BYTES = 1 << 30
 SHM_PATH = "/dev/shm"
 
@@ -283,8 +282,7 @@ def shared_memory_bytes(path: str = SHM_PATH) -> int | None:
         return None
 
 
-# accelerate 1.15 utils/environment.py check_cuda_p2p_ib_support(): RTX 40-series cards on an older driver cannot do
-# the P2P/IB transfers NCCL would try.
+# accelerate 1.15 utils/environment.py check_cuda_p2p_ib_support(): RTX 40-series cards need this driver for P2P/IB
 P2P_IB_FIXED_DRIVER = (550, 40, 7)
 
 

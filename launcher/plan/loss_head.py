@@ -22,8 +22,7 @@ FUSED_TOKEN_TILE = 4096
 FUSED_VOCAB_TILE = 32768
 # Without Triton (the CPU), trl's _backward_tile holds the tile and about eight fp32 temporaries of its size.
 FUSED_CPU_TILE_COPIES = 9
-# So the CPU worker routes a frozen head through launcher/worker/cpu_logprob.py: chunks of about
-# CPU_LOSS_CHUNK_ELEMENTS logits, CPU_LOSS_BUFFERS fp32 buffers of that size alive.
+# So the CPU worker routes a frozen head through launcher/worker/cpu_logprob.py's chunks of fp32 logits
 CPU_LOSS_CHUNK_ELEMENTS = 2**23
 CPU_LOSS_MIN_TOKENS = 16
 CPU_LOSS_BUFFERS = 3

@@ -203,8 +203,7 @@ def _rope_scaling(c: dict[str, Any]) -> Optional[tuple]:
     return (str(kind), float(factor) if factor else None, int(original) if original else None)
 
 
-# Built-in catalog: the real config.json values of popular models, so planning works offline.
-# Keys are normalised names (see `catalog_key`); one entry covers base, instruct and 4-bit re-uploads.
+# Built-in catalog: config.json values of popular models by `catalog_key` (base, instruct and 4-bit re-uploads)
 _FIELDS = ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab", "tied_embeddings")
 
 
@@ -379,8 +378,7 @@ def catalog_names() -> list[str]:
 
 # Download size: what a run fetches before its first step, at what datacenter boxes typically get from the Hub's CDN.
 DOWNLOAD_MB_S = 100.0
-# Bytes per weight of a bitsandbytes 4-bit checkpoint: 4 bits, plus a blocksize-64 absmax (double-quantized) and
-# quant_state entries.
+# Bytes per weight of a bitsandbytes 4-bit checkpoint: 4 bits, a blocksize-64 absmax and quant_state entries
 BNB_4BIT_BYTES = 0.53
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
@@ -460,8 +458,7 @@ def download_size(model: str, arch: Architecture, repo: str | None = None, allow
     )
 
 
-# Unsloth's pre-quantized NF4 uploads of the catalog's models, for QLoRA: a quarter of the download, no quantizing at
-# load. Checked against unsloth.models.mapper in tests/worker/test_unsloth.py.
+# Unsloth's NF4 uploads of the catalog's models for QLoRA (checked against unsloth.models.mapper: test_unsloth.py)
 PREQUANTIZED: dict[str, str] = {
     # Qwen3
     "qwen/qwen3-0.6b": "unsloth/Qwen3-0.6B-bnb-4bit",

@@ -42,8 +42,7 @@ if TYPE_CHECKING:  # for the annotations only: at run time this module imports n
 LOSS_FUSED, LOSS_MATERIALIZED, LOSS_UNSLOTH = "fused LM head", "materialized logits", "Unsloth fused cross-entropy"
 
 
-# How DPO's reference log-probabilities come (trl 1.16 dpo_trainer.py __init__, compute_ref_log_probs): what it
-# costs in memory, and whether each step runs its forward.
+# DPO's reference (trl 1.16 dpo_trainer.py compute_ref_log_probs): what it costs, whether each step runs it
 REFERENCES = {
     "adapter off": (
         "the base model with the LoRA adapter switched off (PEFT's disable_adapter): the same weights, no second model",
@@ -187,9 +186,8 @@ def layer_activation_bytes_per_token(arch: Arch, fp32: bool = False, lora_target
     return elems * (4 if fp32 else 2) + (0 if fp32 else norm_fp32)
 
 
-# SDPA makes a boolean mask additive in the query's dtype (aten convert_boolean_attn_mask) and saves it for backward:
-# attn_bias on a GPU (bf16), attn_mask of torch 2.13's _scaled_dot_product_flash_attention_for_cpu (fp32). Every layer
-# keeps one without gradient checkpointing, the recomputed layer with it.
+# SDPA's additive mask saved for backward (aten convert_boolean_attn_mask): bf16 attn_bias on a GPU, fp32 on the CPU
+# (torch 2.13 _scaled_dot_product_flash_attention_for_cpu); by each layer, or the recomputed one.
 MASK_BIAS_BYTES = {"cuda": 2, "cpu": 4}
 
 
@@ -469,8 +467,7 @@ def generation_bytes(arch: Arch, w: Workload, b16: int) -> tuple[float, str]:
 
 # DeepSpeed ZeRO-3 optimizer offload, bytes per trainable parameter in the box's RAM (stage3.py): fp32 master 4
 # (_create_fp32_partitions), fp32 gradient buffer 4 (initialize_optimizer_states), Adam m, v 8 (DeepSpeedCPUAdam),
-# 16-bit gradient partitions 2 (_setup_for_real_optimizer); offload_param adds 2,
-# _create_param_groups_fp16_flat_cpu_memory.
+# 16-bit gradients 2 (_setup_for_real_optimizer); offload_param: 2 (_create_param_groups_fp16_flat_cpu_memory).
 DS_OFFLOAD_HOST_BYTES = 18
 
 

@@ -13,8 +13,7 @@ GB = 2**30  # bytes in one GB as ftrun counts (GiB, as nvidia-smi and torch's me
 NF4_BYTES = (4 + 0.127) / 8
 # Bytes per trained parameter: launcher/methods.py. LoRA adapters in fp32 (PEFT autocast_adapter_dtype): 4 + 4 + 8.
 ADAPTER_BYTES = METHODS["lora"].trained_bytes
-# A full fine-tune's gradients are freed and re-allocated every step (zero_grad(set_to_none=True)); the allocator keeps
-# about half their size reserved but unusable: what lifts the article's 6 B/param (8-bit) to the 7-8 its table implies.
+# Allocator slack of gradients freed every step: lifts the article's 6 B/param (8-bit) to the 7-8 its table implies
 GRADIENT_CHURN_BYTES = 1.0
 
 # Unsloth's chunked fused cross-entropy: about an eighth of the bf16 logits alive at once (fitted: docs/sizing.md).
@@ -29,8 +28,7 @@ NCCL_GB = 0.5  # NCCL communicator buffers per process when several GPUs train t
 FRAGMENTATION = 0.05  # caching-allocator slack on the per-step tensors (activations, logits)
 CPU_RUNTIME_GB = 1.0  # Python, torch and the tokenizer in the worker process
 
-# Host time per kernel of an eager PyTorch forward on a GPU box (Python, dispatcher, CUDA launch): what bounds
-# transformers' generate below ~30B parameters. An assumption, not yet measured on a GPU: docs/sizing.md, "Sampling".
+# Host time per kernel of an eager forward on a GPU (an assumption, not measured on a GPU: docs/sizing.md, "Sampling")
 EAGER_OP_SECONDS = 10e-6
 
 # Fraction of a card the plan may fill: the estimate's own error (docs/sizing.md: median ~10%) needs room.

@@ -14,8 +14,7 @@ from launcher.plan.job import Job
 
 # The recipe keys the plan may choose when the recipe leaves them out (pydantic's model_fields_set).
 LEFT_TO_PLAN = ("gradient_checkpointing", "micro_batch_size", "gradient_accumulation_steps")
-# A faster setting is taken only when its estimate times this fits USABLE_FRACTION of the card; without gradient
-# checkpointing the larger factor (variable-size tensors, fragmentation). Why these: docs/sizing.md, "Using the card".
+# A faster setting's estimate times this must fit USABLE_FRACTION of the card (docs/sizing.md, "Using the card")
 HEADROOM = 1.10
 HEADROOM_NO_CHECKPOINTING = 1.30
 

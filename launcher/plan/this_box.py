@@ -221,8 +221,7 @@ def _driver_version_from_os() -> str | None:
     return None
 
 
-# Runs in a child process, so ftrun's own holds no CUDA context on a card the training needs; it sees what the worker
-# will (CUDA applies CUDA_VISIBLE_DEVICES and MIG).
+# Runs in a child process: ftrun's own holds no CUDA context, and it sees what the worker will (CUDA_VISIBLE_DEVICES)
 _TORCH_PROBE = """
 import json, torch
 out = []

@@ -21,21 +21,18 @@ MFU = {name: m.mfu for name, m in METHODS.items()}  # launcher/methods.py
 UNSLOTH_SPEEDUP = 1.4
 # QLoRA + FSDP gathers 4-bit shards and dequantises them: the article's "bei maessigem Tempo".
 QLORA_SHARDED_EFFICIENCY = 0.7
-# CPU: fp32 FLOP/s per core for small matmuls and a fixed cost per micro-batch (Python, optimizer, collation),
-# calibrated on the tiny demo model on 2 cores (docs/sizing.md, "Time and cost"); the smoke test replaces both.
+# CPU: fp32 FLOP/s per core and a fixed cost per micro-batch, calibrated on the tiny demo model (docs/sizing.md)
 CPU_FLOPS_PER_CORE = 5e9
 CPU_SECONDS_PER_MICRO_BATCH = 0.8
 # GPU: kernel launches, optimizer step and Python per micro-batch; matters only for small models.
 GPU_SECONDS_PER_MICRO_BATCH = 0.01
 # A card the catalog does not know: assume this dense bf16 TFLOP/s per GB of memory (an A100-class ratio).
 UNKNOWN_GPU_TFLOPS = 150.0
-# Host link of a card by compute capability: PCIe 3.0 x16 for 7.x, 4.0 for 8.x, 5.0 for 9.0+. Per direction, GB/s:
-# 8/16/32 GT/s per lane x 16 lanes x 128b/130b. The smoke test measures the real rate.
+# PCIe 3.0/4.0/5.0 x16 per direction, GB/s (8/16/32 GT/s x 16 lanes x 128b/130b), for compute capability 7/8/9+
 PCIE_GB_S = {3: 15.75, 4: 31.5, 5: 63.0}
 # FSDP's offload moves each unit's shard to the card in forward and again in backward (reshard_after_forward).
 OFFLOAD_PASSES = 2
-# Quantizing NF4 on the CPU while loading QLoRA (bitsandbytes 0.50 backends/default/ops.py quantize_4bit, pure
-# torch), per core: the one process that quantizes for the box uses all of them. docs/sizing.md, "Loading".
+# NF4 quantizing per CPU core (bitsandbytes 0.50 backends/default/ops.py quantize_4bit; docs/sizing.md, "Loading")
 CPU_NF4_PARAMS_PER_CORE_S = 5e6
 
 
@@ -54,8 +51,7 @@ def pcie_gb_s(compute_capability: tuple[int, int] | None) -> float:
 DS_OFFLOAD_MICRO_BATCH_BYTES = 4
 DS_OFFLOAD_STEP_BYTES = 4
 DS_OFFLOAD_PARAMS_BACK_BYTES = 4
-# DeepSpeedCPUAdam (csrc/adam) is bound by memory bandwidth (28 B per parameter); per core of the box, every core
-# busy: docs/sizing.md, "CPU offload".
+# DeepSpeedCPUAdam (csrc/adam), bound by memory bandwidth, per core of the box (docs/sizing.md, "CPU offload")
 CPU_ADAM_PARAMS_PER_CORE_S = 2e8
 
 
@@ -113,8 +109,7 @@ def load_seconds(arch: Arch, w: Workload, cpu_count: int) -> float:
     return arch.linear_params / (CPU_NF4_PARAMS_PER_CORE_S * max(1, cpu_count))
 
 
-# bf16 tensor cores start at compute capability 8.0; below it the worker trains in fp16 with loss scaling, and
-# gpus.yaml gives those cards' fp16 tensor rate.
+# bf16 tensor cores start at compute capability 8.0; below it fp16 with loss scaling (gpus.yaml: the fp16 rate)
 BF16_MIN_COMPUTE_CAPABILITY = (8, 0)
 
 
@@ -199,8 +194,7 @@ def tokens_per_second(
 # --- generation: the task evaluation's answers (launcher/worker/task_eval.py), GRPO's sampling (plan/sampling.py) ----
 # Prompts answered per generate call: a CPU gains little past a few (and pads more), a GPU fills up with more.
 GENERATION_BATCH = {"cpu": 8, "cuda": 32}
-# The fraction of the datasheet bandwidth a decode step's bandwidth-bound kernels reach: an assumption no GPU has
-# measured yet (docs/BENCHMARKS.md section 7).
+# The share of the datasheet bandwidth a decode step reaches: not measured yet (docs/BENCHMARKS.md section 7)
 GENERATION_EFFICIENCY = 0.5
 # Kernels of one eager decode step, counted in transformers 5.24 (modeling_qwen3.py, modeling_llama.py,
 # integrations/sdpa_attention.py, generation/utils.py _sample) and peft 0.21 (tuners/lora/layer.py Linear.forward) for
