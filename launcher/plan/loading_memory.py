@@ -14,7 +14,7 @@ from launcher.plan.sizing_constants import CPU_RUNTIME_GB, CUDA_CONTEXT_GB, GB, 
 if TYPE_CHECKING:  # for the annotations only: at run time this module imports nothing else
     from launcher.plan.models import Architecture as Arch
 
-# Bytes per parameter the CPU quantizer holds besides the 4-bit result (measured 19: docs/sizing.md, "Loading")
+# Bytes per parameter the CPU quantizer holds besides the 4-bit result (docs/sizing.md, "4-bit weights (QLoRA)")
 QUANTIZE_TEMPORARY_BYTES = 20
 
 
