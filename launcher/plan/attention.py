@@ -129,11 +129,8 @@ def reason(
             "padding-free rows on their boundaries, generation on it too; no mask, nothing built per sequence length"
         )
     if source != "default":
-        sdpa = f"SDPA with the backends {', '.join(backends)} ({OVERRIDE}); " + (
-            "cuDNN's builds a new execution graph for each new sequence length"
-            if "cudnn" in backends
-            else "cuDNN's is off"
-        )
+        cudnn = "builds a new execution graph for each new sequence length" if "cudnn" in backends else "is off"
+        sdpa = f"SDPA with the backends {', '.join(backends)} ({OVERRIDE}); cuDNN's {cudnn}"
     else:
         sdpa = (
             "SDPA through flash attention (unmasked) and the memory-efficient kernel (masked); cuDNN's backend is "

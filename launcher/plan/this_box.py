@@ -278,17 +278,14 @@ def _detect_with_torch(cpu: int, ram: float, why: str) -> Hardware:
         )
     notes: list[str] = []
     gpus = tuple(_gpu(d["name"], int(d["total_memory"]), (int(d["major"]), int(d["minor"])), notes) for d in found)
-    if len(gpus) == 1:
-        interconnect = links.NONE
-    else:
-        # torch does not tell NVLink from PCIe; the catalog knows how a card's multi-GPU boxes are built.
-        entry = lookup(gpus[0].name)
-        interconnect = entry.interconnect if entry else links.PCIE
+    # torch does not tell NVLink from PCIe; the catalog knows how a card's multi-GPU boxes are built.
+    entry = lookup(gpus[0].name) if len(gpus) > 1 else None
+    interconnect = links.NONE if len(gpus) == 1 else entry.interconnect if entry else links.PCIE
     notes.insert(
         0,
         f"{why}: GPUs read through torch.cuda instead (name, memory, compute capability); the "
         f"interconnect is not visible that way and is taken as {interconnect} "
-        f"({'from the catalog' if len(gpus) > 1 and lookup(gpus[0].name) else 'assumed'}); "
+        f"({'from the catalog' if entry else 'assumed'}); "
         "install ftrun[gpu] (nvidia-ml-py) for NVML's view",
     )
     return Hardware(gpus, interconnect, cpu, ram, "detected", tuple(notes), _driver_version_from_os())
