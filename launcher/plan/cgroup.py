@@ -1,10 +1,7 @@
 """The container's own limits: the memory and CPU a cgroup gives this process (inside a container psutil and
-os.cpu_count() show the host's), and its OOM-kill count (the supervisor's sign that the kernel killed for memory).
-
-Read from the kernel's files (Documentation/admin-guide/cgroup-v2.rst, cgroup-v1/memory.rst): v2 `memory.max`,
-`cpu.max`, `memory.events`; v1 `memory.limit_in_bytes`, `cpu.cfs_quota_us` / `cpu.cfs_period_us`,
-`memory.oom_control`. Every level from the process's cgroup (/proc/self/cgroup) up to the mount's root
-(/proc/self/mountinfo) is read, and the smallest limit wins.
+os.cpu_count() show the host's), and its OOM-kill count. Read from the kernel's files (Documentation/admin-guide/
+cgroup-v2.rst, cgroup-v1/memory.rst) at every level from the process's cgroup (/proc/self/cgroup) up to the mount's
+root (/proc/self/mountinfo); the smallest limit wins.
 """
 
 from __future__ import annotations
