@@ -27,21 +27,12 @@ def _box_rows(job: Job, forced: str, unsloth_ok: bool, workday_hours: float) -> 
             hw = catalog_box(name, count)
             # each box with its own attention kernel: a rented box runs ftrun's image (launcher/plan/attention.py)
             kernel = attention.box_kernels(hw)["implementation"]
-            c = choose(
-                replace(job, dense_mask=attention.dense_mask(kernel, "trl", job.padding_free)),
-                hw,
-                forced="auto" if forced == "auto" else forced,
-                unsloth_ok=unsloth_ok,
-                workday_hours=workday_hours,
-                in_hand=False,
-            )
-            if not c.fits:
+            variant = replace(job, dense_mask=attention.dense_mask(kernel, "trl", job.padding_free))
+            c = choose(variant, hw, forced=forced, unsloth_ok=unsloth_ok, workday_hours=workday_hours, in_hand=False)
+            # not offered: a CPU offload the catalog's box RAM does not hold (so every box named plans as described),
+            # and a box whose extra cards stay idle
+            if not c.fits or (c.offload_optimizer and c.estimate.host_ram_gb > hw.ram_gb * USABLE_RAM_FRACTION):
                 continue
-            # CPU offload whose RAM the catalog's box (2 x its GPU memory assumed) does not hold: not offered, so
-            # that every box named as an alternative or a fix plans as it is described
-            if c.offload_optimizer and c.estimate.host_ram_gb > hw.ram_gb * USABLE_RAM_FRACTION:
-                continue
-            # A box whose extra cards stay idle is never a sensible alternative.
             if count > 1 and c.processes == 1:
                 continue
             price = entry.price_per_hour_eur * count if entry.price_per_hour_eur is not None else None
@@ -109,12 +100,8 @@ def _fixes_here(
         tries.append(("method=qlora (train adapters on a 4-bit base instead)", replace(job, method="qlora")))
     if job.micro_batch > 1:
         acc = job.accumulation * job.micro_batch
-        tries.append(
-            (
-                f"micro_batch_size=1 gradient_accumulation_steps={acc} (same effective batch)",
-                replace(job, micro_batch=1, accumulation=acc),
-            )
-        )
+        label = f"micro_batch_size=1 gradient_accumulation_steps={acc} (same effective batch)"
+        tries.append((label, replace(job, micro_batch=1, accumulation=acc)))
     if not job.gradient_checkpointing:
         tries.append(("gradient_checkpointing=true", replace(job, gradient_checkpointing=True)))
     out = []
@@ -144,10 +131,9 @@ def _setting_fixes(
     processes: int | None,
     nnodes: int,
 ) -> list[str]:
-    """The recipe's settings that pin the plan's choice (engine, offload, num_processes), changed one at a time, then
-    two, then all: the fewest changes that make the job fit this box are what refused it, and the fix. num_processes
-    is tried at auto and at this box's count (its cards, or its cores on a CPU box). Empty when no such change fits:
-    the job itself is too big for the box."""
+    """The recipe's settings that pin the plan's choice (engine, offload, num_processes; the latter also at this box's
+    cards or cores), changed one at a time, then two, then all: the fewest changes that fit are the fix. Empty when
+    none fits: the job itself is too big for the box."""
     box_count = hw.cpu_count if hw.is_cpu_only else hw.count
     counts = (
         [processes]
@@ -169,15 +155,8 @@ def _setting_fixes(
             if not (c.fits and c.estimate is not None):
                 continue
             # as typed after the recipe on the command line, like the other fixes (method=qlora)
-            change = " and ".join(
-                f"{k}={v if v is not None else 'auto'}"
-                for k, v, old in (
-                    ("engine", engine, forced),
-                    ("offload", setting, offload),
-                    ("num_processes", count, processes),
-                )
-                if v != old
-            )
+            pairs = (("engine", engine, forced), ("offload", setting, offload), ("num_processes", count, processes))
+            change = " and ".join(f"{k}={v if v is not None else 'auto'}" for k, v, old in pairs if v != old)
             if count is not None and count == box_count and count != processes:
                 change += f" (this box's {box_count} {'cores' if hw.is_cpu_only else 'cards'})"
             outcome = (c.engine, c.processes, c.offload_optimizer, c.offload_params)
@@ -205,10 +184,8 @@ def _refusal_options(
     processes: int | None = None,
     nnodes: int = 1,
 ) -> list[str]:
-    """What to do instead, each checked: a box that holds the job (from rows, which hold only such boxes),
-    and recipe changes that make it fit this box. When a setting of the recipe (engine, offload, num_processes) is
-    what refuses and the plan's own choice fits this box, changing that setting is the fix, and nothing else is
-    offered: a bigger box or a smaller job does not address the cause."""
+    """What to do instead, each checked: a box from rows (they all hold the job) and recipe changes that make it fit
+    this box; when a recipe setting is what refuses, changing it is the only fix offered."""
     settings = _setting_fixes(job, hw, forced, unsloth_ok, workday_hours, offload, processes, nnodes)
     if settings:
         return settings

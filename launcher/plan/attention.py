@@ -1,30 +1,8 @@
 """The attention kernels a run uses: the implementation transformers loads the model with and, under SDPA, which of
 torch's SDPA backends may serve a call. The plan states both in a Why line; the worker applies them
-(launcher/worker/loading.py select_device) and records what torch then reports in worker.json and task_eval.json.
-
-cuDNN's SDPA backend is off by default (torch 2.11 and 2.13, the versions of the lent GPU box and the image):
-- on compute capability 9.x and 10.x with cuDNN newer than 9.15 torch tries cuDNN attention first
-  (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, check_prefer_cudnn_attention; the wheels bundle cuDNN
-  9.19 and 9.20). cuDNN takes a mask, so it serves padded batches, padding-free batches (transformers hands SDPA a
-  4-D block-diagonal mask) and every decode step of generation;
-- it keeps one execution graph per shape: batch, heads, both lengths, strides and the mask's shape make the key
-  (aten/src/ATen/native/cudnn/MHA.cpp, MHAParams), and a miss builds a new graph, hundreds of milliseconds by public
-  reports. Real data brings a new length nearly every step and generation a new key length every token: the first
-  H200 run (2026-12-04) paid up to ~1 s per new length and generated 74 tokens/s;
-- without it torch takes flash attention where there is no mask and the memory-efficient kernel where there is one
-  (sdp_utils.cpp's default order); neither builds anything per shape.
-`TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1` is no way out here: it covers calls without a mask only. The GPU check's
-attention step times each backend's first and repeated call per length (docs/BENCHMARKS.md); `FTRUN_SDPA_BACKENDS`
-(a comma list of SDPA_BACKENDS) names the backends to leave on instead, to compare or to take cuDNN back.
-
-Padding-free batches (one row of several examples; TRL's collator with padding_free=True, and BFD packing) need a
-variable-length kernel, or transformers hands SDPA a dense (1, 1, L, L) block mask for the whole row: with L the
-micro-batch's tokens, attention then costs L^2 per layer instead of the sum of each example's own, and the mask is
-saved per layer for the backward. The kernels, best first (implementation): flash-attn's FlashAttention-2
-(flash_attention_2) where the package is installed; else torch's own FlashAttention-2 varlen kernel
-(torch.nn.attention.varlen.varlen_attn, torch 2.11+), which launcher/worker/varlen.py registers as VARLEN; else SDPA
-with the dense mask, whose L^2 FLOPs and memory the plan counts (launcher/plan/sizing.py dense_mask_bytes,
-launcher/plan/throughput.py flops_per_token) and whose micro-batch the plan does not raise (launcher/plan/speed.py).
+(launcher/worker/loading.py select_device) and records what torch reports. Why cuDNN's SDPA backend is off
+(FTRUN_SDPA_BACKENDS takes it back) and which kernel serves padded, padding-free and decode batches: docs/engines.md,
+"Attention on a GPU: SDPA's backends" and "Attention kernels".
 """
 
 from __future__ import annotations
@@ -43,11 +21,9 @@ DEFAULT_BACKENDS = ("flash", "efficient", "math")
 OVERRIDE = "FTRUN_SDPA_BACKENDS"
 
 FLASH = "flash_attention_2"
-# torch's FlashAttention-2 varlen kernel for padding-free rows, SDPA for the rest (launcher/worker/varlen.py registers
-# it with transformers under this name)
+# torch's FlashAttention-2 varlen kernel for padding-free rows, SDPA for the rest (launcher/worker/varlen.py)
 VARLEN = "ftrun_varlen"
-# The first torch whose varlen_attn takes a softmax scale and the causal window with a backward pass (2.10's has
-# is_causal and no scale): launcher/worker/varlen.py's docstring has the history.
+# The first torch whose varlen_attn takes a softmax scale and the causal window with a backward pass (varlen.py)
 VARLEN_MIN_TORCH = (2, 11)
 KERNEL_NAMES = {
     FLASH: "flash-attn's FlashAttention-2",
@@ -57,8 +33,7 @@ KERNEL_NAMES = {
 
 
 def torch_version() -> Optional[str]:
-    """The installed torch's version from its metadata (importing torch would make `ftrun plan` heavy); None where
-    torch is not installed (the light install)."""
+    """The installed torch's version from its metadata (importing torch would make `ftrun plan` heavy), or None."""
     try:
         return importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
@@ -66,8 +41,7 @@ def torch_version() -> Optional[str]:
 
 
 def torch_has_varlen(version: Optional[str]) -> bool:
-    """Whether a torch of this version has the varlen kernel the worker uses. None (no torch where the plan runs):
-    the run's box is assumed to have ftrun's image's torch, which has it."""
+    """Whether a torch of this version has the varlen kernel the worker uses; None (no torch here): ftrun's image's."""
     if version is None:
         return True
     found = re.match(r"(\d+)\.(\d+)", version)
@@ -79,10 +53,8 @@ def flash_attn_installed() -> bool:
 
 
 def implementation(device: str, bf16: bool, flash_attn_installed: bool, torch_varlen: bool = False) -> str:
-    """The attn_implementation the worker loads with, on a bf16 card (FlashAttention-2 needs compute capability 8.0,
-    the bf16 cards by the plan's rule): flash_attention_2 where flash-attn 2 is installed, else VARLEN where torch has
-    its varlen kernel; else (a CPU, an fp16 card, an older torch) transformers' SDPA, whose padding-free rows carry a
-    dense block mask."""
+    """The attn_implementation the worker loads with: on a bf16 card (compute capability 8.0+) FLASH where flash-attn 2
+    is installed, else VARLEN where torch has it; else SDPA."""
     if device == "cuda" and bf16:
         if flash_attn_installed:
             return FLASH
@@ -92,10 +64,9 @@ def implementation(device: str, bf16: bool, flash_attn_installed: bool, torch_va
 
 
 def box_kernels(hardware: Any) -> dict[str, Any]:
-    """What decides the attention kernel on a box (launcher/plan/hardware.py Hardware): flash-attn installed, torch's
-    release (as the Why line names it) and whether it has the varlen kernel, and the implementation a training step
-    loads with. This machine's installation where the box is this machine (or a CPU); ftrun's image for a rented box
-    named with --gpus or box: (engine_software.IMAGE_SOFTWARE: no flash-attn, a torch with varlen_attn)."""
+    """What decides the attention kernel on a box: flash-attn installed, torch's release (as the Why line names it)
+    and whether it has varlen, and the implementation a step loads with. This machine's installation where the box is
+    this machine (or a CPU), else ftrun's image (engine_software.IMAGE_SOFTWARE: no flash-attn, torch with varlen)."""
     from launcher.plan.throughput import training_precision
 
     here = hardware.is_cpu_only or hardware.is_this_machine
@@ -113,14 +84,12 @@ def box_kernels(hardware: Any) -> dict[str, Any]:
 
 
 def dense_mask(attn: str, engine: str, padding_free_rows: bool) -> bool:
-    """Whether the training step's attention carries a dense L x L mask over a row of several examples: SDPA with
-    padding-free rows (Unsloth brings its own attention)."""
+    """Whether the step's attention carries a dense L x L mask: SDPA with padding-free rows (not Unsloth's own)."""
     return attn == "sdpa" and engine != "unsloth" and padding_free_rows
 
 
 def sdpa_backends(environ: Optional[Mapping[str, str]] = None) -> tuple[tuple[str, ...], str]:
-    """The SDPA backends left on and where that comes from ("default" or the override's name); a UsageError for an
-    override that names no backend or one torch does not have."""
+    """The SDPA backends left on and where that comes from ("default" or OVERRIDE); UsageError for a bad override."""
     env = os.environ if environ is None else environ
     given = env.get(OVERRIDE, "").strip()
     if not given:
@@ -160,11 +129,8 @@ def reason(
             "padding-free rows on their boundaries, generation on it too; no mask, nothing built per sequence length"
         )
     if source != "default":
-        sdpa = f"SDPA with the backends {', '.join(backends)} ({OVERRIDE}); " + (
-            "cuDNN's builds a new execution graph for each new sequence length"
-            if "cudnn" in backends
-            else "cuDNN's is off"
-        )
+        cudnn = "builds a new execution graph for each new sequence length" if "cudnn" in backends else "is off"
+        sdpa = f"SDPA with the backends {', '.join(backends)} ({OVERRIDE}); cuDNN's {cudnn}"
     else:
         sdpa = (
             "SDPA through flash attention (unmasked) and the memory-efficient kernel (masked); cuDNN's backend is "

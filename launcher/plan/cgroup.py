@@ -1,19 +1,7 @@
-"""The container's own limits: the memory and CPU a cgroup gives this process, and its OOM-kill count.
-
-Inside a container psutil and /proc/meminfo show the host's RAM and os.cpu_count() the host's cores; the kernel
-enforces the cgroup's limits instead: a process group above `memory.max` is OOM-killed whatever the host has
-free. The plan sizes host RAM and CPU threads with the smaller of the two; the supervisor reads the OOM-kill
-count to tell a worker the kernel killed for memory from one killed by a person or a preemption.
-
-Read from the kernel's files (Documentation/admin-guide/cgroup-v2.rst, cgroup-v1/memory.rst):
-- cgroup v2 (the unified hierarchy, Docker's default since 20.10 on current distributions): `memory.max`
-  ("max" or bytes), `cpu.max` ("$MAX $PERIOD", "max" = no quota), `memory.events` ("oom_kill N");
-- cgroup v1: `memory.limit_in_bytes` (a huge value, about 2**63, means none), `cpu.cfs_quota_us` /
-  `cpu.cfs_period_us` (-1 = none), `memory.oom_control` ("oom_kill N", kernels 4.13+).
-The process's cgroup path comes from /proc/self/cgroup and the mount points from /proc/self/mountinfo. A limit
-set on an ancestor binds too, so every level from the process's own cgroup up to the mount's root is read
-and the smallest limit wins. With a cgroup namespace (Docker's default on v2) the process's path is "/" and
-the container's own limits are at the mount's root.
+"""The container's own limits: the memory and CPU a cgroup gives this process (inside a container psutil and
+os.cpu_count() show the host's), and its OOM-kill count. Read from the kernel's files (Documentation/admin-guide/
+cgroup-v2.rst, cgroup-v1/memory.rst) at every level from the process's cgroup (/proc/self/cgroup) up to the mount's
+root (/proc/self/mountinfo); the smallest limit wins.
 """
 
 from __future__ import annotations
@@ -22,8 +10,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-# cgroup v1 writes PAGE_COUNTER_MAX (2**63 - 1 rounded down to a page) for "no limit"; anything above 2**60
-# bytes is no limit on any real box.
+# cgroup v1 writes PAGE_COUNTER_MAX (about 2**63) for "no limit"
 _UNLIMITED = 1 << 60
 
 
@@ -108,10 +95,7 @@ def _hierarchy(root: Path, controller: str) -> tuple[int, list[Path]] | None:
 
 def memory_limit_bytes(root: Path = Path("/")) -> int | None:
     """The smallest memory limit on this process's cgroup or its ancestors; None where none is set or readable."""
-    found = _hierarchy(root, "memory")
-    if found is None:
-        return None
-    version, dirs = found
+    version, dirs = _hierarchy(root, "memory") or (0, [])
     limits = []
     for d in dirs:
         text = _read(d / ("memory.max" if version == 2 else "memory.limit_in_bytes"))
@@ -127,10 +111,7 @@ def memory_limit_bytes(root: Path = Path("/")) -> int | None:
 
 def cpu_limit(root: Path = Path("/")) -> int | None:
     """The CPU quota as whole cores (rounded up), the smallest over the hierarchy; None where no quota is set."""
-    found = _hierarchy(root, "cpu")
-    if found is None:
-        return None
-    version, dirs = found
+    version, dirs = _hierarchy(root, "cpu") or (0, [])
     cores = []
     for d in dirs:
         if version == 2:
@@ -148,12 +129,10 @@ def cpu_limit(root: Path = Path("/")) -> int | None:
 
 
 def oom_kills(root: Path = Path("/")) -> int | None:
-    """How many processes the kernel has OOM-killed in this process's cgroup (its own level: where the run's
-    processes live); None where the kernel does not say (no memory controller, a kernel before 4.13)."""
-    found = _hierarchy(root, "memory")
-    if found is None:
+    """How many processes the kernel has OOM-killed in this process's own cgroup; None where the kernel does not say."""
+    version, dirs = _hierarchy(root, "memory") or (0, [])
+    if not dirs:
         return None
-    version, dirs = found
     text = _read(dirs[0] / ("memory.events" if version == 2 else "memory.oom_control"))
     for line in (text or "").splitlines():
         key, _, value = line.partition(" ")
@@ -166,13 +145,12 @@ def oom_kills(root: Path = Path("/")) -> int | None:
 
 
 def memory_headroom_bytes(root: Path = Path("/")) -> int | None:
-    """What the cgroup lets its processes still allocate: the limit less what they use now (page cache included,
-    which the kernel reclaims before it OOM-kills, so this is a floor); None where no limit is set."""
+    """What the cgroup lets its processes still allocate: the limit less what they use now (page cache included: a
+    floor); None where no limit is set."""
     limit = memory_limit_bytes(root)
-    found = _hierarchy(root, "memory")
-    if limit is None or found is None:
+    version, dirs = _hierarchy(root, "memory") or (0, [])
+    if limit is None or not dirs:
         return None
-    version, dirs = found
     used = _read(dirs[0] / ("memory.current" if version == 2 else "memory.usage_in_bytes"))
     try:
         return max(0, limit - int(used or "0"))

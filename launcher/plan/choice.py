@@ -43,15 +43,9 @@ def _fits(est: sizing.MemoryEstimate, capacity: float) -> bool:
 
 def _tps(job: Job, w: Workload, hw: Hardware) -> float:
     g = hw.gpu
-    return throughput.tokens_per_second(
-        job.arch,
-        w,
-        g.tflops_bf16 if g else None,
-        hw.interconnect,
-        hw.cpu_count,
-        mean_seq_len=int(job.mean_tokens / job.sequences),  # a pair: per sequence
-        compute_capability=g.compute_capability if g else None,
-    )
+    tflops, cc = (g.tflops_bf16, g.compute_capability) if g else (None, None)
+    mean = int(job.mean_tokens / job.sequences)  # a pair: per sequence
+    return throughput.tokens_per_second(job.arch, w, tflops, hw.interconnect, hw.cpu_count, mean, cc)
 
 
 def _hours(job: Job, w: Workload, hw: Hardware, processes: int) -> tuple[float, float | None]:
@@ -72,12 +66,8 @@ CPU_ADAM_NOTE = (
 
 def offload_words(optimizer: bool, params: bool) -> str:
     """How the plan names DeepSpeed's CPU offload in its reasons and refusals."""
-    return (
-        (
-            "CPU offload of the optimizer and the parameters (offload_optimizer + offload_param)"
-            if params
-            else "CPU offload of the optimizer (offload_optimizer)"
-        )
-        if optimizer
-        else "no CPU offload"
-    )
+    if not optimizer:
+        return "no CPU offload"
+    if params:
+        return "CPU offload of the optimizer and the parameters (offload_optimizer + offload_param)"
+    return "CPU offload of the optimizer (offload_optimizer)"

@@ -1,10 +1,6 @@
-"""How long each phase of a rank may stay silent: the watchdog's deadlines and the process group's backstop.
-
-Pure arithmetic from the plan and the smoke test's measurements (smoke.json). The supervisor's watchdog ends a run
-whose rank is silent past its phase's deadline (launcher/run/watchdog.py); the worker sets the process group's own
-timeout (SFTConfig ddp_timeout, launcher/worker/trainer_config.py) above every deadline, as a backstop that acts
-only when the watchdog cannot (the supervisor is gone). Owns the ranks' heartbeat interval (HEARTBEAT_SECONDS),
-which the worker writes at (launcher/worker/heartbeat.py) and every deadline adds.
+"""How long each phase of a rank may stay silent: the watchdog's deadlines (launcher/run/watchdog.py) and the process
+group's backstop timeout above them (launcher/worker/trainer_config.py), from the plan and smoke.json. Owns the
+ranks' heartbeat interval (HEARTBEAT_SECONDS, launcher/worker/heartbeat.py).
 """
 
 from __future__ import annotations
@@ -13,17 +9,13 @@ import math
 import os
 from typing import Any, Mapping, Optional
 
-# A rank is silent too long after WATCHDOG_FACTOR x its phase's expected time, and never before the floor: a step
-# measured at 0.4 s by the smoke test may take far longer on a loaded box, a save on slow storage, a first step that
-# compiles kernels. The floor is lowered by FLOOR_ENV (seconds; the tests of a hung rank set it), documented in
-# docs/engines.md, "One rank down".
+# A rank is silent too long after WATCHDOG_FACTOR x its phase's expected time and the floor (docs/engines.md).
 WATCHDOG_FACTOR = 10.0
 WATCHDOG_FLOOR_S = 300.0
 FLOOR_ENV = "FTRUN_WATCHDOG_FLOOR_S"
 # The process group's timeout: this many times the longest deadline of a phase in which ranks wait for each other.
 BACKSTOP_FACTOR = 2.0
-# The longest a live rank leaves its heartbeat file unchanged within one phase (launcher/worker/heartbeat.py writes
-# at this interval), so a live rank's file may be this old: every deadline adds it.
+# The worker's heartbeat write interval: a live rank's file may be this old, so every deadline adds it.
 HEARTBEAT_SECONDS = 2.0
 COLLECTIVE_PHASES = ("step", "hash", "save", "eval", "export")
 UNKNOWN_START_FACTOR = 3.0
@@ -40,12 +32,8 @@ def floor_seconds(env: Optional[Mapping[str, str]] = None) -> float:
 
 
 def expected_seconds(plan: Mapping[str, Any], smoke: Mapping[str, Any]) -> dict[str, Optional[float]]:
-    """Each phase's expected duration in seconds, None where nothing measured or planned says.
-
-    step: the smoke test's seconds_per_step, else the plan's training hours over its steps; save and hash: the smoke
-    test's timed checkpoint (its save and hashing); eval: the smoke's forecast of the run's eval passes (an upper
-    bound for one); export (the final save and the sample answers): one save plus the samples; start: the smoke's
-    start-up (imports, load; else the plan's set-up hours) plus one checkpoint's verification."""
+    """Each phase's expected seconds from the smoke test's measurements, else the plan's; None where neither says.
+    start adds one checkpoint's verification, export (the final save and the samples) one save."""
 
     def num(value: Any) -> Optional[float]:
         try:
@@ -75,22 +63,20 @@ def expected_seconds(plan: Mapping[str, Any], smoke: Mapping[str, Any]) -> dict[
 
 
 def deadline(expected: Optional[float], floor: float) -> float:
-    """Seconds a rank's heartbeat may be old before the watchdog acts: max(factor x expected, floor), plus the
-    heartbeat's own write interval."""
+    """Seconds a rank's heartbeat may be old before the watchdog acts."""
     return max(WATCHDOG_FACTOR * (expected or 0.0), floor) + HEARTBEAT_SECONDS
 
 
 def phase_deadline(phase: str, expected: Mapping[str, Optional[float]], floor: float) -> float:
-    """deadline() for one phase; a start-up that nothing measured or planned (no smoke test, no set-up estimate) gets
-    UNKNOWN_START_FACTOR floors: loading a large model from a slow disk takes minutes, and a false alarm there would
-    restart the same slow load until the budget is spent."""
+    """deadline() for one phase; a start-up nothing measured or planned gets UNKNOWN_START_FACTOR floors (a false
+    alarm there would restart the same slow load until the budget is spent)."""
     value = expected.get(phase)
     return deadline(value, floor * (UNKNOWN_START_FACTOR if phase == "start" and value is None else 1.0))
 
 
 def process_group_timeout(plan: Mapping[str, Any], smoke: Mapping[str, Any], floor: Optional[float] = None) -> int:
-    """The process group's timeout in whole seconds: BACKSTOP_FACTOR x the longest deadline of a phase in which
-    the ranks wait for each other, so the watchdog, which says which rank and why, always acts first."""
+    """The process group's timeout in whole seconds, above every collective phase's deadline so the watchdog (which
+    says which rank and why) acts first."""
     floor = floor_seconds() if floor is None else floor
     expected = expected_seconds(plan, smoke)
     return math.ceil(BACKSTOP_FACTOR * max(deadline(expected[p], floor) for p in COLLECTIVE_PHASES))

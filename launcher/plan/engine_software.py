@@ -29,11 +29,9 @@ def software(hardware: Hardware, unsloth_available: bool | None) -> tuple[bool, 
     if unsloth_available is not None:
         return unsloth_available, f"software: Unsloth {'available' if unsloth_available else 'not available'} (given)"
     if not hardware.is_cpu_only and not hardware.is_this_machine:
-        return True, (
-            f"software: planned with {IMAGE_SOFTWARE}, what a rented box runs; not this machine's installation"
-        )
+        return True, f"software: planned with {IMAGE_SOFTWARE}, what a rented box runs; not this machine's installation"
     here = _unsloth_installed()
-    return here, ("software: as installed on this machine (Unsloth " + ("installed" if here else "not installed") + ")")
+    return here, f"software: as installed on this machine (Unsloth {'installed' if here else 'not installed'})"
 
 
 # Unsloth pins older transformers/trl/datasets than ftrun's default stack: its own environment (docs/engines.md).
@@ -48,8 +46,7 @@ UNSLOTH_MISSING = (
 )
 
 
-# Unsloth patches TRL's DPO and ORPO trainers (PatchDPOTrainer), but ftrun's Unsloth engine loads, checkpoints and
-# resumes through its SFT path only (launcher/worker/engines/unsloth.py): a preference objective runs on TRL.
+# ftrun's Unsloth engine loads, checkpoints and resumes through its SFT path only (launcher/worker/engines/unsloth.py)
 UNSLOTH_NOT_FOR = (
     "engine unsloth: ftrun runs Unsloth for objective "
     + " and ".join(name for name, o in OBJECTIVES.items() if o.unsloth)

@@ -1,8 +1,7 @@
 """Whether a GGUF of a model can be made, checked before any training: llama.cpp's version and converter on this box,
-the model's architecture in the converter's table, and its tokenizer's split rule.
-
-Owns where the pinned llama.cpp lives (PINNED, CONVERTER_HOME) and the converter's architecture table as ftrun ships
-it (ARCHITECTURES_FILE). Only the standard library at module level: `ftrun plan` imports this module.
+the model's architecture in the converter's table, and its tokenizer's split rule. Owns where the pinned llama.cpp
+lives (PINNED, CONVERTER_HOME) and the converter's table as ftrun ships it (ARCHITECTURES_FILE). Standard library only
+at module level: `ftrun plan` imports this module.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from launcher.gguf_types import DEFAULT_TYPE, TYPES, listed
+from launcher.model_files import local_file
 
 # The one llama.cpp version: llama-cpp-python 0.3.36 vendors llama.cpp (converter, gguf-py 0.19.0, quantizer).
 PINNED = "0.3.36"
@@ -60,30 +60,20 @@ def _gguf_py_version(folder: Path) -> Optional[str]:
     return m.group(1) if m else None
 
 
-def runtime_version() -> Optional[str]:
-    """The installed llama-cpp-python (read from its metadata: importing it loads the shared library)."""
+def runtime_version(dist: str = DIST) -> Optional[str]:
+    """The installed llama-cpp-python (or `dist`), from its metadata: importing it loads the shared library."""
     from importlib import metadata
 
     try:
-        return metadata.version(DIST)
+        return metadata.version(dist)
     except metadata.PackageNotFoundError:
         return None
 
 
-def installed_gguf_version() -> Optional[str]:
-    from importlib import metadata
-
-    try:
-        return metadata.version("gguf")
-    except metadata.PackageNotFoundError:
-        return None
-
-
-# What the converter supports, read from its source (no torch: `ftrun plan` runs this)
 def supported_architectures(folder: Path, table: str = "TEXT_MODEL_MAP") -> dict[str, str]:
     """HF architecture class -> converter module, from conversion/__init__.py's TEXT_MODEL_MAP (the table its
     get_model_class looks names up in; MMPROJ_MODEL_MAP for `--mmproj`, the projector of a vision-language model),
-    or from the @ModelBase.register(...) calls of an older single-file one."""
+    or from the @ModelBase.register(...) calls of an older single-file one. Reads the source: no torch."""
     init = folder / "conversion" / "__init__.py"
     if init.is_file():
         for node in ast.walk(ast.parse(init.read_text())):
@@ -97,15 +87,11 @@ def supported_architectures(folder: Path, table: str = "TEXT_MODEL_MAP") -> dict
     return {n: "convert_hf_to_gguf" for group in names for n in re.findall(r'"([^"]+)"', group)}
 
 
-def _vocab_source(folder: Path) -> str:
-    base = folder / "conversion" / "base.py"
-    return (base if base.is_file() else folder / "convert_hf_to_gguf.py").read_text()
-
-
 def known_pre_tokenizers(folder: Path) -> tuple[str, dict[str, str]]:
     """(the check text, {hash: pre name}) of get_vocab_base_pre: llama.cpp names a BPE tokenizer's split rule
     by the sha256 of the token ids of that text, for the tokenizers its maintainers added."""
-    src = _vocab_source(folder)
+    base = folder / "conversion" / "base.py"
+    src = (base if base.is_file() else folder / "convert_hf_to_gguf.py").read_text()
     chktxt = ""
     for node in ast.walk(ast.parse(src)):
         if isinstance(node, ast.FunctionDef) and node.name == "get_vocab_base_pre":
@@ -117,10 +103,7 @@ def known_pre_tokenizers(folder: Path) -> tuple[str, dict[str, str]]:
     return chktxt, known
 
 
-# The split rules (pre-tokenizer regexes) llama.cpp implements under these names (llama-vocab.cpp). A byte-level
-# BPE tokenizer whose hash llama.cpp does not list (a tokenizer trained for the model, or a list older than the
-# model) is named by its split rule instead; the export then checks that llama.cpp tokenizes the prompts exactly
-# like the model's own tokenizer.
+# The split rules llama.cpp implements under these names (llama-vocab.cpp), for a tokenizer whose hash it does not list
 _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -174,39 +157,29 @@ def readiness(model: str, gguf_type: str, this_box: bool = True) -> Readiness:
         return r
     have = runtime_version()
     conv = converter()
-    r.facts.update(
-        runtime=have,
-        converter=str(conv.folder) if conv else None,
-        converter_version=conv.version if conv else None,
-        gguf_py=conv.gguf_py if conv else None,
-        gguf_package=installed_gguf_version(),
-    )
+    folder, version, gguf_py = (str(conv.folder), conv.version, conv.gguf_py) if conv else (None, None, None)
+    r.facts.update(runtime=have, converter=folder, converter_version=version, gguf_py=gguf_py)
+    r.facts["gguf_package"] = runtime_version("gguf")
     where = "this box" if this_box else "the box that exports (ftrun's Docker image has it)"
+    lacking = r.missing if this_box else r.notes
     if have is None:
-        (r.missing if this_box else r.notes).append(
-            f"{DIST} (llama.cpp's runtime and quantizer) is not installed on {where}: {INSTALL_HINT}"
-        )
+        lacking.append(f"{DIST} (llama.cpp's runtime and quantizer) is not installed on {where}: {INSTALL_HINT}")
     elif have != PINNED:
         r.notes.append(f"{DIST} {have} is installed; ftrun is tested with {PINNED}")
     if conv is None:
-        (r.missing if this_box else r.notes).append(
+        lacking.append(
             f"llama.cpp's converter is not installed on {where}: `ftrun llamacpp install` copies "
             f"convert_hf_to_gguf.py from the {DIST} {PINNED} source distribution"
         )
-        # the architecture is still checked, against the converter's table as ftrun ships it (the tokenizer
-        # check needs the converter's own code, on the box that exports)
-        _check_architecture(
-            model,
-            shipped_architectures(),
-            f"{DIST} {PINNED}'s converter (its table as ftrun ships it, {ARCHITECTURES_FILE.name})",
-            r,
-        )
+        # the architecture is still checked against the shipped table (the tokenizer needs the converter's code)
+        shipped = f"{DIST} {PINNED}'s converter (its table as ftrun ships it, {ARCHITECTURES_FILE.name})"
+        _check_architecture(model, shipped_architectures(), shipped, r)
         return r
     import importlib.util
 
     if importlib.util.find_spec("sentencepiece") is None:
         # conversion/base.py imports it before it looks for a tokenizer.model, so every model needs it
-        (r.missing if this_box else r.notes).append(
+        lacking.append(
             "llama.cpp's converter needs the sentencepiece package (pip install sentencepiece, part of ftrun's "
             "gguf extra)"
         )
@@ -220,9 +193,7 @@ def readiness(model: str, gguf_type: str, this_box: bool = True) -> Readiness:
     return r
 
 
-# The converter's table (conversion/__init__.py TEXT_MODEL_MAP) of the pinned version, shipped with ftrun so that
-# `ftrun plan` on a machine without llama.cpp (planning a box to rent) still refuses an architecture it cannot
-# convert. Written by `ftrun llamacpp architectures`; tests/deliver/test_gguf.py checks it against the install.
+# The pinned converter's tables, for `ftrun plan` without llama.cpp; written by `ftrun llamacpp architectures`.
 ARCHITECTURES_FILE = Path(__file__).with_name("llamacpp_architectures.json")
 
 
@@ -235,17 +206,14 @@ def shipped_projectors() -> dict[str, str]:
     return json.loads(ARCHITECTURES_FILE.read_text())["mmproj_architectures"]
 
 
-# The attention window llama.cpp's mtmd gives a Qwen2.5-VL vision tower when the projector GGUF names none
-# (vendor/llama.cpp/tools/mtmd/clip.cpp: `hparams.attn_window_size > 0 ? hparams.attn_window_size : 112`): the
-# published models' vision_config.window_size.
+# The attention window llama.cpp's mtmd gives a Qwen2.5-VL tower when its GGUF names none (tools/mtmd/clip.cpp)
 LLAMACPP_QWEN25VL_WINDOW = 112
 
 
 def projector_problem(model: str) -> Optional[str]:
-    """Why llama.cpp's converter cannot write this vision-language model's projector GGUF (`--mmproj`), or None
-    (a text model, a model whose config is not on this box, or a projector it converts). The installed converter's
-    table where there is one, else the table ftrun ships (the pinned version's)."""
-    config = _model_file(model, "config.json")
+    """Why llama.cpp's converter (installed, else the shipped table) cannot write this vision-language model's
+    projector GGUF (`--mmproj`), or None (a text model, its config not on this box, or a projector it converts)."""
+    config = local_file(model, "config.json")
     if config is None:
         return None
     cfg = json.loads(config.read_text())
@@ -260,10 +228,8 @@ def projector_problem(model: str) -> Optional[str]:
     if arch in table:
         depth = int(cfg["vision_config"].get("depth", 32))
         if cfg.get("model_type") in ("qwen2_vl", "qwen2_5_vl") and depth < 3:
-            # The converter names projector tensors through gguf-py's map for `block_count` = the tower's depth
-            # (conversion/base.py MmprojModel: get_tensor_name_map(MODEL_ARCH.MMPROJ, self.block_count)); the
-            # merger's second linear layer, visual.merger.mlp.2, is V_MMPROJ "visual.merger.mlp.{bid}"
-            # (gguf-py/gguf/tensor_mapping.py), mapped only for bid < block_count: "Can not map tensor".
+            # conversion/base.py MmprojModel maps names with get_tensor_name_map(MODEL_ARCH.MMPROJ, block_count =
+            # depth); gguf-py tensor_mapping.py maps "visual.merger.mlp.{bid}" only for bid < block_count.
             return (
                 f"{where} cannot convert the vision projector of {arch!r} with a vision tower of depth {depth}: it "
                 "maps the merger's visual.merger.mlp.2 only for a tower of 3 blocks or more (gguf-py "
@@ -286,9 +252,9 @@ def projector_problem(model: str) -> Optional[str]:
 
 
 def _check_architecture(model: str, archs: dict[str, str], source: str, r: Readiness) -> bool:
-    """Whether the model's architecture (its config.json, where that is on this box) is in the table; a problem
-    when it is not. False also when the config is not here (noted: checked where it is)."""
-    config = _model_file(model, "config.json")
+    """Whether the model's architecture is in the table (a problem when not); False also when its config.json is not
+    on this box (noted)."""
+    config = local_file(model, "config.json")
     if config is None:
         r.notes.append(f"{model}'s config.json is not on this box: its architecture is checked when it is")
         return False
@@ -334,15 +300,9 @@ def plan_check(recipe: Any, this_box: bool) -> list[str]:
     return [f"export gguf {gguf_type}: " + "; ".join(r.notes)]
 
 
-def _model_file(model: str, name: str) -> Optional[Path]:
-    from launcher.model_files import local_file
-
-    return local_file(model, name)
-
-
 def _check_tokenizer(model: str, conv: Converter, r: Readiness) -> None:
-    tj_path = _model_file(model, "tokenizer.json")
-    spm = _model_file(model, "tokenizer.model")
+    tj_path = local_file(model, "tokenizer.json")
+    spm = local_file(model, "tokenizer.model")
     if tj_path is None:
         r.notes.append(
             "tokenizer: SentencePiece (tokenizer.model)"

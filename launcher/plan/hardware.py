@@ -1,15 +1,15 @@
 """A box as the plan sees it (GPUs, interconnect, CPU, RAM), a `--gpus` spec or a catalog entry made into one, and the
 box's CPU cores and RAM as the OS and its cgroup give them; what this machine's GPUs are is launcher/plan/this_box.py's.
-
 Owns the GPU catalog, launcher/plan/gpus.yaml: adding a card is an entry in that file; everything that names, sizes or
 prices a card reads it through `catalog()` (tests/test_tables.py).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +34,8 @@ class Gpu:
     memory_bandwidth_gb_s: float | None = None  # decimal GB/s (catalog); None where the catalog does not say
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "memory_gb": self.memory_gb,
-            "compute_capability": list(self.compute_capability) if self.compute_capability else None,
-            "tflops_bf16": self.tflops_bf16,
-            "price_per_hour_eur": self.price_per_hour_eur,
-            "memory_bandwidth_gb_s": self.memory_bandwidth_gb_s,
-        }
+        cc = self.compute_capability
+        return {**asdict(self), "compute_capability": list(cc) if cc else None}
 
 
 @dataclass(frozen=True)
@@ -70,9 +64,7 @@ class Hardware:
     @property
     def gpu(self) -> Gpu | None:
         """The card (boxes are homogeneous in practice; with mixed cards, the smallest decides)."""
-        if not self.gpus:
-            return None
-        return min(self.gpus, key=lambda g: g.memory_gb)
+        return min(self.gpus, key=lambda g: g.memory_gb) if self.gpus else None
 
     @property
     def price_per_hour_eur(self) -> float | None:
@@ -113,13 +105,9 @@ class CatalogGpu:
     memory_bandwidth_gb_s: float | None = None
 
     def gpu(self) -> Gpu:
+        bandwidth = self.memory_bandwidth_gb_s
         return Gpu(
-            self.name,
-            self.memory_gb,
-            self.compute_capability,
-            self.tflops_bf16,
-            self.price_per_hour_eur,
-            self.memory_bandwidth_gb_s,
+            self.name, self.memory_gb, self.compute_capability, self.tflops_bf16, self.price_per_hour_eur, bandwidth
         )
 
 
@@ -132,17 +120,17 @@ def _parse_catalog(raw: Any, source: str) -> dict[str, CatalogGpu]:
     for name, v in raw["gpus"].items():
         try:
             cc = v.get("compute_capability")
+            optional = {
+                k: None if v.get(k) is None else float(v[k]) for k in ("price_per_hour_eur", "memory_bandwidth_gb_s")
+            }
             out[str(name)] = CatalogGpu(
                 name=str(name),
                 memory_gb=float(v["memory_gb"]),
                 tflops_bf16=float(v["tflops_bf16"]),
                 interconnect=str(v.get("interconnect", links.PCIE)),
-                price_per_hour_eur=None if v.get("price_per_hour_eur") is None else float(v["price_per_hour_eur"]),
                 compute_capability=tuple(cc) if cc else None,
                 nvml_names=tuple(v.get("nvml_names", [])),
-                memory_bandwidth_gb_s=(
-                    None if v.get("memory_bandwidth_gb_s") is None else float(v["memory_bandwidth_gb_s"])
-                ),
+                **optional,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise HardwareError(
@@ -158,24 +146,17 @@ def _parse_catalog(raw: Any, source: str) -> dict[str, CatalogGpu]:
     return out
 
 
-_catalog_cache: dict[str, CatalogGpu] | None = None
-
-
+@functools.cache
 def catalog() -> dict[str, CatalogGpu]:
     """The built-in catalog, updated entry by entry from the user's YAML (FTRUN_GPUS or ~/.config/ftrun/gpus.yaml)."""
-    global _catalog_cache
-    if _catalog_cache is None:
-        merged = _parse_catalog(yaml.safe_load(CATALOG_FILE.read_text()), str(CATALOG_FILE))
-        user = Path(os.environ.get(USER_CATALOG_ENV) or USER_CATALOG_DEFAULT).expanduser()
-        if user.is_file():
-            merged.update(_parse_catalog(yaml.safe_load(user.read_text()), str(user)))
-        _catalog_cache = merged
-    return _catalog_cache
+    merged = _parse_catalog(yaml.safe_load(CATALOG_FILE.read_text()), str(CATALOG_FILE))
+    user = Path(os.environ.get(USER_CATALOG_ENV) or USER_CATALOG_DEFAULT).expanduser()
+    if user.is_file():
+        merged.update(_parse_catalog(yaml.safe_load(user.read_text()), str(user)))
+    return merged
 
 
-def reset_catalog_cache() -> None:
-    global _catalog_cache
-    _catalog_cache = None
+reset_catalog_cache = catalog.cache_clear
 
 
 def _norm(name: str) -> str:
@@ -188,10 +169,8 @@ def _words(name: str) -> str:
 
 
 def lookup(name: str) -> CatalogGpu | None:
-    """A catalog entry by its name, loosely spelled ('h100', 'H100-80GB', 'rtx 4090'), or by NVML name.
-
-    An NVML name is matched to the most specific entry: of the catalog's names that occur in it as whole
-    words, the longest ('NVIDIA L40S' is L40S, not L4; 'NVIDIA A10G' is A10G, not A10)."""
+    """A catalog entry by its name, loosely spelled ('h100', 'rtx 4090'), or by NVML name: of the catalog's names that
+    occur in it as whole words, the longest ('NVIDIA L40S' is L40S, not L4)."""
     cat = catalog()
     want = _norm(name)
     if not want:
@@ -205,8 +184,7 @@ def lookup(name: str) -> CatalogGpu | None:
         return max(matches, key=lambda m: m[0])[1]
     prefix = [e for e in cat.values() if _norm(e.name).startswith(want)]
     if prefix:
-        # 'A100' -> A100-80GB, 'H100' -> H100-80GB: users who write the bare name mean the common rental card, the
-        # largest of the entries that differ from it only by a memory size (not H100-NVL or H100-PCIe).
+        # 'H100' -> H100-80GB: the largest of the entries that differ only by a memory size (not H100-NVL or -PCIe)
         sized = [e for e in prefix if re.fullmatch(r"\d+gb", _norm(e.name)[len(want) :])]
         return max(sized or prefix, key=lambda e: e.memory_gb)
     return None
@@ -230,22 +208,19 @@ def from_spec(spec: str) -> Hardware:
             fix=f"write COUNTxNAME such as 4xH100-80GB or RTX4090; known names: {names} "
             f"(add your own in {USER_CATALOG_ENV} or ~/.config/ftrun/gpus.yaml).",
         )
-    gpus = tuple(entry.gpu() for _ in range(count))
-    interconnect = links.NONE if count == 1 else entry.interconnect
-    # A planned box has the CPU and RAM typical for its cards; rental boxes give ~8 cores and ~2x VRAM in RAM per card.
-    return Hardware(
-        gpus, interconnect, cpu_count=8 * count, ram_gb=max(32.0, 2 * entry.memory_gb * count), source=f"--gpus {spec}"
-    )
+    return catalog_box(entry.name, count, f"--gpus {spec}")
 
 
-def catalog_box(name: str, count: int) -> Hardware:
+def catalog_box(name: str, count: int, source: str = "") -> Hardware:
+    """`count` catalog cards with the CPU and RAM typical for them: rental boxes give ~8 cores and ~2x VRAM in RAM per
+    card."""
     entry = catalog()[name]
     return Hardware(
         tuple(entry.gpu() for _ in range(count)),
         links.NONE if count == 1 else entry.interconnect,
         cpu_count=8 * count,
         ram_gb=max(32.0, 2 * entry.memory_gb * count),
-        source=f"catalog {count}x{name}",
+        source=source or f"catalog {count}x{name}",
     )
 
 
@@ -253,15 +228,13 @@ def _host_ram_gb() -> float:
     try:
         import psutil
     except ImportError:  # psutil is a dependency; without it, read the POSIX counters
-        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        return pages / GB
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / GB
     return psutil.virtual_memory().total / GB
 
 
 def _ram_gb(notes: list[str] | None = None) -> float:
-    """The RAM this process's workers may use: the host's, or the container's memory limit where that is smaller
-    (psutil reads /proc/meminfo, which shows the host inside a container; the kernel OOM-kills at the cgroup's
-    limit). The smaller limit is said in `notes`."""
+    """The RAM this process's workers may use: the host's (psutil, /proc/meminfo), or the container's memory limit
+    where that is smaller (said in `notes`)."""
     host = _host_ram_gb()
     limit = cgroup.memory_limit_bytes()
     if limit is not None and limit / GB < host:
@@ -275,8 +248,8 @@ def _ram_gb(notes: list[str] | None = None) -> float:
 
 
 def cpu_cores(notes: list[str] | None = None) -> int:
-    """The cores this process may use: its CPU affinity, or the container's CPU quota where that is smaller
-    (os.cpu_count() counts the host's; a quota of 4 cores on a 64-core host runs 64 threads at 1/16 speed)."""
+    """The cores this process may use: its CPU affinity, or the container's CPU quota where that is smaller (said in
+    `notes`)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     quota = cgroup.cpu_limit()
     if quota is not None and quota < cores:
@@ -290,17 +263,11 @@ def cpu_cores(notes: list[str] | None = None) -> int:
 
 
 def threads_per_process(cores: int, processes: int) -> int:
-    """CPU threads for each of a box's worker processes (OMP_NUM_THREADS): the cores shared out, at least one.
-    The plan's CPU-bound times (quantizing while loading) and the launch both use it, so they agree."""
+    """OMP_NUM_THREADS for each of a box's worker processes, at least one: the plan's CPU-bound times use it too."""
     return max(1, cores // max(1, processes))
 
 
-# NCCL's shared-memory transport between the processes of one box keeps its buffers in /dev/shm; Docker gives a
-# container 64 MB there unless it runs with --ipc=host or --shm-size, and NCCL then fails at the first collective
-# ("unhandled system error", "Error while creating shared memory segment"). NCCL's own troubleshooting guide
-# (docs.nvidia.com/deeplearning/nccl/user-guide/docs/troubleshooting.html, "Docker") asks for --shm-size=1g at least.
-# Worse on RTX 40-series boxes, where ftrun turns P2P off (nccl_p2p_ib_unsupported) and every transfer goes
-# through shared memory.
+# NCCL's buffers in /dev/shm (Docker: 64 MB); NCCL's troubleshooting guide, "Docker": --shm-size=1g at least.
 MIN_SHM_BYTES = 1 << 30
 SHM_PATH = "/dev/shm"
 
@@ -315,8 +282,7 @@ def shared_memory_bytes(path: str = SHM_PATH) -> int | None:
         return None
 
 
-# accelerate 1.15, utils/environment.py check_cuda_p2p_ib_support(): GeForce RTX 40-series cards ("RTX 40"
-# in nvidia-smi's name) on a driver older than this cannot do the P2P/IB transfers NCCL would try.
+# accelerate 1.15 utils/environment.py check_cuda_p2p_ib_support(): RTX 40-series cards need this driver for P2P/IB
 P2P_IB_FIXED_DRIVER = (550, 40, 7)
 
 
@@ -330,9 +296,8 @@ def _version(text: str | None) -> tuple[int, ...] | None:
 
 
 def nccl_p2p_ib_unsupported(gpu_names: list[str] | tuple[str, ...], driver_version: str | None) -> bool:
-    """True when NCCL must be told not to use P2P and InfiniBand: an RTX 40-series card with a driver older
-    than 550.40.07 (accelerate's own test), or with a driver version nobody could read. GeForce Ada cards
-    have no P2P to lose, so a wrong guess in the unknown case costs little; a missing setting stops the run."""
+    """True when NCCL must be told not to use P2P and InfiniBand: an RTX 40-series card with a driver older than
+    P2P_IB_FIXED_DRIVER or unreadable (these cards have no P2P to lose; a missing setting stops the run)."""
     if not any("rtx40" in _norm(name) for name in gpu_names):
         return False
     version = _version(driver_version)

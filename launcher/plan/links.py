@@ -8,8 +8,7 @@ from dataclasses import dataclass
 
 NVLINK, PCIE, NONE = "nvlink", "pcie", "none"
 
-# Data parallel's speed-up over one card, by card count, over PCIe: a fraction of NVLink's bandwidth; community
-# reports for 2-4 x RTX 4090 show ~1.5-1.6x for 2.
+# Data parallel's speed-up by card count over PCIe (community reports for 2-4 x RTX 4090: ~1.5-1.6x for 2)
 _PCIE_SCALING = {1: 1.0, 2: 1.6, 4: 2.8, 8: 4.8}
 
 

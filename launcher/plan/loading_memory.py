@@ -1,7 +1,6 @@
-"""What loading a model holds before its first step: the load-time peak per card, the box's RAM while loading.
-
-docs/sizing.md, "Loading", says which paths loading decides (FSDP and DeepSpeed over several cards). `w` is a
-sizing.Workload and `est` a sizing.MemoryEstimate, annotated Any: launcher/plan/sizing.py imports this module.
+"""What loading a model holds before its first step: the load-time peak per card, the box's RAM while loading
+(docs/sizing.md, "Loading"). `w` is a sizing.Workload and `est` a sizing.MemoryEstimate, annotated Any: sizing.py
+imports this module.
 """
 
 from __future__ import annotations
@@ -15,9 +14,7 @@ from launcher.plan.sizing_constants import CPU_RUNTIME_GB, CUDA_CONTEXT_GB, GB, 
 if TYPE_CHECKING:  # for the annotations only: at run time this module imports nothing else
     from launcher.plan.models import Architecture as Arch
 
-# Bytes per parameter of the weight being quantized that the CPU quantizer holds besides the 4-bit result: measured
-# 19 on the CPU (the quantizing process's sampled peak minus the model it keeps, on the model of
-# tests/worker/test_fsdp_qlora.py's RSS test, largest weight 1.6M parameters; docs/sizing.md, "Loading").
+# Bytes per parameter the CPU quantizer holds besides the 4-bit result (docs/sizing.md, "4-bit weights (QLoRA)")
 QUANTIZE_TEMPORARY_BYTES = 20
 
 
@@ -56,12 +53,9 @@ def _loading(arch: Arch, w: Any, est: Any, static_sharded_gb: float, layer_b: fl
     model_gb = nf4_model_bytes(arch) / GB
     lora_gb = est.trainable_params * 4 / GB  # fp32 LoRA weights, added before the engine shards
     if w.engine == "fsdp":
-        # launcher/worker/loading.py (quantized_once_per_box): the first process of the box loads and quantizes on the
-        # CPU, with all the box's cores, while the others wait; it saves the 4-bit model into the run directory, drops
-        # it. Then every process loads that file memory-mapped (Params4bit.from_prequantized keeps the file's pages:
-        # one copy in the page cache, shared and reclaimable, not counted as the 16-bit rule does) and holds its
-        # own fp32 LoRA; fully_shard moves one unit at a time to the card and keeps its shard (on the card, or in
-        # pinned RAM under offload, counted here: the box's shards together are one copy).
+        # launcher/worker/loading.py quantized_once_per_box: one process quantizes and saves, every process maps the
+        # file (Params4bit.from_prequantized: one shared copy in the page cache) and holds its fp32 LoRA; fully_shard
+        # keeps each unit's shard (in pinned RAM under offload). docs/sizing.md, "4-bit weights (QLoRA)".
         resident = 0.0 if w.offload_params else static_sharded_gb - _optimizer_free(est, n)
         est.load_peak_gb = CUDA_CONTEXT_GB + resident + max(layer_b, embed_b) / GB
         temp_gb = quantize_temporary_bytes(arch) / GB
@@ -90,8 +84,7 @@ def _loading(arch: Arch, w: Any, est: Any, static_sharded_gb: float, layer_b: fl
             + f"one unit whole while sharding ({max(layer_b, embed_b) / GB:.1f} GB): {est.load_peak_gb:.1f} GB"
         )
     elif w.engine == "deepspeed":
-        # transformers skips zero.Init for quantized models and bitsandbytes places the whole model on the
-        # current device (quantizer_bnb_4bit.update_device_map): every card holds all of it until ZeRO-3 partitions.
+        # no zero.Init for 4-bit models: bitsandbytes puts all of it on each card (quantizer_bnb_4bit.update_device_map)
         est.load_peak_gb = CUDA_CONTEXT_GB + model_gb + lora_gb
         est.load_explanation = (
             f"DeepSpeed + QLoRA loads the whole 4-bit model onto every card before ZeRO-3 "
@@ -100,40 +93,23 @@ def _loading(arch: Arch, w: Any, est: Any, static_sharded_gb: float, layer_b: fl
 
 
 def quantize_temporary_bytes(arch: Arch) -> float:
-    """What quantizing the largest linear weight allocates besides its result: bitsandbytes 0.50's CPU quantizer
-    (backends/default/ops.py, quantize_4bit: an fp32 copy, the scaled and clamped values, the int32 bucket indices)
-    and the 16-bit weight read from the file, one weight at a time (transformers loads sequentially while it
-    quantizes: core_model_loading.py, has_on_the_fly_quantization)."""
+    """What quantizing the largest linear weight allocates besides its result (bitsandbytes 0.50 backends/default/ops.py
+    quantize_4bit), one weight at a time (transformers core_model_loading.py, has_on_the_fly_quantization)."""
     largest = max(arch.hidden * arch.intermediate, arch.hidden * arch.q_dim)
     return largest * QUANTIZE_TEMPORARY_BYTES
 
 
 def fused_expert_params(arch: Arch) -> int:
-    """MoE expert weights transformers 5 fuses while loading (conversion_mapping: one tensor per layer made from
-    the checkpoint's per-expert tensors): new memory in each process, not the file's mapped pages."""
+    """MoE expert weights transformers 5 fuses while loading (conversion_mapping): new memory in each process."""
     return 3 * arch.hidden * arch.intermediate * arch.experts * arch.layers if arch.experts > 1 else 0
 
 
 def _loading_16bit(arch: Arch, w: Any, est: Any, n: int) -> None:
-    """The box's RAM while FSDP or DeepSpeed load 16-bit weights (LoRA, full): what each process holds privately.
-
-    transformers 5.24 loads a checkpoint whose dtype is the requested one without copying it: the parameters
-    are views of the memory-mapped safetensors files (measured on CPU: a bf16 model loaded in bf16 adds its size
-    to the process's file-backed RSS and almost nothing to its anonymous RSS; tests/plan/test_sizing.py), so the N
-    processes of a box share one copy in the page cache, which the kernel can drop and re-read. What each
-    process adds on its own is counted:
-    - FSDP: with device_map=None and no process group yet, every rank loads the whole model onto its CPU
-      (transformers' is_fsdp_enabled needs an initialised process group, and even then changes only how missing
-      keys are handled: modeling_utils.py, _move_missing_keys_from_meta_to_device and _initialize_missing_keys);
-      accelerate moves the copies to the meta device only inside fsdp2_prepare_model, after it has upcast every
-      trainable parameter to fp32 on the CPU under mixed precision (accelerate 1.15 utils/fsdp_utils.py,
-      "Upcast to fp32 master weights") and taken the state dict it broadcasts from rank 0 (held until every
-      unit is loaded). So each process holds its trainable parameters in fp32: the whole model for full
-      fine-tuning (4 B/param), the LoRA weights for LoRA; and MoE experts fused while loading.
-    - DeepSpeed ZeRO-3: zero.Init creates each weight partitioned on the card (engines/deepspeed.py,
-      partitioned_loading), and rank 0 alone reads the checkpoint (memory-mapped: modeling_utils.py, the
-      is_deepspeed_zero3_enabled branch of the loading, map_location "meta" on the other ranks): no whole copy
-      per process; rank 0's box holds the fused MoE experts once.
+    """The box's RAM while FSDP or DeepSpeed load 16-bit weights (LoRA, full): what each process holds privately, the
+    weights themselves being one shared copy of the mapped files in the page cache (docs/sizing.md, "16-bit weights").
+    FSDP: every rank upcasts its trainable parameters to fp32 on its CPU (accelerate 1.15 utils/fsdp_utils.py
+    fsdp2_prepare_model, "Upcast to fp32 master weights"), and MoE experts fuse while loading. DeepSpeed ZeRO-3:
+    zero.Init partitions each weight (engines/deepspeed.py partitioned_loading), rank 0 alone reads the checkpoint.
     """
     lora_gb = est.trainable_params * 4 / GB if _sixteen_bit_adapter(w.method) else 0.0
     fused_gb = fused_expert_params(arch) * 2 / GB

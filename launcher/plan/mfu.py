@@ -27,8 +27,5 @@ def model_flops_utilization(plan: dict[str, Any], tokens_per_second: float | Non
     t = plan.get("tokens") or {}
     if not tokens_per_second or not t.get("model_flops_per_token") or not t.get("peak_tflops_per_gpu"):
         return None
-    return (
-        tokens_per_second
-        * t["model_flops_per_token"]
-        / (max(1, int(t.get("gpus_used") or 1)) * t["peak_tflops_per_gpu"] * 1e12)
-    )
+    peak = max(1, int(t.get("gpus_used") or 1)) * t["peak_tflops_per_gpu"] * 1e12
+    return tokens_per_second * t["model_flops_per_token"] / peak

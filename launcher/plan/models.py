@@ -5,22 +5,20 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-
-from launcher.model_files import cached_file, not_a_model
 from typing import Any, Optional
 
 from launcher.errors import ModelError
 from launcher.methods import is_quantized
+from launcher.model_files import cached_file, not_a_model
 from launcher.plan import vision
 
 # Module names that LoRA can target in a Llama-shaped decoder layer, with (d_in, d_out) from the architecture.
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 LINEAR_MODULES = ATTENTION_MODULES + MLP_MODULES
-# Model types whose attention carries a bias on q, k and v (Qwen2/2.5 and the Qwen2-VL family's language models: the
-# nested text_config's type, or the flat config.json's, as Qwen2.5-VL-7B-Instruct publishes it)
+# Model types whose attention carries a bias on q, k and v (Qwen2/2.5, and Qwen2-VL's, nested or flat)
 QKV_BIAS_TYPES = ("qwen2", "qwen2_moe", "qwen2_vl_text", "qwen2_5_vl_text", "qwen2_vl", "qwen2_5_vl")
 
 
@@ -43,15 +41,13 @@ class Architecture:
     experts: int = 1  # mixture-of-experts: experts per layer (1 = dense)
     experts_per_token: int = 1
     source: str = ""  # where the numbers came from, shown in the plan
-    # the positions its RoPE was trained for (config.json max_position_embeddings; None: the catalog, unknown), and
-    # the config's RoPE scaling where it has one: (rope_type, factor, original_max_position_embeddings or None)
+    # max_position_embeddings (None: unknown) and the RoPE scaling (rope_type, factor, original max or None)
     max_positions: Optional[int] = None
     rope_scaling: Optional[tuple] = None
-    # a vision-language model: its config's model_type ("" for a text model) and the vision tower's and projector's
-    # parameters, part of `params` (launcher/plan/vision.py counts them; 0 where it cannot)
+    # a vision-language model: its model_type ("" for text), the tower's and projector's parameters (part of
+    # `params`), and its linear layers (leaf, d_in, d_out, count) (launcher/plan/vision.py)
     vision_tower: str = ""
     vision_params: int = 0
-    # the tower's linear layers, (leaf, d_in, d_out, count): what QLoRA quantizes and LoRA reaches there (vision.py)
     vision_linears: tuple = ()
 
     @property
@@ -124,12 +120,10 @@ class Architecture:
 
     def lora_params(self, r: int, target_modules: str | list[str] | tuple[str, ...] = "all-linear") -> int:
         """Trainable LoRA parameters: r x (d_in + d_out) per targeted matrix per layer (per expert for MoE)."""
-        targets = self.resolve_targets(target_modules)
         shapes = self.linear_shapes()
-        per_layer = 0
-        for m in targets:
-            d_in, d_out = shapes[m]
-            per_layer += r * (d_in + d_out) * (self.experts if m in MLP_MODULES else 1)
+        per_layer = sum(
+            r * sum(shapes[m]) * (self.experts if m in MLP_MODULES else 1) for m in self.resolve_targets(target_modules)
+        )
         return self.layers * per_layer
 
     def resolve_targets(self, target_modules: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
@@ -143,11 +137,6 @@ class Architecture:
                 fix=f"use 'all-linear' or names from {', '.join(LINEAR_MODULES)}.",
             )
         return names
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["params"] = self.params
-        return d
 
 
 def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -175,14 +164,9 @@ def from_config(cfg: dict[str, Any], name: str, source: str) -> Architecture:
     heads = int(c["num_attention_heads"])
     experts = int(c.get("num_experts") or c.get("num_local_experts") or 1)
     # MoE configs give the per-expert width separately; dense ones only intermediate_size.
-    intermediate = int(
-        c.get("moe_intermediate_size")
-        if experts > 1 and c.get("moe_intermediate_size")
-        else c.get("intermediate_size", 4 * hidden)
-    )
-    tied = c.get("tie_word_embeddings")
-    if tied is None:  # transformers' PretrainedConfig default
-        tied = True
+    moe = c.get("moe_intermediate_size") if experts > 1 else None
+    intermediate = int(moe or c.get("intermediate_size", 4 * hidden))
+    tied = c.get("tie_word_embeddings")  # None: True, transformers' PretrainedConfig default
     return Architecture(
         name=name,
         layers=int(c["num_hidden_layers"]),
@@ -192,7 +176,7 @@ def from_config(cfg: dict[str, Any], name: str, source: str) -> Architecture:
         kv_heads=int(c.get("num_key_value_heads") or heads),
         head_dim=int(c.get("head_dim") or hidden // heads),
         vocab=int(c["vocab_size"]),
-        tied_embeddings=bool(tied),
+        tied_embeddings=tied is None or bool(tied),
         qkv_bias=bool(c.get("attention_bias", model_type in QKV_BIAS_TYPES)),
         qk_norm=model_type.startswith(("qwen3", "gemma3")),
         norms_per_layer=4 if model_type.startswith(("gemma2", "gemma3")) else 2,
@@ -211,9 +195,7 @@ def _rope_scaling(c: dict[str, Any]) -> Optional[tuple]:
     """(rope_type, factor, original_max_position_embeddings) of a config's RoPE scaling (transformers 5's
     rope_parameters, or the older rope_scaling), None for plain RoPE ("default") or none."""
     rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
-    if not isinstance(rope, dict):
-        return None
-    kind = rope.get("rope_type") or rope.get("type")
+    kind = (rope.get("rope_type") or rope.get("type")) if isinstance(rope, dict) else None
     if not kind or kind == "default":
         return None
     factor = rope.get("factor")
@@ -221,22 +203,12 @@ def _rope_scaling(c: dict[str, Any]) -> Optional[tuple]:
     return (str(kind), float(factor) if factor else None, int(original) if original else None)
 
 
-# Built-in catalog: the real config.json values of popular models, so planning works offline.
-# Keys are normalised names (see `catalog_key`); one entry covers base, instruct and 4-bit re-uploads.
+# Built-in catalog: config.json values of popular models by `catalog_key` (base, instruct and 4-bit re-uploads)
+_FIELDS = ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab", "tied_embeddings")
 
 
-def _a(layers, hidden, intermediate, heads, kv_heads, head_dim, vocab, tied, **kw) -> dict[str, Any]:
-    return dict(
-        layers=layers,
-        hidden=hidden,
-        intermediate=intermediate,
-        heads=heads,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        vocab=vocab,
-        tied_embeddings=tied,
-        **kw,
-    )
+def _a(*values: Any, **kw: Any) -> dict[str, Any]:
+    return dict(zip(_FIELDS, values, strict=True), **kw)
 
 
 _QWEN3 = dict(qk_norm=True)
@@ -271,8 +243,7 @@ CATALOG: dict[str, dict[str, Any]] = {
     # Mistral
     "mistral-7b-v0.3": _a(32, 4096, 14336, 32, 8, 128, 32768, False),
     "mistral-7b-v0.1": _a(32, 4096, 14336, 32, 8, 128, 32000, False),
-    # Gemma 2 / 3 (Gemma 3 4B+ are multimodal: these are the text model's numbers; the ~0.4B vision tower is not
-    # counted)
+    # Gemma 2 / 3 (Gemma 3 4B+: the text model's numbers, the ~0.4B vision tower not counted)
     "gemma-2-2b": _a(26, 2304, 9216, 8, 4, 256, 256000, True, **_GEMMA2),
     "gemma-2-9b": _a(42, 3584, 14336, 16, 8, 256, 256000, True, **_GEMMA2),
     "gemma-2-27b": _a(46, 4608, 36864, 32, 16, 128, 256000, True, **_GEMMA2),
@@ -285,23 +256,7 @@ CATALOG: dict[str, dict[str, Any]] = {
 _ALIASES = {"mistral-7b": "mistral-7b-v0.3", "llama-3.1-8b-base": "llama-3.1-8b"}
 
 # Name parts that mark a variant with the same architecture (instruct tunes, 4-bit re-uploads, dates).
-_VARIANT_PARTS = {
-    "instruct",
-    "it",
-    "chat",
-    "base",
-    "hf",
-    "pt",
-    "bnb",
-    "4bit",
-    "unsloth",
-    "dynamic",
-    "awq",
-    "gptq",
-    "fp8",
-    "int4",
-    "2507",
-}
+_VARIANT_PARTS = set("instruct it chat base hf pt bnb 4bit unsloth dynamic awq gptq fp8 int4 2507".split())
 
 
 def catalog_key(model: str) -> str:
@@ -314,9 +269,7 @@ def catalog_key(model: str) -> str:
 def from_catalog(model: str) -> Architecture | None:
     key = catalog_key(model)
     values = CATALOG.get(key)
-    if values is None:
-        return None
-    return Architecture(name=model, source=f"built-in catalog ({key})", **values)
+    return None if values is None else Architecture(name=model, source=f"built-in catalog ({key})", **values)
 
 
 def _read_config(path: Path) -> dict[str, Any]:
@@ -324,11 +277,6 @@ def _read_config(path: Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelError(f"cannot read {path}: {exc}", fix="check that the file is a valid config.json.") from None
-
-
-def _from_cache(model: str) -> Architecture | None:
-    cfg = cached_file(model, "config.json")
-    return from_config(_read_config(cfg), model, f"Hugging Face cache ({cfg})") if cfg else None
 
 
 def _offline() -> str | None:
@@ -408,10 +356,8 @@ def load_architecture(model: str, allow_network: bool = True) -> Architecture:
             fix="check the path (a recipe's relative paths resolve against its folder, a model= on the "
             "command line against the working directory).",
         )
-    cached = _from_cache(model)
-    if cached is not None:
-        return cached
-    known = from_catalog(model)
+    cfg = cached_file(model, "config.json")
+    known = from_config(_read_config(cfg), model, f"Hugging Face cache ({cfg})") if cfg else from_catalog(model)
     if known is not None:
         return known
     offline = _offline()
@@ -430,16 +376,9 @@ def catalog_names() -> list[str]:
     return sorted(CATALOG)
 
 
-def with_name(arch: Architecture, name: str) -> Architecture:
-    return replace(arch, name=name)
-
-
-# Download size: what a run fetches before its first step.
-# The bandwidth the plan assumes for the download from the Hub to a rented box (100 MB/s = 800 Mbit/s: what
-# datacenter boxes typically get from the Hub's CDN; a home line is often a tenth of it).
+# Download size: what a run fetches before its first step, at what datacenter boxes typically get from the Hub's CDN.
 DOWNLOAD_MB_S = 100.0
-# Bytes per weight of a bitsandbytes 4-bit checkpoint: 4 bits packed two per byte, plus a blocksize-64 absmax
-# (an 8-bit code with double quantization) and the quant_state entries: about 0.53 B per quantized weight.
+# Bytes per weight of a bitsandbytes 4-bit checkpoint: 4 bits, a blocksize-64 absmax and quant_state entries
 BNB_4BIT_BYTES = 0.53
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
@@ -519,10 +458,7 @@ def download_size(model: str, arch: Architecture, repo: str | None = None, allow
     )
 
 
-# Unsloth's pre-quantized 4-bit uploads (bitsandbytes NF4 weights): for QLoRA they download about a
-# quarter of the 16-bit weights and skip quantizing at load time. Only Hub ids of the built-in catalog's
-# models (CATALOG above) are mapped; local folders are loaded as they are. The names are checked
-# against Unsloth's own mapper (unsloth.models.mapper) in tests/worker/test_unsloth.py.
+# Unsloth's NF4 uploads of the catalog's models for QLoRA (checked against unsloth.models.mapper: test_unsloth.py)
 PREQUANTIZED: dict[str, str] = {
     # Qwen3
     "qwen/qwen3-0.6b": "unsloth/Qwen3-0.6B-bnb-4bit",

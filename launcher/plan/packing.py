@@ -1,13 +1,8 @@
 """Whether `packing: true` keeps examples apart: the attention implementations that honour the boundaries of a
-packed row, and the plan's decision (its reason line, or the refusal).
-
-TRL 1.16 packs with best-fit decreasing (packing_strategy "bfd", trl/data_utils.py pack_dataset): each row records
-its examples' lengths, the collator restarts the position ids at every example, sets no attention mask and masks
-the first label of each (trl/trainer/sft_trainer.py DataCollatorForLanguageModeling, padding_free). Whether
-attention then stays inside each example is the attention implementation's business (transformers 5.24), and
-holds only for a forward without a KV cache: masking_utils.py reads the position ids only when no cache is passed
-(_preprocess_mask_arguments), so TRL's compute_loss passes use_cache=False and the Trainer sets config.use_cache
-from TrainingArguments.use_cache (False). tests/data/test_packing.py shows each of these conditions mattering.
+packed row, and the plan's decision (its reason line, or the refusal). TRL 1.16's "bfd" packing restarts the position
+ids at each example (trl/data_utils.py pack_dataset, sft_trainer.py DataCollatorForLanguageModeling); transformers
+5.24 reads them only without a KV cache (masking_utils.py _preprocess_mask_arguments). docs/data.md, "Packing";
+tests/data/test_packing.py.
 """
 
 from __future__ import annotations
@@ -16,12 +11,14 @@ from typing import Any, Optional
 
 from launcher.errors import RecipeError
 
+_BLOCK_DIAGONAL = (
+    "a block-diagonal causal mask from the restarting position ids (transformers masking_utils.py "
+    "find_packed_sequence_indices, create_causal_mask)"
+)
 # attention implementation -> how it keeps the examples of a packed row apart (None: it does not)
 ATTENTION = {
-    "sdpa": "a block-diagonal causal mask from the restarting position ids (transformers masking_utils.py "
-    "find_packed_sequence_indices, create_causal_mask)",
-    "eager": "a block-diagonal causal mask from the restarting position ids (transformers masking_utils.py "
-    "find_packed_sequence_indices, create_causal_mask)",
+    "sdpa": _BLOCK_DIAGONAL,
+    "eager": _BLOCK_DIAGONAL,
     "flex_attention": "a block mask from the restarting position ids (transformers masking_utils.py)",
     "flash_attention_2": "variable-length kernels over the examples' boundaries (cu_seq_lens from the collator or the "
     "position ids: transformers modeling_flash_attention_utils.py _flash_attention_forward)",
@@ -31,14 +28,11 @@ ATTENTION = {
     "tests/worker/test_varlen.py)",
     "flash_attention_4": "variable-length kernels, as flash_attention_2",
 }
-# What attention implementations outside ATTENTION get: transformers builds no mask for them
-# (masking_utils.py _preprocess_mask_arguments returns early), so every token attends across the whole row.
 UNMASKED = (
     "transformers builds no per-example mask for it (masking_utils.py _preprocess_mask_arguments exits "
     "early for implementations it does not know), so the examples of a packed row attend to each other"
 )
-# Verified here: tests/data/test_packing.py computes each packed example's loss through the model and compares it
-# with its loss alone, on CPU, for these implementations (the flash kernels need a GPU).
+# tests/data/test_packing.py compares each packed example's loss with its loss alone on CPU for these
 VERIFIED_ON_CPU = ("sdpa", "eager")
 
 

@@ -36,6 +36,7 @@ def _model_dict(arch: Architecture, est: Any) -> dict[str, Any]:
 
 
 def _memory_dict(est: Any, choice: Choice, measured: dict[str, Any]) -> dict[str, Any]:
+    fraction = sizing_constants.USABLE_FRACTION if choice.device == "cuda" else sizing_constants.USABLE_RAM_FRACTION
     return {
         "unit": UNIT,
         "per_gpu_gb": round(measured.get("peak_memory_gb", est.per_gpu_gb), 1),
@@ -43,11 +44,7 @@ def _memory_dict(est: Any, choice: Choice, measured: dict[str, Any]) -> dict[str
         "peak_gb": round(est.peak_gb, 1),
         "total_gb": round(est.total_gb, 1),
         "capacity_gb": round(choice.capacity_gb, 1),
-        "usable_gb": round(
-            choice.capacity_gb
-            * (sizing_constants.USABLE_FRACTION if choice.device == "cuda" else sizing_constants.USABLE_RAM_FRACTION),
-            1,
-        ),
+        "usable_gb": round(choice.capacity_gb * fraction, 1),
         "breakdown_gb": {k: round(v, 2) for k, v in est.breakdown_gb.items()},
         "explanations": dict(est.explanations),
         "offloaded_ram_gb": round(est.offloaded_ram_gb, 1),
@@ -62,20 +59,14 @@ def _memory_dict(est: Any, choice: Choice, measured: dict[str, Any]) -> dict[str
 
 
 def _apply_smoke(smoke: dict[str, Any], choice: Choice) -> dict[str, Any]:
-    measured: dict[str, Any] = {}
-    notes: list[str] = []
-    engine = smoke.get("engine")
-    procs = smoke.get("num_processes")
+    engine, procs = smoke.get("engine"), smoke.get("num_processes")
     if (engine and engine != choice.engine) or (procs and int(procs) != choice.processes):
-        notes.append(
+        note = (
             f"smoke test ran with engine {engine} x {procs} processes, the plan chose {choice.engine} x "
             f"{choice.processes}: its measurements are not used"
         )
-        return {"measured": measured, "notes": notes}
-    if smoke.get("tokens_per_second"):
-        measured["tokens_per_second"] = float(smoke["tokens_per_second"])
-    if smoke.get("peak_memory_gb"):
-        measured["peak_memory_gb"] = float(smoke["peak_memory_gb"])
+        return {"measured": {}, "notes": [note]}
+    measured = {k: float(smoke[k]) for k in ("tokens_per_second", "peak_memory_gb") if smoke.get(k)}
     if measured:
         measured["source"] = "smoke test"
-    return {"measured": measured, "notes": notes}
+    return {"measured": measured, "notes": []}

@@ -1,14 +1,7 @@
 """GRPO's sampling as the plan sees it: the batch TRL can split into answer groups, the time its generation adds to
-each step, and the Why lines that say both.
-
-Each optimizer step of TRL's GRPOTrainer first samples the answers its micro-batches train on (trl 1.16
-grpo_trainer.py `_prepare_inputs`: one generation batch of per_device_train_batch_size x steps_per_generation answers
-per process, steps_per_generation defaulting to gradient_accumulation_steps), then trains on them. The training
-tokens/s of the plan's speed model count the forward and backward; generation is priced here per decode step
-(launcher/plan/throughput.py decode_step_seconds): transformers' generate on the training model, the LoRA adapters
-unmerged, launches every operation of every layer and adapter from Python, and below ~30B parameters that, not the
-memory roofline, sets the step's time. Each answer is counted at its longest. The smoke test runs real steps,
-generation inside, so a measured tokens/s already holds both and replaces this forecast.
+each step (per decode step, every answer at its longest: docs/sizing.md, "Sampling"), and the Why lines that say both.
+Each step of trl 1.16's GRPOTrainer samples micro_batch x gradient accumulation answers per process first
+(grpo_trainer.py _prepare_inputs); the smoke test's measured tokens/s holds both and replaces this forecast.
 """
 
 from __future__ import annotations
@@ -47,9 +40,8 @@ def check_batch(recipe: Any, processes: int) -> None:
 
 
 def software_check(recipe: Any, this_box: bool) -> None:
-    """`generation: vllm` on the box that trains needs the vllm package (TRL 1.16 grpo_trainer.py imports it when
-    use_vllm is set, after the model loaded): MissingSoftware before any training, as a GGUF export without
-    llama.cpp. A plan for a rented box says it in its Why lines instead (`reasons`)."""
+    """`generation: vllm` on the box that trains needs the vllm package (TRL 1.16 grpo_trainer.py imports it after the
+    model loaded): MissingSoftware before any training. A plan for a rented box says it in `reasons` instead."""
     if not generates(recipe) or recipe.grpo.generation != "vllm" or not this_box:
         return
     import importlib.util
@@ -71,21 +63,14 @@ def uses_vllm(recipe: Any) -> bool:
 
 
 def decode_step(job: Any, arch: Any, gpu: Any, eager: bool = True) -> Optional[tuple[float, str]]:
-    """One decode step of the generation batch (micro-batch x accumulation answers, TRL's steps_per_generation) on a
-    GPU the catalog knows the bandwidth of, and what bounds it (throughput.decode_step_seconds); None without answers,
-    on a CPU or on an unknown card (the smoke test measures it). The cache is counted at its mean length over the
-    answer: the prompt and half the answer. `eager` False (grpo.generation vllm): vLLM replays CUDA graphs, no launch
-    floor."""
+    """One decode step of the generation batch and what bounds it (throughput.decode_step_seconds, the cache at the
+    prompt and half the answer); None without answers or the card's bandwidth. `eager` False: vLLM's CUDA graphs."""
     if not job.completion_tokens or gpu is None or not gpu.memory_bandwidth_gb_s:
         return None
+    context = max(0, job.seq_len - job.completion_tokens) + job.completion_tokens // 2
+    batch = job.micro_batch * job.accumulation
     return throughput.decode_step_seconds(
-        arch,
-        gpu.memory_bandwidth_gb_s,
-        gpu.tflops_bf16,
-        batch=job.micro_batch * job.accumulation,
-        context=max(0, job.seq_len - job.completion_tokens) + job.completion_tokens // 2,
-        lora_modules=_lora_modules(job),
-        launches=eager,
+        arch, gpu.memory_bandwidth_gb_s, gpu.tflops_bf16, batch, context, _lora_modules(job), launches=eager
     )
 
 
@@ -95,8 +80,7 @@ def _lora_modules(job: Any) -> int:
 
 
 def generation_seconds_per_step(job: Any, decode: Optional[tuple[float, str]]) -> Optional[float]:
-    """Seconds one optimizer step spends sampling: every answer at grpo.max_completion_length (an upper bound), one
-    decode step per token; None where decode_step is."""
+    """Seconds one optimizer step spends sampling, every answer at its longest; None where decode_step is."""
     return None if decode is None else decode[0] * job.completion_tokens
 
 
@@ -145,9 +129,8 @@ def reasons(
         }.get(bound)
         lines.append(
             f"sampling time: {batch} answers x {s.max_completion_length} tokens per step, {step_s * 1000:.1f} ms a "
-            f"decode step{f' ({why})' if why else ''} = {per_step:.1f} s a step, "
-            f"{_fmt_hours(per_step * steps / 3600)} over {steps:,} steps (every answer at its longest; the smoke "
-            "test measures it)"
+            f"decode step{f' ({why})' if why else ''} = {per_step:.1f} s a step, {_fmt_hours(per_step * steps / 3600)} "
+            f"over {steps:,} steps (every answer at its longest; the smoke test measures it)"
         )
     else:
         lines.append("sampling time: not estimated on this device; the smoke test measures it with the steps")

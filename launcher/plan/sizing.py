@@ -1,8 +1,6 @@
 """Pure sizing arithmetic: the memory per device a workload needs, term by term, each term explained (no torch, no I/O).
-
-What loading holds is launcher/plan/loading_memory.py's, the constants (and the GB they count in)
-launcher/plan/sizing_constants.py's; the speed, time and cost are launcher/plan/throughput.py's. docs/sizing.md
-derives every constant and compares the totals with published measurements.
+Loading is launcher/plan/loading_memory.py's, the constants sizing_constants.py's, speed and cost throughput.py's;
+docs/sizing.md derives every constant and compares the totals with published measurements.
 """
 
 from __future__ import annotations
@@ -40,13 +38,11 @@ if TYPE_CHECKING:  # for the annotations only: at run time this module imports n
     from launcher.plan.models import Architecture as Arch
 
 
-# The LM head's loss: the model's whole logits, TRL's fused head or ftrun's CPU kernel (launcher/plan/loss_head.py
-# has what each holds); which one a workload computes:
+# How a workload computes the LM head's loss (launcher/plan/loss_head.py has what each holds):
 LOSS_FUSED, LOSS_MATERIALIZED, LOSS_UNSLOTH = "fused LM head", "materialized logits", "Unsloth fused cross-entropy"
 
 
-# How DPO's reference log-probabilities come (trl 1.16 dpo_trainer.py: __init__ "Reference model", _compute_loss,
-# compute_ref_log_probs): what the reference costs in memory, and whether each step runs its forward.
+# DPO's reference (trl 1.16 dpo_trainer.py compute_ref_log_probs): what it costs, whether each step runs it
 REFERENCES = {
     "adapter off": (
         "the base model with the LoRA adapter switched off (PEFT's disable_adapter): the same weights, no second model",
@@ -82,40 +78,27 @@ class Workload:
     engine: str = "trl"  # unsloth | trl | ddp | fsdp | deepspeed
     num_gpus: int = 1
     device: str = "cuda"  # cuda | cpu
-    # FSDP parameter offload (fsdp_offload_params): the shards of weights, gradients and optimizer states live in
-    # CPU RAM and cross PCIe to the card unit by unit in every forward and backward.
+    # FSDP parameter offload: the shards of weights, gradients and optimizer states live in CPU RAM
     offload_params: bool = False
-    # DeepSpeed ZeRO-3 optimizer offload (zero_optimization.offload_optimizer: cpu): fp32 master weights, gradients
-    # and Adam states in pinned CPU RAM, the optimizer step on the CPU (DeepSpeedCPUAdam, whatever the method); with
-    # offload_params as well, the 16-bit parameter partitions too (offload_param: cpu). docs/sizing.md, "CPU offload".
+    # DeepSpeed ZeRO-3 optimizer offload: fp32 master, gradients and Adam states in pinned RAM, the step on the CPU
+    # (with offload_params, the 16-bit partitions too). docs/sizing.md, "CPU offload".
     offload_optimizer: bool = False
-    accumulation: int = (
-        1  # micro-batches per optimizer step: the offload's per-step transfer and CPU step spread over them
-    )
-    # The loss as the engine computes it: "" = what ftrun's engine does (Unsloth's for unsloth, TRL's fused LM head
-    # otherwise); LOSS_MATERIALIZED for a stack that builds the whole logits (the published rows measured on one).
+    # micro-batches per optimizer step: the offload's per-step transfer and CPU step spread over them
+    accumulation: int = 1
+    # "": ftrun's engine's loss (Unsloth's for unsloth, else TRL's fused LM head); LOSS_MATERIALIZED: whole logits
     loss: str = ""
-    # TRL's activation_offloading: the tensors saved for backward (with gradient checkpointing: the layer inputs) go to
-    # pinned CPU RAM in the forward and come back in the backward (trl/models/activation_offloading.py).
+    # TRL's activation_offloading: the saved layer inputs to pinned RAM (trl/models/activation_offloading.py)
     offload_activations: bool = False
-    # A preference objective (launcher/methods.py OBJECTIVES): each example is `sequences` rows of the micro-batch (DPO
-    # and ORPO: the prompt with the chosen and with the rejected answer, padded side by side), and `reference` how
-    # DPO's reference log-probabilities come (REFERENCES; "" for none: SFT, ORPO).
+    # preference objectives: rows of the micro-batch per example (DPO, ORPO: 2), and REFERENCES' key ("": none)
     sequences: int = 1
     reference: str = ""
-    # GRPO (launcher/methods.py Objective.generates): answers this process samples at once before its micro-batches
-    # train on them (TRL's generation batch per device: micro_batch x gradient accumulation), each at most seq_len
-    # tokens with its prompt; 0 for an objective that does not generate.
+    # GRPO: answers this process samples at once (TRL's generation batch per device), each at most seq_len tokens
     generation_batch: int = 0
-    # Attention over the micro-batch's one padding-free row carries a dense L x L mask, L its tokens (SDPA without a
-    # variable-length kernel: launcher/plan/attention.py dense_mask); dense_mask_bytes and
-    # throughput.flops_per_token count it.
+    # SDPA's dense L x L mask over the one padding-free row (launcher/plan/attention.py dense_mask)
     dense_mask: bool = False
-    # KTO (launcher/methods.py Objective.kl_forward): each example's KL sequence (its prompt with another example's
-    # answer) runs forward without a gradient through the policy, and through the reference where it runs each step.
+    # KTO: each example's KL sequence runs forward without a gradient (launcher/methods.py Objective.kl_forward)
     kl_forward: bool = False
-    # A vision-language model (launcher/plan/vision.py): LoRA on the vision tower too (lora.vision_tower), and the
-    # patches the tower runs on in the largest micro-batch (its longest example's images, micro_batch of them).
+    # a vision-language model: LoRA on the tower too, and the patches it runs on in the largest micro-batch
     lora_vision: bool = False
     vision_patches: int = 0
 
@@ -142,9 +125,8 @@ class MemoryEstimate:
     total_gb: float  # the whole job on one imaginary device: what the article's memory table gives
     trainable_params: int
     offloaded_ram_gb: float = 0.0  # Unsloth parks checkpointed activations in CPU RAM
-    # Loading, before the first step (docs/sizing.md, "Loading"): the largest transient per card, the CPU RAM of the
-    # whole box at that moment, and the parameter shards FSDP's offload keeps in RAM during training. 0 where the
-    # load stays below the training peak and needs no more RAM than the weights' own files in the page cache.
+    # Loading (docs/sizing.md, "Loading"): the largest transient per card and the box's RAM then (0: below the
+    # training peak), and the parameter shards FSDP's offload keeps in RAM while training.
     load_peak_gb: float = 0.0
     load_ram_gb: float = 0.0
     load_explanation: str = ""
@@ -167,22 +149,6 @@ class MemoryEstimate:
         """What a card must hold: the training step's peak or the load's, whichever is larger."""
         return max(self.per_gpu_gb, self.load_peak_gb)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "per_gpu_gb": round(self.per_gpu_gb, 1),
-            "total_gb": round(self.total_gb, 1),
-            "breakdown_gb": {k: round(v, 2) for k, v in self.breakdown_gb.items()},
-            "explanations": dict(self.explanations),
-            "trainable_params": self.trainable_params,
-            "offloaded_ram_gb": round(self.offloaded_ram_gb, 1),
-            "load_peak_gb": round(self.load_peak_gb, 1),
-            "load_ram_gb": round(self.load_ram_gb, 1),
-            "load_explanation": self.load_explanation,
-            "offloaded_params_gb": round(self.offloaded_params_gb, 1),
-            "train_ram_gb": round(self.train_ram_gb, 1),
-            "offload_explanation": self.offload_explanation,
-        }
-
 
 def _adamw_full(method: str) -> bool:
     """Every weight trained with a 32-bit AdamW (an fp32 master copy where the weights are 16-bit)."""
@@ -204,18 +170,11 @@ def trainable_params(arch: Arch, w: Workload) -> int:
 
 
 def layer_activation_bytes_per_token(arch: Arch, fp32: bool = False, lora_targets: Any = None) -> float:
-    """Tensors one decoder layer saves for backward, per token (flash / SDPA attention: no s^2 term; SDPA's dense mask
-    over a padding-free row is dense_mask_bytes).
-
-    Trained weights (full fine-tuning): every linear saves its input. Attention: norm input and output, q, k, v after
-    RoPE, attention output (o_proj input). MLP: norm input and output, gate, up, act(gate), act(gate) * up (down_proj
-    input). RMSNorm upcasts to fp32 and keeps two fp32 copies of its input on the HF path.
-
-    LoRA (lora_targets given, on a GPU): a frozen linear saves nothing (its weight needs no gradient), so only the
-    targeted ones save their input, each its own 16-bit copy (PEFT casts the input to the fp32 adapter's dtype and
-    autocast back to bf16 for the matmul). The rest is what attention, the gated MLP and the frozen RMSNorms save:
-    q, k, v, output (SDPA), gate, up and act(gate), one fp32 copy of each norm's input. Measured with autograd's
-    saved-tensor hooks on a Llama layer in bf16 under autocast (tests/plan/test_sizing_activations.py).
+    """Bytes one decoder layer saves for backward, per token (flash / SDPA: no s^2 term; a dense mask is
+    dense_mask_bytes). Full fine-tuning: every linear's input, q, k, v, the norms' inputs and outputs, the MLP's
+    intermediates, two fp32 copies of each RMSNorm's input. LoRA on a GPU (lora_targets given): only the targeted
+    linears save their input (a 16-bit copy each), plus attention's, the gated MLP's and one fp32 copy per norm.
+    Checked with autograd's saved-tensor hooks: tests/plan/test_sizing_activations.py.
     """
     h, i = arch.hidden, arch.intermediate
     if lora_targets is not None and not fp32:
@@ -227,18 +186,14 @@ def layer_activation_bytes_per_token(arch: Arch, fp32: bool = False, lora_target
     return elems * (4 if fp32 else 2) + (0 if fp32 else norm_fp32)
 
 
-# SDPA turns a boolean mask into an additive one in the query's dtype for each call (aten's
-# convert_boolean_attn_mask), and the kernel saves it for its backward: the memory-efficient kernel's attn_bias on a
-# GPU (2 B per element in bf16), the CPU flash kernel's attn_mask (_scaled_dot_product_flash_attention_for_cpu and its
-# backward, which torch 2.13 picks on the CPU with a mask too; fp32, 4 B). Every layer keeps one without gradient
-# checkpointing, the recomputed layer with it.
+# SDPA's additive mask saved for backward (aten convert_boolean_attn_mask): bf16 attn_bias on a GPU, fp32 on the CPU
+# (torch 2.13 _scaled_dot_product_flash_attention_for_cpu); by each layer, or the recomputed one.
 MASK_BIAS_BYTES = {"cuda": 2, "cpu": 4}
 
 
 def dense_mask_bytes(arch: Arch, w: Workload) -> float:
     """Bytes the dense mask of a padding-free row holds at the step's peak: transformers' boolean (1, 1, L, L) mask
-    (masking_utils.py sdpa_mask, 1 B per element, alive for the whole step: the checkpointed layers keep it as an
-    input) and the additive bias of each layer that keeps one (MASK_BIAS_BYTES); 0 without a dense mask."""
+    (masking_utils.py sdpa_mask, alive all step) and each kept layer's additive bias; 0 without a dense mask."""
     if not w.dense_mask:
         return 0.0
     row = w.tokens_per_micro_batch
@@ -257,9 +212,8 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
     terms: dict[str, float] = {}
     why: dict[str, str] = {}
     shard = f" / {n} GPUs (sharded)" if n > 1 else ""
-    # Full fine-tuning in the Trainer's own loop (trl, ddp) keeps the weights themselves in fp32 and trains under
-    # autocast (launcher/worker/loading.py weights_dtype): the same 16 B/param as bf16 weights + an fp32 master copy,
-    # split as weight 4 + gradient 4 + AdamW m, v 8. FSDP and DeepSpeed keep the bf16 + master layout.
+    # Full fine-tuning in the Trainer's own loop keeps fp32 weights under autocast (launcher/worker/loading.py
+    # weights_dtype): weight 4 + gradient 4 + AdamW 8 B/param. FSDP and DeepSpeed keep bf16 + an fp32 master.
     fp32_master = not cpu and _adamw_full(w.method) and w.engine not in SHARDING
 
     if is_quantized(w.method):
@@ -269,9 +223,8 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
         terms["weights"] = (four_bit * NF4_BYTES + other * b16) / n / GB
         with_tower = " (the vision tower's included)" if arch.vision_linears else ""
         why["weights"] = (
-            f"{_count(four_bit)} linear weights{with_tower} in NF4 ({NF4_BYTES:.3f} B/param with "
-            f"quantization constants) + {_count(other)} embedding/head/norm params in "
-            f"{'fp32' if cpu else 'bf16'}{shard}"
+            f"{_count(four_bit)} linear weights{with_tower} in NF4 ({NF4_BYTES:.3f} B/param with quantization "
+            f"constants) + {_count(other)} embedding/head/norm params in {'fp32' if cpu else 'bf16'}{shard}"
         )
     elif fp32_master:
         terms["weights"] = P * 4 / GB
@@ -314,11 +267,10 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
 
     lora = is_adapter(w.method) and not unsloth
     layer = layer_activation_bytes_per_token(arch, fp32=cpu, lora_targets=w.lora_targets if lora else None)
-    offload = 0.0
-    live = 0.0
+    offload = live = 0.0
+    factor = UNSLOTH_LAYER_FACTOR if unsloth else 1.0
     if w.gradient_checkpointing:
         checkpoints = arch.layers * t * arch.hidden * b16
-        factor = UNSLOTH_LAYER_FACTOR if unsloth else 1.0
         live = LAYER_BACKWARD_FACTOR * factor * layer * t
         offloaded_by = (
             "Unsloth" if unsloth else "TRL's activation offloading" if w.offload_activations and not cpu else ""
@@ -334,7 +286,6 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
             f"one layer recomputed ({layer / 1e3:.0f} KB/token) for {t:,} tokens per micro-batch"
         )
     else:
-        factor = UNSLOTH_LAYER_FACTOR if unsloth else 1.0
         terms["activations"] = (arch.layers * layer * factor * t) / GB
         why["activations"] = (
             f"no gradient checkpointing: all {arch.layers} layers keep their activations "
@@ -354,16 +305,8 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
         )
     if cpu:
         # The CPU attention path (math SDPA) materialises the score matrix: heads x s^2 fp32, twice for backward.
-        terms["activations"] += (
-            2
-            * w.micro_batch
-            * w.sequences
-            * arch.heads
-            * w.seq_len**2
-            * 4
-            * (1 if w.gradient_checkpointing else arch.layers)
-            / GB
-        )
+        kept = 1 if w.gradient_checkpointing else arch.layers
+        terms["activations"] += 2 * w.micro_batch * w.sequences * arch.heads * w.seq_len**2 * 4 * kept / GB
     if w.dense_mask:
         terms["attention mask"] = dense_mask_bytes(arch, w) / GB
         kept = 1 if w.gradient_checkpointing else arch.layers
@@ -378,8 +321,7 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
             f"its rejected answer, padded to the longest, {w.seq_len:,} tokens)"
         )
     if w.kl_forward:
-        # trl 1.16 kto_trainer.py _compute_kl_logps: under torch.no_grad, before the policy's own forward; one layer's
-        # activations at a time, below the backward's recomputed layer that the peak counts
+        # trl 1.16 kto_trainer.py _compute_kl_logps: under no_grad, one layer at a time, below the recomputed layer
         why["activations"] += (
             "; each example's KL sequence (its prompt with another example's answer, KTO's KL estimate) runs "
             "forward without a gradient: no activations kept, inside the backward's peak"
@@ -387,9 +329,8 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
     if w.reference:
         what, per_step = REFERENCES[w.reference]
         copy = w.reference == "frozen copy"
-        # the copy in the policy's dtype (trl 1.16 creates it with dtype=self.model.dtype: fp32 where the Trainer's
-        # own loop keeps fp32 master weights, 16-bit under FSDP and ZeRO-3), sharded like the policy's; the others add
-        # no weights (the parent adapter's copy: its fp32 parameters once more, no gradient or optimizer state)
+        # the copy in the policy's dtype (trl 1.16: dtype=self.model.dtype), sharded like it; the parent adapter's
+        # copy: its fp32 parameters once more; the others add no weights
         copy_b = 4 if fp32_master else b16
         extra = P * copy_b / n if copy else (T * 4 / n if w.reference == "parent copy" else 0.0)
         terms["reference model"] = extra / GB
@@ -397,8 +338,7 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
             f", {_count(P)} params x {copy_b} B{shard}" if copy else ""
         )
         if per_step:
-            # its forward runs under no_grad between the policy's forward and backward: one layer's activations at a
-            # time, below the backward's recomputed layer (LAYER_BACKWARD_FACTOR x one layer) that the peak counts
+            # its forward runs under no_grad: one layer at a time, below the backward's recomputed layer
             why["reference model"] += (
                 "; its forward each step keeps no activations (no gradient), one layer at a "
                 "time: inside the backward's peak"
@@ -433,8 +373,8 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
         )
 
     if n > 1:
-        # Units: one decoder layer (4-bit for QLoRA) or the embedding / lm_head (always 16-bit); the layer
-        # being computed and the one prefetched are whole on every card, next to the sharded rest.
+        # Units: a decoder layer (4-bit for QLoRA) or the embedding / lm_head (16-bit); the one computed and the one
+        # prefetched are whole on every card.
         per_layer = (P - arch.embedding_params * (1 if arch.tied_embeddings else 2)) / arch.layers
         layer_b = NF4_BYTES if is_quantized(w.method) else b16
         layer_unit = per_layer * layer_b
@@ -450,9 +390,8 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
         )
 
     if is_quantized(w.method) and not cpu:
-        # bitsandbytes 0.50 multiplies a micro-batch's tokens by a 4-bit weight by dequantizing the whole weight to
-        # 16 bits and calling F.linear (backends/cuda/ops.py, gemm_4bit: _dequant_linear_fallback past the custom
-        # kernel's few rows; the same in backward for the input's gradient): the largest weight, one at a time.
+        # bitsandbytes 0.50 backends/cuda/ops.py gemm_4bit: _dequant_linear_fallback dequantizes the whole weight to
+        # 16 bits for F.linear (forward and backward): the largest weight, one at a time.
         largest = max(a * b for a, b in arch.linear_shapes().values())
         terms["dequantized weight"] = largest * 2 / GB
         why["dequantized weight"] = (
@@ -462,8 +401,7 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
     dynamic = terms["activations"] + terms["logits and loss"] + terms.get("attention mask", 0.0)
     if w.generation_batch:
         kv, why_kv = generation_bytes(arch, w, b16)
-        # generation runs under no_grad before the micro-batches' forward and backward (trl 1.16 grpo_trainer.py
-        # _prepare_inputs): its cache is freed when they start, so only its excess over their tensors adds to the peak
+        # trl 1.16 grpo_trainer.py _prepare_inputs: generation's cache is freed before the micro-batches start
         terms["generation"] = max(0.0, kv - dynamic * GB) / GB
         why["generation"] = why_kv + (
             f"; it is freed before the step's activations and logits ({dynamic:.2f} GB) exist, so only the excess "
@@ -496,8 +434,7 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
     if ds_offload:
         per_gpu, total, offloaded = _deepspeed_offload(arch, w, terms, why, n, T)
     elif w.offload_params and n > 1 and not cpu:
-        # FSDP2's CPUOffloadPolicy keeps every shard (weights, adapters, gradients, optimizer states) in pinned
-        # CPU RAM and runs the optimizer step there; the card holds the gathered units and the step's tensors.
+        # FSDP2's CPUOffloadPolicy keeps every shard in pinned RAM and runs the optimizer step there
         for k in [k for k in STATIC_TERMS if k in terms]:
             offloaded += terms.pop(k) * n
             why.pop(k, None)
@@ -517,8 +454,8 @@ def memory(arch: Arch, w: Workload) -> MemoryEstimate:
 
 
 def generation_bytes(arch: Arch, w: Workload, b16: int) -> tuple[float, str]:
-    """GRPO's sampling: the KV cache of the generation batch at its longest (transformers' DynamicCache: keys and
-    values of every layer, in the weights' dtype) and the last position's logits in fp32 (the sampler's softmax)."""
+    """GRPO's sampling: the generation batch's KV cache at its longest (DynamicCache, the weights' dtype) and the last
+    position's fp32 logits."""
     cache = w.generation_batch * w.seq_len * arch.layers * 2 * arch.kv_dim * b16
     logits = w.generation_batch * arch.vocab * 4 * 2
     return cache + logits, (
@@ -528,24 +465,19 @@ def generation_bytes(arch: Arch, w: Workload, b16: int) -> tuple[float, str]:
     )
 
 
-# DeepSpeed ZeRO-3 optimizer offload, bytes per trainable parameter in the box's RAM (summed over the ranks, each holds
-# its partition): fp32 master weights 4 (stage3.py _create_fp32_partitions, `.to(self.subgroup_to_device[i])`), an fp32
-# gradient buffer per sub-group 4 (initialize_optimizer_states, `subgroup_gradient_buffer`, pinned), Adam m and v in
-# fp32 8 (DeepSpeedCPUAdam, fp32_optimizer_states: engine.py get_optimizer_configuration), and the 16-bit gradient
-# partitions the micro-batches accumulate into 2 (_setup_for_real_optimizer: `grad_partitions_flat_buffer` on
-# self.device, which is the CPU under offload). offload_param adds the 16-bit parameter partitions (2 B/param,
-# pinned: _create_param_groups_fp16_flat_cpu_memory).
+# DeepSpeed ZeRO-3 optimizer offload, bytes per trainable parameter in the box's RAM (stage3.py): fp32 master 4
+# (_create_fp32_partitions), fp32 gradient buffer 4 (initialize_optimizer_states), Adam m, v 8 (DeepSpeedCPUAdam),
+# 16-bit gradients 2 (_setup_for_real_optimizer); offload_param: 2 (_create_param_groups_fp16_flat_cpu_memory).
 DS_OFFLOAD_HOST_BYTES = 18
 
 
 def _deepspeed_offload(
     arch: Arch, w: Workload, terms: dict[str, float], why: dict[str, str], n: int, T: int
 ) -> tuple[float, float, float]:
-    """Move what DeepSpeed's CPU offload keeps in RAM off the card's terms: gradients, optimizer states and their churn
-    (and the weights under offload_param). The client optimizer (8-bit AdamW for full-8bit) is not used: with an
-    "optimizer" section in the config, transformers hands DeepSpeed a DummyOptim (integrations/deepspeed.py,
-    deepspeed_optim_sched) and DeepSpeed builds DeepSpeedCPUAdam (engine.py, _configure_basic_optimizer), fp32 states.
-    Returns per-card GB, the job's GB in all (cards + RAM) and the RAM the offloaded states take (GB, the box)."""
+    """Move what DeepSpeed's CPU offload keeps in RAM off the card's terms (gradients, optimizer states, churn; the
+    weights under offload_param). The client optimizer is not used: transformers hands DeepSpeed a DummyOptim
+    (integrations/deepspeed.py deepspeed_optim_sched), DeepSpeed builds DeepSpeedCPUAdam (engine.py). Returns GB: per
+    card, the job's in all (cards + RAM), and the box's RAM for the offloaded states."""
     for k in ("gradients", "optimizer", "gradient churn"):
         terms.pop(k, None)
         why.pop(k, None)
@@ -567,9 +499,7 @@ STATIC_TERMS = ("weights", "adapters", "gradients", "optimizer", "gradient churn
 
 
 def offloaded_activation_bytes(arch: Arch, tokens: int) -> float:
-    """What TRL's activation offloading moves to pinned RAM per micro-batch under gradient checkpointing: each layer's
-    saved input (16-bit) and the final RMSNorm's fp32 copy of its input, the one large tensor saved outside the
-    checkpointed layers (offloaded once: trl deduplicates by storage, trl/models/activation_offloading.py pack_tensor).
-    The fused LM head's input stays on the card (launcher/worker/fused_head.py). The same count as a real step's
-    saved tensors under trl's rules, on the CPU: tests/worker/test_fused_head.py."""
+    """Bytes TRL's activation offloading moves to pinned RAM per micro-batch under gradient checkpointing: each layer's
+    16-bit input and the final RMSNorm's fp32 input, once (trl/models/activation_offloading.py pack_tensor dedups by
+    storage). Checked against a real step: tests/worker/test_fused_head.py."""
     return arch.layers * tokens * arch.hidden * 2 + tokens * arch.hidden * 4

@@ -1,12 +1,6 @@
-"""What the plan does with a card's spare memory: the faster settings a recipe left to it.
-
-Where the recipe leaves `gradient_checkpointing` out, a job whose activations all fit is trained without recomputing
-them; where it leaves both `micro_batch_size` and `gradient_accumulation_steps` out, the micro-batch grows and the
-accumulation shrinks by the same factor. The examples per optimizer step (micro-batch x accumulation x processes),
-their order and the loss stay the same, so does the trajectory. Only on a GPU, without any offload (HEADROOM and
-HEADROOM_NO_CHECKPOINTING say how much room), and never into a quadratic cost: where padding-free rows carry SDPA's
-dense mask (no variable-length kernel on the box: launcher/plan/attention.py), the micro-batch stays the recipe's.
-docs/sizing.md, "Using the card".
+"""What the plan does with a card's spare memory: the faster settings a recipe left to it (gradient checkpointing off,
+a larger micro-batch with the accumulation shrunk by the same factor: the same trajectory). Only on a GPU, without
+offload, and never into SDPA's quadratic dense mask. docs/sizing.md, "Using the card".
 """
 
 from __future__ import annotations
@@ -14,24 +8,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from launcher.plan import sizing_constants
-from launcher.plan import throughput
+from launcher.plan import sizing_constants, throughput
 from launcher.plan.choice import Choice
 from launcher.plan.job import Job
 
 # The recipe keys the plan may choose when the recipe leaves them out (pydantic's model_fields_set).
 LEFT_TO_PLAN = ("gradient_checkpointing", "micro_batch_size", "gradient_accumulation_steps")
-# A faster setting is taken only when its estimate times this fits the memory the plan may fill (USABLE_FRACTION of
-# the card): the estimate was within 4% on the H200 at 8B (LoRA 18.9 GB planned, 19.6 measured; full 133.5 and
-# 129.6) and within 7% (median) over the published rows (docs/sizing.md). The smoke test measures the peak, and an
-# out of memory there undoes the faster settings first. Those measurements ran with gradient checkpointing on.
+# A faster setting's estimate times this must fit USABLE_FRACTION of the card (docs/sizing.md, "Using the card")
 HEADROOM = 1.10
-# With checkpointing off every layer's activations are per-step tensors of a new size each micro-batch, and the
-# estimate leaves out what the measurements above did not show: the caching allocator's blocks cached from earlier,
-# other shapes (fragmentation) and K/V repeated for a mask. The one variable-length measurement, the H200's padding
-# step (docs/sizing.md, "Padding-free micro-batches"), reserved 29.9 GB where 23.3 were sized: 1.28x, with
-# checkpointing on; checkpointing off is taken only where 1.30x of its estimate fits. An out of memory mid-run
-# restarts from the last checkpoint with checkpointing back on (launcher/run/oom_restart.py).
 HEADROOM_NO_CHECKPOINTING = 1.30
 
 
@@ -46,49 +30,34 @@ class Faster:
 
 
 def left_to_plan(recipe: Any) -> set[str]:
-    """The LEFT_TO_PLAN keys the recipe does not set. A recipe-like namespace without model_fields_set (the GPU check's
-    bench) sets every key: it measures exactly what it names."""
+    """The LEFT_TO_PLAN keys the recipe does not set (none for a namespace without model_fields_set: the GPU check's
+    bench measures exactly what it names)."""
     given = getattr(recipe, "model_fields_set", None)
-    if given is None:
-        return set()
-    return {k for k in LEFT_TO_PLAN if k not in given}
+    return set() if given is None else {k for k in LEFT_TO_PLAN if k not in given}
 
 
 def _same_engine(a: Choice, b: Choice) -> bool:
-    return (a.engine, a.processes, a.offload_params, a.offload_optimizer, a.offload_activations) == (
-        b.engine,
-        b.processes,
-        b.offload_params,
-        b.offload_optimizer,
-        b.offload_activations,
-    )
+    keys = ("engine", "processes", "offload_params", "offload_optimizer", "offload_activations")
+    return all(getattr(a, k) == getattr(b, k) for k in keys)
 
 
 def headroom(job: Job) -> float:
-    """The factor a faster setting's estimate must fit with: HEADROOM, HEADROOM_NO_CHECKPOINTING without
-    checkpointing."""
     return HEADROOM if job.gradient_checkpointing else HEADROOM_NO_CHECKPOINTING
 
 
 def _with_headroom(c: Choice, job: Job) -> bool:
-    return (
-        c.fits
-        and c.estimate is not None
-        and c.estimate.peak_gb * headroom(job) <= c.capacity_gb * sizing_constants.USABLE_FRACTION
-    )
+    usable = c.capacity_gb * sizing_constants.USABLE_FRACTION
+    return c.fits and c.estimate is not None and c.estimate.peak_gb * headroom(job) <= usable
 
 
 def faster(job: Job, choice: Choice, free: set[str], replan: Callable[[Job], Choice]) -> Faster | None:
     """The faster settings this box's memory allows for the keys in `free`, or None. `replan` sizes a job on the same
     box with the same engine rules (launcher/plan/engine.py choose); a setting that changes the engine, the process
     count or an offload is not taken."""
-    if (
-        not (choice.fits and choice.device == "cuda" and choice.estimate is not None)
-        or choice.offload_params
-        or choice.offload_optimizer
-        or choice.offload_activations
-        or job.offload_activations
-    ):
+    offloads = (
+        choice.offload_params or choice.offload_optimizer or choice.offload_activations or job.offload_activations
+    )
+    if offloads or not (choice.fits and choice.device == "cuda" and choice.estimate is not None):
         return None
     best, update, reasons = (job, choice), {}, []
     cap = choice.capacity_gb
@@ -98,11 +67,9 @@ def faster(job: Job, choice: Choice, free: set[str], replan: Callable[[Job], Cho
         if _same_engine(c, choice) and _with_headroom(c, cand):
             w = job.workload(choice.engine, choice.processes, choice.device)
             row = throughput.dense_row(w, job.seq_len)
-            with_ = throughput.flops_per_token(
-                job.arch, job.method, job.seq_len, True, bool(job.reference), row, job.kl_forward
-            )
-            without = throughput.flops_per_token(
-                job.arch, job.method, job.seq_len, False, bool(job.reference), row, job.kl_forward
+            args = (job.arch, job.method, job.seq_len)
+            with_, without = (
+                throughput.flops_per_token(*args, gc, bool(job.reference), row, job.kl_forward) for gc in (True, False)
             )
             best, update["gradient_checkpointing"] = (cand, c), False
             reasons.append(
@@ -127,14 +94,12 @@ def faster(job: Job, choice: Choice, free: set[str], replan: Callable[[Job], Cho
             if _same_engine(c, choice) and _with_headroom(c, cand):
                 update.update(micro_batch_size=m, gradient_accumulation_steps=per_step // m)
                 reasons.append(
-                    f"micro-batch {m} x accumulation {per_step // m} instead of {job.micro_batch} x "
-                    f"{job.accumulation} (the recipe leaves both to the plan; the same {per_step} examples per "
-                    f"optimizer step and process): {c.estimate.peak_gb:.1f} GB of {cap:.1f} GB per card, "
-                    f"{headroom(cand):g}x of it within the {sizing_constants.USABLE_FRACTION:.0%} the plan fills; "
-                    f"fewer, larger micro-batches keep the card busier (the estimate counts only the "
-                    f"{throughput.GPU_SECONDS_PER_MICRO_BATCH * 1000:.0f} ms fixed cost per micro-batch; the smoke "
-                    f"test "
-                    "measures the rest)"
+                    f"micro-batch {m} x accumulation {per_step // m} instead of {job.micro_batch} x {job.accumulation} "
+                    f"(the recipe leaves both to the plan; the same {per_step} examples per optimizer step and "
+                    f"process): {c.estimate.peak_gb:.1f} GB of {cap:.1f} GB per card, {headroom(cand):g}x of it within "
+                    f"the {sizing_constants.USABLE_FRACTION:.0%} the plan fills; fewer, larger micro-batches keep the "
+                    f"card busier (the estimate counts only the {throughput.GPU_SECONDS_PER_MICRO_BATCH * 1000:.0f} ms "
+                    "fixed cost per micro-batch; the smoke test measures the rest)"
                 )
                 best = (cand, c)
                 break

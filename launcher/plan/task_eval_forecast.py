@@ -11,14 +11,9 @@ from launcher.plan.figures import _fmt_hours
 from launcher.plan.models import Architecture
 
 
-def _times(n: int) -> str:
-    return "once" if n == 1 else f"{n} times"
-
-
 def _task_eval_note(recipe: Any, data_stats: Any) -> list[str]:
-    """What the task evaluation will generate (launcher/worker/task_eval.py): its examples, the answers each gets
-    (the base model zero-shot and with examples, the fine-tuned model, each exported model) and their longest
-    length; the smoke test measures the generation speed and forecasts its time (run/smoke.py task_eval_seconds)."""
+    """What the task evaluation will generate (launcher/worker/task_eval.py): its examples, who answers each and the
+    answers' longest length."""
     task = getattr(getattr(recipe, "eval", None), "task", None)
     if task is None or not task.examples:
         return []
@@ -31,32 +26,29 @@ def _task_eval_note(recipe: Any, data_stats: Any) -> list[str]:
         return ["task evaluation: nothing is held out (eval.fraction or eval.data), so nothing is scored"]
     scorers = _task_eval_scorers(recipe)
     longest = task.max_new_tokens or ev.max_new_tokens
+    times = "once" if len(scorers) == 1 else f"{len(scorers)} times"
     return [
-        f"task evaluation: {held} each answered greedily {_times(len(scorers))} ({', '.join(scorers)}), "
+        f"task evaluation: {held} each answered greedily {times} ({', '.join(scorers)}), "
         f"up to {longest} new tokens each; the smoke test measures the generation speed and forecasts its time"
     ]
 
 
 def _task_eval_scorers(recipe: Any) -> list[str]:
-    """Who answers the task evaluation's prompts (launcher/worker/task_eval.py): the base model twice where the launch
-    scores it (under init_from: the parent adapter twice and the bare base once), or after training with the adapter
-    switched off where the baseline is skipped (results.py _score_after), the fine-tuned model, each export."""
+    """Who answers the task evaluation's prompts: the base model twice where the launch scores it (under init_from:
+    the parent adapter twice and the bare base once), or after training with the adapter switched off (results.py
+    _score_after), then the fine-tuned model and each export."""
     task = recipe.eval.task
     formats = set(recipe.export)
-    start = "parent adapter" if getattr(recipe, "init_from", None) else "base model"
-    bare = [BARE_BASE_LABEL] if getattr(recipe, "init_from", None) else []
+    parent = getattr(recipe, "init_from", None)
+    start = "parent adapter" if parent else "base model"
     if task.baseline == "run":
-        base = bare + [f"{start} zero-shot", f"with {task.shots} examples"]
-    elif methods.is_adapter(recipe.method) and not getattr(recipe, "init_from", None):
+        base = [BARE_BASE_LABEL] * bool(parent) + [f"{start} zero-shot", f"with {task.shots} examples"]
+    elif methods.is_adapter(recipe.method) and not parent:
         base = [f"{start} zero-shot (after training, the adapter switched off)", f"with {task.shots} examples"]
     else:
         base = []
-    return (
-        base
-        + ["fine-tuned"]
-        + (["merged"] if "merged" in export_formats.made(formats) else [])
-        + (["GGUF"] if "gguf" in formats else [])
-    )
+    exports = ["merged"] * ("merged" in export_formats.made(formats)) + ["GGUF"] * ("gguf" in formats)
+    return base + ["fine-tuned"] + exports
 
 
 def _bound(arch: Architecture, gpu: Any) -> str:
@@ -79,9 +71,8 @@ def _bound(arch: Architecture, gpu: Any) -> str:
 def _task_eval_time(
     recipe: Any, data_stats: Any, arch: Architecture, gpu: Any, box_price: float | None
 ) -> dict[str, Any] | None:
-    """The task evaluation's time and cost before any smoke test, on a GPU the catalog knows the bandwidth of
-    (throughput.generation_tokens_per_second): an upper bound, every answer at its max_new_tokens (a trained model stops
-    at its end of turn sooner); the smoke test then measures the run's own rate (run/smoke.py task_eval_seconds)."""
+    """The task evaluation's time and cost before any smoke test, on a GPU the catalog knows the bandwidth of: an upper
+    bound, every answer at its max_new_tokens; the smoke test then measures the run's own rate."""
     task = getattr(getattr(recipe, "eval", None), "task", None)
     if task is None or not task.examples or gpu is None or not (recipe.eval.fraction or recipe.eval.data):
         return None

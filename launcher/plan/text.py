@@ -17,7 +17,6 @@ def _fmt_minutes(minutes: float) -> str:
 def format_plan(plan: Plan) -> str:
     """Human output: memory breakdown with each term explained, engine and reasons, tokens/time/cost, alternatives."""
     p = plan
-    lines = []
     gpus = p.gpus
     box_count = gpus.get("box_count", p.num_processes)
     card = f"{gpus['name']} ({gpus['memory_gb']:.0f} GB{' each' if box_count > 1 else ''})"
@@ -27,20 +26,15 @@ def format_plan(plan: Plan) -> str:
         where = f"{box_count} x {card}"
     else:
         where = f"{p.num_processes} of the box's {box_count} x {card}"
-    lines.append(
-        f"Plan: {p.method} of {p.model['name']} on {where} -> engine {p.engine}, "
-        f"{p.num_processes} process{'es' if p.num_processes > 1 else ''}"
-    )
-    lines.append("")
+    procs = f"{p.num_processes} process{'es' if p.num_processes > 1 else ''}"
+    lines = [f"Plan: {p.method} of {p.model['name']} on {where} -> engine {p.engine}, {procs}", ""]
     mem = p.memory
     label = "per GPU" if p.device == "cuda" else "in RAM"
     src = "measured by the smoke test" if mem["source"] == "measured" else "estimated"
     # "whole job" is the sizer's figure: beside a measured peak it is named as the estimate it is
-    whole = (
-        f"whole job {mem['total_gb']} GB"
-        if mem["source"] != "measured"
-        else f"whole job estimated at {mem['total_gb']} GB"
-    ) + (" (cards + CPU RAM)" if p.offload_optimizer else "")
+    whole = f"whole job {'estimated at ' if mem['source'] == 'measured' else ''}{mem['total_gb']} GB" + (
+        " (cards + CPU RAM)" if p.offload_optimizer else ""
+    )
     lines.append(f"Memory {label}: {mem['per_gpu_gb']} GB of {mem['capacity_gb']} GB ({src}); {whole}")
     width = max(len(k) for k in mem["breakdown_gb"])
     for k, v in mem["breakdown_gb"].items():
@@ -63,11 +57,7 @@ def format_plan(plan: Plan) -> str:
         )
     if mem.get("load_explanation"):
         lines.append(f"  loading: {mem['load_explanation']}")
-    lines.append("")
-    lines.append("Why:")
-    for r in p.reasons:
-        lines.append(f"  - {r}")
-    lines.append("")
+    lines += ["", "Why:", *(f"  - {r}" for r in p.reasons), ""]
     t = p.tokens
     tps_src = t["tokens_per_second_source"]
     lines.append(f"Tokens: {_fmt_tokens(t['training_tokens'])} training tokens ({t['source']})")
@@ -98,35 +88,22 @@ def format_plan(plan: Plan) -> str:
         )
         if e.get("total_hours") is not None:
             lines.append(f"Total:  {_fmt_hours(e['total_hours'])}{total_cost} on this box")
+    clock = f" (every {_fmt_minutes(p.checkpoint_every_minutes)} by the clock)" if p.checkpoint_every_minutes else ""
     lines.append(
         f"Steps:  {p.total_steps:,} optimizer steps (micro-batch {p.micro_batch_size} x accumulation "
-        f"{p.gradient_accumulation_steps} x {p.num_processes} process{'es' if p.num_processes > 1 else ''}); "
-        + (
-            f"checkpoint about every {p.checkpoint_every_steps} steps (every "
-            f"{_fmt_minutes(p.checkpoint_every_minutes)} by the clock)"
-            if p.checkpoint_every_minutes
-            else f"checkpoint about every {p.checkpoint_every_steps} steps"
-        )
+        f"{p.gradient_accumulation_steps} x {procs}); checkpoint about every {p.checkpoint_every_steps} steps{clock}"
     )
     r = p.cheapest_rental
     if r is not None and p.device == "cuda":
-        money = (
-            f"{_fmt_hours(r['hours'])}, {r['cost_eur']:.2f} EUR"
-            if r["cost_eur"] is not None
-            else f"{r['price_per_hour_eur']:.2f} EUR/h"
-        )
-        here = (
-            f"{_fmt_hours(e['hours'])}, {e['cost_eur']:.2f} EUR"
-            if e["cost_eur"] is not None
-            else _fmt_hours(e["hours"])
-        )
+        money = _fmt_hours(r["hours"]) if r["cost_eur"] is not None else f"{r['price_per_hour_eur']:.2f} EUR/h"
+        money += f", {r['cost_eur']:.2f} EUR" if r["cost_eur"] is not None else ""
+        here = _fmt_hours(e["hours"]) + (f", {e['cost_eur']:.2f} EUR" if e["cost_eur"] is not None else "")
         lines.append(
             f"Rent:   this box as planned {here}; the cheapest box to rent instead is {r['gpus']} "
             f"({r['engine']}, {money}, training only)"
         )
     if p.alternatives:
-        lines.append("")
-        lines.append("Other boxes that hold the job (estimated; with ftrun's Docker image):")
+        lines += ["", "Other boxes that hold the job (estimated; with ftrun's Docker image):"]
         lines.append(f"  {'gpus':<16} {'engine':<9} {'GB/card':>8} {'tokens/s':>9} {'time':>14} {'cost EUR':>9}")
         for a in p.alternatives:
             cost_a = f"{a['cost_eur']:.2f}" if a["cost_eur"] is not None else "-"
@@ -142,8 +119,5 @@ def format_plan(plan: Plan) -> str:
                 "  (the same rate on every card: for a model this small each step's fixed overhead, not the "
                 "card's speed, sets it; a run measures its real rate)"
             )
-    lines.append("")
-    for n in p.notes:
-        lines.append(f"note: {n}")
-    lines.append(f"note: {UNIT}; tokens are {TOKENS_MEANING}")
+    lines += ["", *(f"note: {n}" for n in p.notes), f"note: {UNIT}; tokens are {TOKENS_MEANING}"]
     return "\n".join(lines)

@@ -18,8 +18,7 @@ from launcher.plan.hardware import Gpu, Hardware, USER_CATALOG_ENV, _ram_gb, cpu
 from launcher.plan.sizing_constants import GB
 
 
-# Files the NVIDIA kernel driver creates: the torch fallback is tried only where one exists, so a
-# CPU box never pays for importing torch during `ftrun plan`.
+# Files the NVIDIA kernel driver creates: the torch fallback runs only where one exists (a CPU box never imports torch).
 NVIDIA_DRIVER_FILES = ("/proc/driver/nvidia/version", "/dev/nvidiactl")
 # The kernel module's version is the driver version; read when NVML cannot say it.
 DRIVER_VERSION_FILES = ("/sys/module/nvidia/version", "/proc/driver/nvidia/version")
@@ -51,61 +50,50 @@ def _text(value: Any) -> str:
 
 
 def _nvml_devices(pynvml: Any) -> tuple[list[_Device], str | None, list[str]]:
-    """Every device CUDA could enumerate, in NVML order, the driver version, and notes.
-
-    A GPU in MIG mode contributes its MIG instances instead of itself: CUDA cannot run on the parent
-    of a MIG-enabled GPU, only on an instance, which has a slice of the memory. Raises
-    pynvml.NVMLError when there is no driver. Function names as in nvidia-ml-py 13 (pynvml.py):
-    nvmlDeviceGetMigMode -> [current, pending], nvmlDeviceGetMaxMigDeviceCount,
-    nvmlDeviceGetMigDeviceHandleByIndex (NVML_ERROR_NOT_FOUND for an empty slot).
+    """Every device CUDA could enumerate, in NVML order, the driver version, and notes; a GPU in MIG mode contributes
+    its instances instead (CUDA runs only on those). Raises pynvml.NVMLError without a driver. nvidia-ml-py 13
+    pynvml.py: nvmlDeviceGetMigMode -> [current, pending], nvmlDeviceGetMigDeviceHandleByIndex (NOT_FOUND: empty slot).
     """
     pynvml.nvmlInit()
     notes: list[str] = []
-    try:
-        try:
-            driver = _text(pynvml.nvmlSystemGetDriverVersion()).strip() or None
+
+    def ask(call: Any, *args: Any, default: Any = None) -> Any:
+        try:  # NOT_SUPPORTED (a card without MIG or NVLink), NOT_FOUND (an empty MIG slot), ...
+            return call(*args)
         except pynvml.NVMLError:
-            driver = _driver_version_from_os()
+            return default
+
+    try:
+        raw = ask(pynvml.nvmlSystemGetDriverVersion)
+        driver = (_text(raw).strip() or None) if raw is not None else _driver_version_from_os()
         devices: list[_Device] = []
         for i in range(pynvml.nvmlDeviceGetCount()):
             handle = pynvml.nvmlDeviceGetHandleByIndex(i)
             name = _text(pynvml.nvmlDeviceGetName(handle))
-            uuid = _nvml_uuid(pynvml, handle)
-            try:
-                cc = tuple(pynvml.nvmlDeviceGetCudaComputeCapability(handle))
-            except pynvml.NVMLError:
-                cc = None
-            if not _mig_enabled(pynvml, handle):
-                devices.append(
-                    _Device(
-                        uuid,
-                        name,
-                        int(pynvml.nvmlDeviceGetMemoryInfo(handle).total),
-                        cc,
-                        nvlink=_has_active_nvlink(pynvml, handle),
-                    )
-                )
+            uuid = _text(ask(pynvml.nvmlDeviceGetUUID, handle, default=""))
+            cc = ask(lambda: tuple(pynvml.nvmlDeviceGetCudaComputeCapability(handle)))
+            if ask(pynvml.nvmlDeviceGetMigMode, handle, default=[None])[0] != pynvml.NVML_DEVICE_MIG_ENABLE:
+                memory = int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
+                devices.append(_Device(uuid, name, memory, cc, nvlink=_has_active_nvlink(pynvml, handle)))
                 continue
             instances = []
             for slot in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
-                try:
-                    mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
-                except pynvml.NVMLError:
-                    continue  # an empty slot: no instance created there
-                try:
-                    ids = (int(pynvml.nvmlDeviceGetGpuInstanceId(mig)), int(pynvml.nvmlDeviceGetComputeInstanceId(mig)))
-                except pynvml.NVMLError:
-                    ids = None
-                instances.append(
-                    _Device(
-                        _nvml_uuid(pynvml, mig),
-                        _text(pynvml.nvmlDeviceGetName(mig)),
-                        int(pynvml.nvmlDeviceGetMemoryInfo(mig).total),
-                        cc,
-                        parent_name=name,
-                        parent_uuid=uuid,
-                        mig_ids=ids,
+                mig = ask(pynvml.nvmlDeviceGetMigDeviceHandleByIndex, handle, slot)
+                if mig is None:
+                    continue
+                ids = ask(
+                    lambda: (
+                        int(pynvml.nvmlDeviceGetGpuInstanceId(mig)),
+                        int(pynvml.nvmlDeviceGetComputeInstanceId(mig)),
                     )
+                )
+                mig_uuid, mig_name = (
+                    _text(ask(pynvml.nvmlDeviceGetUUID, mig, default="")),
+                    _text(pynvml.nvmlDeviceGetName(mig)),
+                )
+                memory = int(pynvml.nvmlDeviceGetMemoryInfo(mig).total)
+                instances.append(
+                    _Device(mig_uuid, mig_name, memory, cc, parent_name=name, parent_uuid=uuid, mig_ids=ids)
                 )
             if not instances:
                 notes.append(
@@ -118,28 +106,12 @@ def _nvml_devices(pynvml: Any) -> tuple[list[_Device], str | None, list[str]]:
         pynvml.nvmlShutdown()
 
 
-def _nvml_uuid(pynvml: Any, handle: Any) -> str:
-    try:
-        return _text(pynvml.nvmlDeviceGetUUID(handle))
-    except pynvml.NVMLError:
-        return ""
-
-
-def _mig_enabled(pynvml: Any, handle: Any) -> bool:
-    try:
-        current = pynvml.nvmlDeviceGetMigMode(handle)[0]
-    except pynvml.NVMLError:
-        return False  # NOT_SUPPORTED: a card without MIG (consumer cards, V100, L40S, ...)
-    return current == pynvml.NVML_DEVICE_MIG_ENABLE
-
-
 def _has_active_nvlink(pynvml: Any, handle: Any) -> bool:
     for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
         try:
             if pynvml.nvmlDeviceGetNvLinkState(handle, link) == pynvml.NVML_FEATURE_ENABLED:
                 return True
-        except pynvml.NVMLError:
-            # Consumer cards and unused link slots answer NOT_SUPPORTED / INVALID_ARGUMENT: no NVLink there.
+        except pynvml.NVMLError:  # consumer cards and unused link slots: no NVLink there
             continue
     return False
 
@@ -162,8 +134,7 @@ def _match_visible(entry: str, devices: list[_Device]) -> _Device | None:
             and d.mig_ids == (int(legacy.group(2)), int(legacy.group(3)))
         ]
     else:
-        # CUDA accepts a unique prefix of a UUID ("GPU-8932f937"). A MIG-enabled card named by its GPU
-        # UUID stands for its instances.
+        # CUDA accepts a unique prefix of a UUID; a MIG-enabled card named by its GPU UUID stands for its instances.
         found = [d for d in devices if d.uuid and d.uuid.lower().startswith(low)]
         if not found and low.startswith("gpu-"):
             found = [d for d in devices if d.is_mig and (d.parent_uuid or "").lower().startswith(low)][:1]
@@ -171,8 +142,7 @@ def _match_visible(entry: str, devices: list[_Device]) -> _Device | None:
 
 
 def _cuda_view(devices: list[_Device], visible: str | None) -> tuple[list[_Device], list[str]]:
-    """What a CUDA process on this box enumerates: NVML lists every card, CUDA honours
-    CUDA_VISIBLE_DEVICES (indices or UUIDs) and gives a process only one MIG instance."""
+    """What a CUDA process here enumerates: CUDA_VISIBLE_DEVICES applied, and one MIG instance at most."""
     notes: list[str] = []
     chosen = list(devices)
     if visible is not None:
@@ -192,9 +162,8 @@ def _cuda_view(devices: list[_Device], visible: str | None) -> tuple[list[_Devic
                 chosen.append(device)
     migs = [d for d in chosen if d.is_mig]
     if len(migs) > 1:
-        # MIG user guide, "CUDA Device Enumeration": with CUDA 11/R450 and CUDA 12/R525 a CUDA process
-        # enumerates a single MIG instance however many are visible (pytorch/pytorch#130181), so
-        # torchrun's ranks cannot each take one: the job plans for the first.
+        # MIG user guide, "CUDA Device Enumeration": a process enumerates a single MIG instance however many are
+        # visible (pytorch/pytorch#130181), so torchrun's ranks cannot each take one: the job plans for the first.
         notes.append(
             f"{len(migs)} MIG instances are visible, but a CUDA process can use only one: planning for "
             f"{migs[0].uuid or migs[0].name}; run one job per MIG instance, each with its own "
@@ -225,20 +194,12 @@ def _gpu(
                 f"GPU '{name}' is not in the catalog: no price or TFLOP/s known, time is estimated "
                 f"from its memory class; add it to {USER_CATALOG_ENV}"
             )
-        return Gpu(
-            entry.name if entry else name,
-            memory,
-            cc,
-            entry.tflops_bf16 if entry else None,
-            entry.price_per_hour_eur if entry else None,
-            entry.memory_bandwidth_gb_s if entry else None,
-        )
+        return replace(entry.gpu(), memory_gb=memory, compute_capability=cc) if entry else Gpu(name, memory, cc)
     profile, slices = _mig_profile(name)
     card = entry.name if entry else parent_name
     tflops = entry.tflops_bf16 * slices / MIG_COMPUTE_SLICES if entry and slices else None
     notes.append(
-        f"{card} is split by MIG: planning for one MIG instance ({profile or 'profile unknown'}, "
-        f"{memory:.1f} GB"
+        f"{card} is split by MIG: planning for one MIG instance ({profile or 'profile unknown'}, {memory:.1f} GB"
         + (f", {slices} of {MIG_COMPUTE_SLICES} compute slices" if tflops else ", its compute share unknown")
         + "), not the whole card; a MIG instance's price depends on the provider: set price_per_hour_eur"
     )
@@ -253,21 +214,14 @@ def _driver_version_from_os() -> str | None:
             text = Path(path).read_text()
         except OSError:
             continue
-        # /sys/module/nvidia/version: "550.54.14"; /proc/driver/nvidia/version: "NVRM version: NVIDIA UNIX
-        # x86_64 Kernel Module  550.54.14  Thu Feb 22 ..."
+        # "550.54.14", or "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.14  Thu Feb 22 ..."
         m = re.search(r"\b(\d{3,}\.\d+(?:\.\d+)?)\b", text)
         if m:
             return m.group(1)
     return None
 
 
-def _nvidia_driver_present() -> bool:
-    return any(Path(p).exists() for p in NVIDIA_DRIVER_FILES)
-
-
-# Runs in a child process: torch initialises CUDA there, not in ftrun's own process (which stays
-# light and holds no CUDA context on a card the training will need). torch sees what the worker
-# will see: CUDA_VISIBLE_DEVICES and MIG are applied by CUDA itself.
+# Runs in a child process: ftrun's own holds no CUDA context, and it sees what the worker will (CUDA_VISIBLE_DEVICES)
 _TORCH_PROBE = """
 import json, torch
 out = []
@@ -303,58 +257,42 @@ def _detect_with_torch(cpu: int, ram: float, why: str) -> Hardware:
     """NVML is missing or failed: ask torch.cuda, and say so."""
     import importlib.util
 
-    if not _nvidia_driver_present():
-        return Hardware(
-            (),
-            links.NONE,
-            cpu,
-            ram,
-            "detected",
-            (f"{why}, and no NVIDIA driver is loaded on this box: CPU only; plan for a GPU box with --gpus",),
+    if not any(Path(p).exists() for p in NVIDIA_DRIVER_FILES):
+        return _cpu_only(
+            cpu, ram, f"{why}, and no NVIDIA driver is loaded on this box: CPU only; plan for a GPU box with --gpus"
         )
     if importlib.util.find_spec("torch") is None:
-        return Hardware(
-            (),
-            links.NONE,
-            cpu,
-            ram,
-            "detected",
-            (f"{why}, and torch is not installed to ask instead: CPU only; install ftrun[gpu] (nvidia-ml-py)",),
+        return _cpu_only(
+            cpu, ram, f"{why}, and torch is not installed to ask instead: CPU only; install ftrun[gpu] (nvidia-ml-py)"
         )
     try:
         found = _torch_devices()
     except HardwareError as exc:
-        return Hardware(
-            (), links.NONE, cpu, ram, "detected", (f"{why}, and {exc.args[0] if exc.args else exc}: CPU only",)
-        )
+        return _cpu_only(cpu, ram, f"{why}, and {exc.args[0] if exc.args else exc}: CPU only")
     if not found:
-        return Hardware(
-            (),
-            links.NONE,
+        return _cpu_only(
             cpu,
             ram,
-            "detected",
-            (
-                f"{why}, and torch.cuda sees no device (CUDA_VISIBLE_DEVICES, or a driver that does not "
-                "match torch's CUDA): CPU only",
-            ),
+            f"{why}, and torch.cuda sees no device (CUDA_VISIBLE_DEVICES, or a driver that does not "
+            "match torch's CUDA): CPU only",
         )
     notes: list[str] = []
     gpus = tuple(_gpu(d["name"], int(d["total_memory"]), (int(d["major"]), int(d["minor"])), notes) for d in found)
-    if len(gpus) == 1:
-        interconnect = links.NONE
-    else:
-        # torch does not tell NVLink from PCIe; the catalog knows how a card's multi-GPU boxes are built.
-        entry = lookup(gpus[0].name)
-        interconnect = entry.interconnect if entry else links.PCIE
+    # torch does not tell NVLink from PCIe; the catalog knows how a card's multi-GPU boxes are built.
+    entry = lookup(gpus[0].name) if len(gpus) > 1 else None
+    interconnect = links.NONE if len(gpus) == 1 else entry.interconnect if entry else links.PCIE
     notes.insert(
         0,
         f"{why}: GPUs read through torch.cuda instead (name, memory, compute capability); the "
         f"interconnect is not visible that way and is taken as {interconnect} "
-        f"({'from the catalog' if len(gpus) > 1 and lookup(gpus[0].name) else 'assumed'}); "
+        f"({'from the catalog' if entry else 'assumed'}); "
         "install ftrun[gpu] (nvidia-ml-py) for NVML's view",
     )
     return Hardware(gpus, interconnect, cpu, ram, "detected", tuple(notes), _driver_version_from_os())
+
+
+def _cpu_only(cpu: int, ram: float, note: str) -> Hardware:
+    return Hardware((), links.NONE, cpu, ram, "detected", (note,))
 
 
 def detect() -> Hardware:
@@ -371,7 +309,7 @@ def detect() -> Hardware:
 def _detect_devices(cpu: int, ram: float) -> Hardware:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() in ("", "-1"):
-        return Hardware((), links.NONE, cpu, ram, "detected", ("CUDA_VISIBLE_DEVICES hides all GPUs: CPU only",))
+        return _cpu_only(cpu, ram, "CUDA_VISIBLE_DEVICES hides all GPUs: CPU only")
     try:
         import pynvml  # nvidia-ml-py; imported here so `import launcher.plan.hardware` stays light
     except ImportError:
@@ -413,14 +351,3 @@ def for_plan(gpus: str | None, box: str | None) -> tuple[Hardware, str]:
             f"the recipe's box: {box} (this machine has no GPU; --gpus plans for another box)",
         )
     return here, "this machine (no GPU detected, and the recipe names no box:; --gpus plans for a GPU box)"
-
-
-def main() -> None:  # pragma: no cover - `python -m launcher.plan.this_box` prints what the box has
-    hw = detect()
-    print(hw.describe() + (f", driver {hw.driver_version}" if hw.driver_version else ""))
-    for note in hw.notes:
-        print("note:", note, file=sys.stderr)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    main()
