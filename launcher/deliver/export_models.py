@@ -173,22 +173,13 @@ def _export_models(
         from launcher.worker.processor import load_processor
 
         stamp = (merged_dir / "config.json").stat().st_mtime_ns
-        _score_export(
-            inp,
-            task,
-            "merged",
-            task_eval.score_model(
-                reloaded,
-                # a vision-language model answers with the images in the prompt, read by its processor
-                load_processor(merged_dir, say=lambda _: None)
-                if inp.vision
-                else AutoTokenizer.from_pretrained(str(merged_dir)),
-                inp.run.root,
-                task,
-                "merged",
-                identity=f"merged {tree_bytes(merged_dir)} {stamp}",
-            ),
-        )
+        if inp.vision:  # a vision-language model answers with the images in the prompt, read by its processor
+            reader = load_processor(merged_dir, say=lambda _: None)
+        else:
+            reader = AutoTokenizer.from_pretrained(str(merged_dir))
+        identity = f"merged {tree_bytes(merged_dir)} {stamp}"
+        scored = task_eval.score_model(reloaded, reader, inp.run.root, task, "merged", identity=identity)
+        _score_export(inp, task, "merged", scored)
     del reloaded
     release()
     result = compare(ref, merged_out, kind, parity.dtype)

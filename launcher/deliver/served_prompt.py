@@ -1,36 +1,14 @@
 """The served prompt is the trained prompt: each runtime's rendering of the conversations' prompts, token for token
 against what the training put in front of the answer, and the token that ends a turn against each runtime's stops.
 
-The reference is the training sequence itself. TRL renders a `messages` conversation whole, once, with no
-generation prompt (trl 1.16 trainer/sft_trainer.py tokenize_fn, language-modeling case: `apply_chat_template(
-messages, tokenize=True, return_dict=True)` through data_utils.py _tokenize), and a conversational
-prompt/completion pair as prompt + completion the same way, its loss starting where the prompt's own rendering
-stops being a prefix (common_prefix_length). What the model learned to continue from is the tokens in front of
-the last answer in that sequence: the whole tokens before the answer's first character. A template whose
-generation prompt differs from what precedes an assistant turn in its history (Qwen3's empty think block with
-`enable_thinking=False`, a generation prompt ending in a space that the answer's first token swallows in
-training, a header written otherwise for the last turn) serves another prompt than the one trained.
-
-The tokenizer and template are the training's (training_tokenizer, _training_template), the prompts the held-out
-conversations and one of every other shape (_choose). Where the model's template has chat-template switches
-(Qwen3's `enable_thinking`), the setting under which its generation prompt is the trained context is found once
-(`kwargs`), and every runtime is told to serve with it (SERVING.md); where none gives it, the export fails. Each
-runtime is then asked for the same prompts:
-- transformers and vLLM: the exported folder's tokenizer and chat template (tokenizer_config.json /
-  chat_template.jinja), `apply_chat_template(..., tokenize=False, add_generation_prompt=True)` tokenized without
-  special tokens. vLLM's chat endpoint does exactly this: it resolves the template with
-  `tokenizer.get_chat_template` (vllm/entrypoints/chat_utils.py resolve_hf_chat_template), renders it through
-  transformers' apply_chat_template (apply_hf_chat_template) and tokenizes with add_special_tokens=False (the
-  chat request's default); with `--lora-modules` it takes the adapter folder's tokenizer when the folder has one
-  (vllm/transformers_utils/tokenizer.py get_lora_tokenizer), else the base model's.
-- llama.cpp: the GGUF's embedded template, tokenized by the GGUF's vocabulary, both as llama-cpp-python's chat
-  completion does and as llama-server does (llamacpp_runtime.py chat_prompt, server_prompt; docs/evaluation.md has the
-  table of runtimes with the source lines).
-- Ollama: the template Ollama chooses for the GGUF and Modelfile (ollama_template.py: the Modelfile's TEMPLATE,
-  the Go template it autodetects, or the GGUF's own through llama-server) rendered as Ollama renders a Go template
-  (go_template.py), tokenized by the GGUF's vocabulary with its special tokens added, as Ollama's runner does;
-  where Ollama hands the chat to llama-server, the llama-server check is Ollama's.
-A prompt that differs fails the export, with the first differing token and the tokens before it.
+The reference is the training sequence itself (trl 1.16 trainer/sft_trainer.py tokenize_fn renders a conversation
+whole, with no generation prompt): the tokens in front of the last answer. Where the template has switches (Qwen3's
+`enable_thinking`), the setting that serves the trained context is found once (`kwargs`). Each runtime renders the
+same prompts: transformers and vLLM (vllm/entrypoints/chat_utils.py resolve_hf_chat_template; an adapter folder's
+tokenizer, vllm/transformers_utils/tokenizer.py get_lora_tokenizer), llama.cpp (llamacpp_runtime.py chat_prompt,
+server_prompt) and Ollama (ollama_template.py, go_template.py). A prompt that differs fails the export.
+docs/evaluation.md, "After the export: the served prompt is the trained prompt", has the cases and the runtimes'
+source lines.
 """
 
 from __future__ import annotations
@@ -44,10 +22,6 @@ from launcher.deliver.messages import ExportError, _say
 
 CONTEXT_TOKENS = 8  # tokens shown before the first difference
 MAX_SHAPES = 24  # conversation shapes (sequences of roles) checked, the most frequent first
-
-
-# ---------------------------------------------------------------------------------------------
-# What the training saw
 
 
 def training_tokenizer(recipe, saved: Path):
@@ -227,15 +201,13 @@ class ServedPrompt:
         }
         return chosen
 
-    def _switches(self) -> dict[str, Any]:
-        """The chat-template switches every runtime serves with (launcher/data/chat_prompt.py switches)."""
+    def _switches(self) -> dict[str, Any]:  # the chat-template switches every runtime serves with
         return switches(self.tokenizer, [(p["messages"], p["tools"], p["ids"]) for p in self.prompts])
 
     @staticmethod
     def render_ids(tokenizer, p: dict[str, Any], kw: dict[str, Any]) -> list[int]:
         return generation_ids(tokenizer, p["messages"], p["tools"], kw)
 
-    # -----------------------------------------------------------------------------------------
     def token(self, i: int) -> str:
         return self.tokenizer.convert_ids_to_tokens(int(i)) or f"<{i}>"
 
@@ -297,9 +269,8 @@ class ServedPrompt:
         return entry
 
     def _fix(self) -> str:
-        """What to do when a runtime's prompt differs: the training is what has to change (a re-export renders the same
-        template again), towards the template that serves; `ftrun plan` checks the same before training
-        (launcher/data/served_check.py)."""
+        """What to do when a runtime's prompt differs: the training has to change (a re-export renders the same
+        template again)."""
         head = "do not serve this output as it is: the model would answer a prompt it was never trained on. "
         if self.report.get("training_template"):
             return head + (
@@ -318,7 +289,6 @@ class ServedPrompt:
         if name not in self.report["checked"]:
             self.report["checked"].append(name)
 
-    # -----------------------------------------------------------------------------------------
     def compare_transformers(self, key: str, tokenizer, runtime: str) -> dict[str, Any]:
         served = [self.render_ids(tokenizer, p, self.kwargs) for p in self.prompts]
         entry = self.compare(key, runtime, served, chat_template_kwargs=self.kwargs or None)
@@ -353,9 +323,8 @@ class ServedPrompt:
         return [i for i, piece in pieces.items() if any(s and s in piece for s in stops)]
 
     def ending(self, key: str, outs: list[dict[str, Any]], stop_ids: set[int]) -> dict[str, Any]:
-        """Share of held-out prompts whose greedy continuation ends its turn with the trained end-of-turn token
-        (the first end token it reaches is that one) within its budget; a measure, not a bound: a tiny or
-        briefly trained model may not have learned to stop."""
+        """Share of held-out prompts whose greedy continuation's first end token is the trained end of turn; a
+        measure, not a bound (a tiny model may not have learned to stop)."""
         ended = other = 0
         for o in outs:
             cont = o.get("continuation") or []
@@ -370,10 +339,6 @@ class ServedPrompt:
         }
         self.report["ending"][key] = entry
         return entry
-
-
-# ---------------------------------------------------------------------------------------------
-# The Modelfile, as Ollama reads it
 
 
 def modelfile_parts(text: str) -> tuple[Optional[str], list[str]]:

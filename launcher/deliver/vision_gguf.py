@@ -1,21 +1,11 @@
 """A vision-language model's GGUF export: the text GGUF and the projector GGUF (`mmproj`) written by llama.cpp's own
 converter from the merged folder, read back through llama.cpp's multimodal path (mtmd) and held to the merged model
-in transformers on the held-out images.
+in transformers on the held-out images (docs/evaluation.md, "The parity through llama.cpp's multimodal path").
 
-The converter: the pinned llama-cpp-python 0.3.36's convert_hf_to_gguf.py (installed by `ftrun llamacpp install`),
-run twice on the merged folder: once for the language model (conversion/qwenvl.py Qwen2VLModel, architecture
-qwen2vl) and once with `--mmproj` for the vision tower and its merger (Qwen2VLVisionModel: projector type
-qwen2.5vl_merger, only the `visual.` tensors, the Conv3d patch embedding split into two Conv2d). Which architectures
-have a projector conversion is the converter's MMPROJ_MODEL_MAP (launcher/plan/gguf_readiness.py projector_problem
-refuses the others at plan time).
-
-The runtime: llama-cpp-python 0.3.36 ships libmtmd and its ctypes binding (llama_cpp/mtmd_cpp.py). Each held-out
-prompt is rendered as llama-server renders a chat with an image: the GGUF's own chat template with each image part
-replaced by mtmd's media marker (tools/server: an image_url part becomes the marker text), tokenized by
-mtmd_tokenize (which wraps each image in <|vision_start|> ... <|vision_end|> for the Qwen2-VL family, mtmd.cpp) and
-evaluated by mtmd_helper_eval_chunks (M-RoPE positions for the image, mtmd-helper.cpp). The prompt's tokens, with each
-image chunk written as its count of <|image_pad|> tokens, must equal what the processor hands the model; the
-next-token logits after the prompt and the greedy answers are compared with the merged model's.
+The converter: llama-cpp-python 0.3.36's convert_hf_to_gguf.py, run once for the language model (conversion/qwenvl.py
+Qwen2VLModel) and once with `--mmproj` (Qwen2VLVisionModel; the converter's MMPROJ_MODEL_MAP lists the architectures).
+The runtime: libmtmd through llama_cpp/mtmd_cpp.py, driven as llama-server drives it (tools/server: an image part
+becomes the media marker; mtmd.cpp mtmd_tokenize, mtmd-helper.cpp mtmd_helper_eval_chunks).
 """
 
 from __future__ import annotations

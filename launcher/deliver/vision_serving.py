@@ -3,15 +3,11 @@ llama.cpp's llama-server and llama-mtmd-cli, Ollama), and which of them this arc
 
 Only the standard library at module level: `ftrun plan` and the default-tier tests read it.
 
-Image tokens. transformers' processor sizes an image by the model's preprocessor_config.json (min and max pixels;
-launcher/data/image_tokens.py ImageRule), and vLLM calls the same processor, so vLLM inserts what training saw.
-llama.cpp does not read preprocessor_config.json: the pinned converter (llama-cpp-python 0.3.36,
-conversion/qwenvl.py Qwen2VLVisionModel and conversion/base.py MmprojModel.set_gguf_parameters) writes the patch
-size, the image mean and std, but no pixel bounds, and llama.cpp's mtmd sets its own for the Qwen2-VL family
-(vendor/llama.cpp/tools/mtmd/clip.cpp, `case PROJECTOR_TYPE_QWEN25VL:` `hparams.set_limit_image_tokens(8, 4096)`),
-overridden by `--image-min-tokens`/`--image-max-tokens` (common/arg.cpp) or mtmd_context_params.image_min_tokens.
-Its resize is the same arithmetic as transformers' smart_resize (tools/mtmd/mtmd-image.cpp calc_size_preserved_ratio,
-used by mtmd_image_preprocessor_dyn_size), so with the bounds set to the processor's, both count the same tokens.
+Image tokens: vLLM calls the processor that training used; llama.cpp's converter writes no pixel bounds
+(llama-cpp-python 0.3.36 conversion/base.py MmprojModel.set_gguf_parameters) and mtmd sets its own
+(tools/mtmd/clip.cpp `set_limit_image_tokens(8, 4096)`) with the same resize arithmetic (mtmd-image.cpp
+calc_size_preserved_ratio), so `--image-min-tokens`/`--image-max-tokens` set to the processor's bounds give the same
+tokens (docs/evaluation.md, "The parity through llama.cpp's multimodal path").
 """
 
 from __future__ import annotations
@@ -27,12 +23,9 @@ from typing import Any, Optional
 # not listed here has no known bounds, and the served-prompt check then measures llama.cpp's count only (gguf tier).
 LLAMACPP_IMAGE_TOKENS = {"qwen2_vl": (8, 4096), "qwen2_5_vl": (8, 4096), "qwen3_vl": (8, 4096)}
 
-# Ollama, per architecture (config.json architectures[0]). Ollama's `ollama create` converts a safetensors folder of
-# these architectures into its own single-file GGUF (vision tower inside) run by its own engine: ollama/ollama
-# convert/convert.go LoadModelMetadata (Qwen2_5_VLForConditionalGeneration -> convert_qwen25vl.go, general.architecture
-# "qwen25vl"). The llama.cpp text GGUF + mmproj pair is not what its engine runs for these: Ollama's own runner took
-# external projectors only for clip and mllama (ollama PR #10162), and two FROM lines for an architecture on its own
-# engine fail to load (ollama issue #14730). An architecture not listed: not said to be served by Ollama.
+# Ollama, per architecture (config.json architectures[0]): `ollama create` converts these safetensors folders into its
+# own GGUF with the tower inside (ollama/ollama convert/convert.go LoadModelMetadata); its engine does not load the
+# llama.cpp pair for them (ollama PR #10162, issue #14730). An architecture not listed: not said to be served by Ollama.
 OLLAMA = {
     "Qwen2_5_VLForConditionalGeneration": (
         "ollama create from the merged folder (Ollama converts Qwen2_5_VLForConditionalGeneration itself, "

@@ -38,14 +38,12 @@ class Job:
     sequences: int = 1  # rows per example in a micro-batch (a preference pair: 2); mean_tokens counts them all
     reference: str = ""  # DPO's reference (sizing.REFERENCES), "" without one
     objective: str = methods.DEFAULT_OBJECTIVE  # launcher/methods.py OBJECTIVES
-    # GRPO (an objective that generates): answers sampled per prompt, and the longest answer in tokens. `examples`
-    # then counts answers (prompts x answers_per_prompt), each a sequence of its prompt and its answer, as TRL's
-    # per_device_train_batch_size does.
+    # GRPO: answers sampled per prompt, and the longest answer in tokens; `examples` then counts answers, as TRL's
+    # per_device_train_batch_size does
     answers_per_prompt: int = 1
     completion_tokens: int = 0
-    # Padding-free rows: the micro-batch as one row of its examples (the recipe's padding_free, or packing); and
-    # whether attention over such a row carries a dense L x L mask (SDPA without a variable-length kernel: the plan
-    # decides it from the box, launcher/plan/attention.py dense_mask).
+    # padding-free rows (padding_free, or packing), and whether attention over such a row carries a dense L x L mask
+    # (launcher/plan/attention.py dense_mask)
     padding_free: bool = False
     dense_mask: bool = False
     kl_forward: bool = False  # KTO: each example's KL sequence, forward only (methods.Objective.kl_forward)
@@ -69,10 +67,8 @@ class Job:
         offload_optimizer: bool = False,
         offload_activations: bool = False,
     ) -> Workload:
-        """`offload`: parameters in CPU RAM (FSDP's fsdp_offload_params, DeepSpeed's offload_param);
-        `offload_optimizer`: DeepSpeed's optimizer offload (docs/sizing.md, "CPU offload"); `offload_activations`:
-        TRL's activation_offloading (also when the recipe's trainer: section sets it). Unsloth's vision path is sized
-        with TRL's terms (plan/engine.py UNSLOTH_VISION_SIZED)."""
+        """`offload`: parameters in CPU RAM; `offload_optimizer`: DeepSpeed's optimizer offload; `offload_activations`:
+        TRL's activation_offloading. Unsloth's vision path is sized with TRL's terms (UNSLOTH_VISION_SIZED)."""
         engine = "trl" if engine == "unsloth" and self.arch.vision_tower else engine
         return Workload(
             self.method,
@@ -120,14 +116,9 @@ def _job(
         per_epoch = None
         source = tokens_from if tokens else "unknown"
     seq_len = max_length if recipe.packing else longest
-    if recipe.packing:
-        mean_seq = max_length  # packed sequences are full
-    else:
-        mean_seq = mean
-    training = None
-    if recipe.max_steps is not None:
-        # max_steps overrides epochs (as in the HF Trainer); tokens follow from the batch shape.
-        training = None  # filled in once the process count is known
+    mean_seq = max_length if recipe.packing else mean  # packed sequences are full
+    training = None  # with max_steps: filled in once the process count is known
+    if recipe.max_steps is not None:  # max_steps overrides epochs (as in the HF Trainer)
         source += f"; max_steps={recipe.max_steps} decides the length"
     elif per_epoch is not None:
         training = per_epoch * recipe.epochs

@@ -20,9 +20,8 @@ def _data_spec(run: RunDir, recipe):
 
 
 def _data_changed(run: RunDir, recipe, data_sha256: str) -> Optional[str]:
-    """Why the data read now is not what the launcher checked and recorded (data.json), or None. The launcher
-    refuses a resume on changed data; this catches a change between two starts of the worker under one
-    supervisor (a crash and its restart), which would otherwise train on other examples unnoticed."""
+    """Why the data read now is not what the launcher checked and recorded (data.json), or None: catches a change
+    between two starts of the worker under one supervisor (a crash and its restart)."""
     from launcher.data.dataset import identity, load_data
 
     record = run.root / "data.json"
@@ -61,15 +60,9 @@ def _eval_and_prompts(run: RunDir, recipe, mode: str, examples: list) -> tuple[l
     parts = split.for_recipe(examples, recipe)
     if recipe.eval.data:
         held_examples = split.load_eval_data(recipe)
-        prompts = samples.pick(
-            held_examples,
-            list(range(len(held_examples))),
-            [],
-            recipe.eval.samples,
-            recipe.seed,
-            split.source_name(recipe.eval.data),
-        )
-        return held_examples, prompts
+        everything = list(range(len(held_examples)))
+        source = split.source_name(recipe.eval.data)
+        return held_examples, samples.pick(held_examples, everything, [], recipe.eval.samples, recipe.seed, source)
     prompts = samples.pick(
         examples, parts.held_out, parts.train, recipe.eval.samples, recipe.seed, split.source_name(recipe.data)
     )
@@ -83,18 +76,12 @@ def _trained_tokens(examples: list, prepared, sample: int = 2000) -> str:
 
     if examples and examples[0].get("images") is not None:
         # trl 1.16 leaves image data unprepared (sft_trainer.py _skip_prepare_dataset, dpo_trainer.py
-        # skip_prepare_dataset for a vision dataset): its collator renders and tokenizes each batch with its images
-        # (DataCollatorForVisionLanguageModeling; DataCollatorForVisionPreference, the prompt before both answers)
+        # skip_prepare_dataset): its collator renders and tokenizes each batch with its images
         count = sum(len(e["images"]) for e in examples)
-        what, unit, each = (
-            (
-                "preference pairs with images",
-                "pairs",
-                " (its prompt and images before the chosen and the rejected answer)",
-            )
-            if example_form(examples[0]) == "preference"
-            else ("chat with images", "examples", "")
-        )
+        what, unit, each = ("chat with images", "examples", "")
+        if example_form(examples[0]) == "preference":
+            what, unit = "preference pairs with images", "pairs"
+            each = " (its prompt and images before the chosen and the rejected answer)"
         return (
             f"data as TRL takes it: {what}, {len(prepared):,} {unit}, {count:,} images; each batch rendered{each}, its "
             "images read and tokenized by the model's processor as it trains (the plan counted the image tokens)"
@@ -151,14 +138,10 @@ def _trained_tokens(examples: list, prepared, sample: int = 2000) -> str:
 def templated(examples: list, tokenizer) -> list:
     """Conversational pairs rendered to text with the model's chat template by TRL's own functions (trl 1.16
     data_utils.py maybe_extract_prompt, maybe_apply_chat_template: what ORPOTrainer maps over its dataset), for a
-    trainer that renders through datasets.map into the same columns, where ftrun's Json message columns would keep
-    the lists (launcher/methods.py templated_by_worker). Plain pairs are returned as they are."""
+    trainer that renders through datasets.map (methods.py templated_by_worker). Plain pairs stay as they are."""
     from trl.data_utils import maybe_apply_chat_template, maybe_extract_prompt
 
     from launcher.data.formats import PAIR_KEYS
 
-    out = []
-    for ex in examples:
-        row = maybe_apply_chat_template(maybe_extract_prompt(dict(ex)), tokenizer)
-        out.append({k: row[k] for k in PAIR_KEYS})
-    return out
+    rows = [maybe_apply_chat_template(maybe_extract_prompt(dict(ex)), tokenizer) for ex in examples]
+    return [{k: row[k] for k in PAIR_KEYS} for row in rows]

@@ -1,12 +1,7 @@
-"""Engine unsloth: the worker loads the model with Unsloth's FastLanguageModel, then trains with the same
-TRL SFTTrainer, callbacks, checkpoints and resume as engine trl.
-
-Unsloth patches transformers/trl/peft when it is imported, so the worker imports it before any of them
-(`import_unsloth`, called by launcher.worker.train before its own Hugging Face imports). Everything the plan
-needs (the pre-quantized repos, the module names) is importable without torch or Unsloth.
-
-Unsloth pins older releases than ftrun's default stack (transformers<=5.17, trl<=1.15, datasets<5.0 for
-Unsloth 2026.10), so it lives in its own environment: see docs/engines.md and `scripts/test.sh --unsloth`.
+"""Engine unsloth: the worker loads the model with Unsloth's FastLanguageModel (FastVisionModel for a vision-language
+model), then trains with the same TRL SFTTrainer, callbacks, checkpoints and resume as engine trl. Unsloth patches
+transformers/trl/peft on import, so the worker imports it first (`import_unsloth`). It pins older releases than
+ftrun's stack, so it lives in its own environment (docs/engines.md, "Why Unsloth has its own environment").
 """
 
 from __future__ import annotations
@@ -106,9 +101,9 @@ def load_model_and_tokenizer(recipe, device: str, dtype):
 
 
 def _load_vision(recipe, source: str, dtype):
-    """Unsloth 2026.10.9's vision path: FastVisionModel (unsloth/models/loader.py: FastModel) returns the model and
-    its processor; get_peft_model and for_training are unsloth/models/vision.py FastBaseModel's. Its CPU backend has
-    none (unsloth/_cpu_init.py raises NotImplementedError): the plan refuses it there (UNSLOTH_VISION_CPU)."""
+    """Unsloth 2026.10.9's vision path: FastVisionModel (unsloth/models/loader.py FastModel) returns the model and its
+    processor; get_peft_model and for_training are unsloth/models/vision.py FastBaseModel's. None on the CPU
+    (unsloth/_cpu_init.py raises NotImplementedError): the plan refuses it there."""
     from unsloth import FastVisionModel
 
     model, processor = FastVisionModel.from_pretrained(
@@ -125,11 +120,9 @@ def _load_vision(recipe, source: str, dtype):
 
 
 def vision_peft_arguments(model, recipe) -> dict[str, Any]:
-    """get_peft_model's arguments for the recipe's lora: section: the switches say what LoRA reaches (the language
-    model; the tower where lora.vision_tower asks), the modules are engine trl's regular expression
-    (loading.vision_targets), which get_peft_model hands to PEFT as it is. Unsloth's switches alone
-    (unsloth_zoo/peft_utils.py get_peft_regex) leave the tower's patch merger out, which ftrun adapts and the plan
-    counts: so both engines train, count and serve the same adapter."""
+    """get_peft_model's arguments for the recipe's lora: section, with engine trl's modules (loading.vision_targets):
+    Unsloth's switches alone (unsloth_zoo/peft_utils.py get_peft_regex) leave the patch merger out, and both engines
+    must train the same adapter."""
     from launcher.worker.loading import vision_targets
 
     lora = recipe.lora
@@ -152,11 +145,10 @@ CHATML_PARTS = {"instruction_part": "<|im_start|>user\n", "response_part": "<|im
 
 
 def vision_collator(model, processor, recipe, args, collator_class=None):
-    """UnslothVisionDataCollator (unsloth/trainer.py, over unsloth_zoo/vision_utils.py's): it renders each
-    conversation, decodes its `images` paths and masks padding and image tokens out of the labels. resize="max"
-    keeps each image's size, so its tokens are the plan's (the default "min" shrinks images); assistant_only_loss:
-    its train_on_responses_only with ChatML's turn openings, so the trainer's `args` leave it off (trl 1.15 refuses
-    it for image data below transformers 5.18: sft_trainer.py). `collator_class`: the zoo's, for the tests on a CPU."""
+    """UnslothVisionDataCollator (unsloth/trainer.py, over unsloth_zoo/vision_utils.py's), which masks padding and
+    image tokens out of the labels. resize="max" keeps each image's size, so its tokens are the plan's;
+    assistant_only_loss becomes its train_on_responses_only, and `args` leave it off (trl 1.15 sft_trainer.py refuses
+    it for image data below transformers 5.18). `collator_class`: the zoo's, for the tests on a CPU."""
     if collator_class is None:
         from unsloth.trainer import UnslothVisionDataCollator as collator_class
     kwargs: dict[str, Any] = {"max_seq_length": recipe.max_length, "resize": "max"}
@@ -174,22 +166,13 @@ def vision_collator(model, processor, recipe, args, collator_class=None):
 
 def patched_modules(model) -> list[str]:
     """Names of module classes whose forward comes from Unsloth (its fast attention/MLP/norm kernels, GPU path)."""
-    seen: set[str] = set()
-    for m in model.modules():
-        fwd = getattr(type(m), "forward", None)
-        if "unsloth" in (getattr(fwd, "__module__", "") or ""):
-            seen.add(type(m).__name__)
-    return sorted(seen)
+    forwards = {type(m).__name__: getattr(type(m), "forward", None) for m in model.modules()}
+    return sorted(name for name, fwd in forwards.items() if "unsloth" in (getattr(fwd, "__module__", "") or ""))
 
 
 def markers(model, trainer=None) -> list[str]:
-    """What shows that Unsloth built this model (and patched this trainer); empty for a plain transformers model.
-
-    On a GPU Unsloth replaces the decoder's forwards with its kernels. Without a GPU it loads through
-    unsloth_zoo's FastCPUModel (stock transformers + PEFT) and leaves its own marks instead: a chunked
-    cross-entropy forward on the model instance, FastCPUModel's methods attached, SFTTrainer.compute_loss
-    patched for that forward.
-    """
+    """What shows that Unsloth built this model (and patched this trainer); empty for a plain transformers model. On a
+    GPU: its patched forwards; on a CPU unsloth_zoo's FastCPUModel's marks (chunked cross-entropy, its methods)."""
     found = []
     patched = patched_modules(model)
     if patched:
