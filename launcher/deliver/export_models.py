@@ -30,8 +30,7 @@ def _write_dir_atomically(dst: Path, write: Callable[[Path], None]) -> None:
 
 
 def _adapter_file_check(source: Path, tokenizer, why: str) -> dict[str, Any]:
-    """What can be checked of an adapter without its base: it parses, and it is not empty (some lora_B non-zero;
-    peft initialises B to zero, so an untrained or emptied adapter has none)."""
+    """An adapter checked without its base: it parses and some lora_B is non-zero (peft starts B at zero)."""
     from peft import PeftConfig
     from safetensors import safe_open
 
@@ -72,8 +71,7 @@ def _export_models(
     loads: Loads,
     served,
 ) -> None:
-    """Every model is loaded where its placement says, used, and released before the next one is loaded, so
-    the box holds one model at a time (the parity logits, a few MB, are what is kept between them)."""
+    """Every model loaded where its placement says, used and released before the next: one at a time."""
     final = inp.run.final
     outputs = report["outputs"]
     merged_dir = final / "merged"

@@ -71,8 +71,7 @@ def _serving(inp: Inputs, report: dict[str, Any], tokenizer, served=None) -> Non
 
 
 def _served_modelfile(served, gguf: dict[str, Any], text: str) -> None:
-    """The Modelfile as Ollama reads it: the prompt Ollama renders with it (_served_by_ollama), and its PARAMETER stop
-    values matched against the trained end-of-turn token's text."""
+    """The Modelfile as Ollama reads it: its prompt, and its PARAMETER stop values against the end of turn."""
     from launcher.deliver import llamacpp_runtime
     from launcher.deliver.served_prompt import modelfile_parts
 
@@ -96,8 +95,7 @@ def _served_modelfile(served, gguf: dict[str, Any], text: str) -> None:
 
 
 def _served_by_ollama(served, gguf: dict[str, Any], template: Optional[str], vocab) -> None:
-    """Ollama's prompt against the trained one, counted as checked only where a token comparison was made: its Go
-    template's rendering, or llama-server's where Ollama hands the chat to llama-server."""
+    """Ollama's prompt against the trained one, counted as checked only where tokens were compared."""
     from launcher.deliver import go_template, ollama_template
 
     arch = gguf.get("architecture")

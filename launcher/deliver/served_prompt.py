@@ -25,8 +25,7 @@ MAX_SHAPES = 24  # conversation shapes (sequences of roles) checked, the most fr
 
 
 def training_tokenizer(recipe, saved: Path):
-    """(the worker's tokenizer, where it came from): the base model's, as the worker loads it; the run's saved
-    copy when the base is not on this box (a Hub id not in the cache)."""
+    """(the worker's tokenizer, where it came from); the run's saved copy where the base is not on this box."""
     from launcher.worker.loading import load_tokenizer
     from launcher.worker.processor import text_tokenizer
 
@@ -43,8 +42,7 @@ def training_tokenizer(recipe, saved: Path):
 
 
 def _training_template(recipe, tokenizer) -> tuple[Optional[str], Optional[str]]:
-    """The template TRL trained with when it is not the tokenizer's own (assistant_only_loss on a template
-    without generation markers: trl/trainer/sft_trainer.py swaps in get_training_chat_template), and why."""
+    """TRL's training template and why, where assistant_only_loss swapped one in (sft_trainer.py), else Nones."""
     if not getattr(recipe, "assistant_only_loss", False):
         return None, None
     from trl.chat_template_utils import get_training_chat_template, has_generation_markers
@@ -67,8 +65,7 @@ def _end_of_turn(tokenizer, text: str, answer: str) -> Optional[int]:
 
 
 class ServedPrompt:
-    """The trained prompts of the held-out conversations (and one of each other shape in the data) and every
-    runtime's comparison with them; `report` is what goes into export.json (served_prompt)."""
+    """The trained prompts and every runtime's comparison with them; `report` goes into export.json."""
 
     def __init__(self, recipe, saved_tokenizer: Path, n: int):
         from launcher.data import formats as data_formats
@@ -174,8 +171,7 @@ class ServedPrompt:
     def _choose(
         self, held: list[dict[str, Any]], trained: list[dict[str, Any]], n: int
     ) -> list[tuple[dict[str, Any], str]]:
-        """The first n held-out conversations, then one of every other shape in the data (held out and trained),
-        the most frequent first, MAX_SHAPES shapes in all; the report says how many shapes there are."""
+        """The first n held-out conversations, then one of every other shape, most frequent first."""
         from collections import Counter
 
         from launcher.data import formats as data_formats
@@ -269,8 +265,7 @@ class ServedPrompt:
         return entry
 
     def _fix(self) -> str:
-        """What to do when a runtime's prompt differs: the training has to change (a re-export renders the same
-        template again)."""
+        """What to do when a runtime's prompt differs: the training has to change."""
         head = "do not serve this output as it is: the model would answer a prompt it was never trained on. "
         if self.report.get("training_template"):
             return head + (
@@ -323,8 +318,7 @@ class ServedPrompt:
         return [i for i, piece in pieces.items() if any(s and s in piece for s in stops)]
 
     def ending(self, key: str, outs: list[dict[str, Any]], stop_ids: set[int]) -> dict[str, Any]:
-        """Share of held-out prompts whose greedy continuation's first end token is the trained end of turn; a
-        measure, not a bound (a tiny model may not have learned to stop)."""
+        """Share of held-out prompts whose greedy continuation ends with the trained end of turn."""
         ended = other = 0
         for o in outs:
             cont = o.get("continuation") or []
@@ -342,8 +336,7 @@ class ServedPrompt:
 
 
 def modelfile_parts(text: str) -> tuple[Optional[str], list[str]]:
-    """(TEMPLATE, PARAMETER stop values) of a Modelfile as serving.py writes it (a triple-quoted TEMPLATE, stop
-    values as JSON strings)."""
+    """(TEMPLATE, PARAMETER stop values) of a Modelfile as serving.py writes it."""
     template = None
     if 'TEMPLATE """' in text:
         template = text.split('TEMPLATE """', 1)[1].split('"""', 1)[0]

@@ -28,8 +28,7 @@ IMAGE_PART = "image"
 
 
 def convert_pair(merged_dir: Path, gguf_dir: Path, name: str, gguf_type: str) -> dict[str, Any]:
-    """The text GGUF (gguf_export.write_gguf: the recipe's type) and the projector GGUF in F16 (the merged folder is
-    16-bit, export_models.py checks; llama.cpp does not quantize a projector)."""
+    """The text GGUF (write_gguf) and the projector GGUF in F16 (llama.cpp does not quantize a projector)."""
     from launcher.deliver.gguf_export import conversion_failed, write_gguf
 
     steps: dict[str, Any] = {}
@@ -68,8 +67,7 @@ def projector_metadata(path: Path) -> dict[str, Any]:
 
 
 def mtmd_missing() -> Optional[str]:
-    """Why the installed llama.cpp runtime has no multimodal path, or None: llama-cpp-python 0.3.36 ships libmtmd
-    and its binding llama_cpp/mtmd_cpp.py (loading it loads the library); an older or custom build may lack both."""
+    """Why the llama.cpp runtime has no multimodal path (llama_cpp/mtmd_cpp.py, libmtmd), or None."""
     try:
         import llama_cpp.mtmd_cpp as mtmd
 
@@ -148,8 +146,7 @@ def transformers_side(merged_dir: Path, examples: list[dict[str, Any]], max_new:
 
 
 def _server_text(llm, prompt: list[dict[str, Any]], marker: str) -> str:
-    """The prompt text llama-server renders for a chat whose user turns hold images: the GGUF's own template
-    (llamacpp_runtime.server_prompt's rendering) with each image part given as the media marker's text."""
+    """The prompt text llama-server renders, each image part as the media marker's text."""
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     msgs = [
@@ -296,8 +293,7 @@ def mtmd_side(
 
 
 def text_side(text_gguf: Path, examples: list[dict[str, Any]], max_new: int, threads: Optional[int] = None):
-    """The text GGUF alone on image-free prompts (what runs where the llama.cpp build has no mtmd): the prompt as
-    llama-server renders and tokenizes it (llamacpp_runtime.server_prompt), the next-token logits, the greedy answer."""
+    """The text GGUF alone on image-free prompts (a build without mtmd), as llama-server serves them."""
     import numpy as np
     import torch
 
@@ -329,18 +325,11 @@ def text_side(text_gguf: Path, examples: list[dict[str, Any]], max_new: int, thr
     return {"outputs": out, "eog_ids": sorted(eog)}
 
 
-def _until_end(tokens: list[int], ends: set[int]) -> list[int]:
-    out = []
-    for t in tokens:
-        out.append(t)
-        if t in ends:
-            break
-    return out
-
-
 def compare(ref: list[dict[str, Any]], got: list[dict[str, Any]], eog: set[int]) -> dict[str, Any]:
     """The served prompts, the first answer token's distribution and the greedy answers of the two sides."""
     import torch
+
+    from launcher.deliver.gguf_export import _until_end
 
     kls, top1, diffs, same_prompt, same_images, same_answer, decisive = [], [], [], [], [], [], []
     for r, g in zip(ref, got):
@@ -497,8 +486,7 @@ def vision_gguf_output(
 
 
 def served_checks(served, gguf: dict[str, Any]) -> None:
-    """The pair's served-prompt check in the export's served-prompt record (served_prompt.ServedPrompt): llama-server's
-    prompt with the images, held to the processor's ids above, and why the other runtimes are not checked."""
+    """The pair's served-prompt check in the export's served-prompt record, and what is not checked."""
     served.report["runtimes"]["llama_server"] = {
         "runtime": f"llama-server --mmproj (through {gguf['parity_through']})",
         "ok": True,
@@ -512,8 +500,7 @@ def served_checks(served, gguf: dict[str, Any]) -> None:
 
 
 def _greedy(llm, first, max_new: int, eog: set[int]) -> list[int]:
-    """The greedy answer from the prompt's next-token logits `first`: argmax, each token evaluated in turn, up to
-    `max_new` tokens or an end-of-generation token (kept, as transformers' generate keeps it)."""
+    """The greedy answer from the prompt's logits `first`, up to `max_new` tokens or an end token (kept)."""
     import numpy as np
 
     tokens: list[int] = []

@@ -58,8 +58,7 @@ class ImageBounds:
 
 
 def processor_bounds(min_pixels: int, max_pixels: int, patch: int, merge: int) -> ImageBounds:
-    """The processor's pixel bounds as llama.cpp's token bounds (it multiplies them back by one token's area,
-    clip-model.h set_limit_image_tokens)."""
+    """The processor's pixel bounds as llama.cpp's token bounds (clip-model.h set_limit_image_tokens)."""
     area = (patch * merge) ** 2
     lo, hi = math.ceil(min_pixels / area), max(1, math.floor(max_pixels / area))
     return ImageBounds(lo, hi, min_pixels % area == 0 and max_pixels % area == 0)
@@ -74,8 +73,7 @@ def bounds_of(model_dir: Path) -> Optional[ImageBounds]:
 
 
 def llamacpp_flags(model_type: str, bounds: ImageBounds) -> list[str]:
-    """The llama-server / llama-mtmd-cli flags that make llama.cpp size images as the processor does: none where its
-    own bounds for this model type are already the processor's."""
+    """The llama.cpp flags that size images as the processor does; none where its own bounds agree."""
     own = LLAMACPP_IMAGE_TOKENS.get(model_type)
     if own == (bounds.min_tokens, bounds.max_tokens):
         return []
@@ -89,8 +87,7 @@ def limit_mm(images: int) -> str:
 
 
 def lora_reach(adapter_dir: Path) -> dict[str, Any]:
-    """What the adapter adapts, read from its adapter_config.json, and whether vLLM serves it as LoRA: vLLM applies
-    LoRA to the language model only (launcher/plan/vision.py words both)."""
+    """What the adapter adapts (adapter_config.json), and whether vLLM serves it as LoRA."""
     from launcher.plan.vision import LANGUAGE_MODEL_ONLY, WITH_TOWER
 
     targets = json.loads((Path(adapter_dir) / "adapter_config.json").read_text()).get("target_modules") or []
@@ -148,8 +145,7 @@ def commands(
 
 
 def serving_md(run, recipe, report: dict[str, Any]) -> str:
-    """SERVING.md of a vision-language export, from what export.json holds (its commands: report["serving_commands"]);
-    vLLM takes as many images a prompt as the data's largest example holds."""
+    """SERVING.md of a vision-language export, from what export.json holds (report["serving_commands"])."""
     from launcher.data.images import load_images
     from launcher.model_files import local_file
 

@@ -187,8 +187,7 @@ def tokens_given(data_stats: Any, tokens: float | None) -> bool:
 
 
 def reference_kind(recipe: Any) -> str:
-    """How the recipe's reference comes (a key of sizing.REFERENCES), "" for an objective without one: DPO's, and
-    GRPO's where its KL term (grpo.beta > 0) needs the starting model."""
+    """How the reference comes (a key of sizing.REFERENCES), "" without one: DPO's, GRPO's with grpo.beta > 0."""
     objective = methods.OBJECTIVES[getattr(recipe, "objective", methods.DEFAULT_OBJECTIVE)]
     if objective.generates:
         if not recipe.grpo.beta:

@@ -97,9 +97,8 @@ def tower_linears(cfg: dict[str, Any]) -> tuple[tuple[str, int, int, int], ...]:
 
 
 def quantized_params(arch: Any) -> int:
-    """The tower's weights that QLoRA's 4-bit loading quantizes: every linear layer's (transformers 5.24
-    quantizers/base.py get_keys_to_not_convert excludes only the LM head's kind); the Conv3d, norms and biases stay
-    16-bit."""
+    """The tower's weights QLoRA quantizes: every linear layer's (transformers 5.24 quantizers/base.py
+    get_keys_to_not_convert spares only the LM head's kind)."""
     return sum(a * b * n for _, a, b, n in getattr(arch, "vision_linears", ()))
 
 
@@ -113,12 +112,9 @@ def lora_params(arch: Any, r: int, targets: Any) -> int:
 
 
 def activation_bytes(arch: Any, patches: int, checkpointing: bool, trains: bool) -> float:
-    """What the tower keeps for the backward pass over `patches` patches (one micro-batch's images), bf16. Under
-    gradient checkpointing even a frozen tower is checkpointed block by block: enable_input_require_grads hooks its
-    patch embedding (transformers 5.24 modeling_qwen2_5_vl.py _input_embed_layer; Qwen2_5_VLVisionBlock is a
-    GradientCheckpointingLayer). A block keeps per patch two fp32 RMSNorm inputs, q, k, v, the attention output,
-    gate, up, act(gate), and a 16-bit input copy per LoRA-adapted layer; the merger its norm and GELU inputs.
-    tests/plan/test_vision_activations.py measures these on the CPU."""
+    """What the tower keeps for the backward pass over `patches` patches, bf16: under gradient checkpointing even a
+    frozen tower is checkpointed block by block (transformers 5.24 modeling_qwen2_5_vl.py _input_embed_layer;
+    Qwen2_5_VLVisionBlock is a GradientCheckpointingLayer). tests/plan/test_vision_activations.py measures it."""
     linears = {leaf: (a, b) for leaf, a, b, _ in getattr(arch, "vision_linears", ())}
     if not patches or "qkv" not in linears or not (checkpointing or trains):
         return 0.0

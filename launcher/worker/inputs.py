@@ -20,8 +20,7 @@ def _data_spec(run: RunDir, recipe):
 
 
 def _data_changed(run: RunDir, recipe, data_sha256: str) -> Optional[str]:
-    """Why the data read now is not what the launcher checked and recorded (data.json), or None: catches a change
-    between two starts of the worker under one supervisor (a crash and its restart)."""
+    """Why the data read now is not what the launcher recorded (data.json), or None: a restart after a crash."""
     from launcher.data.dataset import identity, load_data
 
     record = run.root / "data.json"
@@ -46,8 +45,7 @@ def _local_data(spec) -> bool:
 
 
 def _eval_and_prompts(run: RunDir, recipe, mode: str, examples: list) -> tuple[list, list[dict[str, Any]]]:
-    """The eval examples and the sample prompts. The full run splits the data itself (launcher/data/split.py);
-    the smoke test reads what its launcher wrote: a share of the held-out examples and the full run's prompts."""
+    """The eval examples and the sample prompts: split here, or as the smoke test's launcher wrote them."""
     from launcher.data.dataset import load_data
 
     if mode == "smoke":
@@ -70,8 +68,7 @@ def _eval_and_prompts(run: RunDir, recipe, mode: str, examples: list) -> tuple[l
 
 
 def _trained_tokens(examples: list, prepared, sample: int = 2000) -> str:
-    """What TRL made of the data: its form and the share of tokens the loss is computed on (plain text: all of
-    them, no chat template; prompt/completion: the completion), read from the prepared dataset's labels."""
+    """What TRL made of the data: its form and the share of tokens the loss is computed on."""
     from launcher.data.formats import FORMS, example_form
 
     if examples and examples[0].get("images") is not None:

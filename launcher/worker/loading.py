@@ -8,6 +8,7 @@ the device is set from LOCAL_RANK before any load.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import Counter
 from pathlib import Path
@@ -16,8 +17,7 @@ from typing import Any, Optional
 from launcher.engine_kinds import SHARDING as SHARDING_ENGINES
 from launcher.methods import METHODS, is_adapter, is_quantized
 
-# SHARDING_ENGINES shard or partition the weights themselves: they load without a device map (transformers
-# refuses a device_map under ZeRO-3's partitioned loading; FSDP places the shards on each rank's device).
+# SHARDING_ENGINES place the weights themselves: no device map (transformers refuses one under ZeRO-3's loading)
 
 
 def local_rank() -> int:
@@ -61,11 +61,9 @@ def select_device() -> tuple[str, Any]:
 
 
 def weights_dtype(method: str, engine: str, device: str, dtype):
-    """The dtype the base weights are loaded in. Full fine-tuning on trl/ddp keeps fp32 weights under autocast
-    (AdamW updates near 1e-5 of a weight vanish in bf16); FSDP2 upcasts trainable parameters itself
-    (accelerate/utils/fsdp_utils.py fsdp2_prepare_model) and DeepSpeed keeps fp32 master partitions, so both load in
-    the compute dtype. full-8bit keeps 16-bit weights, except on fp16 cards: the fp16 loss scaling refuses to unscale
-    fp16 gradients (torch/amp/grad_scaler.py, "Attempting to unscale FP16 gradients")."""
+    """The dtype the base weights load in: fp32 for full fine-tuning on trl/ddp (AdamW updates near 1e-5 of a weight
+    vanish in bf16) and for full-8bit on fp16 cards (torch/amp/grad_scaler.py: "Attempting to unscale FP16
+    gradients"); FSDP2 and DeepSpeed load the compute dtype, keep fp32 masters (accelerate fsdp2_prepare_model)."""
     import torch
 
     if device != "cuda" or engine in SHARDING_ENGINES:
@@ -91,8 +89,7 @@ def _flash_attn_2_installed() -> bool:
 
 
 def attention_implementation(device: str, dtype) -> Optional[str]:
-    """The attn_implementation to pass (the plan's rule, launcher/plan/attention.py), or None for SDPA; registers
-    torch's varlen kernel with transformers when it is chosen."""
+    """The attn_implementation to pass (launcher/plan/attention.py's rule), or None for SDPA."""
     import torch
 
     from launcher.plan import attention
@@ -110,8 +107,7 @@ def attention_implementation(device: str, dtype) -> Optional[str]:
 
 
 def attention_facts(device: str, dtype, model=None, engine: str = "trl") -> dict[str, Any]:
-    """What runs attention here (worker.json and the log): the implementation, the kernel of padded, padding-free
-    and decode batches, torch's release, and a line saying it."""
+    """What runs attention here: implementation, kernels of padded, padding-free and decode batches, a line."""
     import torch
 
     from launcher.plan import attention
@@ -190,14 +186,11 @@ def quantization_config(method: str, dtype):
 
 
 def fsdp_qlora_kwargs(method: str, engine: str) -> dict[str, Any]:
-    """QLoRA under FSDP loads on the CPU: {"device_map": {"": "cpu"}}, else {}; both the quantizing load and every
-    rank's load of the result use it (docs/engines.md, "The first GPU box", item 3). Without it bitsandbytes puts the
-    whole 4-bit model on each rank's GPU (quantizer_bnb_4bit.update_device_map) and accelerate skips its meta/broadcast
-    path for 4-bit weights (utils/fsdp_utils.py fsdp2_prepare_model, "will still cause the VRAM spike"). On the CPU
-    transformers quantizes each weight where it loads (integrations/bitsandbytes.py Bnb4bitQuantize), fully_shard
-    moves one unit at a time to the GPU (torch fsdp _fsdp_init._move_states_to_device), and Linear4bit recovers the
-    quant state the unsharded parameter loses (bitsandbytes nn/modules.py fix_4bit_weight_quant_state_from_module).
-    """
+    """QLoRA under FSDP loads on the CPU: {"device_map": {"": "cpu"}}, else {} (docs/engines.md, "The first GPU box",
+    item 3): else bitsandbytes puts the whole 4-bit model on each GPU (quantizer_bnb_4bit.update_device_map), which
+    accelerate does not avoid for 4-bit weights (fsdp2_prepare_model, "will still cause the VRAM spike"); fully_shard
+    then moves one unit at a time to the GPU (torch fsdp _fsdp_init._move_states_to_device), and Linear4bit recovers
+    the quant state (bitsandbytes nn/modules.py fix_4bit_weight_quant_state_from_module)."""
     if is_quantized(method) and engine == "fsdp":
         return {"device_map": {"": "cpu"}}
     return {}
@@ -207,22 +200,12 @@ QUANTIZED_DIR = ".quantized"  # <run_dir>/.quantized/: box-local, never synced (
 QUANTIZED_MANIFEST = "ftrun_quantized.json"  # metadata and final/ only); written last: without it, no copy
 
 
-def local_world_size() -> int:
-    """Processes on this box: torchrun (and accelerate launch, which runs it) set LOCAL_WORLD_SIZE."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-
-
 def quantized_once_per_box(recipe, kwargs: dict[str, Any], run_dir) -> Optional[Path]:
-    """The folder of the 4-bit model, quantized once for this box, that every FSDP rank loads; None where the
-    ranks load the recipe's model themselves (one process on the box, or no run directory).
-
-    The first rank to take the lock quantizes on the CPU with every core and saves (bitsandbytes
-    Linear4bit._save_to_state_dict: packed weights, QuantState.as_dict(packed=True)); a folder whose manifest matches
-    is reused. Every rank then maps it (integrations/bitsandbytes.py Bnb4bitDeserialize -> Params4bit.from_prequantized,
-    no copy), so the page cache holds one copy and a rank owns only its shard (_fsdp_param.py _init_sharded_param).
-    docs/engines.md, "The first GPU box, round two", item 7; tests/worker/test_fsdp_qlora.py.
-    """
-    if local_world_size() < 2:
+    """The folder of the 4-bit model, quantized once for this box by the first rank to take the lock (reused where
+    its manifest matches), that every FSDP rank maps (integrations/bitsandbytes.py Bnb4bitDeserialize ->
+    Params4bit.from_prequantized, no copy); None where the ranks load the model themselves. docs/engines.md, "The
+    first GPU box, round two", item 7."""
+    if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) < 2:  # processes on this box (torchrun sets it)
         return None
     run_dir = run_dir if run_dir is not None else getattr(recipe, "output_dir", None)
     if run_dir is None:
@@ -245,8 +228,7 @@ def quantized_once_per_box(recipe, kwargs: dict[str, Any], run_dir) -> Optional[
 
 
 def _quantized_identity(model: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """What the quantized folder was made from (source files' size and mtime, quantization, dtype, library
-    versions); the same on every rank."""
+    """What the quantized folder was made from (source files, quantization, dtype, versions), on every rank."""
     import json
 
     import bitsandbytes
@@ -294,31 +276,24 @@ def _manifest(folder: Path) -> Optional[dict[str, Any]]:
         return None
 
 
-class _box_lock:
+@contextlib.contextmanager
+def _box_lock(path: Path):
     """An exclusive fcntl lock on a file of the run directory, released by the kernel when its holder dies."""
+    import fcntl
 
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __enter__(self):
-        import fcntl
-
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc):
-        import fcntl
-
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        os.close(self.fd)
-        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
 
 
 def _quantize_into(folder: Path, model: str, kwargs: dict[str, Any], identity: dict[str, Any]) -> None:
-    """Quantize `model` on the CPU with every core, save it into `folder` (aside, renamed, manifest last), and give
-    its memory back."""
+    """Quantize `model` on the CPU with every core into `folder` (aside, renamed, manifest last)."""
+    import ctypes
     import gc
     import json
     import shutil
@@ -349,7 +324,10 @@ def _quantize_into(folder: Path, model: str, kwargs: dict[str, Any], identity: d
             torch.set_num_threads(threads)
     del quantized
     gc.collect()
-    _release_free_memory()
+    try:  # glibc keeps freed heap memory for reuse: given back, so the box is not charged for a copy that is gone
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to ask
+        pass
     seconds = round(time.monotonic() - started, 1)
     (tmp / QUANTIZED_MANIFEST).write_text(json.dumps({"identity": identity, "seconds": seconds}, indent=2))
     os.replace(tmp, folder)
@@ -358,16 +336,6 @@ def _quantize_into(folder: Path, model: str, kwargs: dict[str, Any], identity: d
         f"{folder}; every rank maps it",
         flush=True,
     )
-
-
-def _release_free_memory() -> None:
-    """glibc keeps freed heap memory for reuse; give it back, so the box is not charged for a copy that is gone."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to ask
-        pass
 
 
 def load_kwargs(recipe, device: str, dtype, engine: str) -> dict[str, Any]:
@@ -400,10 +368,6 @@ def model_class(model: str):
     return AutoModelForImageTextToText if reads_images(model) else AutoModelForCausalLM
 
 
-def _worker_line(line: str) -> None:
-    print(f"[ftrun worker] {line}", flush=True)
-
-
 def load_tokenizer(recipe, say=None):
     """The model's tokenizer, or a vision-language model's processor (how it was built said through `say`)."""
     from transformers import AutoTokenizer
@@ -412,14 +376,14 @@ def load_tokenizer(recipe, say=None):
         from launcher.worker.processor import load_processor
 
         # every rank builds its own processor (its collator renders its own batches); rank 0 says the fallback
-        processor = load_processor(recipe.model, say=say or (lambda line: is_main_process() and _worker_line(line)))
-        if processor.tokenizer.pad_token is None:
-            processor.tokenizer.pad_token = processor.tokenizer.eos_token
-        return processor
-    tokenizer = AutoTokenizer.from_pretrained(recipe.model)
+        rank0 = lambda line: is_main_process() and print(f"[ftrun worker] {line}", flush=True)  # noqa: E731
+        loaded = load_processor(recipe.model, say=say or rank0)
+        tokenizer = loaded.tokenizer
+    else:
+        loaded = tokenizer = AutoTokenizer.from_pretrained(recipe.model)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    return loaded
 
 
 # module paths in transformers 5.24's Qwen2-VL family (model.language_model.layers.N..., the tower model.visual); PEFT
@@ -460,10 +424,8 @@ def vision_targets(model, lora) -> str:
 
 
 def add_lora(model, recipe):
-    """LoRA on the base model, 16-bit or 4-bit alike. Not PEFT's prepare_model_for_kbit_training for QLoRA: it
-    casts every non-4-bit parameter to fp32 (peft/utils/other.py), doubling the saved activations
-    (docs/sizing.md, "QLoRA without the upcast"); the RMSNorms and the loss compute in fp32 already (transformers 5.24
-    modeling_llama.py), and TRL 1.16's SFTTrainer does not call it either (sft_trainer.py)."""
+    """LoRA on the base model, 16-bit or 4-bit alike; not PEFT's prepare_model_for_kbit_training, whose fp32 casts
+    (peft/utils/other.py) double the saved activations (docs/sizing.md, "QLoRA without the upcast")."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     if recipe.gradient_checkpointing:
@@ -491,8 +453,6 @@ def add_lora(model, recipe):
 def load_model_and_tokenizer(recipe, device: str, dtype, plan: Optional[dict] = None, context=None, run_dir=None):
     """The base model by method, then LoRA. `context`: what the engine wraps the load in (ZeRO-3 partitions while
     loading); `run_dir`: where QLoRA + FSDP keeps the box's quantized copy (default: the recipe's output_dir)."""
-    import contextlib
-
     engine = (plan or {}).get("engine", "trl")
     tokenizer = load_tokenizer(recipe)
     kwargs = load_kwargs(recipe, device, dtype, engine)

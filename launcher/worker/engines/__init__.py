@@ -43,8 +43,7 @@ def _torchrun(n: int, plan: dict[str, Any] | None = None) -> list[str]:
 
 
 def launch_command(plan: dict[str, Any], run_dir: Path, mode: str) -> list[str]:
-    """The worker's argv for this plan (never a shell string); writes the engine's config file into the run
-    directory first, so the command and its files agree."""
+    """The worker's argv for this plan (never a shell string), after writing the engine's config file."""
     engine = plan.get("engine", "trl")
     n = int(plan.get("num_processes", 1))
     kind = ENGINES.get(engine)
@@ -117,10 +116,9 @@ def launch_env(plan: dict[str, Any], grace_seconds: float | None = None, vllm: b
 
 
 def planned_device(visible: str | None) -> str | None:
-    """CUDA_VISIBLE_DEVICES for a one-process engine (trl, unsloth): the card it was planned on (the first CUDA
-    enumerates), alone, as the user wrote it; None where the process already sees one card (or none). With several
-    visible cards transformers would train under nn.DataParallel (5.24 training_args.py _setup_devices, trainer.py
-    _wrap_model; docs/engines.md, "round two", item 1)."""
+    """CUDA_VISIBLE_DEVICES for a one-process engine: the planned card (the first), alone, as the user wrote it; None
+    where it sees one card or none. Several would mean nn.DataParallel (transformers 5.24 training_args.py
+    _setup_devices, trainer.py _wrap_model; docs/engines.md, "round two", item 1)."""
     if visible is None:
         return "0"
     entries = [e.strip() for e in visible.split(",")]
@@ -155,8 +153,8 @@ def trainer_fields(plan: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         # FSDP2 checkpoints activations itself (accelerate config); the Trainer's on top breaks the sharded backward
         return {"activation_checkpointing": False}
     if plan.get("offload_activations") and plan.get("device") == "cuda":
-        # the plan's choice where one card does not hold the job otherwise (launcher/plan/engine.py); SFTTrainer wraps
-        # every forward in trl's OffloadActivations (sft_trainer.py: maybe_activation_offload_context)
+        # the plan's choice where one card does not hold the job otherwise (trl sft_trainer.py
+        # maybe_activation_offload_context)
         return {"activation_offloading": True}
     return {}
 
@@ -185,28 +183,18 @@ def verify(plan: dict[str, Any], trainer: Any) -> dict[str, Any]:
     checks = [{"check": "world size", "ok": world == expected, "seen": f"{world} process(es), plan {expected}"}]
     if world > 1:
         checks.append(group_timeout_check(trainer.args.ddp_timeout))
-    if engine == "ddp":
-        from launcher.worker.engines.ddp import checks as engine_checks
-    elif engine == "deepspeed":
-        from launcher.worker.engines.deepspeed import checks as engine_checks
-    elif engine == "fsdp":
-        from launcher.worker.engines.fsdp import checks as engine_checks
-    else:
-        from launcher.worker.engines.ddp import single_checks as engine_checks
-    checks += engine_checks(plan, trainer)
+    several = engine in ("ddp", "deepspeed", "fsdp")  # each module's checks; one process: ddp.single_checks
+    module = importlib.import_module(f"{__name__}.{engine if several else 'ddp'}")
+    checks += getattr(module, "checks" if several else "single_checks")(plan, trainer)
     if engine == "unsloth":
-        from launcher.worker.engines.unsloth import checks as unsloth_checks
-
-        checks += unsloth_checks(plan, trainer)
+        checks += importlib.import_module(f"{__name__}.unsloth").checks(plan, trainer)
     return {"engine": engine, "world_size": world, "ok": all(c["ok"] for c in checks), "checks": checks}
 
 
 def create_process_group(plan: dict[str, Any], device: str, timeout_s: int) -> None:
-    """A multi-process run's process group with the trainer's timeout (trainer_config.process_group_seconds), where a
-    library would make it without: ZeRO-3's init_distributed before the trainer (deepspeed 0.19.8 comm/comm.py
-    default_pg_timeout, 10 minutes; accelerate 1.15 state.py PartialState keeps a group that exists) and the CPU
-    (transformers 5.24 training_args.py _setup_devices passes none on its use_cpu path). docs/engines.md, "round
-    three", item 1. DDP and FSDP on a GPU keep accelerate's group, which gets ddp_timeout."""
+    """A multi-process run's process group with the trainer's timeout where a library would make it without: ZeRO-3
+    (deepspeed 0.19.8 comm/comm.py default_pg_timeout; accelerate 1.15 state.py PartialState keeps a group that
+    exists) and the CPU (transformers 5.24 training_args.py _setup_devices). docs/engines.md, "round three", item 1."""
     import datetime
 
     import torch.distributed as dist
@@ -307,8 +295,7 @@ def worker_file(run_dir: Path, mode: str) -> Path:
 
 
 def failed_verification(worker_json: Path) -> str | None:
-    """The error of a worker that refused to train with another engine than planned, else None (torchrun reports
-    any failed worker as exit code 1)."""
+    """The error of a worker that refused to train with another engine than planned, else None."""
     import json
 
     if not worker_json.is_file():
@@ -346,8 +333,7 @@ def with_death_signal(cmd: list[str], sig: int) -> list[str]:
 
 
 def die_with_parent(sig: "int | None" = None) -> None:
-    """Linux: this process gets `sig` (SIGKILL by default) when its parent dies: an orphaned torchrun rank would
-    keep training into the run directory beside the resumed run."""
+    """Linux: this process gets `sig` (SIGKILL by default) when its parent dies (no orphaned torchrun rank)."""
     import ctypes
     import signal as _signal
 

@@ -1,5 +1,4 @@
-"""DeepSpeed ZeRO-3: the JSON config generated from the plan, partitioned loading, and the checks that it really
-runs."""
+"""DeepSpeed ZeRO-3: the JSON config generated from the plan, partitioned loading, and the checks that it runs."""
 
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ OFFLOAD_OPTIMIZER = {
 
 
 def config(plan: dict[str, Any]) -> dict[str, Any]:
-    """The ZeRO-3 config: batch shape and CPU offload from the plan; precision and clipping "auto", which the Trainer
-    fills from its own arguments (and refuses a concrete value that disagrees)."""
+    """The ZeRO-3 config: batch shape and offload from the plan; precision and clipping "auto" (the Trainer's)."""
     offload_optimizer = bool(plan.get("offload_optimizer"))
     offload_param = offload_optimizer and bool(plan.get("offload_params"))
     mb = int(plan["micro_batch_size"])
@@ -74,8 +72,7 @@ def write_config(plan: dict[str, Any], run_dir: Path) -> Path:
 
 @contextlib.contextmanager
 def partitioned_loading(plan: dict[str, Any], run_dir: Path):
-    """While active, from_pretrained creates each weight already partitioned (deepspeed.zero.Init): transformers
-    looks for a live HfDeepSpeedConfig, whose "auto" values are filled here with what the worker knows."""
+    """While active, from_pretrained creates each weight already partitioned (deepspeed.zero.Init)."""
     import torch
     from transformers.integrations import HfDeepSpeedConfig
 
@@ -124,8 +121,7 @@ def checks(plan: dict[str, Any], trainer: Any) -> list[dict[str, Any]]:
 
 
 def offload_checks(plan: dict[str, Any], engine: Any) -> list[dict[str, Any]]:
-    """The CPU offload the plan asked for is what the engine runs: optimizer offload with DeepSpeed's CPU Adam,
-    parameter offload where planned, and neither elsewhere."""
+    """The CPU offload the plan asked for (optimizer with DeepSpeed's CPU Adam, parameters) is what runs."""
     want_opt = bool(plan.get("offload_optimizer"))
     want_param = want_opt and bool(plan.get("offload_params"))
     if engine is None:

@@ -129,17 +129,12 @@ def save_full(model, out_dir: Path, write: bool, dtype=None) -> list[str]:
     `out_dir` with save_pretrained (a PEFT adapter, or the whole model), floating tensors cast to `dtype` (None keeps
     the trained dtype). Returns the names of the tensors gathered on this rank (none on the others).
 
-    Not Trainer.save_model: under FSDP it saves only with FULL_STATE_DICT (transformers 5.24 trainer.py save_model),
-    and the checkpoints keep SHARDED_STATE_DICT (docs/engines.md, "The first GPU box", item 1). One tensor at a time:
-    a full-state-dict gather would hold the fp32-upcast model in rank 0's RAM (accelerate 1.15 utils/fsdp_utils.py
-    fsdp2_prepare_model); get_model_state_dict with default options returns the DTensors untouched under the
-    unwrapped names (torch 2.13 distributed/checkpoint/state_dict.py _maybe_full_or_cpu_state_dict, _get_fqns).
-    A PEFT model gathers only its trainable tensors (DCP's own filter misses a frozen head tied under its second
-    name); tied parameters are gathered once and aliased (transformers remove_tied_weights_from_state_dict finds
-    ties by storage). PeftModel.save_pretrained(state_dict=...) renames the keys (peft 0.21
-    get_peft_model_state_dict); transformers gathers nothing itself without a distributed_config
-    (distributed/mixin.py gather_sharded_state_dict_for_save). config.json's dtype is set after
-    (saving.set_config_dtype): save_pretrained takes it from the fp32 parameters.
+    Not Trainer.save_model: under FSDP it saves only with FULL_STATE_DICT (transformers 5.24 trainer.py save_model;
+    docs/engines.md, "The first GPU box", item 1). One tensor at a time, never the fp32-upcast model whole in rank 0's
+    RAM: get_model_state_dict returns the DTensors untouched (torch 2.13 distributed/checkpoint/state_dict.py
+    _maybe_full_or_cpu_state_dict, _get_fqns). A PEFT model gathers only its trainable tensors; tied parameters are
+    gathered once and aliased (transformers remove_tied_weights_from_state_dict). PeftModel.save_pretrained renames
+    the keys (peft 0.21 get_peft_model_state_dict); config.json's dtype is set after (saving.set_config_dtype).
     """
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -205,10 +200,8 @@ def _parameter_names(model) -> tuple[dict[str, str], set[str]]:
 
 
 def exercise(run_dir: Path, steps: int, out: Optional[Path], final_dir: Optional[Path] = None) -> int:
-    """Under torchrun: shard the worker's model (recipe in run_dir) with fully_shard over gloo, train `steps` steps
-    on fixed batches split between the ranks, and compare with an unsharded copy trained on every rank's batch; with
-    `final_dir`, also check the worker's final save (`_final_save_check`). Rank 0 writes the result as JSON; exit 0
-    only when sharded and equal."""
+    """Under torchrun: shard the worker's model with fully_shard over gloo, train `steps` steps against an unsharded
+    copy on every rank's batch (and with `final_dir`, check the final save); rank 0 writes JSON; 0 when equal."""
     import copy
     import os
 
@@ -312,8 +305,7 @@ def _fixed_batches(recipe, tokenizer, model, per_rank: int, world: int) -> list[
 
 
 def _final_save_check(model, reference, recipe, final_dir: Path, rank: int) -> dict[str, Any]:
-    """The worker's FSDP final save (final_dir/sharded) against the unsharded copy's save_pretrained
-    (final_dir/reference), checked on rank 0; the other ranks return only how much they gathered."""
+    """The worker's FSDP final save against the unsharded copy's save_pretrained, checked on rank 0."""
     import torch
 
     from launcher.store import final
@@ -371,10 +363,8 @@ def _final_save_check(model, reference, recipe, final_dir: Path, rank: int) -> d
         else float("inf")
     )
     # trained values, not the initial ones: LoRA B starts at zero, full weights at the base's
-    moved = (
-        any(not torch.equal(v, torch.zeros_like(v)) for k, v in mine.items() if "lora_B" in k)
-        if kind == final.ADAPTER
-        else True
+    moved = kind != final.ADAPTER or any(
+        not torch.equal(v, torch.zeros_like(v)) for k, v in mine.items() if "lora_B" in k
     )
     verdict = (
         final.verify_adapter(sharded_dir, recipe.lora.target_modules, final.base_weights(recipe.model))

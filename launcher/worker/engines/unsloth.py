@@ -70,8 +70,7 @@ def version() -> str:
 
 
 def load_model_and_tokenizer(recipe, device: str, dtype):
-    """FastLanguageModel.from_pretrained (4-bit for qlora) + get_peft_model, or FastVisionModel's for a model with
-    a vision tower (its processor as the tokenizer); returns (model, tokenizer, source)."""
+    """(model, tokenizer, source) from FastLanguageModel + get_peft_model, or FastVisionModel for a VLM."""
     if "unsloth" not in sys.modules:
         import_unsloth()
     from launcher.worker.loading import reads_images
