@@ -1,9 +1,7 @@
 """Export a finished run: adapter, merged 16-bit model, GGUF, serving commands; every output reloaded and checked.
 
-Run as `python -m launcher.deliver.export --run-dir DIR [--formats adapter,merged,gguf] [--gguf-type q8_0]` (the
-supervisor does, after a successful run) or through `ftrun export` (launcher/run/after_training.py). Writes into
-the run's `final/`: `merged/` (safetensors + tokenizer + chat template), `gguf/<name>-<TYPE>.gguf` + `Modelfile`,
-`SERVING.md`, and `export.json` with the parity numbers. An output outside its tolerance fails loudly.
+Run as `python -m launcher.deliver.export --run-dir DIR [--formats adapter,merged,gguf] [--gguf-type q8_0]` or through
+`ftrun export`. Writes into the run's `final/`: `merged/`, `gguf/`, `SERVING.md` and `export.json`.
 """
 
 from __future__ import annotations
@@ -73,8 +71,7 @@ def _export(inp: Inputs, report: dict[str, Any]) -> None:
     from transformers import AutoTokenizer
     from transformers.utils import logging as transformers_logging
 
-    # no "Loading weights" bar per model between the export's own lines (transformers 5.24 core_model_loading.py;
-    # utils/logging.py disable_progress_bar turns off huggingface_hub's bars too)
+    # no "Loading weights" bar per model between the export's lines (transformers 5.24 utils/logging.py)
     transformers_logging.disable_progress_bar()
     config = _model_config(inp.recipe.model, inp.source, inp.is_adapter)
     dtype = export_dtype(config)

@@ -121,8 +121,7 @@ def _export_models(
             f"merging the adapter into the {merge.dtype} base; the merged model is saved in "
             f"{str(dtype).replace('torch.', '')}"
         )
-        # A fresh base in the export dtype, where the merge placement says: the merged weights are rounded once,
-        # from the adapter's own precision (peft keeps float32 adapter weights over a 16-bit base).
+        # a fresh base where the merge placement says: the merged weights are rounded once, from the fp32 adapter
         merged = load_adapter(load_model(inp.recipe.model, merge, loads), inp.source, merge, loads)
         merged = _to_export_dtype(merged.merge_and_unload(), dtype)
         kind = "merged"

@@ -12,9 +12,7 @@ from launcher.deliver.messages import _say
 
 
 def _served_folder(served, output: dict[str, Any], key: str, tokenizer, config_from: str) -> None:
-    """An exported folder as vLLM serves it: its chat template renders the held-out prompts to the trained ids, and
-    vLLM's stops (the tokenizer's eos and `config_from`'s eos_token_id, vllm/sampling_params.py
-    update_from_generation_config) hold the trained end of turn; a vision-language adapter says what it adapts."""
+    """An exported folder as vLLM serves it: prompts and stops (vllm/sampling_params.py) against the trained."""
     from launcher.worker.loading import reads_images
 
     if key == "adapter" and reads_images(config_from):

@@ -81,8 +81,7 @@ def _stop_ids(merged_dir: Path, tokenizer) -> set[int]:
 def write_gguf(
     merged_dir: Path, gguf_dir: Path, name: str, gguf_type: str, steps: dict[str, Any], intermediate=None
 ) -> Path:
-    """gguf_dir/NAME-TYPE.gguf from the merged folder: llama.cpp's converter writes the type, or the merged weights'
-    own 16-bit type (so the conversion rounds nothing) that its quantizer then quantizes; each step into `steps`."""
+    """gguf_dir/NAME-TYPE.gguf: converted, or converted to 16 bits and quantized; each step into `steps`."""
     conv = gguf_readiness.converter()
     kind = gguf_types.TYPES[gguf_type]
     gguf_dir.mkdir(parents=True, exist_ok=True)
@@ -134,12 +133,9 @@ def gguf_output(
     served=None,
     task: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
-    """Convert the merged folder with llama.cpp (write_gguf; `intermediate`: a 16-bit GGUF to reuse), read the file
-    back in llama.cpp and compare it with the merged model's outputs (merged_out, computed by transformers).
-    `served` (served_prompt.ServedPrompt): the GGUF's template must render the held-out prompts to the trained ids,
-    llama.cpp must stop on the trained end of turn, and one prompt is answered through llama-cpp-python's chat
-    completion (serving_smoke). `task` (RUN/task.json): its prompts answered as llama-server serves them, returned
-    as out["task_answers"]."""
+    """Convert the merged folder with llama.cpp (write_gguf), read the file back and compare it with merged_out.
+    `served` (ServedPrompt): the served prompts, stops and serving smoke test are checked (_served_checks); `task`
+    (RUN/task.json): its prompts answered as llama-server serves them, in out["task_answers"]."""
     conv = gguf_readiness.converter()
     kind = gguf_types.TYPES[gguf_type]
     steps: dict[str, Any] = {}

@@ -4,11 +4,9 @@ against what the training put in front of the answer, and the token that ends a 
 The reference is the training sequence itself (trl 1.16 trainer/sft_trainer.py tokenize_fn renders a conversation
 whole, with no generation prompt): the tokens in front of the last answer. Where the template has switches (Qwen3's
 `enable_thinking`), the setting that serves the trained context is found once (`kwargs`). Each runtime renders the
-same prompts: transformers and vLLM (vllm/entrypoints/chat_utils.py resolve_hf_chat_template; an adapter folder's
-tokenizer, vllm/transformers_utils/tokenizer.py get_lora_tokenizer), llama.cpp (llamacpp_runtime.py chat_prompt,
-server_prompt) and Ollama (ollama_template.py, go_template.py). A prompt that differs fails the export.
-docs/evaluation.md, "After the export: the served prompt is the trained prompt", has the cases and the runtimes'
-source lines.
+same prompts (vllm/entrypoints/chat_utils.py resolve_hf_chat_template, vllm/transformers_utils/tokenizer.py
+get_lora_tokenizer; llamacpp_runtime.py; ollama_template.py): one that differs fails the export. docs/evaluation.md,
+"After the export: the served prompt is the trained prompt", has the cases and the runtimes' source lines.
 """
 
 from __future__ import annotations
@@ -53,8 +51,7 @@ def _training_template(recipe, tokenizer) -> tuple[Optional[str], Optional[str]]
 
 
 def _end_of_turn(tokenizer, text: str, answer: str) -> Optional[int]:
-    """The index of the first token after the answer in the training sequence (the token the training taught to
-    end a turn), None when nothing follows the answer, -1 when the template does not write the answer verbatim."""
+    """Index of the first token after the answer; None when nothing follows, -1 when the answer is not verbatim."""
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     for candidate in (answer, answer.strip()):
         at = text.rfind(candidate) if candidate else -1
@@ -117,8 +114,7 @@ class ServedPrompt:
             entry = {"messages": prompt, "tools": tools, "shape": shape(conv), "from": kind}
             ctx = trained_context(self.tokenizer, conv, last, kw) if last < len(conv) else None
             if ctx is None:
-                # no answer to find in the sequence (a tool call, an answer the template rewrites): the template's
-                # own generation prompt stands in, as the training's prompt/completion split takes it
+                # no answer to find in the sequence (a tool call, a rewritten answer): the generation prompt stands in
                 rewritten += last < len(conv)
                 entry["ids"] = list(
                     self.tokenizer.apply_chat_template(
@@ -313,8 +309,7 @@ class ServedPrompt:
 
     @staticmethod
     def covered_by_stops(pieces: dict[int, str], stops: list[str]) -> list[int]:
-        """The end-of-turn ids whose text holds a stop value: Ollama stops when the generated text contains one
-        (runner/ollamarunner/runner.go, common.FindStop), so such a token ends the answer."""
+        """End-of-turn ids whose text holds a stop value (Ollama runner.go common.FindStop)."""
         return [i for i, piece in pieces.items() if any(s and s in piece for s in stops)]
 
     def ending(self, key: str, outs: list[dict[str, Any]], stop_ids: set[int]) -> dict[str, Any]:

@@ -104,9 +104,8 @@ def _parts(message: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def transformers_side(merged_dir: Path, examples: list[dict[str, Any]], max_new: int) -> list[dict[str, Any]]:
-    """Per held-out example, through the merged folder as vLLM loads it (its processor files): the prompt ids the
-    processor builds (images widened to their tokens), the image tokens of each image, the next-token logits after
-    the prompt and the greedy answer (transformers' generate, do_sample off)."""
+    """Per held-out example, through the merged folder as vLLM loads it: the prompt ids the processor builds, the
+    image tokens of each image, the next-token logits after the prompt and the greedy answer."""
     import torch
     from transformers import AutoModelForImageTextToText
     from trl.data_utils import prepare_multimodal_messages
@@ -176,10 +175,8 @@ def mtmd_side(
     pad_id: int,
     threads: Optional[int] = None,
 ) -> dict[str, Any]:
-    """Per held-out example, through llama.cpp's multimodal path (libmtmd through llama_cpp/mtmd_cpp.py): the prompt
-    as llama-server builds it (each image chunk written as its count of `pad_id`), the image tokens of each image, the
-    next-token logits after the prompt and the greedy answer (argmax, stopping after an end-of-generation token).
-    `bounds`: the processor's image-token bounds, given to mtmd as --image-min-tokens/--image-max-tokens do."""
+    """transformers_side's figures through llama.cpp's mtmd (each image chunk written as its count of `pad_id`);
+    `bounds`: the processor's image-token bounds, given as --image-min-tokens/--image-max-tokens do."""
     import numpy as np
     import torch
     import llama_cpp
@@ -271,8 +268,7 @@ def mtmd_side(
                 mtmd.mtmd_input_chunks_free(chunks)
                 for bm in bitmaps:
                     mtmd.mtmd_bitmap_free(bm)
-            # the text after the image continues at mtmd's position (an image advances M-RoPE by its grid's larger
-            # side, not by its token count), which Llama.eval takes from n_tokens
+            # the text after the image continues at mtmd's M-RoPE position, which Llama.eval takes from n_tokens
             llm.n_tokens = n_past.value
             tokens = _greedy(llm, first, max_new, eog)
             out.append(
@@ -363,9 +359,8 @@ def compare(ref: list[dict[str, Any]], got: list[dict[str, Any]], eog: set[int])
 
 
 def held_out(recipe: Any, task: Optional[dict[str, Any]] = None) -> tuple[list[dict[str, Any]], int]:
-    """(the image prompts the pair is checked on, the new tokens an answer may take): the task's prompts (RUN/task.json:
-    the pair's answers are then the GGUF's task score), else the parity checks' examples (parity.held_out_examples:
-    held out, or the training data where the recipe holds nothing out), eval.task.examples of them (16 by default)."""
+    """(the image prompts the pair is checked on, the new tokens an answer may take): the task's prompts, else the
+    parity checks' examples (parity.held_out_examples), eval.task.examples of them (16 by default)."""
     if task is not None:
         return [
             {"messages": p["messages"] + [{"role": "assistant", "content": p["reference"]}], "images": p["images"]}
@@ -379,10 +374,8 @@ def held_out(recipe: Any, task: Optional[dict[str, Any]] = None) -> tuple[list[d
 def vision_gguf_output(
     merged_dir: Path, gguf_dir: Path, name: str, gguf_type: str, examples: list[dict[str, Any]], max_new: int = 8
 ) -> dict[str, Any]:
-    """Convert the merged vision-language folder to the text GGUF + mmproj, read both back through mtmd and hold
-    them to the merged model: the served prompt (text tokens and image placeholders) must be the processor's, and
-    the first-token distribution and greedy answers within the GGUF type's tolerance. export.json's outputs.gguf,
-    with each example's answer through the pair in out["task_answers"] (as gguf_export.gguf_output gives them)."""
+    """The text GGUF + mmproj, read back through mtmd and held to the merged model (the served prompt identical, the
+    first token within the type's tolerance): export.json's outputs.gguf, with out["task_answers"]."""
     cfg = json.loads((merged_dir / "config.json").read_text())
     model_type = cfg.get("model_type", "")
     files = convert_pair(merged_dir, gguf_dir, name, gguf_type)
@@ -391,8 +384,7 @@ def vision_gguf_output(
     bounds = bounds_of(merged_dir)
     missing = mtmd_missing()
     if missing:
-        # no multimodal path in this build: the text GGUF is held to the merged model on the prompts without their
-        # images, and the pair is not checked (export.json and SERVING.md say so)
+        # no multimodal path in this build: the text GGUF alone, on the prompts without their images
         _say(f"{missing}: the projector is written but not checked; the text GGUF is checked on text-only prompts")
         examples = text_only(examples)
     ref = transformers_side(merged_dir, examples, max_new)

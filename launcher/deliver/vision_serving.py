@@ -3,11 +3,9 @@ llama.cpp's llama-server and llama-mtmd-cli, Ollama), and which of them this arc
 
 Only the standard library at module level: `ftrun plan` and the default-tier tests read it.
 
-Image tokens: vLLM calls the processor that training used; llama.cpp's converter writes no pixel bounds
-(llama-cpp-python 0.3.36 conversion/base.py MmprojModel.set_gguf_parameters) and mtmd sets its own
-(tools/mtmd/clip.cpp `set_limit_image_tokens(8, 4096)`) with the same resize arithmetic (mtmd-image.cpp
-calc_size_preserved_ratio), so `--image-min-tokens`/`--image-max-tokens` set to the processor's bounds give the same
-tokens (docs/evaluation.md, "The parity through llama.cpp's multimodal path").
+Image tokens: llama.cpp's mtmd sets its own bounds (tools/mtmd/clip.cpp `set_limit_image_tokens(8, 4096)`) with the
+processor's resize arithmetic (mtmd-image.cpp calc_size_preserved_ratio): docs/evaluation.md, "The parity through
+llama.cpp's multimodal path".
 """
 
 from __future__ import annotations
@@ -19,8 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-# llama.cpp's own image-token bounds per model type (config.json model_type), from the pinned clip.cpp; a model type
-# not listed here has no known bounds, and the served-prompt check then measures llama.cpp's count only (gguf tier).
+# llama.cpp's own image-token bounds per config.json model_type, from the pinned clip.cpp
 LLAMACPP_IMAGE_TOKENS = {"qwen2_vl": (8, 4096), "qwen2_5_vl": (8, 4096), "qwen3_vl": (8, 4096)}
 
 # Ollama, per architecture (config.json architectures[0]): `ollama create` converts these safetensors folders into its
@@ -81,8 +78,7 @@ def llamacpp_flags(model_type: str, bounds: ImageBounds) -> list[str]:
 
 
 def limit_mm(images: int) -> str:
-    """vLLM's --limit-mm-per-prompt value: JSON, as vLLM's MultiModalConfig.limit_per_prompt takes it
-    (docs.vllm.ai vllm/config/multimodal.py: `{"image": 16, "video": 2}`); video 0 since the data holds none."""
+    """vLLM's --limit-mm-per-prompt value as vllm/config/multimodal.py takes it; video 0."""
     return json.dumps({"image": max(1, images), "video": 0}, separators=(",", ":"))
 
 

@@ -12,8 +12,7 @@ from launcher.plan.hardware import Hardware
 from launcher.plan.job import Job
 
 
-# Unsloth's CPU backend (unsloth/_cpu_init.py, Unsloth 2026.10.9): FastVisionModel.from_pretrained and its
-# UnslothVisionDataCollator raise NotImplementedError (tests/worker/test_unsloth.py checks the installed one)
+# Unsloth 2026.10.9's CPU backend (unsloth/_cpu_init.py): FastVisionModel raises NotImplementedError
 UNSLOTH_VISION_CPU = (
     "engine: unsloth with a vision-language model needs a GPU: Unsloth's CPU backend has no vision path "
     '(FastVisionModel: "vision / audio models are not supported on the CPU backend yet"); use engine: auto or trl '

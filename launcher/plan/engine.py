@@ -26,8 +26,7 @@ from launcher.plan.hardware import Hardware
 from launcher.plan.job import Job
 
 
-# bitsandbytes' 8-bit AdamW indexes its states by the parameter's local storage and has no DTensor support; an open
-# bitsandbytes issue reports illegal memory accesses with it under FSDP2, whose parameters are DTensors.
+# bitsandbytes' 8-bit AdamW has no DTensor support (illegal memory accesses reported under FSDP2)
 FULL_8BIT_FSDP = (
     "method full-8bit cannot run on FSDP: its 8-bit AdamW (bitsandbytes) has no support for the "
     "DTensor parameters FSDP2 shards into (illegal memory access reported under FSDP2)"
@@ -68,9 +67,8 @@ def choose(
     in_hand: bool = True,
     offload: str = "auto",
 ) -> Choice:
-    """`in_hand`: the box being planned, billed whole, so its cards are used (DDP) whenever that is faster; otherwise
-    the article's rules. `processes` (recipe num_processes) is honoured or refused; `offload`: auto, none, or
-    OFFLOAD_FORCED's."""
+    """`in_hand`: the box being planned, billed whole, so its cards are used whenever faster; `processes` (recipe
+    num_processes) is honoured or refused; `offload`: auto, none, or OFFLOAD_FORCED's."""
     vision = bool(getattr(job.arch, "vision_tower", ""))
     if hw.is_cpu_only and forced == "unsloth":
         return _choose_cpu_unsloth(job, hw, unsloth_ok, processes)
@@ -208,17 +206,10 @@ def choose(
             )
         return Choice(True, single_engine, "cuda", 1, one, cap, reasons, tps1, hrs1)
 
-    if (
-        not fits_one
-        and single_engine == "trl"
-        and forced in ("auto", "trl")
-        and (n == 1 or forced == "trl")
-        and job.gradient_checkpointing
-        and not job.offload_activations
-        and not force_offload
-    ):
-        # TRL's activation offloading: the saved layer inputs wait in pinned RAM, for the host-link time of moving
-        # them (throughput.activation_offload_seconds)
+    offloadable = job.gradient_checkpointing and not job.offload_activations and not force_offload
+    trl_alone = single_engine == "trl" and forced in ("auto", "trl") and (n == 1 or forced == "trl")
+    if not fits_one and trl_alone and offloadable:
+        # TRL's activation offloading: saved layer inputs in pinned RAM (throughput.activation_offload_seconds)
         w_off = job.workload("trl", 1, "cuda", offload_activations=True)
         off = sizing.memory(job.arch, w_off)
         ram_ok = (
@@ -316,8 +307,7 @@ def choose(
     ram_why = est_all.ram_explanation
     rent_note = None
     if est_all.host_ram_gb > ram_usable and not hw.is_this_machine:
-        # a box not rented yet: its RAM is the catalog's assumption, so the plan names the RAM the job needs instead
-        # of refusing; on the box itself the launch plans again with the RAM it reads
+        # a box not rented yet: its RAM is the catalog's assumption, so the plan names what the job needs
         what = "training with CPU offload" if est_all.train_ram_gb > est_all.load_ram_gb else "loading"
         rent_note = (
             f"host RAM: {what} needs {est_all.host_ram_gb:.0f} GB ({sizing_constants.USABLE_RAM_FRACTION:.0%} of a "
@@ -469,17 +459,9 @@ def choose_with_software(
     nnodes: int,
     offload: str,
 ) -> Choice:
-    """`choose`, then what the box in hand lacks: a job that only Unsloth's lower memory fits is missing software,
-    not too big (the fix is the install, never a bigger box); a DeepSpeed plan without DeepSpeed installed."""
+    """`choose`, then what the box in hand lacks: Unsloth (if only it fits) or DeepSpeed, as missing software."""
     choice = choose(job, hw, forced, unsloth_ok, workday_hours, processes=processes, nnodes=nnodes, offload=offload)
-    if (
-        not choice.fits
-        and not choice.missing
-        and not unsloth_ok
-        and forced == "auto"
-        and hw.gpus
-        and hw.is_this_machine
-    ):
+    if not (choice.fits or choice.missing or unsloth_ok) and forced == "auto" and hw.gpus and hw.is_this_machine:
         with_unsloth = choose(job, hw, forced, True, workday_hours, processes=processes, nnodes=nnodes, offload=offload)
         if with_unsloth.fits and with_unsloth.engine == "unsloth":
             need = with_unsloth.estimate.per_gpu_gb if with_unsloth.estimate else None
@@ -493,12 +475,8 @@ def choose_with_software(
                     "in this environment. " + UNSLOTH_FIX
                 ),
             )
-    if (
-        choice.fits
-        and choice.engine == "deepspeed"
-        and hw.is_this_machine
-        and not engine_software._deepspeed_installed()
-    ):
+    planned_deepspeed = choice.fits and choice.engine == "deepspeed" and hw.is_this_machine
+    if planned_deepspeed and not engine_software._deepspeed_installed():
         choice = replace(
             choice,
             fits=False,

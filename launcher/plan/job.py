@@ -38,17 +38,14 @@ class Job:
     sequences: int = 1  # rows per example in a micro-batch (a preference pair: 2); mean_tokens counts them all
     reference: str = ""  # DPO's reference (sizing.REFERENCES), "" without one
     objective: str = methods.DEFAULT_OBJECTIVE  # launcher/methods.py OBJECTIVES
-    # GRPO: answers sampled per prompt, and the longest answer in tokens; `examples` then counts answers, as TRL's
-    # per_device_train_batch_size does
+    # GRPO: answers sampled per prompt and the longest in tokens; `examples` then counts answers, as TRL does
     answers_per_prompt: int = 1
     completion_tokens: int = 0
-    # padding-free rows (padding_free, or packing), and whether attention over such a row carries a dense L x L mask
-    # (launcher/plan/attention.py dense_mask)
+    # padding-free rows, and whether attention over one carries a dense L x L mask (attention.py dense_mask)
     padding_free: bool = False
     dense_mask: bool = False
     kl_forward: bool = False  # KTO: each example's KL sequence, forward only (methods.Objective.kl_forward)
-    # a vision-language model (launcher/plan/vision.py): LoRA on the tower too, and the patches the tower runs on in
-    # the largest micro-batch (the longest example's images, micro_batch of them)
+    # a vision-language model: LoRA on the tower too, and the patches of the largest micro-batch
     lora_vision: bool = False
     vision_patches: int = 0
 
@@ -67,8 +64,7 @@ class Job:
         offload_optimizer: bool = False,
         offload_activations: bool = False,
     ) -> Workload:
-        """`offload`: parameters in CPU RAM; `offload_optimizer`: DeepSpeed's optimizer offload; `offload_activations`:
-        TRL's activation_offloading. Unsloth's vision path is sized with TRL's terms (UNSLOTH_VISION_SIZED)."""
+        """`offload`: parameters in CPU RAM; `offload_optimizer`: DeepSpeed's; `offload_activations`: TRL's."""
         engine = "trl" if engine == "unsloth" and self.arch.vision_tower else engine
         return Workload(
             self.method,
@@ -132,8 +128,7 @@ def _job(
     objective = methods.OBJECTIVES[getattr(recipe, "objective", methods.DEFAULT_OBJECTIVE)]
     answers, completion = 1, 0
     if objective.generates:
-        # each prompt trains as num_generations sequences (prompt + sampled answer); data_stats counted each at its
-        # longest answer (prompt + grpo.max_completion_length)
+        # each prompt trains as num_generations sequences (prompt + sampled answer)
         answers, completion = recipe.grpo.num_generations, recipe.grpo.max_completion_length
         training = training * answers if training is not None and not tokens_given(data_stats, tokens) else training
         if examples is not None:

@@ -84,9 +84,8 @@ class Plan:
 
 
 def make_plan(recipe: Any, hardware: Hardware, *args: Any, **kwargs: Any) -> Plan:
-    """plan_for's plan (the same arguments), raised when it does not fit: PlanError (concrete options in .fix, the
-    whole no-fit plan in .plan); when it needs software this machine lacks: MissingSoftware (the install in .fix; the
-    plan in .plan, which fits where only an output's software is missing: Plan.blocked)."""
+    """plan_for's plan, raised when it does not fit (PlanError) or needs software this machine lacks
+    (MissingSoftware): the fix in .fix, the plan in .plan."""
     plan = plan_for(recipe, hardware, *args, **kwargs)
     if not plan.fits:
         missing = plan.refusal.get("missing")
@@ -185,14 +184,9 @@ def plan_for(
     head = [f"model {arch.name}: {_fmt_tokens(arch.params)} params ({arch.source})"] + box + [software]
 
     est = choice.estimate
-    if (
-        not choice.fits
-        and est is None
-        and choice.device == "cuda"
-        and choice.engine in ("trl", "unsloth", "ddp", *SHARDING_ENGINES)
-    ):
-        # a forced engine refused before sizing (unsloth for a full fine-tune, ddp on one card, more processes
-        # than cards): the JSON still says what the job needs, as the engine asked for would run it
+    sizable = choice.engine in ("trl", "unsloth", "ddp", *SHARDING_ENGINES)
+    if not choice.fits and est is None and choice.device == "cuda" and sizable:
+        # a forced engine refused before sizing: the JSON still says what the job needs on it
         est = sizing.memory(job.arch, job.workload(choice.engine, max(1, choice.processes), "cuda"))
     if not choice.fits:
         options = (
@@ -422,8 +416,7 @@ def _loss_reason(job: Job, choice: Choice, est: Any) -> str:
     return (
         f"loss{as_trl}: TRL's fused LM head (trl's {trainer}{on}): the {t:,} x {vocab:,} logits of a micro-batch "
         f"are never whole, {head:.2f} GB at its peak instead of {whole:.1f} GB for the model's own loss; "
-        # KTO's head returns log-probabilities, entropy and mean logits, no top-1 (trl 1.16 kto_trainer.py
-        # add_fused_lm_head(outputs=("log_probs", "entropy", "mean_logits")))
+        # KTO's head returns no top-1 (trl 1.16 kto_trainer.py add_fused_lm_head outputs)
         + ("the entropy is" if methods.OBJECTIVES[job.objective].kl_forward else "token accuracy and entropy are")
         + " still logged (computed in the same pass)"
     )
@@ -488,8 +481,7 @@ def _objective_reasons(recipe: Any, job: Job, data_stats: Any = None) -> list[st
 
 
 def _positions_note(recipe: Any, arch: Architecture) -> list[str]:
-    """max_length against the positions the model's RoPE covers (max_position_embeddings, extended by the config's
-    RoPE scaling, which is said): beyond them a RecipeError."""
+    """max_length against the positions the model's RoPE covers, its scaling said; beyond them a RecipeError."""
     limit, max_length = arch.max_positions, recipe.max_length
     if not limit or max_length <= limit:
         return []

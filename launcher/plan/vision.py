@@ -1,7 +1,5 @@
-"""A vision-language model's vision tower in the plan: its parameters (counted into the model's weights), what LoRA
-adapts, and what the serving side can take of the adapter. The count follows transformers 5.24's
-models/qwen2_5_vl/modeling_qwen2_5_vl.py (tests/plan/test_vision_plan.py checks it against real module trees).
-"""
+"""A vision-language model's vision tower in the plan: its parameters, what LoRA adapts, what serving can take of the
+adapter; counted as transformers 5.24's models/qwen2_5_vl/modeling_qwen2_5_vl.py builds it (test_vision_plan.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +12,7 @@ from launcher.plan.sizing_constants import LAYER_BACKWARD_FACTOR
 # Model types whose vision tower this module counts (config.json model_type).
 COUNTED = ("qwen2_5_vl",)
 
-# Qwen2.5-VL-7B-Instruct's config.json as the plan reads it: the 7B shape docs/sizing.md compares with a published
-# measurement and gpu_check/vision_check.py builds with random weights
+# Qwen2.5-VL-7B-Instruct's config.json as the plan reads it (docs/sizing.md; gpu_check/vision_check.py builds it)
 QWEN25_VL_7B: dict[str, Any] = {
     "model_type": "qwen2_5_vl",
     "hidden_size": 3584,
@@ -46,8 +43,7 @@ QWEN25_VL_7B: dict[str, Any] = {
     },
 }
 
-# the tower blocks' attention layers (modeling_qwen2_5_vl.py Qwen2_5_VLVisionAttention): what LoRA on the tower adapts
-# beside the recipe's target_modules
+# the tower blocks' attention layers (Qwen2_5_VLVisionAttention), which LoRA on the tower adapts too
 TOWER_ATTENTION = ("qkv", "proj")
 
 # LoRA's reach, as lora.vision_tower chooses it: vLLM ignores adapter weights on the vision blocks (issue 57)
@@ -82,8 +78,7 @@ def tower_params(cfg: dict[str, Any]) -> int:
 
 
 def tower_linears(cfg: dict[str, Any]) -> tuple[tuple[str, int, int, int], ...]:
-    """The tower's linear layers as (leaf name, d_in, d_out, count) (modeling_qwen2_5_vl.py: each block's qkv, proj
-    and MLP, the merger's mlp.0 and mlp.2); () where `counted` is False."""
+    """The tower's linear layers as (leaf, d_in, d_out, count); () where `counted` is False."""
     v = cfg.get("vision_config")
     if not counted(cfg):
         return ()
@@ -97,8 +92,7 @@ def tower_linears(cfg: dict[str, Any]) -> tuple[tuple[str, int, int, int], ...]:
 
 
 def quantized_params(arch: Any) -> int:
-    """The tower's weights QLoRA quantizes: every linear layer's (transformers 5.24 quantizers/base.py
-    get_keys_to_not_convert spares only the LM head's kind)."""
+    """The tower's weights QLoRA quantizes: every linear layer's (quantizers/base.py get_keys_to_not_convert)."""
     return sum(a * b * n for _, a, b, n in getattr(arch, "vision_linears", ()))
 
 
@@ -163,10 +157,8 @@ def notes(arch: Any, recipe: Any, stats: Any) -> list[str]:
 
 
 def refuse_sharded_without_images(engine: str, forced: str, stats: Any) -> None:
-    """FSDP on image data in which some examples hold no image: refused. FSDP2 shards each vision block (transformers
-    5.24 _no_split_modules; accelerate 1.15 fsdp2_prepare_auto_wrap_policy) and Qwen2_5_VLModel.forward skips the
-    tower without pixel_values, so the ranks' gathers stop matching (docs/engines.md, "DDP and FSDP with the vision
-    tower")."""
+    """FSDP on image data in which some examples hold no image: refused, the ranks' gathers would stop matching
+    (accelerate 1.15 fsdp2_prepare_auto_wrap_policy; docs/engines.md, "DDP and FSDP with the vision tower")."""
     facts = (getattr(stats, "images", None) if stats is not None else None) or {}
     if engine != "fsdp" or not facts.get("without_images"):
         return

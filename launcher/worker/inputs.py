@@ -72,8 +72,7 @@ def _trained_tokens(examples: list, prepared, sample: int = 2000) -> str:
     from launcher.data.formats import FORMS, example_form
 
     if examples and examples[0].get("images") is not None:
-        # trl 1.16 leaves image data unprepared (sft_trainer.py _skip_prepare_dataset, dpo_trainer.py
-        # skip_prepare_dataset): its collator renders and tokenizes each batch with its images
+        # trl 1.16 leaves image data to its collator (sft_trainer.py _skip_prepare_dataset)
         count = sum(len(e["images"]) for e in examples)
         what, unit, each = ("chat with images", "examples", "")
         if example_form(examples[0]) == "preference":
@@ -104,8 +103,7 @@ def _trained_tokens(examples: list, prepared, sample: int = 2000) -> str:
             f"({answers / max(total, 1):.1%}{first})"
         )
     if example_form(examples[0]) == "unpaired":
-        # KTO keeps prompt_ids, completion_ids and KL_completion_ids (trl 1.16 kto_trainer.py tokenize_fn and
-        # add_kl_completion_ids); the loss is on the answers, the KL sequences run without a gradient
+        # KTO keeps prompt_ids, completion_ids, KL_completion_ids (trl 1.16 kto_trainer.py tokenize_fn)
         prompt = sum(len(x) for x in rows["prompt_ids"])
         answers = sum(len(x) for x in rows["completion_ids"])
         desirable = sum(bool(x) for x in prepared["label"])
@@ -116,9 +114,8 @@ def _trained_tokens(examples: list, prepared, sample: int = 2000) -> str:
         )
     form = FORMS[example_form(examples[0])].reads_as
     ids = rows["input_ids"]
-    # what the loss is computed on: trl 1.16 keeps the masks as columns (assistant_masks with assistant_only_loss,
-    # completion_mask for prompt/completion) and the collator turns them into labels; a row's first token is never
-    # a target (the labels are shifted), as the data view counts them (launcher/data/loss_view.py)
+    # trl 1.16 keeps the loss masks as columns (assistant_masks, completion_mask); a row's first token is never a
+    # target (the labels are shifted), as launcher/data/loss_view.py counts them
     mask = next((rows[c] for c in ("labels", "assistant_masks", "completion_mask") if c in rows.column_names), None)
     if mask is None:
         mask = [[1] * len(x) for x in ids]
@@ -133,9 +130,7 @@ def _trained_tokens(examples: list, prepared, sample: int = 2000) -> str:
 
 
 def templated(examples: list, tokenizer) -> list:
-    """Conversational pairs rendered to text with the model's chat template by TRL's own functions (trl 1.16
-    data_utils.py maybe_extract_prompt, maybe_apply_chat_template: what ORPOTrainer maps over its dataset), for a
-    trainer that renders through datasets.map (methods.py templated_by_worker). Plain pairs stay as they are."""
+    """Conversational pairs rendered to text by trl 1.16 data_utils.py maybe_apply_chat_template, as ORPO does."""
     from trl.data_utils import maybe_apply_chat_template, maybe_extract_prompt
 
     from launcher.data.formats import PAIR_KEYS

@@ -1,9 +1,7 @@
-"""Model loading in the worker: this rank's device, dtypes, quantization and attention kernel, then the model with
-LoRA. The worker, the FSDP exercise and the GPU check all call it; engine contexts and Unsloth's loader are passed in.
+"""Model loading in the worker, the FSDP exercise and the GPU check: device, dtypes, quantization, attention, LoRA.
 
 Versions: torch 2.13, transformers 5.24, peft 0.21, bitsandbytes 0.50, accelerate 1.15. With a bitsandbytes config and
-no device map transformers loads onto torch.cuda.current_device() (quantizers/quantizer_bnb_4bit.py update_device_map):
-the device is set from LOCAL_RANK before any load.
+no device map transformers loads onto torch.cuda.current_device() (quantizers/quantizer_bnb_4bit.py update_device_map).
 """
 
 from __future__ import annotations
@@ -16,6 +14,7 @@ from typing import Any, Optional
 
 from launcher.engine_kinds import SHARDING as SHARDING_ENGINES
 from launcher.methods import METHODS, is_adapter, is_quantized
+from launcher.worker.process import _say
 
 # SHARDING_ENGINES place the weights themselves: no device map (transformers refuses one under ZeRO-3's loading)
 
@@ -30,8 +29,7 @@ def is_main_process() -> bool:
 
 
 def compute_dtype(capability: Optional[tuple[int, int]]):
-    """bf16 on compute capability 8.0+, fp16 below (T4, V100), fp32 on the CPU (capability None). Not
-    torch.cuda.is_bf16_supported(): it counts emulation (torch/cuda/__init__.py), slow bf16 on a T4 or V100."""
+    """bf16 from compute capability 8.0, fp16 below, fp32 on the CPU (not is_bf16_supported(): it counts emulation)."""
     import torch
 
     from launcher.plan.throughput import training_precision  # the plan's rule: the plan and the worker cannot disagree
@@ -42,8 +40,7 @@ def compute_dtype(capability: Optional[tuple[int, int]]):
 
 
 def select_device() -> tuple[str, Any]:
-    """('cuda', dtype) on this rank's own GPU, made the current device, or ('cpu', fp32). Called at worker start
-    before anything touches CUDA (else every rank would use GPU 0); sets the SDPA backends too."""
+    """('cuda', dtype) on this rank's own GPU, made current before anything touches CUDA, or ('cpu', fp32)."""
     import torch
 
     apply_sdpa_backends()
@@ -143,9 +140,7 @@ def attention_facts(device: str, dtype, model=None, engine: str = "trl") -> dict
 
 
 def apply_sdpa_backends() -> dict[str, Any]:
-    """Leave on exactly the SDPA backends launcher/plan/attention.py names and return sdpa_state(). The flags are
-    process-wide, read at every dispatch (torch/backends/cuda/__init__.py enable_cudnn_sdp; sdp_utils.cpp
-    check_runtime_disabled_*), on the CPU too."""
+    """Leave on exactly attention.py's SDPA backends (process-wide flags: torch/backends/cuda/__init__.py)."""
     import torch
 
     from launcher.plan import attention
@@ -170,8 +165,7 @@ def sdpa_state() -> dict[str, Any]:
 
 
 def quantization_config(method: str, dtype):
-    """QLoRA's 4-bit NF4 config; quant storage in the compute dtype so FSDP can shard the 4-bit weights
-    (accelerate excludes non-floating Params4bit from sharding: fsdp2_prepare_model)."""
+    """QLoRA's NF4 config, quant storage in the compute dtype so FSDP can shard it (fsdp2_prepare_model)."""
     if not is_quantized(method):
         return None
     from transformers import BitsAndBytesConfig
@@ -210,10 +204,9 @@ def quantized_once_per_box(recipe, kwargs: dict[str, Any], run_dir) -> Optional[
     run_dir = run_dir if run_dir is not None else getattr(recipe, "output_dir", None)
     if run_dir is None:
         if local_rank() == 0:
-            print(
-                "[ftrun worker] QLoRA + FSDP without a run directory: each rank quantizes the model on its own "
-                "CPU (one 4-bit copy per rank in RAM)",
-                flush=True,
+            _say(
+                "QLoRA + FSDP without a run directory: each rank quantizes the model on its own "
+                "CPU (one 4-bit copy per rank in RAM)"
             )
         return None
     folder = Path(run_dir) / QUANTIZED_DIR
@@ -221,7 +214,7 @@ def quantized_once_per_box(recipe, kwargs: dict[str, Any], run_dir) -> Optional[
     with _box_lock(Path(run_dir) / (QUANTIZED_DIR + ".lock")):
         if _manifest(folder) == identity:
             if local_rank() == 0:
-                print(f"[ftrun worker] 4-bit model: reusing {folder} (quantized for this run before)", flush=True)
+                _say(f"4-bit model: reusing {folder} (quantized for this run before)")
         else:
             _quantize_into(folder, recipe.model, kwargs, identity)
     return folder
@@ -316,8 +309,7 @@ def _quantize_into(folder: Path, model: str, kwargs: dict[str, Any], identity: d
         torch.set_num_threads(cores)
         try:
             quantized = AutoModelForCausalLM.from_pretrained(model, **kwargs)
-            # save_pretrained writes on global rank 0 only once a process group exists (transformers 5.24
-            # distributed/mixin.py, should_save_on_this_rank); the copy belongs to the box, the lock holder writes it
+            # the lock holder writes the box's copy (transformers 5.24 distributed/mixin.py should_save_on_this_rank)
             quantized.should_save_on_this_rank = lambda is_main_process: True
             quantized.save_pretrained(str(tmp))
         finally:
@@ -331,10 +323,9 @@ def _quantize_into(folder: Path, model: str, kwargs: dict[str, Any], identity: d
     seconds = round(time.monotonic() - started, 1)
     (tmp / QUANTIZED_MANIFEST).write_text(json.dumps({"identity": identity, "seconds": seconds}, indent=2))
     os.replace(tmp, folder)
-    print(
-        f"[ftrun worker] 4-bit model: quantized once for this box on {cores} CPU cores in {seconds:.0f} s into "
-        f"{folder}; every rank maps it",
-        flush=True,
+    _say(
+        f"4-bit model: quantized once for this box on {cores} CPU cores in {seconds:.0f} s into "
+        f"{folder}; every rank maps it"
     )
 
 
@@ -376,8 +367,7 @@ def load_tokenizer(recipe, say=None):
         from launcher.worker.processor import load_processor
 
         # every rank builds its own processor (its collator renders its own batches); rank 0 says the fallback
-        rank0 = lambda line: is_main_process() and print(f"[ftrun worker] {line}", flush=True)  # noqa: E731
-        loaded = load_processor(recipe.model, say=say or rank0)
+        loaded = load_processor(recipe.model, say=say or (lambda line: is_main_process() and _say(line)))
         tokenizer = loaded.tokenizer
     else:
         loaded = tokenizer = AutoTokenizer.from_pretrained(recipe.model)
@@ -393,8 +383,7 @@ VISION_TOWER = "visual"
 
 
 def lora_targets(model, recipe):
-    """The recipe's lora.target_modules for a text model; for a vision-language model a regular expression over
-    the language model's layers (what vLLM serves as LoRA), and the tower's blocks too if lora.vision_tower asks."""
+    """lora.target_modules for a text model; for a VLM a regular expression over its modules (vision_targets)."""
     if not reads_images(recipe.model):
         return recipe.lora.target_modules
     return vision_targets(model, recipe.lora)
@@ -433,9 +422,7 @@ def add_lora(model, recipe):
     if getattr(recipe, "init_from", None):  # a recipe-like namespace (the GPU check's) may not name it
         from launcher.recipe import parent_adapter
 
-        # the earlier run's adapter, trained further (its own r, alpha and modules: adapter_config.json); a DPO
-        # reference is then that adapter's frozen copy, which trl 1.16's DPOTrainer makes itself for a PeftModel
-        # passed without a peft_config (dpo_trainer.py: add_adapter("ref", ...) and a copy of the weights)
+        # the earlier run's adapter, trained further; a DPO reference is its frozen copy (trl 1.16 dpo_trainer.py)
         return PeftModel.from_pretrained(model, str(parent_adapter(recipe.init_from)), is_trainable=True)
     lora = recipe.lora
     return get_peft_model(
@@ -451,8 +438,7 @@ def add_lora(model, recipe):
 
 
 def load_model_and_tokenizer(recipe, device: str, dtype, plan: Optional[dict] = None, context=None, run_dir=None):
-    """The base model by method, then LoRA. `context`: what the engine wraps the load in (ZeRO-3 partitions while
-    loading); `run_dir`: where QLoRA + FSDP keeps the box's quantized copy (default: the recipe's output_dir)."""
+    """The base model by method, then LoRA; `context`: the engine's (ZeRO-3); `run_dir`: QLoRA + FSDP's copy."""
     engine = (plan or {}).get("engine", "trl")
     tokenizer = load_tokenizer(recipe)
     kwargs = load_kwargs(recipe, device, dtype, engine)
@@ -467,12 +453,12 @@ def load_model_and_tokenizer(recipe, device: str, dtype, plan: Optional[dict] = 
     if is_adapter(recipe.method):
         model = add_lora(model, recipe)
     if is_main_process():
-        print("[ftrun worker] " + describe_model(model), flush=True)
+        _say(describe_model(model))
         if reads_images(recipe.model) and is_adapter(recipe.method):
             tower = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and f".{VISION_TOWER}." in n)
-            print(f"[ftrun worker] LoRA: {tower:,} trainable parameters in the vision tower", flush=True)
+            _say(f"LoRA: {tower:,} trainable parameters in the vision tower")
         if device == "cuda":  # the kernel that runs, said once
-            print(f"[ftrun worker] {attention_facts(device, dtype, model)['line']}", flush=True)
+            _say(attention_facts(device, dtype, model)["line"])
     return model, tokenizer
 
 

@@ -1,9 +1,7 @@
 """The worker's main flow, from the run directory to an exit code: load, resume, train, save, report.
 
-Run as `python -m launcher.worker.train --run-dir DIR --mode full|smoke` (or under accelerate/torchrun for
-several processes). It reads the run directory's recipe snapshot and plan, resumes from the newest
-verified checkpoint by itself, and reports through files: metrics.jsonl (launcher/worker/callbacks.py), worker.json,
-checkpoints.
+Run as `python -m launcher.worker.train --run-dir DIR --mode full|smoke` (or under accelerate/torchrun). It resumes
+from the newest verified checkpoint by itself and reports through files: metrics.jsonl, worker.json, checkpoints.
 """
 
 from __future__ import annotations
@@ -96,14 +94,13 @@ def load_model_and_tokenizer(recipe, device: str, dtype, plan: Optional[dict] = 
         from launcher.worker.engines import unsloth as unsloth_engine
 
         model, tokenizer, source = unsloth_engine.load_model_and_tokenizer(recipe, device, dtype)
-        print(
-            f"[ftrun worker] engine unsloth {unsloth_engine.version()}: "
+        _say(
+            f"engine unsloth {unsloth_engine.version()}: "
             f"{'FastVisionModel' if loading.reads_images(recipe.model) else 'FastLanguageModel'} loaded {source}"
             f"{' in 4 bit' if recipe.method == 'qlora' else ''}; "
-            f"{'; '.join(unsloth_engine.markers(model)) or 'no Unsloth marks'}",
-            flush=True,
+            f"{'; '.join(unsloth_engine.markers(model)) or 'no Unsloth marks'}"
         )
-        print("[ftrun worker] " + loading.describe_model(model), flush=True)
+        _say(loading.describe_model(model))
         return model, tokenizer
     from launcher.worker.engines import loading_context
 
@@ -209,23 +206,19 @@ def run_worker(run_dir: Path, mode: str) -> int:
         if _verifies_resume(plan, _rank(), local_rank()):
             removed = ckpt.remove_incomplete(run.checkpoints)
             if removed:
-                print(f"[ftrun worker] removed incomplete checkpoint(s): {', '.join(removed)}", flush=True)
+                _say(f"removed incomplete checkpoint(s): {', '.join(removed)}")
             # checkpoints of this trajectory, or of an earlier one accepted with --allow-changes
-            accepted = (
-                [recipe.trajectory_hash(), *json.loads(run.state.read_text()).get("accepted_recipe_hashes", [])]
-                if run.state.is_file()
-                else [recipe.trajectory_hash()]
-            )
+            earlier = json.loads(run.state.read_text()).get("accepted_recipe_hashes", []) if run.state.is_file() else []
+            accepted = [recipe.trajectory_hash(), *earlier]
             found, skipped = ckpt.newest_verified(run.checkpoints, {"recipe_hash": accepted})
             for line in skipped:
-                print(f"[ftrun worker] skipping checkpoint {line}", flush=True)
+                _say(f"skipping checkpoint {line}")
             if _world_size() > 1:
                 ckpt.publish_choice(run.root / ckpt.CHOICE, _launch_identity(), found, skipped)
             if _Stop.requested:  # as the waiters do: nothing trained yet, nothing to save
-                print(
-                    f"[ftrun worker] stopped by {_Stop.signal_name} before training; "
-                    f"{found.path.name if found else 'no checkpoint'} is where the same command resumes",
-                    flush=True,
+                _say(
+                    f"stopped by {_Stop.signal_name} before training; "
+                    f"{found.path.name if found else 'no checkpoint'} is where the same command resumes"
                 )
                 return EXIT_STOPPED
         else:
@@ -239,10 +232,9 @@ def run_worker(run_dir: Path, mode: str) -> int:
                     cancelled=lambda: _Stop.requested,
                 )
             except ckpt.ChoiceCancelled:  # a clean stop (77), not a crash: nothing was trained
-                print(
-                    f"[ftrun worker] stopped by {_Stop.signal_name} while waiting for the resume checkpoint to be "
-                    "verified; nothing was trained",
-                    flush=True,
+                _say(
+                    f"stopped by {_Stop.signal_name} while waiting for the resume checkpoint to be "
+                    "verified; nothing was trained"
                 )
                 return EXIT_STOPPED
         resume_from = found
@@ -256,7 +248,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
                     _record_error(run, note)
                 return EXIT_BAD_WORLD
             if note and _rank() == 0:
-                print(f"[ftrun worker] {note}", flush=True)
+                _say(note)
 
     if _rank() == 0:
         info = {
@@ -272,9 +264,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
         }
         ckpt.atomic_write_json(run.worker if mode == "full" else run.smoke_work / "worker.json", info)
         if resume_from:
-            print(
-                f"[ftrun worker] resuming from {resume_from.path.name} (step {resume_from.step}, verified)", flush=True
-            )
+            _say(f"resuming from {resume_from.path.name} (step {resume_from.step}, verified)")
             _restore_metrics(run.metrics, resume_from.path, resume_from.step)
             from launcher.worker import trackers
 
@@ -283,13 +273,9 @@ def run_worker(run_dir: Path, mode: str) -> int:
             if carried.is_file() and not (run.root / samples.BEFORE_FILE).is_file():  # a resume on another box
                 shutil.copyfile(carried, run.root / samples.BEFORE_FILE)
         elif mode == "full" and run.metrics.is_file():
-            # a restart before the first checkpoint trains from step 0 again: the last attempt's rows go, the base
-            # model's eval at step 0 stays
+            # a restart before the first checkpoint trains from step 0 again: the rows after step 0 go
             _restore_metrics(run.metrics, run.checkpoints, 0)
-        print(
-            f"[ftrun worker] device {device} ({info['dtype']}), method {recipe.method}, {_world_size()} process(es)",
-            flush=True,
-        )
+        _say(f"device {device} ({info['dtype']}), method {recipe.method}, {_world_size()} process(es)")
 
     set_seed(recipe.seed)
     # the smoke sample as the launcher wrote it, or the recipe's data read again (its sha256 checked below)
@@ -331,8 +317,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
     try:
         # Loading the model can run out of memory as well as training: both are inside.
         loading = time.monotonic()
-        # after the resume choice, a wait on files that a stop ends cleanly (a rendezvous blocked in torch's TCPStore
-        # would not: tests/store/test_checkpoint_hashing.py)
+        # after the resume choice, a wait on files that a stop ends cleanly (tests/store/test_checkpoint_hashing.py)
         create_process_group(plan, device, group_timeout_s)
         model, tokenizer = load_model_and_tokenizer(recipe, device, dtype, plan, run.root)
         if recipe.objective_row.templated_by_worker:
@@ -341,8 +326,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
             dataset = to_dataset(templated(examples, tokenizer))
             eval_dataset = to_dataset(templated(held_out, tokenizer)) if held_out else None
         if hasattr(model, "create_or_update_model_card"):
-            # no README.md template in the adapter folders (peft 0.21 peft_model.py save_pretrained ->
-            # create_or_update_model_card; no argument turns it off)
+            # no README.md template in the adapter folders (peft 0.21 peft_model.py create_or_update_model_card)
             model.create_or_update_model_card = lambda output_dir: None
         load_seconds = time.monotonic() - loading
         first_start = mode == "full" and resume_from is None and not run.metrics.is_file()
@@ -388,7 +372,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
         from launcher.worker.window import carrying
 
         # checkpoints carry the logging window's sums: the logs after a resume equal an uninterrupted run's
-        trainer_cls = carrying(Trainer, say=lambda line: print(f"[ftrun worker] {line}", flush=True))
+        trainer_cls = carrying(Trainer, say=_say)
         if generates:
             trainer_cls = sampling.timed(trainer_cls)
             own = sampling.trainer_arguments(recipe, rows)
@@ -410,22 +394,20 @@ def run_worker(run_dir: Path, mode: str) -> int:
         from transformers.trainer_callback import PrinterCallback
 
         trainer.remove_callback(PrinterCallback)  # our Metrics callback prints one compact line per log
-        # no checkpoints/README.md (trl 1.16 sft_trainer.py _save_checkpoint -> base_trainer.py create_model_card; no
-        # setting turns it off): the run's model card is the one `ftrun publish` writes
+        # no checkpoints/README.md (trl 1.16 base_trainer.py create_model_card): `ftrun publish` writes the card
         trainer.create_model_card = lambda *args, **kwargs: None
         trainer.add_callback(_tracked_recipe(run, recipe))  # last: after the trackers' own callbacks have started
         if _rank() == 0:
             told = sampling.described(rows, recipe) if generates else _trained_tokens(examples, trainer.train_dataset)
-            print(f"[ftrun worker] {told}", flush=True)
+            _say(told)
         memory.reset_peak(device)
         try:
             trainer.train(resume_from_checkpoint=str(resume_from.path) if resume_from else None)
         except TrainingComplete as done:
             if _rank() == 0:
-                print(
-                    f"[ftrun worker] {resume_from.path.name if resume_from else 'the checkpoint'} is the last step "
-                    f"({done}) of the schedule: nothing left to train, writing the final result",
-                    flush=True,
+                _say(
+                    f"{resume_from.path.name if resume_from else 'the checkpoint'} is the last step "
+                    f"({done}) of the schedule: nothing left to train, writing the final result"
                 )
     except FloatingPointError as exc:
         print(f"[ftrun worker] stopping: {exc}", file=sys.stderr, flush=True)
@@ -481,14 +463,12 @@ def run_worker(run_dir: Path, mode: str) -> int:
     if cadence.stopped_by_signal and trainer.state.global_step < trainer.state.max_steps:
         code = _finish(run, device, step(), _writes_this_disk(plan, recipe, run))
         if code == 0:
-            print(
-                f"[ftrun worker] stopped at step {trainer.state.global_step} after {_Stop.signal_name}; "
-                "checkpoint saved, resume with the same command",
-                flush=True,
+            _say(
+                f"stopped at step {trainer.state.global_step} after {_Stop.signal_name}; "
+                "checkpoint saved, resume with the same command"
             )
         return EXIT_STOPPED if code == 0 else code
-    # a stop from here on saves what training made and skips the evidence (samples, task evaluation), except for
-    # ranks that generate together (sharded), which could see it at different batches
+    # a stop from here on skips the evidence (samples, task eval), but not on ranks that generate together
     _Stop.trained = not sharded
     # every rank: ZeRO-3 and FSDP gather the sharded weights for the final save (rank 0 writes)
     BEAT.beat("export", step())
@@ -526,9 +506,8 @@ def run_worker(run_dir: Path, mode: str) -> int:
 
 
 def _recorded(fn):
-    """fn under torch's errors.record where TORCHELASTIC_ERROR_FILE is set (by torchrun per rank, or the supervisor):
-    an exception leaves its message and traceback there (torch 2.13 elastic/multiprocessing/errors/error_handler.py
-    ErrorHandler.record_exception), which launcher/run/rank_ends.py reads."""
+    """fn under torch's errors.record where TORCHELASTIC_ERROR_FILE is set, for launcher/run/rank_ends.py (torch 2.13
+    elastic/multiprocessing/errors/error_handler.py ErrorHandler.record_exception)."""
     if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
         return fn
     from torch.distributed.elastic.multiprocessing.errors import record

@@ -66,17 +66,14 @@ def launch_command(plan: dict[str, Any], run_dir: Path, mode: str) -> list[str]:
 # CUDAAllocatorConfig::instance; 2.9-2.11 c10/core/AllocatorConfig.cpp AcceleratorAllocatorConfig::instance): any of
 # them set, the value is the user's.
 ALLOCATOR_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
-# segments that grow in place, so variable-length steps do not strand cached blocks (docs/sizing.md, "Padding-free
-# micro-batches")
+# variable-length steps strand no cached blocks (docs/sizing.md, "Padding-free micro-batches")
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
-# a CPU worker's OpenMP threads sleep rather than spin while they wait: spinning on a shared box made the smoke test's
-# timings swing several-fold (docs/BENCHMARKS.md, "OpenMP threads spun"); numerics do not change
+# a CPU worker's OpenMP threads sleep rather than spin while they wait (docs/BENCHMARKS.md, "OpenMP threads spun")
 CPU_WAIT_ENV, CPU_WAIT_POLICY = "OMP_WAIT_POLICY", "PASSIVE"
 
 
 def launch_env(plan: dict[str, Any], grace_seconds: float | None = None, vllm: bool = False) -> dict[str, str]:
-    """Environment for the launched worker(s); a variable the user set is kept. `vllm`: the run generates with vLLM,
-    whose sleep mode refuses expandable segments (vllm/device_allocator/cumem.py CuMemAllocator asserts it)."""
+    """Environment for the launched worker(s), a variable the user set kept (vllm: no expandable segments)."""
     n = int(plan.get("num_processes", 1))
     env: dict[str, str] = {}
     if plan.get("device") == "cuda" and not vllm and not any(v in os.environ for v in ALLOCATOR_ENV):
@@ -153,8 +150,7 @@ def trainer_fields(plan: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         # FSDP2 checkpoints activations itself (accelerate config); the Trainer's on top breaks the sharded backward
         return {"activation_checkpointing": False}
     if plan.get("offload_activations") and plan.get("device") == "cuda":
-        # the plan's choice where one card does not hold the job otherwise (trl sft_trainer.py
-        # maybe_activation_offload_context)
+        # the plan's choice where one card does not hold the job otherwise (trl maybe_activation_offload_context)
         return {"activation_offloading": True}
     return {}
 
@@ -173,8 +169,7 @@ def _tower_trains(run_dir: Path) -> bool:
 
 
 def verify(plan: dict[str, Any], trainer: Any) -> dict[str, Any]:
-    """After the trainer wrapped the model, before the first step: is this the planned engine? Returns {"engine",
-    "world_size", "ok", "checks": [{"check", "ok", "seen"}]}; the worker aborts when ok is False."""
+    """Before the first step: is this the planned engine? {"engine", "world_size", "ok", "checks"}."""
     import torch.distributed as dist
 
     engine = plan.get("engine", "trl")
@@ -211,8 +206,7 @@ def create_process_group(plan: dict[str, Any], device: str, timeout_s: int) -> N
 
 
 def group_timeout_check(want_s: int) -> dict[str, Any]:
-    """The process group's own timeout against the trainer's ddp_timeout, read where torch 2.13 keeps it
-    (distributed_c10d.py new_group: backend_options._timeout); where no backend shows it, said and not refused."""
+    """The process group's timeout against ddp_timeout (torch 2.13 distributed_c10d.py backend_options)."""
     import torch.distributed as dist
 
     group = dist.distributed_c10d._get_default_group()
@@ -275,15 +269,12 @@ def resume_compatibility(manifest: dict[str, Any], plan: dict[str, Any]) -> tupl
             f"num_processes={old_world}, or start over with --fresh (the adapter/weights of the checkpoint can be "
             "kept by hand: DeepSpeed's zero_to_fp32.py converts the weights, not the optimizer)"
         ), True
-    global_note = (
-        (
-            "; each optimizer step now takes "
-            f"{new_world}/{old_world} of the examples it took before, so the run continues with another global "
-            "batch (same data order, not step-for-step the same trajectory)"
+    global_note = ""
+    if old_world != new_world:
+        global_note = (
+            f"; each optimizer step now takes {new_world}/{old_world} of the examples it took before, so the run "
+            "continues with another global batch (same data order, not step-for-step the same trajectory)"
         )
-        if old_world != new_world
-        else ""
-    )
     return (
         f"{where}, resuming with {new_engine} on {new_world}: the Trainer's checkpoint (adapter or full weights, "
         f"optimizer.pt, scheduler) holds the whole state, so it loads on any count{global_note}"
@@ -310,8 +301,7 @@ def failed_verification(worker_json: Path) -> str | None:
     return None
 
 
-# run by `python -S -c` between the supervisor's fork and the worker: ask for the signal, check the parent is still
-# there, then exec the worker (prctl(2): PR_SET_PDEATHSIG survives execve)
+# run by `python -S -c` between the fork and the worker (prctl(2): PR_SET_PDEATHSIG survives execve)
 _DEATH_SIGNAL_EXEC = """\
 import ctypes, os, sys
 sig, parent, argv = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
@@ -324,9 +314,8 @@ os.execvp(argv[0], argv)
 
 
 def with_death_signal(cmd: list[str], sig: int) -> list[str]:
-    """`cmd`, started so that it gets `sig` when the process that starts it dies (Linux; elsewhere `cmd` itself).
-    Not Popen's preexec_fn, which can deadlock in the forked child of a threaded process (docs/engines.md, "The
-    worker's death signal is asked for after the exec")."""
+    """`cmd`, started so that it gets `sig` when its starter dies (Linux), not by Popen's preexec_fn (docs/engines.md,
+    "The worker's death signal is asked for after the exec")."""
     if not sys.platform.startswith("linux"):
         return list(cmd)
     return [sys.executable, "-S", "-c", _DEATH_SIGNAL_EXEC, str(int(sig)), str(os.getpid()), *cmd]

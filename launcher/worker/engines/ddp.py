@@ -26,8 +26,7 @@ def checks(plan: dict[str, Any], trainer: Any) -> list[dict[str, Any]]:
 
 
 def single_checks(plan: dict[str, Any], trainer: Any) -> list[dict[str, Any]]:
-    """One process: no process group, and the Trainer's n_gpu is 1 on a GPU (0 on the CPU), so no nn.DataParallel
-    (transformers 5.24 trainer.py _wrap_model: `self.args.n_gpu > 1`)."""
+    """One process: no process group, and n_gpu 1 on a GPU (no nn.DataParallel: transformers trainer.py)."""
     import os
 
     import torch.distributed as dist

@@ -47,15 +47,13 @@ def config(plan: dict[str, Any]) -> dict[str, Any]:
             "stage3_param_persistence_threshold": 10 * hidden,
             # the final save gathers the full 16-bit weights (or adapter) on rank 0
             "stage3_gather_16bit_weights_on_model_save": True,
-            # CPU offload (docs/engines.md, "CPU offload"; deepspeed runtime/zero/stage3.py _configure_offloading,
-            # runtime/zero/offload_config.py); pinning is a no-op on a CPU accelerator
+            # CPU offload (docs/engines.md, "CPU offload"; deepspeed runtime/zero/stage3.py _configure_offloading)
             "offload_optimizer": {"device": "cpu", "pin_memory": True} if offload_optimizer else {"device": "none"},
             "offload_param": {"device": "cpu", "pin_memory": True} if offload_param else {"device": "none"},
         },
         **(OFFLOAD_OPTIMIZER if offload_optimizer else {}),
         "steps_per_print": 10**9,  # ftrun logs the loss itself
-        # several boxes, each with its own disk: every node's checkpoint is complete by itself
-        # (deepspeed/runtime/engine.py names the files by local rank with node-local storage)
+        # several boxes, each with its own disk: every node's checkpoint is complete by itself (runtime/engine.py)
         "checkpoint": {"use_node_local_storage": nnodes > 1},
         "wall_clock_breakdown": False,
     }

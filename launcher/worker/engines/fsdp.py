@@ -1,6 +1,5 @@
-"""FSDP2: the accelerate config generated from the plan, the check that parameters really are sharded (DTensors:
-on a CPU an FSDP2 config silently becomes DDP), and `python -m launcher.worker.engines.fsdp`, which shards the
-worker's model with plain `fully_shard` over gloo."""
+"""FSDP2: the accelerate config from the plan, the check that parameters really are sharded DTensors, and
+`python -m launcher.worker.engines.fsdp`, which shards the worker's model with plain `fully_shard` over gloo."""
 
 from __future__ import annotations
 
@@ -27,16 +26,14 @@ def accelerate_config(plan: dict[str, Any], activation_checkpointing: bool) -> d
         "use_cpu": False,
         "rdzv_backend": "static",
         "same_network": True,
-        # 0: a free port for each launch (accelerate 1.15 utils/launch.py prepare_multi_gpu_env: get_free_port()),
-        # not the default 29500 that a second job or a leftover rank may hold
+        # 0: a free port per launch, not 29500 (accelerate 1.15 utils/launch.py prepare_multi_gpu_env)
         "main_process_port": 0,
         "fsdp_config": {
             "fsdp_version": 2,
             # wraps each decoder layer: the model's _no_split_modules name the layer class
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            # 16-bit weights: rank 0's state dict is broadcast to the others' meta models (the plan counts the RAM,
-            # loading_memory.py); accelerate skips it for 4-bit weights (fsdp2_prepare_model), so QLoRA loads its way
-            # (loading.fsdp_qlora_kwargs, quantized_once_per_box)
+            # 16-bit weights: rank 0's state dict is broadcast (loading_memory.py counts the RAM); QLoRA loads its way
+            # (loading.fsdp_qlora_kwargs)
             "fsdp_cpu_ram_efficient_loading": True,
             # the plan's choice when the shards do not fit the cards: FSDP2 CPUOffloadPolicy, the step on the CPU
             "fsdp_offload_params": bool(plan.get("offload_params", False)),
@@ -184,8 +181,7 @@ def _full_tensor(value):
 
 
 def _parameter_names(model) -> tuple[dict[str, str], set[str]]:
-    """({state-dict name: the first name of the same parameter}, names of frozen parameters), in DCP's names
-    (`_get_fqns`: wrapper prefixes dropped), every name of a tied parameter included."""
+    """({DCP name: first name of the same parameter}, frozen names), every name of a tied parameter included."""
     from torch.distributed.checkpoint.state_dict import _get_fqns
 
     by_id: dict[int, str] = {}
@@ -238,8 +234,7 @@ def exercise(run_dir: Path, steps: int, out: Optional[Path], final_dir: Optional
         t = loss.detach().clone()
         dist.all_reduce(t)
         sharded_losses.append(t.item() / world)
-        # the mean of the ranks' mean losses: the gradient FSDP's reduce-scatter averages (rows of unequal length,
-        # as images make them, included)
+        # the mean of the ranks' mean losses: the gradient FSDP's reduce-scatter averages
         ref = sum(reference(**s).loss for s in slices) / world
         ref.backward()
         o_ref.step()
@@ -285,8 +280,7 @@ def exercise(run_dir: Path, steps: int, out: Optional[Path], final_dir: Optional
 
 
 def _fixed_batches(recipe, tokenizer, model, per_rank: int, world: int) -> list[dict]:
-    """Each rank's fixed micro-batch: a vision-language model's first examples with their images, rendered as
-    training does (trl 1.16 sft_trainer.py DataCollatorForVisionLanguageModeling); a text model's random tokens."""
+    """Each rank's fixed micro-batch: a VLM's first examples with their images (TRL's collator), else random tokens."""
     import torch
 
     from launcher.worker.loading import reads_images
@@ -333,8 +327,7 @@ def _final_save_check(model, reference, recipe, final_dir: Path, rank: int) -> d
     a, b = load_file(str(sharded_dir / name)), load_file(str(reference_dir / name))
     same_keys = sorted(a) == sorted(b) and len(a) > 0
     same_shapes = same_keys and all(a[k].shape == b[k].shape for k in a)
-    # the sharded and the unsharded trainings differ by float rounding (their losses by about 1e-6); cast to the
-    # saved dtype, a value the two trainings put on either side of a rounding boundary differs by one step of it
+    # the two trainings differ by float rounding: cast to the saved dtype, a value may differ by one step of it
     saved = next(iter(a.values())).dtype if a else torch.float32
     step = torch.finfo(saved).eps if saved != torch.float32 else 0.0
     worst, within, unequal, count = float("inf"), False, 0, 0

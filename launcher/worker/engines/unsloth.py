@@ -1,8 +1,6 @@
-"""Engine unsloth: the worker loads the model with Unsloth's FastLanguageModel (FastVisionModel for a vision-language
-model), then trains with the same TRL SFTTrainer, callbacks, checkpoints and resume as engine trl. Unsloth patches
-transformers/trl/peft on import, so the worker imports it first (`import_unsloth`). It pins older releases than
-ftrun's stack, so it lives in its own environment (docs/engines.md, "Why Unsloth has its own environment").
-"""
+"""Engine unsloth: the model loaded by Unsloth, then the same TRL trainer, checkpoints and resume as engine trl.
+Imported first (it patches transformers/trl/peft), in its own environment (docs/engines.md, "Why Unsloth has its own
+environment")."""
 
 from __future__ import annotations
 
@@ -100,9 +98,7 @@ def load_model_and_tokenizer(recipe, device: str, dtype):
 
 
 def _load_vision(recipe, source: str, dtype):
-    """Unsloth 2026.10.9's vision path: FastVisionModel (unsloth/models/loader.py FastModel) returns the model and its
-    processor; get_peft_model and for_training are unsloth/models/vision.py FastBaseModel's. None on the CPU
-    (unsloth/_cpu_init.py raises NotImplementedError): the plan refuses it there."""
+    """Unsloth 2026.10.9's FastVisionModel (unsloth/models/loader.py, vision.py): model and processor, LoRA."""
     from unsloth import FastVisionModel
 
     model, processor = FastVisionModel.from_pretrained(
@@ -119,9 +115,7 @@ def _load_vision(recipe, source: str, dtype):
 
 
 def vision_peft_arguments(model, recipe) -> dict[str, Any]:
-    """get_peft_model's arguments for the recipe's lora: section, with engine trl's modules (loading.vision_targets):
-    Unsloth's switches alone (unsloth_zoo/peft_utils.py get_peft_regex) leave the patch merger out, and both engines
-    must train the same adapter."""
+    """get_peft_model's arguments, with engine trl's modules (Unsloth's get_peft_regex leaves the merger out)."""
     from launcher.worker.loading import vision_targets
 
     lora = recipe.lora
@@ -138,16 +132,13 @@ def vision_peft_arguments(model, recipe) -> dict[str, Any]:
     )
 
 
-# The turns' openings in a ChatML template (Qwen's: <|im_start|>user / assistant), as Unsloth's Qwen2-VL notebooks
-# pass them to UnslothVisionDataCollator(train_on_responses_only=True)
+# ChatML's turn openings, as Unsloth's Qwen2-VL notebooks pass them to UnslothVisionDataCollator
 CHATML_PARTS = {"instruction_part": "<|im_start|>user\n", "response_part": "<|im_start|>assistant\n"}
 
 
 def vision_collator(model, processor, recipe, args, collator_class=None):
-    """UnslothVisionDataCollator (unsloth/trainer.py, over unsloth_zoo/vision_utils.py's), which masks padding and
-    image tokens out of the labels. resize="max" keeps each image's size, so its tokens are the plan's;
-    assistant_only_loss becomes its train_on_responses_only, and `args` leave it off (trl 1.15 sft_trainer.py refuses
-    it for image data below transformers 5.18). `collator_class`: the zoo's, for the tests on a CPU."""
+    """UnslothVisionDataCollator (unsloth/trainer.py); resize="max" keeps the plan's image tokens; assistant_only_loss
+    becomes its train_on_responses_only (trl 1.15 sft_trainer.py refuses it for images). `collator_class`: tests'."""
     if collator_class is None:
         from unsloth.trainer import UnslothVisionDataCollator as collator_class
     kwargs: dict[str, Any] = {"max_seq_length": recipe.max_length, "resize": "max"}
@@ -170,8 +161,7 @@ def patched_modules(model) -> list[str]:
 
 
 def markers(model, trainer=None) -> list[str]:
-    """What shows that Unsloth built this model (and patched this trainer); empty for a plain transformers model. On a
-    GPU: its patched forwards; on a CPU unsloth_zoo's FastCPUModel's marks (chunked cross-entropy, its methods)."""
+    """What shows that Unsloth built this model (its patched forwards, or FastCPUModel's marks on a CPU)."""
     found = []
     patched = patched_modules(model)
     if patched:
