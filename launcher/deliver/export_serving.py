@@ -12,7 +12,8 @@ from launcher.deliver.messages import _say
 
 
 def _served_folder(served, output: dict[str, Any], key: str, tokenizer, config_from: str) -> None:
-    """An exported folder as vLLM serves it: prompts and stops (vllm/sampling_params.py) against the trained."""
+    """An exported folder as vLLM serves it: its prompts, and its stops (vllm/sampling_params.py
+    update_from_generation_config) against the trained end of turn."""
     from launcher.worker.loading import reads_images
 
     if key == "adapter" and reads_images(config_from):

@@ -3,7 +3,8 @@ llama.cpp's llama-server and llama-mtmd-cli, Ollama), and which of them this arc
 
 Only the standard library at module level: `ftrun plan` and the default-tier tests read it.
 
-Image tokens: llama.cpp's mtmd sets its own bounds (tools/mtmd/clip.cpp `set_limit_image_tokens(8, 4096)`) with the
+Image tokens: the converter writes no pixel bounds (llama-cpp-python 0.3.36 conversion/base.py
+MmprojModel.set_gguf_parameters); mtmd sets its own (tools/mtmd/clip.cpp `set_limit_image_tokens(8, 4096)`) with the
 processor's resize arithmetic (mtmd-image.cpp calc_size_preserved_ratio): docs/evaluation.md, "The parity through
 llama.cpp's multimodal path".
 """

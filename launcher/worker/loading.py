@@ -29,7 +29,8 @@ def is_main_process() -> bool:
 
 
 def compute_dtype(capability: Optional[tuple[int, int]]):
-    """bf16 from compute capability 8.0, fp16 below, fp32 on the CPU (not is_bf16_supported(): it counts emulation)."""
+    """bf16 from compute capability 8.0, fp16 below, fp32 on the CPU; not torch.cuda.is_bf16_supported(), which
+    counts emulation (torch/cuda/__init__.py)."""
     import torch
 
     from launcher.plan.throughput import training_precision  # the plan's rule: the plan and the worker cannot disagree
@@ -140,7 +141,8 @@ def attention_facts(device: str, dtype, model=None, engine: str = "trl") -> dict
 
 
 def apply_sdpa_backends() -> dict[str, Any]:
-    """Leave on exactly attention.py's SDPA backends (process-wide flags: torch/backends/cuda/__init__.py)."""
+    """Leave on exactly attention.py's SDPA backends: process-wide flags read at every dispatch
+    (torch/backends/cuda/__init__.py enable_cudnn_sdp; sdp_utils.cpp check_runtime_disabled_*)."""
     import torch
 
     from launcher.plan import attention
@@ -414,7 +416,8 @@ def vision_targets(model, lora) -> str:
 
 def add_lora(model, recipe):
     """LoRA on the base model, 16-bit or 4-bit alike; not PEFT's prepare_model_for_kbit_training, whose fp32 casts
-    (peft/utils/other.py) double the saved activations (docs/sizing.md, "QLoRA without the upcast")."""
+    (peft/utils/other.py) double the saved activations (docs/sizing.md, "QLoRA without the upcast"); the norms and
+    the loss compute in fp32 already (transformers 5.24 modeling_llama.py)."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     if recipe.gradient_checkpointing:

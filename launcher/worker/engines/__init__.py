@@ -73,7 +73,8 @@ CPU_WAIT_ENV, CPU_WAIT_POLICY = "OMP_WAIT_POLICY", "PASSIVE"
 
 
 def launch_env(plan: dict[str, Any], grace_seconds: float | None = None, vllm: bool = False) -> dict[str, str]:
-    """Environment for the launched worker(s), a variable the user set kept (vllm: no expandable segments)."""
+    """Environment for the launched worker(s), a variable the user set kept. `vllm`: no expandable segments, which its
+    sleep mode refuses (vllm/device_allocator/cumem.py CuMemAllocator)."""
     n = int(plan.get("num_processes", 1))
     env: dict[str, str] = {}
     if plan.get("device") == "cuda" and not vllm and not any(v in os.environ for v in ALLOCATOR_ENV):

@@ -47,7 +47,8 @@ def config(plan: dict[str, Any]) -> dict[str, Any]:
             "stage3_param_persistence_threshold": 10 * hidden,
             # the final save gathers the full 16-bit weights (or adapter) on rank 0
             "stage3_gather_16bit_weights_on_model_save": True,
-            # CPU offload (docs/engines.md, "CPU offload"; deepspeed runtime/zero/stage3.py _configure_offloading)
+            # CPU offload (docs/engines.md, "CPU offload"; deepspeed runtime/zero/stage3.py _configure_offloading,
+            # the fields runtime/zero/offload_config.py's)
             "offload_optimizer": {"device": "cpu", "pin_memory": True} if offload_optimizer else {"device": "none"},
             "offload_param": {"device": "cpu", "pin_memory": True} if offload_param else {"device": "none"},
         },

@@ -115,7 +115,8 @@ def _load_vision(recipe, source: str, dtype):
 
 
 def vision_peft_arguments(model, recipe) -> dict[str, Any]:
-    """get_peft_model's arguments, with engine trl's modules (Unsloth's get_peft_regex leaves the merger out)."""
+    """get_peft_model's arguments, with engine trl's modules: Unsloth's switches alone leave the patch merger out
+    (unsloth_zoo/peft_utils.py get_peft_regex)."""
     from launcher.worker.loading import vision_targets
 
     lora = recipe.lora
