@@ -1,9 +1,7 @@
 """Export a finished run: adapter, merged 16-bit model, GGUF, serving commands; every output reloaded and checked.
 
-Run as `python -m launcher.deliver.export --run-dir DIR [--formats adapter,merged,gguf] [--gguf-type q8_0]` (the
-supervisor does, after a successful run) or through `ftrun export` (launcher/run/after_training.py). Writes into
-the run's `final/`: `merged/` (safetensors + tokenizer + chat template), `gguf/<name>-<TYPE>.gguf` + `Modelfile`,
-`SERVING.md`, and `export.json` with the parity numbers. An output outside its tolerance fails loudly.
+Run as `python -m launcher.deliver.export --run-dir DIR [--formats adapter,merged,gguf] [--gguf-type q8_0]` or through
+`ftrun export`. Writes into the run's `final/`: `merged/`, `gguf/`, `SERVING.md` and `export.json`.
 """
 
 from __future__ import annotations
@@ -73,10 +71,7 @@ def _export(inp: Inputs, report: dict[str, Any]) -> None:
     from transformers import AutoTokenizer
     from transformers.utils import logging as transformers_logging
 
-    # Every model the export loads would draw transformers' "Loading weights: 0%|" bar between the export's own
-    # lines (transformers 5.24 core_model_loading.py, tqdm(..., desc="Loading weights") through utils/logging.py's
-    # tqdm); utils/logging.py disable_progress_bar turns off its bars and huggingface_hub's
-    # (huggingface_hub.utils.disable_progress_bars). The export's lines say what is loaded and where.
+    # no "Loading weights" bar per model between the export's lines (transformers 5.24 utils/logging.py)
     transformers_logging.disable_progress_bar()
     config = _model_config(inp.recipe.model, inp.source, inp.is_adapter)
     dtype = export_dtype(config)
@@ -95,8 +90,7 @@ def _export(inp: Inputs, report: dict[str, Any]) -> None:
     prompts = parity_prompts(inp.recipe, tokenizer, kwargs=served.kwargs)
     report["parity_prompts"] = [{"tokens": len(p["ids"]), "prompt_tokens": len(p["prompt_ids"])} for p in prompts]
     report["parity_prompts_from"] = prompts[0]["source"] if prompts else None
-    # the dtype the exported 16-bit weights are written in (the merged folder, which gguf converts); the parity checks
-    # load in their own (placement.parity). An adapter-only export writes none: the adapter keeps training's dtype.
+    # the dtype the merged folder is written in (an adapter keeps training's dtype)
     if "merged" in inp.formats:
         report["export_dtype"] = str(dtype).replace("torch.", "")
 

@@ -67,11 +67,7 @@ def check_inputs(run_dir: Path, formats: Optional[list[str]] = None, gguf_type: 
                 "the run finished but its result is not here (deleted, or a fresh box): `ftrun pull RECIPE` "
                 "fetches it from sync.to; then export again."
                 if state == "succeeded"
-                else "wait until the run has finished (`ftrun status "
-                + str(run.root)
-                + "`), then run `ftrun export "
-                + str(run.root)
-                + "`."
+                else f"wait until the run has finished (`ftrun status {run.root}`), then run `ftrun export {run.root}`."
                 if state in ACTIVE + ("planned",)
                 else "resume the run with `ftrun RECIPE` until it finishes, then export."
             ),

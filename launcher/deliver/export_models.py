@@ -30,8 +30,7 @@ def _write_dir_atomically(dst: Path, write: Callable[[Path], None]) -> None:
 
 
 def _adapter_file_check(source: Path, tokenizer, why: str) -> dict[str, Any]:
-    """What can be checked of an adapter without its base: it parses, and it is not empty (some lora_B non-zero;
-    peft initialises B to zero, so an untrained or emptied adapter has none)."""
+    """An adapter checked without its base: it parses and some lora_B is non-zero (peft starts B at zero)."""
     from peft import PeftConfig
     from safetensors import safe_open
 
@@ -72,8 +71,7 @@ def _export_models(
     loads: Loads,
     served,
 ) -> None:
-    """Every model is loaded where its placement says, used, and released before the next one is loaded, so
-    the box holds one model at a time (the parity logits, a few MB, are what is kept between them)."""
+    """Every model loaded where its placement says, used and released before the next: one at a time."""
     final = inp.run.final
     outputs = report["outputs"]
     merged_dir = final / "merged"
@@ -123,8 +121,7 @@ def _export_models(
             f"merging the adapter into the {merge.dtype} base; the merged model is saved in "
             f"{str(dtype).replace('torch.', '')}"
         )
-        # A fresh base in the export dtype, where the merge placement says: the merged weights are rounded once,
-        # from the adapter's own precision (peft keeps float32 adapter weights over a 16-bit base).
+        # a fresh base where the merge placement says: the merged weights are rounded once, from the fp32 adapter
         merged = load_adapter(load_model(inp.recipe.model, merge, loads), inp.source, merge, loads)
         merged = _to_export_dtype(merged.merge_and_unload(), dtype)
         kind = "merged"
@@ -173,22 +170,13 @@ def _export_models(
         from launcher.worker.processor import load_processor
 
         stamp = (merged_dir / "config.json").stat().st_mtime_ns
-        _score_export(
-            inp,
-            task,
-            "merged",
-            task_eval.score_model(
-                reloaded,
-                # a vision-language model answers with the images in the prompt, read by its processor
-                load_processor(merged_dir, say=lambda _: None)
-                if inp.vision
-                else AutoTokenizer.from_pretrained(str(merged_dir)),
-                inp.run.root,
-                task,
-                "merged",
-                identity=f"merged {tree_bytes(merged_dir)} {stamp}",
-            ),
-        )
+        if inp.vision:  # a vision-language model answers with the images in the prompt, read by its processor
+            reader = load_processor(merged_dir, say=lambda _: None)
+        else:
+            reader = AutoTokenizer.from_pretrained(str(merged_dir))
+        identity = f"merged {tree_bytes(merged_dir)} {stamp}"
+        scored = task_eval.score_model(reloaded, reader, inp.run.root, task, "merged", identity=identity)
+        _score_export(inp, task, "merged", scored)
     del reloaded
     release()
     result = compare(ref, merged_out, kind, parity.dtype)

@@ -11,8 +11,7 @@ from launcher.deliver.messages import _say
 
 
 def _task(inp: Inputs) -> Optional[dict[str, Any]]:
-    """The run's task (RUN/task.json, launcher/worker/task_eval.py) when the recipe scores it and it can be scored:
-    each export answers the same held-out prompts as the base and the fine-tuned model."""
+    """The run's task (RUN/task.json) when the recipe scores it and it can be scored, else None."""
     from launcher.worker import task_eval
 
     if not task_eval.enabled(inp.recipe) or not inp.run.task.is_file():
@@ -41,8 +40,7 @@ def _scored(task: dict[str, Any], answers: list[dict[str, Any]]) -> dict[str, An
 
 
 def _score_export(inp: Inputs, task: dict[str, Any], name: str, result: dict[str, Any]) -> None:
-    """An export's score into the run's task_eval.json, final/task_eval.json and samples.md's table, beside the
-    base and fine-tuned model's; said with the fine-tuned model's for comparison."""
+    """An export's score into the run's task scores (task_eval.json, samples.md), said beside the fine-tuned's."""
     from launcher.worker import task_eval
     from launcher.worker.results import publish_scores
 

@@ -12,10 +12,8 @@ from launcher.deliver.messages import _say
 
 
 def _served_folder(served, output: dict[str, Any], key: str, tokenizer, config_from: str) -> None:
-    """An exported folder as vLLM serves it: its chat template renders the held-out prompts to the trained ids,
-    and vLLM's stops (the tokenizer's eos and generation_config.json's eos_token_id of `config_from`: the base
-    model for an adapter, vllm/sampling_params.py update_from_generation_config) hold the trained end of turn. A
-    vision-language adapter: what it adapts, which vLLM serves as LoRA only where it is the language model alone."""
+    """An exported folder as vLLM serves it: its prompts, and its stops (vllm/sampling_params.py
+    update_from_generation_config) against the trained end of turn."""
     from launcher.worker.loading import reads_images
 
     if key == "adapter" and reads_images(config_from):
@@ -72,11 +70,7 @@ def _serving(inp: Inputs, report: dict[str, Any], tokenizer, served=None) -> Non
 
 
 def _served_modelfile(served, gguf: dict[str, Any], text: str) -> None:
-    """The Modelfile as Ollama reads it: the template Ollama renders with it (ollama_template.choose, from the GGUF's
-    own tokenizer.chat_template), rendered the Go-template way and tokenized by the GGUF's vocabulary (BOS added as
-    the vocabulary says: Ollama's runner encodes with its special tokens), or llama-server's check where Ollama
-    hands the messages to llama-server; and its PARAMETER stop values matched against the trained end-of-turn
-    token's text."""
+    """The Modelfile as Ollama reads it: its prompt, and its PARAMETER stop values against the end of turn."""
     from launcher.deliver import llamacpp_runtime
     from launcher.deliver.served_prompt import modelfile_parts
 
@@ -100,9 +94,7 @@ def _served_modelfile(served, gguf: dict[str, Any], text: str) -> None:
 
 
 def _served_by_ollama(served, gguf: dict[str, Any], template: Optional[str], vocab) -> None:
-    """Ollama's prompt against the trained one, counted as checked only where a token comparison was made: its Go
-    template's rendering, or llama-server's (the same messages, the same template and vocabulary) where Ollama
-    hands the chat to llama-server, as installed or with the OLLAMA_GO_TEMPLATE=0 SERVING.md asks for."""
+    """Ollama's prompt against the trained one, counted as checked only where tokens were compared."""
     from launcher.deliver import go_template, ollama_template
 
     arch = gguf.get("architecture")

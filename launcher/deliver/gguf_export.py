@@ -1,5 +1,4 @@
-"""The GGUF export: the merged folder converted by llama.cpp, read back in llama.cpp, checked against the merged
-model."""
+"""The GGUF export: the merged folder converted by llama.cpp, read back in llama.cpp, checked against it."""
 
 from __future__ import annotations
 
@@ -82,8 +81,7 @@ def _stop_ids(merged_dir: Path, tokenizer) -> set[int]:
 def write_gguf(
     merged_dir: Path, gguf_dir: Path, name: str, gguf_type: str, steps: dict[str, Any], intermediate=None
 ) -> Path:
-    """gguf_dir/NAME-TYPE.gguf from the merged folder: llama.cpp's converter writes the type, or the merged weights'
-    own 16-bit type (so the conversion rounds nothing) that its quantizer then quantizes; each step into `steps`."""
+    """gguf_dir/NAME-TYPE.gguf: converted, or converted to 16 bits and quantized; each step into `steps`."""
     conv = gguf_readiness.converter()
     kind = gguf_types.TYPES[gguf_type]
     gguf_dir.mkdir(parents=True, exist_ok=True)
@@ -135,19 +133,9 @@ def gguf_output(
     served=None,
     task: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
-    """Convert the merged folder with llama.cpp's converter, quantize with its quantizer, read the file back in
-    llama.cpp and compare it with the merged model's outputs (merged_out, computed by transformers).
-
-    The steps run one after the other, each streaming from disk in its own process (llamacpp_steps.py); the 16-bit
-    GGUF a quantized type is made from is written beside the result and removed after (unless `intermediate`
-    names one to reuse: tests quantize one conversion to several types).
-
-    `served` (served_prompt.ServedPrompt): the held-out prompts as training tokenized them; then the GGUF's own
-    template must render them to the same ids, llama.cpp must end a generation on the trained end-of-turn token,
-    and one prompt is answered through llama-cpp-python's chat completion (serving_smoke).
-
-    `task` (RUN/task.json): its held-out prompts answered greedily by the file as llama-server serves it
-    (llamacpp_runtime.task_answers), returned as out["task_answers"] for the task evaluation's score."""
+    """Convert the merged folder with llama.cpp (write_gguf), read the file back and compare it with merged_out.
+    `served` (ServedPrompt): the served prompts, stops and serving smoke test are checked (_served_checks); `task`
+    (RUN/task.json): its prompts answered as llama-server serves them, in out["task_answers"]."""
     conv = gguf_readiness.converter()
     kind = gguf_types.TYPES[gguf_type]
     steps: dict[str, Any] = {}
@@ -159,8 +147,7 @@ def gguf_output(
     stop_ids = _stop_ids(merged_dir, tokenizer)
     chat = served.prompts if served is not None and served.chat else None
     switches = served.kwargs if chat else {}
-    # llama-cpp-python's chat completion takes no chat-template switches (Llama.create_chat_completion's fixed
-    # arguments): with switches, its answer would not start from the trained prompt, so no serving smoke test
+    # llama-cpp-python's create_chat_completion takes no chat-template switches: with them, no serving smoke test
     smoke = _smoke_index(prompts, chat) if chat and not switches else None
     run = llamacpp_runtime.run_gguf(
         path,
@@ -238,19 +225,12 @@ def gguf_output(
 
 
 def _smoke_index(prompts: list[dict[str, Any]], chat: list[dict[str, Any]]) -> int:
-    """The held-out prompt the serving smoke test asks: the first whose parity prompt is whole (not cut to
-    PARITY_MAX_TOKENS) and equals the trained one, so the parity's greedy continuation is its reference."""
-    return next(
-        (
-            i
-            for i, (p, c) in enumerate(zip(prompts, chat))
-            if not p.get("prompt_truncated") and list(p["prompt_ids"]) == c["ids"]
-        ),
-        0,
-    )
+    """The held-out prompt the serving smoke test asks: the first whose parity prompt is whole and trained."""
+    whole = [not p.get("prompt_truncated") and list(p["prompt_ids"]) == c["ids"] for p, c in zip(prompts, chat)]
+    return whole.index(True) if True in whole else 0
 
 
-def _until_end(tokens: list[int], ends: set[int], n: int) -> list[int]:
+def _until_end(tokens: list[int], ends: set[int], n: Optional[int] = None) -> list[int]:
     """A greedy continuation as a chat completion returns it: up to and with its first end token, n at most."""
     out = []
     for t in tokens[:n]:
@@ -369,8 +349,7 @@ def _served_checks(
                 "its prompt is not the trained prompt"
                 if not smoke_out["prompt_is_trained_prompt"]
                 else f"token {i} of its answer differs ({s['tokens'][i : i + 1]} where the parity's greedy "
-                f"continuation has "
-                f"{want[i : i + 1]})"
+                f"continuation has {want[i : i + 1]})"
             ),
             fix="do not serve this GGUF; report it with export.json (outputs.gguf.serving_smoke).",
         )

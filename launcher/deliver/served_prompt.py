@@ -1,36 +1,12 @@
 """The served prompt is the trained prompt: each runtime's rendering of the conversations' prompts, token for token
 against what the training put in front of the answer, and the token that ends a turn against each runtime's stops.
 
-The reference is the training sequence itself. TRL renders a `messages` conversation whole, once, with no
-generation prompt (trl 1.16 trainer/sft_trainer.py tokenize_fn, language-modeling case: `apply_chat_template(
-messages, tokenize=True, return_dict=True)` through data_utils.py _tokenize), and a conversational
-prompt/completion pair as prompt + completion the same way, its loss starting where the prompt's own rendering
-stops being a prefix (common_prefix_length). What the model learned to continue from is the tokens in front of
-the last answer in that sequence: the whole tokens before the answer's first character. A template whose
-generation prompt differs from what precedes an assistant turn in its history (Qwen3's empty think block with
-`enable_thinking=False`, a generation prompt ending in a space that the answer's first token swallows in
-training, a header written otherwise for the last turn) serves another prompt than the one trained.
-
-The tokenizer and template are the training's (training_tokenizer, _training_template), the prompts the held-out
-conversations and one of every other shape (_choose). Where the model's template has chat-template switches
-(Qwen3's `enable_thinking`), the setting under which its generation prompt is the trained context is found once
-(`kwargs`), and every runtime is told to serve with it (SERVING.md); where none gives it, the export fails. Each
-runtime is then asked for the same prompts:
-- transformers and vLLM: the exported folder's tokenizer and chat template (tokenizer_config.json /
-  chat_template.jinja), `apply_chat_template(..., tokenize=False, add_generation_prompt=True)` tokenized without
-  special tokens. vLLM's chat endpoint does exactly this: it resolves the template with
-  `tokenizer.get_chat_template` (vllm/entrypoints/chat_utils.py resolve_hf_chat_template), renders it through
-  transformers' apply_chat_template (apply_hf_chat_template) and tokenizes with add_special_tokens=False (the
-  chat request's default); with `--lora-modules` it takes the adapter folder's tokenizer when the folder has one
-  (vllm/transformers_utils/tokenizer.py get_lora_tokenizer), else the base model's.
-- llama.cpp: the GGUF's embedded template, tokenized by the GGUF's vocabulary, both as llama-cpp-python's chat
-  completion does and as llama-server does (llamacpp_runtime.py chat_prompt, server_prompt; docs/evaluation.md has the
-  table of runtimes with the source lines).
-- Ollama: the template Ollama chooses for the GGUF and Modelfile (ollama_template.py: the Modelfile's TEMPLATE,
-  the Go template it autodetects, or the GGUF's own through llama-server) rendered as Ollama renders a Go template
-  (go_template.py), tokenized by the GGUF's vocabulary with its special tokens added, as Ollama's runner does;
-  where Ollama hands the chat to llama-server, the llama-server check is Ollama's.
-A prompt that differs fails the export, with the first differing token and the tokens before it.
+The reference is the training sequence itself (trl 1.16 trainer/sft_trainer.py tokenize_fn renders a conversation
+whole, with no generation prompt): the tokens in front of the last answer. Where the template has switches (Qwen3's
+`enable_thinking`), the setting that serves the trained context is found once (`kwargs`). Each runtime renders the
+same prompts (vllm/entrypoints/chat_utils.py resolve_hf_chat_template, vllm/transformers_utils/tokenizer.py
+get_lora_tokenizer; llamacpp_runtime.py; ollama_template.py): one that differs fails the export. docs/evaluation.md,
+"After the export: the served prompt is the trained prompt", has the cases and the runtimes' source lines.
 """
 
 from __future__ import annotations
@@ -46,13 +22,8 @@ CONTEXT_TOKENS = 8  # tokens shown before the first difference
 MAX_SHAPES = 24  # conversation shapes (sequences of roles) checked, the most frequent first
 
 
-# ---------------------------------------------------------------------------------------------
-# What the training saw
-
-
 def training_tokenizer(recipe, saved: Path):
-    """(the worker's tokenizer, where it came from): the base model's, as the worker loads it; the run's saved
-    copy when the base is not on this box (a Hub id not in the cache)."""
+    """(the worker's tokenizer, where it came from); the run's saved copy where the base is not on this box."""
     from launcher.worker.loading import load_tokenizer
     from launcher.worker.processor import text_tokenizer
 
@@ -69,8 +40,7 @@ def training_tokenizer(recipe, saved: Path):
 
 
 def _training_template(recipe, tokenizer) -> tuple[Optional[str], Optional[str]]:
-    """The template TRL trained with when it is not the tokenizer's own (assistant_only_loss on a template
-    without generation markers: trl/trainer/sft_trainer.py swaps in get_training_chat_template), and why."""
+    """TRL's training template and why, where assistant_only_loss swapped one in (sft_trainer.py), else Nones."""
     if not getattr(recipe, "assistant_only_loss", False):
         return None, None
     from trl.chat_template_utils import get_training_chat_template, has_generation_markers
@@ -81,8 +51,7 @@ def _training_template(recipe, tokenizer) -> tuple[Optional[str], Optional[str]]
 
 
 def _end_of_turn(tokenizer, text: str, answer: str) -> Optional[int]:
-    """The index of the first token after the answer in the training sequence (the token the training taught to
-    end a turn), None when nothing follows the answer, -1 when the template does not write the answer verbatim."""
+    """Index of the first token after the answer; None when nothing follows, -1 when the answer is not verbatim."""
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     for candidate in (answer, answer.strip()):
         at = text.rfind(candidate) if candidate else -1
@@ -93,8 +62,7 @@ def _end_of_turn(tokenizer, text: str, answer: str) -> Optional[int]:
 
 
 class ServedPrompt:
-    """The trained prompts of the held-out conversations (and one of each other shape in the data) and every
-    runtime's comparison with them; `report` is what goes into export.json (served_prompt)."""
+    """The trained prompts and every runtime's comparison with them; `report` goes into export.json."""
 
     def __init__(self, recipe, saved_tokenizer: Path, n: int):
         from launcher.data import formats as data_formats
@@ -146,8 +114,7 @@ class ServedPrompt:
             entry = {"messages": prompt, "tools": tools, "shape": shape(conv), "from": kind}
             ctx = trained_context(self.tokenizer, conv, last, kw) if last < len(conv) else None
             if ctx is None:
-                # no answer to find in the sequence (a tool call, an answer the template rewrites): the template's
-                # own generation prompt stands in, as the training's prompt/completion split takes it
+                # no answer to find in the sequence (a tool call, a rewritten answer): the generation prompt stands in
                 rewritten += last < len(conv)
                 entry["ids"] = list(
                     self.tokenizer.apply_chat_template(
@@ -200,8 +167,7 @@ class ServedPrompt:
     def _choose(
         self, held: list[dict[str, Any]], trained: list[dict[str, Any]], n: int
     ) -> list[tuple[dict[str, Any], str]]:
-        """The first n held-out conversations, then one of every other shape in the data (held out and trained),
-        the most frequent first, MAX_SHAPES shapes in all; the report says how many shapes there are."""
+        """The first n held-out conversations, then one of every other shape, most frequent first."""
         from collections import Counter
 
         from launcher.data import formats as data_formats
@@ -227,15 +193,13 @@ class ServedPrompt:
         }
         return chosen
 
-    def _switches(self) -> dict[str, Any]:
-        """The chat-template switches every runtime serves with (launcher/data/chat_prompt.py switches)."""
+    def _switches(self) -> dict[str, Any]:  # the chat-template switches every runtime serves with
         return switches(self.tokenizer, [(p["messages"], p["tools"], p["ids"]) for p in self.prompts])
 
     @staticmethod
     def render_ids(tokenizer, p: dict[str, Any], kw: dict[str, Any]) -> list[int]:
         return generation_ids(tokenizer, p["messages"], p["tools"], kw)
 
-    # -----------------------------------------------------------------------------------------
     def token(self, i: int) -> str:
         return self.tokenizer.convert_ids_to_tokens(int(i)) or f"<{i}>"
 
@@ -297,9 +261,7 @@ class ServedPrompt:
         return entry
 
     def _fix(self) -> str:
-        """What to do when a runtime's prompt differs: the training is what has to change (a re-export renders the same
-        template again), towards the template that serves; `ftrun plan` checks the same before training
-        (launcher/data/served_check.py)."""
+        """What to do when a runtime's prompt differs: the training has to change."""
         head = "do not serve this output as it is: the model would answer a prompt it was never trained on. "
         if self.report.get("training_template"):
             return head + (
@@ -318,7 +280,6 @@ class ServedPrompt:
         if name not in self.report["checked"]:
             self.report["checked"].append(name)
 
-    # -----------------------------------------------------------------------------------------
     def compare_transformers(self, key: str, tokenizer, runtime: str) -> dict[str, Any]:
         served = [self.render_ids(tokenizer, p, self.kwargs) for p in self.prompts]
         entry = self.compare(key, runtime, served, chat_template_kwargs=self.kwargs or None)
@@ -348,14 +309,11 @@ class ServedPrompt:
 
     @staticmethod
     def covered_by_stops(pieces: dict[int, str], stops: list[str]) -> list[int]:
-        """The end-of-turn ids whose text holds a stop value: Ollama stops when the generated text contains one
-        (runner/ollamarunner/runner.go, common.FindStop), so such a token ends the answer."""
+        """End-of-turn ids whose text holds a stop value (Ollama runner.go common.FindStop)."""
         return [i for i, piece in pieces.items() if any(s and s in piece for s in stops)]
 
     def ending(self, key: str, outs: list[dict[str, Any]], stop_ids: set[int]) -> dict[str, Any]:
-        """Share of held-out prompts whose greedy continuation ends its turn with the trained end-of-turn token
-        (the first end token it reaches is that one) within its budget; a measure, not a bound: a tiny or
-        briefly trained model may not have learned to stop."""
+        """Share of held-out prompts whose greedy continuation ends with the trained end of turn."""
         ended = other = 0
         for o in outs:
             cont = o.get("continuation") or []
@@ -372,13 +330,8 @@ class ServedPrompt:
         return entry
 
 
-# ---------------------------------------------------------------------------------------------
-# The Modelfile, as Ollama reads it
-
-
 def modelfile_parts(text: str) -> tuple[Optional[str], list[str]]:
-    """(TEMPLATE, PARAMETER stop values) of a Modelfile as serving.py writes it (a triple-quoted TEMPLATE, stop
-    values as JSON strings)."""
+    """(TEMPLATE, PARAMETER stop values) of a Modelfile as serving.py writes it."""
     template = None
     if 'TEMPLATE """' in text:
         template = text.split('TEMPLATE """', 1)[1].split('"""', 1)[0]

@@ -1,21 +1,11 @@
 """A vision-language model's GGUF export: the text GGUF and the projector GGUF (`mmproj`) written by llama.cpp's own
 converter from the merged folder, read back through llama.cpp's multimodal path (mtmd) and held to the merged model
-in transformers on the held-out images.
+in transformers on the held-out images (docs/evaluation.md, "The parity through llama.cpp's multimodal path").
 
-The converter: the pinned llama-cpp-python 0.3.36's convert_hf_to_gguf.py (installed by `ftrun llamacpp install`),
-run twice on the merged folder: once for the language model (conversion/qwenvl.py Qwen2VLModel, architecture
-qwen2vl) and once with `--mmproj` for the vision tower and its merger (Qwen2VLVisionModel: projector type
-qwen2.5vl_merger, only the `visual.` tensors, the Conv3d patch embedding split into two Conv2d). Which architectures
-have a projector conversion is the converter's MMPROJ_MODEL_MAP (launcher/plan/gguf_readiness.py projector_problem
-refuses the others at plan time).
-
-The runtime: llama-cpp-python 0.3.36 ships libmtmd and its ctypes binding (llama_cpp/mtmd_cpp.py). Each held-out
-prompt is rendered as llama-server renders a chat with an image: the GGUF's own chat template with each image part
-replaced by mtmd's media marker (tools/server: an image_url part becomes the marker text), tokenized by
-mtmd_tokenize (which wraps each image in <|vision_start|> ... <|vision_end|> for the Qwen2-VL family, mtmd.cpp) and
-evaluated by mtmd_helper_eval_chunks (M-RoPE positions for the image, mtmd-helper.cpp). The prompt's tokens, with each
-image chunk written as its count of <|image_pad|> tokens, must equal what the processor hands the model; the
-next-token logits after the prompt and the greedy answers are compared with the merged model's.
+The converter: llama-cpp-python 0.3.36's convert_hf_to_gguf.py, run once for the language model (conversion/qwenvl.py
+Qwen2VLModel) and once with `--mmproj` (Qwen2VLVisionModel; the converter's MMPROJ_MODEL_MAP lists the architectures).
+The runtime: libmtmd through llama_cpp/mtmd_cpp.py, driven as llama-server drives it (tools/server: an image part
+becomes the media marker; mtmd.cpp mtmd_tokenize, mtmd-helper.cpp mtmd_helper_eval_chunks).
 """
 
 from __future__ import annotations
@@ -38,8 +28,7 @@ IMAGE_PART = "image"
 
 
 def convert_pair(merged_dir: Path, gguf_dir: Path, name: str, gguf_type: str) -> dict[str, Any]:
-    """The text GGUF (gguf_export.write_gguf: the recipe's type) and the projector GGUF in F16 (the merged folder is
-    16-bit, export_models.py checks; llama.cpp does not quantize a projector)."""
+    """The text GGUF (write_gguf) and the projector GGUF in F16 (llama.cpp does not quantize a projector)."""
     from launcher.deliver.gguf_export import conversion_failed, write_gguf
 
     steps: dict[str, Any] = {}
@@ -78,8 +67,7 @@ def projector_metadata(path: Path) -> dict[str, Any]:
 
 
 def mtmd_missing() -> Optional[str]:
-    """Why the installed llama.cpp runtime has no multimodal path, or None: llama-cpp-python 0.3.36 ships libmtmd
-    and its binding llama_cpp/mtmd_cpp.py (loading it loads the library); an older or custom build may lack both."""
+    """Why the llama.cpp runtime has no multimodal path (llama_cpp/mtmd_cpp.py, libmtmd), or None."""
     try:
         import llama_cpp.mtmd_cpp as mtmd
 
@@ -116,9 +104,8 @@ def _parts(message: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def transformers_side(merged_dir: Path, examples: list[dict[str, Any]], max_new: int) -> list[dict[str, Any]]:
-    """Per held-out example, through the merged folder as vLLM loads it (its processor files): the prompt ids the
-    processor builds (images widened to their tokens), the image tokens of each image, the next-token logits after
-    the prompt and the greedy answer (transformers' generate, do_sample off)."""
+    """Per held-out example, through the merged folder as vLLM loads it: the prompt ids the processor builds, the
+    image tokens of each image, the next-token logits after the prompt and the greedy answer."""
     import torch
     from transformers import AutoModelForImageTextToText
     from trl.data_utils import prepare_multimodal_messages
@@ -158,8 +145,7 @@ def transformers_side(merged_dir: Path, examples: list[dict[str, Any]], max_new:
 
 
 def _server_text(llm, prompt: list[dict[str, Any]], marker: str) -> str:
-    """The prompt text llama-server renders for a chat whose user turns hold images: the GGUF's own template
-    (llamacpp_runtime.server_prompt's rendering) with each image part given as the media marker's text."""
+    """The prompt text llama-server renders, each image part as the media marker's text."""
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     msgs = [
@@ -189,10 +175,8 @@ def mtmd_side(
     pad_id: int,
     threads: Optional[int] = None,
 ) -> dict[str, Any]:
-    """Per held-out example, through llama.cpp's multimodal path (libmtmd through llama_cpp/mtmd_cpp.py): the prompt
-    as llama-server builds it (each image chunk written as its count of `pad_id`), the image tokens of each image, the
-    next-token logits after the prompt and the greedy answer (argmax, stopping after an end-of-generation token).
-    `bounds`: the processor's image-token bounds, given to mtmd as --image-min-tokens/--image-max-tokens do."""
+    """transformers_side's figures through llama.cpp's mtmd (each image chunk written as its count of `pad_id`);
+    `bounds`: the processor's image-token bounds, given as --image-min-tokens/--image-max-tokens do."""
     import numpy as np
     import torch
     import llama_cpp
@@ -284,8 +268,7 @@ def mtmd_side(
                 mtmd.mtmd_input_chunks_free(chunks)
                 for bm in bitmaps:
                     mtmd.mtmd_bitmap_free(bm)
-            # the text after the image continues at mtmd's position (an image advances M-RoPE by its grid's larger
-            # side, not by its token count), which Llama.eval takes from n_tokens
+            # the text after the image continues at mtmd's M-RoPE position, which Llama.eval takes from n_tokens
             llm.n_tokens = n_past.value
             tokens = _greedy(llm, first, max_new, eog)
             out.append(
@@ -306,8 +289,7 @@ def mtmd_side(
 
 
 def text_side(text_gguf: Path, examples: list[dict[str, Any]], max_new: int, threads: Optional[int] = None):
-    """The text GGUF alone on image-free prompts (what runs where the llama.cpp build has no mtmd): the prompt as
-    llama-server renders and tokenizes it (llamacpp_runtime.server_prompt), the next-token logits, the greedy answer."""
+    """The text GGUF alone on image-free prompts (a build without mtmd), as llama-server serves them."""
     import numpy as np
     import torch
 
@@ -339,18 +321,11 @@ def text_side(text_gguf: Path, examples: list[dict[str, Any]], max_new: int, thr
     return {"outputs": out, "eog_ids": sorted(eog)}
 
 
-def _until_end(tokens: list[int], ends: set[int]) -> list[int]:
-    out = []
-    for t in tokens:
-        out.append(t)
-        if t in ends:
-            break
-    return out
-
-
 def compare(ref: list[dict[str, Any]], got: list[dict[str, Any]], eog: set[int]) -> dict[str, Any]:
     """The served prompts, the first answer token's distribution and the greedy answers of the two sides."""
     import torch
+
+    from launcher.deliver.gguf_export import _until_end
 
     kls, top1, diffs, same_prompt, same_images, same_answer, decisive = [], [], [], [], [], [], []
     for r, g in zip(ref, got):
@@ -384,9 +359,8 @@ def compare(ref: list[dict[str, Any]], got: list[dict[str, Any]], eog: set[int])
 
 
 def held_out(recipe: Any, task: Optional[dict[str, Any]] = None) -> tuple[list[dict[str, Any]], int]:
-    """(the image prompts the pair is checked on, the new tokens an answer may take): the task's prompts (RUN/task.json:
-    the pair's answers are then the GGUF's task score), else the parity checks' examples (parity.held_out_examples:
-    held out, or the training data where the recipe holds nothing out), eval.task.examples of them (16 by default)."""
+    """(the image prompts the pair is checked on, the new tokens an answer may take): the task's prompts, else the
+    parity checks' examples (parity.held_out_examples), eval.task.examples of them (16 by default)."""
     if task is not None:
         return [
             {"messages": p["messages"] + [{"role": "assistant", "content": p["reference"]}], "images": p["images"]}
@@ -400,10 +374,8 @@ def held_out(recipe: Any, task: Optional[dict[str, Any]] = None) -> tuple[list[d
 def vision_gguf_output(
     merged_dir: Path, gguf_dir: Path, name: str, gguf_type: str, examples: list[dict[str, Any]], max_new: int = 8
 ) -> dict[str, Any]:
-    """Convert the merged vision-language folder to the text GGUF + mmproj, read both back through mtmd and hold
-    them to the merged model: the served prompt (text tokens and image placeholders) must be the processor's, and
-    the first-token distribution and greedy answers within the GGUF type's tolerance. export.json's outputs.gguf,
-    with each example's answer through the pair in out["task_answers"] (as gguf_export.gguf_output gives them)."""
+    """The text GGUF + mmproj, read back through mtmd and held to the merged model (the served prompt identical, the
+    first token within the type's tolerance): export.json's outputs.gguf, with out["task_answers"]."""
     cfg = json.loads((merged_dir / "config.json").read_text())
     model_type = cfg.get("model_type", "")
     files = convert_pair(merged_dir, gguf_dir, name, gguf_type)
@@ -412,8 +384,7 @@ def vision_gguf_output(
     bounds = bounds_of(merged_dir)
     missing = mtmd_missing()
     if missing:
-        # no multimodal path in this build: the text GGUF is held to the merged model on the prompts without their
-        # images, and the pair is not checked (export.json and SERVING.md say so)
+        # no multimodal path in this build: the text GGUF alone, on the prompts without their images
         _say(f"{missing}: the projector is written but not checked; the text GGUF is checked on text-only prompts")
         examples = text_only(examples)
     ref = transformers_side(merged_dir, examples, max_new)
@@ -507,8 +478,7 @@ def vision_gguf_output(
 
 
 def served_checks(served, gguf: dict[str, Any]) -> None:
-    """The pair's served-prompt check in the export's served-prompt record (served_prompt.ServedPrompt): llama-server's
-    prompt with the images, held to the processor's ids above, and why the other runtimes are not checked."""
+    """The pair's served-prompt check in the export's served-prompt record, and what is not checked."""
     served.report["runtimes"]["llama_server"] = {
         "runtime": f"llama-server --mmproj (through {gguf['parity_through']})",
         "ok": True,
@@ -522,8 +492,7 @@ def served_checks(served, gguf: dict[str, Any]) -> None:
 
 
 def _greedy(llm, first, max_new: int, eog: set[int]) -> list[int]:
-    """The greedy answer from the prompt's next-token logits `first`: argmax, each token evaluated in turn, up to
-    `max_new` tokens or an end-of-generation token (kept, as transformers' generate keeps it)."""
+    """The greedy answer from the prompt's logits `first`, up to `max_new` tokens or an end token (kept)."""
     import numpy as np
 
     tokens: list[int] = []

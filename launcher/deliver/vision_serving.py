@@ -3,15 +3,10 @@ llama.cpp's llama-server and llama-mtmd-cli, Ollama), and which of them this arc
 
 Only the standard library at module level: `ftrun plan` and the default-tier tests read it.
 
-Image tokens. transformers' processor sizes an image by the model's preprocessor_config.json (min and max pixels;
-launcher/data/image_tokens.py ImageRule), and vLLM calls the same processor, so vLLM inserts what training saw.
-llama.cpp does not read preprocessor_config.json: the pinned converter (llama-cpp-python 0.3.36,
-conversion/qwenvl.py Qwen2VLVisionModel and conversion/base.py MmprojModel.set_gguf_parameters) writes the patch
-size, the image mean and std, but no pixel bounds, and llama.cpp's mtmd sets its own for the Qwen2-VL family
-(vendor/llama.cpp/tools/mtmd/clip.cpp, `case PROJECTOR_TYPE_QWEN25VL:` `hparams.set_limit_image_tokens(8, 4096)`),
-overridden by `--image-min-tokens`/`--image-max-tokens` (common/arg.cpp) or mtmd_context_params.image_min_tokens.
-Its resize is the same arithmetic as transformers' smart_resize (tools/mtmd/mtmd-image.cpp calc_size_preserved_ratio,
-used by mtmd_image_preprocessor_dyn_size), so with the bounds set to the processor's, both count the same tokens.
+Image tokens: the converter writes no pixel bounds (llama-cpp-python 0.3.36 conversion/base.py
+MmprojModel.set_gguf_parameters); mtmd sets its own (tools/mtmd/clip.cpp `set_limit_image_tokens(8, 4096)`) with the
+processor's resize arithmetic (mtmd-image.cpp calc_size_preserved_ratio): docs/evaluation.md, "The parity through
+llama.cpp's multimodal path".
 """
 
 from __future__ import annotations
@@ -23,16 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-# llama.cpp's own image-token bounds per model type (config.json model_type), from the pinned clip.cpp; a model type
-# not listed here has no known bounds, and the served-prompt check then measures llama.cpp's count only (gguf tier).
+# llama.cpp's own image-token bounds per config.json model_type, from the pinned clip.cpp
 LLAMACPP_IMAGE_TOKENS = {"qwen2_vl": (8, 4096), "qwen2_5_vl": (8, 4096), "qwen3_vl": (8, 4096)}
 
-# Ollama, per architecture (config.json architectures[0]). Ollama's `ollama create` converts a safetensors folder of
-# these architectures into its own single-file GGUF (vision tower inside) run by its own engine: ollama/ollama
-# convert/convert.go LoadModelMetadata (Qwen2_5_VLForConditionalGeneration -> convert_qwen25vl.go, general.architecture
-# "qwen25vl"). The llama.cpp text GGUF + mmproj pair is not what its engine runs for these: Ollama's own runner took
-# external projectors only for clip and mllama (ollama PR #10162), and two FROM lines for an architecture on its own
-# engine fail to load (ollama issue #14730). An architecture not listed: not said to be served by Ollama.
+# Ollama, per architecture (config.json architectures[0]): `ollama create` converts these safetensors folders into its
+# own GGUF with the tower inside (ollama/ollama convert/convert.go LoadModelMetadata); its engine does not load the
+# llama.cpp pair for them (ollama PR #10162, issue #14730). An architecture not listed: not said to be served by Ollama.
 OLLAMA = {
     "Qwen2_5_VLForConditionalGeneration": (
         "ollama create from the merged folder (Ollama converts Qwen2_5_VLForConditionalGeneration itself, "
@@ -65,8 +56,7 @@ class ImageBounds:
 
 
 def processor_bounds(min_pixels: int, max_pixels: int, patch: int, merge: int) -> ImageBounds:
-    """The processor's pixel bounds as llama.cpp's token bounds (it multiplies them back by one token's area,
-    clip-model.h set_limit_image_tokens)."""
+    """The processor's pixel bounds as llama.cpp's token bounds (clip-model.h set_limit_image_tokens)."""
     area = (patch * merge) ** 2
     lo, hi = math.ceil(min_pixels / area), max(1, math.floor(max_pixels / area))
     return ImageBounds(lo, hi, min_pixels % area == 0 and max_pixels % area == 0)
@@ -81,8 +71,7 @@ def bounds_of(model_dir: Path) -> Optional[ImageBounds]:
 
 
 def llamacpp_flags(model_type: str, bounds: ImageBounds) -> list[str]:
-    """The llama-server / llama-mtmd-cli flags that make llama.cpp size images as the processor does: none where its
-    own bounds for this model type are already the processor's."""
+    """The llama.cpp flags that size images as the processor does; none where its own bounds agree."""
     own = LLAMACPP_IMAGE_TOKENS.get(model_type)
     if own == (bounds.min_tokens, bounds.max_tokens):
         return []
@@ -90,14 +79,12 @@ def llamacpp_flags(model_type: str, bounds: ImageBounds) -> list[str]:
 
 
 def limit_mm(images: int) -> str:
-    """vLLM's --limit-mm-per-prompt value: JSON, as vLLM's MultiModalConfig.limit_per_prompt takes it
-    (docs.vllm.ai vllm/config/multimodal.py: `{"image": 16, "video": 2}`); video 0 since the data holds none."""
+    """vLLM's --limit-mm-per-prompt value as vllm/config/multimodal.py takes it; video 0."""
     return json.dumps({"image": max(1, images), "video": 0}, separators=(",", ":"))
 
 
 def lora_reach(adapter_dir: Path) -> dict[str, Any]:
-    """What the adapter adapts, read from its adapter_config.json, and whether vLLM serves it as LoRA: vLLM applies
-    LoRA to the language model only (launcher/plan/vision.py words both)."""
+    """What the adapter adapts (adapter_config.json), and whether vLLM serves it as LoRA."""
     from launcher.plan.vision import LANGUAGE_MODEL_ONLY, WITH_TOWER
 
     targets = json.loads((Path(adapter_dir) / "adapter_config.json").read_text()).get("target_modules") or []
@@ -155,8 +142,7 @@ def commands(
 
 
 def serving_md(run, recipe, report: dict[str, Any]) -> str:
-    """SERVING.md of a vision-language export, from what export.json holds (its commands: report["serving_commands"]);
-    vLLM takes as many images a prompt as the data's largest example holds."""
+    """SERVING.md of a vision-language export, from what export.json holds (report["serving_commands"])."""
     from launcher.data.images import load_images
     from launcher.model_files import local_file
 

@@ -12,25 +12,26 @@ from launcher.plan.hardware import Hardware
 from launcher.plan.job import Job
 
 
-# Unsloth's CPU backend (unsloth/_cpu_init.py, Unsloth 2026.10.9): FastVisionModel.from_pretrained and its
-# UnslothVisionDataCollator raise NotImplementedError (tests/worker/test_unsloth.py checks the installed one)
+# Unsloth 2026.10.9's CPU backend (unsloth/_cpu_init.py): FastVisionModel raises NotImplementedError
 UNSLOTH_VISION_CPU = (
     "engine: unsloth with a vision-language model needs a GPU: Unsloth's CPU backend has no vision path "
     '(FastVisionModel: "vision / audio models are not supported on the CPU backend yet"); use engine: auto or trl '
     "on this box"
 )
-# A CPU run longer than this is refused: CPU training is for tiny models and tests.
-CPU_MAX_HOURS = 24.0
+CPU_MAX_HOURS = 24.0  # a CPU run longer than this is refused: CPU training is for tiny models and tests
+
+
+def _cpu_box(hw: Hardware) -> list[str]:
+    return [
+        f"CPU run: this box has no GPU ({hw.cpu_count} cores, {hw.ram_gb:.3g} GB RAM); "
+        "only sensible for tiny models and tests"
+    ]
 
 
 def _choose_cpu(
     job: Job, hw: Hardware, forced: str, processes: int | None = None, nnodes: int = 1, offload: str = "auto"
 ) -> Choice:
-    capacity = hw.ram_gb
-    reasons = [
-        f"CPU run: this box has no GPU ({hw.cpu_count} cores, {hw.ram_gb:.3g} GB RAM); "
-        "only sensible for tiny models and tests"
-    ]
+    capacity, reasons = hw.ram_gb, _cpu_box(hw)
     if offload in OFFLOAD_FORCED and forced != "deepspeed":
         why = (
             f"offload: {offload} is DeepSpeed ZeRO-3's CPU offload; on a CPU box it runs only with "
@@ -40,8 +41,7 @@ def _choose_cpu(
     if forced in ("unsloth", "fsdp"):
         why = {
             "unsloth": "Unsloth needs an NVIDIA GPU",
-            # STACK-FACTS: accelerate/Trainer turn an FSDP2 config into plain DDP on CPU; running
-            # DDP under the FSDP name would be a silent fallback, so it is refused.
+            # accelerate/the Trainer turn an FSDP2 config into plain DDP on a CPU: a silent fallback, refused
             "fsdp": "FSDP through accelerate/the Trainer does not shard on CPU (it silently becomes DDP); "
             "use engine: ddp or deepspeed for several CPU processes",
         }[forced]
@@ -115,8 +115,6 @@ def _choose_cpu_multi(
     reasons.append(f"engine {engine}, {n} gloo processes on the CPU ({src}): {what}")
     opt_off, param_off = OFFLOAD_FORCED.get(offload, (False, False))
     if opt_off:
-        # On a CPU the "offloaded" states stay in the same RAM: memory and time are sized as without it; the run
-        # exercises the offload path itself (DeepSpeedCPUAdam, the pinned CPU gradient buffers) for the test tier.
         reasons.append(
             f"{offload_words(opt_off, param_off)} forced by the recipe: on a CPU box the states stay in "
             "the same RAM, so memory and time are as without it; the optimizer is DeepSpeedCPUAdam (fp32 "
@@ -134,11 +132,7 @@ def _choose_cpu_multi(
 
 def _choose_cpu_unsloth(job: Job, hw: Hardware, unsloth_ok: bool, processes: int | None) -> Choice:
     """engine: unsloth forced on a CPU box: allowed only where Unsloth imports (its CPU path, for the test tier)."""
-    capacity = hw.ram_gb
-    reasons = [
-        f"CPU run: this box has no GPU ({hw.cpu_count} cores, {hw.ram_gb:.3g} GB RAM); "
-        "only sensible for tiny models and tests"
-    ]
+    capacity, reasons = hw.ram_gb, _cpu_box(hw)
     if not is_adapter(job.method):
         why = f"engine: unsloth trains LoRA/QLoRA only; method is {job.method}"
         return Choice(False, "unsloth", "cpu", 1, None, capacity, reasons, refusal=why)

@@ -1,9 +1,5 @@
-"""Which engine on how many processes runs a job on one box, each choice with its reason.
-
-The rules are the reference article's (docs/sizing.md, "Engine rules"): Unsloth on one card where it fits; more
-cards (DDP) when one card would take longer than a working day (WORKDAY_HOURS); FSDP or DeepSpeed ZeRO-3 when no
-card holds the job, with QLoRA's 4-bit shards offloaded to CPU RAM when even the shards do not fit.
-"""
+"""Which engine on how many processes runs a job on one box, each choice with its reason: the reference article's
+rules (docs/sizing.md, "Engine rules")."""
 
 from __future__ import annotations
 
@@ -30,18 +26,15 @@ from launcher.plan.hardware import Hardware
 from launcher.plan.job import Job
 
 
-# bitsandbytes' 8-bit AdamW indexes its states by the parameter's local storage and has no DTensor support; an open
-# bitsandbytes issue reports illegal memory accesses with it under FSDP2, whose parameters are DTensors.
+# bitsandbytes' 8-bit AdamW has no DTensor support (illegal memory accesses reported under FSDP2)
 FULL_8BIT_FSDP = (
     "method full-8bit cannot run on FSDP: its 8-bit AdamW (bitsandbytes) has no support for the "
     "DTensor parameters FSDP2 shards into (illegal memory access reported under FSDP2)"
 )
 
 
-# Unsloth's vision path (launcher/worker/engines/unsloth.py: FastVisionModel, UnslothVisionDataCollator) is sized with
-# TRL's terms (Job.workload): no ftrun run has measured what Unsloth saves on a vision-language model
-# engine auto keeps TRL for a vision-language model: Unsloth's vision path is written from its source but no GPU has
-# run it in ftrun's checks yet (Unsloth's CPU backend has none: docs/engines.md), so it is the recipe's choice
+# engine auto keeps TRL for a vision-language model: no GPU has run Unsloth's vision path in ftrun's checks yet, so it
+# is the recipe's choice, sized with TRL's terms (Job.workload)
 UNSLOTH_VISION_OPT_IN = (
     "TRL on one GPU: Unsloth's vision path (engine: unsloth) has not been run on a GPU by ftrun's checks yet, so "
     "engine auto keeps TRL's SFTTrainer with the processor for a vision-language model"
@@ -57,6 +50,12 @@ def _idle(cards: int) -> str:
     return "1 GPU stays idle" if cards == 1 else f"{cards} GPUs stay idle"
 
 
+def _held(offload_opt: bool, offload: bool) -> str:
+    if offload_opt:
+        return f" with {offload_words(offload_opt, offload)}"
+    return " with parameter offload to CPU RAM" if offload else ""
+
+
 def choose(
     job: Job,
     hw: Hardware,
@@ -68,10 +67,8 @@ def choose(
     in_hand: bool = True,
     offload: str = "auto",
 ) -> Choice:
-    """`in_hand`: the box is the one being planned, billed whole, so its cards are used (DDP) whenever that is
-    faster than one card; otherwise (choosing a box to rent) the article's rules. `processes` (recipe
-    num_processes) is honoured or refused; `offload` (the recipe's): auto, none (never offload), or forced
-    (OFFLOAD_FORCED)."""
+    """`in_hand`: the box being planned, billed whole, so its cards are used whenever faster; `processes` (recipe
+    num_processes) is honoured or refused; `offload`: auto, none, or OFFLOAD_FORCED's."""
     vision = bool(getattr(job.arch, "vision_tower", ""))
     if hw.is_cpu_only and forced == "unsloth":
         return _choose_cpu_unsloth(job, hw, unsloth_ok, processes)
@@ -209,17 +206,10 @@ def choose(
             )
         return Choice(True, single_engine, "cuda", 1, one, cap, reasons, tps1, hrs1)
 
-    if (
-        not fits_one
-        and single_engine == "trl"
-        and forced in ("auto", "trl")
-        and (n == 1 or forced == "trl")
-        and job.gradient_checkpointing
-        and not job.offload_activations
-        and not force_offload
-    ):
-        # TRL's activation offloading: the saved layer inputs wait in pinned RAM instead of on the card, for the
-        # host-link time of moving them down and back every micro-batch (throughput.activation_offload_seconds).
+    offloadable = job.gradient_checkpointing and not job.offload_activations and not force_offload
+    trl_alone = single_engine == "trl" and forced in ("auto", "trl") and (n == 1 or forced == "trl")
+    if not fits_one and trl_alone and offloadable:
+        # TRL's activation offloading: saved layer inputs in pinned RAM (throughput.activation_offload_seconds)
         w_off = job.workload("trl", 1, "cuda", offload_activations=True)
         off = sizing.memory(job.arch, w_off)
         ram_ok = (
@@ -246,8 +236,7 @@ def choose(
         )
         return Choice(False, forced, "cuda", n if forced == "ddp" else 1, one, cap, reasons, refusal=why)
 
-    # No single card holds it: shard. full-8bit shards with DeepSpeed: its 8-bit AdamW cannot take FSDP2's DTensors,
-    # and ZeRO-3 hands the optimizer plain tensors (keeping fp32 master partitions, 4 B/param more).
+    # no single card holds it: shard; full-8bit with DeepSpeed, whose ZeRO-3 hands its 8-bit AdamW plain tensors
     to_deepspeed = forced == "auto" and (METHODS[job.method].eight_bit_optimizer or force_offload)
     shard_engine = "deepspeed" if forced == "deepspeed" or to_deepspeed else "fsdp"
     if n < 2:
@@ -280,31 +269,15 @@ def choose(
             offload, est_all = True, sized(n, True, False)
     ds_tried = minimum is None and not is_adapter(job.method) and setting == "auto" and forced in ("auto", "deepspeed")
     if ds_tried:
-        # 70B full fine-tuning on 8 x 80 GB as it usually runs: DeepSpeed ZeRO-3 with the optimizer (then the
-        # parameters too) offloaded to CPU RAM, only when nothing without offload fits.
+        # as 70B full fine-tuning usually runs: ZeRO-3 with the optimizer (then the parameters) in CPU RAM
         shard_engine = "deepspeed"
         for params in (False, True):
             offload, offload_opt, est_all = params, True, sized(n, params, True)
             minimum = fewest(params, True)
             if minimum is not None:
                 break
-    if minimum is None:
-        # one layout's figures, the last one tried: its whole job ("in all") and its share per card
-        held = (
-            f" with DeepSpeed ZeRO-3 and {offload_words(True, offload)}"
-            if ds_tried
-            else f" with {offload_words(offload_opt, offload)}"
-            if offload_opt
-            else " with parameter offload to CPU RAM"
-            if offload
-            else ""
-        )
-        why = (
-            f"needs {est_all.total_gb:.0f} GB in all; sharded over all {n} cards{held} it still "
-            f"needs {est_all.peak_gb:.1f} GB per card"
-            + (f" ({est_all.load_explanation})" if est_all.load_peak_gb > est_all.per_gpu_gb else "")
-            + f", the cards have {cap:.1f} GB"
-        )
+
+    def refused(why: str) -> Choice:
         return Choice(
             False,
             shard_engine,
@@ -317,14 +290,24 @@ def choose(
             offload_optimizer=offload_opt,
             refusal=why,
         )
+
+    if minimum is None:
+        # one layout's figures, the last one tried: its whole job ("in all") and its share per card
+        ds = f" with DeepSpeed ZeRO-3 and {offload_words(True, offload)}"
+        held = ds if ds_tried else _held(offload_opt, offload)
+        why = (
+            f"needs {est_all.total_gb:.0f} GB in all; sharded over all {n} cards{held} it still "
+            f"needs {est_all.peak_gb:.1f} GB per card"
+            + (f" ({est_all.load_explanation})" if est_all.load_peak_gb > est_all.per_gpu_gb else "")
+            + f", the cards have {cap:.1f} GB"
+        )
+        return refused(why)
     ram_usable = hw.ram_gb * sizing_constants.USABLE_RAM_FRACTION
     need_ram = est_all.host_ram_gb / sizing_constants.USABLE_RAM_FRACTION
     ram_why = est_all.ram_explanation
     rent_note = None
     if est_all.host_ram_gb > ram_usable and not hw.is_this_machine:
-        # A box not rented yet: its RAM is the catalog's assumption (about twice its GPU memory), not a reading.
-        # The plan names the RAM the job needs instead of refusing on that assumption; on the box itself the
-        # launch plans again with the RAM it reads (cgroup limit included) and refuses there if it falls short.
+        # a box not rented yet: its RAM is the catalog's assumption, so the plan names what the job needs
         what = "training with CPU offload" if est_all.train_ram_gb > est_all.load_ram_gb else "loading"
         rent_note = (
             f"host RAM: {what} needs {est_all.host_ram_gb:.0f} GB ({sizing_constants.USABLE_RAM_FRACTION:.0%} of a "
@@ -332,28 +315,12 @@ def choose(
             f"RAM (this plan assumed {hw.ram_gb:.0f} GB for it)"
         )
     elif est_all.host_ram_gb > ram_usable:
-        held = (
-            f" with {offload_words(offload_opt, offload)}"
-            if offload_opt
-            else " with parameter offload to CPU RAM"
-            if offload
-            else ""
-        )
         phase = "training" if est_all.train_ram_gb > est_all.load_ram_gb else "loading"
-        return Choice(
-            False,
-            shard_engine,
-            "cuda",
-            n,
-            est_all,
-            cap,
-            reasons,
-            offload_params=offload,
-            offload_optimizer=offload_opt,
-            refusal=f"the cards hold it{held} ({est_all.peak_gb:.1f} GB per card), but {phase} does not fit "
-            f"the box's RAM: {ram_why}; this box has {hw.ram_gb:.0f} GB "
+        return refused(
+            f"the cards hold it{_held(offload_opt, offload)} ({est_all.peak_gb:.1f} GB per card), but {phase} does "
+            f"not fit the box's RAM: {ram_why}; this box has {hw.ram_gb:.0f} GB "
             f"({sizing_constants.USABLE_RAM_FRACTION:.0%} usable). A box with {need_ram:.0f} GB of RAM or more "
-            f"holds it (`ftrun plan` on that box reads its RAM)",
+            f"holds it (`ftrun plan` on that box reads its RAM)"
         )
     wn = job.workload(shard_engine, n, "cuda", offload, offload_opt)
     tps, hrs = _hours(job, wn, hw, n)
@@ -492,17 +459,9 @@ def choose_with_software(
     nnodes: int,
     offload: str,
 ) -> Choice:
-    """`choose`, then what the box in hand lacks: a job that only Unsloth's lower memory fits is missing software,
-    not too big (the fix is the install, never a bigger box); a DeepSpeed plan without DeepSpeed installed."""
+    """`choose`, then what the box in hand lacks: Unsloth (if only it fits) or DeepSpeed, as missing software."""
     choice = choose(job, hw, forced, unsloth_ok, workday_hours, processes=processes, nnodes=nnodes, offload=offload)
-    if (
-        not choice.fits
-        and not choice.missing
-        and not unsloth_ok
-        and forced == "auto"
-        and hw.gpus
-        and hw.is_this_machine
-    ):
+    if not (choice.fits or choice.missing or unsloth_ok) and forced == "auto" and hw.gpus and hw.is_this_machine:
         with_unsloth = choose(job, hw, forced, True, workday_hours, processes=processes, nnodes=nnodes, offload=offload)
         if with_unsloth.fits and with_unsloth.engine == "unsloth":
             need = with_unsloth.estimate.per_gpu_gb if with_unsloth.estimate else None
@@ -516,12 +475,8 @@ def choose_with_software(
                     "in this environment. " + UNSLOTH_FIX
                 ),
             )
-    if (
-        choice.fits
-        and choice.engine == "deepspeed"
-        and hw.is_this_machine
-        and not engine_software._deepspeed_installed()
-    ):
+    planned_deepspeed = choice.fits and choice.engine == "deepspeed" and hw.is_this_machine
+    if planned_deepspeed and not engine_software._deepspeed_installed():
         choice = replace(
             choice,
             fits=False,

@@ -38,19 +38,14 @@ class Job:
     sequences: int = 1  # rows per example in a micro-batch (a preference pair: 2); mean_tokens counts them all
     reference: str = ""  # DPO's reference (sizing.REFERENCES), "" without one
     objective: str = methods.DEFAULT_OBJECTIVE  # launcher/methods.py OBJECTIVES
-    # GRPO (an objective that generates): answers sampled per prompt, and the longest answer in tokens. `examples`
-    # then counts answers (prompts x answers_per_prompt), each a sequence of its prompt and its answer, as TRL's
-    # per_device_train_batch_size does.
+    # GRPO: answers sampled per prompt and the longest in tokens; `examples` then counts answers, as TRL does
     answers_per_prompt: int = 1
     completion_tokens: int = 0
-    # Padding-free rows: the micro-batch as one row of its examples (the recipe's padding_free, or packing); and
-    # whether attention over such a row carries a dense L x L mask (SDPA without a variable-length kernel: the plan
-    # decides it from the box, launcher/plan/attention.py dense_mask).
+    # padding-free rows, and whether attention over one carries a dense L x L mask (attention.py dense_mask)
     padding_free: bool = False
     dense_mask: bool = False
     kl_forward: bool = False  # KTO: each example's KL sequence, forward only (methods.Objective.kl_forward)
-    # a vision-language model (launcher/plan/vision.py): LoRA on the tower too, and the patches the tower runs on in
-    # the largest micro-batch (the longest example's images, micro_batch of them)
+    # a vision-language model: LoRA on the tower too, and the patches of the largest micro-batch
     lora_vision: bool = False
     vision_patches: int = 0
 
@@ -69,10 +64,7 @@ class Job:
         offload_optimizer: bool = False,
         offload_activations: bool = False,
     ) -> Workload:
-        """`offload`: parameters in CPU RAM (FSDP's fsdp_offload_params, DeepSpeed's offload_param);
-        `offload_optimizer`: DeepSpeed's optimizer offload (docs/sizing.md, "CPU offload"); `offload_activations`:
-        TRL's activation_offloading (also when the recipe's trainer: section sets it). Unsloth's vision path is sized
-        with TRL's terms (plan/engine.py UNSLOTH_VISION_SIZED)."""
+        """`offload`: parameters in CPU RAM; `offload_optimizer`: DeepSpeed's; `offload_activations`: TRL's."""
         engine = "trl" if engine == "unsloth" and self.arch.vision_tower else engine
         return Workload(
             self.method,
@@ -120,14 +112,9 @@ def _job(
         per_epoch = None
         source = tokens_from if tokens else "unknown"
     seq_len = max_length if recipe.packing else longest
-    if recipe.packing:
-        mean_seq = max_length  # packed sequences are full
-    else:
-        mean_seq = mean
-    training = None
-    if recipe.max_steps is not None:
-        # max_steps overrides epochs (as in the HF Trainer); tokens follow from the batch shape.
-        training = None  # filled in once the process count is known
+    mean_seq = max_length if recipe.packing else mean  # packed sequences are full
+    training = None  # with max_steps: filled in once the process count is known
+    if recipe.max_steps is not None:  # max_steps overrides epochs (as in the HF Trainer)
         source += f"; max_steps={recipe.max_steps} decides the length"
     elif per_epoch is not None:
         training = per_epoch * recipe.epochs
@@ -141,8 +128,7 @@ def _job(
     objective = methods.OBJECTIVES[getattr(recipe, "objective", methods.DEFAULT_OBJECTIVE)]
     answers, completion = 1, 0
     if objective.generates:
-        # each prompt trains as num_generations sequences (prompt + sampled answer); data_stats counted each at its
-        # longest answer (prompt + grpo.max_completion_length)
+        # each prompt trains as num_generations sequences (prompt + sampled answer)
         answers, completion = recipe.grpo.num_generations, recipe.grpo.max_completion_length
         training = training * answers if training is not None and not tokens_given(data_stats, tokens) else training
         if examples is not None:
@@ -196,8 +182,7 @@ def tokens_given(data_stats: Any, tokens: float | None) -> bool:
 
 
 def reference_kind(recipe: Any) -> str:
-    """How the recipe's reference comes (a key of sizing.REFERENCES), "" for an objective without one: DPO's, and
-    GRPO's where its KL term (grpo.beta > 0) needs the starting model."""
+    """How the reference comes (a key of sizing.REFERENCES), "" without one: DPO's, GRPO's with grpo.beta > 0."""
     objective = methods.OBJECTIVES[getattr(recipe, "objective", methods.DEFAULT_OBJECTIVE)]
     if objective.generates:
         if not recipe.grpo.beta:

@@ -1,9 +1,8 @@
-"""(Recipe, Hardware, DataStats) -> Plan: engine, processes, memory, tokens, time, cost, each with its reason; refuses
-with advice."""
+"""(Recipe, Hardware, DataStats) -> Plan: engine, memory, tokens, time, cost, with reasons; refuses with advice."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from launcher.plan import attention
@@ -41,9 +40,7 @@ from launcher.plan.task_eval_forecast import _task_eval_note, _task_eval_time
 from launcher.recipe import TOKENS_MEANING
 
 
-# Minutes a rented box needs before the download: start, image pull or pip install (the article: 5-10 min for
-# install and model download together).
-SETUP_MINUTES = 5.0
+SETUP_MINUTES = 5.0  # a rented box's start, image pull or pip install (the article: 5-10 min with the download)
 
 
 @dataclass
@@ -63,62 +60,32 @@ class Plan:
     micro_batch_size: int
     gradient_accumulation_steps: int
     checkpoint_every_steps: int
-    reasons: list[str]
+    # the recipe's checkpoint_every_minutes: checkpoints follow the clock, checkpoint_every_steps is its estimate
+    checkpoint_every_minutes: float | None = None
+    reasons: list[str] = field(default_factory=list)
     alternatives: list[dict[str, Any]] = field(default_factory=list)
     measured: dict[str, Any] = field(default_factory=dict)
     hardware: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    offload_params: bool = (
-        False  # parameters in CPU RAM (engines/fsdp.py: fsdp_offload_params; deepspeed.py: offload_param)
-    )
+    offload_params: bool = False  # parameters in CPU RAM (fsdp_offload_params; DeepSpeed's offload_param)
     offload_optimizer: bool = False  # DeepSpeed ZeRO-3 offload_optimizer (launcher/worker/engines/deepspeed.py)
     offload_activations: bool = False  # TRL's activation_offloading (launcher/worker/trainer_config.py)
     refusal: dict[str, Any] = field(default_factory=dict)  # when fits is False: message, why, missing, options
     cheapest_rental: dict[str, Any] | None = None  # the catalog box that runs the job for the least money
-    # the recipe's checkpoint_every_minutes: checkpoints follow the clock, checkpoint_every_steps is its estimate
-    checkpoint_every_minutes: float | None = None
     speed: dict[str, Any] | None = None  # the faster settings the plan chose (launcher/plan/speed.py record)
     # what the job needs that this box lacks although it fits (llama.cpp for a GGUF export): {"message", "fix"}
     blocked: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "fits": self.fits,
-            "units": UNIT,
-            "engine": self.engine,
-            "device": self.device,
-            "num_processes": self.num_processes,
-            "gpus": dict(self.gpus),
-            "model": dict(self.model),
-            "method": self.method,
-            "memory": dict(self.memory),
-            "tokens": dict(self.tokens),
-            "estimate": dict(self.estimate),
-            "price_per_hour_eur": self.price_per_hour_eur,
-            "total_steps": self.total_steps,
-            "micro_batch_size": self.micro_batch_size,
-            "gradient_accumulation_steps": self.gradient_accumulation_steps,
-            "checkpoint_every_steps": self.checkpoint_every_steps,
-            "checkpoint_every_minutes": self.checkpoint_every_minutes,
-            "reasons": list(self.reasons),
-            "alternatives": [dict(a) for a in self.alternatives],
-            "measured": dict(self.measured),
-            "hardware": dict(self.hardware),
-            "notes": list(self.notes),
-            "offload_params": self.offload_params,
-            "offload_optimizer": self.offload_optimizer,
-            "offload_activations": self.offload_activations,
-            "refusal": dict(self.refusal) if self.refusal else None,
-            "cheapest_rental": dict(self.cheapest_rental) if self.cheapest_rental else None,
-            "speed": dict(self.speed) if self.speed else None,
-            "blocked": dict(self.blocked) if self.blocked else None,
-        }
+        d = asdict(self)
+        for key in ("refusal", "cheapest_rental", "speed", "blocked"):
+            d[key] = d[key] or None
+        return {"fits": d.pop("fits"), "units": UNIT, **d}
 
 
 def make_plan(recipe: Any, hardware: Hardware, *args: Any, **kwargs: Any) -> Plan:
-    """plan_for's plan (the same arguments), raised when it does not fit: PlanError (concrete options in .fix, the
-    whole no-fit plan in .plan); when it needs software this machine lacks: MissingSoftware (the install in .fix; the
-    plan in .plan, which fits where only an output's software is missing: Plan.blocked)."""
+    """plan_for's plan, raised when it does not fit (PlanError) or needs software this machine lacks
+    (MissingSoftware): the fix in .fix, the plan in .plan."""
     plan = plan_for(recipe, hardware, *args, **kwargs)
     if not plan.fits:
         missing = plan.refusal.get("missing")
@@ -217,14 +184,9 @@ def plan_for(
     head = [f"model {arch.name}: {_fmt_tokens(arch.params)} params ({arch.source})"] + box + [software]
 
     est = choice.estimate
-    if (
-        not choice.fits
-        and est is None
-        and choice.device == "cuda"
-        and choice.engine in ("trl", "unsloth", "ddp", *SHARDING_ENGINES)
-    ):
-        # a forced engine refused before sizing (unsloth for a full fine-tune, ddp on one card, more processes
-        # than cards): the JSON still says what the job needs, as the engine asked for would run it
+    sizable = choice.engine in ("trl", "unsloth", "ddp", *SHARDING_ENGINES)
+    if not choice.fits and est is None and choice.device == "cuda" and sizable:
+        # a forced engine refused before sizing: the JSON still says what the job needs on it
         est = sizing.memory(job.arch, job.workload(choice.engine, max(1, choice.processes), "cuda"))
     if not choice.fits:
         options = (
@@ -389,8 +351,7 @@ def plan_for(
             "tokens_per_second_source": "measured" if "tokens_per_second" in measured else "estimated",
             **_mfu_basis(job, choice, g),
         },
-        # to 0.04 s: the Time: line and `ftrun status`'s "plan forecast" print these hours, the Why line the
-        # unrounded ones, and a short run shows seconds (3 decimals: 40.8 s stored as 39.6 s, "40 s" beside "41 s")
+        # to 0.04 s: the Time: line and `ftrun status` print these hours, and a short run shows seconds
         estimate={
             "hours": round(hrs, 5) if hrs is not None else None,
             "cost_eur": round(cost, 2) if cost is not None else None,
@@ -429,14 +390,8 @@ def plan_for(
 
 def _loss_reason(job: Job, choice: Choice, est: Any) -> str:
     """Which loss the engine computes and what it holds (sizing.memory's "logits and loss" term)."""
-    w = job.workload(
-        choice.engine,
-        choice.processes,
-        choice.device,
-        choice.offload_params,
-        choice.offload_optimizer,
-        choice.offload_activations,
-    )
+    c = choice
+    w = job.workload(c.engine, c.processes, c.device, c.offload_params, c.offload_optimizer, c.offload_activations)
     t, vocab = w.tokens_per_micro_batch, job.arch.vocab
     whole = loss_head.whole_logits_bytes(t, vocab, choice.device) / sizing_constants.GB
     if w.loss_kind == sizing.LOSS_UNSLOTH:
@@ -461,28 +416,22 @@ def _loss_reason(job: Job, choice: Choice, est: Any) -> str:
     return (
         f"loss{as_trl}: TRL's fused LM head (trl's {trainer}{on}): the {t:,} x {vocab:,} logits of a micro-batch "
         f"are never whole, {head:.2f} GB at its peak instead of {whole:.1f} GB for the model's own loss; "
-        # KTO's head returns log-probabilities, entropy and mean logits, no top-1 (trl 1.16 kto_trainer.py
-        # add_fused_lm_head(outputs=("log_probs", "entropy", "mean_logits")))
+        # KTO's head returns no top-1 (trl 1.16 kto_trainer.py add_fused_lm_head outputs)
         + ("the entropy is" if methods.OBJECTIVES[job.objective].kl_forward else "token accuracy and entropy are")
         + " still logged (computed in the same pass)"
     )
 
 
 def _objective_reasons(recipe: Any, job: Job, data_stats: Any = None) -> list[str]:
-    """What a preference objective changes in the plan: two sequences per example, KTO's KL sequence and its classes,
-    the reference, the parent run."""
+    """What a preference objective changes in the plan: its sequences, KTO's KL and classes, reference, parent."""
     objective = methods.OBJECTIVES[getattr(recipe, "objective", methods.DEFAULT_OBJECTIVE)]
     lines = []
     if objective.kl_forward:
-        through = (
-            "the policy and the reference"
-            if job.reference and sizing.REFERENCES[job.reference][1]
-            else (
-                "the policy (the reference's log-probabilities of it are precomputed)"
-                if job.reference
-                else "the policy"
-            )
-        )
+        through = "the policy"
+        if job.reference and sizing.REFERENCES[job.reference][1]:
+            through = "the policy and the reference"
+        elif job.reference:
+            through = "the policy (the reference's log-probabilities of it are precomputed)"
         lines.append(
             f"objective {objective.name} (trl's {objective.trainer}): each example is one answer marked desirable or "
             f"undesirable, trained after its prompt; its KL sequence (the prompt with the answer of the micro-batch's "
@@ -532,9 +481,7 @@ def _objective_reasons(recipe: Any, job: Job, data_stats: Any = None) -> list[st
 
 
 def _positions_note(recipe: Any, arch: Architecture) -> list[str]:
-    """max_length against the positions the model's RoPE covers (config.json max_position_embeddings): beyond them a
-    RecipeError (the model has never seen those positions, and vLLM refuses a --max-model-len past them), unless the
-    config's RoPE scaling extends them, which is said with its type and factor."""
+    """max_length against the positions the model's RoPE covers, its scaling said; beyond them a RecipeError."""
     limit, max_length = arch.max_positions, recipe.max_length
     if not limit or max_length <= limit:
         return []

@@ -1,12 +1,5 @@
-"""A vision-language model's vision tower in the plan: its parameters (counted into the model's weights), what LoRA
-adapts, and what the serving side can take of the adapter.
-
-The parameter count follows transformers 5.24's modules (models/qwen2_5_vl/modeling_qwen2_5_vl.py): the patch
-embedding Conv3d (no bias), per block two RMSNorms, `qkv` and `proj` with biases and the gated MLP with biases, and
-the patch merger (an RMSNorm, then Linear(h*m^2, h*m^2) and Linear(h*m^2, out_hidden), with biases).
-tests/plan/test_vision_plan.py checks it against the tiny model's weights and a 7B-shaped model built on the meta
-device.
-"""
+"""A vision-language model's vision tower in the plan: its parameters, what LoRA adapts, what serving can take of the
+adapter; counted as transformers 5.24's models/qwen2_5_vl/modeling_qwen2_5_vl.py builds it (test_vision_plan.py)."""
 
 from __future__ import annotations
 
@@ -19,10 +12,7 @@ from launcher.plan.sizing_constants import LAYER_BACKWARD_FACTOR
 # Model types whose vision tower this module counts (config.json model_type).
 COUNTED = ("qwen2_5_vl",)
 
-# Qwen2.5-VL-7B-Instruct's config.json, the values the plan reads (the language model at the top level, the vision
-# tower in vision_config) and the placeholder token ids: the 7B shape that docs/sizing.md compares with a published
-# measurement (tests/plan/test_vision_plan.py) and that the GPU check builds with random weights (gpu_check's vision
-# step: gpu_check/vision_check.py).
+# Qwen2.5-VL-7B-Instruct's config.json as the plan reads it (docs/sizing.md; gpu_check/vision_check.py builds it)
 QWEN25_VL_7B: dict[str, Any] = {
     "model_type": "qwen2_5_vl",
     "hidden_size": 3584,
@@ -53,12 +43,10 @@ QWEN25_VL_7B: dict[str, Any] = {
     },
 }
 
-# The tower blocks' attention layers (modeling_qwen2_5_vl.py Qwen2_5_VLVisionAttention: `qkv`, `proj`): what LoRA on the
-# tower adapts beside the recipe's target_modules (the plan counts them, launcher/worker/loading.py targets them).
+# the tower blocks' attention layers (Qwen2_5_VLVisionAttention), which LoRA on the tower adapts too
 TOWER_ATTENTION = ("qkv", "proj")
 
-# LoRA's reach, as the recipe's lora.vision_tower chooses it. vLLM loads LoRA on the language model only and ignores
-# (with a warning) adapter weights on the vision blocks (issue 57): an adapter that reaches the tower is served merged.
+# LoRA's reach, as lora.vision_tower chooses it: vLLM ignores adapter weights on the vision blocks (issue 57)
 LANGUAGE_MODEL_ONLY = (
     "LoRA adapts the language model only (the vision tower and its projector stay frozen): vLLM serves this adapter "
     "as LoRA (--enable-lora)"
@@ -70,10 +58,9 @@ WITH_TOWER = (
 
 
 def tower_params(cfg: dict[str, Any]) -> int:
-    """Parameters of the vision tower and projector of a config.json dict; 0 for a model without one (or one whose
-    tower this module does not count: `counted` says which)."""
+    """Parameters of the vision tower and projector of a config.json dict; 0 where `counted` is False."""
     v = cfg.get("vision_config")
-    if not isinstance(v, dict) or cfg.get("model_type") not in COUNTED:
+    if not counted(cfg):
         return 0
     h = int(v.get("hidden_size", 3584))
     i = int(v.get("intermediate_size", 3420))
@@ -91,10 +78,7 @@ def tower_params(cfg: dict[str, Any]) -> int:
 
 
 def tower_linears(cfg: dict[str, Any]) -> tuple[tuple[str, int, int, int], ...]:
-    """The tower's linear layers as (leaf name, d_in, d_out, count), in the modules of transformers 5.24's
-    Qwen2.5-VL (modeling_qwen2_5_vl.py: each block's attn.qkv and attn.proj, mlp.gate_proj, up_proj and down_proj;
-    the merger's mlp.0 and mlp.2); () for a model whose tower this module does not count. What 4-bit loading
-    quantizes (quantized_params) and LoRA reaches (lora_params) are counted from these."""
+    """The tower's linear layers as (leaf, d_in, d_out, count); () where `counted` is False."""
     v = cfg.get("vision_config")
     if not counted(cfg):
         return ()
@@ -108,39 +92,23 @@ def tower_linears(cfg: dict[str, Any]) -> tuple[tuple[str, int, int, int], ...]:
 
 
 def quantized_params(arch: Any) -> int:
-    """The tower's weights that QLoRA's 4-bit loading quantizes: every linear layer's. transformers 5.24's
-    bitsandbytes quantizer converts every nn.Linear but the modules get_keys_to_not_convert names (quantizers/base.py:
-    tied weights, the last module, the output embeddings: the LM head), so the tower's and the merger's linear layers
-    load in NF4 (launcher/worker/loading.py quantization_config names no others); the patch embedding (a Conv3d),
-    norms and biases stay 16-bit. Unsloth's pre-quantized Qwen2.5-VL repositories quantize the blocks as well."""
+    """The tower's weights QLoRA quantizes: every linear layer's (quantizers/base.py get_keys_to_not_convert)."""
     return sum(a * b * n for _, a, b, n in getattr(arch, "vision_linears", ()))
 
 
 def lora_params(arch: Any, r: int, targets: Any) -> int:
-    """LoRA's parameters in the tower where the recipe adapts it (lora.vision_tower), by the worker's rule
-    (launcher/worker/loading.py vision_targets): with all-linear every linear layer of the tower and the
-    merger, with a list of names the attention's qkv and proj (and any leaf the list names)."""
-    total = 0
-    for leaf, a, b, n in getattr(arch, "vision_linears", ()):
-        if targets == "all-linear" or leaf in TOWER_ATTENTION or leaf in targets:
-            total += r * (a + b) * n
-    return total
+    """LoRA's parameters in the tower where lora.vision_tower adapts it, by loading.vision_targets' rule."""
+    return sum(
+        r * (a + b) * n
+        for leaf, a, b, n in getattr(arch, "vision_linears", ())
+        if targets == "all-linear" or leaf in TOWER_ATTENTION or leaf in targets
+    )
 
 
 def activation_bytes(arch: Any, patches: int, checkpointing: bool, trains: bool) -> float:
-    """What the tower keeps for the backward pass over `patches` patches (one micro-batch's images), bf16.
-
-    transformers 5.24's enable_input_require_grads hooks every sub-model's input embeddings, and the tower's is its
-    patch embedding (modeling_qwen2_5_vl.py: _input_embed_layer = "patch_embed"): under gradient checkpointing
-    (launcher/worker/loading.py add_lora calls it, trl's SFTTrainer too) the frozen tower's output requires a
-    gradient, so its blocks are checkpointed like the decoder's (Qwen2_5_VLVisionBlock is a
-    GradientCheckpointingLayer): each block's input is saved and one block is recomputed in the backward. Without
-    checkpointing a frozen tower runs without a graph (nothing kept) and a trained one keeps every block's tensors.
-    A block keeps, per patch: two fp32 RMSNorm inputs, q, k, v and the attention output, gate, up and act(gate), and
-    a 16-bit copy of each LoRA-adapted layer's input. Outside the blocks: the patch merger (not checkpointed) its fp32
-    RMSNorm input and its GELU's input (and its two linear layers' inputs where the tower trains), and under
-    checkpointing the patch embedding's output, the leaf that enable_input_require_grads makes (its AccumulateGrad
-    node holds it). tests/plan/test_vision_activations.py measures these on the CPU."""
+    """What the tower keeps for the backward pass over `patches` patches, bf16: under gradient checkpointing even a
+    frozen tower is checkpointed block by block (transformers 5.24 modeling_qwen2_5_vl.py _input_embed_layer;
+    Qwen2_5_VLVisionBlock is a GradientCheckpointingLayer). tests/plan/test_vision_activations.py measures it."""
     linears = {leaf: (a, b) for leaf, a, b, _ in getattr(arch, "vision_linears", ())}
     if not patches or "qkv" not in linears or not (checkpointing or trains):
         return 0.0
@@ -189,12 +157,8 @@ def notes(arch: Any, recipe: Any, stats: Any) -> list[str]:
 
 
 def refuse_sharded_without_images(engine: str, forced: str, stats: Any) -> None:
-    """FSDP on image data in which some examples hold no image: refused. FSDP2 shards each vision block (the model's
-    _no_split_modules name Qwen2_5_VLDecoderLayer and Qwen2_5_VLVisionBlock, transformers 5.24
-    modeling_qwen2_5_vl.py; accelerate 1.15 fsdp2_prepare_auto_wrap_policy wraps those classes) and every rank
-    all-gathers each block in turn; Qwen2_5_VLModel.forward runs the tower only where pixel_values is not None, so a
-    rank whose micro-batch holds no image sends its next gather against another rank's tower gather. On 2 gloo
-    processes (engines/fsdp.py exercise) gloo aborted: "Is there a distributed collective mismatch"."""
+    """FSDP on image data in which some examples hold no image: refused, the ranks' gathers would stop matching
+    (accelerate 1.15 fsdp2_prepare_auto_wrap_policy; docs/engines.md, "DDP and FSDP with the vision tower")."""
     facts = (getattr(stats, "images", None) if stats is not None else None) or {}
     if engine != "fsdp" or not facts.get("without_images"):
         return

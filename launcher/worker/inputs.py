@@ -20,9 +20,7 @@ def _data_spec(run: RunDir, recipe):
 
 
 def _data_changed(run: RunDir, recipe, data_sha256: str) -> Optional[str]:
-    """Why the data read now is not what the launcher checked and recorded (data.json), or None. The launcher
-    refuses a resume on changed data; this catches a change between two starts of the worker under one
-    supervisor (a crash and its restart), which would otherwise train on other examples unnoticed."""
+    """Why the data read now is not what the launcher recorded (data.json), or None: a restart after a crash."""
     from launcher.data.dataset import identity, load_data
 
     record = run.root / "data.json"
@@ -47,8 +45,7 @@ def _local_data(spec) -> bool:
 
 
 def _eval_and_prompts(run: RunDir, recipe, mode: str, examples: list) -> tuple[list, list[dict[str, Any]]]:
-    """The eval examples and the sample prompts. The full run splits the data itself (launcher/data/split.py);
-    the smoke test reads what its launcher wrote: a share of the held-out examples and the full run's prompts."""
+    """The eval examples and the sample prompts: split here, or as the smoke test's launcher wrote them."""
     from launcher.data.dataset import load_data
 
     if mode == "smoke":
@@ -61,15 +58,9 @@ def _eval_and_prompts(run: RunDir, recipe, mode: str, examples: list) -> tuple[l
     parts = split.for_recipe(examples, recipe)
     if recipe.eval.data:
         held_examples = split.load_eval_data(recipe)
-        prompts = samples.pick(
-            held_examples,
-            list(range(len(held_examples))),
-            [],
-            recipe.eval.samples,
-            recipe.seed,
-            split.source_name(recipe.eval.data),
-        )
-        return held_examples, prompts
+        everything = list(range(len(held_examples)))
+        source = split.source_name(recipe.eval.data)
+        return held_examples, samples.pick(held_examples, everything, [], recipe.eval.samples, recipe.seed, source)
     prompts = samples.pick(
         examples, parts.held_out, parts.train, recipe.eval.samples, recipe.seed, split.source_name(recipe.data)
     )
@@ -77,24 +68,16 @@ def _eval_and_prompts(run: RunDir, recipe, mode: str, examples: list) -> tuple[l
 
 
 def _trained_tokens(examples: list, prepared, sample: int = 2000) -> str:
-    """What TRL made of the data: its form and the share of tokens the loss is computed on (plain text: all of
-    them, no chat template; prompt/completion: the completion), read from the prepared dataset's labels."""
+    """What TRL made of the data: its form and the share of tokens the loss is computed on."""
     from launcher.data.formats import FORMS, example_form
 
     if examples and examples[0].get("images") is not None:
-        # trl 1.16 leaves image data unprepared (sft_trainer.py _skip_prepare_dataset, dpo_trainer.py
-        # skip_prepare_dataset for a vision dataset): its collator renders and tokenizes each batch with its images
-        # (DataCollatorForVisionLanguageModeling; DataCollatorForVisionPreference, the prompt before both answers)
+        # trl 1.16 leaves image data to its collator (sft_trainer.py _skip_prepare_dataset)
         count = sum(len(e["images"]) for e in examples)
-        what, unit, each = (
-            (
-                "preference pairs with images",
-                "pairs",
-                " (its prompt and images before the chosen and the rejected answer)",
-            )
-            if example_form(examples[0]) == "preference"
-            else ("chat with images", "examples", "")
-        )
+        what, unit, each = ("chat with images", "examples", "")
+        if example_form(examples[0]) == "preference":
+            what, unit = "preference pairs with images", "pairs"
+            each = " (its prompt and images before the chosen and the rejected answer)"
         return (
             f"data as TRL takes it: {what}, {len(prepared):,} {unit}, {count:,} images; each batch rendered{each}, its "
             "images read and tokenized by the model's processor as it trains (the plan counted the image tokens)"
@@ -120,8 +103,7 @@ def _trained_tokens(examples: list, prepared, sample: int = 2000) -> str:
             f"({answers / max(total, 1):.1%}{first})"
         )
     if example_form(examples[0]) == "unpaired":
-        # KTO keeps prompt_ids, completion_ids and KL_completion_ids (trl 1.16 kto_trainer.py tokenize_fn and
-        # add_kl_completion_ids); the loss is on the answers, the KL sequences run without a gradient
+        # KTO keeps prompt_ids, completion_ids, KL_completion_ids (trl 1.16 kto_trainer.py tokenize_fn)
         prompt = sum(len(x) for x in rows["prompt_ids"])
         answers = sum(len(x) for x in rows["completion_ids"])
         desirable = sum(bool(x) for x in prepared["label"])
@@ -132,9 +114,8 @@ def _trained_tokens(examples: list, prepared, sample: int = 2000) -> str:
         )
     form = FORMS[example_form(examples[0])].reads_as
     ids = rows["input_ids"]
-    # what the loss is computed on: trl 1.16 keeps the masks as columns (assistant_masks with assistant_only_loss,
-    # completion_mask for prompt/completion) and the collator turns them into labels; a row's first token is never
-    # a target (the labels are shifted), as the data view counts them (launcher/data/loss_view.py)
+    # trl 1.16 keeps the loss masks as columns (assistant_masks, completion_mask); a row's first token is never a
+    # target (the labels are shifted), as launcher/data/loss_view.py counts them
     mask = next((rows[c] for c in ("labels", "assistant_masks", "completion_mask") if c in rows.column_names), None)
     if mask is None:
         mask = [[1] * len(x) for x in ids]
@@ -149,16 +130,10 @@ def _trained_tokens(examples: list, prepared, sample: int = 2000) -> str:
 
 
 def templated(examples: list, tokenizer) -> list:
-    """Conversational pairs rendered to text with the model's chat template by TRL's own functions (trl 1.16
-    data_utils.py maybe_extract_prompt, maybe_apply_chat_template: what ORPOTrainer maps over its dataset), for a
-    trainer that renders through datasets.map into the same columns, where ftrun's Json message columns would keep
-    the lists (launcher/methods.py templated_by_worker). Plain pairs are returned as they are."""
+    """Conversational pairs rendered to text by trl 1.16 data_utils.py maybe_apply_chat_template, as ORPO does."""
     from trl.data_utils import maybe_apply_chat_template, maybe_extract_prompt
 
     from launcher.data.formats import PAIR_KEYS
 
-    out = []
-    for ex in examples:
-        row = maybe_apply_chat_template(maybe_extract_prompt(dict(ex)), tokenizer)
-        out.append({k: row[k] for k in PAIR_KEYS})
-    return out
+    rows = [maybe_apply_chat_template(maybe_extract_prompt(dict(ex)), tokenizer) for ex in examples]
+    return [{k: row[k] for k in PAIR_KEYS} for row in rows]

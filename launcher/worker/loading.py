@@ -1,25 +1,22 @@
-"""Model loading in the worker: this rank's device, the compute and weights dtypes, the quantization config and the
-attention kernel, then the model with LoRA. The worker, the FSDP exercise and the GPU check all call it, so what the
-GPU check proves is what the worker does; engine contexts (DeepSpeed's partitioned loading) and Unsloth's loader are
-passed in: this module imports no backend.
+"""Model loading in the worker, the FSDP exercise and the GPU check: device, dtypes, quantization, attention, LoRA.
 
-Versions relied on: torch 2.13, transformers 5.24, peft 0.21, bitsandbytes 0.50, accelerate 1.15. transformers'
-`from_pretrained(device_map=None)` with a bitsandbytes config places the model on `torch.cuda.current_device()`
-(`transformers/quantizers/quantizer_bnb_4bit.py`, update_device_map), device 0 until `torch.cuda.set_device`: so
-the device is set from LOCAL_RANK before any load.
+Versions: torch 2.13, transformers 5.24, peft 0.21, bitsandbytes 0.50, accelerate 1.15. With a bitsandbytes config and
+no device map transformers loads onto torch.cuda.current_device() (quantizers/quantizer_bnb_4bit.py update_device_map).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any, Optional
 
 from launcher.engine_kinds import SHARDING as SHARDING_ENGINES
 from launcher.methods import METHODS, is_adapter, is_quantized
+from launcher.worker.process import _say
 
-# SHARDING_ENGINES shard or partition the weights themselves: they load without a device map (transformers
-# refuses a device_map under ZeRO-3's partitioned loading; FSDP places the shards on each rank's device).
+# SHARDING_ENGINES place the weights themselves: no device map (transformers refuses one under ZeRO-3's loading)
 
 
 def local_rank() -> int:
@@ -32,12 +29,8 @@ def is_main_process() -> bool:
 
 
 def compute_dtype(capability: Optional[tuple[int, int]]):
-    """bf16 on compute capability 8.0+ (A100, L4/L40S, RTX 30/40/50, H100, ...), fp16 on 7.x (T4, V100) and
-    below, fp32 on the CPU (capability None).
-
-    Not torch.cuda.is_bf16_supported(): it counts emulation (`torch/cuda/__init__.py`), which makes a T4 or V100
-    train bf16 at a fraction of its fp16 tensor-core speed. fp16 trains with the Trainer's loss scaling (fp16=True).
-    """
+    """bf16 from compute capability 8.0, fp16 below, fp32 on the CPU; not torch.cuda.is_bf16_supported(), which
+    counts emulation (torch/cuda/__init__.py)."""
     import torch
 
     from launcher.plan.throughput import training_precision  # the plan's rule: the plan and the worker cannot disagree
@@ -48,12 +41,7 @@ def compute_dtype(capability: Optional[tuple[int, int]]):
 
 
 def select_device() -> tuple[str, Any]:
-    """('cuda', dtype) on this rank's own GPU, made the current device, or ('cpu', fp32): detected, never configured.
-
-    Called once at worker start, before the model, a process group or a memory cap touch CUDA: without
-    set_device every rank would allocate on GPU 0 (and NCCL would bind every rank to it). It also sets the SDPA
-    backends (apply_sdpa_backends) before the first attention call, on every path that loads a model.
-    """
+    """('cuda', dtype) on this rank's own GPU, made current before anything touches CUDA, or ('cpu', fp32)."""
     import torch
 
     apply_sdpa_backends()
@@ -71,18 +59,9 @@ def select_device() -> tuple[str, Any]:
 
 
 def weights_dtype(method: str, engine: str, device: str, dtype):
-    """The dtype the base weights are loaded in.
-
-    Full fine-tuning with the Trainer's own loop (trl, ddp) keeps fp32 weights and trains under bf16/fp16
-    autocast (SFTConfig bf16/fp16): AdamW updates near 1e-5 of a weight vanish when added to a bf16 weight
-    (8 bits of mantissa), and training stalls quietly. Memory is what the sizer counts for full fine-tuning
-    (16 bytes per parameter: fp32 weight 4, fp32 gradient 4, m and v 8). FSDP2 upcasts trainable parameters
-    to fp32 itself under mixed precision (accelerate/utils/fsdp_utils.py, fsdp2_prepare_model) and DeepSpeed's
-    bf16 optimizer keeps fp32 master partitions, so both load in the compute dtype. full-8bit keeps 16-bit
-    weights: the 8-bit optimizer is chosen to save memory, and the sizer counts it that way, except on fp16 cards
-    (compute capability below 8.0): the Trainer's fp16 loss scaling refuses to unscale fp16 gradients
-    (torch/amp/grad_scaler.py, "Attempting to unscale FP16 gradients"), so trained weights are fp32 there.
-    """
+    """The dtype the base weights load in: fp32 for full fine-tuning on trl/ddp (AdamW updates near 1e-5 of a weight
+    vanish in bf16) and for full-8bit on fp16 cards (torch/amp/grad_scaler.py: "Attempting to unscale FP16
+    gradients"); FSDP2 and DeepSpeed load the compute dtype, keep fp32 masters (accelerate fsdp2_prepare_model)."""
     import torch
 
     if device != "cuda" or engine in SHARDING_ENGINES:
@@ -97,23 +76,18 @@ def device_map(device: str, engine: str) -> Optional[dict[str, Any]]:
     """from_pretrained's device_map: this rank's own GPU, the CPU, or None for the sharding engines."""
     if engine in SHARDING_ENGINES:
         return None
-    if device == "cuda":
-        return {"": local_rank()}
-    return {"": "cpu"}
+    return {"": local_rank() if device == "cuda" else "cpu"}
 
 
 def _flash_attn_2_installed() -> bool:
-    # transformers' own test: the "flash-attn" distribution (flash-attn-4 installs the same module name) at 2.3.3 or
-    # newer, with CUDA (transformers/utils/import_utils.py, is_flash_attn_2_available)
+    # transformers' own test (utils/import_utils.py is_flash_attn_2_available: "flash-attn" 2.3.3+, with CUDA)
     from transformers.utils import is_flash_attn_2_available
 
     return bool(is_flash_attn_2_available())
 
 
 def attention_implementation(device: str, dtype) -> Optional[str]:
-    """The attn_implementation to pass (launcher/plan/attention.py implementation, the plan's own rule), or None for
-    transformers' default, SDPA. torch's varlen kernel (attention.VARLEN) is registered with transformers here, in
-    the process that loads the model (launcher/worker/varlen.py register)."""
+    """The attn_implementation to pass (launcher/plan/attention.py's rule), or None for SDPA."""
     import torch
 
     from launcher.plan import attention
@@ -131,9 +105,7 @@ def attention_implementation(device: str, dtype) -> Optional[str]:
 
 
 def attention_facts(device: str, dtype, model=None, engine: str = "trl") -> dict[str, Any]:
-    """What runs attention in this process, for worker.json and the log: the implementation the model was loaded
-    with (or, before the load, will be: the same rule), the kernel of padded, padding-free and decode batches,
-    torch's release, and a line saying it. Unsloth's loader brings its own attention."""
+    """What runs attention here: implementation, kernels of padded, padding-free and decode batches, a line."""
     import torch
 
     from launcher.plan import attention
@@ -169,10 +141,8 @@ def attention_facts(device: str, dtype, model=None, engine: str = "trl") -> dict
 
 
 def apply_sdpa_backends() -> dict[str, Any]:
-    """Leave on exactly the SDPA backends launcher/plan/attention.py names (cuDNN's off by default) and return what
-    torch then reports. The flags are process-wide and read at every dispatch (torch/backends/cuda/__init__.py
-    enable_cudnn_sdp and its siblings; sdp_utils.cpp check_runtime_disabled_*); a CPU has no cuDNN backend, and its
-    own SDPA reads the flash and math flags, so the same call is right there."""
+    """Leave on exactly attention.py's SDPA backends: process-wide flags read at every dispatch
+    (torch/backends/cuda/__init__.py enable_cudnn_sdp; sdp_utils.cpp check_runtime_disabled_*)."""
     import torch
 
     from launcher.plan import attention
@@ -184,8 +154,7 @@ def apply_sdpa_backends() -> dict[str, Any]:
 
 
 def sdpa_state() -> dict[str, Any]:
-    """Each SDPA backend on or off as torch reports it now, and where the choice came from (worker.json's and
-    task_eval.json's sdpa_backends)."""
+    """Each SDPA backend on or off as torch reports it, and the choice's source (worker.json's sdpa_backends)."""
     import torch
 
     from launcher.plan import attention
@@ -198,8 +167,7 @@ def sdpa_state() -> dict[str, Any]:
 
 
 def quantization_config(method: str, dtype):
-    """QLoRA's 4-bit NF4 config; quant storage in the compute dtype so FSDP can shard the 4-bit weights
-    (accelerate excludes non-floating Params4bit from sharding: fsdp2_prepare_model)."""
+    """QLoRA's NF4 config, quant storage in the compute dtype so FSDP can shard it (fsdp2_prepare_model)."""
     if not is_quantized(method):
         return None
     from transformers import BitsAndBytesConfig
@@ -214,25 +182,11 @@ def quantization_config(method: str, dtype):
 
 
 def fsdp_qlora_kwargs(method: str, engine: str) -> dict[str, Any]:
-    """QLoRA under FSDP loads on the CPU: {"device_map": {"": "cpu"}}, else {}. Both loads of that path use it:
-    the one that quantizes (once per box, `quantized_once_per_box`) and every rank's load of the result.
-
-    Why the CPU (transformers 5.24, accelerate 1.15, bitsandbytes 0.50, torch 2.13):
-    - without a device map bitsandbytes puts the whole 4-bit model on the current GPU
-      (quantizer_bnb_4bit.update_device_map), and each rank keeps all of it until accelerate shards it: a 70B
-      model is 39.5 GB on every card, more than a 24 GB card holds;
-    - accelerate's low-memory path (model to meta, rank 0's state dict broadcast) is skipped for 4-bit weights
-      (utils/fsdp_utils.py, fsdp2_prepare_model: "will still cause the VRAM spike"), and transformers' FSDP-aware
-      loading (is_fsdp_enabled) neither applies to quantized models nor exists before the process group does;
-    - on the CPU, transformers quantizes each weight where it is loaded (integrations/bitsandbytes.py,
-      Bnb4bitQuantize: Params4bit(...).to(value.device)) with bitsandbytes' CPU kernels; with the quant storage
-      in the compute dtype (quantization_config) FSDP2 can shard the packed weights, and fully_shard moves one
-      unit at a time to the rank's GPU (torch fsdp _fsdp_init._move_states_to_device), so a card holds its shards
-      plus one unit while sharding (none with parameter offload), never the whole model;
-    - bitsandbytes' Linear4bit recovers the quant state FSDP's unsharded parameter loses from the module
-      (nn/modules.py, fix_4bit_weight_quant_state_from_module); accelerate's Params4bit check in prepare_model
-      is not on the FSDP2 path (_prepare_fsdp2 calls fsdp2_prepare_model only).
-    """
+    """QLoRA under FSDP loads on the CPU: {"device_map": {"": "cpu"}}, else {} (docs/engines.md, "The first GPU box",
+    item 3): else bitsandbytes puts the whole 4-bit model on each GPU (quantizer_bnb_4bit.update_device_map), which
+    accelerate does not avoid for 4-bit weights (fsdp2_prepare_model, "will still cause the VRAM spike"); fully_shard
+    then moves one unit at a time to the GPU (torch fsdp _fsdp_init._move_states_to_device), and Linear4bit recovers
+    the quant state (bitsandbytes nn/modules.py fix_4bit_weight_quant_state_from_module)."""
     if is_quantized(method) and engine == "fsdp":
         return {"device_map": {"": "cpu"}}
     return {}
@@ -242,40 +196,19 @@ QUANTIZED_DIR = ".quantized"  # <run_dir>/.quantized/: box-local, never synced (
 QUANTIZED_MANIFEST = "ftrun_quantized.json"  # metadata and final/ only); written last: without it, no copy
 
 
-def local_world_size() -> int:
-    """Processes on this box: torchrun (and accelerate launch, which runs it) set LOCAL_WORLD_SIZE."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-
-
 def quantized_once_per_box(recipe, kwargs: dict[str, Any], run_dir) -> Optional[Path]:
-    """The folder of the 4-bit model, quantized once for this box, that every FSDP rank loads; None where the
-    ranks load the recipe's model themselves (one process on the box, or no run directory to write into).
-
-    Why not each rank quantizing its own copy (the path before: N x the 4-bit model in the box's RAM, 2 x 36.8 GB
-    for Llama-3.1-70B on 2 cards) or accelerate's rank-0 broadcast (skipped for Params4bit, fsdp_qlora_kwargs):
-    - the first rank of the box to take the lock (`_box_lock`) quantizes on the CPU with all of the box's cores
-      (the others wait idle) and writes the quantized model with save_pretrained: bitsandbytes'
-      Linear4bit._save_to_state_dict stores the packed weight (in the quant storage dtype) and its quant state
-      (QuantState.as_dict(packed=True)), and config.json carries the quantization config. A folder whose manifest
-      matches (`_quantized_identity`) is reused: a restart or resume does not quantize again;
-    - every rank then loads that folder: transformers loads a pre-quantized checkpoint with
-      Bnb4bitDeserialize (integrations/bitsandbytes.py), which calls Params4bit.from_prequantized
-      (bitsandbytes nn/modules.py): torch.Tensor._make_subclass(cls, data.to(device)) on the tensor read from
-      the memory-mapped safetensors file, no copy on the CPU. The packed weights stay pages of the file, which
-      the ranks of the box share in the page cache (measured against the path before: tests/worker/
-      test_fsdp_qlora.py, test_the_box_holds_one_4bit_copy_while_loading_not_one_per_rank); what a
-      rank makes its own is its shard (fully_shard copies its chunk: _fsdp_param.py, _init_sharded_param,
-      new_zeros + copy_) or, on a GPU, the units moved to the card.
-    """
-    if local_world_size() < 2:
+    """The folder of the 4-bit model, quantized once for this box by the first rank to take the lock (reused where
+    its manifest matches), that every FSDP rank maps (integrations/bitsandbytes.py Bnb4bitDeserialize ->
+    Params4bit.from_prequantized, no copy); None where the ranks load the model themselves. docs/engines.md, "The
+    first GPU box, round two", item 7."""
+    if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) < 2:  # processes on this box (torchrun sets it)
         return None
     run_dir = run_dir if run_dir is not None else getattr(recipe, "output_dir", None)
     if run_dir is None:
         if local_rank() == 0:
-            print(
-                "[ftrun worker] QLoRA + FSDP without a run directory: each rank quantizes the model on its own "
-                "CPU (one 4-bit copy per rank in RAM)",
-                flush=True,
+            _say(
+                "QLoRA + FSDP without a run directory: each rank quantizes the model on its own "
+                "CPU (one 4-bit copy per rank in RAM)"
             )
         return None
     folder = Path(run_dir) / QUANTIZED_DIR
@@ -283,15 +216,14 @@ def quantized_once_per_box(recipe, kwargs: dict[str, Any], run_dir) -> Optional[
     with _box_lock(Path(run_dir) / (QUANTIZED_DIR + ".lock")):
         if _manifest(folder) == identity:
             if local_rank() == 0:
-                print(f"[ftrun worker] 4-bit model: reusing {folder} (quantized for this run before)", flush=True)
+                _say(f"4-bit model: reusing {folder} (quantized for this run before)")
         else:
             _quantize_into(folder, recipe.model, kwargs, identity)
     return folder
 
 
 def _quantized_identity(model: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """What the quantized folder was made from: the source's files (size, mtime), the quantization, the dtype and
-    the library versions. The same on every rank."""
+    """What the quantized folder was made from (source files, quantization, dtype, versions), on every rank."""
     import json
 
     import bitsandbytes
@@ -339,32 +271,24 @@ def _manifest(folder: Path) -> Optional[dict[str, Any]]:
         return None
 
 
-class _box_lock:
-    """An exclusive fcntl lock on a file of the run directory: the ranks of this box take turns; the kernel
-    releases it when its holder dies, so a crashed quantization never blocks a restart."""
+@contextlib.contextmanager
+def _box_lock(path: Path):
+    """An exclusive fcntl lock on a file of the run directory, released by the kernel when its holder dies."""
+    import fcntl
 
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __enter__(self):
-        import fcntl
-
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc):
-        import fcntl
-
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        os.close(self.fd)
-        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
 
 
 def _quantize_into(folder: Path, model: str, kwargs: dict[str, Any], identity: dict[str, Any]) -> None:
-    """Load and quantize `model` on the CPU with every core of the box, save it into `folder` (written aside and
-    renamed, the manifest last), and give its memory back before this rank loads the folder like the others."""
+    """Quantize `model` on the CPU with every core into `folder` (aside, renamed, manifest last)."""
+    import ctypes
     import gc
     import json
     import shutil
@@ -379,45 +303,32 @@ def _quantize_into(folder: Path, model: str, kwargs: dict[str, Any], identity: d
     for stale in [*folder.parent.glob(f"{folder.name}.tmp-*"), folder]:  # under the lock: nobody else writes them
         shutil.rmtree(stale, ignore_errors=True)  # a crashed attempt's, or a copy whose manifest does not match
     threads = torch.get_num_threads()
-    # the box's cores as the plan counts them (the affinity, capped by a cgroup CPU quota, launcher/plan/cgroup.py
-    # cpu_limit: threads beyond it add no speed, the kernel throttles the cgroup once a period's quota is spent),
-    # the count the plan's quantizing time assumes
-    cores = cpu_cores()
+    cores = cpu_cores()  # as the plan counts them: the affinity capped by a cgroup CPU quota
     started = time.monotonic()
-    # torchrun sets OMP_NUM_THREADS=1 per rank; the others wait on the lock, so this rank takes the box's cores.
-    # fork_rng: the quantizing rank must draw the same LoRA initialisation afterwards as the ranks that did not
-    # load twice (fully_shard takes each rank's chunk of its own tensors: different draws would mix two models).
+    # the others wait on the lock, so this rank takes the box's cores; fork_rng: the quantizing rank must draw the same
+    # LoRA initialisation afterwards as the others (fully_shard takes each rank's chunk of its own tensors)
     with torch.random.fork_rng(devices=[]):
         torch.set_num_threads(cores)
         try:
             quantized = AutoModelForCausalLM.from_pretrained(model, **kwargs)
-            # save_pretrained writes on global rank 0 only once a process group exists (transformers 5.24
-            # distributed/mixin.py, should_save_on_this_rank); the copy belongs to the box, the lock holder writes it
+            # the lock holder writes the box's copy (transformers 5.24 distributed/mixin.py should_save_on_this_rank)
             quantized.should_save_on_this_rank = lambda is_main_process: True
             quantized.save_pretrained(str(tmp))
         finally:
             torch.set_num_threads(threads)
     del quantized
     gc.collect()
-    _release_free_memory()
-    seconds = round(time.monotonic() - started, 1)
-    (tmp / QUANTIZED_MANIFEST).write_text(json.dumps({"identity": identity, "seconds": seconds}, indent=2))
-    os.replace(tmp, folder)
-    print(
-        f"[ftrun worker] 4-bit model: quantized once for this box on {cores} CPU cores in {seconds:.0f} s into "
-        f"{folder}; every rank maps it",
-        flush=True,
-    )
-
-
-def _release_free_memory() -> None:
-    """glibc keeps freed heap memory for reuse; give it back, so the box is not charged for a copy that is gone."""
-    try:
-        import ctypes
-
+    try:  # glibc keeps freed heap memory for reuse: given back, so the box is not charged for a copy that is gone
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to ask
         pass
+    seconds = round(time.monotonic() - started, 1)
+    (tmp / QUANTIZED_MANIFEST).write_text(json.dumps({"identity": identity, "seconds": seconds}, indent=2))
+    os.replace(tmp, folder)
+    _say(
+        f"4-bit model: quantized once for this box on {cores} CPU cores in {seconds:.0f} s into "
+        f"{folder}; every rank maps it"
+    )
 
 
 def load_kwargs(recipe, device: str, dtype, engine: str) -> dict[str, Any]:
@@ -437,56 +348,44 @@ def load_kwargs(recipe, device: str, dtype, engine: str) -> dict[str, Any]:
 
 
 def reads_images(model: str) -> bool:
-    """Whether the model has a vision tower (config.json vision_config): it trains with its processor, loaded as
-    image-text-to-text (launcher/data/image_stats.py vision_config, the plan's reading of the same file)."""
+    """Whether the model has a vision tower (config.json vision_config, read as the plan reads it)."""
     from launcher.data.image_stats import vision_config
 
     return vision_config(model) is not None
 
 
 def model_class(model: str):
-    """The transformers class that loads the model: image-text-to-text for a vision-language model (transformers
-    5.24 maps qwen2_5_vl to Qwen2_5_VLForConditionalGeneration, which holds the vision tower), else causal LM."""
+    """AutoModelForImageTextToText for a vision-language model (it holds the vision tower), else causal LM."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     return AutoModelForImageTextToText if reads_images(model) else AutoModelForCausalLM
 
 
-def _worker_line(line: str) -> None:
-    print(f"[ftrun worker] {line}", flush=True)
-
-
 def load_tokenizer(recipe, say=None):
-    """The model's tokenizer, or a vision-language model's processor (its tokenizer inside, as .tokenizer; how it
-    was built said through `say`, by default the worker's line on rank 0)."""
+    """The model's tokenizer, or a vision-language model's processor (how it was built said through `say`)."""
     from transformers import AutoTokenizer
 
     if reads_images(recipe.model):
         from launcher.worker.processor import load_processor
 
         # every rank builds its own processor (its collator renders its own batches); rank 0 says the fallback
-        processor = load_processor(recipe.model, say=say or (lambda line: is_main_process() and _worker_line(line)))
-        if processor.tokenizer.pad_token is None:
-            processor.tokenizer.pad_token = processor.tokenizer.eos_token
-        return processor
-    tokenizer = AutoTokenizer.from_pretrained(recipe.model)
+        loaded = load_processor(recipe.model, say=say or (lambda line: is_main_process() and _say(line)))
+        tokenizer = loaded.tokenizer
+    else:
+        loaded = tokenizer = AutoTokenizer.from_pretrained(recipe.model)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    return loaded
 
 
-# A vision-language model's language model and vision tower, by their module paths in transformers 5.24's Qwen2-VL
-# family (Qwen2_5_VLForConditionalGeneration: model.language_model.layers.N.self_attn.q_proj; the tower model.visual,
-# its blocks' attention `qkv` and `proj`); PEFT matches a string target_modules as a full regular expression (peft
-# tuners_utils.py check_target_module_exists).
+# module paths in transformers 5.24's Qwen2-VL family (model.language_model.layers.N..., the tower model.visual); PEFT
+# matches a string target_modules as a full regular expression (peft tuners_utils.py check_target_module_exists)
 LANGUAGE_MODEL = "language_model"
 VISION_TOWER = "visual"
 
 
 def lora_targets(model, recipe):
-    """The recipe's lora.target_modules for a text model; for a vision-language model a regular expression over
-    module names: those layers in the language model only (what vLLM serves as LoRA), unless lora.vision_tower asks
-    for the tower's blocks too (launcher/plan/vision.py says what each means for serving)."""
+    """lora.target_modules for a text model; for a VLM a regular expression over its modules (vision_targets)."""
     if not reads_images(recipe.model):
         return recipe.lora.target_modules
     return vision_targets(model, recipe.lora)
@@ -516,20 +415,9 @@ def vision_targets(model, lora) -> str:
 
 
 def add_lora(model, recipe):
-    """LoRA on the base model, 16-bit or 4-bit alike.
-
-    Not PEFT's prepare_model_for_kbit_training for QLoRA: it casts every parameter that is not 4-bit to fp32
-    (peft/utils/other.py: embeddings, lm_head, norms), and bitsandbytes' Linear4bit returns its input's dtype,
-    so the residual stream and every checkpointed layer input became fp32 too: for Qwen3-8B about 2.3 GB more
-    weights and twice the saved activations the plan counts in bf16 (docs/sizing.md, "QLoRA without the upcast").
-    What the cast was for is already there: the RMSNorms compute in fp32 inside their forward
-    (transformers 5.24 modeling_qwen3.py/modeling_llama.py: hidden_states.to(torch.float32); Gemma's
-    x.float()), the loss in fp32 (TRL's fused head accumulates in fp32; the model's ForCausalLMLoss upcasts
-    the logits). PEFT freezes the base (only the adapters train), and TRL 1.16's SFTTrainer does not call it
-    either (it enables input gradients for a PEFT model under checkpointing, sft_trainer.py). Checkpointing
-    itself is the trainer's (SFTConfig activation_checkpointing; under FSDP the accelerate config's alone,
-    engines/fsdp.py trainer_fields), as for LoRA.
-    """
+    """LoRA on the base model, 16-bit or 4-bit alike; not PEFT's prepare_model_for_kbit_training, whose fp32 casts
+    (peft/utils/other.py) double the saved activations (docs/sizing.md, "QLoRA without the upcast"); the norms and
+    the loss compute in fp32 already (transformers 5.24 modeling_llama.py)."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     if recipe.gradient_checkpointing:
@@ -537,9 +425,7 @@ def add_lora(model, recipe):
     if getattr(recipe, "init_from", None):  # a recipe-like namespace (the GPU check's) may not name it
         from launcher.recipe import parent_adapter
 
-        # the earlier run's adapter, trained further (its own r, alpha and modules: adapter_config.json); a DPO
-        # reference is then that adapter's frozen copy, which trl 1.16's DPOTrainer makes itself for a PeftModel
-        # passed without a peft_config (dpo_trainer.py: add_adapter("ref", ...) and a copy of the weights)
+        # the earlier run's adapter, trained further; a DPO reference is its frozen copy (trl 1.16 dpo_trainer.py)
         return PeftModel.from_pretrained(model, str(parent_adapter(recipe.init_from)), is_trainable=True)
     lora = recipe.lora
     return get_peft_model(
@@ -555,13 +441,7 @@ def add_lora(model, recipe):
 
 
 def load_model_and_tokenizer(recipe, device: str, dtype, plan: Optional[dict] = None, context=None, run_dir=None):
-    """The base model by method (4-bit for qlora, 16-bit for lora, fp32 master weights for full on trl/ddp), then LoRA.
-
-    `context`: a context manager the engine wraps the load in (DeepSpeed ZeRO-3 partitions while loading).
-    `run_dir`: where QLoRA + FSDP keeps the box's one quantized copy (default: the recipe's output_dir).
-    """
-    import contextlib
-
+    """The base model by method, then LoRA; `context`: the engine's (ZeRO-3); `run_dir`: QLoRA + FSDP's copy."""
     engine = (plan or {}).get("engine", "trl")
     tokenizer = load_tokenizer(recipe)
     kwargs = load_kwargs(recipe, device, dtype, engine)
@@ -576,27 +456,22 @@ def load_model_and_tokenizer(recipe, device: str, dtype, plan: Optional[dict] = 
     if is_adapter(recipe.method):
         model = add_lora(model, recipe)
     if is_main_process():
-        print("[ftrun worker] " + describe_model(model), flush=True)
+        _say(describe_model(model))
         if reads_images(recipe.model) and is_adapter(recipe.method):
             tower = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and f".{VISION_TOWER}." in n)
-            print(f"[ftrun worker] LoRA: {tower:,} trainable parameters in the vision tower", flush=True)
+            _say(f"LoRA: {tower:,} trainable parameters in the vision tower")
         if device == "cuda":  # the kernel that runs, said once
-            print(f"[ftrun worker] {attention_facts(device, dtype, model)['line']}", flush=True)
+            _say(attention_facts(device, dtype, model)["line"])
     return model, tokenizer
 
 
 def describe_model(model) -> str:
-    """What was actually built: parameter counts, where and how the base weights are stored (says 4-bit only if it
-    is)."""
+    """What was built: parameter counts, and where and how the base weights are stored."""
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     adapter = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
-    kinds: dict[str, int] = {}
-    for module in model.modules():
-        name = type(module).__name__
-        if name in ("Linear4bit", "Linear8bitLt", "Linear"):
-            kinds[name] = kinds.get(name, 0) + 1
-    layers = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+    kinds = Counter(type(m).__name__ for m in model.modules())
+    layers = ", ".join(f"{kinds[k]} {k}" for k in sorted(kinds) if k in ("Linear4bit", "Linear8bitLt", "Linear"))
     devices = sorted({str(p.device) for p in model.parameters()})
     dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})
     # the base model's count is the one the plan and the built model state; an adapter's parameters come on top

@@ -1,11 +1,7 @@
 """The worker's main flow, from the run directory to an exit code: load, resume, train, save, report.
 
-Run as `python -m launcher.worker.train --run-dir DIR --mode full|smoke` (or under accelerate/torchrun for
-several processes). It reads the run directory's recipe snapshot and plan, resumes from the newest
-verified checkpoint by itself, and reports through files: metrics.jsonl, worker.json, checkpoints.
-The metrics rows are written by launcher/worker/callbacks.py (Metrics.on_log: step, loss, learning_rate, grad_norm,
-tokens/s, peak memory; a row per eval pass); `ftrun status` reads them in launcher/run/facts.py (`run_status`) and
-words them in launcher/run/views.py (`format_status`).
+Run as `python -m launcher.worker.train --run-dir DIR --mode full|smoke` (or under accelerate/torchrun). It resumes
+from the newest verified checkpoint by itself and reports through files: metrics.jsonl, worker.json, checkpoints.
 """
 
 from __future__ import annotations
@@ -21,13 +17,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
-# Before any Hugging Face import: a local run makes no network calls (telemetry, download
-# counters), which on a closed network would hang until a timeout.
+# before any Hugging Face import: no network calls (telemetry) that a closed network would hang on, and no tqdm bars
+# redrawn into train.log (ftrun prints the progress itself); huggingface_hub and datasets read these at import
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# The log carries ftrun's lines and the libraries' real warnings, not noise: tqdm bars (weights loading, dataset
-# preparation) redraw with carriage returns into train.log, and ftrun prints the progress itself (step, loss,
-# tokens/s). Read at import by huggingface_hub (and transformers through it) and datasets.
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
@@ -94,28 +87,36 @@ from launcher.worker.trainer_config import padding_free_collator, process_group_
 
 
 def load_model_and_tokenizer(recipe, device: str, dtype, plan: Optional[dict] = None, run_dir: Optional[Path] = None):
-    """The engine's loader: Unsloth's FastLanguageModel for engine unsloth, else launcher/worker/loading.py
-    (inside DeepSpeed's partitioned loading for ZeRO-3)."""
+    """The engine's loader: Unsloth's for engine unsloth, else launcher/worker/loading.py (in ZeRO-3's context)."""
     from launcher.worker import loading
 
     if (plan or {}).get("engine") == "unsloth":
         from launcher.worker.engines import unsloth as unsloth_engine
 
         model, tokenizer, source = unsloth_engine.load_model_and_tokenizer(recipe, device, dtype)
-        print(
-            f"[ftrun worker] engine unsloth {unsloth_engine.version()}: "
+        _say(
+            f"engine unsloth {unsloth_engine.version()}: "
             f"{'FastVisionModel' if loading.reads_images(recipe.model) else 'FastLanguageModel'} loaded {source}"
             f"{' in 4 bit' if recipe.method == 'qlora' else ''}; "
-            f"{'; '.join(unsloth_engine.markers(model)) or 'no Unsloth marks'}",
-            flush=True,
+            f"{'; '.join(unsloth_engine.markers(model)) or 'no Unsloth marks'}"
         )
-        print("[ftrun worker] " + loading.describe_model(model), flush=True)
+        _say(loading.describe_model(model))
         return model, tokenizer
     from launcher.worker.engines import loading_context
 
     return loading.load_model_and_tokenizer(
         recipe, device, dtype, plan, context=loading_context(plan or {}, run_dir), run_dir=run_dir
     )
+
+
+def _refused(run: RunDir, mode: str, engine: str, check: str, seen: str, message: str) -> int:
+    """A start refused before training (the wrong world size, Unsloth missing): said, and in worker.json."""
+    print(f"[ftrun worker] {message}", file=sys.stderr, flush=True)
+    checks = [{"check": check, "ok": False, "seen": seen}]
+    _write_verification(
+        run, mode, {"engine": engine, "world_size": _world_size(), "ok": False, "checks": checks}, message
+    )
+    return EXIT_BAD_WORLD
 
 
 def run_worker(run_dir: Path, mode: str) -> int:
@@ -139,50 +140,22 @@ def run_worker(run_dir: Path, mode: str) -> int:
             f"the plan asks for {expected_world} process(es) but {_world_size()} were started; "
             "refusing to train with a different engine than planned"
         )
-        print(f"[ftrun worker] {message}", file=sys.stderr, flush=True)
-        _write_verification(
-            run,
-            mode,
-            {
-                "engine": plan.get("engine", "trl"),
-                "world_size": _world_size(),
-                "ok": False,
-                "checks": [
-                    {"check": "world size", "ok": False, "seen": f"{_world_size()} process(es), plan {expected_world}"}
-                ],
-            },
-            message,
-        )
-        return EXIT_BAD_WORLD
+        seen = f"{_world_size()} process(es), plan {expected_world}"
+        return _refused(run, mode, plan.get("engine", "trl"), "world size", seen, message)
 
-    if plan.get("engine") == "unsloth":
-        # Unsloth patches transformers/trl/peft when imported: it comes before them, and a plan that says
-        # unsloth never trains without it (no silent fallback to plain TRL).
+    if plan.get("engine") == "unsloth":  # before transformers/trl/peft, and never a silent fallback to plain TRL
         from launcher.worker.engines.unsloth import UnslothUnavailable, import_unsloth
 
         try:
             import_unsloth()
         except UnslothUnavailable as exc:
-            print(f"[ftrun worker] {exc}", file=sys.stderr, flush=True)
-            _write_verification(
-                run,
-                mode,
-                {
-                    "engine": "unsloth",
-                    "world_size": _world_size(),
-                    "ok": False,
-                    "checks": [{"check": "import unsloth", "ok": False, "seen": str(exc)}],
-                },
-                str(exc),
-            )
-            return EXIT_BAD_WORLD
+            return _refused(run, mode, "unsloth", "import unsloth", str(exc), str(exc))
 
     from launcher.worker.unused_libraries import keep_out, skip_deepspeed_unwrapping, unused
 
     engine = plan.get("engine", "trl")
     keep_out(unused(recipe, engine))  # before the libraries below import them
-    # imported here, all of them: the time from the process's start to now is the import cost the export after
-    # training pays again (smoke.py's ETA), trl's and datasets' (imported next) aside
+    # the time from the process's start to here is the import cost the export pays again (smoke.py's ETA)
     import peft  # noqa: F401
     import psutil
     import torch  # noqa: F401
@@ -206,8 +179,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
     device, dtype = select_device()  # this rank's own GPU (LOCAL_RANK), before anything touches CUDA
     group_timeout_s = process_group_seconds(recipe, run, mode)
     if plan.get("memory_limit_gb") and plan.get("engine") == "deepspeed" and device == "cpu":
-        # before the cap: it counts training memory, not DeepSpeed's process group and its threads (on a GPU the CUDA
-        # context is outside the per-process fraction as well); every other group comes after the resume choice
+        # before the cap, which counts training memory, not DeepSpeed's process group; others after the resume choice
         create_process_group(plan, device, group_timeout_s)
     if plan.get("memory_limit_gb"):
         memory.cap_memory(device, float(plan["memory_limit_gb"]))
@@ -230,28 +202,23 @@ def run_worker(run_dir: Path, mode: str) -> int:
         data_path = _data_spec(run, recipe)
         out_dir = run.checkpoints
         max_steps, max_seconds = recipe.max_steps, None
-        # Verified once per disk (_verifies_resume); the others of this launch take its choice from a file,
-        # since the process group does not exist yet (the Trainer makes it).
+        # verified once per disk (_verifies_resume); the others take its choice from a file (no process group yet)
         if _verifies_resume(plan, _rank(), local_rank()):
             removed = ckpt.remove_incomplete(run.checkpoints)
             if removed:
-                print(f"[ftrun worker] removed incomplete checkpoint(s): {', '.join(removed)}", flush=True)
-            # Checkpoints of this trajectory, or of an earlier one the user accepted with --allow-changes.
-            accepted = (
-                [recipe.trajectory_hash(), *json.loads(run.state.read_text()).get("accepted_recipe_hashes", [])]
-                if run.state.is_file()
-                else [recipe.trajectory_hash()]
-            )
+                _say(f"removed incomplete checkpoint(s): {', '.join(removed)}")
+            # checkpoints of this trajectory, or of an earlier one accepted with --allow-changes
+            earlier = json.loads(run.state.read_text()).get("accepted_recipe_hashes", []) if run.state.is_file() else []
+            accepted = [recipe.trajectory_hash(), *earlier]
             found, skipped = ckpt.newest_verified(run.checkpoints, {"recipe_hash": accepted})
             for line in skipped:
-                print(f"[ftrun worker] skipping checkpoint {line}", flush=True)
+                _say(f"skipping checkpoint {line}")
             if _world_size() > 1:
                 ckpt.publish_choice(run.root / ckpt.CHOICE, _launch_identity(), found, skipped)
             if _Stop.requested:  # as the waiters do: nothing trained yet, nothing to save
-                print(
-                    f"[ftrun worker] stopped by {_Stop.signal_name} before training; "
-                    f"{found.path.name if found else 'no checkpoint'} is where the same command resumes",
-                    flush=True,
+                _say(
+                    f"stopped by {_Stop.signal_name} before training; "
+                    f"{found.path.name if found else 'no checkpoint'} is where the same command resumes"
                 )
                 return EXIT_STOPPED
         else:
@@ -265,10 +232,9 @@ def run_worker(run_dir: Path, mode: str) -> int:
                     cancelled=lambda: _Stop.requested,
                 )
             except ckpt.ChoiceCancelled:  # a clean stop (77), not a crash: nothing was trained
-                print(
-                    f"[ftrun worker] stopped by {_Stop.signal_name} while waiting for the resume checkpoint to be "
-                    "verified; nothing was trained",
-                    flush=True,
+                _say(
+                    f"stopped by {_Stop.signal_name} while waiting for the resume checkpoint to be "
+                    "verified; nothing was trained"
                 )
                 return EXIT_STOPPED
         resume_from = found
@@ -282,7 +248,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
                     _record_error(run, note)
                 return EXIT_BAD_WORLD
             if note and _rank() == 0:
-                print(f"[ftrun worker] {note}", flush=True)
+                _say(note)
 
     if _rank() == 0:
         info = {
@@ -298,9 +264,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
         }
         ckpt.atomic_write_json(run.worker if mode == "full" else run.smoke_work / "worker.json", info)
         if resume_from:
-            print(
-                f"[ftrun worker] resuming from {resume_from.path.name} (step {resume_from.step}, verified)", flush=True
-            )
+            _say(f"resuming from {resume_from.path.name} (step {resume_from.step}, verified)")
             _restore_metrics(run.metrics, resume_from.path, resume_from.step)
             from launcher.worker import trackers
 
@@ -309,18 +273,12 @@ def run_worker(run_dir: Path, mode: str) -> int:
             if carried.is_file() and not (run.root / samples.BEFORE_FILE).is_file():  # a resume on another box
                 shutil.copyfile(carried, run.root / samples.BEFORE_FILE)
         elif mode == "full" and run.metrics.is_file():
-            # a restart before the first checkpoint (a rank killed or hung early) trains from step 0 again: the last
-            # attempt's rows go, as a resume keeps only its checkpoint's; the base model's eval at step 0 stays (the
-            # file stays, so no rank evaluates on start again)
+            # a restart before the first checkpoint trains from step 0 again: the rows after step 0 go
             _restore_metrics(run.metrics, run.checkpoints, 0)
-        print(
-            f"[ftrun worker] device {device} ({info['dtype']}), method {recipe.method}, {_world_size()} process(es)",
-            flush=True,
-        )
+        _say(f"device {device} ({info['dtype']}), method {recipe.method}, {_world_size()} process(es)")
 
     set_seed(recipe.seed)
-    # the smoke sample as the launcher wrote it (canonical lines), or the recipe's data read again: the launcher
-    # checked it and recorded its sha256 (data.json), and refuses a resume on changed data
+    # the smoke sample as the launcher wrote it, or the recipe's data read again (its sha256 checked below)
     loaded = load_data(data_path, recipe.seed, columns=recipe.objective_row.generates)  # GRPO's rewards read them
     examples = loaded.examples
     if mode == "full":
@@ -334,9 +292,8 @@ def run_worker(run_dir: Path, mode: str) -> int:
     if mode == "full":
         examples = [examples[i] for i in split.for_recipe(examples, recipe).train]  # eval never trains
         if recipe.objective_row.kl_forward:
-            # KTOConfig reads the data in order (train_sampling_strategy "sequential": its KL pairs are built within
-            # each micro-batch when the data is prepared, trl 1.16 kto_trainer.py _prepare_dataset), so a file that
-            # lists its desirable answers first would train them first: shuffled here once, with the recipe's seed
+            # KTOConfig reads the data in order (its KL pairs are built within each micro-batch: trl 1.16
+            # kto_trainer.py _prepare_dataset), so it is shuffled here once, with the recipe's seed
             random.Random(f"ftrun-kto-{recipe.seed}").shuffle(examples)
     if held_out and _rank() == 0:
         scored_by = "the task evaluation scores" if recipe.objective_row.generates else "evaluating on"
@@ -360,9 +317,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
     try:
         # Loading the model can run out of memory as well as training: both are inside.
         loading = time.monotonic()
-        # the process group, made here where a library would make it without the trainer's timeout (ZeRO-3's
-        # partitioned loading, the CPU's gloo): after the resume choice, a wait on files that a stop ends cleanly,
-        # which a rendezvous blocked in torch's TCPStore would not (tests/store/test_checkpoint_hashing.py)
+        # after the resume choice, a wait on files that a stop ends cleanly (tests/store/test_checkpoint_hashing.py)
         create_process_group(plan, device, group_timeout_s)
         model, tokenizer = load_model_and_tokenizer(recipe, device, dtype, plan, run.root)
         if recipe.objective_row.templated_by_worker:
@@ -371,9 +326,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
             dataset = to_dataset(templated(examples, tokenizer))
             eval_dataset = to_dataset(templated(held_out, tokenizer)) if held_out else None
         if hasattr(model, "create_or_update_model_card"):
-            # No README.md in the adapter folders either: PEFT's save_pretrained writes its model-card template
-            # ("[More Information Needed]") into each checkpoint and final/adapter (peft 0.21 peft_model.py
-            # save_pretrained -> create_or_update_model_card; no argument turns it off)
+            # no README.md template in the adapter folders (peft 0.21 peft_model.py create_or_update_model_card)
             model.create_or_update_model_card = lambda output_dir: None
         load_seconds = time.monotonic() - loading
         first_start = mode == "full" and resume_from is None and not run.metrics.is_file()
@@ -419,7 +372,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
         from launcher.worker.window import carrying
 
         # checkpoints carry the logging window's sums: the logs after a resume equal an uninterrupted run's
-        trainer_cls = carrying(Trainer, say=lambda line: print(f"[ftrun worker] {line}", flush=True))
+        trainer_cls = carrying(Trainer, say=_say)
         if generates:
             trainer_cls = sampling.timed(trainer_cls)
             own = sampling.trainer_arguments(recipe, rows)
@@ -441,31 +394,26 @@ def run_worker(run_dir: Path, mode: str) -> int:
         from transformers.trainer_callback import PrinterCallback
 
         trainer.remove_callback(PrinterCallback)  # our Metrics callback prints one compact line per log
-        # No checkpoints/README.md: at every save trl 1.16 writes its automatic model card into args.output_dir
-        # (sft_trainer.py SFTTrainer._save_checkpoint calls base_trainer.py create_model_card, which saves README.md
-        # there; no setting turns it off), and in a run folder it says "fine-tuned version of [None]". The run's
-        # model card is the one `ftrun publish` writes (launcher/deliver/publish.py).
+        # no checkpoints/README.md (trl 1.16 base_trainer.py create_model_card): `ftrun publish` writes the card
         trainer.create_model_card = lambda *args, **kwargs: None
         trainer.add_callback(_tracked_recipe(run, recipe))  # last: after the trackers' own callbacks have started
         if _rank() == 0:
             told = sampling.described(rows, recipe) if generates else _trained_tokens(examples, trainer.train_dataset)
-            print(f"[ftrun worker] {told}", flush=True)
+            _say(told)
         memory.reset_peak(device)
         try:
             trainer.train(resume_from_checkpoint=str(resume_from.path) if resume_from else None)
         except TrainingComplete as done:
             if _rank() == 0:
-                print(
-                    f"[ftrun worker] {resume_from.path.name if resume_from else 'the checkpoint'} is the last step "
-                    f"({done}) of the schedule: nothing left to train, writing the final result",
-                    flush=True,
+                _say(
+                    f"{resume_from.path.name if resume_from else 'the checkpoint'} is the last step "
+                    f"({done}) of the schedule: nothing left to train, writing the final result"
                 )
     except FloatingPointError as exc:
         print(f"[ftrun worker] stopping: {exc}", file=sys.stderr, flush=True)
         return EXIT_NAN
     except Exception as exc:
-        # not only torch.OutOfMemoryError: cuBLAS, NCCL and CUDA runtime calls report running out as other
-        # RuntimeErrors (launcher/worker/memory.py), which would otherwise count as a crash and be restarted
+        # not only torch.OutOfMemoryError: cuBLAS, NCCL and CUDA report running out as other RuntimeErrors (memory.py)
         if memory.is_out_of_memory(exc):
             return _out_of_memory(run, mode, device, memory.out_of_memory_text(exc), step())
         if not _is_disk_full(exc, run.root):
@@ -515,15 +463,12 @@ def run_worker(run_dir: Path, mode: str) -> int:
     if cadence.stopped_by_signal and trainer.state.global_step < trainer.state.max_steps:
         code = _finish(run, device, step(), _writes_this_disk(plan, recipe, run))
         if code == 0:
-            print(
-                f"[ftrun worker] stopped at step {trainer.state.global_step} after {_Stop.signal_name}; "
-                "checkpoint saved, resume with the same command",
-                flush=True,
+            _say(
+                f"stopped at step {trainer.state.global_step} after {_Stop.signal_name}; "
+                "checkpoint saved, resume with the same command"
             )
         return EXIT_STOPPED if code == 0 else code
-    # A stop from here on saves what training made, then skips the evidence (samples, task evaluation): a resume
-    # lands at the end and answers only what is missing. Ranks that generate together (sharded) could see the stop
-    # at different batches and wait on each other: they finish the evidence instead.
+    # a stop from here on skips the evidence (samples, task eval), but not on ranks that generate together
     _Stop.trained = not sharded
     # every rank: ZeRO-3 and FSDP gather the sharded weights for the final save (rank 0 writes)
     BEAT.beat("export", step())
@@ -535,8 +480,7 @@ def run_worker(run_dir: Path, mode: str) -> int:
     BEAT.beat("hash")
     code = _finish(run, device, step(), _writes_this_disk(plan, recipe, run))
     if code == 0:
-        # after the last checkpoint is sealed: a crash or kill here resumes at the end (nothing to train again) and
-        # the task eval answers only what its answers file misses
+        # after the last checkpoint is sealed: a crash here resumes at the end, the task eval answers what is missing
         stopped = _Stop.requested and _Stop.trained
         if not stopped:
             stopped = not _score_after(
@@ -562,10 +506,8 @@ def run_worker(run_dir: Path, mode: str) -> int:
 
 
 def _recorded(fn):
-    """fn under torch's errors.record where an error file is named: an exception leaves its message and traceback in
-    TORCHELASTIC_ERROR_FILE (torch 2.13 elastic/multiprocessing/errors/error_handler.py ErrorHandler.record_exception),
-    which torchrun sets for each rank (elastic/multiprocessing/api.py DefaultLogsSpecs.reify) and the supervisor for a
-    single worker; the supervisor reads each rank's end from it (launcher/run/rank_ends.py)."""
+    """fn under torch's errors.record where TORCHELASTIC_ERROR_FILE is set, for launcher/run/rank_ends.py (torch 2.13
+    elastic/multiprocessing/errors/error_handler.py ErrorHandler.record_exception)."""
     if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
         return fn
     from torch.distributed.elastic.multiprocessing.errors import record

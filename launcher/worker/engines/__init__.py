@@ -26,12 +26,9 @@ def world_size(plan: dict[str, Any]) -> int:
 
 
 def _torchrun(n: int, plan: dict[str, Any] | None = None) -> list[str]:
-    # torchrun starts exactly n processes (accelerate's `--cpu --num_processes n` silently starts
-    # one); each worker checks WORLD_SIZE and the process group against the plan.
+    # torchrun starts exactly n processes (accelerate's `--cpu --num_processes n` silently starts one)
     nodes = (plan or {}).get("nodes")
-    if nodes and int(nodes.get("nnodes", 1)) > 1:
-        # Several boxes: static rendezvous at node 0's address; every node runs the same command
-        # with its own --node-rank.
+    if nodes and int(nodes.get("nnodes", 1)) > 1:  # static rendezvous at node 0's address, each its --node-rank
         return [
             sys.executable,
             "-m",
@@ -46,11 +43,7 @@ def _torchrun(n: int, plan: dict[str, Any] | None = None) -> list[str]:
 
 
 def launch_command(plan: dict[str, Any], run_dir: Path, mode: str) -> list[str]:
-    """The worker's argv for this plan: an argument list, never a shell string built from recipe values.
-
-    Writes the engine's config file (DeepSpeed JSON, accelerate FSDP YAML) into the run directory
-    first, generated from the plan, so the command and its files always agree.
-    """
+    """The worker's argv for this plan (never a shell string), after writing the engine's config file."""
     engine = plan.get("engine", "trl")
     n = int(plan.get("num_processes", 1))
     kind = ENGINES.get(engine)
@@ -69,33 +62,19 @@ def launch_command(plan: dict[str, Any], run_dir: Path, mode: str) -> list[str]:
     raise AssertionError(f"launcher {kind.launcher!r} of engine {engine} has no command here")
 
 
-# torch's caching-allocator settings, by every name torch reads them from. torch 2.13 reads the first of
-# PYTORCH_CUDA_ALLOC_CONF, PYTORCH_HIP_ALLOC_CONF, PYTORCH_ALLOC_CONF that is set (c10/cuda/CUDAAllocatorConfig.h
-# CUDAAllocatorConfig::instance, the strings in libc10.so); torch 2.9-2.11 read PYTORCH_ALLOC_CONF first and the CUDA
-# name as its deprecated alias (c10/core/AllocatorConfig.cpp AcceleratorAllocatorConfig::instance,
-# C10_ALLOCATOR_CONFIG_PARSE_ENV). Both read PYTORCH_ALLOC_CONF, and with any of the three set its value is the user's.
+# torch's caching-allocator settings, by every name torch reads them from (torch 2.13 c10/cuda/CUDAAllocatorConfig.h
+# CUDAAllocatorConfig::instance; 2.9-2.11 c10/core/AllocatorConfig.cpp AcceleratorAllocatorConfig::instance): any of
+# them set, the value is the user's.
 ALLOCATOR_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
-# Segments that grow in place (cuMemMap) instead of a new cudaMalloc per size: a micro-batch of a new length reuses
-# the address range the last one freed, so variable-length steps do not strand cached blocks (the H200's padding step
-# reserved 29.9 GB where 23.3 were sized: docs/sizing.md, "Padding-free micro-batches"), which is what torch's own
-# out-of-memory message recommends.
+# variable-length steps strand no cached blocks (docs/sizing.md, "Padding-free micro-batches")
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
-# A CPU worker's OpenMP threads sleep while they wait for work rather than spin (libgomp's OMP_WAIT_POLICY, which
-# torch's CPU build reads). Spinning, torch's threads on a box whose cores other processes also use wait on a thread
-# the kernel descheduled: the tiny model's 16 answers of 16 tokens (transformers' generate) took 1.2-4.8 s with 2
-# threads at a load of 6 on 2 cores, 0.22-0.38 s passive and 0.16-0.30 s on one thread (2026-12-06). The smoke test
-# then priced the demo's GRPO step at 0.13-4.5 s where its full runs took 0.37-1.1 s (scripts/grpo_eta.py): forecasts
-# of -87% and +407%; passive, -51% to +16% at loads of 8-13.
-# Numerics do not change (the tests have run passive since docs/BENCHMARKS.md, "OpenMP threads spun").
+# a CPU worker's OpenMP threads sleep rather than spin while they wait (docs/BENCHMARKS.md, "OpenMP threads spun")
 CPU_WAIT_ENV, CPU_WAIT_POLICY = "OMP_WAIT_POLICY", "PASSIVE"
 
 
 def launch_env(plan: dict[str, Any], grace_seconds: float | None = None, vllm: bool = False) -> dict[str, str]:
-    """Environment for the launched worker(s): CPU threads split between processes; a single-process engine
-    shown only its own card; NCCL's P2P and InfiniBand off on RTX 40-series cards with an old driver; torch's
-    allocator with expandable segments on a GPU. A variable the user set is kept. `vllm`: the run generates with
-    vLLM, whose sleep mode's memory pool refuses expandable segments (vllm/device_allocator/cumem.py CuMemAllocator
-    asserts it; pytorch issue 147851): left to vLLM."""
+    """Environment for the launched worker(s), a variable the user set kept. `vllm`: no expandable segments, which its
+    sleep mode refuses (vllm/device_allocator/cumem.py CuMemAllocator)."""
     n = int(plan.get("num_processes", 1))
     env: dict[str, str] = {}
     if plan.get("device") == "cuda" and not vllm and not any(v in os.environ for v in ALLOCATOR_ENV):
@@ -103,15 +82,9 @@ def launch_env(plan: dict[str, Any], grace_seconds: float | None = None, vllm: b
     if plan.get("device") == "cpu" and CPU_WAIT_ENV not in os.environ:
         env[CPU_WAIT_ENV] = CPU_WAIT_POLICY
     if n > 1 and "OMP_NUM_THREADS" not in os.environ:
-        # The box's cores shared out between its processes, on CPU and on GPU boxes alike. torchrun and
-        # accelerate launch set OMP_NUM_THREADS=1 for 2+ processes when it is unset (torch 2.13
-        # torch/distributed/run.py config_from_args: "Setting OMP_NUM_THREADS environment variable for each process
-        # to be 1 in default"; accelerate 1.15 commands/launch.py _validate_launch_command takes
-        # num_cpu_threads_per_process from OMP_NUM_THREADS, default 1 off CPU, and utils/launch.py
-        # prepare_multi_gpu_env exports it as OMP_NUM_THREADS to every rank), which leaves QLoRA+FSDP's CPU quantization
-        # of a 70B model on one thread per rank, about
-        # cores/n times slower than the plan (throughput.load_seconds counts threads_per_process x n). Unset, every
-        # process would use every core on a CPU box: oversubscribed, about 10x slower.
+        # the box's cores shared out between its processes: torchrun and accelerate launch would set 1 (torch 2.13
+        # distributed/run.py config_from_args; accelerate 1.15 commands/launch.py _validate_launch_command), which
+        # leaves QLoRA+FSDP's CPU quantization on one thread per rank (docs/engines.md, "round two", item 2)
         from launcher.plan.hardware import cpu_cores, threads_per_process
 
         env["OMP_NUM_THREADS"] = str(threads_per_process(cpu_cores(), n))
@@ -125,44 +98,25 @@ def launch_env(plan: dict[str, Any], grace_seconds: float | None = None, vllm: b
         hw = plan.get("hardware") or {}
         names = [g.get("name", "") for g in hw.get("gpus") or []] or [str((plan.get("gpus") or {}).get("name", ""))]
         if nccl_p2p_ib_unsupported(names, hw.get("driver_version")):
-            # accelerate 1.15 state.py PartialState.__init__ raises NotImplementedError in the worker
-            # itself (transformers training_args.py _setup_devices builds one under torchrun too) unless
-            # both variables exist; only `accelerate launch` sets them (commands/launch.py
-            # multi_gpu_launcher). Its test counts every card nvidia-smi lists, not the visible ones, so
-            # one process on one card of a 2-card box is stopped as well: set them for every CUDA engine
-            # (only NCCL acts on them, so a single process loses nothing).
+            # accelerate 1.15 state.py PartialState.__init__ raises NotImplementedError unless both exist (only
+            # `accelerate launch` sets them, commands/launch.py multi_gpu_launcher); its test counts every card
+            # nvidia-smi lists, so every CUDA engine gets them (only NCCL acts on them)
             for var in ("NCCL_P2P_DISABLE", "NCCL_IB_DISABLE"):
                 if var not in os.environ:
                     env[var] = "1"
     if grace_seconds is not None and plan.get("engine") in MULTI_PROCESS:
-        # The launcher's own wait between forwarding a SIGTERM and SIGKILLing the ranks, default 30 s: a
-        # checkpoint taking longer was cut off although grace_seconds allowed more. torch 2.12 and 2.13
-        # (2.13.0 is the image's and the tests'; docker/requirements*.txt) read it: torch/distributed/
-        # launcher/api.py LaunchConfig.__post_init__ takes TORCH_ELASTIC_SHUTDOWN_TIMEOUT when torchrun's
-        # --shutdown-timeout (run.py, new in 2.12) is not given, and SimpleElasticAgent.run passes it to
-        # PContext.close. torch 2.11 has neither: no variable, no option (torchrun exits 2 on
-        # "unrecognized arguments: --shutdown-timeout"), a fixed 30 s (elastic/agent/server/
-        # local_elastic_agent.py:416 `self._pcontext.close(death_sig)`, multiprocessing/api.py:1007
-        # SubprocessContext._close `timeout: int = 30`); there only the supervisor's SIGTERM straight to
-        # the ranks keeps grace_seconds. Hence the variable, never the option. accelerate launch (fsdp)
-        # builds the same LaunchConfig (commands/launch.py multi_gpu_launcher -> torch.distributed.run.run).
-        # A margin above grace_seconds: the supervisor's own deadline is the one that binds.
+        # the launcher's wait between forwarding a SIGTERM and SIGKILLing the ranks (default 30 s): torch 2.12+
+        # distributed/launcher/api.py LaunchConfig.__post_init__ reads the variable; torch 2.11 has no variable and
+        # no --shutdown-timeout option, hence the variable (docs/engines.md, "round two", item 6). accelerate launch
+        # builds the same LaunchConfig. A margin above grace_seconds: the supervisor's deadline binds.
         env[LAUNCHER_SHUTDOWN_TIMEOUT_ENV] = str(math.ceil(grace_seconds) + LAUNCHER_SHUTDOWN_MARGIN_S)
     return env
 
 
 def planned_device(visible: str | None) -> str | None:
-    """CUDA_VISIBLE_DEVICES for a one-process engine (trl, unsloth): the card it was planned on, alone; None where
-    the process already sees one card (or none).
-
-    Why: with one process and several visible cards transformers sets n_gpu to torch.cuda.device_count()
-    (transformers 5.24 training_args.py _setup_devices, the DistributedType.NO branch), multiplies the batch by
-    it (train_batch_size) and wraps every model that is not 4/8-bit in nn.DataParallel (trainer.py _wrap_model):
-    an n x global batch with fewer steps than planned, a wrong learning-rate schedule, ETA and cost, peak memory
-    read on cuda:0 only. The plan sizes one card, the first that CUDA enumerates (launcher/plan/hardware.py
-    detect, in CUDA_VISIBLE_DEVICES' order when it is set); the worker checks `n_gpu == 1` (engines/ddp.py
-    single_checks). The entry is kept as the user wrote it (an index or a GPU-/MIG- UUID), so it names the same
-    card under the same CUDA_DEVICE_ORDER."""
+    """CUDA_VISIBLE_DEVICES for a one-process engine: the planned card (the first), alone, as the user wrote it; None
+    where it sees one card or none. Several would mean nn.DataParallel (transformers 5.24 training_args.py
+    _setup_devices, trainer.py _wrap_model; docs/engines.md, "round two", item 1)."""
     if visible is None:
         return "0"
     entries = [e.strip() for e in visible.split(",")]
@@ -185,30 +139,25 @@ def trainer_fields(plan: dict[str, Any], run_dir: Path) -> dict[str, Any]:
             return {"deepspeed": str(path), "save_on_each_node": True}
         return {"deepspeed": str(path)}
     if engine == "ddp":
-        # Every LoRA/full parameter takes part in each forward: the unused-parameter search the Trainer turns on by
-        # default costs an extra graph traversal per step. Not so for a vision tower that trains: a micro-batch
-        # without images never calls it, and DDP waits for its gradients' all-reduce on the other ranks forever
-        # (2 gloo processes hung at step 0 on data mixing text-only examples, 2026-12-06); trl 1.16 turns the search
-        # on for a vision model left at None (dpo_trainer.py), which this field would otherwise override.
+        # the unused-parameter search costs a graph traversal per step and every LoRA/full parameter is used, except
+        # a training vision tower that a text-only micro-batch never calls (DDP then hangs; docs/engines.md, "DDP and
+        # FSDP with the vision tower"); trl 1.16 turns it on for a vision model left at None (dpo_trainer.py)
         fields: dict[str, Any] = {"ddp_find_unused_parameters": _tower_trains(run_dir)}
         if world_size(plan) > int(plan.get("num_processes", 1)):
-            # Each box has its own disk: every node keeps its own checkpoints, so any node can resume.
+            # each box has its own disk: every node keeps its own checkpoints
             fields["save_on_each_node"] = True
         return fields
     if engine == "fsdp":
-        # FSDP2 checkpoints activations itself (fsdp_activation_checkpointing in the accelerate
-        # config); the Trainer's own checkpointing on top of it breaks the sharded backward.
+        # FSDP2 checkpoints activations itself (accelerate config); the Trainer's on top breaks the sharded backward
         return {"activation_checkpointing": False}
     if plan.get("offload_activations") and plan.get("device") == "cuda":
-        # the plan's choice where one card does not hold the job otherwise (launcher/plan/engine.py); SFTTrainer wraps
-        # every forward in trl's OffloadActivations (sft_trainer.py: maybe_activation_offload_context)
+        # the plan's choice where one card does not hold the job otherwise (trl maybe_activation_offload_context)
         return {"activation_offloading": True}
     return {}
 
 
 def _tower_trains(run_dir: Path) -> bool:
-    """Whether the run's recipe trains a vision tower: a vision-language model fine-tuned whole, or with
-    lora.vision_tower."""
+    """Whether the recipe trains a vision tower: a vision-language model fine-tuned whole, or lora.vision_tower."""
     import yaml
 
     from launcher.methods import is_adapter
@@ -221,11 +170,7 @@ def _tower_trains(run_dir: Path) -> bool:
 
 
 def verify(plan: dict[str, Any], trainer: Any) -> dict[str, Any]:
-    """After the trainer wrapped the model, before the first step: is this the planned engine?
-
-    Returns {"engine", "world_size", "ok", "checks": [{"check", "ok", "seen"}]}; the worker aborts
-    when ok is False.
-    """
+    """Before the first step: is this the planned engine? {"engine", "world_size", "ok", "checks"}."""
     import torch.distributed as dist
 
     engine = plan.get("engine", "trl")
@@ -234,35 +179,18 @@ def verify(plan: dict[str, Any], trainer: Any) -> dict[str, Any]:
     checks = [{"check": "world size", "ok": world == expected, "seen": f"{world} process(es), plan {expected}"}]
     if world > 1:
         checks.append(group_timeout_check(trainer.args.ddp_timeout))
-    if engine in ("ddp",):
-        from launcher.worker.engines.ddp import checks as engine_checks
-    elif engine == "deepspeed":
-        from launcher.worker.engines.deepspeed import checks as engine_checks
-    elif engine == "fsdp":
-        from launcher.worker.engines.fsdp import checks as engine_checks
-    else:
-        from launcher.worker.engines.ddp import single_checks as engine_checks
-    checks += engine_checks(plan, trainer)
+    several = engine in ("ddp", "deepspeed", "fsdp")  # each module's checks; one process: ddp.single_checks
+    module = importlib.import_module(f"{__name__}.{engine if several else 'ddp'}")
+    checks += getattr(module, "checks" if several else "single_checks")(plan, trainer)
     if engine == "unsloth":
-        # A plan saying unsloth must never train with plain TRL: Unsloth imported, its patched forwards in the model.
-        from launcher.worker.engines.unsloth import checks as unsloth_checks
-
-        checks += unsloth_checks(plan, trainer)
+        checks += importlib.import_module(f"{__name__}.unsloth").checks(plan, trainer)
     return {"engine": engine, "world_size": world, "ok": all(c["ok"] for c in checks), "checks": checks}
 
 
 def create_process_group(plan: dict[str, Any], device: str, timeout_s: int) -> None:
-    """A multi-process run's process group, made by the worker with the trainer's timeout (SFTConfig ddp_timeout,
-    launcher/worker/trainer_config.py process_group_seconds) where a library would otherwise make it without:
-    - ZeRO-3: DeepSpeed's init_distributed, called before the trainer by partitioned_loading (zero.Init needs the
-      group), takes its default_pg_timeout, 10 minutes (deepspeed 0.19.8 constants.py, comm/comm.py), and
-      accelerate keeps a group that exists (accelerate 1.15 state.py PartialState: `if not dist.is_initialized()`).
-      A ZeRO-3 save longer than that (rank 0 gathers the 16-bit model while the others wait in the barrier) ended
-      in NCCL's watchdog abort, whatever the plan's deadlines;
-    - the CPU: transformers 5.24 TrainingArguments._setup_devices passes no timeout on its use_cpu path
-      (training_args.py), so gloo's 30 minutes held.
-    DDP and FSDP on a GPU keep accelerate's own group, which gets ddp_timeout (training_args.py's other branch).
-    Both made here are what those libraries would make (env:// from torchrun's variables); they wrap it."""
+    """A multi-process run's process group with the trainer's timeout where a library would make it without: ZeRO-3
+    (deepspeed 0.19.8 comm/comm.py default_pg_timeout; accelerate 1.15 state.py PartialState keeps a group that
+    exists) and the CPU (transformers 5.24 training_args.py _setup_devices). docs/engines.md, "round three", item 1."""
     import datetime
 
     import torch.distributed as dist
@@ -279,11 +207,7 @@ def create_process_group(plan: dict[str, Any], device: str, timeout_s: int) -> N
 
 
 def group_timeout_check(want_s: int) -> dict[str, Any]:
-    """The process group's own timeout against the trainer's ddp_timeout: whoever created the group (accelerate,
-    or DeepSpeed's init_distributed under ZeRO-3, which accelerate then keeps) gave it the plan's value, so the
-    watchdog's deadlines, not a library default, decide when a waiting rank gives up. Read where torch 2.13 keeps
-    it (distributed_c10d.py new_group: backend_options._timeout, the backend's options for gloo and NCCL alike);
-    where no backend shows it, said and not refused."""
+    """The process group's timeout against ddp_timeout (torch 2.13 distributed_c10d.py backend_options)."""
     import torch.distributed as dist
 
     group = dist.distributed_c10d._get_default_group()
@@ -346,15 +270,12 @@ def resume_compatibility(manifest: dict[str, Any], plan: dict[str, Any]) -> tupl
             f"num_processes={old_world}, or start over with --fresh (the adapter/weights of the checkpoint can be "
             "kept by hand: DeepSpeed's zero_to_fp32.py converts the weights, not the optimizer)"
         ), True
-    global_note = (
-        (
-            "; each optimizer step now takes "
-            f"{new_world}/{old_world} of the examples it took before, so the run continues with another global "
-            "batch (same data order, not step-for-step the same trajectory)"
+    global_note = ""
+    if old_world != new_world:
+        global_note = (
+            f"; each optimizer step now takes {new_world}/{old_world} of the examples it took before, so the run "
+            "continues with another global batch (same data order, not step-for-step the same trajectory)"
         )
-        if old_world != new_world
-        else ""
-    )
     return (
         f"{where}, resuming with {new_engine} on {new_world}: the Trainer's checkpoint (adapter or full weights, "
         f"optimizer.pt, scheduler) holds the whole state, so it loads on any count{global_note}"
@@ -366,10 +287,7 @@ def worker_file(run_dir: Path, mode: str) -> Path:
 
 
 def failed_verification(worker_json: Path) -> str | None:
-    """The error of a worker that refused to train with another engine than planned, else None.
-
-    torchrun reports any failed worker as exit code 1, so the reason is read from worker.json.
-    """
+    """The error of a worker that refused to train with another engine than planned, else None."""
     import json
 
     if not worker_json.is_file():
@@ -384,9 +302,7 @@ def failed_verification(worker_json: Path) -> str | None:
     return None
 
 
-# Run by `python -S -c` between the supervisor's fork and the worker: ask for the signal, check the parent is still the
-# one that started it (a parent that died before prctl sends nothing), then exec the worker, which keeps the pid and
-# the death signal (prctl(2): PR_SET_PDEATHSIG survives execve).
+# run by `python -S -c` between the fork and the worker (prctl(2): PR_SET_PDEATHSIG survives execve)
 _DEATH_SIGNAL_EXEC = """\
 import ctypes, os, sys
 sig, parent, argv = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
@@ -399,25 +315,15 @@ os.execvp(argv[0], argv)
 
 
 def with_death_signal(cmd: list[str], sig: int) -> list[str]:
-    """`cmd`, started so that it gets `sig` when the process that starts it dies (Linux; elsewhere `cmd` itself).
-
-    Why not Popen's preexec_fn=die_with_parent: it runs Python in the forked child of a process with threads (the
-    supervisor's copier, its stderr reader), and Python's docs warn that the child can deadlock before exec. It did:
-    a supervisor's child hung in a futex, never exec'd, and the run stayed 'running' with no worker (the kill series
-    on a busy box, 2026-12-02; ctypes.CDLL takes the dynamic loader's lock, which another thread can hold at the
-    fork). The child now execs at once into this small program, which asks for the signal in a fresh process."""
+    """`cmd`, started so that it gets `sig` when its starter dies (Linux), not by Popen's preexec_fn (docs/engines.md,
+    "The worker's death signal is asked for after the exec")."""
     if not sys.platform.startswith("linux"):
         return list(cmd)
     return [sys.executable, "-S", "-c", _DEATH_SIGNAL_EXEC, str(int(sig)), str(os.getpid()), *cmd]
 
 
 def die_with_parent(sig: "int | None" = None) -> None:
-    """Linux: this process gets `sig` (SIGKILL by default) when its parent dies.
-
-    torchrun's ranks are not in the supervisor's process group and outlive a killed launcher; an
-    orphaned rank would keep training into the run directory beside the resumed run. The single-process
-    worker asks for SIGTERM instead: it saves a checkpoint and exits (launcher/run/supervisor.py).
-    """
+    """Linux: this process gets `sig` (SIGKILL by default) when its parent dies (no orphaned torchrun rank)."""
     import ctypes
     import signal as _signal
 
@@ -425,5 +331,4 @@ def die_with_parent(sig: "int | None" = None) -> None:
         libc = ctypes.CDLL(None, use_errno=True)
     except OSError:
         return
-    PR_SET_PDEATHSIG = 1
-    libc.prctl(PR_SET_PDEATHSIG, int(sig or _signal.SIGKILL), 0, 0, 0)
+    libc.prctl(1, int(sig or _signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG

@@ -5,14 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 
-def _backend_ok(plan: dict[str, Any]) -> tuple[bool, str]:
-    import torch.distributed as dist
-
-    backend = dist.get_backend()
-    want = "nccl" if plan.get("device") == "cuda" else "gloo"
-    return backend == want, f"{backend} (expected {want} on {plan.get('device', 'cpu')})"
-
-
 def checks(plan: dict[str, Any], trainer: Any) -> list[dict[str, Any]]:
     """DDP: a process group of the planned backend, and the model wrapped in DistributedDataParallel."""
     import torch.distributed as dist
@@ -20,10 +12,11 @@ def checks(plan: dict[str, Any], trainer: Any) -> list[dict[str, Any]]:
 
     if not (dist.is_available() and dist.is_initialized()):
         return [{"check": "process group", "ok": False, "seen": "none: the trainer runs a single process"}]
-    ok, seen = _backend_ok(plan)
+    backend, want = dist.get_backend(), "nccl" if plan.get("device") == "cuda" else "gloo"
+    seen = f"{backend} (expected {want} on {plan.get('device', 'cpu')})"
     wrapped = trainer.model_wrapped
     return [
-        {"check": "process group backend", "ok": ok, "seen": seen},
+        {"check": "process group backend", "ok": backend == want, "seen": seen},
         {
             "check": "model wrapped in DistributedDataParallel",
             "ok": isinstance(wrapped, DistributedDataParallel),
@@ -33,9 +26,7 @@ def checks(plan: dict[str, Any], trainer: Any) -> list[dict[str, Any]]:
 
 
 def single_checks(plan: dict[str, Any], trainer: Any) -> list[dict[str, Any]]:
-    """One process: no process group, and one device: the Trainer's n_gpu is 1 on a GPU (0 on the CPU), so it
-    neither multiplies the batch nor wraps the model in nn.DataParallel (transformers 5.24 trainer.py
-    _wrap_model: `self.args.n_gpu > 1` and not 4/8-bit). launch_env shows the process only its planned card."""
+    """One process: no process group, and n_gpu 1 on a GPU (no nn.DataParallel: transformers trainer.py)."""
     import os
 
     import torch.distributed as dist

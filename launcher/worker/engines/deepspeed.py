@@ -1,5 +1,4 @@
-"""DeepSpeed ZeRO-3: the JSON config generated from the plan, partitioned loading, and the checks that it really
-runs."""
+"""DeepSpeed ZeRO-3: the JSON config generated from the plan, partitioned loading, and the checks that it runs."""
 
 from __future__ import annotations
 
@@ -11,22 +10,17 @@ from typing import Any
 from launcher.engine_kinds import ENGINES
 
 CONFIG_NAME = ENGINES["deepspeed"].config_file
-# Under optimizer offload DeepSpeed refuses a client optimizer that is not its CPU Adam (runtime/engine.py,
-# _configure_optimizer: zero_force_ds_cpu_optimizer, on by default), and the Trainer would hand it its own (8-bit AdamW
-# for full-8bit: transformers integrations/deepspeed.py, deepspeed_optim_sched, when the config has no "optimizer").
-# With this section the Trainer passes a DummyOptim and DeepSpeed builds DeepSpeedCPUAdam in AdamW mode with fp32
-# states (_configure_basic_optimizer, get_optimizer_configuration); "auto" takes learning rate, betas, eps and weight
-# decay from the Trainer's arguments (trainer_config_process), and the Trainer's scheduler still drives it (no
-# "scheduler" section: deepspeed_optim_sched wraps the Trainer's own in a DummyScheduler).
+# Under optimizer offload DeepSpeed refuses a client optimizer that is not its CPU Adam (runtime/engine.py
+# _configure_optimizer: zero_force_ds_cpu_optimizer). With this section the Trainer passes a DummyOptim (transformers
+# integrations/deepspeed.py deepspeed_optim_sched) and DeepSpeed builds DeepSpeedCPUAdam in AdamW mode; "auto" takes
+# the Trainer's values (trainer_config_process), and the Trainer's scheduler still drives it.
 OFFLOAD_OPTIMIZER = {
     "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}
 }
 
 
 def config(plan: dict[str, Any]) -> dict[str, Any]:
-    """The ZeRO-3 config: batch shape and CPU offload from the plan; precision and clipping left to the Trainer
-    ("auto"), which fills each "auto" from its own arguments and refuses a concrete value that disagrees with them,
-    so the plan and the trainer cannot drift apart silently."""
+    """The ZeRO-3 config: batch shape and offload from the plan; precision and clipping "auto" (the Trainer's)."""
     offload_optimizer = bool(plan.get("offload_optimizer"))
     offload_param = offload_optimizer and bool(plan.get("offload_params"))
     mb = int(plan["micro_batch_size"])
@@ -53,18 +47,14 @@ def config(plan: dict[str, Any]) -> dict[str, Any]:
             "stage3_param_persistence_threshold": 10 * hidden,
             # the final save gathers the full 16-bit weights (or adapter) on rank 0
             "stage3_gather_16bit_weights_on_model_save": True,
-            # CPU offload (docs/engines.md, "CPU offload"): fp32 master partitions, gradients and Adam states in pinned
-            # RAM, the step on the CPU (deepspeed/runtime/zero/stage3.py, _configure_offloading; the fields are
-            # runtime/zero/offload_config.py's); offload_param keeps the 16-bit partitions there too. On a CPU
-            # accelerator pinning is a no-op (accelerator/cpu_accelerator.py, pin_memory).
+            # CPU offload (docs/engines.md, "CPU offload"; deepspeed runtime/zero/stage3.py _configure_offloading,
+            # the fields runtime/zero/offload_config.py's)
             "offload_optimizer": {"device": "cpu", "pin_memory": True} if offload_optimizer else {"device": "none"},
             "offload_param": {"device": "cpu", "pin_memory": True} if offload_param else {"device": "none"},
         },
         **(OFFLOAD_OPTIMIZER if offload_optimizer else {}),
         "steps_per_print": 10**9,  # ftrun logs the loss itself
-        # Several boxes, each with its own disk: every node writes its ranks' ZeRO shards and its own copy of the
-        # model states (deepspeed/runtime/engine.py: the file is named by local rank with node-local storage), so
-        # each node's checkpoint is complete by itself, as the Trainer's save_on_each_node makes the rest of it.
+        # several boxes, each with its own disk: every node's checkpoint is complete by itself (runtime/engine.py)
         "checkpoint": {"use_node_local_storage": nnodes > 1},
         "wall_clock_breakdown": False,
     }
@@ -81,11 +71,7 @@ def write_config(plan: dict[str, Any], run_dir: Path) -> Path:
 
 @contextlib.contextmanager
 def partitioned_loading(plan: dict[str, Any], run_dir: Path):
-    """While active, from_pretrained creates each weight already partitioned (deepspeed.zero.Init).
-
-    transformers looks for a live HfDeepSpeedConfig; the Trainer makes its own later from the
-    same file. "auto" values are filled here with what the worker knows (device precision).
-    """
+    """While active, from_pretrained creates each weight already partitioned (deepspeed.zero.Init)."""
     import torch
     from transformers.integrations import HfDeepSpeedConfig
 
@@ -101,8 +87,7 @@ def partitioned_loading(plan: dict[str, Any], run_dir: Path):
         cfg["optimizer"]["params"][key] = {"betas": [0.9, 0.999]}.get(key, 0.0) if value == "auto" else value
     import deepspeed
 
-    # zero.Init partitions over the process group, which the Trainer would only create later:
-    # without it every process counts a world of 1 and the batch arithmetic fails.
+    # zero.Init partitions over the process group, which the Trainer would only create later
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     keep_alive = HfDeepSpeedConfig(cfg)  # transformers holds only a weak reference
     try:
@@ -135,9 +120,7 @@ def checks(plan: dict[str, Any], trainer: Any) -> list[dict[str, Any]]:
 
 
 def offload_checks(plan: dict[str, Any], engine: Any) -> list[dict[str, Any]]:
-    """The CPU offload the plan asked for is what the engine runs: optimizer offload with DeepSpeed's CPU Adam (the
-    client optimizer is not used: config's OFFLOAD_OPTIMIZER), parameter offload where planned, and neither
-    elsewhere."""
+    """The CPU offload the plan asked for (optimizer with DeepSpeed's CPU Adam, parameters) is what runs."""
     want_opt = bool(plan.get("offload_optimizer"))
     want_param = want_opt and bool(plan.get("offload_params"))
     if engine is None:

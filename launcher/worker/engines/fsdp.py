@@ -1,10 +1,5 @@
-"""FSDP2: the accelerate config generated from the plan, the check that parameters really are sharded,
-and `python -m launcher.worker.engines.fsdp`, which shards the worker's model with plain `fully_shard` (works on
-gloo/CPU).
-
-accelerate/the Trainer do not shard on CPU: an FSDP2 config silently becomes DDP there (STACK-FACTS),
-so the check looks at the parameters (DTensor or not), never at the config.
-"""
+"""FSDP2: the accelerate config from the plan, the check that parameters really are sharded DTensors, and
+`python -m launcher.worker.engines.fsdp`, which shards the worker's model with plain `fully_shard` over gloo."""
 
 from __future__ import annotations
 
@@ -31,23 +26,16 @@ def accelerate_config(plan: dict[str, Any], activation_checkpointing: bool) -> d
         "use_cpu": False,
         "rdzv_backend": "static",
         "same_network": True,
-        # 0: a free port for each launch (accelerate 1.15 utils/launch.py prepare_multi_gpu_env: get_free_port()),
-        # not the default 29500 that a second job or a leftover rank holds ("address already in use"); torchrun
-        # --standalone does the same for ddp and deepspeed (engines/__init__.py _torchrun)
+        # 0: a free port per launch, not 29500 (accelerate 1.15 utils/launch.py prepare_multi_gpu_env)
         "main_process_port": 0,
         "fsdp_config": {
             "fsdp_version": 2,
             # wraps each decoder layer: the model's _no_split_modules name the layer class
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            # 16-bit weights: every rank's model goes to the meta device, rank 0's state dict is broadcast shard by
-            # shard (after every rank loaded the model on its CPU and upcast its trainable weights to fp32: the
-            # plan counts that RAM, loading_memory._loading_16bit). accelerate skips this for 4-bit weights
-            # (fsdp2_prepare_model: Params4bit lose their class on meta), so QLoRA is quantized once per box on the CPU
-            # and every rank maps the saved copy (loading.fsdp_qlora_kwargs, quantized_once_per_box), and fully_shard
-            # moves one unit at a time to the card; the plan counts that load (loading_memory.py, _loading).
+            # 16-bit weights: rank 0's state dict is broadcast (loading_memory.py counts the RAM); QLoRA loads its way
+            # (loading.fsdp_qlora_kwargs)
             "fsdp_cpu_ram_efficient_loading": True,
-            # the plan's choice when the shards do not fit the cards (QLoRA 70B on 2 x 24 GB): shards, gradients and
-            # optimizer states in pinned CPU RAM (FSDP2 CPUOffloadPolicy), the optimizer step on the CPU
+            # the plan's choice when the shards do not fit the cards: FSDP2 CPUOffloadPolicy, the step on the CPU
             "fsdp_offload_params": bool(plan.get("offload_params", False)),
             "fsdp_reshard_after_forward": True,
             # each rank saves its own shard (torch.distributed.checkpoint): fast, and DCP reshards on load
@@ -135,36 +123,15 @@ def is_sharded(model) -> bool:
 
 def save_full(model, out_dir: Path, write: bool, dtype=None) -> list[str]:
     """The final save of an FSDP2-sharded model: collective, so EVERY rank calls it; the rank with `write` writes
-    `out_dir` with save_pretrained (a PEFT adapter, or the whole model), floating tensors cast to `dtype` (the
-    base model's dtype for a whole model, launcher/worker/saving.py; None keeps the trained dtype). Returns the names of
-    the tensors gathered on this rank (none on the others).
+    `out_dir` with save_pretrained (a PEFT adapter, or the whole model), floating tensors cast to `dtype` (None keeps
+    the trained dtype). Returns the names of the tensors gathered on this rank (none on the others).
 
-    Why not Trainer.save_model: under FSDP it saves only when the accelerate plugin's state_dict_type is
-    FULL_STATE_DICT (transformers 5.24 `trainer.py`, Trainer.save_model, the `elif self.is_fsdp_enabled:` branch;
-    otherwise nothing is written), and the checkpoints keep SHARDED_STATE_DICT (one DCP shard per rank, resumable
-    on another rank count). Gathering here leaves the plugin and the checkpoints alone.
-
-    One tensor at a time, never a whole full state dict: accelerate upcasts trainable parameters to fp32
-    (accelerate 1.15 `utils/fsdp_utils.py`, fsdp2_prepare_model), and torch's full-state-dict gather
-    (`get_model_state_dict(full_state_dict=True, cpu_offload=True)`, what accelerate's `get_state_dict` does for
-    FSDP2) would hold 4 bytes per parameter in rank 0's RAM before anything could be cast: 280 GB for a 70B
-    model. Here `get_model_state_dict` with the default options returns the sharded state dict as it is
-    (DTensors, no gather, no copy: torch 2.13 `torch/distributed/checkpoint/state_dict.py`,
-    `_maybe_full_or_cpu_state_dict` returns it untouched) under the unwrapped model's own names (DCP drops
-    wrapper prefixes: `_get_fqns`); offloaded shards go to the mesh's device before `DTensor.full_tensor`, as
-    torch's own `_gather_state_dict` does in dtensor_func. Rank 0's RAM peak is the model in `dtype` plus one
-    tensor.
-
-    For a PEFT model, `ignore_frozen_params=True` and the frozen-name filter below gather the trainable tensors
-    only (the adapter), not the frozen base: a 70B base is never assembled to save a few hundred MB of LoRA
-    (DCP's own filter misses a frozen head tied to the embedding under its second name). Tied parameters are
-    gathered once and aliased: transformers finds ties by shared storage (`remove_tied_weights_from_state_dict`)
-    and writes them once, as for an unsharded model. `PeftModel.save_pretrained(state_dict=...)` filters and
-    renames the keys as for an unsharded model (peft 0.21 `get_peft_model_state_dict`), and transformers'
-    save_pretrained turns them into the checkpoint's layout (key conversions reverted, "FSDP" taken off the class
-    name in `architectures`; without a transformers `distributed_config` it gathers nothing itself:
-    `transformers/distributed/mixin.py`, gather_sharded_state_dict_for_save). save_pretrained writes config.json's
-    dtype from the parameters (fp32 DTensors), so it is set to `dtype` after (saving.set_config_dtype).
+    Not Trainer.save_model: under FSDP it saves only with FULL_STATE_DICT (transformers 5.24 trainer.py save_model;
+    docs/engines.md, "The first GPU box", item 1). One tensor at a time, never the fp32-upcast model whole in rank 0's
+    RAM: get_model_state_dict returns the DTensors untouched (torch 2.13 distributed/checkpoint/state_dict.py
+    _maybe_full_or_cpu_state_dict, _get_fqns). A PEFT model gathers only its trainable tensors; tied parameters are
+    gathered once and aliased (transformers remove_tied_weights_from_state_dict). PeftModel.save_pretrained renames
+    the keys (peft 0.21 get_peft_model_state_dict); config.json's dtype is set after (saving.set_config_dtype).
     """
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -214,8 +181,7 @@ def _full_tensor(value):
 
 
 def _parameter_names(model) -> tuple[dict[str, str], set[str]]:
-    """({state-dict name: the first name of the same parameter}, names of frozen parameters), in DCP's names
-    (`_get_fqns`: wrapper prefixes dropped), every name of a tied parameter included."""
+    """({DCP name: first name of the same parameter}, frozen names), every name of a tied parameter included."""
     from torch.distributed.checkpoint.state_dict import _get_fqns
 
     by_id: dict[int, str] = {}
@@ -230,12 +196,8 @@ def _parameter_names(model) -> tuple[dict[str, str], set[str]]:
 
 
 def exercise(run_dir: Path, steps: int, out: Optional[Path], final_dir: Optional[Path] = None) -> int:
-    """Under torchrun: shard the worker's own model (recipe in run_dir) with fully_shard over gloo, train `steps`
-    steps on fixed batches split between the ranks (`_fixed_batches`: images for a vision-language model), and
-    compare with an unsharded copy trained on every rank's batch in the same process. With `final_dir`, also run
-    the worker's final save (`save_full`) on the sharded model and compare what it wrote with the unsharded copy's
-    own save_pretrained (see `_final_save_check`).
-    Writes the result as JSON (rank 0); exit 0 only when sharded and equal."""
+    """Under torchrun: shard the worker's model with fully_shard over gloo, train `steps` steps against an unsharded
+    copy on every rank's batch (and with `final_dir`, check the final save); rank 0 writes JSON; 0 when equal."""
     import copy
     import os
 
@@ -272,8 +234,7 @@ def exercise(run_dir: Path, steps: int, out: Optional[Path], final_dir: Optional
         t = loss.detach().clone()
         dist.all_reduce(t)
         sharded_losses.append(t.item() / world)
-        # the mean of the ranks' mean losses: the gradient FSDP's reduce-scatter averages (rows of unequal length,
-        # as images make them, included)
+        # the mean of the ranks' mean losses: the gradient FSDP's reduce-scatter averages
         ref = sum(reference(**s).loss for s in slices) / world
         ref.backward()
         o_ref.step()
@@ -319,9 +280,7 @@ def exercise(run_dir: Path, steps: int, out: Optional[Path], final_dir: Optional
 
 
 def _fixed_batches(recipe, tokenizer, model, per_rank: int, world: int) -> list[dict]:
-    """Each rank's fixed micro-batch: a vision-language model's first examples of the recipe's data, rendered with
-    their images by TRL's collator and the model's processor as training does (trl 1.16 sft_trainer.py
-    DataCollatorForVisionLanguageModeling); a text model's random tokens, learnable only by memorising."""
+    """Each rank's fixed micro-batch: a VLM's first examples with their images (TRL's collator), else random tokens."""
     import torch
 
     from launcher.worker.loading import reads_images
@@ -340,8 +299,7 @@ def _fixed_batches(recipe, tokenizer, model, per_rank: int, world: int) -> list[
 
 
 def _final_save_check(model, reference, recipe, final_dir: Path, rank: int) -> dict[str, Any]:
-    """The worker's FSDP final save (every rank; rank 0 writes final_dir/sharded) against the unsharded copy's own
-    save_pretrained (final_dir/reference), checked on rank 0; the other ranks return only how much they gathered."""
+    """The worker's FSDP final save against the unsharded copy's save_pretrained, checked on rank 0."""
     import torch
 
     from launcher.store import final
@@ -369,8 +327,7 @@ def _final_save_check(model, reference, recipe, final_dir: Path, rank: int) -> d
     a, b = load_file(str(sharded_dir / name)), load_file(str(reference_dir / name))
     same_keys = sorted(a) == sorted(b) and len(a) > 0
     same_shapes = same_keys and all(a[k].shape == b[k].shape for k in a)
-    # the sharded and the unsharded trainings differ by float rounding (their losses by about 1e-6); cast to the
-    # saved dtype, a value the two trainings put on either side of a rounding boundary differs by one step of it
+    # the two trainings differ by float rounding: cast to the saved dtype, a value may differ by one step of it
     saved = next(iter(a.values())).dtype if a else torch.float32
     step = torch.finfo(saved).eps if saved != torch.float32 else 0.0
     worst, within, unequal, count = float("inf"), False, 0, 0
@@ -392,18 +349,15 @@ def _final_save_check(model, reference, recipe, final_dir: Path, rank: int) -> d
     else:
         loaded = model_class(recipe.model).from_pretrained(str(sharded_dir), dtype=torch.float32)
         mine = dict(loaded.named_parameters())
-    # what was written and reloads is exactly what the sharded model holds, cast to the saved dtype (the save adds
-    # no other error)
+    # what reloads is exactly what the sharded model holds, cast to the saved dtype
     reload_diff = (
         max(((mine[k] - own[k].to(saved).float()).abs().max().item() for k in own if k in mine), default=float("inf"))
         if set(mine) == set(own)
         else float("inf")
     )
     # trained values, not the initial ones: LoRA B starts at zero, full weights at the base's
-    moved = (
-        any(not torch.equal(v, torch.zeros_like(v)) for k, v in mine.items() if "lora_B" in k)
-        if kind == final.ADAPTER
-        else True
+    moved = kind != final.ADAPTER or any(
+        not torch.equal(v, torch.zeros_like(v)) for k, v in mine.items() if "lora_B" in k
     )
     verdict = (
         final.verify_adapter(sharded_dir, recipe.lora.target_modules, final.base_weights(recipe.model))

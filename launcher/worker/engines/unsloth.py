@@ -1,13 +1,6 @@
-"""Engine unsloth: the worker loads the model with Unsloth's FastLanguageModel, then trains with the same
-TRL SFTTrainer, callbacks, checkpoints and resume as engine trl.
-
-Unsloth patches transformers/trl/peft when it is imported, so the worker imports it before any of them
-(`import_unsloth`, called by launcher.worker.train before its own Hugging Face imports). Everything the plan
-needs (the pre-quantized repos, the module names) is importable without torch or Unsloth.
-
-Unsloth pins older releases than ftrun's default stack (transformers<=5.17, trl<=1.15, datasets<5.0 for
-Unsloth 2026.10), so it lives in its own environment: see docs/engines.md and `scripts/test.sh --unsloth`.
-"""
+"""Engine unsloth: the model loaded by Unsloth, then the same TRL trainer, checkpoints and resume as engine trl.
+Imported first (it patches transformers/trl/peft), in its own environment (docs/engines.md, "Why Unsloth has its own
+environment")."""
 
 from __future__ import annotations
 
@@ -75,8 +68,7 @@ def version() -> str:
 
 
 def load_model_and_tokenizer(recipe, device: str, dtype):
-    """FastLanguageModel.from_pretrained (4-bit for qlora) + get_peft_model, or FastVisionModel's for a model with
-    a vision tower (its processor as the tokenizer); returns (model, tokenizer, source)."""
+    """(model, tokenizer, source) from FastLanguageModel + get_peft_model, or FastVisionModel for a VLM."""
     if "unsloth" not in sys.modules:
         import_unsloth()
     from launcher.worker.loading import reads_images
@@ -106,9 +98,7 @@ def load_model_and_tokenizer(recipe, device: str, dtype):
 
 
 def _load_vision(recipe, source: str, dtype):
-    """Unsloth 2026.10.9's vision path: FastVisionModel (unsloth/models/loader.py: FastModel) returns the model and
-    its processor; get_peft_model and for_training are unsloth/models/vision.py FastBaseModel's. Its CPU backend has
-    none (unsloth/_cpu_init.py raises NotImplementedError): the plan refuses it there (UNSLOTH_VISION_CPU)."""
+    """Unsloth 2026.10.9's FastVisionModel (unsloth/models/loader.py, vision.py): model and processor, LoRA."""
     from unsloth import FastVisionModel
 
     model, processor = FastVisionModel.from_pretrained(
@@ -125,11 +115,8 @@ def _load_vision(recipe, source: str, dtype):
 
 
 def vision_peft_arguments(model, recipe) -> dict[str, Any]:
-    """get_peft_model's arguments for the recipe's lora: section: the switches say what LoRA reaches (the language
-    model; the tower where lora.vision_tower asks), the modules are engine trl's regular expression
-    (loading.vision_targets), which get_peft_model hands to PEFT as it is. Unsloth's switches alone
-    (unsloth_zoo/peft_utils.py get_peft_regex) leave the tower's patch merger out, which ftrun adapts and the plan
-    counts: so both engines train, count and serve the same adapter."""
+    """get_peft_model's arguments, with engine trl's modules: Unsloth's switches alone leave the patch merger out
+    (unsloth_zoo/peft_utils.py get_peft_regex)."""
     from launcher.worker.loading import vision_targets
 
     lora = recipe.lora
@@ -146,17 +133,13 @@ def vision_peft_arguments(model, recipe) -> dict[str, Any]:
     )
 
 
-# The turns' openings in a ChatML template (Qwen's: <|im_start|>user / assistant), as Unsloth's Qwen2-VL notebooks
-# pass them to UnslothVisionDataCollator(train_on_responses_only=True)
+# ChatML's turn openings, as Unsloth's Qwen2-VL notebooks pass them to UnslothVisionDataCollator
 CHATML_PARTS = {"instruction_part": "<|im_start|>user\n", "response_part": "<|im_start|>assistant\n"}
 
 
 def vision_collator(model, processor, recipe, args, collator_class=None):
-    """UnslothVisionDataCollator (unsloth/trainer.py, over unsloth_zoo/vision_utils.py's): it renders each
-    conversation, decodes its `images` paths and masks padding and image tokens out of the labels. resize="max"
-    keeps each image's size, so its tokens are the plan's (the default "min" shrinks images); assistant_only_loss:
-    its train_on_responses_only with ChatML's turn openings, so the trainer's `args` leave it off (trl 1.15 refuses
-    it for image data below transformers 5.18: sft_trainer.py). `collator_class`: the zoo's, for the tests on a CPU."""
+    """UnslothVisionDataCollator (unsloth/trainer.py); resize="max" keeps the plan's image tokens; assistant_only_loss
+    becomes its train_on_responses_only (trl 1.15 sft_trainer.py refuses it for images). `collator_class`: tests'."""
     if collator_class is None:
         from unsloth.trainer import UnslothVisionDataCollator as collator_class
     kwargs: dict[str, Any] = {"max_seq_length": recipe.max_length, "resize": "max"}
@@ -174,22 +157,12 @@ def vision_collator(model, processor, recipe, args, collator_class=None):
 
 def patched_modules(model) -> list[str]:
     """Names of module classes whose forward comes from Unsloth (its fast attention/MLP/norm kernels, GPU path)."""
-    seen: set[str] = set()
-    for m in model.modules():
-        fwd = getattr(type(m), "forward", None)
-        if "unsloth" in (getattr(fwd, "__module__", "") or ""):
-            seen.add(type(m).__name__)
-    return sorted(seen)
+    forwards = {type(m).__name__: getattr(type(m), "forward", None) for m in model.modules()}
+    return sorted(name for name, fwd in forwards.items() if "unsloth" in (getattr(fwd, "__module__", "") or ""))
 
 
 def markers(model, trainer=None) -> list[str]:
-    """What shows that Unsloth built this model (and patched this trainer); empty for a plain transformers model.
-
-    On a GPU Unsloth replaces the decoder's forwards with its kernels. Without a GPU it loads through
-    unsloth_zoo's FastCPUModel (stock transformers + PEFT) and leaves its own marks instead: a chunked
-    cross-entropy forward on the model instance, FastCPUModel's methods attached, SFTTrainer.compute_loss
-    patched for that forward.
-    """
+    """What shows that Unsloth built this model (its patched forwards, or FastCPUModel's marks on a CPU)."""
     found = []
     patched = patched_modules(model)
     if patched:
