@@ -79,7 +79,7 @@ def main(run_dir: str, dtype_name: str, out: str, path: str = "once-per-box", ch
     from torch.distributed.tensor import DTensor
 
     from launcher.recipe_loading import load_recipe
-    from launcher.worker.engines.fsdp import shard_worker_model
+    from fsdp_exercise import shard_worker_model
     from launcher.worker.loading import add_lora, load_kwargs, load_model_and_tokenizer
 
     # what a load imports lazily (bitsandbytes, the model's module, PEFT) is runtime, not the model: import it first

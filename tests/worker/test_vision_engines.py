@@ -223,7 +223,7 @@ def test_fully_shard_wraps_the_vision_blocks_and_trains_on_images_like_unsharded
     out, final_dir = tmp_path / "fsdp.json", tmp_path / "final"
     res = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-        + ["-m", "launcher.worker.engines.fsdp", "--run-dir", str(run), "--steps", "4", "--out", str(out)]
+        + [str(REPO / "tests" / "fsdp_exercise.py"), "--run-dir", str(run), "--steps", "4", "--out", str(out)]
         + ["--final-dir", str(final_dir)],
         cwd=REPO,
         env=dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"),
