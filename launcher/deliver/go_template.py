@@ -1,11 +1,8 @@
 """An Ollama TEMPLATE rendered as Ollama renders it, for the templates ftrun writes: Go's text/template actions
 `range`, `if`/`else if`/`else`, `eq`/`ne`/`not`/`and`/`or`, fields, string literals and `{{-`/`-}}` trimming.
 
-Ollama (template/template.go Execute) first collates the messages: consecutive messages of one role become one,
-joined by a blank line, and every system message is also joined into `.System`; a template that uses
-`.Messages` is then executed with {System, Messages, Tools, Response: ""}, and a missing key is the zero value
-(missingkey=zero). An action outside this subset raises `Unsupported`, so a template that cannot be rendered
-here is never reported as checked. Which template Ollama renders at all is ollama_template.py's to say.
+Ollama (template/template.go Execute) collates the messages (`collate`) and executes with {System, Messages, Tools,
+Response: ""}, missingkey=zero. An action outside this subset raises `Unsupported`: never reported as checked.
 """
 
 from __future__ import annotations
@@ -140,10 +137,10 @@ def _call(tokens: list[str], dot: Any, root: dict[str, Any]) -> tuple[Any, list[
         if fn == "ne":
             return args[0] != args[1], rest
         if fn == "not":
-            return not _truth(args[0]), rest
+            return not bool(args[0]), rest
         if fn == "and":
-            return next((a for a in args if not _truth(a)), args[-1]), rest
-        return next((a for a in args if _truth(a)), args[-1]), rest
+            return next((a for a in args if not bool(a)), args[-1]), rest
+        return next((a for a in args if bool(a)), args[-1]), rest
     if fn[0] not in '."$(' and fn not in ("true", "false"):
         raise Unsupported(f"function {fn!r}")
     return _operand(tokens, dot, root)
@@ -155,10 +152,6 @@ def _field(obj: Any, path: str) -> Any:
     return "" if obj is None else obj
 
 
-def _truth(v: Any) -> bool:
-    return bool(v)
-
-
 def _run(nodes: list, dot: Any, root: dict[str, Any], out: list[str]) -> None:
     for node in nodes:
         if node[0] == "text":
@@ -168,7 +161,7 @@ def _run(nodes: list, dot: Any, root: dict[str, Any], out: list[str]) -> None:
             out.append("" if value is None else str(value))
         elif node[0] == "if":
             for cond, body in node[1]:
-                if _truth(_eval(cond, dot, root)):
+                if bool(_eval(cond, dot, root)):
                     _run(body, dot, root, out)
                     break
             else:

@@ -41,13 +41,9 @@ def source() -> dict[str, str]:
 
 
 def distance_below(a: str, b: str, limit: int) -> Optional[int]:
-    """The Levenshtein distance of a and b when it is under `limit`, else None.
-
-    agnivade/levenshtein v1.1.1 ComputeDistance, which template.Named calls: unit costs over Unicode code points
-    (Go's []rune; a Python str is code points). No package in the environment computes it, so it is written here,
-    banded: a distance under `limit` never leaves the diagonal band of that width, and a row whose band is all at
-    or over `limit` ends the search. Its uint16 cells wrap past 65535, which only strings that long reach: those
-    are refused rather than guessed."""
+    """The Levenshtein distance of a and b when it is under `limit`, else None: agnivade/levenshtein v1.1.1
+    ComputeDistance (template.Named's), unit costs over code points, banded here (no installed package computes
+    it). Its uint16 cells wrap past 65535: such strings are refused."""
     if max(len(a), len(b)) > 65535:
         raise ValueError("a template over 65535 code points: Ollama's uint16 distance wraps there")
     if a == b:
@@ -110,10 +106,9 @@ def choose(
     architecture: Optional[str],
     go_template_env: Optional[bool] = None,
 ) -> dict[str, Any]:
-    """How Ollama renders a chat for a model made from this GGUF and Modelfile: {"path": "go", "template", "from"}
-    (a Go template, the messages collated), {"path": "native"} (the GGUF's own template through llama-server,
-    messages one to one) or {"path": "not modelled"}; each with `why`. `go_template_env`: OLLAMA_GO_TEMPLATE as
-    `ollama serve` reads it (None: unset)."""
+    """How Ollama renders a chat for this GGUF and Modelfile: {"path": "go", "template", "from"} (messages collated),
+    {"path": "native"} (the GGUF's template through llama-server) or {"path": "not modelled"}; each with `why`.
+    `go_template_env`: OLLAMA_GO_TEMPLATE (None: unset)."""
     if (architecture or "") in RENDERED_BY_OLLAMA:
         return {"path": "not modelled", "why": f"Ollama renders {architecture} with its own renderer, not modelled"}
     if modelfile_template:

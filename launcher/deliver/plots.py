@@ -12,10 +12,8 @@ from typing import Any, Optional
 
 def read_metrics(path: Path, key: str = "loss") -> list[dict[str, Any]]:
     """The rows that carry `key` (training rows: loss; eval passes: eval_loss)."""
-    rows = []
-    if not path.is_file():
-        return rows
-    for line in path.read_text(errors="replace").splitlines():
+    rows: list[dict[str, Any]] = []
+    for line in path.read_text(errors="replace").splitlines() if path.is_file() else []:
         try:
             row = json.loads(line)
         except ValueError:
@@ -118,9 +116,8 @@ def _rewards(ax, margins: list[dict[str, Any]], held: list[dict[str, Any]]) -> N
 
 
 def _sampled_rewards(ax, rows: list[dict[str, Any]]) -> None:
-    """GRPO: the mean reward of each logged window's sampled answers, with their standard deviation as a band; with
-    several rewards, each one's mean and spread too (TRL's rewards/<name>/mean, /std), a reward that never varied
-    marked so in its label."""
+    """GRPO: the sampled answers' mean reward with its standard deviation as a band; with several rewards, each one's
+    too (TRL's rewards/<name>/mean, /std)."""
     from launcher.methods import reward_parts
 
     steps = [r["step"] for r in rows]
@@ -179,9 +176,7 @@ def refresh(run_root: Path) -> Optional[Path]:
 if __name__ == "__main__":  # the worker draws in a child process: python -m launcher.deliver.plots RUN_DIR
     import sys
 
-    # The lowest CPU priority: on a box with few cores the drawing (matplotlib's import, about 2 s of CPU)
-    # otherwise takes cores from the training's threads (measured on 2 cores: two logged intervals at
-    # half the tokens/s after each checkpoint).
+    # the lowest CPU priority: on 2 cores the drawing halved two logged intervals' tokens/s after each checkpoint
     try:
         os.nice(19)
     except (AttributeError, OSError):  # not on this platform: draw at normal priority

@@ -1,15 +1,9 @@
-"""Publishing a finished run to the Hugging Face Hub (the recipe's `publish:`): the outputs the export checked, with
-a model card, in one commit; never an output the export did not check.
+"""Publishing a finished run to the Hugging Face Hub (the recipe's `publish:`): only the outputs the export checked,
+with a model card, in one HfApi.create_commit (all or nothing), after the export or by `ftrun publish`. The token is
+huggingface_hub's own (HF_TOKEN or `hf auth login`), never the recipe's.
 
-Called by the supervisor after the export (and before on_finish, which may stop the box), and by `ftrun publish`.
-The repository is changed through huggingface_hub only: HfApi.create_repo, then one HfApi.create_commit holding
-every file (all or nothing; large files go through the Hub's LFS upload inside it). The token is huggingface_hub's
-own: HF_TOKEN, else the one `hf auth login` stored (huggingface_hub.get_token), never the recipe's.
-
-Layout of the repo: the merged model at its root (transformers, vLLM and TGI load `user/repo` as it is), else the
-adapter at the root (PEFT loads it, adapter_config.json names the base); with both, the adapter in adapter/. A GGUF
-file at the root (Ollama's and llama.cpp's `hf.co/user/repo:Q8_0`). README.md is the card; samples.md the before
-and after answers when the run made them; ftrun/ the recipe, data and export records.
+Layout: the merged model at the root, else the adapter; with both, the adapter in adapter/. A GGUF file at the root
+(`hf.co/user/repo:Q8_0`). README.md the card, samples.md the before and after answers, ftrun/ the run's records.
 """
 
 from __future__ import annotations
@@ -53,8 +47,8 @@ def _load(run: RunDir) -> tuple[Any, dict[str, Any]]:
 
 
 def verified_outputs(run: RunDir, recipe, report: dict[str, Any], what: list[str], state: dict) -> dict[str, Path]:
-    """{output: folder or file} of each output to publish, each one the export wrote and checked and unchanged
-    since (its size as export.json recorded it); a PublishError naming what is missing otherwise."""
+    """{output: folder or file} of each output to publish, each checked by the export and unchanged since (its size
+    in export.json); a PublishError naming what is missing otherwise."""
     from launcher.store.checkpoint import tree_bytes
 
     if not report.get("ok"):
@@ -98,7 +92,7 @@ def verified_outputs(run: RunDir, recipe, report: dict[str, Any], what: list[str
 
 
 def layout(outputs: dict[str, Path]) -> list[tuple[Path, str]]:
-    """(local file, path in the repo) for every file to publish (module docstring: where each output goes)."""
+    """(local file, path in the repo) for every file to publish (the module docstring's layout)."""
     files: list[tuple[Path, str]] = []
 
     def tree(folder: Path, prefix: str) -> None:
@@ -119,7 +113,7 @@ def layout(outputs: dict[str, Path]) -> list[tuple[Path, str]]:
 
 
 def _hub_id(model: str) -> Optional[str]:
-    """The base model's Hub id, or None for a local folder (the card then names the folder's config)."""
+    """The base model's Hub id, or None for a local folder."""
     return model if re.fullmatch(r"[\w.-]+/[\w.-]+", model) and not Path(model).exists() else None
 
 
@@ -316,8 +310,7 @@ def model_card(run: RunDir, recipe, report: dict[str, Any], repo: str, outputs: 
 
 
 def _task_eval_file(run: RunDir) -> Optional[Path]:
-    """The task evaluation's record (launcher/worker/task_eval.py): final/task_eval.json, else the base model's alone
-    in the run directory (published as ftrun/task_eval.json)."""
+    """The task evaluation's record: final/task_eval.json, else the base model's alone in the run directory."""
     return next((p for p in (run.final / run.task_eval.name, run.task_eval) if p.is_file()), None)
 
 
@@ -366,16 +359,13 @@ def _task_eval_lines(run: RunDir) -> list[str]:
 
 
 def _public_recipe(recipe) -> dict[str, Any]:
-    """The recipe as published: without its secret fields (launcher/recipe_sections.py Secret) and sync: (where this
-    box copies to: not the model's business), local paths shortened to their last part (a box's folders say nothing
-    to a reader)."""
+    """The recipe as published: without its secret fields (launcher/recipe_sections.py Secret) and sync:, local paths
+    shortened to their last part."""
     snap = recipe.public_snapshot()
     snap.pop("sync", None)
-    for key in ("model", "output_dir"):
+    for key in ("model", "output_dir", "data"):
         if isinstance(snap.get(key), str) and snap[key].startswith("/"):
             snap[key] = Path(snap[key]).name
-    if isinstance(snap.get("data"), str) and snap["data"].startswith("/"):
-        snap["data"] = Path(snap["data"]).name
     return snap
 
 
@@ -434,9 +424,8 @@ def _push(
         extra.append((run.final / "samples.md", "samples.md"))
     (staging / "recipe.yaml").write_text(yaml.safe_dump(_public_recipe(recipe), sort_keys=False))
     extra.append((staging / "recipe.yaml", "ftrun/recipe.yaml"))
-    for name in ("data.json",):
-        if (run.root / name).is_file():
-            extra.append((run.root / name, f"ftrun/{name}"))
+    if (run.root / "data.json").is_file():
+        extra.append((run.root / "data.json", "ftrun/data.json"))
     extra.append((run.final / "export.json", "ftrun/export.json"))
     if _task_eval_file(run):
         extra.append((_task_eval_file(run), "ftrun/task_eval.json"))
@@ -471,8 +460,8 @@ def _push(
 
 
 def after_export(recipe, run: RunDir, log: Callable[[str], None]) -> None:
-    """The supervisor's step after the export: publish when the recipe asks, the outcome in state.json's
-    `publish`; a failure never changes the run's own state (the trained result is intact)."""
+    """The supervisor's step after the export: publish when the recipe asks, the outcome in state.json's `publish`;
+    a failure never changes the run's own state."""
     from launcher.store.state import RunSnapshot, move
 
     if not recipe.publish.to:
@@ -489,8 +478,7 @@ def after_export(recipe, run: RunDir, log: Callable[[str], None]) -> None:
 
 
 def publish_command(run: RunDir, to: Optional[str] = None) -> int:
-    """`ftrun publish [RUN]`: the same step by hand (after a failed one, or with another repo). The command line
-    resolves the run (launcher/cli.py): the supervisor imports this module, so it imports nothing above it."""
+    """`ftrun publish [RUN]`: the same step by hand; the command line resolves the run (launcher/cli.py)."""
     from launcher.store.state import RunLock, RunSnapshot, move
 
     lock = RunLock(run).acquire()  # not while the supervisor trains, exports or publishes

@@ -1,10 +1,6 @@
-"""Before and after: a few held-out prompts answered greedily by the base model and by the fine-tuned one.
-
-The prompts are a seeded draw from the eval split (or from the training data when there is none, and the file
-says so). The base model's answers are generated once, before the first training step (by the smoke test, or
-the full run's first start when there is none) and kept in samples-before.json, which every checkpoint carries;
-a resume never generates them again. After training the same prompts are answered by the trained model, and
-final/samples.md holds prompt, reference answer, before and after (final/samples.json the same as data).
+"""Before and after: a few held-out prompts (a seeded draw; from the training data when there is no eval split)
+answered greedily by the base model, once before the first step (samples-before.json, carried by every checkpoint),
+and by the fine-tuned one after training, into final/samples.md and final/samples.json.
 """
 
 from __future__ import annotations
@@ -26,9 +22,8 @@ DATA = "samples.json"  # in final/
 def pick(
     examples: list, held_out: list[int], train: list[int], n: int, seed: int, file: Optional[str] = None
 ) -> list[dict[str, Any]]:
-    """n prompts: the messages before an example's last assistant turn, with that turn as the reference.
-    From the held-out examples when there are any, else from the training data; a seeded draw. `file`: where
-    the examples' numbers count from (samples.md names it)."""
+    """n prompts (an example's messages before its last assistant turn, that turn the reference), seeded, from the
+    held-out examples, else the training data. `file`: where the examples' numbers count from."""
     pool, source = (held_out, "eval split") if held_out else (train, "training data")
     return [
         {"index": p.pop("index"), "source": source, "file": file, **p}
@@ -37,9 +32,8 @@ def pick(
 
 
 def generate(model, tokenizer, prompts: list[dict[str, Any]], max_new_tokens: int, synced: bool = False) -> list[str]:
-    """Greedy answers, one prompt at a time (no padding to get wrong). The random number generators are left as
-    they were (a resume's trajectory does not depend on whether this ran) and so is the train/eval mode.
-    `synced`: every process calls this with the same prompts (ZeRO-3, FSDP gather weights in each forward)."""
+    """Greedy answers, one prompt at a time (no padding to get wrong); RNG and train mode are left as they were.
+    `synced`: every process calls this alike (ZeRO-3, FSDP)."""
     import torch
 
     from launcher.worker.processor import encode, text_tokenizer
@@ -108,17 +102,14 @@ def before_callback(
     synced: bool,
     say: Callable[[str], None],
 ):
-    """A trainer callback: at the start of training from step 0 (the base model, LoRA's B still zero), answer the
-    prompts unless samples-before.json exists. Under a sharding engine every process generates (synced)."""
+    """A trainer callback: at step 0 (LoRA's B still zero) answer the prompts unless samples-before.json exists."""
     from transformers import TrainerCallback
 
     class Before(TrainerCallback):
         seconds: Optional[float] = None
 
         def on_train_begin(self, args, state, control, model=None, **kw):
-            if state.global_step != 0 or not prompts or path.is_file() or model is None:
-                return
-            if not (writes or synced):
+            if state.global_step != 0 or not prompts or path.is_file() or model is None or not (writes or synced):
                 return
             t0 = time.monotonic()
             try:
@@ -152,7 +143,7 @@ def write_after(
     start: str = "base model",
 ) -> Path:
     """final/samples.md and final/samples.json from the before record and the answers after training. `start`: what
-    answered before training (a run with init_from starts from its parent adapter, not the base model)."""
+    answered before (init_from: the parent adapter)."""
     from launcher.store.checkpoint import atomic_write_json
 
     by_index = {s["index"]: s.get("before") for s in (before or {}).get("samples", [])}
@@ -251,9 +242,12 @@ def summary(rows: list[dict[str, Any]], width: int = 70) -> list[str]:
         one = " ".join((text or "-").split())
         return one if len(one) <= width else one[: width - 3] + "..."
 
-    out = []
-    for k, r in enumerate(rows, start=1):
-        out.append(f"{k}. reference: {cut(r['reference'])}")
-        out.append(f"   before:    {cut(r.get('before'))}")
-        out.append(f"   after:     {cut(r.get('after'))}")
-    return out
+    return [
+        line
+        for k, r in enumerate(rows, start=1)
+        for line in (
+            f"{k}. reference: {cut(r['reference'])}",
+            f"   before:    {cut(r.get('before'))}",
+            f"   after:     {cut(r.get('after'))}",
+        )
+    ]
