@@ -224,14 +224,8 @@ def build_callbacks(
             if row.get("frac_reward_zero_std") is not None:
                 self.zero_std.append(row["frac_reward_zero_std"])
             self.t_last, self.tokens_last = now, tokens
-            _emit(
-                run,
-                mode,
-                state,
-                row,
-                f"loss {loss:.4f} lr {row['learning_rate']:.2e} {row['tokens_per_second']:.0f} tok/s"
-                + _objective_words(row),
-            )
+            words = f"loss {loss:.4f} lr {row['learning_rate']:.2e} {row['tokens_per_second']:.0f} tok/s"
+            _emit(run, mode, state, row, words + _objective_words(row))
 
     return Cadence(), Metrics()
 
@@ -243,24 +237,16 @@ def _objective_words(row: dict[str, Any]) -> str:
     if row.get("reward") is None:
         return ""
     parts = methods.reward_parts(row)
-    return (
-        f" reward {row['reward']:.3f} +- {row.get('reward_std') or 0:.3f}"
-        + (
-            " ("
-            + ", ".join(
-                (f"{name} {p['mean']:.3f} +- {p['std'] or 0:.3f}" if p["mean"] is not None else f"{name} none scored")
-                for name, p in parts.items()
-            )
-            + ")"
-            if len(parts) > 1
-            else ""
+    words = f" reward {row['reward']:.3f} +- {row.get('reward_std') or 0:.3f}"
+    if len(parts) > 1:
+        each = (
+            f"{name} {p['mean']:.3f} +- {p['std'] or 0:.3f}" if p["mean"] is not None else f"{name} none scored"
+            for name, p in parts.items()
         )
-        + (
-            f", {row['frac_reward_zero_std']:.0%} of prompts without reward variance"
-            if row.get("frac_reward_zero_std")
-            else ""
-        )
-    )
+        words += f" ({', '.join(each)})"
+    if row.get("frac_reward_zero_std"):
+        words += f", {row['frac_reward_zero_std']:.0%} of prompts without reward variance"
+    return words
 
 
 def _log_eval(run: RunDir, mode: str, state, logs: dict[str, Any], logged: tuple[str, ...] = ()) -> None:

@@ -34,39 +34,27 @@ def pick(
 def generate(model, tokenizer, prompts: list[dict[str, Any]], max_new_tokens: int, synced: bool = False) -> list[str]:
     """Greedy answers, one prompt at a time (no padding to get wrong); RNG and train mode are left as they were.
     `synced`: every process calls this alike (ZeRO-3, FSDP)."""
-    import torch
-
     from launcher.worker.processor import encode, text_tokenizer
+    from launcher.worker.task_eval import inference, prompt_text
 
     processor, tokenizer = tokenizer, text_tokenizer(tokenizer)  # a vision-language model's processor reads images
     device = getattr(model, "device", None) or next(model.parameters()).device
-    was_training = model.training
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     answers = []
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
-        model.eval()
-        try:
-            for p in prompts:
-                text = (
-                    p["text"]
-                    if "text" in p
-                    else processor.apply_chat_template(p["messages"], tokenize=False, add_generation_prompt=True)
-                )
-                pictures = [p["images"]] if p.get("images") else None
-                enc = encode(processor, [text], pictures, return_tensors="pt", add_special_tokens=False).to(device)
-                out = model.generate(
-                    **enc,
-                    max_new_tokens=max_new_tokens,
-                    do_sample=False,
-                    use_cache=True,
-                    pad_token_id=tokenizer.pad_token_id
-                    if tokenizer.pad_token_id is not None
-                    else tokenizer.eos_token_id,
-                    synced_gpus=synced,
-                )
-                answers.append(tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True).strip())
-        finally:
-            model.train(was_training)
+    with inference(model):
+        for p in prompts:
+            pictures = [p["images"]] if p.get("images") else None
+            text = prompt_text(processor, p)
+            enc = encode(processor, [text], pictures, return_tensors="pt", add_special_tokens=False).to(device)
+            out = model.generate(
+                **enc,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                use_cache=True,
+                pad_token_id=pad,
+                synced_gpus=synced,
+            )
+            answers.append(tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True).strip())
     return answers
 
 

@@ -16,7 +16,8 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
 
 from launcher.data import task_metrics
 from launcher.data.task_examples import with_shots
@@ -96,6 +97,21 @@ def prompt_text(tokenizer, prompt: dict[str, Any], template_kwargs: Optional[dic
     )
 
 
+@contextmanager
+def inference(model) -> Iterator[None]:
+    """Eval mode without gradients; the random number generators and the train/eval mode as they were after."""
+    import torch
+
+    was_training = model.training
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        model.eval()
+        try:
+            yield
+        finally:
+            model.train(was_training)
+
+
 def generate_batch(
     model,
     tokenizer,
@@ -105,7 +121,7 @@ def generate_batch(
     images: Optional[list[list[str]]] = None,
 ) -> list[tuple[str, int]]:
     """(answer, new tokens up to and including its end) for each text: one greedy, left-padded generate call.
-    `images`: each text's image files (`tokenizer` is then the processor). The caller forks the RNG (`answer`)."""
+    `images`: each text's image files (`tokenizer` is then the processor). The caller holds `inference`."""
     import torch
 
     from launcher.worker.processor import encode, text_tokenizer
@@ -213,34 +229,22 @@ def answer(
         order = sorted(missing, key=lambda i: -len(texts[i]))
         if write:
             _repair(path)
-        was_training = model.training
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
-            model.eval()
-            try:
-                for start in range(0, len(order), size):
-                    batch = order[start : start + size]
-                    t0 = time.monotonic()
-                    got = generate_batch(
-                        model,
-                        tokenizer,
-                        [texts[i] for i in batch],
-                        max_new_tokens,
-                        synced,
-                        images=[pictures[i] for i in batch] if any(pictures[i] for i in batch) else None,
-                    )
-                    share = (time.monotonic() - t0) / len(batch)
-                    rows = [
-                        {"index": i, "answer": a, "new_tokens": n, "seconds": round(share, 4), "prompt": asked[i]}
-                        for i, (a, n) in zip(batch, got)
-                    ]
-                    if write:
-                        _append(path, rows)
-                    kept.update({r["index"]: r for r in rows})
-                    if on_batch is not None:
-                        on_batch(len(prompts) - len(missing) + start + len(batch), len(prompts))
-            finally:
-                model.train(was_training)
+        with inference(model):
+            for start in range(0, len(order), size):
+                batch = order[start : start + size]
+                t0 = time.monotonic()
+                images = [pictures[i] for i in batch] if any(pictures[i] for i in batch) else None
+                got = generate_batch(model, tokenizer, [texts[i] for i in batch], max_new_tokens, synced, images=images)
+                share = (time.monotonic() - t0) / len(batch)
+                rows = [
+                    {"index": i, "answer": a, "new_tokens": n, "seconds": round(share, 4), "prompt": asked[i]}
+                    for i, (a, n) in zip(batch, got)
+                ]
+                if write:
+                    _append(path, rows)
+                kept.update({r["index"]: r for r in rows})
+                if on_batch is not None:
+                    on_batch(len(prompts) - len(missing) + start + len(batch), len(prompts))
     return [kept[int(p["index"])] for p in prompts]
 
 
