@@ -119,18 +119,14 @@ def _hub_id(model: str) -> Optional[str]:
 
 def _eval_losses(run: RunDir) -> tuple[Optional[dict], Optional[dict], Optional[dict]]:
     """(first train row, last train row, last eval row) of metrics.jsonl."""
-    rows = (
-        [json.loads(line) for line in run.metrics.read_text().splitlines() if line.strip()]
-        if run.metrics.is_file()
-        else []
-    )
-    train = [r for r in rows if "loss" in r]
-    evals = [r for r in rows if "eval_loss" in r]
+    from launcher.deliver.plots import read_metrics
+
+    train, evals = read_metrics(run.metrics), read_metrics(run.metrics, "eval_loss")
     return (train[0] if train else None), (train[-1] if train else None), (evals[-1] if evals else None)
 
 
 def _serve_lines(repo: str, recipe, outputs: dict[str, Path], report: dict[str, Any]) -> list[str]:
-    from launcher.deliver.serving import served_name, template_switches, vllm_command
+    from launcher.deliver.serving import fence, served_name, template_switches, vllm_command
 
     name = served_name(Path(repo.split("/")[1]))
     base = _hub_id(recipe.model) or "BASE_MODEL"
@@ -143,55 +139,35 @@ def _serve_lines(repo: str, recipe, outputs: dict[str, Path], report: dict[str, 
             "",
         ]
     if "merged" in outputs:
-        lines += [
-            "```",
-            vllm_command(repo, quote=False, switches=switches),
-            "```",
-            "",
-            "```python",
+        lines += fence(vllm_command(repo, quote=False, switches=switches))
+        lines += fence(
             "from transformers import AutoModelForCausalLM, AutoTokenizer",
             f'model = AutoModelForCausalLM.from_pretrained("{repo}")',
             f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
-            "```",
-            "",
-        ]
+            lang="python",
+        )
     if "adapter" in outputs:
         rank = (report.get("outputs", {}).get("adapter") or {}).get("rank") or recipe.lora.r
         if "merged" in outputs:
-            lines += [
-                "The LoRA adapter alone is in `adapter/`:",
-                "",
-                "```",
-                f"hf download {repo} --include 'adapter/*' --local-dir {name}",
-                vllm_command(
-                    base, lora_module=f"{name}=./{name}/adapter", lora_rank=rank, quote=False, switches=switches
-                ),
-                "```",
-                "",
-            ]
+            serve = vllm_command(
+                base, lora_module=f"{name}=./{name}/adapter", lora_rank=rank, quote=False, switches=switches
+            )
+            lines += ["The LoRA adapter alone is in `adapter/`:", ""]
+            lines += fence(f"hf download {repo} --include 'adapter/*' --local-dir {name}", serve)
         else:
-            lines += [
-                "```",
-                vllm_command(base, lora_module=f"{name}={repo}", lora_rank=rank, quote=False, switches=switches),
-                "```",
-                "",
-                "```python",
+            lines += fence(
+                vllm_command(base, lora_module=f"{name}={repo}", lora_rank=rank, quote=False, switches=switches)
+            )
+            lines += fence(
                 "from peft import AutoPeftModelForCausalLM",
                 f'model = AutoPeftModelForCausalLM.from_pretrained("{repo}")',
-                "```",
-                "",
-            ]
+                lang="python",
+            )
     if "gguf" in outputs:
         quant = str((report.get("outputs", {}).get("gguf") or {}).get("type") or recipe.gguf_type).upper()
         think = " --think=false" if switches.get("enable_thinking") is False else ""
         kwargs = f" --chat-template-kwargs '{json.dumps(switches)}'" if switches else ""
-        lines += [
-            "```",
-            f"ollama run hf.co/{repo}:{quant}{think}",
-            f"llama-server -hf {repo}:{quant}{kwargs}",
-            "```",
-            "",
-        ]
+        lines += fence(f"ollama run hf.co/{repo}:{quant}{think}", f"llama-server -hf {repo}:{quant}{kwargs}")
     return lines
 
 

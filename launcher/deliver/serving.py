@@ -17,6 +17,11 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 _SENTINELS = {"system": "QQSYSTEMQQ", "user": "QQUSERQQ", "assistant": "QQASSISTANTQQ", "user2": "QQSECONDQQ"}
 
 
+def fence(*lines: str, lang: str = "") -> list[str]:
+    """A markdown code block of `lines`, and the blank line after it."""
+    return [f"```{lang}", *lines, "```", ""]
+
+
 def vllm_lora_rank(r: int) -> int:
     return next((v for v in VLLM_LORA_RANKS if v >= r), VLLM_LORA_RANKS[-1])
 
@@ -274,13 +279,12 @@ def _go_template_off(default: dict[str, Any]) -> list[str]:
         "(export.json served_prompt.runtimes.ollama). It applies to every model that server serves, and a "
         "Modelfile TEMPLATE is then ignored.",
         "",
-        "```",
-        f"{key}={value} ollama serve",
-        "# or, for Ollama as a systemd service (the Linux installer's):",
-        f'sudo systemctl edit ollama.service   # add under [Service]: Environment="{key}={value}"',
-        "sudo systemctl restart ollama",
-        "```",
-        "",
+        *fence(
+            f"{key}={value} ollama serve",
+            "# or, for Ollama as a systemd service (the Linux installer's):",
+            f'sudo systemctl edit ollama.service   # add under [Service]: Environment="{key}={value}"',
+            "sudo systemctl restart ollama",
+        ),
     ]
 
 
@@ -361,17 +365,16 @@ def render(
             "The adapter is small; vLLM loads the base model once and applies the adapter per request "
             "(the model name `" + name + "` selects it, the base id the plain model).",
             "",
-            "```",
-            vllm_command(
-                recipe.model,
-                lora_module=name + "=" + outputs["adapter"]["path"],
-                lora_rank=rank,
-                max_model_len=recipe.max_length,
-                breaks=True,
-                switches=switches,
+            *fence(
+                vllm_command(
+                    recipe.model,
+                    lora_module=name + "=" + outputs["adapter"]["path"],
+                    lora_rank=rank,
+                    max_model_len=recipe.max_length,
+                    breaks=True,
+                    switches=switches,
+                )
             ),
-            "```",
-            "",
         ]
         if is_quantized(recipe.method):
             parts += [
@@ -379,7 +382,7 @@ def render(
                 "the merged model below (the standard QLoRA deployment).",
                 "",
             ]
-        parts += ["```", _curl(name, question), "```", ""]
+        parts += fence(_curl(name, question))
     if "merged" in outputs or "model" in outputs:
         mpath = outputs["merged" if "merged" in outputs else "model"]["path"]
         parts += [
@@ -387,14 +390,8 @@ def render(
             "",
             "No adapter at run time; add `--tensor-parallel-size N` for a model larger than one GPU.",
             "",
-            "```",
-            vllm_command(mpath, name=name, max_model_len=recipe.max_length, breaks=True, switches=switches),
-            "```",
-            "",
-            "```",
-            _curl(name, question),
-            "```",
-            "",
+            *fence(vllm_command(mpath, name=name, max_model_len=recipe.max_length, breaks=True, switches=switches)),
+            *fence(_curl(name, question)),
         ]
     mf = None
     if "gguf" in outputs:
@@ -428,14 +425,13 @@ def render(
             + ".",
             "",
             *_go_template_off(feats["ollama"]),
-            "```",
-            f"cd {q(str(gdir))}",
-            f"ollama create {q(name)} -f Modelfile",
-            f"ollama run {q(name)}"
-            + (" --think=false" if switches.get("enable_thinking") is False else "")
-            + f" {q(question)}",
-            "```",
-            "",
+            *fence(
+                f"cd {q(str(gdir))}",
+                f"ollama create {q(name)} -f Modelfile",
+                f"ollama run {q(name)}"
+                + (" --think=false" if switches.get("enable_thinking") is False else "")
+                + f" {q(question)}",
+            ),
         ]
         if feats.get("tools") or feats.get("thinking"):
             parts += [
@@ -457,14 +453,8 @@ def render(
         parts += [
             "Ollama's OpenAI-compatible API:",
             "",
-            "```",
-            _curl(name, question, port=11434),
-            "```",
-            "",
-            "```",
-            mf["text"].rstrip(),
-            "```",
-            "",
+            *fence(_curl(name, question, port=11434)),
+            *fence(mf["text"].rstrip()),
             "llama.cpp directly: `llama-server -m "
             + q(str(g["path"]))
             + f" -c {recipe.max_length} --jinja"
@@ -480,11 +470,10 @@ def render(
             "Ollama can also convert and quantize the merged safetensors itself (its own converter, which "
             "ftrun's checks do not cover; it knows fewer architectures than llama.cpp's):",
             "",
-            "```",
-            f"printf 'FROM %s\\n' {q(str(mdir))} > Modelfile.merged",
-            f"ollama create {q(name + '-ollama')} -q q4_K_M -f Modelfile.merged",
-            f"ollama run {q(name + '-ollama')} {q(question)}",
-            "```",
-            "",
+            *fence(
+                f"printf 'FROM %s\\n' {q(str(mdir))} > Modelfile.merged",
+                f"ollama create {q(name + '-ollama')} -q q4_K_M -f Modelfile.merged",
+                f"ollama run {q(name + '-ollama')} {q(question)}",
+            ),
         ]
     return "\n".join(parts), mf
