@@ -220,15 +220,8 @@ def _score_after(
                 if writes:
                     task_eval.record(run.root, task, name, result)
                     _say(f"task eval: {name} (the adapter switched off): {result['score']:.1%}")
-        result = task_eval.score_model(
-            model,
-            tokenizer,
-            run.root,
-            task,
-            FINE_TUNED,
-            identity=f"{recipe.model} step {trainer.state.global_step}",
-            **kw,
-        )
+        kw["identity"] = f"{recipe.model} step {trainer.state.global_step}"
+        result = task_eval.score_model(model, tokenizer, run.root, task, FINE_TUNED, **kw)
     except StopRequested as where:
         _say(f"task eval: stopped after {where} answers of this model (kept in {run.task_answers})")
         return False

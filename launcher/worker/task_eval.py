@@ -328,27 +328,18 @@ def record(
     if "scores" not in old or old.get("metric") != task["metric"]:
         old = {}  # a statement written before, or another task: start over
     if task.get("starting_point"):  # a file written before the parent's rows had their own names: renamed here
-        old = {
-            k: (
-                {stored_name(task, n): v for n, v in old[k].items()}
-                if isinstance(old.get(k), dict) and k in _BY_NAME
-                else old[k]
-            )
-            for k in old
+        renamed = {
+            k: {stored_name(task, n): v for n, v in old[k].items()} for k in _BY_NAME if isinstance(old.get(k), dict)
         }
+        old = {**old, **renamed}
     results = {
         "metric": task["metric"],
         "metric_reason": task["metric_reason"],
         "examples": len(task["prompts"]),
         "shots": len(task["shots"]),
         "max_new_tokens": task["max_new_tokens"],
-        **({"chat_template_kwargs": task["chat_template_kwargs"]} if task.get("chat_template_kwargs") else {}),
-        **({"starting_point": task["starting_point"]} if task.get("starting_point") else {}),
-        **({"capped": task["capped"]} if task.get("capped") else {}),
-        "scores": dict(old.get("scores", {})),
-        "details": dict(old.get("details", {})),
-        "generation": dict(old.get("generation", {})),
-        "per_example": dict(old.get("per_example", {})),
+        **{k: task[k] for k in ("chat_template_kwargs", "starting_point", "capped") if task.get(k)},
+        **{k: dict(old.get(k, {})) for k in ("scores", "details", "generation", "per_example")},
     }
     if name is not None and result is not None:
         results["scores"][name] = result["score"]
