@@ -164,14 +164,9 @@ def compare(
     """Numbers for export.json, and whether they are within the tolerance of kind for the compute dtype."""
     import torch
 
-    agree = total = 0
-    max_abs = 0.0
-    max_rel = 0.0
-    kl_sum = 0.0
-    greedy_same = greedy_n = 0
+    agree = total = greedy_same = greedy_n = n_nll = 0
+    max_abs = max_rel = kl_sum = nll_ref = nll_out = 0.0
     first_diverge = []
-    nll_ref = nll_out = 0.0
-    n_nll = 0
     for r, o in zip(ref, out):
         a, b = r["logits"], o["logits"]
         agree += int((a.argmax(-1) == b.argmax(-1)).sum())

@@ -241,14 +241,11 @@ def model_card(run: RunDir, recipe, report: dict[str, Any], repo: str, outputs: 
         )
     if ev:
         body.append(f"- eval loss {ev['eval_loss']:.4f} at step {ev['step']} (held-out examples)")
+    epochs = f"{recipe.epochs:g} epoch{'' if recipe.epochs == 1 else 's'}"
+    length = f"{recipe.max_steps} steps" if recipe.max_steps else epochs
     body += [
         f"- {recipe.micro_batch_size} x {recipe.gradient_accumulation_steps} examples per step per process, "
-        f"learning rate {recipe.learning_rate:g}, max length {recipe.max_length}, "
-        + (
-            f"{recipe.max_steps} steps"
-            if recipe.max_steps
-            else f"{recipe.epochs:g} epoch{'' if recipe.epochs == 1 else 's'}"
-        ),
+        f"learning rate {recipe.learning_rate:g}, max length {recipe.max_length}, {length}",
         "",
     ]
 

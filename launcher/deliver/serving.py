@@ -60,11 +60,10 @@ def vllm_command(
         words += [["--served-model-name", name]]
     if max_model_len is not None:
         words += [["--max-model-len", str(max_model_len)]]
-    text = (" \\\n  " if breaks else " ").join(
-        " ".join(shlex.quote(w) if quote else w for w in option) for option in words
-    )
+    sep = " \\\n  " if breaks else " "
+    text = sep.join(" ".join(shlex.quote(w) if quote else w for w in option) for option in words)
     if switches:  # JSON: quoted for the shell even where the rest is shown as written
-        text += (" \\\n  " if breaks else " ") + "--default-chat-template-kwargs " + shlex.quote(json.dumps(switches))
+        text += sep + "--default-chat-template-kwargs " + shlex.quote(json.dumps(switches))
     return text
 
 
@@ -122,16 +121,8 @@ def go_template(pieces: dict[str, str]) -> str:
     def branch(role: str) -> str:
         return f'eq .Role "{role}" }}}}{pieces[role + "_pre"]}{{{{ .Content }}}}{pieces[role + "_post"]}'
 
-    return (
-        "{{ range .Messages }}{{ if "
-        + branch("system")
-        + "{{ else if "
-        + branch("user")
-        + "{{ else if "
-        + branch("assistant")
-        + "{{ end }}{{ end }}"
-        + pieces["generation"]
-    )
+    roles = "{{ else if ".join(branch(role) for role in ("system", "user", "assistant"))
+    return "{{ range .Messages }}{{ if " + roles + "{{ end }}{{ end }}" + pieces["generation"]
 
 
 def template_features(template: str) -> dict[str, bool]:

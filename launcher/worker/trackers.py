@@ -26,9 +26,7 @@ PROJECT = "ftrun"  # wandb project, MLflow experiment, Trackio project, unless t
 
 def _installed(tracker: str) -> bool:
     if tracker == "tensorboard":  # TensorBoardCallback takes either writer
-        return (
-            importlib.util.find_spec("tensorboard") is not None or importlib.util.find_spec("tensorboardX") is not None
-        )
+        return any(importlib.util.find_spec(m) is not None for m in ("tensorboard", "tensorboardX"))
     return importlib.util.find_spec(TRACKERS[tracker].module) is not None
 
 
