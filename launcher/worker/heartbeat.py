@@ -44,17 +44,8 @@ class Heartbeat:
         elif now - self.written < HEARTBEAT_SECONDS:
             return
         try:
-            heartbeat_files.write(
-                self.run,
-                self.rank,
-                {
-                    "pid": os.getpid(),
-                    "step": self.step,
-                    "phase": self.phase,
-                    "phase_started": self.phase_started,
-                    "time": now,
-                },
-            )
+            beat = {"pid": os.getpid(), "step": self.step, "phase": self.phase, "phase_started": self.phase_started}
+            heartbeat_files.write(self.run, self.rank, {**beat, "time": now})
             self.written = now
         except OSError:  # a full disk says so elsewhere; the watchdog's floor covers a rank that cannot write
             pass
