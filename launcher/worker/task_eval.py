@@ -437,12 +437,8 @@ def _base_phase(run_dir: Path, batch_size: Optional[int]) -> int:
             return 0
         from launcher.worker.loading import load_tokenizer
 
-        task = task_for_run(
-            run,
-            recipe,
-            [] if run.task.is_file() else load_data(_data_spec(run, recipe), recipe.seed).examples,
-            tokenizer=load_tokenizer(recipe),
-        )
+        examples = [] if run.task.is_file() else load_data(_data_spec(run, recipe), recipe.seed).examples
+        task = task_for_run(run, recipe, examples, tokenizer=load_tokenizer(recipe))
     except FtrunError as exc:  # a recipe or data the launcher would refuse: said in one line
         fix = f" Fix: {exc.fix}" if exc.fix else ""
         print(f"{PREFIX} {' '.join((exc.message + fix).split())}", file=sys.stderr, flush=True)
@@ -489,7 +485,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument(
         "--batch-size",
         type=int,
-        default=None,
         help=f"prompts per generate call (default {BATCH['cpu']} on the CPU, {BATCH['cuda']} on a GPU)",
     )
     args = parser.parse_args(argv)
