@@ -72,15 +72,10 @@ def verified_outputs(run: RunDir, recipe, report: dict[str, Any], what: list[str
                 fix=f"add {item} to export: and run `ftrun export {run.root}`, or remove it from publish.what.",
             )
         path = Path(out["path"])
-        size = (
-            tree_bytes(path / "adapter_model.safetensors")
-            if item == "adapter"
-            else path.stat().st_size
-            if path.is_file()
-            else tree_bytes(path)
-            if path.is_dir()
-            else None
-        )
+        if item == "adapter":
+            size = tree_bytes(path / "adapter_model.safetensors")
+        else:
+            size = path.stat().st_size if path.is_file() else tree_bytes(path) if path.is_dir() else None
         if size is None or (out.get("bytes") is not None and size != out["bytes"]):
             raise PublishError(
                 f"{path} changed since the export checked it ({out.get('bytes')} bytes then, "
