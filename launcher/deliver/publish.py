@@ -284,16 +284,7 @@ def _task_eval_file(run: RunDir) -> Optional[Path]:
 
 def _task_eval_lines(run: RunDir) -> list[str]:
     """The card's scores table, from the task evaluation's record; nothing when it has no scores."""
-    from launcher.data.task_verdict import (
-        BARE_BASE,
-        BARE_BASE_LABEL,
-        BASE_FEW_SHOT,
-        BASE_ZERO_SHOT,
-        FINE_TUNED,
-        PARENT_FEW_SHOT,
-        PARENT_ZERO_SHOT,
-        start_name,
-    )
+    from launcher.data import task_verdict as tv
 
     path = _task_eval_file(run)
     record = json.loads(path.read_text()) if path else {}
@@ -301,17 +292,17 @@ def _task_eval_lines(run: RunDir) -> list[str]:
     if not scores:
         return []
     shots = record.get("shots")
-    start = start_name(record)  # a file written before the parent's rows had their own names: base_ with init_from
+    start = tv.start_name(record)  # a file written before the parent's rows had their own names: base_ with init_from
     names = {
-        BARE_BASE: BARE_BASE_LABEL,
-        BASE_ZERO_SHOT: f"{start}, zero-shot",
-        PARENT_ZERO_SHOT: "parent adapter, zero-shot",
-        FINE_TUNED: "fine-tuned",
-        BASE_FEW_SHOT: f"{start}, {shots} examples in the prompt" if shots else f"{start}, few-shot",
-        PARENT_FEW_SHOT: f"parent adapter, {shots} examples in the prompt" if shots else "parent adapter, few-shot",
+        tv.BARE_BASE: tv.BARE_BASE_LABEL,
+        tv.BASE_ZERO_SHOT: f"{start}, zero-shot",
+        tv.PARENT_ZERO_SHOT: "parent adapter, zero-shot",
+        tv.FINE_TUNED: "fine-tuned",
+        tv.BASE_FEW_SHOT: f"{start}, {shots} examples in the prompt" if shots else f"{start}, few-shot",
+        tv.PARENT_FEW_SHOT: f"parent adapter, {shots} examples in the prompt" if shots else "parent adapter, few-shot",
     }
-    starts = (BASE_ZERO_SHOT, BASE_FEW_SHOT, PARENT_ZERO_SHOT, PARENT_FEW_SHOT)
-    order = [n for n in (BARE_BASE, *starts, FINE_TUNED) if n in scores] + [n for n in scores if n not in names]
+    starts = (tv.BASE_ZERO_SHOT, tv.BASE_FEW_SHOT, tv.PARENT_ZERO_SHOT, tv.PARENT_FEW_SHOT)
+    order = [n for n in (tv.BARE_BASE, *starts, tv.FINE_TUNED) if n in scores] + [n for n in scores if n not in names]
     reason = f": {record['metric_reason']}" if record.get("metric_reason") else ""
     lines = [
         "## Task evaluation",
