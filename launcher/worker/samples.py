@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
 
 from launcher.data import task_examples
 from launcher.data.images import text_of
@@ -31,11 +32,34 @@ def pick(
     ]
 
 
+def prompt_text(tokenizer, prompt: dict[str, Any], template_kwargs: Optional[dict[str, Any]] = None) -> str:
+    """What the model reads: plain text as it is, messages through its chat template (with `template_kwargs`)."""
+    if "text" in prompt:
+        return prompt["text"]
+    return tokenizer.apply_chat_template(
+        prompt["messages"], tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+    )
+
+
+@contextmanager
+def inference(model) -> Iterator[None]:
+    """Eval mode without gradients; the random number generators and the train/eval mode as they were after."""
+    import torch
+
+    was_training = model.training
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        model.eval()
+        try:
+            yield
+        finally:
+            model.train(was_training)
+
+
 def generate(model, tokenizer, prompts: list[dict[str, Any]], max_new_tokens: int, synced: bool = False) -> list[str]:
     """Greedy answers, one prompt at a time (no padding to get wrong); RNG and train mode are left as they were.
     `synced`: every process calls this alike (ZeRO-3, FSDP)."""
     from launcher.worker.processor import encode, text_tokenizer
-    from launcher.worker.task_eval import inference, prompt_text
 
     processor, tokenizer = tokenizer, text_tokenizer(tokenizer)  # a vision-language model's processor reads images
     device = getattr(model, "device", None) or next(model.parameters()).device

@@ -16,14 +16,14 @@ import os
 import sys
 import time
 from pathlib import Path
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 from launcher.data import task_metrics
 from launcher.data.task_examples import with_shots
 from launcher.data.task_verdict import BARE_BASE, BASE_FEW_SHOT, BASE_ZERO_SHOT, base_score, stored_name, verdict
 from launcher.store.checkpoint import atomic_write_json
 from launcher.store.rundir import RunDir
+from launcher.worker.samples import inference, prompt_text
 
 from launcher.plan.throughput import GENERATION_BATCH as BATCH  # prompts per generate call, by device (one home)
 
@@ -86,30 +86,6 @@ def _eos_ids(model, tokenizer) -> list[int]:
     configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     found = [tokenizer.eos_token_id, *(configured if isinstance(configured, list) else [configured])]
     return list(dict.fromkeys(int(i) for i in found if i is not None))
-
-
-def prompt_text(tokenizer, prompt: dict[str, Any], template_kwargs: Optional[dict[str, Any]] = None) -> str:
-    """What the model reads: plain text as it is, messages through its chat template (with `template_kwargs`)."""
-    if "text" in prompt:
-        return prompt["text"]
-    return tokenizer.apply_chat_template(
-        prompt["messages"], tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
-    )
-
-
-@contextmanager
-def inference(model) -> Iterator[None]:
-    """Eval mode without gradients; the random number generators and the train/eval mode as they were after."""
-    import torch
-
-    was_training = model.training
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
-        model.eval()
-        try:
-            yield
-        finally:
-            model.train(was_training)
 
 
 def generate_batch(
