@@ -273,16 +273,8 @@ def chat_smoke(llm, messages: list[dict[str, Any]], tools: Optional[list], max_t
     llm.generate = recording
     try:
         t0 = time.monotonic()
-        res = llm.create_chat_completion(
-            messages=messages,
-            tools=tools,
-            temperature=0.0,
-            max_tokens=max_tokens,
-            repeat_penalty=1.0,
-            presence_penalty=0.0,
-            frequency_penalty=0.0,
-            seed=0,
-        )
+        greedy = dict(temperature=0.0, repeat_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, seed=0)
+        res = llm.create_chat_completion(messages=messages, tools=tools, max_tokens=max_tokens, **greedy)
         seconds = time.monotonic() - t0
     finally:
         del llm.generate

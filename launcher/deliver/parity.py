@@ -16,6 +16,10 @@ GREEDY_NEW_TOKENS = 16
 # The longest greedy continuation run to see whether a model ends its turn (ending_budget).
 ENDING_MAX_TOKENS = 256
 
+# plain argmax, as llama.cpp decodes: generate() would fill unset options from generation_config (transformers 5.24
+# generation/utils.py _prepare_generation_config; Qwen2.5's repetition_penalty)
+PLAIN_ARGMAX = dict(do_sample=False, num_beams=1, repetition_penalty=1.0, no_repeat_ngram_size=0, min_new_tokens=0)
+
 # Tolerances: top1 = share of teacher-forced positions with the same next token; rel = max |logit difference| / std
 # of the reference logits; ppl = relative perplexity difference; greedy = share of identical greedy continuations.
 TOLERANCE = {"merged": {"min_top1": 0.98, "max_rel": 0.15}, "full:merged": {"min_top1": 0.98, "max_rel": 0.15}}
@@ -117,19 +121,14 @@ def model_outputs(
             tokens = None
             if greedy:
                 pid = torch.tensor([p["prompt_ids"]], device=device)
-                # plain argmax, as llama.cpp decodes: generate() would fill unset options from generation_config
-                # (transformers 5.24 generation/utils.py _prepare_generation_config; Qwen2.5's repetition_penalty)
                 new = max(GREEDY_NEW_TOKENS, p.get("budget", 0)) if to_end else GREEDY_NEW_TOKENS
+                eos = model.config.get_text_config().eos_token_id
                 gen = model.generate(
                     input_ids=pid,
                     attention_mask=torch.ones_like(pid),
                     max_new_tokens=new,
-                    do_sample=False,
-                    num_beams=1,
-                    repetition_penalty=1.0,
-                    no_repeat_ngram_size=0,
-                    min_new_tokens=0,
-                    pad_token_id=eos if isinstance(eos := model.config.get_text_config().eos_token_id, int) else 0,
+                    pad_token_id=eos if isinstance(eos, int) else 0,
+                    **PLAIN_ARGMAX,
                 )
                 tokens = gen[0, pid.shape[1] :].tolist()
             results.append(

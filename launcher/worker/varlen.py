@@ -173,16 +173,8 @@ def _varlen(query, key, value, scaling, bounds, params):
         else:  # torch 2.11: no enable_gqa; transformers' repeat_kv mapping
             groups = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    out = _kernel()(
-        q,
-        k,
-        v,
-        cu_q.to(device=q.device, dtype=torch.int32),
-        cu_k.to(device=q.device, dtype=torch.int32),
-        max_q,
-        max_k,
-        **extra,
-    )
+    cu_q, cu_k = (c.to(device=q.device, dtype=torch.int32) for c in (cu_q, cu_k))
+    out = _kernel()(q, k, v, cu_q, cu_k, max_q, max_k, **extra)
     return out.unsqueeze(0)
 
 
