@@ -35,15 +35,9 @@ def _run_step(args: list[str], what: str) -> Step:
     import time
 
     t0 = time.monotonic()
-    res = subprocess.run(
-        [sys.executable, "-m", "launcher.deliver.llamacpp", *args],
-        capture_output=True,
-        text=True,
-        env=dict(
-            os.environ,
-            PYTHONPATH=str(Path(__file__).resolve().parents[2]) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        ),
-    )
+    path = str(Path(__file__).resolve().parents[2]) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    child = [sys.executable, "-m", "launcher.deliver.llamacpp", *args]
+    res = subprocess.run(child, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=path))
     seconds = time.monotonic() - t0
     out = res.stdout + res.stderr
     extra: dict[str, Any] = {}

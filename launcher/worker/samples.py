@@ -94,15 +94,9 @@ def write_before(
 ) -> None:
     from launcher.store.checkpoint import atomic_write_json
 
-    atomic_write_json(
-        path,
-        {
-            "max_new_tokens": max_new_tokens,
-            "seconds": round(seconds, 3),
-            "generated": time.time(),
-            "samples": [{**p, "before": a} for p, a in zip(prompts, answers)],
-        },
-    )
+    rows = [{**p, "before": a} for p, a in zip(prompts, answers)]
+    record = {"max_new_tokens": max_new_tokens, "seconds": round(seconds, 3), "generated": time.time()}
+    atomic_write_json(path, {**record, "samples": rows})
 
 
 def before_callback(
