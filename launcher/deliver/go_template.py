@@ -35,24 +35,13 @@ def collate(messages: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
 def _parse(template: str) -> list:
     """A tree of ("text", s) / ("out", expr) / ("if", [(cond, body)...], else) / ("range", expr, body)."""
     pieces: list[tuple[str, str]] = []
-    pos = 0
+    pos, trim = 0, False  # trim: the action before ended in -}}
     for m in _ACTION.finditer(template):
         text = template[pos : m.start()]
-        if m.group(1):
-            text = text.rstrip()
-        if pieces and pieces[-1][0] == "trim":
-            text = text.lstrip()
-            pieces.pop()
-        pieces.append(("text", text))
-        pieces.append(("act", m.group(2).strip()))
-        if m.group(3):
-            pieces.append(("trim", ""))
-        pos = m.end()
-    tail = template[pos:]
-    if pieces and pieces[-1][0] == "trim":
-        tail = tail.lstrip()
-        pieces.pop()
-    pieces.append(("text", tail))
+        text = text.rstrip() if m.group(1) else text
+        pieces += [("text", text.lstrip() if trim else text), ("act", m.group(2).strip())]
+        pos, trim = m.end(), bool(m.group(3))
+    pieces.append(("text", template[pos:].lstrip() if trim else template[pos:]))
     items = iter(pieces)
 
     def block(stop: tuple[str, ...]) -> tuple[list, Optional[str]]:
