@@ -11,7 +11,7 @@ from launcher.deliver.messages import _say
 
 
 def _task(inp: Inputs) -> Optional[dict[str, Any]]:
-    """The run's task (RUN/task.json) when the recipe scores it and it can be scored, else None."""
+    """The run's task (RUN/task.json) when the recipe scores it and it can be scored."""
     from launcher.worker import task_eval
 
     if not task_eval.enabled(inp.recipe) or not inp.run.task.is_file():
@@ -22,32 +22,18 @@ def _task(inp: Inputs) -> Optional[dict[str, Any]]:
 
 def _scored(task: dict[str, Any], answers: list[dict[str, Any]]) -> dict[str, Any]:
     """A score from answers generated outside transformers (the GGUF in llama.cpp), as task_eval.score_model gives."""
-    from launcher.data import task_metrics
+    from launcher.worker.task_eval import summary
 
-    scored = task_metrics.score(
-        task["metric"], [a["answer"] for a in answers], [p["reference"] for p in task["prompts"]]
-    )
-    seconds = sum(a["seconds"] for a in answers)
-    new_tokens = sum(a["new_tokens"] for a in answers)
-    return {
-        "score": scored["score"],
-        "details": scored["details"],
-        "examples": len(answers),
-        "seconds": round(seconds, 3),
-        "new_tokens": new_tokens,
-        "tokens_per_s": round(new_tokens / seconds, 1) if seconds > 0 else None,
-    }
+    return {k: v for k, v in summary(task, task["prompts"], answers).items() if k != "per_example"}
 
 
 def _score_export(inp: Inputs, task: dict[str, Any], name: str, result: dict[str, Any]) -> None:
     """An export's score into the run's task scores (task_eval.json, samples.md), said beside the fine-tuned's."""
-    from launcher.worker import task_eval
+    from launcher.worker import task_eval, trackers
     from launcher.worker.results import publish_scores
 
     results = task_eval.record(inp.run.root, task, name, result)
     publish_scores(inp.run, results)
-    from launcher.worker import trackers
-
     # a finished run: its last step is its total (worker.json)
     step = int(json.loads(inp.run.worker.read_text()).get("total_steps") or 0) if inp.run.worker.is_file() else 0
     trackers.log_scores(

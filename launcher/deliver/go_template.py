@@ -1,11 +1,8 @@
 """An Ollama TEMPLATE rendered as Ollama renders it, for the templates ftrun writes: Go's text/template actions
 `range`, `if`/`else if`/`else`, `eq`/`ne`/`not`/`and`/`or`, fields, string literals and `{{-`/`-}}` trimming.
 
-Ollama (template/template.go Execute) first collates the messages: consecutive messages of one role become one,
-joined by a blank line, and every system message is also joined into `.System`; a template that uses
-`.Messages` is then executed with {System, Messages, Tools, Response: ""}, and a missing key is the zero value
-(missingkey=zero). An action outside this subset raises `Unsupported`, so a template that cannot be rendered
-here is never reported as checked. Which template Ollama renders at all is ollama_template.py's to say.
+Ollama (template/template.go Execute) collates the messages (`collate`) and executes with {System, Messages, Tools,
+Response: ""}, missingkey=zero. An action outside this subset raises `Unsupported`: never reported as checked.
 """
 
 from __future__ import annotations
@@ -38,24 +35,13 @@ def collate(messages: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
 def _parse(template: str) -> list:
     """A tree of ("text", s) / ("out", expr) / ("if", [(cond, body)...], else) / ("range", expr, body)."""
     pieces: list[tuple[str, str]] = []
-    pos = 0
+    pos, trim = 0, False  # trim: the action before ended in -}}
     for m in _ACTION.finditer(template):
         text = template[pos : m.start()]
-        if m.group(1):
-            text = text.rstrip()
-        if pieces and pieces[-1][0] == "trim":
-            text = text.lstrip()
-            pieces.pop()
-        pieces.append(("text", text))
-        pieces.append(("act", m.group(2).strip()))
-        if m.group(3):
-            pieces.append(("trim", ""))
-        pos = m.end()
-    tail = template[pos:]
-    if pieces and pieces[-1][0] == "trim":
-        tail = tail.lstrip()
-        pieces.pop()
-    pieces.append(("text", tail))
+        text = text.rstrip() if m.group(1) else text
+        pieces += [("text", text.lstrip() if trim else text), ("act", m.group(2).strip())]
+        pos, trim = m.end(), bool(m.group(3))
+    pieces.append(("text", template[pos:].lstrip() if trim else template[pos:]))
     items = iter(pieces)
 
     def block(stop: tuple[str, ...]) -> tuple[list, Optional[str]]:
@@ -140,10 +126,10 @@ def _call(tokens: list[str], dot: Any, root: dict[str, Any]) -> tuple[Any, list[
         if fn == "ne":
             return args[0] != args[1], rest
         if fn == "not":
-            return not _truth(args[0]), rest
+            return not bool(args[0]), rest
         if fn == "and":
-            return next((a for a in args if not _truth(a)), args[-1]), rest
-        return next((a for a in args if _truth(a)), args[-1]), rest
+            return next((a for a in args if not bool(a)), args[-1]), rest
+        return next((a for a in args if bool(a)), args[-1]), rest
     if fn[0] not in '."$(' and fn not in ("true", "false"):
         raise Unsupported(f"function {fn!r}")
     return _operand(tokens, dot, root)
@@ -155,10 +141,6 @@ def _field(obj: Any, path: str) -> Any:
     return "" if obj is None else obj
 
 
-def _truth(v: Any) -> bool:
-    return bool(v)
-
-
 def _run(nodes: list, dot: Any, root: dict[str, Any], out: list[str]) -> None:
     for node in nodes:
         if node[0] == "text":
@@ -168,7 +150,7 @@ def _run(nodes: list, dot: Any, root: dict[str, Any], out: list[str]) -> None:
             out.append("" if value is None else str(value))
         elif node[0] == "if":
             for cond, body in node[1]:
-                if _truth(_eval(cond, dot, root)):
+                if bool(_eval(cond, dot, root)):
                     _run(body, dot, root, out)
                     break
             else:

@@ -1,18 +1,10 @@
 """llama.cpp for the GGUF export, all from one pinned version: `ftrun llamacpp` installs its converter, checks a model.
 
-One version of llama.cpp does everything, so what is checked is what Ollama and llama.cpp run:
-- the runtime and the quantizer come from `llama-cpp-python` (PINNED, in launcher/plan/gguf_readiness.py), built
-  from its source distribution (`pip install -e ".[gguf]"`, see docs/engines.md: build without -march=native); the
-  quantizer is its binding of `llama_model_quantize` (llama_cpp/llama_cpp.py), the same code as `llama-quantize`;
-- the converter is `convert_hf_to_gguf.py` with its `conversion/` package and its own `gguf-py`, taken from
-  the `vendor/llama.cpp` folder of the same source distribution by `ftrun llamacpp install`
-  (into CONVERTER_HOME) and run with that gguf-py, never with another version of the `gguf` package.
-  `FTRUN_LLAMA_CPP` may name a llama.cpp checkout instead (then its version is the user's choice).
-
-Converting and quantizing run in their own processes (launcher/deliver/llamacpp_steps.py, whose child processes
-enter through this module's main); the GGUF is read back by launcher/deliver/llamacpp_runtime.py.
-Whether a model can be converted at all is checked before training by launcher/plan/gguf_readiness.py.
-Only the standard library at module level.
+The runtime and quantizer (`llama_model_quantize`, as `llama-quantize`) are `llama-cpp-python` PINNED
+(launcher/plan/gguf_readiness.py), built from its sdist (docs/engines.md); the converter (`convert_hf_to_gguf.py`,
+`conversion/`, its own `gguf-py`) is copied from that sdist's vendor/llama.cpp by `ftrun llamacpp install`, or
+`FTRUN_LLAMA_CPP` names a checkout. The steps run in child processes entering through `main`
+(launcher/deliver/llamacpp_steps.py). Only the standard library at module level.
 """
 
 from __future__ import annotations
@@ -48,25 +40,11 @@ from launcher.plan.gguf_readiness import (
 
 
 def install(sdist: Optional[Path] = None, dest: Path = CONVERTER_HOME) -> Converter:
-    """Put the pinned converter (convert_hf_to_gguf.py, conversion/, gguf-py/) into dest, from the
-    llama-cpp-python source distribution: the given file, else `pip download` of the pinned version."""
+    """Put the pinned converter into dest, from the given llama-cpp-python sdist, else `pip download` of it."""
     with tempfile.TemporaryDirectory() as tmp:
         if sdist is None:
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "pip",
-                    "download",
-                    "--no-deps",
-                    "--no-binary",
-                    DIST,
-                    f"{DIST}=={PINNED}",
-                    "-d",
-                    tmp,
-                ],
-                check=True,
-            )
+            download = ["download", "--no-deps", "--no-binary", DIST, f"{DIST}=={PINNED}", "-d", tmp]
+            subprocess.run([sys.executable, "-m", "pip", *download], check=True)
             sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
         version = re.search(r"llama_cpp_python-([\d.]+)\.tar\.gz$", Path(sdist).name)
         staging = Path(tempfile.mkdtemp(dir=dest.parent if dest.parent.is_dir() else None, prefix=".llamacpp-"))
@@ -142,19 +120,13 @@ def main(argv: Optional[list[str]] = None, prog: str = "ftrun llamacpp") -> int:
         if conv is None or conv.version != PINNED:
             print(f"install the converter of {DIST} {PINNED} first: ftrun llamacpp install")
             return 2
-        ARCHITECTURES_FILE.write_text(
-            json.dumps(
-                {
-                    "llama_cpp_python": conv.version,
-                    "gguf_py": conv.gguf_py,
-                    "architectures": supported_architectures(conv.folder),
-                    "mmproj_architectures": supported_architectures(conv.folder, "MMPROJ_MODEL_MAP"),
-                },
-                indent=1,
-                sort_keys=True,
-            )
-            + "\n"
-        )
+        table = {
+            "llama_cpp_python": conv.version,
+            "gguf_py": conv.gguf_py,
+            "architectures": supported_architectures(conv.folder),
+            "mmproj_architectures": supported_architectures(conv.folder, "MMPROJ_MODEL_MAP"),
+        }
+        ARCHITECTURES_FILE.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
         print(f"{ARCHITECTURES_FILE}: {len(supported_architectures(conv.folder))} architectures")
         return 0
     if ns.cmd == "check":

@@ -1,12 +1,12 @@
-"""A GGUF read back in llama.cpp's runtime (llama-cpp-python): its metadata, its logits, its prompts, its answers.
-
-Only the standard library at module level.
+"""A GGUF read back in llama.cpp's runtime (llama-cpp-python): its metadata, logits, prompts and answers. Only the
+standard library at module level.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any, Optional
 
@@ -22,9 +22,7 @@ def metadata(path: Path) -> dict[str, Any]:
         return None if x is None else x.contents()
 
     arch = f("general.architecture")
-    counts: dict[str, int] = {}
-    for t in r.tensors:
-        counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    counts = Counter(t.tensor_type.name for t in r.tensors)
     tokens = r.fields.get("tokenizer.ggml.tokens")
     return {
         "architecture": arch,
@@ -78,16 +76,12 @@ def run_gguf(
     overrides: Optional[dict[str, Any]] = None,
     task: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
-    """Per prompt, through llama.cpp with one model load: the next-token logits at every position of the text
-    (teacher-forced), the greedy continuation of the prompt (argmax, stopping after an end token as transformers'
-    generate does) and whether llama.cpp tokenizes each text exactly as the model's tokenizer did; with to_end,
-    each greedy continuation runs on to its prompt's
-    `budget` (`continuation`; `greedy` stays its first greedy_tokens); `chat`: conversations ({messages, tools})
-    rendered and tokenized by the GGUF's own chat template as llama-cpp-python's chat completion does (chat_prompt)
-    and as llama-server does with `template_kwargs` (server_prompt); `smoke`: the index of the chat conversation
-    answered through the runtime's chat completion (chat_smoke), greedy_tokens long at most; `overrides`: GGUF
-    metadata as llama.cpp's --override-kv changes it (tests); `task` (RUN/task.json): its prompts answered
-    greedily as llama-server serves them (task_answers)."""
+    """Per prompt, with one model load: the teacher-forced logits at every position, the greedy continuation (stopping
+    after an end token, as generate does; with to_end on to the prompt's `budget` in `continuation`), and whether
+    llama.cpp tokenizes the text as the model's tokenizer did. `chat`: conversations rendered by the GGUF's template
+    as llama-cpp-python (chat_prompt) and llama-server (server_prompt, with `template_kwargs`) do; `smoke`: the
+    index of the one answered through chat completion (chat_smoke); `overrides`: --override-kv metadata (tests);
+    `task` (RUN/task.json): its prompts answered as llama-server serves them (task_answers)."""
     import numpy as np
     import torch
 
@@ -96,8 +90,7 @@ def run_gguf(
     if chat:
         n_ctx = max(n_ctx, max(len(c["ids"]) for c in chat) + greedy_tokens + 8)
     if task:
-        # every token but a special one covers at least a byte of the text: the prompt's bytes, and room for the
-        # template's own tokens, bound its length
+        # every non-special token covers at least a byte: the prompt's bytes plus the template's bound its length
         n_ctx = max(
             n_ctx,
             max(
@@ -119,13 +112,7 @@ def run_gguf(
             logits = torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))
             llm.reset()
             llm.eval(list(p["prompt_ids"]))
-            tokens: list[int] = []
-            for _ in range(budget):
-                tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-                tokens.append(tok)
-                if tok in stop_ids:
-                    break
-                llm.eval([tok])
+            tokens = _greedy(llm, budget, stop_ids)
             outs.append({"logits": logits, "greedy": tokens[:greedy_tokens], "continuation": tokens, "ids": ids})
         if chat:
             result["eog_ids"] = eog_ids(llm)
@@ -145,9 +132,28 @@ def run_gguf(
     return result
 
 
+def _greedy(llm, budget: int, stops) -> list[int]:
+    """Argmax tokens after what `llm` has evaluated, up to `budget`, stopping after one in `stops`."""
+    import numpy as np
+
+    tokens: list[int] = []
+    for _ in range(budget):
+        tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        if tokens[-1] in stops:
+            break
+        llm.eval(tokens[-1:])
+    return tokens
+
+
+def _end_texts(llm) -> tuple[int, str, str]:
+    """(eos id, eos text, bos text) of the GGUF's vocabulary, "" for a token it lacks."""
+    eos, bos = llm.token_eos(), llm.token_bos()
+    text = llm._model.token_get_text
+    return eos, text(eos) if eos != -1 else "", text(bos) if bos != -1 else ""
+
+
 class Vocabulary:
-    """The GGUF's tokenizer alone (llama.cpp loads the vocabulary, no weights): text to ids as a runtime that
-    serves the file tokenizes it, and an id's text piece."""
+    """The GGUF's tokenizer alone (no weights): text to ids as a runtime serving the file does, and an id's piece."""
 
     def __init__(self, path: Path):
         from llama_cpp import Llama
@@ -168,35 +174,25 @@ class Vocabulary:
 
 
 def chat_prompt(llm, messages: list[dict[str, Any]], tools: Optional[list] = None) -> dict[str, Any]:
-    """The prompt llama-cpp-python's chat completion builds from the GGUF (llama.py __init__, llama_chat_format.py
-    chat_formatter_to_chat_completion_handler): the embedded tokenizer.chat_template through its Jinja2ChatFormatter
-    with the GGUF's own BOS/EOS token texts, tokenized by the GGUF's vocabulary (special tokens parsed, a BOS
-    added only when the formatter says the template did not add its own)."""
+    """The prompt llama-cpp-python's chat completion builds from the GGUF (llama_chat_format.py
+    chat_formatter_to_chat_completion_handler): its template through Jinja2ChatFormatter with the GGUF's BOS/EOS
+    texts, tokenized with specials parsed, a BOS added unless the template added its own."""
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     template = llm.metadata.get("tokenizer.chat_template")
     if not template:
         return {"text": None, "ids": None, "template": None}
-    eos, bos = llm.token_eos(), llm.token_bos()
-    formatter = Jinja2ChatFormatter(
-        template=template,
-        eos_token=llm._model.token_get_text(eos) if eos != -1 else "",
-        bos_token=llm._model.token_get_text(bos) if bos != -1 else "",
-        stop_token_ids=[eos],
-    )
+    eos, eos_text, bos_text = _end_texts(llm)
+    formatter = Jinja2ChatFormatter(template=template, eos_token=eos_text, bos_token=bos_text, stop_token_ids=[eos])
     res = formatter(messages=messages, tools=tools)
     ids = llm.tokenize(res.prompt.encode("utf-8"), add_bos=not res.added_special, special=True)
     return {"text": res.prompt, "ids": list(ids), "template": template}
 
 
 def task_answers(llm, task: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each task prompt answered greedily by the file as llama-server serves it: a chat prompt rendered and tokenized
-    as server_prompt does (with the task's chat-template switches), a plain-text one tokenized with the vocabulary's
-    specials as /completion does; generation stops at an end-of-generation token or max_new_tokens.
-    {"answer", "new_tokens", "seconds"} each, in the task's order."""
+    """Each task prompt answered greedily as llama-server serves it (a chat prompt as server_prompt renders it, text
+    as /completion tokenizes it), up to an end-of-generation token: {"answer", "new_tokens", "seconds"} each."""
     import time
-
-    import numpy as np
 
     eog = set(eog_ids(llm))
     out = []
@@ -209,21 +205,14 @@ def task_answers(llm, task: dict[str, Any]) -> list[dict[str, Any]]:
         ids = ids[-(llm.n_ctx() - task["max_new_tokens"] - 1) :]  # as a server truncates: the prompt's end kept
         llm.reset()
         llm.eval(ids)
-        tokens: list[int] = []
-        for _ in range(task["max_new_tokens"]):
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-            tokens.append(tok)
-            if tok in eog:
-                break
-            llm.eval([tok])
+        tokens = _greedy(llm, task["max_new_tokens"], eog)
         text = llm.detokenize([t for t in tokens if t not in eog], special=False).decode("utf-8", "replace").strip()
         out.append({"answer": text, "new_tokens": len(tokens), "seconds": round(time.monotonic() - t0, 4)})
     return out
 
 
 def special_adds(llm) -> dict[str, bool]:
-    """Whether the GGUF's vocabulary adds BOS and EOS when a runtime tokenizes with its special tokens
-    (tokenizer.ggml.add_bos_token / add_eos_token, else the tokenizer type's default: src/llama-vocab.cpp)."""
+    """Whether the GGUF's vocabulary adds BOS and EOS when tokenizing with specials (src/llama-vocab.cpp)."""
     import llama_cpp
 
     vocab = llm._model.vocab
@@ -236,26 +225,18 @@ def special_adds(llm) -> dict[str, bool]:
 def server_prompt(
     llm, messages: list[dict[str, Any]], tools: Optional[list] = None, template_kwargs: Optional[dict[str, Any]] = None
 ) -> dict[str, Any]:
-    """The prompt llama-server builds for /v1/chat/completions from the GGUF (llama.cpp@0c1e57098, the commit
-    llama-cpp-python 0.3.36 vendors), which Ollama 0.30+ also uses for a GGUF without a Go template
-    (ollama llm/llama_server.go, server/routes.go usesOllamaRenderedChat):
-    - the embedded template is rendered with the vocabulary's BOS and EOS texts (common/chat.cpp
-      common_chat_templates_init, 830-833), `enable_thinking` on (server-context.cpp 1444-1445; --reasoning off or
-      --chat-template-kwargs change it) and the chat-template kwargs (chat.cpp 905-966);
-    - a leading BOS text is cut when the vocabulary adds BOS, a trailing EOS text when it adds EOS (chat.cpp
-      958-964);
-    - the text is tokenized with add_special and parse_special (server-context.cpp 4280, handle_completions_impl),
-      so the vocabulary's BOS and EOS are added (src/llama-vocab.cpp tokenize): a vocabulary that adds EOS ends
-      every chat prompt in EOS.
-    llama.cpp renders with its own C++ Jinja; here llama-cpp-python's Jinja2 environment stands in for it."""
+    """The prompt llama-server builds for /v1/chat/completions (llama.cpp@0c1e57098, vendored by llama-cpp-python
+    0.3.36; Ollama 0.30+ uses it for a GGUF without a Go template, server/routes.go usesOllamaRenderedChat): the
+    template rendered with the BOS/EOS texts (common/chat.cpp common_chat_templates_init), `enable_thinking` on
+    (server-context.cpp 1444) and the kwargs (chat.cpp 905-966); a leading BOS / trailing EOS text cut where the
+    vocabulary adds it (chat.cpp 958-964); tokenized with add_special and parse_special (server-context.cpp 4280).
+    llama-cpp-python's Jinja2 stands in for llama.cpp's C++ Jinja."""
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     template = llm.metadata.get("tokenizer.chat_template")
     if not template:
         return {"text": None, "ids": None, "template": None}
-    eos, bos = llm.token_eos(), llm.token_bos()
-    eos_text = llm._model.token_get_text(eos) if eos != -1 else ""
-    bos_text = llm._model.token_get_text(bos) if bos != -1 else ""
+    _, eos_text, bos_text = _end_texts(llm)
     formatter = Jinja2ChatFormatter(template=template, eos_token=eos_text, bos_token=bos_text)
     text = formatter(messages=messages, tools=tools, **{"enable_thinking": True, **(template_kwargs or {})}).prompt
     adds = special_adds(llm)
@@ -268,8 +249,7 @@ def server_prompt(
 
 
 def eog_ids(llm) -> list[int]:
-    """Every token llama.cpp ends a generation on (its end-of-generation set: EOS, EOT and the end tokens it
-    recognises by their text, vendor/llama.cpp/src/llama-vocab.cpp)."""
+    """Every token llama.cpp ends a generation on (EOS, EOT and end tokens by text: src/llama-vocab.cpp)."""
     import llama_cpp
 
     vocab = llm._model.vocab
@@ -277,9 +257,8 @@ def eog_ids(llm) -> list[int]:
 
 
 def chat_smoke(llm, messages: list[dict[str, Any]], tools: Optional[list], max_tokens: int) -> dict[str, Any]:
-    """One chat completion through llama-cpp-python's own chat path (`Llama.create_chat_completion`: template,
-    tokenization, sampling, stop handling), greedy; the prompt and every token it generated (its end token
-    included) are read off the runtime's token generator, which the chat path drives."""
+    """One greedy chat completion through `Llama.create_chat_completion`; the prompt and every token generated (end
+    token included) are read off the runtime's token generator."""
     import time
 
     seen: dict[str, Any] = {"prompt": None, "tokens": []}
@@ -294,16 +273,8 @@ def chat_smoke(llm, messages: list[dict[str, Any]], tools: Optional[list], max_t
     llm.generate = recording
     try:
         t0 = time.monotonic()
-        res = llm.create_chat_completion(
-            messages=messages,
-            tools=tools,
-            temperature=0.0,
-            max_tokens=max_tokens,
-            repeat_penalty=1.0,
-            presence_penalty=0.0,
-            frequency_penalty=0.0,
-            seed=0,
-        )
+        greedy = dict(temperature=0.0, repeat_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, seed=0)
+        res = llm.create_chat_completion(messages=messages, tools=tools, max_tokens=max_tokens, **greedy)
         seconds = time.monotonic() - t0
     finally:
         del llm.generate

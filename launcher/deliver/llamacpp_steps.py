@@ -1,10 +1,6 @@
-"""llama.cpp's converter or quantizer run on the export's files, each in its own process.
-
-Its own process measures the step's peak RSS (into export.json) and keeps a crash in C there. The converter maps the
-safetensors files and writes one tensor at a time (its default lazy mode), and the quantizer maps the 16-bit GGUF
-and quantizes tensor by tensor in slabs of at most `max_buf_size` (vendor/llama.cpp/src/llama-quant.cpp): neither
-holds the model in RAM. The child processes enter through `python -m launcher.deliver.llamacpp convert|quantize`
-(launcher/deliver/llamacpp.py main). Only the standard library at module level.
+"""llama.cpp's converter or quantizer run on the export's files, each in its own process (`python -m
+launcher.deliver.llamacpp convert|quantize`), which measures its peak RSS and keeps a crash in C there. Neither holds
+the model in RAM (lazy conversion; src/llama-quant.cpp quantizes in slabs). Only the standard library at module level.
 """
 
 from __future__ import annotations
@@ -25,7 +21,6 @@ from launcher.plan.gguf_readiness import Converter, _gguf_py_version, split_rule
 class Step:
     seconds: float
     peak_rss_bytes: Optional[int]
-    log_tail: str
     extra: dict[str, Any]
 
     def to_dict(self) -> dict[str, Any]:
@@ -40,15 +35,9 @@ def _run_step(args: list[str], what: str) -> Step:
     import time
 
     t0 = time.monotonic()
-    res = subprocess.run(
-        [sys.executable, "-m", "launcher.deliver.llamacpp", *args],
-        capture_output=True,
-        text=True,
-        env=dict(
-            os.environ,
-            PYTHONPATH=str(Path(__file__).resolve().parents[2]) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        ),
-    )
+    path = str(Path(__file__).resolve().parents[2]) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    child = [sys.executable, "-m", "launcher.deliver.llamacpp", *args]
+    res = subprocess.run(child, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=path))
     seconds = time.monotonic() - t0
     out = res.stdout + res.stderr
     extra: dict[str, Any] = {}
@@ -59,45 +48,23 @@ def _run_step(args: list[str], what: str) -> Step:
         tail = "\n".join(l for l in out.strip().splitlines() if not l.startswith("FTRUN_RESULT"))[-2500:]
         raise StepFailed(f"{what} failed (exit {res.returncode}):\n{tail}")
     extra.pop("ok")
-    return Step(seconds, extra.pop("peak_rss_bytes", None), out[-2500:], extra)
+    return Step(seconds, extra.pop("peak_rss_bytes", None), extra)
 
 
 def convert(conv: Converter, model_dir: Path, out: Path, outtype: str, mmproj: bool = False) -> Step:
-    """convert_hf_to_gguf.py on a merged 16-bit folder (outtype f32/f16/bf16/q8_0); with mmproj, its vision
-    projector instead of its language model (the converter's `--mmproj`: conversion/__init__.py MMPROJ_MODEL_MAP
-    picks the class, e.g. conversion/qwenvl.py Qwen2VLVisionModel, which keeps only the `visual.` tensors)."""
+    """convert_hf_to_gguf.py on a merged 16-bit folder (outtype f32/f16/bf16/q8_0); with mmproj, its vision projector
+    (conversion/__init__.py MMPROJ_MODEL_MAP)."""
+    paths = ["--converter", str(conv.folder), "--model", str(model_dir), "--outfile", str(out)]
     return _run_step(
-        [
-            "convert",
-            "--converter",
-            str(conv.folder),
-            "--model",
-            str(model_dir),
-            "--outfile",
-            str(out),
-            "--outtype",
-            outtype,
-        ]
-        + (["--mmproj"] if mmproj else []),
+        ["convert", *paths, "--outtype", outtype] + (["--mmproj"] if mmproj else []),
         "llama.cpp's converter" + (" (--mmproj)" if mmproj else ""),
     )
 
 
 def quantize(src: Path, out: Path, gguf_type: str, threads: Optional[int] = None) -> Step:
-    return _run_step(
-        [
-            "quantize",
-            "--input",
-            str(src),
-            "--output",
-            str(out),
-            "--type",
-            gguf_type,
-            "--threads",
-            str(threads or os.cpu_count() or 1),
-        ],
-        "llama.cpp's quantizer",
-    )
+    threads = threads or os.cpu_count() or 1
+    args = ["quantize", "--input", str(src), "--output", str(out), "--type", gguf_type, "--threads", str(threads)]
+    return _run_step(args, "llama.cpp's quantizer")
 
 
 def _peak_rss() -> int:
@@ -108,7 +75,7 @@ def _peak_rss() -> int:
 
 def _convert_main(ns) -> int:
     folder = Path(ns.converter)
-    # The converter's own gguf-py first: it is written against that version, not the installed gguf package.
+    # the converter's own gguf-py first, not the installed gguf package
     sys.path[:0] = [str(folder / "gguf-py"), str(folder)]
     os.environ["NO_LOCAL_GGUF"] = "1"  # already on sys.path; the script must not insert it a second time
     import gguf
@@ -118,20 +85,16 @@ def _convert_main(ns) -> int:
     named: dict[str, Any] = {}
     try:
         from conversion import base  # llama.cpp split the converter into a package in 2026
-
-        holder = base.TextModel
     except ImportError:
         import convert_hf_to_gguf as base
-
-        holder = base.TextModel
+    holder = base.TextModel
     original = holder.get_vocab_base_pre
 
     def get_vocab_base_pre(self, tokenizer) -> str:
         try:
             return original(self, tokenizer)
         except NotImplementedError:
-            # llama.cpp's list does not know this tokenizer's hash: name its split rule when it is one llama.cpp
-            # implements (the export then compares llama.cpp's tokenization with the model's), else refuse
+            # an unknown tokenizer hash: name its split rule where llama.cpp implements it (the export checks it)
             tj = Path(self.dir_model) / "tokenizer.json"
             rule = split_rule(json.loads(tj.read_text())) if tj.is_file() else None
             if rule is None:
@@ -150,18 +113,13 @@ def _convert_main(ns) -> int:
     if getattr(ns, "mmproj", False):
         sys.argv.append("--mmproj")
     convert_hf_to_gguf.main()
-    print(
-        "FTRUN_RESULT "
-        + json.dumps(
-            {
-                "ok": Path(ns.outfile).is_file(),
-                "peak_rss_bytes": _peak_rss(),
-                "pre_named_by": "ftrun split rule" if named else "llama.cpp",
-                "gguf_py": getattr(gguf, "__version__", None) or _gguf_py_version(folder),
-            }
-        ),
-        flush=True,
-    )
+    result = {
+        "ok": Path(ns.outfile).is_file(),
+        "peak_rss_bytes": _peak_rss(),
+        "pre_named_by": "ftrun split rule" if named else "llama.cpp",
+        "gguf_py": getattr(gguf, "__version__", None) or _gguf_py_version(folder),
+    }
+    print("FTRUN_RESULT " + json.dumps(result), flush=True)
     return 0
 
 

@@ -24,20 +24,17 @@ def human_size(n: float) -> str:
         if n < 1000 or unit == "GB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
-    return f"{n:.1f} GB"
 
 
 SERVING_RUNTIMES = ("vLLM", "llama-server", "llama.cpp", "Ollama")  # llama.cpp: llama-cpp-python's chat completion
 
 
-# What each export's size counts (export_models.py, gguf_export.py): the adapter's is its weights file,
-# the merged and full models' their whole folder, a GGUF its one file
+# what each export's size counts (export_models.py, gguf_export.py)
 SIZE_COVERS = {"adapter": "weights file", "merged": "folder", "model": "folder", "gguf": "file"}
 
 
 def export_outputs(outputs: dict[str, Any]) -> str:
-    """The export's outputs with their sizes, each saying what it counts: "adapter 1.2 MB weights file, merged 2.1 GB
-    folder" (state.json's export holds it, `ftrun status` shows it)."""
+    """The export's outputs with their sizes and what each counts: "adapter 1.2 MB weights file, merged 2 GB folder"."""
     return ", ".join(
         f"{k} {v.get('size', '')}" + (f" {SIZE_COVERS[k]}" if k in SIZE_COVERS and v.get("size") else "")
         for k, v in outputs.items()
@@ -45,9 +42,8 @@ def export_outputs(outputs: dict[str, Any]) -> str:
 
 
 def served_line(report: dict) -> str:
-    """One line on the served-prompt checks of an export (export.json): the runtimes whose rendering of the
-    held-out prompts was compared with the training's token ids (Ollama with the setting it must be started with,
-    if any), and why the others were not."""
+    """One line on the export's served-prompt checks: the runtimes whose prompts matched training's token ids (Ollama
+    with its setting, if any), and why the others were not checked."""
     sp = report.get("served_prompt") or {}
     if not sp:
         return "served prompt: not checked (this export has no served-prompt record)"

@@ -1,20 +1,17 @@
 """Which template Ollama renders a chat with for a model made from a GGUF and a Modelfile, as its source decides.
 
 Modelled on Ollama v0.33.0-rc2 (commit fb30760), the same in v0.30.0 for every case modelled here:
-- `ollama create` from a GGUF (server/create.go 403-405 convertModelFromFiles, 463-464) calls
-  detectChatTemplate (server/model.go 93-121): template.Named (template/template.go 72-91) measures the GGUF's
-  tokenizer.chat_template against each entry of template/index.json with agnivade/levenshtein ComputeDistance,
-  keeps the lowest (the first of equals) and stores that entry's Go template when it is under 100. A Modelfile
-  TEMPLATE replaces it (server/create.go 828-833, setTemplate 1313-1327). The copy of the index and its Go templates
-  is ollama_templates.json beside this module.
+- `ollama create` from a GGUF (server/create.go 403-405, 463-464) calls detectChatTemplate (server/model.go 93-121):
+  template.Named (template/template.go 72-91) keeps the entry of template/index.json (copied, with its Go templates,
+  to ollama_templates.json here) at the lowest agnivade/levenshtein distance, the first of equals, when under 100.
+  A Modelfile TEMPLATE replaces it (server/create.go 828-833, setTemplate 1313-1327).
 - At chat time (server/routes.go 2357-2385, 2674-2675) a stored Go template renders the prompt unless
-  OLLAMA_GO_TEMPLATE says false, or, with it unset, the GGUF's template has more capabilities (server/images.go
-  790-795, shouldPreferChatTemplate 295-307; capabilities 187-261). Otherwise the messages go one to one to
-  llama-server, which renders the GGUF's own template (llm/llama_server.go 2137-2187): llama-server's check.
-- A Go template sees the messages collated (template/template.go Execute 257-282, collate 357-374): consecutive
-  messages of one role but "tool" are merged, so no TEMPLATE reproduces a prompt with two user turns in a row.
+  OLLAMA_GO_TEMPLATE says false or, unset, the GGUF's template has more capabilities (server/images.go 790-795,
+  shouldPreferChatTemplate 295-307; capabilities 187-261); else llama-server renders the GGUF's own template
+  (llm/llama_server.go 2137-2187).
+- A Go template sees the messages collated (template/template.go Execute 257-282, collate 357-374).
 Architectures Ollama renders with its own code (server/create.go 795-817) and gpt-oss's harmony (server/routes.go
-77-87) are not modelled: `choose` says so, and the export does not count Ollama as checked for them.
+77-87) are not modelled: `choose` says so.
 """
 
 from __future__ import annotations
@@ -41,13 +38,9 @@ def source() -> dict[str, str]:
 
 
 def distance_below(a: str, b: str, limit: int) -> Optional[int]:
-    """The Levenshtein distance of a and b when it is under `limit`, else None.
-
-    agnivade/levenshtein v1.1.1 ComputeDistance, which template.Named calls: unit costs over Unicode code points
-    (Go's []rune; a Python str is code points). No package in the environment computes it, so it is written here,
-    banded: a distance under `limit` never leaves the diagonal band of that width, and a row whose band is all at
-    or over `limit` ends the search. Its uint16 cells wrap past 65535, which only strings that long reach: those
-    are refused rather than guessed."""
+    """The Levenshtein distance of a and b when it is under `limit`, else None: agnivade/levenshtein v1.1.1
+    ComputeDistance (template.Named's), unit costs over code points, banded here (no installed package computes
+    it). Its uint16 cells wrap past 65535: such strings are refused."""
     if max(len(a), len(b)) > 65535:
         raise ValueError("a template over 65535 code points: Ollama's uint16 distance wraps there")
     if a == b:
@@ -110,10 +103,9 @@ def choose(
     architecture: Optional[str],
     go_template_env: Optional[bool] = None,
 ) -> dict[str, Any]:
-    """How Ollama renders a chat for a model made from this GGUF and Modelfile: {"path": "go", "template", "from"}
-    (a Go template, the messages collated), {"path": "native"} (the GGUF's own template through llama-server,
-    messages one to one) or {"path": "not modelled"}; each with `why`. `go_template_env`: OLLAMA_GO_TEMPLATE as
-    `ollama serve` reads it (None: unset)."""
+    """How Ollama renders a chat for this GGUF and Modelfile: {"path": "go", "template", "from"} (messages collated),
+    {"path": "native"} (the GGUF's template through llama-server) or {"path": "not modelled"}; each with `why`.
+    `go_template_env`: OLLAMA_GO_TEMPLATE (None: unset)."""
     if (architecture or "") in RENDERED_BY_OLLAMA:
         return {"path": "not modelled", "why": f"Ollama renders {architecture} with its own renderer, not modelled"}
     if modelfile_template:

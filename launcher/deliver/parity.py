@@ -9,40 +9,36 @@ from typing import Any, Optional
 from launcher import gguf_types
 from launcher.deliver.messages import ExportError
 
-# Prompts taken from the data for the parity checks (held out where the recipe holds some out), and tokens
-# compared per prompt.
+# prompts taken from the data for the parity checks, and tokens compared per prompt
 PARITY_PROMPTS = 3
 PARITY_MAX_TOKENS = 128
 GREEDY_NEW_TOKENS = 16
 # The longest greedy continuation run to see whether a model ends its turn (ending_budget).
 ENDING_MAX_TOKENS = 256
 
-# Tolerances, by what is compared. top1 = share of positions (teacher-forced, over the parity prompts) where both
-# models pick the same next token; rel = max |logit difference| / std of the reference logits; ppl = relative
-# perplexity difference of the two models on the parity texts; greedy = share of prompts whose greedy
-# continuations (GREEDY_NEW_TOKENS) are identical. Merging in 16 bit only rounds the merged weights once.
+# plain argmax, as llama.cpp decodes: generate() would fill unset options from generation_config (transformers 5.24
+# generation/utils.py _prepare_generation_config; Qwen2.5's repetition_penalty)
+PLAIN_ARGMAX = dict(do_sample=False, num_beams=1, repetition_penalty=1.0, no_repeat_ngram_size=0, min_new_tokens=0)
+
+# Tolerances: top1 = share of teacher-forced positions with the same next token; rel = max |logit difference| / std
+# of the reference logits; ppl = relative perplexity difference; greedy = share of identical greedy continuations.
 TOLERANCE = {"merged": {"min_top1": 0.98, "max_rel": 0.15}, "full:merged": {"min_top1": 0.98, "max_rel": 0.15}}
-# A GGUF's bounds are its type's tolerance in the GGUF table (launcher/gguf_types.py, where their origin is told).
+# a GGUF's bounds: its type's tolerance (launcher/gguf_types.py)
 TOLERANCE.update({f"gguf:{k}": t.tolerance.as_dict() for k, t in gguf_types.TYPES.items()})
-# When a model's float32 copy fits neither one GPU nor RAM, both sides of a comparison run in its 16-bit dtype
-# (same device, same split): every activation is then rounded to 8 bits of mantissa on both sides, and a
-# teacher-forced position whose two best logits are nearly tied can flip. Only the merge's check needs more
-# room for that (tiny model, bf16 on the CPU: top-1 agreement 0.975 where float32 gives 0.985); a GGUF in
-# F32/F16/BF16 holds the merged weights exactly and stays identical in any dtype.
+# Both sides in 16 bit (float32 fits nowhere): nearly tied logits can flip, so the merge's check needs more room
+# (tiny model, bf16 on the CPU: top-1 0.975 where float32 gives 0.985); a 16-bit GGUF holds the weights exactly.
 TOLERANCE_16BIT = {"merged": {"min_top1": 0.95, "max_rel": 0.15}, "full:merged": {"min_top1": 0.95, "max_rel": 0.15}}
 
 
 def held_out_examples(recipe) -> tuple[list[dict[str, Any]], str]:
-    """The examples the export's checks use, as the worker reads them (a form TRL trains), and where they come
-    from: held out when the recipe holds some out (eval.data, or the seeded eval.fraction draw of
-    launcher/data/split.py), else the training data."""
+    """The examples the export's checks use, and where they come from: held out (eval.data, or eval.fraction's draw
+    of launcher/data/split.py) where the recipe holds some out, else the training data."""
     held, source, _ = examples_of(recipe)
     return held, source
 
 
 def examples_of(recipe, with_data: bool = False) -> tuple[list[dict[str, Any]], str, Optional[list[dict[str, Any]]]]:
-    """held_out_examples, and (with_data, or where it is read anyway) the recipe's data as trained: the data is
-    read once for both."""
+    """held_out_examples, and (with_data, or where it is read anyway) the recipe's data as trained, read once."""
     from launcher.data.dataset import load_data
 
     ev = getattr(recipe, "eval", None)
@@ -74,9 +70,8 @@ def parity_examples(recipe) -> tuple[list[list[dict[str, Any]]], str]:
 def parity_prompts(
     recipe, tokenizer, n: int = PARITY_PROMPTS, kwargs: Optional[dict[str, Any]] = None
 ) -> list[dict[str, Any]]:
-    """The first n parity conversations: full text (teacher-forced logits) and prompt (greedy decoding), the prompt
-    rendered with the chat-template switches it is served with (`kwargs`: served_prompt.ServedPrompt.kwargs);
-    `budget`: how far a greedy continuation runs to see whether the model ends its turn (ending_budget)."""
+    """The first n parity conversations: full text (teacher-forced logits) and prompt (greedy decoding, rendered with
+    the served switches `kwargs`); `budget`: ending_budget."""
     examples, source = parity_examples(recipe)
     out = []
     for messages in examples[:n]:
@@ -105,9 +100,8 @@ def parity_prompts(
 
 
 def ending_budget(answer_tokens: int) -> int:
-    """New tokens a greedy continuation may take to end its turn: the held-out answer's length and
-    GREEDY_NEW_TOKENS more (a model that learned the format ends near the reference's length), at most
-    ENDING_MAX_TOKENS."""
+    """New tokens a greedy continuation may take to end its turn: the answer's length and GREEDY_NEW_TOKENS more, at
+    most ENDING_MAX_TOKENS."""
     return max(GREEDY_NEW_TOKENS, min(answer_tokens + GREEDY_NEW_TOKENS, ENDING_MAX_TOKENS))
 
 
@@ -115,7 +109,7 @@ def model_outputs(
     model, prompts: list[dict[str, Any]], greedy: bool = True, to_end: bool = False
 ) -> list[dict[str, Any]]:
     """Per prompt: next-token logits over the whole text (float32) and the greedy continuation (`greedy`: its first
-    GREEDY_NEW_TOKENS, which parity compares; with to_end, `continuation`: on up to the prompt's budget)."""
+    GREEDY_NEW_TOKENS; with to_end, `continuation` up to the prompt's budget)."""
     import torch
 
     device = input_device(model)
@@ -127,22 +121,14 @@ def model_outputs(
             tokens = None
             if greedy:
                 pid = torch.tensor([p["prompt_ids"]], device=device)
-                # plain argmax, as the llama.cpp side decodes: generate() fills every unset option from the model's
-                # generation_config (transformers 5.24 generation/utils.py _prepare_generation_config), and instruct
-                # models ship a repetition_penalty (Qwen2.5: 1.05) or n-gram rules that change greedy tokens.
-                # Greedy tokens do not depend on how many follow, so the first GREEDY_NEW_TOKENS of a longer run are
-                # the parity's.
                 new = max(GREEDY_NEW_TOKENS, p.get("budget", 0)) if to_end else GREEDY_NEW_TOKENS
+                eos = model.config.get_text_config().eos_token_id
                 gen = model.generate(
                     input_ids=pid,
                     attention_mask=torch.ones_like(pid),
                     max_new_tokens=new,
-                    do_sample=False,
-                    num_beams=1,
-                    repetition_penalty=1.0,
-                    no_repeat_ngram_size=0,
-                    min_new_tokens=0,
-                    pad_token_id=eos if isinstance(eos := model.config.get_text_config().eos_token_id, int) else 0,
+                    pad_token_id=eos if isinstance(eos, int) else 0,
+                    **PLAIN_ARGMAX,
                 )
                 tokens = gen[0, pid.shape[1] :].tolist()
             results.append(
@@ -157,8 +143,7 @@ def model_outputs(
 
 
 def input_device(model):
-    """Where the token ids go: the compute device of a dispatched model (its offloaded weights sit on the meta
-    device, so the first parameter says nothing), else the device of its weights."""
+    """Where the token ids go: a dispatched model's compute device (offloaded weights are on meta), else its own."""
     import torch
 
     from launcher.deliver.placement import HOST_PLACES
@@ -178,14 +163,9 @@ def compare(
     """Numbers for export.json, and whether they are within the tolerance of kind for the compute dtype."""
     import torch
 
-    agree = total = 0
-    max_abs = 0.0
-    max_rel = 0.0
-    kl_sum = 0.0
-    greedy_same = greedy_n = 0
+    agree = total = greedy_same = greedy_n = n_nll = 0
+    max_abs = max_rel = kl_sum = nll_ref = nll_out = 0.0
     first_diverge = []
-    nll_ref = nll_out = 0.0
-    n_nll = 0
     for r, o in zip(ref, out):
         a, b = r["logits"], o["logits"]
         agree += int((a.argmax(-1) == b.argmax(-1)).sum())

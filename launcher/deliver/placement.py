@@ -8,28 +8,17 @@ from typing import Any, Optional
 
 from launcher.deliver.messages import ExportError, human_size
 
-# Sources relied on (installed versions: accelerate 1.15, transformers 5.24, peft 0.21, torch 2.13):
-# - A model loaded with a device_map that sends any module to "cpu" (beside a GPU) or "disk" is dispatched
-#   with hooks; its `.to()` / `.cuda()` are wrapped and raise "You can't move a model that has some modules
-#   offloaded to cpu or disk." as soon as a parameter is on the meta device (`accelerate/big_modeling.py`,
-#   dispatch_model, add_warning). So every model here is loaded in the dtype it is used in, and never moved.
-# - PeftModel.from_pretrained on such a base removes the hooks and dispatches again with the device_map and
-#   max_memory it is given, "auto" by the box's real free memory otherwise (`peft/peft_model.py`,
-#   from_pretrained and load_adapter): the base's own split is passed on. For disk-offloaded modules it
-#   rebuilds the offload index and re-saves safetensors files next to the originals (_update_offload, which
-#   names the copy by a "--" path component, as in the Hub cache); with a tied lm_head wholly on disk the
-#   forward then fails ("File does not contain tensor base_model.model.lm_head.weight", seen with the tiny
-#   model). So the parity checks split a model over GPUs and RAM only, never the disk.
-# - peft's merge of a disk-offloaded layer keeps the merged weights in RAM (`peft/tuners/tuners_utils.py`,
-#   onload_layer re-makes the hook's weights_map as CPU tensors): a merge needs the whole 16-bit model in
-#   memory wherever it runs, so it runs on one GPU or on the CPU, or is refused when neither holds it.
-# - transformers' GGUF reader dequantizes every tensor and casts it to the requested dtype before loading
-#   (`transformers/modeling_gguf_pytorch_utils.py`, load_gguf_checkpoint): the read-back holds the whole model
-#   in that dtype in RAM once, like the merge.
+# Sources relied on (accelerate 1.15, transformers 5.24, peft 0.21, torch 2.13):
+# - a model dispatched with modules on "cpu" (beside a GPU) or "disk" refuses `.to()` (`accelerate/big_modeling.py`,
+#   dispatch_model, add_warning): every model is loaded in the dtype it is used in, and never moved;
+# - PeftModel.from_pretrained re-dispatches such a base (`peft/peft_model.py`, from_pretrained): the base's split is
+#   passed on; its disk offload (_update_offload) fails for a tied lm_head wholly on disk, so the parity checks
+#   split over GPUs and RAM only;
+# - peft's merge of an offloaded layer keeps the merged weights in RAM (`peft/tuners/tuners_utils.py`, onload_layer):
+#   a merge runs on one GPU or the CPU, or is refused.
 
-# Margins over the weights themselves (policy, not measurements): transient copies while loading and
-# allocator fragmentation scale with the model; the CUDA context and one prompt's activations, or the Python
-# process with torch, transformers and peft imported plus the kept logits, are a fixed reserve.
+# Margins over the weights (policy, not measurements): copies and fragmentation scale with the model; the CUDA
+# context and activations, or the Python process and kept logits, are a fixed reserve.
 HEADROOM = 1.15
 GPU_RESERVE = 1.5e9
 RAM_RESERVE = 2e9
@@ -74,8 +63,7 @@ def free_gpu_memory() -> list[int]:
 
 
 def available_ram() -> int:
-    """Bytes of RAM the box can give without swapping (MemAvailable), not its total; inside a container with a
-    memory limit, no more than the limit leaves (MemAvailable shows the host's there)."""
+    """Bytes of RAM the box can give without swapping (MemAvailable), within a container's memory limit."""
     import psutil
 
     from launcher.plan.cgroup import memory_headroom_bytes
@@ -97,13 +85,9 @@ def _ram_holds(nbytes: float, ram: int) -> bool:
 
 
 def parity_placement(n_params: int, dtype, gpus_free: list[int], ram: int) -> Placement:
-    """One placement for every model of the parity checks, so each comparison is on one device and one dtype.
-
-    float32 first, on one GPU or else on the CPU: the TOLERANCE table is set for float32 logits, and float32 on
-    both sides leaves only the difference being checked (the merge's rounding, the GGUF type). Only a model
-    whose float32 copy fits neither is compared in its 16-bit dtype, spread by accelerate over the GPUs, RAM and
-    disk; both sides of a comparison then run in that dtype with that split.
-    """
+    """One placement for every model of the parity checks, so each comparison is on one device and one dtype: float32
+    (the TOLERANCE table's) on one GPU, else the CPU; only where float32 fits neither, the 16-bit dtype split by
+    accelerate over the GPUs and RAM."""
     f32 = 4 * n_params
     gpu = _gpu_that_holds(f32, gpus_free)
     if gpu is not None:
@@ -134,13 +118,9 @@ def parity_placement(n_params: int, dtype, gpus_free: list[int], ram: int) -> Pl
 
 
 def merge_placement(n_params: int, dtype, gpus_free: list[int], ram: int, stored_float32: bool = False) -> Placement:
-    """Where the merge runs, on one device (never split, so the merged model can be cast): one GPU when it holds the
-    model, else the CPU; refused when RAM is short too.
-
-    A base stored in float32 is merged in float32 where that fits and rounded to 16 bit once, after the merge:
-    loading it in 16 bit first rounds every weight twice (measured on the tiny model: max relative logit
-    difference 0.075 against 0.038). A 16-bit base loses nothing by being merged in its own dtype.
-    """
+    """Where the merge runs, on one device (so the merged model can be cast): one GPU, else the CPU, else refused. A
+    float32 base is merged in float32 where that fits and rounded once after (loading it in 16 bit rounds twice:
+    tiny model, max relative logit difference 0.075 against 0.038)."""
     name = str(dtype).replace("torch.", "")
     for dt, size in ([("float32", 4 * n_params)] if stored_float32 else []) + [(name, n_params * _itemsize(dtype))]:
         gpu = _gpu_that_holds(size, gpus_free)
@@ -179,8 +159,7 @@ def parameter_count(path: str) -> int:
 
     with init_empty_weights():
         model = model_class(path).from_config(AutoConfig.from_pretrained(path))
-    # Made on the meta device the model's tied embeddings are two tensors (transformers 5.24): tied as loaded,
-    # parameters() counts them once, as the worker's count and the model's files do (a tiny Qwen3: 139,648, not 205,184)
+    # on the meta device tied embeddings are two tensors (transformers 5.24): tied, parameters() counts them once
     model.tie_weights()
     return sum(p.numel() for p in model.parameters())
 
@@ -200,19 +179,12 @@ class Loads:
         self.log: list[dict[str, Any]] = []
 
     def record(self, what: str, placement: Placement, model) -> None:
-        self.log.append(
-            {
-                "model": what,
-                "device": placement.to_dict()["device"],
-                "dtype": placement.dtype,
-                "offloaded_to": offloaded(model),
-            }
-        )
+        where = placement.to_dict()["device"]
+        self.log.append({"model": what, "device": where, "dtype": placement.dtype, "offloaded_to": offloaded(model)})
 
 
 def load_model(path: str, placement: Placement, loads: Loads, **kwargs):
-    """A model loaded in place and in its compute dtype, never quantized (a merge into 4-bit weights loses the
-    adapter's precision), never moved afterwards (see the sources above)."""
+    """A model loaded in place and in its compute dtype, never quantized, never moved afterwards (sources above)."""
     from launcher.worker.loading import apply_sdpa_backends, model_class
 
     apply_sdpa_backends()  # the parity check's generation takes the worker's attention backends
@@ -237,8 +209,7 @@ def load_adapter(base, source: Path, placement: Placement, loads: Loads):
 
     kwargs = {}
     if placement.max_memory is not None:
-        # The base's own split, not a new one: peft would otherwise place the modules again, and a module it
-        # moves onto the disk finds no entry in the base's offload index (a tied lm_head has none).
+        # the base's own split: peft would place the modules again (sources above)
         split = {("base_model.model." + k).rstrip("."): v for k, v in base.hf_device_map.items()}
         kwargs = {"device_map": split, "max_memory": placement.max_memory}
     model = PeftModel.from_pretrained(base, str(source), **kwargs).eval()
@@ -258,8 +229,7 @@ def offloaded(model) -> list[str]:
 
 
 def _to_export_dtype(model, dtype):
-    """The merged model rounded to its 16-bit dtype: a cast in place, allowed because a merge placement is one
-    device (a dispatched model refuses `.to`, see the sources above)."""
+    """The merged model cast to its 16-bit dtype, in place (a merge placement is one device)."""
     if offloaded(model) or len(set(map(str, (getattr(model, "hf_device_map", None) or {"": 0}).values()))) > 1:
         raise ExportError("the merge was placed over several devices", fix="report this with export.json.")
     return model if model.dtype == dtype else model.to(dtype)

@@ -12,10 +12,8 @@ from typing import Any, Optional
 
 def read_metrics(path: Path, key: str = "loss") -> list[dict[str, Any]]:
     """The rows that carry `key` (training rows: loss; eval passes: eval_loss)."""
-    rows = []
-    if not path.is_file():
-        return rows
-    for line in path.read_text(errors="replace").splitlines():
+    rows: list[dict[str, Any]] = []
+    for line in path.read_text(errors="replace").splitlines() if path.is_file() else []:
         try:
             row = json.loads(line)
         except ValueError:
@@ -35,7 +33,6 @@ def plot_loss(metrics: Path, out: Path, title: Optional[str] = None) -> Optional
     matplotlib.use("Agg")  # no display on a GPU box; must precede pyplot
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] for r in rows]
     margins = [r for r in rows if r.get("rewards/margins") is not None]
     held = read_metrics(metrics, "eval_rewards/margins")
     sampled = [r for r in rows if r.get("reward") is not None]
@@ -47,16 +44,10 @@ def plot_loss(metrics: Path, out: Path, title: Optional[str] = None) -> Optional
         _sampled_rewards(rax, sampled)
     else:
         fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
-    ax.plot(steps, [r["loss"] for r in rows], color="tab:blue", label="training loss")
+    _plot(ax, rows, "loss", color="tab:blue", label="training loss")
     evals = read_metrics(metrics, "eval_loss")
     if evals:
-        ax.plot(
-            [r["step"] for r in evals],
-            [r["eval_loss"] for r in evals],
-            color="tab:green",
-            marker="o",
-            label="eval loss (held out)",
-        )
+        _plot(ax, evals, "eval_loss", color="tab:green", marker="o", label="eval loss (held out)")
         ax.legend(loc="upper right")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss", color="tab:blue")
@@ -81,23 +72,17 @@ def plot_loss(metrics: Path, out: Path, title: Optional[str] = None) -> Optional
     return out
 
 
+def _plot(ax, rows: list[dict[str, Any]], key: str, **style: Any) -> None:
+    """`key` of each row over its step."""
+    ax.plot([r["step"] for r in rows], [r[key] for r in rows], **style)
+
+
 def _rewards(ax, margins: list[dict[str, Any]], held: list[dict[str, Any]]) -> None:
     """The reward margin (training pairs, held-out pairs) and the held-out preference accuracy over steps."""
     if margins:
-        ax.plot(
-            [r["step"] for r in margins],
-            [r["rewards/margins"] for r in margins],
-            color="tab:purple",
-            label="reward margin (training pairs)",
-        )
+        _plot(ax, margins, "rewards/margins", color="tab:purple", label="reward margin (training pairs)")
     if held:
-        ax.plot(
-            [r["step"] for r in held],
-            [r["eval_rewards/margins"] for r in held],
-            color="tab:red",
-            marker="o",
-            label="reward margin (held out)",
-        )
+        _plot(ax, held, "eval_rewards/margins", color="tab:red", marker="o", label="reward margin (held out)")
     ax.axhline(0.0, color="grey", linewidth=0.8)
     ax.set_ylabel("chosen - rejected")
     ax.set_xlabel("optimizer step")
@@ -106,42 +91,22 @@ def _rewards(ax, margins: list[dict[str, Any]], held: list[dict[str, Any]]) -> N
     accuracy = [r for r in held if r.get("eval_rewards/accuracies") is not None]
     if accuracy:
         ax2 = ax.twinx()
-        ax2.plot(
-            [r["step"] for r in accuracy],
-            [r["eval_rewards/accuracies"] for r in accuracy],
-            color="tab:olive",
-            linestyle="--",
-            label="preference accuracy (held out)",
-        )
+        style = {"color": "tab:olive", "linestyle": "--", "label": "preference accuracy (held out)"}
+        _plot(ax2, accuracy, "eval_rewards/accuracies", **style)
         ax2.set_ylim(0.0, 1.05)
         ax2.set_ylabel("preference accuracy", color="tab:olive")
 
 
 def _sampled_rewards(ax, rows: list[dict[str, Any]]) -> None:
-    """GRPO: the mean reward of each logged window's sampled answers, with their standard deviation as a band; with
-    several rewards, each one's mean and spread too (TRL's rewards/<name>/mean, /std), a reward that never varied
-    marked so in its label."""
+    """GRPO: the sampled answers' mean reward with its standard deviation as a band; with several rewards, each one's
+    too (TRL's rewards/<name>/mean, /std)."""
     from launcher.methods import reward_parts
 
-    steps = [r["step"] for r in rows]
-    mean = [r["reward"] for r in rows]
-    std = [r.get("reward_std") or 0.0 for r in rows]
     names = list(reward_parts(rows[-1]))
     several = len(names) > 1
-    ax.plot(
-        steps,
-        mean,
-        color="tab:purple",
-        label="reward of the sampled answers (mean" + (", weighted sum)" if several else ")"),
-    )
-    ax.fill_between(
-        steps,
-        [m - d for m, d in zip(mean, std)],
-        [m + d for m, d in zip(mean, std)],
-        color="tab:purple",
-        alpha=0.2,
-        label="+- their standard deviation",
-    )
+    got = [(r["step"], r["reward"], r.get("reward_std") or 0.0) for r in rows]
+    line = {"label": "reward of the sampled answers (mean" + (", weighted sum)" if several else ")")}
+    _band(ax, got, "tab:purple", 0.2, line, {"label": "+- their standard deviation"})
     if several:
         colours = ("tab:blue", "tab:green", "tab:red", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray")
         for k, name in enumerate(names):
@@ -150,21 +115,21 @@ def _sampled_rewards(ax, rows: list[dict[str, Any]]) -> None:
             if not got:
                 continue
             flat = all(abs(d) < 1e-9 for _, _, d in got)
-            colour = colours[k % len(colours)]
-            ax.plot(
-                [g[0] for g in got],
-                [g[1] for g in got],
-                color=colour,
-                linestyle="--",
-                label=f"{name}" + (" (never varied)" if flat else ""),
-            )
-            ax.fill_between(
-                [g[0] for g in got], [g[1] - g[2] for g in got], [g[1] + g[2] for g in got], color=colour, alpha=0.1
-            )
+            line = {"linestyle": "--", "label": f"{name}" + (" (never varied)" if flat else "")}
+            _band(ax, got, colours[k % len(colours)], 0.1, line)
     ax.set_ylabel("reward")
     ax.set_xlabel("optimizer step")
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left")
+
+
+def _band(ax, got: list[tuple], colour: str, alpha: float, line: dict, band: Optional[dict] = None) -> None:
+    """(step, mean, spread) points as a line with a band of +- the spread around it."""
+    steps = [g[0] for g in got]
+    ax.plot(steps, [g[1] for g in got], color=colour, **line)
+    ax.fill_between(
+        steps, [g[1] - g[2] for g in got], [g[1] + g[2] for g in got], color=colour, alpha=alpha, **(band or {})
+    )
 
 
 def refresh(run_root: Path) -> Optional[Path]:
@@ -179,9 +144,7 @@ def refresh(run_root: Path) -> Optional[Path]:
 if __name__ == "__main__":  # the worker draws in a child process: python -m launcher.deliver.plots RUN_DIR
     import sys
 
-    # The lowest CPU priority: on a box with few cores the drawing (matplotlib's import, about 2 s of CPU)
-    # otherwise takes cores from the training's threads (measured on 2 cores: two logged intervals at
-    # half the tokens/s after each checkpoint).
+    # the lowest CPU priority: on 2 cores the drawing halved two logged intervals' tokens/s after each checkpoint
     try:
         os.nice(19)
     except (AttributeError, OSError):  # not on this platform: draw at normal priority

@@ -1,15 +1,9 @@
-"""Publishing a finished run to the Hugging Face Hub (the recipe's `publish:`): the outputs the export checked, with
-a model card, in one commit; never an output the export did not check.
+"""Publishing a finished run to the Hugging Face Hub (the recipe's `publish:`): only the outputs the export checked,
+with a model card, in one HfApi.create_commit (all or nothing), after the export or by `ftrun publish`. The token is
+huggingface_hub's own (HF_TOKEN or `hf auth login`), never the recipe's.
 
-Called by the supervisor after the export (and before on_finish, which may stop the box), and by `ftrun publish`.
-The repository is changed through huggingface_hub only: HfApi.create_repo, then one HfApi.create_commit holding
-every file (all or nothing; large files go through the Hub's LFS upload inside it). The token is huggingface_hub's
-own: HF_TOKEN, else the one `hf auth login` stored (huggingface_hub.get_token), never the recipe's.
-
-Layout of the repo: the merged model at its root (transformers, vLLM and TGI load `user/repo` as it is), else the
-adapter at the root (PEFT loads it, adapter_config.json names the base); with both, the adapter in adapter/. A GGUF
-file at the root (Ollama's and llama.cpp's `hf.co/user/repo:Q8_0`). README.md is the card; samples.md the before
-and after answers when the run made them; ftrun/ the recipe, data and export records.
+Layout: the merged model at the root, else the adapter; with both, the adapter in adapter/. A GGUF file at the root
+(`hf.co/user/repo:Q8_0`). README.md the card, samples.md the before and after answers, ftrun/ the run's records.
 """
 
 from __future__ import annotations
@@ -53,8 +47,8 @@ def _load(run: RunDir) -> tuple[Any, dict[str, Any]]:
 
 
 def verified_outputs(run: RunDir, recipe, report: dict[str, Any], what: list[str], state: dict) -> dict[str, Path]:
-    """{output: folder or file} of each output to publish, each one the export wrote and checked and unchanged
-    since (its size as export.json recorded it); a PublishError naming what is missing otherwise."""
+    """{output: folder or file} of each output to publish, each checked by the export and unchanged since (its size
+    in export.json); a PublishError naming what is missing otherwise."""
     from launcher.store.checkpoint import tree_bytes
 
     if not report.get("ok"):
@@ -78,15 +72,10 @@ def verified_outputs(run: RunDir, recipe, report: dict[str, Any], what: list[str
                 fix=f"add {item} to export: and run `ftrun export {run.root}`, or remove it from publish.what.",
             )
         path = Path(out["path"])
-        size = (
-            tree_bytes(path / "adapter_model.safetensors")
-            if item == "adapter"
-            else path.stat().st_size
-            if path.is_file()
-            else tree_bytes(path)
-            if path.is_dir()
-            else None
-        )
+        if item == "adapter":
+            size = tree_bytes(path / "adapter_model.safetensors")
+        else:
+            size = path.stat().st_size if path.is_file() else tree_bytes(path) if path.is_dir() else None
         if size is None or (out.get("bytes") is not None and size != out["bytes"]):
             raise PublishError(
                 f"{path} changed since the export checked it ({out.get('bytes')} bytes then, "
@@ -98,7 +87,7 @@ def verified_outputs(run: RunDir, recipe, report: dict[str, Any], what: list[str
 
 
 def layout(outputs: dict[str, Path]) -> list[tuple[Path, str]]:
-    """(local file, path in the repo) for every file to publish (module docstring: where each output goes)."""
+    """(local file, path in the repo) for every file to publish (the module docstring's layout)."""
     files: list[tuple[Path, str]] = []
 
     def tree(folder: Path, prefix: str) -> None:
@@ -119,24 +108,20 @@ def layout(outputs: dict[str, Path]) -> list[tuple[Path, str]]:
 
 
 def _hub_id(model: str) -> Optional[str]:
-    """The base model's Hub id, or None for a local folder (the card then names the folder's config)."""
+    """The base model's Hub id, or None for a local folder."""
     return model if re.fullmatch(r"[\w.-]+/[\w.-]+", model) and not Path(model).exists() else None
 
 
 def _eval_losses(run: RunDir) -> tuple[Optional[dict], Optional[dict], Optional[dict]]:
     """(first train row, last train row, last eval row) of metrics.jsonl."""
-    rows = (
-        [json.loads(line) for line in run.metrics.read_text().splitlines() if line.strip()]
-        if run.metrics.is_file()
-        else []
-    )
-    train = [r for r in rows if "loss" in r]
-    evals = [r for r in rows if "eval_loss" in r]
+    from launcher.deliver.plots import read_metrics
+
+    train, evals = read_metrics(run.metrics), read_metrics(run.metrics, "eval_loss")
     return (train[0] if train else None), (train[-1] if train else None), (evals[-1] if evals else None)
 
 
 def _serve_lines(repo: str, recipe, outputs: dict[str, Path], report: dict[str, Any]) -> list[str]:
-    from launcher.deliver.serving import served_name, template_switches, vllm_command
+    from launcher.deliver.serving import fence, served_name, template_switches, vllm_command
 
     name = served_name(Path(repo.split("/")[1]))
     base = _hub_id(recipe.model) or "BASE_MODEL"
@@ -149,55 +134,35 @@ def _serve_lines(repo: str, recipe, outputs: dict[str, Path], report: dict[str, 
             "",
         ]
     if "merged" in outputs:
-        lines += [
-            "```",
-            vllm_command(repo, quote=False, switches=switches),
-            "```",
-            "",
-            "```python",
+        lines += fence(vllm_command(repo, quote=False, switches=switches))
+        lines += fence(
             "from transformers import AutoModelForCausalLM, AutoTokenizer",
             f'model = AutoModelForCausalLM.from_pretrained("{repo}")',
             f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
-            "```",
-            "",
-        ]
+            lang="python",
+        )
     if "adapter" in outputs:
         rank = (report.get("outputs", {}).get("adapter") or {}).get("rank") or recipe.lora.r
         if "merged" in outputs:
-            lines += [
-                "The LoRA adapter alone is in `adapter/`:",
-                "",
-                "```",
-                f"hf download {repo} --include 'adapter/*' --local-dir {name}",
-                vllm_command(
-                    base, lora_module=f"{name}=./{name}/adapter", lora_rank=rank, quote=False, switches=switches
-                ),
-                "```",
-                "",
-            ]
+            serve = vllm_command(
+                base, lora_module=f"{name}=./{name}/adapter", lora_rank=rank, quote=False, switches=switches
+            )
+            lines += ["The LoRA adapter alone is in `adapter/`:", ""]
+            lines += fence(f"hf download {repo} --include 'adapter/*' --local-dir {name}", serve)
         else:
-            lines += [
-                "```",
-                vllm_command(base, lora_module=f"{name}={repo}", lora_rank=rank, quote=False, switches=switches),
-                "```",
-                "",
-                "```python",
+            lines += fence(
+                vllm_command(base, lora_module=f"{name}={repo}", lora_rank=rank, quote=False, switches=switches)
+            )
+            lines += fence(
                 "from peft import AutoPeftModelForCausalLM",
                 f'model = AutoPeftModelForCausalLM.from_pretrained("{repo}")',
-                "```",
-                "",
-            ]
+                lang="python",
+            )
     if "gguf" in outputs:
         quant = str((report.get("outputs", {}).get("gguf") or {}).get("type") or recipe.gguf_type).upper()
         think = " --think=false" if switches.get("enable_thinking") is False else ""
         kwargs = f" --chat-template-kwargs '{json.dumps(switches)}'" if switches else ""
-        lines += [
-            "```",
-            f"ollama run hf.co/{repo}:{quant}{think}",
-            f"llama-server -hf {repo}:{quant}{kwargs}",
-            "```",
-            "",
-        ]
+        lines += fence(f"ollama run hf.co/{repo}:{quant}{think}", f"llama-server -hf {repo}:{quant}{kwargs}")
     return lines
 
 
@@ -271,14 +236,11 @@ def model_card(run: RunDir, recipe, report: dict[str, Any], repo: str, outputs: 
         )
     if ev:
         body.append(f"- eval loss {ev['eval_loss']:.4f} at step {ev['step']} (held-out examples)")
+    epochs = f"{recipe.epochs:g} epoch{'' if recipe.epochs == 1 else 's'}"
+    length = f"{recipe.max_steps} steps" if recipe.max_steps else epochs
     body += [
         f"- {recipe.micro_batch_size} x {recipe.gradient_accumulation_steps} examples per step per process, "
-        f"learning rate {recipe.learning_rate:g}, max length {recipe.max_length}, "
-        + (
-            f"{recipe.max_steps} steps"
-            if recipe.max_steps
-            else f"{recipe.epochs:g} epoch{'' if recipe.epochs == 1 else 's'}"
-        ),
+        f"learning rate {recipe.learning_rate:g}, max length {recipe.max_length}, {length}",
         "",
     ]
 
@@ -316,23 +278,13 @@ def model_card(run: RunDir, recipe, report: dict[str, Any], repo: str, outputs: 
 
 
 def _task_eval_file(run: RunDir) -> Optional[Path]:
-    """The task evaluation's record (launcher/worker/task_eval.py): final/task_eval.json, else the base model's alone
-    in the run directory (published as ftrun/task_eval.json)."""
+    """The task evaluation's record: final/task_eval.json, else the base model's alone in the run directory."""
     return next((p for p in (run.final / run.task_eval.name, run.task_eval) if p.is_file()), None)
 
 
 def _task_eval_lines(run: RunDir) -> list[str]:
     """The card's scores table, from the task evaluation's record; nothing when it has no scores."""
-    from launcher.data.task_verdict import (
-        BARE_BASE,
-        BARE_BASE_LABEL,
-        BASE_FEW_SHOT,
-        BASE_ZERO_SHOT,
-        FINE_TUNED,
-        PARENT_FEW_SHOT,
-        PARENT_ZERO_SHOT,
-        start_name,
-    )
+    from launcher.data import task_verdict as tv
 
     path = _task_eval_file(run)
     record = json.loads(path.read_text()) if path else {}
@@ -340,17 +292,17 @@ def _task_eval_lines(run: RunDir) -> list[str]:
     if not scores:
         return []
     shots = record.get("shots")
-    start = start_name(record)  # a file written before the parent's rows had their own names: base_ with init_from
+    start = tv.start_name(record)  # a file written before the parent's rows had their own names: base_ with init_from
     names = {
-        BARE_BASE: BARE_BASE_LABEL,
-        BASE_ZERO_SHOT: f"{start}, zero-shot",
-        PARENT_ZERO_SHOT: "parent adapter, zero-shot",
-        FINE_TUNED: "fine-tuned",
-        BASE_FEW_SHOT: f"{start}, {shots} examples in the prompt" if shots else f"{start}, few-shot",
-        PARENT_FEW_SHOT: f"parent adapter, {shots} examples in the prompt" if shots else "parent adapter, few-shot",
+        tv.BARE_BASE: tv.BARE_BASE_LABEL,
+        tv.BASE_ZERO_SHOT: f"{start}, zero-shot",
+        tv.PARENT_ZERO_SHOT: "parent adapter, zero-shot",
+        tv.FINE_TUNED: "fine-tuned",
+        tv.BASE_FEW_SHOT: f"{start}, {shots} examples in the prompt" if shots else f"{start}, few-shot",
+        tv.PARENT_FEW_SHOT: f"parent adapter, {shots} examples in the prompt" if shots else "parent adapter, few-shot",
     }
-    starts = (BASE_ZERO_SHOT, BASE_FEW_SHOT, PARENT_ZERO_SHOT, PARENT_FEW_SHOT)
-    order = [n for n in (BARE_BASE, *starts, FINE_TUNED) if n in scores] + [n for n in scores if n not in names]
+    starts = (tv.BASE_ZERO_SHOT, tv.BASE_FEW_SHOT, tv.PARENT_ZERO_SHOT, tv.PARENT_FEW_SHOT)
+    order = [n for n in (tv.BARE_BASE, *starts, tv.FINE_TUNED) if n in scores] + [n for n in scores if n not in names]
     reason = f": {record['metric_reason']}" if record.get("metric_reason") else ""
     lines = [
         "## Task evaluation",
@@ -366,16 +318,13 @@ def _task_eval_lines(run: RunDir) -> list[str]:
 
 
 def _public_recipe(recipe) -> dict[str, Any]:
-    """The recipe as published: without its secret fields (launcher/recipe_sections.py Secret) and sync: (where this
-    box copies to: not the model's business), local paths shortened to their last part (a box's folders say nothing
-    to a reader)."""
+    """The recipe as published: without its secret fields (launcher/recipe_sections.py Secret) and sync:, local paths
+    shortened to their last part."""
     snap = recipe.public_snapshot()
     snap.pop("sync", None)
-    for key in ("model", "output_dir"):
+    for key in ("model", "output_dir", "data"):
         if isinstance(snap.get(key), str) and snap[key].startswith("/"):
             snap[key] = Path(snap[key]).name
-    if isinstance(snap.get("data"), str) and snap["data"].startswith("/"):
-        snap["data"] = Path(snap["data"]).name
     return snap
 
 
@@ -434,9 +383,8 @@ def _push(
         extra.append((run.final / "samples.md", "samples.md"))
     (staging / "recipe.yaml").write_text(yaml.safe_dump(_public_recipe(recipe), sort_keys=False))
     extra.append((staging / "recipe.yaml", "ftrun/recipe.yaml"))
-    for name in ("data.json",):
-        if (run.root / name).is_file():
-            extra.append((run.root / name, f"ftrun/{name}"))
+    if (run.root / "data.json").is_file():
+        extra.append((run.root / "data.json", "ftrun/data.json"))
     extra.append((run.final / "export.json", "ftrun/export.json"))
     if _task_eval_file(run):
         extra.append((_task_eval_file(run), "ftrun/task_eval.json"))
@@ -471,8 +419,8 @@ def _push(
 
 
 def after_export(recipe, run: RunDir, log: Callable[[str], None]) -> None:
-    """The supervisor's step after the export: publish when the recipe asks, the outcome in state.json's
-    `publish`; a failure never changes the run's own state (the trained result is intact)."""
+    """The supervisor's step after the export: publish when the recipe asks, the outcome in state.json's `publish`;
+    a failure never changes the run's own state."""
     from launcher.store.state import RunSnapshot, move
 
     if not recipe.publish.to:
@@ -489,8 +437,7 @@ def after_export(recipe, run: RunDir, log: Callable[[str], None]) -> None:
 
 
 def publish_command(run: RunDir, to: Optional[str] = None) -> int:
-    """`ftrun publish [RUN]`: the same step by hand (after a failed one, or with another repo). The command line
-    resolves the run (launcher/cli.py): the supervisor imports this module, so it imports nothing above it."""
+    """`ftrun publish [RUN]`: the same step by hand; the command line resolves the run (launcher/cli.py)."""
     from launcher.store.state import RunLock, RunSnapshot, move
 
     lock = RunLock(run).acquire()  # not while the supervisor trains, exports or publishes

@@ -17,6 +17,11 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 _SENTINELS = {"system": "QQSYSTEMQQ", "user": "QQUSERQQ", "assistant": "QQASSISTANTQQ", "user2": "QQSECONDQQ"}
 
 
+def fence(*lines: str, lang: str = "") -> list[str]:
+    """A markdown code block of `lines`, and the blank line after it."""
+    return [f"```{lang}", *lines, "```", ""]
+
+
 def vllm_lora_rank(r: int) -> int:
     return next((v for v in VLLM_LORA_RANKS if v >= r), VLLM_LORA_RANKS[-1])
 
@@ -26,8 +31,7 @@ def served_name(run_root: Path) -> str:
 
 
 def template_switches(report: dict[str, Any]) -> dict[str, Any]:
-    """The chat-template switches the export found the trained prompt under (export.json served_prompt), {} when
-    the template's defaults serve it."""
+    """The chat-template switches the trained prompt needs (export.json served_prompt), {} for the defaults."""
     return dict((report.get("served_prompt") or {}).get("chat_template_kwargs") or {})
 
 
@@ -42,11 +46,9 @@ def vllm_command(
     breaks: bool = False,
     switches: Optional[dict[str, Any]] = None,
 ) -> str:
-    """The one spelling of vLLM's serve command (SERVING.md, the end-of-run summary, the model card): `model`, or the
-    base model with a LoRA adapter (`lora_module` NAME=PATH of rank `lora_rank`); `switches`: the chat-template
-    kwargs every request is rendered with (vLLM 0.34 `--default-chat-template-kwargs`,
-    vllm/entrypoints/common/cli_args.py; a request's own chat_template_kwargs override it); `quote`: each word
-    shell-quoted; `breaks`: each option on a line of its own."""
+    """The one spelling of vLLM's serve command: `model`, or the base with a LoRA adapter (`lora_module` NAME=PATH);
+    `switches`: the chat-template kwargs (vLLM 0.34 `--default-chat-template-kwargs`,
+    vllm/entrypoints/common/cli_args.py); `quote`: shell-quoted; `breaks`: an option a line."""
     words = [["vllm", "serve", model]]
     if lora_module is not None:
         words += [
@@ -58,11 +60,10 @@ def vllm_command(
         words += [["--served-model-name", name]]
     if max_model_len is not None:
         words += [["--max-model-len", str(max_model_len)]]
-    text = (" \\\n  " if breaks else " ").join(
-        " ".join(shlex.quote(w) if quote else w for w in option) for option in words
-    )
+    sep = " \\\n  " if breaks else " "
+    text = sep.join(" ".join(shlex.quote(w) if quote else w for w in option) for option in words)
     if switches:  # JSON: quoted for the shell even where the rest is shown as written
-        text += (" \\\n  " if breaks else " ") + "--default-chat-template-kwargs " + shlex.quote(json.dumps(switches))
+        text += sep + "--default-chat-template-kwargs " + shlex.quote(json.dumps(switches))
     return text
 
 
@@ -120,16 +121,8 @@ def go_template(pieces: dict[str, str]) -> str:
     def branch(role: str) -> str:
         return f'eq .Role "{role}" }}}}{pieces[role + "_pre"]}{{{{ .Content }}}}{pieces[role + "_post"]}'
 
-    return (
-        "{{ range .Messages }}{{ if "
-        + branch("system")
-        + "{{ else if "
-        + branch("user")
-        + "{{ else if "
-        + branch("assistant")
-        + "{{ end }}{{ end }}"
-        + pieces["generation"]
-    )
+    roles = "{{ else if ".join(branch(role) for role in ("system", "user", "assistant"))
+    return "{{ range .Messages }}{{ if " + roles + "{{ end }}{{ end }}" + pieces["generation"]
 
 
 def template_features(template: str) -> dict[str, bool]:
@@ -142,14 +135,9 @@ def template_features(template: str) -> dict[str, bool]:
 
 def stop_tokens(tokenizer, eos_ids: set[int], pieces: Optional[dict[str, str]]) -> list[str]:
     """What ends a reply: the text after an assistant message in the template, and the model's end tokens."""
-    stops = []
-    if pieces is not None and pieces["assistant_post"].strip():
-        stops.append(pieces["assistant_post"].strip())
-    for i in sorted(eos_ids):
-        tok = tokenizer.convert_ids_to_tokens(i)
-        if tok and tok not in stops:
-            stops.append(tok)
-    return stops
+    after = [pieces["assistant_post"].strip()] if pieces is not None else []
+    tokens = [tokenizer.convert_ids_to_tokens(i) for i in sorted(eos_ids)]
+    return list(dict.fromkeys(t for t in after + tokens if t))
 
 
 def _prompt_of(conv: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -160,10 +148,9 @@ def _prompt_of(conv: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def ollama_default(
     tokenizer, written: Optional[str], conversations: list[list[dict[str, Any]]], architecture: Optional[str] = None
 ) -> dict[str, Any]:
-    """How Ollama, as installed (OLLAMA_GO_TEMPLATE unset), renders these conversations' prompts for a model made
-    from the GGUF (whose template is the tokenizer's) and a Modelfile with the TEMPLATE `written`
-    (ollama_template.choose), and, when a Go template renders them otherwise than the model's own template, the
-    setting under which Ollama serves the GGUF's own template instead (`serve_with`)."""
+    """How Ollama, as installed, renders these prompts for the GGUF with the Modelfile TEMPLATE `written`
+    (ollama_template.choose), and, where a Go template renders them otherwise than the model's own, the setting
+    that serves the GGUF's own template instead (`serve_with`)."""
     from launcher.deliver.go_template import Unsupported
     from launcher.deliver.ollama_template import GO_TEMPLATE_ENV, choose, source
 
@@ -212,15 +199,10 @@ def modelfile(
     eos_ids: Optional[set[int]] = None,
     architecture: Optional[str] = None,
 ) -> dict[str, Any]:
-    """The Modelfile text, and whether its template reproduces the Jinja template on the parity prompts.
-
-    A template that is uniform per role becomes an Ollama TEMPLATE, checked to render the prompts exactly as the
-    Jinja one. A template with tools or a thinking mode is not rewritten: a per-role TEMPLATE would drop them. Nor
-    is one where a conversation has two messages of one role in a row: Ollama merges them before any Go template
-    sees them (template/template.go collate). Without a TEMPLATE, Ollama autodetects a Go template of its own for
-    the GGUF's template or renders the GGUF's template through llama-server (ollama_template.py); `check["ollama"]`
-    says which, and when its Go template renders the prompts otherwise, the OLLAMA_GO_TEMPLATE=0 that serves the
-    GGUF's own template instead."""
+    """The Modelfile text, and whether its template reproduces the Jinja template on the parity prompts. A template
+    uniform per role becomes an Ollama TEMPLATE, checked on the prompts; not one with tools or thinking (a per-role
+    TEMPLATE drops them), nor where Ollama's merging of consecutive same-role messages (template/template.go
+    collate) renders otherwise. Without one, `check["ollama"]` says what Ollama renders (ollama_default)."""
     template = tokenizer.chat_template or ""
     features = template_features(template)
     pieces = None if (features["tools"] or features["thinking"]) else derive_pieces(tokenizer)
@@ -232,7 +214,6 @@ def modelfile(
         same = 0
         for conv in conversations:
             prompt = _prompt_of(conv)
-            # as Ollama renders it: consecutive messages of one role merged first (go_template.collate)
             if render_go(go_template(pieces), prompt) == _render(tokenizer, prompt, True):
                 same += 1
             else:
@@ -273,8 +254,8 @@ def modelfile(
 
 
 def _go_template_off(default: dict[str, Any]) -> list[str]:
-    """SERVING.md's lines that start Ollama with the setting its served prompt needs (ollama_default serve_with):
-    envconfig.GoTemplate is read by `ollama serve`, not by `ollama create` or `ollama run`."""
+    """SERVING.md's lines that start `ollama serve` (which reads envconfig.GoTemplate) with ollama_default's
+    serve_with."""
     env = default.get("serve_with")
     if not env:
         return []
@@ -289,13 +270,12 @@ def _go_template_off(default: dict[str, Any]) -> list[str]:
         "(export.json served_prompt.runtimes.ollama). It applies to every model that server serves, and a "
         "Modelfile TEMPLATE is then ignored.",
         "",
-        "```",
-        f"{key}={value} ollama serve",
-        "# or, for Ollama as a systemd service (the Linux installer's):",
-        f'sudo systemctl edit ollama.service   # add under [Service]: Environment="{key}={value}"',
-        "sudo systemctl restart ollama",
-        "```",
-        "",
+        *fence(
+            f"{key}={value} ollama serve",
+            "# or, for Ollama as a systemd service (the Linux installer's):",
+            f'sudo systemctl edit ollama.service   # add under [Service]: Environment="{key}={value}"',
+            "sudo systemctl restart ollama",
+        ),
     ]
 
 
@@ -318,9 +298,8 @@ def render(
     eos_ids: Optional[set[int]] = None,
     prompts: Optional[list[list[dict[str, Any]]]] = None,
 ) -> tuple[str, Optional[dict[str, Any]]]:
-    """(SERVING.md text, Modelfile or None) for what export produced; eos_ids: the model's end tokens; `prompts`:
-    the conversations an Ollama template must render as the model's own does (the served-prompt checks' prompts,
-    one of each shape in the data), else the data's first three."""
+    """(SERVING.md text, Modelfile or None) for what export produced; `prompts`: the conversations an Ollama template
+    must render as the model's own (the served-prompt checks'), else the data's first three."""
     from launcher.data.dataset import load_examples
 
     outputs = report["outputs"]
@@ -337,7 +316,6 @@ def render(
         f"# Serving {name}",
         "",
         f"Written by `ftrun export` for the run in `{run.root}` ({recipe.method} of `{recipe.model}`).",
-        # the prompts' source as export.json records it: "held out (eval.fraction)", or the training data
         f"Every output below was reloaded and compared with its reference on the prompts export.json names "
         f"({report.get('parity_prompts_from') or 'the data'}); the numbers are there.",
         "",
@@ -378,17 +356,16 @@ def render(
             "The adapter is small; vLLM loads the base model once and applies the adapter per request "
             "(the model name `" + name + "` selects it, the base id the plain model).",
             "",
-            "```",
-            vllm_command(
-                recipe.model,
-                lora_module=name + "=" + outputs["adapter"]["path"],
-                lora_rank=rank,
-                max_model_len=recipe.max_length,
-                breaks=True,
-                switches=switches,
+            *fence(
+                vllm_command(
+                    recipe.model,
+                    lora_module=name + "=" + outputs["adapter"]["path"],
+                    lora_rank=rank,
+                    max_model_len=recipe.max_length,
+                    breaks=True,
+                    switches=switches,
+                )
             ),
-            "```",
-            "",
         ]
         if is_quantized(recipe.method):
             parts += [
@@ -396,7 +373,7 @@ def render(
                 "the merged model below (the standard QLoRA deployment).",
                 "",
             ]
-        parts += ["```", _curl(name, question), "```", ""]
+        parts += fence(_curl(name, question))
     if "merged" in outputs or "model" in outputs:
         mpath = outputs["merged" if "merged" in outputs else "model"]["path"]
         parts += [
@@ -404,14 +381,8 @@ def render(
             "",
             "No adapter at run time; add `--tensor-parallel-size N` for a model larger than one GPU.",
             "",
-            "```",
-            vllm_command(mpath, name=name, max_model_len=recipe.max_length, breaks=True, switches=switches),
-            "```",
-            "",
-            "```",
-            _curl(name, question),
-            "```",
-            "",
+            *fence(vllm_command(mpath, name=name, max_model_len=recipe.max_length, breaks=True, switches=switches)),
+            *fence(_curl(name, question)),
         ]
     mf = None
     if "gguf" in outputs:
@@ -445,14 +416,13 @@ def render(
             + ".",
             "",
             *_go_template_off(feats["ollama"]),
-            "```",
-            f"cd {q(str(gdir))}",
-            f"ollama create {q(name)} -f Modelfile",
-            f"ollama run {q(name)}"
-            + (" --think=false" if switches.get("enable_thinking") is False else "")
-            + f" {q(question)}",
-            "```",
-            "",
+            *fence(
+                f"cd {q(str(gdir))}",
+                f"ollama create {q(name)} -f Modelfile",
+                f"ollama run {q(name)}"
+                + (" --think=false" if switches.get("enable_thinking") is False else "")
+                + f" {q(question)}",
+            ),
         ]
         if feats.get("tools") or feats.get("thinking"):
             parts += [
@@ -474,14 +444,8 @@ def render(
         parts += [
             "Ollama's OpenAI-compatible API:",
             "",
-            "```",
-            _curl(name, question, port=11434),
-            "```",
-            "",
-            "```",
-            mf["text"].rstrip(),
-            "```",
-            "",
+            *fence(_curl(name, question, port=11434)),
+            *fence(mf["text"].rstrip()),
             "llama.cpp directly: `llama-server -m "
             + q(str(g["path"]))
             + f" -c {recipe.max_length} --jinja"
@@ -497,11 +461,10 @@ def render(
             "Ollama can also convert and quantize the merged safetensors itself (its own converter, which "
             "ftrun's checks do not cover; it knows fewer architectures than llama.cpp's):",
             "",
-            "```",
-            f"printf 'FROM %s\\n' {q(str(mdir))} > Modelfile.merged",
-            f"ollama create {q(name + '-ollama')} -q q4_K_M -f Modelfile.merged",
-            f"ollama run {q(name + '-ollama')} {q(question)}",
-            "```",
-            "",
+            *fence(
+                f"printf 'FROM %s\\n' {q(str(mdir))} > Modelfile.merged",
+                f"ollama create {q(name + '-ollama')} -q q4_K_M -f Modelfile.merged",
+                f"ollama run {q(name + '-ollama')} {q(question)}",
+            ),
         ]
     return "\n".join(parts), mf

@@ -1,8 +1,6 @@
 """The trainer callbacks through which ftrun drives the Trainer's loop: wall-clock checkpoints and evaluation, the
-save after SIGTERM, the metrics rows and log lines, the NaN guard, the smoke test's timing, the engine check.
-
-`ftrun status` reads the metrics rows (Metrics.on_log, _log_eval) in launcher/run/facts.py and words them in
-launcher/run/views.py: showing another value there needs no change here.
+save after SIGTERM, the metrics rows and log lines (read by launcher/run/facts.py), the NaN guard, the smoke test's
+timing, the engine check.
 """
 
 from __future__ import annotations
@@ -46,8 +44,7 @@ def build_callbacks(
     from transformers import TrainerCallback
 
     def agree(flag: bool) -> bool:
-        # Wall clocks and signals differ between ranks; all ranks must decide to save together
-        # or the collective save deadlocks.
+        # all ranks decide together, or the collective save deadlocks
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             t = torch.tensor([1.0 if flag else 0.0], device="cuda" if device == "cuda" else "cpu")
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
@@ -69,15 +66,10 @@ def build_callbacks(
 
         def on_train_begin(self, args, state, control, **kw):
             if state.global_step >= state.max_steps > 0:
-                # Resumed from the last step's checkpoint (a worker that died after it, before it ended): the
-                # Trainer's loop checks should_training_stop only after a step (transformers 5.24 trainer.py,
-                # _run_epoch), so it would train one step past the schedule. The weights are the checkpoint's by
-                # now (loaded before on_train_begin): leave the loop, and the worker writes the final result.
+                # resumed from the last step: the loop checks should_training_stop only after a step (transformers
+                # 5.24 trainer.py, _run_epoch) and would train one past the schedule; the worker writes the result
                 raise TrainingComplete(state.global_step)
-            # the wall-clock cadence counts training time: the first checkpoint `interval` after training (re)starts,
-            # not after this callback was made (the trainer's construction, DDP's setup and a resume's loading came
-            # between; under load they took longer than a short cadence, and a resumed attempt saved with its first
-            # step: tests/run/test_rank_down.py)
+            # the cadence counts training time, not the setup and loading before it (tests/run/test_rank_down.py)
             self.last_save = time.monotonic()
             BEAT.beat("step", state.global_step)
 
@@ -89,8 +81,7 @@ def build_callbacks(
             over_time = max_seconds is not None and agree(time.monotonic() - self.started >= max_seconds)
             if mode == "full" and (agree(due) or at_end or stop):
                 control.should_save = True
-            # eval by wall clock and at the end (the Trainer evaluates before it saves: the row is in the checkpoint);
-            # the smoke test evaluates once, at its end, for the ETA
+            # eval by wall clock and at the end (before the save: the row is in the checkpoint); the smoke once
             if (
                 evaluates
                 and not stop
@@ -107,14 +98,12 @@ def build_callbacks(
                 self.timed_out = True
                 control.should_training_stop = True
             if mode == "smoke" and (at_end or over_time):
-                # The full run pays a checkpoint every interval and at the end: time one here.
+                # time one checkpoint for the ETA
                 control.should_save = True
                 self.save_started = time.monotonic()
             if mode == "full" and control.should_save:
-                # Every rank (the decision above is the same on all), before the save: the previous checkpoint's
-                # manifest, in short collectives. on_save's writer then finds it done instead of hashing on
-                # while the others sit in its barrier, where a large checkpoint on slow storage outlasts the
-                # process group's timeout (ddp_timeout, 1800 s by default) and the watchdog aborts every rank.
+                # every rank waits for the previous manifest here, in short collectives, not in on_save's barrier
+                # where a long hash would outlast ddp_timeout
                 BEAT.beat("hash")
                 _await_manifest(device)
             if control.should_evaluate or control.should_save:  # the Trainer evaluates, then saves
@@ -129,23 +118,20 @@ def build_callbacks(
             self.last_save = time.monotonic()
             together = torch.distributed.is_available() and torch.distributed.is_initialized()
             if together:
-                # every rank has written its part (rng_state_<rank>.pth, ZeRO shards) before rank 0
-                # moves the folder and hashes it
+                # every rank's part (rng state, ZeRO shards) is written before the folder moves
                 torch.distributed.barrier()
             # one writer per disk: the main process, or each node's first one when every node saves
             writer = state.is_local_process_zero if args.save_on_each_node else state.is_world_process_zero
             src = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             if mode == "smoke":
                 if self.save_started is not None:
-                    # The full run's checkpoints are hashed too (in the background, and each save waits
-                    # for the previous one's): the timed save includes the hashing, so the ETA counts it.
+                    # the timed save includes the hashing, as the full run's do
                     if writer:
                         ckpt.write_manifest(src, state.global_step, checkpoint_meta)
                     self.save_seconds = time.monotonic() - self.save_started
                 return control
             if writer:
-                # The previous checkpoint's manifest and retention finish before this folder appears (at once
-                # after on_step_end's wait); one that failed stops the run here, never silently.
+                # the previous manifest and retention finish first; one that failed stops the run here
                 _MANIFEST.wait()
                 _MANIFEST.check()
                 dst = run.checkpoints / ckpt.step_dir_name(state.global_step)
@@ -153,8 +139,7 @@ def build_callbacks(
                     shutil.rmtree(dst)
                 os.replace(src, dst)
                 if run.metrics.is_file():
-                    # The checkpoint carries the metrics up to its step: a resume on another box
-                    # restores them from here, whatever state the copied metrics.jsonl is in.
+                    # the metrics up to its step, for a resume on another box
                     shutil.copyfile(run.metrics, dst / METRICS_IN_CHECKPOINT)
                 from launcher.worker import trackers
 
@@ -172,7 +157,7 @@ def build_callbacks(
                         flush=True,
                     )
 
-                # Hashing after the barrier, beside the training: no rank waits for it.
+                # hashing beside the training: no rank waits for it
                 _MANIFEST.start(dst, state.global_step, checkpoint_meta, then=complete)
                 _redraw_loss_plot(run.root)
             if together:
@@ -186,8 +171,7 @@ def build_callbacks(
             self.tokens_last = 0
             self.step_times: list[tuple[int, float, int]] = []  # (step, monotonic, tokens seen)
             self.eval_seconds: Optional[float] = None  # the last eval pass (the smoke's is priced for the ETA)
-            # GRPO: each logged step's share of prompts whose answers all scored the same (the smoke test's note)
-            self.zero_std: list[float] = []
+            self.zero_std: list[float] = []  # GRPO: each step's share of prompts without reward variance
 
         def on_train_begin(self, args, state, control, **kw):
             if state.is_world_process_zero and kw.get("optimizer") is not None:
@@ -198,7 +182,7 @@ def build_callbacks(
             self.tokens_last = state.num_input_tokens_seen
             self.step_times.append((state.global_step, self.t_last, state.num_input_tokens_seen))
             if state.is_world_process_zero:
-                # the mode's own file: a smoke test's step count is not the full run's (status read "0/6")
+                # the mode's own file: a smoke test's step count is not the full run's
                 path = run.worker if mode == "full" else run.smoke_work / "worker.json"
                 info = json.loads(path.read_text()) if path.is_file() else {}
                 info.update(total_steps=state.max_steps, start_step=state.global_step)
@@ -240,49 +224,33 @@ def build_callbacks(
             if row.get("frac_reward_zero_std") is not None:
                 self.zero_std.append(row["frac_reward_zero_std"])
             self.t_last, self.tokens_last = now, tokens
-            _emit(
-                run,
-                mode,
-                state,
-                row,
-                f"loss {loss:.4f} lr {row['learning_rate']:.2e} {row['tokens_per_second']:.0f} tok/s"
-                + _objective_words(row),
-            )
+            words = f"loss {loss:.4f} lr {row['learning_rate']:.2e} {row['tokens_per_second']:.0f} tok/s"
+            _emit(run, mode, state, row, words + _objective_words(row))
 
     return Cadence(), Metrics()
 
 
 def _objective_words(row: dict[str, Any]) -> str:
-    """The step line's objective figures: DPO's margin and accuracy; GRPO's reward with its spread, each reward's
-    apart where there are several, and the share of prompts whose answers all scored the same."""
+    """The step line's objective figures: DPO's margin and accuracy; GRPO's reward, spread, parts, zero-variance."""
     if "rewards/margins" in row and "rewards/accuracies" in row:
         return f" margin {row['rewards/margins']:.3f} acc {row['rewards/accuracies']:.2f}"
     if row.get("reward") is None:
         return ""
     parts = methods.reward_parts(row)
-    return (
-        f" reward {row['reward']:.3f} +- {row.get('reward_std') or 0:.3f}"
-        + (
-            " ("
-            + ", ".join(
-                (f"{name} {p['mean']:.3f} +- {p['std'] or 0:.3f}" if p["mean"] is not None else f"{name} none scored")
-                for name, p in parts.items()
-            )
-            + ")"
-            if len(parts) > 1
-            else ""
+    words = f" reward {row['reward']:.3f} +- {row.get('reward_std') or 0:.3f}"
+    if len(parts) > 1:
+        each = (
+            f"{name} {p['mean']:.3f} +- {p['std'] or 0:.3f}" if p["mean"] is not None else f"{name} none scored"
+            for name, p in parts.items()
         )
-        + (
-            f", {row['frac_reward_zero_std']:.0%} of prompts without reward variance"
-            if row.get("frac_reward_zero_std")
-            else ""
-        )
-    )
+        words += f" ({', '.join(each)})"
+    if row.get("frac_reward_zero_std"):
+        words += f", {row['frac_reward_zero_std']:.0%} of prompts without reward variance"
+    return words
 
 
 def _log_eval(run: RunDir, mode: str, state, logs: dict[str, Any], logged: tuple[str, ...] = ()) -> None:
-    """An eval pass: a row of its own in metrics.jsonl (step, eval_loss, TRL's eval metrics, the objective's own
-    figures with eval_ before them) and a log line."""
+    """An eval pass: its own row in metrics.jsonl (eval_loss, TRL's and the objective's eval_ figures), a log line."""
     row = {"step": state.global_step, "eval_loss": float(logs["eval_loss"])}
     for key in ("eval_mean_token_accuracy", "eval_entropy", *(f"eval_{k}" for k in logged)):
         if logs.get(key) is not None:
@@ -337,7 +305,7 @@ def _engine_check(run: RunDir, plan: dict[str, Any], mode: str, get_trainer):
                 _write_verification(run, mode, result, None if result["ok"] else line)
             if not result["ok"]:
                 print(f"[ftrun worker] {line}", file=sys.stderr, flush=True)
-                # SystemExit passes the trainer's error handling; every rank sees the same result and exits.
+                # past the trainer's error handling; every rank sees the same result
                 raise SystemExit(EXIT_BAD_WORLD)
             if _rank() == 0:
                 print(f"[ftrun worker] {line}", flush=True)

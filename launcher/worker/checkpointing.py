@@ -1,8 +1,5 @@
-"""How the processes of one launch share the run's checkpoints on disk.
-
-Which process verifies the resume choice and which one writes on each disk; the step every rank resumes from; the
-newest checkpoint's manifest, hashed in the background by its disk's writer and awaited by every rank; a disk that
-fills up while a checkpoint is saved.
+"""How the processes of one launch share the run's checkpoints on disk: who verifies the resume choice and who writes
+on each disk, the step every rank resumes from, the background manifest every rank awaits, a disk that fills up.
 """
 
 from __future__ import annotations
@@ -23,11 +20,9 @@ METRICS_IN_CHECKPOINT = "ftrun_metrics.jsonl"
 
 
 def _restore_metrics(path: Path, checkpoint: Path, last_step: int) -> None:
-    """On resume, metrics.jsonl = the rows the checkpoint carries (steps up to its own); later rows will be logged
-    again."""
+    """On resume, metrics.jsonl = the checkpoint's rows up to its step; later rows will be logged again."""
     source = checkpoint / METRICS_IN_CHECKPOINT
-    if not source.is_file():
-        source = path
+    source = source if source.is_file() else path
     if not source.is_file():
         return
     keep = [
@@ -41,8 +36,8 @@ def _restore_metrics(path: Path, checkpoint: Path, last_step: int) -> None:
 
 
 def _launch_identity() -> dict[str, str]:
-    """What the processes of one launch share (torchrun/accelerate set it): the rendezvous, its address, the
-    restart. The run id repeats across launches under a static rendezvous: _launcher_started tells those apart."""
+    """What the processes of one launch share (torchrun sets it); under a static rendezvous _launcher_started tells
+    launches apart."""
     return {
         k: os.environ.get(k, "")
         for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")
@@ -50,8 +45,7 @@ def _launch_identity() -> dict[str, str]:
 
 
 def _resume_steps_differ(resume_from, device: str) -> Optional[str]:
-    """Each node verifies its own disk when the run spans several nodes: all ranks must still resume from the same
-    step, or their step counts, optimizer states and data positions part ways. The message when they do not."""
+    """The message when the nodes (each verifying its own disk) would resume from different steps, else None."""
     import torch
     import torch.distributed as dist
 
@@ -76,8 +70,7 @@ def _resume_steps_differ(resume_from, device: str) -> Optional[str]:
 
 
 def _launcher_started() -> float:
-    """When this process's launcher started: a resume choice written earlier belongs to an earlier launch (under
-    a static rendezvous every node's launcher starts before any worker of the launch)."""
+    """When this process's launcher started: a resume choice written earlier belongs to an earlier launch."""
     import psutil
 
     try:
@@ -87,13 +80,8 @@ def _launcher_started() -> float:
 
 
 def _verifies_resume(plan: dict[str, Any], rank: int, local_rank: int) -> bool:
-    """Whether this process verifies the checkpoints at resume, one per disk, and hands its choice to the others.
-
-    A plan over several nodes counts on a disk per node whatever the engine: DeepSpeed never sets
-    save_on_each_node, so a rule that follows it left the ranks of nodes >= 1 waiting for a choice that nobody
-    writes on their disk. Each node's local rank 0 verifies its own disk (on a shared one, the same choice);
-    _resume_steps_differ stops the run when nodes chose different steps. One node: rank 0.
-    """
+    """Whether this process verifies the checkpoints at resume and hands its choice to the others: rank 0, or each
+    node's local rank 0 over several nodes whatever the engine (DeepSpeed never sets save_on_each_node)."""
     from launcher.worker.engines import world_size
 
     several_nodes = world_size(plan) > int(plan.get("num_processes", 1))
@@ -101,9 +89,8 @@ def _verifies_resume(plan: dict[str, Any], rank: int, local_rank: int) -> bool:
 
 
 def _writes_checkpoints(save_on_each_node: bool, rank: int, local_rank: int) -> bool:
-    """Whether this process moves, hashes and removes checkpoint folders on its disk: the rule of Cadence.on_save
-    (the Trainer's own, TrainingArguments.should_save): each node's first process when every node saves, else the
-    main process. A step folder without manifest may be its hash in progress: no other process deletes one."""
+    """Whether this process moves, hashes and removes checkpoint folders on its disk (Cadence.on_save's rule, the
+    Trainer's should_save); no other process deletes a step folder without manifest (its hash may be running)."""
     return (local_rank if save_on_each_node else rank) == 0
 
 
@@ -115,7 +102,6 @@ def _writes_this_disk(plan: dict[str, Any], recipe, run: RunDir) -> bool:
     return _writes_checkpoints(bool(fields.get("save_on_each_node")), _rank(), local_rank())
 
 
-# The newest checkpoint's manifest, hashed and written in the background by the disk's writer.
 _MANIFEST = ckpt.BackgroundManifest(log=lambda line: print(f"[ftrun worker] {line}", flush=True))
 
 
@@ -123,12 +109,9 @@ _MANIFEST_POLL_S = 5.0  # one round of _await_manifest: far below any process gr
 
 
 def _await_manifest(device: str) -> None:
-    """Every rank waits until the writer's background manifest is on disk. A rank that exited first would make
-    torchrun stop the others (a stopped run exits 77), cutting the hashing and losing the checkpoint. The wait
-    is short collectives in a loop, not one barrier, so a long hash never meets the process group's timeout.
-
-    Then every rank raises ManifestFailed when a writer's manifest was not written, so all ranks leave the same
-    way: with ENOSPC/EDQUOT among its causes when the disk was full (the disk-full exit), else a crash."""
+    """Every rank waits, in short collectives (no barrier timeout), until the writer's background manifest is on disk:
+    a rank that exited first would have torchrun cut the hashing. Then every rank raises ManifestFailed when a
+    writer's manifest failed (with ENOSPC among its causes when the disk was full)."""
     import errno
 
     import torch
@@ -164,8 +147,7 @@ def _disk_full_message(run: RunDir, step: int, writer: bool = True) -> str:
     partial = [p for p in run.checkpoints.glob("checkpoint-*") if p.is_dir()]
     partial_bytes = sum(ckpt.tree_bytes(p) for p in partial)
     if writer:
-        # Only the process that moves and hashes this disk's checkpoints, after its own manifest is done: a
-        # step folder without manifest is one it may still be hashing, which another rank would delete.
+        # only this disk's writer, after its own manifest (_writes_checkpoints)
         _MANIFEST.wait()
         ckpt.remove_incomplete(run.checkpoints)
     kept = [p for p in ckpt.candidates(run.checkpoints) if (p / ckpt.MANIFEST).is_file()]
@@ -193,9 +175,7 @@ def _disk_full(run: RunDir, step: int, writer: bool) -> int:
 
 
 def _finish(run: RunDir, device: str, step: int, writer: bool) -> int:
-    """0 once the last checkpoint's manifest is on disk (every rank waits); a manifest that failed is never a
-    clean exit: a full disk takes the disk-full exit, anything else is raised (a crash, restarted from the
-    newest verified checkpoint)."""
+    """0 once the last manifest is on disk (every rank waits); a failed one takes the disk-full exit or is raised."""
     try:
         _await_manifest(device)
     except ckpt.ManifestFailed as exc:

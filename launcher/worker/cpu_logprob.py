@@ -1,19 +1,11 @@
 """The LM head's per-token log-probabilities on a CPU, a few tokens at a time, for TRL's fused LM head.
 
-trl 1.16's SFTTrainer computes the loss through a fused LM head (trl/trainer/utils.py, add_fused_lm_head, calling
-`_ChunkedLogProbFunction.apply`): the (tokens x vocabulary) logits are never whole. Its kernel
-(trl/kernels/chunked_logprob.py, ChunkedLogProbFunction) is built for CUDA: Triton folds each 4096 x 32768 tile in
-place, and backward recomputes the tiles. Without Triton it folds every tile with torch ops that hold about eight fp32
-copies of it, as large as the whole logits of a 150k vocabulary, and recomputing the projection makes a step on a
-large-vocabulary model about 3x slower than the model's own loss (scripts/bench_lean_loss.py, docs/BENCHMARKS.md).
-
-Here, on the CPU: a chunk of tokens is projected on the whole vocabulary (a chunk of about CHUNK_ELEMENTS logits),
-its log-softmax taken in place, and the gradient of each token's log-probability with respect to its hidden state
-((onehot - p) @ W) computed in the same pass and kept (tokens x hidden, fp32). Backward only scales it by the
-incoming gradient: no recomputation, the same matmuls as the model's own loss. This needs a frozen LM head, which is
-LoRA's and QLoRA's; a trainable head (full fine-tuning), a soft-capped head (Gemma 2) or an entropy gradient go to
-TRL's own kernel. The worker routes TRL's call to it on the CPU only (launcher/worker/fused_head.py), where it is
-measurably better: the loss's memory stays one chunk, at the speed of the model's own loss.
+trl 1.16's kernel (trl/kernels/chunked_logprob.py, ChunkedLogProbFunction, called by add_fused_lm_head in
+trl/trainer/utils.py) is built for CUDA: without Triton it holds about eight fp32 copies of each tile and recomputes
+the projection in backward, about 3x slower than the model's own loss (scripts/bench_lean_loss.py, docs/BENCHMARKS.md).
+Here a chunk of tokens is projected on the whole vocabulary, its log-softmax taken in place, and each token's gradient
+with respect to its hidden state ((onehot - p) @ W) kept from the same pass: backward only scales it. This needs a
+frozen head (LoRA, QLoRA); the worker routes only such CPU calls here (launcher/worker/fused_head.py).
 """
 
 from __future__ import annotations
@@ -21,15 +13,13 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
-# Logits per chunk: the chunk's tokens x the whole vocabulary, about 8M of them (32 MB of fp32); the sizer counts
-# the same (launcher/plan/loss_head.py, CPU_LOSS_CHUNK_ELEMENTS).
+# about 8M logits per chunk, as the sizer counts (launcher/plan/loss_head.py)
 from launcher.plan.loss_head import cpu_loss_chunk_tokens
 
 
 @cache
 def function() -> Any:
-    """The autograd function (built on first use: torch is imported inside worker/'s functions,
-    docs/architecture.md)."""
+    """The autograd function, built on first use (torch is imported inside functions)."""
     import torch
 
     class CpuChunkedLogProb(torch.autograd.Function):

@@ -25,20 +25,11 @@ def _out_of_memory(run: RunDir, mode: str, device: str, text: str, step: int) ->
     measured = f"peak {peak:.2f} GB" if peak is not None else "peak unknown"
     message = f"out of {'GPU ' if device == 'cuda' else ''}memory at step {step + 1} ({measured}): {first[:300]}"
     print(f"[ftrun worker] {message}", file=sys.stderr, flush=True)
-    if mode == "smoke":  # any rank: under ZeRO-3 or FSDP one rank may run out before the others
-        ckpt.atomic_write_json(
-            run.smoke_work / "oom.json",
-            {
-                "peak_memory_gb": None if peak is None else round(peak, 3),
-                "step": step + 1,
-                "rank": _rank(),
-                "error": first[:500],
-            },
-        )
-    else:  # any rank, for the same reason; worker.json is written atomically
-        # the step as a fact too: the supervisor restarts with the plan's faster settings undone and says where
-        # (launcher/run/oom_restart.py)
-        oom = {"step": step + 1, "peak_memory_gb": None if peak is None else round(peak, 3), "rank": _rank()}
+    # any rank: under ZeRO-3 or FSDP one rank may run out before the others
+    oom = {"step": step + 1, "peak_memory_gb": None if peak is None else round(peak, 3), "rank": _rank()}
+    if mode == "smoke":
+        ckpt.atomic_write_json(run.smoke_work / "oom.json", {**oom, "error": first[:500]})
+    else:  # the step as a fact too: the restart says where (launcher/run/oom_restart.py)
         _record_error(run, message, EXIT_OOM, out_of_memory=oom)
     return EXIT_OOM
 
@@ -59,31 +50,27 @@ def _is_disk_full(exc: BaseException, where: Path) -> bool:
 
     if _says_disk_full(exc):
         return True
-    # torch.save reports a full disk as one of several RuntimeErrors ("file write failed", "iostream
-    # error", "unexpected pos"): ask the disk itself whether a checkpoint still fits.
+    # torch.save's full disk is one of several RuntimeErrors: ask the disk whether a checkpoint still fits
     kept = [p for p in ckpt.candidates(where / "checkpoints") if (p / ckpt.MANIFEST).is_file()]
     last = ckpt.tree_bytes(kept[0]) if kept else 0
     return shutil.disk_usage(where).free < max(64 * 1024 * 1024, 2 * last)
 
 
-def _record_error(run: RunDir, message: str, exit_code: Optional[int] = None, **facts) -> None:
+def _record(run: RunDir, facts: dict) -> None:
     info = json.loads(run.worker.read_text()) if run.worker.is_file() else {}
-    info["error"] = message
     info.update(facts)
-    if exit_code is not None:  # torchrun reports any rank's exit as 1: the supervisor reads the real one here
-        info["exit_code"] = exit_code
     try:
         ckpt.atomic_write_json(run.worker, info)
-    except OSError:  # the disk may be too full even for this; the log line above already says it
+    except OSError:  # the disk may be too full even for this; the log line already says it
         pass
+
+
+def _record_error(run: RunDir, message: str, exit_code: Optional[int] = None, **facts) -> None:
+    # torchrun reports any rank's exit as 1: the supervisor reads the real one here
+    _record(run, {"error": message, **facts, **({"exit_code": exit_code} if exit_code is not None else {})})
 
 
 def _record_stop_after_training(run: RunDir, step: int) -> None:
-    """worker.json's fact for the supervisor: this stop came after training ended at `step` (the final result and the
-    last checkpoint are saved); what it skipped is what a resume does at the end."""
-    info = json.loads(run.worker.read_text()) if run.worker.is_file() else {}
-    info["stopped_after_training"] = {"step": step}
-    try:
-        ckpt.atomic_write_json(run.worker, info)
-    except OSError:
-        pass
+    """worker.json's fact for the supervisor: this stop came after training ended at `step` (result and last
+    checkpoint saved)."""
+    _record(run, {"stopped_after_training": {"step": step}})

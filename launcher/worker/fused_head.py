@@ -1,20 +1,11 @@
-"""Where TRL's fused LM head is called: the step that turns the last hidden states into per-token log-probabilities.
-
-trl 1.16's SFTTrainer patches the model with add_fused_lm_head (trl/trainer/utils.py), whose forward calls
-`_ChunkedLogProbFunction.apply`, read from trl's module at call time. The worker puts a dispatcher there (install):
-- on the CPU, a frozen head's call goes to launcher/worker/cpu_logprob.py, TRL's own kernel otherwise (a GPU tensor,
-  a trainable or soft-capped head);
-- where the trainer offloads activations (`trainer: activation_offloading`, the plan's choice for one card:
-  launcher/worker/engines/__init__.py trainer_fields), the call runs outside that offloading. TRL keeps the output head
-  out of it (trl/models/activation_offloading.py, get_act_offloading_ctx_manager: a NoOpManager entered in lm_head's
-  forward pre-hook): offloading the head's input only to fetch it back at the very start of backward costs a round
-  trip over PCIe for nothing. The fused head never calls lm_head.forward (it reads lm_head.weight), so those hooks
-  never fire and the head's input (tokens x hidden) went to pinned RAM and back each micro-batch, beyond the plan's
-  count (launcher/plan/sizing.py offloaded_activation_bytes). Here the call runs under its own innermost
-  saved_tensors_hooks pair that keeps tensors where they are, as TRL's NoOpManager does: only the most recently
-  registered pair runs (torch.autograd.graph.saved_tensors_hooks). Only there: a saved tensor then reaches
-  backward as a plain alias, and DeepSpeed ZeRO-3's own backward hooks need the parameter itself (a trainable
-  head under ZeRO-3 failed with "'Tensor' object has no attribute 'ds_status'").
+"""Where TRL's fused LM head is called (trl 1.16 trl/trainer/utils.py add_fused_lm_head:
+`_ChunkedLogProbFunction.apply`, read at call time). The worker puts a dispatcher there (install):
+- on the CPU, a frozen, not soft-capped head's call goes to launcher/worker/cpu_logprob.py, else TRL's own kernel;
+- where the trainer offloads activations, the call runs under its own innermost saved_tensors_hooks pair that keeps
+  tensors where they are, as TRL keeps lm_head out of offloading (trl/models/activation_offloading.py: a NoOpManager
+  in lm_head's forward pre-hook, which the fused head never calls); the plan does not count that round trip
+  (launcher/plan/sizing.py offloaded_activation_bytes). Only there: ZeRO-3's backward hooks need the parameter
+  itself ("'Tensor' object has no attribute 'ds_status'").
 """
 
 from __future__ import annotations
@@ -64,7 +55,7 @@ class _Dispatch:
 
 def install(activation_offloading: bool = False) -> bool:
     """Put the dispatcher in TRL's place (once); True where TRL has a fused head to route. `activation_offloading`:
-    this process's trainer offloads activations, so the head's call is kept out of it."""
+    keep the head's call out of it."""
     try:
         from trl.trainer import utils
     except ImportError:

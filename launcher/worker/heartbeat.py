@@ -1,9 +1,8 @@
 """This rank's heartbeat: its step and phase into the run directory, cheaply, for the supervisor's watchdog.
 
-One small file per rank (launcher/store/heartbeat_files.py), replaced at most every HEARTBEAT_SECONDS (its home:
-launcher/plan/deadlines.py, whose deadlines add it) within a phase and at once when the phase changes (a save, an
-eval, the final save), so a rank that stops making progress goes silent and the supervisor can tell where it
-stopped (launcher/run/watchdog.py). Writing never fails the training.
+One small file per rank (launcher/store/heartbeat_files.py), replaced at most every HEARTBEAT_SECONDS
+(launcher/plan/deadlines.py) within a phase and at once when the phase changes, so the watchdog can tell where a
+silent rank stopped (launcher/run/watchdog.py). Writing never fails the training.
 """
 
 from __future__ import annotations
@@ -45,17 +44,8 @@ class Heartbeat:
         elif now - self.written < HEARTBEAT_SECONDS:
             return
         try:
-            heartbeat_files.write(
-                self.run,
-                self.rank,
-                {
-                    "pid": os.getpid(),
-                    "step": self.step,
-                    "phase": self.phase,
-                    "phase_started": self.phase_started,
-                    "time": now,
-                },
-            )
+            beat = {"pid": os.getpid(), "step": self.step, "phase": self.phase, "phase_started": self.phase_started}
+            heartbeat_files.write(self.run, self.rank, {**beat, "time": now})
             self.written = now
         except OSError:  # a full disk says so elsewhere; the watchdog's floor covers a rank that cannot write
             pass

@@ -8,17 +8,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-# A drawing costs about a second of a core (matplotlib's import, measured 0.9 s on the 2-core CI box, 2026-12-05):
-# a checkpoint cadence shorter than this would keep a core drawing beside the training.
+# a drawing costs about a second of a core (matplotlib's import: 0.9 s on the 2-core CI box, 2026-12-05)
 REDRAW_EVERY_SECONDS = 60.0
 
 _PLOT: dict[str, Any] = {"child": None, "pending": False, "started": None}
 
 
 def _redraw_loss_plot(run_root: Path, final: bool = False) -> None:
-    """While one drawing runs, or within REDRAW_EVERY_SECONDS of its start, the next checkpoint's is skipped; at the
-    end the last one is waited for (and made, if a checkpoint came since it started), so the finished run's plot is
-    complete."""
+    """Skipped while a drawing runs or within REDRAW_EVERY_SECONDS of its start; at the end (`final`) the last one is
+    waited for, and made if a checkpoint came since, so the finished run's plot is complete."""
     child, started = _PLOT["child"], _PLOT["started"]
     recent = started is not None and time.monotonic() - started < REDRAW_EVERY_SECONDS
     if not final and ((child is not None and child.poll() is None) or recent):

@@ -1,33 +1,18 @@
 """The worker's memory: peak measurement, the --memory-limit cap, out-of-memory classification.
 
-Each rank measures and caps its own device: the GPU of its LOCAL_RANK, its index passed explicitly (torch 2.13
-set_per_process_memory_fraction(device=None) caps the *current* device, `torch/cuda/memory.py`), or the process's
-RAM on the CPU.
+Each rank measures and caps its own device: the GPU of its LOCAL_RANK, passed explicitly (torch 2.13
+set_per_process_memory_fraction(device=None) caps the current device, `torch/cuda/memory.py`), or its RAM on the CPU.
 
-Sources relied on (torch 2.13, bitsandbytes 0.50; NCCL as bundled with torch's CUDA builds):
-- Failures that are out-of-memory without being torch.OutOfMemoryError (the caching allocator's
-  "CUDA out of memory. Tried to allocate ..." is):
-  * a CUDA runtime call that fails with cudaErrorMemoryAllocation: C10_CUDA_CHECK ->
-    c10_cuda_check_implementation throws c10::AcceleratorError with "CUDA error: " + cudaGetErrorString(err),
-    i.e. "CUDA error: out of memory" (`torch/include/c10/cuda/CUDAException.h`, c10/cuda/CUDAException.cpp);
-    Python sees torch.AcceleratorError (a RuntimeError) with error_code 2 (torch/csrc/Exceptions.cpp,
-    _new_accelerator_error_object; `torch/include/c10/util/Exception.h`, class AcceleratorError).
-  * cuBLAS: TORCH_CUDABLAS_CHECK raises a plain RuntimeError "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling
-    `cublasCreate(handle)`" (`torch/include/ATen/cuda/Exceptions.h`); cuSPARSE/cuSOLVER/cuDNN follow the same
-    <LIB>_STATUS_ALLOC_FAILED naming.
-  * NCCL: C10D_NCCL_CHECK raises torch.distributed.DistBackendError (a RuntimeError) "NCCL error in: ...,
-    unhandled cuda error ..." followed by getNcclErrorDetailStr's "ncclUnhandledCudaError: Call to CUDA function
-    failed." or "ncclSystemError: ..." and "Last error:\\n" + ncclGetLastError(), which for an allocation holds
-    NCCL's own WARN "Failed to CUDA calloc <n> bytes" (alloc.h, ncclCudaCallocDebug; "Failed to CUDA calloc
-    async ..." for the async variant), "Cuda failure 2 'out of memory'" (CUDACHECK) or, for host memory,
-    "Failed to malloc <n> bytes" (`torch/include/torch/csrc/distributed/c10d/NCCLUtils.hpp`, C10D_NCCL_CHECK).
-    The first line alone ("unhandled cuda error") is not enough: NCCL reports other CUDA failures the same way.
-  * bitsandbytes 0.50 allocates its tensors through torch (torch.OutOfMemoryError above). Its own native CUDA
-    checks print "Error <cudaGetErrorString> at line .. in file .." and exit(1) (strings of
-    libbitsandbytes_cuda*.so, CUDA_CHECK_RETURN in csrc/ops.cuh): no Python exception to classify. Its cublasLt
-    path raises "cublasLt ran into an error!" without the status (`bitsandbytes/backends/cuda/ops.py`,
-    int8_linear_matmul): not classified, it may be any cuBLAS failure.
-  * the CPU allocator: "DefaultCPUAllocator: can't allocate memory" (a RuntimeError), or Python's MemoryError.
+Out-of-memory failures that are not torch.OutOfMemoryError (torch 2.13, bitsandbytes 0.50; docs/engines.md item 14):
+- CUDA runtime: "CUDA error: out of memory", torch.AcceleratorError error_code 2 (`c10/cuda/CUDAException.h`,
+  c10_cuda_check_implementation; torch/csrc/Exceptions.cpp, _new_accelerator_error_object).
+- cuBLAS (and cuSPARSE/cuSOLVER/cuDNN): RuntimeError "CUBLAS_STATUS_ALLOC_FAILED" (`ATen/cuda/Exceptions.h`).
+- NCCL: DistBackendError whose "Last error:" holds "Failed to CUDA calloc", "Cuda failure 2 'out of memory'" or
+  "Failed to malloc <n> bytes" (`c10d/NCCLUtils.hpp`, C10D_NCCL_CHECK; alloc.h); its first line, "unhandled cuda
+  error", is any CUDA failure and not enough.
+- bitsandbytes allocates through torch; its native CUDA_CHECK_RETURN exits (nothing to classify) and "cublasLt ran
+  into an error!" has no status (`bitsandbytes/backends/cuda/ops.py`): not classified.
+- The CPU allocator: "DefaultCPUAllocator: can't allocate memory", or Python's MemoryError.
 """
 
 from __future__ import annotations
@@ -39,8 +24,7 @@ from typing import Optional
 
 from launcher.plan.sizing_constants import GB
 
-# Texts of out-of-memory failures that arrive as a RuntimeError (AcceleratorError, DistBackendError or plain)
-# rather than as torch.OutOfMemoryError; where each comes from is in the module docstring.
+# out-of-memory texts of a RuntimeError (module docstring)
 _OOM_TEXTS = re.compile(
     r"\b(CUDA|HIP) out of memory"  # the caching allocator's text, when re-raised as another type
     r"|\b(CUDA|HIP) error: out of memory"  # C10_CUDA_CHECK with cudaErrorMemoryAllocation
@@ -59,17 +43,13 @@ def _device_index() -> int:
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
-    """True when `exc` or anything it was raised from (__cause__) or during (__context__) is an out-of-memory.
-
-    The worker turns these into the OOM path (exit 78: the smoke test re-plans, a full run stops with the
-    reason) instead of a crash, which the supervisor would restart into the same out-of-memory.
-    """
+    """True when `exc` or its __cause__/__context__ chain is an out-of-memory: the worker's OOM path (exit 78), not
+    a crash the supervisor would restart into the same out-of-memory."""
     return _oom_in_chain(exc) is not None
 
 
 def out_of_memory_text(exc: BaseException) -> str:
-    """One line for the user: the line that says out of memory first (NCCL states it below its own first line,
-    a wrapper in its cause), then the failing exception's first line."""
+    """One line: the line that says out of memory (NCCL's is below its first line), then the exception's first."""
     first = _first_line(exc)
     found = _oom_in_chain(exc)
     if found is None:
@@ -94,9 +74,7 @@ def _oom_in_chain(exc: Optional[BaseException]) -> Optional[tuple[BaseException,
 
 
 def _oom_line(exc: BaseException) -> Optional[str]:
-    if isinstance(exc, MemoryError):
-        return ""
-    if _is_torch_oom(exc):
+    if isinstance(exc, MemoryError) or _is_torch_oom(exc):
         return ""
     if isinstance(exc, RuntimeError):  # torch.AcceleratorError and torch.distributed.DistBackendError included
         text = str(exc)
@@ -122,14 +100,9 @@ def _first_line(exc: BaseException) -> str:
 
 
 def peak_memory_gb(device: str) -> float:
-    """This process's peak memory in GB (2**30 bytes, sizing_constants.GB).
-
-    CUDA: the caching allocator's peak on this rank's GPU plus what the device holds outside the allocator
-    now (CUDA context, library handles, NCCL buffers: total - free - reserved; mem_get_info is cudaMemGetInfo,
-    the whole device, `torch/cuda/memory.py`); a card runs out when the two together exceed it. Another process
-    on the same GPU would be counted too (the worker runs one rank per GPU). CPU: the peak resident set
-    (ru_maxrss, KiB on Linux).
-    """
+    """This process's peak memory in GB (sizing_constants.GB). CUDA: the allocator's peak on this rank's GPU plus
+    what the device holds outside it now (context, NCCL: total - free - reserved; mem_get_info is the whole device,
+    `torch/cuda/memory.py`). CPU: the peak resident set (ru_maxrss, KiB on Linux)."""
     if device == "cuda":
         import torch
 
@@ -141,10 +114,7 @@ def peak_memory_gb(device: str) -> float:
 
 
 def peak_memory_over_ranks_gb(device: str) -> float:
-    """The largest peak_memory_gb over all ranks (the card that runs out first is the one that counts).
-
-    A collective when a process group is initialised: every rank must call it at the same point.
-    """
+    """The largest peak_memory_gb over all ranks; a collective when a process group is initialised."""
     local = peak_memory_gb(device)
     import torch.distributed as dist
 
@@ -173,14 +143,9 @@ _CAPPED_BASE_RSS = [0]  # resident bytes when the CPU cap was set: an out-of-mem
 
 
 def cap_memory(device: str, limit_gb: float) -> None:
-    """--memory-limit: plan for a smaller card than this one, or provoke a real OOM in tests.
-
-    CUDA: the caching allocator then fails for real at the limit (torch.OutOfMemoryError). What lives outside
-    the allocator (context, NCCL) is not capped, as on a real card of that size it would count: peak_memory_gb
-    reports it.
-    CPU: address space above what the imports already mapped, so torch's CPU allocator fails for real
-    ("can't allocate memory") when the training needs more.
-    """
+    """--memory-limit: plan for a smaller card, or provoke a real OOM in tests. CUDA: the caching allocator fails at
+    the limit (context and NCCL are not capped; peak_memory_gb counts them). CPU: RLIMIT_AS above what the imports
+    mapped, so torch's CPU allocator fails for real."""
     if device == "cuda":
         import torch
 
@@ -199,8 +164,8 @@ def cap_memory(device: str, limit_gb: float) -> None:
 
 
 def out_of_memory_peak_gb(device: str) -> Optional[float]:
-    """The peak to report with an out-of-memory, on this rank only (the others may be gone or stuck): on the
-    CPU counted from where the cap starts, like the cap. None when the device cannot be queried any more."""
+    """The peak to report with an out-of-memory, this rank only; on the CPU above the cap's base. None when the
+    device cannot be queried any more."""
     try:
         peak = peak_memory_gb(device)
     except RuntimeError as exc:  # a CUDA context left unusable by the failure: say so rather than crash here

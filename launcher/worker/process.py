@@ -10,9 +10,8 @@ from typing import NoReturn
 
 
 class _Stop:
-    """Set by SIGTERM/SIGINT; the trainer callback saves a checkpoint and stops at the next step. After training
-    (`trained`), the final result and the last checkpoint are saved first, and the worker stops before the samples
-    and between the task evaluation's batches: the answers so far are kept, the same command answers the rest."""
+    """Set by SIGTERM/SIGINT: a checkpoint at the next step, then stop. After training (`trained`): the result first,
+    then a stop before the samples or between the task evaluation's batches (answers kept)."""
 
     requested = False
     signal_name = ""
@@ -48,17 +47,10 @@ def _say(line: str) -> None:
 
 
 def leave_rank(code: int) -> NoReturn:
-    """End this rank of a torchrun launch with `code`, without the interpreter's teardown.
-
-    Call it once the rank's work is written and its process group destroyed. At the interpreter's teardown the C++
-    destructors of the distributed stack abort a rank now and then: "terminate called without an active
-    exception", SIGABRT (seen about once in four 2-process runs of the worker here; once in a fresh-clone
-    slow tier, 2026-12-03, in tests/fsdp_qlora_worker.py after its report was written and its group destroyed).
-    pytorch/pytorch#179291 (closed unmerged) describes one road to it: gloo's C++ worker threads still hold work
-    objects whose tensors are released during the interpreter's finalization. torchrun reports such a rank as a
-    failed worker, and the supervisor would restart a finished run. atexit handlers do not run: logging and the
-    standard streams are flushed here; anything else the rank must flush, it flushes before.
-    """
+    """End this rank of a torchrun launch with `code`, without the interpreter's teardown, once its work is written
+    and its group destroyed: the distributed stack's C++ destructors abort a rank now and then ("terminate called
+    without an active exception", about one in four 2-process runs; pytorch/pytorch#179291, gloo's threads), which
+    torchrun reports as a failure. atexit handlers do not run: logging and the streams are flushed here."""
     import logging
 
     logging.shutdown()

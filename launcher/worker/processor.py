@@ -1,12 +1,7 @@
 """A vision-language model's processor (image processor, tokenizer, chat template) as training, the task evaluation
-and the export load it.
-
-transformers' `AutoProcessor` builds every sub-processor the processor class names. Qwen2-VL, Qwen2.5-VL and Qwen3-VL
-name a video processor, which transformers 5.24 only has as a torchvision class (models/auto/video_processing_auto.py
-maps qwen2_5_vl to {"torchvision": "Qwen2VLVideoProcessor"} alone); without torchvision (this project's CPU machines:
-its PyPI wheels are built for CUDA torch) the processor cannot be built at all, image-only data included. Images have
-a PIL backend (image_processing_auto.py: {"torchvision": ..., "pil": "Qwen2VLImageProcessorPil"}), so where
-torchvision is missing the same processor class is built without its video processor, and the fallback is said once.
+and the export load it. Qwen-VL processors name a video processor that transformers 5.24 has only for torchvision
+(models/auto/video_processing_auto.py); without torchvision (CUDA-only wheels) the same class is built without it,
+images through the PIL backend (image_processing_auto.py), and the fallback is said once.
 """
 
 from __future__ import annotations
@@ -31,8 +26,7 @@ def processor_class_name(model_dir: Path) -> Optional[str]:
 
 
 def _without_video(cls):
-    """`cls` accepting no video processor: ProcessorMixin checks every sub-processor's class
-    (processing_utils.py check_argument_for_proper_class), and a None video processor has none."""
+    """`cls` accepting no video processor (processing_utils.py check_argument_for_proper_class)."""
 
     class WithoutVideo(cls):
         source_dir: Optional[Path] = None  # the model folder it was built from (load_processor)
@@ -43,20 +37,18 @@ def _without_video(cls):
             return super().check_argument_for_proper_class(argument_name, argument)
 
         def save_pretrained(self, save_directory, *args, **kwargs):
-            """The model folder's processor files, as they are: ProcessorMixin.save_pretrained saves every
-            sub-processor and fails on the missing video processor (processing_utils.py: `attribute._auto_class`),
-            and the Trainer calls it at every checkpoint (trainer.py _save: processing_class.save_pretrained)."""
+            """The model folder's processor files, as they are: ProcessorMixin's would fail on the missing video
+            processor, and the Trainer calls it at every checkpoint."""
             save_processor_files(self.source_dir, save_directory)
             return []
 
-    WithoutVideo.__name__ = cls.__name__  # what TRL and the logs name
-    WithoutVideo.__qualname__ = cls.__qualname__
+    WithoutVideo.__name__, WithoutVideo.__qualname__ = cls.__name__, cls.__qualname__  # what TRL and the logs name
     return WithoutVideo
 
 
 def load_processor(model_dir, say=print):
-    """The processor of a local vision-language model folder: AutoProcessor where it can build it, else (no
-    torchvision) the same class without its video processor, said once through `say`."""
+    """The processor of a vision-language model folder: AutoProcessor, else (no torchvision) without its video
+    processor, said through `say`."""
     import transformers
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 
@@ -87,9 +79,7 @@ def load_processor(model_dir, say=print):
 def _chat_template(model_dir: Path, tokenizer: Any) -> Optional[str]:
     """The processor's chat template: chat_template.jinja (transformers 5 saves it so), else the tokenizer's."""
     path = model_dir / "chat_template.jinja"
-    if path.is_file():
-        return path.read_text(encoding="utf-8")
-    return getattr(tokenizer, "chat_template", None)
+    return path.read_text(encoding="utf-8") if path.is_file() else getattr(tokenizer, "chat_template", None)
 
 
 def text_tokenizer(tokenizer_or_processor: Any) -> Any:
@@ -104,10 +94,8 @@ def text_tokenizer(tokenizer_or_processor: Any) -> Any:
 
 
 def encode(tokenizer_or_processor: Any, texts: list[str], images: Optional[list[list[str]]], **kwargs: Any) -> Any:
-    """Rendered prompts as model inputs: with `images` (each text's image files, in placeholder order) the processor
-    widens each placeholder to its image's tokens and adds the pixel values and grids, as training's collator does
-    (trl 1.16 DataCollatorForVisionLanguageModeling calls the processor the same way); else the tokenizer alone.
-    Images are read with transformers' load_image, what apply_chat_template reads a path with during training."""
+    """Rendered prompts as model inputs: with `images` (each text's files, in placeholder order) through the processor
+    as trl 1.16 DataCollatorForVisionLanguageModeling calls it, read with load_image; else the tokenizer alone."""
     if not images or not any(images):
         return text_tokenizer(tokenizer_or_processor)(texts, **kwargs)
     from transformers.image_utils import load_image
@@ -129,8 +117,7 @@ PROCESSOR_FILES = (
 
 
 def save_processor_files(model_dir, dest) -> None:
-    """The model folder's processor files copied into `dest`, as they are: saving the processor object itself would
-    need the video processor it was built without (load_processor)."""
+    """The model folder's processor files copied into `dest`, as they are (no video processor needed)."""
     import shutil
 
     from launcher.data.tokenizer import tokenizer_dir

@@ -1,7 +1,5 @@
-"""What the worker writes once training is done: the smoke test's measurements, or the full run's final result.
-
-The full run's result is final/adapter or final/model, then the trained model's answers to the sample prompts and
-its score on the task evaluation (final/task_eval.json).
+"""What the worker writes once training is done: the smoke test's measurements, or the full run's final result
+(final/adapter or final/model, the sample answers, the task evaluation's score).
 """
 
 from __future__ import annotations
@@ -29,8 +27,7 @@ def _write_smoke_result(
     *,
     peak_gb: float,
 ) -> None:
-    # The first step pays for warm-up (allocator, kernels, lazy init): throughput is measured
-    # from the end of step 1 to the end of the last step.
+    # throughput from the end of step 1 (the warm-up) to the end of the last step
     steps = [t for t in step_times if t[0] > 0]
     first, last = (steps[0], steps[-1]) if len(steps) >= 2 else (step_times[0], step_times[-1])
     seconds = last[1] - first[1]
@@ -45,8 +42,7 @@ def _write_smoke_result(
         "seconds_per_step": round(seconds / max(last[0] - first[0], 1), 4),
         "warmup_seconds": round(first[1] - step_times[0][1], 3),
         "warmup_tokens": int(first[2] - step_times[0][2]),  # step 1: the longest batch (smoke.py)
-        # (tokens, seconds) of each measured step: smoke.py fits seconds = a + b * tokens, so steps with
-        # other token counts than the smoke's (another micro-batch mix, a short run) are priced right.
+        # (tokens, seconds) per measured step: smoke.py fits seconds = a + b * tokens
         "step_costs": [[int(b[2] - a[2]), round(b[1] - a[1], 4)] for a, b in zip(steps, steps[1:])],
         "peak_memory_gb": round(peak_gb, 3),  # the largest over ranks (memory.peak_memory_over_ranks_gb)
         "device": device,
@@ -58,10 +54,8 @@ def _write_smoke_result(
 
 
 def generation_speed(run: RunDir, recipe, trainer, tokenizer, examples: list, sharded: bool) -> dict[str, Any]:
-    """The smoke test's measure of the task evaluation's generation: one batch of the task's prompts (task.json,
-    which the baseline wrote before the smoke test; else the smoke sample's own prompts) answered greedily as the
-    evaluation after training will answer them, timed. {} when the recipe scores no task or there is no prompt.
-    Every rank of a sharding engine generates (synced); the caller keeps rank 0's figures."""
+    """The smoke test's timing of the task evaluation's generation: one batch of task.json's prompts (else the
+    sample's) answered as after training. {} without a task or prompt. Every rank of a sharding engine generates."""
     import torch
 
     from launcher.data.task_examples import prompt_and_reference
@@ -105,9 +99,8 @@ def generation_speed(run: RunDir, recipe, trainer, tokenizer, examples: list, sh
 
 
 def _save_final(run: RunDir, trainer, tokenizer, recipe) -> None:
-    """final/adapter (PEFT adapter + tokenizer) or final/model, written to a temporary folder then renamed.
-    Every rank calls it (the sharding engines gather collectively); the supervisor verifies the result
-    (launcher/store/final.py) before the run counts as succeeded."""
+    """final/adapter or final/model (with the tokenizer), written to a temporary folder then renamed. Every rank calls
+    it (sharding engines gather collectively); the supervisor verifies it (launcher/store/final.py)."""
     import shutil
 
     import torch.distributed as dist
@@ -118,7 +111,6 @@ def _save_final(run: RunDir, trainer, tokenizer, recipe) -> None:
 
     name = final.kind(recipe.method)
     tmp = run.final / f".{name}.tmp"
-    # a whole model is written in the base model's dtype, whatever dtype training kept (launcher/worker/saving.py)
     dtype, source = saving.final_dtype(recipe)
     if _rank() == 0:
         run.final.mkdir(parents=True, exist_ok=True)
@@ -126,11 +118,9 @@ def _save_final(run: RunDir, trainer, tokenizer, recipe) -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     if is_sharded(trainer.model):
-        # FSDP2: Trainer.save_model writes nothing unless the checkpoints' state dict type is FULL_STATE_DICT
-        # (see save_full); the final result is gathered here one tensor at a time, the checkpoints stay sharded.
+        # FSDP2: gathered one tensor at a time (save_full); the checkpoints stay sharded
         save_full(trainer.model, tmp, write=_rank() == 0, dtype=dtype)
     elif dtype is not None and not trainer.is_deepspeed_enabled:
-        # trl/ddp train fp32 master weights: rank 0 casts them tensor by tensor while saving (no collective)
         if _rank() == 0:
             saving.save_model(trainer.accelerator.unwrap_model(trainer.model), tmp, dtype)
     else:
@@ -140,8 +130,7 @@ def _save_final(run: RunDir, trainer, tokenizer, recipe) -> None:
     if _rank() != 0:
         return
     if recipe.objective_row.reference_pass and (tmp / "ref" / "adapter_config.json").is_file():
-        # DPO from a parent adapter (init_from): PEFT saves every adapter, and trl's DPOTrainer added "ref", the parent
-        # adapter's frozen copy it takes the reference's log-probabilities from; the result is the trained one alone
+        # DPO from a parent adapter: trl's DPOTrainer added "ref", the parent's frozen copy; not part of the result
         shutil.rmtree(tmp / "ref")
     tokenizer.save_pretrained(str(tmp))  # or a vision-language model's processor: its files (worker/processor.py)
     dst = run.final / name
@@ -156,8 +145,8 @@ def _save_final(run: RunDir, trainer, tokenizer, recipe) -> None:
 
 
 def _answer_after(run: RunDir, recipe, trainer, tokenizer, prompts: list[dict[str, Any]], sharded: bool) -> None:
-    """The trained model answers the prompts the base model answered (samples-before.json), into final/samples.md.
-    Without a before record (none was generated), a LoRA run's base answers come from the adapter switched off."""
+    """The trained model answers the base model's prompts (samples-before.json) into final/samples.md; without that
+    record, a LoRA run's base answers come from the adapter switched off."""
     if not prompts or not (sharded or _rank() == 0):
         return
     before = samples.read_before(run.root / samples.BEFORE_FILE)
@@ -195,13 +184,9 @@ def _answer_after(run: RunDir, recipe, trainer, tokenizer, prompts: list[dict[st
 def _score_after(
     run: RunDir, recipe, trainer, tokenizer, examples: list, sharded: bool, beat=lambda: None, stop=lambda: False
 ) -> bool:
-    """The trained model's score on the task (task.json, built here from `examples`, the recipe's whole data, when
-    no baseline built it) as "fine_tuned", merged into task_eval.json beside the base model's scores, then
-    final/task_eval.json and the scores' table in final/samples.md.
-    Under a sharding engine every rank generates (synced); rank 0 writes. A failure
-    is said once and the run goes on: the result is saved already. `beat`: after each batch (the heartbeat).
-    `stop()`: asked after each batch; true ends the scoring there (the answers so far are kept in task_eval/) and
-    this returns False; otherwise True."""
+    """The trained model's task score as "fine_tuned" into task_eval.json, final/task_eval.json and final/samples.md
+    (task.json built from `examples` when no baseline did). Under a sharding engine every rank generates; rank 0
+    writes. A failure is said and the run goes on. `beat`, `stop()`: after each batch; a stop returns False."""
     if not task_eval.enabled(recipe) or not (sharded or _rank() == 0):
         return True
     writes = _rank() == 0
@@ -222,9 +207,8 @@ def _score_after(
 
         kw = dict(synced=sharded, write=writes, on_batch=after_batch)
         scored = (task_eval.read_results(run.root) or {}).get("scores", {})
-        # an adapter's base is scored here with the adapter off when nothing scored it before training (baseline:
-        # skip, or a failed baseline): the comparison costs two passes, not a second model. Not under init_from:
-        # switched off, the parent adapter goes too, and its rows would score the base under the parent's name.
+        # an adapter's base not scored before training: scored with the adapter off (not under init_from, where the
+        # parent adapter would go too)
         if hasattr(model, "disable_adapter") and not recipe.init_from:
             for name, shots in ((BASE_ZERO_SHOT, False), (BASE_FEW_SHOT, True)):
                 if name in scored:
@@ -236,16 +220,8 @@ def _score_after(
                 if writes:
                     task_eval.record(run.root, task, name, result)
                     _say(f"task eval: {name} (the adapter switched off): {result['score']:.1%}")
-        # a run trained further (a resume with more steps) answers again; a restart at the same step resumes
-        result = task_eval.score_model(
-            model,
-            tokenizer,
-            run.root,
-            task,
-            FINE_TUNED,
-            identity=f"{recipe.model} step {trainer.state.global_step}",
-            **kw,
-        )
+        kw["identity"] = f"{recipe.model} step {trainer.state.global_step}"
+        result = task_eval.score_model(model, tokenizer, run.root, task, FINE_TUNED, **kw)
     except StopRequested as where:
         _say(f"task eval: stopped after {where} answers of this model (kept in {run.task_answers})")
         return False
@@ -274,8 +250,7 @@ def _score_after(
 
 
 def publish_scores(run: RunDir, results: dict[str, Any]):
-    """final/task_eval.json (the run's record as it stands) and the scores' table at the end of final/samples.md
-    (begun for the table when the samples are off; why nothing was scored only beside the samples)."""
+    """final/task_eval.json and the scores' table at the end of final/samples.md (begun for it if need be)."""
     run.final.mkdir(parents=True, exist_ok=True)
     path = run.final / run.task_eval.name
     ckpt.atomic_write_json(path, results)

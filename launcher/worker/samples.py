@@ -1,10 +1,6 @@
-"""Before and after: a few held-out prompts answered greedily by the base model and by the fine-tuned one.
-
-The prompts are a seeded draw from the eval split (or from the training data when there is none, and the file
-says so). The base model's answers are generated once, before the first training step (by the smoke test, or
-the full run's first start when there is none) and kept in samples-before.json, which every checkpoint carries;
-a resume never generates them again. After training the same prompts are answered by the trained model, and
-final/samples.md holds prompt, reference answer, before and after (final/samples.json the same as data).
+"""Before and after: a few held-out prompts (a seeded draw; from the training data when there is no eval split)
+answered greedily by the base model, once before the first step (samples-before.json, carried by every checkpoint),
+and by the fine-tuned one after training, into final/samples.md and final/samples.json.
 """
 
 from __future__ import annotations
@@ -12,7 +8,8 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
 
 from launcher.data import task_examples
 from launcher.data.images import text_of
@@ -26,9 +23,8 @@ DATA = "samples.json"  # in final/
 def pick(
     examples: list, held_out: list[int], train: list[int], n: int, seed: int, file: Optional[str] = None
 ) -> list[dict[str, Any]]:
-    """n prompts: the messages before an example's last assistant turn, with that turn as the reference.
-    From the held-out examples when there are any, else from the training data; a seeded draw. `file`: where
-    the examples' numbers count from (samples.md names it)."""
+    """n prompts (an example's messages before its last assistant turn, that turn the reference), seeded, from the
+    held-out examples, else the training data. `file`: where the examples' numbers count from."""
     pool, source = (held_out, "eval split") if held_out else (train, "training data")
     return [
         {"index": p.pop("index"), "source": source, "file": file, **p}
@@ -36,43 +32,53 @@ def pick(
     ]
 
 
-def generate(model, tokenizer, prompts: list[dict[str, Any]], max_new_tokens: int, synced: bool = False) -> list[str]:
-    """Greedy answers, one prompt at a time (no padding to get wrong). The random number generators are left as
-    they were (a resume's trajectory does not depend on whether this ran) and so is the train/eval mode.
-    `synced`: every process calls this with the same prompts (ZeRO-3, FSDP gather weights in each forward)."""
+def prompt_text(tokenizer, prompt: dict[str, Any], template_kwargs: Optional[dict[str, Any]] = None) -> str:
+    """What the model reads: plain text as it is, messages through its chat template (with `template_kwargs`)."""
+    if "text" in prompt:
+        return prompt["text"]
+    return tokenizer.apply_chat_template(
+        prompt["messages"], tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+    )
+
+
+@contextmanager
+def inference(model) -> Iterator[None]:
+    """Eval mode without gradients; the random number generators and the train/eval mode as they were after."""
     import torch
 
+    was_training = model.training
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        model.eval()
+        try:
+            yield
+        finally:
+            model.train(was_training)
+
+
+def generate(model, tokenizer, prompts: list[dict[str, Any]], max_new_tokens: int, synced: bool = False) -> list[str]:
+    """Greedy answers, one prompt at a time (no padding to get wrong); RNG and train mode are left as they were.
+    `synced`: every process calls this alike (ZeRO-3, FSDP)."""
     from launcher.worker.processor import encode, text_tokenizer
 
     processor, tokenizer = tokenizer, text_tokenizer(tokenizer)  # a vision-language model's processor reads images
     device = getattr(model, "device", None) or next(model.parameters()).device
-    was_training = model.training
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     answers = []
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
-        model.eval()
-        try:
-            for p in prompts:
-                text = (
-                    p["text"]
-                    if "text" in p
-                    else processor.apply_chat_template(p["messages"], tokenize=False, add_generation_prompt=True)
-                )
-                pictures = [p["images"]] if p.get("images") else None
-                enc = encode(processor, [text], pictures, return_tensors="pt", add_special_tokens=False).to(device)
-                out = model.generate(
-                    **enc,
-                    max_new_tokens=max_new_tokens,
-                    do_sample=False,
-                    use_cache=True,
-                    pad_token_id=tokenizer.pad_token_id
-                    if tokenizer.pad_token_id is not None
-                    else tokenizer.eos_token_id,
-                    synced_gpus=synced,
-                )
-                answers.append(tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True).strip())
-        finally:
-            model.train(was_training)
+    with inference(model):
+        for p in prompts:
+            pictures = [p["images"]] if p.get("images") else None
+            text = prompt_text(processor, p)
+            enc = encode(processor, [text], pictures, return_tensors="pt", add_special_tokens=False).to(device)
+            out = model.generate(
+                **enc,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                use_cache=True,
+                pad_token_id=pad,
+                synced_gpus=synced,
+            )
+            answers.append(tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True).strip())
     return answers
 
 
@@ -88,15 +94,9 @@ def write_before(
 ) -> None:
     from launcher.store.checkpoint import atomic_write_json
 
-    atomic_write_json(
-        path,
-        {
-            "max_new_tokens": max_new_tokens,
-            "seconds": round(seconds, 3),
-            "generated": time.time(),
-            "samples": [{**p, "before": a} for p, a in zip(prompts, answers)],
-        },
-    )
+    rows = [{**p, "before": a} for p, a in zip(prompts, answers)]
+    record = {"max_new_tokens": max_new_tokens, "seconds": round(seconds, 3), "generated": time.time()}
+    atomic_write_json(path, {**record, "samples": rows})
 
 
 def before_callback(
@@ -108,17 +108,14 @@ def before_callback(
     synced: bool,
     say: Callable[[str], None],
 ):
-    """A trainer callback: at the start of training from step 0 (the base model, LoRA's B still zero), answer the
-    prompts unless samples-before.json exists. Under a sharding engine every process generates (synced)."""
+    """A trainer callback: at step 0 (LoRA's B still zero) answer the prompts unless samples-before.json exists."""
     from transformers import TrainerCallback
 
     class Before(TrainerCallback):
         seconds: Optional[float] = None
 
         def on_train_begin(self, args, state, control, model=None, **kw):
-            if state.global_step != 0 or not prompts or path.is_file() or model is None:
-                return
-            if not (writes or synced):
+            if state.global_step != 0 or not prompts or path.is_file() or model is None or not (writes or synced):
                 return
             t0 = time.monotonic()
             try:
@@ -152,7 +149,7 @@ def write_after(
     start: str = "base model",
 ) -> Path:
     """final/samples.md and final/samples.json from the before record and the answers after training. `start`: what
-    answered before training (a run with init_from starts from its parent adapter, not the base model)."""
+    answered before (init_from: the parent adapter)."""
     from launcher.store.checkpoint import atomic_write_json
 
     by_index = {s["index"]: s.get("before") for s in (before or {}).get("samples", [])}
@@ -251,9 +248,12 @@ def summary(rows: list[dict[str, Any]], width: int = 70) -> list[str]:
         one = " ".join((text or "-").split())
         return one if len(one) <= width else one[: width - 3] + "..."
 
-    out = []
-    for k, r in enumerate(rows, start=1):
-        out.append(f"{k}. reference: {cut(r['reference'])}")
-        out.append(f"   before:    {cut(r.get('before'))}")
-        out.append(f"   after:     {cut(r.get('after'))}")
-    return out
+    return [
+        line
+        for k, r in enumerate(rows, start=1)
+        for line in (
+            f"{k}. reference: {cut(r['reference'])}",
+            f"   before:    {cut(r.get('before'))}",
+            f"   after:     {cut(r.get('after'))}",
+        )
+    ]

@@ -1,9 +1,5 @@
-"""GRPO's sampling in the worker: the prompts TRL's GRPOTrainer answers, its reward functions, and the time its
-generation takes (the smoke test reports it beside the steps' time).
-
-TRL's GRPOTrainer takes a "prompt" column and hands every other column to the rewards (trl 1.16 grpo_trainer.py
-`_calculate_rewards`): here "reference", what a task-metric reward scores against, and the data's other columns
-(launcher/data/rewards.py).
+"""GRPO's sampling in the worker: the prompts TRL's GRPOTrainer answers (every column but "prompt" goes to the rewards:
+trl 1.16 grpo_trainer.py `_calculate_rewards`), its reward functions, and the time its generation takes.
 """
 
 from __future__ import annotations
@@ -15,24 +11,20 @@ from launcher.data import rewards
 
 
 def prompt_rows(examples: list) -> list[dict[str, Any]]:
-    """Each example as GRPO's {"prompt", "reference", ...} row, with every other column of its record (the plan
-    refused examples that leave no prompt)."""
+    """Each example as GRPO's {"prompt", "reference", ...} row, with every other column of its record."""
     return rewards.prompt_rows(examples)
 
 
 def trainer_arguments(recipe, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """GRPOTrainer's own arguments beside the configuration: the reward functions (their weights are in GRPOConfig's
-    reward_weights, launcher/worker/trainer_config.py grpo_fields)."""
+    """GRPOTrainer's reward functions (their weights: trainer_config.py grpo_fields)."""
     funcs, _ = rewards.build(recipe, rows)
     return {"reward_funcs": funcs}
 
 
 def timed(trainer_cls: type) -> type:
-    """`trainer_cls` (GRPOTrainer, or a subclass) that adds up the seconds its `_generate` takes (trl 1.16: the
-    sampling of one generation batch, transformers' generate or vLLM, before the rewards), in `sampling_seconds`, and
-    the longest answer of each call in `sampling_longest` (its second value, completion_ids: a batch decodes token by
-    token until its longest answer ends, so that is what one call costs; the smoke test prices the full run's sampling
-    with it, launcher/run/smoke.py sampled_step_seconds)."""
+    """`trainer_cls` adding up the seconds of its `_generate` (trl 1.16: one generation batch) in `sampling_seconds`,
+    and each call's longest answer, what a batch costs, in `sampling_longest` (launcher/run/smoke.py
+    sampled_step_seconds)."""
 
     class TimedSampling(trainer_cls):
         sampling_seconds = 0.0

@@ -1,18 +1,7 @@
-"""The final model's files in the base model's own dtype, whatever dtype training kept the weights in.
-
-Full fine-tuning trains fp32 weights in several engines: trl/ddp keep fp32 master weights (loading.weights_dtype),
-FSDP2 upcasts trainable parameters to fp32 under mixed precision (accelerate 1.15 `utils/fsdp_utils.py`,
-fsdp2_prepare_model), and the CPU trains in fp32. Written as they are, final/model would be twice the size of
-the base, its config.json would say float32 (save_pretrained writes the model's parameter dtype: transformers
-5.24 `modeling_utils.py`, save_pretrained, `model_to_save.config.dtype = ...`), and an FSDP gather would hold
-4 bytes per parameter in rank 0's RAM. Users expect the model in the dtype it was published in (the export,
-launcher/deliver/placement.py export_dtype, reads config.json's), so every engine writes that dtype:
-- trl/ddp (`save_model`): rank 0 casts the state dict one tensor at a time onto the CPU, never an fp32 copy;
-- FSDP (engines/fsdp.py save_full): each parameter is gathered and cast on its own;
-- DeepSpeed ZeRO-3 writes the 16-bit training dtype itself (Trainer.save_model, the 16-bit gather);
-  `recast_folder` converts it file by file where that differs from the base's (a bf16 base trained on an
-  fp16 card, or the CPU's fp32).
-LoRA adapters are left as PEFT writes them (fp32 adapter weights, PEFT's autocast_adapter_dtype).
+"""The final model's files in the base model's own dtype, whatever dtype training kept the weights in (fp32 master
+weights, FSDP2's upcast, the CPU): docs/engines.md, "A full fine-tune's final model in its base's dtype". trl/ddp cast
+tensor by tensor on rank 0 (`save_model`), FSDP per parameter (engines/fsdp.py save_full), ZeRO-3's 16-bit output is
+recast file by file where it differs (`recast_folder`). LoRA adapters are left as PEFT writes them.
 """
 
 from __future__ import annotations
@@ -30,9 +19,8 @@ DEFAULT_DTYPE = "bfloat16"
 
 
 def base_dtype_name(model: str) -> tuple[str, str]:
-    """(dtype name, where it was read) of the base model as published: config.json's `dtype` (`torch_dtype` in
-    files written before transformers 5), else the first floating tensor of its safetensors, as transformers'
-    own dtype="auto" does (`modeling_utils.py`, _get_dtype), else bfloat16."""
+    """(dtype name, where it was read) of the base model: config.json's `dtype` (or `torch_dtype`), else its first
+    floating safetensors tensor, as dtype="auto" does (transformers `modeling_utils.py`, _get_dtype), else bfloat16."""
     config = _read_config(model)
     if config is not None:
         for section in (config, config.get("text_config") or {}):
@@ -46,8 +34,7 @@ def base_dtype_name(model: str) -> tuple[str, str]:
 
 
 def final_dtype(recipe) -> tuple[Any, str]:
-    """(torch dtype, where it was read) final/model is written in; (None, ...) for an adapter, which keeps
-    PEFT's own dtype."""
+    """(torch dtype, where it was read) final/model is written in; (None, ...) for an adapter."""
     import torch
 
     from launcher.store import final
@@ -95,10 +82,8 @@ def _weights_dtype(model: str) -> Optional[str]:
 
 
 def cast_state_dict(state: dict[str, Any], dtype) -> dict[str, Any]:
-    """In place: every floating tensor replaced by a CPU copy in `dtype`, one tensor at a time (the peak is the
-    16-bit copy plus one tensor, never a second whole model). Tensors that shared storage (a head tied to the
-    embedding) share the copy too: save_pretrained finds ties by storage (`remove_tied_weights_from_state_dict`)
-    and writes them once."""
+    """In place: every floating tensor replaced by a CPU copy in `dtype`, one at a time; tied tensors share the copy
+    (save_pretrained finds ties by storage, `remove_tied_weights_from_state_dict`)."""
     import torch
 
     copies: dict[tuple, Any] = {}
@@ -133,8 +118,7 @@ def set_config_dtype(folder: Path, dtype) -> None:
 
 
 def save_model(model, out_dir: Path, dtype) -> None:
-    """The whole model (an unsharded transformers model, on any device) written in `dtype` by save_pretrained.
-    Call on the writing rank only: nothing here is collective."""
+    """The whole unsharded model written in `dtype` by save_pretrained; not collective (the writing rank only)."""
     state = cast_state_dict(model.state_dict(), dtype)
     model.save_pretrained(str(out_dir), state_dict=state)
     set_config_dtype(out_dir, dtype)
@@ -157,8 +141,7 @@ def tensor_dtypes(folder: Path) -> set[str]:
 
 
 def recast_folder(folder: Path, dtype) -> bool:
-    """A model folder written in another float dtype rewritten in `dtype`, one weight file at a time (each file
-    read tensor by tensor: the peak is that file in `dtype`), and config.json set to it. Returns whether any
+    """A model folder rewritten in `dtype`, one weight file at a time, and config.json set to it. Returns whether any
     file was rewritten."""
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -166,7 +149,6 @@ def recast_folder(folder: Path, dtype) -> bool:
     from launcher.store.final import MODEL_INDEX, read_header
 
     want = next(k for k, v in _SAFETENSORS_FLOAT.items() if v == str(dtype).replace("torch.", ""))
-
     changed = False
     for path in weight_files(folder):
         header = read_header(path)

@@ -1,16 +1,10 @@
-"""The task evaluation's answers and scores: a loaded model answers the task's held-out prompts greedily, in batches,
-each answer kept as it comes, and the answers are scored by the task's metric (launcher/data/task_metrics.py).
+"""The task evaluation: a loaded model answers the task's held-out prompts greedily, in batches, and the answers are
+scored by the task's metric (launcher/data/task_metrics.py). Files (launcher/store/rundir.py): task.json, what is
+asked, built once so every scorer and a resume ask the same; task_eval/<name>.jsonl, one scorer's answers, appended
+per batch so a rerun after a kill answers only what is missing; task_eval.json, every scorer's score (`record`).
 
-Three files in the run directory (launcher/store/rundir.py names them):
-- task.json: what is asked (prompts, references, shots, metric and its reason, max_new_tokens), built once from
-  the run's data and held-out split (`task_for_run`), so the base model, the fine-tuned model, each export and a
-  resume all ask exactly the same;
-- task_eval/<name>.jsonl: one scorer's answers, appended after each batch: a rerun after a crash or kill -9 answers
-  only the examples missing there, and scores the same; a model trained further asks again;
-- task_eval.json: every scorer's score so far, merged name by name (`record`).
-
-`python -m launcher.worker.task_eval --run-dir RUN --phase base` scores the base model (16-bit) zero-shot and with
-the task's shots, before training; the worker scores the fine-tuned model in-process after it (worker/results.py).
+`python -m launcher.worker.task_eval --run-dir RUN --phase base` scores the base model before training; the worker
+scores the fine-tuned model after it (worker/results.py).
 """
 
 from __future__ import annotations
@@ -29,6 +23,7 @@ from launcher.data.task_examples import with_shots
 from launcher.data.task_verdict import BARE_BASE, BASE_FEW_SHOT, BASE_ZERO_SHOT, base_score, stored_name, verdict
 from launcher.store.checkpoint import atomic_write_json
 from launcher.store.rundir import RunDir
+from launcher.worker.samples import inference, prompt_text
 
 from launcher.plan.throughput import GENERATION_BATCH as BATCH  # prompts per generate call, by device (one home)
 
@@ -47,12 +42,9 @@ def scores(task: dict[str, Any]) -> bool:
 
 
 def task_for_run(run: RunDir, recipe, examples: list, write: bool = True, tokenizer=None) -> dict[str, Any]:
-    """The run's task (task.json), built from `examples` (the recipe's data, every example: the held-out ones are
-    drawn from them by the same split the worker trains with) unless task.json exists. `write`: store it (the main
-    process; other ranks build the same in memory). With the model's `tokenizer`, the chat-template switches under
-    which its generation prompt is what training puts in front of an answer (launcher/data/chat_prompt.py: Qwen3
-    trained on answers without reasoning asks with enable_thinking=false) go into the task as
-    chat_template_kwargs: every scorer asks with them, as the export serves."""
+    """The run's task (task.json, read if it exists), built from all of the recipe's `examples` with the worker's
+    split. `write`: store it (the main process). With `tokenizer`, the chat-template switches training used
+    (launcher/data/chat_prompt.py) go in as chat_template_kwargs: every scorer asks with them, as the export serves."""
     from launcher.data import split
     from launcher.data.task_examples import build_task
 
@@ -90,21 +82,10 @@ def task_for_run(run: RunDir, recipe, examples: list, write: bool = True, tokeni
 
 
 def _eos_ids(model, tokenizer) -> list[int]:
-    """Where an answer ends: the tokenizer's eos and the model's generation_config eos ids (a chat model's
-    end-of-turn token, e.g. <|im_end|>, besides <|endoftext|>)."""
+    """Where an answer ends: the tokenizer's eos and generation_config's eos ids (a chat model's end of turn)."""
     configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     found = [tokenizer.eos_token_id, *(configured if isinstance(configured, list) else [configured])]
     return list(dict.fromkeys(int(i) for i in found if i is not None))
-
-
-def prompt_text(tokenizer, prompt: dict[str, Any], template_kwargs: Optional[dict[str, Any]] = None) -> str:
-    """What the model reads: plain text as it is, messages through the model's own chat template (with the task's
-    chat-template switches, task.json chat_template_kwargs)."""
-    if "text" in prompt:
-        return prompt["text"]
-    return tokenizer.apply_chat_template(
-        prompt["messages"], tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
-    )
 
 
 def generate_batch(
@@ -116,8 +97,7 @@ def generate_batch(
     images: Optional[list[list[str]]] = None,
 ) -> list[tuple[str, int]]:
     """(answer, new tokens up to and including its end) for each text: one greedy, left-padded generate call.
-    `images`: each text's image files, read in with the model's processor (`tokenizer` is then the processor).
-    The caller forks the RNG and sets eval mode (`answer`)."""
+    `images`: each text's image files (`tokenizer` is then the processor). The caller holds `inference`."""
     import torch
 
     from launcher.worker.processor import encode, text_tokenizer
@@ -161,7 +141,7 @@ def read_answers(path: Path) -> dict[int, dict[str, Any]]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError:
-        return kept
+        lines = []
     for line in lines:
         try:
             row = json.loads(line)
@@ -207,12 +187,9 @@ def answer(
     on_batch: Optional[Callable[[int, int], None]] = None,
     template_kwargs: Optional[dict[str, Any]] = None,
 ) -> list[dict[str, Any]]:
-    """Each prompt's answer row, in the prompts' order: read from `path` where kept, else generated (batches of
-    similar length, longest first) and appended there after each batch (`write`: the main process).
-    The random number generators are left as they were, and so is the train/eval mode. `synced`: every process
-    calls this with the same prompts and the same file (ZeRO-3, FSDP gather weights in each forward).
-    `identity`: which model answers (its name, its training step): a kept answer counts only for the same model and
-    the very text asked now. `on_batch(done, total)`: after each batch (the worker's heartbeat)."""
+    """Each prompt's answer row, in order: read from `path` where kept for the same `identity` (model, step) and
+    text, else generated longest first and appended after each batch (`write`: the main process). RNG and train mode
+    are left as they were. `synced`: every rank calls this alike (ZeRO-3, FSDP). `on_batch(done, total)`: heartbeat."""
     import torch
 
     texts = {int(p["index"]): prompt_text(tokenizer, p, template_kwargs) for p in prompts}
@@ -228,34 +205,22 @@ def answer(
         order = sorted(missing, key=lambda i: -len(texts[i]))
         if write:
             _repair(path)
-        was_training = model.training
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
-            model.eval()
-            try:
-                for start in range(0, len(order), size):
-                    batch = order[start : start + size]
-                    t0 = time.monotonic()
-                    got = generate_batch(
-                        model,
-                        tokenizer,
-                        [texts[i] for i in batch],
-                        max_new_tokens,
-                        synced,
-                        images=[pictures[i] for i in batch] if any(pictures[i] for i in batch) else None,
-                    )
-                    share = (time.monotonic() - t0) / len(batch)
-                    rows = [
-                        {"index": i, "answer": a, "new_tokens": n, "seconds": round(share, 4), "prompt": asked[i]}
-                        for i, (a, n) in zip(batch, got)
-                    ]
-                    if write:
-                        _append(path, rows)
-                    kept.update({r["index"]: r for r in rows})
-                    if on_batch is not None:
-                        on_batch(len(prompts) - len(missing) + start + len(batch), len(prompts))
-            finally:
-                model.train(was_training)
+        with inference(model):
+            for start in range(0, len(order), size):
+                batch = order[start : start + size]
+                t0 = time.monotonic()
+                images = [pictures[i] for i in batch] if any(pictures[i] for i in batch) else None
+                got = generate_batch(model, tokenizer, [texts[i] for i in batch], max_new_tokens, synced, images=images)
+                share = (time.monotonic() - t0) / len(batch)
+                rows = [
+                    {"index": i, "answer": a, "new_tokens": n, "seconds": round(share, 4), "prompt": asked[i]}
+                    for i, (a, n) in zip(batch, got)
+                ]
+                if write:
+                    _append(path, rows)
+                kept.update({r["index"]: r for r in rows})
+                if on_batch is not None:
+                    on_batch(len(prompts) - len(missing) + start + len(batch), len(prompts))
     return [kept[int(p["index"])] for p in prompts]
 
 
@@ -273,11 +238,9 @@ def score_model(
     write: bool = True,
     on_batch: Optional[Callable[[int, int], None]] = None,
 ) -> dict[str, Any]:
-    """The model's score on the task: {"score", "details", "examples", "seconds", "new_tokens", "tokens_per_s",
-    "sdpa_backends" (the attention backends its generation ran with)}.
-    `name`: its answers file (task_eval/<name>.jsonl, resumed where it stopped, for the same `identity`: see
-    `answer`); `shots`: the task's shots before each prompt. seconds and tokens count every answer, those of an
-    earlier attempt included."""
+    """The model's score: {"score", "details", "examples", "per_example", "seconds", "new_tokens", "tokens_per_s",
+    "sdpa_backends"}. `name`: its answers file (task_eval/<name>.jsonl, resumed: see `answer`); `shots`: the task's
+    shots before each prompt. seconds and tokens count earlier attempts' answers too."""
     from launcher.worker.loading import apply_sdpa_backends
 
     backends = apply_sdpa_backends()  # the export's process loads its models without select_device
@@ -297,6 +260,11 @@ def score_model(
         on_batch=on_batch,
         template_kwargs=task.get("chat_template_kwargs"),
     )
+    return {**summary(task, prompts, rows), "sdpa_backends": backends}
+
+
+def summary(task: dict[str, Any], prompts: list[dict[str, Any]], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The score of answer rows ({"answer", "seconds", "new_tokens"}) to `prompts`, with the generation's figures."""
     scored = task_metrics.score(task["metric"], [r["answer"] for r in rows], [p["reference"] for p in prompts])
     seconds = sum(float(r.get("seconds") or 0.0) for r in rows)
     new_tokens = sum(int(r.get("new_tokens") or 0) for r in rows)
@@ -308,7 +276,6 @@ def score_model(
         "seconds": round(seconds, 3),
         "new_tokens": new_tokens,
         "tokens_per_s": round(new_tokens / seconds, 1) if seconds > 0 else None,
-        "sdpa_backends": backends,
     }
 
 
@@ -325,8 +292,8 @@ def read_results(run_root: Path) -> Optional[dict[str, Any]]:
 def record(
     run_root: Path, task: dict[str, Any], name: Optional[str] = None, result: Optional[dict[str, Any]] = None
 ) -> dict[str, Any]:
-    """task_eval.json with `name`'s result merged in (or only the task's statement when it cannot be scored), written
-    atomically; returns it. fine_tune_pays: the article's rule on base_few_shot, null until that is scored."""
+    """task_eval.json with `name`'s result merged in (only the task's statement when it cannot be scored), written
+    atomically; returns it. fine_tune_pays is null until base_few_shot is scored."""
     path = RunDir(Path(run_root)).task_eval
     name = stored_name(task, name) if name is not None else None  # init_from: the parent's rows named for it
     if not scores(task):
@@ -337,27 +304,18 @@ def record(
     if "scores" not in old or old.get("metric") != task["metric"]:
         old = {}  # a statement written before, or another task: start over
     if task.get("starting_point"):  # a file written before the parent's rows had their own names: renamed here
-        old = {
-            k: (
-                {stored_name(task, n): v for n, v in old[k].items()}
-                if isinstance(old.get(k), dict) and k in _BY_NAME
-                else old[k]
-            )
-            for k in old
+        renamed = {
+            k: {stored_name(task, n): v for n, v in old[k].items()} for k in _BY_NAME if isinstance(old.get(k), dict)
         }
+        old = {**old, **renamed}
     results = {
         "metric": task["metric"],
         "metric_reason": task["metric_reason"],
         "examples": len(task["prompts"]),
         "shots": len(task["shots"]),
         "max_new_tokens": task["max_new_tokens"],
-        **({"chat_template_kwargs": task["chat_template_kwargs"]} if task.get("chat_template_kwargs") else {}),
-        **({"starting_point": task["starting_point"]} if task.get("starting_point") else {}),
-        **({"capped": task["capped"]} if task.get("capped") else {}),
-        "scores": dict(old.get("scores", {})),
-        "details": dict(old.get("details", {})),
-        "generation": dict(old.get("generation", {})),
-        "per_example": dict(old.get("per_example", {})),
+        **{k: task[k] for k in ("chat_template_kwargs", "starting_point", "capped") if task.get(k)},
+        **{k: dict(old.get(k, {})) for k in ("scores", "details", "generation", "per_example")},
     }
     if name is not None and result is not None:
         results["scores"][name] = result["score"]
@@ -396,9 +354,8 @@ def progress_line(name: str, task: dict[str, Any], result: dict[str, Any]) -> st
 
 
 def load_base(recipe, with_parent: bool = True):
-    """The base model in 16-bit (bf16 on a GPU from compute capability 8.0, fp16 below, fp32 on the CPU) on this
-    process's device, whatever the method trains in (a 4-bit QLoRA base included), and its tokenizer; under
-    init_from with the parent adapter merged in, unless `with_parent` is False."""
+    """The base model in 16-bit (select_device's dtype; fp32 on the CPU), whatever the method trains in, and its
+    tokenizer; under init_from with the parent adapter merged in, unless `with_parent` is False."""
     from launcher.worker.loading import attention_implementation, device_map, load_tokenizer, model_class, select_device
 
     device, dtype = select_device()
@@ -408,8 +365,7 @@ def load_base(recipe, with_parent: bool = True):
         kwargs["attn_implementation"] = attn
     model = model_class(recipe.model).from_pretrained(recipe.model, **kwargs)
     if with_parent and getattr(recipe, "init_from", None):
-        # a run that continues an earlier run's adapter starts from that result, not from the bare base: its "base"
-        # scores are the parent's (the comparison "did this step help?"), merged for generation
+        # its "base" scores are the parent's: "did this step help?"
         from peft import PeftModel
 
         from launcher.recipe import parent_adapter
@@ -427,8 +383,7 @@ def score_base(
     say: Callable[[str], None] = print,
     batch_size: Optional[int] = None,
 ) -> dict[str, Any]:
-    """base_zero_shot and base_few_shot (the task's shots before each prompt) into task_eval.json, named
-    parent_zero_shot and parent_few_shot where the run starts from a parent adapter (record); returns it."""
+    """base_zero_shot and base_few_shot into task_eval.json (parent_* under init_from: `record`); returns it."""
     results: dict[str, Any] = {}
     for name, shots in ((BASE_ZERO_SHOT, False), (BASE_FEW_SHOT, True)):
         result = score_model(
@@ -458,12 +413,8 @@ def _base_phase(run_dir: Path, batch_size: Optional[int]) -> int:
             return 0
         from launcher.worker.loading import load_tokenizer
 
-        task = task_for_run(
-            run,
-            recipe,
-            [] if run.task.is_file() else load_data(_data_spec(run, recipe), recipe.seed).examples,
-            tokenizer=load_tokenizer(recipe),
-        )
+        examples = [] if run.task.is_file() else load_data(_data_spec(run, recipe), recipe.seed).examples
+        task = task_for_run(run, recipe, examples, tokenizer=load_tokenizer(recipe))
     except FtrunError as exc:  # a recipe or data the launcher would refuse: said in one line
         fix = f" Fix: {exc.fix}" if exc.fix else ""
         print(f"{PREFIX} {' '.join((exc.message + fix).split())}", file=sys.stderr, flush=True)
@@ -474,8 +425,7 @@ def _base_phase(run_dir: Path, batch_size: Optional[int]) -> int:
         return 0
     from transformers.utils import logging as transformers_logging
 
-    # no "Loading weights: 0%|" bar between the phase's own lines (as in the export, launcher/deliver/export.py): the
-    # next line says what loaded and how long it took
+    # no "Loading weights" bar: the next line says what loaded and how long it took
     transformers_logging.disable_progress_bar()
     t0 = time.monotonic()
     model, tokenizer = load_base(recipe)
@@ -487,7 +437,7 @@ def _base_phase(run_dir: Path, batch_size: Optional[int]) -> int:
     )
     score_base(run, recipe, task, model, tokenizer, say=lambda line: print(line, flush=True), batch_size=batch_size)
     if recipe.init_from:
-        # the chain read against the bare base too: SFT's gain and this step's, one table (task_verdict.BARE_BASE)
+        # the chain against the bare base too (task_verdict.BARE_BASE)
         del model
         model, tokenizer = load_base(recipe, with_parent=False)
         result = score_model(model, tokenizer, run.root, task, BARE_BASE, identity=recipe.model, batch_size=batch_size)
@@ -511,7 +461,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument(
         "--batch-size",
         type=int,
-        default=None,
         help=f"prompts per generate call (default {BATCH['cpu']} on the CPU, {BATCH['cuda']} on a GPU)",
     )
     args = parser.parse_args(argv)

@@ -1,20 +1,10 @@
-"""Experiment trackers (the recipe's `report_to:`): installed or refused with the install line, and one tracked run
-per ftrun run, which a restarted or resumed worker continues instead of starting another.
+"""Experiment trackers (the recipe's `report_to:`; docs/tracking.md): installed or refused with the install line, and
+one tracked run per ftrun run, which a restarted or resumed worker continues.
 
-The trainer's own integrations report (transformers 5.24 integrations/integration_utils.py: TensorBoardCallback,
-WandbCallback, MLflowCallback, TrackioCallback); this module only sets what they read before they start:
-
-- wandb reads WANDB_PROJECT, and wandb.init reads WANDB_RUN_ID, WANDB_RESUME, WANDB_DIR, WANDB_MODE. The run id is
-  drawn here, before wandb.init, and kept in the run directory: a worker killed at any moment comes back as the
-  same run (WANDB_RESUME=allow). WANDB_MODE=offline keeps the run in RUN/wandb (`wandb sync` sends it later).
-- MLflowCallback reads MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME and MLFLOW_RUN_ID ("reattach to an existing run
-  ... when resuming training from a checkpoint"). MLflow makes the id at start_run: it is recorded right after,
-  and a later worker passes it back. Without a tracking URI the runs go to RUN/mlruns (a local file store).
-- TrackioCallback calls trackio.init(project=args.project, name=args.run_name, resume="allow"): the same name
-  continues the same run, so the name is made unique once (recipe name + start time) and kept.
-
-Only the main process reports: ftrun gives the other ranks report_to "none" (the integrations also act only
-where state.is_world_process_zero). The smoke test reports nothing.
+The trainer's integrations report (transformers 5.24 integrations/integration_utils.py); this module sets what they
+read before they start, and keeps the ids in the run directory: wandb's run id drawn here (WANDB_RUN_ID,
+WANDB_RESUME=allow), MLflow's recorded after start_run and passed back (MLFLOW_RUN_ID), Trackio's run name made
+unique once (it resumes by name). Only the full run's main process reports.
 """
 
 from __future__ import annotations
@@ -36,21 +26,18 @@ PROJECT = "ftrun"  # wandb project, MLflow experiment, Trackio project, unless t
 
 def _installed(tracker: str) -> bool:
     if tracker == "tensorboard":  # TensorBoardCallback takes either writer
-        return (
-            importlib.util.find_spec("tensorboard") is not None or importlib.util.find_spec("tensorboardX") is not None
-        )
+        return any(importlib.util.find_spec(m) is not None for m in ("tensorboard", "tensorboardX"))
     return importlib.util.find_spec(TRACKERS[tracker].module) is not None
 
 
 def missing(report_to: list[str]) -> list[str]:
-    """The trackers of `report_to` whose package is not installed, tensorboard aside (the default: without it the
-    worker says so once and metrics.jsonl and loss.png carry on)."""
+    """The trackers of `report_to` whose package is not installed, tensorboard aside (the worker goes on without it)."""
     return [t for t in report_to if t != "tensorboard" and not _installed(t)]
 
 
 def _wandb_has_credentials() -> bool:
-    """Any sign of a W&B login where wandb looks (sdk/lib/wbauth: WANDB_API_KEY, the netrc file, its settings file).
-    Lenient on purpose: a key that is there but wrong is wandb's own error."""
+    """Any sign of a W&B login where wandb looks (sdk/lib/wbauth: WANDB_API_KEY, netrc, settings); a wrong key is
+    wandb's own error."""
     if os.environ.get("WANDB_API_KEY"):
         return True
     netrcs = [os.environ["NETRC"]] if os.environ.get("NETRC") else ["~/.netrc", "~/_netrc"]
@@ -65,9 +52,8 @@ def _wandb_has_credentials() -> bool:
 
 
 def check_installed(recipe, launching: bool = False) -> None:
-    """A RecipeError with the install line when a tracker the recipe names is not installed: at `ftrun plan` and
-    at the launch, before the smoke test (the trainer itself would fail only when the full run starts). At the
-    launch also wandb without a login: wandb.init would fail in the detached worker, at every restart."""
+    """A RecipeError with the install line when a tracker the recipe names is not installed (`ftrun plan`, the launch);
+    at the launch also wandb without a login, which would fail in the detached worker at every restart."""
     absent = missing(list(recipe.report_to))
     if (
         launching
@@ -121,9 +107,8 @@ def into_checkpoint(run_root: Path, checkpoint: Path) -> None:
 
 
 def prepare(run_root: Path, recipe, mode: str, rank: int) -> tuple[list[str], dict[str, Any]]:
-    """(report_to for SFTConfig, other SFTConfig fields): the environment each integration reads is set here.
-
-    Called before SFTConfig, in every process; only the full run's main process reports."""
+    """(report_to for SFTConfig, other SFTConfig fields), the integrations' environment set; called in every process
+    before SFTConfig."""
     report_to = list(recipe.report_to)
     if mode != "full" or rank != 0 or not report_to:
         return ["none"], {}
@@ -143,14 +128,14 @@ def prepare(run_root: Path, recipe, mode: str, rank: int) -> tuple[list[str], di
     trainer = dict(recipe.trainer)
     fields: dict[str, Any] = {}
     if "run_name" not in trainer:
-        # unique per ftrun run: Trackio continues a run of the same name, and `--fresh` starts a new one
+        # unique per ftrun run: Trackio continues a run of the same name
         ids.setdefault("name", f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}")
         fields["run_name"] = ids["name"]
     if "tensorboard" in report_to:
         os.environ["TENSORBOARD_LOGGING_DIR"] = str(run_root / "tensorboard")
     if "wandb" in report_to:
         wandb = ids.setdefault("wandb", {})
-        # an id the user set is kept as the run's; otherwise one is drawn once (wandb's own ids: 8 of [a-z0-9])
+        # the user's id, else one drawn once (as wandb's: 8 of [a-z0-9])
         wandb.setdefault("id", os.environ.get("WANDB_RUN_ID") or secrets.token_hex(4))
         os.environ["WANDB_RUN_ID"] = wandb["id"]
         os.environ.setdefault("WANDB_RESUME", "allow")
@@ -162,8 +147,7 @@ def prepare(run_root: Path, recipe, mode: str, rank: int) -> tuple[list[str], di
         os.environ.setdefault("MLFLOW_TRACKING_URI", (run_root / "mlruns").resolve().as_uri())
         os.environ.setdefault("MLFLOW_EXPERIMENT_NAME", PROJECT)
         if os.environ["MLFLOW_TRACKING_URI"].startswith(("file:", "/", ".")):
-            # MLflow 3.17 refuses its file store unless told (file_store.py: "maintenance mode"); the database
-            # store needs SQLAlchemy, which mlflow-skinny leaves out. A file store asked for is allowed.
+            # MLflow 3.17 refuses its file store unless told (file_store.py: "maintenance mode")
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         if mlflow.get("run_id") and mlflow.get("tracking_uri") == os.environ["MLFLOW_TRACKING_URI"]:
             os.environ["MLFLOW_RUN_ID"] = mlflow["run_id"]  # MLflowCallback: start_run reattaches to it
@@ -176,9 +160,8 @@ def prepare(run_root: Path, recipe, mode: str, rank: int) -> tuple[list[str], di
 
 
 def recipe_callback(run_root: Path, recipe):
-    """A callback after the integrations' own: the recipe without its secret fields goes into each tracked run's
-    config (the trainer's arguments and the model config are there already), MLflow's run id into trackers.json, one
-    line each."""
+    """A callback after the integrations': the recipe without secrets into each tracked run's config, MLflow's run id
+    into trackers.json, a line each."""
     from transformers import TrainerCallback
 
     snapshot = recipe.public_snapshot()
@@ -260,11 +243,9 @@ def log_scores(
     step: int,
     say=lambda line: print(f"[ftrun worker] {line}", flush=True),
 ) -> list[str]:
-    """The task evaluation's scores (task/<name>: base_zero_shot, fine_tuned, merged, gguf-q4_k_m, ...) as summary
-    metrics of the run's tracked runs, after training: each tracker's run is reopened by the ids in trackers.json
-    (the trainer's integrations have ended theirs: MLflowCallback and TrackioCallback on_train_end), so the
-    export's process adds its scores to the same runs. A tracker that fails is said and skipped. Returns those
-    logged to."""
+    """The task evaluation's scores as task/<name> metrics of the tracked runs, reopened by trackers.json's ids (the
+    integrations ended theirs), so the export adds to the same runs. A tracker that fails is said and skipped.
+    Returns those logged to."""
     ids = load_ids(run_root)
     metrics = {f"task/{name}": float(value) for name, value in scores.items() if value is not None}
     done: list[str] = []

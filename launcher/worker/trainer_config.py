@@ -51,28 +51,20 @@ def trainer_config(
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    # transformers 5.2x renamed gradient_checkpointing to activation_checkpointing (old name warns);
-    # older releases (the ones Unsloth pins) only know the old name.
     import dataclasses
 
-    ac = (
-        "activation_checkpointing"
-        if any(f.name == "activation_checkpointing" for f in dataclasses.fields(Config))
-        else "gradient_checkpointing"
-    )
+    known = {f.name for f in dataclasses.fields(Config)}
+    # transformers 5.2x renamed gradient_checkpointing (the old name warns); Unsloth's pinned release knows only it
+    ac = "activation_checkpointing" if "activation_checkpointing" in known else "gradient_checkpointing"
     fields[ac] = recipe.gradient_checkpointing
     fields[f"{ac}_kwargs"] = {"use_reentrant": False}
-    if mode == "smoke" and any(f.name == "train_sampling_strategy" for f in dataclasses.fields(Config)):
-        # The smoke sample is written longest batch first: an out-of-memory shows in step 1.
-        fields["train_sampling_strategy"] = "sequential"
-    if mode == "smoke" and any(f.name == "shuffle_dataset" for f in dataclasses.fields(Config)):
-        # GRPO's sampler ignores the strategy above: trl 1.16 grpo_trainer.py _get_train_sampler builds a
-        # RepeatSampler with shuffle=args.shuffle_dataset (True by default)
-        fields["shuffle_dataset"] = False
+    if mode == "smoke":
+        # the smoke sample is longest batch first: an out-of-memory shows in step 1. GRPO's sampler reads
+        # shuffle_dataset instead (trl 1.16 grpo_trainer.py _get_train_sampler); fields Config lacks are dropped below
+        fields.update(train_sampling_strategy="sequential", shuffle_dataset=False)
     if METHODS[recipe.method].eight_bit_optimizer:
         fields["optim"] = "adamw_bnb_8bit"
-    # Otherwise TRL's default (fused AdamW), which torch also runs on the CPU: the same optimizer a
-    # plain TRL script gets.
+    # otherwise TRL's default (fused AdamW), as a plain TRL script gets
     for key, value in (engine_fields or {}).items():
         fields[ac if key == "activation_checkpointing" else key] = value
     for key in objective.refuses:  # SFTConfig's switches an objective's configuration lacks (methods.Objective)
@@ -81,25 +73,19 @@ def trainer_config(
         passed = ("beta", "loss_type", "desirable_weight", "undesirable_weight")  # the DPOConfig/KTOConfig fields
         fields.update({k: getattr(recipe.preference, k) for k in objective.settings if k in passed})
         if "reference" in objective.settings:
-            # trl 1.16 dpo_trainer.py: precompute_ref_log_probs runs the reference over the data in __init__, before a
-            # resume loads the checkpoint: with the initial weights (the adapter off, the parent adapter's copy, or
-            # the model itself for full fine-tuning), as the reference must be
+            # trl 1.16 dpo_trainer.py: computed in __init__, before a resume loads the checkpoint: initial weights
             fields["precompute_ref_log_probs"] = recipe.preference.reference == "precomputed"
     if objective.generates:
         fields.update(grpo_fields(recipe))
-        # GRPOTrainer counts the prompt and answer tokens itself (grpo_trainer.py _generate: num_input_tokens_seen);
-        # the Trainer's own count looks for input_ids its batches do not have, and warns at every step
+        # GRPOTrainer counts tokens itself (grpo_trainer.py _generate); the Trainer's count would warn at every step
         fields["include_num_input_tokens_seen"] = "no"
-    # what ftrun sets by default and this objective's configuration does not have (GRPOConfig: max_length, TRL's
-    # activation_offloading); the recipe's trainer: fields were checked against the configuration at plan time
-    known = {f.name for f in dataclasses.fields(Config)}
+    # ftrun's defaults this configuration lacks go (GRPOConfig: max_length); trainer: fields were checked at plan time
     fields = {k: v for k, v in fields.items() if k in known}
     fields.update(eval_fields or {})  # launcher/data/split.py; trainer: may still set the eval batch and the like
     fields["ddp_timeout"] = process_group_seconds(recipe, run, mode)
     fields.update(recipe.trainer)
     if device == "cpu" and fields.pop("activation_offloading", False):
-        # trl 1.16's OffloadActivations moves saved tensors from the accelerator to CPU RAM and reads
-        # torch.accelerator.current_accelerator().type, None on a CPU: on a CPU box there is nothing to offload.
+        # trl 1.16's OffloadActivations reads torch.accelerator.current_accelerator().type, None on a CPU
         print(
             "[ftrun worker] trainer.activation_offloading ignored on the CPU: activations already live in CPU RAM",
             file=sys.stderr,
@@ -127,27 +113,19 @@ def grpo_fields(recipe) -> dict[str, Any]:
 
 
 def padding_free_collator(recipe, tokenizer):
-    """The micro-batch as one row without padding (position_ids mark the examples), or None for TRL's default.
-
-    TRL's own `padding_free=True` refuses a max_length without packing, although its dataset preparation
-    truncates to max_length either way; passing its padding-free collator keeps the truncation. The loss is
-    the same as padded (each example attends only to itself, the first token of each is not a target), the
-    compute on pad tokens is gone: on data with a long tail, most of a padded batch is padding. With packing,
-    TRL's BFD packing is padding-free already.
-    """
+    """The micro-batch as one row without padding (position_ids mark the examples), or None for TRL's default (padded
+    rows, BFD packing, a processor's vision collator). TRL's `padding_free=True` refuses a max_length without
+    packing; its collator passed here keeps the truncation. The loss is the same as padded."""
     if not recipe.padding_free or recipe.packing or not hasattr(tokenizer, "pad_token_id"):
-        # (a processor: image data trains in padded rows through trl's vision collator, launcher/data/image_stats.py)
-        return None  # TRL's own collator: padded rows, or BFD packing's; a preference trainer's pairs side by side
+        return None
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     return DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id, padding_free=True)
 
 
 def process_group_seconds(recipe, run: RunDir, mode: str) -> int:
-    """The process group's timeout in seconds, one value for every place that creates the group (SFTConfig's
-    ddp_timeout, and the groups engines.create_process_group makes in its place). The recipe's trainer: ddp_timeout
-    wins; the full run takes the plan's backstop; the smoke test TrainingArguments' own default (1800 s in
-    transformers 5.24)."""
+    """The process group's timeout in seconds (SFTConfig's ddp_timeout, engines.create_process_group): the recipe's
+    trainer: ddp_timeout, else the plan's backstop in the full run, else TrainingArguments' default (smoke)."""
     if "ddp_timeout" in recipe.trainer:
         return int(recipe.trainer["ddp_timeout"])
     if mode == "full":
@@ -158,9 +136,8 @@ def process_group_seconds(recipe, run: RunDir, mode: str) -> int:
 
 
 def _process_group_timeout(run: RunDir) -> int:
-    """The process group's timeout from the plan and the smoke test (launcher/plan/deadlines.py), not the Trainer's
-    1800 s: a backstop above the supervisor's watchdog, so a rank left waiting for a dead or hung peer ends by itself
-    when no supervisor is there to end it."""
+    """The plan's backstop above the supervisor's watchdog (launcher/plan/deadlines.py): a rank waiting for a dead
+    peer ends by itself."""
     import json
 
     from launcher.plan.deadlines import process_group_timeout
@@ -175,8 +152,7 @@ def _process_group_timeout(run: RunDir) -> int:
 
 
 def _trackers(run: RunDir, recipe, mode: str) -> dict[str, Any]:
-    """SFTConfig's report_to (the recipe's, on the full run's main process; TensorBoard event files in
-    run_dir/tensorboard) and run_name/project, the environment each tracker reads set (launcher/worker/trackers.py)."""
+    """SFTConfig's report_to and run_name/project, the trackers' environment set (launcher/worker/trackers.py)."""
     from launcher.worker import trackers
 
     report_to, fields = trackers.prepare(run.root, recipe, mode, _rank())

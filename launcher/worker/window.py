@@ -1,19 +1,10 @@
-"""The logging window's running sums, carried in each checkpoint so the logs after a resume equal an uninterrupted
-run's.
+"""The logging window's running sums, carried in each checkpoint (ftrun_window.json) so the logs after a resume equal an
+uninterrupted run's: the Trainer restarts the window's loss sum at zero, and TRL's window means and token total too.
 
-A logged loss is the mean over the optimizer steps since the last log (`logging_steps` of them). The Trainer keeps
-that window's sum in memory and starts it from zero at a resume, so a checkpoint that falls between two logs made
-the first log after a resume average only the steps since the checkpoint (a jump in the curve; the weights were
-the same). TRL's entropy and mean_token_accuracy are window means too, and its num_tokens a running total that
-restarted at zero. The checkpoint now carries those sums (ftrun_window.json, hashed into the manifest like every
-other file), and the resume puts them back before the first step.
-
-What this relies on, in transformers 5.24 trainer.py: `_inner_training_loop` sets `self._tr_loss` (a float32
-tensor, this rank's loss sum since the last log), `self._total_loss_scalar` and `self._globalstep_last_logged`
-right before `on_train_begin`; `_maybe_log_save_evaluate` logs `nested_gather(tr_loss).mean() / (global_step -
-_globalstep_last_logged)`, then saves through `_save_checkpoint`. In trl 1.16 sft_trainer.py: `compute_loss`
-appends to `self._metrics["train"]` (values already gathered over ranks, the same on each) and adds to
-`self._total_train_tokens`; `log` averages and clears the lists.
+Relies on transformers 5.24 trainer.py (`_inner_training_loop` sets `_tr_loss`, `_total_loss_scalar`,
+`_globalstep_last_logged` before `on_train_begin`; `_maybe_log_save_evaluate` logs the gathered sum's mean over the
+steps since the last log) and trl 1.16 sft_trainer.py (`compute_loss` appends to `_metrics["train"]`, adds to
+`_total_train_tokens`; `log` clears them).
 """
 
 from __future__ import annotations
@@ -26,9 +17,8 @@ WINDOW_FILE = "ftrun_window.json"
 
 
 def carrying(trainer_cls: type, say: Callable[[str], None] = print) -> type:
-    """`trainer_cls` (TRL's SFTTrainer, or the one Unsloth patched) that writes the logging window's sums into each
-    checkpoint folder, inside the save and so before the worker moves and hashes the folder, and restores them at
-    a resume before step 1."""
+    """`trainer_cls` writing the window's sums into each checkpoint folder (inside the save, before the worker moves
+    and hashes it) and restoring them at a resume before step 1."""
     from transformers import TrainerCallback
 
     class Restore(TrainerCallback):
@@ -36,7 +26,6 @@ def carrying(trainer_cls: type, say: Callable[[str], None] = print) -> type:
             self.trainer = trainer
 
         def on_train_begin(self, args, state, control, **kw):
-            # after the Trainer zeroed the window (see the module's docstring), before the first step
             checkpoint = self.trainer._ftrun_resume
             if checkpoint is not None:
                 note = restore(self.trainer, Path(checkpoint))
@@ -69,11 +58,8 @@ def carrying(trainer_cls: type, say: Callable[[str], None] = print) -> type:
 
 
 def capture(trainer) -> Optional[dict[str, Any]]:
-    """The window's state now, or None for a trainer that keeps the loss sum to itself (no `_tr_loss` tensor).
-
-    Each rank's own loss sum, in rank order: at the next log the Trainer gathers every rank's sum and takes the
-    mean, and a rank that carries its own float32 sum adds the same steps in the same order as without the
-    interruption, so the gathered value is the same bit for bit."""
+    """The window's state now (each rank's float32 loss sum, in rank order: the next log's mean is the same bit for
+    bit), or None for a trainer without a `_tr_loss` tensor."""
     import torch
     from transformers.trainer_pt_utils import nested_gather
 
@@ -89,8 +75,7 @@ def capture(trainer) -> Optional[dict[str, Any]]:
     }
     train = _trl_window(trainer)
     if train is not None:
-        # DPO's and SFT's values are floats; ORPO stores 0-d tensors (experimental/orpo/orpo_trainer.py store_metrics)
-        # and averages them in float32 at the log: .item() of a float32 is exact as a double, and back again
+        # ORPO stores 0-d float32 tensors (orpo_trainer.py store_metrics): .item() is exact
         window = {key: [v.item() if hasattr(v, "item") else v for v in values] for key, values in train.items()}
         try:
             json.dumps(window)
@@ -131,8 +116,7 @@ def restore(trainer, checkpoint: Path) -> Optional[str]:
     elif saved["last_logged_step"] == saved["step"]:
         mine = 0.0  # saved right after a log: nothing to carry, whatever the number of processes
     else:
-        # Another number of processes than at the save (a resume across world sizes): every rank carries the
-        # mean, so the gathered mean at the next log still counts the window's earlier steps once.
+        # another world size: every rank carries the mean, so the next log counts the earlier steps once
         mine = sum(sums) / len(sums)
         note = (
             f"{path.name} holds the loss sums of {len(sums)} process(es), this launch has "
@@ -140,22 +124,19 @@ def restore(trainer, checkpoint: Path) -> Optional[str]:
         )
     loss.fill_(mine)  # in place, on the Trainer's device and dtype: the loop adds to this very tensor
     trainer._globalstep_last_logged = int(saved["last_logged_step"])
-    # The summary's train_loss averages the losses of this launch's steps: the carried sum is not one of them.
+    # the summary's train_loss averages this launch's steps only
     trainer._total_loss_scalar -= torch.tensor(sums, dtype=loss.dtype).mean().item()
     train = _trl_window(trainer)
     if "trl_metrics" in saved and train is not None:
         train.clear()
-        for key, values in saved["trl_metrics"].items():
-            train[key] = list(values)
+        train.update({key: list(values) for key, values in saved["trl_metrics"].items()})
         if saved.get("trl_total_train_tokens") is not None:
             trainer._total_train_tokens = saved["trl_total_train_tokens"]
     return note
 
 
 def _trl_window(trainer) -> Optional[dict]:
-    """The TRL trainer's own figures since the last log (train): SFTTrainer's and DPOTrainer's `_metrics["train"]`,
-    ORPOTrainer's `_stored_metrics["train"]` (a defaultdict, made again after each log); None for a trainer with
-    neither."""
+    """TRL's figures since the last log: `_metrics["train"]` (SFT, DPO), `_stored_metrics["train"]` (ORPO), or None."""
     metrics = getattr(trainer, "_metrics", None)
     if isinstance(metrics, dict) and "train" in metrics:
         return metrics["train"]
