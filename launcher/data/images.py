@@ -1,32 +1,11 @@
-"""Image data: conversations whose turns hold images, read into TRL's vision layout with every image opened and
-measured before any training.
-
-Two layouts are read, as the chat templates and TRL take them:
-- image parts in a turn's content: {"role": "user", "content": [{"type": "image", "image": PATH}, {"type": "text",
-  "text": "..."}]};
-- an `images` column (or a single `image`) beside `messages`, whose turns hold {"type": "image"} placeholders, one
-  per image in order; with no placeholder at all the images go before the first user turn's text, as trl 1.16
-  places them (data_utils.py prepare_multimodal_messages).
-
-- an `image` (or `images`) column beside text columns and no `messages`, as Hub datasets with images are laid out
-  (unsloth/LaTeX_OCR: image, text; HuggingFaceM4/ChartQA: image, query, label): the question column (`prompt`,
-  `question` or `query`) becomes the user turn after the image, the answer column (`completion`, `answer` or `text`)
-  the assistant turn, as Unsloth's vision notebook and TRL's vision examples build the conversation; `columns:` in
-  the data entry maps other names (columns: {answer: label}).
-
-An image is a file path, or the value of Hugging Face datasets' Image feature as parquet shards, `save_to_disk` and
-the Hub store it: a struct {"bytes": binary, "path": string} (datasets 5.2.0 features/image.py: `Image.pa_type =
-pa.struct({"bytes": pa.binary(), "path": pa.string()})`; `encode_example` keeps the bytes, or the path alone for a
-local file, and `decode_example` reads the bytes where they are, else the path). `Dataset.to_list` and
-pyarrow's `to_pylist` hand that struct over undecoded (arrow_dataset.py to_list: query_table(...).to_pylist()).
-Image bytes are written once to a content-addressed file under FTRUN_CACHE (~/.cache/ftrun)/images, so the run reads
-the same bytes as a path, as it reads any image file.
-
-Either becomes TRL's vision layout (what sft_trainer.py DataCollatorForVisionLanguageModeling takes): every turn's
-content a list of {"type": "text"} and {"type": "image"} parts, and `images` the absolute paths in placeholder order.
-Relative paths resolve against the data file's folder. Each image is decoded in full (PIL `load`), so a truncated
-file is found here, and its size kept for the image-token count (launcher/data/image_tokens.py).
-"""
+"""Image data: conversations whose turns hold images, read into TRL's vision layout (every turn's content a list of
+text and image parts, `images` the absolute paths in placeholder order: sft_trainer.py
+DataCollatorForVisionLanguageModeling), every image opened and measured before any training. The layouts (image parts,
+an `images` column with placeholders placed as trl 1.16 data_utils.py prepare_multimodal_messages does, image and
+text columns) are docs/data.md's, "Images". An image is a path (relative to the data file's folder) or the value
+of datasets' Image feature, a struct {"bytes", "path"} (datasets 5.2.0 features/image.py `Image.pa_type`; to_list
+hands it over undecoded), whose bytes are written once under FTRUN_CACHE/images by their sha256. Each image is
+decoded in full (PIL `load`) and its size kept for the token count (launcher/data/image_tokens.py)."""
 
 from __future__ import annotations
 

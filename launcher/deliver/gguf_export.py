@@ -232,12 +232,8 @@ def _smoke_index(prompts: list[dict[str, Any]], chat: list[dict[str, Any]]) -> i
 
 def _until_end(tokens: list[int], ends: set[int], n: Optional[int] = None) -> list[int]:
     """A greedy continuation as a chat completion returns it: up to and with its first end token, n at most."""
-    out = []
-    for t in tokens[:n]:
-        out.append(t)
-        if t in ends:
-            break
-    return out
+    head = list(tokens[:n])
+    return head[: next((i + 1 for i, t in enumerate(head) if t in ends), len(head))]
 
 
 def _server_fix(adds: dict[str, bool], switches: dict[str, Any]) -> str:

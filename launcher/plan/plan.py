@@ -204,28 +204,15 @@ def plan_for(
         message = _missing_message(job, choice) if choice.missing else _refusal_message(job, hardware, choice)
         return Plan(
             fits=False,
-            engine=choice.engine,
-            device=choice.device,
-            num_processes=choice.processes,
-            gpus=_gpus_dict(hardware, choice),
-            model=_model_dict(arch, est),
-            method=job.method,
+            **_shared(job, hardware, choice, arch, est, alternatives, notes, rows),
             memory=_memory_dict(est, choice, {}) if est else {"capacity_gb": round(choice.capacity_gb, 1)},
             tokens={"training_tokens": job.training_tokens, "source": job.tokens_source, "seq_len": job.seq_len},
             estimate={"hours": choice.hours, "cost_eur": None},
             price_per_hour_eur=None,
             total_steps=0,
-            micro_batch_size=job.micro_batch,
-            gradient_accumulation_steps=job.accumulation,
             checkpoint_every_steps=0,
             reasons=head + choice.reasons,
-            alternatives=alternatives,
-            hardware=hardware.to_dict(),
-            notes=notes + list(hardware.notes),
-            offload_params=choice.offload_params,
-            offload_optimizer=choice.offload_optimizer,
             refusal={"message": message, "why": choice.refusal, "missing": choice.missing or None, "options": options},
-            cheapest_rental=cheapest_rental(rows),
         )
 
     # the card's spare memory buys speed where the recipe leaves the settings to the plan
@@ -328,16 +315,10 @@ def plan_for(
     if steps:
         every = min(every, steps)
     total_hours = hrs + setup_hours if hrs is not None and setup_hours is not None else hrs
-    rental = cheapest_rental(rows)
 
     return Plan(
         fits=True,
-        engine=choice.engine,
-        device=choice.device,
-        num_processes=choice.processes,
-        gpus=_gpus_dict(hardware, choice),
-        model=_model_dict(arch, est),
-        method=job.method,
+        **_shared(job, hardware, choice, arch, est, alternatives, notes, rows),
         memory=_memory_dict(est, choice, measured),
         tokens={
             "training_tokens": int(training) if training is not None else None,
@@ -370,21 +351,33 @@ def plan_for(
         },
         price_per_hour_eur=round(box_price, 2) if box_price is not None else None,
         total_steps=steps,
-        micro_batch_size=job.micro_batch,
-        gradient_accumulation_steps=job.accumulation,
         checkpoint_every_steps=every,
         checkpoint_every_minutes=recipe.checkpoint_every_minutes,
         reasons=reasons,
-        alternatives=alternatives,
         measured=measured,
+        offload_activations=choice.offload_activations or job.offload_activations,
+        speed=sped_record,
+        blocked=blocked,
+    )
+
+
+def _shared(job: Job, hardware, choice: Choice, arch, est, alternatives, notes, rows) -> dict[str, Any]:
+    """The fields a plan that fits and one refused both have, alike."""
+    return dict(
+        engine=choice.engine,
+        device=choice.device,
+        num_processes=choice.processes,
+        gpus=_gpus_dict(hardware, choice),
+        model=_model_dict(arch, est),
+        method=job.method,
+        micro_batch_size=job.micro_batch,
+        gradient_accumulation_steps=job.accumulation,
+        alternatives=alternatives,
         hardware=hardware.to_dict(),
         notes=notes + list(hardware.notes),
         offload_params=choice.offload_params,
         offload_optimizer=choice.offload_optimizer,
-        offload_activations=choice.offload_activations or job.offload_activations,
-        cheapest_rental=rental,
-        speed=sped_record,
-        blocked=blocked,
+        cheapest_rental=cheapest_rental(rows),
     )
 
 

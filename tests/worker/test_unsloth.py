@@ -69,7 +69,7 @@ def _plan(tmp_path, model, hw, unsloth, **fields):
 
 def test_prequantized_repos_only_for_qlora_hub_ids(tiny_model):
     from launcher.plan.models import prequantized_repo
-    from launcher.worker.engines.unsloth import plan_reason, target_modules
+    from launcher.worker.engines.unsloth import target_modules
 
     assert prequantized_repo("Qwen/Qwen3-8B", "qlora") == "unsloth/Qwen3-8B-bnb-4bit"
     assert (
@@ -78,7 +78,6 @@ def test_prequantized_repos_only_for_qlora_hub_ids(tiny_model):
     assert prequantized_repo("Qwen/Qwen3-8B", "lora") is None  # LoRA trains on the 16-bit weights
     assert prequantized_repo(str(tiny_model), "qlora") is None  # local folders load as they are
     assert prequantized_repo("someone/unknown-model", "qlora") is None
-    assert "unsloth/Qwen3-8B-bnb-4bit instead of Qwen/Qwen3-8B" in plan_reason("Qwen/Qwen3-8B", "qlora")
     assert target_modules("all-linear") == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     assert target_modules(["q_proj", "v_proj"]) == ["q_proj", "v_proj"]
 

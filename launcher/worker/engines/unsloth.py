@@ -11,17 +11,6 @@ from launcher.methods import is_quantized
 from launcher.plan.models import LINEAR_MODULES, prequantized_repo
 
 
-def plan_reason(model: str, method: str) -> str | None:
-    """The plan's line about where the weights come from (only when Unsloth's 4-bit repo replaces the id)."""
-    repo = prequantized_repo(model, method)
-    if repo is None:
-        return None
-    return (
-        f"weights: Unsloth's pre-quantized 4-bit repo {repo} instead of {model} (same model, NF4 weights "
-        "already quantized: about a quarter of the download, no quantization at load)"
-    )
-
-
 def target_modules(targets: Any) -> list[str]:
     """LoRA targets for get_peft_model: "all-linear" is PEFT's shorthand, Unsloth wants the names."""
     if targets in (None, "all-linear", "all_linear"):
