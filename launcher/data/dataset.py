@@ -366,7 +366,7 @@ def _each_message(edit: Callable[[dict], Optional[dict]]) -> Callable[[dict], di
     """An example -> the example with `edit` applied to each of its messages (a None leaves the message out)."""
 
     def apply(ex: dict[str, Any]) -> dict[str, Any]:
-        keys = ("messages",) if "messages" in ex else ("prompt", "completion")
+        keys = ("messages",) if "messages" in ex else formats.FORMS["prompt_completion"].columns
         return {**ex, **{k: [e for e in map(edit, ex[k]) if e is not None] for k in keys}}
 
     return apply

@@ -13,7 +13,8 @@ from launcher.plan.choice import Choice
 from launcher.plan.job import Job
 
 # The recipe keys the plan may choose when the recipe leaves them out (pydantic's model_fields_set).
-LEFT_TO_PLAN = ("gradient_checkpointing", "micro_batch_size", "gradient_accumulation_steps")
+BATCH = ("micro_batch_size", "gradient_accumulation_steps")  # the batch's two keys (run/oom_restart.py asks too)
+LEFT_TO_PLAN = ("gradient_checkpointing", *BATCH)
 # A faster setting's estimate times this must fit USABLE_FRACTION of the card (docs/sizing.md, "Using the card")
 HEADROOM = 1.10
 HEADROOM_NO_CHECKPOINTING = 1.30
@@ -79,14 +80,14 @@ def faster(job: Job, choice: Choice, free: set[str], replan: Callable[[Job], Cho
                 f"recomputing them would cost {with_ / without - 1:.0%} more time per token"
             )
     quadratic = job.padding_free and job.dense_mask and choice.engine != "unsloth"
-    if {"micro_batch_size", "gradient_accumulation_steps"} <= free and job.accumulation > 1 and quadratic:
+    if set(BATCH) <= free and job.accumulation > 1 and quadratic:
         reasons.append(
             f"micro-batch kept at {job.micro_batch} x accumulation {job.accumulation} (the recipe leaves both to "
             "the plan): padding-free rows here carry SDPA's dense L x L mask over the micro-batch's tokens (no "
             "variable-length kernel), so a larger micro-batch costs the square of its tokens in attention and mask "
             "memory, not less time"
         )
-    elif {"micro_batch_size", "gradient_accumulation_steps"} <= free and job.accumulation > 1:
+    elif set(BATCH) <= free and job.accumulation > 1:
         per_step = job.micro_batch * job.accumulation  # examples per optimizer step and process: kept
         for m in sorted((m for m in range(job.micro_batch + 1, per_step + 1) if per_step % m == 0), reverse=True):
             cand = replace(best[0], micro_batch=m, accumulation=per_step // m)

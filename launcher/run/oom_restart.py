@@ -12,12 +12,11 @@ from typing import Any, Optional
 
 import yaml
 
+from launcher.plan.speed import BATCH
 from launcher.recipe import Recipe
 from launcher.recipe_loading import load_recipe
 from launcher.store.checkpoint import atomic_write_json, newest_step_unverified
 from launcher.store.rundir import RunDir
-
-BATCH = ("micro_batch_size", "gradient_accumulation_steps")
 
 
 def undo_step(recipe: Recipe, plan: dict[str, Any]) -> Optional[dict[str, Any]]:
