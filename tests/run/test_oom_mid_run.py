@@ -24,7 +24,10 @@ from launcher.run.oom_restart import undo_step
 from launcher.run.views import oom_fatal_reason, oom_restart_line
 from launcher.store.rundir import RunDir
 
-OOM_AT = 14
+# late in the 30 steps (RESUME_FIELDS): the faster settings' steps are short, and a wall-clock checkpoint
+# (checkpoint_every_minutes 0.01) must exist before the out of memory; at step 14 the first one was sometimes not
+# written yet (seen on 2026-12-07 in 7 of 11 tries), and the restart began from the start
+OOM_AT = RESUME_FIELDS["max_steps"] - 4
 
 # sitecustomize.py for the runs' processes: once transformers.trainer is imported, its training step raises what the
 # caching allocator raises on a card, at step FTRUN_TEST_OOM_AT_STEP, only without activation checkpointing (or, with
